@@ -1,0 +1,1 @@
+"""bootstrap: see README.md."""

@@ -1,0 +1,1 @@
+"""replicant: see README.md."""

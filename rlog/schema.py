@@ -1,0 +1,162 @@
+"""Table definitions and row validation (pure: no SQLite here).
+
+User tables are SQLite ``STRICT`` tables with one declared key column. Every value a
+client sends is checked here before it reaches SQLite, so that a wrong type or an
+unknown column gets a clear one-line error naming the column, and nothing changes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from rlog.types import CreateTableOp
+
+COLUMN_TYPES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
+KEY_TYPES = ("INTEGER", "TEXT", "BLOB")
+NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+RESERVED_PREFIX = "_mnesite"
+DEFAULT_SHARD = "default"
+INTEGER_MIN = -(2**63)
+INTEGER_MAX = 2**63 - 1
+
+
+class SchemaError(ValueError):
+    """A table definition, a row or a key does not fit the schema. ``code`` names the kind."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def check_name(kind: str, name: Any) -> str:
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise SchemaError("bad_request", f"invalid {kind} name {name!r}: use letters, digits and _, at most 63")
+    if name.lower().startswith(RESERVED_PREFIX):
+        raise SchemaError("bad_request", f"invalid {kind} name {name!r}: the prefix {RESERVED_PREFIX} is reserved")
+    return name
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    name: str
+    shard: str
+    key_column: str
+    columns: tuple[tuple[str, str], ...]
+
+    @property
+    def column_types(self) -> dict[str, str]:
+        return dict(self.columns)
+
+    @property
+    def key_type(self) -> str:
+        return self.column_types[self.key_column]
+
+    def to_op(self) -> CreateTableOp:
+        return CreateTableOp(self.name, self.shard, self.key_column, self.columns)
+
+    @classmethod
+    def from_op(cls, op: CreateTableOp) -> TableSchema:
+        return define_table(op.table, op.key_column, list(op.columns), op.shard)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "table": self.name,
+            "shard": self.shard,
+            "key": self.key_column,
+            "columns": [[n, t] for n, t in self.columns],
+        }
+
+
+def define_table(
+    name: Any, key_column: Any, columns: Any, shard: Any = DEFAULT_SHARD
+) -> TableSchema:
+    """Validate a table definition. ``columns`` is a list of ``(name, type)``; the key may be among them."""
+    check_name("table", name)
+    check_name("column", key_column)
+    check_name("shard", shard)
+    if not isinstance(columns, (list, tuple)):
+        raise SchemaError("bad_request", "columns must be a list of [name, type]")
+    declared: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for column in columns:
+        if not isinstance(column, (list, tuple)) or len(column) != 2:
+            raise SchemaError("bad_request", f"column {column!r} must be [name, type]")
+        column_name, column_type = column
+        check_name("column", column_name)
+        if not isinstance(column_type, str) or column_type.upper() not in COLUMN_TYPES:
+            raise SchemaError(
+                "bad_request", f"column {column_name!r} has type {column_type!r}; use one of {', '.join(COLUMN_TYPES)}"
+            )
+        if column_name.lower() in seen:
+            raise SchemaError("bad_request", f"column {column_name!r} is declared twice")
+        seen.add(column_name.lower())
+        declared.append((column_name, column_type.upper()))
+    if key_column.lower() not in seen:
+        # An undeclared key column defaults to TEXT and comes first.
+        declared.insert(0, (key_column, "TEXT"))
+    key_type = dict(declared)[key_column] if key_column in dict(declared) else None
+    if key_type is None:
+        raise SchemaError("bad_request", f"key column {key_column!r} differs in case from its declaration")
+    if key_type not in KEY_TYPES:
+        raise SchemaError("bad_request", f"key column {key_column!r} must be INTEGER, TEXT or BLOB, not {key_type}")
+    if len(declared) > 200:
+        raise SchemaError("bad_request", "a table has at most 200 columns")
+    return TableSchema(name, shard, key_column, tuple(declared))
+
+
+def check_value(table: TableSchema, column: str, column_type: str, value: Any) -> Any:
+    """Return ``value`` normalised for ``column_type`` or raise ``SchemaError('wrong_type')``."""
+    if value is None:
+        return None
+    where = f"{table.name}.{column}"
+    if isinstance(value, bool):
+        raise SchemaError("wrong_type", f"{where} is {column_type}; booleans are not stored, use 0 or 1")
+    if column_type == "INTEGER":
+        if isinstance(value, int) and INTEGER_MIN <= value <= INTEGER_MAX:
+            return value
+        raise SchemaError("wrong_type", f"{where} is INTEGER (64-bit), got {type(value).__name__} {value!r:.60}")
+    if column_type == "REAL":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            result = float(value)
+            if math.isnan(result):
+                raise SchemaError("wrong_type", f"{where} is REAL; NaN cannot be stored")
+            return result
+        raise SchemaError("wrong_type", f"{where} is REAL, got {type(value).__name__} {value!r:.60}")
+    if column_type == "TEXT":
+        if isinstance(value, str):
+            return value
+        raise SchemaError("wrong_type", f"{where} is TEXT, got {type(value).__name__} {value!r:.60}")
+    if column_type == "BLOB":
+        if isinstance(value, bytes):
+            return value
+        raise SchemaError("wrong_type", f"{where} is BLOB, got {type(value).__name__} {value!r:.60}")
+    # ANY: any scalar SQLite can hold.
+    if isinstance(value, (int, float, str, bytes)):
+        if isinstance(value, int) and not INTEGER_MIN <= value <= INTEGER_MAX:
+            raise SchemaError("wrong_type", f"{where}: integer out of 64-bit range")
+        if isinstance(value, float) and math.isnan(value):
+            raise SchemaError("wrong_type", f"{where}: NaN cannot be stored")
+        return value
+    raise SchemaError("wrong_type", f"{where} holds scalars only, got {type(value).__name__}")
+
+
+def check_key(table: TableSchema, key: Any) -> Any:
+    if key is None:
+        raise SchemaError("wrong_type", f"{table.name}.{table.key_column} is the key and cannot be null")
+    return check_value(table, table.key_column, table.key_type, key)
+
+
+def check_row(table: TableSchema, row: Any) -> dict[str, Any]:
+    """Validate a client row and return the full row: every declared column, missing ones as null."""
+    if not isinstance(row, dict):
+        raise SchemaError("wrong_type", f"a row of {table.name} must be an object, got {type(row).__name__}")
+    types = table.column_types
+    for column in row:
+        if column not in types:
+            raise SchemaError("unknown_column", f"{table.name} has no column {column!r}")
+    full = {name: check_value(table, name, column_type, row.get(name)) for name, column_type in table.columns}
+    check_key(table, full[table.key_column])
+    return full

@@ -1,0 +1,415 @@
+"""The node's SQLite database (apsw): user tables, the catalog, each shard's rlog and position.
+
+Everything a node knows lives in one WAL-mode database file so that applying an entry's
+ops, appending the entry and recording the shard's new applied tx key and digest happen in
+one SQLite transaction (DESIGN invariant 4: a crash never leaves data and position
+disagreeing). This module is a thin adapter: it executes what the protocol decided and
+checks its own preconditions (an entry must follow the applied key) with exceptions.
+
+Internal tables all start with ``_mnesite``:
+
+* ``_mnesite_meta(name, value)``: database format version and node facts.
+* ``_mnesite_tables(name, shard, key_column, columns)``: the catalog, written only by
+  applying ``CreateTableOp`` so that it replicates like data.
+* ``_mnesite_shards(shard, generation, applied_*, applied_digest)``: per-shard position.
+* ``_mnesite_rlog(shard, generation, counter, prev_*, digest, request_id, ops, appended_ms)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import apsw
+
+from rlog.schema import TableSchema
+from rlog.types import (
+    GENESIS_DIGEST,
+    ZERO_KEY,
+    CreateTableOp,
+    DeleteOp,
+    Entry,
+    Op,
+    TxKey,
+    WriteOp,
+    entry_digest,
+    pack_ops,
+    unpack_ops,
+)
+
+FORMAT_VERSION = 1
+SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS _mnesite_meta(name TEXT PRIMARY KEY, value ANY) STRICT;
+CREATE TABLE IF NOT EXISTS _mnesite_tables(
+    name TEXT PRIMARY KEY, shard TEXT NOT NULL, key_column TEXT NOT NULL, columns TEXT NOT NULL
+) STRICT;
+CREATE TABLE IF NOT EXISTS _mnesite_shards(
+    shard TEXT PRIMARY KEY,
+    generation INTEGER NOT NULL,
+    applied_generation INTEGER NOT NULL,
+    applied_counter INTEGER NOT NULL,
+    applied_digest BLOB NOT NULL
+) STRICT;
+CREATE TABLE IF NOT EXISTS _mnesite_rlog(
+    shard TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    counter INTEGER NOT NULL,
+    prev_generation INTEGER NOT NULL,
+    prev_counter INTEGER NOT NULL,
+    digest BLOB NOT NULL,
+    request_id TEXT,
+    ops BLOB NOT NULL,
+    appended_ms INTEGER NOT NULL,
+    PRIMARY KEY (shard, generation, counter)
+) STRICT, WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS _mnesite_rlog_request ON _mnesite_rlog(request_id) WHERE request_id IS NOT NULL;
+"""
+
+
+class StoreError(RuntimeError):
+    """The database is not a mnesite database, or a store precondition was violated."""
+
+
+@dataclass(frozen=True)
+class ShardPosition:
+    shard: str
+    generation: int
+    applied: TxKey
+    digest: bytes
+
+
+def quote(name: str) -> str:
+    """Quote an identifier; names are validated by ``rlog.schema`` before they get here."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+class Store:
+    def __init__(self, path: str, synchronous: str = "FULL", create: bool = True) -> None:
+        if synchronous.upper() not in SYNCHRONOUS_LEVELS:
+            raise StoreError(f"synchronous must be one of {', '.join(SYNCHRONOUS_LEVELS)}")
+        if not create and not os.path.exists(path):
+            raise StoreError(f"{path}: no such database")
+        flags = apsw.SQLITE_OPEN_READWRITE | (apsw.SQLITE_OPEN_CREATE if create else 0)
+        try:
+            self.connection = apsw.Connection(path, flags=flags)
+            self.connection.set_busy_timeout(5000)
+            self.connection.execute("PRAGMA journal_mode=WAL")
+            self.connection.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            if create:
+                with self.write_transaction():
+                    self.connection.execute(_SCHEMA)
+                    self.connection.execute(
+                        "INSERT OR IGNORE INTO _mnesite_meta(name, value) VALUES ('format_version', ?)",
+                        (FORMAT_VERSION,),
+                    )
+            version = self._format_version()
+        except apsw.Error as error:
+            raise StoreError(f"{path}: not a mnesite database ({error})") from None
+        if version != FORMAT_VERSION:
+            raise StoreError(f"{path}: not a mnesite database of format {FORMAT_VERSION} (found {version!r})")
+        self.path = path
+        self._catalog: dict[str, TableSchema] | None = None
+
+    def _format_version(self) -> Any:
+        try:
+            row = self.connection.execute(
+                "SELECT value FROM _mnesite_meta WHERE name = 'format_version'"
+            ).fetchone()
+        except apsw.SQLError:
+            return None
+        return row[0] if row else None
+
+    def close(self) -> None:
+        self.connection.close()
+
+    # -- transactions -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def write_transaction(self) -> Iterator[None]:
+        """One SQLite write transaction: one commit, one fsync (at ``synchronous=FULL``)."""
+        self.connection.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.connection.execute("ROLLBACK")
+            self._catalog = None  # a rolled-back CREATE TABLE must not linger in the cache
+            raise
+        self.connection.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """A nested all-or-nothing unit inside a write transaction (one client transaction)."""
+        self.connection.execute("SAVEPOINT mnesite_tx")
+        try:
+            yield
+        except BaseException:
+            self.connection.execute("ROLLBACK TO mnesite_tx")
+            self.connection.execute("RELEASE mnesite_tx")
+            self._catalog = None
+            raise
+        self.connection.execute("RELEASE mnesite_tx")
+
+    # -- catalog ------------------------------------------------------------------------------
+
+    def catalog(self) -> dict[str, TableSchema]:
+        if self._catalog is None:
+            catalog = {}
+            for name, shard, key_column, columns in self.connection.execute(
+                "SELECT name, shard, key_column, columns FROM _mnesite_tables ORDER BY name"
+            ):
+                catalog[name] = TableSchema(name, shard, key_column, tuple((c[0], c[1]) for c in json.loads(columns)))
+            self._catalog = catalog
+        return self._catalog
+
+    # -- shards -------------------------------------------------------------------------------
+
+    def shards(self) -> dict[str, ShardPosition]:
+        return {
+            row[0]: ShardPosition(row[0], row[1], TxKey(row[2], row[3]), row[4])
+            for row in self.connection.execute(
+                "SELECT shard, generation, applied_generation, applied_counter, applied_digest "
+                "FROM _mnesite_shards ORDER BY shard"
+            )
+        }
+
+    def shard(self, shard: str) -> ShardPosition | None:
+        return self.shards().get(shard)
+
+    def ensure_shard(self, shard: str, generation: int) -> ShardPosition:
+        self.connection.execute(
+            "INSERT OR IGNORE INTO _mnesite_shards VALUES (?, ?, 0, 0, ?)", (shard, generation, GENESIS_DIGEST)
+        )
+        position = self.shard(shard)
+        if position is None:
+            raise StoreError(f"shard {shard} could not be created")
+        return position
+
+    def set_generation(self, shard: str, generation: int) -> None:
+        """Persist a new generation; generations only grow (a node never restarts its clock in the past)."""
+        position = self.shard(shard)
+        if position is None:
+            raise StoreError(f"unknown shard {shard}")
+        if generation <= position.generation:
+            raise StoreError(f"shard {shard}: generation {generation} does not exceed {position.generation}")
+        self.connection.execute("UPDATE _mnesite_shards SET generation = ? WHERE shard = ?", (generation, shard))
+
+    # -- rlog ---------------------------------------------------------------------------------
+
+    def last_entry_key(self, shard: str) -> TxKey:
+        row = self.connection.execute(
+            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? ORDER BY generation DESC, counter DESC LIMIT 1",
+            (shard,),
+        ).fetchone()
+        return TxKey(row[0], row[1]) if row else ZERO_KEY
+
+    def append_entry(self, entry: Entry, appended_ms: int) -> None:
+        self.connection.execute(
+            "INSERT INTO _mnesite_rlog VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                entry.shard,
+                entry.tx_key.generation,
+                entry.tx_key.counter,
+                entry.prev.generation,
+                entry.prev.counter,
+                entry.digest,
+                entry.request_id,
+                pack_ops(entry.ops),
+                appended_ms,
+            ),
+        )
+
+    def apply_entry(self, entry: Entry) -> None:
+        """Apply a committed entry's ops and move the shard's applied key, inside the caller's transaction.
+
+        Refuses an entry that does not follow the applied key (DESIGN invariant 5: no gaps).
+        """
+        position = self.shard(entry.shard)
+        if position is None:
+            raise StoreError(f"unknown shard {entry.shard}")
+        if entry.prev != position.applied:
+            raise StoreError(f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, applied is {position.applied}")
+        expected = entry_digest(position.digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+        if expected != entry.digest:
+            raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
+        self.apply_ops(entry.ops)
+        self.connection.execute(
+            "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
+            "generation = max(generation, ?) WHERE shard = ?",
+            (entry.tx_key.generation, entry.tx_key.counter, entry.digest, entry.tx_key.generation, entry.shard),
+        )
+
+    def apply_ops(self, ops: tuple[Op, ...]) -> None:
+        for op in ops:
+            if isinstance(op, WriteOp):
+                table = self._table(op.table)
+                names = [name for name, _ in table.columns]
+                self.connection.execute(
+                    f"INSERT OR REPLACE INTO {quote(table.name)} ({', '.join(quote(n) for n in names)}) "
+                    f"VALUES ({', '.join('?' for _ in names)})",
+                    tuple(op.row.get(n) for n in names),
+                )
+            elif isinstance(op, DeleteOp):
+                table = self._table(op.table)
+                self.connection.execute(
+                    f"DELETE FROM {quote(table.name)} WHERE {quote(table.key_column)} = ?", (op.key,)
+                )
+            elif isinstance(op, CreateTableOp):
+                self._create_table(op)
+            else:
+                raise StoreError(f"unknown op {op!r}")
+
+    def _create_table(self, op: CreateTableOp) -> None:
+        existing = self.catalog().get(op.table)
+        if existing is not None:
+            if existing.to_op() == op:
+                return  # replay of the same definition heals, it does not fail
+            raise StoreError(f"table {op.table} already exists with another definition")
+        definitions = []
+        for name, column_type in op.columns:
+            suffix = " PRIMARY KEY NOT NULL" if name == op.key_column else ""
+            definitions.append(f"{quote(name)} {column_type}{suffix}")
+        self.connection.execute(f"CREATE TABLE {quote(op.table)} ({', '.join(definitions)}) STRICT")
+        self.connection.execute(
+            "INSERT INTO _mnesite_tables VALUES (?, ?, ?, ?)",
+            (op.table, op.shard, op.key_column, json.dumps([list(c) for c in op.columns])),
+        )
+        self._catalog = None
+
+    def _table(self, name: str) -> TableSchema:
+        table = self.catalog().get(name)
+        if table is None:
+            raise StoreError(f"unknown table {name}")
+        return table
+
+    def find_request(self, request_id: str) -> tuple[str, TxKey] | None:
+        row = self.connection.execute(
+            "SELECT shard, generation, counter FROM _mnesite_rlog WHERE request_id = ? LIMIT 1", (request_id,)
+        ).fetchone()
+        return (row[0], TxKey(row[1], row[2])) if row else None
+
+    def entries_after(self, shard: str, after: TxKey, limit: int) -> list[Entry]:
+        rows = self.connection.execute(
+            "SELECT shard, generation, counter, prev_generation, prev_counter, digest, ops, request_id "
+            "FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?) "
+            "ORDER BY generation, counter LIMIT ?",
+            (shard, after.generation, after.counter, limit),
+        )
+        return [_entry(row) for row in rows]
+
+    def tail(self, shard: str, count: int) -> list[Entry]:
+        rows = list(
+            self.connection.execute(
+                "SELECT shard, generation, counter, prev_generation, prev_counter, digest, ops, request_id "
+                "FROM _mnesite_rlog WHERE shard = ? ORDER BY generation DESC, counter DESC LIMIT ?",
+                (shard, count),
+            )
+        )
+        return [_entry(row) for row in reversed(rows)]
+
+    def rlog_statistics(self, shard: str) -> dict[str, Any]:
+        count, first_generation, first_counter = self.connection.execute(
+            "SELECT count(*), min(generation), (SELECT counter FROM _mnesite_rlog WHERE shard = ?1 "
+            "ORDER BY generation, counter LIMIT 1) FROM _mnesite_rlog WHERE shard = ?1",
+            (shard,),
+        ).fetchone()
+        first = [first_generation, first_counter] if count else None
+        return {"entries": count, "first": first}
+
+    def trim(self, shard: str, entries_max: int, before_ms: int | None) -> int:
+        """Delete the oldest entries beyond ``entries_max``, and those appended before ``before_ms``.
+
+        The newest entry is always kept: it carries the digest a watcher resumes from.
+        Returns how many entries were deleted.
+        """
+        deleted = 0
+        cursor = self.connection.cursor()
+        keep_from = cursor.execute(
+            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? "
+            "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
+            (shard, max(entries_max, 1) - 1),
+        ).fetchone()
+        if keep_from is not None:
+            cursor.execute(
+                "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) < (?, ?)",
+                (shard, keep_from[0], keep_from[1]),
+            )
+            deleted += self.connection.changes()
+        if before_ms is not None:
+            last = self.last_entry_key(shard)
+            cursor.execute(
+                "DELETE FROM _mnesite_rlog WHERE shard = ? AND appended_ms < ? AND (generation, counter) < (?, ?)",
+                (shard, before_ms, last.generation, last.counter),
+            )
+            deleted += self.connection.changes()
+        return deleted
+
+    def verify_chain(self, shard: str) -> TxKey:
+        """Check that the retained rlog is one digest chain ending at the applied position.
+
+        Returns the applied key; raises ``StoreError`` naming the first break.
+        """
+        position = self.shard(shard)
+        if position is None:
+            raise StoreError(f"unknown shard {shard}")
+        previous: Entry | None = None
+        after = ZERO_KEY
+        while True:
+            batch = self.entries_after(shard, after, 1000)
+            if not batch:
+                break
+            for entry in batch:
+                if previous is not None:
+                    if entry.prev != previous.tx_key:
+                        raise StoreError(f"shard {shard}: entry {entry.tx_key} follows {entry.prev}, not {previous.tx_key}")
+                    expected = entry_digest(
+                        previous.digest, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id
+                    )
+                    if expected != entry.digest:
+                        raise StoreError(f"shard {shard}: digest mismatch at {entry.tx_key}")
+                elif entry.prev == ZERO_KEY:
+                    expected = entry_digest(GENESIS_DIGEST, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+                    if expected != entry.digest:
+                        raise StoreError(f"shard {shard}: digest mismatch at {entry.tx_key}")
+                previous = entry
+            after = batch[-1].tx_key
+        if previous is not None and (previous.tx_key, previous.digest) != (position.applied, position.digest):
+            raise StoreError(
+                f"shard {shard}: rlog ends at {previous.tx_key} but the applied position is {position.applied}"
+            )
+        return position.applied
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def read_row(self, table: TableSchema, key: Any) -> dict[str, Any] | None:
+        names = [name for name, _ in table.columns]
+        row = self.connection.execute(
+            f"SELECT {', '.join(quote(n) for n in names)} FROM {quote(table.name)} WHERE {quote(table.key_column)} = ?",
+            (key,),
+        ).fetchone()
+        return dict(zip(names, row, strict=True)) if row is not None else None
+
+    def scan(self, table: TableSchema, after: Any, limit: int) -> list[dict[str, Any]]:
+        """Rows in key order, strictly after ``after`` (None: from the start), at most ``limit``."""
+        names = [name for name, _ in table.columns]
+        columns = ", ".join(quote(n) for n in names)
+        key = quote(table.key_column)
+        if after is None:
+            cursor = self.connection.execute(
+                f"SELECT {columns} FROM {quote(table.name)} ORDER BY {key} LIMIT ?", (limit,)
+            )
+        else:
+            cursor = self.connection.execute(
+                f"SELECT {columns} FROM {quote(table.name)} WHERE {key} > ? ORDER BY {key} LIMIT ?", (after, limit)
+            )
+        return [dict(zip(names, row, strict=True)) for row in cursor]
+
+
+def _entry(row: tuple[Any, ...]) -> Entry:
+    shard, generation, counter, prev_generation, prev_counter, digest, ops, request_id = row
+    return Entry(shard, TxKey(generation, counter), TxKey(prev_generation, prev_counter), digest, unpack_ops(ops), request_id)

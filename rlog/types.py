@@ -1,0 +1,206 @@
+"""The rlog vocabulary: tx keys, ops, entries and the rolling digest.
+
+Theory of operation
+-------------------
+An *entry* is one committed transaction of one shard. Its ops are results, not
+commands: a ``WriteOp`` carries the full row as it is after the transaction, a
+``DeleteOp`` the key that no longer exists, a ``CreateTableOp`` the full table
+definition. Replaying an entry therefore needs no access to earlier state, which
+is what lets a replica heal a dirty-read copy by replay (DESIGN, bootstrap).
+
+Entries are chained: every entry names the tx key of its predecessor (``prev``)
+and carries ``digest(n) = BLAKE2b(digest(n-1) + canonical(entry n))``. Two nodes
+with the same digest at the same tx key have applied identical histories.
+
+``canonical`` is msgpack over plain lists with row columns sorted by name, so the
+bytes do not depend on dict ordering or on the Python process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgpack
+
+DIGEST_BYTES = 32
+GENESIS_DIGEST = bytes(DIGEST_BYTES)
+
+
+class TxKey(NamedTuple):
+    """Position of a transaction in its shard's rlog, ordered as a tuple."""
+
+    generation: int
+    counter: int
+
+    def to_wire(self) -> list[int]:
+        return [self.generation, self.counter]
+
+    def __str__(self) -> str:
+        return f"({self.generation}, {self.counter})"
+
+
+ZERO_KEY = TxKey(0, 0)
+
+Scalar = None | int | float | str | bytes
+
+
+@dataclass(frozen=True)
+class WriteOp:
+    """The full row of ``table`` after the transaction (all declared columns)."""
+
+    table: str
+    row: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DeleteOp:
+    """``key`` of ``table`` no longer exists after the transaction."""
+
+    table: str
+    key: Any
+
+
+@dataclass(frozen=True)
+class CreateTableOp:
+    """A table definition; ``columns`` is ``((name, type), ...)`` in declared order."""
+
+    table: str
+    shard: str
+    key_column: str
+    columns: tuple[tuple[str, str], ...]
+
+
+Op = WriteOp | DeleteOp | CreateTableOp
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One rlog record."""
+
+    shard: str
+    tx_key: TxKey
+    prev: TxKey
+    digest: bytes
+    ops: tuple[Op, ...]
+    request_id: str | None = None
+
+
+def encode_op(op: Op) -> list[Any]:
+    """Canonical, self-describing list form of an op (used on the wire, on disk and in digests)."""
+    if isinstance(op, WriteOp):
+        return ["w", op.table, [[name, op.row[name]] for name in sorted(op.row)]]
+    if isinstance(op, DeleteOp):
+        return ["d", op.table, op.key]
+    if isinstance(op, CreateTableOp):
+        return ["c", op.table, op.shard, op.key_column, [list(c) for c in op.columns]]
+    raise TypeError(f"not an op: {op!r}")
+
+
+class OpDecodeError(ValueError):
+    """An encoded op does not have the shape ``encode_op`` produces."""
+
+
+def decode_op(value: Any) -> Op:
+    """Inverse of ``encode_op``; raises ``OpDecodeError`` on anything else."""
+    if not isinstance(value, list) or not value or not isinstance(value[0], str):
+        raise OpDecodeError("op must be a non-empty list starting with its kind")
+    kind = value[0]
+    if kind == "w" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], list):
+        row: dict[str, Any] = {}
+        for pair in value[2]:
+            if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
+                raise OpDecodeError("write op row must be a list of [column, value] pairs")
+            row[pair[0]] = pair[1]
+        return WriteOp(value[1], row)
+    if kind == "d" and len(value) == 3 and isinstance(value[1], str):
+        return DeleteOp(value[1], value[2])
+    if (
+        kind == "c"
+        and len(value) == 5
+        and all(isinstance(v, str) for v in value[1:4])
+        and isinstance(value[4], list)
+    ):
+        columns = []
+        for column in value[4]:
+            if not isinstance(column, list) or len(column) != 2 or not all(isinstance(c, str) for c in column):
+                raise OpDecodeError("create op columns must be [name, type] pairs")
+            columns.append((column[0], column[1]))
+        return CreateTableOp(value[1], value[2], value[3], tuple(columns))
+    raise OpDecodeError(f"malformed op of kind {kind!r}")
+
+
+def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
+    return msgpack.packb([encode_op(op) for op in ops], use_bin_type=True)
+
+
+def unpack_ops(blob: bytes) -> tuple[Op, ...]:
+    value = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    if not isinstance(value, list):
+        raise OpDecodeError("ops must be a list")
+    return tuple(decode_op(v) for v in value)
+
+
+def entry_digest(
+    prev_digest: bytes,
+    shard: str,
+    tx_key: TxKey,
+    prev: TxKey,
+    ops: tuple[Op, ...] | list[Op],
+    request_id: str | None,
+) -> bytes:
+    """digest(n) = BLAKE2b(digest(n-1) + canonical(entry n))."""
+    body = msgpack.packb(
+        [shard, list(tx_key), list(prev), request_id, [encode_op(op) for op in ops]],
+        use_bin_type=True,
+    )
+    return hashlib.blake2b(prev_digest + body, digest_size=DIGEST_BYTES).digest()
+
+
+def make_entry(
+    shard: str,
+    tx_key: TxKey,
+    prev: TxKey,
+    prev_digest: bytes,
+    ops: tuple[Op, ...] | list[Op],
+    request_id: str | None = None,
+) -> Entry:
+    """Build the entry that follows ``prev`` (whose digest is ``prev_digest``)."""
+    if not tx_key > prev:
+        raise ValueError(f"tx key {tx_key} does not follow {prev}")
+    ops = tuple(ops)
+    return Entry(shard, tx_key, prev, entry_digest(prev_digest, shard, tx_key, prev, ops, request_id), ops, request_id)
+
+
+def entry_to_wire(entry: Entry) -> list[Any]:
+    return [
+        entry.shard,
+        list(entry.tx_key),
+        list(entry.prev),
+        entry.digest,
+        [encode_op(op) for op in entry.ops],
+        entry.request_id,
+    ]
+
+
+def entry_from_wire(value: Any) -> Entry:
+    """Decode an entry; raises ``OpDecodeError`` on any malformation."""
+    if not isinstance(value, list) or len(value) != 6:
+        raise OpDecodeError("entry must be a list of 6 fields")
+    shard, key, prev, digest, ops, request_id = value
+    if not isinstance(shard, str) or not isinstance(digest, bytes) or not isinstance(ops, list):
+        raise OpDecodeError("entry fields have wrong types")
+    if request_id is not None and not isinstance(request_id, str):
+        raise OpDecodeError("entry request id must be a string or nil")
+    return Entry(shard, tx_key_from_wire(key), tx_key_from_wire(prev), digest, tuple(decode_op(o) for o in ops), request_id)
+
+
+def tx_key_from_wire(value: Any) -> TxKey:
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    ):
+        raise OpDecodeError(f"tx key must be [generation, counter] of non-negative integers, got {value!r}")
+    return TxKey(value[0], value[1])

@@ -1,0 +1,1 @@
+"""spark: see README.md."""
