@@ -53,6 +53,7 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     "status": {},
     "rlog_tail": {"shard": ((str,), True), "count": ((int,), False)},
+    "rlog_entries": {"shard": ((str,), True), "after": ((list,), False), "limit": ((int,), False)},
     # replies
     "reply": {"result": ((_ANY,), False)},
     "error": {"code": ((str,), True), "message": ((str,), True), "detail": ((_ANY,), False)},

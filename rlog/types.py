@@ -204,3 +204,29 @@ def tx_key_from_wire(value: Any) -> TxKey:
     ):
         raise OpDecodeError(f"tx key must be [generation, counter] of non-negative integers, got {value!r}")
     return TxKey(value[0], value[1])
+
+
+def op_to_json(op: Op) -> dict[str, Any]:
+    """Readable form of an op, as ``rlog tail --json`` and clients show it."""
+    if isinstance(op, WriteOp):
+        return {"op": "write", "table": op.table, "row": op.row}
+    if isinstance(op, DeleteOp):
+        return {"op": "delete", "table": op.table, "key": op.key}
+    return {
+        "op": "create_table",
+        "table": op.table,
+        "shard": op.shard,
+        "key": op.key_column,
+        "columns": [list(c) for c in op.columns],
+    }
+
+
+def entry_to_json(entry: Entry) -> dict[str, Any]:
+    return {
+        "shard": entry.shard,
+        "tx_key": list(entry.tx_key),
+        "prev": list(entry.prev),
+        "digest": entry.digest.hex(),
+        "request_id": entry.request_id,
+        "ops": [op_to_json(op) for op in entry.ops],
+    }

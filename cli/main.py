@@ -1,0 +1,405 @@
+"""The ``mnesite`` command: thin click commands over the client and the node driver."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import click
+
+from rlog.client import Client, GuardFailed, MnesiteError, default_endpoint
+from rlog.config import ConfigError, load_config
+
+TIMEOUT_MS_DEFAULT = 5000
+
+
+def fail(message: str, exit_code: int = 1) -> NoReturn:
+    click.echo(f"Error: {message}", err=True)
+    sys.exit(exit_code)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode()}
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def emit_json(value: Any) -> None:
+    click.echo(json.dumps(value, default=_json_default, sort_keys=False))
+
+
+def node_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    function = click.option(
+        "--timeout-ms",
+        type=click.IntRange(1, 3_600_000),
+        default=TIMEOUT_MS_DEFAULT,
+        show_default=True,
+        help="How long to wait for each answer from the node.",
+    )(function)
+    function = click.option(
+        "--node",
+        "endpoint",
+        default=None,
+        metavar="ENDPOINT",
+        help="Node to talk to (default: $MNESITE_NODE, then tcp://127.0.0.1:7400).",
+    )(function)
+    return function
+
+
+def json_option(function: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON.")(function)
+
+
+def client_for(endpoint: str | None, timeout_ms: int) -> Client:
+    return Client(endpoint or default_endpoint(), timeout_ms=timeout_ms, retries=1)
+
+
+def run(call: Callable[[], Any]) -> Any:
+    """Run a client call; any mnesite error becomes one line on stderr and exit 1."""
+    try:
+        return call()
+    except MnesiteError as error:
+        fail(str(error))
+
+
+def parse_json_argument(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        fail(f"{what} is not valid JSON: {error}")
+
+
+def parse_key(client: Client, table: str, text: str) -> Any:
+    """Turn a KEY argument into the table's key type (INTEGER keys are given as digits)."""
+    schema = run(lambda: client.table(table))
+    key_type = dict((name, kind) for name, kind in schema["columns"])[schema["key"]]
+    if key_type == "INTEGER":
+        try:
+            return int(text)
+        except ValueError:
+            fail(f"{table}.{schema['key']} is INTEGER; {text!r} is not an integer")
+    if key_type == "BLOB":
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            fail(f"{table}.{schema['key']} is BLOB; give the key as hex")
+    return text
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    cells = [[("" if row.get(c) is None else str(row.get(c))) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mnesite")
+def main() -> None:
+    """mnesite: a replicated SQLite database with a globally ordered transaction log (rlog)."""
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Node config (TOML).")
+@click.option("--sample-data", is_flag=True, help="Create a small sample table if it does not exist yet.")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="INFO")
+def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
+    """Run a node in the foreground until SIGTERM or Ctrl-C.
+
+    Without --config: a single core named core1 on tcp://127.0.0.1:7400 with its data in ./mnesite-data.
+    """
+    from core.node import CoreNode
+    from rlog.store import StoreError
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        config = load_config(config_path)
+        node = CoreNode(config)
+        node.bind()
+    except (ConfigError, StoreError) as error:
+        fail(str(error))
+    except Exception as error:  # zmq bind errors and the like: one line, not a traceback
+        fail(f"cannot start: {type(error).__name__}: {error}")
+    node.install_signal_handlers()
+    if sample_data:
+        load_sample_data(node)
+    click.echo(f"mnesite {config.role} {config.name} serving on {config.listen} (data: {config.data_dir})", err=True)
+    node.serve_forever()
+
+
+def load_sample_data(node: Any) -> None:
+    from rlog.codec import Message
+
+    if "sample_users" in node.store.catalog():
+        return
+    create = Message(
+        "create_table",
+        "sample-create",
+        {"table": "sample_users", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"], ["karma", "REAL"]]},
+    )
+    names = ["ada", "grace", "edsger", "barbara", "leslie", "donald", "margaret", "ken"]
+    rows = [
+        Message(
+            "transact",
+            f"sample-row-{i}",
+            {"ops": [{"op": "write", "table": "sample_users", "row": {"id": i, "name": n, "karma": float(i * 10)}}]},
+        )
+        for i, n in enumerate(names, start=1)
+    ]
+    node.commit_batch([(None, create)])
+    node.commit_batch([(None, row) for row in rows])
+
+
+@main.group()
+def table() -> None:
+    """Create and list tables."""
+
+
+COLUMN_TYPE_NAMES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
+
+
+def parse_column(text: str) -> tuple[str, str]:
+    name, sep, column_type = text.partition(":")
+    if not sep or not name or column_type.upper() not in COLUMN_TYPE_NAMES:
+        fail(f"--column {text!r} must be NAME:TYPE with TYPE one of {', '.join(COLUMN_TYPE_NAMES)}")
+    return name, column_type.upper()
+
+
+@table.command("create")
+@click.argument("table_name", metavar="TABLE")
+@click.option("--key", "key_column", required=True, metavar="COLUMN", help="Key column (TEXT unless declared).")
+@click.option("--column", "columns", multiple=True, metavar="NAME:TYPE", help="Column; TYPE: INTEGER REAL TEXT BLOB ANY.")
+@click.option("--shard", default=None, help="Shard of the table (default: default).")
+@node_options
+@json_option
+def table_create(table_name, key_column, columns, shard, endpoint, timeout_ms, as_json) -> None:
+    """Create TABLE with its key column and declared columns."""
+    parsed = [parse_column(c) for c in columns]
+    with client_for(endpoint, timeout_ms) as client:
+        tx_key = run(lambda: client.create_table(table_name, key_column, parsed, shard))
+    if as_json:
+        emit_json({"tx_key": list(tx_key)})
+    else:
+        click.echo(f"created {table_name} at tx key {tuple(tx_key)}")
+
+
+@table.command("list")
+@node_options
+@json_option
+def table_list(endpoint, timeout_ms, as_json) -> None:
+    """List tables with their shard, key and columns."""
+    with client_for(endpoint, timeout_ms) as client:
+        tables = run(client.list_tables)
+    if as_json:
+        emit_json(tables)
+        return
+    rows = [
+        {
+            "table": t["table"],
+            "shard": t["shard"],
+            "key": t["key"],
+            "columns": ", ".join(f"{n}:{k}" for n, k in t["columns"]),
+        }
+        for t in tables
+    ]
+    click.echo(format_table(rows, ["table", "shard", "key", "columns"]))
+
+
+@main.command()
+@click.argument("table_name", metavar="TABLE")
+@click.argument("row_json", metavar="ROW_JSON")
+@node_options
+@json_option
+def put(table_name, row_json, endpoint, timeout_ms, as_json) -> None:
+    """Write a full row (a JSON object) into TABLE; prints the tx key."""
+    row = parse_json_argument(row_json, "ROW_JSON")
+    if not isinstance(row, dict):
+        fail("ROW_JSON must be a JSON object")
+    with client_for(endpoint, timeout_ms) as client:
+        tx_key = run(lambda: client.put(table_name, row))
+    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
+
+
+CONSISTENCY = click.option(
+    "--consistency",
+    type=click.Choice(["local", "read-your-writes", "linearizable"]),
+    default="local",
+    show_default=True,
+    help="Read consistency.",
+)
+
+
+@main.command()
+@click.argument("table_name", metavar="TABLE")
+@click.argument("key")
+@CONSISTENCY
+@node_options
+@json_option
+def get(table_name, key, consistency, endpoint, timeout_ms, as_json) -> None:
+    """Print the row of TABLE at KEY (exit 1 if there is none; --json prints null)."""
+    with client_for(endpoint, timeout_ms) as client:
+        row = run(lambda: client.get(table_name, parse_key(client, table_name, key), consistency))
+    if as_json:
+        emit_json(row)
+    elif row is None:
+        fail(f"{table_name}: no row at key {key!r}")
+    else:
+        click.echo(json.dumps(row, default=_json_default))
+
+
+@main.command()
+@click.argument("table_name", metavar="TABLE")
+@click.argument("key")
+@node_options
+@json_option
+def delete(table_name, key, endpoint, timeout_ms, as_json) -> None:
+    """Delete the row of TABLE at KEY; prints the tx key."""
+    with client_for(endpoint, timeout_ms) as client:
+        tx_key = run(lambda: client.delete(table_name, parse_key(client, table_name, key)))
+    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
+
+
+@main.command()
+@click.argument("table_name", metavar="TABLE")
+@click.option("--limit", type=click.IntRange(1, None), default=None, help="At most this many rows.")
+@CONSISTENCY
+@node_options
+@json_option
+def scan(table_name, limit, consistency, endpoint, timeout_ms, as_json) -> None:
+    """Print the rows of TABLE in key order."""
+    with client_for(endpoint, timeout_ms) as client:
+        schema = run(lambda: client.table(table_name))
+
+        def collect() -> list[dict[str, Any]]:
+            rows = []
+            for row in client.scan(table_name, consistency=consistency):
+                rows.append(row)
+                if limit is not None and len(rows) >= limit:
+                    break
+            return rows
+
+        rows = run(collect)
+    if as_json:
+        emit_json(rows)
+    else:
+        click.echo(format_table(rows, [name for name, _ in schema["columns"]]))
+
+
+@main.command()
+@click.argument("file", type=click.File("r"))
+@node_options
+@json_option
+def tx(file, endpoint, timeout_ms, as_json) -> None:
+    """Run the transaction in FILE ('-' for stdin), all or nothing.
+
+    \b
+    FILE holds JSON: {"guards": [{"table", "key", "equals": row-or-null}],
+                      "ops": [{"op": "write", "table", "row"} | {"op": "delete", "table", "key"}]}
+    A failed guard exits 1 and says which guard failed.
+    """
+    request = parse_json_argument(file.read(), "the transaction")
+    if not isinstance(request, dict) or set(request) - {"guards", "ops"} or "ops" not in request:
+        fail('the transaction must be an object {"guards": [...], "ops": [...]}')
+    with client_for(endpoint, timeout_ms) as client:
+        try:
+            tx_key = client.transact(request["ops"], request.get("guards") or [])
+        except GuardFailed as error:
+            fail(str(error))
+        except MnesiteError as error:
+            fail(str(error))
+    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
+
+
+@main.command()
+@node_options
+@json_option
+def status(endpoint, timeout_ms, as_json) -> None:
+    """Show the node's role and, per shard, its generation, applied tx key and digest."""
+    with client_for(endpoint, timeout_ms) as client:
+        result = run(client.status)
+    if as_json:
+        emit_json(result)
+        return
+    click.echo(f"node {result['node']} ({result['role']})")
+    rows = [
+        {
+            "shard": shard,
+            "generation": info["generation"],
+            "applied": tuple(info["applied"]),
+            "digest": info["digest"][:16],
+            "rlog entries": info.get("rlog", {}).get("entries", ""),
+        }
+        for shard, info in result["shards"].items()
+    ]
+    click.echo(format_table(rows, ["shard", "generation", "applied", "digest", "rlog entries"]))
+
+
+@main.group()
+def rlog() -> None:
+    """Inspect a shard's replication log."""
+
+
+@rlog.command("tail")
+@click.argument("shard")
+@click.option("-n", "count", type=click.IntRange(1, 1000), default=10, show_default=True, help="Entries to show.")
+@node_options
+@json_option
+def rlog_tail(shard, count, endpoint, timeout_ms, as_json) -> None:
+    """Show the last entries of SHARD's rlog."""
+    with client_for(endpoint, timeout_ms) as client:
+        entries = run(lambda: client.rlog_tail(shard, count))
+    if as_json:
+        emit_json(entries)
+        return
+    for entry in entries:
+        ops = "; ".join(_describe_op(op) for op in entry["ops"]) or "(no ops)"
+        click.echo(f"{tuple(entry['tx_key'])} <- {tuple(entry['prev'])} {entry['digest'][:16]} {ops}")
+
+
+def _describe_op(op: dict[str, Any]) -> str:
+    if op["op"] == "write":
+        return f"write {op['table']} {json.dumps(op['row'], default=_json_default)}"
+    if op["op"] == "delete":
+        return f"delete {op['table']} {op['key']!r}"
+    return f"create_table {op['table']} (shard {op['shard']}, key {op['key']})"
+
+
+@rlog.command("verify")
+@click.argument("data_dir", type=click.Path(exists=True, file_okay=False))
+@json_option
+def rlog_verify(data_dir, as_json) -> None:
+    """Check offline that DATA_DIR's rlog is one unbroken digest chain ending at each shard's applied key."""
+    import os
+
+    from rlog.store import Store, StoreError
+
+    path = os.path.join(data_dir, "mnesite.db")
+    try:
+        store = Store(path, create=False)
+        try:
+            result = {shard: list(store.verify_chain(shard)) for shard in store.shards()}
+        finally:
+            store.close()
+    except StoreError as error:
+        fail(str(error))
+    if as_json:
+        emit_json({"shards": {s: {"applied": k, "ok": True} for s, k in result.items()}})
+    else:
+        for shard, key in result.items():
+            click.echo(f"{shard}: ok, applied {tuple(key)}")
+
+
+def _register_optional_commands() -> None:
+    try:
+        from spark.cli import compare
+    except ImportError:
+        return
+    main.add_command(compare)
+
+
+_register_optional_commands()

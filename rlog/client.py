@@ -1,0 +1,252 @@
+"""The Python client: talks to any mnesite node over zmq (DEALER to the node's ROUTER).
+
+    from rlog.client import Client
+
+    with Client("tcp://127.0.0.1:7400") as client:
+        client.create_table("users", key="id", columns=[("id", "INTEGER"), ("name", "TEXT")])
+        tx_key = client.put("users", {"id": 1, "name": "ada"})
+        client.get("users", 1)                       # {'id': 1, 'name': 'ada'}
+        with client.transaction() as tx:             # all or nothing
+            tx.require("users", 1, equals={"id": 1, "name": "ada"})
+            tx.put("users", {"id": 1, "name": "ada lovelace"})
+            tx.delete("users", 2)
+        for row in client.scan("users"):
+            ...
+
+Every request carries a fresh request id. A request that gets no answer within
+``timeout_ms`` is re-sent with the *same* id up to ``retries`` times (the node applies a
+write only once per id), then ``Unavailable`` is raised: the outcome of that write is
+unknown. A client object is not thread-safe; use one per thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from rlog import codec
+from rlog.codec import CodecError, Message
+from rlog.config import DEFAULT_LISTEN
+from rlog.types import TxKey
+
+SCAN_PAGE_ROWS = 1000
+
+
+class MnesiteError(Exception):
+    """Base of every error the client raises; ``code`` is the node's error code."""
+
+    code = "error"
+
+    def __init__(self, message: str, code: str | None = None, detail: Any = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.detail = detail
+
+
+class Unavailable(MnesiteError):
+    code = "unavailable"
+
+
+class GuardFailed(MnesiteError):
+    code = "guard_failed"
+
+
+class UnknownTable(MnesiteError):
+    code = "unknown_table"
+
+
+class RemoteError(MnesiteError):
+    """Any other error answered by the node."""
+
+
+_ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable}
+
+
+def default_endpoint() -> str:
+    return os.environ.get("MNESITE_NODE") or DEFAULT_LISTEN
+
+
+class Client:
+    def __init__(self, endpoint: str | None = None, timeout_ms: int = 5000, retries: int = 2) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout_ms = timeout_ms
+        self.retries = retries
+        self.last_tx_key: TxKey | None = None
+        self._context = zmq.Context.instance()
+        self._socket: zmq.Socket | None = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
+
+    def _connect(self) -> zmq.Socket:
+        if self._socket is None:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            try:
+                socket.connect(self.endpoint)
+            except zmq.ZMQError as error:
+                socket.close(0)
+                raise MnesiteError(f"invalid endpoint {self.endpoint!r}: {error}", "bad_request") from None
+            self._socket = socket
+        return self._socket
+
+    def call(self, kind: str, body: dict[str, Any] | None = None, request_id: str | None = None) -> Any:
+        """Send one request and return the reply's result; raise ``MnesiteError`` on an error reply."""
+        message = Message(kind, request_id or uuid.uuid4().hex, body or {})
+        frame = codec.encode(message)
+        for _attempt in range(self.retries + 1):
+            socket = self._connect()
+            socket.send(frame)
+            answer = self._await(socket, message.request_id)
+            if answer is not None:
+                break
+            # Drop the socket: whatever it still queues must not reach the node later.
+            self.close()
+        else:
+            raise Unavailable(
+                f"node {self.endpoint} did not answer {kind} within {self.timeout_ms} ms "
+                f"({self.retries + 1} attempts)"
+            )
+        if answer.kind == "error":
+            code = answer.body["code"]
+            raise _ERRORS.get(code, RemoteError)(answer.body["message"], code, answer.body.get("detail"))
+        return answer.body.get("result")
+
+    def _await(self, socket: zmq.Socket, request_id: str) -> Message | None:
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not socket.poll(remaining_ms, zmq.POLLIN):
+                return None
+            frame = socket.recv()
+            try:
+                answer = codec.decode(frame)
+            except CodecError:
+                continue  # not ours to understand; keep waiting for our answer
+            if answer.request_id in (request_id, "?") and answer.kind in ("reply", "error"):
+                return answer
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def transact(self, ops: list[dict[str, Any]], guards: list[dict[str, Any]] | None = None) -> TxKey:
+        """Run one transaction: ``ops`` of ``{"op": "write", "table", "row"}`` / ``{"op": "delete", "table", "key"}``,
+        ``guards`` of ``{"table", "key", "equals": row-or-None}``. Returns its tx key."""
+        body: dict[str, Any] = {"ops": ops}
+        if guards:
+            body["guards"] = guards
+        result = self.call("transact", body)
+        self.last_tx_key = TxKey(*result["tx_key"])
+        return self.last_tx_key
+
+    def put(self, table: str, row: dict[str, Any]) -> TxKey:
+        return self.transact([{"op": "write", "table": table, "row": row}])
+
+    def delete(self, table: str, key: Any) -> TxKey:
+        return self.transact([{"op": "delete", "table": table, "key": key}])
+
+    def transaction(self) -> Transaction:
+        return Transaction(self)
+
+    def create_table(
+        self, table: str, key: str, columns: list[tuple[str, str]] | None = None, shard: str | None = None
+    ) -> TxKey:
+        body: dict[str, Any] = {"table": table, "key": key, "columns": [list(c) for c in columns or []]}
+        if shard is not None:
+            body["shard"] = shard
+        result = self.call("create_table", body)
+        self.last_tx_key = TxKey(*result["tx_key"])
+        return self.last_tx_key
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def get(self, table: str, key: Any, consistency: str = "local") -> dict[str, Any] | None:
+        return self.call("get", {"table": table, "key": key, "consistency": consistency})
+
+    def scan_page(
+        self, table: str, after: Any = None, limit: int = SCAN_PAGE_ROWS, consistency: str = "local"
+    ) -> list[dict[str, Any]]:
+        """Rows strictly after key ``after`` (None: from the start), in key order, at most ``limit``."""
+        body: dict[str, Any] = {"table": table, "limit": limit, "consistency": consistency}
+        if after is not None:
+            body["after"] = after
+        return self.call("scan", body)
+
+    def scan(
+        self, table: str, after: Any = None, page_rows: int = SCAN_PAGE_ROWS, consistency: str = "local"
+    ) -> Iterator[dict[str, Any]]:
+        """Every row after ``after`` in key order, fetched in pages of ``page_rows``."""
+        key_column = None
+        while True:
+            page = self.scan_page(table, after, page_rows, consistency)
+            yield from page
+            if len(page) < page_rows:
+                return
+            if key_column is None:
+                key_column = self.table(table)["key"]
+            after = page[-1][key_column]
+
+    def table(self, name: str) -> dict[str, Any]:
+        for table in self.list_tables():
+            if table["table"] == name:
+                return table
+        raise UnknownTable(f"unknown table {name!r}", "unknown_table")
+
+    def list_tables(self) -> list[dict[str, Any]]:
+        return self.call("list_tables")
+
+    def status(self) -> dict[str, Any]:
+        return self.call("status")
+
+    def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
+        return self.call("rlog_tail", {"shard": shard, "count": count})
+
+    def rlog_entries(self, shard: str, after: list[int] | TxKey = (0, 0), limit: int = 1000) -> list[dict[str, Any]]:
+        return self.call("rlog_entries", {"shard": shard, "after": list(after), "limit": limit})
+
+
+class Transaction:
+    """Collects guards and ops; sends them as one transaction when the ``with`` block ends cleanly."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.guards: list[dict[str, Any]] = []
+        self.ops: list[dict[str, Any]] = []
+        self.tx_key: TxKey | None = None
+
+    def require(self, table: str, key: Any, equals: dict[str, Any] | None) -> Transaction:
+        """Guard: the row at ``key`` must equal ``equals`` (a full row), or be absent if ``equals`` is None."""
+        self.guards.append({"table": table, "key": key, "equals": equals})
+        return self
+
+    def put(self, table: str, row: dict[str, Any]) -> Transaction:
+        self.ops.append({"op": "write", "table": table, "row": row})
+        return self
+
+    def delete(self, table: str, key: Any) -> Transaction:
+        self.ops.append({"op": "delete", "table": table, "key": key})
+        return self
+
+    def commit(self) -> TxKey:
+        self.tx_key = self.client.transact(self.ops, self.guards)
+        return self.tx_key
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.commit()

@@ -1,0 +1,190 @@
+"""Node configuration: one TOML file per node, validated with errors that name the key.
+
+Example::
+
+    [node]
+    name = "core1"
+    role = "core"                       # "core" | "replicant"
+    data_dir = "./mnesite-data"
+    listen = "tcp://127.0.0.1:7400"
+
+    [cluster]
+    core_nodes = { core1 = "tcp://127.0.0.1:7400" }
+
+    [storage]
+    synchronous = "FULL"                # OFF | NORMAL | FULL | EXTRA
+
+    [limits]
+    frame_bytes_max = 4194304           # larger frames get a frame_too_large error
+    group_commit_max = 256              # transactions per SQLite commit (one fsync)
+    transaction_ops_max = 1000          # ops plus guards in one transaction
+    scan_rows_max = 10000               # rows per scan page
+
+    [rlog]
+    retention_entries_max = 100000      # newest entries kept per shard
+    retention_age_ms_max = 0            # 0: no age limit
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:7400"
+DEFAULT_DATA_DIR = "./mnesite-data"
+DEFAULT_NAME = "core1"
+ROLES = ("core", "replicant")
+ENDPOINT_PATTERN = re.compile(r"^tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+|\*):(\d{1,5})$")
+NODE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+def check_endpoint(where: str, value: Any) -> str:
+    match = ENDPOINT_PATTERN.match(value) if isinstance(value, str) else None
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ConfigError(f"{where} must be an endpoint like tcp://127.0.0.1:7400, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Limits:
+    frame_bytes_max: int = 4 * 1024 * 1024
+    group_commit_max: int = 256
+    transaction_ops_max: int = 1000
+    scan_rows_max: int = 10000
+
+
+@dataclass(frozen=True)
+class Retention:
+    retention_entries_max: int = 100_000
+    retention_age_ms_max: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = DEFAULT_NAME
+    role: str = "core"
+    data_dir: str = DEFAULT_DATA_DIR
+    listen: str = DEFAULT_LISTEN
+    core_nodes: dict[str, str] = field(default_factory=dict)
+    synchronous: str = "FULL"
+    limits: Limits = field(default_factory=Limits)
+    retention: Retention = field(default_factory=Retention)
+
+    @property
+    def database_path(self) -> str:
+        return os.path.join(self.data_dir, "mnesite.db")
+
+
+_LIMIT_BOUNDS = {
+    "frame_bytes_max": (1024, 256 * 1024 * 1024),
+    "group_commit_max": (1, 100_000),
+    "transaction_ops_max": (1, 1_000_000),
+    "scan_rows_max": (1, 1_000_000),
+    "retention_entries_max": (1, 10**12),
+    "retention_age_ms_max": (0, 10**15),
+}
+
+
+def _int_section(section: str, raw: Any, cls: type) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{section}] must be a table")
+    known = {f.name for f in fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"unknown key [{section}].{key} (known: {', '.join(sorted(known))})")
+        low, high = _LIMIT_BOUNDS[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ConfigError(f"[{section}].{key} must be an integer in {low}..{high}, got {value!r}")
+        values[key] = value
+    return cls(**values)
+
+
+def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
+    """Validate a parsed TOML document. Relative ``data_dir`` is resolved against ``base_dir``."""
+    sections = {"node", "cluster", "storage", "limits", "rlog"}
+    for section in data:
+        if section not in sections:
+            raise ConfigError(f"unknown section [{section}] (known: {', '.join(sorted(sections))})")
+    node = data.get("node", {})
+    if not isinstance(node, dict):
+        raise ConfigError("[node] must be a table")
+    for key in node:
+        if key not in ("name", "role", "data_dir", "listen"):
+            raise ConfigError(f"unknown key [node].{key} (known: data_dir, listen, name, role)")
+    name = node.get("name", DEFAULT_NAME)
+    if not isinstance(name, str) or not NODE_NAME_PATTERN.match(name):
+        raise ConfigError(f"[node].name must be 1-64 letters, digits, '.', '_' or '-', got {name!r}")
+    role = node.get("role", "core")
+    if role not in ROLES:
+        raise ConfigError(f"[node].role must be \"core\" or \"replicant\", got {role!r}")
+    data_dir = node.get("data_dir", DEFAULT_DATA_DIR)
+    if not isinstance(data_dir, str) or not data_dir:
+        raise ConfigError(f"[node].data_dir must be a non-empty path, got {data_dir!r}")
+    data_dir = os.path.abspath(os.path.join(base_dir, os.path.expanduser(data_dir)))
+    listen = check_endpoint("[node].listen", node.get("listen", DEFAULT_LISTEN))
+
+    cluster = data.get("cluster", {})
+    if not isinstance(cluster, dict):
+        raise ConfigError("[cluster] must be a table")
+    for key in cluster:
+        if key != "core_nodes":
+            raise ConfigError(f"unknown key [cluster].{key} (known: core_nodes)")
+    core_nodes = cluster.get("core_nodes", {name: listen} if role == "core" else {})
+    if not isinstance(core_nodes, dict):
+        raise ConfigError("[cluster].core_nodes must be a table of name = \"tcp://host:port\"")
+    for core_name, endpoint in core_nodes.items():
+        if not NODE_NAME_PATTERN.match(core_name):
+            raise ConfigError(f"[cluster].core_nodes: invalid node name {core_name!r}")
+        check_endpoint(f"[cluster].core_nodes.{core_name}", endpoint)
+    if role == "core" and name not in core_nodes:
+        raise ConfigError(f"[cluster].core_nodes must list this core node {name!r}")
+    if role == "replicant" and not core_nodes:
+        raise ConfigError("[cluster].core_nodes must list at least one core for a replicant")
+
+    storage = data.get("storage", {})
+    if not isinstance(storage, dict):
+        raise ConfigError("[storage] must be a table")
+    for key in storage:
+        if key != "synchronous":
+            raise ConfigError(f"unknown key [storage].{key} (known: synchronous)")
+    synchronous = storage.get("synchronous", "FULL")
+    if not isinstance(synchronous, str) or synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+        raise ConfigError(f"[storage].synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
+
+    return Config(
+        name=name,
+        role=role,
+        data_dir=data_dir,
+        listen=listen,
+        core_nodes=dict(core_nodes),
+        synchronous=synchronous.upper(),
+        limits=_int_section("limits", data.get("limits", {}), Limits),
+        retention=_int_section("rlog", data.get("rlog", {}), Retention),
+    )
+
+
+def load_config(path: str | None) -> Config:
+    """Load and validate ``path``; ``None`` gives the single-core default (data in ./mnesite-data)."""
+    if path is None:
+        return parse_config({})
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: invalid TOML: {error}") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: {error.strerror}") from None
+    try:
+        return parse_config(data, base_dir=os.path.dirname(os.path.abspath(path)))
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
