@@ -173,7 +173,9 @@ def parse_column(text: str) -> tuple[str, str]:
 @table.command("create")
 @click.argument("table_name", metavar="TABLE")
 @click.option("--key", "key_column", required=True, metavar="COLUMN", help="Key column (TEXT unless declared).")
-@click.option("--column", "columns", multiple=True, metavar="NAME:TYPE", help="Column; TYPE: INTEGER REAL TEXT BLOB ANY.")
+@click.option(
+    "--column", "columns", multiple=True, metavar="NAME:TYPE", help="Column; TYPE: INTEGER REAL TEXT BLOB ANY."
+)
 @click.option("--shard", default=None, help="Shard of the table (default: default).")
 @node_options
 @json_option

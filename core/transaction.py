@@ -60,9 +60,7 @@ def _table(catalog: dict[str, TableSchema], name: Any) -> TableSchema:
     return table
 
 
-def parse_transaction(
-    guards: Any, ops: Any, catalog: dict[str, TableSchema], transaction_ops_max: int
-) -> Transaction:
+def parse_transaction(guards: Any, ops: Any, catalog: dict[str, TableSchema], transaction_ops_max: int) -> Transaction:
     """Validate a transaction request (``guards``/``ops`` as sent by clients)."""
     guards = [] if guards is None else guards
     if not isinstance(guards, list) or not isinstance(ops, list):
@@ -100,7 +98,8 @@ def parse_transaction(
             parsed_ops.append(DeleteOp(table.name, check_key(table, op["key"])))
         else:
             raise SchemaError(
-                "bad_request", f'op {index} must be {{"op": "write", "table", "row"}} or {{"op": "delete", "table", "key"}}'
+                "bad_request",
+                f'op {index} must be {{"op": "write", "table", "row"}} or {{"op": "delete", "table", "key"}}',
             )
     if len(shards) != 1:
         raise SchemaError("bad_request", f"a transaction must stay within one shard, this one spans {sorted(shards)}")

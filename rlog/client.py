@@ -118,8 +118,7 @@ class Client:
             self.close()
         else:
             raise Unavailable(
-                f"node {self.endpoint} did not answer {kind} within {self.timeout_ms} ms "
-                f"({self.retries + 1} attempts)"
+                f"node {self.endpoint} did not answer {kind} within {self.timeout_ms} ms ({self.retries + 1} attempts)"
             )
         if answer.kind == "error":
             code = answer.body["code"]

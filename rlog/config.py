@@ -124,7 +124,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         raise ConfigError(f"[node].name must be 1-64 letters, digits, '.', '_' or '-', got {name!r}")
     role = node.get("role", "core")
     if role not in ROLES:
-        raise ConfigError(f"[node].role must be \"core\" or \"replicant\", got {role!r}")
+        raise ConfigError(f'[node].role must be "core" or "replicant", got {role!r}')
     data_dir = node.get("data_dir", DEFAULT_DATA_DIR)
     if not isinstance(data_dir, str) or not data_dir:
         raise ConfigError(f"[node].data_dir must be a non-empty path, got {data_dir!r}")
@@ -139,7 +139,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
             raise ConfigError(f"unknown key [cluster].{key} (known: core_nodes)")
     core_nodes = cluster.get("core_nodes", {name: listen} if role == "core" else {})
     if not isinstance(core_nodes, dict):
-        raise ConfigError("[cluster].core_nodes must be a table of name = \"tcp://host:port\"")
+        raise ConfigError('[cluster].core_nodes must be a table of name = "tcp://host:port"')
     for core_name, endpoint in core_nodes.items():
         if not NODE_NAME_PATTERN.match(core_name):
             raise ConfigError(f"[cluster].core_nodes: invalid node name {core_name!r}")

@@ -70,9 +70,7 @@ class TableSchema:
         }
 
 
-def define_table(
-    name: Any, key_column: Any, columns: Any, shard: Any = DEFAULT_SHARD
-) -> TableSchema:
+def define_table(name: Any, key_column: Any, columns: Any, shard: Any = DEFAULT_SHARD) -> TableSchema:
     """Validate a table definition. ``columns`` is a list of ``(name, type)``; the key may be among them."""
     check_name("table", name)
     check_name("column", key_column)
@@ -97,7 +95,7 @@ def define_table(
     if key_column.lower() not in seen:
         # An undeclared key column defaults to TEXT and comes first.
         declared.insert(0, (key_column, "TEXT"))
-    key_type = dict(declared)[key_column] if key_column in dict(declared) else None
+    key_type = dict(declared).get(key_column)
     if key_type is None:
         raise SchemaError("bad_request", f"key column {key_column!r} differs in case from its declaration")
     if key_type not in KEY_TYPES:

@@ -118,9 +118,7 @@ class Store:
 
     def _format_version(self) -> Any:
         try:
-            row = self.connection.execute(
-                "SELECT value FROM _mnesite_meta WHERE name = 'format_version'"
-            ).fetchone()
+            row = self.connection.execute("SELECT value FROM _mnesite_meta WHERE name = 'format_version'").fetchone()
         except apsw.SQLError:
             return None
         return row[0] if row else None
@@ -203,7 +201,8 @@ class Store:
 
     def last_entry_key(self, shard: str) -> TxKey:
         row = self.connection.execute(
-            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? ORDER BY generation DESC, counter DESC LIMIT 1",
+            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? "
+            "ORDER BY generation DESC, counter DESC LIMIT 1",
             (shard,),
         ).fetchone()
         return TxKey(row[0], row[1]) if row else ZERO_KEY
@@ -233,7 +232,9 @@ class Store:
         if position is None:
             raise StoreError(f"unknown shard {entry.shard}")
         if entry.prev != position.applied:
-            raise StoreError(f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, applied is {position.applied}")
+            raise StoreError(
+                f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, applied is {position.applied}"
+            )
         expected = entry_digest(position.digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
         if expected != entry.digest:
             raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
@@ -366,14 +367,18 @@ class Store:
             for entry in batch:
                 if previous is not None:
                     if entry.prev != previous.tx_key:
-                        raise StoreError(f"shard {shard}: entry {entry.tx_key} follows {entry.prev}, not {previous.tx_key}")
+                        raise StoreError(
+                            f"shard {shard}: entry {entry.tx_key} follows {entry.prev}, not {previous.tx_key}"
+                        )
                     expected = entry_digest(
                         previous.digest, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id
                     )
                     if expected != entry.digest:
                         raise StoreError(f"shard {shard}: digest mismatch at {entry.tx_key}")
                 elif entry.prev == ZERO_KEY:
-                    expected = entry_digest(GENESIS_DIGEST, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+                    expected = entry_digest(
+                        GENESIS_DIGEST, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id
+                    )
                     if expected != entry.digest:
                         raise StoreError(f"shard {shard}: digest mismatch at {entry.tx_key}")
                 previous = entry
@@ -412,4 +417,6 @@ class Store:
 
 def _entry(row: tuple[Any, ...]) -> Entry:
     shard, generation, counter, prev_generation, prev_counter, digest, ops, request_id = row
-    return Entry(shard, TxKey(generation, counter), TxKey(prev_generation, prev_counter), digest, unpack_ops(ops), request_id)
+    return Entry(
+        shard, TxKey(generation, counter), TxKey(prev_generation, prev_counter), digest, unpack_ops(ops), request_id
+    )

@@ -116,12 +116,7 @@ def decode_op(value: Any) -> Op:
         return WriteOp(value[1], row)
     if kind == "d" and len(value) == 3 and isinstance(value[1], str):
         return DeleteOp(value[1], value[2])
-    if (
-        kind == "c"
-        and len(value) == 5
-        and all(isinstance(v, str) for v in value[1:4])
-        and isinstance(value[4], list)
-    ):
+    if kind == "c" and len(value) == 5 and all(isinstance(v, str) for v in value[1:4]) and isinstance(value[4], list):
         columns = []
         for column in value[4]:
             if not isinstance(column, list) or len(column) != 2 or not all(isinstance(c, str) for c in column):
@@ -193,7 +188,9 @@ def entry_from_wire(value: Any) -> Entry:
         raise OpDecodeError("entry fields have wrong types")
     if request_id is not None and not isinstance(request_id, str):
         raise OpDecodeError("entry request id must be a string or nil")
-    return Entry(shard, tx_key_from_wire(key), tx_key_from_wire(prev), digest, tuple(decode_op(o) for o in ops), request_id)
+    return Entry(
+        shard, tx_key_from_wire(key), tx_key_from_wire(prev), digest, tuple(decode_op(o) for o in ops), request_id
+    )
 
 
 def tx_key_from_wire(value: Any) -> TxKey:
