@@ -1,0 +1,361 @@
+"""One replica as the Spark side sees it: a node's SQLite file (read-only) or a live node.
+
+Theory of operation
+-------------------
+The data source and the compare job never write. A *file replica* is a node's
+``mnesite.db`` opened read-only with apsw; every method runs in its own read transaction,
+so a file that a running node keeps writing gives each call a consistent snapshot, but
+not one snapshot across calls. A *node replica* talks to a live node through
+``rlog.client.Client`` with the same batched dirty-read protocol bootstrap uses
+(``scan_page(after=key)``), so its reads are dirty; the compare job accounts for that by
+reporting keys touched between two replicas' applied tx keys as in flight.
+
+Both kinds answer the same questions: the catalog, each shard's applied position, the
+rows of a key range ``(low, high]`` in key order, split keys for balanced key ranges, and
+the rlog entries after a tx key. Every failure becomes ``ReplicaError`` with one line
+naming the replica, so that the CLI can print it and exit 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import apsw
+
+from rlog.range_digest import KeySampler
+from rlog.schema import TableSchema
+from rlog.store import FORMAT_VERSION, quote
+from rlog.types import (
+    CreateTableOp,
+    DeleteOp,
+    Op,
+    OpDecodeError,
+    TxKey,
+    WriteOp,
+    decode_op,
+    tx_key_from_wire,
+    unpack_ops,
+)
+
+DATABASE_FILE_NAME = "mnesite.db"
+NODE_SCHEME = "tcp://"
+BATCH_ROWS_MAX = 1000  # rows per read from a file cursor window or per scan_page request
+NODE_TIMEOUT_MS = 5000
+ENTRIES_BATCH_MAX = 1000
+
+
+class ReplicaError(RuntimeError):
+    """A replica cannot be opened or read; the message is one line naming the replica."""
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Where a replica is: ``kind`` is ``"file"`` (``location`` is the database file) or ``"node"``."""
+
+    kind: str
+    location: str
+    label: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"kind": self.kind, "location": self.location, "label": self.label}
+
+
+@dataclass(frozen=True)
+class ShardApplied:
+    shard: str
+    applied: TxKey
+    digest: str
+
+
+@dataclass(frozen=True)
+class RlogEntry:
+    """The parts of an rlog entry the compare job needs: its keys, digest and touched row keys."""
+
+    tx_key: TxKey
+    prev: TxKey
+    digest: str
+    touched: tuple[tuple[str, Any], ...]  # (table, key) pairs written or deleted
+
+
+def parse_replica(text: str) -> ReplicaSpec:
+    """``tcp://host:port`` is a live node; anything else is a data directory or a ``mnesite.db`` file."""
+    if text.startswith(NODE_SCHEME):
+        if len(text) == len(NODE_SCHEME):
+            raise ReplicaError(f"{text}: a node endpoint needs a host and a port, e.g. tcp://127.0.0.1:7400")
+        return ReplicaSpec("node", text, text)
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        path = os.path.join(path, DATABASE_FILE_NAME)
+        if not os.path.isfile(path):
+            raise ReplicaError(f"{text}: directory has no {DATABASE_FILE_NAME}; is it a mnesite data directory?")
+    elif not os.path.isfile(path):
+        raise ReplicaError(f"{text}: no such file or directory")
+    return ReplicaSpec("file", path, text)
+
+
+def open_replica(spec: ReplicaSpec, timeout_ms: int = NODE_TIMEOUT_MS) -> Replica:
+    if spec.kind == "file":
+        return FileReplica(spec)
+    if spec.kind == "node":
+        return NodeReplica(spec, timeout_ms)
+    raise ReplicaError(f"{spec.label}: unknown replica kind {spec.kind!r}")
+
+
+class Replica:
+    """Interface shared by file and node replicas (see the module docstring)."""
+
+    spec: ReplicaSpec
+
+    def catalog(self) -> dict[str, TableSchema]:
+        raise NotImplementedError
+
+    def applied(self) -> dict[str, ShardApplied]:
+        raise NotImplementedError
+
+    def iter_rows(
+        self, table: TableSchema, low: Any, high: Any, batch_rows_max: int = BATCH_ROWS_MAX
+    ) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+        """``(key, values in declared order)`` for keys in ``(low, high]``, in key order."""
+        raise NotImplementedError
+
+    def split_keys(self, table: TableSchema, parts: int) -> list[Any]:
+        """Up to ``parts - 1`` increasing keys cutting the table into near-equal key ranges."""
+        raise NotImplementedError
+
+    def entries_after(self, shard: str, after: TxKey, limit: int) -> list[RlogEntry]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def table(self, name: str) -> TableSchema:
+        table = self.catalog().get(name)
+        if table is None:
+            raise ReplicaError(f"{self.spec.label}: unknown table {name!r}")
+        return table
+
+    def _resolve_touched(self, ops: tuple[Op, ...]) -> tuple[tuple[str, Any], ...]:
+        catalog = self.catalog()
+        touched: list[tuple[str, Any]] = []
+        for op in ops:
+            if isinstance(op, WriteOp):
+                table = catalog.get(op.table)
+                if table is not None:
+                    touched.append((op.table, op.row.get(table.key_column)))
+            elif isinstance(op, DeleteOp):
+                touched.append((op.table, op.key))
+        return tuple(touched)
+
+
+class FileReplica(Replica):
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.spec = spec
+        try:
+            self.connection = apsw.Connection(spec.location, flags=apsw.SQLITE_OPEN_READONLY)
+            self.connection.set_busy_timeout(NODE_TIMEOUT_MS)
+            row = self.connection.execute("SELECT value FROM _mnesite_meta WHERE name = 'format_version'").fetchone()
+        except apsw.Error as error:
+            raise ReplicaError(f"{spec.label}: not a mnesite database ({_first_line(error)})") from None
+        if row is None or row[0] != FORMAT_VERSION:
+            found = row[0] if row else None
+            raise ReplicaError(f"{spec.label}: not a mnesite database of format {FORMAT_VERSION} (found {found!r})")
+        self._catalog: dict[str, TableSchema] | None = None
+
+    def _execute(self, sql: str, bindings: tuple[Any, ...] = ()) -> apsw.Cursor:
+        try:
+            return self.connection.execute(sql, bindings)
+        except apsw.Error as error:
+            raise ReplicaError(f"{self.spec.label}: read failed ({_first_line(error)})") from None
+
+    def catalog(self) -> dict[str, TableSchema]:
+        if self._catalog is None:
+            catalog = {}
+            for name, shard, key_column, columns in self._execute(
+                "SELECT name, shard, key_column, columns FROM _mnesite_tables ORDER BY name"
+            ):
+                catalog[name] = TableSchema(name, shard, key_column, tuple((c[0], c[1]) for c in json.loads(columns)))
+            self._catalog = catalog
+        return self._catalog
+
+    def applied(self) -> dict[str, ShardApplied]:
+        return {
+            shard: ShardApplied(shard, TxKey(generation, counter), digest.hex())
+            for shard, generation, counter, digest in self._execute(
+                "SELECT shard, applied_generation, applied_counter, applied_digest FROM _mnesite_shards ORDER BY shard"
+            )
+        }
+
+    def iter_rows(
+        self, table: TableSchema, low: Any, high: Any, batch_rows_max: int = BATCH_ROWS_MAX
+    ) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+        columns = ", ".join(quote(name) for name, _ in table.columns)
+        key = quote(table.key_column)
+        key_index = [name for name, _ in table.columns].index(table.key_column)
+        conditions, bindings = [], []
+        if low is not None:
+            conditions.append(f"{key} > ?")
+            bindings.append(low)
+        if high is not None:
+            conditions.append(f"{key} <= ?")
+            bindings.append(high)
+        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
+        # One statement, one read transaction: the range is read from one snapshot. The cursor
+        # streams, so memory stays at one row; batch_rows_max does not apply to files.
+        sql = f"SELECT {columns} FROM {quote(table.name)}{where} ORDER BY {key}"
+        for values in self._execute(sql, tuple(bindings)):
+            yield values[key_index], tuple(values)
+
+    def row_count(self, table: TableSchema) -> int:
+        return self._execute(f"SELECT count(*) FROM {quote(table.name)}").fetchone()[0]
+
+    def split_keys(self, table: TableSchema, parts: int) -> list[Any]:
+        if parts < 2:
+            return []
+        key = quote(table.key_column)
+        # ntile over the key index: the last key of every bucket but the last is an inclusive upper end.
+        rows = self._execute(
+            f"SELECT max(k) FROM (SELECT {key} AS k, ntile(?) OVER (ORDER BY {key}) AS bucket "
+            f"FROM {quote(table.name)}) GROUP BY bucket ORDER BY bucket",
+            (parts,),
+        ).fetchall()
+        return [row[0] for row in rows[:-1]]
+
+    def entries_after(self, shard: str, after: TxKey, limit: int) -> list[RlogEntry]:
+        entries = []
+        for generation, counter, prev_generation, prev_counter, digest, ops in self._execute(
+            "SELECT generation, counter, prev_generation, prev_counter, digest, ops FROM _mnesite_rlog "
+            "WHERE shard = ? AND (generation, counter) > (?, ?) ORDER BY generation, counter LIMIT ?",
+            (shard, after.generation, after.counter, limit),
+        ):
+            try:
+                decoded = unpack_ops(ops)
+            except (OpDecodeError, ValueError) as error:
+                raise ReplicaError(f"{self.spec.label}: undecodable rlog entry ({error})") from None
+            entries.append(
+                RlogEntry(
+                    TxKey(generation, counter),
+                    TxKey(prev_generation, prev_counter),
+                    digest.hex(),
+                    self._resolve_touched(decoded),
+                )
+            )
+        return entries
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+class NodeReplica(Replica):
+    """A live node read through ``rlog.client.Client`` (imported lazily: files need no client)."""
+
+    def __init__(self, spec: ReplicaSpec, timeout_ms: int = NODE_TIMEOUT_MS) -> None:
+        self.spec = spec
+        try:
+            from rlog.client import Client, MnesiteError
+        except ImportError as error:
+            raise ReplicaError(f"{spec.label}: the node client is not available ({error})") from None
+        self._error_type = MnesiteError
+        try:
+            self.client = Client(spec.location, timeout_ms=timeout_ms)
+        except MnesiteError as error:
+            raise ReplicaError(f"{spec.label}: {_first_line(error)}") from None
+        self._catalog: dict[str, TableSchema] | None = None
+        self._status: dict[str, Any] | None = None
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.client, method)(*args, **kwargs)
+        except self._error_type as error:
+            raise ReplicaError(f"{self.spec.label}: {method} failed: {_first_line(error)}") from None
+
+    def catalog(self) -> dict[str, TableSchema]:
+        if self._catalog is None:
+            catalog = {}
+            for item in self._call("list_tables"):
+                columns = tuple((c[0], c[1]) for c in item["columns"])
+                catalog[item["table"]] = TableSchema(item["table"], item["shard"], item["key"], columns)
+            self._catalog = catalog
+        return self._catalog
+
+    def applied(self) -> dict[str, ShardApplied]:
+        status = self._call("status")
+        result = {}
+        for shard, facts in sorted(status.get("shards", {}).items()):
+            try:
+                applied = tx_key_from_wire(facts["applied"])
+            except (OpDecodeError, KeyError) as error:
+                raise ReplicaError(f"{self.spec.label}: malformed status for shard {shard} ({error})") from None
+            result[shard] = ShardApplied(shard, applied, str(facts.get("digest", "")))
+        return result
+
+    def iter_rows(
+        self, table: TableSchema, low: Any, high: Any, batch_rows_max: int = BATCH_ROWS_MAX
+    ) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+        names = [name for name, _ in table.columns]
+        after = low
+        while True:
+            page = self._call("scan_page", table.name, after=after, limit=batch_rows_max)
+            for row in page:
+                key = row[table.key_column]
+                if high is not None and key > high:
+                    return
+                yield key, tuple(row.get(name) for name in names)
+            if len(page) < batch_rows_max:
+                return
+            after = page[-1][table.key_column]
+
+    def split_keys(self, table: TableSchema, parts: int) -> list[Any]:
+        # No server-side sampling request yet: page through the keys once, keeping a bounded sample.
+        if parts < 2:
+            return []
+        sampler = KeySampler()
+        for key, _ in self.iter_rows(table, None, None):
+            sampler.add(key)
+        return sampler.split_keys(parts)
+
+    def entries_after(self, shard: str, after: TxKey, limit: int) -> list[RlogEntry]:
+        entries = []
+        for item in self._call("rlog_entries", shard, after=list(after), limit=limit):
+            try:
+                ops = tuple(_op_from_client(op) for op in item.get("ops", []))
+                entries.append(
+                    RlogEntry(tx_key_from_wire(item["tx_key"]), tx_key_from_wire(item["prev"]), str(item["digest"]),
+                              self._resolve_touched(ops))
+                )
+            except (OpDecodeError, KeyError, TypeError) as error:
+                raise ReplicaError(f"{self.spec.label}: malformed rlog entry ({error})") from None
+        return entries
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _op_from_client(value: Any) -> Op:
+    """Ops as clients see them (``rlog.types.op_to_json`` objects) or in their canonical list form."""
+    if isinstance(value, dict):
+        kind = value.get("op")
+        if kind == "write" and isinstance(value.get("row"), dict):
+            return WriteOp(str(value["table"]), value["row"])
+        if kind == "delete":
+            return DeleteOp(str(value["table"]), value.get("key"))
+        if kind == "create_table":
+            return CreateTableOp(
+                str(value["table"]), str(value["shard"]), str(value["key"]), tuple(tuple(c) for c in value["columns"])
+            )
+        raise OpDecodeError(f"unknown op {kind!r}")
+    return decode_op(value)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]

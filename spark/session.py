@@ -1,0 +1,93 @@
+"""Building a quiet SparkSession that can run mnesite's executor code.
+
+Theory of operation
+-------------------
+Spark needs a Java runtime; without one PySpark fails deep inside a gateway start-up with a
+message that does not say what to install, so ``require_java`` checks first and names the
+Debian package. Executors are Python workers started by the JVM: in local mode they inherit
+this process's environment, so the directory that holds the ``rlog`` and ``spark`` packages is
+put on ``PYTHONPATH`` and the workers use this interpreter. On a cluster the workers must have
+mnesite installed (``pip install mnesite[spark]``). Logs are quiet by default: log level
+ERROR, no UI, a small number of shuffle partitions (the compare job shuffles digests, not rows).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from typing import Any
+
+JAVA_PACKAGE = "openjdk-17-jre-headless"
+SHUFFLE_PARTITIONS_DEFAULT = 8
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOG4J_QUIET_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2-quiet.properties")
+
+
+class SparkUnavailableError(RuntimeError):
+    """Spark cannot start here (no Java, no pyspark); the message says what to install."""
+
+
+def require_java() -> str:
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home:
+        candidate = os.path.join(java_home, "bin", "java")
+        if os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("java")
+    if found is None:
+        raise SparkUnavailableError(
+            f"Spark needs Java and none was found (no java on PATH or in JAVA_HOME); "
+            f"install it with: apt-get install -y {JAVA_PACKAGE}"
+        )
+    return found
+
+
+def prepare_environment() -> None:
+    """Make local-mode Python workers able to import ``rlog`` and ``spark`` with this interpreter."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if PROJECT_ROOT not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([PROJECT_ROOT, *paths])
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # The JVM is launched before any builder option applies: quiet its start-up through the environment.
+    quiet = f"-Dlog4j2.configurationFile=file:{LOG4J_QUIET_PATH}"
+    if quiet not in os.environ.get("SPARK_SUBMIT_OPTS", ""):
+        os.environ["SPARK_SUBMIT_OPTS"] = (os.environ.get("SPARK_SUBMIT_OPTS", "") + " " + quiet).strip()
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+
+def build_session(
+    master: str = "local[*]",
+    app_name: str = "mnesite-compare",
+    shuffle_partitions: int = SHUFFLE_PARTITIONS_DEFAULT,
+    log_level: str = "ERROR",
+    extra_config: dict[str, str] | None = None,
+) -> Any:
+    """A SparkSession with the mnesite data source registered."""
+    require_java()
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as error:
+        raise SparkUnavailableError(f"pyspark is not installed ({error}); install mnesite[spark]") from None
+    prepare_environment()
+    if master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # no "hostname resolves to loopback" warning
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+        .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
+    )
+    for name, value in (extra_config or {}).items():
+        builder = builder.config(name, value)
+    try:
+        session = builder.getOrCreate()
+    except Exception as error:  # the gateway raises plain exceptions; turn them into one line
+        raise SparkUnavailableError(f"Spark could not start: {str(error).strip().splitlines()[0]}") from None
+    session.sparkContext.setLogLevel(log_level)
+    from spark.datasource import register
+
+    register(session)
+    return session
