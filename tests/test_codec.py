@@ -1,0 +1,153 @@
+"""The wire codec round-trips every valid message and turns any garbage into CodecError only."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlog import codec
+from rlog.codec import CodecError, Message
+from rlog.types import (
+    GENESIS_DIGEST,
+    ZERO_KEY,
+    CreateTableOp,
+    DeleteOp,
+    OpDecodeError,
+    TxKey,
+    WriteOp,
+    entry_from_wire,
+    entry_to_wire,
+    make_entry,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+scalars = st.one_of(
+    st.none(),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+)
+names = st.from_regex(r"[a-z_][a-z0-9_]{0,10}", fullmatch=True)
+rows = st.dictionaries(names, scalars, max_size=5)
+request_ids = st.text(min_size=1, max_size=64)
+
+
+@st.composite
+def transact_messages(draw) -> Message:
+    ops = draw(
+        st.lists(
+            st.one_of(
+                st.fixed_dictionaries({"op": st.just("write"), "table": names, "row": rows}),
+                st.fixed_dictionaries({"op": st.just("delete"), "table": names, "key": scalars}),
+            ),
+            min_size=1,
+            max_size=5,
+        )
+    )
+    guards = draw(st.lists(st.fixed_dictionaries({"table": names, "key": scalars, "equals": st.none() | rows})))
+    return Message("transact", draw(request_ids), {"ops": ops, "guards": guards})
+
+
+@given(transact_messages())
+def test_transact_round_trips(message: Message) -> None:
+    assert codec.decode(codec.encode(message)) == message
+
+
+@given(st.sampled_from(["status", "list_tables"]), request_ids)
+def test_empty_body_kinds_round_trip(kind: str, request_id: str) -> None:
+    message = Message(kind, request_id, {})
+    assert codec.decode(codec.encode(message)) == message
+
+
+@given(st.binary(max_size=512))
+@settings(max_examples=2000)
+def test_arbitrary_bytes_only_raise_codec_error(frame: bytes) -> None:
+    try:
+        message = codec.decode(frame)
+    except CodecError:
+        return
+    assert message.kind in codec.KINDS
+
+
+values = st.recursive(
+    scalars | st.booleans(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(values)
+@settings(max_examples=1000)
+def test_arbitrary_msgpack_values_only_raise_codec_error(value) -> None:
+    try:
+        codec.decode(msgpack.packb(value, use_bin_type=True))
+    except CodecError:
+        pass
+
+
+@given(st.sampled_from(sorted(codec.KINDS)), values)
+@settings(max_examples=1000)
+def test_well_framed_bodies_of_wrong_shape_raise_codec_error(kind: str, body) -> None:
+    frame = msgpack.packb([codec.PROTOCOL_VERSION, kind, "r1", body], use_bin_type=True)
+    try:
+        message = codec.decode(frame)
+    except CodecError:
+        return
+    assert message.kind == kind and isinstance(message.body, dict)
+
+
+def test_errors_name_the_problem() -> None:
+    with pytest.raises(CodecError, match="version 9 is not supported") as info:
+        codec.decode(msgpack.packb([9, "status", "r", {}]))
+    assert info.value.code == "unsupported_version"
+    with pytest.raises(CodecError, match="unknown message kind") as info:
+        codec.decode(msgpack.packb([1, "launch_missiles", "r", {}]))
+    assert info.value.code == "unknown_kind"
+    with pytest.raises(CodecError, match="missing field 'ops'"):
+        codec.decode(msgpack.packb([1, "transact", "r", {}]))
+    with pytest.raises(CodecError, match="field 'table' must be str"):
+        codec.decode(msgpack.packb([1, "get", "r", {"table": 5, "key": 1}]))
+    with pytest.raises(CodecError, match="extension type"):
+        codec.decode(msgpack.packb([1, "get", "r", {"table": "t", "key": msgpack.ExtType(5, b"x")}]))
+
+
+def test_oversized_frames_are_refused_before_parsing() -> None:
+    frame = codec.encode(Message("get", "r", {"table": "t", "key": "x" * 2000}))
+    with pytest.raises(CodecError) as info:
+        codec.decode(frame, frame_bytes_max=1000)
+    assert info.value.code == "frame_too_large"
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.builds(WriteOp, names, rows),
+            st.builds(DeleteOp, names, scalars),
+            st.builds(
+                CreateTableOp,
+                names,
+                names,
+                names,
+                st.lists(st.tuples(names, st.sampled_from(["INTEGER", "TEXT"])), max_size=3).map(tuple),
+            ),
+        ),
+        max_size=4,
+    ),
+    st.none() | request_ids,
+)
+def test_entries_round_trip_on_the_wire(ops, request_id) -> None:
+    entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, ops, request_id)
+    wire = msgpack.unpackb(msgpack.packb(entry_to_wire(entry), use_bin_type=True), raw=False)
+    assert entry_from_wire(wire) == entry
+
+
+@given(values)
+def test_garbage_entries_only_raise_op_decode_error(value) -> None:
+    try:
+        entry_from_wire(value)
+    except OpDecodeError:
+        pass

@@ -1,0 +1,188 @@
+"""A core node over real zmq sockets (served from a thread): writes, reads, guards, bad input, group commit."""
+
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+from core.node import CoreNode
+from rlog import codec
+from rlog.client import Client, GuardFailed, RemoteError, UnknownTable
+from rlog.codec import Message
+from rlog.types import TxKey
+from tests.conftest import ThreadNode, node_config
+
+pytestmark = pytest.mark.timeout(60)
+
+USERS_COLUMNS = [("id", "INTEGER"), ("name", "TEXT"), ("score", "REAL")]
+
+
+@pytest.fixture
+def client(thread_node: ThreadNode):
+    with thread_node.client(timeout_ms=5000) as client:
+        client.create_table("users", "id", USERS_COLUMNS)
+        yield client
+
+
+def raw_call(endpoint: str, frame: bytes, timeout_ms: int = 5000) -> Message:
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    try:
+        socket.send(frame)
+        if not socket.poll(timeout_ms):
+            raise AssertionError("no answer")
+        return codec.decode(socket.recv())
+    finally:
+        socket.close(0)
+
+
+def test_put_get_delete_scan(client: Client) -> None:
+    first = client.put("users", {"id": 1, "name": "ada"})
+    second = client.put("users", {"id": 2, "name": "grace", "score": 3})
+    assert second > first and second.generation == first.generation
+    assert client.get("users", 2) == {"id": 2, "name": "grace", "score": 3.0}
+    assert client.delete("users", 1) > second
+    assert client.get("users", 1) is None
+    for i in range(3, 2503):
+        client.transact([{"op": "write", "table": "users", "row": {"id": i}}])
+    rows = list(client.scan("users", page_rows=1000))
+    assert [row["id"] for row in rows] == list(range(2, 2503))
+    assert client.scan_page("users", after=2500, limit=10) == [
+        {"id": 2501, "name": None, "score": None},
+        {"id": 2502, "name": None, "score": None},
+    ]
+
+
+def test_transaction_is_all_or_nothing_and_guards_are_checked(client: Client) -> None:
+    client.put("users", {"id": 1, "name": "ada"})
+    with client.transaction() as tx:
+        tx.require("users", 1, equals={"id": 1, "name": "ada"})
+        tx.require("users", 2, equals=None)
+        tx.put("users", {"id": 2, "name": "grace"})
+        tx.delete("users", 1)
+    assert tx.tx_key is not None
+    assert client.get("users", 1) is None and client.get("users", 2)["name"] == "grace"
+    applied_before = client.status()["shards"]["default"]["applied"]
+    with pytest.raises(GuardFailed, match=r"guard 0 failed: users\[2\] should be absent") as info:
+        client.transact(
+            [{"op": "write", "table": "users", "row": {"id": 3}}], [{"table": "users", "key": 2, "equals": None}]
+        )
+    assert info.value.detail["actual"] == {"id": 2, "name": "grace", "score": None}
+    assert client.get("users", 3) is None
+    assert client.status()["shards"]["default"]["applied"] == applied_before
+    with pytest.raises(RuntimeError), client.transaction() as tx:
+        tx.put("users", {"id": 4})
+        raise RuntimeError("the block failed: nothing is sent")
+    assert client.get("users", 4) is None
+
+
+def test_a_retried_request_is_applied_once(client: Client) -> None:
+    body = {"ops": [{"op": "write", "table": "users", "row": {"id": 7, "name": "once"}}]}
+    first = client.call("transact", body, request_id="retry-me")
+    second = client.call("transact", body, request_id="retry-me")
+    assert first["tx_key"] == second["tx_key"] and second["duplicate"] is True
+    entries = client.rlog_tail("default", 100)
+    assert sum(1 for e in entries if e["request_id"] == "retry-me") == 1
+
+
+def test_bad_input_gets_a_clear_error_and_changes_nothing(thread_node: ThreadNode, client: Client) -> None:
+    client.put("users", {"id": 1, "name": "ada"})
+    before = client.status()["shards"]
+    cases = [
+        (b"\xc1garbage", "bad_frame"),
+        (msgpack.packb([1, "transact", "r1", {"ops": "not a list"}]), "bad_frame"),
+        (msgpack.packb([2, "status", "r1", {}]), "unsupported_version"),
+        (msgpack.packb([1, "drop_everything", "r1", {}]), "unknown_kind"),
+        (codec.encode(Message("get", "r1", {"table": "users", "key": "x" * 5_000_000})), "frame_too_large"),
+        (codec.encode(Message("reply", "r1", {"result": 1})), "bad_request"),
+    ]
+    for frame, code in cases:
+        answer = raw_call(thread_node.endpoint, frame)
+        assert answer.kind == "error" and answer.body["code"] == code, (frame[:20], answer)
+        assert answer.body["message"]
+    with pytest.raises(UnknownTable, match="unknown table 'nope'"):
+        client.put("nope", {"id": 1})
+    with pytest.raises(RemoteError, match="users.name is TEXT") as info:
+        client.put("users", {"id": 2, "name": 5})
+    assert info.value.code == "wrong_type"
+    with pytest.raises(RemoteError, match="no column 'age'"):
+        client.put("users", {"id": 2, "age": 5})
+    with pytest.raises(RemoteError, match="already exists"):
+        client.create_table("users", "id", USERS_COLUMNS)
+    with pytest.raises(RemoteError, match="consistency must be"):
+        client.get("users", 1, consistency="eventually-maybe")
+    assert client.status()["shards"] == before, "bad input changed nothing"
+    assert client.get("users", 1)["name"] == "ada", "the node keeps serving"
+
+
+def test_concurrent_transactions_are_group_committed(thread_node: ThreadNode, client: Client) -> None:
+    errors: list[BaseException] = []
+
+    def writer(worker: int) -> None:
+        try:
+            with Client(thread_node.endpoint, timeout_ms=10_000) as own:
+                for i in range(40):
+                    own.put("users", {"id": worker * 1000 + i, "name": f"w{worker}"})
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    commits_before = thread_node.node.commits
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    commits = thread_node.node.commits - commits_before
+    assert len(list(client.scan("users"))) == 16 * 40
+    assert commits < 16 * 40, f"{commits} commits for {16 * 40} transactions: no grouping"
+    assert thread_node.node.store.verify_chain("default") == TxKey(*client.status()["shards"]["default"]["applied"])
+
+
+def test_a_restart_opens_a_new_generation(tmp_path) -> None:
+    first = ThreadNode(tmp_path / "data")
+    try:
+        with first.client() as client:
+            client.create_table("kv", "k", [("k", "TEXT"), ("v", "TEXT")])
+            before = client.put("kv", {"k": "a", "v": "1"})
+    finally:
+        first.stop()
+    config = node_config(tmp_path / "data", first.port)
+    node = CoreNode(config)
+    try:
+        assert node.store.shard("default").generation == before.generation + 1
+    finally:
+        node.close()
+    second = ThreadNode(tmp_path / "data")
+    try:
+        with second.client() as client:
+            after = client.put("kv", {"k": "b", "v": "2"})
+            assert after == TxKey(before.generation + 2, 1)
+            entries = client.rlog_tail("default", 10)
+            assert entries[-1]["prev"] == list(before), "the chain continues across generations"
+            assert client.get("kv", "a") == {"k": "a", "v": "1"}
+    finally:
+        second.stop()
+
+
+def test_shards_have_their_own_rlogs(client: Client) -> None:
+    client.create_table("events", "id", [("id", "TEXT")], shard="events")
+    client.put("events", {"id": "e1"})
+    client.put("users", {"id": 1})
+    shards = client.status()["shards"]
+    assert set(shards) == {"default", "events"}
+    assert [e["ops"][0]["op"] for e in client.rlog_tail("events", 10)] == ["create_table", "write"]
+    with pytest.raises(RemoteError, match="within one shard"):
+        client.transact(
+            [
+                {"op": "write", "table": "events", "row": {"id": "e2"}},
+                {"op": "write", "table": "users", "row": {"id": 2}},
+            ]
+        )
+    with pytest.raises(RemoteError, match="unknown shard"):
+        client.rlog_tail("nope")

@@ -1,0 +1,112 @@
+"""The apsw store: atomic apply (invariant 4), no gaps, chain verification, retention."""
+
+from __future__ import annotations
+
+import apsw
+import pytest
+
+from rlog.schema import define_table
+from rlog.store import Store, StoreError
+from rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+
+pytestmark = pytest.mark.timeout(30)
+
+TABLE = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store(str(tmp_path / "mnesite.db"), synchronous="NORMAL")
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+        entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [TABLE.to_op()])
+        store.append_entry(entry, 0)
+        store.apply_entry(entry)
+    yield store
+    store.close()
+
+
+def append(store: Store, counter: int, value: str, appended_ms: int = 0):
+    position = store.shard("default")
+    entry = make_entry(
+        "default", TxKey(1, counter), position.applied, position.digest, [WriteOp("t", {"k": counter, "v": value})]
+    )
+    with store.write_transaction():
+        store.append_entry(entry, appended_ms)
+        store.apply_entry(entry)
+    return entry
+
+
+def test_apply_moves_data_and_position_together(store) -> None:
+    entry = append(store, 2, "a")
+    position = store.shard("default")
+    assert (position.applied, position.digest) == (entry.tx_key, entry.digest)
+    assert store.read_row(store.catalog()["t"], 2) == {"k": 2, "v": "a"}
+
+
+def test_a_failure_mid_transaction_leaves_neither_data_nor_position(store) -> None:
+    before = store.shard("default")
+    position = before
+    entry = make_entry("default", TxKey(1, 2), position.applied, position.digest, [WriteOp("t", {"k": 2, "v": "x"})])
+    with pytest.raises(RuntimeError, match="crash"), store.write_transaction():
+        store.append_entry(entry, 0)
+        store.apply_entry(entry)
+        raise RuntimeError("crash between apply and commit")
+    assert store.shard("default") == before
+    assert store.read_row(store.catalog()["t"], 2) is None
+    assert store.last_entry_key("default") == TxKey(1, 1)
+
+
+def test_entries_that_do_not_follow_the_applied_key_are_refused(store) -> None:
+    position = store.shard("default")
+    gap = make_entry("default", TxKey(1, 5), TxKey(1, 4), position.digest, [])
+    with pytest.raises(StoreError, match="follows"), store.write_transaction():
+        store.apply_entry(gap)
+    forged = make_entry("default", TxKey(1, 2), position.applied, b"\x01" * 32, [])
+    with pytest.raises(StoreError, match="digest mismatch"), store.write_transaction():
+        store.apply_entry(forged)
+
+
+def test_verify_chain_finds_a_tampered_entry(store) -> None:
+    for counter in range(2, 6):
+        append(store, counter, f"v{counter}")
+    assert store.verify_chain("default") == TxKey(1, 5)
+    store.connection.execute("UPDATE _mnesite_rlog SET digest = zeroblob(32) WHERE counter = 3")
+    with pytest.raises(StoreError, match=r"digest mismatch at \(1, [34]\)"):
+        store.verify_chain("default")
+
+
+def test_retention_keeps_the_newest_entries(store) -> None:
+    for counter in range(2, 12):
+        append(store, counter, "x", appended_ms=counter * 1000)
+    with store.write_transaction():
+        assert store.trim("default", entries_max=5, before_ms=None) == 6
+    assert [e.tx_key.counter for e in store.tail("default", 100)] == [7, 8, 9, 10, 11]
+    with store.write_transaction():
+        store.trim("default", entries_max=100, before_ms=10_500)
+    assert [e.tx_key.counter for e in store.tail("default", 100)] == [11]
+    with store.write_transaction():
+        store.trim("default", entries_max=100, before_ms=10**9)
+    assert [e.tx_key.counter for e in store.tail("default", 100)] == [11], "the newest entry is always kept"
+    assert store.verify_chain("default") == TxKey(1, 11)
+
+
+def test_user_tables_are_strict(store) -> None:
+    with pytest.raises((apsw.ConstraintError, apsw.MismatchError)):
+        store.connection.execute("INSERT INTO t VALUES ('not an integer', 'x')")
+    with pytest.raises(apsw.ConstraintError):
+        store.connection.execute("INSERT INTO t VALUES (7, x'00')")
+
+
+def test_a_file_that_is_not_a_mnesite_database_is_refused(tmp_path) -> None:
+    path = tmp_path / "other.db"
+    connection = apsw.Connection(str(path))
+    connection.execute("CREATE TABLE x(a)")
+    connection.close()
+    with pytest.raises(StoreError, match="not a mnesite database"):
+        Store(str(path), create=False)
+    (tmp_path / "junk.db").write_bytes(b"this is not sqlite at all" * 100)
+    with pytest.raises(StoreError, match="not a mnesite database"):
+        Store(str(tmp_path / "junk.db"), create=False)
+    with pytest.raises(StoreError, match="no such database"):
+        Store(str(tmp_path / "missing.db"), create=False)

@@ -1,0 +1,47 @@
+"""The digest chain: equal digests mean identical histories; any change shows."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, TxKey, WriteOp, entry_digest, make_entry
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def chain(ops_list, shard="default"):
+    entries = []
+    prev, digest = ZERO_KEY, GENESIS_DIGEST
+    for counter, ops in enumerate(ops_list, start=1):
+        entry = make_entry(shard, TxKey(1, counter), prev, digest, ops)
+        entries.append(entry)
+        prev, digest = entry.tx_key, entry.digest
+    return entries
+
+
+def test_digest_covers_the_whole_history() -> None:
+    a = chain([[WriteOp("t", {"k": 1})], [WriteOp("t", {"k": 2})], [DeleteOp("t", 1)]])
+    b = chain([[WriteOp("t", {"k": 1})], [WriteOp("t", {"k": 3})], [DeleteOp("t", 1)]])
+    assert a[0].digest == b[0].digest
+    assert a[1].digest != b[1].digest
+    # The third entries are identical, yet their digests differ: they cover what came before.
+    assert a[2].ops == b[2].ops and a[2].digest != b[2].digest
+
+
+def test_digest_does_not_depend_on_column_order() -> None:
+    one = entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, [WriteOp("t", {"a": 1, "b": 2})], None)
+    two = entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, [WriteOp("t", {"b": 2, "a": 1})], None)
+    assert one == two
+
+
+def test_digest_covers_key_shard_and_request_id() -> None:
+    base = entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, [], None)
+    assert base != entry_digest(GENESIS_DIGEST, "s", TxKey(2, 1), ZERO_KEY, [], None)
+    assert base != entry_digest(GENESIS_DIGEST, "other", TxKey(1, 1), ZERO_KEY, [], None)
+    assert base != entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, [], "r")
+
+
+def test_tx_keys_order_by_generation_then_counter() -> None:
+    assert TxKey(1, 99) < TxKey(2, 1) < TxKey(2, 2)
+    with pytest.raises(ValueError, match="does not follow"):
+        make_entry("s", TxKey(1, 1), TxKey(1, 1), GENESIS_DIGEST, [])

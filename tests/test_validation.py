@@ -1,0 +1,132 @@
+"""Pure validation: table definitions, rows, transactions and guards, config files."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.transaction import GuardFailed, evaluate, parse_transaction
+from rlog.config import ConfigError, load_config, parse_config
+from rlog.schema import SchemaError, define_table
+from rlog.types import DeleteOp, WriteOp
+
+pytestmark = pytest.mark.timeout(30)
+
+USERS = define_table("users", "id", [["id", "INTEGER"], ["name", "TEXT"], ["score", "REAL"], ["blob", "BLOB"]])
+OTHER = define_table("events", "id", [["id", "TEXT"]], shard="events")
+CATALOG = {"users": USERS, "events": OTHER}
+
+
+def parse(ops, guards=None):
+    return parse_transaction(guards, ops, CATALOG, transaction_ops_max=10)
+
+
+def test_define_table_validates_names_and_types() -> None:
+    assert define_table("t", "k", []).columns == (("k", "TEXT"),)
+    with pytest.raises(SchemaError, match="invalid table name"):
+        define_table("bad name", "k", [])
+    with pytest.raises(SchemaError, match="reserved"):
+        define_table("_mnesite_x", "k", [])
+    with pytest.raises(SchemaError, match="has type 'DATE'"):
+        define_table("t", "k", [["d", "DATE"]])
+    with pytest.raises(SchemaError, match="must be INTEGER, TEXT or BLOB"):
+        define_table("t", "k", [["k", "REAL"]])
+    with pytest.raises(SchemaError, match="declared twice"):
+        define_table("t", "k", [["a", "TEXT"], ["A", "TEXT"]])
+
+
+def test_writes_become_full_rows() -> None:
+    tx = parse([{"op": "write", "table": "users", "row": {"id": 1, "score": 2}}])
+    assert tx.ops == (WriteOp("users", {"id": 1, "name": None, "score": 2.0, "blob": None}),)
+    assert tx.shard == "default"
+
+
+@pytest.mark.parametrize(
+    ("ops", "code", "text"),
+    [
+        ([{"op": "write", "table": "nope", "row": {"id": 1}}], "unknown_table", "unknown table 'nope'"),
+        ([{"op": "write", "table": "users", "row": {"id": "x"}}], "wrong_type", "users.id is INTEGER"),
+        ([{"op": "write", "table": "users", "row": {"id": 1, "name": 5}}], "wrong_type", "users.name is TEXT"),
+        ([{"op": "write", "table": "users", "row": {"id": 1, "name": True}}], "wrong_type", "booleans"),
+        ([{"op": "write", "table": "users", "row": {"id": 2**64}}], "wrong_type", "64-bit"),
+        ([{"op": "write", "table": "users", "row": {"id": 1, "zzz": 1}}], "unknown_column", "no column 'zzz'"),
+        ([{"op": "write", "table": "users", "row": {"name": "a"}}], "wrong_type", "cannot be null"),
+        ([{"op": "write", "table": "users", "row": [1]}], "wrong_type", "must be an object"),
+        ([{"op": "delete", "table": "users", "key": None}], "wrong_type", "cannot be null"),
+        ([{"op": "upsert", "table": "users", "row": {"id": 1}}], "bad_request", "must be"),
+        ([], "bad_request", "at least one op"),
+        ([{"op": "delete", "table": "users", "key": i} for i in range(11)], "too_large", "transaction_ops_max"),
+        (
+            [{"op": "delete", "table": "users", "key": 1}, {"op": "delete", "table": "events", "key": "a"}],
+            "bad_request",
+            "within one shard",
+        ),
+    ],
+)
+def test_bad_transactions_are_refused_with_a_clear_error(ops, code, text) -> None:
+    with pytest.raises(SchemaError, match=text) as info:
+        parse(ops)
+    assert info.value.code == code
+
+
+def test_guards_compare_full_rows_or_absence() -> None:
+    current = {("users", 1): {"id": 1, "name": "a", "score": None, "blob": None}}
+
+    def read(table, key):
+        return current.get((table.name, key))
+
+    ok = parse(
+        [{"op": "delete", "table": "users", "key": 1}],
+        [{"table": "users", "key": 1, "equals": {"id": 1, "name": "a"}}, {"table": "users", "key": 2, "equals": None}],
+    )
+    assert evaluate(ok, CATALOG, read) == (DeleteOp("users", 1),)
+    failing = parse(
+        [{"op": "delete", "table": "users", "key": 1}],
+        [{"table": "users", "key": 2, "equals": None}, {"table": "users", "key": 1, "equals": None}],
+    )
+    outcome = evaluate(failing, CATALOG, read)
+    assert isinstance(outcome, GuardFailed) and outcome.index == 1
+    assert outcome.actual == current[("users", 1)]
+    assert "guard 1 failed: users[1] should be absent" in outcome.describe()
+    with pytest.raises(SchemaError, match="differs from the guarded key"):
+        parse([{"op": "delete", "table": "users", "key": 1}], [{"table": "users", "key": 1, "equals": {"id": 2}}])
+
+
+def test_default_config_is_a_single_core() -> None:
+    config = load_config(None)
+    assert (config.name, config.role, config.listen) == ("core1", "core", "tcp://127.0.0.1:7400")
+    assert config.data_dir.endswith("mnesite-data") and config.synchronous == "FULL"
+    assert config.core_nodes == {"core1": "tcp://127.0.0.1:7400"}
+
+
+@pytest.mark.parametrize(
+    ("data", "text"),
+    [
+        ({"node": {"role": "leader"}}, r"\[node\].role"),
+        ({"node": {"listen": "http://x"}}, r"\[node\].listen"),
+        ({"node": {"colour": "red"}}, r"unknown key \[node\].colour"),
+        ({"nodes": {}}, r"unknown section \[nodes\]"),
+        ({"node": {"name": "a"}, "cluster": {"core_nodes": {"b": "tcp://127.0.0.1:1"}}}, "must list this core"),
+        ({"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:99999"}}}, r"core_nodes.core1"),
+        ({"node": {"role": "replicant"}}, "at least one core"),
+        ({"storage": {"synchronous": "SOMETIMES"}}, r"\[storage\].synchronous"),
+        ({"limits": {"group_commit_max": 0}}, r"\[limits\].group_commit_max"),
+        ({"limits": {"group_commit_max": "9"}}, r"\[limits\].group_commit_max"),
+        ({"rlog": {"retention_entries": 5}}, r"unknown key \[rlog\].retention_entries"),
+    ],
+)
+def test_config_mistakes_name_the_key(data, text) -> None:
+    with pytest.raises(ConfigError, match=text):
+        parse_config(data)
+
+
+def test_config_file_errors(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[node\nname=")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(str(bad))
+    good = tmp_path / "node.toml"
+    good.write_text('[node]\nname = "n1"\ndata_dir = "d"\nlisten = "tcp://127.0.0.1:7500"\n')
+    config = load_config(str(good))
+    assert config.data_dir == str(tmp_path / "d") and config.core_nodes == {"n1": "tcp://127.0.0.1:7500"}
