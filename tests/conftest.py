@@ -85,18 +85,17 @@ class NodeProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self, endpoint: str, timeout_s: float = 20) -> None:
-        log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "cli", "start", "--config", str(self.config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            env=env,
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "cli", "start", "--config", str(self.config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
+                env=env,
+                start_new_session=True,
+            )
 
         def ready() -> bool:
             if self.process is not None and self.process.poll() is not None:
