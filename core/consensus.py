@@ -1,0 +1,852 @@
+"""Per-shard sequencer election and quorum replication among core nodes (a pure Raft core).
+
+Theory of operation
+-------------------
+Every core node runs one ``ShardConsensus`` per shard. It is a pure state machine: it never
+touches a socket, a file or a clock. The driver feeds it events through ``step(event, now_ms)``
+and executes the effects it returns.
+
+* Roles. A core is a FOLLOWER, a CANDIDATE or the SEQUENCER (Raft's leader) of its shard. The
+  *generation* is Raft's term: it grows by one at each election and is persisted (together with the
+  vote) before it is used in any message.
+* Election. A follower that hears nothing from a sequencer for a randomised election timeout
+  (``election_timeout_ms_min..max``) persists generation g+1 and its vote for itself, then asks the
+  other members for their vote. A member grants at most one vote per generation (persisted before the
+  reply is sent), and only to a candidate whose last appended tx key is at least its own. A candidate
+  with the votes of a majority becomes sequencer. There is no pre-vote: a rejoining node may bump
+  the generation and cause one extra election, which costs availability, never safety.
+* Replication. The sequencer assigns tx keys ``(generation, counter)``; the counter restarts at 1 in
+  each generation, so tx keys ordered as tuples are Raft's (term, index) order. Its first entry in a
+  generation has no ops (Raft's no-op): once it commits, every earlier entry is settled. Entries are
+  chained by digest (``rlog.types.make_entry``). Each append carries the previous tx key and its
+  digest; a follower accepts it only if its own log has that key with that digest, truncates a
+  conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``).
+* Commit. An entry is committed when a majority of the members (the sequencer counts) have persisted
+  it and it belongs to the current generation; earlier entries commit with it (Raft, section 5.4.2).
+  Followers learn the commit key from appends.
+* Fencing. Messages of a stale generation are refused and answered with the current generation, so
+  a paused-and-resumed sequencer learns it was replaced. A sequencer that has not heard from a
+  majority within ``election_timeout_ms_min`` steps down and fails its pending proposals.
+* Force start. When a majority is gone for good, an operator can make one core sequencer of a new
+  generation with a reduced membership (``ForceStartRequested``). See ``_force_start`` for what may be lost.
+
+Driver contract
+---------------
+1. Build the machine from what is persisted: ``PersistedState`` (generation, vote, members, forced),
+   the log (through a ``LogView``) and the committed (= applied) key. Anything not persisted is lost.
+2. Call ``step`` with a non-decreasing ``now_ms`` from a monotonic clock. Deliver ``Ticked`` at least
+   every ``heartbeat_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters).
+3. Execute the returned effects *in list order*, all of them, before the next ``step``:
+   ``PersistState``, ``PersistEntries`` and ``TruncateLog`` must be durable (fsync) before any later
+   effect runs; this is how "persist, then send" is guaranteed. The ``LogView`` must reflect every
+   executed effect. ``Send`` is fire-and-forget (loss, duplication and reordering are tolerated).
+   ``Commit(up_to)`` means: apply, in tx-key order, every persisted entry up to ``up_to`` and record
+   the applied key in the same SQLite transaction. ``ProposalCommitted`` comes after the ``Commit``
+   that covers it: answer the client once that entry is applied.
+4. ``ProposalRejected`` (nothing was written; forward to ``sequencer`` or answer ``reason``) and
+   ``ProposalFailed`` (the outcome is unknown: the entry may still commit under a later sequencer,
+   so answer the client with that reason; a retry with the same request id is the client's way to
+   find out). ``SnapshotNeeded`` asks the driver to recover that follower by snapshot.
+   ``RoleChanged``, ``ForceStarted`` and ``ProtocolViolation`` are for logs and metrics.
+5. ``ConsensusInvariantError`` means a safety rule would be broken (for example truncating a
+   committed entry): stop serving the shard and alert the operator; never catch and continue.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, make_entry
+
+MEMBERS_MAX = 15
+
+REJECT_NOT_SEQUENCER = "not_sequencer"
+REJECT_BUSY = "busy"
+REJECT_TOO_MANY_OPS = "too_many_ops"
+
+
+class ConsensusInvariantError(RuntimeError):
+    """A safety rule of the protocol would be broken; the shard must stop."""
+
+
+class ConsensusConfigError(ValueError):
+    """A configuration or construction argument is invalid."""
+
+
+class Role(enum.Enum):
+    FOLLOWER = "follower"
+    CANDIDATE = "candidate"
+    SEQUENCER = "sequencer"
+
+
+@dataclass(frozen=True)
+class ConsensusConfig:
+    election_timeout_ms_min: int = 1000
+    election_timeout_ms_max: int = 2000
+    heartbeat_interval_ms: int = 100
+    # Entries in one append message; bounds message size and the work of one step.
+    entries_per_append_max: int = 64
+    # Appends carrying entries sent to one follower and not yet answered (pipelining depth).
+    appends_in_flight_max: int = 4
+    # Proposals accepted by the sequencer and not yet committed; bounds the uncommitted tail.
+    pending_proposals_max: int = 1024
+    ops_per_entry_max: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in (
+            "election_timeout_ms_min",
+            "election_timeout_ms_max",
+            "heartbeat_interval_ms",
+            "entries_per_append_max",
+            "appends_in_flight_max",
+            "pending_proposals_max",
+            "ops_per_entry_max",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConsensusConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.election_timeout_ms_max < self.election_timeout_ms_min:
+            raise ConsensusConfigError("election_timeout_ms_max must be >= election_timeout_ms_min")
+        # Followers must hear several heartbeats per election timeout, or they would campaign
+        # against a healthy sequencer whenever one heartbeat is lost.
+        if self.heartbeat_interval_ms * 2 > self.election_timeout_ms_min:
+            raise ConsensusConfigError("heartbeat_interval_ms must be at most half of election_timeout_ms_min")
+
+
+class LogView(Protocol):
+    """Read-only view of this node's persisted log of one shard (driver: SQLite; simulator: memory).
+
+    Retention may remove old committed entries; ``trimmed_key`` is the key of the last removed entry
+    (ZERO_KEY when nothing was removed) and ``digest_at`` must still answer for it.
+    """
+
+    def last_key(self) -> TxKey:
+        """Tx key of the last persisted entry (ZERO_KEY for an empty log)."""
+        ...
+
+    def digest_at(self, key: TxKey) -> bytes | None:
+        """Digest after the entry at ``key`` (GENESIS_DIGEST for ZERO_KEY); None if there is no such entry."""
+        ...
+
+    def entries_after(self, key: TxKey, limit: int) -> Sequence[Entry]:
+        """At most ``limit`` entries with tx key > ``key``, in order."""
+        ...
+
+    def trimmed_key(self) -> TxKey:
+        """Key of the last entry removed by retention; ZERO_KEY if none was removed."""
+        ...
+
+
+@dataclass(frozen=True)
+class PersistedState:
+    """What a core must persist (and fsync) for one shard before acting on it."""
+
+    generation: int
+    voted_for: str | None
+    members: tuple[str, ...]
+    forced: bool = False
+
+
+@dataclass(frozen=True)
+class JournalAge:
+    """ARTEMIS-3340: how far this node's journal has reached."""
+
+    generation: int
+    committed_key: TxKey
+    last_key: TxKey
+
+
+@dataclass(frozen=True)
+class ConsensusStatus:
+    shard: str
+    name: str
+    role: Role
+    generation: int
+    sequencer: str | None
+    voted_for: str | None
+    committed_key: TxKey
+    last_key: TxKey
+    members: tuple[str, ...]
+    forced: bool
+    # For the sequencer: the last tx key each follower is known to have persisted (its lag).
+    follower_match_keys: tuple[tuple[str, TxKey], ...] = ()
+    pending_proposals: int = 0
+
+
+# ---------------------------------------------------------------- peer messages
+
+
+@dataclass(frozen=True)
+class VoteRequest:
+    generation: int
+    last_key: TxKey
+
+
+@dataclass(frozen=True)
+class VoteReply:
+    generation: int
+    granted: bool
+
+
+@dataclass(frozen=True)
+class AppendRequest:
+    generation: int
+    prev_key: TxKey
+    prev_digest: bytes
+    commit_key: TxKey
+    members: tuple[str, ...]
+    entries: tuple[Entry, ...] = ()
+
+
+@dataclass(frozen=True)
+class AppendReply:
+    generation: int
+    success: bool
+    # On success: the last key of the append, now known to match the sequencer's log.
+    match_key: TxKey
+    # The replier's last appended and committed keys: on failure they tell the sequencer where to resume.
+    last_key: TxKey
+    commit_key: TxKey
+
+
+PeerMessage = VoteRequest | VoteReply | AppendRequest | AppendReply
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Ticked:
+    """Time passed; ``now_ms`` is given to ``step``."""
+
+
+@dataclass(frozen=True)
+class MessageReceived:
+    sender: str
+    message: PeerMessage
+
+
+@dataclass(frozen=True)
+class Proposed:
+    """A client write, already turned into result ops, reached this core."""
+
+    ops: tuple[Op, ...]
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ForceStartRequested:
+    """Operator: make this core sequencer of a new generation with these (reachable) members."""
+
+    members: tuple[str, ...]
+
+
+Event = Ticked | MessageReceived | Proposed | ForceStartRequested
+
+# ---------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True)
+class PersistState:
+    state: PersistedState
+
+
+@dataclass(frozen=True)
+class PersistEntries:
+    """Append these entries (contiguous, following the current last key) to the log."""
+
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class TruncateLog:
+    """Remove every entry with a tx key greater than ``after_key`` (all uncommitted)."""
+
+    after_key: TxKey
+
+
+@dataclass(frozen=True)
+class Send:
+    to: str
+    message: PeerMessage
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Apply, in order, every persisted entry up to and including ``up_to``."""
+
+    up_to: TxKey
+
+
+@dataclass(frozen=True)
+class ProposalCommitted:
+    request_id: str | None
+    tx_key: TxKey
+
+
+@dataclass(frozen=True)
+class ProposalRejected:
+    """Nothing was written. ``sequencer`` is the sequencer this node knows of (or None)."""
+
+    request_id: str | None
+    reason: str
+    sequencer: str | None
+
+
+@dataclass(frozen=True)
+class ProposalFailed:
+    """The sequencer stepped down before the entry committed; it may still commit later."""
+
+    request_id: str | None
+    tx_key: TxKey
+    reason: str
+
+
+@dataclass(frozen=True)
+class SnapshotNeeded:
+    """``follower`` needs entries after ``follower_key``, older than this log retains."""
+
+    follower: str
+    follower_key: TxKey
+    trimmed_key: TxKey
+
+
+@dataclass(frozen=True)
+class RoleChanged:
+    role: Role
+    generation: int
+    sequencer: str | None
+
+
+@dataclass(frozen=True)
+class ForceStarted:
+    generation: int
+    members: tuple[str, ...]
+    last_key: TxKey
+    committed_key: TxKey
+
+
+@dataclass(frozen=True)
+class ProtocolViolation:
+    sender: str
+    reason: str
+
+
+Effect = (
+    PersistState
+    | PersistEntries
+    | TruncateLog
+    | Send
+    | Commit
+    | ProposalCommitted
+    | ProposalRejected
+    | ProposalFailed
+    | SnapshotNeeded
+    | RoleChanged
+    | ForceStarted
+    | ProtocolViolation
+)
+
+
+@dataclass
+class _Progress:
+    """The sequencer's view of one follower."""
+
+    match_key: TxKey = ZERO_KEY
+    # Entries after sent_key are the next to send. While probing, sent_key is a guess.
+    sent_key: TxKey = ZERO_KEY
+    probing: bool = True
+    in_flight: int = 0
+    last_heard_ms: int = 0
+    snapshot_requested_ms: int | None = None
+
+
+@dataclass
+class _Pending:
+    request_ids: dict[TxKey, str | None] = field(default_factory=dict)
+
+
+class ShardConsensus:
+    """Election and replication state of one shard on one core node."""
+
+    def __init__(
+        self,
+        shard: str,
+        name: str,
+        log: LogView,
+        state: PersistedState,
+        committed_key: TxKey,
+        config: ConsensusConfig,
+        rng: random.Random,
+        now_ms: int,
+    ) -> None:
+        members = tuple(sorted(set(state.members)))
+        if name not in members:
+            raise ConsensusConfigError(f"node {name!r} is not a member of {members}")
+        if len(members) > MEMBERS_MAX:
+            raise ConsensusConfigError(f"at most {MEMBERS_MAX} members, got {len(members)}")
+        if state.generation < 0:
+            raise ConsensusConfigError("generation must not be negative")
+        self.shard = shard
+        self.name = name
+        self.config = config
+        self._log = log
+        self._rng = rng
+        self._now_ms = now_ms
+        self._members = members
+        self._forced = state.forced
+        self._last_key = log.last_key()
+        last_digest = log.digest_at(self._last_key)
+        if last_digest is None:
+            raise ConsensusInvariantError(f"log has no digest for its last key {self._last_key}")
+        self._last_digest = last_digest
+        if committed_key > self._last_key:
+            raise ConsensusInvariantError(f"committed key {committed_key} is beyond the last key {self._last_key}")
+        self._commit_key = committed_key
+        # A generation seen in the log was in use; never go below it even if the state record lags.
+        self._generation = max(state.generation, self._last_key.generation)
+        self._voted_for = state.voted_for
+        if self._generation != state.generation:
+            # The state record lags the log (it should not): we may have voted in this generation,
+            # so behave as if we voted for ourselves and never grant a vote in it.
+            self._voted_for = name
+        self._role = Role.FOLLOWER
+        self._sequencer: str | None = None
+        self._votes: set[str] = set()
+        self._progress: dict[str, _Progress] = {}
+        self._pending = _Pending()
+        self._heartbeat_due_ms = now_ms
+        self._election_deadline_ms = now_ms
+        self._reset_election_deadline()
+        self._out: list[Effect] = []
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def role(self) -> Role:
+        return self._role
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def sequencer(self) -> str | None:
+        return self._sequencer
+
+    @property
+    def committed_key(self) -> TxKey:
+        return self._commit_key
+
+    @property
+    def last_key(self) -> TxKey:
+        return self._last_key
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._members
+
+    def journal_age(self) -> JournalAge:
+        return JournalAge(self._generation, self._commit_key, self._last_key)
+
+    def persisted_state(self) -> PersistedState:
+        return PersistedState(self._generation, self._voted_for, self._members, self._forced)
+
+    def status(self) -> ConsensusStatus:
+        matches: tuple[tuple[str, TxKey], ...] = ()
+        if self._role is Role.SEQUENCER:
+            matches = tuple((peer, progress.match_key) for peer, progress in sorted(self._progress.items()))
+        return ConsensusStatus(
+            shard=self.shard,
+            name=self.name,
+            role=self._role,
+            generation=self._generation,
+            sequencer=self._sequencer,
+            voted_for=self._voted_for,
+            committed_key=self._commit_key,
+            last_key=self._last_key,
+            members=self._members,
+            forced=self._forced,
+            follower_match_keys=matches,
+            pending_proposals=len(self._pending.request_ids),
+        )
+
+    def next_deadline_ms(self) -> int:
+        """The earliest time at which a ``Ticked`` may change something."""
+        if self._role is Role.SEQUENCER:
+            return self._heartbeat_due_ms
+        return self._election_deadline_ms
+
+    # ------------------------------------------------------------ the entry point
+
+    def step(self, event: Event, now_ms: int) -> list[Effect]:
+        if now_ms < self._now_ms:
+            raise ValueError(f"time went backwards: {now_ms} < {self._now_ms}")
+        self._now_ms = now_ms
+        self._out = []
+        if isinstance(event, Ticked):
+            self._on_tick()
+        elif isinstance(event, MessageReceived):
+            self._on_message(event.sender, event.message)
+        elif isinstance(event, Proposed):
+            self._on_proposed(event)
+        elif isinstance(event, ForceStartRequested):
+            self._force_start(event.members)
+        else:
+            raise TypeError(f"not a consensus event: {event!r}")
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------ time
+
+    def _majority(self) -> int:
+        return len(self._members) // 2 + 1
+
+    def _peers(self) -> list[str]:
+        return [member for member in self._members if member != self.name]
+
+    def _reset_election_deadline(self) -> None:
+        timeout_ms = self._rng.randint(self.config.election_timeout_ms_min, self.config.election_timeout_ms_max)
+        self._election_deadline_ms = self._now_ms + timeout_ms
+
+    def _on_tick(self) -> None:
+        if self._role is Role.SEQUENCER:
+            heard = 1 + sum(
+                1
+                for progress in self._progress.values()
+                if self._now_ms - progress.last_heard_ms < self.config.election_timeout_ms_min
+            )
+            if heard < self._majority():
+                self._step_down(
+                    f"sequencer fenced itself: heard from {heard} of {len(self._members)} members "
+                    f"within {self.config.election_timeout_ms_min} ms"
+                )
+                return
+            if self._now_ms >= self._heartbeat_due_ms:
+                self._heartbeat_due_ms = self._now_ms + self.config.heartbeat_interval_ms
+                for peer, progress in self._progress.items():
+                    if not progress.probing:
+                        # Resend what was not acknowledged: appends may have been lost.
+                        progress.sent_key = progress.match_key
+                    progress.in_flight = 0
+                    self._send_append(peer, heartbeat=True)
+            return
+        if self._now_ms >= self._election_deadline_ms:
+            self._campaign()
+
+    # ------------------------------------------------------------ election
+
+    def _persist_state(self) -> None:
+        self._out.append(PersistState(self.persisted_state()))
+
+    def _set_role(self, role: Role, sequencer: str | None) -> None:
+        if role is not self._role or sequencer != self._sequencer:
+            self._role = role
+            self._sequencer = sequencer
+            self._out.append(RoleChanged(role, self._generation, sequencer))
+
+    def _campaign(self) -> None:
+        # The new generation and the vote are persisted before any message uses them, so a
+        # restart can never vote twice in, or reuse, a generation.
+        self._generation += 1
+        self._voted_for = self.name
+        self._persist_state()
+        self._votes = {self.name}
+        self._set_role(Role.CANDIDATE, None)
+        self._reset_election_deadline()
+        if len(self._votes) >= self._majority():
+            self._become_sequencer()
+            return
+        for peer in self._peers():
+            self._out.append(Send(peer, VoteRequest(self._generation, self._last_key)))
+
+    def _candidate_log_is_up_to_date(self, candidate_last_key: TxKey) -> bool:
+        # Compare LAST APPENDED keys, not committed keys: an entry persisted on a majority is
+        # committed even if nobody alive has learned that yet, and any majority of voters
+        # contains one node holding it. Refusing candidates whose last appended key is
+        # behind ours is what guarantees that such an entry is in the winner's log.
+        return candidate_last_key >= self._last_key
+
+    def _adopt_generation(self, generation: int) -> None:
+        was_sequencer = self._role is Role.SEQUENCER
+        self._generation = generation
+        self._voted_for = None
+        self._persist_state()
+        if was_sequencer:
+            self._fail_pending(f"sequencer superseded by generation {generation}")
+            self._progress = {}
+        self._set_role(Role.FOLLOWER, None)
+        self._reset_election_deadline()
+
+    def _on_vote_request(self, sender: str, message: VoteRequest) -> None:
+        if message.generation < self._generation:
+            self._out.append(Send(sender, VoteReply(self._generation, False)))
+            return
+        granted = self._voted_for in (None, sender) and self._candidate_log_is_up_to_date(message.last_key)
+        if granted:
+            if self._voted_for != sender:
+                self._voted_for = sender
+                self._persist_state()  # before the reply, which comes later in the list
+            self._reset_election_deadline()
+        self._out.append(Send(sender, VoteReply(self._generation, granted)))
+
+    def _on_vote_reply(self, sender: str, message: VoteReply) -> None:
+        if self._role is not Role.CANDIDATE or message.generation != self._generation or not message.granted:
+            return
+        self._votes.add(sender)
+        if len(self._votes) >= self._majority():
+            self._become_sequencer()
+
+    def _become_sequencer(self) -> None:
+        self._set_role(Role.SEQUENCER, self.name)
+        self._votes = set()
+        self._progress = {
+            peer: _Progress(sent_key=self._last_key, last_heard_ms=self._now_ms) for peer in self._peers()
+        }
+        self._heartbeat_due_ms = self._now_ms + self.config.heartbeat_interval_ms
+        # The no-op of this generation: committing it settles every earlier entry.
+        self._append_own((), None, proposal=False)
+
+    def _step_down(self, reason: str) -> None:
+        self._fail_pending(reason)
+        self._progress = {}
+        self._set_role(Role.FOLLOWER, None)
+        self._reset_election_deadline()
+
+    def _fail_pending(self, reason: str) -> None:
+        for key, request_id in self._pending.request_ids.items():
+            self._out.append(ProposalFailed(request_id, key, reason))
+        self._pending.request_ids = {}
+
+    def _force_start(self, members: tuple[str, ...]) -> None:
+        """Become sequencer of a new generation with a reduced membership, loudly.
+
+        What may be lost: entries that the old majority committed (and acknowledged) but this core
+        never received; they are gone for good. Entries in this core's uncommitted tail become
+        committed, even if their clients were told the outcome was unknown. Members left out are
+        ignored from now on and must be rebuilt from scratch before they rejoin.
+        """
+        new_members = tuple(sorted(set(members)))
+        if self.name not in new_members:
+            raise ValueError(f"force start: {self.name!r} must be one of the members {new_members}")
+        unknown = set(new_members) - set(self._members)
+        if unknown:
+            raise ValueError(f"force start may only reduce the membership; unknown members {sorted(unknown)}")
+        if self._role is Role.SEQUENCER:
+            self._fail_pending("sequencer force-started into a new generation")
+        self._generation += 1
+        self._voted_for = self.name
+        self._members = new_members
+        self._forced = True
+        self._persist_state()
+        self._out.append(ForceStarted(self._generation, new_members, self._last_key, self._commit_key))
+        self._role = Role.CANDIDATE  # so that _set_role reports the change even from SEQUENCER
+        self._become_sequencer()
+
+    # ------------------------------------------------------------ messages
+
+    def _on_message(self, sender: str, message: PeerMessage) -> None:
+        if sender == self.name or sender not in self._members:
+            self._out.append(ProtocolViolation(sender, f"not a member of {self._members}"))
+            return
+        if not isinstance(message, (VoteRequest, VoteReply, AppendRequest, AppendReply)):
+            raise TypeError(f"not a peer message: {message!r}")
+        if message.generation > self._generation:
+            self._adopt_generation(message.generation)
+        if isinstance(message, VoteRequest):
+            self._on_vote_request(sender, message)
+        elif isinstance(message, VoteReply):
+            self._on_vote_reply(sender, message)
+        elif isinstance(message, AppendRequest):
+            self._on_append_request(sender, message)
+        else:
+            self._on_append_reply(sender, message)
+
+    def _reply_append(self, sender: str, success: bool, match_key: TxKey) -> None:
+        reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key)
+        self._out.append(Send(sender, reply))
+
+    def _on_append_request(self, sender: str, message: AppendRequest) -> None:
+        if message.generation < self._generation:
+            # Zombie fencing: the stale sequencer learns the current generation from the reply.
+            self._reply_append(sender, False, ZERO_KEY)
+            return
+        if self._role is Role.SEQUENCER:
+            raise ConsensusInvariantError(f"two sequencers in generation {self._generation}: {self.name} and {sender}")
+        self._set_role(Role.FOLLOWER, sender)
+        self._reset_election_deadline()
+        if message.members != self._members and self.name in message.members:
+            # The sequencer's membership was reduced by a force start; adopt it durably.
+            self._members = tuple(sorted(set(message.members)))
+            self._persist_state()
+
+        prev_key, prev_digest = message.prev_key, message.prev_digest
+        entries = list(message.entries)
+        for entry in entries:
+            if entry.shard != self.shard:
+                self._out.append(ProtocolViolation(sender, f"entry of shard {entry.shard!r} sent to {self.shard!r}"))
+                return
+        # Entries up to our commit key are already here and final; check rather than trust.
+        while entries and entries[0].tx_key <= self._commit_key:
+            first = entries.pop(0)
+            own = self._log.digest_at(first.tx_key)
+            if own is not None and own != first.digest:
+                raise ConsensusInvariantError(
+                    f"sequencer {sender} sent a different entry at committed key {first.tx_key}"
+                )
+            prev_key, prev_digest = first.tx_key, first.digest
+        message_last_key = message.entries[-1].tx_key if message.entries else message.prev_key
+
+        if prev_key < self._commit_key:
+            if entries:
+                # The sequencer's log lacks our committed entry at commit_key: it must never have won.
+                raise ConsensusInvariantError(
+                    f"sequencer {sender} would replace committed entries after {prev_key} "
+                    f"(committed {self._commit_key})"
+                )
+            # Everything in this append is at or below our commit key: committed, hence identical.
+            own = self._log.digest_at(prev_key)
+            if own is not None and own != prev_digest:
+                raise ConsensusInvariantError(f"sequencer {sender} disagrees at committed key {prev_key}")
+            self._reply_append(sender, True, message_last_key)
+            return
+        own_prev_digest = self._log.digest_at(prev_key) if prev_key <= self._last_key else None
+        if own_prev_digest != prev_digest:
+            self._reply_append(sender, False, ZERO_KEY)
+            return
+        # Verify the digest chain of the new entries before persisting anything.
+        chain_key, chain_digest = prev_key, prev_digest
+        for entry in entries:
+            expected = entry_digest(chain_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+            if entry.prev != chain_key or not entry.tx_key > chain_key or entry.digest != expected:
+                self._out.append(ProtocolViolation(sender, f"broken digest chain at {entry.tx_key}"))
+                return
+            chain_key, chain_digest = entry.tx_key, entry.digest
+        # Skip what we already have; the first entry that differs starts the new tail.
+        first_new = 0
+        while first_new < len(entries) and entries[first_new].tx_key <= self._last_key:
+            if self._log.digest_at(entries[first_new].tx_key) != entries[first_new].digest:
+                break
+            first_new += 1
+        new_entries = entries[first_new:]
+        if new_entries:
+            after_key = new_entries[0].prev
+            if after_key != self._last_key:
+                if after_key < self._commit_key:
+                    raise ConsensusInvariantError(
+                        f"asked to truncate after {after_key}, below the committed key {self._commit_key}"
+                    )
+                self._out.append(TruncateLog(after_key))
+            self._out.append(PersistEntries(tuple(new_entries)))
+            self._last_key = new_entries[-1].tx_key
+            self._last_digest = new_entries[-1].digest
+        # Raft: commit up to min(sequencer's commit key, last entry this append verified).
+        new_commit = min(message.commit_key, message_last_key)
+        if new_commit > self._commit_key:
+            self._commit_key = new_commit
+            self._out.append(Commit(new_commit))
+        self._reply_append(sender, True, message_last_key)
+
+    def _on_append_reply(self, sender: str, message: AppendReply) -> None:
+        if self._role is not Role.SEQUENCER or message.generation != self._generation:
+            return
+        progress = self._progress.get(sender)
+        if progress is None:
+            return
+        progress.last_heard_ms = self._now_ms
+        if message.success:
+            if message.match_key > self._last_key:
+                raise ConsensusInvariantError(f"{sender} acknowledged {message.match_key}, beyond our log")
+            progress.match_key = max(progress.match_key, message.match_key)
+            progress.probing = False
+            progress.sent_key = max(progress.sent_key, progress.match_key)
+            progress.in_flight = max(0, progress.in_flight - 1)
+            self._advance_commit()
+        else:
+            # Resume at the follower's last key if our log has it (same key means same entry),
+            # otherwise at its commit key, which every sequencer's log contains.
+            resume_key = message.commit_key
+            if message.last_key <= self._last_key and self._log.digest_at(message.last_key) is not None:
+                resume_key = message.last_key
+            progress.sent_key = max(resume_key, progress.match_key)
+            progress.probing = True
+            progress.in_flight = 0
+        in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
+        if progress.in_flight < in_flight_max and progress.sent_key < self._last_key:
+            self._send_append(sender, heartbeat=False)
+
+    # ------------------------------------------------------------ replication
+
+    def _on_proposed(self, event: Proposed) -> None:
+        if self._role is not Role.SEQUENCER:
+            self._out.append(ProposalRejected(event.request_id, REJECT_NOT_SEQUENCER, self._sequencer))
+            return
+        if len(event.ops) > self.config.ops_per_entry_max:
+            self._out.append(ProposalRejected(event.request_id, REJECT_TOO_MANY_OPS, self.name))
+            return
+        if len(self._pending.request_ids) >= self.config.pending_proposals_max:
+            self._out.append(ProposalRejected(event.request_id, REJECT_BUSY, self.name))
+            return
+        self._append_own(tuple(event.ops), event.request_id, proposal=True)
+
+    def _append_own(self, ops: tuple[Op, ...], request_id: str | None, proposal: bool) -> None:
+        counter = self._last_key.counter + 1 if self._last_key.generation == self._generation else 1
+        prev_key, prev_digest = self._last_key, self._last_digest
+        entry = make_entry(self.shard, TxKey(self._generation, counter), prev_key, prev_digest, ops, request_id)
+        self._out.append(PersistEntries((entry,)))
+        self._last_key, self._last_digest = entry.tx_key, entry.digest
+        if proposal:
+            self._pending.request_ids[entry.tx_key] = request_id
+        # The log view shows this entry only after the driver ran the effects, so send it directly
+        # to followers that are caught up; the others get it from the log on their next reply.
+        for peer, progress in self._progress.items():
+            # A probing follower gets one append at a time; a matched one up to appends_in_flight_max.
+            in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
+            if progress.sent_key == prev_key and progress.in_flight < in_flight_max:
+                self._send(peer, progress, prev_key, prev_digest, [entry])
+        self._advance_commit()
+
+    def _send(self, peer: str, progress: _Progress, prev_key: TxKey, prev_digest: bytes, entries: list[Entry]) -> None:
+        message = AppendRequest(
+            self._generation, prev_key, prev_digest, self._commit_key, self._members, tuple(entries)
+        )
+        self._out.append(Send(peer, message))
+        if entries:
+            progress.in_flight += 1
+            if not progress.probing:
+                # While probing, sent_key stays at the probe point so that a lost probe is retried there.
+                progress.sent_key = entries[-1].tx_key
+
+    def _send_append(self, peer: str, heartbeat: bool) -> None:
+        progress = self._progress[peer]
+        prev_key = progress.sent_key
+        trimmed_key = self._log.trimmed_key()
+        if prev_key < trimmed_key:
+            last_request = progress.snapshot_requested_ms
+            if last_request is None or self._now_ms - last_request >= self.config.heartbeat_interval_ms:
+                progress.snapshot_requested_ms = self._now_ms
+                self._out.append(SnapshotNeeded(peer, prev_key, trimmed_key))
+            return
+        prev_digest = self._log.digest_at(prev_key)
+        if prev_digest is None:
+            raise ConsensusInvariantError(f"sequencer has no entry at {prev_key} to send to {peer}")
+        entries: list[Entry] = []
+        if prev_key < self._last_key:
+            entries = list(self._log.entries_after(prev_key, self.config.entries_per_append_max))
+        if entries or heartbeat:
+            self._send(peer, progress, prev_key, prev_digest, entries)
+
+    def _advance_commit(self) -> None:
+        matched = sorted([self._last_key, *(p.match_key for p in self._progress.values())], reverse=True)
+        candidate = matched[self._majority() - 1]
+        # Raft's commit rule: only an entry of the current generation commits by counting replicas.
+        if candidate <= self._commit_key or candidate.generation != self._generation:
+            return
+        self._commit_key = candidate
+        self._out.append(Commit(candidate))
+        committed = [key for key in self._pending.request_ids if key <= candidate]
+        for key in committed:
+            self._out.append(ProposalCommitted(self._pending.request_ids.pop(key), key))

@@ -1,0 +1,138 @@
+"""Peer messages of ``core.consensus`` as plain msgpack-able values, and back.
+
+A message is the list ``[CONSENSUS_WIRE_VERSION, kind, field...]``:
+
+* ``["vote_request", generation, last_key]``
+* ``["vote_reply", generation, granted]``
+* ``["append_request", generation, prev_key, prev_digest, commit_key, members, entries]``
+* ``["append_reply", generation, success, match_key, last_key, commit_key]``
+
+Tx keys are ``[generation, counter]``; entries use ``rlog.types.entry_to_wire``. Decoding anything
+malformed raises ``rlog.codec.CodecError`` and nothing else (fuzzed with hypothesis). Routing by
+shard and naming the sender are the transport's job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.consensus import MEMBERS_MAX, AppendReply, AppendRequest, PeerMessage, VoteReply, VoteRequest
+from rlog.codec import CodecError
+from rlog.types import DIGEST_BYTES, Entry, OpDecodeError, TxKey, entry_from_wire, entry_to_wire, tx_key_from_wire
+
+CONSENSUS_WIRE_VERSION = 1
+# Far above any entries_per_append_max; a frame claiming more is refused before decoding entries.
+APPEND_ENTRIES_WIRE_MAX = 4096
+MEMBER_NAME_CHARS_MAX = 255
+GENERATION_MAX = 2**63 - 1
+
+_FIELD_COUNTS = {"vote_request": 2, "vote_reply": 2, "append_request": 6, "append_reply": 5}
+
+
+def message_to_wire(message: PeerMessage) -> list[Any]:
+    if isinstance(message, VoteRequest):
+        return [CONSENSUS_WIRE_VERSION, "vote_request", message.generation, message.last_key.to_wire()]
+    if isinstance(message, VoteReply):
+        return [CONSENSUS_WIRE_VERSION, "vote_reply", message.generation, message.granted]
+    if isinstance(message, AppendRequest):
+        return [
+            CONSENSUS_WIRE_VERSION,
+            "append_request",
+            message.generation,
+            message.prev_key.to_wire(),
+            message.prev_digest,
+            message.commit_key.to_wire(),
+            list(message.members),
+            [entry_to_wire(entry) for entry in message.entries],
+        ]
+    if isinstance(message, AppendReply):
+        return [
+            CONSENSUS_WIRE_VERSION,
+            "append_reply",
+            message.generation,
+            message.success,
+            message.match_key.to_wire(),
+            message.last_key.to_wire(),
+            message.commit_key.to_wire(),
+        ]
+    raise TypeError(f"not a consensus peer message: {message!r}")
+
+
+def message_from_wire(value: Any) -> PeerMessage:
+    """Inverse of ``message_to_wire``; raises ``CodecError`` on anything else."""
+    if not isinstance(value, (list, tuple)) or len(value) < 2:
+        raise CodecError("consensus message must be [version, kind, ...]")
+    version, kind = value[0], value[1]
+    if not _is_int(version) or version != CONSENSUS_WIRE_VERSION:
+        raise CodecError(f"consensus wire version {version!r:.40} is not supported", "unsupported_version")
+    if not isinstance(kind, str) or kind not in _FIELD_COUNTS:
+        raise CodecError(f"unknown consensus message kind {kind!r:.40}", "unknown_kind")
+    fields = value[2:]
+    if len(fields) != _FIELD_COUNTS[kind]:
+        raise CodecError(f"{kind} must have {_FIELD_COUNTS[kind]} fields, got {len(fields)}")
+    generation = _generation(fields[0])
+    if kind == "vote_request":
+        return VoteRequest(generation, _tx_key(fields[1]))
+    if kind == "vote_reply":
+        return VoteReply(generation, _bool(fields[1]))
+    if kind == "append_request":
+        prev_key, prev_digest, commit_key, members, entries = fields[1:]
+        if not isinstance(prev_digest, bytes) or len(prev_digest) != DIGEST_BYTES:
+            raise CodecError(f"prev_digest must be {DIGEST_BYTES} bytes")
+        return AppendRequest(
+            generation, _tx_key(prev_key), prev_digest, _tx_key(commit_key), _members(members), _entries(entries)
+        )
+    success, match_key, last_key, commit_key = fields[1:]
+    return AppendReply(generation, _bool(success), _tx_key(match_key), _tx_key(last_key), _tx_key(commit_key))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _generation(value: Any) -> int:
+    if not _is_int(value) or not 0 <= value <= GENERATION_MAX:
+        raise CodecError("generation must be a non-negative 64-bit integer")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise CodecError("flag must be a boolean")
+    return value
+
+
+def _tx_key(value: Any) -> TxKey:
+    try:
+        key = tx_key_from_wire(value)
+    except OpDecodeError as error:
+        raise CodecError(str(error)[:200]) from None
+    if key.generation > GENERATION_MAX or key.counter > GENERATION_MAX:
+        raise CodecError("tx key parts must fit in 64 bits")
+    return key
+
+
+def _members(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not 0 < len(value) <= MEMBERS_MAX:
+        raise CodecError(f"members must be a list of 1..{MEMBERS_MAX} names")
+    for name in value:
+        if not isinstance(name, str) or not 0 < len(name) <= MEMBER_NAME_CHARS_MAX:
+            raise CodecError(f"member names must be strings of 1..{MEMBER_NAME_CHARS_MAX} characters")
+    return tuple(value)
+
+
+def _entries(value: Any) -> tuple[Entry, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > APPEND_ENTRIES_WIRE_MAX:
+        raise CodecError(f"entries must be a list of at most {APPEND_ENTRIES_WIRE_MAX}")
+    entries = []
+    for item in value:
+        try:
+            entry = entry_from_wire(item)
+        except OpDecodeError as error:
+            raise CodecError(f"malformed entry: {str(error)[:200]}") from None
+        if len(entry.digest) != DIGEST_BYTES:
+            raise CodecError(f"entry digest must be {DIGEST_BYTES} bytes")
+        if entry.tx_key.generation > GENERATION_MAX or entry.tx_key.counter > GENERATION_MAX:
+            raise CodecError("tx key parts must fit in 64 bits")
+        entries.append(entry)
+    return tuple(entries)
