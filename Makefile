@@ -1,0 +1,38 @@
+# One command sets up and runs mnesite (make run); one sets up and runs the tests (make test).
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+
+.PHONY: setup java run test lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev,spark]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+# Spark needs a Java runtime; install Debian's when none is on the PATH.
+java:
+	@command -v java >/dev/null 2>&1 || { \
+	  echo "java not found: installing openjdk-17-jre-headless"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q openjdk-17-jre-headless; }
+
+run: setup
+	$(BIN)/mnesite start --sample-data
+
+test: setup java
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check core rlog cli
+
+bench: setup
+	$(BIN)/python benchmarks/bench_commit.py
+
+clean:
+	rm -rf $(VENV) mnesite-data .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,215 @@
+"""Commit throughput and latency of a single core, beside raw apsw measured in the same run.
+
+    .venv/bin/python benchmarks/bench_commit.py [--seconds 5] [--clients 1,16,64] [--synchronous FULL] [--json]
+
+* Baseline: raw apsw on the same disk, WAL mode, the same ``synchronous`` level, one row per
+  transaction (BEGIN; INSERT; COMMIT), one writer: the machine's durable-commit limit.
+* mnesite: a real ``mnesite start`` process; N concurrent clients (threads spread over up to
+  four client processes, so the client side's GIL is not the bottleneck) each put one row per
+  transaction for ``--seconds``; every put is a full round trip and waits for its commit.
+
+Reports commits/s, p50/p99 latency in ms and the ratio to the baseline. Not a test: it
+asserts nothing about timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rlog.client import Client, MnesiteError  # noqa: E402
+
+CLIENT_PROCESSES_MAX = 4
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, int(fraction * len(sorted_values)))
+    return sorted_values[index]
+
+
+def summarise(name: str, clients: int, count: int, seconds: float, latencies_ms: list[float]) -> dict:
+    latencies_ms.sort()
+    return {
+        "name": name,
+        "clients": clients,
+        "commits": count,
+        "seconds": round(seconds, 3),
+        "commits_per_s": round(count / seconds, 1),
+        "p50_ms": round(percentile(latencies_ms, 0.50), 3),
+        "p99_ms": round(percentile(latencies_ms, 0.99), 3),
+    }
+
+
+def bench_raw_apsw(directory: Path, seconds: float, synchronous: str) -> dict:
+    import apsw
+
+    connection = apsw.Connection(str(directory / "raw.db"))
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute(f"PRAGMA synchronous={synchronous}")
+    connection.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, payload TEXT) STRICT")
+    latencies = []
+    deadline = time.perf_counter() + seconds
+    start = time.perf_counter()
+    i = 0
+    while time.perf_counter() < deadline:
+        began = time.perf_counter()
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("INSERT INTO t VALUES (?, ?)", (i, "x" * 100))
+        connection.execute("COMMIT")
+        latencies.append((time.perf_counter() - began) * 1000)
+        i += 1
+    elapsed = time.perf_counter() - start
+    connection.close()
+    return summarise("raw apsw (1 writer)", 1, i, elapsed, latencies)
+
+
+def _client_process(endpoint: str, threads: int, worker: int, seconds: float, queue) -> None:
+    import threading
+
+    latencies: list[float] = []
+    counts = [0] * threads
+    lock = threading.Lock()
+    barrier_deadline = time.perf_counter() + seconds
+
+    def run(thread: int) -> None:
+        own: list[float] = []
+        with Client(endpoint, timeout_ms=30_000) as client:
+            i = 0
+            while time.perf_counter() < barrier_deadline:
+                began = time.perf_counter()
+                try:
+                    client.put("bench", {"id": (worker * 1000 + thread) * 10_000_000 + i, "payload": "x" * 100})
+                except MnesiteError as error:
+                    print(f"client error: {error}", file=sys.stderr)
+                    return
+                own.append((time.perf_counter() - began) * 1000)
+                i += 1
+        with lock:
+            latencies.extend(own)
+            counts[thread] = i
+
+    pool = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    queue.put((sum(counts), latencies))
+
+
+def bench_node(endpoint: str, clients: int, seconds: float) -> dict:
+    processes = min(clients, CLIENT_PROCESSES_MAX)
+    per_process = [clients // processes + (1 if p < clients % processes else 0) for p in range(processes)]
+    queue = multiprocessing.get_context("spawn").Queue()
+    context = multiprocessing.get_context("spawn")
+    workers = [
+        context.Process(target=_client_process, args=(endpoint, threads, p, seconds, queue))
+        for p, threads in enumerate(per_process)
+    ]
+    for worker in workers:
+        worker.start()
+    results = [queue.get(timeout=seconds + 120) for _ in workers]
+    for worker in workers:
+        worker.join(30)
+    count = sum(r[0] for r in results)
+    latencies = [x for r in results for x in r[1]]
+    # Every client process measures the same window of `seconds` from its own start.
+    return summarise("mnesite single core", clients, count, seconds, latencies)
+
+
+def start_node(directory: Path, synchronous: str) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    config = directory / "core1.toml"
+    config.write_text(
+        f'[node]\nname = "core1"\ndata_dir = "{directory / "node"}"\nlisten = "{endpoint}"\n'
+        f'[storage]\nsynchronous = "{synchronous}"\n'
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cli", "start", "--config", str(config), "--log-level", "WARNING"],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with Client(endpoint, timeout_ms=300, retries=0) as client:
+                client.status()
+                break
+        except MnesiteError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise SystemExit("node did not start") from None
+    with Client(endpoint) as client:
+        client.create_table("bench", "id", [("id", "INTEGER"), ("payload", "TEXT")])
+    return process, endpoint
+
+
+def machine() -> str:
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores, {memory_gib:.0f} GiB, {platform.machine()}, Python {platform.python_version()}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--clients", default="1,16,64")
+    parser.add_argument("--synchronous", default="FULL", choices=["OFF", "NORMAL", "FULL", "EXTRA"])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    directory = Path(tempfile.mkdtemp(prefix="mnesite-bench-"))
+    results = []
+    try:
+        baseline = bench_raw_apsw(directory, args.seconds, args.synchronous)
+        results.append(baseline)
+        process, endpoint = start_node(directory, args.synchronous)
+        try:
+            for clients in [int(c) for c in args.clients.split(",")]:
+                results.append(bench_node(endpoint, clients, args.seconds))
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(30)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    for result in results:
+        result["ratio_to_raw_apsw"] = round(result["commits_per_s"] / baseline["commits_per_s"], 3)
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "synchronous": args.synchronous,
+        "results": results,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"{report['date']}, {report['machine']}, synchronous={args.synchronous}, {args.seconds:g} s per run")
+    print(f"| {'run':<22} | clients | commits/s | p50 ms | p99 ms | vs raw apsw |")
+    print(f"|{'-' * 24}|---------|-----------|--------|--------|-------------|")
+    for r in results:
+        print(
+            f"| {r['name']:<22} | {r['clients']:>7} | {r['commits_per_s']:>9} | {r['p50_ms']:>6} | {r['p99_ms']:>6} "
+            f"| {r['ratio_to_raw_apsw']:>11} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Every CLI command through click's CliRunner, against a node served from a thread."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from tests.conftest import ThreadNode, free_port
+
+pytestmark = pytest.mark.timeout(60)
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def mnesite(thread_node: ThreadNode):
+    runner = CliRunner()
+
+    def invoke(*args: str, input: str | None = None, node: bool = True):
+        argv = [*args, "--node", thread_node.endpoint] if node else list(args)
+        return runner.invoke(main, argv, input=input, catch_exceptions=False)
+
+    created = invoke("table", "create", "users", "--key", "id", "--column", "id:INTEGER", "--column", "name:TEXT")
+    assert created.exit_code == 0, created.output
+    return invoke
+
+
+def test_table_create_and_list(mnesite) -> None:
+    result = mnesite("table", "list", "--json")
+    assert json.loads(result.output) == [
+        {"table": "users", "shard": "default", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"]]}
+    ]
+    assert "users  default  id   id:INTEGER, name:TEXT" in mnesite("table", "list").output
+    again = mnesite("table", "create", "users", "--key", "id")
+    assert again.exit_code == 1 and "already exists" in again.output
+    bad = mnesite("table", "create", "t2", "--key", "id", "--column", "x:DATE")
+    assert bad.exit_code == 1 and "NAME:TYPE" in bad.output
+    bad_name = mnesite("table", "create", "bad-name", "--key", "id")
+    assert bad_name.exit_code == 1 and "invalid table name" in bad_name.output
+
+
+def test_put_get_delete_scan(mnesite) -> None:
+    put = mnesite("put", "users", '{"id": 1, "name": "ada"}', "--json")
+    tx_key = json.loads(put.output)["tx_key"]
+    assert put.exit_code == 0 and len(tx_key) == 2
+    assert re.fullmatch(r"\(\d+, \d+\)\n", mnesite("put", "users", '{"id": 2, "name": "bob"}').output)
+    assert json.loads(mnesite("get", "users", "1", "--json").output) == {"id": 1, "name": "ada"}
+    assert json.loads(mnesite("get", "users", "1").output) == {"id": 1, "name": "ada"}
+    assert json.loads(mnesite("scan", "users", "--json").output) == [
+        {"id": 1, "name": "ada"},
+        {"id": 2, "name": "bob"},
+    ]
+    assert mnesite("scan", "users").output.splitlines() == ["id  name", "1   ada", "2   bob"]
+    assert json.loads(mnesite("scan", "users", "--limit", "1", "--json").output) == [{"id": 1, "name": "ada"}]
+    assert mnesite("delete", "users", "1", "--json").exit_code == 0
+    assert mnesite("get", "users", "1", "--json").output.strip() == "null"
+    missing = mnesite("get", "users", "1")
+    assert missing.exit_code == 1 and "no row at key" in missing.output
+    linear = mnesite("get", "users", "2", "--consistency", "linearizable", "--json")
+    assert json.loads(linear.output)["name"] == "bob"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("put", "users", "{not json"), "ROW_JSON is not valid JSON"),
+        (("put", "users", "[1, 2]"), "ROW_JSON must be a JSON object"),
+        (("put", "users", '{"id": "x"}'), "users.id is INTEGER"),
+        (("put", "nope", '{"id": 1}'), "unknown table 'nope'"),
+        (("get", "users", "abc"), "is not an integer"),
+        (("get", "nope", "1"), "unknown table 'nope'"),
+        (("delete", "nope", "1"), "unknown table 'nope'"),
+        (("scan", "nope"), "unknown table 'nope'"),
+        (("rlog", "tail", "nope"), "unknown shard 'nope'"),
+    ],
+)
+def test_bad_input_is_one_clear_line(mnesite, args, message) -> None:
+    result = mnesite(*args)
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: ") and message in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_tx_from_stdin_with_guards(mnesite) -> None:
+    mnesite("put", "users", '{"id": 1, "name": "ada"}')
+    request = {
+        "guards": [{"table": "users", "key": 1, "equals": {"id": 1, "name": "ada"}}],
+        "ops": [
+            {"op": "write", "table": "users", "row": {"id": 2, "name": "b"}},
+            {"op": "delete", "table": "users", "key": 1},
+        ],
+    }
+    ok = mnesite("tx", "-", "--json", input=json.dumps(request))
+    assert ok.exit_code == 0 and json.loads(ok.output)["tx_key"]
+    failed = mnesite("tx", "-", input=json.dumps(request))
+    assert failed.exit_code == 1 and "guard 0 failed: users[1] should be equal to" in failed.output
+    assert json.loads(mnesite("get", "users", "2", "--json").output) == {"id": 2, "name": "b"}
+    garbage = mnesite("tx", "-", input="{")
+    assert garbage.exit_code == 1 and "not valid JSON" in garbage.output
+    shape = mnesite("tx", "-", input='{"op": []}')
+    assert shape.exit_code == 1 and '{"guards": [...], "ops": [...]}' in shape.output
+
+
+def test_tx_from_file(mnesite, tmp_path) -> None:
+    path = tmp_path / "tx.json"
+    path.write_text(json.dumps({"ops": [{"op": "write", "table": "users", "row": {"id": 5}}]}))
+    assert mnesite("tx", str(path)).exit_code == 0
+    assert json.loads(mnesite("get", "users", "5", "--json").output) == {"id": 5, "name": None}
+
+
+def test_status_and_rlog_tail(mnesite, thread_node: ThreadNode) -> None:
+    tx_key = json.loads(mnesite("put", "users", '{"id": 1, "name": "ada"}', "--json").output)["tx_key"]
+    status = json.loads(mnesite("status", "--json").output)
+    assert status["node"] == "core1" and status["role"] == "core"
+    shard = status["shards"]["default"]
+    assert shard["applied"] == tx_key and shard["generation"] == tx_key[0] and len(shard["digest"]) == 64
+    assert "default" in mnesite("status").output
+    entries = json.loads(mnesite("rlog", "tail", "default", "-n", "2", "--json").output)
+    assert [e["tx_key"] for e in entries][-1] == tx_key
+    assert entries[-1]["digest"] == shard["digest"] and entries[-1]["prev"] == entries[0]["tx_key"]
+    assert entries[-1]["ops"] == [{"op": "write", "table": "users", "row": {"id": 1, "name": "ada"}}]
+    text = mnesite("rlog", "tail", "default").output
+    assert "create_table users" in text and 'write users {"id": 1, "name": "ada"}' in text
+
+
+def test_unreachable_node_is_one_clear_line() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(main, ["status", "--node", endpoint, "--timeout-ms", "200"])
+    assert result.exit_code == 1
+    assert result.output == f"Error: node {endpoint} did not answer status within 200 ms (2 attempts)\n"
+
+
+def test_node_option_defaults_to_the_environment(thread_node: ThreadNode) -> None:
+    result = CliRunner().invoke(main, ["status", "--json"], env={"MNESITE_NODE": thread_node.endpoint})
+    assert result.exit_code == 0 and json.loads(result.output)["node"] == "core1"
+
+
+def test_start_refuses_an_invalid_config(tmp_path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text('[node]\nrole = "leader"\n')
+    result = CliRunner().invoke(main, ["start", "--config", str(config)])
+    assert result.exit_code == 1
+    assert result.output.strip() == f'Error: {config}: [node].role must be "core" or "replicant", got \'leader\''
+
+
+def test_rlog_verify(tmp_path, thread_node: ThreadNode, mnesite) -> None:
+    mnesite("put", "users", '{"id": 1, "name": "ada"}')
+    data_dir = thread_node.node.config.data_dir
+    result = CliRunner().invoke(main, ["rlog", "verify", data_dir, "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["shards"]["default"]["ok"] is True
+    not_mnesite = tmp_path / "empty"
+    not_mnesite.mkdir()
+    bad = CliRunner().invoke(main, ["rlog", "verify", str(not_mnesite)])
+    assert bad.exit_code == 1 and "no such database" in bad.output
+
+
+def all_commands(group, prefix=()):
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield from all_commands(command, (*prefix, name))
+        else:
+            yield " ".join((*prefix, name))
+
+
+def test_every_command_is_documented_in_the_readme() -> None:
+    readme = (REPO / "README.md").read_text()
+    missing = [name for name in all_commands(main) if f"mnesite {name}" not in readme]
+    assert not missing, f"README.md does not document: {missing}"
+
+
+def test_every_command_has_help() -> None:
+    for name in all_commands(main):
+        result = CliRunner().invoke(main, [*name.split(), "--help"])
+        assert result.exit_code == 0 and "Usage:" in result.output, name
