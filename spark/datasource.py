@@ -137,7 +137,9 @@ class MnesiteReader(DataSourceReader):
         with open_replica(self.spec, self.timeout_ms) as replica:
             split_keys = replica.split_keys(self.table, self.partition_count)
         edges = [None, *split_keys, None]
-        return [KeyRangePartition(index, low, high) for index, (low, high) in enumerate(zip(edges, edges[1:]))]
+        return [
+            KeyRangePartition(index, low, high) for index, (low, high) in enumerate(zip(edges, edges[1:], strict=False))
+        ]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         if not isinstance(partition, KeyRangePartition):
