@@ -1,0 +1,507 @@
+"""Unit tests of core.consensus, one rule (a sentence of the Raft paper, or of the issue) per test."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from core.consensus import (
+    REJECT_BUSY,
+    REJECT_NOT_SEQUENCER,
+    AppendReply,
+    AppendRequest,
+    Commit,
+    ConsensusConfig,
+    ConsensusConfigError,
+    ConsensusInvariantError,
+    ForceStarted,
+    ForceStartRequested,
+    JournalAge,
+    MessageReceived,
+    PersistedState,
+    PersistEntries,
+    PersistState,
+    ProposalCommitted,
+    ProposalFailed,
+    ProposalRejected,
+    Proposed,
+    ProtocolViolation,
+    Role,
+    Send,
+    ShardConsensus,
+    SnapshotNeeded,
+    Ticked,
+    TruncateLog,
+    VoteReply,
+    VoteRequest,
+)
+from rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey, WriteOp, make_entry
+from tests.sim import MemoryLog
+
+pytestmark = pytest.mark.timeout(10)
+
+CONFIG = ConsensusConfig(
+    election_timeout_ms_min=100,
+    election_timeout_ms_max=200,
+    heartbeat_interval_ms=20,
+    entries_per_append_max=3,
+    appends_in_flight_max=2,
+    pending_proposals_max=4,
+)
+MEMBERS = ("a", "b", "c")
+
+
+def chain(keys: list[TxKey], start: Entry | None = None) -> list[Entry]:
+    """Entries at ``keys`` following ``start`` (or the genesis)."""
+    prev, digest = (start.tx_key, start.digest) if start else (ZERO_KEY, GENESIS_DIGEST)
+    entries = []
+    for index, key in enumerate(keys):
+        entry = make_entry("s", key, prev, digest, (WriteOp("t", {"k": index, "at": list(key)}),), f"r{key}")
+        entries.append(entry)
+        prev, digest = key, entry.digest
+    return entries
+
+
+class Harness:
+    """One machine plus the minimal driver: it executes persistence effects on a MemoryLog."""
+
+    def __init__(
+        self,
+        name: str = "a",
+        members: tuple[str, ...] = MEMBERS,
+        entries: list[Entry] | None = None,
+        state: PersistedState | None = None,
+        committed_key: TxKey = ZERO_KEY,
+        config: ConsensusConfig = CONFIG,
+        seed: int = 1,
+    ) -> None:
+        self.log = MemoryLog()
+        self.log.append(tuple(entries or ()))
+        self.state = state or PersistedState(0, None, members)
+        self.machine = ShardConsensus(
+            "s", name, self.log, self.state, committed_key, config, random.Random(seed), now_ms=0
+        )
+        self.now_ms = 0
+
+    def step(self, event, now_ms: int | None = None) -> list:
+        if now_ms is not None:
+            self.now_ms = now_ms
+        effects = self.machine.step(event, self.now_ms)
+        for effect in effects:
+            if isinstance(effect, PersistEntries):
+                self.log.append(effect.entries)
+            elif isinstance(effect, TruncateLog):
+                self.log.truncate_after(effect.after_key)
+            elif isinstance(effect, PersistState):
+                self.state = effect.state
+        return effects
+
+    def receive(self, sender: str, message, now_ms: int | None = None) -> list:
+        return self.step(MessageReceived(sender, message), now_ms)
+
+    def elect(self) -> list:
+        """Time out, then get every vote: the machine becomes sequencer."""
+        self.step(Ticked(), self.machine.next_deadline_ms())
+        effects = []
+        for peer in self.machine.members:
+            if peer != self.machine.name:
+                effects += self.receive(peer, VoteReply(self.machine.generation, True))
+        assert self.machine.role is Role.SEQUENCER
+        return effects
+
+    def ack(self, peer: str, key: TxKey) -> list:
+        message = AppendReply(self.machine.generation, True, key, key, ZERO_KEY)
+        return self.receive(peer, message)
+
+
+def of_type(effects: list, kind: type) -> list:
+    return [effect for effect in effects if isinstance(effect, kind)]
+
+
+def sends(effects: list, kind: type) -> list[tuple[str, object]]:
+    return [(e.to, e.message) for e in effects if isinstance(e, Send) and isinstance(e.message, kind)]
+
+
+def index_of(effects: list, kind: type) -> int:
+    return next(i for i, effect in enumerate(effects) if isinstance(effect, kind))
+
+
+def append(generation: int, prev: Entry | None, entries: list[Entry], commit_key: TxKey = ZERO_KEY) -> AppendRequest:
+    prev_key, prev_digest = (prev.tx_key, prev.digest) if prev else (ZERO_KEY, GENESIS_DIGEST)
+    return AppendRequest(generation, prev_key, prev_digest, commit_key, MEMBERS, tuple(entries))
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"election_timeout_ms_min": 0},
+        {"election_timeout_ms_min": 300, "election_timeout_ms_max": 200},
+        {"heartbeat_interval_ms": 60},
+        {"entries_per_append_max": True},
+        {"pending_proposals_max": -1},
+    ],
+)
+def test_invalid_config_is_refused(overrides):
+    base = {"election_timeout_ms_min": 100, "election_timeout_ms_max": 200, "heartbeat_interval_ms": 20}
+    with pytest.raises(ConsensusConfigError):
+        ConsensusConfig(**(base | overrides))
+
+
+def test_a_node_must_be_one_of_the_members():
+    with pytest.raises(ConsensusConfigError):
+        Harness(name="z")
+
+
+def test_time_must_not_go_backwards():
+    harness = Harness()
+    harness.step(Ticked(), 50)
+    with pytest.raises(ValueError):
+        harness.step(Ticked(), 49)
+
+
+# ---------------------------------------------------------------- election
+
+
+def test_nodes_start_as_followers_and_stay_quiet_before_the_election_timeout():
+    harness = Harness()
+    assert harness.machine.role is Role.FOLLOWER
+    assert harness.step(Ticked(), CONFIG.election_timeout_ms_min - 1) == []
+
+
+def test_election_timeouts_are_randomised_within_the_configured_range():
+    deadlines = {Harness(seed=seed).machine.next_deadline_ms() for seed in range(30)}
+    assert len(deadlines) > 5
+    assert all(CONFIG.election_timeout_ms_min <= d <= CONFIG.election_timeout_ms_max for d in deadlines)
+
+
+def test_a_candidate_persists_the_new_generation_and_its_vote_before_asking_for_votes():
+    harness = Harness()
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert harness.machine.role is Role.CANDIDATE
+    assert effects[index_of(effects, PersistState)].state == PersistedState(1, "a", MEMBERS)
+    requests = sends(effects, VoteRequest)
+    assert sorted(to for to, _ in requests) == ["b", "c"]
+    assert all(message == VoteRequest(1, ZERO_KEY) for _, message in requests)
+    assert index_of(effects, PersistState) < index_of(effects, Send)
+
+
+def test_a_candidate_that_times_out_starts_a_new_election_with_a_higher_generation():
+    harness = Harness()
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert harness.machine.generation == 2
+    assert harness.state.generation == 2
+
+
+def test_a_candidate_with_votes_from_a_majority_becomes_sequencer_and_appends_a_no_op():
+    harness = Harness()
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    effects = harness.receive("b", VoteReply(1, True))
+    assert harness.machine.role is Role.SEQUENCER
+    assert harness.machine.sequencer == "a"
+    (persisted,) = of_type(effects, PersistEntries)
+    (no_op,) = persisted.entries
+    assert (no_op.tx_key, no_op.prev, no_op.ops) == (TxKey(1, 1), ZERO_KEY, ())
+    appends = sends(effects, AppendRequest)
+    assert sorted(to for to, _ in appends) == ["b", "c"]
+    assert all(message.entries == (no_op,) for _, message in appends)
+    assert index_of(effects, PersistEntries) < index_of(effects, Send)
+
+
+def test_refused_votes_do_not_elect():
+    harness = Harness()
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.receive("b", VoteReply(1, False))
+    harness.receive("c", VoteReply(1, False))
+    assert harness.machine.role is Role.CANDIDATE
+
+
+def test_a_single_member_elects_itself_and_commits_its_no_op_at_once():
+    harness = Harness(members=("a",))
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert harness.machine.role is Role.SEQUENCER
+    assert Commit(TxKey(1, 1)) in effects
+
+
+def test_a_vote_is_persisted_before_the_reply_and_granted_at_most_once_per_generation():
+    harness = Harness()
+    effects = harness.receive("b", VoteRequest(1, ZERO_KEY))
+    assert of_type(effects[: index_of(effects, Send)], PersistState)[-1].state == PersistedState(1, "b", MEMBERS)
+    assert sends(effects, VoteReply) == [("b", VoteReply(1, True))]
+    assert sends(harness.receive("c", VoteRequest(1, ZERO_KEY)), VoteReply) == [("c", VoteReply(1, False))]
+    # A duplicate request from the same candidate gets the same answer, without persisting again.
+    again = harness.receive("b", VoteRequest(1, ZERO_KEY))
+    assert sends(again, VoteReply) == [("b", VoteReply(1, True))]
+    assert of_type(again, PersistState) == []
+
+
+def test_a_vote_goes_only_to_a_candidate_whose_last_appended_key_is_at_least_ours():
+    entries = chain([TxKey(1, 1), TxKey(1, 2), TxKey(2, 1)])
+    # Committed only up to (1, 1): the voting rule must look at the last appended key.
+    harness = Harness(entries=entries, state=PersistedState(2, None, MEMBERS), committed_key=TxKey(1, 1))
+    refused = harness.receive("b", VoteRequest(3, TxKey(1, 9)))
+    assert sends(refused, VoteReply) == [("b", VoteReply(3, False))]
+    assert harness.machine.generation == 3  # the higher generation is adopted anyway
+    granted = harness.receive("c", VoteRequest(4, TxKey(2, 1)))
+    assert sends(granted, VoteReply) == [("c", VoteReply(4, True))]
+    granted_longer = Harness(entries=entries).receive("c", VoteRequest(3, TxKey(3, 1)))
+    assert sends(granted_longer, VoteReply) == [("c", VoteReply(3, True))]
+
+
+def test_a_vote_request_of_a_stale_generation_is_refused_with_the_current_generation():
+    harness = Harness(state=PersistedState(5, None, MEMBERS))
+    effects = harness.receive("b", VoteRequest(4, TxKey(9, 9)))
+    assert sends(effects, VoteReply) == [("b", VoteReply(5, False))]
+    assert of_type(effects, PersistState) == []
+
+
+def test_a_candidate_that_hears_a_sequencer_of_its_generation_becomes_follower():
+    harness = Harness()
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.receive("b", append(1, None, []))
+    assert harness.machine.role is Role.FOLLOWER
+    assert harness.machine.sequencer == "b"
+
+
+def test_a_sequencer_that_sees_a_higher_generation_steps_down_and_fails_its_pending_proposals():
+    harness = Harness()
+    harness.elect()
+    harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
+    effects = harness.receive("b", VoteReply(7, False))
+    assert harness.machine.role is Role.FOLLOWER
+    assert harness.state.generation == 7
+    (failed,) = of_type(effects, ProposalFailed)
+    assert failed.request_id == "w1" and "generation 7" in failed.reason
+
+
+def test_messages_from_non_members_are_ignored():
+    harness = Harness()
+    effects = harness.receive("zombie", VoteRequest(9, TxKey(9, 9)))
+    assert of_type(effects, ProtocolViolation) and harness.machine.generation == 0
+
+
+# ---------------------------------------------------------------- replication at the sequencer
+
+
+def test_proposals_at_a_follower_are_rejected_with_the_known_sequencer():
+    harness = Harness()
+    effects = harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
+    assert effects == [ProposalRejected("w1", REJECT_NOT_SEQUENCER, None)]
+    harness.receive("b", append(1, None, []))
+    assert harness.step(Proposed((), "w2")) == [ProposalRejected("w2", REJECT_NOT_SEQUENCER, "b")]
+
+
+def test_the_sequencer_assigns_the_next_key_persists_then_sends_and_commits_on_a_majority():
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    effects = harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
+    (persisted,) = of_type(effects, PersistEntries)
+    entry = persisted.entries[0]
+    assert entry.tx_key == TxKey(1, 2) and entry.prev == TxKey(1, 1) and entry.request_id == "w1"
+    assert index_of(effects, PersistEntries) < index_of(effects, Send)
+    assert of_type(effects, Commit) == []
+    committed = harness.ack("c", TxKey(1, 2))
+    assert committed == [Commit(TxKey(1, 2)), ProposalCommitted("w1", TxKey(1, 2))]
+    assert harness.machine.committed_key == TxKey(1, 2)
+
+
+def test_the_counter_restarts_at_one_in_each_generation():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(4, None, MEMBERS))
+    effects = harness.elect()
+    assert of_type(effects, PersistEntries)[0].entries[0].tx_key == TxKey(5, 1)
+
+
+def test_entries_of_an_earlier_generation_are_not_committed_by_counting_replicas():
+    old = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=old, state=PersistedState(2, None, MEMBERS), committed_key=TxKey(1, 1))
+    harness.elect()  # generation 3, no-op at (3, 1)
+    effects = harness.ack("b", TxKey(1, 2))  # a majority holds (1, 2), but it is of generation 1
+    assert of_type(effects, Commit) == []
+    assert harness.ack("b", TxKey(3, 1))[0] == Commit(TxKey(3, 1))
+
+
+def test_a_full_proposal_queue_rejects_with_busy():
+    harness = Harness()
+    harness.elect()
+    for number in range(CONFIG.pending_proposals_max):
+        harness.step(Proposed((), f"w{number}"))
+    assert harness.step(Proposed((), "late")) == [ProposalRejected("late", REJECT_BUSY, "a")]
+
+
+def test_catch_up_appends_are_batched_up_to_entries_per_append_max():
+    entries = chain([TxKey(1, n) for n in range(1, 8)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS))
+    harness.elect()
+    # b has nothing: it rejects the first probe and the sequencer resumes from b's last key.
+    effects = harness.receive("b", AppendReply(2, False, ZERO_KEY, ZERO_KEY, ZERO_KEY))
+    ((_, message),) = sends(effects, AppendRequest)
+    assert message.prev_key == ZERO_KEY
+    assert [e.tx_key for e in message.entries] == [TxKey(1, 1), TxKey(1, 2), TxKey(1, 3)]
+
+
+def test_a_follower_behind_the_retained_log_needs_a_snapshot():
+    entries = chain([TxKey(1, n) for n in range(1, 6)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 5))
+    harness.log.trim_to(TxKey(1, 3))
+    harness.elect()
+    effects = harness.receive("b", AppendReply(2, False, ZERO_KEY, TxKey(1, 1), TxKey(1, 1)))
+    assert of_type(effects, SnapshotNeeded) == [SnapshotNeeded("b", TxKey(1, 1), TxKey(1, 3))]
+    assert sends(effects, AppendRequest) == []
+
+
+def test_the_sequencer_fences_itself_without_a_majority_and_fails_pending_proposals():
+    harness = Harness()
+    harness.elect()
+    start = harness.now_ms
+    harness.step(Proposed((), "w1"))
+    harness.ack("b", TxKey(1, 1))  # b answers once; then silence from everyone
+    harness.step(Ticked(), start + CONFIG.election_timeout_ms_min - 1)
+    assert harness.machine.role is Role.SEQUENCER
+    effects = harness.step(Ticked(), start + CONFIG.election_timeout_ms_min)
+    assert harness.machine.role is Role.FOLLOWER
+    (failed,) = of_type(effects, ProposalFailed)
+    assert failed.request_id == "w1" and "fenced itself" in failed.reason
+    assert of_type(harness.step(Proposed((), "w2")), ProposalRejected)[0].reason == REJECT_NOT_SEQUENCER
+
+
+def test_heartbeats_resend_unacknowledged_entries():
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.ack("c", TxKey(1, 1))
+    harness.step(Proposed((), "w1"))  # suppose this append to b is lost
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    resent = dict(sends(effects, AppendRequest))
+    assert [e.tx_key for e in resent["b"].entries] == [TxKey(1, 2)]
+
+
+def test_status_and_journal_age_report_the_sequencer_view():
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    status = harness.machine.status()
+    assert status.role is Role.SEQUENCER and status.sequencer == "a" and status.generation == 1
+    assert dict(status.follower_match_keys) == {"b": TxKey(1, 1), "c": ZERO_KEY}
+    assert harness.machine.journal_age() == JournalAge(1, TxKey(1, 1), TxKey(1, 1))
+
+
+# ---------------------------------------------------------------- replication at a follower
+
+
+def test_a_follower_rejects_appends_of_a_stale_generation_and_persists_nothing():
+    harness = Harness(state=PersistedState(3, None, MEMBERS))
+    effects = harness.receive("b", append(2, None, chain([TxKey(2, 1)])))
+    assert of_type(effects, PersistEntries) == []
+    ((_, reply),) = sends(effects, AppendReply)
+    assert reply.generation == 3 and not reply.success
+
+
+def test_a_follower_accepts_only_if_prev_key_and_prev_digest_match():
+    entries = chain([TxKey(1, 1), TxKey(1, 2), TxKey(1, 3)])
+    harness = Harness(entries=entries[:1])
+    missing = harness.receive("b", append(1, entries[1], entries[2:]))
+    assert not sends(missing, AppendReply)[0][1].success
+    forged = AppendRequest(1, TxKey(1, 1), bytes(32), ZERO_KEY, MEMBERS, tuple(entries[1:]))
+    assert not sends(harness.receive("b", forged), AppendReply)[0][1].success
+    accepted = harness.receive("b", append(1, entries[0], entries[1:]))
+    assert sends(accepted, AppendReply)[0][1] == AppendReply(1, True, TxKey(1, 3), TxKey(1, 3), ZERO_KEY)
+    assert harness.log.last_key() == TxKey(1, 3)
+
+
+def test_a_follower_truncates_a_conflicting_uncommitted_tail():
+    common = chain([TxKey(1, 1)])
+    stale_tail = chain([TxKey(1, 2), TxKey(1, 3)], start=common[0])
+    harness = Harness(entries=common + stale_tail, state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 1))
+    new_tail = chain([TxKey(2, 1)], start=common[0])
+    effects = harness.receive("b", append(2, common[0], new_tail))
+    assert TruncateLog(TxKey(1, 1)) in effects
+    assert index_of(effects, TruncateLog) < index_of(effects, PersistEntries) < index_of(effects, Send)
+    assert harness.log.keys == [TxKey(1, 1), TxKey(2, 1)]
+
+
+def test_a_follower_never_truncates_a_committed_entry():
+    common = chain([TxKey(1, 1)])
+    committed = chain([TxKey(1, 2)], start=common[0])
+    harness = Harness(entries=common + committed, state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 2))
+    with pytest.raises(ConsensusInvariantError):
+        harness.receive("b", append(2, common[0], chain([TxKey(2, 1)], start=common[0])))
+
+
+def test_a_reordered_older_append_does_not_truncate_matching_entries():
+    entries = chain([TxKey(1, 1), TxKey(1, 2), TxKey(1, 3)])
+    harness = Harness()
+    harness.receive("b", append(1, None, entries))
+    effects = harness.receive("b", append(1, None, entries[:1]))
+    assert of_type(effects, TruncateLog) == [] and of_type(effects, PersistEntries) == []
+    assert sends(effects, AppendReply)[0][1].match_key == TxKey(1, 1)
+    assert harness.log.last_key() == TxKey(1, 3)
+
+
+def test_a_follower_commits_up_to_the_smaller_of_the_sequencer_commit_and_the_verified_entries():
+    entries = chain([TxKey(1, 1), TxKey(1, 2), TxKey(1, 3)])
+    harness = Harness()
+    effects = harness.receive("b", append(1, None, entries[:2], commit_key=TxKey(1, 3)))
+    assert of_type(effects, Commit) == [Commit(TxKey(1, 2))]
+    assert index_of(effects, PersistEntries) < index_of(effects, Commit)
+    effects = harness.receive("b", append(1, entries[1], entries[2:], commit_key=TxKey(1, 2)))
+    assert of_type(effects, Commit) == []
+
+
+def test_a_follower_refuses_a_broken_digest_chain():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    tampered = Entry("s", TxKey(1, 2), TxKey(1, 1), entries[1].digest, (WriteOp("t", {"k": "evil"}),), "r")
+    harness = Harness()
+    effects = harness.receive("b", append(1, None, [entries[0], tampered]))
+    assert of_type(effects, ProtocolViolation) and of_type(effects, PersistEntries) == []
+
+
+def test_a_follower_adopts_the_membership_of_a_force_started_sequencer():
+    harness = Harness(name="b")
+    message = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, ("a", "b"), ())
+    effects = harness.receive("a", message)
+    assert harness.machine.members == ("a", "b")
+    assert of_type(effects, PersistState)[-1].state.members == ("a", "b")
+
+
+# ---------------------------------------------------------------- restart and force start
+
+
+def test_after_a_restart_a_core_does_not_vote_twice_in_a_generation():
+    harness = Harness()
+    harness.receive("b", VoteRequest(1, ZERO_KEY))
+    restarted = Harness(state=harness.state, entries=harness.log.entries)
+    assert sends(restarted.receive("c", VoteRequest(1, ZERO_KEY)), VoteReply) == [("c", VoteReply(1, False))]
+
+
+def test_a_restart_never_reuses_a_generation_seen_in_the_log():
+    entries = chain([TxKey(4, 1)])
+    harness = Harness(entries=entries, state=PersistedState(2, None, MEMBERS))
+    assert harness.machine.generation == 4
+    assert sends(harness.receive("c", VoteRequest(4, TxKey(9, 9))), VoteReply) == [("c", VoteReply(4, False))]
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert harness.state.generation == 5
+
+
+def test_force_start_opens_a_new_generation_with_a_reduced_membership_and_records_it():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, "b", MEMBERS), committed_key=TxKey(1, 1))
+    effects = harness.step(ForceStartRequested(("a", "b")))
+    assert effects[0] == PersistState(PersistedState(2, "a", ("a", "b"), forced=True))
+    assert of_type(effects, ForceStarted) == [ForceStarted(2, ("a", "b"), TxKey(1, 2), TxKey(1, 1))]
+    assert harness.machine.role is Role.SEQUENCER and harness.machine.status().forced
+    assert [to for to, _ in sends(effects, AppendRequest)] == ["b"]
+    assert harness.ack("b", TxKey(2, 1))[0] == Commit(TxKey(2, 1))
+
+
+@pytest.mark.parametrize("members", [("b", "c"), ("a", "z")])
+def test_force_start_refuses_invalid_memberships(members):
+    harness = Harness()
+    with pytest.raises(ValueError):
+        harness.step(ForceStartRequested(members))
+    assert harness.machine.generation == 0 and harness.machine.role is Role.FOLLOWER
