@@ -11,7 +11,10 @@ Internal tables all start with ``_mnesite``:
 * ``_mnesite_meta(name, value)``: database format version and node facts.
 * ``_mnesite_tables(name, shard, key_column, columns)``: the catalog, written only by
   applying ``CreateTableOp`` so that it replicates like data.
-* ``_mnesite_shards(shard, generation, applied_*, applied_digest)``: per-shard position.
+* ``_mnesite_shards(shard, generation, applied_*, applied_digest, voted_for, members, forced,
+  trimmed_*)``: per-shard position, the consensus state that must survive a crash (generation and
+  vote, persisted before they are used) and the last entry retention removed (its digest is what
+  an append that follows it is checked against).
 * ``_mnesite_rlog(shard, generation, counter, prev_*, digest, request_id, ops, appended_ms)``.
 """
 
@@ -54,7 +57,13 @@ CREATE TABLE IF NOT EXISTS _mnesite_shards(
     generation INTEGER NOT NULL,
     applied_generation INTEGER NOT NULL,
     applied_counter INTEGER NOT NULL,
-    applied_digest BLOB NOT NULL
+    applied_digest BLOB NOT NULL,
+    voted_for TEXT,
+    members TEXT NOT NULL DEFAULT '[]',
+    forced INTEGER NOT NULL DEFAULT 0,
+    trimmed_generation INTEGER NOT NULL DEFAULT 0,
+    trimmed_counter INTEGER NOT NULL DEFAULT 0,
+    trimmed_digest BLOB NOT NULL DEFAULT x'0000000000000000000000000000000000000000000000000000000000000000'
 ) STRICT;
 CREATE TABLE IF NOT EXISTS _mnesite_rlog(
     shard TEXT NOT NULL,
@@ -181,7 +190,9 @@ class Store:
 
     def ensure_shard(self, shard: str, generation: int) -> ShardPosition:
         self.connection.execute(
-            "INSERT OR IGNORE INTO _mnesite_shards VALUES (?, ?, 0, 0, ?)", (shard, generation, GENESIS_DIGEST)
+            "INSERT OR IGNORE INTO _mnesite_shards(shard, generation, applied_generation, applied_counter, "
+            "applied_digest) VALUES (?, ?, 0, 0, ?)",
+            (shard, generation, GENESIS_DIGEST),
         )
         position = self.shard(shard)
         if position is None:
@@ -197,7 +208,103 @@ class Store:
             raise StoreError(f"shard {shard}: generation {generation} does not exceed {position.generation}")
         self.connection.execute("UPDATE _mnesite_shards SET generation = ? WHERE shard = ?", (generation, shard))
 
+    def consensus_state(self, shard: str) -> tuple[int, str | None, tuple[str, ...], bool]:
+        """(generation, voted_for, members, forced) as last persisted."""
+        row = self.connection.execute(
+            "SELECT generation, voted_for, members, forced FROM _mnesite_shards WHERE shard = ?", (shard,)
+        ).fetchone()
+        if row is None:
+            raise StoreError(f"unknown shard {shard}")
+        return row[0], row[1], tuple(json.loads(row[2])), bool(row[3])
+
+    def persist_consensus_state(
+        self, shard: str, generation: int, voted_for: str | None, members: tuple[str, ...], forced: bool
+    ) -> None:
+        current = self.consensus_state(shard)[0]
+        if generation < current:
+            raise StoreError(f"shard {shard}: generation {generation} would go back from {current}")
+        self.connection.execute(
+            "UPDATE _mnesite_shards SET generation = ?, voted_for = ?, members = ?, forced = ? WHERE shard = ?",
+            (generation, voted_for, json.dumps(sorted(members)), int(forced), shard),
+        )
+
     # -- rlog ---------------------------------------------------------------------------------
+
+    def last_entry(self, shard: str) -> tuple[TxKey, bytes]:
+        """Key and digest of the newest persisted entry (or of the last trimmed one, or genesis)."""
+        row = self.connection.execute(
+            "SELECT generation, counter, digest FROM _mnesite_rlog WHERE shard = ? "
+            "ORDER BY generation DESC, counter DESC LIMIT 1",
+            (shard,),
+        ).fetchone()
+        if row is not None:
+            return TxKey(row[0], row[1]), row[2]
+        return self.trimmed(shard)
+
+    def trimmed(self, shard: str) -> tuple[TxKey, bytes]:
+        """Key and digest of the last entry removed by retention (ZERO_KEY and genesis if none)."""
+        row = self.connection.execute(
+            "SELECT trimmed_generation, trimmed_counter, trimmed_digest FROM _mnesite_shards WHERE shard = ?",
+            (shard,),
+        ).fetchone()
+        if row is None:
+            return ZERO_KEY, GENESIS_DIGEST
+        return TxKey(row[0], row[1]), row[2]
+
+    def digest_at(self, shard: str, key: TxKey) -> bytes | None:
+        if key == ZERO_KEY:
+            return GENESIS_DIGEST
+        row = self.connection.execute(
+            "SELECT digest FROM _mnesite_rlog WHERE shard = ? AND generation = ? AND counter = ?",
+            (shard, key.generation, key.counter),
+        ).fetchone()
+        if row is not None:
+            return row[0]
+        trimmed_key, trimmed_digest = self.trimmed(shard)
+        return trimmed_digest if key == trimmed_key else None
+
+    def append_entries(self, entries: tuple[Entry, ...] | list[Entry], appended_ms: int) -> None:
+        """Persist entries that must follow the newest persisted one (checked: no gaps, same chain)."""
+        for entry in entries:
+            last_key, last_digest = self.last_entry(entry.shard)
+            if entry.prev != last_key:
+                raise StoreError(
+                    f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, log ends at {last_key}"
+                )
+            expected = entry_digest(last_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+            if expected != entry.digest:
+                raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
+            self.append_entry(entry, appended_ms)
+
+    def truncate_after(self, shard: str, key: TxKey) -> int:
+        """Remove the uncommitted tail after ``key``; refuses to remove an applied (committed) entry."""
+        position = self.shard(shard)
+        if position is None:
+            raise StoreError(f"unknown shard {shard}")
+        if key < position.applied:
+            raise StoreError(f"shard {shard}: truncating after {key} would remove applied entry {position.applied}")
+        self.connection.execute(
+            "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?)",
+            (shard, key.generation, key.counter),
+        )
+        return self.connection.changes()
+
+    def apply_committed(self, shard: str, up_to: TxKey) -> list[Entry]:
+        """Apply every persisted entry after the applied key up to ``up_to``, in order; return them."""
+        position = self.shard(shard)
+        if position is None:
+            raise StoreError(f"unknown shard {shard}")
+        applied: list[Entry] = []
+        after = position.applied
+        while after < up_to:
+            batch = [e for e in self.entries_after(shard, after, 1000) if e.tx_key <= up_to]
+            if not batch:
+                raise StoreError(f"shard {shard}: cannot apply up to {up_to}, the log ends at {after}")
+            for entry in batch:
+                self.apply_entry(entry)
+                applied.append(entry)
+            after = batch[-1].tx_key
+        return applied
 
     def last_entry_key(self, shard: str) -> TxKey:
         row = self.connection.execute(
@@ -322,71 +429,90 @@ class Store:
         first = [first_generation, first_counter] if count else None
         return {"entries": count, "first": first}
 
-    def trim(self, shard: str, entries_max: int, before_ms: int | None) -> int:
+    def trim(self, shard: str, entries_max: int, before_ms: int | None, keep_from: TxKey | None = None) -> int:
         """Delete the oldest entries beyond ``entries_max``, and those appended before ``before_ms``.
 
-        The newest entry is always kept: it carries the digest a watcher resumes from.
-        Returns how many entries were deleted.
-        """
-        deleted = 0
-        cursor = self.connection.cursor()
-        keep_from = cursor.execute(
-            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? "
-            "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
-            (shard, max(entries_max, 1) - 1),
-        ).fetchone()
-        if keep_from is not None:
-            cursor.execute(
-                "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) < (?, ?)",
-                (shard, keep_from[0], keep_from[1]),
-            )
-            deleted += self.connection.changes()
-        if before_ms is not None:
-            last = self.last_entry_key(shard)
-            cursor.execute(
-                "DELETE FROM _mnesite_rlog WHERE shard = ? AND appended_ms < ? AND (generation, counter) < (?, ?)",
-                (shard, before_ms, last.generation, last.counter),
-            )
-            deleted += self.connection.changes()
-        return deleted
-
-    def verify_chain(self, shard: str) -> TxKey:
-        """Check that the retained rlog is one digest chain ending at the applied position.
-
-        Returns the applied key; raises ``StoreError`` naming the first break.
+        Only applied (committed) entries are ever removed, and none at or after ``keep_from`` (what
+        a follower still needs). The newest entry is always kept: it carries the digest a watcher
+        resumes from. The key and digest of the last removed entry are recorded, so an append that
+        follows it can still be checked. Returns how many entries were deleted.
         """
         position = self.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
-        previous: Entry | None = None
-        after = ZERO_KEY
-        while True:
-            batch = self.entries_after(shard, after, 1000)
-            if not batch:
-                break
+        # Newest key that may go: below the applied key, below keep_from, and outside the count bound.
+        limit = position.applied
+        if keep_from is not None:
+            limit = min(limit, keep_from)
+        by_count = self.connection.execute(
+            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? "
+            "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
+            (shard, max(entries_max, 1) - 1),
+        ).fetchone()
+        candidates = []
+        if by_count is not None:
+            candidates.append(self._key_before(shard, TxKey(by_count[0], by_count[1])))
+        if before_ms is not None:
+            row = self.connection.execute(
+                "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? AND appended_ms < ? "
+                "ORDER BY generation DESC, counter DESC LIMIT 1",
+                (shard, before_ms),
+            ).fetchone()
+            if row is not None:
+                candidates.append(TxKey(row[0], row[1]))
+        candidates = [key for key in candidates if key is not None]
+        if not candidates:
+            return 0
+        newest_removed = min(max(candidates), limit)
+        last_key, _ = self.last_entry(shard)
+        if newest_removed >= last_key:
+            newest_removed = self._key_before(shard, last_key) or ZERO_KEY
+        digest = self.digest_at(shard, newest_removed)
+        if newest_removed <= self.trimmed(shard)[0] or digest is None:
+            return 0
+        self.connection.execute(
+            "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
+            (shard, newest_removed.generation, newest_removed.counter),
+        )
+        deleted = self.connection.changes()
+        self.connection.execute(
+            "UPDATE _mnesite_shards SET trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ? "
+            "WHERE shard = ?",
+            (newest_removed.generation, newest_removed.counter, digest, shard),
+        )
+        return deleted
+
+    def _key_before(self, shard: str, key: TxKey) -> TxKey | None:
+        row = self.connection.execute(
+            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) < (?, ?) "
+            "ORDER BY generation DESC, counter DESC LIMIT 1",
+            (shard, key.generation, key.counter),
+        ).fetchone()
+        return TxKey(row[0], row[1]) if row else None
+
+    def verify_chain(self, shard: str) -> TxKey:
+        """Check that the retained rlog is one digest chain from the last trimmed entry (or genesis),
+        and that the applied position is on it. Returns the applied key; raises ``StoreError``
+        naming the first break."""
+        position = self.shard(shard)
+        if position is None:
+            raise StoreError(f"unknown shard {shard}")
+        previous_key, previous_digest = self.trimmed(shard)
+        applied_seen = position.applied == previous_key and position.digest == previous_digest
+        while batch := self.entries_after(shard, previous_key, 1000):
             for entry in batch:
-                if previous is not None:
-                    if entry.prev != previous.tx_key:
-                        raise StoreError(
-                            f"shard {shard}: entry {entry.tx_key} follows {entry.prev}, not {previous.tx_key}"
-                        )
-                    expected = entry_digest(
-                        previous.digest, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id
-                    )
-                    if expected != entry.digest:
-                        raise StoreError(f"shard {shard}: digest mismatch at {entry.tx_key}")
-                elif entry.prev == ZERO_KEY:
-                    expected = entry_digest(
-                        GENESIS_DIGEST, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id
-                    )
-                    if expected != entry.digest:
-                        raise StoreError(f"shard {shard}: digest mismatch at {entry.tx_key}")
-                previous = entry
-            after = batch[-1].tx_key
-        if previous is not None and (previous.tx_key, previous.digest) != (position.applied, position.digest):
-            raise StoreError(
-                f"shard {shard}: rlog ends at {previous.tx_key} but the applied position is {position.applied}"
-            )
+                if entry.prev != previous_key:
+                    raise StoreError(f"shard {shard}: entry {entry.tx_key} follows {entry.prev}, not {previous_key}")
+                expected = entry_digest(previous_digest, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+                if expected != entry.digest:
+                    raise StoreError(f"shard {shard}: digest mismatch at {entry.tx_key}")
+                if entry.tx_key == position.applied:
+                    if entry.digest != position.digest:
+                        raise StoreError(f"shard {shard}: applied digest differs from the rlog at {entry.tx_key}")
+                    applied_seen = True
+                previous_key, previous_digest = entry.tx_key, entry.digest
+        if not applied_seen:
+            raise StoreError(f"shard {shard}: the applied position {position.applied} is not on the rlog")
         return position.applied
 
     # -- reads --------------------------------------------------------------------------------
