@@ -1,0 +1,283 @@
+"""The mnesite data source and the Spark compare job over real replica files (and one live node)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import apsw
+import pytest
+from click.testing import CliRunner
+
+from rlog.store import Store
+from rlog.types import WriteOp
+from spark.cli import compare as compare_command
+from spark.compare import EXIT_DIVERGED, EXIT_EQUAL, EXIT_ERROR, CompareError, CompareOptions, compare
+from tests import spark_fixtures
+from tests.spark_fixtures import commit, copy_replica, create_store, create_table, delete_keys, write_rows
+
+pytestmark = [pytest.mark.spark]
+spark_session = spark_fixtures.spark_session  # the one session-scoped SparkSession of the test run
+
+USERS_ROWS = 2000
+DRILL = CompareOptions(ranges_initial=8, fanout=4, leaf_rows_max=16, sample_max=5)
+
+
+def user(key: int) -> dict[str, Any]:
+    return {"id": key, "name": f"user {key}", "score": key / 7, "extra": key if key % 3 else f"t{key}", "avatar": None}
+
+
+def build_primary(directory: Path) -> Store:
+    store = create_store(directory)
+    create_table(
+        store, "users", "id",
+        [("id", "INTEGER"), ("name", "TEXT"), ("score", "REAL"), ("extra", "ANY"), ("avatar", "BLOB")],
+    )
+    create_table(store, "tags", "tag", [("tag", "TEXT"), ("weight", "INTEGER")])
+    write_rows(store, "users", [user(key) for key in range(USERS_ROWS)])
+    write_rows(store, "tags", [{"tag": f"tag-{key:04d}", "weight": key} for key in range(300)])
+    return store
+
+
+@pytest.fixture
+def equal_replicas(tmp_path: Path) -> tuple[Path, Path]:
+    build_primary(tmp_path / "a").close()
+    return tmp_path / "a", copy_replica(tmp_path / "a", tmp_path / "b")
+
+
+def tamper(directory: Path, statements: list[tuple[str, tuple]]) -> None:
+    """Change a replica behind mnesite's back, as disk corruption or a bug would."""
+    connection = apsw.Connection(str(directory / "mnesite.db"))
+    with connection:
+        for sql, bindings in statements:
+            connection.execute(sql, bindings)
+    connection.close()
+
+
+def samples_by_key(pair: Any, category: str) -> dict[Any, dict[str, Any]]:
+    return {sample["key"]: sample for sample in pair.samples[category]}
+
+
+@pytest.mark.timeout(120)
+def test_data_source_reads_a_table_in_key_range_partitions(spark_session: Any, equal_replicas: tuple) -> None:
+    primary, _ = equal_replicas
+    for location in (str(primary), str(primary / "mnesite.db")):
+        frame = (
+            spark_session.read.format("mnesite")
+            .option("path", location)
+            .option("table", "users")
+            .option("partitions", "3")
+            .load()
+        )
+        assert [(f.name, f.dataType.simpleString()) for f in frame.schema.fields] == [
+            ("id", "bigint"), ("name", "string"), ("score", "double"), ("extra", "string"), ("avatar", "binary"),
+        ]
+        assert frame.rdd.getNumPartitions() == 3
+        sizes = frame.rdd.glom().map(len).collect()
+        assert sum(sizes) == USERS_ROWS and min(sizes) > USERS_ROWS // 4
+        rows = {row["id"]: row.asDict() for row in frame.collect()}
+        assert len(rows) == USERS_ROWS
+        # ANY renders as text: integers in decimal, text unchanged.
+        assert rows[4] == {"id": 4, "name": "user 4", "score": 4 / 7, "extra": "4", "avatar": None}
+        assert rows[3]["extra"] == "t3"
+    with pytest.raises(Exception, match="unknown table"):
+        spark_session.read.format("mnesite").option("path", str(primary)).option("table", "nope").load()
+
+
+@pytest.mark.timeout(120)
+def test_equal_replicas_compare_equal_and_ship_only_range_digests(
+    spark_session: Any, equal_replicas: tuple
+) -> None:
+    messages: list[str] = []
+    report = compare([str(p) for p in equal_replicas], DRILL, session=spark_session, progress=messages.append)
+    assert report.exit_status == EXIT_EQUAL and not report.diverged
+    assert report.tables == ["tags", "users"]
+    assert report.rows["users"] == {str(equal_replicas[0]): USERS_ROWS, str(equal_replicas[1]): USERS_ROWS}
+    assert report.statistics["levels"] == 1 and report.statistics["rows_shipped"] == 0
+    assert all(count == 0 for pair in report.pairs for count in pair.counts.values())
+    assert any("level 1" in message for message in messages)
+    applied = report.to_json()["applied"]
+    assert applied[str(equal_replicas[0])] == applied[str(equal_replicas[1])]
+
+
+@pytest.mark.timeout(120)
+def test_changed_deleted_and_added_rows_are_reported_exactly(spark_session: Any, equal_replicas: tuple) -> None:
+    primary, copy = equal_replicas
+    tamper(copy, [
+        ("UPDATE users SET name = 'mallory' WHERE id IN (3, 1000)", ()),
+        ("UPDATE users SET score = 0.5 WHERE id = 1999", ()),
+        ("UPDATE users SET avatar = x'00ff' WHERE id = 42", ()),
+        ("DELETE FROM users WHERE id IN (0, 1500)", ()),
+        ("INSERT INTO users VALUES (5000, 'eve', 1.0, x'01', NULL)", ()),
+        ("UPDATE tags SET weight = -1 WHERE tag = 'tag-0100'", ()),
+        ("INSERT INTO tags VALUES ('tag-0100a', 1)", ()),
+    ])
+    report = compare([str(primary), str(copy)], DRILL, session=spark_session)
+    assert report.exit_status == EXIT_DIVERGED
+    users = next(p for p in report.pairs if p.table == "users")
+    assert users.counts == {"missing_on_left": 1, "missing_on_right": 2, "different": 4, "in_flight": 0}
+    different = samples_by_key(users, "different")
+    assert sorted(different) == [3, 42, 1000, 1999]  # sample_max=5 holds all four
+    assert different[3]["left"] == user(3) and different[3]["right"] == {**user(3), "name": "mallory"}
+    assert different[42]["right"]["avatar"] == b"\x00\xff"
+    assert different[1999]["right"]["score"] == 0.5
+    missing = samples_by_key(users, "missing_on_right")
+    assert {key: sample["left"] for key, sample in missing.items()} == {0: user(0), 1500: user(1500)}
+    added = samples_by_key(users, "missing_on_left")[5000]
+    assert added["left"] is None and added["right"]["name"] == "eve"
+    tags = next(p for p in report.pairs if p.table == "tags")
+    assert tags.counts == {"missing_on_left": 1, "missing_on_right": 0, "different": 1, "in_flight": 0}
+    assert samples_by_key(tags, "different")["tag-0100"]["right"] == {"tag": "tag-0100", "weight": -1}
+    assert report.rows["users"] == {str(primary): USERS_ROWS, str(copy): USERS_ROWS - 1}
+    # Drilling down shipped digests for sub-ranges and only small leaves of rows.
+    assert report.statistics["levels"] > 1
+    assert 0 < report.statistics["rows_shipped"] <= 8 * DRILL.leaf_rows_max * 2
+
+
+@pytest.mark.timeout(120)
+def test_sample_is_bounded(spark_session: Any, equal_replicas: tuple) -> None:
+    primary, copy = equal_replicas
+    tamper(copy, [("UPDATE users SET name = 'x' WHERE id % 10 = 0", ())])
+    options = CompareOptions(tables=("users",), sample_max=3)
+    report = compare([str(primary), str(copy)], options, session=spark_session)
+    (users,) = report.pairs
+    assert users.counts["different"] == USERS_ROWS // 10
+    assert sorted(samples_by_key(users, "different")) == [0, 10, 20]
+
+
+@pytest.mark.timeout(120)
+def test_keys_touched_between_applied_keys_are_in_flight_not_divergence(
+    spark_session: Any, tmp_path: Path
+) -> None:
+    build_primary(tmp_path / "ahead").close()
+    behind = copy_replica(tmp_path / "ahead", tmp_path / "behind")
+    store = Store(str(tmp_path / "ahead" / "mnesite.db"), synchronous="OFF")
+    behind_key = store.shard("default").applied
+    commit(store, [WriteOp("users", {**user(7), "name": "renamed"}), WriteOp("users", user(9000))])
+    delete_keys(store, "users", [8])
+    ahead_key = commit(store, [WriteOp("tags", {"tag": "tag-0001", "weight": 99})])
+    store.close()
+    report = compare([str(tmp_path / "ahead"), str(behind)], DRILL, session=spark_session)
+    assert report.exit_status == EXIT_EQUAL
+    (span,) = report.in_flight_spans
+    assert (span.ahead, span.behind_key, span.ahead_key) == (str(tmp_path / "ahead"), behind_key, ahead_key)
+    assert span.complete and span.entries == 3
+    users = next(p for p in report.pairs if p.table == "users")
+    assert users.counts == {"missing_on_left": 0, "missing_on_right": 0, "different": 0, "in_flight": 3}
+    in_flight = samples_by_key(users, "in_flight")
+    assert in_flight[7]["left"]["name"] == "renamed" and in_flight[7]["right"] == user(7)
+    assert in_flight[8]["left"] is None and in_flight[9000]["right"] is None
+    # A real divergence next to in-flight keys still counts.
+    tamper(behind, [("UPDATE users SET name = 'bad' WHERE id = 11", ())])
+    report = compare([str(tmp_path / "ahead"), str(behind)], DRILL, session=spark_session)
+    users = next(p for p in report.pairs if p.table == "users")
+    assert report.exit_status == EXIT_DIVERGED
+    assert users.counts["different"] == 1 and users.counts["in_flight"] == 3
+    assert list(samples_by_key(users, "different")) == [11]
+
+
+@pytest.mark.timeout(120)
+def test_trimmed_rlog_makes_lag_count_as_divergence(spark_session: Any, tmp_path: Path) -> None:
+    build_primary(tmp_path / "ahead").close()
+    behind = copy_replica(tmp_path / "ahead", tmp_path / "behind")
+    store = Store(str(tmp_path / "ahead" / "mnesite.db"), synchronous="OFF")
+    commit(store, [WriteOp("users", {**user(7), "name": "renamed"})])
+    commit(store, [WriteOp("users", {**user(9), "name": "renamed"})])
+    with store.write_transaction():
+        store.trim("default", entries_max=1, before_ms=None)
+    store.close()
+    report = compare([str(tmp_path / "ahead"), str(behind)], DRILL, session=spark_session)
+    (span,) = report.in_flight_spans
+    assert not span.complete and "no longer holds" in span.reason
+    users = next(p for p in report.pairs if p.table == "users")
+    assert users.counts["different"] == 2 and report.exit_status == EXIT_DIVERGED
+
+
+@pytest.mark.timeout(120)
+def test_tables_missing_on_one_side_are_reported(spark_session: Any, equal_replicas: tuple) -> None:
+    primary, copy = equal_replicas
+    store = Store(str(primary / "mnesite.db"), synchronous="OFF")
+    create_table(store, "only_left", "k", [("k", "INTEGER")])
+    store.close()
+    report = compare([str(primary), str(copy)], CompareOptions(tables=("only_left", "tags")), session=spark_session)
+    assert report.tables_missing == {"only_left": [str(copy)]}
+    assert report.tables == ["tags"] and report.exit_status == EXIT_DIVERGED
+    with pytest.raises(CompareError, match="unknown table 'nope'"):
+        compare([str(primary), str(copy)], CompareOptions(tables=("nope",)), session=spark_session)
+
+
+@pytest.mark.timeout(120)
+def test_cli_prints_a_table_or_json_and_exits_by_outcome(spark_session: Any, equal_replicas: tuple) -> None:
+    primary, copy = equal_replicas
+    runner = CliRunner()
+    result = runner.invoke(compare_command, [str(primary), str(copy), "--table", "tags", "--quiet"])
+    assert result.exit_code == EXIT_EQUAL, result.output
+    assert "result: equal" in result.output and "tags" in result.output
+    tamper(copy, [("UPDATE tags SET weight = 7 WHERE tag = 'tag-0003'", ())])
+    result = runner.invoke(compare_command, [str(primary), str(copy), "--table", "tags", "--json", "--sample", "1"])
+    assert result.exit_code == EXIT_DIVERGED, result.output
+    report = json.loads(result.stdout)
+    assert report["status"] == "diverged"
+    (pair,) = report["pairs"]
+    assert pair["counts"]["different"] == 1
+    assert pair["samples"]["different"] == [
+        {"key": "tag-0003", "left": {"tag": "tag-0003", "weight": 3}, "right": {"tag": "tag-0003", "weight": 7}}
+    ]
+    assert "compare: level 1" in result.stderr  # progress goes to stderr
+
+
+@pytest.mark.timeout(60)
+def test_cli_bad_input_is_one_line_and_exit_2(spark_session: Any, equal_replicas: tuple, tmp_path: Path) -> None:
+    import socket
+
+    primary, _ = equal_replicas
+    not_a_database = tmp_path / "notes.txt"
+    not_a_database.write_text("hello, this is not sqlite\n" * 10)
+    empty_directory = tmp_path / "empty"
+    empty_directory.mkdir()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    cases = [
+        ([str(primary), str(not_a_database)], "not a mnesite database"),
+        ([str(primary), str(empty_directory)], "has no mnesite.db"),
+        ([str(primary), str(tmp_path / "absent")], "no such file or directory"),
+        ([str(primary), str(primary), "--table", "nope"], "unknown table 'nope'"),
+        ([str(primary)], "at least two replicas"),
+        ([str(primary), f"tcp://127.0.0.1:{closed_port}", "--timeout-ms", "200"], f"127.0.0.1:{closed_port}"),
+    ]
+    runner = CliRunner()
+    for arguments, message in cases:
+        result = runner.invoke(compare_command, [*arguments, "--quiet"])
+        assert result.exit_code == EXIT_ERROR, (arguments, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (arguments, lines)
+        assert "Traceback" not in result.output and result.stdout == ""
+
+
+@pytest.mark.timeout(30)
+def test_missing_java_names_the_package_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from spark.session import SparkUnavailableError, build_session
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    with pytest.raises(SparkUnavailableError, match="apt-get install -y openjdk-17-jre-headless"):
+        build_session("local[1]")
+
+
+@pytest.mark.timeout(120)
+def test_live_node_compares_equal_to_its_own_file(spark_session: Any, thread_node: Any, tmp_path: Path) -> None:
+    pytest.importorskip("rlog.client")
+    with thread_node.client() as client:
+        client.create_table("kv", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
+        for key in range(50):
+            client.put("kv", {"k": key, "v": f"value {key}"})
+    data_directory = tmp_path / "data"
+    assert os.path.exists(data_directory / "mnesite.db")
+    report = compare([thread_node.endpoint, str(data_directory)], DRILL, session=spark_session)
+    assert report.exit_status == EXIT_EQUAL, report.to_json()
+    assert report.rows["kv"] == {thread_node.endpoint: 50, str(data_directory): 50}
+    frame = spark_session.read.format("mnesite").option("node", thread_node.endpoint).option("table", "kv").load()
+    assert sorted(row["k"] for row in frame.collect()) == list(range(50))
