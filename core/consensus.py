@@ -57,7 +57,7 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, make_entry
@@ -364,11 +364,6 @@ class _Progress:
     snapshot_requested_ms: int | None = None
 
 
-@dataclass
-class _Pending:
-    request_ids: dict[TxKey, str | None] = field(default_factory=dict)
-
-
 class ShardConsensus:
     """Election and replication state of one shard on one core node."""
 
@@ -417,7 +412,8 @@ class ShardConsensus:
         self._sequencer: str | None = None
         self._votes: set[str] = set()
         self._progress: dict[str, _Progress] = {}
-        self._pending = _Pending()
+        # Request ids of this sequencer's uncommitted proposals, in tx key order.
+        self._pending: dict[TxKey, str | None] = {}
         self._heartbeat_due_ms = now_ms
         self._election_deadline_ms = now_ms
         self._reset_election_deadline()
@@ -471,7 +467,7 @@ class ShardConsensus:
             members=self._members,
             forced=self._forced,
             follower_match_keys=matches,
-            pending_proposals=len(self._pending.request_ids),
+            pending_proposals=len(self._pending),
         )
 
     def next_deadline_ms(self) -> int:
@@ -617,9 +613,9 @@ class ShardConsensus:
         self._reset_election_deadline()
 
     def _fail_pending(self, reason: str) -> None:
-        for key, request_id in self._pending.request_ids.items():
+        for key, request_id in self._pending.items():
             self._out.append(ProposalFailed(request_id, key, reason))
-        self._pending.request_ids = {}
+        self._pending = {}
 
     def _force_start(self, members: tuple[str, ...]) -> None:
         """Become sequencer of a new generation with a reduced membership, loudly.
@@ -787,7 +783,7 @@ class ShardConsensus:
         if len(event.ops) > self.config.ops_per_entry_max:
             self._out.append(ProposalRejected(event.request_id, REJECT_TOO_MANY_OPS, self.name))
             return
-        if len(self._pending.request_ids) >= self.config.pending_proposals_max:
+        if len(self._pending) >= self.config.pending_proposals_max:
             self._out.append(ProposalRejected(event.request_id, REJECT_BUSY, self.name))
             return
         self._append_own(tuple(event.ops), event.request_id, proposal=True)
@@ -799,7 +795,7 @@ class ShardConsensus:
         self._out.append(PersistEntries((entry,)))
         self._last_key, self._last_digest = entry.tx_key, entry.digest
         if proposal:
-            self._pending.request_ids[entry.tx_key] = request_id
+            self._pending[entry.tx_key] = request_id
         # The log view shows this entry only after the driver ran the effects, so send it directly
         # to followers that are caught up; the others get it from the log on their next reply.
         for peer, progress in self._progress.items():
@@ -829,6 +825,10 @@ class ShardConsensus:
             if last_request is None or self._now_ms - last_request >= self.config.heartbeat_interval_ms:
                 progress.snapshot_requested_ms = self._now_ms
                 self._out.append(SnapshotNeeded(peer, prev_key, trimmed_key))
+            if heartbeat:
+                # Keep the follower from campaigning, and learn where it stands once the snapshot is
+                # installed: it matches our last key or answers with its own last and committed keys.
+                self._send(peer, progress, self._last_key, self._last_digest, [])
             return
         prev_digest = self._log.digest_at(prev_key)
         if prev_digest is None:
@@ -847,6 +847,6 @@ class ShardConsensus:
             return
         self._commit_key = candidate
         self._out.append(Commit(candidate))
-        committed = [key for key in self._pending.request_ids if key <= candidate]
+        committed = [key for key in self._pending if key <= candidate]
         for key in committed:
-            self._out.append(ProposalCommitted(self._pending.request_ids.pop(key), key))
+            self._out.append(ProposalCommitted(self._pending.pop(key), key))

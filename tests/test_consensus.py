@@ -505,3 +505,18 @@ def test_force_start_refuses_invalid_memberships(members):
     with pytest.raises(ValueError):
         harness.step(ForceStartRequested(members))
     assert harness.machine.generation == 0 and harness.machine.role is Role.FOLLOWER
+
+
+def test_a_follower_waiting_for_a_snapshot_still_gets_heartbeats_and_is_found_again_after_it():
+    entries = chain([TxKey(1, n) for n in range(1, 6)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 5))
+    harness.log.trim_to(TxKey(1, 3))
+    harness.elect()
+    harness.receive("b", AppendReply(2, False, ZERO_KEY, TxKey(1, 1), TxKey(1, 1)))
+    heartbeat = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    beat = dict(sends(heartbeat, AppendRequest))["b"]
+    assert beat.prev_key == TxKey(2, 1) and beat.entries == ()
+    # b installed a snapshot at (1, 5): it rejects the beat, and the sequencer resumes from there.
+    resumed = harness.receive("b", AppendReply(2, False, ZERO_KEY, TxKey(1, 5), TxKey(1, 5)))
+    ((_, message),) = sends(resumed, AppendRequest)
+    assert message.prev_key == TxKey(1, 5) and [e.tx_key for e in message.entries] == [TxKey(2, 1)]

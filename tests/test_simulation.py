@@ -12,7 +12,7 @@ import os
 import pytest
 
 from core.consensus import ShardConsensus
-from tests.sim import SimulationFailure, run_seed
+from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import replay_command
 
 CI_SEEDS = 240
@@ -64,3 +64,28 @@ def test_the_simulator_checkers_catch_a_quorum_that_is_too_small(monkeypatch):
     found = _first_failure(CI_SEEDS)
     assert found is not None, f"no violation caught in {CI_SEEDS} seeds with a too small quorum"
     assert "ConsensusInvariantError" not in str(found[1]).splitlines()[0]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("core_count", [3, 5])
+def test_force_start_after_the_majority_is_lost_for_good_keeps_every_acknowledged_write(core_count):
+    for seed in range(10):
+        simulation = Simulation(seed, core_count)
+        sequencer = simulation.run_until_quiet()
+        for _ in range(5):
+            simulation.write(sequencer.name)
+        simulation.run_until_quiet()
+        acknowledged = dict(simulation.acknowledged)
+        assert len(acknowledged) == 5
+        # The cluster was quiet, so every survivor holds every committed entry: nothing is lost.
+        names = sorted(simulation.nodes)
+        survivors = names[: core_count // 2]
+        simulation.lose_for_good(names[core_count // 2 :])
+        simulation.force_start(survivors[0], tuple(survivors))
+        simulation.write(survivors[0])
+        sequencer = simulation.run_until_quiet()
+        assert sequencer.name == survivors[0] and sequencer.state.forced
+        assert sequencer.machine is not None and sequencer.machine.members == tuple(survivors)
+        assert len(simulation.acknowledged) == 6
+        assert acknowledged.items() <= simulation.acknowledged.items()
+        simulation.final_check(sequencer)

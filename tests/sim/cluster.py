@@ -34,6 +34,7 @@ from core.consensus import (
     ConsensusConfig,
     ConsensusInvariantError,
     Effect,
+    ForceStartRequested,
     MessageReceived,
     PeerMessage,
     PersistedState,
@@ -212,6 +213,7 @@ class Simulation:
         self.crashes = 0
         self.pauses = 0
         self.snapshots = 0
+        self.lost_for_good: set[str] = set()
 
     # ------------------------------------------------------------ failures
 
@@ -426,7 +428,7 @@ class Simulation:
 
     def _restart_due(self) -> None:
         for node in self.nodes.values():
-            if node.machine is None and node.down_until_ms <= self.now_ms:
+            if node.machine is None and node.down_until_ms <= self.now_ms and node.name not in self.lost_for_good:
                 self._start(node)
                 self.trace.append((self.now_ms, node.name, "restarted at generation", node.state.generation))
 
@@ -465,20 +467,48 @@ class Simulation:
         machine = sequencer.machine
         if machine is None or machine.committed_key != machine.last_key:
             return None
-        for node in self.nodes.values():
+        for node in self._members_of(machine):
             if node.machine is None or node.machine.generation != machine.generation:
                 return None
             if node.applied_key != machine.committed_key or node.log.last_key() != machine.last_key:
                 return None
         return sequencer
 
+    def _members_of(self, machine: ShardConsensus) -> list[SimNode]:
+        return [self.nodes[name] for name in machine.members]
+
+    def lose_for_good(self, names: list[str]) -> None:
+        """These nodes (and their disks) are gone: they never restart."""
+        for name in names:
+            self.lost_for_good.add(name)
+            self.nodes[name].machine = None
+            self.trace.append((self.now_ms, name, "lost for good"))
+
+    def force_start(self, name: str, members: tuple[str, ...]) -> None:
+        self._step(self.nodes[name], ForceStartRequested(members))
+
+    def write(self, target: str) -> None:
+        self._client_write(target)
+
+    def run_until_quiet(self, limit_ms: int = 20_000) -> SimNode:
+        return self._run_until_quiet(limit_ms)
+
     def _run_until_quiet(self, limit_ms: int) -> SimNode:
+        # Quiet means: the same sequencer, everyone caught up, for longer than any election timeout
+        # (a sequencer that looks quiet may be about to fence itself after a long pause).
         deadline = self.now_ms + limit_ms
+        quiet_since: tuple[int, str, int] | None = None
         while self.now_ms < deadline:
             self._restart_due()
             self._advance()
             sequencer = self._quiet_sequencer()
-            if sequencer is not None:
+            if sequencer is None or sequencer.machine is None:
+                quiet_since = None
+                continue
+            current = (sequencer.machine.generation, sequencer.name)
+            if quiet_since is None or quiet_since[1:] != current:
+                quiet_since = (self.now_ms, *current)
+            elif self.now_ms - quiet_since[0] > self.config.election_timeout_ms_max:
                 return sequencer
         raise self.fail(f"the healed cluster did not converge within {limit_ms} ms")
 
@@ -504,7 +534,7 @@ class Simulation:
         sequencer = self._run_until_quiet(20_000)
         if len(self.acknowledged) < before + 3 and self.write_count < WRITES_MAX:
             raise self.fail("writes at the healed sequencer were not acknowledged")
-        self._final_check(sequencer)
+        self.final_check(sequencer)
         return SimulationResult(
             seed=self.seed,
             core_count=self.core_count,
@@ -517,9 +547,12 @@ class Simulation:
             final_time_ms=self.now_ms,
         )
 
-    def _final_check(self, sequencer: SimNode) -> None:
+    def final_check(self, sequencer: SimNode) -> None:
+        if sequencer.machine is None:
+            raise self.fail(f"{sequencer.name} is not running")
+        members = self._members_of(sequencer.machine)
         commit_key = sequencer.applied_key
-        for node in self.nodes.values():
+        for node in members:
             if node.applied_key != commit_key or node.applied_digest != sequencer.applied_digest:
                 raise self.fail(f"{node.name} applied {node.applied_key}, the sequencer {commit_key}")
             if node.log.digest_at(commit_key) != sequencer.applied_digest:
@@ -528,7 +561,7 @@ class Simulation:
         for request_id, key in self.acknowledged.items():
             if key > commit_key or self.committed_request_id.get(key) != request_id:
                 raise self.fail(f"acknowledged write {request_id} at {key} is missing")
-            for node in self.nodes.values():
+            for node in members:
                 entry = node.log.entry_at(key)
                 if entry is not None and entry.request_id != request_id:
                     raise self.fail(f"{node.name} holds another entry than {request_id} at {key}")
