@@ -1,58 +1,103 @@
-"""The core node driver: a zmq ROUTER in front of the apsw store, with group commit.
+"""The core node driver: zmq in front, apsw behind, one ``ShardConsensus`` per shard in between.
 
 Theory of operation
 -------------------
-One thread owns the socket and the database, so nothing here needs a lock. Each turn of
-the loop drains up to ``group_commit_max`` frames that are already waiting:
+One thread owns the sockets, the database and the state machines, so nothing here needs a lock.
+Each turn of the loop:
 
-* malformed frames get an error reply at once (the node keeps serving);
-* reads (``get``, ``scan``, ``status``, ...) are answered at once from the database;
-* writes (``transact``, ``create_table``) are collected into one batch.
+1. ticks every shard whose consensus deadline has passed;
+2. drains up to ``group_commit_max`` frames: peer messages are stepped into their shard's
+   consensus; reads are answered from the applied state; writes are turned into result ops
+   (guards evaluated against the applied state *plus* the shard's unapplied tail, see
+   ``UnappliedTail``) and proposed at the sequencer, or forwarded to it from any other core;
+3. executes the effects of every step as it happens, inside ONE open SQLite write transaction
+   (the log view reads through the same connection, so it sees them at once), and queues every
+   outgoing frame: peer sends and client replies alike;
+4. commits that transaction (one fsync for the whole turn: group commit), and only then sends
+   the queued frames. Persist-before-send (DESIGN, etcd's rule) holds for the whole batch.
 
-The batch runs in ONE SQLite write transaction (one fsync). Each client transaction in
-it runs in its own savepoint: guards are evaluated against the state left by the
-transactions before it in the batch, its result ops are logged as an rlog entry with the
-next tx key, applied, and the shard's applied key and digest move with it (invariant 4).
-A failure rolls back that savepoint only. Replies are sent after COMMIT returns, so an
-acknowledged write is durable at the configured ``synchronous`` level.
+If the SQLite commit fails the process stops: the state machines already believe the effects were
+durable, so the only safe continuation is a restart that rebuilds them from disk.
 
-A single core is its own sequencer: at start-up it opens a new generation per shard
-(persisted before use), so tx keys never repeat across restarts.
+Writes at a core that is not the sequencer are forwarded (once: a forwarded request is never
+forwarded again) to the sequencer it knows; the answer is relayed. Requests carry a request id
+that makes a retry idempotent: an id found in the rlog is answered with its tx key once committed.
 
-Retried requests are idempotent: a transaction whose request id is in the retained rlog is
-answered with its original tx key and not applied again.
+A core whose database is new asks its peers for their generations before it takes part
+(Eventuate's disaster recovery: the clock must not restart in the past); see ``recover_generations``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import apsw
 import msgpack
 import zmq
 
+from core.consensus import (
+    REJECT_NOT_SEQUENCER,
+    Commit,
+    ConsensusConfig,
+    ForceStarted,
+    ForceStartRequested,
+    MessageReceived,
+    PersistedState,
+    PersistEntries,
+    PersistState,
+    ProposalCommitted,
+    ProposalFailed,
+    ProposalRejected,
+    Proposed,
+    ProtocolViolation,
+    Role,
+    RoleChanged,
+    Send,
+    ShardConsensus,
+    SnapshotNeeded,
+    Ticked,
+    TruncateLog,
+)
+from core.consensus_wire import message_from_wire, message_to_wire
 from core.transaction import GuardFailed, evaluate, parse_transaction
 from rlog import codec
 from rlog.codec import CodecError, Message
 from rlog.config import Config, ConfigError
 from rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_key, define_table
 from rlog.store import ShardPosition, Store, StoreError
-from rlog.types import ZERO_KEY, OpDecodeError, TxKey, entry_to_json, make_entry, tx_key_from_wire
+from rlog.types import (
+    CreateTableOp,
+    DeleteOp,
+    Entry,
+    OpDecodeError,
+    TxKey,
+    WriteOp,
+    entry_to_json,
+    tx_key_from_wire,
+)
 
 log = logging.getLogger("mnesite.core")
 
-READ_KINDS = frozenset({"get", "scan", "status", "list_tables", "rlog_tail", "rlog_entries"})
+READ_KINDS = frozenset({"get", "scan", "status", "list_tables", "rlog_tail", "rlog_entries", "journal"})
 WRITE_KINDS = frozenset({"transact", "create_table"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
 RETENTION_INTERVAL_MS = 1000
-POLL_INTERVAL_MS = 100
+POLL_INTERVAL_MS_MAX = 50
+FORWARD_TIMEOUT_MS = 5000
+FORWARDED_MAX = 10_000
+WAITERS_MAX = 100_000
+SHARDS_MAX = 1000
+PEER_SEND_QUEUE_MAX = 1000
 # zmq drops (disconnects) peers whose message exceeds this; frames between frame_bytes_max and
 # this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
@@ -65,36 +110,127 @@ class RequestError(Exception):
         self.detail = detail
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
+class Deferred(Exception):
+    """The request will be answered later (when its entry commits, or by the sequencer)."""
+
+
+def monotonic_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+class StoreLogView:
+    """``core.consensus.LogView`` over the store, for one shard (reads see the open transaction)."""
+
+    def __init__(self, store: Store, shard: str) -> None:
+        self.store = store
+        self.shard = shard
+
+    def last_key(self) -> TxKey:
+        return self.store.last_entry(self.shard)[0]
+
+    def digest_at(self, key: TxKey) -> bytes | None:
+        return self.store.digest_at(self.shard, key)
+
+    def entries_after(self, key: TxKey, limit: int) -> list[Entry]:
+        return self.store.entries_after(self.shard, key, limit)
+
+    def trimmed_key(self) -> TxKey:
+        return self.store.trimmed(self.shard)[0]
+
+
+class UnappliedTail:
+    """What the entries persisted but not yet applied will do, for guard evaluation at the sequencer.
+
+    A transaction proposed after another must see its effects even before either commits, or a
+    guard could pass twice. Ops are results, so the latest op for a key is that key's future value.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.rows: dict[tuple[str, Any], dict[str, Any] | None] = {}
+        self.tables: dict[str, TableSchema] = {}
+
+    def add(self, entries: tuple[Entry, ...]) -> None:
+        self.entries.extend(entries)
+        for entry in entries:
+            self._index(entry)
+
+    def _index(self, entry: Entry) -> None:
+        for op in entry.ops:
+            if isinstance(op, WriteOp):
+                key_column = self._key_column(op.table)
+                if key_column is not None:
+                    self.rows[(op.table, op.row[key_column])] = op.row
+            elif isinstance(op, DeleteOp):
+                self.rows[(op.table, op.key)] = None
+            elif isinstance(op, CreateTableOp):
+                self.tables[op.table] = TableSchema.from_op(op)
+
+    catalog: dict[str, TableSchema] = {}
+
+    def _key_column(self, table: str) -> str | None:
+        schema = self.tables.get(table) or self.catalog.get(table)
+        return schema.key_column if schema else None
+
+    def keep_after(self, key: TxKey, catalog: dict[str, TableSchema]) -> None:
+        """Forget entries up to ``key`` (applied now) and rebuild the index from the rest."""
+        self._rebuild([e for e in self.entries if e.tx_key > key], catalog)
+
+    def truncate_after(self, key: TxKey, catalog: dict[str, TableSchema]) -> None:
+        self._rebuild([e for e in self.entries if e.tx_key <= key], catalog)
+
+    def _rebuild(self, entries: list[Entry], catalog: dict[str, TableSchema]) -> None:
+        self.catalog = catalog
+        self.entries, self.rows, self.tables = [], {}, {}
+        self.add(tuple(entries))
+
+
+@dataclass
+class ShardDriver:
+    shard: str
+    consensus: ShardConsensus
+    tail: UnappliedTail = field(default_factory=UnappliedTail)
+    # tx key -> [(envelope, request_id)]: clients waiting for that entry to commit.
+    waiters: dict[TxKey, list[tuple[list[bytes], str]]] = field(default_factory=dict)
+
+
+@dataclass
+class Forwarded:
+    envelope: list[bytes]
+    deadline_ms: int
 
 
 class CoreNode:
-    def __init__(self, config: Config, clock_ms: Callable[[], int] = now_ms) -> None:
+    def __init__(
+        self,
+        config: Config,
+        clock_ms: Callable[[], int] = monotonic_ms,
+        rng: random.Random | None = None,
+        consensus_config: ConsensusConfig | None = None,
+    ) -> None:
         if config.role != "core":
-            raise ConfigError(f"[node].role is {config.role!r}; this version runs core nodes only")
-        others = sorted(set(config.core_nodes) - {config.name})
-        if others:
-            raise ConfigError(
-                f"[cluster].core_nodes lists other cores ({', '.join(others)}); "
-                "this version runs a single core: list only this node"
-            )
+            raise ConfigError(f"[node].role is {config.role!r}; replicant nodes are not available in this version")
         self.config = config
         self.clock_ms = clock_ms
+        self.rng = rng or random.Random()
+        self.consensus_config = consensus_config or ConsensusConfig()
+        self.members = tuple(sorted(config.core_nodes))
         os.makedirs(config.data_dir, exist_ok=True)
         self.store = Store(config.database_path, synchronous=config.synchronous)
-        self.last_key: dict[str, TxKey] = {}
-        with self.store.write_transaction():
-            for shard, position in self.store.shards().items():
-                # A single core elects itself: a new generation per start, persisted before use.
-                self.store.set_generation(shard, position.generation + 1)
-                self.last_key[shard] = self.store.last_entry_key(shard)
+        self.shards: dict[str, ShardDriver] = {}
         self.context: zmq.Context | None = None
         self.socket: zmq.Socket | None = None
+        self.peer_sockets: dict[str, zmq.Socket] = {}
+        self.forwarded: dict[str, Forwarded] = {}
+        self.last_heard_ms: dict[str, int] = {}
         self.stopping = threading.Event()
         self.commits = 0
         self.transactions = 0
+        self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
+        self._in_transaction = False
         self._next_retention_ms = 0
+        for shard in self.store.shards():
+            self._open_shard(shard)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -114,20 +250,17 @@ class CoreNode:
     def serve_forever(self) -> None:
         if self.socket is None:
             self.bind()
-        if self.socket is None:
-            raise RuntimeError("socket not bound")
         log.info("core %s serving on %s, data in %s", self.config.name, self.config.listen, self.config.data_dir)
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
         try:
             while not self.stopping.is_set():
-                if poller.poll(POLL_INTERVAL_MS):
-                    self._serve_waiting()
-                self._maybe_trim()
+                self.run_turn()
         finally:
             self.close()
 
     def close(self) -> None:
+        for socket in self.peer_sockets.values():
+            socket.close(0)
+        self.peer_sockets = {}
         if self.socket is not None:
             self.socket.close(0)
             self.socket = None
@@ -136,12 +269,73 @@ class CoreNode:
             self.context = None
         self.store.close()
 
+    # -- shards ------------------------------------------------------------------------------
+
+    def _open_shard(self, shard: str) -> ShardDriver:
+        generation, voted_for, members, forced = self.store.consensus_state(shard)
+        state = PersistedState(generation, voted_for, members or self.members, forced)
+        position = self.store.shard(shard)
+        if position is None:
+            raise StoreError(f"unknown shard {shard}")
+        consensus = ShardConsensus(
+            shard,
+            self.config.name,
+            StoreLogView(self.store, shard),
+            state,
+            position.applied,
+            self.consensus_config,
+            random.Random(self.rng.random()),
+            self.clock_ms(),
+        )
+        driver = ShardDriver(shard, consensus)
+        catalog = self.store.catalog()
+        driver.tail.catalog = catalog
+        driver.tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
+        self.shards[shard] = driver
+        return driver
+
+    def _shard_for(self, shard: str, create: bool) -> ShardDriver | None:
+        driver = self.shards.get(shard)
+        if driver is None and create:
+            if len(self.shards) >= SHARDS_MAX:
+                raise RequestError("too_large", f"at most {SHARDS_MAX} shards")
+            self._begin()
+            self.store.ensure_shard(shard, 0)
+            driver = self._open_shard(shard)
+            self._step(driver, Ticked())
+        return driver
+
     # -- the loop ----------------------------------------------------------------------------
+
+    def run_turn(self) -> None:
+        if self.socket is None:
+            raise RuntimeError("socket not bound")
+        now = self.clock_ms()
+        for driver in list(self.shards.values()):
+            if now >= driver.consensus.next_deadline_ms():
+                self._step(driver, Ticked())
+        self._flush()
+        timeout = POLL_INTERVAL_MS_MAX
+        if self.shards:
+            soonest = min(d.consensus.next_deadline_ms() for d in self.shards.values())
+            timeout = max(0, min(timeout, soonest - self.clock_ms()))
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        for peer_socket in self.peer_sockets.values():
+            poller.register(peer_socket, zmq.POLLIN)
+        ready = dict(poller.poll(timeout))
+        if self.socket in ready:
+            self._serve_waiting()
+        for peer_socket in self.peer_sockets.values():
+            if peer_socket in ready:
+                self._relay_forwarded(peer_socket)
+        self._expire_forwarded()
+        self._flush()
+        self._maybe_trim()
 
     def _serve_waiting(self) -> None:
         if self.socket is None:
             return
-        writes: list[tuple[list[bytes], Message]] = []
         for _ in range(self.config.limits.group_commit_max):
             try:
                 parts = self.socket.recv_multipart(zmq.NOBLOCK)
@@ -153,116 +347,324 @@ class CoreNode:
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
-                self._send(envelope, codec.error(_request_id_of(frame), error.code, str(error)))
+                self._reply(envelope, codec.error(_request_id_of(frame), error.code, str(error)))
                 continue
-            if message.kind in WRITE_KINDS:
-                writes.append((envelope, message))
-            elif message.kind in READ_KINDS:
-                self._send(envelope, self._answer(message, self._read))
-            else:
-                self._send(envelope, codec.error(message.request_id, "bad_request", f"{message.kind} is a reply kind"))
-        if writes:
-            for envelope, answer in self.commit_batch(writes):
-                self._send(envelope, answer)
+            try:
+                self._dispatch(envelope, message)
+            except Deferred:
+                pass
+            except RequestError as error:
+                self._reply(envelope, codec.error(message.request_id, error.code, str(error), error.detail))
+            except SchemaError as error:
+                self._reply(envelope, codec.error(message.request_id, error.code, str(error)))
 
-    def _send(self, envelope: list[bytes], message: Message) -> None:
-        if self.socket is None:
-            return
+    def _dispatch(self, envelope: list[bytes], message: Message) -> None:
+        if message.kind == "peer":
+            self._on_peer(message)
+        elif message.kind == "force_start":
+            self._reply(envelope, codec.reply(message.request_id, self.force_start()))
+        elif message.kind in WRITE_KINDS:
+            self._write(envelope, message)
+        elif message.kind in READ_KINDS:
+            self._reply(envelope, codec.reply(message.request_id, self._read(message)))
+        else:
+            raise RequestError("bad_request", f"{message.kind} is a reply kind")
+
+    # -- effects -----------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        if not self._in_transaction:
+            self.store.connection.execute("BEGIN IMMEDIATE")
+            self._in_transaction = True
+
+    def _step(self, driver: ShardDriver, event: Any) -> list[Any]:
+        effects = driver.consensus.step(event, self.clock_ms())
+        for effect in effects:
+            self._execute(driver, effect)
+        return effects
+
+    def _execute(self, driver: ShardDriver, effect: Any) -> None:
+        shard = driver.shard
+        if isinstance(effect, PersistState):
+            self._begin()
+            state = effect.state
+            self.store.persist_consensus_state(shard, state.generation, state.voted_for, state.members, state.forced)
+        elif isinstance(effect, PersistEntries):
+            self._begin()
+            self.store.append_entries(effect.entries, int(time.time() * 1000))
+            driver.tail.add(effect.entries)
+        elif isinstance(effect, TruncateLog):
+            self._begin()
+            removed = self.store.truncate_after(shard, effect.after_key)
+            log.warning("shard %s: truncated %d uncommitted entries after %s", shard, removed, effect.after_key)
+            driver.tail.truncate_after(effect.after_key, self.store.catalog())
+            for key in [k for k in driver.waiters if k > effect.after_key]:
+                for envelope, request_id in driver.waiters.pop(key):
+                    self._reply(envelope, _outcome_unknown(request_id, "its entry was replaced by the new sequencer"))
+        elif isinstance(effect, Commit):
+            self._begin()
+            applied = self.store.apply_committed(shard, effect.up_to)
+            driver.tail.keep_after(effect.up_to, self.store.catalog())
+            self.transactions += len(applied)
+            for entry in applied:
+                for envelope, request_id in driver.waiters.pop(entry.tx_key, []):
+                    if entry.request_id == request_id:
+                        self._reply(envelope, codec.reply(request_id, {"tx_key": list(entry.tx_key)}))
+                    else:
+                        self._reply(envelope, _outcome_unknown(request_id, "another entry committed at its key"))
+        elif isinstance(effect, Send):
+            frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
+            self._send_peer(effect.to, Message("peer", "peer", frame_body))
+        elif isinstance(effect, ProposalCommitted):
+            pass  # answered through the waiters when the Commit applied the entry
+        elif isinstance(effect, ProposalFailed):
+            for envelope, request_id in driver.waiters.pop(effect.tx_key, []):
+                self._reply(envelope, _outcome_unknown(request_id, effect.reason))
+        elif isinstance(effect, ProposalRejected):
+            pass  # handled by the caller of Proposed, which still holds the envelope
+        elif isinstance(effect, RoleChanged):
+            log.info(
+                "shard %s: %s in generation %d (sequencer %s)",
+                shard,
+                effect.role.value,
+                effect.generation,
+                effect.sequencer,
+            )
+        elif isinstance(effect, ForceStarted):
+            log.warning(
+                "shard %s: FORCE-STARTED generation %d with members %s at %s (committed %s)",
+                shard,
+                effect.generation,
+                ", ".join(effect.members),
+                effect.last_key,
+                effect.committed_key,
+            )
+        elif isinstance(effect, SnapshotNeeded):
+            log.error(
+                "shard %s: follower %s needs entries after %s, older than this rlog retains (%s); "
+                "rebuild it from a copy of this node's data directory",
+                shard,
+                effect.follower,
+                effect.follower_key,
+                effect.trimmed_key,
+            )
+        elif isinstance(effect, ProtocolViolation):
+            log.warning("shard %s: protocol violation: %s", shard, effect)
+        else:
+            raise TypeError(f"unknown effect {effect!r}")
+
+    def _flush(self) -> None:
+        """Commit the open transaction (one fsync), then send everything queued behind it."""
+        if self._in_transaction:
+            self.store.connection.execute("COMMIT")
+            self._in_transaction = False
+            self.commits += 1
+        outbox, self._outbox = self._outbox, []
+        for socket, envelope, message in outbox:
+            target = socket if socket is not None else self.socket
+            if target is None:
+                continue
+            try:
+                frame = codec.encode(message)
+            except CodecError as error:
+                frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
+            try:
+                target.send_multipart([*envelope, frame], zmq.NOBLOCK)
+            except zmq.Again:
+                log.debug("send queue full: a message was dropped")
+
+    def _reply(self, envelope: list[bytes] | None, message: Message) -> None:
+        if envelope is not None:
+            self._outbox.append((None, envelope, message))
+
+    def _peer_socket(self, peer: str) -> zmq.Socket | None:
+        socket = self.peer_sockets.get(peer)
+        if socket is None:
+            endpoint = self.config.core_nodes.get(peer)
+            if endpoint is None or self.context is None:
+                return None
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDHWM, PEER_SEND_QUEUE_MAX)
+            socket.setsockopt(zmq.RCVHWM, PEER_SEND_QUEUE_MAX)
+            socket.connect(endpoint)
+            self.peer_sockets[peer] = socket
+        return socket
+
+    def _send_peer(self, peer: str, message: Message) -> None:
+        socket = self._peer_socket(peer)
+        if socket is not None:
+            self._outbox.append((socket, [], message))
+
+    def _on_peer(self, message: Message) -> None:
+        body = message.body
+        sender, shard = body["sender"], body["shard"]
+        if sender not in self.config.core_nodes or sender == self.config.name:
+            raise RequestError("bad_request", f"peer {sender!r} is not a core of this cluster")
         try:
-            frame = codec.encode(message)
+            peer_message = message_from_wire(body["message"])
         except CodecError as error:
-            frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
-        try:
-            self.socket.send_multipart([*envelope, frame], zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("reply to a slow client dropped (send queue full)")
-
-    def _answer(self, message: Message, handler: Callable[[Message], Any]) -> Message:
-        try:
-            return codec.reply(message.request_id, handler(message))
-        except RequestError as error:
-            return codec.error(message.request_id, error.code, str(error), error.detail)
-        except SchemaError as error:
-            return codec.error(message.request_id, error.code, str(error))
-        except (StoreError, apsw.Error) as error:
-            log.exception("request %s failed", message.kind)
-            return codec.error(message.request_id, "internal", f"{type(error).__name__}: {error}")
+            log.warning("malformed peer message from %s: %s", sender, error)
+            return
+        self.last_heard_ms[sender] = self.clock_ms()
+        driver = self._shard_for(shard, create=True)
+        if driver is not None:
+            self._step(driver, MessageReceived(sender, peer_message))
 
     # -- writes ------------------------------------------------------------------------------
 
-    def commit_batch(self, writes: list[tuple[Any, Message]]) -> list[tuple[Any, Message]]:
-        """Run a batch of write requests in one SQLite transaction; return the replies."""
-        answers: list[tuple[Any, Message]] = []
-        last_key = dict(self.last_key)
-        try:
-            with self.store.write_transaction():
-                for envelope, message in writes:
-                    answers.append((envelope, self._answer(message, lambda m: self._write(m, last_key))))
-        except apsw.Error as error:
-            log.exception("group commit of %d requests failed", len(writes))
-            return [
-                (envelope, codec.error(message.request_id, "internal", f"commit failed: {error}"))
-                for envelope, message in writes
-            ]
-        self.last_key = last_key
-        self.commits += 1
-        self.transactions += len(writes)
-        return answers
-
-    def _write(self, message: Message, last_key: dict[str, TxKey]) -> Any:
+    def _write(self, envelope: list[bytes], message: Message) -> None:
+        shard = self._shard_of(message)
+        driver = self._shard_for(shard, create=message.kind == "create_table")
+        if driver is None:
+            raise RequestError("unknown_table", "unknown table")
+        if driver.consensus.role is not Role.SEQUENCER:
+            self._forward(envelope, message, driver)
+            return
+        self._begin()
         previous = self.store.find_request(message.request_id)
         if previous is not None:
-            return {"tx_key": list(previous[1]), "duplicate": True}
+            self._await_commit(driver, previous[1], envelope, message.request_id, duplicate=True)
+            return
+        catalog = {**self.store.catalog(), **driver.tail.tables}
         if message.kind == "create_table":
             body = message.body
             table = define_table(body["table"], body["key"], body["columns"], body.get("shard", DEFAULT_SHARD))
-            existing = self.store.catalog().get(table.name)
+            existing = catalog.get(table.name)
             if existing is not None:
                 raise RequestError("table_exists", f"table {table.name!r} already exists in shard {existing.shard!r}")
-            return self._log(table.shard, (table.to_op(),), message.request_id, last_key)
-        catalog = self.store.catalog()
-        transaction = parse_transaction(
-            message.body.get("guards"), message.body["ops"], catalog, self.config.limits.transaction_ops_max
-        )
-        outcome = evaluate(transaction, catalog, self.store.read_row)
-        if isinstance(outcome, GuardFailed):
-            raise RequestError(
-                "guard_failed",
-                outcome.describe(),
-                {"index": outcome.index, "actual": outcome.actual},
-            )
-        return self._log(transaction.shard, outcome, message.request_id, last_key)
-
-    def _log(self, shard: str, ops: tuple, request_id: str, last_key: dict[str, TxKey]) -> dict[str, Any]:
-        position = self.store.shard(shard)
-        if position is None:
-            position = self.store.ensure_shard(shard, 1)
-            last_key[shard] = ZERO_KEY
-        previous = last_key.get(shard, ZERO_KEY)
-        if previous != position.applied:
-            raise StoreError(f"shard {shard}: last logged {previous} but applied {position.applied}")
-        if previous.generation == position.generation:
-            tx_key = TxKey(position.generation, previous.counter + 1)
+            ops: tuple = (table.to_op(),)
         else:
-            tx_key = TxKey(position.generation, 1)
-        entry = make_entry(shard, tx_key, previous, position.digest, ops, request_id)
-        with self.store.savepoint():
-            self.store.append_entry(entry, self.clock_ms())
-            self.store.apply_entry(entry)
-        last_key[shard] = tx_key
-        return {"tx_key": list(tx_key)}
+            transaction = parse_transaction(
+                message.body.get("guards"), message.body["ops"], catalog, self.config.limits.transaction_ops_max
+            )
+
+            def read_row(table: TableSchema, key: Any) -> dict[str, Any] | None:
+                if (table.name, key) in driver.tail.rows:
+                    return driver.tail.rows[(table.name, key)]
+                if table.name not in self.store.catalog():
+                    return None  # created in the unapplied tail: no rows applied yet
+                return self.store.read_row(table, key)
+
+            outcome = evaluate(transaction, catalog, read_row)
+            if isinstance(outcome, GuardFailed):
+                raise RequestError(
+                    "guard_failed", outcome.describe(), {"index": outcome.index, "actual": outcome.actual}
+                )
+            ops = outcome
+        if sum(len(w) for w in driver.waiters.values()) >= WAITERS_MAX:
+            raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
+        effects = self._step(driver, Proposed(ops, message.request_id))
+        for effect in effects:
+            if isinstance(effect, ProposalRejected) and effect.request_id == message.request_id:
+                if effect.reason == REJECT_NOT_SEQUENCER:
+                    self._forward(envelope, message, driver)
+                    return
+                raise RequestError(effect.reason, f"the sequencer refused the transaction: {effect.reason}")
+            if isinstance(effect, PersistEntries):
+                for entry in effect.entries:
+                    if entry.request_id == message.request_id:
+                        self._await_commit(driver, entry.tx_key, envelope, message.request_id, duplicate=False)
+                        return
+        raise RequestError("internal", "the proposal produced no entry")
+
+    def _await_commit(
+        self, driver: ShardDriver, tx_key: TxKey, envelope: list[bytes], request_id: str, duplicate: bool
+    ) -> None:
+        position = self.store.shard(driver.shard)
+        if position is not None and tx_key <= position.applied:
+            result: dict[str, Any] = {"tx_key": list(tx_key)}
+            if duplicate:
+                result["duplicate"] = True
+            self._reply(envelope, codec.reply(request_id, result))
+            return
+        driver.waiters.setdefault(tx_key, []).append((envelope, request_id))
+
+    def _shard_of(self, message: Message) -> str:
+        if message.kind == "create_table":
+            shard = message.body.get("shard", DEFAULT_SHARD)
+            define_table(message.body["table"], message.body["key"], message.body["columns"], shard)
+            return shard
+        ops = message.body["ops"]
+        catalog = self.store.catalog()
+        for driver in self.shards.values():
+            catalog = {**catalog, **driver.tail.tables}
+        if not isinstance(ops, list) or not ops or not isinstance(ops[0], dict):
+            raise RequestError("bad_request", "ops must be a non-empty list of objects")
+        table = catalog.get(ops[0].get("table")) if isinstance(ops[0].get("table"), str) else None
+        if table is None:
+            raise RequestError("unknown_table", f"unknown table {ops[0].get('table')!r}")
+        return table.shard
+
+    def _forward(self, envelope: list[bytes], message: Message, driver: ShardDriver) -> None:
+        sequencer = driver.consensus.sequencer
+        if message.body.get("forwarded") or sequencer is None or sequencer == self.config.name:
+            hint = f"; try {self.config.core_nodes[sequencer]}" if sequencer in self.config.core_nodes else ""
+            raise RequestError(
+                "no_sequencer",
+                f"shard {driver.shard} has no sequencer reachable from {self.config.name} (election or no quorum)"
+                f"{hint}",
+            )
+        if len(self.forwarded) >= FORWARDED_MAX:
+            raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
+        self.forwarded[message.request_id] = Forwarded(envelope, self.clock_ms() + FORWARD_TIMEOUT_MS)
+        self._send_peer(sequencer, Message(message.kind, message.request_id, {**message.body, "forwarded": True}))
+
+    def _relay_forwarded(self, socket: zmq.Socket) -> None:
+        for _ in range(self.config.limits.group_commit_max):
+            try:
+                frame = socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                answer = codec.decode(frame, self.config.limits.frame_bytes_max)
+            except CodecError:
+                continue
+            pending = self.forwarded.pop(answer.request_id, None)
+            if pending is not None:
+                self._reply(pending.envelope, answer)
+
+    def _expire_forwarded(self) -> None:
+        now = self.clock_ms()
+        for request_id in [r for r, f in self.forwarded.items() if f.deadline_ms <= now]:
+            pending = self.forwarded.pop(request_id)
+            self._reply(pending.envelope, _outcome_unknown(request_id, "the sequencer did not answer in time"))
+
+    def force_start(self) -> dict[str, Any]:
+        """Operator: become sequencer of every shard with the cores heard recently (loudly)."""
+        now = self.clock_ms()
+        heard_within_ms = self.consensus_config.election_timeout_ms_max * 2
+        reachable = sorted(
+            {self.config.name} | {p for p, t in self.last_heard_ms.items() if now - t <= heard_within_ms}
+        )
+        result = {}
+        for driver in self.shards.values():
+            members = tuple(m for m in reachable if m in driver.consensus.members)
+            self._step(driver, ForceStartRequested(members))
+            result[driver.shard] = {
+                "generation": driver.consensus.generation,
+                "members": list(members),
+                "last": list(driver.consensus.last_key),
+                "committed": list(driver.consensus.committed_key),
+            }
+        log.warning("FORCE START by operator: %s", result)
+        return {"node": self.config.name, "members": reachable, "shards": result}
 
     def _maybe_trim(self) -> None:
-        now = self.clock_ms()
+        now = int(time.time() * 1000)
         if now < self._next_retention_ms:
             return
         self._next_retention_ms = now + RETENTION_INTERVAL_MS
         retention = self.config.retention
         before_ms = now - retention.retention_age_ms_max if retention.retention_age_ms_max else None
         try:
-            with self.store.write_transaction():
-                for shard in self.store.shards():
-                    self.store.trim(shard, retention.retention_entries_max, before_ms)
+            self._begin()
+            for shard, driver in self.shards.items():
+                status = driver.consensus.status()
+                # Keep what the followers still need, as far as the sequencer knows.
+                keep_from = min((key for _, key in status.follower_match_keys), default=None)
+                self.store.trim(shard, retention.retention_entries_max, before_ms, keep_from)
+            self._flush()
         except apsw.Error:
             log.exception("rlog retention failed; will retry")
 
@@ -275,8 +677,6 @@ class CoreNode:
         return table
 
     def _check_consistency(self, message: Message) -> None:
-        # A single core is the sequencer and applies before it acknowledges, so every
-        # local read here is also read-your-writes and linearizable.
         level = message.body.get("consistency", "local")
         if level not in CONSISTENCY_LEVELS:
             raise RequestError("bad_request", f"consistency must be one of {', '.join(CONSISTENCY_LEVELS)}")
@@ -301,6 +701,8 @@ class CoreNode:
             return [table.to_json() for table in self.store.catalog().values()]
         if message.kind == "status":
             return self.status()
+        if message.kind == "journal":
+            return self.journal()
         if message.kind == "rlog_tail":
             count = body.get("count", 10)
             if not 0 < count <= RLOG_TAIL_COUNT_MAX:
@@ -325,26 +727,83 @@ class CoreNode:
             raise RequestError("unknown_shard", f"unknown shard {shard!r}")
         return position
 
+    def journal(self) -> dict[str, Any]:
+        """This core's journal age per shard (ARTEMIS-3340): generation, committed and last keys."""
+        shards = {}
+        for shard, driver in self.shards.items():
+            age = driver.consensus.journal_age()
+            status = driver.consensus.status()
+            shards[shard] = {
+                "generation": age.generation,
+                "committed": list(age.committed_key),
+                "last": list(age.last_key),
+                "digest": self.store.digest_at(shard, age.committed_key).hex()
+                if self.store.digest_at(shard, age.committed_key)
+                else None,
+                "forced": status.forced,
+                "members": list(status.members),
+            }
+        return {"node": self.config.name, "core_nodes": self.config.core_nodes, "shards": shards}
+
     def status(self) -> dict[str, Any]:
         shards = {}
-        for shard, position in self.store.shards().items():
-            shards[shard] = {
+        positions = self.store.shards()
+        for shard, driver in self.shards.items():
+            position = positions[shard]
+            status = driver.consensus.status()
+            entry: dict[str, Any] = {
                 "applied": list(position.applied),
                 "digest": position.digest.hex(),
-                "generation": position.generation,
-                "sequencer": self.config.name,
-                "committed": list(position.applied),
+                "generation": status.generation,
+                "role": status.role.value,
+                "sequencer": status.sequencer,
+                "committed": list(status.committed_key),
+                "last": list(status.last_key),
+                "members": list(status.members),
+                "forced": status.forced,
                 "rlog": self.store.rlog_statistics(shard),
             }
+            if status.role is Role.SEQUENCER:
+                entry["followers"] = {
+                    peer: {"match": list(key), "lag_entries": self._lag(shard, key, status.last_key)}
+                    for peer, key in status.follower_match_keys
+                }
+            shards[shard] = entry
         return {
             "node": self.config.name,
             "role": self.config.role,
             "listen": self.config.listen,
             "data_dir": self.config.data_dir,
+            "core_nodes": self.config.core_nodes,
             "commits": self.commits,
             "transactions": self.transactions,
             "shards": shards,
         }
+
+    def _lag(self, shard: str, match: TxKey, last: TxKey) -> int:
+        row = self.store.connection.execute(
+            "SELECT count(*) FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?) "
+            "AND (generation, counter) <= (?, ?)",
+            (shard, match.generation, match.counter, last.generation, last.counter),
+        ).fetchone()
+        return row[0]
+
+    # -- local helpers for tools -------------------------------------------------------------
+
+    def commit_batch(self, writes: list[tuple[Any, Message]]) -> None:
+        """Propose writes directly (used by ``start --sample-data``); answers are dropped."""
+        for _, message in writes:
+            with contextlib.suppress(Deferred, RequestError, SchemaError):
+                self._write(None, message)  # type: ignore[arg-type]
+        self._flush()
+
+
+def _outcome_unknown(request_id: str, reason: str) -> Message:
+    return codec.error(
+        request_id,
+        "outcome_unknown",
+        f"the outcome is unknown ({reason}); retry with the same request id to learn it",
+    )
 
 
 def _request_id_of(frame: bytes) -> str:

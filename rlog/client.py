@@ -35,6 +35,10 @@ from rlog.config import DEFAULT_LISTEN
 from rlog.types import TxKey
 
 SCAN_PAGE_ROWS = 1000
+# Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
+RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy"})
+RETRY_BACKOFF_S_MIN = 0.02
+RETRY_BACKOFF_S_MAX = 0.5
 
 
 class MnesiteError(Exception):
@@ -105,28 +109,47 @@ class Client:
         return self._socket
 
     def call(self, kind: str, body: dict[str, Any] | None = None, request_id: str | None = None) -> Any:
-        """Send one request and return the reply's result; raise ``MnesiteError`` on an error reply."""
+        """Send one request and return the reply's result; raise ``MnesiteError`` on an error reply.
+
+        No answer within ``timeout_ms``, or an answer that says "try again" (no sequencer during an
+        election, outcome unknown after a failover), re-sends the same request id, up to ``retries``
+        more times for silence and until ``timeout_ms * (retries + 1)`` in all.
+        """
         message = Message(kind, request_id or uuid.uuid4().hex, body or {})
         frame = codec.encode(message)
-        for _attempt in range(self.retries + 1):
+        deadline = time.monotonic() + self.timeout_ms * (self.retries + 1) / 1000
+        silent_attempts = 0
+        backoff_s = RETRY_BACKOFF_S_MIN
+        last_reason = f"did not answer {kind} within {self.timeout_ms} ms"
+        while True:
             socket = self._connect()
             socket.send(frame)
-            answer = self._await(socket, message.request_id)
-            if answer is not None:
-                break
-            # Drop the socket: whatever it still queues must not reach the node later.
-            self.close()
-        else:
-            raise Unavailable(
-                f"node {self.endpoint} did not answer {kind} within {self.timeout_ms} ms ({self.retries + 1} attempts)"
-            )
+            answer = self._await(socket, message.request_id, deadline)
+            if answer is None:
+                # Drop the socket: whatever it still queues must not reach the node later.
+                self.close()
+                silent_attempts += 1
+                if silent_attempts > self.retries or time.monotonic() >= deadline:
+                    raise Unavailable(
+                        f"node {self.endpoint} did not answer {kind} within {self.timeout_ms} ms "
+                        f"({silent_attempts} attempts)"
+                    )
+                continue
+            if answer.kind == "error" and answer.body["code"] in RETRIABLE_CODES:
+                last_reason = answer.body["message"]
+                if time.monotonic() + backoff_s < deadline:
+                    time.sleep(backoff_s)  # an election or failover is under way: give it time
+                    backoff_s = min(backoff_s * 2, RETRY_BACKOFF_S_MAX)
+                    continue
+                raise Unavailable(f"node {self.endpoint}: {last_reason}", answer.body["code"])
+            break
         if answer.kind == "error":
             code = answer.body["code"]
             raise _ERRORS.get(code, RemoteError)(answer.body["message"], code, answer.body.get("detail"))
         return answer.body.get("result")
 
-    def _await(self, socket: zmq.Socket, request_id: str) -> Message | None:
-        deadline = time.monotonic() + self.timeout_ms / 1000
+    def _await(self, socket: zmq.Socket, request_id: str, overall_deadline: float) -> Message | None:
+        deadline = min(time.monotonic() + self.timeout_ms / 1000, overall_deadline)
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not socket.poll(remaining_ms, zmq.POLLIN):

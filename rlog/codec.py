@@ -36,12 +36,13 @@ class CodecError(ValueError):
 _ANY = object
 KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # client requests
-    "transact": {"guards": ((list,), False), "ops": ((list,), True)},
+    "transact": {"guards": ((list,), False), "ops": ((list,), True), "forwarded": ((bool,), False)},
     "create_table": {
         "table": ((str,), True),
         "key": ((str,), True),
         "columns": ((list,), True),
         "shard": ((str,), False),
+        "forwarded": ((bool,), False),
     },
     "list_tables": {},
     "get": {"table": ((str,), True), "key": ((_ANY,), True), "consistency": ((str,), False)},
@@ -52,6 +53,10 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "consistency": ((str,), False),
     },
     "status": {},
+    "journal": {},
+    "force_start": {},
+    # between cores: one consensus message of one shard (see core.consensus_wire)
+    "peer": {"shard": ((str,), True), "sender": ((str,), True), "message": ((list,), True)},
     "rlog_tail": {"shard": ((str,), True), "count": ((int,), False)},
     "rlog_entries": {"shard": ((str,), True), "after": ((list,), False), "limit": ((int,), False)},
     # replies
