@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -105,30 +106,36 @@ def open_replica(spec: ReplicaSpec, timeout_ms: int = NODE_TIMEOUT_MS) -> Replic
     raise ReplicaError(f"{spec.label}: unknown replica kind {spec.kind!r}")
 
 
-class Replica:
+class Replica(ABC):
     """Interface shared by file and node replicas (see the module docstring)."""
 
     spec: ReplicaSpec
 
+    @abstractmethod
     def catalog(self) -> dict[str, TableSchema]:
         raise NotImplementedError
 
+    @abstractmethod
     def applied(self) -> dict[str, ShardApplied]:
         raise NotImplementedError
 
+    @abstractmethod
     def iter_rows(
         self, table: TableSchema, low: Any, high: Any, batch_rows_max: int = BATCH_ROWS_MAX
     ) -> Iterator[tuple[Any, tuple[Any, ...]]]:
         """``(key, values in declared order)`` for keys in ``(low, high]``, in key order."""
         raise NotImplementedError
 
+    @abstractmethod
     def split_keys(self, table: TableSchema, parts: int) -> list[Any]:
         """Up to ``parts - 1`` increasing keys cutting the table into near-equal key ranges."""
         raise NotImplementedError
 
+    @abstractmethod
     def entries_after(self, shard: str, after: TxKey, limit: int) -> list[RlogEntry]:
         raise NotImplementedError
 
+    @abstractmethod
     def close(self) -> None:
         raise NotImplementedError
 
