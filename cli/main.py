@@ -396,6 +396,101 @@ def rlog_verify(data_dir, as_json) -> None:
             click.echo(f"{shard}: ok, applied {tuple(key)}")
 
 
+@main.group()
+def journal() -> None:
+    """Inspect journal ages and, when a majority of cores is gone for good, force-start a core."""
+
+
+def majority_age(keys: list[list[int] | None], cores: int) -> list[int] | None:
+    """The committed tx key that a majority of ``cores`` has reached (None if no majority answered)."""
+    known = sorted((tuple(k) for k in keys if k is not None), reverse=True)
+    majority = cores // 2 + 1
+    return list(known[majority - 1]) if len(known) >= majority else None
+
+
+@journal.command("show")
+@node_options
+@json_option
+def journal_show(endpoint, timeout_ms, as_json) -> None:
+    """Show every core's journal age per shard (generation, committed and last tx keys) and the
+    age a majority of cores has reached."""
+    with client_for(endpoint, timeout_ms) as client:
+        first = run(client.journal)
+    cores = first["core_nodes"]
+    journals: dict[str, dict | None] = {}
+    for name, core_endpoint in sorted(cores.items()):
+        if name == first["node"]:
+            journals[name] = first
+            continue
+        try:
+            with Client(core_endpoint, timeout_ms=min(timeout_ms, 2000), retries=0) as other:
+                journals[name] = other.journal()
+        except MnesiteError:
+            journals[name] = None
+    shards = sorted({s for j in journals.values() if j for s in j["shards"]})
+    result = {"cores": {}, "majority": {}}
+    for name, answer in journals.items():
+        result["cores"][name] = {"endpoint": cores[name], "reachable": answer is not None}
+        if answer is not None:
+            result["cores"][name]["shards"] = answer["shards"]
+    for shard in shards:
+        keys = [j["shards"].get(shard, {}).get("committed") if j else None for j in journals.values()]
+        result["majority"][shard] = majority_age(keys, len(cores))
+    if as_json:
+        emit_json(result)
+        return
+    rows = []
+    for name, info in result["cores"].items():
+        if not info["reachable"]:
+            rows.append({"core": name, "shard": "-", "generation": "unreachable"})
+            continue
+        for shard, age in sorted(info["shards"].items()):
+            rows.append(
+                {
+                    "core": name,
+                    "shard": shard,
+                    "generation": age["generation"],
+                    "committed": tuple(age["committed"]),
+                    "last": tuple(age["last"]),
+                    "forced": "FORCED" if age["forced"] else "",
+                }
+            )
+    click.echo(format_table(rows, ["core", "shard", "generation", "committed", "last", "forced"]))
+    for shard, key in result["majority"].items():
+        reached = tuple(key) if key is not None else "unknown: no majority of cores answered"
+        click.echo(f"majority of {len(cores)} cores has committed {shard} up to {reached}")
+
+
+@journal.command("force-start")
+@click.option("--yes", is_flag=True, help="Confirm: you accept that writes may be lost.")
+@node_options
+@json_option
+def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
+    """Make the core at --node sequencer of every shard with the cores it can reach, opening a new
+    generation, when a majority of cores is gone for good.
+
+    \b
+    What may be lost: writes that the lost majority committed but this core never received, and the
+    lost cores themselves, which must be rebuilt before they rejoin. Run `mnesite journal show` first
+    and pick the core with the most advanced journal.
+    """
+    if not yes:
+        fail(
+            "force-start can lose acknowledged writes that this core never received, and excludes every core "
+            "it cannot reach; check `mnesite journal show`, then rerun with --yes"
+        )
+    if endpoint is None:
+        fail("force-start needs an explicit --node ENDPOINT")
+    with client_for(endpoint, timeout_ms) as client:
+        result = run(client.force_start)
+    if as_json:
+        emit_json(result)
+        return
+    click.echo(f"FORCE-STARTED {result['node']} with members {', '.join(result['members'])}", err=True)
+    for shard, info in result["shards"].items():
+        click.echo(f"{shard}: generation {info['generation']}, last {tuple(info['last'])}")
+
+
 def _register_optional_commands() -> None:
     try:
         from spark.cli import compare

@@ -98,6 +98,7 @@ FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
 SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
+RECOVERY_TIMEOUT_MS = 1000
 # zmq drops (disconnects) peers whose message exceeds this; frames between frame_bytes_max and
 # this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
@@ -229,8 +230,39 @@ class CoreNode:
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
         self._next_retention_ms = 0
+        if not self.store.shards() and len(self.members) > 1:
+            self.recover_generations()
         for shard in self.store.shards():
             self._open_shard(shard)
+
+    def recover_generations(self, timeout_ms: int = RECOVERY_TIMEOUT_MS) -> dict[str, int]:
+        """A core with an empty database may have lost one that voted: learn the generations in use.
+
+        It asks every peer for its journal; for each shard any peer knows it persists the highest
+        generation seen, with its vote already cast (for itself), so it never grants a vote in a
+        generation it may have voted in before the loss. It then catches up from the sequencer like a
+        follower that is far behind. If no peer answers (a new cluster), nothing changes.
+        """
+        from rlog.client import Client, MnesiteError
+
+        generations: dict[str, int] = {}
+        for peer in self.members:
+            if peer == self.config.name:
+                continue
+            try:
+                with Client(self.config.core_nodes[peer], timeout_ms=timeout_ms, retries=0) as client:
+                    answer = client.journal()
+            except MnesiteError:
+                continue
+            for shard, age in answer.get("shards", {}).items():
+                generations[shard] = max(generations.get(shard, 0), int(age["generation"]))
+        if generations:
+            with self.store.write_transaction():
+                for shard, generation in generations.items():
+                    self.store.ensure_shard(shard, 0)
+                    self.store.persist_consensus_state(shard, generation, self.config.name, self.members, False)
+            log.warning("empty database: recovering from peers at generations %s", generations)
+        return generations
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -632,11 +664,7 @@ class CoreNode:
 
     def force_start(self) -> dict[str, Any]:
         """Operator: become sequencer of every shard with the cores heard recently (loudly)."""
-        now = self.clock_ms()
-        heard_within_ms = self.consensus_config.election_timeout_ms_max * 2
-        reachable = sorted(
-            {self.config.name} | {p for p, t in self.last_heard_ms.items() if now - t <= heard_within_ms}
-        )
+        reachable = [self.config.name, *self.reachable_peers()]
         result = {}
         for driver in self.shards.values():
             members = tuple(m for m in reachable if m in driver.consensus.members)
@@ -649,6 +677,12 @@ class CoreNode:
             }
         log.warning("FORCE START by operator: %s", result)
         return {"node": self.config.name, "members": reachable, "shards": result}
+
+    def reachable_peers(self) -> list[str]:
+        """Peers heard from within an election timeout: the ones a forced start keeps as members."""
+        now = self.clock_ms()
+        window_ms = self.consensus_config.election_timeout_ms_max
+        return sorted(peer for peer, heard_ms in self.last_heard_ms.items() if now - heard_ms <= window_ms)
 
     def _maybe_trim(self) -> None:
         now = int(time.time() * 1000)
@@ -743,7 +777,12 @@ class CoreNode:
                 "forced": status.forced,
                 "members": list(status.members),
             }
-        return {"node": self.config.name, "core_nodes": self.config.core_nodes, "shards": shards}
+        return {
+            "node": self.config.name,
+            "core_nodes": self.config.core_nodes,
+            "reachable_peers": self.reachable_peers(),
+            "shards": shards,
+        }
 
     def status(self) -> dict[str, Any]:
         shards = {}

@@ -233,6 +233,14 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self.call("status")
 
+    def journal(self) -> dict[str, Any]:
+        """This core's journal age per shard: generation, committed and last tx keys, members, forced."""
+        return self.call("journal")
+
+    def force_start(self) -> dict[str, Any]:
+        """Operator: make this core sequencer of every shard with the cores it can reach. May lose data."""
+        return self.call("force_start")
+
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
         return self.call("rlog_tail", {"shard": shard, "count": count})
 

@@ -135,3 +135,79 @@ def node_processes() -> Iterator[list[NodeProcess]]:
                 process.kill()
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
+
+
+class Cluster:
+    """``size`` real core processes on 127.0.0.1 sharing one ``core_nodes`` table."""
+
+    def __init__(self, root: Path, processes: list[NodeProcess], size: int = 3) -> None:
+        self.root = root
+        self.names = [f"core{i}" for i in range(1, size + 1)]
+        self.endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in self.names}
+        self.nodes: dict[str, NodeProcess] = {}
+        core_nodes = ", ".join(f'{name} = "{endpoint}"' for name, endpoint in self.endpoints.items())
+        for name in self.names:
+            config = root / f"{name}.toml"
+            config.write_text(
+                f'[node]\nname = "{name}"\nrole = "core"\ndata_dir = "{self.data_dir(name)}"\n'
+                f'listen = "{self.endpoints[name]}"\n'
+                f"[cluster]\ncore_nodes = {{ {core_nodes} }}\n"
+                '[storage]\nsynchronous = "NORMAL"\n'
+            )
+            self.nodes[name] = NodeProcess(config, root / f"{name}.log")
+            processes.append(self.nodes[name])
+
+    def data_dir(self, name: str) -> Path:
+        return self.root / name
+
+    def start(self, name: str) -> None:
+        self.nodes[name].start(self.endpoints[name])
+
+    def start_all(self) -> None:
+        for name in self.names:
+            self.start(name)
+
+    def client(self, name: str, **kwargs) -> Client:
+        kwargs.setdefault("timeout_ms", 3000)
+        return Client(self.endpoints[name], **kwargs)
+
+    def status(self, name: str, timeout_ms: int = 1000) -> dict | None:
+        try:
+            with Client(self.endpoints[name], timeout_ms=timeout_ms, retries=0) as client:
+                return client.status()
+        except MnesiteError:
+            return None
+
+    def sequencer(self, shard: str = "default", among: list[str] | None = None) -> tuple[str, int] | None:
+        """(name, generation) of a core that reports itself sequencer of ``shard``, if any."""
+        for name in among or self.names:
+            status = self.status(name)
+            info = status["shards"].get(shard) if status else None
+            if info and info["role"] == "sequencer":
+                return name, info["generation"]
+        return None
+
+    def wait_converged(self, names: list[str], shard: str = "default", timeout_s: float = 30) -> dict:
+        """Wait until ``names`` have applied the same tx key with the same digest; return that position."""
+        result: dict = {}
+
+        def converged() -> bool:
+            positions = []
+            for name in names:
+                status = self.status(name)
+                if status is None or shard not in status["shards"]:
+                    return False
+                info = status["shards"][shard]
+                positions.append((tuple(info["applied"]), info["digest"], tuple(info["last"])))
+            if len(set(positions)) == 1 and positions[0][0] == positions[0][2]:
+                result["applied"], result["digest"] = positions[0][0], positions[0][1]
+                return True
+            return False
+
+        wait_until(converged, timeout_s, f"{names} to converge on shard {shard}", interval_s=0.1)
+        return result
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, node_processes: list[NodeProcess]) -> Cluster:
+    return Cluster(tmp_path, node_processes)

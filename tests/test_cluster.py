@@ -1,0 +1,219 @@
+"""Real processes: three cores on 127.0.0.1 under kill -9, SIGSTOP/SIGCONT, restarts, a lost data
+directory and a forced start (DESIGN invariants 1, 2, 3 and 6)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from rlog.client import Client, MnesiteError
+from tests.conftest import Cluster, wait_until
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+
+class Load:
+    """Writer threads spread over cores; every acknowledged row id and tx key is recorded."""
+
+    def __init__(self, cluster: Cluster, through: list[str], writers: int = 4) -> None:
+        self.cluster = cluster
+        self.through = list(through)
+        self.acknowledged: dict[int, tuple[int, int]] = {}
+        self.errors = 0
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.ids = itertools.count(1)
+        self.threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(writers)]
+
+    def _run(self, worker: int) -> None:
+        for attempt in itertools.count():
+            if self.stop_event.is_set():
+                return
+            name = self.through[(worker + attempt) % len(self.through)]
+            try:
+                with Client(self.cluster.endpoints[name], timeout_ms=2000, retries=1) as client:
+                    while not self.stop_event.is_set():
+                        row_id = next(self.ids)
+                        tx_key = client.put("kv", {"id": row_id, "value": f"w{worker}"})
+                        with self.lock:
+                            self.acknowledged[row_id] = tuple(tx_key)
+            except MnesiteError:
+                with self.lock:
+                    self.errors += 1  # outcome unknown: never counted as acknowledged
+                time.sleep(0.05)
+
+    def start(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.acknowledged)
+
+    def wait_for(self, more: int, timeout_s: float = 60) -> None:
+        target = self.count() + more
+        wait_until(lambda: self.count() >= target, timeout_s, f"{target} acknowledged writes")
+
+    def stop(self) -> dict[int, tuple[int, int]]:
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(15)
+        with self.lock:
+            return dict(self.acknowledged)
+
+
+def create_table(cluster: Cluster, through: str = "core1") -> None:
+    with cluster.client(through, timeout_ms=3000, retries=5) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+
+
+def rows(cluster: Cluster, name: str) -> dict[int, str]:
+    with cluster.client(name) as client:
+        return {row["id"]: row["value"] for row in client.scan("kv")}
+
+
+def rlog(cluster: Cluster, name: str, shard: str = "default") -> dict[tuple[int, int], str]:
+    entries: dict[tuple[int, int], str] = {}
+    after = [0, 0]
+    with cluster.client(name) as client:
+        while batch := client.rlog_entries(shard, after, 1000):
+            entries.update({tuple(e["tx_key"]): e["digest"] for e in batch})
+            after = batch[-1]["tx_key"]
+    return entries
+
+
+def check_agreement(cluster: Cluster, names: list[str], acknowledged: dict[int, tuple[int, int]]) -> dict:
+    position = cluster.wait_converged(names)
+    tables = {name: rows(cluster, name) for name in names}
+    first = tables[names[0]]
+    for name in names[1:]:
+        assert tables[name] == first, f"{name}'s table differs from {names[0]}'s"
+    missing = set(acknowledged) - set(first)
+    assert not missing, f"{len(missing)} acknowledged writes lost, e.g. {sorted(missing)[:5]}"
+    logs = {name: rlog(cluster, name) for name in names}
+    for a, b in itertools.combinations(names, 2):
+        common = set(logs[a]) & set(logs[b])
+        assert common, f"{a} and {b} share no rlog entries"
+        differing = [key for key in common if logs[a][key] != logs[b][key]]
+        assert not differing, f"{a} and {b} disagree at tx keys {sorted(differing)[:5]}"
+    return position
+
+
+def test_kill_9_of_the_sequencer_under_load(cluster: Cluster) -> None:
+    cluster.start_all()
+    create_table(cluster)
+    old, old_generation = cluster.sequencer() or (None, None)
+    assert old is not None
+    others = [name for name in cluster.names if name != old]
+    load = Load(cluster, cluster.names).start()
+    load.wait_for(200)
+    cluster.nodes[old].kill()
+    started = time.monotonic()
+    wait_until(lambda: cluster.sequencer(among=others) is not None, 20, "a new sequencer")
+    new, new_generation = cluster.sequencer(among=others)
+    failover_s = time.monotonic() - started
+    assert new_generation > old_generation and failover_s < 10, (new_generation, failover_s)
+    load.wait_for(200)
+    cluster.start(old)
+    load.wait_for(100)
+    acknowledged = load.stop()
+    check_agreement(cluster, cluster.names, acknowledged)
+    generations = {key[0] for key in acknowledged.values()}
+    assert old_generation in generations and new_generation in generations
+
+
+def test_sigstop_of_the_sequencer_then_sigcont(cluster: Cluster) -> None:
+    cluster.start_all()
+    create_table(cluster)
+    old, old_generation = cluster.sequencer()
+    others = [name for name in cluster.names if name != old]
+    load = Load(cluster, others).start()
+    load.wait_for(100)
+    cluster.nodes[old].signal(signal.SIGSTOP)
+    wait_until(lambda: cluster.sequencer(among=others) is not None, 20, "a new sequencer while the old one sleeps")
+    _, new_generation = cluster.sequencer(among=others)
+    assert new_generation > old_generation
+    load.wait_for(200)
+    cluster.nodes[old].signal(signal.SIGCONT)
+    # Writes sent straight to the resumed zombie: none may commit in its old generation.
+    with cluster.client(old, timeout_ms=3000, retries=3) as client:
+        zombie_keys = [tuple(client.put("kv", {"id": -i, "value": "via old"})) for i in range(1, 21)]
+    assert all(key[0] > old_generation for key in zombie_keys), zombie_keys
+    acknowledged = load.stop()
+    acknowledged.update({-i: key for i, key in enumerate(zombie_keys, start=1)})
+    check_agreement(cluster, cluster.names, acknowledged)
+    status = cluster.status(old)["shards"]["default"]
+    assert status["role"] == "follower" and status["generation"] >= new_generation
+    stale = [key for key in rlog(cluster, old) if key[0] == old_generation]
+    old_generation_acks = [key for key in acknowledged.values() if key[0] == old_generation]
+    assert max(stale) <= max(old_generation_acks, default=(0, 0)) or len(stale) <= len(old_generation_acks) + 2
+
+
+def test_restarted_and_wiped_cores_catch_up(cluster: Cluster) -> None:
+    cluster.start_all()
+    create_table(cluster)
+    sequencer, _ = cluster.sequencer()
+    follower, wiped = [name for name in cluster.names if name != sequencer]
+    load = Load(cluster, [sequencer]).start()
+    load.wait_for(100)
+    cluster.nodes[follower].kill()
+    load.wait_for(200)
+    cluster.start(follower)
+    load.wait_for(50)
+    cluster.nodes[wiped].kill()
+    shutil.rmtree(cluster.data_dir(wiped))
+    load.wait_for(200)
+    cluster.start(wiped)
+    load.wait_for(50)
+    acknowledged = load.stop()
+    check_agreement(cluster, cluster.names, acknowledged)
+    assert (
+        cluster.status(wiped)["shards"]["default"]["generation"]
+        >= cluster.status(sequencer)["shards"]["default"]["generation"]
+    )
+
+
+def test_force_start_after_losing_the_majority(cluster: Cluster) -> None:
+    cluster.start_all()
+    create_table(cluster)
+    with cluster.client("core1", retries=5) as client:
+        for i in range(50):
+            client.put("kv", {"id": i, "value": "before"})
+    cluster.wait_converged(cluster.names)
+    survivor = "core3"
+    for name in ("core1", "core2"):
+        cluster.nodes[name].kill()
+    runner = CliRunner()
+    endpoint = cluster.endpoints[survivor]
+
+    def alone() -> bool:
+        with Client(endpoint, timeout_ms=1000) as client:
+            return client.journal()["reachable_peers"] == []
+
+    wait_until(alone, 10, f"{survivor} to notice that it is alone")
+    refused = runner.invoke(main, ["journal", "force-start", "--node", endpoint])
+    assert refused.exit_code == 1 and "--yes" in refused.output
+    with Client(endpoint, timeout_ms=500, retries=0) as client, pytest.raises(MnesiteError):
+        client.put("kv", {"id": 1000, "value": "no quorum"})
+    shown = runner.invoke(main, ["journal", "show", "--node", endpoint, "--json", "--timeout-ms", "500"])
+    journal = json.loads(shown.output)
+    assert journal["cores"]["core1"]["reachable"] is False and journal["majority"]["default"] is None
+    forced = runner.invoke(main, ["journal", "force-start", "--yes", "--node", endpoint, "--json"])
+    assert forced.exit_code == 0, forced.output
+    result = json.loads(forced.output)
+    assert result["members"] == [survivor]
+    with Client(endpoint, timeout_ms=3000, retries=3) as client:
+        tx_key = client.put("kv", {"id": 1000, "value": "after force"})
+        assert tx_key[0] == result["shards"]["default"]["generation"]
+        assert len(list(client.scan("kv"))) == 51
+    journal = json.loads(runner.invoke(main, ["journal", "show", "--node", endpoint, "--json"]).output)
+    assert journal["cores"][survivor]["shards"]["default"]["forced"] is True
