@@ -767,6 +767,13 @@ class ShardConsensus:
             resume_key = message.commit_key
             if message.last_key <= self._last_key and self._log.digest_at(message.last_key) is not None:
                 resume_key = message.last_key
+            if message.last_key < progress.match_key:
+                # The follower lost entries it had acknowledged (its data directory was lost and it
+                # is recovering): what it holds now is all it has. The commit key never goes back,
+                # so lowering its match key cannot undo a commit. Use resume_key, which is in our log
+                # (the follower's last key may be in a divergent tail we do not have), and accept
+                # that a reordered old reply lowers it too: the next success raises it again.
+                progress.match_key = resume_key
             progress.sent_key = max(resume_key, progress.match_key)
             progress.probing = True
             progress.in_flight = 0
