@@ -440,10 +440,8 @@ class Store:
         position = self.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
-        # Newest key that may go: below the applied key, below keep_from, and outside the count bound.
-        limit = position.applied
-        if keep_from is not None:
-            limit = min(limit, keep_from)
+        # The count bound is hard (a follower further behind needs a snapshot); the age bound waits
+        # for the followers (keep_from). Nothing at or after the applied key ever goes.
         by_count = self.connection.execute(
             "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? "
             "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
@@ -459,11 +457,14 @@ class Store:
                 (shard, before_ms),
             ).fetchone()
             if row is not None:
-                candidates.append(TxKey(row[0], row[1]))
+                by_age = TxKey(row[0], row[1])
+                if keep_from is not None:
+                    by_age = min(by_age, self._key_before(shard, keep_from) or ZERO_KEY)
+                candidates.append(by_age)
         candidates = [key for key in candidates if key is not None]
         if not candidates:
             return 0
-        newest_removed = min(max(candidates), limit)
+        newest_removed = min(max(candidates), position.applied)
         last_key, _ = self.last_entry(shard)
         if newest_removed >= last_key:
             newest_removed = self._key_before(shard, last_key) or ZERO_KEY

@@ -110,3 +110,36 @@ def test_a_file_that_is_not_a_mnesite_database_is_refused(tmp_path) -> None:
         Store(str(tmp_path / "junk.db"), create=False)
     with pytest.raises(StoreError, match="no such database"):
         Store(str(tmp_path / "missing.db"), create=False)
+
+
+def test_age_retention_waits_for_followers_but_the_count_bound_is_hard(store) -> None:
+    for counter in range(2, 12):
+        append(store, counter, "x", appended_ms=counter * 1000)
+    with store.write_transaction():
+        store.trim("default", entries_max=100, before_ms=10**9, keep_from=TxKey(1, 6))
+    assert [e.tx_key.counter for e in store.tail("default", 100)][0] == 6, "a follower at (1, 6) still needs 7.."
+    assert store.trimmed("default")[0] == TxKey(1, 5)
+    assert store.digest_at("default", TxKey(1, 5)) is not None, "the last trimmed digest is kept for appends"
+    with store.write_transaction():
+        store.trim("default", entries_max=3, before_ms=None, keep_from=TxKey(1, 6))
+    assert [e.tx_key.counter for e in store.tail("default", 100)] == [9, 10, 11]
+    assert store.verify_chain("default") == TxKey(1, 11)
+
+
+def test_retention_never_trims_unapplied_entries(store) -> None:
+    position = store.shard("default")
+    entries = []
+    previous, digest = position.applied, position.digest
+    for counter in range(2, 6):
+        entry = make_entry("default", TxKey(1, counter), previous, digest, [WriteOp("t", {"k": counter, "v": "u"})])
+        entries.append(entry)
+        previous, digest = entry.tx_key, entry.digest
+    with store.write_transaction():
+        store.append_entries(entries, 0)
+        store.trim("default", entries_max=1, before_ms=10**9)
+    assert store.last_entry_key("default") == TxKey(1, 5)
+    assert [e.tx_key.counter for e in store.tail("default", 100)] == [2, 3, 4, 5], "only applied entries may go"
+    with store.write_transaction():
+        assert store.truncate_after("default", TxKey(1, 3)) == 2
+        with pytest.raises(StoreError, match="would remove applied entry"):
+            store.truncate_after("default", ZERO_KEY)
