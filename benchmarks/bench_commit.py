@@ -4,9 +4,12 @@
 
 * Baseline: raw apsw on the same disk, WAL mode, the same ``synchronous`` level, one row per
   transaction (BEGIN; INSERT; COMMIT), one writer: the machine's durable-commit limit.
-* mnesite: a real ``mnesite start`` process; N concurrent clients (threads spread over up to
+* mnesite single core: a real ``mnesite start`` process; N concurrent clients (threads spread over up to
   four client processes, so the client side's GIL is not the bottleneck) each put one row per
   transaction for ``--seconds``; every put is a full round trip and waits for its commit.
+
+* mnesite 3 cores: three real core processes on 127.0.0.1 (a quorum of two must persist every
+  entry before it commits); the clients talk to the elected sequencer.
 
 Reports commits/s, p50/p99 latency in ms and the ratio to the baseline. Not a test: it
 asserts nothing about timing.
@@ -111,7 +114,7 @@ def _client_process(endpoint: str, threads: int, worker: int, seconds: float, qu
     queue.put((sum(counts), latencies))
 
 
-def bench_node(endpoint: str, clients: int, seconds: float) -> dict:
+def bench_node(endpoint: str, clients: int, seconds: float, name: str) -> dict:
     processes = min(clients, CLIENT_PROCESSES_MAX)
     per_process = [clients // processes + (1 if p < clients % processes else 0) for p in range(processes)]
     queue = multiprocessing.get_context("spawn").Queue()
@@ -128,40 +131,46 @@ def bench_node(endpoint: str, clients: int, seconds: float) -> dict:
     count = sum(r[0] for r in results)
     latencies = [x for r in results for x in r[1]]
     # Every client process measures the same window of `seconds` from its own start.
-    return summarise("mnesite single core", clients, count, seconds, latencies)
+    return summarise(name, clients, count, seconds, latencies)
 
 
-def start_node(directory: Path, synchronous: str) -> tuple[subprocess.Popen, str]:
+def free_endpoint() -> str:
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    endpoint = f"tcp://127.0.0.1:{port}"
-    config = directory / "core1.toml"
-    config.write_text(
-        f'[node]\nname = "core1"\ndata_dir = "{directory / "node"}"\nlisten = "{endpoint}"\n'
-        f'[storage]\nsynchronous = "{synchronous}"\n'
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cli", "start", "--config", str(config), "--log-level", "WARNING"],
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with Client(endpoint, timeout_ms=300, retries=0) as client:
-                client.status()
-                break
-        except MnesiteError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                raise SystemExit("node did not start") from None
-    with Client(endpoint) as client:
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def start_nodes(directory: Path, synchronous: str, cores: int) -> tuple[list[subprocess.Popen], str]:
+    """Start ``cores`` core processes; create the bench table; return them and the sequencer's endpoint."""
+    endpoints = {f"core{i}": free_endpoint() for i in range(1, cores + 1)}
+    core_nodes = ", ".join(f'{name} = "{endpoint}"' for name, endpoint in endpoints.items())
+    processes = []
+    for name, endpoint in endpoints.items():
+        config = directory / f"{cores}-{name}.toml"
+        config.write_text(
+            f'[node]\nname = "{name}"\ndata_dir = "{directory / f"{cores}-{name}"}"\nlisten = "{endpoint}"\n'
+            f"[cluster]\ncore_nodes = {{ {core_nodes} }}\n"
+            f'[storage]\nsynchronous = "{synchronous}"\n'
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "cli", "start", "--config", str(config), "--log-level", "WARNING"],
+                cwd=REPO,
+                env=dict(os.environ, PYTHONPATH=str(REPO)),
+                start_new_session=True,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    first = next(iter(endpoints.values()))
+    with Client(first, timeout_ms=2000, retries=15) as client:
         client.create_table("bench", "id", [("id", "INTEGER"), ("payload", "TEXT")])
-    return process, endpoint
+    for endpoint in endpoints.values():
+        with Client(endpoint, timeout_ms=2000) as client:
+            if client.status()["shards"]["default"]["role"] == "sequencer":
+                return processes, endpoint
+    raise SystemExit("no sequencer after the table was created")
 
 
 def machine() -> str:
@@ -181,17 +190,25 @@ def main() -> None:
     try:
         baseline = bench_raw_apsw(directory, args.seconds, args.synchronous)
         results.append(baseline)
-        process, endpoint = start_node(directory, args.synchronous)
-        try:
-            for clients in [int(c) for c in args.clients.split(",")]:
-                results.append(bench_node(endpoint, clients, args.seconds))
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(30)
+        for cores, name in ((1, "mnesite single core"), (3, "mnesite 3 cores")):
+            processes, endpoint = start_nodes(directory, args.synchronous, cores)
+            try:
+                for clients in [int(c) for c in args.clients.split(",")]:
+                    results.append(bench_node(endpoint, clients, args.seconds, name))
+            finally:
+                for process in processes:
+                    os.killpg(process.pid, signal.SIGTERM)
+                for process in processes:
+                    process.wait(30)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    single = {r["clients"]: r for r in results if r["name"] == "mnesite single core"}
     for result in results:
         result["ratio_to_raw_apsw"] = round(result["commits_per_s"] / baseline["commits_per_s"], 3)
+        if result["name"] == "mnesite 3 cores" and result["clients"] in single:
+            result["ratio_to_single_core"] = round(
+                result["commits_per_s"] / single[result["clients"]]["commits_per_s"], 3
+            )
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(),
@@ -202,12 +219,12 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     print(f"{report['date']}, {report['machine']}, synchronous={args.synchronous}, {args.seconds:g} s per run")
-    print(f"| {'run':<22} | clients | commits/s | p50 ms | p99 ms | vs raw apsw |")
-    print(f"|{'-' * 24}|---------|-----------|--------|--------|-------------|")
+    print(f"| {'run':<22} | clients | commits/s | p50 ms | p99 ms | vs raw apsw | vs single core |")
+    print(f"|{'-' * 24}|---------|-----------|--------|--------|-------------|----------------|")
     for r in results:
         print(
             f"| {r['name']:<22} | {r['clients']:>7} | {r['commits_per_s']:>9} | {r['p50_ms']:>6} | {r['p99_ms']:>6} "
-            f"| {r['ratio_to_raw_apsw']:>11} |"
+            f"| {r['ratio_to_raw_apsw']:>11} | {r.get('ratio_to_single_core', ''):>14} |"
         )
 
 

@@ -506,6 +506,9 @@ class ShardConsensus:
 
     def _reset_election_deadline(self) -> None:
         timeout_ms = self._rng.randint(self.config.election_timeout_ms_min, self.config.election_timeout_ms_max)
+        if self._members == (self.name,):
+            # Alone, this core is its own majority: there is nobody to wait for or to collide with.
+            timeout_ms = 0
         self._election_deadline_ms = self._now_ms + timeout_ms
 
     def _on_tick(self) -> None:

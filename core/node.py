@@ -214,7 +214,11 @@ class CoreNode:
         self.config = config
         self.clock_ms = clock_ms
         self.rng = rng or random.Random()
-        self.consensus_config = consensus_config or ConsensusConfig()
+        self.consensus_config = consensus_config or ConsensusConfig(
+            election_timeout_ms_min=config.timing.election_timeout_ms_min,
+            election_timeout_ms_max=config.timing.election_timeout_ms_max,
+            heartbeat_interval_ms=config.timing.heartbeat_interval_ms,
+        )
         self.members = tuple(sorted(config.core_nodes))
         os.makedirs(config.data_dir, exist_ok=True)
         self.store = Store(config.database_path, synchronous=config.synchronous)

@@ -10,6 +10,9 @@ Example::
 
     [cluster]
     core_nodes = { core1 = "tcp://127.0.0.1:7400" }
+    election_timeout_ms_min = 1000      # randomised election timeout, per shard
+    election_timeout_ms_max = 2000
+    heartbeat_interval_ms = 100         # at most half of election_timeout_ms_min
 
     [storage]
     synchronous = "FULL"                # OFF | NORMAL | FULL | EXTRA
@@ -67,6 +70,13 @@ class Retention:
 
 
 @dataclass(frozen=True)
+class Timing:
+    election_timeout_ms_min: int = 1000
+    election_timeout_ms_max: int = 2000
+    heartbeat_interval_ms: int = 100
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = DEFAULT_NAME
     role: str = "core"
@@ -76,6 +86,7 @@ class Config:
     synchronous: str = "FULL"
     limits: Limits = field(default_factory=Limits)
     retention: Retention = field(default_factory=Retention)
+    timing: Timing = field(default_factory=Timing)
 
     @property
     def database_path(self) -> str:
@@ -89,6 +100,9 @@ _LIMIT_BOUNDS = {
     "scan_rows_max": (1, 1_000_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
+    "election_timeout_ms_min": (10, 600_000),
+    "election_timeout_ms_max": (10, 600_000),
+    "heartbeat_interval_ms": (1, 300_000),
 }
 
 
@@ -134,9 +148,15 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     cluster = data.get("cluster", {})
     if not isinstance(cluster, dict):
         raise ConfigError("[cluster] must be a table")
+    timing_keys = {f.name for f in fields(Timing)}
     for key in cluster:
-        if key != "core_nodes":
-            raise ConfigError(f"unknown key [cluster].{key} (known: core_nodes)")
+        if key != "core_nodes" and key not in timing_keys:
+            raise ConfigError(f"unknown key [cluster].{key} (known: core_nodes, {', '.join(sorted(timing_keys))})")
+    timing = _int_section("cluster", {k: v for k, v in cluster.items() if k in timing_keys}, Timing)
+    if timing.election_timeout_ms_max < timing.election_timeout_ms_min:
+        raise ConfigError("[cluster].election_timeout_ms_max must be at least election_timeout_ms_min")
+    if timing.heartbeat_interval_ms * 2 > timing.election_timeout_ms_min:
+        raise ConfigError("[cluster].heartbeat_interval_ms must be at most half of election_timeout_ms_min")
     core_nodes = cluster.get("core_nodes", {name: listen} if role == "core" else {})
     if not isinstance(core_nodes, dict):
         raise ConfigError('[cluster].core_nodes must be a table of name = "tcp://host:port"')
@@ -168,6 +188,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         synchronous=synchronous.upper(),
         limits=_int_section("limits", data.get("limits", {}), Limits),
         retention=_int_section("rlog", data.get("rlog", {}), Retention),
+        timing=timing,
     )
 
 

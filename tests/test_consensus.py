@@ -227,6 +227,15 @@ def test_a_single_member_elects_itself_and_commits_its_no_op_at_once():
     assert Commit(TxKey(1, 1)) in effects
 
 
+def test_a_single_member_does_not_wait_an_election_timeout():
+    harness = Harness(members=("a",))
+    assert harness.machine.next_deadline_ms() == 0
+    harness.step(Ticked(), 0)
+    assert harness.machine.role is Role.SEQUENCER
+    three = Harness(members=("a", "b", "c"))
+    assert three.machine.next_deadline_ms() >= CONFIG.election_timeout_ms_min
+
+
 def test_a_vote_is_persisted_before_the_reply_and_granted_at_most_once_per_generation():
     harness = Harness()
     effects = harness.receive("b", VoteRequest(1, ZERO_KEY))

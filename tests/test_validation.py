@@ -112,6 +112,9 @@ def test_default_config_is_a_single_core() -> None:
         ({"limits": {"group_commit_max": 0}}, r"\[limits\].group_commit_max"),
         ({"limits": {"group_commit_max": "9"}}, r"\[limits\].group_commit_max"),
         ({"rlog": {"retention_entries": 5}}, r"unknown key \[rlog\].retention_entries"),
+        ({"cluster": {"election_timeout_ms": 5}}, r"unknown key \[cluster\].election_timeout_ms "),
+        ({"cluster": {"heartbeat_interval_ms": 900}}, r"heartbeat_interval_ms must be at most half"),
+        ({"cluster": {"election_timeout_ms_min": 500, "election_timeout_ms_max": 100}}, r"at least election_"),
     ],
 )
 def test_config_mistakes_name_the_key(data, text) -> None:
