@@ -29,6 +29,7 @@ A core whose database is new asks its peers for their generations before it take
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -120,11 +121,16 @@ def monotonic_ms() -> int:
 
 
 class StoreLogView:
-    """``core.consensus.LogView`` over the store, for one shard (reads see the open transaction)."""
+    """``core.consensus.LogView`` over the store, for one shard (reads see the open transaction).
 
-    def __init__(self, store: Store, shard: str) -> None:
+    Entries of the unapplied tail are served from memory: the sequencer sends them to followers
+    right after appending them, and reading them back from SQLite would cost more than the append.
+    """
+
+    def __init__(self, store: Store, shard: str, tail: UnappliedTail) -> None:
         self.store = store
         self.shard = shard
+        self.tail = tail
 
     def last_key(self) -> TxKey:
         return self.store.last_entry(self.shard)[0]
@@ -133,6 +139,10 @@ class StoreLogView:
         return self.store.digest_at(self.shard, key)
 
     def entries_after(self, key: TxKey, limit: int) -> list[Entry]:
+        cached = self.tail.entries
+        if cached and cached[0].prev <= key <= cached[-1].tx_key:
+            start = bisect.bisect_right(self.tail.keys, key)
+            return cached[start : start + limit]
         return self.store.entries_after(self.shard, key, limit)
 
     def trimmed_key(self) -> TxKey:
@@ -148,11 +158,13 @@ class UnappliedTail:
 
     def __init__(self) -> None:
         self.entries: list[Entry] = []
+        self.keys: list[TxKey] = []
         self.rows: dict[tuple[str, Any], dict[str, Any] | None] = {}
         self.tables: dict[str, TableSchema] = {}
 
     def add(self, entries: tuple[Entry, ...]) -> None:
         self.entries.extend(entries)
+        self.keys.extend(entry.tx_key for entry in entries)
         for entry in entries:
             self._index(entry)
 
@@ -182,7 +194,7 @@ class UnappliedTail:
 
     def _rebuild(self, entries: list[Entry], catalog: dict[str, TableSchema]) -> None:
         self.catalog = catalog
-        self.entries, self.rows, self.tables = [], {}, {}
+        self.entries, self.keys, self.rows, self.tables = [], [], {}, {}
         self.add(tuple(entries))
 
 
@@ -313,20 +325,20 @@ class CoreNode:
         position = self.store.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
+        tail = UnappliedTail()
+        tail.catalog = self.store.catalog()
+        tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
         consensus = ShardConsensus(
             shard,
             self.config.name,
-            StoreLogView(self.store, shard),
+            StoreLogView(self.store, shard, tail),
             state,
             position.applied,
             self.consensus_config,
             random.Random(self.rng.random()),
             self.clock_ms(),
         )
-        driver = ShardDriver(shard, consensus)
-        catalog = self.store.catalog()
-        driver.tail.catalog = catalog
-        driver.tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
+        driver = ShardDriver(shard, consensus, tail)
         self.shards[shard] = driver
         return driver
 
@@ -427,7 +439,7 @@ class CoreNode:
             self.store.persist_consensus_state(shard, state.generation, state.voted_for, state.members, state.forced)
         elif isinstance(effect, PersistEntries):
             self._begin()
-            self.store.append_entries(effect.entries, int(time.time() * 1000))
+            self.store.append_entries(effect.entries, int(time.time() * 1000), chain_verified=True)
             driver.tail.add(effect.entries)
         elif isinstance(effect, TruncateLog):
             self._begin()

@@ -186,7 +186,12 @@ class Store:
         }
 
     def shard(self, shard: str) -> ShardPosition | None:
-        return self.shards().get(shard)
+        row = self.connection.execute(
+            "SELECT shard, generation, applied_generation, applied_counter, applied_digest "
+            "FROM _mnesite_shards WHERE shard = ?",
+            (shard,),
+        ).fetchone()
+        return ShardPosition(row[0], row[1], TxKey(row[2], row[3]), row[4]) if row else None
 
     def ensure_shard(self, shard: str, generation: int) -> ShardPosition:
         self.connection.execute(
@@ -263,18 +268,28 @@ class Store:
         trimmed_key, trimmed_digest = self.trimmed(shard)
         return trimmed_digest if key == trimmed_key else None
 
-    def append_entries(self, entries: tuple[Entry, ...] | list[Entry], appended_ms: int) -> None:
-        """Persist entries that must follow the newest persisted one (checked: no gaps, same chain)."""
+    def append_entries(
+        self, entries: tuple[Entry, ...] | list[Entry], appended_ms: int, chain_verified: bool = False
+    ) -> None:
+        """Persist entries that must follow the newest persisted one (checked: no gaps, same chain).
+
+        ``chain_verified``: the caller (the consensus state machine) already checked each digest
+        against its predecessor, so only the links are checked here; apply checks digests again.
+        """
+        if not entries:
+            return
+        last_key, last_digest = self.last_entry(entries[0].shard)
         for entry in entries:
-            last_key, last_digest = self.last_entry(entry.shard)
             if entry.prev != last_key:
                 raise StoreError(
                     f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, log ends at {last_key}"
                 )
-            expected = entry_digest(last_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-            if expected != entry.digest:
-                raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
+            if not chain_verified:
+                expected = entry_digest(last_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+                if expected != entry.digest:
+                    raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
             self.append_entry(entry, appended_ms)
+            last_key, last_digest = entry.tx_key, entry.digest
 
     def truncate_after(self, shard: str, key: TxKey) -> int:
         """Remove the uncommitted tail after ``key``; refuses to remove an applied (committed) entry."""
@@ -297,7 +312,7 @@ class Store:
         applied: list[Entry] = []
         after = position.applied
         while after < up_to:
-            batch = [e for e in self.entries_after(shard, after, 1000) if e.tx_key <= up_to]
+            batch = self.entries_after(shard, after, 1000, up_to=up_to)
             if not batch:
                 raise StoreError(f"shard {shard}: cannot apply up to {up_to}, the log ends at {after}")
             for entry in batch:
@@ -401,12 +416,14 @@ class Store:
         ).fetchone()
         return (row[0], TxKey(row[1], row[2])) if row else None
 
-    def entries_after(self, shard: str, after: TxKey, limit: int) -> list[Entry]:
+    def entries_after(self, shard: str, after: TxKey, limit: int, up_to: TxKey | None = None) -> list[Entry]:
+        """At most ``limit`` entries after ``after`` (and at or before ``up_to``), in tx-key order."""
+        high = up_to if up_to is not None else TxKey(2**63 - 1, 2**63 - 1)
         rows = self.connection.execute(
             "SELECT shard, generation, counter, prev_generation, prev_counter, digest, ops, request_id "
-            "FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?) "
+            "FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?) AND (generation, counter) <= (?, ?) "
             "ORDER BY generation, counter LIMIT ?",
-            (shard, after.generation, after.counter, limit),
+            (shard, after.generation, after.counter, high.generation, high.counter, limit),
         )
         return [_entry(row) for row in rows]
 
