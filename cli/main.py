@@ -113,20 +113,26 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
 
     Without --config: a single core named core1 on tcp://127.0.0.1:7400 with its data in ./mnesite-data.
     """
-    from core.node import CoreNode
     from rlog.store import StoreError
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         config = load_config(config_path)
-        node = CoreNode(config)
+        if config.role == "replicant":
+            from replicant.node import ReplicantNode
+
+            node = ReplicantNode(config)
+        else:
+            from core.node import CoreNode
+
+            node = CoreNode(config)
         node.bind()
     except (ConfigError, StoreError) as error:
         fail(str(error))
     except Exception as error:  # zmq bind errors and the like: one line, not a traceback
         fail(f"cannot start: {type(error).__name__}: {error}")
     node.install_signal_handlers()
-    if sample_data:
+    if sample_data and config.role == "core":
         load_sample_data(node)
     click.echo(f"mnesite {config.role} {config.name} serving on {config.listen} (data: {config.data_dir})", err=True)
     node.serve_forever()

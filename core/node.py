@@ -69,6 +69,7 @@ from core.consensus import (
     TruncateLog,
 )
 from core.consensus_wire import message_from_wire, message_to_wire
+from core.rlog_server import RlogServer, WatchRefused
 from core.transaction import GuardFailed, evaluate, parse_transaction
 from rlog import codec
 from rlog.codec import CodecError, Message
@@ -99,6 +100,7 @@ FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
 SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
+REPLICANT_SOCKETS_MAX = 1000
 RECOVERY_TIMEOUT_MS = 1000
 # zmq drops (disconnects) peers whose message exceeds this; frames between frame_bytes_max and
 # this bound still get a clear frame_too_large reply.
@@ -202,6 +204,7 @@ class UnappliedTail:
 class ShardDriver:
     shard: str
     consensus: ShardConsensus
+    log_view: StoreLogView
     tail: UnappliedTail = field(default_factory=UnappliedTail)
     # tx key -> [(envelope, request_id)]: clients waiting for that entry to commit.
     waiters: dict[TxKey, list[tuple[list[bytes], str]]] = field(default_factory=dict)
@@ -239,6 +242,8 @@ class CoreNode:
         self.socket: zmq.Socket | None = None
         self.peer_sockets: dict[str, zmq.Socket] = {}
         self.forwarded: dict[str, Forwarded] = {}
+        self.rlog_server = RlogServer(config.name)
+        self.replicant_sockets: dict[str, zmq.Socket] = {}
         self.last_heard_ms: dict[str, int] = {}
         self.stopping = threading.Event()
         self.commits = 0
@@ -306,9 +311,10 @@ class CoreNode:
             self.close()
 
     def close(self) -> None:
-        for socket in self.peer_sockets.values():
+        for socket in [*self.peer_sockets.values(), *self.replicant_sockets.values()]:
             socket.close(0)
         self.peer_sockets = {}
+        self.replicant_sockets = {}
         if self.socket is not None:
             self.socket.close(0)
             self.socket = None
@@ -328,17 +334,18 @@ class CoreNode:
         tail = UnappliedTail()
         tail.catalog = self.store.catalog()
         tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
+        log_view = StoreLogView(self.store, shard, tail)
         consensus = ShardConsensus(
             shard,
             self.config.name,
-            StoreLogView(self.store, shard, tail),
+            log_view,
             state,
             position.applied,
             self.consensus_config,
             random.Random(self.rng.random()),
             self.clock_ms(),
         )
-        driver = ShardDriver(shard, consensus, tail)
+        driver = ShardDriver(shard, consensus, log_view, tail)
         self.shards[shard] = driver
         return driver
 
@@ -362,11 +369,15 @@ class CoreNode:
         for driver in list(self.shards.values()):
             if now >= driver.consensus.next_deadline_ms():
                 self._step(driver, Ticked())
+        self.rlog_server.tick(now)
         self._flush()
+        deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
+        agents_deadline = self.rlog_server.next_deadline_ms()
+        if agents_deadline is not None:
+            deadlines.append(agents_deadline)
         timeout = POLL_INTERVAL_MS_MAX
-        if self.shards:
-            soonest = min(d.consensus.next_deadline_ms() for d in self.shards.values())
-            timeout = max(0, min(timeout, soonest - self.clock_ms()))
+        if deadlines:
+            timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         for peer_socket in self.peer_sockets.values():
@@ -409,6 +420,10 @@ class CoreNode:
     def _dispatch(self, envelope: list[bytes], message: Message) -> None:
         if message.kind == "peer":
             self._on_peer(message)
+        elif message.kind == "watch":
+            self._reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
+        elif message.kind == "push_ack":
+            self.rlog_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
             self._reply(envelope, codec.reply(message.request_id, self.force_start()))
         elif message.kind in WRITE_KINDS:
@@ -454,6 +469,7 @@ class CoreNode:
             applied = self.store.apply_committed(shard, effect.up_to)
             driver.tail.keep_after(effect.up_to, self.store.catalog())
             self.transactions += len(applied)
+            self.rlog_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
             for entry in applied:
                 for envelope, request_id in driver.waiters.pop(entry.tx_key, []):
                     if entry.request_id == request_id:
@@ -471,6 +487,9 @@ class CoreNode:
         elif isinstance(effect, ProposalRejected):
             pass  # handled by the caller of Proposed, which still holds the envelope
         elif isinstance(effect, RoleChanged):
+            position = self.store.shard(shard)
+            if position is not None:
+                self.rlog_server.committed(shard, position.applied, effect.sequencer is not None, self.clock_ms())
             log.info(
                 "shard %s: %s in generation %d (sequencer %s)",
                 shard,
@@ -507,6 +526,10 @@ class CoreNode:
             self.store.connection.execute("COMMIT")
             self._in_transaction = False
             self.commits += 1
+        for endpoint, message in self.rlog_server.drain():
+            replicant_socket = self._replicant_socket(endpoint)
+            if replicant_socket is not None:
+                self._outbox.append((replicant_socket, [], message))
         outbox, self._outbox = self._outbox, []
         for socket, envelope, message in outbox:
             target = socket if socket is not None else self.socket
@@ -524,6 +547,41 @@ class CoreNode:
     def _reply(self, envelope: list[bytes] | None, message: Message) -> None:
         if envelope is not None:
             self._outbox.append((None, envelope, message))
+
+    def _replicant_socket(self, endpoint: str) -> zmq.Socket | None:
+        socket = self.replicant_sockets.get(endpoint)
+        if socket is None:
+            if self.context is None or len(self.replicant_sockets) >= REPLICANT_SOCKETS_MAX:
+                return None
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDHWM, PEER_SEND_QUEUE_MAX)
+            socket.connect(endpoint)
+            self.replicant_sockets[endpoint] = socket
+        return socket
+
+    def _hears_sequencer(self, driver: ShardDriver) -> bool:
+        return driver.consensus.sequencer is not None
+
+    def _watch(self, body: dict[str, Any]) -> dict[str, Any]:
+        driver = self.shards.get(body["shard"])
+        position = self.store.shard(body["shard"])
+        if driver is None or position is None:
+            raise RequestError("unknown_shard", f"unknown shard {body['shard']!r}")
+        try:
+            return self.rlog_server.watch(
+                body,
+                driver.log_view,
+                position.applied,
+                position.digest,
+                lambda key: self.store.digest_at(driver.shard, key),
+                self._hears_sequencer(driver),
+                self.clock_ms(),
+            )
+        except WatchRefused as error:
+            raise RequestError(error.code, str(error)) from None
+        except OpDecodeError as error:
+            raise RequestError("bad_request", str(error)) from None
 
     def _peer_socket(self, peer: str) -> zmq.Socket | None:
         socket = self.peer_sockets.get(peer)
@@ -726,20 +784,29 @@ class CoreNode:
             raise RequestError("unknown_table", f"unknown table {name!r}")
         return table
 
-    def _check_consistency(self, message: Message) -> None:
+    def _check_consistency(self, message: Message, table: TableSchema) -> None:
         level = message.body.get("consistency", "local")
         if level not in CONSISTENCY_LEVELS:
             raise RequestError("bad_request", f"consistency must be one of {', '.join(CONSISTENCY_LEVELS)}")
+        if "min_key" in message.body:
+            try:
+                min_key = tx_key_from_wire(message.body["min_key"])
+            except OpDecodeError as error:
+                raise RequestError("bad_request", str(error)) from None
+            position = self.store.shard(table.shard)
+            if position is None or position.applied < min_key:
+                # The client retries (bounded by its timeout) until this core has applied it.
+                raise RequestError("not_applied", f"{self.config.name} has not applied {min_key} yet")
 
     def _read(self, message: Message) -> Any:
         body = message.body
         if message.kind == "get":
-            self._check_consistency(message)
             table = self._table(body["table"])
+            self._check_consistency(message, table)
             return self.store.read_row(table, check_key(table, body["key"]))
         if message.kind == "scan":
-            self._check_consistency(message)
             table = self._table(body["table"])
+            self._check_consistency(message, table)
             limit = body.get("limit", self.config.limits.scan_rows_max)
             if not 0 < limit <= self.config.limits.scan_rows_max:
                 raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
@@ -792,6 +859,8 @@ class CoreNode:
                 else None,
                 "forced": status.forced,
                 "members": list(status.members),
+                "hears_sequencer": self._hears_sequencer(driver),
+                "agents": self.rlog_server.agents_of(shard),
             }
         return {
             "node": self.config.name,
@@ -832,6 +901,7 @@ class CoreNode:
             "core_nodes": self.config.core_nodes,
             "commits": self.commits,
             "transactions": self.transactions,
+            "agents": self.rlog_server.status(),
             "shards": shards,
         }
 

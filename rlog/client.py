@@ -36,7 +36,7 @@ from rlog.types import TxKey
 
 SCAN_PAGE_ROWS = 1000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
-RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy"})
+RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_applied"})
 RETRY_BACKOFF_S_MIN = 0.02
 RETRY_BACKOFF_S_MAX = 0.5
 
@@ -196,16 +196,25 @@ class Client:
     # -- reads -------------------------------------------------------------------------------
 
     def get(self, table: str, key: Any, consistency: str = "local") -> dict[str, Any] | None:
-        return self.call("get", {"table": table, "key": key, "consistency": consistency})
+        """``consistency``: ``local`` (what this node has applied), ``read-your-writes`` (at least this
+        client's last write is applied first), or ``linearizable``."""
+        return self.call("get", self._consistency({"table": table, "key": key}, consistency))
+
+    def _consistency(self, body: dict[str, Any], consistency: str) -> dict[str, Any]:
+        body["consistency"] = consistency
+        if consistency == "read-your-writes" and self.last_tx_key is not None:
+            body["min_key"] = list(self.last_tx_key)
+            body["wait_ms"] = self.timeout_ms
+        return body
 
     def scan_page(
         self, table: str, after: Any = None, limit: int = SCAN_PAGE_ROWS, consistency: str = "local"
     ) -> list[dict[str, Any]]:
         """Rows strictly after key ``after`` (None: from the start), in key order, at most ``limit``."""
-        body: dict[str, Any] = {"table": table, "limit": limit, "consistency": consistency}
+        body: dict[str, Any] = {"table": table, "limit": limit}
         if after is not None:
             body["after"] = after
-        return self.call("scan", body)
+        return self.call("scan", self._consistency(body, consistency))
 
     def scan(
         self, table: str, after: Any = None, page_rows: int = SCAN_PAGE_ROWS, consistency: str = "local"

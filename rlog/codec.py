@@ -45,16 +45,50 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "forwarded": ((bool,), False),
     },
     "list_tables": {},
-    "get": {"table": ((str,), True), "key": ((_ANY,), True), "consistency": ((str,), False)},
+    # min_key: wait (at most wait_ms) until the table's shard has applied that tx key
+    "get": {
+        "table": ((str,), True),
+        "key": ((_ANY,), True),
+        "consistency": ((str,), False),
+        "min_key": ((list,), False),
+        "wait_ms": ((int,), False),
+    },
     "scan": {
         "table": ((str,), True),
         "after": ((_ANY,), False),
         "limit": ((int,), False),
         "consistency": ((str,), False),
+        "min_key": ((list,), False),
+        "wait_ms": ((int,), False),
     },
     "status": {},
     "journal": {},
     "force_start": {},
+    # replicant -> core: start watching a shard (answered with the agent id and resume/bootstrap)
+    "watch": {
+        "shard": ((str,), True),
+        "replicant": ((str,), True),
+        "endpoint": ((str,), True),
+        "from": ((list,), True),
+        "from_digest": ((bytes,), True),
+        "protocol": ((int,), True),
+    },
+    # core agent -> replicant: committed entries (none: a heartbeat)
+    "push": {
+        "shard": ((str,), True),
+        "agent": ((str,), True),
+        "core": ((str,), True),
+        "entries": ((list,), True),
+        "committed": ((list,), True),
+        "hears_sequencer": ((bool,), True),
+    },
+    # replicant -> core agent: applied key, or why the push was rejected
+    "push_ack": {
+        "shard": ((str,), True),
+        "agent": ((str,), True),
+        "applied": ((list,), True),
+        "rejected": ((str,), False),
+    },
     # between cores: one consensus message of one shard (see core.consensus_wire)
     "peer": {"shard": ((str,), True), "sender": ((str,), True), "message": ((list,), True)},
     "rlog_tail": {"shard": ((str,), True), "count": ((int,), False)},

@@ -16,6 +16,8 @@ Internal tables all start with ``_mnesite``:
   vote, persisted before they are used) and the last entry retention removed (its digest is what
   an append that follows it is checked against).
 * ``_mnesite_rlog(shard, generation, counter, prev_*, digest, request_id, ops, appended_ms)``.
+* ``_mnesite_spill(shard, generation, counter, entry)``: on a bootstrapping replicant, the entries
+  pushed while the tables are copied, replayed once the copy is done.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import apsw
+import msgpack
 
 from rlog.schema import TableSchema
 from rlog.types import (
@@ -40,6 +43,8 @@ from rlog.types import (
     TxKey,
     WriteOp,
     entry_digest,
+    entry_from_wire,
+    entry_to_wire,
     pack_ops,
     unpack_ops,
 )
@@ -75,6 +80,13 @@ CREATE TABLE IF NOT EXISTS _mnesite_rlog(
     request_id TEXT,
     ops BLOB NOT NULL,
     appended_ms INTEGER NOT NULL,
+    PRIMARY KEY (shard, generation, counter)
+) STRICT, WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS _mnesite_spill(
+    shard TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    counter INTEGER NOT NULL,
+    entry BLOB NOT NULL,
     PRIMARY KEY (shard, generation, counter)
 ) STRICT, WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS _mnesite_rlog_request ON _mnesite_rlog(request_id) WHERE request_id IS NOT NULL;
@@ -532,6 +544,67 @@ class Store:
         if not applied_seen:
             raise StoreError(f"shard {shard}: the applied position {position.applied} is not on the rlog")
         return position.applied
+
+    # -- replicant: bootstrap ------------------------------------------------------------------
+
+    def reset_shard(self, shard: str) -> None:
+        """Forget a shard's rows, rlog, spill and position (a bootstrap starts); keep its table definitions."""
+        for table in self.catalog().values():
+            if table.shard == shard:
+                self.connection.execute(f"DELETE FROM {quote(table.name)}")
+        self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
+        self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
+        self.ensure_shard(shard, 0)
+        self.connection.execute(
+            "UPDATE _mnesite_shards SET applied_generation = 0, applied_counter = 0, applied_digest = ?, "
+            "trimmed_generation = 0, trimmed_counter = 0, trimmed_digest = ? WHERE shard = ?",
+            (GENESIS_DIGEST, GENESIS_DIGEST, shard),
+        )
+
+    def spill(self, entries: tuple[Entry, ...] | list[Entry]) -> None:
+        for entry in entries:
+            self.connection.execute(
+                "INSERT OR REPLACE INTO _mnesite_spill VALUES (?, ?, ?, ?)",
+                (
+                    entry.shard,
+                    entry.tx_key.generation,
+                    entry.tx_key.counter,
+                    msgpack.packb(entry_to_wire(entry), use_bin_type=True),
+                ),
+            )
+
+    def spilled(self, shard: str) -> int:
+        return self.connection.execute("SELECT count(*) FROM _mnesite_spill WHERE shard = ?", (shard,)).fetchone()[0]
+
+    def replay_spill(self, shard: str, start_key: TxKey, start_digest: bytes, appended_ms: int) -> TxKey:
+        """End of a bootstrap: the position becomes K0, then every spilled entry is logged and applied
+        in order (the ops are results, so the replay heals what the dirty reads saw)."""
+        self.connection.execute(
+            "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
+            "trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ?, generation = max(generation, ?) "
+            "WHERE shard = ?",
+            (*start_key, start_digest, *start_key, start_digest, start_key.generation, shard),
+        )
+        entries = [
+            entry_from_wire(msgpack.unpackb(row[0], raw=False))
+            for row in self.connection.execute(
+                "SELECT entry FROM _mnesite_spill WHERE shard = ? AND (generation, counter) > (?, ?) "
+                "ORDER BY generation, counter",
+                (shard, *start_key),
+            )
+        ]
+        self.append_entries(entries, appended_ms)
+        for entry in entries:
+            self.apply_entry(entry)
+        self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
+        return entries[-1].tx_key if entries else start_key
+
+    def meta(self, name: str, default: Any = None) -> Any:
+        row = self.connection.execute("SELECT value FROM _mnesite_meta WHERE name = ?", (name,)).fetchone()
+        return row[0] if row else default
+
+    def set_meta(self, name: str, value: Any) -> None:
+        self.connection.execute("INSERT OR REPLACE INTO _mnesite_meta VALUES (?, ?)", (name, value))
 
     # -- reads --------------------------------------------------------------------------------
 

@@ -1,0 +1,167 @@
+"""The RLOG server of a core: answers replicants' watches and drives one ``Agent`` per watch.
+
+Theory of operation
+-------------------
+A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, protocol)``. If this
+core's rlog holds ``from_key`` with that digest and it is committed here, the new agent resumes
+from it (no copy); otherwise the answer is ``bootstrap`` from K0, this core's committed key now,
+and the replicant copies the tables while the agent pushes the entries after K0. A newer watch of
+the same replicant and shard replaces the older agent (its pushes are then rejected by the
+replicant anyway, because they carry the old agent id).
+
+The protocol decisions live in the pure ``core.agent.Agent``; this adapter creates agents, feeds
+them the shard's committed key and the replicant's acks, and turns their ``Push`` effects into
+frames for the node to send. It holds no socket: the node sends what ``drain`` returns.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from replicant.protocol import (
+    REPLICATION_PROTOCOL_VERSION,
+    AckReceived,
+    AgentStopped,
+    CommittedAdvanced,
+    Push,
+    RejectReceived,
+    Ticked,
+)
+from rlog.codec import Message
+from rlog.types import TxKey, entry_to_wire, tx_key_from_wire
+
+AGENTS_MAX = 1000
+
+
+class WatchRefused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Watch:
+    agent: Any  # core.agent.Agent
+    endpoint: str
+    replicant: str
+    shard: str
+
+
+class RlogServer:
+    def __init__(self, core_name: str, config: Any = None) -> None:
+        self.core_name = core_name
+        self.config = config  # an AgentConfig; the default is made on the first watch
+        self.watches: dict[str, Watch] = {}
+        self.outbox: list[tuple[str, Message]] = []
+
+    def watch(
+        self,
+        body: dict[str, Any],
+        log_view: Any,
+        committed_key: TxKey,
+        committed_digest: bytes,
+        digest_at: Any,
+        hears_sequencer: bool,
+        now_ms: int,
+    ) -> dict[str, Any]:
+        """Create an agent for a replicant's watch; return the answer (raises ``WatchRefused``)."""
+        if body["protocol"] != REPLICATION_PROTOCOL_VERSION:
+            raise WatchRefused(
+                "incompatible_protocol",
+                f"replication protocol {body['protocol']} is not supported by core {self.core_name} "
+                f"(it speaks {REPLICATION_PROTOCOL_VERSION})",
+            )
+        from_key = tx_key_from_wire(body["from"])
+        for agent_id in [
+            a for a, w in self.watches.items() if (w.replicant, w.shard) == (body["replicant"], body["shard"])
+        ]:
+            del self.watches[agent_id]  # superseded: the replicant now watches the new agent only
+        if len(self.watches) >= AGENTS_MAX:
+            raise WatchRefused("overloaded", f"core {self.core_name} serves {AGENTS_MAX} agents already")
+        resumable = from_key <= committed_key and digest_at(from_key) == body["from_digest"]
+        if resumable:
+            mode, start_key, start_digest = "resume", from_key, body["from_digest"]
+        else:
+            mode, start_key, start_digest = "bootstrap", committed_key, committed_digest
+        from core.agent import Agent, AgentConfig
+
+        if self.config is None:
+            self.config = AgentConfig()
+        agent_id = f"{self.core_name}-{uuid.uuid4().hex[:16]}"
+        agent = Agent(agent_id, body["shard"], body["replicant"], start_key, log_view, self.config, now_ms)
+        self.watches[agent_id] = Watch(agent, body["endpoint"], body["replicant"], body["shard"])
+        self._step(agent_id, CommittedAdvanced(committed_key, hears_sequencer), now_ms)
+        return {
+            "agent": agent_id,
+            "mode": mode,
+            "start": list(start_key),
+            "start_digest": start_digest,
+            "committed": list(committed_key),
+        }
+
+    def acknowledged(self, body: dict[str, Any], now_ms: int) -> None:
+        """A replicant's push_ack: its applied key, or a rejection reason."""
+        agent_id = body["agent"]
+        if agent_id not in self.watches:
+            return  # a stopped or superseded agent: nothing to do
+        if body.get("rejected"):
+            self._step(agent_id, RejectReceived(body["rejected"]), now_ms)
+        else:
+            self._step(agent_id, AckReceived(tx_key_from_wire(body["applied"])), now_ms)
+
+    def committed(self, shard: str, committed_key: TxKey, hears_sequencer: bool, now_ms: int) -> None:
+        for agent_id, watch in list(self.watches.items()):
+            if watch.shard == shard:
+                self._step(agent_id, CommittedAdvanced(committed_key, hears_sequencer), now_ms)
+
+    def tick(self, now_ms: int) -> None:
+        for agent_id, watch in list(self.watches.items()):
+            if now_ms >= watch.agent.next_deadline_ms():
+                self._step(agent_id, Ticked(), now_ms)
+
+    def next_deadline_ms(self) -> int | None:
+        return min((w.agent.next_deadline_ms() for w in self.watches.values()), default=None)
+
+    def _step(self, agent_id: str, event: Any, now_ms: int) -> None:
+        watch = self.watches.get(agent_id)
+        if watch is None:
+            return
+        for effect in watch.agent.step(event, now_ms):
+            if isinstance(effect, Push):
+                body = {
+                    "shard": watch.shard,
+                    "agent": agent_id,
+                    "core": self.core_name,
+                    "entries": [entry_to_wire(entry) for entry in effect.entries],
+                    "committed": list(effect.committed_key),
+                    "hears_sequencer": effect.hears_sequencer,
+                }
+                self.outbox.append((watch.endpoint, Message("push", agent_id[:64], body)))
+            elif isinstance(effect, AgentStopped):
+                self.watches.pop(agent_id, None)
+
+    def drain(self) -> list[tuple[str, Message]]:
+        outbox, self.outbox = self.outbox, []
+        return outbox
+
+    def agents_of(self, shard: str | None = None) -> int:
+        return sum(1 for w in self.watches.values() if shard is None or w.shard == shard)
+
+    def status(self) -> list[dict[str, Any]]:
+        result = []
+        for agent_id, watch in sorted(self.watches.items()):
+            status = watch.agent.status()
+            result.append(
+                {
+                    "agent": agent_id,
+                    "replicant": watch.replicant,
+                    "shard": watch.shard,
+                    "mode": status.mode.value,
+                    "sent": list(status.sent_key),
+                    "acked": list(status.acked_key),
+                    "lag_entries": status.lag,
+                }
+            )
+        return result

@@ -1,0 +1,590 @@
+"""The replicant node driver: zmq in front, apsw behind, one ``ShardReplica`` per shard in between.
+
+Theory of operation
+-------------------
+A replicant serves reads from its own SQLite copy and never originates a write: writes are
+forwarded to a core (which forwards them to the sequencer) and come back through the rlog like any
+other entry (invariant 7). One thread owns the sockets, the database and the state machines.
+
+The protocol decisions are the pure ``replicant.replica.ShardReplica``'s; this driver executes its
+effects. Requests to cores (journal probes, watch, list_tables, scan batches, forwarded writes) are
+asynchronous: a DEALER per core, a table of pending requests with deadlines, answers delivered to
+the machine as events. Pushes arrive on the node's ROUTER from the agent's DEALER and are answered
+with one-way ``push_ack`` frames.
+
+Effects that change the database run inside one open SQLite transaction per loop turn; frames are
+sent only after it commits, so an acknowledged applied key is always durable (invariant 4).
+
+Shards are discovered from the cores' journals: every shard a core reports gets a replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from replicant import protocol as p
+from replicant.replica import ReplicaConfig, ShardReplica
+from rlog import codec
+from rlog.codec import CodecError, Message
+from rlog.config import Config, ConfigError
+from rlog.schema import SchemaError, TableSchema, check_key, define_table
+from rlog.store import Store
+from rlog.types import GENESIS_DIGEST, OpDecodeError, TxKey, WriteOp, entry_from_wire, tx_key_from_wire
+
+log = logging.getLogger("mnesite.replicant")
+
+POLL_INTERVAL_MS_MAX = 50
+DISCOVERY_INTERVAL_MS = 1000
+REQUEST_TIMEOUT_MS = 3000
+FORWARD_TIMEOUT_MS = 10_000
+PENDING_REQUESTS_MAX = 10_000
+WAITING_READS_MAX = 10_000
+READ_WAIT_MS_MAX = 10_000
+CORE_QUEUE_MAX = 1000
+SOCKET_MESSAGE_FACTOR = 4
+
+
+def monotonic_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Pending:
+    """A request this replicant sent to a core, waiting for its answer."""
+
+    purpose: str  # probe | discover | watch | tables | batch | forward
+    core: str
+    deadline_ms: int
+    shard: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Probe:
+    """Journal answers being collected for one shard's ``ProbeJournals``."""
+
+    cores: tuple[str, ...]
+    answers: dict[str, p.JournalAge | None]
+    deadline_ms: int
+
+
+@dataclass
+class WaitingRead:
+    envelope: list[bytes]
+    message: Message
+    shard: str
+    min_key: TxKey
+    deadline_ms: int
+
+
+class ReplicantNode:
+    def __init__(
+        self,
+        config: Config,
+        clock_ms: Callable[[], int] = monotonic_ms,
+        rng: random.Random | None = None,
+        replica_config: ReplicaConfig | None = None,
+    ) -> None:
+        if config.role != "replicant":
+            raise ConfigError(f"[node].role is {config.role!r}, not replicant")
+        if "*" in config.listen:
+            raise ConfigError("[node].listen of a replicant must name its host: cores push to that address")
+        self.config = config
+        self.clock_ms = clock_ms
+        self.rng = rng or random.Random()
+        self.replica_config = replica_config or ReplicaConfig()
+        self.cores = tuple(sorted(config.core_nodes))
+        os.makedirs(config.data_dir, exist_ok=True)
+        self.store = Store(config.database_path, synchronous=config.synchronous)
+        self.replicas: dict[str, ShardReplica] = {}
+        self.context: zmq.Context | None = None
+        self.socket: zmq.Socket | None = None
+        self.core_sockets: dict[str, zmq.Socket] = {}
+        self.pending: dict[str, Pending] = {}
+        self.probes: dict[str, Probe] = {}
+        self.waiting_reads: list[WaitingRead] = []
+        self.stopping = threading.Event()
+        self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
+        self._in_transaction = False
+        self._next_discovery_ms = 0
+        self._discovery_turn = 0
+        for shard in self.store.shards():
+            self._open_replica(shard)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 10_000)
+        self.socket.setsockopt(zmq.SNDHWM, 10_000)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.frame_bytes_max * SOCKET_MESSAGE_FACTOR)
+        self.socket.bind(self.config.listen)
+        for core in self.cores:
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDHWM, CORE_QUEUE_MAX)
+            socket.setsockopt(zmq.RCVHWM, CORE_QUEUE_MAX)
+            socket.connect(self.config.core_nodes[core])
+            self.core_sockets[core] = socket
+
+    def install_signal_handlers(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self.stopping.set())
+
+    def serve_forever(self) -> None:
+        if self.socket is None:
+            self.bind()
+        log.info("replicant %s serving on %s, data in %s", self.config.name, self.config.listen, self.config.data_dir)
+        try:
+            while not self.stopping.is_set():
+                self.run_turn()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for socket in self.core_sockets.values():
+            socket.close(0)
+        self.core_sockets = {}
+        if self.socket is not None:
+            self.socket.close(0)
+            self.socket = None
+        if self.context is not None:
+            self.context.term()
+            self.context = None
+        self.store.close()
+
+    def _open_replica(self, shard: str) -> ShardReplica:
+        position = self.store.shard(shard)
+        if position is None:
+            self._begin()
+            position = self.store.ensure_shard(shard, 0)
+        replica = ShardReplica(
+            shard,
+            self.config.name,
+            self.cores,
+            position.applied,
+            position.digest,
+            self.replica_config,
+            random.Random(self.rng.random()),
+            self.clock_ms(),
+            bootstraps=int(self.store.meta(f"bootstraps:{shard}", 0)),
+            resumes=int(self.store.meta(f"resumes:{shard}", 0)),
+        )
+        self.replicas[shard] = replica
+        return replica
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run_turn(self) -> None:
+        if self.socket is None:
+            raise RuntimeError("socket not bound")
+        now = self.clock_ms()
+        for replica in list(self.replicas.values()):
+            if now >= replica.next_deadline_ms():
+                self._step(replica, p.Ticked())
+        self._discover(now)
+        self._expire(now)
+        self._flush()
+        deadlines = [r.next_deadline_ms() for r in self.replicas.values()]
+        deadlines += [pr.deadline_ms for pr in self.probes.values()]
+        timeout = POLL_INTERVAL_MS_MAX
+        if deadlines:
+            timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        for socket in self.core_sockets.values():
+            poller.register(socket, zmq.POLLIN)
+        ready = dict(poller.poll(timeout))
+        if self.socket in ready:
+            self._serve_waiting()
+        for core, socket in self.core_sockets.items():
+            if socket in ready:
+                self._receive_answers(core, socket)
+        self._answer_waiting_reads()
+        self._flush()
+
+    def _begin(self) -> None:
+        if not self._in_transaction:
+            self.store.connection.execute("BEGIN IMMEDIATE")
+            self._in_transaction = True
+
+    def _flush(self) -> None:
+        if self._in_transaction:
+            self.store.connection.execute("COMMIT")
+            self._in_transaction = False
+        outbox, self._outbox = self._outbox, []
+        for socket, envelope, message in outbox:
+            target = socket if socket is not None else self.socket
+            if target is None:
+                continue
+            try:
+                frame = codec.encode(message)
+            except CodecError as error:
+                frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
+            try:
+                target.send_multipart([*envelope, frame], zmq.NOBLOCK)
+            except zmq.Again:
+                log.debug("send queue full: a message was dropped")
+
+    def _reply(self, envelope: list[bytes], message: Message) -> None:
+        self._outbox.append((None, envelope, message))
+
+    def _request(self, core: str, kind: str, body: dict[str, Any], pending: Pending) -> None:
+        if len(self.pending) >= PENDING_REQUESTS_MAX:
+            log.warning("too many pending requests; %s to %s not sent", kind, core)
+            return
+        request_id = uuid.uuid4().hex
+        self.pending[request_id] = pending
+        self._outbox.append((self.core_sockets[core], [], Message(kind, request_id, body)))
+
+    # -- machine effects ---------------------------------------------------------------------
+
+    def _step(self, replica: ShardReplica, event: Any) -> None:
+        for effect in replica.step(event, self.clock_ms()):
+            self._execute(replica, effect)
+
+    def _execute(self, replica: ShardReplica, effect: Any) -> None:
+        shard = replica.shard
+        now = self.clock_ms()
+        if isinstance(effect, p.ProbeJournals):
+            self.probes[shard] = Probe(effect.cores, {}, now + self.replica_config.probe_timeout_ms)
+            for core in effect.cores:
+                self._request(core, "journal", {}, Pending("probe", core, now + REQUEST_TIMEOUT_MS, shard))
+        elif isinstance(effect, p.SendWatch):
+            body = {
+                "shard": shard,
+                "replicant": self.config.name,
+                "endpoint": self.config.listen,
+                "from": list(effect.from_key),
+                "from_digest": effect.from_digest,
+                "protocol": p.REPLICATION_PROTOCOL_VERSION,
+            }
+            self._request(effect.core, "watch", body, Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard))
+        elif isinstance(effect, p.ApplyEntries):
+            self._begin()
+            self.store.append_entries(effect.entries, int(time.time() * 1000))
+            for entry in effect.entries:
+                self.store.apply_entry(entry)
+        elif isinstance(effect, p.ResetShard):
+            self._begin()
+            self.store.reset_shard(shard)
+        elif isinstance(effect, p.FetchTables):
+            self._request(
+                effect.core, "list_tables", {}, Pending("tables", effect.core, now + REQUEST_TIMEOUT_MS, shard)
+            )
+        elif isinstance(effect, p.FetchBatch):
+            body: dict[str, Any] = {"table": effect.table, "limit": effect.limit}
+            if effect.after is not None:
+                body["after"] = effect.after
+            detail = {"table": effect.table, "after": effect.after, "limit": effect.limit}
+            self._request(
+                effect.core, "scan", body, Pending("batch", effect.core, now + REQUEST_TIMEOUT_MS, shard, detail)
+            )
+        elif isinstance(effect, p.ApplyBatch):
+            self._begin()
+            self.store.apply_ops(tuple(WriteOp(effect.table, row) for row in effect.rows))
+        elif isinstance(effect, p.SpillEntries):
+            self._begin()
+            self.store.spill(effect.entries)
+        elif isinstance(effect, p.ReplaySpill):
+            self._begin()
+            self.store.replay_spill(shard, effect.start_key, effect.start_digest, int(time.time() * 1000))
+        elif isinstance(effect, p.SendAck):
+            body = {"shard": shard, "agent": effect.agent_id, "applied": list(effect.applied_key)}
+            self._outbox.append((self.core_sockets[effect.core], [], Message("push_ack", "ack", body)))
+        elif isinstance(effect, p.SendReject):
+            body = {"shard": shard, "agent": effect.agent_id, "applied": list(replica.applied_key)}
+            body["rejected"] = effect.reason
+            self._outbox.append((self.core_sockets[effect.core], [], Message("push_ack", "ack", body)))
+        elif isinstance(effect, p.ModeChanged):
+            log.info("shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
+            status = replica.status()
+            self._begin()
+            self.store.set_meta(f"bootstraps:{shard}", status.bootstraps)
+            self.store.set_meta(f"resumes:{shard}", status.resumes)
+        else:
+            raise TypeError(f"unknown effect {effect!r}")
+
+    # -- answers from cores ------------------------------------------------------------------
+
+    def _receive_answers(self, core: str, socket: zmq.Socket) -> None:
+        for _ in range(self.config.limits.group_commit_max):
+            try:
+                frame = socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                answer = codec.decode(frame, self.config.limits.frame_bytes_max)
+            except CodecError:
+                continue
+            pending = self.pending.pop(answer.request_id, None)
+            if pending is None:
+                continue  # late answer to a request we gave up on
+            self._on_answer(pending, answer)
+
+    def _on_answer(self, pending: Pending, answer: Message) -> None:
+        error = answer.body if answer.kind == "error" else None
+        result = answer.body.get("result") if answer.kind == "reply" else None
+        if pending.purpose == "forward":
+            self._reply(pending.detail["envelope"], answer)
+            return
+        if pending.purpose == "discover":
+            if result is not None:
+                for shard in result.get("shards", {}):
+                    if shard not in self.replicas:
+                        self._open_replica(shard)
+            return
+        replica = self.replicas.get(pending.shard or "")
+        if replica is None:
+            return
+        if pending.purpose == "probe":
+            probe = self.probes.get(replica.shard)
+            if probe is None:
+                return
+            age = None
+            if result is not None and replica.shard in result.get("shards", {}):
+                info = result["shards"][replica.shard]
+                age = p.JournalAge(TxKey(*info["committed"]), bool(info["hears_sequencer"]), int(info["agents"]))
+            probe.answers[pending.core] = age
+            if set(probe.answers) >= set(probe.cores):
+                self._finish_probe(replica)
+        elif pending.purpose == "watch":
+            if error is not None:
+                self._step(replica, p.WatchRefused(pending.core, f"{error['code']}: {error['message']}"))
+                return
+            try:
+                start = tx_key_from_wire(result["start"])
+            except (OpDecodeError, KeyError, TypeError):
+                self._step(replica, p.RequestFailed(pending.core, "malformed watch answer"))
+                return
+            self._step(
+                replica, p.WatchAccepted(pending.core, result["agent"], result["mode"], start, result["start_digest"])
+            )
+        elif pending.purpose == "tables":
+            if error is not None or not isinstance(result, list):
+                self._step(replica, p.RequestFailed(pending.core, f"list_tables failed: {error}"))
+                return
+            tables = [t for t in result if t.get("shard") == replica.shard]
+            self._begin()
+            for table in tables:
+                schema = define_table(table["table"], table["key"], table["columns"], table["shard"])
+                if table["table"] not in self.store.catalog():
+                    self.store.apply_ops((schema.to_op(),))
+            self._step(
+                replica,
+                p.TablesReceived(pending.core, tuple(t["table"] for t in tables), tuple(t["key"] for t in tables)),
+            )
+        elif pending.purpose == "batch":
+            if error is not None or not isinstance(result, list):
+                self._step(replica, p.RequestFailed(pending.core, f"scan failed: {error}"))
+                return
+            detail = pending.detail
+            done = len(result) < detail["limit"]
+            self._step(replica, p.BatchReceived(pending.core, detail["table"], detail["after"], tuple(result), done))
+
+    def _finish_probe(self, replica: ShardReplica) -> None:
+        probe = self.probes.pop(replica.shard, None)
+        if probe is None:
+            return
+        ages = tuple((core, probe.answers.get(core)) for core in probe.cores)
+        self._step(replica, p.JournalsReceived(ages))
+
+    def _expire(self, now: int) -> None:
+        for request_id in [r for r, pending in self.pending.items() if pending.deadline_ms <= now]:
+            pending = self.pending.pop(request_id)
+            if pending.purpose == "forward":
+                self._reply(
+                    pending.detail["envelope"],
+                    codec.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
+                )
+            elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
+                self._step(self.replicas[pending.shard], p.RequestFailed(pending.core, f"{pending.purpose} timed out"))
+        for shard in [s for s, probe in self.probes.items() if probe.deadline_ms <= now]:
+            if shard in self.replicas:
+                self._finish_probe(self.replicas[shard])
+        for read in [r for r in self.waiting_reads if r.deadline_ms <= now]:
+            self.waiting_reads.remove(read)
+            self._reply(
+                read.envelope,
+                codec.error(read.message.request_id, "timeout", f"shard {read.shard} did not reach {read.min_key}"),
+            )
+
+    def _discover(self, now: int) -> None:
+        """Ask one core (round robin) which shards exist, so that new shards get a replica."""
+        if now < self._next_discovery_ms or not self.cores:
+            return
+        self._next_discovery_ms = now + DISCOVERY_INTERVAL_MS
+        core = self.cores[self._discovery_turn % len(self.cores)]
+        self._discovery_turn += 1
+        self._request(core, "journal", {}, Pending("discover", core, now + REQUEST_TIMEOUT_MS))
+
+    # -- requests from clients and agents ----------------------------------------------------
+
+    def _serve_waiting(self) -> None:
+        if self.socket is None:
+            return
+        for _ in range(self.config.limits.group_commit_max):
+            try:
+                parts = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(parts) < 2:
+                continue
+            envelope, frame = parts[:-1], parts[-1]
+            try:
+                message = codec.decode(frame, self.config.limits.frame_bytes_max)
+            except CodecError as error:
+                self._reply(envelope, codec.error("?", error.code, str(error)))
+                continue
+            try:
+                self._dispatch(envelope, message)
+            except RequestError as error:
+                self._reply(envelope, codec.error(message.request_id, error.code, str(error)))
+            except SchemaError as error:
+                self._reply(envelope, codec.error(message.request_id, error.code, str(error)))
+
+    def _dispatch(self, envelope: list[bytes], message: Message) -> None:
+        body = message.body
+        if message.kind == "push":
+            self._on_push(body)
+        elif message.kind in ("transact", "create_table"):
+            self._forward(envelope, message)
+        elif message.kind == "status":
+            self._reply(envelope, codec.reply(message.request_id, self.status()))
+        elif message.kind == "list_tables":
+            self._reply(envelope, codec.reply(message.request_id, [t.to_json() for t in self.store.catalog().values()]))
+        elif message.kind in ("get", "scan"):
+            self._read(envelope, message)
+        elif message.kind in ("journal", "watch", "force_start", "peer", "rlog_tail", "rlog_entries"):
+            raise RequestError("not_a_core", f"{self.config.name} is a replicant; send {message.kind} to a core")
+        else:
+            raise RequestError("bad_request", f"{message.kind} is not a request")
+
+    def _on_push(self, body: dict[str, Any]) -> None:
+        replica = self.replicas.get(body["shard"])
+        if replica is None:
+            return
+        try:
+            entries = tuple(entry_from_wire(value) for value in body["entries"])
+            committed = tx_key_from_wire(body["committed"])
+        except OpDecodeError as error:
+            log.warning("malformed push from %s: %s", body.get("core"), error)
+            return
+        if body["core"] not in self.core_sockets:
+            log.warning("push from unknown core %r ignored", body["core"])
+            return
+        self._step(replica, p.PushReceived(body["core"], body["agent"], entries, committed, body["hears_sequencer"]))
+
+    def _forward(self, envelope: list[bytes], message: Message) -> None:
+        """Writes never originate here: send them to a core, which orders them through the sequencer."""
+        upstreams = [r.status().upstream for r in self.replicas.values() if r.status().upstream]
+        core = upstreams[0] if upstreams else self.cores[self.rng.randrange(len(self.cores))]
+        now = self.clock_ms()
+        self.pending[message.request_id] = Pending(
+            "forward", core, now + FORWARD_TIMEOUT_MS, detail={"envelope": envelope}
+        )
+        self._outbox.append((self.core_sockets[core], [], message))
+
+    def _table(self, name: Any) -> TableSchema:
+        table = self.store.catalog().get(name) if isinstance(name, str) else None
+        if table is None:
+            raise RequestError("unknown_table", f"unknown table {name!r}")
+        return table
+
+    def _read(self, envelope: list[bytes], message: Message) -> None:
+        body = message.body
+        table = self._table(body["table"])
+        replica = self.replicas.get(table.shard)
+        if replica is None or replica.mode is not p.Mode.NORMAL:
+            status = replica.status() if replica else None
+            detail = (
+                f"mode {status.mode.value}, rows copied {status.rows_copied}, entries buffered {status.entries_spilled}"
+                if status
+                else "shard unknown"
+            )
+            raise RequestError(
+                "not_ready", f"replicant {self.config.name} cannot serve shard {table.shard} yet ({detail})"
+            )
+        min_key = body.get("min_key")
+        if min_key is not None:
+            try:
+                min_key = tx_key_from_wire(min_key)
+            except OpDecodeError as error:
+                raise RequestError("bad_request", str(error)) from None
+            if replica.applied_key < min_key:
+                if len(self.waiting_reads) >= WAITING_READS_MAX:
+                    raise RequestError("overloaded", "too many reads waiting for replication")
+                wait_ms = min(READ_WAIT_MS_MAX, int(body.get("wait_ms", READ_WAIT_MS_MAX)))
+                self.waiting_reads.append(
+                    WaitingRead(envelope, message, table.shard, min_key, self.clock_ms() + wait_ms)
+                )
+                return
+        self._reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
+
+    def _read_now(self, table: TableSchema, message: Message) -> Any:
+        body = message.body
+        if message.kind == "scan":
+            limit = body.get("limit", self.config.limits.scan_rows_max)
+            if not 0 < limit <= self.config.limits.scan_rows_max:
+                raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
+            after = body.get("after")
+            return self.store.scan(table, check_key(table, after) if after is not None else None, limit)
+        return self.store.read_row(table, check_key(table, body["key"]))
+
+    def _answer_waiting_reads(self) -> None:
+        for read in list(self.waiting_reads):
+            replica = self.replicas.get(read.shard)
+            if replica is not None and replica.applied_key >= read.min_key:
+                self.waiting_reads.remove(read)
+                try:
+                    result = self._read_now(self._table(read.message.body["table"]), read.message)
+                except (RequestError, SchemaError) as error:
+                    self._reply(read.envelope, codec.error(read.message.request_id, error.code, str(error)))
+                    continue
+                self._reply(read.envelope, codec.reply(read.message.request_id, result))
+
+    def status(self) -> dict[str, Any]:
+        shards = {}
+        for shard, replica in sorted(self.replicas.items()):
+            status = replica.status()
+            shards[shard] = {
+                "mode": status.mode.value,
+                "upstream": status.upstream,
+                "agent": status.agent_id,
+                "applied": list(status.applied_key),
+                "digest": status.applied_digest.hex() if status.applied_digest else GENESIS_DIGEST.hex(),
+                "committed": list(status.committed_key) if status.committed_key else None,
+                "lag_entries": status.lag_entries,
+                "bootstraps": status.bootstraps,
+                "resumes": status.resumes,
+                "rows_copied": status.rows_copied,
+                "entries_buffered": status.entries_spilled,
+                "last_error": status.last_error,
+            }
+        return {
+            "node": self.config.name,
+            "role": "replicant",
+            "listen": self.config.listen,
+            "data_dir": self.config.data_dir,
+            "core_nodes": self.config.core_nodes,
+            "shards": shards,
+        }

@@ -1,0 +1,258 @@
+"""Events and effects of the replication protocol between a core's agents and a replicant's replicas.
+
+This module is the contract between the pure state machines (``replicant.replica.ShardReplica``
+on the replicant, ``core.agent.Agent`` on the core) and their drivers. It holds data only.
+
+The flow, per shard (Mria's RLOG server / agent / replica / bootstrapper, with catch-up from the
+persisted rlog that Mria never had):
+
+1. The replica probes every core's journal age (``ProbeJournals`` -> ``JournalsReceived``) and picks
+   an upstream whose committed key is at least its own applied key and that hears the sequencer,
+   spreading over cores by agent count with randomness (``replicant.upstream``).
+2. It sends ``watch(shard, from_key, from_digest)`` (``SendWatch``). The core's RLOG server answers:
+   * ``resume``: it retains ``from_key`` with that digest; an agent pushes entries after it;
+   * ``bootstrap``: it does not; an agent pushes entries after ``start_key`` (K0, the core's
+     committed key when the watch arrived) while the replica copies the tables in key-ordered
+     dirty-read batches (``FetchBatch``), spilling the pushed entries to disk (``SpillEntries``);
+     once the copy is done it sets its position to K0 and replays the spill (``ReplaySpill``);
+   * a refusal (incompatible protocol version, unknown shard).
+3. Pushes carry the agent id; the replica applies only pushes of the agent it watches and only the
+   entry that follows its applied key. It acknowledges with its applied (or spilled) key; the agent
+   keeps at most ``window_entries_max`` entries unacknowledged.
+4. Idle agents send heartbeats with the core's committed key and whether the core hears the
+   sequencer. No push or heartbeat within ``failure_timeout_ms``, or a core that no longer hears the
+   sequencer, makes the replica fail over: back to step 1, resuming from its applied key.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from rlog.types import Entry, TxKey
+
+REPLICATION_PROTOCOL_VERSION = 1
+
+# The applied digest a replica's driver persists after ``ResetShard``: no core holds an entry with
+# this digest, so a watch from it is always answered ``bootstrap``, even after a crash mid-copy.
+UNKNOWN_DIGEST = b""
+
+
+class Mode(enum.Enum):
+    DISCONNECTED = "disconnected"
+    BOOTSTRAP = "bootstrap"
+    LOCAL_REPLAY = "local_replay"
+    NORMAL = "normal"
+
+
+class AgentMode(enum.Enum):
+    CATCHUP = "catchup"
+    SWITCHOVER = "switchover"
+    NORMAL = "normal"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class JournalAge:
+    """What a core told a replica about one shard."""
+
+    committed_key: TxKey
+    hears_sequencer: bool
+    agents: int
+
+
+# ---------------------------------------------------------------- replica events
+
+
+@dataclass(frozen=True)
+class Ticked:
+    pass
+
+
+@dataclass(frozen=True)
+class JournalsReceived:
+    """Answers to ``ProbeJournals``; ``None`` for a core that did not answer in time."""
+
+    ages: tuple[tuple[str, JournalAge | None], ...]
+
+
+@dataclass(frozen=True)
+class WatchAccepted:
+    core: str
+    agent_id: str
+    mode: str  # "resume" | "bootstrap"
+    start_key: TxKey  # resume: the replica's from_key; bootstrap: K0
+    start_digest: bytes
+
+
+@dataclass(frozen=True)
+class WatchRefused:
+    core: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PushReceived:
+    core: str
+    agent_id: str
+    entries: tuple[Entry, ...]
+    committed_key: TxKey
+    hears_sequencer: bool
+
+
+@dataclass(frozen=True)
+class BatchReceived:
+    """Rows of ``table`` in key order strictly after ``after``; ``done`` when the table is exhausted."""
+
+    core: str
+    table: str
+    after: object
+    rows: tuple[dict, ...]
+    done: bool
+
+
+@dataclass(frozen=True)
+class TablesReceived:
+    """The shard's tables on the upstream (names in key order of copy); answer to ``FetchTables``.
+
+    ``keys[i]`` is the key column of ``tables[i]``: the replica resumes the copy of a table after
+    the key of the last row it received.
+    """
+
+    core: str
+    tables: tuple[str, ...]
+    keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """A request to ``core`` (watch, fetch) got no answer or an error."""
+
+    core: str
+    reason: str
+
+
+# ---------------------------------------------------------------- replica effects
+
+
+@dataclass(frozen=True)
+class ProbeJournals:
+    cores: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SendWatch:
+    core: str
+    from_key: TxKey
+    from_digest: bytes
+
+
+@dataclass(frozen=True)
+class ApplyEntries:
+    """Apply in one SQLite transaction with the new applied key and digest (invariant 4)."""
+
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class ResetShard:
+    """Bootstrap starts: delete the shard's rows and spill; the position becomes unknown.
+
+    The driver keeps the applied key (a floor: the replica never watches a core behind it, even
+    after a restart) and persists ``UNKNOWN_DIGEST`` as the applied digest, in one transaction.
+    """
+
+
+@dataclass(frozen=True)
+class FetchTables:
+    core: str
+
+
+@dataclass(frozen=True)
+class FetchBatch:
+    core: str
+    table: str
+    after: object
+    limit: int
+
+
+@dataclass(frozen=True)
+class ApplyBatch:
+    """Write these dirty-read rows (full rows) of ``table``."""
+
+    table: str
+    rows: tuple[dict, ...]
+
+
+@dataclass(frozen=True)
+class SpillEntries:
+    """Persist pushed entries to the spill (bounded by ``spill_entries_max``)."""
+
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class ReplaySpill:
+    """Set the position to ``start_key``/``start_digest`` (K0), then apply the spilled entries in order."""
+
+    start_key: TxKey
+    start_digest: bytes
+
+
+@dataclass(frozen=True)
+class SendAck:
+    core: str
+    agent_id: str
+    applied_key: TxKey
+
+
+@dataclass(frozen=True)
+class SendReject:
+    core: str
+    agent_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ModeChanged:
+    mode: Mode
+    upstream: str | None
+    reason: str
+
+
+# ---------------------------------------------------------------- agent events (core side)
+
+
+@dataclass(frozen=True)
+class CommittedAdvanced:
+    """The core's committed key of the agent's shard, and whether it hears the sequencer."""
+
+    committed_key: TxKey
+    hears_sequencer: bool
+
+
+@dataclass(frozen=True)
+class AckReceived:
+    applied_key: TxKey
+
+
+@dataclass(frozen=True)
+class RejectReceived:
+    reason: str
+
+
+# ---------------------------------------------------------------- agent effects
+
+
+@dataclass(frozen=True)
+class Push:
+    """Send committed ``entries`` (empty: a heartbeat) to the replicant."""
+
+    entries: tuple[Entry, ...]
+    committed_key: TxKey
+    hears_sequencer: bool
+
+
+@dataclass(frozen=True)
+class AgentStopped:
+    reason: str
