@@ -428,6 +428,8 @@ class CoreNode:
             self._reply(envelope, codec.reply(message.request_id, self.force_start()))
         elif message.kind in WRITE_KINDS:
             self._write(envelope, message)
+        elif message.kind == "read_index" or message.body.get("consistency") == "linearizable":
+            self._linearizable(envelope, message)
         elif message.kind in READ_KINDS:
             self._reply(envelope, codec.reply(message.request_id, self._read(message)))
         else:
@@ -559,6 +561,38 @@ class CoreNode:
             socket.connect(endpoint)
             self.replicant_sockets[endpoint] = socket
         return socket
+
+    def _linearizable(self, envelope: list[bytes], message: Message) -> None:
+        """Answer at the sequencer while it holds a quorum lease; elsewhere forward to the sequencer.
+
+        The lease: a majority answered this sequencer within half an election timeout, and none of
+        them will vote for a new sequencer before an election timeout has passed since it last heard
+        this one, so no newer committed key can exist yet (assumes clocks that run at similar rates).
+        """
+        shard = message.body["shard"] if message.kind == "read_index" else self._table(message.body["table"]).shard
+        driver = self.shards.get(shard)
+        if driver is None:
+            raise RequestError("unknown_shard", f"unknown shard {shard!r}")
+        if driver.consensus.role is not Role.SEQUENCER:
+            self._forward(envelope, message, driver)
+            return
+        if not self._holds_quorum_lease(driver):
+            raise RequestError("no_sequencer", f"{self.config.name} cannot confirm a majority for shard {shard} now")
+        if message.kind == "read_index":
+            result: Any = {"committed": list(driver.consensus.committed_key)}
+        else:
+            result = self._read(message)
+        self._reply(envelope, codec.reply(message.request_id, result))
+
+    def _holds_quorum_lease(self, driver: ShardDriver) -> bool:
+        now = self.clock_ms()
+        lease_ms = self.consensus_config.election_timeout_ms_min // 2
+        heard = 1 + sum(
+            1
+            for member in driver.consensus.members
+            if member != self.config.name and now - self.last_heard_ms.get(member, -(10**12)) <= lease_ms
+        )
+        return heard >= len(driver.consensus.members) // 2 + 1
 
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
         return driver.consensus.sequencer is not None

@@ -347,6 +347,20 @@ class ReplicantNode:
         if pending.purpose == "forward":
             self._reply(pending.detail["envelope"], answer)
             return
+        if pending.purpose == "read_index":
+            envelope, message = pending.detail["envelope"], pending.detail["message"]
+            if error is not None or not isinstance(result, dict):
+                self._reply(
+                    envelope,
+                    codec.error(
+                        message.request_id,
+                        error["code"] if error else "bad_answer",
+                        error["message"] if error else "malformed read_index answer",
+                    ),
+                )
+                return
+            self._wait_for(envelope, message, pending.detail["shard"], TxKey(*result["committed"]))
+            return
         if pending.purpose == "discover":
             if result is not None:
                 for shard in result.get("shards", {}):
@@ -411,7 +425,7 @@ class ReplicantNode:
     def _expire(self, now: int) -> None:
         for request_id in [r for r, pending in self.pending.items() if pending.deadline_ms <= now]:
             pending = self.pending.pop(request_id)
-            if pending.purpose == "forward":
+            if pending.purpose in ("forward", "read_index"):
                 self._reply(
                     pending.detail["envelope"],
                     codec.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
@@ -524,21 +538,30 @@ class ReplicantNode:
             raise RequestError(
                 "not_ready", f"replicant {self.config.name} cannot serve shard {table.shard} yet ({detail})"
             )
+        if body.get("consistency") == "linearizable":
+            # Learn the committed key from the sequencer (quorum-confirmed), then wait for it here.
+            core = replica.status().upstream or self.cores[self.rng.randrange(len(self.cores))]
+            detail = {"envelope": envelope, "message": message, "shard": table.shard}
+            pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, table.shard, detail)
+            self._request(core, "read_index", {"shard": table.shard}, pending)
+            return
         min_key = body.get("min_key")
         if min_key is not None:
             try:
                 min_key = tx_key_from_wire(min_key)
             except OpDecodeError as error:
                 raise RequestError("bad_request", str(error)) from None
-            if replica.applied_key < min_key:
-                if len(self.waiting_reads) >= WAITING_READS_MAX:
-                    raise RequestError("overloaded", "too many reads waiting for replication")
-                wait_ms = min(READ_WAIT_MS_MAX, int(body.get("wait_ms", READ_WAIT_MS_MAX)))
-                self.waiting_reads.append(
-                    WaitingRead(envelope, message, table.shard, min_key, self.clock_ms() + wait_ms)
-                )
-                return
+            self._wait_for(envelope, message, table.shard, min_key)
+            return
         self._reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
+
+    def _wait_for(self, envelope: list[bytes], message: Message, shard: str, min_key: TxKey) -> None:
+        """Answer the read once ``shard`` has applied ``min_key`` (bounded wait and count)."""
+        if len(self.waiting_reads) >= WAITING_READS_MAX:
+            self._reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
+            return
+        wait_ms = min(READ_WAIT_MS_MAX, int(message.body.get("wait_ms", READ_WAIT_MS_MAX)))
+        self.waiting_reads.append(WaitingRead(envelope, message, shard, min_key, self.clock_ms() + wait_ms))
 
     def _read_now(self, table: TableSchema, message: Message) -> Any:
         body = message.body

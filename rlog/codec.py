@@ -49,6 +49,7 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "get": {
         "table": ((str,), True),
         "key": ((_ANY,), True),
+        "forwarded": ((bool,), False),
         "consistency": ((str,), False),
         "min_key": ((list,), False),
         "wait_ms": ((int,), False),
@@ -56,12 +57,15 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "scan": {
         "table": ((str,), True),
         "after": ((_ANY,), False),
+        "forwarded": ((bool,), False),
         "limit": ((int,), False),
         "consistency": ((str,), False),
         "min_key": ((list,), False),
         "wait_ms": ((int,), False),
     },
     "status": {},
+    # the committed key of a shard, confirmed by a sequencer that hears a majority (linearizable reads)
+    "read_index": {"shard": ((str,), True), "forwarded": ((bool,), False)},
     "journal": {},
     "force_start": {},
     # replicant -> core: start watching a shard (answered with the agent id and resume/bootstrap)
