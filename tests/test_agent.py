@@ -1,0 +1,245 @@
+"""core.agent.Agent, sentence by sentence of its theory of operation."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.agent import STOPPED_TRIMMED, Agent, AgentConfig, AgentConfigError
+from replicant.protocol import (
+    AckReceived,
+    AgentMode,
+    AgentStopped,
+    CommittedAdvanced,
+    Push,
+    RejectReceived,
+    Ticked,
+)
+from rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+from tests.sim import MemoryLog
+
+SHARD = "main"
+
+
+def build_log(count: int, generation: int = 1) -> MemoryLog:
+    log = MemoryLog()
+    prev, digest = ZERO_KEY, GENESIS_DIGEST
+    for counter in range(1, count + 1):
+        entry = make_entry(SHARD, TxKey(generation, counter), prev, digest, (WriteOp("t", {"k": counter}),))
+        log.append((entry,))
+        prev, digest = entry.tx_key, entry.digest
+    return log
+
+
+def agent(log: MemoryLog, start: TxKey = ZERO_KEY, now_ms: int = 0, **config) -> Agent:
+    return Agent("agent-1", SHARD, "rep0", start, log, AgentConfig(**config), now_ms)
+
+
+def pushes(effects) -> list[Push]:
+    return [effect for effect in effects if isinstance(effect, Push)]
+
+
+def pushed_keys(effects) -> list[TxKey]:
+    return [entry.tx_key for push in pushes(effects) for entry in push.entries]
+
+
+@pytest.mark.timeout(10)
+def test_only_committed_entries_are_pushed_even_if_the_log_holds_an_uncommitted_tail():
+    log = build_log(10)
+    machine = agent(log)
+    effects = machine.step(CommittedAdvanced(TxKey(1, 6), True), 0)
+    assert pushed_keys(effects) == [TxKey(1, n) for n in range(1, 7)]
+    assert all(push.committed_key == TxKey(1, 6) and push.hears_sequencer for push in pushes(effects))
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 8), True), 1)) == [TxKey(1, 7), TxKey(1, 8)]
+
+
+@pytest.mark.timeout(10)
+def test_a_push_holds_at_most_push_entries_max_entries_and_they_follow_each_other():
+    machine = agent(build_log(20), push_entries_max=3)
+    effects = machine.step(CommittedAdvanced(TxKey(1, 20), True), 0)
+    assert [len(push.entries) for push in pushes(effects)] == [3, 3, 3, 3, 3, 3, 2]
+    entries = [entry for push in pushes(effects) for entry in push.entries]
+    assert entries[0].prev == ZERO_KEY
+    assert all(b.prev == a.tx_key for a, b in zip(entries, entries[1:], strict=False))
+
+
+@pytest.mark.timeout(10)
+def test_never_more_than_window_entries_max_unacknowledged_and_an_ack_opens_the_window():
+    machine = agent(build_log(50), window_entries_max=8, push_entries_max=5)
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 50), True), 0)) == [TxKey(1, n) for n in range(1, 9)]
+    assert machine.status().unacknowledged_entries == 8
+    assert pushed_keys(machine.step(Ticked(), 10)) == []
+    effects = machine.step(AckReceived(TxKey(1, 3)), 20)
+    assert pushed_keys(effects) == [TxKey(1, n) for n in range(9, 12)]
+    assert machine.status().unacknowledged_entries == 8
+    assert machine.status().acked_key == TxKey(1, 3)
+
+
+@pytest.mark.timeout(10)
+def test_an_idle_agent_heartbeats_every_heartbeat_interval_ms():
+    machine = agent(build_log(2), heartbeat_interval_ms=100)
+    machine.step(CommittedAdvanced(TxKey(1, 2), True), 0)
+    machine.step(AckReceived(TxKey(1, 2)), 5)
+    assert machine.step(Ticked(), 99) == []
+    assert machine.next_deadline_ms() == 100
+    assert machine.step(Ticked(), 100) == [Push((), TxKey(1, 2), True)]
+    assert machine.step(Ticked(), 150) == []
+    assert machine.step(Ticked(), 200) == [Push((), TxKey(1, 2), True)]
+
+
+@pytest.mark.timeout(10)
+def test_the_first_tick_sends_a_heartbeat_so_that_the_replica_hears_the_new_agent_at_once():
+    machine = agent(build_log(0), start=ZERO_KEY)
+    assert machine.step(Ticked(), 0) == [Push((), ZERO_KEY, False)]
+
+
+@pytest.mark.timeout(10)
+def test_a_change_of_hears_sequencer_is_sent_at_once():
+    machine = agent(build_log(3))
+    machine.step(CommittedAdvanced(TxKey(1, 3), True), 0)
+    machine.step(AckReceived(TxKey(1, 3)), 1)
+    assert machine.step(CommittedAdvanced(TxKey(1, 3), False), 2) == [Push((), TxKey(1, 3), False)]
+    assert machine.step(CommittedAdvanced(TxKey(1, 3), False), 3) == []
+
+
+@pytest.mark.timeout(10)
+def test_a_lower_committed_key_is_ignored():
+    machine = agent(build_log(5))
+    machine.step(CommittedAdvanced(TxKey(1, 5), True), 0)
+    machine.step(CommittedAdvanced(TxKey(1, 2), True), 1)
+    assert machine.status().committed_key == TxKey(1, 5)
+
+
+@pytest.mark.timeout(10)
+def test_a_position_trimmed_from_the_log_stops_the_agent_for_a_bootstrap():
+    log = build_log(10)
+    log.trim_to(TxKey(1, 4))
+    machine = agent(log, start=TxKey(1, 2))
+    effects = machine.step(CommittedAdvanced(TxKey(1, 10), True), 0)
+    assert effects == [AgentStopped(STOPPED_TRIMMED)]
+    assert machine.stopped and machine.status().mode is AgentMode.STOPPED
+    assert machine.step(Ticked(), 1000) == []
+
+
+@pytest.mark.timeout(10)
+def test_a_position_at_the_trimmed_key_is_still_served():
+    log = build_log(10)
+    log.trim_to(TxKey(1, 4))
+    machine = agent(log, start=TxKey(1, 4))
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 6), True), 0)) == [TxKey(1, 5), TxKey(1, 6)]
+
+
+@pytest.mark.timeout(10)
+def test_a_resend_below_the_trimmed_key_stops_the_agent():
+    log = build_log(10)
+    machine = agent(log, heartbeat_interval_ms=100)
+    machine.step(CommittedAdvanced(TxKey(1, 10), True), 0)
+    machine.step(AckReceived(TxKey(1, 2)), 1)
+    log.trim_to(TxKey(1, 5))
+    # The replica says it is still at (1, 2): the entries it lacks are gone.
+    assert machine.step(AckReceived(TxKey(1, 2)), 200) == [AgentStopped(STOPPED_TRIMMED)]
+
+
+@pytest.mark.timeout(10)
+def test_a_rejected_agent_stops_and_pushes_nothing_more():
+    machine = agent(build_log(5))
+    effects = machine.step(RejectReceived("not the watched agent"), 0)
+    assert effects == [AgentStopped("rejected by the replicant: not the watched agent")]
+    assert machine.step(CommittedAdvanced(TxKey(1, 5), True), 1) == []
+    assert machine.step(Ticked(), 10_000) == []
+
+
+@pytest.mark.timeout(10)
+def test_an_ack_beyond_anything_pushed_stops_the_agent():
+    machine = agent(build_log(5))
+    machine.step(CommittedAdvanced(TxKey(1, 2), True), 0)
+    effects = machine.step(AckReceived(TxKey(1, 4)), 1)
+    assert len(effects) == 1 and isinstance(effects[0], AgentStopped)
+    assert "beyond the last pushed key" in effects[0].reason
+
+
+@pytest.mark.timeout(10)
+def test_an_ack_that_does_not_advance_resends_from_the_acknowledged_key_at_most_once_per_interval():
+    machine = agent(build_log(6), heartbeat_interval_ms=100)
+    machine.step(CommittedAdvanced(TxKey(1, 6), True), 0)
+    machine.step(AckReceived(TxKey(1, 2)), 10)
+    assert pushed_keys(machine.step(AckReceived(TxKey(1, 2)), 20)) == [TxKey(1, n) for n in range(3, 7)]
+    assert pushed_keys(machine.step(AckReceived(TxKey(1, 2)), 30)) == []
+    assert pushed_keys(machine.step(AckReceived(TxKey(1, 2)), 120)) == [TxKey(1, n) for n in range(3, 7)]
+    # A late ack of a push sent before the resend is accepted.
+    machine.step(AckReceived(TxKey(1, 6)), 130)
+    assert machine.status().acked_key == TxKey(1, 6) and machine.status().unacknowledged_entries == 0
+
+
+@pytest.mark.timeout(10)
+def test_no_ack_for_ack_timeout_ms_stops_the_agent():
+    machine = agent(build_log(5), window_entries_max=2, ack_timeout_ms=1000, heartbeat_interval_ms=100)
+    machine.step(CommittedAdvanced(TxKey(1, 5), True), 0)
+    machine.step(AckReceived(TxKey(1, 1)), 500)
+    assert not any(isinstance(e, AgentStopped) for e in machine.step(Ticked(), 1499))
+    effects = machine.step(Ticked(), 1500)
+    assert len(effects) == 1 and isinstance(effects[0], AgentStopped)
+    assert "acknowledged nothing for 1000 ms" in effects[0].reason and "2 entries" in effects[0].reason
+
+
+@pytest.mark.timeout(10)
+def test_modes_go_catchup_then_switchover_then_normal_without_gap_or_duplicate():
+    machine = agent(build_log(40), window_entries_max=10, push_entries_max=10, switchover_entries=15)
+    assert machine.mode is AgentMode.CATCHUP
+    keys = pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 40), True), 0))
+    assert machine.mode is AgentMode.CATCHUP  # 30 entries ahead
+    keys += pushed_keys(machine.step(AckReceived(TxKey(1, 10)), 1))
+    assert machine.mode is AgentMode.CATCHUP  # 20 ahead
+    keys += pushed_keys(machine.step(AckReceived(TxKey(1, 20)), 2))
+    assert machine.mode is AgentMode.SWITCHOVER  # 10 ahead
+    keys += pushed_keys(machine.step(AckReceived(TxKey(1, 30)), 3))
+    assert machine.mode is AgentMode.NORMAL
+    assert keys == [TxKey(1, n) for n in range(1, 41)]
+    # Modes only move forward: new commits do not send it back to catch-up.
+    machine.step(CommittedAdvanced(TxKey(1, 40), True), 4)
+    assert machine.mode is AgentMode.NORMAL
+
+
+@pytest.mark.timeout(10)
+def test_switchover_across_generations_counts_the_entries_in_the_log():
+    log = build_log(3)
+    prev = log.entries[-1]
+    for counter in range(1, 4):
+        entry = make_entry(SHARD, TxKey(2, counter), prev.tx_key, prev.digest, ())
+        log.append((entry,))
+        prev = entry
+    machine = agent(log, window_entries_max=2, push_entries_max=2, switchover_entries=3)
+    machine.step(CommittedAdvanced(TxKey(2, 3), True), 0)
+    assert machine.status().sent_key == TxKey(1, 2) and machine.mode is AgentMode.CATCHUP  # 4 ahead
+    machine.step(AckReceived(TxKey(1, 1)), 1)
+    assert machine.status().sent_key == TxKey(1, 3) and machine.mode is AgentMode.SWITCHOVER  # 3 ahead
+    assert machine.status().lag_entries is None
+
+
+@pytest.mark.timeout(10)
+def test_a_log_that_does_not_continue_at_the_position_stops_the_agent():
+    machine = agent(build_log(3), start=TxKey(1, 3))
+    effects = machine.step(CommittedAdvanced(TxKey(1, 5), True), 0)
+    assert len(effects) == 1 and isinstance(effects[0], AgentStopped)
+    assert "does not continue after (1, 3)" in effects[0].reason
+
+
+@pytest.mark.timeout(10)
+def test_status_reports_the_lag_and_time_never_goes_backwards():
+    machine = agent(build_log(10))
+    machine.step(CommittedAdvanced(TxKey(1, 10), True), 5)
+    machine.step(AckReceived(TxKey(1, 4)), 6)
+    status = machine.status()
+    assert (status.sent_key, status.acked_key, status.lag_entries) == (TxKey(1, 10), TxKey(1, 4), 6)
+    assert (status.agent_id, status.replicant, status.shard) == ("agent-1", "rep0", SHARD)
+    with pytest.raises(ValueError, match="time went backwards"):
+        machine.step(Ticked(), 5)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "bad",
+    [{"window_entries_max": 0}, {"push_entries_max": -1}, {"heartbeat_interval_ms": True}, {"ack_timeout_ms": 100}],
+)
+def test_invalid_config_is_refused(bad):
+    with pytest.raises(AgentConfigError):
+        AgentConfig(**{"heartbeat_interval_ms": 500, **bad})
