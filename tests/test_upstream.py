@@ -12,9 +12,10 @@ from replicant.upstream import choose_upstream, near_tie_agents
 from rlog.types import TxKey
 
 APPLIED = TxKey(2, 10)
+AHEAD = TxKey(2, 20)
 
 
-def age(committed: TxKey = TxKey(2, 20), hears: bool = True, agents: int = 0) -> JournalAge:
+def age(committed: TxKey = AHEAD, hears: bool = True, agents: int = 0) -> JournalAge:
     return JournalAge(committed_key=committed, hears_sequencer=hears, agents=agents)
 
 

@@ -1,0 +1,672 @@
+"""The replicant side of one shard's replication: find an upstream core, bootstrap or resume, apply pushes.
+
+Theory of operation
+-------------------
+A replicant node runs one ``ShardReplica`` per shard. It is a pure state machine: the driver feeds
+it events through ``step(event, now_ms)`` and executes the effects it returns, in order. Its modes
+(``replicant.protocol.Mode``) are Mria's:
+
+* DISCONNECTED. Every ``retry_interval_ms`` (plus random jitter) it probes every core's journal age
+  (``ProbeJournals``), chooses an upstream with ``replicant.upstream.choose_upstream`` (never a core
+  whose committed key is behind the applied key: no time travel, invariant 5; preferably one that
+  hears the sequencer; spread by agent count) and sends ``watch(applied key, applied digest)``.
+  The data it holds is a consistent prefix of the shard's history, so it may serve stale reads.
+* NORMAL, after a ``resume`` answer (the core retains the applied key with that digest). Each push
+  of the watched agent is applied only where it continues the applied key: entries at or below it
+  are duplicates and skipped (the one at the applied key must have the applied digest), the first
+  new entry must have ``prev == applied key`` and every new entry must extend the digest chain;
+  then ``ApplyEntries`` and ``SendAck`` with the new applied key. A gap is never skipped: the agent
+  is rejected and the replica goes DISCONNECTED to resynchronise by a new watch. A digest that
+  does not chain means divergent history: nothing is applied, DISCONNECTED with that reason (the
+  next watch from the same key and digest is answered ``bootstrap``).
+* BOOTSTRAP, after a ``bootstrap`` answer with K0 (the core's committed key). The shard is reset
+  (``ResetShard``: the applied key stays as a floor, the digest becomes ``UNKNOWN_DIGEST``), then
+  the tables are copied in key-ordered batches of ``batch_rows_max`` rows (``FetchTables``, then
+  ``FetchBatch``/``ApplyBatch`` table after table). The agent pushes entries after K0 meanwhile; they
+  are checked exactly like normal pushes (from K0, then from the last spilled key), spilled
+  (``SpillEntries``) and acknowledged with the spilled key. Once ``spill_entries_max`` entries are
+  spilled it stops acknowledging, so the agent's window fills and it stops pushing (backpressure);
+  ``last_error`` says so.
+* LOCAL_REPLAY, when every table is copied: ``ReplaySpill`` sets the position to K0 and applies the
+  spilled entries. Because entries carry results (full rows, deleted keys), this heals whatever the
+  dirty reads saw. The applied key becomes the last spilled key, then the replica is NORMAL. If
+  pushes were dropped because the spill was full, it resynchronises at once (DISCONNECTED, then a
+  watch that resumes from the applied key).
+* Fencing (invariant 6). A push from anything but the watched agent of the upstream is answered
+  ``SendReject(..., "not the watched agent")`` and never applied. (While a watch is outstanding,
+  pushes from the core it went to are dropped without an answer: they may come from the agent
+  being created, whose ``WatchAccepted`` is still on its way.)
+* Failure detector. No push or heartbeat from the watched agent for ``failure_timeout_ms``, or an
+  upstream that has not heard the sequencer for ``failure_timeout_ms``, or a request (watch, tables,
+  batch) unanswered for ``failure_timeout_ms`` (a probe: ``probe_timeout_ms`` more), makes the
+  replica DISCONNECTED; it fails over to another core when one qualifies, resuming from its applied
+  key. ``RequestFailed`` from the upstream and ``WatchRefused`` do the same. After
+  ``bootstrap_attempts_max`` consecutive failed bootstraps it says so in ``last_error`` and
+  retries only every ``failure_timeout_ms``.
+
+Driver contract
+---------------
+1. Build the replica from what is persisted: the applied key and digest (``UNKNOWN_DIGEST`` after a
+   ``ResetShard``) and the ``bootstraps``/``resumes`` counters. Deliver ``Ticked`` at least every
+   ``retry_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters); ``now_ms``
+   never decreases.
+2. Execute the effects in list order. ``ApplyEntries`` applies the entries and records the new
+   applied key and digest in one SQLite transaction (invariant 4). ``ResetShard`` deletes the
+   shard's rows and spill and persists ``UNKNOWN_DIGEST`` (keeping the applied key). ``ApplyBatch``
+   writes full rows; ``SpillEntries`` appends to the persisted spill; ``ReplaySpill`` sets the
+   position to K0, applies the spill in order (position and data in the same transactions) and
+   empties it. All of these are durable before the next effect runs: a ``SendAck`` comes after what
+   it acknowledges.
+3. ``ProbeJournals``: ask every listed core for its journal age of the shard and step one
+   ``JournalsReceived`` after at most ``probe_timeout_ms`` (``None`` for a core that did not answer).
+   ``SendWatch``/``FetchTables``/``FetchBatch``: step the answer (``WatchAccepted``, ``WatchRefused``,
+   ``TablesReceived``, ``BatchReceived``) or ``RequestFailed``. Sends are fire-and-forget.
+4. ``ModeChanged`` is for logs, metrics and the read path: serve reads in NORMAL (and, knowing they
+   may be stale, in DISCONNECTED with a known digest), never in BOOTSTRAP or LOCAL_REPLAY.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass
+
+from replicant.protocol import (
+    UNKNOWN_DIGEST,
+    ApplyBatch,
+    ApplyEntries,
+    BatchReceived,
+    FetchBatch,
+    FetchTables,
+    JournalAge,
+    JournalsReceived,
+    Mode,
+    ModeChanged,
+    ProbeJournals,
+    PushReceived,
+    ReplaySpill,
+    RequestFailed,
+    ResetShard,
+    SendAck,
+    SendReject,
+    SendWatch,
+    SpillEntries,
+    TablesReceived,
+    Ticked,
+    WatchAccepted,
+    WatchRefused,
+)
+from replicant.upstream import choose_upstream
+from rlog.types import Entry, TxKey, entry_digest
+
+REJECT_NOT_WATCHED = "not the watched agent"
+REJECT_GAP = "gap"
+REJECT_DIGEST = "digest mismatch"
+REJECT_RESYNCHRONISE = "resynchronise"
+CORES_MAX = 64
+
+ReplicaEvent = (
+    Ticked
+    | JournalsReceived
+    | WatchAccepted
+    | WatchRefused
+    | PushReceived
+    | TablesReceived
+    | BatchReceived
+    | RequestFailed
+)
+ReplicaEffect = (
+    ProbeJournals
+    | SendWatch
+    | ApplyEntries
+    | ResetShard
+    | FetchTables
+    | FetchBatch
+    | ApplyBatch
+    | SpillEntries
+    | ReplaySpill
+    | SendAck
+    | SendReject
+    | ModeChanged
+)
+
+
+class ReplicaConfigError(ValueError):
+    """A configuration or construction argument is invalid."""
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    # No push or heartbeat from the upstream for this long (or an upstream that does not hear the
+    # sequencer for this long, or a request unanswered for this long) means it failed.
+    failure_timeout_ms: int = 3000
+    # How long the driver waits for journal answers after ``ProbeJournals`` (informational here).
+    probe_timeout_ms: int = 1000
+    # Wait after a failed attempt before probing again (plus up to half of it as random jitter).
+    retry_interval_ms: int = 200
+    # Rows asked for in one ``FetchBatch``.
+    batch_rows_max: int = 1000
+    # Entries spilled during one bootstrap before acknowledgements stop (backpressure).
+    spill_entries_max: int = 100_000
+    # Consecutive failed bootstraps after which retries slow down to one per failure_timeout_ms.
+    bootstrap_attempts_max: int = 3
+
+    def __post_init__(self) -> None:
+        for name in (
+            "failure_timeout_ms",
+            "probe_timeout_ms",
+            "retry_interval_ms",
+            "batch_rows_max",
+            "spill_entries_max",
+            "bootstrap_attempts_max",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ReplicaConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.probe_timeout_ms > self.failure_timeout_ms:
+            raise ReplicaConfigError("probe_timeout_ms must not exceed failure_timeout_ms")
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    shard: str
+    mode: Mode
+    upstream: str | None
+    agent_id: str | None
+    applied_key: TxKey
+    applied_digest: bytes
+    # The upstream's committed key, as last heard from it (None before any).
+    committed_key: TxKey | None
+    # committed_key.counter - applied_key.counter when both are of one generation, else None.
+    lag_entries: int | None
+    bootstraps: int
+    resumes: int
+    rows_copied: int
+    entries_spilled: int
+    last_error: str | None
+    hears_sequencer: bool = False
+    bootstrap_failures_in_a_row: int = 0
+
+
+class _Waiting(enum.Enum):
+    NOTHING = "nothing"
+    JOURNALS = "journals"
+    WATCH = "watch"
+    TABLES = "tables"
+    BATCH = "batch"
+
+
+class _Invalid(Exception):
+    """A push cannot be applied; ``reject`` is what the agent is told, ``reason`` what the status says."""
+
+    def __init__(self, reject: str, reason: str) -> None:
+        super().__init__(reason)
+        self.reject = reject
+        self.reason = reason
+
+
+class ShardReplica:
+    """Replication state of one shard on one replicant node."""
+
+    def __init__(
+        self,
+        shard: str,
+        name: str,
+        cores: tuple[str, ...],
+        applied_key: TxKey,
+        applied_digest: bytes,
+        config: ReplicaConfig,
+        rng: random.Random,
+        now_ms: int,
+        bootstraps: int = 0,
+        resumes: int = 0,
+    ) -> None:
+        if not shard or not name:
+            raise ReplicaConfigError("shard and name must not be empty")
+        cores = tuple(cores)
+        if not cores or len(set(cores)) != len(cores) or len(cores) > CORES_MAX:
+            raise ReplicaConfigError(f"cores must be 1 to {CORES_MAX} distinct names, got {cores!r}")
+        if not isinstance(applied_digest, bytes):
+            raise ReplicaConfigError("applied_digest must be bytes")
+        if bootstraps < 0 or resumes < 0:
+            raise ReplicaConfigError("counters must not be negative")
+        self.shard = shard
+        self.name = name
+        self.cores = cores
+        self.config = config
+        self._rng = rng
+        self._now_ms = now_ms
+        self._mode = Mode.DISCONNECTED
+        self._applied_key = applied_key
+        self._applied_digest = applied_digest
+        self._upstream: str | None = None
+        self._agent_id: str | None = None
+        self._committed_key: TxKey | None = None
+        self._hears_sequencer = False
+        self._not_hearing_since_ms: int | None = None
+        self._last_heard_ms = now_ms
+        self._waiting = _Waiting.NOTHING
+        self._request_core: str | None = None
+        self._request_deadline_ms = now_ms
+        self._next_probe_ms = now_ms
+        self._failed_core: str | None = None
+        self._bootstraps = bootstraps
+        self._resumes = resumes
+        self._rows_copied = 0
+        self._entries_spilled = 0
+        self._bootstrap_failures = 0
+        self._last_error: str | None = None
+        # Bootstrap progress.
+        self._start_key = applied_key
+        self._start_digest = applied_digest
+        self._tables: tuple[str, ...] = ()
+        self._keys: tuple[str, ...] = ()
+        self._table_index = 0
+        self._after: object = None
+        self._spill_key = applied_key
+        self._spill_digest = applied_digest
+        self._spilled = 0
+        self._spill_full = False
+        self._spill_dropped = False
+        self._out: list[ReplicaEffect] = []
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @property
+    def applied_key(self) -> TxKey:
+        return self._applied_key
+
+    @property
+    def applied_digest(self) -> bytes:
+        return self._applied_digest
+
+    @property
+    def upstream(self) -> str | None:
+        return self._upstream
+
+    @property
+    def agent_id(self) -> str | None:
+        return self._agent_id
+
+    def status(self) -> ReplicaStatus:
+        lag = None
+        if self._committed_key is not None and self._committed_key.generation == self._applied_key.generation:
+            lag = self._committed_key.counter - self._applied_key.counter
+        return ReplicaStatus(
+            shard=self.shard,
+            mode=self._mode,
+            upstream=self._upstream,
+            agent_id=self._agent_id,
+            applied_key=self._applied_key,
+            applied_digest=self._applied_digest,
+            committed_key=self._committed_key,
+            lag_entries=lag,
+            bootstraps=self._bootstraps,
+            resumes=self._resumes,
+            rows_copied=self._rows_copied,
+            entries_spilled=self._entries_spilled,
+            last_error=self._last_error,
+            hears_sequencer=self._hears_sequencer,
+            bootstrap_failures_in_a_row=self._bootstrap_failures,
+        )
+
+    def next_deadline_ms(self) -> int:
+        """The earliest time at which a ``Ticked`` may change something."""
+        deadlines = []
+        if self._waiting is not _Waiting.NOTHING:
+            deadlines.append(self._request_deadline_ms)
+        if self._mode is Mode.DISCONNECTED:
+            if self._waiting is _Waiting.NOTHING:
+                deadlines.append(self._next_probe_ms)
+        else:
+            deadlines.append(self._last_heard_ms + self.config.failure_timeout_ms)
+            if self._not_hearing_since_ms is not None:
+                deadlines.append(self._not_hearing_since_ms + self.config.failure_timeout_ms)
+        return min(deadlines)
+
+    # ------------------------------------------------------------ the entry point
+
+    def step(self, event: ReplicaEvent, now_ms: int) -> list[ReplicaEffect]:
+        if now_ms < self._now_ms:
+            raise ValueError(f"time went backwards: {now_ms} < {self._now_ms}")
+        self._now_ms = now_ms
+        self._out = []
+        if isinstance(event, Ticked):
+            self._on_tick()
+        elif isinstance(event, JournalsReceived):
+            self._on_journals(event)
+        elif isinstance(event, WatchAccepted):
+            self._on_watch_accepted(event)
+        elif isinstance(event, WatchRefused):
+            if self._waiting is _Waiting.WATCH and event.core == self._request_core:
+                self._fail(f"watch refused by {event.core}: {event.reason}")
+        elif isinstance(event, PushReceived):
+            self._on_push(event)
+        elif isinstance(event, TablesReceived):
+            self._on_tables(event)
+        elif isinstance(event, BatchReceived):
+            self._on_batch(event)
+        elif isinstance(event, RequestFailed):
+            self._on_request_failed(event)
+        else:
+            raise TypeError(f"not a replica event: {event!r}")
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------ modes and failures
+
+    def _set_mode(self, mode: Mode, reason: str) -> None:
+        if mode is not self._mode:
+            self._mode = mode
+            self._out.append(ModeChanged(mode, self._upstream, reason))
+
+    def _request(self, waiting: _Waiting, core: str | None) -> None:
+        self._waiting = waiting
+        self._request_core = core
+        self._request_deadline_ms = self._now_ms + self.config.failure_timeout_ms
+        if waiting is _Waiting.JOURNALS:
+            # The driver answers after at most probe_timeout_ms; this only guards against a lost answer.
+            self._request_deadline_ms += self.config.probe_timeout_ms
+
+    def _retry_delay_ms(self) -> int:
+        if self._bootstrap_failures >= self.config.bootstrap_attempts_max:
+            return self.config.failure_timeout_ms
+        interval = self.config.retry_interval_ms
+        return interval + self._rng.randint(0, interval // 2)
+
+    def _fail(self, reason: str, delay_ms: int | None = None) -> None:
+        """Give up on the current attempt or upstream: DISCONNECTED, probe again later."""
+        if self._mode is Mode.BOOTSTRAP:
+            self._bootstrap_failures += 1
+        failed = self._upstream or self._request_core
+        if failed is not None:
+            self._failed_core = failed
+        if self._bootstrap_failures >= self.config.bootstrap_attempts_max:
+            reason = (
+                f"bootstrap failed {self._bootstrap_failures} times in a row (last: {reason}); "
+                f"retrying every {self.config.failure_timeout_ms} ms"
+            )
+        self._last_error = reason
+        self._set_mode(Mode.DISCONNECTED, reason)
+        self._upstream = None
+        self._agent_id = None
+        self._hears_sequencer = False
+        self._not_hearing_since_ms = None
+        self._waiting = _Waiting.NOTHING
+        self._request_core = None
+        self._next_probe_ms = self._now_ms + (self._retry_delay_ms() if delay_ms is None else delay_ms)
+
+    def _on_tick(self) -> None:
+        now = self._now_ms
+        timeout = self.config.failure_timeout_ms
+        if self._waiting is not _Waiting.NOTHING and now >= self._request_deadline_ms:
+            self._fail(f"no answer to the {self._waiting.value} request from {self._request_core or 'the cores'}")
+            return
+        if self._mode is Mode.DISCONNECTED:
+            if self._waiting is _Waiting.NOTHING and now >= self._next_probe_ms:
+                self._out.append(ProbeJournals(self.cores))
+                self._request(_Waiting.JOURNALS, None)
+            return
+        if now - self._last_heard_ms >= timeout:
+            self._fail(f"no push or heartbeat from {self._upstream} for {timeout} ms")
+        elif self._not_hearing_since_ms is not None and now - self._not_hearing_since_ms >= timeout:
+            self._fail(f"{self._upstream} has not heard the sequencer for {timeout} ms")
+
+    def _on_request_failed(self, event: RequestFailed) -> None:
+        waiting_on_it = self._waiting is not _Waiting.NOTHING and event.core == self._request_core
+        if waiting_on_it or (self._upstream is not None and event.core == self._upstream):
+            self._fail(f"request to {event.core} failed: {event.reason}")
+
+    # ------------------------------------------------------------ choosing an upstream
+
+    def _on_journals(self, event: JournalsReceived) -> None:
+        if self._mode is not Mode.DISCONNECTED or self._waiting is not _Waiting.JOURNALS:
+            return
+        ages: dict[str, JournalAge | None] = {core: None for core in self.cores}
+        for core, age in event.ages:
+            if core in ages:
+                ages[core] = age
+        core = None
+        if self._failed_core is not None:
+            core = choose_upstream(ages, self._applied_key, self._rng, frozenset({self._failed_core}))
+        if core is None:
+            core = choose_upstream(ages, self._applied_key, self._rng)
+        if core is None:
+            self._waiting = _Waiting.NOTHING
+            self._last_error = f"no core qualifies as upstream at applied key {self._applied_key}: " + ", ".join(
+                self._describe(name, age) for name, age in sorted(ages.items())
+            )
+            self._next_probe_ms = self._now_ms + self._retry_delay_ms()
+            return
+        self._out.append(SendWatch(core, self._applied_key, self._applied_digest))
+        self._request(_Waiting.WATCH, core)
+
+    def _describe(self, core: str, age: JournalAge | None) -> str:
+        if age is None:
+            return f"{core} did not answer"
+        if age.committed_key < self._applied_key:
+            return f"{core} is behind at {age.committed_key}"
+        return f"{core} at {age.committed_key}"
+
+    def _on_watch_accepted(self, event: WatchAccepted) -> None:
+        if self._waiting is not _Waiting.WATCH or event.core != self._request_core:
+            return  # a late or duplicated answer to an earlier watch
+        if event.mode == "resume":
+            if (
+                event.start_key != self._applied_key
+                or event.start_digest != self._applied_digest
+                or self._applied_digest == UNKNOWN_DIGEST
+            ):
+                self._fail(
+                    f"{event.core} resumed at {event.start_key}, but this replica is at {self._applied_key} "
+                    "with another digest"
+                )
+                return
+            self._connect(event)
+            self._resumes += 1
+            self._last_error = None
+            self._set_mode(Mode.NORMAL, f"resumed from {self._applied_key} on {event.core}")
+        elif event.mode == "bootstrap":
+            if event.start_key < self._applied_key:
+                self._fail(f"{event.core} offered a bootstrap at {event.start_key}, behind {self._applied_key}")
+                return
+            self._connect(event)
+            self._bootstraps += 1
+            self._set_mode(Mode.BOOTSTRAP, f"bootstrapping from {event.core} at {event.start_key}")
+            self._out.append(ResetShard())
+            self._applied_digest = UNKNOWN_DIGEST
+            self._start_key, self._start_digest = event.start_key, event.start_digest
+            self._spill_key, self._spill_digest = event.start_key, event.start_digest
+            self._spilled = 0
+            self._spill_full = False
+            self._spill_dropped = False
+            self._tables, self._keys = (), ()
+            self._out.append(FetchTables(event.core))
+            self._request(_Waiting.TABLES, event.core)
+        else:
+            self._fail(f"{event.core} answered the watch with the unknown mode {event.mode!r}")
+
+    def _connect(self, event: WatchAccepted) -> None:
+        self._upstream = event.core
+        self._agent_id = event.agent_id
+        self._waiting = _Waiting.NOTHING
+        self._request_core = None
+        self._failed_core = None
+        self._last_heard_ms = self._now_ms
+        self._hears_sequencer = True
+        self._not_hearing_since_ms = None
+        self._committed_key = max(event.start_key, self._applied_key)
+
+    # ------------------------------------------------------------ bootstrap
+
+    def _on_tables(self, event: TablesReceived) -> None:
+        if self._mode is not Mode.BOOTSTRAP or self._waiting is not _Waiting.TABLES or event.core != self._upstream:
+            return
+        if len(event.keys) != len(event.tables) or len(set(event.tables)) != len(event.tables):
+            self._fail(f"{event.core} sent a malformed table list (tables {event.tables!r}, keys {event.keys!r})")
+            return
+        self._tables, self._keys = tuple(event.tables), tuple(event.keys)
+        self._table_index = 0
+        self._after = None
+        self._fetch_next()
+
+    def _fetch_next(self) -> None:
+        if self._table_index < len(self._tables) and self._upstream is not None:
+            table = self._tables[self._table_index]
+            self._out.append(FetchBatch(self._upstream, table, self._after, self.config.batch_rows_max))
+            self._request(_Waiting.BATCH, self._upstream)
+            return
+        self._finish_copy()
+
+    def _on_batch(self, event: BatchReceived) -> None:
+        if (
+            self._mode is not Mode.BOOTSTRAP
+            or self._waiting is not _Waiting.BATCH
+            or event.core != self._upstream
+            or event.table != self._tables[self._table_index]
+            or event.after != self._after
+        ):
+            return  # an answer to a request this replica no longer waits for
+        if len(event.rows) > self.config.batch_rows_max:
+            self._fail(f"{event.core} sent {len(event.rows)} rows, more than batch_rows_max")
+            return
+        key_column = self._keys[self._table_index]
+        for row in event.rows:
+            if not isinstance(row, dict) or key_column not in row:
+                self._fail(f"{event.core} sent a row of {event.table} without its key column {key_column!r}")
+                return
+        if event.rows:
+            last = event.rows[-1][key_column]
+            if self._after is not None and last == self._after:
+                self._fail(f"{event.core} sent a batch of {event.table} that does not advance past {self._after!r}")
+                return
+            self._out.append(ApplyBatch(event.table, tuple(event.rows)))
+            self._rows_copied += len(event.rows)
+        if event.done or not event.rows:
+            self._table_index += 1
+            self._after = None
+        else:
+            self._after = event.rows[-1][key_column]
+        self._fetch_next()
+
+    def _finish_copy(self) -> None:
+        self._waiting = _Waiting.NOTHING
+        self._set_mode(Mode.LOCAL_REPLAY, f"tables copied; replaying {self._spilled} spilled entries")
+        self._out.append(ReplaySpill(self._start_key, self._start_digest))
+        self._applied_key, self._applied_digest = self._spill_key, self._spill_digest
+        self._bootstrap_failures = 0
+        self._last_error = None
+        self._set_mode(Mode.NORMAL, f"bootstrap done at {self._applied_key}")
+        if self._spill_dropped and self._upstream is not None and self._agent_id is not None:
+            # The agent pushed past what was spilled; a new watch resumes exactly at the applied key.
+            self._out.append(SendReject(self._upstream, self._agent_id, REJECT_RESYNCHRONISE))
+            self._fail(f"the spill was full; resuming from {self._applied_key}", delay_ms=0)
+            return
+        if self._upstream is not None and self._agent_id is not None:
+            self._out.append(SendAck(self._upstream, self._agent_id, self._applied_key))
+
+    # ------------------------------------------------------------ pushes
+
+    def _on_push(self, event: PushReceived) -> None:
+        watched = (
+            self._mode in (Mode.NORMAL, Mode.BOOTSTRAP)
+            and event.core == self._upstream
+            and event.agent_id == self._agent_id
+        )
+        if not watched:
+            if self._waiting is _Waiting.WATCH and event.core == self._request_core:
+                return  # maybe the agent this watch creates, ahead of its WatchAccepted
+            self._out.append(SendReject(event.core, event.agent_id, REJECT_NOT_WATCHED))
+            return
+        self._last_heard_ms = self._now_ms
+        if self._committed_key is None or event.committed_key > self._committed_key:
+            self._committed_key = event.committed_key
+        self._hears_sequencer = event.hears_sequencer
+        if event.hears_sequencer:
+            self._not_hearing_since_ms = None
+        elif self._not_hearing_since_ms is None:
+            self._not_hearing_since_ms = self._now_ms
+        if self._mode is Mode.BOOTSTRAP and self._spill_full:
+            if any(entry.tx_key > self._spill_key for entry in event.entries):
+                self._spill_dropped = True
+            return  # backpressure: no acknowledgement until the copy is done
+        bootstrapping = self._mode is Mode.BOOTSTRAP
+        key, digest = (
+            (self._spill_key, self._spill_digest) if bootstrapping else (self._applied_key, self._applied_digest)
+        )
+        try:
+            new = self._new_entries(event, key, digest)
+        except _Invalid as invalid:
+            self._out.append(SendReject(event.core, event.agent_id, invalid.reject))
+            self._fail(invalid.reason)
+            return
+        if bootstrapping:
+            self._spill(event, new)
+            return
+        if new:
+            self._out.append(ApplyEntries(new))
+            self._applied_key, self._applied_digest = new[-1].tx_key, new[-1].digest
+        self._out.append(SendAck(event.core, event.agent_id, self._applied_key))
+
+    def _new_entries(self, event: PushReceived, key: TxKey, digest: bytes) -> tuple[Entry, ...]:
+        """The entries of ``event`` after ``key``, checked to continue it; raises ``_Invalid``."""
+        new: list[Entry] = []
+        chain_key, chain_digest = key, digest
+        previous: TxKey | None = None
+        for entry in event.entries:
+            if entry.shard != self.shard:
+                raise _Invalid("wrong shard", f"{event.core} pushed an entry of shard {entry.shard!r}")
+            if previous is not None and entry.tx_key <= previous:
+                raise _Invalid("out of order", f"{event.core} pushed {entry.tx_key} after {previous}")
+            previous = entry.tx_key
+            if entry.tx_key > event.committed_key:
+                raise _Invalid(
+                    "not committed",
+                    f"{event.core} pushed {entry.tx_key}, beyond its committed key {event.committed_key}",
+                )
+            if entry.tx_key <= key:
+                if entry.tx_key == key and entry.digest != digest:
+                    raise _Invalid(
+                        REJECT_DIGEST, f"divergent history: {event.core} has another digest at {key} than this replica"
+                    )
+                continue  # a duplicate of an entry already applied (or spilled)
+            if entry.prev != chain_key:
+                if not new:
+                    raise _Invalid(
+                        REJECT_GAP, f"gap: {event.core} pushed {entry.tx_key} after {entry.prev}, expected after {key}"
+                    )
+                raise _Invalid("out of order", f"{event.core} pushed {entry.tx_key} after {entry.prev}")
+            expected = entry_digest(chain_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+            if entry.digest != expected:
+                raise _Invalid(
+                    REJECT_DIGEST,
+                    f"divergent history: the digest of {entry.tx_key} from {event.core} does not chain on {chain_key}",
+                )
+            new.append(entry)
+            chain_key, chain_digest = entry.tx_key, entry.digest
+        return tuple(new)
+
+    def _spill(self, event: PushReceived, new: tuple[Entry, ...]) -> None:
+        if new:
+            room = self.config.spill_entries_max - self._spilled
+            taken = new[:room]
+            if len(taken) < len(new):
+                self._spill_dropped = True
+            if taken:
+                self._out.append(SpillEntries(taken))
+                self._spilled += len(taken)
+                self._entries_spilled += len(taken)
+                self._spill_key, self._spill_digest = taken[-1].tx_key, taken[-1].digest
+            if self._spilled >= self.config.spill_entries_max:
+                self._spill_full = True
+                self._last_error = (
+                    f"spill full ({self._spilled} entries, spill_entries_max): not acknowledging until the copy "
+                    "is done (backpressure on the agent)"
+                )
+                if not taken:
+                    return
+        self._out.append(SendAck(event.core, event.agent_id, self._spill_key))

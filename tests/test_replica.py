@@ -1,0 +1,556 @@
+"""replicant.replica.ShardReplica, sentence by sentence of its theory of operation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from replicant.protocol import (
+    UNKNOWN_DIGEST,
+    ApplyBatch,
+    ApplyEntries,
+    BatchReceived,
+    FetchBatch,
+    FetchTables,
+    JournalAge,
+    JournalsReceived,
+    Mode,
+    ModeChanged,
+    ProbeJournals,
+    PushReceived,
+    ReplaySpill,
+    RequestFailed,
+    ResetShard,
+    SendAck,
+    SendReject,
+    SendWatch,
+    SpillEntries,
+    TablesReceived,
+    Ticked,
+    WatchAccepted,
+    WatchRefused,
+)
+from replicant.replica import ReplicaConfig, ReplicaConfigError, ShardReplica
+from rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey, WriteOp, make_entry
+
+SHARD = "main"
+CORES = ("core0", "core1", "core2")
+
+
+def chain(count: int, after: Entry | None = None, generation: int = 1, value: str = "v") -> list[Entry]:
+    prev = after.tx_key if after else ZERO_KEY
+    digest = after.digest if after else GENESIS_DIGEST
+    start = prev.counter + 1 if after is not None and prev.generation == generation else 1
+    entries = []
+    for counter in range(start, start + count):
+        entry = make_entry(SHARD, TxKey(generation, counter), prev, digest, (WriteOp("t", {"k": counter, "v": value}),))
+        entries.append(entry)
+        prev, digest = entry.tx_key, entry.digest
+    return entries
+
+
+HISTORY = chain(30)
+
+
+def at(key_counter: int) -> tuple[TxKey, bytes]:
+    if key_counter == 0:
+        return ZERO_KEY, GENESIS_DIGEST
+    entry = HISTORY[key_counter - 1]
+    return entry.tx_key, entry.digest
+
+
+def replica(applied: int = 0, now_ms: int = 0, seed: int = 0, **config) -> ShardReplica:
+    key, digest = at(applied)
+    return ShardReplica(SHARD, "rep0", CORES, key, digest, ReplicaConfig(**config), random.Random(seed), now_ms)
+
+
+def ages(committed: int = 30, **overrides) -> JournalsReceived:
+    values = {core: JournalAge(at(committed)[0], True, 0) for core in CORES}
+    values.update(overrides)
+    return JournalsReceived(tuple(values.items()))
+
+
+def of(effects, kind) -> list:
+    return [effect for effect in effects if isinstance(effect, kind)]
+
+
+def push(entries, agent="a1", core="core0", committed: int = 30, hears=True) -> PushReceived:
+    return PushReceived(core, agent, tuple(entries), at(committed)[0], hears)
+
+
+def connect(machine: ShardReplica, now_ms: int = 0, core: str = "core0", agent: str = "a1") -> list:
+    """Probe, choose ``core`` (others behind), and accept a resume watch."""
+    assert of(machine.step(Ticked(), now_ms), ProbeJournals)
+    journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
+    effects = machine.step(journals, now_ms)
+    assert effects == [SendWatch(core, machine.applied_key, machine.applied_digest)]
+    return machine.step(WatchAccepted(core, agent, "resume", machine.applied_key, machine.applied_digest), now_ms)
+
+
+def bootstrap(machine: ShardReplica, k0: int = 10, now_ms: int = 0, core: str = "core0", agent: str = "a1") -> list:
+    machine.step(Ticked(), now_ms)
+    journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
+    machine.step(journals, now_ms)
+    key, digest = at(k0)
+    return machine.step(WatchAccepted(core, agent, "bootstrap", key, digest), now_ms)
+
+
+# ---------------------------------------------------------------- finding an upstream
+
+
+@pytest.mark.timeout(10)
+def test_it_starts_disconnected_and_probes_every_core_on_the_first_tick():
+    machine = replica()
+    assert machine.mode is Mode.DISCONNECTED
+    assert machine.step(Ticked(), 0) == [ProbeJournals(CORES)]
+    assert machine.step(Ticked(), 1) == []  # one probe at a time
+
+
+@pytest.mark.timeout(10)
+def test_it_never_watches_a_core_behind_its_applied_key():
+    machine = replica(applied=20)
+    machine.step(Ticked(), 0)
+    journals = ages(core0=JournalAge(at(19)[0], True, 0), core1=JournalAge(at(25)[0], True, 50), core2=None)
+    assert machine.step(journals, 0) == [SendWatch("core1", at(20)[0], at(20)[1])]
+
+
+@pytest.mark.timeout(10)
+def test_when_no_core_qualifies_it_waits_retry_interval_ms_and_probes_again():
+    machine = replica(applied=20, retry_interval_ms=100)
+    machine.step(Ticked(), 0)
+    effects = machine.step(ages(committed=5, core2=None), 0)
+    assert effects == []
+    status = machine.status()
+    assert "no core qualifies" in status.last_error and "core0 is behind" in status.last_error
+    assert "core2 did not answer" in status.last_error
+    assert 100 <= machine.next_deadline_ms() <= 150
+    assert machine.step(Ticked(), 99) == []
+    assert machine.step(Ticked(), machine.next_deadline_ms()) == [ProbeJournals(CORES)]
+
+
+@pytest.mark.timeout(10)
+def test_an_unanswered_probe_gives_up_after_probe_timeout_ms_plus_failure_timeout_ms():
+    machine = replica(failure_timeout_ms=1000, probe_timeout_ms=500)
+    machine.step(Ticked(), 0)
+    assert machine.step(Ticked(), 1499) == []
+    machine.step(Ticked(), 1500)
+    assert "no answer to the journals request" in machine.status().last_error
+
+
+@pytest.mark.timeout(10)
+def test_a_resume_goes_normal_counts_a_resume_and_serves_from_its_prefix():
+    machine = replica(applied=5)
+    effects = connect(machine)
+    assert effects == [ModeChanged(Mode.NORMAL, "core0", "resumed from (1, 5) on core0")]
+    status = machine.status()
+    assert (status.mode, status.upstream, status.agent_id, status.resumes, status.bootstraps) == (
+        Mode.NORMAL,
+        "core0",
+        "a1",
+        1,
+        0,
+    )
+
+
+@pytest.mark.timeout(10)
+def test_a_resume_at_another_key_or_digest_than_its_own_is_refused():
+    for start_key, start_digest in ((at(5)[0], b"x" * 32), at(4)):
+        machine = replica(applied=5)
+        machine.step(Ticked(), 0)
+        machine.step(ages(core1=None, core2=None), 0)
+        machine.step(WatchAccepted("core0", "a1", "resume", start_key, start_digest), 0)
+        assert machine.mode is Mode.DISCONNECTED and machine.status().resumes == 0
+        assert "with another digest" in machine.status().last_error
+
+
+@pytest.mark.timeout(10)
+def test_a_watch_answer_from_a_core_it_did_not_ask_is_ignored():
+    machine = replica(applied=5)
+    machine.step(Ticked(), 0)
+    (watch,) = machine.step(ages(core1=None, core2=None), 0)
+    assert watch.core == "core0"
+    assert machine.step(WatchAccepted("core1", "zz", "resume", *at(5)), 1) == []
+    assert machine.mode is Mode.DISCONNECTED
+
+
+@pytest.mark.timeout(10)
+def test_a_refused_watch_disconnects_and_retries_after_a_jittered_retry_interval():
+    delays = set()
+    for seed in range(20):
+        machine = replica(seed=seed, retry_interval_ms=200)
+        machine.step(Ticked(), 0)
+        (watch,) = machine.step(ages(), 0)
+        machine.step(WatchRefused(watch.core, "incompatible protocol version"), 10)
+        assert machine.mode is Mode.DISCONNECTED
+        assert "watch refused" in machine.status().last_error
+        delays.add(machine.next_deadline_ms() - 10)
+    assert all(200 <= delay <= 300 for delay in delays) and len(delays) > 1
+
+
+@pytest.mark.timeout(10)
+def test_a_failed_request_to_the_upstream_disconnects():
+    machine = replica(applied=5)
+    connect(machine)
+    effects = machine.step(RequestFailed("core0", "connection reset"), 1)
+    assert effects == [ModeChanged(Mode.DISCONNECTED, "core0", "request to core0 failed: connection reset")]
+    assert machine.step(RequestFailed("core2", "unrelated"), 2) == []
+
+
+# ---------------------------------------------------------------- pushes
+
+
+@pytest.mark.timeout(10)
+def test_a_push_that_follows_the_applied_key_is_applied_then_acknowledged():
+    machine = replica(applied=5)
+    connect(machine)
+    effects = machine.step(push(HISTORY[5:8]), 1)
+    assert effects == [ApplyEntries(tuple(HISTORY[5:8])), SendAck("core0", "a1", at(8)[0])]
+    assert (machine.applied_key, machine.applied_digest) == at(8)
+
+
+@pytest.mark.timeout(10)
+def test_a_push_from_another_agent_is_rejected_and_nothing_is_applied():
+    machine = replica(applied=5)
+    connect(machine)
+    for zombie in (push(HISTORY[5:8], agent="old"), push(HISTORY[5:8], core="core1")):
+        effects = machine.step(zombie, 1)
+        assert effects == [SendReject(zombie.core, zombie.agent_id, "not the watched agent")]
+    assert machine.applied_key == at(5)[0]
+
+
+@pytest.mark.timeout(10)
+def test_a_push_while_disconnected_is_rejected():
+    machine = replica(applied=5)
+    assert machine.step(push(HISTORY[5:8]), 0) == [SendReject("core0", "a1", "not the watched agent")]
+
+
+@pytest.mark.timeout(10)
+def test_a_push_from_the_core_being_watched_before_its_answer_is_dropped_silently():
+    machine = replica(applied=5)
+    machine.step(Ticked(), 0)
+    (watch,) = machine.step(ages(core1=None, core2=None), 0)
+    assert machine.step(push(HISTORY[5:8], core=watch.core, agent="new"), 1) == []
+    assert machine.applied_key == at(5)[0]
+
+
+@pytest.mark.timeout(10)
+def test_duplicates_at_or_below_the_applied_key_are_skipped():
+    machine = replica(applied=5)
+    connect(machine)
+    effects = machine.step(push(HISTORY[2:7]), 1)
+    assert effects == [ApplyEntries(tuple(HISTORY[5:7])), SendAck("core0", "a1", at(7)[0])]
+    assert machine.step(push(HISTORY[3:7]), 2) == [SendAck("core0", "a1", at(7)[0])]
+
+
+@pytest.mark.timeout(10)
+def test_a_duplicate_at_the_applied_key_with_another_digest_is_divergent_history():
+    machine = replica(applied=5)
+    connect(machine)
+    other = chain(5, value="other")
+    effects = machine.step(push(other[3:5] + HISTORY[5:6]), 1)
+    assert effects[0] == SendReject("core0", "a1", "digest mismatch")
+    assert not of(effects, ApplyEntries)
+    assert machine.mode is Mode.DISCONNECTED and "divergent history" in machine.status().last_error
+
+
+@pytest.mark.timeout(10)
+def test_a_new_entry_whose_digest_does_not_chain_on_the_applied_digest_is_not_applied():
+    machine = replica(applied=5)
+    connect(machine)
+    forged = make_entry(SHARD, TxKey(1, 6), at(5)[0], b"\x01" * 32, (WriteOp("t", {"k": 6, "v": "v"}),))
+    effects = machine.step(push([forged]), 1)
+    assert effects[0] == SendReject("core0", "a1", "digest mismatch")
+    assert not of(effects, ApplyEntries) and machine.applied_key == at(5)[0]
+    assert "does not chain" in machine.status().last_error
+
+
+@pytest.mark.timeout(10)
+def test_a_gap_is_never_skipped_it_rejects_the_agent_and_resynchronises():
+    machine = replica(applied=5)
+    connect(machine)
+    effects = machine.step(push(HISTORY[6:9]), 1)
+    assert effects[0] == SendReject("core0", "a1", "gap")
+    assert isinstance(effects[1], ModeChanged) and effects[1].mode is Mode.DISCONNECTED
+    assert not of(effects, ApplyEntries) and machine.applied_key == at(5)[0]
+    # It resumes from the same applied key on the next watch.
+    machine.step(Ticked(), machine.next_deadline_ms())
+    assert machine.step(ages(), machine.next_deadline_ms())[0].from_key == at(5)[0]
+
+
+@pytest.mark.timeout(10)
+def test_entries_out_of_order_or_beyond_the_committed_key_or_of_another_shard_are_refused():
+    for entries, committed in (
+        ([HISTORY[6], HISTORY[5]], 30),
+        (HISTORY[5:8], 6),
+        ([make_entry("other", TxKey(1, 6), *at(5), ())], 30),
+    ):
+        machine = replica(applied=5)
+        connect(machine)
+        effects = machine.step(push(entries, committed=committed), 1)
+        assert isinstance(effects[0], SendReject) and not of(effects, ApplyEntries)
+        assert machine.mode is Mode.DISCONNECTED
+
+
+@pytest.mark.timeout(10)
+def test_a_heartbeat_updates_the_committed_key_and_is_acknowledged():
+    machine = replica(applied=5)
+    connect(machine)
+    assert machine.step(push([], committed=12), 100) == [SendAck("core0", "a1", at(5)[0])]
+    status = machine.status()
+    assert status.committed_key == at(12)[0] and status.lag_entries == 7 and status.hears_sequencer
+
+
+# ---------------------------------------------------------------- failure detector and failover
+
+
+@pytest.mark.timeout(10)
+def test_no_push_or_heartbeat_within_failure_timeout_ms_fails_over_to_another_core_from_the_applied_key():
+    machine = replica(applied=5, failure_timeout_ms=1000)
+    connect(machine, core="core0")
+    machine.step(push(HISTORY[5:6]), 500)
+    assert machine.next_deadline_ms() == 1500
+    assert machine.step(Ticked(), 1499) == []
+    effects = machine.step(Ticked(), 1500)
+    assert effects == [ModeChanged(Mode.DISCONNECTED, "core0", "no push or heartbeat from core0 for 1000 ms")]
+    machine.step(Ticked(), machine.next_deadline_ms())
+    # core0 answers too and is the least loaded, but the replica moves on to another qualifying core.
+    journals = ages(core0=JournalAge(at(30)[0], True, 0), core1=JournalAge(at(30)[0], True, 5), core2=None)
+    assert machine.step(journals, machine.next_deadline_ms()) == [SendWatch("core1", *at(6))]
+
+
+@pytest.mark.timeout(10)
+def test_failover_never_goes_to_a_core_behind_even_if_it_is_the_only_other_one():
+    machine = replica(applied=5, failure_timeout_ms=1000)
+    connect(machine, core="core0")
+    machine.step(push(HISTORY[5:10]), 10)
+    machine.step(Ticked(), 1010)
+    assert machine.mode is Mode.DISCONNECTED
+    machine.step(Ticked(), machine.next_deadline_ms())
+    journals = ages(core0=None, core1=JournalAge(at(9)[0], True, 0), core2=JournalAge(at(3)[0], True, 0))
+    assert machine.step(journals, machine.next_deadline_ms()) == []
+    assert "core1 is behind" in machine.status().last_error
+
+
+@pytest.mark.timeout(10)
+def test_an_upstream_that_does_not_hear_the_sequencer_for_failure_timeout_ms_is_left():
+    machine = replica(applied=5, failure_timeout_ms=1000)
+    connect(machine)
+    machine.step(push([], hears=False), 100)
+    machine.step(push([], hears=False), 900)
+    assert machine.mode is Mode.NORMAL
+    machine.step(push([], hears=False), 1099)
+    assert machine.mode is Mode.NORMAL
+    effects = machine.step(Ticked(), 1100)
+    assert effects == [ModeChanged(Mode.DISCONNECTED, "core0", "core0 has not heard the sequencer for 1000 ms")]
+
+
+@pytest.mark.timeout(10)
+def test_hearing_the_sequencer_again_resets_the_detector():
+    machine = replica(applied=5, failure_timeout_ms=1000)
+    connect(machine)
+    machine.step(push([], hears=False), 100)
+    machine.step(push([], hears=True), 900)
+    machine.step(push([], hears=False), 1000)
+    machine.step(Ticked(), 1500)
+    assert machine.mode is Mode.NORMAL
+
+
+# ---------------------------------------------------------------- bootstrap
+
+
+@pytest.mark.timeout(10)
+def test_bootstrap_stages_run_in_order_reset_tables_batches_replay_then_normal():
+    machine = replica(applied=0, batch_rows_max=2)
+    effects = bootstrap(machine, k0=10)
+    assert effects == [
+        ModeChanged(Mode.BOOTSTRAP, "core0", "bootstrapping from core0 at (1, 10)"),
+        ResetShard(),
+        FetchTables("core0"),
+    ]
+    assert machine.status().bootstraps == 1 and machine.applied_digest == UNKNOWN_DIGEST
+    effects = machine.step(TablesReceived("core0", ("t", "u"), ("k", "id")), 1)
+    assert effects == [FetchBatch("core0", "t", None, 2)]
+    rows = ({"k": 1, "v": "a"}, {"k": 2, "v": "b"})
+    effects = machine.step(BatchReceived("core0", "t", None, rows, False), 2)
+    assert effects == [ApplyBatch("t", rows), FetchBatch("core0", "t", 2, 2)]
+    effects = machine.step(BatchReceived("core0", "t", 2, ({"k": 3, "v": "c"},), True), 3)
+    assert effects == [ApplyBatch("t", ({"k": 3, "v": "c"},)), FetchBatch("core0", "u", None, 2)]
+    # A pushed entry during the copy is spilled and acknowledged with the spilled key.
+    effects = machine.step(push(HISTORY[10:12]), 4)
+    assert effects == [SpillEntries(tuple(HISTORY[10:12])), SendAck("core0", "a1", at(12)[0])]
+    assert machine.applied_key == ZERO_KEY  # nothing applied yet
+    effects = machine.step(BatchReceived("core0", "u", None, (), True), 5)
+    assert effects == [
+        ModeChanged(Mode.LOCAL_REPLAY, "core0", "tables copied; replaying 2 spilled entries"),
+        ReplaySpill(*at(10)),
+        ModeChanged(Mode.NORMAL, "core0", "bootstrap done at (1, 12)"),
+        SendAck("core0", "a1", at(12)[0]),
+    ]
+    assert (machine.applied_key, machine.applied_digest) == at(12)
+    status = machine.status()
+    assert (status.rows_copied, status.entries_spilled, status.bootstraps, status.resumes) == (3, 2, 1, 0)
+    # Then pushes apply normally from the replayed position.
+    assert of(machine.step(push(HISTORY[12:13]), 6), ApplyEntries) == [ApplyEntries((HISTORY[12],))]
+
+
+@pytest.mark.timeout(10)
+def test_a_bootstrap_without_pushes_ends_at_k0_and_without_tables_at_once():
+    machine = replica(applied=0)
+    bootstrap(machine, k0=7)
+    effects = machine.step(TablesReceived("core0", (), ()), 1)
+    assert effects[1] == ReplaySpill(*at(7))
+    assert (machine.mode, machine.applied_key, machine.applied_digest) == (Mode.NORMAL, *at(7))
+
+
+@pytest.mark.timeout(10)
+def test_a_bootstrap_while_holding_data_keeps_the_applied_key_as_a_floor():
+    machine = replica(applied=5)
+    bootstrap(machine, k0=10)
+    assert machine.applied_key == at(5)[0] and machine.applied_digest == UNKNOWN_DIGEST
+    machine.step(RequestFailed("core0", "gone"), 1)
+    machine.step(Ticked(), machine.next_deadline_ms())
+    # A core behind the floor never qualifies, and the watch asks for a bootstrap with the unknown digest.
+    journals = ages(core0=JournalAge(at(4)[0], True, 0), core1=JournalAge(at(20)[0], True, 9), core2=None)
+    assert machine.step(journals, machine.next_deadline_ms()) == [SendWatch("core1", at(5)[0], UNKNOWN_DIGEST)]
+
+
+@pytest.mark.timeout(10)
+def test_a_bootstrap_behind_the_applied_key_is_refused():
+    machine = replica(applied=12)
+    machine.step(Ticked(), 0)
+    machine.step(ages(core1=None, core2=None), 0)
+    machine.step(WatchAccepted("core0", "a1", "bootstrap", *at(10)), 0)
+    assert machine.mode is Mode.DISCONNECTED and machine.status().bootstraps == 0
+    assert "behind" in machine.status().last_error
+
+
+@pytest.mark.timeout(10)
+def test_pushes_during_bootstrap_are_checked_for_gaps_and_digests_from_k0():
+    machine = replica(applied=0)
+    bootstrap(machine, k0=10)
+    effects = machine.step(push(HISTORY[11:13]), 1)
+    assert effects[0] == SendReject("core0", "a1", "gap") and not of(effects, SpillEntries)
+    assert machine.mode is Mode.DISCONNECTED
+    machine = replica(applied=0)
+    bootstrap(machine, k0=10)
+    forged = chain(11, value="forged")[10:11]
+    effects = machine.step(push(forged), 1)
+    assert effects[0] == SendReject("core0", "a1", "digest mismatch") and not of(effects, SpillEntries)
+
+
+@pytest.mark.timeout(10)
+def test_the_spill_is_bounded_then_acknowledgements_stop_and_the_replica_resynchronises_after_replay():
+    machine = replica(applied=0, spill_entries_max=3)
+    bootstrap(machine, k0=10)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    assert machine.step(push(HISTORY[10:12]), 2) == [
+        SpillEntries(tuple(HISTORY[10:12])),
+        SendAck("core0", "a1", at(12)[0]),
+    ]
+    effects = machine.step(push(HISTORY[12:15]), 3)
+    assert effects == [SpillEntries((HISTORY[12],)), SendAck("core0", "a1", at(13)[0])]
+    assert "spill full" in machine.status().last_error and "backpressure" in machine.status().last_error
+    assert machine.step(push(HISTORY[13:16]), 4) == []  # not spilled, not acknowledged
+    assert machine.step(push([]), 5) == []
+    assert machine.status().entries_spilled == 3
+    effects = machine.step(BatchReceived("core0", "t", None, (), True), 6)
+    assert effects[1] == ReplaySpill(*at(10))
+    assert effects[3] == SendReject("core0", "a1", "resynchronise")
+    assert machine.mode is Mode.DISCONNECTED and machine.applied_key == at(13)[0]
+    assert machine.status().bootstraps == 1
+    assert machine.step(Ticked(), 6) == [ProbeJournals(CORES)]
+
+
+@pytest.mark.timeout(10)
+def test_stale_or_mismatched_batches_are_ignored_and_oversized_ones_fail_the_bootstrap():
+    machine = replica(applied=0, batch_rows_max=2)
+    bootstrap(machine, k0=10)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    assert machine.step(BatchReceived("core0", "t", 5, ({"k": 6},), False), 2) == []
+    assert machine.step(BatchReceived("core1", "t", None, ({"k": 6},), False), 2) == []
+    machine.step(BatchReceived("core0", "t", None, ({"k": 1}, {"k": 2}, {"k": 3}), False), 3)
+    assert machine.mode is Mode.DISCONNECTED and "batch_rows_max" in machine.status().last_error
+
+
+@pytest.mark.timeout(10)
+def test_a_row_without_its_key_column_or_a_malformed_table_list_fails_the_bootstrap():
+    machine = replica(applied=0)
+    bootstrap(machine)
+    machine.step(TablesReceived("core0", ("t",), ()), 1)
+    assert machine.mode is Mode.DISCONNECTED and "malformed table list" in machine.status().last_error
+    machine = replica(applied=0)
+    bootstrap(machine)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    machine.step(BatchReceived("core0", "t", None, ({"id": 1},), False), 2)
+    assert "without its key column" in machine.status().last_error
+
+
+@pytest.mark.timeout(10)
+def test_an_unanswered_batch_fails_the_bootstrap_after_failure_timeout_ms():
+    machine = replica(applied=0, failure_timeout_ms=1000)
+    bootstrap(machine)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 0)
+    machine.step(push([]), 999)  # heartbeats keep the upstream alive, but the batch never comes
+    machine.step(Ticked(), 1000)
+    assert machine.mode is Mode.DISCONNECTED and "no answer to the batch request" in machine.status().last_error
+
+
+@pytest.mark.timeout(10)
+def test_after_bootstrap_attempts_max_failures_it_says_so_and_retries_only_every_failure_timeout_ms():
+    machine = replica(applied=0, bootstrap_attempts_max=2, failure_timeout_ms=1000, retry_interval_ms=100)
+    now = 0
+    for attempt in range(1, 4):
+        now = max(now, machine.next_deadline_ms())
+        bootstrap(machine, now_ms=now)
+        now += 1
+        machine.step(RequestFailed("core0", "lost"), now)
+        status = machine.status()
+        assert status.bootstraps == attempt and status.bootstrap_failures_in_a_row == attempt
+        if attempt < 2:
+            assert machine.next_deadline_ms() - now <= 150
+        else:
+            assert machine.next_deadline_ms() - now == 1000
+            assert f"bootstrap failed {attempt} times in a row" in status.last_error
+            assert "retrying every 1000 ms" in status.last_error
+    # A successful bootstrap resets the count.
+    bootstrap(machine, now_ms=machine.next_deadline_ms())
+    machine.step(TablesReceived("core0", (), ()), machine.next_deadline_ms())
+    assert machine.status().bootstrap_failures_in_a_row == 0 and machine.status().last_error is None
+
+
+@pytest.mark.timeout(10)
+def test_counters_start_from_the_persisted_ones():
+    machine = ShardReplica(SHARD, "rep0", CORES, *at(5), ReplicaConfig(), random.Random(0), 0, bootstraps=4, resumes=7)
+    connect(machine)
+    assert (machine.status().bootstraps, machine.status().resumes) == (4, 8)
+
+
+@pytest.mark.timeout(10)
+def test_every_mode_change_is_reported():
+    machine = replica(applied=0)
+    changes = of(bootstrap(machine), ModeChanged)
+    changes += of(machine.step(TablesReceived("core0", (), ()), 1), ModeChanged)
+    changes += of(machine.step(Ticked(), 10_000), ModeChanged)
+    assert [change.mode for change in changes] == [Mode.BOOTSTRAP, Mode.LOCAL_REPLAY, Mode.NORMAL, Mode.DISCONNECTED]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "bad",
+    [{"failure_timeout_ms": 0}, {"batch_rows_max": -1}, {"spill_entries_max": 1.5}, {"probe_timeout_ms": 3001}],
+)
+def test_invalid_config_is_refused(bad):
+    with pytest.raises(ReplicaConfigError):
+        ReplicaConfig(**bad)
+
+
+@pytest.mark.timeout(10)
+def test_invalid_construction_and_time_going_backwards_are_refused():
+    with pytest.raises(ReplicaConfigError):
+        ShardReplica(SHARD, "rep0", (), ZERO_KEY, GENESIS_DIGEST, ReplicaConfig(), random.Random(0), 0)
+    with pytest.raises(ReplicaConfigError):
+        ShardReplica(SHARD, "rep0", ("a", "a"), ZERO_KEY, GENESIS_DIGEST, ReplicaConfig(), random.Random(0), 0)
+    machine = replica(now_ms=10)
+    with pytest.raises(ValueError, match="time went backwards"):
+        machine.step(Ticked(), 9)
