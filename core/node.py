@@ -431,7 +431,14 @@ class CoreNode:
         elif message.kind == "read_index" or message.body.get("consistency") == "linearizable":
             self._linearizable(envelope, message)
         elif message.kind in READ_KINDS:
-            self._reply(envelope, codec.reply(message.request_id, self._read(message)))
+            try:
+                result = self._read(message)
+            except (RequestError, SchemaError):
+                raise
+            except Exception as error:  # a read must never take the node down; say what failed
+                log.exception("read %s failed", message.kind)
+                raise RequestError("internal", f"{message.kind} failed: {type(error).__name__}: {error}") from None
+            self._reply(envelope, codec.reply(message.request_id, result))
         else:
             raise RequestError("bad_request", f"{message.kind} is a reply kind")
 

@@ -80,7 +80,11 @@ class RlogServer:
             del self.watches[agent_id]  # superseded: the replicant now watches the new agent only
         if len(self.watches) >= AGENTS_MAX:
             raise WatchRefused("overloaded", f"core {self.core_name} serves {AGENTS_MAX} agents already")
-        resumable = from_key <= committed_key and digest_at(from_key) == body["from_digest"]
+        # Resume only from a key this core still retains (not trimmed) and has committed, with the
+        # same digest there: then the replicant's history is a prefix of this core's.
+        resumable = (
+            log_view.trimmed_key() <= from_key <= committed_key and digest_at(from_key) == body["from_digest"]
+        )
         if resumable:
             mode, start_key, start_digest = "resume", from_key, body["from_digest"]
         else:
@@ -161,7 +165,8 @@ class RlogServer:
                     "mode": status.mode.value,
                     "sent": list(status.sent_key),
                     "acked": list(status.acked_key),
-                    "lag_entries": status.lag,
+                    "lag_entries": status.lag_entries,
+                    "unacknowledged_entries": status.unacknowledged_entries,
                 }
             )
         return result

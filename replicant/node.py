@@ -120,6 +120,7 @@ class ReplicantNode:
         self.pending: dict[str, Pending] = {}
         self.probes: dict[str, Probe] = {}
         self.waiting_reads: list[WaitingRead] = []
+        self.pushes_rejected: dict[str, int] = {}
         self.stopping = threading.Event()
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
@@ -312,6 +313,10 @@ class ReplicantNode:
             body = {"shard": shard, "agent": effect.agent_id, "applied": list(effect.applied_key)}
             self._outbox.append((self.core_sockets[effect.core], [], Message("push_ack", "ack", body)))
         elif isinstance(effect, p.SendReject):
+            self.pushes_rejected[shard] = self.pushes_rejected.get(shard, 0) + 1
+            log.info(
+                "shard %s: rejected a push of agent %s from %s: %s", shard, effect.agent_id, effect.core, effect.reason
+            )
             body = {"shard": shard, "agent": effect.agent_id, "applied": list(replica.applied_key)}
             body["rejected"] = effect.reason
             self._outbox.append((self.core_sockets[effect.core], [], Message("push_ack", "ack", body)))
@@ -602,6 +607,7 @@ class ReplicantNode:
                 "rows_copied": status.rows_copied,
                 "entries_buffered": status.entries_spilled,
                 "last_error": status.last_error,
+                "pushes_rejected": self.pushes_rejected.get(shard, 0),
             }
         return {
             "node": self.config.name,

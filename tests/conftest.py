@@ -145,6 +145,7 @@ class Cluster:
         self.names = [f"core{i}" for i in range(1, size + 1)]
         self.endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in self.names}
         self.nodes: dict[str, NodeProcess] = {}
+        self._processes = processes
         core_nodes = ", ".join(f'{name} = "{endpoint}"' for name, endpoint in self.endpoints.items())
         for name in self.names:
             config = root / f"{name}.toml"
@@ -156,6 +157,26 @@ class Cluster:
             )
             self.nodes[name] = NodeProcess(config, root / f"{name}.log")
             processes.append(self.nodes[name])
+
+    def extend_core_configs(self, toml: str) -> None:
+        """Append TOML sections (for example ``[rlog]`` limits) to every core's config before it starts."""
+        for name in self.names:
+            config = self.root / f"{name}.toml"
+            config.write_text(config.read_text() + toml)
+
+    def add_replicant(self, name: str) -> None:
+        """Configure (not start) a replicant that watches this cluster's cores."""
+        self.endpoints[name] = f"tcp://127.0.0.1:{free_port()}"
+        core_nodes = ", ".join(f'{core} = "{self.endpoints[core]}"' for core in self.names)
+        config = self.root / f"{name}.toml"
+        config.write_text(
+            f'[node]\nname = "{name}"\nrole = "replicant"\ndata_dir = "{self.data_dir(name)}"\n'
+            f'listen = "{self.endpoints[name]}"\n'
+            f"[cluster]\ncore_nodes = {{ {core_nodes} }}\n"
+            '[storage]\nsynchronous = "NORMAL"\n'
+        )
+        self.nodes[name] = NodeProcess(config, self.root / f"{name}.log")
+        self._processes.append(self.nodes[name])
 
     def data_dir(self, name: str) -> Path:
         return self.root / name
