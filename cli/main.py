@@ -334,17 +334,43 @@ def status(endpoint, timeout_ms, as_json) -> None:
         emit_json(result)
         return
     click.echo(f"node {result['node']} ({result['role']})")
+    if result["role"] == "replicant":
+        rows = [
+            {
+                "shard": shard,
+                "mode": info["mode"],
+                "upstream": info["upstream"] or "-",
+                "applied": tuple(info["applied"]),
+                "digest": info["digest"][:16],
+                "lag": "" if info["lag_entries"] is None else info["lag_entries"],
+                "bootstraps": info["bootstraps"],
+                "resumes": info["resumes"],
+                "rows copied": info["rows_copied"],
+                "buffered": info["entries_buffered"],
+            }
+            for shard, info in result["shards"].items()
+        ]
+        columns = ["shard", "mode", "upstream", "applied", "digest", "lag", "bootstraps", "resumes"]
+        click.echo(format_table(rows, [*columns, "rows copied", "buffered"]))
+        return
     rows = [
         {
             "shard": shard,
+            "role": info["role"],
             "generation": info["generation"],
+            "sequencer": info["sequencer"] or "-",
             "applied": tuple(info["applied"]),
             "digest": info["digest"][:16],
             "rlog entries": info.get("rlog", {}).get("entries", ""),
         }
         for shard, info in result["shards"].items()
     ]
-    click.echo(format_table(rows, ["shard", "generation", "applied", "digest", "rlog entries"]))
+    click.echo(format_table(rows, ["shard", "role", "generation", "sequencer", "applied", "digest", "rlog entries"]))
+    for agent in result.get("agents", []):
+        click.echo(
+            f"agent {agent['agent']} -> {agent['replicant']} ({agent['shard']}, {agent['mode']}): "
+            f"acked {tuple(agent['acked'])}, lag {agent['lag_entries']}"
+        )
 
 
 @main.group()

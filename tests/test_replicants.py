@@ -8,7 +8,9 @@ from __future__ import annotations
 import signal
 
 import pytest
+from click.testing import CliRunner
 
+from cli.main import main
 from rlog.client import Client, MnesiteError
 from tests.conftest import Cluster, wait_until
 from tests.test_cluster import Load, create_table, rlog, rows
@@ -78,6 +80,17 @@ def test_writes_through_cores_and_replicants_reach_every_replicant(replicated: C
         assert tuple(shard_status(replicated, "replicant1")["applied"]) >= tuple(tx_key)
     with replicated.client("replicant2") as client:
         assert client.get("kv", -1, consistency="linearizable") == {"id": -1, "value": "read your writes"}
+        # Schema changes travel through the rlog too, even when sent to a replicant.
+        client.create_table("late", "k", [("k", "TEXT"), ("n", "INTEGER")])
+        written = client.put("late", {"k": "a", "n": 1})
+        assert client.get("late", "a", consistency="read-your-writes") == {"k": "a", "n": 1}
+        assert written[0] >= 1
+    with replicated.client("replicant1") as client:
+        assert client.get("late", "a", consistency="linearizable") == {"k": "a", "n": 1}
+        with pytest.raises(MnesiteError, match="unknown table 'nope'"):
+            client.get("nope", 1)
+    text = CliRunner().invoke(main, ["status", "--node", replicated.endpoints["replicant1"]]).output
+    assert "normal" in text and "bootstraps" in text
     for name in ("replicant1", "replicant2"):
         status = shard_status(replicated, name)
         # The cores still retain the whole rlog: an empty replicant replays it instead of copying.
