@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from core.agent import Agent, AgentConfig
 from replicant.protocol import (
     REPLICATION_PROTOCOL_VERSION,
     AckReceived,
@@ -43,16 +44,16 @@ class WatchRefused(Exception):
 
 @dataclass
 class Watch:
-    agent: Any  # core.agent.Agent
+    agent: Agent
     endpoint: str
     replicant: str
     shard: str
 
 
 class RlogServer:
-    def __init__(self, core_name: str, config: Any = None) -> None:
+    def __init__(self, core_name: str, config: AgentConfig | None = None) -> None:
         self.core_name = core_name
-        self.config = config  # an AgentConfig; the default is made on the first watch
+        self.config = config or AgentConfig()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
 
@@ -89,10 +90,6 @@ class RlogServer:
             mode, start_key, start_digest = "resume", from_key, body["from_digest"]
         else:
             mode, start_key, start_digest = "bootstrap", committed_key, committed_digest
-        from core.agent import Agent, AgentConfig
-
-        if self.config is None:
-            self.config = AgentConfig()
         agent_id = f"{self.core_name}-{uuid.uuid4().hex[:16]}"
         agent = Agent(agent_id, body["shard"], body["replicant"], start_key, log_view, self.config, now_ms)
         self.watches[agent_id] = Watch(agent, body["endpoint"], body["replicant"], body["shard"])
