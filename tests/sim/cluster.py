@@ -52,7 +52,7 @@ from core.consensus import (
     TruncateLog,
 )
 from core.consensus_wire import message_from_wire, message_to_wire
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey, WriteOp
+from rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, Op, TxKey, WriteOp
 
 SHARD = "main"
 TRACE_LINES_MAX = 80
@@ -221,9 +221,12 @@ class Simulation:
         lines = "\n".join(f"  t={line[0]} " + " ".join(str(part) for part in line[1:]) for line in self.trace)
         return SimulationFailure(
             f"simulation seed {self.seed} ({self.core_count} cores) failed at t={self.now_ms} ms: {what}\n"
-            f"replay with: {replay_command(self.seed)}\n"
+            f"replay with: {self._replay_command()}\n"
             f"last events:\n{lines}"
         )
+
+    def _replay_command(self) -> str:
+        return replay_command(self.seed)
 
     # ------------------------------------------------------------ node lifecycle
 
@@ -444,7 +447,11 @@ class Simulation:
             return
         self.write_count += 1
         request_id = f"w{self.write_count}"
-        self._step(node, Proposed((WriteOp("t", {"k": self.write_count}),), request_id))
+        self._step(node, Proposed(self._write_ops(self.write_count), request_id))
+
+    def _write_ops(self, number: int) -> tuple[Op, ...]:
+        """The ops of client write ``number`` (a hook: the replicant simulation writes richer ones)."""
+        return (WriteOp("t", {"k": number}),)
 
     def _tick_all(self) -> None:
         for node in self.nodes.values():
@@ -519,13 +526,7 @@ class Simulation:
             if self.rng.random() < self.faults.write_probability:
                 self._client_write()
             self._advance()
-        # Heal: no more faults, everyone up and resumed, then run until quiet.
-        self.cut = set()
-        for node in self.nodes.values():
-            node.crash_in_next_step = False
-            node.paused_until_ms = min(node.paused_until_ms, self.now_ms)
-            node.down_until_ms = min(node.down_until_ms, self.now_ms)
-        self.faults = _Faults(0.0, 0.0, self.faults.delay_ms_max, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        self._heal()
         sequencer = self._run_until_quiet(20_000)
         # Liveness after healing: new writes are acknowledged.
         before = len(self.acknowledged)
@@ -546,6 +547,15 @@ class Simulation:
             snapshots=self.snapshots,
             final_time_ms=self.now_ms,
         )
+
+    def _heal(self) -> None:
+        """No more faults, everyone up and resumed (a hook: subclasses heal what they add)."""
+        self.cut = set()
+        for node in self.nodes.values():
+            node.crash_in_next_step = False
+            node.paused_until_ms = min(node.paused_until_ms, self.now_ms)
+            node.down_until_ms = min(node.down_until_ms, self.now_ms)
+        self.faults = _Faults(0.0, 0.0, self.faults.delay_ms_max, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     def final_check(self, sequencer: SimNode) -> None:
         if sequencer.machine is None:

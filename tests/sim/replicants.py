@@ -1,0 +1,594 @@
+"""The core simulation (``cluster.py``) plus replicants: agents on the cores, replicas on the replicants.
+
+Theory of operation
+-------------------
+``ReplicantSimulation`` extends ``Simulation``: the cores run the same consensus machines, and the
+simulator also plays the drivers of the replication protocol, from the same ``random.Random(seed)``.
+
+* Cores. Besides their log, cores keep applied tables (updated at every ``Commit``, copied with a
+  snapshot). Their RLOG server answers journal probes (committed key, whether the core hears the
+  sequencer, live agents), refuses a watch of another protocol version or from beyond its committed
+  key, resumes when its log holds ``from_key`` with ``from_digest`` (``LogView.digest_at``) and
+  bootstraps otherwise, with K0 = its committed key. It answers table batches with *dirty reads* of
+  its current tables, which may be ahead of K0: the replay must heal that. Every watch gets a new
+  ``core.agent.Agent``; agents die with their core, with a snapshot, or when they stop. Old agents
+  are not replaced by newer ones: zombies (agents of paused or forgotten watches) keep pushing.
+* Replicants run one ``replicant.replica.ShardReplica``; what they persist (applied key and digest,
+  tables, spill, counters) survives a crash, the state machine does not. A crash may hit in the
+  middle of a step's effects.
+* Network. Replication messages share the faults of the core network (loss, duplication, delays
+  that reorder) plus their own partitions between replicants and cores; requests to a core that is
+  down fail at once. After healing, replication links deliver in order (as a TCP connection would).
+* Client writes update and delete a small key space of two tables, so that dirty reads differ
+  from K0 and the replay has something to heal.
+
+Checks after every replicant step: the applied key never decreases and every applied entry's
+``prev`` is the previous applied key (spill replay included); the digest at the applied key is the
+cores' committed digest there; an applied push came from the agent whose watch the replica accepted
+last; the machine and its persisted state agree. Agents are checked to push only committed entries
+and to keep their window. At the end, after healing and running until quiet, every replica is
+NORMAL at the cores' commit key with the sequencer's tables.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.agent import Agent, AgentConfig
+from core.consensus import Commit, Effect, Role
+from replicant import protocol as p
+from replicant.replica import ReplicaConfig, ShardReplica
+from rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
+from tests.sim.cluster import SHARD, SimNode, Simulation
+
+TABLES = ("t", "u")
+KEY_COLUMN = "k"
+KEYS_PER_TABLE = 12
+CONVERGENCE_MS_MAX = 30_000
+
+
+def replay_command(seed: int) -> str:
+    return f"MNESITE_SIM_SEED={seed} .venv/bin/pytest tests/test_replicant_simulation.py -k 'seed_{seed}'"
+
+
+Tables = dict[str, dict[Any, dict[str, Any]]]
+
+
+def empty_tables() -> Tables:
+    return {table: {} for table in TABLES}
+
+
+def apply_ops(tables: Tables, entry: Entry) -> None:
+    for op in entry.ops:
+        if isinstance(op, WriteOp):
+            tables.setdefault(op.table, {})[op.row[KEY_COLUMN]] = dict(op.row)
+        elif isinstance(op, DeleteOp):
+            tables.setdefault(op.table, {}).pop(op.key, None)
+
+
+@dataclass
+class SimReplicant:
+    name: str
+    # Persisted.
+    applied_key: TxKey = ZERO_KEY
+    applied_digest: bytes = GENESIS_DIGEST
+    tables: Tables = field(default_factory=empty_tables)
+    spill: list[Entry] = field(default_factory=list)
+    bootstraps: int = 0
+    resumes: int = 0
+    # Process state.
+    machine: ShardReplica | None = None
+    down_until_ms: int = 0
+    crash_in_next_step: bool = False
+    probe_answers: dict[str, p.JournalAge] | None = None
+    probe_deadline_ms: int = 0
+    # Checker state: the agent of the last watch this replica accepted, and the highest applied key.
+    accepted: tuple[str, str] | None = None
+    applied_key_max: TxKey = ZERO_KEY
+
+
+@dataclass
+class ReplicantSimulationResult:
+    seed: int
+    core_count: int
+    replicant_count: int
+    committed_entries: int
+    bootstraps: int
+    resumes: int
+    entries_applied: int
+    rows_copied: int
+    pushes_rejected: int
+    replicant_crashes: int
+    final_time_ms: int
+
+
+class ReplicantSimulation(Simulation):
+    def __init__(
+        self,
+        seed: int,
+        core_count: int,
+        replicant_count: int,
+        faulty_ms: int = 3000,
+        tick_ms: int = 10,
+        replica_class: type[ShardReplica] = ShardReplica,
+    ) -> None:
+        # Set before the base constructor, which starts the cores.
+        self.agents: dict[str, dict[str, tuple[str, Agent]]] = {}
+        self.core_tables: dict[str, Tables] = {}
+        super().__init__(seed, core_count, faulty_ms, tick_ms)
+        rng = self.rng
+        self.replica_class = replica_class
+        self.replica_config = ReplicaConfig(
+            failure_timeout_ms=400,
+            probe_timeout_ms=60,
+            retry_interval_ms=50,
+            batch_rows_max=rng.choice([1, 3, 50]),
+            spill_entries_max=rng.choice([2, 8, 1000]),
+            bootstrap_attempts_max=3,
+        )
+        self.agent_config = AgentConfig(
+            window_entries_max=rng.choice([2, 8, 64]),
+            push_entries_max=rng.choice([1, 4, 16]),
+            heartbeat_interval_ms=60,
+            switchover_entries=5,
+            ack_timeout_ms=1000,
+        )
+        self.replicant_crash_probability = rng.choice([0.0, 0.005, 0.02])
+        self.replicant_partition_probability = rng.choice([0.0, 0.01, 0.03])
+        self.bad_version_probability = rng.choice([0.0, 0.05])
+        self.replicants = {f"rep{index}": SimReplicant(f"rep{index}") for index in range(replicant_count)}
+        for replicant in self.replicants.values():
+            # Replicants join at different times; some with a database of unknown position, which
+            # forces a bootstrap (an untrimmed log would let a fresh replicant resume from genesis).
+            replicant.down_until_ms = rng.choice([0, rng.randint(0, faulty_ms // 2)])
+            if rng.random() < 0.5:
+                replicant.applied_digest = p.UNKNOWN_DIGEST
+        self.replication_network: list[tuple[int, int, str, str, tuple[Any, ...]]] = []
+        self.replicant_cut: set[tuple[str, str]] = set()
+        self.in_order = False
+        self.agent_sequence = 0
+        self.entries_applied = 0
+        self.pushes_rejected = 0
+        self.replicant_crashes = 0
+
+    def _replay_command(self) -> str:
+        return replay_command(self.seed)
+
+    # ------------------------------------------------------------ cores: tables and agents
+
+    def _write_ops(self, number: int) -> tuple[Op, ...]:
+        ops: list[Op] = []
+        for _ in range(self.rng.randint(1, 3)):
+            table = self.rng.choice(TABLES)
+            key = self.rng.randrange(KEYS_PER_TABLE)
+            if self.rng.random() < 0.25:
+                ops.append(DeleteOp(table, key))
+            else:
+                ops.append(WriteOp(table, {KEY_COLUMN: key, "v": number}))
+        return tuple(ops)
+
+    def _start(self, node: SimNode) -> None:
+        super()._start(node)
+        self.agents[node.name] = {}
+        self.core_tables.setdefault(node.name, empty_tables())
+
+    def _crash(self, node: SimNode) -> None:
+        super()._crash(node)
+        self.agents[node.name] = {}
+
+    def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
+        before = self.snapshots
+        super()._install_snapshot(sequencer, follower_name)
+        if self.snapshots != before:
+            self.core_tables[follower_name] = copy.deepcopy(self.core_tables[sequencer.name])
+
+    def _execute(self, node: SimNode, effect: Effect) -> None:
+        if not isinstance(effect, Commit):
+            super()._execute(node, effect)
+            return
+        before = node.applied_key
+        super()._execute(node, effect)
+        tables = self.core_tables[node.name]
+        for entry in node.log.entries_after(before, len(node.log.entries)):
+            if entry.tx_key > node.applied_key:
+                break
+            apply_ops(tables, entry)
+        self._tell_agents(node)
+
+    def _hears_sequencer(self, node: SimNode) -> bool:
+        machine = node.machine
+        return machine is not None and (machine.role is Role.SEQUENCER or machine.sequencer is not None)
+
+    def _tell_agents(self, node: SimNode) -> None:
+        event = p.CommittedAdvanced(node.applied_key, self._hears_sequencer(node))
+        for agent_id in list(self.agents[node.name]):
+            self._step_agent(node, agent_id, event)
+
+    def _step_agent(self, node: SimNode, agent_id: str, event: Any) -> None:
+        found = self.agents[node.name].get(agent_id)
+        if found is None:
+            return
+        replicant, agent = found
+        for effect in agent.step(event, self.now_ms):
+            if isinstance(effect, p.Push):
+                for entry in effect.entries:
+                    if entry.tx_key > node.applied_key or self.committed_digest.get(entry.tx_key) != entry.digest:
+                        raise self.fail(f"agent {agent_id} on {node.name} pushed {entry.tx_key}, not committed there")
+                message = p.PushReceived(
+                    node.name, agent_id, effect.entries, effect.committed_key, effect.hears_sequencer
+                )
+                self._send_replication(node.name, replicant, ("push", message))
+            elif isinstance(effect, p.AgentStopped):
+                self.trace.append((self.now_ms, node.name, "agent stopped", agent_id, effect.reason))
+                del self.agents[node.name][agent_id]
+        if agent.status().unacknowledged_entries > self.agent_config.window_entries_max:
+            raise self.fail(f"agent {agent_id} has more than window_entries_max entries unacknowledged")
+
+    def _serve(self, node: SimNode, sender: str, message: tuple[Any, ...]) -> None:
+        """The core's RLOG server."""
+        kind = message[0]
+        if kind == "probe":
+            age = p.JournalAge(node.applied_key, self._hears_sequencer(node), len(self.agents[node.name]))
+            self._send_replication(node.name, sender, ("age", age))
+        elif kind == "watch":
+            self._on_watch(node, sender, *message[1:])
+        elif kind == "tables":
+            self._send_replication(
+                node.name, sender, ("answer", p.TablesReceived(node.name, TABLES, (KEY_COLUMN,) * len(TABLES)))
+            )
+        elif kind == "batch":
+            _, table, after, limit = message
+            rows = self.core_tables[node.name].get(table, {})
+            keys = sorted(key for key in rows if after is None or key > after)
+            batch = tuple(dict(rows[key]) for key in keys[:limit])
+            answer = p.BatchReceived(node.name, table, after, batch, len(keys) <= limit)
+            self._send_replication(node.name, sender, ("answer", answer))
+        elif kind == "ack":
+            self._step_agent(node, message[1], p.AckReceived(message[2]))
+        elif kind == "reject":
+            self._step_agent(node, message[1], p.RejectReceived(message[2]))
+        else:
+            raise self.fail(f"unknown replication message {message!r}")
+
+    def _on_watch(self, node: SimNode, sender: str, from_key: TxKey, from_digest: bytes, version: int) -> None:
+        if version != p.REPLICATION_PROTOCOL_VERSION:
+            refusal = p.WatchRefused(node.name, f"incompatible protocol version {version}")
+            self._send_replication(node.name, sender, ("answer", refusal))
+            return
+        if from_key > node.applied_key:
+            refusal = p.WatchRefused(node.name, f"committed key {node.applied_key} is behind {from_key}")
+            self._send_replication(node.name, sender, ("answer", refusal))
+            return
+        self.agent_sequence += 1
+        agent_id = f"{node.name}-agent{self.agent_sequence}"
+        if from_digest != p.UNKNOWN_DIGEST and node.log.digest_at(from_key) == from_digest:
+            accepted = p.WatchAccepted(node.name, agent_id, "resume", from_key, from_digest)
+        else:
+            accepted = p.WatchAccepted(node.name, agent_id, "bootstrap", node.applied_key, node.applied_digest)
+        agent = Agent(agent_id, SHARD, sender, accepted.start_key, node.log, self.agent_config, self.now_ms)
+        self.agents[node.name][agent_id] = (sender, agent)
+        self.trace.append((self.now_ms, node.name, "watch", sender, accepted.mode, accepted.start_key, agent_id))
+        self._send_replication(node.name, sender, ("answer", accepted))
+        self._step_agent(node, agent_id, p.CommittedAdvanced(node.applied_key, self._hears_sequencer(node)))
+
+    # ------------------------------------------------------------ replicants (the driver)
+
+    def _start_replicant(self, replicant: SimReplicant) -> None:
+        replicant.machine = self.replica_class(
+            SHARD,
+            replicant.name,
+            tuple(sorted(self.nodes)),
+            replicant.applied_key,
+            replicant.applied_digest,
+            self.replica_config,
+            random.Random(self.rng.getrandbits(64)),
+            self.now_ms,
+            bootstraps=replicant.bootstraps,
+            resumes=replicant.resumes,
+        )
+        replicant.probe_answers = None
+        replicant.accepted = None
+
+    def _crash_replicant(self, replicant: SimReplicant) -> None:
+        replicant.machine = None
+        replicant.crash_in_next_step = False
+        replicant.probe_answers = None
+        replicant.down_until_ms = self.now_ms + self.rng.randint(20, 600)
+        self.replicant_crashes += 1
+        self.trace.append((self.now_ms, replicant.name, "crashed until", replicant.down_until_ms))
+
+    def _step_replicant(self, replicant: SimReplicant, event: Any) -> None:
+        machine = replicant.machine
+        if machine is None:
+            raise self.fail(f"stepping crashed replicant {replicant.name}")
+        watched = (machine.upstream, machine.agent_id)
+        was_disconnected = machine.mode is p.Mode.DISCONNECTED
+        effects = machine.step(event, self.now_ms)
+        crash_after = None
+        if replicant.crash_in_next_step:
+            crash_after = self.rng.randint(0, len(effects))
+            effects = effects[:crash_after]
+        for effect in effects:
+            if isinstance(effect, p.ApplyEntries):
+                if not isinstance(event, p.PushReceived):
+                    raise self.fail(f"{replicant.name} applied entries on {event!r}")
+                pusher = (event.core, event.agent_id)
+                if pusher != watched or pusher != replicant.accepted:
+                    raise self.fail(
+                        f"{replicant.name} applied a push of agent {event.agent_id} on {event.core}, "
+                        f"but it watches {replicant.accepted}"
+                    )
+            self._execute_replica(replicant, effect)
+        if isinstance(event, p.WatchAccepted) and was_disconnected and machine.agent_id == event.agent_id:
+            replicant.accepted = (event.core, event.agent_id)
+            if event.mode == "resume":
+                replicant.resumes += 1
+        if crash_after is not None:
+            self.trace.append((self.now_ms, replicant.name, "crashed mid-step after effects", crash_after))
+            self._crash_replicant(replicant)
+            return
+        self._check_replicant(replicant)
+
+    def _apply_entry(self, replicant: SimReplicant, entry: Entry) -> None:
+        if replicant.applied_digest == p.UNKNOWN_DIGEST:
+            raise self.fail(f"{replicant.name} applies {entry.tx_key} at an unknown position")
+        if entry.prev != replicant.applied_key:
+            raise self.fail(
+                f"{replicant.name} applies {entry.tx_key} after {entry.prev}, but its applied key is "
+                f"{replicant.applied_key} (a gap or a duplicate)"
+            )
+        if self.committed_digest.get(entry.tx_key) != entry.digest:
+            raise self.fail(f"{replicant.name} applies {entry.tx_key} outside the cores' committed history")
+        apply_ops(replicant.tables, entry)
+        replicant.applied_key, replicant.applied_digest = entry.tx_key, entry.digest
+        self.entries_applied += 1
+
+    def _execute_replica(self, replicant: SimReplicant, effect: Any) -> None:
+        name = replicant.name
+        if isinstance(effect, p.ProbeJournals):
+            replicant.probe_answers = {}
+            replicant.probe_deadline_ms = self.now_ms + self.replica_config.probe_timeout_ms
+            for core in effect.cores:
+                self._send_replication(name, core, ("probe",))
+        elif isinstance(effect, p.SendWatch):
+            version = p.REPLICATION_PROTOCOL_VERSION
+            if self.rng.random() < self.bad_version_probability:
+                version += 1  # an incompatible peer
+            self._send_request(name, effect.core, ("watch", effect.from_key, effect.from_digest, version))
+        elif isinstance(effect, p.FetchTables):
+            self._send_request(name, effect.core, ("tables",))
+        elif isinstance(effect, p.FetchBatch):
+            self._send_request(name, effect.core, ("batch", effect.table, effect.after, effect.limit))
+        elif isinstance(effect, p.ApplyEntries):
+            for entry in effect.entries:
+                self._apply_entry(replicant, entry)
+        elif isinstance(effect, p.ResetShard):
+            replicant.tables = empty_tables()
+            replicant.spill = []
+            replicant.applied_digest = p.UNKNOWN_DIGEST
+            replicant.bootstraps += 1
+        elif isinstance(effect, p.ApplyBatch):
+            for row in effect.rows:
+                replicant.tables.setdefault(effect.table, {})[row[KEY_COLUMN]] = dict(row)
+        elif isinstance(effect, p.SpillEntries):
+            replicant.spill.extend(effect.entries)
+        elif isinstance(effect, p.ReplaySpill):
+            if effect.start_key < replicant.applied_key:
+                raise self.fail(
+                    f"{name} replays from {effect.start_key}, behind its applied key {replicant.applied_key}"
+                )
+            expected = GENESIS_DIGEST if effect.start_key == ZERO_KEY else self.committed_digest.get(effect.start_key)
+            if expected != effect.start_digest:
+                raise self.fail(f"{name} replays from {effect.start_key} with a digest the cores do not have there")
+            replicant.applied_key, replicant.applied_digest = effect.start_key, effect.start_digest
+            for entry in replicant.spill:
+                self._apply_entry(replicant, entry)
+            replicant.spill = []
+        elif isinstance(effect, p.SendAck):
+            self._send_replication(name, effect.core, ("ack", effect.agent_id, effect.applied_key))
+        elif isinstance(effect, p.SendReject):
+            self.pushes_rejected += 1
+            self._send_replication(name, effect.core, ("reject", effect.agent_id, effect.reason))
+        elif isinstance(effect, p.ModeChanged):
+            self.trace.append((self.now_ms, name, "mode", effect.mode.value, effect.upstream, effect.reason))
+        else:
+            raise self.fail(f"{name}: unknown replica effect {effect!r}")
+
+    def _check_replicant(self, replicant: SimReplicant) -> None:
+        machine = replicant.machine
+        if replicant.applied_key < replicant.applied_key_max:
+            raise self.fail(f"{replicant.name} went back from {replicant.applied_key_max} to {replicant.applied_key}")
+        replicant.applied_key_max = replicant.applied_key
+        known = replicant.applied_digest != p.UNKNOWN_DIGEST and replicant.applied_key != ZERO_KEY
+        if known and self.committed_digest.get(replicant.applied_key) != replicant.applied_digest:
+            raise self.fail(f"{replicant.name} has another digest at {replicant.applied_key} than the cores")
+        if machine is not None and (machine.applied_key, machine.applied_digest) != (
+            replicant.applied_key,
+            replicant.applied_digest,
+        ):
+            raise self.fail(f"{replicant.name}: the machine's position differs from the persisted one")
+        if machine is not None:
+            status = machine.status()
+            if (status.bootstraps, status.resumes) != (replicant.bootstraps, replicant.resumes):
+                raise self.fail(
+                    f"{replicant.name} counts {status.bootstraps}/{status.resumes} bootstraps/resumes, "
+                    f"the driver saw {replicant.bootstraps}/{replicant.resumes}"
+                )
+
+    # ------------------------------------------------------------ the replication network
+
+    def _send_request(self, sender: str, core: str, message: tuple[Any, ...]) -> None:
+        if self.nodes[core].machine is None:
+            # Connection refused: the driver learns it at once.
+            failed = p.RequestFailed(core, "connection refused")
+            self._enqueue(self.now_ms + 1, core, sender, ("answer", failed))
+            return
+        self._send_replication(sender, core, message)
+
+    def _send_replication(self, sender: str, to: str, message: tuple[Any, ...]) -> None:
+        if self.in_order:
+            self._enqueue(self.now_ms + self.tick_ms, sender, to, message)
+            return
+        faults = self.faults
+        if self.rng.random() < faults.drop_probability:
+            return
+        copies = 2 if self.rng.random() < faults.duplicate_probability else 1
+        for _ in range(copies):
+            self._enqueue(self.now_ms + self.rng.randint(1, faults.delay_ms_max), sender, to, message)
+
+    def _enqueue(self, deliver_at: int, sender: str, to: str, message: tuple[Any, ...]) -> None:
+        self.message_sequence += 1
+        heapq.heappush(self.replication_network, (deliver_at, self.message_sequence, sender, to, message))
+
+    def _deliver_replication_due(self) -> None:
+        postponed = []
+        while self.replication_network and self.replication_network[0][0] <= self.now_ms:
+            deliver_at, sequence, sender, to, message = heapq.heappop(self.replication_network)
+            if (sender, to) in self.replicant_cut or (to, sender) in self.replicant_cut:
+                continue
+            if to in self.nodes:
+                node = self.nodes[to]
+                if node.machine is None:
+                    continue
+                if node.paused_until_ms > self.now_ms:
+                    postponed.append((node.paused_until_ms, sequence, sender, to, message))
+                    continue
+                self._serve(node, sender, message)
+                continue
+            replicant = self.replicants[to]
+            if replicant.machine is None:
+                continue
+            kind, body = message
+            if kind == "age":
+                if replicant.probe_answers is not None:
+                    replicant.probe_answers[sender] = body
+            else:
+                self._step_replicant(replicant, body)
+        for item in postponed:
+            heapq.heappush(self.replication_network, item)
+
+    # ------------------------------------------------------------ time and faults
+
+    def _advance(self) -> None:
+        self._deliver_due()
+        self._deliver_replication_due()
+        self._tick_all()
+        for node in self.nodes.values():
+            if self._is_up(node):
+                self._tell_agents(node)
+                for agent_id in list(self.agents[node.name]):
+                    self._step_agent(node, agent_id, p.Ticked())
+        self._restart_replicants_due()
+        for replicant in self.replicants.values():
+            if replicant.machine is None:
+                continue
+            if replicant.probe_answers is not None and self.now_ms >= replicant.probe_deadline_ms:
+                answers = replicant.probe_answers
+                replicant.probe_answers = None
+                ages = tuple((core, answers.get(core)) for core in sorted(self.nodes))
+                self._step_replicant(replicant, p.JournalsReceived(ages))
+            if replicant.machine is not None:
+                self._step_replicant(replicant, p.Ticked())
+        self.now_ms += self.tick_ms
+
+    def _restart_replicants_due(self) -> None:
+        for replicant in self.replicants.values():
+            if replicant.machine is None and replicant.down_until_ms <= self.now_ms:
+                self._start_replicant(replicant)
+                self.trace.append((self.now_ms, replicant.name, "started at", replicant.applied_key))
+
+    def _inject_faults(self) -> None:
+        super()._inject_faults()
+        rng = self.rng
+        names = list(self.replicants)
+        if rng.random() < self.replicant_crash_probability:
+            replicant = self.replicants[rng.choice(names)]
+            if replicant.machine is not None:
+                if rng.random() < 0.5:
+                    replicant.crash_in_next_step = True
+                else:
+                    self._crash_replicant(replicant)
+        if rng.random() < self.replicant_partition_probability:
+            replicant = rng.choice(names)
+            cores = rng.sample(sorted(self.nodes), rng.randint(1, len(self.nodes)))
+            self.replicant_cut = {(replicant, core) for core in cores}
+            self.trace.append((self.now_ms, "replicant partition", sorted(self.replicant_cut)))
+        elif self.replicant_cut and rng.random() < 0.05:
+            self.replicant_cut = set()
+            self.trace.append((self.now_ms, "replicant partition healed"))
+
+    def _heal(self) -> None:
+        super()._heal()
+        self.replicant_cut = set()
+        self.in_order = True
+        self.bad_version_probability = 0.0
+        for replicant in self.replicants.values():
+            replicant.crash_in_next_step = False
+            replicant.down_until_ms = min(replicant.down_until_ms, self.now_ms)
+
+    # ------------------------------------------------------------ the run
+
+    def _replicas_converged(self, sequencer: SimNode) -> bool:
+        for replicant in self.replicants.values():
+            machine = replicant.machine
+            if machine is None or machine.mode is not p.Mode.NORMAL:
+                return False
+            if replicant.applied_key != sequencer.applied_key:
+                return False
+        return True
+
+    def run(self) -> ReplicantSimulationResult:  # type: ignore[override]
+        super().run()
+        deadline = self.now_ms + CONVERGENCE_MS_MAX
+        while True:
+            sequencer = self._run_until_quiet(20_000)
+            if self._replicas_converged(sequencer):
+                break
+            if self.now_ms >= deadline:
+                states = {
+                    name: (r.machine.status() if r.machine else "down", r.applied_key)
+                    for name, r in self.replicants.items()
+                }
+                raise self.fail(f"replicas did not converge to {sequencer.applied_key}: {states}")
+            for _ in range(10):
+                self._advance()
+        self.final_replica_check(sequencer)
+        return ReplicantSimulationResult(
+            seed=self.seed,
+            core_count=self.core_count,
+            replicant_count=len(self.replicants),
+            committed_entries=len(self.committed_digest),
+            bootstraps=sum(r.bootstraps for r in self.replicants.values()),
+            resumes=sum(r.resumes for r in self.replicants.values()),
+            entries_applied=self.entries_applied,
+            rows_copied=sum(r.machine.status().rows_copied for r in self.replicants.values() if r.machine),
+            pushes_rejected=self.pushes_rejected,
+            replicant_crashes=self.replicant_crashes,
+            final_time_ms=self.now_ms,
+        )
+
+    def final_replica_check(self, sequencer: SimNode) -> None:
+        expected = self.core_tables[sequencer.name]
+        if sequencer.machine is None:
+            raise self.fail(f"{sequencer.name} is not running")
+        for name in sequencer.machine.members:
+            if self.core_tables[name] != expected:
+                raise self.fail(f"core {name}'s tables differ from the sequencer's")
+        for replicant in self.replicants.values():
+            if replicant.applied_key != sequencer.applied_key or replicant.applied_digest != sequencer.applied_digest:
+                raise self.fail(f"{replicant.name} is at {replicant.applied_key}, the cores at {sequencer.applied_key}")
+            if replicant.tables != expected:
+                raise self.fail(f"{replicant.name}'s tables differ from the cores' at {sequencer.applied_key}")
+
+
+def run_replicant_seed(
+    seed: int, replica_class: type[ShardReplica] = ShardReplica, faulty_ms: int = 3000
+) -> ReplicantSimulationResult:
+    """Run one seed: 3 cores for even seeds, 5 for odd ones; 2 or 3 replicants."""
+    core_count = 3 if seed % 2 == 0 else 5
+    replicant_count = 2 + seed % 3 // 2
+    return ReplicantSimulation(seed, core_count, replicant_count, faulty_ms, replica_class=replica_class).run()
