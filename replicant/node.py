@@ -52,6 +52,7 @@ PENDING_REQUESTS_MAX = 10_000
 WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
+EARLY_PUSHES_MAX = 64
 SOCKET_MESSAGE_FACTOR = 4
 
 
@@ -121,6 +122,8 @@ class ReplicantNode:
         self.probes: dict[str, Probe] = {}
         self.waiting_reads: list[WaitingRead] = []
         self.pushes_rejected: dict[str, int] = {}
+        # Pushes that arrived while this shard's watch answer was still on its way (bounded).
+        self.early_pushes: dict[str, list[p.PushReceived]] = {}
         self.stopping = threading.Event()
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
@@ -215,11 +218,13 @@ class ReplicantNode:
         for socket in self.core_sockets.values():
             poller.register(socket, zmq.POLLIN)
         ready = dict(poller.poll(timeout))
-        if self.socket in ready:
-            self._serve_waiting()
+        # Answers first: a watch answer and the new agent's first push travel on different
+        # connections, and the push must not be judged before the watch it belongs to.
         for core, socket in self.core_sockets.items():
             if socket in ready:
                 self._receive_answers(core, socket)
+        if self.socket in ready:
+            self._serve_waiting()
         self._answer_waiting_reads()
         self._flush()
 
@@ -387,6 +392,7 @@ class ReplicantNode:
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
+            early = self.early_pushes.pop(replica.shard, [])
             if error is not None:
                 self._step(replica, p.WatchRefused(pending.core, f"{error['code']}: {error['message']}"))
                 return
@@ -398,6 +404,9 @@ class ReplicantNode:
             self._step(
                 replica, p.WatchAccepted(pending.core, result["agent"], result["mode"], start, result["start_digest"])
             )
+            for push in early:
+                if push.agent_id == result["agent"]:
+                    self._step(replica, push)
         elif pending.purpose == "tables":
             if error is not None or not isinstance(result, list):
                 self._step(replica, p.RequestFailed(pending.core, f"list_tables failed: {error}"))
@@ -436,6 +445,8 @@ class ReplicantNode:
                     codec.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
                 )
             elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
+                if pending.purpose == "watch":
+                    self.early_pushes.pop(pending.shard, None)
                 self._step(self.replicas[pending.shard], p.RequestFailed(pending.core, f"{pending.purpose} timed out"))
         for shard in [s for s, probe in self.probes.items() if probe.deadline_ms <= now]:
             if shard in self.replicas:
@@ -511,7 +522,17 @@ class ReplicantNode:
         if body["core"] not in self.core_sockets:
             log.warning("push from unknown core %r ignored", body["core"])
             return
-        self._step(replica, p.PushReceived(body["core"], body["agent"], entries, committed, body["hears_sequencer"]))
+        push = p.PushReceived(body["core"], body["agent"], entries, committed, body["hears_sequencer"])
+        watching = any(
+            pending.purpose == "watch" and pending.shard == replica.shard and pending.core == push.core
+            for pending in self.pending.values()
+        )
+        if watching and push.agent_id != replica.status().agent_id:
+            early = self.early_pushes.setdefault(replica.shard, [])
+            if len(early) < EARLY_PUSHES_MAX:
+                early.append(push)
+            return
+        self._step(replica, push)
 
     def _forward(self, envelope: list[bytes], message: Message) -> None:
         """Writes never originate here: send them to a core, which orders them through the sequencer."""

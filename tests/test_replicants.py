@@ -101,7 +101,7 @@ def test_writes_through_cores_and_replicants_reach_every_replicant(replicated: C
 def test_kill_9_of_the_upstream_core_moves_the_replicant_without_a_bootstrap(replicated: Cluster) -> None:
     load = Load(replicated, replicated.names).start()
     load.wait_for(100)
-    before = shard_status(replicated, "replicant1")
+    before = wait_normal(replicated, "replicant1")
     upstream = before["upstream"]
     replicated.nodes[upstream].kill()
     wait_until(
@@ -125,7 +125,7 @@ def test_kill_9_of_the_upstream_core_moves_the_replicant_without_a_bootstrap(rep
 def test_a_paused_core_agent_is_fenced_after_sigcont(replicated: Cluster) -> None:
     load = Load(replicated, replicated.names).start()
     load.wait_for(100)
-    before = shard_status(replicated, "replicant1")
+    before = wait_normal(replicated, "replicant1")
     upstream = before["upstream"]
     others = [name for name in replicated.names if name != upstream]
     load.through = others
