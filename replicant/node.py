@@ -40,7 +40,7 @@ from rlog.codec import CodecError, Message
 from rlog.config import Config, ConfigError
 from rlog.schema import SchemaError, TableSchema, check_key, define_table
 from rlog.store import Store
-from rlog.types import GENESIS_DIGEST, OpDecodeError, TxKey, WriteOp, entry_from_wire, tx_key_from_wire
+from rlog.types import GENESIS_DIGEST, ZERO_KEY, OpDecodeError, TxKey, WriteOp, entry_from_wire, tx_key_from_wire
 
 log = logging.getLogger("mnesite.replicant")
 
@@ -122,6 +122,9 @@ class ReplicantNode:
         self.probes: dict[str, Probe] = {}
         self.waiting_reads: list[WaitingRead] = []
         self.pushes_rejected: dict[str, int] = {}
+        # After a bootstrap the copied rows may be newer than the applied key (dirty reads): reads
+        # wait until the applied key reaches the upstream's committed key read after the copy.
+        self.read_fences: dict[str, TxKey | None] = {}
         # Pushes that arrived while this shard's watch answer was still on its way (bounded).
         self.early_pushes: dict[str, list[p.PushReceived]] = {}
         self.stopping = threading.Event()
@@ -327,6 +330,11 @@ class ReplicantNode:
             self._outbox.append((self.core_sockets[effect.core], [], Message("push_ack", "ack", body)))
         elif isinstance(effect, p.ModeChanged):
             log.info("shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
+            if effect.mode is p.Mode.BOOTSTRAP:
+                self.read_fences[shard] = None
+            elif effect.mode is p.Mode.NORMAL and shard in self.read_fences and effect.upstream:
+                fence = Pending("fence", effect.upstream, now + REQUEST_TIMEOUT_MS, shard)
+                self._request(effect.upstream, "journal", {}, fence)
             status = replica.status()
             self._begin()
             self.store.set_meta(f"bootstraps:{shard}", status.bootstraps)
@@ -370,6 +378,16 @@ class ReplicantNode:
                 )
                 return
             self._wait_for(envelope, message, pending.detail["shard"], TxKey(*result["committed"]))
+            return
+        if pending.purpose == "fence":
+            shard = pending.shard or ""
+            info = (result or {}).get("shards", {}).get(shard)
+            if info is not None and shard in self.read_fences:
+                self.read_fences[shard] = TxKey(*info["committed"])
+            elif shard in self.read_fences and shard in self.replicas:
+                # No answer: ask the upstream again on the next turn (the fence stays closed).
+                core = self.replicas[shard].status().upstream or pending.core
+                self._request(core, "journal", {}, Pending("fence", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard))
             return
         if pending.purpose == "discover":
             if result is not None:
@@ -444,6 +462,8 @@ class ReplicantNode:
                     pending.detail["envelope"],
                     codec.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
                 )
+            elif pending.purpose == "fence" and pending.shard in self.read_fences:
+                self._on_answer(pending, Message("error", request_id, {"code": "timeout", "message": "no answer"}))
             elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
                 if pending.purpose == "watch":
                     self.early_pushes.pop(pending.shard, None)
@@ -554,6 +574,16 @@ class ReplicantNode:
         body = message.body
         table = self._table(body["table"])
         replica = self.replicas.get(table.shard)
+        fence = self.read_fences.get(table.shard, ZERO_KEY) if replica else None
+        if replica is not None and replica.mode is p.Mode.NORMAL and table.shard in self.read_fences:
+            if fence is not None and replica.applied_key >= fence:
+                del self.read_fences[table.shard]
+            else:
+                raise RequestError(
+                    "not_ready",
+                    f"replicant {self.config.name} is replaying shard {table.shard} after its bootstrap "
+                    f"(applied {replica.applied_key}, serving from {fence if fence else 'the upstream committed key'})",
+                )
         if replica is None or replica.mode is not p.Mode.NORMAL:
             status = replica.status() if replica else None
             detail = (
