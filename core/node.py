@@ -102,6 +102,7 @@ SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
 REPLICANT_SOCKETS_MAX = 1000
 RECOVERY_TIMEOUT_MS = 1000
+EXCLUDED_NOTICE_INTERVAL_MS = 1000
 # zmq drops (disconnects) peers whose message exceeds this; frames between frame_bytes_max and
 # this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
@@ -242,6 +243,9 @@ class CoreNode:
         self.socket: zmq.Socket | None = None
         self.peer_sockets: dict[str, zmq.Socket] = {}
         self.forwarded: dict[str, Forwarded] = {}
+        # shard -> why this core was left out by a forced start (it then stops campaigning there)
+        self.excluded: dict[str, dict[str, Any]] = {}
+        self.excluded_told_ms: dict[tuple[str, str], int] = {}
         self.rlog_server = RlogServer(config.name)
         self.replicant_sockets: dict[str, zmq.Socket] = {}
         self.last_heard_ms: dict[str, int] = {}
@@ -367,7 +371,7 @@ class CoreNode:
             raise RuntimeError("socket not bound")
         now = self.clock_ms()
         for driver in list(self.shards.values()):
-            if now >= driver.consensus.next_deadline_ms():
+            if now >= driver.consensus.next_deadline_ms() and driver.shard not in self.excluded:
                 self._step(driver, Ticked())
         self.rlog_server.tick(now)
         self._flush()
@@ -420,6 +424,8 @@ class CoreNode:
     def _dispatch(self, envelope: list[bytes], message: Message) -> None:
         if message.kind == "peer":
             self._on_peer(message)
+        elif message.kind == "excluded":
+            self._on_excluded(message.body)
         elif message.kind == "watch":
             self._reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
@@ -655,13 +661,65 @@ class CoreNode:
             return
         self.last_heard_ms[sender] = self.clock_ms()
         driver = self._shard_for(shard, create=True)
-        if driver is not None:
-            self._step(driver, MessageReceived(sender, peer_message))
+        if driver is None:
+            return
+        if sender not in driver.consensus.members:
+            self._tell_excluded(driver, sender, getattr(peer_message, "last_key", None))
+            return
+        self._step(driver, MessageReceived(sender, peer_message))
+
+    def _tell_excluded(self, driver: ShardDriver, sender: str, their_key: TxKey | None) -> None:
+        """A core outside our (forced) membership is talking to us: tell it, at most once a second."""
+        now = self.clock_ms()
+        if now - self.excluded_told_ms.get((driver.shard, sender), -(10**12)) < EXCLUDED_NOTICE_INTERVAL_MS:
+            return
+        self.excluded_told_ms[(driver.shard, sender)] = now
+        key = their_key if their_key is not None else driver.consensus.committed_key
+        body = {
+            "shard": driver.shard,
+            "sender": self.config.name,
+            "generation": driver.consensus.generation,
+            "members": list(driver.consensus.members),
+            "key": list(key),
+            "digest": self.store.digest_at(driver.shard, key),
+        }
+        self._send_peer(sender, Message("excluded", "excluded", body))
+
+    def _on_excluded(self, body: dict[str, Any]) -> None:
+        """We were left out by a forced start: stop taking part in the shard and say how our journal compares."""
+        shard, sender = body["shard"], body["sender"]
+        if sender not in self.config.core_nodes or shard in self.excluded:
+            return
+        key = tx_key_from_wire(body["key"])
+        own = self.store.digest_at(shard, key) if shard in self.shards else None
+        if body["digest"] is None or own is None:
+            verdict = f"cannot compare journals at {key} (one side no longer holds it)"
+        elif own == body["digest"]:
+            verdict = f"journals agree up to {key}"
+        else:
+            verdict = f"journals DIVERGE at {key}"
+        self.excluded[shard] = {
+            "by": sender,
+            "generation": body["generation"],
+            "members": body["members"],
+            "verdict": verdict,
+        }
+        log.error(
+            "shard %s: this core was left out of the cluster by a forced start (generation %d, members %s, told by "
+            "%s); %s. It no longer takes part in the shard: rebuild it from a member's data directory.",
+            shard,
+            body["generation"],
+            ", ".join(body["members"]),
+            sender,
+            verdict,
+        )
 
     # -- writes ------------------------------------------------------------------------------
 
     def _write(self, envelope: list[bytes], message: Message) -> None:
         shard = self._shard_of(message)
+        if shard in self.excluded:
+            raise RequestError("excluded", f"{self.config.name} was left out of shard {shard}: {self.excluded[shard]}")
         driver = self._shard_for(shard, create=message.kind == "create_table")
         if driver is None:
             raise RequestError("unknown_table", "unknown table")
@@ -926,6 +984,7 @@ class CoreNode:
                 "last": list(status.last_key),
                 "members": list(status.members),
                 "forced": status.forced,
+                "excluded": self.excluded.get(shard),
                 "rlog": self.store.rlog_statistics(shard),
             }
             if status.role is Role.SEQUENCER:

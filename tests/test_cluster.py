@@ -217,3 +217,17 @@ def test_force_start_after_losing_the_majority(cluster: Cluster) -> None:
         assert len(list(client.scan("kv"))) == 51
     journal = json.loads(runner.invoke(main, ["journal", "show", "--node", endpoint, "--json"]).output)
     assert journal["cores"][survivor]["shards"]["default"]["forced"] is True
+    # A core from before the force comes back: it is told, reports it, and takes no part any more.
+    cluster.start("core1")
+    wait_until(
+        lambda: (cluster.status("core1") or {}).get("shards", {}).get("default", {}).get("excluded") is not None,
+        20,
+        "core1 to learn that it was left out",
+    )
+    excluded = cluster.status("core1")["shards"]["default"]["excluded"]
+    assert excluded["by"] == survivor and excluded["members"] == [survivor] and "journals" in excluded["verdict"]
+    with Client(cluster.endpoints["core1"], timeout_ms=1000, retries=0) as client, pytest.raises(MnesiteError):
+        client.put("kv", {"id": 2000, "value": "must not be accepted"})
+    with Client(endpoint) as client:
+        assert client.get("kv", 2000) is None
+        assert cluster.status(survivor)["shards"]["default"]["role"] == "sequencer"
