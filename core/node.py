@@ -71,7 +71,7 @@ from core.consensus import (
 from core.consensus_wire import message_from_wire, message_to_wire
 from core.rlog_server import RlogServer, WatchRefused
 from core.transaction import GuardFailed, evaluate, parse_transaction
-from rlog import codec
+from rlog import codec, range_requests
 from rlog.codec import CodecError, Message
 from rlog.config import Config, ConfigError
 from rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_key, define_table
@@ -89,7 +89,8 @@ from rlog.types import (
 
 log = logging.getLogger("mnesite.core")
 
-READ_KINDS = frozenset({"get", "scan", "status", "list_tables", "rlog_tail", "rlog_entries", "journal"})
+READ_KINDS = frozenset({"get", "scan", "status", "list_tables", "rlog_tail", "rlog_entries", "journal",
+                        *range_requests.KINDS})
 WRITE_KINDS = frozenset({"transact", "create_table"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
@@ -899,6 +900,8 @@ class CoreNode:
 
     def _read(self, message: Message) -> Any:
         body = message.body
+        if message.kind in range_requests.KINDS:
+            return range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
         if message.kind == "get":
             table = self._table(body["table"])
             self._check_consistency(message, table)

@@ -256,6 +256,26 @@ class Client:
     def rlog_entries(self, shard: str, after: list[int] | TxKey = (0, 0), limit: int = 1000) -> list[dict[str, Any]]:
         return self.call("rlog_entries", {"shard": shard, "after": list(after), "limit": limit})
 
+    # -- range requests (rlog.range_requests): the node hashes key ranges itself -------------
+
+    def range_digest(
+        self, table: str, ranges: list[list[Any]], split_parts: int = 0, split_rows_min: int = 0
+    ) -> dict[str, Any]:
+        """Row count and digest of each ``[low, high]`` range (``(low, high]``, None: unbounded)."""
+        body = {"table": table, "ranges": ranges, "split_parts": split_parts, "split_rows_min": split_rows_min}
+        return self.call("range_digest", body)
+
+    def key_boundaries(self, table: str, parts: int, low: Any = None, high: Any = None) -> dict[str, Any]:
+        """Rows of ``(low, high]`` and up to ``parts - 1`` keys cutting it into near-equal ranges."""
+        return self.call("key_boundaries", {"table": table, "parts": parts, "low": low, "high": high})
+
+    def row_digests(self, table: str, low: Any = None, high: Any = None, limit: int | None = None) -> dict[str, Any]:
+        """``[key, row digest]`` of the first ``limit`` rows of ``(low, high]`` in key order."""
+        body: dict[str, Any] = {"table": table, "low": low, "high": high}
+        if limit is not None:
+            body["limit"] = limit
+        return self.call("row_digests", body)
+
 
 class Transaction:
     """Collects guards and ops; sends them as one transaction when the ``with`` block ends cleanly."""

@@ -112,6 +112,15 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 
+def _range_kinds() -> dict[str, dict[str, tuple[tuple[type, ...], bool]]]:
+    from rlog.range_requests import KINDS as range_kinds  # lazily: range_requests imports the store
+
+    return range_kinds
+
+
+KINDS.update(_range_kinds())
+
+
 @dataclass(frozen=True)
 class Message:
     kind: str
