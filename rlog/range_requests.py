@@ -169,7 +169,8 @@ def range_digests(
         else:
             remaining = rows_max - used
             rows, blob = cursor.execute(
-                f"SELECT count(*), CAST(group_concat(t, '') AS BLOB) FROM (SELECT {text} AS t FROM {name}{where} LIMIT ?)",
+                f"SELECT count(*), CAST(group_concat(t, '') AS BLOB) "
+                f"FROM (SELECT {text} AS t FROM {name}{where} LIMIT ?)",
                 (*bindings, remaining + 1),
             ).fetchone()
             if rows > remaining:
@@ -199,7 +200,7 @@ def _split_keys(
     found: list[Any] = []
     last = low
     cursor = connection.cursor()
-    for position in range(step, min(scanned, rows - 1) + 1, step):
+    for _ in range(step, min(scanned, rows - 1) + 1, step):
         if len(found) >= parts - 1:
             break
         where, bindings = _condition(table, last, high)

@@ -31,6 +31,7 @@ Exit status: 0 equal (in-flight differences allowed), 1 diverged, 2 could not co
 
 from __future__ import annotations
 
+import heapq
 import json
 import time
 from collections import defaultdict
@@ -38,15 +39,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
-from rlog.range_digest import encode_key, encode_row, row_digest, split_ranges
+from rlog.range_digest import key_bytes, key_from_bytes
 from rlog.schema import TableSchema
 from rlog.types import TxKey
 from spark.replica import (
     BATCH_ROWS_MAX,
     NODE_TIMEOUT_MS,
-    FileReplica,
     Replica,
     ReplicaError,
     ReplicaSpec,
@@ -61,7 +59,6 @@ EXIT_ERROR = 2
 
 CATEGORIES = ("missing_on_left", "missing_on_right", "different")
 SAMPLE_MAX_LIMIT = 10_000
-SPLIT_SAMPLE_KEYS_MAX = 1024  # keys a task keeps per range to choose sub-split keys
 
 Progress = Callable[[str], None]
 
@@ -75,21 +72,30 @@ class CompareOptions:
     tables: tuple[str, ...] = ()  # empty: every table of every replica
     master: str = "local[*]"
     sample_max: int = 10  # sampled keys per class, per table and pair
-    ranges_initial: int = 64  # first-level key ranges per table
+    ranges_initial: int = 0  # first-level key ranges per table; 0: about one per range_rows rows
+    range_rows: int = 64  # rows per first-level range when ranges_initial is 0
+    ranges_initial_max: int = 200_000  # first-level ranges per table at most (bigger tables drill down)
     fanout: int = 16  # sub-ranges a differing range is cut into
     leaf_rows_max: int = 256  # a differing range with at most this many rows goes to row level
     depth_max: int = 6  # digest levels before going to row level regardless
     level_ranges_max: int = 200_000  # differing ranges one level may drill into
+    driver_row_digests_max: int = 1_000_000  # row digests merged by the driver; more are joined by Spark
     in_flight_entries_max: int = 100_000  # rlog entries read per shard and pair
-    tasks_per_core: int = 2
+    tasks_per_core: int = 1
     batch_rows_max: int = BATCH_ROWS_MAX
     timeout_ms: int = NODE_TIMEOUT_MS
 
     def check(self) -> None:
         if not 0 <= self.sample_max <= SAMPLE_MAX_LIMIT:
             raise CompareError(f"sample must be between 0 and {SAMPLE_MAX_LIMIT}")
-        if self.ranges_initial < 1 or self.fanout < 2 or self.leaf_rows_max < 1 or self.depth_max < 1:
-            raise CompareError("ranges_initial >= 1, fanout >= 2, leaf_rows_max >= 1 and depth_max >= 1 are required")
+        if (self.ranges_initial < 0 or self.range_rows < 1 or self.ranges_initial_max < 1 or self.fanout < 2
+                or self.leaf_rows_max < 1 or self.depth_max < 1 or self.level_ranges_max < 1
+                or self.driver_row_digests_max < 0 or self.tasks_per_core < 1):
+            raise CompareError(
+                "ranges_initial >= 0, range_rows >= 1, ranges_initial_max >= 1, fanout >= 2, leaf_rows_max >= 1, "
+                "depth_max >= 1, level_ranges_max >= 1, driver_row_digests_max >= 0 and tasks_per_core >= 1 "
+                "are required"
+            )
 
 
 @dataclass
@@ -191,45 +197,43 @@ def report_json(report: CompareReport, indent: int | None = 2) -> str:
 
 @dataclass(frozen=True)
 class _Task:
-    """Work for one executor: consecutive-or-not ranges of one table of one replica."""
+    """Work for one executor: key ranges of one table of one replica, digested or row-digested."""
 
     replica_index: int
     spec: ReplicaSpec
     table: TableSchema
-    ranges: tuple[tuple[str, Any, Any], ...]  # (range id, low, high), in key order
+    first: int  # index of ranges[0] in the level's list of ranges of this table
+    ranges: tuple[tuple[Any, Any], ...]  # (low, high), in key order
     split_parts: int
+    split_rows_min: int
     row_level: bool
     timeout_ms: int
-    batch_rows_max: int
 
 
-def _runs(ranges: Sequence[tuple[str, Any, Any]]) -> Iterator[list[tuple[str, Any, Any]]]:
-    """Group ranges into runs of consecutive ones, so that each run is one scan."""
-    run: list[tuple[str, Any, Any]] = []
-    for item in ranges:
-        if run and run[-1][2] != item[1]:
-            yield run
-            run = []
-        run.append(item)
-    if run:
-        yield run
+def run_task(task: _Task) -> tuple[Any, ...]:
+    """Executor entry point: one result per task, so a level ships few, compact Python objects.
 
-
-def run_task(task: _Task) -> Iterator[tuple[Any, ...]]:
-    """Executor entry point: digests per range, or (key, row digest, row) per row at row level."""
+    Digest level: ``(table, replica, first, rows, digests, splits)`` with one row count and one
+    digest (None: over a node's budget) per range and ``splits`` mapping a range's position to
+    its split keys. Row level: ``(table, replica, first, [(key, row digest), ...])``.
+    """
     with open_replica(task.spec, task.timeout_ms) as replica:
-        for run in _runs(task.ranges):
-            low, high = run[0][1], run[-1][2]
-            rows = replica.iter_rows(task.table, low, high, task.batch_rows_max)
-            if task.row_level:
-                for key, values in rows:
-                    yield (task.table.name, encode_key(key), task.replica_index, row_digest(values), encode_row(values))
-                continue
-            bounds = [(item[1], item[2]) for item in run]
-            for result in split_ranges(rows, bounds, task.split_parts, SPLIT_SAMPLE_KEYS_MAX):
-                range_id = run[result.index][0]
-                splits = msgpack.packb(list(result.split_keys), use_bin_type=True)
-                yield (task.table.name, range_id, task.replica_index, result.rows, result.digest, splits)
+        if task.row_level:
+            found: list[tuple[Any, bytes]] = []
+            for low, high in task.ranges:
+                found.extend(replica.row_digests(task.table, low, high))
+            return (task.table.name, task.replica_index, task.first, found)
+        answers = replica.range_digests(task.table, list(task.ranges), task.split_parts, task.split_rows_min)
+    if len(answers) != len(task.ranges):
+        raise ReplicaError(f"{task.spec.label}: {len(answers)} digests for {len(task.ranges)} ranges")
+    return (
+        task.table.name,
+        task.replica_index,
+        task.first,
+        [answer.rows for answer in answers],
+        [answer.digest for answer in answers],
+        {position: answer.split_keys for position, answer in enumerate(answers) if answer.split_keys},
+    )
 
 
 # -- driver side ----------------------------------------------------------------------------------
@@ -306,7 +310,7 @@ def _unique_labels(specs: Sequence[ReplicaSpec]) -> list[str]:
     return labels
 
 
-InFlightKeys = dict[tuple[int, str], set[bytes]]  # (right replica index, table) -> encoded keys
+InFlightKeys = dict[tuple[int, str], set[bytes]]  # (right replica index, table) -> key_bytes of keys
 
 
 def _plan(
@@ -380,7 +384,7 @@ def _find_in_flight(
             )
             for table_name, key in touched:
                 if table_name in tables:
-                    in_flight[(right, table_name)].add(encode_key(key))
+                    in_flight[(right, table_name)].add(key_bytes(key))
             report.in_flight_spans.append(span)
             say(f"shard {shard}: {labels[ahead]} is ahead of the other by {span.entries} entries"
                 + ("" if span.complete else f" ({span.reason})"))
@@ -420,29 +424,11 @@ def _run(
     options: CompareOptions,
     say: Progress,
 ) -> None:
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType
-
     tables = {name: replicas[0].catalog()[name] for name in report.tables}
     context = session.sparkContext
     parallelism = max(1, context.defaultParallelism * options.tasks_per_core)
-    digest_schema = StructType([
-        StructField("table", StringType(), False),
-        StructField("range_id", StringType(), False),
-        StructField("replica", IntegerType(), False),
-        StructField("rows", LongType(), False),
-        StructField("digest", BinaryType(), False),
-        StructField("splits", BinaryType(), False),
-    ])
-    row_schema = StructType([
-        StructField("table", StringType(), False),
-        StructField("key", BinaryType(), False),
-        StructField("replica", IntegerType(), False),
-        StructField("digest", BinaryType(), False),
-        StructField("row", BinaryType(), False),
-    ])
 
-    def tasks_for(ranges: dict[str, list[tuple[str, Any, Any]]], row_level: bool) -> list[_Task]:
+    def tasks_for(ranges: dict[str, list[tuple[Any, Any]]], row_level: bool) -> list[_Task]:
         tasks = []
         total = sum(len(r) for r in ranges.values()) or 1
         for name, table_ranges in ranges.items():
@@ -450,94 +436,162 @@ def _run(
             chunks = max(1, round(parallelism * len(table_ranges) / total / len(replicas)))
             size = -(-len(table_ranges) // chunks)
             for start in range(0, len(table_ranges), size):
-                chunk = tuple(table_ranges[start:start + size])
+                chunk = tuple(table_ranges[start : start + size])
                 for index, replica in enumerate(replicas):
-                    tasks.append(_Task(index, replica.spec, tables[name], chunk, options.fanout, row_level,
-                                       options.timeout_ms, options.batch_rows_max))
+                    tasks.append(_Task(index, replica.spec, tables[name], start, chunk, options.fanout,
+                                       options.leaf_rows_max, row_level, options.timeout_ms))
         return tasks
 
+    def run(tasks: list[_Task]) -> list[tuple[Any, ...]]:
+        return context.parallelize(tasks, len(tasks)).map(run_task).collect() if tasks else []
+
     # Level 1: the same boundaries for every replica, from the replica with the most rows.
-    pending: dict[str, list[tuple[str, Any, Any]]] = {}
+    pending: dict[str, list[tuple[Any, Any]]] = {}
     for name, table in tables.items():
-        reference = _reference_replica(replicas, table)
-        split_keys = reference.split_keys(table, options.ranges_initial)
+        reference, rows = _reference_replica(replicas, table)
+        parts = options.ranges_initial or max(1, -(-rows // options.range_rows))
+        split_keys = reference.key_boundaries(table, min(parts, options.ranges_initial_max))[1] if parts > 1 else []
         edges = [None, *split_keys, None]
-        pending[name] = [(str(i), low, high) for i, (low, high) in enumerate(zip(edges, edges[1:], strict=False))]
-    leaves: dict[str, list[tuple[str, Any, Any]]] = defaultdict(list)
+        pending[name] = list(zip(edges, edges[1:], strict=False))
+    leaves: dict[str, list[tuple[Any, Any, int]]] = defaultdict(list)  # (low, high, rows on all replicas)
     level = 0
     digests_shipped = 0
     while pending:
         level += 1
-        tasks = tasks_for(pending, row_level=False)
-        frame = session.createDataFrame(
-            context.parallelize(tasks, len(tasks)).flatMap(run_task), digest_schema
-        ).cache()
-        digests_shipped += sum(len(r) for r in pending.values()) * len(replicas)
+        shape = {name: len(items) for name, items in pending.items()}
+        counts = {name: [[0] * size for _ in replicas] for name, size in shape.items()}
+        digests: dict[str, list[list[bytes | None]]] = {name: [[None] * size for _ in replicas]
+                                                         for name, size in shape.items()}
+        splits: dict[str, list[dict[int, tuple[Any, ...]]]] = {name: [{} for _ in replicas] for name in shape}
+        for name, replica_index, first, rows, range_digests, range_splits in run(tasks_for(pending, False)):
+            counts[name][replica_index][first : first + len(rows)] = rows
+            digests[name][replica_index][first : first + len(range_digests)] = range_digests
+            for position, keys in range_splits.items():
+                splits[name][replica_index][first + position] = keys
+        digests_shipped += sum(shape.values()) * len(replicas)
         if level == 1:
-            for row in frame.groupBy("table", "replica").agg(F.sum("rows").alias("rows")).collect():
-                report.rows.setdefault(row["table"], {})[labels[row["replica"]]] = int(row["rows"])
             for name in tables:
-                for label in labels:
-                    report.rows.setdefault(name, {}).setdefault(label, 0)
-        differing = (
-            frame.groupBy("table", "range_id")
-            .agg(
-                F.countDistinct("digest").alias("digests"),
-                F.max("rows").alias("rows_max"),
-                F.max_by("splits", "rows").alias("splits"),
-            )
-            .filter(F.col("digests") > 1)
-            .limit(options.level_ranges_max + 1)
-            .collect()
-        )
-        frame.unpersist()
-        say(f"level {level}: {sum(len(r) for r in pending.values())} range(s) digested, {len(differing)} differ")
-        bounds = {(name, item[0]): item for name, items in pending.items() for item in items}
-        next_pending: dict[str, list[tuple[str, Any, Any]]] = defaultdict(list)
-        too_many = len(differing) > options.level_ranges_max
-        for row in sorted(differing, key=lambda r: (r["table"], _range_sort_key(r["range_id"]))):
-            name, range_id = row["table"], row["range_id"]
-            _, low, high = bounds[(name, range_id)]
-            splits = msgpack.unpackb(bytes(row["splits"]), raw=False)
-            if too_many or row["rows_max"] <= options.leaf_rows_max or level >= options.depth_max or not splits:
-                leaves[name].append((range_id, low, high))
-                continue
-            edges = [low, *splits, high]
-            for child, (child_low, child_high) in enumerate(zip(edges, edges[1:], strict=False)):
-                next_pending[name].append((f"{range_id}.{child}", child_low, child_high))
-        for name in next_pending:
-            next_pending[name].sort(key=lambda item: _range_sort_key(item[0]))
+                report.rows[name] = {label: sum(counts[name][index]) for index, label in enumerate(labels)}
+        next_pending: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
+        differing = 0
+        for name, items in pending.items():
+            differing_here = [
+                position for position in range(len(items))
+                if any(digests[name][r][position] is None or digests[name][r][position] != digests[name][0][position]
+                       for r in range(len(replicas)))
+            ]
+            differing += len(differing_here)
+            too_many = len(differing_here) > options.level_ranges_max
+            for position in differing_here:
+                low, high = items[position]
+                per_replica = [counts[name][r][position] for r in range(len(replicas))]
+                widest = max(range(len(replicas)), key=lambda r: (per_replica[r], -r))
+                cut = splits[name][widest].get(position, ())
+                if too_many or max(per_replica) <= options.leaf_rows_max or level >= options.depth_max or not cut:
+                    leaves[name].append((low, high, sum(per_replica)))
+                    continue
+                edges = [low, *cut, high]
+                next_pending[name].extend(zip(edges, edges[1:], strict=False))
+        say(f"level {level}: {sum(shape.values())} range(s) digested, {differing} differ")
         pending = dict(next_pending)
     report.statistics.update({"levels": level, "range_digests": digests_shipped,
                               "leaf_ranges": sum(len(v) for v in leaves.values())})
     for name in tables:
         for right in range(1, len(replicas)):
             report.pairs.append(PairTableResult(name, labels[0], labels[right]))
+    report.statistics["rows_shipped"] = 0
+    report.statistics["rows_fetched"] = 0
     if not leaves:
-        report.statistics["rows_shipped"] = 0
         return
 
-    # Row level: ship (key, row digest, row) for the differing leaves only.
-    for name in leaves:
-        leaves[name].sort(key=lambda item: _range_sort_key(item[0]))
-    tasks = tasks_for(dict(leaves), row_level=True)
-    rows = session.createDataFrame(context.parallelize(tasks, len(tasks)).flatMap(run_task), row_schema).cache()
+    # Row level: (key, row digest) for the rows of the differing leaves only.
+    leaf_ranges = {name: [(low, high) for low, high, _ in items] for name, items in leaves.items()}
+    expected = sum(rows for items in leaves.values() for _, _, rows in items)
+    results = {(p.table, p.right): p for p in report.pairs}
+    if expected <= options.driver_row_digests_max:
+        report.statistics["row_level"] = "driver"
+        found: dict[str, list[dict[Any, bytes]]] = {name: [{} for _ in replicas] for name in leaf_ranges}
+        shipped = 0
+        for name, replica_index, _, pairs in run(tasks_for(leaf_ranges, True)):
+            found[name][replica_index].update(pairs)
+            shipped += len(pairs)
+        report.statistics["rows_shipped"] = shipped
+        say(f"row level: {shipped} row digest(s) from {report.statistics['leaf_ranges']} range(s), merged here")
+        for name, per_replica in found.items():
+            for right in range(1, len(replicas)):
+                keys = _classify(per_replica[0], per_replica[right], in_flight.get((right, name), set()))
+                _fill(results[(name, labels[right])], keys, options.sample_max)
+    else:
+        report.statistics["row_level"] = "spark"
+        _spark_row_level(session, run, tasks_for(leaf_ranges, True), tables, labels, results, in_flight, options,
+                         report, say)
+    _fetch_samples(replicas, tables, results, labels, report)
+
+
+def _classify(left: dict[Any, bytes], right: dict[Any, bytes], in_flight: set[bytes]) -> dict[str, list[Any]]:
+    """Keys of one pair by category, from both sides' row digests of the differing leaves."""
+    keys: dict[str, list[Any]] = {category: [] for category in (*CATEGORIES, "in_flight")}
+    for key, digest in left.items():
+        other = right.get(key)
+        category = "missing_on_right" if other is None else ("different" if other != digest else None)
+        if category is not None:
+            keys["in_flight" if key_bytes(key) in in_flight else category].append(key)
+    for key in right.keys() - left.keys():
+        keys["in_flight" if key_bytes(key) in in_flight else "missing_on_left"].append(key)
+    return keys
+
+
+def _fill(result: PairTableResult, keys: dict[str, list[Any]], sample_max: int) -> None:
+    """Exact counts, and the ``sample_max`` first keys in key order per category (rows come later)."""
+    for category, items in keys.items():
+        result.counts[category] += len(items)
+        chosen = heapq.nsmallest(sample_max, items, key=key_bytes) if sample_max else []
+        result.samples[category] = [{"key": key, "left": None, "right": None} for key in chosen]
+
+
+def _spark_row_level(
+    session: Any,
+    run: Callable[[list[_Task]], list[tuple[Any, ...]]],
+    tasks: list[_Task],
+    tables: dict[str, TableSchema],
+    labels: list[str],
+    results: dict[tuple[str, str], PairTableResult],
+    in_flight: InFlightKeys,
+    options: CompareOptions,
+    report: CompareReport,
+    say: Progress,
+) -> None:
+    """Row level for many differing rows: Spark joins the row digests, the driver gets counts and samples."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType
+
+    def flatten(task: _Task) -> Iterator[tuple[Any, ...]]:
+        name, replica_index, _, pairs = run_task(task)
+        for key, digest in pairs:
+            yield (name, key_bytes(key), replica_index, digest)
+
+    schema = StructType([
+        StructField("table", StringType(), False),
+        StructField("key", BinaryType(), False),
+        StructField("replica", IntegerType(), False),
+        StructField("digest", BinaryType(), False),
+    ])
+    context = session.sparkContext
+    rows = session.createDataFrame(context.parallelize(tasks, len(tasks)).flatMap(flatten), schema).cache()
     report.statistics["rows_shipped"] = rows.count()
-    say(f"row level: {report.statistics['rows_shipped']} row(s) from {report.statistics['leaf_ranges']} range(s)")
+    say(f"row level: {report.statistics['rows_shipped']} row digest(s) from "
+        f"{report.statistics['leaf_ranges']} range(s), joined by Spark")
     in_flight_rows = [(right, name, key) for (right, name), keys in in_flight.items() for key in keys]
     in_flight_frame = session.createDataFrame(
         in_flight_rows,
         StructType([StructField("right", IntegerType(), False), StructField("table", StringType(), False),
-                     StructField("key", BinaryType(), False)]),
+                    StructField("key", BinaryType(), False)]),
     ).withColumn("in_flight", F.lit(True))
-    results = {(p.table, p.right): p for p in report.pairs}
-    from pyspark.sql import Window
-
-    for right in range(1, len(replicas)):
-        left_rows = rows.filter(F.col("replica") == 0).select(
-            "table", "key", F.col("digest").alias("left_digest"), F.col("row").alias("left_row"))
-        right_rows = rows.filter(F.col("replica") == right).select(
-            "table", "key", F.col("digest").alias("right_digest"), F.col("row").alias("right_row"))
+    for right in range(1, len(labels)):
+        left_rows = rows.filter(F.col("replica") == 0).select("table", "key", F.col("digest").alias("left_digest"))
+        right_rows = rows.filter(F.col("replica") == right).select("table", "key",
+                                                                   F.col("digest").alias("right_digest"))
         joined = (
             left_rows.join(right_rows, ["table", "key"], "full_outer")
             .withColumn(
@@ -556,52 +610,59 @@ def _run(
             results[(row["table"], labels[right])].counts[row["category"]] = int(row["count"])
         if options.sample_max:
             window = Window.partitionBy("table", "category").orderBy("key")
-            sampled = (
-                joined.withColumn("position", F.row_number().over(window))
-                .filter(F.col("position") <= options.sample_max)
-                .collect()
-            )
+            sampled = (joined.withColumn("position", F.row_number().over(window))
+                       .filter(F.col("position") <= options.sample_max).collect())
             for row in sorted(sampled, key=lambda r: (r["table"], r["category"], r["position"])):
-                result = results[(row["table"], labels[right])]
-                result.samples[row["category"]].append(_sample(tables[row["table"]], row))
-            for result in results.values():
-                for items in result.samples.values():
-                    items.sort(key=lambda item: _sortable(item["key"]))
+                key = key_from_bytes(bytes(row["key"]), tables[row["table"]].key_type)
+                results[(row["table"], labels[right])].samples[row["category"]].append(
+                    {"key": key, "left": None, "right": None})
         joined.unpersist()
     rows.unpersist()
 
 
-def _range_sort_key(range_id: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in range_id.split("."))
+def _fetch_samples(
+    replicas: list[Replica],
+    tables: dict[str, TableSchema],
+    results: dict[tuple[str, str], PairTableResult],
+    labels: list[str],
+    report: CompareReport,
+) -> None:
+    """The rows of the sampled keys, read by key from both replicas of each pair.
+
+    A live node is read after the digests were taken, so a sampled row shows its state now.
+    """
+    fetched = 0
+    for (name, right_label), result in results.items():
+        table = tables[name]
+        names = [column for column, _ in table.columns]
+        keys = sorted({sample["key"] for items in result.samples.values() for sample in items}, key=key_bytes)
+        if not keys:
+            continue
+        try:
+            left_rows = replicas[0].read_rows(table, keys)
+            right_rows = replicas[labels.index(right_label)].read_rows(table, keys)
+        except ReplicaError as error:
+            raise CompareError(str(error)) from None
+        fetched += len(left_rows) + len(right_rows)
+        for items in result.samples.values():
+            for sample in items:
+                left, right = left_rows.get(sample["key"]), right_rows.get(sample["key"])
+                sample["left"] = dict(zip(names, left, strict=True)) if left is not None else None
+                sample["right"] = dict(zip(names, right, strict=True)) if right is not None else None
+            items.sort(key=lambda item: key_bytes(item["key"]))
+    report.statistics["rows_fetched"] = fetched
 
 
-def _sortable(key: Any) -> tuple[int, Any]:
-    order = {int: 0, str: 1, bytes: 2}
-    return (order.get(type(key), 3), key)
-
-
-def _reference_replica(replicas: list[Replica], table: TableSchema) -> Replica:
-    """The file replica with the most rows (cheap to count), else the first node replica."""
-    counted = [(replica.row_count(table), index) for index, replica in enumerate(replicas)
-               if isinstance(replica, FileReplica)]
-    if counted:
-        return replicas[max(counted)[1]]
-    return replicas[0]
-
-
-def _decode_row(table: TableSchema, blob: Any) -> dict[str, Any] | None:
-    if blob is None:
-        return None
-    values = msgpack.unpackb(bytes(blob), raw=False)
-    return dict(zip([name for name, _ in table.columns], values, strict=True))
-
-
-def _sample(table: TableSchema, row: Any) -> dict[str, Any]:
-    return {
-        "key": msgpack.unpackb(bytes(row["key"]), raw=False),
-        "left": _decode_row(table, row["left_row"]),
-        "right": _decode_row(table, row["right_row"]),
-    }
+def _reference_replica(replicas: list[Replica], table: TableSchema) -> tuple[Replica, int]:
+    """The replica with the most rows (ties: the first) and its row count (bounded on a node)."""
+    counted = []
+    for index, replica in enumerate(replicas):
+        try:
+            counted.append((replica.key_boundaries(table, 1)[0], -index))
+        except ReplicaError as error:
+            raise CompareError(str(error)) from None
+    rows, index = max(counted)
+    return replicas[-index], rows
 
 
 __all__ = [

@@ -27,7 +27,8 @@ from typing import Any
 
 import apsw
 
-from rlog.range_digest import KeySampler
+from rlog import range_requests
+from rlog.range_requests import RangeAnswer
 from rlog.schema import TableSchema
 from rlog.store import FORMAT_VERSION, quote
 from rlog.types import (
@@ -47,6 +48,11 @@ NODE_SCHEME = "tcp://"
 BATCH_ROWS_MAX = 1000  # rows per read from a file cursor window or per scan_page request
 NODE_TIMEOUT_MS = 5000
 ENTRIES_BATCH_MAX = 1000
+NODE_RANGES_PER_REQUEST_MAX = 2000  # ranges per range_digest request (keeps answers well under a frame)
+NODE_SPLIT_RANGES_PER_REQUEST_MAX = 200  # the same when split keys are asked for too
+NODE_ROW_DIGESTS_PER_REQUEST_MAX = 10_000
+ROW_DIGESTS_PAGE_MAX = 10_000  # row digests a file replica reads per statement
+READ_ROWS_KEYS_MAX = 100_000  # keys one read_rows call may ask for (samples ask for a few)
 
 
 class ReplicaError(RuntimeError):
@@ -126,9 +132,35 @@ class Replica(ABC):
         """``(key, values in declared order)`` for keys in ``(low, high]``, in key order."""
         raise NotImplementedError
 
-    @abstractmethod
     def split_keys(self, table: TableSchema, parts: int) -> list[Any]:
         """Up to ``parts - 1`` increasing keys cutting the table into near-equal key ranges."""
+        if parts < 2:
+            return []
+        return self.key_boundaries(table, parts)[1]
+
+    @abstractmethod
+    def key_boundaries(
+        self, table: TableSchema, parts: int, low: Any = None, high: Any = None
+    ) -> tuple[int, list[Any]]:
+        """``(rows, keys)``: the rows of ``(low, high]`` (a lower bound on a node past its bound) and
+        up to ``parts - 1`` increasing keys strictly inside cutting it into near-equal ranges."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def range_digests(
+        self, table: TableSchema, ranges: list[tuple[Any, Any]], split_parts: int = 0, split_rows_min: int = 0
+    ) -> list[RangeAnswer]:
+        """One ``RangeAnswer`` per range, in order (see ``rlog.range_requests``)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def row_digests(self, table: TableSchema, low: Any, high: Any) -> Iterator[tuple[Any, bytes]]:
+        """``(key, row digest)`` of every row of ``(low, high]`` in key order."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def read_rows(self, table: TableSchema, keys: list[Any]) -> dict[Any, tuple[Any, ...]]:
+        """Values in declared order of the rows with ``keys`` (at most ``READ_ROWS_KEYS_MAX``)."""
         raise NotImplementedError
 
     @abstractmethod
@@ -177,6 +209,7 @@ class FileReplica(Replica):
             found = row[0] if row else None
             raise ReplicaError(f"{spec.label}: not a mnesite database of format {FORMAT_VERSION} (found {found!r})")
         self._catalog: dict[str, TableSchema] | None = None
+        self._features_checked = False
 
     def _execute(self, sql: str, bindings: tuple[Any, ...] = ()) -> apsw.Cursor:
         try:
@@ -225,17 +258,40 @@ class FileReplica(Replica):
     def row_count(self, table: TableSchema) -> int:
         return self._execute(f"SELECT count(*) FROM {quote(table.name)}").fetchone()[0]
 
-    def split_keys(self, table: TableSchema, parts: int) -> list[Any]:
-        if parts < 2:
-            return []
-        key = quote(table.key_column)
-        # ntile over the key index: the last key of every bucket but the last is an inclusive upper end.
-        rows = self._execute(
-            f"SELECT max(k) FROM (SELECT {key} AS k, ntile(?) OVER (ORDER BY {key}) AS bucket "
-            f"FROM {quote(table.name)}) GROUP BY bucket ORDER BY bucket",
-            (parts,),
-        ).fetchall()
-        return [row[0] for row in rows[:-1]]
+    def _read(self, function: Any, *args: Any) -> Any:
+        """``function(connection, *args)`` in one read snapshot; SQLite errors become ``ReplicaError``."""
+        try:
+            if not self._features_checked:
+                range_requests.check_sql_features(self.connection)
+                self._features_checked = True
+            with range_requests.read_snapshot(self.connection):
+                return function(self.connection, *args)
+        except (apsw.Error, range_requests.SqlFeaturesError) as error:
+            raise ReplicaError(f"{self.spec.label}: read failed ({_first_line(error)})") from None
+
+    def key_boundaries(
+        self, table: TableSchema, parts: int, low: Any = None, high: Any = None
+    ) -> tuple[int, list[Any]]:
+        return self._read(range_requests.key_boundaries, table, parts, low, high)
+
+    def range_digests(
+        self, table: TableSchema, ranges: list[tuple[Any, Any]], split_parts: int = 0, split_rows_min: int = 0
+    ) -> list[RangeAnswer]:
+        return self._read(range_requests.range_digests, table, ranges, split_parts, split_rows_min)
+
+    def row_digests(self, table: TableSchema, low: Any, high: Any) -> Iterator[tuple[Any, bytes]]:
+        after = low  # pages of ROW_DIGESTS_PAGE_MAX rows: memory stays bounded whatever the range holds
+        while True:
+            page = self._read(range_requests.row_digests, table, after, high, ROW_DIGESTS_PAGE_MAX)
+            yield from page
+            if len(page) < ROW_DIGESTS_PAGE_MAX:
+                return
+            after = page[-1][0]
+
+    def read_rows(self, table: TableSchema, keys: list[Any]) -> dict[Any, tuple[Any, ...]]:
+        if len(keys) > READ_ROWS_KEYS_MAX:
+            raise ReplicaError(f"{self.spec.label}: at most {READ_ROWS_KEYS_MAX} keys per read")
+        return self._read(range_requests.read_rows, table, keys)
 
     def entries_after(self, shard: str, after: TxKey, limit: int) -> list[RlogEntry]:
         entries = []
@@ -321,14 +377,66 @@ class NodeReplica(Replica):
                 return
             after = page[-1][table.key_column]
 
-    def split_keys(self, table: TableSchema, parts: int) -> list[Any]:
-        # No server-side sampling request yet: page through the keys once, keeping a bounded sample.
-        if parts < 2:
-            return []
-        sampler = KeySampler()
-        for key, _ in self.iter_rows(table, None, None):
-            sampler.add(key)
-        return sampler.split_keys(parts)
+    def _answer(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        answer = self._call(method, *args, **kwargs)
+        if not isinstance(answer, dict):
+            raise ReplicaError(f"{self.spec.label}: malformed {method} answer")
+        return answer
+
+    def key_boundaries(
+        self, table: TableSchema, parts: int, low: Any = None, high: Any = None
+    ) -> tuple[int, list[Any]]:
+        answer = self._answer("key_boundaries", table.name, parts, low=low, high=high)
+        try:
+            return int(answer["rows"]), list(answer["keys"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ReplicaError(f"{self.spec.label}: malformed key_boundaries answer ({error})") from None
+
+    def range_digests(
+        self, table: TableSchema, ranges: list[tuple[Any, Any]], split_parts: int = 0, split_rows_min: int = 0
+    ) -> list[RangeAnswer]:
+        # The node hashes; only digests come back. It answers fewer ranges than asked when its
+        # row budget runs out: ask again from the first unanswered one.
+        per_request = NODE_SPLIT_RANGES_PER_REQUEST_MAX if split_parts >= 2 else NODE_RANGES_PER_REQUEST_MAX
+        answers: list[RangeAnswer] = []
+        while len(answers) < len(ranges):
+            batch = [[low, high] for low, high in ranges[len(answers) : len(answers) + per_request]]
+            answer = self._answer("range_digest", table.name, batch, split_parts=split_parts,
+                                  split_rows_min=split_rows_min)
+            try:
+                items = [RangeAnswer(int(item["rows"]), None if item["digest"] is None else bytes(item["digest"]),
+                                     tuple(item["split_keys"])) for item in answer["ranges"]]
+            except (KeyError, TypeError, ValueError) as error:
+                raise ReplicaError(f"{self.spec.label}: malformed range_digest answer ({error})") from None
+            if not items or len(items) > len(batch):
+                raise ReplicaError(f"{self.spec.label}: range_digest answered {len(items)} of {len(batch)} ranges")
+            answers.extend(items)
+        return answers
+
+    def row_digests(self, table: TableSchema, low: Any, high: Any) -> Iterator[tuple[Any, bytes]]:
+        after = low
+        while True:
+            answer = self._answer("row_digests", table.name, low=after, high=high,
+                                  limit=NODE_ROW_DIGESTS_PER_REQUEST_MAX)
+            try:
+                page = [(item[0], bytes(item[1])) for item in answer["rows"]]
+            except (KeyError, TypeError, IndexError) as error:
+                raise ReplicaError(f"{self.spec.label}: malformed row_digests answer ({error})") from None
+            yield from page
+            if len(page) < NODE_ROW_DIGESTS_PER_REQUEST_MAX:
+                return
+            after = page[-1][0]
+
+    def read_rows(self, table: TableSchema, keys: list[Any]) -> dict[Any, tuple[Any, ...]]:
+        if len(keys) > READ_ROWS_KEYS_MAX:
+            raise ReplicaError(f"{self.spec.label}: at most {READ_ROWS_KEYS_MAX} keys per read")
+        names = [name for name, _ in table.columns]
+        found = {}
+        for key in keys:
+            row = self._call("get", table.name, key)
+            if row is not None:
+                found[key] = tuple(row.get(name) for name in names)
+        return found
 
     def entries_after(self, shard: str, after: TxKey, limit: int) -> list[RlogEntry]:
         entries = []
