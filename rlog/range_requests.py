@@ -8,7 +8,8 @@ on an apsw connection to a mnesite database, and answer three questions about on
 * ``range_digest``: for each key range ``(low, high]`` (``None``: unbounded) its row count, its
   digest and, on request, split keys cutting it into about ``split_parts`` equal parts;
 * ``key_boundaries``: evenly spaced keys cutting a key range into about ``parts`` ranges;
-* ``row_digests``: ``[key, row digest]`` for the rows of one range, in key order.
+* ``row_digests``: ``[key, row digest]`` for the rows of one range, in key order (``more``: the
+  limit cut it; ask again after the last key).
 
 SQLite builds each row's canonical text natively (``rlog.range_digest.row_text_sql``) and
 concatenates a range's texts with ``group_concat``; Python only hashes one byte string per
@@ -332,8 +333,9 @@ def answer(store: Any, kind: str, body: dict[str, Any], scan_rows_max: int) -> d
     low, high = _check_range(table, body.get("low"), body.get("high"), "range")
     with _sql_errors(), read_snapshot(connection):
         applied, digest = applied_position(connection, table.shard)
-        digests = row_digests(connection, table, low, high, limit)
-    return {**_position(table, applied, digest), "rows": [[key, row_digest] for key, row_digest in digests]}
+        digests = row_digests(connection, table, low, high, limit + 1)
+    return {**_position(table, applied, digest), "rows": [[key, row_digest] for key, row_digest in digests[:limit]],
+            "more": len(digests) > limit}
 
 
 def _position(table: TableSchema, applied: TxKey, digest: bytes) -> dict[str, Any]:

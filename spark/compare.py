@@ -81,7 +81,7 @@ class CompareOptions:
     level_ranges_max: int = 200_000  # differing ranges one level may drill into
     driver_row_digests_max: int = 1_000_000  # row digests merged by the driver; more are joined by Spark
     in_flight_entries_max: int = 100_000  # rlog entries read per shard and pair
-    tasks_per_core: int = 1
+    tasks_per_core: int = 2
     batch_rows_max: int = BATCH_ROWS_MAX
     timeout_ms: int = NODE_TIMEOUT_MS
 
@@ -445,6 +445,15 @@ def _run(
     def run(tasks: list[_Task]) -> list[tuple[Any, ...]]:
         return context.parallelize(tasks, len(tasks)).map(run_task).collect() if tasks else []
 
+    phases: dict[str, float] = {}
+    report.statistics["phase_seconds"] = phases
+    clock = [time.monotonic()]
+
+    def phase(name: str) -> None:
+        now = time.monotonic()
+        phases[name] = round(phases.get(name, 0.0) + now - clock[0], 3)
+        clock[0] = now
+
     # Level 1: the same boundaries for every replica, from the replica with the most rows.
     pending: dict[str, list[tuple[Any, Any]]] = {}
     for name, table in tables.items():
@@ -453,6 +462,7 @@ def _run(
         split_keys = reference.key_boundaries(table, min(parts, options.ranges_initial_max))[1] if parts > 1 else []
         edges = [None, *split_keys, None]
         pending[name] = list(zip(edges, edges[1:], strict=False))
+    phase("boundaries")
     leaves: dict[str, list[tuple[Any, Any, int]]] = defaultdict(list)  # (low, high, rows on all replicas)
     level = 0
     digests_shipped = 0
@@ -468,6 +478,7 @@ def _run(
             digests[name][replica_index][first : first + len(range_digests)] = range_digests
             for position, keys in range_splits.items():
                 splits[name][replica_index][first + position] = keys
+        phase("digest_jobs")
         digests_shipped += sum(shape.values()) * len(replicas)
         if level == 1:
             for name in tables:
@@ -494,6 +505,7 @@ def _run(
                 next_pending[name].extend(zip(edges, edges[1:], strict=False))
         say(f"level {level}: {sum(shape.values())} range(s) digested, {differing} differ")
         pending = dict(next_pending)
+        phase("digest_merge")
     report.statistics.update({"levels": level, "range_digests": digests_shipped,
                               "leaf_ranges": sum(len(v) for v in leaves.values())})
     for name in tables:
@@ -515,17 +527,21 @@ def _run(
         for name, replica_index, _, pairs in run(tasks_for(leaf_ranges, True)):
             found[name][replica_index].update(pairs)
             shipped += len(pairs)
+        phase("row_job")
         report.statistics["rows_shipped"] = shipped
         say(f"row level: {shipped} row digest(s) from {report.statistics['leaf_ranges']} range(s), merged here")
         for name, per_replica in found.items():
             for right in range(1, len(replicas)):
                 keys = _classify(per_replica[0], per_replica[right], in_flight.get((right, name), set()))
                 _fill(results[(name, labels[right])], keys, options.sample_max)
+        phase("row_merge")
     else:
         report.statistics["row_level"] = "spark"
         _spark_row_level(session, run, tasks_for(leaf_ranges, True), tables, labels, results, in_flight, options,
                          report, say)
+        phase("row_spark_join")
     _fetch_samples(replicas, tables, results, labels, report)
+    phase("samples")
 
 
 def _classify(left: dict[Any, bytes], right: dict[Any, bytes], in_flight: set[bytes]) -> dict[str, list[Any]]:

@@ -50,7 +50,6 @@ NODE_TIMEOUT_MS = 5000
 ENTRIES_BATCH_MAX = 1000
 NODE_RANGES_PER_REQUEST_MAX = 2000  # ranges per range_digest request (keeps answers well under a frame)
 NODE_SPLIT_RANGES_PER_REQUEST_MAX = 200  # the same when split keys are asked for too
-NODE_ROW_DIGESTS_PER_REQUEST_MAX = 10_000
 ROW_DIGESTS_PAGE_MAX = 10_000  # row digests a file replica reads per statement
 READ_ROWS_KEYS_MAX = 100_000  # keys one read_rows call may ask for (samples ask for a few)
 
@@ -416,14 +415,15 @@ class NodeReplica(Replica):
     def row_digests(self, table: TableSchema, low: Any, high: Any) -> Iterator[tuple[Any, bytes]]:
         after = low
         while True:
-            answer = self._answer("row_digests", table.name, low=after, high=high,
-                                  limit=NODE_ROW_DIGESTS_PER_REQUEST_MAX)
+            # No limit: the node answers as many rows as its budget allows and says whether there are more.
+            answer = self._answer("row_digests", table.name, low=after, high=high)
             try:
                 page = [(item[0], bytes(item[1])) for item in answer["rows"]]
+                more = bool(answer["more"])
             except (KeyError, TypeError, IndexError) as error:
                 raise ReplicaError(f"{self.spec.label}: malformed row_digests answer ({error})") from None
             yield from page
-            if len(page) < NODE_ROW_DIGESTS_PER_REQUEST_MAX:
+            if not more or not page:
                 return
             after = page[-1][0]
 

@@ -1,0 +1,208 @@
+"""Node-side range requests: a live node hashes key ranges itself, exactly like a file replica does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlog import codec, range_requests
+from rlog.client import MnesiteError
+from rlog.range_digest import text_range_digest
+from rlog.schema import SchemaError
+from rlog.store import Store
+from rlog.types import WriteOp
+from spark.replica import FileReplica, NodeReplica, parse_replica
+from tests.conftest import ThreadNode
+from tests.spark_fixtures import commit, create_table
+
+COLUMNS = [("k", "INTEGER"), ("name", "TEXT"), ("score", "REAL"), ("extra", "ANY"), ("data", "BLOB")]
+
+
+def row(key: int) -> dict[str, Any]:
+    extra: Any = [key, f"t{key}", key / 3, b"\x00" * (key % 4), None][key % 5]
+    return {"k": key, "name": f"name, {key}\x00!", "score": key * 0.1, "extra": extra, "data": bytes([key % 256]) * 3}
+
+
+def fill(node: ThreadNode, keys: range) -> None:
+    with node.client() as client:
+        client.create_table("items", key="k", columns=COLUMNS)
+        with client.transaction() as tx:
+            for key in keys:
+                tx.put("items", row(key))
+
+
+def file_replica(node: ThreadNode, tmp_path: Path) -> FileReplica:
+    replica = FileReplica(parse_replica(str(tmp_path / "data")))
+    assert "items" in replica.catalog()
+    return replica
+
+
+@pytest.mark.timeout(60)
+def test_node_digests_equal_the_file_replica_digests(thread_node: ThreadNode, tmp_path: Path) -> None:
+    fill(thread_node, range(0, 400, 2))
+    node = NodeReplica(parse_replica(thread_node.endpoint))
+    with node, file_replica(thread_node, tmp_path) as local:
+        table = local.table("items")
+        assert node.table("items") == table
+        ranges = [(None, 10), (10, 11), (11, 200), (200, None)]
+        from_node = node.range_digests(table, ranges, split_parts=4, split_rows_min=10)
+        from_file = local.range_digests(table, ranges, split_parts=4, split_rows_min=10)
+        assert from_node == from_file
+        assert [answer.rows for answer in from_node] == [6, 0, 95, 99]
+        assert from_node[1].digest == text_range_digest(0, None)
+        assert len({answer.digest for answer in from_node}) == 4
+        # Split keys cut a range with more than split_rows_min rows into about split_parts parts.
+        assert from_node[0].split_keys == () and len(from_node[2].split_keys) == 3
+        assert all(11 < key <= 200 for key in from_node[2].split_keys)
+        assert node.key_boundaries(table, 4) == local.key_boundaries(table, 4) == (200, [98, 198, 298])
+        assert node.key_boundaries(table, 3, 100, 120) == (10, [108, 116])  # every 4th of 102..120
+        assert list(node.row_digests(table, 5, 21)) == list(local.row_digests(table, 5, 21))
+        assert [key for key, _ in node.row_digests(table, 5, 21)] == list(range(6, 21, 2))
+        # One changed value changes exactly the digests that cover it.
+        rows_before = dict(local.row_digests(table, 140, 160))
+        with thread_node.client() as client:
+            client.put("items", {**row(150), "score": 15.000000000000002})
+        changed = node.range_digests(table, ranges)
+        assert [a.digest == b.digest for a, b in zip(changed, from_file, strict=True)] == [True, True, False, True]
+        rows_after = dict(node.row_digests(table, 140, 160))
+        assert rows_after.keys() == rows_before.keys() and len(rows_after) == 10
+        assert [key for key in rows_after if rows_after[key] != rows_before[key]] == [150]
+
+
+@pytest.mark.timeout(60)
+def test_answers_carry_the_applied_position(thread_node: ThreadNode) -> None:
+    fill(thread_node, range(10))
+    with thread_node.client() as client:
+        tx_key = client.put("items", row(3))
+        status = client.status()["shards"]["default"]
+        for answer in (
+            client.range_digest("items", [[None, None]]),
+            client.key_boundaries("items", 2),
+            client.row_digests("items"),
+        ):
+            assert answer["shard"] == "default"
+            assert answer["applied"] == list(tx_key) == list(status["applied"])
+            assert answer["applied_digest"] == status["digest"]
+        assert client.range_digest("items", [[None, None]])["ranges"][0]["rows"] == 10
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("kind", "body", "code", "message"),
+    [
+        ("range_digest", {"table": "nope", "ranges": [[None, None]]}, "unknown_table", "unknown table 'nope'"),
+        ("key_boundaries", {"table": "nope", "parts": 2}, "unknown_table", "unknown table"),
+        ("row_digests", {"table": "nope"}, "unknown_table", "unknown table"),
+        ("range_digest", {"table": "items", "ranges": []}, "bad_request", "ranges must be a list"),
+        ("range_digest", {"table": "items", "ranges": [[1]]}, "bad_request", "range 0 must be a [low, high] pair"),
+        ("range_digest", {"table": "items", "ranges": [[None, 5], 7]}, "bad_request", "range 1 must be"),
+        ("range_digest", {"table": "items", "ranges": [[5, 5]]}, "bad_request", "low must be below high"),
+        ("range_digest", {"table": "items", "ranges": [["a", None]]}, "bad_request", "range 0 low"),
+        ("range_digest", {"table": "items", "ranges": [[None, None]], "split_parts": -1}, "bad_request", "split_parts"),
+        ("range_digest", {"table": "items", "ranges": [[None, None]] * (range_requests.RANGES_MAX + 1)},
+         "bad_request", "ranges must be a list of 1..10000"),
+        ("key_boundaries", {"table": "items", "parts": 0}, "bad_request", "parts must be"),
+        ("key_boundaries", {"table": "items", "parts": range_requests.PARTS_MAX + 1}, "bad_request", "parts must be"),
+        ("key_boundaries", {"table": "items", "parts": 2, "low": 9, "high": 1}, "bad_request", "low must be below"),
+        ("row_digests", {"table": "items", "limit": 0}, "bad_request", "limit must be"),
+        ("row_digests", {"table": "items", "high": b"x"}, "bad_request", "range high"),
+    ],
+)
+def test_bad_requests_get_a_clear_error_and_the_node_keeps_serving(
+    thread_node: ThreadNode, kind: str, body: dict[str, Any], code: str, message: str
+) -> None:
+    fill(thread_node, range(5))
+    with thread_node.client() as client:
+        with pytest.raises(MnesiteError) as raised:
+            client.call(kind, body)
+        assert raised.value.code == code and message in str(raised.value)
+        assert client.range_digest("items", [[None, None]])["ranges"][0]["rows"] == 5
+
+
+@pytest.mark.timeout(60)
+def test_unknown_fields_and_wrong_field_types_are_refused_by_the_node(thread_node: ThreadNode) -> None:
+    import msgpack
+    import zmq
+
+    fill(thread_node, range(5))
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(thread_node.endpoint)
+    try:
+        for request_id, body, message in (
+            ("r1", {"table": "items", "ranges": [[None, None]], "extra": 1}, "unknown field 'extra'"),
+            ("r2", {"table": "items", "ranges": "all"}, "field 'ranges' must be list"),
+            ("r3", {"ranges": [[None, None]]}, "missing field 'table'"),
+        ):
+            # Raw frames: the client would refuse to encode these itself.
+            socket.send(msgpack.packb([codec.PROTOCOL_VERSION, "range_digest", request_id, body], use_bin_type=True))
+            assert socket.poll(5000), "the node did not answer"
+            answer = codec.decode(socket.recv())
+            assert answer.kind == "error" and answer.body["code"] == "bad_frame", answer
+            assert message in answer.body["message"]
+    finally:
+        socket.close(0)
+        context.term()
+    with thread_node.client() as client:
+        assert client.range_digest("items", [[None, None]])["ranges"][0]["rows"] == 5
+
+
+@pytest.mark.timeout(60)
+def test_answers_are_bounded_by_the_row_budget(tmp_path: Path) -> None:
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"scan_rows_max": 3}})  # 30 rows hashed per answer
+    try:
+        fill(node, range(100))
+        with node.client() as client:
+            answer = client.range_digest("items", [[None, 19], [19, 39], [39, None]])
+            assert answer["more"] is True and [r["rows"] for r in answer["ranges"]] == [20]
+            # A range larger than the budget: no digest, a lower bound on its rows, split keys to cut it.
+            answer = client.range_digest("items", [[None, None]], split_parts=4)
+            (only,) = answer["ranges"]
+            assert only["digest"] is None and only["rows"] == 31 and len(only["split_keys"]) == 3
+            assert len(client.row_digests("items")["rows"]) == 30
+            assert len(client.row_digests("items", limit=7)["rows"]) == 7
+            with pytest.raises(MnesiteError, match="limit must be"):
+                client.row_digests("items", limit=31)
+            assert client.key_boundaries("items", 2)["rows"] == 100  # keys walked: 100 per scan row
+        with NodeReplica(parse_replica(node.endpoint)) as replica, \
+                FileReplica(parse_replica(str(tmp_path / "data"))) as local:
+            table = local.table("items")
+            ranges = [(None, 19), (19, 39), (39, 59), (59, 79), (79, None)]
+            # The replica asks again from the first unanswered range until every range is answered.
+            assert replica.range_digests(table, ranges) == local.range_digests(table, ranges)
+            assert replica.range_digests(table, [(None, None)])[0].digest is None
+            assert list(replica.row_digests(table, None, None)) == list(local.row_digests(table, None, None))
+    finally:
+        node.stop()
+
+
+@pytest.mark.timeout(30)
+def test_reads_nest_inside_an_open_write_transaction(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "mnesite.db"), synchronous="OFF")
+    create_table(store, "items", "k", COLUMNS)
+    commit(store, [WriteOp("items", row(key)) for key in range(5)])
+    body = {"table": "items", "ranges": [[None, None]]}
+    before = range_requests.answer(store, "range_digest", body, 100)
+    assert not store.connection.in_transaction  # the read transaction was released
+    store.connection.execute("BEGIN IMMEDIATE")  # what the node does during a turn
+    commit_inside = [WriteOp("items", row(7))]
+    from rlog.types import TxKey, make_entry
+
+    position = store.shard("default")
+    entry = make_entry("default", TxKey(1, position.applied.counter + 1), position.applied, position.digest,
+                       tuple(commit_inside))
+    store.append_entry(entry, 0)
+    store.apply_entry(entry)
+    inside = range_requests.answer(store, "range_digest", body, 100)
+    assert store.connection.in_transaction  # still the node's transaction, not committed by the read
+    assert inside["ranges"][0]["rows"] == 6 and inside["applied"] == list(entry.tx_key)
+    assert inside["ranges"][0]["digest"] != before["ranges"][0]["digest"]
+    store.connection.execute("ROLLBACK")
+    assert range_requests.answer(store, "range_digest", body, 100) == before
+    with pytest.raises(SchemaError) as raised:
+        range_requests.answer(store, "scan", body, 100)
+    assert raised.value.code == "bad_request"
+    store.close()
