@@ -13,17 +13,24 @@ Theory of operation
    a difference there is the lag of one replica, not divergence. If the rlog no longer holds
    the whole span (trimmed, or the histories do not connect), the shard is marked incomplete
    and its differences count as divergence.
-3. *Digest levels (Spark).* Tasks ``(replica, table, consecutive ranges)`` run on executors; each
-   reads its ranges once in key order and emits per range a row count, a BLAKE2b digest
-   (``rlog.range_digest``) and a few evenly spaced split keys. Spark groups the digests by range
-   and keeps the ranges whose digests are not all equal. Those with more than
-   ``leaf_rows_max`` rows on some replica are cut at the split keys of the replica with the most
-   rows there and digested again (at most ``depth_max`` levels). Equal replicas therefore ship
-   only one digest per first-level range.
-4. *Row level (Spark).* For the differing leaf ranges every replica emits ``(key, row digest,
-   row)``; Spark full-outer-joins the first replica with each other one on the key, classifies
-   keys (missing on one side, values differ, in flight), counts them exactly and keeps a sample
-   of at most ``sample_max`` keys per class with both values.
+3. *Digest levels (Spark).* The first level's ranges are small: about ``range_rows`` (64) rows
+   each, at most ``ranges_initial_max`` per table (or ``ranges_initial`` if set), so that with
+   differences spread all over the table a differing range is still only a few rows. Tasks
+   ``(replica, table, ranges)`` run on executors; each asks its replica for one row count and one
+   digest per range (``rlog.range_requests``): SQLite builds each row's canonical text and
+   concatenates a range's texts natively, Python hashes one string per range, and a live node
+   does this itself so that only digests cross the network. Each task returns one compact
+   result; the driver merges the digest lists (no Spark shuffle: they are small) and keeps the
+   ranges whose digests are not all equal (a node over its row budget answers no digest, which
+   counts as differing). Those with more than ``leaf_rows_max`` rows on some replica are cut at
+   the split keys of the replica with the most rows there, which came with its digests, and
+   digested again (at most ``depth_max`` levels). Equal replicas therefore ship only digests.
+4. *Row level.* For the differing leaf ranges every replica ships ``(key, row digest)`` per row
+   (computed from the same row texts). When there are at most ``driver_row_digests_max`` of them
+   the driver merges them; otherwise Spark full-outer-joins the first replica with each other
+   one on the key. Either way keys are classified (missing on one side, values differ, in
+   flight) and counted exactly, and at most ``sample_max`` keys per class are kept, the first in
+   key order, whose rows are then read by key from both replicas.
 
 Exit status: 0 equal (in-flight differences allowed), 1 diverged, 2 could not compare
 (``CompareError``: bad replica, unknown table, unreachable node, Spark unavailable).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -281,3 +282,50 @@ def test_live_node_compares_equal_to_its_own_file(spark_session: Any, thread_nod
     assert report.rows["kv"] == {thread_node.endpoint: 50, str(data_directory): 50}
     frame = spark_session.read.format("mnesite").option("node", thread_node.endpoint).option("table", "kv").load()
     assert sorted(row["k"] for row in frame.collect()) == list(range(50))
+
+
+@pytest.mark.timeout(120)
+def test_row_level_joined_by_spark_gives_the_driver_merge_report(spark_session: Any, equal_replicas: tuple) -> None:
+    primary, copy = equal_replicas
+    tamper(copy, [
+        ("UPDATE users SET name = 'mallory' WHERE id IN (3, 1000)", ()),
+        ("DELETE FROM users WHERE id IN (0, 1500)", ()),
+        ("INSERT INTO users VALUES (5000, 'eve', 1.0, x'01', NULL)", ()),
+        ("UPDATE tags SET weight = -1 WHERE tag = 'tag-0100'", ()),
+    ])
+    merged = compare([str(primary), str(copy)], DRILL, session=spark_session)
+    joined = compare([str(primary), str(copy)], replace(DRILL, driver_row_digests_max=0), session=spark_session)
+    assert (merged.statistics["row_level"], joined.statistics["row_level"]) == ("driver", "spark")
+    assert [p.to_json() for p in joined.pairs] == [p.to_json() for p in merged.pairs]
+    users = next(p for p in joined.pairs if p.table == "users")
+    assert users.counts == {"missing_on_left": 1, "missing_on_right": 2, "different": 2, "in_flight": 0}
+    assert samples_by_key(users, "different")[1000]["right"]["name"] == "mallory"
+
+
+@pytest.mark.timeout(120)
+def test_a_node_over_its_row_budget_is_drilled_into_not_misreported(spark_session: Any, tmp_path: Path) -> None:
+    from tests.conftest import ThreadNode
+
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"scan_rows_max": 2}})  # 20 rows hashed per answer
+    try:
+        with node.client() as client:
+            client.create_table("kv", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
+            with client.transaction() as tx:
+                for key in range(60):
+                    tx.put("kv", {"k": key, "v": f"value {key}"})
+        options = CompareOptions(ranges_initial=1, fanout=4, leaf_rows_max=16)
+        report = compare([node.endpoint, str(tmp_path / "data")], options, session=spark_session)
+        assert report.exit_status == EXIT_EQUAL, report.to_json()
+        assert report.statistics["levels"] == 2 and report.statistics["rows_shipped"] == 0
+        copy = tmp_path / "copy"
+        copy.mkdir()
+        target = apsw.Connection(str(copy / "mnesite.db"))
+        with target.backup("main", apsw.Connection(str(tmp_path / "data" / "mnesite.db")), "main") as backup:
+            backup.step()
+        target.close()
+        tamper(copy, [("UPDATE kv SET v = 'x' WHERE k = 33", ())])
+        report = compare([node.endpoint, str(copy)], options, session=spark_session)
+        (pair,) = report.pairs
+        assert pair.counts["different"] == 1 and list(samples_by_key(pair, "different")) == [33]
+    finally:
+        node.stop()
