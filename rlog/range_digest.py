@@ -21,6 +21,12 @@ decimating sample, which the next drill-down level uses as sub-boundaries.
 
 Keys compare with Python's ``<``: within one STRICT key column (INTEGER, TEXT or BLOB)
 that is SQLite's BINARY order (UTF-8 byte order equals code point order).
+
+The compare job and the node's range requests use the *row text* half of this module (at
+the end): SQLite builds the canonical text of each row natively (``row_text_sql``) and
+Python hashes whole ranges of it, which avoids a Python call per row. The msgpack half above
+stays the reference for rows that are already Python values (``split_ranges``,
+``KeySampler``); the two kinds of digests are never compared with each other.
 """
 
 from __future__ import annotations
