@@ -35,12 +35,21 @@ import zmq
 
 from replicant import protocol as p
 from replicant.replica import ReplicaConfig, ShardReplica
-from rlog import codec
+from rlog import codec, range_requests
 from rlog.codec import CodecError, Message
 from rlog.config import Config, ConfigError
 from rlog.schema import SchemaError, TableSchema, check_key, define_table
 from rlog.store import Store
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, OpDecodeError, TxKey, WriteOp, entry_from_wire, tx_key_from_wire
+from rlog.types import (
+    GENESIS_DIGEST,
+    ZERO_KEY,
+    OpDecodeError,
+    TxKey,
+    WriteOp,
+    entry_from_wire,
+    entry_to_json,
+    tx_key_from_wire,
+)
 
 log = logging.getLogger("mnesite.replicant")
 
@@ -53,6 +62,8 @@ WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
 EARLY_PUSHES_MAX = 64
+RLOG_READ_MAX = 1000
+RETENTION_INTERVAL_MS = 1000
 SOCKET_MESSAGE_FACTOR = 4
 
 
@@ -131,6 +142,7 @@ class ReplicantNode:
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
         self._next_discovery_ms = 0
+        self._next_retention_ms = 0
         self._discovery_turn = 0
         for shard in self.store.shards():
             self._open_replica(shard)
@@ -229,7 +241,20 @@ class ReplicantNode:
         if self.socket in ready:
             self._serve_waiting()
         self._answer_waiting_reads()
+        self._maybe_trim()
         self._flush()
+
+    def _maybe_trim(self) -> None:
+        """Retention of the replicant's own rlog, by count and age like on a core."""
+        now = int(time.time() * 1000)
+        if now < self._next_retention_ms:
+            return
+        self._next_retention_ms = now + RETENTION_INTERVAL_MS
+        retention = self.config.retention
+        before_ms = now - retention.retention_age_ms_max if retention.retention_age_ms_max else None
+        self._begin()
+        for shard in self.replicas:
+            self.store.trim(shard, retention.retention_entries_max, before_ms)
 
     def _begin(self) -> None:
         if not self._in_transaction:
@@ -524,7 +549,13 @@ class ReplicantNode:
             self._reply(envelope, codec.reply(message.request_id, [t.to_json() for t in self.store.catalog().values()]))
         elif message.kind in ("get", "scan"):
             self._read(envelope, message)
-        elif message.kind in ("journal", "watch", "force_start", "peer", "rlog_tail", "rlog_entries"):
+        elif message.kind in range_requests.KINDS:
+            self._serving(self._table(body.get("table")).shard)
+            result = range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
+            self._reply(envelope, codec.reply(message.request_id, result))
+        elif message.kind in ("rlog_tail", "rlog_entries"):
+            self._reply(envelope, codec.reply(message.request_id, self._rlog_read(message)))
+        elif message.kind in ("journal", "watch", "force_start", "peer", "read_index"):
             raise RequestError("not_a_core", f"{self.config.name} is a replicant; send {message.kind} to a core")
         else:
             raise RequestError("bad_request", f"{message.kind} is not a request")
@@ -553,6 +584,32 @@ class ReplicantNode:
                 early.append(push)
             return
         self._step(replica, push)
+
+    def _serving(self, shard: str) -> None:
+        replica = self.replicas.get(shard)
+        if replica is None or replica.mode is not p.Mode.NORMAL or shard in self.read_fences:
+            mode = replica.mode.value if replica else "unknown"
+            raise RequestError("not_ready", f"replicant {self.config.name} cannot serve shard {shard} yet ({mode})")
+
+    def _rlog_read(self, message: Message) -> list[dict[str, Any]]:
+        """This replicant's own rlog (what it applied, as far as it retains it)."""
+        body = message.body
+        shard = body["shard"]
+        if self.store.shard(shard) is None:
+            raise RequestError("unknown_shard", f"unknown shard {shard!r}")
+        if message.kind == "rlog_tail":
+            count = body.get("count", 10)
+            if not 0 < count <= RLOG_READ_MAX:
+                raise RequestError("bad_request", f"count must be 1..{RLOG_READ_MAX}")
+            return [entry_to_json(entry) for entry in self.store.tail(shard, count)]
+        limit = body.get("limit", RLOG_READ_MAX)
+        if not 0 < limit <= RLOG_READ_MAX:
+            raise RequestError("bad_request", f"limit must be 1..{RLOG_READ_MAX}")
+        try:
+            after = tx_key_from_wire(body.get("after", [0, 0]))
+        except OpDecodeError as error:
+            raise RequestError("bad_request", str(error)) from None
+        return [entry_to_json(entry) for entry in self.store.entries_after(shard, after, limit)]
 
     def _forward(self, envelope: list[bytes], message: Message) -> None:
         """Writes never originate here: send them to a core, which orders them through the sequencer."""

@@ -398,6 +398,48 @@ def _find_in_flight(
     return in_flight
 
 
+def _widen_in_flight(
+    replicas: list[Replica],
+    labels: list[str],
+    tables: dict[str, TableSchema],
+    report: CompareReport,
+    in_flight: InFlightKeys,
+    options: CompareOptions,
+    say: Progress,
+) -> None:
+    """Live nodes move on while they are read: every key touched between the lowest applied key seen
+    before the reads and the highest seen after them (on either side of a pair) may legitimately
+    differ, so it is in flight, not divergence. Read once the row digests are in."""
+    after = [replica.applied() for replica in replicas]
+    shards = sorted({t.shard for t in tables.values()})
+    for right in range(1, len(replicas)):
+        for shard in shards:
+            seen = [
+                shard_applied.applied
+                for shard_applied in (
+                    report.applied[labels[0]].get(shard),
+                    report.applied[labels[right]].get(shard),
+                    after[0].get(shard),
+                    after[right].get(shard),
+                )
+                if shard_applied is not None
+            ]
+            if not seen or min(seen) == max(seen):
+                continue
+            low, high = min(seen), max(seen)
+            ahead = max((0, right), key=lambda index: after[index][shard].applied if shard in after[index] else low)
+            span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], low, high, True, 0)
+            touched, span.complete, span.reason, span.entries = _touched_between(
+                replicas[ahead], shard, low, high, options.in_flight_entries_max
+            )
+            span.reason = span.reason or "the replicas moved on while they were read"
+            for table_name, key in touched:
+                if table_name in tables:
+                    in_flight[(right, table_name)].add(key_bytes(key))
+            report.in_flight_spans.append(span)
+            say(f"shard {shard}: writes went on during the compare ({span.entries} entries in flight)")
+
+
 def _touched_between(
     replica: Replica, shard: str, behind: TxKey, ahead: TxKey, entries_max: int
 ) -> tuple[list[tuple[str, Any]], bool, str, int]:
@@ -535,6 +577,9 @@ def _run(
             found[name][replica_index].update(pairs)
             shipped += len(pairs)
         phase("row_job")
+        if any(replica.spec.kind == "node" for replica in replicas):
+            _widen_in_flight(replicas, labels, tables, report, in_flight, options, say)
+            phase("in_flight_widening")
         report.statistics["rows_shipped"] = shipped
         say(f"row level: {shipped} row digest(s) from {report.statistics['leaf_ranges']} range(s), merged here")
         for name, per_replica in found.items():

@@ -17,6 +17,7 @@ import pytest
 from core.node import CoreNode
 from rlog.client import Client, MnesiteError
 from rlog.config import parse_config
+from tests.spark_fixtures import spark_session  # noqa: F401  (the one SparkSession of the test run)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -16,11 +16,9 @@ from rlog.store import Store
 from rlog.types import WriteOp
 from spark.cli import compare as compare_command
 from spark.compare import EXIT_DIVERGED, EXIT_EQUAL, EXIT_ERROR, CompareError, CompareOptions, compare
-from tests import spark_fixtures
 from tests.spark_fixtures import commit, copy_replica, create_store, create_table, delete_keys, write_rows
 
 pytestmark = [pytest.mark.spark]
-spark_session = spark_fixtures.spark_session  # the one session-scoped SparkSession of the test run
 
 USERS_ROWS = 2000
 DRILL = CompareOptions(ranges_initial=8, fanout=4, leaf_rows_max=16, sample_max=5)
