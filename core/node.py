@@ -34,15 +34,12 @@ import contextlib
 import logging
 import os
 import random
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import apsw
-import msgpack
 import zmq
 
 from core.consensus import (
@@ -75,6 +72,7 @@ from rlog import codec, range_requests
 from rlog.codec import CodecError, Message
 from rlog.config import Config, ConfigError
 from rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_key, define_table
+from rlog.server import NodeServer, monotonic_ms, request_id_of
 from rlog.store import ShardPosition, Store, StoreError
 from rlog.types import (
     CreateTableOp,
@@ -89,8 +87,9 @@ from rlog.types import (
 
 log = logging.getLogger("mnesite.core")
 
-READ_KINDS = frozenset({"get", "scan", "status", "list_tables", "rlog_tail", "rlog_entries", "journal",
-                        *range_requests.KINDS})
+READ_KINDS = frozenset(
+    {"get", "scan", "status", "list_tables", "rlog_tail", "rlog_entries", "journal", *range_requests.KINDS}
+)
 WRITE_KINDS = frozenset({"transact", "create_table"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
@@ -101,12 +100,9 @@ FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
 SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
-REPLICANT_SOCKETS_MAX = 1000
+DEALERS_MAX = 1000  # sockets to peers and replicants
 RECOVERY_TIMEOUT_MS = 1000
 EXCLUDED_NOTICE_INTERVAL_MS = 1000
-# zmq drops (disconnects) peers whose message exceeds this; frames between frame_bytes_max and
-# this bound still get a clear frame_too_large reply.
-SOCKET_MESSAGE_FACTOR = 4
 
 
 class RequestError(Exception):
@@ -118,10 +114,6 @@ class RequestError(Exception):
 
 class Deferred(Exception):
     """The request will be answered later (when its entry commits, or by the sequencer)."""
-
-
-def monotonic_ms() -> int:
-    return int(time.monotonic() * 1000)
 
 
 class StoreLogView:
@@ -218,7 +210,9 @@ class Forwarded:
     deadline_ms: int
 
 
-class CoreNode:
+class CoreNode(NodeServer):
+    role = "core"
+
     def __init__(
         self,
         config: Config,
@@ -227,8 +221,7 @@ class CoreNode:
         consensus_config: ConsensusConfig | None = None,
     ) -> None:
         if config.role != "core":
-            raise ConfigError(f"[node].role is {config.role!r}; replicant nodes are not available in this version")
-        self.config = config
+            raise ConfigError(f"[node].role is {config.role!r}, not core")
         self.clock_ms = clock_ms
         self.rng = rng or random.Random()
         self.consensus_config = consensus_config or ConsensusConfig(
@@ -238,23 +231,15 @@ class CoreNode:
         )
         self.members = tuple(sorted(config.core_nodes))
         os.makedirs(config.data_dir, exist_ok=True)
-        self.store = Store(config.database_path, synchronous=config.synchronous)
+        super().__init__(config, Store(config.database_path, synchronous=config.synchronous))
         self.shards: dict[str, ShardDriver] = {}
-        self.context: zmq.Context | None = None
-        self.socket: zmq.Socket | None = None
-        self.peer_sockets: dict[str, zmq.Socket] = {}
         self.forwarded: dict[str, Forwarded] = {}
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
         self.excluded_told_ms: dict[tuple[str, str], int] = {}
         self.rlog_server = RlogServer(config.name)
-        self.replicant_sockets: dict[str, zmq.Socket] = {}
         self.last_heard_ms: dict[str, int] = {}
-        self.stopping = threading.Event()
-        self.commits = 0
         self.transactions = 0
-        self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
-        self._in_transaction = False
         self._next_retention_ms = 0
         if not self.store.shards() and len(self.members) > 1:
             self.recover_generations()
@@ -290,44 +275,6 @@ class CoreNode:
             log.warning("empty database: recovering from peers at generations %s", generations)
         return generations
 
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def bind(self) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 10_000)
-        self.socket.setsockopt(zmq.SNDHWM, 10_000)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.frame_bytes_max * SOCKET_MESSAGE_FACTOR)
-        self.socket.bind(self.config.listen)
-
-    def install_signal_handlers(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: self.stopping.set())
-
-    def serve_forever(self) -> None:
-        if self.socket is None:
-            self.bind()
-        log.info("core %s serving on %s, data in %s", self.config.name, self.config.listen, self.config.data_dir)
-        try:
-            while not self.stopping.is_set():
-                self.run_turn()
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        for socket in [*self.peer_sockets.values(), *self.replicant_sockets.values()]:
-            socket.close(0)
-        self.peer_sockets = {}
-        self.replicant_sockets = {}
-        if self.socket is not None:
-            self.socket.close(0)
-            self.socket = None
-        if self.context is not None:
-            self.context.term()
-            self.context = None
-        self.store.close()
-
     # -- shards ------------------------------------------------------------------------------
 
     def _open_shard(self, shard: str) -> ShardDriver:
@@ -359,7 +306,7 @@ class CoreNode:
         if driver is None and create:
             if len(self.shards) >= SHARDS_MAX:
                 raise RequestError("too_large", f"at most {SHARDS_MAX} shards")
-            self._begin()
+            self.begin()
             self.store.ensure_shard(shard, 0)
             driver = self._open_shard(shard)
             self._step(driver, Ticked())
@@ -375,7 +322,7 @@ class CoreNode:
             if now >= driver.consensus.next_deadline_ms() and driver.shard not in self.excluded:
                 self._step(driver, Ticked())
         self.rlog_server.tick(now)
-        self._flush()
+        self.flush()
         deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
         agents_deadline = self.rlog_server.next_deadline_ms()
         if agents_deadline is not None:
@@ -383,18 +330,14 @@ class CoreNode:
         timeout = POLL_INTERVAL_MS_MAX
         if deadlines:
             timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        for peer_socket in self.peer_sockets.values():
-            poller.register(peer_socket, zmq.POLLIN)
-        ready = dict(poller.poll(timeout))
+        ready = self.poll(timeout)
         if self.socket in ready:
             self._serve_waiting()
-        for peer_socket in self.peer_sockets.values():
-            if peer_socket in ready:
-                self._relay_forwarded(peer_socket)
+        for dealer in list(self.dealers.values()):
+            if dealer in ready:
+                self._relay_forwarded(dealer)
         self._expire_forwarded()
-        self._flush()
+        self.flush()
         self._maybe_trim()
 
     def _serve_waiting(self) -> None:
@@ -411,16 +354,16 @@ class CoreNode:
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
-                self._reply(envelope, codec.error(_request_id_of(frame), error.code, str(error)))
+                self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
                 continue
             try:
                 self._dispatch(envelope, message)
             except Deferred:
                 pass
             except RequestError as error:
-                self._reply(envelope, codec.error(message.request_id, error.code, str(error), error.detail))
+                self.reply(envelope, codec.error(message.request_id, error.code, str(error), error.detail))
             except SchemaError as error:
-                self._reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
 
     def _dispatch(self, envelope: list[bytes], message: Message) -> None:
         if message.kind == "peer":
@@ -428,11 +371,11 @@ class CoreNode:
         elif message.kind == "excluded":
             self._on_excluded(message.body)
         elif message.kind == "watch":
-            self._reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
+            self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
             self.rlog_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
-            self._reply(envelope, codec.reply(message.request_id, self.force_start()))
+            self.reply(envelope, codec.reply(message.request_id, self.force_start()))
         elif message.kind in WRITE_KINDS:
             self._write(envelope, message)
         elif message.kind == "read_index" or message.body.get("consistency") == "linearizable":
@@ -445,16 +388,11 @@ class CoreNode:
             except Exception as error:  # a read must never take the node down; say what failed
                 log.exception("read %s failed", message.kind)
                 raise RequestError("internal", f"{message.kind} failed: {type(error).__name__}: {error}") from None
-            self._reply(envelope, codec.reply(message.request_id, result))
+            self.reply(envelope, codec.reply(message.request_id, result))
         else:
             raise RequestError("bad_request", f"{message.kind} is a reply kind")
 
     # -- effects -----------------------------------------------------------------------------
-
-    def _begin(self) -> None:
-        if not self._in_transaction:
-            self.store.connection.execute("BEGIN IMMEDIATE")
-            self._in_transaction = True
 
     def _step(self, driver: ShardDriver, event: Any) -> list[Any]:
         effects = driver.consensus.step(event, self.clock_ms())
@@ -465,23 +403,23 @@ class CoreNode:
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
         shard = driver.shard
         if isinstance(effect, PersistState):
-            self._begin()
+            self.begin()
             state = effect.state
             self.store.persist_consensus_state(shard, state.generation, state.voted_for, state.members, state.forced)
         elif isinstance(effect, PersistEntries):
-            self._begin()
+            self.begin()
             self.store.append_entries(effect.entries, int(time.time() * 1000), chain_verified=True)
             driver.tail.add(effect.entries)
         elif isinstance(effect, TruncateLog):
-            self._begin()
+            self.begin()
             removed = self.store.truncate_after(shard, effect.after_key)
             log.warning("shard %s: truncated %d uncommitted entries after %s", shard, removed, effect.after_key)
             driver.tail.truncate_after(effect.after_key, self.store.catalog())
             for key in [k for k in driver.waiters if k > effect.after_key]:
                 for envelope, request_id in driver.waiters.pop(key):
-                    self._reply(envelope, _outcome_unknown(request_id, "its entry was replaced by the new sequencer"))
+                    self.reply(envelope, _outcome_unknown(request_id, "its entry was replaced by the new sequencer"))
         elif isinstance(effect, Commit):
-            self._begin()
+            self.begin()
             applied = self.store.apply_committed(shard, effect.up_to)
             driver.tail.keep_after(effect.up_to, self.store.catalog())
             self.transactions += len(applied)
@@ -489,9 +427,9 @@ class CoreNode:
             for entry in applied:
                 for envelope, request_id in driver.waiters.pop(entry.tx_key, []):
                     if entry.request_id == request_id:
-                        self._reply(envelope, codec.reply(request_id, {"tx_key": list(entry.tx_key)}))
+                        self.reply(envelope, codec.reply(request_id, {"tx_key": list(entry.tx_key)}))
                     else:
-                        self._reply(envelope, _outcome_unknown(request_id, "another entry committed at its key"))
+                        self.reply(envelope, _outcome_unknown(request_id, "another entry committed at its key"))
         elif isinstance(effect, Send):
             frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
             self._send_peer(effect.to, Message("peer", "peer", frame_body))
@@ -499,7 +437,7 @@ class CoreNode:
             pass  # answered through the waiters when the Commit applied the entry
         elif isinstance(effect, ProposalFailed):
             for envelope, request_id in driver.waiters.pop(effect.tx_key, []):
-                self._reply(envelope, _outcome_unknown(request_id, effect.reason))
+                self.reply(envelope, _outcome_unknown(request_id, effect.reason))
         elif isinstance(effect, ProposalRejected):
             pass  # handled by the caller of Proposed, which still holds the envelope
         elif isinstance(effect, RoleChanged):
@@ -536,45 +474,12 @@ class CoreNode:
         else:
             raise TypeError(f"unknown effect {effect!r}")
 
-    def _flush(self) -> None:
-        """Commit the open transaction (one fsync), then send everything queued behind it."""
-        if self._in_transaction:
-            self.store.connection.execute("COMMIT")
-            self._in_transaction = False
-            self.commits += 1
+    def before_send(self) -> None:
+        # Agent pushes carry committed entries only: queue them once the turn's commit is done.
         for endpoint, message in self.rlog_server.drain():
-            replicant_socket = self._replicant_socket(endpoint)
+            replicant_socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX)
             if replicant_socket is not None:
-                self._outbox.append((replicant_socket, [], message))
-        outbox, self._outbox = self._outbox, []
-        for socket, envelope, message in outbox:
-            target = socket if socket is not None else self.socket
-            if target is None:
-                continue
-            try:
-                frame = codec.encode(message)
-            except CodecError as error:
-                frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
-            try:
-                target.send_multipart([*envelope, frame], zmq.NOBLOCK)
-            except zmq.Again:
-                log.debug("send queue full: a message was dropped")
-
-    def _reply(self, envelope: list[bytes] | None, message: Message) -> None:
-        if envelope is not None:
-            self._outbox.append((None, envelope, message))
-
-    def _replicant_socket(self, endpoint: str) -> zmq.Socket | None:
-        socket = self.replicant_sockets.get(endpoint)
-        if socket is None:
-            if self.context is None or len(self.replicant_sockets) >= REPLICANT_SOCKETS_MAX:
-                return None
-            socket = self.context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SNDHWM, PEER_SEND_QUEUE_MAX)
-            socket.connect(endpoint)
-            self.replicant_sockets[endpoint] = socket
-        return socket
+                self.queue(replicant_socket, message)
 
     def _linearizable(self, envelope: list[bytes], message: Message) -> None:
         """Answer at the sequencer while it holds a quorum lease; elsewhere forward to the sequencer.
@@ -596,7 +501,7 @@ class CoreNode:
             result: Any = {"committed": list(driver.consensus.committed_key)}
         else:
             result = self._read(message)
-        self._reply(envelope, codec.reply(message.request_id, result))
+        self.reply(envelope, codec.reply(message.request_id, result))
 
     def _holds_quorum_lease(self, driver: ShardDriver) -> bool:
         now = self.clock_ms()
@@ -631,24 +536,11 @@ class CoreNode:
         except OpDecodeError as error:
             raise RequestError("bad_request", str(error)) from None
 
-    def _peer_socket(self, peer: str) -> zmq.Socket | None:
-        socket = self.peer_sockets.get(peer)
-        if socket is None:
-            endpoint = self.config.core_nodes.get(peer)
-            if endpoint is None or self.context is None:
-                return None
-            socket = self.context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SNDHWM, PEER_SEND_QUEUE_MAX)
-            socket.setsockopt(zmq.RCVHWM, PEER_SEND_QUEUE_MAX)
-            socket.connect(endpoint)
-            self.peer_sockets[peer] = socket
-        return socket
-
     def _send_peer(self, peer: str, message: Message) -> None:
-        socket = self._peer_socket(peer)
+        endpoint = self.config.core_nodes.get(peer)
+        socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
         if socket is not None:
-            self._outbox.append((socket, [], message))
+            self.queue(socket, message)
 
     def _on_peer(self, message: Message) -> None:
         body = message.body
@@ -727,7 +619,7 @@ class CoreNode:
         if driver.consensus.role is not Role.SEQUENCER:
             self._forward(envelope, message, driver)
             return
-        self._begin()
+        self.begin()
         previous = self.store.find_request(message.request_id)
         if previous is not None:
             self._await_commit(driver, previous[1], envelope, message.request_id, duplicate=True)
@@ -782,7 +674,7 @@ class CoreNode:
             result: dict[str, Any] = {"tx_key": list(tx_key)}
             if duplicate:
                 result["duplicate"] = True
-            self._reply(envelope, codec.reply(request_id, result))
+            self.reply(envelope, codec.reply(request_id, result))
             return
         driver.waiters.setdefault(tx_key, []).append((envelope, request_id))
 
@@ -828,13 +720,13 @@ class CoreNode:
                 continue
             pending = self.forwarded.pop(answer.request_id, None)
             if pending is not None:
-                self._reply(pending.envelope, answer)
+                self.reply(pending.envelope, answer)
 
     def _expire_forwarded(self) -> None:
         now = self.clock_ms()
         for request_id in [r for r, f in self.forwarded.items() if f.deadline_ms <= now]:
             pending = self.forwarded.pop(request_id)
-            self._reply(pending.envelope, _outcome_unknown(request_id, "the sequencer did not answer in time"))
+            self.reply(pending.envelope, _outcome_unknown(request_id, "the sequencer did not answer in time"))
 
     def force_start(self) -> dict[str, Any]:
         """Operator: become sequencer of every shard with the cores heard recently (loudly)."""
@@ -866,13 +758,13 @@ class CoreNode:
         retention = self.config.retention
         before_ms = now - retention.retention_age_ms_max if retention.retention_age_ms_max else None
         try:
-            self._begin()
+            self.begin()
             for shard, driver in self.shards.items():
                 status = driver.consensus.status()
                 # Keep what the followers still need, as far as the sequencer knows.
                 keep_from = min((key for _, key in status.follower_match_keys), default=None)
                 self.store.trim(shard, retention.retention_entries_max, before_ms, keep_from)
-            self._flush()
+            self.flush()
         except apsw.Error:
             log.exception("rlog retention failed; will retry")
 
@@ -1023,7 +915,7 @@ class CoreNode:
         for _, message in writes:
             with contextlib.suppress(Deferred, RequestError, SchemaError):
                 self._write(None, message)  # type: ignore[arg-type]
-        self._flush()
+        self.flush()
 
 
 def _outcome_unknown(request_id: str, reason: str) -> Message:
@@ -1032,14 +924,3 @@ def _outcome_unknown(request_id: str, reason: str) -> Message:
         "outcome_unknown",
         f"the outcome is unknown ({reason}); retry with the same request id to learn it",
     )
-
-
-def _request_id_of(frame: bytes) -> str:
-    """Best effort: echo the request id of a frame we could not decode, so the client can match it."""
-    try:
-        value = msgpack.unpackb(frame, raw=False, ext_hook=lambda code, data: None)
-        if isinstance(value, list) and len(value) == 4 and isinstance(value[2], str) and 0 < len(value[2]) <= 64:
-            return value[2]
-    except Exception:  # garbage: there is no request id to echo
-        pass
-    return "?"

@@ -23,8 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -39,6 +37,7 @@ from rlog import codec, range_requests
 from rlog.codec import CodecError, Message
 from rlog.config import Config, ConfigError
 from rlog.schema import SchemaError, TableSchema, check_key, define_table
+from rlog.server import NodeServer, monotonic_ms
 from rlog.store import Store
 from rlog.types import (
     GENESIS_DIGEST,
@@ -64,11 +63,6 @@ CORE_QUEUE_MAX = 1000
 EARLY_PUSHES_MAX = 64
 RLOG_READ_MAX = 1000
 RETENTION_INTERVAL_MS = 1000
-SOCKET_MESSAGE_FACTOR = 4
-
-
-def monotonic_ms() -> int:
-    return int(time.monotonic() * 1000)
 
 
 class RequestError(Exception):
@@ -106,7 +100,9 @@ class WaitingRead:
     deadline_ms: int
 
 
-class ReplicantNode:
+class ReplicantNode(NodeServer):
+    role = "replicant"
+
     def __init__(
         self,
         config: Config,
@@ -118,16 +114,13 @@ class ReplicantNode:
             raise ConfigError(f"[node].role is {config.role!r}, not replicant")
         if "*" in config.listen:
             raise ConfigError("[node].listen of a replicant must name its host: cores push to that address")
-        self.config = config
         self.clock_ms = clock_ms
         self.rng = rng or random.Random()
         self.replica_config = replica_config or ReplicaConfig()
         self.cores = tuple(sorted(config.core_nodes))
         os.makedirs(config.data_dir, exist_ok=True)
-        self.store = Store(config.database_path, synchronous=config.synchronous)
+        super().__init__(config, Store(config.database_path, synchronous=config.synchronous))
         self.replicas: dict[str, ShardReplica] = {}
-        self.context: zmq.Context | None = None
-        self.socket: zmq.Socket | None = None
         self.core_sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, Pending] = {}
         self.probes: dict[str, Probe] = {}
@@ -138,9 +131,6 @@ class ReplicantNode:
         self.read_fences: dict[str, TxKey | None] = {}
         # Pushes that arrived while this shard's watch answer was still on its way (bounded).
         self.early_pushes: dict[str, list[p.PushReceived]] = {}
-        self.stopping = threading.Event()
-        self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
-        self._in_transaction = False
         self._next_discovery_ms = 0
         self._next_retention_ms = 0
         self._discovery_turn = 0
@@ -150,51 +140,21 @@ class ReplicantNode:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def bind(self) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 10_000)
-        self.socket.setsockopt(zmq.SNDHWM, 10_000)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.frame_bytes_max * SOCKET_MESSAGE_FACTOR)
-        self.socket.bind(self.config.listen)
+        super().bind()
         for core in self.cores:
-            socket = self.context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SNDHWM, CORE_QUEUE_MAX)
-            socket.setsockopt(zmq.RCVHWM, CORE_QUEUE_MAX)
-            socket.connect(self.config.core_nodes[core])
+            socket = self.dealer(self.config.core_nodes[core], CORE_QUEUE_MAX, len(self.cores))
+            if socket is None:
+                raise RuntimeError(f"no socket for core {core}")
             self.core_sockets[core] = socket
 
-    def install_signal_handlers(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: self.stopping.set())
-
-    def serve_forever(self) -> None:
-        if self.socket is None:
-            self.bind()
-        log.info("replicant %s serving on %s, data in %s", self.config.name, self.config.listen, self.config.data_dir)
-        try:
-            while not self.stopping.is_set():
-                self.run_turn()
-        finally:
-            self.close()
-
     def close(self) -> None:
-        for socket in self.core_sockets.values():
-            socket.close(0)
         self.core_sockets = {}
-        if self.socket is not None:
-            self.socket.close(0)
-            self.socket = None
-        if self.context is not None:
-            self.context.term()
-            self.context = None
-        self.store.close()
+        super().close()
 
     def _open_replica(self, shard: str) -> ShardReplica:
         position = self.store.shard(shard)
         if position is None:
-            self._begin()
+            self.begin()
             position = self.store.ensure_shard(shard, 0)
         replica = ShardReplica(
             shard,
@@ -222,17 +182,13 @@ class ReplicantNode:
                 self._step(replica, p.Ticked())
         self._discover(now)
         self._expire(now)
-        self._flush()
+        self.flush()
         deadlines = [r.next_deadline_ms() for r in self.replicas.values()]
         deadlines += [pr.deadline_ms for pr in self.probes.values()]
         timeout = POLL_INTERVAL_MS_MAX
         if deadlines:
             timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        for socket in self.core_sockets.values():
-            poller.register(socket, zmq.POLLIN)
-        ready = dict(poller.poll(timeout))
+        ready = self.poll(timeout)
         # Answers first: a watch answer and the new agent's first push travel on different
         # connections, and the push must not be judged before the watch it belongs to.
         for core, socket in self.core_sockets.items():
@@ -242,7 +198,7 @@ class ReplicantNode:
             self._serve_waiting()
         self._answer_waiting_reads()
         self._maybe_trim()
-        self._flush()
+        self.flush()
 
     def _maybe_trim(self) -> None:
         """Retention of the replicant's own rlog, by count and age like on a core."""
@@ -252,35 +208,9 @@ class ReplicantNode:
         self._next_retention_ms = now + RETENTION_INTERVAL_MS
         retention = self.config.retention
         before_ms = now - retention.retention_age_ms_max if retention.retention_age_ms_max else None
-        self._begin()
+        self.begin()
         for shard in self.replicas:
             self.store.trim(shard, retention.retention_entries_max, before_ms)
-
-    def _begin(self) -> None:
-        if not self._in_transaction:
-            self.store.connection.execute("BEGIN IMMEDIATE")
-            self._in_transaction = True
-
-    def _flush(self) -> None:
-        if self._in_transaction:
-            self.store.connection.execute("COMMIT")
-            self._in_transaction = False
-        outbox, self._outbox = self._outbox, []
-        for socket, envelope, message in outbox:
-            target = socket if socket is not None else self.socket
-            if target is None:
-                continue
-            try:
-                frame = codec.encode(message)
-            except CodecError as error:
-                frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
-            try:
-                target.send_multipart([*envelope, frame], zmq.NOBLOCK)
-            except zmq.Again:
-                log.debug("send queue full: a message was dropped")
-
-    def _reply(self, envelope: list[bytes], message: Message) -> None:
-        self._outbox.append((None, envelope, message))
 
     def _request(self, core: str, kind: str, body: dict[str, Any], pending: Pending) -> None:
         if len(self.pending) >= PENDING_REQUESTS_MAX:
@@ -288,7 +218,7 @@ class ReplicantNode:
             return
         request_id = uuid.uuid4().hex
         self.pending[request_id] = pending
-        self._outbox.append((self.core_sockets[core], [], Message(kind, request_id, body)))
+        self.queue(self.core_sockets[core], Message(kind, request_id, body))
 
     # -- machine effects ---------------------------------------------------------------------
 
@@ -314,12 +244,12 @@ class ReplicantNode:
             }
             self._request(effect.core, "watch", body, Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard))
         elif isinstance(effect, p.ApplyEntries):
-            self._begin()
+            self.begin()
             self.store.append_entries(effect.entries, int(time.time() * 1000))
             for entry in effect.entries:
                 self.store.apply_entry(entry)
         elif isinstance(effect, p.ResetShard):
-            self._begin()
+            self.begin()
             self.store.reset_shard(shard)
         elif isinstance(effect, p.FetchTables):
             self._request(
@@ -334,17 +264,17 @@ class ReplicantNode:
                 effect.core, "scan", body, Pending("batch", effect.core, now + REQUEST_TIMEOUT_MS, shard, detail)
             )
         elif isinstance(effect, p.ApplyBatch):
-            self._begin()
+            self.begin()
             self.store.apply_ops(tuple(WriteOp(effect.table, row) for row in effect.rows))
         elif isinstance(effect, p.SpillEntries):
-            self._begin()
+            self.begin()
             self.store.spill(effect.entries)
         elif isinstance(effect, p.ReplaySpill):
-            self._begin()
+            self.begin()
             self.store.replay_spill(shard, effect.start_key, effect.start_digest, int(time.time() * 1000))
         elif isinstance(effect, p.SendAck):
             body = {"shard": shard, "agent": effect.agent_id, "applied": list(effect.applied_key)}
-            self._outbox.append((self.core_sockets[effect.core], [], Message("push_ack", "ack", body)))
+            self.queue(self.core_sockets[effect.core], Message("push_ack", "ack", body))
         elif isinstance(effect, p.SendReject):
             self.pushes_rejected[shard] = self.pushes_rejected.get(shard, 0) + 1
             log.info(
@@ -352,7 +282,7 @@ class ReplicantNode:
             )
             body = {"shard": shard, "agent": effect.agent_id, "applied": list(replica.applied_key)}
             body["rejected"] = effect.reason
-            self._outbox.append((self.core_sockets[effect.core], [], Message("push_ack", "ack", body)))
+            self.queue(self.core_sockets[effect.core], Message("push_ack", "ack", body))
         elif isinstance(effect, p.ModeChanged):
             log.info("shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
             if effect.mode is p.Mode.BOOTSTRAP:
@@ -361,7 +291,7 @@ class ReplicantNode:
                 fence = Pending("fence", effect.upstream, now + REQUEST_TIMEOUT_MS, shard)
                 self._request(effect.upstream, "journal", {}, fence)
             status = replica.status()
-            self._begin()
+            self.begin()
             self.store.set_meta(f"bootstraps:{shard}", status.bootstraps)
             self.store.set_meta(f"resumes:{shard}", status.resumes)
         else:
@@ -388,12 +318,12 @@ class ReplicantNode:
         error = answer.body if answer.kind == "error" else None
         result = answer.body.get("result") if answer.kind == "reply" else None
         if pending.purpose == "forward":
-            self._reply(pending.detail["envelope"], answer)
+            self.reply(pending.detail["envelope"], answer)
             return
         if pending.purpose == "read_index":
             envelope, message = pending.detail["envelope"], pending.detail["message"]
             if error is not None or not isinstance(result, dict):
-                self._reply(
+                self.reply(
                     envelope,
                     codec.error(
                         message.request_id,
@@ -455,7 +385,7 @@ class ReplicantNode:
                 self._step(replica, p.RequestFailed(pending.core, f"list_tables failed: {error}"))
                 return
             tables = [t for t in result if t.get("shard") == replica.shard]
-            self._begin()
+            self.begin()
             for table in tables:
                 schema = define_table(table["table"], table["key"], table["columns"], table["shard"])
                 if table["table"] not in self.store.catalog():
@@ -483,7 +413,7 @@ class ReplicantNode:
         for request_id in [r for r, pending in self.pending.items() if pending.deadline_ms <= now]:
             pending = self.pending.pop(request_id)
             if pending.purpose in ("forward", "read_index"):
-                self._reply(
+                self.reply(
                     pending.detail["envelope"],
                     codec.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
                 )
@@ -498,7 +428,7 @@ class ReplicantNode:
                 self._finish_probe(self.replicas[shard])
         for read in [r for r in self.waiting_reads if r.deadline_ms <= now]:
             self.waiting_reads.remove(read)
-            self._reply(
+            self.reply(
                 read.envelope,
                 codec.error(read.message.request_id, "timeout", f"shard {read.shard} did not reach {read.min_key}"),
             )
@@ -528,14 +458,14 @@ class ReplicantNode:
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
-                self._reply(envelope, codec.error("?", error.code, str(error)))
+                self.reply(envelope, codec.error("?", error.code, str(error)))
                 continue
             try:
                 self._dispatch(envelope, message)
             except RequestError as error:
-                self._reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
             except SchemaError as error:
-                self._reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
 
     def _dispatch(self, envelope: list[bytes], message: Message) -> None:
         body = message.body
@@ -544,17 +474,17 @@ class ReplicantNode:
         elif message.kind in ("transact", "create_table"):
             self._forward(envelope, message)
         elif message.kind == "status":
-            self._reply(envelope, codec.reply(message.request_id, self.status()))
+            self.reply(envelope, codec.reply(message.request_id, self.status()))
         elif message.kind == "list_tables":
-            self._reply(envelope, codec.reply(message.request_id, [t.to_json() for t in self.store.catalog().values()]))
+            self.reply(envelope, codec.reply(message.request_id, [t.to_json() for t in self.store.catalog().values()]))
         elif message.kind in ("get", "scan"):
             self._read(envelope, message)
         elif message.kind in range_requests.KINDS:
             self._serving(self._table(body.get("table")).shard)
             result = range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
-            self._reply(envelope, codec.reply(message.request_id, result))
+            self.reply(envelope, codec.reply(message.request_id, result))
         elif message.kind in ("rlog_tail", "rlog_entries"):
-            self._reply(envelope, codec.reply(message.request_id, self._rlog_read(message)))
+            self.reply(envelope, codec.reply(message.request_id, self._rlog_read(message)))
         elif message.kind in ("journal", "watch", "force_start", "peer", "read_index"):
             raise RequestError("not_a_core", f"{self.config.name} is a replicant; send {message.kind} to a core")
         else:
@@ -619,7 +549,7 @@ class ReplicantNode:
         self.pending[message.request_id] = Pending(
             "forward", core, now + FORWARD_TIMEOUT_MS, detail={"envelope": envelope}
         )
-        self._outbox.append((self.core_sockets[core], [], message))
+        self.queue(self.core_sockets[core], message)
 
     def _table(self, name: Any) -> TableSchema:
         table = self.store.catalog().get(name) if isinstance(name, str) else None
@@ -666,12 +596,12 @@ class ReplicantNode:
                 raise RequestError("bad_request", str(error)) from None
             self._wait_for(envelope, message, table.shard, min_key)
             return
-        self._reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
+        self.reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
 
     def _wait_for(self, envelope: list[bytes], message: Message, shard: str, min_key: TxKey) -> None:
         """Answer the read once ``shard`` has applied ``min_key`` (bounded wait and count)."""
         if len(self.waiting_reads) >= WAITING_READS_MAX:
-            self._reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
+            self.reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
             return
         wait_ms = min(READ_WAIT_MS_MAX, int(message.body.get("wait_ms", READ_WAIT_MS_MAX)))
         self.waiting_reads.append(WaitingRead(envelope, message, shard, min_key, self.clock_ms() + wait_ms))
@@ -694,9 +624,9 @@ class ReplicantNode:
                 try:
                     result = self._read_now(self._table(read.message.body["table"]), read.message)
                 except (RequestError, SchemaError) as error:
-                    self._reply(read.envelope, codec.error(read.message.request_id, error.code, str(error)))
+                    self.reply(read.envelope, codec.error(read.message.request_id, error.code, str(error)))
                     continue
-                self._reply(read.envelope, codec.reply(read.message.request_id, result))
+                self.reply(read.envelope, codec.reply(read.message.request_id, result))
 
     def status(self) -> dict[str, Any]:
         shards = {}
