@@ -134,7 +134,6 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
     node.install_signal_handlers()
     if sample_data and config.role == "core":
         load_sample_data(node)
-    click.echo(f"mnesite {config.role} {config.name} serving on {config.listen} (data: {config.data_dir})", err=True)
     node.serve_forever()
 
 

@@ -92,6 +92,11 @@ def test_retention_keeps_the_newest_entries(store) -> None:
 
 
 def test_user_tables_are_strict(store) -> None:
+    import sqlite_utils
+
+    database = sqlite_utils.Database(store.connection)
+    assert database["t"].strict and database["t"].pks == ["k"]
+    assert {c.name: c.type for c in database["t"].columns} == {"k": "INTEGER", "v": "TEXT"}
     with pytest.raises((apsw.ConstraintError, apsw.MismatchError)):
         store.connection.execute("INSERT INTO t VALUES ('not an integer', 'x')")
     with pytest.raises(apsw.ConstraintError):
