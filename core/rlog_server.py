@@ -83,9 +83,7 @@ class RlogServer:
             raise WatchRefused("overloaded", f"core {self.core_name} serves {AGENTS_MAX} agents already")
         # Resume only from a key this core still retains (not trimmed) and has committed, with the
         # same digest there: then the replicant's history is a prefix of this core's.
-        resumable = (
-            log_view.trimmed_key() <= from_key <= committed_key and digest_at(from_key) == body["from_digest"]
-        )
+        resumable = log_view.trimmed_key() <= from_key <= committed_key and digest_at(from_key) == body["from_digest"]
         if resumable:
             mode, start_key, start_digest = "resume", from_key, body["from_digest"]
         else:

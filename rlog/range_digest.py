@@ -245,8 +245,10 @@ def _quote_identifier(name: str) -> str:
 def _real_sql(column: str) -> str:
     # quote() renders -0.0 like 0.0; atan2 tells them apart (a REAL column stores -0.0 as 0 anyway).
     # No ELSE: null stays null (quote() would render it as the text NULL).
-    return (f"CASE WHEN {column} = 0.0 AND atan2({column}, -1.0) < 0 THEN '-0.0' "
-            f"WHEN {column} IS NOT NULL THEN quote({column}) END")
+    return (
+        f"CASE WHEN {column} = 0.0 AND atan2({column}, -1.0) < 0 THEN '-0.0' "
+        f"WHEN {column} IS NOT NULL THEN quote({column}) END"
+    )
 
 
 def value_text_sql(column: str, column_type: str) -> str:

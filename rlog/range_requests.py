@@ -165,8 +165,9 @@ def range_digests(
     for low, high in ranges:
         where, bindings = _condition(table, low, high)
         if rows_max is None:
-            rows, blob = cursor.execute(f"SELECT count(*), CAST(group_concat({text}, '') AS BLOB) FROM {name}{where}",
-                                        bindings).fetchone()
+            rows, blob = cursor.execute(
+                f"SELECT count(*), CAST(group_concat({text}, '') AS BLOB) FROM {name}{where}", bindings
+            ).fetchone()
         else:
             remaining = rows_max - used
             rows, blob = cursor.execute(
@@ -334,8 +335,11 @@ def answer(store: Any, kind: str, body: dict[str, Any], scan_rows_max: int) -> d
     with _sql_errors(), read_snapshot(connection):
         applied, digest = applied_position(connection, table.shard)
         digests = row_digests(connection, table, low, high, limit + 1)
-    return {**_position(table, applied, digest), "rows": [[key, row_digest] for key, row_digest in digests[:limit]],
-            "more": len(digests) > limit}
+    return {
+        **_position(table, applied, digest),
+        "rows": [[key, row_digest] for key, row_digest in digests[:limit]],
+        "more": len(digests) > limit,
+    }
 
 
 def _position(table: TableSchema, applied: TxKey, digest: bytes) -> dict[str, Any]:
