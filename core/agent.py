@@ -62,6 +62,7 @@ from replicant.protocol import (
     RejectReceived,
     Ticked,
 )
+from rlog.limits import require_positive_ints
 from rlog.types import Entry, TxKey
 
 STOPPED_TRIMMED = "position trimmed: bootstrap needed"
@@ -99,16 +100,7 @@ class AgentConfig:
     ack_timeout_ms: int = 10_000
 
     def __post_init__(self) -> None:
-        for name in (
-            "window_entries_max",
-            "push_entries_max",
-            "heartbeat_interval_ms",
-            "switchover_entries",
-            "ack_timeout_ms",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise AgentConfigError(f"{name} must be a positive integer, got {value!r}")
+        require_positive_ints(self, AgentConfigError)
         if self.ack_timeout_ms <= self.heartbeat_interval_ms:
             raise AgentConfigError("ack_timeout_ms must be longer than heartbeat_interval_ms")
 

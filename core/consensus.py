@@ -60,6 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from rlog.limits import require_positive_ints
 from rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, make_entry
 
 MEMBERS_MAX = 15
@@ -97,18 +98,7 @@ class ConsensusConfig:
     ops_per_entry_max: int = 10_000
 
     def __post_init__(self) -> None:
-        for name in (
-            "election_timeout_ms_min",
-            "election_timeout_ms_max",
-            "heartbeat_interval_ms",
-            "entries_per_append_max",
-            "appends_in_flight_max",
-            "pending_proposals_max",
-            "ops_per_entry_max",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConsensusConfigError(f"{name} must be a positive integer, got {value!r}")
+        require_positive_ints(self, ConsensusConfigError)
         if self.election_timeout_ms_max < self.election_timeout_ms_min:
             raise ConsensusConfigError("election_timeout_ms_max must be >= election_timeout_ms_min")
         # Followers must hear several heartbeats per election timeout, or they would campaign

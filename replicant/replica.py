@@ -97,6 +97,7 @@ from replicant.protocol import (
     WatchRefused,
 )
 from replicant.upstream import choose_upstream
+from rlog.limits import require_positive_ints
 from rlog.types import Entry, TxKey, entry_digest
 
 REJECT_NOT_WATCHED = "not the watched agent"
@@ -152,17 +153,7 @@ class ReplicaConfig:
     bootstrap_attempts_max: int = 3
 
     def __post_init__(self) -> None:
-        for name in (
-            "failure_timeout_ms",
-            "probe_timeout_ms",
-            "retry_interval_ms",
-            "batch_rows_max",
-            "spill_entries_max",
-            "bootstrap_attempts_max",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ReplicaConfigError(f"{name} must be a positive integer, got {value!r}")
+        require_positive_ints(self, ReplicaConfigError)
         if self.probe_timeout_ms > self.failure_timeout_ms:
             raise ReplicaConfigError("probe_timeout_ms must not exceed failure_timeout_ms")
 
