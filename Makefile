@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup java run test lint bench clean
+.PHONY: setup java run test test-fast lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,17 @@ run: setup
 
 test: setup java
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/pytest
+
+# The fast lane: no multi-process, fault or Spark tests (about a minute).
+test-fast: setup
+	$(BIN)/ruff check .
+	$(BIN)/pytest -m "not slow and not spark" -q
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check core rlog cli
+	$(BIN)/ruff format --check .
 
 bench: setup
 	$(BIN)/python benchmarks/bench_commit.py

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rlog.client import Client, MnesiteError  # noqa: E402
+from mnesite.rlog.client import Client, MnesiteError  # noqa: E402
 
 CLIENT_PROCESSES_MAX = 4
 
@@ -156,7 +156,7 @@ def start_nodes(directory: Path, synchronous: str, cores: int) -> tuple[list[sub
         )
         processes.append(
             subprocess.Popen(
-                [sys.executable, "-m", "cli", "start", "--config", str(config), "--log-level", "WARNING"],
+                [sys.executable, "-m", "mnesite.cli", "start", "--config", str(config), "--log-level", "WARNING"],
                 cwd=REPO,
                 env=dict(os.environ, PYTHONPATH=str(REPO)),
                 start_new_session=True,

@@ -36,9 +36,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import apsw
-
-from rlog.store import Store
-from rlog.types import CreateTableOp
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import CreateTableOp
 
 ROWS_DEFAULT = 1_000_000
 DIFFERENCE_RATIO = 0.001
@@ -51,17 +50,26 @@ def build_replicas(directory: str, rows: int, seed: int) -> dict[str, int]:
     os.makedirs(primary)
     store = Store(os.path.join(primary, "mnesite.db"), synchronous="OFF")
     with store.write_transaction():
-        store.apply_ops((CreateTableOp(
-            "items", "default", "id", (("id", "INTEGER"), ("name", "TEXT"), ("score", "REAL"), ("payload", "BLOB"))
-        ),))
+        store.apply_ops(
+            (
+                CreateTableOp(
+                    "items",
+                    "default",
+                    "id",
+                    (("id", "INTEGER"), ("name", "TEXT"), ("score", "REAL"), ("payload", "BLOB")),
+                ),
+            )
+        )
     generator = random.Random(seed)
     connection = store.connection
     for start in range(0, rows, INSERT_BATCH_ROWS):
         with store.write_transaction():
             connection.executemany(
                 "INSERT INTO items VALUES (?, ?, ?, ?)",
-                ((key * 2, f"item {key}", generator.random(), generator.randbytes(16))
-                 for key in range(start, min(start + INSERT_BATCH_ROWS, rows))),
+                (
+                    (key * 2, f"item {key}", generator.random(), generator.randbytes(16))
+                    for key in range(start, min(start + INSERT_BATCH_ROWS, rows))
+                ),
             )
     store.close()
     copy = os.path.join(directory, "b")
@@ -76,9 +84,7 @@ def build_replicas(directory: str, rows: int, seed: int) -> dict[str, int]:
         connection.executemany("UPDATE items SET name = 'changed' WHERE id = ?", ((k * 2,) for k in changed))
         connection.executemany("DELETE FROM items WHERE id = ?", ((k * 2,) for k in deleted))
         # Odd keys do not exist on the primary.
-        connection.executemany(
-            "INSERT INTO items VALUES (?, 'added', 0.5, NULL)", ((k * 2 + 1,) for k in added)
-        )
+        connection.executemany("INSERT INTO items VALUES (?, 'added', 0.5, NULL)", ((k * 2 + 1,) for k in added))
     connection.close()
     return {"different": len(changed), "missing_on_right": len(deleted), "missing_on_left": len(added)}
 
@@ -105,8 +111,13 @@ def spark_full_join(session: Any, directory: str, partitions: int) -> dict[str, 
     from pyspark.sql import functions as F
 
     def load(name: str) -> Any:
-        frame = (session.read.format("mnesite").option("path", os.path.join(directory, name))
-                 .option("table", "items").option("partitions", str(partitions)).load())
+        frame = (
+            session.read.format("mnesite")
+            .option("path", os.path.join(directory, name))
+            .option("table", "items")
+            .option("partitions", str(partitions))
+            .load()
+        )
         return frame.select([F.col(c).alias(f"{name}_{c}") for c in frame.columns])
 
     left, right = load("a"), load("b")
@@ -114,11 +125,18 @@ def spark_full_join(session: Any, directory: str, partitions: int) -> dict[str, 
     counts = joined.select(
         F.sum(F.when(F.col("b_id").isNull(), 1).otherwise(0)).alias("missing_on_right"),
         F.sum(F.when(F.col("a_id").isNull(), 1).otherwise(0)).alias("missing_on_left"),
-        F.sum(F.when(
-            F.col("a_id").isNotNull() & F.col("b_id").isNotNull()
-            & ~(F.col("a_name").eqNullSafe(F.col("b_name")) & F.col("a_score").eqNullSafe(F.col("b_score"))
-                & F.col("a_payload").eqNullSafe(F.col("b_payload"))),
-            1).otherwise(0)).alias("different"),
+        F.sum(
+            F.when(
+                F.col("a_id").isNotNull()
+                & F.col("b_id").isNotNull()
+                & ~(
+                    F.col("a_name").eqNullSafe(F.col("b_name"))
+                    & F.col("a_score").eqNullSafe(F.col("b_score"))
+                    & F.col("a_payload").eqNullSafe(F.col("b_payload"))
+                ),
+                1,
+            ).otherwise(0)
+        ).alias("different"),
     ).collect()[0]
     return {name: int(counts[name]) for name in ("different", "missing_on_right", "missing_on_left")}
 
@@ -139,16 +157,18 @@ def main() -> int:
     if arguments.rows < 3 or arguments.repeat < 1:
         parser.error("--rows must be at least 3 and --repeat at least 1")
 
-    from spark.compare import CompareOptions, compare
-    from spark.session import build_session
+    from mnesite.spark.compare import CompareOptions, compare
+    from mnesite.spark.session import build_session
 
     progress = lambda message: print(f"  compare: {message}", file=sys.stderr)  # noqa: E731
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="mnesite-bench-") as directory:
         started = time.monotonic()
         expected = build_replicas(directory, arguments.rows, arguments.seed)
-        print(f"built two replicas of {arguments.rows} rows in {time.monotonic() - started:.1f} s: {expected}",
-              file=sys.stderr)
+        print(
+            f"built two replicas of {arguments.rows} rows in {time.monotonic() - started:.1f} s: {expected}",
+            file=sys.stderr,
+        )
         replicas = [os.path.join(directory, "a"), os.path.join(directory, "b")]
         options = CompareOptions(master=arguments.master)
 
@@ -194,8 +214,10 @@ def main() -> int:
         "differences": expected,
         "master": arguments.master,
         "compare_statistics": statistics,
-        "results": {name: {**value, "ratio_to_sqlite": round(value["seconds"] / baseline, 2) if baseline else None}
-                    for name, value in results.items()},
+        "results": {
+            name: {**value, "ratio_to_sqlite": round(value["seconds"] / baseline, 2) if baseline else None}
+            for name, value in results.items()
+        },
     }
     print(f"{'method':<26} {'seconds':>9} {'x sqlite':>9}")
     for name, value in summary["results"].items():

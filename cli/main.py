@@ -10,9 +10,8 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import click
-
-from rlog.client import Client, GuardFailed, MnesiteError, default_endpoint
-from rlog.config import ConfigError, load_config
+from mnesite.rlog.client import Client, GuardFailed, MnesiteError, default_endpoint
+from mnesite.rlog.config import ConfigError, load_config
 
 TIMEOUT_MS_DEFAULT = 5000
 
@@ -113,17 +112,17 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
 
     Without --config: a single core named core1 on tcp://127.0.0.1:7400 with its data in ./mnesite-data.
     """
-    from rlog.store import StoreError
+    from mnesite.rlog.store import StoreError
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         config = load_config(config_path)
         if config.role == "replicant":
-            from replicant.node import ReplicantNode
+            from mnesite.replicant.node import ReplicantNode
 
             node = ReplicantNode(config)
         else:
-            from core.node import CoreNode
+            from mnesite.core.node import CoreNode
 
             node = CoreNode(config)
         node.bind()
@@ -138,7 +137,7 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
 
 
 def load_sample_data(node: Any) -> None:
-    from rlog.codec import Message
+    from mnesite.rlog.codec import Message
 
     if "sample_users" in node.store.catalog():
         return
@@ -409,7 +408,7 @@ def rlog_verify(data_dir, as_json) -> None:
     """Check offline that DATA_DIR's rlog is one unbroken digest chain ending at each shard's applied key."""
     import os
 
-    from rlog.store import Store, StoreError
+    from mnesite.rlog.store import Store, StoreError
 
     path = os.path.join(data_dir, "mnesite.db")
     try:
@@ -524,7 +523,7 @@ def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
 
 def _register_optional_commands() -> None:
     try:
-        from spark.cli import compare
+        from mnesite.spark.cli import compare
     except ImportError:
         return
     main.add_command(compare)

@@ -53,7 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from replicant.protocol import (
+from mnesite.rlog.limits import require_positive_ints
+from mnesite.rlog.replication import (
     AckReceived,
     AgentMode,
     AgentStopped,
@@ -62,8 +63,7 @@ from replicant.protocol import (
     RejectReceived,
     Ticked,
 )
-from rlog.limits import require_positive_ints
-from rlog.types import Entry, TxKey
+from mnesite.rlog.types import Entry, TxKey
 
 STOPPED_TRIMMED = "position trimmed: bootstrap needed"
 

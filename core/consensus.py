@@ -60,8 +60,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from rlog.limits import require_positive_ints
-from rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, make_entry
+from mnesite.rlog.limits import require_positive_ints
+from mnesite.rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, make_entry
 
 MEMBERS_MAX = 15
 

@@ -16,9 +16,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.consensus import MEMBERS_MAX, AppendReply, AppendRequest, PeerMessage, VoteReply, VoteRequest
-from rlog.codec import CodecError
-from rlog.types import DIGEST_BYTES, Entry, OpDecodeError, TxKey, entry_from_wire, entry_to_wire, tx_key_from_wire
+from mnesite.core.consensus import MEMBERS_MAX, AppendReply, AppendRequest, PeerMessage, VoteReply, VoteRequest
+from mnesite.rlog.codec import CodecError
+from mnesite.rlog.types import (
+    DIGEST_BYTES,
+    Entry,
+    OpDecodeError,
+    TxKey,
+    entry_from_wire,
+    entry_to_wire,
+    tx_key_from_wire,
+)
 
 CONSENSUS_WIRE_VERSION = 1
 # Far above any entries_per_append_max; a frame claiming more is refused before decoding entries.

@@ -41,8 +41,7 @@ from typing import Any
 
 import apsw
 import zmq
-
-from core.consensus import (
+from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
     Commit,
     ConsensusConfig,
@@ -65,16 +64,16 @@ from core.consensus import (
     Ticked,
     TruncateLog,
 )
-from core.consensus_wire import message_from_wire, message_to_wire
-from core.rlog_server import RlogServer, WatchRefused
-from core.transaction import GuardFailed, evaluate, parse_transaction
-from rlog import codec, range_requests
-from rlog.codec import CodecError, Message
-from rlog.config import Config, ConfigError
-from rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_key, define_table
-from rlog.server import NodeServer, monotonic_ms, request_id_of
-from rlog.store import ShardPosition, Store, StoreError
-from rlog.types import (
+from mnesite.core.consensus_wire import message_from_wire, message_to_wire
+from mnesite.core.rlog_server import RlogServer, WatchRefused
+from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
+from mnesite.rlog import codec, range_requests
+from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog.config import Config, ConfigError
+from mnesite.rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_key, define_table
+from mnesite.rlog.server import NodeServer, monotonic_ms, request_id_of
+from mnesite.rlog.store import ShardPosition, Store, StoreError
+from mnesite.rlog.types import (
     CreateTableOp,
     DeleteOp,
     Entry,
@@ -254,7 +253,7 @@ class CoreNode(NodeServer):
         generation it may have voted in before the loss. It then catches up from the sequencer like a
         follower that is far behind. If no peer answers (a new cluster), nothing changes.
         """
-        from rlog.client import Client, MnesiteError
+        from mnesite.rlog.client import Client, MnesiteError
 
         generations: dict[str, int] = {}
         for peer in self.members:

@@ -20,8 +20,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from core.agent import Agent, AgentConfig
-from replicant.protocol import (
+from mnesite.core.agent import Agent, AgentConfig
+from mnesite.rlog.codec import Message
+from mnesite.rlog.replication import (
     REPLICATION_PROTOCOL_VERSION,
     AckReceived,
     AgentStopped,
@@ -30,8 +31,7 @@ from replicant.protocol import (
     RejectReceived,
     Ticked,
 )
-from rlog.codec import Message
-from rlog.types import TxKey, entry_to_wire, tx_key_from_wire
+from mnesite.rlog.types import TxKey, entry_to_wire, tx_key_from_wire
 
 AGENTS_MAX = 1000
 

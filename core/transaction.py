@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlog.schema import SchemaError, TableSchema, check_key, check_row
-from rlog.types import DeleteOp, Op, WriteOp
+from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_row
+from mnesite.rlog.types import DeleteOp, Op, WriteOp
 
 
 @dataclass(frozen=True)

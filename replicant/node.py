@@ -30,16 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-
-from replicant import protocol as p
-from replicant.replica import ReplicaConfig, ShardReplica
-from rlog import codec, range_requests
-from rlog.codec import CodecError, Message
-from rlog.config import Config, ConfigError
-from rlog.schema import SchemaError, TableSchema, check_key, define_table
-from rlog.server import NodeServer, monotonic_ms
-from rlog.store import Store
-from rlog.types import (
+from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+from mnesite.rlog import codec, range_requests
+from mnesite.rlog import replication as p
+from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog.config import Config, ConfigError
+from mnesite.rlog.schema import SchemaError, TableSchema, check_key, define_table
+from mnesite.rlog.server import NodeServer, monotonic_ms
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
     OpDecodeError,

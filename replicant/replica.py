@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A replicant node runs one ``ShardReplica`` per shard. It is a pure state machine: the driver feeds
 it events through ``step(event, now_ms)`` and executes the effects it returns, in order. Its modes
-(``replicant.protocol.Mode``) are Mria's:
+(``rlog.replication.Mode``) are Mria's:
 
 * DISCONNECTED. Every ``retry_interval_ms`` (plus random jitter) it probes every core's journal age
   (``ProbeJournals``), chooses an upstream with ``replicant.upstream.choose_upstream`` (never a core
@@ -71,7 +71,9 @@ import enum
 import random
 from dataclasses import dataclass
 
-from replicant.protocol import (
+from mnesite.replicant.upstream import choose_upstream
+from mnesite.rlog.limits import require_positive_ints
+from mnesite.rlog.replication import (
     UNKNOWN_DIGEST,
     ApplyBatch,
     ApplyEntries,
@@ -96,9 +98,7 @@ from replicant.protocol import (
     WatchAccepted,
     WatchRefused,
 )
-from replicant.upstream import choose_upstream
-from rlog.limits import require_positive_ints
-from rlog.types import Entry, TxKey, entry_digest
+from mnesite.rlog.types import Entry, TxKey, entry_digest
 
 REJECT_NOT_WATCHED = "not the watched agent"
 REJECT_GAP = "gap"

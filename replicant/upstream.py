@@ -27,8 +27,8 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
-from replicant.protocol import JournalAge
-from rlog.types import TxKey
+from mnesite.rlog.replication import JournalAge
+from mnesite.rlog.types import TxKey
 
 # Cores whose agent counts differ by at most max(NEAR_TIE_AGENTS_MIN, fewest // NEAR_TIE_DIVISOR)
 # are treated as equally loaded: exact counts are stale by the time the watch arrives anyway.

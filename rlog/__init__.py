@@ -1,5 +1,5 @@
 """rlog: the lowest layer of mnesite: vocabulary, wire codec, log store and the client."""
 
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, Entry, TxKey, WriteOp
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, Entry, TxKey, WriteOp
 
 __all__ = ["GENESIS_DIGEST", "ZERO_KEY", "CreateTableOp", "DeleteOp", "Entry", "TxKey", "WriteOp"]

@@ -1,6 +1,6 @@
 """The Python client: talks to any mnesite node over zmq (DEALER to the node's ROUTER).
 
-    from rlog.client import Client
+    from mnesite.rlog.client import Client
 
     with Client("tcp://127.0.0.1:7400") as client:
         client.create_table("users", key="id", columns=[("id", "INTEGER"), ("name", "TEXT")])
@@ -28,11 +28,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import zmq
-
-from rlog import codec
-from rlog.codec import CodecError, Message
-from rlog.config import DEFAULT_LISTEN
-from rlog.types import TxKey
+from mnesite.rlog import codec
+from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog.config import DEFAULT_LISTEN
+from mnesite.rlog.types import TxKey
 
 SCAN_PAGE_ROWS = 1000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.

@@ -113,7 +113,7 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 
 
 def _range_kinds() -> dict[str, dict[str, tuple[tuple[type, ...], bool]]]:
-    from rlog.range_requests import KINDS as range_kinds  # lazily: range_requests imports the store
+    from mnesite.rlog.range_requests import KINDS as range_kinds  # lazily: range_requests imports the store
 
     return range_kinds
 

@@ -45,15 +45,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import apsw
-
-from rlog.range_digest import (
+from mnesite.rlog.range_digest import (
     SQL_FEATURES_CHECK,
     row_text_sql,
     text_range_digest,
     text_row_digest,
 )
-from rlog.schema import SchemaError, TableSchema, check_key
-from rlog.types import TxKey
+from mnesite.rlog.schema import SchemaError, TableSchema, check_key
+from mnesite.rlog.types import TxKey
 
 RANGES_MAX = 10_000  # ranges per range_digest request
 PARTS_MAX = 65_536  # parts per key_boundaries request, and split_parts per range

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rlog.types import CreateTableOp
+from mnesite.rlog.types import CreateTableOp
 
 COLUMN_TYPES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
 KEY_TYPES = ("INTEGER", "TEXT", "BLOB")

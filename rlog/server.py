@@ -21,11 +21,10 @@ from typing import Any
 
 import msgpack
 import zmq
-
-from rlog import codec
-from rlog.codec import CodecError, Message
-from rlog.config import Config
-from rlog.store import Store
+from mnesite.rlog import codec
+from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog.config import Config
+from mnesite.rlog.store import Store
 
 log = logging.getLogger("mnesite.server")
 

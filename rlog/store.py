@@ -31,9 +31,8 @@ from typing import Any
 
 import apsw
 import msgpack
-
-from rlog.schema import TableSchema
-from rlog.types import (
+from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
     CreateTableOp,

@@ -16,8 +16,7 @@ import sys
 from typing import Any
 
 import click
-
-from spark.compare import (
+from mnesite.spark.compare import (
     CATEGORIES,
     EXIT_ERROR,
     SAMPLE_MAX_LIMIT,
@@ -27,10 +26,10 @@ from spark.compare import (
     json_default,
     report_json,
 )
-from spark.compare import (
+from mnesite.spark.compare import (
     compare as run_compare,
 )
-from spark.replica import NODE_TIMEOUT_MS
+from mnesite.spark.replica import NODE_TIMEOUT_MS
 
 VALUE_WIDTH_MAX = 60  # characters of a row shown per cell in the readable output
 

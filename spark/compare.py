@@ -46,10 +46,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlog.range_digest import key_bytes, key_from_bytes
-from rlog.schema import TableSchema
-from rlog.types import TxKey
-from spark.replica import (
+from mnesite.rlog.range_digest import key_bytes, key_from_bytes
+from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.types import TxKey
+from mnesite.spark.replica import (
     BATCH_ROWS_MAX,
     NODE_TIMEOUT_MS,
     Replica,
@@ -95,9 +95,17 @@ class CompareOptions:
     def check(self) -> None:
         if not 0 <= self.sample_max <= SAMPLE_MAX_LIMIT:
             raise CompareError(f"sample must be between 0 and {SAMPLE_MAX_LIMIT}")
-        if (self.ranges_initial < 0 or self.range_rows < 1 or self.ranges_initial_max < 1 or self.fanout < 2
-                or self.leaf_rows_max < 1 or self.depth_max < 1 or self.level_ranges_max < 1
-                or self.driver_row_digests_max < 0 or self.tasks_per_core < 1):
+        if (
+            self.ranges_initial < 0
+            or self.range_rows < 1
+            or self.ranges_initial_max < 1
+            or self.fanout < 2
+            or self.leaf_rows_max < 1
+            or self.depth_max < 1
+            or self.level_ranges_max < 1
+            or self.driver_row_digests_max < 0
+            or self.tasks_per_core < 1
+        ):
             raise CompareError(
                 "ranges_initial >= 0, range_rows >= 1, ranges_initial_max >= 1, fanout >= 2, leaf_rows_max >= 1, "
                 "depth_max >= 1, level_ranges_max >= 1, driver_row_digests_max >= 0 and tasks_per_core >= 1 "
@@ -122,8 +130,14 @@ class PairTableResult:
         return any(self.counts[c] for c in CATEGORIES)
 
     def to_json(self) -> dict[str, Any]:
-        return {"table": self.table, "left": self.left, "right": self.right, "diverged": self.diverged,
-                "counts": dict(self.counts), "samples": self.samples}
+        return {
+            "table": self.table,
+            "left": self.left,
+            "right": self.right,
+            "diverged": self.diverged,
+            "counts": dict(self.counts),
+            "samples": self.samples,
+        }
 
 
 @dataclass
@@ -139,9 +153,17 @@ class InFlightSpan:
     reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"shard": self.shard, "left": self.left, "right": self.right, "ahead": self.ahead,
-                "from": list(self.behind_key), "to": list(self.ahead_key), "complete": self.complete,
-                "entries": self.entries, "reason": self.reason}
+        return {
+            "shard": self.shard,
+            "left": self.left,
+            "right": self.right,
+            "ahead": self.ahead,
+            "from": list(self.behind_key),
+            "to": list(self.ahead_key),
+            "complete": self.complete,
+            "entries": self.entries,
+            "reason": self.reason,
+        }
 
 
 @dataclass
@@ -160,7 +182,9 @@ class CompareReport:
     @property
     def diverged(self) -> bool:
         return bool(
-            self.tables_missing or self.tables_mismatched or self.histories_diverged
+            self.tables_missing
+            or self.tables_mismatched
+            or self.histories_diverged
             or any(p.diverged for p in self.pairs)
         )
 
@@ -278,7 +302,7 @@ def compare(
             session = _active_session()
         owns_session = session is None
         if owns_session:
-            from spark.session import SparkUnavailableError, build_session
+            from mnesite.spark.session import SparkUnavailableError, build_session
 
             say(f"starting Spark ({options.master})")
             try:
@@ -377,8 +401,14 @@ def _find_in_flight(
             if left_key == right_key:
                 if left_applied and right_applied and left_applied.digest != right_applied.digest:
                     report.histories_diverged.append(
-                        {"shard": shard, "left": labels[0], "right": labels[right], "applied": list(left_key),
-                         "left_digest": left_applied.digest, "right_digest": right_applied.digest}
+                        {
+                            "shard": shard,
+                            "left": labels[0],
+                            "right": labels[right],
+                            "applied": list(left_key),
+                            "left_digest": left_applied.digest,
+                            "right_digest": right_applied.digest,
+                        }
                     )
                 continue
             if left_key > right_key:
@@ -393,8 +423,10 @@ def _find_in_flight(
                 if table_name in tables:
                     in_flight[(right, table_name)].add(key_bytes(key))
             report.in_flight_spans.append(span)
-            say(f"shard {shard}: {labels[ahead]} is ahead of the other by {span.entries} entries"
-                + ("" if span.complete else f" ({span.reason})"))
+            say(
+                f"shard {shard}: {labels[ahead]} is ahead of the other by {span.entries} entries"
+                + ("" if span.complete else f" ({span.reason})")
+            )
     return in_flight
 
 
@@ -487,8 +519,19 @@ def _run(
             for start in range(0, len(table_ranges), size):
                 chunk = tuple(table_ranges[start : start + size])
                 for index, replica in enumerate(replicas):
-                    tasks.append(_Task(index, replica.spec, tables[name], start, chunk, options.fanout,
-                                       options.leaf_rows_max, row_level, options.timeout_ms))
+                    tasks.append(
+                        _Task(
+                            index,
+                            replica.spec,
+                            tables[name],
+                            start,
+                            chunk,
+                            options.fanout,
+                            options.leaf_rows_max,
+                            row_level,
+                            options.timeout_ms,
+                        )
+                    )
         return tasks
 
     def run(tasks: list[_Task]) -> list[tuple[Any, ...]]:
@@ -519,8 +562,9 @@ def _run(
         level += 1
         shape = {name: len(items) for name, items in pending.items()}
         counts = {name: [[0] * size for _ in replicas] for name, size in shape.items()}
-        digests: dict[str, list[list[bytes | None]]] = {name: [[None] * size for _ in replicas]
-                                                         for name, size in shape.items()}
+        digests: dict[str, list[list[bytes | None]]] = {
+            name: [[None] * size for _ in replicas] for name, size in shape.items()
+        }
         splits: dict[str, list[dict[int, tuple[Any, ...]]]] = {name: [{} for _ in replicas] for name in shape}
         for name, replica_index, first, rows, range_digests, range_splits in run(tasks_for(pending, False)):
             counts[name][replica_index][first : first + len(rows)] = rows
@@ -536,9 +580,12 @@ def _run(
         differing = 0
         for name, items in pending.items():
             differing_here = [
-                position for position in range(len(items))
-                if any(digests[name][r][position] is None or digests[name][r][position] != digests[name][0][position]
-                       for r in range(len(replicas)))
+                position
+                for position in range(len(items))
+                if any(
+                    digests[name][r][position] is None or digests[name][r][position] != digests[name][0][position]
+                    for r in range(len(replicas))
+                )
             ]
             differing += len(differing_here)
             too_many = len(differing_here) > options.level_ranges_max
@@ -555,8 +602,9 @@ def _run(
         say(f"level {level}: {sum(shape.values())} range(s) digested, {differing} differ")
         pending = dict(next_pending)
         phase("digest_merge")
-    report.statistics.update({"levels": level, "range_digests": digests_shipped,
-                              "leaf_ranges": sum(len(v) for v in leaves.values())})
+    report.statistics.update(
+        {"levels": level, "range_digests": digests_shipped, "leaf_ranges": sum(len(v) for v in leaves.values())}
+    )
     for name in tables:
         for right in range(1, len(replicas)):
             report.pairs.append(PairTableResult(name, labels[0], labels[right]))
@@ -589,8 +637,9 @@ def _run(
         phase("row_merge")
     else:
         report.statistics["row_level"] = "spark"
-        _spark_row_level(session, run, tasks_for(leaf_ranges, True), tables, labels, results, in_flight, options,
-                         report, say)
+        _spark_row_level(
+            session, run, tasks_for(leaf_ranges, True), tables, labels, results, in_flight, options, report, say
+        )
         phase("row_spark_join")
     _fetch_samples(replicas, tables, results, labels, report)
     phase("samples")
@@ -639,27 +688,37 @@ def _spark_row_level(
         for key, digest in pairs:
             yield (name, key_bytes(key), replica_index, digest)
 
-    schema = StructType([
-        StructField("table", StringType(), False),
-        StructField("key", BinaryType(), False),
-        StructField("replica", IntegerType(), False),
-        StructField("digest", BinaryType(), False),
-    ])
+    schema = StructType(
+        [
+            StructField("table", StringType(), False),
+            StructField("key", BinaryType(), False),
+            StructField("replica", IntegerType(), False),
+            StructField("digest", BinaryType(), False),
+        ]
+    )
     context = session.sparkContext
     rows = session.createDataFrame(context.parallelize(tasks, len(tasks)).flatMap(flatten), schema).cache()
     report.statistics["rows_shipped"] = rows.count()
-    say(f"row level: {report.statistics['rows_shipped']} row digest(s) from "
-        f"{report.statistics['leaf_ranges']} range(s), joined by Spark")
+    say(
+        f"row level: {report.statistics['rows_shipped']} row digest(s) from "
+        f"{report.statistics['leaf_ranges']} range(s), joined by Spark"
+    )
     in_flight_rows = [(right, name, key) for (right, name), keys in in_flight.items() for key in keys]
     in_flight_frame = session.createDataFrame(
         in_flight_rows,
-        StructType([StructField("right", IntegerType(), False), StructField("table", StringType(), False),
-                    StructField("key", BinaryType(), False)]),
+        StructType(
+            [
+                StructField("right", IntegerType(), False),
+                StructField("table", StringType(), False),
+                StructField("key", BinaryType(), False),
+            ]
+        ),
     ).withColumn("in_flight", F.lit(True))
     for right in range(1, len(labels)):
         left_rows = rows.filter(F.col("replica") == 0).select("table", "key", F.col("digest").alias("left_digest"))
-        right_rows = rows.filter(F.col("replica") == right).select("table", "key",
-                                                                   F.col("digest").alias("right_digest"))
+        right_rows = rows.filter(F.col("replica") == right).select(
+            "table", "key", F.col("digest").alias("right_digest")
+        )
         joined = (
             left_rows.join(right_rows, ["table", "key"], "full_outer")
             .withColumn(
@@ -670,20 +729,25 @@ def _spark_row_level(
             )
             .filter(F.col("category").isNotNull())
             .join(F.broadcast(in_flight_frame.filter(F.col("right") == right).drop("right")), ["table", "key"], "left")
-            .withColumn("category", F.when(F.col("in_flight").isNotNull(), F.lit("in_flight"))
-                        .otherwise(F.col("category")))
+            .withColumn(
+                "category", F.when(F.col("in_flight").isNotNull(), F.lit("in_flight")).otherwise(F.col("category"))
+            )
             .cache()
         )
         for row in joined.groupBy("table", "category").count().collect():
             results[(row["table"], labels[right])].counts[row["category"]] = int(row["count"])
         if options.sample_max:
             window = Window.partitionBy("table", "category").orderBy("key")
-            sampled = (joined.withColumn("position", F.row_number().over(window))
-                       .filter(F.col("position") <= options.sample_max).collect())
+            sampled = (
+                joined.withColumn("position", F.row_number().over(window))
+                .filter(F.col("position") <= options.sample_max)
+                .collect()
+            )
             for row in sorted(sampled, key=lambda r: (r["table"], r["category"], r["position"])):
                 key = key_from_bytes(bytes(row["key"]), tables[row["table"]].key_type)
                 results[(row["table"], labels[right])].samples[row["category"]].append(
-                    {"key": key, "left": None, "right": None})
+                    {"key": key, "left": None, "right": None}
+                )
         joined.unpersist()
     rows.unpersist()
 

@@ -28,6 +28,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from mnesite.rlog.schema import TableSchema
+from mnesite.spark.replica import (
+    BATCH_ROWS_MAX,
+    NODE_TIMEOUT_MS,
+    ReplicaError,
+    ReplicaSpec,
+    open_replica,
+    parse_replica,
+)
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import (
     BinaryType,
@@ -38,9 +47,6 @@ from pyspark.sql.types import (
     StructField,
     StructType,
 )
-
-from rlog.schema import TableSchema
-from spark.replica import BATCH_ROWS_MAX, NODE_TIMEOUT_MS, ReplicaError, ReplicaSpec, open_replica, parse_replica
 
 SOURCE_NAME = "mnesite"
 PARTITIONS_DEFAULT = 4
@@ -68,8 +74,10 @@ def any_to_string(value: Any) -> str | None:
 
 def spark_schema(table: TableSchema) -> StructType:
     return StructType(
-        [StructField(name, _SPARK_TYPES[column_type], nullable=name != table.key_column)
-         for name, column_type in table.columns]
+        [
+            StructField(name, _SPARK_TYPES[column_type], nullable=name != table.key_column)
+            for name, column_type in table.columns
+        ]
     )
 
 

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import apsw
-
-from rlog import range_requests
-from rlog.range_requests import RangeAnswer
-from rlog.schema import TableSchema
-from rlog.store import FORMAT_VERSION, quote
-from rlog.types import (
+from mnesite.rlog import range_requests
+from mnesite.rlog.range_requests import RangeAnswer
+from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.store import FORMAT_VERSION, quote
+from mnesite.rlog.types import (
     CreateTableOp,
     DeleteOp,
     Op,
@@ -323,7 +322,7 @@ class NodeReplica(Replica):
     def __init__(self, spec: ReplicaSpec, timeout_ms: int = NODE_TIMEOUT_MS) -> None:
         self.spec = spec
         try:
-            from rlog.client import Client, MnesiteError
+            from mnesite.rlog.client import Client, MnesiteError
         except ImportError as error:
             raise ReplicaError(f"{spec.label}: the node client is not available ({error})") from None
         self._error_type = MnesiteError
@@ -400,11 +399,18 @@ class NodeReplica(Replica):
         answers: list[RangeAnswer] = []
         while len(answers) < len(ranges):
             batch = [[low, high] for low, high in ranges[len(answers) : len(answers) + per_request]]
-            answer = self._answer("range_digest", table.name, batch, split_parts=split_parts,
-                                  split_rows_min=split_rows_min)
+            answer = self._answer(
+                "range_digest", table.name, batch, split_parts=split_parts, split_rows_min=split_rows_min
+            )
             try:
-                items = [RangeAnswer(int(item["rows"]), None if item["digest"] is None else bytes(item["digest"]),
-                                     tuple(item["split_keys"])) for item in answer["ranges"]]
+                items = [
+                    RangeAnswer(
+                        int(item["rows"]),
+                        None if item["digest"] is None else bytes(item["digest"]),
+                        tuple(item["split_keys"]),
+                    )
+                    for item in answer["ranges"]
+                ]
             except (KeyError, TypeError, ValueError) as error:
                 raise ReplicaError(f"{self.spec.label}: malformed range_digest answer ({error})") from None
             if not items or len(items) > len(batch):
@@ -444,8 +450,12 @@ class NodeReplica(Replica):
             try:
                 ops = tuple(_op_from_client(op) for op in item.get("ops", []))
                 entries.append(
-                    RlogEntry(tx_key_from_wire(item["tx_key"]), tx_key_from_wire(item["prev"]), str(item["digest"]),
-                              self._resolve_touched(ops))
+                    RlogEntry(
+                        tx_key_from_wire(item["tx_key"]),
+                        tx_key_from_wire(item["prev"]),
+                        str(item["digest"]),
+                        self._resolve_touched(ops),
+                    )
                 )
             except (OpDecodeError, KeyError, TypeError) as error:
                 raise ReplicaError(f"{self.spec.label}: malformed rlog entry ({error})") from None

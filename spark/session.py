@@ -87,7 +87,7 @@ def build_session(
     except Exception as error:  # the gateway raises plain exceptions; turn them into one line
         raise SparkUnavailableError(f"Spark could not start: {str(error).strip().splitlines()[0]}") from None
     session.sparkContext.setLogLevel(log_level)
-    from spark.datasource import register
+    from mnesite.spark.datasource import register
 
     register(session)
     return session

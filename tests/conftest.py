@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from mnesite.core.node import CoreNode
+from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.config import parse_config
 
-from core.node import CoreNode
-from rlog.client import Client, MnesiteError
-from rlog.config import parse_config
 from tests.spark_fixtures import spark_session  # noqa: F401  (the one SparkSession of the test run)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ class NodeProcess:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "cli", "start", "--config", str(self.config_path)],
+                [sys.executable, "-m", "mnesite.cli", "start", "--config", str(self.config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

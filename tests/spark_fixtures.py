@@ -13,16 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from rlog.store import Store
-from rlog.types import CreateTableOp, DeleteOp, Op, TxKey, WriteOp, make_entry
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import CreateTableOp, DeleteOp, Op, TxKey, WriteOp, make_entry
 
 SHARD = "default"
 
 
 @pytest.fixture(scope="session")
 def spark_session() -> Iterator[Any]:
-    from spark.session import SparkUnavailableError, build_session
+    from mnesite.spark.session import SparkUnavailableError, build_session
 
     try:
         session = build_session("local[2]", app_name="mnesite-tests", shuffle_partitions=4)

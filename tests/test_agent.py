@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from core.agent import STOPPED_TRIMMED, Agent, AgentConfig, AgentConfigError
-from replicant.protocol import (
+from mnesite.core.agent import STOPPED_TRIMMED, Agent, AgentConfig, AgentConfigError
+from mnesite.rlog.replication import (
     AckReceived,
     AgentMode,
     AgentStopped,
@@ -14,7 +13,8 @@ from replicant.protocol import (
     RejectReceived,
     Ticked,
 )
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+
 from tests.sim import MemoryLog
 
 SHARD = "main"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from mnesite.cli.main import main
 
-from cli.main import main
 from tests.conftest import ThreadNode, free_port
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,9 +12,9 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from mnesite.cli.main import main
+from mnesite.rlog.client import Client, MnesiteError
 
-from cli.main import main
-from rlog.client import Client, MnesiteError
 from tests.conftest import Cluster, wait_until
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]

@@ -8,10 +8,9 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from rlog import codec
-from rlog.codec import CodecError, Message
-from rlog.types import (
+from mnesite.rlog import codec
+from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
     CreateTableOp,

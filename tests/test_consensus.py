@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from core.consensus import (
+from mnesite.core.consensus import (
     REJECT_BUSY,
     REJECT_NOT_SEQUENCER,
     AppendReply,
@@ -36,7 +35,8 @@ from core.consensus import (
     VoteReply,
     VoteRequest,
 )
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey, WriteOp, make_entry
+
 from tests.sim import MemoryLog
 
 pytestmark = pytest.mark.timeout(10)

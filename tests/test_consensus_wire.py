@@ -8,11 +8,10 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from core.consensus import AppendReply, AppendRequest, VoteReply, VoteRequest
-from core.consensus_wire import CONSENSUS_WIRE_VERSION, message_from_wire, message_to_wire
-from rlog.codec import CodecError
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, TxKey, WriteOp, make_entry
+from mnesite.core.consensus import AppendReply, AppendRequest, VoteReply, VoteRequest
+from mnesite.core.consensus_wire import CONSENSUS_WIRE_VERSION, message_from_wire, message_to_wire
+from mnesite.rlog.codec import CodecError
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, TxKey, WriteOp, make_entry
 
 FIRST = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (WriteOp("t", {"k": 1, "v": b"x"}),), "w1")
 SECOND = make_entry(

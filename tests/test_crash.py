@@ -7,10 +7,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import ZERO_KEY
 
-from rlog.client import Client, MnesiteError
-from rlog.store import Store
-from rlog.types import ZERO_KEY
 from tests.conftest import NodeProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]

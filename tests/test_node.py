@@ -7,11 +7,11 @@ import threading
 import msgpack
 import pytest
 import zmq
+from mnesite.rlog import codec
+from mnesite.rlog.client import Client, GuardFailed, RemoteError, UnknownTable
+from mnesite.rlog.codec import Message
+from mnesite.rlog.types import TxKey
 
-from rlog import codec
-from rlog.client import Client, GuardFailed, RemoteError, UnknownTable
-from rlog.codec import Message
-from rlog.types import TxKey
 from tests.conftest import ThreadNode
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,14 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # -- row texts: what SQLite builds natively must parse back to exactly the stored values -----------
-from rlog.range_digest import (
+from mnesite.rlog.range_digest import (
     decode_row_text,
     key_bytes,
     key_from_bytes,
     row_text_sql,
     text_range_digest,
 )
-from rlog.range_requests import check_sql_features
+from mnesite.rlog.range_requests import check_sql_features
 
 TEXT_COLUMNS = [("k", "INTEGER"), ("i", "INTEGER"), ("r", "REAL"), ("t", "TEXT"), ("b", "BLOB"), ("a", "ANY")]
 _reals = st.floats(allow_nan=False) | st.sampled_from([0.0, -0.0, 0.1 + 0.2, 5e-324, 1e300, 2.0**53])

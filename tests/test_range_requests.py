@@ -6,14 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mnesite.rlog import codec, range_requests
+from mnesite.rlog.client import MnesiteError
+from mnesite.rlog.range_digest import text_range_digest
+from mnesite.rlog.schema import SchemaError
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import WriteOp
+from mnesite.spark.replica import FileReplica, NodeReplica, parse_replica
 
-from rlog import codec, range_requests
-from rlog.client import MnesiteError
-from rlog.range_digest import text_range_digest
-from rlog.schema import SchemaError
-from rlog.store import Store
-from rlog.types import WriteOp
-from spark.replica import FileReplica, NodeReplica, parse_replica
 from tests.conftest import ThreadNode
 from tests.spark_fixtures import commit, create_table
 
@@ -101,8 +101,12 @@ def test_answers_carry_the_applied_position(thread_node: ThreadNode) -> None:
         ("range_digest", {"table": "items", "ranges": [[5, 5]]}, "bad_request", "low must be below high"),
         ("range_digest", {"table": "items", "ranges": [["a", None]]}, "bad_request", "range 0 low"),
         ("range_digest", {"table": "items", "ranges": [[None, None]], "split_parts": -1}, "bad_request", "split_parts"),
-        ("range_digest", {"table": "items", "ranges": [[None, None]] * (range_requests.RANGES_MAX + 1)},
-         "bad_request", "ranges must be a list of 1..10000"),
+        (
+            "range_digest",
+            {"table": "items", "ranges": [[None, None]] * (range_requests.RANGES_MAX + 1)},
+            "bad_request",
+            "ranges must be a list of 1..10000",
+        ),
         ("key_boundaries", {"table": "items", "parts": 0}, "bad_request", "parts must be"),
         ("key_boundaries", {"table": "items", "parts": range_requests.PARTS_MAX + 1}, "bad_request", "parts must be"),
         ("key_boundaries", {"table": "items", "parts": 2, "low": 9, "high": 1}, "bad_request", "low must be below"),
@@ -167,8 +171,10 @@ def test_answers_are_bounded_by_the_row_budget(tmp_path: Path) -> None:
             with pytest.raises(MnesiteError, match="limit must be"):
                 client.row_digests("items", limit=31)
             assert client.key_boundaries("items", 2)["rows"] == 100  # keys walked: 100 per scan row
-        with NodeReplica(parse_replica(node.endpoint)) as replica, \
-                FileReplica(parse_replica(str(tmp_path / "data"))) as local:
+        with (
+            NodeReplica(parse_replica(node.endpoint)) as replica,
+            FileReplica(parse_replica(str(tmp_path / "data"))) as local,
+        ):
             table = local.table("items")
             ranges = [(None, 19), (19, 39), (39, 59), (59, 79), (79, None)]
             # The replica asks again from the first unanswered range until every range is answered.
@@ -189,11 +195,12 @@ def test_reads_nest_inside_an_open_write_transaction(tmp_path: Path) -> None:
     assert not store.connection.in_transaction  # the read transaction was released
     store.connection.execute("BEGIN IMMEDIATE")  # what the node does during a turn
     commit_inside = [WriteOp("items", row(7))]
-    from rlog.types import TxKey, make_entry
+    from mnesite.rlog.types import TxKey, make_entry
 
     position = store.shard("default")
-    entry = make_entry("default", TxKey(1, position.applied.counter + 1), position.applied, position.digest,
-                       tuple(commit_inside))
+    entry = make_entry(
+        "default", TxKey(1, position.applied.counter + 1), position.applied, position.digest, tuple(commit_inside)
+    )
     store.append_entry(entry, 0)
     store.apply_entry(entry)
     inside = range_requests.answer(store, "range_digest", body, 100)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from replicant.protocol import (
+from mnesite.replicant.replica import ReplicaConfig, ReplicaConfigError, ShardReplica
+from mnesite.rlog.replication import (
     UNKNOWN_DIGEST,
     ApplyBatch,
     ApplyEntries,
@@ -31,8 +31,7 @@ from replicant.protocol import (
     WatchAccepted,
     WatchRefused,
 )
-from replicant.replica import ReplicaConfig, ReplicaConfigError, ShardReplica
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey, WriteOp, make_entry
 
 SHARD = "main"
 CORES = ("core0", "core1", "core2")

@@ -11,10 +11,10 @@ import dataclasses
 import os
 
 import pytest
+from mnesite.replicant.replica import ShardReplica
+from mnesite.rlog.replication import Mode, PushReceived
+from mnesite.rlog.types import Entry, TxKey
 
-from replicant.protocol import Mode, PushReceived
-from replicant.replica import ShardReplica
-from rlog.types import Entry, TxKey
 from tests.sim.cluster import SimulationFailure
 from tests.sim.replicants import replay_command, run_replicant_seed
 

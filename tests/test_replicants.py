@@ -9,9 +9,9 @@ import signal
 
 import pytest
 from click.testing import CliRunner
+from mnesite.cli.main import main
+from mnesite.rlog.client import Client, MnesiteError
 
-from cli.main import main
-from rlog.client import Client, MnesiteError
 from tests.conftest import Cluster, wait_until
 from tests.test_cluster import Load, create_table, rlog, rows
 

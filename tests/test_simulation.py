@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from mnesite.core.consensus import ShardConsensus
 
-from core.consensus import ShardConsensus
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import replay_command
 

@@ -11,11 +11,11 @@ from typing import Any
 import apsw
 import pytest
 from click.testing import CliRunner
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import WriteOp
+from mnesite.spark.cli import compare as compare_command
+from mnesite.spark.compare import EXIT_DIVERGED, EXIT_EQUAL, EXIT_ERROR, CompareError, CompareOptions, compare
 
-from rlog.store import Store
-from rlog.types import WriteOp
-from spark.cli import compare as compare_command
-from spark.compare import EXIT_DIVERGED, EXIT_EQUAL, EXIT_ERROR, CompareError, CompareOptions, compare
 from tests.spark_fixtures import commit, copy_replica, create_store, create_table, delete_keys, write_rows
 
 pytestmark = [pytest.mark.spark]
@@ -31,7 +31,9 @@ def user(key: int) -> dict[str, Any]:
 def build_primary(directory: Path) -> Store:
     store = create_store(directory)
     create_table(
-        store, "users", "id",
+        store,
+        "users",
+        "id",
         [("id", "INTEGER"), ("name", "TEXT"), ("score", "REAL"), ("extra", "ANY"), ("avatar", "BLOB")],
     )
     create_table(store, "tags", "tag", [("tag", "TEXT"), ("weight", "INTEGER")])
@@ -71,7 +73,11 @@ def test_data_source_reads_a_table_in_key_range_partitions(spark_session: Any, e
             .load()
         )
         assert [(f.name, f.dataType.simpleString()) for f in frame.schema.fields] == [
-            ("id", "bigint"), ("name", "string"), ("score", "double"), ("extra", "string"), ("avatar", "binary"),
+            ("id", "bigint"),
+            ("name", "string"),
+            ("score", "double"),
+            ("extra", "string"),
+            ("avatar", "binary"),
         ]
         assert frame.rdd.getNumPartitions() == 3
         sizes = frame.rdd.glom().map(len).collect()
@@ -86,9 +92,7 @@ def test_data_source_reads_a_table_in_key_range_partitions(spark_session: Any, e
 
 
 @pytest.mark.timeout(120)
-def test_equal_replicas_compare_equal_and_ship_only_range_digests(
-    spark_session: Any, equal_replicas: tuple
-) -> None:
+def test_equal_replicas_compare_equal_and_ship_only_range_digests(spark_session: Any, equal_replicas: tuple) -> None:
     messages: list[str] = []
     report = compare([str(p) for p in equal_replicas], DRILL, session=spark_session, progress=messages.append)
     assert report.exit_status == EXIT_EQUAL and not report.diverged
@@ -104,15 +108,18 @@ def test_equal_replicas_compare_equal_and_ship_only_range_digests(
 @pytest.mark.timeout(120)
 def test_changed_deleted_and_added_rows_are_reported_exactly(spark_session: Any, equal_replicas: tuple) -> None:
     primary, copy = equal_replicas
-    tamper(copy, [
-        ("UPDATE users SET name = 'mallory' WHERE id IN (3, 1000)", ()),
-        ("UPDATE users SET score = 0.5 WHERE id = 1999", ()),
-        ("UPDATE users SET avatar = x'00ff' WHERE id = 42", ()),
-        ("DELETE FROM users WHERE id IN (0, 1500)", ()),
-        ("INSERT INTO users VALUES (5000, 'eve', 1.0, x'01', NULL)", ()),
-        ("UPDATE tags SET weight = -1 WHERE tag = 'tag-0100'", ()),
-        ("INSERT INTO tags VALUES ('tag-0100a', 1)", ()),
-    ])
+    tamper(
+        copy,
+        [
+            ("UPDATE users SET name = 'mallory' WHERE id IN (3, 1000)", ()),
+            ("UPDATE users SET score = 0.5 WHERE id = 1999", ()),
+            ("UPDATE users SET avatar = x'00ff' WHERE id = 42", ()),
+            ("DELETE FROM users WHERE id IN (0, 1500)", ()),
+            ("INSERT INTO users VALUES (5000, 'eve', 1.0, x'01', NULL)", ()),
+            ("UPDATE tags SET weight = -1 WHERE tag = 'tag-0100'", ()),
+            ("INSERT INTO tags VALUES ('tag-0100a', 1)", ()),
+        ],
+    )
     report = compare([str(primary), str(copy)], DRILL, session=spark_session)
     assert report.exit_status == EXIT_DIVERGED
     users = next(p for p in report.pairs if p.table == "users")
@@ -147,9 +154,7 @@ def test_sample_is_bounded(spark_session: Any, equal_replicas: tuple) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_keys_touched_between_applied_keys_are_in_flight_not_divergence(
-    spark_session: Any, tmp_path: Path
-) -> None:
+def test_keys_touched_between_applied_keys_are_in_flight_not_divergence(spark_session: Any, tmp_path: Path) -> None:
     build_primary(tmp_path / "ahead").close()
     behind = copy_replica(tmp_path / "ahead", tmp_path / "behind")
     store = Store(str(tmp_path / "ahead" / "mnesite.db"), synchronous="OFF")
@@ -258,7 +263,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(spark_session: Any, equal_replicas
 
 @pytest.mark.timeout(30)
 def test_missing_java_names_the_package_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from spark.session import SparkUnavailableError, build_session
+    from mnesite.spark.session import SparkUnavailableError, build_session
 
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("JAVA_HOME", raising=False)
@@ -268,7 +273,7 @@ def test_missing_java_names_the_package_to_install(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.timeout(120)
 def test_live_node_compares_equal_to_its_own_file(spark_session: Any, thread_node: Any, tmp_path: Path) -> None:
-    pytest.importorskip("rlog.client")
+    pytest.importorskip("mnesite.rlog.client")
     with thread_node.client() as client:
         client.create_table("kv", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
         for key in range(50):
@@ -285,12 +290,15 @@ def test_live_node_compares_equal_to_its_own_file(spark_session: Any, thread_nod
 @pytest.mark.timeout(120)
 def test_row_level_joined_by_spark_gives_the_driver_merge_report(spark_session: Any, equal_replicas: tuple) -> None:
     primary, copy = equal_replicas
-    tamper(copy, [
-        ("UPDATE users SET name = 'mallory' WHERE id IN (3, 1000)", ()),
-        ("DELETE FROM users WHERE id IN (0, 1500)", ()),
-        ("INSERT INTO users VALUES (5000, 'eve', 1.0, x'01', NULL)", ()),
-        ("UPDATE tags SET weight = -1 WHERE tag = 'tag-0100'", ()),
-    ])
+    tamper(
+        copy,
+        [
+            ("UPDATE users SET name = 'mallory' WHERE id IN (3, 1000)", ()),
+            ("DELETE FROM users WHERE id IN (0, 1500)", ()),
+            ("INSERT INTO users VALUES (5000, 'eve', 1.0, x'01', NULL)", ()),
+            ("UPDATE tags SET weight = -1 WHERE tag = 'tag-0100'", ()),
+        ],
+    )
     merged = compare([str(primary), str(copy)], DRILL, session=spark_session)
     joined = compare([str(primary), str(copy)], replace(DRILL, driver_row_digests_max=0), session=spark_session)
     assert (merged.statistics["row_level"], joined.statistics["row_level"]) == ("driver", "spark")

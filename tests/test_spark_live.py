@@ -9,8 +9,8 @@ from typing import Any
 
 import apsw
 import pytest
+from mnesite.spark.compare import EXIT_DIVERGED, EXIT_EQUAL, CompareOptions, compare
 
-from spark.compare import EXIT_DIVERGED, EXIT_EQUAL, CompareOptions, compare
 from tests.conftest import Cluster
 from tests.test_cluster import Load, create_table
 from tests.test_replicants import wait_normal, wait_replicant_caught_up

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import apsw
 import pytest
-
-from rlog.schema import define_table
-from rlog.store import Store, StoreError
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+from mnesite.rlog.schema import define_table
+from mnesite.rlog.store import Store, StoreError
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
 
 pytestmark = pytest.mark.timeout(30)
 

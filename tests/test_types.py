@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, TxKey, WriteOp, entry_digest, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, TxKey, WriteOp, entry_digest, make_entry
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,10 +6,9 @@ import random
 from collections import Counter
 
 import pytest
-
-from replicant.protocol import JournalAge
-from replicant.upstream import choose_upstream, near_tie_agents
-from rlog.types import TxKey
+from mnesite.replicant.upstream import choose_upstream, near_tie_agents
+from mnesite.rlog.replication import JournalAge
+from mnesite.rlog.types import TxKey
 
 APPLIED = TxKey(2, 10)
 AHEAD = TxKey(2, 20)

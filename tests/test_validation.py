@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from core.transaction import GuardFailed, evaluate, parse_transaction
-from rlog.config import ConfigError, load_config, parse_config
-from rlog.schema import SchemaError, define_table
-from rlog.types import DeleteOp, WriteOp
+from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
+from mnesite.rlog.config import ConfigError, load_config, parse_config
+from mnesite.rlog.schema import SchemaError, define_table
+from mnesite.rlog.types import DeleteOp, WriteOp
 
 pytestmark = pytest.mark.timeout(30)
 

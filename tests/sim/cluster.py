@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-
-from core.consensus import (
+from mnesite.core.consensus import (
     Commit,
     ConsensusConfig,
     ConsensusInvariantError,
@@ -51,8 +50,8 @@ from core.consensus import (
     Ticked,
     TruncateLog,
 )
-from core.consensus_wire import message_from_wire, message_to_wire
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, Op, TxKey, WriteOp
+from mnesite.core.consensus_wire import message_from_wire, message_to_wire
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, Op, TxKey, WriteOp
 
 SHARD = "main"
 TRACE_LINES_MAX = 80

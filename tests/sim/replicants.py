@@ -38,11 +38,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.agent import Agent, AgentConfig
-from core.consensus import Commit, Effect, Role
-from replicant import protocol as p
-from replicant.replica import ReplicaConfig, ShardReplica
-from rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
+from mnesite.core.agent import Agent, AgentConfig
+from mnesite.core.consensus import Commit, Effect, Role
+from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+from mnesite.rlog import replication as p
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
+
 from tests.sim.cluster import SHARD, SimNode, Simulation
 
 TABLES = ("t", "u")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from rlog.types import Entry, TxKey
+from mnesite.rlog.types import Entry, TxKey
 
 REPLICATION_PROTOCOL_VERSION = 1
 

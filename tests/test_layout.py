@@ -1,0 +1,102 @@
+"""The code layout is part of the design: which package may import which, and what ``pip install`` adds.
+
+DESIGN.md: ``rlog`` is the lowest layer and imports nothing else of ours; ``bootstrap`` builds on
+``rlog``; ``core`` and ``replicant`` build on both and never import each other; ``spark`` depends on
+``rlog`` only; ``cli`` wires everything. Everything installs under one package, ``mnesite``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("rlog", "bootstrap", "core", "replicant", "spark", "cli")
+# package -> the packages of ours it may import (itself always allowed)
+ALLOWED = {
+    "rlog": set(),
+    "bootstrap": {"rlog"},
+    "core": {"rlog", "bootstrap"},
+    "replicant": {"rlog", "bootstrap"},
+    "spark": {"rlog"},
+    "cli": {"rlog", "bootstrap", "core", "replicant", "spark"},
+}
+
+
+def imported_packages(path: Path) -> set[tuple[str, int]]:
+    """Every (package of ours, line) that ``path`` imports, at any depth of the module (lazy imports too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[tuple[str, int]] = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "mnesite" and len(parts) > 1 and parts[1] in PACKAGES:
+                found.add((parts[1], node.lineno))
+            elif parts[0] in PACKAGES:
+                found.add((parts[0], node.lineno))  # a bare top-level import is itself a layout error
+    return found
+
+
+def layout_violations(repo: Path) -> list[str]:
+    violations = []
+    for package in PACKAGES:
+        for path in sorted((repo / package).rglob("*.py")):
+            for imported, line in imported_packages(path):
+                if imported != package and imported not in ALLOWED[package]:
+                    violations.append(f"{path.relative_to(repo)}:{line} imports {imported}")
+    return violations
+
+
+def test_every_package_imports_only_the_layers_below_it() -> None:
+    assert layout_violations(REPO) == []
+
+
+def test_the_import_rule_check_catches_a_violation(tmp_path: Path) -> None:
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "core" / "bad.py").write_text("def f():\n    from mnesite.replicant import node\n")
+    (tmp_path / "rlog" / "bad.py").write_text("import mnesite.core.consensus\n")
+    (tmp_path / "spark" / "bad.py").write_text("from core import node\n")
+    assert sorted(layout_violations(tmp_path)) == [
+        "core/bad.py:2 imports replicant",
+        "rlog/bad.py:1 imports core",
+        "spark/bad.py:1 imports core",
+    ]
+
+
+def test_the_front_door() -> None:
+    import mnesite
+
+    assert mnesite.Client.__module__ == "mnesite.rlog.client"
+
+
+@pytest.mark.slow
+def test_a_wheel_installs_only_the_mnesite_package(tmp_path: Path) -> None:
+    """``pip install .`` adds ``mnesite`` and its dist-info to site-packages, nothing generic."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stderr
+    (wheel,) = tmp_path.glob("mnesite-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        top_level = {name.split("/")[0] for name in archive.namelist()}
+        names = set(archive.namelist())
+    assert {name for name in top_level if not name.endswith(".dist-info")} == {"mnesite"}
+    for module in ("core/node.py", "rlog/codec.py", "replicant/node.py", "cli/main.py", "spark/compare.py"):
+        assert f"mnesite/{module}" in names
+    assert not any(name.startswith("mnesite/tests") for name in names)
