@@ -86,7 +86,8 @@ def test_the_front_door() -> None:
 def test_a_wheel_installs_only_the_mnesite_package(tmp_path: Path) -> None:
     """``pip install .`` adds ``mnesite`` and its dist-info to site-packages, nothing generic."""
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(tmp_path), str(REPO)],
         capture_output=True,
         text=True,
         timeout=110,
