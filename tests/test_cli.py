@@ -131,7 +131,10 @@ def test_unreachable_node_is_one_clear_line() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     result = CliRunner().invoke(main, ["status", "--node", endpoint, "--timeout-ms", "200"])
     assert result.exit_code == 1
-    assert result.output == f"Error: node {endpoint} did not answer status within 200 ms (2 attempts)\n"
+    assert result.output == (
+        f"Error: node {endpoint} did not answer status within 200 ms (2 attempts; "
+        "nothing accepts connections there: unreachable)\n"
+    )
 
 
 def test_node_option_defaults_to_the_environment(thread_node: ThreadNode) -> None:
