@@ -112,7 +112,7 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
 
     Without --config: a single core named core1 on tcp://127.0.0.1:7400 with its data in ./mnesite-data.
     """
-    from mnesite.rlog.store import StoreError
+    from mnesite.rlog.store import EntryApplyError, StoreError
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -133,7 +133,12 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
     node.install_signal_handlers()
     if sample_data and config.role == "core":
         load_sample_data(node)
-    node.serve_forever()
+    try:
+        node.serve_forever()
+    except EntryApplyError as error:
+        # A committed entry this node cannot apply: stop once, naming the entry (never a traceback loop).
+        logging.getLogger("mnesite").critical("stopping: %s", error)
+        fail(f"node stopped: {error}")
 
 
 def load_sample_data(node: Any) -> None:

@@ -70,7 +70,7 @@ from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import codec, range_requests
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
-from mnesite.rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_key, define_table
+from mnesite.rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_creatable, check_key, define_table
 from mnesite.rlog.server import NodeServer, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
@@ -627,9 +627,9 @@ class CoreNode(NodeServer):
         if message.kind == "create_table":
             body = message.body
             table = define_table(body["table"], body["key"], body["columns"], body.get("shard", DEFAULT_SHARD))
-            existing = catalog.get(table.name)
-            if existing is not None:
-                raise RequestError("table_exists", f"table {table.name!r} already exists in shard {existing.shard!r}")
+            # The apply's own rule (SQLite names are case-insensitive): what is logged applies everywhere.
+            if not check_creatable(catalog, table.to_op()):
+                raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
             ops: tuple = (table.to_op(),)
         else:
             transaction = parse_transaction(

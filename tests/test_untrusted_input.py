@@ -1,0 +1,273 @@
+"""Issue 10's reproductions, one test each: hostile contents get a clear error, change nothing, and the
+node keeps serving. Unit level against a thread node (``tests/conftest.py``) and the pure machines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from mnesite.core.consensus import (
+    GENERATION_MAX,
+    AppendReply,
+    PersistState,
+    ProtocolViolation,
+    Role,
+    VoteRequest,
+)
+from mnesite.rlog import codec, messages
+from mnesite.rlog.client import Client, InvalidRequest, RemoteError
+from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey
+
+from tests.conftest import ThreadNode
+from tests.test_consensus import Harness, append, chain, of_type
+
+pytestmark = pytest.mark.timeout(60)
+
+DEPTH = 1010  # the issue's nesting: about 1 KB of msgpack
+
+
+class Nested:
+    """Stands for ``[[[...[]...]]]`` of ``depth`` levels; msgpack-python refuses to pack more than
+    511 levels, so ``raw_frame`` splices the bytes in by hand, as an attacker would."""
+
+    def __init__(self, depth: int = DEPTH) -> None:
+        self.depth = depth
+        self.marker = f"@nested-{depth}@"
+
+    def packed(self) -> bytes:
+        return b"\x91" * self.depth + b"\x90"
+
+
+def nested(depth: int = DEPTH) -> Nested:
+    return Nested(depth)
+
+
+def raw_frame(kind: str, body: dict, request_id: str = "hostile") -> bytes:
+    """A frame the client would refuse to build: packed by hand, as an attacker would."""
+    splices: list[Nested] = []
+
+    def mark(value):
+        if isinstance(value, Nested):
+            splices.append(value)
+            return value.marker
+        if isinstance(value, dict):
+            return {k: mark(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mark(v) for v in value]
+        return value
+
+    frame = msgpack.packb([codec.PROTOCOL_VERSION, kind, request_id, mark(body)], use_bin_type=True)
+    for splice in splices:
+        frame = frame.replace(msgpack.packb(splice.marker), splice.packed())
+    return frame
+
+
+def raw_call(endpoint: str, frame: bytes, timeout_ms: int = 5000) -> Message | None:
+    """Send one frame; return the answer (None for kinds that are not answered)."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    try:
+        socket.send(frame)
+        if not socket.poll(timeout_ms):
+            return None
+        return codec.decode(socket.recv())
+    finally:
+        socket.close(0)
+
+
+def snapshot(client: Client) -> dict:
+    """What must not change: per shard applied key, digest, generation; and the tables."""
+    status = client.status()
+    shards = {name: (s["applied"], s["digest"], s["generation"]) for name, s in status["shards"].items()}
+    return {"shards": shards, "tables": client.list_tables()}
+
+
+@pytest.fixture
+def node(tmp_path: Path):
+    thread_node = ThreadNode(tmp_path / "data")
+    with thread_node.client() as client:
+        client.create_table("known", "id", [("id", "INTEGER"), ("name", "TEXT")])
+        client.put("known", {"id": 1, "name": "ada"})
+    try:
+        yield thread_node
+    finally:
+        thread_node.stop()
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+HOSTILE = [
+    ("transact", {"ops": [{"op": "delete", "table": "known", "key": nested()}]}, "transact.ops[0].key"),
+    ("create_table", {"table": "t2", "key": "id", "columns": nested()}, "create_table.columns"),
+    ("get", {"table": "known", "key": nested()}, "get.key"),
+    ("scan", {"table": "known", "after": nested()}, "scan.after"),
+    ("get", {"table": "known", "key": 1, "min_key": nested()}, "get.min_key"),
+    (
+        "watch",
+        {
+            "shard": "default",
+            "replicant": "r1",
+            "endpoint": "tcp://127.0.0.1:1",
+            "from": nested(),
+            "from_digest": GENESIS_DIGEST,
+            "protocol": 1,
+        },
+        "watch.from",
+    ),
+    (
+        "watch",
+        {"shard": "default", "replicant": "r1", "endpoint": "", "from": [0, 0], "from_digest": b"", "protocol": 1},
+        "watch.endpoint",
+    ),
+    (
+        "watch",
+        {"shard": "default", "replicant": "r1", "endpoint": "x", "from": [0, 0], "from_digest": b"", "protocol": 1},
+        "watch.endpoint",
+    ),
+    (
+        "excluded",
+        {"shard": "default", "sender": "core1", "generation": 1, "members": [1], "key": [1, 1], "digest": None},
+        "excluded.members[0]",
+    ),
+    (
+        "excluded",
+        {"shard": "default", "sender": "core1", "generation": 1, "members": ["a"], "key": ["x"], "digest": None},
+        "excluded.key",
+    ),
+    ("push_ack", {"shard": "default", "agent": "a1", "applied": ["x"]}, "push_ack.applied"),
+    ("rlog_entries", {"shard": "default", "after": [1, 2**64 - 1]}, "rlog_entries.after"),
+    ("get", {"table": "known", "key": 2**64 - 1}, "get.key"),
+    ("transact", {"ops": [{"op": "write", "table": "known", "row": {"id": 2**64 - 1}}]}, "transact.ops[0].row.id"),
+    ("transact", {"ops": 5}, "transact.ops"),
+    ("peer", {"shard": "default", "sender": "core2", "message": [nested()]}, "peer.message"),
+]
+
+
+@pytest.mark.parametrize(("kind", "body", "path"), HOSTILE, ids=[f"{k}:{p}" for k, _, p in HOSTILE])
+def test_hostile_contents_get_a_clear_error_naming_the_field_and_change_nothing(node, kind, body, path) -> None:
+    with node.client() as client:
+        before = snapshot(client)
+        answer = raw_call(node.endpoint, raw_frame(kind, body))
+        assert answer is not None and answer.kind == "error", answer
+        assert answer.body["message"].startswith(path), answer.body
+        assert len(answer.body["message"]) < 300, "the error never prints the whole value"
+        assert snapshot(client) == before
+        assert client.put("known", {"id": 2, "name": "still serving"}) > TxKey(0, 0)
+    assert node.thread.is_alive()
+
+
+CLIENT_SIDE = [case for case in HOSTILE if not any(isinstance(v, Nested) for v in _leaves(case[1]))]
+
+
+@pytest.mark.parametrize(("kind", "body", "path"), CLIENT_SIDE, ids=[p for _, _, p in CLIENT_SIDE])
+def test_the_client_refuses_the_same_before_sending(kind, body, path) -> None:
+    # Nothing listens there: a refusal must come from the client's own check, not from a node.
+    with Client("tcp://127.0.0.1:9", timeout_ms=100, retries=0) as client, pytest.raises(InvalidRequest) as info:
+        client.call(kind, body)
+    assert path in str(info.value)
+
+
+def test_poison_entry_a_table_differing_only_in_case_is_refused_before_it_is_logged(node) -> None:
+    with node.client() as client:
+        tail_before = client.rlog_tail("default", 100)
+        with pytest.raises(RemoteError) as info:
+            client.create_table("KNOWN", "id", [("id", "TEXT")])
+        assert info.value.code == "table_exists" and "'known'" in str(info.value)
+        for reserved in ("sqlite_stat9", "_mnesite_x"):
+            with pytest.raises(RemoteError, match="is reserved"):
+                client.create_table(reserved, "id", [("id", "TEXT")])
+        assert client.rlog_tail("default", 100) == tail_before, "nothing was logged"
+        assert client.put("known", {"id": 3, "name": "serving"})
+
+
+def test_a_committed_entry_that_cannot_be_apply_stops_the_node_naming_the_entry(tmp_path: Path) -> None:
+    from mnesite.rlog.store import EntryApplyError, Store
+    from mnesite.rlog.types import CreateTableOp, make_entry
+
+    store = Store(str(tmp_path / "db"))
+    try:
+        with store.write_transaction():
+            store.ensure_shard("default", 0)
+            store.apply_ops((CreateTableOp("known", "default", "id", (("id", "TEXT"),)),))
+            position = store.shard("default")
+            poison = make_entry(
+                "default",
+                TxKey(1, 1),
+                position.applied,
+                position.digest,
+                (CreateTableOp("KNOWN", "default", "id", (("id", "INTEGER"),)),),
+                "poison",
+            )
+            store.append_entries((poison,), 0, chain_verified=True)
+            with pytest.raises(EntryApplyError, match=r"committed entry \(1, 1\) \(request 'poison'\)"):
+                store.apply_committed("default", TxKey(1, 1))
+    except EntryApplyError:
+        pass
+    finally:
+        store.close()
+
+
+# -- consensus: the receiver's state decides ----------------------------------------------------
+
+
+def test_a_vote_request_with_generation_2_63_minus_1_is_a_protocol_violation() -> None:
+    harness = Harness()
+    effects = harness.receive("b", VoteRequest(2**63 - 1, TxKey(2**63 - 1, 1)))
+    assert of_type(effects, ProtocolViolation) and not of_type(effects, PersistState)
+    assert harness.machine.generation == 0
+    jump = harness.machine.config.generation_jump_max
+    assert of_type(harness.receive("b", VoteRequest(jump + 1, ZERO_KEY)), ProtocolViolation)
+    assert not of_type(harness.receive("b", VoteRequest(jump, ZERO_KEY)), ProtocolViolation)
+    assert harness.machine.generation == jump <= GENERATION_MAX
+
+
+def test_an_append_request_from_a_second_sequencer_of_the_generation_is_ignored() -> None:
+    harness = Harness()
+    harness.elect()
+    generation = harness.machine.generation
+    effects = harness.receive("b", append(generation, None, chain([TxKey(generation, 1)])))
+    assert of_type(effects, ProtocolViolation)
+    assert harness.machine.role is Role.SEQUENCER and harness.machine.generation == generation
+    # A follower of b in that generation ignores a third core claiming the same generation.
+    follower = Harness()
+    follower.receive("b", append(1, None, chain([TxKey(1, 1)])))
+    assert follower.machine.sequencer == "b"
+    effects = follower.receive("c", append(1, None, chain([TxKey(1, 1)])))
+    assert of_type(effects, ProtocolViolation) and follower.machine.sequencer == "b"
+
+
+def test_an_append_reply_acknowledging_past_what_was_sent_is_ignored() -> None:
+    harness = Harness()
+    harness.elect()
+    generation = harness.machine.generation
+    beyond = TxKey(generation, 99)
+    effects = harness.receive("b", AppendReply(generation, True, beyond, beyond, ZERO_KEY))
+    assert of_type(effects, ProtocolViolation)
+    assert harness.machine.committed_key == ZERO_KEY and harness.machine.role is Role.SEQUENCER
+
+
+def test_a_peer_message_decodes_to_frozen_fields_and_nothing_unbounded() -> None:
+    message = codec.decode(raw_frame("push_ack", {"shard": "default", "agent": "a1", "applied": [1, 2]}))
+    assert message.fields.applied == TxKey(1, 2)
+    with pytest.raises(AttributeError):
+        message.fields.applied = TxKey(0, 0)  # type: ignore[misc]
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(messages.MessageError, match="nested deeper"):
+        messages.FreeValue(depth_max=8).check(deep, "x")
+    with pytest.raises(CodecError):
+        codec.decode(raw_frame("reply", {"result": nested(100_000)}))
