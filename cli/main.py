@@ -112,6 +112,7 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
 
     Without --config: a single core named core1 on tcp://127.0.0.1:7400 with its data in ./mnesite-data.
     """
+    from mnesite.rlog.data_dir import DataDirectoryInUse
     from mnesite.rlog.store import EntryApplyError, StoreError
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -126,7 +127,7 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
 
             node = CoreNode(config)
         node.bind()
-    except (ConfigError, StoreError) as error:
+    except (ConfigError, StoreError, DataDirectoryInUse) as error:
         fail(str(error))
     except Exception as error:  # zmq bind errors and the like: one line, not a traceback
         fail(f"cannot start: {type(error).__name__}: {error}")

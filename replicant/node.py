@@ -21,7 +21,6 @@ Shards are discovered from the cores' journals: every shard a core reports gets 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 import uuid
@@ -35,6 +34,7 @@ from mnesite.rlog import codec, range_requests
 from mnesite.rlog import replication as p
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
+from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, define_table
 from mnesite.rlog.server import NodeServer, monotonic_ms
 from mnesite.rlog.store import Store
@@ -117,8 +117,8 @@ class ReplicantNode(NodeServer):
         self.rng = rng or random.Random()
         self.replica_config = replica_config or ReplicaConfig()
         self.cores = tuple(sorted(config.core_nodes))
-        os.makedirs(config.data_dir, exist_ok=True)
-        super().__init__(config, Store(config.database_path, synchronous=config.synchronous))
+        data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
+        super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
         self.replicas: dict[str, ShardReplica] = {}
         self.core_sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, Pending] = {}

@@ -271,3 +271,58 @@ def test_a_peer_message_decodes_to_frozen_fields_and_nothing_unbounded() -> None
         messages.FreeValue(depth_max=8).check(deep, "x")
     with pytest.raises(CodecError):
         codec.decode(raw_frame("reply", {"result": nested(100_000)}))
+
+
+# -- the data directory ---------------------------------------------------------------------------
+
+
+def test_a_second_node_on_a_data_directory_refuses_to_start_and_files_are_private(tmp_path: Path) -> None:
+    import stat
+
+    from mnesite.rlog.data_dir import DataDirectoryInUse
+
+    first = ThreadNode(tmp_path / "data")
+    try:
+        with pytest.raises(DataDirectoryInUse, match=r"in use by node core1 \(pid \d+\)"):
+            ThreadNode(tmp_path / "data")
+        with first.client() as client:
+            client.create_table("t", "id", [("id", "INTEGER")])
+            client.put("t", {"id": 1})
+        assert stat.S_IMODE((tmp_path / "data").stat().st_mode) == 0o700
+        for path in (tmp_path / "data").iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    finally:
+        first.stop()
+    ThreadNode(tmp_path / "data").stop()  # the lock goes with its node
+
+
+@pytest.mark.slow
+def test_a_second_process_on_a_data_directory_refuses_with_one_clear_line(tmp_path: Path, node_processes) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, NodeProcess, free_port
+
+    port = free_port()
+    config = tmp_path / "core1.toml"
+    config.write_text(
+        f'[node]\nname = "core1"\ndata_dir = "data"\nlisten = "tcp://127.0.0.1:{port}"\n'
+        '[storage]\nsynchronous = "NORMAL"\n'
+    )
+    first = NodeProcess(config, tmp_path / "core1.log")
+    node_processes.append(first)
+    first.start(f"tcp://127.0.0.1:{port}")
+    second = tmp_path / "second.toml"
+    second.write_text(config.read_text().replace(str(port), str(free_port())).replace('"core1"', '"core9"', 1))
+    result = subprocess.run(
+        [sys.executable, "-m", "mnesite.cli", "start", "--config", str(second)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("Error: data directory "), result.stderr
+    assert "in use by node core1" in result.stderr and "Traceback" not in result.stderr
+    with Client(f"tcp://127.0.0.1:{port}", timeout_ms=2000) as client:
+        assert client.status()["node"] == "core1", "the first node keeps serving"
