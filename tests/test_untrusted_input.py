@@ -326,3 +326,29 @@ def test_a_second_process_on_a_data_directory_refuses_with_one_clear_line(tmp_pa
     assert "in use by node core1" in result.stderr and "Traceback" not in result.stderr
     with Client(f"tcp://127.0.0.1:{port}", timeout_ms=2000) as client:
         assert client.status()["node"] == "core1", "the first node keeps serving"
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "stdin", "expected"),
+    [
+        (["put", "t", '{"id": 99999999999999999999}'], None, "Error: not sent: transact.ops[0].row.id: integer is"),
+        (["tx", "-"], '{"ops": 5}', "Error: not sent: transact.ops: must be a list"),
+        (["get"], None, "Error: Missing argument 'TABLE'. (see 'mnesite get --help')"),
+        (["--bogus"], None, "Error: No such option '--bogus'. (see 'mnesite --help')"),
+        (["scan", "t", "--limit", "x"], None, "Error: Invalid value for '--limit'"),
+    ],
+)
+def test_the_cli_answers_one_error_line_and_exit_1_never_a_traceback(arguments, stdin, expected) -> None:
+    from click.testing import CliRunner
+    from mnesite.cli.main import main
+
+    from tests.conftest import free_port
+
+    node = ["--node", f"tcp://127.0.0.1:{free_port()}", "--timeout-ms", "200"] if arguments[0] in ("put", "tx") else []
+    result = CliRunner().invoke(main, arguments + node, input=stdin, prog_name="mnesite")
+    assert result.exit_code == 1, result.output
+    assert result.output.count("\n") == 1 and result.output.startswith(expected), result.output
+    assert "Traceback" not in result.output
