@@ -36,7 +36,7 @@ from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, define_table
-from mnesite.rlog.server import NodeServer, monotonic_ms
+from mnesite.rlog.server import NodeServer, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -457,7 +457,7 @@ class ReplicantNode(NodeServer):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
-                self.reply(envelope, codec.error("?", error.code, str(error)))
+                self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
                 continue
             try:
                 self._dispatch(envelope, message)
