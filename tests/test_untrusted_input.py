@@ -352,3 +352,71 @@ def test_the_cli_answers_one_error_line_and_exit_1_never_a_traceback(arguments, 
     assert result.exit_code == 1, result.output
     assert result.output.count("\n") == 1 and result.output.startswith(expected), result.output
     assert "Traceback" not in result.output
+
+
+# -- bounded watches -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_thousand_watches_to_dead_endpoints_cost_little_and_a_real_replicant_still_gets_pushes(
+    tmp_path: Path, node_processes
+) -> None:
+    from tests.conftest import Cluster, free_port, wait_until
+    from tests.fuzz.runner import rss_kb
+
+    cluster = Cluster(tmp_path, node_processes, size=1)
+    cluster.start_all()
+    with cluster.client("core1", timeout_ms=10_000) as client:
+        client.create_table("known", "id", [("id", "INTEGER"), ("name", "TEXT")])
+        for key in range(200):
+            client.put("known", {"id": key, "name": "x" * 500})
+        digest = bytes.fromhex(client.status()["shards"]["default"]["digest"])
+    pid = cluster.nodes["core1"].process.pid
+    rss_before_kb = rss_kb(pid)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(cluster.endpoints["core1"])
+    answers = 0
+    try:
+        for index in range(1000):
+            body = {
+                "shard": "default",
+                "replicant": f"ghost{index}",
+                "endpoint": f"tcp://127.0.0.1:{free_port()}",  # nobody listens there
+                "from": [0, 0],
+                "from_digest": digest,
+                "protocol": 1,
+            }
+            socket.send(codec.encode(Message("watch", f"w{index}", body)))
+            if socket.poll(5000):
+                socket.recv()
+                answers += 1
+    finally:
+        socket.close(0)
+    assert answers == 1000
+    status = cluster.status("core1")
+    watches_max = 256
+    assert len(status["agents"]) <= watches_max
+    rss_after_kb = rss_kb(pid)
+    grown_mb = (rss_after_kb - rss_before_kb) / 1024
+    print(f"\n1,000 dead watches: core RSS {rss_before_kb // 1024} -> {rss_after_kb // 1024} MB (+{grown_mb:.1f} MB)")
+    assert grown_mb < 50
+    cluster.add_replicant("replicant1")
+    cluster.start("replicant1")
+    wait_until(
+        lambda: ((cluster.status("replicant1") or {}).get("shards", {}).get("default") or {}).get("mode") == "normal",
+        120,
+        "the real replicant to reach normal mode",
+        interval_s=0.2,
+    )
+    with cluster.client("core1") as client:
+        tx_key = client.put("known", {"id": 999, "name": "after the ghosts"})
+    wait_until(
+        lambda: tuple(cluster.status("replicant1")["shards"]["default"]["applied"]) >= tuple(tx_key),
+        60,
+        "the replicant to get the push of a new write",
+        interval_s=0.2,
+    )
+    with cluster.client("replicant1") as client:
+        assert client.get("known", 999) == {"id": 999, "name": "after the ghosts"}
