@@ -420,3 +420,48 @@ def test_a_thousand_watches_to_dead_endpoints_cost_little_and_a_real_replicant_s
     )
     with cluster.client("replicant1") as client:
         assert client.get("known", 999) == {"id": 999, "name": "after the ghosts"}
+
+
+# -- bounds inside the node ------------------------------------------------------------------------
+
+
+def test_requests_outstanding_per_connection_are_bounded_and_released_by_the_answer(tmp_path: Path) -> None:
+    from mnesite.rlog.server import OverloadedError
+
+    thread_node = ThreadNode(tmp_path / "data", extra={"limits": {"requests_outstanding_max": 2}})
+    thread_node.stop()  # the accounting only: no thread may touch the node meanwhile
+    node = thread_node.node
+    envelope = [b"client-a"]
+    node.hold(envelope, "r1")
+    node.hold(envelope, "r2")
+    node.hold(envelope, "r2")  # the same request again (a retry) takes no second place
+    with pytest.raises(OverloadedError, match="requests_outstanding_max 2"):
+        node.hold(envelope, "r3")
+    node.hold([b"client-b"], "r3")  # another connection has its own bound
+    node.reply(envelope, codec.reply("r1", None))
+    node.hold(envelope, "r3")
+    assert node.outstanding[b"client-a"] == {"r2", "r3"}
+
+
+def test_status_counts_the_rlog_at_most_once_a_second(tmp_path: Path, monkeypatch) -> None:
+    from mnesite.rlog.store import Store
+
+    thread_node = ThreadNode(tmp_path / "data")
+    with thread_node.client() as client:
+        client.create_table("t", "id", [("id", "INTEGER")])
+    thread_node.stop()  # closed its store; reopen one for this thread
+    node = thread_node.node
+    node.store = Store(node.config.database_path)
+    now = [1_000_000]
+    node.clock_ms = lambda: now[0]
+    counted: list[str] = []
+    monkeypatch.setattr(node.store, "rlog_statistics", lambda shard: counted.append(shard) or {"entries": 0})
+    try:
+        for _ in range(100):
+            node.status()
+        assert counted == ["default"]
+        now[0] += 1000
+        node.status()
+        assert counted == ["default", "default"]
+    finally:
+        node.store.close()
