@@ -83,3 +83,59 @@ def test_hostile_messages_of_every_kind_leave_every_node_alive_and_unchanged(fuz
         fuzzer.close()
     assert fuzzer.report.messages_sent >= MESSAGES * 0.9
     assert fuzzer.report.rss_ratio_max <= 2.0, fuzzer.report.summary()
+
+
+def test_the_issue_reproductions_against_real_processes_change_nothing(fuzzed_cluster: Cluster) -> None:
+    """The crashes that killed every core: a huge generation, a poison table and hostile writes
+    travelling through the replicant's forwarding; every node stays up and keeps serving writes."""
+    import msgpack
+    import zmq
+    from mnesite.core.consensus import VoteRequest
+    from mnesite.core.consensus_wire import message_to_wire
+    from mnesite.rlog import codec
+    from mnesite.rlog.client import RemoteError
+    from mnesite.rlog.types import TxKey
+
+    from tests.fuzz.runner import deep_frame
+
+    cluster = fuzzed_cluster
+    names = ["core1", "core2", "core3", "replicant1"]
+    before = {name: cluster.status(name)["shards"]["default"]["generation"] for name in names[:3]}
+    vote = message_to_wire(VoteRequest(2**63 - 1, TxKey(2**63 - 1, 1)))
+    frames = {
+        "core1": [
+            codec.encode(codec.Message("peer", "v", {"shard": "default", "sender": "core2", "message": vote})),
+        ],
+        "replicant1": [
+            deep_frame("transact", {"ops": []}, "ops", "deep-through-replicant"),
+            msgpack.packb(
+                [1, "transact", "big", {"ops": [{"op": "write", "table": "known", "row": {"id": 2**64 - 1}}]}]
+            ),  # noqa: E501
+        ],
+    }
+    context = zmq.Context.instance()
+    for name, batch in frames.items():
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 5000)  # deliver the unanswered peer message before closing
+        socket.connect(cluster.endpoints[name])
+        try:
+            for frame in batch:
+                socket.send(frame)
+                if name == "replicant1":
+                    assert socket.poll(10_000), "the replicant answers hostile writes itself"
+                    answer = codec.decode(socket.recv())
+                    assert answer.kind == "error" and answer.body["code"] in ("bad_frame", "bad_request"), answer
+        finally:
+            socket.close()  # with the linger set above
+    with cluster.client("replicant1", timeout_ms=10_000) as client, pytest.raises(RemoteError) as info:
+        client.create_table("KNOWN", "id", [("id", "TEXT")])  # forwarded to a core, refused before logging
+    assert info.value.code == "table_exists"
+    for name in names[:3]:
+        status = cluster.status(name)
+        assert status is not None, f"{name} died"
+        assert status["shards"]["default"]["generation"] < before[name] + 1000
+    wait_until(lambda: cluster.status("core1")["protocol_violations"] >= 1, 30, "the violation to be counted")
+    with cluster.client("replicant1", timeout_ms=10_000) as client:
+        tx_key = client.put("known", {"id": 5000, "name": "still serving"})
+    cluster.wait_converged(cluster.names)
+    assert tuple(cluster.status("core2")["shards"]["default"]["applied"]) >= tuple(tx_key)
