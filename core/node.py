@@ -695,7 +695,13 @@ class CoreNode(NodeServer):
     def _shard_of(self, message: Message) -> str:
         if message.kind == "create_table":
             shard = message.body.get("shard", DEFAULT_SHARD)
-            define_table(message.body["table"], message.body["key"], message.body["columns"], shard)
+            table = define_table(message.body["table"], message.body["key"], message.body["columns"], shard)
+            # Refuse a taken name before the shard is opened: a refused write must leave no new shard.
+            catalog = self.store.catalog()
+            for driver in self.shards.values():
+                catalog = {**catalog, **driver.tail.tables}
+            if not check_creatable(catalog, table.to_op()):
+                raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
             return shard
         ops = message.body["ops"]
         catalog = self.store.catalog()

@@ -193,6 +193,15 @@ def test_poison_entry_a_table_differing_only_in_case_is_refused_before_it_is_log
         assert client.put("known", {"id": 3, "name": "serving"})
 
 
+def test_a_refused_create_table_in_a_new_shard_leaves_no_shard_behind(node) -> None:
+    # Found by tests/fuzz: the shard used to be opened before the name was found taken.
+    with node.client() as client:
+        with pytest.raises(RemoteError) as info:
+            client.create_table("known", "id", [("id", "TEXT")], shard="elsewhere")
+        assert info.value.code == "table_exists"
+        assert set(client.status()["shards"]) == {"default"}
+
+
 def test_a_committed_entry_that_cannot_be_apply_stops_the_node_naming_the_entry(tmp_path: Path) -> None:
     from mnesite.rlog.store import EntryApplyError, Store
     from mnesite.rlog.types import CreateTableOp, make_entry

@@ -102,6 +102,9 @@ class Fuzzer:
         self.writes_ok: set[str] = set()
         self.writes_refused: set[str] = set()
         self.tables: dict[str, Any] = {}
+        self.shards: set[str] = set()
+        self.shards_allowed: set[str] = set()
+        self.create_shards: dict[str, str] = {}
         self.start_keys: dict[str, list[int]] = {}
         self._next = 0
         self._started = time.monotonic()
@@ -117,6 +120,7 @@ class Fuzzer:
             self.tables = {t["table"]: t for t in client.list_tables()}
             status = client.status()
         self.start_keys = {shard: info["applied"] for shard, info in status["shards"].items()}
+        self.shards = set(status["shards"])
         for name in self.names:
             pid = self.cluster.nodes[name].process.pid
             self.report.rss_start_kb[name] = self.report.rss_max_kb[name] = rss_kb(pid)
@@ -133,6 +137,8 @@ class Fuzzer:
         self._send_frame(kind, frame, request_id)
         if request_id in self.writes_pending:
             self.writes_pending[request_id] = f"{kind} to {self.sent_to[request_id]}: {str(body)[:300]}"
+            if kind == "create_table" and isinstance(body.get("shard"), str):
+                self.create_shards[request_id] = body["shard"]
 
     def send_deep(self, kind: str, body: dict[str, Any]) -> None:
         if not body:
@@ -188,6 +194,11 @@ class Fuzzer:
         kind = self.writes_pending.pop(answer.request_id, None)
         if kind is None:
             return
+        if kind.startswith("create_table") and (
+            answer.kind == "reply" or answer.body["code"] in ("no_sequencer", "outcome_unknown", "overloaded")
+        ):
+            # A valid create_table opens its shard before the sequencer answers (it may campaign there).
+            self.shards_allowed.add(self.create_shards.get(answer.request_id, "default"))
         if answer.kind == "reply":
             self.writes_ok.add(answer.request_id)
             self.report.writes_succeeded += 1
@@ -248,9 +259,10 @@ class Fuzzer:
                                 f"entry {entry['tx_key']} of shard {shard} (request {request_id!r}) was not "
                                 f"answered with success: an unintended state change; ops {str(entry['ops'])[:300]}"
                             )
-                        if any(op["op"] == "create_table" for op in entry["ops"]):
-                            for op in entry["ops"]:
+                        for op in entry["ops"]:
+                            if op["op"] == "create_table":
                                 self.tables[op["table"]] = op
+                                self.shards.add(op["shard"])
                     if len(entries) < 1000:
                         break
                     after = entries[-1]["tx_key"]
@@ -258,8 +270,14 @@ class Fuzzer:
         for name in self.cores:
             with self.cluster.client(name, timeout_ms=5000) as client:
                 tables = {t["table"] for t in client.list_tables()}
+                shards = set(client.status()["shards"])
             if tables != set(self.tables):
                 raise FuzzFailure(f"{name} has tables {sorted(tables)}, the model {sorted(self.tables)}")
+            if not self.shards <= shards <= self.shards | self.shards_allowed:
+                raise FuzzFailure(
+                    f"{name} has shards {sorted(shards)}, the model {sorted(self.shards)} "
+                    f"(and maybe {sorted(self.shards_allowed)})"
+                )
 
     def _check_converged(self) -> None:
         def positions() -> dict[str, Any]:

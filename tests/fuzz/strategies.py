@@ -129,6 +129,10 @@ def _name_pool(path: str, known: Known) -> tuple[str, ...]:
 
 
 def _right_type(spec: messages.Spec, path: str, known: Known) -> st.SearchStrategy[Any]:
+    if isinstance(spec, messages.Text) and path.endswith(".sender"):
+        # Plausible forgeries, but never a real core's name: that is an identity problem (issue 12).
+        cores = {name for name in known.nodes if name.startswith("core")}
+        return plausible_names(known.forged_senders).filter(lambda name: name not in cores)
     if isinstance(spec, messages.Text):
         if spec.choices:
             return st.one_of(st.sampled_from(spec.choices), st.sampled_from([c.upper() for c in spec.choices]))
