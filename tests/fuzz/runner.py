@@ -15,6 +15,7 @@ cluster, round robin, from one DEALER per node, reading answers as they come. Af
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -236,6 +237,10 @@ class Fuzzer:
         self._check_entries_are_legitimate()
         self._check_converged()
         self.report.seconds = time.monotonic() - self._started
+        progress = os.environ.get("MNESITE_FUZZ_PROGRESS")
+        if progress:  # long runs: one line per batch, so that a stopped run still has its figures
+            with open(progress, "a") as handle:
+                handle.write(f"{time.strftime('%H:%M:%S')} {self.report.summary()}\n")
 
     def _refresh_model_tables(self) -> None:
         # Tables created by a write answered with success are legitimate; read their definitions once.
