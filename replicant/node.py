@@ -36,7 +36,7 @@ from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, define_table
-from mnesite.rlog.server import NodeServer, monotonic_ms, request_id_of
+from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -465,6 +465,8 @@ class ReplicantNode(NodeServer):
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
             except SchemaError as error:
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+            except OverloadedError as error:
+                self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
 
     def _dispatch(self, envelope: list[bytes], message: Message) -> None:
         body = message.body
@@ -545,6 +547,7 @@ class ReplicantNode(NodeServer):
         upstreams = [r.status().upstream for r in self.replicas.values() if r.status().upstream]
         core = upstreams[0] if upstreams else self.cores[self.rng.randrange(len(self.cores))]
         now = self.clock_ms()
+        self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
         self.pending[message.request_id] = Pending(
             "forward", core, now + FORWARD_TIMEOUT_MS, detail={"envelope": envelope}
         )
@@ -603,6 +606,7 @@ class ReplicantNode(NodeServer):
             self.reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
             return
         wait_ms = min(READ_WAIT_MS_MAX, int(message.body.get("wait_ms", READ_WAIT_MS_MAX)))
+        self.hold(envelope, message.request_id)
         self.waiting_reads.append(WaitingRead(envelope, message, shard, min_key, self.clock_ms() + wait_ms))
 
     def _read_now(self, table: TableSchema, message: Message) -> Any:
