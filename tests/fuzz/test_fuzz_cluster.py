@@ -148,3 +148,18 @@ def test_the_issue_reproductions_against_real_processes_change_nothing(fuzzed_cl
         tx_key = client.put("known", {"id": 5000, "name": "still serving"})
     cluster.wait_converged(cluster.names)
     assert tuple(cluster.status("core2")["shards"]["default"]["applied"]) >= tuple(tx_key)
+
+
+def test_the_state_checker_catches_a_change_no_fuzzed_write_was_acknowledged_for(fuzzed_cluster: Cluster) -> None:
+    """The checker can fail: a write it did not send (so never saw acknowledged) is an unintended change."""
+    names = ["core1", "core2", "core3", "replicant1"]
+    fuzzer = Fuzzer(fuzzed_cluster, names, names[:3])
+    try:
+        fuzzer.baseline()
+        fuzzer.check()  # nothing happened yet: passes
+        with fuzzed_cluster.client("core2") as client:
+            client.put("known", {"id": 777, "name": "behind the fuzzer's back"})
+        with pytest.raises(FuzzFailure, match="unintended state change"):
+            fuzzer.check()
+    finally:
+        fuzzer.close()
