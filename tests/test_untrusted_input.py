@@ -474,3 +474,21 @@ def test_status_counts_the_rlog_at_most_once_a_second(tmp_path: Path, monkeypatc
         assert counted == ["default", "default"]
     finally:
         node.store.close()
+
+
+def test_a_scan_page_above_the_frame_limit_is_too_large_not_silence_and_scan_pages_smaller(tmp_path: Path) -> None:
+    thread_node = ThreadNode(tmp_path / "data", extra={"limits": {"frame_bytes_max": 64 * 1024}})
+    try:
+        with thread_node.client(timeout_ms=5000) as client:
+            client.create_table("big", "id", [("id", "INTEGER"), ("text", "TEXT")])
+            for key in range(20):
+                client.put("big", {"id": key, "text": "x" * 10_000})
+            with pytest.raises(RemoteError) as info:
+                client.scan_page("big", limit=20)
+            assert info.value.code == "too_large" and "frame_bytes_max" in str(info.value)
+            assert [row["id"] for row in client.scan("big", page_rows=20)] == list(range(20))
+            with pytest.raises(InvalidRequest) as refused:
+                Client(thread_node.endpoint, frame_bytes_max=64 * 1024).put("big", {"id": 99, "text": "y" * 70_000})
+            assert refused.value.code == "too_large"
+    finally:
+        thread_node.stop()
