@@ -253,14 +253,14 @@ class CoreNode(NodeServer):
         generation it may have voted in before the loss. It then catches up from the sequencer like a
         follower that is far behind. If no peer answers (a new cluster), nothing changes.
         """
-        from mnesite.rlog.client import Client, MnesiteError
+        from mnesite.rlog.client import MnesiteError
 
         generations: dict[str, int] = {}
         for peer in self.members:
             if peer == self.config.name:
                 continue
             try:
-                with Client(self.config.core_nodes[peer], timeout_ms=timeout_ms, retries=0) as client:
+                with self.peer_client(peer, timeout_ms) as client:
                     answer = client.journal()
             except MnesiteError:
                 continue
@@ -273,6 +273,17 @@ class CoreNode(NodeServer):
                     self.store.persist_consensus_state(shard, generation, self.config.name, self.members, False)
             log.warning("empty database: recovering from peers at generations %s", generations)
         return generations
+
+    def peer_client(self, peer: str, timeout_ms: int) -> Any:
+        """A one-shot client to core ``peer``, speaking with this node's own key when secure."""
+        from mnesite.rlog.client import Client
+
+        endpoint = self.config.core_nodes[peer]
+        if self.security is None:
+            return Client(endpoint, timeout_ms=timeout_ms, retries=0)
+        return Client(
+            endpoint, timeout_ms=timeout_ms, retries=0, key=self.security.client, server_key=self.security.server.public
+        )
 
     # -- shards ------------------------------------------------------------------------------
 
@@ -344,19 +355,23 @@ class CoreNode(NodeServer):
             return
         for _ in range(self.config.limits.group_commit_max):
             try:
-                parts = self.socket.recv_multipart(zmq.NOBLOCK)
+                received = self.receive()
             except zmq.Again:
                 break
-            if len(parts) < 2:
-                continue  # not from a ROUTER peer we can answer
-            envelope, frame = parts[:-1], parts[-1]
+            if received is None:
+                continue
+            envelope, frame, principal = received
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
                 self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
                 continue
+            refused = self.refusal(principal, message)
+            if refused is not None:
+                self.reply(envelope, refused)
+                continue
             try:
-                self._dispatch(envelope, message)
+                self._dispatch(envelope, message, principal)
             except Deferred:
                 pass
             except RequestError as error:
@@ -364,7 +379,7 @@ class CoreNode(NodeServer):
             except SchemaError as error:
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
 
-    def _dispatch(self, envelope: list[bytes], message: Message) -> None:
+    def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         if message.kind == "peer":
             self._on_peer(message)
         elif message.kind == "excluded":
@@ -372,6 +387,11 @@ class CoreNode(NodeServer):
         elif message.kind == "watch":
             self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
+            watch = self.rlog_server.watches.get(message.body.get("agent"))
+            if self.security is not None and watch is not None and watch.replicant != principal:
+                # Only the replicant an agent serves may move that agent's window.
+                self.security.refused_sender += 1
+                return
             self.rlog_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
             self.reply(envelope, codec.reply(message.request_id, self.force_start()))
@@ -896,6 +916,7 @@ class CoreNode(NodeServer):
             "commits": self.commits,
             "transactions": self.transactions,
             "agents": self.rlog_server.status(),
+            "security": self.security_status(),
             "shards": shards,
         }
 
