@@ -29,6 +29,15 @@ and executes the effects it returns.
   majority within ``election_timeout_ms_min`` steps down and fails its pending proposals.
 * Force start. When a majority is gone for good, an operator can make one core sequencer of a new
   generation with a reduced membership (``ForceStartRequested``). See ``_force_start`` for what may be lost.
+  The driver first asks every member for its generation; the members that answered are *reached*.
+  A force start is refused (``ForceStartRefused``) while this core reaches a majority of the current
+  members: then an election can pick a sequencer and nothing needs to be lost, and forcing would
+  leave out cores that are alive. The forced generation is above every generation a reached member
+  has seen, so every reached member follows the forced sequencer. A core told that a forced
+  membership left it out (``ExclusionNoticed``) steps down, fails its pending writes, and stops.
+  Safety holds as long as fewer than a majority of the old members that were left out ever come
+  back (they must be rebuilt first): left-out cores alone cannot form a quorum of the old membership,
+  and reached cores ignore them.
 
 Driver contract
 ---------------
@@ -229,12 +238,25 @@ class Proposed:
 
 @dataclass(frozen=True)
 class ForceStartRequested:
-    """Operator: make this core sequencer of a new generation with these (reachable) members."""
+    """Operator: make this core sequencer of a new generation with the members it reached.
 
+    ``reached``: (member, highest generation it has seen) for every other core that answered the
+    driver's probe just now. Cores that did not answer are left out of the new membership.
+    """
+
+    reached: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class ExclusionNoticed:
+    """A member of a newer, force-started membership told this core that it was left out."""
+
+    sender: str
+    generation: int
     members: tuple[str, ...]
 
 
-Event = Ticked | MessageReceived | Proposed | ForceStartRequested
+Event = Ticked | MessageReceived | Proposed | ForceStartRequested | ExclusionNoticed
 
 # ---------------------------------------------------------------- effects
 
@@ -320,6 +342,24 @@ class ForceStarted:
 
 
 @dataclass(frozen=True)
+class ForceStartRefused:
+    """Nothing changed: ``reason`` says why (for example: a majority is reachable)."""
+
+    reason: str
+    reached: tuple[str, ...]
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """This core accepted that a forced start left it out: it takes no part in the shard any more."""
+
+    sender: str
+    generation: int
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ProtocolViolation:
     sender: str
     reason: str
@@ -337,6 +377,8 @@ Effect = (
     | SnapshotNeeded
     | RoleChanged
     | ForceStarted
+    | ForceStartRefused
+    | Excluded
     | ProtocolViolation
 )
 
@@ -383,6 +425,8 @@ class ShardConsensus:
         self._now_ms = now_ms
         self._members = members
         self._forced = state.forced
+        # Left out by a forced start (ExclusionNoticed): never campaign again until rebuilt.
+        self._excluded = False
         self._last_key = log.last_key()
         last_digest = log.digest_at(self._last_key)
         if last_digest is None:
@@ -480,7 +524,9 @@ class ShardConsensus:
         elif isinstance(event, Proposed):
             self._on_proposed(event)
         elif isinstance(event, ForceStartRequested):
-            self._force_start(event.members)
+            self._force_start(event.reached)
+        elif isinstance(event, ExclusionNoticed):
+            self._on_exclusion(event)
         else:
             raise TypeError(f"not a consensus event: {event!r}")
         out, self._out = self._out, []
@@ -502,6 +548,8 @@ class ShardConsensus:
         self._election_deadline_ms = self._now_ms + timeout_ms
 
     def _on_tick(self) -> None:
+        if self._excluded:
+            return
         if self._role is Role.SEQUENCER:
             heard = 1 + sum(
                 1
@@ -610,23 +658,36 @@ class ShardConsensus:
             self._out.append(ProposalFailed(request_id, key, reason))
         self._pending = {}
 
-    def _force_start(self, members: tuple[str, ...]) -> None:
-        """Become sequencer of a new generation with a reduced membership, loudly.
+    def _force_start(self, reached: tuple[tuple[str, int], ...]) -> None:
+        """Become sequencer of a new generation with the members reached, loudly; refuse if a
+        majority was reached (an election can do the job without losing anything).
 
         What may be lost: entries that the old majority committed (and acknowledged) but this core
         never received; they are gone for good. Entries in this core's uncommitted tail become
         committed, even if their clients were told the outcome was unknown. Members left out are
         ignored from now on and must be rebuilt from scratch before they rejoin.
         """
-        new_members = tuple(sorted(set(members)))
-        if self.name not in new_members:
-            raise ValueError(f"force start: {self.name!r} must be one of the members {new_members}")
-        unknown = set(new_members) - set(self._members)
-        if unknown:
-            raise ValueError(f"force start may only reduce the membership; unknown members {sorted(unknown)}")
+        generations = {name: generation for name, generation in reached if name in self._members}
+        generations.pop(self.name, None)
+        new_members = tuple(sorted({self.name, *generations}))
+        if self.name not in self._members:
+            self._out.append(ForceStartRefused(f"{self.name} is not a member", new_members, self._members))
+            return
+        if len(new_members) >= self._majority():
+            self._out.append(
+                ForceStartRefused(
+                    f"{self.name} reaches {len(new_members)} of {len(self._members)} members "
+                    f"({', '.join(new_members)}), a majority: an election will choose a sequencer without "
+                    "losing anything, and a forced start would leave out cores that are alive",
+                    new_members,
+                    self._members,
+                )
+            )
+            return
         if self._role is Role.SEQUENCER:
             self._fail_pending("sequencer force-started into a new generation")
-        self._generation += 1
+        # Above every generation a reached member has seen, so each of them follows this sequencer.
+        self._generation = max(self._generation, *generations.values()) + 1 if generations else self._generation + 1
         self._voted_for = self.name
         self._members = new_members
         self._forced = True
@@ -634,6 +695,24 @@ class ShardConsensus:
         self._out.append(ForceStarted(self._generation, new_members, self._last_key, self._commit_key))
         self._role = Role.CANDIDATE  # so that _set_role reports the change even from SEQUENCER
         self._become_sequencer()
+
+    def _on_exclusion(self, event: ExclusionNoticed) -> None:
+        """A member's forced start left this core out: stop taking part.
+
+        Believed from a member of our membership whose new membership does not include us, whatever
+        its generation: a left-out core keeps campaigning alone and may have counted its generation
+        past the forced one, and stopping can only cost availability, never safety. (Only an
+        authenticated core can send the notice; the driver checks that.)
+        """
+        if event.sender == self.name or event.sender not in self._members or self.name in event.members:
+            self._out.append(ProtocolViolation(event.sender, f"exclusion notice with members {event.members}"))
+            return
+        if event.generation > self._generation:
+            self._adopt_generation(event.generation)
+        elif self._role is not Role.FOLLOWER or self._sequencer is not None:
+            self._step_down(f"left out by a forced start of {event.sender} (generation {event.generation})")
+        self._excluded = True
+        self._out.append(Excluded(event.sender, event.generation, event.members))
 
     # ------------------------------------------------------------ messages
 

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,7 +46,10 @@ from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
     Commit,
     ConsensusConfig,
+    Excluded,
+    ExclusionNoticed,
     ForceStarted,
+    ForceStartRefused,
     ForceStartRequested,
     MessageReceived,
     PersistedState,
@@ -102,6 +106,7 @@ PEER_SEND_QUEUE_MAX = 1000
 DEALERS_MAX = 1000  # sockets to peers and replicants
 RECOVERY_TIMEOUT_MS = 1000
 EXCLUDED_NOTICE_INTERVAL_MS = 1000
+FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
 
 
 class RequestError(Exception):
@@ -488,6 +493,10 @@ class CoreNode(NodeServer):
                 effect.follower_key,
                 effect.trimmed_key,
             )
+        elif isinstance(effect, ForceStartRefused):
+            log.warning("shard %s: force start refused: %s", shard, effect.reason)
+        elif isinstance(effect, Excluded):
+            pass  # recorded by _on_excluded, which stepped the notice in
         elif isinstance(effect, ProtocolViolation):
             log.warning("shard %s: protocol violation: %s", shard, effect)
         else:
@@ -598,12 +607,21 @@ class CoreNode(NodeServer):
         self._send_peer(sender, Message("excluded", "excluded", body))
 
     def _on_excluded(self, body: dict[str, Any]) -> None:
-        """We were left out by a forced start: stop taking part in the shard and say how our journal compares."""
+        """A forced start may have left us out: the consensus machine decides whether to believe it
+        (only a newer generation counts); if it does, stop taking part and say how our journals compare."""
         shard, sender = body["shard"], body["sender"]
-        if sender not in self.config.core_nodes or shard in self.excluded:
+        driver = self.shards.get(shard)
+        if sender not in self.config.core_nodes or driver is None or shard in self.excluded:
             return
-        key = tx_key_from_wire(body["key"])
-        own = self.store.digest_at(shard, key) if shard in self.shards else None
+        try:
+            key = tx_key_from_wire(body["key"])
+            members = tuple(str(m) for m in body["members"])
+            notice = ExclusionNoticed(sender, int(body["generation"]), members)
+        except (OpDecodeError, TypeError, ValueError) as error:
+            raise RequestError("bad_request", f"malformed excluded notice: {error}") from None
+        if not any(isinstance(effect, Excluded) for effect in self._step(driver, notice)):
+            return
+        own = self.store.digest_at(shard, key)
         if body["digest"] is None or own is None:
             verdict = f"cannot compare journals at {key} (one side no longer holds it)"
         elif own == body["digest"]:
@@ -612,16 +630,16 @@ class CoreNode(NodeServer):
             verdict = f"journals DIVERGE at {key}"
         self.excluded[shard] = {
             "by": sender,
-            "generation": body["generation"],
-            "members": body["members"],
+            "generation": notice.generation,
+            "members": list(members),
             "verdict": verdict,
         }
         log.error(
             "shard %s: this core was left out of the cluster by a forced start (generation %d, members %s, told by "
             "%s); %s. It no longer takes part in the shard: rebuild it from a member's data directory.",
             shard,
-            body["generation"],
-            ", ".join(body["members"]),
+            notice.generation,
+            ", ".join(members),
             sender,
             verdict,
         )
@@ -748,20 +766,80 @@ class CoreNode(NodeServer):
             self.reply(pending.envelope, _outcome_unknown(request_id, "the sequencer did not answer in time"))
 
     def force_start(self) -> dict[str, Any]:
-        """Operator: become sequencer of every shard with the cores heard recently (loudly)."""
-        reachable = [self.config.name, *self.reachable_peers()]
-        result = {}
+        """Operator: become sequencer of every shard with the cores that answer now, loudly.
+
+        The consensus machine refuses (``ForceStartRefused``) while a majority answers; this driver
+        only asks every member for its journal (the probe) and reports what the machine decided.
+        """
+        journals = self.probe_peers(FORCE_START_PROBE_TIMEOUT_MS)
+        reached_names = sorted(journals)
+        result: dict[str, Any] = {}
+        refusals: dict[str, str] = {}
         for driver in self.shards.values():
-            members = tuple(m for m in reachable if m in driver.consensus.members)
-            self._step(driver, ForceStartRequested(members))
-            result[driver.shard] = {
-                "generation": driver.consensus.generation,
-                "members": list(members),
-                "last": list(driver.consensus.last_key),
-                "committed": list(driver.consensus.committed_key),
-            }
-        log.warning("FORCE START by operator: %s", result)
-        return {"node": self.config.name, "members": reachable, "shards": result}
+            reached = tuple(
+                (peer, int(journal.get("shards", {}).get(driver.shard, {}).get("generation", 0)))
+                for peer, journal in sorted(journals.items())
+            )
+            effects = self._step(driver, ForceStartRequested(reached))
+            for effect in effects:
+                if isinstance(effect, ForceStartRefused):
+                    refusals[driver.shard] = effect.reason
+            if driver.shard not in refusals:
+                members = driver.consensus.members
+                result[driver.shard] = {
+                    "generation": driver.consensus.generation,
+                    "members": list(members),
+                    "left_out": [m for m in self.members if m not in members],
+                    "last": list(driver.consensus.last_key),
+                    "committed": list(driver.consensus.committed_key),
+                }
+        if refusals:
+            raise RequestError(
+                "force_start_refused",
+                f"force-start refused: {self.config.name} reached {', '.join(reached_names) or 'no other core'}; "
+                + "; ".join(f"shard {shard}: {reason}" for shard, reason in sorted(refusals.items())),
+                {"reached": reached_names, "refused": refusals, "forced": result},
+            )
+        left_out = [m for m in self.members if m != self.config.name and m not in journals]
+        may_lose = (
+            f"writes that {', '.join(left_out)} committed but {self.config.name} never received are lost; "
+            f"{', '.join(left_out)} must be rebuilt from a member's data directory before rejoining"
+            if left_out
+            else "nothing: every member answered"
+        )
+        log.warning("FORCE START by operator: %s; may lose: %s", result, may_lose)
+        return {
+            "node": self.config.name,
+            "members": [self.config.name, *reached_names],
+            "reached": reached_names,
+            "left_out": left_out,
+            "may_lose": may_lose,
+            "shards": result,
+        }
+
+    def probe_peers(self, timeout_ms: int) -> dict[str, dict[str, Any]]:
+        """Ask every other member for its journal, all at once; the answers of those that answered
+        within ``timeout_ms``. Blocks the loop for at most about ``timeout_ms``."""
+        from mnesite.rlog.client import MnesiteError
+
+        answers: dict[str, dict[str, Any]] = {}
+
+        def ask(peer: str) -> None:
+            try:
+                with self.peer_client(peer, timeout_ms) as client:
+                    answers[peer] = client.journal()
+            except MnesiteError:
+                pass  # not reached
+
+        threads = [
+            threading.Thread(target=ask, args=(peer,), daemon=True) for peer in self.members if peer != self.config.name
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout_ms / 1000 + 1
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return {peer: answer for peer, answer in dict(answers).items() if isinstance(answer, dict)}
 
     def reachable_peers(self) -> list[str]:
         """Peers heard from within an election timeout: the ones a forced start keeps as members."""
