@@ -41,7 +41,7 @@ def _remember(context: click.Context, parameter: click.Parameter, value: Any) ->
 def node_options(function: Callable[..., Any]) -> Callable[..., Any]:
     function = click.option(
         "--server-key",
-        "server_key",
+        "server_key_file",
         envvar="MNESITE_SERVER_KEY",
         type=click.Path(dir_okay=False),
         default=None,
@@ -51,7 +51,7 @@ def node_options(function: Callable[..., Any]) -> Callable[..., Any]:
     )(function)
     function = click.option(
         "--key",
-        "key",
+        "key_file",
         envvar="MNESITE_KEY",
         type=click.Path(dir_okay=False),
         default=None,
@@ -88,8 +88,8 @@ def client_for(endpoint: str | None, timeout_ms: int, retries: int = 1) -> Clien
             endpoint or default_endpoint(),
             timeout_ms=timeout_ms,
             retries=retries,
-            key=meta.get("mnesite.key"),
-            server_key=meta.get("mnesite.server_key"),
+            key=meta.get("mnesite.key_file"),
+            server_key=meta.get("mnesite.server_key_file"),
         )
     except MnesiteError as error:
         fail(str(error))
@@ -214,7 +214,7 @@ def parse_column(text: str) -> tuple[str, str]:
 
 @table.command("create")
 @click.argument("table_name", metavar="TABLE")
-@click.option("--key", "key_column", required=True, metavar="COLUMN", help="Key column (TEXT unless declared).")
+@click.option("--key-column", "key_column", required=True, metavar="COLUMN", help="Key column (TEXT unless declared).")
 @click.option(
     "--column", "columns", multiple=True, metavar="NAME:TYPE", help="Column; TYPE: INTEGER REAL TEXT BLOB ANY."
 )
@@ -535,7 +535,10 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
 @json_option
 def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
     """Make the core at --node sequencer of every shard with the cores it can reach, opening a new
-    generation, when a majority of cores is gone for good.
+    generation, when a majority of cores is gone for good. Needs the admin role.
+
+    The core first asks every member for its journal; it refuses while a majority answers (an
+    election will choose a sequencer without losing anything) and says which members it reached.
 
     \b
     What may be lost: writes that the lost majority committed but this core never received, and the
@@ -555,6 +558,7 @@ def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
         emit_json(result)
         return
     click.echo(f"FORCE-STARTED {result['node']} with members {', '.join(result['members'])}", err=True)
+    click.echo(f"left out: {', '.join(result['left_out']) or 'nobody'}; may lose: {result['may_lose']}", err=True)
     for shard, info in result["shards"].items():
         click.echo(f"{shard}: generation {info['generation']}, last {tuple(info['last'])}")
 
