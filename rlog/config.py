@@ -206,6 +206,13 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         raise ConfigError(f"[storage].synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
 
     security = parse_security(data.get("security"), base_dir)
+    if security is not None and security.enabled:
+        # Peers know a core only by its key's principal, which must be its node name.
+        unlisted = sorted(set(core_nodes) - set(security.roles.get("core", ())))
+        if unlisted:
+            raise ConfigError(
+                f"[security.roles].core must list every core of [cluster].core_nodes; missing {', '.join(unlisted)}"
+            )
     if security is None and not is_loopback(listen):
         raise ConfigError(
             f"[node].listen {listen!r} is not a loopback address: configure [security] (CurveZMQ keys and roles), "

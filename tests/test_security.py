@@ -112,8 +112,10 @@ def test_roles_config_errors_name_the_role(keys: Path, tmp_path: Path) -> None:
         parse_config({"security": {**base, "roles": {"superuser": ["x"]}}})
     with pytest.raises(ConfigError, match=r"\[security.roles\].writer must be a list"):
         parse_config({"security": {**base, "roles": {"writer": "app"}}})
-    config = parse_config({"security": {**base, "roles": {"writer": ["app"]}}})
-    assert config.secure and config.security is not None and config.security.roles == {"writer": ("app",)}
+    with pytest.raises(ConfigError, match=r"\[security.roles\].core must list every core .* missing core1"):
+        parse_config({"security": {**base, "roles": {"writer": ["app"]}}})
+    config = parse_config({"security": {**base, "roles": {"core": ["core1"], "writer": ["app"]}}})
+    assert config.secure and config.security is not None and config.security.roles["writer"] == ("app",)
 
 
 def test_a_secret_key_that_is_only_public_is_refused_when_the_node_starts(keys: Path, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ force-start cannot split the brain (issue 12's acceptance)."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
 
@@ -251,3 +252,25 @@ def test_force_start_cannot_split_the_brain(cluster: Cluster) -> None:
     for name in cluster.names:
         with cluster.client(name) as client:
             assert len(list(client.scan("kv"))) == 11
+
+
+def test_sighup_reloads_authorized_keys_and_roles_of_a_running_core(cluster: Cluster) -> None:
+    assert cluster.secure, "this test is about [security]; it does not run insecure"
+    cluster.start_all()
+    create_table(cluster)
+    generate_keys("newapp", str(cluster.keys_dir))
+    newapp = {"key": cluster.keys_dir / "newapp.key_secret", "server_key": cluster.keys_dir / "cluster.key"}
+    with (
+        Client(cluster.endpoints["core1"], timeout_ms=3000, retries=0, **newapp) as client,
+        pytest.raises(Unauthenticated),
+    ):
+        client.put("kv", {"id": 1, "value": "too early"})
+    shutil.copy(cluster.keys_dir / "newapp.key", cluster.authorized_dir)
+    config = cluster.root / "core1.toml"
+    config.write_text(config.read_text().replace('writer = ["app"]', 'writer = ["app", "newapp"]'))
+    cluster.nodes["core1"].signal(signal.SIGHUP)
+    wait_until(lambda: cluster.status("core1")["security"]["reloads"] == 1, 20, "core1 to reload on SIGHUP")
+    with Client(cluster.endpoints["core1"], timeout_ms=3000, retries=5, **newapp) as client:
+        client.put("kv", {"id": 1, "value": "after the reload"})
+        with pytest.raises(Forbidden):
+            client.create_table("other", "id")
