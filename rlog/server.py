@@ -34,6 +34,7 @@ log = logging.getLogger("mnesite.server")
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
 ROUTER_QUEUE_MAX = 10_000
+REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
 
 
 def monotonic_ms() -> int:
@@ -68,6 +69,7 @@ class NodeServer:
         self._in_transaction = False
         self.security: NodeSecurity | None = None
         self.reload_requested = threading.Event()
+        self._refusal_logged_ms = -REFUSAL_LOG_INTERVAL_MS
         if config.secure and config.security is not None:
             try:
                 self.security = NodeSecurity(config.security)
@@ -141,14 +143,21 @@ class NodeServer:
         reason = self.security.roles.refusal(principal, message.kind)
         if reason is not None:
             self.security.refused_role += 1
-            log.info("refused: %s", reason)
+            self._log_refusal("refused: %s", reason)
             return codec.error(message.request_id, "forbidden", reason)
         reason = sender_mismatch(principal, message.kind, message.body) if isinstance(message.body, dict) else None
         if reason is not None:
             self.security.refused_sender += 1
-            log.warning("refused a forged sender: %s", reason)
+            self._log_refusal("refused a forged sender: %s", reason)
             return codec.error(message.request_id, "forbidden", reason)
         return None
+
+    def _log_refusal(self, text: str, reason: str) -> None:
+        # A flood of refused requests must not become a flood of log lines: status counts them all.
+        now_ms = monotonic_ms()
+        if now_ms - self._refusal_logged_ms >= REFUSAL_LOG_INTERVAL_MS:
+            self._refusal_logged_ms = now_ms
+            log.warning(text, reason)
 
     def security_status(self) -> dict[str, Any]:
         if self.security is None:
