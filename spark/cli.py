@@ -107,6 +107,20 @@ def render_report(report: CompareReport) -> str:
     type=click.IntRange(1, 600_000),
     help="Timeout of each request to a tcp:// node.",
 )
+@click.option(
+    "--key",
+    "key_file",
+    envvar="MNESITE_KEY",
+    type=click.Path(dir_okay=False),
+    help="Your secret key file for tcp:// nodes of a cluster with [security] ($MNESITE_KEY).",
+)
+@click.option(
+    "--server-key",
+    "server_key_file",
+    envvar="MNESITE_SERVER_KEY",
+    type=click.Path(dir_okay=False),
+    help="The cluster's public key file for tcp:// nodes ($MNESITE_SERVER_KEY).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 def compare(
@@ -115,6 +129,8 @@ def compare(
     master: str,
     sample_max: int,
     timeout_ms: int,
+    key_file: str | None,
+    server_key_file: str | None,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -131,7 +147,14 @@ def compare(
             click.echo(f"compare: {message}", err=True)
 
     try:
-        options = CompareOptions(tables=tables, master=master, sample_max=sample_max, timeout_ms=timeout_ms)
+        options = CompareOptions(
+            tables=tables,
+            master=master,
+            sample_max=sample_max,
+            timeout_ms=timeout_ms,
+            key=key_file,
+            server_key=server_key_file,
+        )
         report = run_compare(list(replicas), options, progress=progress)
     except CompareError as error:
         click.echo(f"error: {error}", err=True)

@@ -5,24 +5,17 @@ the replicant's back is reported as a difference, with both values."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import apsw
 import pytest
 from mnesite.spark.compare import EXIT_DIVERGED, EXIT_EQUAL, CompareOptions, compare
 
-from tests.conftest import Cluster, NodeProcess
+from tests.conftest import Cluster
 from tests.test_cluster import Load, create_table
 from tests.test_replicants import wait_normal, wait_replicant_caught_up
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.spark]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, node_processes: list[NodeProcess]) -> Cluster:
-    # The Spark data source speaks to live nodes without CurveZMQ keys (not built yet): run insecure.
-    return Cluster(tmp_path, node_processes, secure=False)
 
 
 def test_live_replicant_against_live_core_under_writes(cluster: Cluster, spark_session: Any) -> None:
@@ -34,7 +27,7 @@ def test_live_replicant_against_live_core_under_writes(cluster: Cluster, spark_s
     load = Load(cluster, cluster.names, writers=4).start()
     load.wait_for(300)
     replicas = [cluster.endpoints["core1"], cluster.endpoints["replicant1"]]
-    options = CompareOptions(tables=("kv",))
+    options = CompareOptions(tables=("kv",), **cluster.keys())  # the nodes run with [security]
     in_flight_total = 0
     for _ in range(3):
         report = compare(replicas, options, session=spark_session)
