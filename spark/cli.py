@@ -88,6 +88,12 @@ def render_report(report: CompareReport) -> str:
     return "\n".join(lines)
 
 
+def _file_option(flag: str, envvar: str, text: str) -> Any:
+    """``--key`` / ``--server-key`` (the same flags and variables as every ``mnesite`` node command)."""
+    dest = flag.removeprefix("--").replace("-", "_") + "_file"
+    return click.option(flag, dest, envvar=envvar, type=click.Path(dir_okay=False), help=f"{text} (${envvar}).")
+
+
 @click.command("compare")
 @click.argument("replicas", nargs=-1, required=True)
 @click.option("--table", "tables", multiple=True, help="Table to compare (repeatable); default: all tables.")
@@ -107,20 +113,8 @@ def render_report(report: CompareReport) -> str:
     type=click.IntRange(1, 600_000),
     help="Timeout of each request to a tcp:// node.",
 )
-@click.option(
-    "--key",
-    "key_file",
-    envvar="MNESITE_KEY",
-    type=click.Path(dir_okay=False),
-    help="Your secret key file for tcp:// nodes of a cluster with [security] ($MNESITE_KEY).",
-)
-@click.option(
-    "--server-key",
-    "server_key_file",
-    envvar="MNESITE_SERVER_KEY",
-    type=click.Path(dir_okay=False),
-    help="The cluster's public key file for tcp:// nodes ($MNESITE_SERVER_KEY).",
-)
+@_file_option("--key", "MNESITE_KEY", "Your secret key file for tcp:// nodes of a cluster with [security]")
+@_file_option("--server-key", "MNESITE_SERVER_KEY", "The cluster's public key file for tcp:// nodes")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 def compare(
