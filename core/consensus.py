@@ -33,8 +33,10 @@ and executes the effects it returns.
   A force start is refused (``ForceStartRefused``) while this core reaches a majority of the current
   members: then an election can pick a sequencer and nothing needs to be lost, and forcing would
   leave out cores that are alive. The forced generation is above every generation a reached member
-  has seen, so every reached member follows the forced sequencer. A core told that a forced
-  membership left it out (``ExclusionNoticed``) steps down, fails its pending writes, and stops.
+  has seen, so every reached member follows the forced sequencer. A core that hears from a core
+  outside its (reduced) membership answers with an ``ExclusionNotice`` (at most once per
+  ``EXCLUSION_NOTICE_INTERVAL_MS`` per core); a core told that a forced membership left it out steps
+  down, fails its pending writes, and stops taking part.
   Safety holds as long as fewer than a majority of the old members that were left out ever come
   back (they must be rebuilt first): left-out cores alone cannot form a quorum of the old membership,
   and reached cores ignore them.
@@ -73,6 +75,7 @@ from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, make_entry
 
 MEMBERS_MAX = 15
+EXCLUSION_NOTICE_INTERVAL_MS = 1000  # how often a left-out core is told at most
 
 REJECT_NOT_SEQUENCER = "not_sequencer"
 REJECT_BUSY = "busy"
@@ -212,7 +215,18 @@ class AppendReply:
     commit_key: TxKey
 
 
-PeerMessage = VoteRequest | VoteReply | AppendRequest | AppendReply
+@dataclass(frozen=True)
+class ExclusionNotice:
+    """To a core outside the sender's (force-reduced) membership: you were left out. ``key`` is the
+    receiver's last key as the sender saw it, ``digest`` the sender's digest there (None: not held)."""
+
+    generation: int
+    members: tuple[str, ...]
+    key: TxKey
+    digest: bytes | None
+
+
+PeerMessage = VoteRequest | VoteReply | AppendRequest | AppendReply | ExclusionNotice
 
 # ---------------------------------------------------------------- events
 
@@ -247,16 +261,7 @@ class ForceStartRequested:
     reached: tuple[tuple[str, int], ...]
 
 
-@dataclass(frozen=True)
-class ExclusionNoticed:
-    """A member of a newer, force-started membership told this core that it was left out."""
-
-    sender: str
-    generation: int
-    members: tuple[str, ...]
-
-
-Event = Ticked | MessageReceived | Proposed | ForceStartRequested | ExclusionNoticed
+Event = Ticked | MessageReceived | Proposed | ForceStartRequested
 
 # ---------------------------------------------------------------- effects
 
@@ -352,11 +357,14 @@ class ForceStartRefused:
 
 @dataclass(frozen=True)
 class Excluded:
-    """This core accepted that a forced start left it out: it takes no part in the shard any more."""
+    """This core accepted that a forced start left it out: it takes no part in the shard any more.
+    ``key`` and ``digest`` are the notice's, for comparing journals."""
 
     sender: str
     generation: int
     members: tuple[str, ...]
+    key: TxKey
+    digest: bytes | None
 
 
 @dataclass(frozen=True)
@@ -425,8 +433,10 @@ class ShardConsensus:
         self._now_ms = now_ms
         self._members = members
         self._forced = state.forced
-        # Left out by a forced start (ExclusionNoticed): never campaign again until rebuilt.
+        # Left out by a forced start (ExclusionNotice): never campaign again until rebuilt.
         self._excluded = False
+        # Non-member -> when it was last told it is left out (bounded by MEMBERS_MAX entries).
+        self._exclusion_told_ms: dict[str, int] = {}
         self._last_key = log.last_key()
         last_digest = log.digest_at(self._last_key)
         if last_digest is None:
@@ -474,6 +484,11 @@ class ShardConsensus:
     @property
     def last_key(self) -> TxKey:
         return self._last_key
+
+    @property
+    def excluded(self) -> bool:
+        """A forced start left this core out (it was told); it takes no part until rebuilt."""
+        return self._excluded
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -525,8 +540,6 @@ class ShardConsensus:
             self._on_proposed(event)
         elif isinstance(event, ForceStartRequested):
             self._force_start(event.reached)
-        elif isinstance(event, ExclusionNoticed):
-            self._on_exclusion(event)
         else:
             raise TypeError(f"not a consensus event: {event!r}")
         out, self._out = self._out, []
@@ -696,32 +709,50 @@ class ShardConsensus:
         self._role = Role.CANDIDATE  # so that _set_role reports the change even from SEQUENCER
         self._become_sequencer()
 
-    def _on_exclusion(self, event: ExclusionNoticed) -> None:
+    def _on_exclusion(self, sender: str, notice: ExclusionNotice) -> None:
         """A member's forced start left this core out: stop taking part.
 
         Believed from a member of our membership whose new membership does not include us, whatever
         its generation: a left-out core keeps campaigning alone and may have counted its generation
         past the forced one, and stopping can only cost availability, never safety. (Only an
-        authenticated core can send the notice; the driver checks that.)
+        authenticated core can send it; the driver checks that.)
         """
-        if event.sender == self.name or event.sender not in self._members or self.name in event.members:
-            self._out.append(ProtocolViolation(event.sender, f"exclusion notice with members {event.members}"))
+        if sender not in self._members or self.name in notice.members:
+            self._out.append(ProtocolViolation(sender, f"exclusion notice with members {notice.members}"))
             return
-        if event.generation > self._generation:
-            self._adopt_generation(event.generation)
+        if notice.generation > self._generation:
+            self._adopt_generation(notice.generation)
         elif self._role is not Role.FOLLOWER or self._sequencer is not None:
-            self._step_down(f"left out by a forced start of {event.sender} (generation {event.generation})")
+            self._step_down(f"left out by a forced start of {sender} (generation {notice.generation})")
         self._excluded = True
-        self._out.append(Excluded(event.sender, event.generation, event.members))
+        self._out.append(Excluded(sender, notice.generation, notice.members, notice.key, notice.digest))
+
+    def _tell_excluded(self, sender: str, message: PeerMessage) -> None:
+        """``sender`` is outside our membership (a forced start left it out): tell it, rate-limited."""
+        told_ms = self._exclusion_told_ms.get(sender)
+        if told_ms is not None and self._now_ms - told_ms < EXCLUSION_NOTICE_INTERVAL_MS:
+            return
+        if len(self._exclusion_told_ms) >= MEMBERS_MAX:
+            self._exclusion_told_ms = {}
+        self._exclusion_told_ms[sender] = self._now_ms
+        their_key = message.last_key if isinstance(message, (VoteRequest, AppendReply)) else self._commit_key
+        key = min(their_key, self._last_key)
+        notice = ExclusionNotice(self._generation, self._members, key, self._log.digest_at(key))
+        self._out.append(Send(sender, notice))
 
     # ------------------------------------------------------------ messages
 
     def _on_message(self, sender: str, message: PeerMessage) -> None:
+        if not isinstance(message, (VoteRequest, VoteReply, AppendRequest, AppendReply, ExclusionNotice)):
+            raise TypeError(f"not a peer message: {message!r}")
+        if isinstance(message, ExclusionNotice) and sender != self.name:
+            self._on_exclusion(sender, message)
+            return
         if sender == self.name or sender not in self._members:
             self._out.append(ProtocolViolation(sender, f"not a member of {self._members}"))
+            if sender != self.name and not self._excluded:
+                self._tell_excluded(sender, message)
             return
-        if not isinstance(message, (VoteRequest, VoteReply, AppendRequest, AppendReply)):
-            raise TypeError(f"not a peer message: {message!r}")
         if message.generation > self._generation:
             self._adopt_generation(message.generation)
         if isinstance(message, VoteRequest):

@@ -47,7 +47,6 @@ from mnesite.core.consensus import (
     Commit,
     ConsensusConfig,
     Excluded,
-    ExclusionNoticed,
     ForceStarted,
     ForceStartRefused,
     ForceStartRequested,
@@ -105,7 +104,6 @@ SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
 DEALERS_MAX = 1000  # sockets to peers and replicants
 RECOVERY_TIMEOUT_MS = 1000
-EXCLUDED_NOTICE_INTERVAL_MS = 1000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
 
 
@@ -240,7 +238,6 @@ class CoreNode(NodeServer):
         self.forwarded: dict[str, Forwarded] = {}
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
-        self.excluded_told_ms: dict[tuple[str, str], int] = {}
         self.rlog_server = RlogServer(config.name)
         self.last_heard_ms: dict[str, int] = {}
         self.transactions = 0
@@ -387,8 +384,6 @@ class CoreNode(NodeServer):
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         if message.kind == "peer":
             self._on_peer(message)
-        elif message.kind == "excluded":
-            self._on_excluded(message.body)
         elif message.kind == "watch":
             self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
@@ -496,7 +491,7 @@ class CoreNode(NodeServer):
         elif isinstance(effect, ForceStartRefused):
             log.warning("shard %s: force start refused: %s", shard, effect.reason)
         elif isinstance(effect, Excluded):
-            pass  # recorded by _on_excluded, which stepped the notice in
+            self._record_exclusion(shard, effect)
         elif isinstance(effect, ProtocolViolation):
             log.warning("shard %s: protocol violation: %s", shard, effect)
         else:
@@ -582,65 +577,33 @@ class CoreNode(NodeServer):
             return
         self.last_heard_ms[sender] = self.clock_ms()
         driver = self._shard_for(shard, create=True)
-        if driver is None:
+        if driver is None or shard in self.excluded:
             return
-        if sender not in driver.consensus.members:
-            self._tell_excluded(driver, sender, getattr(peer_message, "last_key", None))
-            return
+        # Non-members too: the consensus machine tells a core left out by a forced start.
         self._step(driver, MessageReceived(sender, peer_message))
 
-    def _tell_excluded(self, driver: ShardDriver, sender: str, their_key: TxKey | None) -> None:
-        """A core outside our (forced) membership is talking to us: tell it, at most once a second."""
-        now = self.clock_ms()
-        if now - self.excluded_told_ms.get((driver.shard, sender), -(10**12)) < EXCLUDED_NOTICE_INTERVAL_MS:
-            return
-        self.excluded_told_ms[(driver.shard, sender)] = now
-        key = their_key if their_key is not None else driver.consensus.committed_key
-        body = {
-            "shard": driver.shard,
-            "sender": self.config.name,
-            "generation": driver.consensus.generation,
-            "members": list(driver.consensus.members),
-            "key": list(key),
-            "digest": self.store.digest_at(driver.shard, key),
-        }
-        self._send_peer(sender, Message("excluded", "excluded", body))
-
-    def _on_excluded(self, body: dict[str, Any]) -> None:
-        """A forced start may have left us out: the consensus machine decides whether to believe it
-        (only a newer generation counts); if it does, stop taking part and say how our journals compare."""
-        shard, sender = body["shard"], body["sender"]
-        driver = self.shards.get(shard)
-        if sender not in self.config.core_nodes or driver is None or shard in self.excluded:
-            return
-        try:
-            key = tx_key_from_wire(body["key"])
-            members = tuple(str(m) for m in body["members"])
-            notice = ExclusionNoticed(sender, int(body["generation"]), members)
-        except (OpDecodeError, TypeError, ValueError) as error:
-            raise RequestError("bad_request", f"malformed excluded notice: {error}") from None
-        if not any(isinstance(effect, Excluded) for effect in self._step(driver, notice)):
-            return
-        own = self.store.digest_at(shard, key)
-        if body["digest"] is None or own is None:
-            verdict = f"cannot compare journals at {key} (one side no longer holds it)"
-        elif own == body["digest"]:
-            verdict = f"journals agree up to {key}"
+    def _record_exclusion(self, shard: str, effect: Excluded) -> None:
+        """The machine accepted that a forced start left us out: say how our journal compares."""
+        own = self.store.digest_at(shard, effect.key)
+        if effect.digest is None or own is None:
+            verdict = f"cannot compare journals at {effect.key} (one side no longer holds it)"
+        elif own == effect.digest:
+            verdict = f"journals agree up to {effect.key}"
         else:
-            verdict = f"journals DIVERGE at {key}"
+            verdict = f"journals DIVERGE at {effect.key}"
         self.excluded[shard] = {
-            "by": sender,
-            "generation": notice.generation,
-            "members": list(members),
+            "by": effect.sender,
+            "generation": effect.generation,
+            "members": list(effect.members),
             "verdict": verdict,
         }
         log.error(
             "shard %s: this core was left out of the cluster by a forced start (generation %d, members %s, told by "
             "%s); %s. It no longer takes part in the shard: rebuild it from a member's data directory.",
             shard,
-            notice.generation,
-            ", ".join(members),
-            sender,
+            effect.generation,
+            ", ".join(effect.members),
+            effect.sender,
             verdict,
         )
 

@@ -11,7 +11,7 @@ role but ``admin``: a new kind is closed until someone decides who may send it.
 
 The roles:
 
-* ``core``: consensus (``peer``, ``excluded``), replication to replicants (``push``), and what a
+* ``core``: consensus (``peer``, which also carries exclusion notices), replication to replicants (``push``), and what a
   core asks of another core on behalf of its own clients (forwarded writes, journals, reads).
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap and serve linearizable reads.
@@ -51,7 +51,6 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "transact": frozenset({"core", "replicant", "writer"}),
     "create_table": frozenset({"core", "replicant"}),
     "peer": frozenset({"core"}),
-    "excluded": frozenset({"core"}),
     "push": frozenset({"core"}),
     "watch": frozenset({"replicant"}),
     "push_ack": frozenset({"replicant"}),
@@ -59,7 +58,7 @@ KIND_ROLES: dict[str, frozenset[str]] = {
 }
 
 # Kinds whose body names its sender: the name must be the authenticated principal.
-SENDER_FIELDS: dict[str, str] = {"peer": "sender", "excluded": "sender", "push": "core", "watch": "replicant"}
+SENDER_FIELDS: dict[str, str] = {"peer": "sender", "push": "core", "watch": "replicant"}
 
 
 class RoleTable:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 from mnesite.core.consensus import (
+    EXCLUSION_NOTICE_INTERVAL_MS,
     REJECT_BUSY,
     REJECT_NOT_SEQUENCER,
     AppendReply,
@@ -15,7 +16,7 @@ from mnesite.core.consensus import (
     ConsensusConfigError,
     ConsensusInvariantError,
     Excluded,
-    ExclusionNoticed,
+    ExclusionNotice,
     ForceStarted,
     ForceStartRefused,
     ForceStartRequested,
@@ -534,18 +535,22 @@ def test_force_start_ignores_answers_from_cores_that_are_not_members():
     assert harness.machine.generation == 4
 
 
+def notice(generation: int, members: tuple[str, ...]) -> ExclusionNotice:
+    return ExclusionNotice(generation, members, ZERO_KEY, None)
+
+
 def test_a_core_told_of_a_newer_forced_generation_steps_down_fails_its_writes_and_stays_out():
     harness = Harness()
     harness.elect()
     harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
     generation = harness.machine.generation
-    for notice in (ExclusionNoticed("b", generation + 5, ("a", "b")), ExclusionNoticed("z", generation + 5, ("z",))):
-        assert of_type(harness.step(notice), ProtocolViolation)  # it names us, or comes from a non-member
+    for sender, members in (("b", ("a", "b")), ("z", ("z",))):
+        assert of_type(harness.receive(sender, notice(generation + 5, members)), ProtocolViolation)
         assert harness.machine.role is Role.SEQUENCER and harness.machine.generation == generation
-    effects = harness.step(ExclusionNoticed("b", generation + 5, ("b",)))
+    effects = harness.receive("b", notice(generation + 5, ("b",)))
     assert harness.machine.role is Role.FOLLOWER and harness.machine.generation == generation + 5
     assert [f.request_id for f in of_type(effects, ProposalFailed)] == ["w1"]
-    assert of_type(effects, Excluded) == [Excluded("b", generation + 5, ("b",))]
+    assert of_type(effects, Excluded) == [Excluded("b", generation + 5, ("b",), ZERO_KEY, None)]
     # It never campaigns again (it must be rebuilt before it rejoins).
     assert harness.step(Ticked(), harness.now_ms + 10 * CONFIG.election_timeout_ms_max) == []
 
@@ -554,10 +559,26 @@ def test_a_core_that_campaigned_past_the_forced_generation_still_stops_when_told
     harness = Harness()
     for _ in range(3):
         harness.step(Ticked(), harness.machine.next_deadline_ms())  # alone: generation 3, candidate
-    effects = harness.step(ExclusionNoticed("b", 2, ("b", "c")))
+    effects = harness.receive("b", notice(2, ("b", "c")))
     assert of_type(effects, Excluded) and harness.machine.generation == 3
     assert harness.machine.role is Role.FOLLOWER
     assert harness.step(Ticked(), harness.now_ms + 10 * CONFIG.election_timeout_ms_max) == []
+
+
+def test_a_forced_sequencer_tells_a_left_out_core_at_most_once_per_interval():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 2))
+    harness.step(ForceStartRequested(()))  # alone: members ("a",), generation 2
+    effects = harness.receive("c", VoteRequest(7, TxKey(1, 1)), now_ms=10)
+    [(to, told)] = sends(effects, ExclusionNotice)
+    assert to == "c" and told == ExclusionNotice(2, ("a",), TxKey(1, 1), entries[0].digest)
+    assert harness.machine.generation == 2  # a non-member's generation is not adopted
+    assert not sends(harness.receive("c", VoteRequest(8, TxKey(1, 1)), now_ms=500), ExclusionNotice)
+    later = 10 + EXCLUSION_NOTICE_INTERVAL_MS
+    assert sends(
+        harness.receive("c", AppendReply(8, False, ZERO_KEY, TxKey(9, 9), ZERO_KEY), now_ms=later), ExclusionNotice
+    )
+    assert sends(harness.receive("b", VoteRequest(7, TxKey(1, 1)), now_ms=later), ExclusionNotice)
 
 
 def test_a_follower_waiting_for_a_snapshot_still_gets_heartbeats_and_is_found_again_after_it():

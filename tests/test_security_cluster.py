@@ -11,7 +11,7 @@ import pytest
 import zmq
 from click.testing import CliRunner
 from mnesite.cli.main import main
-from mnesite.core.consensus import AppendRequest, VoteRequest
+from mnesite.core.consensus import AppendRequest, ExclusionNotice, VoteRequest
 from mnesite.core.consensus_wire import message_to_wire
 from mnesite.rlog import codec
 from mnesite.rlog.client import Client, Forbidden, RemoteError, Unauthenticated
@@ -134,15 +134,14 @@ def test_keys_and_roles_refuse_every_attack_of_the_issue(cluster: Cluster, tmp_p
             (
                 name,
                 Message(
-                    "excluded",
+                    "peer",
                     "f3",
                     {
                         "shard": "default",
                         "sender": next(n for n in cluster.names if n != name),
-                        "generation": generation + 1000,
-                        "members": ["nobody"],
-                        "key": list(applied),
-                        "digest": None,
+                        "message": message_to_wire(
+                            ExclusionNotice(generation + 1000, ("nobody",), TxKey(*applied), None)
+                        ),
                     },
                 ),
             )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from mnesite.core.consensus import ForceStarted, ForceStartRefused, ShardConsensus
+from mnesite.core.consensus import ForceStarted, ForceStartRefused, Role, ShardConsensus
 
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import replay_command
@@ -170,3 +170,8 @@ def _forced_start_scenario(simulation: Simulation, left_out_majority_returns: bo
     assert sequencer.name in reached and sequencer.machine is not None and sequencer.machine.members == forced.members
     assert acknowledged.items() <= simulation.acknowledged.items()
     simulation.final_check(sequencer)
+    if not left_out_majority_returns:
+        # The resumed core talked to the cluster and was told by the forced membership that it is out.
+        simulation.run_until_quiet()
+        returned = simulation.nodes[resumed].machine
+        assert returned is not None and returned.excluded and returned.role is not Role.SEQUENCER
