@@ -359,6 +359,17 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
     emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
 
 
+def describe_security(security: dict[str, Any]) -> str:
+    if not security.get("curve"):
+        return "security: OFF" + (" ([security] insecure = true)" if security.get("insecure") else " (loopback only)")
+    failed = security["handshakes_failed"]
+    return (
+        f"security: CurveZMQ, {security['authorized_keys']} authorized keys; refused: "
+        f"{failed['auth']} unknown keys, {failed['protocol'] + failed['no_detail']} other failed handshakes, "
+        f"{security['refused_role']} by role, {security['refused_sender']} forged senders"
+    )
+
+
 @main.command()
 @node_options
 @json_option
@@ -370,6 +381,7 @@ def status(endpoint, timeout_ms, as_json) -> None:
         emit_json(result)
         return
     click.echo(f"node {result['node']} ({result['role']})")
+    click.echo(describe_security(result.get("security") or {}))
     if result["role"] == "replicant":
         rows = [
             {

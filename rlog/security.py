@@ -99,6 +99,9 @@ def load_key(path: str, what: str, secret: bool) -> KeyPair:
         raise SecurityError(f"{what}: cannot read a zmq certificate from {path}: {error}") from None
     if secret and not secret_key:
         raise SecurityError(f"{what}: {path} has no secret key (give the {SECRET_SUFFIX} file)")
+    if secret and os.stat(path).st_mode & 0o077:
+        # Like ssh: a secret others can read is not a secret; say how to fix it rather than use it.
+        raise SecurityError(f"{what}: {path} is readable by other users; chmod 600 {path}")
     return KeyPair(public, secret_key)
 
 

@@ -18,11 +18,11 @@ from mnesite.core.consensus import VoteRequest
 from mnesite.core.consensus_wire import message_to_wire
 from mnesite.core.node import CoreNode
 from mnesite.rlog import codec
-from mnesite.rlog.client import Client, Forbidden, Unauthenticated
+from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated
 from mnesite.rlog.codec import Message
 from mnesite.rlog.config import ConfigError, load_config, parse_config
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
-from mnesite.rlog.security import configure_client, generate_keys, load_key
+from mnesite.rlog.security import SecurityError, configure_client, generate_keys, load_key
 from mnesite.rlog.types import TxKey
 
 from tests.conftest import free_port, wait_until
@@ -126,6 +126,16 @@ def test_a_secret_key_that_is_only_public_is_refused_when_the_node_starts(keys: 
         CoreNode(load_config(str(path)))
 
 
+def test_a_secret_key_readable_by_others_is_refused(keys: Path) -> None:
+    secret = keys / "app.key_secret"
+    secret.chmod(0o644)
+    with pytest.raises(SecurityError, match="readable by other users; chmod 600"):
+        load_key(str(secret), "key", secret=True)
+    with pytest.raises(MnesiteError, match="chmod 600"):
+        Client("tcp://127.0.0.1:1", key=secret, server_key=keys / "cluster.key")
+    assert load_key(str(keys / "app.key"), "key", secret=False).public  # public keys may be world-readable
+
+
 # ---------------------------------------------------------------- roles
 
 
@@ -171,7 +181,7 @@ class SecureNode:
 
     def write_config(self, roles: dict[str, list[str]]) -> None:
         self.config_path.write_text(
-            f'[node]\nname = "core1"\ndata_dir = "{self.keys.parent / "data"}"\nlisten = "{self.endpoint}"\n'
+            f'[node]\nname = "core1"\ndata_dir = "{self.keys.parent / "secure-data"}"\nlisten = "{self.endpoint}"\n'
             f'[cluster]\ncore_nodes = {{ core1 = "{self.endpoint}" }}\n'
             '[storage]\nsynchronous = "NORMAL"\n' + security_toml(self.keys, roles)
         )
@@ -216,6 +226,24 @@ def raw_request(node: SecureNode, principal: str, frame: Message | bytes) -> Mes
         return codec.decode(socket.recv())
     finally:
         socket.close(0)
+
+
+def test_status_says_whether_security_is_on_and_what_it_refused(secure_node, thread_node) -> None:
+    keys = [
+        "--key",
+        str(secure_node.keys / "dashboard.key_secret"),
+        "--server-key",
+        str(secure_node.keys / "cluster.key"),
+    ]
+    with secure_node.client("dashboard") as reader, pytest.raises(Forbidden):
+        reader.put("kv", {"id": 1})
+    shown = CliRunner().invoke(main, ["status", "--node", secure_node.endpoint, *keys])
+    assert shown.exit_code == 0, shown.output
+    assert "security: CurveZMQ, 6 authorized keys; refused:" in shown.output and "1 by role" in shown.output
+    plain = CliRunner().invoke(main, ["status", "--node", thread_node.endpoint])
+    assert "security: OFF (loopback only)" in plain.output
+    refused = CliRunner().invoke(main, ["status", "--node", secure_node.endpoint, "--timeout-ms", "3000"])
+    assert refused.exit_code == 1 and "give --key and --server-key" in refused.output
 
 
 def test_clients_without_a_key_or_with_an_unknown_key_are_refused_before_the_decoder(secure_node) -> None:
