@@ -156,6 +156,11 @@ def test_every_kind_names_its_roles_and_admin_may_send_everything() -> None:
     assert table.refusal("core1", "a_kind_nobody_has_decided_on")
 
 
+def test_every_request_kind_the_codec_accepts_has_a_role_entry() -> None:
+    # A kind missing from the table is admin-only: a new request kind must be placed deliberately.
+    assert set(codec.KINDS) - {"reply", "error"} == set(KIND_ROLES)
+
+
 def test_a_body_sender_must_be_the_authenticated_principal() -> None:
     assert sender_mismatch("core1", "peer", {"sender": "core1"}) is None
     assert "claims sender 'core2'" in (sender_mismatch("core1", "peer", {"sender": "core2"}) or "")
