@@ -739,10 +739,7 @@ class CoreNode(NodeServer):
         result: dict[str, Any] = {}
         refusals: dict[str, str] = {}
         for driver in self.shards.values():
-            reached = tuple(
-                (peer, int(journal.get("shards", {}).get(driver.shard, {}).get("generation", 0)))
-                for peer, journal in sorted(journals.items())
-            )
+            reached = tuple((peer, _generation_in(journal, driver.shard)) for peer, journal in sorted(journals.items()))
             effects = self._step(driver, ForceStartRequested(reached))
             for effect in effects:
                 if isinstance(effect, ForceStartRefused):
@@ -802,7 +799,14 @@ class CoreNode(NodeServer):
         deadline = time.monotonic() + timeout_ms / 1000 + 1
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return {peer: answer for peer, answer in dict(answers).items() if isinstance(answer, dict)}
+        # A peer's answer is untrusted too: one that does not say its generations counts as not reached.
+        return {
+            peer: answer
+            for peer, answer in dict(answers).items()
+            if isinstance(answer, dict)
+            and isinstance(answer.get("shards"), dict)
+            and all(_generation_in(answer, shard) >= 0 for shard in answer["shards"])
+        }
 
     def reachable_peers(self) -> list[str]:
         """Peers heard from within an election timeout: the ones a forced start keeps as members."""
@@ -977,6 +981,18 @@ class CoreNode(NodeServer):
             with contextlib.suppress(Deferred, RequestError, SchemaError):
                 self._write(None, message)  # type: ignore[arg-type]
         self.flush()
+
+
+def _generation_in(journal: dict[str, Any], shard: str) -> int:
+    """The generation a peer's journal answer gives for ``shard``: 0 if it does not know the shard,
+    -1 if the answer is malformed."""
+    age = journal["shards"].get(shard)
+    if age is None:
+        return 0
+    generation = age.get("generation") if isinstance(age, dict) else None
+    if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation < 2**63:
+        return -1
+    return generation
 
 
 def _outcome_unknown(request_id: str, reason: str) -> Message:

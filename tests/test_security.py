@@ -329,3 +329,14 @@ def test_sighup_reloads_authorized_keys_and_roles(secure_node, keys: Path) -> No
 def test_a_frame_from_an_authenticated_key_still_goes_through_the_decoder(secure_node) -> None:
     answer = raw_request(secure_node, "app", msgpack.packb([1, "get"]))
     assert answer.kind == "error" and answer.body["code"] == "bad_frame"
+
+
+@pytest.mark.parametrize(
+    ("age", "expected"),
+    [(None, 0), ({"generation": 7}, 7), ({"generation": "7"}, -1), ({"generation": True}, -1), ([7], -1)],
+)
+def test_a_peers_journal_answer_is_checked_before_a_force_start_uses_it(age, expected) -> None:
+    from mnesite.core.node import _generation_in
+
+    shards = {} if age is None else {"default": age}
+    assert _generation_in({"shards": shards}, "default") == expected
