@@ -1,7 +1,7 @@
 """Commit throughput and latency of a single core, beside raw apsw measured in the same run.
 
     .venv/bin/python benchmarks/bench_commit.py [--seconds 5] [--clients 1,16,64] [--synchronous FULL]
-        [--security off|on|both] [--json]
+        [--security off|on|both] [--repeat N] [--json]
 
 * Baseline: raw apsw on the same disk, WAL mode, the same ``synchronous`` level, one row per
   transaction (BEGIN; INSERT; COMMIT), one writer: the machine's durable-commit limit.
@@ -13,7 +13,8 @@
   entry before it commits); the clients talk to the elected sequencer.
 * ``--security on`` / ``both`` (the default): the same runs with ``[security]`` (CurveZMQ on every
   socket, ZAP, roles); the clients use an admin key. ``both`` measures off and on in the same run
-  and reports the ratio of each secured run to the same run without security.
+  and reports the ratio of each secured run to the same run without security. The two clusters run
+  side by side and are measured alternately, ``--repeat`` times each (the median is reported).
 
 Reports commits/s, p50/p99 latency in ms and the ratio to the baseline. Not a test: it
 asserts nothing about timing.
@@ -217,6 +218,7 @@ def main() -> None:
     parser.add_argument("--clients", default="1,16,64")
     parser.add_argument("--synchronous", default="FULL", choices=["OFF", "NORMAL", "FULL", "EXTRA"])
     parser.add_argument("--security", default="both", choices=["off", "on", "both"])
+    parser.add_argument("--repeat", type=int, default=1, help="Runs per setting (alternating modes); median kept.")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="mnesite-bench-"))
@@ -226,13 +228,23 @@ def main() -> None:
         results.append(baseline)
         modes = {"off": [False], "on": [True], "both": [False, True]}[args.security]
         for cores, name in ((1, "mnesite single core"), (3, "mnesite 3 cores")):
-            for secure in modes:
-                processes, endpoint, keys = start_nodes(directory, args.synchronous, cores, secure)
-                try:
-                    for clients in [int(c) for c in args.clients.split(",")]:
-                        run_name = f"{name}{SECURE_SUFFIX if secure else ''}"
-                        results.append(bench_node(endpoint, clients, args.seconds, run_name, keys))
-                finally:
+            # Both clusters run side by side and are measured alternately, each pair repeated, so a
+            # machine whose load drifts during the run biases neither mode (the median is reported).
+            clusters = {secure: start_nodes(directory, args.synchronous, cores, secure) for secure in modes}
+            try:
+                for clients in [int(c) for c in args.clients.split(",")]:
+                    samples: dict[bool, list[dict]] = {secure: [] for secure in modes}
+                    for _ in range(args.repeat):
+                        for secure, (_, endpoint, keys) in clusters.items():
+                            run_name = f"{name}{SECURE_SUFFIX if secure else ''}"
+                            samples[secure].append(bench_node(endpoint, clients, args.seconds, run_name, keys))
+                    for runs in samples.values():
+                        runs.sort(key=lambda r: r["commits_per_s"])
+                        median = dict(runs[len(runs) // 2])
+                        median["commits_per_s_runs"] = [r["commits_per_s"] for r in runs]
+                        results.append(median)
+            finally:
+                for processes, _, _ in clusters.values():
                     for process in processes:
                         os.killpg(process.pid, signal.SIGTERM)
                     for process in processes:
