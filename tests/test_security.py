@@ -340,3 +340,19 @@ def test_a_peers_journal_answer_is_checked_before_a_force_start_uses_it(age, exp
 
     shards = {} if age is None else {"default": age}
     assert _generation_in({"shards": shards}, "default") == expected
+
+
+def test_an_insecure_node_says_so_at_every_start(tmp_path: Path, caplog) -> None:
+    config = parse_config(
+        {
+            "node": {"data_dir": str(tmp_path / "data"), "listen": f"tcp://127.0.0.1:{free_port()}"},
+            "security": {"insecure": True},
+        }
+    )
+    for _ in range(2):
+        node = CoreNode(config)
+        with caplog.at_level("WARNING", logger="mnesite.server"):
+            node.bind()
+        node.close()
+    warnings = [r for r in caplog.records if "WITHOUT authentication" in r.getMessage()]
+    assert len(warnings) == 2
