@@ -76,6 +76,16 @@ class NodeServer:
             except SecurityError as error:
                 store.close()
                 raise ConfigError(str(error)) from None
+            # Peers know this node by the principal of its client key: it must be this node's name.
+            principal = self.security.authorized.get(self.security.client.public)
+            if principal is not None and principal != config.name:
+                store.close()
+                raise ConfigError(
+                    f"[security].client_key is the key of {principal!r} in authorized_keys, not of this node "
+                    f"{config.name!r}"
+                )
+            if principal is None:
+                log.warning("[security].client_key of %s is not in its own authorized_keys", config.name)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -118,6 +118,14 @@ def test_roles_config_errors_name_the_role(keys: Path, tmp_path: Path) -> None:
     assert config.secure and config.security is not None and config.security.roles["writer"] == ("app",)
 
 
+def test_a_node_refuses_to_start_with_another_principals_client_key(keys: Path, tmp_path: Path) -> None:
+    path = tmp_path / "node.toml"
+    toml = security_toml(keys, ROLES).replace("core1.key_secret", "core2.key_secret")
+    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + toml)
+    with pytest.raises(ConfigError, match=r"client_key is the key of 'core2' in authorized_keys, not of this node"):
+        CoreNode(load_config(str(path)))
+
+
 def test_a_secret_key_that_is_only_public_is_refused_when_the_node_starts(keys: Path, tmp_path: Path) -> None:
     path = tmp_path / "node.toml"
     toml = security_toml(keys, ROLES).replace("core1.key_secret", "core1.key")
