@@ -506,18 +506,8 @@ _SCHEMA_LIST = [
     ),
     # consensus
     _kind(
-        "excluded",
-        "forced core -> a core left out of its membership",
-        ("shard", NAME, True),
-        ("sender", NAME, True),
-        ("generation", Integer(0, TX_KEY_PART_MAX), True),
-        ("members", ListOf(NAME, MEMBERS_MAX, 1), True),
-        ("key", TX_KEY, True),
-        ("digest", Nullable(DIGEST), True),
-    ),
-    _kind(
         "peer",
-        "between cores: one consensus message of one shard (decoded by core.consensus_wire)",
+        "between cores: one consensus message of one shard, exclusion notices included (core.consensus_wire)",
         ("shard", NAME, True),
         ("sender", NAME, True),
         ("message", ListOf(FreeValue(depth_max=8), 16, 2), True),

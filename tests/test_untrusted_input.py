@@ -137,16 +137,6 @@ HOSTILE = [
         {"shard": "default", "replicant": "r1", "endpoint": "x", "from": [0, 0], "from_digest": b"", "protocol": 1},
         "watch.endpoint",
     ),
-    (
-        "excluded",
-        {"shard": "default", "sender": "core1", "generation": 1, "members": [1], "key": [1, 1], "digest": None},
-        "excluded.members[0]",
-    ),
-    (
-        "excluded",
-        {"shard": "default", "sender": "core1", "generation": 1, "members": ["a"], "key": ["x"], "digest": None},
-        "excluded.key",
-    ),
     ("push_ack", {"shard": "default", "agent": "a1", "applied": ["x"]}, "push_ack.applied"),
     ("rlog_entries", {"shard": "default", "after": [1, 2**64 - 1]}, "rlog_entries.after"),
     ("get", {"table": "known", "key": 2**64 - 1}, "get.key"),
