@@ -364,7 +364,7 @@ def test_a_thousand_watches_to_dead_endpoints_cost_little_and_a_real_replicant_s
     from tests.conftest import Cluster, free_port, wait_until
     from tests.fuzz.runner import rss_kb
 
-    cluster = Cluster(tmp_path, node_processes, size=1)
+    cluster = Cluster(tmp_path, node_processes, size=1, secure=False)  # raw zmq watches, no CurveZMQ
     cluster.start_all()
     with cluster.client("core1", timeout_ms=10_000) as client:
         client.create_table("known", "id", [("id", "INTEGER"), ("name", "TEXT")])
