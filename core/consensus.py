@@ -751,6 +751,10 @@ class ShardConsensus:
             return
         if not isinstance(message, (VoteRequest, VoteReply, PreVoteRequest, PreVoteReply, AppendRequest, AppendReply)):
             raise TypeError(f"not a peer message: {message!r}")
+        if self._role is Role.SEQUENCER and self._counts_for_lease(message):
+            progress = self._progress.get(sender)
+            if progress is not None:
+                progress.lease_heard_ms = self._now_ms
         if isinstance(message, PreVoteRequest):
             # Its generation is a proposal, not one in use: never adopt it.
             self._on_pre_vote_request(sender, message)
@@ -765,10 +769,6 @@ class ShardConsensus:
             return
         if message.generation > self._generation:
             self._adopt_generation(message.generation)
-        if self._role is Role.SEQUENCER and self._counts_for_lease(message):
-            progress = self._progress.get(sender)
-            if progress is not None:
-                progress.lease_heard_ms = self._now_ms
         if isinstance(message, PreVoteReply):
             return  # a refusal: its generation, if higher, was adopted above
         if isinstance(message, VoteRequest):
