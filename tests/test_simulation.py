@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from mnesite.core.consensus import ShardConsensus
+from mnesite.core.consensus import AppendRequest, ShardConsensus
+from mnesite.core.guard_tail import GuardTail
 
 from tests.sim import Simulation, SimulationFailure, run_seed
-from tests.sim.cluster import replay_command
+from tests.sim.cluster import READ_KEYS, replay_command
 
 CI_SEEDS = 240
 
@@ -89,3 +90,82 @@ def test_force_start_after_the_majority_is_lost_for_good_keeps_every_acknowledge
         assert len(simulation.acknowledged) == 6
         assert acknowledged.items() <= simulation.acknowledged.items()
         simulation.final_check(sequencer)
+
+
+# ---------------------------------------------------------------- linearizable reads and failed guards
+
+
+class _AppendsLostTo(Simulation):
+    """Appends to ``isolated`` are lost (votes and pre-votes still reach it)."""
+
+    isolated: str | None = None
+
+    def _send(self, sender, to, message):
+        if to == self.isolated and isinstance(message, AppendRequest):
+            return
+        super()._send(sender, to, message)
+
+
+def _stale_sequencer_reads_after_a_pause(seed: int) -> _AppendsLostTo:
+    """A sequencer paused through an election that it never hears of reads from its old state.
+
+    While it is paused, the others elect a new sequencer (their pre-votes and vote requests wait in
+    its queue; the new sequencer's appends to it are lost) and acknowledge a new write. A read sent
+    to the old sequencer reaches it right after those queued requests: its lease counted only
+    answers to its own appends, long expired, so it must refuse.
+    """
+    simulation = _AppendsLostTo(seed, 3)
+    simulation._heal()  # no random faults: the scenario is the fault
+    old = simulation.run_until_quiet()
+    simulation.write(old.name)
+    simulation.run_until_quiet()
+    simulation.isolated = old.name
+    old.paused_until_ms = simulation.now_ms + 2000
+    acknowledged = len(simulation.acknowledged)
+    while simulation.now_ms < old.paused_until_ms - 100 and len(simulation.acknowledged) == acknowledged:
+        simulation.advance()
+        machines = [n.machine for n in simulation.nodes.values() if n is not old and n.machine is not None]
+        new = next((m for m in machines if m.read_index(simulation.now_ms) is not None), None)
+        if new is not None and simulation.write_count == acknowledged:
+            simulation.write(new.name)
+    assert len(simulation.acknowledged) == acknowledged + 1, "the new sequencer acknowledged no write"
+    simulation.read(old.name, key=simulation.write_count % READ_KEYS)
+    while simulation.now_ms <= old.paused_until_ms + 100:
+        simulation.advance()
+    return simulation
+
+
+@pytest.mark.timeout(30)
+def test_a_stale_sequencer_refuses_linearizable_reads_after_a_pause():
+    for seed in range(5):
+        simulation = _stale_sequencer_reads_after_a_pause(seed)
+        assert simulation.reads_checked == 0, "the old sequencer served a read"
+
+
+@pytest.mark.timeout(30)
+def test_the_simulator_catches_a_lease_that_counts_any_frame(monkeypatch):
+    """Mutation: the read lease counts any frame from a peer (here queued pre-votes and votes)."""
+    monkeypatch.setattr(ShardConsensus, "_counts_for_lease", lambda self, message: True)
+    with pytest.raises(SimulationFailure, match="linearizable read .* returned"):
+        _stale_sequencer_reads_after_a_pause(0)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_reads_served_before_the_new_generations_first_entry_commits(monkeypatch):
+    monkeypatch.setattr(ShardConsensus, "_own_generation_committed", lambda self: True)
+    with pytest.raises(SimulationFailure, match="linearizable read .* returned"):
+        run_seed(57)
+
+
+@pytest.mark.timeout(30)
+def test_the_simulator_catches_guard_failures_answered_from_the_uncommitted_tail(monkeypatch):
+    monkeypatch.setattr(GuardTail, "must_hold", lambda self, observed_key, committed_key: False)
+    with pytest.raises(SimulationFailure, match="failed guard .* returned"):
+        run_seed(0)
+
+
+@pytest.mark.timeout(60)
+def test_seeds_check_reads_and_failed_guards():
+    results = [run_seed(seed) for seed in range(6)]
+    assert all(result.reads_checked > 0 for result in results)
+    assert sum(result.guard_failures_checked for result in results) > 0

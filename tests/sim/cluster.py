@@ -429,12 +429,12 @@ class Simulation:
 
     # ------------------------------------------------------------ client reads and guards
 
-    def _client_request(self, kind: str | None = None, target: str | None = None) -> None:
+    def _client_request(self, kind: str | None = None, target: str | None = None, key: int | None = None) -> None:
         if self.read_count >= READS_MAX:
             return
         rng = self.rng
         kind = kind or rng.choice(["linearizable", "linearizable", "guard", "guard", "local"])
-        key = rng.randrange(READ_KEYS)
+        key = rng.randrange(READ_KEYS) if key is None else key
         if target is None:
             target = self.client_belief if rng.random() < 0.8 and self.client_belief else None
             target = target or rng.choice(list(self.nodes))
@@ -661,6 +661,13 @@ class Simulation:
 
     def write(self, target: str) -> None:
         self._client_write(target)
+
+    def read(self, target: str, key: int, kind: str = "linearizable") -> None:
+        """A client sends a read (or a compare-and-set) of ``key`` to ``target``."""
+        self._client_request(kind, target, key)
+
+    def advance(self) -> None:
+        self._advance()
 
     def run_until_quiet(self, limit_ms: int = 20_000) -> SimNode:
         return self._run_until_quiet(limit_ms)
