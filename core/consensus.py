@@ -621,6 +621,9 @@ class ShardConsensus:
     def _pre_vote(self) -> None:
         """Ask whether a majority would vote for us in generation + 1, changing nothing durable."""
         self._reset_election_deadline()
+        if self._role is Role.FOLLOWER:
+            # We no longer hear the sequencer: stop forwarding to it (the driver tells waiting clients).
+            self._set_role(Role.FOLLOWER, None)
         self._pre_votes = {self.name}
         if len(self._pre_votes) >= self._majority():
             self._campaign()

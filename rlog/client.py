@@ -43,7 +43,8 @@ SCAN_PAGE_ROWS = 1000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
 RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_applied"})
 RETRY_BACKOFF_S_MIN = 0.02
-RETRY_BACKOFF_S_MAX = 0.5
+# Small enough that a client notices a new sequencer within 0.1 s of its election.
+RETRY_BACKOFF_S_MAX = 0.1
 
 
 class MnesiteError(Exception):

@@ -29,6 +29,7 @@ from mnesite.core.consensus import (
     Proposed,
     ProtocolViolation,
     Role,
+    RoleChanged,
     Send,
     ShardConsensus,
     SnapshotNeeded,
@@ -690,3 +691,11 @@ def test_only_the_sequencer_serves_linearizable_reads():
     harness = Harness()
     harness.receive("b", append(1, None, []))
     assert harness.machine.read_index(harness.now_ms) is None
+
+
+def test_a_follower_whose_election_timeout_expires_stops_naming_its_sequencer():
+    harness = Harness()
+    harness.receive("b", append(1, None, []))
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert harness.machine.sequencer is None and RoleChanged(Role.FOLLOWER, 1, None) in effects
+    assert sends(effects, PreVoteRequest)
