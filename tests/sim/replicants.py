@@ -163,6 +163,7 @@ class ReplicantSimulation(Simulation):
         self.replicant_crashes = 0
         # Replicant linearizable reads told their read index, waiting to be applied: (request, key, deadline).
         self.waiting_reads: list[tuple[ClientRequest, TxKey, int]] = []
+        self.replicant_reads_checked = 0
 
     def _replay_command(self) -> str:
         return replay_command(self.seed)
@@ -510,6 +511,7 @@ class ReplicantSimulation(Simulation):
                 continue
             row = self._row_at(request.key, self.commit_position[replicant.applied_key])
             self._record_read(replicant.name, request, row)
+            self.replicant_reads_checked += 1
         self.waiting_reads = waiting
 
     def _advance(self) -> None:
