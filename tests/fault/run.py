@@ -319,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="mnesite-fault-") as root:
             result = run_and_clean_up(Path(root), settings)
-    print(result.summary() if result.passed else result.failure_report())
-    print("faults:\n" + "\n".join(f"  {fault}" for fault in result.faults))
+    if result.passed:
+        print(result.summary() + "\nfaults:\n" + "\n".join(f"  {fault}" for fault in result.faults))
+    else:
+        print(result.failure_report())
     if arguments.json:
         arguments.json.write_text(
             json.dumps(
