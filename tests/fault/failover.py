@@ -29,7 +29,7 @@ from mnesite.rlog.client import Client, MnesiteError
 from tests.conftest import Cluster, NodeProcess, wait_until
 
 TABLE = "probes"
-PROBE_TIMEOUT_MS = 200
+PROBE_TIMEOUT_MS = 100  # the resolution of the measurement while no sequencer answers
 FIRST_WRITE_TIMEOUT_S = 60
 SEQUENCER_TIMEOUT_S = 60
 
