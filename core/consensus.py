@@ -13,8 +13,18 @@ and executes the effects it returns.
   (``election_timeout_ms_min..max``) persists generation g+1 and its vote for itself, then asks the
   other members for their vote. A member grants at most one vote per generation (persisted before the
   reply is sent), and only to a candidate whose last appended tx key is at least its own. A candidate
-  with the votes of a majority becomes sequencer. There is no pre-vote: a rejoining node may bump
-  the generation and cause one extra election, which costs availability, never safety.
+  with the votes of a majority becomes sequencer.
+* Pre-vote (Raft thesis 9.6). Before it bumps the generation, a follower whose election timeout
+  expired asks the others whether they *would* vote for it in g+1 (``PreVoteRequest``); nobody
+  persists or adopts anything for a pre-vote. Only with a majority of would-be votes does it start
+  the real election. So a core that was paused, restarted or partitioned, and cannot win, never
+  raises the generation and never deposes a healthy sequencer.
+* Stickiness (thesis 4.2.3). A core that heard the current sequencer within
+  ``election_timeout_ms_min`` (or is the sequencer) refuses pre-votes and ignores vote requests,
+  without adopting their generation. This is also what makes the read lease below safe.
+* Election timer. It is reset when this core starts a (pre-)election, grants a vote, or hears the
+  sequencer of its generation; never by a refused vote or by merely adopting a higher generation
+  (else a candidate that cannot win would keep the one that can from ever timing out).
 * Replication. The sequencer assigns tx keys ``(generation, counter)``; the counter restarts at 1 in
   each generation, so tx keys ordered as tuples are Raft's (term, index) order. Its first entry in a
   generation has no ops (Raft's no-op): once it commits, every earlier entry is settled. Entries are
@@ -24,6 +34,15 @@ and executes the effects it returns.
 * Commit. An entry is committed when a majority of the members (the sequencer counts) have persisted
   it and it belongs to the current generation; earlier entries commit with it (Raft, section 5.4.2).
   Followers learn the commit key from appends.
+* Linearizable reads (thesis 6.4, ``read_index``). The sequencer may answer a linearizable read,
+  a read-index request or a failed guard only (1) once an entry of its own generation has committed
+  (before that its committed key may be behind what the previous sequencer acknowledged) and (2)
+  while it holds a lease: a majority (counting itself) answered one of *this generation's* appends
+  within ``election_timeout_ms_min / 2``. Each of them heard this sequencer at most that long ago,
+  so by stickiness none will vote for another one for at least half an election timeout more: no
+  newer committed key can exist. This assumes clocks that run at similar rates and replies that take
+  less than half an election timeout. Any other frame (a vote, a pre-vote, another shard's traffic)
+  says nothing about this generation and does not count.
 * Fencing. Messages of a stale generation are refused and answered with the current generation, so
   a paused-and-resumed sequencer learns it was replaced. A sequencer that has not heard from a
   majority within ``election_timeout_ms_min`` steps down and fails its pending proposals.
@@ -183,6 +202,22 @@ class VoteReply:
 
 
 @dataclass(frozen=True)
+class PreVoteRequest:
+    """Would you vote for me in ``generation`` (our generation + 1)? Changes nothing at the receiver."""
+
+    generation: int
+    last_key: TxKey
+
+
+@dataclass(frozen=True)
+class PreVoteReply:
+    """``generation`` is the one asked about when granted, the replier's own when refused."""
+
+    generation: int
+    granted: bool
+
+
+@dataclass(frozen=True)
 class AppendRequest:
     generation: int
     prev_key: TxKey
@@ -203,7 +238,7 @@ class AppendReply:
     commit_key: TxKey
 
 
-PeerMessage = VoteRequest | VoteReply | AppendRequest | AppendReply
+PeerMessage = VoteRequest | VoteReply | PreVoteRequest | PreVoteReply | AppendRequest | AppendReply
 
 # ---------------------------------------------------------------- events
 
@@ -351,6 +386,8 @@ class _Progress:
     probing: bool = True
     in_flight: int = 0
     last_heard_ms: int = 0
+    # When this follower last answered an append of this generation: what the read lease counts.
+    lease_heard_ms: int | None = None
     snapshot_requested_ms: int | None = None
 
 
@@ -401,6 +438,10 @@ class ShardConsensus:
         self._role = Role.FOLLOWER
         self._sequencer: str | None = None
         self._votes: set[str] = set()
+        # Would-be votes of the pre-vote under way for generation + 1 (None when there is none).
+        self._pre_votes: set[str] | None = None
+        # When this core last heard the sequencer of its generation (stickiness, see above).
+        self._sequencer_heard_ms: int | None = None
         self._progress: dict[str, _Progress] = {}
         # Request ids of this sequencer's uncommitted proposals, in tx key order.
         self._pending: dict[TxKey, str | None] = {}
@@ -459,6 +500,40 @@ class ShardConsensus:
             follower_match_keys=matches,
             pending_proposals=len(self._pending),
         )
+
+    def read_index(self, now_ms: int) -> TxKey | None:
+        """The committed key a linearizable read must wait for, or None if this core may not serve one now.
+
+        Only the sequencer answers, only once an entry of its generation has committed, and only
+        while a majority acknowledged this generation's appends within the lease (theory above).
+        """
+        if self._role is not Role.SEQUENCER or not self._own_generation_committed():
+            return None
+        lease_ms = self.config.election_timeout_ms_min // 2
+        holders = 1 + sum(
+            1
+            for progress in self._progress.values()
+            if progress.lease_heard_ms is not None and now_ms - progress.lease_heard_ms < lease_ms
+        )
+        if holders < self._majority():
+            return None
+        return self._commit_key
+
+    def _own_generation_committed(self) -> bool:
+        # Thesis 6.4: until its no-op commits, a new sequencer does not know the latest committed key.
+        return self._commit_key.generation == self._generation
+
+    def _counts_for_lease(self, message: PeerMessage) -> bool:
+        # Only an answer to one of this generation's appends proves that the follower heard this
+        # sequencer recently (and so will not vote for another one for a while).
+        return isinstance(message, AppendReply) and message.generation == self._generation
+
+    def hears_sequencer(self) -> bool:
+        """Stickiness: this core is the sequencer or heard it within the minimum election timeout."""
+        if self._role is Role.SEQUENCER:
+            return True
+        heard_ms = self._sequencer_heard_ms
+        return heard_ms is not None and self._now_ms - heard_ms < self.config.election_timeout_ms_min
 
     def next_deadline_ms(self) -> int:
         """The earliest time at which a ``Ticked`` may change something."""
@@ -524,7 +599,7 @@ class ShardConsensus:
                     self._send_append(peer, heartbeat=True)
             return
         if self._now_ms >= self._election_deadline_ms:
-            self._campaign()
+            self._pre_vote()
 
     # ------------------------------------------------------------ election
 
@@ -537,9 +612,38 @@ class ShardConsensus:
             self._sequencer = sequencer
             self._out.append(RoleChanged(role, self._generation, sequencer))
 
+    def _pre_vote(self) -> None:
+        """Ask whether a majority would vote for us in generation + 1, changing nothing durable."""
+        self._reset_election_deadline()
+        self._pre_votes = {self.name}
+        if len(self._pre_votes) >= self._majority():
+            self._campaign()
+            return
+        request = PreVoteRequest(self._generation + 1, self._last_key)
+        for peer in self._peers():
+            self._out.append(Send(peer, request))
+
+    def _on_pre_vote_request(self, sender: str, message: PreVoteRequest) -> None:
+        granted = (
+            message.generation > self._generation
+            and not self.hears_sequencer()
+            and self._candidate_log_is_up_to_date(message.last_key)
+        )
+        # Nothing is persisted and the timer is not reset: a pre-vote is only a question.
+        generation = message.generation if granted else self._generation
+        self._out.append(Send(sender, PreVoteReply(generation, granted)))
+
+    def _on_pre_vote_reply(self, sender: str, message: PreVoteReply) -> None:
+        if self._pre_votes is None or not message.granted or message.generation != self._generation + 1:
+            return
+        self._pre_votes.add(sender)
+        if len(self._pre_votes) >= self._majority():
+            self._campaign()
+
     def _campaign(self) -> None:
         # The new generation and the vote are persisted before any message uses them, so a
         # restart can never vote twice in, or reuse, a generation.
+        self._pre_votes = None
         self._generation += 1
         self._voted_for = self.name
         self._persist_state()
@@ -563,12 +667,16 @@ class ShardConsensus:
         was_sequencer = self._role is Role.SEQUENCER
         self._generation = generation
         self._voted_for = None
+        self._pre_votes = None
         self._persist_state()
         if was_sequencer:
             self._fail_pending(f"sequencer superseded by generation {generation}")
             self._progress = {}
         self._set_role(Role.FOLLOWER, None)
-        self._reset_election_deadline()
+        if was_sequencer:
+            # Its election deadline is stale: start counting now. A follower or candidate keeps
+            # its timer, so that a refused candidate's generation cannot postpone it forever.
+            self._reset_election_deadline()
 
     def _on_vote_request(self, sender: str, message: VoteRequest) -> None:
         if message.generation < self._generation:
@@ -641,10 +749,28 @@ class ShardConsensus:
         if sender == self.name or sender not in self._members:
             self._out.append(ProtocolViolation(sender, f"not a member of {self._members}"))
             return
-        if not isinstance(message, (VoteRequest, VoteReply, AppendRequest, AppendReply)):
+        if not isinstance(message, (VoteRequest, VoteReply, PreVoteRequest, PreVoteReply, AppendRequest, AppendReply)):
             raise TypeError(f"not a peer message: {message!r}")
+        if self._role is Role.SEQUENCER and self._counts_for_lease(message):
+            progress = self._progress.get(sender)
+            if progress is not None:
+                progress.lease_heard_ms = self._now_ms
+        if isinstance(message, PreVoteRequest):
+            # Its generation is a proposal, not one in use: never adopt it.
+            self._on_pre_vote_request(sender, message)
+            return
+        if isinstance(message, PreVoteReply) and message.granted:
+            self._on_pre_vote_reply(sender, message)
+            return
+        if isinstance(message, VoteRequest) and message.generation > self._generation and self.hears_sequencer():
+            # Stickiness: we hear a sequencer, so this candidate is disruptive (it was paused or cut
+            # off). Refuse without adopting its generation, which would depose our sequencer.
+            self._out.append(Send(sender, VoteReply(self._generation, False)))
+            return
         if message.generation > self._generation:
             self._adopt_generation(message.generation)
+        if isinstance(message, PreVoteReply):
+            return  # a refusal: its generation, if higher, was adopted above
         if isinstance(message, VoteRequest):
             self._on_vote_request(sender, message)
         elif isinstance(message, VoteReply):
@@ -666,6 +792,8 @@ class ShardConsensus:
         if self._role is Role.SEQUENCER:
             raise ConsensusInvariantError(f"two sequencers in generation {self._generation}: {self.name} and {sender}")
         self._set_role(Role.FOLLOWER, sender)
+        self._pre_votes = None
+        self._sequencer_heard_ms = self._now_ms
         self._reset_election_deadline()
         if message.members != self._members and self.name in message.members:
             # The sequencer's membership was reduced by a force start; adopt it durably.

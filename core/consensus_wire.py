@@ -4,6 +4,7 @@ A message is the list ``[CONSENSUS_WIRE_VERSION, kind, field...]``:
 
 * ``["vote_request", generation, last_key]``
 * ``["vote_reply", generation, granted]``
+* ``["pre_vote_request", generation, last_key]`` and ``["pre_vote_reply", generation, granted]``
 * ``["append_request", generation, prev_key, prev_digest, commit_key, members, entries]``
 * ``["append_reply", generation, success, match_key, last_key, commit_key]``
 
@@ -16,7 +17,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from mnesite.core.consensus import MEMBERS_MAX, AppendReply, AppendRequest, PeerMessage, VoteReply, VoteRequest
+from mnesite.core.consensus import (
+    MEMBERS_MAX,
+    AppendReply,
+    AppendRequest,
+    PeerMessage,
+    PreVoteReply,
+    PreVoteRequest,
+    VoteReply,
+    VoteRequest,
+)
 from mnesite.rlog.codec import CodecError
 from mnesite.rlog.types import (
     DIGEST_BYTES,
@@ -34,7 +44,14 @@ APPEND_ENTRIES_WIRE_MAX = 4096
 MEMBER_NAME_CHARS_MAX = 255
 GENERATION_MAX = 2**63 - 1
 
-_FIELD_COUNTS = {"vote_request": 2, "vote_reply": 2, "append_request": 6, "append_reply": 5}
+_FIELD_COUNTS = {
+    "vote_request": 2,
+    "vote_reply": 2,
+    "pre_vote_request": 2,
+    "pre_vote_reply": 2,
+    "append_request": 6,
+    "append_reply": 5,
+}
 
 
 def message_to_wire(message: PeerMessage) -> list[Any]:
@@ -42,6 +59,10 @@ def message_to_wire(message: PeerMessage) -> list[Any]:
         return [CONSENSUS_WIRE_VERSION, "vote_request", message.generation, message.last_key.to_wire()]
     if isinstance(message, VoteReply):
         return [CONSENSUS_WIRE_VERSION, "vote_reply", message.generation, message.granted]
+    if isinstance(message, PreVoteRequest):
+        return [CONSENSUS_WIRE_VERSION, "pre_vote_request", message.generation, message.last_key.to_wire()]
+    if isinstance(message, PreVoteReply):
+        return [CONSENSUS_WIRE_VERSION, "pre_vote_reply", message.generation, message.granted]
     if isinstance(message, AppendRequest):
         return [
             CONSENSUS_WIRE_VERSION,
@@ -83,6 +104,10 @@ def message_from_wire(value: Any) -> PeerMessage:
         return VoteRequest(generation, _tx_key(fields[1]))
     if kind == "vote_reply":
         return VoteReply(generation, _bool(fields[1]))
+    if kind == "pre_vote_request":
+        return PreVoteRequest(generation, _tx_key(fields[1]))
+    if kind == "pre_vote_reply":
+        return PreVoteReply(generation, _bool(fields[1]))
     if kind == "append_request":
         prev_key, prev_digest, commit_key, members, entries = fields[1:]
         if not isinstance(prev_digest, bytes) or len(prev_digest) != DIGEST_BYTES:

@@ -21,6 +21,8 @@ from mnesite.core.consensus import (
     PersistedState,
     PersistEntries,
     PersistState,
+    PreVoteReply,
+    PreVoteRequest,
     ProposalCommitted,
     ProposalFailed,
     ProposalRejected,
@@ -100,9 +102,18 @@ class Harness:
     def receive(self, sender: str, message, now_ms: int | None = None) -> list:
         return self.step(MessageReceived(sender, message), now_ms)
 
+    def campaign(self) -> list:
+        """Time out, then get every would-be vote of the pre-vote: the effects of starting the election."""
+        effects = self.step(Ticked(), self.machine.next_deadline_ms())
+        (request,) = {message for _, message in sends(effects, PreVoteRequest)}
+        for peer in self.machine.members:
+            if peer != self.machine.name and self.machine.generation < request.generation:
+                effects = self.receive(peer, PreVoteReply(request.generation, True))
+        return effects
+
     def elect(self) -> list:
-        """Time out, then get every vote: the machine becomes sequencer."""
-        self.step(Ticked(), self.machine.next_deadline_ms())
+        """Time out, then get every (pre-)vote: the machine becomes sequencer."""
+        self.campaign()
         effects = []
         for peer in self.machine.members:
             if peer != self.machine.name:
@@ -180,7 +191,7 @@ def test_election_timeouts_are_randomised_within_the_configured_range():
 
 def test_a_candidate_persists_the_new_generation_and_its_vote_before_asking_for_votes():
     harness = Harness()
-    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    effects = harness.campaign()
     assert harness.machine.role is Role.CANDIDATE
     assert effects[index_of(effects, PersistState)].state == PersistedState(1, "a", MEMBERS)
     requests = sends(effects, VoteRequest)
@@ -191,15 +202,15 @@ def test_a_candidate_persists_the_new_generation_and_its_vote_before_asking_for_
 
 def test_a_candidate_that_times_out_starts_a_new_election_with_a_higher_generation():
     harness = Harness()
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
+    harness.campaign()
     assert harness.machine.generation == 2
     assert harness.state.generation == 2
 
 
 def test_a_candidate_with_votes_from_a_majority_becomes_sequencer_and_appends_a_no_op():
     harness = Harness()
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
     effects = harness.receive("b", VoteReply(1, True))
     assert harness.machine.role is Role.SEQUENCER
     assert harness.machine.sequencer == "a"
@@ -214,7 +225,7 @@ def test_a_candidate_with_votes_from_a_majority_becomes_sequencer_and_appends_a_
 
 def test_refused_votes_do_not_elect():
     harness = Harness()
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
     harness.receive("b", VoteReply(1, False))
     harness.receive("c", VoteReply(1, False))
     assert harness.machine.role is Role.CANDIDATE
@@ -270,7 +281,7 @@ def test_a_vote_request_of_a_stale_generation_is_refused_with_the_current_genera
 
 def test_a_candidate_that_hears_a_sequencer_of_its_generation_becomes_follower():
     harness = Harness()
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
     harness.receive("b", append(1, None, []))
     assert harness.machine.role is Role.FOLLOWER
     assert harness.machine.sequencer == "b"
@@ -493,7 +504,7 @@ def test_a_restart_never_reuses_a_generation_seen_in_the_log():
     harness = Harness(entries=entries, state=PersistedState(2, None, MEMBERS))
     assert harness.machine.generation == 4
     assert sends(harness.receive("c", VoteRequest(4, TxKey(9, 9))), VoteReply) == [("c", VoteReply(4, False))]
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
     assert harness.state.generation == 5
 
 
@@ -529,3 +540,130 @@ def test_a_follower_waiting_for_a_snapshot_still_gets_heartbeats_and_is_found_ag
     resumed = harness.receive("b", AppendReply(2, False, ZERO_KEY, TxKey(1, 5), TxKey(1, 5)))
     ((_, message),) = sends(resumed, AppendRequest)
     assert message.prev_key == TxKey(1, 5) and [e.tx_key for e in message.entries] == [TxKey(2, 1)]
+
+
+# ---------------------------------------------------------------- pre-vote and stickiness (thesis 9.6, 4.2.3)
+
+
+def test_a_follower_that_times_out_first_asks_for_pre_votes_and_persists_nothing():
+    harness = Harness(state=PersistedState(3, None, MEMBERS))
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert sorted(sends(effects, PreVoteRequest)) == [
+        ("b", PreVoteRequest(4, ZERO_KEY)),
+        ("c", PreVoteRequest(4, ZERO_KEY)),
+    ]
+    assert of_type(effects, PersistState) == [] and sends(effects, VoteRequest) == []
+    assert harness.machine.generation == 3 and harness.machine.role is Role.FOLLOWER
+
+
+def test_only_a_majority_of_pre_votes_starts_the_real_election():
+    harness = Harness()
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert harness.receive("b", PreVoteReply(0, False)) == []
+    assert harness.receive("c", PreVoteReply(2, True)) == []  # not the generation asked about
+    effects = harness.receive("c", PreVoteReply(1, True))
+    assert harness.machine.role is Role.CANDIDATE and harness.state.generation == 1
+    assert sorted(sends(effects, VoteRequest)) == [("b", VoteRequest(1, ZERO_KEY)), ("c", VoteRequest(1, ZERO_KEY))]
+
+
+def test_a_pre_vote_is_granted_without_persisting_or_adopting_anything():
+    harness = Harness(state=PersistedState(2, None, MEMBERS))
+    deadline = harness.machine.next_deadline_ms()
+    effects = harness.receive("b", PreVoteRequest(3, ZERO_KEY))
+    assert sends(effects, PreVoteReply) == [("b", PreVoteReply(3, True))]
+    assert of_type(effects, PersistState) == []
+    assert harness.machine.generation == 2 and harness.machine.next_deadline_ms() == deadline
+
+
+def test_a_pre_vote_is_refused_to_a_candidate_whose_log_is_behind():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS))
+    assert sends(harness.receive("b", PreVoteRequest(2, TxKey(1, 1))), PreVoteReply) == [("b", PreVoteReply(1, False))]
+
+
+def test_a_core_that_hears_its_sequencer_refuses_pre_votes_and_ignores_vote_requests():
+    """A paused, restarted or partitioned core cannot depose a healthy sequencer (thesis 4.2.3)."""
+    harness = Harness()
+    harness.receive("b", append(1, None, []), now_ms=10)
+    refused = harness.receive("c", PreVoteRequest(2, TxKey(9, 9)), now_ms=10 + CONFIG.election_timeout_ms_min - 1)
+    assert sends(refused, PreVoteReply) == [("c", PreVoteReply(1, False))]
+    ignored = harness.receive("c", VoteRequest(5, TxKey(9, 9)))
+    assert sends(ignored, VoteReply) == [("c", VoteReply(1, False))]
+    assert of_type(ignored, PersistState) == []
+    assert harness.machine.generation == 1 and harness.machine.sequencer == "b"
+    # Once the sequencer was not heard for the minimum election timeout, the vote is granted.
+    harness.step(Ticked(), 10 + CONFIG.election_timeout_ms_min)
+    granted = harness.receive("c", VoteRequest(5, TxKey(9, 9)))
+    assert sends(granted, VoteReply) == [("c", VoteReply(5, True))]
+
+
+def test_the_sequencer_ignores_vote_requests_while_it_leads():
+    harness = Harness()
+    harness.elect()
+    effects = harness.receive("b", VoteRequest(7, TxKey(9, 9)))
+    assert sends(effects, VoteReply) == [("b", VoteReply(1, False))]
+    assert harness.machine.role is Role.SEQUENCER and harness.machine.generation == 1
+
+
+def test_a_refused_vote_does_not_reset_the_election_timer():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS))
+    deadline = harness.machine.next_deadline_ms()
+    refused = harness.receive("b", VoteRequest(2, TxKey(1, 1)), now_ms=deadline - 1)
+    assert sends(refused, VoteReply) == [("b", VoteReply(2, False))]
+    assert harness.machine.next_deadline_ms() == deadline
+    # The core with the longer log times out as planned and can win.
+    assert sends(harness.step(Ticked(), deadline), PreVoteRequest)
+
+
+def test_a_refused_pre_vote_of_a_higher_generation_is_adopted():
+    harness = Harness()
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.receive("b", PreVoteReply(6, False))
+    assert harness.machine.generation == 6 and harness.state.generation == 6
+
+
+# ---------------------------------------------------------------- linearizable reads (thesis 6.4)
+
+
+def test_a_new_sequencer_serves_no_read_before_an_entry_of_its_generation_commits():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 1))
+    harness.elect()
+    harness.receive("b", AppendReply(2, False, ZERO_KEY, TxKey(1, 1), TxKey(1, 1)))
+    # b answered this generation (the lease holds), but the no-op (2, 1) has not committed yet:
+    # (1, 2) may have been acknowledged by the previous sequencer, and our committed key is (1, 1).
+    assert harness.machine.read_index(harness.now_ms) is None
+    harness.ack("b", TxKey(2, 1))
+    assert harness.machine.read_index(harness.now_ms) == TxKey(2, 1)
+
+
+def test_the_read_lease_lasts_half_an_election_timeout_after_the_acknowledgements():
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    acknowledged_ms = harness.now_ms
+    lease_ms = CONFIG.election_timeout_ms_min // 2
+    assert harness.machine.read_index(acknowledged_ms + lease_ms - 1) == TxKey(1, 1)
+    assert harness.machine.read_index(acknowledged_ms + lease_ms) is None
+
+
+def test_the_read_lease_counts_only_answers_to_this_generations_appends():
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    later = harness.now_ms + CONFIG.election_timeout_ms_min // 2
+    harness.step(Ticked(), later)
+    # Frames that say nothing about this generation's appends: a stale reply, a pre-vote, a vote.
+    harness.receive("b", AppendReply(0, True, ZERO_KEY, ZERO_KEY, ZERO_KEY))
+    harness.receive("c", PreVoteRequest(2, ZERO_KEY))
+    harness.receive("c", VoteReply(1, True))
+    assert harness.machine.read_index(later) is None
+    harness.receive("c", AppendReply(1, True, TxKey(1, 1), TxKey(1, 1), ZERO_KEY))
+    assert harness.machine.read_index(later) == TxKey(1, 1)
+
+
+def test_only_the_sequencer_serves_linearizable_reads():
+    harness = Harness()
+    harness.receive("b", append(1, None, []))
+    assert harness.machine.read_index(harness.now_ms) is None

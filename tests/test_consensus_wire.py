@@ -8,7 +8,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mnesite.core.consensus import AppendReply, AppendRequest, VoteReply, VoteRequest
+from mnesite.core.consensus import AppendReply, AppendRequest, PreVoteReply, PreVoteRequest, VoteReply, VoteRequest
 from mnesite.core.consensus_wire import CONSENSUS_WIRE_VERSION, message_from_wire, message_to_wire
 from mnesite.rlog.codec import CodecError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, TxKey, WriteOp, make_entry
@@ -21,6 +21,8 @@ MESSAGES = [
     VoteRequest(3, TxKey(2, 7)),
     VoteReply(3, True),
     VoteReply(0, False),
+    PreVoteRequest(4, TxKey(3, 2)),
+    PreVoteReply(4, True),
     AppendRequest(2, TxKey(1, 0), GENESIS_DIGEST, TxKey(1, 1), ("a", "b", "c"), (FIRST, SECOND)),
     AppendRequest(2, TxKey(1, 2), SECOND.digest, ZERO_KEY, ("a",), ()),
     AppendReply(4, False, ZERO_KEY, TxKey(3, 9), TxKey(3, 1)),
