@@ -38,12 +38,15 @@ WRITE_SHARE = 0.3  # the rest are compare-and-set
 OPERATIONS_MAX = 2_000_000  # per recorder: a bound on memory for very long runs
 
 
+MALFORMED = -1  # recorded for a row that is not a register row: no operation writes it, so the checker flags it
+
+
 def row_value(row: Any) -> int | None:
-    """The register value of a row as read (``None``: absent); a malformed row is a failure of the node."""
+    """The register value of a row as read (``None``: absent, ``MALFORMED``: not a register row)."""
     if row is None:
         return None
-    if not isinstance(row, dict) or not isinstance(row.get("value"), int):
-        raise MnesiteError(f"malformed row {row!r}", "malformed_row")
+    if not isinstance(row, dict) or not isinstance(row.get("value"), int) or isinstance(row.get("value"), bool):
+        return MALFORMED
     return row["value"]
 
 
@@ -60,6 +63,7 @@ class Recorder:
         self.acknowledged: dict[int, tuple[int, int]] = {}  # value -> tx key the node acknowledged
         self.counts: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.failures: list[BaseException] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads = [
@@ -80,6 +84,8 @@ class Recorder:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 raise RuntimeError(f"{thread.name} did not stop within {timeout_s} s")
+        if self.failures:
+            raise RuntimeError(f"a recorder thread failed: {self.failures[0]!r}") from self.failures[0]
 
     def _record(self, operation: Operation, tx_key: Any = None) -> None:
         with self._lock:
@@ -95,6 +101,13 @@ class Recorder:
             self.errors[error.code] += 1
 
     def _run(self, process: int) -> None:
+        try:
+            self._operate(process)
+        except BaseException as error:  # reported by stop(): a silent dead thread would thin the history
+            with self._lock:
+                self.failures.append(error)
+
+    def _operate(self, process: int) -> None:
         rng = random.Random(self.seed * 1000 + process)
         counter = 0
         with Client(self.endpoints[process], timeout_ms=self.timeout_ms, retries=self.retries) as client:
@@ -115,11 +128,10 @@ class Recorder:
         invoked = time.monotonic()
         try:
             row = client.get(TABLE, key, consistency="linearizable")
-            value = row_value(row)
         except MnesiteError as error:
             self._error(error)
             return False, None
-        self._record(Operation(process, key, READ, OK, invoked, time.monotonic(), value))
+        self._record(Operation(process, key, READ, OK, invoked, time.monotonic(), row_value(row)))
         return True, row
 
     def write(self, client: Client, process: int, key: int, value: int) -> None:
@@ -144,11 +156,8 @@ class Recorder:
             tx_key = client.transact(ops, guards)
         except GuardFailed as error:
             completed = time.monotonic()
-            actual = (error.detail or {}).get("actual") if isinstance(error.detail, dict) else None
-            try:
-                found = row_value(actual)
-            except MnesiteError:
-                found = -1  # a malformed report: recorded as a value nobody wrote, so the checker flags it
+            actual = error.detail.get("actual", MALFORMED) if isinstance(error.detail, dict) else MALFORMED
+            found = MALFORMED if actual == MALFORMED else row_value(actual)
             self._record(Operation(process, key, CAS, FAIL, invoked, completed, found, expected))
             return
         except MnesiteError as error:

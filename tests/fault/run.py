@@ -243,10 +243,12 @@ def execute(root: Path, processes: list[NodeProcess], settings: RunSettings) -> 
     try:
         time.sleep(settings.duration_s)  # the run's length: nothing to await but the clock
     finally:
-        if settings.faults:
-            nemesis.stop()
-        nemesis.heal()
-        recorder.stop()
+        try:
+            if settings.faults:
+                nemesis.stop()
+        finally:
+            nemesis.heal()
+            recorder.stop()
     position = wait_all_converged(cluster, replicants)
     history = list(recorder.history)
     final_reads(cluster, settings.keys, history)
