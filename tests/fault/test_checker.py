@@ -20,7 +20,12 @@ def op(process, kind, invoked, completed, value=None, expected=None, status=OK, 
 
 
 def verdict(history: list[Operation], steps_max: int = 100_000) -> Verdict:
-    return check_key(1, history, steps_max=steps_max).verdict
+    """The checker's verdict; the search alone must reach the same one as search plus pre-check."""
+    found = check_key(1, history, steps_max=steps_max).verdict
+    searched = check_key(1, history, steps_max=steps_max, search_only=True).verdict
+    if found is not Verdict.UNDETERMINED and searched is not Verdict.UNDETERMINED:
+        assert found is searched, f"the pre-check says {found}, the search {searched}"
+    return found
 
 
 # -- histories it must reject ---------------------------------------------------------------------
@@ -154,12 +159,23 @@ def test_keys_are_checked_independently_with_their_initial_values() -> None:
 
 
 def test_a_search_that_exceeds_its_budget_is_undetermined_not_a_pass() -> None:
-    # Many concurrent writes and one late read of a value none of them wrote: a violation that the
+    # Many concurrent writes, then two CAS that both succeed from value 1: a violation that the
     # search can only prove by trying every order, which a tiny budget does not allow.
     history = [op(i, WRITE, 0, 100, value=i + 1) for i in range(12)]
-    history.append(op(99, READ, 101, 102, value=1000))
-    assert verdict(history, steps_max=50) is Verdict.UNDETERMINED
-    assert verdict(history, steps_max=10_000_000) is Verdict.VIOLATION
+    history += [op(98, CAS, 101, 102, value=1001, expected=1), op(99, CAS, 101, 102, value=1002, expected=1)]
+    assert check_key(1, history, steps_max=50).verdict is Verdict.UNDETERMINED
+    assert check_key(1, history, steps_max=10_000_000).verdict is Verdict.VIOLATION
+
+
+def test_a_burst_of_concurrent_stale_reads_is_caught_without_exhausting_the_search() -> None:
+    # A paused node answers 90 queued reads at once; one of them began after 20 had overwritten 10.
+    history = [op(0, WRITE, 0, 1, value=10), op(0, WRITE, 2, 3, value=20)]
+    history += [op(i, READ, 1.5 + i * 0.01, 10, value=10 if i % 2 else 20) for i in range(1, 90)]
+    history.append(op(90, READ, 3.5, 10, value=10))
+    result = check_key(1, history, steps_max=1000)
+    assert result.verdict is Verdict.VIOLATION and len(result.stale) == 1
+    assert "written by" in result.report()
+    assert check_key(1, history, steps_max=1000, search_only=True).verdict is not Verdict.LINEARIZABLE
 
 
 def test_a_long_sequential_history_of_random_legal_operations_passes_quickly() -> None:
