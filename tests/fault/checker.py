@@ -44,7 +44,11 @@ FAIL = "fail"
 UNKNOWN = "unknown"
 STATUSES = (OK, FAIL, UNKNOWN)
 
-STEPS_MAX_DEFAULT = 2_000_000
+# The search budget: a step is one look at one event. A legal history with about ten clients
+# in flight needs some hundred steps per operation (each placement rescans the pending calls);
+# a thousand per operation leaves room and still bounds the time to about a second per thousand.
+STEPS_PER_OPERATION_MAX = 1000
+STEPS_MIN = 100_000
 
 
 @dataclass(frozen=True)
@@ -208,13 +212,13 @@ def check_key(
     key: int,
     history: Iterable[Operation],
     initial: int | None = None,
-    steps_max: int = STEPS_MAX_DEFAULT,
+    steps_max: int | None = None,
     search_only: bool = False,
 ) -> KeyResult:
     """Decide whether one key's history is linearizable, starting from ``initial``.
 
-    ``search_only`` skips the stale-read pre-check (the self-tests show the search alone catches
-    the same histories)."""
+    ``steps_max``: the search budget (default ``STEPS_PER_OPERATION_MAX`` per operation). ``search_only``
+    skips the stale-read pre-check (the self-tests show the search alone catches the same histories)."""
     operations = [op for op in history if op.key == key]
     seen = _observed(operations)
     # Dropped: unknown writes nobody observed (see the theory of operation). Kept: everything else.
@@ -222,6 +226,8 @@ def check_key(
         op for op in operations if not (op.status == UNKNOWN and op.kind in (WRITE, CAS) and op.value not in seen)
     ]
     operations.sort(key=lambda op: op.invoked_s)
+    if steps_max is None:
+        steps_max = max(STEPS_MIN, STEPS_PER_OPERATION_MAX * len(operations))
     stale = [] if search_only else _definitely_stale(operations, initial)
     if stale:
         return KeyResult(key, Verdict.VIOLATION, len(operations), 0, stale=stale, history=operations)
@@ -263,37 +269,58 @@ def check_key(
         if call.next is not None:
             call.next.previous = call
 
-    definite_total = sum(1 for op in operations if op.status != UNKNOWN)
-    definite_placed = 0
-    linearized = 0  # bit i set: operation i is placed
+    # The set of placed operations, kept canonical and small: definite operations are numbered in
+    # invocation order and a search mostly places them in about that order, so the set is "the first
+    # ``prefix`` of them" plus a few placed beyond; unknown ones are few and kept as a set. A bit
+    # set of every operation would cost O(n) per step and make long histories quadratic.
+    definite_number: dict[int, int] = {}
+    for index, op in enumerate(operations):
+        if op.status != UNKNOWN:
+            definite_number[index] = len(definite_number)
+    definite_total = len(definite_number)
+    prefix = 0
+    beyond: frozenset[int] = frozenset()
+    unknown_placed: frozenset[int] = frozenset()
     state = initial
-    cache: set[tuple[int, int | None]] = {(0, initial)}
-    stack: list[tuple[_Node, int | None]] = []
+    cache: set[tuple[int, frozenset[int], frozenset[int], int | None]] = {(prefix, beyond, unknown_placed, initial)}
+    stack: list[tuple[_Node, int | None, int, frozenset[int], frozenset[int]]] = []
     longest: list[int] = []
     steps = 0
     entry = head.next
-    while definite_placed < definite_total:
+    while prefix < definite_total:
         steps += 1
         if steps > steps_max:
             return KeyResult(key, Verdict.UNDETERMINED, len(operations), steps)
         if entry is not None and entry.is_call:
             allowed, after = _step(entry.op, state)
             if allowed:
-                placed = linearized | (1 << entry.index)
-                if (placed, after) not in cache:
-                    cache.add((placed, after))
-                    stack.append((entry, state))
-                    state, linearized = after, placed
-                    if entry.op.status != UNKNOWN:
-                        definite_placed += 1
+                new_prefix, new_beyond, new_unknown = prefix, beyond, unknown_placed
+                number = definite_number.get(entry.index)
+                if number is None:
+                    new_unknown = unknown_placed | {entry.index}
+                elif number == prefix:
+                    new_prefix += 1
+                    if new_prefix in beyond:
+                        rest = set(beyond)
+                        while new_prefix in rest:
+                            rest.discard(new_prefix)
+                            new_prefix += 1
+                        new_beyond = frozenset(rest)
+                else:
+                    new_beyond = beyond | {number}
+                configuration = (new_prefix, new_beyond, new_unknown, after)
+                if configuration not in cache:
+                    cache.add(configuration)
+                    stack.append((entry, state, prefix, beyond, unknown_placed))
+                    state, prefix, beyond, unknown_placed = after, new_prefix, new_beyond, new_unknown
                     lift(entry)
-                    if len(stack) > len(longest):
-                        longest = [call.index for call, _ in stack]
                     entry = head.next
                     continue
             entry = entry.next
             continue
         # A completion whose operation is not placed (or the end of the list): undo the last choice.
+        if len(stack) > len(longest):
+            longest = [call.index for call, *_ in stack]  # only at a backtrack: snapshots stay rare
         if not stack:
             return KeyResult(
                 key,
@@ -303,17 +330,14 @@ def check_key(
                 linearized_max=[operations[index] for index in longest],
                 history=operations,
             )
-        entry, state = stack.pop()
-        linearized &= ~(1 << entry.index)
-        if entry.op.status != UNKNOWN:
-            definite_placed -= 1
+        entry, state, prefix, beyond, unknown_placed = stack.pop()
         unlift(entry)
         entry = entry.next
     return KeyResult(key, Verdict.LINEARIZABLE, len(operations), steps)
 
 
 def check_history(
-    history: list[Operation], initial: dict[int, int | None] | None = None, steps_max: int = STEPS_MAX_DEFAULT
+    history: list[Operation], initial: dict[int, int | None] | None = None, steps_max: int | None = None
 ) -> list[KeyResult]:
     """Check every key independently (a register per key is P-compositional: Herlihy and Wing)."""
     keys = sorted({op.key for op in history})

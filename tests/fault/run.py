@@ -51,7 +51,7 @@ class RunSettings:
     replicants: int = 2
     faults: tuple[str, ...] = FAULTS
     client_timeout_ms: int = 1000
-    steps_max: int = 2_000_000
+    steps_max: int | None = None  # the checker's budget per key; None: its default per operation
 
     def replay_command(self) -> str:
         faults = ",".join(self.faults) if self.faults else "none"
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--keys", type=int, default=10)
     parser.add_argument("--faults", type=parse_faults, default=FAULTS, help="comma-separated, or 'none'")
-    parser.add_argument("--steps-max", type=int, default=2_000_000, help="checker search budget per key")
+    parser.add_argument("--steps-max", type=int, help="checker search budget per key (default: 1000 per operation)")
     parser.add_argument("--keep", type=Path, help="run in this directory and keep it (logs, data)")
     parser.add_argument("--json", type=Path, help="also write the summary figures to this file")
     arguments = parser.parse_args(argv)

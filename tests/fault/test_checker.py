@@ -198,3 +198,42 @@ def test_a_long_sequential_history_of_random_legal_operations_passes_quickly() -
         now += 1
     result = check_key(1, history)
     assert result.verdict is Verdict.LINEARIZABLE and result.steps < 100_000
+
+
+def simulated_concurrent_history(rng: random.Random, processes: int, operations: int) -> list[Operation]:
+    """A legal history: each operation takes effect at a random instant inside its interval."""
+    clocks = [0.0] * processes
+    planned = []
+    for index in range(operations):
+        process = index % processes
+        invoked = clocks[process] + rng.uniform(0, 0.5)
+        completed = invoked + rng.uniform(0.1, 3.0)
+        clocks[process] = completed
+        planned.append((rng.uniform(invoked, completed), process, invoked, completed, index, rng.random()))
+    state, history = None, []
+    for _, process, invoked, completed, index, choice in sorted(planned):
+        if choice < 0.4:
+            history.append(op(process, READ, invoked, completed, value=state))
+        elif choice < 0.7:
+            state = index + 1
+            history.append(op(process, WRITE, invoked, completed, value=state))
+        elif choice < 0.9:
+            history.append(op(process, CAS, invoked, completed, value=index + 1, expected=state))
+            state = index + 1
+        else:
+            history.append(Operation(process, 1, CAS, FAIL, invoked, completed, value=state, expected=-2))
+    return history
+
+
+def test_a_long_concurrent_legal_history_passes_within_its_budget() -> None:
+    history = simulated_concurrent_history(random.Random(11), processes=10, operations=5000)
+    result = check_key(1, history)
+    assert result.verdict is Verdict.LINEARIZABLE, result.report()
+
+
+def test_the_search_reports_the_longest_prefix_it_could_place() -> None:
+    history = [op(0, WRITE, 0, 1, value=10), op(1, CAS, 2, 5, value=11, expected=10)]
+    history.append(op(2, CAS, 3, 6, value=12, expected=10))
+    result = check_key(1, history, search_only=True)
+    assert result.verdict is Verdict.VIOLATION and len(result.linearized_max) == 2
+    assert "could not be placed" in result.report() and "cas 10 -> 12" in result.report()
