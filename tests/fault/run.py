@@ -19,6 +19,7 @@ A failing run prints the seed, the command that replays it and the offending his
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import signal
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-max", type=int, help="checker search budget per key (default: 1000 per operation)")
     parser.add_argument("--keep", type=Path, help="run in this directory and keep it (logs, data)")
     parser.add_argument("--json", type=Path, help="also write the summary figures to this file")
+    parser.add_argument("--history", type=Path, help="also write every recorded operation, one JSON object a line")
     arguments = parser.parse_args(argv)
     settings = RunSettings(
         arguments.seed,
@@ -325,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         print(result.summary() + "\nfaults:\n" + "\n".join(f"  {fault}" for fault in result.faults))
     else:
         print(result.failure_report())
+    if arguments.history:
+        with open(arguments.history, "w") as out:
+            for operation in result.history:
+                out.write(json.dumps(dataclasses.asdict(operation)) + "\n")  # inf is written as Infinity
     if arguments.json:
         arguments.json.write_text(
             json.dumps(
