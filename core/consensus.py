@@ -38,11 +38,12 @@ and executes the effects it returns.
   a read-index request or a failed guard only (1) once an entry of its own generation has committed
   (before that its committed key may be behind what the previous sequencer acknowledged) and (2)
   while it holds a lease: a majority (counting itself) answered one of *this generation's* appends
-  within ``election_timeout_ms_min / 2``. Each of them heard this sequencer at most that long ago,
-  so by stickiness none will vote for another one for at least half an election timeout more: no
-  newer committed key can exist. This assumes clocks that run at similar rates and replies that take
-  less than half an election timeout. Any other frame (a vote, a pre-vote, another shard's traffic)
-  says nothing about this generation and does not count.
+  that it sent within the last ``election_timeout_ms_min / 2`` (appends carry their send time,
+  replies echo it). Each of them heard this sequencer after that send, so by stickiness none will
+  vote for another one before an election timeout has passed since: no newer committed key can
+  exist. This assumes clocks that run at similar rates (half an election timeout is the margin),
+  not bounded message delays. Any other frame (a vote, a pre-vote, another shard's traffic) says
+  nothing about this generation and does not count.
 * Fencing. Messages of a stale generation are refused and answered with the current generation, so
   a paused-and-resumed sequencer learns it was replaced. A sequencer that has not heard from a
   majority within ``election_timeout_ms_min`` steps down and fails its pending proposals.
@@ -225,6 +226,9 @@ class AppendRequest:
     commit_key: TxKey
     members: tuple[str, ...]
     entries: tuple[Entry, ...] = ()
+    # The sequencer's clock when it sent this append; echoed in the reply, so that the read lease
+    # counts from when the follower could at the earliest have heard it, however late the reply.
+    sent_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,8 @@ class AppendReply:
     # The replier's last appended and committed keys: on failure they tell the sequencer where to resume.
     last_key: TxKey
     commit_key: TxKey
+    # ``sent_ms`` of the append this answers.
+    request_sent_ms: int = 0
 
 
 PeerMessage = VoteRequest | VoteReply | PreVoteRequest | PreVoteReply | AppendRequest | AppendReply
@@ -615,6 +621,9 @@ class ShardConsensus:
     def _pre_vote(self) -> None:
         """Ask whether a majority would vote for us in generation + 1, changing nothing durable."""
         self._reset_election_deadline()
+        if self._role is Role.FOLLOWER:
+            # We no longer hear the sequencer: stop forwarding to it (the driver tells waiting clients).
+            self._set_role(Role.FOLLOWER, None)
         self._pre_votes = {self.name}
         if len(self._pre_votes) >= self._majority():
             self._campaign()
@@ -754,7 +763,12 @@ class ShardConsensus:
         if self._role is Role.SEQUENCER and self._counts_for_lease(message):
             progress = self._progress.get(sender)
             if progress is not None:
-                progress.lease_heard_ms = self._now_ms
+                # From when we sent the append it answers (never from when the answer arrived: it
+                # may have waited in a queue), and never later than now, whatever the peer says.
+                sent_ms = message.request_sent_ms if isinstance(message, AppendReply) else self._now_ms
+                heard_ms = min(sent_ms, self._now_ms)
+                if progress.lease_heard_ms is None or heard_ms > progress.lease_heard_ms:
+                    progress.lease_heard_ms = heard_ms
         if isinstance(message, PreVoteRequest):
             # Its generation is a proposal, not one in use: never adopt it.
             self._on_pre_vote_request(sender, message)
@@ -780,14 +794,14 @@ class ShardConsensus:
         else:
             self._on_append_reply(sender, message)
 
-    def _reply_append(self, sender: str, success: bool, match_key: TxKey) -> None:
-        reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key)
+    def _reply_append(self, sender: str, message: AppendRequest, success: bool, match_key: TxKey) -> None:
+        reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key, message.sent_ms)
         self._out.append(Send(sender, reply))
 
     def _on_append_request(self, sender: str, message: AppendRequest) -> None:
         if message.generation < self._generation:
             # Zombie fencing: the stale sequencer learns the current generation from the reply.
-            self._reply_append(sender, False, ZERO_KEY)
+            self._reply_append(sender, message, False, ZERO_KEY)
             return
         if self._role is Role.SEQUENCER:
             raise ConsensusInvariantError(f"two sequencers in generation {self._generation}: {self.name} and {sender}")
@@ -828,11 +842,11 @@ class ShardConsensus:
             own = self._log.digest_at(prev_key)
             if own is not None and own != prev_digest:
                 raise ConsensusInvariantError(f"sequencer {sender} disagrees at committed key {prev_key}")
-            self._reply_append(sender, True, message_last_key)
+            self._reply_append(sender, message, True, message_last_key)
             return
         own_prev_digest = self._log.digest_at(prev_key) if prev_key <= self._last_key else None
         if own_prev_digest != prev_digest:
-            self._reply_append(sender, False, ZERO_KEY)
+            self._reply_append(sender, message, False, ZERO_KEY)
             return
         # Verify the digest chain of the new entries before persisting anything.
         chain_key, chain_digest = prev_key, prev_digest
@@ -865,7 +879,7 @@ class ShardConsensus:
         if new_commit > self._commit_key:
             self._commit_key = new_commit
             self._out.append(Commit(new_commit))
-        self._reply_append(sender, True, message_last_key)
+        self._reply_append(sender, message, True, message_last_key)
 
     def _on_append_reply(self, sender: str, message: AppendReply) -> None:
         if self._role is not Role.SEQUENCER or message.generation != self._generation:
@@ -935,7 +949,7 @@ class ShardConsensus:
 
     def _send(self, peer: str, progress: _Progress, prev_key: TxKey, prev_digest: bytes, entries: list[Entry]) -> None:
         message = AppendRequest(
-            self._generation, prev_key, prev_digest, self._commit_key, self._members, tuple(entries)
+            self._generation, prev_key, prev_digest, self._commit_key, self._members, tuple(entries), self._now_ms
         )
         self._out.append(Send(peer, message))
         if entries:

@@ -5,8 +5,8 @@ A message is the list ``[CONSENSUS_WIRE_VERSION, kind, field...]``:
 * ``["vote_request", generation, last_key]``
 * ``["vote_reply", generation, granted]``
 * ``["pre_vote_request", generation, last_key]`` and ``["pre_vote_reply", generation, granted]``
-* ``["append_request", generation, prev_key, prev_digest, commit_key, members, entries]``
-* ``["append_reply", generation, success, match_key, last_key, commit_key]``
+* ``["append_request", generation, prev_key, prev_digest, commit_key, members, entries, sent_ms]``
+* ``["append_reply", generation, success, match_key, last_key, commit_key, request_sent_ms]``
 
 Tx keys are ``[generation, counter]``; entries use ``rlog.types.entry_to_wire``. Decoding anything
 malformed raises ``rlog.codec.CodecError`` and nothing else (fuzzed with hypothesis). Routing by
@@ -49,8 +49,8 @@ _FIELD_COUNTS = {
     "vote_reply": 2,
     "pre_vote_request": 2,
     "pre_vote_reply": 2,
-    "append_request": 6,
-    "append_reply": 5,
+    "append_request": 7,
+    "append_reply": 6,
 }
 
 
@@ -73,6 +73,7 @@ def message_to_wire(message: PeerMessage) -> list[Any]:
             message.commit_key.to_wire(),
             list(message.members),
             [entry_to_wire(entry) for entry in message.entries],
+            message.sent_ms,
         ]
     if isinstance(message, AppendReply):
         return [
@@ -83,6 +84,7 @@ def message_to_wire(message: PeerMessage) -> list[Any]:
             message.match_key.to_wire(),
             message.last_key.to_wire(),
             message.commit_key.to_wire(),
+            message.request_sent_ms,
         ]
     raise TypeError(f"not a consensus peer message: {message!r}")
 
@@ -109,14 +111,27 @@ def message_from_wire(value: Any) -> PeerMessage:
     if kind == "pre_vote_reply":
         return PreVoteReply(generation, _bool(fields[1]))
     if kind == "append_request":
-        prev_key, prev_digest, commit_key, members, entries = fields[1:]
+        prev_key, prev_digest, commit_key, members, entries, sent_ms = fields[1:]
         if not isinstance(prev_digest, bytes) or len(prev_digest) != DIGEST_BYTES:
             raise CodecError(f"prev_digest must be {DIGEST_BYTES} bytes")
         return AppendRequest(
-            generation, _tx_key(prev_key), prev_digest, _tx_key(commit_key), _members(members), _entries(entries)
+            generation,
+            _tx_key(prev_key),
+            prev_digest,
+            _tx_key(commit_key),
+            _members(members),
+            _entries(entries),
+            _time_ms(sent_ms),
         )
-    success, match_key, last_key, commit_key = fields[1:]
-    return AppendReply(generation, _bool(success), _tx_key(match_key), _tx_key(last_key), _tx_key(commit_key))
+    success, match_key, last_key, commit_key, request_sent_ms = fields[1:]
+    return AppendReply(
+        generation,
+        _bool(success),
+        _tx_key(match_key),
+        _tx_key(last_key),
+        _tx_key(commit_key),
+        _time_ms(request_sent_ms),
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -126,6 +141,13 @@ def _is_int(value: Any) -> bool:
 def _generation(value: Any) -> int:
     if not _is_int(value) or not 0 <= value <= GENERATION_MAX:
         raise CodecError("generation must be a non-negative 64-bit integer")
+    return value
+
+
+def _time_ms(value: Any) -> int:
+    # A monotonic clock reading of the sequencer (the receiver also clamps it to its own clock).
+    if not _is_int(value) or not 0 <= value <= GENERATION_MAX:
+        raise CodecError("a time must be a non-negative 64-bit integer of milliseconds")
     return value
 
 

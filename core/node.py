@@ -166,6 +166,8 @@ class HeldFailure:
 class Forwarded:
     envelope: list[bytes]
     deadline_ms: int
+    shard: str = ""
+    sequencer: str = ""
 
 
 class CoreNode(NodeServer):
@@ -402,6 +404,15 @@ class CoreNode(NodeServer):
         elif isinstance(effect, ProposalRejected):
             pass  # handled by the caller of Proposed, which still holds the envelope
         elif isinstance(effect, RoleChanged):
+            # Requests forwarded to a sequencer we no longer follow would wait for FORWARD_TIMEOUT_MS
+            # (it may be dead): tell their clients now, so that they retry with the same request id.
+            for request_id in [
+                r for r, f in self.forwarded.items() if f.shard == shard and f.sequencer != effect.sequencer
+            ]:
+                pending = self.forwarded.pop(request_id)
+                self.reply(
+                    pending.envelope, _outcome_unknown(request_id, f"sequencer {pending.sequencer} was replaced")
+                )
             position = self.store.shard(shard)
             if position is not None:
                 self.rlog_server.committed(shard, position.applied, effect.sequencer is not None, self.clock_ms())
@@ -683,7 +694,8 @@ class CoreNode(NodeServer):
             )
         if len(self.forwarded) >= FORWARDED_MAX:
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
-        self.forwarded[message.request_id] = Forwarded(envelope, self.clock_ms() + FORWARD_TIMEOUT_MS)
+        deadline_ms = self.clock_ms() + FORWARD_TIMEOUT_MS
+        self.forwarded[message.request_id] = Forwarded(envelope, deadline_ms, driver.shard, sequencer)
         self._send_peer(sequencer, Message(message.kind, message.request_id, {**message.body, "forwarded": True}))
 
     def _relay_forwarded(self, socket: zmq.Socket) -> None:

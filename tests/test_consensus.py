@@ -29,6 +29,7 @@ from mnesite.core.consensus import (
     Proposed,
     ProtocolViolation,
     Role,
+    RoleChanged,
     Send,
     ShardConsensus,
     SnapshotNeeded,
@@ -122,7 +123,8 @@ class Harness:
         return effects
 
     def ack(self, peer: str, key: TxKey) -> list:
-        message = AppendReply(self.machine.generation, True, key, key, ZERO_KEY)
+        # Answers an append sent now (the reply echoes its send time).
+        message = AppendReply(self.machine.generation, True, key, key, ZERO_KEY, self.now_ms)
         return self.receive(peer, message)
 
 
@@ -659,11 +661,41 @@ def test_the_read_lease_counts_only_answers_to_this_generations_appends():
     harness.receive("c", PreVoteRequest(2, ZERO_KEY))
     harness.receive("c", VoteReply(1, True))
     assert harness.machine.read_index(later) is None
-    harness.receive("c", AppendReply(1, True, TxKey(1, 1), TxKey(1, 1), ZERO_KEY))
+    harness.receive("c", AppendReply(1, True, TxKey(1, 1), TxKey(1, 1), ZERO_KEY, later))
     assert harness.machine.read_index(later) == TxKey(1, 1)
+
+
+def test_the_read_lease_counts_from_when_the_answered_append_was_sent_not_when_the_answer_arrived():
+    harness = Harness()
+    harness.elect()
+    sent_ms = harness.now_ms
+    harness.step(Ticked(), sent_ms + CONFIG.election_timeout_ms_min)
+    # An answer that waited in a queue (or a paused sequencer's inbox) proves nothing recent.
+    harness.receive("b", AppendReply(1, True, TxKey(1, 1), TxKey(1, 1), ZERO_KEY, sent_ms))
+    assert harness.machine.read_index(harness.now_ms) is None
+    # A peer cannot stretch the lease by echoing a time in the future either.
+    harness.receive("b", AppendReply(1, True, TxKey(1, 1), TxKey(1, 1), ZERO_KEY, 10**9))
+    assert harness.machine.read_index(harness.now_ms + CONFIG.election_timeout_ms_min // 2) is None
+
+
+def test_appends_carry_their_send_time_and_replies_echo_it():
+    harness = Harness()
+    effects = harness.elect()
+    assert all(message.sent_ms == harness.now_ms for _, message in sends(effects, AppendRequest))
+    follower = Harness(name="b")
+    reply = follower.receive("a", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, MEMBERS, (), 1234))
+    assert [message.request_sent_ms for _, message in sends(reply, AppendReply)] == [1234]
 
 
 def test_only_the_sequencer_serves_linearizable_reads():
     harness = Harness()
     harness.receive("b", append(1, None, []))
     assert harness.machine.read_index(harness.now_ms) is None
+
+
+def test_a_follower_whose_election_timeout_expires_stops_naming_its_sequencer():
+    harness = Harness()
+    harness.receive("b", append(1, None, []))
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert harness.machine.sequencer is None and RoleChanged(Role.FOLLOWER, 1, None) in effects
+    assert sends(effects, PreVoteRequest)

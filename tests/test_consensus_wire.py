@@ -26,6 +26,8 @@ MESSAGES = [
     AppendRequest(2, TxKey(1, 0), GENESIS_DIGEST, TxKey(1, 1), ("a", "b", "c"), (FIRST, SECOND)),
     AppendRequest(2, TxKey(1, 2), SECOND.digest, ZERO_KEY, ("a",), ()),
     AppendReply(4, False, ZERO_KEY, TxKey(3, 9), TxKey(3, 1)),
+    AppendReply(4, True, TxKey(3, 9), TxKey(3, 9), TxKey(3, 1), 987_654),
+    AppendRequest(2, TxKey(1, 2), SECOND.digest, ZERO_KEY, ("a",), (), 123_456),
 ]
 
 
@@ -51,10 +53,14 @@ def test_messages_round_trip_through_msgpack(message):
         [CONSENSUS_WIRE_VERSION, "vote_reply", 1, 1],
         [CONSENSUS_WIRE_VERSION, "vote_request", 1, [1]],
         [CONSENSUS_WIRE_VERSION, "vote_request", 2**64, [1, 1]],
-        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], b"short", [0, 0], ["a"], []],
-        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], [], []],
-        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [["bad"]]],
-        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [None] * 5000],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], b"short", [0, 0], ["a"], [], 0],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], [], [], 0],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [["bad"]], 0],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [None] * 5000, 0],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [], -1],
+        [CONSENSUS_WIRE_VERSION, "append_reply", 1, True, [0, 0], [0, 0], [0, 0], "soon"],
+        [CONSENSUS_WIRE_VERSION, "pre_vote_request", 1, [1]],
+        [CONSENSUS_WIRE_VERSION, "pre_vote_reply", 1, "yes"],
     ],
 )
 def test_malformed_messages_raise_codec_error(value):
