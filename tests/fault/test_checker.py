@@ -226,7 +226,7 @@ def simulated_concurrent_history(rng: random.Random, processes: int, operations:
 
 
 def test_a_long_concurrent_legal_history_passes_within_its_budget() -> None:
-    history = simulated_concurrent_history(random.Random(11), processes=10, operations=5000)
+    history = simulated_concurrent_history(random.Random(11), processes=10, operations=2000)
     result = check_key(1, history)
     assert result.verdict is Verdict.LINEARIZABLE, result.report()
 
