@@ -21,7 +21,8 @@ and executes the effects it returns.
   raises the generation and never deposes a healthy sequencer.
 * Stickiness (thesis 4.2.3). A core that heard the current sequencer within
   ``election_timeout_ms_min`` (or is the sequencer) refuses pre-votes and ignores vote requests,
-  without adopting their generation. This is also what makes the read lease below safe.
+  without adopting their generation. This is also what makes the read lease below safe; for the
+  same reason a core that (re)starts behaves as if it had just heard a sequencer.
 * Election timer. It is reset when this core starts a (pre-)election, grants a vote, or hears the
   sequencer of its generation; never by a refused vote or by merely adopting a higher generation
   (else a candidate that cannot win would keep the one that can from ever timing out).
@@ -446,8 +447,11 @@ class ShardConsensus:
         self._votes: set[str] = set()
         # Would-be votes of the pre-vote under way for generation + 1 (None when there is none).
         self._pre_votes: set[str] | None = None
-        # When this core last heard the sequencer of its generation (stickiness, see above).
-        self._sequencer_heard_ms: int | None = None
+        # When this core last heard the sequencer of its generation (stickiness, see above). A core
+        # that (re)starts may have answered a sequencer's append just before it stopped, and that
+        # sequencer may be counting the answer for its read lease: so it behaves as if it had heard
+        # a sequencer at start, and votes for nobody else during the first election timeout.
+        self._sequencer_heard_ms: int | None = now_ms if len(members) > 1 else None
         self._progress: dict[str, _Progress] = {}
         # Request ids of this sequencer's uncommitted proposals, in tx key order.
         self._pending: dict[TxKey, str | None] = {}

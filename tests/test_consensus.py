@@ -53,6 +53,8 @@ CONFIG = ConsensusConfig(
     pending_proposals_max=4,
 )
 MEMBERS = ("a", "b", "c")
+# A core refuses (pre-)votes during the first election timeout after it starts.
+QUIET_AFTER_START_MS = CONFIG.election_timeout_ms_min
 
 
 def chain(keys: list[TxKey], start: Entry | None = None) -> list[Entry]:
@@ -251,7 +253,7 @@ def test_a_single_member_does_not_wait_an_election_timeout():
 
 def test_a_vote_is_persisted_before_the_reply_and_granted_at_most_once_per_generation():
     harness = Harness()
-    effects = harness.receive("b", VoteRequest(1, ZERO_KEY))
+    effects = harness.receive("b", VoteRequest(1, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
     assert of_type(effects[: index_of(effects, Send)], PersistState)[-1].state == PersistedState(1, "b", MEMBERS)
     assert sends(effects, VoteReply) == [("b", VoteReply(1, True))]
     assert sends(harness.receive("c", VoteRequest(1, ZERO_KEY)), VoteReply) == [("c", VoteReply(1, False))]
@@ -265,12 +267,12 @@ def test_a_vote_goes_only_to_a_candidate_whose_last_appended_key_is_at_least_our
     entries = chain([TxKey(1, 1), TxKey(1, 2), TxKey(2, 1)])
     # Committed only up to (1, 1): the voting rule must look at the last appended key.
     harness = Harness(entries=entries, state=PersistedState(2, None, MEMBERS), committed_key=TxKey(1, 1))
-    refused = harness.receive("b", VoteRequest(3, TxKey(1, 9)))
+    refused = harness.receive("b", VoteRequest(3, TxKey(1, 9)), now_ms=QUIET_AFTER_START_MS)
     assert sends(refused, VoteReply) == [("b", VoteReply(3, False))]
     assert harness.machine.generation == 3  # the higher generation is adopted anyway
     granted = harness.receive("c", VoteRequest(4, TxKey(2, 1)))
     assert sends(granted, VoteReply) == [("c", VoteReply(4, True))]
-    granted_longer = Harness(entries=entries).receive("c", VoteRequest(3, TxKey(3, 1)))
+    granted_longer = Harness(entries=entries).receive("c", VoteRequest(3, TxKey(3, 1)), now_ms=QUIET_AFTER_START_MS)
     assert sends(granted_longer, VoteReply) == [("c", VoteReply(3, True))]
 
 
@@ -496,9 +498,20 @@ def test_a_follower_adopts_the_membership_of_a_force_started_sequencer():
 
 def test_after_a_restart_a_core_does_not_vote_twice_in_a_generation():
     harness = Harness()
-    harness.receive("b", VoteRequest(1, ZERO_KEY))
+    harness.receive("b", VoteRequest(1, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
     restarted = Harness(state=harness.state, entries=harness.log.entries)
-    assert sends(restarted.receive("c", VoteRequest(1, ZERO_KEY)), VoteReply) == [("c", VoteReply(1, False))]
+    answer = restarted.receive("c", VoteRequest(1, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
+    assert sends(answer, VoteReply) == [("c", VoteReply(1, False))]
+
+
+def test_a_core_votes_for_nobody_during_the_first_election_timeout_after_it_starts():
+    """It may have answered a sequencer's append just before it stopped; that sequencer's lease counts on it."""
+    harness = Harness()
+    assert sends(harness.receive("b", PreVoteRequest(1, ZERO_KEY)), PreVoteReply) == [("b", PreVoteReply(0, False))]
+    assert sends(harness.receive("b", VoteRequest(1, ZERO_KEY)), VoteReply) == [("b", VoteReply(0, False))]
+    assert harness.machine.generation == 0
+    granted = harness.receive("b", VoteRequest(1, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
+    assert sends(granted, VoteReply) == [("b", VoteReply(1, True))]
 
 
 def test_a_restart_never_reuses_a_generation_seen_in_the_log():
@@ -571,7 +584,7 @@ def test_only_a_majority_of_pre_votes_starts_the_real_election():
 def test_a_pre_vote_is_granted_without_persisting_or_adopting_anything():
     harness = Harness(state=PersistedState(2, None, MEMBERS))
     deadline = harness.machine.next_deadline_ms()
-    effects = harness.receive("b", PreVoteRequest(3, ZERO_KEY))
+    effects = harness.receive("b", PreVoteRequest(3, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
     assert sends(effects, PreVoteReply) == [("b", PreVoteReply(3, True))]
     assert of_type(effects, PersistState) == []
     assert harness.machine.generation == 2 and harness.machine.next_deadline_ms() == deadline

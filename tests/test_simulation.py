@@ -212,3 +212,66 @@ def test_seeds_check_reads_and_failed_guards():
     results = [run_seed(seed) for seed in range(6)]
     assert all(result.reads_checked > 0 for result in results)
     assert sum(result.guard_failures_checked for result in results) > 0
+
+
+# ---------------------------------------------------------------- pre-vote and stickiness
+
+
+def _generations_after_a_follower_is_cut_off(seed: int, core_count: int) -> tuple[tuple[int, str], tuple[int, str]]:
+    """(generation, sequencer) before and after a follower is cut off for 5 election timeouts."""
+    simulation = Simulation(seed, core_count)
+    simulation._heal()
+    sequencer = simulation.run_until_quiet()
+    assert sequencer.machine is not None
+    before = (sequencer.machine.generation, sequencer.name)
+    follower = next(name for name in simulation.nodes if name != sequencer.name)
+    simulation.cut = {(a, b) for a in simulation.nodes for b in simulation.nodes if (a == follower) != (b == follower)}
+    until_ms = simulation.now_ms + 5 * simulation.config.election_timeout_ms_max
+    while simulation.now_ms < until_ms:
+        simulation.advance()
+    simulation.cut = set()
+    after = simulation.run_until_quiet()
+    assert after.machine is not None
+    return before, (after.machine.generation, after.name)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("core_count", [3, 5])
+def test_a_follower_cut_off_and_back_does_not_depose_a_healthy_sequencer(core_count):
+    for seed in range(5):
+        before, after = _generations_after_a_follower_is_cut_off(seed, core_count)
+        assert after == before
+
+
+@pytest.mark.timeout(30)
+def test_without_pre_vote_a_follower_back_from_a_partition_deposes_the_sequencer(monkeypatch):
+    """Mutation: a timed-out follower campaigns at once; the scenario above must notice."""
+    monkeypatch.setattr(ShardConsensus, "_pre_vote", lambda self: self._campaign())
+    outcomes = [_generations_after_a_follower_is_cut_off(seed, 3) for seed in range(5)]
+    assert any(after != before for before, after in outcomes)
+
+
+def _failover_ms(seed: int, core_count: int) -> int:
+    """Time from losing a quiet cluster's sequencer until a new one may serve linearizable reads."""
+    simulation = Simulation(seed, core_count)
+    simulation._heal()
+    old = simulation.run_until_quiet()
+    simulation.lose_for_good([old.name])
+    killed_ms = simulation.now_ms
+    limit_ms = 10 * simulation.config.election_timeout_ms_max
+    while simulation.now_ms - killed_ms < limit_ms:
+        machines = [node.machine for node in simulation.nodes.values() if node.machine is not None]
+        if any(machine.read_index(simulation.now_ms) is not None for machine in machines):
+            return simulation.now_ms - killed_ms
+        simulation.advance()
+    raise AssertionError(f"seed {seed}: no new sequencer within {limit_ms} ms")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("core_count", [3, 5])
+def test_with_a_majority_up_the_election_converges_quickly(core_count):
+    durations = sorted(_failover_ms(seed, core_count) for seed in range(20))
+    election_timeout_ms_max = Simulation(0, core_count).config.election_timeout_ms_max
+    # Split votes happen (two cores time out in the same tick), but never for long.
+    assert durations[len(durations) // 2] <= 1.5 * election_timeout_ms_max, durations
+    assert durations[-1] <= 5 * election_timeout_ms_max, durations
