@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mnesite.rlog.client import Client
+from mnesite.rlog.client import Client, MnesiteError
 
 from tests.conftest import Cluster, NodeProcess, wait_until
 from tests.fault.checker import OK, READ, KeyResult, Operation, Verdict, check_history
@@ -117,6 +117,10 @@ class RunResult:
         for result in self.violations + self.undetermined:
             lines.append(result.report())
         return "\n".join(lines)
+
+
+class RunFailed(Exception):
+    """The cluster did not converge or answer after the faults were healed."""
 
 
 def start_cluster(root: Path, processes: list[NodeProcess], replicants: int) -> tuple[Cluster, list[str]]:
@@ -250,11 +254,16 @@ def execute(root: Path, processes: list[NodeProcess], settings: RunSettings) -> 
         finally:
             nemesis.heal()
             recorder.stop()
-    position = wait_all_converged(cluster, replicants)
-    history = list(recorder.history)
-    final_reads(cluster, settings.keys, history)
-    divergence = check_convergence(cluster, cluster.names + replicants, position)
-    lost = check_lost_writes(cluster, recorder.acknowledged)
+    try:
+        position = wait_all_converged(cluster, replicants)
+        history = list(recorder.history)
+        final_reads(cluster, settings.keys, history)
+        divergence = check_convergence(cluster, cluster.names + replicants, position)
+        lost = check_lost_writes(cluster, recorder.acknowledged)
+    except (AssertionError, MnesiteError) as error:
+        # No convergence (or no answer) after healing is a failure of the run: say how to replay it.
+        faults = "\n".join(f"  {record.describe(origin)}" for record in nemesis.log)
+        raise RunFailed(f"{error}\nreplay: {settings.replay_command()}\nfaults:\n{faults}") from error
     started = time.monotonic()
     key_results = check_history(history, steps_max=settings.steps_max)
     return RunResult(
