@@ -1,6 +1,6 @@
 """Failover time and pause tolerance of a 3-core cluster (real processes on 127.0.0.1).
 
-    .venv/bin/python benchmarks/bench_failover.py [--kills 20] [--election-timeout-ms 1000,2000]
+    .venv/bin/python benchmarks/bench_failover.py [--kills 20] [--election-timeout-ms 800,1600]
 
 * Failover: the sequencer is killed with kill -9 right after an acknowledged write; a client of
   another core then puts a row (retrying ``no_sequencer`` and ``outcome_unknown`` with the same
@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--pause-s", type=float, default=4.0)
-    parser.add_argument("--election-timeout-ms", default="1000,2000", help="MIN,MAX")
+    parser.add_argument("--election-timeout-ms", default="800,1600", help="MIN,MAX (the defaults of the config)")
     arguments = parser.parse_args()
     low, high = (int(part) for part in arguments.election_timeout_ms.split(","))
     print(measure((low, high), arguments.kills, arguments.pause_s), flush=True)

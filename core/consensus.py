@@ -107,8 +107,8 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True)
 class ConsensusConfig:
-    election_timeout_ms_min: int = 1000
-    election_timeout_ms_max: int = 2000
+    election_timeout_ms_min: int = 800
+    election_timeout_ms_max: int = 1600
     heartbeat_interval_ms: int = 100
     # Entries in one append message; bounds message size and the work of one step.
     entries_per_append_max: int = 64

@@ -168,7 +168,7 @@ def test_a_follower_paused_longer_than_an_election_timeout_deposes_nobody(cluste
     load.wait_for(50)
     cluster.nodes[follower].signal(signal.SIGSTOP)
     load.wait_for(100)  # the sequencer keeps committing with the other follower
-    time.sleep(4)  # the pause itself: longer than election_timeout_ms_max (2000 ms)
+    time.sleep(4)  # the pause itself: longer than election_timeout_ms_max (1600 ms by default)
     cluster.nodes[follower].signal(signal.SIGCONT)
     load.wait_for(100)
     acknowledged = load.stop()

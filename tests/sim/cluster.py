@@ -157,6 +157,8 @@ class ClientRequest:
     acknowledged_position: int
     expected: Row = None
     forwarded: bool = False
+    # For a replicant's linearizable read (kind ``read_index``): the replicant that serves it.
+    replicant: str | None = None
 
 
 @dataclass
@@ -354,7 +356,7 @@ class Simulation:
             read_index = machine.read_index(self.now_ms) if machine is not None else None
             for (request, row), verdict in node.tail.committed(effect.up_to, CATALOG, read_index):
                 if verdict == GUARD_ANSWER:
-                    self._record_read(node, request, row)
+                    self._record_read(node.name, request, row)
         elif isinstance(effect, ProposalCommitted):
             if effect.request_id is None:
                 raise self.fail("a committed proposal without request id")
@@ -456,7 +458,7 @@ class Simulation:
             return
         applied_row = self._row_at(request.key, self.commit_position[node.applied_key])
         if request.kind == "local":
-            self._record_read(node, request, applied_row)
+            self._record_read(node.name, request, applied_row)
             return
         if machine.role is not Role.SEQUENCER:
             # Forwarded once to the sequencer this node knows; otherwise the client retries.
@@ -467,7 +469,11 @@ class Simulation:
         read_index = machine.read_index(self.now_ms)
         if request.kind == "linearizable":
             if read_index is not None:
-                self._record_read(node, request, applied_row)
+                self._record_read(node.name, request, applied_row)
+            return
+        if request.kind == "read_index":
+            if read_index is not None:
+                self._read_index_answered(request, read_index)
             return
         in_tail, row = node.tail.row(READ_TABLE, request.key)
         if not in_tail:
@@ -480,9 +486,13 @@ class Simulation:
             return
         verdict = node.tail.failed((request, row), machine.committed_key, read_index, self.now_ms)
         if verdict == GUARD_ANSWER:
-            self._record_read(node, request, row)
+            self._record_read(node.name, request, row)
 
-    def _record_read(self, node: SimNode, request: ClientRequest, row: Row) -> None:
+    def _read_index_answered(self, request: ClientRequest, read_index: TxKey) -> None:
+        """The sequencer told a replicant the key its linearizable read must wait for (a hook)."""
+        raise self.fail(f"read_index answered for {request} without replicants")
+
+    def _record_read(self, where: str, request: ClientRequest, row: Row) -> None:
         """Check an answer against the committed history (see the theory of operation)."""
         key = request.key
         floor = 0
@@ -492,17 +502,19 @@ class Simulation:
                 if answered_ms < request.started_ms:
                     floor = max(floor, position)
         position = next((p for p in range(floor, self.commit_count + 1) if self._row_at(key, p) == row), None)
-        what = "failed guard" if request.kind == "guard" else f"{request.kind} read"
-        self.trace.append((self.now_ms, node.name, what, key, row, "floor", floor))
+        what = {"guard": "failed guard", "read_index": "replicant linearizable read"}.get(
+            request.kind, f"{request.kind} read"
+        )
+        self.trace.append((self.now_ms, where, what, key, row, "floor", floor))
         if position is None:
             raise self.fail(
-                f"{what} of key {key} at {node.name} (began t={request.started_ms}) returned {row}, "
+                f"{what} of key {key} at {where} (began t={request.started_ms}) returned {row}, "
                 f"which no committed prefix from position {floor} (acknowledged writes and earlier reads) "
                 f"to {self.commit_count} (committed when it answered) holds"
             )
         if request.kind != "local":
             self.answered_prefixes[key].append((self.now_ms, position))
-            self.reads_checked += request.kind == "linearizable"
+            self.reads_checked += request.kind in ("linearizable", "read_index")
             self.guard_failures_checked += request.kind == "guard"
         self.last_seen[key] = row
 
