@@ -11,10 +11,11 @@ sequencer's. This script breaks that assumption on purpose and shows the consequ
 1. core1 runs under libfaketime at ``--rate`` (0.2: its clock runs at a fifth of real speed) and
    is made sequencer (core2 and core3 start with a 20 s election timeout, so only core1 can win;
    then each is restarted with the normal timeout, one at a time, so core1 keeps its majority);
-2. a writer writes unique values through core2; core1 is SIGSTOPped for ``--pause-s`` (2.2 s real,
-   0.44 s on core1's clock: less than its 0.5 s lease, more than the followers' 1 s stickiness), so
-   core2 and core3 elect a new sequencer and commit writes meanwhile; during the pause, fresh
-   clients keep sending ``linearizable`` reads to core1;
+2. a writer writes unique values through core2; core1 is SIGSTOPped for ``--pause-s`` (by default
+   90% of its lease in real time: with the default 800 ms minimum election timeout and 0.2x, 1.8 s real,
+   0.36 s on core1's clock, less than its 0.4 s lease, and more than the followers' 0.8 s
+   stickiness), so core2 and core3 elect a new sequencer and commit writes meanwhile; during the
+   pause, clients already connected to core1 keep sending it ``linearizable`` reads;
 3. after SIGCONT, core1 answers the queued reads before it hears of the new generation, if it still
    believes its lease; the per-key checker decides whether the history is linearizable.
 
@@ -34,12 +35,15 @@ import time
 from pathlib import Path
 
 from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.config import Timing
 
 from tests.conftest import Cluster, NodeProcess, wait_until
 from tests.fault.checker import OK, READ, UNKNOWN, WRITE, Operation, Verdict, check_key
 from tests.fault.history import COLUMNS, TABLE, row_value
 from tests.fault.nemesis import faketime_library
 
+LEASE_MS = Timing().election_timeout_ms_min // 2  # the sequencer's lease by its own clock
+PAUSE_SHARE_OF_LEASE = 0.9
 SLOW_ELECTION = "[cluster]\nelection_timeout_ms_min = 20000\nelection_timeout_ms_max = 30000\n"
 READ_INTERVAL_S = 0.02
 CLIENT_TIMEOUT_MS = 3000
@@ -182,18 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--rate", type=float, action="append", help="core1 clock rate (repeatable)")
-    parser.add_argument("--pause-s", type=float, default=2.2)
+    parser.add_argument("--pause-s", type=float, help="default: 90%% of the lease in real time at the slowest rate")
     arguments = parser.parse_args(argv)
     if faketime_library() is None:
         print("libfaketime is not installed (make faketime): cannot skew a clock", file=sys.stderr)
         return 2
+    rates = arguments.rate or [0.2, 1.0]
+    # One pause for every rate, so that the real-clock trials are the baseline of the skewed ones.
+    pause_s = arguments.pause_s or PAUSE_SHARE_OF_LEASE * LEASE_MS / 1000 / min(rates)
     verdicts: dict[float, list[Verdict]] = {}
-    for rate in arguments.rate or [0.2, 1.0]:
+    for rate in rates:
         for _ in range(arguments.trials):
             processes: list[NodeProcess] = []
             with tempfile.TemporaryDirectory(prefix="mnesite-lease-") as root:
                 try:
-                    verdicts.setdefault(rate, []).append(Trial(Path(root), processes, rate).run(arguments.pause_s))
+                    verdicts.setdefault(rate, []).append(Trial(Path(root), processes, rate).run(pause_s))
                 finally:
                     for node in processes:
                         node.signal(signal.SIGCONT)
