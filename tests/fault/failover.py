@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.client import MnesiteError
 
 from tests.conftest import Cluster, NodeProcess, wait_until
 
@@ -45,7 +45,7 @@ def generations(cluster: Cluster, names: list[str]) -> dict[str, int]:
 
 def first_write_after(cluster: Cluster, survivors: list[str], killed_at: float, counter: list[int]) -> float:
     """Seconds from ``killed_at`` to the first write acknowledged through one of ``survivors``."""
-    clients = [Client(cluster.endpoints[name], timeout_ms=PROBE_TIMEOUT_MS, retries=0) for name in survivors]
+    clients = [cluster.client(name, timeout_ms=PROBE_TIMEOUT_MS, retries=0) for name in survivors]
     try:
         attempt = 0
         while time.monotonic() - killed_at < FIRST_WRITE_TIMEOUT_S:
@@ -99,7 +99,7 @@ def measure_pauses(cluster: Cluster, pauses: int, pause_s: float, observe_s: flo
         before = generations(cluster, cluster.names)
         cluster.nodes[follower].signal(signal.SIGSTOP)
         try:
-            with Client(cluster.endpoints[sequencer], timeout_ms=2000) as client:
+            with cluster.client(sequencer, timeout_ms=2000) as client:
                 paused_until = time.monotonic() + pause_s
                 while time.monotonic() < paused_until:  # writes go on while the follower is paused
                     counter[0] += 1
@@ -107,7 +107,7 @@ def measure_pauses(cluster: Cluster, pauses: int, pause_s: float, observe_s: flo
         finally:
             cluster.nodes[follower].signal(signal.SIGCONT)
         write_failures = 0
-        with Client(cluster.endpoints[sequencer], timeout_ms=2000, retries=0) as client:
+        with cluster.client(sequencer, timeout_ms=2000, retries=0) as client:
             observe_until = time.monotonic() + observe_s
             while time.monotonic() < observe_until:
                 counter[0] += 1
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cluster = Cluster(Path(root), processes)
             cluster.start_all()
-            with Client(cluster.endpoints[cluster.names[0]], timeout_ms=5000, retries=5) as client:
+            with cluster.client(cluster.names[0], timeout_ms=5000, retries=5) as client:
                 client.create_table(TABLE, "id", [("id", "INTEGER"), ("note", "TEXT")])
             counter = [0]
             samples = measure_kills(cluster, arguments.kills, counter)

@@ -24,6 +24,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from mnesite.rlog.client import Client, GuardFailed, MnesiteError
@@ -51,14 +52,13 @@ def row_value(row: Any) -> int | None:
 
 
 class Recorder:
-    """Runs ``len(endpoints)`` client threads until ``stop()``; ``history`` holds what they saw."""
+    """Runs ``len(connect)`` client threads until ``stop()``; ``history`` holds what they saw."""
 
-    def __init__(self, endpoints: list[str], keys: int, seed: int, timeout_ms: int = 1000, retries: int = 1) -> None:
-        self.endpoints = endpoints
+    def __init__(self, connect: list[Callable[[], Client]], keys: int, seed: int) -> None:
+        """``connect``: one factory per client thread that makes its ``Client`` (node, keys, timeouts)."""
+        self.connect = connect
         self.keys = keys
         self.seed = seed
-        self.timeout_ms = timeout_ms
-        self.retries = retries
         self.history: list[Operation] = []
         self.acknowledged: dict[int, tuple[int, int]] = {}  # value -> tx key the node acknowledged
         self.counts: Counter[str] = Counter()
@@ -68,7 +68,7 @@ class Recorder:
         self._stopping = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(process,), name=f"recorder-{process}", daemon=True)
-            for process in range(len(endpoints))
+            for process in range(len(connect))
         ]
 
     def start(self) -> Recorder:
@@ -110,7 +110,7 @@ class Recorder:
     def _operate(self, process: int) -> None:
         rng = random.Random(self.seed * 1000 + process)
         counter = 0
-        with Client(self.endpoints[process], timeout_ms=self.timeout_ms, retries=self.retries) as client:
+        with self.connect[process]() as client:
             while not self._stopping.is_set():
                 key = rng.randrange(self.keys)
                 choice = rng.random()

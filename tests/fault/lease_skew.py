@@ -85,7 +85,7 @@ class Trial:
         cluster.start("core2")
         cluster.start("core3")
         # The shard's consensus starts with its first table; only core1 can win that first election.
-        with Client(cluster.endpoints["core1"], timeout_ms=10000, retries=5) as client:
+        with cluster.client("core1", timeout_ms=10000, retries=5) as client:
             client.create_table(TABLE, "id", COLUMNS)
         wait_until(lambda: (cluster.sequencer() or ("",))[0] == "core1", 60, "core1 to become sequencer", 0.1)
         for name in ("core2", "core3"):
@@ -131,7 +131,7 @@ class Trial:
 
         def writer() -> None:
             value = 0
-            with Client(cluster.endpoints["core2"], timeout_ms=500, retries=0) as client:
+            with cluster.client("core2", timeout_ms=500, retries=0) as client:
                 while not stopping.is_set():
                     value += 1
                     self._write(client, value)
@@ -144,7 +144,7 @@ class Trial:
         # queued messages were read, and so could never be answered first.
         pool = []
         for _ in range(int(pause_s / READ_INTERVAL_S) + 1):
-            client = Client(cluster.endpoints["core1"], timeout_ms=CLIENT_TIMEOUT_MS, retries=0)
+            client = cluster.client("core1", timeout_ms=CLIENT_TIMEOUT_MS, retries=0)
             client.status()
             pool.append(client)
         readers = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import shlex
 import signal
@@ -29,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.client import MnesiteError
 
 from tests.conftest import Cluster, NodeProcess, wait_until
 from tests.fault.checker import OK, READ, KeyResult, Operation, Verdict, check_history
@@ -127,7 +128,7 @@ def start_cluster(root: Path, processes: list[NodeProcess], replicants: int) -> 
     cluster = Cluster(root, processes)
     cluster.extend_core_configs(CORE_CONFIG_EXTRA)
     cluster.start_all()
-    with Client(cluster.endpoints[cluster.names[0]], timeout_ms=5000, retries=5) as client:
+    with cluster.client(cluster.names[0], timeout_ms=5000, retries=5) as client:
         client.create_table(TABLE, "id", COLUMNS)
     names = [f"replicant{i}" for i in range(1, replicants + 1)]
     for name in names:
@@ -143,18 +144,17 @@ def start_cluster(root: Path, processes: list[NodeProcess], replicants: int) -> 
     return cluster, names
 
 
-def client_endpoints(cluster: Cluster, replicants: list[str], clients: int) -> list[str]:
+def client_nodes(cluster: Cluster, replicants: list[str], clients: int) -> list[str]:
     """Half the clients on cores (round robin), half on replicants."""
     on_cores = (clients + 1) // 2
-    endpoints = [cluster.endpoints[cluster.names[i % len(cluster.names)]] for i in range(on_cores)]
+    nodes = [cluster.names[i % len(cluster.names)] for i in range(on_cores)]
     targets = replicants or cluster.names
-    endpoints += [cluster.endpoints[targets[i % len(targets)]] for i in range(clients - on_cores)]
-    return endpoints
+    return nodes + [targets[i % len(targets)] for i in range(clients - on_cores)]
 
 
 def final_reads(cluster: Cluster, keys: int, history: list[Operation]) -> None:
     """One ``linearizable`` read per key after the run, recorded like the clients' reads."""
-    with Client(cluster.endpoints[cluster.names[0]], timeout_ms=5000, retries=5) as client:
+    with cluster.client(cluster.names[0], timeout_ms=5000, retries=5) as client:
         for key in range(keys):
             invoked = time.monotonic()
             value = row_value(client.get(TABLE, key, consistency="linearizable"))
@@ -183,7 +183,7 @@ def check_convergence(cluster: Cluster, names: list[str], position: dict) -> lis
         info = cluster.status(name, timeout_ms=5000)["shards"][SHARD]
         if (tuple(info["applied"]), info["digest"]) != (position["applied"], position["digest"]):
             problems.append(f"{name} at {info['applied']} digest {info['digest']}, expected {position}")
-        with Client(cluster.endpoints[name], timeout_ms=5000) as client:
+        with cluster.client(name, timeout_ms=5000) as client:
             rows_by_node[name] = list(client.scan(TABLE))
     reference = rows_by_node[names[0]]
     for name in names[1:]:
@@ -196,7 +196,7 @@ def rlog_writes(cluster: Cluster) -> list[tuple[tuple[int, int], int, int | None
     """(tx key, register key, value or None for a delete) of every op on the table, in log order."""
     writes = []
     after: list[int] = [0, 0]
-    with Client(cluster.endpoints[cluster.names[0]], timeout_ms=10000) as client:
+    with cluster.client(cluster.names[0], timeout_ms=10000) as client:
         while page := client.rlog_entries(SHARD, after, RLOG_PAGE_ENTRIES):
             for entry in page:
                 for op in entry["ops"]:
@@ -224,7 +224,7 @@ def check_lost_writes(cluster: Cluster, acknowledged: dict[int, tuple[int, int]]
     final: dict[int, int | None] = {}
     for _, key, value in writes:
         final[key] = value
-    with Client(cluster.endpoints[cluster.names[0]], timeout_ms=10000) as client:
+    with cluster.client(cluster.names[0], timeout_ms=10000) as client:
         rows = {row["id"]: row["value"] for row in client.scan(TABLE)}
     if rows != {key: value for key, value in final.items() if value is not None}:
         lost.append(f"the table {rows} is not the rlog's last write per key {final}")
@@ -234,12 +234,11 @@ def check_lost_writes(cluster: Cluster, acknowledged: dict[int, tuple[int, int]]
 def execute(root: Path, processes: list[NodeProcess], settings: RunSettings) -> RunResult:
     """Run once; every process started is in ``processes`` (the caller kills them)."""
     cluster, replicants = start_cluster(root, processes, settings.replicants)
-    recorder = Recorder(
-        client_endpoints(cluster, replicants, settings.clients),
-        settings.keys,
-        settings.seed,
-        settings.client_timeout_ms,
-    )
+    connect = [
+        functools.partial(cluster.client, name, timeout_ms=settings.client_timeout_ms, retries=1)
+        for name in client_nodes(cluster, replicants, settings.clients)
+    ]
+    recorder = Recorder(connect, settings.keys, settings.seed)
     nemesis = Nemesis(cluster, replicants, settings.seed, settings.faults)
     origin = time.monotonic()
     recorder.start()
