@@ -7,6 +7,7 @@ A message is the list ``[CONSENSUS_WIRE_VERSION, kind, field...]``:
 * ``["pre_vote_request", generation, last_key]`` and ``["pre_vote_reply", generation, granted]``
 * ``["append_request", generation, prev_key, prev_digest, commit_key, members, entries, sent_ms]``
 * ``["append_reply", generation, success, match_key, last_key, commit_key, request_sent_ms]``
+* ``["exclusion_notice", generation, members, key, digest-or-nil]``
 
 Tx keys are ``[generation, counter]``; entries use ``rlog.types.entry_to_wire``. Decoding anything
 malformed raises ``rlog.codec.CodecError`` and nothing else (fuzzed with hypothesis). Routing by
@@ -21,6 +22,7 @@ from mnesite.core.consensus import (
     MEMBERS_MAX,
     AppendReply,
     AppendRequest,
+    ExclusionNotice,
     PeerMessage,
     PreVoteReply,
     PreVoteRequest,
@@ -51,6 +53,7 @@ _FIELD_COUNTS = {
     "pre_vote_reply": 2,
     "append_request": 7,
     "append_reply": 6,
+    "exclusion_notice": 4,
 }
 
 
@@ -85,6 +88,15 @@ def message_to_wire(message: PeerMessage) -> list[Any]:
             message.last_key.to_wire(),
             message.commit_key.to_wire(),
             message.request_sent_ms,
+        ]
+    if isinstance(message, ExclusionNotice):
+        return [
+            CONSENSUS_WIRE_VERSION,
+            "exclusion_notice",
+            message.generation,
+            list(message.members),
+            message.key.to_wire(),
+            message.digest,
         ]
     raise TypeError(f"not a consensus peer message: {message!r}")
 
@@ -123,6 +135,11 @@ def message_from_wire(value: Any) -> PeerMessage:
             _entries(entries),
             _time_ms(sent_ms),
         )
+    if kind == "exclusion_notice":
+        members, key, digest = fields[1:]
+        if digest is not None and (not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES):
+            raise CodecError(f"digest must be {DIGEST_BYTES} bytes or nil")
+        return ExclusionNotice(generation, _members(members), _tx_key(key), digest)
     success, match_key, last_key, commit_key, request_sent_ms = fields[1:]
     return AppendReply(
         generation,

@@ -448,16 +448,21 @@ class ReplicantNode(NodeServer):
             return
         for _ in range(self.config.limits.group_commit_max):
             try:
-                parts = self.socket.recv_multipart(zmq.NOBLOCK)
+                received = self.receive()
             except zmq.Again:
                 break
-            if len(parts) < 2:
+            if received is None:
                 continue
-            envelope, frame = parts[:-1], parts[-1]
+            envelope, frame, principal = received
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
                 self.reply(envelope, codec.error("?", error.code, str(error)))
+                continue
+            refused = self.refusal(principal, message)
+            if refused is not None:
+                if message.kind != "push":  # pushes are never answered
+                    self.reply(envelope, refused)
                 continue
             try:
                 self._dispatch(envelope, message)
@@ -652,5 +657,6 @@ class ReplicantNode(NodeServer):
             "listen": self.config.listen,
             "data_dir": self.config.data_dir,
             "core_nodes": self.config.core_nodes,
+            "security": self.security_status(),
             "shards": shards,
         }

@@ -23,7 +23,9 @@ import msgpack
 import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
-from mnesite.rlog.config import Config
+from mnesite.rlog.config import Config, ConfigError, load_config
+from mnesite.rlog.roles import sender_mismatch
+from mnesite.rlog.security import NodeSecurity, SecurityError
 from mnesite.rlog.store import Store
 
 log = logging.getLogger("mnesite.server")
@@ -32,6 +34,7 @@ log = logging.getLogger("mnesite.server")
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
 ROUTER_QUEUE_MAX = 10_000
+REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
 
 
 def monotonic_ms() -> int:
@@ -64,12 +67,43 @@ class NodeServer:
         self.commits = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
+        self.security: NodeSecurity | None = None
+        self.reload_requested = threading.Event()
+        self._refusal_logged_ms = -REFUSAL_LOG_INTERVAL_MS
+        if config.secure and config.security is not None:
+            try:
+                self.security = NodeSecurity(config.security)
+            except SecurityError as error:
+                store.close()
+                raise ConfigError(str(error)) from None
+            # Peers know this node by the principal of its client key: it must be this node's name.
+            principal = self.security.authorized.get(self.security.client.public)
+            if principal is not None and principal != config.name:
+                store.close()
+                raise ConfigError(
+                    f"[security].client_key is the key of {principal!r} in authorized_keys, not of this node "
+                    f"{config.name!r}"
+                )
+            if principal is None:
+                log.warning("[security].client_key of %s is not in its own authorized_keys", config.name)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def bind(self) -> None:
         self.context = zmq.Context()
+        if self.security is not None:
+            self.security.start(self.context)  # the ZAP handler must be up before the server socket binds
+        elif self.config.security is not None and self.config.security.insecure:
+            log.warning(
+                "%s %s runs WITHOUT authentication or encryption ([security] insecure = true): anyone who can "
+                "reach %s can read and write everything",
+                self.role,
+                self.config.name,
+                self.config.listen,
+            )
         self.socket = self.context.socket(zmq.ROUTER)
+        if self.security is not None:
+            self.security.secure_server(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, ROUTER_QUEUE_MAX)
         self.socket.setsockopt(zmq.SNDHWM, ROUTER_QUEUE_MAX)
@@ -79,6 +113,67 @@ class NodeServer:
     def install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.stopping.set())
+        signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
+
+    def reload_security(self) -> None:
+        """SIGHUP: re-read ``authorized_keys`` and ``[security.roles]`` from the config file; keep the
+        old ones (and say why) if the new ones are unusable."""
+        self.reload_requested.clear()
+        if self.security is None or self.config.source_path is None:
+            log.warning("SIGHUP: nothing to reload (no [security] keys or no config file)")
+            return
+        try:
+            security = load_config(self.config.source_path).security
+            if security is None or not security.enabled:
+                raise SecurityError("the reloaded config has no [security] keys; restart to turn security off")
+            self.security.reload(security)
+        except (ConfigError, SecurityError) as error:
+            log.error("SIGHUP: keeping the current keys and roles: %s", error)
+            return
+        log.info("SIGHUP: reloaded %d authorized keys and the roles", len(self.security.authorized))
+
+    def receive(self) -> tuple[list[bytes], bytes, str] | None:
+        """One waiting ROUTER request: (envelope, frame, principal); None when nothing waits.
+
+        The principal is the ZAP user id of the authenticated key ("" without [security]).
+        Raises ``zmq.Again`` when the queue is empty; malformed multipart messages give ``None``.
+        """
+        if self.socket is None:
+            raise zmq.Again()
+        parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        if len(parts) < 2:
+            return None  # not from a ROUTER peer we can answer
+        principal = self.security.principal_of(parts[-1]) if self.security is not None else ""
+        return [part.bytes for part in parts[:-1]], parts[-1].bytes, principal
+
+    def refusal(self, principal: str, message: Message) -> Message | None:
+        """The error to answer if ``principal`` may not send ``message`` (counted); None if it may."""
+        if self.security is None:
+            return None
+        reason = self.security.roles.refusal(principal, message.kind)
+        if reason is not None:
+            self.security.refused_role += 1
+            self._log_refusal("refused: %s", reason)
+            return codec.error(message.request_id, "forbidden", reason)
+        reason = sender_mismatch(principal, message.kind, message.body) if isinstance(message.body, dict) else None
+        if reason is not None:
+            self.security.refused_sender += 1
+            self._log_refusal("refused a forged sender: %s", reason)
+            return codec.error(message.request_id, "forbidden", reason)
+        return None
+
+    def _log_refusal(self, text: str, reason: str) -> None:
+        # A flood of refused requests must not become a flood of log lines: status counts them all.
+        now_ms = monotonic_ms()
+        if now_ms - self._refusal_logged_ms >= REFUSAL_LOG_INTERVAL_MS:
+            self._refusal_logged_ms = now_ms
+            log.warning(text, reason)
+
+    def security_status(self) -> dict[str, Any]:
+        if self.security is None:
+            insecure = self.config.security is not None and self.config.security.insecure
+            return {"curve": False, "insecure": insecure}
+        return self.security.status()
 
     def run_turn(self) -> None:
         raise NotImplementedError
@@ -91,6 +186,8 @@ class NodeServer:
         )
         try:
             while not self.stopping.is_set():
+                if self.reload_requested.is_set():
+                    self.reload_security()
                 self.run_turn()
         finally:
             self.close()
@@ -102,6 +199,8 @@ class NodeServer:
         if self.socket is not None:
             self.socket.close(0)
             self.socket = None
+        if self.security is not None:
+            self.security.stop()
         if self.context is not None:
             self.context.term()
             self.context = None
@@ -117,6 +216,8 @@ class NodeServer:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, queue_max)
             socket.setsockopt(zmq.RCVHWM, queue_max)
+            if self.security is not None:
+                self.security.secure_client(socket)
             socket.connect(endpoint)
             self.dealers[endpoint] = socket
         return socket

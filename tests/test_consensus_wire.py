@@ -8,7 +8,15 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mnesite.core.consensus import AppendReply, AppendRequest, PreVoteReply, PreVoteRequest, VoteReply, VoteRequest
+from mnesite.core.consensus import (
+    AppendReply,
+    AppendRequest,
+    ExclusionNotice,
+    PreVoteReply,
+    PreVoteRequest,
+    VoteReply,
+    VoteRequest,
+)
 from mnesite.core.consensus_wire import CONSENSUS_WIRE_VERSION, message_from_wire, message_to_wire
 from mnesite.rlog.codec import CodecError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, TxKey, WriteOp, make_entry
@@ -28,6 +36,8 @@ MESSAGES = [
     AppendReply(4, False, ZERO_KEY, TxKey(3, 9), TxKey(3, 1)),
     AppendReply(4, True, TxKey(3, 9), TxKey(3, 9), TxKey(3, 1), 987_654),
     AppendRequest(2, TxKey(1, 2), SECOND.digest, ZERO_KEY, ("a",), (), 123_456),
+    ExclusionNotice(9, ("a",), TxKey(3, 9), SECOND.digest),
+    ExclusionNotice(9, ("a", "b"), ZERO_KEY, None),
 ]
 
 
@@ -61,6 +71,9 @@ def test_messages_round_trip_through_msgpack(message):
         [CONSENSUS_WIRE_VERSION, "append_reply", 1, True, [0, 0], [0, 0], [0, 0], "soon"],
         [CONSENSUS_WIRE_VERSION, "pre_vote_request", 1, [1]],
         [CONSENSUS_WIRE_VERSION, "pre_vote_reply", 1, "yes"],
+        [CONSENSUS_WIRE_VERSION, "exclusion_notice", 1, ["a"], [0, 0], b"short"],
+        [CONSENSUS_WIRE_VERSION, "exclusion_notice", 1, [], [0, 0], None],
+        [CONSENSUS_WIRE_VERSION, "exclusion_notice", 1, ["a"], [0, 0]],
     ],
 )
 def test_malformed_messages_raise_codec_error(value):
