@@ -17,7 +17,6 @@ before and after, which is how the test shows what a fault cost in elections.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import threading
@@ -201,7 +200,3 @@ class Nemesis:
             if node.process is None or node.process.poll() is not None:
                 node.process = None
                 self._restart(name)
-
-
-def faketime_available() -> bool:
-    return faketime_library() is not None and os.access(faketime_library(), os.R_OK)
