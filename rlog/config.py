@@ -26,7 +26,7 @@ Example::
     requests_queued_max = 10000         # incoming frames zmq queues
     replies_queued_max = 1000           # answers zmq queues per connection
     watches_max = 256                   # replicant watches (agents) per core
-    push_queue_max = 64                 # frames queued to one replicant endpoint
+    push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -94,7 +94,7 @@ class Limits:
     # evicted first when a new watch needs room.
     watches_max: int = 256
     # Frames queued to one replicant's endpoint (pushes beyond it are dropped and re-sent by the agent).
-    push_queue_max: int = 64
+    push_queue_max: int = 1024
 
 
 @dataclass(frozen=True)
