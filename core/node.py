@@ -143,6 +143,9 @@ class StoreLogView:
     def trimmed_key(self) -> TxKey:
         return self.store.trimmed(self.shard)[0]
 
+    def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
+        return self.store.count_between(self.shard, key, up_to, limit)
+
 
 class UnappliedTail:
     """What the entries persisted but not yet applied will do, for guard evaluation at the sequencer.
@@ -201,6 +204,10 @@ class ShardDriver:
     tail: UnappliedTail = field(default_factory=UnappliedTail)
     # tx key -> [(envelope, request_id)]: clients waiting for that entry to commit.
     waiters: dict[TxKey, list[tuple[list[bytes], str]]] = field(default_factory=dict)
+    # The highest generation persisted here, and how many times it grew since this process started
+    # (elections seen: a stable cluster keeps this at the elections of its start-up).
+    generation: int = 0
+    elections: int = 0
 
 
 @dataclass
@@ -296,7 +303,7 @@ class CoreNode(NodeServer):
             random.Random(self.rng.random()),
             self.clock_ms(),
         )
-        driver = ShardDriver(shard, consensus, log_view, tail)
+        driver = ShardDriver(shard, consensus, log_view, tail, generation=generation)
         self.shards[shard] = driver
         return driver
 
@@ -320,7 +327,9 @@ class CoreNode(NodeServer):
         for driver in list(self.shards.values()):
             if now >= driver.consensus.next_deadline_ms() and driver.shard not in self.excluded:
                 self._step(driver, Ticked())
-        self.rlog_server.tick(now)
+        # The shard ticks above may have stepped agents with a later clock reading (a commit feeds
+        # them its time): read the clock again, never hand an agent an earlier one.
+        self.rlog_server.tick(self.clock_ms())
         self.flush()
         deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
         agents_deadline = self.rlog_server.next_deadline_ms()
@@ -405,6 +414,9 @@ class CoreNode(NodeServer):
             self.begin()
             state = effect.state
             self.store.persist_consensus_state(shard, state.generation, state.voted_for, state.members, state.forced)
+            if state.generation > driver.generation:
+                driver.generation = state.generation
+                driver.elections += 1
         elif isinstance(effect, PersistEntries):
             self.begin()
             self.store.append_entries(effect.entries, int(time.time() * 1000), chain_verified=True)
@@ -872,6 +884,7 @@ class CoreNode(NodeServer):
                 "applied": list(position.applied),
                 "digest": position.digest.hex(),
                 "generation": status.generation,
+                "elections": driver.elections,
                 "role": status.role.value,
                 "sequencer": status.sequencer,
                 "committed": list(status.committed_key),
@@ -900,12 +913,7 @@ class CoreNode(NodeServer):
         }
 
     def _lag(self, shard: str, match: TxKey, last: TxKey) -> int:
-        row = self.store.connection.execute(
-            "SELECT count(*) FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?) "
-            "AND (generation, counter) <= (?, ?)",
-            (shard, match.generation, match.counter, last.generation, last.counter),
-        ).fetchone()
-        return row[0]
+        return self.store.count_between(shard, match, last, 10**12)
 
     # -- local helpers for tools -------------------------------------------------------------
 

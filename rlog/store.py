@@ -267,6 +267,15 @@ class Store:
             return ZERO_KEY, GENESIS_DIGEST
         return TxKey(row[0], row[1]), row[2]
 
+    def count_between(self, shard: str, after: TxKey, up_to: TxKey, limit: int) -> int:
+        """How many entries of ``shard`` have a tx key in (``after``, ``up_to``], counted up to ``limit``."""
+        row = self.connection.execute(
+            "SELECT count(*) FROM (SELECT 1 FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?) "
+            "AND (generation, counter) <= (?, ?) LIMIT ?)",
+            (shard, after.generation, after.counter, up_to.generation, up_to.counter, limit),
+        ).fetchone()
+        return row[0]
+
     def digest_at(self, shard: str, key: TxKey) -> bytes | None:
         if key == ZERO_KEY:
             return GENESIS_DIGEST

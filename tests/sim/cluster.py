@@ -94,6 +94,9 @@ class MemoryLog:
     def trimmed_key(self) -> TxKey:
         return self._trimmed_key
 
+    def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
+        return min(limit, max(0, bisect.bisect_right(self.keys, up_to) - bisect.bisect_right(self.keys, key)))
+
     # storage operations, as a driver would run them
     def entry_at(self, key: TxKey) -> Entry | None:
         position = bisect.bisect_left(self.keys, key)

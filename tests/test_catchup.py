@@ -1,0 +1,76 @@
+"""Real processes: catching a replicant up never destabilises the cores (issue 11, DESIGN invariant 11).
+
+Three cores load 100 transactions of 1,000 rows of about 100 bytes (entries of about 100 KB), with the
+default retention, so an empty replicant resumes from (0, 0) through the rlog while three writers keep
+writing. The replicant must reach the cores' committed key in normal mode within 60 s, and no new
+generation may start meanwhile (an agent push or a catch-up read that delays heartbeats would make a
+follower campaign)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import Cluster, wait_until
+from tests.test_cluster import Load, create_table
+from tests.test_replicants import shard_status, wait_replicant_caught_up
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+ROW_VALUE = "v" * 90  # with the id and the encoding, about 100 bytes a row
+
+
+def load_batches(cluster: Cluster, transactions: int, rows_per_transaction: int) -> None:
+    with cluster.client("core1", timeout_ms=20_000, retries=3) as client:
+        for start in range(0, transactions * rows_per_transaction, rows_per_transaction):
+            client.transact(
+                [
+                    {"op": "write", "table": "kv", "row": {"id": 1_000_000 + i, "value": ROW_VALUE}}
+                    for i in range(start, start + rows_per_transaction)
+                ]
+            )
+
+
+def generations(cluster: Cluster) -> dict[str, tuple[int, int]]:
+    """Per core: (generation, elections counted) of shard default."""
+    result = {}
+    for name in cluster.names:
+        status = cluster.status(name, timeout_ms=3000)
+        if status is not None:
+            info = status["shards"]["default"]
+            result[name] = (info["generation"], info["elections"])
+    return result
+
+
+def test_an_empty_replicant_catches_up_100_large_entries_without_an_election(cluster: Cluster) -> None:
+    cluster.start_all()
+    create_table(cluster)
+    wait_until(lambda: cluster.sequencer() is not None, 30, "a sequencer")
+    load_batches(cluster, 100, 1000)
+    before = generations(cluster)
+    assert len(before) == 3
+    load = Load(cluster, cluster.names, writers=3).start()
+    load.wait_for(30)
+    cluster.add_replicant("replicant1")
+    started = time.monotonic()
+    cluster.start("replicant1")
+
+    def normal_at_committed() -> bool:
+        status = shard_status(cluster, "replicant1") or {}
+        return status.get("mode") == "normal" and status.get("lag_entries") == 0
+
+    wait_until(normal_at_committed, 60, "replicant1 to reach the committed key in normal mode", interval_s=0.1)
+    caught_up_s = time.monotonic() - started
+    after = generations(cluster)
+    load.wait_for(30)
+    acknowledged = load.stop()
+    assert {name: gen for name, (gen, _) in after.items()} == {name: gen for name, (gen, _) in before.items()}, (
+        f"a new generation started during the catch-up: {before} -> {after}"
+    )
+    applied, _ = wait_replicant_caught_up(cluster, ["replicant1"])
+    status = shard_status(cluster, "replicant1")
+    assert status["bootstraps"] == 0 and status["resumes"] >= 1
+    assert status["applied"] == list(applied)
+    assert acknowledged, "the writers got no acknowledgement"
+    print(f"catch-up to normal at the committed key: {caught_up_s:.1f} s; generations {after}")
