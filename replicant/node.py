@@ -446,14 +446,7 @@ class ReplicantNode(NodeServer):
     def _serve_waiting(self) -> None:
         if self.socket is None:
             return
-        for _ in range(self.config.limits.group_commit_max):
-            try:
-                parts = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if len(parts) < 2:
-                continue
-            envelope, frame = parts[:-1], parts[-1]
+        for envelope, frame in self.receive_frames(self.clock_ms):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:

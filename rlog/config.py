@@ -22,6 +22,8 @@ Example::
     group_commit_max = 256              # transactions per SQLite commit (one fsync)
     transaction_ops_max = 1000          # ops plus guards in one transaction
     scan_rows_max = 10000               # rows per scan page
+    turn_bytes_max = 8388608            # frames drained per loop turn, in bytes
+    turn_ms_max = 50                    # time spent draining frames per loop turn
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -61,6 +63,11 @@ class Limits:
     group_commit_max: int = 256
     transaction_ops_max: int = 1000
     scan_rows_max: int = 10000
+    # Work of one loop turn: frames (bytes) drained and time spent on them. What is left waits in the
+    # socket for the next turn, which starts with the consensus ticks: heartbeats, appends and votes
+    # never wait behind a long batch of large transactions, pushes or catch-up reads.
+    turn_bytes_max: int = 8 * 1024 * 1024
+    turn_ms_max: int = 50
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,8 @@ _LIMIT_BOUNDS = {
     "group_commit_max": (1, 100_000),
     "transaction_ops_max": (1, 1_000_000),
     "scan_rows_max": (1, 1_000_000),
+    "turn_bytes_max": (1024, 1024 * 1024 * 1024),
+    "turn_ms_max": (1, 60_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
     "election_timeout_ms_min": (10, 600_000),

@@ -17,6 +17,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -128,6 +129,31 @@ class NodeServer:
         for socket in self.dealers.values():
             poller.register(socket, zmq.POLLIN)
         return dict(poller.poll(timeout_ms))
+
+    def receive_frames(self, clock_ms: Callable[[], int]) -> Iterator[tuple[list[bytes], bytes]]:
+        """The (envelope, frame) pairs waiting on the ROUTER, as many as one turn may handle.
+
+        One turn drains at most ``group_commit_max`` frames, ``turn_bytes_max`` bytes and
+        ``turn_ms_max`` of handling time (DESIGN invariant 11: the rest waits in the socket, and the
+        next turn first ticks the state machines, so heartbeats, appends and votes never wait behind
+        a long run of large transactions, pushes or catch-up reads). Frames without an envelope
+        (not from a ROUTER peer we can answer) are skipped.
+        """
+        limits = self.config.limits
+        started_ms = clock_ms()
+        drained_bytes = 0
+        for _ in range(limits.group_commit_max):
+            if self.socket is None or drained_bytes >= limits.turn_bytes_max:
+                return
+            if clock_ms() - started_ms >= limits.turn_ms_max:
+                return
+            try:
+                parts = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            drained_bytes += len(parts[-1])
+            if len(parts) >= 2:
+                yield parts[:-1], parts[-1]
 
     # -- the turn's transaction and outbox ---------------------------------------------------
 
