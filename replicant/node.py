@@ -20,6 +20,7 @@ Shards are discovered from the cores' journals: every shard a core reports gets 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -40,7 +41,6 @@ from mnesite.rlog.server import NodeServer, monotonic_ms
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
-    ZERO_KEY,
     OpDecodeError,
     TxKey,
     WriteOp,
@@ -125,9 +125,6 @@ class ReplicantNode(NodeServer):
         self.probes: dict[str, Probe] = {}
         self.waiting_reads: list[WaitingRead] = []
         self.pushes_rejected: dict[str, int] = {}
-        # After a bootstrap the copied rows may be newer than the applied key (dirty reads): reads
-        # wait until the applied key reaches the upstream's committed key read after the copy.
-        self.read_fences: dict[str, TxKey | None] = {}
         # Pushes that arrived while this shard's watch answer was still on its way (bounded).
         self.early_pushes: dict[str, list[p.PushReceived]] = {}
         self._next_discovery_ms = 0
@@ -166,6 +163,7 @@ class ReplicantNode(NodeServer):
             self.clock_ms(),
             bootstraps=int(self.store.meta(f"bootstraps:{shard}", 0)),
             resumes=int(self.store.meta(f"resumes:{shard}", 0)),
+            read_fenced=bool(int(self.store.meta(f"read_fenced:{shard}", 0))),
         )
         self.replicas[shard] = replica
         return replica
@@ -282,13 +280,20 @@ class ReplicantNode(NodeServer):
             body = {"shard": shard, "agent": effect.agent_id, "applied": list(replica.applied_key)}
             body["rejected"] = effect.reason
             self.queue(self.core_sockets[effect.core], Message("push_ack", "ack", body))
+        elif isinstance(effect, p.FetchCommitted):
+            # read_index: the sequencer's quorum-confirmed committed key, at least any key a batch saw.
+            pending = Pending("fence", effect.core, now + REQUEST_TIMEOUT_MS, shard)
+            self._request(effect.core, "read_index", {"shard": shard}, pending)
+        elif isinstance(effect, p.ReadFenceChanged):
+            self.begin()
+            self.store.set_meta(f"read_fenced:{shard}", int(effect.fenced))
+            log.info(
+                "shard %s: reads %s",
+                shard,
+                "fenced until the replay reaches the committed key" if effect.fenced else "served again",
+            )
         elif isinstance(effect, p.ModeChanged):
             log.info("shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
-            if effect.mode is p.Mode.BOOTSTRAP:
-                self.read_fences[shard] = None
-            elif effect.mode is p.Mode.NORMAL and shard in self.read_fences and effect.upstream:
-                fence = Pending("fence", effect.upstream, now + REQUEST_TIMEOUT_MS, shard)
-                self._request(effect.upstream, "journal", {}, fence)
             status = replica.status()
             self.begin()
             self.store.set_meta(f"bootstraps:{shard}", status.bootstraps)
@@ -334,14 +339,13 @@ class ReplicantNode(NodeServer):
             self._wait_for(envelope, message, pending.detail["shard"], TxKey(*result["committed"]))
             return
         if pending.purpose == "fence":
-            shard = pending.shard or ""
-            info = (result or {}).get("shards", {}).get(shard)
-            if info is not None and shard in self.read_fences:
-                self.read_fences[shard] = TxKey(*info["committed"])
-            elif shard in self.read_fences and shard in self.replicas:
-                # No answer: ask the upstream again on the next turn (the fence stays closed).
-                core = self.replicas[shard].status().upstream or pending.core
-                self._request(core, "journal", {}, Pending("fence", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard))
+            replica = self.replicas.get(pending.shard or "")
+            committed = None
+            if error is None and isinstance(result, dict):
+                with contextlib.suppress(OpDecodeError, KeyError):
+                    committed = tx_key_from_wire(result["committed"])
+            if replica is not None:
+                self._step(replica, p.CommittedReceived(pending.core, committed))
             return
         if pending.purpose == "discover":
             if result is not None:
@@ -416,8 +420,8 @@ class ReplicantNode(NodeServer):
                     pending.detail["envelope"],
                     codec.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
                 )
-            elif pending.purpose == "fence" and pending.shard in self.read_fences:
-                self._on_answer(pending, Message("error", request_id, {"code": "timeout", "message": "no answer"}))
+            elif pending.purpose == "fence" and pending.shard in self.replicas:
+                self._step(self.replicas[pending.shard], p.CommittedReceived(pending.core, None))
             elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
                 if pending.purpose == "watch":
                     self.early_pushes.pop(pending.shard, None)
@@ -507,11 +511,25 @@ class ReplicantNode(NodeServer):
             return
         self._step(replica, push)
 
-    def _serving(self, shard: str) -> None:
+    def _serving(self, shard: str) -> ShardReplica:
+        """The shard's replica if it serves reads (every kind: get, scan, range requests); else not_ready.
+
+        The replica decides (``ShardReplica.readable``): NORMAL, and past the read fence of its last
+        bootstrap.
+        """
         replica = self.replicas.get(shard)
-        if replica is None or replica.mode is not p.Mode.NORMAL or shard in self.read_fences:
-            mode = replica.mode.value if replica else "unknown"
-            raise RequestError("not_ready", f"replicant {self.config.name} cannot serve shard {shard} yet ({mode})")
+        if replica is not None and replica.readable():
+            return replica
+        if replica is None:
+            detail = "shard unknown"
+        else:
+            status = replica.status()
+            detail = f"mode {status.mode.value}, rows copied {status.rows_copied}"
+            detail += f", entries buffered {status.entries_spilled}, applied {status.applied_key}"
+            if status.read_fenced:
+                fence = status.read_fence or "the committed key being asked for"
+                detail += f", replaying after its bootstrap up to {fence}"
+        raise RequestError("not_ready", f"replicant {self.config.name} cannot serve shard {shard} yet ({detail})")
 
     def _rlog_read(self, message: Message) -> list[dict[str, Any]]:
         """This replicant's own rlog (what it applied, as far as it retains it)."""
@@ -552,27 +570,7 @@ class ReplicantNode(NodeServer):
     def _read(self, envelope: list[bytes], message: Message) -> None:
         body = message.body
         table = self._table(body["table"])
-        replica = self.replicas.get(table.shard)
-        fence = self.read_fences.get(table.shard, ZERO_KEY) if replica else None
-        if replica is not None and replica.mode is p.Mode.NORMAL and table.shard in self.read_fences:
-            if fence is not None and replica.applied_key >= fence:
-                del self.read_fences[table.shard]
-            else:
-                raise RequestError(
-                    "not_ready",
-                    f"replicant {self.config.name} is replaying shard {table.shard} after its bootstrap "
-                    f"(applied {replica.applied_key}, serving from {fence if fence else 'the upstream committed key'})",
-                )
-        if replica is None or replica.mode is not p.Mode.NORMAL:
-            status = replica.status() if replica else None
-            detail = (
-                f"mode {status.mode.value}, rows copied {status.rows_copied}, entries buffered {status.entries_spilled}"
-                if status
-                else "shard unknown"
-            )
-            raise RequestError(
-                "not_ready", f"replicant {self.config.name} cannot serve shard {table.shard} yet ({detail})"
-            )
+        replica = self._serving(table.shard)
         if body.get("consistency") == "linearizable":
             # Learn the committed key from the sequencer (quorum-confirmed), then wait for it here.
             core = replica.status().upstream or self.cores[self.rng.randrange(len(self.cores))]
@@ -638,6 +636,9 @@ class ReplicantNode(NodeServer):
                 "entries_buffered": status.entries_spilled,
                 "last_error": status.last_error,
                 "pushes_rejected": self.pushes_rejected.get(shard, 0),
+                "serving": status.readable,
+                "read_fenced": status.read_fenced,
+                "read_fence": list(status.read_fence) if status.read_fence else None,
             }
         return {
             "node": self.config.name,

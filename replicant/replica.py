@@ -32,6 +32,13 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   dirty reads saw. The applied key becomes the last spilled key, then the replica is NORMAL. If
   pushes were dropped because the spill was full, it resynchronises at once (DISCONNECTED, then a
   watch that resumes from the applied key).
+* Read fence. The copied rows were read dirty: they may hold writes of entries after the applied
+  key. After a bootstrap the replica therefore asks its upstream for the shard's committed key as
+  the sequencer confirms it with a quorum (``FetchCommitted``, asked after the last batch was
+  received, so that key is at least any key whose writes a batch saw) and serves no read of any
+  kind (``readable()`` is False) until the applied key reaches it. Reaching the key clears the
+  fence, whatever applied it; a failed or unanswered request is asked again (after
+  ``failure_timeout_ms`` at most; of the new upstream after a failover). The fence lives in memory: see the README.
 * Fencing (invariant 6). A push from anything but the watched agent of the upstream is answered
   ``SendReject(..., "not the watched agent")`` and never applied. (While a watch is outstanding,
   pushes from the core it went to are dropped without an answer: they may come from the agent
@@ -47,7 +54,7 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
 Driver contract
 ---------------
 1. Build the replica from what is persisted: the applied key and digest (``UNKNOWN_DIGEST`` after a
-   ``ResetShard``) and the ``bootstraps``/``resumes`` counters. Deliver ``Ticked`` at least every
+   ``ResetShard``), the ``bootstraps``/``resumes`` counters and the read fence flag. Deliver ``Ticked`` at least every
    ``retry_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters); ``now_ms``
    never decreases.
 2. Execute the effects in list order. ``ApplyEntries`` applies the entries and records the new
@@ -55,14 +62,16 @@ Driver contract
    shard's rows and spill and persists ``UNKNOWN_DIGEST`` (keeping the applied key). ``ApplyBatch``
    writes full rows; ``SpillEntries`` appends to the persisted spill; ``ReplaySpill`` sets the
    position to K0, applies the spill in order (position and data in the same transactions) and
-   empties it. All of these are durable before the next effect runs: a ``SendAck`` comes after what
-   it acknowledges.
+   empties it; ``ReadFenceChanged`` persists its flag. All of these are durable before the next
+   effect runs: a ``SendAck`` comes after what it acknowledges.
 3. ``ProbeJournals``: ask every listed core for its journal age of the shard and step one
    ``JournalsReceived`` after at most ``probe_timeout_ms`` (``None`` for a core that did not answer).
    ``SendWatch``/``FetchTables``/``FetchBatch``: step the answer (``WatchAccepted``, ``WatchRefused``,
    ``TablesReceived``, ``BatchReceived``) or ``RequestFailed``. Sends are fire-and-forget.
-4. ``ModeChanged`` is for logs, metrics and the read path: serve reads in NORMAL (and, knowing they
-   may be stale, in DISCONNECTED with a known digest), never in BOOTSTRAP or LOCAL_REPLAY.
+4. ``ModeChanged`` is for logs and metrics. The read path asks ``readable()``: NORMAL and past the
+   read fence of the last bootstrap; never in BOOTSTRAP or LOCAL_REPLAY.
+5. ``FetchCommitted``: step ``CommittedReceived`` with the core's committed key, or with None when
+   the request failed or timed out.
 """
 
 from __future__ import annotations
@@ -78,7 +87,9 @@ from mnesite.rlog.replication import (
     ApplyBatch,
     ApplyEntries,
     BatchReceived,
+    CommittedReceived,
     FetchBatch,
+    FetchCommitted,
     FetchTables,
     JournalAge,
     JournalsReceived,
@@ -86,6 +97,7 @@ from mnesite.rlog.replication import (
     ModeChanged,
     ProbeJournals,
     PushReceived,
+    ReadFenceChanged,
     ReplaySpill,
     RequestFailed,
     ResetShard,
@@ -114,6 +126,7 @@ ReplicaEvent = (
     | PushReceived
     | TablesReceived
     | BatchReceived
+    | CommittedReceived
     | RequestFailed
 )
 ReplicaEffect = (
@@ -129,6 +142,8 @@ ReplicaEffect = (
     | SendAck
     | SendReject
     | ModeChanged
+    | FetchCommitted
+    | ReadFenceChanged
 )
 
 
@@ -177,6 +192,11 @@ class ReplicaStatus:
     last_error: str | None
     hears_sequencer: bool = False
     bootstrap_failures_in_a_row: int = 0
+    # Reads are served (NORMAL and past the read fence).
+    readable: bool = False
+    # After a bootstrap: the key the applied key must reach before reads (None: being asked).
+    read_fence: TxKey | None = None
+    read_fenced: bool = False
 
 
 class _Waiting(enum.Enum):
@@ -211,6 +231,7 @@ class ShardReplica:
         now_ms: int,
         bootstraps: int = 0,
         resumes: int = 0,
+        read_fenced: bool = False,
     ) -> None:
         if not shard or not name:
             raise ReplicaConfigError("shard and name must not be empty")
@@ -259,6 +280,10 @@ class ShardReplica:
         self._spilled = 0
         self._spill_full = False
         self._spill_dropped = False
+        # Read fence after a bootstrap (see the theory of operation).
+        self._fenced = read_fenced
+        self._fence_key: TxKey | None = None
+        self._fence_asked_ms: int | None = None
         self._out: list[ReplicaEffect] = []
 
     # ------------------------------------------------------------ queries
@@ -283,6 +308,10 @@ class ShardReplica:
     def agent_id(self) -> str | None:
         return self._agent_id
 
+    def readable(self) -> bool:
+        """Reads of every kind may be served: NORMAL, and the read fence of the last bootstrap is reached."""
+        return self._mode is Mode.NORMAL and not self._fenced
+
     def status(self) -> ReplicaStatus:
         lag = None
         if self._committed_key is not None and self._committed_key.generation == self._applied_key.generation:
@@ -303,6 +332,9 @@ class ShardReplica:
             last_error=self._last_error,
             hears_sequencer=self._hears_sequencer,
             bootstrap_failures_in_a_row=self._bootstrap_failures,
+            readable=self.readable(),
+            read_fence=self._fence_key,
+            read_fenced=self._fenced,
         )
 
     def next_deadline_ms(self) -> int:
@@ -315,6 +347,9 @@ class ShardReplica:
                 deadlines.append(self._next_probe_ms)
         else:
             deadlines.append(self._last_heard_ms + self.config.failure_timeout_ms)
+            if self._fenced and self._fence_key is None:
+                asked = self._fence_asked_ms
+                deadlines.append(self._now_ms if asked is None else asked + self.config.failure_timeout_ms)
             if self._not_hearing_since_ms is not None:
                 deadlines.append(self._not_hearing_since_ms + self.config.failure_timeout_ms)
         return min(deadlines)
@@ -343,6 +378,8 @@ class ShardReplica:
             self._on_batch(event)
         elif isinstance(event, RequestFailed):
             self._on_request_failed(event)
+        elif isinstance(event, CommittedReceived):
+            self._on_committed_received(event)
         else:
             raise TypeError(f"not a replica event: {event!r}")
         out, self._out = self._out, []
@@ -389,6 +426,7 @@ class ShardReplica:
         self._not_hearing_since_ms = None
         self._waiting = _Waiting.NOTHING
         self._request_core = None
+        self._fence_asked_ms = None  # an answer from the old upstream is ignored; ask the next one
         self._next_probe_ms = self._now_ms + (self._retry_delay_ms() if delay_ms is None else delay_ms)
 
     def _on_tick(self) -> None:
@@ -406,6 +444,8 @@ class ShardReplica:
             self._fail(f"no push or heartbeat from {self._upstream} for {timeout} ms")
         elif self._not_hearing_since_ms is not None and now - self._not_hearing_since_ms >= timeout:
             self._fail(f"{self._upstream} has not heard the sequencer for {timeout} ms")
+        else:
+            self._ask_fence()
 
     def _on_request_failed(self, event: RequestFailed) -> None:
         waiting_on_it = self._waiting is not _Waiting.NOTHING and event.core == self._request_core
@@ -468,8 +508,11 @@ class ShardReplica:
             self._connect(event)
             self._bootstraps += 1
             self._set_mode(Mode.BOOTSTRAP, f"bootstrapping from {event.core} at {event.start_key}")
+            # Fenced before the reset: a crash between the two must not leave dirty rows readable.
+            self._out.append(ReadFenceChanged(True))
             self._out.append(ResetShard())
             self._applied_digest = UNKNOWN_DIGEST
+            self._fenced, self._fence_key, self._fence_asked_ms = True, None, None
             self._start_key, self._start_digest = event.start_key, event.start_digest
             self._spill_key, self._spill_digest = event.start_key, event.start_digest
             self._spilled = 0
@@ -559,6 +602,7 @@ class ShardReplica:
             return
         if self._upstream is not None and self._agent_id is not None:
             self._out.append(SendAck(self._upstream, self._agent_id, self._applied_key))
+        self._ask_fence()
 
     # ------------------------------------------------------------ pushes
 
@@ -601,6 +645,7 @@ class ShardReplica:
         if new:
             self._out.append(ApplyEntries(new))
             self._applied_key, self._applied_digest = new[-1].tx_key, new[-1].digest
+            self._check_fence()
         self._out.append(SendAck(event.core, event.agent_id, self._applied_key))
 
     def _new_entries(self, event: PushReceived, key: TxKey, digest: bytes) -> tuple[Entry, ...]:
@@ -661,3 +706,28 @@ class ShardReplica:
                 if not taken:
                     return
         self._out.append(SendAck(event.core, event.agent_id, self._spill_key))
+
+    # ------------------------------------------------------------ the read fence
+
+    def _ask_fence(self) -> None:
+        if not self._fenced or self._fence_key is not None or self._upstream is None or self._mode is not Mode.NORMAL:
+            return
+        # Asked once per failure_timeout_ms: an answer lost on the way is asked for again.
+        if self._fence_asked_ms is None or self._now_ms - self._fence_asked_ms >= self.config.failure_timeout_ms:
+            self._out.append(FetchCommitted(self._upstream))
+            self._fence_asked_ms = self._now_ms
+
+    def _on_committed_received(self, event: CommittedReceived) -> None:
+        if not (self._fenced and self._fence_asked_ms is not None and event.core == self._upstream):
+            return  # not asked, or an answer from an upstream this replica left
+        self._fence_asked_ms = None
+        if event.committed_key is None:
+            return  # asked again at the next tick
+        if self._fence_key is None:
+            self._fence_key = event.committed_key
+        self._check_fence()
+
+    def _check_fence(self) -> None:
+        if self._fenced and self._fence_key is not None and self._applied_key >= self._fence_key:
+            self._fenced, self._fence_key = False, None
+            self._out.append(ReadFenceChanged(False))

@@ -125,6 +125,14 @@ class TablesReceived:
 
 
 @dataclass(frozen=True)
+class CommittedReceived:
+    """Answer to ``FetchCommitted``: the core's committed key, or None if it did not answer."""
+
+    core: str
+    committed_key: TxKey | None
+
+
+@dataclass(frozen=True)
 class RequestFailed:
     """A request to ``core`` (watch, fetch) got no answer or an error."""
 
@@ -138,6 +146,13 @@ class RequestFailed:
 @dataclass(frozen=True)
 class ProbeJournals:
     cores: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FetchCommitted:
+    """Ask ``core`` for its committed key (the read fence after a bootstrap); step ``CommittedReceived``."""
+
+    core: str
 
 
 @dataclass(frozen=True)
@@ -218,6 +233,13 @@ class ModeChanged:
     mode: Mode
     upstream: str | None
     reason: str
+
+
+@dataclass(frozen=True)
+class ReadFenceChanged:
+    """Persist whether reads are fenced (after a bootstrap, until the applied key reaches the fence)."""
+
+    fenced: bool
 
 
 # ---------------------------------------------------------------- agent events (core side)

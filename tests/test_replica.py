@@ -11,7 +11,9 @@ from mnesite.rlog.replication import (
     ApplyBatch,
     ApplyEntries,
     BatchReceived,
+    CommittedReceived,
     FetchBatch,
+    FetchCommitted,
     FetchTables,
     JournalAge,
     JournalsReceived,
@@ -19,6 +21,7 @@ from mnesite.rlog.replication import (
     ModeChanged,
     ProbeJournals,
     PushReceived,
+    ReadFenceChanged,
     ReplaySpill,
     RequestFailed,
     ResetShard,
@@ -364,6 +367,7 @@ def test_bootstrap_stages_run_in_order_reset_tables_batches_replay_then_normal()
     effects = bootstrap(machine, k0=10)
     assert effects == [
         ModeChanged(Mode.BOOTSTRAP, "core0", "bootstrapping from core0 at (1, 10)"),
+        ReadFenceChanged(True),
         ResetShard(),
         FetchTables("core0"),
     ]
@@ -385,6 +389,7 @@ def test_bootstrap_stages_run_in_order_reset_tables_batches_replay_then_normal()
         ReplaySpill(*at(10)),
         ModeChanged(Mode.NORMAL, "core0", "bootstrap done at (1, 12)"),
         SendAck("core0", "a1", at(12)[0]),
+        FetchCommitted("core0"),
     ]
     assert (machine.applied_key, machine.applied_digest) == at(12)
     status = machine.status()
@@ -553,3 +558,70 @@ def test_invalid_construction_and_time_going_backwards_are_refused():
     machine = replica(now_ms=10)
     with pytest.raises(ValueError, match="time went backwards"):
         machine.step(Ticked(), 9)
+
+
+# ---------------------------------------------------------------- the read fence after a bootstrap
+
+
+def bootstrapped(k0: int = 10, spilled: int = 12) -> ShardReplica:
+    """A replica that has just finished a bootstrap at ``k0`` with entries up to ``spilled`` spilled."""
+    machine = replica(applied=0)
+    bootstrap(machine, k0=k0)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    if spilled > k0:
+        machine.step(push(HISTORY[k0:spilled]), 2)
+    effects = machine.step(BatchReceived("core0", "t", None, ({"k": 1, "v": "dirty"},), True), 3)
+    assert FetchCommitted("core0") in effects and machine.mode is Mode.NORMAL
+    return machine
+
+
+@pytest.mark.timeout(10)
+def test_no_read_is_served_after_a_bootstrap_until_the_applied_key_reaches_the_committed_key():
+    machine = bootstrapped()
+    assert not machine.readable() and machine.status().read_fenced
+    machine.step(CommittedReceived("core0", at(14)[0]), 4)
+    assert not machine.readable() and machine.status().read_fence == at(14)[0]
+    machine.step(push(HISTORY[12:13]), 5)
+    assert not machine.readable()  # (1, 13): not there yet
+    assert ReadFenceChanged(False) in machine.step(push(HISTORY[13:14]), 6)
+    assert machine.readable(), "reaching the key clears the fence, without any read"
+    assert machine.status().read_fence is None and not machine.status().read_fenced
+
+
+@pytest.mark.timeout(10)
+def test_a_fence_already_reached_clears_at_the_answer():
+    machine = bootstrapped()
+    machine.step(CommittedReceived("core0", at(12)[0]), 4)
+    assert machine.readable()
+
+
+@pytest.mark.timeout(10)
+def test_an_unanswered_fence_request_is_asked_again_and_answers_of_another_core_are_ignored():
+    machine = bootstrapped()
+    machine.step(CommittedReceived("core1", at(12)[0]), 4)  # not the upstream
+    assert not machine.readable()
+    assert machine.step(Ticked(), 5) == []  # still waiting for core0's answer
+    machine.step(CommittedReceived("core0", None), 6)  # failed
+    assert FetchCommitted("core0") in machine.step(Ticked(), 7)
+    machine.step(push([], committed=12), 2000)
+    assert FetchCommitted("core0") in machine.step(Ticked(), 3007), "a lost answer is asked for again"
+    machine.step(CommittedReceived("core0", at(12)[0]), 3008)
+    assert machine.readable()
+
+
+@pytest.mark.timeout(10)
+def test_a_resumed_replica_without_bootstrap_is_readable_at_once():
+    machine = replica(applied=5)
+    connect(machine)
+    assert machine.readable() and not machine.status().read_fenced
+
+
+@pytest.mark.timeout(10)
+def test_a_replica_restarted_while_fenced_stays_fenced_and_asks_again():
+    key, digest = at(12)
+    machine = ShardReplica(SHARD, "rep0", CORES, key, digest, ReplicaConfig(), random.Random(0), 0, read_fenced=True)
+    connect(machine)
+    assert machine.mode is Mode.NORMAL and not machine.readable()
+    assert FetchCommitted("core0") in machine.step(Ticked(), 1)
+    assert ReadFenceChanged(False) in machine.step(CommittedReceived("core0", at(12)[0]), 2)
+    assert machine.readable()

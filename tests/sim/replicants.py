@@ -81,6 +81,7 @@ class SimReplicant:
     spill: list[Entry] = field(default_factory=list)
     bootstraps: int = 0
     resumes: int = 0
+    read_fenced: bool = False
     # Process state.
     machine: ShardReplica | None = None
     down_until_ms: int = 0
@@ -152,6 +153,8 @@ class ReplicantSimulation(Simulation):
         self.replicant_cut: set[tuple[str, str]] = set()
         self.in_order = False
         self.agent_sequence = 0
+        # Every committed entry in key order: the reference state at any committed key.
+        self.history: list[Entry] = []
         self.entries_applied = 0
         self.pushes_rejected = 0
         self.replicant_crashes = 0
@@ -198,6 +201,8 @@ class ReplicantSimulation(Simulation):
             if entry.tx_key > node.applied_key:
                 break
             apply_ops(tables, entry)
+            if not self.history or entry.tx_key > self.history[-1].tx_key:
+                self.history.append(entry)
         self._tell_agents(node)
 
     def _hears_sequencer(self, node: SimNode) -> bool:
@@ -248,6 +253,11 @@ class ReplicantSimulation(Simulation):
             batch = tuple(dict(rows[key]) for key in keys[:limit])
             answer = p.BatchReceived(node.name, table, after, batch, len(keys) <= limit)
             self._send_replication(node.name, sender, ("answer", answer))
+        elif kind == "committed":
+            # The driver asks with read_index: the sequencer's quorum-confirmed committed key.
+            known = self._hears_sequencer(node)
+            answer = p.CommittedReceived(node.name, self.committed_last_key if known else None)
+            self._send_replication(node.name, sender, ("answer", answer))
         elif kind == "ack":
             self._step_agent(node, message[1], p.AckReceived(message[2]))
         elif kind == "reject":
@@ -290,6 +300,7 @@ class ReplicantSimulation(Simulation):
             self.now_ms,
             bootstraps=replicant.bootstraps,
             resumes=replicant.resumes,
+            read_fenced=replicant.read_fenced,
         )
         replicant.probe_answers = None
         replicant.accepted = None
@@ -308,6 +319,7 @@ class ReplicantSimulation(Simulation):
             raise self.fail(f"stepping crashed replicant {replicant.name}")
         watched = (machine.upstream, machine.agent_id)
         was_disconnected = machine.mode is p.Mode.DISCONNECTED
+        was_readable = machine.readable()
         effects = machine.step(event, self.now_ms)
         crash_after = None
         if replicant.crash_in_next_step:
@@ -332,7 +344,22 @@ class ReplicantSimulation(Simulation):
             self.trace.append((self.now_ms, replicant.name, "crashed mid-step after effects", crash_after))
             self._crash_replicant(replicant)
             return
+        if machine.readable() and (not was_readable or isinstance(event, p.WatchAccepted)):
+            self._check_readable(replicant)
         self._check_replicant(replicant)
+
+    def _check_readable(self, replicant: SimReplicant) -> None:
+        """A replica that starts serving reads holds exactly the committed state at its applied key."""
+        reference = empty_tables()
+        for entry in self.history:
+            if entry.tx_key > replicant.applied_key:
+                break
+            apply_ops(reference, entry)
+        if replicant.tables != reference:
+            raise self.fail(
+                f"{replicant.name} serves reads at {replicant.applied_key} with tables that are not the committed "
+                "state there (a dirty bootstrap copy read past the read fence)"
+            )
 
     def _apply_entry(self, replicant: SimReplicant, entry: Entry) -> None:
         if replicant.applied_digest == p.UNKNOWN_DIGEST:
@@ -364,6 +391,8 @@ class ReplicantSimulation(Simulation):
             self._send_request(name, effect.core, ("tables",))
         elif isinstance(effect, p.FetchBatch):
             self._send_request(name, effect.core, ("batch", effect.table, effect.after, effect.limit))
+        elif isinstance(effect, p.FetchCommitted):
+            self._send_request(name, effect.core, ("committed",))
         elif isinstance(effect, p.ApplyEntries):
             for entry in effect.entries:
                 self._apply_entry(replicant, entry)
@@ -396,6 +425,8 @@ class ReplicantSimulation(Simulation):
             self._send_replication(name, effect.core, ("reject", effect.agent_id, effect.reason))
         elif isinstance(effect, p.ModeChanged):
             self.trace.append((self.now_ms, name, "mode", effect.mode.value, effect.upstream, effect.reason))
+        elif isinstance(effect, p.ReadFenceChanged):
+            replicant.read_fenced = effect.fenced
         else:
             raise self.fail(f"{name}: unknown replica effect {effect!r}")
 
@@ -536,7 +567,7 @@ class ReplicantSimulation(Simulation):
     def _replicas_converged(self, sequencer: SimNode) -> bool:
         for replicant in self.replicants.values():
             machine = replicant.machine
-            if machine is None or machine.mode is not p.Mode.NORMAL:
+            if machine is None or not machine.readable():
                 return False
             if replicant.applied_key != sequencer.applied_key:
                 return False
