@@ -243,7 +243,7 @@ class CoreNode(NodeServer):
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
         self.excluded_told_ms: dict[tuple[str, str], int] = {}
-        self.rlog_server = RlogServer(config.name)
+        self.rlog_server = RlogServer(config.name, rng=random.Random(self.rng.random()))
         self.last_heard_ms: dict[str, int] = {}
         self.transactions = 0
         self._next_retention_ms = 0

@@ -59,7 +59,6 @@ PENDING_REQUESTS_MAX = 10_000
 WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
-EARLY_PUSHES_MAX = 64
 RLOG_READ_MAX = 1000
 RETENTION_INTERVAL_MS = 1000
 
@@ -125,8 +124,6 @@ class ReplicantNode(NodeServer):
         self.probes: dict[str, Probe] = {}
         self.waiting_reads: list[WaitingRead] = []
         self.pushes_rejected: dict[str, int] = {}
-        # Pushes that arrived while this shard's watch answer was still on its way (bounded).
-        self.early_pushes: dict[str, list[p.PushReceived]] = {}
         self._next_discovery_ms = 0
         self._next_retention_ms = 0
         self._discovery_turn = 0
@@ -238,6 +235,7 @@ class ReplicantNode(NodeServer):
                 "from": list(effect.from_key),
                 "from_digest": effect.from_digest,
                 "protocol": p.REPLICATION_PROTOCOL_VERSION,
+                "watch_id": effect.watch_id,
             }
             self._request(effect.core, "watch", body, Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard))
         elif isinstance(effect, p.ApplyEntries):
@@ -368,21 +366,14 @@ class ReplicantNode(NodeServer):
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
-            early = self.early_pushes.pop(replica.shard, [])
             if error is not None:
                 self._step(replica, p.WatchRefused(pending.core, f"{error['code']}: {error['message']}"))
                 return
-            try:
-                start = tx_key_from_wire(result["start"])
-            except (OpDecodeError, KeyError, TypeError):
+            accepted = watch_accepted(pending.core, result)
+            if accepted is None:
                 self._step(replica, p.RequestFailed(pending.core, "malformed watch answer"))
                 return
-            self._step(
-                replica, p.WatchAccepted(pending.core, result["agent"], result["mode"], start, result["start_digest"])
-            )
-            for push in early:
-                if push.agent_id == result["agent"]:
-                    self._step(replica, push)
+            self._step(replica, accepted)
         elif pending.purpose == "tables":
             if error is not None or not isinstance(result, list):
                 self._step(replica, p.RequestFailed(pending.core, f"list_tables failed: {error}"))
@@ -423,8 +414,6 @@ class ReplicantNode(NodeServer):
             elif pending.purpose == "fence" and pending.shard in self.replicas:
                 self._step(self.replicas[pending.shard], p.CommittedReceived(pending.core, None))
             elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
-                if pending.purpose == "watch":
-                    self.early_pushes.pop(pending.shard, None)
                 self._step(self.replicas[pending.shard], p.RequestFailed(pending.core, f"{pending.purpose} timed out"))
         for shard in [s for s, probe in self.probes.items() if probe.deadline_ms <= now]:
             if shard in self.replicas:
@@ -499,16 +488,10 @@ class ReplicantNode(NodeServer):
         if body["core"] not in self.core_sockets:
             log.warning("push from unknown core %r ignored", body["core"])
             return
-        push = p.PushReceived(body["core"], body["agent"], entries, committed, body["hears_sequencer"])
-        watching = any(
-            pending.purpose == "watch" and pending.shard == replica.shard and pending.core == push.core
-            for pending in self.pending.values()
-        )
-        if watching and push.agent_id != replica.status().agent_id:
-            early = self.early_pushes.setdefault(replica.shard, [])
-            if len(early) < EARLY_PUSHES_MAX:
-                early.append(push)
-            return
+        # The answer to the watch that created the agent: the replica takes it for the answer if
+        # this push overtook it (ShardReplica, "Fencing").
+        accepted = watch_accepted(body["core"], body.get("watch"))
+        push = p.PushReceived(body["core"], body["agent"], entries, committed, body["hears_sequencer"], accepted)
         self._step(replica, push)
 
     def _serving(self, shard: str) -> ShardReplica:
@@ -648,3 +631,20 @@ class ReplicantNode(NodeServer):
             "core_nodes": self.config.core_nodes,
             "shards": shards,
         }
+
+
+def watch_accepted(core: str, answer: Any) -> p.WatchAccepted | None:
+    """The watch answer ``answer`` from ``core`` (a reply, or repeated in a push); None if malformed."""
+    if not isinstance(answer, dict):
+        return None
+    try:
+        start = tx_key_from_wire(answer["start"])
+        fields = (answer["agent"], answer["mode"], answer["start_digest"], answer.get("watch_id", ""))
+    except (OpDecodeError, KeyError):
+        return None
+    agent, mode, start_digest, watch_id = fields
+    if not (isinstance(agent, str) and isinstance(mode, str) and isinstance(watch_id, str)):
+        return None
+    if not isinstance(start_digest, bytes):
+        return None
+    return p.WatchAccepted(core, agent, mode, start, start_digest, watch_id)

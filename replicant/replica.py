@@ -40,9 +40,11 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   fence, whatever applied it; a failed or unanswered request is asked again (after
   ``failure_timeout_ms`` at most; of the new upstream after a failover). The fence lives in memory: see the README.
 * Fencing (invariant 6). A push from anything but the watched agent of the upstream is answered
-  ``SendReject(..., "not the watched agent")`` and never applied. (While a watch is outstanding,
-  pushes from the core it went to are dropped without an answer: they may come from the agent
-  being created, whose ``WatchAccepted`` is still on its way.)
+  ``SendReject(..., "not the watched agent")`` and never applied. Every push carries the answer to
+  the watch that created its agent, with the replica's ``watch_id``: a push of the new agent that
+  overtakes the answer (they travel on different connections) stands for it, so a new agent is
+  never taken for a zombie. (While a watch is outstanding, other pushes from the core it went to
+  are dropped without an answer.)
 * Failure detector. No push or heartbeat from the watched agent for ``failure_timeout_ms``, or an
   upstream that has not heard the sequencer for ``failure_timeout_ms``, or a request (watch, tables,
   batch) unanswered for ``failure_timeout_ms`` (a probe: ``probe_timeout_ms`` more), makes the
@@ -258,6 +260,7 @@ class ShardReplica:
         self._not_hearing_since_ms: int | None = None
         self._last_heard_ms = now_ms
         self._waiting = _Waiting.NOTHING
+        self._watch_id: str | None = None
         self._request_core: str | None = None
         self._request_deadline_ms = now_ms
         self._next_probe_ms = now_ms
@@ -307,6 +310,11 @@ class ShardReplica:
     @property
     def agent_id(self) -> str | None:
         return self._agent_id
+
+    @property
+    def watch_id(self) -> str | None:
+        """The id of the last watch sent."""
+        return self._watch_id
 
     def readable(self) -> bool:
         """Reads of every kind may be served: NORMAL, and the read fence of the last bootstrap is reached."""
@@ -473,7 +481,8 @@ class ShardReplica:
             )
             self._next_probe_ms = self._now_ms + self._retry_delay_ms()
             return
-        self._out.append(SendWatch(core, self._applied_key, self._applied_digest))
+        self._watch_id = f"{self._rng.getrandbits(64):016x}"
+        self._out.append(SendWatch(core, self._applied_key, self._applied_digest, self._watch_id))
         self._request(_Waiting.WATCH, core)
 
     def _describe(self, core: str, age: JournalAge | None) -> str:
@@ -486,6 +495,8 @@ class ShardReplica:
     def _on_watch_accepted(self, event: WatchAccepted) -> None:
         if self._waiting is not _Waiting.WATCH or event.core != self._request_core:
             return  # a late or duplicated answer to an earlier watch
+        if event.watch_id != self._watch_id:
+            return  # the answer to an earlier watch sent to the same core
         if event.mode == "resume":
             if (
                 event.start_key != self._applied_key
@@ -607,6 +618,15 @@ class ShardReplica:
     # ------------------------------------------------------------ pushes
 
     def _on_push(self, event: PushReceived) -> None:
+        accepted = event.accepted
+        if (
+            accepted is not None
+            and self._waiting is _Waiting.WATCH
+            and (accepted.core, accepted.agent_id) == (event.core, event.agent_id)
+        ):
+            # The first push of the agent this watch created overtook the answer: it carries the
+            # answer, so take it as such (ignored unless it answers the outstanding watch).
+            self._on_watch_accepted(accepted)
         watched = (
             self._mode in (Mode.NORMAL, Mode.BOOTSTRAP)
             and event.core == self._upstream

@@ -86,8 +86,9 @@ def connect(machine: ShardReplica, now_ms: int = 0, core: str = "core0", agent: 
     assert of(machine.step(Ticked(), now_ms), ProbeJournals)
     journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
     effects = machine.step(journals, now_ms)
-    assert effects == [SendWatch(core, machine.applied_key, machine.applied_digest)]
-    return machine.step(WatchAccepted(core, agent, "resume", machine.applied_key, machine.applied_digest), now_ms)
+    assert effects == [SendWatch(core, machine.applied_key, machine.applied_digest, machine.watch_id)]
+    accepted = WatchAccepted(core, agent, "resume", machine.applied_key, machine.applied_digest, machine.watch_id)
+    return machine.step(accepted, now_ms)
 
 
 def bootstrap(machine: ShardReplica, k0: int = 10, now_ms: int = 0, core: str = "core0", agent: str = "a1") -> list:
@@ -95,7 +96,7 @@ def bootstrap(machine: ShardReplica, k0: int = 10, now_ms: int = 0, core: str = 
     journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
     machine.step(journals, now_ms)
     key, digest = at(k0)
-    return machine.step(WatchAccepted(core, agent, "bootstrap", key, digest), now_ms)
+    return machine.step(WatchAccepted(core, agent, "bootstrap", key, digest, machine.watch_id), now_ms)
 
 
 # ---------------------------------------------------------------- finding an upstream
@@ -114,7 +115,7 @@ def test_it_never_watches_a_core_behind_its_applied_key():
     machine = replica(applied=20)
     machine.step(Ticked(), 0)
     journals = ages(core0=JournalAge(at(19)[0], True, 0), core1=JournalAge(at(25)[0], True, 50), core2=None)
-    assert machine.step(journals, 0) == [SendWatch("core1", at(20)[0], at(20)[1])]
+    assert machine.step(journals, 0) == [SendWatch("core1", at(20)[0], at(20)[1], machine.watch_id)]
 
 
 @pytest.mark.timeout(10)
@@ -161,7 +162,7 @@ def test_a_resume_at_another_key_or_digest_than_its_own_is_refused():
         machine = replica(applied=5)
         machine.step(Ticked(), 0)
         machine.step(ages(core1=None, core2=None), 0)
-        machine.step(WatchAccepted("core0", "a1", "resume", start_key, start_digest), 0)
+        machine.step(WatchAccepted("core0", "a1", "resume", start_key, start_digest, machine.watch_id), 0)
         assert machine.mode is Mode.DISCONNECTED and machine.status().resumes == 0
         assert "with another digest" in machine.status().last_error
 
@@ -172,7 +173,7 @@ def test_a_watch_answer_from_a_core_it_did_not_ask_is_ignored():
     machine.step(Ticked(), 0)
     (watch,) = machine.step(ages(core1=None, core2=None), 0)
     assert watch.core == "core0"
-    assert machine.step(WatchAccepted("core1", "zz", "resume", *at(5)), 1) == []
+    assert machine.step(WatchAccepted("core1", "zz", "resume", *at(5), machine.watch_id), 1) == []
     assert machine.mode is Mode.DISCONNECTED
 
 
@@ -318,7 +319,7 @@ def test_no_push_or_heartbeat_within_failure_timeout_ms_fails_over_to_another_co
     machine.step(Ticked(), machine.next_deadline_ms())
     # core0 answers too and is the least loaded, but the replica moves on to another qualifying core.
     journals = ages(core0=JournalAge(at(30)[0], True, 0), core1=JournalAge(at(30)[0], True, 5), core2=None)
-    assert machine.step(journals, machine.next_deadline_ms()) == [SendWatch("core1", *at(6))]
+    assert machine.step(journals, machine.next_deadline_ms()) == [SendWatch("core1", *at(6), machine.watch_id)]
 
 
 @pytest.mark.timeout(10)
@@ -416,7 +417,8 @@ def test_a_bootstrap_while_holding_data_keeps_the_applied_key_as_a_floor():
     machine.step(Ticked(), machine.next_deadline_ms())
     # A core behind the floor never qualifies, and the watch asks for a bootstrap with the unknown digest.
     journals = ages(core0=JournalAge(at(4)[0], True, 0), core1=JournalAge(at(20)[0], True, 9), core2=None)
-    assert machine.step(journals, machine.next_deadline_ms()) == [SendWatch("core1", at(5)[0], UNKNOWN_DIGEST)]
+    effects = machine.step(journals, machine.next_deadline_ms())
+    assert effects == [SendWatch("core1", at(5)[0], UNKNOWN_DIGEST, machine.watch_id)]
 
 
 @pytest.mark.timeout(10)
@@ -424,7 +426,7 @@ def test_a_bootstrap_behind_the_applied_key_is_refused():
     machine = replica(applied=12)
     machine.step(Ticked(), 0)
     machine.step(ages(core1=None, core2=None), 0)
-    machine.step(WatchAccepted("core0", "a1", "bootstrap", *at(10)), 0)
+    machine.step(WatchAccepted("core0", "a1", "bootstrap", *at(10), machine.watch_id), 0)
     assert machine.mode is Mode.DISCONNECTED and machine.status().bootstraps == 0
     assert "behind" in machine.status().last_error
 
@@ -625,3 +627,40 @@ def test_a_replica_restarted_while_fenced_stays_fenced_and_asks_again():
     assert FetchCommitted("core0") in machine.step(Ticked(), 1)
     assert ReadFenceChanged(False) in machine.step(CommittedReceived("core0", at(12)[0]), 2)
     assert machine.readable()
+
+
+# ---------------------------------------------------------------- a push that overtakes the watch answer
+
+
+def watching(machine: ShardReplica, core: str = "core0") -> str:
+    machine.step(Ticked(), 0)
+    journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
+    assert of(machine.step(journals, 0), SendWatch)
+    return machine.watch_id
+
+
+@pytest.mark.timeout(10)
+def test_a_push_that_overtakes_the_watch_answer_is_taken_as_the_answer_and_applied():
+    machine = replica(applied=5)
+    watch_id = watching(machine)
+    accepted = WatchAccepted("core0", "a1", "resume", *at(5), watch_id)
+    early = PushReceived("core0", "a1", tuple(HISTORY[5:7]), at(30)[0], True, accepted)
+    effects = machine.step(early, 1)
+    assert ApplyEntries(tuple(HISTORY[5:7])) in effects and SendAck("core0", "a1", at(7)[0]) in effects
+    assert machine.mode is Mode.NORMAL and machine.agent_id == "a1" and machine.status().resumes == 1
+    assert machine.step(accepted, 2) == []  # the answer itself arrives late: nothing happens twice
+    assert machine.status().resumes == 1 and machine.status().applied_key == at(7)[0]
+
+
+@pytest.mark.timeout(10)
+def test_a_push_carrying_the_answer_to_an_older_watch_is_not_taken_as_the_answer():
+    machine = replica(applied=5)
+    watching(machine)
+    stale = WatchAccepted("core0", "a0", "resume", *at(5), "an-older-watch")
+    effects = machine.step(PushReceived("core0", "a0", tuple(HISTORY[5:7]), at(30)[0], True, stale), 1)
+    assert effects == [] and machine.mode is Mode.DISCONNECTED and machine.agent_id is None
+    assert machine.step(stale, 2) == [] and machine.mode is Mode.DISCONNECTED
+    # A push whose answer names another agent than its sender is not taken either.
+    forged = WatchAccepted("core0", "a9", "resume", *at(5), machine.watch_id)
+    assert machine.step(PushReceived("core0", "a1", (), at(30)[0], True, forged), 3) == []
+    assert machine.mode is Mode.DISCONNECTED

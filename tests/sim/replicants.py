@@ -40,6 +40,7 @@ from typing import Any
 
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.consensus import Commit, Effect, Role
+from mnesite.core.rlog_server import WatchRefused, decide_watch
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.rlog import replication as p
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
@@ -120,6 +121,8 @@ class ReplicantSimulation(Simulation):
     ) -> None:
         # Set before the base constructor, which starts the cores.
         self.agents: dict[str, dict[str, tuple[str, Agent]]] = {}
+        # The watch answer of every agent, repeated in its pushes as production's RLOG server does.
+        self.agent_answers: dict[str, p.WatchAccepted] = {}
         self.core_tables: dict[str, Tables] = {}
         super().__init__(seed, core_count, faulty_ms, tick_ms)
         rng = self.rng
@@ -225,7 +228,12 @@ class ReplicantSimulation(Simulation):
                     if entry.tx_key > node.applied_key or self.committed_digest.get(entry.tx_key) != entry.digest:
                         raise self.fail(f"agent {agent_id} on {node.name} pushed {entry.tx_key}, not committed there")
                 message = p.PushReceived(
-                    node.name, agent_id, effect.entries, effect.committed_key, effect.hears_sequencer
+                    node.name,
+                    agent_id,
+                    effect.entries,
+                    effect.committed_key,
+                    effect.hears_sequencer,
+                    self.agent_answers[agent_id],
                 )
                 self._send_replication(node.name, replicant, ("push", message))
             elif isinstance(effect, p.AgentStopped):
@@ -265,23 +273,33 @@ class ReplicantSimulation(Simulation):
         else:
             raise self.fail(f"unknown replication message {message!r}")
 
-    def _on_watch(self, node: SimNode, sender: str, from_key: TxKey, from_digest: bytes, version: int) -> None:
+    def _on_watch(
+        self, node: SimNode, sender: str, from_key: TxKey, from_digest: bytes, version: int, watch_id: str
+    ) -> None:
         if version != p.REPLICATION_PROTOCOL_VERSION:
             refusal = p.WatchRefused(node.name, f"incompatible protocol version {version}")
             self._send_replication(node.name, sender, ("answer", refusal))
             return
-        if from_key > node.applied_key:
-            refusal = p.WatchRefused(node.name, f"committed key {node.applied_key} is behind {from_key}")
-            self._send_replication(node.name, sender, ("answer", refusal))
+        try:
+            # Production's watch rule, not a copy of it.
+            mode, start_key, start_digest = decide_watch(
+                from_key,
+                from_digest,
+                node.log.trimmed_key(),
+                node.applied_key,
+                node.applied_digest,
+                node.log.digest_at,
+                node.name,
+            )
+        except WatchRefused as refused:
+            self._send_replication(node.name, sender, ("answer", p.WatchRefused(node.name, str(refused))))
             return
         self.agent_sequence += 1
         agent_id = f"{node.name}-agent{self.agent_sequence}"
-        if from_digest != p.UNKNOWN_DIGEST and node.log.digest_at(from_key) == from_digest:
-            accepted = p.WatchAccepted(node.name, agent_id, "resume", from_key, from_digest)
-        else:
-            accepted = p.WatchAccepted(node.name, agent_id, "bootstrap", node.applied_key, node.applied_digest)
+        accepted = p.WatchAccepted(node.name, agent_id, mode, start_key, start_digest, watch_id)
         agent = Agent(agent_id, SHARD, sender, accepted.start_key, node.log, self.agent_config, self.now_ms)
         self.agents[node.name][agent_id] = (sender, agent)
+        self.agent_answers[agent_id] = accepted
         self.trace.append((self.now_ms, node.name, "watch", sender, accepted.mode, accepted.start_key, agent_id))
         self._send_replication(node.name, sender, ("answer", accepted))
         self._step_agent(node, agent_id, p.CommittedAdvanced(node.applied_key, self._hears_sequencer(node)))
@@ -317,10 +335,25 @@ class ReplicantSimulation(Simulation):
         machine = replicant.machine
         if machine is None:
             raise self.fail(f"stepping crashed replicant {replicant.name}")
-        watched = (machine.upstream, machine.agent_id)
         was_disconnected = machine.mode is p.Mode.DISCONNECTED
         was_readable = machine.readable()
         effects = machine.step(event, self.now_ms)
+        # The watch answer, or a push that carried it and overtook it.
+        acceptance = event if isinstance(event, p.WatchAccepted) else None
+        if isinstance(event, p.PushReceived):
+            acceptance = event.accepted
+        connected = any(
+            isinstance(effect, p.ModeChanged)
+            and effect.mode in (p.Mode.NORMAL, p.Mode.BOOTSTRAP)
+            and acceptance is not None
+            and effect.upstream == acceptance.core
+            for effect in effects
+        )
+        if acceptance is not None and was_disconnected and connected:
+            replicant.accepted = (acceptance.core, acceptance.agent_id)
+            if acceptance.mode == "resume":
+                replicant.resumes += 1
+        watched = (machine.upstream, machine.agent_id)
         crash_after = None
         if replicant.crash_in_next_step:
             crash_after = self.rng.randint(0, len(effects))
@@ -336,15 +369,11 @@ class ReplicantSimulation(Simulation):
                         f"but it watches {replicant.accepted}"
                     )
             self._execute_replica(replicant, effect)
-        if isinstance(event, p.WatchAccepted) and was_disconnected and machine.agent_id == event.agent_id:
-            replicant.accepted = (event.core, event.agent_id)
-            if event.mode == "resume":
-                replicant.resumes += 1
         if crash_after is not None:
             self.trace.append((self.now_ms, replicant.name, "crashed mid-step after effects", crash_after))
             self._crash_replicant(replicant)
             return
-        if machine.readable() and (not was_readable or isinstance(event, p.WatchAccepted)):
+        if machine.readable() and (not was_readable or acceptance is not None):
             self._check_readable(replicant)
         self._check_replicant(replicant)
 
@@ -386,7 +415,8 @@ class ReplicantSimulation(Simulation):
             version = p.REPLICATION_PROTOCOL_VERSION
             if self.rng.random() < self.bad_version_probability:
                 version += 1  # an incompatible peer
-            self._send_request(name, effect.core, ("watch", effect.from_key, effect.from_digest, version))
+            message = ("watch", effect.from_key, effect.from_digest, version, effect.watch_id)
+            self._send_request(name, effect.core, message)
         elif isinstance(effect, p.FetchTables):
             self._send_request(name, effect.core, ("tables",))
         elif isinstance(effect, p.FetchBatch):
