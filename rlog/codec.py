@@ -76,6 +76,8 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "from": ((list,), True),
         "from_digest": ((bytes,), True),
         "protocol": ((int,), True),
+        # chosen by the replica; the answer and every push of the new agent repeat it
+        "watch_id": ((str,), False),
     },
     # core agent -> replicant: committed entries (none: a heartbeat)
     "push": {
@@ -85,6 +87,8 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "entries": ((list,), True),
         "committed": ((list,), True),
         "hears_sequencer": ((bool,), True),
+        # the answer to the watch that created the agent (a push may overtake that answer)
+        "watch": ((dict,), False),
     },
     # replicant -> core agent: applied key, or why the push was rejected
     "push_ack": {
