@@ -41,6 +41,7 @@ from typing import Any
 
 import apsw
 import zmq
+from mnesite.bootstrap.serve import read_batch
 from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
     Commit,
@@ -87,7 +88,17 @@ from mnesite.rlog.types import (
 log = logging.getLogger("mnesite.core")
 
 READ_KINDS = frozenset(
-    {"get", "scan", "status", "list_tables", "rlog_tail", "rlog_entries", "journal", *range_requests.KINDS}
+    {
+        "get",
+        "scan",
+        "bootstrap_batch",
+        "status",
+        "list_tables",
+        "rlog_tail",
+        "rlog_entries",
+        "journal",
+        *range_requests.KINDS,
+    }
 )
 WRITE_KINDS = frozenset({"transact", "create_table"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
@@ -812,6 +823,18 @@ class CoreNode(NodeServer):
             if after is not None:
                 after = check_key(table, after)
             return self.store.scan(table, after, limit)
+        if message.kind == "bootstrap_batch":
+            # The serving side of a bootstrap (bootstrap.serve): bounded in rows and in bytes, so the
+            # answer fits in a frame and costs this loop turn a bounded time.
+            table = self._table(body["table"])
+            limit = body["limit"]
+            if not 0 < limit <= self.config.limits.scan_rows_max:
+                raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
+            after = body.get("after")
+            if after is not None:
+                after = check_key(table, after)
+            bytes_max = self.config.limits.frame_bytes_max // 2
+            return read_batch(self.store, table, after, limit, min(bytes_max, body.get("bytes_max", bytes_max)))
         if message.kind == "list_tables":
             return [table.to_json() for table in self.store.catalog().values()]
         if message.kind == "status":

@@ -255,9 +255,8 @@ class ReplicantNode(NodeServer):
             if effect.after is not None:
                 body["after"] = effect.after
             detail = {"table": effect.table, "after": effect.after, "limit": effect.limit}
-            self._request(
-                effect.core, "scan", body, Pending("batch", effect.core, now + REQUEST_TIMEOUT_MS, shard, detail)
-            )
+            pending = Pending("batch", effect.core, now + REQUEST_TIMEOUT_MS, shard, detail)
+            self._request(effect.core, "bootstrap_batch", body, pending)
         elif isinstance(effect, p.ApplyBatch):
             self.begin()
             self.store.apply_ops(tuple(WriteOp(effect.table, row) for row in effect.rows))
@@ -389,12 +388,14 @@ class ReplicantNode(NodeServer):
                 p.TablesReceived(pending.core, tuple(t["table"] for t in tables), tuple(t["key"] for t in tables)),
             )
         elif pending.purpose == "batch":
-            if error is not None or not isinstance(result, list):
-                self._step(replica, p.RequestFailed(pending.core, f"scan failed: {error}"))
+            rows = result.get("rows") if isinstance(result, dict) else None
+            if error is not None or not isinstance(rows, list) or not isinstance(result.get("done"), bool):
+                self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}"))
                 return
             detail = pending.detail
-            done = len(result) < detail["limit"]
-            self._step(replica, p.BatchReceived(pending.core, detail["table"], detail["after"], tuple(result), done))
+            self._step(
+                replica, p.BatchReceived(pending.core, detail["table"], detail["after"], tuple(rows), result["done"])
+            )
 
     def _finish_probe(self, replica: ShardReplica) -> None:
         probe = self.probes.pop(replica.shard, None)

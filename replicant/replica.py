@@ -162,8 +162,8 @@ class ReplicaConfig:
     probe_timeout_ms: int = 1000
     # Wait after a failed attempt before probing again (plus up to half of it as random jitter).
     retry_interval_ms: int = 200
-    # Rows asked for in one ``FetchBatch``.
-    batch_rows_max: int = 1000
+    # Rows asked for in one ``FetchBatch`` (the core also bounds a batch in bytes: bootstrap.serve).
+    batch_rows_max: int = 10_000
     # Entries spilled during one bootstrap before acknowledgements stop (backpressure).
     spill_entries_max: int = 100_000
     # Consecutive failed bootstraps after which retries slow down to one per failure_timeout_ms.

@@ -64,6 +64,13 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "wait_ms": ((int,), False),
     },
     "status": {},
+    # a bootstrap's key-ordered dirty-read batch of one table (bootstrap.serve), answered {rows, done}
+    "bootstrap_batch": {
+        "table": ((str,), True),
+        "after": ((_ANY,), False),
+        "limit": ((int,), True),
+        "bytes_max": ((int,), False),
+    },
     # the committed key of a shard, confirmed by a sequencer that hears a majority (linearizable reads)
     "read_index": {"shard": ((str,), True), "forwarded": ((bool,), False)},
     "journal": {},

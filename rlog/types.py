@@ -180,6 +180,11 @@ def _value_size_bytes(value: Any) -> int:
     return 9  # int, float, bool, None: at most 9 bytes in msgpack
 
 
+def row_size_bytes(row: dict[str, Any]) -> int:
+    """An upper estimate of a row's msgpack size (see ``entry_size_bytes``)."""
+    return 8 + sum(len(name.encode()) + 8 + _value_size_bytes(value) for name, value in row.items())
+
+
 def entry_size_bytes(entry: Entry) -> int:
     """An upper estimate of the entry's msgpack size, for byte limits on messages and windows.
 
@@ -190,11 +195,7 @@ def entry_size_bytes(entry: Entry) -> int:
     size = ENTRY_OVERHEAD_BYTES + len(entry.shard.encode()) + len((entry.request_id or "").encode())
     for op in entry.ops:
         if isinstance(op, WriteOp):
-            size += (
-                8
-                + len(op.table.encode())
-                + sum(len(name.encode()) + 8 + _value_size_bytes(v) for name, v in op.row.items())
-            )
+            size += 8 + len(op.table.encode()) + row_size_bytes(op.row)
         elif isinstance(op, DeleteOp):
             size += 8 + len(op.table.encode()) + _value_size_bytes(op.key)
         else:
