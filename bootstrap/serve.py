@@ -14,7 +14,8 @@ A batch holds at most ``rows_max`` rows and about ``bytes_max`` bytes (estimated
 ``rlog.types.row_size_bytes``; at least one row, so a table of rows larger than that still
 progresses), so one answer always fits in a frame, whatever the row size, and the core spends a
 bounded time on it in one loop turn. ``done`` says the table is exhausted: with a byte bound, a
-short batch does not mean the end.
+short batch does not mean the end. The first batch of a table (``after`` None) also says how many
+rows the table holds then (``rows_total``), for the copier's progress and ETA.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def read_batch(store: Any, table: TableSchema, after: Any, rows_max: int, bytes_
     """``{"rows": [...], "done": bool}``: rows of ``table`` after ``after`` (None: from the start)."""
     if rows_max < 1 or bytes_max < 1:
         raise ValueError("rows_max and bytes_max must be positive")
-    rows: list[dict[str, Any]] = []
+    answer: dict[str, Any] = {"rows": [], "done": False}
+    if after is None:
+        answer["rows_total"] = store.count_rows(table)
+    rows: list[dict[str, Any]] = answer["rows"]
     size = 0
     cursor_after = after
     while len(rows) < rows_max:
@@ -41,10 +45,11 @@ def read_batch(store: Any, table: TableSchema, after: Any, rows_max: int, bytes_
         for row in read:
             row_bytes = row_size_bytes(row)
             if rows and size + row_bytes > bytes_max:
-                return {"rows": rows, "done": False}
+                return answer
             rows.append(row)
             size += row_bytes
         if len(read) < step:
-            return {"rows": rows, "done": True}
+            answer["done"] = True
+            return answer
         cursor_after = rows[-1][table.key_column]
-    return {"rows": rows, "done": False}
+    return answer

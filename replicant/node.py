@@ -61,6 +61,7 @@ READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
 RLOG_READ_MAX = 1000
 RETENTION_INTERVAL_MS = 1000
+PROGRESS_LOG_INTERVAL_MS = 5000
 
 
 class RequestError(Exception):
@@ -125,6 +126,7 @@ class ReplicantNode(NodeServer):
         self.waiting_reads: list[WaitingRead] = []
         self.pushes_rejected: dict[str, int] = {}
         self._next_discovery_ms = 0
+        self._next_progress_log_ms: dict[str, int] = {}
         self._next_retention_ms = 0
         self._discovery_turn = 0
         for shard in self.store.shards():
@@ -393,9 +395,29 @@ class ReplicantNode(NodeServer):
                 self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}"))
                 return
             detail = pending.detail
-            self._step(
-                replica, p.BatchReceived(pending.core, detail["table"], detail["after"], tuple(rows), result["done"])
-            )
+            total = result.get("rows_total")
+            total = total if isinstance(total, int) and not isinstance(total, bool) else None
+            batch = p.BatchReceived(pending.core, detail["table"], detail["after"], tuple(rows), result["done"], total)
+            self._step(replica, batch)
+            self._log_progress(replica)
+
+    def _log_progress(self, replica: ShardReplica) -> None:
+        """At most every PROGRESS_LOG_INTERVAL_MS while copying: rows, bytes, rate and ETA."""
+        now = self.clock_ms()
+        if replica.mode is not p.Mode.BOOTSTRAP or now < self._next_progress_log_ms.get(replica.shard, 0):
+            return
+        self._next_progress_log_ms[replica.shard] = now + PROGRESS_LOG_INTERVAL_MS
+        status = replica.status()
+        eta = f"{status.copy_eta_ms / 1000:.0f} s" if status.copy_eta_ms is not None else "unknown"
+        log.info(
+            "shard %s: bootstrap copied %d of about %d rows, %.1f MB, %.0f rows/s, ETA %s",
+            replica.shard,
+            status.copy_rows,
+            status.copy_rows_expected,
+            status.copy_bytes / 1e6,
+            status.copy_rows_per_s,
+            eta,
+        )
 
     def _finish_probe(self, replica: ShardReplica) -> None:
         probe = self.probes.pop(replica.shard, None)
@@ -617,6 +639,13 @@ class ReplicantNode(NodeServer):
                 "bootstraps": status.bootstraps,
                 "resumes": status.resumes,
                 "rows_copied": status.rows_copied,
+                "copy": {
+                    "rows": status.copy_rows,
+                    "rows_expected": status.copy_rows_expected,
+                    "bytes": status.copy_bytes,
+                    "rows_per_s": status.copy_rows_per_s,
+                    "eta_ms": status.copy_eta_ms,
+                },
                 "entries_buffered": status.entries_spilled,
                 "last_error": status.last_error,
                 "pushes_rejected": self.pushes_rejected.get(shard, 0),

@@ -112,7 +112,7 @@ from mnesite.rlog.replication import (
     WatchAccepted,
     WatchRefused,
 )
-from mnesite.rlog.types import Entry, TxKey, entry_digest
+from mnesite.rlog.types import Entry, TxKey, entry_digest, row_size_bytes
 
 REJECT_NOT_WATCHED = "not the watched agent"
 REJECT_GAP = "gap"
@@ -196,6 +196,12 @@ class ReplicaStatus:
     bootstrap_failures_in_a_row: int = 0
     # Reads are served (NORMAL and past the read fence).
     readable: bool = False
+    # Progress of the current (or last) copy.
+    copy_rows: int = 0
+    copy_rows_expected: int = 0
+    copy_bytes: int = 0
+    copy_rows_per_s: float = 0.0
+    copy_eta_ms: int | None = None
     # After a bootstrap: the key the applied key must reach before reads (None: being asked).
     read_fence: TxKey | None = None
     read_fenced: bool = False
@@ -268,6 +274,12 @@ class ShardReplica:
         self._bootstraps = bootstraps
         self._resumes = resumes
         self._rows_copied = 0
+        # Progress of the current copy: bytes (estimated), rows expected (sum of the tables' counts
+        # when their first batch was read), when it started.
+        self._copy_rows = 0
+        self._bytes_copied = 0
+        self._rows_expected = 0
+        self._copy_started_ms = now_ms
         self._entries_spilled = 0
         self._bootstrap_failures = 0
         self._last_error: str | None = None
@@ -320,7 +332,18 @@ class ShardReplica:
         """Reads of every kind may be served: NORMAL, and the read fence of the last bootstrap is reached."""
         return self._mode is Mode.NORMAL and not self._fenced
 
+    def _copy_progress(self) -> tuple[int, float, int | None]:
+        """(rows copied in this copy, rows per second, estimated ms to go or None)."""
+        copied = self._copy_rows
+        elapsed_ms = max(1, self._now_ms - self._copy_started_ms)
+        rate = copied * 1000 / elapsed_ms
+        eta = None
+        if self._mode is Mode.BOOTSTRAP and rate > 0 and self._rows_expected >= copied:
+            eta = int((self._rows_expected - copied) / rate * 1000)
+        return copied, round(rate, 1), eta
+
     def status(self) -> ReplicaStatus:
+        progress = self._copy_progress()
         lag = None
         if self._committed_key is not None and self._committed_key.generation == self._applied_key.generation:
             lag = self._committed_key.counter - self._applied_key.counter
@@ -336,6 +359,11 @@ class ShardReplica:
             bootstraps=self._bootstraps,
             resumes=self._resumes,
             rows_copied=self._rows_copied,
+            copy_rows=progress[0],
+            copy_rows_expected=self._rows_expected,
+            copy_bytes=self._bytes_copied,
+            copy_rows_per_s=progress[1],
+            copy_eta_ms=progress[2],
             entries_spilled=self._entries_spilled,
             last_error=self._last_error,
             hears_sequencer=self._hears_sequencer,
@@ -530,6 +558,8 @@ class ShardReplica:
             self._spill_full = False
             self._spill_dropped = False
             self._tables, self._keys = (), ()
+            self._copy_rows, self._bytes_copied, self._rows_expected = 0, 0, 0
+            self._copy_started_ms = self._now_ms
             self._out.append(FetchTables(event.core))
             self._request(_Waiting.TABLES, event.core)
         else:
@@ -591,6 +621,10 @@ class ShardReplica:
                 return
             self._out.append(ApplyBatch(event.table, tuple(event.rows)))
             self._rows_copied += len(event.rows)
+            self._copy_rows += len(event.rows)
+            self._bytes_copied += sum(row_size_bytes(row) for row in event.rows)
+        if event.after is None and event.rows_total is not None and event.rows_total >= 0:
+            self._rows_expected += event.rows_total
         if event.done or not event.rows:
             self._table_index += 1
             self._after = None

@@ -116,6 +116,8 @@ class BatchReceived:
     after: object
     rows: tuple[dict, ...]
     done: bool
+    # The table's row count when the first batch was read (None: not known); for progress only.
+    rows_total: int | None = None
 
 
 @dataclass(frozen=True)

@@ -624,6 +624,9 @@ class Store:
         ).fetchone()
         return dict(zip(names, row, strict=True)) if row is not None else None
 
+    def count_rows(self, table: TableSchema) -> int:
+        return self.connection.execute(f"SELECT count(*) FROM {quote(table.name)}").fetchone()[0]
+
     def scan(self, table: TableSchema, after: Any, limit: int) -> list[dict[str, Any]]:
         """Rows in key order, strictly after ``after`` (None: from the start), at most ``limit``."""
         names = [name for name, _ in table.columns]

@@ -48,6 +48,7 @@ def test_batches_cover_every_row_once_in_key_order_within_rows_and_bytes(store) 
 def test_a_row_larger_than_bytes_max_goes_alone_and_an_empty_table_is_done(store) -> None:
     answer = read_batch(store, TABLE, None, 10, 100)
     assert [row["k"] for row in answer["rows"]] == [0] and not answer["done"]
+    assert answer["rows_total"] == 1000  # the first batch of a table says how many rows it holds
     assert read_batch(store, TABLE, 999, 10, 100) == {"rows": [], "done": True}
     with pytest.raises(ValueError):
         read_batch(store, TABLE, None, 0, 100)

@@ -664,3 +664,15 @@ def test_a_push_carrying_the_answer_to_an_older_watch_is_not_taken_as_the_answer
     forged = WatchAccepted("core0", "a9", "resume", *at(5), machine.watch_id)
     assert machine.step(PushReceived("core0", "a1", (), at(30)[0], True, forged), 3) == []
     assert machine.mode is Mode.DISCONNECTED
+
+
+@pytest.mark.timeout(10)
+def test_bootstrap_progress_counts_rows_bytes_rate_and_eta():
+    machine = replica(applied=0, batch_rows_max=2)
+    bootstrap(machine, k0=10)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 0)
+    rows = ({"k": 1, "v": "a"}, {"k": 2, "v": "b"})
+    machine.step(BatchReceived("core0", "t", None, rows, False, rows_total=6), 1000)
+    status = machine.status()
+    assert (status.copy_rows, status.copy_rows_expected, status.copy_rows_per_s) == (2, 6, 2.0)
+    assert status.copy_bytes > 0 and status.copy_eta_ms == 2000  # 4 rows to go at 2 rows/s
