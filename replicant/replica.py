@@ -80,8 +80,10 @@ from __future__ import annotations
 
 import enum
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from mnesite.bootstrap.copy import CopyFailed, TableCopy
 from mnesite.replicant.upstream import choose_upstream
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import (
@@ -112,7 +114,7 @@ from mnesite.rlog.replication import (
     WatchAccepted,
     WatchRefused,
 )
-from mnesite.rlog.types import Entry, TxKey, entry_digest, row_size_bytes
+from mnesite.rlog.types import Entry, TxKey, entry_digest
 
 REJECT_NOT_WATCHED = "not the watched agent"
 REJECT_GAP = "gap"
@@ -274,22 +276,14 @@ class ShardReplica:
         self._bootstraps = bootstraps
         self._resumes = resumes
         self._rows_copied = 0
-        # Progress of the current copy: bytes (estimated), rows expected (sum of the tables' counts
-        # when their first batch was read), when it started.
-        self._copy_rows = 0
-        self._bytes_copied = 0
-        self._rows_expected = 0
-        self._copy_started_ms = now_ms
         self._entries_spilled = 0
         self._bootstrap_failures = 0
         self._last_error: str | None = None
         # Bootstrap progress.
         self._start_key = applied_key
         self._start_digest = applied_digest
-        self._tables: tuple[str, ...] = ()
-        self._keys: tuple[str, ...] = ()
-        self._table_index = 0
-        self._after: object = None
+        # The copy of the current (or last) bootstrap.
+        self._copy: TableCopy | None = None
         self._spill_key = applied_key
         self._spill_digest = applied_digest
         self._spilled = 0
@@ -332,18 +326,11 @@ class ShardReplica:
         """Reads of every kind may be served: NORMAL, and the read fence of the last bootstrap is reached."""
         return self._mode is Mode.NORMAL and not self._fenced
 
-    def _copy_progress(self) -> tuple[int, float, int | None]:
-        """(rows copied in this copy, rows per second, estimated ms to go or None)."""
-        copied = self._copy_rows
-        elapsed_ms = max(1, self._now_ms - self._copy_started_ms)
-        rate = copied * 1000 / elapsed_ms
-        eta = None
-        if self._mode is Mode.BOOTSTRAP and rate > 0 and self._rows_expected >= copied:
-            eta = int((self._rows_expected - copied) / rate * 1000)
-        return copied, round(rate, 1), eta
-
     def status(self) -> ReplicaStatus:
-        progress = self._copy_progress()
+        copy = self._copy
+        rate, eta = copy.progress(self._now_ms) if copy is not None else (0.0, None)
+        if self._mode is not Mode.BOOTSTRAP:
+            eta = None
         lag = None
         if self._committed_key is not None and self._committed_key.generation == self._applied_key.generation:
             lag = self._committed_key.counter - self._applied_key.counter
@@ -359,11 +346,11 @@ class ShardReplica:
             bootstraps=self._bootstraps,
             resumes=self._resumes,
             rows_copied=self._rows_copied,
-            copy_rows=progress[0],
-            copy_rows_expected=self._rows_expected,
-            copy_bytes=self._bytes_copied,
-            copy_rows_per_s=progress[1],
-            copy_eta_ms=progress[2],
+            copy_rows=copy.rows if copy is not None else 0,
+            copy_rows_expected=copy.rows_expected if copy is not None else 0,
+            copy_bytes=copy.bytes if copy is not None else 0,
+            copy_rows_per_s=rate,
+            copy_eta_ms=eta,
             entries_spilled=self._entries_spilled,
             last_error=self._last_error,
             hears_sequencer=self._hears_sequencer,
@@ -557,9 +544,7 @@ class ShardReplica:
             self._spilled = 0
             self._spill_full = False
             self._spill_dropped = False
-            self._tables, self._keys = (), ()
-            self._copy_rows, self._bytes_copied, self._rows_expected = 0, 0, 0
-            self._copy_started_ms = self._now_ms
+            self._copy = None
             self._out.append(FetchTables(event.core))
             self._request(_Waiting.TABLES, event.core)
         else:
@@ -581,56 +566,34 @@ class ShardReplica:
     def _on_tables(self, event: TablesReceived) -> None:
         if self._mode is not Mode.BOOTSTRAP or self._waiting is not _Waiting.TABLES or event.core != self._upstream:
             return
-        if len(event.keys) != len(event.tables) or len(set(event.tables)) != len(event.tables):
-            self._fail(f"{event.core} sent a malformed table list (tables {event.tables!r}, keys {event.keys!r})")
-            return
-        self._tables, self._keys = tuple(event.tables), tuple(event.keys)
-        self._table_index = 0
-        self._after = None
-        self._fetch_next()
-
-    def _fetch_next(self) -> None:
-        if self._table_index < len(self._tables) and self._upstream is not None:
-            table = self._tables[self._table_index]
-            self._out.append(FetchBatch(self._upstream, table, self._after, self.config.batch_rows_max))
-            self._request(_Waiting.BATCH, self._upstream)
-            return
-        self._finish_copy()
+        self._copy = TableCopy(event.core, self.config.batch_rows_max, self._now_ms)
+        self._run_copy(lambda copy: copy.on_tables(event))
 
     def _on_batch(self, event: BatchReceived) -> None:
-        if (
-            self._mode is not Mode.BOOTSTRAP
-            or self._waiting is not _Waiting.BATCH
-            or event.core != self._upstream
-            or event.table != self._tables[self._table_index]
-            or event.after != self._after
-        ):
-            return  # an answer to a request this replica no longer waits for
-        if len(event.rows) > self.config.batch_rows_max:
-            self._fail(f"{event.core} sent {len(event.rows)} rows, more than batch_rows_max")
+        copy = self._copy
+        if self._mode is not Mode.BOOTSTRAP or self._waiting is not _Waiting.BATCH or copy is None:
             return
-        key_column = self._keys[self._table_index]
-        for row in event.rows:
-            if not isinstance(row, dict) or key_column not in row:
-                self._fail(f"{event.core} sent a row of {event.table} without its key column {key_column!r}")
-                return
-        if event.rows:
-            last = event.rows[-1][key_column]
-            if self._after is not None and last == self._after:
-                self._fail(f"{event.core} sent a batch of {event.table} that does not advance past {self._after!r}")
-                return
-            self._out.append(ApplyBatch(event.table, tuple(event.rows)))
-            self._rows_copied += len(event.rows)
-            self._copy_rows += len(event.rows)
-            self._bytes_copied += sum(row_size_bytes(row) for row in event.rows)
-        if event.after is None and event.rows_total is not None and event.rows_total >= 0:
-            self._rows_expected += event.rows_total
-        if event.done or not event.rows:
-            self._table_index += 1
-            self._after = None
+        if event.core != self._upstream or not copy.answers(event):
+            return  # an answer to a request this replica no longer waits for
+        self._run_copy(lambda copy: copy.on_batch(event))
+
+    def _run_copy(self, step: Callable[[TableCopy], list]) -> None:
+        """One step of the copy loop (bootstrap.copy): its effects, then the next request or the replay."""
+        copy = self._copy
+        if copy is None:
+            return
+        rows_before = copy.rows
+        try:
+            effects = step(copy)
+        except CopyFailed as failed:
+            self._fail(str(failed))
+            return
+        self._rows_copied += copy.rows - rows_before
+        self._out.extend(effects)
+        if copy.done:
+            self._finish_copy()
         else:
-            self._after = event.rows[-1][key_column]
-        self._fetch_next()
+            self._request(_Waiting.BATCH, self._upstream)
 
     def _finish_copy(self) -> None:
         self._waiting = _Waiting.NOTHING
