@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import row_size_bytes
 
@@ -42,12 +43,28 @@ def read_batch(store: Any, table: TableSchema, after: Any, rows_max: int, bytes_
     while len(rows) < rows_max:
         step = min(READ_ROWS_STEP, rows_max - len(rows))
         read = store.scan(table, cursor_after, step)
-        for row in read:
-            row_bytes = row_size_bytes(row)
-            if rows and size + row_bytes > bytes_max:
-                return answer
-            rows.append(row)
-            size += row_bytes
+        # Measured a chunk at a time (msgpack is C); row by row only for the chunk that crosses the limit.
+        chunk_bytes = len(msgpack.packb(read, use_bin_type=True))
+        if rows and size + chunk_bytes > bytes_max:
+            for row in read:
+                row_bytes = row_size_bytes(row)
+                if size + row_bytes > bytes_max:
+                    return answer
+                rows.append(row)
+                size += row_bytes
+            return answer
+        if not rows and chunk_bytes > bytes_max:
+            # The first chunk alone is too large: keep what fits, and at least its first row.
+            for row in read:
+                row_bytes = row_size_bytes(row)
+                if rows and size + row_bytes > bytes_max:
+                    return answer
+                rows.append(row)
+                size += row_bytes
+            answer["done"] = len(read) < step and len(rows) == len(read)
+            return answer
+        rows.extend(read)
+        size += chunk_bytes
         if len(read) < step:
             answer["done"] = True
             return answer

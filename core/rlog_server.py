@@ -193,6 +193,11 @@ class RlogServer:
         outbox, self.outbox = self.outbox, []
         return outbox
 
+    def stop_shard(self, shard: str) -> None:
+        """Forget every agent of ``shard`` (its log was replaced: their positions mean nothing there)."""
+        for agent_id in [a for a, w in self.watches.items() if w.shard == shard]:
+            del self.watches[agent_id]
+
     def agents_of(self, shard: str | None = None) -> int:
         return sum(1 for w in self.watches.values() if shard is None or w.shard == shard)
 

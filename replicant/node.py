@@ -43,7 +43,6 @@ from mnesite.rlog.types import (
     GENESIS_DIGEST,
     OpDecodeError,
     TxKey,
-    WriteOp,
     entry_from_wire,
     entry_to_json,
     tx_key_from_wire,
@@ -261,7 +260,7 @@ class ReplicantNode(NodeServer):
             self._request(effect.core, "bootstrap_batch", body, pending)
         elif isinstance(effect, p.ApplyBatch):
             self.begin()
-            self.store.apply_ops(tuple(WriteOp(effect.table, row) for row in effect.rows))
+            self.store.write_rows(effect.table, effect.rows)
         elif isinstance(effect, p.SpillEntries):
             self.begin()
             self.store.spill(effect.entries)

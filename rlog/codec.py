@@ -113,6 +113,14 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "key": ((list,), True),
         "digest": ((bytes, type(None)), True),
     },
+    # sequencer -> a follower behind its trimmed key: install a snapshot at this key (core.snapshot)
+    "snapshot_offer": {
+        "shard": ((str,), True),
+        "sender": ((str,), True),
+        "generation": ((int,), True),
+        "key": ((list,), True),
+        "digest": ((bytes,), True),
+    },
     # between cores: one consensus message of one shard (see core.consensus_wire)
     "peer": {"shard": ((str,), True), "sender": ((str,), True), "message": ((list,), True)},
     "rlog_tail": {"shard": ((str,), True), "count": ((int,), False)},

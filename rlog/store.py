@@ -569,6 +569,32 @@ class Store:
             (GENESIS_DIGEST, GENESIS_DIGEST, shard),
         )
 
+    def write_rows(self, table_name: str, rows: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> None:
+        """Write full rows of one table (a bootstrap batch): one prepared statement for all of them."""
+        table = self._table(table_name)
+        names = [name for name, _ in table.columns]
+        self.connection.executemany(
+            f"INSERT OR REPLACE INTO {quote(table.name)} ({', '.join(quote(n) for n in names)}) "
+            f"VALUES ({', '.join('?' for _ in names)})",
+            [tuple(row.get(n) for n in names) for row in rows],
+        )
+
+    def clear_rows(self, shard: str) -> None:
+        """Delete the rows of every table of ``shard`` (a snapshot install starts); log and position stay."""
+        for table in self.catalog().values():
+            if table.shard == shard:
+                self.connection.execute(f"DELETE FROM {quote(table.name)}")
+
+    def restart_log_at(self, shard: str, key: TxKey, digest: bytes) -> None:
+        """A snapshot install ends: the shard's log is empty, trimmed at ``key``, and applied there."""
+        self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
+        self.connection.execute(
+            "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
+            "trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ?, generation = max(generation, ?) "
+            "WHERE shard = ?",
+            (key.generation, key.counter, digest, key.generation, key.counter, digest, key.generation, shard),
+        )
+
     def spill(self, entries: tuple[Entry, ...] | list[Entry]) -> None:
         for entry in entries:
             self.connection.execute(

@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 ROW_VALUE = "v" * 90  # with the id and the encoding, about 100 bytes a row
 
 
-def load_batches(cluster: Cluster, transactions: int, rows_per_transaction: int) -> None:
-    with cluster.client("core1", timeout_ms=20_000, retries=3) as client:
+def load_batches(cluster: Cluster, transactions: int, rows_per_transaction: int, through: str = "core1") -> None:
+    with cluster.client(through, timeout_ms=20_000, retries=3) as client:
         for start in range(0, transactions * rows_per_transaction, rows_per_transaction):
             client.transact(
                 [
@@ -107,3 +107,43 @@ def test_compare_works_right_after_a_bootstrap_without_any_read_first(cluster: C
     )
     assert report.exit_status == EXIT_EQUAL, report.to_json()
     assert report.pairs[0].counts["different"] == 0 and acknowledged
+
+
+def test_a_follower_core_behind_the_trimmed_log_installs_a_snapshot_and_converges(cluster: Cluster) -> None:
+    cluster.extend_core_configs("[rlog]\nretention_entries_max = 50\n")
+    cluster.start_all()
+    create_table(cluster)
+    wait_until(lambda: cluster.sequencer() is not None, 30, "a sequencer")
+    sequencer, _ = cluster.sequencer()
+    follower = next(name for name in cluster.names if name != sequencer)
+    load_batches(cluster, 3, 1000, through=sequencer)
+    stopped_at = tuple(cluster.status(follower)["shards"]["default"]["applied"])
+    cluster.nodes[follower].kill()
+    # Far more than retention_entries_max entries commit while the follower is down.
+    load = Load(cluster, [sequencer], writers=3).start()
+    load.wait_for(400)
+    load_batches(cluster, 5, 1000, through=sequencer)
+    acknowledged = load.stop()
+
+    def trimmed_past_the_follower() -> bool:
+        rlog = cluster.status(sequencer)["shards"]["default"]["rlog"]
+        return rlog["first"] is not None and tuple(rlog["first"]) > stopped_at
+
+    wait_until(trimmed_past_the_follower, 30, "the sequencer to trim the entries the follower needs")
+    cluster.start(follower)
+    position = cluster.wait_converged(cluster.names, timeout_s=120)
+    wait_until(
+        lambda: (cluster.status(follower) or {}).get("shards", {}).get("default", {}).get("serving") is True,
+        60,
+        f"{follower} to serve reads after its snapshot",
+    )
+    with cluster.client(follower) as client:
+        follower_rows = {row["id"]: row["value"] for row in client.scan("kv")}
+    with cluster.client(sequencer) as client:
+        sequencer_rows = {row["id"]: row["value"] for row in client.scan("kv")}
+    assert follower_rows == sequencer_rows and len(follower_rows) >= 5000
+    assert set(acknowledged) <= set(follower_rows)
+    info = cluster.status(follower)["shards"]["default"]
+    assert tuple(info["applied"]) >= position["applied"]
+    log_text = (cluster.root / f"{follower}.log").read_text()
+    assert "installing a snapshot" in log_text and "snapshot installed" in log_text
