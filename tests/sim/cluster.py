@@ -51,6 +51,7 @@ from mnesite.core.consensus import (
     TruncateLog,
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
+from mnesite.core.snapshot import SnapshotOffer, accept_offer
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, Op, TxKey, WriteOp
 
 SHARD = "main"
@@ -339,7 +340,16 @@ class Simulation:
 
     def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
         follower = self.nodes[follower_name]
-        if not self._is_up(follower) or sequencer.applied_key <= follower.applied_key:
+        if not self._is_up(follower) or sequencer.machine is None or follower.machine is None:
+            return
+        # Production's offer rule (core.snapshot): the follower takes an offer only from the
+        # sequencer it knows, in its generation, beyond its applied key. The copy itself (the
+        # driver's job there) is modelled as a consistent copy of the sequencer's applied state.
+        offer = SnapshotOffer(
+            sequencer.name, sequencer.machine.generation, sequencer.applied_key, sequencer.applied_digest
+        )
+        machine = follower.machine
+        if accept_offer(offer, machine.generation, machine.sequencer, follower.applied_key, False) is not None:
             return
         # The driver copies the sequencer's applied tables; the follower's log restarts there.
         follower.log = MemoryLog(sequencer.applied_key, sequencer.applied_digest)
