@@ -29,6 +29,17 @@ class CopyFailed(Exception):
     """The core sent something a copy cannot use; the message says what."""
 
 
+def batch_from_answer(core: str, table: str, after: object, result: object) -> BatchReceived | None:
+    """The ``bootstrap_batch`` answer ``result`` as a ``BatchReceived``; None if it is malformed."""
+    if not isinstance(result, dict):
+        return None
+    rows, done, total = result.get("rows"), result.get("done"), result.get("rows_total")
+    if not isinstance(rows, list) or not isinstance(done, bool):
+        return None
+    total = total if isinstance(total, int) and not isinstance(total, bool) else None
+    return BatchReceived(core, table, after, tuple(rows), done, total)
+
+
 class TableCopy:
     """One copy of a shard's tables from ``core``."""
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import apsw
 import zmq
+from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.bootstrap.serve import read_batch
 from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
@@ -738,15 +739,10 @@ class CoreNode(NodeServer):
             keys = tuple(table.key_column for table in mine)
             self._step_install(shard, replication.TablesReceived(core, names, keys))
         else:
-            rows = result.get("rows") if isinstance(result, dict) else None
-            if error is not None or not isinstance(rows, list) or not isinstance(result.get("done"), bool):
+            batch = batch_from_answer(core, detail["table"], detail["after"], result)
+            if error is not None or batch is None:
                 self._step_install(shard, replication.RequestFailed(core, f"bootstrap batch failed: {error}"))
                 return
-            total = result.get("rows_total")
-            total = total if isinstance(total, int) and not isinstance(total, bool) else None
-            batch = replication.BatchReceived(
-                core, detail["table"], detail["after"], tuple(rows), result["done"], total
-            )
             self._step_install(shard, batch)
 
     def _send_peer(self, peer: str, message: Message) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.rlog import codec, range_requests
 from mnesite.rlog import replication as p
@@ -389,14 +390,11 @@ class ReplicantNode(NodeServer):
                 p.TablesReceived(pending.core, tuple(t["table"] for t in tables), tuple(t["key"] for t in tables)),
             )
         elif pending.purpose == "batch":
-            rows = result.get("rows") if isinstance(result, dict) else None
-            if error is not None or not isinstance(rows, list) or not isinstance(result.get("done"), bool):
+            detail = pending.detail
+            batch = batch_from_answer(pending.core, detail["table"], detail["after"], result)
+            if error is not None or batch is None:
                 self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}"))
                 return
-            detail = pending.detail
-            total = result.get("rows_total")
-            total = total if isinstance(total, int) and not isinstance(total, bool) else None
-            batch = p.BatchReceived(pending.core, detail["table"], detail["after"], tuple(rows), result["done"], total)
             self._step(replica, batch)
             self._log_progress(replica)
 
