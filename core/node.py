@@ -43,6 +43,7 @@ import apsw
 import zmq
 from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.bootstrap.serve import read_batch
+from mnesite.core.agent import AgentConfig
 from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
     Commit,
@@ -269,7 +270,13 @@ class CoreNode(NodeServer):
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
         self.excluded_told_ms: dict[tuple[str, str], int] = {}
-        self.rlog_server = RlogServer(config.name, rng=random.Random(self.rng.random()))
+        limits = config.limits
+        agent_config = AgentConfig(
+            push_bytes_max=limits.push_bytes_max,
+            window_bytes_max=limits.window_bytes_max,
+            step_bytes_max=limits.push_bytes_max,
+        )
+        self.rlog_server = RlogServer(config.name, agent_config, random.Random(self.rng.random()))
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
         # shards that serve no read (install under way or its read fence not reached yet).
         self.installs: dict[str, SnapshotInstall] = {}

@@ -24,6 +24,8 @@ Example::
     scan_rows_max = 10000               # rows per scan page
     turn_bytes_max = 8388608            # frames drained per loop turn, in bytes
     turn_ms_max = 50                    # time spent draining frames per loop turn
+    push_bytes_max = 1048576            # bytes in one agent push (at most frame_bytes_max)
+    window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -68,6 +70,9 @@ class Limits:
     # never wait behind a long batch of large transactions, pushes or catch-up reads.
     turn_bytes_max: int = 8 * 1024 * 1024
     turn_ms_max: int = 50
+    # An agent's pushes to one replicant: bytes in one push, and pushed but unacknowledged (core.agent).
+    push_bytes_max: int = 1024 * 1024
+    window_bytes_max: int = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ _LIMIT_BOUNDS = {
     "scan_rows_max": (1, 1_000_000),
     "turn_bytes_max": (1024, 1024 * 1024 * 1024),
     "turn_ms_max": (1, 60_000),
+    "push_bytes_max": (1024, 256 * 1024 * 1024),
+    "window_bytes_max": (1024, 1024 * 1024 * 1024),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
     "election_timeout_ms_min": (10, 600_000),
@@ -188,6 +195,9 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     if not isinstance(synchronous, str) or synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
         raise ConfigError(f"[storage].synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
 
+    limits = _int_section("limits", data.get("limits", {}), Limits)
+    if limits.push_bytes_max > limits.frame_bytes_max:
+        raise ConfigError("[limits].push_bytes_max must be at most frame_bytes_max (a push is one frame)")
     return Config(
         name=name,
         role=role,
@@ -195,7 +205,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         listen=listen,
         core_nodes=dict(core_nodes),
         synchronous=synchronous.upper(),
-        limits=_int_section("limits", data.get("limits", {}), Limits),
+        limits=limits,
         retention=_int_section("rlog", data.get("rlog", {}), Retention),
         timing=timing,
     )
