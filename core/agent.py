@@ -23,13 +23,14 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   is the backpressure. One push holds at most ``push_entries_max`` entries and ``push_bytes_max``
   bytes (an entry larger than that goes alone), so a push never exceeds the replicant's frame limit
   with large transactions.
-* Paced by acknowledgements. One step pushes at most one message: an acknowledgement (or a commit,
-  or a tick) lets the next one go. Catching up from far behind is therefore a stream of bounded
-  pushes interleaved with the core's other work, never one long burst that would delay the core's
-  heartbeats and appends (DESIGN invariant 11). ``next_deadline_ms()`` is ``now`` while the window
-  has room and committed entries wait, so the driver keeps the stream going at its own pace.
-  Entries are read from the log in reads sized by the entry sizes seen so far, so a log of large
-  entries is never read far beyond what one push can carry.
+* Paced by acknowledgements. One step pushes at most ``step_bytes_max`` bytes (or less: the driver
+  may pass a smaller budget for a step, down to 0, when its loop turn has spent its budget for all
+  agents): an acknowledgement (or a commit, or a tick) lets the next ones go. Catching up from far
+  behind is therefore a stream of bounded pushes interleaved with the core's other work, never one
+  long burst that would delay the core's heartbeats and appends (DESIGN invariant 11).
+  ``next_deadline_ms()`` is ``now`` while the window has room and committed entries wait, so the
+  driver keeps the stream going at its own pace. Entries are read from the log in reads sized by
+  the entry sizes seen so far, so a log of large entries is never read far beyond one push.
 * Retransmission. An acknowledgement that does not advance while entries are unacknowledged means
   the replica lost a push (a replica acknowledges every push and heartbeat with its position): the
   agent resends from the acknowledged key, at most once per ``heartbeat_interval_ms``. The replica
@@ -177,6 +178,7 @@ class Agent:
         self._last_rewind_ms: int | None = None
         self._stop_reason: str | None = None
         self._out: list[AgentEffect] = []
+        self._step_bytes_max = config.step_bytes_max
 
     # ------------------------------------------------------------ queries
 
@@ -218,10 +220,15 @@ class Agent:
 
     # ------------------------------------------------------------ the entry point
 
-    def step(self, event: AgentEvent, now_ms: int) -> list[AgentEffect]:
+    def step(self, event: AgentEvent, now_ms: int, push_bytes_max: int | None = None) -> list[AgentEffect]:
+        """Step one event; ``push_bytes_max`` lowers ``step_bytes_max`` for this step (0: push nothing,
+        the driver's budget for this loop turn is spent; the event is still taken into account)."""
         if now_ms < self._now_ms:
             raise ValueError(f"time went backwards: {now_ms} < {self._now_ms}")
         self._now_ms = now_ms
+        self._step_bytes_max = self.config.step_bytes_max
+        if push_bytes_max is not None:
+            self._step_bytes_max = max(0, min(push_bytes_max, self.config.step_bytes_max))
         self._out = []
         if self.stopped:
             return []
@@ -291,8 +298,8 @@ class Agent:
         self._mode = AgentMode.STOPPED
         self._out.append(AgentStopped(reason))
 
-    def _push(self, entries: tuple[Entry, ...]) -> None:
-        self._out.append(Push(entries, self._committed_key, self._hears_sequencer))
+    def _push(self, entries: tuple[Entry, ...], size_bytes: int = 0) -> None:
+        self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes))
         self._last_push_ms = self._now_ms
 
     def _can_push(self) -> bool:
@@ -313,7 +320,7 @@ class Agent:
         """
         pushed_bytes = 0
         # Every round pushes at least one entry (or stops the agent), so the window bounds the loop.
-        while self._can_push() and pushed_bytes < self.config.step_bytes_max:
+        while self._can_push() and pushed_bytes < self._step_bytes_max:
             size = self._push_next()
             if size is None:
                 break
@@ -352,7 +359,7 @@ class Agent:
             batch.append((entry, size))
             batch_bytes += size
         self._entry_bytes_estimate = max(1, max(size for _, size in batch))
-        self._push(tuple(entry for entry, _ in batch))
+        self._push(tuple(entry for entry, _ in batch), batch_bytes)
         self._unacknowledged.extend((entry.tx_key, size) for entry, size in batch)
         self._unacknowledged_bytes += batch_bytes
         self._sent_key = batch[-1][0].tx_key

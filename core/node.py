@@ -367,6 +367,24 @@ class CoreNode(NodeServer):
     def run_turn(self) -> None:
         if self.socket is None:
             raise RuntimeError("socket not bound")
+        self.rlog_server.begin_turn()
+        deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
+        agents_deadline = self.rlog_server.next_deadline_ms()
+        if agents_deadline is not None:
+            deadlines.append(agents_deadline)
+        timeout = POLL_INTERVAL_MS_MAX
+        if deadlines or self.has_backlog():
+            timeout = 0 if self.has_backlog() else max(0, min(timeout, min(deadlines) - self.clock_ms()))
+        ready = self.poll(timeout)
+        # Input first, timers after (DESIGN invariant 11): after a long turn, the heartbeats waiting
+        # in the socket are handled (peer frames first: receive_frames) before an election timer can
+        # fire, so a busy core does not campaign against a healthy sequencer.
+        if self.socket in ready or self.has_backlog():
+            self._serve_waiting()
+        for dealer in list(self.dealers.values()):
+            if dealer in ready:
+                self._relay_forwarded(dealer)
+        self._expire_forwarded()
         now = self.clock_ms()
         for driver in list(self.shards.values()):
             # A shard whose rows are being replaced by a snapshot does not campaign meanwhile.
@@ -380,27 +398,12 @@ class CoreNode(NodeServer):
         # them its time): read the clock again, never hand an agent an earlier one.
         self.rlog_server.tick(self.clock_ms())
         self.flush()
-        deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
-        agents_deadline = self.rlog_server.next_deadline_ms()
-        if agents_deadline is not None:
-            deadlines.append(agents_deadline)
-        timeout = POLL_INTERVAL_MS_MAX
-        if deadlines:
-            timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
-        ready = self.poll(timeout)
-        if self.socket in ready:
-            self._serve_waiting()
-        for dealer in list(self.dealers.values()):
-            if dealer in ready:
-                self._relay_forwarded(dealer)
-        self._expire_forwarded()
-        self.flush()
         self._maybe_trim()
 
     def _serve_waiting(self) -> None:
         if self.socket is None:
             return
-        for envelope, frame in self.receive_frames(self.clock_ms):
+        for envelope, frame in self.receive_frames(self.clock_ms, is_peer_frame):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
@@ -1167,6 +1170,16 @@ class CoreNode(NodeServer):
             with contextlib.suppress(Deferred, RequestError, SchemaError):
                 self._write(None, message)  # type: ignore[arg-type]
         self.flush()
+
+
+# The msgpack prefix of a "peer" frame: [version 1, "peer", ...]. A cheap look, not a decode: the
+# frame is decoded and checked like any other; a forged prefix only buys a place in the queue.
+_PEER_FRAME_PREFIX = b"\x94\x01\xa4peer"
+
+
+def is_peer_frame(frame: bytes) -> bool:
+    """A consensus message between cores (handled before anything else in a loop turn)."""
+    return frame.startswith(_PEER_FRAME_PREFIX)
 
 
 def _outcome_unknown(request_id: str, reason: str) -> Message:

@@ -94,6 +94,13 @@ class RlogServer:
         self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
+        # Bytes all agents may push in one loop turn (the driver calls ``begin_turn``): serving
+        # replicants costs the core's loop a bounded time per turn, whatever the acknowledgements.
+        self.turn_push_bytes_max = self.config.step_bytes_max
+        self._turn_pushed_bytes = 0
+
+    def begin_turn(self) -> None:
+        self._turn_pushed_bytes = 0
 
     def watch(
         self,
@@ -174,8 +181,10 @@ class RlogServer:
         watch = self.watches.get(agent_id)
         if watch is None:
             return
-        for effect in watch.agent.step(event, now_ms):
+        budget = max(0, self.turn_push_bytes_max - self._turn_pushed_bytes)
+        for effect in watch.agent.step(event, now_ms, budget):
             if isinstance(effect, Push):
+                self._turn_pushed_bytes += effect.size_bytes
                 body = {
                     "shard": watch.shard,
                     "agent": agent_id,

@@ -172,26 +172,28 @@ class ReplicantNode(NodeServer):
     def run_turn(self) -> None:
         if self.socket is None:
             raise RuntimeError("socket not bound")
+        deadlines = [r.next_deadline_ms() for r in self.replicas.values()]
+        deadlines += [pr.deadline_ms for pr in self.probes.values()]
+        timeout = POLL_INTERVAL_MS_MAX
+        if self.has_backlog():
+            timeout = 0
+        elif deadlines:
+            timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
+        ready = self.poll(timeout)
+        # Answers first: a watch answer and the new agent's first push travel on different
+        # connections (the replica also takes a push carrying the answer as the answer).
+        for core, socket in self.core_sockets.items():
+            if socket in ready:
+                self._receive_answers(core, socket)
+        if self.socket in ready or self.has_backlog():
+            self._serve_waiting()
+        # Timers after input: pushes that waited in the socket during a long turn count as heard.
         now = self.clock_ms()
         for replica in list(self.replicas.values()):
             if now >= replica.next_deadline_ms():
                 self._step(replica, p.Ticked())
         self._discover(now)
         self._expire(now)
-        self.flush()
-        deadlines = [r.next_deadline_ms() for r in self.replicas.values()]
-        deadlines += [pr.deadline_ms for pr in self.probes.values()]
-        timeout = POLL_INTERVAL_MS_MAX
-        if deadlines:
-            timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
-        ready = self.poll(timeout)
-        # Answers first: a watch answer and the new agent's first push travel on different
-        # connections, and the push must not be judged before the watch it belongs to.
-        for core, socket in self.core_sockets.items():
-            if socket in ready:
-                self._receive_answers(core, socket)
-        if self.socket in ready:
-            self._serve_waiting()
         self._answer_waiting_reads()
         self._maybe_trim()
         self.flush()

@@ -285,6 +285,8 @@ class Push:
     entries: tuple[Entry, ...]
     committed_key: TxKey
     hears_sequencer: bool
+    # The entries' estimated bytes (``entry_size_bytes``), for the driver's budget per loop turn.
+    size_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,8 @@ log = logging.getLogger("mnesite.server")
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
 ROUTER_QUEUE_MAX = 10_000
+# Frames (and bytes, times turn_bytes_max) kept for later turns, as a multiple of group_commit_max.
+BACKLOG_FACTOR = 4
 
 
 def monotonic_ms() -> int:
@@ -65,6 +68,8 @@ class NodeServer:
         self.commits = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
+        # Frames received but left for a later turn (see receive_frames).
+        self._backlog: deque[tuple[list[bytes], bytes]] = deque()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -130,30 +135,57 @@ class NodeServer:
             poller.register(socket, zmq.POLLIN)
         return dict(poller.poll(timeout_ms))
 
-    def receive_frames(self, clock_ms: Callable[[], int]) -> Iterator[tuple[list[bytes], bytes]]:
-        """The (envelope, frame) pairs waiting on the ROUTER, as many as one turn may handle.
+    def receive_frames(
+        self, clock_ms: Callable[[], int], urgent: Callable[[bytes], bool] | None = None
+    ) -> Iterator[tuple[list[bytes], bytes]]:
+        """The (envelope, frame) pairs to handle in this loop turn, urgent ones first.
 
-        One turn drains at most ``group_commit_max`` frames, ``turn_bytes_max`` bytes and
-        ``turn_ms_max`` of handling time (DESIGN invariant 11: the rest waits in the socket, and the
-        next turn first ticks the state machines, so heartbeats, appends and votes never wait behind
-        a long run of large transactions, pushes or catch-up reads). Frames without an envelope
-        (not from a ROUTER peer we can answer) are skipped.
+        DESIGN invariant 11: a long run of large transactions, pushes or catch-up reads must never
+        delay what keeps the quorum alive. Each turn takes up to ``group_commit_max`` new frames off
+        the socket (cheap: nothing is decoded), after the frames left over from earlier turns. The
+        ``urgent`` ones (a core's peer messages: heartbeats, appends, votes) are all handled now;
+        the others in arrival order until ``turn_ms_max`` of handling or ``turn_bytes_max`` bytes,
+        and the rest wait in a backlog for the next turn, which the driver starts by handling input
+        and only then firing timers. The backlog holds at most ``4 * group_commit_max`` frames and
+        ``4 * turn_bytes_max`` bytes: a frame beyond that is answered ``overloaded`` and dropped
+        (clients retry with the same request id; an agent re-sends after a lost acknowledgement).
+        Frames without an envelope (not from a ROUTER peer we can answer) are skipped.
         """
         limits = self.config.limits
-        started_ms = clock_ms()
-        drained_bytes = 0
+        frames = list(self._backlog)
+        self._backlog.clear()
         for _ in range(limits.group_commit_max):
-            if self.socket is None or drained_bytes >= limits.turn_bytes_max:
-                return
-            if clock_ms() - started_ms >= limits.turn_ms_max:
-                return
+            if self.socket is None:
+                break
             try:
                 parts = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            drained_bytes += len(parts[-1])
+                break
             if len(parts) >= 2:
-                yield parts[:-1], parts[-1]
+                frames.append((parts[:-1], parts[-1]))
+        if urgent is not None:
+            # Stable: urgent frames first, each group in arrival order.
+            frames.sort(key=lambda pair: not urgent(pair[1]))
+        started_ms = clock_ms()
+        handled_bytes = 0
+        backlog_bytes = 0
+        for pair in frames:
+            is_urgent = urgent is not None and urgent(pair[1])
+            over_budget = handled_bytes >= limits.turn_bytes_max or clock_ms() - started_ms >= limits.turn_ms_max
+            if is_urgent or not over_budget:
+                handled_bytes += len(pair[1])
+                yield pair
+            elif (
+                len(self._backlog) < BACKLOG_FACTOR * limits.group_commit_max
+                and backlog_bytes + len(pair[1]) <= BACKLOG_FACTOR * limits.turn_bytes_max
+            ):
+                self._backlog.append(pair)
+                backlog_bytes += len(pair[1])
+            else:
+                self.reply(pair[0], codec.error(request_id_of(pair[1]), "overloaded", f"{self.config.name} is busy"))
+
+    def has_backlog(self) -> bool:
+        return bool(self._backlog)
 
     # -- the turn's transaction and outbox ---------------------------------------------------
 
