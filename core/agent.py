@@ -110,9 +110,9 @@ class AgentConfig:
     window_bytes_max: int = 8 * 1024 * 1024
     # Entries and bytes in one push; bounds the size of one message (under the replicant's frame_bytes_max).
     push_entries_max: int = 256
-    push_bytes_max: int = 1024 * 1024
+    push_bytes_max: int = 256 * 1024
     # Bytes pushed in one step at most: bounds the work one event costs the core's loop.
-    step_bytes_max: int = 1024 * 1024
+    step_bytes_max: int = 256 * 1024
     heartbeat_interval_ms: int = 500
     # Committed entries ahead below which the mode is SWITCHOVER.
     switchover_entries: int = 1000
@@ -169,8 +169,8 @@ class Agent:
         # (key, estimated bytes) pushed and not yet acknowledged, in order; this is the window.
         self._unacknowledged: deque[tuple[TxKey, int]] = deque()
         self._unacknowledged_bytes = 0
-        # Entries read per log read: sized from the entries seen so far (starts small: see _pump).
-        self._entry_bytes_estimate = max(1, config.push_bytes_max // 16)
+        # Entries read per log read: sized from the entries seen so far (the first read takes five).
+        self._entry_bytes_estimate = max(1, config.push_bytes_max // 4)
         self._committed_key = start_key
         self._hears_sequencer = False
         self._last_push_ms: int | None = None

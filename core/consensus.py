@@ -93,7 +93,7 @@ class ConsensusConfig:
     entries_per_append_max: int = 64
     # Bytes of entries in one append (estimated by ``entry_size_bytes``; an entry larger than this goes
     # alone): 64 entries of 1,000 rows would otherwise exceed a follower's frame_bytes_max.
-    append_bytes_max: int = 1024 * 1024
+    append_bytes_max: int = 512 * 1024
     # Appends carrying entries sent to one follower and not yet answered (pipelining depth).
     appends_in_flight_max: int = 4
     # Proposals accepted by the sequencer and not yet committed; bounds the uncommitted tail.

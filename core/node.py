@@ -376,6 +376,7 @@ class CoreNode(NodeServer):
         if deadlines or self.has_backlog():
             timeout = 0 if self.has_backlog() else max(0, min(timeout, min(deadlines) - self.clock_ms()))
         ready = self.poll(timeout)
+        began_ms = self.clock_ms()
         # Input first, timers after (DESIGN invariant 11): after a long turn, the heartbeats waiting
         # in the socket are handled (peer frames first: receive_frames) before an election timer can
         # fire, so a busy core does not campaign against a healthy sequencer.
@@ -386,6 +387,7 @@ class CoreNode(NodeServer):
                 self._relay_forwarded(dealer)
         self._expire_forwarded()
         now = self.clock_ms()
+        input_ms = now - began_ms
         for driver in list(self.shards.values()):
             # A shard whose rows are being replaced by a snapshot does not campaign meanwhile.
             if driver.shard in self.not_serving and driver.shard not in self._installed_shards():
@@ -397,8 +399,19 @@ class CoreNode(NodeServer):
         # The shard ticks above may have stepped agents with a later clock reading (a commit feeds
         # them its time): read the clock again, never hand an agent an earlier one.
         self.rlog_server.tick(self.clock_ms())
+        timers_ms = self.clock_ms() - now
         self.flush()
         self._maybe_trim()
+        turn_ms = self.clock_ms() - began_ms
+        if turn_ms >= self.consensus_config.election_timeout_ms_min // 2:
+            # Visible before it costs an election: a turn this long delays heartbeats and votes.
+            log.warning(
+                "slow loop turn: %d ms (input %d ms, timers and agents %d ms, commit and sends %d ms)",
+                turn_ms,
+                input_ms,
+                timers_ms,
+                turn_ms - input_ms - timers_ms,
+            )
 
     def _serve_waiting(self) -> None:
         if self.socket is None:

@@ -24,7 +24,7 @@ Example::
     scan_rows_max = 10000               # rows per scan page
     turn_bytes_max = 8388608            # frames drained per loop turn, in bytes
     turn_ms_max = 50                    # time spent draining frames per loop turn
-    push_bytes_max = 1048576            # bytes in one agent push (at most frame_bytes_max)
+    push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
 
     [rlog]
@@ -71,7 +71,7 @@ class Limits:
     turn_bytes_max: int = 8 * 1024 * 1024
     turn_ms_max: int = 50
     # An agent's pushes to one replicant: bytes in one push, and pushed but unacknowledged (core.agent).
-    push_bytes_max: int = 1024 * 1024
+    push_bytes_max: int = 256 * 1024
     window_bytes_max: int = 8 * 1024 * 1024
 
 
