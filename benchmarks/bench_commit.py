@@ -1,6 +1,7 @@
 """Commit throughput and latency of a single core, beside raw apsw measured in the same run.
 
-    .venv/bin/python benchmarks/bench_commit.py [--seconds 5] [--clients 1,16,64] [--synchronous FULL] [--json]
+    .venv/bin/python benchmarks/bench_commit.py [--seconds 5] [--clients 1,16,64] [--synchronous FULL]
+        [--security off|on|both] [--repeat N] [--json]
 
 * Baseline: raw apsw on the same disk, WAL mode, the same ``synchronous`` level, one row per
   transaction (BEGIN; INSERT; COMMIT), one writer: the machine's durable-commit limit.
@@ -10,6 +11,10 @@
 
 * mnesite 3 cores: three real core processes on 127.0.0.1 (a quorum of two must persist every
   entry before it commits); the clients talk to the elected sequencer.
+* ``--security on`` / ``both`` (the default): the same runs with ``[security]`` (CurveZMQ on every
+  socket, ZAP, roles); the clients use an admin key. ``both`` measures off and on in the same run
+  and reports the ratio of each secured run to the same run without security. The two clusters run
+  side by side and are measured alternately, ``--repeat`` times each (the median is reported).
 
 Reports commits/s, p50/p99 latency in ms and the ratio to the baseline. Not a test: it
 asserts nothing about timing.
@@ -36,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from mnesite.rlog.client import Client, MnesiteError  # noqa: E402
 
 CLIENT_PROCESSES_MAX = 4
+SECURE_SUFFIX = ", CurveZMQ"
 
 
 def percentile(sorted_values: list[float], fraction: float) -> float:
@@ -81,7 +87,7 @@ def bench_raw_apsw(directory: Path, seconds: float, synchronous: str) -> dict:
     return summarise("raw apsw (1 writer)", 1, i, elapsed, latencies)
 
 
-def _client_process(endpoint: str, threads: int, worker: int, seconds: float, queue) -> None:
+def _client_process(endpoint: str, threads: int, worker: int, seconds: float, keys: dict, queue) -> None:
     import threading
 
     latencies: list[float] = []
@@ -91,7 +97,7 @@ def _client_process(endpoint: str, threads: int, worker: int, seconds: float, qu
 
     def run(thread: int) -> None:
         own: list[float] = []
-        with Client(endpoint, timeout_ms=30_000) as client:
+        with Client(endpoint, timeout_ms=30_000, **keys) as client:
             i = 0
             while time.perf_counter() < barrier_deadline:
                 began = time.perf_counter()
@@ -114,13 +120,13 @@ def _client_process(endpoint: str, threads: int, worker: int, seconds: float, qu
     queue.put((sum(counts), latencies))
 
 
-def bench_node(endpoint: str, clients: int, seconds: float, name: str) -> dict:
+def bench_node(endpoint: str, clients: int, seconds: float, name: str, keys: dict) -> dict:
     processes = min(clients, CLIENT_PROCESSES_MAX)
     per_process = [clients // processes + (1 if p < clients % processes else 0) for p in range(processes)]
     queue = multiprocessing.get_context("spawn").Queue()
     context = multiprocessing.get_context("spawn")
     workers = [
-        context.Process(target=_client_process, args=(endpoint, threads, p, seconds, queue))
+        context.Process(target=_client_process, args=(endpoint, threads, p, seconds, keys, queue))
         for p, threads in enumerate(per_process)
     ]
     for worker in workers:
@@ -142,17 +148,45 @@ def free_endpoint() -> str:
         return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
-def start_nodes(directory: Path, synchronous: str, cores: int) -> tuple[list[subprocess.Popen], str]:
-    """Start ``cores`` core processes; create the bench table; return them and the sequencer's endpoint."""
+def make_keys(directory: Path, cores: int) -> dict:
+    """Key pairs for the cluster, every core and the bench client (admin); the client's Client kwargs."""
+    from mnesite.rlog.security import generate_keys
+
+    keys, authorized = directory / "keys", directory / "authorized"
+    authorized.mkdir(exist_ok=True)
+    for name in ["cluster", "bench", *[f"core{i}" for i in range(1, cores + 1)]]:
+        if not (keys / f"{name}.key").exists():
+            generate_keys(name, str(keys))
+            shutil.copy(keys / f"{name}.key", authorized)
+    return {"key": str(keys / "bench.key_secret"), "server_key": str(keys / "cluster.key")}
+
+
+def security_toml(directory: Path, name: str, cores: int) -> str:
+    core_names = ", ".join(f'"core{i}"' for i in range(1, cores + 1))
+    return (
+        f'[security]\nserver_key = "{directory / "keys" / "cluster.key_secret"}"\n'
+        f'client_key = "{directory / "keys" / f"{name}.key_secret"}"\n'
+        f'authorized_keys = "{directory / "authorized"}"\n'
+        f'[security.roles]\ncore = [{core_names}]\nadmin = ["bench"]\n'
+    )
+
+
+def start_nodes(
+    directory: Path, synchronous: str, cores: int, secure: bool
+) -> tuple[list[subprocess.Popen], str, dict]:
+    """Start ``cores`` core processes; create the bench table; return them, the sequencer's endpoint
+    and the client's key arguments."""
     endpoints = {f"core{i}": free_endpoint() for i in range(1, cores + 1)}
     core_nodes = ", ".join(f'{name} = "{endpoint}"' for name, endpoint in endpoints.items())
+    keys = make_keys(directory, cores) if secure else {}
+    label = f"{cores}{'-secure' if secure else ''}"
     processes = []
     for name, endpoint in endpoints.items():
-        config = directory / f"{cores}-{name}.toml"
+        config = directory / f"{label}-{name}.toml"
         config.write_text(
-            f'[node]\nname = "{name}"\ndata_dir = "{directory / f"{cores}-{name}"}"\nlisten = "{endpoint}"\n'
+            f'[node]\nname = "{name}"\ndata_dir = "{directory / f"{label}-{name}"}"\nlisten = "{endpoint}"\n'
             f"[cluster]\ncore_nodes = {{ {core_nodes} }}\n"
-            f'[storage]\nsynchronous = "{synchronous}"\n'
+            f'[storage]\nsynchronous = "{synchronous}"\n' + (security_toml(directory, name, cores) if secure else "")
         )
         processes.append(
             subprocess.Popen(
@@ -164,12 +198,12 @@ def start_nodes(directory: Path, synchronous: str, cores: int) -> tuple[list[sub
             )
         )
     first = next(iter(endpoints.values()))
-    with Client(first, timeout_ms=2000, retries=15) as client:
+    with Client(first, timeout_ms=2000, retries=15, **keys) as client:
         client.create_table("bench", "id", [("id", "INTEGER"), ("payload", "TEXT")])
     for endpoint in endpoints.values():
-        with Client(endpoint, timeout_ms=2000) as client:
+        with Client(endpoint, timeout_ms=2000, **keys) as client:
             if client.status()["shards"]["default"]["role"] == "sequencer":
-                return processes, endpoint
+                return processes, endpoint, keys
     raise SystemExit("no sequencer after the table was created")
 
 
@@ -183,6 +217,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--clients", default="1,16,64")
     parser.add_argument("--synchronous", default="FULL", choices=["OFF", "NORMAL", "FULL", "EXTRA"])
+    parser.add_argument("--security", default="both", choices=["off", "on", "both"])
+    parser.add_argument("--repeat", type=int, default=1, help="Runs per setting (alternating modes); median kept.")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="mnesite-bench-"))
@@ -190,25 +226,42 @@ def main() -> None:
     try:
         baseline = bench_raw_apsw(directory, args.seconds, args.synchronous)
         results.append(baseline)
+        modes = {"off": [False], "on": [True], "both": [False, True]}[args.security]
         for cores, name in ((1, "mnesite single core"), (3, "mnesite 3 cores")):
-            processes, endpoint = start_nodes(directory, args.synchronous, cores)
+            # Both clusters run side by side and are measured alternately, each pair repeated, so a
+            # machine whose load drifts during the run biases neither mode (the median is reported).
+            clusters = {secure: start_nodes(directory, args.synchronous, cores, secure) for secure in modes}
             try:
                 for clients in [int(c) for c in args.clients.split(",")]:
-                    results.append(bench_node(endpoint, clients, args.seconds, name))
+                    samples: dict[bool, list[dict]] = {secure: [] for secure in modes}
+                    for _ in range(args.repeat):
+                        for secure, (_, endpoint, keys) in clusters.items():
+                            run_name = f"{name}{SECURE_SUFFIX if secure else ''}"
+                            samples[secure].append(bench_node(endpoint, clients, args.seconds, run_name, keys))
+                    for runs in samples.values():
+                        runs.sort(key=lambda r: r["commits_per_s"])
+                        median = dict(runs[len(runs) // 2])
+                        median["commits_per_s_runs"] = [r["commits_per_s"] for r in runs]
+                        results.append(median)
             finally:
-                for process in processes:
-                    os.killpg(process.pid, signal.SIGTERM)
-                for process in processes:
-                    process.wait(30)
+                for processes, _, _ in clusters.values():
+                    for process in processes:
+                        os.killpg(process.pid, signal.SIGTERM)
+                    for process in processes:
+                        process.wait(30)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    single = {r["clients"]: r for r in results if r["name"] == "mnesite single core"}
+    by_run = {(r["name"], r["clients"]): r for r in results}
     for result in results:
         result["ratio_to_raw_apsw"] = round(result["commits_per_s"] / baseline["commits_per_s"], 3)
-        if result["name"] == "mnesite 3 cores" and result["clients"] in single:
-            result["ratio_to_single_core"] = round(
-                result["commits_per_s"] / single[result["clients"]]["commits_per_s"], 3
-            )
+        secure = result["name"].endswith(SECURE_SUFFIX)
+        plain_name = result["name"].removesuffix(SECURE_SUFFIX)
+        single = by_run.get(("mnesite single core" + (SECURE_SUFFIX if secure else ""), result["clients"]))
+        if plain_name == "mnesite 3 cores" and single is not None:
+            result["ratio_to_single_core"] = round(result["commits_per_s"] / single["commits_per_s"], 3)
+        insecure = by_run.get((plain_name, result["clients"]))
+        if secure and insecure is not None:
+            result["ratio_to_insecure"] = round(result["commits_per_s"] / insecure["commits_per_s"], 3)
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(),
@@ -219,12 +272,13 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     print(f"{report['date']}, {report['machine']}, synchronous={args.synchronous}, {args.seconds:g} s per run")
-    print(f"| {'run':<22} | clients | commits/s | p50 ms | p99 ms | vs raw apsw | vs single core |")
-    print(f"|{'-' * 24}|---------|-----------|--------|--------|-------------|----------------|")
+    print(f"| {'run':<32} | clients | commits/s | p50 ms | p99 ms | vs raw apsw | vs single core | vs insecure |")
+    print(f"|{'-' * 34}|---------|-----------|--------|--------|-------------|----------------|-------------|")
     for r in results:
         print(
-            f"| {r['name']:<22} | {r['clients']:>7} | {r['commits_per_s']:>9} | {r['p50_ms']:>6} | {r['p99_ms']:>6} "
-            f"| {r['ratio_to_raw_apsw']:>11} | {r.get('ratio_to_single_core', ''):>14} |"
+            f"| {r['name']:<32} | {r['clients']:>7} | {r['commits_per_s']:>9} | {r['p50_ms']:>6} | {r['p99_ms']:>6} "
+            f"| {r['ratio_to_raw_apsw']:>11} | {r.get('ratio_to_single_core', ''):>14} "
+            f"| {r.get('ratio_to_insecure', ''):>11} |"
         )
 
 

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 import click
 from mnesite.rlog.client import Client, GuardFailed, MnesiteError, default_endpoint
+from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
 
 TIMEOUT_MS_DEFAULT = 5000
@@ -31,7 +32,33 @@ def emit_json(value: Any) -> None:
     click.echo(json.dumps(value, default=_json_default, sort_keys=False))
 
 
+def _remember(context: click.Context, parameter: click.Parameter, value: Any) -> Any:
+    # --key and --server-key are read by client_for, so that every command takes them unchanged.
+    context.meta[f"mnesite.{parameter.name}"] = value
+    return value
+
+
 def node_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    function = click.option(
+        "--server-key",
+        "server_key_file",
+        envvar="MNESITE_SERVER_KEY",
+        type=click.Path(dir_okay=False),
+        default=None,
+        expose_value=False,
+        callback=_remember,
+        help="The cluster's public key file (NAME.key) for CurveZMQ ($MNESITE_SERVER_KEY).",
+    )(function)
+    function = click.option(
+        "--key",
+        "key_file",
+        envvar="MNESITE_KEY",
+        type=click.Path(dir_okay=False),
+        default=None,
+        expose_value=False,
+        callback=_remember,
+        help="Your secret key file (NAME.key_secret) for CurveZMQ ($MNESITE_KEY).",
+    )(function)
     function = click.option(
         "--timeout-ms",
         type=click.IntRange(1, 3_600_000),
@@ -53,8 +80,19 @@ def json_option(function: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON.")(function)
 
 
-def client_for(endpoint: str | None, timeout_ms: int) -> Client:
-    return Client(endpoint or default_endpoint(), timeout_ms=timeout_ms, retries=1)
+def client_for(endpoint: str | None, timeout_ms: int, retries: int = 1) -> Client:
+    """A client for this command's --node, with its --key and --server-key if given."""
+    meta = click.get_current_context().meta
+    try:
+        return Client(
+            endpoint or default_endpoint(),
+            timeout_ms=timeout_ms,
+            retries=retries,
+            key=meta.get("mnesite.key_file"),
+            server_key=meta.get("mnesite.server_key_file"),
+        )
+    except MnesiteError as error:
+        fail(str(error))
 
 
 def run(call: Callable[[], Any]) -> Any:
@@ -176,7 +214,7 @@ def parse_column(text: str) -> tuple[str, str]:
 
 @table.command("create")
 @click.argument("table_name", metavar="TABLE")
-@click.option("--key", "key_column", required=True, metavar="COLUMN", help="Key column (TEXT unless declared).")
+@click.option("--key-column", "key_column", required=True, metavar="COLUMN", help="Key column (TEXT unless declared).")
 @click.option(
     "--column", "columns", multiple=True, metavar="NAME:TYPE", help="Column; TYPE: INTEGER REAL TEXT BLOB ANY."
 )
@@ -321,6 +359,17 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
     emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
 
 
+def describe_security(security: dict[str, Any]) -> str:
+    if not security.get("curve"):
+        return "security: OFF" + (" ([security] insecure = true)" if security.get("insecure") else " (loopback only)")
+    failed = security["handshakes_failed"]
+    return (
+        f"security: CurveZMQ, {security['authorized_keys']} authorized keys; refused: "
+        f"{failed['auth']} unknown keys, {failed['protocol'] + failed['no_detail']} other failed handshakes, "
+        f"{security['refused_role']} by role, {security['refused_sender']} forged senders"
+    )
+
+
 @main.command()
 @node_options
 @json_option
@@ -332,6 +381,7 @@ def status(endpoint, timeout_ms, as_json) -> None:
         emit_json(result)
         return
     click.echo(f"node {result['node']} ({result['role']})")
+    click.echo(describe_security(result.get("security") or {}))
     if result["role"] == "replicant":
         rows = [
             {
@@ -453,7 +503,7 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
             journals[name] = first
             continue
         try:
-            with Client(core_endpoint, timeout_ms=min(timeout_ms, 2000), retries=0) as other:
+            with client_for(core_endpoint, min(timeout_ms, 2000), retries=0) as other:
                 journals[name] = other.journal()
         except MnesiteError:
             journals[name] = None
@@ -497,7 +547,10 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
 @json_option
 def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
     """Make the core at --node sequencer of every shard with the cores it can reach, opening a new
-    generation, when a majority of cores is gone for good.
+    generation, when a majority of cores is gone for good. Needs the admin role.
+
+    The core first asks every member for its journal; it refuses while a majority answers (an
+    election will choose a sequencer without losing anything) and says which members it reached.
 
     \b
     What may be lost: writes that the lost majority committed but this core never received, and the
@@ -517,8 +570,42 @@ def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
         emit_json(result)
         return
     click.echo(f"FORCE-STARTED {result['node']} with members {', '.join(result['members'])}", err=True)
+    click.echo(f"left out: {', '.join(result['left_out']) or 'nobody'}; may lose: {result['may_lose']}", err=True)
     for shard, info in result["shards"].items():
         click.echo(f"{shard}: generation {info['generation']}, last {tuple(info['last'])}")
+
+
+@main.group()
+def keys() -> None:
+    """CurveZMQ keys for the [security] section."""
+
+
+@keys.command("generate")
+@click.argument("name")
+@click.option(
+    "--dir", "directory", type=click.Path(file_okay=False), default="keys", show_default=True, help="Where to write."
+)
+@json_option
+def keys_generate(name: str, directory: str, as_json: bool) -> None:
+    """Write DIR/NAME.key (the public key, shared) and DIR/NAME.key_secret (the secret, mode 0600).
+
+    \b
+    NAME is the principal: put NAME.key in every node's authorized_keys directory and NAME in
+    [security.roles]. Make one key pair for the cluster (server_key, same file on every node), one
+    per node (client_key) and one per user or application (--key).
+    """
+    from mnesite.rlog.security import SecurityError, generate_keys
+
+    if not NAME_PATTERN.match(name):
+        fail(f"NAME must be 1-64 letters, digits, '.', '_' or '-', got {name!r}")
+    try:
+        public_path, secret_path = generate_keys(name, directory)
+    except (SecurityError, OSError) as error:
+        fail(str(error))
+    if as_json:
+        emit_json({"name": name, "public": public_path, "secret": secret_path})
+        return
+    click.echo(f"public key {public_path}\nsecret key {secret_path} (mode 0600: keep it on the machine that uses it)")
 
 
 def _register_optional_commands() -> None:

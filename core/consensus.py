@@ -29,6 +29,17 @@ and executes the effects it returns.
   majority within ``election_timeout_ms_min`` steps down and fails its pending proposals.
 * Force start. When a majority is gone for good, an operator can make one core sequencer of a new
   generation with a reduced membership (``ForceStartRequested``). See ``_force_start`` for what may be lost.
+  The driver first asks every member for its generation; the members that answered are *reached*.
+  A force start is refused (``ForceStartRefused``) while this core reaches a majority of the current
+  members: then an election can pick a sequencer and nothing needs to be lost, and forcing would
+  leave out cores that are alive. The forced generation is above every generation a reached member
+  has seen, so every reached member follows the forced sequencer. A core that hears from a core
+  outside its (reduced) membership answers with an ``ExclusionNotice`` (at most once per
+  ``EXCLUSION_NOTICE_INTERVAL_MS`` per core); a core told that a forced membership left it out steps
+  down, fails its pending writes, and stops taking part.
+  Safety holds as long as fewer than a majority of the old members that were left out ever come
+  back (they must be rebuilt first): left-out cores alone cannot form a quorum of the old membership,
+  and reached cores ignore them.
 
 Driver contract
 ---------------
@@ -64,6 +75,7 @@ from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, entry_size_bytes, make_entry
 
 MEMBERS_MAX = 15
+EXCLUSION_NOTICE_INTERVAL_MS = 1000  # how often a left-out core is told at most
 
 REJECT_NOT_SEQUENCER = "not_sequencer"
 REJECT_BUSY = "busy"
@@ -206,7 +218,18 @@ class AppendReply:
     commit_key: TxKey
 
 
-PeerMessage = VoteRequest | VoteReply | AppendRequest | AppendReply
+@dataclass(frozen=True)
+class ExclusionNotice:
+    """To a core outside the sender's (force-reduced) membership: you were left out. ``key`` is the
+    receiver's last key as the sender saw it, ``digest`` the sender's digest there (None: not held)."""
+
+    generation: int
+    members: tuple[str, ...]
+    key: TxKey
+    digest: bytes | None
+
+
+PeerMessage = VoteRequest | VoteReply | AppendRequest | AppendReply | ExclusionNotice
 
 # ---------------------------------------------------------------- events
 
@@ -232,9 +255,13 @@ class Proposed:
 
 @dataclass(frozen=True)
 class ForceStartRequested:
-    """Operator: make this core sequencer of a new generation with these (reachable) members."""
+    """Operator: make this core sequencer of a new generation with the members it reached.
 
-    members: tuple[str, ...]
+    ``reached``: (member, highest generation it has seen) for every other core that answered the
+    driver's probe just now. Cores that did not answer are left out of the new membership.
+    """
+
+    reached: tuple[tuple[str, int], ...]
 
 
 Event = Ticked | MessageReceived | Proposed | ForceStartRequested
@@ -323,6 +350,27 @@ class ForceStarted:
 
 
 @dataclass(frozen=True)
+class ForceStartRefused:
+    """Nothing changed: ``reason`` says why (for example: a majority is reachable)."""
+
+    reason: str
+    reached: tuple[str, ...]
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """This core accepted that a forced start left it out: it takes no part in the shard any more.
+    ``key`` and ``digest`` are the notice's, for comparing journals."""
+
+    sender: str
+    generation: int
+    members: tuple[str, ...]
+    key: TxKey
+    digest: bytes | None
+
+
+@dataclass(frozen=True)
 class ProtocolViolation:
     sender: str
     reason: str
@@ -340,6 +388,8 @@ Effect = (
     | SnapshotNeeded
     | RoleChanged
     | ForceStarted
+    | ForceStartRefused
+    | Excluded
     | ProtocolViolation
 )
 
@@ -386,6 +436,10 @@ class ShardConsensus:
         self._now_ms = now_ms
         self._members = members
         self._forced = state.forced
+        # Left out by a forced start (ExclusionNotice): never campaign again until rebuilt.
+        self._excluded = False
+        # Non-member -> when it was last told it is left out (bounded by MEMBERS_MAX entries).
+        self._exclusion_told_ms: dict[str, int] = {}
         self._last_key = log.last_key()
         last_digest = log.digest_at(self._last_key)
         if last_digest is None:
@@ -433,6 +487,11 @@ class ShardConsensus:
     @property
     def last_key(self) -> TxKey:
         return self._last_key
+
+    @property
+    def excluded(self) -> bool:
+        """A forced start left this core out (it was told); it takes no part until rebuilt."""
+        return self._excluded
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -483,7 +542,7 @@ class ShardConsensus:
         elif isinstance(event, Proposed):
             self._on_proposed(event)
         elif isinstance(event, ForceStartRequested):
-            self._force_start(event.members)
+            self._force_start(event.reached)
         else:
             raise TypeError(f"not a consensus event: {event!r}")
         out, self._out = self._out, []
@@ -505,6 +564,8 @@ class ShardConsensus:
         self._election_deadline_ms = self._now_ms + timeout_ms
 
     def _on_tick(self) -> None:
+        if self._excluded:
+            return
         if self._role is Role.SEQUENCER:
             heard = 1 + sum(
                 1
@@ -613,23 +674,36 @@ class ShardConsensus:
             self._out.append(ProposalFailed(request_id, key, reason))
         self._pending = {}
 
-    def _force_start(self, members: tuple[str, ...]) -> None:
-        """Become sequencer of a new generation with a reduced membership, loudly.
+    def _force_start(self, reached: tuple[tuple[str, int], ...]) -> None:
+        """Become sequencer of a new generation with the members reached, loudly; refuse if a
+        majority was reached (an election can do the job without losing anything).
 
         What may be lost: entries that the old majority committed (and acknowledged) but this core
         never received; they are gone for good. Entries in this core's uncommitted tail become
         committed, even if their clients were told the outcome was unknown. Members left out are
         ignored from now on and must be rebuilt from scratch before they rejoin.
         """
-        new_members = tuple(sorted(set(members)))
-        if self.name not in new_members:
-            raise ValueError(f"force start: {self.name!r} must be one of the members {new_members}")
-        unknown = set(new_members) - set(self._members)
-        if unknown:
-            raise ValueError(f"force start may only reduce the membership; unknown members {sorted(unknown)}")
+        generations = {name: generation for name, generation in reached if name in self._members}
+        generations.pop(self.name, None)
+        new_members = tuple(sorted({self.name, *generations}))
+        if self.name not in self._members:
+            self._out.append(ForceStartRefused(f"{self.name} is not a member", new_members, self._members))
+            return
+        if len(new_members) >= self._majority():
+            self._out.append(
+                ForceStartRefused(
+                    f"{self.name} reaches {len(new_members)} of {len(self._members)} members "
+                    f"({', '.join(new_members)}), a majority: an election will choose a sequencer without "
+                    "losing anything, and a forced start would leave out cores that are alive",
+                    new_members,
+                    self._members,
+                )
+            )
+            return
         if self._role is Role.SEQUENCER:
             self._fail_pending("sequencer force-started into a new generation")
-        self._generation += 1
+        # Above every generation a reached member has seen, so each of them follows this sequencer.
+        self._generation = max(self._generation, *generations.values()) + 1 if generations else self._generation + 1
         self._voted_for = self.name
         self._members = new_members
         self._forced = True
@@ -638,14 +712,50 @@ class ShardConsensus:
         self._role = Role.CANDIDATE  # so that _set_role reports the change even from SEQUENCER
         self._become_sequencer()
 
+    def _on_exclusion(self, sender: str, notice: ExclusionNotice) -> None:
+        """A member's forced start left this core out: stop taking part.
+
+        Believed from a member of our membership whose new membership does not include us, whatever
+        its generation: a left-out core keeps campaigning alone and may have counted its generation
+        past the forced one, and stopping can only cost availability, never safety. (Only an
+        authenticated core can send it; the driver checks that.)
+        """
+        if sender not in self._members or self.name in notice.members:
+            self._out.append(ProtocolViolation(sender, f"exclusion notice with members {notice.members}"))
+            return
+        if notice.generation > self._generation:
+            self._adopt_generation(notice.generation)
+        elif self._role is not Role.FOLLOWER or self._sequencer is not None:
+            self._step_down(f"left out by a forced start of {sender} (generation {notice.generation})")
+        self._excluded = True
+        self._out.append(Excluded(sender, notice.generation, notice.members, notice.key, notice.digest))
+
+    def _tell_excluded(self, sender: str, message: PeerMessage) -> None:
+        """``sender`` is outside our membership (a forced start left it out): tell it, rate-limited."""
+        told_ms = self._exclusion_told_ms.get(sender)
+        if told_ms is not None and self._now_ms - told_ms < EXCLUSION_NOTICE_INTERVAL_MS:
+            return
+        if len(self._exclusion_told_ms) >= MEMBERS_MAX:
+            self._exclusion_told_ms = {}
+        self._exclusion_told_ms[sender] = self._now_ms
+        their_key = message.last_key if isinstance(message, (VoteRequest, AppendReply)) else self._commit_key
+        key = min(their_key, self._last_key)
+        notice = ExclusionNotice(self._generation, self._members, key, self._log.digest_at(key))
+        self._out.append(Send(sender, notice))
+
     # ------------------------------------------------------------ messages
 
     def _on_message(self, sender: str, message: PeerMessage) -> None:
+        if not isinstance(message, (VoteRequest, VoteReply, AppendRequest, AppendReply, ExclusionNotice)):
+            raise TypeError(f"not a peer message: {message!r}")
+        if isinstance(message, ExclusionNotice) and sender != self.name:
+            self._on_exclusion(sender, message)
+            return
         if sender == self.name or sender not in self._members:
             self._out.append(ProtocolViolation(sender, f"not a member of {self._members}"))
+            if sender != self.name and not self._excluded:
+                self._tell_excluded(sender, message)
             return
-        if not isinstance(message, (VoteRequest, VoteReply, AppendRequest, AppendReply)):
-            raise TypeError(f"not a peer message: {message!r}")
         if message.generation > self._generation:
             self._adopt_generation(message.generation)
         if isinstance(message, VoteRequest):

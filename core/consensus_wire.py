@@ -6,6 +6,7 @@ A message is the list ``[CONSENSUS_WIRE_VERSION, kind, field...]``:
 * ``["vote_reply", generation, granted]``
 * ``["append_request", generation, prev_key, prev_digest, commit_key, members, entries]``
 * ``["append_reply", generation, success, match_key, last_key, commit_key]``
+* ``["exclusion_notice", generation, members, key, digest-or-nil]``
 
 Tx keys are ``[generation, counter]``; entries use ``rlog.types.entry_to_wire``. Decoding anything
 malformed raises ``rlog.codec.CodecError`` and nothing else (fuzzed with hypothesis). Routing by
@@ -16,7 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from mnesite.core.consensus import MEMBERS_MAX, AppendReply, AppendRequest, PeerMessage, VoteReply, VoteRequest
+from mnesite.core.consensus import (
+    MEMBERS_MAX,
+    AppendReply,
+    AppendRequest,
+    ExclusionNotice,
+    PeerMessage,
+    VoteReply,
+    VoteRequest,
+)
 from mnesite.rlog.codec import CodecError
 from mnesite.rlog.types import (
     DIGEST_BYTES,
@@ -34,7 +43,7 @@ APPEND_ENTRIES_WIRE_MAX = 4096
 MEMBER_NAME_CHARS_MAX = 255
 GENERATION_MAX = 2**63 - 1
 
-_FIELD_COUNTS = {"vote_request": 2, "vote_reply": 2, "append_request": 6, "append_reply": 5}
+_FIELD_COUNTS = {"vote_request": 2, "vote_reply": 2, "append_request": 6, "append_reply": 5, "exclusion_notice": 4}
 
 
 def message_to_wire(message: PeerMessage) -> list[Any]:
@@ -63,6 +72,15 @@ def message_to_wire(message: PeerMessage) -> list[Any]:
             message.last_key.to_wire(),
             message.commit_key.to_wire(),
         ]
+    if isinstance(message, ExclusionNotice):
+        return [
+            CONSENSUS_WIRE_VERSION,
+            "exclusion_notice",
+            message.generation,
+            list(message.members),
+            message.key.to_wire(),
+            message.digest,
+        ]
     raise TypeError(f"not a consensus peer message: {message!r}")
 
 
@@ -90,6 +108,11 @@ def message_from_wire(value: Any) -> PeerMessage:
         return AppendRequest(
             generation, _tx_key(prev_key), prev_digest, _tx_key(commit_key), _members(members), _entries(entries)
         )
+    if kind == "exclusion_notice":
+        members, key, digest = fields[1:]
+        if digest is not None and (not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES):
+            raise CodecError(f"digest must be {DIGEST_BYTES} bytes or nil")
+        return ExclusionNotice(generation, _members(members), _tx_key(key), digest)
     success, match_key, last_key, commit_key = fields[1:]
     return AppendReply(generation, _bool(success), _tx_key(match_key), _tx_key(last_key), _tx_key(commit_key))
 

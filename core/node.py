@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +49,9 @@ from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
     Commit,
     ConsensusConfig,
+    Excluded,
     ForceStarted,
+    ForceStartRefused,
     ForceStartRequested,
     MessageReceived,
     PersistedState,
@@ -124,11 +127,11 @@ SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
 DEALERS_MAX = 1000  # sockets to peers and replicants
 RECOVERY_TIMEOUT_MS = 1000
-EXCLUDED_NOTICE_INTERVAL_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
 # and how long an answer may take before the install is abandoned (the sequencer offers again).
 INSTALL_BATCH_ROWS_MAX = 10_000
 INSTALL_REQUEST_TIMEOUT_MS = 10_000
+FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
 
 
 class RequestError(Exception):
@@ -269,7 +272,6 @@ class CoreNode(NodeServer):
         self.forwarded: dict[str, Forwarded] = {}
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
-        self.excluded_told_ms: dict[tuple[str, str], int] = {}
         limits = config.limits
         agent_config = AgentConfig(
             push_bytes_max=limits.push_bytes_max,
@@ -304,14 +306,14 @@ class CoreNode(NodeServer):
         generation it may have voted in before the loss. It then catches up from the sequencer like a
         follower that is far behind. If no peer answers (a new cluster), nothing changes.
         """
-        from mnesite.rlog.client import Client, MnesiteError
+        from mnesite.rlog.client import MnesiteError
 
         generations: dict[str, int] = {}
         for peer in self.members:
             if peer == self.config.name:
                 continue
             try:
-                with Client(self.config.core_nodes[peer], timeout_ms=timeout_ms, retries=0) as client:
+                with self.peer_client(peer, timeout_ms) as client:
                     answer = client.journal()
             except MnesiteError:
                 continue
@@ -324,6 +326,17 @@ class CoreNode(NodeServer):
                     self.store.persist_consensus_state(shard, generation, self.config.name, self.members, False)
             log.warning("empty database: recovering from peers at generations %s", generations)
         return generations
+
+    def peer_client(self, peer: str, timeout_ms: int) -> Any:
+        """A one-shot client to core ``peer``, speaking with this node's own key when secure."""
+        from mnesite.rlog.client import Client
+
+        endpoint = self.config.core_nodes[peer]
+        if self.security is None:
+            return Client(endpoint, timeout_ms=timeout_ms, retries=0)
+        return Client(
+            endpoint, timeout_ms=timeout_ms, retries=0, key=self.security.client, server_key=self.security.server.public
+        )
 
     # -- shards ------------------------------------------------------------------------------
 
@@ -416,14 +429,18 @@ class CoreNode(NodeServer):
     def _serve_waiting(self) -> None:
         if self.socket is None:
             return
-        for envelope, frame in self.receive_frames(self.clock_ms, is_peer_frame):
+        for envelope, frame, principal in self.receive_frames(self.clock_ms, is_peer_frame):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
                 self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
                 continue
+            refused = self.refusal(principal, message)
+            if refused is not None:
+                self.reply(envelope, refused)
+                continue
             try:
-                self._dispatch(envelope, message)
+                self._dispatch(envelope, message, principal)
             except Deferred:
                 pass
             except RequestError as error:
@@ -431,16 +448,19 @@ class CoreNode(NodeServer):
             except SchemaError as error:
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
 
-    def _dispatch(self, envelope: list[bytes], message: Message) -> None:
+    def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         if message.kind == "peer":
             self._on_peer(message)
-        elif message.kind == "excluded":
-            self._on_excluded(message.body)
         elif message.kind == "snapshot_offer":
             self._on_snapshot_offer(message.body)
         elif message.kind == "watch":
             self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
+            watch = self.rlog_server.watches.get(message.body.get("agent"))
+            if self.security is not None and watch is not None and watch.replicant != principal:
+                # Only the replicant an agent serves may move that agent's window.
+                self.security.refused_sender += 1
+                return
             self.rlog_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
             self.reply(envelope, codec.reply(message.request_id, self.force_start()))
@@ -557,6 +577,10 @@ class CoreNode(NodeServer):
                     "digest": position.digest,
                 }
                 self._send_peer(effect.follower, Message("snapshot_offer", "snapshot", body))
+        elif isinstance(effect, ForceStartRefused):
+            log.warning("shard %s: force start refused: %s", shard, effect.reason)
+        elif isinstance(effect, Excluded):
+            self._record_exclusion(shard, effect)
         elif isinstance(effect, ProtocolViolation):
             log.warning("shard %s: protocol violation: %s", shard, effect)
         else:
@@ -786,56 +810,33 @@ class CoreNode(NodeServer):
             return
         self.last_heard_ms[sender] = self.clock_ms()
         driver = self._shard_for(shard, create=True)
-        if driver is None:
+        if driver is None or shard in self.excluded:
             return
-        if sender not in driver.consensus.members:
-            self._tell_excluded(driver, sender, getattr(peer_message, "last_key", None))
-            return
+        # Non-members too: the consensus machine tells a core left out by a forced start.
         self._step(driver, MessageReceived(sender, peer_message))
 
-    def _tell_excluded(self, driver: ShardDriver, sender: str, their_key: TxKey | None) -> None:
-        """A core outside our (forced) membership is talking to us: tell it, at most once a second."""
-        now = self.clock_ms()
-        if now - self.excluded_told_ms.get((driver.shard, sender), -(10**12)) < EXCLUDED_NOTICE_INTERVAL_MS:
-            return
-        self.excluded_told_ms[(driver.shard, sender)] = now
-        key = their_key if their_key is not None else driver.consensus.committed_key
-        body = {
-            "shard": driver.shard,
-            "sender": self.config.name,
-            "generation": driver.consensus.generation,
-            "members": list(driver.consensus.members),
-            "key": list(key),
-            "digest": self.store.digest_at(driver.shard, key),
-        }
-        self._send_peer(sender, Message("excluded", "excluded", body))
-
-    def _on_excluded(self, body: dict[str, Any]) -> None:
-        """We were left out by a forced start: stop taking part in the shard and say how our journal compares."""
-        shard, sender = body["shard"], body["sender"]
-        if sender not in self.config.core_nodes or shard in self.excluded:
-            return
-        key = tx_key_from_wire(body["key"])
-        own = self.store.digest_at(shard, key) if shard in self.shards else None
-        if body["digest"] is None or own is None:
-            verdict = f"cannot compare journals at {key} (one side no longer holds it)"
-        elif own == body["digest"]:
-            verdict = f"journals agree up to {key}"
+    def _record_exclusion(self, shard: str, effect: Excluded) -> None:
+        """The machine accepted that a forced start left us out: say how our journal compares."""
+        own = self.store.digest_at(shard, effect.key)
+        if effect.digest is None or own is None:
+            verdict = f"cannot compare journals at {effect.key} (one side no longer holds it)"
+        elif own == effect.digest:
+            verdict = f"journals agree up to {effect.key}"
         else:
-            verdict = f"journals DIVERGE at {key}"
+            verdict = f"journals DIVERGE at {effect.key}"
         self.excluded[shard] = {
-            "by": sender,
-            "generation": body["generation"],
-            "members": body["members"],
+            "by": effect.sender,
+            "generation": effect.generation,
+            "members": list(effect.members),
             "verdict": verdict,
         }
         log.error(
             "shard %s: this core was left out of the cluster by a forced start (generation %d, members %s, told by "
             "%s); %s. It no longer takes part in the shard: rebuild it from a member's data directory.",
             shard,
-            body["generation"],
-            ", ".join(body["members"]),
-            sender,
+            effect.generation,
+            ", ".join(effect.members),
+            effect.sender,
             verdict,
         )
 
@@ -970,20 +971,84 @@ class CoreNode(NodeServer):
             self.reply(pending.envelope, _outcome_unknown(request_id, "the sequencer did not answer in time"))
 
     def force_start(self) -> dict[str, Any]:
-        """Operator: become sequencer of every shard with the cores heard recently (loudly)."""
-        reachable = [self.config.name, *self.reachable_peers()]
-        result = {}
+        """Operator: become sequencer of every shard with the cores that answer now, loudly.
+
+        The consensus machine refuses (``ForceStartRefused``) while a majority answers; this driver
+        only asks every member for its journal (the probe) and reports what the machine decided.
+        """
+        journals = self.probe_peers(FORCE_START_PROBE_TIMEOUT_MS)
+        reached_names = sorted(journals)
+        result: dict[str, Any] = {}
+        refusals: dict[str, str] = {}
         for driver in self.shards.values():
-            members = tuple(m for m in reachable if m in driver.consensus.members)
-            self._step(driver, ForceStartRequested(members))
-            result[driver.shard] = {
-                "generation": driver.consensus.generation,
-                "members": list(members),
-                "last": list(driver.consensus.last_key),
-                "committed": list(driver.consensus.committed_key),
-            }
-        log.warning("FORCE START by operator: %s", result)
-        return {"node": self.config.name, "members": reachable, "shards": result}
+            reached = tuple((peer, _generation_in(journal, driver.shard)) for peer, journal in sorted(journals.items()))
+            effects = self._step(driver, ForceStartRequested(reached))
+            for effect in effects:
+                if isinstance(effect, ForceStartRefused):
+                    refusals[driver.shard] = effect.reason
+            if driver.shard not in refusals:
+                members = driver.consensus.members
+                result[driver.shard] = {
+                    "generation": driver.consensus.generation,
+                    "members": list(members),
+                    "left_out": [m for m in self.members if m not in members],
+                    "last": list(driver.consensus.last_key),
+                    "committed": list(driver.consensus.committed_key),
+                }
+        if refusals:
+            raise RequestError(
+                "force_start_refused",
+                f"force-start refused: {self.config.name} reached {', '.join(reached_names) or 'no other core'}; "
+                + "; ".join(f"shard {shard}: {reason}" for shard, reason in sorted(refusals.items())),
+                {"reached": reached_names, "refused": refusals, "forced": result},
+            )
+        left_out = [m for m in self.members if m != self.config.name and m not in journals]
+        may_lose = (
+            f"writes that {', '.join(left_out)} committed but {self.config.name} never received are lost; "
+            f"{', '.join(left_out)} must be rebuilt from a member's data directory before rejoining"
+            if left_out
+            else "nothing: every member answered"
+        )
+        log.warning("FORCE START by operator: %s; may lose: %s", result, may_lose)
+        return {
+            "node": self.config.name,
+            "members": [self.config.name, *reached_names],
+            "reached": reached_names,
+            "left_out": left_out,
+            "may_lose": may_lose,
+            "shards": result,
+        }
+
+    def probe_peers(self, timeout_ms: int) -> dict[str, dict[str, Any]]:
+        """Ask every other member for its journal, all at once; the answers of those that answered
+        within ``timeout_ms``. Blocks the loop for at most about ``timeout_ms``."""
+        from mnesite.rlog.client import MnesiteError
+
+        answers: dict[str, dict[str, Any]] = {}
+
+        def ask(peer: str) -> None:
+            try:
+                with self.peer_client(peer, timeout_ms) as client:
+                    answers[peer] = client.journal()
+            except MnesiteError:
+                pass  # not reached
+
+        threads = [
+            threading.Thread(target=ask, args=(peer,), daemon=True) for peer in self.members if peer != self.config.name
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout_ms / 1000 + 1
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        # A peer's answer is untrusted too: one that does not say its generations counts as not reached.
+        return {
+            peer: answer
+            for peer, answer in dict(answers).items()
+            if isinstance(answer, dict)
+            and isinstance(answer.get("shards"), dict)
+            and all(_generation_in(answer, shard) >= 0 for shard in answer["shards"])
+        }
 
     def reachable_peers(self) -> list[str]:
         """Peers heard from within an election timeout: the ones a forced start keeps as members."""
@@ -1169,6 +1234,7 @@ class CoreNode(NodeServer):
             "commits": self.commits,
             "transactions": self.transactions,
             "agents": self.rlog_server.status(),
+            "security": self.security_status(),
             "shards": shards,
         }
 
@@ -1193,6 +1259,18 @@ _PEER_FRAME_PREFIX = b"\x94\x01\xa4peer"
 def is_peer_frame(frame: bytes) -> bool:
     """A consensus message between cores (handled before anything else in a loop turn)."""
     return frame.startswith(_PEER_FRAME_PREFIX)
+
+
+def _generation_in(journal: dict[str, Any], shard: str) -> int:
+    """The generation a peer's journal answer gives for ``shard``: 0 if it does not know the shard,
+    -1 if the answer is malformed."""
+    age = journal["shards"].get(shard)
+    if age is None:
+        return 0
+    generation = age.get("generation") if isinstance(age, dict) else None
+    if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation < 2**63:
+        return -1
+    return generation
 
 
 def _outcome_unknown(request_id: str, reason: str) -> Message:

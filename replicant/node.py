@@ -461,11 +461,16 @@ class ReplicantNode(NodeServer):
     def _serve_waiting(self) -> None:
         if self.socket is None:
             return
-        for envelope, frame in self.receive_frames(self.clock_ms):
+        for envelope, frame, principal in self.receive_frames(self.clock_ms):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
                 self.reply(envelope, codec.error("?", error.code, str(error)))
+                continue
+            refused = self.refusal(principal, message)
+            if refused is not None:
+                if message.kind != "push":  # pushes are never answered
+                    self.reply(envelope, refused)
                 continue
             try:
                 self._dispatch(envelope, message)
@@ -658,6 +663,7 @@ class ReplicantNode(NodeServer):
             "listen": self.config.listen,
             "data_dir": self.config.data_dir,
             "core_nodes": self.config.core_nodes,
+            "security": self.security_status(),
             "shards": shards,
         }
 

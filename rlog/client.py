@@ -17,6 +17,13 @@ Every request carries a fresh request id. A request that gets no answer within
 ``timeout_ms`` is re-sent with the *same* id up to ``retries`` times (the node applies a
 write only once per id), then ``Unavailable`` is raised: the outcome of that write is
 unknown. A client object is not thread-safe; use one per thread.
+
+A cluster with ``[security]`` needs ``key=`` (the caller's ``NAME.key_secret`` file, made by
+``mnesite keys generate``) and ``server_key=`` (the cluster's public ``.key`` file): the client then
+speaks CurveZMQ. A node that refuses the key, or a client without keys talking to a secure node (or
+the reverse), fails the handshake; the client sees that at once and raises ``Unauthenticated``
+instead of waiting for an answer that cannot come. A role that may not send a request gets
+``Forbidden``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import DEFAULT_LISTEN
+from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
 from mnesite.rlog.types import TxKey
+from zmq.utils.monitor import recv_monitor_message
 
 SCAN_PAGE_ROWS = 1000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
@@ -64,11 +73,26 @@ class UnknownTable(MnesiteError):
     code = "unknown_table"
 
 
+class Unauthenticated(MnesiteError):
+    """The node refused this client's key, or the client and the node disagree on CurveZMQ."""
+
+    code = "unauthenticated"
+
+
+class Forbidden(MnesiteError):
+    """The node knows this client's key, but its roles may not send the request."""
+
+    code = "forbidden"
+
+
 class RemoteError(MnesiteError):
     """Any other error answered by the node."""
 
 
-_ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable}
+_ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable, "forbidden": Forbidden}
+_HANDSHAKE_EVENTS = 0
+for _event in HANDSHAKE_FAILURES:
+    _HANDSHAKE_EVENTS |= _event
 
 
 def default_endpoint() -> str:
@@ -76,13 +100,37 @@ def default_endpoint() -> str:
 
 
 class Client:
-    def __init__(self, endpoint: str | None = None, timeout_ms: int = 5000, retries: int = 2) -> None:
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        timeout_ms: int = 5000,
+        retries: int = 2,
+        key: str | os.PathLike[str] | KeyPair | None = None,
+        server_key: str | os.PathLike[str] | bytes | None = None,
+    ) -> None:
+        """``key``: the caller's secret key file (or a loaded ``KeyPair``); ``server_key``: the
+        cluster's public key file (or the raw 32-byte key). Give both, or neither (no CurveZMQ)."""
         self.endpoint = endpoint or default_endpoint()
         self.timeout_ms = timeout_ms
         self.retries = retries
         self.last_tx_key: TxKey | None = None
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._curve: tuple[KeyPair, bytes] | None = None
+        if (key is None) != (server_key is None):
+            raise MnesiteError("give both key= and server_key=, or neither", "bad_request")
+        if key is not None and server_key is not None:
+            try:
+                own = key if isinstance(key, KeyPair) else load_key(os.fspath(key), "key", secret=True)
+                server = (
+                    server_key
+                    if isinstance(server_key, bytes)
+                    else load_key(os.fspath(server_key), "server_key", secret=False).public
+                )
+            except SecurityError as error:
+                raise MnesiteError(str(error), "bad_request") from None
+            self._curve = (own, server)
 
     def __enter__(self) -> Client:
         return self
@@ -92,13 +140,21 @@ class Client:
 
     def close(self) -> None:
         if self._socket is not None:
+            self._socket.disable_monitor()
             self._socket.close(0)
             self._socket = None
+        if self._monitor is not None:
+            self._monitor.close(0)
+            self._monitor = None
 
     def _connect(self) -> zmq.Socket:
         if self._socket is None:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                configure_client(socket, *self._curve)
+            # Handshake failures are how a refused key shows; watch for them rather than time out.
+            self._monitor = socket.get_monitor_socket(_HANDSHAKE_EVENTS)
             try:
                 socket.connect(self.endpoint)
             except zmq.ZMQError as error:
@@ -151,8 +207,19 @@ class Client:
         deadline = min(time.monotonic() + self.timeout_ms / 1000, overall_deadline)
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not socket.poll(remaining_ms, zmq.POLLIN):
+            if remaining_ms <= 0:
                 return None
+            poller = zmq.Poller()
+            poller.register(socket, zmq.POLLIN)
+            if self._monitor is not None:
+                poller.register(self._monitor, zmq.POLLIN)
+            ready = dict(poller.poll(remaining_ms))
+            if not ready:
+                return None
+            if self._monitor is not None and self._monitor in ready:
+                self._handshake_failed(recv_monitor_message(self._monitor))
+            if socket not in ready:
+                continue
             frame = socket.recv()
             try:
                 answer = codec.decode(frame)
@@ -160,6 +227,20 @@ class Client:
                 continue  # not ours to understand; keep waiting for our answer
             if answer.request_id in (request_id, "?") and answer.kind in ("reply", "error"):
                 return answer
+
+    def _handshake_failed(self, event: dict[str, Any]) -> None:
+        reason = HANDSHAKE_FAILURES.get(event["event"])
+        if reason is None:
+            return
+        self.close()
+        if reason == "auth":
+            raise Unauthenticated(f"node {self.endpoint} refused this client's key (it is not in authorized_keys)")
+        hint = (
+            "the node may require CurveZMQ: give --key and --server-key (key= and server_key=)"
+            if self._curve is None
+            else "check --server-key (the cluster's public key) and whether the node uses [security]"
+        )
+        raise Unauthenticated(f"security handshake with {self.endpoint} failed ({reason}); {hint}")
 
     # -- writes ------------------------------------------------------------------------------
 

@@ -104,15 +104,6 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "applied": ((list,), True),
         "rejected": ((str,), False),
     },
-    # forced core -> a core left out of its membership: you are excluded; here is my digest at your key
-    "excluded": {
-        "shard": ((str,), True),
-        "sender": ((str,), True),
-        "generation": ((int,), True),
-        "members": ((list,), True),
-        "key": ((list,), True),
-        "digest": ((bytes, type(None)), True),
-    },
     # sequencer -> a follower behind its trimmed key: install a snapshot at this key (core.snapshot)
     "snapshot_offer": {
         "shard": ((str,), True),
@@ -121,7 +112,7 @@ KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "key": ((list,), True),
         "digest": ((bytes,), True),
     },
-    # between cores: one consensus message of one shard (see core.consensus_wire)
+    # between cores: one consensus message of one shard (see core.consensus_wire), exclusion notices included
     "peer": {"shard": ((str,), True), "sender": ((str,), True), "message": ((list,), True)},
     "rlog_tail": {"shard": ((str,), True), "count": ((int,), False)},
     "rlog_entries": {"shard": ((str,), True), "after": ((list,), False), "limit": ((int,), False)},

@@ -30,15 +30,32 @@ Example::
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
     retention_age_ms_max = 0            # 0: no age limit
+
+    [security]                          # CurveZMQ + roles (rlog.security, rlog.roles)
+    server_key = "keys/cluster.key_secret"   # the cluster's server key pair: same file on every node
+    client_key = "keys/core1.key_secret"     # this node's identity when it talks to other nodes
+    authorized_keys = "keys"                 # directory of public keys NAME.key, one per principal
+    # insecure = true                        # no CurveZMQ even off loopback (warned at every start)
+    [security.roles]
+    core = ["core1", "core2", "core3"]
+    replicant = ["replicant1"]
+    admin = ["ops"]
+    writer = ["app"]
+    reader = ["dashboard"]
+
+A node whose ``listen`` is not a loopback address refuses to start without ``[security]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from mnesite.rlog.security import SecurityConfig, SecurityError, check_roles
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7400"
 DEFAULT_DATA_DIR = "./mnesite-data"
@@ -46,6 +63,8 @@ DEFAULT_NAME = "core1"
 ROLES = ("core", "replicant")
 ENDPOINT_PATTERN = re.compile(r"^tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+|\*):(\d{1,5})$")
 NODE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+LOOPBACK_HOSTS = ("localhost", "[::1]")
+SECURITY_PATHS = ("server_key", "client_key", "authorized_keys")
 
 
 class ConfigError(ValueError):
@@ -99,6 +118,13 @@ class Config:
     limits: Limits = field(default_factory=Limits)
     retention: Retention = field(default_factory=Retention)
     timing: Timing = field(default_factory=Timing)
+    # None: no [security] section (allowed on loopback only); insecure = true is SecurityConfig(insecure=True).
+    security: SecurityConfig | None = None
+    source_path: str | None = None  # the TOML file, re-read on SIGHUP
+
+    @property
+    def secure(self) -> bool:
+        return self.security is not None and self.security.enabled
 
     @property
     def database_path(self) -> str:
@@ -139,7 +165,7 @@ def _int_section(section: str, raw: Any, cls: type) -> Any:
 
 def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     """Validate a parsed TOML document. Relative ``data_dir`` is resolved against ``base_dir``."""
-    sections = {"node", "cluster", "storage", "limits", "rlog"}
+    sections = {"node", "cluster", "storage", "limits", "rlog", "security"}
     for section in data:
         if section not in sections:
             raise ConfigError(f"unknown section [{section}] (known: {', '.join(sorted(sections))})")
@@ -198,6 +224,20 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     limits = _int_section("limits", data.get("limits", {}), Limits)
     if limits.push_bytes_max > limits.frame_bytes_max:
         raise ConfigError("[limits].push_bytes_max must be at most frame_bytes_max (a push is one frame)")
+    security = parse_security(data.get("security"), base_dir)
+    if security is not None and security.enabled:
+        # Peers know a core only by its key's principal, which must be its node name.
+        unlisted = sorted(set(core_nodes) - set(security.roles.get("core", ())))
+        if unlisted:
+            raise ConfigError(
+                f"[security.roles].core must list every core of [cluster].core_nodes; missing {', '.join(unlisted)}"
+            )
+    if security is None and not is_loopback(listen):
+        raise ConfigError(
+            f"[node].listen {listen!r} is not a loopback address: configure [security] (CurveZMQ keys and roles), "
+            "or say [security] insecure = true to run unauthenticated"
+        )
+
     return Config(
         name=name,
         role=role,
@@ -208,7 +248,50 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         limits=limits,
         retention=_int_section("rlog", data.get("rlog", {}), Retention),
         timing=timing,
+        security=security,
     )
+
+
+def is_loopback(endpoint: str) -> bool:
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def parse_security(raw: Any, base_dir: str) -> SecurityConfig | None:
+    """Validate ``[security]``; relative paths are resolved against ``base_dir``."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError("[security] must be a table")
+    known = {*SECURITY_PATHS, "insecure", "roles"}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"unknown key [security].{key} (known: {', '.join(sorted(known))})")
+    insecure = raw.get("insecure", False)
+    if not isinstance(insecure, bool):
+        raise ConfigError(f"[security].insecure must be true or false, got {insecure!r}")
+    paths: dict[str, str] = {}
+    for key in SECURITY_PATHS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"[security].{key} must be a path, got {value!r}")
+        paths[key] = os.path.abspath(os.path.join(base_dir, os.path.expanduser(value)))
+        if not os.path.exists(paths[key]):
+            raise ConfigError(f"[security].{key}: {paths[key]} does not exist")
+    if insecure:
+        if paths or raw.get("roles"):
+            raise ConfigError("[security].insecure = true cannot be combined with keys or roles")
+        return SecurityConfig(insecure=True)
+    for key in SECURITY_PATHS:
+        if key not in paths:
+            raise ConfigError(f"[security].{key} is required (or set [security] insecure = true)")
+    try:
+        roles = check_roles(raw.get("roles", {}))
+    except SecurityError as error:
+        raise ConfigError(str(error)) from None
+    return SecurityConfig(False, paths["server_key"], paths["client_key"], paths["authorized_keys"], roles)
 
 
 def load_config(path: str | None) -> Config:
@@ -225,6 +308,7 @@ def load_config(path: str | None) -> Config:
     except OSError as error:
         raise ConfigError(f"{path}: {error.strerror}") from None
     try:
-        return parse_config(data, base_dir=os.path.dirname(os.path.abspath(path)))
+        config = parse_config(data, base_dir=os.path.dirname(os.path.abspath(path)))
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
+    return dataclasses.replace(config, source_path=os.path.abspath(path))

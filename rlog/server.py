@@ -25,7 +25,9 @@ import msgpack
 import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
-from mnesite.rlog.config import Config
+from mnesite.rlog.config import Config, ConfigError, load_config
+from mnesite.rlog.roles import sender_mismatch
+from mnesite.rlog.security import NodeSecurity, SecurityError
 from mnesite.rlog.store import Store
 
 log = logging.getLogger("mnesite.server")
@@ -36,6 +38,7 @@ SOCKET_MESSAGE_FACTOR = 4
 ROUTER_QUEUE_MAX = 10_000
 # Frames (and bytes, times turn_bytes_max) kept for later turns, as a multiple of group_commit_max.
 BACKLOG_FACTOR = 4
+REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
 
 
 def monotonic_ms() -> int:
@@ -69,13 +72,44 @@ class NodeServer:
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
         # Frames received but left for a later turn (see receive_frames).
-        self._backlog: deque[tuple[list[bytes], bytes]] = deque()
+        self._backlog: deque[tuple[list[bytes], bytes, str]] = deque()
+        self.security: NodeSecurity | None = None
+        self.reload_requested = threading.Event()
+        self._refusal_logged_ms = -REFUSAL_LOG_INTERVAL_MS
+        if config.secure and config.security is not None:
+            try:
+                self.security = NodeSecurity(config.security)
+            except SecurityError as error:
+                store.close()
+                raise ConfigError(str(error)) from None
+            # Peers know this node by the principal of its client key: it must be this node's name.
+            principal = self.security.authorized.get(self.security.client.public)
+            if principal is not None and principal != config.name:
+                store.close()
+                raise ConfigError(
+                    f"[security].client_key is the key of {principal!r} in authorized_keys, not of this node "
+                    f"{config.name!r}"
+                )
+            if principal is None:
+                log.warning("[security].client_key of %s is not in its own authorized_keys", config.name)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def bind(self) -> None:
         self.context = zmq.Context()
+        if self.security is not None:
+            self.security.start(self.context)  # the ZAP handler must be up before the server socket binds
+        elif self.config.security is not None and self.config.security.insecure:
+            log.warning(
+                "%s %s runs WITHOUT authentication or encryption ([security] insecure = true): anyone who can "
+                "reach %s can read and write everything",
+                self.role,
+                self.config.name,
+                self.config.listen,
+            )
         self.socket = self.context.socket(zmq.ROUTER)
+        if self.security is not None:
+            self.security.secure_server(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, ROUTER_QUEUE_MAX)
         self.socket.setsockopt(zmq.SNDHWM, ROUTER_QUEUE_MAX)
@@ -85,6 +119,67 @@ class NodeServer:
     def install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.stopping.set())
+        signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
+
+    def reload_security(self) -> None:
+        """SIGHUP: re-read ``authorized_keys`` and ``[security.roles]`` from the config file; keep the
+        old ones (and say why) if the new ones are unusable."""
+        self.reload_requested.clear()
+        if self.security is None or self.config.source_path is None:
+            log.warning("SIGHUP: nothing to reload (no [security] keys or no config file)")
+            return
+        try:
+            security = load_config(self.config.source_path).security
+            if security is None or not security.enabled:
+                raise SecurityError("the reloaded config has no [security] keys; restart to turn security off")
+            self.security.reload(security)
+        except (ConfigError, SecurityError) as error:
+            log.error("SIGHUP: keeping the current keys and roles: %s", error)
+            return
+        log.info("SIGHUP: reloaded %d authorized keys and the roles", len(self.security.authorized))
+
+    def receive(self) -> tuple[list[bytes], bytes, str] | None:
+        """One waiting ROUTER request: (envelope, frame, principal); None when nothing waits.
+
+        The principal is the ZAP user id of the authenticated key ("" without [security]).
+        Raises ``zmq.Again`` when the queue is empty; malformed multipart messages give ``None``.
+        """
+        if self.socket is None:
+            raise zmq.Again()
+        parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        if len(parts) < 2:
+            return None  # not from a ROUTER peer we can answer
+        principal = self.security.principal_of(parts[-1]) if self.security is not None else ""
+        return [part.bytes for part in parts[:-1]], parts[-1].bytes, principal
+
+    def refusal(self, principal: str, message: Message) -> Message | None:
+        """The error to answer if ``principal`` may not send ``message`` (counted); None if it may."""
+        if self.security is None:
+            return None
+        reason = self.security.roles.refusal(principal, message.kind)
+        if reason is not None:
+            self.security.refused_role += 1
+            self._log_refusal("refused: %s", reason)
+            return codec.error(message.request_id, "forbidden", reason)
+        reason = sender_mismatch(principal, message.kind, message.body) if isinstance(message.body, dict) else None
+        if reason is not None:
+            self.security.refused_sender += 1
+            self._log_refusal("refused a forged sender: %s", reason)
+            return codec.error(message.request_id, "forbidden", reason)
+        return None
+
+    def _log_refusal(self, text: str, reason: str) -> None:
+        # A flood of refused requests must not become a flood of log lines: status counts them all.
+        now_ms = monotonic_ms()
+        if now_ms - self._refusal_logged_ms >= REFUSAL_LOG_INTERVAL_MS:
+            self._refusal_logged_ms = now_ms
+            log.warning(text, reason)
+
+    def security_status(self) -> dict[str, Any]:
+        if self.security is None:
+            insecure = self.config.security is not None and self.config.security.insecure
+            return {"curve": False, "insecure": insecure}
+        return self.security.status()
 
     def run_turn(self) -> None:
         raise NotImplementedError
@@ -97,6 +192,8 @@ class NodeServer:
         )
         try:
             while not self.stopping.is_set():
+                if self.reload_requested.is_set():
+                    self.reload_security()
                 self.run_turn()
         finally:
             self.close()
@@ -108,6 +205,8 @@ class NodeServer:
         if self.socket is not None:
             self.socket.close(0)
             self.socket = None
+        if self.security is not None:
+            self.security.stop()
         if self.context is not None:
             self.context.term()
             self.context = None
@@ -123,6 +222,8 @@ class NodeServer:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, queue_max)
             socket.setsockopt(zmq.RCVHWM, queue_max)
+            if self.security is not None:
+                self.security.secure_client(socket)
             socket.connect(endpoint)
             self.dealers[endpoint] = socket
         return socket
@@ -137,52 +238,50 @@ class NodeServer:
 
     def receive_frames(
         self, clock_ms: Callable[[], int], urgent: Callable[[bytes], bool] | None = None
-    ) -> Iterator[tuple[list[bytes], bytes]]:
-        """The (envelope, frame) pairs to handle in this loop turn, urgent ones first.
+    ) -> Iterator[tuple[list[bytes], bytes, str]]:
+        """The (envelope, frame, principal) triples to handle in this loop turn, urgent ones first.
 
         DESIGN invariant 11: a long run of large transactions, pushes or catch-up reads must never
         delay what keeps the quorum alive. Each turn takes up to ``group_commit_max`` new frames off
-        the socket (cheap: nothing is decoded), after the frames left over from earlier turns. The
-        ``urgent`` ones (a core's peer messages: heartbeats, appends, votes) are all handled now;
-        the others in arrival order until ``turn_ms_max`` of handling or ``turn_bytes_max`` bytes,
-        and the rest wait in a backlog for the next turn, which the driver starts by handling input
-        and only then firing timers. The backlog holds at most ``4 * group_commit_max`` frames and
-        ``4 * turn_bytes_max`` bytes: a frame beyond that is answered ``overloaded`` and dropped
+        the socket (``receive``: nothing is decoded), after the frames left over from earlier turns.
+        The ``urgent`` ones (a core's peer messages: heartbeats, appends, votes) are all handled
+        now; the others in arrival order until ``turn_ms_max`` of handling or ``turn_bytes_max``
+        bytes, and the rest wait in a backlog for the next turn, which the driver starts by handling
+        input and only then firing timers. The backlog holds at most ``4 * group_commit_max`` frames
+        and ``4 * turn_bytes_max`` bytes: a frame beyond that is answered ``overloaded`` and dropped
         (clients retry with the same request id; an agent re-sends after a lost acknowledgement).
-        Frames without an envelope (not from a ROUTER peer we can answer) are skipped.
         """
         limits = self.config.limits
         frames = list(self._backlog)
         self._backlog.clear()
         for _ in range(limits.group_commit_max):
-            if self.socket is None:
-                break
             try:
-                parts = self.socket.recv_multipart(zmq.NOBLOCK)
+                received = self.receive()
             except zmq.Again:
                 break
-            if len(parts) >= 2:
-                frames.append((parts[:-1], parts[-1]))
+            if received is not None:
+                frames.append(received)
         if urgent is not None:
             # Stable: urgent frames first, each group in arrival order.
-            frames.sort(key=lambda pair: not urgent(pair[1]))
+            frames.sort(key=lambda triple: not urgent(triple[1]))
         started_ms = clock_ms()
         handled_bytes = 0
         backlog_bytes = 0
-        for pair in frames:
-            is_urgent = urgent is not None and urgent(pair[1])
+        for triple in frames:
+            frame = triple[1]
+            is_urgent = urgent is not None and urgent(frame)
             over_budget = handled_bytes >= limits.turn_bytes_max or clock_ms() - started_ms >= limits.turn_ms_max
             if is_urgent or not over_budget:
-                handled_bytes += len(pair[1])
-                yield pair
+                handled_bytes += len(frame)
+                yield triple
             elif (
                 len(self._backlog) < BACKLOG_FACTOR * limits.group_commit_max
-                and backlog_bytes + len(pair[1]) <= BACKLOG_FACTOR * limits.turn_bytes_max
+                and backlog_bytes + len(frame) <= BACKLOG_FACTOR * limits.turn_bytes_max
             ):
-                self._backlog.append(pair)
-                backlog_bytes += len(pair[1])
+                self._backlog.append(triple)
+                backlog_bytes += len(frame)
             else:
-                self.reply(pair[0], codec.error(request_id_of(pair[1]), "overloaded", f"{self.config.name} is busy"))
+                self.reply(triple[0], codec.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
 
     def has_backlog(self) -> bool:
         return bool(self._backlog)

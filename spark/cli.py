@@ -88,6 +88,12 @@ def render_report(report: CompareReport) -> str:
     return "\n".join(lines)
 
 
+def _file_option(flag: str, envvar: str, text: str) -> Any:
+    """``--key`` / ``--server-key`` (the same flags and variables as every ``mnesite`` node command)."""
+    dest = flag.removeprefix("--").replace("-", "_") + "_file"
+    return click.option(flag, dest, envvar=envvar, type=click.Path(dir_okay=False), help=f"{text} (${envvar}).")
+
+
 @click.command("compare")
 @click.argument("replicas", nargs=-1, required=True)
 @click.option("--table", "tables", multiple=True, help="Table to compare (repeatable); default: all tables.")
@@ -107,6 +113,8 @@ def render_report(report: CompareReport) -> str:
     type=click.IntRange(1, 600_000),
     help="Timeout of each request to a tcp:// node.",
 )
+@_file_option("--key", "MNESITE_KEY", "Your secret key file for tcp:// nodes of a cluster with [security]")
+@_file_option("--server-key", "MNESITE_SERVER_KEY", "The cluster's public key file for tcp:// nodes")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 def compare(
@@ -115,6 +123,8 @@ def compare(
     master: str,
     sample_max: int,
     timeout_ms: int,
+    key_file: str | None,
+    server_key_file: str | None,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -131,7 +141,14 @@ def compare(
             click.echo(f"compare: {message}", err=True)
 
     try:
-        options = CompareOptions(tables=tables, master=master, sample_max=sample_max, timeout_ms=timeout_ms)
+        options = CompareOptions(
+            tables=tables,
+            master=master,
+            sample_max=sample_max,
+            timeout_ms=timeout_ms,
+            key=key_file,
+            server_key=server_key_file,
+        )
         report = run_compare(list(replicas), options, progress=progress)
     except CompareError as error:
         click.echo(f"error: {error}", err=True)

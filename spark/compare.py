@@ -91,6 +91,8 @@ class CompareOptions:
     tasks_per_core: int = 2
     batch_rows_max: int = BATCH_ROWS_MAX
     timeout_ms: int = NODE_TIMEOUT_MS
+    key: str | None = None  # for tcp:// replicas of a cluster with [security]: the caller's secret key file
+    server_key: str | None = None  # ... and the cluster's public key file
 
     def check(self) -> None:
         if not 0 <= self.sample_max <= SAMPLE_MAX_LIMIT:
@@ -291,7 +293,7 @@ def compare(
     replicas: list[Replica] = []
     try:
         try:
-            specs = [parse_replica(text) for text in replica_texts]
+            specs = [parse_replica(text, options.key, options.server_key) for text in replica_texts]
             for spec in specs:
                 replicas.append(open_replica(spec, options.timeout_ms))
             labels = _unique_labels(specs)

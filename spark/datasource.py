@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 ``spark.read.format("mnesite").option("table", T)`` with either ``option("path", DIR_OR_DB)``
 (a node's data directory or its ``mnesite.db``, opened read-only) or ``option("node",
-"tcp://host:port")`` (a live node, read with the batched dirty-read protocol).
+"tcp://host:port")`` (a live node, read with the batched dirty-read protocol; for a cluster with
+``[security]`` add ``option("key", SECRET_KEY_FILE)`` and ``option("server_key", CLUSTER_KEY_FILE)``).
 
 The driver reads the catalog once to build the schema from the table's declared columns
 and chooses ``partitions`` key ranges ``(low, high]``: on a file with ``ntile`` over the key
@@ -100,7 +101,7 @@ def _replica_spec(options: dict[str, str]) -> ReplicaSpec:
         raise ReplicaError("the mnesite data source needs exactly one of the options path and node")
     if node is not None and not node.startswith("tcp://"):
         raise ReplicaError(f"option node must be an endpoint like tcp://127.0.0.1:7400, got {node!r}")
-    return parse_replica(node if node is not None else path)
+    return parse_replica(node if node is not None else path, options.get("key"), options.get("server_key"))
 
 
 class KeyRangePartition(InputPartition):

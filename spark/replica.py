@@ -64,6 +64,9 @@ class ReplicaSpec:
     kind: str
     location: str
     label: str
+    # For a node of a cluster with [security]: the caller's secret key file and the cluster's public key file.
+    key: str | None = None
+    server_key: str | None = None
 
     def to_json(self) -> dict[str, str]:
         return {"kind": self.kind, "location": self.location, "label": self.label}
@@ -86,12 +89,13 @@ class RlogEntry:
     touched: tuple[tuple[str, Any], ...]  # (table, key) pairs written or deleted
 
 
-def parse_replica(text: str) -> ReplicaSpec:
-    """``tcp://host:port`` is a live node; anything else is a data directory or a ``mnesite.db`` file."""
+def parse_replica(text: str, key: str | None = None, server_key: str | None = None) -> ReplicaSpec:
+    """``tcp://host:port`` is a live node (read with ``key`` and ``server_key`` if given); anything
+    else is a data directory or a ``mnesite.db`` file."""
     if text.startswith(NODE_SCHEME):
         if len(text) == len(NODE_SCHEME):
             raise ReplicaError(f"{text}: a node endpoint needs a host and a port, e.g. tcp://127.0.0.1:7400")
-        return ReplicaSpec("node", text, text)
+        return ReplicaSpec("node", text, text, key, server_key)
     path = os.path.abspath(text)
     if os.path.isdir(path):
         path = os.path.join(path, DATABASE_FILE_NAME)
@@ -327,7 +331,7 @@ class NodeReplica(Replica):
             raise ReplicaError(f"{spec.label}: the node client is not available ({error})") from None
         self._error_type = MnesiteError
         try:
-            self.client = Client(spec.location, timeout_ms=timeout_ms)
+            self.client = Client(spec.location, timeout_ms=timeout_ms, key=spec.key, server_key=spec.server_key)
         except MnesiteError as error:
             raise ReplicaError(f"{spec.label}: {_first_line(error)}") from None
         self._catalog: dict[str, TableSchema] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,11 +79,14 @@ def thread_node(tmp_path: Path) -> Iterator[ThreadNode]:
 
 
 class NodeProcess:
-    """A real ``mnesite start`` process in its own process group; ``kill`` is kill -9."""
+    """A real ``mnesite start`` process in its own process group; ``kill`` is kill -9.
 
-    def __init__(self, config_path: Path, log_path: Path) -> None:
+    ``client_keys`` (``key=``, ``server_key=``) are what the readiness probe speaks with."""
+
+    def __init__(self, config_path: Path, log_path: Path, client_keys: dict | None = None) -> None:
         self.config_path = config_path
         self.log_path = log_path
+        self.client_keys = client_keys or {}
         self.process: subprocess.Popen | None = None
 
     def start(self, endpoint: str, timeout_s: float = 20) -> None:
@@ -102,7 +106,7 @@ class NodeProcess:
             if self.process is not None and self.process.poll() is not None:
                 raise AssertionError(f"node exited with {self.process.returncode}: {self.log_path.read_text()[-2000:]}")
             try:
-                with Client(endpoint, timeout_ms=200, retries=0) as client:
+                with Client(endpoint, timeout_ms=200, retries=0, **self.client_keys) as client:
                     client.status()
                 return True
             except MnesiteError:
@@ -138,26 +142,78 @@ def node_processes() -> Iterator[list[NodeProcess]]:
                 pass
 
 
-class Cluster:
-    """``size`` real core processes on 127.0.0.1 sharing one ``core_nodes`` table."""
+# Tests run the real-process cluster with [security] unless this is set (to run them insecure).
+INSECURE_ENV = "MNESITE_TEST_INSECURE"
+REPLICANT_NAMES = ("replicant1", "replicant2", "replicant3")
+CLIENT_PRINCIPALS = {"admin": "ops", "writer": "app", "reader": "dashboard"}
 
-    def __init__(self, root: Path, processes: list[NodeProcess], size: int = 3) -> None:
+
+class Cluster:
+    """``size`` real core processes on 127.0.0.1 sharing one ``core_nodes`` table.
+
+    Secure by default (``secure=None`` follows ``$MNESITE_TEST_INSECURE``): the fixture generates a
+    cluster key, one key per core, per replicant and per client principal (``ops`` admin, ``app``
+    writer, ``dashboard`` reader) and configures ``[security]``; clients made here speak as ``ops``.
+    """
+
+    def __init__(self, root: Path, processes: list[NodeProcess], size: int = 3, secure: bool | None = None) -> None:
         self.root = root
         self.names = [f"core{i}" for i in range(1, size + 1)]
         self.endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in self.names}
         self.nodes: dict[str, NodeProcess] = {}
         self._processes = processes
-        core_nodes = ", ".join(f'{name} = "{endpoint}"' for name, endpoint in self.endpoints.items())
+        self.secure = not os.environ.get(INSECURE_ENV) if secure is None else secure
+        self.keys_dir = root / "keys"
+        self.authorized_dir = root / "authorized_keys"
+        if self.secure:
+            self._generate_keys([*self.names, *REPLICANT_NAMES, *CLIENT_PRINCIPALS.values()])
         for name in self.names:
-            config = root / f"{name}.toml"
-            config.write_text(
-                f'[node]\nname = "{name}"\nrole = "core"\ndata_dir = "{self.data_dir(name)}"\n'
-                f'listen = "{self.endpoints[name]}"\n'
-                f"[cluster]\ncore_nodes = {{ {core_nodes} }}\n"
-                '[storage]\nsynchronous = "NORMAL"\n'
-            )
-            self.nodes[name] = NodeProcess(config, root / f"{name}.log")
-            processes.append(self.nodes[name])
+            self._write_config(name, "core")
+
+    def _generate_keys(self, principals: list[str]) -> None:
+        from mnesite.rlog.security import generate_keys
+
+        self.authorized_dir.mkdir()
+        generate_keys("cluster", str(self.keys_dir))
+        for principal in principals:
+            generate_keys(principal, str(self.keys_dir))
+            shutil.copy(self.keys_dir / f"{principal}.key", self.authorized_dir)
+
+    def keys(self, principal: str = "ops") -> dict:
+        """``key=`` and ``server_key=`` for a ``Client`` speaking as ``principal`` ({} when insecure)."""
+        if not self.secure:
+            return {}
+        return {"key": str(self.keys_dir / f"{principal}.key_secret"), "server_key": str(self.keys_dir / "cluster.key")}
+
+    def cli_keys(self, principal: str = "ops") -> list[str]:
+        """``--key FILE --server-key FILE`` for CLI commands speaking as ``principal``."""
+        keys = self.keys(principal)
+        return ["--key", keys["key"], "--server-key", keys["server_key"]] if keys else []
+
+    def security_toml(self, name: str) -> str:
+        if not self.secure:
+            return ""
+        roles = {"core": self.names, "replicant": list(REPLICANT_NAMES)}
+        roles.update({role: [principal] for role, principal in CLIENT_PRINCIPALS.items()})
+        return (
+            f'[security]\nserver_key = "{self.keys_dir / "cluster.key_secret"}"\n'
+            f'client_key = "{self.keys_dir / f"{name}.key_secret"}"\n'
+            f'authorized_keys = "{self.authorized_dir}"\n'
+            "[security.roles]\n"
+            + "".join(f"{role} = {principals!r}\n".replace("'", '"') for role, principals in roles.items())
+        )
+
+    def _write_config(self, name: str, role: str) -> None:
+        core_nodes = ", ".join(f'{core} = "{self.endpoints[core]}"' for core in self.names)
+        config = self.root / f"{name}.toml"
+        config.write_text(
+            f'[node]\nname = "{name}"\nrole = "{role}"\ndata_dir = "{self.data_dir(name)}"\n'
+            f'listen = "{self.endpoints[name]}"\n'
+            f"[cluster]\ncore_nodes = {{ {core_nodes} }}\n"
+            '[storage]\nsynchronous = "NORMAL"\n' + self.security_toml(name)
+        )
+        self.nodes[name] = NodeProcess(config, self.root / f"{name}.log", self.keys())
+        self._processes.append(self.nodes[name])
 
     def extend_core_configs(self, toml: str) -> None:
         """Append TOML sections (for example ``[rlog]`` limits) to every core's config before it starts."""
@@ -167,17 +223,10 @@ class Cluster:
 
     def add_replicant(self, name: str) -> None:
         """Configure (not start) a replicant that watches this cluster's cores."""
+        if self.secure and name not in REPLICANT_NAMES:
+            raise ValueError(f"secure clusters have keys for {REPLICANT_NAMES} only")
         self.endpoints[name] = f"tcp://127.0.0.1:{free_port()}"
-        core_nodes = ", ".join(f'{core} = "{self.endpoints[core]}"' for core in self.names)
-        config = self.root / f"{name}.toml"
-        config.write_text(
-            f'[node]\nname = "{name}"\nrole = "replicant"\ndata_dir = "{self.data_dir(name)}"\n'
-            f'listen = "{self.endpoints[name]}"\n'
-            f"[cluster]\ncore_nodes = {{ {core_nodes} }}\n"
-            '[storage]\nsynchronous = "NORMAL"\n'
-        )
-        self.nodes[name] = NodeProcess(config, self.root / f"{name}.log")
-        self._processes.append(self.nodes[name])
+        self._write_config(name, "replicant")
 
     def data_dir(self, name: str) -> Path:
         return self.root / name
@@ -189,13 +238,13 @@ class Cluster:
         for name in self.names:
             self.start(name)
 
-    def client(self, name: str, **kwargs) -> Client:
+    def client(self, name: str, principal: str = "ops", **kwargs) -> Client:
         kwargs.setdefault("timeout_ms", 3000)
-        return Client(self.endpoints[name], **kwargs)
+        return Client(self.endpoints[name], **self.keys(principal), **kwargs)
 
     def status(self, name: str, timeout_ms: int = 1000) -> dict | None:
         try:
-            with Client(self.endpoints[name], timeout_ms=timeout_ms, retries=0) as client:
+            with Client(self.endpoints[name], timeout_ms=timeout_ms, retries=0, **self.keys()) as client:
                 return client.status()
         except MnesiteError:
             return None

@@ -24,7 +24,9 @@ def mnesite(thread_node: ThreadNode):
         argv = [*args, "--node", thread_node.endpoint] if node else list(args)
         return runner.invoke(main, argv, input=input, catch_exceptions=False)
 
-    created = invoke("table", "create", "users", "--key", "id", "--column", "id:INTEGER", "--column", "name:TEXT")
+    created = invoke(
+        "table", "create", "users", "--key-column", "id", "--column", "id:INTEGER", "--column", "name:TEXT"
+    )
     assert created.exit_code == 0, created.output
     return invoke
 
@@ -35,11 +37,11 @@ def test_table_create_and_list(mnesite) -> None:
         {"table": "users", "shard": "default", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"]]}
     ]
     assert "users  default  id   id:INTEGER, name:TEXT" in mnesite("table", "list").output
-    again = mnesite("table", "create", "users", "--key", "id")
+    again = mnesite("table", "create", "users", "--key-column", "id")
     assert again.exit_code == 1 and "already exists" in again.output
-    bad = mnesite("table", "create", "t2", "--key", "id", "--column", "x:DATE")
+    bad = mnesite("table", "create", "t2", "--key-column", "id", "--column", "x:DATE")
     assert bad.exit_code == 1 and "NAME:TYPE" in bad.output
-    bad_name = mnesite("table", "create", "bad-name", "--key", "id")
+    bad_name = mnesite("table", "create", "bad-name", "--key-column", "id")
     assert bad_name.exit_code == 1 and "invalid table name" in bad_name.output
 
 

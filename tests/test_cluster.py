@@ -13,7 +13,7 @@ import time
 import pytest
 from click.testing import CliRunner
 from mnesite.cli.main import main
-from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.client import MnesiteError
 
 from tests.conftest import Cluster, wait_until
 
@@ -39,7 +39,7 @@ class Load:
                 return
             name = self.through[(worker + attempt) % len(self.through)]
             try:
-                with Client(self.cluster.endpoints[name], timeout_ms=2000, retries=1) as client:
+                with self.cluster.client(name, timeout_ms=2000, retries=1) as client:
                     while not self.stop_event.is_set():
                         row_id = next(self.ids)
                         tx_key = client.put("kv", {"id": row_id, "value": f"w{worker}"})
@@ -196,26 +196,27 @@ def test_force_start_after_losing_the_majority(cluster: Cluster) -> None:
     endpoint = cluster.endpoints[survivor]
 
     def alone() -> bool:
-        with Client(endpoint, timeout_ms=1000) as client:
+        with cluster.client(survivor, timeout_ms=1000) as client:
             return client.journal()["reachable_peers"] == []
 
     wait_until(alone, 10, f"{survivor} to notice that it is alone")
-    refused = runner.invoke(main, ["journal", "force-start", "--node", endpoint])
+    keys = cluster.cli_keys()
+    refused = runner.invoke(main, ["journal", "force-start", "--node", endpoint, *keys])
     assert refused.exit_code == 1 and "--yes" in refused.output
-    with Client(endpoint, timeout_ms=500, retries=0) as client, pytest.raises(MnesiteError):
+    with cluster.client(survivor, timeout_ms=500, retries=0) as client, pytest.raises(MnesiteError):
         client.put("kv", {"id": 1000, "value": "no quorum"})
-    shown = runner.invoke(main, ["journal", "show", "--node", endpoint, "--json", "--timeout-ms", "500"])
+    shown = runner.invoke(main, ["journal", "show", "--node", endpoint, "--json", "--timeout-ms", "500", *keys])
     journal = json.loads(shown.output)
     assert journal["cores"]["core1"]["reachable"] is False and journal["majority"]["default"] is None
-    forced = runner.invoke(main, ["journal", "force-start", "--yes", "--node", endpoint, "--json"])
+    forced = runner.invoke(main, ["journal", "force-start", "--yes", "--node", endpoint, "--json", *keys])
     assert forced.exit_code == 0, forced.output
     result = json.loads(forced.output)
     assert result["members"] == [survivor]
-    with Client(endpoint, timeout_ms=3000, retries=3) as client:
+    with cluster.client(survivor, timeout_ms=3000, retries=3) as client:
         tx_key = client.put("kv", {"id": 1000, "value": "after force"})
         assert tx_key[0] == result["shards"]["default"]["generation"]
         assert len(list(client.scan("kv"))) == 51
-    journal = json.loads(runner.invoke(main, ["journal", "show", "--node", endpoint, "--json"]).output)
+    journal = json.loads(runner.invoke(main, ["journal", "show", "--node", endpoint, "--json", *keys]).output)
     assert journal["cores"][survivor]["shards"]["default"]["forced"] is True
     # A core from before the force comes back: it is told, reports it, and takes no part any more.
     cluster.start("core1")
@@ -226,8 +227,8 @@ def test_force_start_after_losing_the_majority(cluster: Cluster) -> None:
     )
     excluded = cluster.status("core1")["shards"]["default"]["excluded"]
     assert excluded["by"] == survivor and excluded["members"] == [survivor] and "journals" in excluded["verdict"]
-    with Client(cluster.endpoints["core1"], timeout_ms=1000, retries=0) as client, pytest.raises(MnesiteError):
+    with cluster.client("core1", timeout_ms=1000, retries=0) as client, pytest.raises(MnesiteError):
         client.put("kv", {"id": 2000, "value": "must not be accepted"})
-    with Client(endpoint) as client:
+    with cluster.client(survivor) as client:
         assert client.get("kv", 2000) is None
         assert cluster.status(survivor)["shards"]["default"]["role"] == "sequencer"

@@ -6,6 +6,7 @@ import random
 
 import pytest
 from mnesite.core.consensus import (
+    EXCLUSION_NOTICE_INTERVAL_MS,
     REJECT_BUSY,
     REJECT_NOT_SEQUENCER,
     AppendReply,
@@ -14,7 +15,10 @@ from mnesite.core.consensus import (
     ConsensusConfig,
     ConsensusConfigError,
     ConsensusInvariantError,
+    Excluded,
+    ExclusionNotice,
     ForceStarted,
+    ForceStartRefused,
     ForceStartRequested,
     JournalAge,
     MessageReceived,
@@ -497,23 +501,84 @@ def test_a_restart_never_reuses_a_generation_seen_in_the_log():
     assert harness.state.generation == 5
 
 
-def test_force_start_opens_a_new_generation_with_a_reduced_membership_and_records_it():
+FIVE = ("a", "b", "c", "d", "e")
+
+
+def test_force_start_opens_a_generation_above_every_reached_one_with_the_reached_members():
     entries = chain([TxKey(1, 1), TxKey(1, 2)])
-    harness = Harness(entries=entries, state=PersistedState(1, "b", MEMBERS), committed_key=TxKey(1, 1))
-    effects = harness.step(ForceStartRequested(("a", "b")))
-    assert effects[0] == PersistState(PersistedState(2, "a", ("a", "b"), forced=True))
-    assert of_type(effects, ForceStarted) == [ForceStarted(2, ("a", "b"), TxKey(1, 2), TxKey(1, 1))]
+    harness = Harness(members=FIVE, entries=entries, state=PersistedState(1, "b", FIVE), committed_key=TxKey(1, 1))
+    # b has seen generation 7 (it campaigned while cut off): the forced generation must be above it.
+    effects = harness.step(ForceStartRequested((("b", 7),)))
+    assert effects[0] == PersistState(PersistedState(8, "a", ("a", "b"), forced=True))
+    assert of_type(effects, ForceStarted) == [ForceStarted(8, ("a", "b"), TxKey(1, 2), TxKey(1, 1))]
     assert harness.machine.role is Role.SEQUENCER and harness.machine.status().forced
     assert [to for to, _ in sends(effects, AppendRequest)] == ["b"]
-    assert harness.ack("b", TxKey(2, 1))[0] == Commit(TxKey(2, 1))
+    assert harness.ack("b", TxKey(8, 1))[0] == Commit(TxKey(8, 1))
 
 
-@pytest.mark.parametrize("members", [("b", "c"), ("a", "z")])
-def test_force_start_refuses_invalid_memberships(members):
+@pytest.mark.parametrize("reached", [(("b", 1),), (("b", 1), ("c", 1)), (("b", 0), ("b", 0))])
+def test_force_start_is_refused_while_a_majority_of_members_is_reached(reached):
     harness = Harness()
-    with pytest.raises(ValueError):
-        harness.step(ForceStartRequested(members))
-    assert harness.machine.generation == 0 and harness.machine.role is Role.FOLLOWER
+    harness.elect()  # a healthy sequencer: forcing it would only lose the followers
+    generation = harness.machine.generation
+    effects = harness.step(ForceStartRequested(reached))
+    [refused] = of_type(effects, ForceStartRefused)
+    assert "majority" in refused.reason and set(refused.reached) >= {"a", "b"} and refused.members == MEMBERS
+    assert effects == [refused]  # nothing persisted, nothing sent
+    assert harness.machine.generation == generation and harness.machine.members == MEMBERS
+
+
+def test_force_start_ignores_answers_from_cores_that_are_not_members():
+    harness = Harness(members=FIVE, state=PersistedState(3, None, FIVE))
+    effects = harness.step(ForceStartRequested((("b", 3), ("z", 99), ("y", 99))))
+    assert of_type(effects, ForceStarted)[0].members == ("a", "b")
+    assert harness.machine.generation == 4
+
+
+def notice(generation: int, members: tuple[str, ...]) -> ExclusionNotice:
+    return ExclusionNotice(generation, members, ZERO_KEY, None)
+
+
+def test_a_core_told_of_a_newer_forced_generation_steps_down_fails_its_writes_and_stays_out():
+    harness = Harness()
+    harness.elect()
+    harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
+    generation = harness.machine.generation
+    for sender, members in (("b", ("a", "b")), ("z", ("z",))):
+        assert of_type(harness.receive(sender, notice(generation + 5, members)), ProtocolViolation)
+        assert harness.machine.role is Role.SEQUENCER and harness.machine.generation == generation
+    effects = harness.receive("b", notice(generation + 5, ("b",)))
+    assert harness.machine.role is Role.FOLLOWER and harness.machine.generation == generation + 5
+    assert [f.request_id for f in of_type(effects, ProposalFailed)] == ["w1"]
+    assert of_type(effects, Excluded) == [Excluded("b", generation + 5, ("b",), ZERO_KEY, None)]
+    # It never campaigns again (it must be rebuilt before it rejoins).
+    assert harness.step(Ticked(), harness.now_ms + 10 * CONFIG.election_timeout_ms_max) == []
+
+
+def test_a_core_that_campaigned_past_the_forced_generation_still_stops_when_told():
+    harness = Harness()
+    for _ in range(3):
+        harness.step(Ticked(), harness.machine.next_deadline_ms())  # alone: generation 3, candidate
+    effects = harness.receive("b", notice(2, ("b", "c")))
+    assert of_type(effects, Excluded) and harness.machine.generation == 3
+    assert harness.machine.role is Role.FOLLOWER
+    assert harness.step(Ticked(), harness.now_ms + 10 * CONFIG.election_timeout_ms_max) == []
+
+
+def test_a_forced_sequencer_tells_a_left_out_core_at_most_once_per_interval():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 2))
+    harness.step(ForceStartRequested(()))  # alone: members ("a",), generation 2
+    effects = harness.receive("c", VoteRequest(7, TxKey(1, 1)), now_ms=10)
+    [(to, told)] = sends(effects, ExclusionNotice)
+    assert to == "c" and told == ExclusionNotice(2, ("a",), TxKey(1, 1), entries[0].digest)
+    assert harness.machine.generation == 2  # a non-member's generation is not adopted
+    assert not sends(harness.receive("c", VoteRequest(8, TxKey(1, 1)), now_ms=500), ExclusionNotice)
+    later = 10 + EXCLUSION_NOTICE_INTERVAL_MS
+    assert sends(
+        harness.receive("c", AppendReply(8, False, ZERO_KEY, TxKey(9, 9), ZERO_KEY), now_ms=later), ExclusionNotice
+    )
+    assert sends(harness.receive("b", VoteRequest(7, TxKey(1, 1)), now_ms=later), ExclusionNotice)
 
 
 def test_a_follower_waiting_for_a_snapshot_still_gets_heartbeats_and_is_found_again_after_it():

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mnesite.core.consensus import AppendReply, AppendRequest, VoteReply, VoteRequest
+from mnesite.core.consensus import AppendReply, AppendRequest, ExclusionNotice, VoteReply, VoteRequest
 from mnesite.core.consensus_wire import CONSENSUS_WIRE_VERSION, message_from_wire, message_to_wire
 from mnesite.rlog.codec import CodecError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, TxKey, WriteOp, make_entry
@@ -24,6 +24,8 @@ MESSAGES = [
     AppendRequest(2, TxKey(1, 0), GENESIS_DIGEST, TxKey(1, 1), ("a", "b", "c"), (FIRST, SECOND)),
     AppendRequest(2, TxKey(1, 2), SECOND.digest, ZERO_KEY, ("a",), ()),
     AppendReply(4, False, ZERO_KEY, TxKey(3, 9), TxKey(3, 1)),
+    ExclusionNotice(9, ("a",), TxKey(3, 9), SECOND.digest),
+    ExclusionNotice(9, ("a", "b"), ZERO_KEY, None),
 ]
 
 
@@ -53,6 +55,9 @@ def test_messages_round_trip_through_msgpack(message):
         [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], [], []],
         [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [["bad"]]],
         [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [None] * 5000],
+        [CONSENSUS_WIRE_VERSION, "exclusion_notice", 1, ["a"], [0, 0], b"short"],
+        [CONSENSUS_WIRE_VERSION, "exclusion_notice", 1, [], [0, 0], None],
+        [CONSENSUS_WIRE_VERSION, "exclusion_notice", 1, ["a"], [0, 0]],
     ],
 )
 def test_malformed_messages_raise_codec_error(value):

@@ -10,7 +10,7 @@ import signal
 import pytest
 from click.testing import CliRunner
 from mnesite.cli.main import main
-from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.client import MnesiteError
 
 from tests.conftest import Cluster, wait_until
 from tests.test_cluster import Load, create_table, rlog, rows
@@ -89,7 +89,11 @@ def test_writes_through_cores_and_replicants_reach_every_replicant(replicated: C
         assert client.get("late", "a", consistency="linearizable") == {"k": "a", "n": 1}
         with pytest.raises(MnesiteError, match="unknown table 'nope'"):
             client.get("nope", 1)
-    text = CliRunner().invoke(main, ["status", "--node", replicated.endpoints["replicant1"]]).output
+    text = (
+        CliRunner()
+        .invoke(main, ["status", "--node", replicated.endpoints["replicant1"], *replicated.cli_keys()])
+        .output
+    )
     assert "normal" in text and "bootstraps" in text
     for name in ("replicant1", "replicant2"):
         status = shard_status(replicated, name)
@@ -186,7 +190,7 @@ def test_an_empty_replicant_bootstraps_100k_rows_under_writes(cluster: Cluster) 
     assert status["bootstraps"] == 1 and status["rows_copied"] >= 100_000
     assert "bootstrap" in seen_modes
     with (
-        Client(cluster.endpoints["replicant1"]) as client,
+        cluster.client("replicant1") as client,
         pytest.raises(MnesiteError, match="is a replicant; send journal to a core"),
     ):
         client.journal()

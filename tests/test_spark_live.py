@@ -27,7 +27,7 @@ def test_live_replicant_against_live_core_under_writes(cluster: Cluster, spark_s
     load = Load(cluster, cluster.names, writers=4).start()
     load.wait_for(300)
     replicas = [cluster.endpoints["core1"], cluster.endpoints["replicant1"]]
-    options = CompareOptions(tables=("kv",))
+    options = CompareOptions(tables=("kv",), **cluster.keys())  # the nodes run with [security]
     in_flight_total = 0
     for _ in range(3):
         report = compare(replicas, options, session=spark_session)

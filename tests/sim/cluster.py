@@ -503,8 +503,31 @@ class Simulation:
             self.nodes[name].machine = None
             self.trace.append((self.now_ms, name, "lost for good"))
 
-    def force_start(self, name: str, members: tuple[str, ...]) -> None:
-        self._step(self.nodes[name], ForceStartRequested(members))
+    def reached_by(self, name: str) -> tuple[tuple[str, int], ...]:
+        """What a force-start probe from ``name`` gets: every other core that is up, not paused and
+        connected both ways, with its generation (the network model, not a protocol rule)."""
+        return tuple(
+            (other.name, other.machine.generation)
+            for other in self.nodes.values()
+            if other.name != name
+            and self._is_up(other)
+            and other.machine is not None
+            and (name, other.name) not in self.cut
+            and (other.name, name) not in self.cut
+        )
+
+    def force_start(self, name: str) -> list[Effect]:
+        """The operator force-starts ``name``; its machine decides (and may refuse). Returns its effects."""
+        node = self.nodes[name]
+        if node.machine is None:
+            raise self.fail(f"force start at crashed node {name}")
+        reached = self.reached_by(name)
+        self.trace.append((self.now_ms, name, "force start requested, reached", reached))
+        effects = node.machine.step(ForceStartRequested(reached), self.now_ms)
+        for effect in effects:
+            self._execute(node, effect)
+        self._check_node(node)
+        return effects
 
     def write(self, target: str) -> None:
         self._client_write(target)

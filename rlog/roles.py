@@ -1,0 +1,103 @@
+"""Who may send what: the role table of every message kind a node accepts (pure; no sockets).
+
+Theory of operation
+-------------------
+A peer's identity is the principal name its CurveZMQ key maps to (``rlog.security``: the ZAP
+handler turns the authenticated public key into the name of its ``authorized_keys`` file), never
+a field of the message. The ``[security.roles]`` config gives each principal its roles; this
+module says which roles may send each message kind, so one lookup decides whether a decoded
+message may reach the code that acts on it. A kind missing from the table is refused for every
+role but ``admin``: a new kind is closed until someone decides who may send it.
+
+The roles:
+
+* ``core``: consensus (``peer``, which also carries exclusion notices), replication to replicants (``push``), and what a
+  core asks of another core on behalf of its own clients (forwarded writes, journals, reads), snapshot offers
+  (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
+* ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
+  to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
+* ``admin``: everything, including ``create_table`` and ``force_start``.
+* ``writer``: reads and ``transact``.
+* ``reader``: reads.
+
+Forwarded requests keep the forwarder's principal: a replicant or core checks its own client's
+roles before forwarding, so a ``writer`` cannot create a table by asking a replicant to forward it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+ROLES = ("core", "replicant", "admin", "writer", "reader")
+
+READ_KINDS = frozenset(
+    {
+        "get",
+        "scan",
+        "status",
+        "list_tables",
+        "rlog_tail",
+        "rlog_entries",
+        "journal",
+        "read_index",
+        "range_digest",
+        "key_boundaries",
+        "row_digests",
+    }
+)
+
+# kind -> the roles that may send it (admin may send every kind and is left out of the table).
+KIND_ROLES: dict[str, frozenset[str]] = {
+    **{kind: frozenset({"core", "replicant", "writer", "reader"}) for kind in READ_KINDS},
+    "transact": frozenset({"core", "replicant", "writer"}),
+    "create_table": frozenset({"core", "replicant"}),
+    "peer": frozenset({"core"}),
+    "push": frozenset({"core"}),
+    # a sequencer offers a snapshot to a follower behind its trimmed log (core.snapshot)
+    "snapshot_offer": frozenset({"core"}),
+    # key-ordered dirty-read batches of a whole table, for bootstraps (bootstrap.serve)
+    "bootstrap_batch": frozenset({"core", "replicant"}),
+    "watch": frozenset({"replicant"}),
+    "push_ack": frozenset({"replicant"}),
+    "force_start": frozenset(),
+}
+
+# Kinds whose body names its sender: the name must be the authenticated principal.
+SENDER_FIELDS: dict[str, str] = {"peer": "sender", "push": "core", "watch": "replicant", "snapshot_offer": "sender"}
+
+
+class RoleTable:
+    """Principal name -> roles, built from ``[security.roles]`` (``role -> [principal, ...]``)."""
+
+    def __init__(self, roles: Mapping[str, Iterable[str]]) -> None:
+        unknown = set(roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown roles {sorted(unknown)} (known: {', '.join(ROLES)})")
+        principals: dict[str, set[str]] = {}
+        for role, names in roles.items():
+            for name in names:
+                principals.setdefault(name, set()).add(role)
+        self.principals = {name: frozenset(found) for name, found in principals.items()}
+
+    def roles_of(self, principal: str) -> frozenset[str]:
+        return self.principals.get(principal, frozenset())
+
+    def refusal(self, principal: str, kind: str) -> str | None:
+        """None if ``principal`` may send ``kind``; otherwise the reason, worded for the sender."""
+        roles = self.roles_of(principal)
+        if "admin" in roles:
+            return None
+        allowed = KIND_ROLES.get(kind, frozenset())
+        if roles & allowed:
+            return None
+        needed = ", ".join(sorted(allowed | {"admin"}))
+        held = ", ".join(sorted(roles)) or "no role"
+        return f"{principal} ({held}) may not send {kind}; it needs one of: {needed}"
+
+
+def sender_mismatch(principal: str, kind: str, body: Mapping[str, object]) -> str | None:
+    """None if the body's sender field (if the kind has one) names ``principal``; else the reason."""
+    field_name = SENDER_FIELDS.get(kind)
+    if field_name is None or body.get(field_name) == principal:
+        return None
+    return f"{kind} claims {field_name} {body.get(field_name)!r} but comes from {principal}"

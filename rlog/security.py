@@ -1,0 +1,272 @@
+"""CurveZMQ keys, the ZAP handler that maps an authenticated key to a principal, and socket setup.
+
+Theory of operation
+-------------------
+Every node binds its ROUTER as a CurveZMQ *server* with the cluster's server key pair (the same
+``server_key`` file on every node), and connects its DEALERs (to peer cores and to replicants) as a
+CurveZMQ *client* with its own key pair (``client_key``), pinning the cluster's server public key.
+A client (``rlog.client.Client``, the CLI) does the same with the caller's key.
+
+The ZAP handler (pyzmq's ``ThreadAuthenticator``, one per node context) accepts a client key only
+if it is one of the public keys in the ``authorized_keys`` directory; the principal is the file's
+name (``keys/app.key`` -> ``app``) and reaches the node as the ZAP user id, a property of every
+frame. Unknown keys and clients without CurveZMQ fail the handshake: their bytes never reach the
+message decoder. The node counts those handshake failures from a socket monitor.
+
+``reload`` re-reads ``authorized_keys`` and the roles (SIGHUP): the new maps replace the old ones
+in one assignment each, so the ZAP thread and the node thread never see half a table.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+import zmq.utils.z85
+from mnesite.rlog.roles import ROLES, RoleTable
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+log = logging.getLogger("mnesite.security")
+
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+AUTHORIZED_KEYS_MAX = 10_000  # public key files read from authorized_keys
+MONITOR_POLL_MS = 200
+ZAP_DOMAIN = "mnesite"
+HANDSHAKE_FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",
+}
+
+
+class SecurityError(ValueError):
+    """A key file or the security configuration is unusable; the message names the file or key."""
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """The ``[security]`` section; paths are absolute (resolved against the config file)."""
+
+    insecure: bool = False
+    server_key: str | None = None
+    client_key: str | None = None
+    authorized_keys: str | None = None
+    roles: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return not self.insecure
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    public: bytes
+    secret: bytes | None
+
+
+def generate_keys(name: str, directory: str) -> tuple[str, str]:
+    """Write ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret`` (mode 0600); refuse to overwrite."""
+    os.makedirs(directory, exist_ok=True)
+    public_path = os.path.join(directory, name + PUBLIC_SUFFIX)
+    secret_path = os.path.join(directory, name + SECRET_SUFFIX)
+    for path in (public_path, secret_path):
+        if os.path.exists(path):
+            raise SecurityError(f"{path} exists already; remove it first to make a new key")
+    # zmq.auth writes NAME.key and NAME.key_secret; the umask makes the secret file 0600 from the start.
+    previous_umask = os.umask(0o077)
+    try:
+        zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(previous_umask)
+    os.chmod(secret_path, 0o600)
+    os.chmod(public_path, 0o644)
+    return public_path, secret_path
+
+
+def load_key(path: str, what: str, secret: bool) -> KeyPair:
+    """Load a zmq certificate file; ``secret`` requires the secret half (a ``.key_secret`` file)."""
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as error:
+        raise SecurityError(f"{what}: cannot read a zmq certificate from {path}: {error}") from None
+    if secret and not secret_key:
+        raise SecurityError(f"{what}: {path} has no secret key (give the {SECRET_SUFFIX} file)")
+    if secret and os.stat(path).st_mode & 0o077:
+        # Like ssh: a secret others can read is not a secret; say how to fix it rather than use it.
+        raise SecurityError(f"{what}: {path} is readable by other users; chmod 600 {path}")
+    return KeyPair(public, secret_key)
+
+
+def load_authorized_keys(directory: str) -> dict[bytes, str]:
+    """z85 public key -> principal name, from every ``NAME.key`` file in ``directory``."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(PUBLIC_SUFFIX))
+    except OSError as error:
+        raise SecurityError(f"authorized_keys: cannot list {directory}: {error.strerror}") from None
+    if len(names) > AUTHORIZED_KEYS_MAX:
+        raise SecurityError(f"authorized_keys: {directory} holds more than {AUTHORIZED_KEYS_MAX} keys")
+    keys: dict[bytes, str] = {}
+    for file_name in names:
+        principal = file_name[: -len(PUBLIC_SUFFIX)]
+        pair = load_key(os.path.join(directory, file_name), "authorized_keys", secret=False)
+        if pair.public in keys:
+            raise SecurityError(f"authorized_keys: {file_name} repeats the key of {keys[pair.public]}")
+        keys[pair.public] = principal
+    return keys
+
+
+def check_roles(roles: object) -> dict[str, tuple[str, ...]]:
+    """Validate ``[security.roles]``: role -> list of principal names."""
+    if not isinstance(roles, dict):
+        raise SecurityError("[security.roles] must be a table of role = [principal, ...]")
+    checked: dict[str, tuple[str, ...]] = {}
+    for role, names in roles.items():
+        if role not in ROLES:
+            raise SecurityError(f"unknown role [security.roles].{role} (known: {', '.join(ROLES)})")
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise SecurityError(f"[security.roles].{role} must be a list of principal names")
+        checked[role] = tuple(names)
+    return checked
+
+
+def configure_server(socket: zmq.Socket, server: KeyPair) -> None:
+    socket.curve_server = True
+    socket.curve_secretkey = server.secret
+    socket.curve_publickey = server.public
+    socket.zap_domain = ZAP_DOMAIN.encode()
+
+
+def configure_client(socket: zmq.Socket, own: KeyPair, server_public: bytes) -> None:
+    socket.curve_secretkey = own.secret
+    socket.curve_publickey = own.public
+    socket.curve_serverkey = server_public
+
+
+class _Authenticator(ThreadAuthenticator):
+    """ZAP handler: a known key is allowed and its user id is its principal name."""
+
+    def __init__(self, context: zmq.Context, security: NodeSecurity) -> None:
+        super().__init__(context, log=logging.getLogger("mnesite.zap"))
+        self.security = security
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.security.authorized.get(zmq.utils.z85.encode(client_public_key), "")
+
+
+class _KeyCheck:
+    def __init__(self, security: NodeSecurity) -> None:
+        self.security = security
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.security.authorized:
+            return True
+        self.security.refused_unknown_key += 1
+        return False
+
+
+class NodeSecurity:
+    """A node's keys, authorized keys and roles, its ZAP handler and refusal counters."""
+
+    def __init__(self, config: SecurityConfig) -> None:
+        if config.server_key is None or config.client_key is None or config.authorized_keys is None:
+            raise SecurityError("[security] needs server_key, client_key and authorized_keys (or insecure = true)")
+        self.server = load_key(config.server_key, "[security].server_key", secret=True)
+        self.client = load_key(config.client_key, "[security].client_key", secret=True)
+        self.authorized_keys_dir = config.authorized_keys
+        self.authorized = load_authorized_keys(config.authorized_keys)
+        self.roles = RoleTable(config.roles)
+        self.refused_unknown_key = 0
+        self.handshakes_failed: dict[str, int] = {reason: 0 for reason in HANDSHAKE_FAILURES.values()}
+        self.refused_role = 0
+        self.refused_sender = 0
+        self.reloads = 0
+        self._authenticator: _Authenticator | None = None
+        self._monitor_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def start(self, context: zmq.Context) -> None:
+        """Start the ZAP handler on ``context``; it must run before any CURVE server socket binds."""
+        authenticator = _Authenticator(context, self)
+        authenticator.start()
+        authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyCheck(self))
+        self._authenticator = authenticator
+
+    def secure_server(self, socket: zmq.Socket) -> None:
+        configure_server(socket, self.server)
+        monitor = socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        self._monitor_thread = threading.Thread(target=self._count_failures, args=(monitor,), daemon=True)
+        self._monitor_thread.start()
+
+    def secure_client(self, socket: zmq.Socket) -> None:
+        configure_client(socket, self.client, self.server.public)
+
+    def _count_failures(self, monitor: zmq.Socket) -> None:
+        # The monitor socket belongs to this thread alone (zmq sockets are not thread-safe).
+        try:
+            while not self._stopping.is_set():
+                if not monitor.poll(MONITOR_POLL_MS):
+                    continue
+                event = recv_monitor_message(monitor)
+                reason = HANDSHAKE_FAILURES.get(event["event"])
+                if reason is not None:
+                    self.handshakes_failed[reason] += 1
+        except zmq.ZMQError:
+            pass  # the context is terminating
+        finally:
+            monitor.close(0)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._monitor_thread is not None:
+            self._monitor_thread.join(timeout=2)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+
+    def reload(self, config: SecurityConfig) -> None:
+        """SIGHUP: new authorized keys and roles; a bad file keeps the old ones (and raises)."""
+        if config.authorized_keys is None:
+            raise SecurityError("[security].authorized_keys is missing")
+        authorized = load_authorized_keys(config.authorized_keys)
+        roles = RoleTable(config.roles)
+        self.authorized, self.roles = authorized, roles
+        self.reloads += 1
+
+    def principal_of(self, frame: zmq.Frame) -> str:
+        """The ZAP user id of ``frame``: the authenticated principal ("" if there is none)."""
+        try:
+            return frame.get("User-Id")
+        except zmq.ZMQError:
+            return ""
+
+    def status(self) -> dict[str, object]:
+        return {
+            "curve": True,
+            "refused_unknown_key": self.refused_unknown_key,
+            "handshakes_failed": dict(self.handshakes_failed),
+            "refused_role": self.refused_role,
+            "refused_sender": self.refused_sender,
+            "authorized_keys": len(self.authorized),
+            "reloads": self.reloads,
+        }
+
+
+def client_keys(key_path: str | Path | None, server_key_path: str | Path | None) -> tuple[KeyPair, bytes] | None:
+    """The caller's key pair and the cluster's public key for a ``Client``; None without keys."""
+    if key_path is None and server_key_path is None:
+        return None
+    if key_path is None or server_key_path is None:
+        raise SecurityError("give both key (the caller's .key_secret file) and server_key (the cluster's .key file)")
+    own = load_key(str(key_path), "key", secret=True)
+    server = load_key(str(server_key_path), "server_key", secret=False)
+    return own, server.public
