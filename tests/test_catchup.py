@@ -104,7 +104,7 @@ def test_compare_works_right_after_a_bootstrap_without_any_read_first(cluster: C
     # No get or scan was served by the replicant before: reaching the fence alone opened the reads.
     report = compare(
         [cluster.endpoints["core1"], cluster.endpoints["replicant1"]],
-        CompareOptions(tables=("kv",)),
+        CompareOptions(tables=("kv",), **cluster.keys()),  # the nodes run with [security]
         session=spark_session,
     )
     assert report.exit_status == EXIT_EQUAL, report.to_json()
