@@ -10,11 +10,14 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import click
-from mnesite.rlog.client import Client, GuardFailed, MnesiteError, default_endpoint
+from mnesite.rlog.client import Client, GuardFailed, MnesiteError, OutcomeUnknown, default_endpoint
 from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
+from mnesite.rlog.types import TxKey
 
 TIMEOUT_MS_DEFAULT = 5000
+# Exit status of a write whose outcome is unknown (it may or may not have happened), distinct from 1.
+EXIT_OUTCOME_UNKNOWN = 3
 
 
 def fail(message: str, exit_code: int = 1) -> NoReturn:
@@ -99,8 +102,32 @@ def run(call: Callable[[], Any]) -> Any:
     """Run a client call; any mnesite error becomes one line on stderr and exit 1."""
     try:
         return call()
+    except OutcomeUnknown as error:
+        fail(str(error), EXIT_OUTCOME_UNKNOWN)
     except MnesiteError as error:
         fail(str(error))
+
+
+def parse_tx_key(text: str) -> TxKey:
+    """``G,C`` (or ``(G, C)`` as ``put`` and ``tx`` print it) as a tx key."""
+    parts = text.strip().strip("()[]").split(",")
+    try:
+        generation, counter = (int(part) for part in parts)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a tx key GENERATION,COUNTER (for example 3,17)") from None
+    if generation < 0 or counter < 0:
+        raise click.BadParameter(f"{text!r}: tx key parts must not be negative")
+    return TxKey(generation, counter)
+
+
+AFTER = click.option(
+    "--after",
+    "after_tx_key",
+    metavar="G,C",
+    default=None,
+    callback=lambda context, parameter, value: None if value is None else parse_tx_key(value),
+    help="Read your writes: answer only once the node has applied this tx key (as printed by put/tx).",
+)
 
 
 def parse_json_argument(text: str, what: str) -> Any:
@@ -260,7 +287,11 @@ def table_list(endpoint, timeout_ms, as_json) -> None:
 @node_options
 @json_option
 def put(table_name, row_json, endpoint, timeout_ms, as_json) -> None:
-    """Write a full row (a JSON object) into TABLE; prints the tx key."""
+    """Write a full row (a JSON object) into TABLE; prints the tx key (pass it to get/scan --after).
+
+    If no definite answer comes in time (after one retry with the same request id) it exits 3:
+    the write may or may not have happened.
+    """
     row = parse_json_argument(row_json, "ROW_JSON")
     if not isinstance(row, dict):
         fail("ROW_JSON must be a JSON object")
@@ -282,12 +313,13 @@ CONSISTENCY = click.option(
 @click.argument("table_name", metavar="TABLE")
 @click.argument("key")
 @CONSISTENCY
+@AFTER
 @node_options
 @json_option
-def get(table_name, key, consistency, endpoint, timeout_ms, as_json) -> None:
+def get(table_name, key, consistency, after_tx_key, endpoint, timeout_ms, as_json) -> None:
     """Print the row of TABLE at KEY (exit 1 if there is none; --json prints null)."""
     with client_for(endpoint, timeout_ms) as client:
-        row = run(lambda: client.get(table_name, parse_key(client, table_name, key), consistency))
+        row = run(lambda: client.get(table_name, parse_key(client, table_name, key), consistency, after_tx_key))
     if as_json:
         emit_json(row)
     elif row is None:
@@ -312,16 +344,17 @@ def delete(table_name, key, endpoint, timeout_ms, as_json) -> None:
 @click.argument("table_name", metavar="TABLE")
 @click.option("--limit", type=click.IntRange(1, None), default=None, help="At most this many rows.")
 @CONSISTENCY
+@AFTER
 @node_options
 @json_option
-def scan(table_name, limit, consistency, endpoint, timeout_ms, as_json) -> None:
+def scan(table_name, limit, consistency, after_tx_key, endpoint, timeout_ms, as_json) -> None:
     """Print the rows of TABLE in key order."""
     with client_for(endpoint, timeout_ms) as client:
         schema = run(lambda: client.table(table_name))
 
         def collect() -> list[dict[str, Any]]:
             rows = []
-            for row in client.scan(table_name, consistency=consistency):
+            for row in client.scan(table_name, consistency=consistency, after_tx_key=after_tx_key):
                 rows.append(row)
                 if limit is not None and len(rows) >= limit:
                     break
@@ -344,7 +377,8 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
     \b
     FILE holds JSON: {"guards": [{"table", "key", "equals": row-or-null}],
                       "ops": [{"op": "write", "table", "row"} | {"op": "delete", "table", "key"}]}
-    A failed guard exits 1 and says which guard failed.
+    A failed guard exits 1 and says which guard failed. Prints the tx key (for get/scan --after);
+    exits 3 if the outcome is unknown (the transaction may or may not have happened).
     """
     request = parse_json_argument(file.read(), "the transaction")
     if not isinstance(request, dict) or set(request) - {"guards", "ops"} or "ops" not in request:
@@ -354,6 +388,8 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
             tx_key = client.transact(request["ops"], request.get("guards") or [])
         except GuardFailed as error:
             fail(str(error))
+        except OutcomeUnknown as error:
+            fail(str(error), EXIT_OUTCOME_UNKNOWN)
         except MnesiteError as error:
             fail(str(error))
     emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")

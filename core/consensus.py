@@ -13,8 +13,19 @@ and executes the effects it returns.
   (``election_timeout_ms_min..max``) persists generation g+1 and its vote for itself, then asks the
   other members for their vote. A member grants at most one vote per generation (persisted before the
   reply is sent), and only to a candidate whose last appended tx key is at least its own. A candidate
-  with the votes of a majority becomes sequencer. There is no pre-vote: a rejoining node may bump
-  the generation and cause one extra election, which costs availability, never safety.
+  with the votes of a majority becomes sequencer.
+* Pre-vote (Raft thesis 9.6). Before it bumps the generation, a follower whose election timeout
+  expired asks the others whether they *would* vote for it in g+1 (``PreVoteRequest``); nobody
+  persists or adopts anything for a pre-vote. Only with a majority of would-be votes does it start
+  the real election. So a core that was paused, restarted or partitioned, and cannot win, never
+  raises the generation and never deposes a healthy sequencer.
+* Stickiness (thesis 4.2.3). A core that heard the current sequencer within
+  ``election_timeout_ms_min`` (or is the sequencer) refuses pre-votes and ignores vote requests,
+  without adopting their generation. This is also what makes the read lease below safe; for the
+  same reason a core that (re)starts behaves as if it had just heard a sequencer.
+* Election timer. It is reset when this core starts a (pre-)election, grants a vote, or hears the
+  sequencer of its generation; never by a refused vote or by merely adopting a higher generation
+  (else a candidate that cannot win would keep the one that can from ever timing out).
 * Replication. The sequencer assigns tx keys ``(generation, counter)``; the counter restarts at 1 in
   each generation, so tx keys ordered as tuples are Raft's (term, index) order. Its first entry in a
   generation has no ops (Raft's no-op): once it commits, every earlier entry is settled. Entries are
@@ -24,6 +35,16 @@ and executes the effects it returns.
 * Commit. An entry is committed when a majority of the members (the sequencer counts) have persisted
   it and it belongs to the current generation; earlier entries commit with it (Raft, section 5.4.2).
   Followers learn the commit key from appends.
+* Linearizable reads (thesis 6.4, ``read_index``). The sequencer may answer a linearizable read,
+  a read-index request or a failed guard only (1) once an entry of its own generation has committed
+  (before that its committed key may be behind what the previous sequencer acknowledged) and (2)
+  while it holds a lease: a majority (counting itself) answered one of *this generation's* appends
+  that it sent within the last ``election_timeout_ms_min / 2`` (appends carry their send time,
+  replies echo it). Each of them heard this sequencer after that send, so by stickiness none will
+  vote for another one before an election timeout has passed since: no newer committed key can
+  exist. This assumes clocks that run at similar rates (half an election timeout is the margin),
+  not bounded message delays. Any other frame (a vote, a pre-vote, another shard's traffic) says
+  nothing about this generation and does not count.
 * Fencing. Messages of a stale generation are refused and answered with the current generation, so
   a paused-and-resumed sequencer learns it was replaced. A sequencer that has not heard from a
   majority within ``election_timeout_ms_min`` steps down and fails its pending proposals.
@@ -98,8 +119,8 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True)
 class ConsensusConfig:
-    election_timeout_ms_min: int = 1000
-    election_timeout_ms_max: int = 2000
+    election_timeout_ms_min: int = 800
+    election_timeout_ms_max: int = 1600
     heartbeat_interval_ms: int = 100
     # Entries in one append message; bounds message size and the work of one step.
     entries_per_append_max: int = 64
@@ -198,6 +219,22 @@ class VoteReply:
 
 
 @dataclass(frozen=True)
+class PreVoteRequest:
+    """Would you vote for me in ``generation`` (our generation + 1)? Changes nothing at the receiver."""
+
+    generation: int
+    last_key: TxKey
+
+
+@dataclass(frozen=True)
+class PreVoteReply:
+    """``generation`` is the one asked about when granted, the replier's own when refused."""
+
+    generation: int
+    granted: bool
+
+
+@dataclass(frozen=True)
 class AppendRequest:
     generation: int
     prev_key: TxKey
@@ -205,6 +242,9 @@ class AppendRequest:
     commit_key: TxKey
     members: tuple[str, ...]
     entries: tuple[Entry, ...] = ()
+    # The sequencer's clock when it sent this append; echoed in the reply, so that the read lease
+    # counts from when the follower could at the earliest have heard it, however late the reply.
+    sent_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -216,6 +256,8 @@ class AppendReply:
     # The replier's last appended and committed keys: on failure they tell the sequencer where to resume.
     last_key: TxKey
     commit_key: TxKey
+    # ``sent_ms`` of the append this answers.
+    request_sent_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -229,7 +271,7 @@ class ExclusionNotice:
     digest: bytes | None
 
 
-PeerMessage = VoteRequest | VoteReply | AppendRequest | AppendReply | ExclusionNotice
+PeerMessage = VoteRequest | VoteReply | PreVoteRequest | PreVoteReply | AppendRequest | AppendReply | ExclusionNotice
 
 # ---------------------------------------------------------------- events
 
@@ -404,6 +446,8 @@ class _Progress:
     probing: bool = True
     in_flight: int = 0
     last_heard_ms: int = 0
+    # When this follower last answered an append of this generation: what the read lease counts.
+    lease_heard_ms: int | None = None
     snapshot_requested_ms: int | None = None
 
 
@@ -458,6 +502,13 @@ class ShardConsensus:
         self._role = Role.FOLLOWER
         self._sequencer: str | None = None
         self._votes: set[str] = set()
+        # Would-be votes of the pre-vote under way for generation + 1 (None when there is none).
+        self._pre_votes: set[str] | None = None
+        # When this core last heard the sequencer of its generation (stickiness, see above). A core
+        # that (re)starts may have answered a sequencer's append just before it stopped, and that
+        # sequencer may be counting the answer for its read lease: so it behaves as if it had heard
+        # a sequencer at start, and votes for nobody else during the first election timeout.
+        self._sequencer_heard_ms: int | None = now_ms if len(members) > 1 else None
         self._progress: dict[str, _Progress] = {}
         # Request ids of this sequencer's uncommitted proposals, in tx key order.
         self._pending: dict[TxKey, str | None] = {}
@@ -521,6 +572,40 @@ class ShardConsensus:
             follower_match_keys=matches,
             pending_proposals=len(self._pending),
         )
+
+    def read_index(self, now_ms: int) -> TxKey | None:
+        """The committed key a linearizable read must wait for, or None if this core may not serve one now.
+
+        Only the sequencer answers, only once an entry of its generation has committed, and only
+        while a majority acknowledged this generation's appends within the lease (theory above).
+        """
+        if self._role is not Role.SEQUENCER or not self._own_generation_committed():
+            return None
+        lease_ms = self.config.election_timeout_ms_min // 2
+        holders = 1 + sum(
+            1
+            for progress in self._progress.values()
+            if progress.lease_heard_ms is not None and now_ms - progress.lease_heard_ms < lease_ms
+        )
+        if holders < self._majority():
+            return None
+        return self._commit_key
+
+    def _own_generation_committed(self) -> bool:
+        # Thesis 6.4: until its no-op commits, a new sequencer does not know the latest committed key.
+        return self._commit_key.generation == self._generation
+
+    def _counts_for_lease(self, message: PeerMessage) -> bool:
+        # Only an answer to one of this generation's appends proves that the follower heard this
+        # sequencer recently (and so will not vote for another one for a while).
+        return isinstance(message, AppendReply) and message.generation == self._generation
+
+    def hears_sequencer(self) -> bool:
+        """Stickiness: this core is the sequencer or heard it within the minimum election timeout."""
+        if self._role is Role.SEQUENCER:
+            return True
+        heard_ms = self._sequencer_heard_ms
+        return heard_ms is not None and self._now_ms - heard_ms < self.config.election_timeout_ms_min
 
     def next_deadline_ms(self) -> int:
         """The earliest time at which a ``Ticked`` may change something."""
@@ -588,7 +673,7 @@ class ShardConsensus:
                     self._send_append(peer, heartbeat=True)
             return
         if self._now_ms >= self._election_deadline_ms:
-            self._campaign()
+            self._pre_vote()
 
     # ------------------------------------------------------------ election
 
@@ -601,9 +686,41 @@ class ShardConsensus:
             self._sequencer = sequencer
             self._out.append(RoleChanged(role, self._generation, sequencer))
 
+    def _pre_vote(self) -> None:
+        """Ask whether a majority would vote for us in generation + 1, changing nothing durable."""
+        self._reset_election_deadline()
+        if self._role is Role.FOLLOWER:
+            # We no longer hear the sequencer: stop forwarding to it (the driver tells waiting clients).
+            self._set_role(Role.FOLLOWER, None)
+        self._pre_votes = {self.name}
+        if len(self._pre_votes) >= self._majority():
+            self._campaign()
+            return
+        request = PreVoteRequest(self._generation + 1, self._last_key)
+        for peer in self._peers():
+            self._out.append(Send(peer, request))
+
+    def _on_pre_vote_request(self, sender: str, message: PreVoteRequest) -> None:
+        granted = (
+            message.generation > self._generation
+            and not self.hears_sequencer()
+            and self._candidate_log_is_up_to_date(message.last_key)
+        )
+        # Nothing is persisted and the timer is not reset: a pre-vote is only a question.
+        generation = message.generation if granted else self._generation
+        self._out.append(Send(sender, PreVoteReply(generation, granted)))
+
+    def _on_pre_vote_reply(self, sender: str, message: PreVoteReply) -> None:
+        if self._pre_votes is None or not message.granted or message.generation != self._generation + 1:
+            return
+        self._pre_votes.add(sender)
+        if len(self._pre_votes) >= self._majority():
+            self._campaign()
+
     def _campaign(self) -> None:
         # The new generation and the vote are persisted before any message uses them, so a
         # restart can never vote twice in, or reuse, a generation.
+        self._pre_votes = None
         self._generation += 1
         self._voted_for = self.name
         self._persist_state()
@@ -627,12 +744,16 @@ class ShardConsensus:
         was_sequencer = self._role is Role.SEQUENCER
         self._generation = generation
         self._voted_for = None
+        self._pre_votes = None
         self._persist_state()
         if was_sequencer:
             self._fail_pending(f"sequencer superseded by generation {generation}")
             self._progress = {}
         self._set_role(Role.FOLLOWER, None)
-        self._reset_election_deadline()
+        if was_sequencer:
+            # Its election deadline is stale: start counting now. A follower or candidate keeps
+            # its timer, so that a refused candidate's generation cannot postpone it forever.
+            self._reset_election_deadline()
 
     def _on_vote_request(self, sender: str, message: VoteRequest) -> None:
         if message.generation < self._generation:
@@ -738,7 +859,9 @@ class ShardConsensus:
         if len(self._exclusion_told_ms) >= MEMBERS_MAX:
             self._exclusion_told_ms = {}
         self._exclusion_told_ms[sender] = self._now_ms
-        their_key = message.last_key if isinstance(message, (VoteRequest, AppendReply)) else self._commit_key
+        their_key = (
+            message.last_key if isinstance(message, (VoteRequest, PreVoteRequest, AppendReply)) else self._commit_key
+        )
         key = min(their_key, self._last_key)
         notice = ExclusionNotice(self._generation, self._members, key, self._log.digest_at(key))
         self._out.append(Send(sender, notice))
@@ -746,7 +869,8 @@ class ShardConsensus:
     # ------------------------------------------------------------ messages
 
     def _on_message(self, sender: str, message: PeerMessage) -> None:
-        if not isinstance(message, (VoteRequest, VoteReply, AppendRequest, AppendReply, ExclusionNotice)):
+        peer_kinds = (VoteRequest, VoteReply, PreVoteRequest, PreVoteReply, AppendRequest, AppendReply, ExclusionNotice)
+        if not isinstance(message, peer_kinds):
             raise TypeError(f"not a peer message: {message!r}")
         if isinstance(message, ExclusionNotice) and sender != self.name:
             self._on_exclusion(sender, message)
@@ -756,8 +880,31 @@ class ShardConsensus:
             if sender != self.name and not self._excluded:
                 self._tell_excluded(sender, message)
             return
+        if self._role is Role.SEQUENCER and self._counts_for_lease(message):
+            progress = self._progress.get(sender)
+            if progress is not None:
+                # From when we sent the append it answers (never from when the answer arrived: it
+                # may have waited in a queue), and never later than now, whatever the peer says.
+                sent_ms = message.request_sent_ms if isinstance(message, AppendReply) else self._now_ms
+                heard_ms = min(sent_ms, self._now_ms)
+                if progress.lease_heard_ms is None or heard_ms > progress.lease_heard_ms:
+                    progress.lease_heard_ms = heard_ms
+        if isinstance(message, PreVoteRequest):
+            # Its generation is a proposal, not one in use: never adopt it.
+            self._on_pre_vote_request(sender, message)
+            return
+        if isinstance(message, PreVoteReply) and message.granted:
+            self._on_pre_vote_reply(sender, message)
+            return
+        if isinstance(message, VoteRequest) and message.generation > self._generation and self.hears_sequencer():
+            # Stickiness: we hear a sequencer, so this candidate is disruptive (it was paused or cut
+            # off). Refuse without adopting its generation, which would depose our sequencer.
+            self._out.append(Send(sender, VoteReply(self._generation, False)))
+            return
         if message.generation > self._generation:
             self._adopt_generation(message.generation)
+        if isinstance(message, PreVoteReply):
+            return  # a refusal: its generation, if higher, was adopted above
         if isinstance(message, VoteRequest):
             self._on_vote_request(sender, message)
         elif isinstance(message, VoteReply):
@@ -767,18 +914,20 @@ class ShardConsensus:
         else:
             self._on_append_reply(sender, message)
 
-    def _reply_append(self, sender: str, success: bool, match_key: TxKey) -> None:
-        reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key)
+    def _reply_append(self, sender: str, message: AppendRequest, success: bool, match_key: TxKey) -> None:
+        reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key, message.sent_ms)
         self._out.append(Send(sender, reply))
 
     def _on_append_request(self, sender: str, message: AppendRequest) -> None:
         if message.generation < self._generation:
             # Zombie fencing: the stale sequencer learns the current generation from the reply.
-            self._reply_append(sender, False, ZERO_KEY)
+            self._reply_append(sender, message, False, ZERO_KEY)
             return
         if self._role is Role.SEQUENCER:
             raise ConsensusInvariantError(f"two sequencers in generation {self._generation}: {self.name} and {sender}")
         self._set_role(Role.FOLLOWER, sender)
+        self._pre_votes = None
+        self._sequencer_heard_ms = self._now_ms
         self._reset_election_deadline()
         if message.members != self._members and self.name in message.members:
             # The sequencer's membership was reduced by a force start; adopt it durably.
@@ -813,11 +962,11 @@ class ShardConsensus:
             own = self._log.digest_at(prev_key)
             if own is not None and own != prev_digest:
                 raise ConsensusInvariantError(f"sequencer {sender} disagrees at committed key {prev_key}")
-            self._reply_append(sender, True, message_last_key)
+            self._reply_append(sender, message, True, message_last_key)
             return
         own_prev_digest = self._log.digest_at(prev_key) if prev_key <= self._last_key else None
         if own_prev_digest != prev_digest:
-            self._reply_append(sender, False, ZERO_KEY)
+            self._reply_append(sender, message, False, ZERO_KEY)
             return
         # Verify the digest chain of the new entries before persisting anything.
         chain_key, chain_digest = prev_key, prev_digest
@@ -850,7 +999,7 @@ class ShardConsensus:
         if new_commit > self._commit_key:
             self._commit_key = new_commit
             self._out.append(Commit(new_commit))
-        self._reply_append(sender, True, message_last_key)
+        self._reply_append(sender, message, True, message_last_key)
 
     def _on_append_reply(self, sender: str, message: AppendReply) -> None:
         if self._role is not Role.SEQUENCER or message.generation != self._generation:
@@ -920,7 +1069,7 @@ class ShardConsensus:
 
     def _send(self, peer: str, progress: _Progress, prev_key: TxKey, prev_digest: bytes, entries: list[Entry]) -> None:
         message = AppendRequest(
-            self._generation, prev_key, prev_digest, self._commit_key, self._members, tuple(entries)
+            self._generation, prev_key, prev_digest, self._commit_key, self._members, tuple(entries), self._now_ms
         )
         self._out.append(Send(peer, message))
         if entries:

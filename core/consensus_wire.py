@@ -4,8 +4,9 @@ A message is the list ``[CONSENSUS_WIRE_VERSION, kind, field...]``:
 
 * ``["vote_request", generation, last_key]``
 * ``["vote_reply", generation, granted]``
-* ``["append_request", generation, prev_key, prev_digest, commit_key, members, entries]``
-* ``["append_reply", generation, success, match_key, last_key, commit_key]``
+* ``["pre_vote_request", generation, last_key]`` and ``["pre_vote_reply", generation, granted]``
+* ``["append_request", generation, prev_key, prev_digest, commit_key, members, entries, sent_ms]``
+* ``["append_reply", generation, success, match_key, last_key, commit_key, request_sent_ms]``
 * ``["exclusion_notice", generation, members, key, digest-or-nil]``
 
 Tx keys are ``[generation, counter]``; entries use ``rlog.types.entry_to_wire``. Decoding anything
@@ -23,6 +24,8 @@ from mnesite.core.consensus import (
     AppendRequest,
     ExclusionNotice,
     PeerMessage,
+    PreVoteReply,
+    PreVoteRequest,
     VoteReply,
     VoteRequest,
 )
@@ -43,7 +46,15 @@ APPEND_ENTRIES_WIRE_MAX = 4096
 MEMBER_NAME_CHARS_MAX = 255
 GENERATION_MAX = 2**63 - 1
 
-_FIELD_COUNTS = {"vote_request": 2, "vote_reply": 2, "append_request": 6, "append_reply": 5, "exclusion_notice": 4}
+_FIELD_COUNTS = {
+    "vote_request": 2,
+    "vote_reply": 2,
+    "pre_vote_request": 2,
+    "pre_vote_reply": 2,
+    "append_request": 7,
+    "append_reply": 6,
+    "exclusion_notice": 4,
+}
 
 
 def message_to_wire(message: PeerMessage) -> list[Any]:
@@ -51,6 +62,10 @@ def message_to_wire(message: PeerMessage) -> list[Any]:
         return [CONSENSUS_WIRE_VERSION, "vote_request", message.generation, message.last_key.to_wire()]
     if isinstance(message, VoteReply):
         return [CONSENSUS_WIRE_VERSION, "vote_reply", message.generation, message.granted]
+    if isinstance(message, PreVoteRequest):
+        return [CONSENSUS_WIRE_VERSION, "pre_vote_request", message.generation, message.last_key.to_wire()]
+    if isinstance(message, PreVoteReply):
+        return [CONSENSUS_WIRE_VERSION, "pre_vote_reply", message.generation, message.granted]
     if isinstance(message, AppendRequest):
         return [
             CONSENSUS_WIRE_VERSION,
@@ -61,6 +76,7 @@ def message_to_wire(message: PeerMessage) -> list[Any]:
             message.commit_key.to_wire(),
             list(message.members),
             [entry_to_wire(entry) for entry in message.entries],
+            message.sent_ms,
         ]
     if isinstance(message, AppendReply):
         return [
@@ -71,6 +87,7 @@ def message_to_wire(message: PeerMessage) -> list[Any]:
             message.match_key.to_wire(),
             message.last_key.to_wire(),
             message.commit_key.to_wire(),
+            message.request_sent_ms,
         ]
     if isinstance(message, ExclusionNotice):
         return [
@@ -101,20 +118,37 @@ def message_from_wire(value: Any) -> PeerMessage:
         return VoteRequest(generation, _tx_key(fields[1]))
     if kind == "vote_reply":
         return VoteReply(generation, _bool(fields[1]))
+    if kind == "pre_vote_request":
+        return PreVoteRequest(generation, _tx_key(fields[1]))
+    if kind == "pre_vote_reply":
+        return PreVoteReply(generation, _bool(fields[1]))
     if kind == "append_request":
-        prev_key, prev_digest, commit_key, members, entries = fields[1:]
+        prev_key, prev_digest, commit_key, members, entries, sent_ms = fields[1:]
         if not isinstance(prev_digest, bytes) or len(prev_digest) != DIGEST_BYTES:
             raise CodecError(f"prev_digest must be {DIGEST_BYTES} bytes")
         return AppendRequest(
-            generation, _tx_key(prev_key), prev_digest, _tx_key(commit_key), _members(members), _entries(entries)
+            generation,
+            _tx_key(prev_key),
+            prev_digest,
+            _tx_key(commit_key),
+            _members(members),
+            _entries(entries),
+            _time_ms(sent_ms),
         )
     if kind == "exclusion_notice":
         members, key, digest = fields[1:]
         if digest is not None and (not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES):
             raise CodecError(f"digest must be {DIGEST_BYTES} bytes or nil")
         return ExclusionNotice(generation, _members(members), _tx_key(key), digest)
-    success, match_key, last_key, commit_key = fields[1:]
-    return AppendReply(generation, _bool(success), _tx_key(match_key), _tx_key(last_key), _tx_key(commit_key))
+    success, match_key, last_key, commit_key, request_sent_ms = fields[1:]
+    return AppendReply(
+        generation,
+        _bool(success),
+        _tx_key(match_key),
+        _tx_key(last_key),
+        _tx_key(commit_key),
+        _time_ms(request_sent_ms),
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -124,6 +158,13 @@ def _is_int(value: Any) -> bool:
 def _generation(value: Any) -> int:
     if not _is_int(value) or not 0 <= value <= GENERATION_MAX:
         raise CodecError("generation must be a non-negative 64-bit integer")
+    return value
+
+
+def _time_ms(value: Any) -> int:
+    # A monotonic clock reading of the sequencer (the receiver also clamps it to its own clock).
+    if not _is_int(value) or not 0 <= value <= GENERATION_MAX:
+        raise CodecError("a time must be a non-negative 64-bit integer of milliseconds")
     return value
 
 

@@ -9,7 +9,8 @@ Each turn of the loop:
 2. drains up to ``group_commit_max`` frames: peer messages are stepped into their shard's
    consensus; reads are answered from the applied state; writes are turned into result ops
    (guards evaluated against the applied state *plus* the shard's unapplied tail, see
-   ``UnappliedTail``) and proposed at the sequencer, or forwarded to it from any other core;
+   ``core.guard_tail``; a failed guard is answered only from committed state) and proposed at the
+   sequencer, or forwarded to it from any other core;
 3. executes the effects of every step as it happens, inside ONE open SQLite write transaction
    (the log view reads through the same connection, so it sees them at once), and queues every
    outgoing frame: peer sends and client replies alike;
@@ -71,6 +72,7 @@ from mnesite.core.consensus import (
     TruncateLog,
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
+from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GuardTail
 from mnesite.core.rlog_server import RlogServer, WatchRefused
 from mnesite.core.snapshot import (
     BeginInstall,
@@ -90,12 +92,9 @@ from mnesite.rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_k
 from mnesite.rlog.server import NodeServer, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
-    CreateTableOp,
-    DeleteOp,
     Entry,
     OpDecodeError,
     TxKey,
-    WriteOp,
     entry_to_json,
     tx_key_from_wire,
 )
@@ -152,7 +151,7 @@ class StoreLogView:
     right after appending them, and reading them back from SQLite would cost more than the append.
     """
 
-    def __init__(self, store: Store, shard: str, tail: UnappliedTail) -> None:
+    def __init__(self, store: Store, shard: str, tail: GuardTail[HeldFailure]) -> None:
         self.store = store
         self.shard = shard
         self.tail = tail
@@ -177,61 +176,12 @@ class StoreLogView:
         return self.store.count_between(self.shard, key, up_to, limit)
 
 
-class UnappliedTail:
-    """What the entries persisted but not yet applied will do, for guard evaluation at the sequencer.
-
-    A transaction proposed after another must see its effects even before either commits, or a
-    guard could pass twice. Ops are results, so the latest op for a key is that key's future value.
-    """
-
-    def __init__(self) -> None:
-        self.entries: list[Entry] = []
-        self.keys: list[TxKey] = []
-        self.rows: dict[tuple[str, Any], dict[str, Any] | None] = {}
-        self.tables: dict[str, TableSchema] = {}
-
-    def add(self, entries: tuple[Entry, ...]) -> None:
-        self.entries.extend(entries)
-        self.keys.extend(entry.tx_key for entry in entries)
-        for entry in entries:
-            self._index(entry)
-
-    def _index(self, entry: Entry) -> None:
-        for op in entry.ops:
-            if isinstance(op, WriteOp):
-                key_column = self._key_column(op.table)
-                if key_column is not None:
-                    self.rows[(op.table, op.row[key_column])] = op.row
-            elif isinstance(op, DeleteOp):
-                self.rows[(op.table, op.key)] = None
-            elif isinstance(op, CreateTableOp):
-                self.tables[op.table] = TableSchema.from_op(op)
-
-    catalog: dict[str, TableSchema] = {}
-
-    def _key_column(self, table: str) -> str | None:
-        schema = self.tables.get(table) or self.catalog.get(table)
-        return schema.key_column if schema else None
-
-    def keep_after(self, key: TxKey, catalog: dict[str, TableSchema]) -> None:
-        """Forget entries up to ``key`` (applied now) and rebuild the index from the rest."""
-        self._rebuild([e for e in self.entries if e.tx_key > key], catalog)
-
-    def truncate_after(self, key: TxKey, catalog: dict[str, TableSchema]) -> None:
-        self._rebuild([e for e in self.entries if e.tx_key <= key], catalog)
-
-    def _rebuild(self, entries: list[Entry], catalog: dict[str, TableSchema]) -> None:
-        self.catalog = catalog
-        self.entries, self.keys, self.rows, self.tables = [], [], {}, {}
-        self.add(tuple(entries))
-
-
 @dataclass
 class ShardDriver:
     shard: str
     consensus: ShardConsensus
     log_view: StoreLogView
-    tail: UnappliedTail = field(default_factory=UnappliedTail)
+    tail: GuardTail[HeldFailure] = field(default_factory=GuardTail)
     # tx key -> [(envelope, request_id)]: clients waiting for that entry to commit.
     waiters: dict[TxKey, list[tuple[list[bytes], str]]] = field(default_factory=dict)
     # The highest generation persisted here, and how many times it grew since this process started
@@ -240,10 +190,21 @@ class ShardDriver:
     elections: int = 0
 
 
+@dataclass(frozen=True)
+class HeldFailure:
+    """A failed guard waiting until the entries it observed commit (``core.guard_tail``)."""
+
+    envelope: list[bytes] | None
+    request_id: str
+    failure: GuardFailed
+
+
 @dataclass
 class Forwarded:
     envelope: list[bytes]
     deadline_ms: int
+    shard: str = ""
+    sequencer: str = ""
 
 
 class CoreNode(NodeServer):
@@ -346,8 +307,7 @@ class CoreNode(NodeServer):
         position = self.store.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
-        tail = UnappliedTail()
-        tail.catalog = self.store.catalog()
+        tail: GuardTail[HeldFailure] = GuardTail(self.store.catalog())
         tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
         log_view = StoreLogView(self.store, shard, tail)
         consensus = ShardConsensus(
@@ -399,6 +359,7 @@ class CoreNode(NodeServer):
             if dealer in ready:
                 self._relay_forwarded(dealer)
         self._expire_forwarded()
+        self._expire_held_guard_failures()
         now = self.clock_ms()
         input_ms = now - began_ms
         for driver in list(self.shards.values()):
@@ -505,14 +466,17 @@ class CoreNode(NodeServer):
             self.begin()
             removed = self.store.truncate_after(shard, effect.after_key)
             log.warning("shard %s: truncated %d uncommitted entries after %s", shard, removed, effect.after_key)
-            driver.tail.truncate_after(effect.after_key, self.store.catalog())
+            for held in driver.tail.truncated(effect.after_key, self.store.catalog()):
+                self._answer_guard_failure(held, answer=False, reason="the entries it observed were replaced")
             for key in [k for k in driver.waiters if k > effect.after_key]:
                 for envelope, request_id in driver.waiters.pop(key):
                     self.reply(envelope, _outcome_unknown(request_id, "its entry was replaced by the new sequencer"))
         elif isinstance(effect, Commit):
             self.begin()
             applied = self.store.apply_committed(shard, effect.up_to)
-            driver.tail.keep_after(effect.up_to, self.store.catalog())
+            read_index = driver.consensus.read_index(self.clock_ms())
+            for held, verdict in driver.tail.committed(effect.up_to, self.store.catalog(), read_index):
+                self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
             self.transactions += len(applied)
             self.rlog_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
             for entry in applied:
@@ -532,6 +496,15 @@ class CoreNode(NodeServer):
         elif isinstance(effect, ProposalRejected):
             pass  # handled by the caller of Proposed, which still holds the envelope
         elif isinstance(effect, RoleChanged):
+            # Requests forwarded to a sequencer we no longer follow would wait for FORWARD_TIMEOUT_MS
+            # (it may be dead): tell their clients now, so that they retry with the same request id.
+            for request_id in [
+                r for r, f in self.forwarded.items() if f.shard == shard and f.sequencer != effect.sequencer
+            ]:
+                pending = self.forwarded.pop(request_id)
+                self.reply(
+                    pending.envelope, _outcome_unknown(request_id, f"sequencer {pending.sequencer} was replaced")
+                )
             position = self.store.shard(shard)
             if position is not None:
                 self.rlog_server.committed(shard, position.applied, effect.sequencer is not None, self.clock_ms())
@@ -594,11 +567,10 @@ class CoreNode(NodeServer):
                 self.queue(replicant_socket, message)
 
     def _linearizable(self, envelope: list[bytes], message: Message) -> None:
-        """Answer at the sequencer while it holds a quorum lease; elsewhere forward to the sequencer.
+        """Answer at the sequencer when ``ShardConsensus.read_index`` allows it; elsewhere forward to it.
 
-        The lease: a majority answered this sequencer within half an election timeout, and none of
-        them will vote for a new sequencer before an election timeout has passed since it last heard
-        this one, so no newer committed key can exist yet (assumes clocks that run at similar rates).
+        The rule (this generation's first entry committed, a lease of this generation's append
+        answers) lives in the consensus machine, where the simulator checks it.
         """
         shard = message.body["shard"] if message.kind == "read_index" else self._table(message.body["table"]).shard
         driver = self.shards.get(shard)
@@ -607,23 +579,18 @@ class CoreNode(NodeServer):
         if driver.consensus.role is not Role.SEQUENCER:
             self._forward(envelope, message, driver)
             return
-        if not self._holds_quorum_lease(driver):
-            raise RequestError("no_sequencer", f"{self.config.name} cannot confirm a majority for shard {shard} now")
+        read_index = driver.consensus.read_index(self.clock_ms())
+        if read_index is None:
+            raise RequestError(
+                "no_sequencer",
+                f"{self.config.name} cannot serve a linearizable read of shard {shard} now "
+                "(its generation's first entry has not committed, or no majority answered it recently)",
+            )
         if message.kind == "read_index":
-            result: Any = {"committed": list(driver.consensus.committed_key)}
+            result: Any = {"committed": list(read_index)}
         else:
             result = self._read(message)
         self.reply(envelope, codec.reply(message.request_id, result))
-
-    def _holds_quorum_lease(self, driver: ShardDriver) -> bool:
-        now = self.clock_ms()
-        lease_ms = self.consensus_config.election_timeout_ms_min // 2
-        heard = 1 + sum(
-            1
-            for member in driver.consensus.members
-            if member != self.config.name and now - self.last_heard_ms.get(member, -(10**12)) <= lease_ms
-        )
-        return heard >= len(driver.consensus.members) // 2 + 1
 
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
         return driver.consensus.sequencer is not None
@@ -871,17 +838,24 @@ class CoreNode(NodeServer):
             )
 
             def read_row(table: TableSchema, key: Any) -> dict[str, Any] | None:
-                if (table.name, key) in driver.tail.rows:
-                    return driver.tail.rows[(table.name, key)]
+                in_tail, row = driver.tail.row(table.name, key)
+                if in_tail:
+                    return row
                 if table.name not in self.store.catalog():
                     return None  # created in the unapplied tail: no rows applied yet
                 return self.store.read_row(table, key)
 
             outcome = evaluate(transaction, catalog, read_row)
             if isinstance(outcome, GuardFailed):
-                raise RequestError(
-                    "guard_failed", outcome.describe(), {"index": outcome.index, "actual": outcome.actual}
-                )
+                # A failed guard is a read: told only from committed state (core.guard_tail).
+                held = HeldFailure(envelope, message.request_id, outcome)
+                now = self.clock_ms()
+                consensus = driver.consensus
+                verdict = driver.tail.failed(held, consensus.committed_key, consensus.read_index(now), now)
+                if verdict == GUARD_HELD:
+                    raise Deferred()
+                self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease")
+                return
             ops = outcome
         if sum(len(w) for w in driver.waiters.values()) >= WAITERS_MAX:
             raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
@@ -898,6 +872,22 @@ class CoreNode(NodeServer):
                         self._await_commit(driver, entry.tx_key, envelope, message.request_id, duplicate=False)
                         return
         raise RequestError("internal", "the proposal produced no entry")
+
+    def _answer_guard_failure(self, held: HeldFailure, answer: bool, reason: str) -> None:
+        if answer:
+            failure = held.failure
+            detail = {"index": failure.index, "actual": failure.actual}
+            self.reply(held.envelope, codec.error(held.request_id, "guard_failed", failure.describe(), detail))
+            return
+        # Nothing was written: the client retries with the same request id and is evaluated afresh.
+        message = f"the guard failed but cannot be confirmed from committed state ({reason}); retry"
+        self.reply(held.envelope, codec.error(held.request_id, "no_sequencer", message))
+
+    def _expire_held_guard_failures(self) -> None:
+        now = self.clock_ms()
+        for driver in self.shards.values():
+            for held in driver.tail.expired(now):
+                self._answer_guard_failure(held, answer=False, reason="the entries it observed did not commit in time")
 
     def _await_commit(
         self, driver: ShardDriver, tx_key: TxKey, envelope: list[bytes], request_id: str, duplicate: bool
@@ -938,7 +928,8 @@ class CoreNode(NodeServer):
             )
         if len(self.forwarded) >= FORWARDED_MAX:
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
-        self.forwarded[message.request_id] = Forwarded(envelope, self.clock_ms() + FORWARD_TIMEOUT_MS)
+        deadline_ms = self.clock_ms() + FORWARD_TIMEOUT_MS
+        self.forwarded[message.request_id] = Forwarded(envelope, deadline_ms, driver.shard, sequencer)
         self._send_peer(sequencer, Message(message.kind, message.request_id, {**message.body, "forwarded": True}))
 
     def _relay_forwarded(self, socket: zmq.Socket) -> None:

@@ -15,8 +15,14 @@
 
 Every request carries a fresh request id. A request that gets no answer within
 ``timeout_ms`` is re-sent with the *same* id up to ``retries`` times (the node applies a
-write only once per id), then ``Unavailable`` is raised: the outcome of that write is
-unknown. A client object is not thread-safe; use one per thread.
+write only once per id). A write that still has no definite answer raises ``OutcomeUnknown``:
+it may or may not have happened; ``error.request_id`` is the id to send it again with
+(``transact(..., request_id=...)``), which answers with its tx key if it did happen and applies
+it otherwise. A read or a write that was surely not applied raises ``Unavailable``.
+
+Read-your-writes across clients: pass the tx key a write returned as ``after_tx_key=`` to ``get``
+or ``scan``; the node answers once it has applied that key. A client object is not thread-safe;
+use one per thread.
 
 A cluster with ``[security]`` needs ``key=`` (the caller's ``NAME.key_secret`` file, made by
 ``mnesite keys generate``) and ``server_key=`` (the cluster's public ``.key`` file): the client then
@@ -32,7 +38,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 from mnesite.rlog import codec
@@ -46,7 +52,8 @@ SCAN_PAGE_ROWS = 1000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
 RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_applied"})
 RETRY_BACKOFF_S_MIN = 0.02
-RETRY_BACKOFF_S_MAX = 0.5
+# Small enough that a client notices a new sequencer within 0.1 s of its election.
+RETRY_BACKOFF_S_MAX = 0.1
 
 
 class MnesiteError(Exception):
@@ -63,6 +70,19 @@ class MnesiteError(Exception):
 
 class Unavailable(MnesiteError):
     code = "unavailable"
+
+
+class OutcomeUnknown(Unavailable):
+    """A write got no definite answer in time: it may or may not have happened.
+
+    Send it again with ``request_id`` to learn its outcome (applied at most once).
+    """
+
+    code = "outcome_unknown"
+
+    def __init__(self, message: str, request_id: str) -> None:
+        super().__init__(message, "outcome_unknown")
+        self.request_id = request_id
 
 
 class GuardFailed(MnesiteError):
@@ -90,6 +110,7 @@ class RemoteError(MnesiteError):
 
 
 _ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable, "forbidden": Forbidden}
+WRITE_KINDS = frozenset({"transact", "create_table"})
 _HANDSHAKE_EVENTS = 0
 for _event in HANDSHAKE_FAILURES:
     _HANDSHAKE_EVENTS |= _event
@@ -176,6 +197,9 @@ class Client:
         silent_attempts = 0
         backoff_s = RETRY_BACKOFF_S_MIN
         last_reason = f"did not answer {kind} within {self.timeout_ms} ms"
+        # A write whose request went unanswered, or was answered "outcome unknown", may have been
+        # applied: from then on, giving up means telling the caller so.
+        maybe_applied = False
         while True:
             socket = self._connect()
             socket.send(frame)
@@ -184,24 +208,37 @@ class Client:
                 # Drop the socket: whatever it still queues must not reach the node later.
                 self.close()
                 silent_attempts += 1
+                maybe_applied = True
                 if silent_attempts > self.retries or time.monotonic() >= deadline:
-                    raise Unavailable(
+                    reason = (
                         f"node {self.endpoint} did not answer {kind} within {self.timeout_ms} ms "
                         f"({silent_attempts} attempts)"
                     )
+                    self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable")
                 continue
             if answer.kind == "error" and answer.body["code"] in RETRIABLE_CODES:
                 last_reason = answer.body["message"]
+                maybe_applied = maybe_applied or answer.body["code"] == "outcome_unknown"
                 if time.monotonic() + backoff_s < deadline:
                     time.sleep(backoff_s)  # an election or failover is under way: give it time
                     backoff_s = min(backoff_s * 2, RETRY_BACKOFF_S_MAX)
                     continue
-                raise Unavailable(f"node {self.endpoint}: {last_reason}", answer.body["code"])
+                reason = f"node {self.endpoint}: {last_reason}"
+                self._give_up(kind, message.request_id, maybe_applied, reason, answer.body["code"])
             break
         if answer.kind == "error":
             code = answer.body["code"]
             raise _ERRORS.get(code, RemoteError)(answer.body["message"], code, answer.body.get("detail"))
         return answer.body.get("result")
+
+    def _give_up(self, kind: str, request_id: str, maybe_applied: bool, reason: str, code: str) -> NoReturn:
+        if kind in WRITE_KINDS and maybe_applied:
+            raise OutcomeUnknown(
+                f"outcome unknown: the {kind} may or may not have happened ({reason}); "
+                f"send it again with request id {request_id} to learn its outcome",
+                request_id,
+            )
+        raise Unavailable(reason, code)
 
     def _await(self, socket: zmq.Socket, request_id: str, overall_deadline: float) -> Message | None:
         deadline = min(time.monotonic() + self.timeout_ms / 1000, overall_deadline)
@@ -244,13 +281,18 @@ class Client:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def transact(self, ops: list[dict[str, Any]], guards: list[dict[str, Any]] | None = None) -> TxKey:
+    def transact(
+        self, ops: list[dict[str, Any]], guards: list[dict[str, Any]] | None = None, request_id: str | None = None
+    ) -> TxKey:
         """Run one transaction: ``ops`` of ``{"op": "write", "table", "row"}`` / ``{"op": "delete", "table", "key"}``,
-        ``guards`` of ``{"table", "key", "equals": row-or-None}``. Returns its tx key."""
+        ``guards`` of ``{"table", "key", "equals": row-or-None}``. Returns its tx key.
+
+        ``request_id``: the id of an earlier attempt whose outcome was unknown (``OutcomeUnknown``);
+        the node answers with that attempt's tx key if it was applied, and applies it otherwise."""
         body: dict[str, Any] = {"ops": ops}
         if guards:
             body["guards"] = guards
-        result = self.call("transact", body)
+        result = self.call("transact", body, request_id)
         self.last_tx_key = TxKey(*result["tx_key"])
         return self.last_tx_key
 
@@ -275,34 +317,50 @@ class Client:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def get(self, table: str, key: Any, consistency: str = "local") -> dict[str, Any] | None:
+    def get(
+        self, table: str, key: Any, consistency: str = "local", after_tx_key: TxKey | None = None
+    ) -> dict[str, Any] | None:
         """``consistency``: ``local`` (what this node has applied), ``read-your-writes`` (at least this
-        client's last write is applied first), or ``linearizable``."""
-        return self.call("get", self._consistency({"table": table, "key": key}, consistency))
+        client's last write is applied first), or ``linearizable``. ``after_tx_key``: answer only once
+        the node has applied that tx key (a write of another client or process; read-your-writes)."""
+        return self.call("get", self._consistency({"table": table, "key": key}, consistency, after_tx_key))
 
-    def _consistency(self, body: dict[str, Any], consistency: str) -> dict[str, Any]:
+    def _consistency(self, body: dict[str, Any], consistency: str, after_tx_key: TxKey | None = None) -> dict[str, Any]:
         body["consistency"] = consistency
+        min_key = after_tx_key
         if consistency == "read-your-writes" and self.last_tx_key is not None:
-            body["min_key"] = list(self.last_tx_key)
+            min_key = self.last_tx_key if min_key is None else max(min_key, self.last_tx_key)
+        if min_key is not None:
+            body["min_key"] = list(min_key)
             body["wait_ms"] = self.timeout_ms
         return body
 
     def scan_page(
-        self, table: str, after: Any = None, limit: int = SCAN_PAGE_ROWS, consistency: str = "local"
+        self,
+        table: str,
+        after: Any = None,
+        limit: int = SCAN_PAGE_ROWS,
+        consistency: str = "local",
+        after_tx_key: TxKey | None = None,
     ) -> list[dict[str, Any]]:
         """Rows strictly after key ``after`` (None: from the start), in key order, at most ``limit``."""
         body: dict[str, Any] = {"table": table, "limit": limit}
         if after is not None:
             body["after"] = after
-        return self.call("scan", self._consistency(body, consistency))
+        return self.call("scan", self._consistency(body, consistency, after_tx_key))
 
     def scan(
-        self, table: str, after: Any = None, page_rows: int = SCAN_PAGE_ROWS, consistency: str = "local"
+        self,
+        table: str,
+        after: Any = None,
+        page_rows: int = SCAN_PAGE_ROWS,
+        consistency: str = "local",
+        after_tx_key: TxKey | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Every row after ``after`` in key order, fetched in pages of ``page_rows``."""
         key_column = None
         while True:
-            page = self.scan_page(table, after, page_rows, consistency)
+            page = self.scan_page(table, after, page_rows, consistency, after_tx_key)
             yield from page
             if len(page) < page_rows:
                 return

@@ -10,8 +10,8 @@ Example::
 
     [cluster]
     core_nodes = { core1 = "tcp://127.0.0.1:7400" }
-    election_timeout_ms_min = 1000      # randomised election timeout, per shard
-    election_timeout_ms_max = 2000
+    election_timeout_ms_min = 800       # randomised election timeout, per shard
+    election_timeout_ms_max = 1600
     heartbeat_interval_ms = 100         # at most half of election_timeout_ms_min
 
     [storage]
@@ -102,8 +102,8 @@ class Retention:
 
 @dataclass(frozen=True)
 class Timing:
-    election_timeout_ms_min: int = 1000
-    election_timeout_ms_max: int = 2000
+    election_timeout_ms_min: int = 800
+    election_timeout_ms_max: int = 1600
     heartbeat_interval_ms: int = 100
 
 

@@ -178,3 +178,27 @@ def test_every_command_has_help() -> None:
     for name in all_commands(main):
         result = CliRunner().invoke(main, [*name.split(), "--help"])
         assert result.exit_code == 0 and "Usage:" in result.output, name
+
+
+def test_a_write_without_a_definite_answer_says_its_outcome_is_unknown() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody answers: the write may have arrived
+    result = CliRunner().invoke(main, ["put", "users", '{"id": 1}', "--node", endpoint, "--timeout-ms", "100"])
+    assert result.exit_code == 3, result.output
+    assert result.output.startswith("Error: outcome unknown: the transact may or may not have happened")
+    assert "send it again with request id" in result.output
+    read = CliRunner().invoke(main, ["get", "users", "1", "--node", endpoint, "--timeout-ms", "100"])
+    assert read.exit_code == 1 and "outcome unknown" not in read.output
+
+
+def test_get_and_scan_after_a_tx_key_read_your_writes(mnesite) -> None:
+    put = mnesite("put", "users", '{"id": 7, "name": "eve"}')
+    printed = put.output.strip()  # "(G, C)": what put prints is what --after takes
+    assert json.loads(mnesite("get", "users", "7", "--after", printed, "--json").output) == {"id": 7, "name": "eve"}
+    generation, counter = printed.strip("()").split(", ")
+    scanned = mnesite("scan", "users", "--after", f"{generation},{counter}", "--json")
+    assert {"id": 7, "name": "eve"} in json.loads(scanned.output)
+    # A key this node has not applied: the read waits, then says so instead of answering stale.
+    future = mnesite("get", "users", "7", "--after", f"{int(generation) + 1000},1", "--timeout-ms", "200")
+    assert future.exit_code == 1 and "has not applied" in future.output
+    bad = mnesite("get", "users", "7", "--after", "seven")
+    assert bad.exit_code == 2 and "GENERATION,COUNTER" in bad.output

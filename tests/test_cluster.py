@@ -158,6 +158,26 @@ def test_sigstop_of_the_sequencer_then_sigcont(cluster: Cluster) -> None:
     assert max(stale) <= max(old_generation_acks, default=(0, 0)) or len(stale) <= len(old_generation_acks) + 2
 
 
+def test_a_follower_paused_longer_than_an_election_timeout_deposes_nobody(cluster: Cluster) -> None:
+    """Pre-vote and stickiness: a resumed follower cannot start a new generation (issue 9)."""
+    cluster.start_all()
+    create_table(cluster)
+    sequencer, generation = cluster.sequencer()
+    follower = next(name for name in cluster.names if name != sequencer)
+    load = Load(cluster, [sequencer]).start()
+    load.wait_for(50)
+    cluster.nodes[follower].signal(signal.SIGSTOP)
+    load.wait_for(100)  # the sequencer keeps committing with the other follower
+    time.sleep(4)  # the pause itself: longer than election_timeout_ms_max (1600 ms by default)
+    cluster.nodes[follower].signal(signal.SIGCONT)
+    load.wait_for(100)
+    acknowledged = load.stop()
+    check_agreement(cluster, cluster.names, acknowledged)
+    assert cluster.sequencer() == (sequencer, generation)
+    status = cluster.status(follower)["shards"]["default"]
+    assert status["generation"] == generation and status["sequencer"] == sequencer
+
+
 def test_restarted_and_wiped_cores_catch_up(cluster: Cluster) -> None:
     cluster.start_all()
     create_table(cluster)

@@ -25,12 +25,15 @@ from mnesite.core.consensus import (
     PersistedState,
     PersistEntries,
     PersistState,
+    PreVoteReply,
+    PreVoteRequest,
     ProposalCommitted,
     ProposalFailed,
     ProposalRejected,
     Proposed,
     ProtocolViolation,
     Role,
+    RoleChanged,
     Send,
     ShardConsensus,
     SnapshotNeeded,
@@ -54,6 +57,8 @@ CONFIG = ConsensusConfig(
     pending_proposals_max=4,
 )
 MEMBERS = ("a", "b", "c")
+# A core refuses (pre-)votes during the first election timeout after it starts.
+QUIET_AFTER_START_MS = CONFIG.election_timeout_ms_min
 
 
 def chain(keys: list[TxKey], start: Entry | None = None) -> list[Entry]:
@@ -104,9 +109,18 @@ class Harness:
     def receive(self, sender: str, message, now_ms: int | None = None) -> list:
         return self.step(MessageReceived(sender, message), now_ms)
 
+    def campaign(self) -> list:
+        """Time out, then get every would-be vote of the pre-vote: the effects of starting the election."""
+        effects = self.step(Ticked(), self.machine.next_deadline_ms())
+        (request,) = {message for _, message in sends(effects, PreVoteRequest)}
+        for peer in self.machine.members:
+            if peer != self.machine.name and self.machine.generation < request.generation:
+                effects = self.receive(peer, PreVoteReply(request.generation, True))
+        return effects
+
     def elect(self) -> list:
-        """Time out, then get every vote: the machine becomes sequencer."""
-        self.step(Ticked(), self.machine.next_deadline_ms())
+        """Time out, then get every (pre-)vote: the machine becomes sequencer."""
+        self.campaign()
         effects = []
         for peer in self.machine.members:
             if peer != self.machine.name:
@@ -115,7 +129,8 @@ class Harness:
         return effects
 
     def ack(self, peer: str, key: TxKey) -> list:
-        message = AppendReply(self.machine.generation, True, key, key, ZERO_KEY)
+        # Answers an append sent now (the reply echoes its send time).
+        message = AppendReply(self.machine.generation, True, key, key, ZERO_KEY, self.now_ms)
         return self.receive(peer, message)
 
 
@@ -184,7 +199,7 @@ def test_election_timeouts_are_randomised_within_the_configured_range():
 
 def test_a_candidate_persists_the_new_generation_and_its_vote_before_asking_for_votes():
     harness = Harness()
-    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    effects = harness.campaign()
     assert harness.machine.role is Role.CANDIDATE
     assert effects[index_of(effects, PersistState)].state == PersistedState(1, "a", MEMBERS)
     requests = sends(effects, VoteRequest)
@@ -195,15 +210,15 @@ def test_a_candidate_persists_the_new_generation_and_its_vote_before_asking_for_
 
 def test_a_candidate_that_times_out_starts_a_new_election_with_a_higher_generation():
     harness = Harness()
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
+    harness.campaign()
     assert harness.machine.generation == 2
     assert harness.state.generation == 2
 
 
 def test_a_candidate_with_votes_from_a_majority_becomes_sequencer_and_appends_a_no_op():
     harness = Harness()
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
     effects = harness.receive("b", VoteReply(1, True))
     assert harness.machine.role is Role.SEQUENCER
     assert harness.machine.sequencer == "a"
@@ -218,7 +233,7 @@ def test_a_candidate_with_votes_from_a_majority_becomes_sequencer_and_appends_a_
 
 def test_refused_votes_do_not_elect():
     harness = Harness()
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
     harness.receive("b", VoteReply(1, False))
     harness.receive("c", VoteReply(1, False))
     assert harness.machine.role is Role.CANDIDATE
@@ -242,7 +257,7 @@ def test_a_single_member_does_not_wait_an_election_timeout():
 
 def test_a_vote_is_persisted_before_the_reply_and_granted_at_most_once_per_generation():
     harness = Harness()
-    effects = harness.receive("b", VoteRequest(1, ZERO_KEY))
+    effects = harness.receive("b", VoteRequest(1, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
     assert of_type(effects[: index_of(effects, Send)], PersistState)[-1].state == PersistedState(1, "b", MEMBERS)
     assert sends(effects, VoteReply) == [("b", VoteReply(1, True))]
     assert sends(harness.receive("c", VoteRequest(1, ZERO_KEY)), VoteReply) == [("c", VoteReply(1, False))]
@@ -256,12 +271,12 @@ def test_a_vote_goes_only_to_a_candidate_whose_last_appended_key_is_at_least_our
     entries = chain([TxKey(1, 1), TxKey(1, 2), TxKey(2, 1)])
     # Committed only up to (1, 1): the voting rule must look at the last appended key.
     harness = Harness(entries=entries, state=PersistedState(2, None, MEMBERS), committed_key=TxKey(1, 1))
-    refused = harness.receive("b", VoteRequest(3, TxKey(1, 9)))
+    refused = harness.receive("b", VoteRequest(3, TxKey(1, 9)), now_ms=QUIET_AFTER_START_MS)
     assert sends(refused, VoteReply) == [("b", VoteReply(3, False))]
     assert harness.machine.generation == 3  # the higher generation is adopted anyway
     granted = harness.receive("c", VoteRequest(4, TxKey(2, 1)))
     assert sends(granted, VoteReply) == [("c", VoteReply(4, True))]
-    granted_longer = Harness(entries=entries).receive("c", VoteRequest(3, TxKey(3, 1)))
+    granted_longer = Harness(entries=entries).receive("c", VoteRequest(3, TxKey(3, 1)), now_ms=QUIET_AFTER_START_MS)
     assert sends(granted_longer, VoteReply) == [("c", VoteReply(3, True))]
 
 
@@ -274,7 +289,7 @@ def test_a_vote_request_of_a_stale_generation_is_refused_with_the_current_genera
 
 def test_a_candidate_that_hears_a_sequencer_of_its_generation_becomes_follower():
     harness = Harness()
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
     harness.receive("b", append(1, None, []))
     assert harness.machine.role is Role.FOLLOWER
     assert harness.machine.sequencer == "b"
@@ -487,9 +502,20 @@ def test_a_follower_adopts_the_membership_of_a_force_started_sequencer():
 
 def test_after_a_restart_a_core_does_not_vote_twice_in_a_generation():
     harness = Harness()
-    harness.receive("b", VoteRequest(1, ZERO_KEY))
+    harness.receive("b", VoteRequest(1, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
     restarted = Harness(state=harness.state, entries=harness.log.entries)
-    assert sends(restarted.receive("c", VoteRequest(1, ZERO_KEY)), VoteReply) == [("c", VoteReply(1, False))]
+    answer = restarted.receive("c", VoteRequest(1, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
+    assert sends(answer, VoteReply) == [("c", VoteReply(1, False))]
+
+
+def test_a_core_votes_for_nobody_during_the_first_election_timeout_after_it_starts():
+    """It may have answered a sequencer's append just before it stopped; that sequencer's lease counts on it."""
+    harness = Harness()
+    assert sends(harness.receive("b", PreVoteRequest(1, ZERO_KEY)), PreVoteReply) == [("b", PreVoteReply(0, False))]
+    assert sends(harness.receive("b", VoteRequest(1, ZERO_KEY)), VoteReply) == [("b", VoteReply(0, False))]
+    assert harness.machine.generation == 0
+    granted = harness.receive("b", VoteRequest(1, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
+    assert sends(granted, VoteReply) == [("b", VoteReply(1, True))]
 
 
 def test_a_restart_never_reuses_a_generation_seen_in_the_log():
@@ -497,7 +523,7 @@ def test_a_restart_never_reuses_a_generation_seen_in_the_log():
     harness = Harness(entries=entries, state=PersistedState(2, None, MEMBERS))
     assert harness.machine.generation == 4
     assert sends(harness.receive("c", VoteRequest(4, TxKey(9, 9))), VoteReply) == [("c", VoteReply(4, False))]
-    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.campaign()
     assert harness.state.generation == 5
 
 
@@ -558,7 +584,7 @@ def test_a_core_told_of_a_newer_forced_generation_steps_down_fails_its_writes_an
 def test_a_core_that_campaigned_past_the_forced_generation_still_stops_when_told():
     harness = Harness()
     for _ in range(3):
-        harness.step(Ticked(), harness.machine.next_deadline_ms())  # alone: generation 3, candidate
+        harness.campaign()  # pre-votes granted each time: a candidate of generation 3 in the end
     effects = harness.receive("b", notice(2, ("b", "c")))
     assert of_type(effects, Excluded) and harness.machine.generation == 3
     assert harness.machine.role is Role.FOLLOWER
@@ -594,3 +620,160 @@ def test_a_follower_waiting_for_a_snapshot_still_gets_heartbeats_and_is_found_ag
     resumed = harness.receive("b", AppendReply(2, False, ZERO_KEY, TxKey(1, 5), TxKey(1, 5)))
     ((_, message),) = sends(resumed, AppendRequest)
     assert message.prev_key == TxKey(1, 5) and [e.tx_key for e in message.entries] == [TxKey(2, 1)]
+
+
+# ---------------------------------------------------------------- pre-vote and stickiness (thesis 9.6, 4.2.3)
+
+
+def test_a_follower_that_times_out_first_asks_for_pre_votes_and_persists_nothing():
+    harness = Harness(state=PersistedState(3, None, MEMBERS))
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert sorted(sends(effects, PreVoteRequest)) == [
+        ("b", PreVoteRequest(4, ZERO_KEY)),
+        ("c", PreVoteRequest(4, ZERO_KEY)),
+    ]
+    assert of_type(effects, PersistState) == [] and sends(effects, VoteRequest) == []
+    assert harness.machine.generation == 3 and harness.machine.role is Role.FOLLOWER
+
+
+def test_only_a_majority_of_pre_votes_starts_the_real_election():
+    harness = Harness()
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert harness.receive("b", PreVoteReply(0, False)) == []
+    assert harness.receive("c", PreVoteReply(2, True)) == []  # not the generation asked about
+    effects = harness.receive("c", PreVoteReply(1, True))
+    assert harness.machine.role is Role.CANDIDATE and harness.state.generation == 1
+    assert sorted(sends(effects, VoteRequest)) == [("b", VoteRequest(1, ZERO_KEY)), ("c", VoteRequest(1, ZERO_KEY))]
+
+
+def test_a_pre_vote_is_granted_without_persisting_or_adopting_anything():
+    harness = Harness(state=PersistedState(2, None, MEMBERS))
+    deadline = harness.machine.next_deadline_ms()
+    effects = harness.receive("b", PreVoteRequest(3, ZERO_KEY), now_ms=QUIET_AFTER_START_MS)
+    assert sends(effects, PreVoteReply) == [("b", PreVoteReply(3, True))]
+    assert of_type(effects, PersistState) == []
+    assert harness.machine.generation == 2 and harness.machine.next_deadline_ms() == deadline
+
+
+def test_a_pre_vote_is_refused_to_a_candidate_whose_log_is_behind():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS))
+    assert sends(harness.receive("b", PreVoteRequest(2, TxKey(1, 1))), PreVoteReply) == [("b", PreVoteReply(1, False))]
+
+
+def test_a_core_that_hears_its_sequencer_refuses_pre_votes_and_ignores_vote_requests():
+    """A paused, restarted or partitioned core cannot depose a healthy sequencer (thesis 4.2.3)."""
+    harness = Harness()
+    harness.receive("b", append(1, None, []), now_ms=10)
+    refused = harness.receive("c", PreVoteRequest(2, TxKey(9, 9)), now_ms=10 + CONFIG.election_timeout_ms_min - 1)
+    assert sends(refused, PreVoteReply) == [("c", PreVoteReply(1, False))]
+    ignored = harness.receive("c", VoteRequest(5, TxKey(9, 9)))
+    assert sends(ignored, VoteReply) == [("c", VoteReply(1, False))]
+    assert of_type(ignored, PersistState) == []
+    assert harness.machine.generation == 1 and harness.machine.sequencer == "b"
+    # Once the sequencer was not heard for the minimum election timeout, the vote is granted.
+    harness.step(Ticked(), 10 + CONFIG.election_timeout_ms_min)
+    granted = harness.receive("c", VoteRequest(5, TxKey(9, 9)))
+    assert sends(granted, VoteReply) == [("c", VoteReply(5, True))]
+
+
+def test_the_sequencer_ignores_vote_requests_while_it_leads():
+    harness = Harness()
+    harness.elect()
+    effects = harness.receive("b", VoteRequest(7, TxKey(9, 9)))
+    assert sends(effects, VoteReply) == [("b", VoteReply(1, False))]
+    assert harness.machine.role is Role.SEQUENCER and harness.machine.generation == 1
+
+
+def test_a_refused_vote_does_not_reset_the_election_timer():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS))
+    deadline = harness.machine.next_deadline_ms()
+    refused = harness.receive("b", VoteRequest(2, TxKey(1, 1)), now_ms=deadline - 1)
+    assert sends(refused, VoteReply) == [("b", VoteReply(2, False))]
+    assert harness.machine.next_deadline_ms() == deadline
+    # The core with the longer log times out as planned and can win.
+    assert sends(harness.step(Ticked(), deadline), PreVoteRequest)
+
+
+def test_a_refused_pre_vote_of_a_higher_generation_is_adopted():
+    harness = Harness()
+    harness.step(Ticked(), harness.machine.next_deadline_ms())
+    harness.receive("b", PreVoteReply(6, False))
+    assert harness.machine.generation == 6 and harness.state.generation == 6
+
+
+# ---------------------------------------------------------------- linearizable reads (thesis 6.4)
+
+
+def test_a_new_sequencer_serves_no_read_before_an_entry_of_its_generation_commits():
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 1))
+    harness.elect()
+    harness.receive("b", AppendReply(2, False, ZERO_KEY, TxKey(1, 1), TxKey(1, 1)))
+    # b answered this generation (the lease holds), but the no-op (2, 1) has not committed yet:
+    # (1, 2) may have been acknowledged by the previous sequencer, and our committed key is (1, 1).
+    assert harness.machine.read_index(harness.now_ms) is None
+    harness.ack("b", TxKey(2, 1))
+    assert harness.machine.read_index(harness.now_ms) == TxKey(2, 1)
+
+
+def test_the_read_lease_lasts_half_an_election_timeout_after_the_acknowledgements():
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    acknowledged_ms = harness.now_ms
+    lease_ms = CONFIG.election_timeout_ms_min // 2
+    assert harness.machine.read_index(acknowledged_ms + lease_ms - 1) == TxKey(1, 1)
+    assert harness.machine.read_index(acknowledged_ms + lease_ms) is None
+
+
+def test_the_read_lease_counts_only_answers_to_this_generations_appends():
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    later = harness.now_ms + CONFIG.election_timeout_ms_min // 2
+    harness.step(Ticked(), later)
+    # Frames that say nothing about this generation's appends: a stale reply, a pre-vote, a vote.
+    harness.receive("b", AppendReply(0, True, ZERO_KEY, ZERO_KEY, ZERO_KEY))
+    harness.receive("c", PreVoteRequest(2, ZERO_KEY))
+    harness.receive("c", VoteReply(1, True))
+    assert harness.machine.read_index(later) is None
+    harness.receive("c", AppendReply(1, True, TxKey(1, 1), TxKey(1, 1), ZERO_KEY, later))
+    assert harness.machine.read_index(later) == TxKey(1, 1)
+
+
+def test_the_read_lease_counts_from_when_the_answered_append_was_sent_not_when_the_answer_arrived():
+    harness = Harness()
+    harness.elect()
+    sent_ms = harness.now_ms
+    harness.step(Ticked(), sent_ms + CONFIG.election_timeout_ms_min)
+    # An answer that waited in a queue (or a paused sequencer's inbox) proves nothing recent.
+    harness.receive("b", AppendReply(1, True, TxKey(1, 1), TxKey(1, 1), ZERO_KEY, sent_ms))
+    assert harness.machine.read_index(harness.now_ms) is None
+    # A peer cannot stretch the lease by echoing a time in the future either.
+    harness.receive("b", AppendReply(1, True, TxKey(1, 1), TxKey(1, 1), ZERO_KEY, 10**9))
+    assert harness.machine.read_index(harness.now_ms + CONFIG.election_timeout_ms_min // 2) is None
+
+
+def test_appends_carry_their_send_time_and_replies_echo_it():
+    harness = Harness()
+    effects = harness.elect()
+    assert all(message.sent_ms == harness.now_ms for _, message in sends(effects, AppendRequest))
+    follower = Harness(name="b")
+    reply = follower.receive("a", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, MEMBERS, (), 1234))
+    assert [message.request_sent_ms for _, message in sends(reply, AppendReply)] == [1234]
+
+
+def test_only_the_sequencer_serves_linearizable_reads():
+    harness = Harness()
+    harness.receive("b", append(1, None, []))
+    assert harness.machine.read_index(harness.now_ms) is None
+
+
+def test_a_follower_whose_election_timeout_expires_stops_naming_its_sequencer():
+    harness = Harness()
+    harness.receive("b", append(1, None, []))
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert harness.machine.sequencer is None and RoleChanged(Role.FOLLOWER, 1, None) in effects
+    assert sends(effects, PreVoteRequest)

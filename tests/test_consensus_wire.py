@@ -8,7 +8,15 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mnesite.core.consensus import AppendReply, AppendRequest, ExclusionNotice, VoteReply, VoteRequest
+from mnesite.core.consensus import (
+    AppendReply,
+    AppendRequest,
+    ExclusionNotice,
+    PreVoteReply,
+    PreVoteRequest,
+    VoteReply,
+    VoteRequest,
+)
 from mnesite.core.consensus_wire import CONSENSUS_WIRE_VERSION, message_from_wire, message_to_wire
 from mnesite.rlog.codec import CodecError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, TxKey, WriteOp, make_entry
@@ -21,9 +29,13 @@ MESSAGES = [
     VoteRequest(3, TxKey(2, 7)),
     VoteReply(3, True),
     VoteReply(0, False),
+    PreVoteRequest(4, TxKey(3, 2)),
+    PreVoteReply(4, True),
     AppendRequest(2, TxKey(1, 0), GENESIS_DIGEST, TxKey(1, 1), ("a", "b", "c"), (FIRST, SECOND)),
     AppendRequest(2, TxKey(1, 2), SECOND.digest, ZERO_KEY, ("a",), ()),
     AppendReply(4, False, ZERO_KEY, TxKey(3, 9), TxKey(3, 1)),
+    AppendReply(4, True, TxKey(3, 9), TxKey(3, 9), TxKey(3, 1), 987_654),
+    AppendRequest(2, TxKey(1, 2), SECOND.digest, ZERO_KEY, ("a",), (), 123_456),
     ExclusionNotice(9, ("a",), TxKey(3, 9), SECOND.digest),
     ExclusionNotice(9, ("a", "b"), ZERO_KEY, None),
 ]
@@ -51,10 +63,14 @@ def test_messages_round_trip_through_msgpack(message):
         [CONSENSUS_WIRE_VERSION, "vote_reply", 1, 1],
         [CONSENSUS_WIRE_VERSION, "vote_request", 1, [1]],
         [CONSENSUS_WIRE_VERSION, "vote_request", 2**64, [1, 1]],
-        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], b"short", [0, 0], ["a"], []],
-        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], [], []],
-        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [["bad"]]],
-        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [None] * 5000],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], b"short", [0, 0], ["a"], [], 0],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], [], [], 0],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [["bad"]], 0],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [None] * 5000, 0],
+        [CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], GENESIS_DIGEST, [0, 0], ["a"], [], -1],
+        [CONSENSUS_WIRE_VERSION, "append_reply", 1, True, [0, 0], [0, 0], [0, 0], "soon"],
+        [CONSENSUS_WIRE_VERSION, "pre_vote_request", 1, [1]],
+        [CONSENSUS_WIRE_VERSION, "pre_vote_reply", 1, "yes"],
         [CONSENSUS_WIRE_VERSION, "exclusion_notice", 1, ["a"], [0, 0], b"short"],
         [CONSENSUS_WIRE_VERSION, "exclusion_notice", 1, [], [0, 0], None],
         [CONSENSUS_WIRE_VERSION, "exclusion_notice", 1, ["a"], [0, 0]],

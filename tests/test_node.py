@@ -8,11 +8,11 @@ import msgpack
 import pytest
 import zmq
 from mnesite.rlog import codec
-from mnesite.rlog.client import Client, GuardFailed, RemoteError, UnknownTable
+from mnesite.rlog.client import Client, GuardFailed, OutcomeUnknown, RemoteError, Unavailable, UnknownTable
 from mnesite.rlog.codec import Message
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ThreadNode
+from tests.conftest import ThreadNode, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -182,3 +182,18 @@ def test_shards_have_their_own_rlogs(client: Client) -> None:
         )
     with pytest.raises(RemoteError, match="unknown shard"):
         client.rlog_tail("nope")
+
+
+def test_a_write_without_a_definite_answer_raises_outcome_unknown_with_the_id_to_resend(client: Client) -> None:
+    ops = [{"op": "write", "table": "users", "row": {"id": 40, "name": "lost?", "score": 1.0}}]
+    with Client(f"tcp://127.0.0.1:{free_port()}", timeout_ms=100, retries=1) as silent:
+        with pytest.raises(OutcomeUnknown, match="may or may not have happened") as info:
+            silent.transact(ops)
+        assert info.value.code == "outcome_unknown" and info.value.request_id
+        with pytest.raises(Unavailable) as read_error:
+            silent.get("users", 40)
+        assert not isinstance(read_error.value, OutcomeUnknown)
+    # Sending it again with that id applies it at most once and answers with its tx key.
+    first = client.transact(ops, request_id=info.value.request_id)
+    assert client.transact(ops, request_id=info.value.request_id) == first
+    assert client.get("users", 40, after_tx_key=first) == {"id": 40, "name": "lost?", "score": 1.0}

@@ -16,7 +16,7 @@ from mnesite.rlog.replication import Mode, PushReceived
 from mnesite.rlog.types import Entry, TxKey
 
 from tests.sim.cluster import SimulationFailure
-from tests.sim.replicants import replay_command, run_replicant_seed
+from tests.sim.replicants import ReplicantSimulation, replay_command, run_replicant_seed
 
 CI_SEEDS = 120
 
@@ -94,3 +94,13 @@ def test_the_simulator_catches_a_broken_replica(broken):
     assert f"seed {seed} " in str(failure)
     assert replay_command(seed) in str(failure)
     print(f"{broken.__name__} caught at seed {seed}: {str(failure).splitlines()[0]}")
+
+
+@pytest.mark.timeout(60)
+def test_replicants_serve_linearizable_reads_that_the_history_check_accepts():
+    checked = 0
+    for seed in range(4):
+        simulation = ReplicantSimulation(seed, 3 if seed % 2 == 0 else 5, 2)
+        simulation.run()
+        checked += simulation.replicant_reads_checked
+    assert checked > 0

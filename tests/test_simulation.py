@@ -7,13 +7,15 @@ with ``MNESITE_SIM_SEEDS=5000``.
 
 from __future__ import annotations
 
+import heapq
 import os
 
 import pytest
-from mnesite.core.consensus import ForceStarted, ForceStartRefused, Role, ShardConsensus
+from mnesite.core.consensus import AppendRequest, ForceStarted, ForceStartRefused, Role, ShardConsensus
+from mnesite.core.guard_tail import GuardTail
 
 from tests.sim import Simulation, SimulationFailure, run_seed
-from tests.sim.cluster import replay_command
+from tests.sim.cluster import READ_KEYS, replay_command
 
 CI_SEEDS = 240
 
@@ -89,6 +91,190 @@ def test_force_start_after_the_majority_is_lost_for_good_keeps_every_acknowledge
         assert len(simulation.acknowledged) == 6
         assert acknowledged.items() <= simulation.acknowledged.items()
         simulation.final_check(sequencer)
+
+
+# ---------------------------------------------------------------- linearizable reads and failed guards
+
+
+class _AppendsLost(Simulation):
+    """Appends on the directed links in ``lost`` are lost (votes and pre-votes still pass)."""
+
+    lost: frozenset[tuple[str, str]] = frozenset()
+
+    def _send(self, sender, to, message):
+        if (sender, to) in self.lost and isinstance(message, AppendRequest):
+            return
+        super()._send(sender, to, message)
+
+
+def _stale_sequencer_reads_after_a_pause(seed: int) -> _AppendsLost:
+    """A sequencer paused through an election that it never hears of reads from its old state.
+
+    While it is paused, the others elect a new sequencer (their pre-votes and vote requests wait in
+    its queue; the new sequencer's appends to it are lost) and acknowledge a new write. A read sent
+    to the old sequencer reaches it right after those queued requests: its lease counted only
+    answers to its own appends, long expired, so it must refuse.
+    """
+    simulation = _AppendsLost(seed, 3)
+    simulation._heal()  # no random faults: the scenario is the fault
+    old = simulation.run_until_quiet()
+    simulation.write(old.name)
+    simulation.run_until_quiet()
+    simulation.lost = frozenset((name, old.name) for name in simulation.nodes)
+    old.paused_until_ms = simulation.now_ms + 2000
+    acknowledged = len(simulation.acknowledged)
+    while simulation.now_ms < old.paused_until_ms - 100 and len(simulation.acknowledged) == acknowledged:
+        simulation.advance()
+        machines = [n.machine for n in simulation.nodes.values() if n is not old and n.machine is not None]
+        new = next((m for m in machines if m.read_index(simulation.now_ms) is not None), None)
+        if new is not None and simulation.write_count == acknowledged:
+            simulation.write(new.name)
+    assert len(simulation.acknowledged) == acknowledged + 1, "the new sequencer acknowledged no write"
+    simulation.read(old.name, key=simulation.write_count % READ_KEYS)
+    while simulation.now_ms <= old.paused_until_ms + 100:
+        simulation.advance()
+    return simulation
+
+
+@pytest.mark.timeout(30)
+def test_a_stale_sequencer_refuses_linearizable_reads_after_a_pause():
+    for seed in range(5):
+        simulation = _stale_sequencer_reads_after_a_pause(seed)
+        assert simulation.reads_checked == 0, "the old sequencer served a read"
+
+
+@pytest.mark.timeout(30)
+def test_the_simulator_catches_a_lease_that_counts_any_frame(monkeypatch):
+    """Mutation: the read lease counts any frame from a peer (here queued pre-votes and votes)."""
+    monkeypatch.setattr(ShardConsensus, "_counts_for_lease", lambda self, message: True)
+    with pytest.raises(SimulationFailure, match="linearizable read .* returned"):
+        _stale_sequencer_reads_after_a_pause(0)
+
+
+def _reads_at_a_new_sequencer_before_its_first_entry_commits(seed: int) -> _AppendsLost:
+    """The sequencer dies right after acknowledging a write that one follower never received.
+
+    The other follower has it but does not know it committed. It wins the election; the follower
+    that lacks the entry answers its first append (so it hears this generation) with a failure, so
+    the new sequencer's committed key stays behind the acknowledged write until the retry lands.
+    Reads are sent to it all along: until its no-op commits it must refuse them.
+    """
+    simulation = _AppendsLost(seed, 3)
+    simulation._heal()
+    old = simulation.run_until_quiet()
+    heir, lacking = sorted(name for name in simulation.nodes if name != old.name)
+    simulation.lost = frozenset({(old.name, lacking)})
+    acknowledged = len(simulation.acknowledged)
+    simulation.write(old.name)
+    while len(simulation.acknowledged) == acknowledged:
+        simulation.advance()
+    written_key = simulation.acknowledged[f"w{simulation.write_count}"]
+    simulation.lose_for_good([old.name])
+    # What it sent last (the append that would tell the heir the write committed) is lost with it.
+    simulation.network = [item for item in simulation.network if item[2] != old.name]
+    heapq.heapify(simulation.network)
+    heir_machine = simulation.nodes[heir].machine
+    assert heir_machine is not None and heir_machine.committed_key < written_key, "the scenario needs a lagging heir"
+    deadline_ms = simulation.now_ms + 5000
+    while simulation.now_ms < deadline_ms and heir_machine.committed_key.generation <= written_key.generation:
+        simulation.advance()
+        if heir_machine.role is Role.SEQUENCER:
+            simulation.read(heir, key=simulation.write_count % READ_KEYS)
+    assert heir_machine.committed_key.generation > written_key.generation, "the heir did not take over"
+    for _ in range(10):
+        simulation.advance()
+    return simulation
+
+
+@pytest.mark.timeout(30)
+def test_a_new_sequencer_serves_reads_only_after_its_first_entry_commits():
+    for seed in range(5):
+        simulation = _reads_at_a_new_sequencer_before_its_first_entry_commits(seed)
+        assert simulation.reads_checked > 0, "the new sequencer never served a read"
+
+
+@pytest.mark.timeout(30)
+def test_the_simulator_catches_reads_served_before_the_new_generations_first_entry_commits(monkeypatch):
+    monkeypatch.setattr(ShardConsensus, "_own_generation_committed", lambda self: True)
+    with pytest.raises(SimulationFailure, match="linearizable read .* returned"):
+        _reads_at_a_new_sequencer_before_its_first_entry_commits(0)
+
+
+@pytest.mark.timeout(30)
+def test_the_simulator_catches_guard_failures_answered_from_the_uncommitted_tail(monkeypatch):
+    monkeypatch.setattr(GuardTail, "must_hold", lambda self, observed_key, committed_key: False)
+    with pytest.raises(SimulationFailure, match="failed guard .* returned"):
+        run_seed(0)
+
+
+@pytest.mark.timeout(60)
+def test_seeds_check_reads_and_failed_guards():
+    results = [run_seed(seed) for seed in range(6)]
+    assert all(result.reads_checked > 0 for result in results)
+    assert sum(result.guard_failures_checked for result in results) > 0
+
+
+# ---------------------------------------------------------------- pre-vote and stickiness
+
+
+def _generations_after_a_follower_is_cut_off(seed: int, core_count: int) -> tuple[tuple[int, str], tuple[int, str]]:
+    """(generation, sequencer) before and after a follower is cut off for 5 election timeouts."""
+    simulation = Simulation(seed, core_count)
+    simulation._heal()
+    sequencer = simulation.run_until_quiet()
+    assert sequencer.machine is not None
+    before = (sequencer.machine.generation, sequencer.name)
+    follower = next(name for name in simulation.nodes if name != sequencer.name)
+    simulation.cut = {(a, b) for a in simulation.nodes for b in simulation.nodes if (a == follower) != (b == follower)}
+    until_ms = simulation.now_ms + 5 * simulation.config.election_timeout_ms_max
+    while simulation.now_ms < until_ms:
+        simulation.advance()
+    simulation.cut = set()
+    after = simulation.run_until_quiet()
+    assert after.machine is not None
+    return before, (after.machine.generation, after.name)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("core_count", [3, 5])
+def test_a_follower_cut_off_and_back_does_not_depose_a_healthy_sequencer(core_count):
+    for seed in range(5):
+        before, after = _generations_after_a_follower_is_cut_off(seed, core_count)
+        assert after == before
+
+
+@pytest.mark.timeout(30)
+def test_without_pre_vote_a_follower_back_from_a_partition_deposes_the_sequencer(monkeypatch):
+    """Mutation: a timed-out follower campaigns at once; the scenario above must notice."""
+    monkeypatch.setattr(ShardConsensus, "_pre_vote", lambda self: self._campaign())
+    outcomes = [_generations_after_a_follower_is_cut_off(seed, 3) for seed in range(5)]
+    assert any(after != before for before, after in outcomes)
+
+
+def _failover_ms(seed: int, core_count: int) -> int:
+    """Time from losing a quiet cluster's sequencer until a new one may serve linearizable reads."""
+    simulation = Simulation(seed, core_count)
+    simulation._heal()
+    old = simulation.run_until_quiet()
+    simulation.lose_for_good([old.name])
+    killed_ms = simulation.now_ms
+    limit_ms = 10 * simulation.config.election_timeout_ms_max
+    while simulation.now_ms - killed_ms < limit_ms:
+        machines = [node.machine for node in simulation.nodes.values() if node.machine is not None]
+        if any(machine.read_index(simulation.now_ms) is not None for machine in machines):
+            return simulation.now_ms - killed_ms
+        simulation.advance()
+    raise AssertionError(f"seed {seed}: no new sequencer within {limit_ms} ms")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("core_count", [3, 5])
+def test_with_a_majority_up_the_election_converges_quickly(core_count):
+    durations = sorted(_failover_ms(seed, core_count) for seed in range(20))
+    election_timeout_ms_max = Simulation(0, core_count).config.election_timeout_ms_max
+    # Split votes happen (two cores time out in the same tick), but never for long.
+    assert durations[len(durations) // 2] <= 1.5 * election_timeout_ms_max, durations
+    assert durations[-1] <= 5 * election_timeout_ms_max, durations
 
 
 def _faulty_phase(simulation: Simulation, duration_ms: int) -> None:

@@ -11,7 +11,17 @@ and the random source of every state machine. Time is a fake clock advanced in `
   applied key from ``Commit``) lives in its ``SimNode``; a crash throws the state machine away and a
   restart rebuilds it from there. A crash may hit in the middle of a step's effects.
 * Pauses: a paused node neither ticks nor receives (its messages wait), then resumes with stale state.
-* Clients propose writes at the node they believe is the sequencer.
+* Clients propose writes at the node they believe is the sequencer. They also send reads and
+  guarded transactions through the network (so a paused node answers them late, after whatever
+  reached it first): ``local`` reads, ``linearizable`` reads (served as production serves them: at
+  the sequencer, only when ``ShardConsensus.read_index`` allows) and compare-and-set transactions
+  whose guard is evaluated against the applied state plus ``core.guard_tail.GuardTail``, the
+  production rule for when a failed guard may be told.
+* History check (``_record_read``). The simulator knows the committed log (entries in the order
+  they were first applied anywhere). Every answered read and failed guard must return the row
+  after some committed prefix that includes every write acknowledged before the request began and
+  every prefix a linearizable read of that key answered before it began, and that had committed
+  when the answer was given. Local reads only need some committed prefix.
 
 Checks run after every step (see ``_check_node``) and at the end, after healing everything and
 running until the cluster is quiet. A violation raises ``SimulationFailure`` naming the seed and the
@@ -21,9 +31,10 @@ command that replays it.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import random
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,12 +62,21 @@ from mnesite.core.consensus import (
     TruncateLog,
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
+from mnesite.core.guard_tail import GUARD_ANSWER, GuardTail
 from mnesite.core.snapshot import SnapshotOffer, accept_offer
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, Op, TxKey, WriteOp
+from mnesite.rlog.schema import TableSchema, define_table
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
 
 SHARD = "main"
 TRACE_LINES_MAX = 80
 WRITES_MAX = 400
+READS_MAX = 800
+# Few keys, so that reads, guards and writes of the same row interleave often.
+READ_KEYS = 4
+READ_TABLE = "t"
+CATALOG: dict[str, TableSchema] = {READ_TABLE: define_table(READ_TABLE, "k", [["k", "INTEGER"], ["v", "INTEGER"]])}
+CLIENT = "client"
+Row = dict[str, Any] | None
 
 
 def replay_command(seed: int) -> str:
@@ -129,6 +149,22 @@ class MemoryLog:
         self._trimmed_key, self._trimmed_digest = key, digest
 
 
+@dataclass(frozen=True)
+class ClientRequest:
+    """A client read (``local``, ``linearizable``) or compare-and-set (``guard``) of one row."""
+
+    kind: str
+    key: int
+    number: int
+    started_ms: int
+    # Commit position of the last write acknowledged before the request began.
+    acknowledged_position: int
+    expected: Row = None
+    forwarded: bool = False
+    # For a replicant's linearizable read (kind ``read_index``): the replicant that serves it.
+    replicant: str | None = None
+
+
 @dataclass
 class SimNode:
     name: str
@@ -140,6 +176,8 @@ class SimNode:
     down_until_ms: int = 0
     paused_until_ms: int = 0
     crash_in_next_step: bool = False
+    # The driver's in-memory guard tail (lost in a crash, rebuilt from the log at a restart).
+    tail: GuardTail[tuple[ClientRequest, Row]] = field(default_factory=lambda: GuardTail(CATALOG))
 
 
 @dataclass
@@ -153,6 +191,8 @@ class SimulationResult:
     pauses: int
     snapshots: int
     final_time_ms: int
+    reads_checked: int = 0
+    guard_failures_checked: int = 0
 
 
 @dataclass
@@ -166,6 +206,7 @@ class _Faults:
     pause_probability: float
     trim_probability: float
     write_probability: float
+    read_probability: float = 0.0
 
 
 class Simulation:
@@ -195,6 +236,7 @@ class Simulation:
             pause_probability=rng.choice([0.0, 0.01]),
             trim_probability=rng.choice([0.0, 0.0, 0.02]),
             write_probability=rng.choice([0.2, 0.5]),
+            read_probability=rng.choice([0.3, 0.6]),
         )
         members = tuple(f"core{index}" for index in range(core_count))
         self.nodes = {name: SimNode(name, PersistedState(0, None, members)) for name in members}
@@ -217,6 +259,18 @@ class Simulation:
         self.pauses = 0
         self.snapshots = 0
         self.lost_for_good: set[str] = set()
+        # The committed log as the simulator knows it, for the history check of reads.
+        self.commit_position: dict[TxKey, int] = {ZERO_KEY: 0}
+        self.commit_count = 0
+        self.row_positions: dict[int, list[int]] = defaultdict(list)
+        self.row_values: dict[int, list[Row]] = defaultdict(list)
+        self.acknowledged_position = 0
+        # key -> [(answered_ms, prefix position)] of linearizable answers: later ones may not go back.
+        self.answered_prefixes: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        self.last_seen: dict[int, Row] = {}
+        self.read_count = 0
+        self.reads_checked = 0
+        self.guard_failures_checked = 0
 
     # ------------------------------------------------------------ failures
 
@@ -234,6 +288,8 @@ class Simulation:
     # ------------------------------------------------------------ node lifecycle
 
     def _start(self, node: SimNode) -> None:
+        node.tail = GuardTail(CATALOG)
+        node.tail.add(tuple(node.log.entries_after(node.applied_key, len(node.log.entries))))
         node.machine = ShardConsensus(
             SHARD,
             node.name,
@@ -286,6 +342,7 @@ class Simulation:
                 if seen != entry.digest:
                     raise self.fail(f"two different entries persisted at {entry.tx_key} (prefix consistency)")
             node.log.append(effect.entries)
+            node.tail.add(effect.entries)
         elif isinstance(effect, PersistState):
             if effect.state.generation < node.state.generation:
                 raise self.fail(f"{node.name} persisted generation {effect.state.generation} < {node.state.generation}")
@@ -295,14 +352,22 @@ class Simulation:
                 raise self.fail(f"{node.name} truncates after {effect.after_key}, below applied {node.applied_key}")
             self.trace.append((self.now_ms, node.name, "truncate after", effect.after_key))
             node.log.truncate_after(effect.after_key)
+            # Failed guards that observed the removed entries get no answer: their clients retry.
+            node.tail.truncated(effect.after_key, CATALOG)
         elif isinstance(effect, Commit):
             self._apply(node, effect.up_to)
+            machine = node.machine
+            read_index = machine.read_index(self.now_ms) if machine is not None else None
+            for (request, row), verdict in node.tail.committed(effect.up_to, CATALOG, read_index):
+                if verdict == GUARD_ANSWER:
+                    self._record_read(node.name, request, row)
         elif isinstance(effect, ProposalCommitted):
             if effect.request_id is None:
                 raise self.fail("a committed proposal without request id")
             if effect.tx_key > node.applied_key or self.committed_request_id.get(effect.tx_key) != effect.request_id:
                 raise self.fail(f"{effect.request_id} acknowledged at {effect.tx_key} but not committed there")
             self.acknowledged[effect.request_id] = effect.tx_key
+            self.acknowledged_position = max(self.acknowledged_position, self.commit_position[effect.tx_key])
         elif isinstance(effect, ProposalRejected):
             if effect.sequencer is not None:
                 self.client_belief = effect.sequencer
@@ -331,6 +396,7 @@ class Simulation:
                 self.committed_digest[entry.tx_key] = entry.digest
                 self.committed_request_id[entry.tx_key] = entry.request_id
                 self.committed_last_key = entry.tx_key
+                self._remember_committed(entry)
             elif known != entry.digest:
                 raise self.fail(f"{node.name} commits a different entry at {entry.tx_key}")
             node.applied_key, node.applied_digest = entry.tx_key, entry.digest
@@ -357,6 +423,113 @@ class Simulation:
         self.snapshots += 1
         self.trace.append((self.now_ms, follower.name, "installed snapshot at", follower.applied_key))
         self._start(follower)
+
+    def _remember_committed(self, entry: Entry) -> None:
+        self.commit_count += 1
+        self.commit_position[entry.tx_key] = self.commit_count
+        for op in entry.ops:
+            if isinstance(op, WriteOp) and op.table == READ_TABLE and isinstance(op.row.get("k"), int):
+                key, row = op.row["k"], op.row
+            elif isinstance(op, DeleteOp) and op.table == READ_TABLE and isinstance(op.key, int):
+                key, row = op.key, None
+            else:
+                continue
+            self.row_positions[key].append(self.commit_count)
+            self.row_values[key].append(row)
+
+    def _row_at(self, key: int, position: int) -> Row:
+        """The row ``key`` after the first ``position`` committed entries."""
+        index = bisect.bisect_right(self.row_positions[key], position)
+        return self.row_values[key][index - 1] if index else None
+
+    # ------------------------------------------------------------ client reads and guards
+
+    def _client_request(self, kind: str | None = None, target: str | None = None, key: int | None = None) -> None:
+        if self.read_count >= READS_MAX:
+            return
+        rng = self.rng
+        kind = kind or rng.choice(["linearizable", "linearizable", "guard", "guard", "local"])
+        key = rng.randrange(READ_KEYS) if key is None else key
+        if target is None:
+            target = self.client_belief if rng.random() < 0.8 and self.client_belief else None
+            target = target or rng.choice(list(self.nodes))
+        self.read_count += 1
+        # A compare-and-set expects the row this client saw last (often stale, so guards fail).
+        expected = self.last_seen.get(key) if rng.random() < 0.7 else {"k": key, "v": -1}
+        request = ClientRequest(kind, key, self.read_count, self.now_ms, self.acknowledged_position, expected)
+        self._enqueue_client(target, request)
+
+    def _enqueue_client(self, target: str, request: ClientRequest) -> None:
+        self.message_sequence += 1
+        deliver_at = self.now_ms + self.rng.randint(1, self.faults.delay_ms_max)
+        heapq.heappush(self.network, (deliver_at, self.message_sequence, CLIENT, target, request))
+
+    def _serve_client(self, node: SimNode, request: ClientRequest) -> None:
+        """What the production driver does with a read or a guarded transaction (core/node.py)."""
+        machine = node.machine
+        if machine is None:
+            return
+        applied_row = self._row_at(request.key, self.commit_position[node.applied_key])
+        if request.kind == "local":
+            self._record_read(node.name, request, applied_row)
+            return
+        if machine.role is not Role.SEQUENCER:
+            # Forwarded once to the sequencer this node knows; otherwise the client retries.
+            if machine.sequencer is not None and not request.forwarded:
+                forwarded = dataclasses.replace(request, forwarded=True)
+                self._enqueue_client(machine.sequencer, forwarded)
+            return
+        read_index = machine.read_index(self.now_ms)
+        if request.kind == "linearizable":
+            if read_index is not None:
+                self._record_read(node.name, request, applied_row)
+            return
+        if request.kind == "read_index":
+            if read_index is not None:
+                self._read_index_answered(request, read_index)
+            return
+        in_tail, row = node.tail.row(READ_TABLE, request.key)
+        if not in_tail:
+            row = applied_row
+        if row == request.expected:
+            if self.write_count < WRITES_MAX:
+                self.write_count += 1
+                ops = (WriteOp(READ_TABLE, {"k": request.key, "v": 100_000 + request.number}),)
+                self._step(node, Proposed(ops, f"c{request.number}"))
+            return
+        verdict = node.tail.failed((request, row), machine.committed_key, read_index, self.now_ms)
+        if verdict == GUARD_ANSWER:
+            self._record_read(node.name, request, row)
+
+    def _read_index_answered(self, request: ClientRequest, read_index: TxKey) -> None:
+        """The sequencer told a replicant the key its linearizable read must wait for (a hook)."""
+        raise self.fail(f"read_index answered for {request} without replicants")
+
+    def _record_read(self, where: str, request: ClientRequest, row: Row) -> None:
+        """Check an answer against the committed history (see the theory of operation)."""
+        key = request.key
+        floor = 0
+        if request.kind != "local":
+            floor = request.acknowledged_position
+            for answered_ms, position in self.answered_prefixes[key]:
+                if answered_ms < request.started_ms:
+                    floor = max(floor, position)
+        position = next((p for p in range(floor, self.commit_count + 1) if self._row_at(key, p) == row), None)
+        what = {"guard": "failed guard", "read_index": "replicant linearizable read"}.get(
+            request.kind, f"{request.kind} read"
+        )
+        self.trace.append((self.now_ms, where, what, key, row, "floor", floor))
+        if position is None:
+            raise self.fail(
+                f"{what} of key {key} at {where} (began t={request.started_ms}) returned {row}, "
+                f"which no committed prefix from position {floor} (acknowledged writes and earlier reads) "
+                f"to {self.commit_count} (committed when it answered) holds"
+            )
+        if request.kind != "local":
+            self.answered_prefixes[key].append((self.now_ms, position))
+            self.reads_checked += request.kind in ("linearizable", "read_index")
+            self.guard_failures_checked += request.kind == "guard"
+        self.last_seen[key] = row
 
     # ------------------------------------------------------------ checks
 
@@ -396,6 +569,9 @@ class Simulation:
                 continue
             if node.paused_until_ms > self.now_ms:
                 postponed.append((node.paused_until_ms, sequence, sender, to, frame))
+                continue
+            if sender == CLIENT:
+                self._serve_client(node, frame)
                 continue
             message = message_from_wire(msgpack.unpackb(frame, raw=False))
             self._step(node, MessageReceived(sender, message))
@@ -463,12 +639,14 @@ class Simulation:
 
     def _write_ops(self, number: int) -> tuple[Op, ...]:
         """The ops of client write ``number`` (a hook: the replicant simulation writes richer ones)."""
-        return (WriteOp("t", {"k": number}),)
+        return (WriteOp(READ_TABLE, {"k": number % READ_KEYS, "v": number}),)
 
     def _tick_all(self) -> None:
         for node in self.nodes.values():
             if self._is_up(node):
                 self._step(node, Ticked())
+                # Held failed guards whose tail is stuck: the driver tells them to retry.
+                node.tail.expired(self.now_ms)
 
     def _advance(self) -> None:
         self._deliver_due()
@@ -532,6 +710,13 @@ class Simulation:
     def write(self, target: str) -> None:
         self._client_write(target)
 
+    def read(self, target: str, key: int, kind: str = "linearizable") -> None:
+        """A client sends a read (or a compare-and-set) of ``key`` to ``target``."""
+        self._client_request(kind, target, key)
+
+    def advance(self) -> None:
+        self._advance()
+
     def run_until_quiet(self, limit_ms: int = 20_000) -> SimNode:
         return self._run_until_quiet(limit_ms)
 
@@ -560,6 +745,8 @@ class Simulation:
             self._restart_due()
             if self.rng.random() < self.faults.write_probability:
                 self._client_write()
+            if self.rng.random() < self.faults.read_probability:
+                self._client_request()
             self._advance()
         self._heal()
         sequencer = self._run_until_quiet(20_000)
@@ -567,6 +754,7 @@ class Simulation:
         before = len(self.acknowledged)
         for _ in range(3):
             self._client_write(sequencer.name)
+            self._client_request("linearizable", sequencer.name)
         sequencer = self._run_until_quiet(20_000)
         if len(self.acknowledged) < before + 3 and self.write_count < WRITES_MAX:
             raise self.fail("writes at the healed sequencer were not acknowledged")
@@ -581,6 +769,8 @@ class Simulation:
             pauses=self.pauses,
             snapshots=self.snapshots,
             final_time_ms=self.now_ms,
+            reads_checked=self.reads_checked,
+            guard_failures_checked=self.guard_failures_checked,
         )
 
     def _heal(self) -> None:
@@ -590,7 +780,7 @@ class Simulation:
             node.crash_in_next_step = False
             node.paused_until_ms = min(node.paused_until_ms, self.now_ms)
             node.down_until_ms = min(node.down_until_ms, self.now_ms)
-        self.faults = _Faults(0.0, 0.0, self.faults.delay_ms_max, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        self.faults = _Faults(0.0, 0.0, self.faults.delay_ms_max, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     def final_check(self, sequencer: SimNode) -> None:
         if sequencer.machine is None:

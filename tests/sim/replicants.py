@@ -21,6 +21,10 @@ simulator also plays the drivers of the replication protocol, from the same ``ra
   down fail at once. After healing, replication links deliver in order (as a TCP connection would).
 * Client writes update and delete a small key space of two tables, so that dirty reads differ
   from K0 and the replay has something to heal.
+* Client linearizable reads at replicants take production's path: the replicant learns the
+  committed key from the sequencer (``ShardConsensus.read_index``, through the simulated network),
+  waits until it has applied that key in NORMAL mode, and answers; the base simulation checks the
+  answer against the committed history (the row at the replicant's applied key).
 
 Checks after every replicant step: the applied key never decreases and every applied entry's
 ``prev`` is the previous applied key (spill replay included); the digest at the applied key is the
@@ -45,12 +49,14 @@ from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.rlog import replication as p
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
 
-from tests.sim.cluster import SHARD, SimNode, Simulation
+from tests.sim.cluster import READ_KEYS, SHARD, ClientRequest, SimNode, Simulation
 
 TABLES = ("t", "u")
 KEY_COLUMN = "k"
 KEYS_PER_TABLE = 12
 CONVERGENCE_MS_MAX = 30_000
+# A replicant's linearizable read waits at most this long for its applied key (production: READ_WAIT_MS_MAX).
+READ_WAIT_MS_MAX = 2000
 
 
 def replay_command(seed: int) -> str:
@@ -161,6 +167,9 @@ class ReplicantSimulation(Simulation):
         self.entries_applied = 0
         self.pushes_rejected = 0
         self.replicant_crashes = 0
+        # Replicant linearizable reads told their read index, waiting to be applied: (request, key, deadline).
+        self.waiting_reads: list[tuple[ClientRequest, TxKey, int]] = []
+        self.replicant_reads_checked = 0
 
     def _replay_command(self) -> str:
         return replay_command(self.seed)
@@ -535,9 +544,41 @@ class ReplicantSimulation(Simulation):
 
     # ------------------------------------------------------------ time and faults
 
+    def _client_request(self, kind: str | None = None, target: str | None = None, key: int | None = None) -> None:
+        replicant = self.rng.choice(sorted(self.replicants))
+        if kind is not None or self.rng.random() < 0.6:
+            super()._client_request(kind, target, key)
+            return
+        # A linearizable read at a replicant: it asks a core (forwarded to the sequencer) for the read index.
+        self.read_count += 1
+        key = self.rng.randrange(READ_KEYS)
+        request = ClientRequest(
+            "read_index", key, self.read_count, self.now_ms, self.acknowledged_position, replicant=replicant
+        )
+        self._enqueue_client(self.client_belief or self.rng.choice(sorted(self.nodes)), request)
+
+    def _read_index_answered(self, request: ClientRequest, read_index: TxKey) -> None:
+        self.waiting_reads.append((request, read_index, self.now_ms + READ_WAIT_MS_MAX))
+
+    def _answer_waiting_reads(self) -> None:
+        waiting = []
+        for request, read_index, deadline_ms in self.waiting_reads:
+            replicant = self.replicants[request.replicant or ""]
+            machine = replicant.machine
+            if machine is None or self.now_ms >= deadline_ms:
+                continue  # the client times out and retries
+            if machine.mode is not p.Mode.NORMAL or replicant.applied_key < read_index:
+                waiting.append((request, read_index, deadline_ms))
+                continue
+            row = self._row_at(request.key, self.commit_position[replicant.applied_key])
+            self._record_read(replicant.name, request, row)
+            self.replicant_reads_checked += 1
+        self.waiting_reads = waiting
+
     def _advance(self) -> None:
         self._deliver_due()
         self._deliver_replication_due()
+        self._answer_waiting_reads()
         self._tick_all()
         for node in self.nodes.values():
             if self._is_up(node):

@@ -1,0 +1,152 @@
+"""The sequencer's unapplied tail as guards see it, and when a failed guard may be answered (pure).
+
+Theory of operation
+-------------------
+The sequencer evaluates a transaction's guards against its applied state *plus* the entries it has
+appended but not yet applied (its tail): a transaction proposed after another must see that one's
+effects before either commits, or a guard could pass twice. Ops are results, so the latest op for a
+key in the tail is that key's future value (``row``).
+
+A guard that passes needs nothing more: its entry commits after the ones it observed, or not at all.
+A guard that FAILS is a read, and must be linearizable like one (DESIGN invariant 10): its answer
+reports the row it found, which may come from an entry that has not committed and may never commit.
+So a failed guard is answered only when
+
+1. every entry of the tail it observed has committed (``failed`` holds it until then;
+   ``committed`` releases it), and
+2. the sequencer may serve a linearizable read at that moment (``ShardConsensus.read_index`` is
+   not None: an entry of its own generation committed and it holds the lease).
+
+At that moment the committed state is exactly the one the guard was evaluated against (later
+entries of the tail have not committed), and it includes every write acknowledged before the
+request began: the answer linearizes there. If the tail is truncated (a new sequencer replaced it)
+or the read condition does not hold, nothing was written, so the client is told to retry with the
+same request id, and the retry is evaluated afresh by whoever is sequencer then. A held failure
+that waits longer than ``guard_hold_ms_max`` gets the same answer, and at most
+``guard_failures_held_max`` are held at once.
+
+Driver contract
+---------------
+Call ``add`` for every ``PersistEntries``, ``committed`` for every ``Commit`` (after applying it),
+``truncated`` for every ``TruncateLog``, ``expired`` on every turn; answer the tokens returned as
+``GUARD_ANSWER`` with the guard failure and as ``GUARD_RETRY`` with a retryable error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.types import CreateTableOp, DeleteOp, Entry, TxKey, WriteOp
+
+GUARD_ANSWER = "answer"
+GUARD_HELD = "held"
+GUARD_RETRY = "retry"
+GUARD_FAILURES_HELD_MAX = 10_000
+GUARD_HOLD_MS_MAX = 5_000
+
+Token = TypeVar("Token")
+
+
+@dataclass(frozen=True)
+class _Held(Generic[Token]):
+    token: Token
+    observed_key: TxKey
+    deadline_ms: int
+
+
+class GuardTail(Generic[Token]):
+    """Entries persisted but not applied, indexed by row, and the failed guards waiting on them."""
+
+    def __init__(
+        self,
+        catalog: dict[str, TableSchema] | None = None,
+        failures_held_max: int = GUARD_FAILURES_HELD_MAX,
+        hold_ms_max: int = GUARD_HOLD_MS_MAX,
+    ) -> None:
+        self.catalog: dict[str, TableSchema] = dict(catalog or {})
+        self.failures_held_max = failures_held_max
+        self.hold_ms_max = hold_ms_max
+        self.entries: list[Entry] = []
+        self.keys: list[TxKey] = []
+        self.rows: dict[tuple[str, Any], dict[str, Any] | None] = {}
+        self.tables: dict[str, TableSchema] = {}
+        self._held: list[_Held[Token]] = []
+
+    # ------------------------------------------------------------ the tail
+
+    def add(self, entries: tuple[Entry, ...]) -> None:
+        self.entries.extend(entries)
+        self.keys.extend(entry.tx_key for entry in entries)
+        for entry in entries:
+            self._index(entry)
+
+    def last_key(self) -> TxKey | None:
+        """The last entry a guard evaluated now observes (None when the tail is empty)."""
+        return self.keys[-1] if self.keys else None
+
+    def row(self, table: str, key: Any) -> tuple[bool, dict[str, Any] | None]:
+        """(True, the row's future value) if the tail writes or deletes it, else (False, None)."""
+        if (table, key) in self.rows:
+            return True, self.rows[(table, key)]
+        return False, None
+
+    def _index(self, entry: Entry) -> None:
+        for op in entry.ops:
+            if isinstance(op, WriteOp):
+                schema = self.tables.get(op.table) or self.catalog.get(op.table)
+                if schema is not None:
+                    self.rows[(op.table, op.row[schema.key_column])] = op.row
+            elif isinstance(op, DeleteOp):
+                self.rows[(op.table, op.key)] = None
+            elif isinstance(op, CreateTableOp):
+                self.tables[op.table] = TableSchema.from_op(op)
+
+    def _rebuild(self, entries: list[Entry], catalog: dict[str, TableSchema]) -> None:
+        self.catalog = dict(catalog)
+        self.entries, self.keys, self.rows, self.tables = [], [], {}, {}
+        self.add(tuple(entries))
+
+    # ------------------------------------------------------------ failed guards
+
+    def must_hold(self, observed_key: TxKey | None, committed_key: TxKey) -> bool:
+        """Rule 1: a failure that observed an uncommitted entry waits until that entry commits."""
+        return observed_key is not None and observed_key > committed_key
+
+    def failed(self, token: Token, committed_key: TxKey, read_index: TxKey | None, now_ms: int) -> str:
+        """A guard evaluated against the current tail failed: answer, hold or retry?"""
+        observed_key = self.last_key()
+        if self.must_hold(observed_key, committed_key) and observed_key is not None:
+            if len(self._held) >= self.failures_held_max:
+                return GUARD_RETRY
+            self._held.append(_Held(token, observed_key, now_ms + self.hold_ms_max))
+            return GUARD_HELD
+        return GUARD_ANSWER if read_index is not None else GUARD_RETRY
+
+    def committed(
+        self, up_to: TxKey, catalog: dict[str, TableSchema], read_index: TxKey | None
+    ) -> list[tuple[Token, str]]:
+        """Entries up to ``up_to`` are applied now: forget them and release the failures they settle."""
+        self._rebuild([entry for entry in self.entries if entry.tx_key > up_to], catalog)
+        released = [held for held in self._held if not self.must_hold(held.observed_key, up_to)]
+        self._held = [held for held in self._held if self.must_hold(held.observed_key, up_to)]
+        verdict = GUARD_ANSWER if read_index is not None else GUARD_RETRY
+        return [(held.token, verdict) for held in released]
+
+    def truncated(self, after_key: TxKey, catalog: dict[str, TableSchema]) -> list[Token]:
+        """Entries after ``after_key`` are gone: failures that observed them must be evaluated again."""
+        self._rebuild([entry for entry in self.entries if entry.tx_key <= after_key], catalog)
+        dropped = [held.token for held in self._held if held.observed_key > after_key]
+        self._held = [held for held in self._held if held.observed_key <= after_key]
+        return dropped
+
+    def expired(self, now_ms: int) -> list[Token]:
+        """Held failures past their deadline (the tail is stuck: no quorum); they are told to retry."""
+        expired = [held.token for held in self._held if held.deadline_ms <= now_ms]
+        if expired:
+            self._held = [held for held in self._held if held.deadline_ms > now_ms]
+        return expired
+
+    def held_count(self) -> int:
+        return len(self._held)
