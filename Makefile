@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup java run test test-fast lint bench clean
+.PHONY: setup java run test test-fast lint bench clean fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,3 +42,7 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) mnesite-data .pytest_cache .ruff_cache .hypothesis
+
+# Content-level fuzzing of 3 cores + 1 replicant with 100,000 hostile messages (CI runs 2,000).
+fuzz: setup
+	MNESITE_FUZZ_MESSAGES=$${MNESITE_FUZZ_MESSAGES:-100000} $(BIN)/pytest tests/fuzz -q -s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -162,7 +163,37 @@ def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class MnesiteGroup(click.Group):
+    """Click with the README's one convention: every error is one ``Error:`` line on stderr and exit 1.
+
+    Usage errors (a missing argument, an unknown option) follow it too, instead of click's usage block
+    and exit 2, and no exception ever reaches the user as a traceback (``MNESITE_DEBUG=1`` shows it).
+    """
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            result = super().main(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as error:
+            click.echo(error.format_message(), err=True)  # bare `mnesite`: the help text, as before
+            sys.exit(0)
+        except click.UsageError as error:
+            command = error.ctx.command_path if error.ctx is not None else "mnesite"
+            fail(f"{error.format_message()} (see '{command} --help')")
+        except click.ClickException as error:
+            fail(error.format_message())
+        except click.Abort:
+            fail("aborted")
+        except Exception as error:
+            if os.environ.get("MNESITE_DEBUG"):
+                raise
+            fail(f"unexpected {type(error).__name__}: {str(error)[:300]} (MNESITE_DEBUG=1 shows the traceback)")
+        if isinstance(result, int) and result != 0:
+            sys.exit(result)  # click.Exit from --help / --version in non-standalone mode
+        return result
+
+
+@click.group(cls=MnesiteGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mnesite")
 def main() -> None:
     """mnesite: a replicated SQLite database with a globally ordered transaction log (rlog)."""
@@ -177,7 +208,8 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
 
     Without --config: a single core named core1 on tcp://127.0.0.1:7400 with its data in ./mnesite-data.
     """
-    from mnesite.rlog.store import StoreError
+    from mnesite.rlog.data_dir import DataDirectoryInUse
+    from mnesite.rlog.store import EntryApplyError, StoreError
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -191,14 +223,19 @@ def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
 
             node = CoreNode(config)
         node.bind()
-    except (ConfigError, StoreError) as error:
+    except (ConfigError, StoreError, DataDirectoryInUse) as error:
         fail(str(error))
     except Exception as error:  # zmq bind errors and the like: one line, not a traceback
         fail(f"cannot start: {type(error).__name__}: {error}")
     node.install_signal_handlers()
     if sample_data and config.role == "core":
         load_sample_data(node)
-    node.serve_forever()
+    try:
+        node.serve_forever()
+    except EntryApplyError as error:
+        # A committed entry this node cannot apply: stop once, naming the entry (never a traceback loop).
+        logging.getLogger("mnesite").critical("stopping: %s", error)
+        fail(f"node stopped: {error}")
 
 
 def load_sample_data(node: Any) -> None:

@@ -96,6 +96,8 @@ from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, entry_size_bytes, make_entry
 
 MEMBERS_MAX = 15
+# Generations are persisted as SQLite integers and a campaign adds one: stay below 2**63 - 1.
+GENERATION_MAX = 2**63 - 2
 EXCLUSION_NOTICE_INTERVAL_MS = 1000  # how often a left-out core is told at most
 
 REJECT_NOT_SEQUENCER = "not_sequencer"
@@ -132,6 +134,9 @@ class ConsensusConfig:
     # Proposals accepted by the sequencer and not yet committed; bounds the uncommitted tail.
     pending_proposals_max: int = 1024
     ops_per_entry_max: int = 10_000
+    # A peer's message may raise our generation by at most this much: generations grow by one per
+    # election, so a larger jump is a hostile or broken peer (and 2**63-1 would overflow SQLite).
+    generation_jump_max: int = 1_000_000
 
     def __post_init__(self) -> None:
         require_positive_ints(self, ConsensusConfigError)
@@ -449,6 +454,9 @@ class _Progress:
     # When this follower last answered an append of this generation: what the read lease counts.
     lease_heard_ms: int | None = None
     snapshot_requested_ms: int | None = None
+    # The highest key any append to this follower ended at (in this generation): a success reply
+    # can acknowledge nothing beyond it.
+    sent_key_max: TxKey = ZERO_KEY
 
 
 class ShardConsensus:
@@ -872,6 +880,16 @@ class ShardConsensus:
         peer_kinds = (VoteRequest, VoteReply, PreVoteRequest, PreVoteReply, AppendRequest, AppendReply, ExclusionNotice)
         if not isinstance(message, peer_kinds):
             raise TypeError(f"not a peer message: {message!r}")
+        if (
+            message.generation > self._generation + self.config.generation_jump_max
+            or message.generation > GENERATION_MAX
+        ):
+            self._out.append(
+                ProtocolViolation(
+                    sender, f"generation {message.generation} jumps too far ahead of ours ({self._generation})"
+                )
+            )
+            return
         if isinstance(message, ExclusionNotice) and sender != self.name:
             self._on_exclusion(sender, message)
             return
@@ -923,8 +941,15 @@ class ShardConsensus:
             # Zombie fencing: the stale sequencer learns the current generation from the reply.
             self._reply_append(sender, message, False, ZERO_KEY)
             return
-        if self._role is Role.SEQUENCER:
-            raise ConsensusInvariantError(f"two sequencers in generation {self._generation}: {self.name} and {sender}")
+        if self._role is Role.SEQUENCER or (self._sequencer is not None and self._sequencer != sender):
+            # One vote per generation allows one sequencer: a second one is a hostile or broken peer.
+            # Ignore it (the first keeps its followers) and let the driver count the violation.
+            self._out.append(
+                ProtocolViolation(
+                    sender, f"a second sequencer in generation {self._generation} (we know {self._sequencer})"
+                )
+            )
+            return
         self._set_role(Role.FOLLOWER, sender)
         self._pre_votes = None
         self._sequencer_heard_ms = self._now_ms
@@ -1009,8 +1034,12 @@ class ShardConsensus:
             return
         progress.last_heard_ms = self._now_ms
         if message.success:
-            if message.match_key > self._last_key:
-                raise ConsensusInvariantError(f"{sender} acknowledged {message.match_key}, beyond our log")
+            if message.match_key > progress.sent_key_max:
+                # Only a hostile or broken peer acknowledges what we never sent: ignore the reply.
+                self._out.append(
+                    ProtocolViolation(sender, f"acknowledged {message.match_key}, beyond what was sent to it")
+                )
+                return
             progress.match_key = max(progress.match_key, message.match_key)
             progress.probing = False
             progress.sent_key = max(progress.sent_key, progress.match_key)
@@ -1072,6 +1101,7 @@ class ShardConsensus:
             self._generation, prev_key, prev_digest, self._commit_key, self._members, tuple(entries), self._now_ms
         )
         self._out.append(Send(peer, message))
+        progress.sent_key_max = max(progress.sent_key_max, entries[-1].tx_key if entries else prev_key)
         if entries:
             progress.in_flight += 1
             if not progress.probing:

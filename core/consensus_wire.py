@@ -30,6 +30,7 @@ from mnesite.core.consensus import (
     VoteRequest,
 )
 from mnesite.rlog.codec import CodecError
+from mnesite.rlog.messages import ENTRY_WIRE, MessageError
 from mnesite.rlog.types import (
     DIGEST_BYTES,
     Entry,
@@ -197,9 +198,13 @@ def _entries(value: Any) -> tuple[Entry, ...]:
     if not isinstance(value, (list, tuple)) or len(value) > APPEND_ENTRIES_WIRE_MAX:
         raise CodecError(f"entries must be a list of at most {APPEND_ENTRIES_WIRE_MAX}")
     entries = []
-    for item in value:
+    for index, item in enumerate(value):
         try:
+            # The typed layer's entry shape first: scalars only in rows and keys, bounded names.
+            ENTRY_WIRE.check(item, f"append_request.entries[{index}]")
             entry = entry_from_wire(item)
+        except MessageError as error:
+            raise CodecError(str(error)[:300]) from None
         except OpDecodeError as error:
             raise CodecError(f"malformed entry: {str(error)[:200]}") from None
         if len(entry.digest) != DIGEST_BYTES:

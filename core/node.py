@@ -33,7 +33,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-import os
 import random
 import threading
 import time
@@ -88,8 +87,9 @@ from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import codec, range_requests, replication
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
-from mnesite.rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_key, define_table
-from mnesite.rlog.server import NodeServer, monotonic_ms, request_id_of
+from mnesite.rlog.data_dir import DataDirectoryLock
+from mnesite.rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_creatable, check_key, define_table
+from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
     Entry,
@@ -124,7 +124,8 @@ FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
 SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
-DEALERS_MAX = 1000  # sockets to peers and replicants
+DEALERS_MAX = 1000  # sockets to peers (replicant endpoints are bounded by [limits] watches_max)
+STATUS_COUNT_INTERVAL_MS = 1000
 RECOVERY_TIMEOUT_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
 # and how long an answer may take before the install is abandoned (the sequencer offers again).
@@ -227,8 +228,8 @@ class CoreNode(NodeServer):
             heartbeat_interval_ms=config.timing.heartbeat_interval_ms,
         )
         self.members = tuple(sorted(config.core_nodes))
-        os.makedirs(config.data_dir, exist_ok=True)
-        super().__init__(config, Store(config.database_path, synchronous=config.synchronous))
+        data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
+        super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
         self.shards: dict[str, ShardDriver] = {}
         self.forwarded: dict[str, Forwarded] = {}
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
@@ -239,7 +240,9 @@ class CoreNode(NodeServer):
             window_bytes_max=limits.window_bytes_max,
             step_bytes_max=limits.push_bytes_max,
         )
-        self.rlog_server = RlogServer(config.name, agent_config, random.Random(self.rng.random()))
+        self.rlog_server = RlogServer(
+            config.name, agent_config, random.Random(self.rng.random()), watches_max=limits.watches_max
+        )
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
         # shards that serve no read (install under way or its read fence not reached yet).
         self.installs: dict[str, SnapshotInstall] = {}
@@ -248,6 +251,7 @@ class CoreNode(NodeServer):
         self.last_heard_ms: dict[str, int] = {}
         self.transactions = 0
         self._next_retention_ms = 0
+        self._status_counts: dict[Any, tuple[int, Any]] = {}
         if not self.store.shards() and len(self.members) > 1:
             self.recover_generations()
         for shard in self.store.shards():
@@ -408,6 +412,8 @@ class CoreNode(NodeServer):
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error), error.detail))
             except SchemaError as error:
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+            except OverloadedError as error:
+                self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
 
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         if message.kind == "peer":
@@ -555,16 +561,26 @@ class CoreNode(NodeServer):
         elif isinstance(effect, Excluded):
             self._record_exclusion(shard, effect)
         elif isinstance(effect, ProtocolViolation):
-            log.warning("shard %s: protocol violation: %s", shard, effect)
+            self.protocol_violation(effect.sender, f"shard {shard}: {effect.reason}")
         else:
             raise TypeError(f"unknown effect {effect!r}")
 
     def before_send(self) -> None:
         # Agent pushes carry committed entries only: queue them once the turn's commit is done.
+        limits = self.config.limits
         for endpoint, message in self.rlog_server.drain():
-            replicant_socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX)
+            # IMMEDIATE: nothing is queued for an endpoint that is not connected (a dead one costs no
+            # memory); a connected one that does not read holds at most push_queue_max frames.
+            replicant_socket = self.dealer(
+                endpoint, limits.push_queue_max, len(self.config.core_nodes) + limits.watches_max, immediate=True
+            )
             if replicant_socket is not None:
                 self.queue(replicant_socket, message)
+        # Close the sockets of endpoints no agent pushes to any more (stopped, superseded, evicted).
+        in_use = self.rlog_server.endpoints()
+        peers = set(self.config.core_nodes.values())
+        for endpoint in [e for e in self.dealers if e not in in_use and e not in peers]:
+            self.close_dealer(endpoint)
 
     def _linearizable(self, envelope: list[bytes], message: Message) -> None:
         """Answer at the sequencer when ``ShardConsensus.read_index`` allows it; elsewhere forward to it.
@@ -773,7 +789,7 @@ class CoreNode(NodeServer):
         try:
             peer_message = message_from_wire(body["message"])
         except CodecError as error:
-            log.warning("malformed peer message from %s: %s", sender, error)
+            self.protocol_violation(sender, f"malformed consensus message: {error}")
             return
         self.last_heard_ms[sender] = self.clock_ms()
         driver = self._shard_for(shard, create=True)
@@ -828,9 +844,9 @@ class CoreNode(NodeServer):
         if message.kind == "create_table":
             body = message.body
             table = define_table(body["table"], body["key"], body["columns"], body.get("shard", DEFAULT_SHARD))
-            existing = catalog.get(table.name)
-            if existing is not None:
-                raise RequestError("table_exists", f"table {table.name!r} already exists in shard {existing.shard!r}")
+            # The apply's own rule (SQLite names are case-insensitive): what is logged applies everywhere.
+            if not check_creatable(catalog, table.to_op()):
+                raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
             ops: tuple = (table.to_op(),)
         else:
             transaction = parse_transaction(
@@ -899,12 +915,19 @@ class CoreNode(NodeServer):
                 result["duplicate"] = True
             self.reply(envelope, codec.reply(request_id, result))
             return
+        self.hold(envelope, request_id)
         driver.waiters.setdefault(tx_key, []).append((envelope, request_id))
 
     def _shard_of(self, message: Message) -> str:
         if message.kind == "create_table":
             shard = message.body.get("shard", DEFAULT_SHARD)
-            define_table(message.body["table"], message.body["key"], message.body["columns"], shard)
+            table = define_table(message.body["table"], message.body["key"], message.body["columns"], shard)
+            # Refuse a taken name before the shard is opened: a refused write must leave no new shard.
+            catalog = self.store.catalog()
+            for driver in self.shards.values():
+                catalog = {**catalog, **driver.tail.tables}
+            if not check_creatable(catalog, table.to_op()):
+                raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
             return shard
         ops = message.body["ops"]
         catalog = self.store.catalog()
@@ -928,6 +951,7 @@ class CoreNode(NodeServer):
             )
         if len(self.forwarded) >= FORWARDED_MAX:
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
+        self.hold(envelope, message.request_id)
         deadline_ms = self.clock_ms() + FORWARD_TIMEOUT_MS
         self.forwarded[message.request_id] = Forwarded(envelope, deadline_ms, driver.shard, sequencer)
         self._send_peer(sequencer, Message(message.kind, message.request_id, {**message.body, "forwarded": True}))
@@ -1192,7 +1216,7 @@ class CoreNode(NodeServer):
                 "members": list(status.members),
                 "forced": status.forced,
                 "excluded": self.excluded.get(shard),
-                "rlog": self.store.rlog_statistics(shard),
+                "rlog": self._rlog_statistics(shard),
                 "serving": shard not in self.not_serving,
                 "not_serving_reason": self.not_serving.get(shard),
             }
@@ -1224,13 +1248,35 @@ class CoreNode(NodeServer):
             "core_nodes": self.config.core_nodes,
             "commits": self.commits,
             "transactions": self.transactions,
+            "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),
             "security": self.security_status(),
             "shards": shards,
         }
 
+    def _rlog_statistics(self, shard: str) -> dict[str, Any]:
+        """The shard's rlog size, counted at most once per STATUS_COUNT_INTERVAL_MS: ``status`` must cost
+        O(shards), not a count of the rlog per request (2,000 status requests starved every client)."""
+        now = self.clock_ms()
+        cached = self._status_counts.get(shard)
+        if cached is None or now - cached[0] >= STATUS_COUNT_INTERVAL_MS:
+            cached = (now, self.store.rlog_statistics(shard))
+            self._status_counts[shard] = cached
+        return cached[1]
+
     def _lag(self, shard: str, match: TxKey, last: TxKey) -> int:
-        return self.store.count_between(shard, match, last, 10**12)
+        if match.generation == last.generation:
+            return max(0, last.counter - match.counter)  # counters of one generation have no gaps
+        cache_key = (shard, match, last)
+        cached = self._status_counts.get(cache_key)
+        now = self.clock_ms()
+        if cached is not None and now - cached[0] < STATUS_COUNT_INTERVAL_MS:
+            return cached[1]
+        if len(self._status_counts) > SHARDS_MAX * 4:
+            self._status_counts.clear()
+        count = self.store.count_between(shard, match, last, 10**12)
+        self._status_counts[cache_key] = (now, count)
+        return count
 
     # -- local helpers for tools -------------------------------------------------------------
 

@@ -85,11 +85,19 @@ class Watch:
     shard: str
     # The answer to the watch, repeated in every push (see the theory of operation).
     answer: dict[str, Any]
+    acknowledged: bool = False  # the replicant has acknowledged a push: its endpoint is alive
 
 
 class RlogServer:
-    def __init__(self, core_name: str, config: AgentConfig | None = None, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        core_name: str,
+        config: AgentConfig | None = None,
+        rng: random.Random | None = None,
+        watches_max: int = AGENTS_MAX,
+    ) -> None:
         self.core_name = core_name
+        self.watches_max = watches_max
         self.config = config or AgentConfig()
         self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
@@ -129,8 +137,13 @@ class RlogServer:
             a for a, w in self.watches.items() if (w.replicant, w.shard) == (body["replicant"], body["shard"])
         ]:
             del self.watches[agent_id]  # superseded: the replicant now watches the new agent only
-        if len(self.watches) >= AGENTS_MAX:
-            raise WatchRefused("overloaded", f"core {self.core_name} serves {AGENTS_MAX} agents already")
+        if len(self.watches) >= self.watches_max:
+            # Make room by evicting the oldest watch whose replicant never acknowledged anything (a dead
+            # or fake endpoint), so that such watches cannot keep a real replicant out.
+            silent = next((a for a, w in self.watches.items() if not w.acknowledged), None)
+            if silent is None:
+                raise WatchRefused("overloaded", f"core {self.core_name} serves {self.watches_max} agents already")
+            del self.watches[silent]
         mode, start_key, start_digest = decide_watch(
             from_key,
             body["from_digest"],
@@ -157,8 +170,10 @@ class RlogServer:
     def acknowledged(self, body: dict[str, Any], now_ms: int) -> None:
         """A replicant's push_ack: its applied key, or a rejection reason."""
         agent_id = body["agent"]
-        if agent_id not in self.watches:
-            return  # a stopped or superseded agent: nothing to do
+        watch = self.watches.get(agent_id)
+        if watch is None or watch.shard != body["shard"]:
+            return  # a stopped or superseded agent (or a wrong shard): nothing to do
+        watch.acknowledged = True
         if body.get("rejected"):
             self._step(agent_id, RejectReceived(body["rejected"]), now_ms)
         else:
@@ -197,6 +212,9 @@ class RlogServer:
                 self.outbox.append((watch.endpoint, Message("push", agent_id[:64], body)))
             elif isinstance(effect, AgentStopped):
                 self.watches.pop(agent_id, None)
+
+    def endpoints(self) -> set[str]:
+        return {watch.endpoint for watch in self.watches.values()}
 
     def drain(self) -> list[tuple[str, Message]]:
         outbox, self.outbox = self.outbox, []

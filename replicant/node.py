@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import time
 import uuid
@@ -37,8 +36,9 @@ from mnesite.rlog import codec, range_requests
 from mnesite.rlog import replication as p
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
+from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, define_table
-from mnesite.rlog.server import NodeServer, monotonic_ms
+from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -117,8 +117,8 @@ class ReplicantNode(NodeServer):
         self.rng = rng or random.Random()
         self.replica_config = replica_config or ReplicaConfig()
         self.cores = tuple(sorted(config.core_nodes))
-        os.makedirs(config.data_dir, exist_ok=True)
-        super().__init__(config, Store(config.database_path, synchronous=config.synchronous))
+        data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
+        super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
         self.replicas: dict[str, ShardReplica] = {}
         self.core_sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, Pending] = {}
@@ -465,7 +465,7 @@ class ReplicantNode(NodeServer):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
-                self.reply(envelope, codec.error("?", error.code, str(error)))
+                self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
                 continue
             refused = self.refusal(principal, message)
             if refused is not None:
@@ -478,6 +478,8 @@ class ReplicantNode(NodeServer):
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
             except SchemaError as error:
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+            except OverloadedError as error:
+                self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
 
     def _dispatch(self, envelope: list[bytes], message: Message) -> None:
         body = message.body
@@ -566,6 +568,7 @@ class ReplicantNode(NodeServer):
         upstreams = [r.status().upstream for r in self.replicas.values() if r.status().upstream]
         core = upstreams[0] if upstreams else self.cores[self.rng.randrange(len(self.cores))]
         now = self.clock_ms()
+        self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
         self.pending[message.request_id] = Pending(
             "forward", core, now + FORWARD_TIMEOUT_MS, detail={"envelope": envelope}
         )
@@ -604,6 +607,7 @@ class ReplicantNode(NodeServer):
             self.reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
             return
         wait_ms = min(READ_WAIT_MS_MAX, int(message.body.get("wait_ms", READ_WAIT_MS_MAX)))
+        self.hold(envelope, message.request_id)
         self.waiting_reads.append(WaitingRead(envelope, message, shard, min_key, self.clock_ms() + wait_ms))
 
     def _read_now(self, table: TableSchema, message: Message) -> Any:

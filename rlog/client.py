@@ -35,6 +35,7 @@ instead of waiting for an answer that cannot come. A role that may not send a re
 from __future__ import annotations
 
 import os
+import socket as socket_module
 import time
 import uuid
 from collections.abc import Iterator
@@ -109,6 +110,13 @@ class RemoteError(MnesiteError):
     """Any other error answered by the node."""
 
 
+class InvalidRequest(RemoteError):
+    """Refused before sending, as a node would refuse it: it breaks its kind's schema (``rlog.messages``)
+    or exceeds ``frame_bytes_max``."""
+
+    code = "bad_request"
+
+
 _ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable, "forbidden": Forbidden}
 WRITE_KINDS = frozenset({"transact", "create_table"})
 _HANDSHAKE_EVENTS = 0
@@ -128,12 +136,15 @@ class Client:
         retries: int = 2,
         key: str | os.PathLike[str] | KeyPair | None = None,
         server_key: str | os.PathLike[str] | bytes | None = None,
+        frame_bytes_max: int = codec.FRAME_BYTES_MAX_DEFAULT,
     ) -> None:
         """``key``: the caller's secret key file (or a loaded ``KeyPair``); ``server_key``: the
-        cluster's public key file (or the raw 32-byte key). Give both, or neither (no CurveZMQ)."""
+        cluster's public key file (or the raw 32-byte key). Give both, or neither (no CurveZMQ).
+        ``frame_bytes_max``: requests above it are refused before sending, answers above it ignored."""
         self.endpoint = endpoint or default_endpoint()
         self.timeout_ms = timeout_ms
         self.retries = retries
+        self.frame_bytes_max = frame_bytes_max
         self.last_tx_key: TxKey | None = None
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
@@ -192,7 +203,16 @@ class Client:
         more times for silence and until ``timeout_ms * (retries + 1)`` in all.
         """
         message = Message(kind, request_id or uuid.uuid4().hex, body or {})
-        frame = codec.encode(message)
+        try:
+            frame = codec.encode(message)
+        except CodecError as error:
+            # The same schema a node checks: refuse here, before anything is sent.
+            raise InvalidRequest(f"not sent: {error}", "bad_request") from None
+        if len(frame) > self.frame_bytes_max:
+            raise InvalidRequest(
+                f"not sent: the {kind} request is {len(frame)} bytes, above frame_bytes_max {self.frame_bytes_max}",
+                "too_large",
+            )
         deadline = time.monotonic() + self.timeout_ms * (self.retries + 1) / 1000
         silent_attempts = 0
         backoff_s = RETRY_BACKOFF_S_MIN
@@ -212,7 +232,7 @@ class Client:
                 if silent_attempts > self.retries or time.monotonic() >= deadline:
                     reason = (
                         f"node {self.endpoint} did not answer {kind} within {self.timeout_ms} ms "
-                        f"({silent_attempts} attempts)"
+                        f"({silent_attempts} attempts{_why_silent(self.endpoint, kind)})"
                     )
                     self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable")
                 continue
@@ -259,7 +279,7 @@ class Client:
                 continue
             frame = socket.recv()
             try:
-                answer = codec.decode(frame)
+                answer = codec.decode(frame, self.frame_bytes_max)
             except CodecError:
                 continue  # not ours to understand; keep waiting for our answer
             if answer.request_id in (request_id, "?") and answer.kind in ("reply", "error"):
@@ -360,7 +380,13 @@ class Client:
         """Every row after ``after`` in key order, fetched in pages of ``page_rows``."""
         key_column = None
         while True:
-            page = self.scan_page(table, after, page_rows, consistency, after_tx_key)
+            try:
+                page = self.scan_page(table, after, page_rows, consistency, after_tx_key)
+            except RemoteError as error:
+                if error.code != "too_large" or page_rows == 1:
+                    raise
+                page_rows = max(1, page_rows // 2)  # the page exceeds a frame: ask for fewer rows
+                continue
             yield from page
             if len(page) < page_rows:
                 return
@@ -413,6 +439,18 @@ class Client:
         if limit is not None:
             body["limit"] = limit
         return self.call("row_digests", body)
+
+
+def _why_silent(endpoint: str, kind: str) -> str:
+    """Tell an unreachable node from one that is up but silent (a write's outcome: ``OutcomeUnknown``)."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        try:
+            with socket_module.create_connection((host.strip("[]"), int(port)), timeout=1):
+                pass
+        except (OSError, ValueError):
+            return "; nothing accepts connections there: unreachable"
+    return ""
 
 
 class Transaction:

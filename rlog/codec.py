@@ -3,10 +3,11 @@
 A frame is the msgpack array ``[version, kind, request_id, body]``:
 
 * ``version``: ``PROTOCOL_VERSION``; other versions are refused with a clear reason.
-* ``kind``: one of ``KINDS``; each kind declares the body fields it requires.
+* ``kind``: one of ``KINDS``; ``rlog.messages`` holds each kind's schema (types, ranges, lengths, depth).
 * ``request_id``: a client-chosen string (at most 64 characters). It pairs a reply with
   its request and, for writes, makes a retried request idempotent.
-* ``body``: a map from field name to value.
+* ``body``: a map from field name to value, checked against the kind's schema and also given as a
+  frozen dataclass (``Message.fields``).
 
 Decoding never raises anything but ``CodecError`` (fuzzed with hypothesis), and never
 pickles: msgpack extension types are refused.
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+from mnesite.rlog import messages
 
 PROTOCOL_VERSION = 1
 FRAME_BYTES_MAX_DEFAULT = 4 * 1024 * 1024
-REQUEST_ID_CHARS_MAX = 64
+REQUEST_ID_CHARS_MAX = messages.REQUEST_ID_CHARS_MAX
 
 
 class CodecError(ValueError):
@@ -32,103 +34,8 @@ class CodecError(ValueError):
         self.code = code
 
 
-# kind -> {field: (python types, required)}
-_ANY = object
-KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    # client requests
-    "transact": {"guards": ((list,), False), "ops": ((list,), True), "forwarded": ((bool,), False)},
-    "create_table": {
-        "table": ((str,), True),
-        "key": ((str,), True),
-        "columns": ((list,), True),
-        "shard": ((str,), False),
-        "forwarded": ((bool,), False),
-    },
-    "list_tables": {},
-    # min_key: wait (at most wait_ms) until the table's shard has applied that tx key
-    "get": {
-        "table": ((str,), True),
-        "key": ((_ANY,), True),
-        "forwarded": ((bool,), False),
-        "consistency": ((str,), False),
-        "min_key": ((list,), False),
-        "wait_ms": ((int,), False),
-    },
-    "scan": {
-        "table": ((str,), True),
-        "after": ((_ANY,), False),
-        "forwarded": ((bool,), False),
-        "limit": ((int,), False),
-        "consistency": ((str,), False),
-        "min_key": ((list,), False),
-        "wait_ms": ((int,), False),
-    },
-    "status": {},
-    # a bootstrap's key-ordered dirty-read batch of one table (bootstrap.serve), answered {rows, done}
-    "bootstrap_batch": {
-        "table": ((str,), True),
-        "after": ((_ANY,), False),
-        "limit": ((int,), True),
-        "bytes_max": ((int,), False),
-    },
-    # the committed key of a shard, confirmed by a sequencer that hears a majority (linearizable reads)
-    "read_index": {"shard": ((str,), True), "forwarded": ((bool,), False)},
-    "journal": {},
-    "force_start": {},
-    # replicant -> core: start watching a shard (answered with the agent id and resume/bootstrap)
-    "watch": {
-        "shard": ((str,), True),
-        "replicant": ((str,), True),
-        "endpoint": ((str,), True),
-        "from": ((list,), True),
-        "from_digest": ((bytes,), True),
-        "protocol": ((int,), True),
-        # chosen by the replica; the answer and every push of the new agent repeat it
-        "watch_id": ((str,), False),
-    },
-    # core agent -> replicant: committed entries (none: a heartbeat)
-    "push": {
-        "shard": ((str,), True),
-        "agent": ((str,), True),
-        "core": ((str,), True),
-        "entries": ((list,), True),
-        "committed": ((list,), True),
-        "hears_sequencer": ((bool,), True),
-        # the answer to the watch that created the agent (a push may overtake that answer)
-        "watch": ((dict,), False),
-    },
-    # replicant -> core agent: applied key, or why the push was rejected
-    "push_ack": {
-        "shard": ((str,), True),
-        "agent": ((str,), True),
-        "applied": ((list,), True),
-        "rejected": ((str,), False),
-    },
-    # sequencer -> a follower behind its trimmed key: install a snapshot at this key (core.snapshot)
-    "snapshot_offer": {
-        "shard": ((str,), True),
-        "sender": ((str,), True),
-        "generation": ((int,), True),
-        "key": ((list,), True),
-        "digest": ((bytes,), True),
-    },
-    # between cores: one consensus message of one shard (see core.consensus_wire), exclusion notices included
-    "peer": {"shard": ((str,), True), "sender": ((str,), True), "message": ((list,), True)},
-    "rlog_tail": {"shard": ((str,), True), "count": ((int,), False)},
-    "rlog_entries": {"shard": ((str,), True), "after": ((list,), False), "limit": ((int,), False)},
-    # replies
-    "reply": {"result": ((_ANY,), False)},
-    "error": {"code": ((str,), True), "message": ((str,), True), "detail": ((_ANY,), False)},
-}
-
-
-def _range_kinds() -> dict[str, dict[str, tuple[tuple[type, ...], bool]]]:
-    from mnesite.rlog.range_requests import KINDS as range_kinds  # lazily: range_requests imports the store
-
-    return range_kinds
-
-
-KINDS.update(_range_kinds())
+# One schema entry per kind lives in ``rlog.messages``; this is the set of kinds it knows.
+KINDS = messages.SCHEMAS
 
 
 @dataclass(frozen=True)
@@ -136,6 +43,8 @@ class Message:
     kind: str
     request_id: str
     body: dict[str, Any] = field(default_factory=dict)
+    # The body as its kind's frozen dataclass (``rlog.messages``); set by ``decode``.
+    fields: Any = field(default=None, compare=False, repr=False)
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -185,31 +94,19 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
     message = Message(kind, request_id, body) if isinstance(kind, str) else None
     if message is None:
         raise CodecError("message kind must be a string")
-    check_message(message)
-    return message
+    return Message(kind, request_id, body, check_message(message))
 
 
-def check_message(message: Message) -> None:
+def check_message(message: Message) -> Any:
+    """Check a message against its kind's schema; return the body's frozen dataclass."""
     if message.kind not in KINDS:
         raise CodecError(f"unknown message kind {message.kind!r:.40}", "unknown_kind")
     if not isinstance(message.request_id, str) or not 0 < len(message.request_id) <= REQUEST_ID_CHARS_MAX:
         raise CodecError(f"request_id must be a string of 1..{REQUEST_ID_CHARS_MAX} characters")
-    if not isinstance(message.body, dict):
-        raise CodecError("body must be a map")
-    spec = KINDS[message.kind]
-    for name in message.body:
-        if name not in spec:
-            raise CodecError(f"{message.kind}: unknown field {name!r:.40}")
-    for name, (types, required) in spec.items():
-        if name not in message.body:
-            if required:
-                raise CodecError(f"{message.kind}: missing field {name!r}")
-            continue
-        value = message.body[name]
-        if types == (_ANY,):
-            continue
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise CodecError(f"{message.kind}: field {name!r} must be {'/'.join(t.__name__ for t in types)}")
+    try:
+        return messages.check_body(message.kind, message.body)[1]
+    except messages.MessageError as error:
+        raise CodecError(str(error), error.code) from None
 
 
 def reply(request_id: str, result: Any = None) -> Message:

@@ -26,6 +26,11 @@ Example::
     turn_ms_max = 50                    # time spent draining frames per loop turn
     push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
+    requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
+    requests_queued_max = 10000         # incoming frames zmq queues
+    replies_queued_max = 1000           # answers zmq queues per connection
+    watches_max = 256                   # replicant watches (agents) per core
+    push_queue_max = 64                 # frames queued to one replicant endpoint
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -92,6 +97,16 @@ class Limits:
     # An agent's pushes to one replicant: bytes in one push, and pushed but unacknowledged (core.agent).
     push_bytes_max: int = 256 * 1024
     window_bytes_max: int = 8 * 1024 * 1024
+    # Requests waiting for a later answer (a commit, the sequencer, a read fence) per client connection.
+    requests_outstanding_max: int = 1000
+    # Frames zmq queues: incoming ones in all, answers per connection (a client that does not read).
+    requests_queued_max: int = 10_000
+    replies_queued_max: int = 1000
+    # Replicant watches (agents) one core serves; watches to endpoints that never acknowledged are
+    # evicted first when a new watch needs room.
+    watches_max: int = 256
+    # Frames queued to one replicant's endpoint (pushes beyond it are dropped and re-sent by the agent).
+    push_queue_max: int = 64
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,11 @@ _LIMIT_BOUNDS = {
     "turn_ms_max": (1, 60_000),
     "push_bytes_max": (1024, 256 * 1024 * 1024),
     "window_bytes_max": (1024, 1024 * 1024 * 1024),
+    "requests_outstanding_max": (1, 1_000_000),
+    "requests_queued_max": (1, 1_000_000),
+    "replies_queued_max": (1, 1_000_000),
+    "watches_max": (1, 100_000),
+    "push_queue_max": (1, 100_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
     "election_timeout_ms_min": (10, 600_000),

@@ -18,6 +18,7 @@ COLUMN_TYPES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
 KEY_TYPES = ("INTEGER", "TEXT", "BLOB")
 NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 RESERVED_PREFIX = "_mnesite"
+SQLITE_RESERVED_PREFIX = "sqlite_"  # SQLite refuses to create objects whose names start with it
 DEFAULT_SHARD = "default"
 INTEGER_MIN = -(2**63)
 INTEGER_MAX = 2**63 - 1
@@ -34,9 +35,36 @@ class SchemaError(ValueError):
 def check_name(kind: str, name: Any) -> str:
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
         raise SchemaError("bad_request", f"invalid {kind} name {name!r}: use letters, digits and _, at most 63")
-    if name.lower().startswith(RESERVED_PREFIX):
-        raise SchemaError("bad_request", f"invalid {kind} name {name!r}: the prefix {RESERVED_PREFIX} is reserved")
+    for prefix in (RESERVED_PREFIX, SQLITE_RESERVED_PREFIX):
+        if name.lower().startswith(prefix):
+            raise SchemaError("bad_request", f"invalid {kind} name {name!r}: the prefix {prefix} is reserved")
     return name
+
+
+def find_table(catalog: dict[str, TableSchema], name: str) -> TableSchema | None:
+    """The table SQLite would consider the same as ``name``: SQLite's table names are case-insensitive."""
+    table = catalog.get(name)
+    if table is not None:
+        return table
+    folded = name.lower()
+    return next((t for n, t in catalog.items() if n.lower() == folded), None)
+
+
+def check_creatable(catalog: dict[str, TableSchema], op: CreateTableOp) -> bool:
+    """The one rule for creating a table, used before proposing and when applying a committed entry.
+
+    Returns False when the same definition exists already (applying it again changes nothing);
+    raises ``SchemaError`` when the definition is invalid or its name is taken in any letter case.
+    """
+    TableSchema.from_op(op)  # names, reserved prefixes, types, key column
+    existing = find_table(catalog, op.table)
+    if existing is None:
+        return True
+    if existing.to_op() == op:
+        return False
+    raise SchemaError(
+        "table_exists", f"table {op.table!r} already exists (as {existing.name!r} in shard {existing.shard!r})"
+    )
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError, load_config
+from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.roles import sender_mismatch
 from mnesite.rlog.security import NodeSecurity, SecurityError
 from mnesite.rlog.store import Store
@@ -38,7 +39,13 @@ SOCKET_MESSAGE_FACTOR = 4
 ROUTER_QUEUE_MAX = 10_000
 # Frames (and bytes, times turn_bytes_max) kept for later turns, as a multiple of group_commit_max.
 BACKLOG_FACTOR = 4
+VIOLATION_LOG_INTERVAL_MS = 1000
+VIOLATION_SENDERS_MAX = 1000
 REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
+
+
+class OverloadedError(Exception):
+    """A bound was reached; the request is refused with code ``overloaded`` and changes nothing."""
 
 
 def monotonic_ms() -> int:
@@ -61,9 +68,10 @@ class NodeServer:
 
     role = "node"
 
-    def __init__(self, config: Config, store: Store) -> None:
+    def __init__(self, config: Config, store: Store, data_dir_lock: DataDirectoryLock | None = None) -> None:
         self.config = config
         self.store = store
+        self.data_dir_lock = data_dir_lock
         self.context: zmq.Context | None = None
         self.socket: zmq.Socket | None = None
         self.dealers: dict[str, zmq.Socket] = {}
@@ -81,17 +89,36 @@ class NodeServer:
                 self.security = NodeSecurity(config.security)
             except SecurityError as error:
                 store.close()
+                if data_dir_lock is not None:
+                    data_dir_lock.release()
                 raise ConfigError(str(error)) from None
             # Peers know this node by the principal of its client key: it must be this node's name.
             principal = self.security.authorized.get(self.security.client.public)
             if principal is not None and principal != config.name:
                 store.close()
+                if data_dir_lock is not None:
+                    data_dir_lock.release()
                 raise ConfigError(
                     f"[security].client_key is the key of {principal!r} in authorized_keys, not of this node "
                     f"{config.name!r}"
                 )
             if principal is None:
                 log.warning("[security].client_key of %s is not in its own authorized_keys", config.name)
+        # connection identity -> request ids held for a later answer (writes awaiting commit, ...)
+        self.outstanding: dict[bytes, set[str]] = {}
+        self.protocol_violations = 0
+        self._violation_logged_ms: dict[str, int] = {}
+
+    def protocol_violation(self, sender: str, reason: str) -> None:
+        """Count a peer's message that breaks the protocol against our state; log at most once a second per sender."""
+        self.protocol_violations += 1
+        now = monotonic_ms()
+        key = sender[:64]
+        if now - self._violation_logged_ms.get(key, -(10**12)) >= VIOLATION_LOG_INTERVAL_MS:
+            if len(self._violation_logged_ms) >= VIOLATION_SENDERS_MAX:
+                self._violation_logged_ms.clear()
+            self._violation_logged_ms[key] = now
+            log.warning("protocol violation by %.64s: %.300s (%d so far)", sender, reason, self.protocol_violations)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -111,8 +138,9 @@ class NodeServer:
         if self.security is not None:
             self.security.secure_server(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.RCVHWM, ROUTER_QUEUE_MAX)
-        self.socket.setsockopt(zmq.SNDHWM, ROUTER_QUEUE_MAX)
+        self.socket.setsockopt(zmq.RCVHWM, self.config.limits.requests_queued_max)
+        # Answers queued per connection: a client that never reads costs at most this many frames.
+        self.socket.setsockopt(zmq.SNDHWM, self.config.limits.replies_queued_max)
         self.socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.frame_bytes_max * SOCKET_MESSAGE_FACTOR)
         self.socket.bind(self.config.listen)
 
@@ -211,9 +239,15 @@ class NodeServer:
             self.context.term()
             self.context = None
         self.store.close()
+        if self.data_dir_lock is not None:
+            self.data_dir_lock.release()
 
-    def dealer(self, endpoint: str, queue_max: int, dealers_max: int) -> zmq.Socket | None:
-        """The DEALER connected to ``endpoint`` (made on first use; None past ``dealers_max``)."""
+    def dealer(self, endpoint: str, queue_max: int, dealers_max: int, immediate: bool = False) -> zmq.Socket | None:
+        """The DEALER connected to ``endpoint`` (made on first use; None past ``dealers_max``).
+
+        ``immediate``: queue nothing while the connection is not up (zmq's IMMEDIATE), so a dead
+        endpoint costs a socket and no memory: sends to it are dropped at once.
+        """
         socket = self.dealers.get(endpoint)
         if socket is None:
             if self.context is None or len(self.dealers) >= dealers_max:
@@ -222,11 +256,39 @@ class NodeServer:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, queue_max)
             socket.setsockopt(zmq.RCVHWM, queue_max)
+            socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.frame_bytes_max * SOCKET_MESSAGE_FACTOR)
+            if immediate:
+                socket.setsockopt(zmq.IMMEDIATE, 1)
             if self.security is not None:
                 self.security.secure_client(socket)
-            socket.connect(endpoint)
+            try:
+                socket.connect(endpoint)
+            except zmq.ZMQError as error:
+                # An endpoint zmq cannot parse: a socket left open here would block context teardown.
+                socket.close(0)
+                log.warning("cannot connect to %.80r: %s", endpoint, error)
+                return None
             self.dealers[endpoint] = socket
         return socket
+
+    def close_dealer(self, endpoint: str) -> None:
+        socket = self.dealers.pop(endpoint, None)
+        if socket is not None:
+            socket.close(0)
+
+    # -- requests held for a later answer ----------------------------------------------------
+
+    def hold(self, envelope: list[bytes] | None, request_id: str) -> None:
+        """Count a request that will be answered later; refuse past ``requests_outstanding_max`` per connection."""
+        if envelope is None:
+            return
+        held = self.outstanding.setdefault(envelope[0], set())
+        if request_id not in held and len(held) >= self.config.limits.requests_outstanding_max:
+            raise OverloadedError(
+                f"{len(held)} requests of this connection are outstanding "
+                f"(requests_outstanding_max {self.config.limits.requests_outstanding_max}); read the answers first"
+            )
+        held.add(request_id)
 
     def poll(self, timeout_ms: int) -> dict[Any, int]:
         poller = zmq.Poller()
@@ -297,6 +359,11 @@ class NodeServer:
     def reply(self, envelope: list[bytes] | None, message: Message) -> None:
         """Queue an answer to the ROUTER peer ``envelope`` (None: nobody to answer)."""
         if envelope is not None:
+            held = self.outstanding.get(envelope[0])
+            if held is not None:
+                held.discard(message.request_id)
+                if not held:
+                    del self.outstanding[envelope[0]]
             self._outbox.append((None, envelope, message))
 
     def queue(self, socket: zmq.Socket, message: Message) -> None:
@@ -322,6 +389,16 @@ class NodeServer:
                 frame = codec.encode(message)
             except CodecError as error:
                 frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
+            if socket is None and len(frame) > self.config.limits.frame_bytes_max:
+                # The client would drop a frame above its limit and report silence: say why instead.
+                frame = codec.encode(
+                    codec.error(
+                        message.request_id,
+                        "too_large",
+                        f"the answer is {len(frame)} bytes, above frame_bytes_max "
+                        f"{self.config.limits.frame_bytes_max}; ask for fewer rows",
+                    )
+                )
             try:
                 target.send_multipart([*envelope, frame], zmq.NOBLOCK)
             except zmq.Again:

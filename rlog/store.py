@@ -31,7 +31,7 @@ from typing import Any
 
 import apsw
 import msgpack
-from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.schema import SchemaError, TableSchema, check_creatable
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
@@ -94,6 +94,21 @@ CREATE INDEX IF NOT EXISTS _mnesite_rlog_request ON _mnesite_rlog(request_id) WH
 
 class StoreError(RuntimeError):
     """The database is not a mnesite database, or a store precondition was violated."""
+
+
+class EntryApplyError(StoreError):
+    """A committed entry cannot be applied here. The node must stop: its state machines believe it applied.
+
+    The message names the shard, the entry's tx key and request id, and why, so that an operator can
+    find the entry (``mnesite rlog tail``) and the node never crash-loops with a bare traceback.
+    """
+
+    def __init__(self, entry: Entry, error: BaseException) -> None:
+        super().__init__(
+            f"shard {entry.shard}: committed entry {entry.tx_key} (request {entry.request_id!r}) cannot be applied "
+            f"on this node: {type(error).__name__}: {str(error)[:300]}"
+        )
+        self.entry = entry
 
 
 @dataclass(frozen=True)
@@ -336,7 +351,10 @@ class Store:
             if not batch:
                 raise StoreError(f"shard {shard}: cannot apply up to {up_to}, the log ends at {after}")
             for entry in batch:
-                self.apply_entry(entry)
+                try:
+                    self.apply_entry(entry)
+                except (apsw.Error, StoreError) as error:
+                    raise EntryApplyError(entry, error) from None
                 applied.append(entry)
             after = batch[-1].tx_key
         return applied
@@ -408,11 +426,12 @@ class Store:
                 raise StoreError(f"unknown op {op!r}")
 
     def _create_table(self, op: CreateTableOp) -> None:
-        existing = self.catalog().get(op.table)
-        if existing is not None:
-            if existing.to_op() == op:
-                return  # replay of the same definition heals, it does not fail
-            raise StoreError(f"table {op.table} already exists with another definition")
+        # The same rule the sequencer checked before proposing; a replay of the same definition heals.
+        try:
+            if not check_creatable(self.catalog(), op):
+                return
+        except SchemaError as error:
+            raise StoreError(f"cannot create table {op.table!r}: {error}") from None
         definitions = []
         for name, column_type in op.columns:
             suffix = " PRIMARY KEY NOT NULL" if name == op.key_column else ""

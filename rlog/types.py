@@ -235,7 +235,9 @@ def tx_key_from_wire(value: Any) -> TxKey:
         or len(value) != 2
         or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
     ):
-        raise OpDecodeError(f"tx key must be [generation, counter] of non-negative integers, got {value!r}")
+        # Never format the value itself: a hostile one may be nested too deep for repr.
+        got = type(value).__name__
+        raise OpDecodeError(f"tx key must be [generation, counter] of non-negative integers, got {got}")
     return TxKey(value[0], value[1])
 
 

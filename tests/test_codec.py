@@ -106,9 +106,9 @@ def test_errors_name_the_problem() -> None:
     with pytest.raises(CodecError, match="unknown message kind") as info:
         codec.decode(msgpack.packb([1, "launch_missiles", "r", {}]))
     assert info.value.code == "unknown_kind"
-    with pytest.raises(CodecError, match="missing field 'ops'"):
+    with pytest.raises(CodecError, match=r"transact\.ops: is missing"):
         codec.decode(msgpack.packb([1, "transact", "r", {}]))
-    with pytest.raises(CodecError, match="field 'table' must be str"):
+    with pytest.raises(CodecError, match=r"get\.table: must be a string of 1\.\.64 characters, got int"):
         codec.decode(msgpack.packb([1, "get", "r", {"table": 5, "key": 1}]))
     with pytest.raises(CodecError, match="extension type"):
         codec.decode(msgpack.packb([1, "get", "r", {"table": "t", "key": msgpack.ExtType(5, b"x")}]))

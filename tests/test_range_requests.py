@@ -95,7 +95,7 @@ def test_answers_carry_the_applied_position(thread_node: ThreadNode) -> None:
         ("range_digest", {"table": "nope", "ranges": [[None, None]]}, "unknown_table", "unknown table 'nope'"),
         ("key_boundaries", {"table": "nope", "parts": 2}, "unknown_table", "unknown table"),
         ("row_digests", {"table": "nope"}, "unknown_table", "unknown table"),
-        ("range_digest", {"table": "items", "ranges": []}, "bad_request", "ranges must be a list"),
+        ("range_digest", {"table": "items", "ranges": []}, "bad_request", "ranges: must be a list"),
         ("range_digest", {"table": "items", "ranges": [[1]]}, "bad_request", "range 0 must be a [low, high] pair"),
         ("range_digest", {"table": "items", "ranges": [[None, 5], 7]}, "bad_request", "range 1 must be"),
         ("range_digest", {"table": "items", "ranges": [[5, 5]]}, "bad_request", "low must be below high"),
@@ -105,7 +105,7 @@ def test_answers_carry_the_applied_position(thread_node: ThreadNode) -> None:
             "range_digest",
             {"table": "items", "ranges": [[None, None]] * (range_requests.RANGES_MAX + 1)},
             "bad_request",
-            "ranges must be a list of 1..10000",
+            "ranges: must be a list of 1..10000",
         ),
         ("key_boundaries", {"table": "items", "parts": 0}, "bad_request", "parts must be"),
         ("key_boundaries", {"table": "items", "parts": range_requests.PARTS_MAX + 1}, "bad_request", "parts must be"),
@@ -137,9 +137,9 @@ def test_unknown_fields_and_wrong_field_types_are_refused_by_the_node(thread_nod
     socket.connect(thread_node.endpoint)
     try:
         for request_id, body, message in (
-            ("r1", {"table": "items", "ranges": [[None, None]], "extra": 1}, "unknown field 'extra'"),
-            ("r2", {"table": "items", "ranges": "all"}, "field 'ranges' must be list"),
-            ("r3", {"ranges": [[None, None]]}, "missing field 'table'"),
+            ("r1", {"table": "items", "ranges": [[None, None]], "extra": 1}, "range_digest.extra: is not a field"),
+            ("r2", {"table": "items", "ranges": "all"}, "range_digest.ranges: must be a list"),
+            ("r3", {"ranges": [[None, None]]}, "range_digest.table: is missing"),
         ):
             # Raw frames: the client would refuse to encode these itself.
             socket.send(msgpack.packb([codec.PROTOCOL_VERSION, "range_digest", request_id, body], use_bin_type=True))

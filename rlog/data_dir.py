@@ -1,0 +1,65 @@
+"""A node's data directory: one process at a time, readable by its owner only.
+
+Theory of operation
+-------------------
+Two processes on one data directory would both append to one rlog and one of them would die later
+with a confusing error. So a node takes an exclusive ``flock`` on ``data_dir/LOCK`` before it opens
+the database and keeps it until it stops; the kernel releases it when the process dies, so a crash
+never leaves a stale lock. The lock file records the node's name and process id, and a second
+process refuses to start with an error that names them.
+
+The data is the database's: the directory is made 0700 and the database file 0600 before SQLite
+opens it (SQLite gives its -wal and -shm files the database file's mode), whatever the umask.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+LOCK_FILE = "LOCK"
+DIRECTORY_MODE = 0o700
+FILE_MODE = 0o600
+LOCK_RECORD_BYTES_MAX = 256
+
+
+class DataDirectoryInUse(RuntimeError):
+    """Another process holds this data directory."""
+
+
+class DataDirectoryLock:
+    def __init__(self, data_dir: str, fd: int) -> None:
+        self.data_dir = data_dir
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, data_dir: str, node_name: str, database_path: str | None = None) -> DataDirectoryLock:
+        """Create the directory (0700) if needed and lock it for ``node_name``; raise ``DataDirectoryInUse``."""
+        os.makedirs(data_dir, mode=DIRECTORY_MODE, exist_ok=True)
+        os.chmod(data_dir, DIRECTORY_MODE)
+        path = os.path.join(data_dir, LOCK_FILE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, LOCK_RECORD_BYTES_MAX, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise DataDirectoryInUse(
+                f"data directory {data_dir} is in use by {holder}; stop that node first "
+                f"(two processes on one data directory would corrupt its rlog)"
+            ) from None
+        os.fchmod(fd, FILE_MODE)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"node {node_name} (pid {os.getpid()})\n".encode(), 0)
+        if database_path is not None:
+            # Created 0600 before SQLite opens it; an existing one is narrowed to 0600.
+            os.close(os.open(database_path, os.O_RDWR | os.O_CREAT, FILE_MODE))
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(database_path + suffix):
+                    os.chmod(database_path + suffix, FILE_MODE)
+        return cls(data_dir, fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
