@@ -235,10 +235,12 @@ class CoreNode(NodeServer):
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
         limits = config.limits
+        # A push is one frame: never more than half of frame_bytes_max, whatever push_bytes_max says.
+        push_bytes_max = max(1, min(limits.push_bytes_max, limits.frame_bytes_max // 2))
         agent_config = AgentConfig(
-            push_bytes_max=limits.push_bytes_max,
+            push_bytes_max=push_bytes_max,
             window_bytes_max=limits.window_bytes_max,
-            step_bytes_max=limits.push_bytes_max,
+            step_bytes_max=push_bytes_max,
         )
         self.rlog_server = RlogServer(
             config.name, agent_config, random.Random(self.rng.random()), watches_max=limits.watches_max

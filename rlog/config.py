@@ -242,8 +242,6 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         raise ConfigError(f"[storage].synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
 
     limits = _int_section("limits", data.get("limits", {}), Limits)
-    if limits.push_bytes_max > limits.frame_bytes_max:
-        raise ConfigError("[limits].push_bytes_max must be at most frame_bytes_max (a push is one frame)")
     security = parse_security(data.get("security"), base_dir)
     if security is not None and security.enabled:
         # Peers know a core only by its key's principal, which must be its node name.
