@@ -498,7 +498,7 @@ _SCHEMA_LIST = [
         ("committed", TX_KEY, True),
         ("hears_sequencer", Flag(), True),
         # the answer to the watch that created the agent (a push may overtake that answer)
-        ("watch", FreeValue(depth_max=2), False),
+        ("watch", FreeValue(depth_max=3), False),
     ),
     _kind(
         "push_ack",

@@ -388,6 +388,11 @@ class NodeServer:
             try:
                 frame = codec.encode(message)
             except CodecError as error:
+                if socket is not None:
+                    # A message of ours to a peer or replicant that our own typed layer refuses is a bug
+                    # here: say so in the log, and never send the peer an ``error`` it did not ask for.
+                    log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
+                    continue
                 frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
             if socket is None and len(frame) > self.config.limits.frame_bytes_max:
                 # The client would drop a frame above its limit and report silence: say why instead.

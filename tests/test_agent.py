@@ -286,3 +286,32 @@ def test_one_step_pushes_at_most_step_bytes_max_and_the_next_tick_is_due_at_once
     assert len(pushed_keys(effects)) == 6  # two pushes of three entries: 5000 bytes reached
     assert machine.next_deadline_ms() == 0
     assert pushed_keys(machine.step(Ticked(), 0))[0] == TxKey(1, 7)
+
+
+def test_every_frame_the_rlog_server_queues_passes_the_typed_message_layer():
+    """Regression: the watch answer repeated in every push was refused by the codec's depth bound on
+    encode, so cores sent ``error`` frames to replicants instead of pushes and no replicant advanced."""
+    from mnesite.core.rlog_server import RlogServer
+    from mnesite.rlog import codec
+    from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
+
+    log = build_log(5)
+    server = RlogServer("core1")
+    body = {
+        "shard": SHARD,
+        "replicant": "rep0",
+        "endpoint": "tcp://127.0.0.1:1",
+        "from": [0, 0],
+        "from_digest": GENESIS_DIGEST,
+        "protocol": REPLICATION_PROTOCOL_VERSION,
+        "watch_id": "w" * 64,
+    }
+    committed = log.last_key()
+    answer = server.watch(body, log, committed, log.digest_at(committed), log.digest_at, True, 0)
+    assert answer["watch_id"] == "w" * 64
+    server.tick(10_000)
+    assert server.outbox, "the new agent pushed nothing"
+    for _endpoint, message in server.outbox:
+        decoded = codec.decode(codec.encode(message))
+        assert decoded.kind == message.kind == "push"
+        assert decoded.body["watch"]["watch_id"] == "w" * 64
