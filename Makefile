@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup java run test test-fast lint bench clean fuzz
+.PHONY: setup java faketime run test test-fast fault-test failover lint bench clean fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,15 @@ java:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q openjdk-17-jre-headless; }
 
+# The fault test's clock-skew fault needs libfaketime; install Debian's when it is missing
+# (without it that one fault is skipped with a message).
+faketime:
+	@command -v faketime >/dev/null 2>&1 || { \
+	  echo "faketime not found: installing faketime (libfaketime)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q faketime; } || \
+	  echo "could not install faketime: the clock_skew fault will be skipped"
+
 run: setup
 	$(BIN)/mnesite start --sample-data
 
@@ -32,6 +41,17 @@ test: setup java
 test-fast: setup
 	$(BIN)/ruff check .
 	$(BIN)/pytest -m "not slow and not spark" -q
+
+# The long real-process fault run (tests/fault/run.py): FAULT_SEED, FAULT_DURATION_S, FAULT_CLIENTS.
+FAULT_SEED ?= 1
+FAULT_DURATION_S ?= 300
+FAULT_CLIENTS ?= 10
+fault-test: setup faketime
+	$(BIN)/python -m tests.fault.run --seed $(FAULT_SEED) --duration-s $(FAULT_DURATION_S) --clients $(FAULT_CLIENTS)
+
+# Sequencer-kill and follower-pause figures (tests/fault/failover.py).
+failover: setup
+	$(BIN)/python -m tests.fault.failover --kills 20 --pauses 5
 
 lint: setup
 	$(BIN)/ruff check .

@@ -578,11 +578,14 @@ class CoreNode(NodeServer):
             )
             if replicant_socket is not None:
                 self.queue(replicant_socket, message)
-        # Close the sockets of endpoints no agent pushes to any more (stopped, superseded, evicted).
+        # Close the sockets of endpoints no agent pushes to any more (stopped, superseded, evicted),
+        # except those a frame of this turn is still queued for: they close at a later turn.
         in_use = self.rlog_server.endpoints()
         peers = set(self.config.core_nodes.values())
-        for endpoint in [e for e in self.dealers if e not in in_use and e not in peers]:
-            self.close_dealer(endpoint)
+        queued = {id(socket) for socket, _, _ in self._outbox if socket is not None}
+        for endpoint, socket in list(self.dealers.items()):
+            if endpoint not in in_use and endpoint not in peers and id(socket) not in queued:
+                self.close_dealer(endpoint)
 
     def _linearizable(self, envelope: list[bytes], message: Message) -> None:
         """Answer at the sequencer when ``ShardConsensus.read_index`` allows it; elsewhere forward to it.

@@ -408,3 +408,6 @@ class NodeServer:
                 target.send_multipart([*envelope, frame], zmq.NOBLOCK)
             except zmq.Again:
                 log.debug("send queue full: a message was dropped")
+            except zmq.ZMQError as error:
+                # A socket closed meanwhile (its endpoint no longer used): every protocol here re-sends.
+                log.debug("send failed, message dropped: %s", error)

@@ -89,8 +89,9 @@ class NodeProcess:
         self.client_keys = client_keys or {}
         self.process: subprocess.Popen | None = None
 
-    def start(self, endpoint: str, timeout_s: float = 20) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+    def start(self, endpoint: str, timeout_s: float = 20, env: dict[str, str] | None = None) -> None:
+        """Start the node (``env``: extra environment, e.g. libfaketime's) and wait until it answers."""
+        env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "mnesite.cli", "start", "--config", str(self.config_path)],

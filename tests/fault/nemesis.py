@@ -1,0 +1,202 @@
+"""The nemesis: injects one fault at a time into a real cluster, chosen by a seeded ``random.Random``.
+
+Faults (each is injected, held for a random time, then healed, before the next one starts):
+
+* ``kill_sequencer``, ``kill_core``, ``kill_two_cores``: kill -9, then restart on the same data
+  directory (disks kept; two cores down is a lost majority for the hold time);
+* ``pause_sequencer``, ``pause_follower``, ``pause_replicant``: SIGSTOP, then SIGCONT;
+* ``restart_replicant``: kill -9 and restart a replicant;
+* ``clock_skew``: restart one core under libfaketime with its clock running ``rate`` times as fast
+  as the others' (0.25 to 4), for a longer hold, then restart it with the real clock. Every clock the
+  node reads and every timer it waits on run at that rate, so this is a true clock-rate difference.
+  It is skipped, with a message, when libfaketime is not installed (``make fault-test`` installs it).
+
+Every fault is logged with its start time, its target, the hold and the highest generation seen
+before and after, which is how the test shows what a fault cost in elections.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.conftest import Cluster
+
+FAKETIME_LIBRARIES = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+)
+FAULTS = (
+    "kill_sequencer",
+    "kill_core",
+    "kill_two_cores",
+    "pause_sequencer",
+    "pause_follower",
+    "pause_replicant",
+    "restart_replicant",
+    "clock_skew",
+)
+CLOCK_RATES = (0.25, 0.5, 2.0, 4.0)
+HOLD_S_MIN = 0.5
+HOLD_S_MAX = 4.0
+CLOCK_SKEW_HOLD_S_MIN = 5.0
+CLOCK_SKEW_HOLD_S_MAX = 10.0
+QUIET_S_MIN = 1.0
+QUIET_S_MAX = 3.0
+FAULTS_MAX = 10_000
+
+
+def faketime_library() -> str | None:
+    for path in FAKETIME_LIBRARIES:
+        if Path(path).exists():
+            return path
+    return None
+
+
+@dataclass
+class FaultRecord:
+    fault: str
+    targets: list[str]
+    started_s: float
+    hold_s: float
+    generation_before: int | None
+    generation_after: int | None = None
+    note: str = ""
+
+    def describe(self, origin_s: float) -> str:
+        return (
+            f"{self.started_s - origin_s:7.2f}s {self.fault:<17} {','.join(self.targets):<20} hold {self.hold_s:4.1f}s "
+            f"generation {self.generation_before} -> {self.generation_after}{' ' + self.note if self.note else ''}"
+        )
+
+
+@dataclass
+class Nemesis:
+    cluster: Cluster
+    replicants: list[str]
+    seed: int
+    faults: tuple[str, ...] = FAULTS
+    log: list[FaultRecord] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nemesis", daemon=True)
+        self.failure: BaseException | None = None
+        self._faketime = faketime_library()
+        if "clock_skew" in self.faults and self._faketime is None:
+            self.skipped.append("clock_skew: libfaketime is not installed (apt-get install -y faketime)")
+            self.faults = tuple(f for f in self.faults if f != "clock_skew")
+
+    def start(self) -> Nemesis:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """Stop after healing the fault under way; raise what went wrong in the nemesis, if anything."""
+        self._stopping.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the nemesis did not stop within {timeout_s} s")
+        if self.failure is not None:
+            raise RuntimeError(f"the nemesis failed: {self.failure!r}") from self.failure
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set() and len(self.log) < FAULTS_MAX:
+                if self._stopping.wait(self.rng.uniform(QUIET_S_MIN, QUIET_S_MAX)):
+                    return
+                self.inject(self.rng.choice(self.faults))
+        except BaseException as error:  # reported by stop(); the run's final checks still heal the cluster
+            self.failure = error
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def generation(self) -> int | None:
+        generations = []
+        for name in self.cluster.names:
+            status = self.cluster.status(name, timeout_ms=300)
+            if status and "default" in status["shards"]:
+                generations.append(status["shards"]["default"]["generation"])
+        return max(generations) if generations else None
+
+    def _sequencer(self) -> str:
+        found = self.cluster.sequencer()
+        return found[0] if found else self.rng.choice(self.cluster.names)
+
+    def _hold(self, low_s: float = HOLD_S_MIN, high_s: float = HOLD_S_MAX) -> float:
+        hold_s = self.rng.uniform(low_s, high_s)
+        # The hold ends early only when the run stops; the fault is healed either way.
+        self._stopping.wait(hold_s)
+        return hold_s
+
+    def _kill(self, name: str) -> None:
+        self.cluster.nodes[name].kill()
+
+    def _restart(self, name: str, env: dict[str, str] | None = None) -> None:
+        self.cluster.nodes[name].start(self.cluster.endpoints[name], timeout_s=60, env=env)
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def inject(self, fault: str) -> FaultRecord:
+        record = FaultRecord(fault, [], time.monotonic(), 0.0, self.generation())
+        self.log.append(record)
+        cores = self.cluster.names
+        if fault in ("kill_sequencer", "kill_core", "kill_two_cores"):
+            if fault == "kill_sequencer":
+                record.targets = [self._sequencer()]
+            else:
+                record.targets = self.rng.sample(cores, 2 if fault == "kill_two_cores" else 1)
+            for name in record.targets:
+                self._kill(name)
+            record.hold_s = self._hold()
+            for name in record.targets:
+                self._restart(name)
+        elif fault in ("pause_sequencer", "pause_follower", "pause_replicant"):
+            if fault == "pause_sequencer":
+                name = self._sequencer()
+            elif fault == "pause_follower":
+                sequencer = self._sequencer()
+                name = self.rng.choice([core for core in cores if core != sequencer])
+            else:
+                name = self.rng.choice(self.replicants)
+            record.targets = [name]
+            self.cluster.nodes[name].signal(signal.SIGSTOP)
+            try:
+                record.hold_s = self._hold()
+            finally:
+                self.cluster.nodes[name].signal(signal.SIGCONT)
+        elif fault == "restart_replicant":
+            name = self.rng.choice(self.replicants)
+            record.targets = [name]
+            self._kill(name)
+            record.hold_s = self._hold()
+            self._restart(name)
+        elif fault == "clock_skew":
+            name = self.rng.choice(cores)
+            rate = self.rng.choice(CLOCK_RATES)
+            record.targets = [name]
+            record.note = f"clock x{rate}"
+            self._kill(name)
+            self._restart(name, env={"LD_PRELOAD": self._faketime, "FAKETIME": f"+0 x{rate}"})
+            record.hold_s = self._hold(CLOCK_SKEW_HOLD_S_MIN, CLOCK_SKEW_HOLD_S_MAX)
+            self._kill(name)
+            self._restart(name)
+        else:
+            raise ValueError(f"unknown fault {fault!r}")
+        record.generation_after = self.generation()
+        return record
+
+    def heal(self) -> None:
+        """Make every node run again with the real clock (called after the nemesis stopped)."""
+        for name, node in self.cluster.nodes.items():
+            node.signal(signal.SIGCONT)
+            if node.process is None or node.process.poll() is not None:
+                node.process = None
+                self._restart(name)
