@@ -17,9 +17,20 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   committed key; they only move forward. STOPPED is final.
 * Only committed entries. The agent knows the committed key from ``CommittedAdvanced`` (the driver
   steps it at every commit) and never pushes past it, even if the log holds an uncommitted tail.
-* Window. At most ``window_entries_max`` pushed entries are unacknowledged; the replica acknowledges
-  with its applied (or spilled) key. A replica that stops acknowledging (its spill is full) makes the
-  window fill, which stops the pushes: that is the backpressure.
+* Window. At most ``window_entries_max`` pushed entries, and at most ``window_bytes_max`` bytes of
+  them, are unacknowledged; the replica acknowledges with its applied (or spilled) key. A replica
+  that stops acknowledging (its spill is full) makes the window fill, which stops the pushes: that
+  is the backpressure. One push holds at most ``push_entries_max`` entries and ``push_bytes_max``
+  bytes (an entry larger than that goes alone), so a push never exceeds the replicant's frame limit
+  with large transactions.
+* Paced by acknowledgements. One step pushes at most ``step_bytes_max`` bytes (or less: the driver
+  may pass a smaller budget for a step, down to 0, when its loop turn has spent its budget for all
+  agents): an acknowledgement (or a commit, or a tick) lets the next ones go. Catching up from far
+  behind is therefore a stream of bounded pushes interleaved with the core's other work, never one
+  long burst that would delay the core's heartbeats and appends (DESIGN invariant 11).
+  ``next_deadline_ms()`` is ``now`` while the window has room and committed entries wait, so the
+  driver keeps the stream going at its own pace. Entries are read from the log in reads sized by
+  the entry sizes seen so far, so a log of large entries is never read far beyond one push.
 * Retransmission. An acknowledgement that does not advance while entries are unacknowledged means
   the replica lost a push (a replica acknowledges every push and heartbeat with its position): the
   agent resends from the acknowledged key, at most once per ``heartbeat_interval_ms``. The replica
@@ -63,7 +74,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import Entry, TxKey
+from mnesite.rlog.types import Entry, TxKey, entry_size_bytes
 
 STOPPED_TRIMMED = "position trimmed: bootstrap needed"
 
@@ -86,13 +97,22 @@ class AgentLogView(Protocol):
         """Key of the last entry removed by retention; ZERO_KEY if none was removed."""
         ...
 
+    def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
+        """How many entries have a tx key in (``key``, ``up_to``], counted up to ``limit``."""
+        ...
+
 
 @dataclass(frozen=True)
 class AgentConfig:
     # Pushed entries not yet acknowledged; bounds what is in flight to one replicant.
     window_entries_max: int = 1000
-    # Entries in one push; bounds the size of one message.
+    # Pushed bytes not yet acknowledged (estimated by ``entry_size_bytes``).
+    window_bytes_max: int = 8 * 1024 * 1024
+    # Entries and bytes in one push; bounds the size of one message (under the replicant's frame_bytes_max).
     push_entries_max: int = 256
+    push_bytes_max: int = 256 * 1024
+    # Bytes pushed in one step at most: bounds the work one event costs the core's loop.
+    step_bytes_max: int = 256 * 1024
     heartbeat_interval_ms: int = 500
     # Committed entries ahead below which the mode is SWITCHOVER.
     switchover_entries: int = 1000
@@ -118,6 +138,7 @@ class AgentStatus:
     lag_entries: int | None
     unacknowledged_entries: int
     stop_reason: str | None
+    unacknowledged_bytes: int = 0
 
 
 class Agent:
@@ -145,8 +166,11 @@ class Agent:
         self._sent_key = start_key
         self._acked_key = start_key
         self._pushed_max_key = start_key
-        # Keys pushed and not yet acknowledged, in order; its length is the window.
-        self._unacknowledged: deque[TxKey] = deque()
+        # (key, estimated bytes) pushed and not yet acknowledged, in order; this is the window.
+        self._unacknowledged: deque[tuple[TxKey, int]] = deque()
+        self._unacknowledged_bytes = 0
+        # Entries read per log read: sized from the entries seen so far (the first read takes five).
+        self._entry_bytes_estimate = max(1, config.push_bytes_max // 4)
         self._committed_key = start_key
         self._hears_sequencer = False
         self._last_push_ms: int | None = None
@@ -154,6 +178,7 @@ class Agent:
         self._last_rewind_ms: int | None = None
         self._stop_reason: str | None = None
         self._out: list[AgentEffect] = []
+        self._step_bytes_max = config.step_bytes_max
 
     # ------------------------------------------------------------ queries
 
@@ -180,13 +205,14 @@ class Agent:
             lag_entries=lag,
             unacknowledged_entries=len(self._unacknowledged),
             stop_reason=self._stop_reason,
+            unacknowledged_bytes=self._unacknowledged_bytes,
         )
 
     def next_deadline_ms(self) -> int:
         """The earliest time at which a ``Ticked`` may change something."""
         if self.stopped:
             return self._now_ms + self.config.ack_timeout_ms
-        if self._last_push_ms is None:
+        if self._last_push_ms is None or self._can_push():
             return self._now_ms
         return min(
             self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self.config.ack_timeout_ms
@@ -194,10 +220,15 @@ class Agent:
 
     # ------------------------------------------------------------ the entry point
 
-    def step(self, event: AgentEvent, now_ms: int) -> list[AgentEffect]:
+    def step(self, event: AgentEvent, now_ms: int, push_bytes_max: int | None = None) -> list[AgentEffect]:
+        """Step one event; ``push_bytes_max`` lowers ``step_bytes_max`` for this step (0: push nothing,
+        the driver's budget for this loop turn is spent; the event is still taken into account)."""
         if now_ms < self._now_ms:
             raise ValueError(f"time went backwards: {now_ms} < {self._now_ms}")
         self._now_ms = now_ms
+        self._step_bytes_max = self.config.step_bytes_max
+        if push_bytes_max is not None:
+            self._step_bytes_max = max(0, min(push_bytes_max, self.config.step_bytes_max))
         self._out = []
         if self.stopped:
             return []
@@ -248,8 +279,8 @@ class Agent:
             self._acked_key = key
             # After a resend the replica may acknowledge a push sent before it: it has up to ``key``.
             self._sent_key = max(self._sent_key, key)
-            while self._unacknowledged and self._unacknowledged[0] <= key:
-                self._unacknowledged.popleft()
+            while self._unacknowledged and self._unacknowledged[0][0] <= key:
+                self._unacknowledged_bytes -= self._unacknowledged.popleft()[1]
         elif self._unacknowledged and (
             self._last_rewind_ms is None or self._now_ms - self._last_rewind_ms >= self.config.heartbeat_interval_ms
         ):
@@ -257,6 +288,7 @@ class Agent:
             self._last_rewind_ms = self._now_ms
             self._sent_key = self._acked_key
             self._unacknowledged.clear()
+            self._unacknowledged_bytes = 0
         self._pump()
 
     # ------------------------------------------------------------ pushing
@@ -266,42 +298,73 @@ class Agent:
         self._mode = AgentMode.STOPPED
         self._out.append(AgentStopped(reason))
 
-    def _push(self, entries: tuple[Entry, ...]) -> None:
-        self._out.append(Push(entries, self._committed_key, self._hears_sequencer))
+    def _push(self, entries: tuple[Entry, ...], size_bytes: int = 0) -> None:
+        self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes))
         self._last_push_ms = self._now_ms
 
-    def _pump(self) -> bool:
-        """Push committed entries after ``sent_key`` while the window has room; True if any was pushed."""
-        pushed = False
-        # Each round pushes at least one entry into the window, so this loop is bounded by it.
-        while (
+    def _can_push(self) -> bool:
+        """Committed entries wait and the window has room for at least one more."""
+        return (
             not self.stopped
             and self._sent_key < self._committed_key
             and len(self._unacknowledged) < self.config.window_entries_max
-        ):
-            if self._sent_key < self._log.trimmed_key():
-                self._stop(STOPPED_TRIMMED)
+            and self._unacknowledged_bytes < self.config.window_bytes_max
+        )
+
+    def _pump(self) -> bool:
+        """Push committed entries after ``sent_key`` while the window has room, up to ``step_bytes_max``
+        bytes in this step; True if any was pushed.
+
+        The driver steps the agent again when the replicant acknowledges, when a commit arrives, or at
+        the next tick, which is due at once while ``_can_push()`` (see "Paced by acknowledgements").
+        """
+        pushed_bytes = 0
+        # Every round pushes at least one entry (or stops the agent), so the window bounds the loop.
+        while self._can_push() and pushed_bytes < self._step_bytes_max:
+            size = self._push_next()
+            if size is None:
                 break
-            room = min(self.config.push_entries_max, self.config.window_entries_max - len(self._unacknowledged))
-            batch = tuple(
-                entry for entry in self._log.entries_after(self._sent_key, room) if entry.tx_key <= self._committed_key
-            )
-            if not batch or batch[0].prev != self._sent_key:
-                self._stop(
-                    f"the log does not continue after {self._sent_key} up to the committed key {self._committed_key}"
-                )
-                break
-            for previous, entry in zip(batch, batch[1:], strict=False):
-                if entry.prev != previous.tx_key:
-                    self._stop(f"the log is not contiguous at {entry.tx_key}")
-                    return pushed
-            self._push(batch)
-            self._unacknowledged.extend(entry.tx_key for entry in batch)
-            self._sent_key = batch[-1].tx_key
-            self._pushed_max_key = max(self._pushed_max_key, self._sent_key)
-            pushed = True
+            pushed_bytes += size
         self._update_mode()
-        return pushed
+        return pushed_bytes > 0
+
+    def _push_next(self) -> int | None:
+        """Push one message after ``sent_key``; its bytes, or None if the agent stopped."""
+        if self._sent_key < self._log.trimmed_key():
+            self._stop(STOPPED_TRIMMED)
+            return None
+        room_entries = min(self.config.push_entries_max, self.config.window_entries_max - len(self._unacknowledged))
+        room_bytes = min(self.config.push_bytes_max, self.config.window_bytes_max - self._unacknowledged_bytes)
+        # Read about as many entries as fit in room_bytes, judging by the entries seen so far.
+        read_limit = max(1, min(room_entries, room_bytes // self._entry_bytes_estimate + 1))
+        read = [
+            entry
+            for entry in self._log.entries_after(self._sent_key, read_limit)
+            if entry.tx_key <= self._committed_key
+        ]
+        if not read or read[0].prev != self._sent_key:
+            self._stop(
+                f"the log does not continue after {self._sent_key} up to the committed key {self._committed_key}"
+            )
+            return None
+        batch: list[tuple[Entry, int]] = []
+        batch_bytes = 0
+        for entry in read:
+            if batch and entry.prev != batch[-1][0].tx_key:
+                self._stop(f"the log is not contiguous at {entry.tx_key}")
+                return None
+            size = entry_size_bytes(entry)
+            if batch and batch_bytes + size > room_bytes:
+                break  # the first entry always goes, alone if it is larger than a push
+            batch.append((entry, size))
+            batch_bytes += size
+        self._entry_bytes_estimate = max(1, max(size for _, size in batch))
+        self._push(tuple(entry for entry, _ in batch), batch_bytes)
+        self._unacknowledged.extend((entry.tx_key, size) for entry, size in batch)
+        self._unacknowledged_bytes += batch_bytes
+        self._sent_key = batch[-1][0].tx_key
+        self._pushed_max_key = max(self._pushed_max_key, self._sent_key)
+        return batch_bytes
 
     def _update_mode(self) -> None:
         if self._mode in (AgentMode.NORMAL, AgentMode.STOPPED):
@@ -315,5 +378,6 @@ class Agent:
         """Committed entries after ``sent_key``, counted up to ``switchover_entries + 1``."""
         if self._sent_key.generation == self._committed_key.generation:
             return self._committed_key.counter - self._sent_key.counter
-        limit = self.config.switchover_entries + 1
-        return sum(1 for entry in self._log.entries_after(self._sent_key, limit) if entry.tx_key <= self._committed_key)
+        # Counted, not read: reading up to switchover_entries large entries at every push would
+        # cost more than the pushes.
+        return self._log.count_after(self._sent_key, self._committed_key, self.config.switchover_entries + 1)

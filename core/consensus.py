@@ -93,7 +93,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mnesite.rlog.limits import require_positive_ints
-from mnesite.rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, make_entry
+from mnesite.rlog.types import ZERO_KEY, Entry, Op, TxKey, entry_digest, entry_size_bytes, make_entry
 
 MEMBERS_MAX = 15
 # Generations are persisted as SQLite integers and a campaign adds one: stay below 2**63 - 1.
@@ -126,6 +126,9 @@ class ConsensusConfig:
     heartbeat_interval_ms: int = 100
     # Entries in one append message; bounds message size and the work of one step.
     entries_per_append_max: int = 64
+    # Bytes of entries in one append (estimated by ``entry_size_bytes``; an entry larger than this goes
+    # alone): 64 entries of 1,000 rows would otherwise exceed a follower's frame_bytes_max.
+    append_bytes_max: int = 512 * 1024
     # Appends carrying entries sent to one follower and not yet answered (pipelining depth).
     appends_in_flight_max: int = 4
     # Proposals accepted by the sequencer and not yet committed; bounds the uncommitted tail.
@@ -1124,7 +1127,9 @@ class ShardConsensus:
             raise ConsensusInvariantError(f"sequencer has no entry at {prev_key} to send to {peer}")
         entries: list[Entry] = []
         if prev_key < self._last_key:
-            entries = list(self._log.entries_after(prev_key, self.config.entries_per_append_max))
+            entries = _bounded_in_bytes(
+                self._log.entries_after(prev_key, self.config.entries_per_append_max), self.config.append_bytes_max
+            )
         if entries or heartbeat:
             self._send(peer, progress, prev_key, prev_digest, entries)
 
@@ -1139,3 +1144,15 @@ class ShardConsensus:
         committed = [key for key in self._pending if key <= candidate]
         for key in committed:
             self._out.append(ProposalCommitted(self._pending.pop(key), key))
+
+
+def _bounded_in_bytes(entries: Sequence[Entry], bytes_max: int) -> list[Entry]:
+    """The longest prefix of ``entries`` within ``bytes_max`` bytes, and at least the first entry."""
+    bounded: list[Entry] = []
+    total = 0
+    for entry in entries:
+        total += entry_size_bytes(entry)
+        if bounded and total > bytes_max:
+            break
+        bounded.append(entry)
+    return bounded

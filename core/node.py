@@ -42,6 +42,9 @@ from typing import Any
 
 import apsw
 import zmq
+from mnesite.bootstrap.copy import batch_from_answer
+from mnesite.bootstrap.serve import read_batch
+from mnesite.core.agent import AgentConfig
 from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
     Commit,
@@ -70,8 +73,18 @@ from mnesite.core.consensus import (
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GuardTail
 from mnesite.core.rlog_server import RlogServer, WatchRefused
+from mnesite.core.snapshot import (
+    BeginInstall,
+    FenceReached,
+    FinishInstall,
+    InstallAbandoned,
+    InstallMode,
+    SnapshotInstall,
+    SnapshotOffer,
+    accept_offer,
+)
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
-from mnesite.rlog import codec, range_requests
+from mnesite.rlog import codec, range_requests, replication
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
@@ -89,7 +102,17 @@ from mnesite.rlog.types import (
 log = logging.getLogger("mnesite.core")
 
 READ_KINDS = frozenset(
-    {"get", "scan", "status", "list_tables", "rlog_tail", "rlog_entries", "journal", *range_requests.KINDS}
+    {
+        "get",
+        "scan",
+        "bootstrap_batch",
+        "status",
+        "list_tables",
+        "rlog_tail",
+        "rlog_entries",
+        "journal",
+        *range_requests.KINDS,
+    }
 )
 WRITE_KINDS = frozenset({"transact", "create_table"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
@@ -104,6 +127,10 @@ PEER_SEND_QUEUE_MAX = 1000
 DEALERS_MAX = 1000  # sockets to peers (replicant endpoints are bounded by [limits] watches_max)
 STATUS_COUNT_INTERVAL_MS = 1000
 RECOVERY_TIMEOUT_MS = 1000
+# Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
+# and how long an answer may take before the install is abandoned (the sequencer offers again).
+INSTALL_BATCH_ROWS_MAX = 10_000
+INSTALL_REQUEST_TIMEOUT_MS = 10_000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
 
 
@@ -146,6 +173,9 @@ class StoreLogView:
     def trimmed_key(self) -> TxKey:
         return self.store.trimmed(self.shard)[0]
 
+    def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
+        return self.store.count_between(self.shard, key, up_to, limit)
+
 
 @dataclass
 class ShardDriver:
@@ -155,6 +185,10 @@ class ShardDriver:
     tail: GuardTail[HeldFailure] = field(default_factory=GuardTail)
     # tx key -> [(envelope, request_id)]: clients waiting for that entry to commit.
     waiters: dict[TxKey, list[tuple[list[bytes], str]]] = field(default_factory=dict)
+    # The highest generation persisted here, and how many times it grew since this process started
+    # (elections seen: a stable cluster keeps this at the elections of its start-up).
+    generation: int = 0
+    elections: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,7 +234,22 @@ class CoreNode(NodeServer):
         self.forwarded: dict[str, Forwarded] = {}
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
-        self.rlog_server = RlogServer(config.name, watches_max=config.limits.watches_max)
+        limits = config.limits
+        # A push is one frame: never more than half of frame_bytes_max, whatever push_bytes_max says.
+        push_bytes_max = max(1, min(limits.push_bytes_max, limits.frame_bytes_max // 2))
+        agent_config = AgentConfig(
+            push_bytes_max=push_bytes_max,
+            window_bytes_max=limits.window_bytes_max,
+            step_bytes_max=push_bytes_max,
+        )
+        self.rlog_server = RlogServer(
+            config.name, agent_config, random.Random(self.rng.random()), watches_max=limits.watches_max
+        )
+        # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
+        # shards that serve no read (install under way or its read fence not reached yet).
+        self.installs: dict[str, SnapshotInstall] = {}
+        self.install_requests: dict[str, tuple[str, str, dict[str, Any], int]] = {}
+        self.not_serving: dict[str, str] = {}
         self.last_heard_ms: dict[str, int] = {}
         self.transactions = 0
         self._next_retention_ms = 0
@@ -209,6 +258,12 @@ class CoreNode(NodeServer):
             self.recover_generations()
         for shard in self.store.shards():
             self._open_shard(shard)
+            if int(self.store.meta(f"installing:{shard}", 0)):
+                self.not_serving[shard] = "a snapshot install was interrupted; waiting for the next offer"
+            elif int(self.store.meta(f"read_fenced:{shard}", 0)):
+                self.not_serving[shard] = "replaying after a snapshot install"
+                sequencer = next((m for m in self.members if m != config.name), config.name)
+                self.installs[shard] = SnapshotInstall.fenced(sequencer, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
 
     def recover_generations(self, timeout_ms: int = RECOVERY_TIMEOUT_MS) -> dict[str, int]:
         """A core with an empty database may have lost one that voted: learn the generations in use.
@@ -271,7 +326,7 @@ class CoreNode(NodeServer):
             random.Random(self.rng.random()),
             self.clock_ms(),
         )
-        driver = ShardDriver(shard, consensus, log_view, tail)
+        driver = ShardDriver(shard, consensus, log_view, tail, generation=generation)
         self.shards[shard] = driver
         return driver
 
@@ -291,41 +346,57 @@ class CoreNode(NodeServer):
     def run_turn(self) -> None:
         if self.socket is None:
             raise RuntimeError("socket not bound")
-        now = self.clock_ms()
-        for driver in list(self.shards.values()):
-            if now >= driver.consensus.next_deadline_ms() and driver.shard not in self.excluded:
-                self._step(driver, Ticked())
-        self.rlog_server.tick(now)
-        self.flush()
+        self.rlog_server.begin_turn()
         deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
         agents_deadline = self.rlog_server.next_deadline_ms()
         if agents_deadline is not None:
             deadlines.append(agents_deadline)
         timeout = POLL_INTERVAL_MS_MAX
-        if deadlines:
-            timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
+        if deadlines or self.has_backlog():
+            timeout = 0 if self.has_backlog() else max(0, min(timeout, min(deadlines) - self.clock_ms()))
         ready = self.poll(timeout)
-        if self.socket in ready:
+        began_ms = self.clock_ms()
+        # Input first, timers after (DESIGN invariant 11): after a long turn, the heartbeats waiting
+        # in the socket are handled (peer frames first: receive_frames) before an election timer can
+        # fire, so a busy core does not campaign against a healthy sequencer.
+        if self.socket in ready or self.has_backlog():
             self._serve_waiting()
         for dealer in list(self.dealers.values()):
             if dealer in ready:
                 self._relay_forwarded(dealer)
         self._expire_forwarded()
         self._expire_held_guard_failures()
+        now = self.clock_ms()
+        input_ms = now - began_ms
+        for driver in list(self.shards.values()):
+            # A shard whose rows are being replaced by a snapshot does not campaign meanwhile.
+            if driver.shard in self.not_serving and driver.shard not in self._installed_shards():
+                continue
+            if now >= driver.consensus.next_deadline_ms() and driver.shard not in self.excluded:
+                self._step(driver, Ticked())
+        for shard in list(self.installs):
+            self._step_install(shard, replication.Ticked())
+        # The shard ticks above may have stepped agents with a later clock reading (a commit feeds
+        # them its time): read the clock again, never hand an agent an earlier one.
+        self.rlog_server.tick(self.clock_ms())
+        timers_ms = self.clock_ms() - now
         self.flush()
         self._maybe_trim()
+        turn_ms = self.clock_ms() - began_ms
+        if turn_ms >= self.consensus_config.election_timeout_ms_min // 2:
+            # Visible before it costs an election: a turn this long delays heartbeats and votes.
+            log.warning(
+                "slow loop turn: %d ms (input %d ms, timers and agents %d ms, commit and sends %d ms)",
+                turn_ms,
+                input_ms,
+                timers_ms,
+                turn_ms - input_ms - timers_ms,
+            )
 
     def _serve_waiting(self) -> None:
         if self.socket is None:
             return
-        for _ in range(self.config.limits.group_commit_max):
-            try:
-                received = self.receive()
-            except zmq.Again:
-                break
-            if received is None:
-                continue
-            envelope, frame, principal = received
+        for envelope, frame, principal in self.receive_frames(self.clock_ms, is_peer_frame):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
@@ -349,6 +420,8 @@ class CoreNode(NodeServer):
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         if message.kind == "peer":
             self._on_peer(message)
+        elif message.kind == "snapshot_offer":
+            self._on_snapshot_offer(message.body)
         elif message.kind == "watch":
             self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
@@ -390,6 +463,9 @@ class CoreNode(NodeServer):
             self.begin()
             state = effect.state
             self.store.persist_consensus_state(shard, state.generation, state.voted_for, state.members, state.forced)
+            if state.generation > driver.generation:
+                driver.generation = state.generation
+                driver.elections += 1
         elif isinstance(effect, PersistEntries):
             self.begin()
             self.store.append_entries(effect.entries, int(time.time() * 1000), chain_verified=True)
@@ -457,14 +533,31 @@ class CoreNode(NodeServer):
                 effect.committed_key,
             )
         elif isinstance(effect, SnapshotNeeded):
-            log.error(
-                "shard %s: follower %s needs entries after %s, older than this rlog retains (%s); "
-                "rebuild it from a copy of this node's data directory",
-                shard,
-                effect.follower,
-                effect.follower_key,
-                effect.trimmed_key,
+            # The follower rebuilds itself from this core (core.snapshot): offer it our applied key,
+            # only while it answers (offers queued for a core that is down would all arrive stale).
+            position = self.store.shard(shard)
+            heard_ms = self.last_heard_ms.get(effect.follower)
+            recently = (
+                heard_ms is not None and self.clock_ms() - heard_ms <= self.consensus_config.election_timeout_ms_min
             )
+            if position is not None and effect.follower in self.config.core_nodes and recently:
+                log.info(
+                    "shard %s: follower %s needs entries after %s, older than this rlog retains (%s): offering a "
+                    "snapshot at %s",
+                    shard,
+                    effect.follower,
+                    effect.follower_key,
+                    effect.trimmed_key,
+                    position.applied,
+                )
+                body = {
+                    "shard": shard,
+                    "sender": self.config.name,
+                    "generation": driver.consensus.generation,
+                    "key": list(position.applied),
+                    "digest": position.digest,
+                }
+                self._send_peer(effect.follower, Message("snapshot_offer", "snapshot", body))
         elif isinstance(effect, ForceStartRefused):
             log.warning("shard %s: force start refused: %s", shard, effect.reason)
         elif isinstance(effect, Excluded):
@@ -542,6 +635,150 @@ class CoreNode(NodeServer):
             raise RequestError(error.code, str(error)) from None
         except OpDecodeError as error:
             raise RequestError("bad_request", str(error)) from None
+
+    # -- snapshot install (core.snapshot) -------------------------------------------------------
+
+    def _installed_shards(self) -> set[str]:
+        """Shards whose install copied everything (their consensus runs again; reads wait for the fence)."""
+        return {shard for shard, install in self.installs.items() if install.mode is InstallMode.FENCED}
+
+    def _check_serving(self, shard: str) -> None:
+        reason = self.not_serving.get(shard)
+        if reason is not None:
+            raise RequestError("not_ready", f"{self.config.name} cannot serve shard {shard} yet: {reason}")
+
+    def _on_snapshot_offer(self, body: dict[str, Any]) -> None:
+        shard = body["shard"]
+        driver = self.shards.get(shard)
+        position = self.store.shard(shard)
+        if driver is None or position is None or body["sender"] not in self.members:
+            return
+        try:
+            offer = SnapshotOffer(body["sender"], body["generation"], tx_key_from_wire(body["key"]), body["digest"])
+        except OpDecodeError:
+            return
+        install = self.installs.get(shard)
+        installing = install is not None and install.mode in (InstallMode.LISTING, InstallMode.COPYING)
+        refused = accept_offer(
+            offer, driver.consensus.generation, driver.consensus.sequencer, position.applied, installing
+        )
+        if refused is not None:
+            log.debug("shard %s: snapshot offer refused: %s", shard, refused)
+            return
+        log.warning(
+            "shard %s: the peers trimmed the entries after %s; installing a snapshot at %s from %s",
+            shard,
+            position.applied,
+            offer.key,
+            offer.sequencer,
+        )
+        install = SnapshotInstall(offer, INSTALL_BATCH_ROWS_MAX, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
+        self.installs[shard] = install
+        self._execute_install(shard, install.start())
+
+    def _step_install(self, shard: str, event: Any) -> None:
+        install = self.installs.get(shard)
+        position = self.store.shard(shard)
+        if install is None or position is None:
+            return
+        self._execute_install(shard, install.step(event, position.applied, self.clock_ms()))
+        if install.mode in (InstallMode.DONE, InstallMode.ABANDONED):
+            del self.installs[shard]
+
+    def _install_request(self, shard: str, core: str, kind: str, body: dict[str, Any], detail: dict[str, Any]) -> None:
+        request_id = f"install-{self.rng.getrandbits(64):016x}"
+        purpose = {"list_tables": "tables", "bootstrap_batch": "batch", "read_index": "fence"}[kind]
+        deadline_ms = self.clock_ms() + INSTALL_REQUEST_TIMEOUT_MS
+        self.install_requests[request_id] = (shard, purpose, detail, deadline_ms)
+        self._send_peer(core, Message(kind, request_id, body))
+
+    def _execute_install(self, shard: str, effects: list[Any]) -> None:
+        for effect in effects:
+            if isinstance(effect, BeginInstall):
+                self.begin()
+                self.store.set_meta(f"installing:{shard}", 1)
+                self.store.clear_rows(shard)
+                self.not_serving[shard] = f"installing a snapshot at {effect.key}"
+            elif isinstance(effect, replication.FetchTables):
+                self._install_request(shard, effect.core, "list_tables", {}, {})
+            elif isinstance(effect, replication.FetchBatch):
+                body: dict[str, Any] = {"table": effect.table, "limit": effect.limit}
+                if effect.after is not None:
+                    body["after"] = effect.after
+                detail = {"table": effect.table, "after": effect.after}
+                self._install_request(shard, effect.core, "bootstrap_batch", body, detail)
+            elif isinstance(effect, replication.ApplyBatch):
+                self.begin()
+                self.store.write_rows(effect.table, effect.rows)
+            elif isinstance(effect, FinishInstall):
+                self.begin()
+                self.store.restart_log_at(shard, effect.key, effect.digest)
+                self.store.set_meta(f"installing:{shard}", 0)
+                self.store.set_meta(f"read_fenced:{shard}", 1)
+                self.not_serving[shard] = "replaying after a snapshot install"
+                # Agents' positions mean nothing in the new log (core.agent, driver contract 4).
+                self.rlog_server.stop_shard(shard)
+                old = self.shards[shard]
+                for waiters in old.waiters.values():
+                    for envelope, request_id in waiters:
+                        self.reply(envelope, _outcome_unknown(request_id, "this core installed a snapshot"))
+                self._open_shard(shard)
+                log.warning("shard %s: snapshot installed at %s; catching up from the log", shard, effect.key)
+            elif isinstance(effect, replication.FetchCommitted):
+                driver = self.shards[shard]
+                core = driver.consensus.sequencer or effect.core
+                if core == self.config.name:
+                    self._step_install(shard, replication.CommittedReceived(core, driver.consensus.committed_key))
+                else:
+                    self._install_request(shard, core, "read_index", {"shard": shard}, {})
+            elif isinstance(effect, FenceReached):
+                self.begin()
+                self.store.set_meta(f"read_fenced:{shard}", 0)
+                self.not_serving.pop(shard, None)
+                log.info("shard %s: the snapshot's read fence is reached; serving reads", shard)
+            elif isinstance(effect, InstallAbandoned):
+                log.warning("shard %s: snapshot install abandoned: %s", shard, effect.reason)
+            else:
+                raise TypeError(f"unknown install effect {effect!r}")
+
+    def _on_install_answer(self, pending: tuple[str, str, dict[str, Any], int], answer: Message) -> None:
+        shard, purpose, detail, _ = pending
+        install = self.installs.get(shard)
+        if install is None:
+            return
+        core = install.offer.sequencer
+        error = answer.body if answer.kind == "error" else None
+        result = answer.body.get("result") if answer.kind == "reply" else None
+        if purpose == "fence":
+            committed = None
+            if error is None and isinstance(result, dict):
+                with contextlib.suppress(OpDecodeError, KeyError):
+                    committed = tx_key_from_wire(result["committed"])
+            self._step_install(shard, replication.CommittedReceived(core, committed))
+        elif purpose == "tables":
+            if error is not None or not isinstance(result, list):
+                self._step_install(shard, replication.RequestFailed(core, f"list_tables failed: {error}"))
+                return
+            try:
+                tables = [define_table(t["table"], t["key"], t["columns"], t["shard"]) for t in result]
+            except (SchemaError, KeyError, TypeError) as failure:
+                self._step_install(shard, replication.RequestFailed(core, f"malformed table list: {failure}"))
+                return
+            mine = [table for table in tables if table.shard == shard]
+            self.begin()
+            catalog = self.store.catalog()
+            for table in mine:
+                if table.name not in catalog:
+                    self.store.apply_ops((table.to_op(),))
+            names = tuple(table.name for table in mine)
+            keys = tuple(table.key_column for table in mine)
+            self._step_install(shard, replication.TablesReceived(core, names, keys))
+        else:
+            batch = batch_from_answer(core, detail["table"], detail["after"], result)
+            if error is not None or batch is None:
+                self._step_install(shard, replication.RequestFailed(core, f"bootstrap batch failed: {error}"))
+                return
+            self._step_install(shard, batch)
 
     def _send_peer(self, peer: str, message: Message) -> None:
         endpoint = self.config.core_nodes.get(peer)
@@ -737,9 +974,18 @@ class CoreNode(NodeServer):
             pending = self.forwarded.pop(answer.request_id, None)
             if pending is not None:
                 self.reply(pending.envelope, answer)
+            elif answer.request_id in self.install_requests:
+                self._on_install_answer(self.install_requests.pop(answer.request_id), answer)
 
     def _expire_forwarded(self) -> None:
         now = self.clock_ms()
+        for request_id in [r for r, pending in self.install_requests.items() if pending[3] <= now]:
+            shard, purpose, _, _ = self.install_requests.pop(request_id)
+            core = self.installs[shard].offer.sequencer if shard in self.installs else "?"
+            if purpose == "fence":
+                self._step_install(shard, replication.CommittedReceived(core, None))
+            else:
+                self._step_install(shard, replication.RequestFailed(core, f"{purpose} timed out"))
         for request_id in [r for r, f in self.forwarded.items() if f.deadline_ms <= now]:
             pending = self.forwarded.pop(request_id)
             self.reply(pending.envelope, _outcome_unknown(request_id, "the sequencer did not answer in time"))
@@ -872,6 +1118,8 @@ class CoreNode(NodeServer):
 
     def _read(self, message: Message) -> Any:
         body = message.body
+        if isinstance(body.get("table"), str):
+            self._check_serving(self._table(body["table"]).shard)
         if message.kind in range_requests.KINDS:
             return range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
         if message.kind == "get":
@@ -888,6 +1136,18 @@ class CoreNode(NodeServer):
             if after is not None:
                 after = check_key(table, after)
             return self.store.scan(table, after, limit)
+        if message.kind == "bootstrap_batch":
+            # The serving side of a bootstrap (bootstrap.serve): bounded in rows and in bytes, so the
+            # answer fits in a frame and costs this loop turn a bounded time.
+            table = self._table(body["table"])
+            limit = body["limit"]
+            if not 0 < limit <= self.config.limits.scan_rows_max:
+                raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
+            after = body.get("after")
+            if after is not None:
+                after = check_key(table, after)
+            bytes_max = self.config.limits.frame_bytes_max // 2
+            return read_batch(self.store, table, after, limit, min(bytes_max, body.get("bytes_max", bytes_max)))
         if message.kind == "list_tables":
             return [table.to_json() for table in self.store.catalog().values()]
         if message.kind == "status":
@@ -953,6 +1213,7 @@ class CoreNode(NodeServer):
                 "applied": list(position.applied),
                 "digest": position.digest.hex(),
                 "generation": status.generation,
+                "elections": driver.elections,
                 "role": status.role.value,
                 "sequencer": status.sequencer,
                 "committed": list(status.committed_key),
@@ -961,7 +1222,23 @@ class CoreNode(NodeServer):
                 "forced": status.forced,
                 "excluded": self.excluded.get(shard),
                 "rlog": self._rlog_statistics(shard),
+                "serving": shard not in self.not_serving,
+                "not_serving_reason": self.not_serving.get(shard),
             }
+            install = self.installs.get(shard)
+            if install is not None:
+                rate, eta = install.copy.progress(self.clock_ms())
+                entry["install"] = {
+                    "mode": install.mode.value,
+                    "key": list(install.offer.key),
+                    "from": install.offer.sequencer,
+                    "rows": install.copy.rows,
+                    "rows_expected": install.copy.rows_expected,
+                    "bytes": install.copy.bytes,
+                    "rows_per_s": rate,
+                    "eta_ms": eta,
+                    "read_fence": list(install.fence_key) if install.fence_key else None,
+                }
             if status.role is Role.SEQUENCER:
                 entry["followers"] = {
                     peer: {"match": list(key), "lag_entries": self._lag(shard, key, status.last_key)}
@@ -1002,13 +1279,9 @@ class CoreNode(NodeServer):
             return cached[1]
         if len(self._status_counts) > SHARDS_MAX * 4:
             self._status_counts.clear()
-        row = self.store.connection.execute(
-            "SELECT count(*) FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?) "
-            "AND (generation, counter) <= (?, ?)",
-            (shard, match.generation, match.counter, last.generation, last.counter),
-        ).fetchone()
-        self._status_counts[cache_key] = (now, row[0])
-        return row[0]
+        count = self.store.count_between(shard, match, last, 10**12)
+        self._status_counts[cache_key] = (now, count)
+        return count
 
     # -- local helpers for tools -------------------------------------------------------------
 
@@ -1018,6 +1291,16 @@ class CoreNode(NodeServer):
             with contextlib.suppress(Deferred, RequestError, SchemaError):
                 self._write(None, message)  # type: ignore[arg-type]
         self.flush()
+
+
+# The msgpack prefix of a "peer" frame: [version 1, "peer", ...]. A cheap look, not a decode: the
+# frame is decoded and checked like any other; a forged prefix only buys a place in the queue.
+_PEER_FRAME_PREFIX = b"\x94\x01\xa4peer"
+
+
+def is_peer_frame(frame: bytes) -> bool:
+    """A consensus message between cores (handled before anything else in a loop turn)."""
+    return frame.startswith(_PEER_FRAME_PREFIX)
 
 
 def _generation_in(journal: dict[str, Any], shard: str) -> int:

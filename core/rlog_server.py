@@ -2,12 +2,20 @@
 
 Theory of operation
 -------------------
-A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, protocol)``. If this
-core's rlog holds ``from_key`` with that digest and it is committed here, the new agent resumes
-from it (no copy); otherwise the answer is ``bootstrap`` from K0, this core's committed key now,
-and the replicant copies the tables while the agent pushes the entries after K0. A newer watch of
-the same replicant and shard replaces the older agent (its pushes are then rejected by the
-replicant anyway, because they carry the old agent id).
+A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, protocol, watch_id)``.
+The watch rule (``decide_watch``, a pure function the simulator runs too): a core whose committed
+key is behind ``from_key`` refuses (the replica must never move backwards); if this core's rlog
+still holds ``from_key`` (not trimmed) with that digest, the new agent resumes from it (no copy);
+otherwise the answer is ``bootstrap`` from K0, this core's committed key now, and the replicant
+copies the tables while the agent pushes the entries after K0. A newer watch of the same replicant
+and shard replaces the older agent (its pushes are then rejected by the replicant anyway, because
+they carry the old agent id).
+
+Every push of an agent carries the answer to the watch that created it (agent id, mode, start key
+and digest, the replica's ``watch_id``): the answer goes back on the replicant's request
+connection and the pushes on another one, so the first push may arrive first, and the replica
+takes it as the answer instead of rejecting a new agent as a zombie. Agent ids come from an
+injected ``random.Random``.
 
 The protocol decisions live in the pure ``core.agent.Agent``; this adapter creates agents, feeds
 them the shard's committed key and the replicant's acks, and turns their ``Push`` effects into
@@ -16,7 +24,8 @@ frames for the node to send. It holds no socket: the node sends what ``drain`` r
 
 from __future__ import annotations
 
-import uuid
+import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +33,7 @@ from mnesite.core.agent import Agent, AgentConfig
 from mnesite.rlog.codec import Message
 from mnesite.rlog.replication import (
     REPLICATION_PROTOCOL_VERSION,
+    UNKNOWN_DIGEST,
     AckReceived,
     AgentStopped,
     CommittedAdvanced,
@@ -42,22 +52,63 @@ class WatchRefused(Exception):
         self.code = code
 
 
+WATCH_ID_CHARACTERS_MAX = 64
+
+
+def decide_watch(
+    from_key: TxKey,
+    from_digest: bytes,
+    trimmed_key: TxKey,
+    committed_key: TxKey,
+    committed_digest: bytes,
+    digest_at: Callable[[TxKey], bytes | None],
+    core_name: str,
+) -> tuple[str, TxKey, bytes]:
+    """The watch rule: ``(mode, start key, start digest)``, or ``WatchRefused``.
+
+    Resume only from a key this core still retains (not trimmed) and has committed, with the same
+    digest there: then the replica's history is a prefix of this core's. A core behind the
+    replica refuses: answering ``bootstrap`` at a lower K0 would move the replica backwards.
+    """
+    if from_key > committed_key:
+        raise WatchRefused("behind", f"core {core_name} has committed only up to {committed_key}, behind {from_key}")
+    if trimmed_key <= from_key and from_digest != UNKNOWN_DIGEST and digest_at(from_key) == from_digest:
+        return "resume", from_key, from_digest
+    return "bootstrap", committed_key, committed_digest
+
+
 @dataclass
 class Watch:
     agent: Agent
     endpoint: str
     replicant: str
     shard: str
+    # The answer to the watch, repeated in every push (see the theory of operation).
+    answer: dict[str, Any]
     acknowledged: bool = False  # the replicant has acknowledged a push: its endpoint is alive
 
 
 class RlogServer:
-    def __init__(self, core_name: str, config: AgentConfig | None = None, watches_max: int = AGENTS_MAX) -> None:
+    def __init__(
+        self,
+        core_name: str,
+        config: AgentConfig | None = None,
+        rng: random.Random | None = None,
+        watches_max: int = AGENTS_MAX,
+    ) -> None:
         self.core_name = core_name
         self.watches_max = watches_max
         self.config = config or AgentConfig()
+        self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
+        # Bytes all agents may push in one loop turn (the driver calls ``begin_turn``): serving
+        # replicants costs the core's loop a bounded time per turn, whatever the acknowledgements.
+        self.turn_push_bytes_max = self.config.step_bytes_max
+        self._turn_pushed_bytes = 0
+
+    def begin_turn(self) -> None:
+        self._turn_pushed_bytes = 0
 
     def watch(
         self,
@@ -77,6 +128,11 @@ class RlogServer:
                 f"(it speaks {REPLICATION_PROTOCOL_VERSION})",
             )
         from_key = tx_key_from_wire(body["from"])
+        watch_id = body.get("watch_id", "")
+        if not isinstance(watch_id, str) or len(watch_id) > WATCH_ID_CHARACTERS_MAX:
+            raise WatchRefused(
+                "bad_request", f"watch_id must be a string of at most {WATCH_ID_CHARACTERS_MAX} characters"
+            )
         for agent_id in [
             a for a, w in self.watches.items() if (w.replicant, w.shard) == (body["replicant"], body["shard"])
         ]:
@@ -88,24 +144,28 @@ class RlogServer:
             if silent is None:
                 raise WatchRefused("overloaded", f"core {self.core_name} serves {self.watches_max} agents already")
             del self.watches[silent]
-        # Resume only from a key this core still retains (not trimmed) and has committed, with the
-        # same digest there: then the replicant's history is a prefix of this core's.
-        resumable = log_view.trimmed_key() <= from_key <= committed_key and digest_at(from_key) == body["from_digest"]
-        if resumable:
-            mode, start_key, start_digest = "resume", from_key, body["from_digest"]
-        else:
-            mode, start_key, start_digest = "bootstrap", committed_key, committed_digest
-        agent_id = f"{self.core_name}-{uuid.uuid4().hex[:16]}"
+        mode, start_key, start_digest = decide_watch(
+            from_key,
+            body["from_digest"],
+            log_view.trimmed_key(),
+            committed_key,
+            committed_digest,
+            digest_at,
+            self.core_name,
+        )
+        agent_id = f"{self.core_name}-{self.rng.getrandbits(64):016x}"
         agent = Agent(agent_id, body["shard"], body["replicant"], start_key, log_view, self.config, now_ms)
-        self.watches[agent_id] = Watch(agent, body["endpoint"], body["replicant"], body["shard"])
-        self._step(agent_id, CommittedAdvanced(committed_key, hears_sequencer), now_ms)
-        return {
+        answer = {
             "agent": agent_id,
             "mode": mode,
             "start": list(start_key),
             "start_digest": start_digest,
             "committed": list(committed_key),
+            "watch_id": watch_id,
         }
+        self.watches[agent_id] = Watch(agent, body["endpoint"], body["replicant"], body["shard"], answer)
+        self._step(agent_id, CommittedAdvanced(committed_key, hears_sequencer), now_ms)
+        return answer
 
     def acknowledged(self, body: dict[str, Any], now_ms: int) -> None:
         """A replicant's push_ack: its applied key, or a rejection reason."""
@@ -136,8 +196,10 @@ class RlogServer:
         watch = self.watches.get(agent_id)
         if watch is None:
             return
-        for effect in watch.agent.step(event, now_ms):
+        budget = max(0, self.turn_push_bytes_max - self._turn_pushed_bytes)
+        for effect in watch.agent.step(event, now_ms, budget):
             if isinstance(effect, Push):
+                self._turn_pushed_bytes += effect.size_bytes
                 body = {
                     "shard": watch.shard,
                     "agent": agent_id,
@@ -145,6 +207,7 @@ class RlogServer:
                     "entries": [entry_to_wire(entry) for entry in effect.entries],
                     "committed": list(effect.committed_key),
                     "hears_sequencer": effect.hears_sequencer,
+                    "watch": watch.answer,
                 }
                 self.outbox.append((watch.endpoint, Message("push", agent_id[:64], body)))
             elif isinstance(effect, AgentStopped):
@@ -156,6 +219,11 @@ class RlogServer:
     def drain(self) -> list[tuple[str, Message]]:
         outbox, self.outbox = self.outbox, []
         return outbox
+
+    def stop_shard(self, shard: str) -> None:
+        """Forget every agent of ``shard`` (its log was replaced: their positions mean nothing there)."""
+        for agent_id in [a for a, w in self.watches.items() if w.shard == shard]:
+            del self.watches[agent_id]
 
     def agents_of(self, shard: str | None = None) -> int:
         return sum(1 for w in self.watches.values() if shard is None or w.shard == shard)

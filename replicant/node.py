@@ -20,6 +20,7 @@ Shards are discovered from the cores' journals: every shard a core reports gets 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.rlog import codec, range_requests
 from mnesite.rlog import replication as p
@@ -40,10 +42,8 @@ from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, reque
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
-    ZERO_KEY,
     OpDecodeError,
     TxKey,
-    WriteOp,
     entry_from_wire,
     entry_to_json,
     tx_key_from_wire,
@@ -59,9 +59,9 @@ PENDING_REQUESTS_MAX = 10_000
 WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
-EARLY_PUSHES_MAX = 64
 RLOG_READ_MAX = 1000
 RETENTION_INTERVAL_MS = 1000
+PROGRESS_LOG_INTERVAL_MS = 5000
 
 
 class RequestError(Exception):
@@ -125,12 +125,8 @@ class ReplicantNode(NodeServer):
         self.probes: dict[str, Probe] = {}
         self.waiting_reads: list[WaitingRead] = []
         self.pushes_rejected: dict[str, int] = {}
-        # After a bootstrap the copied rows may be newer than the applied key (dirty reads): reads
-        # wait until the applied key reaches the upstream's committed key read after the copy.
-        self.read_fences: dict[str, TxKey | None] = {}
-        # Pushes that arrived while this shard's watch answer was still on its way (bounded).
-        self.early_pushes: dict[str, list[p.PushReceived]] = {}
         self._next_discovery_ms = 0
+        self._next_progress_log_ms: dict[str, int] = {}
         self._next_retention_ms = 0
         self._discovery_turn = 0
         for shard in self.store.shards():
@@ -166,6 +162,7 @@ class ReplicantNode(NodeServer):
             self.clock_ms(),
             bootstraps=int(self.store.meta(f"bootstraps:{shard}", 0)),
             resumes=int(self.store.meta(f"resumes:{shard}", 0)),
+            read_fenced=bool(int(self.store.meta(f"read_fenced:{shard}", 0))),
         )
         self.replicas[shard] = replica
         return replica
@@ -175,26 +172,28 @@ class ReplicantNode(NodeServer):
     def run_turn(self) -> None:
         if self.socket is None:
             raise RuntimeError("socket not bound")
+        deadlines = [r.next_deadline_ms() for r in self.replicas.values()]
+        deadlines += [pr.deadline_ms for pr in self.probes.values()]
+        timeout = POLL_INTERVAL_MS_MAX
+        if self.has_backlog():
+            timeout = 0
+        elif deadlines:
+            timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
+        ready = self.poll(timeout)
+        # Answers first: a watch answer and the new agent's first push travel on different
+        # connections (the replica also takes a push carrying the answer as the answer).
+        for core, socket in self.core_sockets.items():
+            if socket in ready:
+                self._receive_answers(core, socket)
+        if self.socket in ready or self.has_backlog():
+            self._serve_waiting()
+        # Timers after input: pushes that waited in the socket during a long turn count as heard.
         now = self.clock_ms()
         for replica in list(self.replicas.values()):
             if now >= replica.next_deadline_ms():
                 self._step(replica, p.Ticked())
         self._discover(now)
         self._expire(now)
-        self.flush()
-        deadlines = [r.next_deadline_ms() for r in self.replicas.values()]
-        deadlines += [pr.deadline_ms for pr in self.probes.values()]
-        timeout = POLL_INTERVAL_MS_MAX
-        if deadlines:
-            timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
-        ready = self.poll(timeout)
-        # Answers first: a watch answer and the new agent's first push travel on different
-        # connections, and the push must not be judged before the watch it belongs to.
-        for core, socket in self.core_sockets.items():
-            if socket in ready:
-                self._receive_answers(core, socket)
-        if self.socket in ready:
-            self._serve_waiting()
         self._answer_waiting_reads()
         self._maybe_trim()
         self.flush()
@@ -240,6 +239,7 @@ class ReplicantNode(NodeServer):
                 "from": list(effect.from_key),
                 "from_digest": effect.from_digest,
                 "protocol": p.REPLICATION_PROTOCOL_VERSION,
+                "watch_id": effect.watch_id,
             }
             self._request(effect.core, "watch", body, Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard))
         elif isinstance(effect, p.ApplyEntries):
@@ -259,12 +259,11 @@ class ReplicantNode(NodeServer):
             if effect.after is not None:
                 body["after"] = effect.after
             detail = {"table": effect.table, "after": effect.after, "limit": effect.limit}
-            self._request(
-                effect.core, "scan", body, Pending("batch", effect.core, now + REQUEST_TIMEOUT_MS, shard, detail)
-            )
+            pending = Pending("batch", effect.core, now + REQUEST_TIMEOUT_MS, shard, detail)
+            self._request(effect.core, "bootstrap_batch", body, pending)
         elif isinstance(effect, p.ApplyBatch):
             self.begin()
-            self.store.apply_ops(tuple(WriteOp(effect.table, row) for row in effect.rows))
+            self.store.write_rows(effect.table, effect.rows)
         elif isinstance(effect, p.SpillEntries):
             self.begin()
             self.store.spill(effect.entries)
@@ -282,13 +281,20 @@ class ReplicantNode(NodeServer):
             body = {"shard": shard, "agent": effect.agent_id, "applied": list(replica.applied_key)}
             body["rejected"] = effect.reason
             self.queue(self.core_sockets[effect.core], Message("push_ack", "ack", body))
+        elif isinstance(effect, p.FetchCommitted):
+            # read_index: the sequencer's quorum-confirmed committed key, at least any key a batch saw.
+            pending = Pending("fence", effect.core, now + REQUEST_TIMEOUT_MS, shard)
+            self._request(effect.core, "read_index", {"shard": shard}, pending)
+        elif isinstance(effect, p.ReadFenceChanged):
+            self.begin()
+            self.store.set_meta(f"read_fenced:{shard}", int(effect.fenced))
+            log.info(
+                "shard %s: reads %s",
+                shard,
+                "fenced until the replay reaches the committed key" if effect.fenced else "served again",
+            )
         elif isinstance(effect, p.ModeChanged):
             log.info("shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
-            if effect.mode is p.Mode.BOOTSTRAP:
-                self.read_fences[shard] = None
-            elif effect.mode is p.Mode.NORMAL and shard in self.read_fences and effect.upstream:
-                fence = Pending("fence", effect.upstream, now + REQUEST_TIMEOUT_MS, shard)
-                self._request(effect.upstream, "journal", {}, fence)
             status = replica.status()
             self.begin()
             self.store.set_meta(f"bootstraps:{shard}", status.bootstraps)
@@ -334,14 +340,13 @@ class ReplicantNode(NodeServer):
             self._wait_for(envelope, message, pending.detail["shard"], TxKey(*result["committed"]))
             return
         if pending.purpose == "fence":
-            shard = pending.shard or ""
-            info = (result or {}).get("shards", {}).get(shard)
-            if info is not None and shard in self.read_fences:
-                self.read_fences[shard] = TxKey(*info["committed"])
-            elif shard in self.read_fences and shard in self.replicas:
-                # No answer: ask the upstream again on the next turn (the fence stays closed).
-                core = self.replicas[shard].status().upstream or pending.core
-                self._request(core, "journal", {}, Pending("fence", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard))
+            replica = self.replicas.get(pending.shard or "")
+            committed = None
+            if error is None and isinstance(result, dict):
+                with contextlib.suppress(OpDecodeError, KeyError):
+                    committed = tx_key_from_wire(result["committed"])
+            if replica is not None:
+                self._step(replica, p.CommittedReceived(pending.core, committed))
             return
         if pending.purpose == "discover":
             if result is not None:
@@ -364,21 +369,14 @@ class ReplicantNode(NodeServer):
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
-            early = self.early_pushes.pop(replica.shard, [])
             if error is not None:
                 self._step(replica, p.WatchRefused(pending.core, f"{error['code']}: {error['message']}"))
                 return
-            try:
-                start = tx_key_from_wire(result["start"])
-            except (OpDecodeError, KeyError, TypeError):
+            accepted = watch_accepted(pending.core, result)
+            if accepted is None:
                 self._step(replica, p.RequestFailed(pending.core, "malformed watch answer"))
                 return
-            self._step(
-                replica, p.WatchAccepted(pending.core, result["agent"], result["mode"], start, result["start_digest"])
-            )
-            for push in early:
-                if push.agent_id == result["agent"]:
-                    self._step(replica, push)
+            self._step(replica, accepted)
         elif pending.purpose == "tables":
             if error is not None or not isinstance(result, list):
                 self._step(replica, p.RequestFailed(pending.core, f"list_tables failed: {error}"))
@@ -394,12 +392,31 @@ class ReplicantNode(NodeServer):
                 p.TablesReceived(pending.core, tuple(t["table"] for t in tables), tuple(t["key"] for t in tables)),
             )
         elif pending.purpose == "batch":
-            if error is not None or not isinstance(result, list):
-                self._step(replica, p.RequestFailed(pending.core, f"scan failed: {error}"))
-                return
             detail = pending.detail
-            done = len(result) < detail["limit"]
-            self._step(replica, p.BatchReceived(pending.core, detail["table"], detail["after"], tuple(result), done))
+            batch = batch_from_answer(pending.core, detail["table"], detail["after"], result)
+            if error is not None or batch is None:
+                self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}"))
+                return
+            self._step(replica, batch)
+            self._log_progress(replica)
+
+    def _log_progress(self, replica: ShardReplica) -> None:
+        """At most every PROGRESS_LOG_INTERVAL_MS while copying: rows, bytes, rate and ETA."""
+        now = self.clock_ms()
+        if replica.mode is not p.Mode.BOOTSTRAP or now < self._next_progress_log_ms.get(replica.shard, 0):
+            return
+        self._next_progress_log_ms[replica.shard] = now + PROGRESS_LOG_INTERVAL_MS
+        status = replica.status()
+        eta = f"{status.copy_eta_ms / 1000:.0f} s" if status.copy_eta_ms is not None else "unknown"
+        log.info(
+            "shard %s: bootstrap copied %d of about %d rows, %.1f MB, %.0f rows/s, ETA %s",
+            replica.shard,
+            status.copy_rows,
+            status.copy_rows_expected,
+            status.copy_bytes / 1e6,
+            status.copy_rows_per_s,
+            eta,
+        )
 
     def _finish_probe(self, replica: ShardReplica) -> None:
         probe = self.probes.pop(replica.shard, None)
@@ -416,11 +433,9 @@ class ReplicantNode(NodeServer):
                     pending.detail["envelope"],
                     codec.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
                 )
-            elif pending.purpose == "fence" and pending.shard in self.read_fences:
-                self._on_answer(pending, Message("error", request_id, {"code": "timeout", "message": "no answer"}))
+            elif pending.purpose == "fence" and pending.shard in self.replicas:
+                self._step(self.replicas[pending.shard], p.CommittedReceived(pending.core, None))
             elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
-                if pending.purpose == "watch":
-                    self.early_pushes.pop(pending.shard, None)
                 self._step(self.replicas[pending.shard], p.RequestFailed(pending.core, f"{pending.purpose} timed out"))
         for shard in [s for s, probe in self.probes.items() if probe.deadline_ms <= now]:
             if shard in self.replicas:
@@ -446,14 +461,7 @@ class ReplicantNode(NodeServer):
     def _serve_waiting(self) -> None:
         if self.socket is None:
             return
-        for _ in range(self.config.limits.group_commit_max):
-            try:
-                received = self.receive()
-            except zmq.Again:
-                break
-            if received is None:
-                continue
-            envelope, frame, principal = received
+        for envelope, frame, principal in self.receive_frames(self.clock_ms):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
@@ -509,23 +517,31 @@ class ReplicantNode(NodeServer):
         if body["core"] not in self.core_sockets:
             log.warning("push from unknown core %r ignored", body["core"])
             return
-        push = p.PushReceived(body["core"], body["agent"], entries, committed, body["hears_sequencer"])
-        watching = any(
-            pending.purpose == "watch" and pending.shard == replica.shard and pending.core == push.core
-            for pending in self.pending.values()
-        )
-        if watching and push.agent_id != replica.status().agent_id:
-            early = self.early_pushes.setdefault(replica.shard, [])
-            if len(early) < EARLY_PUSHES_MAX:
-                early.append(push)
-            return
+        # The answer to the watch that created the agent: the replica takes it for the answer if
+        # this push overtook it (ShardReplica, "Fencing").
+        accepted = watch_accepted(body["core"], body.get("watch"))
+        push = p.PushReceived(body["core"], body["agent"], entries, committed, body["hears_sequencer"], accepted)
         self._step(replica, push)
 
-    def _serving(self, shard: str) -> None:
+    def _serving(self, shard: str) -> ShardReplica:
+        """The shard's replica if it serves reads (every kind: get, scan, range requests); else not_ready.
+
+        The replica decides (``ShardReplica.readable``): NORMAL, and past the read fence of its last
+        bootstrap.
+        """
         replica = self.replicas.get(shard)
-        if replica is None or replica.mode is not p.Mode.NORMAL or shard in self.read_fences:
-            mode = replica.mode.value if replica else "unknown"
-            raise RequestError("not_ready", f"replicant {self.config.name} cannot serve shard {shard} yet ({mode})")
+        if replica is not None and replica.readable():
+            return replica
+        if replica is None:
+            detail = "shard unknown"
+        else:
+            status = replica.status()
+            detail = f"mode {status.mode.value}, rows copied {status.rows_copied}"
+            detail += f", entries buffered {status.entries_spilled}, applied {status.applied_key}"
+            if status.read_fenced:
+                fence = status.read_fence or "the committed key being asked for"
+                detail += f", replaying after its bootstrap up to {fence}"
+        raise RequestError("not_ready", f"replicant {self.config.name} cannot serve shard {shard} yet ({detail})")
 
     def _rlog_read(self, message: Message) -> list[dict[str, Any]]:
         """This replicant's own rlog (what it applied, as far as it retains it)."""
@@ -567,27 +583,7 @@ class ReplicantNode(NodeServer):
     def _read(self, envelope: list[bytes], message: Message) -> None:
         body = message.body
         table = self._table(body["table"])
-        replica = self.replicas.get(table.shard)
-        fence = self.read_fences.get(table.shard, ZERO_KEY) if replica else None
-        if replica is not None and replica.mode is p.Mode.NORMAL and table.shard in self.read_fences:
-            if fence is not None and replica.applied_key >= fence:
-                del self.read_fences[table.shard]
-            else:
-                raise RequestError(
-                    "not_ready",
-                    f"replicant {self.config.name} is replaying shard {table.shard} after its bootstrap "
-                    f"(applied {replica.applied_key}, serving from {fence if fence else 'the upstream committed key'})",
-                )
-        if replica is None or replica.mode is not p.Mode.NORMAL:
-            status = replica.status() if replica else None
-            detail = (
-                f"mode {status.mode.value}, rows copied {status.rows_copied}, entries buffered {status.entries_spilled}"
-                if status
-                else "shard unknown"
-            )
-            raise RequestError(
-                "not_ready", f"replicant {self.config.name} cannot serve shard {table.shard} yet ({detail})"
-            )
+        replica = self._serving(table.shard)
         if body.get("consistency") == "linearizable":
             # Learn the committed key from the sequencer (quorum-confirmed), then wait for it here.
             core = replica.status().upstream or self.cores[self.rng.randrange(len(self.cores))]
@@ -651,9 +647,19 @@ class ReplicantNode(NodeServer):
                 "bootstraps": status.bootstraps,
                 "resumes": status.resumes,
                 "rows_copied": status.rows_copied,
+                "copy": {
+                    "rows": status.copy_rows,
+                    "rows_expected": status.copy_rows_expected,
+                    "bytes": status.copy_bytes,
+                    "rows_per_s": status.copy_rows_per_s,
+                    "eta_ms": status.copy_eta_ms,
+                },
                 "entries_buffered": status.entries_spilled,
                 "last_error": status.last_error,
                 "pushes_rejected": self.pushes_rejected.get(shard, 0),
+                "serving": status.readable,
+                "read_fenced": status.read_fenced,
+                "read_fence": list(status.read_fence) if status.read_fence else None,
             }
         return {
             "node": self.config.name,
@@ -664,3 +670,20 @@ class ReplicantNode(NodeServer):
             "security": self.security_status(),
             "shards": shards,
         }
+
+
+def watch_accepted(core: str, answer: Any) -> p.WatchAccepted | None:
+    """The watch answer ``answer`` from ``core`` (a reply, or repeated in a push); None if malformed."""
+    if not isinstance(answer, dict):
+        return None
+    try:
+        start = tx_key_from_wire(answer["start"])
+        fields = (answer["agent"], answer["mode"], answer["start_digest"], answer.get("watch_id", ""))
+    except (OpDecodeError, KeyError):
+        return None
+    agent, mode, start_digest, watch_id = fields
+    if not (isinstance(agent, str) and isinstance(mode, str) and isinstance(watch_id, str)):
+        return None
+    if not isinstance(start_digest, bytes):
+        return None
+    return p.WatchAccepted(core, agent, mode, start, start_digest, watch_id)

@@ -32,10 +32,19 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   dirty reads saw. The applied key becomes the last spilled key, then the replica is NORMAL. If
   pushes were dropped because the spill was full, it resynchronises at once (DISCONNECTED, then a
   watch that resumes from the applied key).
+* Read fence. The copied rows were read dirty: they may hold writes of entries after the applied
+  key. After a bootstrap the replica therefore asks its upstream for the shard's committed key as
+  the sequencer confirms it with a quorum (``FetchCommitted``, asked after the last batch was
+  received, so that key is at least any key whose writes a batch saw) and serves no read of any
+  kind (``readable()`` is False) until the applied key reaches it. Reaching the key clears the
+  fence, whatever applied it; a failed or unanswered request is asked again (after
+  ``failure_timeout_ms`` at most; of the new upstream after a failover). The fence lives in memory: see the README.
 * Fencing (invariant 6). A push from anything but the watched agent of the upstream is answered
-  ``SendReject(..., "not the watched agent")`` and never applied. (While a watch is outstanding,
-  pushes from the core it went to are dropped without an answer: they may come from the agent
-  being created, whose ``WatchAccepted`` is still on its way.)
+  ``SendReject(..., "not the watched agent")`` and never applied. Every push carries the answer to
+  the watch that created its agent, with the replica's ``watch_id``: a push of the new agent that
+  overtakes the answer (they travel on different connections) stands for it, so a new agent is
+  never taken for a zombie. (While a watch is outstanding, other pushes from the core it went to
+  are dropped without an answer.)
 * Failure detector. No push or heartbeat from the watched agent for ``failure_timeout_ms``, or an
   upstream that has not heard the sequencer for ``failure_timeout_ms``, or a request (watch, tables,
   batch) unanswered for ``failure_timeout_ms`` (a probe: ``probe_timeout_ms`` more), makes the
@@ -47,7 +56,7 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
 Driver contract
 ---------------
 1. Build the replica from what is persisted: the applied key and digest (``UNKNOWN_DIGEST`` after a
-   ``ResetShard``) and the ``bootstraps``/``resumes`` counters. Deliver ``Ticked`` at least every
+   ``ResetShard``), the ``bootstraps``/``resumes`` counters and the read fence flag. Deliver ``Ticked`` at least every
    ``retry_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters); ``now_ms``
    never decreases.
 2. Execute the effects in list order. ``ApplyEntries`` applies the entries and records the new
@@ -55,22 +64,26 @@ Driver contract
    shard's rows and spill and persists ``UNKNOWN_DIGEST`` (keeping the applied key). ``ApplyBatch``
    writes full rows; ``SpillEntries`` appends to the persisted spill; ``ReplaySpill`` sets the
    position to K0, applies the spill in order (position and data in the same transactions) and
-   empties it. All of these are durable before the next effect runs: a ``SendAck`` comes after what
-   it acknowledges.
+   empties it; ``ReadFenceChanged`` persists its flag. All of these are durable before the next
+   effect runs: a ``SendAck`` comes after what it acknowledges.
 3. ``ProbeJournals``: ask every listed core for its journal age of the shard and step one
    ``JournalsReceived`` after at most ``probe_timeout_ms`` (``None`` for a core that did not answer).
    ``SendWatch``/``FetchTables``/``FetchBatch``: step the answer (``WatchAccepted``, ``WatchRefused``,
    ``TablesReceived``, ``BatchReceived``) or ``RequestFailed``. Sends are fire-and-forget.
-4. ``ModeChanged`` is for logs, metrics and the read path: serve reads in NORMAL (and, knowing they
-   may be stale, in DISCONNECTED with a known digest), never in BOOTSTRAP or LOCAL_REPLAY.
+4. ``ModeChanged`` is for logs and metrics. The read path asks ``readable()``: NORMAL and past the
+   read fence of the last bootstrap; never in BOOTSTRAP or LOCAL_REPLAY.
+5. ``FetchCommitted``: step ``CommittedReceived`` with the core's committed key, or with None when
+   the request failed or timed out.
 """
 
 from __future__ import annotations
 
 import enum
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from mnesite.bootstrap.copy import CopyFailed, TableCopy
 from mnesite.replicant.upstream import choose_upstream
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import (
@@ -78,7 +91,9 @@ from mnesite.rlog.replication import (
     ApplyBatch,
     ApplyEntries,
     BatchReceived,
+    CommittedReceived,
     FetchBatch,
+    FetchCommitted,
     FetchTables,
     JournalAge,
     JournalsReceived,
@@ -86,6 +101,7 @@ from mnesite.rlog.replication import (
     ModeChanged,
     ProbeJournals,
     PushReceived,
+    ReadFenceChanged,
     ReplaySpill,
     RequestFailed,
     ResetShard,
@@ -114,6 +130,7 @@ ReplicaEvent = (
     | PushReceived
     | TablesReceived
     | BatchReceived
+    | CommittedReceived
     | RequestFailed
 )
 ReplicaEffect = (
@@ -129,6 +146,8 @@ ReplicaEffect = (
     | SendAck
     | SendReject
     | ModeChanged
+    | FetchCommitted
+    | ReadFenceChanged
 )
 
 
@@ -145,8 +164,8 @@ class ReplicaConfig:
     probe_timeout_ms: int = 1000
     # Wait after a failed attempt before probing again (plus up to half of it as random jitter).
     retry_interval_ms: int = 200
-    # Rows asked for in one ``FetchBatch``.
-    batch_rows_max: int = 1000
+    # Rows asked for in one ``FetchBatch`` (the core also bounds a batch in bytes: bootstrap.serve).
+    batch_rows_max: int = 10_000
     # Entries spilled during one bootstrap before acknowledgements stop (backpressure).
     spill_entries_max: int = 100_000
     # Consecutive failed bootstraps after which retries slow down to one per failure_timeout_ms.
@@ -177,6 +196,17 @@ class ReplicaStatus:
     last_error: str | None
     hears_sequencer: bool = False
     bootstrap_failures_in_a_row: int = 0
+    # Reads are served (NORMAL and past the read fence).
+    readable: bool = False
+    # Progress of the current (or last) copy.
+    copy_rows: int = 0
+    copy_rows_expected: int = 0
+    copy_bytes: int = 0
+    copy_rows_per_s: float = 0.0
+    copy_eta_ms: int | None = None
+    # After a bootstrap: the key the applied key must reach before reads (None: being asked).
+    read_fence: TxKey | None = None
+    read_fenced: bool = False
 
 
 class _Waiting(enum.Enum):
@@ -211,6 +241,7 @@ class ShardReplica:
         now_ms: int,
         bootstraps: int = 0,
         resumes: int = 0,
+        read_fenced: bool = False,
     ) -> None:
         if not shard or not name:
             raise ReplicaConfigError("shard and name must not be empty")
@@ -237,6 +268,7 @@ class ShardReplica:
         self._not_hearing_since_ms: int | None = None
         self._last_heard_ms = now_ms
         self._waiting = _Waiting.NOTHING
+        self._watch_id: str | None = None
         self._request_core: str | None = None
         self._request_deadline_ms = now_ms
         self._next_probe_ms = now_ms
@@ -250,15 +282,17 @@ class ShardReplica:
         # Bootstrap progress.
         self._start_key = applied_key
         self._start_digest = applied_digest
-        self._tables: tuple[str, ...] = ()
-        self._keys: tuple[str, ...] = ()
-        self._table_index = 0
-        self._after: object = None
+        # The copy of the current (or last) bootstrap.
+        self._copy: TableCopy | None = None
         self._spill_key = applied_key
         self._spill_digest = applied_digest
         self._spilled = 0
         self._spill_full = False
         self._spill_dropped = False
+        # Read fence after a bootstrap (see the theory of operation).
+        self._fenced = read_fenced
+        self._fence_key: TxKey | None = None
+        self._fence_asked_ms: int | None = None
         self._out: list[ReplicaEffect] = []
 
     # ------------------------------------------------------------ queries
@@ -283,7 +317,20 @@ class ShardReplica:
     def agent_id(self) -> str | None:
         return self._agent_id
 
+    @property
+    def watch_id(self) -> str | None:
+        """The id of the last watch sent."""
+        return self._watch_id
+
+    def readable(self) -> bool:
+        """Reads of every kind may be served: NORMAL, and the read fence of the last bootstrap is reached."""
+        return self._mode is Mode.NORMAL and not self._fenced
+
     def status(self) -> ReplicaStatus:
+        copy = self._copy
+        rate, eta = copy.progress(self._now_ms) if copy is not None else (0.0, None)
+        if self._mode is not Mode.BOOTSTRAP:
+            eta = None
         lag = None
         if self._committed_key is not None and self._committed_key.generation == self._applied_key.generation:
             lag = self._committed_key.counter - self._applied_key.counter
@@ -299,10 +346,18 @@ class ShardReplica:
             bootstraps=self._bootstraps,
             resumes=self._resumes,
             rows_copied=self._rows_copied,
+            copy_rows=copy.rows if copy is not None else 0,
+            copy_rows_expected=copy.rows_expected if copy is not None else 0,
+            copy_bytes=copy.bytes if copy is not None else 0,
+            copy_rows_per_s=rate,
+            copy_eta_ms=eta,
             entries_spilled=self._entries_spilled,
             last_error=self._last_error,
             hears_sequencer=self._hears_sequencer,
             bootstrap_failures_in_a_row=self._bootstrap_failures,
+            readable=self.readable(),
+            read_fence=self._fence_key,
+            read_fenced=self._fenced,
         )
 
     def next_deadline_ms(self) -> int:
@@ -315,6 +370,9 @@ class ShardReplica:
                 deadlines.append(self._next_probe_ms)
         else:
             deadlines.append(self._last_heard_ms + self.config.failure_timeout_ms)
+            if self._fenced and self._fence_key is None:
+                asked = self._fence_asked_ms
+                deadlines.append(self._now_ms if asked is None else asked + self.config.failure_timeout_ms)
             if self._not_hearing_since_ms is not None:
                 deadlines.append(self._not_hearing_since_ms + self.config.failure_timeout_ms)
         return min(deadlines)
@@ -343,6 +401,8 @@ class ShardReplica:
             self._on_batch(event)
         elif isinstance(event, RequestFailed):
             self._on_request_failed(event)
+        elif isinstance(event, CommittedReceived):
+            self._on_committed_received(event)
         else:
             raise TypeError(f"not a replica event: {event!r}")
         out, self._out = self._out, []
@@ -389,6 +449,7 @@ class ShardReplica:
         self._not_hearing_since_ms = None
         self._waiting = _Waiting.NOTHING
         self._request_core = None
+        self._fence_asked_ms = None  # an answer from the old upstream is ignored; ask the next one
         self._next_probe_ms = self._now_ms + (self._retry_delay_ms() if delay_ms is None else delay_ms)
 
     def _on_tick(self) -> None:
@@ -406,6 +467,8 @@ class ShardReplica:
             self._fail(f"no push or heartbeat from {self._upstream} for {timeout} ms")
         elif self._not_hearing_since_ms is not None and now - self._not_hearing_since_ms >= timeout:
             self._fail(f"{self._upstream} has not heard the sequencer for {timeout} ms")
+        else:
+            self._ask_fence()
 
     def _on_request_failed(self, event: RequestFailed) -> None:
         waiting_on_it = self._waiting is not _Waiting.NOTHING and event.core == self._request_core
@@ -433,7 +496,8 @@ class ShardReplica:
             )
             self._next_probe_ms = self._now_ms + self._retry_delay_ms()
             return
-        self._out.append(SendWatch(core, self._applied_key, self._applied_digest))
+        self._watch_id = f"{self._rng.getrandbits(64):016x}"
+        self._out.append(SendWatch(core, self._applied_key, self._applied_digest, self._watch_id))
         self._request(_Waiting.WATCH, core)
 
     def _describe(self, core: str, age: JournalAge | None) -> str:
@@ -446,6 +510,8 @@ class ShardReplica:
     def _on_watch_accepted(self, event: WatchAccepted) -> None:
         if self._waiting is not _Waiting.WATCH or event.core != self._request_core:
             return  # a late or duplicated answer to an earlier watch
+        if event.watch_id != self._watch_id:
+            return  # the answer to an earlier watch sent to the same core
         if event.mode == "resume":
             if (
                 event.start_key != self._applied_key
@@ -468,14 +534,17 @@ class ShardReplica:
             self._connect(event)
             self._bootstraps += 1
             self._set_mode(Mode.BOOTSTRAP, f"bootstrapping from {event.core} at {event.start_key}")
+            # Fenced before the reset: a crash between the two must not leave dirty rows readable.
+            self._out.append(ReadFenceChanged(True))
             self._out.append(ResetShard())
             self._applied_digest = UNKNOWN_DIGEST
+            self._fenced, self._fence_key, self._fence_asked_ms = True, None, None
             self._start_key, self._start_digest = event.start_key, event.start_digest
             self._spill_key, self._spill_digest = event.start_key, event.start_digest
             self._spilled = 0
             self._spill_full = False
             self._spill_dropped = False
-            self._tables, self._keys = (), ()
+            self._copy = None
             self._out.append(FetchTables(event.core))
             self._request(_Waiting.TABLES, event.core)
         else:
@@ -497,52 +566,34 @@ class ShardReplica:
     def _on_tables(self, event: TablesReceived) -> None:
         if self._mode is not Mode.BOOTSTRAP or self._waiting is not _Waiting.TABLES or event.core != self._upstream:
             return
-        if len(event.keys) != len(event.tables) or len(set(event.tables)) != len(event.tables):
-            self._fail(f"{event.core} sent a malformed table list (tables {event.tables!r}, keys {event.keys!r})")
-            return
-        self._tables, self._keys = tuple(event.tables), tuple(event.keys)
-        self._table_index = 0
-        self._after = None
-        self._fetch_next()
-
-    def _fetch_next(self) -> None:
-        if self._table_index < len(self._tables) and self._upstream is not None:
-            table = self._tables[self._table_index]
-            self._out.append(FetchBatch(self._upstream, table, self._after, self.config.batch_rows_max))
-            self._request(_Waiting.BATCH, self._upstream)
-            return
-        self._finish_copy()
+        self._copy = TableCopy(event.core, self.config.batch_rows_max, self._now_ms)
+        self._run_copy(lambda copy: copy.on_tables(event))
 
     def _on_batch(self, event: BatchReceived) -> None:
-        if (
-            self._mode is not Mode.BOOTSTRAP
-            or self._waiting is not _Waiting.BATCH
-            or event.core != self._upstream
-            or event.table != self._tables[self._table_index]
-            or event.after != self._after
-        ):
-            return  # an answer to a request this replica no longer waits for
-        if len(event.rows) > self.config.batch_rows_max:
-            self._fail(f"{event.core} sent {len(event.rows)} rows, more than batch_rows_max")
+        copy = self._copy
+        if self._mode is not Mode.BOOTSTRAP or self._waiting is not _Waiting.BATCH or copy is None:
             return
-        key_column = self._keys[self._table_index]
-        for row in event.rows:
-            if not isinstance(row, dict) or key_column not in row:
-                self._fail(f"{event.core} sent a row of {event.table} without its key column {key_column!r}")
-                return
-        if event.rows:
-            last = event.rows[-1][key_column]
-            if self._after is not None and last == self._after:
-                self._fail(f"{event.core} sent a batch of {event.table} that does not advance past {self._after!r}")
-                return
-            self._out.append(ApplyBatch(event.table, tuple(event.rows)))
-            self._rows_copied += len(event.rows)
-        if event.done or not event.rows:
-            self._table_index += 1
-            self._after = None
+        if event.core != self._upstream or not copy.answers(event):
+            return  # an answer to a request this replica no longer waits for
+        self._run_copy(lambda copy: copy.on_batch(event))
+
+    def _run_copy(self, step: Callable[[TableCopy], list]) -> None:
+        """One step of the copy loop (bootstrap.copy): its effects, then the next request or the replay."""
+        copy = self._copy
+        if copy is None:
+            return
+        rows_before = copy.rows
+        try:
+            effects = step(copy)
+        except CopyFailed as failed:
+            self._fail(str(failed))
+            return
+        self._rows_copied += copy.rows - rows_before
+        self._out.extend(effects)
+        if copy.done:
+            self._finish_copy()
         else:
-            self._after = event.rows[-1][key_column]
-        self._fetch_next()
+            self._request(_Waiting.BATCH, self._upstream)
 
     def _finish_copy(self) -> None:
         self._waiting = _Waiting.NOTHING
@@ -559,10 +610,20 @@ class ShardReplica:
             return
         if self._upstream is not None and self._agent_id is not None:
             self._out.append(SendAck(self._upstream, self._agent_id, self._applied_key))
+        self._ask_fence()
 
     # ------------------------------------------------------------ pushes
 
     def _on_push(self, event: PushReceived) -> None:
+        accepted = event.accepted
+        if (
+            accepted is not None
+            and self._waiting is _Waiting.WATCH
+            and (accepted.core, accepted.agent_id) == (event.core, event.agent_id)
+        ):
+            # The first push of the agent this watch created overtook the answer: it carries the
+            # answer, so take it as such (ignored unless it answers the outstanding watch).
+            self._on_watch_accepted(accepted)
         watched = (
             self._mode in (Mode.NORMAL, Mode.BOOTSTRAP)
             and event.core == self._upstream
@@ -601,6 +662,7 @@ class ShardReplica:
         if new:
             self._out.append(ApplyEntries(new))
             self._applied_key, self._applied_digest = new[-1].tx_key, new[-1].digest
+            self._check_fence()
         self._out.append(SendAck(event.core, event.agent_id, self._applied_key))
 
     def _new_entries(self, event: PushReceived, key: TxKey, digest: bytes) -> tuple[Entry, ...]:
@@ -661,3 +723,28 @@ class ShardReplica:
                 if not taken:
                     return
         self._out.append(SendAck(event.core, event.agent_id, self._spill_key))
+
+    # ------------------------------------------------------------ the read fence
+
+    def _ask_fence(self) -> None:
+        if not self._fenced or self._fence_key is not None or self._upstream is None or self._mode is not Mode.NORMAL:
+            return
+        # Asked once per failure_timeout_ms: an answer lost on the way is asked for again.
+        if self._fence_asked_ms is None or self._now_ms - self._fence_asked_ms >= self.config.failure_timeout_ms:
+            self._out.append(FetchCommitted(self._upstream))
+            self._fence_asked_ms = self._now_ms
+
+    def _on_committed_received(self, event: CommittedReceived) -> None:
+        if not (self._fenced and self._fence_asked_ms is not None and event.core == self._upstream):
+            return  # not asked, or an answer from an upstream this replica left
+        self._fence_asked_ms = None
+        if event.committed_key is None:
+            return  # asked again at the next tick
+        if self._fence_key is None:
+            self._fence_key = event.committed_key
+        self._check_fence()
+
+    def _check_fence(self) -> None:
+        if self._fenced and self._fence_key is not None and self._applied_key >= self._fence_key:
+            self._fenced, self._fence_key = False, None
+            self._out.append(ReadFenceChanged(False))

@@ -22,6 +22,10 @@ Example::
     group_commit_max = 256              # transactions per SQLite commit (one fsync)
     transaction_ops_max = 1000          # ops plus guards in one transaction
     scan_rows_max = 10000               # rows per scan page
+    turn_bytes_max = 8388608            # frames drained per loop turn, in bytes
+    turn_ms_max = 50                    # time spent draining frames per loop turn
+    push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max)
+    window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
     requests_queued_max = 10000         # incoming frames zmq queues
     replies_queued_max = 1000           # answers zmq queues per connection
@@ -85,6 +89,14 @@ class Limits:
     group_commit_max: int = 256
     transaction_ops_max: int = 1000
     scan_rows_max: int = 10000
+    # Work of one loop turn: frames (bytes) drained and time spent on them. What is left waits in the
+    # socket for the next turn, which starts with the consensus ticks: heartbeats, appends and votes
+    # never wait behind a long batch of large transactions, pushes or catch-up reads.
+    turn_bytes_max: int = 8 * 1024 * 1024
+    turn_ms_max: int = 50
+    # An agent's pushes to one replicant: bytes in one push, and pushed but unacknowledged (core.agent).
+    push_bytes_max: int = 256 * 1024
+    window_bytes_max: int = 8 * 1024 * 1024
     # Requests waiting for a later answer (a commit, the sequencer, a read fence) per client connection.
     requests_outstanding_max: int = 1000
     # Frames zmq queues: incoming ones in all, answers per connection (a client that does not read).
@@ -139,6 +151,10 @@ _LIMIT_BOUNDS = {
     "group_commit_max": (1, 100_000),
     "transaction_ops_max": (1, 1_000_000),
     "scan_rows_max": (1, 1_000_000),
+    "turn_bytes_max": (1024, 1024 * 1024 * 1024),
+    "turn_ms_max": (1, 60_000),
+    "push_bytes_max": (1024, 256 * 1024 * 1024),
+    "window_bytes_max": (1024, 1024 * 1024 * 1024),
     "requests_outstanding_max": (1, 1_000_000),
     "requests_queued_max": (1, 1_000_000),
     "replies_queued_max": (1, 1_000_000),
@@ -225,6 +241,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     if not isinstance(synchronous, str) or synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
         raise ConfigError(f"[storage].synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
 
+    limits = _int_section("limits", data.get("limits", {}), Limits)
     security = parse_security(data.get("security"), base_dir)
     if security is not None and security.enabled:
         # Peers know a core only by its key's principal, which must be its node name.
@@ -246,7 +263,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         listen=listen,
         core_nodes=dict(core_nodes),
         synchronous=synchronous.upper(),
-        limits=_int_section("limits", data.get("limits", {}), Limits),
+        limits=limits,
         retention=_int_section("rlog", data.get("rlog", {}), Retention),
         timing=timing,
         security=security,

@@ -485,6 +485,8 @@ _SCHEMA_LIST = [
         ("from", TX_KEY, True),
         ("from_digest", Blob(DIGEST_BYTES), True),
         ("protocol", Integer(0, 2**31), True),
+        # chosen by the replica; the answer and every push of the new agent repeat it
+        ("watch_id", Text(64), False),
     ),
     _kind(
         "push",
@@ -495,6 +497,8 @@ _SCHEMA_LIST = [
         ("entries", ListOf(ENTRY_WIRE, PUSH_ENTRIES_MAX), True),
         ("committed", TX_KEY, True),
         ("hears_sequencer", Flag(), True),
+        # the answer to the watch that created the agent (a push may overtake that answer)
+        ("watch", FreeValue(depth_max=3), False),
     ),
     _kind(
         "push_ack",
@@ -503,6 +507,23 @@ _SCHEMA_LIST = [
         ("agent", AGENT_ID, True),
         ("applied", TX_KEY, True),
         ("rejected", Text(MESSAGE_CHARS_MAX), False),
+    ),
+    _kind(
+        "bootstrap_batch",
+        "a bootstrap's key-ordered dirty-read batch of one table (bootstrap.serve), answered {rows, done}",
+        ("table", NAME, True),
+        ("after", SCALAR, False),
+        ("limit", LIMIT, True),
+        ("bytes_max", Integer(1, 2**31), False),
+    ),
+    _kind(
+        "snapshot_offer",
+        "sequencer -> a follower behind its trimmed log: install a snapshot at this key (core.snapshot)",
+        ("shard", NAME, True),
+        ("sender", NAME, True),
+        ("generation", Integer(0, 2**63 - 1), True),
+        ("key", TX_KEY, True),
+        ("digest", Blob(DIGEST_BYTES), True),
     ),
     # consensus
     _kind(

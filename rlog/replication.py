@@ -9,13 +9,15 @@ persisted rlog that Mria never had):
 1. The replica probes every core's journal age (``ProbeJournals`` -> ``JournalsReceived``) and picks
    an upstream whose committed key is at least its own applied key and that hears the sequencer,
    spreading over cores by agent count with randomness (``replicant.upstream``).
-2. It sends ``watch(shard, from_key, from_digest)`` (``SendWatch``). The core's RLOG server answers:
+2. It sends ``watch(shard, from_key, from_digest, watch_id)`` (``SendWatch``). The core's RLOG server
+   answers (and every push of the agent it creates repeats that answer, so that a push overtaking
+   the answer is not taken for a zombie's):
    * ``resume``: it retains ``from_key`` with that digest; an agent pushes entries after it;
    * ``bootstrap``: it does not; an agent pushes entries after ``start_key`` (K0, the core's
      committed key when the watch arrived) while the replica copies the tables in key-ordered
      dirty-read batches (``FetchBatch``), spilling the pushed entries to disk (``SpillEntries``);
      once the copy is done it sets its position to K0 and replays the spill (``ReplaySpill``);
-   * a refusal (incompatible protocol version, unknown shard).
+   * a refusal (incompatible protocol version, unknown shard, a committed key behind ``from_key``).
 3. Pushes carry the agent id; the replica applies only pushes of the agent it watches and only the
    entry that follows its applied key. It acknowledges with its applied (or spilled) key; the agent
    keeps at most ``window_entries_max`` entries unacknowledged.
@@ -83,6 +85,8 @@ class WatchAccepted:
     mode: str  # "resume" | "bootstrap"
     start_key: TxKey  # resume: the replica's from_key; bootstrap: K0
     start_digest: bytes
+    # The id the replica gave its watch (``SendWatch.watch_id``): an answer to an older watch is ignored.
+    watch_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,9 @@ class PushReceived:
     entries: tuple[Entry, ...]
     committed_key: TxKey
     hears_sequencer: bool
+    # The answer to the watch that created this agent. Every push carries it, so a push that
+    # overtakes the answer (they travel on different connections) is taken as that answer.
+    accepted: WatchAccepted | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,8 @@ class BatchReceived:
     after: object
     rows: tuple[dict, ...]
     done: bool
+    # The table's row count when the first batch was read (None: not known); for progress only.
+    rows_total: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,14 @@ class TablesReceived:
     core: str
     tables: tuple[str, ...]
     keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CommittedReceived:
+    """Answer to ``FetchCommitted``: the core's committed key, or None if it did not answer."""
+
+    core: str
+    committed_key: TxKey | None
 
 
 @dataclass(frozen=True)
@@ -141,10 +158,20 @@ class ProbeJournals:
 
 
 @dataclass(frozen=True)
+class FetchCommitted:
+    """Ask ``core`` for its committed key (the read fence after a bootstrap); step ``CommittedReceived``."""
+
+    core: str
+
+
+@dataclass(frozen=True)
 class SendWatch:
     core: str
     from_key: TxKey
     from_digest: bytes
+    # Chosen by the replica (from its injected random source); the answer and every push of the
+    # agent it creates carry it back.
+    watch_id: str
 
 
 @dataclass(frozen=True)
@@ -220,6 +247,13 @@ class ModeChanged:
     reason: str
 
 
+@dataclass(frozen=True)
+class ReadFenceChanged:
+    """Persist whether reads are fenced (after a bootstrap, until the applied key reaches the fence)."""
+
+    fenced: bool
+
+
 # ---------------------------------------------------------------- agent events (core side)
 
 
@@ -251,6 +285,8 @@ class Push:
     entries: tuple[Entry, ...]
     committed_key: TxKey
     hears_sequencer: bool
+    # The entries' estimated bytes (``entry_size_bytes``), for the driver's budget per loop turn.
+    size_bytes: int = 0
 
 
 @dataclass(frozen=True)

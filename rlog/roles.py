@@ -12,9 +12,10 @@ role but ``admin``: a new kind is closed until someone decides who may send it.
 The roles:
 
 * ``core``: consensus (``peer``, which also carries exclusion notices), replication to replicants (``push``), and what a
-  core asks of another core on behalf of its own clients (forwarded writes, journals, reads).
+  core asks of another core on behalf of its own clients (forwarded writes, journals, reads), snapshot offers
+  (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
-  to find an upstream, bootstrap and serve linearizable reads.
+  to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
 * ``admin``: everything, including ``create_table`` and ``force_start``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
@@ -52,13 +53,17 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "create_table": frozenset({"core", "replicant"}),
     "peer": frozenset({"core"}),
     "push": frozenset({"core"}),
+    # a sequencer offers a snapshot to a follower behind its trimmed log (core.snapshot)
+    "snapshot_offer": frozenset({"core"}),
+    # key-ordered dirty-read batches of a whole table, for bootstraps (bootstrap.serve)
+    "bootstrap_batch": frozenset({"core", "replicant"}),
     "watch": frozenset({"replicant"}),
     "push_ack": frozenset({"replicant"}),
     "force_start": frozenset(),
 }
 
 # Kinds whose body names its sender: the name must be the authenticated principal.
-SENDER_FIELDS: dict[str, str] = {"peer": "sender", "push": "core", "watch": "replicant"}
+SENDER_FIELDS: dict[str, str] = {"peer": "sender", "push": "core", "watch": "replicant", "snapshot_offer": "sender"}
 
 
 class RoleTable:

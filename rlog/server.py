@@ -17,6 +17,8 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -34,6 +36,9 @@ log = logging.getLogger("mnesite.server")
 # zmq disconnects peers whose message exceeds this many times frame_bytes_max; frames between
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
+ROUTER_QUEUE_MAX = 10_000
+# Frames (and bytes, times turn_bytes_max) kept for later turns, as a multiple of group_commit_max.
+BACKLOG_FACTOR = 4
 VIOLATION_LOG_INTERVAL_MS = 1000
 VIOLATION_SENDERS_MAX = 1000
 REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
@@ -74,6 +79,8 @@ class NodeServer:
         self.commits = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
+        # Frames received but left for a later turn (see receive_frames).
+        self._backlog: deque[tuple[list[bytes], bytes, str]] = deque()
         self.security: NodeSecurity | None = None
         self.reload_requested = threading.Event()
         self._refusal_logged_ms = -REFUSAL_LOG_INTERVAL_MS
@@ -291,6 +298,56 @@ class NodeServer:
             poller.register(socket, zmq.POLLIN)
         return dict(poller.poll(timeout_ms))
 
+    def receive_frames(
+        self, clock_ms: Callable[[], int], urgent: Callable[[bytes], bool] | None = None
+    ) -> Iterator[tuple[list[bytes], bytes, str]]:
+        """The (envelope, frame, principal) triples to handle in this loop turn, urgent ones first.
+
+        DESIGN invariant 11: a long run of large transactions, pushes or catch-up reads must never
+        delay what keeps the quorum alive. Each turn takes up to ``group_commit_max`` new frames off
+        the socket (``receive``: nothing is decoded), after the frames left over from earlier turns.
+        The ``urgent`` ones (a core's peer messages: heartbeats, appends, votes) are all handled
+        now; the others in arrival order until ``turn_ms_max`` of handling or ``turn_bytes_max``
+        bytes, and the rest wait in a backlog for the next turn, which the driver starts by handling
+        input and only then firing timers. The backlog holds at most ``4 * group_commit_max`` frames
+        and ``4 * turn_bytes_max`` bytes: a frame beyond that is answered ``overloaded`` and dropped
+        (clients retry with the same request id; an agent re-sends after a lost acknowledgement).
+        """
+        limits = self.config.limits
+        frames = list(self._backlog)
+        self._backlog.clear()
+        for _ in range(limits.group_commit_max):
+            try:
+                received = self.receive()
+            except zmq.Again:
+                break
+            if received is not None:
+                frames.append(received)
+        if urgent is not None:
+            # Stable: urgent frames first, each group in arrival order.
+            frames.sort(key=lambda triple: not urgent(triple[1]))
+        started_ms = clock_ms()
+        handled_bytes = 0
+        backlog_bytes = 0
+        for triple in frames:
+            frame = triple[1]
+            is_urgent = urgent is not None and urgent(frame)
+            over_budget = handled_bytes >= limits.turn_bytes_max or clock_ms() - started_ms >= limits.turn_ms_max
+            if is_urgent or not over_budget:
+                handled_bytes += len(frame)
+                yield triple
+            elif (
+                len(self._backlog) < BACKLOG_FACTOR * limits.group_commit_max
+                and backlog_bytes + len(frame) <= BACKLOG_FACTOR * limits.turn_bytes_max
+            ):
+                self._backlog.append(triple)
+                backlog_bytes += len(frame)
+            else:
+                self.reply(triple[0], codec.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
+
+    def has_backlog(self) -> bool:
+        return bool(self._backlog)
+
     # -- the turn's transaction and outbox ---------------------------------------------------
 
     def begin(self) -> None:
@@ -331,6 +388,11 @@ class NodeServer:
             try:
                 frame = codec.encode(message)
             except CodecError as error:
+                if socket is not None:
+                    # A message of ours to a peer or replicant that our own typed layer refuses is a bug
+                    # here: say so in the log, and never send the peer an ``error`` it did not ask for.
+                    log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
+                    continue
                 frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
             if socket is None and len(frame) > self.config.limits.frame_bytes_max:
                 # The client would drop a frame above its limit and report silence: say why instead.

@@ -282,6 +282,15 @@ class Store:
             return ZERO_KEY, GENESIS_DIGEST
         return TxKey(row[0], row[1]), row[2]
 
+    def count_between(self, shard: str, after: TxKey, up_to: TxKey, limit: int) -> int:
+        """How many entries of ``shard`` have a tx key in (``after``, ``up_to``], counted up to ``limit``."""
+        row = self.connection.execute(
+            "SELECT count(*) FROM (SELECT 1 FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?) "
+            "AND (generation, counter) <= (?, ?) LIMIT ?)",
+            (shard, after.generation, after.counter, up_to.generation, up_to.counter, limit),
+        ).fetchone()
+        return row[0]
+
     def digest_at(self, shard: str, key: TxKey) -> bytes | None:
         if key == ZERO_KEY:
             return GENESIS_DIGEST
@@ -579,6 +588,32 @@ class Store:
             (GENESIS_DIGEST, GENESIS_DIGEST, shard),
         )
 
+    def write_rows(self, table_name: str, rows: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> None:
+        """Write full rows of one table (a bootstrap batch): one prepared statement for all of them."""
+        table = self._table(table_name)
+        names = [name for name, _ in table.columns]
+        self.connection.executemany(
+            f"INSERT OR REPLACE INTO {quote(table.name)} ({', '.join(quote(n) for n in names)}) "
+            f"VALUES ({', '.join('?' for _ in names)})",
+            [tuple(row.get(n) for n in names) for row in rows],
+        )
+
+    def clear_rows(self, shard: str) -> None:
+        """Delete the rows of every table of ``shard`` (a snapshot install starts); log and position stay."""
+        for table in self.catalog().values():
+            if table.shard == shard:
+                self.connection.execute(f"DELETE FROM {quote(table.name)}")
+
+    def restart_log_at(self, shard: str, key: TxKey, digest: bytes) -> None:
+        """A snapshot install ends: the shard's log is empty, trimmed at ``key``, and applied there."""
+        self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
+        self.connection.execute(
+            "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
+            "trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ?, generation = max(generation, ?) "
+            "WHERE shard = ?",
+            (key.generation, key.counter, digest, key.generation, key.counter, digest, key.generation, shard),
+        )
+
     def spill(self, entries: tuple[Entry, ...] | list[Entry]) -> None:
         for entry in entries:
             self.connection.execute(
@@ -633,6 +668,9 @@ class Store:
             (key,),
         ).fetchone()
         return dict(zip(names, row, strict=True)) if row is not None else None
+
+    def count_rows(self, table: TableSchema) -> int:
+        return self.connection.execute(f"SELECT count(*) FROM {quote(table.name)}").fetchone()[0]
 
     def scan(self, table: TableSchema, after: Any, limit: int) -> list[dict[str, Any]]:
         """Rows in key order, strictly after ``after`` (None: from the start), at most ``limit``."""

@@ -168,6 +168,42 @@ def make_entry(
     return Entry(shard, tx_key, prev, entry_digest(prev_digest, shard, tx_key, prev, ops, request_id), ops, request_id)
 
 
+# Per-entry bytes on the wire besides the ops: shard, two keys, digest, request id and framing.
+ENTRY_OVERHEAD_BYTES = 128
+
+
+def _value_size_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode("utf-8")) + 5
+    if isinstance(value, bytes):
+        return len(value) + 5
+    return 9  # int, float, bool, None: at most 9 bytes in msgpack
+
+
+def row_size_bytes(row: dict[str, Any]) -> int:
+    """An upper estimate of a row's msgpack size (see ``entry_size_bytes``)."""
+    return 8 + sum(len(name.encode()) + 8 + _value_size_bytes(value) for name, value in row.items())
+
+
+def entry_size_bytes(entry: Entry) -> int:
+    """An upper estimate of the entry's msgpack size, for byte limits on messages and windows.
+
+    Walking the ops is far cheaper than encoding them, and the estimate never falls below the
+    encoded size (every scalar is counted at its largest msgpack header), so a message built under
+    a byte limit by this measure stays under it on the wire.
+    """
+    size = ENTRY_OVERHEAD_BYTES + len(entry.shard.encode()) + len((entry.request_id or "").encode())
+    for op in entry.ops:
+        if isinstance(op, WriteOp):
+            size += 8 + len(op.table.encode()) + row_size_bytes(op.row)
+        elif isinstance(op, DeleteOp):
+            size += 8 + len(op.table.encode()) + _value_size_bytes(op.key)
+        else:
+            size += 64 + len(op.table.encode()) + len(op.shard.encode())
+            size += sum(len(name.encode()) + len(kind.encode()) + 8 for name, kind in op.columns)
+    return size
+
+
 def entry_to_wire(entry: Entry) -> list[Any]:
     return [
         entry.shard,

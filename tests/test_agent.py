@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 from mnesite.core.agent import STOPPED_TRIMMED, Agent, AgentConfig, AgentConfigError
 from mnesite.rlog.replication import (
@@ -13,7 +14,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_to_wire, make_entry
 
 from tests.sim import MemoryLog
 
@@ -243,3 +244,74 @@ def test_status_reports_the_lag_and_time_never_goes_backwards():
 def test_invalid_config_is_refused(bad):
     with pytest.raises(AgentConfigError):
         AgentConfig(**{"heartbeat_interval_ms": 500, **bad})
+
+
+def build_large_log(count: int, value_bytes: int) -> MemoryLog:
+    log = MemoryLog()
+    prev, digest = ZERO_KEY, GENESIS_DIGEST
+    for counter in range(1, count + 1):
+        entry = make_entry(
+            SHARD, TxKey(1, counter), prev, digest, (WriteOp("t", {"k": counter, "v": "x" * value_bytes}),)
+        )
+        log.append((entry,))
+        prev, digest = entry.tx_key, entry.digest
+    return log
+
+
+@pytest.mark.timeout(10)
+def test_a_push_holds_at_most_push_bytes_max_bytes_on_the_wire_and_a_large_entry_goes_alone():
+    machine = agent(build_large_log(30, 1000), push_bytes_max=5000, window_bytes_max=100_000, step_bytes_max=100_000)
+    effects = machine.step(CommittedAdvanced(TxKey(1, 30), True), 0)
+    sizes = [len(msgpack.packb([entry_to_wire(e) for e in push.entries])) for push in pushes(effects)]
+    assert pushed_keys(effects) == [TxKey(1, n) for n in range(1, 31)]
+    assert all(size <= 5000 for size in sizes) and max(len(push.entries) for push in pushes(effects)) == 4
+    alone = agent(build_large_log(3, 10_000), push_bytes_max=5000, window_bytes_max=100_000, step_bytes_max=100_000)
+    assert [len(push.entries) for push in pushes(alone.step(CommittedAdvanced(TxKey(1, 3), True), 0))] == [1, 1, 1]
+
+
+@pytest.mark.timeout(10)
+def test_the_window_is_bounded_in_bytes_and_acknowledgements_pace_the_catch_up():
+    machine = agent(build_large_log(100, 1000), push_bytes_max=3000, window_bytes_max=10_000, step_bytes_max=100_000)
+    first = pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 100), True), 0))
+    assert first == [TxKey(1, n) for n in range(1, 10)]  # 9 entries of about 1.1 KB: the window is full
+    assert machine.status().unacknowledged_bytes >= 10_000 - 1200
+    assert pushed_keys(machine.step(Ticked(), 1)) == []  # nothing more until the replicant acknowledges
+    assert pushed_keys(machine.step(AckReceived(TxKey(1, 4)), 2))[0] == TxKey(1, 10)
+
+
+@pytest.mark.timeout(10)
+def test_one_step_pushes_at_most_step_bytes_max_and_the_next_tick_is_due_at_once():
+    machine = agent(build_large_log(100, 1000), push_bytes_max=3000, window_bytes_max=1_000_000, step_bytes_max=5000)
+    effects = machine.step(CommittedAdvanced(TxKey(1, 100), True), 0)
+    assert len(pushed_keys(effects)) == 6  # two pushes of three entries: 5000 bytes reached
+    assert machine.next_deadline_ms() == 0
+    assert pushed_keys(machine.step(Ticked(), 0))[0] == TxKey(1, 7)
+
+
+def test_every_frame_the_rlog_server_queues_passes_the_typed_message_layer():
+    """Regression: the watch answer repeated in every push was refused by the codec's depth bound on
+    encode, so cores sent ``error`` frames to replicants instead of pushes and no replicant advanced."""
+    from mnesite.core.rlog_server import RlogServer
+    from mnesite.rlog import codec
+    from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
+
+    log = build_log(5)
+    server = RlogServer("core1")
+    body = {
+        "shard": SHARD,
+        "replicant": "rep0",
+        "endpoint": "tcp://127.0.0.1:1",
+        "from": [0, 0],
+        "from_digest": GENESIS_DIGEST,
+        "protocol": REPLICATION_PROTOCOL_VERSION,
+        "watch_id": "w" * 64,
+    }
+    committed = log.last_key()
+    answer = server.watch(body, log, committed, log.digest_at(committed), log.digest_at, True, 0)
+    assert answer["watch_id"] == "w" * 64
+    server.tick(10_000)
+    assert server.outbox, "the new agent pushed nothing"
+    for _endpoint, message in server.outbox:
+        decoded = codec.decode(codec.encode(message))
+        assert decoded.kind == message.kind == "push"
+        assert decoded.body["watch"]["watch_id"] == "w" * 64

@@ -11,7 +11,9 @@ from mnesite.rlog.replication import (
     ApplyBatch,
     ApplyEntries,
     BatchReceived,
+    CommittedReceived,
     FetchBatch,
+    FetchCommitted,
     FetchTables,
     JournalAge,
     JournalsReceived,
@@ -19,6 +21,7 @@ from mnesite.rlog.replication import (
     ModeChanged,
     ProbeJournals,
     PushReceived,
+    ReadFenceChanged,
     ReplaySpill,
     RequestFailed,
     ResetShard,
@@ -83,8 +86,9 @@ def connect(machine: ShardReplica, now_ms: int = 0, core: str = "core0", agent: 
     assert of(machine.step(Ticked(), now_ms), ProbeJournals)
     journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
     effects = machine.step(journals, now_ms)
-    assert effects == [SendWatch(core, machine.applied_key, machine.applied_digest)]
-    return machine.step(WatchAccepted(core, agent, "resume", machine.applied_key, machine.applied_digest), now_ms)
+    assert effects == [SendWatch(core, machine.applied_key, machine.applied_digest, machine.watch_id)]
+    accepted = WatchAccepted(core, agent, "resume", machine.applied_key, machine.applied_digest, machine.watch_id)
+    return machine.step(accepted, now_ms)
 
 
 def bootstrap(machine: ShardReplica, k0: int = 10, now_ms: int = 0, core: str = "core0", agent: str = "a1") -> list:
@@ -92,7 +96,7 @@ def bootstrap(machine: ShardReplica, k0: int = 10, now_ms: int = 0, core: str = 
     journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
     machine.step(journals, now_ms)
     key, digest = at(k0)
-    return machine.step(WatchAccepted(core, agent, "bootstrap", key, digest), now_ms)
+    return machine.step(WatchAccepted(core, agent, "bootstrap", key, digest, machine.watch_id), now_ms)
 
 
 # ---------------------------------------------------------------- finding an upstream
@@ -111,7 +115,7 @@ def test_it_never_watches_a_core_behind_its_applied_key():
     machine = replica(applied=20)
     machine.step(Ticked(), 0)
     journals = ages(core0=JournalAge(at(19)[0], True, 0), core1=JournalAge(at(25)[0], True, 50), core2=None)
-    assert machine.step(journals, 0) == [SendWatch("core1", at(20)[0], at(20)[1])]
+    assert machine.step(journals, 0) == [SendWatch("core1", at(20)[0], at(20)[1], machine.watch_id)]
 
 
 @pytest.mark.timeout(10)
@@ -158,7 +162,7 @@ def test_a_resume_at_another_key_or_digest_than_its_own_is_refused():
         machine = replica(applied=5)
         machine.step(Ticked(), 0)
         machine.step(ages(core1=None, core2=None), 0)
-        machine.step(WatchAccepted("core0", "a1", "resume", start_key, start_digest), 0)
+        machine.step(WatchAccepted("core0", "a1", "resume", start_key, start_digest, machine.watch_id), 0)
         assert machine.mode is Mode.DISCONNECTED and machine.status().resumes == 0
         assert "with another digest" in machine.status().last_error
 
@@ -169,7 +173,7 @@ def test_a_watch_answer_from_a_core_it_did_not_ask_is_ignored():
     machine.step(Ticked(), 0)
     (watch,) = machine.step(ages(core1=None, core2=None), 0)
     assert watch.core == "core0"
-    assert machine.step(WatchAccepted("core1", "zz", "resume", *at(5)), 1) == []
+    assert machine.step(WatchAccepted("core1", "zz", "resume", *at(5), machine.watch_id), 1) == []
     assert machine.mode is Mode.DISCONNECTED
 
 
@@ -315,7 +319,7 @@ def test_no_push_or_heartbeat_within_failure_timeout_ms_fails_over_to_another_co
     machine.step(Ticked(), machine.next_deadline_ms())
     # core0 answers too and is the least loaded, but the replica moves on to another qualifying core.
     journals = ages(core0=JournalAge(at(30)[0], True, 0), core1=JournalAge(at(30)[0], True, 5), core2=None)
-    assert machine.step(journals, machine.next_deadline_ms()) == [SendWatch("core1", *at(6))]
+    assert machine.step(journals, machine.next_deadline_ms()) == [SendWatch("core1", *at(6), machine.watch_id)]
 
 
 @pytest.mark.timeout(10)
@@ -364,6 +368,7 @@ def test_bootstrap_stages_run_in_order_reset_tables_batches_replay_then_normal()
     effects = bootstrap(machine, k0=10)
     assert effects == [
         ModeChanged(Mode.BOOTSTRAP, "core0", "bootstrapping from core0 at (1, 10)"),
+        ReadFenceChanged(True),
         ResetShard(),
         FetchTables("core0"),
     ]
@@ -385,6 +390,7 @@ def test_bootstrap_stages_run_in_order_reset_tables_batches_replay_then_normal()
         ReplaySpill(*at(10)),
         ModeChanged(Mode.NORMAL, "core0", "bootstrap done at (1, 12)"),
         SendAck("core0", "a1", at(12)[0]),
+        FetchCommitted("core0"),
     ]
     assert (machine.applied_key, machine.applied_digest) == at(12)
     status = machine.status()
@@ -411,7 +417,8 @@ def test_a_bootstrap_while_holding_data_keeps_the_applied_key_as_a_floor():
     machine.step(Ticked(), machine.next_deadline_ms())
     # A core behind the floor never qualifies, and the watch asks for a bootstrap with the unknown digest.
     journals = ages(core0=JournalAge(at(4)[0], True, 0), core1=JournalAge(at(20)[0], True, 9), core2=None)
-    assert machine.step(journals, machine.next_deadline_ms()) == [SendWatch("core1", at(5)[0], UNKNOWN_DIGEST)]
+    effects = machine.step(journals, machine.next_deadline_ms())
+    assert effects == [SendWatch("core1", at(5)[0], UNKNOWN_DIGEST, machine.watch_id)]
 
 
 @pytest.mark.timeout(10)
@@ -419,7 +426,7 @@ def test_a_bootstrap_behind_the_applied_key_is_refused():
     machine = replica(applied=12)
     machine.step(Ticked(), 0)
     machine.step(ages(core1=None, core2=None), 0)
-    machine.step(WatchAccepted("core0", "a1", "bootstrap", *at(10)), 0)
+    machine.step(WatchAccepted("core0", "a1", "bootstrap", *at(10), machine.watch_id), 0)
     assert machine.mode is Mode.DISCONNECTED and machine.status().bootstraps == 0
     assert "behind" in machine.status().last_error
 
@@ -553,3 +560,119 @@ def test_invalid_construction_and_time_going_backwards_are_refused():
     machine = replica(now_ms=10)
     with pytest.raises(ValueError, match="time went backwards"):
         machine.step(Ticked(), 9)
+
+
+# ---------------------------------------------------------------- the read fence after a bootstrap
+
+
+def bootstrapped(k0: int = 10, spilled: int = 12) -> ShardReplica:
+    """A replica that has just finished a bootstrap at ``k0`` with entries up to ``spilled`` spilled."""
+    machine = replica(applied=0)
+    bootstrap(machine, k0=k0)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    if spilled > k0:
+        machine.step(push(HISTORY[k0:spilled]), 2)
+    effects = machine.step(BatchReceived("core0", "t", None, ({"k": 1, "v": "dirty"},), True), 3)
+    assert FetchCommitted("core0") in effects and machine.mode is Mode.NORMAL
+    return machine
+
+
+@pytest.mark.timeout(10)
+def test_no_read_is_served_after_a_bootstrap_until_the_applied_key_reaches_the_committed_key():
+    machine = bootstrapped()
+    assert not machine.readable() and machine.status().read_fenced
+    machine.step(CommittedReceived("core0", at(14)[0]), 4)
+    assert not machine.readable() and machine.status().read_fence == at(14)[0]
+    machine.step(push(HISTORY[12:13]), 5)
+    assert not machine.readable()  # (1, 13): not there yet
+    assert ReadFenceChanged(False) in machine.step(push(HISTORY[13:14]), 6)
+    assert machine.readable(), "reaching the key clears the fence, without any read"
+    assert machine.status().read_fence is None and not machine.status().read_fenced
+
+
+@pytest.mark.timeout(10)
+def test_a_fence_already_reached_clears_at_the_answer():
+    machine = bootstrapped()
+    machine.step(CommittedReceived("core0", at(12)[0]), 4)
+    assert machine.readable()
+
+
+@pytest.mark.timeout(10)
+def test_an_unanswered_fence_request_is_asked_again_and_answers_of_another_core_are_ignored():
+    machine = bootstrapped()
+    machine.step(CommittedReceived("core1", at(12)[0]), 4)  # not the upstream
+    assert not machine.readable()
+    assert machine.step(Ticked(), 5) == []  # still waiting for core0's answer
+    machine.step(CommittedReceived("core0", None), 6)  # failed
+    assert FetchCommitted("core0") in machine.step(Ticked(), 7)
+    machine.step(push([], committed=12), 2000)
+    assert FetchCommitted("core0") in machine.step(Ticked(), 3007), "a lost answer is asked for again"
+    machine.step(CommittedReceived("core0", at(12)[0]), 3008)
+    assert machine.readable()
+
+
+@pytest.mark.timeout(10)
+def test_a_resumed_replica_without_bootstrap_is_readable_at_once():
+    machine = replica(applied=5)
+    connect(machine)
+    assert machine.readable() and not machine.status().read_fenced
+
+
+@pytest.mark.timeout(10)
+def test_a_replica_restarted_while_fenced_stays_fenced_and_asks_again():
+    key, digest = at(12)
+    machine = ShardReplica(SHARD, "rep0", CORES, key, digest, ReplicaConfig(), random.Random(0), 0, read_fenced=True)
+    connect(machine)
+    assert machine.mode is Mode.NORMAL and not machine.readable()
+    assert FetchCommitted("core0") in machine.step(Ticked(), 1)
+    assert ReadFenceChanged(False) in machine.step(CommittedReceived("core0", at(12)[0]), 2)
+    assert machine.readable()
+
+
+# ---------------------------------------------------------------- a push that overtakes the watch answer
+
+
+def watching(machine: ShardReplica, core: str = "core0") -> str:
+    machine.step(Ticked(), 0)
+    journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
+    assert of(machine.step(journals, 0), SendWatch)
+    return machine.watch_id
+
+
+@pytest.mark.timeout(10)
+def test_a_push_that_overtakes_the_watch_answer_is_taken_as_the_answer_and_applied():
+    machine = replica(applied=5)
+    watch_id = watching(machine)
+    accepted = WatchAccepted("core0", "a1", "resume", *at(5), watch_id)
+    early = PushReceived("core0", "a1", tuple(HISTORY[5:7]), at(30)[0], True, accepted)
+    effects = machine.step(early, 1)
+    assert ApplyEntries(tuple(HISTORY[5:7])) in effects and SendAck("core0", "a1", at(7)[0]) in effects
+    assert machine.mode is Mode.NORMAL and machine.agent_id == "a1" and machine.status().resumes == 1
+    assert machine.step(accepted, 2) == []  # the answer itself arrives late: nothing happens twice
+    assert machine.status().resumes == 1 and machine.status().applied_key == at(7)[0]
+
+
+@pytest.mark.timeout(10)
+def test_a_push_carrying_the_answer_to_an_older_watch_is_not_taken_as_the_answer():
+    machine = replica(applied=5)
+    watching(machine)
+    stale = WatchAccepted("core0", "a0", "resume", *at(5), "an-older-watch")
+    effects = machine.step(PushReceived("core0", "a0", tuple(HISTORY[5:7]), at(30)[0], True, stale), 1)
+    assert effects == [] and machine.mode is Mode.DISCONNECTED and machine.agent_id is None
+    assert machine.step(stale, 2) == [] and machine.mode is Mode.DISCONNECTED
+    # A push whose answer names another agent than its sender is not taken either.
+    forged = WatchAccepted("core0", "a9", "resume", *at(5), machine.watch_id)
+    assert machine.step(PushReceived("core0", "a1", (), at(30)[0], True, forged), 3) == []
+    assert machine.mode is Mode.DISCONNECTED
+
+
+@pytest.mark.timeout(10)
+def test_bootstrap_progress_counts_rows_bytes_rate_and_eta():
+    machine = replica(applied=0, batch_rows_max=2)
+    bootstrap(machine, k0=10)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 0)
+    rows = ({"k": 1, "v": "a"}, {"k": 2, "v": "b"})
+    machine.step(BatchReceived("core0", "t", None, rows, False, rows_total=6), 1000)
+    status = machine.status()
+    assert (status.copy_rows, status.copy_rows_expected, status.copy_rows_per_s) == (2, 6, 2.0)
+    assert status.copy_bytes > 0 and status.copy_eta_ms == 2000  # 4 rows to go at 2 rows/s

@@ -76,8 +76,17 @@ class _TrustsPushes(ShardReplica):
         return tuple(entry for entry in event.entries if entry.tx_key > key)
 
 
+class _NoReadFence(ShardReplica):
+    """Broken read fence: reads are served as soon as the replay ends, dirty copy or not."""
+
+    def readable(self) -> bool:
+        return self._mode is Mode.NORMAL
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("broken", [_AcceptsAnyAgent, _TrustsPushes], ids=lambda cls: cls.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "broken", [_AcceptsAnyAgent, _TrustsPushes, _NoReadFence], ids=lambda cls: cls.__name__.strip("_")
+)
 def test_the_simulator_catches_a_broken_replica(broken):
     found = _first_failure(broken)
     assert found is not None, f"no violation caught in {CI_SEEDS} seeds with {broken.__name__}"

@@ -147,3 +147,25 @@ def test_retention_never_trims_unapplied_entries(store) -> None:
         assert store.truncate_after("default", TxKey(1, 3)) == 2
         with pytest.raises(StoreError, match="would remove applied entry"):
             store.truncate_after("default", ZERO_KEY)
+
+
+def test_count_between_counts_keys_in_the_half_open_range_up_to_a_limit(store) -> None:
+    for counter in range(2, 12):
+        append(store, counter, "v")
+    assert store.count_between("default", TxKey(1, 1), TxKey(1, 11), 100) == 10
+    assert store.count_between("default", TxKey(1, 5), TxKey(1, 8), 100) == 3
+    assert store.count_between("default", TxKey(1, 1), TxKey(1, 11), 4) == 4
+
+
+def test_a_snapshot_install_clears_the_rows_then_restarts_the_log_at_its_key(store) -> None:
+    append(store, 2, "old")
+    with store.write_transaction():
+        store.clear_rows("default")
+        assert store.shard("default").applied == TxKey(1, 2)  # the position stays until the end
+        store.write_rows("t", [{"k": 5, "v": "copied"}, {"k": 6, "v": "copied"}])
+        store.restart_log_at("default", TxKey(3, 40), b"d" * 32)
+    assert store.scan(TABLE, None, 10) == [{"k": 5, "v": "copied"}, {"k": 6, "v": "copied"}]
+    position = store.shard("default")
+    assert (position.applied, position.digest) == (TxKey(3, 40), b"d" * 32)
+    assert store.last_entry("default") == (TxKey(3, 40), b"d" * 32)
+    assert store.trimmed("default") == (TxKey(3, 40), b"d" * 32) and store.tail("default", 5) == []

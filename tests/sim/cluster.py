@@ -63,6 +63,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GuardTail
+from mnesite.core.snapshot import SnapshotOffer, accept_offer
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
 
@@ -113,6 +114,9 @@ class MemoryLog:
 
     def trimmed_key(self) -> TxKey:
         return self._trimmed_key
+
+    def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
+        return min(limit, max(0, bisect.bisect_right(self.keys, up_to) - bisect.bisect_right(self.keys, key)))
 
     # storage operations, as a driver would run them
     def entry_at(self, key: TxKey) -> Entry | None:
@@ -402,7 +406,16 @@ class Simulation:
 
     def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
         follower = self.nodes[follower_name]
-        if not self._is_up(follower) or sequencer.applied_key <= follower.applied_key:
+        if not self._is_up(follower) or sequencer.machine is None or follower.machine is None:
+            return
+        # Production's offer rule (core.snapshot): the follower takes an offer only from the
+        # sequencer it knows, in its generation, beyond its applied key. The copy itself (the
+        # driver's job there) is modelled as a consistent copy of the sequencer's applied state.
+        offer = SnapshotOffer(
+            sequencer.name, sequencer.machine.generation, sequencer.applied_key, sequencer.applied_digest
+        )
+        machine = follower.machine
+        if accept_offer(offer, machine.generation, machine.sequencer, follower.applied_key, False) is not None:
             return
         # The driver copies the sequencer's applied tables; the follower's log restarts there.
         follower.log = MemoryLog(sequencer.applied_key, sequencer.applied_digest)

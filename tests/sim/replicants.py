@@ -44,6 +44,7 @@ from typing import Any
 
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.consensus import Commit, Effect, Role
+from mnesite.core.rlog_server import WatchRefused, decide_watch
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.rlog import replication as p
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
@@ -87,6 +88,7 @@ class SimReplicant:
     spill: list[Entry] = field(default_factory=list)
     bootstraps: int = 0
     resumes: int = 0
+    read_fenced: bool = False
     # Process state.
     machine: ShardReplica | None = None
     down_until_ms: int = 0
@@ -125,6 +127,8 @@ class ReplicantSimulation(Simulation):
     ) -> None:
         # Set before the base constructor, which starts the cores.
         self.agents: dict[str, dict[str, tuple[str, Agent]]] = {}
+        # The watch answer of every agent, repeated in its pushes as production's RLOG server does.
+        self.agent_answers: dict[str, p.WatchAccepted] = {}
         self.core_tables: dict[str, Tables] = {}
         super().__init__(seed, core_count, faulty_ms, tick_ms)
         rng = self.rng
@@ -158,6 +162,8 @@ class ReplicantSimulation(Simulation):
         self.replicant_cut: set[tuple[str, str]] = set()
         self.in_order = False
         self.agent_sequence = 0
+        # Every committed entry in key order: the reference state at any committed key.
+        self.history: list[Entry] = []
         self.entries_applied = 0
         self.pushes_rejected = 0
         self.replicant_crashes = 0
@@ -207,6 +213,8 @@ class ReplicantSimulation(Simulation):
             if entry.tx_key > node.applied_key:
                 break
             apply_ops(tables, entry)
+            if not self.history or entry.tx_key > self.history[-1].tx_key:
+                self.history.append(entry)
         self._tell_agents(node)
 
     def _hears_sequencer(self, node: SimNode) -> bool:
@@ -229,7 +237,12 @@ class ReplicantSimulation(Simulation):
                     if entry.tx_key > node.applied_key or self.committed_digest.get(entry.tx_key) != entry.digest:
                         raise self.fail(f"agent {agent_id} on {node.name} pushed {entry.tx_key}, not committed there")
                 message = p.PushReceived(
-                    node.name, agent_id, effect.entries, effect.committed_key, effect.hears_sequencer
+                    node.name,
+                    agent_id,
+                    effect.entries,
+                    effect.committed_key,
+                    effect.hears_sequencer,
+                    self.agent_answers[agent_id],
                 )
                 self._send_replication(node.name, replicant, ("push", message))
             elif isinstance(effect, p.AgentStopped):
@@ -257,6 +270,11 @@ class ReplicantSimulation(Simulation):
             batch = tuple(dict(rows[key]) for key in keys[:limit])
             answer = p.BatchReceived(node.name, table, after, batch, len(keys) <= limit)
             self._send_replication(node.name, sender, ("answer", answer))
+        elif kind == "committed":
+            # The driver asks with read_index: the sequencer's quorum-confirmed committed key.
+            known = self._hears_sequencer(node)
+            answer = p.CommittedReceived(node.name, self.committed_last_key if known else None)
+            self._send_replication(node.name, sender, ("answer", answer))
         elif kind == "ack":
             self._step_agent(node, message[1], p.AckReceived(message[2]))
         elif kind == "reject":
@@ -264,23 +282,33 @@ class ReplicantSimulation(Simulation):
         else:
             raise self.fail(f"unknown replication message {message!r}")
 
-    def _on_watch(self, node: SimNode, sender: str, from_key: TxKey, from_digest: bytes, version: int) -> None:
+    def _on_watch(
+        self, node: SimNode, sender: str, from_key: TxKey, from_digest: bytes, version: int, watch_id: str
+    ) -> None:
         if version != p.REPLICATION_PROTOCOL_VERSION:
             refusal = p.WatchRefused(node.name, f"incompatible protocol version {version}")
             self._send_replication(node.name, sender, ("answer", refusal))
             return
-        if from_key > node.applied_key:
-            refusal = p.WatchRefused(node.name, f"committed key {node.applied_key} is behind {from_key}")
-            self._send_replication(node.name, sender, ("answer", refusal))
+        try:
+            # Production's watch rule, not a copy of it.
+            mode, start_key, start_digest = decide_watch(
+                from_key,
+                from_digest,
+                node.log.trimmed_key(),
+                node.applied_key,
+                node.applied_digest,
+                node.log.digest_at,
+                node.name,
+            )
+        except WatchRefused as refused:
+            self._send_replication(node.name, sender, ("answer", p.WatchRefused(node.name, str(refused))))
             return
         self.agent_sequence += 1
         agent_id = f"{node.name}-agent{self.agent_sequence}"
-        if from_digest != p.UNKNOWN_DIGEST and node.log.digest_at(from_key) == from_digest:
-            accepted = p.WatchAccepted(node.name, agent_id, "resume", from_key, from_digest)
-        else:
-            accepted = p.WatchAccepted(node.name, agent_id, "bootstrap", node.applied_key, node.applied_digest)
+        accepted = p.WatchAccepted(node.name, agent_id, mode, start_key, start_digest, watch_id)
         agent = Agent(agent_id, SHARD, sender, accepted.start_key, node.log, self.agent_config, self.now_ms)
         self.agents[node.name][agent_id] = (sender, agent)
+        self.agent_answers[agent_id] = accepted
         self.trace.append((self.now_ms, node.name, "watch", sender, accepted.mode, accepted.start_key, agent_id))
         self._send_replication(node.name, sender, ("answer", accepted))
         self._step_agent(node, agent_id, p.CommittedAdvanced(node.applied_key, self._hears_sequencer(node)))
@@ -299,6 +327,7 @@ class ReplicantSimulation(Simulation):
             self.now_ms,
             bootstraps=replicant.bootstraps,
             resumes=replicant.resumes,
+            read_fenced=replicant.read_fenced,
         )
         replicant.probe_answers = None
         replicant.accepted = None
@@ -315,9 +344,25 @@ class ReplicantSimulation(Simulation):
         machine = replicant.machine
         if machine is None:
             raise self.fail(f"stepping crashed replicant {replicant.name}")
-        watched = (machine.upstream, machine.agent_id)
         was_disconnected = machine.mode is p.Mode.DISCONNECTED
+        was_readable = machine.readable()
         effects = machine.step(event, self.now_ms)
+        # The watch answer, or a push that carried it and overtook it.
+        acceptance = event if isinstance(event, p.WatchAccepted) else None
+        if isinstance(event, p.PushReceived):
+            acceptance = event.accepted
+        connected = any(
+            isinstance(effect, p.ModeChanged)
+            and effect.mode in (p.Mode.NORMAL, p.Mode.BOOTSTRAP)
+            and acceptance is not None
+            and effect.upstream == acceptance.core
+            for effect in effects
+        )
+        if acceptance is not None and was_disconnected and connected:
+            replicant.accepted = (acceptance.core, acceptance.agent_id)
+            if acceptance.mode == "resume":
+                replicant.resumes += 1
+        watched = (machine.upstream, machine.agent_id)
         crash_after = None
         if replicant.crash_in_next_step:
             crash_after = self.rng.randint(0, len(effects))
@@ -333,15 +378,26 @@ class ReplicantSimulation(Simulation):
                         f"but it watches {replicant.accepted}"
                     )
             self._execute_replica(replicant, effect)
-        if isinstance(event, p.WatchAccepted) and was_disconnected and machine.agent_id == event.agent_id:
-            replicant.accepted = (event.core, event.agent_id)
-            if event.mode == "resume":
-                replicant.resumes += 1
         if crash_after is not None:
             self.trace.append((self.now_ms, replicant.name, "crashed mid-step after effects", crash_after))
             self._crash_replicant(replicant)
             return
+        if machine.readable() and (not was_readable or acceptance is not None):
+            self._check_readable(replicant)
         self._check_replicant(replicant)
+
+    def _check_readable(self, replicant: SimReplicant) -> None:
+        """A replica that starts serving reads holds exactly the committed state at its applied key."""
+        reference = empty_tables()
+        for entry in self.history:
+            if entry.tx_key > replicant.applied_key:
+                break
+            apply_ops(reference, entry)
+        if replicant.tables != reference:
+            raise self.fail(
+                f"{replicant.name} serves reads at {replicant.applied_key} with tables that are not the committed "
+                "state there (a dirty bootstrap copy read past the read fence)"
+            )
 
     def _apply_entry(self, replicant: SimReplicant, entry: Entry) -> None:
         if replicant.applied_digest == p.UNKNOWN_DIGEST:
@@ -368,11 +424,14 @@ class ReplicantSimulation(Simulation):
             version = p.REPLICATION_PROTOCOL_VERSION
             if self.rng.random() < self.bad_version_probability:
                 version += 1  # an incompatible peer
-            self._send_request(name, effect.core, ("watch", effect.from_key, effect.from_digest, version))
+            message = ("watch", effect.from_key, effect.from_digest, version, effect.watch_id)
+            self._send_request(name, effect.core, message)
         elif isinstance(effect, p.FetchTables):
             self._send_request(name, effect.core, ("tables",))
         elif isinstance(effect, p.FetchBatch):
             self._send_request(name, effect.core, ("batch", effect.table, effect.after, effect.limit))
+        elif isinstance(effect, p.FetchCommitted):
+            self._send_request(name, effect.core, ("committed",))
         elif isinstance(effect, p.ApplyEntries):
             for entry in effect.entries:
                 self._apply_entry(replicant, entry)
@@ -405,6 +464,8 @@ class ReplicantSimulation(Simulation):
             self._send_replication(name, effect.core, ("reject", effect.agent_id, effect.reason))
         elif isinstance(effect, p.ModeChanged):
             self.trace.append((self.now_ms, name, "mode", effect.mode.value, effect.upstream, effect.reason))
+        elif isinstance(effect, p.ReadFenceChanged):
+            replicant.read_fenced = effect.fenced
         else:
             raise self.fail(f"{name}: unknown replica effect {effect!r}")
 
@@ -577,7 +638,7 @@ class ReplicantSimulation(Simulation):
     def _replicas_converged(self, sequencer: SimNode) -> bool:
         for replicant in self.replicants.values():
             machine = replicant.machine
-            if machine is None or machine.mode is not p.Mode.NORMAL:
+            if machine is None or not machine.readable():
                 return False
             if replicant.applied_key != sequencer.applied_key:
                 return False

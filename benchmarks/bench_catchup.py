@@ -1,0 +1,416 @@
+"""Replicant catch-up, bootstrap, lag and failover against three real cores, with same-run baselines.
+
+    .venv/bin/python benchmarks/bench_catchup.py [--rows 100000] [--rows-per-transaction 1000]
+        [--loaders 1] [--writers 3] [--phases catchup,lag,failover,bootstrap] [--json]
+
+Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NORMAL"``):
+
+* ``catchup``: ``--loaders`` clients load ``--rows`` rows of about 100 bytes in transactions of
+  ``--rows-per-transaction`` rows (elections during the load are reported); then an empty replicant
+  starts while ``--writers`` clients keep writing one row per transaction, and resumes from (0, 0)
+  through the rlog (default retention). Reported: seconds until it is ``normal`` at (or past) the
+  cores' committed key of the moment it started,
+  entries/s and MB/s (entry bytes estimated by ``entry_size_bytes``), elections during the catch-up.
+* ``lag``: the writers' maximum rate is measured for ``--seconds``, then they write at half of it
+  while a probe polls the replicant's applied key; lag of a write = time from its acknowledgement to
+  the first poll that shows it applied on the replicant (p50, p99; the poll interval is the resolution).
+* ``failover``: the replicant's upstream core is killed with SIGKILL; reported: seconds until the
+  replicant is ``normal`` on another core, and rows re-copied (target 0: it resumes from its applied key).
+* ``bootstrap``: retention of 50 entries forces a dirty-read bootstrap of the ``--rows`` rows; the
+  baseline is a raw apsw copy of the same rows (read from a core's database file in key order,
+  inserted into a new WAL database in one transaction), measured in the same run.
+
+Not a test: it asserts nothing about timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from mnesite.rlog.client import Client, MnesiteError  # noqa: E402
+
+from benchmarks.bench_commit import free_endpoint, machine, percentile  # noqa: E402
+
+ROW_VALUE = "v" * 90  # with the id and the encoding, about 100 bytes a row
+ENTRY_OVERHEAD_BYTES_ESTIMATE = 128
+ROW_BYTES_ESTIMATE = 100
+
+
+class Cluster:
+    """Three core processes and optionally one replicant; every process is killed at ``close``."""
+
+    def __init__(self, directory: Path, core_toml: str = "") -> None:
+        self.directory = directory
+        self.endpoints = {f"core{i}": free_endpoint() for i in range(1, 4)}
+        self.processes: dict[str, subprocess.Popen] = {}
+        core_nodes = ", ".join(f'{name} = "{endpoint}"' for name, endpoint in self.endpoints.items())
+        self.core_nodes = core_nodes
+        for name, endpoint in self.endpoints.items():
+            config = directory / f"{name}.toml"
+            config.write_text(
+                f'[node]\nname = "{name}"\ndata_dir = "{directory / name}"\nlisten = "{endpoint}"\n'
+                f'[cluster]\ncore_nodes = {{ {core_nodes} }}\n[storage]\nsynchronous = "NORMAL"\n' + core_toml
+            )
+            self._start(name, config)
+
+    def _start(self, name: str, config: Path) -> None:
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "mnesite.cli", "start", "--config", str(config), "--log-level", "INFO"],
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=(self.directory / f"{name}.log").open("w"),
+        )
+
+    def start_replicant(self, name: str = "replicant1") -> None:
+        self.endpoints[name] = free_endpoint()
+        config = self.directory / f"{name}.toml"
+        config.write_text(
+            f'[node]\nname = "{name}"\nrole = "replicant"\ndata_dir = "{self.directory / name}"\n'
+            f'listen = "{self.endpoints[name]}"\n[cluster]\ncore_nodes = {{ {self.core_nodes} }}\n'
+            '[storage]\nsynchronous = "NORMAL"\n'
+        )
+        self._start(name, config)
+
+    def kill(self, name: str) -> None:
+        os.killpg(self.processes[name].pid, signal.SIGKILL)
+        self.processes[name].wait(30)
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(30)
+
+    def status(self, name: str, timeout_ms: int = 2000) -> dict | None:
+        try:
+            with Client(self.endpoints[name], timeout_ms=timeout_ms, retries=0) as client:
+                return client.status()
+        except MnesiteError:
+            return None
+
+    def shard(self, name: str) -> dict:
+        status = self.status(name)
+        return (status or {}).get("shards", {}).get("default") or {}
+
+    def generations(self) -> dict[str, tuple[int, int]]:
+        result = {}
+        for name in ("core1", "core2", "core3"):
+            info = self.shard(name)
+            if info and name in self.processes and self.processes[name].poll() is None:
+                result[name] = (info["generation"], info.get("elections", 0))
+        return result
+
+    def wait(self, condition, timeout_s: float, what: str, interval_s: float = 0.05) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if condition():
+                return time.monotonic() - started
+            time.sleep(interval_s)
+        raise SystemExit(f"timed out after {timeout_s} s waiting for {what}; logs in {self.directory}")
+
+
+def load(cluster: Cluster, rows: int, rows_per_transaction: int, loaders: int) -> float:
+    """Load ``rows`` rows in batched transactions from ``loaders`` concurrent clients; seconds taken."""
+    starts = list(range(0, rows, rows_per_transaction))
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def run(loader: int) -> None:
+        with Client(cluster.endpoints[f"core{loader % 3 + 1}"], timeout_ms=60_000, retries=5) as client:
+            while True:
+                with lock:
+                    if not starts:
+                        return
+                    start = starts.pop()
+                ops = [
+                    {"op": "write", "table": "kv", "row": {"id": i, "value": ROW_VALUE}}
+                    for i in range(start, min(rows, start + rows_per_transaction))
+                ]
+                try:
+                    client.transact(ops)
+                except MnesiteError as error:
+                    errors.append(str(error))
+                    return
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(loaders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise SystemExit(f"load failed: {errors[:3]}")
+    return time.monotonic() - began
+
+
+class Writers:
+    """``count`` threads putting one row per transaction; optionally paced to ``rate_per_s`` in total."""
+
+    def __init__(self, cluster: Cluster, count: int, rate_per_s: float | None = None) -> None:
+        self.cluster = cluster
+        self.stop_event = threading.Event()
+        self.acknowledged: list[tuple[float, tuple[int, int]]] = []
+        self.lock = threading.Lock()
+        self.rate_per_s = rate_per_s
+        self.count = count
+        self.threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(count)]
+
+    def _run(self, worker: int) -> None:
+        interval = self.count / self.rate_per_s if self.rate_per_s else 0.0
+        next_at = time.monotonic()
+        row_id = 10**9 + worker * 10**7
+        while not self.stop_event.is_set():
+            try:
+                with Client(self.cluster.endpoints[f"core{worker % 3 + 1}"], timeout_ms=5000, retries=2) as client:
+                    while not self.stop_event.is_set():
+                        if interval:
+                            next_at += interval
+                            time.sleep(max(0.0, next_at - time.monotonic()))
+                        row_id += 1
+                        key = client.put("kv", {"id": row_id, "value": ROW_VALUE})
+                        with self.lock:
+                            self.acknowledged.append((time.monotonic(), tuple(key)))
+            except MnesiteError:
+                time.sleep(0.05)
+
+    def start(self) -> Writers:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def stop(self) -> list[tuple[float, tuple[int, int]]]:
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(30)
+        return list(self.acknowledged)
+
+
+def start_cluster(directory: Path, core_toml: str = "") -> Cluster:
+    cluster = Cluster(directory, core_toml)
+    with Client(cluster.endpoints["core1"], timeout_ms=3000, retries=20) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+    return cluster
+
+
+def committed(cluster: Cluster) -> tuple[int, int]:
+    return max(tuple(cluster.shard(name).get("committed", (0, 0))) for name in ("core1", "core2", "core3"))
+
+
+def normal_at(cluster: Cluster, target: tuple[int, int]) -> bool:
+    """The replicant serves reads at (or past) ``target``."""
+    info = cluster.shard("replicant1")
+    return info.get("serving") is True and tuple(info.get("applied", (0, 0))) >= target
+
+
+def phase_catchup(directory: Path, args: argparse.Namespace, report: dict) -> None:
+    cluster = start_cluster(directory)
+    try:
+        load_s = load(cluster, args.rows, args.rows_per_transaction, args.loaders)
+        before = cluster.generations()
+        report["load"] = {
+            "rows": args.rows,
+            "rows_per_transaction": args.rows_per_transaction,
+            "loaders": args.loaders,
+            "seconds": round(load_s, 2),
+            "rows_per_s": round(args.rows / load_s),
+            "generations_after_load": before,
+        }
+        writers = Writers(cluster, args.writers).start()
+        time.sleep(1.0)  # the writers are under way before the replicant starts
+        target = committed(cluster)
+        cluster.start_replicant()
+
+        caught_s = cluster.wait(lambda: normal_at(cluster, target), args.timeout_s, "the replicant's catch-up")
+        after = cluster.generations()
+        writers.stop()
+        applied = cluster.shard("replicant1")["applied"]
+        loaded_entries = args.rows // args.rows_per_transaction + 2  # the loaded entries, the no-op, the table
+        # Every entry the replicant applied came through the rlog (generation 1: counters are entries).
+        entries = applied[1] if applied[0] == 1 else loaded_entries
+        total_bytes = args.rows * ROW_BYTES_ESTIMATE + entries * ENTRY_OVERHEAD_BYTES_ESTIMATE
+        total_bytes += (entries - loaded_entries) * ROW_BYTES_ESTIMATE
+        report["catchup"] = {
+            "seconds": round(caught_s, 2),
+            "applied": applied,
+            "entries": entries,
+            "megabytes": round(total_bytes / 1e6, 1),
+            "entries_per_s": round(entries / caught_s, 1),
+            "mb_per_s": round(total_bytes / caught_s / 1e6, 2),
+            "generations_before": before,
+            "generations_after": after,
+            "new_generation": any(after[n][0] != before[n][0] for n in after if n in before),
+        }
+        if "lag" in args.phases:
+            phase_lag(cluster, args, report)
+        if "failover" in args.phases:
+            phase_failover(cluster, args, report)
+    finally:
+        cluster.close()
+
+
+def phase_lag(cluster: Cluster, args: argparse.Namespace, report: dict) -> None:
+    writers = Writers(cluster, args.writers).start()
+    time.sleep(args.seconds)
+    full = writers.stop()
+    window = [t for t, _ in full if t >= full[0][0] + 0.5] if full else []
+    max_rate = len(window) / (window[-1] - window[0]) if len(window) > 1 else 0.0
+    half = Writers(cluster, args.writers, rate_per_s=max_rate / 2).start()
+    polls: list[tuple[float, tuple[int, int]]] = []
+    deadline = time.monotonic() + args.seconds
+    with Client(cluster.endpoints["replicant1"], timeout_ms=2000, retries=0) as client:
+        while time.monotonic() < deadline:
+            try:
+                applied = tuple(client.status()["shards"]["default"]["applied"])
+            except MnesiteError:
+                continue
+            polls.append((time.monotonic(), applied))
+            time.sleep(0.005)
+    acknowledged = half.stop()
+    lags_ms = []
+    position = 0
+    for acked_at, key in sorted(acknowledged):
+        while position < len(polls) and polls[position][0] < acked_at:
+            position += 1
+        for polled_at, applied in polls[position:]:
+            if applied >= key:
+                lags_ms.append((polled_at - acked_at) * 1000)
+                break
+    lags_ms.sort()
+    report["lag"] = {
+        "max_writes_per_s": round(max_rate, 1),
+        "paced_writes_per_s": round(len(acknowledged) / args.seconds, 1),
+        "samples": len(lags_ms),
+        "p50_ms": round(percentile(lags_ms, 0.5), 1),
+        "p99_ms": round(percentile(lags_ms, 0.99), 1),
+        "poll_interval_ms": round(args.seconds * 1000 / max(1, len(polls)), 1),
+    }
+
+
+def phase_failover(cluster: Cluster, args: argparse.Namespace, report: dict) -> None:
+    before = cluster.shard("replicant1")
+    upstream = before["upstream"]
+    writers = Writers(cluster, args.writers).start()
+    time.sleep(0.5)
+    cluster.kill(upstream)
+
+    def moved() -> bool:
+        info = cluster.shard("replicant1")
+        return info.get("mode") == "normal" and info.get("upstream") not in (None, upstream)
+
+    resumed_s = cluster.wait(moved, args.timeout_s, "the replicant's failover", interval_s=0.02)
+    writers.stop()
+    after = cluster.shard("replicant1")
+    report["failover"] = {
+        "killed": upstream,
+        "new_upstream": after["upstream"],
+        "seconds_to_normal": round(resumed_s, 2),
+        "rows_recopied": after["rows_copied"] - before["rows_copied"],
+        "bootstraps": after["bootstraps"] - before["bootstraps"],
+        "resumes": after["resumes"] - before["resumes"],
+    }
+
+
+def raw_apsw_copy(source: Path, target: Path) -> tuple[int, float]:
+    """Copy table kv from ``source`` to a new WAL database in key order, one transaction; (rows, seconds)."""
+    import apsw
+
+    began = time.monotonic()
+    reader = apsw.Connection(str(source), flags=apsw.SQLITE_OPEN_READONLY)
+    writer = apsw.Connection(str(target))
+    writer.execute("PRAGMA journal_mode=WAL")
+    writer.execute("PRAGMA synchronous=NORMAL")
+    writer.execute("CREATE TABLE kv(id INTEGER PRIMARY KEY, value TEXT) STRICT")
+    rows = 0
+    with writer:
+        for row in reader.execute('SELECT id, value FROM "kv" ORDER BY id'):
+            writer.execute("INSERT INTO kv VALUES (?, ?)", row)
+            rows += 1
+    elapsed = time.monotonic() - began
+    reader.close()
+    writer.close()
+    return rows, elapsed
+
+
+def phase_bootstrap(directory: Path, args: argparse.Namespace, report: dict) -> None:
+    cluster = start_cluster(directory, "[rlog]\nretention_entries_max = 50\n")
+    try:
+        load(cluster, args.rows, args.rows_per_transaction, args.loaders)
+        cluster.wait(lambda: committed(cluster) == tuple(cluster.shard("core1")["applied"]), 60, "core1 to apply")
+        rows, raw_s = raw_apsw_copy(directory / "core1" / "mnesite.db", directory / "raw-copy.db")
+        before = cluster.generations()
+        target = committed(cluster)
+        cluster.start_replicant()
+        copy_began: list[float] = []
+
+        def done() -> bool:
+            info = cluster.shard("replicant1")
+            if not copy_began and info.get("mode") == "bootstrap":
+                copy_began.append(time.monotonic())
+            return normal_at(cluster, target)
+
+        bootstrap_s = cluster.wait(done, args.timeout_s, "the bootstrap", interval_s=0.02)
+        # From the watch answer (mode bootstrap) to normal at the committed key: the copy and the
+        # replay, without the replicant's process start and shard discovery.
+        copy_s = time.monotonic() - copy_began[0] if copy_began else bootstrap_s
+        info = cluster.shard("replicant1")
+        report["bootstrap"] = {
+            "rows": rows,
+            "raw_apsw_copy_s": round(raw_s, 2),
+            "bootstrap_s": round(bootstrap_s, 2),
+            "copy_and_replay_s": round(copy_s, 2),
+            "x_raw_apsw": round(copy_s / raw_s, 2),
+            "x_raw_apsw_with_start": round(bootstrap_s / raw_s, 2),
+            "rows_copied": info["rows_copied"],
+            "bootstraps": info["bootstraps"],
+            "generations_before": before,
+            "generations_after": cluster.generations(),
+        }
+    finally:
+        cluster.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--rows-per-transaction", type=int, default=1000)
+    parser.add_argument("--loaders", type=int, default=1)
+    parser.add_argument("--writers", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each lag measurement")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--phases", default="catchup,lag,failover,bootstrap")
+    parser.add_argument("--keep", action="store_true", help="keep the data directories and logs")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    args.phases = set(args.phases.split(","))
+    root = Path(tempfile.mkdtemp(prefix="mnesite-bench-catchup-"))
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "directory": str(root)}
+    try:
+        if args.phases & {"catchup", "lag", "failover"}:
+            (root / "catchup").mkdir()
+            phase_catchup(root / "catchup", args, report)
+        if "bootstrap" in args.phases:
+            (root / "bootstrap").mkdir()
+            phase_bootstrap(root / "bootstrap", args, report)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The receiving side's copy loop: a shard's tables, table by table, in key-ordered batches.
+
+Theory of operation
+-------------------
+A ``TableCopy`` copies the tables of one shard from one core, for whoever bootstraps: a replicant's
+``ShardReplica`` and a core that installs a snapshot after its peers trimmed what it needed. It is
+pure: it is given the table list (``TablesReceived``) and each batch (``BatchReceived``) and returns
+the effects to execute, ``FetchBatch`` (ask the core for the next batch: ``bootstrap.serve`` on the
+other side) and ``ApplyBatch`` (write the rows). A batch is accepted only if it answers the request
+outstanding (same core, table and ``after``), holds at most ``batch_rows_max`` rows, every row has
+the table's key column, and it moves past ``after``; anything else raises ``CopyFailed`` (the owner
+gives up on that core) or is ignored as a stale answer. One batch is outstanding at a time, so
+memory and the core's work are bounded by one batch. ``done`` is true once every table is copied.
+
+The copied rows are dirty reads: the owner makes them consistent by applying every entry after K0
+(see ``replicant.replica``: spill and replay; a core: its log from K0 on) and serves no read until
+its applied key reaches the committed key known after the copy (the read fence).
+"""
+
+from __future__ import annotations
+
+from mnesite.rlog.replication import ApplyBatch, BatchReceived, FetchBatch, TablesReceived
+from mnesite.rlog.types import row_size_bytes
+
+CopyEffect = FetchBatch | ApplyBatch
+
+
+class CopyFailed(Exception):
+    """The core sent something a copy cannot use; the message says what."""
+
+
+def batch_from_answer(core: str, table: str, after: object, result: object) -> BatchReceived | None:
+    """The ``bootstrap_batch`` answer ``result`` as a ``BatchReceived``; None if it is malformed."""
+    if not isinstance(result, dict):
+        return None
+    rows, done, total = result.get("rows"), result.get("done"), result.get("rows_total")
+    if not isinstance(rows, list) or not isinstance(done, bool):
+        return None
+    total = total if isinstance(total, int) and not isinstance(total, bool) else None
+    return BatchReceived(core, table, after, tuple(rows), done, total)
+
+
+class TableCopy:
+    """One copy of a shard's tables from ``core``."""
+
+    def __init__(self, core: str, batch_rows_max: int, now_ms: int) -> None:
+        if batch_rows_max < 1:
+            raise ValueError("batch_rows_max must be positive")
+        self.core = core
+        self.batch_rows_max = batch_rows_max
+        self.started_ms = now_ms
+        self.tables: tuple[str, ...] = ()
+        self.keys: tuple[str, ...] = ()
+        self.listed = False
+        self.table_index = 0
+        self.after: object = None
+        self.rows = 0
+        self.bytes = 0
+        # Sum of the tables' row counts when their first batch was read (progress only).
+        self.rows_expected = 0
+
+    @property
+    def done(self) -> bool:
+        return self.listed and self.table_index >= len(self.tables)
+
+    def progress(self, now_ms: int) -> tuple[float, int | None]:
+        """(rows per second, estimated ms to go or None)."""
+        rate = self.rows * 1000 / max(1, now_ms - self.started_ms)
+        eta = None
+        if not self.done and rate > 0 and self.rows_expected >= self.rows:
+            eta = int((self.rows_expected - self.rows) / rate * 1000)
+        return round(rate, 1), eta
+
+    def on_tables(self, event: TablesReceived) -> list[CopyEffect]:
+        """The shard's tables on the core: start the copy (raises ``CopyFailed``)."""
+        if len(event.keys) != len(event.tables) or len(set(event.tables)) != len(event.tables):
+            raise CopyFailed(f"{event.core} sent a malformed table list (tables {event.tables!r}, keys {event.keys!r})")
+        self.tables, self.keys = tuple(event.tables), tuple(event.keys)
+        self.listed = True
+        self.table_index = 0
+        self.after = None
+        return self._next()
+
+    def answers(self, event: BatchReceived) -> bool:
+        """Whether ``event`` answers the batch request outstanding (else it is a stale answer)."""
+        return (
+            self.listed
+            and not self.done
+            and event.core == self.core
+            and event.table == self.tables[self.table_index]
+            and event.after == self.after
+        )
+
+    def on_batch(self, event: BatchReceived) -> list[CopyEffect]:
+        """Apply a batch that ``answers`` the request and ask for the next (raises ``CopyFailed``)."""
+        if not self.answers(event):
+            return []
+        if len(event.rows) > self.batch_rows_max:
+            raise CopyFailed(f"{event.core} sent {len(event.rows)} rows, more than batch_rows_max")
+        key_column = self.keys[self.table_index]
+        for row in event.rows:
+            if not isinstance(row, dict) or key_column not in row:
+                raise CopyFailed(f"{event.core} sent a row of {event.table} without its key column {key_column!r}")
+        effects: list[CopyEffect] = []
+        if event.rows:
+            if self.after is not None and event.rows[-1][key_column] == self.after:
+                raise CopyFailed(
+                    f"{event.core} sent a batch of {event.table} that does not advance past {self.after!r}"
+                )
+            effects.append(ApplyBatch(event.table, tuple(event.rows)))
+            self.rows += len(event.rows)
+            self.bytes += sum(row_size_bytes(row) for row in event.rows)
+        if event.after is None and event.rows_total is not None and event.rows_total >= 0:
+            self.rows_expected += event.rows_total
+        if event.done or not event.rows:
+            self.table_index += 1
+            self.after = None
+        else:
+            self.after = event.rows[-1][key_column]
+        return effects + self._next()
+
+    def _next(self) -> list[CopyEffect]:
+        if self.done:
+            return []
+        return [FetchBatch(self.core, self.tables[self.table_index], self.after, self.batch_rows_max)]

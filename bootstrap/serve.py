@@ -1,0 +1,72 @@
+"""The serving side of a bootstrap: key-ordered dirty-read batches of one table, bounded in rows and bytes.
+
+Theory of operation
+-------------------
+A node that copies a shard (a replicant today) asks its upstream core for the rows of each table in
+key order, one batch at a time, each batch strictly after the last key it received
+(``bootstrap_batch``). The reads are dirty: they see the core's applied state at the moment of each
+batch, not one snapshot. That is safe because the copier also receives every entry after K0 (the
+committed key when its watch was accepted) and replays them over the copy: entries carry results,
+so the replay leaves exactly the state at its last key (``replicant.replica``, BOOTSTRAP and
+LOCAL_REPLAY).
+
+A batch holds at most ``rows_max`` rows and about ``bytes_max`` bytes (estimated by
+``rlog.types.row_size_bytes``; at least one row, so a table of rows larger than that still
+progresses), so one answer always fits in a frame, whatever the row size, and the core spends a
+bounded time on it in one loop turn. ``done`` says the table is exhausted: with a byte bound, a
+short batch does not mean the end. The first batch of a table (``after`` None) also says how many
+rows the table holds then (``rows_total``), for the copier's progress and ETA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.types import row_size_bytes
+
+# Rows read from SQLite per step while filling a batch: bounds the rows read past the byte limit.
+READ_ROWS_STEP = 256
+
+
+def read_batch(store: Any, table: TableSchema, after: Any, rows_max: int, bytes_max: int) -> dict[str, Any]:
+    """``{"rows": [...], "done": bool}``: rows of ``table`` after ``after`` (None: from the start)."""
+    if rows_max < 1 or bytes_max < 1:
+        raise ValueError("rows_max and bytes_max must be positive")
+    answer: dict[str, Any] = {"rows": [], "done": False}
+    if after is None:
+        answer["rows_total"] = store.count_rows(table)
+    rows: list[dict[str, Any]] = answer["rows"]
+    size = 0
+    cursor_after = after
+    while len(rows) < rows_max:
+        step = min(READ_ROWS_STEP, rows_max - len(rows))
+        read = store.scan(table, cursor_after, step)
+        # Measured a chunk at a time (msgpack is C); row by row only for the chunk that crosses the limit.
+        chunk_bytes = len(msgpack.packb(read, use_bin_type=True))
+        if rows and size + chunk_bytes > bytes_max:
+            for row in read:
+                row_bytes = row_size_bytes(row)
+                if size + row_bytes > bytes_max:
+                    return answer
+                rows.append(row)
+                size += row_bytes
+            return answer
+        if not rows and chunk_bytes > bytes_max:
+            # The first chunk alone is too large: keep what fits, and at least its first row.
+            for row in read:
+                row_bytes = row_size_bytes(row)
+                if rows and size + row_bytes > bytes_max:
+                    return answer
+                rows.append(row)
+                size += row_bytes
+            answer["done"] = len(read) < step and len(rows) == len(read)
+            return answer
+        rows.extend(read)
+        size += chunk_bytes
+        if len(read) < step:
+            answer["done"] = True
+            return answer
+        cursor_after = rows[-1][table.key_column]
+    return answer

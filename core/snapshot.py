@@ -1,0 +1,203 @@
+"""Snapshot install: a follower core whose needed entries its peers trimmed rebuilds itself from the sequencer.
+
+Theory of operation
+-------------------
+When the sequencer's consensus finds a follower behind its trimmed key (``SnapshotNeeded``), the
+sequencer offers a snapshot: ``snapshot_offer(shard, generation, key, digest)`` with its applied key
+K0 and digest. The follower accepts an offer only from the sequencer it knows for that shard, in its
+own generation, for a key beyond its applied key, and only one install per shard at a time
+(``accept_offer``). The install is the one bootstrap path (``bootstrap``), the same a replicant
+takes:
+
+1. ``BeginInstall``: persist that an install is under way (a crash in the middle restarts it, and
+   the shard serves no read and does not campaign meanwhile) and delete the shard's rows; the log
+   and the position stay as they are until the copy is done.
+2. ``FetchTables``, then ``bootstrap.copy.TableCopy``: key-ordered dirty-read batches of every table
+   of the shard from the sequencer (``bootstrap.serve`` on its side).
+3. ``FinishInstall``: in one transaction, the shard's log restarts at K0 (empty, trimmed at K0 with
+   digest D0) and its applied key and digest become K0 and D0; the driver then rebuilds the shard's
+   consensus from what is persisted. The sequencer's appends continue from K0; entries are results,
+   so applying them heals whatever the dirty reads saw.
+4. The read fence (the rule the replicant follows): ``FetchCommitted`` asks the sequencer's
+   quorum-confirmed committed key after the copy; no read is served until the applied key reaches it.
+
+Anything that fails (an answer missing for ``request_timeout_ms``, a malformed batch, another
+sequencer) abandons the install (``InstallAbandoned``); the sequencer offers again while the
+follower is behind its trimmed key. The state machine is pure: the driver executes the effects in
+order and feeds the answers back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from mnesite.bootstrap.copy import CopyFailed, TableCopy
+from mnesite.rlog.replication import (
+    ApplyBatch,
+    BatchReceived,
+    CommittedReceived,
+    FetchBatch,
+    FetchCommitted,
+    FetchTables,
+    RequestFailed,
+    TablesReceived,
+    Ticked,
+)
+from mnesite.rlog.types import TxKey
+
+
+@dataclass(frozen=True)
+class SnapshotOffer:
+    sequencer: str
+    generation: int
+    key: TxKey
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class BeginInstall:
+    key: TxKey
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class FinishInstall:
+    key: TxKey
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class FenceReached:
+    """The applied key reached the read fence: reads are served again."""
+
+
+@dataclass(frozen=True)
+class InstallAbandoned:
+    reason: str
+
+
+InstallEvent = TablesReceived | BatchReceived | CommittedReceived | RequestFailed | Ticked
+InstallEffect = (
+    BeginInstall
+    | FetchTables
+    | FetchBatch
+    | ApplyBatch
+    | FinishInstall
+    | FetchCommitted
+    | FenceReached
+    | InstallAbandoned
+)
+
+
+class InstallMode(enum.Enum):
+    LISTING = "listing"
+    COPYING = "copying"
+    FENCED = "fenced"  # installed; reads wait for the applied key to reach the fence
+    DONE = "done"
+    ABANDONED = "abandoned"
+
+
+def accept_offer(
+    offer: SnapshotOffer, generation: int, sequencer: str | None, applied_key: TxKey, installing: bool
+) -> str | None:
+    """None if the follower takes ``offer``; otherwise why not."""
+    if installing:
+        return "an install is already under way"
+    if offer.generation != generation or offer.sequencer != sequencer:
+        return f"offered by {offer.sequencer} in generation {offer.generation}, not the known sequencer {sequencer}"
+    if offer.key <= applied_key:
+        return f"offered key {offer.key} is not beyond the applied key {applied_key}"
+    return None
+
+
+class SnapshotInstall:
+    """One install of one shard on a follower core."""
+
+    def __init__(self, offer: SnapshotOffer, batch_rows_max: int, request_timeout_ms: int, now_ms: int) -> None:
+        self.offer = offer
+        self.request_timeout_ms = request_timeout_ms
+        self.copy = TableCopy(offer.sequencer, batch_rows_max, now_ms)
+        self.mode = InstallMode.LISTING
+        self.fence_key: TxKey | None = None
+        self.reason: str | None = None
+        self._now_ms = now_ms
+        self._deadline_ms = now_ms + request_timeout_ms
+
+    @classmethod
+    def fenced(cls, sequencer: str, request_timeout_ms: int, now_ms: int) -> SnapshotInstall:
+        """A core restarted after ``FinishInstall`` and before its fence was reached: fence again."""
+        install = cls(SnapshotOffer(sequencer, 0, TxKey(0, 0), b""), 1, request_timeout_ms, now_ms)
+        install.mode = InstallMode.FENCED
+        install._deadline_ms = now_ms
+        return install
+
+    def start(self) -> list[InstallEffect]:
+        return [BeginInstall(self.offer.key, self.offer.digest), FetchTables(self.offer.sequencer)]
+
+    @property
+    def serving(self) -> bool:
+        """Reads of the shard may be served."""
+        return self.mode in (InstallMode.DONE, InstallMode.ABANDONED) and self.reason is None
+
+    def step(self, event: InstallEvent, applied_key: TxKey, now_ms: int) -> list[InstallEffect]:
+        if now_ms < self._now_ms:
+            raise ValueError(f"time went backwards: {now_ms} < {self._now_ms}")
+        self._now_ms = now_ms
+        if self.mode in (InstallMode.DONE, InstallMode.ABANDONED):
+            return []
+        core = self.offer.sequencer
+        if isinstance(event, Ticked):
+            if self.mode is InstallMode.FENCED:
+                if self.fence_key is None and now_ms >= self._deadline_ms:
+                    # Asked again when the answer is lost (read_index also fails without a quorum).
+                    self._deadline_ms = now_ms + self.request_timeout_ms
+                    return [FetchCommitted(core)]
+                return self._check_fence(applied_key)
+            if now_ms >= self._deadline_ms:
+                return self._abandon(f"no answer from {core} for {self.request_timeout_ms} ms")
+            return []
+        if isinstance(event, RequestFailed):
+            if event.core == core and self.mode is not InstallMode.FENCED:
+                return self._abandon(f"request to {core} failed: {event.reason}")
+            return []
+        if isinstance(event, CommittedReceived):
+            # Any core may answer: read_index is confirmed by the sequencer with a quorum.
+            if self.mode is not InstallMode.FENCED or self.fence_key is not None:
+                return []
+            if event.committed_key is None:
+                self._deadline_ms = now_ms + self.request_timeout_ms
+                return [FetchCommitted(core)]
+            self.fence_key = event.committed_key
+            return self._check_fence(applied_key)
+        try:
+            if isinstance(event, TablesReceived):
+                if self.mode is not InstallMode.LISTING or event.core != core:
+                    return []
+                self.mode = InstallMode.COPYING
+                effects: list[InstallEffect] = list(self.copy.on_tables(event))
+            elif isinstance(event, BatchReceived):
+                if self.mode is not InstallMode.COPYING or not self.copy.answers(event):
+                    return []
+                effects = list(self.copy.on_batch(event))
+            else:
+                raise TypeError(f"not an install event: {event!r}")
+        except CopyFailed as failed:
+            return self._abandon(str(failed))
+        self._deadline_ms = now_ms + self.request_timeout_ms
+        if self.copy.done:
+            self.mode = InstallMode.FENCED
+            effects += [FinishInstall(self.offer.key, self.offer.digest), FetchCommitted(core)]
+
+        return effects
+
+    def _check_fence(self, applied_key: TxKey) -> list[InstallEffect]:
+        if self.fence_key is not None and applied_key >= self.fence_key:
+            self.mode = InstallMode.DONE
+            return [FenceReached()]
+        return []
+
+    def _abandon(self, reason: str) -> list[InstallEffect]:
+        self.mode = InstallMode.ABANDONED
+        self.reason = reason
+        return [InstallAbandoned(reason)]

@@ -1,0 +1,89 @@
+"""core.snapshot: which offers a follower takes, the install's stages in order, abandon and the read fence."""
+
+from __future__ import annotations
+
+import pytest
+from mnesite.core.snapshot import (
+    BeginInstall,
+    FenceReached,
+    FinishInstall,
+    InstallAbandoned,
+    InstallMode,
+    SnapshotInstall,
+    SnapshotOffer,
+    accept_offer,
+)
+from mnesite.rlog.replication import (
+    ApplyBatch,
+    BatchReceived,
+    CommittedReceived,
+    FetchBatch,
+    FetchCommitted,
+    FetchTables,
+    RequestFailed,
+    TablesReceived,
+    Ticked,
+)
+from mnesite.rlog.types import TxKey
+
+pytestmark = pytest.mark.timeout(10)
+
+OFFER = SnapshotOffer("core1", 3, TxKey(3, 50), b"d" * 32)
+
+
+def test_only_the_known_sequencer_in_this_generation_beyond_the_applied_key_and_one_at_a_time():
+    assert accept_offer(OFFER, 3, "core1", TxKey(2, 9), installing=False) is None
+    assert "known sequencer" in accept_offer(OFFER, 4, "core1", TxKey(2, 9), installing=False)
+    assert "known sequencer" in accept_offer(OFFER, 3, "core2", TxKey(2, 9), installing=False)
+    assert "not beyond" in accept_offer(OFFER, 3, "core1", TxKey(3, 50), installing=False)
+    assert "under way" in accept_offer(OFFER, 3, "core1", TxKey(2, 9), installing=True)
+
+
+def test_an_install_begins_copies_finishes_then_waits_for_the_fence():
+    install = SnapshotInstall(OFFER, 2, 1000, 0)
+    assert install.start() == [BeginInstall(OFFER.key, OFFER.digest), FetchTables("core1")]
+    applied = TxKey(2, 9)
+    effects = install.step(TablesReceived("core1", ("t",), ("k",)), applied, 1)
+    assert effects == [FetchBatch("core1", "t", None, 2)]
+    rows = ({"k": 1}, {"k": 2})
+    effects = install.step(BatchReceived("core1", "t", None, rows, False, 3), applied, 2)
+    assert effects == [ApplyBatch("t", rows), FetchBatch("core1", "t", 2, 2)]
+    effects = install.step(BatchReceived("core1", "t", 2, ({"k": 3},), True), applied, 3)
+    assert effects == [
+        ApplyBatch("t", ({"k": 3},)),
+        FinishInstall(OFFER.key, OFFER.digest),
+        FetchCommitted("core1"),
+    ]
+    assert install.mode is InstallMode.FENCED and not install.serving
+    assert install.step(CommittedReceived("core1", TxKey(3, 60)), OFFER.key, 4) == []
+    assert install.step(Ticked(), TxKey(3, 59), 5) == []
+    assert install.step(Ticked(), TxKey(3, 60), 6) == [FenceReached()]
+    assert install.mode is InstallMode.DONE and install.serving
+
+
+def test_no_answer_or_a_failed_request_abandons_the_install():
+    install = SnapshotInstall(OFFER, 2, 1000, 0)
+    install.start()
+    assert install.step(Ticked(), TxKey(2, 9), 999) == []
+    assert install.step(Ticked(), TxKey(2, 9), 1000) == [InstallAbandoned("no answer from core1 for 1000 ms")]
+    assert not install.serving
+    other = SnapshotInstall(OFFER, 2, 1000, 0)
+    other.start()
+    assert isinstance(other.step(RequestFailed("core1", "boom"), TxKey(2, 9), 1)[0], InstallAbandoned)
+
+
+def test_a_malformed_batch_abandons_and_a_stale_one_is_ignored():
+    install = SnapshotInstall(OFFER, 2, 1000, 0)
+    install.start()
+    install.step(TablesReceived("core1", ("t",), ("k",)), TxKey(2, 9), 1)
+    assert install.step(BatchReceived("core1", "t", 7, ({"k": 8},), True), TxKey(2, 9), 2) == []
+    effects = install.step(BatchReceived("core1", "t", None, ({"v": 1},), True), TxKey(2, 9), 3)
+    assert len(effects) == 1 and "without its key column" in effects[0].reason
+
+
+def test_a_fence_whose_answer_was_lost_is_asked_again_and_a_restart_fences_again():
+    install = SnapshotInstall.fenced("core2", 1000, 0)
+    assert install.step(Ticked(), TxKey(3, 1), 0) == [FetchCommitted("core2")]
+    assert install.step(Ticked(), TxKey(3, 1), 500) == []
+    assert install.step(CommittedReceived("core2", None), TxKey(3, 1), 600) == [FetchCommitted("core2")]
+    assert install.step(CommittedReceived("core3", TxKey(3, 1)), TxKey(3, 1), 700) == [FenceReached()]
