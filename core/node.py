@@ -571,10 +571,13 @@ class CoreNode(NodeServer):
         # Agent pushes carry committed entries only: queue them once the turn's commit is done.
         limits = self.config.limits
         for endpoint, message in self.rlog_server.drain():
-            # IMMEDIATE: nothing is queued for an endpoint that is not connected (a dead one costs no
-            # memory); a connected one that does not read holds at most push_queue_max frames.
+            # Not IMMEDIATE: the first pushes of a new agent go out while the connection (and its
+            # CurveZMQ handshake) is still being made; dropping them made every new agent's stream
+            # start with a gap, and the replica resynchronised forever. A dead endpoint holds at most
+            # push_queue_max frames, and only until its agent stops for want of acknowledgements
+            # (its socket is then closed with LINGER 0).
             replicant_socket = self.dealer(
-                endpoint, limits.push_queue_max, len(self.config.core_nodes) + limits.watches_max, immediate=True
+                endpoint, limits.push_queue_max, len(self.config.core_nodes) + limits.watches_max
             )
             if replicant_socket is not None:
                 self.queue(replicant_socket, message)

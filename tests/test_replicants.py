@@ -15,11 +15,6 @@ from mnesite.rlog.client import MnesiteError
 from tests.conftest import Cluster, wait_until
 from tests.test_cluster import Load, create_table, rlog, rows
 
-# Non-strict: these pass at times; they must be made to pass always (issue 11).
-KNOWN_FAILOVER_REGRESSION = (
-    "known regression after the 2026-11-22 merges of issues 10-12: the replicant's agent/upstream "
-    "state after a failover or pause is not what this test expects; open in issue 11"
-)
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
