@@ -102,10 +102,6 @@ def test_writes_through_cores_and_replicants_reach_every_replicant(replicated: C
         assert status["upstream"] in replicated.names and status["agent"]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=KNOWN_FAILOVER_REGRESSION,
-)
 def test_kill_9_of_the_upstream_core_moves_the_replicant_without_a_bootstrap(replicated: Cluster) -> None:
     load = Load(replicated, replicated.names).start()
     load.wait_for(100)
@@ -130,10 +126,6 @@ def test_kill_9_of_the_upstream_core_moves_the_replicant_without_a_bootstrap(rep
     assert after["resumes"] > before["resumes"]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=KNOWN_FAILOVER_REGRESSION,
-)
 def test_a_paused_core_agent_is_fenced_after_sigcont(replicated: Cluster) -> None:
     load = Load(replicated, replicated.names).start()
     load.wait_for(100)

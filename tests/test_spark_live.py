@@ -18,10 +18,6 @@ from tests.test_replicants import wait_normal, wait_replicant_caught_up
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.spark]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=KNOWN_FAILOVER_REGRESSION,
-)
 def test_live_replicant_against_live_core_under_writes(cluster: Cluster, spark_session: Any) -> None:
     cluster.start_all()
     create_table(cluster)
