@@ -88,7 +88,15 @@ from mnesite.rlog import codec, range_requests, replication
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
-from mnesite.rlog.schema import DEFAULT_SHARD, SchemaError, TableSchema, check_creatable, check_key, define_table
+from mnesite.rlog.schema import (
+    DEFAULT_SHARD,
+    SchemaError,
+    TableSchema,
+    check_creatable,
+    check_key,
+    check_name,
+    define_table,
+)
 from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
@@ -273,19 +281,16 @@ class CoreNode(NodeServer):
         generation it may have voted in before the loss. It then catches up from the sequencer like a
         follower that is far behind. If no peer answers (a new cluster), nothing changes.
         """
-        from mnesite.rlog.client import MnesiteError
-
         generations: dict[str, int] = {}
-        for peer in self.members:
-            if peer == self.config.name:
-                continue
-            try:
-                with self.peer_client(peer, timeout_ms) as client:
-                    answer = client.journal()
-            except MnesiteError:
-                continue
-            for shard, age in answer.get("shards", {}).items():
-                generations[shard] = max(generations.get(shard, 0), int(age["generation"]))
+        # probe_peers drops answers whose generations are malformed; a shard name is checked like any
+        # other name before it can become a row here (a peer's answer is untrusted input too).
+        for journal in self.probe_peers(timeout_ms).values():
+            for shard in journal["shards"]:
+                try:
+                    check_name("shard", shard)
+                except SchemaError:
+                    continue
+                generations[shard] = max(generations.get(shard, 0), _generation_in(journal, shard))
         if generations:
             with self.store.write_transaction():
                 for shard, generation in generations.items():

@@ -21,7 +21,7 @@ from mnesite.rlog.client import Client, InvalidRequest, RemoteError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey
 
-from tests.conftest import ThreadNode
+from tests.conftest import ThreadNode, free_port, node_config
 from tests.test_consensus import Harness, append, chain, of_type
 
 pytestmark = pytest.mark.timeout(60)
@@ -483,3 +483,36 @@ def test_a_scan_page_above_the_frame_limit_is_too_large_not_silence_and_scan_pag
             assert refused.value.code == "too_large"
     finally:
         thread_node.stop()
+
+
+def test_generation_recovery_after_a_lost_disk_ignores_malformed_peer_journals(tmp_path: Path, monkeypatch) -> None:
+    """A core with an empty database learns the generations in use from its peers' journal answers;
+    a peer's answer is untrusted: a malformed generation drops that answer, a hostile shard name is
+    skipped, and nothing crashes."""
+    import contextlib
+
+    from mnesite.core.node import CoreNode
+
+    answers = {
+        "core2": {"shards": {"default": {"generation": 7}, "a" * 500: {"generation": 9}}},
+        "core3": {"shards": {"default": {"generation": 2**64}}},
+        "core4": {"shards": {"default": {"generation": 5}, "other": {"generation": 3}}},
+    }
+
+    class PeerJournal:
+        def __init__(self, peer: str) -> None:
+            self.peer = peer
+
+        def journal(self) -> dict:
+            return answers[self.peer]
+
+    config = node_config(tmp_path / "data", free_port())
+    node = CoreNode(config)
+    try:
+        monkeypatch.setattr(node, "members", ("core1", "core2", "core3", "core4"))
+        monkeypatch.setattr(node, "peer_client", lambda peer, timeout_ms: contextlib.nullcontext(PeerJournal(peer)))
+        assert node.recover_generations() == {"default": 7, "other": 3}
+        assert node.store.consensus_state("default")[0] == 7
+        assert node.store.consensus_state("other")[0] == 3
+    finally:
+        node.close()
