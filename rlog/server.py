@@ -77,8 +77,11 @@ class NodeServer:
         self.dealers: dict[str, zmq.Socket] = {}
         self.stopping = threading.Event()
         self.commits = 0
+        self.durable_commits = 0  # commits that waited for an fsync (see ``begin``)
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
+        # Whether the turn's transaction holds something that must be durable before a frame is sent.
+        self._durable = False
         # Frames received but left for a later turn (see receive_frames).
         self._backlog: deque[tuple[list[bytes], bytes, str]] = deque()
         self.security: NodeSecurity | None = None
@@ -350,11 +353,17 @@ class NodeServer:
 
     # -- the turn's transaction and outbox ---------------------------------------------------
 
-    def begin(self) -> None:
-        """Open the turn's write transaction if it is not open yet."""
+    def begin(self, durable: bool = True) -> None:
+        """Open the turn's write transaction if it is not open yet.
+
+        ``durable=False``: what the caller writes may be lost in a power failure without harm (a
+        restart redoes it, like applying entries that are durable in the log already); the turn's
+        commit then skips its fsync unless another write of the same turn asked for durability.
+        """
         if not self._in_transaction:
             self.store.connection.execute("BEGIN IMMEDIATE")
             self._in_transaction = True
+        self._durable = self._durable or durable
 
     def reply(self, envelope: list[bytes] | None, message: Message) -> None:
         """Queue an answer to the ROUTER peer ``envelope`` (None: nobody to answer)."""
@@ -376,9 +385,11 @@ class NodeServer:
     def flush(self) -> None:
         """Commit the open transaction (one fsync), then send everything queued behind it."""
         if self._in_transaction:
-            self.store.connection.execute("COMMIT")
+            durable, self._durable = self._durable, False
+            self.store.commit(durable)
             self._in_transaction = False
             self.commits += 1
+            self.durable_commits += durable
         self.before_send()
         outbox, self._outbox = self._outbox, []
         for socket, envelope, message in outbox:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +149,7 @@ class Store:
         if version != FORMAT_VERSION:
             raise StoreError(f"{path}: not a mnesite database of format {FORMAT_VERSION} (found {version!r})")
         self.path = path
+        self.synchronous = synchronous.upper()
         self._catalog: dict[str, TableSchema] | None = None
 
     def _format_version(self) -> Any:
@@ -174,6 +175,22 @@ class Store:
             self._catalog = None  # a rolled-back CREATE TABLE must not linger in the cache
             raise
         self.connection.execute("COMMIT")
+
+    def commit(self, durable: bool = True) -> None:
+        """COMMIT the open transaction; ``durable=False`` skips its fsync (WAL at ``synchronous=NORMAL``).
+
+        For a transaction whose loss a restart repairs (applying entries that are already durable in the
+        log): the WAL is append-only, so a later durable commit makes this one durable too, and a power
+        loss can only drop a suffix of such commits, never reorder them.
+        """
+        if durable or self.synchronous in ("OFF", "NORMAL"):
+            self.connection.execute("COMMIT")
+            return
+        self.connection.execute("PRAGMA synchronous=NORMAL")
+        try:
+            self.connection.execute("COMMIT")
+        finally:
+            self.connection.execute(f"PRAGMA synchronous={self.synchronous}")
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -339,11 +356,22 @@ class Store:
         )
         return self.connection.changes()
 
-    def apply_committed(self, shard: str, up_to: TxKey) -> list[Entry]:
-        """Apply every persisted entry after the applied key up to ``up_to``, in order; return them."""
+    def apply_committed(self, shard: str, up_to: TxKey, held: Sequence[Entry] = ()) -> list[Entry]:
+        """Apply every persisted entry after the applied key up to ``up_to``, in order; return them.
+
+        ``held``: the caller's copy of the log's unapplied tail, in order (the core's driver keeps
+        it). When it covers the range, the entries are applied from it without being read back, and
+        without recomputing their digests: they were verified when appended (the consensus machine
+        checks a sequencer's chain; a sequencer made its own), so only the links are checked here.
+        Otherwise they are read from the log and checked entry by entry.
+        """
         position = self.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
+        chain = _chain_within(held, position.applied, up_to)
+        if chain is not None:
+            self._apply_chain(shard, chain)
+            return chain
         applied: list[Entry] = []
         after = position.applied
         while after < up_to:
@@ -358,6 +386,20 @@ class Store:
                 applied.append(entry)
             after = batch[-1].tx_key
         return applied
+
+    def _apply_chain(self, shard: str, chain: list[Entry]) -> None:
+        """Apply linked, verified entries and move the applied key once (one UPDATE for the batch)."""
+        for entry in chain:
+            try:
+                self.apply_ops(entry.ops)
+            except (apsw.Error, StoreError) as error:
+                raise EntryApplyError(entry, error) from None
+        last = chain[-1]
+        self.connection.execute(
+            "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
+            "generation = max(generation, ?) WHERE shard = ?",
+            (last.tx_key.generation, last.tx_key.counter, last.digest, last.tx_key.generation, shard),
+        )
 
     def last_entry_key(self, shard: str) -> TxKey:
         row = self.connection.execute(
@@ -686,6 +728,25 @@ class Store:
                 f"SELECT {columns} FROM {quote(table.name)} WHERE {key} > ? ORDER BY {key} LIMIT ?", (after, limit)
             )
         return [dict(zip(names, row, strict=True)) for row in cursor]
+
+
+def _chain_within(held: Sequence[Entry], after: TxKey, up_to: TxKey) -> list[Entry] | None:
+    """The entries of ``held`` in (``after``, ``up_to``] if they link from ``after`` to ``up_to``
+    without a gap; None if ``held`` does not cover that range (or up_to is not after ``after``)."""
+    if not held or up_to <= after:
+        return None
+    chain: list[Entry] = []
+    previous = after
+    for entry in held:  # the unapplied tail: normally its first entry already follows ``after``
+        if entry.tx_key <= after:
+            continue
+        if entry.tx_key > up_to:
+            break
+        if entry.prev != previous:
+            return None
+        chain.append(entry)
+        previous = entry.tx_key
+    return chain if previous == up_to else None
 
 
 def _entry(row: tuple[Any, ...]) -> Entry:
