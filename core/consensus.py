@@ -32,6 +32,11 @@ and executes the effects it returns.
   chained by digest (``rlog.types.make_entry``). Each append carries the previous tx key and its
   digest; a follower accepts it only if its own log has that key with that digest, truncates a
   conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``).
+* Batches. The proposals of one driver turn are appended one entry each, but sent only at
+  ``BatchEnded``: every caught-up follower then gets them in one append (cut by
+  ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
+  unanswered per follower (pipelining; one while probing). Followers that are behind get entries
+  from the log as their replies arrive; heartbeats resend what was not acknowledged.
 * Commit. An entry is committed when a majority of the members (the sequencer counts) have persisted
   it and it belongs to the current generation; earlier entries commit with it (Raft, section 5.4.2).
   Followers learn the commit key from appends.
@@ -74,7 +79,9 @@ Driver contract
    executed effect. ``Send`` is fire-and-forget (loss, duplication and reordering are tolerated).
    ``Commit(up_to)`` means: apply, in tx-key order, every persisted entry up to ``up_to`` and record
    the applied key in the same SQLite transaction. ``ProposalCommitted`` comes after the ``Commit``
-   that covers it: answer the client once that entry is applied.
+   that covers it: answer the client once that entry is applied. Step ``BatchEnded`` once the
+   turn's proposals are in (before the turn's commit); without it, entries go at the next reply
+   or heartbeat only.
 4. ``ProposalRejected`` (nothing was written; forward to ``sequencer`` or answer ``reason``) and
    ``ProposalFailed`` (the outcome is unknown: the entry may still commit under a later sequencer,
    so answer the client with that reason; a retry with the same request id is the client's way to
@@ -301,6 +308,12 @@ class Proposed:
 
 
 @dataclass(frozen=True)
+class BatchEnded:
+    """The driver proposed every write of its loop turn: send the turn's new entries, one append
+    per follower (instead of one append per entry)."""
+
+
+@dataclass(frozen=True)
 class ForceStartRequested:
     """Operator: make this core sequencer of a new generation with the members it reached.
 
@@ -311,7 +324,7 @@ class ForceStartRequested:
     reached: tuple[tuple[str, int], ...]
 
 
-Event = Ticked | MessageReceived | Proposed | ForceStartRequested
+Event = Ticked | MessageReceived | Proposed | BatchEnded | ForceStartRequested
 
 # ---------------------------------------------------------------- effects
 
@@ -520,6 +533,9 @@ class ShardConsensus:
         self._progress: dict[str, _Progress] = {}
         # Request ids of this sequencer's uncommitted proposals, in tx key order.
         self._pending: dict[TxKey, str | None] = {}
+        # Entries this sequencer appended since the last BatchEnded, not sent yet (see _send_batch).
+        self._batch: list[Entry] = []
+        self._batch_prev_digest = self._last_digest  # the digest the batch's first entry follows
         self._heartbeat_due_ms = now_ms
         self._election_deadline_ms = now_ms
         self._reset_election_deadline()
@@ -634,6 +650,8 @@ class ShardConsensus:
             self._on_message(event.sender, event.message)
         elif isinstance(event, Proposed):
             self._on_proposed(event)
+        elif isinstance(event, BatchEnded):
+            self._send_batch()
         elif isinstance(event, ForceStartRequested):
             self._force_start(event.reached)
         else:
@@ -689,6 +707,8 @@ class ShardConsensus:
         self._out.append(PersistState(self.persisted_state()))
 
     def _set_role(self, role: Role, sequencer: str | None) -> None:
+        if role is not Role.SEQUENCER:
+            self._batch = []
         if role is not self._role or sequencer != self._sequencer:
             self._role = role
             self._sequencer = sequencer
@@ -1087,14 +1107,36 @@ class ShardConsensus:
         self._last_key, self._last_digest = entry.tx_key, entry.digest
         if proposal:
             self._pending[entry.tx_key] = request_id
-        # The log view shows this entry only after the driver ran the effects, so send it directly
-        # to followers that are caught up; the others get it from the log on their next reply.
-        for peer, progress in self._progress.items():
-            # A probing follower gets one append at a time; a matched one up to appends_in_flight_max.
-            in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
-            if progress.sent_key == prev_key and progress.in_flight < in_flight_max:
-                self._send(peer, progress, prev_key, prev_digest, [entry])
+        # Proposals wait for the driver's BatchEnded, so that a turn's entries travel in one append
+        # per follower; the no-op of a new generation goes at once.
+        if not self._batch:
+            self._batch_prev_digest = prev_digest
+        self._batch.append(entry)
+        if not proposal:
+            self._send_batch()
         self._advance_commit()
+
+    def _send_batch(self) -> None:
+        """Send the entries appended since the last batch to every follower that is caught up.
+
+        A follower whose last sent key is inside the batch gets the rest of it; one that is behind
+        (or probing elsewhere) gets entries from the log on its next reply or heartbeat instead. The
+        batch is cut by entries_per_append_max and append_bytes_max, and a follower gets at most
+        appends_in_flight_max appends in flight (one while probing): the rest waits for replies.
+        """
+        batch, self._batch = self._batch, []
+        if not batch or self._role is not Role.SEQUENCER:
+            return
+        follows = {entry.prev: index for index, entry in enumerate(batch)}
+        for peer, progress in self._progress.items():
+            start = follows.get(progress.sent_key)
+            in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
+            while start is not None and start < len(batch) and progress.in_flight < in_flight_max:
+                window = batch[start : start + self.config.entries_per_append_max]
+                chunk = _bounded_in_bytes(window, self.config.append_bytes_max)
+                prev = batch[start - 1].digest if start else self._batch_prev_digest
+                self._send(peer, progress, chunk[0].prev, prev, chunk)
+                start = start + len(chunk) if not progress.probing else None
 
     def _send(self, peer: str, progress: _Progress, prev_key: TxKey, prev_digest: bytes, entries: list[Entry]) -> None:
         message = AppendRequest(

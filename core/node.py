@@ -10,12 +10,16 @@ Each turn of the loop:
    consensus; reads are answered from the applied state; writes are turned into result ops
    (guards evaluated against the applied state *plus* the shard's unapplied tail, see
    ``core.guard_tail``; a failed guard is answered only from committed state) and proposed at the
-   sequencer, or forwarded to it from any other core;
+   sequencer, or forwarded to it from any other core; once the input is drained, ``BatchEnded``
+   sends the turn's new entries to each follower in one append;
 3. executes the effects of every step as it happens, inside ONE open SQLite write transaction
    (the log view reads through the same connection, so it sees them at once), and queues every
    outgoing frame: peer sends and client replies alike;
 4. commits that transaction (one fsync for the whole turn: group commit), and only then sends
-   the queued frames. Persist-before-send (DESIGN, etcd's rule) holds for the whole batch.
+   the queued frames. Persist-before-send (DESIGN, etcd's rule) holds for the whole batch. A turn
+   that only applied committed entries commits without an fsync (``begin(durable=False)``): those
+   entries are durable in the log already, and a restart applies again what a power failure took.
+   Committed entries are applied from the in-memory unapplied tail, not read back from SQLite.
 
 If the SQLite commit fails the process stops: the state machines already believe the effects were
 durable, so the only safe continuation is a restart that rebuilds them from disk.
@@ -47,6 +51,7 @@ from mnesite.bootstrap.serve import read_batch
 from mnesite.core.agent import AgentConfig
 from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
+    BatchEnded,
     Commit,
     ConsensusConfig,
     Excluded,
@@ -369,6 +374,7 @@ class CoreNode(NodeServer):
         for dealer in list(self.dealers.values()):
             if dealer in ready:
                 self._relay_forwarded(dealer)
+        self._end_batches()
         self._expire_forwarded()
         self._expire_held_guard_failures()
         now = self.clock_ms()
@@ -397,6 +403,12 @@ class CoreNode(NodeServer):
                 timers_ms,
                 turn_ms - input_ms - timers_ms,
             )
+
+    def _end_batches(self) -> None:
+        """The writes proposed in this turn go to the followers together: one append per follower."""
+        for driver in list(self.shards.values()):
+            if driver.consensus.role is Role.SEQUENCER:
+                self._step(driver, BatchEnded())
 
     def _serve_waiting(self) -> None:
         if self.socket is None:
@@ -1300,6 +1312,7 @@ class CoreNode(NodeServer):
         for _, message in writes:
             with contextlib.suppress(Deferred, RequestError, SchemaError):
                 self._write(None, message)  # type: ignore[arg-type]
+        self._end_batches()
         self.flush()
 
 

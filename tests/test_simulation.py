@@ -11,7 +11,14 @@ import heapq
 import os
 
 import pytest
-from mnesite.core.consensus import AppendRequest, ForceStarted, ForceStartRefused, Role, ShardConsensus
+from mnesite.core.consensus import (
+    EXCLUSION_NOTICE_INTERVAL_MS,
+    AppendRequest,
+    ForceStarted,
+    ForceStartRefused,
+    Role,
+    ShardConsensus,
+)
 from mnesite.core.guard_tail import GuardTail
 
 from tests.sim import Simulation, SimulationFailure, run_seed
@@ -358,6 +365,11 @@ def _forced_start_scenario(simulation: Simulation, left_out_majority_returns: bo
     simulation.final_check(sequencer)
     if not left_out_majority_returns:
         # The resumed core talked to the cluster and was told by the forced membership that it is out.
+        # A notice can be lost like any message and is repeated at most once per interval: give it
+        # a few intervals of simulated time (quiet: no faults any more).
         simulation.run_until_quiet()
         returned = simulation.nodes[resumed].machine
+        deadline_ms = simulation.now_ms + 5 * EXCLUSION_NOTICE_INTERVAL_MS
+        while returned is not None and not returned.excluded and simulation.now_ms < deadline_ms:
+            simulation.advance()
         assert returned is not None and returned.excluded and returned.role is not Role.SEQUENCER

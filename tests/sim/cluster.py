@@ -40,6 +40,7 @@ from typing import Any
 
 import msgpack
 from mnesite.core.consensus import (
+    BatchEnded,
     Commit,
     ConsensusConfig,
     ConsensusInvariantError,
@@ -641,6 +642,12 @@ class Simulation:
         """The ops of client write ``number`` (a hook: the replicant simulation writes richer ones)."""
         return (WriteOp(READ_TABLE, {"k": number % READ_KEYS, "v": number}),)
 
+    def _end_batches(self) -> None:
+        """The production driver's end of a loop turn: the writes proposed since go out together."""
+        for node in self.nodes.values():
+            if self._is_up(node) and node.machine is not None and node.machine.role is Role.SEQUENCER:
+                self._step(node, BatchEnded())
+
     def _tick_all(self) -> None:
         for node in self.nodes.values():
             if self._is_up(node):
@@ -650,6 +657,7 @@ class Simulation:
 
     def _advance(self) -> None:
         self._deliver_due()
+        self._end_batches()
         self._tick_all()
         self.now_ms += self.tick_ms
 
