@@ -1274,6 +1274,7 @@ class CoreNode(NodeServer):
             "data_dir": self.config.data_dir,
             "core_nodes": self.config.core_nodes,
             "commits": self.commits,
+            "durable_commits": self.durable_commits,
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),

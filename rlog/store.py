@@ -130,6 +130,8 @@ class Store:
             raise StoreError(f"synchronous must be one of {', '.join(SYNCHRONOUS_LEVELS)}")
         if not create and not os.path.exists(path):
             raise StoreError(f"{path}: no such database")
+        self._wal_synced_here = False  # until the connection is set up (``commit``)
+        self._wal_fd: int | None = None
         flags = apsw.SQLITE_OPEN_READWRITE | (apsw.SQLITE_OPEN_CREATE if create else 0)
         try:
             self.connection = apsw.Connection(path, flags=flags)
@@ -150,6 +152,10 @@ class Store:
             raise StoreError(f"{path}: not a mnesite database of format {FORMAT_VERSION} (found {version!r})")
         self.path = path
         self.synchronous = synchronous.upper()
+        # FULL: commit at NORMAL and sync the WAL file here when durable (see ``commit``).
+        self._wal_synced_here = self.synchronous == "FULL"
+        if self._wal_synced_here:
+            self.connection.execute("PRAGMA synchronous=NORMAL")
         self._catalog: dict[str, TableSchema] | None = None
 
     def _format_version(self) -> Any:
@@ -160,6 +166,9 @@ class Store:
         return row[0] if row else None
 
     def close(self) -> None:
+        if self._wal_fd is not None:
+            os.close(self._wal_fd)
+            self._wal_fd = None
         self.connection.close()
 
     # -- transactions -------------------------------------------------------------------------
@@ -174,23 +183,24 @@ class Store:
             self.connection.execute("ROLLBACK")
             self._catalog = None  # a rolled-back CREATE TABLE must not linger in the cache
             raise
-        self.connection.execute("COMMIT")
+        self.commit(durable=True)
 
     def commit(self, durable: bool = True) -> None:
-        """COMMIT the open transaction; ``durable=False`` skips its fsync (WAL at ``synchronous=NORMAL``).
+        """COMMIT the open transaction; ``durable=False`` skips its fsync.
 
-        For a transaction whose loss a restart repairs (applying entries that are already durable in the
-        log): the WAL is append-only, so a later durable commit makes this one durable too, and a power
-        loss can only drop a suffix of such commits, never reorder them.
+        At ``synchronous=FULL`` the connection runs at NORMAL (WAL: a commit writes its frames but does
+        not sync them; checkpoints still sync) and a durable commit syncs the WAL file itself, which is
+        what FULL does at each commit. The level cannot change inside a transaction, and a driver only
+        knows at the end of its turn whether the turn wrote something that must be durable. For a
+        transaction whose loss a restart repairs (applying entries already durable in the log): the WAL
+        is append-only, so a later durable commit makes it durable too, and a power loss can only drop
+        a suffix of such commits, never reorder them.
         """
-        if durable or self.synchronous in ("OFF", "NORMAL"):
-            self.connection.execute("COMMIT")
-            return
-        self.connection.execute("PRAGMA synchronous=NORMAL")
-        try:
-            self.connection.execute("COMMIT")
-        finally:
-            self.connection.execute(f"PRAGMA synchronous={self.synchronous}")
+        self.connection.execute("COMMIT")
+        if durable and self._wal_synced_here:
+            if self._wal_fd is None:
+                self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY)
+            os.fdatasync(self._wal_fd)
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:

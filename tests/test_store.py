@@ -169,3 +169,63 @@ def test_a_snapshot_install_clears_the_rows_then_restarts_the_log_at_its_key(sto
     assert (position.applied, position.digest) == (TxKey(3, 40), b"d" * 32)
     assert store.last_entry("default") == (TxKey(3, 40), b"d" * 32)
     assert store.trimmed("default") == (TxKey(3, 40), b"d" * 32) and store.tail("default", 5) == []
+
+
+def test_at_full_a_durable_commit_syncs_the_wal_and_an_apply_only_commit_does_not(tmp_path, monkeypatch) -> None:
+    """One durable commit per round: a commit that only applies entries already in the log skips the
+    fsync; every durable one (``write_transaction`` included) syncs the WAL file."""
+    import mnesite.rlog.store as store_module
+
+    synced: list[int] = []
+    real_fdatasync = store_module.os.fdatasync
+    monkeypatch.setattr(store_module.os, "fdatasync", lambda fd: (synced.append(fd), real_fdatasync(fd)))
+    full = Store(str(tmp_path / "full.db"), synchronous="FULL")
+    try:
+        with full.write_transaction():
+            full.ensure_shard("default", 1)
+        assert len(synced) == 1
+        full.connection.execute("BEGIN IMMEDIATE")
+        full.ensure_shard("other", 1)
+        full.commit(durable=False)
+        assert len(synced) == 1
+        full.connection.execute("BEGIN IMMEDIATE")
+        full.ensure_shard("third", 1)
+        full.commit(durable=True)
+        assert len(synced) == 2
+        assert set(full.shards()) == {"default", "other", "third"}
+    finally:
+        full.close()
+    normal = Store(str(tmp_path / "normal.db"), synchronous="NORMAL")
+    with normal.write_transaction():
+        normal.ensure_shard("default", 1)
+    normal.close()
+    assert len(synced) == 2  # NORMAL never syncs a commit
+
+
+def test_apply_committed_from_held_entries_matches_reading_them_back(tmp_path) -> None:
+    """Applying from the driver's in-memory tail gives the rows and position of the log path; a
+    held copy that does not link to the applied key is not trusted (the log is read instead)."""
+    stores = [Store(str(tmp_path / f"{name}.db"), synchronous="NORMAL") for name in ("held", "read", "gap")]
+    create = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [TABLE.to_op()])
+    entries = [create]
+    for counter in range(2, 6):
+        row = {"k": counter % 3, "v": f"v{counter}"}
+        entries.append(
+            make_entry("default", TxKey(1, counter), entries[-1].tx_key, entries[-1].digest, [WriteOp("t", row)])
+        )
+    for store in stores:
+        with store.write_transaction():
+            store.ensure_shard("default", 1)
+            store.append_entries(entries, 0)
+    with stores[0].write_transaction():
+        assert stores[0].apply_committed("default", TxKey(1, 5), entries) == entries
+    with stores[1].write_transaction():
+        assert stores[1].apply_committed("default", TxKey(1, 5)) == entries
+    with stores[2].write_transaction():
+        # A held copy with a gap (entry 3 missing): applied from the log instead, all the same.
+        assert stores[2].apply_committed("default", TxKey(1, 5), entries[:2] + entries[3:]) == entries
+    results = [(s.shard("default"), s.scan(s.catalog()["t"], None, 100)) for s in stores]
+    assert results[0] == results[1] == results[2]
+    assert results[0][0].applied == TxKey(1, 5) and results[0][0].digest == entries[-1].digest
+    for store in stores:
+        store.close()
