@@ -442,7 +442,8 @@ def summarise(
             # mnesite-3 against every other system, per round, then the median of those ratios.
             reference = runs.get(("mnesite-3", clients), [])
             if name != "mnesite-3" and len(reference) == len(samples):
-                ratios = [r["writes_per_s"] / s["writes_per_s"] for r, s in zip(reference, samples) if s["writes_per_s"]]
+                pairs = zip(reference, samples, strict=True)
+                ratios = [r["writes_per_s"] / s["writes_per_s"] for r, s in pairs if s["writes_per_s"]]
                 if ratios:
                     row["mnesite_3_over_this"] = round(statistics.median(ratios), 2)
             rows.append(row)

@@ -21,13 +21,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_commit import bench_node, start_nodes  # noqa: E402
-
 from mnesite.rlog.client import Client  # noqa: E402
 
 SAMPLES_PER_S = 200
@@ -99,12 +97,7 @@ def main() -> None:
                 )
                 for role, pid in pids.items()
             ]
-            result: dict = {}
-            load = threading.Thread(
-                target=lambda c=clients: result.update(bench_node(endpoint, c, args.seconds, "3 cores", keys))
-            )
-            load.start()
-            load.join()
+            result = bench_node(endpoint, clients, args.seconds, "3 cores", keys)
             for spy_process in spies:
                 spy_process.wait(args.seconds + 60)
             print(f"\n## {clients} client(s): {result.get('commits_per_s')} commits/s, p50 {result.get('p50_ms')} ms")

@@ -7,12 +7,12 @@ import random
 
 import pytest
 from mnesite.core.consensus import (
-    BatchEnded,
     EXCLUSION_NOTICE_INTERVAL_MS,
     REJECT_BUSY,
     REJECT_NOT_SEQUENCER,
     AppendReply,
     AppendRequest,
+    BatchEnded,
     Commit,
     ConsensusConfig,
     ConsensusConfigError,
