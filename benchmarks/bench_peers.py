@@ -1,7 +1,7 @@
 """mnesite beside peer systems: one Python load generator, the same writes, ratios from the same round.
 
     .venv/bin/python benchmarks/bench_peers.py [--seconds 5] [--clients 1,16,64] [--rounds 3]
-        [--systems mnesite-3,mnesite-1,etcd,redis,rqlite,dqlite] [--json]
+        [--systems mnesite-3,mnesite-1,etcd,redis,rqlite,dqlite] [--baseline TREE] [--json]
 
 Every system gets the same load: N concurrent clients (threads spread over up to four client
 processes, so that the client side's GIL is not the bottleneck), each writing one 100-byte value
@@ -15,6 +15,8 @@ What an acknowledgement means (durability), per system:
 * ``mnesite-3``: three core processes, ``synchronous=FULL``; the clients talk to the sequencer; an
   ack means the entry is fsynced on a majority (two of three) and applied at the sequencer.
 * ``mnesite-1``: one core, ``synchronous=FULL``: fsynced on its one disk.
+* ``mnesite-3-baseline`` (with ``--baseline TREE``): mnesite-3 run from another commit's source tree
+  (``git archive main | tar -x -C TREE``), to measure before and after a change in the same run.
 * ``etcd``: three members (Debian package ``etcd-server``); ``PUT`` through the v3 JSON gateway over
   HTTP keep-alive; an ack means the WAL entry is fdatasynced on a majority.
 * ``redis``: a primary with ``appendonly yes`` + ``appendfsync always`` and one replica (Debian
@@ -50,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_commit import CLIENT_PROCESSES_MAX, machine, percentile, start_nodes  # noqa: E402
+from bench_commit import CLIENT_PROCESSES_MAX, REPO, machine, percentile, start_nodes  # noqa: E402
 
 VALUE = "x" * 100
 STARTUP_TIMEOUT_S = 30
@@ -58,6 +60,8 @@ REQUEST_TIMEOUT_S = 30
 
 DURABILITY = {
     "mnesite-3": "majority fsync (2 of 3), applied at the sequencer",
+    "mnesite-3-baseline": "the same, measured with the --baseline tree's code",
+    "mnesite-1-baseline": "the same as mnesite-1, with the --baseline tree's code",
     "mnesite-1": "fsync on its one disk",
     "etcd": "WAL fdatasync on a majority (2 of 3)",
     "redis": "primary AOF fsync (appendfsync always) + WAIT 1 (one replica received it, no fsync there)",
@@ -252,15 +256,30 @@ class System:
 
 
 class Mnesite(System):
-    def __init__(self, directory: Path, cores: int) -> None:
+    def __init__(self, directory: Path, cores: int, baseline: Path | None = None) -> None:
         super().__init__(directory)
         self.cores = cores
-        self.name = f"mnesite-{cores}"
+        self.name = f"mnesite-{cores}" + ("-baseline" if baseline else "")
+        self.baseline = baseline
 
     def start(self) -> None:
-        processes, endpoint, _ = start_nodes(self.directory, "FULL", self.cores, False)
+        pythonpath = str(REPO) if self.baseline is None else package_layout(self.baseline, self.directory)
+        processes, endpoint, _ = start_nodes(self.directory, "FULL", self.cores, False, pythonpath)
         self.processes.extend(processes)
         self.spec = {"kind": "mnesite", "endpoint": endpoint}
+
+
+def package_layout(tree: Path, directory: Path) -> str:
+    """A directory from which ``import mnesite`` loads the source tree ``tree`` (another commit of this
+    repository, e.g. ``git archive main | tar -x -C tree``): the import package ``mnesite`` with the
+    top-level folders linked in as its subpackages, as the installed package maps them."""
+    package = directory / "baseline-package" / "mnesite"
+    package.mkdir(parents=True)
+    (package / "__init__.py").symlink_to(tree / "mnesite" / "__init__.py")
+    for folder in ("core", "rlog", "replicant", "bootstrap", "cli", "spark"):
+        if (tree / folder).is_dir():
+            (package / folder).symlink_to(tree / folder)
+    return str(package.parent)
 
 
 class Etcd(System):
@@ -358,7 +377,11 @@ class NotPackaged(System):
         raise Skipped(f"{self.binary} found, but this script does not drive {self.name} yet")
 
 
-def make_system(name: str, directory: Path) -> System:
+def make_system(name: str, directory: Path, baseline: Path | None) -> System:
+    if name in ("mnesite-3-baseline", "mnesite-1-baseline"):
+        if baseline is None:
+            raise SystemExit(f"{name} needs --baseline TREE")
+        return Mnesite(directory, int(name.split("-")[1]), baseline)
     if name.startswith("mnesite-"):
         return Mnesite(directory, int(name.split("-")[1]))
     if name == "etcd":
@@ -381,8 +404,15 @@ def main() -> None:
     parser.add_argument("--clients", default="1,16,64")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--baseline",
+        type=lambda text: Path(text).resolve(),
+        help="another commit's source tree: adds mnesite-3-baseline (run from that tree) to compare in the same run",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.baseline is not None and "mnesite-3-baseline" not in args.systems:
+        args.systems = "mnesite-3-baseline," + args.systems
     client_counts = [int(c) for c in args.clients.split(",")]
     directory = Path(tempfile.mkdtemp(prefix="mnesite-peers-"))
     systems: list[System] = []
@@ -393,7 +423,7 @@ def main() -> None:
         for name in args.systems.split(","):
             system_directory = directory / name
             system_directory.mkdir()
-            system = make_system(name, system_directory)
+            system = make_system(name, system_directory, args.baseline)
             try:
                 system.start()
                 systems.append(system)
