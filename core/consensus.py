@@ -314,6 +314,11 @@ class BatchEnded:
 
 
 @dataclass(frozen=True)
+class Persisted:
+    """The driver made every effect returned so far durable (its turn's commit and fsync are done)."""
+
+
+@dataclass(frozen=True)
 class ForceStartRequested:
     """Operator: make this core sequencer of a new generation with the members it reached.
 
@@ -324,7 +329,7 @@ class ForceStartRequested:
     reached: tuple[tuple[str, int], ...]
 
 
-Event = Ticked | MessageReceived | Proposed | BatchEnded | ForceStartRequested
+Event = Ticked | MessageReceived | Proposed | BatchEnded | Persisted | ForceStartRequested
 
 # ---------------------------------------------------------------- effects
 
@@ -352,6 +357,11 @@ class TruncateLog:
 class Send:
     to: str
     message: PeerMessage
+    # True: an append of this sequencer that may go out before the driver's pending writes are
+    # durable (Raft thesis 10.2.1); the sequencer counts itself only at ``Persisted``. Never set
+    # while a PersistState of this machine is not durable yet (an append would announce a
+    # generation that a crash could still take back).
+    before_persisted: bool = False
 
 
 @dataclass(frozen=True)
@@ -536,6 +546,10 @@ class ShardConsensus:
         # Entries this sequencer appended since the last BatchEnded, not sent yet (see _send_batch).
         self._batch: list[Entry] = []
         self._batch_prev_digest = self._last_digest  # the digest the batch's first entry follows
+        # The last key of this core's log known durable (Persisted), and whether every PersistState
+        # is: the sequencer counts itself in a majority only up to ``_durable_key``.
+        self._durable_key = self._last_key
+        self._state_durable = True
         self._heartbeat_due_ms = now_ms
         self._election_deadline_ms = now_ms
         self._reset_election_deadline()
@@ -652,6 +666,8 @@ class ShardConsensus:
             self._on_proposed(event)
         elif isinstance(event, BatchEnded):
             self._send_batch()
+        elif isinstance(event, Persisted):
+            self._on_persisted()
         elif isinstance(event, ForceStartRequested):
             self._force_start(event.reached)
         else:
@@ -705,6 +721,13 @@ class ShardConsensus:
 
     def _persist_state(self) -> None:
         self._out.append(PersistState(self.persisted_state()))
+        self._state_durable = False
+
+    def _on_persisted(self) -> None:
+        self._durable_key = self._last_key
+        self._state_durable = True
+        if self._role is Role.SEQUENCER:
+            self._advance_commit()
 
     def _set_role(self, role: Role, sequencer: str | None) -> None:
         if role is not Role.SEQUENCER:
@@ -1036,6 +1059,7 @@ class ShardConsensus:
                         f"asked to truncate after {after_key}, below the committed key {self._commit_key}"
                     )
                 self._out.append(TruncateLog(after_key))
+                self._durable_key = min(self._durable_key, after_key)
             self._out.append(PersistEntries(tuple(new_entries)))
             self._last_key = new_entries[-1].tx_key
             self._last_digest = new_entries[-1].digest
@@ -1142,7 +1166,7 @@ class ShardConsensus:
         message = AppendRequest(
             self._generation, prev_key, prev_digest, self._commit_key, self._members, tuple(entries), self._now_ms
         )
-        self._out.append(Send(peer, message))
+        self._out.append(Send(peer, message, before_persisted=self._state_durable))
         progress.sent_key_max = max(progress.sent_key_max, entries[-1].tx_key if entries else prev_key)
         if entries:
             progress.in_flight += 1
@@ -1175,8 +1199,14 @@ class ShardConsensus:
         if entries or heartbeat:
             self._send(peer, progress, prev_key, prev_digest, entries)
 
+    def _own_match_key(self) -> TxKey:
+        """How far this sequencer's own log counts toward a majority: only what is durable."""
+        return self._durable_key
+
     def _advance_commit(self) -> None:
-        matched = sorted([self._last_key, *(p.match_key for p in self._progress.values())], reverse=True)
+        # Thesis 10.2.1: this core's appends went out before they were durable here, so it counts
+        # itself only up to what the driver reported durable (``Persisted``).
+        matched = sorted([self._own_match_key(), *(p.match_key for p in self._progress.values())], reverse=True)
         candidate = matched[self._majority() - 1]
         # Raft's commit rule: only an entry of the current generation commits by counting replicas.
         if candidate <= self._commit_key or candidate.generation != self._generation:

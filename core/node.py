@@ -59,6 +59,7 @@ from mnesite.core.consensus import (
     ForceStartRefused,
     ForceStartRequested,
     MessageReceived,
+    Persisted,
     PersistedState,
     PersistEntries,
     PersistState,
@@ -514,7 +515,7 @@ class CoreNode(NodeServer):
                         self.reply(envelope, _outcome_unknown(request_id, "another entry committed at its key"))
         elif isinstance(effect, Send):
             frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
-            self._send_peer(effect.to, Message("peer", "peer", frame_body))
+            self._send_peer(effect.to, Message("peer", "peer", frame_body), now=effect.before_persisted)
         elif isinstance(effect, ProposalCommitted):
             pass  # answered through the waiters when the Commit applied the entry
         elif isinstance(effect, ProposalFailed):
@@ -802,11 +803,23 @@ class CoreNode(NodeServer):
                 return
             self._step_install(shard, batch)
 
-    def _send_peer(self, peer: str, message: Message) -> None:
+    def _send_peer(self, peer: str, message: Message, now: bool = False) -> None:
         endpoint = self.config.core_nodes.get(peer)
         socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
-        if socket is not None:
+        if socket is None:
+            return
+        if now:
+            # A sequencer's append may precede its own fsync (the machine counts itself only at
+            # Persisted): the followers' fsyncs then overlap ours instead of following it.
+            self.send_now(socket, message)
+        else:
             self.queue(socket, message)
+
+    def after_commit(self) -> None:
+        # The turn's commit (and fsync) is done: each sequencer may now count its own entries.
+        for driver in list(self.shards.values()):
+            if driver.consensus.role is Role.SEQUENCER:
+                self._step(driver, Persisted())
 
     def _on_peer(self, message: Message) -> None:
         body = message.body

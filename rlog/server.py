@@ -382,6 +382,19 @@ class NodeServer:
     def before_send(self) -> None:
         """Hook: queue more frames after the commit and before the sends (for example agent pushes)."""
 
+    def after_commit(self) -> None:
+        """Hook: the turn's writes are durable now; anything it writes goes in one more commit."""
+
+    def send_now(self, socket: zmq.Socket, message: Message) -> None:
+        """Send a frame to a DEALER socket at once, before the turn's commit: only for what may be
+        said before the turn's writes are durable (a sequencer's appends, Raft thesis 10.2.1)."""
+        try:
+            socket.send_multipart([codec.encode(message)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("send queue full: a message was dropped")
+        except (zmq.ZMQError, CodecError) as error:
+            log.debug("send failed, message dropped: %s", error)
+
     def flush(self) -> None:
         """Commit the open transaction (one fsync), then send everything queued behind it."""
         if self._in_transaction:
@@ -390,6 +403,13 @@ class NodeServer:
             self._in_transaction = False
             self.commits += 1
             self.durable_commits += durable
+            self.after_commit()
+            if self._in_transaction:
+                durable, self._durable = self._durable, False
+                self.store.commit(durable)
+                self._in_transaction = False
+                self.commits += 1
+                self.durable_commits += durable
         self.before_send()
         outbox, self._outbox = self._outbox, []
         for socket, envelope, message in outbox:

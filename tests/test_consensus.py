@@ -24,6 +24,7 @@ from mnesite.core.consensus import (
     ForceStartRequested,
     JournalAge,
     MessageReceived,
+    Persisted,
     PersistedState,
     PersistEntries,
     PersistState,
@@ -94,11 +95,14 @@ class Harness:
             "s", name, self.log, self.state, committed_key, config, random.Random(seed), now_ms=0
         )
         self.now_ms = 0
+        # Like a driver whose every step ends with its commit: Persisted follows each step that persisted.
+        self.auto_persist = True
 
     def step(self, event, now_ms: int | None = None) -> list:
         if now_ms is not None:
             self.now_ms = now_ms
         effects = self.machine.step(event, self.now_ms)
+        persisted = False
         for effect in effects:
             if isinstance(effect, PersistEntries):
                 self.log.append(effect.entries)
@@ -106,6 +110,9 @@ class Harness:
                 self.log.truncate_after(effect.after_key)
             elif isinstance(effect, PersistState):
                 self.state = effect.state
+            persisted = persisted or isinstance(effect, (PersistEntries, TruncateLog, PersistState))
+        if persisted and self.auto_persist:
+            effects = effects + self.machine.step(Persisted(), self.now_ms)
         return effects
 
     def receive(self, sender: str, message, now_ms: int | None = None) -> list:
@@ -385,6 +392,34 @@ def test_a_sequencer_that_steps_down_before_batch_end_sends_nothing():
     harness.step(Proposed((), "w1"))
     harness.receive("b", VoteReply(7, False))  # a higher generation: step down
     assert sends(harness.step(BatchEnded()), AppendRequest) == []
+
+
+def test_the_sequencer_counts_itself_only_once_its_own_append_is_durable():
+    """Thesis 10.2.1: appends go out before the sequencer's own write is durable (``before_persisted``),
+    and until ``Persisted`` the sequencer is not one of the majority: one follower is not enough."""
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.auto_persist = False
+    harness.step(Proposed((), "w1"))
+    appends = of_type(harness.step(BatchEnded()), Send)
+    assert appends and all(effect.before_persisted for effect in appends)
+    assert of_type(harness.ack("b", TxKey(1, 2)), Commit) == []  # b alone is not a majority of three
+    assert harness.step(Persisted())[:2] == [Commit(TxKey(1, 2)), ProposalCommitted("w1", TxKey(1, 2))]
+
+
+def test_appends_after_a_state_change_wait_for_it_to_be_durable():
+    """A force start persists a new generation: its appends must not announce that generation before
+    it is durable (a crash could take it back and let another core be sequencer of it)."""
+    members = ("a", "b", "c", "d", "e")
+    harness = Harness(members=members, state=PersistedState(3, None, members))
+    harness.auto_persist = False
+    effects = harness.step(ForceStartRequested((("b", 3),)))
+    assert of_type(effects, PersistState) and of_type(effects, Send)
+    assert not any(effect.before_persisted for effect in of_type(effects, Send))
+    harness.step(Persisted())
+    harness.step(Proposed((), "w1"))
+    assert all(effect.before_persisted for effect in of_type(harness.step(BatchEnded()), Send))
 
 
 def test_the_counter_restarts_at_one_in_each_generation():

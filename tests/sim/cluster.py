@@ -48,6 +48,7 @@ from mnesite.core.consensus import (
     ForceStartRequested,
     MessageReceived,
     PeerMessage,
+    Persisted,
     PersistedState,
     PersistEntries,
     PersistState,
@@ -177,6 +178,10 @@ class SimNode:
     down_until_ms: int = 0
     paused_until_ms: int = 0
     crash_in_next_step: bool = False
+    # The last key of the log that is durable: a sequencer's own entries become durable only at
+    # the driver's next commit (Persisted); a crash before it loses them (its appends may be out).
+    durable_key: TxKey = ZERO_KEY
+    persisting_key: TxKey | None = None  # the log's last key when the driver's last commit began
     # The driver's in-memory guard tail (lost in a crash, rebuilt from the log at a restart).
     tail: GuardTail[tuple[ClientRequest, Row]] = field(default_factory=lambda: GuardTail(CATALOG))
 
@@ -289,6 +294,8 @@ class Simulation:
     # ------------------------------------------------------------ node lifecycle
 
     def _start(self, node: SimNode) -> None:
+        node.durable_key = node.log.last_key()
+        node.persisting_key = None
         node.tail = GuardTail(CATALOG)
         node.tail.add(tuple(node.log.entries_after(node.applied_key, len(node.log.entries))))
         node.machine = ShardConsensus(
@@ -303,6 +310,16 @@ class Simulation:
         )
 
     def _crash(self, node: SimNode) -> None:
+        if node.log.last_key() > node.durable_key:
+            # The sequencer's entries since its last Persisted were not durable: gone, and with them
+            # whatever the same (uncommitted) driver turn applied.
+            self.trace.append((self.now_ms, node.name, "crash loses entries after", node.durable_key))
+            node.log.truncate_after(node.durable_key)
+            if node.applied_key > node.durable_key:
+                digest = node.log.digest_at(node.durable_key)
+                if digest is None:
+                    raise self.fail(f"{node.name} applied {node.applied_key} beyond its durable log")
+                node.applied_key, node.applied_digest = node.durable_key, digest
         node.machine = None
         node.crash_in_next_step = False
         node.paused_until_ms = 0
@@ -344,6 +361,9 @@ class Simulation:
                     raise self.fail(f"two different entries persisted at {entry.tx_key} (prefix consistency)")
             node.log.append(effect.entries)
             node.tail.add(effect.entries)
+            if node.machine is None or node.machine.role is not Role.SEQUENCER:
+                # A follower's entries are durable before any of its replies leaves (persist, then send).
+                node.durable_key = node.log.last_key()
         elif isinstance(effect, PersistState):
             if effect.state.generation < node.state.generation:
                 raise self.fail(f"{node.name} persisted generation {effect.state.generation} < {node.state.generation}")
@@ -353,6 +373,7 @@ class Simulation:
                 raise self.fail(f"{node.name} truncates after {effect.after_key}, below applied {node.applied_key}")
             self.trace.append((self.now_ms, node.name, "truncate after", effect.after_key))
             node.log.truncate_after(effect.after_key)
+            node.durable_key = node.log.last_key()
             # Failed guards that observed the removed entries get no answer: their clients retry.
             node.tail.truncated(effect.after_key, CATALOG)
         elif isinstance(effect, Commit):
@@ -643,10 +664,19 @@ class Simulation:
         return (WriteOp(READ_TABLE, {"k": number % READ_KEYS, "v": number}),)
 
     def _end_batches(self) -> None:
-        """The production driver's end of a loop turn: the writes proposed since go out together."""
+        """The production driver's end of a loop turn: the writes proposed since go out together
+        (before they are durable here), then the turn's commit makes them durable (Persisted)."""
         for node in self.nodes.values():
-            if self._is_up(node) and node.machine is not None and node.machine.role is Role.SEQUENCER:
+            if not self._is_up(node) or node.machine is None or node.machine.role is not Role.SEQUENCER:
+                continue
+            # The commit of the previous turn is done: what the log held then is durable now. The
+            # fsync takes a tick, so the appends of a turn are out (and may be answered) before it.
+            if node.persisting_key is not None and node.persisting_key > node.durable_key:
+                node.durable_key = node.persisting_key
+                self._step(node, Persisted())
+            if node.machine is not None:
                 self._step(node, BatchEnded())
+                node.persisting_key = node.log.last_key()
 
     def _tick_all(self) -> None:
         for node in self.nodes.values():
