@@ -389,10 +389,16 @@ class NodeServer:
         """Send a frame to a DEALER socket at once, before the turn's commit: only for what may be
         said before the turn's writes are durable (a sequencer's appends, Raft thesis 10.2.1)."""
         try:
-            socket.send_multipart([codec.encode(message)], zmq.NOBLOCK)
+            frame = codec.encode(message)
+        except CodecError as error:
+            # As in flush: a message of ours that our own typed layer refuses is a bug here.
+            log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
+            return
+        try:
+            socket.send_multipart([frame], zmq.NOBLOCK)
         except zmq.Again:
             log.debug("send queue full: a message was dropped")
-        except (zmq.ZMQError, CodecError) as error:
+        except zmq.ZMQError as error:
             log.debug("send failed, message dropped: %s", error)
 
     def flush(self) -> None:
