@@ -40,6 +40,12 @@ and executes the effects it returns.
 * Commit. An entry is committed when a majority of the members (the sequencer counts) have persisted
   it and it belongs to the current generation; earlier entries commit with it (Raft, section 5.4.2).
   Followers learn the commit key from appends.
+* Appends before the sequencer's fsync (thesis 10.2.1). The sequencer's appends are marked
+  ``Send.before_persisted``: the driver may send them before its own commit, so the followers'
+  fsyncs overlap the sequencer's. The sequencer therefore counts itself toward a majority only up
+  to what the driver reported durable with ``Persisted``. Appends are never marked so while a
+  ``PersistState`` of this machine is not durable (a force start's generation must be durable
+  before any core hears of it).
 * Linearizable reads (thesis 6.4, ``read_index``). The sequencer may answer a linearizable read,
   a read-index request or a failed guard only (1) once an entry of its own generation has committed
   (before that its committed key may be behind what the previous sequencer acknowledged) and (2)
@@ -75,13 +81,16 @@ Driver contract
    every ``heartbeat_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters).
 3. Execute the returned effects *in list order*, all of them, before the next ``step``:
    ``PersistState``, ``PersistEntries`` and ``TruncateLog`` must be durable (fsync) before any later
-   effect runs; this is how "persist, then send" is guaranteed. The ``LogView`` must reflect every
+   effect runs (except a ``Send`` marked ``before_persisted``, below); this is how "persist, then
+   send" is guaranteed. The ``LogView`` must reflect every
    executed effect. ``Send`` is fire-and-forget (loss, duplication and reordering are tolerated).
    ``Commit(up_to)`` means: apply, in tx-key order, every persisted entry up to ``up_to`` and record
    the applied key in the same SQLite transaction. ``ProposalCommitted`` comes after the ``Commit``
    that covers it: answer the client once that entry is applied. Step ``BatchEnded`` once the
    turn's proposals are in (before the turn's commit); without it, entries go at the next reply
-   or heartbeat only.
+   or heartbeat only. A ``Send`` marked ``before_persisted`` may be sent before the pending
+   persistence effects are durable (every other one only after); step ``Persisted`` once they
+   are, or the sequencer never counts its own entries.
 4. ``ProposalRejected`` (nothing was written; forward to ``sequencer`` or answer ``reason``) and
    ``ProposalFailed`` (the outcome is unknown: the entry may still commit under a later sequencer,
    so answer the client with that reason; a retry with the same request id is the client's way to
