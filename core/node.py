@@ -20,6 +20,10 @@ Each turn of the loop:
    that only applied committed entries commits without an fsync (``begin(durable=False)``): those
    entries are durable in the log already, and a restart applies again what a power failure took.
    Committed entries are applied from the in-memory unapplied tail, not read back from SQLite.
+   The one exception to persist-before-send: a sequencer's appends (``Send.before_persisted``) go
+   out at once, before the commit, so that the followers' fsyncs overlap ours; after the commit
+   ``Persisted`` lets each sequencer count its own entries (Raft thesis 10.2.1), and what that
+   commits is applied in one more, fsync-less, commit before the queued frames are sent.
 
 If the SQLite commit fails the process stops: the state machines already believe the effects were
 durable, so the only safe continuation is a restart that rebuilds them from disk.

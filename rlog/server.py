@@ -8,7 +8,10 @@ executes the effects of its state machines inside one open SQLite transaction (`
 queues every frame it wants to send (``reply``, ``queue``). ``flush`` commits (one fsync for the
 whole turn: group commit) and only then sends, so nothing is ever said about a state that a crash
 could still undo (persist, then send). Sends never block: a full queue drops the frame, which every
-protocol here tolerates (requests are retried, pushes re-sent).
+protocol here tolerates (requests are retried, pushes re-sent). Two hooks refine this: ``send_now``
+sends what a state machine marked as allowed before persistence (a sequencer's appends), and
+``after_commit`` runs once the turn's writes are durable; what it writes goes in one more commit.
+A turn whose writes a restart redoes anyway (``begin(durable=False)``) commits without an fsync.
 """
 
 from __future__ import annotations
