@@ -638,6 +638,11 @@ class Simulation:
             applied = [entry for entry in applied if entry.tx_key <= node.applied_key]
             if len(applied) > keep:
                 node.log.trim_to(applied[len(applied) - keep - 1].tx_key)
+                # Retention runs in a driver turn of its own whose commit is durable, like any commit
+                # after which the driver tells a sequencer Persisted.
+                node.durable_key = node.log.last_key()
+                if node.machine is not None and node.machine.role is Role.SEQUENCER and self._is_up(node):
+                    self._step(node, Persisted())
 
     def _restart_due(self) -> None:
         for node in self.nodes.values():
