@@ -88,6 +88,7 @@ from mnesite.rlog import codec, range_requests, replication
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
+from mnesite.rlog.retention import keep_from_match_keys
 from mnesite.rlog.schema import (
     DEFAULT_SHARD,
     SchemaError,
@@ -1095,8 +1096,7 @@ class CoreNode(NodeServer):
             self.begin()
             for shard, driver in self.shards.items():
                 status = driver.consensus.status()
-                # Keep what the followers still need, as far as the sequencer knows.
-                keep_from = min((key for _, key in status.follower_match_keys), default=None)
+                keep_from = keep_from_match_keys(key for _, key in status.follower_match_keys)
                 self.store.trim(shard, retention.retention_entries_max, before_ms, keep_from)
             self.flush()
         except apsw.Error:

@@ -31,6 +31,7 @@ from typing import Any
 
 import apsw
 import msgpack
+from mnesite.rlog.retention import retention_floor
 from mnesite.rlog.schema import SchemaError, TableSchema, check_creatable
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -496,36 +497,14 @@ class Store:
         position = self.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
-        # The count bound is hard (a follower further behind needs a snapshot); the age bound waits
-        # for the followers (keep_from). Nothing at or after the applied key ever goes.
-        by_count = self.connection.execute(
-            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? "
-            "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
-            (shard, max(entries_max, 1) - 1),
-        ).fetchone()
-        candidates = []
-        if by_count is not None:
-            candidates.append(self._key_before(shard, TxKey(by_count[0], by_count[1])))
-        if before_ms is not None:
-            row = self.connection.execute(
-                "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? AND appended_ms < ? "
-                "ORDER BY generation DESC, counter DESC LIMIT 1",
-                (shard, before_ms),
-            ).fetchone()
-            if row is not None:
-                by_age = TxKey(row[0], row[1])
-                if keep_from is not None:
-                    by_age = min(by_age, self._key_before(shard, keep_from) or ZERO_KEY)
-                candidates.append(by_age)
-        candidates = [key for key in candidates if key is not None]
-        if not candidates:
+        # The rule (count, age, followers, applied, newest kept) is rlog.retention's, pure.
+        newest_removed = retention_floor(
+            _RetentionView(self, shard), entries_max, before_ms, position.applied, keep_from
+        )
+        if newest_removed is None:
             return 0
-        newest_removed = min(max(candidates), position.applied)
-        last_key, _ = self.last_entry(shard)
-        if newest_removed >= last_key:
-            newest_removed = self._key_before(shard, last_key) or ZERO_KEY
         digest = self.digest_at(shard, newest_removed)
-        if newest_removed <= self.trimmed(shard)[0] or digest is None:
+        if digest is None:
             return 0
         self.connection.execute(
             "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
@@ -544,6 +523,22 @@ class Store:
             "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) < (?, ?) "
             "ORDER BY generation DESC, counter DESC LIMIT 1",
             (shard, key.generation, key.counter),
+        ).fetchone()
+        return TxKey(row[0], row[1]) if row else None
+
+    def _newest_key_at(self, shard: str, offset: int) -> TxKey | None:
+        row = self.connection.execute(
+            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? "
+            "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
+            (shard, offset),
+        ).fetchone()
+        return TxKey(row[0], row[1]) if row else None
+
+    def _newest_appended_before(self, shard: str, before_ms: int) -> TxKey | None:
+        row = self.connection.execute(
+            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? AND appended_ms < ? "
+            "ORDER BY generation DESC, counter DESC LIMIT 1",
+            (shard, before_ms),
         ).fetchone()
         return TxKey(row[0], row[1]) if row else None
 
@@ -693,3 +688,26 @@ def _entry(row: tuple[Any, ...]) -> Entry:
     return Entry(
         shard, TxKey(generation, counter), TxKey(prev_generation, prev_counter), digest, unpack_ops(ops), request_id
     )
+
+
+class _RetentionView:
+    """``rlog.retention.RetentionView`` over one shard of the store."""
+
+    def __init__(self, store: Store, shard: str) -> None:
+        self.store = store
+        self.shard = shard
+
+    def last_key(self) -> TxKey:
+        return self.store.last_entry(self.shard)[0]
+
+    def trimmed_key(self) -> TxKey:
+        return self.store.trimmed(self.shard)[0]
+
+    def key_before(self, key: TxKey) -> TxKey | None:
+        return self.store._key_before(self.shard, key)
+
+    def newest_key_at(self, offset: int) -> TxKey | None:
+        return self.store._newest_key_at(self.shard, offset)
+
+    def newest_appended_before(self, before_ms: int) -> TxKey | None:
+        return self.store._newest_appended_before(self.shard, before_ms)
