@@ -64,6 +64,7 @@ from mnesite.core.consensus import (
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GuardTail
 from mnesite.core.snapshot import SnapshotOffer, accept_offer
+from mnesite.rlog import retention
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
 
@@ -76,6 +77,7 @@ READ_KEYS = 4
 READ_TABLE = "t"
 CATALOG: dict[str, TableSchema] = {READ_TABLE: define_table(READ_TABLE, "k", [["k", "INTEGER"], ["v", "INTEGER"]])}
 CLIENT = "client"
+RETENTION_INTERVAL_MS = 100
 Row = dict[str, Any] | None
 
 
@@ -88,11 +90,13 @@ class SimulationFailure(AssertionError):
 
 
 class MemoryLog:
-    """The simulator's ``LogView``: a persisted log in memory, with retention (trimming)."""
+    """The simulator's ``LogView`` and ``rlog.retention.RetentionView``: a persisted log in memory."""
 
     def __init__(self, trimmed_key: TxKey = ZERO_KEY, trimmed_digest: bytes = GENESIS_DIGEST) -> None:
         self.entries: list[Entry] = []
         self.keys: list[TxKey] = []
+        # When each entry was persisted (simulated time): the age bound of retention reads it.
+        self.appended_ms: list[int] = []
         self._trimmed_key = trimmed_key
         self._trimmed_digest = trimmed_digest
 
@@ -118,6 +122,19 @@ class MemoryLog:
     def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
         return min(limit, max(0, bisect.bisect_right(self.keys, up_to) - bisect.bisect_right(self.keys, key)))
 
+    # RetentionView
+    def key_before(self, key: TxKey) -> TxKey | None:
+        position = bisect.bisect_left(self.keys, key)
+        return self.keys[position - 1] if position > 0 else None
+
+    def newest_key_at(self, offset: int) -> TxKey | None:
+        return self.keys[-1 - offset] if 0 <= offset < len(self.keys) else None
+
+    def newest_appended_before(self, before_ms: int) -> TxKey | None:
+        # Appended times never decrease along the log (one clock per node).
+        position = bisect.bisect_left(self.appended_ms, before_ms)
+        return self.keys[position - 1] if position > 0 else None
+
     # storage operations, as a driver would run them
     def entry_at(self, key: TxKey) -> Entry | None:
         position = bisect.bisect_left(self.keys, key)
@@ -125,7 +142,7 @@ class MemoryLog:
             return self.entries[position]
         return None
 
-    def append(self, entries: tuple[Entry, ...]) -> None:
+    def append(self, entries: tuple[Entry, ...], appended_ms: int = 0) -> None:
         for entry in entries:
             if entry.prev != self.last_key():
                 raise SimulationFailure(
@@ -133,11 +150,13 @@ class MemoryLog:
                 )
             self.entries.append(entry)
             self.keys.append(entry.tx_key)
+            self.appended_ms.append(max(appended_ms, self.appended_ms[-1] if self.appended_ms else 0))
 
     def truncate_after(self, key: TxKey) -> None:
         position = bisect.bisect_right(self.keys, key)
         del self.entries[position:]
         del self.keys[position:]
+        del self.appended_ms[position:]
 
     def trim_to(self, key: TxKey) -> None:
         digest = self.digest_at(key)
@@ -146,6 +165,7 @@ class MemoryLog:
         position = bisect.bisect_right(self.keys, key)
         del self.entries[:position]
         del self.keys[:position]
+        del self.appended_ms[:position]
         self._trimmed_key, self._trimmed_digest = key, digest
 
 
@@ -176,6 +196,8 @@ class SimNode:
     down_until_ms: int = 0
     paused_until_ms: int = 0
     crash_in_next_step: bool = False
+    # The driver's retention timer (production: [rlog] retention_interval_ms).
+    next_retention_ms: int = 0
     # The driver's in-memory guard tail (lost in a crash, rebuilt from the log at a restart).
     tail: GuardTail[tuple[ClientRequest, Row]] = field(default_factory=lambda: GuardTail(CATALOG))
 
@@ -193,6 +215,7 @@ class SimulationResult:
     final_time_ms: int
     reads_checked: int = 0
     guard_failures_checked: int = 0
+    entries_trimmed: int = 0
 
 
 @dataclass
@@ -204,7 +227,9 @@ class _Faults:
     heal_probability: float
     crash_probability: float
     pause_probability: float
-    trim_probability: float
+    # Retention (rlog.retention, as cores run it): newest entries kept, age bound (0: none).
+    retention_entries_max: int
+    retention_age_ms_max: int
     write_probability: float
     read_probability: float = 0.0
 
@@ -234,7 +259,8 @@ class Simulation:
             heal_probability=0.03,
             crash_probability=rng.choice([0.0, 0.01, 0.02]),
             pause_probability=rng.choice([0.0, 0.01]),
-            trim_probability=rng.choice([0.0, 0.0, 0.02]),
+            retention_entries_max=rng.choice([10**9, 4, 16]),
+            retention_age_ms_max=rng.choice([0, 0, 200]),
             write_probability=rng.choice([0.2, 0.5]),
             read_probability=rng.choice([0.3, 0.6]),
         )
@@ -258,6 +284,7 @@ class Simulation:
         self.crashes = 0
         self.pauses = 0
         self.snapshots = 0
+        self.entries_trimmed = 0
         self.lost_for_good: set[str] = set()
         # The committed log as the simulator knows it, for the history check of reads.
         self.commit_position: dict[TxKey, int] = {ZERO_KEY: 0}
@@ -341,7 +368,7 @@ class Simulation:
                 seen = self.digest_ever_persisted.setdefault(entry.tx_key, entry.digest)
                 if seen != entry.digest:
                     raise self.fail(f"two different entries persisted at {entry.tx_key} (prefix consistency)")
-            node.log.append(effect.entries)
+            node.log.append(effect.entries, self.now_ms)
             node.tail.add(effect.entries)
         elif isinstance(effect, PersistState):
             if effect.state.generation < node.state.generation:
@@ -609,13 +636,6 @@ class Simulation:
                 node.paused_until_ms = self.now_ms + rng.randint(100, 900)
                 self.pauses += 1
                 self.trace.append((self.now_ms, node.name, "paused until", node.paused_until_ms))
-        if rng.random() < faults.trim_probability:
-            node = self.nodes[rng.choice(names)]
-            keep = rng.randint(0, 6)
-            applied = node.log.entries_after(node.log.trimmed_key(), len(node.log.entries))
-            applied = [entry for entry in applied if entry.tx_key <= node.applied_key]
-            if len(applied) > keep:
-                node.log.trim_to(applied[len(applied) - keep - 1].tx_key)
 
     def _restart_due(self) -> None:
         for node in self.nodes.values():
@@ -651,7 +671,31 @@ class Simulation:
     def _advance(self) -> None:
         self._deliver_due()
         self._tick_all()
+        self._retain_due()
         self.now_ms += self.tick_ms
+
+    def _retain_due(self) -> None:
+        """What a core's retention timer does (core/node.py ``_maybe_trim``), with production's rule."""
+        faults = self.faults
+        for node in self.nodes.values():
+            machine = node.machine
+            if not self._is_up(node) or machine is None or self.now_ms < node.next_retention_ms:
+                continue
+            node.next_retention_ms = self.now_ms + RETENTION_INTERVAL_MS
+            age_ms_max = faults.retention_age_ms_max
+            floor = retention.retention_floor(
+                node.log,
+                faults.retention_entries_max,
+                self.now_ms - age_ms_max if age_ms_max else None,
+                node.applied_key,
+                retention.keep_from_match_keys(key for _, key in machine.status().follower_match_keys),
+            )
+            if floor is not None:
+                self.trace.append((self.now_ms, node.name, "trimmed through", floor))
+                before = len(node.log.keys)
+                node.log.trim_to(floor)
+                self.entries_trimmed += before - len(node.log.keys)
+                self._check_node(node)
 
     # ------------------------------------------------------------ the run
 
@@ -771,6 +815,7 @@ class Simulation:
             final_time_ms=self.now_ms,
             reads_checked=self.reads_checked,
             guard_failures_checked=self.guard_failures_checked,
+            entries_trimmed=self.entries_trimmed,
         )
 
     def _heal(self) -> None:
