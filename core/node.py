@@ -72,6 +72,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GuardTail
+from mnesite.core.recovery import reached_generations, recovered_generations, well_formed_answers
 from mnesite.core.rlog_server import RlogServer, WatchRefused
 from mnesite.core.snapshot import (
     BeginInstall,
@@ -95,7 +96,6 @@ from mnesite.rlog.schema import (
     TableSchema,
     check_creatable,
     check_key,
-    check_name,
     define_table,
 )
 from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
@@ -277,21 +277,11 @@ class CoreNode(NodeServer):
     def recover_generations(self, timeout_ms: int = RECOVERY_TIMEOUT_MS) -> dict[str, int]:
         """A core with an empty database may have lost one that voted: learn the generations in use.
 
-        It asks every peer for its journal; for each shard any peer knows it persists the highest
-        generation seen, with its vote already cast (for itself), so it never grants a vote in a
-        generation it may have voted in before the loss. It then catches up from the sequencer like a
-        follower that is far behind. If no peer answers (a new cluster), nothing changes.
+        It asks every peer for its journal and persists what ``core.recovery.recovered_generations``
+        decides from the answers, with its vote already cast (for itself). If no peer answers (a new
+        cluster), nothing changes.
         """
-        generations: dict[str, int] = {}
-        # probe_peers drops answers whose generations are malformed; a shard name is checked like any
-        # other name before it can become a row here (a peer's answer is untrusted input too).
-        for journal in self.probe_peers(timeout_ms).values():
-            for shard in journal["shards"]:
-                try:
-                    check_name("shard", shard)
-                except SchemaError:
-                    continue
-                generations[shard] = max(generations.get(shard, 0), _generation_in(journal, shard))
+        generations = recovered_generations(self.probe_peers(timeout_ms))
         if generations:
             with self.store.write_transaction():
                 for shard, generation in generations.items():
@@ -1010,8 +1000,7 @@ class CoreNode(NodeServer):
         result: dict[str, Any] = {}
         refusals: dict[str, str] = {}
         for driver in self.shards.values():
-            reached = tuple((peer, _generation_in(journal, driver.shard)) for peer, journal in sorted(journals.items()))
-            effects = self._step(driver, ForceStartRequested(reached))
+            effects = self._step(driver, ForceStartRequested(reached_generations(journals, driver.shard)))
             for effect in effects:
                 if isinstance(effect, ForceStartRefused):
                     refusals[driver.shard] = effect.reason
@@ -1071,13 +1060,7 @@ class CoreNode(NodeServer):
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         # A peer's answer is untrusted too: one that does not say its generations counts as not reached.
-        return {
-            peer: answer
-            for peer, answer in dict(answers).items()
-            if isinstance(answer, dict)
-            and isinstance(answer.get("shards"), dict)
-            and all(_generation_in(answer, shard) >= 0 for shard in answer["shards"])
-        }
+        return well_formed_answers(dict(answers))
 
     def reachable_peers(self) -> list[str]:
         """Peers heard from within an election timeout: the ones a forced start keeps as members."""
@@ -1309,18 +1292,6 @@ _PEER_FRAME_PREFIX = b"\x94\x01\xa4peer"
 def is_peer_frame(frame: bytes) -> bool:
     """A consensus message between cores (handled before anything else in a loop turn)."""
     return frame.startswith(_PEER_FRAME_PREFIX)
-
-
-def _generation_in(journal: dict[str, Any], shard: str) -> int:
-    """The generation a peer's journal answer gives for ``shard``: 0 if it does not know the shard,
-    -1 if the answer is malformed."""
-    age = journal["shards"].get(shard)
-    if age is None:
-        return 0
-    generation = age.get("generation") if isinstance(age, dict) else None
-    if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation < 2**63:
-        return -1
-    return generation
 
 
 def _outcome_unknown(request_id: str, reason: str) -> Message:
