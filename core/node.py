@@ -72,6 +72,13 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GuardTail
+from mnesite.core.outcome import (
+    Acknowledged,
+    CommitWaiters,
+    ForwardedRequests,
+    Outcome,
+    forward_target,
+)
 from mnesite.core.recovery import reached_generations, recovered_generations, well_formed_answers
 from mnesite.core.rlog_server import RlogServer, WatchRefused
 from mnesite.core.snapshot import (
@@ -101,6 +108,7 @@ from mnesite.rlog.schema import (
 from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
+    ZERO_KEY,
     Entry,
     OpDecodeError,
     TxKey,
@@ -192,8 +200,8 @@ class ShardDriver:
     consensus: ShardConsensus
     log_view: StoreLogView
     tail: GuardTail[HeldFailure] = field(default_factory=GuardTail)
-    # tx key -> [(envelope, request_id)]: clients waiting for that entry to commit.
-    waiters: dict[TxKey, list[tuple[list[bytes], str]]] = field(default_factory=dict)
+    # Clients waiting for their entry to commit, and what they are told (core.outcome).
+    waiters: CommitWaiters[list[bytes]] = field(default_factory=CommitWaiters)
     # The highest generation persisted here, and how many times it grew since this process started
     # (elections seen: a stable cluster keeps this at the elections of its start-up).
     generation: int = 0
@@ -207,14 +215,6 @@ class HeldFailure:
     envelope: list[bytes] | None
     request_id: str
     failure: GuardFailed
-
-
-@dataclass
-class Forwarded:
-    envelope: list[bytes]
-    deadline_ms: int
-    shard: str = ""
-    sequencer: str = ""
 
 
 class CoreNode(NodeServer):
@@ -240,7 +240,7 @@ class CoreNode(NodeServer):
         data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
         super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
         self.shards: dict[str, ShardDriver] = {}
-        self.forwarded: dict[str, Forwarded] = {}
+        self.forwarded: ForwardedRequests[list[bytes]] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
         limits = config.limits
@@ -472,9 +472,7 @@ class CoreNode(NodeServer):
             log.warning("shard %s: truncated %d uncommitted entries after %s", shard, removed, effect.after_key)
             for held in driver.tail.truncated(effect.after_key, self.store.catalog()):
                 self._answer_guard_failure(held, answer=False, reason="the entries it observed were replaced")
-            for key in [k for k in driver.waiters if k > effect.after_key]:
-                for envelope, request_id in driver.waiters.pop(key):
-                    self.reply(envelope, _outcome_unknown(request_id, "its entry was replaced by the new sequencer"))
+            self._tell_outcomes(driver.waiters.truncated(effect.after_key))
         elif isinstance(effect, Commit):
             self.begin()
             applied = self.store.apply_committed(shard, effect.up_to)
@@ -483,32 +481,20 @@ class CoreNode(NodeServer):
                 self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
             self.transactions += len(applied)
             self.rlog_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
-            for entry in applied:
-                for envelope, request_id in driver.waiters.pop(entry.tx_key, []):
-                    if entry.request_id == request_id:
-                        self.reply(envelope, codec.reply(request_id, {"tx_key": list(entry.tx_key)}))
-                    else:
-                        self.reply(envelope, _outcome_unknown(request_id, "another entry committed at its key"))
+            self._tell_outcomes(driver.waiters.committed(applied))
         elif isinstance(effect, Send):
             frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
             self._send_peer(effect.to, Message("peer", "peer", frame_body))
         elif isinstance(effect, ProposalCommitted):
             pass  # answered through the waiters when the Commit applied the entry
         elif isinstance(effect, ProposalFailed):
-            for envelope, request_id in driver.waiters.pop(effect.tx_key, []):
-                self.reply(envelope, _outcome_unknown(request_id, effect.reason))
+            self._tell_outcomes(driver.waiters.failed(effect.tx_key, effect.reason))
         elif isinstance(effect, ProposalRejected):
             pass  # handled by the caller of Proposed, which still holds the envelope
         elif isinstance(effect, RoleChanged):
             # Requests forwarded to a sequencer we no longer follow would wait for FORWARD_TIMEOUT_MS
             # (it may be dead): tell their clients now, so that they retry with the same request id.
-            for request_id in [
-                r for r, f in self.forwarded.items() if f.shard == shard and f.sequencer != effect.sequencer
-            ]:
-                pending = self.forwarded.pop(request_id)
-                self.reply(
-                    pending.envelope, _outcome_unknown(request_id, f"sequencer {pending.sequencer} was replaced")
-                )
+            self._tell_outcomes(self.forwarded.sequencer_changed(shard, effect.sequencer))
             position = self.store.shard(shard)
             if position is not None:
                 self.rlog_server.committed(shard, position.applied, effect.sequencer is not None, self.clock_ms())
@@ -717,10 +703,7 @@ class CoreNode(NodeServer):
                 self.not_serving[shard] = "replaying after a snapshot install"
                 # Agents' positions mean nothing in the new log (core.agent, driver contract 4).
                 self.rlog_server.stop_shard(shard)
-                old = self.shards[shard]
-                for waiters in old.waiters.values():
-                    for envelope, request_id in waiters:
-                        self.reply(envelope, _outcome_unknown(request_id, "this core installed a snapshot"))
+                self._tell_outcomes(self.shards[shard].waiters.abandoned("this core installed a snapshot"))
                 self._open_shard(shard)
                 log.warning("shard %s: snapshot installed at %s; catching up from the log", shard, effect.key)
             elif isinstance(effect, replication.FetchCommitted):
@@ -877,7 +860,7 @@ class CoreNode(NodeServer):
                 self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease")
                 return
             ops = outcome
-        if sum(len(w) for w in driver.waiters.values()) >= WAITERS_MAX:
+        if len(driver.waiters) >= WAITERS_MAX:
             raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
         effects = self._step(driver, Proposed(ops, message.request_id))
         for effect in effects:
@@ -913,14 +896,22 @@ class CoreNode(NodeServer):
         self, driver: ShardDriver, tx_key: TxKey, envelope: list[bytes], request_id: str, duplicate: bool
     ) -> None:
         position = self.store.shard(driver.shard)
-        if position is not None and tx_key <= position.applied:
-            result: dict[str, Any] = {"tx_key": list(tx_key)}
-            if duplicate:
-                result["duplicate"] = True
-            self.reply(envelope, codec.reply(request_id, result))
-            return
-        self.hold(envelope, request_id)
-        driver.waiters.setdefault(tx_key, []).append((envelope, request_id))
+        applied_key = position.applied if position is not None else ZERO_KEY
+        answer = driver.waiters.wait(tx_key, request_id, envelope, applied_key, duplicate)
+        if answer is not None:
+            self._tell_outcomes([(envelope, answer)])
+        else:
+            self.hold(envelope, request_id)
+
+    def _tell_outcomes(self, outcomes: list[tuple[list[bytes], Outcome]]) -> None:
+        for envelope, outcome in outcomes:
+            if isinstance(outcome, Acknowledged):
+                result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
+                if outcome.duplicate:
+                    result["duplicate"] = True
+                self.reply(envelope, codec.reply(outcome.request_id, result))
+            else:
+                self.reply(envelope, _outcome_unknown(outcome.request_id, outcome.reason))
 
     def _shard_of(self, message: Message) -> str:
         if message.kind == "create_table":
@@ -946,19 +937,19 @@ class CoreNode(NodeServer):
 
     def _forward(self, envelope: list[bytes], message: Message, driver: ShardDriver) -> None:
         sequencer = driver.consensus.sequencer
-        if message.body.get("forwarded") or sequencer is None or sequencer == self.config.name:
+        target = forward_target(sequencer, self.config.name, bool(message.body.get("forwarded")))
+        if target is None:
             hint = f"; try {self.config.core_nodes[sequencer]}" if sequencer in self.config.core_nodes else ""
             raise RequestError(
                 "no_sequencer",
                 f"shard {driver.shard} has no sequencer reachable from {self.config.name} (election or no quorum)"
                 f"{hint}",
             )
-        if len(self.forwarded) >= FORWARDED_MAX:
+        if self.forwarded.full():
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
         self.hold(envelope, message.request_id)
-        deadline_ms = self.clock_ms() + FORWARD_TIMEOUT_MS
-        self.forwarded[message.request_id] = Forwarded(envelope, deadline_ms, driver.shard, sequencer)
-        self._send_peer(sequencer, Message(message.kind, message.request_id, {**message.body, "forwarded": True}))
+        self.forwarded.forwarded(message.request_id, envelope, driver.shard, target, self.clock_ms())
+        self._send_peer(target, Message(message.kind, message.request_id, {**message.body, "forwarded": True}))
 
     def _relay_forwarded(self, socket: zmq.Socket) -> None:
         for _ in range(self.config.limits.group_commit_max):
@@ -970,9 +961,9 @@ class CoreNode(NodeServer):
                 answer = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError:
                 continue
-            pending = self.forwarded.pop(answer.request_id, None)
-            if pending is not None:
-                self.reply(pending.envelope, answer)
+            waiting = self.forwarded.answered(answer.request_id)
+            if waiting is not None:
+                self.reply(waiting, answer)
             elif answer.request_id in self.install_requests:
                 self._on_install_answer(self.install_requests.pop(answer.request_id), answer)
 
@@ -985,9 +976,7 @@ class CoreNode(NodeServer):
                 self._step_install(shard, replication.CommittedReceived(core, None))
             else:
                 self._step_install(shard, replication.RequestFailed(core, f"{purpose} timed out"))
-        for request_id in [r for r, f in self.forwarded.items() if f.deadline_ms <= now]:
-            pending = self.forwarded.pop(request_id)
-            self.reply(pending.envelope, _outcome_unknown(request_id, "the sequencer did not answer in time"))
+        self._tell_outcomes(self.forwarded.expired(now))
 
     def force_start(self) -> dict[str, Any]:
         """Operator: become sequencer of every shard with the cores that answer now, loudly.
