@@ -63,6 +63,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GuardTail
+from mnesite.core.outcome import Acknowledged, CommitWaiters, Outcome, OutcomeUnknown
 from mnesite.core.snapshot import SnapshotOffer, accept_offer
 from mnesite.rlog import retention
 from mnesite.rlog.schema import TableSchema, define_table
@@ -196,6 +197,9 @@ class SimNode:
     down_until_ms: int = 0
     paused_until_ms: int = 0
     crash_in_next_step: bool = False
+    # Writes proposed here waiting for their entry to commit (production's core.outcome rule; in
+    # memory, lost in a crash: those clients get no answer).
+    waiters: CommitWaiters[str] = field(default_factory=CommitWaiters)
     # The driver's retention timer (production: [rlog] retention_interval_ms).
     next_retention_ms: int = 0
     # The driver's in-memory guard tail (lost in a crash, rebuilt from the log at a restart).
@@ -330,6 +334,7 @@ class Simulation:
 
     def _crash(self, node: SimNode) -> None:
         node.machine = None
+        node.waiters = CommitWaiters()
         node.crash_in_next_step = False
         node.paused_until_ms = 0
         node.down_until_ms = self.now_ms + self.rng.randint(20, 600)
@@ -339,7 +344,8 @@ class Simulation:
     def _is_up(self, node: SimNode) -> bool:
         return node.machine is not None and node.paused_until_ms <= self.now_ms
 
-    def _step(self, node: SimNode, event: Any) -> None:
+    def _step(self, node: SimNode, event: Any) -> list[Effect]:
+        """Step ``node``'s machine and execute its effects; the effects executed (all, unless it crashed)."""
         machine = node.machine
         if machine is None:
             raise self.fail(f"stepping crashed node {node.name}")
@@ -357,6 +363,26 @@ class Simulation:
             self.trace.append((self.now_ms, node.name, "crashed mid-step after effects", crash_after))
             self._crash(node)
         self._check_node(node)
+        return effects
+
+    def _propose(self, node: SimNode, ops: tuple[Op, ...], request_id: str) -> None:
+        """A write at the node the client chose, as production's driver takes it (core/node.py
+        ``_write``): propose, then wait for the entry carrying the request id to commit."""
+        for effect in self._step(node, Proposed(ops, request_id)):
+            if isinstance(effect, PersistEntries) and node.machine is not None:
+                for entry in effect.entries:
+                    if entry.request_id == request_id:
+                        self._tell(node, node.waiters.wait(entry.tx_key, request_id, CLIENT, node.applied_key))
+
+    def _tell(self, node: SimNode, outcome: Outcome | None) -> None:
+        """A write's outcome reaches its client: an acknowledgement must name where it committed."""
+        if isinstance(outcome, Acknowledged):
+            if outcome.tx_key > node.applied_key or self.committed_request_id.get(outcome.tx_key) != outcome.request_id:
+                raise self.fail(f"{outcome.request_id} acknowledged at {outcome.tx_key} but not committed there")
+            self.acknowledged[outcome.request_id] = outcome.tx_key
+            self.acknowledged_position = max(self.acknowledged_position, self.commit_position[outcome.tx_key])
+        elif isinstance(outcome, OutcomeUnknown):
+            self.trace.append((self.now_ms, node.name, "outcome unknown", outcome.request_id, outcome.reason))
 
     # ------------------------------------------------------------ effects (the driver)
 
@@ -379,22 +405,24 @@ class Simulation:
                 raise self.fail(f"{node.name} truncates after {effect.after_key}, below applied {node.applied_key}")
             self.trace.append((self.now_ms, node.name, "truncate after", effect.after_key))
             node.log.truncate_after(effect.after_key)
+            for _, outcome in node.waiters.truncated(effect.after_key):
+                self._tell(node, outcome)
             # Failed guards that observed the removed entries get no answer: their clients retry.
             node.tail.truncated(effect.after_key, CATALOG)
         elif isinstance(effect, Commit):
-            self._apply(node, effect.up_to)
+            for _, outcome in node.waiters.committed(self._apply(node, effect.up_to)):
+                self._tell(node, outcome)
             machine = node.machine
             read_index = machine.read_index(self.now_ms) if machine is not None else None
             for (request, row), verdict in node.tail.committed(effect.up_to, CATALOG, read_index):
                 if verdict == GUARD_ANSWER:
                     self._record_read(node.name, request, row)
         elif isinstance(effect, ProposalCommitted):
+            # Production answers clients through the waiters (``_tell``); this effect is only checked.
             if effect.request_id is None:
                 raise self.fail("a committed proposal without request id")
             if effect.tx_key > node.applied_key or self.committed_request_id.get(effect.tx_key) != effect.request_id:
-                raise self.fail(f"{effect.request_id} acknowledged at {effect.tx_key} but not committed there")
-            self.acknowledged[effect.request_id] = effect.tx_key
-            self.acknowledged_position = max(self.acknowledged_position, self.commit_position[effect.tx_key])
+                raise self.fail(f"{effect.request_id} reported committed at {effect.tx_key} but not committed there")
         elif isinstance(effect, ProposalRejected):
             if effect.sequencer is not None:
                 self.client_belief = effect.sequencer
@@ -402,10 +430,14 @@ class Simulation:
             self._install_snapshot(node, effect.follower)
         elif isinstance(effect, ProposalFailed):
             self.trace.append((self.now_ms, node.name, "proposal failed", effect.request_id, effect.reason))
+            for _, outcome in node.waiters.failed(effect.tx_key, effect.reason):
+                self._tell(node, outcome)
         else:
             self.trace.append((self.now_ms, node.name, effect))
 
-    def _apply(self, node: SimNode, up_to: TxKey) -> None:
+    def _apply(self, node: SimNode, up_to: TxKey) -> list[Entry]:
+        """Apply the committed entries up to ``up_to``; the entries applied."""
+        applied: list[Entry] = []
         if up_to <= node.applied_key:
             raise self.fail(f"{node.name} asked to apply up to {up_to}, already applied {node.applied_key}")
         for entry in node.log.entries_after(node.applied_key, len(node.log.entries)):
@@ -427,9 +459,11 @@ class Simulation:
             elif known != entry.digest:
                 raise self.fail(f"{node.name} commits a different entry at {entry.tx_key}")
             node.applied_key, node.applied_digest = entry.tx_key, entry.digest
+            applied.append(entry)
         if node.applied_key != up_to:
             raise self.fail(f"{node.name} asked to apply up to {up_to} but its log reaches only {node.applied_key}")
         self.trace.append((self.now_ms, node.name, "applied", up_to))
+        return applied
 
     def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
         follower = self.nodes[follower_name]
@@ -445,6 +479,8 @@ class Simulation:
         if accept_offer(offer, machine.generation, machine.sequencer, follower.applied_key, False) is not None:
             return
         # The driver copies the sequencer's applied tables; the follower's log restarts there.
+        for _, outcome in follower.waiters.abandoned("this core installed a snapshot"):
+            self._tell(follower, outcome)
         follower.log = MemoryLog(sequencer.applied_key, sequencer.applied_digest)
         follower.applied_key, follower.applied_digest = sequencer.applied_key, sequencer.applied_digest
         self.snapshots += 1
@@ -522,7 +558,7 @@ class Simulation:
             if self.write_count < WRITES_MAX:
                 self.write_count += 1
                 ops = (WriteOp(READ_TABLE, {"k": request.key, "v": 100_000 + request.number}),)
-                self._step(node, Proposed(ops, f"c{request.number}"))
+                self._propose(node, ops, f"c{request.number}")
             return
         verdict = node.tail.failed((request, row), machine.committed_key, read_index, self.now_ms)
         if verdict == GUARD_ANSWER:
@@ -655,7 +691,7 @@ class Simulation:
             return
         self.write_count += 1
         request_id = f"w{self.write_count}"
-        self._step(node, Proposed(self._write_ops(self.write_count), request_id))
+        self._propose(node, self._write_ops(self.write_count), request_id)
 
     def _write_ops(self, number: int) -> tuple[Op, ...]:
         """The ops of client write ``number`` (a hook: the replicant simulation writes richer ones)."""

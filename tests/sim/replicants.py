@@ -42,9 +42,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from mnesite.core import rlog_server
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.consensus import Commit, Effect, Role
-from mnesite.core.rlog_server import WatchRefused, decide_watch
+from mnesite.core.rlog_server import WatchRefused
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.rlog import replication as p
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
@@ -291,7 +292,7 @@ class ReplicantSimulation(Simulation):
             return
         try:
             # Production's watch rule, not a copy of it.
-            mode, start_key, start_digest = decide_watch(
+            mode, start_key, start_digest = rlog_server.decide_watch(
                 from_key,
                 from_digest,
                 node.log.trimmed_key(),
