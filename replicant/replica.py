@@ -114,7 +114,7 @@ from mnesite.rlog.replication import (
     WatchAccepted,
     WatchRefused,
 )
-from mnesite.rlog.types import Entry, TxKey, entry_digest
+from mnesite.rlog.types import Entry, TxKey, chain_break
 
 REJECT_NOT_WATCHED = "not the watched agent"
 REJECT_GAP = "gap"
@@ -693,8 +693,7 @@ class ShardReplica:
                         REJECT_GAP, f"gap: {event.core} pushed {entry.tx_key} after {entry.prev}, expected after {key}"
                     )
                 raise _Invalid("out of order", f"{event.core} pushed {entry.tx_key} after {entry.prev}")
-            expected = entry_digest(chain_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-            if entry.digest != expected:
+            if chain_break(chain_key, chain_digest, entry) is not None:
                 raise _Invalid(
                     REJECT_DIGEST,
                     f"divergent history: the digest of {entry.tx_key} from {event.core} does not chain on {chain_key}",

@@ -42,7 +42,7 @@ from mnesite.rlog.types import (
     Op,
     TxKey,
     WriteOp,
-    entry_digest,
+    chain_break,
     entry_from_wire,
     entry_to_wire,
     pack_ops,
@@ -320,10 +320,8 @@ class Store:
                 raise StoreError(
                     f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, log ends at {last_key}"
                 )
-            if not chain_verified:
-                expected = entry_digest(last_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-                if expected != entry.digest:
-                    raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
+            if not chain_verified and chain_break(last_key, last_digest, entry) is not None:
+                raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
             self.append_entry(entry, appended_ms)
             last_key, last_digest = entry.tx_key, entry.digest
 
@@ -396,8 +394,7 @@ class Store:
             raise StoreError(
                 f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, applied is {position.applied}"
             )
-        expected = entry_digest(position.digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-        if expected != entry.digest:
+        if chain_break(position.applied, position.digest, entry) is not None:
             raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
         self.apply_ops(entry.ops)
         self.connection.execute(
@@ -555,8 +552,7 @@ class Store:
             for entry in batch:
                 if entry.prev != previous_key:
                     raise StoreError(f"shard {shard}: entry {entry.tx_key} follows {entry.prev}, not {previous_key}")
-                expected = entry_digest(previous_digest, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-                if expected != entry.digest:
+                if entry.shard != shard or chain_break(previous_key, previous_digest, entry) is not None:
                     raise StoreError(f"shard {shard}: digest mismatch at {entry.tx_key}")
                 if entry.tx_key == position.applied:
                     if entry.digest != position.digest:
