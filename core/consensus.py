@@ -93,6 +93,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mnesite.rlog.limits import require_positive_ints
+from mnesite.rlog.replication import Ticked
 from mnesite.rlog.types import ZERO_KEY, Entry, Op, TxKey, chain_break, entry_size_bytes, make_entry
 
 MEMBERS_MAX = 15
@@ -279,11 +280,6 @@ class ExclusionNotice:
 PeerMessage = VoteRequest | VoteReply | PreVoteRequest | PreVoteReply | AppendRequest | AppendReply | ExclusionNotice
 
 # ---------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class Ticked:
-    """Time passed; ``now_ms`` is given to ``step``."""
 
 
 @dataclass(frozen=True)

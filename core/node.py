@@ -105,7 +105,7 @@ from mnesite.rlog.schema import (
     check_key,
     define_table,
 )
-from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
+from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
     ZERO_KEY,
@@ -149,13 +149,6 @@ RECOVERY_TIMEOUT_MS = 1000
 INSTALL_BATCH_ROWS_MAX = 10_000
 INSTALL_REQUEST_TIMEOUT_MS = 10_000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
-
-
-class RequestError(Exception):
-    def __init__(self, code: str, message: str, detail: Any = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.detail = detail
 
 
 class Deferred(Exception):
@@ -371,7 +364,7 @@ class CoreNode(NodeServer):
             if now >= driver.consensus.next_deadline_ms() and driver.shard not in self.excluded:
                 self._step(driver, Ticked())
         for shard in list(self.installs):
-            self._step_install(shard, replication.Ticked())
+            self._step_install(shard, Ticked())
         # The shard ticks above may have stepped agents with a later clock reading (a commit feeds
         # them its time): read the clock again, never hand an agent an earlier one.
         self.rlog_server.tick(self.clock_ms())

@@ -38,7 +38,7 @@ from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, define_table
-from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
+from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -64,12 +64,6 @@ RETENTION_INTERVAL_MS = 1000
 PROGRESS_LOG_INTERVAL_MS = 5000
 
 
-class RequestError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 @dataclass
 class Pending:
     """A request this replicant sent to a core, waiting for its answer."""
@@ -86,7 +80,7 @@ class Probe:
     """Journal answers being collected for one shard's ``ProbeJournals``."""
 
     cores: tuple[str, ...]
-    answers: dict[str, p.JournalAge | None]
+    answers: dict[str, p.JournalAnswer | None]
     deadline_ms: int
 
 
@@ -364,7 +358,7 @@ class ReplicantNode(NodeServer):
             age = None
             if result is not None and replica.shard in result.get("shards", {}):
                 info = result["shards"][replica.shard]
-                age = p.JournalAge(TxKey(*info["committed"]), bool(info["hears_sequencer"]), int(info["agents"]))
+                age = p.JournalAnswer(TxKey(*info["committed"]), bool(info["hears_sequencer"]), int(info["agents"]))
             probe.answers[pending.core] = age
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)

@@ -95,7 +95,7 @@ from mnesite.rlog.replication import (
     FetchBatch,
     FetchCommitted,
     FetchTables,
-    JournalAge,
+    JournalAnswer,
     JournalsReceived,
     Mode,
     ModeChanged,
@@ -480,7 +480,7 @@ class ShardReplica:
     def _on_journals(self, event: JournalsReceived) -> None:
         if self._mode is not Mode.DISCONNECTED or self._waiting is not _Waiting.JOURNALS:
             return
-        ages: dict[str, JournalAge | None] = {core: None for core in self.cores}
+        ages: dict[str, JournalAnswer | None] = {core: None for core in self.cores}
         for core, age in event.ages:
             if core in ages:
                 ages[core] = age
@@ -500,7 +500,7 @@ class ShardReplica:
         self._out.append(SendWatch(core, self._applied_key, self._applied_digest, self._watch_id))
         self._request(_Waiting.WATCH, core)
 
-    def _describe(self, core: str, age: JournalAge | None) -> str:
+    def _describe(self, core: str, age: JournalAnswer | None) -> str:
         if age is None:
             return f"{core} did not answer"
         if age.committed_key < self._applied_key:

@@ -55,8 +55,9 @@ class AgentMode(enum.Enum):
 
 
 @dataclass(frozen=True)
-class JournalAge:
-    """What a core told a replica about one shard."""
+class JournalAnswer:
+    """What a core's ``journal`` answer told a replica about one shard (not DESIGN's journal age,
+    ``core.consensus.JournalAge``, which is a core's own generation and keys)."""
 
     committed_key: TxKey
     hears_sequencer: bool
@@ -68,14 +69,15 @@ class JournalAge:
 
 @dataclass(frozen=True)
 class Ticked:
-    pass
+    """Time passed; ``now_ms`` is given to ``step``. The one tick event of every pure machine
+    (``core.consensus`` re-exports it), so that a driver never has to tell two apart."""
 
 
 @dataclass(frozen=True)
 class JournalsReceived:
     """Answers to ``ProbeJournals``; ``None`` for a core that did not answer in time."""
 
-    ages: tuple[tuple[str, JournalAge | None], ...]
+    ages: tuple[tuple[str, JournalAnswer | None], ...]
 
 
 @dataclass(frozen=True)

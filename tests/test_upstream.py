@@ -7,15 +7,15 @@ from collections import Counter
 
 import pytest
 from mnesite.replicant.upstream import choose_upstream, near_tie_agents
-from mnesite.rlog.replication import JournalAge
+from mnesite.rlog.replication import JournalAnswer
 from mnesite.rlog.types import TxKey
 
 APPLIED = TxKey(2, 10)
 AHEAD = TxKey(2, 20)
 
 
-def age(committed: TxKey = AHEAD, hears: bool = True, agents: int = 0) -> JournalAge:
-    return JournalAge(committed_key=committed, hears_sequencer=hears, agents=agents)
+def age(committed: TxKey = AHEAD, hears: bool = True, agents: int = 0) -> JournalAnswer:
+    return JournalAnswer(committed_key=committed, hears_sequencer=hears, agents=agents)
 
 
 def choices(ages, applied=APPLIED, exclude=frozenset(), draws=200) -> Counter:

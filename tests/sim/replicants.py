@@ -94,7 +94,7 @@ class SimReplicant:
     machine: ShardReplica | None = None
     down_until_ms: int = 0
     crash_in_next_step: bool = False
-    probe_answers: dict[str, p.JournalAge] | None = None
+    probe_answers: dict[str, p.JournalAnswer] | None = None
     probe_deadline_ms: int = 0
     # Checker state: the agent of the last watch this replica accepted, and the highest applied key.
     accepted: tuple[str, str] | None = None
@@ -256,7 +256,7 @@ class ReplicantSimulation(Simulation):
         """The core's RLOG server."""
         kind = message[0]
         if kind == "probe":
-            age = p.JournalAge(node.applied_key, self._hears_sequencer(node), len(self.agents[node.name]))
+            age = p.JournalAnswer(node.applied_key, self._hears_sequencer(node), len(self.agents[node.name]))
             self._send_replication(node.name, sender, ("age", age))
         elif kind == "watch":
             self._on_watch(node, sender, *message[1:])
