@@ -134,7 +134,6 @@ READ_KINDS = frozenset(
 WRITE_KINDS = frozenset({"transact", "create_table"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
-RETENTION_INTERVAL_MS = 1000
 POLL_INTERVAL_MS_MAX = 50
 FORWARD_TIMEOUT_MS = 5000
 FORWARDED_MAX = 10_000
@@ -143,7 +142,6 @@ SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
 DEALERS_MAX = 1000  # sockets to peers (replicant endpoints are bounded by [limits] watches_max)
 STATUS_COUNT_INTERVAL_MS = 1000
-RECOVERY_TIMEOUT_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
 # and how long an answer may take before the install is abandoned (the sequencer offers again).
 INSTALL_BATCH_ROWS_MAX = 10_000
@@ -267,13 +265,15 @@ class CoreNode(NodeServer):
                 sequencer = next((m for m in self.members if m != config.name), config.name)
                 self.installs[shard] = SnapshotInstall.fenced(sequencer, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
 
-    def recover_generations(self, timeout_ms: int = RECOVERY_TIMEOUT_MS) -> dict[str, int]:
+    def recover_generations(self, timeout_ms: int | None = None) -> dict[str, int]:
         """A core with an empty database may have lost one that voted: learn the generations in use.
 
         It asks every peer for its journal and persists what ``core.recovery.recovered_generations``
         decides from the answers, with its vote already cast (for itself). If no peer answers (a new
         cluster), nothing changes.
         """
+        if timeout_ms is None:
+            timeout_ms = self.config.timing.recovery_timeout_ms
         generations = recovered_generations(self.probe_peers(timeout_ms))
         if generations:
             with self.store.write_transaction():
@@ -302,7 +302,10 @@ class CoreNode(NodeServer):
         position = self.store.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
-        tail: GuardTail[HeldFailure] = GuardTail(self.store.catalog())
+        limits = self.config.limits
+        tail: GuardTail[HeldFailure] = GuardTail(
+            self.store.catalog(), limits.guard_failures_held_max, limits.guard_hold_ms_max
+        )
         tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
         log_view = StoreLogView(self.store, shard, tail)
         consensus = ShardConsensus(
@@ -1054,7 +1057,7 @@ class CoreNode(NodeServer):
         now = int(time.time() * 1000)
         if now < self._next_retention_ms:
             return
-        self._next_retention_ms = now + RETENTION_INTERVAL_MS
+        self._next_retention_ms = now + self.config.retention.retention_interval_ms
         retention = self.config.retention
         before_ms = now - retention.retention_age_ms_max if retention.retention_age_ms_max else None
         try:

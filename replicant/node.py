@@ -60,7 +60,6 @@ WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
 RLOG_READ_MAX = 1000
-RETENTION_INTERVAL_MS = 1000
 PROGRESS_LOG_INTERVAL_MS = 5000
 
 
@@ -197,7 +196,7 @@ class ReplicantNode(NodeServer):
         now = int(time.time() * 1000)
         if now < self._next_retention_ms:
             return
-        self._next_retention_ms = now + RETENTION_INTERVAL_MS
+        self._next_retention_ms = now + self.config.retention.retention_interval_ms
         retention = self.config.retention
         before_ms = now - retention.retention_age_ms_max if retention.retention_age_ms_max else None
         self.begin()

@@ -35,6 +35,7 @@ Example::
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
     retention_age_ms_max = 0            # 0: no age limit
+    retention_interval_ms = 1000        # how often retention runs
 
     [security]                          # CurveZMQ + roles (rlog.security, rlog.roles)
     server_key = "keys/cluster.key_secret"   # the cluster's server key pair: same file on every node
@@ -107,12 +108,18 @@ class Limits:
     watches_max: int = 256
     # Frames queued to one replicant's endpoint (pushes beyond it are dropped and re-sent by the agent).
     push_queue_max: int = 1024
+    # Failed guards a sequencer holds until the entries they observed commit (core.guard_tail), and
+    # for how long at most: past either bound the client is told to retry.
+    guard_failures_held_max: int = 10_000
+    guard_hold_ms_max: int = 5_000
 
 
 @dataclass(frozen=True)
 class Retention:
     retention_entries_max: int = 100_000
     retention_age_ms_max: int = 0
+    # How often a node applies the retention floor (rlog.retention) to its rlog.
+    retention_interval_ms: int = 1000
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,8 @@ class Timing:
     election_timeout_ms_min: int = 800
     election_timeout_ms_max: int = 1600
     heartbeat_interval_ms: int = 100
+    # How long a core that starts on an empty database waits for its peers' journals (core.recovery).
+    recovery_timeout_ms: int = 1000
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,10 @@ _LIMIT_BOUNDS = {
     "push_queue_max": (1, 100_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
+    "retention_interval_ms": (10, 3_600_000),
+    "guard_failures_held_max": (1, 1_000_000),
+    "guard_hold_ms_max": (1, 600_000),
+    "recovery_timeout_ms": (10, 600_000),
     "election_timeout_ms_min": (10, 600_000),
     "election_timeout_ms_max": (10, 600_000),
     "heartbeat_interval_ms": (1, 300_000),
