@@ -80,7 +80,7 @@ from mnesite.core.outcome import (
     forward_target,
 )
 from mnesite.core.recovery import reached_generations, recovered_generations, well_formed_answers
-from mnesite.core.rlog_server import RlogServer, WatchRefused
+from mnesite.core.rlog_server import RlogServer
 from mnesite.core.snapshot import (
     BeginInstall,
     FenceReached,
@@ -92,6 +92,7 @@ from mnesite.core.snapshot import (
     accept_offer,
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
+from mnesite.core.watch import WatchRefusedError
 from mnesite.rlog import codec, range_requests, replication
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
@@ -612,7 +613,7 @@ class CoreNode(NodeServer):
                 self._hears_sequencer(driver),
                 self.clock_ms(),
             )
-        except WatchRefused as error:
+        except WatchRefusedError as error:
             raise RequestError(error.code, str(error)) from None
         except OpDecodeError as error:
             raise RequestError("bad_request", str(error)) from None

@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+from mnesite.replicant.upstream import write_target
 from mnesite.rlog import codec, range_requests
 from mnesite.rlog import replication as p
 from mnesite.rlog.codec import CodecError, Message
@@ -558,8 +559,7 @@ class ReplicantNode(NodeServer):
 
     def _forward(self, envelope: list[bytes], message: Message) -> None:
         """Writes never originate here: send them to a core, which orders them through the sequencer."""
-        upstreams = [r.status().upstream for r in self.replicas.values() if r.status().upstream]
-        core = upstreams[0] if upstreams else self.cores[self.rng.randrange(len(self.cores))]
+        core = write_target([r.upstream for r in self.replicas.values()], self.cores, self.rng)
         now = self.clock_ms()
         self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
         self.pending[message.request_id] = Pending(
@@ -579,7 +579,7 @@ class ReplicantNode(NodeServer):
         replica = self._serving(table.shard)
         if body.get("consistency") == "linearizable":
             # Learn the committed key from the sequencer (quorum-confirmed), then wait for it here.
-            core = replica.status().upstream or self.cores[self.rng.randrange(len(self.cores))]
+            core = write_target([replica.upstream], self.cores, self.rng)
             detail = {"envelope": envelope, "message": message, "shard": table.shard}
             pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, table.shard, detail)
             self._request(core, "read_index", {"shard": table.shard}, pending)
@@ -616,7 +616,7 @@ class ReplicantNode(NodeServer):
     def _answer_waiting_reads(self) -> None:
         for read in list(self.waiting_reads):
             replica = self.replicas.get(read.shard)
-            if replica is not None and replica.applied_key >= read.min_key:
+            if replica is not None and replica.readable_at(read.min_key):
                 self.waiting_reads.remove(read)
                 try:
                     result = self._read_now(self._table(read.message.body["table"]), read.message)

@@ -326,6 +326,12 @@ class ShardReplica:
         """Reads of every kind may be served: NORMAL, and the read fence of the last bootstrap is reached."""
         return self._mode is Mode.NORMAL and not self._fenced
 
+    def readable_at(self, min_key: TxKey) -> bool:
+        """A read that must see ``min_key`` (a linearizable read's read index, a client's ``min_key``)
+        may be answered now: ``readable`` (checked again when it is answered: a bootstrap may have
+        begun while it waited) and ``min_key`` applied."""
+        return self.readable() and self._applied_key >= min_key
+
     def status(self) -> ReplicaStatus:
         copy = self._copy
         rate, eta = copy.progress(self._now_ms) if copy is not None else (0.0, None)

@@ -69,3 +69,18 @@ def choose_upstream(
     near = [core for core in pool if known[core].agents <= fewest + near_tie_agents(fewest)]
     # ``pool`` is sorted, so the draw does not depend on the mapping's order.
     return near[rng.randrange(len(near))]
+
+
+def write_target(upstreams: list[str | None], cores: tuple[str, ...], rng: random.Random) -> str:
+    """The core a replicant forwards a write (or a linearizable read's ``read_index``) to.
+
+    A core this replicant watches (the first replica's upstream): it answered recently and hears
+    the sequencer, or it would not have been chosen; with none, any core (it forwards once to the
+    sequencer, or answers ``no_sequencer`` and the client retries).
+    """
+    watched = [core for core in upstreams if core is not None]
+    if watched:
+        return watched[0]
+    if not cores:
+        raise ValueError("a replicant needs at least one core")
+    return cores[rng.randrange(len(cores))]

@@ -676,3 +676,12 @@ def test_bootstrap_progress_counts_rows_bytes_rate_and_eta():
     status = machine.status()
     assert (status.copy_rows, status.copy_rows_expected, status.copy_rows_per_s) == (2, 6, 2.0)
     assert status.copy_bytes > 0 and status.copy_eta_ms == 2000  # 4 rows to go at 2 rows/s
+
+
+@pytest.mark.timeout(10)
+def test_a_waiting_read_is_answered_only_when_readable_and_its_key_is_applied():
+    machine = bootstrapped()
+    # Applied (1, 12) but fenced: a read at an applied key still waits for the fence.
+    assert not machine.readable_at(at(5)[0])
+    machine.step(CommittedReceived("core0", at(12)[0]), 4)
+    assert machine.readable_at(at(12)[0]) and not machine.readable_at(at(13)[0])

@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 import pytest
-from mnesite.core import rlog_server
+from mnesite.core import watch
 from mnesite.replicant.replica import ShardReplica
 from mnesite.rlog.replication import Mode, PushReceived
 from mnesite.rlog.types import Entry, TxKey
@@ -117,7 +117,7 @@ def _resume_without_the_digest_check(
     return _DECIDE_WATCH(from_key, from_digest, trimmed_key, committed_key, committed_digest, digest_at, core)
 
 
-_DECIDE_WATCH = rlog_server.decide_watch
+_DECIDE_WATCH = watch.decide_watch
 RESUME_SEED = 2
 
 
@@ -125,7 +125,7 @@ RESUME_SEED = 2
 def test_the_simulator_catches_a_resume_rule_without_the_digest_check(monkeypatch):
     result = run_replicant_seed(RESUME_SEED)  # the real rule passes this seed, with resumes
     assert result.resumes > 0
-    monkeypatch.setattr(rlog_server, "decide_watch", _resume_without_the_digest_check)
+    monkeypatch.setattr(watch, "decide_watch", _resume_without_the_digest_check)
     # The replica refuses a resume at its key with another digest (defence in depth), so the wrong
     # answer shows as replicas that never converge: the simulator's end check catches it.
     with pytest.raises(SimulationFailure, match=f"seed {RESUME_SEED} .*replicas did not converge"):

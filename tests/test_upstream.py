@@ -82,3 +82,12 @@ def test_the_same_random_state_gives_the_same_choice_whatever_the_mapping_order(
     second = [choose_upstream(reversed_ages, APPLIED, random.Random(seed)) for seed in range(30)]
     assert first == second
     assert len(set(first)) > 1
+
+
+def test_a_replicant_forwards_writes_to_a_core_it_watches_else_to_any_core():
+    from mnesite.replicant.upstream import write_target
+
+    rng = random.Random(1)
+    assert write_target([None, "core2", "core1"], ("core0", "core1", "core2"), rng) == "core2"
+    drawn = {write_target([None], ("core0", "core1", "core2"), rng) for _ in range(50)}
+    assert drawn == {"core0", "core1", "core2"}

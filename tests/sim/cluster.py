@@ -63,7 +63,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GuardTail
-from mnesite.core.outcome import Acknowledged, CommitWaiters, Outcome, OutcomeUnknown
+from mnesite.core.outcome import Acknowledged, CommitWaiters, Outcome, OutcomeUnknown, forward_target
 from mnesite.core.snapshot import SnapshotOffer, accept_offer
 from mnesite.rlog import retention
 from mnesite.rlog.schema import TableSchema, define_table
@@ -537,10 +537,11 @@ class Simulation:
             self._record_read(node.name, request, applied_row)
             return
         if machine.role is not Role.SEQUENCER:
-            # Forwarded once to the sequencer this node knows; otherwise the client retries.
-            if machine.sequencer is not None and not request.forwarded:
-                forwarded = dataclasses.replace(request, forwarded=True)
-                self._enqueue_client(machine.sequencer, forwarded)
+            # Forwarded once to the sequencer this node knows (production's core.outcome rule);
+            # otherwise the client retries.
+            target = forward_target(machine.sequencer, node.name, request.forwarded)
+            if target is not None:
+                self._enqueue_client(target, dataclasses.replace(request, forwarded=True))
             return
         read_index = machine.read_index(self.now_ms)
         if request.kind == "linearizable":

@@ -42,11 +42,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from mnesite.core import rlog_server
+from mnesite.core import watch
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.consensus import Commit, Effect, Role
-from mnesite.core.rlog_server import WatchRefused
+from mnesite.core.watch import WatchRefusedError
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+from mnesite.replicant.upstream import write_target
 from mnesite.rlog import replication as p
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
 
@@ -286,13 +287,10 @@ class ReplicantSimulation(Simulation):
     def _on_watch(
         self, node: SimNode, sender: str, from_key: TxKey, from_digest: bytes, version: int, watch_id: str
     ) -> None:
-        if version != p.REPLICATION_PROTOCOL_VERSION:
-            refusal = p.WatchRefused(node.name, f"incompatible protocol version {version}")
-            self._send_replication(node.name, sender, ("answer", refusal))
-            return
         try:
-            # Production's watch rule, not a copy of it.
-            mode, start_key, start_digest = rlog_server.decide_watch(
+            # Production's watch rules (core.watch), not a copy of them.
+            watch.check_watch_request(version, watch_id, node.name)
+            mode, start_key, start_digest = watch.decide_watch(
                 from_key,
                 from_digest,
                 node.log.trimmed_key(),
@@ -301,7 +299,7 @@ class ReplicantSimulation(Simulation):
                 node.log.digest_at,
                 node.name,
             )
-        except WatchRefused as refused:
+        except WatchRefusedError as refused:
             self._send_replication(node.name, sender, ("answer", p.WatchRefused(node.name, str(refused))))
             return
         self.agent_sequence += 1
@@ -556,7 +554,10 @@ class ReplicantSimulation(Simulation):
         request = ClientRequest(
             "read_index", key, self.read_count, self.now_ms, self.acknowledged_position, replicant=replicant
         )
-        self._enqueue_client(self.client_belief or self.rng.choice(sorted(self.nodes)), request)
+        # Production's choice of the core to ask (replicant.upstream.write_target).
+        machine = self.replicants[replicant].machine
+        upstream = machine.upstream if machine is not None else None
+        self._enqueue_client(write_target([upstream], tuple(sorted(self.nodes)), self.rng), request)
 
     def _read_index_answered(self, request: ClientRequest, read_index: TxKey) -> None:
         self.waiting_reads.append((request, read_index, self.now_ms + READ_WAIT_MS_MAX))
@@ -568,7 +569,7 @@ class ReplicantSimulation(Simulation):
             machine = replicant.machine
             if machine is None or self.now_ms >= deadline_ms:
                 continue  # the client times out and retries
-            if machine.mode is not p.Mode.NORMAL or replicant.applied_key < read_index:
+            if not machine.readable_at(read_index):  # production's rule (replicant/node.py)
                 waiting.append((request, read_index, deadline_ms))
                 continue
             row = self._row_at(request.key, self.commit_position[replicant.applied_key])
