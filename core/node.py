@@ -90,6 +90,7 @@ from mnesite.core.snapshot import (
     SnapshotInstall,
     SnapshotOffer,
     accept_offer,
+    offer_due,
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.core.watch import WatchRefusedError
@@ -515,9 +516,10 @@ class CoreNode(NodeServer):
             # The follower rebuilds itself from this core (core.snapshot): offer it our applied key,
             # only while it answers (offers queued for a core that is down would all arrive stale).
             position = self.store.shard(shard)
-            heard_ms = self.last_heard_ms.get(effect.follower)
-            recently = (
-                heard_ms is not None and self.clock_ms() - heard_ms <= self.consensus_config.election_timeout_ms_min
+            recently = offer_due(
+                self.last_heard_ms.get(effect.follower),
+                self.clock_ms(),
+                self.consensus_config.election_timeout_ms_min,
             )
             if position is not None and effect.follower in self.config.core_nodes and recently:
                 log.info(

@@ -112,6 +112,12 @@ def accept_offer(
     return None
 
 
+def offer_due(follower_heard_ms: int | None, now_ms: int, window_ms: int) -> bool:
+    """The sequencer offers a snapshot only to a follower it heard within ``window_ms`` (an election
+    timeout): offers queued for a core that is down would all arrive stale."""
+    return follower_heard_ms is not None and now_ms - follower_heard_ms <= window_ms
+
+
 class SnapshotInstall:
     """One install of one shard on a follower core."""
 

@@ -14,9 +14,11 @@ from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, UNKNOWN_DIGES
 from mnesite.rlog.types import TxKey
 
 DIGESTS = {TxKey(1, 5): b"d5", TxKey(1, 9): b"d9"}
+TRIMMED = TxKey(1, 2)
+COMMITTED = TxKey(1, 9)
 
 
-def decide(from_key, from_digest, trimmed=TxKey(1, 2), committed=TxKey(1, 9)):
+def decide(from_key, from_digest, trimmed=TRIMMED, committed=COMMITTED):
     return decide_watch(from_key, from_digest, trimmed, committed, b"d9", DIGESTS.get, "core1")
 
 
