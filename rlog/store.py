@@ -515,29 +515,23 @@ class Store:
         )
         return deleted
 
-    def _key_before(self, shard: str, key: TxKey) -> TxKey | None:
+    def _newest_key(self, condition: str, parameters: tuple[Any, ...], offset: int = 0) -> TxKey | None:
+        """The newest rlog key matching ``condition`` (SQL over the rlog's columns), skipping ``offset``."""
         row = self.connection.execute(
-            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) < (?, ?) "
-            "ORDER BY generation DESC, counter DESC LIMIT 1",
-            (shard, key.generation, key.counter),
+            f"SELECT generation, counter FROM _mnesite_rlog WHERE {condition} "
+            "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
+            (*parameters, offset),
         ).fetchone()
         return TxKey(row[0], row[1]) if row else None
+
+    def _key_before(self, shard: str, key: TxKey) -> TxKey | None:
+        return self._newest_key("shard = ? AND (generation, counter) < (?, ?)", (shard, key.generation, key.counter))
 
     def _newest_key_at(self, shard: str, offset: int) -> TxKey | None:
-        row = self.connection.execute(
-            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? "
-            "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
-            (shard, offset),
-        ).fetchone()
-        return TxKey(row[0], row[1]) if row else None
+        return self._newest_key("shard = ?", (shard,), offset)
 
     def _newest_appended_before(self, shard: str, before_ms: int) -> TxKey | None:
-        row = self.connection.execute(
-            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? AND appended_ms < ? "
-            "ORDER BY generation DESC, counter DESC LIMIT 1",
-            (shard, before_ms),
-        ).fetchone()
-        return TxKey(row[0], row[1]) if row else None
+        return self._newest_key("shard = ? AND appended_ms < ?", (shard, before_ms))
 
     def verify_chain(self, shard: str) -> TxKey:
         """Check that the retained rlog is one digest chain from the last trimmed entry (or genesis),
