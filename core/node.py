@@ -896,11 +896,12 @@ class CoreNode(NodeServer):
     ) -> None:
         position = self.store.shard(driver.shard)
         applied_key = position.applied if position is not None else ZERO_KEY
-        answer = driver.waiters.wait(tx_key, request_id, envelope, applied_key, duplicate)
+        answer = driver.waiters.answer_now(tx_key, request_id, applied_key, duplicate)
         if answer is not None:
             self._tell_outcomes([(envelope, answer)])
-        else:
-            self.hold(envelope, request_id)
+            return
+        self.hold(envelope, request_id)  # may refuse (overloaded): then nobody waits
+        driver.waiters.wait(tx_key, request_id, envelope)
 
     def _tell_outcomes(self, outcomes: list[tuple[list[bytes], Outcome]]) -> None:
         for envelope, outcome in outcomes:

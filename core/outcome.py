@@ -79,15 +79,15 @@ class CommitWaiters(Generic[Payload]):
     def __len__(self) -> int:
         return self._count
 
-    def wait(
-        self, tx_key: TxKey, request_id: str, payload: Payload, applied_key: TxKey, duplicate: bool = False
-    ) -> Acknowledged | None:
-        """Wait for ``tx_key``; answered at once (rule 4) if it is applied already."""
-        if tx_key <= applied_key:
-            return Acknowledged(request_id, tx_key, duplicate)
+    @staticmethod
+    def answer_now(tx_key: TxKey, request_id: str, applied_key: TxKey, duplicate: bool = False) -> Acknowledged | None:
+        """Rule 4: the answer if ``tx_key`` is applied already; None: ``wait`` for it."""
+        return Acknowledged(request_id, tx_key, duplicate) if tx_key <= applied_key else None
+
+    def wait(self, tx_key: TxKey, request_id: str, payload: Payload) -> None:
+        """Wait for ``tx_key`` to commit (after ``answer_now`` said None)."""
         self._waiting.setdefault(tx_key, []).append((payload, request_id))
         self._count += 1
-        return None
 
     def committed(self, applied: Iterable[Entry]) -> list[tuple[Payload, Outcome]]:
         """Rule 1: the entries just applied, in order."""

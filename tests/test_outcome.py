@@ -21,8 +21,9 @@ def entry(counter: int, request_id: str | None) -> Entry:
 
 def test_a_waiter_is_acknowledged_only_by_its_own_entry():
     waiters: CommitWaiters[str] = CommitWaiters()
-    assert waiters.wait(TxKey(1, 1), "a", "client-a", ZERO_KEY) is None
-    assert waiters.wait(TxKey(1, 2), "b", "client-b", ZERO_KEY) is None
+    assert waiters.answer_now(TxKey(1, 1), "a", ZERO_KEY) is None
+    waiters.wait(TxKey(1, 1), "a", "client-a")
+    waiters.wait(TxKey(1, 2), "b", "client-b")
     assert len(waiters) == 2
     answers = waiters.committed([entry(1, "a"), entry(2, "someone else")])
     assert answers == [
@@ -35,7 +36,7 @@ def test_a_waiter_is_acknowledged_only_by_its_own_entry():
 def test_a_truncation_tells_every_waiter_above_it_that_the_outcome_is_unknown():
     waiters: CommitWaiters[str] = CommitWaiters()
     for counter in (1, 2, 3):
-        waiters.wait(TxKey(1, counter), f"r{counter}", f"c{counter}", ZERO_KEY)
+        waiters.wait(TxKey(1, counter), f"r{counter}", f"c{counter}")
     assert waiters.truncated(TxKey(1, 1)) == [
         ("c2", OutcomeUnknown("r2", REASON_TRUNCATED)),
         ("c3", OutcomeUnknown("r3", REASON_TRUNCATED)),
@@ -46,11 +47,11 @@ def test_a_truncation_tells_every_waiter_above_it_that_the_outcome_is_unknown():
 
 def test_an_applied_key_is_answered_at_once_and_a_failed_proposal_is_unknown():
     waiters: CommitWaiters[str] = CommitWaiters()
-    assert waiters.wait(TxKey(1, 2), "a", "c", TxKey(1, 5), duplicate=True) == Acknowledged("a", TxKey(1, 2), True)
-    assert len(waiters) == 0
-    waiters.wait(TxKey(1, 6), "b", "d", TxKey(1, 5))
+    assert waiters.answer_now(TxKey(1, 2), "a", TxKey(1, 5), duplicate=True) == Acknowledged("a", TxKey(1, 2), True)
+    assert waiters.answer_now(TxKey(1, 6), "b", TxKey(1, 5)) is None
+    waiters.wait(TxKey(1, 6), "b", "d")
     assert waiters.failed(TxKey(1, 6), "lost leadership") == [("d", OutcomeUnknown("b", "lost leadership"))]
-    waiters.wait(TxKey(1, 7), "e", "f", TxKey(1, 5))
+    waiters.wait(TxKey(1, 7), "e", "f")
     assert waiters.abandoned("snapshot") == [("f", OutcomeUnknown("e", "snapshot"))]
     assert len(waiters) == 0
 

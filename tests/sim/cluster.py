@@ -371,8 +371,13 @@ class Simulation:
         for effect in self._step(node, Proposed(ops, request_id)):
             if isinstance(effect, PersistEntries) and node.machine is not None:
                 for entry in effect.entries:
-                    if entry.request_id == request_id:
-                        self._tell(node, node.waiters.wait(entry.tx_key, request_id, CLIENT, node.applied_key))
+                    if entry.request_id != request_id:
+                        continue
+                    answer = node.waiters.answer_now(entry.tx_key, request_id, node.applied_key)
+                    if answer is not None:
+                        self._tell(node, answer)
+                    else:
+                        node.waiters.wait(entry.tx_key, request_id, CLIENT)
 
     def _tell(self, node: SimNode, outcome: Outcome | None) -> None:
         """A write's outcome reaches its client: an acknowledgement must name where it committed."""
