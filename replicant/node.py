@@ -38,7 +38,7 @@ from mnesite.rlog import replication as p
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
-from mnesite.rlog.schema import SchemaError, TableSchema, check_key, define_table
+from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name, define_table
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
@@ -343,10 +343,11 @@ class ReplicantNode(NodeServer):
                 self._step(replica, p.CommittedReceived(pending.core, committed))
             return
         if pending.purpose == "discover":
-            if result is not None:
-                for shard in result.get("shards", {}):
-                    if shard not in self.replicas:
-                        self._open_replica(shard)
+            # A core's answer is untrusted input: only well-named shards it states an answer for.
+            shards = result.get("shards") if isinstance(result, dict) else None
+            for shard in shards if isinstance(shards, dict) else ():
+                if shard not in self.replicas and _valid_shard_name(shard) and p.journal_answer(result, shard):
+                    self._open_replica(shard)
             return
         replica = self.replicas.get(pending.shard or "")
         if replica is None:
@@ -355,11 +356,7 @@ class ReplicantNode(NodeServer):
             probe = self.probes.get(replica.shard)
             if probe is None:
                 return
-            age = None
-            if result is not None and replica.shard in result.get("shards", {}):
-                info = result["shards"][replica.shard]
-                age = p.JournalAnswer(TxKey(*info["committed"]), bool(info["hears_sequencer"]), int(info["agents"]))
-            probe.answers[pending.core] = age
+            probe.answers[pending.core] = p.journal_answer(result, replica.shard)
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
@@ -663,6 +660,14 @@ class ReplicantNode(NodeServer):
             "security": self.security_status(),
             "shards": shards,
         }
+
+
+def _valid_shard_name(shard: Any) -> bool:
+    try:
+        check_name("shard", shard)
+    except SchemaError:
+        return False
+    return True
 
 
 def watch_accepted(core: str, answer: Any) -> p.WatchAccepted | None:
