@@ -65,6 +65,7 @@ from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GuardTail
 from mnesite.core.outcome import Acknowledged, CommitWaiters, Outcome, OutcomeUnknown, forward_target
 from mnesite.core.snapshot import SnapshotOffer, accept_offer
+from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import retention
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
@@ -79,6 +80,7 @@ READ_TABLE = "t"
 CATALOG: dict[str, TableSchema] = {READ_TABLE: define_table(READ_TABLE, "k", [["k", "INTEGER"], ["v", "INTEGER"]])}
 CLIENT = "client"
 RETENTION_INTERVAL_MS = 100
+TRANSACTION_OPS_MAX = 16
 Row = dict[str, Any] | None
 
 
@@ -557,15 +559,26 @@ class Simulation:
             if read_index is not None:
                 self._read_index_answered(request, read_index)
             return
-        in_tail, row = node.tail.row(READ_TABLE, request.key)
-        if not in_tail:
-            row = applied_row
-        if row == request.expected:
+        # Production's transaction rules (core.transaction), the guard read through the unapplied tail
+        # first, as core/node.py ``_write`` reads it.
+        transaction = parse_transaction(
+            [{"table": READ_TABLE, "key": request.key, "equals": request.expected}],
+            [{"op": "write", "table": READ_TABLE, "row": {"k": request.key, "v": 100_000 + request.number}}],
+            CATALOG,
+            TRANSACTION_OPS_MAX,
+        )
+
+        def read_row(table: TableSchema, key: Any) -> Row:
+            in_tail, row = node.tail.row(table.name, key)
+            return row if in_tail else applied_row
+
+        outcome = evaluate(transaction, CATALOG, read_row)
+        if not isinstance(outcome, GuardFailed):
             if self.write_count < WRITES_MAX:
                 self.write_count += 1
-                ops = (WriteOp(READ_TABLE, {"k": request.key, "v": 100_000 + request.number}),)
-                self._propose(node, ops, f"c{request.number}")
+                self._propose(node, outcome, f"c{request.number}")
             return
+        row = outcome.actual
         verdict = node.tail.failed((request, row), machine.committed_key, read_index, self.now_ms)
         if verdict == GUARD_ANSWER:
             self._record_read(node.name, request, row)
