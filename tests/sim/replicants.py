@@ -42,6 +42,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from mnesite.bootstrap.copy import batch_from_answer
+from mnesite.bootstrap.serve import read_batch
 from mnesite.core import watch
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.consensus import Commit, Effect, Role
@@ -49,6 +51,7 @@ from mnesite.core.watch import WatchRefusedError
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import replication as p
+from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
 
 from tests.sim.cluster import READ_KEYS, SHARD, ClientRequest, SimNode, Simulation
@@ -56,6 +59,8 @@ from tests.sim.cluster import READ_KEYS, SHARD, ClientRequest, SimNode, Simulati
 TABLES = ("t", "u")
 KEY_COLUMN = "k"
 KEYS_PER_TABLE = 12
+# A bootstrap batch's byte bound (production: frame_bytes_max / 2): small, so that it cuts batches too.
+BATCH_BYTES_MAX = 200
 CONVERGENCE_MS_MAX = 30_000
 # A replicant's linearizable read waits at most this long for its applied key (production: READ_WAIT_MS_MAX).
 READ_WAIT_MS_MAX = 2000
@@ -66,6 +71,21 @@ def replay_command(seed: int) -> str:
 
 
 Tables = dict[str, dict[Any, dict[str, Any]]]
+
+
+class _TablesView:
+    """The store interface ``bootstrap.serve.read_batch`` reads, over a simulated core's tables."""
+
+    def __init__(self, tables: Tables) -> None:
+        self.tables = tables
+
+    def count_rows(self, table: TableSchema) -> int:
+        return len(self.tables.get(table.name, {}))
+
+    def scan(self, table: TableSchema, after: Any, limit: int) -> list[dict[str, Any]]:
+        rows = self.tables.get(table.name, {})
+        keys = sorted(key for key in rows if after is None or key > after)
+        return [dict(rows[key]) for key in keys[:limit]]
 
 
 def empty_tables() -> Tables:
@@ -266,11 +286,14 @@ class ReplicantSimulation(Simulation):
                 node.name, sender, ("answer", p.TablesReceived(node.name, TABLES, (KEY_COLUMN,) * len(TABLES)))
             )
         elif kind == "batch":
+            # Production's serving rule (bootstrap.serve, bounded in rows and bytes) over this core's
+            # tables, decoded by production's bootstrap.copy.batch_from_answer.
             _, table, after, limit = message
-            rows = self.core_tables[node.name].get(table, {})
-            keys = sorted(key for key in rows if after is None or key > after)
-            batch = tuple(dict(rows[key]) for key in keys[:limit])
-            answer = p.BatchReceived(node.name, table, after, batch, len(keys) <= limit)
+            schema = define_table(table, KEY_COLUMN, [[KEY_COLUMN, "INTEGER"], ["v", "INTEGER"]])
+            served = read_batch(_TablesView(self.core_tables[node.name]), schema, after, limit, BATCH_BYTES_MAX)
+            answer = batch_from_answer(node.name, table, after, served)
+            if answer is None:
+                raise self.fail(f"{node.name} served a malformed bootstrap batch: {served!r}")
             self._send_replication(node.name, sender, ("answer", answer))
         elif kind == "committed":
             # The driver asks with read_index: the sequencer's quorum-confirmed committed key.
