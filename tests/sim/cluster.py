@@ -11,7 +11,11 @@ and the random source of every state machine. Time is a fake clock advanced in `
   applied key from ``Commit``) lives in its ``SimNode``; a crash throws the state machine away and a
   restart rebuilds it from there. A crash may hit in the middle of a step's effects.
 * Pauses: a paused node neither ticks nor receives (its messages wait), then resumes with stale state.
-* Clients propose writes at the node they believe is the sequencer. They also send reads and
+* Clients send writes to the node they believe is the sequencer; a follower forwards them once to
+  the sequencer it knows and relays the answer, and every answer comes from production's
+  ``core.outcome`` rules (``CommitWaiters`` at the sequencer, ``ForwardedRequests`` at the
+  follower: outcome unknown when its sequencer changes or does not answer in time); every
+  acknowledgement is checked against the committed log. They also send reads and
   guarded transactions through the network (so a paused node answers them late, after whatever
   reached it first): ``local`` reads, ``linearizable`` reads (served as production serves them: at
   the sequencer, only when ``ShardConsensus.read_index`` allows) and compare-and-set transactions
@@ -55,6 +59,7 @@ from mnesite.core.consensus import (
     ProposalRejected,
     Proposed,
     Role,
+    RoleChanged,
     Send,
     ShardConsensus,
     SnapshotNeeded,
@@ -63,7 +68,14 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GuardTail
-from mnesite.core.outcome import Acknowledged, CommitWaiters, Outcome, OutcomeUnknown, forward_target
+from mnesite.core.outcome import (
+    Acknowledged,
+    CommitWaiters,
+    ForwardedRequests,
+    Outcome,
+    OutcomeUnknown,
+    forward_target,
+)
 from mnesite.core.snapshot import SnapshotOffer, accept_offer
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import retention
@@ -81,6 +93,9 @@ CATALOG: dict[str, TableSchema] = {READ_TABLE: define_table(READ_TABLE, "k", [["
 CLIENT = "client"
 RETENTION_INTERVAL_MS = 100
 TRANSACTION_OPS_MAX = 16
+# Production's core/node.py FORWARD_TIMEOUT_MS and FORWARDED_MAX, scaled to the simulated timeouts.
+FORWARD_TIMEOUT_MS = 1000
+FORWARDED_MAX = 64
 Row = dict[str, Any] | None
 
 
@@ -186,6 +201,11 @@ class ClientRequest:
     forwarded: bool = False
     # For a replicant's linearizable read (kind ``read_index``): the replicant that serves it.
     replicant: str | None = None
+    # A write forwarded by core ``origin`` to the sequencer (kind ``write``: its ``ops``), and the
+    # sequencer's answer relayed back to ``origin`` (kind ``relay``: its ``outcome``; None: an error).
+    origin: str | None = None
+    ops: tuple[Op, ...] = ()
+    outcome: Outcome | None = None
 
 
 @dataclass
@@ -202,6 +222,10 @@ class SimNode:
     # Writes proposed here waiting for their entry to commit (production's core.outcome rule; in
     # memory, lost in a crash: those clients get no answer).
     waiters: CommitWaiters[str] = field(default_factory=CommitWaiters)
+    # Writes this core forwarded to the sequencer (production's core.outcome rule; lost in a crash).
+    forwarded: ForwardedRequests[str] = field(
+        default_factory=lambda: ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
+    )
     # The driver's retention timer (production: [rlog] retention_interval_ms).
     next_retention_ms: int = 0
     # The driver's in-memory guard tail (lost in a crash, rebuilt from the log at a restart).
@@ -337,6 +361,7 @@ class Simulation:
     def _crash(self, node: SimNode) -> None:
         node.machine = None
         node.waiters = CommitWaiters()
+        node.forwarded = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         node.crash_in_next_step = False
         node.paused_until_ms = 0
         node.down_until_ms = self.now_ms + self.rng.randint(20, 600)
@@ -367,9 +392,10 @@ class Simulation:
         self._check_node(node)
         return effects
 
-    def _propose(self, node: SimNode, ops: tuple[Op, ...], request_id: str) -> None:
-        """A write at the node the client chose, as production's driver takes it (core/node.py
-        ``_write``): propose, then wait for the entry carrying the request id to commit."""
+    def _propose(self, node: SimNode, ops: tuple[Op, ...], request_id: str, client: str = CLIENT) -> None:
+        """A write at the sequencer, as production's driver takes it (core/node.py ``_write``):
+        propose, then wait for the entry carrying the request id to commit. ``client``: where the
+        answer goes (the client, or the core that forwarded the write)."""
         for effect in self._step(node, Proposed(ops, request_id)):
             if isinstance(effect, PersistEntries) and node.machine is not None:
                 for entry in effect.entries:
@@ -377,15 +403,26 @@ class Simulation:
                         continue
                     answer = node.waiters.answer_now(entry.tx_key, request_id, node.applied_key)
                     if answer is not None:
-                        self._tell(node, answer)
+                        self._tell(node, answer, client)
                     else:
-                        node.waiters.wait(entry.tx_key, request_id, CLIENT)
+                        node.waiters.wait(entry.tx_key, request_id, client)
 
-    def _tell(self, node: SimNode, outcome: Outcome | None) -> None:
-        """A write's outcome reaches its client: an acknowledgement must name where it committed."""
+    def _tell(self, node: SimNode, outcome: Outcome | None, client: str = CLIENT) -> None:
+        """A write's outcome leaves ``node``: an acknowledgement must name where it committed. It
+        reaches the client directly, or through the core that forwarded the write (``relay``)."""
+        committed_here = isinstance(outcome, Acknowledged) and (
+            outcome.tx_key <= node.applied_key and self.committed_request_id.get(outcome.tx_key) == outcome.request_id
+        )
+        if isinstance(outcome, Acknowledged) and not committed_here:
+            raise self.fail(f"{outcome.request_id} acknowledged at {outcome.tx_key} but not committed there")
+        if client != CLIENT and outcome is not None:
+            relay = ClientRequest("relay", 0, 0, self.now_ms, self.acknowledged_position, outcome=outcome)
+            self._enqueue_client(client, relay)
+            return
+        self._client_told(node, outcome)
+
+    def _client_told(self, node: SimNode, outcome: Outcome | None) -> None:
         if isinstance(outcome, Acknowledged):
-            if outcome.tx_key > node.applied_key or self.committed_request_id.get(outcome.tx_key) != outcome.request_id:
-                raise self.fail(f"{outcome.request_id} acknowledged at {outcome.tx_key} but not committed there")
             self.acknowledged[outcome.request_id] = outcome.tx_key
             self.acknowledged_position = max(self.acknowledged_position, self.commit_position[outcome.tx_key])
         elif isinstance(outcome, OutcomeUnknown):
@@ -412,13 +449,13 @@ class Simulation:
                 raise self.fail(f"{node.name} truncates after {effect.after_key}, below applied {node.applied_key}")
             self.trace.append((self.now_ms, node.name, "truncate after", effect.after_key))
             node.log.truncate_after(effect.after_key)
-            for _, outcome in node.waiters.truncated(effect.after_key):
-                self._tell(node, outcome)
+            for client, outcome in node.waiters.truncated(effect.after_key):
+                self._tell(node, outcome, client)
             # Failed guards that observed the removed entries get no answer: their clients retry.
             node.tail.truncated(effect.after_key, CATALOG)
         elif isinstance(effect, Commit):
-            for _, outcome in node.waiters.committed(self._apply(node, effect.up_to)):
-                self._tell(node, outcome)
+            for client, outcome in node.waiters.committed(self._apply(node, effect.up_to)):
+                self._tell(node, outcome, client)
             machine = node.machine
             read_index = machine.read_index(self.now_ms) if machine is not None else None
             for (request, row), verdict in node.tail.committed(effect.up_to, CATALOG, read_index):
@@ -437,8 +474,13 @@ class Simulation:
             self._install_snapshot(node, effect.follower)
         elif isinstance(effect, ProposalFailed):
             self.trace.append((self.now_ms, node.name, "proposal failed", effect.request_id, effect.reason))
-            for _, outcome in node.waiters.failed(effect.tx_key, effect.reason):
-                self._tell(node, outcome)
+            for client, outcome in node.waiters.failed(effect.tx_key, effect.reason):
+                self._tell(node, outcome, client)
+        elif isinstance(effect, RoleChanged):
+            # Production tells the clients of writes forwarded to a sequencer it no longer follows.
+            self.trace.append((self.now_ms, node.name, effect))
+            for _, outcome in node.forwarded.sequencer_changed(SHARD, effect.sequencer):
+                self._client_told(node, outcome)
         else:
             self.trace.append((self.now_ms, node.name, effect))
 
@@ -486,8 +528,8 @@ class Simulation:
         if accept_offer(offer, machine.generation, machine.sequencer, follower.applied_key, False) is not None:
             return
         # The driver copies the sequencer's applied tables; the follower's log restarts there.
-        for _, outcome in follower.waiters.abandoned("this core installed a snapshot"):
-            self._tell(follower, outcome)
+        for client, outcome in follower.waiters.abandoned("this core installed a snapshot"):
+            self._tell(follower, outcome, client)
         follower.log = MemoryLog(sequencer.applied_key, sequencer.applied_digest)
         follower.applied_key, follower.applied_digest = sequencer.applied_key, sequencer.applied_digest
         self.snapshots += 1
@@ -538,6 +580,15 @@ class Simulation:
         """What the production driver does with a read or a guarded transaction (core/node.py)."""
         machine = node.machine
         if machine is None:
+            return
+        if request.kind == "relay":
+            # The sequencer's answer to a write this core forwarded: relayed if the client still waits.
+            outcome = request.outcome
+            if outcome is not None and node.forwarded.answered(outcome.request_id) is not None:
+                self._client_told(node, outcome)
+            return
+        if request.kind == "write":
+            self._write_at(node, request)
             return
         applied_row = self._row_at(request.key, self.commit_position[node.applied_key])
         if request.kind == "local":
@@ -709,12 +760,40 @@ class Simulation:
             self.client_belief = None
             return
         self.write_count += 1
-        request_id = f"w{self.write_count}"
-        self._propose(node, self._write_ops(self.write_count), request_id)
+        request = ClientRequest(
+            "write", 0, self.write_count, self.now_ms, self.acknowledged_position, ops=self._write_ops(self.write_count)
+        )
+        self._write_at(node, request)
+
+    def _write_at(self, node: SimNode, request: ClientRequest) -> None:
+        """A write reaches ``node`` (core/node.py ``_write``): proposed at the sequencer, forwarded
+        once to the sequencer this core knows (core.outcome), refused otherwise (the client retries)."""
+        machine = node.machine
+        if machine is None:
+            return
+        request_id = f"w{request.number}"
+        if machine.role is Role.SEQUENCER:
+            self._propose(node, request.ops, request_id, request.origin or CLIENT)
+            return
+        target = forward_target(machine.sequencer, node.name, request.origin is not None)
+        if target is None:
+            if request.origin is None:
+                self.client_belief = None  # no_sequencer: the client tries another core next time
+            return  # a forwarded write is not forwarded again; its origin's wait expires
+        if node.forwarded.full():
+            return  # overloaded
+        node.forwarded.forwarded(request_id, CLIENT, SHARD, target, self.now_ms)
+        self._enqueue_client(target, dataclasses.replace(request, origin=node.name, forwarded=True))
 
     def _write_ops(self, number: int) -> tuple[Op, ...]:
         """The ops of client write ``number`` (a hook: the replicant simulation writes richer ones)."""
         return (WriteOp(READ_TABLE, {"k": number % READ_KEYS, "v": number}),)
+
+    def _expire_forwarded(self) -> None:
+        for node in self.nodes.values():
+            if self._is_up(node):
+                for _, outcome in node.forwarded.expired(self.now_ms):
+                    self._client_told(node, outcome)
 
     def _tick_all(self) -> None:
         for node in self.nodes.values():
@@ -726,6 +805,7 @@ class Simulation:
     def _advance(self) -> None:
         self._deliver_due()
         self._tick_all()
+        self._expire_forwarded()
         self._retain_due()
         self.now_ms += self.tick_ms
 
