@@ -525,17 +525,19 @@ def _describe_op(op: dict[str, Any]) -> str:
 
 
 @rlog.command("verify")
-@click.argument("data_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("data_dir", metavar="DATA_DIR|BACKUP", type=click.Path(exists=True))
 @json_option
 def rlog_verify(data_dir, as_json) -> None:
-    """Check offline that DATA_DIR's rlog is one unbroken digest chain ending at each shard's applied key."""
+    """Check offline that DATA_DIR's rlog (or a backup file's) is one unbroken digest chain ending at each
+    shard's applied key."""
     import os
 
     from mnesite.rlog.store import Store, StoreError
 
-    path = os.path.join(data_dir, "mnesite.db")
+    is_file = os.path.isfile(data_dir)
+    path = data_dir if is_file else os.path.join(data_dir, "mnesite.db")
     try:
-        store = Store(path, create=False)
+        store = Store(path, create=False, readonly=is_file)
         try:
             result = {shard: list(store.verify_chain(shard)) for shard in store.shards()}
         finally:
@@ -682,6 +684,9 @@ def keys_generate(name: str, directory: str, as_json: bool) -> None:
 
 
 def _register_optional_commands() -> None:
+    from mnesite.cli.backup import register
+
+    register(main)
     try:
         from mnesite.spark.cli import compare
     except ImportError:

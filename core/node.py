@@ -85,6 +85,7 @@ from mnesite.core.snapshot import (
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import codec, range_requests, replication
+from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
@@ -262,8 +263,14 @@ class CoreNode(NodeServer):
         self.transactions = 0
         self._next_retention_ms = 0
         self._status_counts: dict[Any, tuple[int, Any]] = {}
-        if not self.store.shards() and len(self.members) > 1:
+        # A database restored from a backup (rlog.backup) may be older than votes this core cast:
+        # it learns the generations in use like a core whose database was lost.
+        restored = bool(self.store.meta(RESTORED_META))
+        if (restored or not self.store.shards()) and len(self.members) > 1:
             self.recover_generations()
+        if restored:
+            with self.store.write_transaction():
+                self.store.set_meta(RESTORED_META, "")
         for shard in self.store.shards():
             self._open_shard(shard)
             if int(self.store.meta(f"installing:{shard}", 0)):
@@ -295,6 +302,8 @@ class CoreNode(NodeServer):
             with self.store.write_transaction():
                 for shard, generation in generations.items():
                     self.store.ensure_shard(shard, 0)
+                    if generation <= self.store.consensus_state(shard)[0] and self.store.shard(shard).applied:
+                        continue  # a restored shard already at (or past) what the peers know
                     self.store.persist_consensus_state(shard, generation, self.config.name, self.members, False)
             log.warning("empty database: recovering from peers at generations %s", generations)
         return generations
@@ -438,6 +447,12 @@ class CoreNode(NodeServer):
             self.rlog_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
             self.reply(envelope, codec.reply(message.request_id, self.force_start()))
+        elif message.kind == "backup":
+            try:
+                result = self.answer_backup(message.body, self._backup_not_ready())
+            except BackupError as error:
+                raise RequestError("backup_refused", str(error)) from None
+            self.reply(envelope, codec.reply(message.request_id, result))
         elif message.kind in WRITE_KINDS:
             self._write(envelope, message)
         elif message.kind == "read_index" or message.body.get("consistency") == "linearizable":
@@ -620,6 +635,13 @@ class CoreNode(NodeServer):
         else:
             result = self._read(message)
         self.reply(envelope, codec.reply(message.request_id, result))
+
+    def _backup_not_ready(self) -> str | None:
+        """Why a backup taken now would not hold a committed state of every shard (None: it would)."""
+        if self.not_serving:
+            shard, reason = next(iter(sorted(self.not_serving.items())))
+            return f"shard {shard}: {reason}"
+        return None
 
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
         return driver.consensus.sequencer is not None

@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 import zmq
 from mnesite.rlog import codec
+from mnesite.rlog.backup import BackupError, BackupJob, decide
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
@@ -108,6 +109,7 @@ class NodeServer:
         self.outstanding: dict[bytes, set[str]] = {}
         self.protocol_violations = 0
         self._violation_logged_ms: dict[str, int] = {}
+        self.backup_job: BackupJob | None = None
 
     def protocol_violation(self, sender: str, reason: str) -> None:
         """Count a peer's message that breaks the protocol against our state; log at most once a second per sender."""
@@ -202,6 +204,25 @@ class NodeServer:
         if now_ms - self._refusal_logged_ms >= REFUSAL_LOG_INTERVAL_MS:
             self._refusal_logged_ms = now_ms
             log.warning(text, reason)
+
+    def answer_backup(self, body: dict[str, Any], not_ready: str | None) -> dict[str, Any]:
+        """The ``backup`` request: start one (admin only, see rlog.roles) or report the current one.
+
+        ``not_ready`` is the node's reason not to start one now (a shard whose rows are incomplete).
+        Raises ``BackupError`` with the reason a backup cannot start.
+        """
+        current = self.backup_job.view if self.backup_job is not None else None
+        action = decide(current, body["path"])
+        if action == "busy" and self.backup_job is not None:
+            raise BackupError(f"a backup to {self.backup_job.path} is still running; one at a time")
+        if action == "start":
+            if not_ready is not None:
+                raise BackupError(f"not now: {not_ready}")
+            self.backup_job = BackupJob(self.store.path, body["path"], self.config.name, self.role)
+            log.info("backup to %s started at %s", body["path"], self.backup_job.positions)
+        if self.backup_job is None:
+            raise BackupError("no backup job")
+        return self.backup_job.status()
 
     def security_status(self) -> dict[str, Any]:
         if self.security is None:
