@@ -414,6 +414,7 @@ class CoreNode(NodeServer):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
+                self.malformed_frame()
                 self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
                 continue
             refused = self.refusal(principal, message)

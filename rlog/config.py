@@ -36,6 +36,9 @@ Example::
     retention_entries_max = 100000      # newest entries kept per shard
     retention_age_ms_max = 0            # 0: no age limit
 
+    [metrics]                           # Prometheus text endpoint, GET /metrics (rlog.metrics); off if absent
+    listen = "127.0.0.1:9400"           # unauthenticated: keep it on loopback or a private network
+
     [security]                          # CurveZMQ + roles (rlog.security, rlog.roles)
     server_key = "keys/cluster.key_secret"   # the cluster's server key pair: same file on every node
     client_key = "keys/core1.key_secret"     # this node's identity when it talks to other nodes
@@ -136,6 +139,8 @@ class Config:
     # None: no [security] section (allowed on loopback only); insecure = true is SecurityConfig(insecure=True).
     security: SecurityConfig | None = None
     source_path: str | None = None  # the TOML file, re-read on SIGHUP
+    # [metrics] listen: "host:port" of the Prometheus endpoint (rlog.metrics); None: no endpoint.
+    metrics_listen: str | None = None
 
     @property
     def secure(self) -> bool:
@@ -185,7 +190,7 @@ def _int_section(section: str, raw: Any, cls: type) -> Any:
 
 def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     """Validate a parsed TOML document. Relative ``data_dir`` is resolved against ``base_dir``."""
-    sections = {"node", "cluster", "storage", "limits", "rlog", "security"}
+    sections = {"node", "cluster", "storage", "limits", "rlog", "security", "metrics"}
     for section in data:
         if section not in sections:
             raise ConfigError(f"unknown section [{section}] (known: {', '.join(sorted(sections))})")
@@ -242,6 +247,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         raise ConfigError(f"[storage].synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
 
     limits = _int_section("limits", data.get("limits", {}), Limits)
+    metrics_listen = parse_metrics(data.get("metrics"))
     security = parse_security(data.get("security"), base_dir)
     if security is not None and security.enabled:
         # Peers know a core only by its key's principal, which must be its node name.
@@ -267,7 +273,28 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         retention=_int_section("rlog", data.get("rlog", {}), Retention),
         timing=timing,
         security=security,
+        metrics_listen=metrics_listen,
     )
+
+
+def parse_metrics(raw: Any) -> str | None:
+    """``[metrics] listen = "127.0.0.1:9400"``: the Prometheus endpoint's address (None: off)."""
+    from mnesite.rlog.metrics import parse_listen
+
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError("[metrics] must be a table")
+    for key in raw:
+        if key != "listen":
+            raise ConfigError(f"unknown key [metrics].{key} (known: listen)")
+    if "listen" not in raw:
+        return None
+    try:
+        parse_listen("[metrics].listen", raw["listen"])
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return raw["listen"]
 
 
 def is_loopback(endpoint: str) -> bool:
