@@ -119,6 +119,7 @@ class NodeServer:
         self.malformed_frames = 0
         self._transactions_at_commit = 0
         self._held_since_s: dict[tuple[bytes, str], float] = {}
+        self._turn_began_s = time.monotonic()
 
     def protocol_violation(self, sender: str, reason: str) -> None:
         """Count a peer's message that breaks the protocol against our state; log at most once a second per sender."""
@@ -367,6 +368,7 @@ class NodeServer:
         and ``4 * turn_bytes_max`` bytes: a frame beyond that is answered ``overloaded`` and dropped
         (clients retry with the same request id; an agent re-sends after a lost acknowledgement).
         """
+        self._turn_began_s = time.monotonic()
         limits = self.config.limits
         frames = list(self._backlog)
         self._backlog.clear()
@@ -414,7 +416,8 @@ class NodeServer:
         """Queue an answer to the ROUTER peer ``envelope`` (None: nobody to answer)."""
         if envelope is not None:
             if self.metrics is not None:
-                since = self._held_since_s.pop((envelope[0], message.request_id), None)
+                # A write that was not held is answered in the turn that received it.
+                since = self._held_since_s.pop((envelope[0], message.request_id), self._turn_began_s)
                 result = message.body.get("result") if message.kind == "reply" else None
                 if since is not None and isinstance(result, dict) and "tx_key" in result:
                     self.metrics.acknowledged(time.monotonic() - since)
