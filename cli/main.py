@@ -443,6 +443,14 @@ def describe_security(security: dict[str, Any]) -> str:
     )
 
 
+def describe_copy(copy: dict[str, Any]) -> str:
+    """A bootstrap's or snapshot install's progress: rows of the total, rate and ETA."""
+    eta = f"{copy['eta_ms'] / 1000:.0f} s" if copy.get("eta_ms") is not None else "unknown"
+    total = copy.get("rows_expected") or 0
+    percent = f" ({100 * copy['rows'] / total:.0f}%)" if total else ""
+    return f"{copy['rows']} of about {total} rows{percent}, {copy.get('rows_per_s') or 0:.0f} rows/s, ETA {eta}"
+
+
 @main.command()
 @node_options
 @json_option
@@ -473,6 +481,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
         ]
         columns = ["shard", "mode", "upstream", "applied", "digest", "lag", "bootstraps", "resumes"]
         click.echo(format_table(rows, [*columns, "rows copied", "buffered"]))
+        for shard, info in result["shards"].items():
+            if info["mode"] == "bootstrap" and info.get("copy"):
+                click.echo(f"bootstrap of {shard}: {describe_copy(info['copy'])}")
         return
     rows = [
         {
@@ -487,6 +498,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
         for shard, info in result["shards"].items()
     ]
     click.echo(format_table(rows, ["shard", "role", "generation", "sequencer", "applied", "digest", "rlog entries"]))
+    for shard, info in result["shards"].items():
+        if info.get("install"):
+            click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
     for agent in result.get("agents", []):
         click.echo(
             f"agent {agent['agent']} -> {agent['replicant']} ({agent['shard']}, {agent['mode']}): "

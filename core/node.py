@@ -139,6 +139,7 @@ RECOVERY_TIMEOUT_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
 # and how long an answer may take before the install is abandoned (the sequencer offers again).
 INSTALL_BATCH_ROWS_MAX = 10_000
+PROGRESS_LOG_INTERVAL_MS = 5000  # bootstrap and install progress lines in the log, per shard
 INSTALL_REQUEST_TIMEOUT_MS = 10_000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
 
@@ -260,6 +261,7 @@ class CoreNode(NodeServer):
         self.install_requests: dict[str, tuple[str, str, dict[str, Any], int]] = {}
         self.not_serving: dict[str, str] = {}
         self.last_heard_ms: dict[str, int] = {}
+        self._next_progress_log_ms: dict[str, int] = {}
         self.transactions = 0
         self._next_retention_ms = 0
         self._status_counts: dict[Any, tuple[int, Any]] = {}
@@ -715,6 +717,24 @@ class CoreNode(NodeServer):
         self._execute_install(shard, install.step(event, position.applied, self.clock_ms()))
         if install.mode in (InstallMode.DONE, InstallMode.ABANDONED):
             del self.installs[shard]
+        else:
+            self._log_install_progress(shard, install)
+
+    def _log_install_progress(self, shard: str, install: SnapshotInstall) -> None:
+        """At most every PROGRESS_LOG_INTERVAL_MS while a snapshot is copied: rows, total, rate and ETA."""
+        now = self.clock_ms()
+        if not install.copy.rows or now < self._next_progress_log_ms.get(shard, 0):
+            return
+        self._next_progress_log_ms[shard] = now + PROGRESS_LOG_INTERVAL_MS
+        rate, eta_ms = install.copy.progress(now)
+        log.info(
+            "shard %s: snapshot install copied %d of about %d rows, %.0f rows/s, ETA %s",
+            shard,
+            install.copy.rows,
+            install.copy.rows_expected,
+            rate,
+            f"{eta_ms / 1000:.0f} s" if eta_ms is not None else "unknown",
+        )
 
     def _install_request(self, shard: str, core: str, kind: str, body: dict[str, Any], detail: dict[str, Any]) -> None:
         request_id = f"install-{self.rng.getrandbits(64):016x}"
