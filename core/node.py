@@ -304,8 +304,8 @@ class CoreNode(NodeServer):
             with self.store.write_transaction():
                 for shard, generation in generations.items():
                     self.store.ensure_shard(shard, 0)
-                    if generation <= self.store.consensus_state(shard)[0] and self.store.shard(shard).applied:
-                        continue  # a restored shard already at (or past) what the peers know
+                    if generation <= self.store.consensus_state(shard)[0]:
+                        continue  # a restored shard already at (or past) the generation the peers know
                     self.store.persist_consensus_state(shard, generation, self.config.name, self.members, False)
             log.warning("empty database: recovering from peers at generations %s", generations)
         return generations

@@ -5,6 +5,7 @@ into a replicant that resumes from the rlog with 0 rows re-copied and ends equal
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -157,6 +158,20 @@ def test_restore_keeps_the_committed_state_and_drops_the_uncommitted_tail(tmp_pa
         restore(str(source), str(tmp_path / "new"), "replicant")
 
 
+def backup_under_writes(cluster: Cluster, tmp_path: Path, writes: int) -> tuple[Load, Path, dict]:
+    """Start the cores and a load, and back up core1 with the CLI after ``writes`` writes."""
+    cluster.start_all()
+    create_table(cluster)
+    load = Load(cluster, cluster.names, writers=2).start()
+    load.wait_for(writes)
+    backup = tmp_path / "core1.backup"
+    result = CliRunner().invoke(
+        main, ["backup", str(backup), "--node", cluster.endpoints["core1"], "--json", *cluster.cli_keys()]
+    )
+    assert result.exit_code == 0, result.output
+    return load, backup, json.loads(result.stdout)["shards"]["default"]
+
+
 @pytest.mark.slow
 @pytest.mark.spark
 @pytest.mark.timeout(300)
@@ -165,16 +180,7 @@ def test_a_backup_under_writes_restores_into_a_replicant_that_resumes_without_a_
 ) -> None:
     from mnesite.spark.compare import EXIT_EQUAL, CompareOptions, compare
 
-    cluster.start_all()
-    create_table(cluster)
-    load = Load(cluster, cluster.names, writers=2).start()
-    load.wait_for(200)
-    backup = tmp_path / "core1.backup"
-    result = CliRunner().invoke(
-        main, ["backup", str(backup), "--node", cluster.endpoints["core1"], "--json", *cluster.cli_keys()]
-    )
-    assert result.exit_code == 0, result.output
-    backed_up = json.loads(result.stdout)["shards"]["default"]
+    load, backup, backed_up = backup_under_writes(cluster, tmp_path, 200)
     load.wait_for(200)  # the log moves on past the backup: the replicant must resume from it
     cluster.add_replicant("replicant1")
     restored = CliRunner().invoke(main, ["restore", str(backup), "--data-dir", str(cluster.data_dir("replicant1"))])
@@ -210,3 +216,30 @@ def test_a_backup_under_writes_restores_into_a_replicant_that_resumes_without_a_
     # A writer may not take backups (admin only).
     with cluster.client("core1", principal="app") as client, pytest.raises(MnesiteError, match="may not send backup"):
         client.backup(str(tmp_path / "by-a-writer"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_core_whose_data_is_lost_is_restored_from_another_cores_backup_and_converges(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    load, backup, backed_up = backup_under_writes(cluster, tmp_path, 150)
+    # core3 loses its disk; it comes back from core1's backup while the writes go on.
+    cluster.nodes["core3"].kill()
+    shutil.rmtree(cluster.data_dir("core3"))
+    load.wait_for(150)
+    restored = CliRunner().invoke(
+        main, ["restore", str(backup), "--data-dir", str(cluster.data_dir("core3")), "--role", "core", "--json"]
+    )
+    assert restored.exit_code == 0, restored.output
+    cluster.start("core3")
+    load.wait_for(100)
+    acknowledged = load.stop()
+    position = cluster.wait_converged(cluster.names, timeout_s=60)
+    assert position["applied"] > tuple(backed_up["applied"])
+    info = cluster.status("core3")["shards"]["default"]
+    # It learnt the generation in use from its peers before taking part, and holds every acknowledged write.
+    assert info["generation"] >= backed_up["generation"]
+    core3_rows = rows(cluster, "core3")
+    assert not set(acknowledged) - set(core3_rows)
+    assert core3_rows == rows(cluster, "core1")
