@@ -56,10 +56,9 @@ def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
                 break
             if time.monotonic() >= deadline:
                 fail(f"the backup to {path} is still running after {wait_ms} ms (it goes on; poll with the same FILE)")
-            if not quiet and time.monotonic() - last_shown >= 1:
+            if not quiet and result["pages_total"] and time.monotonic() - last_shown >= 1:
                 last_shown = time.monotonic()
-                total = result["pages_total"] or 0
-                click.echo(f"backup: {result['pages_copied']} of {total} pages copied", err=True)
+                click.echo(f"backup: {result['pages_copied']} of {result['pages_total']} pages copied", err=True)
             time.sleep(POLL_INTERVAL_S)
     if result["state"] == "failed":
         fail(f"backup to {path} failed: {result['error']}")

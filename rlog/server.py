@@ -236,7 +236,10 @@ class NodeServer:
             log.info("backup to %s started at %s", body["path"], self.backup_job.positions)
         if self.backup_job is None:
             raise BackupError("no backup job")
-        return self.backup_job.status()
+        status = self.backup_job.status()
+        if status["state"] == "failed":
+            self.backup_job = None  # reported once: asking again with the same path tries again
+        return status
 
     def security_status(self) -> dict[str, Any]:
         if self.security is None:

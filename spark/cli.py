@@ -131,7 +131,7 @@ def compare(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Compare REPLICAS (data directories, mnesite.db files or tcp:// node endpoints) with Spark.
+    """Compare REPLICAS (data directories, mnesite.db or backup files, or tcp:// node endpoints) with Spark.
 
     Exit status: 0 equal, 1 diverged, 2 could not compare.
     """

@@ -243,3 +243,30 @@ def test_a_core_whose_data_is_lost_is_restored_from_another_cores_backup_and_con
     core3_rows = rows(cluster, "core3")
     assert not set(acknowledged) - set(core3_rows)
     assert core3_rows == rows(cluster, "core1")
+
+
+def test_a_failed_backup_is_reported_leaves_no_file_and_can_be_retried(
+    thread_node: ThreadNode, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mnesite.rlog.backup import BackupJob
+
+    with thread_node.client(timeout_ms=5000) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+    _write_rows(thread_node, 10)
+    target = tmp_path / "retry.backup"
+
+    def disk_full(self: BackupJob, connection: object) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(BackupJob, "_finish", disk_full)
+    failed = CliRunner().invoke(main, ["backup", str(target), "--node", thread_node.endpoint])
+    last_line = failed.stderr.strip().splitlines()[-1]
+    assert failed.exit_code == 1 and last_line.startswith("Error: backup to") and "No space left" in last_line
+    assert not target.exists() and not Path(f"{target}.partial").exists()
+    monkeypatch.undo()
+    retried = CliRunner().invoke(main, ["backup", str(target), "--node", thread_node.endpoint, "--json"])
+    assert retried.exit_code == 0, retried.output
+    assert (
+        read_record(str(target))["shards"]["default"]["applied"]
+        == json.loads(retried.stdout)["shards"]["default"]["applied"]
+    )
