@@ -139,6 +139,7 @@ def main() -> None:
         "node_copy_seconds": answer["seconds"],
         "raw_copy_seconds": round(raw_copy_s, 3),
         "backup_x_raw_copy": round(backup_s / raw_copy_s, 1),
+        "node_copy_x_raw_copy": round(answer["seconds"] / raw_copy_s, 1),
         "writes_per_s_baseline": round(baseline_writes / arguments.seconds, 1),
         "writes_per_s_during_backup": round(during_writes / backup_s, 1),
         "write_rate_ratio": round((during_writes / backup_s) / max(1e-9, baseline_writes / arguments.seconds), 2),
