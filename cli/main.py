@@ -463,6 +463,11 @@ def status(endpoint, timeout_ms, as_json) -> None:
         return
     click.echo(f"node {result['node']} ({result['role']})")
     click.echo(describe_security(result.get("security") or {}))
+    backup = result.get("backup")
+    if backup is not None:
+        click.echo(
+            f"backup to {backup['path']}: {backup['state']}, {backup['pages_copied']} of {backup['pages_total']} pages"
+        )
     if result["role"] == "replicant":
         rows = [
             {

@@ -1307,6 +1307,7 @@ class CoreNode(NodeServer):
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),
             "security": self.security_status(),
+            "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }
 

@@ -685,6 +685,7 @@ class ReplicantNode(NodeServer):
             "data_dir": self.config.data_dir,
             "core_nodes": self.config.core_nodes,
             "security": self.security_status(),
+            "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }
 

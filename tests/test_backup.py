@@ -110,6 +110,10 @@ def test_a_backup_under_writes_is_a_consistent_verified_file(thread_node: Thread
     third = CliRunner().invoke(main, ["backup", str(backup), "--node", thread_node.endpoint])
     assert third.exit_code == 1 and third.stderr.startswith("Error:") and "never overwrites" in third.stderr
     _write_rows(thread_node, 5, start=50_000)
+    with thread_node.client(timeout_ms=5000) as client:
+        assert client.status()["backup"]["state"] == "done"  # status shows the last backup
+    text = CliRunner().invoke(main, ["status", "--node", thread_node.endpoint])
+    assert f"backup to {tmp_path / 'other'}: done" in text.stdout
 
 
 def test_restore_keeps_the_committed_state_and_drops_the_uncommitted_tail(tmp_path: Path) -> None:
