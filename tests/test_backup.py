@@ -217,6 +217,14 @@ def test_a_backup_under_writes_restores_into_a_replicant_that_resumes_without_a_
         session=spark_session,
     )
     assert report.exit_status == EXIT_EQUAL, report.to_json()
+    # A replicant in normal mode can be backed up too; the file records its position.
+    replicant_backup = tmp_path / "replicant1.backup"
+    taken = CliRunner().invoke(
+        main, ["backup", str(replicant_backup), "--node", cluster.endpoints["replicant1"], *cluster.cli_keys()]
+    )
+    assert taken.exit_code == 0, taken.output
+    record = read_record(str(replicant_backup))
+    assert record["role"] == "replicant" and tuple(record["shards"]["default"]["applied"]) == position["applied"]
     # A writer may not take backups (admin only).
     with cluster.client("core1", principal="app") as client, pytest.raises(MnesiteError, match="may not send backup"):
         client.backup(str(tmp_path / "by-a-writer"))
