@@ -282,3 +282,42 @@ def test_a_failed_backup_is_reported_leaves_no_file_and_can_be_retried(
         read_record(str(target))["shards"]["default"]["applied"]
         == json.loads(retried.stdout)["shards"]["default"]["applied"]
     )
+
+
+def test_no_backup_while_a_shard_holds_no_committed_state(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from mnesite.core.node import CoreNode
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.rlog import replication
+    from mnesite.rlog.config import parse_config
+
+    replicant = ReplicantNode(
+        parse_config(
+            {
+                "node": {"name": "replicant1", "role": "replicant", "data_dir": str(tmp_path / "r"),
+                         "listen": "tcp://127.0.0.1:1"},
+                "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:2"}},
+            }
+        )
+    )  # fmt: skip
+    core = ThreadNode(tmp_path / "c")
+    try:
+        for mode, fenced in ((replication.Mode.BOOTSTRAP, False), (replication.Mode.LOCAL_REPLAY, False),
+                             (replication.Mode.NORMAL, True)):  # fmt: skip
+            status = SimpleNamespace(mode=mode, read_fenced=fenced)
+            replicant.replicas = {"default": SimpleNamespace(status=lambda status=status: status)}
+            with pytest.raises(BackupError, match="not now: shard default is bootstrapping"):
+                replicant.answer_backup({"path": str(tmp_path / "r.backup")}, replicant._backup_not_ready())
+        status = SimpleNamespace(mode=replication.Mode.NORMAL, read_fenced=False)
+        replicant.replicas = {"default": SimpleNamespace(status=lambda: status)}
+        assert replicant._backup_not_ready() is None
+        node: CoreNode = core.node
+        node.not_serving["default"] = "a snapshot install was interrupted"
+        with pytest.raises(BackupError, match="not now: shard default: a snapshot install"):
+            node.answer_backup({"path": str(tmp_path / "c.backup")}, node._backup_not_ready())
+        assert not (tmp_path / "c.backup").exists() and not (tmp_path / "r.backup").exists()
+    finally:
+        core.stop()
+        replicant.store.close()
+        replicant.data_dir_lock.release()
