@@ -31,6 +31,7 @@ Example::
     replies_queued_max = 1000           # answers zmq queues per connection
     watches_max = 256                   # replicant watches (agents) per core
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
+    backup_step_pages_max = 256         # pages an online backup copies per step (mnesite backup)
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -110,6 +111,8 @@ class Limits:
     watches_max: int = 256
     # Frames queued to one replicant's endpoint (pushes beyond it are dropped and re-sent by the agent).
     push_queue_max: int = 1024
+    # Pages an online backup copies per step (rlog.backup); smaller steps share the machine more evenly.
+    backup_step_pages_max: int = 256
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ _LIMIT_BOUNDS = {
     "replies_queued_max": (1, 1_000_000),
     "watches_max": (1, 100_000),
     "push_queue_max": (1, 100_000),
+    "backup_step_pages_max": (1, 1_000_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
     "election_timeout_ms_min": (10, 600_000),

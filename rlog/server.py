@@ -232,7 +232,9 @@ class NodeServer:
         if action == "start":
             if not_ready is not None:
                 raise BackupError(f"not now: {not_ready}")
-            self.backup_job = BackupJob(self.store.path, body["path"], self.config.name, self.role)
+            self.backup_job = BackupJob(
+                self.store.path, body["path"], self.config.name, self.role, self.config.limits.backup_step_pages_max
+            )
             log.info("backup to %s started at %s", body["path"], self.backup_job.positions)
         if self.backup_job is None:
             raise BackupError("no backup job")

@@ -321,3 +321,27 @@ def test_no_backup_while_a_shard_holds_no_committed_state(tmp_path: Path) -> Non
         core.stop()
         replicant.store.close()
         replicant.data_dir_lock.release()
+
+
+def test_backup_step_pages_max_is_a_bounded_limit_and_one_page_steps_still_finish(tmp_path: Path) -> None:
+    from mnesite.rlog.config import ConfigError, parse_config
+
+    base = {"node": {"name": "core1", "data_dir": str(tmp_path / "x")}}
+    assert parse_config(base).limits.backup_step_pages_max == 256
+    for bad in (0, 1_000_001, "1"):
+        with pytest.raises(ConfigError, match="backup_step_pages_max"):
+            parse_config({**base, "limits": {"backup_step_pages_max": bad}})
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"backup_step_pages_max": 1}})
+    try:
+        with node.client(timeout_ms=5000) as client:
+            client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        _write_rows(node, 20)
+        assert node.node.config.limits.backup_step_pages_max == 1
+        result = CliRunner().invoke(main, ["backup", str(tmp_path / "b"), "--node", node.endpoint, "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["pages_total"] > 1
+        with node.client(timeout_ms=5000) as client:
+            applied = client.status()["shards"]["default"]["applied"]  # nothing wrote since the backup
+        assert read_record(str(tmp_path / "b"))["shards"]["default"]["applied"] == applied
+    finally:
+        node.stop()
