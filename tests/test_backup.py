@@ -345,3 +345,27 @@ def test_backup_step_pages_max_is_a_bounded_limit_and_one_page_steps_still_finis
         assert read_record(str(tmp_path / "b"))["shards"]["default"]["applied"] == applied
     finally:
         node.stop()
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(180)
+def test_compare_takes_a_backup_file_as_a_replica(spark_session, tmp_path: Path) -> None:
+    from mnesite.rlog.backup import BackupJob
+    from mnesite.spark.compare import EXIT_EQUAL, CompareOptions, compare
+
+    from tests.spark_fixtures import create_store, write_rows
+    from tests.spark_fixtures import create_table as create_fixture_table
+
+    store = create_store(tmp_path / "node")
+    create_fixture_table(store, "kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+    write_rows(store, "kv", [{"id": key, "value": f"v{key}"} for key in range(2000)])
+    job = BackupJob(str(tmp_path / "node" / "mnesite.db"), str(tmp_path / "node.backup"), "core1", "core")
+    assert job.wait(60) and job.state == "done", job.error
+    report = compare([str(tmp_path / "node.backup"), str(tmp_path / "node")], CompareOptions(), session=spark_session)
+    assert report.exit_status == EXIT_EQUAL, report.to_json()
+    write_rows(store, "kv", [{"id": 5, "value": "changed after the backup"}])
+    store.close()
+    report = compare([str(tmp_path / "node.backup"), str(tmp_path / "node")], CompareOptions(), session=spark_session)
+    # The node moved on after the backup: the changed key is in flight between the two positions.
+    (pair,) = report.pairs
+    assert report.exit_status == EXIT_EQUAL and pair.counts["in_flight"] == 1 and pair.counts["different"] == 0
