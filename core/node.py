@@ -113,6 +113,7 @@ READ_KINDS = frozenset(
     {
         "get",
         "scan",
+        "count",
         "bootstrap_batch",
         "status",
         "list_tables",
@@ -438,6 +439,8 @@ class CoreNode(NodeServer):
             self.rlog_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
             self.reply(envelope, codec.reply(message.request_id, self.force_start()))
+        elif message.kind == "stop":
+            self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
         elif message.kind in WRITE_KINDS:
             self._write(envelope, message)
         elif message.kind == "read_index" or message.body.get("consistency") == "linearizable":
@@ -1134,6 +1137,11 @@ class CoreNode(NodeServer):
             table = self._table(body["table"])
             self._check_consistency(message, table)
             return self.store.read_row(table, check_key(table, body["key"]))
+        if message.kind == "count":
+            # SQLite counts (O(rows) in the engine, nothing shipped): the answer is one integer.
+            table = self._table(body["table"])
+            self._check_consistency(message, table)
+            return {"rows": self.store.count_rows(table)}
         if message.kind == "scan":
             table = self._table(body["table"])
             self._check_consistency(message, table)

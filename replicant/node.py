@@ -473,7 +473,7 @@ class ReplicantNode(NodeServer):
                     self.reply(envelope, refused)
                 continue
             try:
-                self._dispatch(envelope, message)
+                self._dispatch(envelope, message, principal)
             except RequestError as error:
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
             except SchemaError as error:
@@ -481,7 +481,7 @@ class ReplicantNode(NodeServer):
             except OverloadedError as error:
                 self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
 
-    def _dispatch(self, envelope: list[bytes], message: Message) -> None:
+    def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         body = message.body
         if message.kind == "push":
             self._on_push(body)
@@ -491,7 +491,9 @@ class ReplicantNode(NodeServer):
             self.reply(envelope, codec.reply(message.request_id, self.status()))
         elif message.kind == "list_tables":
             self.reply(envelope, codec.reply(message.request_id, [t.to_json() for t in self.store.catalog().values()]))
-        elif message.kind in ("get", "scan"):
+        elif message.kind == "stop":
+            self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
+        elif message.kind in ("get", "scan", "count"):
             self._read(envelope, message)
         elif message.kind in range_requests.KINDS:
             self._serving(self._table(body.get("table")).shard)
@@ -612,6 +614,8 @@ class ReplicantNode(NodeServer):
 
     def _read_now(self, table: TableSchema, message: Message) -> Any:
         body = message.body
+        if message.kind == "count":
+            return {"rows": self.store.count_rows(table)}
         if message.kind == "scan":
             limit = body.get("limit", self.config.limits.scan_rows_max)
             if not 0 < limit <= self.config.limits.scan_rows_max:

@@ -463,7 +463,10 @@ _SCHEMA_LIST = [
         ("limit", LIMIT, False),
         *_READ_OPTIONS,
     ),
+    _kind("count", "the number of rows of a table, counted by SQLite", ("table", NAME, True), *_READ_OPTIONS),
     _kind("status", "the node's status"),
+    # admin: the node finishes its loop turn, logs a shutdown line and exits (cli ``stop``)
+    _kind("stop", "operator: shut this node down cleanly"),
     _kind("read_index", "the committed key, confirmed by the sequencer", ("shard", NAME, True), OPTIONAL_FORWARDED),
     _kind("journal", "the node's journal age per shard"),
     _kind("force_start", "operator: force this core to become sequencer"),

@@ -16,7 +16,7 @@ The roles:
   (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
-* ``admin``: everything, including ``create_table`` and ``force_start``.
+* ``admin``: everything, including ``create_table``, ``force_start`` and ``stop``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
 
@@ -34,6 +34,7 @@ READ_KINDS = frozenset(
     {
         "get",
         "scan",
+        "count",
         "status",
         "list_tables",
         "rlog_tail",
@@ -60,6 +61,8 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "watch": frozenset({"replicant"}),
     "push_ack": frozenset({"replicant"}),
     "force_start": frozenset(),
+    # shutting a node down is an operator's decision, never a client's or a peer's
+    "stop": frozenset(),
 }
 
 # Kinds whose body names its sender: the name must be the authenticated principal.

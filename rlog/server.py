@@ -32,6 +32,8 @@ from mnesite.rlog.security import NodeSecurity, SecurityError
 from mnesite.rlog.store import Store
 
 log = logging.getLogger("mnesite.server")
+# How long a node stopped by a ``stop`` request waits for that request's answer to leave its socket.
+STOP_REPLY_LINGER_MS = 1000
 
 # zmq disconnects peers whose message exceeds this many times frame_bytes_max; frames between
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
@@ -76,6 +78,8 @@ class NodeServer:
         self.socket: zmq.Socket | None = None
         self.dealers: dict[str, zmq.Socket] = {}
         self.stopping = threading.Event()
+        self.stop_requested = False
+        self.stop_reason = "stopped by its owner"  # what the shutdown line says: a signal or a stop request
         self.commits = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
@@ -146,7 +150,7 @@ class NodeServer:
 
     def install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: self.stopping.set())
+            signal.signal(signum, lambda number, _frame: self.request_stop(signal.Signals(number).name))
         signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
 
     def reload_security(self) -> None:
@@ -212,6 +216,18 @@ class NodeServer:
     def run_turn(self) -> None:
         raise NotImplementedError
 
+    def stop_request(self, principal: str) -> dict[str, Any]:
+        """An admin's ``stop`` request: answered, then the node leaves its loop and logs why."""
+        self.stop_requested = True
+        self.request_stop(f"stop request from {principal or 'a client'}")
+        return {"node": self.config.name, "stopping": True}
+
+    def request_stop(self, reason: str) -> None:
+        """Leave ``serve_forever`` after the current loop turn (answers queued in it are still sent)."""
+        if not self.stopping.is_set():
+            self.stop_reason = reason
+        self.stopping.set()
+
     def serve_forever(self) -> None:
         if self.socket is None:
             self.bind()
@@ -225,13 +241,16 @@ class NodeServer:
                 self.run_turn()
         finally:
             self.close()
+            # The operator's proof that the node stopped on purpose, and why (a crash logs no such line).
+            log.info("%s %s shut down (%s)", self.role, self.config.name, self.stop_reason)
 
     def close(self) -> None:
         for socket in self.dealers.values():
             socket.close(0)
         self.dealers = {}
         if self.socket is not None:
-            self.socket.close(0)
+            # A stop request's answer may still sit in zmq's queue: give it a bounded time to leave.
+            self.socket.close(STOP_REPLY_LINGER_MS if self.stop_requested else 0)
             self.socket = None
         if self.security is not None:
             self.security.stop()
