@@ -62,6 +62,9 @@ CORE_QUEUE_MAX = 1000
 RLOG_READ_MAX = 1000
 RETENTION_INTERVAL_MS = 1000
 PROGRESS_LOG_INTERVAL_MS = 5000
+# No answer from any core for this long: the replicant says so in its log (at most once per this
+# interval) and in status, instead of answering "unknown table" without a word.
+NO_CORE_WARNING_MS = 5000
 
 
 class RequestError(Exception):
@@ -129,6 +132,8 @@ class ReplicantNode(NodeServer):
         self._next_progress_log_ms: dict[str, int] = {}
         self._next_retention_ms = 0
         self._discovery_turn = 0
+        self._core_heard_ms = self.clock_ms()  # last answer or push from any core (start-up counts)
+        self._no_core_logged_ms: int | None = None
         for shard in self.store.shards():
             self._open_replica(shard)
 
@@ -194,6 +199,7 @@ class ReplicantNode(NodeServer):
                 self._step(replica, p.Ticked())
         self._discover(now)
         self._expire(now)
+        self._warn_if_no_core(now)
         self._answer_waiting_reads()
         self._maybe_trim()
         self.flush()
@@ -314,6 +320,7 @@ class ReplicantNode(NodeServer):
                 answer = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError:
                 continue
+            self._core_heard_ms = self.clock_ms()
             pending = self.pending.pop(answer.request_id, None)
             if pending is None:
                 continue  # late answer to a request we gave up on
@@ -447,6 +454,25 @@ class ReplicantNode(NodeServer):
                 codec.error(read.message.request_id, "timeout", f"shard {read.shard} did not reach {read.min_key}"),
             )
 
+    def no_core_reached(self) -> str | None:
+        """Why this replicant serves nothing, if no core has answered it for ``NO_CORE_WARNING_MS``."""
+        silent_ms = self.clock_ms() - self._core_heard_ms
+        if silent_ms < NO_CORE_WARNING_MS:
+            return None
+        endpoints = ", ".join(f"{name} {self.config.core_nodes[name]}" for name in self.cores)
+        return (
+            f"no core has answered for {silent_ms // 1000} s (core_nodes: {endpoints}); "
+            "are the cores running, and is [cluster] core_nodes right?"
+        )
+
+    def _warn_if_no_core(self, now: int) -> None:
+        if self._no_core_logged_ms is not None and now - self._no_core_logged_ms < NO_CORE_WARNING_MS:
+            return
+        reason = self.no_core_reached()
+        if reason is not None:
+            self._no_core_logged_ms = now
+            log.warning("replicant %s reaches no core: %s", self.config.name, reason)
+
     def _discover(self, now: int) -> None:
         """Ask one core (round robin) which shards exist, so that new shards get a replica."""
         if now < self._next_discovery_ms or not self.cores:
@@ -519,6 +545,7 @@ class ReplicantNode(NodeServer):
         if body["core"] not in self.core_sockets:
             log.warning("push from unknown core %r ignored", body["core"])
             return
+        self._core_heard_ms = self.clock_ms()
         # The answer to the watch that created the agent: the replica takes it for the answer if
         # this push overtook it (ShardReplica, "Fencing").
         accepted = watch_accepted(body["core"], body.get("watch"))
@@ -672,6 +699,7 @@ class ReplicantNode(NodeServer):
             "data_dir": self.config.data_dir,
             "core_nodes": self.config.core_nodes,
             "security": self.security_status(),
+            "no_core_reached": self.no_core_reached(),
             "shards": shards,
         }
 

@@ -490,6 +490,10 @@ class Client:
                 key_column = self.table(table)["key"]
             after = page[-1][key_column]
 
+    def count(self, table: str, consistency: str = "local", after_tx_key: TxKey | None = None) -> int:
+        """The number of rows of ``table``, counted by the node (no row is shipped)."""
+        return self.call("count", self._consistency({"table": table}, consistency, after_tx_key))["rows"]
+
     def table(self, name: str) -> dict[str, Any]:
         for table in self.list_tables():
             if table["table"] == name:
@@ -509,6 +513,10 @@ class Client:
     def force_start(self) -> dict[str, Any]:
         """Operator: make this core sequencer of every shard with the cores it can reach. May lose data."""
         return self.call("force_start")
+
+    def stop(self) -> dict[str, Any]:
+        """Operator (admin role): the node answers, logs a shutdown line and exits."""
+        return self.call("stop")
 
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
         return self.call("rlog_tail", {"shard": shard, "count": count})
