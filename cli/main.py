@@ -248,13 +248,13 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
     from mnesite.rlog.store import EntryApplyError, StoreError
 
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    try:
-        if log_file is not None:
-            logging.basicConfig(level=log_level, format=log_format, filename=log_file, encoding="utf-8")
-        else:
-            logging.basicConfig(level=log_level, format=log_format, stream=sys.stderr)
-    except OSError as error:
-        fail(f"cannot open --log-file {log_file}: {error.strerror}")
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    if log_file is not None:
+        try:
+            handler = logging.FileHandler(log_file, encoding="utf-8")  # appends
+        except OSError as error:
+            fail(f"cannot open --log-file {log_file}: {error.strerror}")
+    logging.basicConfig(level=log_level, format=log_format, handlers=[handler])
     try:
         config = load_config(config_path)
         if config.role == "replicant":
@@ -762,7 +762,7 @@ def rlog_tail(shard, count, follow, interval_ms, endpoint, timeout_ms, as_json) 
         try:
             while True:
                 # Each poll is one request under --timeout-ms: a node that goes away ends the command.
-                batch = run(lambda: client.rlog_entries(shard, last, FOLLOW_BATCH_MAX))
+                batch = run(lambda after=last: client.rlog_entries(shard, after, FOLLOW_BATCH_MAX))
                 for entry in batch:
                     print_entry(entry, as_json)
                 if batch:
