@@ -306,7 +306,7 @@ def load_sample_data(node: Any) -> None:
 
 @main.group()
 def table() -> None:
-    """Create and list tables."""
+    """Create, list, describe and drop tables."""
 
 
 COLUMN_TYPE_NAMES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
@@ -359,6 +359,20 @@ def table_list(endpoint, timeout_ms, as_json) -> None:
         for t in tables
     ]
     click.echo(format_table(rows, ["table", "shard", "key", "columns"]))
+
+
+@table.command("drop")
+@click.argument("table_name", metavar="TABLE")
+@node_options
+@json_option
+def table_drop(table_name, endpoint, timeout_ms, as_json) -> None:
+    """Drop TABLE and all its rows on every core and replicant (through the rlog; admin role).
+
+    Prints the tx key; exits 3 if the outcome is unknown (the drop may or may not have happened).
+    """
+    with client_for(endpoint, timeout_ms) as client:
+        tx_key = run(lambda: client.drop_table(table_name))
+    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"dropped {table_name} at tx key {tuple(tx_key)}")
 
 
 @table.command("describe")
@@ -786,6 +800,8 @@ def _describe_op(op: dict[str, Any]) -> str:
         return f"write {op['table']} {json.dumps(op['row'], default=_json_default)}"
     if op["op"] == "delete":
         return f"delete {op['table']} {op['key']!r}"
+    if op["op"] == "drop_table":
+        return f"drop_table {op['table']} (shard {op['shard']})"
     return f"create_table {op['table']} (shard {op['shard']}, key {op['key']})"
 
 

@@ -251,8 +251,10 @@ class ReplicantNode(NodeServer):
         elif isinstance(effect, p.ApplyEntries):
             self.begin()
             self.store.append_entries(effect.entries, int(time.time() * 1000))
+            # Until its read fence opens, a replica is still healing its bootstrap copy (Store.apply_ops).
+            healing = self.replicas[shard].status().read_fenced if shard in self.replicas else False
             for entry in effect.entries:
-                self.store.apply_entry(entry)
+                self.store.apply_entry(entry, healing)
         elif isinstance(effect, p.ResetShard):
             self.begin()
             self.store.reset_shard(shard)
@@ -511,7 +513,7 @@ class ReplicantNode(NodeServer):
         body = message.body
         if message.kind == "push":
             self._on_push(body)
-        elif message.kind in ("transact", "create_table"):
+        elif message.kind in ("transact", "create_table", "drop_table"):
             self._forward(envelope, message)
         elif message.kind == "status":
             self.reply(envelope, codec.reply(message.request_id, self.status()))

@@ -118,7 +118,7 @@ class InvalidRequest(RemoteError):
 
 
 _ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable, "forbidden": Forbidden}
-WRITE_KINDS = frozenset({"transact", "create_table"})
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table"})
 _HANDSHAKE_EVENTS = 0
 for _event in HANDSHAKE_FAILURES:
     _HANDSHAKE_EVENTS |= _event
@@ -428,6 +428,12 @@ class Client:
         if shard is not None:
             body["shard"] = shard
         result = self.call("create_table", body)
+        self.last_tx_key = TxKey(*result["tx_key"])
+        return self.last_tx_key
+
+    def drop_table(self, table: str) -> TxKey:
+        """Drop ``table`` and its rows on every node (a replicated schema change; admin role)."""
+        result = self.call("drop_table", {"table": table})
         self.last_tx_key = TxKey(*result["tx_key"])
         return self.last_tx_key
 

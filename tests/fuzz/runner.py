@@ -29,7 +29,7 @@ from mnesite.rlog.client import Client, MnesiteError
 
 from tests.conftest import Cluster, wait_until
 
-WRITE_KINDS = ("transact", "create_table")
+WRITE_KINDS = ("transact", "create_table", "drop_table")
 DEEP_LEVELS = 1010
 STATUS_TIMEOUT_MS = 1000
 WRITE_ANSWER_TIMEOUT_S = 30.0
@@ -268,6 +268,8 @@ class Fuzzer:
                             if op["op"] == "create_table":
                                 self.tables[op["table"]] = op
                                 self.shards.add(op["shard"])
+                            elif op["op"] == "drop_table":
+                                self.tables.pop(op["table"], None)
                     if len(entries) < 1000:
                         break
                     after = entries[-1]["tx_key"]

@@ -47,13 +47,15 @@ from mnesite.core.consensus import Commit, Effect, Role
 from mnesite.core.rlog_server import WatchRefused, decide_watch
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.rlog import replication as p
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, Entry, Op, TxKey, WriteOp
 
 from tests.sim.cluster import READ_KEYS, SHARD, ClientRequest, SimNode, Simulation
 
 TABLES = ("t", "u")
 KEY_COLUMN = "k"
 KEYS_PER_TABLE = 12
+# Now and then a transaction is a table drop (the simulated tables are emptied, like a drop and re-create).
+DROP_TABLE_PROBABILITY = 0.03
 CONVERGENCE_MS_MAX = 30_000
 # A replicant's linearizable read waits at most this long for its applied key (production: READ_WAIT_MS_MAX).
 READ_WAIT_MS_MAX = 2000
@@ -76,6 +78,8 @@ def apply_ops(tables: Tables, entry: Entry) -> None:
             tables.setdefault(op.table, {})[op.row[KEY_COLUMN]] = dict(op.row)
         elif isinstance(op, DeleteOp):
             tables.setdefault(op.table, {}).pop(op.key, None)
+        elif isinstance(op, DropTableOp):
+            tables[op.table] = {}  # the simulated tables come back empty at their next write
 
 
 @dataclass
@@ -177,6 +181,9 @@ class ReplicantSimulation(Simulation):
     # ------------------------------------------------------------ cores: tables and agents
 
     def _write_ops(self, number: int) -> tuple[Op, ...]:
+        if self.rng.random() < DROP_TABLE_PROBABILITY:
+            # A schema change through the log: agents, pushes, spills and replays carry it like rows.
+            return (DropTableOp(self.rng.choice(TABLES), SHARD),)
         ops: list[Op] = []
         for _ in range(self.rng.randint(1, 3)):
             table = self.rng.choice(TABLES)
