@@ -15,7 +15,7 @@ import pytest
 import zmq
 from click.testing import CliRunner
 from mnesite.cli.main import main
-from mnesite.rlog.client import Client, OutcomeUnknown
+from mnesite.rlog.client import Client, OutcomeUnknown, UnknownTable
 from mnesite.rlog.messages import SCHEMAS
 from mnesite.rlog.roles import KIND_ROLES
 
@@ -307,3 +307,82 @@ def test_start_log_file_that_cannot_be_opened_is_one_line(tmp_path: Path) -> Non
     config.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\nlisten = "tcp://127.0.0.1:{free_port()}"\n')
     result = CliRunner().invoke(main, ["start", "--config", str(config), "--log-file", str(tmp_path / "no" / "x.log")])
     assert result.exit_code == 1 and result.output.startswith("Error: cannot open --log-file")
+
+
+def test_table_drop_goes_through_the_rlog_and_frees_the_name(mnesite, thread_node: ThreadNode) -> None:
+    put_rows(thread_node.endpoint, 5)
+    dropped = mnesite("table", "drop", "items", "--json")
+    assert dropped.exit_code == 0, dropped.output
+    tx_key = json.loads(dropped.output)["tx_key"]
+    with thread_node.client() as client:
+        entry = client.rlog_tail("default", 1)[-1]
+        assert entry["tx_key"] == tx_key
+        assert entry["ops"] == [{"op": "drop_table", "table": "items", "shard": "default"}]
+        assert [t["table"] for t in client.list_tables()] == []
+        with pytest.raises(UnknownTable):
+            client.count("items")
+    assert "drop_table items (shard default)" in mnesite("rlog", "tail", "default", "-n", "1").output
+    # Refused before proposal, by the apply's rule: nothing is logged.
+    for name, message in (("items", "unknown table 'items'"), ("ITEMS", "unknown table"), ("_mnesite_rlog", "")):
+        again = mnesite("table", "drop", name)
+        assert again.exit_code == 1 and message in again.output, again.output
+    with thread_node.client() as client:
+        assert client.rlog_tail("default", 1)[-1]["tx_key"] == tx_key
+    # The name is free: a new table of that name starts empty, with its own columns.
+    recreated = mnesite("table", "create", "items", "--key-column", "sku", "--column", "sku:TEXT")
+    assert recreated.exit_code == 0, recreated.output
+    with thread_node.client() as client:
+        assert client.count("items") == 0 and client.table("items")["columns"] == [["sku", "TEXT"]]
+        client.put("items", {"sku": "a"})
+    assert thread_node.node.store.verify_chain("default")
+
+
+def test_a_guard_sees_a_drop_in_the_uncommitted_tail() -> None:
+    from mnesite.core.guard_tail import GuardTail
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import ZERO_KEY, DropTableOp, TxKey, WriteOp, make_entry
+
+    table = define_table("t", "k", [["k", "INTEGER"]])
+    tail: GuardTail[str] = GuardTail({"t": table})
+    write = make_entry("s", TxKey(1, 1), ZERO_KEY, bytes(32), [WriteOp("t", {"k": 1})])
+    drop = make_entry("s", TxKey(1, 2), write.tx_key, write.digest, [DropTableOp("t", "s")])
+    tail.add((write, drop))
+    assert tail.row("t", 1) == (True, None) and tail.catalog_over({"t": table}) == {}
+    assert "t" in tail.dropped
+
+
+@pytest.mark.slow
+def test_a_drop_reaches_every_core_and_replicant(cluster: Cluster) -> None:
+    cluster.start_all()
+    with cluster.client("core1", timeout_ms=3000, retries=5) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        client.create_table("keep", "id", [("id", "INTEGER")])
+        client.transact([{"op": "write", "table": "kv", "row": {"id": i, "value": "v"}} for i in range(100)])
+    cluster.add_replicant("replicant1")
+    cluster.start("replicant1")
+    wait_until(
+        lambda: ((cluster.status("replicant1") or {}).get("shards", {}).get("default") or {}).get("mode") == "normal",
+        60,
+        "replicant1 to be normal",
+    )
+    # Through the replicant: it forwards the drop to a core, and the drop comes back through the rlog.
+    dropped = CliRunner().invoke(
+        main, ["table", "drop", "kv", "--node", cluster.endpoints["replicant1"], *cluster.cli_keys()]
+    )
+    assert dropped.exit_code == 0, dropped.output
+    refused = CliRunner().invoke(
+        main, ["table", "drop", "keep", "--node", cluster.endpoints["core2"], *cluster.cli_keys("app")]
+    )
+    assert refused.exit_code == 1 and "may not send drop_table" in refused.output
+    position = cluster.wait_converged(cluster.names)
+    wait_until(
+        lambda: (
+            tuple(((cluster.status("replicant1") or {}).get("shards", {}).get("default") or {}).get("applied", ()))
+            == tuple(position["applied"])
+        ),
+        30,
+        "replicant1 to apply the drop",
+    )
+    for name in [*cluster.names, "replicant1"]:
+        with cluster.client(name) as client:
+            assert [t["table"] for t in client.list_tables()] == ["keep"], name
