@@ -8,11 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import zmq
 from click.testing import CliRunner
 from mnesite.cli.main import main
 from mnesite.rlog.client import Client, OutcomeUnknown, UnknownTable
@@ -170,17 +168,6 @@ def test_status_text_shows_committed_last_and_members(mnesite) -> None:
     header = next(line for line in text.splitlines() if line.startswith("shard"))
     assert header.split()[:8] == ["shard", "role", "generation", "sequencer", "applied", "committed", "last", "digest"]
     assert "default: members core1" in text
-
-
-@pytest.fixture
-def silent_endpoint() -> Iterator[str]:
-    socket = zmq.Context.instance().socket(zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 0)
-    port = socket.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        yield f"tcp://127.0.0.1:{port}"
-    finally:
-        socket.close(0)
 
 
 def test_client_fails_over_from_a_stopped_node_for_reads_and_writes(mnesite, thread_node: ThreadNode) -> None:
