@@ -608,7 +608,10 @@ class ReplicantNode(NodeServer):
     def _table(self, name: Any) -> TableSchema:
         table = self.store.catalog().get(name) if isinstance(name, str) else None
         if table is None:
-            raise RequestError("unknown_table", f"unknown table {name!r}")
+            lonely = self.no_core_reached()
+            # A replicant cut off from every core knows no table: say why, not only "unknown".
+            hint = f" (replicant {self.config.name}: {lonely})" if lonely else ""
+            raise RequestError("unknown_table", f"unknown table {name!r}{hint}")
         return table
 
     def _read(self, envelope: list[bytes], message: Message) -> None:

@@ -280,6 +280,9 @@ def test_a_replicant_that_reaches_no_core_says_so_in_its_log_file_and_status(
         text = CliRunner().invoke(main, ["status", "--node", endpoint]).output
         assert "WARNING: no core has answered for" in text and "is [cluster] core_nodes right?" in text
         wait_until(lambda: "replicant1 reaches no core" in log_file.read_text(), 10, "the log line")
+        with Client(endpoint, timeout_ms=2000) as client, pytest.raises(UnknownTable) as unknown:
+            client.get("users", 1)
+        assert "unknown table 'users' (replicant replicant1: no core has answered" in str(unknown.value)
         assert CliRunner().invoke(main, ["stop", "--node", endpoint]).exit_code == 0
         assert process.wait(timeout=20) == 0
         assert "replicant replicant1 shut down (stop request from a client)" in log_file.read_text()
