@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
 
-LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused, never read whole into memory twice
+LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
 csv.field_size_limit(LINE_CHARS_MAX)
 
 
@@ -92,10 +92,23 @@ def _check_row(row: dict[str, Any], schema: dict[str, Any], line: int) -> dict[s
     return row
 
 
+def bounded_lines(file: IO[str]) -> Iterator[str]:
+    """The lines of ``file``, each read with a bound: a line longer than ``LINE_CHARS_MAX`` is refused."""
+    line_number = 0
+    while True:
+        text = file.readline(LINE_CHARS_MAX + 1)
+        if not text:
+            return
+        line_number += 1
+        if len(text) > LINE_CHARS_MAX:
+            raise ImportFailed(f"line {line_number}: longer than {LINE_CHARS_MAX} characters")
+        yield text
+
+
 def read_rows(file: IO[str], file_format: str, schema: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, row)`` for every row of ``file``; raises ``ImportFailed`` naming the line."""
     if file_format == "csv":
-        reader = csv.DictReader(file)
+        reader = csv.DictReader(bounded_lines(file))
         types = dict((name, kind) for name, kind in schema["columns"])
         try:
             for record in reader:
@@ -111,9 +124,7 @@ def read_rows(file: IO[str], file_format: str, schema: dict[str, Any]) -> Iterat
         except csv.Error as error:
             raise ImportFailed(f"line {reader.line_num}: {error}") from None
         return
-    for line, text in enumerate(file, start=1):
-        if len(text) > LINE_CHARS_MAX:
-            raise ImportFailed(f"line {line}: longer than {LINE_CHARS_MAX} characters")
+    for line, text in enumerate(bounded_lines(file), start=1):
         if not text.strip():
             continue
         try:

@@ -376,3 +376,14 @@ def test_a_drop_reaches_every_core_and_replicant(cluster: Cluster) -> None:
     for name in [*cluster.names, "replicant1"]:
         with cluster.client(name) as client:
             assert [t["table"] for t in client.list_tables()] == ["keep"], name
+
+
+def test_an_overlong_import_line_is_refused_after_a_bounded_read(monkeypatch, tmp_path: Path) -> None:
+    from mnesite.cli import transfer
+
+    monkeypatch.setattr(transfer, "LINE_CHARS_MAX", 100)
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"id": 1}\n' + '{"id": 2, "name": "' + "x" * 500 + '"}\n')
+    schema = {"table": "items", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"]]}
+    with open(path) as file, pytest.raises(transfer.ImportFailed, match="line 2: longer than 100 characters"):
+        list(transfer.read_rows(file, "jsonl", schema))
