@@ -133,7 +133,7 @@ def compare(
     Exit status: 0 equal, 1 diverged, 2 could not compare.
     """
     if len(replicas) < 2:
-        click.echo("error: compare needs at least two replicas", err=True)
+        click.echo("Error: compare needs at least two replicas", err=True)
         sys.exit(EXIT_ERROR)
 
     def progress(message: str) -> None:
@@ -151,7 +151,7 @@ def compare(
         )
         report = run_compare(list(replicas), options, progress=progress)
     except CompareError as error:
-        click.echo(f"error: {error}", err=True)
+        click.echo(f"Error: {error}", err=True)
         sys.exit(EXIT_ERROR)
     click.echo(report_json(report) if as_json else render_report(report))
     sys.exit(report.exit_status)

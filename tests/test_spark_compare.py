@@ -257,7 +257,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(spark_session: Any, equal_replicas
         result = runner.invoke(compare_command, [*arguments, "--quiet"])
         assert result.exit_code == EXIT_ERROR, (arguments, result.output)
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (arguments, lines)
+        assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], (arguments, lines)
         assert "Traceback" not in result.output and result.stdout == ""
 
 
