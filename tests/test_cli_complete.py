@@ -376,6 +376,11 @@ def test_a_drop_reaches_every_core_and_replicant(cluster: Cluster) -> None:
     for name in [*cluster.names, "replicant1"]:
         with cluster.client(name) as client:
             assert [t["table"] for t in client.list_tables()] == ["keep"], name
+    # The text status of the sequencer lists the members and each follower's lag.
+    sequencer, _ = cluster.sequencer() or ("core1", 0)
+    text = CliRunner().invoke(main, ["status", "--node", cluster.endpoints[sequencer], *cluster.cli_keys()]).output
+    assert "default: members core1, core2, core3" in text
+    assert sum(line.startswith("default: follower core") and ", lag " in line for line in text.splitlines()) == 2
 
 
 def test_an_overlong_import_line_is_refused_after_a_bounded_read(monkeypatch, tmp_path: Path) -> None:
@@ -387,3 +392,28 @@ def test_an_overlong_import_line_is_refused_after_a_bounded_read(monkeypatch, tm
     schema = {"table": "items", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"]]}
     with open(path) as file, pytest.raises(transfer.ImportFailed, match="line 2: longer than 100 characters"):
         list(transfer.read_rows(file, "jsonl", schema))
+
+
+def test_force_start_without_yes_says_what_this_core_may_lose() -> None:
+    from mnesite.cli.main import force_start_losses
+
+    def age(last: tuple[int, int]) -> dict:
+        return {"shards": {"default": {"last": list(last)}}}
+
+    lines = force_start_losses("core3", {"core1": None, "core2": age((4, 9)), "core3": age((4, 7))})
+    assert lines == [
+        "default: core3 has the log up to (4, 7); reachable cores hold more: core2 (4, 9) "
+        "(their entries after (4, 7) would be dropped); anything core1 committed after (4, 7) would be lost"
+    ]
+    assert force_start_losses("core1", {"core1": {"shards": {}}}) == ["core1 holds no shard yet: nothing to lose"]
+
+
+def test_force_start_without_yes_forces_nothing(mnesite) -> None:
+    result = mnesite("journal", "force-start")
+    assert result.exit_code == 1
+    assert "default: core1 has the log up to (" in result.output and "every core answered" in result.output
+    assert "Error: not forced: rerun with --yes to force-start core1" in result.output
+    assert (
+        json.loads(mnesite("journal", "show", "--json").output)["cores"]["core1"]["shards"]["default"]["forced"]
+        is False
+    )
