@@ -28,9 +28,10 @@ from mnesite.rlog.types import TxKey
 TIMEOUT_MS_DEFAULT = 5000
 FOLLOW_INTERVAL_MS = 500
 FOLLOW_BATCH_MAX = 1000  # entries per rlog_entries request (the node's maximum)
-SCAN_PAGE_ROWS_MAX = 10_000
+SCAN_PAGE_ROWS_MAX = 10_000  # the node's default scan_rows_max: a larger page is refused
 IMPORT_BATCH_ROWS = 500
-IMPORT_BATCH_ROWS_MAX = 10_000  # the node's default scan_rows_max: a larger page is refused
+# Rows per import transaction; the node refuses more than its transaction_ops_max (1,000 by default).
+IMPORT_BATCH_ROWS_MAX = 10_000
 # Exit status of a write whose outcome is unknown (it may or may not have happened), distinct from 1.
 EXIT_OUTCOME_UNKNOWN = 3
 
@@ -116,7 +117,10 @@ def client_for(endpoint: str | tuple[str, ...] | None, timeout_ms: int, retries:
 
 def single_endpoint(endpoint: tuple[str, ...], command: str) -> str:
     """The one --node an operator command acts on (it must never fail over to another node)."""
-    endpoints = parse_endpoints(list(endpoint)) if endpoint else []
+    try:
+        endpoints = parse_endpoints(list(endpoint)) if endpoint else []
+    except MnesiteError as error:
+        fail(str(error))
     if len(endpoints) != 1:
         fail(f"{command} needs exactly one explicit --node ENDPOINT")
     return endpoints[0]
