@@ -34,6 +34,7 @@ from mnesite.rlog.store import Store
 log = logging.getLogger("mnesite.server")
 # How long a node stopped by a ``stop`` request waits for that request's answer to leave its socket.
 STOP_REPLY_LINGER_MS = 1000
+STOP_GRACE_MS = 200  # how long a node keeps serving after it answered a stop request
 
 # zmq disconnects peers whose message exceeds this many times frame_bytes_max; frames between
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
@@ -79,6 +80,7 @@ class NodeServer:
         self.dealers: dict[str, zmq.Socket] = {}
         self.stopping = threading.Event()
         self.stop_requested = False
+        self.stop_at_ms: int | None = None  # when a stop request takes effect (after its answer left)
         self.stop_reason = "stopped by its owner"  # what the shutdown line says: a signal or a stop request
         self.commits = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
@@ -217,9 +219,14 @@ class NodeServer:
         raise NotImplementedError
 
     def stop_request(self, principal: str) -> dict[str, Any]:
-        """An admin's ``stop`` request: answered, then the node leaves its loop and logs why."""
+        """An admin's ``stop`` request: answered, then the node leaves its loop and logs why.
+
+        The loop goes on for ``STOP_GRACE_MS`` so that the answer leaves while the socket is still
+        open (closing a CurveZMQ socket right after the send lost the answer in tests)."""
         self.stop_requested = True
-        self.request_stop(f"stop request from {principal or 'a client'}")
+        if self.stop_at_ms is None:
+            self.stop_at_ms = monotonic_ms() + STOP_GRACE_MS
+            self.stop_reason = f"stop request from {principal or 'a client'}"
         return {"node": self.config.name, "stopping": True}
 
     def request_stop(self, reason: str) -> None:
@@ -236,6 +243,9 @@ class NodeServer:
         )
         try:
             while not self.stopping.is_set():
+                if self.stop_at_ms is not None and monotonic_ms() >= self.stop_at_ms:
+                    self.request_stop(self.stop_reason)
+                    break
                 if self.reload_requested.is_set():
                     self.reload_security()
                 self.run_turn()

@@ -244,7 +244,8 @@ def test_stop_shuts_a_core_down_cleanly_with_a_shutdown_line(tmp_path: Path, nod
     several = runner.invoke(main, ["stop", "--node", f"{endpoint},{endpoint}x", *cluster.cli_keys()])
     assert several.exit_code == 1 and "exactly one explicit --node" in several.output
     stopped = runner.invoke(main, ["stop", "--node", endpoint, *cluster.cli_keys()])
-    assert stopped.exit_code == 0 and stopped.output == "core1 is stopping\n"
+    log_text = cluster.nodes["core1"].log_path.read_text
+    assert stopped.exit_code == 0 and stopped.output == "core1 is stopping\n", (stopped.output, log_text()[-3000:])
     process = cluster.nodes["core1"].process
     assert process is not None and process.wait(timeout=20) == 0
     assert "core core1 shut down (stop request from ops)" in cluster.nodes["core1"].log_path.read_text()
