@@ -524,6 +524,11 @@ class Client:
         """Operator (admin role): the node answers, logs a shutdown line and exits."""
         return self.call("stop")
 
+    def backup(self, path: str) -> dict[str, Any]:
+        """Operator: start a backup of the node's database to ``path`` on the node's host, or report
+        the one under way to that path (``state`` running, done or failed; rlog.backup)."""
+        return self.call("backup", {"path": path})
+
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
         return self.call("rlog_tail", {"shard": shard, "count": count})
 

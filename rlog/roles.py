@@ -16,7 +16,7 @@ The roles:
   (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
-* ``admin``: everything, including ``create_table``, ``drop_table``, ``force_start`` and ``stop``.
+* ``admin``: everything, including ``create_table``, ``drop_table``, ``force_start``, ``stop`` and ``backup``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
 
@@ -65,6 +65,8 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "force_start": frozenset(),
     # shutting a node down is an operator's decision, never a client's or a peer's
     "stop": frozenset(),
+    # writes a copy of the whole database to a path on the node's host (rlog.backup)
+    "backup": frozenset(),
 }
 
 # Kinds whose body names its sender: the name must be the authenticated principal.
