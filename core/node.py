@@ -1111,7 +1111,9 @@ class CoreNode(NodeServer):
             self.begin()
             for shard, driver in self.shards.items():
                 status = driver.consensus.status()
-                keep_from = keep_from_match_keys(key for _, key in status.follower_match_keys)
+                keep_from = keep_from_match_keys(
+                    (key for _, key in status.follower_match_keys), self.rlog_server.acked_keys(shard)
+                )
                 self.store.trim(shard, retention.retention_entries_max, before_ms, keep_from)
             self.flush()
         except apsw.Error:
