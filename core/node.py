@@ -115,6 +115,7 @@ from mnesite.rlog.schema import (
     SchemaError,
     TableSchema,
     check_creatable,
+    check_droppable,
     check_key,
     define_table,
 )
@@ -122,6 +123,7 @@ from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monot
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
     ZERO_KEY,
+    DropTableOp,
     Entry,
     OpDecodeError,
     TxKey,
@@ -135,6 +137,7 @@ READ_KINDS = frozenset(
     {
         "get",
         "scan",
+        "count",
         "bootstrap_batch",
         "status",
         "list_tables",
@@ -144,7 +147,7 @@ READ_KINDS = frozenset(
         *range_requests.KINDS,
     }
 )
-WRITE_KINDS = frozenset({"transact", "create_table"})
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
 POLL_INTERVAL_MS_MAX = 50
@@ -456,6 +459,8 @@ class CoreNode(NodeServer):
             self.rlog_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
             self.reply(envelope, codec.reply(message.request_id, self.force_start()))
+        elif message.kind == "stop":
+            self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
         elif message.kind == "backup":
             try:
                 result = self.answer_backup(message.body, self._backup_not_ready())
@@ -510,7 +515,9 @@ class CoreNode(NodeServer):
             # Applying needs no fsync of its own: the entries are durable in the log already, and a
             # restart applies again whatever a power failure took (the applied key moves with the rows).
             self.begin(durable=False)
-            applied = self.store.apply_committed(shard, effect.up_to, driver.tail.entries)
+            # A shard not serving yet is catching up over a snapshot's dirty copy: healing (Store.apply_ops).
+            healing = shard in self.not_serving
+            applied = self.store.apply_committed(shard, effect.up_to, driver.tail.entries, healing=healing)
             read_index = driver.consensus.read_index(self.clock_ms())
             for held, verdict in driver.tail.committed(effect.up_to, self.store.catalog(), read_index):
                 self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
@@ -900,8 +907,10 @@ class CoreNode(NodeServer):
         if previous is not None:
             self._await_commit(driver, previous[1], envelope, message.request_id, duplicate=True)
             return
-        catalog = {**self.store.catalog(), **driver.tail.tables}
-        if message.kind == "create_table":
+        catalog = driver.tail.catalog_over(self.store.catalog())
+        if message.kind == "drop_table":
+            ops = (self._drop_op(catalog, message.body["table"]),)
+        elif message.kind == "create_table":
             body = message.body
             table = define_table(body["table"], body["key"], body["columns"], body.get("shard", DEFAULT_SHARD))
             # The apply's own rule (SQLite names are case-insensitive): what is logged applies everywhere.
@@ -917,7 +926,7 @@ class CoreNode(NodeServer):
                 in_tail, row = driver.tail.row(table.name, key)
                 if in_tail:
                     return row
-                if table.name not in self.store.catalog():
+                if table.name not in self.store.catalog() or table.name in driver.tail.dropped:
                     return None  # created in the unapplied tail: no rows applied yet
                 return self.store.read_row(table, key)
 
@@ -987,21 +996,36 @@ class CoreNode(NodeServer):
             else:
                 self.reply(envelope, _outcome_unknown(outcome.request_id, outcome.reason))
 
+    def _catalog_with_tails(self) -> dict[str, TableSchema]:
+        """The catalog once every shard's unapplied tail is applied (tables created and dropped there)."""
+        catalog = self.store.catalog()
+        for driver in self.shards.values():
+            catalog = driver.tail.catalog_over(catalog)
+        return catalog
+
+    def _drop_op(self, catalog: dict[str, TableSchema], name: str) -> DropTableOp:
+        """The drop of table ``name``, checked by the apply's own rule (``check_droppable``)."""
+        table = catalog.get(name)
+        if table is None:
+            raise RequestError("unknown_table", f"unknown table {name!r}")
+        op = DropTableOp(table.name, table.shard)
+        if not check_droppable(catalog, op):
+            raise RequestError("unknown_table", f"unknown table {name!r}")
+        return op
+
     def _shard_of(self, message: Message) -> str:
+        if message.kind == "drop_table":
+            return self._drop_op(self._catalog_with_tails(), message.body["table"]).shard
         if message.kind == "create_table":
             shard = message.body.get("shard", DEFAULT_SHARD)
             table = define_table(message.body["table"], message.body["key"], message.body["columns"], shard)
             # Refuse a taken name before the shard is opened: a refused write must leave no new shard.
-            catalog = self.store.catalog()
-            for driver in self.shards.values():
-                catalog = {**catalog, **driver.tail.tables}
+            catalog = self._catalog_with_tails()
             if not check_creatable(catalog, table.to_op()):
                 raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
             return shard
         ops = message.body["ops"]
-        catalog = self.store.catalog()
-        for driver in self.shards.values():
-            catalog = {**catalog, **driver.tail.tables}
+        catalog = self._catalog_with_tails()
         if not isinstance(ops, list) or not ops or not isinstance(ops[0], dict):
             raise RequestError("bad_request", "ops must be a non-empty list of objects")
         table = catalog.get(ops[0].get("table")) if isinstance(ops[0].get("table"), str) else None
@@ -1142,7 +1166,9 @@ class CoreNode(NodeServer):
             self.begin()
             for shard, driver in self.shards.items():
                 status = driver.consensus.status()
-                keep_from = keep_from_match_keys(key for _, key in status.follower_match_keys)
+                keep_from = keep_from_match_keys(
+                    (key for _, key in status.follower_match_keys), self.rlog_server.acked_keys(shard)
+                )
                 self.store.trim(shard, retention.retention_entries_max, before_ms, keep_from)
             self.flush()
         except apsw.Error:
@@ -1180,6 +1206,11 @@ class CoreNode(NodeServer):
             table = self._table(body["table"])
             self._check_consistency(message, table)
             return self.store.read_row(table, check_key(table, body["key"]))
+        if message.kind == "count":
+            # SQLite counts (O(rows) in the engine, nothing shipped): the answer is one integer.
+            table = self._table(body["table"])
+            self._check_consistency(message, table)
+            return {"rows": self.store.count_rows(table)}
         if message.kind == "scan":
             table = self._table(body["table"])
             self._check_consistency(message, table)

@@ -175,6 +175,10 @@ class RlogServer:
         for agent_id in [a for a, w in self.watches.items() if w.shard == shard]:
             del self.watches[agent_id]
 
+    def acked_keys(self, shard: str) -> list[TxKey]:
+        """What each live agent of ``shard`` knows its replicant holds (the retention floor waits for it)."""
+        return [watch.agent.status().acked_key for watch in self.watches.values() if watch.shard == shard]
+
     def agents_of(self, shard: str | None = None) -> int:
         return sum(1 for w in self.watches.values() if shard is None or w.shard == shard)
 

@@ -63,6 +63,9 @@ READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
 RLOG_READ_MAX = 1000
 PROGRESS_LOG_INTERVAL_MS = 5000
+# No answer from any core for this long: the replicant says so in its log (at most once per this
+# interval) and in status, instead of answering "unknown table" without a word.
+NO_CORE_WARNING_MS = 5000
 
 
 @dataclass
@@ -124,6 +127,8 @@ class ReplicantNode(NodeServer):
         self._next_progress_log_ms: dict[str, int] = {}
         self._next_retention_ms = 0
         self._discovery_turn = 0
+        self._core_heard_ms = self.clock_ms()  # last answer or push from any core (start-up counts)
+        self._no_core_logged_ms: int | None = None
         for shard in self.store.shards():
             self._open_replica(shard)
 
@@ -189,6 +194,7 @@ class ReplicantNode(NodeServer):
                 self._step(replica, p.Ticked())
         self._discover(now)
         self._expire(now)
+        self._warn_if_no_core(now)
         self._answer_waiting_reads()
         self._maybe_trim()
         self.flush()
@@ -240,8 +246,10 @@ class ReplicantNode(NodeServer):
         elif isinstance(effect, p.ApplyEntries):
             self.begin()
             self.store.append_entries(effect.entries, int(time.time() * 1000))
+            # Until its read fence opens, a replica is still healing its bootstrap copy (Store.apply_ops).
+            healing = self.replicas[shard].status().read_fenced if shard in self.replicas else False
             for entry in effect.entries:
-                self.store.apply_entry(entry)
+                self.store.apply_entry(entry, healing)
         elif isinstance(effect, p.ResetShard):
             self.begin()
             self.store.reset_shard(shard)
@@ -309,6 +317,7 @@ class ReplicantNode(NodeServer):
                 answer = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError:
                 continue
+            self._core_heard_ms = self.clock_ms()
             pending = self.pending.pop(answer.request_id, None)
             if pending is None:
                 continue  # late answer to a request we gave up on
@@ -439,6 +448,25 @@ class ReplicantNode(NodeServer):
                 codec.error(read.message.request_id, "timeout", f"shard {read.shard} did not reach {read.min_key}"),
             )
 
+    def no_core_reached(self) -> str | None:
+        """Why this replicant serves nothing, if no core has answered it for ``NO_CORE_WARNING_MS``."""
+        silent_ms = self.clock_ms() - self._core_heard_ms
+        if silent_ms < NO_CORE_WARNING_MS:
+            return None
+        endpoints = ", ".join(f"{name} {self.config.core_nodes[name]}" for name in self.cores)
+        return (
+            f"no core has answered for {silent_ms // 1000} s (core_nodes: {endpoints}); "
+            "are the cores running, and is [cluster] core_nodes right?"
+        )
+
+    def _warn_if_no_core(self, now: int) -> None:
+        if self._no_core_logged_ms is not None and now - self._no_core_logged_ms < NO_CORE_WARNING_MS:
+            return
+        reason = self.no_core_reached()
+        if reason is not None:
+            self._no_core_logged_ms = now
+            log.warning("replicant %s reaches no core: %s", self.config.name, reason)
+
     def _discover(self, now: int) -> None:
         """Ask one core (round robin) which shards exist, so that new shards get a replica."""
         if now < self._next_discovery_ms or not self.cores:
@@ -466,7 +494,7 @@ class ReplicantNode(NodeServer):
                     self.reply(envelope, refused)
                 continue
             try:
-                self._dispatch(envelope, message)
+                self._dispatch(envelope, message, principal)
             except RequestError as error:
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
             except SchemaError as error:
@@ -474,17 +502,19 @@ class ReplicantNode(NodeServer):
             except OverloadedError as error:
                 self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
 
-    def _dispatch(self, envelope: list[bytes], message: Message) -> None:
+    def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         body = message.body
         if message.kind == "push":
             self._on_push(body)
-        elif message.kind in ("transact", "create_table"):
+        elif message.kind in ("transact", "create_table", "drop_table"):
             self._forward(envelope, message)
         elif message.kind == "status":
             self.reply(envelope, codec.reply(message.request_id, self.status()))
         elif message.kind == "list_tables":
             self.reply(envelope, codec.reply(message.request_id, [t.to_json() for t in self.store.catalog().values()]))
-        elif message.kind in ("get", "scan"):
+        elif message.kind == "stop":
+            self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
+        elif message.kind in ("get", "scan", "count"):
             self._read(envelope, message)
         elif message.kind in range_requests.KINDS:
             self._serving(self._table(body.get("table")).shard)
@@ -525,6 +555,7 @@ class ReplicantNode(NodeServer):
         if body["core"] not in self.core_sockets:
             log.warning("push from unknown core %r ignored", body["core"])
             return
+        self._core_heard_ms = self.clock_ms()
         # The answer to the watch that created the agent: the replica takes it for the answer if
         # this push overtook it (ShardReplica, "Fencing").
         accepted = watch_accepted(body["core"], body.get("watch"))
@@ -584,7 +615,10 @@ class ReplicantNode(NodeServer):
     def _table(self, name: Any) -> TableSchema:
         table = self.store.catalog().get(name) if isinstance(name, str) else None
         if table is None:
-            raise RequestError("unknown_table", f"unknown table {name!r}")
+            lonely = self.no_core_reached()
+            # A replicant cut off from every core knows no table: say why, not only "unknown".
+            hint = f" (replicant {self.config.name}: {lonely})" if lonely else ""
+            raise RequestError("unknown_table", f"unknown table {name!r}{hint}")
         return table
 
     def _read(self, envelope: list[bytes], message: Message) -> None:
@@ -619,6 +653,8 @@ class ReplicantNode(NodeServer):
 
     def _read_now(self, table: TableSchema, message: Message) -> Any:
         body = message.body
+        if message.kind == "count":
+            return {"rows": self.store.count_rows(table)}
         if message.kind == "scan":
             limit = body.get("limit", self.config.limits.scan_rows_max)
             if not 0 < limit <= self.config.limits.scan_rows_max:
@@ -675,6 +711,7 @@ class ReplicantNode(NodeServer):
             "data_dir": self.config.data_dir,
             "core_nodes": self.config.core_nodes,
             "security": self.security_status(),
+            "no_core_reached": self.no_core_reached(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }

@@ -376,13 +376,18 @@ class _Entry(Spec):
 
 def _check_wire_op(op: Any, path: str) -> None:
     """An op in ``rlog.types.encode_op`` form: scalars only in rows and keys."""
-    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c"):
-        raise MessageError(path, "must be an op ['w'|'d'|'c', ...]")
+    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c", "x"):
+        raise MessageError(path, "must be an op ['w'|'d'|'c'|'x', ...]")
     if op[0] == "w":
         if len(op) != 3:
             raise MessageError(path, "write op must be ['w', table, [[column, value]...]]")
         NAME.check(op[1], f"{path}.table")
         ListOf(Pair(NAME, SCALAR), ROW_COLUMNS_MAX).check(op[2], f"{path}.row")
+    elif op[0] == "x":
+        if len(op) != 3:
+            raise MessageError(path, "drop op must be ['x', table, shard]")
+        NAME.check(op[1], f"{path}.table")
+        NAME.check(op[2], f"{path}.shard")
     elif op[0] == "d":
         if len(op) != 3:
             raise MessageError(path, "delete op must be ['d', table, key]")
@@ -456,6 +461,12 @@ _SCHEMA_LIST = [
         ("shard", NAME, False),
         OPTIONAL_FORWARDED,
     ),
+    _kind(
+        "drop_table",
+        "drop a table and its rows (a replicated schema change, like create_table)",
+        ("table", NAME, True),
+        OPTIONAL_FORWARDED,
+    ),
     _kind("list_tables", "the catalog"),
     _kind("get", "one row by key", ("table", NAME, True), ("key", SCALAR, True), *_READ_OPTIONS),
     _kind(
@@ -466,7 +477,10 @@ _SCHEMA_LIST = [
         ("limit", LIMIT, False),
         *_READ_OPTIONS,
     ),
+    _kind("count", "the number of rows of a table, counted by SQLite", ("table", NAME, True), *_READ_OPTIONS),
     _kind("status", "the node's status"),
+    # admin: the node finishes its loop turn, logs a shutdown line and exits (cli ``stop``)
+    _kind("stop", "operator: shut this node down cleanly"),
     _kind("read_index", "the committed key, confirmed by the sequencer", ("shard", NAME, True), OPTIONAL_FORWARDED),
     _kind("journal", "the node's journal age per shard"),
     _kind("force_start", "operator: force this core to become sequencer"),

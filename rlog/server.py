@@ -37,6 +37,9 @@ from mnesite.rlog.security import NodeSecurity, SecurityError
 from mnesite.rlog.store import Store
 
 log = logging.getLogger("mnesite.server")
+# How long a node stopped by a ``stop`` request waits for that request's answer to leave its socket.
+STOP_REPLY_LINGER_MS = 1000
+STOP_GRACE_MS = 200  # how long a node keeps serving after it answered a stop request
 
 # zmq disconnects peers whose message exceeds this many times frame_bytes_max; frames between
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
@@ -91,6 +94,9 @@ class NodeServer:
         self.socket: zmq.Socket | None = None
         self.dealers: dict[str, zmq.Socket] = {}
         self.stopping = threading.Event()
+        self.stop_requested = False
+        self.stop_at_ms: int | None = None  # when a stop request takes effect (after its answer left)
+        self.stop_reason = "stopped by its owner"  # what the shutdown line says: a signal or a stop request
         self.commits = 0
         self.durable_commits = 0  # commits that waited for an fsync (see ``begin``)
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
@@ -177,7 +183,7 @@ class NodeServer:
 
     def install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: self.stopping.set())
+            signal.signal(signum, lambda number, _frame: self.request_stop(signal.Signals(number).name))
         signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
 
     def reload_security(self) -> None:
@@ -267,6 +273,23 @@ class NodeServer:
     def run_turn(self) -> None:
         raise NotImplementedError
 
+    def stop_request(self, principal: str) -> dict[str, Any]:
+        """An admin's ``stop`` request: answered, then the node leaves its loop and logs why.
+
+        The loop goes on for ``STOP_GRACE_MS`` so that the answer leaves while the socket is still
+        open (closing a CurveZMQ socket right after the send lost the answer in tests)."""
+        self.stop_requested = True
+        if self.stop_at_ms is None:
+            self.stop_at_ms = monotonic_ms() + STOP_GRACE_MS
+            self.stop_reason = f"stop request from {principal or 'a client'}"
+        return {"node": self.config.name, "stopping": True}
+
+    def request_stop(self, reason: str) -> None:
+        """Leave ``serve_forever`` after the current loop turn (answers queued in it are still sent)."""
+        if not self.stopping.is_set():
+            self.stop_reason = reason
+        self.stopping.set()
+
     def serve_forever(self) -> None:
         if self.socket is None:
             self.bind()
@@ -275,11 +298,16 @@ class NodeServer:
         )
         try:
             while not self.stopping.is_set():
+                if self.stop_at_ms is not None and monotonic_ms() >= self.stop_at_ms:
+                    self.request_stop(self.stop_reason)
+                    break
                 if self.reload_requested.is_set():
                     self.reload_security()
                 self.run_turn()
         finally:
             self.close()
+            # The operator's proof that the node stopped on purpose, and why (a crash logs no such line).
+            log.info("%s %s shut down (%s)", self.role, self.config.name, self.stop_reason)
 
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -304,7 +332,8 @@ class NodeServer:
             socket.close(0)
         self.dealers = {}
         if self.socket is not None:
-            self.socket.close(0)
+            # A stop request's answer may still sit in zmq's queue: give it a bounded time to leave.
+            self.socket.close(STOP_REPLY_LINGER_MS if self.stop_requested else 0)
             self.socket = None
         if self.security is not None:
             self.security.stop()

@@ -32,12 +32,13 @@ from typing import Any
 import apsw
 import msgpack
 from mnesite.rlog.retention import retention_floor
-from mnesite.rlog.schema import SchemaError, TableSchema, check_creatable
+from mnesite.rlog.schema import SchemaError, TableSchema, check_creatable, check_droppable
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
     CreateTableOp,
     DeleteOp,
+    DropTableOp,
     Entry,
     Op,
     TxKey,
@@ -370,7 +371,9 @@ class Store:
         )
         return self.connection.changes()
 
-    def apply_committed(self, shard: str, up_to: TxKey, held: Sequence[Entry] = ()) -> list[Entry]:
+    def apply_committed(
+        self, shard: str, up_to: TxKey, held: Sequence[Entry] = (), healing: bool = False
+    ) -> list[Entry]:
         """Apply every persisted entry after the applied key up to ``up_to``, in order; return them.
 
         ``held``: the caller's copy of the log's unapplied tail, in order (the core's driver keeps
@@ -378,13 +381,14 @@ class Store:
         without recomputing their digests: they were verified when appended (the consensus machine
         checks a sequencer's chain; a sequencer made its own), so only the links are checked here.
         Otherwise they are read from the log and checked entry by entry.
+        ``healing``: these entries follow a dirty copy (see ``apply_ops``).
         """
         position = self.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
         chain = _chain_within(held, position.applied, up_to)
         if chain is not None:
-            self._apply_chain(shard, chain)
+            self._apply_chain(shard, chain, healing)
             return chain
         applied: list[Entry] = []
         after = position.applied
@@ -394,18 +398,18 @@ class Store:
                 raise StoreError(f"shard {shard}: cannot apply up to {up_to}, the log ends at {after}")
             for entry in batch:
                 try:
-                    self.apply_entry(entry)
+                    self.apply_entry(entry, healing)
                 except (apsw.Error, StoreError) as error:
                     raise EntryApplyError(entry, error) from None
                 applied.append(entry)
             after = batch[-1].tx_key
         return applied
 
-    def _apply_chain(self, shard: str, chain: list[Entry]) -> None:
+    def _apply_chain(self, shard: str, chain: list[Entry], healing: bool) -> None:
         """Apply linked, verified entries and move the applied key once (one UPDATE for the batch)."""
         for entry in chain:
             try:
-                self.apply_ops(entry.ops)
+                self.apply_ops(entry.ops, healing)
             except (apsw.Error, StoreError) as error:
                 raise EntryApplyError(entry, error) from None
         last = chain[-1]
@@ -439,7 +443,7 @@ class Store:
             ),
         )
 
-    def apply_entry(self, entry: Entry) -> None:
+    def apply_entry(self, entry: Entry, healing: bool = False) -> None:
         """Apply a committed entry's ops and move the shard's applied key, inside the caller's transaction.
 
         Refuses an entry that does not follow the applied key (DESIGN invariant 5: no gaps).
@@ -453,15 +457,22 @@ class Store:
             )
         if chain_break(position.applied, position.digest, entry) is not None:
             raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
-        self.apply_ops(entry.ops)
+        self.apply_ops(entry.ops, healing)
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
             "generation = max(generation, ?) WHERE shard = ?",
             (entry.tx_key.generation, entry.tx_key.counter, entry.digest, entry.tx_key.generation, entry.shard),
         )
 
-    def apply_ops(self, ops: tuple[Op, ...]) -> None:
+    def apply_ops(self, ops: tuple[Op, ...], healing: bool = False) -> None:
+        """Apply result ops. ``healing``: the entries replayed over a dirty copy (a bootstrap's spill, a
+        snapshot install's catch-up, up to its read fence). A copy made after a table was dropped lacks
+        the table that earlier entries of the replay still write to; those ops are skipped, since the
+        replay's own drop entry ends with no such table anyway. Outside healing such an op is an error:
+        validation before proposal makes it impossible."""
         for op in ops:
+            if healing and isinstance(op, (WriteOp, DeleteOp)) and op.table not in self.catalog():
+                continue
             if isinstance(op, WriteOp):
                 table = self._table(op.table)
                 names = [name for name, _ in table.columns]
@@ -477,6 +488,8 @@ class Store:
                 )
             elif isinstance(op, CreateTableOp):
                 self._create_table(op)
+            elif isinstance(op, DropTableOp):
+                self._drop_table(op)
             else:
                 raise StoreError(f"unknown op {op!r}")
 
@@ -496,6 +509,17 @@ class Store:
             "INSERT INTO _mnesite_tables VALUES (?, ?, ?, ?)",
             (op.table, op.shard, op.key_column, json.dumps([list(c) for c in op.columns])),
         )
+        self._catalog = None
+
+    def _drop_table(self, op: DropTableOp) -> None:
+        # The same rule the sequencer checked before proposing; a table already gone stays gone.
+        try:
+            if not check_droppable(self.catalog(), op):
+                return
+        except SchemaError as error:
+            raise StoreError(f"cannot drop table {op.table!r}: {error}") from None
+        self.connection.execute(f"DROP TABLE {quote(op.table)}")
+        self.connection.execute("DELETE FROM _mnesite_tables WHERE name = ?", (op.table,))
         self._catalog = None
 
     def _table(self, name: str) -> TableSchema:
@@ -690,7 +714,7 @@ class Store:
         ]
         self.append_entries(entries, appended_ms)
         for entry in entries:
-            self.apply_entry(entry)
+            self.apply_entry(entry, healing=True)
         self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
         return entries[-1].tx_key if entries else start_key
 

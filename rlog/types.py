@@ -5,8 +5,9 @@ Theory of operation
 An *entry* is one committed transaction of one shard. Its ops are results, not
 commands: a ``WriteOp`` carries the full row as it is after the transaction, a
 ``DeleteOp`` the key that no longer exists, a ``CreateTableOp`` the full table
-definition. Replaying an entry therefore needs no access to earlier state, which
-is what lets a replica heal a dirty-read copy by replay (DESIGN, bootstrap).
+definition, a ``DropTableOp`` the table (of its shard) that no longer exists.
+Replaying an entry therefore needs no access to earlier state, which is what lets
+a replica heal a dirty-read copy by replay (DESIGN, bootstrap).
 
 Entries are chained: every entry names the tx key of its predecessor (``prev``)
 and carries ``digest(n) = BLAKE2b(digest(n-1) + canonical(entry n))``. Two nodes
@@ -72,7 +73,15 @@ class CreateTableOp:
     columns: tuple[tuple[str, str], ...]
 
 
-Op = WriteOp | DeleteOp | CreateTableOp
+@dataclass(frozen=True)
+class DropTableOp:
+    """``table`` of ``shard`` and its rows no longer exist after the transaction."""
+
+    table: str
+    shard: str
+
+
+Op = WriteOp | DeleteOp | CreateTableOp | DropTableOp
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,8 @@ def encode_op(op: Op) -> list[Any]:
         return ["d", op.table, op.key]
     if isinstance(op, CreateTableOp):
         return ["c", op.table, op.shard, op.key_column, [list(c) for c in op.columns]]
+    if isinstance(op, DropTableOp):
+        return ["x", op.table, op.shard]
     raise TypeError(f"not an op: {op!r}")
 
 
@@ -123,6 +134,8 @@ def decode_op(value: Any) -> Op:
                 raise OpDecodeError("create op columns must be [name, type] pairs")
             columns.append((column[0], column[1]))
         return CreateTableOp(value[1], value[2], value[3], tuple(columns))
+    if kind == "x" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], str):
+        return DropTableOp(value[1], value[2])
     raise OpDecodeError(f"malformed op of kind {kind!r}")
 
 
@@ -218,6 +231,8 @@ def entry_size_bytes(entry: Entry) -> int:
             size += 8 + len(op.table.encode()) + row_size_bytes(op.row)
         elif isinstance(op, DeleteOp):
             size += 8 + len(op.table.encode()) + _value_size_bytes(op.key)
+        elif isinstance(op, DropTableOp):
+            size += 16 + len(op.table.encode()) + len(op.shard.encode())
         else:
             size += 64 + len(op.table.encode()) + len(op.shard.encode())
             size += sum(len(name.encode()) + len(kind.encode()) + 8 for name, kind in op.columns)
@@ -267,6 +282,8 @@ def op_to_json(op: Op) -> dict[str, Any]:
         return {"op": "write", "table": op.table, "row": op.row}
     if isinstance(op, DeleteOp):
         return {"op": "delete", "table": op.table, "key": op.key}
+    if isinstance(op, DropTableOp):
+        return {"op": "drop_table", "table": op.table, "shard": op.shard}
     return {
         "op": "create_table",
         "table": op.table,

@@ -223,6 +223,9 @@ def test_force_start_after_losing_the_majority(cluster: Cluster) -> None:
     keys = cluster.cli_keys()
     refused = runner.invoke(main, ["journal", "force-start", "--node", endpoint, *keys])
     assert refused.exit_code == 1 and "--yes" in refused.output
+    # Without --yes it says what this core may lose: its last key and the cores it cannot reach.
+    assert f"default: {survivor} has the log up to (" in refused.output
+    assert "anything core1, core2 committed after" in refused.output
     with cluster.client(survivor, timeout_ms=500, retries=0) as client, pytest.raises(MnesiteError):
         client.put("kv", {"id": 1000, "value": "no quorum"})
     shown = runner.invoke(main, ["journal", "show", "--node", endpoint, "--json", "--timeout-ms", "500", *keys])

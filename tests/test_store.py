@@ -6,7 +6,7 @@ import apsw
 import pytest
 from mnesite.rlog.schema import define_table
 from mnesite.rlog.store import Store, StoreError
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DropTableOp, TxKey, WriteOp, make_entry
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -229,3 +229,49 @@ def test_apply_committed_from_held_entries_matches_reading_them_back(tmp_path) -
     assert results[0][0].applied == TxKey(1, 5) and results[0][0].digest == entries[-1].digest
     for store in stores:
         store.close()
+
+
+def drop_entry(store: Store, counter: int, table: str = "t", shard: str = "default"):
+    position = store.shard("default")
+    return make_entry("default", TxKey(1, counter), position.applied, position.digest, [DropTableOp(table, shard)])
+
+
+def test_a_drop_removes_the_table_its_rows_and_its_catalog_entry_and_replays_idempotently(store) -> None:
+    append(store, 2, "a")
+    entry = drop_entry(store, 3)
+    with store.write_transaction():
+        store.append_entry(entry, 0)
+        store.apply_entry(entry)
+        store.apply_ops(entry.ops)  # applied again (a replay over a copy made after it): changes nothing
+    assert "t" not in store.catalog()
+    assert not store.connection.execute("SELECT name FROM sqlite_master WHERE name = 't'").fetchall()
+    assert store.verify_chain("default") == entry.tx_key
+
+
+def test_a_drop_naming_another_shard_or_letter_case_stops_the_apply(store) -> None:
+    for table, shard in (("t", "other"), ("T", "default")):
+        with pytest.raises(StoreError, match="cannot drop table"), store.write_transaction():
+            store.apply_entry(drop_entry(store, 2, table, shard))
+    assert "t" in store.catalog()
+
+
+def test_a_replay_over_a_copy_made_after_a_drop_heals_only_while_healing(tmp_path) -> None:
+    """A bootstrap copy taken after the drop lacks the table that earlier spilled entries write to."""
+    source = Store(str(tmp_path / "source.db"), synchronous="NORMAL")
+    with source.write_transaction():
+        source.ensure_shard("default", 1)
+        create = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [TABLE.to_op()])
+        write = make_entry("default", TxKey(1, 2), create.tx_key, create.digest, [WriteOp("t", {"k": 1, "v": "a"})])
+        drop = make_entry("default", TxKey(1, 3), write.tx_key, write.digest, [DropTableOp("t", "default")])
+    source.close()
+    copy = Store(str(tmp_path / "copy.db"), synchronous="NORMAL")
+    with copy.write_transaction():
+        copy.ensure_shard("default", 1)
+        copy.restart_log_at("default", create.tx_key, create.digest)  # K0 = the create; no table copied
+    with pytest.raises(StoreError, match="unknown table"), copy.write_transaction():
+        copy.apply_entry(write)
+    with copy.write_transaction():
+        for entry in (write, drop):
+            copy.apply_entry(entry, healing=True)
+    assert copy.shard("default").applied == drop.tx_key and "t" not in copy.catalog()
+    copy.close()

@@ -20,8 +20,9 @@ from mnesite.rlog import messages
 from mnesite.rlog.types import DIGEST_BYTES
 
 # Kinds left out of the fuzz on purpose: ``force_start`` is an operator command that shrinks the
-# membership by design (issue 12 restricts it to the admin role); replies are never requests.
-KINDS_EXCLUDED = frozenset({"force_start", "reply", "error"})
+# membership by design and ``stop`` shuts the node down by design (issue 12 restricts both to the
+# admin role); replies are never requests.
+KINDS_EXCLUDED = frozenset({"force_start", "stop", "reply", "error"})
 
 EXTREME_INTEGERS = [
     0,

@@ -82,7 +82,7 @@ from mnesite.core.snapshot import SnapshotOffer, accept_offer
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import retention
 from mnesite.rlog.schema import TableSchema, define_table
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, Entry, Op, TxKey, WriteOp
 
 SHARD = "main"
 TRACE_LINES_MAX = 80
@@ -563,13 +563,16 @@ class Simulation:
         self.commit_position[entry.tx_key] = self.commit_count
         for op in entry.ops:
             if isinstance(op, WriteOp) and op.table == READ_TABLE and isinstance(op.row.get("k"), int):
-                key, row = op.row["k"], op.row
+                changed = [(op.row["k"], op.row)]
             elif isinstance(op, DeleteOp) and op.table == READ_TABLE and isinstance(op.key, int):
-                key, row = op.key, None
+                changed = [(op.key, None)]
+            elif isinstance(op, DropTableOp) and op.table == READ_TABLE:
+                changed = [(key, None) for key in self.row_positions]  # every row goes with the table
             else:
                 continue
-            self.row_positions[key].append(self.commit_count)
-            self.row_values[key].append(row)
+            for key, row in changed:
+                self.row_positions[key].append(self.commit_count)
+                self.row_values[key].append(row)
 
     def _row_at(self, key: int, position: int) -> Row:
         """The row ``key`` after the first ``position`` committed entries."""
