@@ -325,6 +325,109 @@ def phase_failover(cluster: Cluster, args: argparse.Namespace, report: dict) -> 
     }
 
 
+def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> tuple[float, int]:
+    """The replicant's apply path without sockets: (seconds, entries).
+
+    What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
+    decode the frame (``codec.decode``: msgpack and the typed layer's checks, then ``entry_from_wire``), step the real ``ShardReplica`` (which checks the
+    digest chain), and execute its ``ApplyEntries`` on a real ``Store`` the way ``replicant.node``
+    does, one SQLite transaction per push.
+    """
+    import random
+
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+    from mnesite.rlog import codec
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.codec import Message
+    from mnesite.rlog.schema import TableSchema
+    from mnesite.rlog.store import Store
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_from_wire, entry_to_wire, make_entry
+
+    schema = TableSchema("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT")))
+    entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (schema.to_op(),))]
+    for start in range(0, rows, rows_per_transaction):
+        ops = tuple(WriteOp("kv", {"id": i, "value": ROW_VALUE}) for i in range(start, min(rows, start + rows_per_transaction)))
+        last = entries[-1]
+        entries.append(make_entry("default", TxKey(1, last.tx_key.counter + 1), last.tx_key, last.digest, ops))
+    committed = entries[-1].tx_key
+    pushes = []
+    for i in range(0, len(entries), push_entries):
+        body = {
+            "shard": "default",
+            "agent": "a",
+            "core": "c",
+            "entries": [entry_to_wire(e) for e in entries[i : i + push_entries]],
+            "committed": list(committed),
+            "hears_sequencer": True,
+        }
+        pushes.append(codec.encode(Message("push", "a", body)))
+    store = Store(str(directory / "apply.db"), synchronous="NORMAL")
+    with store.write_transaction():
+        store.ensure_shard("default", 0)
+    replica = ShardReplica("default", "r", ("c",), ZERO_KEY, GENESIS_DIGEST, ReplicaConfig(), random.Random(0), 0)
+    replica.step(p.Ticked(), 0)
+    replica.step(p.JournalsReceived((("c", p.JournalAge(committed, True, 0)),)), 0)
+    replica.step(p.WatchAccepted("c", "a", "resume", ZERO_KEY, GENESIS_DIGEST, replica.watch_id), 0)
+    began = time.monotonic()
+    for frame in pushes:
+        body = codec.decode(frame, 64 * 1024 * 1024).body
+        decoded = tuple(entry_from_wire(value) for value in body["entries"])
+        store.connection.execute("BEGIN IMMEDIATE")
+        for effect in replica.step(p.PushReceived("c", "a", decoded, committed, True), 0):
+            if isinstance(effect, p.ApplyEntries):
+                ReplicantNode.apply_entries(store, effect.entries)
+        store.connection.execute("COMMIT")
+    elapsed = time.monotonic() - began
+    if replica.applied_key != committed or store.count_rows(schema) != rows:
+        raise SystemExit(f"the apply benchmark applied up to {replica.applied_key}, not {committed}")
+    store.close()
+    return elapsed, len(entries)
+
+
+def raw_apsw_upsert_rate(directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> float:
+    """Raw apsw batched upsert of the same rows: one prepared executemany and one transaction per push."""
+    import apsw
+
+    connection = apsw.Connection(str(directory / "raw-upsert.db"))
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=NORMAL")
+    connection.execute("CREATE TABLE kv(id INTEGER PRIMARY KEY NOT NULL, value TEXT) STRICT")
+    batch_rows = rows_per_transaction * push_entries
+    began = time.monotonic()
+    for start in range(0, rows, batch_rows):
+        with connection:
+            connection.executemany(
+                'INSERT OR REPLACE INTO kv ("id", "value") VALUES (?, ?)',
+                ((i, ROW_VALUE) for i in range(start, min(rows, start + batch_rows))),
+            )
+    elapsed = time.monotonic() - began
+    connection.close()
+    return elapsed
+
+
+def phase_apply(directory: Path, args: argparse.Namespace, report: dict) -> None:
+    """Replicant apply rate against raw apsw's batched upsert, interleaved, ``--repeat`` rounds."""
+    rows = min(args.rows, args.apply_rows_max)
+    rounds = []
+    for round_index in range(args.repeat):
+        round_directory = directory / f"round{round_index}"
+        round_directory.mkdir()
+        raw_s = raw_apsw_upsert_rate(round_directory, rows, args.rows_per_transaction, args.push_entries)
+        apply_s, entries = replicant_apply_rate(round_directory, rows, args.rows_per_transaction, args.push_entries)
+        rounds.append((apply_s, raw_s, entries))
+        shutil.rmtree(round_directory, ignore_errors=True)
+    ratios = sorted(raw_s / apply_s for apply_s, raw_s, _ in rounds)
+    report["apply"] = {
+        "rows": rows,
+        "entries": rounds[0][2],
+        "entries_per_push": args.push_entries,
+        "replicant_rows_per_s": [round(rows / apply_s) for apply_s, _, _ in rounds],
+        "raw_apsw_rows_per_s": [round(rows / raw_s) for _, raw_s, _ in rounds],
+        "x_raw_apsw_median": round(ratios[len(ratios) // 2], 2),
+    }
+
+
 def raw_apsw_copy(source: Path, target: Path) -> tuple[int, float]:
     """Copy table kv from ``source`` to a new WAL database in key order, one transaction; (rows, seconds)."""
     import apsw
@@ -393,6 +496,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each lag measurement")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--phases", default="catchup,lag,failover,bootstrap")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of the apply phase (median reported)")
+    parser.add_argument("--push-entries", type=int, default=10, help="entries per push in the apply phase")
+    parser.add_argument("--apply-rows-max", type=int, default=200_000, help="rows of the apply phase at most")
     parser.add_argument("--keep", action="store_true", help="keep the data directories and logs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -403,6 +509,9 @@ def main() -> None:
         if args.phases & {"catchup", "lag", "failover"}:
             (root / "catchup").mkdir()
             phase_catchup(root / "catchup", args, report)
+        if "apply" in args.phases:
+            (root / "apply").mkdir()
+            phase_apply(root / "apply", args, report)
         if "bootstrap" in args.phases:
             (root / "bootstrap").mkdir()
             phase_bootstrap(root / "bootstrap", args, report)

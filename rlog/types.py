@@ -90,7 +90,9 @@ class Entry:
 def encode_op(op: Op) -> list[Any]:
     """Canonical, self-describing list form of an op (used on the wire, on disk and in digests)."""
     if isinstance(op, WriteOp):
-        return ["w", op.table, [[name, op.row[name]] for name in sorted(op.row)]]
+        # Pairs as tuples: msgpack writes a tuple as the same array as a list, and sorting the
+        # items (names are unique, so values are never compared) is the cheapest canonical order.
+        return ["w", op.table, sorted(op.row.items())]
     if isinstance(op, DeleteOp):
         return ["d", op.table, op.key]
     if isinstance(op, CreateTableOp):
@@ -108,12 +110,11 @@ def decode_op(value: Any) -> Op:
         raise OpDecodeError("op must be a non-empty list starting with its kind")
     kind = value[0]
     if kind == "w" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], list):
-        row: dict[str, Any] = {}
-        for pair in value[2]:
+        pairs = value[2]
+        for pair in pairs:
             if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
                 raise OpDecodeError("write op row must be a list of [column, value] pairs")
-            row[pair[0]] = pair[1]
-        return WriteOp(value[1], row)
+        return WriteOp(value[1], dict(pairs))
     if kind == "d" and len(value) == 3 and isinstance(value[1], str):
         return DeleteOp(value[1], value[2])
     if kind == "c" and len(value) == 5 and all(isinstance(v, str) for v in value[1:4]) and isinstance(value[4], list):

@@ -169,3 +169,45 @@ def test_a_snapshot_install_clears_the_rows_then_restarts_the_log_at_its_key(sto
     assert (position.applied, position.digest) == (TxKey(3, 40), b"d" * 32)
     assert store.last_entry("default") == (TxKey(3, 40), b"d" * 32)
     assert store.trimmed("default") == (TxKey(3, 40), b"d" * 32) and store.tail("default", 5) == []
+
+
+def chain_after(store: Store, ops_list) -> list:
+    position = store.shard("default")
+    key, digest, entries = position.applied, position.digest, []
+    for ops in ops_list:
+        entry = make_entry("default", TxKey(1, key.counter + 1), key, digest, ops)
+        entries.append(entry)
+        key, digest = entry.tx_key, entry.digest
+    return entries
+
+
+def test_a_verified_batch_is_logged_and_applied_in_op_order_with_one_position(store) -> None:
+    from mnesite.rlog.types import DeleteOp
+
+    entries = chain_after(
+        store,
+        [
+            [WriteOp("t", {"k": 1, "v": "a"}), WriteOp("t", {"k": 2, "v": "b"}), WriteOp("t", {"k": 1, "v": "c"})],
+            [DeleteOp("t", 2), WriteOp("t", {"k": 3, "v": "d"})],
+            [WriteOp("t", {"k": 2, "v": "e"}), DeleteOp("t", 3)],
+        ],
+    )
+    with store.write_transaction():
+        store.log_and_apply_verified(entries, 0)
+    table = store.catalog()["t"]
+    assert store.scan(table, None, 10) == [{"k": 1, "v": "c"}, {"k": 2, "v": "e"}]
+    position = store.shard("default")
+    assert (position.applied, position.digest) == (entries[-1].tx_key, entries[-1].digest)
+    assert store.entries_after("default", TxKey(1, 1), 10) == entries
+    assert store.verify_chain("default") == entries[-1].tx_key
+
+
+def test_a_verified_batch_with_a_gap_is_refused_and_changes_nothing(store) -> None:
+    entries = chain_after(store, [[WriteOp("t", {"k": n, "v": "x"})] for n in range(3)])
+    before = store.shard("default")
+    for batch in (entries[1:], [entries[0], entries[2]]):
+        with pytest.raises(StoreError, match="follow"), store.write_transaction():
+            store.log_and_apply_verified(batch, 0)
+        assert store.shard("default") == before
+        assert store.scan(store.catalog()["t"], None, 10) == []
+        assert store.last_entry_key("default") == TxKey(1, 1)
