@@ -329,9 +329,9 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     """The replicant's apply path without sockets: (seconds, entries).
 
     What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
-    decode the frame (``codec.decode``: msgpack and the typed layer's checks, then ``entry_from_wire``), step the real ``ShardReplica`` (which checks the
-    digest chain), and execute its ``ApplyEntries`` on a real ``Store`` the way ``replicant.node``
-    does, one SQLite transaction per push.
+    decode the frame (``codec.decode``: msgpack and the typed layer's checks, then ``entry_from_wire``),
+    step the real ``ShardReplica`` (which checks the digest chain), and execute its ``ApplyEntries``
+    on a real ``Store`` the way ``replicant.node`` does, one SQLite transaction per push.
     """
     import random
 
@@ -347,7 +347,8 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     schema = TableSchema("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT")))
     entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (schema.to_op(),))]
     for start in range(0, rows, rows_per_transaction):
-        ops = tuple(WriteOp("kv", {"id": i, "value": ROW_VALUE}) for i in range(start, min(rows, start + rows_per_transaction)))
+        keys = range(start, min(rows, start + rows_per_transaction))
+        ops = tuple(WriteOp("kv", {"id": i, "value": ROW_VALUE}) for i in keys)
         last = entries[-1]
         entries.append(make_entry("default", TxKey(1, last.tx_key.counter + 1), last.tx_key, last.digest, ops))
     committed = entries[-1].tx_key
