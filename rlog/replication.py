@@ -118,6 +118,8 @@ class BatchReceived:
     done: bool
     # The table's row count when the first batch was read (None: not known); for progress only.
     rows_total: int | None = None
+    # The answer's size as received (None: estimate it from the rows); for progress only.
+    size_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -679,7 +679,7 @@ class Store:
         self.connection.executemany(
             f"INSERT OR REPLACE INTO {quote(table.name)} ({', '.join(quote(n) for n in names)}) "
             f"VALUES ({', '.join('?' for _ in names)})",
-            [tuple(row.get(n) for n in names) for row in rows],
+            [tuple(map(row.get, names)) for row in rows],
         )
 
     def clear_rows(self, shard: str) -> None:
