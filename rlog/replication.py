@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from mnesite.rlog.types import Entry, TxKey
+from mnesite.rlog.types import Entry, PackedEntry, TxKey
 
 REPLICATION_PROTOCOL_VERSION = 1
 
@@ -284,7 +284,7 @@ class RejectReceived:
 class Push:
     """Send committed ``entries`` (empty: a heartbeat) to the replicant."""
 
-    entries: tuple[Entry, ...]
+    entries: tuple[Entry | PackedEntry, ...]
     committed_key: TxKey
     hears_sequencer: bool
     # The entries' estimated bytes (``entry_size_bytes``), for the driver's budget per loop turn.

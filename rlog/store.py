@@ -39,6 +39,7 @@ from mnesite.rlog.types import (
     DeleteOp,
     Entry,
     Op,
+    PackedEntry,
     TxKey,
     WriteOp,
     entry_digest,
@@ -549,6 +550,19 @@ class Store:
             (shard, after.generation, after.counter, high.generation, high.counter, limit),
         )
         return [_entry(row) for row in rows]
+
+    def packed_entries_after(self, shard: str, after: TxKey, limit: int) -> list[PackedEntry]:
+        """``entries_after`` without decoding the ops (what an agent pushes; see ``PackedEntry``)."""
+        rows = self.connection.execute(
+            "SELECT shard, generation, counter, prev_generation, prev_counter, digest, ops, request_id "
+            "FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?) "
+            "ORDER BY generation, counter LIMIT ?",
+            (shard, after.generation, after.counter, limit),
+        )
+        return [
+            PackedEntry(shard_, TxKey(generation, counter), TxKey(prev_generation, prev_counter), digest, ops, rid)
+            for shard_, generation, counter, prev_generation, prev_counter, digest, ops, rid in rows
+        ]
 
     def tail(self, shard: str, count: int) -> list[Entry]:
         rows = list(

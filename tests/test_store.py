@@ -211,3 +211,22 @@ def test_a_verified_batch_with_a_gap_is_refused_and_changes_nothing(store) -> No
         assert store.shard("default") == before
         assert store.scan(store.catalog()["t"], None, 10) == []
         assert store.last_entry_key("default") == TxKey(1, 1)
+
+
+def test_packed_entries_go_on_the_wire_exactly_as_decoded_ones_within_their_size_bound(store) -> None:
+    import msgpack
+    from mnesite.rlog.types import DeleteOp, entry_to_wire, to_wire, wire_size_bytes
+
+    entries = chain_after(
+        store,
+        [[WriteOp("t", {"v": "é" * 300, "k": 2}), DeleteOp("t", 1)], [WriteOp("t", {"k": 3, "v": None})]],
+    )
+    with store.write_transaction():
+        store.log_and_apply_verified(entries, 0)
+    packed = store.packed_entries_after("default", TxKey(1, 1), 10)
+    assert [p.tx_key for p in packed] == [e.tx_key for e in entries]
+    for entry, packed_entry in zip(entries, packed, strict=True):
+        assert to_wire(packed_entry) == msgpack.unpackb(msgpack.packb(entry_to_wire(entry)), raw=False)
+        assert msgpack.packb(to_wire(packed_entry)) == msgpack.packb(entry_to_wire(entry))
+        assert len(msgpack.packb(to_wire(packed_entry))) <= wire_size_bytes(packed_entry)
+    assert store.packed_entries_after("default", TxKey(1, 2), 1)[0].tx_key == TxKey(1, 3)
