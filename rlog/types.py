@@ -19,6 +19,7 @@ bytes do not depend on dict ordering or on the Python process.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -127,8 +128,34 @@ def decode_op(value: Any) -> Op:
     raise OpDecodeError(f"malformed op of kind {kind!r}")
 
 
+# The last ops packed, by identity: an entry's ops are packed for its digest and again when it is
+# logged (a replicant checks the digest in its state machine, then its store logs the entry), and
+# for large entries packing was the largest cost of applying them. A memo of a pure function:
+# each item holds its ops tuple, so an id is never reused while it is cached. Bounded in items and
+# bytes; only tuples (immutable) are cached.
+_PACKED_OPS: dict[int, tuple[tuple[Op, ...], bytes]] = {}
+_PACKED_OPS_ITEMS_MAX = 512
+_PACKED_OPS_BYTES_MAX = 32 * 1024 * 1024
+_packed_ops_bytes = 0
+_packed_ops_lock = threading.Lock()
+
+
 def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
-    return msgpack.packb([encode_op(op) for op in ops], use_bin_type=True)
+    global _packed_ops_bytes
+    cached = _PACKED_OPS.get(id(ops))
+    if cached is not None and cached[0] is ops:
+        return cached[1]
+    packed = msgpack.packb([encode_op(op) for op in ops], use_bin_type=True)
+    if isinstance(ops, tuple) and len(packed) <= _PACKED_OPS_BYTES_MAX // 4:
+        with _packed_ops_lock:
+            previous = _PACKED_OPS.pop(id(ops), None)
+            if previous is not None:
+                _packed_ops_bytes -= len(previous[1])
+            _PACKED_OPS[id(ops)] = (ops, packed)
+            _packed_ops_bytes += len(packed)
+            while len(_PACKED_OPS) > _PACKED_OPS_ITEMS_MAX or _packed_ops_bytes > _PACKED_OPS_BYTES_MAX:
+                _packed_ops_bytes -= len(_PACKED_OPS.pop(next(iter(_PACKED_OPS)))[1])
+    return packed
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
@@ -146,12 +173,21 @@ def entry_digest(
     ops: tuple[Op, ...] | list[Op],
     request_id: str | None,
 ) -> bytes:
-    """digest(n) = BLAKE2b(digest(n-1) + canonical(entry n))."""
-    body = msgpack.packb(
-        [shard, list(tx_key), list(prev), request_id, [encode_op(op) for op in ops]],
-        use_bin_type=True,
-    )
-    return hashlib.blake2b(prev_digest + body, digest_size=DIGEST_BYTES).digest()
+    """digest(n) = BLAKE2b(digest(n-1) + canonical(entry n)).
+
+    canonical(entry) is the msgpack array ``[shard, tx_key, prev, request_id, ops]``, built here
+    from its parts (a 5-array header, then each element packed) so that the packed ops are the
+    ones ``pack_ops`` returns and remembers for the log.
+    """
+    hasher = hashlib.blake2b(prev_digest, digest_size=DIGEST_BYTES)
+    hasher.update(_ENTRY_ARRAY_HEADER)
+    hasher.update(msgpack.packb([shard, list(tx_key), list(prev), request_id], use_bin_type=True)[1:])
+    hasher.update(pack_ops(ops))
+    return hasher.digest()
+
+
+# msgpack's header of a 5-element array (fixarray); the 4-array header of the first four is cut off.
+_ENTRY_ARRAY_HEADER = b"\x95"
 
 
 def make_entry(
