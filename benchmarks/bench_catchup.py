@@ -1,7 +1,7 @@
 """Replicant catch-up, bootstrap, lag and failover against three real cores, with same-run baselines.
 
     .venv/bin/python benchmarks/bench_catchup.py [--rows 100000] [--rows-per-transaction 1000]
-        [--loaders 1] [--writers 3] [--phases catchup,lag,failover,bootstrap] [--json]
+        [--loaders 1] [--writers 3] [--phases catchup,lag,failover,bootstrap,apply,many] [--json]
 
 Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NORMAL"``):
 
@@ -19,6 +19,13 @@ Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NO
 * ``bootstrap``: retention of 50 entries forces a dirty-read bootstrap of the ``--rows`` rows; the
   baseline is a raw apsw copy of the same rows (read from a core's database file in key order,
   inserted into a new WAL database in one transaction), measured in the same run.
+* ``apply``: the replicant's apply path without sockets (``replicant_apply_rate``: push frames
+  decoded and checked by the typed layer, the real ``ShardReplica``, the store's set-based apply,
+  one transaction per push of ``--push-entries`` entries) against raw apsw's batched upsert of the
+  same rows (one ``executemany`` and one transaction per push), interleaved, ``--repeat`` rounds.
+* ``many``: the clients' write latency (``--writers`` clients, one row per transaction, p50/p99)
+  with no replicant, then with ``--replicants`` replicants attached and normal, then with none
+  again (they are killed); the ratio is against the mean of the two rounds without.
 
 Not a test: it asserts nothing about timing.
 """
@@ -435,6 +442,81 @@ def phase_apply(directory: Path, args: argparse.Namespace, report: dict) -> None
     }
 
 
+def write_latencies(cluster: Cluster, writers: int, seconds: float) -> list[float]:
+    """``writers`` clients (spread over the cores) putting one row per transaction for ``seconds``;
+    the latency of every acknowledged write, in ms."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def run(worker: int) -> None:
+        row_id = 2 * 10**9 + worker * 10**7 + int(time.monotonic() * 1000) % 10**6 * 10
+        with Client(cluster.endpoints[f"core{worker % 3 + 1}"], timeout_ms=5000, retries=2) as client:
+            while time.monotonic() < deadline:
+                row_id += 1
+                began = time.monotonic()
+                try:
+                    client.put("kv", {"id": row_id, "value": ROW_VALUE})
+                except MnesiteError:
+                    continue
+                with lock:
+                    latencies.append((time.monotonic() - began) * 1000)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sorted(latencies)
+
+
+def phase_many(directory: Path, args: argparse.Namespace, report: dict) -> None:
+    """Clients' write latency with 0 replicants, with ``--replicants`` attached, and with 0 again."""
+    cluster = start_cluster(directory)
+    try:
+        load(cluster, min(args.rows, 10_000), args.rows_per_transaction, 1)
+        rounds: dict[str, list[float]] = {}
+        rounds["none_before"] = write_latencies(cluster, args.writers, args.seconds)
+        names = [f"replicant{n}" for n in range(1, args.replicants + 1)]
+        for name in names:
+            cluster.start_replicant(name)
+        target = committed(cluster)
+
+        def all_normal() -> bool:
+            for name in names:
+                info = cluster.shard(name)
+                if info.get("serving") is not True or tuple(info.get("applied", (0, 0))) < target:
+                    return False
+            return True
+
+        attach_s = cluster.wait(all_normal, args.timeout_s, f"{len(names)} replicants to be normal")
+        rounds["attached"] = write_latencies(cluster, args.writers, args.seconds)
+        lag = [cluster.shard(name).get("lag_entries") for name in names]
+        for name in names:
+            cluster.kill(name)
+        rounds["none_after"] = write_latencies(cluster, args.writers, args.seconds)
+        figures = {
+            name: {
+                "writes": len(values),
+                "p50_ms": round(percentile(values, 0.5), 2),
+                "p99_ms": round(percentile(values, 0.99), 2),
+            }
+            for name, values in rounds.items()
+        }
+        baseline = (figures["none_before"]["p50_ms"] + figures["none_after"]["p50_ms"]) / 2
+        report["many"] = {
+            "replicants": len(names),
+            "writers": args.writers,
+            "seconds_per_round": args.seconds,
+            "attach_s": round(attach_s, 2),
+            "lag_entries_after": lag,
+            "rounds": figures,
+            "x_p50_attached_vs_none": round(figures["attached"]["p50_ms"] / baseline, 2) if baseline else None,
+        }
+    finally:
+        cluster.close()
+
+
 def raw_apsw_copy(source: Path, target: Path) -> tuple[int, float]:
     """Copy table kv from ``source`` to a new WAL database in key order, one transaction; (rows, seconds)."""
     import apsw
@@ -503,6 +585,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each lag measurement")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--phases", default="catchup,lag,failover,bootstrap")
+    parser.add_argument("--replicants", type=int, default=10, help="replicants attached in the many phase")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of the apply phase (median reported)")
     parser.add_argument("--push-entries", type=int, default=10, help="entries per push in the apply phase")
     parser.add_argument("--apply-rows-max", type=int, default=200_000, help="rows of the apply phase at most")
@@ -516,6 +599,9 @@ def main() -> None:
         if args.phases & {"catchup", "lag", "failover"}:
             (root / "catchup").mkdir()
             phase_catchup(root / "catchup", args, report)
+        if "many" in args.phases:
+            (root / "many").mkdir()
+            phase_many(root / "many", args, report)
         if "apply" in args.phases:
             (root / "apply").mkdir()
             phase_apply(root / "apply", args, report)
