@@ -219,3 +219,46 @@ def test_a_push_with_a_malformed_row_is_refused_with_the_path_of_the_value() -> 
     frame = msgpack.packb([codec.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
     with pytest.raises(CodecError, match=r"entries\[0\]\.ops\[0\]\.row\[1\]\[1\]: NaN"):
         codec.decode(frame)
+
+
+def _free_value_reference(value, depth_max: int, items_max: int) -> bool:
+    """The walk FreeValue did before its fast paths (one stack trip per value): accepted or not."""
+    stack, items = [(value, 1)], 0
+    while stack:
+        current, depth = stack.pop()
+        items += 1
+        if items > items_max:
+            return False
+        if isinstance(current, (list, tuple, dict)):
+            if depth >= depth_max:
+                return False
+            children = list(current.keys()) + list(current.values()) if isinstance(current, dict) else current
+            stack.extend((child, depth + 1) for child in children)
+        elif not (current is None or isinstance(current, (bool, int, float, str, bytes))):
+            return False
+    return True
+
+
+free_scalars = st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=3), st.binary(max_size=3))
+free_values = st.recursive(
+    st.one_of(free_scalars, st.just(object()), st.just({"k": 1, "v": "x"})),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(st.dictionaries(st.text(max_size=2), free_scalars, max_size=3), max_size=4),
+        st.dictionaries(st.text(max_size=2), children, max_size=3),
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(free_values, st.integers(1, 6), st.integers(1, 40))
+def test_free_value_accepts_exactly_what_the_plain_walk_accepts(value, depth_max, items_max) -> None:
+    from mnesite.rlog import messages
+
+    try:
+        messages.FreeValue(depth_max=depth_max, items_max=items_max).check(value, "v")
+        accepted = True
+    except messages.MessageError:
+        accepted = False
+    assert accepted == _free_value_reference(value, depth_max, items_max)
