@@ -414,6 +414,11 @@ class Client:
         """Operator: make this core sequencer of every shard with the cores it can reach. May lose data."""
         return self.call("force_start")
 
+    def backup(self, path: str) -> dict[str, Any]:
+        """Operator: start a backup of the node's database to ``path`` on the node's host, or report
+        the one under way to that path (``state`` running, done or failed; rlog.backup)."""
+        return self.call("backup", {"path": path})
+
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
         return self.call("rlog_tail", {"shard": shard, "count": count})
 

@@ -61,6 +61,9 @@ LIMIT_MAX = 2**31
 
 # Exact types (no subclasses) of the scalars msgpack decodes; ``FreeValue`` counts them without a stack trip.
 _WIRE_SCALAR_TYPES = frozenset((type(None), bool, int, float, str, bytes))
+# An absolute path of plain characters (rlog.backup checks it again, with the file system).
+BACKUP_PATH_CHARS_MAX = 1024
+BACKUP_PATH = re.compile(r"^/[A-Za-z0-9_./\-]*$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 # tcp://host:port with a host name, an IPv4 address or a bracketed IPv6 address; ipc:// for tests.
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://[A-Za-z0-9_./\-]+)$")
@@ -556,6 +559,11 @@ _SCHEMA_LIST = [
     _kind("read_index", "the committed key, confirmed by the sequencer", ("shard", NAME, True), OPTIONAL_FORWARDED),
     _kind("journal", "the node's journal age per shard"),
     _kind("force_start", "operator: force this core to become sequencer"),
+    _kind(
+        "backup",
+        "operator: copy this node's database to a file on its host (rlog.backup); again to poll",
+        ("path", Text(BACKUP_PATH_CHARS_MAX, 2, BACKUP_PATH), True),
+    ),
     _kind("rlog_tail", "the newest entries of a shard", ("shard", NAME, True), ("count", LIMIT, False)),
     _kind(
         "rlog_entries",

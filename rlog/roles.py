@@ -16,7 +16,7 @@ The roles:
   (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
-* ``admin``: everything, including ``create_table`` and ``force_start``.
+* ``admin``: everything, including ``create_table``, ``force_start`` and ``backup``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
 
@@ -60,6 +60,8 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "watch": frozenset({"replicant"}),
     "push_ack": frozenset({"replicant"}),
     "force_start": frozenset(),
+    # writes a copy of the whole database to a path on the node's host (rlog.backup)
+    "backup": frozenset(),
 }
 
 # Kinds whose body names its sender: the name must be the authenticated principal.
