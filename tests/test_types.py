@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, TxKey, WriteOp, entry_digest, make_entry
 
@@ -63,3 +65,18 @@ def test_the_digest_is_blake2b_of_the_entry_array_and_the_packed_ops_memo_stays_
         assert types.pack_ops(list(ops)) == types.pack_ops(ops)
     assert len(types._PACKED_OPS) <= types._PACKED_OPS_ITEMS_MAX
     assert types._packed_ops_bytes == sum(len(packed) for _, packed in types._PACKED_OPS.values())
+
+
+def test_the_one_chain_check_names_the_broken_link():
+    from mnesite.rlog.types import CHAIN_DIGEST, CHAIN_LINK, CHAIN_ORDER, chain_break, make_entry
+
+    first = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"a": 1})], "r1")
+    second = make_entry("s", TxKey(1, 2), first.tx_key, first.digest, [], None)
+    assert chain_break(ZERO_KEY, GENESIS_DIGEST, first) is None
+    assert chain_break(first.tx_key, first.digest, second) is None
+    assert chain_break(ZERO_KEY, GENESIS_DIGEST, second) == CHAIN_LINK
+    assert chain_break(first.tx_key, bytes(32), second) == CHAIN_DIGEST  # another history before it
+    tampered = dataclasses.replace(second, ops=(WriteOp("t", {"a": 2}),))
+    assert chain_break(first.tx_key, first.digest, tampered) == CHAIN_DIGEST
+    backwards = dataclasses.replace(second, tx_key=TxKey(1, 1))
+    assert chain_break(first.tx_key, first.digest, backwards) == CHAIN_ORDER
