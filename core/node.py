@@ -126,6 +126,7 @@ from mnesite.rlog.types import (
     DropTableOp,
     Entry,
     OpDecodeError,
+    PackedEntry,
     TxKey,
     entry_to_json,
     tx_key_from_wire,
@@ -200,6 +201,27 @@ class StoreLogView:
 
     def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
         return self.store.count_between(self.shard, key, up_to, limit)
+
+
+class AgentStoreLogView:
+    """``core.agent.AgentLogView`` over a shard's ``StoreLogView``: what an agent reads from SQLite
+    comes packed (``PackedEntry``: the ops go out as stored, never decoded and encoded again);
+    the unapplied tail it may reach is served from memory as the consensus view serves it."""
+
+    def __init__(self, view: StoreLogView) -> None:
+        self.view = view
+
+    def entries_after(self, key: TxKey, limit: int) -> list[Entry] | list[PackedEntry]:
+        cached = self.view.tail.entries
+        if cached and cached[0].prev <= key <= cached[-1].tx_key:
+            return self.view.entries_after(key, limit)
+        return self.view.store.packed_entries_after(self.view.shard, key, limit)
+
+    def trimmed_key(self) -> TxKey:
+        return self.view.trimmed_key()
+
+    def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
+        return self.view.count_after(key, up_to, limit)
 
 
 @dataclass
@@ -659,7 +681,7 @@ class CoreNode(NodeServer):
         try:
             return self.rlog_server.watch(
                 body,
-                driver.log_view,
+                AgentStoreLogView(driver.log_view),
                 position.applied,
                 position.digest,
                 lambda key: self.store.digest_at(driver.shard, key),

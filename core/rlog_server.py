@@ -34,7 +34,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import TxKey, entry_to_wire, tx_key_from_wire
+from mnesite.rlog.types import TxKey, to_wire, tx_key_from_wire
 
 AGENTS_MAX = 1000
 
@@ -154,7 +154,7 @@ class RlogServer:
                     "shard": watch.shard,
                     "agent": agent_id,
                     "core": self.core_name,
-                    "entries": [entry_to_wire(entry) for entry in effect.entries],
+                    "entries": [to_wire(entry) for entry in effect.entries],
                     "committed": list(effect.committed_key),
                     "hears_sequencer": effect.hears_sequencer,
                     "watch": watch.answer,

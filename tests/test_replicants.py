@@ -123,6 +123,7 @@ def test_kill_9_of_the_upstream_core_moves_the_replicant_without_a_bootstrap(rep
     check_replicants_equal_cores(replicated, ["replicant1", "replicant2"], acknowledged)
     after = shard_status(replicated, "replicant1")
     assert after["bootstraps"] == before["bootstraps"], "failover must resume, not re-copy"
+    assert after["rows_copied"] == before["rows_copied"], "rows re-copied by the failover"
     assert after["resumes"] > before["resumes"]
 
 

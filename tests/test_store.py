@@ -275,3 +275,76 @@ def test_a_replay_over_a_copy_made_after_a_drop_heals_only_while_healing(tmp_pat
             copy.apply_entry(entry, healing=True)
     assert copy.shard("default").applied == drop.tx_key and "t" not in copy.catalog()
     copy.close()
+    # The replicant's batched path (log_and_apply_verified) follows the same healing rule.
+    batched = Store(str(tmp_path / "batched.db"), synchronous="NORMAL")
+    with batched.write_transaction():
+        batched.ensure_shard("default", 1)
+        batched.restart_log_at("default", create.tx_key, create.digest)
+    with pytest.raises(StoreError, match="unknown table"), batched.write_transaction():
+        batched.log_and_apply_verified([write, drop], 0)
+    assert batched.shard("default").applied == create.tx_key, "a refused batch changes nothing"
+    with batched.write_transaction():
+        batched.log_and_apply_verified([write, drop], 0, healing=True)
+    assert batched.shard("default").applied == drop.tx_key and "t" not in batched.catalog()
+    batched.close()
+
+
+def chain_after(store: Store, ops_list) -> list:
+    position = store.shard("default")
+    key, digest, entries = position.applied, position.digest, []
+    for ops in ops_list:
+        entry = make_entry("default", TxKey(1, key.counter + 1), key, digest, ops)
+        entries.append(entry)
+        key, digest = entry.tx_key, entry.digest
+    return entries
+
+
+def test_a_verified_batch_is_logged_and_applied_in_op_order_with_one_position(store) -> None:
+    from mnesite.rlog.types import DeleteOp
+
+    entries = chain_after(
+        store,
+        [
+            [WriteOp("t", {"k": 1, "v": "a"}), WriteOp("t", {"k": 2, "v": "b"}), WriteOp("t", {"k": 1, "v": "c"})],
+            [DeleteOp("t", 2), WriteOp("t", {"k": 3, "v": "d"})],
+            [WriteOp("t", {"k": 2, "v": "e"}), DeleteOp("t", 3)],
+        ],
+    )
+    with store.write_transaction():
+        store.log_and_apply_verified(entries, 0)
+    table = store.catalog()["t"]
+    assert store.scan(table, None, 10) == [{"k": 1, "v": "c"}, {"k": 2, "v": "e"}]
+    position = store.shard("default")
+    assert (position.applied, position.digest) == (entries[-1].tx_key, entries[-1].digest)
+    assert store.entries_after("default", TxKey(1, 1), 10) == entries
+    assert store.verify_chain("default") == entries[-1].tx_key
+
+
+def test_a_verified_batch_with_a_gap_is_refused_and_changes_nothing(store) -> None:
+    entries = chain_after(store, [[WriteOp("t", {"k": n, "v": "x"})] for n in range(3)])
+    before = store.shard("default")
+    for batch in (entries[1:], [entries[0], entries[2]]):
+        with pytest.raises(StoreError, match="follow"), store.write_transaction():
+            store.log_and_apply_verified(batch, 0)
+        assert store.shard("default") == before
+        assert store.scan(store.catalog()["t"], None, 10) == []
+        assert store.last_entry_key("default") == TxKey(1, 1)
+
+
+def test_packed_entries_go_on_the_wire_exactly_as_decoded_ones_within_their_size_bound(store) -> None:
+    import msgpack
+    from mnesite.rlog.types import DeleteOp, entry_to_wire, to_wire, wire_size_bytes
+
+    entries = chain_after(
+        store,
+        [[WriteOp("t", {"v": "é" * 300, "k": 2}), DeleteOp("t", 1)], [WriteOp("t", {"k": 3, "v": None})]],
+    )
+    with store.write_transaction():
+        store.log_and_apply_verified(entries, 0)
+    packed = store.packed_entries_after("default", TxKey(1, 1), 10)
+    assert [p.tx_key for p in packed] == [e.tx_key for e in entries]
+    for entry, packed_entry in zip(entries, packed, strict=True):
+        assert to_wire(packed_entry) == msgpack.unpackb(msgpack.packb(entry_to_wire(entry)), raw=False)
+        assert msgpack.packb(to_wire(packed_entry)) == msgpack.packb(entry_to_wire(entry))
+        assert len(msgpack.packb(to_wire(packed_entry))) <= wire_size_bytes(packed_entry)
+    assert store.packed_entries_after("default", TxKey(1, 2), 1)[0].tx_key == TxKey(1, 3)
