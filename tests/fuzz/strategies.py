@@ -220,7 +220,19 @@ def hostile_message(known: Known) -> st.SearchStrategy[tuple[str, dict[str, Any]
     """``(kind, body)`` for every request kind of the schema."""
     return st.one_of(
         *(st.tuples(st.just(kind), body_for(messages.SCHEMAS[kind].fields, kind, known)) for kind in message_kinds())
-    )
+    ).filter(_keeps_the_known_tables(known))
+
+
+def _keeps_the_known_tables(known: Known):
+    """A ``drop_table`` naming a known table exactly is a legitimate admin write, not hostile content;
+    once it succeeded, every later legitimate write met ``unknown_table`` (a 100k run on 2026-11-23:
+    43 writes succeeded instead of about 1,400), so the rest of the run exercised far less state."""
+
+    def keeps(message: tuple[str, Any]) -> bool:
+        kind, body = message
+        return not (kind == "drop_table" and isinstance(body, dict) and body.get("table") in known.tables)
+
+    return keeps
 
 
 def legitimate_write(known: Known) -> st.SearchStrategy[tuple[str, dict[str, Any]]]:
