@@ -51,6 +51,8 @@ OPS_MAX = 100_000  # ops or guards in one transaction on the wire (the node's tr
 COLUMNS_MAX = 200
 ROW_COLUMNS_MAX = 1000
 MEMBERS_MAX = 64
+# Voters in one membership entry (core.consensus.MEMBERS_MAX is 15; a little room for hostile checks).
+MEMBERS_OP_MAX = 16
 PUSH_ENTRIES_MAX = 4096
 RANGES_MAX = 10_000
 FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
@@ -373,13 +375,21 @@ class _Entry(Spec):
 
 def _check_wire_op(op: Any, path: str) -> None:
     """An op in ``rlog.types.encode_op`` form: scalars only in rows and keys."""
-    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c"):
-        raise MessageError(path, "must be an op ['w'|'d'|'c', ...]")
+    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c", "m"):
+        raise MessageError(path, "must be an op ['w'|'d'|'c'|'m', ...]")
     if op[0] == "w":
         if len(op) != 3:
             raise MessageError(path, "write op must be ['w', table, [[column, value]...]]")
         NAME.check(op[1], f"{path}.table")
         ListOf(Pair(NAME, SCALAR), ROW_COLUMNS_MAX).check(op[2], f"{path}.row")
+    elif op[0] == "m":
+        # A membership entry (core.membership): voter names, the added core and its endpoint.
+        if len(op) != 4:
+            raise MessageError(path, "members op must be ['m', [name...], added, endpoint]")
+        ListOf(NAME, MEMBERS_OP_MAX).check(op[1], f"{path}.members")
+        if op[2] != "" or op[3] != "":
+            NAME.check(op[2], f"{path}.added")
+            ENDPOINT.check(op[3], f"{path}.endpoint")
     elif op[0] == "d":
         if len(op) != 3:
             raise MessageError(path, "delete op must be ['d', table, key]")

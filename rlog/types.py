@@ -72,7 +72,21 @@ class CreateTableOp:
     columns: tuple[tuple[str, str], ...]
 
 
-Op = WriteOp | DeleteOp | CreateTableOp
+@dataclass(frozen=True)
+class MembersOp:
+    """The shard's core membership from this entry on (``core.membership``): sorted voter names.
+
+    ``added`` and ``endpoint`` name the core this change adds and where it listens (empty when the
+    change removes one or only records the membership, as a forced start does), so that every core
+    learns a new peer's endpoint from the log. Applying it changes no table.
+    """
+
+    members: tuple[str, ...]
+    added: str = ""
+    endpoint: str = ""
+
+
+Op = WriteOp | DeleteOp | CreateTableOp | MembersOp
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,8 @@ def encode_op(op: Op) -> list[Any]:
         return ["d", op.table, op.key]
     if isinstance(op, CreateTableOp):
         return ["c", op.table, op.shard, op.key_column, [list(c) for c in op.columns]]
+    if isinstance(op, MembersOp):
+        return ["m", list(op.members), op.added, op.endpoint]
     raise TypeError(f"not an op: {op!r}")
 
 
@@ -123,6 +139,15 @@ def decode_op(value: Any) -> Op:
                 raise OpDecodeError("create op columns must be [name, type] pairs")
             columns.append((column[0], column[1]))
         return CreateTableOp(value[1], value[2], value[3], tuple(columns))
+    if (
+        kind == "m"
+        and len(value) == 4
+        and isinstance(value[1], list)
+        and all(isinstance(name, str) for name in value[1])
+        and isinstance(value[2], str)
+        and isinstance(value[3], str)
+    ):
+        return MembersOp(tuple(value[1]), value[2], value[3])
     raise OpDecodeError(f"malformed op of kind {kind!r}")
 
 
@@ -198,6 +223,9 @@ def entry_size_bytes(entry: Entry) -> int:
             size += 8 + len(op.table.encode()) + row_size_bytes(op.row)
         elif isinstance(op, DeleteOp):
             size += 8 + len(op.table.encode()) + _value_size_bytes(op.key)
+        elif isinstance(op, MembersOp):
+            size += 16 + len(op.added.encode()) + len(op.endpoint.encode())
+            size += sum(len(name.encode()) + 5 for name in op.members)
         else:
             size += 64 + len(op.table.encode()) + len(op.shard.encode())
             size += sum(len(name.encode()) + len(kind.encode()) + 8 for name, kind in op.columns)
@@ -247,6 +275,8 @@ def op_to_json(op: Op) -> dict[str, Any]:
         return {"op": "write", "table": op.table, "row": op.row}
     if isinstance(op, DeleteOp):
         return {"op": "delete", "table": op.table, "key": op.key}
+    if isinstance(op, MembersOp):
+        return {"op": "members", "members": list(op.members), "added": op.added, "endpoint": op.endpoint}
     return {
         "op": "create_table",
         "table": op.table,
