@@ -1,0 +1,253 @@
+"""Membership changes through the log (issue 14, ``core.membership``): the pure rule, the wire
+form of a membership entry, and the simulator under faults with a mutation it must catch."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import msgpack
+import pytest
+from mnesite.core import membership
+from mnesite.core.consensus import (
+    AppendReply,
+    AppendRequest,
+    Commit,
+    MembershipChangeRequested,
+    PersistEntries,
+    ProposalCommitted,
+    ProposalRejected,
+    Role,
+    Ticked,
+)
+from mnesite.rlog.messages import MessageError
+from mnesite.rlog.messages import _check_wire_op as check_wire_op
+from mnesite.rlog.types import (
+    GENESIS_DIGEST,
+    ZERO_KEY,
+    MembersOp,
+    TxKey,
+    decode_op,
+    encode_op,
+    entry_to_wire,
+    make_entry,
+)
+
+from tests.sim import SimulationFailure
+from tests.sim.membership import MembershipSimulation, run_membership_seed
+from tests.test_consensus import CONFIG, Harness, chain, of_type, sends
+
+CI_SEEDS = 40
+
+
+def _elected() -> Harness:
+    """``a`` is sequencer of {a, b, c} and its no-op (1, 1) committed (acknowledged by b)."""
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    assert harness.machine.committed_key == TxKey(1, 1)
+    return harness
+
+
+def _membership_entries(effects: list) -> list:
+    return [e for p in of_type(effects, PersistEntries) for e in p.entries if membership.membership_of(e)]
+
+
+# ---------------------------------------------------------------- the pure rule
+
+
+def test_one_change_at_a_time_and_only_adjacent_sets():
+    members = ("a", "b", "c")
+    assert membership.change_refusal(members, "d", True, False, True) is None
+    assert membership.change_refusal(members, "d", True, True, True) == membership.REJECT_CHANGE_IN_FLIGHT
+    assert membership.change_refusal(members, "d", True, False, False) == membership.REJECT_NOT_SETTLED
+    assert membership.change_refusal(members, "a", True, False, True) == membership.REJECT_ALREADY_MEMBER
+    assert membership.change_refusal(members, "z", False, False, True) == membership.REJECT_NOT_MEMBER
+    assert membership.change_refusal(("a",), "a", False, False, True) == membership.REJECT_LAST_MEMBER
+    full = tuple(f"n{i}" for i in range(membership.MEMBERS_MAX))
+    assert membership.change_refusal(full, "x", True, False, True) == membership.REJECT_TOO_MANY_MEMBERS
+    assert membership.changed_members(members, "d", True) == ("a", "b", "c", "d")
+    assert membership.changed_members(members, "b", False) == ("a", "c")
+
+
+def test_a_removal_is_in_force_as_soon_as_the_sequencer_persists_it():
+    harness = _elected()
+    effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m1"))
+    (entry,) = _membership_entries(effects)
+    assert membership.membership_of(entry) == ("a", "b")
+    assert harness.machine.members == ("a", "b") and harness.machine.committed_members == ("a", "b", "c")
+    # c gets no append any more; the entry commits with b (a majority of {a, b}), not with c.
+    assert all(to != "c" for to, _ in sends(effects, AppendRequest))
+    assert not of_type(harness.ack("c", entry.tx_key), Commit)
+    effects = harness.ack("b", entry.tx_key)
+    assert of_type(effects, ProposalCommitted) == [ProposalCommitted("m1", entry.tx_key)]
+    # Committed: persisted as the membership a restart starts from.
+    assert harness.state.members == ("a", "b") and harness.machine.committed_members == ("a", "b")
+
+
+def test_a_second_change_is_refused_until_the_first_commits():
+    harness = _elected()
+    harness.step(MembershipChangeRequested("c", add=False, request_id="m1"))
+    effects = harness.step(MembershipChangeRequested("d", add=True, request_id="m2"))
+    assert of_type(effects, ProposalRejected) == [ProposalRejected("m2", membership.REJECT_CHANGE_IN_FLIGHT, "a")]
+    assert not _membership_entries(effects)
+
+
+def test_a_new_sequencer_changes_nothing_before_its_no_op_commits():
+    harness = Harness()
+    harness.elect()
+    effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m1"))
+    assert of_type(effects, ProposalRejected)[0].reason == membership.REJECT_NOT_SETTLED
+
+
+def test_a_core_is_added_only_after_it_caught_up_as_a_learner():
+    harness = _elected()
+    effects = harness.step(MembershipChangeRequested("d", add=True, endpoint="tcp://127.0.0.1:7", request_id="m1"))
+    # The learner is replicated to, but the membership is unchanged and nothing is appended.
+    assert [to for to, _ in sends(effects, AppendRequest)] == ["d"]
+    assert harness.machine.members == ("a", "b", "c") and not _membership_entries(effects)
+    assert harness.machine.status().learner == "d"
+    # The learner answers that it lacks everything: still no add entry.
+    reply = AppendReply(1, False, ZERO_KEY, ZERO_KEY, ZERO_KEY, harness.now_ms)
+    assert not _membership_entries(harness.receive("d", reply))
+    # Once it holds the committed key, the add entry is appended (with its endpoint) and in force.
+    effects = harness.ack("d", TxKey(1, 1))
+    (entry,) = _membership_entries(effects)
+    (op,) = entry.ops
+    assert op == MembersOp(("a", "b", "c", "d"), "d", "tcp://127.0.0.1:7")
+    assert harness.machine.members == ("a", "b", "c", "d")
+    # Four voters: a and b alone (2) are no majority.
+    assert not of_type(harness.ack("b", entry.tx_key), Commit)
+    assert of_type(harness.ack("d", entry.tx_key), ProposalCommitted)
+
+
+def test_a_learner_that_never_catches_up_is_refused_after_the_deadline():
+    harness = Harness(config=dataclasses.replace(CONFIG, learner_catch_up_ms_max=500))
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.step(MembershipChangeRequested("d", add=True, request_id="m1"))
+    refusals = []
+    now = harness.now_ms
+    while now < 1000 and not refusals:
+        now += CONFIG.heartbeat_interval_ms
+        harness.ack("b", TxKey(1, 1))  # a majority keeps answering: the sequencer does not fence itself
+        refusals = of_type(harness.step(Ticked(), now), ProposalRejected)
+    assert refusals == [ProposalRejected("m1", membership.REJECT_CATCH_UP_TIMEOUT, "a")]
+    assert harness.machine.members == ("a", "b", "c") and harness.machine.status().learner is None
+
+
+def test_a_follower_uses_an_uncommitted_membership_entry_and_drops_it_with_a_truncation():
+    follower = Harness(name="b")
+    (first,) = chain([TxKey(1, 1)])
+    change = make_entry("s", TxKey(1, 2), first.tx_key, first.digest, (MembersOp(("a", "b")),))
+    follower.receive("a", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, ("a", "b", "c"), (first,)))
+    follower.receive("a", AppendRequest(1, first.tx_key, first.digest, first.tx_key, ("a", "b", "c"), (change,)))
+    assert follower.machine.members == ("a", "b") and follower.machine.committed_members == ("a", "b", "c")
+    # A new sequencer (c, generation 2) replaces the uncommitted tail: the old membership is back.
+    (other,) = chain([TxKey(2, 1)], first)
+    follower.receive("c", AppendRequest(2, first.tx_key, first.digest, first.tx_key, ("a", "b", "c"), (other,)))
+    assert follower.machine.members == ("a", "b", "c")
+
+
+def test_a_restarted_core_reads_its_membership_from_the_log():
+    (first,) = chain([TxKey(1, 1)])
+    change = make_entry("s", TxKey(1, 2), first.tx_key, first.digest, (MembersOp(("a", "b", "c", "d")),))
+    harness = Harness(name="d", entries=[first, change], committed_key=first.tx_key)
+    assert harness.machine.members == ("a", "b", "c", "d") and harness.machine.voter
+
+
+def test_a_sequencer_that_removes_itself_steps_down_once_the_removal_commits():
+    harness = _elected()
+    harness.ack("c", TxKey(1, 1))
+    effects = harness.step(MembershipChangeRequested("a", add=False, request_id="m1"))
+    (entry,) = _membership_entries(effects)
+    assert harness.machine.role is Role.SEQUENCER and not harness.machine.voter
+    # It does not count itself: b alone is not a majority of {b, c}.
+    assert not of_type(harness.ack("b", entry.tx_key), Commit)
+    effects = harness.ack("c", entry.tx_key)
+    assert of_type(effects, ProposalCommitted) and harness.machine.role is Role.FOLLOWER
+    assert harness.state.members == ("b", "c")
+
+
+# ---------------------------------------------------------------- the wire form
+
+
+def test_a_membership_op_round_trips_and_the_typed_layer_refuses_malformed_ones():
+    op = MembersOp(("a", "b"), "b", "tcp://127.0.0.1:9")
+    assert decode_op(encode_op(op)) == op
+    check_wire_op(encode_op(op), "op")
+    check_wire_op(encode_op(MembersOp(("a",))), "op")
+    for bad in (
+        ["m", "a", "", ""],
+        ["m", ["a"], "b"],
+        ["m", ["bad name!"], "", ""],
+        ["m", [f"n{i}" for i in range(100)], "", ""],
+        ["m", ["a"], "b", "not an endpoint"],
+    ):
+        with pytest.raises(MessageError):
+            check_wire_op(bad, "op")
+    entry = make_entry("s", TxKey(1, 1), ZERO_KEY, bytes(32), (op,))
+    msgpack.packb(entry_to_wire(entry))
+
+
+# ---------------------------------------------------------------- the simulator
+
+
+def _seeds() -> list[int]:
+    if os.environ.get("MNESITE_SIM_SEED"):
+        return [int(os.environ["MNESITE_SIM_SEED"])]
+    return list(range(int(os.environ.get("MNESITE_SIM_SEEDS", CI_SEEDS))))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", _seeds(), ids=lambda seed: f"seed_{seed}")
+def test_membership_changes_under_faults(seed):
+    simulation = run_membership_seed(seed, 3 if seed % 2 == 0 else 5)
+    assert simulation.result is not None and simulation.result.committed_entries >= 4
+
+
+@pytest.mark.timeout(120)
+def test_the_seeds_change_the_membership_for_real():
+    """The seeds above must exercise commits of adds and removes, or they check nothing new."""
+    committed = sum(run_membership_seed(seed, 3 if seed % 2 == 0 else 5).changes_committed for seed in range(10))
+    assert committed >= 5
+
+
+def _two_removals_in_flight(seed: int) -> MembershipSimulation:
+    """5 cores, no faults: the sequencer S and A are cut off from X, Y and Z; S is asked to remove
+    Y and then Z at once, and takes writes; then time passes."""
+    simulation = MembershipSimulation(seed, 5, faulty_ms=0, change_probability=0.0)
+    simulation._heal()
+    sequencer = simulation.run_until_quiet().name
+    a, x, y, z = sorted(n for n in simulation.nodes if n.startswith("core") and n != sequencer)
+    left, right = {sequencer, a}, {x, y, z}
+    simulation.cut = {(p, q) for p in left for q in right} | {(q, p) for p in left for q in right}
+    simulation.change(sequencer, y, add=False)
+    simulation.change(sequencer, z, add=False)
+    for _ in range(5):
+        simulation.write(sequencer)
+    for _ in range(200):
+        simulation.advance()
+    return simulation
+
+
+@pytest.mark.timeout(60)
+def test_two_removals_cut_off_from_the_majority_lose_nothing():
+    simulation = _two_removals_in_flight(seed=3)
+    assert simulation.changes_refused.get(membership.REJECT_CHANGE_IN_FLIGHT) == 1
+    simulation.cut = set()
+    simulation.final_check(simulation.run_until_quiet())
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_two_changes_in_flight(monkeypatch):
+    """Mutation: without the one-change-at-a-time rule, {S, A} commit under the 3-core set while
+    {X, Y, Z} are a majority of the 5-core set they still use: two committed histories."""
+    real = membership.change_refusal
+
+    def broken(members, name, add, change_in_flight, own_generation_committed):
+        return real(members, name, add, False, own_generation_committed)
+
+    monkeypatch.setattr(membership, "change_refusal", broken)
+    with pytest.raises(SimulationFailure, match="seed 3 .*(commits|two sequencers|acknowledged)"):
+        _two_removals_in_flight(seed=3)
