@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import json
 import logging
 import random
 import threading
@@ -53,6 +54,7 @@ from mnesite.core.consensus import (
     ForceStarted,
     ForceStartRefused,
     ForceStartRequested,
+    MembershipChangeRequested,
     MessageReceived,
     PersistedState,
     PersistEntries,
@@ -72,6 +74,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GuardTail
+from mnesite.core.membership import ALREADY_DONE, membership_of, valid_members
 from mnesite.core.rlog_server import RlogServer, WatchRefused
 from mnesite.core.snapshot import (
     BeginInstall,
@@ -101,6 +104,7 @@ from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, reque
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
     Entry,
+    MembersOp,
     OpDecodeError,
     TxKey,
     entry_to_json,
@@ -140,6 +144,8 @@ RECOVERY_TIMEOUT_MS = 1000
 INSTALL_BATCH_ROWS_MAX = 10_000
 INSTALL_REQUEST_TIMEOUT_MS = 10_000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
+# Core endpoints a node keeps (its config's and those learned from membership entries and peers).
+MEMBERS_LEARNED_MAX = 64
 
 
 class RequestError(Exception):
@@ -235,9 +241,15 @@ class CoreNode(NodeServer):
             election_timeout_ms_max=config.timing.election_timeout_ms_max,
             heartbeat_interval_ms=config.timing.heartbeat_interval_ms,
         )
-        self.members = tuple(sorted(config.core_nodes))
         data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
         super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
+        # The cluster's membership (core.membership): the config's core_nodes seed it; after that it
+        # is the membership last applied from any shard's log, and it seeds shards created later.
+        # Endpoints of cores added later are learned from their membership entries.
+        self.members = tuple(json.loads(self.store.meta("cluster_members", "null")) or sorted(config.core_nodes))
+        self.endpoints: dict[str, str] = {**config.core_nodes, **json.loads(self.store.meta("core_endpoints", "{}"))}
+        # request id -> (shard, envelope) of a membership change not yet in the log (learner stage).
+        self.pending_changes: dict[str, tuple[str, list[bytes]]] = {}
         self.shards: dict[str, ShardDriver] = {}
         self.forwarded: dict[str, Forwarded] = {}
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
@@ -282,6 +294,10 @@ class CoreNode(NodeServer):
         follower that is far behind. If no peer answers (a new cluster), nothing changes.
         """
         generations: dict[str, int] = {}
+        # A core added to a running cluster (or one being rebuilt) starts with the members the peers
+        # know, not its config's core_nodes: outside them it is a learner until an add entry names it.
+        members: dict[str, tuple[str, ...]] = {}
+        cluster: tuple[int, tuple[str, ...]] | None = None
         # probe_peers drops answers whose generations are malformed; a shard name is checked like any
         # other name before it can become a row here (a peer's answer is untrusted input too).
         for journal in self.probe_peers(timeout_ms).values():
@@ -290,20 +306,63 @@ class CoreNode(NodeServer):
                     check_name("shard", shard)
                 except SchemaError:
                     continue
-                generations[shard] = max(generations.get(shard, 0), _generation_in(journal, shard))
+                generation = _generation_in(journal, shard)
+                if generation >= generations.get(shard, 0):
+                    peer_members = _members_in(journal["shards"][shard].get("members"))
+                    if peer_members is not None:
+                        members[shard] = peer_members
+                        if cluster is None or generation > cluster[0]:
+                            cluster = (generation, peer_members)
+                generations[shard] = max(generations.get(shard, 0), generation)
+            self._learn_endpoints(journal.get("core_nodes"))
         if generations:
             with self.store.write_transaction():
                 for shard, generation in generations.items():
                     self.store.ensure_shard(shard, 0)
-                    self.store.persist_consensus_state(shard, generation, self.config.name, self.members, False)
+                    shard_members = members.get(shard, self.members)
+                    self.store.persist_consensus_state(shard, generation, self.config.name, shard_members, False)
+                if cluster is not None:
+                    self._set_cluster_members(cluster[1])
             log.warning("empty database: recovering from peers at generations %s", generations)
         return generations
+
+    def _learn_endpoints(self, endpoints: Any) -> None:
+        """Peer endpoints from a peer's journal answer (untrusted: names and endpoints are checked)."""
+        if not isinstance(endpoints, dict):
+            return
+        from mnesite.rlog.messages import ENDPOINT, NAME, MessageError
+
+        for name, endpoint in list(endpoints.items())[:MEMBERS_LEARNED_MAX]:
+            try:
+                NAME.check(name, "core")
+                ENDPOINT.check(endpoint, "endpoint")
+            except MessageError:
+                continue
+            if name not in self.endpoints:
+                self._learn_endpoint(name, endpoint)
+
+    def _learn_endpoint(self, name: str, endpoint: str) -> None:
+        if self.endpoints.get(name) == endpoint or name == self.config.name:
+            return
+        if len(self.endpoints) >= MEMBERS_LEARNED_MAX and name not in self.endpoints:
+            log.warning("not learning endpoint %s of core %s: %d endpoints known", endpoint, name, len(self.endpoints))
+            return
+        self.endpoints[name] = endpoint
+        learned = {n: e for n, e in self.endpoints.items() if self.config.core_nodes.get(n) != e}
+        self.store.set_meta("core_endpoints", json.dumps(learned, sort_keys=True))
+        log.info("core %s listens at %s", name, endpoint)
+
+    def _set_cluster_members(self, members: tuple[str, ...]) -> None:
+        if members != self.members:
+            self.members = members
+            self.store.set_meta("cluster_members", json.dumps(list(members)))
+            log.warning("cluster membership: %s", ", ".join(members))
 
     def peer_client(self, peer: str, timeout_ms: int) -> Any:
         """A one-shot client to core ``peer``, speaking with this node's own key when secure."""
         from mnesite.rlog.client import Client
 
-        endpoint = self.config.core_nodes[peer]
+        endpoint = self.endpoints[peer]
         if self.security is None:
             return Client(endpoint, timeout_ms=timeout_ms, retries=0)
         return Client(
@@ -438,6 +497,10 @@ class CoreNode(NodeServer):
             self.rlog_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
             self.reply(envelope, codec.reply(message.request_id, self.force_start()))
+        elif message.kind == "membership_change":
+            self._membership_change(envelope, message)
+        elif message.kind == "members":
+            self.reply(envelope, codec.reply(message.request_id, self.membership()))
         elif message.kind in WRITE_KINDS:
             self._write(envelope, message)
         elif message.kind == "read_index" or message.body.get("consistency") == "linearizable":
@@ -475,6 +538,7 @@ class CoreNode(NodeServer):
             self.begin()
             self.store.append_entries(effect.entries, int(time.time() * 1000), chain_verified=True)
             driver.tail.add(effect.entries)
+            self._note_membership_entries(driver, effect.entries)
         elif isinstance(effect, TruncateLog):
             self.begin()
             removed = self.store.truncate_after(shard, effect.after_key)
@@ -491,6 +555,10 @@ class CoreNode(NodeServer):
             for held, verdict in driver.tail.committed(effect.up_to, self.store.catalog(), read_index):
                 self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
             self.transactions += len(applied)
+            for entry in applied:
+                applied_members = membership_of(entry)
+                if applied_members is not None:
+                    self._set_cluster_members(applied_members)
             self.rlog_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
             for entry in applied:
                 for envelope, request_id in driver.waiters.pop(entry.tx_key, []):
@@ -507,7 +575,11 @@ class CoreNode(NodeServer):
             for envelope, request_id in driver.waiters.pop(effect.tx_key, []):
                 self.reply(envelope, _outcome_unknown(request_id, effect.reason))
         elif isinstance(effect, ProposalRejected):
-            pass  # handled by the caller of Proposed, which still holds the envelope
+            # A write's rejection is handled by the caller of Proposed, which still holds the envelope;
+            # a membership change may be refused later (its learner never caught up).
+            pending = self.pending_changes.pop(effect.request_id or "", None)
+            if pending is not None:
+                self._answer_refused_change(driver, pending[1], effect)
         elif isinstance(effect, RoleChanged):
             # Requests forwarded to a sequencer we no longer follow would wait for FORWARD_TIMEOUT_MS
             # (it may be dead): tell their clients now, so that they retry with the same request id.
@@ -545,7 +617,7 @@ class CoreNode(NodeServer):
             recently = (
                 heard_ms is not None and self.clock_ms() - heard_ms <= self.consensus_config.election_timeout_ms_min
             )
-            if position is not None and effect.follower in self.config.core_nodes and recently:
+            if position is not None and effect.follower in self.endpoints and recently:
                 log.info(
                     "shard %s: follower %s needs entries after %s, older than this rlog retains (%s): offering a "
                     "snapshot at %s",
@@ -581,15 +653,13 @@ class CoreNode(NodeServer):
             # start with a gap, and the replica resynchronised forever. A dead endpoint holds at most
             # push_queue_max frames, and only until its agent stops for want of acknowledgements
             # (its socket is then closed with LINGER 0).
-            replicant_socket = self.dealer(
-                endpoint, limits.push_queue_max, len(self.config.core_nodes) + limits.watches_max
-            )
+            replicant_socket = self.dealer(endpoint, limits.push_queue_max, len(self.endpoints) + limits.watches_max)
             if replicant_socket is not None:
                 self.queue(replicant_socket, message)
         # Close the sockets of endpoints no agent pushes to any more (stopped, superseded, evicted),
         # except those a frame of this turn is still queued for: they close at a later turn.
         in_use = self.rlog_server.endpoints()
-        peers = set(self.config.core_nodes.values())
+        peers = set(self.endpoints.values())
         queued = {id(socket) for socket, _, _ in self._outbox if socket is not None}
         for endpoint, socket in list(self.dealers.items()):
             if endpoint not in in_use and endpoint not in peers and id(socket) not in queued:
@@ -659,7 +729,7 @@ class CoreNode(NodeServer):
         shard = body["shard"]
         driver = self.shards.get(shard)
         position = self.store.shard(shard)
-        if driver is None or position is None or body["sender"] not in self.members:
+        if driver is None or position is None or body["sender"] not in self.endpoints:
             return
         try:
             offer = SnapshotOffer(body["sender"], body["generation"], tx_key_from_wire(body["key"]), body["digest"])
@@ -789,7 +859,7 @@ class CoreNode(NodeServer):
             self._step_install(shard, batch)
 
     def _send_peer(self, peer: str, message: Message) -> None:
-        endpoint = self.config.core_nodes.get(peer)
+        endpoint = self.endpoints.get(peer)
         socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
         if socket is not None:
             self.queue(socket, message)
@@ -797,7 +867,7 @@ class CoreNode(NodeServer):
     def _on_peer(self, message: Message) -> None:
         body = message.body
         sender, shard = body["sender"], body["shard"]
-        if sender not in self.config.core_nodes or sender == self.config.name:
+        if sender not in self.endpoints or sender == self.config.name:
             raise RequestError("bad_request", f"peer {sender!r} is not a core of this cluster")
         try:
             peer_message = message_from_wire(body["message"])
@@ -956,7 +1026,7 @@ class CoreNode(NodeServer):
     def _forward(self, envelope: list[bytes], message: Message, driver: ShardDriver) -> None:
         sequencer = driver.consensus.sequencer
         if message.body.get("forwarded") or sequencer is None or sequencer == self.config.name:
-            hint = f"; try {self.config.core_nodes[sequencer]}" if sequencer in self.config.core_nodes else ""
+            hint = f"; try {self.endpoints[sequencer]}" if sequencer in self.endpoints else ""
             raise RequestError(
                 "no_sequencer",
                 f"shard {driver.shard} has no sequencer reachable from {self.config.name} (election or no quorum)"
@@ -997,6 +1067,79 @@ class CoreNode(NodeServer):
         for request_id in [r for r, f in self.forwarded.items() if f.deadline_ms <= now]:
             pending = self.forwarded.pop(request_id)
             self.reply(pending.envelope, _outcome_unknown(request_id, "the sequencer did not answer in time"))
+
+    # -- membership changes (core.membership) ----------------------------------------------------
+
+    def _membership_change(self, envelope: list[bytes], message: Message) -> None:
+        """Operator: add or remove one core in one shard, at its sequencer (forwarded there)."""
+        body = message.body
+        driver = self.shards.get(body["shard"])
+        if driver is None:
+            raise RequestError("unknown_shard", f"unknown shard {body['shard']!r}")
+        if driver.consensus.role is not Role.SEQUENCER:
+            self._forward(envelope, message, driver)
+            return
+        add = body["action"] == "add"
+        name = body["name"]
+        endpoint = body.get("endpoint") or self.endpoints.get(name, "")
+        if add and not endpoint:
+            raise RequestError("bad_request", f"the endpoint of core {name!r} is unknown: give it")
+        if len(self.pending_changes) >= MEMBERS_LEARNED_MAX:
+            raise RequestError("overloaded", "too many membership changes pending")
+        self.begin()
+        if add:
+            # The sequencer replicates to the learner before any entry names its endpoint.
+            self._learn_endpoint(name, endpoint)
+        self.hold(envelope, message.request_id)
+        self.pending_changes[message.request_id] = (driver.shard, envelope)
+        self._step(driver, MembershipChangeRequested(name, add, endpoint if add else "", message.request_id))
+
+    def _note_membership_entries(self, driver: ShardDriver, entries: tuple[Entry, ...]) -> None:
+        """Persisted entries: learn added cores' endpoints; a pending change now waits for its commit."""
+        for entry in entries:
+            for op in entry.ops:
+                if isinstance(op, MembersOp) and op.added:
+                    self._learn_endpoint(op.added, op.endpoint)
+            pending = self.pending_changes.pop(entry.request_id, None) if entry.request_id else None
+            if pending is not None:
+                driver.waiters.setdefault(entry.tx_key, []).append((pending[1], entry.request_id or ""))
+
+    def _answer_refused_change(self, driver: ShardDriver, envelope: list[bytes], effect: ProposalRejected) -> None:
+        request_id = effect.request_id or ""
+        if effect.reason in ALREADY_DONE:
+            # A retried (or half-done cluster-wide) change: the membership already is what was asked.
+            result = {"shard": driver.shard, "members": list(driver.consensus.members), "unchanged": effect.reason}
+            self.reply(envelope, codec.reply(request_id, result))
+            return
+        sequencer = f" (sequencer: {effect.sequencer})" if effect.sequencer else ""
+        self.reply(
+            envelope,
+            codec.error(
+                request_id,
+                effect.reason,
+                f"membership change refused in shard {driver.shard}: {effect.reason}{sequencer}",
+            ),
+        )
+
+    def membership(self) -> dict[str, Any]:
+        """``cluster members``: the cluster view and each shard's membership as this core sees it."""
+        shards = {}
+        for shard, driver in sorted(self.shards.items()):
+            status = driver.consensus.status()
+            shards[shard] = {
+                "members": list(status.members),
+                "committed_members": list(status.committed_members),
+                "learner": status.learner,
+                "sequencer": status.sequencer,
+                "generation": status.generation,
+                "voter": driver.consensus.voter,
+            }
+        return {
+            "node": self.config.name,
+            "members": list(self.members),
+            "endpoints": dict(sorted(self.endpoints.items())),
+            "shards": shards,
+        }
 
     def force_start(self) -> dict[str, Any]:
         """Operator: become sequencer of every shard with the cores that answer now, loudly.
@@ -1062,7 +1205,9 @@ class CoreNode(NodeServer):
                 pass  # not reached
 
         threads = [
-            threading.Thread(target=ask, args=(peer,), daemon=True) for peer in self.members if peer != self.config.name
+            threading.Thread(target=ask, args=(peer,), daemon=True)
+            for peer in self.endpoints
+            if peer != self.config.name
         ]
         for thread in threads:
             thread.start()
@@ -1206,7 +1351,8 @@ class CoreNode(NodeServer):
             }
         return {
             "node": self.config.name,
-            "core_nodes": self.config.core_nodes,
+            "core_nodes": self.endpoints,
+            "members": list(self.members),
             "reachable_peers": self.reachable_peers(),
             "shards": shards,
         }
@@ -1227,6 +1373,8 @@ class CoreNode(NodeServer):
                 "committed": list(status.committed_key),
                 "last": list(status.last_key),
                 "members": list(status.members),
+                "committed_members": list(status.committed_members),
+                "learner": status.learner,
                 "forced": status.forced,
                 "excluded": self.excluded.get(shard),
                 "rlog": self._rlog_statistics(shard),
@@ -1258,7 +1406,8 @@ class CoreNode(NodeServer):
             "role": self.config.role,
             "listen": self.config.listen,
             "data_dir": self.config.data_dir,
-            "core_nodes": self.config.core_nodes,
+            "core_nodes": self.endpoints,
+            "members": list(self.members),
             "commits": self.commits,
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
@@ -1321,6 +1470,19 @@ def _generation_in(journal: dict[str, Any], shard: str) -> int:
     if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation < 2**63:
         return -1
     return generation
+
+
+def _members_in(value: Any) -> tuple[str, ...] | None:
+    """A peer's members list, if it is a valid membership (untrusted input)."""
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        return None
+    members = tuple(sorted(set(value)))
+    try:
+        for name in members:
+            check_name("core", name)
+    except SchemaError:
+        return None
+    return members if valid_members(members) else None
 
 
 def _outcome_unknown(request_id: str, reason: str) -> Message:

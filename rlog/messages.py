@@ -477,6 +477,16 @@ _SCHEMA_LIST = [
     _kind("read_index", "the committed key, confirmed by the sequencer", ("shard", NAME, True), OPTIONAL_FORWARDED),
     _kind("journal", "the node's journal age per shard"),
     _kind("force_start", "operator: force this core to become sequencer"),
+    _kind(
+        "membership_change",
+        "operator: add or remove one core in one shard (core.membership), at its sequencer",
+        ("shard", NAME, True),
+        ("action", Text(8, 1, choices=("add", "remove")), True),
+        ("name", NAME, True),
+        ("endpoint", ENDPOINT, False),
+        OPTIONAL_FORWARDED,
+    ),
+    _kind("members", "the cluster's and each shard's core membership as this core sees it"),
     _kind("rlog_tail", "the newest entries of a shard", ("shard", NAME, True), ("count", LIMIT, False)),
     _kind(
         "rlog_entries",

@@ -16,7 +16,7 @@ The roles:
   (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
-* ``admin``: everything, including ``create_table`` and ``force_start``.
+* ``admin``: everything, including ``create_table``, ``force_start`` and ``membership_change``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
 
@@ -39,6 +39,7 @@ READ_KINDS = frozenset(
         "rlog_tail",
         "rlog_entries",
         "journal",
+        "members",
         "read_index",
         "range_digest",
         "key_boundaries",
@@ -60,6 +61,9 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "watch": frozenset({"replicant"}),
     "push_ack": frozenset({"replicant"}),
     "force_start": frozenset(),
+    # adding or removing a core changes who counts in every quorum: operators only (a core
+    # forwards an admin's request to the sequencer, keeping the admin's principal)
+    "membership_change": frozenset({"core"}),
 }
 
 # Kinds whose body names its sender: the name must be the authenticated principal.

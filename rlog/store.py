@@ -38,6 +38,7 @@ from mnesite.rlog.types import (
     CreateTableOp,
     DeleteOp,
     Entry,
+    MembersOp,
     Op,
     TxKey,
     WriteOp,
@@ -422,6 +423,8 @@ class Store:
                 )
             elif isinstance(op, CreateTableOp):
                 self._create_table(op)
+            elif isinstance(op, MembersOp):
+                pass  # a membership entry (core.membership) changes no table; its position still advances
             else:
                 raise StoreError(f"unknown op {op!r}")
 
