@@ -1,0 +1,70 @@
+"""Real processes: membership changes on a running cluster (issue 14, ``core.membership``).
+
+A 3-core cluster grows to 4 and shrinks back to 3 under writes with no acknowledged write lost, and
+a core removed and re-added converges (equal digest at equal tx key)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from mnesite.cli.main import main
+
+from tests.conftest import Cluster, NodeProcess, free_port, wait_until
+from tests.test_cluster import Load, check_agreement, create_table
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def cluster_cli(cluster: Cluster, through: str, *args: str) -> dict:
+    runner = CliRunner()
+    result = runner.invoke(
+        main,
+        [*args, "--node", cluster.endpoints[through], "--timeout-ms", "60000", "--json", *cluster.cli_keys()],
+    )
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def shard_members(cluster: Cluster, name: str) -> list[str] | None:
+    status = cluster.status(name)
+    info = status["shards"].get("default") if status else None
+    return info["members"] if info else None
+
+
+def test_grow_to_four_shrink_to_three_and_re_add_under_writes(tmp_path: Path, node_processes: list[NodeProcess]):
+    # Insecure: with [security] the new core's key must also be authorized on every core (README).
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.start_all()
+    create_table(cluster)
+    load = Load(cluster, ["core1", "core2"]).start()
+    load.wait_for(100)
+
+    # A fourth core, started with an empty data directory: it learns the membership from its peers
+    # and is a learner (no vote) until the add entry reaches it.
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    cluster.start("core4")
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+    added = cluster_cli(cluster, "core1", "cluster", "add-core", "core4", cluster.endpoints["core4"])
+    assert added["members"]["shards"]["default"]["members"] == ["core1", "core2", "core3", "core4"]
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3", "core4"], 20, "core4 a voter")
+    load.wait_for(100)
+
+    # Shrink back to three: core3 leaves; writes keep being acknowledged by {core1, core2, core4}.
+    cluster_cli(cluster, "core2", "cluster", "remove-core", "core3")
+    for name in ("core1", "core2", "core4"):
+        wait_until(lambda name=name: shard_members(cluster, name) == ["core1", "core2", "core4"], 20, f"{name}")
+    load.wait_for(100)
+    members = cluster_cli(cluster, "core4", "cluster", "members")
+    assert members["members"] == ["core1", "core2", "core4"]
+
+    # The removed core (still running, its log intact) is added again and converges.
+    cluster_cli(cluster, "core1", "cluster", "add-core", "core3", cluster.endpoints["core3"])
+    load.wait_for(100)
+    acknowledged = load.stop()
+    check_agreement(cluster, ["core1", "core2", "core3", "core4"], acknowledged)
+    assert shard_members(cluster, "core3") == ["core1", "core2", "core3", "core4"]
