@@ -60,7 +60,12 @@ and executes the effects it returns.
   down, fails its pending writes, and stops taking part.
   Safety holds as long as fewer than a majority of the old members that were left out ever come
   back (they must be rebuilt first): left-out cores alone cannot form a quorum of the old membership,
-  and reached cores ignore them.
+  and reached cores ignore them. A left-out core rejoins through an ordinary membership change
+  (``core.membership``): the forced sequencer replicates to it as a learner, and the entry that adds
+  it ends its exclusion. If its log holds committed entries the forced sequencer lacks, the append
+  would replace them and ``ConsensusInvariantError`` stops the shard there: rebuild it (empty data
+  directory) and add it again.
+* Membership changes: see ``core.membership`` (one core at a time, through the log).
 
 Driver contract
 ---------------
@@ -1255,6 +1260,10 @@ class ShardConsensus:
         if changes:
             self._changes.extend(changes)
             self._set_members(changes[-1][1])
+            if self._excluded and self.name in changes[-1][1]:
+                # Left out by a forced start, then added back (``cluster add-core``): the forced
+                # sequencer replicated its log to us as a learner, and its add entry names us.
+                self._excluded = False
 
     def _forget_changes_after(self, key: TxKey) -> None:
         """The log is truncated after ``key``: its membership entries there no longer count."""

@@ -876,10 +876,14 @@ class CoreNode(NodeServer):
             return
         self.last_heard_ms[sender] = self.clock_ms()
         driver = self._shard_for(shard, create=True)
-        if driver is None or shard in self.excluded:
+        if driver is None:
             return
-        # Non-members too: the consensus machine tells a core left out by a forced start.
+        # Non-members too: the consensus machine tells a core left out by a forced start. A core
+        # left out still follows appends: the forced sequencer reaches it when it is added again.
         self._step(driver, MessageReceived(sender, peer_message))
+        if shard in self.excluded and not driver.consensus.excluded:
+            log.warning("shard %s: added back to the cluster by %s after a forced start left it out", shard, sender)
+            del self.excluded[shard]
 
     def _record_exclusion(self, shard: str, effect: Excluded) -> None:
         """The machine accepted that a forced start left us out: say how our journal compares."""

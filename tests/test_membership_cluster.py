@@ -68,3 +68,41 @@ def test_grow_to_four_shrink_to_three_and_re_add_under_writes(tmp_path: Path, no
     acknowledged = load.stop()
     check_agreement(cluster, ["core1", "core2", "core3", "core4"], acknowledged)
     assert shard_members(cluster, "core3") == ["core1", "core2", "core3", "core4"]
+
+
+def test_a_core_left_out_by_a_forced_start_rejoins_through_add_core(tmp_path: Path, node_processes: list[NodeProcess]):
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.start_all()
+    create_table(cluster)
+    with cluster.client("core1", retries=5) as client:
+        for i in range(50):
+            client.put("kv", {"id": i, "value": "before"})
+    cluster.wait_converged(cluster.names)
+    for name in ("core2", "core3"):
+        cluster.nodes[name].kill()
+    wait_until(lambda: cluster.client("core1", timeout_ms=1000).journal()["reachable_peers"] == [], 10, "core1 alone")
+    forced = CliRunner().invoke(
+        main, ["journal", "force-start", "--yes", "--node", cluster.endpoints["core1"], "--json"]
+    )
+    assert forced.exit_code == 0, forced.output
+    with cluster.client("core1", timeout_ms=3000, retries=3) as client:
+        for i in range(50, 80):
+            client.put("kv", {"id": i, "value": "after force"})
+    cluster.start("core2")
+    wait_until(
+        lambda: ((cluster.status("core2") or {}).get("shards", {}).get("default") or {}).get("excluded") is not None,
+        20,
+        "core2 to learn that it was left out",
+    )
+    cluster_cli(cluster, "core1", "cluster", "add-core", "core2", cluster.endpoints["core2"])
+    position = cluster.wait_converged(["core1", "core2"])
+    status = cluster.status("core2")["shards"]["default"]
+    assert status["excluded"] is None and status["members"] == ["core1", "core2"]
+    # It takes part again: a write through it commits (core1 and core2 are both voters now) and both
+    # hold all 81 rows at an equal digest.
+    with cluster.client("core2", timeout_ms=5000, retries=3) as client:
+        client.put("kv", {"id": 1000, "value": "after rejoin"})
+    assert cluster.wait_converged(["core1", "core2"])["applied"] > position["applied"]
+    for name in ("core1", "core2"):
+        with cluster.client(name) as client:
+            assert len(list(client.scan("kv"))) == 81
