@@ -48,6 +48,9 @@ class MembershipSimulation(Simulation):
             self.nodes[name] = node
             self._start(node)
 
+    def _replay_command(self) -> str:
+        return f"MNESITE_SIM_SEED={self.seed} .venv/bin/pytest tests/test_membership.py -k 'seed_{self.seed}'"
+
     def _inject_faults(self) -> None:
         super()._inject_faults()
         if self.faults.write_probability > 0 and self.rng.random() < self.change_probability:
