@@ -249,5 +249,7 @@ def test_the_simulator_catches_two_changes_in_flight(monkeypatch):
         return real(members, name, add, False, own_generation_committed)
 
     monkeypatch.setattr(membership, "change_refusal", broken)
-    with pytest.raises(SimulationFailure, match="seed 3 .*(commits|two sequencers|acknowledged).*test_membership.py"):
+    with pytest.raises(
+        SimulationFailure, match="(?s)seed 3 .*(commits|two sequencers|acknowledged).*test_membership.py"
+    ):
         _two_removals_in_flight(seed=3)
