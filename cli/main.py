@@ -657,13 +657,23 @@ def cluster() -> None:
 def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name: str, core_endpoint: str | None):
     """Propose the change to every shard in turn; each is answered once its entry committed."""
     with client_for(endpoint, timeout_ms) as client:
-        shards = sorted(run(client.members)["shards"])
-        if not shards:
+        view = run(client.members)
+        if not view["shards"]:
             fail("the cluster has no shard yet: create a table first, then change its cores")
         results = {}
-        for shard in shards:
-            answer = run(lambda shard=shard: client.change_membership(shard, action, name, core_endpoint))
-            results[shard] = answer
+        for shard, info in sorted(view["shards"].items()):
+            # Straight to the shard's sequencer when known: catching up a new core may take longer
+            # than a forwarded request may wait.
+            sequencer_endpoint = view["endpoints"].get(info["sequencer"]) if info["sequencer"] else None
+            if sequencer_endpoint is None or info["sequencer"] == view["node"]:
+                results[shard] = run(lambda shard=shard: client.change_membership(shard, action, name, core_endpoint))
+                continue
+            with client_for(sequencer_endpoint, timeout_ms) as sequencer:
+                results[shard] = run(
+                    lambda shard=shard, sequencer=sequencer: sequencer.change_membership(
+                        shard, action, name, core_endpoint
+                    )
+                )
         return {"action": action, "core": name, "shards": results, "members": run(client.members)}
 
 

@@ -85,6 +85,7 @@ from mnesite.core.snapshot import (
     SnapshotInstall,
     SnapshotOffer,
     accept_offer,
+    members_after_install,
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import codec, range_requests, replication
@@ -633,6 +634,7 @@ class CoreNode(NodeServer):
                     "generation": driver.consensus.generation,
                     "key": list(position.applied),
                     "digest": position.digest,
+                    "members": list(driver.consensus.committed_members),
                 }
                 self._send_peer(effect.follower, Message("snapshot_offer", "snapshot", body))
         elif isinstance(effect, ForceStartRefused):
@@ -732,7 +734,13 @@ class CoreNode(NodeServer):
         if driver is None or position is None or body["sender"] not in self.endpoints:
             return
         try:
-            offer = SnapshotOffer(body["sender"], body["generation"], tx_key_from_wire(body["key"]), body["digest"])
+            offer = SnapshotOffer(
+                body["sender"],
+                body["generation"],
+                tx_key_from_wire(body["key"]),
+                body["digest"],
+                tuple(body.get("members", ())),
+            )
         except OpDecodeError:
             return
         install = self.installs.get(shard)
@@ -791,6 +799,9 @@ class CoreNode(NodeServer):
             elif isinstance(effect, FinishInstall):
                 self.begin()
                 self.store.restart_log_at(shard, effect.key, effect.digest)
+                generation, voted_for, members, forced = self.store.consensus_state(shard)
+                members = members_after_install(self.installs[shard].offer, members or self.members)
+                self.store.persist_consensus_state(shard, generation, voted_for, members, forced)
                 self.store.set_meta(f"installing:{shard}", 0)
                 self.store.set_meta(f"read_fenced:{shard}", 1)
                 self.not_serving[shard] = "replaying after a snapshot install"
@@ -1088,9 +1099,19 @@ class CoreNode(NodeServer):
         endpoint = body.get("endpoint") or self.endpoints.get(name, "")
         if add and not endpoint:
             raise RequestError("bad_request", f"the endpoint of core {name!r} is unknown: give it")
+        self.begin()
+        if message.request_id in self.pending_changes:
+            # A client's retry while its core is still catching up: answer the retry, change nothing.
+            self.hold(envelope, message.request_id)
+            self.pending_changes[message.request_id] = (driver.shard, envelope)
+            return
+        previous = self.store.find_request(message.request_id)
+        if previous is not None:
+            # A retry of a change already in the log: answered when (or since) it committed.
+            self._await_commit(driver, previous[1], envelope, message.request_id, duplicate=True)
+            return
         if len(self.pending_changes) >= MEMBERS_LEARNED_MAX:
             raise RequestError("overloaded", "too many membership changes pending")
-        self.begin()
         if add:
             # The sequencer replicates to the learner before any entry names its endpoint.
             self._learn_endpoint(name, endpoint)

@@ -51,8 +51,9 @@ OPS_MAX = 100_000  # ops or guards in one transaction on the wire (the node's tr
 COLUMNS_MAX = 200
 ROW_COLUMNS_MAX = 1000
 MEMBERS_MAX = 64
-# Voters in one membership entry (core.consensus.MEMBERS_MAX is 15; a little room for hostile checks).
-MEMBERS_OP_MAX = 16
+# Voters in one membership entry: core.membership.MEMBERS_MAX (rlog imports nothing of core; a test
+# keeps the two equal), so that no entry a core accepts names a membership it cannot start with.
+MEMBERS_OP_MAX = 15
 PUSH_ENTRIES_MAX = 4096
 RANGES_MAX = 10_000
 FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
@@ -544,6 +545,8 @@ _SCHEMA_LIST = [
         ("generation", Integer(0, 2**63 - 1), True),
         ("key", TX_KEY, True),
         ("digest", Blob(DIGEST_BYTES), True),
+        # the sequencer's committed membership at key (core.membership)
+        ("members", ListOf(NAME, MEMBERS_OP_MAX), False),
     ),
     # consensus
     _kind(

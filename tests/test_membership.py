@@ -20,7 +20,8 @@ from mnesite.core.consensus import (
     Role,
     Ticked,
 )
-from mnesite.rlog.messages import MessageError
+from mnesite.core.snapshot import SnapshotOffer, members_after_install
+from mnesite.rlog.messages import MEMBERS_OP_MAX, MessageError
 from mnesite.rlog.messages import _check_wire_op as check_wire_op
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -188,6 +189,18 @@ def test_a_membership_op_round_trips_and_the_typed_layer_refuses_malformed_ones(
             check_wire_op(bad, "op")
     entry = make_entry("s", TxKey(1, 1), ZERO_KEY, bytes(32), (op,))
     msgpack.packb(entry_to_wire(entry))
+    # No entry a core accepts may name a membership a core cannot start with.
+    assert MEMBERS_OP_MAX == membership.MEMBERS_MAX
+    with pytest.raises(MessageError):
+        check_wire_op(["m", [f"n{i}" for i in range(membership.MEMBERS_MAX + 1)], "", ""], "op")
+
+
+def test_a_snapshot_carries_the_committed_membership():
+    offer = SnapshotOffer("a", 3, TxKey(3, 9), bytes(32), ("a", "b", "d"))
+    assert members_after_install(offer, ("a", "b", "c")) == ("a", "b", "d")
+    # An offer naming none (or a malformed set) keeps the follower's own.
+    assert members_after_install(SnapshotOffer("a", 3, TxKey(3, 9), bytes(32)), ("a", "b")) == ("a", "b")
+    assert members_after_install(SnapshotOffer("a", 3, TxKey(3, 9), bytes(32), ("a", "a")), ("a", "b")) == ("a", "b")
 
 
 # ---------------------------------------------------------------- the simulator

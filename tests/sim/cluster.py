@@ -63,7 +63,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GuardTail
-from mnesite.core.snapshot import SnapshotOffer, accept_offer
+from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
 
@@ -412,7 +412,11 @@ class Simulation:
         # sequencer it knows, in its generation, beyond its applied key. The copy itself (the
         # driver's job there) is modelled as a consistent copy of the sequencer's applied state.
         offer = SnapshotOffer(
-            sequencer.name, sequencer.machine.generation, sequencer.applied_key, sequencer.applied_digest
+            sequencer.name,
+            sequencer.machine.generation,
+            sequencer.applied_key,
+            sequencer.applied_digest,
+            sequencer.machine.committed_members,
         )
         machine = follower.machine
         if accept_offer(offer, machine.generation, machine.sequencer, follower.applied_key, False) is not None:
@@ -420,6 +424,9 @@ class Simulation:
         # The driver copies the sequencer's applied tables; the follower's log restarts there.
         follower.log = MemoryLog(sequencer.applied_key, sequencer.applied_digest)
         follower.applied_key, follower.applied_digest = sequencer.applied_key, sequencer.applied_digest
+        # The driver persists the offer's membership with the copied tables (core.snapshot).
+        members = members_after_install(offer, follower.state.members)
+        follower.state = dataclasses.replace(follower.state, members=members)
         self.snapshots += 1
         self.trace.append((self.now_ms, follower.name, "installed snapshot at", follower.applied_key))
         self._start(follower)
