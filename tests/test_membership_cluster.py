@@ -106,3 +106,33 @@ def test_a_core_left_out_by_a_forced_start_rejoins_through_add_core(tmp_path: Pa
     for name in ("core1", "core2"):
         with cluster.client(name) as client:
             assert len(list(client.scan("kv"))) == 81
+
+
+def test_a_new_core_behind_the_trimmed_log_catches_up_by_snapshot_before_it_is_added(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.extend_core_configs("[rlog]\nretention_entries_max = 50\n")
+    cluster.start_all()
+    create_table(cluster)
+    load = Load(cluster, ["core1", "core2", "core3"]).start()
+    load.wait_for(300)
+    wait_until(
+        lambda: ((cluster.status("core1") or {})["shards"]["default"]["rlog"].get("first") or [0, 0]) > [1, 1],
+        30,
+        "the cores to trim their rlog",
+    )
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    config = cluster.root / "core4.toml"
+    config.write_text(config.read_text() + "[rlog]\nretention_entries_max = 50\n")
+    cluster.start("core4")
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+    cluster_cli(cluster, "core3", "cluster", "add-core", "core4", cluster.endpoints["core4"])
+    load.wait_for(100)
+    acknowledged = load.stop()
+    check_agreement(cluster, cluster.names, acknowledged)
+    log_text = (cluster.root / "core4.log").read_text()
+    assert "installing a snapshot" in log_text and "snapshot installed" in log_text
+    assert shard_members(cluster, "core4") == ["core1", "core2", "core3", "core4"]
