@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from mnesite.cli.main import main
+from mnesite.rlog.client import MnesiteError
 
 from tests.conftest import Cluster, NodeProcess, free_port, wait_until
 from tests.test_cluster import Load, check_agreement, create_table
@@ -136,3 +137,49 @@ def test_a_new_core_behind_the_trimmed_log_catches_up_by_snapshot_before_it_is_a
     log_text = (cluster.root / "core4.log").read_text()
     assert "installing a snapshot" in log_text and "snapshot installed" in log_text
     assert shard_members(cluster, "core4") == ["core1", "core2", "core3", "core4"]
+
+
+def test_with_security_a_new_core_is_authorized_by_key_and_sighup_then_added(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    """The README's procedure: the new core's public key goes into every core's authorized_keys
+    directory and its name under [security.roles] core, SIGHUP, then add-core."""
+    import shutil
+    import signal
+
+    from mnesite.rlog.security import generate_keys
+
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=True)
+    cluster.start_all()
+    create_table(cluster)
+    with cluster.client("core1", retries=5) as client:
+        for i in range(30):
+            client.put("kv", {"id": i, "value": "before"})
+    generate_keys("core4", str(cluster.keys_dir))
+    shutil.copy(cluster.keys_dir / "core4.key", cluster.authorized_dir)
+    old_roles = 'core = ["core1", "core2", "core3"]'
+    new_roles = 'core = ["core1", "core2", "core3", "core4"]'
+    for name in ("core1", "core2", "core3"):
+        config = cluster.root / f"{name}.toml"
+        assert old_roles in config.read_text()
+        config.write_text(config.read_text().replace(old_roles, new_roles))
+        cluster.nodes[name].signal(signal.SIGHUP)
+    for name in ("core1", "core2", "core3"):
+        wait_until(
+            lambda name=name: "SIGHUP: reloaded" in (cluster.root / f"{name}.log").read_text(), 10, f"{name} reload"
+        )
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    cluster.start("core4")
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+    added = cluster_cli(cluster, "core2", "cluster", "add-core", "core4", cluster.endpoints["core4"])
+    assert added["members"]["shards"]["default"]["members"] == ["core1", "core2", "core3", "core4"]
+    with cluster.client("core4", retries=3) as client:
+        client.put("kv", {"id": 100, "value": "through core4"})
+    cluster.wait_converged(cluster.names)
+    # A writer may not change the membership (admin only).
+    with cluster.client("core1", principal="app") as client, pytest.raises(MnesiteError) as refused:
+        client.change_membership("default", "remove", "core4")
+    assert getattr(refused.value, "code", None) == "forbidden", refused.value
+    assert shard_members(cluster, "core1") == ["core1", "core2", "core3", "core4"]
