@@ -18,6 +18,7 @@ from mnesite.core.consensus import (
     ProposalCommitted,
     ProposalRejected,
     Role,
+    ShardConsensus,
     Ticked,
 )
 from mnesite.core.snapshot import SnapshotOffer, members_after_install
@@ -266,3 +267,37 @@ def test_the_simulator_catches_two_changes_in_flight(monkeypatch):
         SimulationFailure, match="(?s)seed 3 .*(commits|two sequencers|acknowledged).*test_membership.py"
     ):
         _two_removals_in_flight(seed=3)
+
+
+def _add_cut_off_from_the_old_majority(seed: int) -> MembershipSimulation:
+    """3 cores and a spare, no faults: the sequencer S and the spare are cut off from A and B, then S
+    is asked to add the spare (it catches up within S's last election timeout), and takes writes."""
+    simulation = MembershipSimulation(seed, 3, faulty_ms=0, change_probability=0.0)
+    simulation._heal()
+    sequencer = simulation.run_until_quiet().name
+    a, b = sorted(n for n in simulation.nodes if n.startswith("core") and n != sequencer)
+    left, right = {sequencer, "spare0"}, {a, b}
+    simulation.cut = {(p, q) for p in left for q in right} | {(q, p) for p in left for q in right}
+    simulation.change(sequencer, "spare0", add=True)
+    for _ in range(3):
+        simulation.write(sequencer)
+    for _ in range(200):
+        simulation.advance()
+    return simulation
+
+
+@pytest.mark.timeout(60)
+def test_an_add_cut_off_from_the_old_majority_commits_nothing():
+    simulation = _add_cut_off_from_the_old_majority(seed=4)
+    assert "spare0" in simulation.nodes["spare0"].machine.members  # the add entry reached the spare
+    simulation.cut = set()
+    simulation.final_check(simulation.run_until_quiet())
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_counting_the_old_membership_quorum(monkeypatch):
+    """Mutation: a sequencer counting the committed (old) membership's majority commits the add with
+    itself and the new core while the two others, a majority of the old set, elect another."""
+    monkeypatch.setattr(ShardConsensus, "_majority", lambda self: len(self.committed_members) // 2 + 1)
+    with pytest.raises(SimulationFailure, match="(?s)seed 4 .*(commits|two sequencers|acknowledged)"):
+        _add_cut_off_from_the_old_majority(seed=4)
