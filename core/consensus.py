@@ -1278,6 +1278,10 @@ class ShardConsensus:
         self._changes = self._changes[len(settled) :]
         if settled[-1][1] != self._committed_members:
             self._committed_members = settled[-1][1]
+            # A membership change after a forced start ends what "forced" guards: outsiders are no
+            # longer only the cores it left out (a core being added may ask a member that has not
+            # seen its entry yet), so nobody is told "excluded" any more.
+            self._forced = False
             self._persist_state()
 
     def _adopt_committed_members(self, message: AppendRequest) -> None:

@@ -13,8 +13,11 @@ from mnesite.core.consensus import (
     AppendReply,
     AppendRequest,
     Commit,
+    ExclusionNotice,
+    ForceStartRequested,
     MembershipChangeRequested,
     PersistEntries,
+    PreVoteRequest,
     ProposalCommitted,
     ProposalRejected,
     Role,
@@ -301,3 +304,20 @@ def test_the_simulator_catches_counting_the_old_membership_quorum(monkeypatch):
     monkeypatch.setattr(ShardConsensus, "_majority", lambda self: len(self.committed_members) // 2 + 1)
     with pytest.raises(SimulationFailure, match="(?s)seed 4 .*(commits|two sequencers|acknowledged)"):
         _add_cut_off_from_the_old_majority(seed=4)
+
+
+def test_a_committed_membership_change_after_a_forced_start_ends_exclusion_notices():
+    harness = Harness()
+    effects = harness.step(ForceStartRequested(()), 10)
+    assert harness.machine.status().forced and harness.machine.members == ("a",)
+    # A core outside the forced set is told it was left out...
+    effects = harness.receive("b", PreVoteRequest(9, TxKey(1, 1)))
+    assert [type(m).__name__ for _, m in sends(effects, ExclusionNotice)] == ["ExclusionNotice"]
+    # ...until the forced core adds a core back (here: d, caught up as a learner) and that commits.
+    harness.step(MembershipChangeRequested("d", add=True, request_id="m1"))
+    effects = harness.ack("d", harness.machine.last_key)
+    (entry,) = _membership_entries(effects)
+    effects = harness.ack("d", entry.tx_key)
+    assert of_type(effects, ProposalCommitted) and not harness.machine.status().forced
+    effects = harness.receive("c", PreVoteRequest(9, TxKey(1, 1)), harness.now_ms + 2000)
+    assert not sends(effects, ExclusionNotice)
