@@ -1248,8 +1248,9 @@ class ShardConsensus:
         committed = [key for key in self._pending if key <= candidate]
         for key in committed:
             self._out.append(ProposalCommitted(self._pending.pop(key), key))
-        if not self.voter:
-            # Its own removal committed: the remaining members elect a sequencer among themselves.
+        if self.name not in self._committed_members:
+            # Its own removal committed (not merely an earlier entry, committed by the others while
+            # the removal is still in flight): the remaining members elect a sequencer among themselves.
             self._step_down(f"{self.name} was removed from the membership")
 
     # ------------------------------------------------------------ membership (core.membership)

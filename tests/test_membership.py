@@ -19,7 +19,9 @@ from mnesite.core.consensus import (
     PersistEntries,
     PreVoteRequest,
     ProposalCommitted,
+    ProposalFailed,
     ProposalRejected,
+    Proposed,
     Role,
     ShardConsensus,
     Ticked,
@@ -32,6 +34,7 @@ from mnesite.rlog.types import (
     ZERO_KEY,
     MembersOp,
     TxKey,
+    WriteOp,
     decode_op,
     encode_op,
     entry_to_wire,
@@ -164,9 +167,16 @@ def test_a_restarted_core_reads_its_membership_from_the_log():
 def test_a_sequencer_that_removes_itself_steps_down_once_the_removal_commits():
     harness = _elected()
     harness.ack("c", TxKey(1, 1))
+    harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
     effects = harness.step(MembershipChangeRequested("a", add=False, request_id="m1"))
     (entry,) = _membership_entries(effects)
     assert harness.machine.role is Role.SEQUENCER and not harness.machine.voter
+    # The write before the removal commits with b and c: the sequencer keeps serving (its removal
+    # is not committed yet), and does not fail the removal.
+    harness.ack("b", TxKey(1, 2))
+    effects = harness.ack("c", TxKey(1, 2))
+    assert of_type(effects, ProposalCommitted) == [ProposalCommitted("w1", TxKey(1, 2))]
+    assert harness.machine.role is Role.SEQUENCER and not of_type(effects, ProposalFailed)
     # It does not count itself: b alone is not a majority of {b, c}.
     assert not of_type(harness.ack("b", entry.tx_key), Commit)
     effects = harness.ack("c", entry.tx_key)

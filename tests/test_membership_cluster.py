@@ -183,3 +183,37 @@ def test_with_security_a_new_core_is_authorized_by_key_and_sighup_then_added(
         client.change_membership("default", "remove", "core4")
     assert getattr(refused.value, "code", None) == "forbidden", refused.value
     assert shard_members(cluster, "core1") == ["core1", "core2", "core3", "core4"]
+
+
+def test_a_dead_core_is_replaced_by_remove_then_add_and_the_sequencer_can_remove_itself(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.start_all()
+    create_table(cluster)
+    sequencer, _ = cluster.sequencer()
+    dead = next(name for name in cluster.names if name != sequencer)
+    alive = [name for name in cluster.names if name != dead]
+    load = Load(cluster, alive).start()
+    load.wait_for(100)
+    cluster.nodes[dead].kill()
+    load.wait_for(100)
+    cluster_cli(cluster, alive[0], "cluster", "remove-core", dead)
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    cluster.start("core4")
+    cluster_cli(cluster, alive[1], "cluster", "add-core", "core4", cluster.endpoints["core4"])
+    members = sorted([*alive, "core4"])
+    wait_until(lambda: shard_members(cluster, "core4") == members, 20, "core4 a voter")
+    load.wait_for(100)
+    # The sequencer removes itself: it steps down once the entry commits and the two others elect one.
+    sequencer, _ = cluster.sequencer(among=members)
+    cluster_cli(cluster, sequencer, "cluster", "remove-core", sequencer)
+    remaining = [name for name in members if name != sequencer]
+    wait_until(lambda: cluster.sequencer(among=remaining) is not None, 20, "a sequencer among the remaining cores")
+    load.through = remaining
+    load.wait_for(100)
+    acknowledged = load.stop()
+    check_agreement(cluster, remaining, acknowledged)
+    assert shard_members(cluster, remaining[0]) == remaining
