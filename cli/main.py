@@ -483,10 +483,13 @@ def status(endpoint, timeout_ms, as_json) -> None:
             "applied": tuple(info["applied"]),
             "digest": info["digest"][:16],
             "rlog entries": info.get("rlog", {}).get("entries", ""),
+            # the latest membership in the log; "*": a change not committed yet
+            "members": ",".join(info["members"]) + ("*" if info["members"] != info["committed_members"] else ""),
         }
         for shard, info in result["shards"].items()
     ]
-    click.echo(format_table(rows, ["shard", "role", "generation", "sequencer", "applied", "digest", "rlog entries"]))
+    columns = ["shard", "role", "generation", "sequencer", "applied", "digest", "rlog entries", "members"]
+    click.echo(format_table(rows, columns))
     for agent in result.get("agents", []):
         click.echo(
             f"agent {agent['agent']} -> {agent['replicant']} ({agent['shard']}, {agent['mode']}): "

@@ -4,6 +4,7 @@ form of a membership entry, and the simulator under faults with a mutation it mu
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import msgpack
@@ -331,3 +332,29 @@ def test_a_committed_membership_change_after_a_forced_start_ends_exclusion_notic
     assert of_type(effects, ProposalCommitted) and not harness.machine.status().forced
     effects = harness.receive("c", PreVoteRequest(9, TxKey(1, 1)), harness.now_ms + 2000)
     assert not sends(effects, ExclusionNotice)
+
+
+# ---------------------------------------------------------------- the CLI on one node
+
+
+@pytest.mark.timeout(60)
+def test_cluster_commands_on_a_single_core(thread_node):
+    from click.testing import CliRunner
+    from mnesite.cli.main import main
+
+    runner = CliRunner()
+    node = ["--node", thread_node.endpoint]
+    refused = runner.invoke(main, ["cluster", "add-core", "core2", "tcp://127.0.0.1:1", *node])
+    assert refused.exit_code == 1 and "create a table first" in refused.output
+    with thread_node.client(timeout_ms=5000) as client:
+        client.create_table("t", "k", [("k", "INTEGER")])
+    shown = runner.invoke(main, ["cluster", "members", "--json", *node])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["shards"]["default"]["members"] == ["core1"]
+    # Removing a core that is no member is answered as done; removing the last member is refused.
+    gone = runner.invoke(main, ["cluster", "remove-core", "core9", "--json", *node])
+    assert gone.exit_code == 0 and json.loads(gone.output)["shards"]["default"]["unchanged"] == "not_member"
+    last = runner.invoke(main, ["cluster", "remove-core", "core1", *node])
+    assert last.exit_code == 1 and "last_member" in last.output
+    status = runner.invoke(main, ["status", *node])
+    assert status.exit_code == 0 and "members" in status.output and "core1" in status.output
