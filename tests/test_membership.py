@@ -358,3 +358,24 @@ def test_cluster_commands_on_a_single_core(thread_node):
     assert last.exit_code == 1 and "last_member" in last.output
     status = runner.invoke(main, ["status", *node])
     assert status.exit_code == 0 and "members" in status.output and "core1" in status.output
+
+
+def test_the_typed_layer_refuses_malformed_membership_requests():
+    from mnesite.rlog import codec
+
+    good = {"shard": "default", "action": "add", "name": "core4", "endpoint": "tcp://127.0.0.1:7404"}
+    assert codec.decode(codec.encode(codec.Message("membership_change", "r1", good))).body == good
+    for bad in (
+        {**good, "action": "drop"},
+        {**good, "name": "core 4"},
+        {**good, "endpoint": "http://example.com"},
+        {**good, "shard": "x" * 500},
+        {"shard": "default", "name": "core4"},
+        {**good, "members": ["core1"]},
+    ):
+        with pytest.raises(codec.CodecError):
+            codec.decode(codec.encode(codec.Message("membership_change", "r1", bad)))
+    offer = {"shard": "s", "sender": "a", "generation": 1, "key": [1, 1], "digest": bytes(32)}
+    for members in (["a"] * 16, ["bad name!"], "a"):
+        with pytest.raises(codec.CodecError):
+            codec.decode(codec.encode(codec.Message("snapshot_offer", "r1", {**offer, "members": members})))
