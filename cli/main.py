@@ -524,6 +524,9 @@ def _describe_op(op: dict[str, Any]) -> str:
         return f"write {op['table']} {json.dumps(op['row'], default=_json_default)}"
     if op["op"] == "delete":
         return f"delete {op['table']} {op['key']!r}"
+    if op["op"] == "members":
+        added = f" (adds {op['added']} at {op['endpoint']})" if op["added"] else ""
+        return f"members {', '.join(op['members'])}{added}"
     return f"create_table {op['table']} (shard {op['shard']}, key {op['key']})"
 
 

@@ -358,6 +358,12 @@ def test_cluster_commands_on_a_single_core(thread_node):
     assert last.exit_code == 1 and "last_member" in last.output
     status = runner.invoke(main, ["status", *node])
     assert status.exit_code == 0 and "members" in status.output and "core1" in status.output
+    # rlog tail shows a membership entry (the single core's no-op carries none: seed it by hand).
+    from mnesite.cli.main import _describe_op
+    from mnesite.rlog.types import op_to_json
+
+    shown_op = _describe_op(op_to_json(MembersOp(("a", "b"), "b", "tcp://127.0.0.1:9")))
+    assert shown_op == "members a, b (adds b at tcp://127.0.0.1:9)"
 
 
 def test_the_typed_layer_refuses_malformed_membership_requests():
