@@ -443,6 +443,14 @@ def describe_security(security: dict[str, Any]) -> str:
     )
 
 
+def describe_copy(copy: dict[str, Any]) -> str:
+    """A bootstrap's or snapshot install's progress: rows of the total, rate and ETA."""
+    eta = f"{copy['eta_ms'] / 1000:.0f} s" if copy.get("eta_ms") is not None else "unknown"
+    total = copy.get("rows_expected") or 0
+    percent = f" ({100 * copy['rows'] / total:.0f}%)" if total else ""
+    return f"{copy['rows']} of about {total} rows{percent}, {copy.get('rows_per_s') or 0:.0f} rows/s, ETA {eta}"
+
+
 @main.command()
 @node_options
 @json_option
@@ -455,6 +463,11 @@ def status(endpoint, timeout_ms, as_json) -> None:
         return
     click.echo(f"node {result['node']} ({result['role']})")
     click.echo(describe_security(result.get("security") or {}))
+    backup = result.get("backup")
+    if backup is not None:
+        click.echo(
+            f"backup to {backup['path']}: {backup['state']}, {backup['pages_copied']} of {backup['pages_total']} pages"
+        )
     if result["role"] == "replicant":
         rows = [
             {
@@ -473,6 +486,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
         ]
         columns = ["shard", "mode", "upstream", "applied", "digest", "lag", "bootstraps", "resumes"]
         click.echo(format_table(rows, [*columns, "rows copied", "buffered"]))
+        for shard, info in result["shards"].items():
+            if info["mode"] == "bootstrap" and info.get("copy"):
+                click.echo(f"bootstrap of {shard}: {describe_copy(info['copy'])}")
         return
     rows = [
         {
@@ -490,6 +506,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
     ]
     columns = ["shard", "role", "generation", "sequencer", "applied", "digest", "rlog entries", "members"]
     click.echo(format_table(rows, columns))
+    for shard, info in result["shards"].items():
+        if info.get("install"):
+            click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
     for agent in result.get("agents", []):
         click.echo(
             f"agent {agent['agent']} -> {agent['replicant']} ({agent['shard']}, {agent['mode']}): "
@@ -531,17 +550,19 @@ def _describe_op(op: dict[str, Any]) -> str:
 
 
 @rlog.command("verify")
-@click.argument("data_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("data_dir", metavar="DATA_DIR|BACKUP", type=click.Path(exists=True))
 @json_option
 def rlog_verify(data_dir, as_json) -> None:
-    """Check offline that DATA_DIR's rlog is one unbroken digest chain ending at each shard's applied key."""
+    """Check offline that DATA_DIR's rlog (or a backup file's) is one unbroken digest chain ending at each
+    shard's applied key."""
     import os
 
     from mnesite.rlog.store import Store, StoreError
 
-    path = os.path.join(data_dir, "mnesite.db")
+    is_file = os.path.isfile(data_dir)
+    path = data_dir if is_file else os.path.join(data_dir, "mnesite.db")
     try:
-        store = Store(path, create=False)
+        store = Store(path, create=False, readonly=is_file)
         try:
             result = {shard: list(store.verify_chain(shard)) for shard in store.shards()}
         finally:
@@ -783,6 +804,9 @@ def keys_generate(name: str, directory: str, as_json: bool) -> None:
 
 
 def _register_optional_commands() -> None:
+    from mnesite.cli.backup import register
+
+    register(main)
     try:
         from mnesite.spark.cli import compare
     except ImportError:

@@ -89,6 +89,7 @@ from mnesite.core.snapshot import (
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import codec, range_requests, replication
+from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
@@ -143,6 +144,7 @@ RECOVERY_TIMEOUT_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
 # and how long an answer may take before the install is abandoned (the sequencer offers again).
 INSTALL_BATCH_ROWS_MAX = 10_000
+PROGRESS_LOG_INTERVAL_MS = 5000  # bootstrap and install progress lines in the log, per shard
 INSTALL_REQUEST_TIMEOUT_MS = 10_000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
 # Core endpoints a node keeps (its config's and those learned from membership entries and peers).
@@ -272,11 +274,18 @@ class CoreNode(NodeServer):
         self.install_requests: dict[str, tuple[str, str, dict[str, Any], int]] = {}
         self.not_serving: dict[str, str] = {}
         self.last_heard_ms: dict[str, int] = {}
+        self._next_progress_log_ms: dict[str, int] = {}
         self.transactions = 0
         self._next_retention_ms = 0
         self._status_counts: dict[Any, tuple[int, Any]] = {}
-        if not self.store.shards() and len(self.members) > 1:
+        # A database restored from a backup (rlog.backup) may be older than votes this core cast:
+        # it learns the generations in use like a core whose database was lost.
+        restored = bool(self.store.meta(RESTORED_META))
+        if (restored or not self.store.shards()) and len(self.members) > 1:
             self.recover_generations()
+        if restored:
+            with self.store.write_transaction():
+                self.store.set_meta(RESTORED_META, "")
         for shard in self.store.shards():
             self._open_shard(shard)
             if int(self.store.meta(f"installing:{shard}", 0)):
@@ -320,6 +329,8 @@ class CoreNode(NodeServer):
             with self.store.write_transaction():
                 for shard, generation in generations.items():
                     self.store.ensure_shard(shard, 0)
+                    if generation <= self.store.consensus_state(shard)[0]:
+                        continue  # a restored shard already at (or past) the generation the peers know
                     shard_members = members.get(shard, self.members)
                     self.store.persist_consensus_state(shard, generation, self.config.name, shard_members, False)
                 if cluster is not None:
@@ -465,6 +476,7 @@ class CoreNode(NodeServer):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
+                self.malformed_frame()
                 self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
                 continue
             refused = self.refusal(principal, message)
@@ -502,6 +514,12 @@ class CoreNode(NodeServer):
             self._membership_change(envelope, message)
         elif message.kind == "members":
             self.reply(envelope, codec.reply(message.request_id, self.membership()))
+        elif message.kind == "backup":
+            try:
+                result = self.answer_backup(message.body, self._backup_not_ready())
+            except BackupError as error:
+                raise RequestError("backup_refused", str(error)) from None
+            self.reply(envelope, codec.reply(message.request_id, result))
         elif message.kind in WRITE_KINDS:
             self._write(envelope, message)
         elif message.kind == "read_index" or message.body.get("consistency") == "linearizable":
@@ -693,6 +711,13 @@ class CoreNode(NodeServer):
             result = self._read(message)
         self.reply(envelope, codec.reply(message.request_id, result))
 
+    def _backup_not_ready(self) -> str | None:
+        """Why a backup taken now would not hold a committed state of every shard (None: it would)."""
+        if self.not_serving:
+            shard, reason = next(iter(sorted(self.not_serving.items())))
+            return f"shard {shard}: {reason}"
+        return None
+
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
         return driver.consensus.sequencer is not None
 
@@ -770,6 +795,24 @@ class CoreNode(NodeServer):
         self._execute_install(shard, install.step(event, position.applied, self.clock_ms()))
         if install.mode in (InstallMode.DONE, InstallMode.ABANDONED):
             del self.installs[shard]
+        else:
+            self._log_install_progress(shard, install)
+
+    def _log_install_progress(self, shard: str, install: SnapshotInstall) -> None:
+        """At most every PROGRESS_LOG_INTERVAL_MS while a snapshot is copied: rows, total, rate and ETA."""
+        now = self.clock_ms()
+        if not install.copy.rows or now < self._next_progress_log_ms.get(shard, 0):
+            return
+        self._next_progress_log_ms[shard] = now + PROGRESS_LOG_INTERVAL_MS
+        rate, eta_ms = install.copy.progress(now)
+        log.info(
+            "shard %s: snapshot install copied %d of about %d rows, %.0f rows/s, ETA %s",
+            shard,
+            install.copy.rows,
+            install.copy.rows_expected,
+            rate,
+            f"{eta_ms / 1000:.0f} s" if eta_ms is not None else "unknown",
+        )
 
     def _install_request(self, shard: str, core: str, kind: str, body: dict[str, Any], detail: dict[str, Any]) -> None:
         request_id = f"install-{self.rng.getrandbits(64):016x}"
@@ -1438,6 +1481,7 @@ class CoreNode(NodeServer):
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),
             "security": self.security_status(),
+            "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }
 

@@ -34,6 +34,7 @@ from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.rlog import codec, range_requests
 from mnesite.rlog import replication as p
+from mnesite.rlog.backup import BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
@@ -465,6 +466,7 @@ class ReplicantNode(NodeServer):
             try:
                 message = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError as error:
+                self.malformed_frame()
                 self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
                 continue
             refused = self.refusal(principal, message)
@@ -499,10 +501,25 @@ class ReplicantNode(NodeServer):
             self.reply(envelope, codec.reply(message.request_id, result))
         elif message.kind in ("rlog_tail", "rlog_entries"):
             self.reply(envelope, codec.reply(message.request_id, self._rlog_read(message)))
+        elif message.kind == "backup":
+            try:
+                result = self.answer_backup(body, self._backup_not_ready())
+            except BackupError as error:
+                raise RequestError("backup_refused", str(error)) from None
+            self.reply(envelope, codec.reply(message.request_id, result))
         elif message.kind in ("journal", "watch", "force_start", "peer", "read_index"):
             raise RequestError("not_a_core", f"{self.config.name} is a replicant; send {message.kind} to a core")
         else:
             raise RequestError("bad_request", f"{message.kind} is not a request")
+
+    def _backup_not_ready(self) -> str | None:
+        """Why a backup taken now would not hold a committed state of every shard (None: it would)."""
+        for shard, replica in sorted(self.replicas.items()):
+            status = replica.status()
+            if status.mode in (p.Mode.BOOTSTRAP, p.Mode.LOCAL_REPLAY) or status.read_fenced:
+                # A bootstrap's dirty-read copy is consistent only once the replay passed the read fence.
+                return f"shard {shard} is bootstrapping ({status.mode.value}): its rows are not a committed state yet"
+        return None
 
     def _on_push(self, body: dict[str, Any]) -> None:
         replica = self.replicas.get(body["shard"])
@@ -668,6 +685,7 @@ class ReplicantNode(NodeServer):
             "data_dir": self.config.data_dir,
             "core_nodes": self.config.core_nodes,
             "security": self.security_status(),
+            "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }
 

@@ -425,6 +425,11 @@ class Client:
             body["endpoint"] = endpoint
         return self.call("membership_change", body)
 
+    def backup(self, path: str) -> dict[str, Any]:
+        """Operator: start a backup of the node's database to ``path`` on the node's host, or report
+        the one under way to that path (``state`` running, done or failed; rlog.backup)."""
+        return self.call("backup", {"path": path})
+
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
         return self.call("rlog_tail", {"shard": shard, "count": count})
 

@@ -31,10 +31,14 @@ Example::
     replies_queued_max = 1000           # answers zmq queues per connection
     watches_max = 256                   # replicant watches (agents) per core
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
+    backup_step_pages_max = 256         # pages an online backup copies per step (mnesite backup)
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
     retention_age_ms_max = 0            # 0: no age limit
+
+    [metrics]                           # Prometheus text endpoint, GET /metrics (rlog.metrics); off if absent
+    listen = "127.0.0.1:9400"           # unauthenticated: keep it on loopback or a private network
 
     [security]                          # CurveZMQ + roles (rlog.security, rlog.roles)
     server_key = "keys/cluster.key_secret"   # the cluster's server key pair: same file on every node
@@ -107,6 +111,8 @@ class Limits:
     watches_max: int = 256
     # Frames queued to one replicant's endpoint (pushes beyond it are dropped and re-sent by the agent).
     push_queue_max: int = 1024
+    # Pages an online backup copies per step (rlog.backup); smaller steps share the machine more evenly.
+    backup_step_pages_max: int = 256
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,8 @@ class Config:
     # None: no [security] section (allowed on loopback only); insecure = true is SecurityConfig(insecure=True).
     security: SecurityConfig | None = None
     source_path: str | None = None  # the TOML file, re-read on SIGHUP
+    # [metrics] listen: "host:port" of the Prometheus endpoint (rlog.metrics); None: no endpoint.
+    metrics_listen: str | None = None
 
     @property
     def secure(self) -> bool:
@@ -160,6 +168,7 @@ _LIMIT_BOUNDS = {
     "replies_queued_max": (1, 1_000_000),
     "watches_max": (1, 100_000),
     "push_queue_max": (1, 100_000),
+    "backup_step_pages_max": (1, 1_000_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
     "election_timeout_ms_min": (10, 600_000),
@@ -185,7 +194,7 @@ def _int_section(section: str, raw: Any, cls: type) -> Any:
 
 def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     """Validate a parsed TOML document. Relative ``data_dir`` is resolved against ``base_dir``."""
-    sections = {"node", "cluster", "storage", "limits", "rlog", "security"}
+    sections = {"node", "cluster", "storage", "limits", "rlog", "security", "metrics"}
     for section in data:
         if section not in sections:
             raise ConfigError(f"unknown section [{section}] (known: {', '.join(sorted(sections))})")
@@ -242,6 +251,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         raise ConfigError(f"[storage].synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
 
     limits = _int_section("limits", data.get("limits", {}), Limits)
+    metrics_listen = parse_metrics(data.get("metrics"))
     security = parse_security(data.get("security"), base_dir)
     if security is not None and security.enabled:
         # Peers know a core only by its key's principal, which must be its node name.
@@ -267,7 +277,28 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         retention=_int_section("rlog", data.get("rlog", {}), Retention),
         timing=timing,
         security=security,
+        metrics_listen=metrics_listen,
     )
+
+
+def parse_metrics(raw: Any) -> str | None:
+    """``[metrics] listen = "127.0.0.1:9400"``: the Prometheus endpoint's address (None: off)."""
+    from mnesite.rlog.metrics import parse_listen
+
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError("[metrics] must be a table")
+    for key in raw:
+        if key != "listen":
+            raise ConfigError(f"unknown key [metrics].{key} (known: listen)")
+    if "listen" not in raw:
+        return None
+    try:
+        parse_listen("[metrics].listen", raw["listen"])
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return raw["listen"]
 
 
 def is_loopback(endpoint: str) -> bool:

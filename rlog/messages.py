@@ -61,6 +61,9 @@ FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a frame_bytes_max frame ca
 WAIT_MS_MAX = 600_000
 LIMIT_MAX = 2**31
 
+# An absolute path of plain characters (rlog.backup checks it again, with the file system).
+BACKUP_PATH_CHARS_MAX = 1024
+BACKUP_PATH = re.compile(r"^/[A-Za-z0-9_./\-]*$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 # tcp://host:port with a host name, an IPv4 address or a bracketed IPv6 address; ipc:// for tests.
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://[A-Za-z0-9_./\-]+)$")
@@ -488,6 +491,11 @@ _SCHEMA_LIST = [
         OPTIONAL_FORWARDED,
     ),
     _kind("members", "the cluster's and each shard's core membership as this core sees it"),
+    _kind(
+        "backup",
+        "operator: copy this node's database to a file on its host (rlog.backup); again to poll",
+        ("path", Text(BACKUP_PATH_CHARS_MAX, 2, BACKUP_PATH), True),
+    ),
     _kind("rlog_tail", "the newest entries of a shard", ("shard", NAME, True), ("count", LIMIT, False)),
     _kind(
         "rlog_entries",

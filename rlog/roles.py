@@ -16,7 +16,7 @@ The roles:
   (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
-* ``admin``: everything, including ``create_table``, ``force_start`` and ``membership_change``.
+* ``admin``: everything, including ``create_table``, ``force_start``, ``membership_change`` and ``backup``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
 
@@ -64,6 +64,8 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     # adding or removing a core changes who counts in every quorum: operators only (a core
     # forwards an admin's request to the sequencer, keeping the admin's principal)
     "membership_change": frozenset({"core"}),
+    # writes a copy of the whole database to a path on the node's host (rlog.backup)
+    "backup": frozenset(),
 }
 
 # Kinds whose body names its sender: the name must be the authenticated principal.

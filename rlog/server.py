@@ -24,9 +24,11 @@ from typing import Any
 import msgpack
 import zmq
 from mnesite.rlog import codec
+from mnesite.rlog.backup import BackupError, BackupJob, decide
 from mnesite.rlog.codec import CodecError, Message
-from mnesite.rlog.config import Config, ConfigError, load_config
+from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
+from mnesite.rlog.metrics import MetricsServer, NodeMetrics, start_metrics
 from mnesite.rlog.roles import sender_mismatch
 from mnesite.rlog.security import NodeSecurity, SecurityError
 from mnesite.rlog.store import Store
@@ -42,6 +44,7 @@ BACKLOG_FACTOR = 4
 VIOLATION_LOG_INTERVAL_MS = 1000
 VIOLATION_SENDERS_MAX = 1000
 REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
+HELD_TIMES_MAX = 100_000  # arrival times of held writes kept for the commit latency histogram
 
 
 class OverloadedError(Exception):
@@ -108,6 +111,15 @@ class NodeServer:
         self.outstanding: dict[bytes, set[str]] = {}
         self.protocol_violations = 0
         self._violation_logged_ms: dict[str, int] = {}
+        self.backup_job: BackupJob | None = None
+        # Metrics ([metrics] listen): None when off. ``transactions`` is counted by the core's apply.
+        self.metrics: NodeMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.transactions = 0
+        self.malformed_frames = 0
+        self._transactions_at_commit = 0
+        self._held_since_s: dict[tuple[bytes, str], float] = {}
+        self._turn_began_s = time.monotonic()
 
     def protocol_violation(self, sender: str, reason: str) -> None:
         """Count a peer's message that breaks the protocol against our state; log at most once a second per sender."""
@@ -143,6 +155,10 @@ class NodeServer:
         self.socket.setsockopt(zmq.SNDHWM, self.config.limits.replies_queued_max)
         self.socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.frame_bytes_max * SOCKET_MESSAGE_FACTOR)
         self.socket.bind(self.config.listen)
+        if self.config.metrics_listen is not None and self.metrics_server is None:
+            self.metrics, self.metrics_server = start_metrics(
+                self.config.metrics_listen, self.config.name, self.role, is_loopback
+            )
 
     def install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -203,6 +219,30 @@ class NodeServer:
             self._refusal_logged_ms = now_ms
             log.warning(text, reason)
 
+    def answer_backup(self, body: dict[str, Any], not_ready: str | None) -> dict[str, Any]:
+        """The ``backup`` request: start one (admin only, see rlog.roles) or report the current one.
+
+        ``not_ready`` is the node's reason not to start one now (a shard whose rows are incomplete).
+        Raises ``BackupError`` with the reason a backup cannot start.
+        """
+        current = self.backup_job.view if self.backup_job is not None else None
+        action = decide(current, body["path"])
+        if action == "busy" and self.backup_job is not None:
+            raise BackupError(f"a backup to {self.backup_job.path} is still running; one at a time")
+        if action == "start":
+            if not_ready is not None:
+                raise BackupError(f"not now: {not_ready}")
+            self.backup_job = BackupJob(
+                self.store.path, body["path"], self.config.name, self.role, self.config.limits.backup_step_pages_max
+            )
+            log.info("backup to %s started at %s", body["path"], self.backup_job.positions)
+        if self.backup_job is None:
+            raise BackupError("no backup job")
+        status = self.backup_job.status()
+        if status["state"] == "failed":
+            self.backup_job = None  # reported once: asking again with the same path tries again
+        return status
+
     def security_status(self) -> dict[str, Any]:
         if self.security is None:
             insecure = self.config.security is not None and self.config.security.insecure
@@ -226,7 +266,25 @@ class NodeServer:
         finally:
             self.close()
 
+    def status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def refresh_metrics(self) -> None:
+        """Hand the metrics endpoint a fresh status, at most once per metrics.REFRESH_INTERVAL_MS."""
+        now_ms = monotonic_ms()
+        if self.metrics is not None and self.metrics.refresh_due(now_ms):
+            self.metrics.refresh(now_ms, self.status())
+
+    def malformed_frame(self) -> None:
+        """Count a frame that does not decode or fit its schema (answered with an error by the caller)."""
+        self.malformed_frames += 1
+        if self.metrics is not None:
+            self.metrics.malformed.inc()
+
     def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
         for socket in self.dealers.values():
             socket.close(0)
         self.dealers = {}
@@ -289,6 +347,8 @@ class NodeServer:
                 f"(requests_outstanding_max {self.config.limits.requests_outstanding_max}); read the answers first"
             )
         held.add(request_id)
+        if self.metrics is not None and len(self._held_since_s) < HELD_TIMES_MAX:
+            self._held_since_s[(envelope[0], request_id)] = time.monotonic()
 
     def poll(self, timeout_ms: int) -> dict[Any, int]:
         poller = zmq.Poller()
@@ -313,6 +373,7 @@ class NodeServer:
         and ``4 * turn_bytes_max`` bytes: a frame beyond that is answered ``overloaded`` and dropped
         (clients retry with the same request id; an agent re-sends after a lost acknowledgement).
         """
+        self._turn_began_s = time.monotonic()
         limits = self.config.limits
         frames = list(self._backlog)
         self._backlog.clear()
@@ -359,6 +420,12 @@ class NodeServer:
     def reply(self, envelope: list[bytes] | None, message: Message) -> None:
         """Queue an answer to the ROUTER peer ``envelope`` (None: nobody to answer)."""
         if envelope is not None:
+            if self.metrics is not None:
+                # A write that was not held is answered in the turn that received it.
+                since = self._held_since_s.pop((envelope[0], message.request_id), self._turn_began_s)
+                result = message.body.get("result") if message.kind == "reply" else None
+                if since is not None and isinstance(result, dict) and "tx_key" in result:
+                    self.metrics.acknowledged(time.monotonic() - since)
             held = self.outstanding.get(envelope[0])
             if held is not None:
                 held.discard(message.request_id)
@@ -376,9 +443,13 @@ class NodeServer:
     def flush(self) -> None:
         """Commit the open transaction (one fsync), then send everything queued behind it."""
         if self._in_transaction:
+            began_s = time.monotonic()
             self.store.connection.execute("COMMIT")
             self._in_transaction = False
             self.commits += 1
+            if self.metrics is not None:
+                self.metrics.committed(time.monotonic() - began_s, self.transactions - self._transactions_at_commit)
+                self._transactions_at_commit = self.transactions
         self.before_send()
         outbox, self._outbox = self._outbox, []
         for socket, envelope, message in outbox:
@@ -411,3 +482,5 @@ class NodeServer:
             except zmq.ZMQError as error:
                 # A socket closed meanwhile (its endpoint no longer used): every protocol here re-sends.
                 log.debug("send failed, message dropped: %s", error)
+        if self.metrics is not None:
+            self.refresh_metrics()

@@ -126,17 +126,22 @@ def quote(name: str) -> str:
 
 
 class Store:
-    def __init__(self, path: str, synchronous: str = "FULL", create: bool = True) -> None:
+    def __init__(self, path: str, synchronous: str = "FULL", create: bool = True, readonly: bool = False) -> None:
         if synchronous.upper() not in SYNCHRONOUS_LEVELS:
             raise StoreError(f"synchronous must be one of {', '.join(SYNCHRONOUS_LEVELS)}")
         if not create and not os.path.exists(path):
             raise StoreError(f"{path}: no such database")
-        flags = apsw.SQLITE_OPEN_READWRITE | (apsw.SQLITE_OPEN_CREATE if create else 0)
+        if readonly:
+            # Offline checks of a backup file: leave it exactly as it is (no WAL switch, no schema).
+            flags, create = apsw.SQLITE_OPEN_READONLY, False
+        else:
+            flags = apsw.SQLITE_OPEN_READWRITE | (apsw.SQLITE_OPEN_CREATE if create else 0)
         try:
             self.connection = apsw.Connection(path, flags=flags)
             self.connection.set_busy_timeout(5000)
-            self.connection.execute("PRAGMA journal_mode=WAL")
-            self.connection.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            if not readonly:
+                self.connection.execute("PRAGMA journal_mode=WAL")
+                self.connection.execute(f"PRAGMA synchronous={synchronous.upper()}")
             if create:
                 with self.write_transaction():
                     self.connection.execute(_SCHEMA)

@@ -5,12 +5,14 @@ Theory of operation
 The command parses its arguments, runs the compare job with progress lines on stderr, and
 prints the report as a readable table (or JSON with ``--json``) on stdout. Exit status: 0 the
 replicas are equal (differences only in flight), 1 they diverged, 2 they could not be
-compared; in that last case stderr gets one line starting with ``error:`` and no traceback.
+compared; in that last case stderr gets one line starting with ``Error:`` (like every mnesite
+command) and no traceback. ``--quiet`` silences the progress lines and the JVM's start-up lines.
 The main CLI registers it with ``main.add_command(compare)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Any
@@ -30,6 +32,7 @@ from mnesite.spark.compare import (
     compare as run_compare,
 )
 from mnesite.spark.replica import NODE_TIMEOUT_MS
+from mnesite.spark.session import quiet_stderr
 
 VALUE_WIDTH_MAX = 60  # characters of a row shown per cell in the readable output
 
@@ -116,7 +119,7 @@ def _file_option(flag: str, envvar: str, text: str) -> Any:
 @_file_option("--key", "MNESITE_KEY", "Your secret key file for tcp:// nodes of a cluster with [security]")
 @_file_option("--server-key", "MNESITE_SERVER_KEY", "The cluster's public key file for tcp:// nodes")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
+@click.option("--quiet", is_flag=True, help="No progress lines and no JVM start-up lines on stderr.")
 def compare(
     replicas: tuple[str, ...],
     tables: tuple[str, ...],
@@ -128,12 +131,12 @@ def compare(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Compare REPLICAS (data directories, mnesite.db files or tcp:// node endpoints) with Spark.
+    """Compare REPLICAS (data directories, mnesite.db or backup files, or tcp:// node endpoints) with Spark.
 
     Exit status: 0 equal, 1 diverged, 2 could not compare.
     """
     if len(replicas) < 2:
-        click.echo("error: compare needs at least two replicas", err=True)
+        click.echo("Error: compare needs at least two replicas", err=True)
         sys.exit(EXIT_ERROR)
 
     def progress(message: str) -> None:
@@ -149,9 +152,10 @@ def compare(
             key=key_file,
             server_key=server_key_file,
         )
-        report = run_compare(list(replicas), options, progress=progress)
+        with quiet_stderr() if quiet else contextlib.nullcontext():
+            report = run_compare(list(replicas), options, progress=progress)
     except CompareError as error:
-        click.echo(f"error: {error}", err=True)
+        click.echo(f"Error: {error}", err=True)
         sys.exit(EXIT_ERROR)
     click.echo(report_json(report) if as_json else render_report(report))
     sys.exit(report.exit_status)

@@ -307,10 +307,12 @@ def compare(
             from mnesite.spark.session import SparkUnavailableError, build_session
 
             say(f"starting Spark ({options.master})")
+            spark_began = time.monotonic()
             try:
                 session = build_session(options.master)
             except SparkUnavailableError as error:
                 raise CompareError(str(error)) from None
+            say(f"Spark started in {time.monotonic() - spark_began:.1f} s")
         try:
             _run(session, replicas, labels, report, in_flight, options, say)
         finally:

@@ -13,9 +13,11 @@ ERROR, no UI, a small number of shuffle partitions (the compare job shuffles dig
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 JAVA_PACKAGE = "openjdk-17-jre-headless"
@@ -54,6 +56,28 @@ def prepare_environment() -> None:
     if quiet not in os.environ.get("SPARK_SUBMIT_OPTS", ""):
         os.environ["SPARK_SUBMIT_OPTS"] = (os.environ.get("SPARK_SUBMIT_OPTS", "") + " " + quiet).strip()
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null meanwhile (``compare --quiet``).
+
+    The JVM that PySpark launches writes its start-up lines ("Using incubator modules", "Setting
+    default log level") to the stderr it inherits, before any log4j setting applies; only the
+    descriptor it inherits can silence them. It keeps that descriptor for its life, so its later
+    warnings stay quiet too; this process gets its own stderr back at the end.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def build_session(

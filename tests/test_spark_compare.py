@@ -230,6 +230,21 @@ def test_cli_prints_a_table_or_json_and_exits_by_outcome(spark_session: Any, equ
         {"key": "tag-0003", "left": {"tag": "tag-0003", "weight": 3}, "right": {"tag": "tag-0003", "weight": 7}}
     ]
     assert "compare: level 1" in result.stderr  # progress goes to stderr
+    assert "range(s) digested" in result.stderr and "compare: row level" in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_quiet_silences_what_a_child_process_writes_to_its_inherited_stderr(capfd: pytest.CaptureFixture) -> None:
+    import subprocess
+
+    from mnesite.spark.session import quiet_stderr
+
+    # The JVM's start-up lines come from a child that inherits descriptor 2, like this shell.
+    with quiet_stderr():
+        subprocess.run(["sh", "-c", "echo jvm-start-up-line >&2"], check=True)
+    subprocess.run(["sh", "-c", "echo after-quiet >&2"], check=True)
+    err = capfd.readouterr().err
+    assert "jvm-start-up-line" not in err and "after-quiet" in err
 
 
 @pytest.mark.timeout(60)
@@ -257,7 +272,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(spark_session: Any, equal_replicas
         result = runner.invoke(compare_command, [*arguments, "--quiet"])
         assert result.exit_code == EXIT_ERROR, (arguments, result.output)
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (arguments, lines)
+        assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], (arguments, lines)
         assert "Traceback" not in result.output and result.stdout == ""
 
 

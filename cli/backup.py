@@ -1,0 +1,112 @@
+"""``mnesite backup`` and ``mnesite restore``: thin commands over ``rlog.backup``.
+
+Theory of operation
+-------------------
+``backup FILE --node ENDPOINT`` asks the node to copy its database to FILE *on the node's host*
+(the node writes it; FILE is made absolute here) and then polls the node with the same request
+until the copy is done, failed, or ``--wait-ms`` has passed. ``restore FILE --data-dir DIR`` runs
+offline, on the machine of the new node: it seeds DIR from the backup (see ``rlog.backup``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import click
+from mnesite.cli.main import client_for, emit_json, fail, json_option, node_options, run
+from mnesite.rlog.backup import BackupError, read_record, restore
+
+POLL_INTERVAL_S = 0.2
+WAIT_MS_DEFAULT = 3_600_000
+
+
+def _describe_shards(shards: dict) -> str:
+    parts = [f"{shard} at {tuple(info['applied'])} digest {info['digest'][:16]}" for shard, info in shards.items()]
+    return ", ".join(parts)
+
+
+@click.command("backup")
+@click.argument("file", metavar="FILE")
+@click.option(
+    "--wait-ms",
+    type=click.IntRange(1, 86_400_000),
+    default=WAIT_MS_DEFAULT,
+    show_default=True,
+    help="How long to wait for the copy to finish.",
+)
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
+@node_options
+@json_option
+def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
+    """Write a consistent copy of the running node at --node to FILE, on the node's host. Needs the admin role.
+
+    \b
+    The node keeps serving: it copies the state of the moment it accepted the request, page by
+    page, in a background thread. FILE records each shard's applied tx key and digest; it must not
+    exist. Restore it with `mnesite restore FILE --data-dir DIR`.
+    """
+    path = os.path.abspath(file)
+    deadline = time.monotonic() + wait_ms / 1000
+    last_shown = -1.0
+    with client_for(endpoint, timeout_ms) as client:
+        while True:
+            result = run(lambda: client.backup(path))
+            if result["state"] != "running":
+                break
+            if time.monotonic() >= deadline:
+                fail(f"the backup to {path} is still running after {wait_ms} ms (it goes on; poll with the same FILE)")
+            if not quiet and result["pages_total"] and time.monotonic() - last_shown >= 1:
+                last_shown = time.monotonic()
+                click.echo(f"backup: {result['pages_copied']} of {result['pages_total']} pages copied", err=True)
+            time.sleep(POLL_INTERVAL_S)
+    if result["state"] == "failed":
+        fail(f"backup to {path} failed: {result['error']}")
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"backup {path}: {result['pages_total']} pages in {result['seconds']} s")
+        click.echo(f"shards: {_describe_shards(result['shards']) or 'none'}")
+
+
+@click.command("restore")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="The new node's data directory.")
+@click.option(
+    "--role",
+    type=click.Choice(["replicant", "core"]),
+    default="replicant",
+    show_default=True,
+    help="The role of the node that will start on DIR.",
+)
+@json_option
+def restore_command(file, data_dir, role, as_json) -> None:
+    """Seed DATA_DIR for a new node from the backup FILE; the node then resumes from the rlog.
+
+    \b
+    Run it on the new node's machine, before its first start. A replicant started on DATA_DIR
+    resumes from the backup's tx keys without a bootstrap while the cores still retain them (else
+    it bootstraps). A core first learns the generations in use from its peers.
+    """
+    try:
+        result = restore(os.path.abspath(file), data_dir, role)
+    except BackupError as error:
+        fail(str(error))
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"restored {file} (taken on {result['node']} at {result['taken_at']}) into {data_dir} as a {role}")
+        click.echo(f"shards: {_describe_shards(result['shards']) or 'none'}")
+
+
+def backup_info(path: str) -> dict:
+    """The backup record of FILE (for ``rlog verify``)."""
+    try:
+        return read_record(path)
+    except BackupError as error:
+        fail(str(error))
+
+
+def register(main: click.Group) -> None:
+    main.add_command(backup)
+    main.add_command(restore_command, "restore")

@@ -1,0 +1,283 @@
+"""Online backup of a running node and restore into a new data directory.
+
+Theory of operation
+-------------------
+A backup must be one consistent state of the database, and the node must keep serving while it
+is taken. The node's database is in WAL mode, where a reader never blocks a writer. So the backup
+opens its own read-only connection and starts a read transaction on the node's loop thread, at
+the moment the request is accepted: that pins one snapshot, the state after the last transaction
+the node committed. A background thread then copies that snapshot with SQLite's online backup API
+(apsw ``Connection.backup``) in steps of ``step_pages`` pages; because its connection holds the
+read transaction across steps, the node's later commits neither restart the copy nor show up in
+it. The node's loop never waits for the copy (it only answers "running" with the pages copied);
+the cost is that the WAL cannot be checkpointed past the pinned snapshot until the copy ends.
+
+Everything a node knows is in that one database file, so the snapshot carries each shard's
+applied tx key and digest in the same transaction as the rows (DESIGN invariant 4). The copy is
+written to ``FILE.partial``, switched to a rollback journal (one self-contained file), given a
+``backup`` record in ``_mnesite_meta`` (node, role, time, and per shard the applied tx key, digest
+and generation) and renamed to ``FILE``: a file named ``FILE`` is always a complete backup.
+
+``restore`` seeds a new data directory from a backup: the copy drops what is not part of the
+committed state (entries after the applied key, which a core may not have seen committed; a
+replicant's spill) and the counters of the node it came from. A replicant started there sends
+``watch(shard, applied key, digest)`` like after a restart and resumes from the rlog without a
+bootstrap while the cores still retain that key. A core started there first asks its peers for
+the generations in use (as a core with an empty database does), so that it never votes twice in a
+generation it may have voted in with the state the backup lost.
+
+The request is answered by ``decide`` (pure): one backup at a time per node; asking again with the
+same path reports its progress, so the client polls with the same request until it is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import apsw
+from mnesite.rlog.messages import BACKUP_PATH, BACKUP_PATH_CHARS_MAX
+
+DATABASE_FILE_NAME = "mnesite.db"
+PARTIAL_SUFFIX = ".partial"
+# An absolute path of plain characters: never relative to the node's working directory, no "..".
+PATH_CHARS_MAX = BACKUP_PATH_CHARS_MAX
+PATH_PATTERN = BACKUP_PATH
+# Pages copied per step. 256 pages of 4 KiB are 1 MiB: a step takes milliseconds, and the copy
+# thread yields the GIL and the database between steps so the node's loop is never starved.
+STEP_PAGES_DEFAULT = 256
+STEP_PAGES_MAX = 1_000_000
+BACKUP_META = "backup"
+RESTORED_META = "restored"
+# Meta entries that describe the node a backup was taken on, not the data: a restored node starts afresh.
+NODE_META_PREFIXES = ("bootstraps:", "resumes:")
+
+
+class BackupError(RuntimeError):
+    """A backup or restore cannot be done; the message says why, for an operator."""
+
+
+def check_path(path: str) -> str:
+    """The backup path a request may name: absolute, plain characters, no ``..``, not existing yet."""
+    if not isinstance(path, str) or not 1 < len(path) <= PATH_CHARS_MAX or not PATH_PATTERN.match(path):
+        raise BackupError("the backup path must be absolute and made of letters, digits, '_', '.', '-' and '/'")
+    if ".." in path.split("/"):
+        raise BackupError("the backup path must not contain '..'")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise BackupError(f"{os.path.dirname(path)}: no such directory on the node's host")
+    return path
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What ``decide`` needs to know of the current backup job."""
+
+    path: str
+    running: bool
+
+
+def decide(current: JobView | None, requested_path: str) -> str:
+    """``start`` a new backup, ``report`` the current one, or ``busy`` (another one runs)."""
+    if current is not None and current.path == requested_path:
+        return "report"
+    if current is not None and current.running:
+        return "busy"
+    return "start"
+
+
+def positions(connection: apsw.Connection) -> dict[str, dict[str, Any]]:
+    """Per shard: applied tx key, its digest (hex) and generation, as stored in ``connection``'s database."""
+    return {
+        shard: {"applied": [applied_generation, applied_counter], "digest": digest.hex(), "generation": generation}
+        for shard, generation, applied_generation, applied_counter, digest in connection.execute(
+            "SELECT shard, generation, applied_generation, applied_counter, applied_digest "
+            "FROM _mnesite_shards ORDER BY shard"
+        )
+    }
+
+
+class BackupJob:
+    """One backup of ``source_path`` into ``path``, copied by a thread from a snapshot pinned at start."""
+
+    def __init__(self, source_path: str, path: str, node: str, role: str, step_pages: int = STEP_PAGES_DEFAULT) -> None:
+        self.path = check_path(path)
+        if os.path.lexists(path) or os.path.lexists(path + PARTIAL_SUFFIX):
+            raise BackupError(f"{path} (or {path}{PARTIAL_SUFFIX}) exists; a backup never overwrites a file")
+        if not 1 <= step_pages <= STEP_PAGES_MAX:
+            raise BackupError(f"step_pages must be 1..{STEP_PAGES_MAX}")
+        self.node = node
+        self.role = role
+        self.step_pages = step_pages
+        self.state = "running"
+        self.error: str | None = None
+        self.pages_total = 0
+        self.pages_remaining = 0
+        self.started_s = time.time()
+        self.finished_s: float | None = None
+        self.record: dict[str, Any] | None = None
+        # Pin the snapshot now, on the caller's (the node loop's) thread: the backup is the state
+        # after the last transaction the node committed before it accepted the request.
+        self._source = apsw.Connection(source_path, flags=apsw.SQLITE_OPEN_READONLY)
+        try:
+            self._source.set_busy_timeout(5000)
+            self._source.execute("BEGIN")
+            self.positions = positions(self._source)  # the first read starts the read transaction
+        except apsw.Error as error:
+            self._source.close()
+            raise BackupError(f"cannot read the database: {error}") from None
+        self._thread = threading.Thread(target=self._run, name="mnesite-backup", daemon=True)
+        self._thread.start()
+
+    @property
+    def view(self) -> JobView:
+        return JobView(self.path, self.state == "running")
+
+    def _run(self) -> None:
+        partial = self.path + PARTIAL_SUFFIX
+        try:
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never follows or reuses a file
+            os.close(fd)
+            target = apsw.Connection(partial)
+            try:
+                with target.backup("main", self._source, "main") as copy:
+                    while not copy.done:
+                        copy.step(self.step_pages)
+                        self.pages_total, self.pages_remaining = copy.page_count, copy.remaining
+                        time.sleep(0)  # let the node's loop take the GIL between steps
+                self._source.execute("COMMIT")
+                self._finish(target)
+            finally:
+                target.close()
+            os.rename(partial, self.path)
+            _fsync_directory(os.path.dirname(self.path))
+            self.state = "done"
+        except Exception as error:  # reported to the client that polls; the node goes on serving
+            self.error = f"{type(error).__name__}: {str(error)[:300]}"
+            self.state = "failed"
+            if os.path.exists(partial):
+                os.unlink(partial)
+        finally:
+            self._source.close()
+            self.finished_s = time.time()
+
+    def _finish(self, target: apsw.Connection) -> None:
+        target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
+        record = {
+            "node": self.node,
+            "role": self.role,
+            "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_s)),
+            "shards": positions(target),
+        }
+        if record["shards"] != self.positions:
+            raise BackupError("the copy does not hold the snapshot it started from")
+        with target:
+            target.execute(
+                "INSERT OR REPLACE INTO _mnesite_meta(name, value) VALUES (?, ?)", (BACKUP_META, json.dumps(record))
+            )
+        self.record = record
+
+    def status(self) -> dict[str, Any]:
+        copied = self.pages_total - self.pages_remaining
+        return {
+            "path": self.path,
+            "state": self.state,
+            "error": self.error,
+            "pages_copied": copied,
+            "pages_total": self.pages_total,
+            "seconds": round((self.finished_s or time.time()) - self.started_s, 3),
+            "shards": self.positions,
+        }
+
+    def wait(self, timeout_s: float) -> bool:
+        """For tests and shutdown: True once the copy thread has ended."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_record(path: str) -> dict[str, Any]:
+    """The ``backup`` record of a backup file; BackupError if ``path`` is not a complete backup."""
+    if not os.path.isfile(path):
+        raise BackupError(f"{path}: no such file")
+    try:
+        connection = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY)
+        try:
+            row = connection.execute("SELECT value FROM _mnesite_meta WHERE name = ?", (BACKUP_META,)).fetchone()
+        finally:
+            connection.close()
+    except apsw.Error as error:
+        raise BackupError(f"{path}: not a mnesite backup ({error})") from None
+    if row is None:
+        raise BackupError(f"{path}: a mnesite database but not a backup (no backup record)")
+    return json.loads(row[0])
+
+
+def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
+    """Seed ``data_dir`` (new or empty of a database) for a ``role`` node from the backup at ``path``.
+
+    Returns the backup record with what was dropped. The caller holds no lock; this takes the data
+    directory's lock so that a node cannot be running there meanwhile.
+    """
+    from mnesite.rlog.data_dir import DataDirectoryInUse, DataDirectoryLock
+    from mnesite.rlog.store import Store, StoreError
+
+    if role not in ("core", "replicant"):
+        raise BackupError("role must be core or replicant")
+    record = read_record(path)
+    database_path = os.path.join(data_dir, DATABASE_FILE_NAME)
+    if os.path.lexists(database_path):
+        raise BackupError(f"{database_path} exists; restore seeds a new data directory only")
+    try:
+        lock = DataDirectoryLock.acquire(data_dir, f"restore of {os.path.basename(path)}")
+    except DataDirectoryInUse as error:
+        raise BackupError(str(error)) from None
+    try:
+        fd = os.open(database_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        source = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY)
+        target = apsw.Connection(database_path)
+        try:
+            with target.backup("main", source, "main") as copy:
+                copy.step(-1)
+        finally:
+            target.close()
+            source.close()
+        try:
+            store = Store(database_path, create=False)
+        except StoreError as error:
+            raise BackupError(str(error)) from None
+        dropped = {}
+        try:
+            with store.write_transaction():
+                for name in [row[0] for row in store.connection.execute("SELECT name FROM _mnesite_meta")]:
+                    if name.startswith("installing:") and int(store.meta(name, 0)):
+                        raise BackupError(f"{path} was taken during a snapshot install ({name}); use another backup")
+                    if name.startswith(NODE_META_PREFIXES):
+                        store.connection.execute("DELETE FROM _mnesite_meta WHERE name = ?", (name,))
+                for shard, position in store.shards().items():
+                    # Entries after the applied key may never have committed: a restored node gets them
+                    # again from the cores if they did.
+                    dropped[shard] = store.truncate_after(shard, position.applied)
+                    store.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
+                store.set_meta(RESTORED_META, json.dumps({"from": record, "role": role}))
+        finally:
+            store.close()
+    except BaseException:
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(database_path + suffix):
+                os.unlink(database_path + suffix)
+        raise
+    finally:
+        lock.release()
+    return {**record, "restored_as": role, "entries_dropped": dropped}

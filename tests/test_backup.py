@@ -1,0 +1,371 @@
+"""Backup and restore (rlog.backup, cli/backup.py): the request's rules, a backup of a node under
+writes, offline checks of the file, and the acceptance test with real processes (a backup restored
+into a replicant that resumes from the rlog with 0 rows re-copied and ends equal to the cores)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from mnesite.cli.main import main
+from mnesite.rlog import messages
+from mnesite.rlog.backup import BackupError, JobView, check_path, decide, read_record, restore
+from mnesite.rlog.client import MnesiteError
+from mnesite.rlog.roles import RoleTable
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import GENESIS_DIGEST, CreateTableOp, TxKey, WriteOp, make_entry
+
+from tests.conftest import Cluster, ThreadNode, wait_until
+from tests.test_cluster import Load, create_table, rows
+
+
+def test_one_backup_at_a_time_and_the_same_path_reports_progress() -> None:
+    assert decide(None, "/b/x") == "start"
+    assert decide(JobView("/b/x", running=True), "/b/x") == "report"
+    assert decide(JobView("/b/x", running=False), "/b/x") == "report"  # a finished job answers its result
+    assert decide(JobView("/b/x", running=True), "/b/y") == "busy"
+    assert decide(JobView("/b/x", running=False), "/b/y") == "start"
+
+
+def test_backup_paths_are_absolute_plain_and_never_climb(tmp_path: Path) -> None:
+    for path in ("relative/file", "/", f"{tmp_path}/../x", f"{tmp_path}/a b", f"{tmp_path}/nodir/file"):
+        with pytest.raises(BackupError):
+            check_path(path)
+    assert check_path(f"{tmp_path}/backup.db") == f"{tmp_path}/backup.db"
+    # The wire schema refuses what is not an absolute plain path before the node looks at it.
+    for path in ("x", "../../etc/passwd", "/a;b"):
+        with pytest.raises(messages.MessageError):
+            messages.check_body("backup", {"path": path})
+    messages.check_body("backup", {"path": "/tmp/b.db"})
+
+
+def test_only_admins_may_ask_for_a_backup() -> None:
+    table = RoleTable({"admin": ["ops"], "writer": ["app"], "reader": ["dash"], "core": ["core1"]})
+    assert table.refusal("ops", "backup") is None
+    for principal in ("app", "dash", "core1", "stranger"):
+        assert table.refusal(principal, "backup") is not None
+
+
+def _write_rows(node: ThreadNode, count: int, start: int = 0) -> None:
+    with node.client(timeout_ms=5000) as client:
+        for row_id in range(start, start + count):
+            client.put("kv", {"id": row_id, "value": f"v{row_id}"})
+
+
+def test_a_backup_under_writes_is_a_consistent_verified_file(thread_node: ThreadNode, tmp_path: Path) -> None:
+    with thread_node.client(timeout_ms=5000) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+    _write_rows(thread_node, 300)
+    stop = threading.Event()
+    written: list[int] = []
+
+    def writer() -> None:
+        with thread_node.client(timeout_ms=5000) as client:
+            row_id = 10_000
+            while not stop.is_set():
+                client.put("kv", {"id": row_id, "value": "during"})
+                written.append(row_id)
+                row_id += 1
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: len(written) >= 20, 30, "writes before the backup")
+        backup = tmp_path / "node.backup"
+        result = CliRunner().invoke(main, ["backup", str(backup), "--node", thread_node.endpoint, "--json"])
+        assert result.exit_code == 0, result.output
+        written_at_end = len(written)
+    finally:
+        stop.set()
+        thread.join(10)
+    answer = json.loads(result.stdout)
+    assert answer["state"] == "done" and answer["pages_copied"] == answer["pages_total"] > 0
+    record = read_record(str(backup))
+    assert record["node"] == "core1" and record["role"] == "core"
+    assert record["shards"] == answer["shards"]
+    # The file holds exactly the state at its recorded position: rows, tx key and digest agree.
+    store = Store(str(backup), create=False, readonly=True)
+    try:
+        position = store.shard("default")
+        assert list(position.applied) == record["shards"]["default"]["applied"]
+        assert position.digest.hex() == record["shards"]["default"]["digest"]
+        assert store.verify_chain("default") == position.applied
+        count = store.count_rows(store.catalog()["kv"])
+    finally:
+        store.close()
+    assert 300 < count < 300 + written_at_end + 2  # some writes before, not those after it
+    assert not Path(f"{backup}-wal").exists()  # one self-contained file
+    verify = CliRunner().invoke(main, ["rlog", "verify", str(backup), "--json"])
+    assert verify.exit_code == 0, verify.output
+    assert json.loads(verify.stdout)["shards"]["default"]["applied"] == record["shards"]["default"]["applied"]
+    # A backup never overwrites a file, and the node kept serving meanwhile and after.
+    again = CliRunner().invoke(main, ["backup", str(tmp_path / "other"), "--node", thread_node.endpoint])
+    assert again.exit_code == 0, again.output
+    refused = CliRunner().invoke(main, ["backup", str(tmp_path / "other"), "--node", thread_node.endpoint])
+    assert refused.exit_code == 0  # the same path reports the finished job
+    third = CliRunner().invoke(main, ["backup", str(backup), "--node", thread_node.endpoint])
+    assert third.exit_code == 1 and third.stderr.startswith("Error:") and "never overwrites" in third.stderr
+    _write_rows(thread_node, 5, start=50_000)
+    with thread_node.client(timeout_ms=5000) as client:
+        assert client.status()["backup"]["state"] == "done"  # status shows the last backup
+    text = CliRunner().invoke(main, ["status", "--node", thread_node.endpoint])
+    assert f"backup to {tmp_path / 'other'}: done" in text.stdout
+
+
+def test_restore_keeps_the_committed_state_and_drops_the_uncommitted_tail(tmp_path: Path) -> None:
+    source = tmp_path / "source.db"
+    store = Store(str(source))
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+        create = make_entry(
+            "default",
+            TxKey(1, 1),
+            TxKey(0, 0),
+            GENESIS_DIGEST,
+            (CreateTableOp("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT"))),),
+            None,
+        )
+        store.append_entry(create, 0)
+        store.apply_entry(create)
+        committed = make_entry(
+            "default", TxKey(1, 2), create.tx_key, create.digest, (WriteOp("kv", {"id": 1, "value": "a"}),), None
+        )
+        store.append_entry(committed, 0)
+        store.apply_entry(committed)
+        tail = make_entry(
+            "default", TxKey(1, 3), committed.tx_key, committed.digest, (WriteOp("kv", {"id": 2, "value": "b"}),), None
+        )
+        store.append_entry(tail, 0)  # appended, never applied: not known to be committed
+        store.set_meta("bootstraps:default", 4)
+        store.set_meta("backup", json.dumps({"node": "core9", "role": "core", "taken_at": "t", "shards": {}}))
+    store.close()
+    with pytest.raises(BackupError, match="no such file"):
+        restore(str(tmp_path / "missing.db"), str(tmp_path / "x"), "replicant")
+    Store(str(tmp_path / "plain.db")).close()
+    with pytest.raises(BackupError, match="not a backup"):
+        restore(str(tmp_path / "plain.db"), str(tmp_path / "x"), "replicant")
+    result = restore(str(source), str(tmp_path / "new"), "replicant")
+    assert result["entries_dropped"] == {"default": 1}
+    restored = Store(str(tmp_path / "new" / "mnesite.db"), create=False)
+    try:
+        assert restored.shard("default").applied == TxKey(1, 2)
+        assert restored.last_entry_key("default") == TxKey(1, 2)
+        assert restored.meta("bootstraps:default") is None
+        assert restored.read_row(restored.catalog()["kv"], 1) == {"id": 1, "value": "a"}
+    finally:
+        restored.close()
+    with pytest.raises(BackupError, match="exists"):
+        restore(str(source), str(tmp_path / "new"), "replicant")
+
+
+def backup_under_writes(cluster: Cluster, tmp_path: Path, writes: int) -> tuple[Load, Path, dict]:
+    """Start the cores and a load, and back up core1 with the CLI after ``writes`` writes."""
+    cluster.start_all()
+    create_table(cluster)
+    load = Load(cluster, cluster.names, writers=2).start()
+    load.wait_for(writes)
+    backup = tmp_path / "core1.backup"
+    result = CliRunner().invoke(
+        main, ["backup", str(backup), "--node", cluster.endpoints["core1"], "--json", *cluster.cli_keys()]
+    )
+    assert result.exit_code == 0, result.output
+    return load, backup, json.loads(result.stdout)["shards"]["default"]
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_a_backup_under_writes_restores_into_a_replicant_that_resumes_without_a_bootstrap(
+    cluster: Cluster, spark_session, tmp_path: Path
+) -> None:
+    from mnesite.spark.compare import EXIT_EQUAL, CompareOptions, compare
+
+    load, backup, backed_up = backup_under_writes(cluster, tmp_path, 200)
+    load.wait_for(200)  # the log moves on past the backup: the replicant must resume from it
+    cluster.add_replicant("replicant1")
+    restored = CliRunner().invoke(main, ["restore", str(backup), "--data-dir", str(cluster.data_dir("replicant1"))])
+    assert restored.exit_code == 0, restored.output
+    cluster.start("replicant1")
+
+    def caught_up() -> bool:
+        status = cluster.status("replicant1")
+        info = (status or {}).get("shards", {}).get("default", {})
+        return info.get("mode") == "normal" and tuple(info["applied"]) > tuple(backed_up["applied"])
+
+    wait_until(caught_up, 60, "replicant1 to resume past the backup's position", interval_s=0.1)
+    acknowledged = load.stop()
+    position = cluster.wait_converged(cluster.names)
+    wait_until(
+        lambda: tuple(cluster.status("replicant1")["shards"]["default"]["applied"]) == position["applied"],
+        60,
+        "replicant1 to apply what the cores committed",
+        interval_s=0.1,
+    )
+    info = cluster.status("replicant1")["shards"]["default"]
+    assert info["bootstraps"] == 0 and info["rows_copied"] == 0 and info["resumes"] >= 1, info
+    assert info["digest"] == position["digest"]
+    core_rows = rows(cluster, "core1")
+    assert not set(acknowledged) - set(core_rows)
+    assert rows(cluster, "replicant1") == core_rows
+    report = compare(
+        [cluster.endpoints["core1"], cluster.endpoints["replicant1"]],
+        CompareOptions(tables=("kv",), **cluster.keys()),
+        session=spark_session,
+    )
+    assert report.exit_status == EXIT_EQUAL, report.to_json()
+    # A replicant in normal mode can be backed up too; the file records its position.
+    replicant_backup = tmp_path / "replicant1.backup"
+    taken = CliRunner().invoke(
+        main, ["backup", str(replicant_backup), "--node", cluster.endpoints["replicant1"], *cluster.cli_keys()]
+    )
+    assert taken.exit_code == 0, taken.output
+    record = read_record(str(replicant_backup))
+    assert record["role"] == "replicant" and tuple(record["shards"]["default"]["applied"]) == position["applied"]
+    # A writer may not take backups (admin only).
+    with cluster.client("core1", principal="app") as client, pytest.raises(MnesiteError, match="may not send backup"):
+        client.backup(str(tmp_path / "by-a-writer"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_core_whose_data_is_lost_is_restored_from_another_cores_backup_and_converges(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    load, backup, backed_up = backup_under_writes(cluster, tmp_path, 150)
+    # core3 loses its disk; it comes back from core1's backup while the writes go on.
+    cluster.nodes["core3"].kill()
+    shutil.rmtree(cluster.data_dir("core3"))
+    load.wait_for(150)
+    restored = CliRunner().invoke(
+        main, ["restore", str(backup), "--data-dir", str(cluster.data_dir("core3")), "--role", "core", "--json"]
+    )
+    assert restored.exit_code == 0, restored.output
+    cluster.start("core3")
+    load.wait_for(100)
+    acknowledged = load.stop()
+    position = cluster.wait_converged(cluster.names, timeout_s=60)
+    assert position["applied"] > tuple(backed_up["applied"])
+    info = cluster.status("core3")["shards"]["default"]
+    # It learnt the generation in use from its peers before taking part, and holds every acknowledged write.
+    assert info["generation"] >= backed_up["generation"]
+    core3_rows = rows(cluster, "core3")
+    assert not set(acknowledged) - set(core3_rows)
+    assert core3_rows == rows(cluster, "core1")
+
+
+def test_a_failed_backup_is_reported_leaves_no_file_and_can_be_retried(
+    thread_node: ThreadNode, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mnesite.rlog.backup import BackupJob
+
+    with thread_node.client(timeout_ms=5000) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+    _write_rows(thread_node, 10)
+    target = tmp_path / "retry.backup"
+
+    def disk_full(self: BackupJob, connection: object) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(BackupJob, "_finish", disk_full)
+    failed = CliRunner().invoke(main, ["backup", str(target), "--node", thread_node.endpoint])
+    last_line = failed.stderr.strip().splitlines()[-1]
+    assert failed.exit_code == 1 and last_line.startswith("Error: backup to") and "No space left" in last_line
+    assert not target.exists() and not Path(f"{target}.partial").exists()
+    monkeypatch.undo()
+    retried = CliRunner().invoke(main, ["backup", str(target), "--node", thread_node.endpoint, "--json"])
+    assert retried.exit_code == 0, retried.output
+    assert (
+        read_record(str(target))["shards"]["default"]["applied"]
+        == json.loads(retried.stdout)["shards"]["default"]["applied"]
+    )
+
+
+def test_no_backup_while_a_shard_holds_no_committed_state(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from mnesite.core.node import CoreNode
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.rlog import replication
+    from mnesite.rlog.config import parse_config
+
+    replicant = ReplicantNode(
+        parse_config(
+            {
+                "node": {"name": "replicant1", "role": "replicant", "data_dir": str(tmp_path / "r"),
+                         "listen": "tcp://127.0.0.1:1"},
+                "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:2"}},
+            }
+        )
+    )  # fmt: skip
+    core = ThreadNode(tmp_path / "c")
+    try:
+        for mode, fenced in ((replication.Mode.BOOTSTRAP, False), (replication.Mode.LOCAL_REPLAY, False),
+                             (replication.Mode.NORMAL, True)):  # fmt: skip
+            status = SimpleNamespace(mode=mode, read_fenced=fenced)
+            replicant.replicas = {"default": SimpleNamespace(status=lambda status=status: status)}
+            with pytest.raises(BackupError, match="not now: shard default is bootstrapping"):
+                replicant.answer_backup({"path": str(tmp_path / "r.backup")}, replicant._backup_not_ready())
+        status = SimpleNamespace(mode=replication.Mode.NORMAL, read_fenced=False)
+        replicant.replicas = {"default": SimpleNamespace(status=lambda: status)}
+        assert replicant._backup_not_ready() is None
+        node: CoreNode = core.node
+        node.not_serving["default"] = "a snapshot install was interrupted"
+        with pytest.raises(BackupError, match="not now: shard default: a snapshot install"):
+            node.answer_backup({"path": str(tmp_path / "c.backup")}, node._backup_not_ready())
+        assert not (tmp_path / "c.backup").exists() and not (tmp_path / "r.backup").exists()
+    finally:
+        core.stop()
+        replicant.store.close()
+        replicant.data_dir_lock.release()
+
+
+def test_backup_step_pages_max_is_a_bounded_limit_and_one_page_steps_still_finish(tmp_path: Path) -> None:
+    from mnesite.rlog.config import ConfigError, parse_config
+
+    base = {"node": {"name": "core1", "data_dir": str(tmp_path / "x")}}
+    assert parse_config(base).limits.backup_step_pages_max == 256
+    for bad in (0, 1_000_001, "1"):
+        with pytest.raises(ConfigError, match="backup_step_pages_max"):
+            parse_config({**base, "limits": {"backup_step_pages_max": bad}})
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"backup_step_pages_max": 1}})
+    try:
+        with node.client(timeout_ms=5000) as client:
+            client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        _write_rows(node, 20)
+        assert node.node.config.limits.backup_step_pages_max == 1
+        result = CliRunner().invoke(main, ["backup", str(tmp_path / "b"), "--node", node.endpoint, "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["pages_total"] > 1
+        with node.client(timeout_ms=5000) as client:
+            applied = client.status()["shards"]["default"]["applied"]  # nothing wrote since the backup
+        assert read_record(str(tmp_path / "b"))["shards"]["default"]["applied"] == applied
+    finally:
+        node.stop()
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(180)
+def test_compare_takes_a_backup_file_as_a_replica(spark_session, tmp_path: Path) -> None:
+    from mnesite.rlog.backup import BackupJob
+    from mnesite.spark.compare import EXIT_EQUAL, CompareOptions, compare
+
+    from tests.spark_fixtures import create_store, write_rows
+    from tests.spark_fixtures import create_table as create_fixture_table
+
+    store = create_store(tmp_path / "node")
+    create_fixture_table(store, "kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+    write_rows(store, "kv", [{"id": key, "value": f"v{key}"} for key in range(2000)])
+    job = BackupJob(str(tmp_path / "node" / "mnesite.db"), str(tmp_path / "node.backup"), "core1", "core")
+    assert job.wait(60) and job.state == "done", job.error
+    report = compare([str(tmp_path / "node.backup"), str(tmp_path / "node")], CompareOptions(), session=spark_session)
+    assert report.exit_status == EXIT_EQUAL, report.to_json()
+    write_rows(store, "kv", [{"id": 5, "value": "changed after the backup"}])
+    store.close()
+    report = compare([str(tmp_path / "node.backup"), str(tmp_path / "node")], CompareOptions(), session=spark_session)
+    # The node moved on after the backup: the changed key is in flight between the two positions.
+    (pair,) = report.pairs
+    assert report.exit_status == EXIT_EQUAL and pair.counts["in_flight"] == 1 and pair.counts["different"] == 0

@@ -1,0 +1,211 @@
+"""Metrics (rlog.metrics): the [metrics] config key, the text built from a status, a real HTTP scrape
+of a node in this process, the endpoint's bounds, and real processes scraped under writes."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import zmq
+from mnesite.rlog.config import ConfigError, parse_config
+from mnesite.rlog.metrics import CONNECTION_TIMEOUT_S, NodeMetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import Cluster, ThreadNode, free_port, wait_until
+from tests.test_cluster import Load, create_table
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """GET /metrics and parse it: (sample name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        assert answer.status == 200 and answer.headers["Content-Type"].startswith("text/plain")
+        text = answer.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def test_the_metrics_key_is_exactly_listen_host_port(tmp_path: Path) -> None:
+    base = {"node": {"name": "core1", "data_dir": str(tmp_path)}}
+    assert parse_config(base).metrics_listen is None
+    assert parse_config({**base, "metrics": {"listen": "127.0.0.1:9400"}}).metrics_listen == "127.0.0.1:9400"
+    for bad in ({"listen": "9400"}, {"listen": "127.0.0.1:0"}, {"listen": 9400}, {"port": 9400}, {"listen": ":1"}):
+        with pytest.raises(ConfigError, match=r"\[metrics\]"):
+            parse_config({**base, "metrics": bad})
+
+
+def test_metrics_text_from_a_status_names_every_family() -> None:
+    metrics = NodeMetrics("replicant1", "replicant")
+    metrics.committed(0.002, 3)
+    metrics.acknowledged(0.01)
+    metrics.malformed.inc()
+    status = {
+        "shards": {
+            "default": {
+                "mode": "bootstrap",
+                "applied": [2, 40],
+                "committed": [2, 45],
+                "lag_entries": 5,
+                "bootstraps": 1,
+                "resumes": 0,
+                "copy": {"rows": 500, "rows_expected": 1000, "rows_per_s": 250.0, "eta_ms": 2000},
+            }
+        },
+        "security": {
+            "curve": True,
+            "refused_role": 2,
+            "refused_sender": 1,
+            "refused_unknown_key": 0,
+            "handshakes_failed": {"auth": 3},
+        },
+        "protocol_violations": 7,
+    }
+    metrics.refresh(0, status)
+    samples = {}
+    for family in text_string_to_metric_families(metrics.text().decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    assert value(samples, "mnesite_commits_total") == 1
+    assert value(samples, "mnesite_group_commit_transactions_sum") == 3
+    assert value(samples, "mnesite_fsync_seconds_count") == 1
+    assert value(samples, "mnesite_commit_seconds_count") == 1
+    assert value(samples, "mnesite_malformed_messages_total") == 1
+    assert value(samples, "mnesite_applied_counter", shard="default") == 40
+    assert value(samples, "mnesite_committed_counter", shard="default") == 45
+    assert value(samples, "mnesite_replicant_lag_entries", shard="default") == 5
+    assert value(samples, "mnesite_replicant_mode", shard="default", mode="bootstrap") == 1
+    assert value(samples, "mnesite_replicant_mode", shard="default", mode="normal") == 0
+    assert value(samples, "mnesite_bootstrap_rows_copied", shard="default") == 500
+    assert value(samples, "mnesite_bootstrap_rows_expected", shard="default") == 1000
+    assert value(samples, "mnesite_bootstrap_eta_seconds", shard="default") == 2
+    assert value(samples, "mnesite_refused_total", reason="role") == 2
+    assert value(samples, "mnesite_refused_total", reason="handshake") == 3
+    assert value(samples, "mnesite_protocol_violations_total") == 7
+    assert value(samples, "mnesite_node_info", node="replicant1", role="replicant") == 1
+
+
+@pytest.fixture
+def metrics_node(tmp_path: Path):
+    port = free_port()
+    node = ThreadNode(tmp_path / "data", extra={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    try:
+        yield node, port
+    finally:
+        node.stop()
+    # The endpoint is closed with the node.
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_a_scrape_of_a_node_shows_commits_moving(metrics_node) -> None:
+    node, port = metrics_node
+    with node.client(timeout_ms=5000) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        before = scrape(port)
+        for row_id in range(50):
+            client.put("kv", {"id": row_id, "value": "x"})
+    wait_until(lambda: (value(scrape(port), "mnesite_applied_counter", shard="default") or 0) >= 51, 10, "a refresh")
+    after = scrape(port)
+    assert after[("mnesite_commits_total", ())] >= before[("mnesite_commits_total", ())] + 50
+    assert after[("mnesite_commit_seconds_count", ())] >= 50  # every put waited for its commit
+    assert after[("mnesite_group_commit_transactions_sum", ())] >= 50
+    assert value(after, "mnesite_is_sequencer", shard="default") == 1
+    assert value(after, "mnesite_sequencer", shard="default", sequencer="core1") == 1
+    assert value(after, "mnesite_transactions_total") >= 51
+
+
+def test_the_endpoint_is_bounded_and_answers_only_metrics(metrics_node) -> None:
+    node, port = metrics_node
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/admin", timeout=5)
+    assert refused.value.code == 404
+    # A client that connects and says nothing holds the one serving thread for at most its timeout,
+    # and the node's own socket answers meanwhile.
+    silent = socket.create_connection(("127.0.0.1", port))
+    try:
+        began = time.monotonic()
+        with node.client(timeout_ms=2000) as client:
+            client.status()
+        assert time.monotonic() - began < 1.0
+        assert value(scrape(port), "mnesite_node_info", node="core1", role="core") == 1
+        assert time.monotonic() - began < CONNECTION_TIMEOUT_S + 3
+    finally:
+        silent.close()
+    # A frame that is not a message is answered with an error and counted.
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    try:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(node.endpoint)
+        dealer.send(b"\x93garbage")
+        assert dealer.poll(5000), "no answer to a malformed frame"
+        dealer.recv()
+    finally:
+        dealer.close()
+        context.term()
+    wait_until(lambda: (value(scrape(port), "mnesite_malformed_messages_total") or 0) >= 1, 5, "the count")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_real_processes_scraped_under_writes_show_commits_and_lag(cluster: Cluster) -> None:
+    ports = {name: free_port() for name in [*cluster.names, "replicant1"]}
+    for name in cluster.names:
+        config = cluster.root / f"{name}.toml"
+        config.write_text(config.read_text() + f'[metrics]\nlisten = "127.0.0.1:{ports[name]}"\n')
+    cluster.start_all()
+    create_table(cluster)
+    cluster.add_replicant("replicant1")
+    config = cluster.root / "replicant1.toml"
+    config.write_text(config.read_text() + f'[metrics]\nlisten = "127.0.0.1:{ports["replicant1"]}"\n')
+    cluster.start("replicant1")
+    wait_until(
+        lambda: value(scrape(ports["replicant1"]), "mnesite_replicant_mode", shard="default", mode="normal") == 1,
+        60,
+        "replicant1 to report normal mode",
+        interval_s=0.2,
+    )
+    wait_until(lambda: cluster.sequencer() is not None, 30, "a sequencer")
+    sequencer, _ = cluster.sequencer()
+    first = {name: scrape(port) for name, port in ports.items()}
+    upstream = cluster.status("replicant1")["shards"]["default"]["upstream"]
+
+    def agent_lag() -> float | None:
+        return value(scrape(ports[upstream]), "mnesite_agent_lag_entries", shard="default", replicant="replicant1")
+
+    load = Load(cluster, cluster.names, writers=3).start()
+    try:
+        load.wait_for(200)
+        # The replicant stops acknowledging: the lag its upstream's agent reports grows, then drains.
+        cluster.nodes["replicant1"].signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: (agent_lag() or 0) > 0, 30, "the agent's lag to grow", interval_s=0.2)
+        finally:
+            cluster.nodes["replicant1"].signal(signal.SIGCONT)
+        wait_until(lambda: agent_lag() == 0, 30, "the agent's lag to drain", interval_s=0.2)
+        load.wait_for(100)
+    finally:
+        load.stop()
+    time.sleep(1.2)  # one metrics refresh interval after the last write
+    second = {name: scrape(port) for name, port in ports.items()}
+    assert second[sequencer][("mnesite_commits_total", ())] > first[sequencer][("mnesite_commits_total", ())] + 10
+    assert value(second[sequencer], "mnesite_group_commit_transactions_sum") >= 300
+    assert value(second[sequencer], "mnesite_commit_seconds_count") >= 1
+    assert value(second[upstream], "mnesite_agents") >= 1
+    for name in [*cluster.names, "replicant1"]:
+        assert value(second[name], "mnesite_applied_counter", shard="default") > value(
+            first[name], "mnesite_applied_counter", shard="default"
+        ), f"{name}'s applied key did not move"
+    assert value(second["replicant1"], "mnesite_replicant_lag_entries", shard="default") is not None
+    assert value(second["replicant1"], "mnesite_resumes_total", shard="default") is not None

@@ -1,0 +1,37 @@
+"""Progress of long work: bootstrap and snapshot install progress in the text `status`."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+from mnesite.cli.main import describe_copy, main
+from mnesite.rlog.client import Client
+
+
+def test_copy_progress_names_rows_of_the_total_rate_and_eta() -> None:
+    text = describe_copy({"rows": 250, "rows_expected": 1000, "rows_per_s": 125.0, "eta_ms": 6000})
+    assert text == "250 of about 1000 rows (25%), 125 rows/s, ETA 6 s"
+    assert "ETA unknown" in describe_copy({"rows": 0, "rows_expected": 0, "rows_per_s": 0, "eta_ms": None})
+
+
+def test_text_status_of_a_bootstrapping_replicant_shows_its_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = {
+        "mode": "bootstrap",
+        "upstream": "core1",
+        "applied": [0, 0],
+        "digest": "00" * 32,
+        "lag_entries": None,
+        "bootstraps": 1,
+        "resumes": 0,
+        "rows_copied": 250,
+        "entries_buffered": 3,
+        "copy": {"rows": 250, "rows_expected": 1000, "rows_per_s": 125.0, "eta_ms": 6000},
+    }
+    answer = {"node": "replicant1", "role": "replicant", "security": {"curve": False}, "shards": {"default": shard}}
+    monkeypatch.setattr(Client, "status", lambda self: answer)
+    result = CliRunner().invoke(main, ["status", "--node", "tcp://127.0.0.1:9"])
+    assert result.exit_code == 0, result.output
+    assert "bootstrap of default: 250 of about 1000 rows (25%), 125 rows/s, ETA 6 s" in result.stdout
+    shard["mode"] = "normal"
+    result = CliRunner().invoke(main, ["status", "--node", "tcp://127.0.0.1:9"])
+    assert "bootstrap of" not in result.stdout
