@@ -100,7 +100,8 @@ from typing import Protocol
 from mnesite.core import membership
 from mnesite.core.membership import MEMBERS_MAX, membership_changes
 from mnesite.rlog.limits import require_positive_ints
-from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, entry_digest, entry_size_bytes, make_entry
+from mnesite.rlog.replication import Ticked
+from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, chain_break, entry_size_bytes, make_entry
 
 # Generations are persisted as SQLite integers and a campaign adds one: stay below 2**63 - 1.
 GENERATION_MAX = 2**63 - 2
@@ -291,11 +292,6 @@ class ExclusionNotice:
 PeerMessage = VoteRequest | VoteReply | PreVoteRequest | PreVoteReply | AppendRequest | AppendReply | ExclusionNotice
 
 # ---------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class Ticked:
-    """Time passed; ``now_ms`` is given to ``step``."""
 
 
 @dataclass(frozen=True)
@@ -1079,8 +1075,7 @@ class ShardConsensus:
         # Verify the digest chain of the new entries before persisting anything.
         chain_key, chain_digest = prev_key, prev_digest
         for entry in entries:
-            expected = entry_digest(chain_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-            if entry.prev != chain_key or not entry.tx_key > chain_key or entry.digest != expected:
+            if chain_break(chain_key, chain_digest, entry) is not None:
                 self._out.append(ProtocolViolation(sender, f"broken digest chain at {entry.tx_key}"))
                 return
             chain_key, chain_digest = entry.tx_key, entry.digest

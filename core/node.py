@@ -74,8 +74,21 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GuardTail
-from mnesite.core.membership import ALREADY_DONE, membership_of, valid_members
-from mnesite.core.rlog_server import RlogServer, WatchRefused
+from mnesite.core.membership import ALREADY_DONE, membership_of
+from mnesite.core.outcome import (
+    Acknowledged,
+    CommitWaiters,
+    ForwardedRequests,
+    Outcome,
+    forward_target,
+)
+from mnesite.core.recovery import (
+    reached_generations,
+    recovered_generations,
+    recovered_members,
+    well_formed_answers,
+)
+from mnesite.core.rlog_server import RlogServer
 from mnesite.core.snapshot import (
     BeginInstall,
     FenceReached,
@@ -86,25 +99,28 @@ from mnesite.core.snapshot import (
     SnapshotOffer,
     accept_offer,
     members_after_install,
+    offer_due,
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
+from mnesite.core.watch import WatchRefusedError
 from mnesite.rlog import codec, range_requests, replication
 from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
+from mnesite.rlog.retention import keep_from_match_keys
 from mnesite.rlog.schema import (
     DEFAULT_SHARD,
     SchemaError,
     TableSchema,
     check_creatable,
     check_key,
-    check_name,
     define_table,
 )
-from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
+from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
+    ZERO_KEY,
     Entry,
     MembersOp,
     OpDecodeError,
@@ -131,7 +147,6 @@ READ_KINDS = frozenset(
 WRITE_KINDS = frozenset({"transact", "create_table"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
-RETENTION_INTERVAL_MS = 1000
 POLL_INTERVAL_MS_MAX = 50
 FORWARD_TIMEOUT_MS = 5000
 FORWARDED_MAX = 10_000
@@ -140,7 +155,6 @@ SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
 DEALERS_MAX = 1000  # sockets to peers (replicant endpoints are bounded by [limits] watches_max)
 STATUS_COUNT_INTERVAL_MS = 1000
-RECOVERY_TIMEOUT_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
 # and how long an answer may take before the install is abandoned (the sequencer offers again).
 INSTALL_BATCH_ROWS_MAX = 10_000
@@ -149,13 +163,6 @@ INSTALL_REQUEST_TIMEOUT_MS = 10_000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
 # Core endpoints a node keeps (its config's and those learned from membership entries and peers).
 MEMBERS_LEARNED_MAX = 64
-
-
-class RequestError(Exception):
-    def __init__(self, code: str, message: str, detail: Any = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.detail = detail
 
 
 class Deferred(Exception):
@@ -200,8 +207,8 @@ class ShardDriver:
     consensus: ShardConsensus
     log_view: StoreLogView
     tail: GuardTail[HeldFailure] = field(default_factory=GuardTail)
-    # tx key -> [(envelope, request_id)]: clients waiting for that entry to commit.
-    waiters: dict[TxKey, list[tuple[list[bytes], str]]] = field(default_factory=dict)
+    # Clients waiting for their entry to commit, and what they are told (core.outcome).
+    waiters: CommitWaiters[list[bytes]] = field(default_factory=CommitWaiters)
     # The highest generation persisted here, and how many times it grew since this process started
     # (elections seen: a stable cluster keeps this at the elections of its start-up).
     generation: int = 0
@@ -215,14 +222,6 @@ class HeldFailure:
     envelope: list[bytes] | None
     request_id: str
     failure: GuardFailed
-
-
-@dataclass
-class Forwarded:
-    envelope: list[bytes]
-    deadline_ms: int
-    shard: str = ""
-    sequencer: str = ""
 
 
 class CoreNode(NodeServer):
@@ -254,7 +253,7 @@ class CoreNode(NodeServer):
         # request id -> (shard, envelope) of a membership change not yet in the log (learner stage).
         self.pending_changes: dict[str, tuple[str, list[bytes]]] = {}
         self.shards: dict[str, ShardDriver] = {}
-        self.forwarded: dict[str, Forwarded] = {}
+        self.forwarded: ForwardedRequests[list[bytes]] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
         limits = config.limits
@@ -295,35 +294,21 @@ class CoreNode(NodeServer):
                 sequencer = next((m for m in self.members if m != config.name), config.name)
                 self.installs[shard] = SnapshotInstall.fenced(sequencer, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
 
-    def recover_generations(self, timeout_ms: int = RECOVERY_TIMEOUT_MS) -> dict[str, int]:
+    def recover_generations(self, timeout_ms: int | None = None) -> dict[str, int]:
         """A core with an empty database may have lost one that voted: learn the generations in use.
 
-        It asks every peer for its journal; for each shard any peer knows it persists the highest
-        generation seen, with its vote already cast (for itself), so it never grants a vote in a
-        generation it may have voted in before the loss. It then catches up from the sequencer like a
-        follower that is far behind. If no peer answers (a new cluster), nothing changes.
+        It asks every peer for its journal and persists what ``core.recovery.recovered_generations``
+        decides from the answers, with its vote already cast (for itself). If no peer answers (a new
+        cluster), nothing changes.
         """
-        generations: dict[str, int] = {}
+        if timeout_ms is None:
+            timeout_ms = self.config.timing.recovery_timeout_ms
+        answers = self.probe_peers(timeout_ms)
+        generations = recovered_generations(answers)
         # A core added to a running cluster (or one being rebuilt) starts with the members the peers
         # know, not its config's core_nodes: outside them it is a learner until an add entry names it.
-        members: dict[str, tuple[str, ...]] = {}
-        cluster: tuple[int, tuple[str, ...]] | None = None
-        # probe_peers drops answers whose generations are malformed; a shard name is checked like any
-        # other name before it can become a row here (a peer's answer is untrusted input too).
-        for journal in self.probe_peers(timeout_ms).values():
-            for shard in journal["shards"]:
-                try:
-                    check_name("shard", shard)
-                except SchemaError:
-                    continue
-                generation = _generation_in(journal, shard)
-                if generation >= generations.get(shard, 0):
-                    peer_members = _members_in(journal["shards"][shard].get("members"))
-                    if peer_members is not None:
-                        members[shard] = peer_members
-                        if cluster is None or generation > cluster[0]:
-                            cluster = (generation, peer_members)
-                generations[shard] = max(generations.get(shard, 0), generation)
+        members, cluster = recovered_members(answers)
+        for journal in well_formed_answers(answers).values():
             self._learn_endpoints(journal.get("core_nodes"))
         if generations:
             with self.store.write_transaction():
@@ -334,7 +319,7 @@ class CoreNode(NodeServer):
                     shard_members = members.get(shard, self.members)
                     self.store.persist_consensus_state(shard, generation, self.config.name, shard_members, False)
                 if cluster is not None:
-                    self._set_cluster_members(cluster[1])
+                    self._set_cluster_members(cluster)
             log.warning("empty database: recovering from peers at generations %s", generations)
         return generations
 
@@ -389,7 +374,10 @@ class CoreNode(NodeServer):
         position = self.store.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
-        tail: GuardTail[HeldFailure] = GuardTail(self.store.catalog())
+        limits = self.config.limits
+        tail: GuardTail[HeldFailure] = GuardTail(
+            self.store.catalog(), limits.guard_failures_held_max, limits.guard_hold_ms_max
+        )
         tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
         log_view = StoreLogView(self.store, shard, tail)
         consensus = ShardConsensus(
@@ -451,7 +439,7 @@ class CoreNode(NodeServer):
             if now >= driver.consensus.next_deadline_ms() and driver.shard not in self.excluded:
                 self._step(driver, Ticked())
         for shard in list(self.installs):
-            self._step_install(shard, replication.Ticked())
+            self._step_install(shard, Ticked())
         # The shard ticks above may have stepped agents with a later clock reading (a commit feeds
         # them its time): read the clock again, never hand an agent an earlier one.
         self.rlog_server.tick(self.clock_ms())
@@ -564,9 +552,7 @@ class CoreNode(NodeServer):
             log.warning("shard %s: truncated %d uncommitted entries after %s", shard, removed, effect.after_key)
             for held in driver.tail.truncated(effect.after_key, self.store.catalog()):
                 self._answer_guard_failure(held, answer=False, reason="the entries it observed were replaced")
-            for key in [k for k in driver.waiters if k > effect.after_key]:
-                for envelope, request_id in driver.waiters.pop(key):
-                    self.reply(envelope, _outcome_unknown(request_id, "its entry was replaced by the new sequencer"))
+            self._tell_outcomes(driver.waiters.truncated(effect.after_key))
         elif isinstance(effect, Commit):
             self.begin()
             applied = self.store.apply_committed(shard, effect.up_to)
@@ -579,20 +565,14 @@ class CoreNode(NodeServer):
                 if applied_members is not None:
                     self._set_cluster_members(applied_members)
             self.rlog_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
-            for entry in applied:
-                for envelope, request_id in driver.waiters.pop(entry.tx_key, []):
-                    if entry.request_id == request_id:
-                        self.reply(envelope, codec.reply(request_id, {"tx_key": list(entry.tx_key)}))
-                    else:
-                        self.reply(envelope, _outcome_unknown(request_id, "another entry committed at its key"))
+            self._tell_outcomes(driver.waiters.committed(applied))
         elif isinstance(effect, Send):
             frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
             self._send_peer(effect.to, Message("peer", "peer", frame_body))
         elif isinstance(effect, ProposalCommitted):
             pass  # answered through the waiters when the Commit applied the entry
         elif isinstance(effect, ProposalFailed):
-            for envelope, request_id in driver.waiters.pop(effect.tx_key, []):
-                self.reply(envelope, _outcome_unknown(request_id, effect.reason))
+            self._tell_outcomes(driver.waiters.failed(effect.tx_key, effect.reason))
         elif isinstance(effect, ProposalRejected):
             # A write's rejection is handled by the caller of Proposed, which still holds the envelope;
             # a membership change may be refused later (its learner never caught up).
@@ -602,13 +582,7 @@ class CoreNode(NodeServer):
         elif isinstance(effect, RoleChanged):
             # Requests forwarded to a sequencer we no longer follow would wait for FORWARD_TIMEOUT_MS
             # (it may be dead): tell their clients now, so that they retry with the same request id.
-            for request_id in [
-                r for r, f in self.forwarded.items() if f.shard == shard and f.sequencer != effect.sequencer
-            ]:
-                pending = self.forwarded.pop(request_id)
-                self.reply(
-                    pending.envelope, _outcome_unknown(request_id, f"sequencer {pending.sequencer} was replaced")
-                )
+            self._tell_outcomes(self.forwarded.sequencer_changed(shard, effect.sequencer))
             position = self.store.shard(shard)
             if position is not None:
                 self.rlog_server.committed(shard, position.applied, effect.sequencer is not None, self.clock_ms())
@@ -632,9 +606,10 @@ class CoreNode(NodeServer):
             # The follower rebuilds itself from this core (core.snapshot): offer it our applied key,
             # only while it answers (offers queued for a core that is down would all arrive stale).
             position = self.store.shard(shard)
-            heard_ms = self.last_heard_ms.get(effect.follower)
-            recently = (
-                heard_ms is not None and self.clock_ms() - heard_ms <= self.consensus_config.election_timeout_ms_min
+            recently = offer_due(
+                self.last_heard_ms.get(effect.follower),
+                self.clock_ms(),
+                self.consensus_config.election_timeout_ms_min,
             )
             if position is not None and effect.follower in self.endpoints and recently:
                 log.info(
@@ -736,7 +711,7 @@ class CoreNode(NodeServer):
                 self._hears_sequencer(driver),
                 self.clock_ms(),
             )
-        except WatchRefused as error:
+        except WatchRefusedError as error:
             raise RequestError(error.code, str(error)) from None
         except OpDecodeError as error:
             raise RequestError("bad_request", str(error)) from None
@@ -850,10 +825,7 @@ class CoreNode(NodeServer):
                 self.not_serving[shard] = "replaying after a snapshot install"
                 # Agents' positions mean nothing in the new log (core.agent, driver contract 4).
                 self.rlog_server.stop_shard(shard)
-                old = self.shards[shard]
-                for waiters in old.waiters.values():
-                    for envelope, request_id in waiters:
-                        self.reply(envelope, _outcome_unknown(request_id, "this core installed a snapshot"))
+                self._tell_outcomes(self.shards[shard].waiters.abandoned("this core installed a snapshot"))
                 self._open_shard(shard)
                 log.warning("shard %s: snapshot installed at %s; catching up from the log", shard, effect.key)
             elif isinstance(effect, replication.FetchCommitted):
@@ -1014,7 +986,7 @@ class CoreNode(NodeServer):
                 self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease")
                 return
             ops = outcome
-        if sum(len(w) for w in driver.waiters.values()) >= WAITERS_MAX:
+        if len(driver.waiters) >= WAITERS_MAX:
             raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
         effects = self._step(driver, Proposed(ops, message.request_id))
         for effect in effects:
@@ -1050,14 +1022,23 @@ class CoreNode(NodeServer):
         self, driver: ShardDriver, tx_key: TxKey, envelope: list[bytes], request_id: str, duplicate: bool
     ) -> None:
         position = self.store.shard(driver.shard)
-        if position is not None and tx_key <= position.applied:
-            result: dict[str, Any] = {"tx_key": list(tx_key)}
-            if duplicate:
-                result["duplicate"] = True
-            self.reply(envelope, codec.reply(request_id, result))
+        applied_key = position.applied if position is not None else ZERO_KEY
+        answer = driver.waiters.answer_now(tx_key, request_id, applied_key, duplicate)
+        if answer is not None:
+            self._tell_outcomes([(envelope, answer)])
             return
-        self.hold(envelope, request_id)
-        driver.waiters.setdefault(tx_key, []).append((envelope, request_id))
+        self.hold(envelope, request_id)  # may refuse (overloaded): then nobody waits
+        driver.waiters.wait(tx_key, request_id, envelope)
+
+    def _tell_outcomes(self, outcomes: list[tuple[list[bytes], Outcome]]) -> None:
+        for envelope, outcome in outcomes:
+            if isinstance(outcome, Acknowledged):
+                result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
+                if outcome.duplicate:
+                    result["duplicate"] = True
+                self.reply(envelope, codec.reply(outcome.request_id, result))
+            else:
+                self.reply(envelope, _outcome_unknown(outcome.request_id, outcome.reason))
 
     def _shard_of(self, message: Message) -> str:
         if message.kind == "create_table":
@@ -1083,19 +1064,19 @@ class CoreNode(NodeServer):
 
     def _forward(self, envelope: list[bytes], message: Message, driver: ShardDriver) -> None:
         sequencer = driver.consensus.sequencer
-        if message.body.get("forwarded") or sequencer is None or sequencer == self.config.name:
+        target = forward_target(sequencer, self.config.name, bool(message.body.get("forwarded")))
+        if target is None:
             hint = f"; try {self.endpoints[sequencer]}" if sequencer in self.endpoints else ""
             raise RequestError(
                 "no_sequencer",
                 f"shard {driver.shard} has no sequencer reachable from {self.config.name} (election or no quorum)"
                 f"{hint}",
             )
-        if len(self.forwarded) >= FORWARDED_MAX:
+        if self.forwarded.full():
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
         self.hold(envelope, message.request_id)
-        deadline_ms = self.clock_ms() + FORWARD_TIMEOUT_MS
-        self.forwarded[message.request_id] = Forwarded(envelope, deadline_ms, driver.shard, sequencer)
-        self._send_peer(sequencer, Message(message.kind, message.request_id, {**message.body, "forwarded": True}))
+        self.forwarded.forwarded(message.request_id, envelope, driver.shard, target, self.clock_ms())
+        self._send_peer(target, Message(message.kind, message.request_id, {**message.body, "forwarded": True}))
 
     def _relay_forwarded(self, socket: zmq.Socket) -> None:
         for _ in range(self.config.limits.group_commit_max):
@@ -1107,9 +1088,9 @@ class CoreNode(NodeServer):
                 answer = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError:
                 continue
-            pending = self.forwarded.pop(answer.request_id, None)
-            if pending is not None:
-                self.reply(pending.envelope, answer)
+            waiting = self.forwarded.answered(answer.request_id)
+            if waiting is not None:
+                self.reply(waiting, answer)
             elif answer.request_id in self.install_requests:
                 self._on_install_answer(self.install_requests.pop(answer.request_id), answer)
 
@@ -1122,9 +1103,7 @@ class CoreNode(NodeServer):
                 self._step_install(shard, replication.CommittedReceived(core, None))
             else:
                 self._step_install(shard, replication.RequestFailed(core, f"{purpose} timed out"))
-        for request_id in [r for r, f in self.forwarded.items() if f.deadline_ms <= now]:
-            pending = self.forwarded.pop(request_id)
-            self.reply(pending.envelope, _outcome_unknown(request_id, "the sequencer did not answer in time"))
+        self._tell_outcomes(self.forwarded.expired(now))
 
     # -- membership changes (core.membership) ----------------------------------------------------
 
@@ -1220,8 +1199,7 @@ class CoreNode(NodeServer):
         result: dict[str, Any] = {}
         refusals: dict[str, str] = {}
         for driver in self.shards.values():
-            reached = tuple((peer, _generation_in(journal, driver.shard)) for peer, journal in sorted(journals.items()))
-            effects = self._step(driver, ForceStartRequested(reached))
+            effects = self._step(driver, ForceStartRequested(reached_generations(journals, driver.shard)))
             for effect in effects:
                 if isinstance(effect, ForceStartRefused):
                     refusals[driver.shard] = effect.reason
@@ -1283,13 +1261,7 @@ class CoreNode(NodeServer):
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         # A peer's answer is untrusted too: one that does not say its generations counts as not reached.
-        return {
-            peer: answer
-            for peer, answer in dict(answers).items()
-            if isinstance(answer, dict)
-            and isinstance(answer.get("shards"), dict)
-            and all(_generation_in(answer, shard) >= 0 for shard in answer["shards"])
-        }
+        return well_formed_answers(dict(answers))
 
     def reachable_peers(self) -> list[str]:
         """Peers heard from within an election timeout: the ones a forced start keeps as members."""
@@ -1301,15 +1273,14 @@ class CoreNode(NodeServer):
         now = int(time.time() * 1000)
         if now < self._next_retention_ms:
             return
-        self._next_retention_ms = now + RETENTION_INTERVAL_MS
+        self._next_retention_ms = now + self.config.retention.retention_interval_ms
         retention = self.config.retention
         before_ms = now - retention.retention_age_ms_max if retention.retention_age_ms_max else None
         try:
             self.begin()
             for shard, driver in self.shards.items():
                 status = driver.consensus.status()
-                # Keep what the followers still need, as far as the sequencer knows.
-                keep_from = min((key for _, key in status.follower_match_keys), default=None)
+                keep_from = keep_from_match_keys(key for _, key in status.follower_match_keys)
                 self.store.trim(shard, retention.retention_entries_max, before_ms, keep_from)
             self.flush()
         except apsw.Error:
@@ -1527,31 +1498,6 @@ _PEER_FRAME_PREFIX = b"\x94\x01\xa4peer"
 def is_peer_frame(frame: bytes) -> bool:
     """A consensus message between cores (handled before anything else in a loop turn)."""
     return frame.startswith(_PEER_FRAME_PREFIX)
-
-
-def _generation_in(journal: dict[str, Any], shard: str) -> int:
-    """The generation a peer's journal answer gives for ``shard``: 0 if it does not know the shard,
-    -1 if the answer is malformed."""
-    age = journal["shards"].get(shard)
-    if age is None:
-        return 0
-    generation = age.get("generation") if isinstance(age, dict) else None
-    if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation < 2**63:
-        return -1
-    return generation
-
-
-def _members_in(value: Any) -> tuple[str, ...] | None:
-    """A peer's members list, if it is a valid membership (untrusted input)."""
-    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
-        return None
-    members = tuple(sorted(set(value)))
-    try:
-        for name in members:
-            check_name("core", name)
-    except SchemaError:
-        return None
-    return members if valid_members(members) else None
 
 
 def _outcome_unknown(request_id: str, reason: str) -> Message:

@@ -3,13 +3,8 @@
 Theory of operation
 -------------------
 A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, protocol, watch_id)``.
-The watch rule (``decide_watch``, a pure function the simulator runs too): a core whose committed
-key is behind ``from_key`` refuses (the replica must never move backwards); if this core's rlog
-still holds ``from_key`` (not trimmed) with that digest, the new agent resumes from it (no copy);
-otherwise the answer is ``bootstrap`` from K0, this core's committed key now, and the replicant
-copies the tables while the agent pushes the entries after K0. A newer watch of the same replicant
-and shard replaces the older agent (its pushes are then rejected by the replicant anyway, because
-they carry the old agent id).
+Whether and how it is served (protocol version, supersession, eviction of silent watches, resume
+or bootstrap) is decided by the pure rules of ``core.watch``; this adapter applies them.
 
 Every push of an agent carries the answer to the watch that created it (agent id, mode, start key
 and digest, the replica's ``watch_id``): the answer goes back on the replicant's request
@@ -25,15 +20,13 @@ frames for the node to send. It holds no socket: the node sends what ``drain`` r
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mnesite.core.agent import Agent, AgentConfig
+from mnesite.core.watch import agent_to_evict, check_watch_request, decide_watch, superseded_agents
 from mnesite.rlog.codec import Message
 from mnesite.rlog.replication import (
-    REPLICATION_PROTOCOL_VERSION,
-    UNKNOWN_DIGEST,
     AckReceived,
     AgentStopped,
     CommittedAdvanced,
@@ -44,37 +37,6 @@ from mnesite.rlog.replication import (
 from mnesite.rlog.types import TxKey, entry_to_wire, tx_key_from_wire
 
 AGENTS_MAX = 1000
-
-
-class WatchRefused(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-WATCH_ID_CHARACTERS_MAX = 64
-
-
-def decide_watch(
-    from_key: TxKey,
-    from_digest: bytes,
-    trimmed_key: TxKey,
-    committed_key: TxKey,
-    committed_digest: bytes,
-    digest_at: Callable[[TxKey], bytes | None],
-    core_name: str,
-) -> tuple[str, TxKey, bytes]:
-    """The watch rule: ``(mode, start key, start digest)``, or ``WatchRefused``.
-
-    Resume only from a key this core still retains (not trimmed) and has committed, with the same
-    digest there: then the replica's history is a prefix of this core's. A core behind the
-    replica refuses: answering ``bootstrap`` at a lower K0 would move the replica backwards.
-    """
-    if from_key > committed_key:
-        raise WatchRefused("behind", f"core {core_name} has committed only up to {committed_key}, behind {from_key}")
-    if trimmed_key <= from_key and from_digest != UNKNOWN_DIGEST and digest_at(from_key) == from_digest:
-        return "resume", from_key, from_digest
-    return "bootstrap", committed_key, committed_digest
 
 
 @dataclass
@@ -120,30 +82,18 @@ class RlogServer:
         hears_sequencer: bool,
         now_ms: int,
     ) -> dict[str, Any]:
-        """Create an agent for a replicant's watch; return the answer (raises ``WatchRefused``)."""
-        if body["protocol"] != REPLICATION_PROTOCOL_VERSION:
-            raise WatchRefused(
-                "incompatible_protocol",
-                f"replication protocol {body['protocol']} is not supported by core {self.core_name} "
-                f"(it speaks {REPLICATION_PROTOCOL_VERSION})",
-            )
-        from_key = tx_key_from_wire(body["from"])
+        """Create an agent for a replicant's watch; return the answer (raises ``WatchRefusedError``)."""
         watch_id = body.get("watch_id", "")
-        if not isinstance(watch_id, str) or len(watch_id) > WATCH_ID_CHARACTERS_MAX:
-            raise WatchRefused(
-                "bad_request", f"watch_id must be a string of at most {WATCH_ID_CHARACTERS_MAX} characters"
-            )
-        for agent_id in [
-            a for a, w in self.watches.items() if (w.replicant, w.shard) == (body["replicant"], body["shard"])
-        ]:
-            del self.watches[agent_id]  # superseded: the replicant now watches the new agent only
-        if len(self.watches) >= self.watches_max:
-            # Make room by evicting the oldest watch whose replicant never acknowledged anything (a dead
-            # or fake endpoint), so that such watches cannot keep a real replicant out.
-            silent = next((a for a, w in self.watches.items() if not w.acknowledged), None)
-            if silent is None:
-                raise WatchRefused("overloaded", f"core {self.core_name} serves {self.watches_max} agents already")
-            del self.watches[silent]
+        check_watch_request(body["protocol"], watch_id, self.core_name)
+        from_key = tx_key_from_wire(body["from"])
+        owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
+        for agent_id in superseded_agents(owners, body["replicant"], body["shard"]):
+            del self.watches[agent_id]
+        evicted = agent_to_evict(
+            ((a, w.acknowledged) for a, w in self.watches.items()), self.watches_max, self.core_name
+        )
+        if evicted is not None:
+            del self.watches[evicted]
         mode, start_key, start_digest = decide_watch(
             from_key,
             body["from_digest"],

@@ -33,6 +33,7 @@ import enum
 from dataclasses import dataclass
 
 from mnesite.bootstrap.copy import CopyFailed, TableCopy
+from mnesite.bootstrap.fence import ReadFence
 from mnesite.core.membership import valid_members
 from mnesite.rlog.replication import (
     ApplyBatch,
@@ -122,6 +123,12 @@ def accept_offer(
     return None
 
 
+def offer_due(follower_heard_ms: int | None, now_ms: int, window_ms: int) -> bool:
+    """The sequencer offers a snapshot only to a follower it heard within ``window_ms`` (an election
+    timeout): offers queued for a core that is down would all arrive stale."""
+    return follower_heard_ms is not None and now_ms - follower_heard_ms <= window_ms
+
+
 class SnapshotInstall:
     """One install of one shard on a follower core."""
 
@@ -130,7 +137,8 @@ class SnapshotInstall:
         self.request_timeout_ms = request_timeout_ms
         self.copy = TableCopy(offer.sequencer, batch_rows_max, now_ms)
         self.mode = InstallMode.LISTING
-        self.fence_key: TxKey | None = None
+        # The read fence after the copy: bootstrap.fence, the rule a replicant follows too.
+        self._fence = ReadFence(False, request_timeout_ms)
         self.reason: str | None = None
         self._now_ms = now_ms
         self._deadline_ms = now_ms + request_timeout_ms
@@ -140,8 +148,13 @@ class SnapshotInstall:
         """A core restarted after ``FinishInstall`` and before its fence was reached: fence again."""
         install = cls(SnapshotOffer(sequencer, 0, TxKey(0, 0), b""), 1, request_timeout_ms, now_ms)
         install.mode = InstallMode.FENCED
-        install._deadline_ms = now_ms
+        install._fence.fence()
         return install
+
+    @property
+    def fence_key(self) -> TxKey | None:
+        """The committed key reads wait for (None: not known yet, or no fence)."""
+        return self._fence.fence_key
 
     def start(self) -> list[InstallEffect]:
         return [BeginInstall(self.offer.key, self.offer.digest), FetchTables(self.offer.sequencer)]
@@ -160,9 +173,8 @@ class SnapshotInstall:
         core = self.offer.sequencer
         if isinstance(event, Ticked):
             if self.mode is InstallMode.FENCED:
-                if self.fence_key is None and now_ms >= self._deadline_ms:
-                    # Asked again when the answer is lost (read_index also fails without a quorum).
-                    self._deadline_ms = now_ms + self.request_timeout_ms
+                # Asked again when the answer is lost (read_index also fails without a quorum).
+                if self._fence.should_ask(now_ms):
                     return [FetchCommitted(core)]
                 return self._check_fence(applied_key)
             if now_ms >= self._deadline_ms:
@@ -174,13 +186,14 @@ class SnapshotInstall:
             return []
         if isinstance(event, CommittedReceived):
             # Any core may answer: read_index is confirmed by the sequencer with a quorum.
-            if self.mode is not InstallMode.FENCED or self.fence_key is not None:
+            if self.mode is not InstallMode.FENCED:
                 return []
-            if event.committed_key is None:
-                self._deadline_ms = now_ms + self.request_timeout_ms
-                return [FetchCommitted(core)]
-            self.fence_key = event.committed_key
-            return self._check_fence(applied_key)
+            if self._fence.committed_received(event.committed_key, applied_key):
+                self.mode = InstallMode.DONE
+                return [FenceReached()]
+            if event.committed_key is None and self._fence.should_ask(now_ms):
+                return [FetchCommitted(core)]  # at once: the install waits for nothing else
+            return []
         try:
             if isinstance(event, TablesReceived):
                 if self.mode is not InstallMode.LISTING or event.core != core:
@@ -198,12 +211,15 @@ class SnapshotInstall:
         self._deadline_ms = now_ms + self.request_timeout_ms
         if self.copy.done:
             self.mode = InstallMode.FENCED
-            effects += [FinishInstall(self.offer.key, self.offer.digest), FetchCommitted(core)]
+            self._fence.fence()
+            effects.append(FinishInstall(self.offer.key, self.offer.digest))
+            if self._fence.should_ask(now_ms):
+                effects.append(FetchCommitted(core))
 
         return effects
 
     def _check_fence(self, applied_key: TxKey) -> list[InstallEffect]:
-        if self.fence_key is not None and applied_key >= self.fence_key:
+        if self._fence.reached(applied_key):
             self.mode = InstallMode.DONE
             return [FenceReached()]
         return []

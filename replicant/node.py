@@ -32,14 +32,15 @@ from typing import Any
 import zmq
 from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+from mnesite.replicant.upstream import write_target
 from mnesite.rlog import codec, range_requests
 from mnesite.rlog import replication as p
 from mnesite.rlog.backup import BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
-from mnesite.rlog.schema import SchemaError, TableSchema, check_key, define_table
-from mnesite.rlog.server import NodeServer, OverloadedError, monotonic_ms, request_id_of
+from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name, define_table
+from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -61,14 +62,7 @@ WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
 RLOG_READ_MAX = 1000
-RETENTION_INTERVAL_MS = 1000
 PROGRESS_LOG_INTERVAL_MS = 5000
-
-
-class RequestError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -87,7 +81,7 @@ class Probe:
     """Journal answers being collected for one shard's ``ProbeJournals``."""
 
     cores: tuple[str, ...]
-    answers: dict[str, p.JournalAge | None]
+    answers: dict[str, p.JournalAnswer | None]
     deadline_ms: int
 
 
@@ -204,7 +198,7 @@ class ReplicantNode(NodeServer):
         now = int(time.time() * 1000)
         if now < self._next_retention_ms:
             return
-        self._next_retention_ms = now + RETENTION_INTERVAL_MS
+        self._next_retention_ms = now + self.config.retention.retention_interval_ms
         retention = self.config.retention
         before_ms = now - retention.retention_age_ms_max if retention.retention_age_ms_max else None
         self.begin()
@@ -350,10 +344,11 @@ class ReplicantNode(NodeServer):
                 self._step(replica, p.CommittedReceived(pending.core, committed))
             return
         if pending.purpose == "discover":
-            if result is not None:
-                for shard in result.get("shards", {}):
-                    if shard not in self.replicas:
-                        self._open_replica(shard)
+            # A core's answer is untrusted input: only well-named shards it states an answer for.
+            shards = result.get("shards") if isinstance(result, dict) else None
+            for shard in shards if isinstance(shards, dict) else ():
+                if shard not in self.replicas and _valid_shard_name(shard) and p.journal_answer(result, shard):
+                    self._open_replica(shard)
             return
         replica = self.replicas.get(pending.shard or "")
         if replica is None:
@@ -362,11 +357,7 @@ class ReplicantNode(NodeServer):
             probe = self.probes.get(replica.shard)
             if probe is None:
                 return
-            age = None
-            if result is not None and replica.shard in result.get("shards", {}):
-                info = result["shards"][replica.shard]
-                age = p.JournalAge(TxKey(*info["committed"]), bool(info["hears_sequencer"]), int(info["agents"]))
-            probe.answers[pending.core] = age
+            probe.answers[pending.core] = p.journal_answer(result, replica.shard)
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
@@ -582,8 +573,7 @@ class ReplicantNode(NodeServer):
 
     def _forward(self, envelope: list[bytes], message: Message) -> None:
         """Writes never originate here: send them to a core, which orders them through the sequencer."""
-        upstreams = [r.status().upstream for r in self.replicas.values() if r.status().upstream]
-        core = upstreams[0] if upstreams else self.cores[self.rng.randrange(len(self.cores))]
+        core = write_target([r.upstream for r in self.replicas.values()], self.cores, self.rng)
         now = self.clock_ms()
         self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
         self.pending[message.request_id] = Pending(
@@ -603,7 +593,7 @@ class ReplicantNode(NodeServer):
         replica = self._serving(table.shard)
         if body.get("consistency") == "linearizable":
             # Learn the committed key from the sequencer (quorum-confirmed), then wait for it here.
-            core = replica.status().upstream or self.cores[self.rng.randrange(len(self.cores))]
+            core = write_target([replica.upstream], self.cores, self.rng)
             detail = {"envelope": envelope, "message": message, "shard": table.shard}
             pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, table.shard, detail)
             self._request(core, "read_index", {"shard": table.shard}, pending)
@@ -640,7 +630,7 @@ class ReplicantNode(NodeServer):
     def _answer_waiting_reads(self) -> None:
         for read in list(self.waiting_reads):
             replica = self.replicas.get(read.shard)
-            if replica is not None and replica.applied_key >= read.min_key:
+            if replica is not None and replica.readable_at(read.min_key):
                 self.waiting_reads.remove(read)
                 try:
                     result = self._read_now(self._table(read.message.body["table"]), read.message)
@@ -688,6 +678,14 @@ class ReplicantNode(NodeServer):
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }
+
+
+def _valid_shard_name(shard: Any) -> bool:
+    try:
+        check_name("shard", shard)
+    except SchemaError:
+        return False
+    return True
 
 
 def watch_accepted(core: str, answer: Any) -> p.WatchAccepted | None:

@@ -84,6 +84,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mnesite.bootstrap.copy import CopyFailed, TableCopy
+from mnesite.bootstrap.fence import ReadFence
 from mnesite.replicant.upstream import choose_upstream
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import (
@@ -95,7 +96,7 @@ from mnesite.rlog.replication import (
     FetchBatch,
     FetchCommitted,
     FetchTables,
-    JournalAge,
+    JournalAnswer,
     JournalsReceived,
     Mode,
     ModeChanged,
@@ -114,7 +115,7 @@ from mnesite.rlog.replication import (
     WatchAccepted,
     WatchRefused,
 )
-from mnesite.rlog.types import Entry, TxKey, entry_digest
+from mnesite.rlog.types import Entry, TxKey, chain_break
 
 REJECT_NOT_WATCHED = "not the watched agent"
 REJECT_GAP = "gap"
@@ -290,9 +291,7 @@ class ShardReplica:
         self._spill_full = False
         self._spill_dropped = False
         # Read fence after a bootstrap (see the theory of operation).
-        self._fenced = read_fenced
-        self._fence_key: TxKey | None = None
-        self._fence_asked_ms: int | None = None
+        self._fence = ReadFence(read_fenced, config.failure_timeout_ms)
         self._out: list[ReplicaEffect] = []
 
     # ------------------------------------------------------------ queries
@@ -324,7 +323,13 @@ class ShardReplica:
 
     def readable(self) -> bool:
         """Reads of every kind may be served: NORMAL, and the read fence of the last bootstrap is reached."""
-        return self._mode is Mode.NORMAL and not self._fenced
+        return self._mode is Mode.NORMAL and not self._fence.fenced
+
+    def readable_at(self, min_key: TxKey) -> bool:
+        """A read that must see ``min_key`` (a linearizable read's read index, a client's ``min_key``)
+        may be answered now: ``readable`` (checked again when it is answered: a bootstrap may have
+        begun while it waited) and ``min_key`` applied."""
+        return self.readable() and self._applied_key >= min_key
 
     def status(self) -> ReplicaStatus:
         copy = self._copy
@@ -356,8 +361,8 @@ class ShardReplica:
             hears_sequencer=self._hears_sequencer,
             bootstrap_failures_in_a_row=self._bootstrap_failures,
             readable=self.readable(),
-            read_fence=self._fence_key,
-            read_fenced=self._fenced,
+            read_fence=self._fence.fence_key,
+            read_fenced=self._fence.fenced,
         )
 
     def next_deadline_ms(self) -> int:
@@ -370,9 +375,9 @@ class ShardReplica:
                 deadlines.append(self._next_probe_ms)
         else:
             deadlines.append(self._last_heard_ms + self.config.failure_timeout_ms)
-            if self._fenced and self._fence_key is None:
-                asked = self._fence_asked_ms
-                deadlines.append(self._now_ms if asked is None else asked + self.config.failure_timeout_ms)
+            ask_ms = self._fence.next_ask_ms(self._now_ms)
+            if ask_ms is not None:
+                deadlines.append(ask_ms)
             if self._not_hearing_since_ms is not None:
                 deadlines.append(self._not_hearing_since_ms + self.config.failure_timeout_ms)
         return min(deadlines)
@@ -449,7 +454,7 @@ class ShardReplica:
         self._not_hearing_since_ms = None
         self._waiting = _Waiting.NOTHING
         self._request_core = None
-        self._fence_asked_ms = None  # an answer from the old upstream is ignored; ask the next one
+        self._fence.forget_question()  # an answer from the old upstream is ignored; ask the next one
         self._next_probe_ms = self._now_ms + (self._retry_delay_ms() if delay_ms is None else delay_ms)
 
     def _on_tick(self) -> None:
@@ -480,7 +485,7 @@ class ShardReplica:
     def _on_journals(self, event: JournalsReceived) -> None:
         if self._mode is not Mode.DISCONNECTED or self._waiting is not _Waiting.JOURNALS:
             return
-        ages: dict[str, JournalAge | None] = {core: None for core in self.cores}
+        ages: dict[str, JournalAnswer | None] = {core: None for core in self.cores}
         for core, age in event.ages:
             if core in ages:
                 ages[core] = age
@@ -500,7 +505,7 @@ class ShardReplica:
         self._out.append(SendWatch(core, self._applied_key, self._applied_digest, self._watch_id))
         self._request(_Waiting.WATCH, core)
 
-    def _describe(self, core: str, age: JournalAge | None) -> str:
+    def _describe(self, core: str, age: JournalAnswer | None) -> str:
         if age is None:
             return f"{core} did not answer"
         if age.committed_key < self._applied_key:
@@ -538,7 +543,7 @@ class ShardReplica:
             self._out.append(ReadFenceChanged(True))
             self._out.append(ResetShard())
             self._applied_digest = UNKNOWN_DIGEST
-            self._fenced, self._fence_key, self._fence_asked_ms = True, None, None
+            self._fence.fence()
             self._start_key, self._start_digest = event.start_key, event.start_digest
             self._spill_key, self._spill_digest = event.start_key, event.start_digest
             self._spilled = 0
@@ -693,8 +698,7 @@ class ShardReplica:
                         REJECT_GAP, f"gap: {event.core} pushed {entry.tx_key} after {entry.prev}, expected after {key}"
                     )
                 raise _Invalid("out of order", f"{event.core} pushed {entry.tx_key} after {entry.prev}")
-            expected = entry_digest(chain_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-            if entry.digest != expected:
+            if chain_break(chain_key, chain_digest, entry) is not None:
                 raise _Invalid(
                     REJECT_DIGEST,
                     f"divergent history: the digest of {entry.tx_key} from {event.core} does not chain on {chain_key}",
@@ -727,24 +731,19 @@ class ShardReplica:
     # ------------------------------------------------------------ the read fence
 
     def _ask_fence(self) -> None:
-        if not self._fenced or self._fence_key is not None or self._upstream is None or self._mode is not Mode.NORMAL:
+        # bootstrap.fence decides when (once per failure_timeout_ms until answered); the replica asks
+        # only its upstream, in NORMAL mode.
+        if self._upstream is None or self._mode is not Mode.NORMAL:
             return
-        # Asked once per failure_timeout_ms: an answer lost on the way is asked for again.
-        if self._fence_asked_ms is None or self._now_ms - self._fence_asked_ms >= self.config.failure_timeout_ms:
+        if self._fence.should_ask(self._now_ms):
             self._out.append(FetchCommitted(self._upstream))
-            self._fence_asked_ms = self._now_ms
 
     def _on_committed_received(self, event: CommittedReceived) -> None:
-        if not (self._fenced and self._fence_asked_ms is not None and event.core == self._upstream):
-            return  # not asked, or an answer from an upstream this replica left
-        self._fence_asked_ms = None
-        if event.committed_key is None:
-            return  # asked again at the next tick
-        if self._fence_key is None:
-            self._fence_key = event.committed_key
-        self._check_fence()
+        if event.core != self._upstream:
+            return  # an answer from an upstream this replica left
+        if self._fence.committed_received(event.committed_key, self._applied_key):
+            self._out.append(ReadFenceChanged(False))
 
     def _check_fence(self) -> None:
-        if self._fenced and self._fence_key is not None and self._applied_key >= self._fence_key:
-            self._fenced, self._fence_key = False, None
+        if self._fence.reached(self._applied_key):
             self._out.append(ReadFenceChanged(False))

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A replica probes every core for its ``JournalAge`` of the shard (committed key, whether it hears
+A replica probes every core for its ``JournalAnswer`` of the shard (committed key, whether it hears
 the sequencer, how many agents it runs) and calls ``choose_upstream``. The rules, in order:
 
 1. No time travel (invariant 5). A core whose committed key is behind the replica's applied key
@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
-from mnesite.rlog.replication import JournalAge
+from mnesite.rlog.replication import JournalAnswer
 from mnesite.rlog.types import TxKey
 
 # Cores whose agent counts differ by at most max(NEAR_TIE_AGENTS_MIN, fewest // NEAR_TIE_DIVISOR)
@@ -42,7 +42,7 @@ def near_tie_agents(fewest: int) -> int:
 
 
 def qualifying_cores(
-    ages: Mapping[str, JournalAge | None], applied_key: TxKey, exclude: frozenset[str] = frozenset()
+    ages: Mapping[str, JournalAnswer | None], applied_key: TxKey, exclude: frozenset[str] = frozenset()
 ) -> list[str]:
     """Cores that answered, are not excluded and whose committed key is at least ``applied_key``."""
     return sorted(
@@ -53,7 +53,7 @@ def qualifying_cores(
 
 
 def choose_upstream(
-    ages: Mapping[str, JournalAge | None],
+    ages: Mapping[str, JournalAnswer | None],
     applied_key: TxKey,
     rng: random.Random,
     exclude: frozenset[str] = frozenset(),
@@ -69,3 +69,18 @@ def choose_upstream(
     near = [core for core in pool if known[core].agents <= fewest + near_tie_agents(fewest)]
     # ``pool`` is sorted, so the draw does not depend on the mapping's order.
     return near[rng.randrange(len(near))]
+
+
+def write_target(upstreams: list[str | None], cores: tuple[str, ...], rng: random.Random) -> str:
+    """The core a replicant forwards a write (or a linearizable read's ``read_index``) to.
+
+    A core this replicant watches (the first replica's upstream): it answered recently and hears
+    the sequencer, or it would not have been chosen; with none, any core (it forwards once to the
+    sequencer, or answers ``no_sequencer`` and the client retries).
+    """
+    watched = [core for core in upstreams if core is not None]
+    if watched:
+        return watched[0]
+    if not cores:
+        raise ValueError("a replicant needs at least one core")
+    return cores[rng.randrange(len(cores))]

@@ -36,6 +36,7 @@ Example::
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
     retention_age_ms_max = 0            # 0: no age limit
+    retention_interval_ms = 1000        # how often retention runs
 
     [metrics]                           # Prometheus text endpoint, GET /metrics (rlog.metrics); off if absent
     listen = "127.0.0.1:9400"           # unauthenticated: keep it on loopback or a private network
@@ -111,6 +112,10 @@ class Limits:
     watches_max: int = 256
     # Frames queued to one replicant's endpoint (pushes beyond it are dropped and re-sent by the agent).
     push_queue_max: int = 1024
+    # Failed guards a sequencer holds until the entries they observed commit (core.guard_tail), and
+    # for how long at most: past either bound the client is told to retry.
+    guard_failures_held_max: int = 10_000
+    guard_hold_ms_max: int = 5_000
     # Pages an online backup copies per step (rlog.backup); smaller steps share the machine more evenly.
     backup_step_pages_max: int = 256
 
@@ -119,6 +124,8 @@ class Limits:
 class Retention:
     retention_entries_max: int = 100_000
     retention_age_ms_max: int = 0
+    # How often a node applies the retention floor (rlog.retention) to its rlog.
+    retention_interval_ms: int = 1000
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ class Timing:
     election_timeout_ms_min: int = 800
     election_timeout_ms_max: int = 1600
     heartbeat_interval_ms: int = 100
+    # How long a core that starts on an empty database waits for its peers' journals (core.recovery).
+    recovery_timeout_ms: int = 1000
 
 
 @dataclass(frozen=True)
@@ -171,6 +180,10 @@ _LIMIT_BOUNDS = {
     "backup_step_pages_max": (1, 1_000_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
+    "retention_interval_ms": (10, 3_600_000),
+    "guard_failures_held_max": (1, 1_000_000),
+    "guard_hold_ms_max": (1, 600_000),
+    "recovery_timeout_ms": (10, 600_000),
     "election_timeout_ms_min": (10, 600_000),
     "election_timeout_ms_max": (10, 600_000),
     "heartbeat_interval_ms": (1, 300_000),

@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from mnesite.rlog.types import Entry, TxKey
+from mnesite.rlog.types import Entry, TxKey, tx_key_from_wire
 
 REPLICATION_PROTOCOL_VERSION = 1
 
@@ -55,12 +55,35 @@ class AgentMode(enum.Enum):
 
 
 @dataclass(frozen=True)
-class JournalAge:
-    """What a core told a replica about one shard."""
+class JournalAnswer:
+    """What a core's ``journal`` answer told a replica about one shard (not DESIGN's journal age,
+    ``core.consensus.JournalAge``, which is a core's own generation and keys)."""
 
     committed_key: TxKey
     hears_sequencer: bool
     agents: int
+
+
+AGENTS_COUNT_MAX = 2**31  # a core's agent count beyond this is not believed
+
+
+def journal_answer(result: object, shard: str) -> JournalAnswer | None:
+    """What a core's ``journal`` reply ``result`` says about ``shard``; None if it does not know the
+    shard or the answer is malformed there (the reply is untrusted input: it never raises)."""
+    shards = result.get("shards") if isinstance(result, dict) else None
+    info = shards.get(shard) if isinstance(shards, dict) else None
+    if not isinstance(info, dict):
+        return None
+    hears, agents = info.get("hears_sequencer"), info.get("agents")
+    if not isinstance(hears, bool) or not isinstance(agents, int) or isinstance(agents, bool):
+        return None
+    if not 0 <= agents < AGENTS_COUNT_MAX:
+        return None
+    try:
+        committed = tx_key_from_wire(info.get("committed"))
+    except ValueError:
+        return None
+    return JournalAnswer(committed, hears, agents)
 
 
 # ---------------------------------------------------------------- replica events
@@ -68,14 +91,15 @@ class JournalAge:
 
 @dataclass(frozen=True)
 class Ticked:
-    pass
+    """Time passed; ``now_ms`` is given to ``step``. The one tick event of every pure machine
+    (``core.consensus`` re-exports it), so that a driver never has to tell two apart."""
 
 
 @dataclass(frozen=True)
 class JournalsReceived:
     """Answers to ``ProbeJournals``; ``None`` for a core that did not answer in time."""
 
-    ages: tuple[tuple[str, JournalAge | None], ...]
+    ages: tuple[tuple[str, JournalAnswer | None], ...]
 
 
 @dataclass(frozen=True)

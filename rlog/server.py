@@ -47,6 +47,15 @@ REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused 
 HELD_TIMES_MAX = 100_000  # arrival times of held writes kept for the commit latency histogram
 
 
+class RequestError(Exception):
+    """The request is refused with an error ``code`` (and optional ``detail``); a node answers it as an error."""
+
+    def __init__(self, code: str, message: str, detail: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.detail = detail
+
+
 class OverloadedError(Exception):
     """A bound was reached; the request is refused with code ``overloaded`` and changes nothing."""
 

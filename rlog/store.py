@@ -31,6 +31,7 @@ from typing import Any
 
 import apsw
 import msgpack
+from mnesite.rlog.retention import retention_floor
 from mnesite.rlog.schema import SchemaError, TableSchema, check_creatable
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -42,7 +43,7 @@ from mnesite.rlog.types import (
     Op,
     TxKey,
     WriteOp,
-    entry_digest,
+    chain_break,
     entry_from_wire,
     entry_to_wire,
     pack_ops,
@@ -325,10 +326,8 @@ class Store:
                 raise StoreError(
                     f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, log ends at {last_key}"
                 )
-            if not chain_verified:
-                expected = entry_digest(last_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-                if expected != entry.digest:
-                    raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
+            if not chain_verified and chain_break(last_key, last_digest, entry) is not None:
+                raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
             self.append_entry(entry, appended_ms)
             last_key, last_digest = entry.tx_key, entry.digest
 
@@ -401,8 +400,7 @@ class Store:
             raise StoreError(
                 f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, applied is {position.applied}"
             )
-        expected = entry_digest(position.digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-        if expected != entry.digest:
+        if chain_break(position.applied, position.digest, entry) is not None:
             raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
         self.apply_ops(entry.ops)
         self.connection.execute(
@@ -504,36 +502,14 @@ class Store:
         position = self.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
-        # The count bound is hard (a follower further behind needs a snapshot); the age bound waits
-        # for the followers (keep_from). Nothing at or after the applied key ever goes.
-        by_count = self.connection.execute(
-            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? "
-            "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
-            (shard, max(entries_max, 1) - 1),
-        ).fetchone()
-        candidates = []
-        if by_count is not None:
-            candidates.append(self._key_before(shard, TxKey(by_count[0], by_count[1])))
-        if before_ms is not None:
-            row = self.connection.execute(
-                "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? AND appended_ms < ? "
-                "ORDER BY generation DESC, counter DESC LIMIT 1",
-                (shard, before_ms),
-            ).fetchone()
-            if row is not None:
-                by_age = TxKey(row[0], row[1])
-                if keep_from is not None:
-                    by_age = min(by_age, self._key_before(shard, keep_from) or ZERO_KEY)
-                candidates.append(by_age)
-        candidates = [key for key in candidates if key is not None]
-        if not candidates:
+        # The rule (count, age, followers, applied, newest kept) is rlog.retention's, pure.
+        newest_removed = retention_floor(
+            _RetentionView(self, shard), entries_max, before_ms, position.applied, keep_from
+        )
+        if newest_removed is None:
             return 0
-        newest_removed = min(max(candidates), position.applied)
-        last_key, _ = self.last_entry(shard)
-        if newest_removed >= last_key:
-            newest_removed = self._key_before(shard, last_key) or ZERO_KEY
         digest = self.digest_at(shard, newest_removed)
-        if newest_removed <= self.trimmed(shard)[0] or digest is None:
+        if digest is None:
             return 0
         self.connection.execute(
             "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
@@ -547,13 +523,23 @@ class Store:
         )
         return deleted
 
-    def _key_before(self, shard: str, key: TxKey) -> TxKey | None:
+    def _newest_key(self, condition: str, parameters: tuple[Any, ...], offset: int = 0) -> TxKey | None:
+        """The newest rlog key matching ``condition`` (SQL over the rlog's columns), skipping ``offset``."""
         row = self.connection.execute(
-            "SELECT generation, counter FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) < (?, ?) "
-            "ORDER BY generation DESC, counter DESC LIMIT 1",
-            (shard, key.generation, key.counter),
+            f"SELECT generation, counter FROM _mnesite_rlog WHERE {condition} "
+            "ORDER BY generation DESC, counter DESC LIMIT 1 OFFSET ?",
+            (*parameters, offset),
         ).fetchone()
         return TxKey(row[0], row[1]) if row else None
+
+    def _key_before(self, shard: str, key: TxKey) -> TxKey | None:
+        return self._newest_key("shard = ? AND (generation, counter) < (?, ?)", (shard, key.generation, key.counter))
+
+    def _newest_key_at(self, shard: str, offset: int) -> TxKey | None:
+        return self._newest_key("shard = ?", (shard,), offset)
+
+    def _newest_appended_before(self, shard: str, before_ms: int) -> TxKey | None:
+        return self._newest_key("shard = ? AND appended_ms < ?", (shard, before_ms))
 
     def verify_chain(self, shard: str) -> TxKey:
         """Check that the retained rlog is one digest chain from the last trimmed entry (or genesis),
@@ -568,8 +554,7 @@ class Store:
             for entry in batch:
                 if entry.prev != previous_key:
                     raise StoreError(f"shard {shard}: entry {entry.tx_key} follows {entry.prev}, not {previous_key}")
-                expected = entry_digest(previous_digest, shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
-                if expected != entry.digest:
+                if entry.shard != shard or chain_break(previous_key, previous_digest, entry) is not None:
                     raise StoreError(f"shard {shard}: digest mismatch at {entry.tx_key}")
                 if entry.tx_key == position.applied:
                     if entry.digest != position.digest:
@@ -701,3 +686,26 @@ def _entry(row: tuple[Any, ...]) -> Entry:
     return Entry(
         shard, TxKey(generation, counter), TxKey(prev_generation, prev_counter), digest, unpack_ops(ops), request_id
     )
+
+
+class _RetentionView:
+    """``rlog.retention.RetentionView`` over one shard of the store."""
+
+    def __init__(self, store: Store, shard: str) -> None:
+        self.store = store
+        self.shard = shard
+
+    def last_key(self) -> TxKey:
+        return self.store.last_entry(self.shard)[0]
+
+    def trimmed_key(self) -> TxKey:
+        return self.store.trimmed(self.shard)[0]
+
+    def key_before(self, key: TxKey) -> TxKey | None:
+        return self.store._key_before(self.shard, key)
+
+    def newest_key_at(self, offset: int) -> TxKey | None:
+        return self.store._newest_key_at(self.shard, offset)
+
+    def newest_appended_before(self, before_ms: int) -> TxKey | None:
+        return self.store._newest_appended_before(self.shard, before_ms)

@@ -178,6 +178,26 @@ def entry_digest(
     return hashlib.blake2b(prev_digest + body, digest_size=DIGEST_BYTES).digest()
 
 
+CHAIN_LINK = "link"  # the entry names another predecessor
+CHAIN_ORDER = "order"  # the entry's key does not move past its predecessor's
+CHAIN_DIGEST = "digest"  # the entry's digest is not digest(predecessor's digest + entry)
+
+
+def chain_break(prev_key: TxKey, prev_digest: bytes, entry: Entry) -> str | None:
+    """The one digest-chain check: None if ``entry`` follows the entry at ``prev_key`` whose digest
+    is ``prev_digest``; else which link breaks (``CHAIN_LINK``, ``CHAIN_ORDER`` or ``CHAIN_DIGEST``).
+
+    Everyone who takes entries from elsewhere runs it (a follower's append, a replica's push, the
+    store's append, apply and ``verify_chain``), so the chain means the same thing everywhere.
+    """
+    if entry.prev != prev_key:
+        return CHAIN_LINK
+    if not entry.tx_key > prev_key:
+        return CHAIN_ORDER
+    expected = entry_digest(prev_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+    return None if entry.digest == expected else CHAIN_DIGEST
+
+
 def make_entry(
     shard: str,
     tx_key: TxKey,

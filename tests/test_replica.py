@@ -15,7 +15,7 @@ from mnesite.rlog.replication import (
     FetchBatch,
     FetchCommitted,
     FetchTables,
-    JournalAge,
+    JournalAnswer,
     JournalsReceived,
     Mode,
     ModeChanged,
@@ -68,7 +68,7 @@ def replica(applied: int = 0, now_ms: int = 0, seed: int = 0, **config) -> Shard
 
 
 def ages(committed: int = 30, **overrides) -> JournalsReceived:
-    values = {core: JournalAge(at(committed)[0], True, 0) for core in CORES}
+    values = {core: JournalAnswer(at(committed)[0], True, 0) for core in CORES}
     values.update(overrides)
     return JournalsReceived(tuple(values.items()))
 
@@ -84,7 +84,7 @@ def push(entries, agent="a1", core="core0", committed: int = 30, hears=True) -> 
 def connect(machine: ShardReplica, now_ms: int = 0, core: str = "core0", agent: str = "a1") -> list:
     """Probe, choose ``core`` (others behind), and accept a resume watch."""
     assert of(machine.step(Ticked(), now_ms), ProbeJournals)
-    journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
+    journals = JournalsReceived(tuple((c, JournalAnswer(at(30)[0], True, 0) if c == core else None) for c in CORES))
     effects = machine.step(journals, now_ms)
     assert effects == [SendWatch(core, machine.applied_key, machine.applied_digest, machine.watch_id)]
     accepted = WatchAccepted(core, agent, "resume", machine.applied_key, machine.applied_digest, machine.watch_id)
@@ -93,7 +93,7 @@ def connect(machine: ShardReplica, now_ms: int = 0, core: str = "core0", agent: 
 
 def bootstrap(machine: ShardReplica, k0: int = 10, now_ms: int = 0, core: str = "core0", agent: str = "a1") -> list:
     machine.step(Ticked(), now_ms)
-    journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
+    journals = JournalsReceived(tuple((c, JournalAnswer(at(30)[0], True, 0) if c == core else None) for c in CORES))
     machine.step(journals, now_ms)
     key, digest = at(k0)
     return machine.step(WatchAccepted(core, agent, "bootstrap", key, digest, machine.watch_id), now_ms)
@@ -114,7 +114,7 @@ def test_it_starts_disconnected_and_probes_every_core_on_the_first_tick():
 def test_it_never_watches_a_core_behind_its_applied_key():
     machine = replica(applied=20)
     machine.step(Ticked(), 0)
-    journals = ages(core0=JournalAge(at(19)[0], True, 0), core1=JournalAge(at(25)[0], True, 50), core2=None)
+    journals = ages(core0=JournalAnswer(at(19)[0], True, 0), core1=JournalAnswer(at(25)[0], True, 50), core2=None)
     assert machine.step(journals, 0) == [SendWatch("core1", at(20)[0], at(20)[1], machine.watch_id)]
 
 
@@ -318,7 +318,7 @@ def test_no_push_or_heartbeat_within_failure_timeout_ms_fails_over_to_another_co
     assert effects == [ModeChanged(Mode.DISCONNECTED, "core0", "no push or heartbeat from core0 for 1000 ms")]
     machine.step(Ticked(), machine.next_deadline_ms())
     # core0 answers too and is the least loaded, but the replica moves on to another qualifying core.
-    journals = ages(core0=JournalAge(at(30)[0], True, 0), core1=JournalAge(at(30)[0], True, 5), core2=None)
+    journals = ages(core0=JournalAnswer(at(30)[0], True, 0), core1=JournalAnswer(at(30)[0], True, 5), core2=None)
     assert machine.step(journals, machine.next_deadline_ms()) == [SendWatch("core1", *at(6), machine.watch_id)]
 
 
@@ -330,7 +330,7 @@ def test_failover_never_goes_to_a_core_behind_even_if_it_is_the_only_other_one()
     machine.step(Ticked(), 1010)
     assert machine.mode is Mode.DISCONNECTED
     machine.step(Ticked(), machine.next_deadline_ms())
-    journals = ages(core0=None, core1=JournalAge(at(9)[0], True, 0), core2=JournalAge(at(3)[0], True, 0))
+    journals = ages(core0=None, core1=JournalAnswer(at(9)[0], True, 0), core2=JournalAnswer(at(3)[0], True, 0))
     assert machine.step(journals, machine.next_deadline_ms()) == []
     assert "core1 is behind" in machine.status().last_error
 
@@ -416,7 +416,7 @@ def test_a_bootstrap_while_holding_data_keeps_the_applied_key_as_a_floor():
     machine.step(RequestFailed("core0", "gone"), 1)
     machine.step(Ticked(), machine.next_deadline_ms())
     # A core behind the floor never qualifies, and the watch asks for a bootstrap with the unknown digest.
-    journals = ages(core0=JournalAge(at(4)[0], True, 0), core1=JournalAge(at(20)[0], True, 9), core2=None)
+    journals = ages(core0=JournalAnswer(at(4)[0], True, 0), core1=JournalAnswer(at(20)[0], True, 9), core2=None)
     effects = machine.step(journals, machine.next_deadline_ms())
     assert effects == [SendWatch("core1", at(5)[0], UNKNOWN_DIGEST, machine.watch_id)]
 
@@ -634,7 +634,7 @@ def test_a_replica_restarted_while_fenced_stays_fenced_and_asks_again():
 
 def watching(machine: ShardReplica, core: str = "core0") -> str:
     machine.step(Ticked(), 0)
-    journals = JournalsReceived(tuple((c, JournalAge(at(30)[0], True, 0) if c == core else None) for c in CORES))
+    journals = JournalsReceived(tuple((c, JournalAnswer(at(30)[0], True, 0) if c == core else None) for c in CORES))
     assert of(machine.step(journals, 0), SendWatch)
     return machine.watch_id
 
@@ -676,3 +676,12 @@ def test_bootstrap_progress_counts_rows_bytes_rate_and_eta():
     status = machine.status()
     assert (status.copy_rows, status.copy_rows_expected, status.copy_rows_per_s) == (2, 6, 2.0)
     assert status.copy_bytes > 0 and status.copy_eta_ms == 2000  # 4 rows to go at 2 rows/s
+
+
+@pytest.mark.timeout(10)
+def test_a_waiting_read_is_answered_only_when_readable_and_its_key_is_applied():
+    machine = bootstrapped()
+    # Applied (1, 12) but fenced: a read at an applied key still waits for the fence.
+    assert not machine.readable_at(at(5)[0])
+    machine.step(CommittedReceived("core0", at(12)[0]), 4)
+    assert machine.readable_at(at(12)[0]) and not machine.readable_at(at(13)[0])

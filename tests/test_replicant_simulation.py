@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 import pytest
+from mnesite.core import watch
 from mnesite.replicant.replica import ShardReplica
 from mnesite.rlog.replication import Mode, PushReceived
 from mnesite.rlog.types import Entry, TxKey
@@ -104,3 +105,28 @@ def test_replicants_serve_linearizable_reads_that_the_history_check_accepts():
         simulation.run()
         checked += simulation.replicant_reads_checked
     assert checked > 0
+
+
+def _resume_without_the_digest_check(
+    from_key, from_digest, trimmed_key, committed_key, committed_digest, digest_at, core
+):
+    """Mutation of the resume rule: resume from any retained committed key, whatever digest the replica has
+    there (a replicant whose database position is unknown is told to resume from genesis)."""
+    if from_key <= committed_key and trimmed_key <= from_key and digest_at(from_key) is not None:
+        return "resume", from_key, digest_at(from_key)
+    return _DECIDE_WATCH(from_key, from_digest, trimmed_key, committed_key, committed_digest, digest_at, core)
+
+
+_DECIDE_WATCH = watch.decide_watch
+RESUME_SEED = 2
+
+
+@pytest.mark.timeout(120)
+def test_the_simulator_catches_a_resume_rule_without_the_digest_check(monkeypatch):
+    result = run_replicant_seed(RESUME_SEED)  # the real rule passes this seed, with resumes
+    assert result.resumes > 0
+    monkeypatch.setattr(watch, "decide_watch", _resume_without_the_digest_check)
+    # The replica refuses a resume at its key with another digest (defence in depth), so the wrong
+    # answer shows as replicas that never converge: the simulator's end check catches it.
+    with pytest.raises(SimulationFailure, match=f"seed {RESUME_SEED} .*replicas did not converge"):
+        run_replicant_seed(RESUME_SEED)

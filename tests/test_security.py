@@ -344,10 +344,10 @@ def test_a_frame_from_an_authenticated_key_still_goes_through_the_decoder(secure
     [(None, 0), ({"generation": 7}, 7), ({"generation": "7"}, -1), ({"generation": True}, -1), ([7], -1)],
 )
 def test_a_peers_journal_answer_is_checked_before_a_force_start_uses_it(age, expected) -> None:
-    from mnesite.core.node import _generation_in
+    from mnesite.core.recovery import journal_generation
 
     shards = {} if age is None else {"default": age}
-    assert _generation_in({"shards": shards}, "default") == expected
+    assert journal_generation({"shards": shards}, "default") == expected
 
 
 def test_an_insecure_node_says_so_at_every_start(tmp_path: Path, caplog) -> None:

@@ -13,6 +13,7 @@ import os
 import pytest
 from mnesite.core.consensus import AppendRequest, ForceStarted, ForceStartRefused, Role, ShardConsensus
 from mnesite.core.guard_tail import GuardTail
+from mnesite.rlog import retention
 
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import READ_KEYS, replay_command
@@ -361,3 +362,31 @@ def _forced_start_scenario(simulation: Simulation, left_out_majority_returns: bo
         simulation.run_until_quiet()
         returned = simulation.nodes[resumed].machine
         assert returned is not None and returned.excluded and returned.role is not Role.SEQUENCER
+
+
+def _floor_ignoring_the_applied_key(view, entries_max, before_ms, applied_key, keep_from=None):
+    """Mutation of the retention floor: entries not applied yet may go (as if all were applied)."""
+    return _RETENTION_FLOOR(view, entries_max, before_ms, view.last_key(), keep_from)
+
+
+_RETENTION_FLOOR = retention.retention_floor
+# Fixed seeds that trim (a count bound of 4 entries, 5 cores, lagging followers).
+RETENTION_SEEDS = (3,)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_retention_floor_that_ignores_the_applied_key(monkeypatch):
+    # The unmutated rule passes the same seeds, and trims in them (or the test proves nothing).
+    results = [run_seed(seed) for seed in RETENTION_SEEDS]
+    assert sum(result.entries_trimmed for result in results) > 0
+    monkeypatch.setattr(retention, "retention_floor", _floor_ignoring_the_applied_key)
+    for seed in RETENTION_SEEDS:
+        with pytest.raises(SimulationFailure, match=f"seed {seed} .* lost or changed its applied entry"):
+            run_seed(seed)
+
+
+@pytest.mark.timeout(60)
+def test_the_ci_seeds_trim_with_the_production_retention_rule_and_send_snapshots():
+    results = [run_seed(seed) for seed in range(0, 40)]
+    assert sum(result.entries_trimmed for result in results) > 0
+    assert sum(result.snapshots for result in results) > 0

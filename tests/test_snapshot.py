@@ -87,3 +87,10 @@ def test_a_fence_whose_answer_was_lost_is_asked_again_and_a_restart_fences_again
     assert install.step(Ticked(), TxKey(3, 1), 500) == []
     assert install.step(CommittedReceived("core2", None), TxKey(3, 1), 600) == [FetchCommitted("core2")]
     assert install.step(CommittedReceived("core3", TxKey(3, 1)), TxKey(3, 1), 700) == [FenceReached()]
+
+
+def test_a_snapshot_is_offered_only_to_a_follower_heard_within_the_window():
+    from mnesite.core.snapshot import offer_due
+
+    assert offer_due(1000, 1500, 500) and not offer_due(1000, 1501, 500)
+    assert not offer_due(None, 0, 500)  # never heard: it may be down

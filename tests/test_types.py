@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, TxKey, WriteOp, entry_digest, make_entry
 
@@ -44,3 +46,18 @@ def test_tx_keys_order_by_generation_then_counter() -> None:
     assert TxKey(1, 99) < TxKey(2, 1) < TxKey(2, 2)
     with pytest.raises(ValueError, match="does not follow"):
         make_entry("s", TxKey(1, 1), TxKey(1, 1), GENESIS_DIGEST, [])
+
+
+def test_the_one_chain_check_names_the_broken_link():
+    from mnesite.rlog.types import CHAIN_DIGEST, CHAIN_LINK, CHAIN_ORDER, chain_break, make_entry
+
+    first = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"a": 1})], "r1")
+    second = make_entry("s", TxKey(1, 2), first.tx_key, first.digest, [], None)
+    assert chain_break(ZERO_KEY, GENESIS_DIGEST, first) is None
+    assert chain_break(first.tx_key, first.digest, second) is None
+    assert chain_break(ZERO_KEY, GENESIS_DIGEST, second) == CHAIN_LINK
+    assert chain_break(first.tx_key, bytes(32), second) == CHAIN_DIGEST  # another history before it
+    tampered = dataclasses.replace(second, ops=(WriteOp("t", {"a": 2}),))
+    assert chain_break(first.tx_key, first.digest, tampered) == CHAIN_DIGEST
+    backwards = dataclasses.replace(second, tx_key=TxKey(1, 1))
+    assert chain_break(first.tx_key, first.digest, backwards) == CHAIN_ORDER

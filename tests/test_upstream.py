@@ -7,15 +7,15 @@ from collections import Counter
 
 import pytest
 from mnesite.replicant.upstream import choose_upstream, near_tie_agents
-from mnesite.rlog.replication import JournalAge
+from mnesite.rlog.replication import JournalAnswer
 from mnesite.rlog.types import TxKey
 
 APPLIED = TxKey(2, 10)
 AHEAD = TxKey(2, 20)
 
 
-def age(committed: TxKey = AHEAD, hears: bool = True, agents: int = 0) -> JournalAge:
-    return JournalAge(committed_key=committed, hears_sequencer=hears, agents=agents)
+def age(committed: TxKey = AHEAD, hears: bool = True, agents: int = 0) -> JournalAnswer:
+    return JournalAnswer(committed_key=committed, hears_sequencer=hears, agents=agents)
 
 
 def choices(ages, applied=APPLIED, exclude=frozenset(), draws=200) -> Counter:
@@ -82,3 +82,39 @@ def test_the_same_random_state_gives_the_same_choice_whatever_the_mapping_order(
     second = [choose_upstream(reversed_ages, APPLIED, random.Random(seed)) for seed in range(30)]
     assert first == second
     assert len(set(first)) > 1
+
+
+def test_a_replicant_forwards_writes_to_a_core_it_watches_else_to_any_core():
+    from mnesite.replicant.upstream import write_target
+
+    rng = random.Random(1)
+    assert write_target([None, "core2", "core1"], ("core0", "core1", "core2"), rng) == "core2"
+    drawn = {write_target([None], ("core0", "core1", "core2"), rng) for _ in range(50)}
+    assert drawn == {"core0", "core1", "core2"}
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        None,
+        [],
+        {"shards": []},
+        {"shards": {"s": []}},
+        {"shards": {"s": {"committed": "x", "hears_sequencer": True, "agents": 0}}},
+        {"shards": {"s": {"committed": [1, 2], "hears_sequencer": 1, "agents": 0}}},
+        {"shards": {"s": {"committed": [1, 2], "hears_sequencer": True, "agents": -1}}},
+        {"shards": {"s": {"committed": [1, 2], "hears_sequencer": True, "agents": True}}},
+        {"shards": {"other": {"committed": [1, 2], "hears_sequencer": True, "agents": 0}}},
+    ],
+)
+def test_a_malformed_journal_answer_counts_as_no_answer(result):
+    from mnesite.rlog.replication import journal_answer
+
+    assert journal_answer(result, "s") is None
+
+
+def test_a_journal_answer_is_read_from_the_cores_reply():
+    from mnesite.rlog.replication import journal_answer
+
+    reply = {"shards": {"s": {"committed": [3, 4], "hears_sequencer": False, "agents": 2, "generation": 3}}}
+    assert journal_answer(reply, "s") == JournalAnswer(TxKey(3, 4), False, 2)

@@ -132,3 +132,36 @@ def test_config_file_errors(tmp_path) -> None:
     good.write_text('[node]\nname = "n1"\ndata_dir = "d"\nlisten = "tcp://127.0.0.1:7500"\n')
     config = load_config(str(good))
     assert config.data_dir == str(tmp_path / "d") and config.core_nodes == {"n1": "tcp://127.0.0.1:7500"}
+
+
+def test_driver_limits_a_user_may_tune_are_config_keys_with_bounds() -> None:
+    config = parse_config(
+        {
+            "limits": {"guard_failures_held_max": 7, "guard_hold_ms_max": 250},
+            "rlog": {"retention_interval_ms": 50},
+            "cluster": {"recovery_timeout_ms": 3000},
+        }
+    )
+    assert (config.limits.guard_failures_held_max, config.limits.guard_hold_ms_max) == (7, 250)
+    assert config.retention.retention_interval_ms == 50
+    assert config.timing.recovery_timeout_ms == 3000
+    defaults = parse_config({})
+    assert defaults.retention.retention_interval_ms == 1000 and defaults.timing.recovery_timeout_ms == 1000
+    for section, key in [("limits", "guard_hold_ms_max"), ("rlog", "retention_interval_ms")]:
+        with pytest.raises(ConfigError, match=key):
+            parse_config({section: {key: 0}})
+
+
+def test_a_core_holds_failed_guards_within_its_configured_limits(tmp_path) -> None:
+    from mnesite.core.node import CoreNode
+
+    config = parse_config(
+        {"node": {"data_dir": str(tmp_path)}, "limits": {"guard_failures_held_max": 3, "guard_hold_ms_max": 40}}
+    )
+    node = CoreNode(config)
+    try:
+        node._shard_for("default", create=True)
+        tail = node.shards["default"].tail
+        assert (tail.failures_held_max, tail.hold_ms_max) == (3, 40)
+    finally:
+        node.close()

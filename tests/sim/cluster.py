@@ -11,7 +11,11 @@ and the random source of every state machine. Time is a fake clock advanced in `
   applied key from ``Commit``) lives in its ``SimNode``; a crash throws the state machine away and a
   restart rebuilds it from there. A crash may hit in the middle of a step's effects.
 * Pauses: a paused node neither ticks nor receives (its messages wait), then resumes with stale state.
-* Clients propose writes at the node they believe is the sequencer. They also send reads and
+* Clients send writes to the node they believe is the sequencer; a follower forwards them once to
+  the sequencer it knows and relays the answer, and every answer comes from production's
+  ``core.outcome`` rules (``CommitWaiters`` at the sequencer, ``ForwardedRequests`` at the
+  follower: outcome unknown when its sequencer changes or does not answer in time); every
+  acknowledgement is checked against the committed log. They also send reads and
   guarded transactions through the network (so a paused node answers them late, after whatever
   reached it first): ``local`` reads, ``linearizable`` reads (served as production serves them: at
   the sequencer, only when ``ShardConsensus.read_index`` allows) and compare-and-set transactions
@@ -55,6 +59,7 @@ from mnesite.core.consensus import (
     ProposalRejected,
     Proposed,
     Role,
+    RoleChanged,
     Send,
     ShardConsensus,
     SnapshotNeeded,
@@ -63,7 +68,17 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GuardTail
+from mnesite.core.outcome import (
+    Acknowledged,
+    CommitWaiters,
+    ForwardedRequests,
+    Outcome,
+    OutcomeUnknown,
+    forward_target,
+)
 from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install
+from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
+from mnesite.rlog import retention
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
 
@@ -76,6 +91,11 @@ READ_KEYS = 4
 READ_TABLE = "t"
 CATALOG: dict[str, TableSchema] = {READ_TABLE: define_table(READ_TABLE, "k", [["k", "INTEGER"], ["v", "INTEGER"]])}
 CLIENT = "client"
+RETENTION_INTERVAL_MS = 100
+TRANSACTION_OPS_MAX = 16
+# Production's core/node.py FORWARD_TIMEOUT_MS and FORWARDED_MAX, scaled to the simulated timeouts.
+FORWARD_TIMEOUT_MS = 1000
+FORWARDED_MAX = 64
 Row = dict[str, Any] | None
 
 
@@ -88,11 +108,13 @@ class SimulationFailure(AssertionError):
 
 
 class MemoryLog:
-    """The simulator's ``LogView``: a persisted log in memory, with retention (trimming)."""
+    """The simulator's ``LogView`` and ``rlog.retention.RetentionView``: a persisted log in memory."""
 
     def __init__(self, trimmed_key: TxKey = ZERO_KEY, trimmed_digest: bytes = GENESIS_DIGEST) -> None:
         self.entries: list[Entry] = []
         self.keys: list[TxKey] = []
+        # When each entry was persisted (simulated time): the age bound of retention reads it.
+        self.appended_ms: list[int] = []
         self._trimmed_key = trimmed_key
         self._trimmed_digest = trimmed_digest
 
@@ -118,6 +140,19 @@ class MemoryLog:
     def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
         return min(limit, max(0, bisect.bisect_right(self.keys, up_to) - bisect.bisect_right(self.keys, key)))
 
+    # RetentionView
+    def key_before(self, key: TxKey) -> TxKey | None:
+        position = bisect.bisect_left(self.keys, key)
+        return self.keys[position - 1] if position > 0 else None
+
+    def newest_key_at(self, offset: int) -> TxKey | None:
+        return self.keys[-1 - offset] if 0 <= offset < len(self.keys) else None
+
+    def newest_appended_before(self, before_ms: int) -> TxKey | None:
+        # Appended times never decrease along the log (one clock per node).
+        position = bisect.bisect_left(self.appended_ms, before_ms)
+        return self.keys[position - 1] if position > 0 else None
+
     # storage operations, as a driver would run them
     def entry_at(self, key: TxKey) -> Entry | None:
         position = bisect.bisect_left(self.keys, key)
@@ -125,7 +160,7 @@ class MemoryLog:
             return self.entries[position]
         return None
 
-    def append(self, entries: tuple[Entry, ...]) -> None:
+    def append(self, entries: tuple[Entry, ...], appended_ms: int = 0) -> None:
         for entry in entries:
             if entry.prev != self.last_key():
                 raise SimulationFailure(
@@ -133,11 +168,13 @@ class MemoryLog:
                 )
             self.entries.append(entry)
             self.keys.append(entry.tx_key)
+            self.appended_ms.append(max(appended_ms, self.appended_ms[-1] if self.appended_ms else 0))
 
     def truncate_after(self, key: TxKey) -> None:
         position = bisect.bisect_right(self.keys, key)
         del self.entries[position:]
         del self.keys[position:]
+        del self.appended_ms[position:]
 
     def trim_to(self, key: TxKey) -> None:
         digest = self.digest_at(key)
@@ -146,6 +183,7 @@ class MemoryLog:
         position = bisect.bisect_right(self.keys, key)
         del self.entries[:position]
         del self.keys[:position]
+        del self.appended_ms[:position]
         self._trimmed_key, self._trimmed_digest = key, digest
 
 
@@ -163,6 +201,11 @@ class ClientRequest:
     forwarded: bool = False
     # For a replicant's linearizable read (kind ``read_index``): the replicant that serves it.
     replicant: str | None = None
+    # A write forwarded by core ``origin`` to the sequencer (kind ``write``: its ``ops``), and the
+    # sequencer's answer relayed back to ``origin`` (kind ``relay``: its ``outcome``; None: an error).
+    origin: str | None = None
+    ops: tuple[Op, ...] = ()
+    outcome: Outcome | None = None
 
 
 @dataclass
@@ -176,6 +219,15 @@ class SimNode:
     down_until_ms: int = 0
     paused_until_ms: int = 0
     crash_in_next_step: bool = False
+    # Writes proposed here waiting for their entry to commit (production's core.outcome rule; in
+    # memory, lost in a crash: those clients get no answer).
+    waiters: CommitWaiters[str] = field(default_factory=CommitWaiters)
+    # Writes this core forwarded to the sequencer (production's core.outcome rule; lost in a crash).
+    forwarded: ForwardedRequests[str] = field(
+        default_factory=lambda: ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
+    )
+    # The driver's retention timer (production: [rlog] retention_interval_ms).
+    next_retention_ms: int = 0
     # The driver's in-memory guard tail (lost in a crash, rebuilt from the log at a restart).
     tail: GuardTail[tuple[ClientRequest, Row]] = field(default_factory=lambda: GuardTail(CATALOG))
 
@@ -193,6 +245,7 @@ class SimulationResult:
     final_time_ms: int
     reads_checked: int = 0
     guard_failures_checked: int = 0
+    entries_trimmed: int = 0
 
 
 @dataclass
@@ -204,7 +257,9 @@ class _Faults:
     heal_probability: float
     crash_probability: float
     pause_probability: float
-    trim_probability: float
+    # Retention (rlog.retention, as cores run it): newest entries kept, age bound (0: none).
+    retention_entries_max: int
+    retention_age_ms_max: int
     write_probability: float
     read_probability: float = 0.0
 
@@ -234,7 +289,8 @@ class Simulation:
             heal_probability=0.03,
             crash_probability=rng.choice([0.0, 0.01, 0.02]),
             pause_probability=rng.choice([0.0, 0.01]),
-            trim_probability=rng.choice([0.0, 0.0, 0.02]),
+            retention_entries_max=rng.choice([10**9, 4, 16]),
+            retention_age_ms_max=rng.choice([0, 0, 200]),
             write_probability=rng.choice([0.2, 0.5]),
             read_probability=rng.choice([0.3, 0.6]),
         )
@@ -258,6 +314,7 @@ class Simulation:
         self.crashes = 0
         self.pauses = 0
         self.snapshots = 0
+        self.entries_trimmed = 0
         self.lost_for_good: set[str] = set()
         # The committed log as the simulator knows it, for the history check of reads.
         self.commit_position: dict[TxKey, int] = {ZERO_KEY: 0}
@@ -303,6 +360,8 @@ class Simulation:
 
     def _crash(self, node: SimNode) -> None:
         node.machine = None
+        node.waiters = CommitWaiters()
+        node.forwarded = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         node.crash_in_next_step = False
         node.paused_until_ms = 0
         node.down_until_ms = self.now_ms + self.rng.randint(20, 600)
@@ -312,7 +371,8 @@ class Simulation:
     def _is_up(self, node: SimNode) -> bool:
         return node.machine is not None and node.paused_until_ms <= self.now_ms
 
-    def _step(self, node: SimNode, event: Any) -> None:
+    def _step(self, node: SimNode, event: Any) -> list[Effect]:
+        """Step ``node``'s machine and execute its effects; the effects executed (all, unless it crashed)."""
         machine = node.machine
         if machine is None:
             raise self.fail(f"stepping crashed node {node.name}")
@@ -330,6 +390,43 @@ class Simulation:
             self.trace.append((self.now_ms, node.name, "crashed mid-step after effects", crash_after))
             self._crash(node)
         self._check_node(node)
+        return effects
+
+    def _propose(self, node: SimNode, ops: tuple[Op, ...], request_id: str, client: str = CLIENT) -> None:
+        """A write at the sequencer, as production's driver takes it (core/node.py ``_write``):
+        propose, then wait for the entry carrying the request id to commit. ``client``: where the
+        answer goes (the client, or the core that forwarded the write)."""
+        for effect in self._step(node, Proposed(ops, request_id)):
+            if isinstance(effect, PersistEntries) and node.machine is not None:
+                for entry in effect.entries:
+                    if entry.request_id != request_id:
+                        continue
+                    answer = node.waiters.answer_now(entry.tx_key, request_id, node.applied_key)
+                    if answer is not None:
+                        self._tell(node, answer, client)
+                    else:
+                        node.waiters.wait(entry.tx_key, request_id, client)
+
+    def _tell(self, node: SimNode, outcome: Outcome | None, client: str = CLIENT) -> None:
+        """A write's outcome leaves ``node``: an acknowledgement must name where it committed. It
+        reaches the client directly, or through the core that forwarded the write (``relay``)."""
+        committed_here = isinstance(outcome, Acknowledged) and (
+            outcome.tx_key <= node.applied_key and self.committed_request_id.get(outcome.tx_key) == outcome.request_id
+        )
+        if isinstance(outcome, Acknowledged) and not committed_here:
+            raise self.fail(f"{outcome.request_id} acknowledged at {outcome.tx_key} but not committed there")
+        if client != CLIENT and outcome is not None:
+            relay = ClientRequest("relay", 0, 0, self.now_ms, self.acknowledged_position, outcome=outcome)
+            self._enqueue_client(client, relay)
+            return
+        self._client_told(node, outcome)
+
+    def _client_told(self, node: SimNode, outcome: Outcome | None) -> None:
+        if isinstance(outcome, Acknowledged):
+            self.acknowledged[outcome.request_id] = outcome.tx_key
+            self.acknowledged_position = max(self.acknowledged_position, self.commit_position[outcome.tx_key])
+        elif isinstance(outcome, OutcomeUnknown):
+            self.trace.append((self.now_ms, node.name, "outcome unknown", outcome.request_id, outcome.reason))
 
     # ------------------------------------------------------------ effects (the driver)
 
@@ -341,7 +438,7 @@ class Simulation:
                 seen = self.digest_ever_persisted.setdefault(entry.tx_key, entry.digest)
                 if seen != entry.digest:
                     raise self.fail(f"two different entries persisted at {entry.tx_key} (prefix consistency)")
-            node.log.append(effect.entries)
+            node.log.append(effect.entries, self.now_ms)
             node.tail.add(effect.entries)
         elif isinstance(effect, PersistState):
             if effect.state.generation < node.state.generation:
@@ -352,22 +449,24 @@ class Simulation:
                 raise self.fail(f"{node.name} truncates after {effect.after_key}, below applied {node.applied_key}")
             self.trace.append((self.now_ms, node.name, "truncate after", effect.after_key))
             node.log.truncate_after(effect.after_key)
+            for client, outcome in node.waiters.truncated(effect.after_key):
+                self._tell(node, outcome, client)
             # Failed guards that observed the removed entries get no answer: their clients retry.
             node.tail.truncated(effect.after_key, CATALOG)
         elif isinstance(effect, Commit):
-            self._apply(node, effect.up_to)
+            for client, outcome in node.waiters.committed(self._apply(node, effect.up_to)):
+                self._tell(node, outcome, client)
             machine = node.machine
             read_index = machine.read_index(self.now_ms) if machine is not None else None
             for (request, row), verdict in node.tail.committed(effect.up_to, CATALOG, read_index):
                 if verdict == GUARD_ANSWER:
                     self._record_read(node.name, request, row)
         elif isinstance(effect, ProposalCommitted):
+            # Production answers clients through the waiters (``_tell``); this effect is only checked.
             if effect.request_id is None:
                 raise self.fail("a committed proposal without request id")
             if effect.tx_key > node.applied_key or self.committed_request_id.get(effect.tx_key) != effect.request_id:
-                raise self.fail(f"{effect.request_id} acknowledged at {effect.tx_key} but not committed there")
-            self.acknowledged[effect.request_id] = effect.tx_key
-            self.acknowledged_position = max(self.acknowledged_position, self.commit_position[effect.tx_key])
+                raise self.fail(f"{effect.request_id} reported committed at {effect.tx_key} but not committed there")
         elif isinstance(effect, ProposalRejected):
             if effect.sequencer is not None:
                 self.client_belief = effect.sequencer
@@ -375,10 +474,19 @@ class Simulation:
             self._install_snapshot(node, effect.follower)
         elif isinstance(effect, ProposalFailed):
             self.trace.append((self.now_ms, node.name, "proposal failed", effect.request_id, effect.reason))
+            for client, outcome in node.waiters.failed(effect.tx_key, effect.reason):
+                self._tell(node, outcome, client)
+        elif isinstance(effect, RoleChanged):
+            # Production tells the clients of writes forwarded to a sequencer it no longer follows.
+            self.trace.append((self.now_ms, node.name, effect))
+            for _, outcome in node.forwarded.sequencer_changed(SHARD, effect.sequencer):
+                self._client_told(node, outcome)
         else:
             self.trace.append((self.now_ms, node.name, effect))
 
-    def _apply(self, node: SimNode, up_to: TxKey) -> None:
+    def _apply(self, node: SimNode, up_to: TxKey) -> list[Entry]:
+        """Apply the committed entries up to ``up_to``; the entries applied."""
+        applied: list[Entry] = []
         if up_to <= node.applied_key:
             raise self.fail(f"{node.name} asked to apply up to {up_to}, already applied {node.applied_key}")
         for entry in node.log.entries_after(node.applied_key, len(node.log.entries)):
@@ -400,14 +508,18 @@ class Simulation:
             elif known != entry.digest:
                 raise self.fail(f"{node.name} commits a different entry at {entry.tx_key}")
             node.applied_key, node.applied_digest = entry.tx_key, entry.digest
+            applied.append(entry)
         if node.applied_key != up_to:
             raise self.fail(f"{node.name} asked to apply up to {up_to} but its log reaches only {node.applied_key}")
         self.trace.append((self.now_ms, node.name, "applied", up_to))
+        return applied
 
     def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
         follower = self.nodes[follower_name]
         if not self._is_up(follower) or sequencer.machine is None or follower.machine is None:
             return
+        if (sequencer.name, follower_name) in self.cut or (follower_name, sequencer.name) in self.cut:
+            return  # the offer and the copy travel over the network like any frame
         # Production's offer rule (core.snapshot): the follower takes an offer only from the
         # sequencer it knows, in its generation, beyond its applied key. The copy itself (the
         # driver's job there) is modelled as a consistent copy of the sequencer's applied state.
@@ -422,6 +534,8 @@ class Simulation:
         if accept_offer(offer, machine.generation, machine.sequencer, follower.applied_key, False) is not None:
             return
         # The driver copies the sequencer's applied tables; the follower's log restarts there.
+        for client, outcome in follower.waiters.abandoned("this core installed a snapshot"):
+            self._tell(follower, outcome, client)
         follower.log = MemoryLog(sequencer.applied_key, sequencer.applied_digest)
         follower.applied_key, follower.applied_digest = sequencer.applied_key, sequencer.applied_digest
         # The driver persists the offer's membership with the copied tables (core.snapshot).
@@ -476,15 +590,25 @@ class Simulation:
         machine = node.machine
         if machine is None:
             return
+        if request.kind == "relay":
+            # The sequencer's answer to a write this core forwarded: relayed if the client still waits.
+            outcome = request.outcome
+            if outcome is not None and node.forwarded.answered(outcome.request_id) is not None:
+                self._client_told(node, outcome)
+            return
+        if request.kind == "write":
+            self._write_at(node, request)
+            return
         applied_row = self._row_at(request.key, self.commit_position[node.applied_key])
         if request.kind == "local":
             self._record_read(node.name, request, applied_row)
             return
         if machine.role is not Role.SEQUENCER:
-            # Forwarded once to the sequencer this node knows; otherwise the client retries.
-            if machine.sequencer is not None and not request.forwarded:
-                forwarded = dataclasses.replace(request, forwarded=True)
-                self._enqueue_client(machine.sequencer, forwarded)
+            # Forwarded once to the sequencer this node knows (production's core.outcome rule);
+            # otherwise the client retries.
+            target = forward_target(machine.sequencer, node.name, request.forwarded)
+            if target is not None:
+                self._enqueue_client(target, dataclasses.replace(request, forwarded=True))
             return
         read_index = machine.read_index(self.now_ms)
         if request.kind == "linearizable":
@@ -495,15 +619,26 @@ class Simulation:
             if read_index is not None:
                 self._read_index_answered(request, read_index)
             return
-        in_tail, row = node.tail.row(READ_TABLE, request.key)
-        if not in_tail:
-            row = applied_row
-        if row == request.expected:
+        # Production's transaction rules (core.transaction), the guard read through the unapplied tail
+        # first, as core/node.py ``_write`` reads it.
+        transaction = parse_transaction(
+            [{"table": READ_TABLE, "key": request.key, "equals": request.expected}],
+            [{"op": "write", "table": READ_TABLE, "row": {"k": request.key, "v": 100_000 + request.number}}],
+            CATALOG,
+            TRANSACTION_OPS_MAX,
+        )
+
+        def read_row(table: TableSchema, key: Any) -> Row:
+            in_tail, row = node.tail.row(table.name, key)
+            return row if in_tail else applied_row
+
+        outcome = evaluate(transaction, CATALOG, read_row)
+        if not isinstance(outcome, GuardFailed):
             if self.write_count < WRITES_MAX:
                 self.write_count += 1
-                ops = (WriteOp(READ_TABLE, {"k": request.key, "v": 100_000 + request.number}),)
-                self._step(node, Proposed(ops, f"c{request.number}"))
+                self._propose(node, outcome, f"c{request.number}")
             return
+        row = outcome.actual
         verdict = node.tail.failed((request, row), machine.committed_key, read_index, self.now_ms)
         if verdict == GUARD_ANSWER:
             self._record_read(node.name, request, row)
@@ -616,13 +751,6 @@ class Simulation:
                 node.paused_until_ms = self.now_ms + rng.randint(100, 900)
                 self.pauses += 1
                 self.trace.append((self.now_ms, node.name, "paused until", node.paused_until_ms))
-        if rng.random() < faults.trim_probability:
-            node = self.nodes[rng.choice(names)]
-            keep = rng.randint(0, 6)
-            applied = node.log.entries_after(node.log.trimmed_key(), len(node.log.entries))
-            applied = [entry for entry in applied if entry.tx_key <= node.applied_key]
-            if len(applied) > keep:
-                node.log.trim_to(applied[len(applied) - keep - 1].tx_key)
 
     def _restart_due(self) -> None:
         for node in self.nodes.values():
@@ -641,12 +769,40 @@ class Simulation:
             self.client_belief = None
             return
         self.write_count += 1
-        request_id = f"w{self.write_count}"
-        self._step(node, Proposed(self._write_ops(self.write_count), request_id))
+        request = ClientRequest(
+            "write", 0, self.write_count, self.now_ms, self.acknowledged_position, ops=self._write_ops(self.write_count)
+        )
+        self._write_at(node, request)
+
+    def _write_at(self, node: SimNode, request: ClientRequest) -> None:
+        """A write reaches ``node`` (core/node.py ``_write``): proposed at the sequencer, forwarded
+        once to the sequencer this core knows (core.outcome), refused otherwise (the client retries)."""
+        machine = node.machine
+        if machine is None:
+            return
+        request_id = f"w{request.number}"
+        if machine.role is Role.SEQUENCER:
+            self._propose(node, request.ops, request_id, request.origin or CLIENT)
+            return
+        target = forward_target(machine.sequencer, node.name, request.origin is not None)
+        if target is None:
+            if request.origin is None:
+                self.client_belief = None  # no_sequencer: the client tries another core next time
+            return  # a forwarded write is not forwarded again; its origin's wait expires
+        if node.forwarded.full():
+            return  # overloaded
+        node.forwarded.forwarded(request_id, CLIENT, SHARD, target, self.now_ms)
+        self._enqueue_client(target, dataclasses.replace(request, origin=node.name, forwarded=True))
 
     def _write_ops(self, number: int) -> tuple[Op, ...]:
         """The ops of client write ``number`` (a hook: the replicant simulation writes richer ones)."""
         return (WriteOp(READ_TABLE, {"k": number % READ_KEYS, "v": number}),)
+
+    def _expire_forwarded(self) -> None:
+        for node in self.nodes.values():
+            if self._is_up(node):
+                for _, outcome in node.forwarded.expired(self.now_ms):
+                    self._client_told(node, outcome)
 
     def _tick_all(self) -> None:
         for node in self.nodes.values():
@@ -658,7 +814,32 @@ class Simulation:
     def _advance(self) -> None:
         self._deliver_due()
         self._tick_all()
+        self._expire_forwarded()
+        self._retain_due()
         self.now_ms += self.tick_ms
+
+    def _retain_due(self) -> None:
+        """What a core's retention timer does (core/node.py ``_maybe_trim``), with production's rule."""
+        faults = self.faults
+        for node in self.nodes.values():
+            machine = node.machine
+            if not self._is_up(node) or machine is None or self.now_ms < node.next_retention_ms:
+                continue
+            node.next_retention_ms = self.now_ms + RETENTION_INTERVAL_MS
+            age_ms_max = faults.retention_age_ms_max
+            floor = retention.retention_floor(
+                node.log,
+                faults.retention_entries_max,
+                self.now_ms - age_ms_max if age_ms_max else None,
+                node.applied_key,
+                retention.keep_from_match_keys(key for _, key in machine.status().follower_match_keys),
+            )
+            if floor is not None:
+                self.trace.append((self.now_ms, node.name, "trimmed through", floor))
+                before = len(node.log.keys)
+                node.log.trim_to(floor)
+                self.entries_trimmed += before - len(node.log.keys)
+                self._check_node(node)
 
     # ------------------------------------------------------------ the run
 
@@ -778,6 +959,7 @@ class Simulation:
             final_time_ms=self.now_ms,
             reads_checked=self.reads_checked,
             guard_failures_checked=self.guard_failures_checked,
+            entries_trimmed=self.entries_trimmed,
         )
 
     def _heal(self) -> None:

@@ -42,11 +42,16 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from mnesite.bootstrap.copy import batch_from_answer
+from mnesite.bootstrap.serve import read_batch
+from mnesite.core import watch
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.consensus import Commit, Effect, Role
-from mnesite.core.rlog_server import WatchRefused, decide_watch
+from mnesite.core.watch import WatchRefusedError
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+from mnesite.replicant.upstream import write_target
 from mnesite.rlog import replication as p
+from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
 
 from tests.sim.cluster import READ_KEYS, SHARD, ClientRequest, SimNode, Simulation
@@ -54,6 +59,8 @@ from tests.sim.cluster import READ_KEYS, SHARD, ClientRequest, SimNode, Simulati
 TABLES = ("t", "u")
 KEY_COLUMN = "k"
 KEYS_PER_TABLE = 12
+# A bootstrap batch's byte bound (production: frame_bytes_max / 2): small, so that it cuts batches too.
+BATCH_BYTES_MAX = 200
 CONVERGENCE_MS_MAX = 30_000
 # A replicant's linearizable read waits at most this long for its applied key (production: READ_WAIT_MS_MAX).
 READ_WAIT_MS_MAX = 2000
@@ -64,6 +71,21 @@ def replay_command(seed: int) -> str:
 
 
 Tables = dict[str, dict[Any, dict[str, Any]]]
+
+
+class _TablesView:
+    """The store interface ``bootstrap.serve.read_batch`` reads, over a simulated core's tables."""
+
+    def __init__(self, tables: Tables) -> None:
+        self.tables = tables
+
+    def count_rows(self, table: TableSchema) -> int:
+        return len(self.tables.get(table.name, {}))
+
+    def scan(self, table: TableSchema, after: Any, limit: int) -> list[dict[str, Any]]:
+        rows = self.tables.get(table.name, {})
+        keys = sorted(key for key in rows if after is None or key > after)
+        return [dict(rows[key]) for key in keys[:limit]]
 
 
 def empty_tables() -> Tables:
@@ -93,7 +115,7 @@ class SimReplicant:
     machine: ShardReplica | None = None
     down_until_ms: int = 0
     crash_in_next_step: bool = False
-    probe_answers: dict[str, p.JournalAge] | None = None
+    probe_answers: dict[str, p.JournalAnswer] | None = None
     probe_deadline_ms: int = 0
     # Checker state: the agent of the last watch this replica accepted, and the highest applied key.
     accepted: tuple[str, str] | None = None
@@ -255,7 +277,7 @@ class ReplicantSimulation(Simulation):
         """The core's RLOG server."""
         kind = message[0]
         if kind == "probe":
-            age = p.JournalAge(node.applied_key, self._hears_sequencer(node), len(self.agents[node.name]))
+            age = p.JournalAnswer(node.applied_key, self._hears_sequencer(node), len(self.agents[node.name]))
             self._send_replication(node.name, sender, ("age", age))
         elif kind == "watch":
             self._on_watch(node, sender, *message[1:])
@@ -264,11 +286,14 @@ class ReplicantSimulation(Simulation):
                 node.name, sender, ("answer", p.TablesReceived(node.name, TABLES, (KEY_COLUMN,) * len(TABLES)))
             )
         elif kind == "batch":
+            # Production's serving rule (bootstrap.serve, bounded in rows and bytes) over this core's
+            # tables, decoded by production's bootstrap.copy.batch_from_answer.
             _, table, after, limit = message
-            rows = self.core_tables[node.name].get(table, {})
-            keys = sorted(key for key in rows if after is None or key > after)
-            batch = tuple(dict(rows[key]) for key in keys[:limit])
-            answer = p.BatchReceived(node.name, table, after, batch, len(keys) <= limit)
+            schema = define_table(table, KEY_COLUMN, [[KEY_COLUMN, "INTEGER"], ["v", "INTEGER"]])
+            served = read_batch(_TablesView(self.core_tables[node.name]), schema, after, limit, BATCH_BYTES_MAX)
+            answer = batch_from_answer(node.name, table, after, served)
+            if answer is None:
+                raise self.fail(f"{node.name} served a malformed bootstrap batch: {served!r}")
             self._send_replication(node.name, sender, ("answer", answer))
         elif kind == "committed":
             # The driver asks with read_index: the sequencer's quorum-confirmed committed key.
@@ -285,13 +310,10 @@ class ReplicantSimulation(Simulation):
     def _on_watch(
         self, node: SimNode, sender: str, from_key: TxKey, from_digest: bytes, version: int, watch_id: str
     ) -> None:
-        if version != p.REPLICATION_PROTOCOL_VERSION:
-            refusal = p.WatchRefused(node.name, f"incompatible protocol version {version}")
-            self._send_replication(node.name, sender, ("answer", refusal))
-            return
         try:
-            # Production's watch rule, not a copy of it.
-            mode, start_key, start_digest = decide_watch(
+            # Production's watch rules (core.watch), not a copy of them.
+            watch.check_watch_request(version, watch_id, node.name)
+            mode, start_key, start_digest = watch.decide_watch(
                 from_key,
                 from_digest,
                 node.log.trimmed_key(),
@@ -300,7 +322,7 @@ class ReplicantSimulation(Simulation):
                 node.log.digest_at,
                 node.name,
             )
-        except WatchRefused as refused:
+        except WatchRefusedError as refused:
             self._send_replication(node.name, sender, ("answer", p.WatchRefused(node.name, str(refused))))
             return
         self.agent_sequence += 1
@@ -555,7 +577,10 @@ class ReplicantSimulation(Simulation):
         request = ClientRequest(
             "read_index", key, self.read_count, self.now_ms, self.acknowledged_position, replicant=replicant
         )
-        self._enqueue_client(self.client_belief or self.rng.choice(sorted(self.nodes)), request)
+        # Production's choice of the core to ask (replicant.upstream.write_target).
+        machine = self.replicants[replicant].machine
+        upstream = machine.upstream if machine is not None else None
+        self._enqueue_client(write_target([upstream], tuple(sorted(self.nodes)), self.rng), request)
 
     def _read_index_answered(self, request: ClientRequest, read_index: TxKey) -> None:
         self.waiting_reads.append((request, read_index, self.now_ms + READ_WAIT_MS_MAX))
@@ -567,7 +592,7 @@ class ReplicantSimulation(Simulation):
             machine = replicant.machine
             if machine is None or self.now_ms >= deadline_ms:
                 continue  # the client times out and retries
-            if machine.mode is not p.Mode.NORMAL or replicant.applied_key < read_index:
+            if not machine.readable_at(read_index):  # production's rule (replicant/node.py)
                 waiting.append((request, read_index, deadline_ms))
                 continue
             row = self._row_at(request.key, self.commit_position[replicant.applied_key])

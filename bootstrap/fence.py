@@ -1,0 +1,79 @@
+"""The read fence: when a bootstrap is complete enough to serve reads again (a pure rule).
+
+Theory of operation
+-------------------
+A bootstrap copies dirty reads (``bootstrap.copy``): rows that may be ahead of K0, the key the copy
+started at. Applying the entries after K0 heals them, but until the applied key reaches a key
+committed *after* the copy ended, a read could see a mix no committed prefix ever held. So the
+one bootstrap completion rule, for a replicant (``replicant.replica``) and for a core that
+installs a snapshot (``core.snapshot``):
+
+1. The copy is done (``TableCopy.done``): the owner fences reads (``ReadFence(fenced=True)``,
+   persisted, so a restart stays fenced) and asks the sequencer's quorum-confirmed committed key
+   (``FetchCommitted`` whenever ``should_ask`` says so: at once, then once per ``ask_interval_ms``
+   while no answer came; a lost answer or a "no quorum" answer is asked again).
+2. The first committed key answered becomes the fence key (later answers do not move it).
+3. Reads are served again once the applied key reaches the fence key (``reached``): checked at the
+   answer and after every apply.
+
+The owner decides which answers count (the replica only its upstream's; a core any core's: the
+answer is quorum-confirmed either way) and when asking makes sense (the replica: in NORMAL mode
+with an upstream).
+"""
+
+from __future__ import annotations
+
+from mnesite.rlog.types import TxKey
+
+
+class ReadFence:
+    """The read fence of one shard after a bootstrap."""
+
+    def __init__(self, fenced: bool, ask_interval_ms: int) -> None:
+        self.fenced = fenced
+        self.ask_interval_ms = ask_interval_ms
+        self.fence_key: TxKey | None = None
+        self.asked_ms: int | None = None
+
+    def fence(self) -> None:
+        """Rule 1: a new copy begins; no read until its fence is reached."""
+        self.fenced, self.fence_key, self.asked_ms = True, None, None
+
+    def forget_question(self) -> None:
+        """An answer to the question asked so far will be ignored (the owner changed upstream)."""
+        self.asked_ms = None
+
+    def waits_for_answer(self) -> bool:
+        return self.fenced and self.fence_key is None
+
+    def next_ask_ms(self, now_ms: int) -> int | None:
+        """When ``should_ask`` becomes true (None: never, the fence key is known or there is no fence)."""
+        if not self.waits_for_answer():
+            return None
+        return now_ms if self.asked_ms is None else self.asked_ms + self.ask_interval_ms
+
+    def should_ask(self, now_ms: int) -> bool:
+        """Rule 1: ask for the committed key now (and remember that it was asked)."""
+        due = self.next_ask_ms(now_ms)
+        if due is None or now_ms < due:
+            return False
+        self.asked_ms = now_ms
+        return True
+
+    def committed_received(self, committed_key: TxKey | None, applied_key: TxKey) -> bool:
+        """Rule 2: the answer (None: the core could not tell). True if the fence was just reached."""
+        if not self.fenced or self.asked_ms is None:
+            return False  # not asked (or no longer asked): a stale answer
+        self.asked_ms = None
+        if committed_key is None:
+            return False  # asked again when ``should_ask`` says so
+        if self.fence_key is None:
+            self.fence_key = committed_key
+        return self.reached(applied_key)
+
+    def reached(self, applied_key: TxKey) -> bool:
+        """Rule 3: True if the applied key just reached the fence (reads are served again)."""
+        if self.fenced and self.fence_key is not None and applied_key >= self.fence_key:
+            self.fenced, self.fence_key = False, None
+            return True
+        return False

@@ -1,0 +1,177 @@
+"""What a client is told about its write (pure): acknowledged, or outcome unknown; and forwarding.
+
+Theory of operation
+-------------------
+A write reaches some core. The sequencer proposes it and the client waits for the entry to
+commit; any other core forwards it, once, to the sequencer it knows and relays the answer. The
+client must never be told "done" for a write that did not commit, and whenever the core cannot
+know, it says ``outcome_unknown``: the client retries with the same request id, which is
+idempotent (an id found in the rlog is answered with its tx key once committed).
+
+``CommitWaiters`` (at the sequencer; one per shard) maps the log's fate to answers:
+
+1. A waiter for tx key K is acknowledged when K is applied and the entry applied at K carries the
+   waiter's request id. Another entry at K (not possible under the consensus rules, but checked)
+   gives ``outcome_unknown``.
+2. A truncation of the uncommitted tail after A gives ``outcome_unknown`` to every waiter above A
+   (a new sequencer replaced those entries; the write may still have reached its log).
+3. A proposal the consensus machine gives up on (``ProposalFailed``) gives ``outcome_unknown``.
+4. A key already applied when the client starts waiting (a retried request id) is answered at once.
+
+``ForwardedRequests`` (at every other core):
+
+1. ``forward_target``: a request is forwarded only if it was not forwarded already (one hop, so
+   two cores that each believe the other is the sequencer cannot bounce it) and the sequencer is
+   known and is not this core; otherwise the client is told ``no_sequencer`` and retries.
+2. A forwarded request whose sequencer is replaced (this core follows another one now), or that
+   is not answered within ``timeout_ms``, gets ``outcome_unknown`` at once: the old sequencer may
+   be dead, and the client retries with the same request id.
+3. At most ``forwarded_max`` are pending; the next one is refused (``overloaded``).
+
+Both hold the client's reply address as an opaque ``payload``; the driver turns each
+``Acknowledged`` / ``OutcomeUnknown`` into a frame. The simulator (``tests/sim/cluster.py``) runs
+``CommitWaiters`` for its clients' writes and checks every acknowledgement against the committed log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from mnesite.rlog.types import Entry, TxKey
+
+Payload = TypeVar("Payload")
+
+REASON_TRUNCATED = "its entry was replaced by the new sequencer"
+REASON_OTHER_ENTRY = "another entry committed at its key"
+REASON_FORWARD_TIMEOUT = "the sequencer did not answer in time"
+
+
+@dataclass(frozen=True)
+class Acknowledged:
+    """The write committed at ``tx_key`` (``duplicate``: a retry of a request id already in the rlog)."""
+
+    request_id: str
+    tx_key: TxKey
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class OutcomeUnknown:
+    """The core cannot tell whether the write committed: retry with the same request id."""
+
+    request_id: str
+    reason: str
+
+
+Outcome = Acknowledged | OutcomeUnknown
+
+
+class CommitWaiters(Generic[Payload]):
+    """Writes waiting at the sequencer for their entry to commit (one per shard)."""
+
+    def __init__(self) -> None:
+        # tx key -> [(payload, request id)]
+        self._waiting: dict[TxKey, list[tuple[Payload, str]]] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @staticmethod
+    def answer_now(tx_key: TxKey, request_id: str, applied_key: TxKey, duplicate: bool = False) -> Acknowledged | None:
+        """Rule 4: the answer if ``tx_key`` is applied already; None: ``wait`` for it."""
+        return Acknowledged(request_id, tx_key, duplicate) if tx_key <= applied_key else None
+
+    def wait(self, tx_key: TxKey, request_id: str, payload: Payload) -> None:
+        """Wait for ``tx_key`` to commit (after ``answer_now`` said None)."""
+        self._waiting.setdefault(tx_key, []).append((payload, request_id))
+        self._count += 1
+
+    def committed(self, applied: Iterable[Entry]) -> list[tuple[Payload, Outcome]]:
+        """Rule 1: the entries just applied, in order."""
+        answers: list[tuple[Payload, Outcome]] = []
+        for entry in applied:
+            for payload, request_id in self._pop(entry.tx_key):
+                if entry.request_id == request_id:
+                    answers.append((payload, Acknowledged(request_id, entry.tx_key)))
+                else:
+                    answers.append((payload, OutcomeUnknown(request_id, REASON_OTHER_ENTRY)))
+        return answers
+
+    def truncated(self, after_key: TxKey) -> list[tuple[Payload, Outcome]]:
+        """Rule 2: the tail after ``after_key`` was removed."""
+        answers: list[tuple[Payload, Outcome]] = []
+        for key in sorted(k for k in self._waiting if k > after_key):
+            answers += [(payload, OutcomeUnknown(r, REASON_TRUNCATED)) for payload, r in self._pop(key)]
+        return answers
+
+    def failed(self, tx_key: TxKey, reason: str) -> list[tuple[Payload, Outcome]]:
+        """Rule 3: the consensus machine gave up on the proposal at ``tx_key``."""
+        return [(payload, OutcomeUnknown(request_id, reason)) for payload, request_id in self._pop(tx_key)]
+
+    def abandoned(self, reason: str) -> list[tuple[Payload, Outcome]]:
+        """Every waiter, when the log they wait on is replaced (a snapshot install)."""
+        answers: list[tuple[Payload, Outcome]] = []
+        for key in sorted(self._waiting):
+            answers += [(payload, OutcomeUnknown(r, reason)) for payload, r in self._pop(key)]
+        return answers
+
+    def _pop(self, tx_key: TxKey) -> list[tuple[Payload, str]]:
+        waiting = self._waiting.pop(tx_key, [])
+        self._count -= len(waiting)
+        return waiting
+
+
+def forward_target(sequencer: str | None, core_name: str, already_forwarded: bool) -> str | None:
+    """Rule 1 of forwarding: the core to forward to, or None (the client is told ``no_sequencer``)."""
+    if already_forwarded or sequencer is None or sequencer == core_name:
+        return None
+    return sequencer
+
+
+@dataclass
+class _Forwarded(Generic[Payload]):
+    payload: Payload
+    deadline_ms: int
+    shard: str
+    sequencer: str
+
+
+class ForwardedRequests(Generic[Payload]):
+    """Requests this core forwarded to a sequencer, waiting for the answer to relay."""
+
+    def __init__(self, forwarded_max: int, timeout_ms: int) -> None:
+        self.forwarded_max = forwarded_max
+        self.timeout_ms = timeout_ms
+        self._pending: dict[str, _Forwarded[Payload]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def full(self) -> bool:
+        """Rule 3."""
+        return len(self._pending) >= self.forwarded_max
+
+    def forwarded(self, request_id: str, payload: Payload, shard: str, sequencer: str, now_ms: int) -> None:
+        self._pending[request_id] = _Forwarded(payload, now_ms + self.timeout_ms, shard, sequencer)
+
+    def answered(self, request_id: str) -> Payload | None:
+        """The payload to relay the sequencer's answer to; None for an answer nobody waits for."""
+        pending = self._pending.pop(request_id, None)
+        return pending.payload if pending is not None else None
+
+    def sequencer_changed(self, shard: str, sequencer: str | None) -> list[tuple[Payload, Outcome]]:
+        """Rule 2: this core now follows ``sequencer`` (None: none) in ``shard``."""
+        replaced = [r for r, f in self._pending.items() if f.shard == shard and f.sequencer != sequencer]
+        answers: list[tuple[Payload, Outcome]] = []
+        for request_id in replaced:
+            pending = self._pending.pop(request_id)
+            answers.append((pending.payload, OutcomeUnknown(request_id, f"sequencer {pending.sequencer} was replaced")))
+        return answers
+
+    def expired(self, now_ms: int) -> list[tuple[Payload, Outcome]]:
+        """Rule 2: not answered in time."""
+        late = [r for r, f in self._pending.items() if f.deadline_ms <= now_ms]
+        return [(self._pending.pop(r).payload, OutcomeUnknown(r, REASON_FORWARD_TIMEOUT)) for r in late]

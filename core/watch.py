@@ -1,0 +1,96 @@
+"""The watch rules of a core (pure): whether and how a replicant's watch is served.
+
+Theory of operation
+-------------------
+A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, protocol, watch_id)``.
+``core.rlog_server`` (the adapter that creates agents) asks these functions, in this order:
+
+1. ``check_watch_request``: a watch of another replication protocol version is refused
+   (``incompatible_protocol``), and so is a ``watch_id`` that is not a short string.
+2. ``superseded_agents``: a newer watch of the same replicant and shard replaces the older agents
+   (their pushes would be rejected by the replica anyway: they carry the old agent id).
+3. ``agent_to_evict``: at ``watches_max`` agents, the oldest one whose replicant never
+   acknowledged a push (a dead or fake endpoint) makes room; with none, the watch is refused
+   (``overloaded``), so silent watches can never keep a real replicant out.
+4. ``decide_watch``, the resume-or-bootstrap rule: a core whose committed key is behind
+   ``from_key`` refuses (the replica must never move backwards); if this core's rlog still holds
+   ``from_key`` (not trimmed) with that digest, the new agent resumes from it (no copy); otherwise
+   the answer is ``bootstrap`` from K0, this core's committed key now, and the replicant copies the
+   tables while the agent pushes the entries after K0.
+
+The simulator (``tests/sim/replicants.py``) runs rules 1 and 4 for every watch; it keeps
+superseded agents alive on purpose (zombies that keep pushing are a fault it injects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, UNKNOWN_DIGEST
+from mnesite.rlog.types import TxKey
+
+WATCH_ID_CHARACTERS_MAX = 64
+
+
+class WatchRefusedError(Exception):
+    """A watch the core will not serve; ``code`` is the error code the replicant is told."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def check_watch_request(protocol: Any, watch_id: Any, core_name: str) -> None:
+    """Rule 1 (raises ``WatchRefusedError``)."""
+    if protocol != REPLICATION_PROTOCOL_VERSION:
+        raise WatchRefusedError(
+            "incompatible_protocol",
+            f"replication protocol {protocol} is not supported by core {core_name} "
+            f"(it speaks {REPLICATION_PROTOCOL_VERSION})",
+        )
+    if not isinstance(watch_id, str) or len(watch_id) > WATCH_ID_CHARACTERS_MAX:
+        raise WatchRefusedError(
+            "bad_request", f"watch_id must be a string of at most {WATCH_ID_CHARACTERS_MAX} characters"
+        )
+
+
+def superseded_agents(watches: Iterable[tuple[str, str, str]], replicant: str, shard: str) -> list[str]:
+    """Rule 2: the agents (of ``(agent id, replicant, shard)``) a new watch of ``replicant`` replaces."""
+    return [agent_id for agent_id, owner, watched in watches if (owner, watched) == (replicant, shard)]
+
+
+def agent_to_evict(watches: Iterable[tuple[str, bool]], watches_max: int, core_name: str) -> str | None:
+    """Rule 3: over ``(agent id, acknowledged)`` in age order, the agent to evict for a new watch (None:
+    there is room); raises ``WatchRefusedError`` when every agent's replicant has acknowledged."""
+    watches = list(watches)
+    if len(watches) < watches_max:
+        return None
+    silent = next((agent_id for agent_id, acknowledged in watches if not acknowledged), None)
+    if silent is None:
+        raise WatchRefusedError("overloaded", f"core {core_name} serves {watches_max} agents already")
+    return silent
+
+
+def decide_watch(
+    from_key: TxKey,
+    from_digest: bytes,
+    trimmed_key: TxKey,
+    committed_key: TxKey,
+    committed_digest: bytes,
+    digest_at: Callable[[TxKey], bytes | None],
+    core_name: str,
+) -> tuple[str, TxKey, bytes]:
+    """Rule 4: ``(mode, start key, start digest)``, or ``WatchRefusedError``.
+
+    Resume only from a key this core still retains (not trimmed) and has committed, with the same
+    digest there: then the replica's history is a prefix of this core's. A core behind the
+    replica refuses: answering ``bootstrap`` at a lower K0 would move the replica backwards.
+    """
+    if from_key > committed_key:
+        raise WatchRefusedError(
+            "behind", f"core {core_name} has committed only up to {committed_key}, behind {from_key}"
+        )
+    if trimmed_key <= from_key and from_digest != UNKNOWN_DIGEST and digest_at(from_key) == from_digest:
+        return "resume", from_key, from_digest
+    return "bootstrap", committed_key, committed_digest

@@ -1,0 +1,41 @@
+"""``bootstrap.fence``: the read fence after a bootstrap, shared by replicas and a core's snapshot install."""
+
+from __future__ import annotations
+
+from mnesite.bootstrap.fence import ReadFence
+from mnesite.rlog.types import TxKey
+
+
+def test_reads_wait_for_the_committed_key_known_after_the_copy():
+    fence = ReadFence(fenced=False, ask_interval_ms=100)
+    assert not fence.should_ask(0)  # no fence, nothing to ask
+    fence.fence()
+    assert fence.should_ask(0) and not fence.should_ask(50)  # asked once per interval
+    assert not fence.committed_received(TxKey(1, 9), applied_key=TxKey(1, 5))
+    assert fence.fenced and fence.fence_key == TxKey(1, 9)
+    assert not fence.reached(TxKey(1, 8))
+    assert fence.reached(TxKey(1, 9)) and not fence.fenced
+    assert not fence.reached(TxKey(1, 10))  # reported once
+
+
+def test_a_lost_or_empty_answer_is_asked_again_and_the_first_key_answered_stays_the_fence():
+    fence = ReadFence(fenced=True, ask_interval_ms=100)  # a restart while fenced
+    assert fence.next_ask_ms(7) == 7 and fence.should_ask(7)
+    assert not fence.should_ask(106) and fence.should_ask(107)  # the answer was lost
+    assert not fence.committed_received(None, TxKey(1, 1))  # no quorum: ask again at once
+    assert fence.should_ask(108)
+    fence.committed_received(TxKey(1, 5), TxKey(1, 1))
+    assert fence.next_ask_ms(200) is None  # known: nothing more to ask
+    assert not fence.committed_received(TxKey(1, 50), TxKey(1, 1))  # not asked: ignored
+    assert fence.fence_key == TxKey(1, 5)
+
+
+def test_an_answer_to_a_forgotten_question_is_ignored():
+    fence = ReadFence(fenced=True, ask_interval_ms=100)
+    fence.should_ask(0)
+    fence.forget_question()  # the replica changed upstream
+    assert not fence.committed_received(TxKey(1, 1), TxKey(1, 1))
+    assert fence.fenced and fence.fence_key is None
+    # A fence already reached when the answer arrives clears at the answer.
+    fence.should_ask(1)
+    assert fence.committed_received(TxKey(1, 1), TxKey(1, 3)) and not fence.fenced

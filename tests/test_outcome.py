@@ -1,0 +1,79 @@
+"""``core.outcome``: what a client is told about its write, and when a core forwards it."""
+
+from __future__ import annotations
+
+from mnesite.core.outcome import (
+    REASON_FORWARD_TIMEOUT,
+    REASON_OTHER_ENTRY,
+    REASON_TRUNCATED,
+    Acknowledged,
+    CommitWaiters,
+    ForwardedRequests,
+    OutcomeUnknown,
+    forward_target,
+)
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey
+
+
+def entry(counter: int, request_id: str | None) -> Entry:
+    return Entry("s", TxKey(1, counter), TxKey(1, counter - 1), GENESIS_DIGEST, (), request_id)
+
+
+def test_a_waiter_is_acknowledged_only_by_its_own_entry():
+    waiters: CommitWaiters[str] = CommitWaiters()
+    assert waiters.answer_now(TxKey(1, 1), "a", ZERO_KEY) is None
+    waiters.wait(TxKey(1, 1), "a", "client-a")
+    waiters.wait(TxKey(1, 2), "b", "client-b")
+    assert len(waiters) == 2
+    answers = waiters.committed([entry(1, "a"), entry(2, "someone else")])
+    assert answers == [
+        ("client-a", Acknowledged("a", TxKey(1, 1))),
+        ("client-b", OutcomeUnknown("b", REASON_OTHER_ENTRY)),
+    ]
+    assert len(waiters) == 0
+
+
+def test_a_truncation_tells_every_waiter_above_it_that_the_outcome_is_unknown():
+    waiters: CommitWaiters[str] = CommitWaiters()
+    for counter in (1, 2, 3):
+        waiters.wait(TxKey(1, counter), f"r{counter}", f"c{counter}")
+    assert waiters.truncated(TxKey(1, 1)) == [
+        ("c2", OutcomeUnknown("r2", REASON_TRUNCATED)),
+        ("c3", OutcomeUnknown("r3", REASON_TRUNCATED)),
+    ]
+    # The one below the truncation still waits, and is acknowledged when it commits.
+    assert waiters.committed([entry(1, "r1")]) == [("c1", Acknowledged("r1", TxKey(1, 1)))]
+
+
+def test_an_applied_key_is_answered_at_once_and_a_failed_proposal_is_unknown():
+    waiters: CommitWaiters[str] = CommitWaiters()
+    assert waiters.answer_now(TxKey(1, 2), "a", TxKey(1, 5), duplicate=True) == Acknowledged("a", TxKey(1, 2), True)
+    assert waiters.answer_now(TxKey(1, 6), "b", TxKey(1, 5)) is None
+    waiters.wait(TxKey(1, 6), "b", "d")
+    assert waiters.failed(TxKey(1, 6), "lost leadership") == [("d", OutcomeUnknown("b", "lost leadership"))]
+    waiters.wait(TxKey(1, 7), "e", "f")
+    assert waiters.abandoned("snapshot") == [("f", OutcomeUnknown("e", "snapshot"))]
+    assert len(waiters) == 0
+
+
+def test_a_request_is_forwarded_once_and_only_to_another_known_sequencer():
+    assert forward_target("core2", "core1", already_forwarded=False) == "core2"
+    assert forward_target("core2", "core1", already_forwarded=True) is None
+    assert forward_target(None, "core1", already_forwarded=False) is None
+    assert forward_target("core1", "core1", already_forwarded=False) is None
+
+
+def test_forwarded_requests_are_told_when_their_sequencer_is_replaced_or_silent():
+    forwarded: ForwardedRequests[str] = ForwardedRequests(forwarded_max=2, timeout_ms=100)
+    forwarded.forwarded("a", "ca", "s", "core2", now_ms=0)
+    forwarded.forwarded("b", "cb", "t", "core2", now_ms=50)
+    assert forwarded.full()
+    # Still following core2 in shard s: nothing to tell.
+    assert forwarded.sequencer_changed("s", "core2") == []
+    assert forwarded.sequencer_changed("s", "core3") == [("ca", OutcomeUnknown("a", "sequencer core2 was replaced"))]
+    assert forwarded.expired(149) == []
+    assert forwarded.expired(150) == [("cb", OutcomeUnknown("b", REASON_FORWARD_TIMEOUT))]
+    assert len(forwarded) == 0
+    forwarded.forwarded("c", "cc", "s", "core3", now_ms=0)
+    assert forwarded.answered("c") == "cc"
+    assert forwarded.answered("c") is None  # a late duplicate answer: nobody waits for it

@@ -1,0 +1,53 @@
+"""``core.recovery``: what a core decides from its peers' journal answers (generation recovery, force start)."""
+
+from __future__ import annotations
+
+import pytest
+from mnesite.core.recovery import (
+    journal_generation,
+    reached_generations,
+    recovered_generations,
+    well_formed_answers,
+)
+
+
+def test_a_core_with_a_lost_disk_recovers_the_highest_generation_any_peer_knows_per_shard():
+    answers = {
+        "core2": {"shards": {"default": {"generation": 7}, "other": {"generation": 1}}},
+        "core3": {"shards": {"default": {"generation": 9}}},
+    }
+    assert recovered_generations(answers) == {"default": 9, "other": 1}
+
+
+def test_no_answer_recovers_nothing():
+    assert recovered_generations({}) == {}
+
+
+@pytest.mark.parametrize("generation", [2**63, -1, "7", True, None, 7.0])
+def test_one_malformed_generation_drops_the_whole_answer(generation):
+    answers = {
+        "core2": {"shards": {"default": {"generation": 3}, "other": {"generation": generation}}},
+        "core3": {"shards": {"default": {"generation": 2}}},
+    }
+    assert well_formed_answers(answers) == {"core3": answers["core3"]}
+    # core2's 3 is not believed either: its answer as a whole is untrusted.
+    assert recovered_generations(answers) == {"default": 2}
+
+
+@pytest.mark.parametrize("answer", [None, [], {"shards": []}, {"shards": {"default": [7]}}, {}])
+def test_an_answer_that_is_not_a_journal_counts_as_not_reached(answer):
+    assert well_formed_answers({"core2": answer}) == {}
+
+
+def test_a_hostile_shard_name_never_becomes_a_shard():
+    answers = {"core2": {"shards": {"a" * 500: {"generation": 9}, "_mnesite_x": {"generation": 4}, "ok": {}}}}
+    # "ok" states no generation: malformed, so the whole answer goes.
+    assert recovered_generations(answers) == {}
+    answers = {"core2": {"shards": {"a" * 500: {"generation": 9}, "ok": {"generation": 4}}}}
+    assert recovered_generations(answers) == {"ok": 4}
+
+
+def test_a_forced_start_is_told_every_reached_peer_in_name_order_with_0_for_an_unknown_shard():
+    answers = {"core3": {"shards": {"default": {"generation": 5}}}, "core2": {"shards": {}}}
+    assert reached_generations(answers, "default") == (("core2", 0), ("core3", 5))
+    assert journal_generation(answers["core2"], "default") == 0

@@ -1,0 +1,60 @@
+"""``core.watch``: whether and how a core serves a replicant's watch (pure rules)."""
+
+from __future__ import annotations
+
+import pytest
+from mnesite.core.watch import (
+    WatchRefusedError,
+    agent_to_evict,
+    check_watch_request,
+    decide_watch,
+    superseded_agents,
+)
+from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, UNKNOWN_DIGEST
+from mnesite.rlog.types import TxKey
+
+DIGESTS = {TxKey(1, 5): b"d5", TxKey(1, 9): b"d9"}
+TRIMMED = TxKey(1, 2)
+COMMITTED = TxKey(1, 9)
+
+
+def decide(from_key, from_digest, trimmed=TRIMMED, committed=COMMITTED):
+    return decide_watch(from_key, from_digest, trimmed, committed, b"d9", DIGESTS.get, "core1")
+
+
+def test_resume_needs_a_retained_committed_key_with_the_same_digest():
+    assert decide(TxKey(1, 5), b"d5") == ("resume", TxKey(1, 5), b"d5")
+    assert decide(TxKey(1, 5), b"other") == ("bootstrap", TxKey(1, 9), b"d9")  # another history
+    assert decide(TxKey(1, 5), UNKNOWN_DIGEST) == ("bootstrap", TxKey(1, 9), b"d9")  # unknown position
+    assert decide(TxKey(1, 5), b"d5", trimmed=TxKey(1, 6)) == ("bootstrap", TxKey(1, 9), b"d9")  # trimmed
+
+
+def test_a_core_behind_the_replica_refuses_rather_than_move_it_backwards():
+    with pytest.raises(WatchRefusedError) as refused:
+        decide(TxKey(1, 10), b"x")
+    assert refused.value.code == "behind"
+
+
+def test_another_protocol_version_or_a_bad_watch_id_is_refused():
+    check_watch_request(REPLICATION_PROTOCOL_VERSION, "w1", "core1")
+    for protocol, watch_id, code in [
+        (REPLICATION_PROTOCOL_VERSION + 1, "w1", "incompatible_protocol"),
+        (REPLICATION_PROTOCOL_VERSION, 7, "bad_request"),
+        (REPLICATION_PROTOCOL_VERSION, "w" * 65, "bad_request"),
+    ]:
+        with pytest.raises(WatchRefusedError) as refused:
+            check_watch_request(protocol, watch_id, "core1")
+        assert refused.value.code == code
+
+
+def test_a_new_watch_supersedes_the_same_replicants_agents_of_that_shard_only():
+    watches = [("a1", "rep1", "s"), ("a2", "rep1", "t"), ("a3", "rep2", "s"), ("a4", "rep1", "s")]
+    assert superseded_agents(watches, "rep1", "s") == ["a1", "a4"]
+
+
+def test_at_the_bound_the_oldest_silent_watch_makes_room_and_otherwise_the_watch_is_refused():
+    assert agent_to_evict([("a1", True)], 2, "core1") is None
+    assert agent_to_evict([("a1", True), ("a2", False), ("a3", False)], 3, "core1") == "a2"
+    with pytest.raises(WatchRefusedError) as refused:
+        agent_to_evict([("a1", True), ("a2", True)], 2, "core1")
+    assert refused.value.code == "overloaded"
