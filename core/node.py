@@ -1149,7 +1149,7 @@ class CoreNode(NodeServer):
                     self._learn_endpoint(op.added, op.endpoint)
             pending = self.pending_changes.pop(entry.request_id, None) if entry.request_id else None
             if pending is not None:
-                driver.waiters.setdefault(entry.tx_key, []).append((pending[1], entry.request_id or ""))
+                driver.waiters.wait(entry.tx_key, entry.request_id or "", pending[1])
 
     def _answer_refused_change(self, driver: ShardDriver, envelope: list[bytes], effect: ProposalRejected) -> None:
         request_id = effect.request_id or ""
