@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup java faketime run test test-fast fault-test failover lint bench clean fuzz
+.PHONY: setup java faketime run test test-fast fault-test failover lint bench bench-peers profile clean fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,16 @@ lint: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench_commit.py
+
+# mnesite beside etcd and Redis (installed with apt-get when missing; not in CI): 1/16/64 clients,
+# 3 interleaved rounds. BASELINE=tree adds mnesite-3 run from another commit's source tree.
+bench-peers: setup
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/bench_peers.py $(if $(BASELINE),--baseline $(BASELINE))
+
+# py-spy profile of the sequencer and a follower under 1 and 64 clients (benchmarks/PROFILE.md).
+profile: setup
+	$(BIN)/python benchmarks/profile_cores.py
 
 clean:
 	rm -rf $(VENV) mnesite-data .pytest_cache .ruff_cache .hypothesis

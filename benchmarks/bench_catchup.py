@@ -1,7 +1,7 @@
 """Replicant catch-up, bootstrap, lag and failover against three real cores, with same-run baselines.
 
     .venv/bin/python benchmarks/bench_catchup.py [--rows 100000] [--rows-per-transaction 1000]
-        [--loaders 1] [--writers 3] [--phases catchup,lag,failover,bootstrap] [--json]
+        [--loaders 1] [--writers 3] [--phases catchup,lag,failover,bootstrap,apply,many] [--json]
 
 Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NORMAL"``):
 
@@ -19,6 +19,13 @@ Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NO
 * ``bootstrap``: retention of 50 entries forces a dirty-read bootstrap of the ``--rows`` rows; the
   baseline is a raw apsw copy of the same rows (read from a core's database file in key order,
   inserted into a new WAL database in one transaction), measured in the same run.
+* ``apply``: the replicant's apply path without sockets (``replicant_apply_rate``: push frames
+  decoded and checked by the typed layer, the real ``ShardReplica``, the store's set-based apply,
+  one transaction per push of ``--push-entries`` entries) against raw apsw's batched upsert of the
+  same rows (one ``executemany`` and one transaction per push), interleaved, ``--repeat`` rounds.
+* ``many``: the clients' write latency (``--writers`` clients, one row per transaction, p50/p99)
+  with no replicant, then with ``--replicants`` replicants attached and normal, then with none
+  again (they are killed); the ratio is against the mean of the two rounds without.
 
 Not a test: it asserts nothing about timing.
 """
@@ -26,6 +33,7 @@ Not a test: it asserts nothing about timing.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -325,6 +333,190 @@ def phase_failover(cluster: Cluster, args: argparse.Namespace, report: dict) -> 
     }
 
 
+def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> tuple[float, int]:
+    """The replicant's apply path without sockets: (seconds, entries).
+
+    What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
+    decode the frame (``codec.decode``: msgpack and the typed layer's checks, then ``entry_from_wire``),
+    step the real ``ShardReplica`` (which checks the digest chain), and execute its ``ApplyEntries``
+    on a real ``Store`` the way ``replicant.node`` does, one SQLite transaction per push.
+    """
+    import random
+
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+    from mnesite.rlog import codec
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.codec import Message
+    from mnesite.rlog.schema import TableSchema
+    from mnesite.rlog.store import Store
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_from_wire, entry_to_wire, make_entry
+
+    schema = TableSchema("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT")))
+    entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (schema.to_op(),))]
+    for start in range(0, rows, rows_per_transaction):
+        keys = range(start, min(rows, start + rows_per_transaction))
+        ops = tuple(WriteOp("kv", {"id": i, "value": ROW_VALUE}) for i in keys)
+        last = entries[-1]
+        entries.append(make_entry("default", TxKey(1, last.tx_key.counter + 1), last.tx_key, last.digest, ops))
+    committed = entries[-1].tx_key
+    pushes = []
+    for i in range(0, len(entries), push_entries):
+        body = {
+            "shard": "default",
+            "agent": "a",
+            "core": "c",
+            "entries": [entry_to_wire(e) for e in entries[i : i + push_entries]],
+            "committed": list(committed),
+            "hears_sequencer": True,
+        }
+        pushes.append(codec.encode(Message("push", "a", body)))
+    # The replicant holds only what it receives: the loaded entries would make every garbage
+    # collection of the timed loop walk them.
+    entries_count = len(entries)
+    del entries, body
+    gc.collect()
+    store = Store(str(directory / "apply.db"), synchronous="NORMAL")
+    with store.write_transaction():
+        store.ensure_shard("default", 0)
+    replica = ShardReplica("default", "r", ("c",), ZERO_KEY, GENESIS_DIGEST, ReplicaConfig(), random.Random(0), 0)
+    replica.step(p.Ticked(), 0)
+    replica.step(p.JournalsReceived((("c", p.JournalAge(committed, True, 0)),)), 0)
+    replica.step(p.WatchAccepted("c", "a", "resume", ZERO_KEY, GENESIS_DIGEST, replica.watch_id), 0)
+    began = time.monotonic()
+    for frame in pushes:
+        body = codec.decode(frame, 64 * 1024 * 1024).body
+        decoded = tuple(entry_from_wire(value) for value in body["entries"])
+        store.connection.execute("BEGIN IMMEDIATE")
+        for effect in replica.step(p.PushReceived("c", "a", decoded, committed, True), 0):
+            if isinstance(effect, p.ApplyEntries):
+                ReplicantNode.apply_entries(store, effect.entries)
+        store.connection.execute("COMMIT")
+    elapsed = time.monotonic() - began
+    if replica.applied_key != committed or store.count_rows(schema) != rows:
+        raise SystemExit(f"the apply benchmark applied up to {replica.applied_key}, not {committed}")
+    store.close()
+    return elapsed, entries_count
+
+
+def raw_apsw_upsert_rate(directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> float:
+    """Raw apsw batched upsert of the same rows: one prepared executemany and one transaction per push."""
+    import apsw
+
+    connection = apsw.Connection(str(directory / "raw-upsert.db"))
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=NORMAL")
+    connection.execute("CREATE TABLE kv(id INTEGER PRIMARY KEY NOT NULL, value TEXT) STRICT")
+    batch_rows = rows_per_transaction * push_entries
+    began = time.monotonic()
+    for start in range(0, rows, batch_rows):
+        with connection:
+            connection.executemany(
+                'INSERT OR REPLACE INTO kv ("id", "value") VALUES (?, ?)',
+                ((i, ROW_VALUE) for i in range(start, min(rows, start + batch_rows))),
+            )
+    elapsed = time.monotonic() - began
+    connection.close()
+    return elapsed
+
+
+def phase_apply(directory: Path, args: argparse.Namespace, report: dict) -> None:
+    """Replicant apply rate against raw apsw's batched upsert, interleaved, ``--repeat`` rounds."""
+    rows = min(args.rows, args.apply_rows_max)
+    rounds = []
+    for round_index in range(args.repeat):
+        round_directory = directory / f"round{round_index}"
+        round_directory.mkdir()
+        raw_s = raw_apsw_upsert_rate(round_directory, rows, args.rows_per_transaction, args.push_entries)
+        apply_s, entries = replicant_apply_rate(round_directory, rows, args.rows_per_transaction, args.push_entries)
+        rounds.append((apply_s, raw_s, entries))
+        shutil.rmtree(round_directory, ignore_errors=True)
+    ratios = sorted(raw_s / apply_s for apply_s, raw_s, _ in rounds)
+    report["apply"] = {
+        "rows": rows,
+        "entries": rounds[0][2],
+        "entries_per_push": args.push_entries,
+        "replicant_rows_per_s": [round(rows / apply_s) for apply_s, _, _ in rounds],
+        "raw_apsw_rows_per_s": [round(rows / raw_s) for _, raw_s, _ in rounds],
+        "x_raw_apsw_median": round(ratios[len(ratios) // 2], 2),
+    }
+
+
+def write_latencies(cluster: Cluster, writers: int, seconds: float) -> list[float]:
+    """``writers`` clients (spread over the cores) putting one row per transaction for ``seconds``;
+    the latency of every acknowledged write, in ms."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def run(worker: int) -> None:
+        row_id = 2 * 10**9 + worker * 10**7 + int(time.monotonic() * 1000) % 10**6 * 10
+        with Client(cluster.endpoints[f"core{worker % 3 + 1}"], timeout_ms=5000, retries=2) as client:
+            while time.monotonic() < deadline:
+                row_id += 1
+                began = time.monotonic()
+                try:
+                    client.put("kv", {"id": row_id, "value": ROW_VALUE})
+                except MnesiteError:
+                    continue
+                with lock:
+                    latencies.append((time.monotonic() - began) * 1000)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sorted(latencies)
+
+
+def phase_many(directory: Path, args: argparse.Namespace, report: dict) -> None:
+    """Clients' write latency with 0 replicants, with ``--replicants`` attached, and with 0 again."""
+    cluster = start_cluster(directory)
+    try:
+        load(cluster, min(args.rows, 10_000), args.rows_per_transaction, 1)
+        rounds: dict[str, list[float]] = {}
+        rounds["none_before"] = write_latencies(cluster, args.writers, args.seconds)
+        names = [f"replicant{n}" for n in range(1, args.replicants + 1)]
+        for name in names:
+            cluster.start_replicant(name)
+        target = committed(cluster)
+
+        def all_normal() -> bool:
+            for name in names:
+                info = cluster.shard(name)
+                if info.get("serving") is not True or tuple(info.get("applied", (0, 0))) < target:
+                    return False
+            return True
+
+        attach_s = cluster.wait(all_normal, args.timeout_s, f"{len(names)} replicants to be normal")
+        rounds["attached"] = write_latencies(cluster, args.writers, args.seconds)
+        lag = [cluster.shard(name).get("lag_entries") for name in names]
+        for name in names:
+            cluster.kill(name)
+        rounds["none_after"] = write_latencies(cluster, args.writers, args.seconds)
+        figures = {
+            name: {
+                "writes": len(values),
+                "p50_ms": round(percentile(values, 0.5), 2),
+                "p99_ms": round(percentile(values, 0.99), 2),
+            }
+            for name, values in rounds.items()
+        }
+        baseline = (figures["none_before"]["p50_ms"] + figures["none_after"]["p50_ms"]) / 2
+        report["many"] = {
+            "replicants": len(names),
+            "writers": args.writers,
+            "seconds_per_round": args.seconds,
+            "attach_s": round(attach_s, 2),
+            "lag_entries_after": lag,
+            "rounds": figures,
+            "x_p50_attached_vs_none": round(figures["attached"]["p50_ms"] / baseline, 2) if baseline else None,
+        }
+    finally:
+        cluster.close()
+
+
 def raw_apsw_copy(source: Path, target: Path) -> tuple[int, float]:
     """Copy table kv from ``source`` to a new WAL database in key order, one transaction; (rows, seconds)."""
     import apsw
@@ -393,6 +585,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each lag measurement")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--phases", default="catchup,lag,failover,bootstrap")
+    parser.add_argument("--replicants", type=int, default=10, help="replicants attached in the many phase")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of the apply phase (median reported)")
+    parser.add_argument("--push-entries", type=int, default=10, help="entries per push in the apply phase")
+    parser.add_argument("--apply-rows-max", type=int, default=200_000, help="rows of the apply phase at most")
     parser.add_argument("--keep", action="store_true", help="keep the data directories and logs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -403,6 +599,12 @@ def main() -> None:
         if args.phases & {"catchup", "lag", "failover"}:
             (root / "catchup").mkdir()
             phase_catchup(root / "catchup", args, report)
+        if "many" in args.phases:
+            (root / "many").mkdir()
+            phase_many(root / "many", args, report)
+        if "apply" in args.phases:
+            (root / "apply").mkdir()
+            phase_apply(root / "apply", args, report)
         if "bootstrap" in args.phases:
             (root / "bootstrap").mkdir()
             phase_bootstrap(root / "bootstrap", args, report)

@@ -172,10 +172,11 @@ def security_toml(directory: Path, name: str, cores: int) -> str:
 
 
 def start_nodes(
-    directory: Path, synchronous: str, cores: int, secure: bool
+    directory: Path, synchronous: str, cores: int, secure: bool, pythonpath: str = str(REPO)
 ) -> tuple[list[subprocess.Popen], str, dict]:
     """Start ``cores`` core processes; create the bench table; return them, the sequencer's endpoint
-    and the client's key arguments."""
+    and the client's key arguments. ``pythonpath``: where the cores import ``mnesite`` from (another
+    version's package directory, to measure a baseline in the same run)."""
     endpoints = {f"core{i}": free_endpoint() for i in range(1, cores + 1)}
     core_nodes = ", ".join(f'{name} = "{endpoint}"' for name, endpoint in endpoints.items())
     keys = make_keys(directory, cores) if secure else {}
@@ -192,7 +193,7 @@ def start_nodes(
             subprocess.Popen(
                 [sys.executable, "-m", "mnesite.cli", "start", "--config", str(config), "--log-level", "WARNING"],
                 cwd=REPO,
-                env=dict(os.environ, PYTHONPATH=str(REPO)),
+                env=dict(os.environ, PYTHONPATH=pythonpath),
                 start_new_session=True,
                 stderr=subprocess.DEVNULL,
             )

@@ -6,7 +6,8 @@ A ``TableCopy`` copies the tables of one shard from one core, for whoever bootst
 ``ShardReplica`` and a core that installs a snapshot after its peers trimmed what it needed. It is
 pure: it is given the table list (``TablesReceived``) and each batch (``BatchReceived``) and returns
 the effects to execute, ``FetchBatch`` (ask the core for the next batch: ``bootstrap.serve`` on the
-other side) and ``ApplyBatch`` (write the rows). A batch is accepted only if it answers the request
+other side) and ``ApplyBatch`` (write the rows), the request before the write of the batch that
+answered the previous one, so that reading and writing overlap. A batch is accepted only if it answers the request
 outstanding (same core, table and ``after``), holds at most ``batch_rows_max`` rows, every row has
 the table's key column, and it moves past ``after``; anything else raises ``CopyFailed`` (the owner
 gives up on that core) or is ignored as a stale answer. One batch is outstanding at a time, so
@@ -29,15 +30,18 @@ class CopyFailed(Exception):
     """The core sent something a copy cannot use; the message says what."""
 
 
-def batch_from_answer(core: str, table: str, after: object, result: object) -> BatchReceived | None:
-    """The ``bootstrap_batch`` answer ``result`` as a ``BatchReceived``; None if it is malformed."""
+def batch_from_answer(
+    core: str, table: str, after: object, result: object, size_bytes: int | None = None
+) -> BatchReceived | None:
+    """The ``bootstrap_batch`` answer ``result`` (of ``size_bytes`` on the wire, if known) as a
+    ``BatchReceived``; None if it is malformed."""
     if not isinstance(result, dict):
         return None
     rows, done, total = result.get("rows"), result.get("done"), result.get("rows_total")
     if not isinstance(rows, list) or not isinstance(done, bool):
         return None
     total = total if isinstance(total, int) and not isinstance(total, bool) else None
-    return BatchReceived(core, table, after, tuple(rows), done, total)
+    return BatchReceived(core, table, after, tuple(rows), done, total, size_bytes)
 
 
 class TableCopy:
@@ -109,7 +113,10 @@ class TableCopy:
                 )
             effects.append(ApplyBatch(event.table, tuple(event.rows)))
             self.rows += len(event.rows)
-            self.bytes += sum(row_size_bytes(row) for row in event.rows)
+            # The wire size when the driver measured it: estimating it row by row cost as much as
+            # writing the rows.
+            size = event.size_bytes
+            self.bytes += size if size is not None and size >= 0 else sum(map(row_size_bytes, event.rows))
         if event.after is None and event.rows_total is not None and event.rows_total >= 0:
             self.rows_expected += event.rows_total
         if event.done or not event.rows:
@@ -117,7 +124,9 @@ class TableCopy:
             self.after = None
         else:
             self.after = event.rows[-1][key_column]
-        return effects + self._next()
+        # The next request first: a driver that sends it at once has the core read the next batch
+        # while this one is written (the request reveals nothing that must be persisted first).
+        return self._next() + effects
 
     def _next(self) -> list[CopyEffect]:
         if self.done:

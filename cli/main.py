@@ -7,16 +7,31 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import click
-from mnesite.rlog.client import Client, GuardFailed, MnesiteError, OutcomeUnknown, default_endpoint
+from mnesite.rlog.client import (
+    SCAN_PAGE_ROWS,
+    Client,
+    GuardFailed,
+    MnesiteError,
+    OutcomeUnknown,
+    default_endpoint,
+    parse_endpoints,
+)
 from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
 from mnesite.rlog.types import TxKey
 
 TIMEOUT_MS_DEFAULT = 5000
+FOLLOW_INTERVAL_MS = 500
+FOLLOW_BATCH_MAX = 1000  # entries per rlog_entries request (the node's maximum)
+SCAN_PAGE_ROWS_MAX = 10_000  # the node's default scan_rows_max: a larger page is refused
+IMPORT_BATCH_ROWS = 500
+# Rows per import transaction; the node refuses more than its transaction_ops_max (1,000 by default).
+IMPORT_BATCH_ROWS_MAX = 10_000
 # Exit status of a write whose outcome is unknown (it may or may not have happened), distinct from 1.
 EXIT_OUTCOME_UNKNOWN = 3
 
@@ -73,9 +88,10 @@ def node_options(function: Callable[..., Any]) -> Callable[..., Any]:
     function = click.option(
         "--node",
         "endpoint",
-        default=None,
+        multiple=True,
         metavar="ENDPOINT",
-        help="Node to talk to (default: $MNESITE_NODE, then tcp://127.0.0.1:7400).",
+        help="Node to talk to (default: $MNESITE_NODE, then tcp://127.0.0.1:7400). Repeat it or separate "
+        "endpoints by commas to fail over between nodes (never for a write whose outcome is unknown).",
     )(function)
     return function
 
@@ -84,8 +100,8 @@ def json_option(function: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON.")(function)
 
 
-def client_for(endpoint: str | None, timeout_ms: int, retries: int = 1) -> Client:
-    """A client for this command's --node, with its --key and --server-key if given."""
+def client_for(endpoint: str | tuple[str, ...] | None, timeout_ms: int, retries: int = 1) -> Client:
+    """A client for this command's --node (one or several endpoints), with its --key and --server-key."""
     meta = click.get_current_context().meta
     try:
         return Client(
@@ -97,6 +113,17 @@ def client_for(endpoint: str | None, timeout_ms: int, retries: int = 1) -> Clien
         )
     except MnesiteError as error:
         fail(str(error))
+
+
+def single_endpoint(endpoint: tuple[str, ...], command: str) -> str:
+    """The one --node an operator command acts on (it must never fail over to another node)."""
+    try:
+        endpoints = parse_endpoints(list(endpoint)) if endpoint else []
+    except MnesiteError as error:
+        fail(str(error))
+    if len(endpoints) != 1:
+        fail(f"{command} needs exactly one explicit --node ENDPOINT")
+    return endpoints[0]
 
 
 def run(call: Callable[[], Any]) -> Any:
@@ -202,16 +229,36 @@ def main() -> None:
 @main.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Node config (TOML).")
 @click.option("--sample-data", is_flag=True, help="Create a small sample table if it does not exist yet.")
-@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="INFO")
-def start(config_path: str | None, sample_data: bool, log_level: str) -> None:
-    """Run a node in the foreground until SIGTERM or Ctrl-C.
+@click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+    default="INFO",
+    show_default=True,
+    help="Lowest level of the log lines written.",
+)
+@click.option(
+    "--log-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Append the log to this file instead of stderr (errors at start-up still go to stderr).",
+)
+def start(config_path: str | None, sample_data: bool, log_level: str, log_file: str | None) -> None:
+    """Run a node in the foreground until SIGTERM, Ctrl-C or `mnesite stop`.
 
     Without --config: a single core named core1 on tcp://127.0.0.1:7400 with its data in ./mnesite-data.
+    The log ends with a line "... shut down (REASON)" when the node stops cleanly.
     """
     from mnesite.rlog.data_dir import DataDirectoryInUse
     from mnesite.rlog.store import EntryApplyError, StoreError
 
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    if log_file is not None:
+        try:
+            handler = logging.FileHandler(log_file, encoding="utf-8")  # appends
+        except OSError as error:
+            fail(f"cannot open --log-file {log_file}: {error.strerror}")
+    logging.basicConfig(level=log_level, format=log_format, handlers=[handler])
     try:
         config = load_config(config_path)
         if config.role == "replicant":
@@ -263,7 +310,7 @@ def load_sample_data(node: Any) -> None:
 
 @main.group()
 def table() -> None:
-    """Create and list tables."""
+    """Create, list, describe and drop tables."""
 
 
 COLUMN_TYPE_NAMES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
@@ -316,6 +363,36 @@ def table_list(endpoint, timeout_ms, as_json) -> None:
         for t in tables
     ]
     click.echo(format_table(rows, ["table", "shard", "key", "columns"]))
+
+
+@table.command("drop")
+@click.argument("table_name", metavar="TABLE")
+@node_options
+@json_option
+def table_drop(table_name, endpoint, timeout_ms, as_json) -> None:
+    """Drop TABLE and all its rows on every core and replicant (through the rlog; admin role).
+
+    Prints the tx key; exits 3 if the outcome is unknown (the drop may or may not have happened).
+    """
+    with client_for(endpoint, timeout_ms) as client:
+        tx_key = run(lambda: client.drop_table(table_name))
+    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"dropped {table_name} at tx key {tuple(tx_key)}")
+
+
+@table.command("describe")
+@click.argument("table_name", metavar="TABLE")
+@node_options
+@json_option
+def table_describe(table_name, endpoint, timeout_ms, as_json) -> None:
+    """Show TABLE's shard, key column and columns with their types."""
+    with client_for(endpoint, timeout_ms) as client:
+        schema = run(lambda: client.table(table_name))
+    if as_json:
+        emit_json(schema)
+        return
+    click.echo(f"table {schema['table']} (shard {schema['shard']}, key {schema['key']})")
+    rows = [{"column": n, "type": k, "key": "key" if n == schema["key"] else ""} for n, k in schema["columns"]]
+    click.echo(format_table(rows, ["column", "type", "key"]))
 
 
 @main.command()
@@ -379,29 +456,108 @@ def delete(table_name, key, endpoint, timeout_ms, as_json) -> None:
 
 @main.command()
 @click.argument("table_name", metavar="TABLE")
+@click.option("--from", "from_key", metavar="KEY", default=None, help="Start at this key (included).")
 @click.option("--limit", type=click.IntRange(1, None), default=None, help="At most this many rows.")
+@click.option(
+    "--page-rows",
+    type=click.IntRange(1, SCAN_PAGE_ROWS_MAX),
+    default=SCAN_PAGE_ROWS,
+    show_default=True,
+    help="Rows fetched per request (the CLI holds one page at a time).",
+)
 @CONSISTENCY
 @AFTER
 @node_options
 @json_option
-def scan(table_name, limit, consistency, after_tx_key, endpoint, timeout_ms, as_json) -> None:
-    """Print the rows of TABLE in key order."""
+def scan(table_name, from_key, limit, page_rows, consistency, after_tx_key, endpoint, timeout_ms, as_json) -> None:
+    """Print the rows of TABLE in key order, page by page as they arrive (memory: one page).
+
+    --json prints one JSON array, written row by row.
+    """
     with client_for(endpoint, timeout_ms) as client:
         schema = run(lambda: client.table(table_name))
+        columns = [name for name, _ in schema["columns"]]
+        rows = stream_rows(client, table_name, from_key, page_rows, consistency, after_tx_key, limit)
+        if as_json:
+            click.echo("[", nl=False)
+            for index, row in enumerate(run_iterator(rows)):
+                click.echo(("" if index == 0 else ",\n") + json.dumps(row, default=_json_default), nl=False)
+            click.echo("]")
+            return
+        header = True
+        for page in run_iterator(pages_of(rows, page_rows)):
+            # Widths per page: a streamed table cannot know the widest cell of pages not read yet.
+            text = format_table(page, columns)
+            click.echo(text if header else text.split("\n", 1)[1])
+            header = False
+        if header:
+            click.echo(format_table([], columns))
 
-        def collect() -> list[dict[str, Any]]:
-            rows = []
-            for row in client.scan(table_name, consistency=consistency, after_tx_key=after_tx_key):
-                rows.append(row)
-                if limit is not None and len(rows) >= limit:
-                    break
-            return rows
 
-        rows = run(collect)
-    if as_json:
-        emit_json(rows)
-    else:
-        click.echo(format_table(rows, [name for name, _ in schema["columns"]]))
+def stream_rows(
+    client: Client,
+    table_name: str,
+    from_key: str | None,
+    page_rows: int,
+    consistency: str,
+    after_tx_key: TxKey | None,
+    limit: int | None,
+) -> Iterator[dict[str, Any]]:
+    """TABLE's rows in key order from ``from_key`` (included), fetched page by page, at most ``limit``."""
+    after = None
+    emitted = 0
+    if from_key is not None:
+        key = parse_key(client, table_name, from_key)
+        first = client.get(table_name, key, consistency, after_tx_key)
+        if first is not None:
+            yield first
+            emitted += 1
+        after = key
+    if limit is not None and emitted >= limit:
+        return
+    for row in client.scan(table_name, after, page_rows, consistency, after_tx_key):
+        yield row
+        emitted += 1
+        if limit is not None and emitted >= limit:
+            return
+
+
+def pages_of(rows: Iterator[dict[str, Any]], page_rows: int) -> Iterator[list[dict[str, Any]]]:
+    page: list[dict[str, Any]] = []
+    for row in rows:
+        page.append(row)
+        if len(page) >= page_rows:
+            yield page
+            page = []
+    if page:
+        yield page
+
+
+def run_iterator(items: Iterator[Any]) -> Iterator[Any]:
+    """Iterate, turning a mnesite error on the way into one ``Error:`` line (rows printed so far stay)."""
+    while True:
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        except OutcomeUnknown as error:
+            fail(str(error), EXIT_OUTCOME_UNKNOWN)
+        except MnesiteError as error:
+            fail(str(error))
+        yield item
+
+
+@main.command()
+@click.argument("table_name", metavar="TABLE")
+@CONSISTENCY
+@AFTER
+@node_options
+@json_option
+def count(table_name, consistency, after_tx_key, endpoint, timeout_ms, as_json) -> None:
+    """Print the number of rows of TABLE (counted by the node; no row is sent)."""
+    with client_for(endpoint, timeout_ms) as client:
+        rows = run(lambda: client.count(table_name, consistency, after_tx_key))
+    emit_json({"table": table_name, "rows": rows}) if as_json else click.echo(rows)
 
 
 @main.command()
@@ -430,6 +586,83 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
         except MnesiteError as error:
             fail(str(error))
     emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
+
+
+@main.command("import")
+@click.argument("table_name", metavar="TABLE")
+@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.option(
+    "--format", "file_format", type=click.Choice(["jsonl", "csv"]), default=None, help="Default: from FILE's suffix."
+)
+@click.option(
+    "--batch-rows",
+    type=click.IntRange(1, IMPORT_BATCH_ROWS_MAX),
+    default=IMPORT_BATCH_ROWS,
+    show_default=True,
+    help="Rows per transaction (keep it at most the node's transaction_ops_max).",
+)
+@node_options
+@json_option
+def import_rows(table_name, file, file_format, batch_rows, endpoint, timeout_ms, as_json) -> None:
+    """Write the rows of FILE ('-': stdin) into TABLE: JSON lines (one object per line) or CSV with a header.
+
+    \b
+    Rows are written in transactions of --batch-rows rows (each all or nothing), so memory stays
+    bounded whatever the file's size. A regular FILE is read twice: first checked against TABLE's
+    columns (an error names the line and nothing is written), then imported. CSV cells are converted
+    to the column's type; an empty cell is null.
+    """
+    from mnesite.cli import transfer
+
+    file_format = file_format or transfer.format_of(file.name)
+    with client_for(endpoint, timeout_ms) as client:
+        schema = run(lambda: client.table(table_name))
+        try:
+            if file.seekable():
+                for _ in transfer.read_rows(file, file_format, schema):
+                    pass  # the check pass: a malformed line stops the import before anything is written
+                file.seek(0)
+            imported = transfer.import_rows(
+                client, table_name, transfer.read_rows(file, file_format, schema), batch_rows
+            )
+        except transfer.ImportFailed as error:
+            fail(str(error), EXIT_OUTCOME_UNKNOWN if error.outcome_unknown else 1)
+    if as_json:
+        emit_json({"table": table_name, "rows": imported.rows, "transactions": imported.transactions})
+    else:
+        click.echo(f"imported {imported.rows} rows into {table_name} in {imported.transactions} transactions")
+
+
+@main.command("export")
+@click.argument("table_name", metavar="TABLE")
+@click.option("--format", "file_format", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
+@click.option("--output", "-o", type=click.File("w", encoding="utf-8"), default="-", help="Default: stdout.")
+@click.option("--page-rows", type=click.IntRange(1, SCAN_PAGE_ROWS_MAX), default=SCAN_PAGE_ROWS, show_default=True)
+@CONSISTENCY
+@AFTER
+@node_options
+def export_rows(table_name, file_format, output, page_rows, consistency, after_tx_key, endpoint, timeout_ms) -> None:
+    """Write TABLE's rows in key order as JSON lines or CSV (with a header), page by page.
+
+    BLOB values are {"base64": ...} in JSON lines and hex in CSV (what `import` reads back).
+    """
+    from mnesite.cli import transfer
+
+    with client_for(endpoint, timeout_ms) as client:
+        schema = run(lambda: client.table(table_name))
+        rows = client.scan(table_name, None, page_rows, consistency, after_tx_key)
+        transfer.write_rows(output, file_format, schema, run_iterator(rows))
+
+
+@main.command()
+@node_options
+@json_option
+def stop(endpoint, timeout_ms, as_json) -> None:
+    """Shut down the node at --node cleanly (admin role): it answers, logs a shutdown line and exits."""
+    endpoint = single_endpoint(endpoint, "stop")
+    with client_for(endpoint, timeout_ms, retries=0) as client:
+        result = run(client.stop)
+    emit_json(result) if as_json else click.echo(f"{result['node']} is stopping")
 
 
 def describe_security(security: dict[str, Any]) -> str:
@@ -468,6 +701,12 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo(
             f"backup to {backup['path']}: {backup['state']}, {backup['pages_copied']} of {backup['pages_total']} pages"
         )
+    if result.get("no_core_reached"):
+        click.echo(f"WARNING: {result['no_core_reached']}")
+    if not result["shards"]:
+        # A fresh cluster elects no sequencer until a shard exists: shards appear with their first table.
+        click.echo("no shard yet: a shard (and its sequencer) appears with its first table (mnesite table create)")
+        return
     if result["role"] == "replicant":
         rows = [
             {
@@ -497,15 +736,25 @@ def status(endpoint, timeout_ms, as_json) -> None:
             "generation": info["generation"],
             "sequencer": info["sequencer"] or "-",
             "applied": tuple(info["applied"]),
+            "committed": tuple(info["committed"]),
+            "last": tuple(info["last"]),
             "digest": info["digest"][:16],
             "rlog entries": info.get("rlog", {}).get("entries", ""),
-            # the latest membership in the log; "*": a change not committed yet
-            "members": ",".join(info["members"]) + ("*" if info["members"] != info["committed_members"] else ""),
         }
         for shard, info in result["shards"].items()
     ]
-    columns = ["shard", "role", "generation", "sequencer", "applied", "digest", "rlog entries", "members"]
-    click.echo(format_table(rows, columns))
+    columns = ["shard", "role", "generation", "sequencer", "applied", "committed", "last", "digest"]
+    click.echo(format_table(rows, [*columns, "rlog entries"]))
+    for shard, info in result["shards"].items():
+        click.echo(f"{shard}: members {_describe_members(info)}")
+        if info.get("learner"):
+            click.echo(f"{shard}: learner {info['learner']} (catching up before the entry that adds it)")
+        for peer, follower in sorted((info.get("followers") or {}).items()):
+            click.echo(f"{shard}: follower {peer} matched {tuple(follower['match'])}, lag {follower['lag_entries']}")
+        if info.get("excluded"):
+            click.echo(f"{shard}: EXCLUDED {info['excluded']}")
+        if not info.get("serving", True):
+            click.echo(f"{shard}: not serving: {info.get('not_serving_reason')}")
     for shard, info in result["shards"].items():
         if info.get("install"):
             click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
@@ -524,18 +773,60 @@ def rlog() -> None:
 @rlog.command("tail")
 @click.argument("shard")
 @click.option("-n", "count", type=click.IntRange(1, 1000), default=10, show_default=True, help="Entries to show.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new entries until Ctrl-C (exit 0).")
+@click.option(
+    "--interval-ms",
+    type=click.IntRange(10, 60_000),
+    default=FOLLOW_INTERVAL_MS,
+    show_default=True,
+    help="With --follow: pause between polls when nothing new arrived.",
+)
 @node_options
 @json_option
-def rlog_tail(shard, count, endpoint, timeout_ms, as_json) -> None:
-    """Show the last entries of SHARD's rlog."""
+def rlog_tail(shard, count, follow, interval_ms, endpoint, timeout_ms, as_json) -> None:
+    """Show the last entries of SHARD's rlog; with --follow, then every new entry as it commits.
+
+    --json prints a JSON array; with --follow, one JSON object per line.
+    """
     with client_for(endpoint, timeout_ms) as client:
         entries = run(lambda: client.rlog_tail(shard, count))
+        if as_json and not follow:
+            emit_json(entries)
+            return
+        for entry in entries:
+            print_entry(entry, as_json)
+        if not follow:
+            return
+        last = entries[-1]["tx_key"] if entries else [0, 0]
+        try:
+            while True:
+                # Each poll is one request under --timeout-ms: a node that goes away ends the command.
+                batch = run(lambda after=last: client.rlog_entries(shard, after, FOLLOW_BATCH_MAX))
+                for entry in batch:
+                    print_entry(entry, as_json)
+                if batch:
+                    last = batch[-1]["tx_key"]
+                if len(batch) < FOLLOW_BATCH_MAX:
+                    time.sleep(interval_ms / 1000)
+        except KeyboardInterrupt:
+            return  # Ctrl-C is how --follow ends: a clean exit
+
+
+def print_entry(entry: dict[str, Any], as_json: bool) -> None:
     if as_json:
-        emit_json(entries)
+        emit_json(entry)
         return
-    for entry in entries:
-        ops = "; ".join(_describe_op(op) for op in entry["ops"]) or "(no ops)"
-        click.echo(f"{tuple(entry['tx_key'])} <- {tuple(entry['prev'])} {entry['digest'][:16]} {ops}")
+    ops = "; ".join(_describe_op(op) for op in entry["ops"]) or "(no ops)"
+    click.echo(f"{tuple(entry['tx_key'])} <- {tuple(entry['prev'])} {entry['digest'][:16]} {ops}")
+
+
+def _describe_members(info: dict[str, Any]) -> str:
+    """A shard's latest membership in the log; ``*`` marks a change not committed yet."""
+    members = ", ".join(info["members"]) or "-"
+    committed = info.get("committed_members")
+    if committed is not None and committed != info["members"]:
+        members += f"* (not committed yet; committed: {', '.join(committed) or '-'})"
+    return members
 
 
 def _describe_op(op: dict[str, Any]) -> str:
@@ -546,6 +837,8 @@ def _describe_op(op: dict[str, Any]) -> str:
     if op["op"] == "members":
         added = f" (adds {op['added']} at {op['endpoint']})" if op["added"] else ""
         return f"members {', '.join(op['members'])}{added}"
+    if op["op"] == "drop_table":
+        return f"drop_table {op['table']} (shard {op['shard']})"
     return f"create_table {op['table']} (shard {op['shard']}, key {op['key']})"
 
 
@@ -588,17 +881,12 @@ def majority_age(keys: list[list[int] | None], cores: int) -> list[int] | None:
     return list(known[majority - 1]) if len(known) >= majority else None
 
 
-@journal.command("show")
-@node_options
-@json_option
-def journal_show(endpoint, timeout_ms, as_json) -> None:
-    """Show every core's journal age per shard (generation, committed and last tx keys) and the
-    age a majority of cores has reached."""
+def collect_journals(endpoint: Any, timeout_ms: int) -> tuple[dict[str, Any], dict[str, dict | None]]:
+    """The journal of the core at ``endpoint`` and of every core it names (None: did not answer)."""
     with client_for(endpoint, timeout_ms) as client:
         first = run(client.journal)
-    cores = first["core_nodes"]
     journals: dict[str, dict | None] = {}
-    for name, core_endpoint in sorted(cores.items()):
+    for name, core_endpoint in sorted(first["core_nodes"].items()):
         if name == first["node"]:
             journals[name] = first
             continue
@@ -607,6 +895,45 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
                 journals[name] = other.journal()
         except MnesiteError:
             journals[name] = None
+    return first, journals
+
+
+def force_start_losses(node: str, journals: dict[str, dict | None]) -> list[str]:
+    """What forcing ``node`` may lose, per shard: its last key against what the reachable cores hold,
+    and the cores it cannot reach, whose writes after its last key it would never see."""
+    own = journals[node] or {"shards": {}}
+    unreachable = sorted(name for name, answer in journals.items() if answer is None)
+    lines = []
+    shards = sorted({shard for answer in journals.values() if answer for shard in answer["shards"]})
+    for shard in shards:
+        age = own["shards"].get(shard)
+        last = tuple(age["last"]) if age else (0, 0)
+        ahead = [
+            f"{name} {tuple(answer['shards'][shard]['last'])}"
+            for name, answer in sorted(journals.items())
+            if answer and name != node and shard in answer["shards"] and tuple(answer["shards"][shard]["last"]) > last
+        ]
+        line = f"{shard}: {node} has the log up to {last}"
+        if ahead:
+            line += f"; reachable cores hold more: {', '.join(ahead)} (their entries after {last} would be dropped)"
+        if unreachable:
+            line += f"; anything {', '.join(unreachable)} committed after {last} would be lost"
+        if not ahead and not unreachable:
+            line += "; every core answered and none is ahead"
+        lines.append(line)
+    if not shards:
+        lines.append(f"{node} holds no shard yet: nothing to lose")
+    return lines
+
+
+@journal.command("show")
+@node_options
+@json_option
+def journal_show(endpoint, timeout_ms, as_json) -> None:
+    """Show every core's journal age per shard (generation, committed and last tx keys) and the
+    age a majority of cores has reached."""
+    first, journals = collect_journals(endpoint, timeout_ms)
+    cores = first["core_nodes"]
     shards = sorted({s for j in journals.values() if j for s in j["shards"]})
     result = {"cores": {}, "majority": {}}
     for name, answer in journals.items():
@@ -658,13 +985,13 @@ def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
     lost cores themselves, which must be rebuilt before they rejoin. Run `mnesite journal show` first
     and pick the core with the most advanced journal.
     """
+    endpoint = single_endpoint(endpoint, "force-start")
     if not yes:
-        fail(
-            "force-start can lose acknowledged writes that this core never received, and excludes every core "
-            "it cannot reach; check `mnesite journal show`, then rerun with --yes"
-        )
-    if endpoint is None:
-        fail("force-start needs an explicit --node ENDPOINT")
+        # Say what this core may lose before anything is forced: its journal against its peers'.
+        first, journals = collect_journals(endpoint, timeout_ms)
+        for line in force_start_losses(first["node"], journals):
+            click.echo(line, err=True)
+        fail(f"not forced: rerun with --yes to force-start {first['node']} and accept these losses")
     with client_for(endpoint, timeout_ms) as client:
         result = run(client.force_start)
     if as_json:

@@ -74,7 +74,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import Entry, TxKey, entry_size_bytes
+from mnesite.rlog.types import Entry, PackedEntry, TxKey, wire_size_bytes
 
 STOPPED_TRIMMED = "position trimmed: bootstrap needed"
 
@@ -89,8 +89,8 @@ class AgentConfigError(ValueError):
 class AgentLogView(Protocol):
     """Read-only view of the core's persisted log of the agent's shard."""
 
-    def entries_after(self, key: TxKey, limit: int) -> Sequence[Entry]:
-        """At most ``limit`` entries with tx key > ``key``, in order."""
+    def entries_after(self, key: TxKey, limit: int) -> Sequence[Entry | PackedEntry]:
+        """At most ``limit`` entries with tx key > ``key``, in order (packed: ops as stored, not decoded)."""
         ...
 
     def trimmed_key(self) -> TxKey:
@@ -298,7 +298,7 @@ class Agent:
         self._mode = AgentMode.STOPPED
         self._out.append(AgentStopped(reason))
 
-    def _push(self, entries: tuple[Entry, ...], size_bytes: int = 0) -> None:
+    def _push(self, entries: tuple[Entry | PackedEntry, ...], size_bytes: int = 0) -> None:
         self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes))
         self._last_push_ms = self._now_ms
 
@@ -347,13 +347,13 @@ class Agent:
                 f"the log does not continue after {self._sent_key} up to the committed key {self._committed_key}"
             )
             return None
-        batch: list[tuple[Entry, int]] = []
+        batch: list[tuple[Entry | PackedEntry, int]] = []
         batch_bytes = 0
         for entry in read:
             if batch and entry.prev != batch[-1][0].tx_key:
                 self._stop(f"the log is not contiguous at {entry.tx_key}")
                 return None
-            size = entry_size_bytes(entry)
+            size = wire_size_bytes(entry)
             if batch and batch_bytes + size > room_bytes:
                 break  # the first entry always goes, alone if it is larger than a push
             batch.append((entry, size))

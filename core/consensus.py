@@ -32,9 +32,23 @@ and executes the effects it returns.
   chained by digest (``rlog.types.make_entry``). Each append carries the previous tx key and its
   digest; a follower accepts it only if its own log has that key with that digest, truncates a
   conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``).
-* Commit. An entry is committed when a majority of the members (the sequencer counts) have persisted
-  it and it belongs to the current generation; earlier entries commit with it (Raft, section 5.4.2).
+* Batches. The proposals of one driver turn are appended one entry each, but sent only at
+  ``BatchEnded``: every caught-up follower then gets them in one append (cut by
+  ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
+  unanswered per follower (pipelining; one while probing). Followers that are behind get entries
+  from the log as their replies arrive; heartbeats resend what was not acknowledged. A membership
+  entry is batched like any proposal, but in force from when it is appended (``core.membership``):
+  the batch goes to the new set's voters.
+* Commit. An entry is committed when a majority of the voters of the latest membership in the log
+  (the sequencer counts when it is one of them) have persisted it and it belongs to the current
+  generation; earlier entries commit with it (Raft, section 5.4.2).
   Followers learn the commit key from appends.
+* Appends before the sequencer's fsync (thesis 10.2.1). The sequencer's appends are marked
+  ``Send.before_persisted``: the driver may send them before its own commit, so the followers'
+  fsyncs overlap the sequencer's. The sequencer therefore counts itself toward a majority only up
+  to what the driver reported durable with ``Persisted``. Appends are never marked so while a
+  ``PersistState`` of this machine is not durable (a force start's generation must be durable
+  before any core hears of it).
 * Linearizable reads (thesis 6.4, ``read_index``). The sequencer may answer a linearizable read,
   a read-index request or a failed guard only (1) once an entry of its own generation has committed
   (before that its committed key may be behind what the previous sequencer acknowledged) and (2)
@@ -75,11 +89,16 @@ Driver contract
    every ``heartbeat_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters).
 3. Execute the returned effects *in list order*, all of them, before the next ``step``:
    ``PersistState``, ``PersistEntries`` and ``TruncateLog`` must be durable (fsync) before any later
-   effect runs; this is how "persist, then send" is guaranteed. The ``LogView`` must reflect every
+   effect runs (except a ``Send`` marked ``before_persisted``, below); this is how "persist, then
+   send" is guaranteed. The ``LogView`` must reflect every
    executed effect. ``Send`` is fire-and-forget (loss, duplication and reordering are tolerated).
    ``Commit(up_to)`` means: apply, in tx-key order, every persisted entry up to ``up_to`` and record
    the applied key in the same SQLite transaction. ``ProposalCommitted`` comes after the ``Commit``
-   that covers it: answer the client once that entry is applied.
+   that covers it: answer the client once that entry is applied. Step ``BatchEnded`` once the
+   turn's proposals are in (before the turn's commit); without it, entries go at the next reply
+   or heartbeat only. A ``Send`` marked ``before_persisted`` may be sent before the pending
+   persistence effects are durable (every other one only after); step ``Persisted`` once they
+   are, or the sequencer never counts its own entries.
 4. ``ProposalRejected`` (nothing was written; forward to ``sequencer`` or answer ``reason``) and
    ``ProposalFailed`` (the outcome is unknown: the entry may still commit under a later sequencer,
    so answer the client with that reason; a retry with the same request id is the client's way to
@@ -309,6 +328,17 @@ class Proposed:
 
 
 @dataclass(frozen=True)
+class BatchEnded:
+    """The driver proposed every write of its loop turn: send the turn's new entries, one append
+    per follower (instead of one append per entry)."""
+
+
+@dataclass(frozen=True)
+class Persisted:
+    """The driver made every effect returned so far durable (its turn's commit and fsync are done)."""
+
+
+@dataclass(frozen=True)
 class ForceStartRequested:
     """Operator: make this core sequencer of a new generation with the members it reached.
 
@@ -334,7 +364,7 @@ class MembershipChangeRequested:
     request_id: str | None = None
 
 
-Event = Ticked | MessageReceived | Proposed | ForceStartRequested | MembershipChangeRequested
+Event = Ticked | MessageReceived | Proposed | BatchEnded | Persisted | ForceStartRequested | MembershipChangeRequested
 
 # ---------------------------------------------------------------- effects
 
@@ -362,6 +392,11 @@ class TruncateLog:
 class Send:
     to: str
     message: PeerMessage
+    # True: an append of this sequencer that may go out before the driver's pending writes are
+    # durable (Raft thesis 10.2.1); the sequencer counts itself only at ``Persisted``. Never set
+    # while a PersistState of this machine is not durable yet (an append would announce a
+    # generation that a crash could still take back).
+    before_persisted: bool = False
 
 
 @dataclass(frozen=True)
@@ -569,6 +604,13 @@ class ShardConsensus:
         self._progress: dict[str, _Progress] = {}
         # Request ids of this sequencer's uncommitted proposals, in tx key order.
         self._pending: dict[TxKey, str | None] = {}
+        # Entries this sequencer appended since the last BatchEnded, not sent yet (see _send_batch).
+        self._batch: list[Entry] = []
+        self._batch_prev_digest = self._last_digest  # the digest the batch's first entry follows
+        # The last key of this core's log known durable (Persisted), and whether every PersistState
+        # is: the sequencer counts itself in a majority only up to ``_durable_key``.
+        self._durable_key = self._last_key
+        self._state_durable = True
         self._heartbeat_due_ms = now_ms
         self._election_deadline_ms = now_ms
         self._reset_election_deadline()
@@ -696,6 +738,10 @@ class ShardConsensus:
             self._on_message(event.sender, event.message)
         elif isinstance(event, Proposed):
             self._on_proposed(event)
+        elif isinstance(event, BatchEnded):
+            self._send_batch()
+        elif isinstance(event, Persisted):
+            self._on_persisted()
         elif isinstance(event, ForceStartRequested):
             self._force_start(event.reached)
         elif isinstance(event, MembershipChangeRequested):
@@ -752,8 +798,17 @@ class ShardConsensus:
 
     def _persist_state(self) -> None:
         self._out.append(PersistState(self.persisted_state()))
+        self._state_durable = False
+
+    def _on_persisted(self) -> None:
+        self._durable_key = self._last_key
+        self._state_durable = True
+        if self._role is Role.SEQUENCER:
+            self._advance_commit()
 
     def _set_role(self, role: Role, sequencer: str | None) -> None:
+        if role is not Role.SEQUENCER:
+            self._batch = []
         if role is not self._role or sequencer != self._sequencer:
             self._role = role
             self._sequencer = sequencer
@@ -1094,6 +1149,7 @@ class ShardConsensus:
                         f"asked to truncate after {after_key}, below the committed key {self._commit_key}"
                     )
                 self._out.append(TruncateLog(after_key))
+                self._durable_key = min(self._durable_key, after_key)
                 self._forget_changes_after(after_key)
             self._out.append(PersistEntries(tuple(new_entries)))
             self._last_key = new_entries[-1].tx_key
@@ -1172,15 +1228,39 @@ class ShardConsensus:
         self._last_key, self._last_digest = entry.tx_key, entry.digest
         if proposal:
             self._pending[entry.tx_key] = request_id
+        # A membership entry is in force from when it is appended (core.membership), before it is
+        # batched: the batch goes to the new set's voters, and the commit below counts only them.
         self._note_changes([entry])
-        # The log view shows this entry only after the driver ran the effects, so send it directly
-        # to followers that are caught up; the others get it from the log on their next reply.
-        for peer, progress in self._progress.items():
-            # A probing follower gets one append at a time; a matched one up to appends_in_flight_max.
-            in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
-            if progress.sent_key == prev_key and progress.in_flight < in_flight_max:
-                self._send(peer, progress, prev_key, prev_digest, [entry])
+        # Proposals wait for the driver's BatchEnded, so that a turn's entries travel in one append
+        # per follower; the no-op of a new generation goes at once.
+        if not self._batch:
+            self._batch_prev_digest = prev_digest
+        self._batch.append(entry)
+        if not proposal:
+            self._send_batch()
         self._advance_commit()
+
+    def _send_batch(self) -> None:
+        """Send the entries appended since the last batch to every follower that is caught up.
+
+        A follower whose last sent key is inside the batch gets the rest of it; one that is behind
+        (or probing elsewhere) gets entries from the log on its next reply or heartbeat instead. The
+        batch is cut by entries_per_append_max and append_bytes_max, and a follower gets at most
+        appends_in_flight_max appends in flight (one while probing): the rest waits for replies.
+        """
+        batch, self._batch = self._batch, []
+        if not batch or self._role is not Role.SEQUENCER:
+            return
+        follows = {entry.prev: index for index, entry in enumerate(batch)}
+        for peer, progress in self._progress.items():
+            start = follows.get(progress.sent_key)
+            in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
+            while start is not None and start < len(batch) and progress.in_flight < in_flight_max:
+                window = batch[start : start + self.config.entries_per_append_max]
+                chunk = _bounded_in_bytes(window, self.config.append_bytes_max)
+                prev = batch[start - 1].digest if start else self._batch_prev_digest
+                self._send(peer, progress, chunk[0].prev, prev, chunk)
+                start = start + len(chunk) if not progress.probing else None
 
     def _send(self, peer: str, progress: _Progress, prev_key: TxKey, prev_digest: bytes, entries: list[Entry]) -> None:
         message = AppendRequest(
@@ -1192,7 +1272,7 @@ class ShardConsensus:
             tuple(entries),
             self._now_ms,
         )
-        self._out.append(Send(peer, message))
+        self._out.append(Send(peer, message, before_persisted=self._state_durable))
         progress.sent_key_max = max(progress.sent_key_max, entries[-1].tx_key if entries else prev_key)
         if entries:
             progress.in_flight += 1
@@ -1225,11 +1305,17 @@ class ShardConsensus:
         if entries or heartbeat:
             self._send(peer, progress, prev_key, prev_digest, entries)
 
+    def _own_match_key(self) -> TxKey:
+        """How far this sequencer's own log counts toward a majority: only what is durable."""
+        return self._durable_key
+
     def _advance_commit(self) -> None:
-        # Only voters of the latest membership count; a sequencer removing itself does not.
+        # Only voters of the latest membership count; a sequencer removing itself does not. Thesis
+        # 10.2.1: this core's appends went out before they were durable here, so it counts itself
+        # only up to what the driver reported durable (``Persisted``).
         matched = [p.match_key for peer, p in self._progress.items() if peer in self._members]
         if self.voter:
-            matched.append(self._last_key)
+            matched.append(self._own_match_key())
         matched.sort(reverse=True)
         if len(matched) < self._majority():
             return

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from mnesite.rlog.schema import TableSchema
-from mnesite.rlog.types import CreateTableOp, DeleteOp, Entry, TxKey, WriteOp
+from mnesite.rlog.types import CreateTableOp, DeleteOp, DropTableOp, Entry, TxKey, WriteOp
 
 GUARD_ANSWER = "answer"
 GUARD_HELD = "held"
@@ -72,6 +72,8 @@ class GuardTail(Generic[Token]):
         self.keys: list[TxKey] = []
         self.rows: dict[tuple[str, Any], dict[str, Any] | None] = {}
         self.tables: dict[str, TableSchema] = {}
+        # Tables the tail drops (a later create in the tail may bring the name back, empty).
+        self.dropped: set[str] = set()
         self._held: list[_Held[Token]] = []
 
     # ------------------------------------------------------------ the tail
@@ -102,10 +104,20 @@ class GuardTail(Generic[Token]):
                 self.rows[(op.table, op.key)] = None
             elif isinstance(op, CreateTableOp):
                 self.tables[op.table] = TableSchema.from_op(op)
+            elif isinstance(op, DropTableOp):
+                self.tables.pop(op.table, None)
+                self.dropped.add(op.table)
+                for row_key in [k for k in self.rows if k[0] == op.table]:
+                    self.rows[row_key] = None  # the rows go with the table
+
+    def catalog_over(self, applied: dict[str, TableSchema]) -> dict[str, TableSchema]:
+        """The tables as they will be once the tail is applied over the ``applied`` catalog."""
+        return {**{n: t for n, t in applied.items() if n not in self.dropped}, **self.tables}
 
     def _rebuild(self, entries: list[Entry], catalog: dict[str, TableSchema]) -> None:
         self.catalog = dict(catalog)
         self.entries, self.keys, self.rows, self.tables = [], [], {}, {}
+        self.dropped = set()
         self.add(tuple(entries))
 
     # ------------------------------------------------------------ failed guards

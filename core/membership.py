@@ -5,8 +5,9 @@ Theory of operation
 A shard's voters are recorded in its rlog: an entry whose ops hold one ``MembersOp`` names the
 whole new set. The config's ``core_nodes`` only seeds a new cluster (and a shard created later
 starts with the membership the core last applied). Every core uses the LATEST membership entry in
-its log, committed or not, for its quorums and elections, from the moment it persists the entry;
-a truncated entry takes its membership with it.
+its log, committed or not, for its quorums and elections, from the moment it persists the entry
+(the sequencer: from when it appends it, before the turn's batch goes out); a truncated entry takes
+its membership with it.
 
 Safety comes from changing one voter at a time: any majority of the old set and any majority of
 the new set (one more or one fewer) share a core, so two sequencers can never be elected in one

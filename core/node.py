@@ -10,12 +10,20 @@ Each turn of the loop:
    consensus; reads are answered from the applied state; writes are turned into result ops
    (guards evaluated against the applied state *plus* the shard's unapplied tail, see
    ``core.guard_tail``; a failed guard is answered only from committed state) and proposed at the
-   sequencer, or forwarded to it from any other core;
+   sequencer, or forwarded to it from any other core; once the input is drained, ``BatchEnded``
+   sends the turn's new entries to each follower in one append;
 3. executes the effects of every step as it happens, inside ONE open SQLite write transaction
    (the log view reads through the same connection, so it sees them at once), and queues every
    outgoing frame: peer sends and client replies alike;
 4. commits that transaction (one fsync for the whole turn: group commit), and only then sends
-   the queued frames. Persist-before-send (DESIGN, etcd's rule) holds for the whole batch.
+   the queued frames. Persist-before-send (DESIGN, etcd's rule) holds for the whole batch. A turn
+   that only applied committed entries commits without an fsync (``begin(durable=False)``): those
+   entries are durable in the log already, and a restart applies again what a power failure took.
+   Committed entries are applied from the in-memory unapplied tail, not read back from SQLite.
+   The one exception to persist-before-send: a sequencer's appends (``Send.before_persisted``) go
+   out at once, before the commit, so that the followers' fsyncs overlap ours; after the commit
+   ``Persisted`` lets each sequencer count its own entries (Raft thesis 10.2.1), and what that
+   commits is applied in one more, fsync-less, commit before the queued frames are sent.
 
 If the SQLite commit fails the process stops: the state machines already believe the effects were
 durable, so the only safe continuation is a restart that rebuilds them from disk.
@@ -48,6 +56,7 @@ from mnesite.bootstrap.serve import read_batch
 from mnesite.core.agent import AgentConfig
 from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
+    BatchEnded,
     Commit,
     ConsensusConfig,
     Excluded,
@@ -56,6 +65,7 @@ from mnesite.core.consensus import (
     ForceStartRequested,
     MembershipChangeRequested,
     MessageReceived,
+    Persisted,
     PersistedState,
     PersistEntries,
     PersistState,
@@ -114,6 +124,7 @@ from mnesite.rlog.schema import (
     SchemaError,
     TableSchema,
     check_creatable,
+    check_droppable,
     check_key,
     define_table,
 )
@@ -121,9 +132,11 @@ from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monot
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
     ZERO_KEY,
+    DropTableOp,
     Entry,
     MembersOp,
     OpDecodeError,
+    PackedEntry,
     TxKey,
     entry_to_json,
     tx_key_from_wire,
@@ -135,6 +148,7 @@ READ_KINDS = frozenset(
     {
         "get",
         "scan",
+        "count",
         "bootstrap_batch",
         "status",
         "list_tables",
@@ -144,7 +158,7 @@ READ_KINDS = frozenset(
         *range_requests.KINDS,
     }
 )
-WRITE_KINDS = frozenset({"transact", "create_table"})
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
 POLL_INTERVAL_MS_MAX = 50
@@ -199,6 +213,27 @@ class StoreLogView:
 
     def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
         return self.store.count_between(self.shard, key, up_to, limit)
+
+
+class AgentStoreLogView:
+    """``core.agent.AgentLogView`` over a shard's ``StoreLogView``: what an agent reads from SQLite
+    comes packed (``PackedEntry``: the ops go out as stored, never decoded and encoded again);
+    the unapplied tail it may reach is served from memory as the consensus view serves it."""
+
+    def __init__(self, view: StoreLogView) -> None:
+        self.view = view
+
+    def entries_after(self, key: TxKey, limit: int) -> list[Entry] | list[PackedEntry]:
+        cached = self.view.tail.entries
+        if cached and cached[0].prev <= key <= cached[-1].tx_key:
+            return self.view.entries_after(key, limit)
+        return self.view.store.packed_entries_after(self.view.shard, key, limit)
+
+    def trimmed_key(self) -> TxKey:
+        return self.view.trimmed_key()
+
+    def count_after(self, key: TxKey, up_to: TxKey, limit: int) -> int:
+        return self.view.count_after(key, up_to, limit)
 
 
 @dataclass
@@ -428,6 +463,7 @@ class CoreNode(NodeServer):
         for dealer in list(self.dealers.values()):
             if dealer in ready:
                 self._relay_forwarded(dealer)
+        self._end_batches()
         self._expire_forwarded()
         self._expire_held_guard_failures()
         now = self.clock_ms()
@@ -456,6 +492,12 @@ class CoreNode(NodeServer):
                 timers_ms,
                 turn_ms - input_ms - timers_ms,
             )
+
+    def _end_batches(self) -> None:
+        """The writes proposed in this turn go to the followers together: one append per follower."""
+        for driver in list(self.shards.values()):
+            if driver.consensus.role is Role.SEQUENCER:
+                self._step(driver, BatchEnded())
 
     def _serve_waiting(self) -> None:
         if self.socket is None:
@@ -502,6 +544,8 @@ class CoreNode(NodeServer):
             self._membership_change(envelope, message)
         elif message.kind == "members":
             self.reply(envelope, codec.reply(message.request_id, self.membership()))
+        elif message.kind == "stop":
+            self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
         elif message.kind == "backup":
             try:
                 result = self.answer_backup(message.body, self._backup_not_ready())
@@ -554,8 +598,12 @@ class CoreNode(NodeServer):
                 self._answer_guard_failure(held, answer=False, reason="the entries it observed were replaced")
             self._tell_outcomes(driver.waiters.truncated(effect.after_key))
         elif isinstance(effect, Commit):
-            self.begin()
-            applied = self.store.apply_committed(shard, effect.up_to)
+            # Applying needs no fsync of its own: the entries are durable in the log already, and a
+            # restart applies again whatever a power failure took (the applied key moves with the rows).
+            self.begin(durable=False)
+            # A shard not serving yet is catching up over a snapshot's dirty copy: healing (Store.apply_ops).
+            healing = shard in self.not_serving
+            applied = self.store.apply_committed(shard, effect.up_to, driver.tail.entries, healing=healing)
             read_index = driver.consensus.read_index(self.clock_ms())
             for held, verdict in driver.tail.committed(effect.up_to, self.store.catalog(), read_index):
                 self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
@@ -568,7 +616,7 @@ class CoreNode(NodeServer):
             self._tell_outcomes(driver.waiters.committed(applied))
         elif isinstance(effect, Send):
             frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
-            self._send_peer(effect.to, Message("peer", "peer", frame_body))
+            self._send_peer(effect.to, Message("peer", "peer", frame_body), now=effect.before_persisted)
         elif isinstance(effect, ProposalCommitted):
             pass  # answered through the waiters when the Commit applied the entry
         elif isinstance(effect, ProposalFailed):
@@ -704,7 +752,7 @@ class CoreNode(NodeServer):
         try:
             return self.rlog_server.watch(
                 body,
-                driver.log_view,
+                AgentStoreLogView(driver.log_view),
                 position.applied,
                 position.digest,
                 lambda key: self.store.digest_at(driver.shard, key),
@@ -884,11 +932,23 @@ class CoreNode(NodeServer):
                 return
             self._step_install(shard, batch)
 
-    def _send_peer(self, peer: str, message: Message) -> None:
+    def _send_peer(self, peer: str, message: Message, now: bool = False) -> None:
         endpoint = self.endpoints.get(peer)
         socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
-        if socket is not None:
+        if socket is None:
+            return
+        if now:
+            # A sequencer's append may precede its own fsync (the machine counts itself only at
+            # Persisted): the followers' fsyncs then overlap ours instead of following it.
+            self.send_now(socket, message)
+        else:
             self.queue(socket, message)
+
+    def after_commit(self) -> None:
+        # The turn's commit (and fsync) is done: each sequencer may now count its own entries.
+        for driver in list(self.shards.values()):
+            if driver.consensus.role is Role.SEQUENCER:
+                self._step(driver, Persisted())
 
     def _on_peer(self, message: Message) -> None:
         body = message.body
@@ -953,8 +1013,10 @@ class CoreNode(NodeServer):
         if previous is not None:
             self._await_commit(driver, previous[1], envelope, message.request_id, duplicate=True)
             return
-        catalog = {**self.store.catalog(), **driver.tail.tables}
-        if message.kind == "create_table":
+        catalog = driver.tail.catalog_over(self.store.catalog())
+        if message.kind == "drop_table":
+            ops = (self._drop_op(catalog, message.body["table"]),)
+        elif message.kind == "create_table":
             body = message.body
             table = define_table(body["table"], body["key"], body["columns"], body.get("shard", DEFAULT_SHARD))
             # The apply's own rule (SQLite names are case-insensitive): what is logged applies everywhere.
@@ -970,7 +1032,7 @@ class CoreNode(NodeServer):
                 in_tail, row = driver.tail.row(table.name, key)
                 if in_tail:
                     return row
-                if table.name not in self.store.catalog():
+                if table.name not in self.store.catalog() or table.name in driver.tail.dropped:
                     return None  # created in the unapplied tail: no rows applied yet
                 return self.store.read_row(table, key)
 
@@ -1040,21 +1102,36 @@ class CoreNode(NodeServer):
             else:
                 self.reply(envelope, _outcome_unknown(outcome.request_id, outcome.reason))
 
+    def _catalog_with_tails(self) -> dict[str, TableSchema]:
+        """The catalog once every shard's unapplied tail is applied (tables created and dropped there)."""
+        catalog = self.store.catalog()
+        for driver in self.shards.values():
+            catalog = driver.tail.catalog_over(catalog)
+        return catalog
+
+    def _drop_op(self, catalog: dict[str, TableSchema], name: str) -> DropTableOp:
+        """The drop of table ``name``, checked by the apply's own rule (``check_droppable``)."""
+        table = catalog.get(name)
+        if table is None:
+            raise RequestError("unknown_table", f"unknown table {name!r}")
+        op = DropTableOp(table.name, table.shard)
+        if not check_droppable(catalog, op):
+            raise RequestError("unknown_table", f"unknown table {name!r}")
+        return op
+
     def _shard_of(self, message: Message) -> str:
+        if message.kind == "drop_table":
+            return self._drop_op(self._catalog_with_tails(), message.body["table"]).shard
         if message.kind == "create_table":
             shard = message.body.get("shard", DEFAULT_SHARD)
             table = define_table(message.body["table"], message.body["key"], message.body["columns"], shard)
             # Refuse a taken name before the shard is opened: a refused write must leave no new shard.
-            catalog = self.store.catalog()
-            for driver in self.shards.values():
-                catalog = {**catalog, **driver.tail.tables}
+            catalog = self._catalog_with_tails()
             if not check_creatable(catalog, table.to_op()):
                 raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
             return shard
         ops = message.body["ops"]
-        catalog = self.store.catalog()
-        for driver in self.shards.values():
-            catalog = {**catalog, **driver.tail.tables}
+        catalog = self._catalog_with_tails()
         if not isinstance(ops, list) or not ops or not isinstance(ops[0], dict):
             raise RequestError("bad_request", "ops must be a non-empty list of objects")
         table = catalog.get(ops[0].get("table")) if isinstance(ops[0].get("table"), str) else None
@@ -1280,7 +1357,9 @@ class CoreNode(NodeServer):
             self.begin()
             for shard, driver in self.shards.items():
                 status = driver.consensus.status()
-                keep_from = keep_from_match_keys(key for _, key in status.follower_match_keys)
+                keep_from = keep_from_match_keys(
+                    (key for _, key in status.follower_match_keys), self.rlog_server.acked_keys(shard)
+                )
                 self.store.trim(shard, retention.retention_entries_max, before_ms, keep_from)
             self.flush()
         except apsw.Error:
@@ -1318,6 +1397,11 @@ class CoreNode(NodeServer):
             table = self._table(body["table"])
             self._check_consistency(message, table)
             return self.store.read_row(table, check_key(table, body["key"]))
+        if message.kind == "count":
+            # SQLite counts (O(rows) in the engine, nothing shipped): the answer is one integer.
+            table = self._table(body["table"])
+            self._check_consistency(message, table)
+            return {"rows": self.store.count_rows(table)}
         if message.kind == "scan":
             table = self._table(body["table"])
             self._check_consistency(message, table)
@@ -1448,6 +1532,7 @@ class CoreNode(NodeServer):
             "core_nodes": self.endpoints,
             "members": list(self.members),
             "commits": self.commits,
+            "durable_commits": self.durable_commits,
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),
@@ -1487,6 +1572,7 @@ class CoreNode(NodeServer):
         for _, message in writes:
             with contextlib.suppress(Deferred, RequestError, SchemaError):
                 self._write(None, message)  # type: ignore[arg-type]
+        self._end_batches()
         self.flush()
 
 

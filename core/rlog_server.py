@@ -34,7 +34,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import TxKey, entry_to_wire, tx_key_from_wire
+from mnesite.rlog.types import TxKey, to_wire, tx_key_from_wire
 
 AGENTS_MAX = 1000
 
@@ -154,7 +154,7 @@ class RlogServer:
                     "shard": watch.shard,
                     "agent": agent_id,
                     "core": self.core_name,
-                    "entries": [entry_to_wire(entry) for entry in effect.entries],
+                    "entries": [to_wire(entry) for entry in effect.entries],
                     "committed": list(effect.committed_key),
                     "hears_sequencer": effect.hears_sequencer,
                     "watch": watch.answer,
@@ -174,6 +174,10 @@ class RlogServer:
         """Forget every agent of ``shard`` (its log was replaced: their positions mean nothing there)."""
         for agent_id in [a for a, w in self.watches.items() if w.shard == shard]:
             del self.watches[agent_id]
+
+    def acked_keys(self, shard: str) -> list[TxKey]:
+        """What each live agent of ``shard`` knows its replicant holds (the retention floor waits for it)."""
+        return [watch.agent.status().acked_key for watch in self.watches.values() if watch.shard == shard]
 
     def agents_of(self, shard: str | None = None) -> int:
         return sum(1 for w in self.watches.values() if shard is None or w.shard == shard)

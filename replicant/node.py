@@ -63,6 +63,9 @@ READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
 RLOG_READ_MAX = 1000
 PROGRESS_LOG_INTERVAL_MS = 5000
+# No answer from any core for this long: the replicant says so in its log (at most once per this
+# interval) and in status, instead of answering "unknown table" without a word.
+NO_CORE_WARNING_MS = 5000
 
 
 @dataclass
@@ -124,6 +127,8 @@ class ReplicantNode(NodeServer):
         self._next_progress_log_ms: dict[str, int] = {}
         self._next_retention_ms = 0
         self._discovery_turn = 0
+        self._core_heard_ms = self.clock_ms()  # last answer or push from any core (start-up counts)
+        self._no_core_logged_ms: int | None = None
         for shard in self.store.shards():
             self._open_replica(shard)
 
@@ -189,6 +194,7 @@ class ReplicantNode(NodeServer):
                 self._step(replica, p.Ticked())
         self._discover(now)
         self._expire(now)
+        self._warn_if_no_core(now)
         self._answer_waiting_reads()
         self._maybe_trim()
         self.flush()
@@ -205,13 +211,24 @@ class ReplicantNode(NodeServer):
         for shard in self.replicas:
             self.store.trim(shard, retention.retention_entries_max, before_ms)
 
-    def _request(self, core: str, kind: str, body: dict[str, Any], pending: Pending) -> None:
+    def _request(self, core: str, kind: str, body: dict[str, Any], pending: Pending, at_once: bool = False) -> None:
+        """Ask ``core``; ``at_once``: send now, not after the turn's commit (for a request that
+        reveals nothing this node must persist first: the next bootstrap batch, which the core then
+        reads while this node writes the previous one)."""
         if len(self.pending) >= PENDING_REQUESTS_MAX:
             log.warning("too many pending requests; %s to %s not sent", kind, core)
             return
         request_id = uuid.uuid4().hex
         self.pending[request_id] = pending
-        self.queue(self.core_sockets[core], Message(kind, request_id, body))
+        message = Message(kind, request_id, body)
+        if not at_once:
+            self.queue(self.core_sockets[core], message)
+            return
+        try:
+            self.core_sockets[core].send(codec.encode(message), zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError, CodecError) as error:
+            # Like a lost request: its pending entry expires and the copy is retried.
+            log.debug("%s to %s not sent: %s", kind, core, error)
 
     # -- machine effects ---------------------------------------------------------------------
 
@@ -239,9 +256,9 @@ class ReplicantNode(NodeServer):
             self._request(effect.core, "watch", body, Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard))
         elif isinstance(effect, p.ApplyEntries):
             self.begin()
-            self.store.append_entries(effect.entries, int(time.time() * 1000))
-            for entry in effect.entries:
-                self.store.apply_entry(entry)
+            # Until its read fence opens, a replica is still healing its bootstrap copy (Store.apply_ops).
+            healing = self.replicas[shard].status().read_fenced if shard in self.replicas else False
+            self.apply_entries(self.store, effect.entries, healing)
         elif isinstance(effect, p.ResetShard):
             self.begin()
             self.store.reset_shard(shard)
@@ -255,7 +272,7 @@ class ReplicantNode(NodeServer):
                 body["after"] = effect.after
             detail = {"table": effect.table, "after": effect.after, "limit": effect.limit}
             pending = Pending("batch", effect.core, now + REQUEST_TIMEOUT_MS, shard, detail)
-            self._request(effect.core, "bootstrap_batch", body, pending)
+            self._request(effect.core, "bootstrap_batch", body, pending, at_once=True)
         elif isinstance(effect, p.ApplyBatch):
             self.begin()
             self.store.write_rows(effect.table, effect.rows)
@@ -297,6 +314,15 @@ class ReplicantNode(NodeServer):
         else:
             raise TypeError(f"unknown effect {effect!r}")
 
+    @staticmethod
+    def apply_entries(store: Store, entries: tuple[Any, ...], healing: bool = False) -> None:
+        """``ApplyEntries``, inside the caller's transaction (also what benchmarks/bench_catchup.py times).
+
+        The replica verified the digest chain before emitting the effect; the store checks the links.
+        ``healing``: the replay over a bootstrap copy, before the read fence opens (Store.apply_ops).
+        """
+        store.log_and_apply_verified(entries, int(time.time() * 1000), healing)
+
     # -- answers from cores ------------------------------------------------------------------
 
     def _receive_answers(self, core: str, socket: zmq.Socket) -> None:
@@ -309,12 +335,13 @@ class ReplicantNode(NodeServer):
                 answer = codec.decode(frame, self.config.limits.frame_bytes_max)
             except CodecError:
                 continue
+            self._core_heard_ms = self.clock_ms()
             pending = self.pending.pop(answer.request_id, None)
             if pending is None:
                 continue  # late answer to a request we gave up on
-            self._on_answer(pending, answer)
+            self._on_answer(pending, answer, len(frame))
 
-    def _on_answer(self, pending: Pending, answer: Message) -> None:
+    def _on_answer(self, pending: Pending, answer: Message, frame_bytes: int | None = None) -> None:
         error = answer.body if answer.kind == "error" else None
         result = answer.body.get("result") if answer.kind == "reply" else None
         if pending.purpose == "forward":
@@ -385,7 +412,7 @@ class ReplicantNode(NodeServer):
             )
         elif pending.purpose == "batch":
             detail = pending.detail
-            batch = batch_from_answer(pending.core, detail["table"], detail["after"], result)
+            batch = batch_from_answer(pending.core, detail["table"], detail["after"], result, frame_bytes)
             if error is not None or batch is None:
                 self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}"))
                 return
@@ -439,6 +466,25 @@ class ReplicantNode(NodeServer):
                 codec.error(read.message.request_id, "timeout", f"shard {read.shard} did not reach {read.min_key}"),
             )
 
+    def no_core_reached(self) -> str | None:
+        """Why this replicant serves nothing, if no core has answered it for ``NO_CORE_WARNING_MS``."""
+        silent_ms = self.clock_ms() - self._core_heard_ms
+        if silent_ms < NO_CORE_WARNING_MS:
+            return None
+        endpoints = ", ".join(f"{name} {self.config.core_nodes[name]}" for name in self.cores)
+        return (
+            f"no core has answered for {silent_ms // 1000} s (core_nodes: {endpoints}); "
+            "are the cores running, and is [cluster] core_nodes right?"
+        )
+
+    def _warn_if_no_core(self, now: int) -> None:
+        if self._no_core_logged_ms is not None and now - self._no_core_logged_ms < NO_CORE_WARNING_MS:
+            return
+        reason = self.no_core_reached()
+        if reason is not None:
+            self._no_core_logged_ms = now
+            log.warning("replicant %s reaches no core: %s", self.config.name, reason)
+
     def _discover(self, now: int) -> None:
         """Ask one core (round robin) which shards exist, so that new shards get a replica."""
         if now < self._next_discovery_ms or not self.cores:
@@ -466,7 +512,7 @@ class ReplicantNode(NodeServer):
                     self.reply(envelope, refused)
                 continue
             try:
-                self._dispatch(envelope, message)
+                self._dispatch(envelope, message, principal)
             except RequestError as error:
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
             except SchemaError as error:
@@ -474,17 +520,19 @@ class ReplicantNode(NodeServer):
             except OverloadedError as error:
                 self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
 
-    def _dispatch(self, envelope: list[bytes], message: Message) -> None:
+    def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         body = message.body
         if message.kind == "push":
             self._on_push(body)
-        elif message.kind in ("transact", "create_table"):
+        elif message.kind in ("transact", "create_table", "drop_table"):
             self._forward(envelope, message)
         elif message.kind == "status":
             self.reply(envelope, codec.reply(message.request_id, self.status()))
         elif message.kind == "list_tables":
             self.reply(envelope, codec.reply(message.request_id, [t.to_json() for t in self.store.catalog().values()]))
-        elif message.kind in ("get", "scan"):
+        elif message.kind == "stop":
+            self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
+        elif message.kind in ("get", "scan", "count"):
             self._read(envelope, message)
         elif message.kind in range_requests.KINDS:
             self._serving(self._table(body.get("table")).shard)
@@ -525,6 +573,7 @@ class ReplicantNode(NodeServer):
         if body["core"] not in self.core_sockets:
             log.warning("push from unknown core %r ignored", body["core"])
             return
+        self._core_heard_ms = self.clock_ms()
         # The answer to the watch that created the agent: the replica takes it for the answer if
         # this push overtook it (ShardReplica, "Fencing").
         accepted = watch_accepted(body["core"], body.get("watch"))
@@ -584,7 +633,10 @@ class ReplicantNode(NodeServer):
     def _table(self, name: Any) -> TableSchema:
         table = self.store.catalog().get(name) if isinstance(name, str) else None
         if table is None:
-            raise RequestError("unknown_table", f"unknown table {name!r}")
+            lonely = self.no_core_reached()
+            # A replicant cut off from every core knows no table: say why, not only "unknown".
+            hint = f" (replicant {self.config.name}: {lonely})" if lonely else ""
+            raise RequestError("unknown_table", f"unknown table {name!r}{hint}")
         return table
 
     def _read(self, envelope: list[bytes], message: Message) -> None:
@@ -619,6 +671,8 @@ class ReplicantNode(NodeServer):
 
     def _read_now(self, table: TableSchema, message: Message) -> Any:
         body = message.body
+        if message.kind == "count":
+            return {"rows": self.store.count_rows(table)}
         if message.kind == "scan":
             limit = body.get("limit", self.config.limits.scan_rows_max)
             if not 0 < limit <= self.config.limits.scan_rows_max:
@@ -675,6 +729,7 @@ class ReplicantNode(NodeServer):
             "data_dir": self.config.data_dir,
             "core_nodes": self.config.core_nodes,
             "security": self.security_status(),
+            "no_core_reached": self.no_core_reached(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }

@@ -38,7 +38,7 @@ import os
 import socket as socket_module
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import zmq
@@ -118,20 +118,48 @@ class InvalidRequest(RemoteError):
 
 
 _ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable, "forbidden": Forbidden}
-WRITE_KINDS = frozenset({"transact", "create_table"})
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table"})
 _HANDSHAKE_EVENTS = 0
 for _event in HANDSHAKE_FAILURES:
     _HANDSHAKE_EVENTS |= _event
+# A connection attempt that failed (refused, or closed) before any connection completed.
+_CONNECT_FAILED_EVENTS = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+UNREACHABLE_HINT = "is the node running? check --node"
+ENDPOINTS_MAX = 64  # endpoints one client fails over between
+
+
+class _NotSent(Exception):
+    """The request never left this client: no connection to the node completed (``IMMEDIATE``
+    sockets queue nothing before that), so it is known not to have happened anywhere."""
 
 
 def default_endpoint() -> str:
     return os.environ.get("MNESITE_NODE") or DEFAULT_LISTEN
 
 
+def parse_endpoints(endpoints: str | Sequence[str] | None) -> list[str]:
+    """``tcp://a:1,tcp://b:2`` or a list of such strings as a list of endpoints, in order, without repeats."""
+    if endpoints is None:
+        endpoints = default_endpoint()
+    if isinstance(endpoints, str):
+        endpoints = [endpoints]
+    parsed: list[str] = []
+    for item in endpoints:
+        for endpoint in item.split(","):
+            endpoint = endpoint.strip()
+            if endpoint and endpoint not in parsed:
+                parsed.append(endpoint)
+    if not parsed:
+        raise MnesiteError("no endpoint given", "bad_request")
+    if len(parsed) > ENDPOINTS_MAX:
+        raise MnesiteError(f"at most {ENDPOINTS_MAX} endpoints, got {len(parsed)}", "bad_request")
+    return parsed
+
+
 class Client:
     def __init__(
         self,
-        endpoint: str | None = None,
+        endpoint: str | Sequence[str] | None = None,
         timeout_ms: int = 5000,
         retries: int = 2,
         key: str | os.PathLike[str] | KeyPair | None = None,
@@ -140,8 +168,15 @@ class Client:
     ) -> None:
         """``key``: the caller's secret key file (or a loaded ``KeyPair``); ``server_key``: the
         cluster's public key file (or the raw 32-byte key). Give both, or neither (no CurveZMQ).
-        ``frame_bytes_max``: requests above it are refused before sending, answers above it ignored."""
-        self.endpoint = endpoint or default_endpoint()
+        ``frame_bytes_max``: requests above it are refused before sending, answers above it ignored.
+
+        ``endpoint``: one endpoint, several separated by commas, or a list. The client talks to one
+        at a time and moves to the next (failover) only when the outcome of the request is known:
+        a request that never left (no connection completed), any read, or a write the node answered
+        with "not now" before the client lost track of it. A write sent and not answered stays with
+        its node and ends in ``OutcomeUnknown``: it is never sent silently to another node."""
+        self.endpoints = parse_endpoints(endpoint)
+        self.endpoint = self.endpoints[0]
         self.timeout_ms = timeout_ms
         self.retries = retries
         self.frame_bytes_max = frame_bytes_max
@@ -183,17 +218,50 @@ class Client:
         if self._socket is None:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            # Queue nothing before a connection completes: a frame that could not be sent is then
+            # known never to have reached the node, which is what makes failover safe for writes.
+            socket.setsockopt(zmq.IMMEDIATE, 1)
             if self._curve is not None:
                 configure_client(socket, *self._curve)
-            # Handshake failures are how a refused key shows; watch for them rather than time out.
-            self._monitor = socket.get_monitor_socket(_HANDSHAKE_EVENTS)
+            # Handshake failures are how a refused key shows, a failed connect how a stopped node
+            # shows; watch for them rather than time out.
+            self._monitor = socket.get_monitor_socket(_HANDSHAKE_EVENTS | _CONNECT_FAILED_EVENTS)
             try:
                 socket.connect(self.endpoint)
             except zmq.ZMQError as error:
+                socket.disable_monitor()
                 socket.close(0)
+                self._monitor.close(0)
+                self._monitor = None
                 raise MnesiteError(f"invalid endpoint {self.endpoint!r}: {error}", "bad_request") from None
             self._socket = socket
         return self._socket
+
+    def _send(self, frame: bytes, deadline: float) -> zmq.Socket:
+        """Send ``frame`` once a connection is ready; raise ``_NotSent`` if none completes in time."""
+        socket = self._connect()
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                self.close()
+                raise _NotSent(f"no connection to {self.endpoint} completed in time")
+            poller = zmq.Poller()
+            poller.register(socket, zmq.POLLOUT)
+            if self._monitor is not None:
+                poller.register(self._monitor, zmq.POLLIN)
+            ready = dict(poller.poll(remaining_ms))
+            if self._monitor is not None and self._monitor in ready:
+                event = recv_monitor_message(self._monitor)
+                self._handshake_failed(event)
+                if event["event"] & _CONNECT_FAILED_EVENTS and socket not in ready:
+                    self.close()
+                    raise _NotSent(f"node {self.endpoint} is unreachable: nothing accepts connections there")
+            if socket in ready:
+                try:
+                    socket.send(frame, zmq.NOBLOCK)
+                    return socket
+                except zmq.Again:
+                    continue  # the connection went away between the poll and the send
 
     def call(self, kind: str, body: dict[str, Any] | None = None, request_id: str | None = None) -> Any:
         """Send one request and return the reply's result; raise ``MnesiteError`` on an error reply.
@@ -218,23 +286,37 @@ class Client:
         backoff_s = RETRY_BACKOFF_S_MIN
         last_reason = f"did not answer {kind} within {self.timeout_ms} ms"
         # A write whose request went unanswered, or was answered "outcome unknown", may have been
-        # applied: from then on, giving up means telling the caller so.
+        # applied: from then on, giving up means telling the caller so, and it never moves to
+        # another endpoint.
         maybe_applied = False
+        is_write = kind in WRITE_KINDS
+        # Endpoints that refused a connection in this call: once all did, the caller is told at once.
+        unreachable: list[str] = []
         while True:
-            socket = self._connect()
-            socket.send(frame)
+            try:
+                socket = self._send(frame, min(deadline, time.monotonic() + self.timeout_ms / 1000))
+            except _NotSent as error:
+                unreachable.append(self.endpoint)
+                # A write that may already have happened at this node is never sent to another one.
+                exhausted = len(set(unreachable)) >= len(self.endpoints) or time.monotonic() >= deadline
+                if exhausted or maybe_applied:
+                    self._give_up(kind, message.request_id, maybe_applied, self._unreachable(error), "unavailable")
+                self._next_endpoint()
+                continue
             answer = self._await(socket, message.request_id, deadline)
             if answer is None:
                 # Drop the socket: whatever it still queues must not reach the node later.
                 self.close()
                 silent_attempts += 1
-                maybe_applied = True
+                maybe_applied = maybe_applied or is_write
                 if silent_attempts > self.retries or time.monotonic() >= deadline:
                     reason = (
                         f"node {self.endpoint} did not answer {kind} within {self.timeout_ms} ms "
                         f"({silent_attempts} attempts{_why_silent(self.endpoint, kind)})"
                     )
                     self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable")
+                if not maybe_applied:
+                    self._next_endpoint()  # a read: any other node may answer it
                 continue
             if answer.kind == "error" and answer.body["code"] in RETRIABLE_CODES:
                 last_reason = answer.body["message"]
@@ -242,6 +324,8 @@ class Client:
                 if time.monotonic() + backoff_s < deadline:
                     time.sleep(backoff_s)  # an election or failover is under way: give it time
                     backoff_s = min(backoff_s * 2, RETRY_BACKOFF_S_MAX)
+                    if not maybe_applied:
+                        self._next_endpoint()  # nothing happened there: another node may do better
                     continue
                 reason = f"node {self.endpoint}: {last_reason}"
                 self._give_up(kind, message.request_id, maybe_applied, reason, answer.body["code"])
@@ -250,6 +334,17 @@ class Client:
             code = answer.body["code"]
             raise _ERRORS.get(code, RemoteError)(answer.body["message"], code, answer.body.get("detail"))
         return answer.body.get("result")
+
+    def _next_endpoint(self) -> None:
+        """Fail over: the next endpoint in the list, on a fresh socket."""
+        if len(self.endpoints) > 1:
+            self.close()
+            self.endpoint = self.endpoints[(self.endpoints.index(self.endpoint) + 1) % len(self.endpoints)]
+
+    def _unreachable(self, error: _NotSent) -> str:
+        if len(self.endpoints) == 1:
+            return f"{error}; {UNREACHABLE_HINT}"
+        return f"none of {', '.join(self.endpoints)} accepts connections; are the nodes running? check --node"
 
     def _give_up(self, kind: str, request_id: str, maybe_applied: bool, reason: str, code: str) -> NoReturn:
         if kind in WRITE_KINDS and maybe_applied:
@@ -274,6 +369,7 @@ class Client:
             if not ready:
                 return None
             if self._monitor is not None and self._monitor in ready:
+                # A dropped connection is not an answer: zmq reconnects, and silence decides.
                 self._handshake_failed(recv_monitor_message(self._monitor))
             if socket not in ready:
                 continue
@@ -332,6 +428,12 @@ class Client:
         if shard is not None:
             body["shard"] = shard
         result = self.call("create_table", body)
+        self.last_tx_key = TxKey(*result["tx_key"])
+        return self.last_tx_key
+
+    def drop_table(self, table: str) -> TxKey:
+        """Drop ``table`` and its rows on every node (a replicated schema change; admin role)."""
+        result = self.call("drop_table", {"table": table})
         self.last_tx_key = TxKey(*result["tx_key"])
         return self.last_tx_key
 
@@ -394,6 +496,10 @@ class Client:
                 key_column = self.table(table)["key"]
             after = page[-1][key_column]
 
+    def count(self, table: str, consistency: str = "local", after_tx_key: TxKey | None = None) -> int:
+        """The number of rows of ``table``, counted by the node (no row is shipped)."""
+        return self.call("count", self._consistency({"table": table}, consistency, after_tx_key))["rows"]
+
     def table(self, name: str) -> dict[str, Any]:
         for table in self.list_tables():
             if table["table"] == name:
@@ -424,6 +530,10 @@ class Client:
         if endpoint is not None:
             body["endpoint"] = endpoint
         return self.call("membership_change", body)
+
+    def stop(self) -> dict[str, Any]:
+        """Operator (admin role): the node answers, logs a shutdown line and exits."""
+        return self.call("stop")
 
     def backup(self, path: str) -> dict[str, Any]:
         """Operator: start a backup of the node's database to ``path`` on the node's host, or report

@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from mnesite.rlog.types import Entry, TxKey, tx_key_from_wire
+from mnesite.rlog.types import Entry, PackedEntry, TxKey, tx_key_from_wire
 
 REPLICATION_PROTOCOL_VERSION = 1
 
@@ -142,6 +142,8 @@ class BatchReceived:
     done: bool
     # The table's row count when the first batch was read (None: not known); for progress only.
     rows_total: int | None = None
+    # The answer's size as received (None: estimate it from the rows); for progress only.
+    size_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -306,7 +308,7 @@ class RejectReceived:
 class Push:
     """Send committed ``entries`` (empty: a heartbeat) to the replicant."""
 
-    entries: tuple[Entry, ...]
+    entries: tuple[Entry | PackedEntry, ...]
     committed_key: TxKey
     hears_sequencer: bool
     # The entries' estimated bytes (``entry_size_bytes``), for the driver's budget per loop turn.

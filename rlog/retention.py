@@ -12,9 +12,14 @@ The rule, one sentence per bound:
 
 1. The count bound is hard: the newest ``entries_max`` entries are kept, the older ones may go
    (a follower further behind is sent a snapshot, a replicant bootstraps).
-2. The age bound (``before_ms``: entries appended before it may go) waits for the followers: it
-   never removes the entry a follower still needs, i.e. the one after ``keep_from`` (the lowest
-   match key the sequencer knows, ``keep_from_match_keys``).
+2. The age bound (``before_ms``: entries appended before it may go) waits for the followers and
+   for the replicants being served: it never removes the entry a follower or a live agent still
+   needs, i.e. the one after ``keep_from`` (the lowest of the match keys the sequencer knows and of
+   the keys the core's live agents had acknowledged, ``keep_from_match_keys``). An agent whose
+   replicant stops acknowledging is stopped after its ack timeout, so it cannot pin the log for
+   long; and the count bound still caps the log whatever the agents need. Without this, a
+   replicant's bootstrap under writes on a busy machine (its acknowledgements slowed by the copy)
+   lost the entries after K0 to the age bound and had to start the copy again.
 3. Nothing that is not applied is ever removed: applying reads the entries from the log.
 4. The newest entry is always kept: it carries the digest a watcher resumes from.
 5. Retention only moves forward: a floor at or below the trimmed key removes nothing.
@@ -56,9 +61,10 @@ class RetentionView(Protocol):
         ...
 
 
-def keep_from_match_keys(match_keys: Iterable[TxKey]) -> TxKey | None:
-    """The age bound waits for the follower furthest behind, as far as the sequencer knows."""
-    return min(match_keys, default=None)
+def keep_from_match_keys(match_keys: Iterable[TxKey], agent_acked_keys: Iterable[TxKey] = ()) -> TxKey | None:
+    """The age bound waits for the follower furthest behind, as far as the sequencer knows, and for
+    the live agent furthest behind (the key its replicant last acknowledged)."""
+    return min([*match_keys, *agent_acked_keys], default=None)
 
 
 def retention_floor(

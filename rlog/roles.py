@@ -16,7 +16,8 @@ The roles:
   (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
-* ``admin``: everything, including ``create_table``, ``force_start``, ``membership_change`` and ``backup``.
+* ``admin``: everything, including ``create_table``, ``drop_table``, ``force_start``, ``membership_change``,
+  ``stop`` and ``backup``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
 
@@ -34,6 +35,7 @@ READ_KINDS = frozenset(
     {
         "get",
         "scan",
+        "count",
         "status",
         "list_tables",
         "rlog_tail",
@@ -52,6 +54,8 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     **{kind: frozenset({"core", "replicant", "writer", "reader"}) for kind in READ_KINDS},
     "transact": frozenset({"core", "replicant", "writer"}),
     "create_table": frozenset({"core", "replicant"}),
+    # schema changes are forwarded by cores and replicants; only admin may originate them
+    "drop_table": frozenset({"core", "replicant"}),
     "peer": frozenset({"core"}),
     "push": frozenset({"core"}),
     # a sequencer offers a snapshot to a follower behind its trimmed log (core.snapshot)
@@ -64,6 +68,8 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     # adding or removing a core changes who counts in every quorum: operators only (a core
     # forwards an admin's request to the sequencer, keeping the admin's principal)
     "membership_change": frozenset({"core"}),
+    # shutting a node down is an operator's decision, never a client's or a peer's
+    "stop": frozenset(),
     # writes a copy of the whole database to a path on the node's host (rlog.backup)
     "backup": frozenset(),
 }

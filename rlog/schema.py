@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from mnesite.rlog.types import CreateTableOp
+from mnesite.rlog.types import CreateTableOp, DropTableOp
 
 COLUMN_TYPES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
 KEY_TYPES = ("INTEGER", "TEXT", "BLOB")
@@ -65,6 +65,26 @@ def check_creatable(catalog: dict[str, TableSchema], op: CreateTableOp) -> bool:
     raise SchemaError(
         "table_exists", f"table {op.table!r} already exists (as {existing.name!r} in shard {existing.shard!r})"
     )
+
+
+def check_droppable(catalog: dict[str, TableSchema], op: DropTableOp) -> bool:
+    """The one rule for dropping a table, used before proposing and when applying a committed entry.
+
+    The name must be the table's exact name (no case folding: dropping is not a guess) and the shard
+    its shard. Returns False when no table of any letter case has that name (applying the drop again,
+    or replaying it over a copy made after it, changes nothing); raises ``SchemaError`` when the name
+    belongs to a table of another shard or differs in letter case.
+    """
+    check_name("table", op.table)
+    check_name("shard", op.shard)
+    existing = find_table(catalog, op.table)
+    if existing is None:
+        return False
+    if existing.name != op.table or existing.shard != op.shard:
+        raise SchemaError(
+            "bad_request", f"table {op.table!r} of shard {op.shard!r} is {existing.name!r} of shard {existing.shard!r}"
+        )
+    return True
 
 
 @dataclass(frozen=True)

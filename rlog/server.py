@@ -8,7 +8,10 @@ executes the effects of its state machines inside one open SQLite transaction (`
 queues every frame it wants to send (``reply``, ``queue``). ``flush`` commits (one fsync for the
 whole turn: group commit) and only then sends, so nothing is ever said about a state that a crash
 could still undo (persist, then send). Sends never block: a full queue drops the frame, which every
-protocol here tolerates (requests are retried, pushes re-sent).
+protocol here tolerates (requests are retried, pushes re-sent). Two hooks refine this: ``send_now``
+sends what a state machine marked as allowed before persistence (a sequencer's appends), and
+``after_commit`` runs once the turn's writes are durable; what it writes goes in one more commit.
+A turn whose writes a restart redoes anyway (``begin(durable=False)``) commits without an fsync.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from mnesite.rlog.security import NodeSecurity, SecurityError
 from mnesite.rlog.store import Store
 
 log = logging.getLogger("mnesite.server")
+# How long a node stopped by a ``stop`` request waits for that request's answer to leave its socket.
+STOP_REPLY_LINGER_MS = 1000
+STOP_GRACE_MS = 200  # how long a node keeps serving after it answered a stop request
 
 # zmq disconnects peers whose message exceeds this many times frame_bytes_max; frames between
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
@@ -88,9 +94,15 @@ class NodeServer:
         self.socket: zmq.Socket | None = None
         self.dealers: dict[str, zmq.Socket] = {}
         self.stopping = threading.Event()
+        self.stop_requested = False
+        self.stop_at_ms: int | None = None  # when a stop request takes effect (after its answer left)
+        self.stop_reason = "stopped by its owner"  # what the shutdown line says: a signal or a stop request
         self.commits = 0
+        self.durable_commits = 0  # commits that waited for an fsync (see ``begin``)
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
+        # Whether the turn's transaction holds something that must be durable before a frame is sent.
+        self._durable = False
         # Frames received but left for a later turn (see receive_frames).
         self._backlog: deque[tuple[list[bytes], bytes, str]] = deque()
         self.security: NodeSecurity | None = None
@@ -171,7 +183,7 @@ class NodeServer:
 
     def install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: self.stopping.set())
+            signal.signal(signum, lambda number, _frame: self.request_stop(signal.Signals(number).name))
         signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
 
     def reload_security(self) -> None:
@@ -261,6 +273,23 @@ class NodeServer:
     def run_turn(self) -> None:
         raise NotImplementedError
 
+    def stop_request(self, principal: str) -> dict[str, Any]:
+        """An admin's ``stop`` request: answered, then the node leaves its loop and logs why.
+
+        The loop goes on for ``STOP_GRACE_MS`` so that the answer leaves while the socket is still
+        open (closing a CurveZMQ socket right after the send lost the answer in tests)."""
+        self.stop_requested = True
+        if self.stop_at_ms is None:
+            self.stop_at_ms = monotonic_ms() + STOP_GRACE_MS
+            self.stop_reason = f"stop request from {principal or 'a client'}"
+        return {"node": self.config.name, "stopping": True}
+
+    def request_stop(self, reason: str) -> None:
+        """Leave ``serve_forever`` after the current loop turn (answers queued in it are still sent)."""
+        if not self.stopping.is_set():
+            self.stop_reason = reason
+        self.stopping.set()
+
     def serve_forever(self) -> None:
         if self.socket is None:
             self.bind()
@@ -269,11 +298,16 @@ class NodeServer:
         )
         try:
             while not self.stopping.is_set():
+                if self.stop_at_ms is not None and monotonic_ms() >= self.stop_at_ms:
+                    self.request_stop(self.stop_reason)
+                    break
                 if self.reload_requested.is_set():
                     self.reload_security()
                 self.run_turn()
         finally:
             self.close()
+            # The operator's proof that the node stopped on purpose, and why (a crash logs no such line).
+            log.info("%s %s shut down (%s)", self.role, self.config.name, self.stop_reason)
 
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -298,7 +332,8 @@ class NodeServer:
             socket.close(0)
         self.dealers = {}
         if self.socket is not None:
-            self.socket.close(0)
+            # A stop request's answer may still sit in zmq's queue: give it a bounded time to leave.
+            self.socket.close(STOP_REPLY_LINGER_MS if self.stop_requested else 0)
             self.socket = None
         if self.security is not None:
             self.security.stop()
@@ -420,11 +455,17 @@ class NodeServer:
 
     # -- the turn's transaction and outbox ---------------------------------------------------
 
-    def begin(self) -> None:
-        """Open the turn's write transaction if it is not open yet."""
+    def begin(self, durable: bool = True) -> None:
+        """Open the turn's write transaction if it is not open yet.
+
+        ``durable=False``: what the caller writes may be lost in a power failure without harm (a
+        restart redoes it, like applying entries that are durable in the log already); the turn's
+        commit then skips its fsync unless another write of the same turn asked for durability.
+        """
         if not self._in_transaction:
             self.store.connection.execute("BEGIN IMMEDIATE")
             self._in_transaction = True
+        self._durable = self._durable or durable
 
     def reply(self, envelope: list[bytes] | None, message: Message) -> None:
         """Queue an answer to the ROUTER peer ``envelope`` (None: nobody to answer)."""
@@ -449,16 +490,44 @@ class NodeServer:
     def before_send(self) -> None:
         """Hook: queue more frames after the commit and before the sends (for example agent pushes)."""
 
+    def after_commit(self) -> None:
+        """Hook: the turn's writes are durable now; anything it writes goes in one more commit."""
+
+    def send_now(self, socket: zmq.Socket, message: Message) -> None:
+        """Send a frame to a DEALER socket at once, before the turn's commit: only for what may be
+        said before the turn's writes are durable (a sequencer's appends, Raft thesis 10.2.1)."""
+        try:
+            frame = codec.encode(message)
+        except CodecError as error:
+            # As in flush: a message of ours that our own typed layer refuses is a bug here.
+            log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
+            return
+        try:
+            socket.send_multipart([frame], zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("send queue full: a message was dropped")
+        except zmq.ZMQError as error:
+            log.debug("send failed, message dropped: %s", error)
+
     def flush(self) -> None:
         """Commit the open transaction (one fsync), then send everything queued behind it."""
         if self._in_transaction:
             began_s = time.monotonic()
-            self.store.connection.execute("COMMIT")
+            durable, self._durable = self._durable, False
+            self.store.commit(durable)
             self._in_transaction = False
             self.commits += 1
+            self.durable_commits += durable
             if self.metrics is not None:
                 self.metrics.committed(time.monotonic() - began_s, self.transactions - self._transactions_at_commit)
                 self._transactions_at_commit = self.transactions
+            self.after_commit()
+            if self._in_transaction:
+                durable, self._durable = self._durable, False
+                self.store.commit(durable)
+                self._in_transaction = False
+                self.commits += 1
+                self.durable_commits += durable
         self.before_send()
         outbox, self._outbox = self._outbox, []
         for socket, envelope, message in outbox:

@@ -5,8 +5,10 @@ Theory of operation
 An *entry* is one committed transaction of one shard. Its ops are results, not
 commands: a ``WriteOp`` carries the full row as it is after the transaction, a
 ``DeleteOp`` the key that no longer exists, a ``CreateTableOp`` the full table
-definition. Replaying an entry therefore needs no access to earlier state, which
-is what lets a replica heal a dirty-read copy by replay (DESIGN, bootstrap).
+definition, a ``DropTableOp`` the table (of its shard) that no longer exists, a
+``MembersOp`` the shard's core membership from then on (no table changes).
+Replaying an entry therefore needs no access to earlier state, which is what lets
+a replica heal a dirty-read copy by replay (DESIGN, bootstrap).
 
 Entries are chained: every entry names the tx key of its predecessor (``prev``)
 and carries ``digest(n) = BLAKE2b(digest(n-1) + canonical(entry n))``. Two nodes
@@ -19,6 +21,7 @@ bytes do not depend on dict ordering or on the Python process.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -86,7 +89,15 @@ class MembersOp:
     endpoint: str = ""
 
 
-Op = WriteOp | DeleteOp | CreateTableOp | MembersOp
+@dataclass(frozen=True)
+class DropTableOp:
+    """``table`` of ``shard`` and its rows no longer exist after the transaction."""
+
+    table: str
+    shard: str
+
+
+Op = WriteOp | DeleteOp | CreateTableOp | DropTableOp | MembersOp
 
 
 @dataclass(frozen=True)
@@ -104,13 +115,17 @@ class Entry:
 def encode_op(op: Op) -> list[Any]:
     """Canonical, self-describing list form of an op (used on the wire, on disk and in digests)."""
     if isinstance(op, WriteOp):
-        return ["w", op.table, [[name, op.row[name]] for name in sorted(op.row)]]
+        # Pairs as tuples: msgpack writes a tuple as the same array as a list, and sorting the
+        # items (names are unique, so values are never compared) is the cheapest canonical order.
+        return ["w", op.table, sorted(op.row.items())]
     if isinstance(op, DeleteOp):
         return ["d", op.table, op.key]
     if isinstance(op, CreateTableOp):
         return ["c", op.table, op.shard, op.key_column, [list(c) for c in op.columns]]
     if isinstance(op, MembersOp):
         return ["m", list(op.members), op.added, op.endpoint]
+    if isinstance(op, DropTableOp):
+        return ["x", op.table, op.shard]
     raise TypeError(f"not an op: {op!r}")
 
 
@@ -124,12 +139,11 @@ def decode_op(value: Any) -> Op:
         raise OpDecodeError("op must be a non-empty list starting with its kind")
     kind = value[0]
     if kind == "w" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], list):
-        row: dict[str, Any] = {}
-        for pair in value[2]:
+        pairs = value[2]
+        for pair in pairs:
             if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
                 raise OpDecodeError("write op row must be a list of [column, value] pairs")
-            row[pair[0]] = pair[1]
-        return WriteOp(value[1], row)
+        return WriteOp(value[1], dict(pairs))
     if kind == "d" and len(value) == 3 and isinstance(value[1], str):
         return DeleteOp(value[1], value[2])
     if kind == "c" and len(value) == 5 and all(isinstance(v, str) for v in value[1:4]) and isinstance(value[4], list):
@@ -148,11 +162,39 @@ def decode_op(value: Any) -> Op:
         and isinstance(value[3], str)
     ):
         return MembersOp(tuple(value[1]), value[2], value[3])
+    if kind == "x" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], str):
+        return DropTableOp(value[1], value[2])
     raise OpDecodeError(f"malformed op of kind {kind!r}")
 
 
+# The last ops packed, by identity: an entry's ops are packed for its digest and again when it is
+# logged (a replicant checks the digest in its state machine, then its store logs the entry), and
+# for large entries packing was the largest cost of applying them. A memo of a pure function:
+# each item holds its ops tuple, so an id is never reused while it is cached. Bounded in items and
+# bytes; only tuples (immutable) are cached.
+_PACKED_OPS: dict[int, tuple[tuple[Op, ...], bytes]] = {}
+_PACKED_OPS_ITEMS_MAX = 512
+_PACKED_OPS_BYTES_MAX = 32 * 1024 * 1024
+_packed_ops_bytes = 0
+_packed_ops_lock = threading.Lock()
+
+
 def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
-    return msgpack.packb([encode_op(op) for op in ops], use_bin_type=True)
+    global _packed_ops_bytes
+    cached = _PACKED_OPS.get(id(ops))
+    if cached is not None and cached[0] is ops:
+        return cached[1]
+    packed = msgpack.packb([encode_op(op) for op in ops], use_bin_type=True)
+    if isinstance(ops, tuple) and len(packed) <= _PACKED_OPS_BYTES_MAX // 4:
+        with _packed_ops_lock:
+            previous = _PACKED_OPS.pop(id(ops), None)
+            if previous is not None:
+                _packed_ops_bytes -= len(previous[1])
+            _PACKED_OPS[id(ops)] = (ops, packed)
+            _packed_ops_bytes += len(packed)
+            while len(_PACKED_OPS) > _PACKED_OPS_ITEMS_MAX or _packed_ops_bytes > _PACKED_OPS_BYTES_MAX:
+                _packed_ops_bytes -= len(_PACKED_OPS.pop(next(iter(_PACKED_OPS)))[1])
+    return packed
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
@@ -170,12 +212,21 @@ def entry_digest(
     ops: tuple[Op, ...] | list[Op],
     request_id: str | None,
 ) -> bytes:
-    """digest(n) = BLAKE2b(digest(n-1) + canonical(entry n))."""
-    body = msgpack.packb(
-        [shard, list(tx_key), list(prev), request_id, [encode_op(op) for op in ops]],
-        use_bin_type=True,
-    )
-    return hashlib.blake2b(prev_digest + body, digest_size=DIGEST_BYTES).digest()
+    """digest(n) = BLAKE2b(digest(n-1) + canonical(entry n)).
+
+    canonical(entry) is the msgpack array ``[shard, tx_key, prev, request_id, ops]``, built here
+    from its parts (a 5-array header, then each element packed) so that the packed ops are the
+    ones ``pack_ops`` returns and remembers for the log.
+    """
+    hasher = hashlib.blake2b(prev_digest, digest_size=DIGEST_BYTES)
+    hasher.update(_ENTRY_ARRAY_HEADER)
+    hasher.update(msgpack.packb([shard, list(tx_key), list(prev), request_id], use_bin_type=True)[1:])
+    hasher.update(pack_ops(ops))
+    return hasher.digest()
+
+
+# msgpack's header of a 5-element array (fixarray); the 4-array header of the first four is cut off.
+_ENTRY_ARRAY_HEADER = b"\x95"
 
 
 CHAIN_LINK = "link"  # the entry names another predecessor
@@ -246,10 +297,54 @@ def entry_size_bytes(entry: Entry) -> int:
         elif isinstance(op, MembersOp):
             size += 16 + len(op.added.encode()) + len(op.endpoint.encode())
             size += sum(len(name.encode()) + 5 for name in op.members)
+        elif isinstance(op, DropTableOp):
+            size += 16 + len(op.table.encode()) + len(op.shard.encode())
         else:
             size += 64 + len(op.table.encode()) + len(op.shard.encode())
             size += sum(len(name.encode()) + len(kind.encode()) + 8 for name, kind in op.columns)
     return size
+
+
+@dataclass(frozen=True)
+class PackedEntry:
+    """An rlog record as read from the store for pushing, its ops still in their stored msgpack form.
+
+    A core's agent only forwards entries: decoding every op into a ``WriteOp`` and encoding it
+    again for the wire cost it more than everything else it does (profiled under a catch-up of
+    100 KB entries). The stored form is the wire form (``pack_ops`` of ``encode_op``), so the ops
+    go out as they were persisted, and the size bound is exact for them.
+    """
+
+    shard: str
+    tx_key: TxKey
+    prev: TxKey
+    digest: bytes
+    packed_ops: bytes
+    request_id: str | None = None
+
+    @property
+    def size_bytes(self) -> int:
+        """An upper bound of the entry's size on the wire (see ``entry_size_bytes``)."""
+        return (
+            ENTRY_OVERHEAD_BYTES
+            + len(self.shard.encode())
+            + len((self.request_id or "").encode())
+            + len(self.packed_ops)
+        )
+
+    def to_wire(self) -> list[Any]:
+        """``entry_to_wire`` of the entry (the receiver decodes and checks the ops as usual)."""
+        ops = msgpack.unpackb(self.packed_ops, raw=False)
+        return [self.shard, list(self.tx_key), list(self.prev), self.digest, ops, self.request_id]
+
+
+def wire_size_bytes(entry: Entry | PackedEntry) -> int:
+    """``entry_size_bytes`` of an ``Entry``, or the packed size of a ``PackedEntry``."""
+    return entry.size_bytes if isinstance(entry, PackedEntry) else entry_size_bytes(entry)
+
+
+def to_wire(entry: Entry | PackedEntry) -> list[Any]:
+    return entry.to_wire() if isinstance(entry, PackedEntry) else entry_to_wire(entry)
 
 
 def entry_to_wire(entry: Entry) -> list[Any]:
@@ -297,6 +392,8 @@ def op_to_json(op: Op) -> dict[str, Any]:
         return {"op": "delete", "table": op.table, "key": op.key}
     if isinstance(op, MembersOp):
         return {"op": "members", "members": list(op.members), "added": op.added, "endpoint": op.endpoint}
+    if isinstance(op, DropTableOp):
+        return {"op": "drop_table", "table": op.table, "shard": op.shard}
     return {
         "op": "create_table",
         "table": op.table,

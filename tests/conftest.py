@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 from mnesite.core.node import CoreNode
 from mnesite.rlog.client import Client, MnesiteError
 from mnesite.rlog.config import parse_config
@@ -126,6 +127,18 @@ class NodeProcess:
         self.signal(signal.SIGKILL)
         self.process.wait(timeout=10)
         self.process = None
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """An endpoint that accepts connections and takes requests but never answers (a hung node)."""
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        socket.close(0)
 
 
 @pytest.fixture

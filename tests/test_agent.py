@@ -315,3 +315,34 @@ def test_every_frame_the_rlog_server_queues_passes_the_typed_message_layer():
         decoded = codec.decode(codec.encode(message))
         assert decoded.kind == message.kind == "push"
         assert decoded.body["watch"]["watch_id"] == "w" * 64
+
+
+def test_the_retention_floor_waits_for_live_agents_and_forgets_stopped_ones():
+    """A bootstrapping replicant's agent starts at K0; the age bound must keep K0's successors until
+    the replicant acknowledged them, or the copy under writes starts over (bootstraps 3, not 1)."""
+    from mnesite.core.rlog_server import RlogServer
+    from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
+    from mnesite.rlog.retention import keep_from_match_keys
+
+    log = build_log(20)
+    server = RlogServer("core1")
+    body = {
+        "shard": SHARD,
+        "replicant": "rep0",
+        "endpoint": "tcp://127.0.0.1:1",
+        "from": [1, 4],
+        "from_digest": log.digest_at(TxKey(1, 4)),
+        "protocol": REPLICATION_PROTOCOL_VERSION,
+        "watch_id": "w1",
+    }
+    committed = log.last_key()
+    answer = server.watch(body, log, committed, log.digest_at(committed), log.digest_at, True, 0)
+    assert server.acked_keys(SHARD) == [TxKey(1, 4)]
+    assert server.acked_keys("other") == []
+    followers = [TxKey(1, 19), TxKey(1, 20)]
+    assert keep_from_match_keys(followers, server.acked_keys(SHARD)) == TxKey(1, 4)
+    assert keep_from_match_keys(followers) == TxKey(1, 19)
+    server.acknowledged({"shard": SHARD, "agent": answer["agent"], "applied": [1, 9]}, 10)
+    assert server.acked_keys(SHARD) == [TxKey(1, 9)]
+    server.stop_shard(SHARD)
+    assert keep_from_match_keys(followers, server.acked_keys(SHARD)) == TxKey(1, 19)

@@ -148,3 +148,117 @@ def test_entries_round_trip_on_the_wire(ops, request_id) -> None:
 def test_garbage_entries_only_raise_op_decode_error(value) -> None:
     with contextlib.suppress(OpDecodeError):
         entry_from_wire(value)
+
+
+# The fast check of a push's ops (``messages._wire_ops_well_formed``) may only say yes to what the
+# generic checks accept: values near the edges of every rule, mutated one at a time.
+wire_values = st.one_of(
+    scalars,
+    st.just(2**63),
+    st.just(-(2**63) - 1),
+    st.just(float("nan")),
+    st.just(True),
+    st.just(["k", 1]),
+    st.just({"k": 1}),
+    st.just("bad name!"),
+    st.just(""),
+    st.just("x" * 65),
+)
+
+
+@st.composite
+def wire_ops(draw):
+    ops = []
+    for _ in range(draw(st.integers(0, 4))):
+        kind = draw(st.sampled_from(["w", "d", "x", 7]))
+        table = draw(st.one_of(names, wire_values))
+        if kind == "d" or kind == 7:
+            ops.append([kind, table, draw(wire_values)])
+            continue
+        pairs = draw(
+            st.lists(
+                st.one_of(
+                    st.tuples(st.one_of(names, wire_values), wire_values).map(list),
+                    wire_values,
+                    st.lists(names, min_size=3, max_size=3),
+                ),
+                max_size=4,
+            )
+        )
+        op = [kind, table, pairs]
+        if draw(st.booleans()) and draw(st.booleans()):
+            op.append("extra")
+        ops.append(op)
+    return ops
+
+
+@settings(max_examples=400, deadline=None)
+@given(wire_ops())
+def test_the_fast_check_of_pushed_ops_accepts_only_what_the_generic_checks_accept(ops) -> None:
+    from mnesite.rlog import messages
+
+    fast = messages._wire_ops_well_formed(ops)
+    try:
+        checked = messages.ListOf(messages.WIRE_OP, messages.OPS_MAX).check(ops, "ops")
+        for index, op in enumerate(checked):
+            messages._check_wire_op(op, f"ops[{index}]")
+        generic = True
+    except messages.MessageError:
+        generic = False
+    assert not fast or generic, ops
+    if generic and all(op[0] != "c" for op in ops):
+        assert fast, ops  # the fast path must not send every valid push down the slow path
+
+
+def test_a_push_with_a_malformed_row_is_refused_with_the_path_of_the_value() -> None:
+    entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"k": 1})])
+    wire = entry_to_wire(entry)
+    wire[4] = [["w", "t", [["k", 1], ["v", float("nan")]]]]
+    body = {"shard": "default", "agent": "a", "core": "c", "entries": [wire], "committed": [1, 1]}
+    body["hears_sequencer"] = True
+    frame = msgpack.packb([codec.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
+    with pytest.raises(CodecError, match=r"entries\[0\]\.ops\[0\]\.row\[1\]\[1\]: NaN"):
+        codec.decode(frame)
+
+
+def _free_value_reference(value, depth_max: int, items_max: int) -> bool:
+    """The walk FreeValue did before its fast paths (one stack trip per value): accepted or not."""
+    stack, items = [(value, 1)], 0
+    while stack:
+        current, depth = stack.pop()
+        items += 1
+        if items > items_max:
+            return False
+        if isinstance(current, (list, tuple, dict)):
+            if depth >= depth_max:
+                return False
+            children = list(current.keys()) + list(current.values()) if isinstance(current, dict) else current
+            stack.extend((child, depth + 1) for child in children)
+        elif not (current is None or isinstance(current, (bool, int, float, str, bytes))):
+            return False
+    return True
+
+
+free_scalars = st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=3), st.binary(max_size=3))
+free_values = st.recursive(
+    st.one_of(free_scalars, st.just(object()), st.just({"k": 1, "v": "x"})),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(st.dictionaries(st.text(max_size=2), free_scalars, max_size=3), max_size=4),
+        st.dictionaries(st.text(max_size=2), children, max_size=3),
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(free_values, st.integers(1, 6), st.integers(1, 40))
+def test_free_value_accepts_exactly_what_the_plain_walk_accepts(value, depth_max, items_max) -> None:
+    from mnesite.rlog import messages
+
+    try:
+        messages.FreeValue(depth_max=depth_max, items_max=items_max).check(value, "v")
+        accepted = True
+    except messages.MessageError:
+        accepted = False
+    assert accepted == _free_value_reference(value, depth_max, items_max)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
     AppendReply,
     AppendRequest,
+    BatchEnded,
     Commit,
     ConsensusConfig,
     ConsensusConfigError,
@@ -22,6 +24,7 @@ from mnesite.core.consensus import (
     ForceStartRequested,
     JournalAge,
     MessageReceived,
+    Persisted,
     PersistedState,
     PersistEntries,
     PersistState,
@@ -92,11 +95,14 @@ class Harness:
             "s", name, self.log, self.state, committed_key, config, random.Random(seed), now_ms=0
         )
         self.now_ms = 0
+        # Like a driver whose every step ends with its commit: Persisted follows each step that persisted.
+        self.auto_persist = True
 
     def step(self, event, now_ms: int | None = None) -> list:
         if now_ms is not None:
             self.now_ms = now_ms
         effects = self.machine.step(event, self.now_ms)
+        persisted = False
         for effect in effects:
             if isinstance(effect, PersistEntries):
                 self.log.append(effect.entries)
@@ -104,6 +110,9 @@ class Harness:
                 self.log.truncate_after(effect.after_key)
             elif isinstance(effect, PersistState):
                 self.state = effect.state
+            persisted = persisted or isinstance(effect, (PersistEntries, TruncateLog, PersistState))
+        if persisted and self.auto_persist:
+            effects = effects + self.machine.step(Persisted(), self.now_ms)
         return effects
 
     def receive(self, sender: str, message, now_ms: int | None = None) -> list:
@@ -334,12 +343,86 @@ def test_the_sequencer_assigns_the_next_key_persists_then_sends_and_commits_on_a
     (persisted,) = of_type(effects, PersistEntries)
     entry = persisted.entries[0]
     assert entry.tx_key == TxKey(1, 2) and entry.prev == TxKey(1, 1) and entry.request_id == "w1"
-    assert index_of(effects, PersistEntries) < index_of(effects, Send)
+    assert of_type(effects, Send) == []  # the turn's entries go together, at BatchEnded
+    effects = harness.step(BatchEnded())
+    assert [(to, m.entries) for to, m in sends(effects, AppendRequest) if m.entries] == [("b", (entry,))]
     assert of_type(effects, Commit) == []
     # b (no longer probing) was sent (1, 2); its acknowledgement makes a majority with the sequencer.
     committed = harness.ack("b", TxKey(1, 2))
     assert committed == [Commit(TxKey(1, 2)), ProposalCommitted("w1", TxKey(1, 2))]
     assert harness.machine.committed_key == TxKey(1, 2)
+
+
+def test_a_turn_of_proposals_travels_in_one_append_per_follower():
+    """Sixteen proposals of one loop turn: no append until BatchEnded, then one append per
+    caught-up follower carrying all of them (not one append, and one round, per entry)."""
+    harness = Harness(config=dataclasses.replace(CONFIG, entries_per_append_max=64, pending_proposals_max=64))
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.ack("c", TxKey(1, 1))
+    proposed = []
+    for number in range(16):
+        effects = harness.step(Proposed((WriteOp("t", {"k": number}),), f"w{number}"))
+        assert of_type(effects, Send) == []
+        proposed.extend(of_type(effects, PersistEntries)[0].entries)
+    appends = sends(harness.step(BatchEnded()), AppendRequest)
+    assert sorted(to for to, _ in appends) == ["b", "c"]
+    for _, message in appends:
+        assert message.entries == tuple(proposed) and message.prev_key == TxKey(1, 1)
+    assert harness.step(BatchEnded()) == []  # sent once
+    committed = harness.ack("b", TxKey(1, 17))
+    assert committed[0] == Commit(TxKey(1, 17)) and len(of_type(committed, ProposalCommitted)) == 16
+
+
+def test_a_batch_is_cut_by_entries_per_append_max_and_appends_in_flight_max():
+    config = dataclasses.replace(CONFIG, entries_per_append_max=4, appends_in_flight_max=2, pending_proposals_max=64)
+    harness = Harness(config=config)
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    for number in range(10):
+        harness.step(Proposed((), f"w{number}"))
+    to_b = [m for to, m in sends(harness.step(BatchEnded()), AppendRequest) if to == "b"]
+    # Two appends of four entries in flight; the last two entries wait for a reply.
+    assert [[e.tx_key.counter for e in m.entries] for m in to_b] == [[2, 3, 4, 5], [6, 7, 8, 9]]
+    follow_up = [m for to, m in sends(harness.ack("b", TxKey(1, 5)), AppendRequest) if to == "b"]
+    assert [e.tx_key.counter for e in follow_up[0].entries] == [10, 11]
+
+
+def test_a_sequencer_that_steps_down_before_batch_end_sends_nothing():
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.step(Proposed((), "w1"))
+    harness.receive("b", VoteReply(7, False))  # a higher generation: step down
+    assert sends(harness.step(BatchEnded()), AppendRequest) == []
+
+
+def test_the_sequencer_counts_itself_only_once_its_own_append_is_durable():
+    """Thesis 10.2.1: appends go out before the sequencer's own write is durable (``before_persisted``),
+    and until ``Persisted`` the sequencer is not one of the majority: one follower is not enough."""
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.auto_persist = False
+    harness.step(Proposed((), "w1"))
+    appends = of_type(harness.step(BatchEnded()), Send)
+    assert appends and all(effect.before_persisted for effect in appends)
+    assert of_type(harness.ack("b", TxKey(1, 2)), Commit) == []  # b alone is not a majority of three
+    assert harness.step(Persisted())[:2] == [Commit(TxKey(1, 2)), ProposalCommitted("w1", TxKey(1, 2))]
+
+
+def test_appends_after_a_state_change_wait_for_it_to_be_durable():
+    """A force start persists a new generation: its appends must not announce that generation before
+    it is durable (a crash could take it back and let another core be sequencer of it)."""
+    members = ("a", "b", "c", "d", "e")
+    harness = Harness(members=members, state=PersistedState(3, None, members))
+    harness.auto_persist = False
+    effects = harness.step(ForceStartRequested((("b", 3),)))
+    assert of_type(effects, PersistState) and of_type(effects, Send)
+    assert not any(effect.before_persisted for effect in of_type(effects, Send))
+    harness.step(Persisted())
+    harness.step(Proposed((), "w1"))
+    assert all(effect.before_persisted for effect in of_type(harness.step(BatchEnded()), Send))
 
 
 def test_the_counter_restarts_at_one_in_each_generation():

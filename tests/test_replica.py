@@ -377,9 +377,9 @@ def test_bootstrap_stages_run_in_order_reset_tables_batches_replay_then_normal()
     assert effects == [FetchBatch("core0", "t", None, 2)]
     rows = ({"k": 1, "v": "a"}, {"k": 2, "v": "b"})
     effects = machine.step(BatchReceived("core0", "t", None, rows, False), 2)
-    assert effects == [ApplyBatch("t", rows), FetchBatch("core0", "t", 2, 2)]
+    assert effects == [FetchBatch("core0", "t", 2, 2), ApplyBatch("t", rows)]
     effects = machine.step(BatchReceived("core0", "t", 2, ({"k": 3, "v": "c"},), True), 3)
-    assert effects == [ApplyBatch("t", ({"k": 3, "v": "c"},)), FetchBatch("core0", "u", None, 2)]
+    assert effects == [FetchBatch("core0", "u", None, 2), ApplyBatch("t", ({"k": 3, "v": "c"},))]
     # A pushed entry during the copy is spilled and acknowledged with the spilled key.
     effects = machine.step(push(HISTORY[10:12]), 4)
     assert effects == [SpillEntries(tuple(HISTORY[10:12])), SendAck("core0", "a1", at(12)[0])]

@@ -153,12 +153,13 @@ def test_every_kind_names_its_roles_and_admin_may_send_everything() -> None:
         assert table.refusal("ops", kind) is None
     assert table.refusal("dashboard", "get") is None and table.refusal("dashboard", "transact")
     assert table.refusal("app", "transact") is None
-    for kind in ("create_table", "force_start", "peer", "watch", "push", "push_ack"):
+    for kind in ("create_table", "force_start", "stop", "peer", "watch", "push", "push_ack"):
         assert table.refusal("app", kind), kind
-    for kind in ("peer", "push", "force_start"):
+    for kind in ("peer", "push", "force_start", "stop"):
         assert table.refusal("replicant1", kind), kind
     assert table.refusal("replicant1", "watch") is None and table.refusal("replicant1", "transact") is None
     assert table.refusal("core1", "peer") is None and table.refusal("core1", "force_start")
+    assert table.refusal("core1", "stop") and table.refusal("dashboard", "count") is None
     assert "needs one of: admin, core" in (table.refusal("nobody", "peer") or "")
     assert table.refusal("ops", "a_kind_nobody_has_decided_on") is None
     assert table.refusal("core1", "a_kind_nobody_has_decided_on")

@@ -11,7 +11,14 @@ import heapq
 import os
 
 import pytest
-from mnesite.core.consensus import AppendRequest, ForceStarted, ForceStartRefused, Role, ShardConsensus
+from mnesite.core.consensus import (
+    EXCLUSION_NOTICE_INTERVAL_MS,
+    AppendRequest,
+    ForceStarted,
+    ForceStartRefused,
+    Role,
+    ShardConsensus,
+)
 from mnesite.core.guard_tail import GuardTail
 from mnesite.rlog import retention
 
@@ -69,6 +76,55 @@ def test_the_simulator_checkers_catch_a_quorum_that_is_too_small(monkeypatch):
     assert "ConsensusInvariantError" not in str(found[1]).splitlines()[0]
 
 
+def _sequencer_crashes_before_its_fsync(seed: int) -> Simulation:
+    """The sequencer's append reaches one follower (the other is cut off), that follower answers,
+    and the sequencer crashes before its own commit made the entry durable (Persisted). Then the
+    follower holding the entry is cut off and the two others elect a sequencer. Returns once the
+    cluster is healed and quiet, after the simulator's final check."""
+    simulation = Simulation(seed, 3)
+    simulation._heal()
+    old = simulation.run_until_quiet()
+    near, far = [name for name in sorted(simulation.nodes) if name != old.name]
+    simulation.cut = {(old.name, far), (far, old.name)}
+    simulation.write(old.name)
+    simulation._end_batches()  # the append leaves now; the driver's commit (Persisted) comes a turn later
+    last = old.log.last_key()
+    for _ in range(200):
+        if old.machine is not None and dict(old.machine.status().follower_match_keys).get(near) == last:
+            break
+        simulation.now_ms += 1
+        simulation._deliver_due()
+    simulation._crash(old)
+    old.down_until_ms = simulation.now_ms
+    simulation._restart_due()
+    simulation.cut = {(near, other) for other in simulation.nodes} | {(other, near) for other in simulation.nodes}
+    for _ in range(300):
+        simulation.advance()
+    simulation._heal()
+    simulation.final_check(simulation.run_until_quiet())
+    return simulation
+
+
+@pytest.mark.timeout(60)
+def test_a_sequencer_crash_before_its_fsync_loses_no_acknowledged_write():
+    for seed in range(6):
+        _sequencer_crashes_before_its_fsync(seed)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_sequencer_that_counts_itself_before_its_append_is_durable(monkeypatch):
+    """Counting its own entry before Persisted lets one follower's answer commit (and acknowledge) an
+    entry that the crash takes away while that follower is outvoted: the checkers must see it."""
+    monkeypatch.setattr(ShardConsensus, "_own_match_key", lambda self: self._last_key)
+    caught = 0
+    for seed in range(6):
+        try:
+            _sequencer_crashes_before_its_fsync(seed)
+        except SimulationFailure:
+            caught += 1
+    assert caught > 0
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("core_count", [3, 5])
 def test_force_start_after_the_majority_is_lost_for_good_keeps_every_acknowledged_write(core_count):
@@ -84,6 +140,9 @@ def test_force_start_after_the_majority_is_lost_for_good_keeps_every_acknowledge
         names = sorted(simulation.nodes)
         survivors = names[: core_count // 2]
         simulation.lose_for_good(names[core_count // 2 :])
+        # No random faults from here on: a pause of the one other survivor would fence the forced
+        # sequencer and leave the write's outcome unknown (the scenario is the loss of the majority).
+        simulation._heal()
         simulation.force_start(survivors[0])
         simulation.write(survivors[0])
         sequencer = simulation.run_until_quiet()
@@ -359,8 +418,13 @@ def _forced_start_scenario(simulation: Simulation, left_out_majority_returns: bo
     simulation.final_check(sequencer)
     if not left_out_majority_returns:
         # The resumed core talked to the cluster and was told by the forced membership that it is out.
+        # A notice can be lost like any message and is repeated at most once per interval: give it
+        # a few intervals of simulated time (quiet: no faults any more).
         simulation.run_until_quiet()
         returned = simulation.nodes[resumed].machine
+        deadline_ms = simulation.now_ms + 5 * EXCLUSION_NOTICE_INTERVAL_MS
+        while returned is not None and not returned.excluded and simulation.now_ms < deadline_ms:
+            simulation.advance()
         assert returned is not None and returned.excluded and returned.role is not Role.SEQUENCER
 
 

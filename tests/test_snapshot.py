@@ -47,7 +47,7 @@ def test_an_install_begins_copies_finishes_then_waits_for_the_fence():
     assert effects == [FetchBatch("core1", "t", None, 2)]
     rows = ({"k": 1}, {"k": 2})
     effects = install.step(BatchReceived("core1", "t", None, rows, False, 3), applied, 2)
-    assert effects == [ApplyBatch("t", rows), FetchBatch("core1", "t", 2, 2)]
+    assert effects == [FetchBatch("core1", "t", 2, 2), ApplyBatch("t", rows)]
     effects = install.step(BatchReceived("core1", "t", 2, ({"k": 3},), True), applied, 3)
     assert effects == [
         ApplyBatch("t", ({"k": 3},)),

@@ -6,7 +6,7 @@ import apsw
 import pytest
 from mnesite.rlog.schema import define_table
 from mnesite.rlog.store import Store, StoreError
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DropTableOp, TxKey, WriteOp, make_entry
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -169,3 +169,182 @@ def test_a_snapshot_install_clears_the_rows_then_restarts_the_log_at_its_key(sto
     assert (position.applied, position.digest) == (TxKey(3, 40), b"d" * 32)
     assert store.last_entry("default") == (TxKey(3, 40), b"d" * 32)
     assert store.trimmed("default") == (TxKey(3, 40), b"d" * 32) and store.tail("default", 5) == []
+
+
+def test_at_full_a_durable_commit_syncs_the_wal_and_an_apply_only_commit_does_not(tmp_path, monkeypatch) -> None:
+    """One durable commit per round: a commit that only applies entries already in the log skips the
+    fsync; every durable one (``write_transaction`` included) syncs the WAL file."""
+    import mnesite.rlog.store as store_module
+
+    synced: list[int] = []
+    real_fdatasync = store_module.os.fdatasync
+    monkeypatch.setattr(store_module.os, "fdatasync", lambda fd: (synced.append(fd), real_fdatasync(fd)))
+    full = Store(str(tmp_path / "full.db"), synchronous="FULL")
+    try:
+        with full.write_transaction():
+            full.ensure_shard("default", 1)
+        assert len(synced) == 1
+        full.connection.execute("BEGIN IMMEDIATE")
+        full.ensure_shard("other", 1)
+        full.commit(durable=False)
+        assert len(synced) == 1
+        full.connection.execute("BEGIN IMMEDIATE")
+        full.ensure_shard("third", 1)
+        full.commit(durable=True)
+        assert len(synced) == 2
+        assert set(full.shards()) == {"default", "other", "third"}
+    finally:
+        full.close()
+    normal = Store(str(tmp_path / "normal.db"), synchronous="NORMAL")
+    with normal.write_transaction():
+        normal.ensure_shard("default", 1)
+    normal.close()
+    assert len(synced) == 2  # NORMAL never syncs a commit
+
+
+def test_apply_committed_from_held_entries_matches_reading_them_back(tmp_path) -> None:
+    """Applying from the driver's in-memory tail gives the rows and position of the log path; a
+    held copy that does not link to the applied key is not trusted (the log is read instead)."""
+    stores = [Store(str(tmp_path / f"{name}.db"), synchronous="NORMAL") for name in ("held", "read", "gap")]
+    create = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [TABLE.to_op()])
+    entries = [create]
+    for counter in range(2, 6):
+        row = {"k": counter % 3, "v": f"v{counter}"}
+        entries.append(
+            make_entry("default", TxKey(1, counter), entries[-1].tx_key, entries[-1].digest, [WriteOp("t", row)])
+        )
+    for store in stores:
+        with store.write_transaction():
+            store.ensure_shard("default", 1)
+            store.append_entries(entries, 0)
+    with stores[0].write_transaction():
+        assert stores[0].apply_committed("default", TxKey(1, 5), entries) == entries
+    with stores[1].write_transaction():
+        assert stores[1].apply_committed("default", TxKey(1, 5)) == entries
+    with stores[2].write_transaction():
+        # A held copy with a gap (entry 3 missing): applied from the log instead, all the same.
+        assert stores[2].apply_committed("default", TxKey(1, 5), entries[:2] + entries[3:]) == entries
+    results = [(s.shard("default"), s.scan(s.catalog()["t"], None, 100)) for s in stores]
+    assert results[0] == results[1] == results[2]
+    assert results[0][0].applied == TxKey(1, 5) and results[0][0].digest == entries[-1].digest
+    for store in stores:
+        store.close()
+
+
+def drop_entry(store: Store, counter: int, table: str = "t", shard: str = "default"):
+    position = store.shard("default")
+    return make_entry("default", TxKey(1, counter), position.applied, position.digest, [DropTableOp(table, shard)])
+
+
+def test_a_drop_removes_the_table_its_rows_and_its_catalog_entry_and_replays_idempotently(store) -> None:
+    append(store, 2, "a")
+    entry = drop_entry(store, 3)
+    with store.write_transaction():
+        store.append_entry(entry, 0)
+        store.apply_entry(entry)
+        store.apply_ops(entry.ops)  # applied again (a replay over a copy made after it): changes nothing
+    assert "t" not in store.catalog()
+    assert not store.connection.execute("SELECT name FROM sqlite_master WHERE name = 't'").fetchall()
+    assert store.verify_chain("default") == entry.tx_key
+
+
+def test_a_drop_naming_another_shard_or_letter_case_stops_the_apply(store) -> None:
+    for table, shard in (("t", "other"), ("T", "default")):
+        with pytest.raises(StoreError, match="cannot drop table"), store.write_transaction():
+            store.apply_entry(drop_entry(store, 2, table, shard))
+    assert "t" in store.catalog()
+
+
+def test_a_replay_over_a_copy_made_after_a_drop_heals_only_while_healing(tmp_path) -> None:
+    """A bootstrap copy taken after the drop lacks the table that earlier spilled entries write to."""
+    source = Store(str(tmp_path / "source.db"), synchronous="NORMAL")
+    with source.write_transaction():
+        source.ensure_shard("default", 1)
+        create = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [TABLE.to_op()])
+        write = make_entry("default", TxKey(1, 2), create.tx_key, create.digest, [WriteOp("t", {"k": 1, "v": "a"})])
+        drop = make_entry("default", TxKey(1, 3), write.tx_key, write.digest, [DropTableOp("t", "default")])
+    source.close()
+    copy = Store(str(tmp_path / "copy.db"), synchronous="NORMAL")
+    with copy.write_transaction():
+        copy.ensure_shard("default", 1)
+        copy.restart_log_at("default", create.tx_key, create.digest)  # K0 = the create; no table copied
+    with pytest.raises(StoreError, match="unknown table"), copy.write_transaction():
+        copy.apply_entry(write)
+    with copy.write_transaction():
+        for entry in (write, drop):
+            copy.apply_entry(entry, healing=True)
+    assert copy.shard("default").applied == drop.tx_key and "t" not in copy.catalog()
+    copy.close()
+    # The replicant's batched path (log_and_apply_verified) follows the same healing rule.
+    batched = Store(str(tmp_path / "batched.db"), synchronous="NORMAL")
+    with batched.write_transaction():
+        batched.ensure_shard("default", 1)
+        batched.restart_log_at("default", create.tx_key, create.digest)
+    with pytest.raises(StoreError, match="unknown table"), batched.write_transaction():
+        batched.log_and_apply_verified([write, drop], 0)
+    assert batched.shard("default").applied == create.tx_key, "a refused batch changes nothing"
+    with batched.write_transaction():
+        batched.log_and_apply_verified([write, drop], 0, healing=True)
+    assert batched.shard("default").applied == drop.tx_key and "t" not in batched.catalog()
+    batched.close()
+
+
+def chain_after(store: Store, ops_list) -> list:
+    position = store.shard("default")
+    key, digest, entries = position.applied, position.digest, []
+    for ops in ops_list:
+        entry = make_entry("default", TxKey(1, key.counter + 1), key, digest, ops)
+        entries.append(entry)
+        key, digest = entry.tx_key, entry.digest
+    return entries
+
+
+def test_a_verified_batch_is_logged_and_applied_in_op_order_with_one_position(store) -> None:
+    from mnesite.rlog.types import DeleteOp
+
+    entries = chain_after(
+        store,
+        [
+            [WriteOp("t", {"k": 1, "v": "a"}), WriteOp("t", {"k": 2, "v": "b"}), WriteOp("t", {"k": 1, "v": "c"})],
+            [DeleteOp("t", 2), WriteOp("t", {"k": 3, "v": "d"})],
+            [WriteOp("t", {"k": 2, "v": "e"}), DeleteOp("t", 3)],
+        ],
+    )
+    with store.write_transaction():
+        store.log_and_apply_verified(entries, 0)
+    table = store.catalog()["t"]
+    assert store.scan(table, None, 10) == [{"k": 1, "v": "c"}, {"k": 2, "v": "e"}]
+    position = store.shard("default")
+    assert (position.applied, position.digest) == (entries[-1].tx_key, entries[-1].digest)
+    assert store.entries_after("default", TxKey(1, 1), 10) == entries
+    assert store.verify_chain("default") == entries[-1].tx_key
+
+
+def test_a_verified_batch_with_a_gap_is_refused_and_changes_nothing(store) -> None:
+    entries = chain_after(store, [[WriteOp("t", {"k": n, "v": "x"})] for n in range(3)])
+    before = store.shard("default")
+    for batch in (entries[1:], [entries[0], entries[2]]):
+        with pytest.raises(StoreError, match="follow"), store.write_transaction():
+            store.log_and_apply_verified(batch, 0)
+        assert store.shard("default") == before
+        assert store.scan(store.catalog()["t"], None, 10) == []
+        assert store.last_entry_key("default") == TxKey(1, 1)
+
+
+def test_packed_entries_go_on_the_wire_exactly_as_decoded_ones_within_their_size_bound(store) -> None:
+    import msgpack
+    from mnesite.rlog.types import DeleteOp, entry_to_wire, to_wire, wire_size_bytes
+
+    entries = chain_after(
+        store,
+        [[WriteOp("t", {"v": "é" * 300, "k": 2}), DeleteOp("t", 1)], [WriteOp("t", {"k": 3, "v": None})]],
+    )
+    with store.write_transaction():
+        store.log_and_apply_verified(entries, 0)
+    packed = store.packed_entries_after("default", TxKey(1, 1), 10)
+    assert [p.tx_key for p in packed] == [e.tx_key for e in entries]
+    for entry, packed_entry in zip(entries, packed, strict=True):
+        assert to_wire(packed_entry) == msgpack.unpackb(msgpack.packb(entry_to_wire(entry)), raw=False)
+        assert msgpack.packb(to_wire(packed_entry)) == msgpack.packb(entry_to_wire(entry))
+        assert len(msgpack.packb(to_wire(packed_entry))) <= wire_size_bytes(packed_entry)
+    assert store.packed_entries_after("default", TxKey(1, 2), 1)[0].tx_key == TxKey(1, 3)

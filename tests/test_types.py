@@ -48,6 +48,25 @@ def test_tx_keys_order_by_generation_then_counter() -> None:
         make_entry("s", TxKey(1, 1), TxKey(1, 1), GENESIS_DIGEST, [])
 
 
+def test_the_digest_is_blake2b_of_the_entry_array_and_the_packed_ops_memo_stays_bounded() -> None:
+    import hashlib
+
+    import msgpack
+    from mnesite.rlog import types
+
+    for count in range(types._PACKED_OPS_ITEMS_MAX + 50):
+        ops = tuple(types.WriteOp("t", {"v": "x" * (count % 7), "k": count}) for _ in range(count % 5))
+        encoded = [["w", "t", [["k", count], ["v", "x" * (count % 7)]]] for _ in ops]
+        body = msgpack.packb(["s", [1, count], [1, 0], None if count % 2 else "r", encoded], use_bin_type=True)
+        expected = hashlib.blake2b(b"d" * 32 + body, digest_size=types.DIGEST_BYTES).digest()
+        key = types.TxKey(1, count)
+        assert types.entry_digest(b"d" * 32, "s", key, types.TxKey(1, 0), ops, None if count % 2 else "r") == expected
+        assert types.pack_ops(ops) == msgpack.packb(encoded, use_bin_type=True)
+        assert types.pack_ops(list(ops)) == types.pack_ops(ops)
+    assert len(types._PACKED_OPS) <= types._PACKED_OPS_ITEMS_MAX
+    assert types._packed_ops_bytes == sum(len(packed) for _, packed in types._PACKED_OPS.values())
+
+
 def test_the_one_chain_check_names_the_broken_link():
     from mnesite.rlog.types import CHAIN_DIGEST, CHAIN_LINK, CHAIN_ORDER, chain_break, make_entry
 

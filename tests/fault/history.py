@@ -12,9 +12,12 @@ on a few keys of one table ``registers(id INTEGER, value INTEGER)``:
   says the row ``equals`` what was read and which writes a fresh value. A failed guard reports the
   row it found (``detail["actual"]``): that is recorded as a failed CAS which read that row.
 
-Outcomes: a reply is ``ok``; a failed guard is ``fail``; any other error or a timeout of a write or
-CAS is ``unknown`` (it may have taken effect or may still do so); a read that got no answer is left
-out, since a read that returned nothing constrains nothing.
+Outcomes: a reply is ``ok``; a failed guard is ``fail``; ``OutcomeUnknown`` (no definite answer) of a
+write or CAS is ``unknown`` (it may have taken effect or may still do so); any other error of a write
+or CAS is one the client knows did not happen (never sent to a stopped node, refused) and is left out
+like a read that got no answer, since an operation that did nothing constrains nothing. After such an
+error the thread pauses ``UNAVAILABLE_PAUSE_S`` (a stopped node refuses at once: without the pause a
+thread would spin on it while it is down).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from mnesite.rlog.client import Client, GuardFailed, MnesiteError
+from mnesite.rlog.client import Client, GuardFailed, MnesiteError, OutcomeUnknown
 
 from tests.fault.checker import CAS, FAIL, OK, READ, UNKNOWN, WRITE, Operation
 
@@ -36,6 +39,7 @@ COLUMNS = [("id", "INTEGER"), ("value", "INTEGER")]
 VALUES_PER_PROCESS = 10**7
 READ_SHARE = 0.4
 WRITE_SHARE = 0.3  # the rest are compare-and-set
+UNAVAILABLE_PAUSE_S = 0.1
 OPERATIONS_MAX = 2_000_000  # per recorder: a bound on memory for very long runs
 
 
@@ -96,9 +100,14 @@ class Recorder:
             if tx_key is not None:
                 self.acknowledged[operation.value] = tuple(tx_key)
 
-    def _error(self, error: MnesiteError) -> None:
+    def _error(self, error: MnesiteError) -> bool:
+        """Count ``error``; True if the operation may have taken effect (its outcome is unknown)."""
         with self._lock:
             self.errors[error.code] += 1
+        if isinstance(error, OutcomeUnknown):
+            return True
+        self._stopping.wait(UNAVAILABLE_PAUSE_S)
+        return False
 
     def _run(self, process: int) -> None:
         try:
@@ -139,8 +148,8 @@ class Recorder:
         try:
             tx_key = client.put(TABLE, {"id": key, "value": value})
         except MnesiteError as error:
-            self._error(error)
-            self._record(Operation(process, key, WRITE, UNKNOWN, invoked, math.inf, value))
+            if self._error(error):
+                self._record(Operation(process, key, WRITE, UNKNOWN, invoked, math.inf, value))
             return
         self._record(Operation(process, key, WRITE, OK, invoked, time.monotonic(), value), tx_key)
 
@@ -161,7 +170,7 @@ class Recorder:
             self._record(Operation(process, key, CAS, FAIL, invoked, completed, found, expected))
             return
         except MnesiteError as error:
-            self._error(error)
-            self._record(Operation(process, key, CAS, UNKNOWN, invoked, math.inf, value, expected))
+            if self._error(error):
+                self._record(Operation(process, key, CAS, UNKNOWN, invoked, math.inf, value, expected))
             return
         self._record(Operation(process, key, CAS, OK, invoked, time.monotonic(), value, expected), tx_key)

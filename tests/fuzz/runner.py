@@ -29,7 +29,7 @@ from mnesite.rlog.client import Client, MnesiteError
 
 from tests.conftest import Cluster, wait_until
 
-WRITE_KINDS = ("transact", "create_table")
+WRITE_KINDS = ("transact", "create_table", "drop_table")
 DEEP_LEVELS = 1010
 STATUS_TIMEOUT_MS = 1000
 WRITE_ANSWER_TIMEOUT_S = 30.0
@@ -40,6 +40,9 @@ class FuzzFailure(AssertionError):
     pass
 
 
+INTERNAL_MESSAGES_KEPT = 20
+
+
 @dataclass
 class FuzzReport:
     messages_sent: int = 0
@@ -47,6 +50,9 @@ class FuzzReport:
     not_packable: int = 0
     answers: int = 0
     errors_by_code: dict[str, int] = field(default_factory=dict)
+    # The messages of ``internal`` answers (an unexpected exception a node caught): each is a bug to
+    # look at, so the first few are kept for the report (bounded, truncated).
+    internal_messages: list[str] = field(default_factory=list)
     writes_succeeded: int = 0
     batches: int = 0
     rss_start_kb: dict[str, int] = field(default_factory=dict)
@@ -67,6 +73,7 @@ class FuzzReport:
             f"batches, {self.seconds:.0f} s; answers {self.answers}; writes succeeded {self.writes_succeeded}; "
             f"not packable (skipped) {self.not_packable}; error codes: {codes}; RSS {rss}; "
             f"max ratio {self.rss_ratio_max:.2f}"
+            + "".join(f"\n  internal: {message}" for message in self.internal_messages)
         )
 
 
@@ -192,6 +199,8 @@ class Fuzzer:
         if answer.kind == "error":
             code = answer.body["code"]
             self.report.errors_by_code[code] = self.report.errors_by_code.get(code, 0) + 1
+            if code == "internal" and len(self.report.internal_messages) < INTERNAL_MESSAGES_KEPT:
+                self.report.internal_messages.append(str(answer.body.get("message", ""))[:300])
         kind = self.writes_pending.pop(answer.request_id, None)
         if kind is None:
             return
@@ -268,6 +277,8 @@ class Fuzzer:
                             if op["op"] == "create_table":
                                 self.tables[op["table"]] = op
                                 self.shards.add(op["shard"])
+                            elif op["op"] == "drop_table":
+                                self.tables.pop(op["table"], None)
                     if len(entries) < 1000:
                         break
                     after = entries[-1]["tx_key"]

@@ -44,6 +44,7 @@ from typing import Any
 
 import msgpack
 from mnesite.core.consensus import (
+    BatchEnded,
     Commit,
     ConsensusConfig,
     ConsensusInvariantError,
@@ -51,6 +52,7 @@ from mnesite.core.consensus import (
     ForceStartRequested,
     MessageReceived,
     PeerMessage,
+    Persisted,
     PersistedState,
     PersistEntries,
     PersistState,
@@ -80,7 +82,7 @@ from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_ins
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import retention
 from mnesite.rlog.schema import TableSchema, define_table
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, Entry, Op, TxKey, WriteOp
 
 SHARD = "main"
 TRACE_LINES_MAX = 80
@@ -219,6 +221,10 @@ class SimNode:
     down_until_ms: int = 0
     paused_until_ms: int = 0
     crash_in_next_step: bool = False
+    # The last key of the log that is durable: a sequencer's own entries become durable only at
+    # the driver's next commit (Persisted); a crash before it loses them (its appends may be out).
+    durable_key: TxKey = ZERO_KEY
+    persisting_key: TxKey | None = None  # the log's last key when the driver's last commit began
     # Writes proposed here waiting for their entry to commit (production's core.outcome rule; in
     # memory, lost in a crash: those clients get no answer).
     waiters: CommitWaiters[str] = field(default_factory=CommitWaiters)
@@ -345,6 +351,8 @@ class Simulation:
     # ------------------------------------------------------------ node lifecycle
 
     def _start(self, node: SimNode) -> None:
+        node.durable_key = node.log.last_key()
+        node.persisting_key = None
         node.tail = GuardTail(CATALOG)
         node.tail.add(tuple(node.log.entries_after(node.applied_key, len(node.log.entries))))
         node.machine = ShardConsensus(
@@ -359,6 +367,16 @@ class Simulation:
         )
 
     def _crash(self, node: SimNode) -> None:
+        if node.log.last_key() > node.durable_key:
+            # The sequencer's entries since its last Persisted were not durable: gone, and with them
+            # whatever the same (uncommitted) driver turn applied.
+            self.trace.append((self.now_ms, node.name, "crash loses entries after", node.durable_key))
+            node.log.truncate_after(node.durable_key)
+            if node.applied_key > node.durable_key:
+                digest = node.log.digest_at(node.durable_key)
+                if digest is None:
+                    raise self.fail(f"{node.name} applied {node.applied_key} beyond its durable log")
+                node.applied_key, node.applied_digest = node.durable_key, digest
         node.machine = None
         node.waiters = CommitWaiters()
         node.forwarded = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
@@ -440,6 +458,9 @@ class Simulation:
                     raise self.fail(f"two different entries persisted at {entry.tx_key} (prefix consistency)")
             node.log.append(effect.entries, self.now_ms)
             node.tail.add(effect.entries)
+            if node.machine is None or node.machine.role is not Role.SEQUENCER:
+                # A follower's entries are durable before any of its replies leaves (persist, then send).
+                node.durable_key = node.log.last_key()
         elif isinstance(effect, PersistState):
             if effect.state.generation < node.state.generation:
                 raise self.fail(f"{node.name} persisted generation {effect.state.generation} < {node.state.generation}")
@@ -449,6 +470,7 @@ class Simulation:
                 raise self.fail(f"{node.name} truncates after {effect.after_key}, below applied {node.applied_key}")
             self.trace.append((self.now_ms, node.name, "truncate after", effect.after_key))
             node.log.truncate_after(effect.after_key)
+            node.durable_key = node.log.last_key()
             for client, outcome in node.waiters.truncated(effect.after_key):
                 self._tell(node, outcome, client)
             # Failed guards that observed the removed entries get no answer: their clients retry.
@@ -550,13 +572,16 @@ class Simulation:
         self.commit_position[entry.tx_key] = self.commit_count
         for op in entry.ops:
             if isinstance(op, WriteOp) and op.table == READ_TABLE and isinstance(op.row.get("k"), int):
-                key, row = op.row["k"], op.row
+                changed = [(op.row["k"], op.row)]
             elif isinstance(op, DeleteOp) and op.table == READ_TABLE and isinstance(op.key, int):
-                key, row = op.key, None
+                changed = [(op.key, None)]
+            elif isinstance(op, DropTableOp) and op.table == READ_TABLE:
+                changed = [(key, None) for key in self.row_positions]  # every row goes with the table
             else:
                 continue
-            self.row_positions[key].append(self.commit_count)
-            self.row_values[key].append(row)
+            for key, row in changed:
+                self.row_positions[key].append(self.commit_count)
+                self.row_values[key].append(row)
 
     def _row_at(self, key: int, position: int) -> Row:
         """The row ``key`` after the first ``position`` committed entries."""
@@ -798,6 +823,21 @@ class Simulation:
         """The ops of client write ``number`` (a hook: the replicant simulation writes richer ones)."""
         return (WriteOp(READ_TABLE, {"k": number % READ_KEYS, "v": number}),)
 
+    def _end_batches(self) -> None:
+        """The production driver's end of a loop turn: the writes proposed since go out together
+        (before they are durable here), then the turn's commit makes them durable (Persisted)."""
+        for node in self.nodes.values():
+            if not self._is_up(node) or node.machine is None or node.machine.role is not Role.SEQUENCER:
+                continue
+            # The commit of the previous turn is done: what the log held then is durable now. The
+            # fsync takes a tick, so the appends of a turn are out (and may be answered) before it.
+            if node.persisting_key is not None and node.persisting_key > node.durable_key:
+                node.durable_key = node.persisting_key
+                self._step(node, Persisted())
+            if node.machine is not None:
+                self._step(node, BatchEnded())
+                node.persisting_key = node.log.last_key()
+
     def _expire_forwarded(self) -> None:
         for node in self.nodes.values():
             if self._is_up(node):
@@ -813,6 +853,7 @@ class Simulation:
 
     def _advance(self) -> None:
         self._deliver_due()
+        self._end_batches()
         self._tick_all()
         self._expire_forwarded()
         self._retain_due()
@@ -839,6 +880,11 @@ class Simulation:
                 before = len(node.log.keys)
                 node.log.trim_to(floor)
                 self.entries_trimmed += before - len(node.log.keys)
+                # Retention's turn ends with a durable commit, after which the driver tells a
+                # sequencer Persisted: a later crash never reverts applied entries below the trim.
+                node.durable_key = node.log.last_key()
+                if machine.role is Role.SEQUENCER:
+                    self._step(node, Persisted())
                 self._check_node(node)
 
     # ------------------------------------------------------------ the run

@@ -52,13 +52,15 @@ from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import replication as p
 from mnesite.rlog.schema import TableSchema, define_table
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, Entry, Op, TxKey, WriteOp
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, Entry, Op, TxKey, WriteOp
 
 from tests.sim.cluster import READ_KEYS, SHARD, ClientRequest, SimNode, Simulation
 
 TABLES = ("t", "u")
 KEY_COLUMN = "k"
 KEYS_PER_TABLE = 12
+# Now and then a transaction is a table drop (the simulated tables are emptied, like a drop and re-create).
+DROP_TABLE_PROBABILITY = 0.03
 # A bootstrap batch's byte bound (production: frame_bytes_max / 2): small, so that it cuts batches too.
 BATCH_BYTES_MAX = 200
 CONVERGENCE_MS_MAX = 30_000
@@ -98,6 +100,8 @@ def apply_ops(tables: Tables, entry: Entry) -> None:
             tables.setdefault(op.table, {})[op.row[KEY_COLUMN]] = dict(op.row)
         elif isinstance(op, DeleteOp):
             tables.setdefault(op.table, {}).pop(op.key, None)
+        elif isinstance(op, DropTableOp):
+            tables[op.table] = {}  # the simulated tables come back empty at their next write
 
 
 @dataclass
@@ -199,6 +203,9 @@ class ReplicantSimulation(Simulation):
     # ------------------------------------------------------------ cores: tables and agents
 
     def _write_ops(self, number: int) -> tuple[Op, ...]:
+        if self.rng.random() < DROP_TABLE_PROBABILITY:
+            # A schema change through the log: agents, pushes, spills and replays carry it like rows.
+            return (DropTableOp(self.rng.choice(TABLES), SHARD),)
         ops: list[Op] = []
         for _ in range(self.rng.randint(1, 3)):
             table = self.rng.choice(TABLES)

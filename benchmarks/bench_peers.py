@@ -1,0 +1,505 @@
+"""mnesite beside peer systems: one Python load generator, the same writes, ratios from the same round.
+
+    .venv/bin/python benchmarks/bench_peers.py [--seconds 5] [--clients 1,16,64] [--rounds 3]
+        [--systems mnesite-3,mnesite-1,etcd,redis,rqlite,dqlite] [--baseline TREE] [--json]
+
+Every system gets the same load: N concurrent clients (threads spread over up to four client
+processes, so that the client side's GIL is not the bottleneck), each writing one 100-byte value
+under a fresh key per request and waiting for the acknowledgement, for ``--seconds`` per point. The
+points are interleaved: each round measures every client count on every system in turn, and ratios
+are taken between systems *within a round* (the median of the per-round ratios is reported), so a
+machine whose load drifts biases no system. All nodes run on 127.0.0.1 of this one machine.
+
+What an acknowledgement means (durability), per system:
+
+* ``mnesite-3``: three core processes, ``synchronous=FULL``; the clients talk to the sequencer; an
+  ack means the entry is fsynced on a majority (two of three) and applied at the sequencer.
+* ``mnesite-1``: one core, ``synchronous=FULL``: fsynced on its one disk.
+* ``mnesite-3-baseline`` (with ``--baseline TREE``): mnesite-3 run from another commit's source tree
+  (``git archive main | tar -x -C TREE``), to measure before and after a change in the same run.
+* ``etcd``: three members (Debian package ``etcd-server``); ``PUT`` through the v3 JSON gateway over
+  HTTP keep-alive; an ack means the WAL entry is fdatasynced on a majority.
+* ``redis``: a primary with ``appendonly yes`` + ``appendfsync always`` and one replica (Debian
+  ``redis-server``); each request is ``SET`` then ``WAIT 1 1000`` in one round trip; an ack means the
+  primary fsynced its AOF and the replica *received* the write (not fsynced on the replica).
+* ``rqlite``, ``dqlite``: not packaged in Debian 12 and not servers on PyPI (the PyPI packages are
+  clients); skipped with a message when no ``rqlited`` / dqlite server binary is found.
+
+Missing servers are installed with ``apt-get install`` when the script runs as root; a peer that
+cannot be installed is skipped with a clear message. Python clients for peers come from the
+``bench`` extra (``pip install -e '.[bench]'``). Not a test: it asserts nothing about timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import http.client
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_commit import CLIENT_PROCESSES_MAX, REPO, machine, percentile, start_nodes  # noqa: E402
+
+VALUE = "x" * 100
+STARTUP_TIMEOUT_S = 30
+REQUEST_TIMEOUT_S = 30
+
+DURABILITY = {
+    "mnesite-3": "majority fsync (2 of 3), applied at the sequencer",
+    "mnesite-3-baseline": "the same, measured with the --baseline tree's code",
+    "mnesite-1-baseline": "the same as mnesite-1, with the --baseline tree's code",
+    "mnesite-1": "fsync on its one disk",
+    "etcd": "WAL fdatasync on a majority (2 of 3)",
+    "redis": "primary AOF fsync (appendfsync always) + WAIT 1 (one replica received it, no fsync there)",
+    "rqlite": "raft log on a majority",
+    "dqlite": "raft log on a majority",
+}
+SYSTEMS = ("mnesite-3", "mnesite-1", "etcd", "redis", "rqlite", "dqlite")
+
+
+class Skipped(Exception):
+    """A peer that cannot run here; the message says why."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def ensure_binary(binary: str, package: str) -> str:
+    """The path of ``binary``, installing Debian ``package`` if it is missing (as root only)."""
+    found = shutil.which(binary)
+    if found:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise Skipped(f"{binary} not found and apt-get cannot install {package} here (not root or not Debian)")
+    print(f"installing {package} with apt-get ...", file=sys.stderr)
+    environment = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = ["apt-get", "install", "-y", "--no-install-recommends", package]
+    result = subprocess.run(install, env=environment, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        subprocess.run(["apt-get", "update"], env=environment, capture_output=True, timeout=600)
+        result = subprocess.run(install, env=environment, capture_output=True, text=True, timeout=600)
+    found = shutil.which(binary)
+    if not found:
+        raise Skipped(f"apt-get could not install {package}: {result.stderr.strip().splitlines()[-1:]}")
+    return found
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise Skipped(f"{what} did not come up within {timeout_s:g} s")
+
+
+# ---------------------------------------------------------------- the clients (in client processes)
+
+
+def _mnesite_writer(spec: dict) -> tuple[Callable[[str], None], Callable[[], None]]:
+    from mnesite.rlog.client import Client
+
+    client = Client(spec["endpoint"], timeout_ms=REQUEST_TIMEOUT_S * 1000)
+    counter = iter(range(10**12))
+
+    def write(key: str) -> None:
+        client.put("bench", {"id": spec["key_base"] + next(counter), "payload": VALUE})
+
+    return write, client.close
+
+
+def _etcd_writer(spec: dict) -> tuple[Callable[[str], None], Callable[[], None]]:
+    connection = http.client.HTTPConnection("127.0.0.1", spec["port"], timeout=REQUEST_TIMEOUT_S)
+    value = base64.b64encode(VALUE.encode()).decode()
+
+    def write(key: str) -> None:
+        body = json.dumps({"key": base64.b64encode(key.encode()).decode(), "value": value})
+        connection.request("POST", "/v3/kv/put", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        payload = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"etcd answered {response.status}: {payload[:200]!r}")
+
+    return write, connection.close
+
+
+def _redis_writer(spec: dict) -> tuple[Callable[[str], None], Callable[[], None]]:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=spec["port"], socket_timeout=REQUEST_TIMEOUT_S)
+
+    def write(key: str) -> None:
+        pipeline = client.pipeline(transaction=False)
+        pipeline.set(key, VALUE)
+        pipeline.execute_command("WAIT", 1, 1000)
+        _, replicas = pipeline.execute()
+        if replicas < 1:
+            raise RuntimeError("WAIT 1 timed out: the replica did not acknowledge")
+
+    return write, client.close
+
+
+WRITERS = {"mnesite": _mnesite_writer, "etcd": _etcd_writer, "redis": _redis_writer}
+
+
+def _client_process(spec: dict, threads: int, worker: int, seconds: float, queue: Any) -> None:
+    import threading
+
+    latencies: list[float] = []
+    counts = [0] * threads
+    errors: list[str] = []
+    lock = threading.Lock()
+    deadline = time.perf_counter() + seconds
+
+    def run(thread: int) -> None:
+        own: list[float] = []
+        thread_spec = {**spec, "key_base": (worker * 1000 + thread) * 10_000_000}
+        write, close = WRITERS[spec["kind"]](thread_spec)
+        i = 0
+        try:
+            while time.perf_counter() < deadline:
+                began = time.perf_counter()
+                write(f"bench/{worker}/{thread}/{i}")
+                own.append((time.perf_counter() - began) * 1000)
+                i += 1
+        except Exception as error:  # a failing system ends this client; the report says so
+            with lock:
+                errors.append(f"{type(error).__name__}: {error}")
+        finally:
+            close()
+        with lock:
+            latencies.extend(own)
+            counts[thread] = i
+
+    pool = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    queue.put((sum(counts), latencies, errors))
+
+
+def measure(spec: dict, clients: int, seconds: float) -> dict:
+    processes = min(clients, CLIENT_PROCESSES_MAX)
+    per_process = [clients // processes + (1 if p < clients % processes else 0) for p in range(processes)]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [
+        context.Process(target=_client_process, args=(spec, threads, p, seconds, queue))
+        for p, threads in enumerate(per_process)
+    ]
+    for worker in workers:
+        worker.start()
+    results = [queue.get(timeout=seconds + 120) for _ in workers]
+    for worker in workers:
+        worker.join(30)
+    latencies = sorted(x for r in results for x in r[1])
+    errors = [e for r in results for e in r[2]]
+    return {
+        "writes_per_s": round(sum(r[0] for r in results) / seconds, 1),
+        "p50_ms": round(percentile(latencies, 0.50), 3),
+        "p99_ms": round(percentile(latencies, 0.99), 3),
+        "errors": errors[:3],
+    }
+
+
+# ---------------------------------------------------------------- the systems (servers)
+
+
+class System:
+    name = ""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.processes: list[subprocess.Popen] = []
+        self.spec: dict = {}
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def spawn(self, command: list[str], log_name: str) -> subprocess.Popen:
+        log = open(self.directory / log_name, "wb")  # noqa: SIM115 (closed with the process's files)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes.append(process)
+        return process
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(30)
+
+
+class Mnesite(System):
+    def __init__(self, directory: Path, cores: int, baseline: Path | None = None) -> None:
+        super().__init__(directory)
+        self.cores = cores
+        self.name = f"mnesite-{cores}" + ("-baseline" if baseline else "")
+        self.baseline = baseline
+
+    def start(self) -> None:
+        pythonpath = str(REPO) if self.baseline is None else package_layout(self.baseline, self.directory)
+        processes, endpoint, _ = start_nodes(self.directory, "FULL", self.cores, False, pythonpath)
+        self.processes.extend(processes)
+        self.spec = {"kind": "mnesite", "endpoint": endpoint}
+
+
+def package_layout(tree: Path, directory: Path) -> str:
+    """A directory from which ``import mnesite`` loads the source tree ``tree`` (another commit of this
+    repository, e.g. ``git archive main | tar -x -C tree``): the import package ``mnesite`` with the
+    top-level folders linked in as its subpackages, as the installed package maps them."""
+    package = directory / "baseline-package" / "mnesite"
+    package.mkdir(parents=True)
+    (package / "__init__.py").symlink_to(tree / "mnesite" / "__init__.py")
+    for folder in ("core", "rlog", "replicant", "bootstrap", "cli", "spark"):
+        if (tree / folder).is_dir():
+            (package / folder).symlink_to(tree / folder)
+    return str(package.parent)
+
+
+class Etcd(System):
+    name = "etcd"
+
+    def start(self) -> None:
+        binary = ensure_binary("etcd", "etcd-server")
+        ports = {f"etcd{i}": (free_port(), free_port()) for i in range(1, 4)}
+        cluster = ",".join(f"{name}=http://127.0.0.1:{peer}" for name, (_, peer) in ports.items())
+        for name, (client_port, peer_port) in ports.items():
+            self.spawn(
+                [
+                    binary,
+                    "--name",
+                    name,
+                    "--data-dir",
+                    str(self.directory / name),
+                    "--listen-client-urls",
+                    f"http://127.0.0.1:{client_port}",
+                    "--advertise-client-urls",
+                    f"http://127.0.0.1:{client_port}",
+                    "--listen-peer-urls",
+                    f"http://127.0.0.1:{peer_port}",
+                    "--initial-advertise-peer-urls",
+                    f"http://127.0.0.1:{peer_port}",
+                    "--initial-cluster",
+                    cluster,
+                    "--initial-cluster-state",
+                    "new",
+                    "--initial-cluster-token",
+                    f"bench-{os.getpid()}",
+                ],
+                f"{name}.log",
+            )
+        leader_port = None
+
+        def leader_known() -> bool:
+            nonlocal leader_port
+            for client_port, _ in ports.values():
+                connection = http.client.HTTPConnection("127.0.0.1", client_port, timeout=2)
+                connection.request("POST", "/v3/maintenance/status", "{}", {"Content-Type": "application/json"})
+                status = json.loads(connection.getresponse().read())
+                connection.close()
+                if status.get("leader") and status.get("leader") == status.get("header", {}).get("member_id"):
+                    leader_port = client_port
+            return leader_port is not None
+
+        wait_until(leader_known, "etcd's leader")
+        # Like mnesite's clients, which talk to the sequencer: no forwarding hop.
+        self.spec = {"kind": "etcd", "port": leader_port}
+
+
+class Redis(System):
+    name = "redis"
+
+    def start(self) -> None:
+        binary = ensure_binary("redis-server", "redis-server")
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            raise Skipped("the Python client is missing: .venv/bin/pip install -e '.[bench]'") from None
+        primary, replica = free_port(), free_port()
+        common = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "yes", "--appendfsync", "always"]
+        for name, port, extra in (
+            ("primary", primary, []),
+            ("replica", replica, ["--replicaof", "127.0.0.1", str(primary)]),
+        ):
+            data = self.directory / f"redis-{name}"
+            data.mkdir()
+            self.spawn([binary, "--port", str(port), "--dir", str(data), *common, *extra], f"redis-{name}.log")
+        import redis
+
+        def replica_linked() -> bool:
+            try:
+                info = redis.Redis(host="127.0.0.1", port=primary, socket_timeout=2).info("replication")
+            except redis.RedisError:
+                return False
+            return info.get("connected_slaves", 0) >= 1 and info.get("slave0", {}).get("state") == "online"
+
+        wait_until(replica_linked, "redis's replica link")
+        self.spec = {"kind": "redis", "port": primary}
+
+
+class NotPackaged(System):
+    def __init__(self, directory: Path, name: str, binary: str) -> None:
+        super().__init__(directory)
+        self.name = name
+        self.binary = binary
+
+    def start(self) -> None:
+        if shutil.which(self.binary) is None:
+            raise Skipped(
+                f"no {self.binary} server: {self.name} is not packaged in Debian 12 and PyPI has only its clients"
+            )
+        raise Skipped(f"{self.binary} found, but this script does not drive {self.name} yet")
+
+
+def make_system(name: str, directory: Path, baseline: Path | None) -> System:
+    if name in ("mnesite-3-baseline", "mnesite-1-baseline"):
+        if baseline is None:
+            raise SystemExit(f"{name} needs --baseline TREE")
+        return Mnesite(directory, int(name.split("-")[1]), baseline)
+    if name.startswith("mnesite-"):
+        return Mnesite(directory, int(name.split("-")[1]))
+    if name == "etcd":
+        return Etcd(directory)
+    if name == "redis":
+        return Redis(directory)
+    if name == "rqlite":
+        return NotPackaged(directory, "rqlite", "rqlited")
+    if name == "dqlite":
+        return NotPackaged(directory, "dqlite", "dqlite-demo")
+    raise SystemExit(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+
+
+# ---------------------------------------------------------------- the run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--clients", default="1,16,64")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--baseline",
+        type=lambda text: Path(text).resolve(),
+        help="another commit's source tree: adds mnesite-3-baseline (run from that tree) to compare in the same run",
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.baseline is not None and "mnesite-3-baseline" not in args.systems:
+        args.systems = "mnesite-3-baseline," + args.systems
+    client_counts = [int(c) for c in args.clients.split(",")]
+    directory = Path(tempfile.mkdtemp(prefix="mnesite-peers-"))
+    systems: list[System] = []
+    skipped: dict[str, str] = {}
+    # runs[(system, clients)] = one result per round
+    runs: dict[tuple[str, int], list[dict]] = {}
+    try:
+        for name in args.systems.split(","):
+            system_directory = directory / name
+            system_directory.mkdir()
+            system = make_system(name, system_directory, args.baseline)
+            try:
+                system.start()
+                systems.append(system)
+            except Skipped as why:
+                system.stop()
+                skipped[name] = str(why)
+                print(f"skipping {name}: {why}", file=sys.stderr)
+        for round_number in range(args.rounds):
+            for clients in client_counts:
+                for system in systems:
+                    result = measure(system.spec, clients, args.seconds)
+                    result["round"] = round_number
+                    runs.setdefault((system.name, clients), []).append(result)
+                    print(f"round {round_number + 1} {system.name} {clients} clients: {result}", file=sys.stderr)
+    finally:
+        for system in systems:
+            system.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    report = summarise(runs, [s.name for s in systems], client_counts, args.rounds, skipped)
+    report.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "seconds": args.seconds})
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+
+
+def summarise(
+    runs: dict[tuple[str, int], list[dict]], names: list[str], client_counts: list[int], rounds: int, skipped: dict
+) -> dict:
+    rows = []
+    for name in names:
+        for clients in client_counts:
+            samples = runs.get((name, clients), [])
+            if not samples:
+                continue
+            row: dict[str, Any] = {
+                "system": name,
+                "clients": clients,
+                "durability": DURABILITY[name],
+                "writes_per_s": statistics.median(s["writes_per_s"] for s in samples),
+                "writes_per_s_rounds": [s["writes_per_s"] for s in samples],
+                "p50_ms": statistics.median(s["p50_ms"] for s in samples),
+                "p99_ms": statistics.median(s["p99_ms"] for s in samples),
+                "errors": [e for s in samples for e in s["errors"]][:3],
+            }
+            # mnesite-3 against every other system, per round, then the median of those ratios.
+            reference = runs.get(("mnesite-3", clients), [])
+            if name != "mnesite-3" and len(reference) == len(samples):
+                pairs = zip(reference, samples, strict=True)
+                ratios = [r["writes_per_s"] / s["writes_per_s"] for r, s in pairs if s["writes_per_s"]]
+                if ratios:
+                    row["mnesite_3_over_this"] = round(statistics.median(ratios), 2)
+            rows.append(row)
+    return {"rounds": rounds, "results": rows, "skipped": skipped}
+
+
+def print_table(report: dict) -> None:
+    print(f"{report['date']}, {report['machine']}, {report['seconds']:g} s per point, {report['rounds']} rounds")
+    print("| system | clients | writes/s (median) | rounds | p50 ms | p99 ms | mnesite-3 / this (same round) |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    for r in report["results"]:
+        print(
+            f"| {r['system']} | {r['clients']} | {r['writes_per_s']:.0f} | "
+            f"{', '.join(f'{x:.0f}' for x in r['writes_per_s_rounds'])} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+            f"{r.get('mnesite_3_over_this', '')} |"
+        )
+    print("\ndurability of an acknowledgement:")
+    for name, what in DURABILITY.items():
+        if any(r["system"] == name for r in report["results"]):
+            print(f"- {name}: {what}")
+    for name, why in report["skipped"].items():
+        print(f"- {name}: skipped ({why})")
+    errors = [(r["system"], r["clients"], r["errors"]) for r in report["results"] if r["errors"]]
+    for system, clients, messages in errors:
+        print(f"- errors at {system} with {clients} clients: {messages}")
+
+
+if __name__ == "__main__":
+    main()

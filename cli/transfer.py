@@ -1,0 +1,186 @@
+"""``mnesite import`` and ``export``: rows between a table and a JSON lines or CSV file, in bounded pieces.
+
+Theory of operation
+-------------------
+Neither direction holds more than one batch (import) or one page (export) in memory, whatever the
+file's or the table's size. Import reads the file line by line, turns each line into a full row of
+the table (CSV cells converted to the declared column type, an empty cell null; JSON values as
+they are, a BLOB as ``{"base64": ...}`` or hex) and refuses a line that does not fit, naming it:
+``line 7: ...``. Rows go to the node in transactions of ``batch_rows`` rows through the normal
+write path (each all or nothing, replicated like any write); an error the node answers names the
+lines of the batch it refused and says how many rows were imported before it. A batch whose
+outcome is unknown is reported as such (the caller exits 3): it is never re-sent silently.
+
+sqlite-utils' readers (``rows_from_file``) skip blank lines and hide the CSV reader, so they cannot
+name the line of an error; the readers here are plain ``csv`` and ``json`` with line numbers.
+Export writes through ``csv.DictWriter`` and ``json.dumps``, one row at a time.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
+
+LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
+csv.field_size_limit(LINE_CHARS_MAX)
+
+
+class ImportFailed(Exception):
+    def __init__(self, message: str, outcome_unknown: bool = False) -> None:
+        super().__init__(message)
+        self.outcome_unknown = outcome_unknown
+
+
+@dataclass
+class Imported:
+    rows: int = 0
+    transactions: int = 0
+
+
+def format_of(name: str) -> str:
+    """The format a file name implies: ``.csv`` is CSV, everything else (``.jsonl``, stdin) JSON lines."""
+    return "csv" if str(name).lower().endswith(".csv") else "jsonl"
+
+
+def _blob(value: Any, where: str) -> bytes:
+    if isinstance(value, dict) and set(value) == {"base64"} and isinstance(value["base64"], str):
+        try:
+            return base64.b64decode(value["base64"], validate=True)
+        except binascii.Error:
+            raise ImportFailed(f"{where}: is not valid base64") from None
+    if isinstance(value, str):
+        try:
+            return bytes.fromhex(value)
+        except ValueError:
+            raise ImportFailed(f'{where}: a BLOB is given as hex or {{"base64": ...}}') from None
+    raise ImportFailed(f'{where}: a BLOB is given as hex or {{"base64": ...}}')
+
+
+def _from_cell(text: str, column_type: str, where: str) -> Any:
+    """A CSV cell as a value of ``column_type`` (the table's declared type); an empty cell is null."""
+    if text == "" and column_type != "TEXT":
+        return None
+    try:
+        if column_type == "INTEGER":
+            return int(text)
+        if column_type == "REAL":
+            return float(text)
+    except ValueError:
+        raise ImportFailed(f"{where}: {text[:40]!r} is not {column_type}") from None
+    if column_type == "BLOB":
+        return _blob(text, where)
+    return text
+
+
+def _check_row(row: dict[str, Any], schema: dict[str, Any], line: int) -> dict[str, Any]:
+    types = dict((name, kind) for name, kind in schema["columns"])
+    unknown = [name for name in row if name not in types]
+    if unknown:
+        raise ImportFailed(f"line {line}: {schema['table']} has no column {unknown[0][:64]!r}")
+    if row.get(schema["key"]) is None:
+        raise ImportFailed(f"line {line}: the key column {schema['key']!r} is missing or null")
+    for name, value in row.items():
+        if types[name] == "BLOB" and value is not None and not isinstance(value, bytes):
+            row[name] = _blob(value, f"line {line}: column {name!r}")
+    return row
+
+
+def bounded_lines(file: IO[str]) -> Iterator[str]:
+    """The lines of ``file``, each read with a bound: a line longer than ``LINE_CHARS_MAX`` is refused."""
+    line_number = 0
+    while True:
+        text = file.readline(LINE_CHARS_MAX + 1)
+        if not text:
+            return
+        line_number += 1
+        if len(text) > LINE_CHARS_MAX:
+            raise ImportFailed(f"line {line_number}: longer than {LINE_CHARS_MAX} characters")
+        yield text
+
+
+def read_rows(file: IO[str], file_format: str, schema: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` for every row of ``file``; raises ``ImportFailed`` naming the line."""
+    if file_format == "csv":
+        reader = csv.DictReader(bounded_lines(file))
+        types = dict((name, kind) for name, kind in schema["columns"])
+        try:
+            for record in reader:
+                line = reader.line_num
+                if None in record:
+                    raise ImportFailed(f"line {line}: more cells than the header has columns")
+                row = {}
+                for name, text in record.items():
+                    if name not in types:
+                        raise ImportFailed(f"line {line}: {schema['table']} has no column {name[:64]!r}")
+                    row[name] = None if text is None else _from_cell(text, types[name], f"line {line}: {name}")
+                yield line, _check_row(row, schema, line)
+        except csv.Error as error:
+            raise ImportFailed(f"line {reader.line_num}: {error}") from None
+        return
+    for line, text in enumerate(bounded_lines(file), start=1):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ImportFailed(f"line {line}: not valid JSON: {error.msg} (column {error.colno})") from None
+        if not isinstance(row, dict):
+            raise ImportFailed(f"line {line}: must be a JSON object (one row per line)")
+        yield line, _check_row(row, schema, line)
+
+
+def import_rows(client: Client, table: str, rows: Iterator[tuple[int, dict[str, Any]]], batch_rows: int) -> Imported:
+    """Write ``rows`` in transactions of at most ``batch_rows`` rows; raise ``ImportFailed`` on the first refusal."""
+    imported = Imported()
+    batch: list[tuple[int, dict[str, Any]]] = []
+
+    def send() -> None:
+        lines = f"lines {batch[0][0]}-{batch[-1][0]}" if len(batch) > 1 else f"line {batch[0][0]}"
+        before = f"{imported.rows} rows in {imported.transactions} transactions were imported before"
+        try:
+            client.transact([{"op": "write", "table": table, "row": row} for _, row in batch])
+        except OutcomeUnknown as error:
+            raise ImportFailed(f"{lines}: {error}; {before}", outcome_unknown=True) from None
+        except MnesiteError as error:
+            raise ImportFailed(f"{lines}: {error}; {before}") from None
+        imported.rows += len(batch)
+        imported.transactions += 1
+        batch.clear()
+
+    for line, row in rows:
+        batch.append((line, row))
+        if len(batch) >= batch_rows:
+            send()
+    if batch:
+        send()
+    return imported
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode()}
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def write_rows(output: IO[str], file_format: str, schema: dict[str, Any], rows: Iterator[dict[str, Any]]) -> int:
+    """Write ``rows`` one at a time; returns how many."""
+    written = 0
+    if file_format == "csv":
+        columns = [name for name, _ in schema["columns"]]
+        writer = csv.DictWriter(output, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({name: (value.hex() if isinstance(value, bytes) else value) for name, value in row.items()})
+            written += 1
+        return written
+    for row in rows:
+        output.write(json.dumps(row, default=_json_value) + "\n")
+        written += 1
+    return written

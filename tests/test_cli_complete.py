@@ -1,0 +1,420 @@
+"""Issue 14's complete CLI: describe, count, streaming scan, rlog tail --follow, import/export, stop,
+several endpoints with failover, and the operator hints (fresh cluster, unreachable node, lonely replicant)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from mnesite.cli.main import main
+from mnesite.rlog.client import Client, OutcomeUnknown, UnknownTable
+from mnesite.rlog.messages import SCHEMAS
+from mnesite.rlog.roles import KIND_ROLES
+
+from tests.conftest import REPO, Cluster, NodeProcess, ThreadNode, free_port, wait_until
+from tests.fuzz.strategies import message_kinds
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def mnesite(thread_node: ThreadNode):
+    runner = CliRunner()
+
+    def invoke(*args: str, input: str | None = None):
+        return runner.invoke(main, [*args, "--node", thread_node.endpoint], input=input, catch_exceptions=False)
+
+    created = invoke(
+        "table", "create", "items", "--key-column", "id",
+        "--column", "id:INTEGER", "--column", "name:TEXT", "--column", "price:REAL", "--column", "raw:BLOB",
+    )  # fmt: skip
+    assert created.exit_code == 0, created.output
+    return invoke
+
+
+def put_rows(endpoint: str, count: int, start: int = 0, batch: int = 500, text: str = "n") -> None:
+    with Client(endpoint) as client:
+        for low in range(start, start + count, batch):
+            high = min(low + batch, start + count)
+            client.transact(
+                [{"op": "write", "table": "items", "row": {"id": i, "name": f"{text}{i}"}} for i in range(low, high)]
+            )
+
+
+def test_table_describe_shows_columns_key_and_shard(mnesite) -> None:
+    text = mnesite("table", "describe", "items").output
+    assert text.splitlines()[0] == "table items (shard default, key id)"
+    assert "price   REAL" in text and "id      INTEGER  key" in text
+    described = json.loads(mnesite("table", "describe", "items", "--json").output)
+    assert described["columns"][3] == ["raw", "BLOB"] and described["key"] == "id"
+    missing = mnesite("table", "describe", "nope")
+    assert missing.exit_code == 1 and missing.output.startswith("Error: unknown table 'nope'")
+
+
+def test_count_is_answered_by_the_node(mnesite, thread_node: ThreadNode) -> None:
+    assert mnesite("count", "items").output == "0\n"
+    put_rows(thread_node.endpoint, 1234)
+    assert json.loads(mnesite("count", "items", "--json").output) == {"table": "items", "rows": 1234}
+    # The answer is one integer, whatever the table's size: never the rows.
+    with thread_node.client() as client:
+        assert client.call("count", {"table": "items"}) == {"rows": 1234}
+    unknown = mnesite("count", "nope")
+    assert unknown.exit_code == 1 and "unknown table" in unknown.output
+
+
+def test_scan_from_a_key_streams_pages(mnesite, thread_node: ThreadNode) -> None:
+    put_rows(thread_node.endpoint, 25)
+    rows = json.loads(mnesite("scan", "items", "--from", "10", "--page-rows", "4", "--json").output)
+    assert [row["id"] for row in rows] == list(range(10, 25))
+    limited = json.loads(mnesite("scan", "items", "--from", "10", "--limit", "3", "--json").output)
+    assert [row["id"] for row in limited] == [10, 11, 12]
+    # A key that does not exist starts at the next one.
+    with thread_node.client() as client:
+        client.delete("items", 10)
+    after_gap = json.loads(mnesite("scan", "items", "--from", "10", "--limit", "2", "--json").output)
+    assert [row["id"] for row in after_gap] == [11, 12]
+    text = mnesite("scan", "items", "--page-rows", "7").output.splitlines()
+    assert text[0].split() == ["id", "name", "price", "raw"] and len(text) == 1 + 24
+    assert json.loads(mnesite("scan", "items", "--from", "99", "--json").output) == []
+
+
+def test_scan_of_many_rows_keeps_the_cli_memory_bounded(thread_node: ThreadNode, mnesite, tmp_path: Path) -> None:
+    """The CLI's peak RSS for a scan of 60,000 rows (about 12 MB of row data) stays within a few MB of
+    its peak for 10 rows: it holds one page at a time (the old scan held every row, and the text table)."""
+    put_rows(thread_node.endpoint, 60_000, batch=1000, text="x" * 200)
+    probe = (
+        "import resource, sys\n"
+        "from mnesite.cli.main import main\n"
+        "try:\n    main(sys.argv[1:])\n"
+        "finally:\n    print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    )
+
+    def peak_kb(*args: str) -> int:
+        with open(os.devnull, "w") as sink:
+            finished = subprocess.run(
+                [sys.executable, "-c", probe, "scan", "items", "--node", thread_node.endpoint, *args],
+                stdout=sink, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=60,
+                env=dict(os.environ, PYTHONPATH=str(REPO)),
+            )  # fmt: skip
+        assert finished.returncode == 0, finished.stderr
+        return int(finished.stderr.split("maxrss_kb")[1])
+
+    baseline_kb = peak_kb("--limit", "10", "--json")
+    json_kb = peak_kb("--json")
+    text_kb = peak_kb()
+    assert json_kb - baseline_kb < 15_000, (baseline_kb, json_kb)
+    assert text_kb - baseline_kb < 15_000, (baseline_kb, text_kb)
+
+
+@pytest.mark.parametrize("file_format", ["jsonl", "csv"])
+def test_export_then_import_round_trips(mnesite, thread_node: ThreadNode, tmp_path: Path, file_format) -> None:
+    with thread_node.client() as client:
+        client.put("items", {"id": 1, "name": "ada", "price": 1.5, "raw": b"\x00\xff"})
+        client.put("items", {"id": 2, "name": 'a,"quoted"\nname', "price": None, "raw": None})
+        for i in range(3, 30):
+            client.put("items", {"id": i, "name": f"n{i}", "price": float(i), "raw": bytes([i])})
+    exported = tmp_path / f"items.{file_format}"
+    result = mnesite("export", "items", "--format", file_format, "--output", str(exported), "--page-rows", "4")
+    assert result.exit_code == 0, result.output
+    created = mnesite("table", "create", "copy", "--key-column", "id", "--column", "id:INTEGER",
+                      "--column", "name:TEXT", "--column", "price:REAL", "--column", "raw:BLOB")  # fmt: skip
+    assert created.exit_code == 0
+    imported = mnesite("import", "copy", str(exported), "--batch-rows", "10", "--json")
+    assert imported.exit_code == 0, imported.output
+    assert json.loads(imported.output) == {"table": "copy", "rows": 29, "transactions": 3}
+    with thread_node.client() as client:
+        assert list(client.scan("copy")) == list(client.scan("items"))
+
+
+def test_import_names_the_bad_line_and_writes_nothing(mnesite, thread_node: ThreadNode, tmp_path: Path) -> None:
+    good = "".join(json.dumps({"id": i, "name": f"n{i}"}) + "\n" for i in range(5))
+    cases = {
+        "bad.jsonl": (good + '{"id": 5, "name": \n', "line 6: not valid JSON"),
+        "unknown.jsonl": (good + "\n" + json.dumps({"id": 6, "hue": "x"}) + "\n", "line 7: items has no column 'hue'"),
+        "nokey.jsonl": (json.dumps({"name": "x"}) + "\n", "line 1: the key column 'id' is missing or null"),
+        "bad.csv": ("id,name,price\n1,a,1.0\n2,b,cheap\n", "line 3: price: 'cheap' is not REAL"),
+    }  # fmt: skip
+    for name, (content, expected) in cases.items():
+        path = tmp_path / name
+        path.write_text(content)
+        result = mnesite("import", "items", str(path))
+        assert result.exit_code == 1 and result.output.startswith(f"Error: {expected}"), (name, result.output)
+    with thread_node.client() as client:
+        assert client.count("items") == 0
+    # From stdin (read once): a refusal by the node names the lines of its batch.
+    rows = "".join(json.dumps({"id": i, "name": f"n{i}"}) + "\n" for i in range(4)) + '{"id": 4, "name": 7}\n'
+    refused = mnesite("import", "items", "-", "--batch-rows", "2", input=rows)
+    assert refused.exit_code == 1
+    assert (
+        refused.output.startswith("Error: line 5: ")
+        and "4 rows in 2 transactions were imported before" in refused.output
+    )
+
+
+def test_status_of_a_fresh_node_says_there_is_no_shard_yet(thread_node: ThreadNode) -> None:
+    text = CliRunner().invoke(main, ["status", "--node", thread_node.endpoint]).output
+    assert "no shard yet: a shard (and its sequencer) appears with its first table" in text
+
+
+def test_status_text_shows_committed_last_and_members(mnesite) -> None:
+    mnesite("put", "items", '{"id": 1, "name": "a"}')
+    text = mnesite("status").output
+    header = next(line for line in text.splitlines() if line.startswith("shard"))
+    assert header.split()[:8] == ["shard", "role", "generation", "sequencer", "applied", "committed", "last", "digest"]
+    assert "default: members core1" in text
+
+
+def test_client_fails_over_from_a_stopped_node_for_reads_and_writes(mnesite, thread_node: ThreadNode) -> None:
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    with Client([dead, thread_node.endpoint], timeout_ms=2000) as client:
+        tx_key = client.put("items", {"id": 1, "name": "a"})  # never reached the stopped node: safe to move
+        assert client.endpoint == thread_node.endpoint and client.get("items", 1)["name"] == "a"
+    runner = CliRunner()
+    for argv in (["--node", dead, "--node", thread_node.endpoint], ["--node", f"{dead},{thread_node.endpoint}"]):
+        result = runner.invoke(main, ["get", "items", "1", "--json", *argv])
+        assert result.exit_code == 0 and json.loads(result.output)["id"] == 1, result.output
+    both_dead = runner.invoke(main, ["status", "--node", f"{dead},tcp://127.0.0.1:{free_port()}"])
+    assert both_dead.exit_code == 1 and "are the nodes running? check --node" in both_dead.output
+    assert tx_key is not None
+
+
+def test_a_write_sent_and_unanswered_is_never_retried_on_another_node(
+    mnesite, thread_node: ThreadNode, silent_endpoint: str
+) -> None:
+    with Client([silent_endpoint, thread_node.endpoint], timeout_ms=300, retries=1) as client:
+        with pytest.raises(OutcomeUnknown):
+            client.put("items", {"id": 9, "name": "maybe"})
+        assert client.endpoint == silent_endpoint
+        # A read whose node is silent moves on: reads have no outcome to lose.
+        assert client.get("items", 9) is None and client.endpoint == thread_node.endpoint
+    result = CliRunner().invoke(
+        main, ["put", "items", '{"id": 9, "name": "m"}', "--node", f"{silent_endpoint},{thread_node.endpoint}",
+               "--timeout-ms", "300"],
+    )  # fmt: skip
+    assert result.exit_code == 3 and "outcome unknown" in result.output
+    with thread_node.client() as client:
+        assert client.get("items", 9) is None
+
+
+def test_rlog_tail_follow_prints_new_entries_and_exits_0_on_ctrl_c(mnesite, thread_node: ThreadNode, tmp_path) -> None:
+    out = tmp_path / "follow.out"
+    with open(out, "w") as sink:
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "mnesite.cli", "rlog", "tail", "default", "-n", "1", "--follow",
+             "--interval-ms", "50", "--node", thread_node.endpoint],
+            stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )  # fmt: skip
+    try:
+        wait_until(lambda: "create_table items" in out.read_text(), 20, "the tail's first entry")
+        with thread_node.client() as client:
+            for i in range(3):
+                client.put("items", {"id": i, "name": f"follow{i}"})
+        wait_until(lambda: "follow2" in out.read_text(), 20, "the followed entries")
+        follower.send_signal(signal.SIGINT)
+        assert follower.wait(timeout=10) == 0, out.read_text()
+        text = out.read_text()
+        assert text.index("follow0") < text.index("follow1") < text.index("follow2")
+        assert "Traceback" not in text and "Error" not in text
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait(timeout=10)
+
+
+def test_new_kinds_are_typed_role_checked_and_fuzzed() -> None:
+    assert "count" in SCHEMAS and "stop" in SCHEMAS
+    assert KIND_ROLES["stop"] == frozenset() and "reader" in KIND_ROLES["count"]
+    assert "count" in message_kinds() and "stop" not in message_kinds()
+
+
+@pytest.mark.slow
+def test_stop_shuts_a_core_down_cleanly_with_a_shutdown_line(tmp_path: Path, node_processes) -> None:
+    cluster = Cluster(tmp_path, node_processes, size=1)
+    cluster.start_all()
+    endpoint = cluster.endpoints["core1"]
+    runner = CliRunner()
+    refused = runner.invoke(main, ["stop", "--node", endpoint, *cluster.cli_keys("app")])
+    assert refused.exit_code == 1 and "may not send stop" in refused.output
+    several = runner.invoke(main, ["stop", "--node", f"{endpoint},{endpoint}x", *cluster.cli_keys()])
+    assert several.exit_code == 1 and "exactly one explicit --node" in several.output
+    stopped = runner.invoke(main, ["stop", "--node", endpoint, *cluster.cli_keys()])
+    log_text = cluster.nodes["core1"].log_path.read_text
+    assert stopped.exit_code == 0 and stopped.output == "core1 is stopping\n", (stopped.output, log_text()[-3000:])
+    process = cluster.nodes["core1"].process
+    assert process is not None and process.wait(timeout=20) == 0
+    assert "core core1 shut down (stop request from ops)" in cluster.nodes["core1"].log_path.read_text()
+
+
+@pytest.mark.slow
+def test_a_replicant_that_reaches_no_core_says_so_in_its_log_file_and_status(
+    tmp_path: Path, node_processes: list[NodeProcess]
+) -> None:
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    config = tmp_path / "replicant1.toml"
+    config.write_text(
+        f'[node]\nname = "replicant1"\nrole = "replicant"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
+        f'[cluster]\ncore_nodes = {{ core1 = "tcp://127.0.0.1:{free_port()}" }}\n'
+    )
+    log_file = tmp_path / "replicant1.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mnesite.cli", "start", "--config", str(config), "--log-file", str(log_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True,
+    )  # fmt: skip
+    try:
+
+        def warned() -> bool:
+            with Client(endpoint, timeout_ms=500, retries=0) as client:
+                try:
+                    return client.status()["no_core_reached"] is not None
+                except Exception:
+                    return False
+
+        wait_until(warned, 30, "the replicant to report that it reaches no core", interval_s=0.2)
+        text = CliRunner().invoke(main, ["status", "--node", endpoint]).output
+        assert "WARNING: no core has answered for" in text and "is [cluster] core_nodes right?" in text
+        wait_until(lambda: "replicant1 reaches no core" in log_file.read_text(), 10, "the log line")
+        with Client(endpoint, timeout_ms=2000) as client, pytest.raises(UnknownTable) as unknown:
+            client.get("users", 1)
+        assert "unknown table 'users' (replicant replicant1: no core has answered" in str(unknown.value)
+        assert CliRunner().invoke(main, ["stop", "--node", endpoint]).exit_code == 0
+        assert process.wait(timeout=20) == 0
+        assert "replicant replicant1 shut down (stop request from a client)" in log_file.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+def test_start_log_file_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "node.toml"
+    config.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\nlisten = "tcp://127.0.0.1:{free_port()}"\n')
+    result = CliRunner().invoke(main, ["start", "--config", str(config), "--log-file", str(tmp_path / "no" / "x.log")])
+    assert result.exit_code == 1 and result.output.startswith("Error: cannot open --log-file")
+
+
+def test_table_drop_goes_through_the_rlog_and_frees_the_name(mnesite, thread_node: ThreadNode) -> None:
+    put_rows(thread_node.endpoint, 5)
+    dropped = mnesite("table", "drop", "items", "--json")
+    assert dropped.exit_code == 0, dropped.output
+    tx_key = json.loads(dropped.output)["tx_key"]
+    with thread_node.client() as client:
+        entry = client.rlog_tail("default", 1)[-1]
+        assert entry["tx_key"] == tx_key
+        assert entry["ops"] == [{"op": "drop_table", "table": "items", "shard": "default"}]
+        assert [t["table"] for t in client.list_tables()] == []
+        with pytest.raises(UnknownTable):
+            client.count("items")
+    assert "drop_table items (shard default)" in mnesite("rlog", "tail", "default", "-n", "1").output
+    # Refused before proposal, by the apply's rule: nothing is logged.
+    for name, message in (("items", "unknown table 'items'"), ("ITEMS", "unknown table"), ("_mnesite_rlog", "")):
+        again = mnesite("table", "drop", name)
+        assert again.exit_code == 1 and message in again.output, again.output
+    with thread_node.client() as client:
+        assert client.rlog_tail("default", 1)[-1]["tx_key"] == tx_key
+    # The name is free: a new table of that name starts empty, with its own columns.
+    recreated = mnesite("table", "create", "items", "--key-column", "sku", "--column", "sku:TEXT")
+    assert recreated.exit_code == 0, recreated.output
+    with thread_node.client() as client:
+        assert client.count("items") == 0 and client.table("items")["columns"] == [["sku", "TEXT"]]
+        client.put("items", {"sku": "a"})
+    assert thread_node.node.store.verify_chain("default")
+
+
+def test_a_guard_sees_a_drop_in_the_uncommitted_tail() -> None:
+    from mnesite.core.guard_tail import GuardTail
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import ZERO_KEY, DropTableOp, TxKey, WriteOp, make_entry
+
+    table = define_table("t", "k", [["k", "INTEGER"]])
+    tail: GuardTail[str] = GuardTail({"t": table})
+    write = make_entry("s", TxKey(1, 1), ZERO_KEY, bytes(32), [WriteOp("t", {"k": 1})])
+    drop = make_entry("s", TxKey(1, 2), write.tx_key, write.digest, [DropTableOp("t", "s")])
+    tail.add((write, drop))
+    assert tail.row("t", 1) == (True, None) and tail.catalog_over({"t": table}) == {}
+    assert "t" in tail.dropped
+
+
+@pytest.mark.slow
+def test_a_drop_reaches_every_core_and_replicant(cluster: Cluster) -> None:
+    cluster.start_all()
+    with cluster.client("core1", timeout_ms=3000, retries=5) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        client.create_table("keep", "id", [("id", "INTEGER")])
+        client.transact([{"op": "write", "table": "kv", "row": {"id": i, "value": "v"}} for i in range(100)])
+    cluster.add_replicant("replicant1")
+    cluster.start("replicant1")
+    wait_until(
+        lambda: ((cluster.status("replicant1") or {}).get("shards", {}).get("default") or {}).get("mode") == "normal",
+        60,
+        "replicant1 to be normal",
+    )
+    # Through the replicant: it forwards the drop to a core, and the drop comes back through the rlog.
+    dropped = CliRunner().invoke(
+        main, ["table", "drop", "kv", "--node", cluster.endpoints["replicant1"], *cluster.cli_keys()]
+    )
+    assert dropped.exit_code == 0, dropped.output
+    refused = CliRunner().invoke(
+        main, ["table", "drop", "keep", "--node", cluster.endpoints["core2"], *cluster.cli_keys("app")]
+    )
+    assert refused.exit_code == 1 and "may not send drop_table" in refused.output
+    position = cluster.wait_converged(cluster.names)
+    wait_until(
+        lambda: (
+            tuple(((cluster.status("replicant1") or {}).get("shards", {}).get("default") or {}).get("applied", ()))
+            == tuple(position["applied"])
+        ),
+        30,
+        "replicant1 to apply the drop",
+    )
+    for name in [*cluster.names, "replicant1"]:
+        with cluster.client(name) as client:
+            assert [t["table"] for t in client.list_tables()] == ["keep"], name
+    # The text status of the sequencer lists the members and each follower's lag.
+    sequencer, _ = cluster.sequencer() or ("core1", 0)
+    text = CliRunner().invoke(main, ["status", "--node", cluster.endpoints[sequencer], *cluster.cli_keys()]).output
+    assert "default: members core1, core2, core3" in text
+    assert sum(line.startswith("default: follower core") and ", lag " in line for line in text.splitlines()) == 2
+
+
+def test_an_overlong_import_line_is_refused_after_a_bounded_read(monkeypatch, tmp_path: Path) -> None:
+    from mnesite.cli import transfer
+
+    monkeypatch.setattr(transfer, "LINE_CHARS_MAX", 100)
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"id": 1}\n' + '{"id": 2, "name": "' + "x" * 500 + '"}\n')
+    schema = {"table": "items", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"]]}
+    with open(path) as file, pytest.raises(transfer.ImportFailed, match="line 2: longer than 100 characters"):
+        list(transfer.read_rows(file, "jsonl", schema))
+
+
+def test_force_start_without_yes_says_what_this_core_may_lose() -> None:
+    from mnesite.cli.main import force_start_losses
+
+    def age(last: tuple[int, int]) -> dict:
+        return {"shards": {"default": {"last": list(last)}}}
+
+    lines = force_start_losses("core3", {"core1": None, "core2": age((4, 9)), "core3": age((4, 7))})
+    assert lines == [
+        "default: core3 has the log up to (4, 7); reachable cores hold more: core2 (4, 9) "
+        "(their entries after (4, 7) would be dropped); anything core1 committed after (4, 7) would be lost"
+    ]
+    assert force_start_losses("core1", {"core1": {"shards": {}}}) == ["core1 holds no shard yet: nothing to lose"]
+
+
+def test_force_start_without_yes_forces_nothing(mnesite) -> None:
+    result = mnesite("journal", "force-start")
+    assert result.exit_code == 1
+    assert "default: core1 has the log up to (" in result.output and "every core answered" in result.output
+    assert "Error: not forced: rerun with --yes to force-start core1" in result.output
+    assert (
+        json.loads(mnesite("journal", "show", "--json").output)["cores"]["core1"]["shards"]["default"]["forced"]
+        is False
+    )
