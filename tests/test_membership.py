@@ -13,11 +13,14 @@ from mnesite.core import membership
 from mnesite.core.consensus import (
     AppendReply,
     AppendRequest,
+    BatchEnded,
     Commit,
     ExclusionNotice,
     ForceStartRequested,
     MembershipChangeRequested,
+    Persisted,
     PersistEntries,
+    PersistState,
     PreVoteRequest,
     ProposalCommitted,
     ProposalFailed,
@@ -26,6 +29,7 @@ from mnesite.core.consensus import (
     Role,
     ShardConsensus,
     Ticked,
+    TruncateLog,
 )
 from mnesite.core.snapshot import SnapshotOffer, members_after_install
 from mnesite.rlog.messages import MEMBERS_OP_MAX, MessageError
@@ -49,9 +53,28 @@ from tests.test_consensus import CONFIG, Harness, chain, of_type, sends
 CI_SEEDS = 40
 
 
+class TurnHarness(Harness):
+    """The harness as the driver's loop turn (core/node.py ``run_turn``, tests/sim/cluster.py): the
+    event, then ``BatchEnded`` at a sequencer (the turn's appends go out, before they are durable
+    here), then ``Persisted`` once the turn's commit made its writes durable."""
+
+    def step(self, event, now_ms: int | None = None) -> list:
+        auto_persist, self.auto_persist = self.auto_persist, False
+        try:
+            effects = super().step(event, now_ms)
+            if self.machine.role is Role.SEQUENCER:
+                effects = effects + super().step(BatchEnded())
+        finally:
+            self.auto_persist = auto_persist
+        persisted = any(isinstance(effect, (PersistEntries, TruncateLog, PersistState)) for effect in effects)
+        if persisted and self.auto_persist and self.machine.role is Role.SEQUENCER:
+            effects = effects + self.machine.step(Persisted(), self.now_ms)
+        return effects
+
+
 def _elected() -> Harness:
     """``a`` is sequencer of {a, b, c} and its no-op (1, 1) committed (acknowledged by b)."""
-    harness = Harness()
+    harness = TurnHarness()
     harness.elect()
     harness.ack("b", TxKey(1, 1))
     assert harness.machine.committed_key == TxKey(1, 1)
@@ -85,13 +108,32 @@ def test_a_removal_is_in_force_as_soon_as_the_sequencer_persists_it():
     (entry,) = _membership_entries(effects)
     assert membership.membership_of(entry) == ("a", "b")
     assert harness.machine.members == ("a", "b") and harness.machine.committed_members == ("a", "b", "c")
-    # c gets no append any more; the entry commits with b (a majority of {a, b}), not with c.
+    # c gets no append any more (the turn's batch goes to b only); the entry commits with b (a
+    # majority of {a, b}), not with c.
+    assert [to for to, message in sends(effects, AppendRequest) if message.entries] == ["b"]
     assert all(to != "c" for to, _ in sends(effects, AppendRequest))
     assert not of_type(harness.ack("c", entry.tx_key), Commit)
     effects = harness.ack("b", entry.tx_key)
     assert of_type(effects, ProposalCommitted) == [ProposalCommitted("m1", entry.tx_key)]
     # Committed: persisted as the membership a restart starts from.
     assert harness.state.members == ("a", "b") and harness.machine.committed_members == ("a", "b")
+
+
+def test_a_membership_entry_is_batched_and_the_sequencer_counts_itself_only_once_durable():
+    """Batched commit path (thesis 10.2.1): the removal goes out at BatchEnded, before the
+    sequencer's own fsync; b's acknowledgement alone is no majority of {a, b} until Persisted."""
+    harness = _elected()
+    harness.auto_persist = False
+    effects = Harness.step(harness, MembershipChangeRequested("c", add=False, request_id="m1"))
+    (entry,) = _membership_entries(effects)
+    assert not sends(effects, AppendRequest)  # noted at once (in force), sent with the turn's batch
+    assert harness.machine.members == ("a", "b")
+    batch = sends(Harness.step(harness, BatchEnded()), AppendRequest)
+    assert [(to, message.entries) for to, message in batch] == [("b", (entry,))]
+    assert not of_type(harness.ack("b", entry.tx_key), Commit)
+    effects = Harness.step(harness, Persisted())
+    assert of_type(effects, ProposalCommitted) == [ProposalCommitted("m1", entry.tx_key)]
+    assert harness.machine.committed_members == ("a", "b")
 
 
 def test_a_second_change_is_refused_until_the_first_commits():
@@ -103,7 +145,7 @@ def test_a_second_change_is_refused_until_the_first_commits():
 
 
 def test_a_new_sequencer_changes_nothing_before_its_no_op_commits():
-    harness = Harness()
+    harness = TurnHarness()
     harness.elect()
     effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m1"))
     assert of_type(effects, ProposalRejected)[0].reason == membership.REJECT_NOT_SETTLED
@@ -131,7 +173,7 @@ def test_a_core_is_added_only_after_it_caught_up_as_a_learner():
 
 
 def test_a_learner_that_never_catches_up_is_refused_after_the_deadline():
-    harness = Harness(config=dataclasses.replace(CONFIG, learner_catch_up_ms_max=500))
+    harness = TurnHarness(config=dataclasses.replace(CONFIG, learner_catch_up_ms_max=500))
     harness.elect()
     harness.ack("b", TxKey(1, 1))
     harness.step(MembershipChangeRequested("d", add=True, request_id="m1"))
@@ -318,7 +360,7 @@ def test_the_simulator_catches_counting_the_old_membership_quorum(monkeypatch):
 
 
 def test_a_committed_membership_change_after_a_forced_start_ends_exclusion_notices():
-    harness = Harness()
+    harness = TurnHarness()
     effects = harness.step(ForceStartRequested(()), 10)
     assert harness.machine.status().forced and harness.machine.members == ("a",)
     # A core outside the forced set is told it was left out...
