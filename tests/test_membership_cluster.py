@@ -217,3 +217,35 @@ def test_a_dead_core_is_replaced_by_remove_then_add_and_the_sequencer_can_remove
     acknowledged = load.stop()
     check_agreement(cluster, remaining, acknowledged)
     assert shard_members(cluster, remaining[0]) == remaining
+
+
+def test_a_replicant_applies_membership_entries_and_keeps_serving(tmp_path: Path, node_processes: list[NodeProcess]):
+    """A replicant applies a membership entry like any other (its set-based apply skips it: no
+    table changes) and keeps up with the writes after it."""
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.start_all()
+    create_table(cluster)
+    cluster.add_replicant("replicant1")
+    cluster.start("replicant1")
+
+    def replicant_shard() -> dict:
+        return ((cluster.status("replicant1") or {}).get("shards", {}).get("default")) or {}
+
+    wait_until(lambda: replicant_shard().get("mode") == "normal", 60, "replicant1 to be normal")
+    load = Load(cluster, ["core1", "core2"]).start()
+    load.wait_for(50)
+    cluster_cli(cluster, "core1", "cluster", "remove-core", "core3")
+    load.wait_for(50)
+    acknowledged = load.stop()
+    remaining = ["core1", "core2"]
+    position = cluster.wait_converged(remaining)
+    wait_until(
+        lambda: (
+            replicant_shard().get("mode") == "normal"
+            and tuple(replicant_shard().get("applied", ())) == tuple(position["applied"])
+        ),
+        30,
+        "replicant1 to apply past the membership entry",
+    )
+    assert replicant_shard()["digest"] == position["digest"]
+    check_agreement(cluster, remaining, acknowledged)
