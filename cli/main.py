@@ -746,7 +746,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
     columns = ["shard", "role", "generation", "sequencer", "applied", "committed", "last", "digest"]
     click.echo(format_table(rows, [*columns, "rlog entries"]))
     for shard, info in result["shards"].items():
-        click.echo(f"{shard}: members {', '.join(info['members']) or '-'}")
+        click.echo(f"{shard}: members {_describe_members(info)}")
+        if info.get("learner"):
+            click.echo(f"{shard}: learner {info['learner']} (catching up before the entry that adds it)")
         for peer, follower in sorted((info.get("followers") or {}).items()):
             click.echo(f"{shard}: follower {peer} matched {tuple(follower['match'])}, lag {follower['lag_entries']}")
         if info.get("excluded"):
@@ -818,11 +820,23 @@ def print_entry(entry: dict[str, Any], as_json: bool) -> None:
     click.echo(f"{tuple(entry['tx_key'])} <- {tuple(entry['prev'])} {entry['digest'][:16]} {ops}")
 
 
+def _describe_members(info: dict[str, Any]) -> str:
+    """A shard's latest membership in the log; ``*`` marks a change not committed yet."""
+    members = ", ".join(info["members"]) or "-"
+    committed = info.get("committed_members")
+    if committed is not None and committed != info["members"]:
+        members += f"* (not committed yet; committed: {', '.join(committed) or '-'})"
+    return members
+
+
 def _describe_op(op: dict[str, Any]) -> str:
     if op["op"] == "write":
         return f"write {op['table']} {json.dumps(op['row'], default=_json_default)}"
     if op["op"] == "delete":
         return f"delete {op['table']} {op['key']!r}"
+    if op["op"] == "members":
+        added = f" (adds {op['added']} at {op['endpoint']})" if op["added"] else ""
+        return f"members {', '.join(op['members'])}{added}"
     if op["op"] == "drop_table":
         return f"drop_table {op['table']} (shard {op['shard']})"
     return f"create_table {op['table']} (shard {op['shard']}, key {op['key']})"
@@ -945,10 +959,11 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
                     "generation": age["generation"],
                     "committed": tuple(age["committed"]),
                     "last": tuple(age["last"]),
+                    "members": ",".join(age.get("members", [])),
                     "forced": "FORCED" if age["forced"] else "",
                 }
             )
-    click.echo(format_table(rows, ["core", "shard", "generation", "committed", "last", "forced"]))
+    click.echo(format_table(rows, ["core", "shard", "generation", "committed", "last", "members", "forced"]))
     for shard, key in result["majority"].items():
         reached = tuple(key) if key is not None else "unknown: no majority of cores answered"
         click.echo(f"majority of {len(cores)} cores has committed {shard} up to {reached}")
@@ -986,6 +1001,100 @@ def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
     click.echo(f"left out: {', '.join(result['left_out']) or 'nobody'}; may lose: {result['may_lose']}", err=True)
     for shard, info in result["shards"].items():
         click.echo(f"{shard}: generation {info['generation']}, last {tuple(info['last'])}")
+
+
+@main.group()
+def cluster() -> None:
+    """Change the set of cores, one core at a time (the membership lives in each shard's rlog)."""
+
+
+def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name: str, core_endpoint: str | None):
+    """Propose the change to every shard in turn; each is answered once its entry committed."""
+    with client_for(endpoint, timeout_ms) as client:
+        view = run(client.members)
+        if not view["shards"]:
+            fail("the cluster has no shard yet: create a table first, then change its cores")
+        results = {}
+        for shard, info in sorted(view["shards"].items()):
+            # Straight to the shard's sequencer when known: catching up a new core may take longer
+            # than a forwarded request may wait.
+            sequencer_endpoint = view["endpoints"].get(info["sequencer"]) if info["sequencer"] else None
+            if sequencer_endpoint is None or info["sequencer"] == view["node"]:
+                results[shard] = run(lambda shard=shard: client.change_membership(shard, action, name, core_endpoint))
+                continue
+            with client_for(sequencer_endpoint, timeout_ms) as sequencer:
+                results[shard] = run(
+                    lambda shard=shard, sequencer=sequencer: sequencer.change_membership(
+                        shard, action, name, core_endpoint
+                    )
+                )
+        return {"action": action, "core": name, "shards": results, "members": run(client.members)}
+
+
+@cluster.command("add-core")
+@click.argument("name")
+@click.argument("core_endpoint", metavar="ENDPOINT")
+@node_options
+@json_option
+def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None:
+    """Add core NAME, listening at ENDPOINT, to every shard. Needs the admin role.
+
+    \b
+    Start the new core first (its core_nodes list the running cores and itself; with [security]
+    its key is in every core's authorized_keys and NAME under [security.roles] core, then SIGHUP).
+    With an empty data directory it learns the membership from its peers and catches up as a
+    learner (by snapshot if the cores trimmed their rlog); only then is the entry that adds it
+    appended, and it votes once that entry is in its log. Run again to finish a change that stopped
+    half-way: shards where NAME is already a member answer "already_member".
+    """
+    result = _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint)
+    _print_change(result, as_json)
+
+
+@cluster.command("remove-core")
+@click.argument("name")
+@node_options
+@json_option
+def cluster_remove_core(name, endpoint, timeout_ms, as_json) -> None:
+    """Remove core NAME from every shard (to replace a dead core: remove it, then add-core the new
+    one). Needs the admin role. A sequencer that removes itself steps down once the entry commits."""
+    result = _change_every_shard(endpoint, timeout_ms, "remove", name, None)
+    _print_change(result, as_json)
+
+
+def _print_change(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        emit_json(result)
+        return
+    for shard, answer in sorted(result["shards"].items()):
+        if "unchanged" in answer:
+            click.echo(f"{shard}: unchanged ({answer['unchanged']})")
+        else:
+            click.echo(f"{shard}: {result['action']} {result['core']} committed at {tuple(answer['tx_key'])}")
+    click.echo(f"members: {', '.join(result['members']['members'])}")
+
+
+@cluster.command("members")
+@node_options
+@json_option
+def cluster_members(endpoint, timeout_ms, as_json) -> None:
+    """Show the cores of the cluster and of each shard (latest membership in the log, committed
+    or not; a learner is a core being added that is still catching up)."""
+    with client_for(endpoint, timeout_ms) as client:
+        result = run(client.members)
+    if as_json:
+        emit_json(result)
+        return
+    click.echo(f"members (as {result['node']} sees them): {', '.join(result['members'])}")
+    rows = [
+        {"core": name, "endpoint": address, "member": "yes" if name in result["members"] else "no"}
+        for name, address in result["endpoints"].items()
+    ]
+    click.echo(format_table(rows, ["core", "endpoint", "member"]))
+    for shard, info in result["shards"].items():
+        pending = "" if info["members"] == info["committed_members"] else " (change not committed yet)"
+        learner = f", learner {info['learner']}" if info["learner"] else ""
+        click.echo(f"{shard}: {', '.join(info['members'])}{pending}{learner}; sequencer {info['sequencer']}")
 
 
 @main.group()

@@ -36,9 +36,12 @@ and executes the effects it returns.
   ``BatchEnded``: every caught-up follower then gets them in one append (cut by
   ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
   unanswered per follower (pipelining; one while probing). Followers that are behind get entries
-  from the log as their replies arrive; heartbeats resend what was not acknowledged.
-* Commit. An entry is committed when a majority of the members (the sequencer counts) have persisted
-  it and it belongs to the current generation; earlier entries commit with it (Raft, section 5.4.2).
+  from the log as their replies arrive; heartbeats resend what was not acknowledged. A membership
+  entry is batched like any proposal, but in force from when it is appended (``core.membership``):
+  the batch goes to the new set's voters.
+* Commit. An entry is committed when a majority of the voters of the latest membership in the log
+  (the sequencer counts when it is one of them) have persisted it and it belongs to the current
+  generation; earlier entries commit with it (Raft, section 5.4.2).
   Followers learn the commit key from appends.
 * Appends before the sequencer's fsync (thesis 10.2.1). The sequencer's appends are marked
   ``Send.before_persisted``: the driver may send them before its own commit, so the followers'
@@ -71,7 +74,12 @@ and executes the effects it returns.
   down, fails its pending writes, and stops taking part.
   Safety holds as long as fewer than a majority of the old members that were left out ever come
   back (they must be rebuilt first): left-out cores alone cannot form a quorum of the old membership,
-  and reached cores ignore them.
+  and reached cores ignore them. A left-out core rejoins through an ordinary membership change
+  (``core.membership``): the forced sequencer replicates to it as a learner, and the entry that adds
+  it ends its exclusion. If its log holds committed entries the forced sequencer lacks, the append
+  would replace them and ``ConsensusInvariantError`` stops the shard there: rebuild it (empty data
+  directory) and add it again.
+* Membership changes: see ``core.membership`` (one core at a time, through the log).
 
 Driver contract
 ---------------
@@ -108,11 +116,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from mnesite.core import membership
+from mnesite.core.membership import MEMBERS_MAX, membership_changes
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import Ticked
-from mnesite.rlog.types import ZERO_KEY, Entry, Op, TxKey, chain_break, entry_size_bytes, make_entry
+from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, chain_break, entry_size_bytes, make_entry
 
-MEMBERS_MAX = 15
 # Generations are persisted as SQLite integers and a campaign adds one: stay below 2**63 - 1.
 GENERATION_MAX = 2**63 - 2
 EXCLUSION_NOTICE_INTERVAL_MS = 1000  # how often a left-out core is told at most
@@ -154,6 +163,8 @@ class ConsensusConfig:
     # A peer's message may raise our generation by at most this much: generations grow by one per
     # election, so a larger jump is a hostile or broken peer (and 2**63-1 would overflow SQLite).
     generation_jump_max: int = 1_000_000
+    # How long a core being added may take to catch up (as a learner) before the change is refused.
+    learner_catch_up_ms_max: int = 600_000
 
     def __post_init__(self) -> None:
         require_positive_ints(self, ConsensusConfigError)
@@ -223,6 +234,10 @@ class ConsensusStatus:
     # For the sequencer: the last tx key each follower is known to have persisted (its lag).
     follower_match_keys: tuple[tuple[str, TxKey], ...] = ()
     pending_proposals: int = 0
+    # The membership as of the committed key (``members`` is the latest in the log, committed or not).
+    committed_members: tuple[str, ...] = ()
+    # A core being added that is still catching up (sequencer only).
+    learner: str | None = None
 
 
 # ---------------------------------------------------------------- peer messages
@@ -334,7 +349,22 @@ class ForceStartRequested:
     reached: tuple[tuple[str, int], ...]
 
 
-Event = Ticked | MessageReceived | Proposed | BatchEnded | Persisted | ForceStartRequested
+@dataclass(frozen=True)
+class MembershipChangeRequested:
+    """Operator: add (after it caught up as a learner) or remove one core (``core.membership``).
+
+    Answered like a proposal: ``ProposalCommitted`` once the membership entry committed,
+    ``ProposalRejected`` (nothing written; ``membership.ALREADY_DONE`` reasons mean it already holds)
+    or ``ProposalFailed``.
+    """
+
+    name: str
+    add: bool
+    endpoint: str = ""
+    request_id: str | None = None
+
+
+Event = Ticked | MessageReceived | Proposed | BatchEnded | Persisted | ForceStartRequested | MembershipChangeRequested
 
 # ---------------------------------------------------------------- effects
 
@@ -487,6 +517,16 @@ class _Progress:
     sent_key_max: TxKey = ZERO_KEY
 
 
+@dataclass
+class _Learner:
+    """A core the sequencer is bringing up to date before the entry that adds it (``core.membership``)."""
+
+    name: str
+    endpoint: str
+    request_id: str | None
+    started_ms: int
+
+
 class ShardConsensus:
     """Election and replication state of one shard on one core node."""
 
@@ -502,8 +542,10 @@ class ShardConsensus:
         now_ms: int,
     ) -> None:
         members = tuple(sorted(set(state.members)))
-        if name not in members:
-            raise ConsensusConfigError(f"node {name!r} is not a member of {members}")
+        # A core outside its membership is a learner being added, or a removed core: it follows the
+        # sequencer's appends but never campaigns (``core.membership``).
+        if not members:
+            raise ConsensusConfigError("a shard needs at least one member")
         if len(members) > MEMBERS_MAX:
             raise ConsensusConfigError(f"at most {MEMBERS_MAX} members, got {len(members)}")
         if state.generation < 0:
@@ -514,7 +556,12 @@ class ShardConsensus:
         self._log = log
         self._rng = rng
         self._now_ms = now_ms
+        # The persisted membership is the one as of the committed key; membership entries after it
+        # (``_changes``, read from the log below) override it: the latest one in the log counts.
+        self._committed_members = members
+        self._changes: list[tuple[TxKey, tuple[str, ...]]] = []
         self._members = members
+        self._learner: _Learner | None = None
         self._forced = state.forced
         # Left out by a forced start (ExclusionNotice): never campaign again until rebuilt.
         self._excluded = False
@@ -528,6 +575,15 @@ class ShardConsensus:
         if committed_key > self._last_key:
             raise ConsensusInvariantError(f"committed key {committed_key} is beyond the last key {self._last_key}")
         self._commit_key = committed_key
+        scanned_key = committed_key
+        while True:
+            batch = log.entries_after(scanned_key, 1024)
+            if not batch:
+                break
+            self._changes.extend(membership_changes(batch))
+            scanned_key = batch[-1].tx_key
+        if self._changes:
+            self._members = self._changes[-1][1]
         # A generation seen in the log was in use; never go below it even if the state record lags.
         self._generation = max(state.generation, self._last_key.generation)
         self._voted_for = state.voted_for
@@ -594,8 +650,17 @@ class ShardConsensus:
     def journal_age(self) -> JournalAge:
         return JournalAge(self._generation, self._commit_key, self._last_key)
 
+    @property
+    def committed_members(self) -> tuple[str, ...]:
+        return self._committed_members
+
+    @property
+    def voter(self) -> bool:
+        """This core is in its latest membership: it votes, campaigns and counts in quorums."""
+        return self.name in self._members
+
     def persisted_state(self) -> PersistedState:
-        return PersistedState(self._generation, self._voted_for, self._members, self._forced)
+        return PersistedState(self._generation, self._voted_for, self._committed_members, self._forced)
 
     def status(self) -> ConsensusStatus:
         matches: tuple[tuple[str, TxKey], ...] = ()
@@ -614,6 +679,8 @@ class ShardConsensus:
             forced=self._forced,
             follower_match_keys=matches,
             pending_proposals=len(self._pending),
+            committed_members=self._committed_members,
+            learner=self._learner.name if self._learner is not None else None,
         )
 
     def read_index(self, now_ms: int) -> TxKey | None:
@@ -625,10 +692,12 @@ class ShardConsensus:
         if self._role is not Role.SEQUENCER or not self._own_generation_committed():
             return None
         lease_ms = self.config.election_timeout_ms_min // 2
-        holders = 1 + sum(
+        holders = int(self.voter) + sum(
             1
-            for progress in self._progress.values()
-            if progress.lease_heard_ms is not None and now_ms - progress.lease_heard_ms < lease_ms
+            for peer, progress in self._progress.items()
+            if peer in self._members
+            and progress.lease_heard_ms is not None
+            and now_ms - progress.lease_heard_ms < lease_ms
         )
         if holders < self._majority():
             return None
@@ -675,6 +744,8 @@ class ShardConsensus:
             self._on_persisted()
         elif isinstance(event, ForceStartRequested):
             self._force_start(event.reached)
+        elif isinstance(event, MembershipChangeRequested):
+            self._on_membership_change(event)
         else:
             raise TypeError(f"not a consensus event: {event!r}")
         out, self._out = self._out, []
@@ -699,10 +770,10 @@ class ShardConsensus:
         if self._excluded:
             return
         if self._role is Role.SEQUENCER:
-            heard = 1 + sum(
+            heard = int(self.voter) + sum(
                 1
-                for progress in self._progress.values()
-                if self._now_ms - progress.last_heard_ms < self.config.election_timeout_ms_min
+                for peer, progress in self._progress.items()
+                if peer in self._members and self._now_ms - progress.last_heard_ms < self.config.election_timeout_ms_min
             )
             if heard < self._majority():
                 self._step_down(
@@ -718,8 +789,9 @@ class ShardConsensus:
                         progress.sent_key = progress.match_key
                     progress.in_flight = 0
                     self._send_append(peer, heartbeat=True)
+            self._check_learner()
             return
-        if self._now_ms >= self._election_deadline_ms:
+        if self._now_ms >= self._election_deadline_ms and self.voter:
             self._pre_vote()
 
     # ------------------------------------------------------------ election
@@ -770,7 +842,7 @@ class ShardConsensus:
         if self._pre_votes is None or not message.granted or message.generation != self._generation + 1:
             return
         self._pre_votes.add(sender)
-        if len(self._pre_votes) >= self._majority():
+        if len(self._pre_votes & set(self._members)) >= self._majority():
             self._campaign()
 
     def _campaign(self) -> None:
@@ -827,10 +899,10 @@ class ShardConsensus:
         if self._role is not Role.CANDIDATE or message.generation != self._generation or not message.granted:
             return
         self._votes.add(sender)
-        if len(self._votes) >= self._majority():
+        if len(self._votes & set(self._members)) >= self._majority():
             self._become_sequencer()
 
-    def _become_sequencer(self) -> None:
+    def _become_sequencer(self, first_ops: tuple[Op, ...] = ()) -> None:
         self._set_role(Role.SEQUENCER, self.name)
         self._votes = set()
         self._progress = {
@@ -838,7 +910,7 @@ class ShardConsensus:
         }
         self._heartbeat_due_ms = self._now_ms + self.config.heartbeat_interval_ms
         # The no-op of this generation: committing it settles every earlier entry.
-        self._append_own((), None, proposal=False)
+        self._append_own(first_ops, None, proposal=False)
 
     def _step_down(self, reason: str) -> None:
         self._fail_pending(reason)
@@ -850,6 +922,10 @@ class ShardConsensus:
         for key, request_id in self._pending.items():
             self._out.append(ProposalFailed(request_id, key, reason))
         self._pending = {}
+        if self._learner is not None:
+            # Nothing was written for a learner: the operator retries at the next sequencer.
+            self._out.append(ProposalRejected(self._learner.request_id, REJECT_NOT_SEQUENCER, None))
+            self._learner = None
 
     def _force_start(self, reached: tuple[tuple[str, int], ...]) -> None:
         """Become sequencer of a new generation with the members reached, loudly; refuse if a
@@ -882,12 +958,16 @@ class ShardConsensus:
         # Above every generation a reached member has seen, so each of them follows this sequencer.
         self._generation = max(self._generation, *generations.values()) + 1 if generations else self._generation + 1
         self._voted_for = self.name
+        # The operator's override: the reduced set is in force at once (committed, for this core),
+        # and the forced generation's first entry records it in the log for everyone else.
+        self._committed_members = new_members
+        self._changes = []
         self._members = new_members
         self._forced = True
         self._persist_state()
         self._out.append(ForceStarted(self._generation, new_members, self._last_key, self._commit_key))
         self._role = Role.CANDIDATE  # so that _set_role reports the change even from SEQUENCER
-        self._become_sequencer()
+        self._become_sequencer(first_ops=(MembersOp(new_members),))
 
     def _on_exclusion(self, sender: str, notice: ExclusionNotice) -> None:
         """A member's forced start left this core out: stop taking part.
@@ -941,9 +1021,11 @@ class ShardConsensus:
         if isinstance(message, ExclusionNotice) and sender != self.name:
             self._on_exclusion(sender, message)
             return
-        if sender == self.name or sender not in self._members:
+        if sender == self.name or (sender not in self._members and not self._heeds_outsider(sender, message)):
             self._out.append(ProtocolViolation(sender, f"not a member of {self._members}"))
-            if sender != self.name and not self._excluded:
+            if sender != self.name and not self._excluded and self._forced:
+                # Only a forced start leaves cores out behind their back; a core outside an
+                # ordinary membership (a learner, a removed core) is simply not answered.
                 self._tell_excluded(sender, message)
             return
         if self._role is Role.SEQUENCER and self._counts_for_lease(message):
@@ -980,6 +1062,15 @@ class ShardConsensus:
         else:
             self._on_append_reply(sender, message)
 
+    def _heeds_outsider(self, sender: str, message: PeerMessage) -> bool:
+        """Replication needs no membership: a learner (or a core whose membership entry has not
+        reached us yet) follows a sequencer outside the set it knows, and the sequencer hears its
+        learner. Votes come from members only. After a forced start, outsiders are the cores it
+        left out and are told so instead."""
+        if isinstance(message, AppendReply):
+            return sender in self._progress
+        return isinstance(message, AppendRequest) and not self._forced
+
     def _reply_append(self, sender: str, message: AppendRequest, success: bool, match_key: TxKey) -> None:
         reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key, message.sent_ms)
         self._out.append(Send(sender, reply))
@@ -1002,11 +1093,6 @@ class ShardConsensus:
         self._pre_votes = None
         self._sequencer_heard_ms = self._now_ms
         self._reset_election_deadline()
-        if message.members != self._members and self.name in message.members:
-            # The sequencer's membership was reduced by a force start; adopt it durably.
-            self._members = tuple(sorted(set(message.members)))
-            self._persist_state()
-
         prev_key, prev_digest = message.prev_key, message.prev_digest
         entries = list(message.entries)
         for entry in entries:
@@ -1064,14 +1150,18 @@ class ShardConsensus:
                     )
                 self._out.append(TruncateLog(after_key))
                 self._durable_key = min(self._durable_key, after_key)
+                self._forget_changes_after(after_key)
             self._out.append(PersistEntries(tuple(new_entries)))
             self._last_key = new_entries[-1].tx_key
             self._last_digest = new_entries[-1].digest
+            self._note_changes(new_entries)
         # Raft: commit up to min(sequencer's commit key, last entry this append verified).
         new_commit = min(message.commit_key, message_last_key)
         if new_commit > self._commit_key:
             self._commit_key = new_commit
+            self._settle_members()
             self._out.append(Commit(new_commit))
+        self._adopt_committed_members(message)
         self._reply_append(sender, message, True, message_last_key)
 
     def _on_append_reply(self, sender: str, message: AppendReply) -> None:
@@ -1093,6 +1183,9 @@ class ShardConsensus:
             progress.sent_key = max(progress.sent_key, progress.match_key)
             progress.in_flight = max(0, progress.in_flight - 1)
             self._advance_commit()
+            if self._role is not Role.SEQUENCER:
+                return  # it committed its own removal and stepped down
+            self._check_learner()
         else:
             # Resume at the follower's last key if our log has it (same key means same entry),
             # otherwise at its commit key, which every sequencer's log contains.
@@ -1135,6 +1228,9 @@ class ShardConsensus:
         self._last_key, self._last_digest = entry.tx_key, entry.digest
         if proposal:
             self._pending[entry.tx_key] = request_id
+        # A membership entry is in force from when it is appended (core.membership), before it is
+        # batched: the batch goes to the new set's voters, and the commit below counts only them.
+        self._note_changes([entry])
         # Proposals wait for the driver's BatchEnded, so that a turn's entries travel in one append
         # per follower; the no-op of a new generation goes at once.
         if not self._batch:
@@ -1168,7 +1264,13 @@ class ShardConsensus:
 
     def _send(self, peer: str, progress: _Progress, prev_key: TxKey, prev_digest: bytes, entries: list[Entry]) -> None:
         message = AppendRequest(
-            self._generation, prev_key, prev_digest, self._commit_key, self._members, tuple(entries), self._now_ms
+            self._generation,
+            prev_key,
+            prev_digest,
+            self._commit_key,
+            self._committed_members,
+            tuple(entries),
+            self._now_ms,
         )
         self._out.append(Send(peer, message, before_persisted=self._state_durable))
         progress.sent_key_max = max(progress.sent_key_max, entries[-1].tx_key if entries else prev_key)
@@ -1208,18 +1310,133 @@ class ShardConsensus:
         return self._durable_key
 
     def _advance_commit(self) -> None:
-        # Thesis 10.2.1: this core's appends went out before they were durable here, so it counts
-        # itself only up to what the driver reported durable (``Persisted``).
-        matched = sorted([self._own_match_key(), *(p.match_key for p in self._progress.values())], reverse=True)
+        # Only voters of the latest membership count; a sequencer removing itself does not. Thesis
+        # 10.2.1: this core's appends went out before they were durable here, so it counts itself
+        # only up to what the driver reported durable (``Persisted``).
+        matched = [p.match_key for peer, p in self._progress.items() if peer in self._members]
+        if self.voter:
+            matched.append(self._own_match_key())
+        matched.sort(reverse=True)
+        if len(matched) < self._majority():
+            return
         candidate = matched[self._majority() - 1]
         # Raft's commit rule: only an entry of the current generation commits by counting replicas.
         if candidate <= self._commit_key or candidate.generation != self._generation:
             return
         self._commit_key = candidate
+        self._settle_members()
         self._out.append(Commit(candidate))
         committed = [key for key in self._pending if key <= candidate]
         for key in committed:
             self._out.append(ProposalCommitted(self._pending.pop(key), key))
+        if self.name not in self._committed_members:
+            # Its own removal committed (not merely an earlier entry, committed by the others while
+            # the removal is still in flight): the remaining members elect a sequencer among themselves.
+            self._step_down(f"{self.name} was removed from the membership")
+
+    # ------------------------------------------------------------ membership (core.membership)
+
+    def _note_changes(self, entries: Sequence[Entry]) -> None:
+        """Entries just persisted: a membership entry among them is in force from now on."""
+        changes = membership_changes(entries)
+        if changes:
+            self._changes.extend(changes)
+            self._set_members(changes[-1][1])
+            if self._excluded and self.name in changes[-1][1]:
+                # Left out by a forced start, then added back (``cluster add-core``): the forced
+                # sequencer replicated its log to us as a learner, and its add entry names us.
+                self._excluded = False
+
+    def _forget_changes_after(self, key: TxKey) -> None:
+        """The log is truncated after ``key``: its membership entries there no longer count."""
+        self._changes = [change for change in self._changes if change[0] <= key]
+        self._set_members(self._changes[-1][1] if self._changes else self._committed_members)
+
+    def _settle_members(self) -> None:
+        """The commit key advanced: membership entries up to it become the committed membership."""
+        settled = [change for change in self._changes if change[0] <= self._commit_key]
+        if not settled:
+            return
+        self._changes = self._changes[len(settled) :]
+        if settled[-1][1] != self._committed_members:
+            self._committed_members = settled[-1][1]
+            # A membership change after a forced start ends what "forced" guards: outsiders are no
+            # longer only the cores it left out (a core being added may ask a member that has not
+            # seen its entry yet), so nobody is told "excluded" any more.
+            self._forced = False
+            self._persist_state()
+
+    def _adopt_committed_members(self, message: AppendRequest) -> None:
+        """With the sequencer's committed key, its committed membership is ours too (same committed
+        prefix). This is how a core whose membership entries were trimmed away (it installed a
+        snapshot), or that a forced start kept, learns the membership."""
+        members = tuple(sorted(set(message.members)))
+        if (
+            message.commit_key != self._commit_key
+            or members == self._committed_members
+            or not membership.valid_members(members)
+        ):
+            return
+        self._committed_members = members
+        self._persist_state()
+        if not self._changes:
+            self._set_members(members)
+
+    def _set_members(self, members: tuple[str, ...]) -> None:
+        if members == self._members:
+            return
+        self._members = members
+        if self._role is not Role.SEQUENCER:
+            return
+        # Replicate to every voter of the new set (a learner already has its progress); a removed
+        # core is no longer replicated to.
+        learner = self._learner.name if self._learner is not None else None
+        for peer in list(self._progress):
+            if peer not in members and peer != learner:
+                del self._progress[peer]
+        for peer in self._peers():
+            if peer not in self._progress:
+                self._progress[peer] = _Progress(sent_key=self._last_key, last_heard_ms=self._now_ms)
+
+    def _on_membership_change(self, event: MembershipChangeRequested) -> None:
+        if self._role is not Role.SEQUENCER:
+            self._out.append(ProposalRejected(event.request_id, REJECT_NOT_SEQUENCER, self._sequencer))
+            return
+        refusal = membership.change_refusal(
+            self._members,
+            event.name,
+            event.add,
+            change_in_flight=bool(self._changes) or self._learner is not None,
+            own_generation_committed=self._own_generation_committed(),
+        )
+        if refusal is None and len(self._pending) >= self.config.pending_proposals_max:
+            refusal = REJECT_BUSY
+        if refusal is not None:
+            self._out.append(ProposalRejected(event.request_id, refusal, self.name))
+            return
+        if not event.add:
+            new_members = membership.changed_members(self._members, event.name, add=False)
+            self._append_own((MembersOp(new_members),), event.request_id, proposal=True)
+            return
+        # Catch up first, counted in no quorum; the add entry follows once it holds our commit key.
+        self._learner = _Learner(event.name, event.endpoint, event.request_id, self._now_ms)
+        self._progress[event.name] = _Progress(sent_key=self._last_key, last_heard_ms=self._now_ms)
+        self._send_append(event.name, heartbeat=True)
+
+    def _check_learner(self) -> None:
+        learner = self._learner
+        if learner is None or self._role is not Role.SEQUENCER:
+            return
+        progress = self._progress.get(learner.name)
+        if progress is not None and progress.match_key >= self._commit_key and self._own_generation_committed():
+            self._learner = None
+            new_members = membership.changed_members(self._members, learner.name, add=True)
+            op = MembersOp(new_members, learner.name, learner.endpoint)
+            self._append_own((op,), learner.request_id, proposal=True)
+        elif self._now_ms - learner.started_ms > self.config.learner_catch_up_ms_max:
+            self._learner = None
+            self._progress.pop(learner.name, None)
+            self._out.append(ProposalRejected(learner.request_id, membership.REJECT_CATCH_UP_TIMEOUT, self.name))
 
 
 def _bounded_in_bytes(entries: Sequence[Entry], bytes_max: int) -> list[Entry]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import json
 import logging
 import random
 import threading
@@ -62,6 +63,7 @@ from mnesite.core.consensus import (
     ForceStarted,
     ForceStartRefused,
     ForceStartRequested,
+    MembershipChangeRequested,
     MessageReceived,
     Persisted,
     PersistedState,
@@ -82,6 +84,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GuardTail
+from mnesite.core.membership import ALREADY_DONE, membership_of
 from mnesite.core.outcome import (
     Acknowledged,
     CommitWaiters,
@@ -89,7 +92,12 @@ from mnesite.core.outcome import (
     Outcome,
     forward_target,
 )
-from mnesite.core.recovery import reached_generations, recovered_generations, well_formed_answers
+from mnesite.core.recovery import (
+    reached_generations,
+    recovered_generations,
+    recovered_members,
+    well_formed_answers,
+)
 from mnesite.core.rlog_server import RlogServer
 from mnesite.core.snapshot import (
     BeginInstall,
@@ -100,6 +108,7 @@ from mnesite.core.snapshot import (
     SnapshotInstall,
     SnapshotOffer,
     accept_offer,
+    members_after_install,
     offer_due,
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
@@ -125,6 +134,7 @@ from mnesite.rlog.types import (
     ZERO_KEY,
     DropTableOp,
     Entry,
+    MembersOp,
     OpDecodeError,
     PackedEntry,
     TxKey,
@@ -165,6 +175,8 @@ INSTALL_BATCH_ROWS_MAX = 10_000
 PROGRESS_LOG_INTERVAL_MS = 5000  # bootstrap and install progress lines in the log, per shard
 INSTALL_REQUEST_TIMEOUT_MS = 10_000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
+# Core endpoints a node keeps (its config's and those learned from membership entries and peers).
+MEMBERS_LEARNED_MAX = 64
 
 
 class Deferred(Exception):
@@ -266,9 +278,15 @@ class CoreNode(NodeServer):
             election_timeout_ms_max=config.timing.election_timeout_ms_max,
             heartbeat_interval_ms=config.timing.heartbeat_interval_ms,
         )
-        self.members = tuple(sorted(config.core_nodes))
         data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
         super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
+        # The cluster's membership (core.membership): the config's core_nodes seed it; after that it
+        # is the membership last applied from any shard's log, and it seeds shards created later.
+        # Endpoints of cores added later are learned from their membership entries.
+        self.members = tuple(json.loads(self.store.meta("cluster_members", "null")) or sorted(config.core_nodes))
+        self.endpoints: dict[str, str] = {**config.core_nodes, **json.loads(self.store.meta("core_endpoints", "{}"))}
+        # request id -> (shard, envelope) of a membership change not yet in the log (learner stage).
+        self.pending_changes: dict[str, tuple[str, list[bytes]]] = {}
         self.shards: dict[str, ShardDriver] = {}
         self.forwarded: ForwardedRequests[list[bytes]] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
@@ -320,22 +338,63 @@ class CoreNode(NodeServer):
         """
         if timeout_ms is None:
             timeout_ms = self.config.timing.recovery_timeout_ms
-        generations = recovered_generations(self.probe_peers(timeout_ms))
+        answers = self.probe_peers(timeout_ms)
+        generations = recovered_generations(answers)
+        # A core added to a running cluster (or one being rebuilt) starts with the members the peers
+        # know, not its config's core_nodes: outside them it is a learner until an add entry names it.
+        members, cluster = recovered_members(answers)
+        for journal in well_formed_answers(answers).values():
+            self._learn_endpoints(journal.get("core_nodes"))
         if generations:
             with self.store.write_transaction():
                 for shard, generation in generations.items():
                     self.store.ensure_shard(shard, 0)
                     if generation <= self.store.consensus_state(shard)[0]:
                         continue  # a restored shard already at (or past) the generation the peers know
-                    self.store.persist_consensus_state(shard, generation, self.config.name, self.members, False)
+                    shard_members = members.get(shard, self.members)
+                    self.store.persist_consensus_state(shard, generation, self.config.name, shard_members, False)
+                if cluster is not None:
+                    self._set_cluster_members(cluster)
             log.warning("empty database: recovering from peers at generations %s", generations)
         return generations
+
+    def _learn_endpoints(self, endpoints: Any) -> None:
+        """Peer endpoints from a peer's journal answer (untrusted: names and endpoints are checked)."""
+        if not isinstance(endpoints, dict):
+            return
+        from mnesite.rlog.messages import ENDPOINT, NAME, MessageError
+
+        for name, endpoint in list(endpoints.items())[:MEMBERS_LEARNED_MAX]:
+            try:
+                NAME.check(name, "core")
+                ENDPOINT.check(endpoint, "endpoint")
+            except MessageError:
+                continue
+            if name not in self.endpoints:
+                self._learn_endpoint(name, endpoint)
+
+    def _learn_endpoint(self, name: str, endpoint: str) -> None:
+        if self.endpoints.get(name) == endpoint or name == self.config.name:
+            return
+        if len(self.endpoints) >= MEMBERS_LEARNED_MAX and name not in self.endpoints:
+            log.warning("not learning endpoint %s of core %s: %d endpoints known", endpoint, name, len(self.endpoints))
+            return
+        self.endpoints[name] = endpoint
+        learned = {n: e for n, e in self.endpoints.items() if self.config.core_nodes.get(n) != e}
+        self.store.set_meta("core_endpoints", json.dumps(learned, sort_keys=True))
+        log.info("core %s listens at %s", name, endpoint)
+
+    def _set_cluster_members(self, members: tuple[str, ...]) -> None:
+        if members != self.members:
+            self.members = members
+            self.store.set_meta("cluster_members", json.dumps(list(members)))
+            log.warning("cluster membership: %s", ", ".join(members))
 
     def peer_client(self, peer: str, timeout_ms: int) -> Any:
         """A one-shot client to core ``peer``, speaking with this node's own key when secure."""
         from mnesite.rlog.client import Client
 
-        endpoint = self.config.core_nodes[peer]
+        endpoint = self.endpoints[peer]
         if self.security is None:
             return Client(endpoint, timeout_ms=timeout_ms, retries=0)
         return Client(
@@ -481,6 +540,10 @@ class CoreNode(NodeServer):
             self.rlog_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
             self.reply(envelope, codec.reply(message.request_id, self.force_start()))
+        elif message.kind == "membership_change":
+            self._membership_change(envelope, message)
+        elif message.kind == "members":
+            self.reply(envelope, codec.reply(message.request_id, self.membership()))
         elif message.kind == "stop":
             self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
         elif message.kind == "backup":
@@ -526,6 +589,7 @@ class CoreNode(NodeServer):
             self.begin()
             self.store.append_entries(effect.entries, int(time.time() * 1000), chain_verified=True)
             driver.tail.add(effect.entries)
+            self._note_membership_entries(driver, effect.entries)
         elif isinstance(effect, TruncateLog):
             self.begin()
             removed = self.store.truncate_after(shard, effect.after_key)
@@ -544,6 +608,10 @@ class CoreNode(NodeServer):
             for held, verdict in driver.tail.committed(effect.up_to, self.store.catalog(), read_index):
                 self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
             self.transactions += len(applied)
+            for entry in applied:
+                applied_members = membership_of(entry)
+                if applied_members is not None:
+                    self._set_cluster_members(applied_members)
             self.rlog_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
             self._tell_outcomes(driver.waiters.committed(applied))
         elif isinstance(effect, Send):
@@ -554,7 +622,11 @@ class CoreNode(NodeServer):
         elif isinstance(effect, ProposalFailed):
             self._tell_outcomes(driver.waiters.failed(effect.tx_key, effect.reason))
         elif isinstance(effect, ProposalRejected):
-            pass  # handled by the caller of Proposed, which still holds the envelope
+            # A write's rejection is handled by the caller of Proposed, which still holds the envelope;
+            # a membership change may be refused later (its learner never caught up).
+            pending = self.pending_changes.pop(effect.request_id or "", None)
+            if pending is not None:
+                self._answer_refused_change(driver, pending[1], effect)
         elif isinstance(effect, RoleChanged):
             # Requests forwarded to a sequencer we no longer follow would wait for FORWARD_TIMEOUT_MS
             # (it may be dead): tell their clients now, so that they retry with the same request id.
@@ -587,7 +659,7 @@ class CoreNode(NodeServer):
                 self.clock_ms(),
                 self.consensus_config.election_timeout_ms_min,
             )
-            if position is not None and effect.follower in self.config.core_nodes and recently:
+            if position is not None and effect.follower in self.endpoints and recently:
                 log.info(
                     "shard %s: follower %s needs entries after %s, older than this rlog retains (%s): offering a "
                     "snapshot at %s",
@@ -603,6 +675,7 @@ class CoreNode(NodeServer):
                     "generation": driver.consensus.generation,
                     "key": list(position.applied),
                     "digest": position.digest,
+                    "members": list(driver.consensus.committed_members),
                 }
                 self._send_peer(effect.follower, Message("snapshot_offer", "snapshot", body))
         elif isinstance(effect, ForceStartRefused):
@@ -623,15 +696,13 @@ class CoreNode(NodeServer):
             # start with a gap, and the replica resynchronised forever. A dead endpoint holds at most
             # push_queue_max frames, and only until its agent stops for want of acknowledgements
             # (its socket is then closed with LINGER 0).
-            replicant_socket = self.dealer(
-                endpoint, limits.push_queue_max, len(self.config.core_nodes) + limits.watches_max
-            )
+            replicant_socket = self.dealer(endpoint, limits.push_queue_max, len(self.endpoints) + limits.watches_max)
             if replicant_socket is not None:
                 self.queue(replicant_socket, message)
         # Close the sockets of endpoints no agent pushes to any more (stopped, superseded, evicted),
         # except those a frame of this turn is still queued for: they close at a later turn.
         in_use = self.rlog_server.endpoints()
-        peers = set(self.config.core_nodes.values())
+        peers = set(self.endpoints.values())
         queued = {id(socket) for socket, _, _ in self._outbox if socket is not None}
         for endpoint, socket in list(self.dealers.items()):
             if endpoint not in in_use and endpoint not in peers and id(socket) not in queued:
@@ -708,10 +779,16 @@ class CoreNode(NodeServer):
         shard = body["shard"]
         driver = self.shards.get(shard)
         position = self.store.shard(shard)
-        if driver is None or position is None or body["sender"] not in self.members:
+        if driver is None or position is None or body["sender"] not in self.endpoints:
             return
         try:
-            offer = SnapshotOffer(body["sender"], body["generation"], tx_key_from_wire(body["key"]), body["digest"])
+            offer = SnapshotOffer(
+                body["sender"],
+                body["generation"],
+                tx_key_from_wire(body["key"]),
+                body["digest"],
+                tuple(body.get("members", ())),
+            )
         except OpDecodeError:
             return
         install = self.installs.get(shard)
@@ -788,6 +865,9 @@ class CoreNode(NodeServer):
             elif isinstance(effect, FinishInstall):
                 self.begin()
                 self.store.restart_log_at(shard, effect.key, effect.digest)
+                generation, voted_for, members, forced = self.store.consensus_state(shard)
+                members = members_after_install(self.installs[shard].offer, members or self.members)
+                self.store.persist_consensus_state(shard, generation, voted_for, members, forced)
                 self.store.set_meta(f"installing:{shard}", 0)
                 self.store.set_meta(f"read_fenced:{shard}", 1)
                 self.not_serving[shard] = "replaying after a snapshot install"
@@ -853,7 +933,7 @@ class CoreNode(NodeServer):
             self._step_install(shard, batch)
 
     def _send_peer(self, peer: str, message: Message, now: bool = False) -> None:
-        endpoint = self.config.core_nodes.get(peer)
+        endpoint = self.endpoints.get(peer)
         socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
         if socket is None:
             return
@@ -873,7 +953,7 @@ class CoreNode(NodeServer):
     def _on_peer(self, message: Message) -> None:
         body = message.body
         sender, shard = body["sender"], body["shard"]
-        if sender not in self.config.core_nodes or sender == self.config.name:
+        if sender not in self.endpoints or sender == self.config.name:
             raise RequestError("bad_request", f"peer {sender!r} is not a core of this cluster")
         try:
             peer_message = message_from_wire(body["message"])
@@ -882,10 +962,14 @@ class CoreNode(NodeServer):
             return
         self.last_heard_ms[sender] = self.clock_ms()
         driver = self._shard_for(shard, create=True)
-        if driver is None or shard in self.excluded:
+        if driver is None:
             return
-        # Non-members too: the consensus machine tells a core left out by a forced start.
+        # Non-members too: the consensus machine tells a core left out by a forced start. A core
+        # left out still follows appends: the forced sequencer reaches it when it is added again.
         self._step(driver, MessageReceived(sender, peer_message))
+        if shard in self.excluded and not driver.consensus.excluded:
+            log.warning("shard %s: added back to the cluster by %s after a forced start left it out", shard, sender)
+            del self.excluded[shard]
 
     def _record_exclusion(self, shard: str, effect: Excluded) -> None:
         """The machine accepted that a forced start left us out: say how our journal compares."""
@@ -1059,7 +1143,7 @@ class CoreNode(NodeServer):
         sequencer = driver.consensus.sequencer
         target = forward_target(sequencer, self.config.name, bool(message.body.get("forwarded")))
         if target is None:
-            hint = f"; try {self.config.core_nodes[sequencer]}" if sequencer in self.config.core_nodes else ""
+            hint = f"; try {self.endpoints[sequencer]}" if sequencer in self.endpoints else ""
             raise RequestError(
                 "no_sequencer",
                 f"shard {driver.shard} has no sequencer reachable from {self.config.name} (election or no quorum)"
@@ -1097,6 +1181,89 @@ class CoreNode(NodeServer):
             else:
                 self._step_install(shard, replication.RequestFailed(core, f"{purpose} timed out"))
         self._tell_outcomes(self.forwarded.expired(now))
+
+    # -- membership changes (core.membership) ----------------------------------------------------
+
+    def _membership_change(self, envelope: list[bytes], message: Message) -> None:
+        """Operator: add or remove one core in one shard, at its sequencer (forwarded there)."""
+        body = message.body
+        driver = self.shards.get(body["shard"])
+        if driver is None:
+            raise RequestError("unknown_shard", f"unknown shard {body['shard']!r}")
+        if driver.consensus.role is not Role.SEQUENCER:
+            self._forward(envelope, message, driver)
+            return
+        add = body["action"] == "add"
+        name = body["name"]
+        endpoint = body.get("endpoint") or self.endpoints.get(name, "")
+        if add and not endpoint:
+            raise RequestError("bad_request", f"the endpoint of core {name!r} is unknown: give it")
+        self.begin()
+        if message.request_id in self.pending_changes:
+            # A client's retry while its core is still catching up: answer the retry, change nothing.
+            self.hold(envelope, message.request_id)
+            self.pending_changes[message.request_id] = (driver.shard, envelope)
+            return
+        previous = self.store.find_request(message.request_id)
+        if previous is not None:
+            # A retry of a change already in the log: answered when (or since) it committed.
+            self._await_commit(driver, previous[1], envelope, message.request_id, duplicate=True)
+            return
+        if len(self.pending_changes) >= MEMBERS_LEARNED_MAX:
+            raise RequestError("overloaded", "too many membership changes pending")
+        if add:
+            # The sequencer replicates to the learner before any entry names its endpoint.
+            self._learn_endpoint(name, endpoint)
+        self.hold(envelope, message.request_id)
+        self.pending_changes[message.request_id] = (driver.shard, envelope)
+        self._step(driver, MembershipChangeRequested(name, add, endpoint if add else "", message.request_id))
+
+    def _note_membership_entries(self, driver: ShardDriver, entries: tuple[Entry, ...]) -> None:
+        """Persisted entries: learn added cores' endpoints; a pending change now waits for its commit."""
+        for entry in entries:
+            for op in entry.ops:
+                if isinstance(op, MembersOp) and op.added:
+                    self._learn_endpoint(op.added, op.endpoint)
+            pending = self.pending_changes.pop(entry.request_id, None) if entry.request_id else None
+            if pending is not None:
+                driver.waiters.wait(entry.tx_key, entry.request_id or "", pending[1])
+
+    def _answer_refused_change(self, driver: ShardDriver, envelope: list[bytes], effect: ProposalRejected) -> None:
+        request_id = effect.request_id or ""
+        if effect.reason in ALREADY_DONE:
+            # A retried (or half-done cluster-wide) change: the membership already is what was asked.
+            result = {"shard": driver.shard, "members": list(driver.consensus.members), "unchanged": effect.reason}
+            self.reply(envelope, codec.reply(request_id, result))
+            return
+        sequencer = f" (sequencer: {effect.sequencer})" if effect.sequencer else ""
+        self.reply(
+            envelope,
+            codec.error(
+                request_id,
+                effect.reason,
+                f"membership change refused in shard {driver.shard}: {effect.reason}{sequencer}",
+            ),
+        )
+
+    def membership(self) -> dict[str, Any]:
+        """``cluster members``: the cluster view and each shard's membership as this core sees it."""
+        shards = {}
+        for shard, driver in sorted(self.shards.items()):
+            status = driver.consensus.status()
+            shards[shard] = {
+                "members": list(status.members),
+                "committed_members": list(status.committed_members),
+                "learner": status.learner,
+                "sequencer": status.sequencer,
+                "generation": status.generation,
+                "voter": driver.consensus.voter,
+            }
+        return {
+            "node": self.config.name,
+            "members": list(self.members),
+            "endpoints": dict(sorted(self.endpoints.items())),
+            "shards": shards,
+        }
 
     def force_start(self) -> dict[str, Any]:
         """Operator: become sequencer of every shard with the cores that answer now, loudly.
@@ -1161,7 +1328,9 @@ class CoreNode(NodeServer):
                 pass  # not reached
 
         threads = [
-            threading.Thread(target=ask, args=(peer,), daemon=True) for peer in self.members if peer != self.config.name
+            threading.Thread(target=ask, args=(peer,), daemon=True)
+            for peer in self.endpoints
+            if peer != self.config.name
         ]
         for thread in threads:
             thread.start()
@@ -1305,7 +1474,8 @@ class CoreNode(NodeServer):
             }
         return {
             "node": self.config.name,
-            "core_nodes": self.config.core_nodes,
+            "core_nodes": self.endpoints,
+            "members": list(self.members),
             "reachable_peers": self.reachable_peers(),
             "shards": shards,
         }
@@ -1326,6 +1496,8 @@ class CoreNode(NodeServer):
                 "committed": list(status.committed_key),
                 "last": list(status.last_key),
                 "members": list(status.members),
+                "committed_members": list(status.committed_members),
+                "learner": status.learner,
                 "forced": status.forced,
                 "excluded": self.excluded.get(shard),
                 "rlog": self._rlog_statistics(shard),
@@ -1357,7 +1529,8 @@ class CoreNode(NodeServer):
             "role": self.config.role,
             "listen": self.config.listen,
             "data_dir": self.config.data_dir,
-            "core_nodes": self.config.core_nodes,
+            "core_nodes": self.endpoints,
+            "members": list(self.members),
             "commits": self.commits,
             "durable_commits": self.durable_commits,
             "transactions": self.transactions,

@@ -11,6 +11,10 @@ committed and last keys) in two situations, and only asks: the decisions are her
   it with this core's vote already cast (for itself), so the core never grants a vote in a
   generation it may have voted in before the loss, and then catches up like a follower far behind.
   No answer (a new cluster) recovers nothing.
+* Membership (``core.membership``): a core that joins a running cluster (or is rebuilt) starts
+  with the membership its peers report, not its config's ``core_nodes``. ``recovered_members``
+  takes, per shard, the members the answer with the highest generation reports, and as the
+  cluster's membership the one of the highest generation overall; a malformed list is ignored.
 * A forced start (``ShardConsensus`` decides): ``reached_generations`` turns the answers into the
   ``(peer, generation)`` pairs of its ``ForceStartRequested`` event.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mnesite.core.membership import valid_members
 from mnesite.rlog.schema import SchemaError, check_name
 
 GENERATION_LIMIT = 2**63  # generations are SQLite integers
@@ -70,3 +75,35 @@ def recovered_generations(answers: Mapping[str, Any]) -> dict[str, int]:
 def reached_generations(answers: Mapping[str, Any], shard: str) -> tuple[tuple[str, int], ...]:
     """The ``(peer, generation)`` pairs a forced start of ``shard`` is told, peers in name order."""
     return tuple((peer, journal_generation(journal, shard)) for peer, journal in sorted(answers.items()))
+
+
+def answer_members(value: Any) -> tuple[str, ...] | None:
+    """A peer's members list, if it is a valid membership of valid names (untrusted input)."""
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        return None
+    members = tuple(sorted(set(value)))
+    try:
+        for name in members:
+            check_name("core", name)
+    except SchemaError:
+        return None
+    return members if valid_members(members) else None
+
+
+def recovered_members(
+    answers: Mapping[str, Any],
+) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...] | None]:
+    """(shard -> members, the cluster's members) as the peers with the highest generation report them."""
+    best: dict[str, tuple[int, tuple[str, ...]]] = {}
+    cluster: tuple[int, tuple[str, ...]] | None = None
+    for journal in well_formed_answers(answers).values():
+        for shard, age in journal["shards"].items():
+            members = answer_members(age.get("members")) if isinstance(age, dict) else None
+            if members is None:
+                continue
+            generation = journal_generation(journal, shard)
+            if shard not in best or generation > best[shard][0]:
+                best[shard] = (generation, members)
+            if cluster is None or generation > cluster[0]:
+                cluster = (generation, members)
+    return {shard: members for shard, (_, members) in best.items()}, cluster[1] if cluster else None

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from mnesite.bootstrap.copy import CopyFailed, TableCopy
 from mnesite.bootstrap.fence import ReadFence
+from mnesite.core.membership import valid_members
 from mnesite.rlog.replication import (
     ApplyBatch,
     BatchReceived,
@@ -54,6 +55,9 @@ class SnapshotOffer:
     generation: int
     key: TxKey
     digest: bytes
+    # The sequencer's committed membership at ``key`` (core.membership): the membership entries up
+    # to it are not copied, so the offer carries what they decided (as Raft's snapshots do).
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,13 @@ class InstallMode(enum.Enum):
     FENCED = "fenced"  # installed; reads wait for the applied key to reach the fence
     DONE = "done"
     ABANDONED = "abandoned"
+
+
+def members_after_install(offer: SnapshotOffer, members: tuple[str, ...]) -> tuple[str, ...]:
+    """The committed membership a follower persists with an installed snapshot: the offer's, when
+    it names one (an offer from before membership changes names none: keep ours)."""
+    offered = tuple(sorted(set(offer.members)))
+    return offered if len(offered) == len(offer.members) and valid_members(offered) else members
 
 
 def accept_offer(

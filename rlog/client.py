@@ -520,6 +520,17 @@ class Client:
         """Operator: make this core sequencer of every shard with the cores it can reach. May lose data."""
         return self.call("force_start")
 
+    def members(self) -> dict[str, Any]:
+        """The cluster's and each shard's core membership, as the node sees it."""
+        return self.call("members")
+
+    def change_membership(self, shard: str, action: str, name: str, endpoint: str | None = None) -> dict[str, Any]:
+        """Operator: add (``action="add"``, with its endpoint) or remove one core in one shard."""
+        body: dict[str, Any] = {"shard": shard, "action": action, "name": name}
+        if endpoint is not None:
+            body["endpoint"] = endpoint
+        return self.call("membership_change", body)
+
     def stop(self) -> dict[str, Any]:
         """Operator (admin role): the node answers, logs a shutdown line and exits."""
         return self.call("stop")

@@ -52,6 +52,9 @@ OPS_MAX = 100_000  # ops or guards in one transaction on the wire (the node's tr
 COLUMNS_MAX = 200
 ROW_COLUMNS_MAX = 1000
 MEMBERS_MAX = 64
+# Voters in one membership entry: core.membership.MEMBERS_MAX (rlog imports nothing of core; a test
+# keeps the two equal), so that no entry a core accepts names a membership it cannot start with.
+MEMBERS_OP_MAX = 15
 PUSH_ENTRIES_MAX = 4096
 RANGES_MAX = 10_000
 FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
@@ -465,13 +468,21 @@ def _wire_ops_well_formed(ops: Any) -> bool:
 
 def _check_wire_op(op: Any, path: str) -> None:
     """An op in ``rlog.types.encode_op`` form: scalars only in rows and keys."""
-    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c", "x"):
-        raise MessageError(path, "must be an op ['w'|'d'|'c'|'x', ...]")
+    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c", "x", "m"):
+        raise MessageError(path, "must be an op ['w'|'d'|'c'|'x'|'m', ...]")
     if op[0] == "w":
         if len(op) != 3:
             raise MessageError(path, "write op must be ['w', table, [[column, value]...]]")
         NAME.check(op[1], f"{path}.table")
         ListOf(Pair(NAME, SCALAR), ROW_COLUMNS_MAX).check(op[2], f"{path}.row")
+    elif op[0] == "m":
+        # A membership entry (core.membership): voter names, the added core and its endpoint.
+        if len(op) != 4:
+            raise MessageError(path, "members op must be ['m', [name...], added, endpoint]")
+        ListOf(NAME, MEMBERS_OP_MAX).check(op[1], f"{path}.members")
+        if op[2] != "" or op[3] != "":
+            NAME.check(op[2], f"{path}.added")
+            ENDPOINT.check(op[3], f"{path}.endpoint")
     elif op[0] == "x":
         if len(op) != 3:
             raise MessageError(path, "drop op must be ['x', table, shard]")
@@ -574,6 +585,16 @@ _SCHEMA_LIST = [
     _kind("journal", "the node's journal age per shard"),
     _kind("force_start", "operator: force this core to become sequencer"),
     _kind(
+        "membership_change",
+        "operator: add or remove one core in one shard (core.membership), at its sequencer",
+        ("shard", NAME, True),
+        ("action", Text(8, 1, choices=("add", "remove")), True),
+        ("name", NAME, True),
+        ("endpoint", ENDPOINT, False),
+        OPTIONAL_FORWARDED,
+    ),
+    _kind("members", "the cluster's and each shard's core membership as this core sees it"),
+    _kind(
         "backup",
         "operator: copy this node's database to a file on its host (rlog.backup); again to poll",
         ("path", Text(BACKUP_PATH_CHARS_MAX, 2, BACKUP_PATH), True),
@@ -635,6 +656,8 @@ _SCHEMA_LIST = [
         ("generation", Integer(0, 2**63 - 1), True),
         ("key", TX_KEY, True),
         ("digest", Blob(DIGEST_BYTES), True),
+        # the sequencer's committed membership at key (core.membership)
+        ("members", ListOf(NAME, MEMBERS_OP_MAX), False),
     ),
     # consensus
     _kind(

@@ -16,7 +16,8 @@ The roles:
   (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
-* ``admin``: everything, including ``create_table``, ``drop_table``, ``force_start``, ``stop`` and ``backup``.
+* ``admin``: everything, including ``create_table``, ``drop_table``, ``force_start``, ``membership_change``,
+  ``stop`` and ``backup``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
 
@@ -40,6 +41,7 @@ READ_KINDS = frozenset(
         "rlog_tail",
         "rlog_entries",
         "journal",
+        "members",
         "read_index",
         "range_digest",
         "key_boundaries",
@@ -63,6 +65,9 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "watch": frozenset({"replicant"}),
     "push_ack": frozenset({"replicant"}),
     "force_start": frozenset(),
+    # adding or removing a core changes who counts in every quorum: operators only (a core
+    # forwards an admin's request to the sequencer, keeping the admin's principal)
+    "membership_change": frozenset({"core"}),
     # shutting a node down is an operator's decision, never a client's or a peer's
     "stop": frozenset(),
     # writes a copy of the whole database to a path on the node's host (rlog.backup)

@@ -40,6 +40,7 @@ from mnesite.rlog.types import (
     DeleteOp,
     DropTableOp,
     Entry,
+    MembersOp,
     Op,
     PackedEntry,
     TxKey,
@@ -535,6 +536,9 @@ class Store:
                 self._drop_table(op)
                 index += 1
                 continue
+            if isinstance(op, MembersOp):
+                index += 1  # a membership entry (core.membership) changes no table
+                continue
             kind, table_name = type(op), op.table
             end = index + 1
             while end < len(ops) and type(ops[end]) is kind and ops[end].table == table_name:
@@ -583,6 +587,8 @@ class Store:
                 )
             elif isinstance(op, CreateTableOp):
                 self._create_table(op)
+            elif isinstance(op, MembersOp):
+                pass  # a membership entry (core.membership) changes no table; its position still advances
             elif isinstance(op, DropTableOp):
                 self._drop_table(op)
             else:

@@ -5,7 +5,8 @@ Theory of operation
 An *entry* is one committed transaction of one shard. Its ops are results, not
 commands: a ``WriteOp`` carries the full row as it is after the transaction, a
 ``DeleteOp`` the key that no longer exists, a ``CreateTableOp`` the full table
-definition, a ``DropTableOp`` the table (of its shard) that no longer exists.
+definition, a ``DropTableOp`` the table (of its shard) that no longer exists, a
+``MembersOp`` the shard's core membership from then on (no table changes).
 Replaying an entry therefore needs no access to earlier state, which is what lets
 a replica heal a dirty-read copy by replay (DESIGN, bootstrap).
 
@@ -75,6 +76,20 @@ class CreateTableOp:
 
 
 @dataclass(frozen=True)
+class MembersOp:
+    """The shard's core membership from this entry on (``core.membership``): sorted voter names.
+
+    ``added`` and ``endpoint`` name the core this change adds and where it listens (empty when the
+    change removes one or only records the membership, as a forced start does), so that every core
+    learns a new peer's endpoint from the log. Applying it changes no table.
+    """
+
+    members: tuple[str, ...]
+    added: str = ""
+    endpoint: str = ""
+
+
+@dataclass(frozen=True)
 class DropTableOp:
     """``table`` of ``shard`` and its rows no longer exist after the transaction."""
 
@@ -82,7 +97,7 @@ class DropTableOp:
     shard: str
 
 
-Op = WriteOp | DeleteOp | CreateTableOp | DropTableOp
+Op = WriteOp | DeleteOp | CreateTableOp | DropTableOp | MembersOp
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,8 @@ def encode_op(op: Op) -> list[Any]:
         return ["d", op.table, op.key]
     if isinstance(op, CreateTableOp):
         return ["c", op.table, op.shard, op.key_column, [list(c) for c in op.columns]]
+    if isinstance(op, MembersOp):
+        return ["m", list(op.members), op.added, op.endpoint]
     if isinstance(op, DropTableOp):
         return ["x", op.table, op.shard]
     raise TypeError(f"not an op: {op!r}")
@@ -136,6 +153,15 @@ def decode_op(value: Any) -> Op:
                 raise OpDecodeError("create op columns must be [name, type] pairs")
             columns.append((column[0], column[1]))
         return CreateTableOp(value[1], value[2], value[3], tuple(columns))
+    if (
+        kind == "m"
+        and len(value) == 4
+        and isinstance(value[1], list)
+        and all(isinstance(name, str) for name in value[1])
+        and isinstance(value[2], str)
+        and isinstance(value[3], str)
+    ):
+        return MembersOp(tuple(value[1]), value[2], value[3])
     if kind == "x" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], str):
         return DropTableOp(value[1], value[2])
     raise OpDecodeError(f"malformed op of kind {kind!r}")
@@ -268,6 +294,9 @@ def entry_size_bytes(entry: Entry) -> int:
             size += 8 + len(op.table.encode()) + row_size_bytes(op.row)
         elif isinstance(op, DeleteOp):
             size += 8 + len(op.table.encode()) + _value_size_bytes(op.key)
+        elif isinstance(op, MembersOp):
+            size += 16 + len(op.added.encode()) + len(op.endpoint.encode())
+            size += sum(len(name.encode()) + 5 for name in op.members)
         elif isinstance(op, DropTableOp):
             size += 16 + len(op.table.encode()) + len(op.shard.encode())
         else:
@@ -361,6 +390,8 @@ def op_to_json(op: Op) -> dict[str, Any]:
         return {"op": "write", "table": op.table, "row": op.row}
     if isinstance(op, DeleteOp):
         return {"op": "delete", "table": op.table, "key": op.key}
+    if isinstance(op, MembersOp):
+        return {"op": "members", "members": list(op.members), "added": op.added, "endpoint": op.endpoint}
     if isinstance(op, DropTableOp):
         return {"op": "drop_table", "table": op.table, "shard": op.shard}
     return {

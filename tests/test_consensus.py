@@ -179,9 +179,12 @@ def test_invalid_config_is_refused(overrides):
         ConsensusConfig(**(base | overrides))
 
 
-def test_a_node_must_be_one_of_the_members():
-    with pytest.raises(ConsensusConfigError):
-        Harness(name="z")
+def test_a_core_outside_its_membership_is_a_learner_that_never_campaigns():
+    # A core being added (or one removed) follows appends but never raises the generation.
+    harness = Harness(name="z")
+    effects = harness.step(Ticked(), 10 * CONFIG.election_timeout_ms_max)
+    assert not sends(effects, PreVoteRequest) and harness.machine.generation == 0
+    assert not harness.machine.voter
 
 
 def test_time_must_not_go_backwards():

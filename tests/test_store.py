@@ -320,6 +320,34 @@ def test_a_verified_batch_is_logged_and_applied_in_op_order_with_one_position(st
     assert store.verify_chain("default") == entries[-1].tx_key
 
 
+def test_a_membership_entry_moves_only_the_position_on_both_apply_paths(tmp_path) -> None:
+    """A replicant applies a membership entry (core.membership) like any other, set-based; it
+    changes no table, between writes of one table too."""
+    from mnesite.rlog.types import MembersOp
+
+    members = MembersOp(("core1", "core2", "core4"), "core4", "tcp://127.0.0.1:7404")
+    ops_list = [[WriteOp("t", {"k": 1, "v": "a"}), members, WriteOp("t", {"k": 2, "v": "b"})], [members]]
+    for batched in (False, True):
+        store = Store(str(tmp_path / f"mnesite-{batched}.db"), synchronous="NORMAL")
+        with store.write_transaction():
+            store.ensure_shard("default", 1)
+            first = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [TABLE.to_op()])
+            store.append_entry(first, 0)
+            store.apply_entry(first)
+        entries = chain_after(store, ops_list)
+        with store.write_transaction():
+            if batched:
+                store.log_and_apply_verified(entries, 0)
+            else:
+                for entry in entries:
+                    store.append_entry(entry, 0)
+                    store.apply_entry(entry)
+        assert store.scan(store.catalog()["t"], None, 10) == [{"k": 1, "v": "a"}, {"k": 2, "v": "b"}]
+        assert store.shard("default").applied == entries[-1].tx_key
+        assert store.entries_after("default", TxKey(1, 1), 10) == entries
+        store.close()
+
+
 def test_a_verified_batch_with_a_gap_is_refused_and_changes_nothing(store) -> None:
     entries = chain_after(store, [[WriteOp("t", {"k": n, "v": "x"})] for n in range(3)])
     before = store.shard("default")

@@ -510,9 +510,49 @@ def test_generation_recovery_after_a_lost_disk_ignores_malformed_peer_journals(t
     node = CoreNode(config)
     try:
         monkeypatch.setattr(node, "members", ("core1", "core2", "core3", "core4"))
+        # The probe asks every core whose endpoint this core knows (config and membership entries).
+        monkeypatch.setattr(node, "endpoints", {name: "tcp://127.0.0.1:1" for name in node.members})
         monkeypatch.setattr(node, "peer_client", lambda peer, timeout_ms: contextlib.nullcontext(PeerJournal(peer)))
         assert node.recover_generations() == {"default": 7, "other": 3}
         assert node.store.consensus_state("default")[0] == 7
         assert node.store.consensus_state("other")[0] == 3
+    finally:
+        node.close()
+
+
+def test_a_new_core_takes_its_membership_from_its_peers_and_ignores_malformed_ones(tmp_path: Path, monkeypatch):
+    """Issue 14: a core added to a running cluster starts with the members its peers report (it is a
+    learner outside them), not its config's; a hostile members list or endpoint is ignored."""
+    import contextlib
+
+    from mnesite.core.node import CoreNode
+
+    answers = {
+        "core2": {
+            "shards": {"default": {"generation": 4, "members": ["core1", "core2", "core3"]}},
+            "core_nodes": {"core3": "tcp://127.0.0.1:7403", "bad name!": "tcp://127.0.0.1:1", "core5": "no endpoint"},
+        },
+        "core3": {"shards": {"default": {"generation": 9, "members": ["x" * 500] * 40}}},
+    }
+
+    class PeerJournal:
+        def __init__(self, peer: str) -> None:
+            self.peer = peer
+
+        def journal(self) -> dict:
+            return answers[self.peer]
+
+    config = node_config(tmp_path / "data", free_port(), name="core4")
+    node = CoreNode(config)
+    try:
+        monkeypatch.setattr(node, "members", ("core1", "core2", "core3", "core4"))
+        monkeypatch.setattr(node, "endpoints", {name: "tcp://127.0.0.1:1" for name in ("core2", "core3")})
+        monkeypatch.setattr(node, "peer_client", lambda peer, timeout_ms: contextlib.nullcontext(PeerJournal(peer)))
+        assert node.recover_generations() == {"default": 9}
+        assert node.store.consensus_state("default")[2] == ("core1", "core2", "core3")
+        assert node.members == ("core1", "core2", "core3")
+        assert "bad name!" not in node.endpoints and "core5" not in node.endpoints
+        node._open_shard("default")
+        assert not node.shards["default"].consensus.voter
     finally:
         node.close()

@@ -78,7 +78,7 @@ from mnesite.core.outcome import (
     OutcomeUnknown,
     forward_target,
 )
-from mnesite.core.snapshot import SnapshotOffer, accept_offer
+from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import retention
 from mnesite.rlog.schema import TableSchema, define_table
@@ -540,11 +540,17 @@ class Simulation:
         follower = self.nodes[follower_name]
         if not self._is_up(follower) or sequencer.machine is None or follower.machine is None:
             return
+        if (sequencer.name, follower_name) in self.cut or (follower_name, sequencer.name) in self.cut:
+            return  # the offer and the copy travel over the network like any frame
         # Production's offer rule (core.snapshot): the follower takes an offer only from the
         # sequencer it knows, in its generation, beyond its applied key. The copy itself (the
         # driver's job there) is modelled as a consistent copy of the sequencer's applied state.
         offer = SnapshotOffer(
-            sequencer.name, sequencer.machine.generation, sequencer.applied_key, sequencer.applied_digest
+            sequencer.name,
+            sequencer.machine.generation,
+            sequencer.applied_key,
+            sequencer.applied_digest,
+            sequencer.machine.committed_members,
         )
         machine = follower.machine
         if accept_offer(offer, machine.generation, machine.sequencer, follower.applied_key, False) is not None:
@@ -554,6 +560,9 @@ class Simulation:
             self._tell(follower, outcome, client)
         follower.log = MemoryLog(sequencer.applied_key, sequencer.applied_digest)
         follower.applied_key, follower.applied_digest = sequencer.applied_key, sequencer.applied_digest
+        # The driver persists the offer's membership with the copied tables (core.snapshot).
+        members = members_after_install(offer, follower.state.members)
+        follower.state = dataclasses.replace(follower.state, members=members)
         self.snapshots += 1
         self.trace.append((self.now_ms, follower.name, "installed snapshot at", follower.applied_key))
         self._start(follower)

@@ -1,0 +1,106 @@
+"""Membership changes of a shard's cores, one core at a time (Raft thesis, section 4.1).
+
+Theory of operation
+-------------------
+A shard's voters are recorded in its rlog: an entry whose ops hold one ``MembersOp`` names the
+whole new set. The config's ``core_nodes`` only seeds a new cluster (and a shard created later
+starts with the membership the core last applied). Every core uses the LATEST membership entry in
+its log, committed or not, for its quorums and elections, from the moment it persists the entry
+(the sequencer: from when it appends it, before the turn's batch goes out); a truncated entry takes
+its membership with it.
+
+Safety comes from changing one voter at a time: any majority of the old set and any majority of
+the new set (one more or one fewer) share a core, so two sequencers can never be elected in one
+generation from the two sets, and an entry committed under one set is held by a majority the next
+election must hear. That argument holds only between two ADJACENT sets, hence the rules below
+(``change_refusal``):
+
+* one change in flight: a new change only once the previous membership entry has committed (and a
+  core added is not still catching up as a learner);
+* a new sequencer first commits an entry of its own generation (its no-op) before it changes the
+  membership (the thesis' fix: an uncommitted change of a deposed sequencer may otherwise be
+  overwritten after a conflicting change committed);
+* the set stays within 1..``MEMBERS_MAX`` cores.
+
+A core to be added first catches up as a *learner*: the sequencer replicates to it (through the
+snapshot path if its log is behind the retained entries) without counting it in any quorum; only
+when it holds the sequencer's committed key is the add entry appended. So a slow new core never
+stalls commits. A core removed stops voting when it persists the entry; a sequencer that removed
+itself keeps serving without counting itself until the entry commits, then steps down.
+
+Membership is per shard, like everything the consensus decides: each shard's quorums come from its
+own log, which is what keeps them consistent. The cluster-wide change (``cluster add-core``) is the
+same change proposed to every shard in turn; a half-done change is visible in ``cluster members``
+and is finished by running the command again (an add of a member or a remove of a non-member is
+answered as done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mnesite.rlog.types import Entry, MembersOp, TxKey
+
+MEMBERS_MAX = 15
+
+REJECT_CHANGE_IN_FLIGHT = "membership_change_in_flight"
+REJECT_NOT_SETTLED = "sequencer_not_settled"
+REJECT_ALREADY_MEMBER = "already_member"
+REJECT_NOT_MEMBER = "not_member"
+REJECT_TOO_MANY_MEMBERS = "too_many_members"
+REJECT_LAST_MEMBER = "last_member"
+REJECT_CATCH_UP_TIMEOUT = "catch_up_timeout"
+# Answers that mean "the membership already is what was asked": a retried change reports success.
+ALREADY_DONE = frozenset({REJECT_ALREADY_MEMBER, REJECT_NOT_MEMBER})
+
+
+def change_refusal(
+    members: tuple[str, ...],
+    name: str,
+    add: bool,
+    change_in_flight: bool,
+    own_generation_committed: bool,
+) -> str | None:
+    """Why the sequencer may not start this change now (None: it may)."""
+    if add and name in members:
+        return REJECT_ALREADY_MEMBER
+    if not add and name not in members:
+        return REJECT_NOT_MEMBER
+    if change_in_flight:
+        return REJECT_CHANGE_IN_FLIGHT
+    if not own_generation_committed:
+        return REJECT_NOT_SETTLED
+    if add and len(members) + 1 > MEMBERS_MAX:
+        return REJECT_TOO_MANY_MEMBERS
+    if not add and len(members) == 1:
+        return REJECT_LAST_MEMBER
+    return None
+
+
+def changed_members(members: tuple[str, ...], name: str, add: bool) -> tuple[str, ...]:
+    """The set after adding or removing ``name``: always adjacent to ``members``."""
+    return tuple(sorted({*members, name} if add else set(members) - {name}))
+
+
+def membership_of(entry: Entry) -> tuple[str, ...] | None:
+    """The membership an entry records (its last ``MembersOp``), or None for an ordinary entry."""
+    found = None
+    for op in entry.ops:
+        if isinstance(op, MembersOp):
+            found = tuple(sorted(set(op.members)))
+    return found
+
+
+def membership_changes(entries: Iterable[Entry]) -> list[tuple[TxKey, tuple[str, ...]]]:
+    """(tx key, membership) of every membership entry among ``entries``, in order."""
+    changes = []
+    for entry in entries:
+        members = membership_of(entry)
+        if members is not None:
+            changes.append((entry.tx_key, members))
+    return changes
+
+
+def valid_members(members: tuple[str, ...]) -> bool:
+    """A membership a log may carry: 1..MEMBERS_MAX distinct names."""
+    return 1 <= len(members) <= MEMBERS_MAX and len(set(members)) == len(members)

@@ -1,0 +1,251 @@
+"""Real processes: membership changes on a running cluster (issue 14, ``core.membership``).
+
+A 3-core cluster grows to 4 and shrinks back to 3 under writes with no acknowledged write lost, and
+a core removed and re-added converges (equal digest at equal tx key)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from mnesite.cli.main import main
+from mnesite.rlog.client import MnesiteError
+
+from tests.conftest import Cluster, NodeProcess, free_port, wait_until
+from tests.test_cluster import Load, check_agreement, create_table
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def cluster_cli(cluster: Cluster, through: str, *args: str) -> dict:
+    runner = CliRunner()
+    result = runner.invoke(
+        main,
+        [*args, "--node", cluster.endpoints[through], "--timeout-ms", "60000", "--json", *cluster.cli_keys()],
+    )
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def shard_members(cluster: Cluster, name: str) -> list[str] | None:
+    status = cluster.status(name)
+    info = status["shards"].get("default") if status else None
+    return info["members"] if info else None
+
+
+def test_grow_to_four_shrink_to_three_and_re_add_under_writes(tmp_path: Path, node_processes: list[NodeProcess]):
+    # Insecure: with [security] the new core's key must also be authorized on every core (README).
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.start_all()
+    create_table(cluster)
+    load = Load(cluster, ["core1", "core2"]).start()
+    load.wait_for(100)
+
+    # A fourth core, started with an empty data directory: it learns the membership from its peers
+    # and is a learner (no vote) until the add entry reaches it.
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    cluster.start("core4")
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+    added = cluster_cli(cluster, "core1", "cluster", "add-core", "core4", cluster.endpoints["core4"])
+    assert added["members"]["shards"]["default"]["members"] == ["core1", "core2", "core3", "core4"]
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3", "core4"], 20, "core4 a voter")
+    load.wait_for(100)
+
+    # Shrink back to three: core3 leaves; writes keep being acknowledged by {core1, core2, core4}.
+    cluster_cli(cluster, "core2", "cluster", "remove-core", "core3")
+    for name in ("core1", "core2", "core4"):
+        wait_until(lambda name=name: shard_members(cluster, name) == ["core1", "core2", "core4"], 20, f"{name}")
+    load.wait_for(100)
+    members = cluster_cli(cluster, "core4", "cluster", "members")
+    assert members["members"] == ["core1", "core2", "core4"]
+
+    # The removed core (still running, its log intact) is added again and converges.
+    cluster_cli(cluster, "core1", "cluster", "add-core", "core3", cluster.endpoints["core3"])
+    load.wait_for(100)
+    acknowledged = load.stop()
+    check_agreement(cluster, ["core1", "core2", "core3", "core4"], acknowledged)
+    assert shard_members(cluster, "core3") == ["core1", "core2", "core3", "core4"]
+
+
+def test_a_core_left_out_by_a_forced_start_rejoins_through_add_core(tmp_path: Path, node_processes: list[NodeProcess]):
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.start_all()
+    create_table(cluster)
+    with cluster.client("core1", retries=5) as client:
+        for i in range(50):
+            client.put("kv", {"id": i, "value": "before"})
+    cluster.wait_converged(cluster.names)
+    for name in ("core2", "core3"):
+        cluster.nodes[name].kill()
+    wait_until(lambda: cluster.client("core1", timeout_ms=1000).journal()["reachable_peers"] == [], 10, "core1 alone")
+    forced = CliRunner().invoke(
+        main, ["journal", "force-start", "--yes", "--node", cluster.endpoints["core1"], "--json"]
+    )
+    assert forced.exit_code == 0, forced.output
+    with cluster.client("core1", timeout_ms=3000, retries=3) as client:
+        for i in range(50, 80):
+            client.put("kv", {"id": i, "value": "after force"})
+    cluster.start("core2")
+    wait_until(
+        lambda: ((cluster.status("core2") or {}).get("shards", {}).get("default") or {}).get("excluded") is not None,
+        20,
+        "core2 to learn that it was left out",
+    )
+    cluster_cli(cluster, "core1", "cluster", "add-core", "core2", cluster.endpoints["core2"])
+    position = cluster.wait_converged(["core1", "core2"])
+    status = cluster.status("core2")["shards"]["default"]
+    assert status["excluded"] is None and status["members"] == ["core1", "core2"]
+    # It takes part again: a write through it commits (core1 and core2 are both voters now) and both
+    # hold all 81 rows at an equal digest.
+    with cluster.client("core2", timeout_ms=5000, retries=3) as client:
+        client.put("kv", {"id": 1000, "value": "after rejoin"})
+    assert cluster.wait_converged(["core1", "core2"])["applied"] > position["applied"]
+    for name in ("core1", "core2"):
+        with cluster.client(name) as client:
+            assert len(list(client.scan("kv"))) == 81
+
+
+def test_a_new_core_behind_the_trimmed_log_catches_up_by_snapshot_before_it_is_added(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.extend_core_configs("[rlog]\nretention_entries_max = 50\n")
+    cluster.start_all()
+    create_table(cluster)
+    load = Load(cluster, ["core1", "core2", "core3"]).start()
+    load.wait_for(300)
+    wait_until(
+        lambda: ((cluster.status("core1") or {})["shards"]["default"]["rlog"].get("first") or [0, 0]) > [1, 1],
+        30,
+        "the cores to trim their rlog",
+    )
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    config = cluster.root / "core4.toml"
+    config.write_text(config.read_text() + "[rlog]\nretention_entries_max = 50\n")
+    cluster.start("core4")
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+    cluster_cli(cluster, "core3", "cluster", "add-core", "core4", cluster.endpoints["core4"])
+    load.wait_for(100)
+    acknowledged = load.stop()
+    check_agreement(cluster, cluster.names, acknowledged)
+    log_text = (cluster.root / "core4.log").read_text()
+    assert "installing a snapshot" in log_text and "snapshot installed" in log_text
+    assert shard_members(cluster, "core4") == ["core1", "core2", "core3", "core4"]
+
+
+def test_with_security_a_new_core_is_authorized_by_key_and_sighup_then_added(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    """The README's procedure: the new core's public key goes into every core's authorized_keys
+    directory and its name under [security.roles] core, SIGHUP, then add-core."""
+    import shutil
+    import signal
+
+    from mnesite.rlog.security import generate_keys
+
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=True)
+    cluster.start_all()
+    create_table(cluster)
+    with cluster.client("core1", retries=5) as client:
+        for i in range(30):
+            client.put("kv", {"id": i, "value": "before"})
+    generate_keys("core4", str(cluster.keys_dir))
+    shutil.copy(cluster.keys_dir / "core4.key", cluster.authorized_dir)
+    old_roles = 'core = ["core1", "core2", "core3"]'
+    new_roles = 'core = ["core1", "core2", "core3", "core4"]'
+    for name in ("core1", "core2", "core3"):
+        config = cluster.root / f"{name}.toml"
+        assert old_roles in config.read_text()
+        config.write_text(config.read_text().replace(old_roles, new_roles))
+        cluster.nodes[name].signal(signal.SIGHUP)
+    for name in ("core1", "core2", "core3"):
+        wait_until(
+            lambda name=name: "SIGHUP: reloaded" in (cluster.root / f"{name}.log").read_text(), 10, f"{name} reload"
+        )
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    cluster.start("core4")
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+    added = cluster_cli(cluster, "core2", "cluster", "add-core", "core4", cluster.endpoints["core4"])
+    assert added["members"]["shards"]["default"]["members"] == ["core1", "core2", "core3", "core4"]
+    with cluster.client("core4", retries=3) as client:
+        client.put("kv", {"id": 100, "value": "through core4"})
+    cluster.wait_converged(cluster.names)
+    # A writer may not change the membership (admin only).
+    with cluster.client("core1", principal="app") as client, pytest.raises(MnesiteError) as refused:
+        client.change_membership("default", "remove", "core4")
+    assert getattr(refused.value, "code", None) == "forbidden", refused.value
+    assert shard_members(cluster, "core1") == ["core1", "core2", "core3", "core4"]
+
+
+def test_a_dead_core_is_replaced_by_remove_then_add_and_the_sequencer_can_remove_itself(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.start_all()
+    create_table(cluster)
+    sequencer, _ = cluster.sequencer()
+    dead = next(name for name in cluster.names if name != sequencer)
+    alive = [name for name in cluster.names if name != dead]
+    load = Load(cluster, alive).start()
+    load.wait_for(100)
+    cluster.nodes[dead].kill()
+    load.wait_for(100)
+    cluster_cli(cluster, alive[0], "cluster", "remove-core", dead)
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    cluster.start("core4")
+    cluster_cli(cluster, alive[1], "cluster", "add-core", "core4", cluster.endpoints["core4"])
+    members = sorted([*alive, "core4"])
+    wait_until(lambda: shard_members(cluster, "core4") == members, 20, "core4 a voter")
+    load.wait_for(100)
+    # The sequencer removes itself: it steps down once the entry commits and the two others elect one.
+    sequencer, _ = cluster.sequencer(among=members)
+    cluster_cli(cluster, sequencer, "cluster", "remove-core", sequencer)
+    remaining = [name for name in members if name != sequencer]
+    wait_until(lambda: cluster.sequencer(among=remaining) is not None, 20, "a sequencer among the remaining cores")
+    load.through = remaining
+    load.wait_for(100)
+    acknowledged = load.stop()
+    check_agreement(cluster, remaining, acknowledged)
+    assert shard_members(cluster, remaining[0]) == remaining
+
+
+def test_a_replicant_applies_membership_entries_and_keeps_serving(tmp_path: Path, node_processes: list[NodeProcess]):
+    """A replicant applies a membership entry like any other (its set-based apply skips it: no
+    table changes) and keeps up with the writes after it."""
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.start_all()
+    create_table(cluster)
+    cluster.add_replicant("replicant1")
+    cluster.start("replicant1")
+
+    def replicant_shard() -> dict:
+        return ((cluster.status("replicant1") or {}).get("shards", {}).get("default")) or {}
+
+    wait_until(lambda: replicant_shard().get("mode") == "normal", 60, "replicant1 to be normal")
+    load = Load(cluster, ["core1", "core2"]).start()
+    load.wait_for(50)
+    cluster_cli(cluster, "core1", "cluster", "remove-core", "core3")
+    load.wait_for(50)
+    acknowledged = load.stop()
+    remaining = ["core1", "core2"]
+    position = cluster.wait_converged(remaining)
+    wait_until(
+        lambda: (
+            replicant_shard().get("mode") == "normal"
+            and tuple(replicant_shard().get("applied", ())) == tuple(position["applied"])
+        ),
+        30,
+        "replicant1 to apply past the membership entry",
+    )
+    assert replicant_shard()["digest"] == position["digest"]
+    check_agreement(cluster, remaining, acknowledged)
