@@ -92,8 +92,10 @@ def test_an_empty_replicant_catches_up_100_large_entries_without_an_election(clu
 def test_compare_works_right_after_a_bootstrap_without_any_read_first(cluster: Cluster, spark_session) -> None:
     from mnesite.spark.compare import EXIT_EQUAL, CompareOptions, compare
 
-    # A short retention: the replicant must copy the tables by dirty reads, then replay.
-    cluster.extend_core_configs("[rlog]\nretention_entries_max = 20\n")
+    # A short age bound: the replicant must copy the tables by dirty reads, then replay. The age
+    # bound waits for the replicant's agent, so one copy is enough however slow the machine (under a
+    # hard count bound of 20 entries a slow copy lost K0's successors and copied again: bootstraps 2).
+    cluster.extend_core_configs("[rlog]\nretention_age_ms_max = 1000\nretention_interval_ms = 200\n")
     cluster.start_all()
     create_table(cluster)
     load_batches(cluster, 20, 1000)
