@@ -96,6 +96,24 @@ CREATE INDEX IF NOT EXISTS _mnesite_rlog_request ON _mnesite_rlog(request_id) WH
 """
 
 
+RLOG_INSERT = "INSERT INTO _mnesite_rlog VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+def rlog_row(entry: Entry, appended_ms: int) -> tuple[Any, ...]:
+    """One ``_mnesite_rlog`` row: the one place its column order is written."""
+    return (
+        entry.shard,
+        entry.tx_key.generation,
+        entry.tx_key.counter,
+        entry.prev.generation,
+        entry.prev.counter,
+        entry.digest,
+        entry.request_id,
+        pack_ops(entry.ops),
+        appended_ms,
+    )
+
+
 class StoreError(RuntimeError):
     """The database is not a mnesite database, or a store precondition was violated."""
 
@@ -430,20 +448,7 @@ class Store:
         return TxKey(row[0], row[1]) if row else ZERO_KEY
 
     def append_entry(self, entry: Entry, appended_ms: int) -> None:
-        self.connection.execute(
-            "INSERT INTO _mnesite_rlog VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                entry.shard,
-                entry.tx_key.generation,
-                entry.tx_key.counter,
-                entry.prev.generation,
-                entry.prev.counter,
-                entry.digest,
-                entry.request_id,
-                pack_ops(entry.ops),
-                appended_ms,
-            ),
-        )
+        self.connection.execute(RLOG_INSERT, rlog_row(entry, appended_ms))
 
     def apply_entry(self, entry: Entry, healing: bool = False) -> None:
         """Apply a committed entry's ops and move the shard's applied key, inside the caller's transaction.
@@ -496,23 +501,7 @@ class Store:
             if entry.shard != shard or entry.prev != previous:
                 raise StoreError(f"shard {shard}: entry {entry.tx_key} of {entry.shard} does not follow {previous}")
             previous = entry.tx_key
-        self.connection.executemany(
-            "INSERT INTO _mnesite_rlog VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                (
-                    shard,
-                    entry.tx_key.generation,
-                    entry.tx_key.counter,
-                    entry.prev.generation,
-                    entry.prev.counter,
-                    entry.digest,
-                    entry.request_id,
-                    pack_ops(entry.ops),
-                    appended_ms,
-                )
-                for entry in entries
-            ],
-        )
+        self.connection.executemany(RLOG_INSERT, [rlog_row(entry, appended_ms) for entry in entries])
         self.apply_ops_batched([op for entry in entries for op in entry.ops], healing)
         last = entries[-1]
         self.connection.execute(
