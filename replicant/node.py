@@ -90,11 +90,38 @@ class Probe:
 
 @dataclass
 class WaitingRead:
+    """A read held until the replica has applied what it must see.
+
+    ``targets`` maps a shard to the key it must reach. A read of a known table has one target (its
+    shard). A read of a table this replicant does not know yet (created by the very write whose key the
+    client waits for, or by a write committed before a linearizable read began) waits on every shard it
+    replicates: once the table appears its own shard's target decides; if every shard reached its target
+    and the table is still unknown, it did not exist, and the read answers ``unknown_table``.
+    """
+
     envelope: list[bytes]
     message: Message
-    shard: str
-    min_key: TxKey
+    targets: dict[str, TxKey]
     deadline_ms: int
+
+    def ready(self, catalog: dict[str, TableSchema], replicas: dict[str, ShardReplica]) -> bool:
+        table = catalog.get(self.message.body.get("table"))
+        if table is not None and table.shard in self.targets:
+            replica = replicas.get(table.shard)
+            return replica is not None and replica.readable_at(self.targets[table.shard])
+        return all(shard in replicas and replicas[shard].readable_at(key) for shard, key in self.targets.items())
+
+    def describe(self) -> str:
+        return ", ".join(f"shard {shard} did not reach {key}" for shard, key in sorted(self.targets.items()))
+
+
+@dataclass
+class ReadIndexGather:
+    """The read indexes of one linearizable read, one per shard it waits on; answered at most once."""
+
+    expected: int
+    keys: dict[str, TxKey] = field(default_factory=dict)
+    answered: bool = False
 
 
 class ReplicantNode(NodeServer):
@@ -348,8 +375,15 @@ class ReplicantNode(NodeServer):
             self.reply(pending.detail["envelope"], answer)
             return
         if pending.purpose == "read_index":
-            envelope, message = pending.detail["envelope"], pending.detail["message"]
-            if error is not None or not isinstance(result, dict):
+            envelope, message, gather = pending.detail["envelope"], pending.detail["message"], pending.detail["gather"]
+            if gather.answered:
+                return  # another shard's read_index failed and answered the client already
+            committed = None
+            if error is None and isinstance(result, dict):
+                with contextlib.suppress(OpDecodeError, KeyError):
+                    committed = tx_key_from_wire(result["committed"])
+            if committed is None:
+                gather.answered = True
                 self.reply(
                     envelope,
                     codec.error(
@@ -359,7 +393,10 @@ class ReplicantNode(NodeServer):
                     ),
                 )
                 return
-            self._wait_for(envelope, message, pending.detail["shard"], TxKey(*result["committed"]))
+            gather.keys[pending.detail["shard"]] = committed
+            if len(gather.keys) == gather.expected:
+                gather.answered = True
+                self._wait_for(envelope, message, dict(gather.keys))
             return
         if pending.purpose == "fence":
             replica = self.replicas.get(pending.shard or "")
@@ -447,6 +484,10 @@ class ReplicantNode(NodeServer):
     def _expire(self, now: int) -> None:
         for request_id in [r for r, pending in self.pending.items() if pending.deadline_ms <= now]:
             pending = self.pending.pop(request_id)
+            if pending.purpose == "read_index" and pending.detail["gather"].answered:
+                continue
+            if pending.purpose == "read_index":
+                pending.detail["gather"].answered = True
             if pending.purpose in ("forward", "read_index"):
                 self.reply(
                     pending.detail["envelope"],
@@ -463,7 +504,7 @@ class ReplicantNode(NodeServer):
             self.waiting_reads.remove(read)
             self.reply(
                 read.envelope,
-                codec.error(read.message.request_id, "timeout", f"shard {read.shard} did not reach {read.min_key}"),
+                codec.error(read.message.request_id, "timeout", read.describe()),
             )
 
     def no_core_reached(self) -> str | None:
@@ -641,14 +682,26 @@ class ReplicantNode(NodeServer):
 
     def _read(self, envelope: list[bytes], message: Message) -> None:
         body = message.body
-        table = self._table(body["table"])
-        replica = self._serving(table.shard)
+        fresh = body.get("consistency") == "linearizable" or body.get("min_key") is not None
+        try:
+            table = self._table(body["table"])
+        except RequestError:
+            # A read that must see a key may name a table that key's write created: wait on every
+            # shard (WaitingRead) rather than answer unknown_table before the create is applied.
+            if not fresh or not self.replicas or not isinstance(body["table"], str):
+                raise
+            shards = sorted(self.replicas)
+        else:
+            self._serving(table.shard)
+            shards = [table.shard]
         if body.get("consistency") == "linearizable":
-            # Learn the committed key from the sequencer (quorum-confirmed), then wait for it here.
-            core = write_target([replica.upstream], self.cores, self.rng)
-            detail = {"envelope": envelope, "message": message, "shard": table.shard}
-            pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, table.shard, detail)
-            self._request(core, "read_index", {"shard": table.shard}, pending)
+            # Learn each shard's committed key from its sequencer (quorum-confirmed), then wait for it.
+            gather = ReadIndexGather(len(shards))
+            for shard in shards:
+                core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
+                detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
+                pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
+                self._request(core, "read_index", {"shard": shard}, pending)
             return
         min_key = body.get("min_key")
         if min_key is not None:
@@ -656,18 +709,18 @@ class ReplicantNode(NodeServer):
                 min_key = tx_key_from_wire(min_key)
             except OpDecodeError as error:
                 raise RequestError("bad_request", str(error)) from None
-            self._wait_for(envelope, message, table.shard, min_key)
+            self._wait_for(envelope, message, dict.fromkeys(shards, min_key))
             return
         self.reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
 
-    def _wait_for(self, envelope: list[bytes], message: Message, shard: str, min_key: TxKey) -> None:
-        """Answer the read once ``shard`` has applied ``min_key`` (bounded wait and count)."""
+    def _wait_for(self, envelope: list[bytes], message: Message, targets: dict[str, TxKey]) -> None:
+        """Answer the read once every target shard has applied its key (bounded wait and count)."""
         if len(self.waiting_reads) >= WAITING_READS_MAX:
             self.reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
             return
         wait_ms = min(READ_WAIT_MS_MAX, int(message.body.get("wait_ms", READ_WAIT_MS_MAX)))
         self.hold(envelope, message.request_id)
-        self.waiting_reads.append(WaitingRead(envelope, message, shard, min_key, self.clock_ms() + wait_ms))
+        self.waiting_reads.append(WaitingRead(envelope, message, targets, self.clock_ms() + wait_ms))
 
     def _read_now(self, table: TableSchema, message: Message) -> Any:
         body = message.body
@@ -682,9 +735,11 @@ class ReplicantNode(NodeServer):
         return self.store.read_row(table, check_key(table, body["key"]))
 
     def _answer_waiting_reads(self) -> None:
+        if not self.waiting_reads:
+            return
+        catalog = self.store.catalog()
         for read in list(self.waiting_reads):
-            replica = self.replicas.get(read.shard)
-            if replica is not None and replica.readable_at(read.min_key):
+            if read.ready(catalog, self.replicas):
                 self.waiting_reads.remove(read)
                 try:
                     result = self._read_now(self._table(read.message.body["table"]), read.message)
