@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from mnesite.rlog.client import Client  # noqa: E402
 
-from benchmarks.bench_commit import free_endpoint, machine  # noqa: E402
+from benchmarks.bench_commit import free_endpoint, machine, wait_listening  # noqa: E402
 
 ROW_VALUE = "v" * 90
 
@@ -97,6 +97,7 @@ def main() -> None:
         start_new_session=True,
     )
     try:
+        wait_listening([endpoint])
         with Client(endpoint, timeout_ms=3000, retries=30) as client:
             client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
             for start in range(0, arguments.rows, 1000):

@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from mnesite.rlog.client import Client, MnesiteError  # noqa: E402
 
-from benchmarks.bench_commit import free_endpoint, machine, percentile  # noqa: E402
+from benchmarks.bench_commit import free_endpoint, machine, percentile, wait_listening  # noqa: E402
 
 ROW_VALUE = "v" * 90  # with the id and the encoding, about 100 bytes a row
 ENTRY_OVERHEAD_BYTES_ESTIMATE = 128
@@ -210,6 +210,7 @@ class Writers:
 
 def start_cluster(directory: Path, core_toml: str = "") -> Cluster:
     cluster = Cluster(directory, core_toml)
+    wait_listening(list(cluster.endpoints.values()))
     with Client(cluster.endpoints["core1"], timeout_ms=3000, retries=20) as client:
         client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
     return cluster

@@ -140,6 +140,26 @@ def bench_node(endpoint: str, clients: int, seconds: float, name: str, keys: dic
     return summarise(name, clients, count, seconds, latencies)
 
 
+def wait_listening(endpoints: list[str], timeout_s: float = 30.0, process: object | None = None) -> None:
+    """Wait until every ``tcp://host:port`` endpoint accepts TCP connections (a node just started).
+
+    The client fails fast on a refused connection (it tells a user at once that nothing listens), so a
+    benchmark that starts its own nodes waits for their sockets first, with a deadline."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    for endpoint in endpoints:
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise SystemExit(f"{endpoint} did not accept connections within {timeout_s} s") from None
+                time.sleep(0.05)
+
+
 def free_endpoint() -> str:
     import socket
 
@@ -198,6 +218,7 @@ def start_nodes(
                 stderr=subprocess.DEVNULL,
             )
         )
+    wait_listening(list(endpoints.values()))
     first = next(iter(endpoints.values()))
     with Client(first, timeout_ms=2000, retries=15, **keys) as client:
         client.create_table("bench", "id", [("id", "INTEGER"), ("payload", "TEXT")])
