@@ -338,7 +338,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     """The replicant's apply path without sockets: (seconds, entries).
 
     What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
-    decode the frame (``codec.decode``: msgpack and the typed layer's checks, then ``entry_from_wire``),
+    decode the frame (``codec.decode``: msgpack and the typed layer's checks, then ``decode_entry``),
     step the real ``ShardReplica`` (which checks the digest chain), and execute its ``ApplyEntries``
     on a real ``Store`` the way ``replicant.node`` does, one SQLite transaction per push.
     """
@@ -349,9 +349,10 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     from mnesite.rlog import codec
     from mnesite.rlog import replication as p
     from mnesite.rlog.codec import Message
+    from mnesite.rlog.messages import decode_entry
     from mnesite.rlog.schema import TableSchema
     from mnesite.rlog.store import Store
-    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_from_wire, entry_to_wire, make_entry
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_to_wire, make_entry
 
     schema = TableSchema("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT")))
     entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (schema.to_op(),))]
@@ -382,12 +383,12 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
         store.ensure_shard("default", 0)
     replica = ShardReplica("default", "r", ("c",), ZERO_KEY, GENESIS_DIGEST, ReplicaConfig(), random.Random(0), 0)
     replica.step(p.Ticked(), 0)
-    replica.step(p.JournalsReceived((("c", p.JournalAge(committed, True, 0)),)), 0)
+    replica.step(p.JournalsReceived((("c", p.JournalAnswer(committed, True, 0)),)), 0)
     replica.step(p.WatchAccepted("c", "a", "resume", ZERO_KEY, GENESIS_DIGEST, replica.watch_id), 0)
     began = time.monotonic()
     for frame in pushes:
         body = codec.decode(frame, 64 * 1024 * 1024).body
-        decoded = tuple(entry_from_wire(value) for value in body["entries"])
+        decoded = tuple(decode_entry(value, "push.entries") for value in body["entries"])
         store.connection.execute("BEGIN IMMEDIATE")
         for effect in replica.step(p.PushReceived("c", "a", decoded, committed, True), 0):
             if isinstance(effect, p.ApplyEntries):

@@ -30,18 +30,18 @@ from mnesite.core.consensus import (
     VoteRequest,
 )
 from mnesite.rlog.codec import CodecError
-from mnesite.rlog.messages import ENTRY_WIRE, MessageError
+from mnesite.rlog.messages import ENTRY_WIRE, MessageError, decode_entry
 from mnesite.rlog.types import (
     DIGEST_BYTES,
     Entry,
     OpDecodeError,
     TxKey,
-    entry_from_wire,
     entry_to_wire,
     tx_key_from_wire,
 )
 
-CONSENSUS_WIRE_VERSION = 1
+# 2: entries carry their ops packed (``rlog.types.entry_to_wire``).
+CONSENSUS_WIRE_VERSION = 2
 # Far above any entries_per_append_max; a frame claiming more is refused before decoding entries.
 APPEND_ENTRIES_WIRE_MAX = 4096
 MEMBER_NAME_CHARS_MAX = 255
@@ -201,8 +201,8 @@ def _entries(value: Any) -> tuple[Entry, ...]:
     for index, item in enumerate(value):
         try:
             # The typed layer's entry shape first: scalars only in rows and keys, bounded names.
-            ENTRY_WIRE.check(item, f"append_request.entries[{index}]")
-            entry = entry_from_wire(item)
+            path = f"append_request.entries[{index}]"
+            entry = decode_entry(ENTRY_WIRE.check(item, path), path)
         except MessageError as error:
             raise CodecError(str(error)[:300]) from None
         except OpDecodeError as error:

@@ -39,14 +39,15 @@ from mnesite.rlog.backup import BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
+from mnesite.rlog.messages import MessageError, decode_entry
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name, define_table
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
+    Entry,
     OpDecodeError,
     TxKey,
-    entry_from_wire,
     entry_to_json,
     tx_key_from_wire,
 )
@@ -605,19 +606,25 @@ class ReplicantNode(NodeServer):
         replica = self.replicas.get(body["shard"])
         if replica is None:
             return
-        try:
-            entries = tuple(entry_from_wire(value) for value in body["entries"])
-            committed = tx_key_from_wire(body["committed"])
-        except OpDecodeError as error:
-            log.warning("malformed push from %s: %s", body.get("core"), error)
-            return
         if body["core"] not in self.core_sockets:
             log.warning("push from unknown core %r ignored", body["core"])
             return
-        self._core_heard_ms = self.clock_ms()
         # The answer to the watch that created the agent: the replica takes it for the answer if
         # this push overtook it (ShardReplica, "Fencing").
         accepted = watch_accepted(body["core"], body.get("watch"))
+        try:
+            committed = tx_key_from_wire(body["committed"])
+            # A push the replica will refuse unread (a superseded agent's) is not decoded: the
+            # per-row work of its entries is spent only on pushes that may be applied.
+            entries: tuple[Entry, ...] = ()
+            if replica.takes_push(body["core"], body["agent"], accepted):
+                entries = tuple(
+                    decode_entry(value, f"push.entries[{index}]") for index, value in enumerate(body["entries"])
+                )
+        except (OpDecodeError, MessageError) as error:
+            log.warning("malformed push from %s: %s", body.get("core"), error)
+            return
+        self._core_heard_ms = self.clock_ms()
         push = p.PushReceived(body["core"], body["agent"], entries, committed, body["hears_sequencer"], accepted)
         self._step(replica, push)
 

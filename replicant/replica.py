@@ -619,21 +619,30 @@ class ShardReplica:
 
     # ------------------------------------------------------------ pushes
 
-    def _on_push(self, event: PushReceived) -> None:
-        accepted = event.accepted
-        if (
+    def takes_push(self, core: str, agent_id: str, accepted: WatchAccepted | None = None) -> bool:
+        """Whether a push of ``agent_id`` from ``core`` would be read (its entries looked at) if it
+        arrived now: the watched agent's, or one whose agent the outstanding watch's answer names.
+        For anything else ``PushReceived`` only rejects or ignores it, whatever its entries, so a
+        driver need not decode them (``replicant.node``)."""
+        return self._answers_watch(core, agent_id, accepted) or self._watched(core, agent_id)
+
+    def _watched(self, core: str, agent_id: str) -> bool:
+        return self._mode in (Mode.NORMAL, Mode.BOOTSTRAP) and core == self._upstream and agent_id == self._agent_id
+
+    def _answers_watch(self, core: str, agent_id: str, accepted: WatchAccepted | None) -> bool:
+        return (
             accepted is not None
             and self._waiting is _Waiting.WATCH
-            and (accepted.core, accepted.agent_id) == (event.core, event.agent_id)
-        ):
+            and (accepted.core, accepted.agent_id) == (core, agent_id)
+        )
+
+    def _on_push(self, event: PushReceived) -> None:
+        accepted = event.accepted
+        if self._answers_watch(event.core, event.agent_id, accepted):
             # The first push of the agent this watch created overtook the answer: it carries the
             # answer, so take it as such (ignored unless it answers the outstanding watch).
             self._on_watch_accepted(accepted)
-        watched = (
-            self._mode in (Mode.NORMAL, Mode.BOOTSTRAP)
-            and event.core == self._upstream
-            and event.agent_id == self._agent_id
-        )
+        watched = self._watched(event.core, event.agent_id)
         if not watched:
             if self._waiting is _Waiting.WATCH and event.core == self._request_core:
                 return  # maybe the agent this watch creates, ahead of its WatchAccepted

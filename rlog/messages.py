@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mnesite.rlog.types import DIGEST_BYTES, TxKey
+from mnesite.rlog.types import DIGEST_BYTES, Entry, OpDecodeError, TxKey, entry_from_unpacked, unpack_wire_ops
 
 # SQLite's INTEGER range; tx key parts and generations stay below 2**63 as well.
 INTEGER_MIN = -(2**63)
@@ -380,7 +380,8 @@ OP = Record(
 )
 GUARD = Record((("table", NAME, True), ("key", SCALAR, True), ("equals", Nullable(Row()), False)))
 COLUMN = Pair(NAME, Text(16, 1))
-# An entry on the wire (``rlog.types.entry_to_wire``): the ops are checked op by op.
+# An entry on the wire (``rlog.types.entry_to_wire``): its ops are packed bytes, checked op by op
+# when they are decoded (``decode_entry``), once the receiver wants the entry.
 WIRE_OP = FreeValue(depth_max=4)
 
 
@@ -395,13 +396,33 @@ class _Entry(Spec):
         TX_KEY.check(value[1], f"{path}.tx_key")
         TX_KEY.check(value[2], f"{path}.prev")
         DIGEST.check(value[3], f"{path}.digest")
-        if not _wire_ops_well_formed(value[4]):
-            # The checks that name what is wrong (and refuse it); the fast path only says yes.
-            ops = ListOf(WIRE_OP, OPS_MAX).check(value[4], f"{path}.ops")
-            for index, op in enumerate(ops):
-                _check_wire_op(op, f"{path}.ops[{index}]")
+        if not isinstance(value[4], bytes):
+            raise MessageError(f"{path}.ops", "must be the packed ops (bytes)")
         Nullable(Text(REQUEST_ID_CHARS_MAX, 1)).check(value[5], f"{path}.request_id")
         return list(value)
+
+
+def decode_entry(value: list[Any], path: str) -> Entry:
+    """The ``Entry`` of a wire entry ``ENTRY_WIRE`` accepted: its packed ops unpacked (no extension
+    types), checked op by op by the same rules as any op on the wire, required to be the canonical
+    packing (so the digest over those bytes is the digest of the ops), and decoded.
+
+    Deferred from the message check so that a push a replicant refuses anyway (a superseded agent's)
+    costs no per-row work. Raises ``MessageError`` naming what is wrong.
+    """
+    try:
+        ops = unpack_wire_ops(value[4])
+    except OpDecodeError as error:
+        raise MessageError(f"{path}.ops", str(error)) from None
+    if not _wire_ops_well_formed(ops):
+        # The checks that name what is wrong (and refuse it); the fast path only says yes.
+        checked = ListOf(WIRE_OP, OPS_MAX).check(ops, f"{path}.ops")
+        for index, op in enumerate(checked):
+            _check_wire_op(op, f"{path}.ops[{index}]")
+    try:
+        return entry_from_unpacked(list(value), ops)
+    except OpDecodeError as error:
+        raise MessageError(path, str(error)) from None
 
 
 # Names (tables, columns) already found valid by ``NAME``; bounded, names are at most NAME_CHARS_MAX.

@@ -140,9 +140,14 @@ def decode_op(value: Any) -> Op:
     kind = value[0]
     if kind == "w" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], list):
         pairs = value[2]
+        previous = None
         for pair in pairs:
             if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
                 raise OpDecodeError("write op row must be a list of [column, value] pairs")
+            # Canonical form (encode_op): columns sorted, each once; the digest is over that form.
+            if previous is not None and not previous < pair[0]:
+                raise OpDecodeError("write op columns must be sorted and unique")
+            previous = pair[0]
         return WriteOp(value[1], dict(pairs))
     if kind == "d" and len(value) == 3 and isinstance(value[1], str):
         return DeleteOp(value[1], value[2])
@@ -180,21 +185,28 @@ _packed_ops_lock = threading.Lock()
 
 
 def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
-    global _packed_ops_bytes
     cached = _PACKED_OPS.get(id(ops))
     if cached is not None and cached[0] is ops:
         return cached[1]
     packed = msgpack.packb([encode_op(op) for op in ops], use_bin_type=True)
-    if isinstance(ops, tuple) and len(packed) <= _PACKED_OPS_BYTES_MAX // 4:
-        with _packed_ops_lock:
-            previous = _PACKED_OPS.pop(id(ops), None)
-            if previous is not None:
-                _packed_ops_bytes -= len(previous[1])
-            _PACKED_OPS[id(ops)] = (ops, packed)
-            _packed_ops_bytes += len(packed)
-            while len(_PACKED_OPS) > _PACKED_OPS_ITEMS_MAX or _packed_ops_bytes > _PACKED_OPS_BYTES_MAX:
-                _packed_ops_bytes -= len(_PACKED_OPS.pop(next(iter(_PACKED_OPS)))[1])
+    if isinstance(ops, tuple):
+        _remember_packed(ops, packed)
     return packed
+
+
+def _remember_packed(ops: tuple[Op, ...], packed: bytes) -> None:
+    """Record that ``packed`` is ``pack_ops(ops)`` (the caller made sure of it)."""
+    global _packed_ops_bytes
+    if len(packed) > _PACKED_OPS_BYTES_MAX // 4:
+        return
+    with _packed_ops_lock:
+        previous = _PACKED_OPS.pop(id(ops), None)
+        if previous is not None:
+            _packed_ops_bytes -= len(previous[1])
+        _PACKED_OPS[id(ops)] = (ops, packed)
+        _packed_ops_bytes += len(packed)
+        while len(_PACKED_OPS) > _PACKED_OPS_ITEMS_MAX or _packed_ops_bytes > _PACKED_OPS_BYTES_MAX:
+            _packed_ops_bytes -= len(_PACKED_OPS.pop(next(iter(_PACKED_OPS)))[1])
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
@@ -333,9 +345,8 @@ class PackedEntry:
         )
 
     def to_wire(self) -> list[Any]:
-        """``entry_to_wire`` of the entry (the receiver decodes and checks the ops as usual)."""
-        ops = msgpack.unpackb(self.packed_ops, raw=False)
-        return [self.shard, list(self.tx_key), list(self.prev), self.digest, ops, self.request_id]
+        """``entry_to_wire`` of the entry: the stored ops go out as they are."""
+        return [self.shard, list(self.tx_key), list(self.prev), self.digest, self.packed_ops, self.request_id]
 
 
 def wire_size_bytes(entry: Entry | PackedEntry) -> int:
@@ -348,28 +359,68 @@ def to_wire(entry: Entry | PackedEntry) -> list[Any]:
 
 
 def entry_to_wire(entry: Entry) -> list[Any]:
-    return [
-        entry.shard,
-        list(entry.tx_key),
-        list(entry.prev),
-        entry.digest,
-        [encode_op(op) for op in entry.ops],
-        entry.request_id,
-    ]
+    """``[shard, tx_key, prev, digest, packed_ops, request_id]``.
+
+    The ops travel as ``pack_ops`` bytes, the very bytes the digest covers and the log stores: a
+    sender packs them once (a sequencer already did, for the digest; an agent pushes the stored
+    bytes), and a receiver checks the digest over the bytes it got, decodes them once, and logs
+    them without packing again. ``entry_from_wire`` refuses bytes that are not the canonical
+    packing of the ops they hold, so a digest over them always is the digest of those ops.
+    """
+    return [entry.shard, list(entry.tx_key), list(entry.prev), entry.digest, pack_ops(entry.ops), entry.request_id]
 
 
-def entry_from_wire(value: Any) -> Entry:
-    """Decode an entry; raises ``OpDecodeError`` on any malformation."""
+def _no_ext(code: int, data: bytes) -> Any:
+    raise OpDecodeError(f"msgpack extension type {code} is not allowed in ops")
+
+
+def unpack_wire_ops(packed: Any) -> list[Any]:
+    """The ops of a wire entry unpacked (plain msgpack values, lists for arrays); nothing else decoded.
+
+    Raises ``OpDecodeError`` on anything but bytes holding one msgpack array without extension types.
+    """
+    if not isinstance(packed, bytes):
+        raise OpDecodeError("entry ops must be packed bytes")
+    try:
+        value = msgpack.unpackb(packed, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True)
+    except OpDecodeError:
+        raise
+    except Exception as error:  # msgpack raises many types for garbage; all mean the same here.
+        raise OpDecodeError(f"entry ops are not msgpack: {type(error).__name__}") from None
+    if not isinstance(value, list):
+        raise OpDecodeError("entry ops must be a list")
+    return value
+
+
+def entry_from_unpacked(value: Any, ops: list[Any]) -> Entry:
+    """The entry of wire form ``value`` whose ops ``unpack_wire_ops`` gave as ``ops``.
+
+    Raises ``OpDecodeError`` on any malformation, and when the packed bytes are not the canonical
+    packing of the ops (``pack_ops`` of the decoded ops would differ): the digest is over them.
+    """
     if not isinstance(value, list) or len(value) != 6:
         raise OpDecodeError("entry must be a list of 6 fields")
-    shard, key, prev, digest, ops, request_id = value
-    if not isinstance(shard, str) or not isinstance(digest, bytes) or not isinstance(ops, list):
+    shard, key, prev, digest, packed, request_id = value
+    if not isinstance(shard, str) or not isinstance(digest, bytes) or not isinstance(packed, bytes):
         raise OpDecodeError("entry fields have wrong types")
     if request_id is not None and not isinstance(request_id, str):
         raise OpDecodeError("entry request id must be a string or nil")
-    return Entry(
-        shard, tx_key_from_wire(key), tx_key_from_wire(prev), digest, tuple(decode_op(o) for o in ops), request_id
-    )
+    decoded = tuple(decode_op(o) for o in ops)
+    # decode_op checked the shapes and the column order; packing the plain values again (at C speed)
+    # shows the bytes used the canonical msgpack forms (smallest ints, str for text, float64...).
+    if msgpack.packb(ops, use_bin_type=True) != packed:
+        raise OpDecodeError("entry ops are not in canonical form")
+    _remember_packed(decoded, packed)
+    return Entry(shard, tx_key_from_wire(key), tx_key_from_wire(prev), digest, decoded, request_id)
+
+
+def entry_from_wire(value: Any) -> Entry:
+    """Decode an entry (``entry_to_wire`` form); raises ``OpDecodeError`` on any malformation.
+
+    Shapes only: a receiver runs the typed layer's checks first (``rlog.messages.decode_entry``)."""
+    if not isinstance(value, list) or len(value) != 6:
+        raise OpDecodeError("entry must be a list of 6 fields")
+    return entry_from_unpacked(value, unpack_wire_ops(value[4]))
 
 
 def tx_key_from_wire(value: Any) -> TxKey:

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mnesite.rlog import codec
+from mnesite.rlog import codec, messages
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -213,12 +213,44 @@ def test_the_fast_check_of_pushed_ops_accepts_only_what_the_generic_checks_accep
 def test_a_push_with_a_malformed_row_is_refused_with_the_path_of_the_value() -> None:
     entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"k": 1})])
     wire = entry_to_wire(entry)
-    wire[4] = [["w", "t", [["k", 1], ["v", float("nan")]]]]
+    wire[4] = msgpack.packb([["w", "t", [["k", 1], ["v", float("nan")]]]], use_bin_type=True)
     body = {"shard": "default", "agent": "a", "core": "c", "entries": [wire], "committed": [1, 1]}
     body["hears_sequencer"] = True
     frame = msgpack.packb([codec.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
-    with pytest.raises(CodecError, match=r"entries\[0\]\.ops\[0\]\.row\[1\]\[1\]: NaN"):
+    # The envelope passes the message check; the ops are checked when the entry is decoded.
+    checked = codec.decode(frame).body["entries"][0]
+    with pytest.raises(messages.MessageError, match=r"entries\[0\]\.ops\[0\]\.row\[1\]\[1\]: NaN"):
+        messages.decode_entry(checked, "push.entries[0]")
+    # Ops that are not packed bytes are refused by the message check itself.
+    wire[4] = [["w", "t", [["k", 1]]]]
+    frame = msgpack.packb([codec.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
+    with pytest.raises(CodecError, match=r"entries\[0\]\.ops: must be the packed ops"):
         codec.decode(frame)
+
+
+def test_wire_entry_ops_must_be_the_canonical_packing() -> None:
+    """The digest covers the packed bytes: bytes that decode to the same ops but are not what
+    ``pack_ops`` makes (a larger int form, unsorted or repeated columns, float32, an extension
+    type) are refused, so a digest over the received bytes is always the digest of the ops."""
+    entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"a": 1, "b": 2.5})])
+    wire = entry_to_wire(entry)
+    assert messages.decode_entry(list(wire), "e") == entry
+    canonical = wire[4]
+    assert canonical == msgpack.packb([["w", "t", [["a", 1], ["b", 2.5]]]], use_bin_type=True)
+    variants = {
+        "int as uint32": canonical.replace(b"\xa1a\x01", b"\xa1a\xce\x00\x00\x00\x01"),
+        "unsorted": msgpack.packb([["w", "t", [["b", 2.5], ["a", 1]]]], use_bin_type=True),
+        "repeated": msgpack.packb([["w", "t", [["a", 1], ["a", 1]]]], use_bin_type=True),
+        "float32": msgpack.packb([["w", "t", [["a", 1], ["b", 2.5]]]], use_bin_type=True, use_single_float=True),
+        "ext": msgpack.packb([["w", "t", [["a", msgpack.ExtType(1, b"x")]]]], use_bin_type=True),
+        "trailing": canonical + b"\x00",
+        "not a list": msgpack.packb({"w": 1}, use_bin_type=True),
+    }
+    for name, packed in variants.items():
+        assert packed != canonical, name
+        with pytest.raises(messages.MessageError):
+            messages.decode_entry([*wire[:4], packed, wire[5]], "e")
+            pytest.fail(f"{name} was accepted")
 
 
 def _free_value_reference(value, depth_max: int, items_max: int) -> bool:
