@@ -37,7 +37,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mnesite.rlog.types import DIGEST_BYTES, Entry, OpDecodeError, TxKey, entry_from_unpacked, unpack_wire_ops
+from mnesite.rlog.types import (
+    DIGEST_BYTES,
+    DeleteOp,
+    Entry,
+    Op,
+    OpDecodeError,
+    TxKey,
+    WriteOp,
+    entry_from_unpacked,
+    unpack_wire_ops,
+)
 
 # SQLite's INTEGER range; tx key parts and generations stay below 2**63 as well.
 INTEGER_MIN = -(2**63)
@@ -414,6 +424,12 @@ def decode_entry(value: list[Any], path: str) -> Entry:
         ops = unpack_wire_ops(value[4])
     except OpDecodeError as error:
         raise MessageError(f"{path}.ops", str(error)) from None
+    decoded = _decode_plain_ops(ops)
+    if decoded is not None:
+        try:
+            return entry_from_unpacked(list(value), ops, decoded)
+        except OpDecodeError as error:
+            raise MessageError(path, str(error)) from None
     if not _wire_ops_well_formed(ops):
         # The checks that name what is wrong (and refuse it); the fast path only says yes.
         checked = ListOf(WIRE_OP, OPS_MAX).check(ops, f"{path}.ops")
@@ -485,6 +501,54 @@ def _wire_ops_well_formed(ops: Any) -> bool:
             if not _scalar_well_formed(item):
                 return False
     return True
+
+
+def _decode_plain_ops(ops: list[Any]) -> tuple[Op, ...] | None:
+    """Writes and deletes in canonical form, checked and decoded in one pass; None for anything else.
+
+    What ``_wire_ops_well_formed`` and ``rlog.types.decode_op`` do one after the other (same rules,
+    plus the columns of a row sorted and unique), fused: a 1,000-row entry's values are walked once.
+    None sends the ops through those two (which name what is wrong, and decode create, drop and
+    membership ops), so this may only return ops both would have accepted.
+    """
+    if len(ops) > OPS_MAX:
+        return None
+    decoded: list[Op] = []
+    names = _NAMES_CHECKED
+    for op in ops:
+        if type(op) is not list or len(op) != 3:
+            return None
+        kind, table, row = op
+        if not (table in names if type(table) is str else False) and not _name_well_formed(table):
+            return None
+        if kind == "d" and type(kind) is str:
+            if not _scalar_well_formed(row):
+                return None
+            decoded.append(DeleteOp(table, row))
+            continue
+        if kind != "w" or type(kind) is not str or type(row) is not list or len(row) > ROW_COLUMNS_MAX:
+            return None
+        previous = None
+        for pair in row:
+            if type(pair) is not list or len(pair) != 2:
+                return None
+            column, item = pair
+            if not (column in names if type(column) is str else False) and not _name_well_formed(column):
+                return None
+            if previous is not None and not previous < column:
+                return None
+            previous = column
+            item_type = type(item)
+            if item_type is int:
+                if not INTEGER_MIN <= item <= INTEGER_MAX:
+                    return None
+            elif item_type is float:
+                if item != item:  # NaN
+                    return None
+            elif not (item_type is str or item_type is bytes or item is None or item_type is bool):
+                return None
+        decoded.append(WriteOp(table, dict(row)))
+    return tuple(decoded)
 
 
 def _check_wire_op(op: Any, path: str) -> None:

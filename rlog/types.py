@@ -392,8 +392,9 @@ def unpack_wire_ops(packed: Any) -> list[Any]:
     return value
 
 
-def entry_from_unpacked(value: Any, ops: list[Any]) -> Entry:
-    """The entry of wire form ``value`` whose ops ``unpack_wire_ops`` gave as ``ops``.
+def entry_from_unpacked(value: Any, ops: list[Any], decoded: tuple[Op, ...] | None = None) -> Entry:
+    """The entry of wire form ``value`` whose ops ``unpack_wire_ops`` gave as ``ops``; ``decoded``:
+    the caller's ``decode_op`` of each of them, if it made them already (``rlog.messages``).
 
     Raises ``OpDecodeError`` on any malformation, and when the packed bytes are not the canonical
     packing of the ops (``pack_ops`` of the decoded ops would differ): the digest is over them.
@@ -405,7 +406,8 @@ def entry_from_unpacked(value: Any, ops: list[Any]) -> Entry:
         raise OpDecodeError("entry fields have wrong types")
     if request_id is not None and not isinstance(request_id, str):
         raise OpDecodeError("entry request id must be a string or nil")
-    decoded = tuple(decode_op(o) for o in ops)
+    if decoded is None:
+        decoded = tuple(decode_op(o) for o in ops)
     # decode_op checked the shapes and the column order; packing the plain values again (at C speed)
     # shows the bytes used the canonical msgpack forms (smallest ints, str for text, float64...).
     if msgpack.packb(ops, use_bin_type=True) != packed:

@@ -18,6 +18,7 @@ from mnesite.rlog.types import (
     OpDecodeError,
     TxKey,
     WriteOp,
+    decode_op,
     entry_from_wire,
     entry_to_wire,
     make_entry,
@@ -208,6 +209,14 @@ def test_the_fast_check_of_pushed_ops_accepts_only_what_the_generic_checks_accep
     assert not fast or generic, ops
     if generic and all(op[0] != "c" for op in ops):
         assert fast, ops  # the fast path must not send every valid push down the slow path
+    # The fused check-and-decode of a push's ops: only what both the checks and decode_op accept
+    # (decode_op also wants a row's columns sorted and unique), decoded the same way.
+    fused = messages._decode_plain_ops(ops)
+    try:
+        reference = tuple(decode_op(op) for op in ops) if generic else None
+    except OpDecodeError:
+        reference = None
+    assert fused == reference or (fused is None and any(op[0] not in ("w", "d") for op in ops)), ops
 
 
 def test_a_push_with_a_malformed_row_is_refused_with_the_path_of_the_value() -> None:
