@@ -223,6 +223,29 @@ def test_a_push_from_another_agent_is_rejected_and_nothing_is_applied():
 
 
 @pytest.mark.timeout(10)
+def test_takes_push_says_which_pushes_the_machine_would_read_and_unread_ones_ignore_their_entries():
+    """A driver decodes a push's entries only if ``takes_push``; for any other push the machine's
+    answer must not depend on the entries (so an undecoded, empty push is handled the same way)."""
+    machine = replica(applied=5)
+    assert not machine.takes_push("core0", "a1")  # disconnected: nothing is read
+    machine.step(Ticked(), 0)
+    (watch,) = machine.step(ages(core1=None, core2=None), 0)
+    answer = WatchAccepted(watch.core, "a1", "resume", *at(5), machine.watch_id)
+    assert machine.takes_push(watch.core, "a1", answer)  # the push carrying the watch's answer
+    assert not machine.takes_push(watch.core, "a1")  # the same push without the answer is dropped
+    machine.step(answer, 1)
+    assert machine.takes_push("core0", "a1")
+    for core, agent in (("core0", "old"), ("core1", "a1")):
+        assert not machine.takes_push(core, agent)
+        with_entries = replica(applied=5)
+        connect(with_entries)
+        assert with_entries.step(push(HISTORY[5:8], agent=agent, core=core), 2) == machine.step(
+            push((), agent=agent, core=core), 2
+        )
+    assert machine.applied_key == at(5)[0]
+
+
+@pytest.mark.timeout(10)
 def test_a_push_while_disconnected_is_rejected():
     machine = replica(applied=5)
     assert machine.step(push(HISTORY[5:8]), 0) == [SendReject("core0", "a1", "not the watched agent")]
