@@ -1533,6 +1533,7 @@ class CoreNode(NodeServer):
             "members": list(self.members),
             "commits": self.commits,
             "durable_commits": self.durable_commits,
+            "sends_dropped": self.sends_dropped,
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),

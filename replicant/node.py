@@ -792,6 +792,7 @@ class ReplicantNode(NodeServer):
             "core_nodes": self.config.core_nodes,
             "security": self.security_status(),
             "no_core_reached": self.no_core_reached(),
+            "sends_dropped": self.sends_dropped,
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }

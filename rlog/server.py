@@ -44,6 +44,7 @@ STOP_GRACE_MS = 200  # how long a node keeps serving after it answered a stop re
 # zmq disconnects peers whose message exceeds this many times frame_bytes_max; frames between
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
+SENDS_DROPPED_LOG_MS = 10_000
 ROUTER_QUEUE_MAX = 10_000
 # Frames (and bytes, times turn_bytes_max) kept for later turns, as a multiple of group_commit_max.
 BACKLOG_FACTOR = 4
@@ -99,6 +100,11 @@ class NodeServer:
         self.stop_reason = "stopped by its owner"  # what the shutdown line says: a signal or a stop request
         self.commits = 0
         self.durable_commits = 0  # commits that waited for an fsync (see ``begin``)
+        # Frames dropped because the receiver's zmq queue was full (or its socket gone): every protocol
+        # here re-sends, but a dropped push costs a replicant a resync, so they are counted and logged.
+        self.sends_dropped = 0
+        self._sends_dropped_logged = 0
+        self._sends_dropped_log_ms = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
         # Whether the turn's transaction holds something that must be durable before a frame is sent.
@@ -509,6 +515,21 @@ class NodeServer:
         except zmq.ZMQError as error:
             log.debug("send failed, message dropped: %s", error)
 
+    def _dropped(self, kind: str, why: str) -> None:
+        """Count a dropped outgoing frame; a warning at most every SENDS_DROPPED_LOG_MS with the count."""
+        self.sends_dropped += 1
+        now = monotonic_ms()
+        if now - self._sends_dropped_log_ms >= SENDS_DROPPED_LOG_MS:
+            log.warning(
+                "dropped %d outgoing frame(s) since the last report (last: %s, %s); "
+                "peers re-send, a replicant resynchronises after a dropped push",
+                self.sends_dropped - self._sends_dropped_logged,
+                kind,
+                why,
+            )
+            self._sends_dropped_logged = self.sends_dropped
+            self._sends_dropped_log_ms = now
+
     def flush(self) -> None:
         """Commit the open transaction (one fsync), then send everything queued behind it."""
         if self._in_transaction:
@@ -556,9 +577,9 @@ class NodeServer:
             try:
                 target.send_multipart([*envelope, frame], zmq.NOBLOCK)
             except zmq.Again:
-                log.debug("send queue full: a message was dropped")
+                self._dropped(message.kind, "the receiver's queue is full")
             except zmq.ZMQError as error:
                 # A socket closed meanwhile (its endpoint no longer used): every protocol here re-sends.
-                log.debug("send failed, message dropped: %s", error)
+                self._dropped(message.kind, str(error))
         if self.metrics is not None:
             self.refresh_metrics()

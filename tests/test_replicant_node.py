@@ -1,0 +1,106 @@
+"""The replicant node's own rules, without processes: held reads (``WaitingRead``: a read that must
+see a key waits for the table that key's write created, instead of answering ``unknown_table``
+before the create is applied) and dropped outgoing frames (counted, shown, logged)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from mnesite.replicant.node import WaitingRead
+from mnesite.rlog.codec import Message
+from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.types import TxKey
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@dataclass
+class FakeReplica:
+    applied: TxKey
+    serving: bool = True
+
+    def readable_at(self, key: TxKey) -> bool:
+        return self.serving and self.applied >= key
+
+
+def held(table: str, targets: dict[str, TxKey]) -> WaitingRead:
+    message = Message("get", "r1", {"table": table, "key": 1})
+    return WaitingRead([b"client"], message, targets, deadline_ms=1_000)
+
+
+LATE = TableSchema("late", "default", "k", (("k", "TEXT"),))
+
+
+def test_an_unknown_table_waits_until_every_shard_reached_the_key() -> None:
+    read = held("late", {"default": TxKey(1, 5), "other": TxKey(1, 5)})
+    replicas = {"default": FakeReplica(TxKey(1, 4)), "other": FakeReplica(TxKey(1, 9))}
+    assert not read.ready({}, replicas)
+    replicas["default"].applied = TxKey(1, 5)
+    # Every shard reached the key and the table is still unknown: it did not exist, answer now.
+    assert read.ready({}, replicas)
+
+
+def test_a_table_that_appears_is_answered_when_its_own_shard_reached_the_key() -> None:
+    read = held("late", {"default": TxKey(1, 5), "other": TxKey(1, 5)})
+    replicas = {"default": FakeReplica(TxKey(1, 5)), "other": FakeReplica(TxKey(1, 1))}
+    # "other" is behind, but the table's own shard decides once the table is known.
+    assert read.ready({"late": LATE}, replicas)
+    replicas["default"].serving = False  # a bootstrap began while the read waited
+    assert not read.ready({"late": LATE}, replicas)
+
+
+def test_a_known_table_waits_for_its_shard_only() -> None:
+    read = held("late", {"default": TxKey(2, 1)})
+    replicas = {"default": FakeReplica(TxKey(1, 99))}
+    assert not read.ready({"late": LATE}, replicas)
+    replicas["default"].applied = TxKey(2, 1)
+    assert read.ready({"late": LATE}, replicas)
+    assert read.describe() == "shard default did not reach (2, 1)"
+
+
+def test_a_dropped_outgoing_frame_is_counted_shown_in_status_and_logged_at_most_every_interval(
+    tmp_path, caplog
+) -> None:
+    """zmq drops a frame when the receiver's queue is full; a dropped push costs a replicant a resync,
+    so an operator must see it: counted in ``status`` (``sends_dropped``), one warning per interval."""
+    import logging
+
+    import zmq
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.rlog import server
+    from mnesite.rlog.config import parse_config
+
+    class FullQueue:
+        def send_multipart(self, frames, flags=0):
+            raise zmq.Again()
+
+    node = ReplicantNode(
+        parse_config(
+            {
+                "node": {"name": "r1", "role": "replicant", "data_dir": str(tmp_path / "r"),
+                         "listen": "tcp://127.0.0.1:1"},
+                "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:2"}},
+            }
+        )
+    )  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="mnesite.server"):
+            for _ in range(3):
+                node.queue(
+                    FullQueue(), Message("push_ack", "a1", {"shard": "default", "agent": "a1", "applied": [1, 1]})
+                )
+            node.flush()
+            assert node.sends_dropped == 3 and node.status()["sends_dropped"] == 3
+            warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+            assert len(warnings) == 1 and warnings[0].startswith("dropped 1 outgoing frame(s)")
+            assert "last: push_ack" in warnings[0]
+            node._sends_dropped_log_ms -= server.SENDS_DROPPED_LOG_MS  # the interval has passed
+            node.queue(FullQueue(), Message("push_ack", "a2", {"shard": "default", "agent": "a1", "applied": [1, 1]}))
+            node.flush()
+            warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+            # The next report counts what was dropped since the last one: the two held back and this one.
+            assert len(warnings) == 2 and warnings[1].startswith("dropped 3 outgoing frame(s)")
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
