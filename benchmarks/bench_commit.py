@@ -23,6 +23,7 @@ asserts nothing about timing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -33,12 +34,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mnesite.rlog.client import Client, MnesiteError  # noqa: E402
+from mnesite.rlog.client import Client  # noqa: E402
 
 CLIENT_PROCESSES_MAX = 4
 SECURE_SUFFIX = ", CurveZMQ"
@@ -87,27 +89,38 @@ def bench_raw_apsw(directory: Path, seconds: float, synchronous: str) -> dict:
     return summarise("raw apsw (1 writer)", 1, i, elapsed, latencies)
 
 
-def _client_process(endpoint: str, threads: int, worker: int, seconds: float, keys: dict, queue) -> None:
+Writer = tuple[Callable[[str], None], Callable[[], None]]
+
+
+def run_writers(make_writer: Callable[[int], Writer], threads: int, worker: int, seconds: float) -> tuple:
+    """``threads`` threads of client process ``worker``, each writing with its own
+    ``make_writer(thread)`` (a ``write(key)`` and a ``close``) for ``seconds``; returns the writes
+    acknowledged, their latencies in ms and the errors that ended a thread (one per such thread)."""
     import threading
 
     latencies: list[float] = []
     counts = [0] * threads
+    errors: list[str] = []
     lock = threading.Lock()
-    barrier_deadline = time.perf_counter() + seconds
+    deadline = time.perf_counter() + seconds
 
     def run(thread: int) -> None:
         own: list[float] = []
-        with Client(endpoint, timeout_ms=30_000, **keys) as client:
-            i = 0
-            while time.perf_counter() < barrier_deadline:
+        i = 0
+        close: Callable[[], None] | None = None
+        try:
+            write, close = make_writer(thread)
+            while time.perf_counter() < deadline:
                 began = time.perf_counter()
-                try:
-                    client.put("bench", {"id": (worker * 1000 + thread) * 10_000_000 + i, "payload": "x" * 100})
-                except MnesiteError as error:
-                    print(f"client error: {error}", file=sys.stderr)
-                    return
+                write(f"bench/{worker}/{thread}/{i}")
                 own.append((time.perf_counter() - began) * 1000)
                 i += 1
+        except Exception as error:  # a failing system ends this client; the report says so
+            with lock:
+                errors.append(f"{type(error).__name__}: {error}")
+        finally:
+            if close is not None:
+                close()
         with lock:
             latencies.extend(own)
             counts[thread] = i
@@ -117,7 +130,23 @@ def _client_process(endpoint: str, threads: int, worker: int, seconds: float, ke
         thread.start()
     for thread in pool:
         thread.join()
-    queue.put((sum(counts), latencies))
+    return sum(counts), latencies, errors
+
+
+def _client_process(endpoint: str, threads: int, worker: int, seconds: float, keys: dict, queue) -> None:
+    def make_writer(thread: int) -> Writer:
+        client = Client(endpoint, timeout_ms=30_000, **keys)
+        ids = itertools.count((worker * 1000 + thread) * 10_000_000)
+
+        def write(key: str) -> None:
+            client.put("bench", {"id": next(ids), "payload": "x" * 100})
+
+        return write, client.close
+
+    count, latencies, errors = run_writers(make_writer, threads, worker, seconds)
+    for error in errors:
+        print(f"client error: {error}", file=sys.stderr)
+    queue.put((count, latencies))
 
 
 def bench_node(endpoint: str, clients: int, seconds: float, name: str, keys: dict) -> dict:

@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_commit import CLIENT_PROCESSES_MAX, REPO, machine, percentile, start_nodes  # noqa: E402
+from bench_commit import CLIENT_PROCESSES_MAX, REPO, machine, percentile, run_writers, start_nodes  # noqa: E402
 
 VALUE = "x" * 100
 STARTUP_TIMEOUT_S = 30
@@ -163,40 +163,10 @@ WRITERS = {"mnesite": _mnesite_writer, "etcd": _etcd_writer, "redis": _redis_wri
 
 
 def _client_process(spec: dict, threads: int, worker: int, seconds: float, queue: Any) -> None:
-    import threading
+    def make_writer(thread: int) -> tuple[Callable[[str], None], Callable[[], None]]:
+        return WRITERS[spec["kind"]]({**spec, "key_base": (worker * 1000 + thread) * 10_000_000})
 
-    latencies: list[float] = []
-    counts = [0] * threads
-    errors: list[str] = []
-    lock = threading.Lock()
-    deadline = time.perf_counter() + seconds
-
-    def run(thread: int) -> None:
-        own: list[float] = []
-        thread_spec = {**spec, "key_base": (worker * 1000 + thread) * 10_000_000}
-        write, close = WRITERS[spec["kind"]](thread_spec)
-        i = 0
-        try:
-            while time.perf_counter() < deadline:
-                began = time.perf_counter()
-                write(f"bench/{worker}/{thread}/{i}")
-                own.append((time.perf_counter() - began) * 1000)
-                i += 1
-        except Exception as error:  # a failing system ends this client; the report says so
-            with lock:
-                errors.append(f"{type(error).__name__}: {error}")
-        finally:
-            close()
-        with lock:
-            latencies.extend(own)
-            counts[thread] = i
-
-    pool = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
-    for thread in pool:
-        thread.start()
-    for thread in pool:
-        thread.join()
-    queue.put((sum(counts), latencies, errors))
+    queue.put(run_writers(make_writer, threads, worker, seconds))
 
 
 def measure(spec: dict, clients: int, seconds: float) -> dict:

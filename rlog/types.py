@@ -210,10 +210,8 @@ def _remember_packed(ops: tuple[Op, ...], packed: bytes) -> None:
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
-    value = msgpack.unpackb(blob, raw=False, strict_map_key=True)
-    if not isinstance(value, list):
-        raise OpDecodeError("ops must be a list")
-    return tuple(decode_op(v) for v in value)
+    """The ops of a stored ``pack_ops`` blob, decoded."""
+    return tuple(decode_op(v) for v in unpack_wire_ops(blob))
 
 
 def entry_digest(

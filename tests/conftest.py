@@ -39,6 +39,22 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, inter
         time.sleep(interval_s)
 
 
+def offline_replicant(data_dir: Path):
+    """A ReplicantNode that is never bound nor served (its rules called directly); the caller closes
+    its store and releases its data directory lock."""
+    from mnesite.replicant.node import ReplicantNode
+
+    return ReplicantNode(
+        parse_config(
+            {
+                "node": {"name": "replicant1", "role": "replicant", "data_dir": str(data_dir),
+                         "listen": "tcp://127.0.0.1:1"},
+                "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:2"}},
+            }
+        )
+    )  # fmt: skip
+
+
 def node_config(data_dir: Path, port: int, name: str = "core1", extra: dict | None = None):
     data = {
         "node": {"name": name, "role": "core", "data_dir": str(data_dir), "listen": f"tcp://127.0.0.1:{port}"},

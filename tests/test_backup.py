@@ -19,7 +19,7 @@ from mnesite.rlog.roles import RoleTable
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import GENESIS_DIGEST, CreateTableOp, TxKey, WriteOp, make_entry
 
-from tests.conftest import Cluster, ThreadNode, wait_until
+from tests.conftest import Cluster, ThreadNode, offline_replicant, wait_until
 from tests.test_cluster import Load, create_table, rows
 
 
@@ -288,19 +288,9 @@ def test_no_backup_while_a_shard_holds_no_committed_state(tmp_path: Path) -> Non
     from types import SimpleNamespace
 
     from mnesite.core.node import CoreNode
-    from mnesite.replicant.node import ReplicantNode
     from mnesite.rlog import replication
-    from mnesite.rlog.config import parse_config
 
-    replicant = ReplicantNode(
-        parse_config(
-            {
-                "node": {"name": "replicant1", "role": "replicant", "data_dir": str(tmp_path / "r"),
-                         "listen": "tcp://127.0.0.1:1"},
-                "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:2"}},
-            }
-        )
-    )  # fmt: skip
+    replicant = offline_replicant(tmp_path / "r")
     core = ThreadNode(tmp_path / "c")
     try:
         for mode, fenced in ((replication.Mode.BOOTSTRAP, False), (replication.Mode.LOCAL_REPLAY, False),

@@ -12,6 +12,8 @@ from mnesite.rlog.codec import Message
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
 
+from tests.conftest import offline_replicant
+
 pytestmark = pytest.mark.timeout(10)
 
 
@@ -67,23 +69,13 @@ def test_a_dropped_outgoing_frame_is_counted_shown_in_status_and_logged_at_most_
     import logging
 
     import zmq
-    from mnesite.replicant.node import ReplicantNode
     from mnesite.rlog import server
-    from mnesite.rlog.config import parse_config
 
     class FullQueue:
         def send_multipart(self, frames, flags=0):
             raise zmq.Again()
 
-    node = ReplicantNode(
-        parse_config(
-            {
-                "node": {"name": "r1", "role": "replicant", "data_dir": str(tmp_path / "r"),
-                         "listen": "tcp://127.0.0.1:1"},
-                "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:2"}},
-            }
-        )
-    )  # fmt: skip
+    node = offline_replicant(tmp_path / "r")
     try:
         with caplog.at_level(logging.WARNING, logger="mnesite.server"):
             for _ in range(3):
