@@ -33,6 +33,7 @@ Not a test: it asserts nothing about timing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -167,12 +168,18 @@ def load(cluster: Cluster, rows: int, rows_per_transaction: int, loaders: int) -
 
 
 class Writers:
-    """``count`` threads putting one row per transaction; optionally paced to ``rate_per_s`` in total."""
+    """``count`` threads putting one row per transaction; optionally paced to ``rate_per_s`` in total.
 
-    def __init__(self, cluster: Cluster, count: int, rate_per_s: float | None = None) -> None:
+    ``probe``: a replicant's endpoint; after each acknowledgement the writer reads its row there with
+    ``after_tx_key`` (the replicant answers once it has applied the write) and records the lag."""
+
+    def __init__(self, cluster: Cluster, count: int, rate_per_s: float | None = None, probe: str | None = None) -> None:
         self.cluster = cluster
         self.stop_event = threading.Event()
         self.acknowledged: list[tuple[float, tuple[int, int]]] = []
+        self.lags_ms: list[float] = []
+        self.probe_errors = 0
+        self.probe = probe
         self.lock = threading.Lock()
         self.rate_per_s = rate_per_s
         self.count = count
@@ -184,15 +191,28 @@ class Writers:
         row_id = 10**9 + worker * 10**7
         while not self.stop_event.is_set():
             try:
-                with Client(self.cluster.endpoints[f"core{worker % 3 + 1}"], timeout_ms=5000, retries=2) as client:
+                with contextlib.ExitStack() as stack:
+                    endpoint = self.cluster.endpoints[f"core{worker % 3 + 1}"]
+                    client = stack.enter_context(Client(endpoint, timeout_ms=5000, retries=2))
+                    probe = stack.enter_context(Client(self.probe, timeout_ms=5000, retries=0)) if self.probe else None
                     while not self.stop_event.is_set():
                         if interval:
                             next_at += interval
                             time.sleep(max(0.0, next_at - time.monotonic()))
                         row_id += 1
                         key = client.put("kv", {"id": row_id, "value": ROW_VALUE})
+                        acked_at = time.monotonic()
                         with self.lock:
-                            self.acknowledged.append((time.monotonic(), tuple(key)))
+                            self.acknowledged.append((acked_at, tuple(key)))
+                        if probe is not None:
+                            try:
+                                probe.get("kv", row_id, after_tx_key=key)
+                            except MnesiteError:
+                                with self.lock:
+                                    self.probe_errors += 1
+                                continue
+                            with self.lock:
+                                self.lags_ms.append((time.monotonic() - acked_at) * 1000)
             except MnesiteError:
                 time.sleep(0.05)
 
@@ -273,40 +293,39 @@ def phase_catchup(directory: Path, args: argparse.Namespace, report: dict) -> No
 
 
 def phase_lag(cluster: Cluster, args: argparse.Namespace, report: dict) -> None:
+    """Lag of a write: from its acknowledgement until a read at the replicant that must see it returns.
+
+    The writers measure their maximum rate, then write at half of it; after each acknowledgement the
+    writer asks the replicant for the row with ``after_tx_key`` = the write's key: the replicant holds
+    the read until it has applied that key (a server-side wait, no polling interval), so the figure is
+    the lag plus one read round trip to the replicant (``read_rtt_ms``, measured alone, for scale)."""
     writers = Writers(cluster, args.writers).start()
     time.sleep(args.seconds)
     full = writers.stop()
     window = [t for t, _ in full if t >= full[0][0] + 0.5] if full else []
     max_rate = len(window) / (window[-1] - window[0]) if len(window) > 1 else 0.0
-    half = Writers(cluster, args.writers, rate_per_s=max_rate / 2).start()
-    polls: list[tuple[float, tuple[int, int]]] = []
-    deadline = time.monotonic() + args.seconds
+    upstream = cluster.shard("replicant1").get("upstream")
+    upstream_role = cluster.shard(upstream).get("role") if upstream else None
     with Client(cluster.endpoints["replicant1"], timeout_ms=2000, retries=0) as client:
-        while time.monotonic() < deadline:
-            try:
-                applied = tuple(client.status()["shards"]["default"]["applied"])
-            except MnesiteError:
-                continue
-            polls.append((time.monotonic(), applied))
-            time.sleep(0.005)
+        rtts = []
+        for _ in range(200):
+            began = time.monotonic()
+            client.get("kv", -1)
+            rtts.append((time.monotonic() - began) * 1000)
+    half = Writers(cluster, args.writers, rate_per_s=max_rate / 2, probe=cluster.endpoints["replicant1"]).start()
+    time.sleep(args.seconds)
     acknowledged = half.stop()
-    lags_ms = []
-    position = 0
-    for acked_at, key in sorted(acknowledged):
-        while position < len(polls) and polls[position][0] < acked_at:
-            position += 1
-        for polled_at, applied in polls[position:]:
-            if applied >= key:
-                lags_ms.append((polled_at - acked_at) * 1000)
-                break
-    lags_ms.sort()
+    lags_ms = sorted(half.lags_ms)
+    rtts.sort()
     report["lag"] = {
         "max_writes_per_s": round(max_rate, 1),
         "paced_writes_per_s": round(len(acknowledged) / args.seconds, 1),
+        "replicant_upstream": f"{upstream} ({upstream_role})",
         "samples": len(lags_ms),
-        "p50_ms": round(percentile(lags_ms, 0.5), 1),
-        "p99_ms": round(percentile(lags_ms, 0.99), 1),
-        "poll_interval_ms": round(args.seconds * 1000 / max(1, len(polls)), 1),
+        "probe_errors": half.probe_errors,
+        "p50_ms": round(percentile(lags_ms, 0.5), 2),
+        "p99_ms": round(percentile(lags_ms, 0.99), 2),
+        "read_rtt_p50_ms": round(percentile(rtts, 0.5), 2),
     }
 
 

@@ -42,7 +42,11 @@ and executes the effects it returns.
 * Commit. An entry is committed when a majority of the voters of the latest membership in the log
   (the sequencer counts when it is one of them) have persisted it and it belongs to the current
   generation; earlier entries commit with it (Raft, section 5.4.2).
-  Followers learn the commit key from appends.
+  Followers learn the commit key from appends. At ``BatchEnded`` and ``Persisted`` the sequencer
+  tells a follower that has the committed entries but not the commit key an empty append (a commit
+  notice, at most one per follower per event), so followers apply, answer reads waiting for a key
+  and push to their replicants without waiting for the next write or heartbeat. Only a reply that
+  acknowledges new entries frees a place among the appends in flight.
 * Appends before the sequencer's fsync (thesis 10.2.1). The sequencer's appends are marked
   ``Send.before_persisted``: the driver may send them before its own commit, so the followers'
   fsyncs overlap the sequencer's. The sequencer therefore counts itself toward a majority only up
@@ -515,6 +519,8 @@ class _Progress:
     # The highest key any append to this follower ended at (in this generation): a success reply
     # can acknowledge nothing beyond it.
     sent_key_max: TxKey = ZERO_KEY
+    # The highest commit key any append told this follower (see _tell_commit).
+    told_commit_key: TxKey = ZERO_KEY
 
 
 @dataclass
@@ -740,6 +746,7 @@ class ShardConsensus:
             self._on_proposed(event)
         elif isinstance(event, BatchEnded):
             self._send_batch()
+            self._tell_commit()
         elif isinstance(event, Persisted):
             self._on_persisted()
         elif isinstance(event, ForceStartRequested):
@@ -805,6 +812,7 @@ class ShardConsensus:
         self._state_durable = True
         if self._role is Role.SEQUENCER:
             self._advance_commit()
+            self._tell_commit()
 
     def _set_role(self, role: Role, sequencer: str | None) -> None:
         if role is not Role.SEQUENCER:
@@ -1178,10 +1186,16 @@ class ShardConsensus:
                     ProtocolViolation(sender, f"acknowledged {message.match_key}, beyond what was sent to it")
                 )
                 return
+            # Only a reply that acknowledges new entries answers an append counted in flight: one
+            # to an empty append (a heartbeat, a commit notice) must not make room for another.
+            advanced = message.match_key > progress.match_key
             progress.match_key = max(progress.match_key, message.match_key)
+            if progress.probing:
+                progress.in_flight = 0  # the one probe in flight was answered
+            elif advanced:
+                progress.in_flight = max(0, progress.in_flight - 1)
             progress.probing = False
             progress.sent_key = max(progress.sent_key, progress.match_key)
-            progress.in_flight = max(0, progress.in_flight - 1)
             self._advance_commit()
             if self._role is not Role.SEQUENCER:
                 return  # it committed its own removal and stepped down
@@ -1274,11 +1288,30 @@ class ShardConsensus:
         )
         self._out.append(Send(peer, message, before_persisted=self._state_durable))
         progress.sent_key_max = max(progress.sent_key_max, entries[-1].tx_key if entries else prev_key)
+        progress.told_commit_key = max(progress.told_commit_key, self._commit_key)
         if entries:
             progress.in_flight += 1
             if not progress.probing:
                 # While probing, sent_key stays at the probe point so that a lost probe is retried there.
                 progress.sent_key = entries[-1].tx_key
+
+    def _tell_commit(self) -> None:
+        """Tell each follower a commit key it has not heard yet, once per turn, in an empty append.
+
+        Followers learn the commit key from appends; without this, a follower would apply (and
+        push to its replicants, and answer reads waiting for the key) only at the next write's
+        append or the next heartbeat. A follower that got this turn's batch heard it already; one
+        that is probing, or was not sent the committed entries yet, hears it with those entries.
+        """
+        if self._role is not Role.SEQUENCER:
+            return
+        for peer, progress in self._progress.items():
+            if progress.probing or progress.told_commit_key >= self._commit_key or progress.sent_key < self._commit_key:
+                continue
+            prev_key = progress.sent_key
+            prev_digest = self._last_digest if prev_key == self._last_key else self._log.digest_at(prev_key)
+            if prev_digest is not None:
+                self._send(peer, progress, prev_key, prev_digest, [])
 
     def _send_append(self, peer: str, heartbeat: bool) -> None:
         progress = self._progress[peer]

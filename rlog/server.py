@@ -511,9 +511,9 @@ class NodeServer:
         try:
             socket.send_multipart([frame], zmq.NOBLOCK)
         except zmq.Again:
-            log.debug("send queue full: a message was dropped")
+            self._dropped(message.kind, "the receiver's queue is full")
         except zmq.ZMQError as error:
-            log.debug("send failed, message dropped: %s", error)
+            self._dropped(message.kind, str(error))
 
     def _dropped(self, kind: str, why: str) -> None:
         """Count a dropped outgoing frame; a warning at most every SENDS_DROPPED_LOG_MS with the count."""

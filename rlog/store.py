@@ -31,6 +31,7 @@ from typing import Any
 
 import apsw
 import msgpack
+from mnesite.rlog.checkpoint import WalCheckpointer
 from mnesite.rlog.retention import retention_floor
 from mnesite.rlog.schema import SchemaError, TableSchema, check_creatable, check_droppable
 from mnesite.rlog.types import (
@@ -154,6 +155,7 @@ class Store:
             raise StoreError(f"{path}: no such database")
         self._wal_synced_here = False  # until the connection is set up (``commit``)
         self._wal_fd: int | None = None
+        self.checkpointer: WalCheckpointer | None = None
         if readonly:
             # Offline checks of a backup file: leave it exactly as it is (no WAL switch, no schema).
             flags, create = apsw.SQLITE_OPEN_READONLY, False
@@ -183,6 +185,11 @@ class Store:
         self._wal_synced_here = self.synchronous == "FULL" and not readonly
         if self._wal_synced_here:
             self.connection.execute("PRAGMA synchronous=NORMAL")
+        if not readonly:
+            # WAL checkpoints run in a background thread, not inside a commit (rlog.checkpoint).
+            self.checkpointer = WalCheckpointer(path, self.connection.execute("PRAGMA synchronous").fetchone()[0])
+            self.connection.execute("PRAGMA wal_autocheckpoint=0")
+            self.connection.set_wal_hook(self._on_wal)
         self._catalog: dict[str, TableSchema] | None = None
 
     def _format_version(self) -> Any:
@@ -192,7 +199,14 @@ class Store:
             return None
         return row[0] if row else None
 
+    def _on_wal(self, _connection: apsw.Connection, _name: str, pages: int) -> int:
+        if self.checkpointer is not None:
+            self.checkpointer.on_wal(pages)
+        return apsw.SQLITE_OK
+
     def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
         if self._wal_fd is not None:
             os.close(self._wal_fd)
             self._wal_fd = None
@@ -228,6 +242,8 @@ class Store:
             if self._wal_fd is None:
                 self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY)
             os.fdatasync(self._wal_fd)
+        if self.checkpointer is not None and self.checkpointer.inline_due:
+            self.checkpointer.checkpoint_inline(self.connection)
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:

@@ -343,7 +343,8 @@ def test_the_sequencer_assigns_the_next_key_persists_then_sends_and_commits_on_a
     (persisted,) = of_type(effects, PersistEntries)
     entry = persisted.entries[0]
     assert entry.tx_key == TxKey(1, 2) and entry.prev == TxKey(1, 1) and entry.request_id == "w1"
-    assert of_type(effects, Send) == []  # the turn's entries go together, at BatchEnded
+    # The turn's entries go together, at BatchEnded (b hears the commit of (1, 1) meanwhile).
+    assert [m.entries for _, m in sends(effects, AppendRequest) if m.entries] == []
     effects = harness.step(BatchEnded())
     assert [(to, m.entries) for to, m in sends(effects, AppendRequest) if m.entries] == [("b", (entry,))]
     assert of_type(effects, Commit) == []
@@ -351,6 +352,48 @@ def test_the_sequencer_assigns_the_next_key_persists_then_sends_and_commits_on_a
     committed = harness.ack("b", TxKey(1, 2))
     assert committed == [Commit(TxKey(1, 2)), ProposalCommitted("w1", TxKey(1, 2))]
     assert harness.machine.committed_key == TxKey(1, 2)
+
+
+def test_a_follower_hears_a_new_commit_key_in_the_same_turn_not_at_the_next_write():
+    """A commit made by a reply is told to every follower holding the committed entries at
+    BatchEnded (an empty append), once; a follower that was not sent them (probing) is not told."""
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))  # b is caught up; c never answered: it is still probing
+    harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
+    harness.step(BatchEnded())
+    committed = harness.ack("b", TxKey(1, 2))
+    assert of_type(committed, Commit) == [Commit(TxKey(1, 2))]
+    notices = sends(harness.step(BatchEnded()), AppendRequest)
+    assert [(to, m.entries, m.prev_key, m.commit_key) for to, m in notices] == [("b", (), TxKey(1, 2), TxKey(1, 2))]
+    assert sends(harness.step(BatchEnded()), AppendRequest) == []  # told once
+    # The follower's side: the empty append makes it apply up to the commit key at once.
+    follower = Harness(name="b", entries=chain([TxKey(1, 1), TxKey(1, 2)]), committed_key=TxKey(1, 1))
+    follower.step(Ticked(), 1)
+    prev = follower.log.entries_after(TxKey(1, 1), 1)[0]
+    effects = follower.receive("a", append(1, prev, [], commit_key=TxKey(1, 2)))
+    assert of_type(effects, Commit) == [Commit(TxKey(1, 2))]
+
+
+def test_a_reply_to_an_empty_append_does_not_free_a_place_in_flight():
+    """appends_in_flight_max bounds what a follower has unanswered: answers to commit notices or
+    heartbeats (they acknowledge nothing new) must not let a further append go."""
+    harness = Harness(config=dataclasses.replace(CONFIG, appends_in_flight_max=2))
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.ack("c", TxKey(1, 1))
+    for number in range(2):
+        harness.step(Proposed((WriteOp("t", {"k": number}),), f"w{number}"))
+        assert [to for to, m in sends(harness.step(BatchEnded()), AppendRequest) if m.entries] == ["b", "c"]
+    # b answers an empty append (nothing new acknowledged): both appends are still unanswered.
+    harness.ack("b", TxKey(1, 1))
+    harness.step(Proposed((WriteOp("t", {"k": 2}),), "w2"))
+    assert [to for to, m in sends(harness.step(BatchEnded()), AppendRequest) if m.entries] == []
+    # b answers the first append: one place is free, and the entry that waited goes to b.
+    effects = harness.ack("b", TxKey(1, 2))
+    assert [(to, [e.tx_key for e in m.entries]) for to, m in sends(effects, AppendRequest) if m.entries] == [
+        ("b", [TxKey(1, 4)])
+    ]
 
 
 def test_a_turn_of_proposals_travels_in_one_append_per_follower():
@@ -363,7 +406,7 @@ def test_a_turn_of_proposals_travels_in_one_append_per_follower():
     proposed = []
     for number in range(16):
         effects = harness.step(Proposed((WriteOp("t", {"k": number}),), f"w{number}"))
-        assert of_type(effects, Send) == []
+        assert [m for _, m in sends(effects, AppendRequest) if m.entries] == []
         proposed.extend(of_type(effects, PersistEntries)[0].entries)
     appends = sends(harness.step(BatchEnded()), AppendRequest)
     assert sorted(to for to, _ in appends) == ["b", "c"]

@@ -93,6 +93,10 @@ def test_a_dropped_outgoing_frame_is_counted_shown_in_status_and_logged_at_most_
             warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
             # The next report counts what was dropped since the last one: the two held back and this one.
             assert len(warnings) == 2 and warnings[1].startswith("dropped 3 outgoing frame(s)")
+            # A frame sent at once (a sequencer's append before its fsync) is counted the same way.
+            ack = Message("push_ack", "a3", {"shard": "default", "agent": "a1", "applied": [1, 1]})
+            node.send_now(FullQueue(), ack)
+            assert node.sends_dropped == 5
     finally:
         node.store.close()
         node.data_dir_lock.release()

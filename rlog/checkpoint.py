@@ -1,0 +1,136 @@
+"""WAL checkpoints off the commit path: a background thread with a connection of its own.
+
+In WAL mode every commit appends pages to the ``-wal`` file; a *checkpoint* copies them back into
+the database file and syncs it, after which the WAL starts over. SQLite's default runs it inside the
+commit that crosses 1,000 WAL pages: that one commit in a few hundred paid several milliseconds
+(measured: the replicant-lag p99 fell from 11-13 ms to 3.5-5.3 ms without it), and so did every
+write waiting on it.
+
+Here the committing connection runs with ``wal_autocheckpoint = 0`` and a WAL hook (called after
+each commit with the WAL's size in pages):
+
+* at ``pages_background`` pages or more it wakes the checkpointer thread, which runs a PASSIVE
+  checkpoint on its own connection: the bulk of the work (copying the pages, syncing the database)
+  never blocks the writer, and apsw releases the GIL while SQLite works, so the loop goes on;
+* once such a checkpoint has completed, the next commit finishes it inline: a PASSIVE checkpoint
+  of the few pages committed meanwhile. The WAL can only start over when a checkpoint has copied
+  *all* of it, which a background checkpoint racing a busy writer never does;
+* at ``pages_inline`` pages or more (the thread fell behind: a slow disk, a long reader) the
+  committing connection checkpoints whatever is left itself, so the WAL stays bounded whatever the
+  thread does.
+
+The thread starts at the first wake-up (a store that never writes much has none) and stops at
+``close``. A failed background checkpoint is logged and retried at the next wake-up, at most once
+per ``RETRY_S``; the inline bound still holds meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import apsw
+
+log = logging.getLogger(__name__)
+
+WAL_PAGES_BACKGROUND = 1000  # SQLite's own autocheckpoint threshold
+WAL_PAGES_INLINE = 16_000  # about 64 MiB of 4 KiB pages
+RETRY_S = 1.0
+STOP_TIMEOUT_S = 30.0
+
+
+class WalCheckpointer:
+    """Background checkpoints of one database file (see the module's docstring)."""
+
+    def __init__(
+        self,
+        path: str,
+        synchronous: str,
+        pages_background: int = WAL_PAGES_BACKGROUND,
+        pages_inline: int = WAL_PAGES_INLINE,
+    ) -> None:
+        if not 0 < pages_background <= pages_inline:
+            raise ValueError("need 0 < pages_background <= pages_inline")
+        self.path = path
+        self.synchronous = synchronous
+        self.pages_background = pages_background
+        self.pages_inline = pages_inline
+        self.background = 0  # checkpoints the thread ran
+        self.inline = 0  # checkpoints the committing connection had to run itself
+        self.failures = 0
+        self.inline_due = False
+        # A background checkpoint completed since the last inline one: the next commit finishes it.
+        self._backfilled = False
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def on_wal(self, pages: int) -> None:
+        """The committing connection's WAL hook: the WAL holds ``pages`` pages after a commit."""
+        if pages >= self.pages_inline:
+            self.inline_due = True
+        elif pages >= self.pages_background:
+            if self._backfilled:
+                self._backfilled = False
+                self.inline_due = True
+            else:
+                self._start()
+                self._wake.set()
+
+    def checkpoint_inline(self, connection: apsw.Connection) -> None:
+        """Run by the committing connection after its commit when ``inline_due``."""
+        try:
+            connection.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
+        except apsw.BusyError:
+            return  # the thread is checkpointing right now: try again after the next commit
+        self.inline_due = False
+        self.inline += 1
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(STOP_TIMEOUT_S)
+            if thread.is_alive():
+                log.warning("%s: the WAL checkpointer did not stop within %.0f s", self.path, STOP_TIMEOUT_S)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._stopping.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name="mnesite-wal-checkpoint", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            connection = apsw.Connection(self.path, flags=apsw.SQLITE_OPEN_READWRITE)
+            # The same durability as the writer's: a checkpoint at NORMAL or above syncs the database.
+            connection.execute(f"PRAGMA synchronous={self.synchronous}")
+        except apsw.Error as error:
+            self.failures += 1
+            log.warning("%s: no background WAL checkpoints (%s); commits checkpoint inline", self.path, error)
+            self.pages_background = self.pages_inline
+            return
+        try:
+            while not self._stopping.is_set():
+                self._wake.wait()
+                self._wake.clear()
+                if self._stopping.is_set():
+                    break
+                try:
+                    connection.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
+                    self.background += 1
+                    self._backfilled = True
+                except apsw.Error as error:
+                    self.failures += 1
+                    log.warning("%s: background WAL checkpoint failed: %s (retrying)", self.path, error)
+                    self._stopping.wait(RETRY_S)
+        finally:
+            connection.close()

@@ -1,0 +1,77 @@
+"""WAL checkpoints run off the commit path, and the WAL stays bounded if they fall behind (rlog.checkpoint)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from mnesite.rlog.checkpoint import WalCheckpointer
+from mnesite.rlog.store import Store
+
+pytestmark = pytest.mark.timeout(60)
+
+ROW = "x" * 3000  # about one page per row
+
+
+def fill(store: Store, first: int, count: int) -> None:
+    for number in range(first, first + count):
+        store.connection.execute("BEGIN IMMEDIATE")
+        store.connection.execute("INSERT INTO rows VALUES (?, ?)", (number, ROW))
+        store.commit(durable=True)
+
+
+def open_store(path, background: int, inline: int) -> tuple[Store, list[int]]:
+    store = Store(str(path), synchronous="FULL")
+    assert store.checkpointer is not None
+    store.checkpointer.pages_background = background
+    store.checkpointer.pages_inline = inline
+    seen: list[int] = []
+    on_wal = store.checkpointer.on_wal
+    store.checkpointer.on_wal = lambda pages: (seen.append(pages), on_wal(pages))[1]
+    with store.write_transaction():
+        store.connection.execute("CREATE TABLE rows (id INTEGER PRIMARY KEY, value TEXT)")
+    return store, seen
+
+
+def test_checkpoints_run_in_the_background_and_a_commit_only_finishes_them(tmp_path) -> None:
+    store, seen = open_store(tmp_path / "db", background=50, inline=100_000)
+    try:
+        assert store.connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+        fill(store, 0, 200)
+        checkpointer = store.checkpointer
+        deadline = time.monotonic() + 20
+        while checkpointer.background == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert checkpointer.background >= 1 and checkpointer.running and checkpointer.failures == 0
+        # A commit finished the background checkpoint and the WAL started over: without that it
+        # would hold 600+ pages after 400 commits, however often the thread checkpointed.
+        fill(store, 200, 200)
+        assert checkpointer.inline >= 1
+        assert max(seen[-50:]) < 200
+    finally:
+        store.close()
+    assert not checkpointer.running  # close stops the thread
+    reopened = Store(str(tmp_path / "db"), create=False)
+    try:
+        assert reopened.connection.execute("SELECT count(*), sum(id) FROM rows").fetchone() == (400, sum(range(400)))
+    finally:
+        reopened.close()
+
+
+def test_a_stalled_checkpointer_cannot_let_the_wal_grow_past_the_inline_bound(tmp_path, monkeypatch) -> None:
+    """The thread never runs (a slow disk, a reader holding the WAL): commits checkpoint themselves."""
+    monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)
+    store, seen = open_store(tmp_path / "db", background=10, inline=40)
+    try:
+        fill(store, 0, 300)
+        assert store.checkpointer.inline >= 5 and store.checkpointer.background == 0
+        pages_per_commit = 4  # the row's page, its index/table pages and the commit's frame
+        assert max(seen) <= 40 + pages_per_commit
+        assert store.connection.execute("SELECT count(*) FROM rows").fetchone() == (300,)
+    finally:
+        store.close()
+
+
+def test_thresholds_must_be_ordered() -> None:
+    with pytest.raises(ValueError):
+        WalCheckpointer("unused", "2", pages_background=100, pages_inline=10)
