@@ -11,9 +11,10 @@ Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NO
   through the rlog (default retention). Reported: seconds until it is ``normal`` at (or past) the
   cores' committed key of the moment it started,
   entries/s and MB/s (entry bytes estimated by ``entry_size_bytes``), elections during the catch-up.
-* ``lag``: the writers' maximum rate is measured for ``--seconds``, then they write at half of it
-  while a probe polls the replicant's applied key; lag of a write = time from its acknowledgement to
-  the first poll that shows it applied on the replicant (p50, p99; the poll interval is the resolution).
+* ``lag``: the writers' maximum rate is measured for ``--seconds``, then they write at half of it;
+  after each acknowledgement the writer reads its row at the replicant with ``after_tx_key`` (held
+  there until applied): lag of a write = acknowledgement to that answer (p50, p99), which includes
+  one read round trip (reported alone as ``read_rtt_p50_ms``) and names the replicant's upstream.
 * ``failover``: the replicant's upstream core is killed with SIGKILL; reported: seconds until the
   replicant is ``normal`` on another core, and rows re-copied (target 0: it resumes from its applied key).
 * ``bootstrap``: retention of 50 entries forces a dirty-read bootstrap of the ``--rows`` rows; the
@@ -298,7 +299,7 @@ def phase_lag(cluster: Cluster, args: argparse.Namespace, report: dict) -> None:
     The writers measure their maximum rate, then write at half of it; after each acknowledgement the
     writer asks the replicant for the row with ``after_tx_key`` = the write's key: the replicant holds
     the read until it has applied that key (a server-side wait, no polling interval), so the figure is
-    the lag plus one read round trip to the replicant (``read_rtt_ms``, measured alone, for scale)."""
+    the lag plus one read round trip to the replicant (``read_rtt_p50_ms``, measured alone, for scale)."""
     writers = Writers(cluster, args.writers).start()
     time.sleep(args.seconds)
     full = writers.stop()
