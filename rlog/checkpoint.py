@@ -75,7 +75,13 @@ class WalCheckpointer:
                 self._backfilled = False
                 self.inline_due = True
             else:
-                self._start()
+                try:
+                    self._start()
+                except RuntimeError as error:  # no thread to be had: never fail the commit for it
+                    log.warning("%s: no background WAL checkpoints (%s); commits checkpoint inline", self.path, error)
+                    self.pages_background = self.pages_inline
+                    self.inline_due = True
+                    return
                 self._wake.set()
 
     def checkpoint_inline(self, connection: apsw.Connection) -> None:
