@@ -1534,6 +1534,7 @@ class CoreNode(NodeServer):
             "commits": self.commits,
             "durable_commits": self.durable_commits,
             "sends_dropped": self.sends_dropped,
+            "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),

@@ -793,6 +793,7 @@ class ReplicantNode(NodeServer):
             "security": self.security_status(),
             "no_core_reached": self.no_core_reached(),
             "sends_dropped": self.sends_dropped,
+            "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }

@@ -56,9 +56,11 @@ class WalCheckpointer:
         self.pages_background = pages_background
         self.pages_inline = pages_inline
         self.background = 0  # checkpoints the thread ran
-        self.inline = 0  # checkpoints the committing connection had to run itself
+        self.inline = 0  # checkpoints the committing connection ran (finishing or forced)
+        self.forced = 0  # of which forced: the WAL reached pages_inline (the thread fell behind)
         self.failures = 0
         self.inline_due = False
+        self._forced_due = False
         # A background checkpoint completed since the last inline one: the next commit finishes it.
         self._backfilled = False
         self._wake = threading.Event()
@@ -69,7 +71,7 @@ class WalCheckpointer:
     def on_wal(self, pages: int) -> None:
         """The committing connection's WAL hook: the WAL holds ``pages`` pages after a commit."""
         if pages >= self.pages_inline:
-            self.inline_due = True
+            self.inline_due = self._forced_due = True
         elif pages >= self.pages_background:
             if self._backfilled:
                 self._backfilled = False
@@ -92,6 +94,9 @@ class WalCheckpointer:
             return  # the thread is checkpointing right now: try again after the next commit
         self.inline_due = False
         self.inline += 1
+        if self._forced_due:
+            self._forced_due = False
+            self.forced += 1
 
     def stop(self) -> None:
         self._stopping.set()
@@ -102,6 +107,16 @@ class WalCheckpointer:
             thread.join(STOP_TIMEOUT_S)
             if thread.is_alive():
                 log.warning("%s: the WAL checkpointer did not stop within %.0f s", self.path, STOP_TIMEOUT_S)
+
+    def status(self) -> dict[str, int | bool]:
+        """For ``status``: a growing ``forced`` means the background thread cannot keep up."""
+        return {
+            "background": self.background,
+            "inline": self.inline,
+            "forced": self.forced,
+            "failures": self.failures,
+            "thread": self.running,
+        }
 
     @property
     def running(self) -> bool:

@@ -50,6 +50,7 @@ def test_checkpoints_run_in_the_background_and_a_commit_only_finishes_them(tmp_p
             fill(store, written, 50)
             written += 50
         assert checkpointer.inline >= 1 and seen[-1] < 100, (checkpointer.inline, seen[-1])
+        assert checkpointer.status()["forced"] == 0 and checkpointer.status()["thread"] is True
         assert max(seen) < 50 * 3 * 20  # bounded long before 20 rounds of 50 commits could add up
     finally:
         store.close()
@@ -71,6 +72,7 @@ def test_a_stalled_checkpointer_cannot_let_the_wal_grow_past_the_inline_bound(tm
     try:
         fill(store, 0, 300)
         assert store.checkpointer.inline >= 5 and store.checkpointer.background == 0
+        assert store.checkpointer.status()["forced"] == store.checkpointer.inline  # each one forced by the bound
         pages_per_commit = 4  # the row's page, its index/table pages and the commit's frame
         assert max(seen) <= 40 + pages_per_commit
         assert store.connection.execute("SELECT count(*) FROM rows").fetchone() == (300,)
