@@ -51,6 +51,8 @@ PATH_PATTERN = BACKUP_PATH
 # thread yields the GIL and the database between steps so the node's loop is never starved.
 STEP_PAGES_DEFAULT = 256
 STEP_PAGES_MAX = 1_000_000
+# How long a shutdown waits for a cancelled copy to stop (it stops between two steps).
+CANCEL_TIMEOUT_S = 30.0
 BACKUP_META = "backup"
 RESTORED_META = "restored"
 # Meta entries that describe the node a backup was taken on, not the data: a restored node starts afresh.
@@ -119,6 +121,7 @@ class BackupJob:
         self.started_s = time.time()
         self.finished_s: float | None = None
         self.record: dict[str, Any] | None = None
+        self._cancelled: str | None = None
         # Pin the snapshot now, on the caller's (the node loop's) thread: the backup is the state
         # after the last transaction the node committed before it accepted the request.
         self._source = apsw.Connection(source_path, flags=apsw.SQLITE_OPEN_READONLY)
@@ -145,6 +148,8 @@ class BackupJob:
             try:
                 with target.backup("main", self._source, "main") as copy:
                     while not copy.done:
+                        if self._cancelled is not None:
+                            raise BackupError(f"cancelled: {self._cancelled}")
                         copy.step(self.step_pages)
                         self.pages_total, self.pages_remaining = copy.page_count, copy.remaining
                         time.sleep(0)  # let the node's loop take the GIL between steps
@@ -191,6 +196,13 @@ class BackupJob:
             "seconds": round((self.finished_s or time.time()) - self.started_s, 3),
             "shards": self.positions,
         }
+
+    def cancel(self, reason: str, timeout_s: float = CANCEL_TIMEOUT_S) -> bool:
+        """Stop the copy between two steps (the node shuts down): the job fails with ``cancelled:
+        reason`` and removes its ``.partial`` file, so asking again with the same path starts over.
+        True once the copy thread has ended (within ``timeout_s``)."""
+        self._cancelled = reason
+        return self.wait(timeout_s)
 
     def wait(self, timeout_s: float) -> bool:
         """For tests and shutdown: True once the copy thread has ended."""

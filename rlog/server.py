@@ -331,6 +331,12 @@ class NodeServer:
             self.metrics.malformed.inc()
 
     def close(self) -> None:
+        if self.backup_job is not None and self.backup_job.state == "running":
+            # A copy cut off by the process exit would leave FILE.partial behind, and a later backup
+            # to the same path would refuse to start: stop it between two steps, it removes the file.
+            log.warning("backup to %s cancelled: the node is shutting down", self.backup_job.path)
+            if not self.backup_job.cancel("the node shut down"):
+                log.warning("backup to %s did not stop in time; FILE.partial may remain", self.backup_job.path)
         if self.metrics_server is not None:
             self.metrics_server.stop()
             self.metrics_server = None
