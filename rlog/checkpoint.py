@@ -20,14 +20,17 @@ each commit with the WAL's size in pages):
   thread does.
 
 The thread starts at the first wake-up (a store that never writes much has none) and stops at
-``close``. A failed background checkpoint is logged and retried at the next wake-up, at most once
-per ``RETRY_S``; the inline bound still holds meanwhile.
+``close``; if no thread (or no connection for it) can be had, commits checkpoint at
+``pages_background`` as SQLite's default does, and a commit never fails for its checkpoint. A
+failed background checkpoint is logged and retried at the next wake-up, at most once per
+``RETRY_S``; the inline bound still holds meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import apsw
 
@@ -63,6 +66,10 @@ class WalCheckpointer:
         self._forced_due = False
         # A background checkpoint completed since the last inline one: the next commit finishes it.
         self._backfilled = False
+        # No thread could be had (or open its connection): commits checkpoint at pages_background,
+        # as SQLite's own autocheckpoint does.
+        self._no_thread = False
+        self._failure_logged_s = 0.0
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,7 +80,7 @@ class WalCheckpointer:
         if pages >= self.pages_inline:
             self.inline_due = self._forced_due = True
         elif pages >= self.pages_background:
-            if self._backfilled:
+            if self._backfilled or self._no_thread:
                 self._backfilled = False
                 self.inline_due = True
             else:
@@ -81,8 +88,7 @@ class WalCheckpointer:
                     self._start()
                 except RuntimeError as error:  # no thread to be had: never fail the commit for it
                     log.warning("%s: no background WAL checkpoints (%s); commits checkpoint inline", self.path, error)
-                    self.pages_background = self.pages_inline
-                    self.inline_due = True
+                    self._no_thread = self.inline_due = True
                     return
                 self._wake.set()
 
@@ -92,6 +98,16 @@ class WalCheckpointer:
             connection.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
         except apsw.BusyError:
             return  # the thread is checkpointing right now: try again after the next commit
+        except apsw.Error as error:
+            # The commit itself succeeded: never report it failed for its checkpoint. The next
+            # commit at or above a threshold tries again; the log says so at most every RETRY_S.
+            self.failures += 1
+            self.inline_due = False
+            now_s = time.monotonic()
+            if now_s - self._failure_logged_s >= RETRY_S:
+                self._failure_logged_s = now_s
+                log.warning("%s: WAL checkpoint failed: %s (%d failures so far)", self.path, error, self.failures)
+            return
         self.inline_due = False
         self.inline += 1
         if self._forced_due:
@@ -137,7 +153,7 @@ class WalCheckpointer:
         except apsw.Error as error:
             self.failures += 1
             log.warning("%s: no background WAL checkpoints (%s); commits checkpoint inline", self.path, error)
-            self.pages_background = self.pages_inline
+            self._no_thread = True
             return
         try:
             while not self._stopping.is_set():

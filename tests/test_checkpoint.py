@@ -88,8 +88,30 @@ def test_without_a_thread_to_be_had_commits_succeed_and_checkpoint_inline(tmp_pa
     store, seen = open_store(tmp_path / "db", background=10, inline=1000)
     try:
         fill(store, 0, 100)
-        assert store.checkpointer.inline >= 1 and store.checkpointer.pages_background == 1000
+        # As SQLite's own autocheckpoint: inline at the background threshold, never near the bound.
+        assert store.checkpointer.inline >= 5 and store.checkpointer.forced == 0 and max(seen) < 20
         assert store.connection.execute("SELECT count(*) FROM rows").fetchone() == (100,)
+    finally:
+        store.close()
+
+
+def test_a_failing_inline_checkpoint_never_fails_the_commit(tmp_path, monkeypatch) -> None:
+    import apsw
+
+    monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)
+    store, seen = open_store(tmp_path / "db", background=10, inline=20)
+
+    class Broken:
+        def wal_checkpoint(self, mode):
+            raise apsw.IOError("disk I/O error")
+
+    try:
+        fill(store, 0, 20)
+        store.checkpointer.inline_due = True
+        store.checkpointer.checkpoint_inline(Broken())
+        assert store.checkpointer.failures == 1 and not store.checkpointer.inline_due
+        fill(store, 20, 20)  # and the store goes on committing, and checkpointing
+        assert store.connection.execute("SELECT count(*) FROM rows").fetchone() == (40,)
     finally:
         store.close()
 
