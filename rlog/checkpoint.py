@@ -165,6 +165,8 @@ class WalCheckpointer:
                     connection.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
                     self.background += 1
                     self._backfilled = True
+                except apsw.BusyError:
+                    continue  # a commit is finishing a checkpoint right now: not a failure
                 except apsw.Error as error:
                     self.failures += 1
                     log.warning("%s: background WAL checkpoint failed: %s (retrying)", self.path, error)
