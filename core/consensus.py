@@ -1296,11 +1296,12 @@ class ShardConsensus:
                 progress.sent_key = entries[-1].tx_key
 
     def _tell_commit(self) -> None:
-        """Tell each follower a commit key it has not heard yet, once per turn, in an empty append.
+        """Tell each follower a commit key it has not heard yet, in an empty append (at most one each).
 
         Followers learn the commit key from appends; without this, a follower would apply (and
         push to its replicants, and answer reads waiting for the key) only at the next write's
-        append or the next heartbeat. A follower that got this turn's batch heard it already; one
+        append or the next heartbeat. Called at BatchEnded and Persisted, so at most twice a driver
+        turn per follower. A follower that got this turn's batch heard it already; one
         that is probing, or was not sent the committed entries yet, hears it with those entries.
         """
         if self._role is not Role.SEQUENCER:

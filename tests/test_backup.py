@@ -361,14 +361,32 @@ def test_compare_takes_a_backup_file_as_a_replica(spark_session, tmp_path: Path)
     assert report.exit_status == EXIT_EQUAL and pair.counts["in_flight"] == 1 and pair.counts["different"] == 0
 
 
-@pytest.mark.timeout(60)
-def test_a_backup_cancelled_by_shutdown_fails_cleanly_and_leaves_no_partial_file(tmp_path: Path, monkeypatch) -> None:
-    """A node that shuts down during a backup stops the copy between two steps: the job says why,
-    FILE.partial is removed, and a backup to the same path can be asked for again."""
+def hold_copy_between_steps(monkeypatch, cancelled):
+    """Hold a backup's copy thread after each step until ``cancelled()`` (at most 30 s), so that a
+    shutdown meets the copy under way. Returns the event set once the copy is held, and a function
+    that lets copies run freely again."""
     import threading
     import time
 
     from mnesite.rlog import backup
+
+    copying = threading.Event()
+    real_sleep = time.sleep
+
+    def between_steps(seconds: float) -> None:
+        copying.set()
+        deadline = time.monotonic() + 30
+        while not cancelled() and time.monotonic() < deadline:
+            real_sleep(0.001)
+
+    monkeypatch.setattr(backup.time, "sleep", between_steps)
+    return copying, lambda: monkeypatch.setattr(backup.time, "sleep", real_sleep)
+
+
+@pytest.mark.timeout(60)
+def test_a_backup_cancelled_by_shutdown_fails_cleanly_and_leaves_no_partial_file(tmp_path: Path, monkeypatch) -> None:
+    """A node that shuts down during a backup stops the copy between two steps: the job says why,
+    FILE.partial is removed, and a backup to the same path can be asked for again."""
     from mnesite.rlog.backup import PARTIAL_SUFFIX, BackupJob
 
     from tests.spark_fixtures import create_store, write_rows
@@ -379,25 +397,14 @@ def test_a_backup_cancelled_by_shutdown_fails_cleanly_and_leaves_no_partial_file
     write_rows(store, "kv", [{"id": key, "value": "v" * 500} for key in range(1000)])
     source, target = str(tmp_path / "node" / "mnesite.db"), tmp_path / "node.backup"
     jobs: list[BackupJob] = []
-    real_sleep = time.sleep
-
-    copying = threading.Event()
-
-    def between_steps(seconds: float) -> None:
-        # Hold the copy after its first step until the shutdown asks it to stop (bounded).
-        copying.set()
-        deadline = time.monotonic() + 30
-        while not (jobs and jobs[0]._cancelled) and time.monotonic() < deadline:
-            real_sleep(0.001)
-
-    monkeypatch.setattr(backup.time, "sleep", between_steps)
+    copying, release = hold_copy_between_steps(monkeypatch, lambda: bool(jobs and jobs[0]._cancelled))
     jobs.append(BackupJob(source, str(target), "core1", "core", step_pages=1))
     job = jobs[0]
     assert copying.wait(30)  # the copy is under way: it stopped between two steps
     assert job.cancel("the node shut down") and job.state == "failed"
     assert job.error == "BackupError: cancelled: the node shut down" and 0 < job.pages_remaining < job.pages_total
     assert not target.exists() and not Path(str(target) + PARTIAL_SUFFIX).exists()
-    monkeypatch.setattr(backup.time, "sleep", real_sleep)
+    release()
     again = BackupJob(source, str(target), "core1", "core")
     assert again.wait(60) and again.state == "done", again.error
     store.close()
@@ -405,25 +412,12 @@ def test_a_backup_cancelled_by_shutdown_fails_cleanly_and_leaves_no_partial_file
 
 @pytest.mark.timeout(60)
 def test_closing_a_node_cancels_its_running_backup(tmp_path: Path, monkeypatch) -> None:
-    import threading
-    import time
-
-    from mnesite.rlog import backup
     from mnesite.rlog.backup import PARTIAL_SUFFIX, BackupJob
 
     from tests.conftest import offline_replicant
 
     node = offline_replicant(tmp_path / "r")
-    copying = threading.Event()
-    real_sleep = time.sleep
-
-    def between_steps(seconds: float) -> None:
-        copying.set()
-        deadline = time.monotonic() + 30
-        while not (node.backup_job and node.backup_job._cancelled) and time.monotonic() < deadline:
-            real_sleep(0.001)
-
-    monkeypatch.setattr(backup.time, "sleep", between_steps)
+    copying, _ = hold_copy_between_steps(monkeypatch, lambda: bool(node.backup_job and node.backup_job._cancelled))
     target = tmp_path / "r.backup"
     node.backup_job = BackupJob(node.store.path, str(target), "replicant1", "replicant", step_pages=1)
     assert copying.wait(30)
