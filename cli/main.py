@@ -286,21 +286,34 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
 
 
 def load_sample_data(node: Any) -> None:
+    from mnesite.rlog import codec
     from mnesite.rlog.codec import Message
+
+    def typed(message: Message) -> Message:
+        # What the node would have received: the body decoded into its kind's type.
+        return codec.decode(codec.encode(message))
 
     if "sample_users" in node.store.catalog():
         return
-    create = Message(
-        "create_table",
-        "sample-create",
-        {"table": "sample_users", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"], ["karma", "REAL"]]},
+    create = typed(
+        Message(
+            "create_table",
+            "sample-create",
+            {"table": "sample_users", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"], ["karma", "REAL"]]},
+        )
     )
     names = ["ada", "grace", "edsger", "barbara", "leslie", "donald", "margaret", "ken"]
     rows = [
-        Message(
-            "transact",
-            f"sample-row-{i}",
-            {"ops": [{"op": "write", "table": "sample_users", "row": {"id": i, "name": n, "karma": float(i * 10)}}]},
+        typed(
+            Message(
+                "transact",
+                f"sample-row-{i}",
+                {
+                    "ops": [
+                        {"op": "write", "table": "sample_users", "row": {"id": i, "name": n, "karma": float(i * 10)}}
+                    ]
+                },
+            )
         )
         for i, n in enumerate(names, start=1)
     ]

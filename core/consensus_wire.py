@@ -30,7 +30,7 @@ from mnesite.core.consensus import (
     VoteRequest,
 )
 from mnesite.rlog.codec import CodecError
-from mnesite.rlog.messages import ENTRY_WIRE, MessageError, decode_entry
+from mnesite.rlog.messages import MessageError, check_name, decode_entry, wire_entry
 from mnesite.rlog.types import (
     DIGEST_BYTES,
     Entry,
@@ -44,7 +44,6 @@ from mnesite.rlog.types import (
 CONSENSUS_WIRE_VERSION = 2
 # Far above any entries_per_append_max; a frame claiming more is refused before decoding entries.
 APPEND_ENTRIES_WIRE_MAX = 4096
-MEMBER_NAME_CHARS_MAX = 255
 GENERATION_MAX = 2**63 - 1
 
 _FIELD_COUNTS = {
@@ -189,8 +188,8 @@ def _members(value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not 0 < len(value) <= MEMBERS_MAX:
         raise CodecError(f"members must be a list of 1..{MEMBERS_MAX} names")
     for name in value:
-        if not isinstance(name, str) or not 0 < len(name) <= MEMBER_NAME_CHARS_MAX:
-            raise CodecError(f"member names must be strings of 1..{MEMBER_NAME_CHARS_MAX} characters")
+        if not check_name(name):
+            raise CodecError("member names must be names (rlog.messages.NAME_PATTERN)")
     return tuple(value)
 
 
@@ -200,16 +199,8 @@ def _entries(value: Any) -> tuple[Entry, ...]:
     entries = []
     for index, item in enumerate(value):
         try:
-            # The typed layer's entry shape first: scalars only in rows and keys, bounded names.
-            path = f"append_request.entries[{index}]"
-            entry = decode_entry(ENTRY_WIRE.check(item, path), path)
+            # The wire's entry type: bounded names and keys, a 32-byte digest, canonical packed ops.
+            entries.append(decode_entry(wire_entry(item)))
         except MessageError as error:
-            raise CodecError(str(error)[:300]) from None
-        except OpDecodeError as error:
-            raise CodecError(f"malformed entry: {str(error)[:200]}") from None
-        if len(entry.digest) != DIGEST_BYTES:
-            raise CodecError(f"entry digest must be {DIGEST_BYTES} bytes")
-        if entry.tx_key.generation > GENERATION_MAX or entry.tx_key.counter > GENERATION_MAX:
-            raise CodecError("tx key parts must fit in 64 bits")
-        entries.append(entry)
+            raise CodecError(f"append_request.entries[{index}]: {str(error)[:300]}") from None
     return tuple(entries)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import apsw
+import msgspec
 import zmq
 from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.bootstrap.serve import read_batch
@@ -113,7 +114,7 @@ from mnesite.core.snapshot import (
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.core.watch import WatchRefusedError
-from mnesite.rlog import codec, range_requests, replication
+from mnesite.rlog import codec, messages, range_requests, replication
 from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
@@ -362,13 +363,8 @@ class CoreNode(NodeServer):
         """Peer endpoints from a peer's journal answer (untrusted: names and endpoints are checked)."""
         if not isinstance(endpoints, dict):
             return
-        from mnesite.rlog.messages import ENDPOINT, NAME, MessageError
-
         for name, endpoint in list(endpoints.items())[:MEMBERS_LEARNED_MAX]:
-            try:
-                NAME.check(name, "core")
-                ENDPOINT.check(endpoint, "endpoint")
-            except MessageError:
+            if not (messages.check_name(name) and messages.check_endpoint(endpoint)):
                 continue
             if name not in self.endpoints:
                 self._learn_endpoint(name, endpoint)
@@ -532,7 +528,7 @@ class CoreNode(NodeServer):
         elif message.kind == "watch":
             self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
-            watch = self.rlog_server.watches.get(message.body.get("agent"))
+            watch = self.rlog_server.watches.get(message.body.agent)
             if self.security is not None and watch is not None and watch.replicant != principal:
                 # Only the replicant an agent serves may move that agent's window.
                 self.security.refused_sender += 1
@@ -554,7 +550,7 @@ class CoreNode(NodeServer):
             self.reply(envelope, codec.reply(message.request_id, result))
         elif message.kind in WRITE_KINDS:
             self._write(envelope, message)
-        elif message.kind == "read_index" or message.body.get("consistency") == "linearizable":
+        elif message.kind == "read_index" or getattr(message.body, "consistency", None) == "linearizable":
             self._linearizable(envelope, message)
         elif message.kind in READ_KINDS:
             try:
@@ -714,7 +710,7 @@ class CoreNode(NodeServer):
         The rule (this generation's first entry committed, a lease of this generation's append
         answers) lives in the consensus machine, where the simulator checks it.
         """
-        shard = message.body["shard"] if message.kind == "read_index" else self._table(message.body["table"]).shard
+        shard = message.body.shard if message.kind == "read_index" else self._table(message.body.table).shard
         driver = self.shards.get(shard)
         if driver is None:
             raise RequestError("unknown_shard", f"unknown shard {shard!r}")
@@ -744,11 +740,11 @@ class CoreNode(NodeServer):
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
         return driver.consensus.sequencer is not None
 
-    def _watch(self, body: dict[str, Any]) -> dict[str, Any]:
-        driver = self.shards.get(body["shard"])
-        position = self.store.shard(body["shard"])
+    def _watch(self, body: messages.Watch) -> dict[str, Any]:
+        driver = self.shards.get(body.shard)
+        position = self.store.shard(body.shard)
         if driver is None or position is None:
-            raise RequestError("unknown_shard", f"unknown shard {body['shard']!r}")
+            raise RequestError("unknown_shard", f"unknown shard {body.shard!r}")
         try:
             return self.rlog_server.watch(
                 body,
@@ -761,8 +757,6 @@ class CoreNode(NodeServer):
             )
         except WatchRefusedError as error:
             raise RequestError(error.code, str(error)) from None
-        except OpDecodeError as error:
-            raise RequestError("bad_request", str(error)) from None
 
     # -- snapshot install (core.snapshot) -------------------------------------------------------
 
@@ -775,22 +769,13 @@ class CoreNode(NodeServer):
         if reason is not None:
             raise RequestError("not_ready", f"{self.config.name} cannot serve shard {shard} yet: {reason}")
 
-    def _on_snapshot_offer(self, body: dict[str, Any]) -> None:
-        shard = body["shard"]
+    def _on_snapshot_offer(self, body: messages.SnapshotOffer) -> None:
+        shard = body.shard
         driver = self.shards.get(shard)
         position = self.store.shard(shard)
-        if driver is None or position is None or body["sender"] not in self.endpoints:
+        if driver is None or position is None or body.sender not in self.endpoints:
             return
-        try:
-            offer = SnapshotOffer(
-                body["sender"],
-                body["generation"],
-                tx_key_from_wire(body["key"]),
-                body["digest"],
-                tuple(body.get("members", ())),
-            )
-        except OpDecodeError:
-            return
+        offer = SnapshotOffer(body.sender, body.generation, body.key, body.digest, tuple(body.members))
         install = self.installs.get(shard)
         installing = install is not None and install.mode in (InstallMode.LISTING, InstallMode.COPYING)
         refused = accept_offer(
@@ -900,7 +885,7 @@ class CoreNode(NodeServer):
             return
         core = install.offer.sequencer
         error = answer.body if answer.kind == "error" else None
-        result = answer.body.get("result") if answer.kind == "reply" else None
+        result = answer.body.result if answer.kind == "reply" else None
         if purpose == "fence":
             committed = None
             if error is None and isinstance(result, dict):
@@ -952,11 +937,11 @@ class CoreNode(NodeServer):
 
     def _on_peer(self, message: Message) -> None:
         body = message.body
-        sender, shard = body["sender"], body["shard"]
+        sender, shard = body.sender, body.shard
         if sender not in self.endpoints or sender == self.config.name:
             raise RequestError("bad_request", f"peer {sender!r} is not a core of this cluster")
         try:
-            peer_message = message_from_wire(body["message"])
+            peer_message = message_from_wire(body.message)
         except CodecError as error:
             self.protocol_violation(sender, f"malformed consensus message: {error}")
             return
@@ -1015,18 +1000,16 @@ class CoreNode(NodeServer):
             return
         catalog = driver.tail.catalog_over(self.store.catalog())
         if message.kind == "drop_table":
-            ops = (self._drop_op(catalog, message.body["table"]),)
+            ops = (self._drop_op(catalog, message.body.table),)
         elif message.kind == "create_table":
             body = message.body
-            table = define_table(body["table"], body["key"], body["columns"], body.get("shard", DEFAULT_SHARD))
+            table = define_table(body.table, body.key, body.columns, body.shard or DEFAULT_SHARD)
             # The apply's own rule (SQLite names are case-insensitive): what is logged applies everywhere.
             if not check_creatable(catalog, table.to_op()):
                 raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
             ops: tuple = (table.to_op(),)
         else:
-            transaction = parse_transaction(
-                message.body.get("guards"), message.body["ops"], catalog, self.config.limits.transaction_ops_max
-            )
+            transaction = parse_transaction(message.body, catalog, self.config.limits.transaction_ops_max)
 
             def read_row(table: TableSchema, key: Any) -> dict[str, Any] | None:
                 in_tail, row = driver.tail.row(table.name, key)
@@ -1120,28 +1103,27 @@ class CoreNode(NodeServer):
         return op
 
     def _shard_of(self, message: Message) -> str:
+        body = message.body
         if message.kind == "drop_table":
-            return self._drop_op(self._catalog_with_tails(), message.body["table"]).shard
+            return self._drop_op(self._catalog_with_tails(), body.table).shard
         if message.kind == "create_table":
-            shard = message.body.get("shard", DEFAULT_SHARD)
-            table = define_table(message.body["table"], message.body["key"], message.body["columns"], shard)
+            shard = body.shard or DEFAULT_SHARD
+            table = define_table(body.table, body.key, body.columns, shard)
             # Refuse a taken name before the shard is opened: a refused write must leave no new shard.
             catalog = self._catalog_with_tails()
             if not check_creatable(catalog, table.to_op()):
                 raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
             return shard
-        ops = message.body["ops"]
-        catalog = self._catalog_with_tails()
-        if not isinstance(ops, list) or not ops or not isinstance(ops[0], dict):
-            raise RequestError("bad_request", "ops must be a non-empty list of objects")
-        table = catalog.get(ops[0].get("table")) if isinstance(ops[0].get("table"), str) else None
+        if not body.ops:
+            raise RequestError("bad_request", "a transaction needs at least one op")
+        table = self._catalog_with_tails().get(body.ops[0].table)
         if table is None:
-            raise RequestError("unknown_table", f"unknown table {ops[0].get('table')!r}")
+            raise RequestError("unknown_table", f"unknown table {body.ops[0].table!r}")
         return table.shard
 
     def _forward(self, envelope: list[bytes], message: Message, driver: ShardDriver) -> None:
         sequencer = driver.consensus.sequencer
-        target = forward_target(sequencer, self.config.name, bool(message.body.get("forwarded")))
+        target = forward_target(sequencer, self.config.name, message.body.forwarded)
         if target is None:
             hint = f"; try {self.endpoints[sequencer]}" if sequencer in self.endpoints else ""
             raise RequestError(
@@ -1153,7 +1135,8 @@ class CoreNode(NodeServer):
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
         self.hold(envelope, message.request_id)
         self.forwarded.forwarded(message.request_id, envelope, driver.shard, target, self.clock_ms())
-        self._send_peer(target, Message(message.kind, message.request_id, {**message.body, "forwarded": True}))
+        forwarded = msgspec.structs.replace(message.body, forwarded=True)
+        self._send_peer(target, Message(message.kind, message.request_id, forwarded))
 
     def _relay_forwarded(self, socket: zmq.Socket) -> None:
         for _ in range(self.config.limits.group_commit_max):
@@ -1187,15 +1170,15 @@ class CoreNode(NodeServer):
     def _membership_change(self, envelope: list[bytes], message: Message) -> None:
         """Operator: add or remove one core in one shard, at its sequencer (forwarded there)."""
         body = message.body
-        driver = self.shards.get(body["shard"])
+        driver = self.shards.get(body.shard)
         if driver is None:
-            raise RequestError("unknown_shard", f"unknown shard {body['shard']!r}")
+            raise RequestError("unknown_shard", f"unknown shard {body.shard!r}")
         if driver.consensus.role is not Role.SEQUENCER:
             self._forward(envelope, message, driver)
             return
-        add = body["action"] == "add"
-        name = body["name"]
-        endpoint = body.get("endpoint") or self.endpoints.get(name, "")
+        add = body.action == "add"
+        name = body.name
+        endpoint = body.endpoint or self.endpoints.get(name, "")
         if add and not endpoint:
             raise RequestError("bad_request", f"the endpoint of core {name!r} is unknown: give it")
         self.begin()
@@ -1374,14 +1357,8 @@ class CoreNode(NodeServer):
         return table
 
     def _check_consistency(self, message: Message, table: TableSchema) -> None:
-        level = message.body.get("consistency", "local")
-        if level not in CONSISTENCY_LEVELS:
-            raise RequestError("bad_request", f"consistency must be one of {', '.join(CONSISTENCY_LEVELS)}")
-        if "min_key" in message.body:
-            try:
-                min_key = tx_key_from_wire(message.body["min_key"])
-            except OpDecodeError as error:
-                raise RequestError("bad_request", str(error)) from None
+        min_key = message.body.min_key
+        if min_key is not None:
             position = self.store.shard(table.shard)
             if position is None or position.applied < min_key:
                 # The client retries (bounded by its timeout) until this core has applied it.
@@ -1389,41 +1366,41 @@ class CoreNode(NodeServer):
 
     def _read(self, message: Message) -> Any:
         body = message.body
-        if isinstance(body.get("table"), str):
-            self._check_serving(self._table(body["table"]).shard)
+        if isinstance(getattr(body, "table", None), str):
+            self._check_serving(self._table(body.table).shard)
         if message.kind in range_requests.KINDS:
             return range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
         if message.kind == "get":
-            table = self._table(body["table"])
+            table = self._table(body.table)
             self._check_consistency(message, table)
-            return self.store.read_row(table, check_key(table, body["key"]))
+            return self.store.read_row(table, check_key(table, body.key))
         if message.kind == "count":
             # SQLite counts (O(rows) in the engine, nothing shipped): the answer is one integer.
-            table = self._table(body["table"])
+            table = self._table(body.table)
             self._check_consistency(message, table)
             return {"rows": self.store.count_rows(table)}
         if message.kind == "scan":
-            table = self._table(body["table"])
+            table = self._table(body.table)
             self._check_consistency(message, table)
-            limit = body.get("limit", self.config.limits.scan_rows_max)
+            limit = self.config.limits.scan_rows_max if body.limit is None else body.limit
             if not 0 < limit <= self.config.limits.scan_rows_max:
                 raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
-            after = body.get("after")
+            after = body.after
             if after is not None:
                 after = check_key(table, after)
             return self.store.scan(table, after, limit)
         if message.kind == "bootstrap_batch":
             # The serving side of a bootstrap (bootstrap.serve): bounded in rows and in bytes, so the
             # answer fits in a frame and costs this loop turn a bounded time.
-            table = self._table(body["table"])
-            limit = body["limit"]
+            table = self._table(body.table)
+            limit = body.limit
             if not 0 < limit <= self.config.limits.scan_rows_max:
                 raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
-            after = body.get("after")
+            after = body.after
             if after is not None:
                 after = check_key(table, after)
             bytes_max = self.config.limits.frame_bytes_max // 2
-            return read_batch(self.store, table, after, limit, min(bytes_max, body.get("bytes_max", bytes_max)))
+            return read_batch(self.store, table, after, limit, min(bytes_max, body.bytes_max or bytes_max))
         if message.kind == "list_tables":
             return [table.to_json() for table in self.store.catalog().values()]
         if message.kind == "status":
@@ -1431,21 +1408,18 @@ class CoreNode(NodeServer):
         if message.kind == "journal":
             return self.journal()
         if message.kind == "rlog_tail":
-            count = body.get("count", 10)
+            count = 10 if body.count is None else body.count
             if not 0 < count <= RLOG_TAIL_COUNT_MAX:
                 raise RequestError("bad_request", f"count must be 1..{RLOG_TAIL_COUNT_MAX}")
-            self._shard(body["shard"])
-            return [entry_to_json(entry) for entry in self.store.tail(body["shard"], count)]
+            self._shard(body.shard)
+            return [entry_to_json(entry) for entry in self.store.tail(body.shard, count)]
         if message.kind == "rlog_entries":
-            limit = body.get("limit", RLOG_TAIL_COUNT_MAX)
+            limit = RLOG_TAIL_COUNT_MAX if body.limit is None else body.limit
             if not 0 < limit <= RLOG_TAIL_COUNT_MAX:
                 raise RequestError("bad_request", f"limit must be 1..{RLOG_TAIL_COUNT_MAX}")
-            self._shard(body["shard"])
-            try:
-                after = tx_key_from_wire(body.get("after", [0, 0]))
-            except OpDecodeError as error:
-                raise RequestError("bad_request", str(error)) from None
-            return [entry_to_json(entry) for entry in self.store.entries_after(body["shard"], after, limit)]
+            self._shard(body.shard)
+            after = body.after or ZERO_KEY
+            return [entry_to_json(entry) for entry in self.store.entries_after(body.shard, after, limit)]
         raise RequestError("bad_request", f"unknown request {message.kind}")
 
     def _shard(self, shard: str) -> ShardPosition:

@@ -25,6 +25,7 @@ from typing import Any
 
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.watch import agent_to_evict, check_watch_request, decide_watch, superseded_agents
+from mnesite.rlog import messages
 from mnesite.rlog.codec import Message
 from mnesite.rlog.replication import (
     AckReceived,
@@ -34,7 +35,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import TxKey, to_wire, tx_key_from_wire
+from mnesite.rlog.types import TxKey, to_wire
 
 AGENTS_MAX = 1000
 
@@ -74,7 +75,7 @@ class RlogServer:
 
     def watch(
         self,
-        body: dict[str, Any],
+        body: messages.Watch,
         log_view: Any,
         committed_key: TxKey,
         committed_digest: bytes,
@@ -83,11 +84,10 @@ class RlogServer:
         now_ms: int,
     ) -> dict[str, Any]:
         """Create an agent for a replicant's watch; return the answer (raises ``WatchRefusedError``)."""
-        watch_id = body.get("watch_id", "")
-        check_watch_request(body["protocol"], watch_id, self.core_name)
-        from_key = tx_key_from_wire(body["from"])
+        watch_id = body.watch_id
+        check_watch_request(body.protocol, watch_id, self.core_name)
         owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
-        for agent_id in superseded_agents(owners, body["replicant"], body["shard"]):
+        for agent_id in superseded_agents(owners, body.replicant, body.shard):
             del self.watches[agent_id]
         evicted = agent_to_evict(
             ((a, w.acknowledged) for a, w in self.watches.items()), self.watches_max, self.core_name
@@ -95,8 +95,8 @@ class RlogServer:
         if evicted is not None:
             del self.watches[evicted]
         mode, start_key, start_digest = decide_watch(
-            from_key,
-            body["from_digest"],
+            body.from_,
+            body.from_digest,
             log_view.trimmed_key(),
             committed_key,
             committed_digest,
@@ -104,7 +104,7 @@ class RlogServer:
             self.core_name,
         )
         agent_id = f"{self.core_name}-{self.rng.getrandbits(64):016x}"
-        agent = Agent(agent_id, body["shard"], body["replicant"], start_key, log_view, self.config, now_ms)
+        agent = Agent(agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms)
         answer = {
             "agent": agent_id,
             "mode": mode,
@@ -113,21 +113,21 @@ class RlogServer:
             "committed": list(committed_key),
             "watch_id": watch_id,
         }
-        self.watches[agent_id] = Watch(agent, body["endpoint"], body["replicant"], body["shard"], answer)
+        self.watches[agent_id] = Watch(agent, body.endpoint, body.replicant, body.shard, answer)
         self._step(agent_id, CommittedAdvanced(committed_key, hears_sequencer), now_ms)
         return answer
 
-    def acknowledged(self, body: dict[str, Any], now_ms: int) -> None:
+    def acknowledged(self, body: messages.PushAck, now_ms: int) -> None:
         """A replicant's push_ack: its applied key, or a rejection reason."""
-        agent_id = body["agent"]
+        agent_id = body.agent
         watch = self.watches.get(agent_id)
-        if watch is None or watch.shard != body["shard"]:
+        if watch is None or watch.shard != body.shard:
             return  # a stopped or superseded agent (or a wrong shard): nothing to do
         watch.acknowledged = True
-        if body.get("rejected"):
-            self._step(agent_id, RejectReceived(body["rejected"]), now_ms)
+        if body.rejected:
+            self._step(agent_id, RejectReceived(body.rejected), now_ms)
         else:
-            self._step(agent_id, AckReceived(tx_key_from_wire(body["applied"])), now_ms)
+            self._step(agent_id, AckReceived(body.applied), now_ms)
 
     def committed(self, shard: str, committed_key: TxKey, hears_sequencer: bool, now_ms: int) -> None:
         for agent_id, watch in list(self.watches.items()):

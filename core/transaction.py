@@ -6,7 +6,8 @@ A client transaction is a list of guards and a list of requested ops over the ta
 one shard. The node that assigns the tx key (the sequencer) evaluates it against the
 current state, through a ``read_row`` function it passes in:
 
-1. ``parse_transaction`` checks shapes, tables, columns and types against the catalog.
+1. ``parse_transaction`` checks tables, columns and types against the catalog (the shapes were
+   checked once, when the request was decoded: ``rlog.messages.Transact``).
    Any mistake raises ``SchemaError`` and nothing has been read or written.
 2. ``evaluate`` checks every guard (etcd-style compare: the current row equals the given
    full row, or is absent when ``equals`` is null). If one fails, the result names the
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mnesite.rlog.messages import Transact, WriteRequest
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_row
 from mnesite.rlog.types import DeleteOp, Op, WriteOp
 
@@ -51,20 +53,20 @@ class GuardFailed:
         return f"guard {self.index} failed: {self.guard.table}[{self.guard.key!r}] should be {expected}, is {found}"
 
 
-def _table(catalog: dict[str, TableSchema], name: Any) -> TableSchema:
-    if not isinstance(name, str):
-        raise SchemaError("bad_request", f"table must be a string, got {type(name).__name__}")
+def _table(catalog: dict[str, TableSchema], name: str) -> TableSchema:
     table = catalog.get(name)
     if table is None:
         raise SchemaError("unknown_table", f"unknown table {name!r}")
     return table
 
 
-def parse_transaction(guards: Any, ops: Any, catalog: dict[str, TableSchema], transaction_ops_max: int) -> Transaction:
-    """Validate a transaction request (``guards``/``ops`` as sent by clients)."""
-    guards = [] if guards is None else guards
-    if not isinstance(guards, list) or not isinstance(ops, list):
-        raise SchemaError("bad_request", "guards and ops must be lists")
+def parse_transaction(request: Transact, catalog: dict[str, TableSchema], transaction_ops_max: int) -> Transaction:
+    """Check a decoded ``transact`` request against the catalog: tables, columns, types, one shard.
+
+    Its shapes were checked once, when it was decoded (``rlog.messages.Transact``); what is left
+    depends on the catalog, which the wire schema cannot know.
+    """
+    guards, ops = request.guards, request.ops
     if not ops:
         raise SchemaError("bad_request", "a transaction needs at least one op")
     if len(ops) + len(guards) > transaction_ops_max:
@@ -74,33 +76,23 @@ def parse_transaction(guards: Any, ops: Any, catalog: dict[str, TableSchema], tr
     shards: set[str] = set()
     parsed_guards = []
     for index, guard in enumerate(guards):
-        if not isinstance(guard, dict) or set(guard) - {"table", "key", "equals"} or "key" not in guard:
-            raise SchemaError("bad_request", f"guard {index} must be {{table, key, equals}}")
-        table = _table(catalog, guard.get("table"))
+        table = _table(catalog, guard.table)
         shards.add(table.shard)
-        key = check_key(table, guard["key"])
-        equals = guard.get("equals")
+        key = check_key(table, guard.key)
+        equals = guard.equals
         if equals is not None:
             equals = check_row(table, equals)
             if equals[table.key_column] != key:
                 raise SchemaError("bad_request", f"guard {index}: the row's key differs from the guarded key")
         parsed_guards.append(Guard(table.name, key, equals))
     parsed_ops: list[Op] = []
-    for index, op in enumerate(ops):
-        if not isinstance(op, dict):
-            raise SchemaError("bad_request", f"op {index} must be an object")
-        kind = op.get("op")
-        table = _table(catalog, op.get("table"))
+    for op in ops:
+        table = _table(catalog, op.table)
         shards.add(table.shard)
-        if kind == "write" and set(op) <= {"op", "table", "row"} and "row" in op:
-            parsed_ops.append(WriteOp(table.name, check_row(table, op["row"])))
-        elif kind == "delete" and set(op) <= {"op", "table", "key"} and "key" in op:
-            parsed_ops.append(DeleteOp(table.name, check_key(table, op["key"])))
+        if type(op) is WriteRequest:
+            parsed_ops.append(WriteOp(table.name, check_row(table, op.row)))
         else:
-            raise SchemaError(
-                "bad_request",
-                f'op {index} must be {{"op": "write", "table", "row"}} or {{"op": "delete", "table", "key"}}',
-            )
+            parsed_ops.append(DeleteOp(table.name, check_key(table, op.key)))
     if len(shards) != 1:
         raise SchemaError("bad_request", f"a transaction must stay within one shard, this one spans {sorted(shards)}")
     return Transaction(shards.pop(), tuple(parsed_guards), tuple(parsed_ops))

@@ -33,18 +33,18 @@ import zmq
 from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
-from mnesite.rlog import codec, range_requests
+from mnesite.rlog import codec, messages, range_requests
 from mnesite.rlog import replication as p
 from mnesite.rlog.backup import BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
-from mnesite.rlog.messages import MessageError, decode_entry
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name, define_table
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
+    ZERO_KEY,
     Entry,
     OpDecodeError,
     TxKey,
@@ -106,7 +106,7 @@ class WaitingRead:
     deadline_ms: int
 
     def ready(self, catalog: dict[str, TableSchema], replicas: dict[str, ShardReplica]) -> bool:
-        table = catalog.get(self.message.body.get("table"))
+        table = catalog.get(self.message.body.table)
         if table is not None and table.shard in self.targets:
             replica = replicas.get(table.shard)
             return replica is not None and replica.readable_at(self.targets[table.shard])
@@ -371,7 +371,7 @@ class ReplicantNode(NodeServer):
 
     def _on_answer(self, pending: Pending, answer: Message, frame_bytes: int | None = None) -> None:
         error = answer.body if answer.kind == "error" else None
-        result = answer.body.get("result") if answer.kind == "reply" else None
+        result = answer.body.result if answer.kind == "reply" else None
         if pending.purpose == "forward":
             self.reply(pending.detail["envelope"], answer)
             return
@@ -389,8 +389,9 @@ class ReplicantNode(NodeServer):
                     envelope,
                     codec.error(
                         message.request_id,
-                        error["code"] if error else "bad_answer",
-                        error["message"] if error else "malformed read_index answer",
+                        error.code if error else "bad_answer",
+                        error.message if error else "malformed read_index answer",
+                        error.detail if error else None,
                     ),
                 )
                 return
@@ -577,7 +578,7 @@ class ReplicantNode(NodeServer):
         elif message.kind in ("get", "scan", "count"):
             self._read(envelope, message)
         elif message.kind in range_requests.KINDS:
-            self._serving(self._table(body.get("table")).shard)
+            self._serving(self._table(body.table).shard)
             result = range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
             self.reply(envelope, codec.reply(message.request_id, result))
         elif message.kind in ("rlog_tail", "rlog_entries"):
@@ -602,30 +603,27 @@ class ReplicantNode(NodeServer):
                 return f"shard {shard} is bootstrapping ({status.mode.value}): its rows are not a committed state yet"
         return None
 
-    def _on_push(self, body: dict[str, Any]) -> None:
-        replica = self.replicas.get(body["shard"])
+    def _on_push(self, body: messages.Push) -> None:
+        replica = self.replicas.get(body.shard)
         if replica is None:
             return
-        if body["core"] not in self.core_sockets:
-            log.warning("push from unknown core %r ignored", body["core"])
+        if body.core not in self.core_sockets:
+            log.warning("push from unknown core %r ignored", body.core)
             return
         # The answer to the watch that created the agent: the replica takes it for the answer if
         # this push overtook it (ShardReplica, "Fencing").
-        accepted = watch_accepted(body["core"], body.get("watch"))
-        try:
-            committed = tx_key_from_wire(body["committed"])
-            # A push the replica will refuse unread (a superseded agent's) is not decoded: the
-            # per-row work of its entries is spent only on pushes that may be applied.
-            entries: tuple[Entry, ...] = ()
-            if replica.takes_push(body["core"], body["agent"], accepted):
-                entries = tuple(
-                    decode_entry(value, f"push.entries[{index}]") for index, value in enumerate(body["entries"])
-                )
-        except (OpDecodeError, MessageError) as error:
-            log.warning("malformed push from %s: %s", body.get("core"), error)
-            return
+        accepted = watch_accepted(body.core, body.watch)
+        # A push the replica will refuse unread (a superseded agent's) is not decoded: the
+        # per-row work of its entries is spent only on pushes that may be applied.
+        entries: tuple[Entry, ...] = ()
+        if replica.takes_push(body.core, body.agent, accepted):
+            try:
+                entries = messages.decode_entries(body.entries)
+            except messages.MessageError as error:
+                log.warning("malformed push from %s: %s", body.core, error)
+                return
         self._core_heard_ms = self.clock_ms()
-        push = p.PushReceived(body["core"], body["agent"], entries, committed, body["hears_sequencer"], accepted)
+        push = p.PushReceived(body.core, body.agent, entries, body.committed, body.hears_sequencer, accepted)
         self._step(replica, push)
 
     def _serving(self, shard: str) -> ShardReplica:
@@ -651,21 +649,18 @@ class ReplicantNode(NodeServer):
     def _rlog_read(self, message: Message) -> list[dict[str, Any]]:
         """This replicant's own rlog (what it applied, as far as it retains it)."""
         body = message.body
-        shard = body["shard"]
+        shard = body.shard
         if self.store.shard(shard) is None:
             raise RequestError("unknown_shard", f"unknown shard {shard!r}")
         if message.kind == "rlog_tail":
-            count = body.get("count", 10)
+            count = 10 if body.count is None else body.count
             if not 0 < count <= RLOG_READ_MAX:
                 raise RequestError("bad_request", f"count must be 1..{RLOG_READ_MAX}")
             return [entry_to_json(entry) for entry in self.store.tail(shard, count)]
-        limit = body.get("limit", RLOG_READ_MAX)
+        limit = RLOG_READ_MAX if body.limit is None else body.limit
         if not 0 < limit <= RLOG_READ_MAX:
             raise RequestError("bad_request", f"limit must be 1..{RLOG_READ_MAX}")
-        try:
-            after = tx_key_from_wire(body.get("after", [0, 0]))
-        except OpDecodeError as error:
-            raise RequestError("bad_request", str(error)) from None
+        after = body.after or ZERO_KEY
         return [entry_to_json(entry) for entry in self.store.entries_after(shard, after, limit)]
 
     def _forward(self, envelope: list[bytes], message: Message) -> None:
@@ -689,19 +684,19 @@ class ReplicantNode(NodeServer):
 
     def _read(self, envelope: list[bytes], message: Message) -> None:
         body = message.body
-        fresh = body.get("consistency") == "linearizable" or body.get("min_key") is not None
+        fresh = body.consistency == "linearizable" or body.min_key is not None
         try:
-            table = self._table(body["table"])
+            table = self._table(body.table)
         except RequestError:
             # A read that must see a key may name a table that key's write created: wait on every
             # shard (WaitingRead) rather than answer unknown_table before the create is applied.
-            if not fresh or not self.replicas or not isinstance(body["table"], str):
+            if not fresh or not self.replicas:
                 raise
             shards = sorted(self.replicas)
         else:
             self._serving(table.shard)
             shards = [table.shard]
-        if body.get("consistency") == "linearizable":
+        if body.consistency == "linearizable":
             # Learn each shard's committed key from its sequencer (quorum-confirmed), then wait for it.
             gather = ReadIndexGather(len(shards))
             for shard in shards:
@@ -710,12 +705,8 @@ class ReplicantNode(NodeServer):
                 pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
                 self._request(core, "read_index", {"shard": shard}, pending)
             return
-        min_key = body.get("min_key")
+        min_key = body.min_key
         if min_key is not None:
-            try:
-                min_key = tx_key_from_wire(min_key)
-            except OpDecodeError as error:
-                raise RequestError("bad_request", str(error)) from None
             self._wait_for(envelope, message, dict.fromkeys(shards, min_key))
             return
         self.reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
@@ -725,7 +716,7 @@ class ReplicantNode(NodeServer):
         if len(self.waiting_reads) >= WAITING_READS_MAX:
             self.reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
             return
-        wait_ms = min(READ_WAIT_MS_MAX, int(message.body.get("wait_ms", READ_WAIT_MS_MAX)))
+        wait_ms = READ_WAIT_MS_MAX if message.body.wait_ms is None else min(READ_WAIT_MS_MAX, message.body.wait_ms)
         self.hold(envelope, message.request_id)
         self.waiting_reads.append(WaitingRead(envelope, message, targets, self.clock_ms() + wait_ms))
 
@@ -734,12 +725,12 @@ class ReplicantNode(NodeServer):
         if message.kind == "count":
             return {"rows": self.store.count_rows(table)}
         if message.kind == "scan":
-            limit = body.get("limit", self.config.limits.scan_rows_max)
+            limit = self.config.limits.scan_rows_max if body.limit is None else body.limit
             if not 0 < limit <= self.config.limits.scan_rows_max:
                 raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
-            after = body.get("after")
+            after = body.after
             return self.store.scan(table, check_key(table, after) if after is not None else None, limit)
-        return self.store.read_row(table, check_key(table, body["key"]))
+        return self.store.read_row(table, check_key(table, body.key))
 
     def _answer_waiting_reads(self) -> None:
         if not self.waiting_reads:
@@ -749,7 +740,7 @@ class ReplicantNode(NodeServer):
             if read.ready(catalog, self.replicas):
                 self.waiting_reads.remove(read)
                 try:
-                    result = self._read_now(self._table(read.message.body["table"]), read.message)
+                    result = self._read_now(self._table(read.message.body.table), read.message)
                 except (RequestError, SchemaError) as error:
                     self.reply(read.envelope, codec.error(read.message.request_id, error.code, str(error)))
                     continue

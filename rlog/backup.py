@@ -34,19 +34,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import apsw
-from mnesite.rlog.messages import BACKUP_PATH, BACKUP_PATH_CHARS_MAX
+from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
 
 DATABASE_FILE_NAME = "mnesite.db"
 PARTIAL_SUFFIX = ".partial"
 # An absolute path of plain characters: never relative to the node's working directory, no "..".
 PATH_CHARS_MAX = BACKUP_PATH_CHARS_MAX
-PATH_PATTERN = BACKUP_PATH
+PATH_PATTERN = re.compile(BACKUP_PATH_PATTERN)
 # Pages copied per step. 256 pages of 4 KiB are 1 MiB: a step takes milliseconds, and the copy
 # thread yields the GIL and the database between steps so the node's loop is never starved.
 STEP_PAGES_DEFAULT = 256

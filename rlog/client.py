@@ -272,7 +272,7 @@ class Client:
         """
         message = Message(kind, request_id or uuid.uuid4().hex, body or {})
         try:
-            frame = codec.encode(message)
+            frame = codec.encode(message, check=True)
         except CodecError as error:
             # The same schema a node checks: refuse here, before anything is sent.
             raise InvalidRequest(f"not sent: {error}", "bad_request") from None
@@ -318,9 +318,9 @@ class Client:
                 if not maybe_applied:
                     self._next_endpoint()  # a read: any other node may answer it
                 continue
-            if answer.kind == "error" and answer.body["code"] in RETRIABLE_CODES:
-                last_reason = answer.body["message"]
-                maybe_applied = maybe_applied or answer.body["code"] == "outcome_unknown"
+            if answer.kind == "error" and answer.body.code in RETRIABLE_CODES:
+                last_reason = answer.body.message
+                maybe_applied = maybe_applied or answer.body.code == "outcome_unknown"
                 if time.monotonic() + backoff_s < deadline:
                     time.sleep(backoff_s)  # an election or failover is under way: give it time
                     backoff_s = min(backoff_s * 2, RETRY_BACKOFF_S_MAX)
@@ -328,12 +328,12 @@ class Client:
                         self._next_endpoint()  # nothing happened there: another node may do better
                     continue
                 reason = f"node {self.endpoint}: {last_reason}"
-                self._give_up(kind, message.request_id, maybe_applied, reason, answer.body["code"])
+                self._give_up(kind, message.request_id, maybe_applied, reason, answer.body.code)
             break
         if answer.kind == "error":
-            code = answer.body["code"]
-            raise _ERRORS.get(code, RemoteError)(answer.body["message"], code, answer.body.get("detail"))
-        return answer.body.get("result")
+            code = answer.body.code
+            raise _ERRORS.get(code, RemoteError)(answer.body.message, code, answer.body.detail)
+        return answer.body.result
 
     def _next_endpoint(self) -> None:
         """Fail over: the next endpoint in the list, on a fresh socket."""

@@ -3,11 +3,11 @@
 A frame is the msgpack array ``[version, kind, request_id, body]``:
 
 * ``version``: ``PROTOCOL_VERSION``; other versions are refused with a clear reason.
-* ``kind``: one of ``KINDS``; ``rlog.messages`` holds each kind's schema (types, ranges, lengths, depth).
+* ``kind``: one of ``KINDS``; ``rlog.messages`` holds each kind's typed body (types, ranges, lengths, depth).
 * ``request_id``: a client-chosen string (at most 64 characters). It pairs a reply with
   its request and, for writes, makes a retried request idempotent.
-* ``body``: a map from field name to value, checked against the kind's schema and also given as a
-  frozen dataclass (``Message.fields``).
+* ``body``: a map from field name to value, decoded once, straight into its kind's frozen
+  ``rlog.messages`` Struct, which is what every reader of ``Message.body`` gets.
 
 Decoding never raises anything but ``CodecError`` (fuzzed with hypothesis), and never
 pickles: msgpack extension types are refused.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+import msgspec
 from mnesite.rlog import messages
 
 PROTOCOL_VERSION = 1
@@ -40,27 +40,36 @@ KINDS = messages.SCHEMAS
 
 @dataclass(frozen=True)
 class Message:
+    """One message. ``body`` is its kind's ``rlog.messages`` Struct once decoded; a sender may give
+    a plain dict of the same fields (it is encoded as it is, and checked only if asked)."""
+
     kind: str
     request_id: str
-    body: dict[str, Any] = field(default_factory=dict)
-    # The body as its kind's frozen dataclass (``rlog.messages``); set by ``decode``.
-    fields: Any = field(default=None, compare=False, repr=False)
+    body: Any = field(default_factory=dict)
 
 
-def _refuse_ext(code: int, data: bytes) -> Any:
+def _refuse_ext(code: int, data: memoryview) -> Any:
     raise CodecError(f"msgpack extension type {code} is not allowed")
 
 
-def encode(message: Message) -> bytes:
-    """Encode a message; raises ``CodecError`` if it cannot be represented."""
-    check_message(message)
+_HEADER = msgspec.msgpack.Decoder(tuple[Any, Any, Any, msgspec.Raw], ext_hook=_refuse_ext)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(message: Message, check: bool = False) -> bytes:
+    """Encode a message; raises ``CodecError`` if it cannot be represented, or, with ``check``
+    (clients), if the receiver's schema would refuse it."""
     try:
-        return msgpack.packb(
-            [PROTOCOL_VERSION, message.kind, message.request_id, message.body],
-            use_bin_type=True,
-        )
+        body = _ENCODER.encode(message.body)
     except (TypeError, ValueError, OverflowError) as error:
         raise CodecError(f"cannot encode {message.kind}: {error}") from None
+    if check:
+        check_header(message.kind, message.request_id)
+        try:
+            messages.decode_body(message.kind, body)
+        except messages.MessageError as error:
+            raise CodecError(str(error), error.code) from None
+    return _ENCODER.encode((PROTOCOL_VERSION, message.kind, message.request_id, msgspec.Raw(body)))
 
 
 def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Message:
@@ -70,51 +79,39 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
     if len(frame) > frame_bytes_max:
         raise CodecError(f"frame of {len(frame)} bytes exceeds frame_bytes_max {frame_bytes_max}", "frame_too_large")
     try:
-        value = msgpack.unpackb(
-            bytes(frame),
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_refuse_ext,
-            use_list=True,
-        )
+        version, kind, request_id, body = _HEADER.decode(frame)
     except CodecError:
         raise
-    except Exception as error:  # msgpack raises many types for garbage; all mean the same here.
+    except msgspec.ValidationError:
+        raise CodecError("frame must be [version, kind, request_id, body]") from None
+    except (msgspec.DecodeError, RecursionError) as error:
         raise CodecError(f"malformed msgpack frame: {type(error).__name__}") from None
-    if not isinstance(value, list) or len(value) != 4:
-        raise CodecError("frame must be [version, kind, request_id, body]")
-    version, kind, request_id, body = value
-    if not isinstance(version, int) or isinstance(version, bool):
+    if type(version) is not int:
         raise CodecError("protocol version must be an integer")
     if version != PROTOCOL_VERSION:
         raise CodecError(
             f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})",
             "unsupported_version",
         )
-    message = Message(kind, request_id, body) if isinstance(kind, str) else None
-    if message is None:
-        raise CodecError("message kind must be a string")
-    return Message(kind, request_id, body, check_message(message))
-
-
-def check_message(message: Message) -> Any:
-    """Check a message against its kind's schema; return the body's frozen dataclass."""
-    if message.kind not in KINDS:
-        raise CodecError(f"unknown message kind {message.kind!r:.40}", "unknown_kind")
-    if not isinstance(message.request_id, str) or not 0 < len(message.request_id) <= REQUEST_ID_CHARS_MAX:
-        raise CodecError(f"request_id must be a string of 1..{REQUEST_ID_CHARS_MAX} characters")
+    check_header(kind, request_id)
     try:
-        return messages.check_body(message.kind, message.body)[1]
+        return Message(kind, request_id, messages.decode_body(kind, body))
     except messages.MessageError as error:
         raise CodecError(str(error), error.code) from None
 
 
+def check_header(kind: Any, request_id: Any) -> None:
+    if type(kind) is not str:
+        raise CodecError("message kind must be a string")
+    if kind not in KINDS:
+        raise CodecError(f"unknown message kind {kind!r:.40}", "unknown_kind")
+    if type(request_id) is not str or not 0 < len(request_id) <= REQUEST_ID_CHARS_MAX:
+        raise CodecError(f"request_id must be a string of 1..{REQUEST_ID_CHARS_MAX} characters")
+
+
 def reply(request_id: str, result: Any = None) -> Message:
-    return Message("reply", request_id, {"result": result})
+    return Message("reply", request_id, messages.Reply(result=result))
 
 
 def error(request_id: str, code: str, message: str, detail: Any = None) -> Message:
-    body: dict[str, Any] = {"code": code, "message": message}
-    if detail is not None:
-        body["detail"] = detail
-    return Message("error", request_id, body)
+    return Message("error", request_id, messages.Error(code=code, message=message, detail=detail))

@@ -286,28 +286,30 @@ def _check_range(table: TableSchema, low: Any, high: Any, what: str) -> tuple[An
     return low, high
 
 
-def _int_field(body: dict[str, Any], name: str, default: int, minimum: int, maximum: int) -> int:
-    value = body.get(name, default)
+def _int_field(body: Any, name: str, default: int, minimum: int, maximum: int) -> int:
+    value = getattr(body, name)
+    value = default if value is None else value
     if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
         raise SchemaError("bad_request", f"{name} must be an integer in {minimum}..{maximum}")
     return value
 
 
-def answer(store: Any, kind: str, body: dict[str, Any], scan_rows_max: int) -> dict[str, Any]:
-    """Answer one range request for a node (``store`` is its ``rlog.store.Store``).
+def answer(store: Any, kind: str, body: Any, scan_rows_max: int) -> dict[str, Any]:
+    """Answer one range request for a node (``store`` is its ``rlog.store.Store``, ``body`` the
+    request's ``rlog.messages`` body).
 
     Raises ``SchemaError`` with code ``unknown_table`` or ``bad_request`` on bad input, which the
     node answers as an error; nothing is written.
     """
     if kind not in KINDS:
         raise SchemaError("bad_request", f"{kind} is not a range request")
-    table = _table(store, body.get("table"))
+    table = _table(store, body.table)
     with _sql_errors():
         check_sql_features(store.connection)
     rows_max = scan_rows_max * DIGEST_ROWS_PER_SCAN_ROW
     connection = store.connection
     if kind == "range_digest":
-        ranges = body.get("ranges")
+        ranges = body.ranges
         if not isinstance(ranges, list) or not 0 < len(ranges) <= RANGES_MAX:
             raise SchemaError("bad_request", f"ranges must be a list of 1..{RANGES_MAX} [low, high] pairs")
         checked = []
@@ -324,13 +326,13 @@ def answer(store: Any, kind: str, body: dict[str, Any], scan_rows_max: int) -> d
         return {**_position(table, applied, digest), "ranges": result, "more": len(answers) < len(checked)}
     if kind == "key_boundaries":
         parts = _int_field(body, "parts", 0, 1, PARTS_MAX)
-        low, high = _check_range(table, body.get("low"), body.get("high"), "range")
+        low, high = _check_range(table, body.low, body.high, "range")
         with _sql_errors(), read_snapshot(connection):
             applied, digest = applied_position(connection, table.shard)
             rows, keys = key_boundaries(connection, table, parts, low, high, scan_rows_max * BOUNDARY_KEYS_PER_SCAN_ROW)
         return {**_position(table, applied, digest), "rows": rows, "keys": keys}
     limit = _int_field(body, "limit", rows_max, 1, rows_max)
-    low, high = _check_range(table, body.get("low"), body.get("high"), "range")
+    low, high = _check_range(table, body.low, body.high, "range")
     with _sql_errors(), read_snapshot(connection):
         applied, digest = applied_position(connection, table.shard)
         digests = row_digests(connection, table, low, high, limit + 1)

@@ -107,9 +107,10 @@ class RoleTable:
         return f"{principal} ({held}) may not send {kind}; it needs one of: {needed}"
 
 
-def sender_mismatch(principal: str, kind: str, body: Mapping[str, object]) -> str | None:
+def sender_mismatch(principal: str, kind: str, body: object) -> str | None:
     """None if the body's sender field (if the kind has one) names ``principal``; else the reason."""
     field_name = SENDER_FIELDS.get(kind)
-    if field_name is None or body.get(field_name) == principal:
+    claimed = getattr(body, field_name, None) if field_name is not None else None
+    if field_name is None or claimed == principal:
         return None
-    return f"{kind} claims {field_name} {body.get(field_name)!r} but comes from {principal}"
+    return f"{kind} claims {field_name} {claimed!r} but comes from {principal}"

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgpack
 import zmq
-from mnesite.rlog import codec
+from mnesite.rlog import codec, messages
 from mnesite.rlog.backup import BackupError, BackupJob, decide
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
@@ -232,7 +232,7 @@ class NodeServer:
             self.security.refused_role += 1
             self._log_refusal("refused: %s", reason)
             return codec.error(message.request_id, "forbidden", reason)
-        reason = sender_mismatch(principal, message.kind, message.body) if isinstance(message.body, dict) else None
+        reason = sender_mismatch(principal, message.kind, message.body)
         if reason is not None:
             self.security.refused_sender += 1
             self._log_refusal("refused a forged sender: %s", reason)
@@ -246,23 +246,23 @@ class NodeServer:
             self._refusal_logged_ms = now_ms
             log.warning(text, reason)
 
-    def answer_backup(self, body: dict[str, Any], not_ready: str | None) -> dict[str, Any]:
+    def answer_backup(self, body: messages.Backup, not_ready: str | None) -> dict[str, Any]:
         """The ``backup`` request: start one (admin only, see rlog.roles) or report the current one.
 
         ``not_ready`` is the node's reason not to start one now (a shard whose rows are incomplete).
         Raises ``BackupError`` with the reason a backup cannot start.
         """
         current = self.backup_job.view if self.backup_job is not None else None
-        action = decide(current, body["path"])
+        action = decide(current, body.path)
         if action == "busy" and self.backup_job is not None:
             raise BackupError(f"a backup to {self.backup_job.path} is still running; one at a time")
         if action == "start":
             if not_ready is not None:
                 raise BackupError(f"not now: {not_ready}")
             self.backup_job = BackupJob(
-                self.store.path, body["path"], self.config.name, self.role, self.config.limits.backup_step_pages_max
+                self.store.path, body.path, self.config.name, self.role, self.config.limits.backup_step_pages_max
             )
-            log.info("backup to %s started at %s", body["path"], self.backup_job.positions)
+            log.info("backup to %s started at %s", body.path, self.backup_job.positions)
         if self.backup_job is None:
             raise BackupError("no backup job")
         status = self.backup_job.status()
@@ -485,7 +485,7 @@ class NodeServer:
             if self.metrics is not None:
                 # A write that was not held is answered in the turn that received it.
                 since = self._held_since_s.pop((envelope[0], message.request_id), self._turn_began_s)
-                result = message.body.get("result") if message.kind == "reply" else None
+                result = message.body.result if message.kind == "reply" else None
                 if since is not None and isinstance(result, dict) and "tx_key" in result:
                     self.metrics.acknowledged(time.monotonic() - since)
             held = self.outstanding.get(envelope[0])

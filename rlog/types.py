@@ -23,19 +23,25 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgpack
+from msgspec import Meta
 
 DIGEST_BYTES = 32
 GENESIS_DIGEST = bytes(DIGEST_BYTES)
 
 
+# A tx key's parts: generations and counters stay below 2**63 (SQLite's INTEGER). The bounds are
+# declared here so that the wire schema (``rlog.messages``) decodes a tx key straight into ``TxKey``.
+TxKeyPart = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+
+
 class TxKey(NamedTuple):
     """Position of a transaction in its shard's rlog, ordered as a tuple."""
 
-    generation: int
-    counter: int
+    generation: TxKeyPart
+    counter: TxKeyPart
 
     def to_wire(self) -> list[int]:
         return [self.generation, self.counter]
@@ -190,11 +196,11 @@ def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
         return cached[1]
     packed = msgpack.packb([encode_op(op) for op in ops], use_bin_type=True)
     if isinstance(ops, tuple):
-        _remember_packed(ops, packed)
+        remember_packed(ops, packed)
     return packed
 
 
-def _remember_packed(ops: tuple[Op, ...], packed: bytes) -> None:
+def remember_packed(ops: tuple[Op, ...], packed: bytes) -> None:
     """Record that ``packed`` is ``pack_ops(ops)`` (the caller made sure of it)."""
     global _packed_ops_bytes
     if len(packed) > _PACKED_OPS_BYTES_MAX // 4:
@@ -410,7 +416,7 @@ def entry_from_unpacked(value: Any, ops: list[Any], decoded: tuple[Op, ...] | No
     # shows the bytes used the canonical msgpack forms (smallest ints, str for text, float64...).
     if msgpack.packb(ops, use_bin_type=True) != packed:
         raise OpDecodeError("entry ops are not in canonical form")
-    _remember_packed(decoded, packed)
+    remember_packed(decoded, packed)
     return Entry(shard, tx_key_from_wire(key), tx_key_from_wire(prev), digest, decoded, request_id)
 
 

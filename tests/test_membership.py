@@ -33,7 +33,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.snapshot import SnapshotOffer, members_after_install
 from mnesite.rlog.messages import MEMBERS_OP_MAX, MessageError
-from mnesite.rlog.messages import _check_wire_op as check_wire_op
+from mnesite.rlog.messages import decode_ops
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
@@ -228,6 +228,11 @@ def test_a_sequencer_that_removes_itself_steps_down_once_the_removal_commits():
 
 
 # ---------------------------------------------------------------- the wire form
+
+
+def check_wire_op(op, path):
+    """The wire's rules for one op: decode it as the only op of an entry's packed ops."""
+    decode_ops(msgpack.packb([op], use_bin_type=True))
 
 
 def test_a_membership_op_round_trips_and_the_typed_layer_refuses_malformed_ones():
