@@ -21,6 +21,7 @@ its applied key reaches the committed key known after the copy (the read fence).
 from __future__ import annotations
 
 from mnesite.rlog.replication import ApplyBatch, BatchReceived, FetchBatch, TablesReceived
+from mnesite.rlog.schema import SchemaError, TableSchema, define_table
 from mnesite.rlog.types import row_size_bytes
 
 CopyEffect = FetchBatch | ApplyBatch
@@ -28,6 +29,18 @@ CopyEffect = FetchBatch | ApplyBatch
 
 class CopyFailed(Exception):
     """The core sent something a copy cannot use; the message says what."""
+
+
+def tables_from_answer(result: object, shard: str) -> tuple[TableSchema, ...]:
+    """The tables of ``shard`` in a core's ``list_tables`` answer, each definition checked (the
+    answer is untrusted); raises ``CopyFailed`` naming what is malformed."""
+    if not isinstance(result, list):
+        raise CopyFailed(f"list_tables answered {type(result).__name__}, not a list")
+    try:
+        tables = [define_table(t["table"], t["key"], t["columns"], t["shard"]) for t in result]
+    except (SchemaError, KeyError, TypeError) as failure:
+        raise CopyFailed(f"malformed table list: {failure}") from None
+    return tuple(table for table in tables if table.shard == shard)
 
 
 def batch_from_answer(

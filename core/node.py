@@ -52,7 +52,7 @@ from typing import Any
 import apsw
 import msgspec
 import zmq
-from mnesite.bootstrap.copy import batch_from_answer
+from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
 from mnesite.core.agent import AgentConfig
 from mnesite.core.consensus import (
@@ -893,15 +893,13 @@ class CoreNode(NodeServer):
                     committed = tx_key_from_wire(result["committed"])
             self._step_install(shard, replication.CommittedReceived(core, committed))
         elif purpose == "tables":
-            if error is not None or not isinstance(result, list):
-                self._step_install(shard, replication.RequestFailed(core, f"list_tables failed: {error}"))
-                return
             try:
-                tables = [define_table(t["table"], t["key"], t["columns"], t["shard"]) for t in result]
-            except (SchemaError, KeyError, TypeError) as failure:
-                self._step_install(shard, replication.RequestFailed(core, f"malformed table list: {failure}"))
+                if error is not None:
+                    raise CopyFailed(f"list_tables failed: {error.code}: {error.message}")
+                mine = tables_from_answer(result, shard)
+            except CopyFailed as failure:
+                self._step_install(shard, replication.RequestFailed(core, str(failure)))
                 return
-            mine = [table for table in tables if table.shard == shard]
             self.begin()
             catalog = self.store.catalog()
             for table in mine:

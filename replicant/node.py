@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from mnesite.bootstrap.copy import batch_from_answer
+from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import codec, messages, range_requests
@@ -39,7 +39,7 @@ from mnesite.rlog.backup import BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
-from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name, define_table
+from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
@@ -428,7 +428,7 @@ class ReplicantNode(NodeServer):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
             if error is not None:
-                self._step(replica, p.WatchRefused(pending.core, f"{error['code']}: {error['message']}"))
+                self._step(replica, p.WatchRefused(pending.core, f"{error.code}: {error.message}"))
                 return
             accepted = watch_accepted(pending.core, result)
             if accepted is None:
@@ -436,18 +436,20 @@ class ReplicantNode(NodeServer):
                 return
             self._step(replica, accepted)
         elif pending.purpose == "tables":
-            if error is not None or not isinstance(result, list):
-                self._step(replica, p.RequestFailed(pending.core, f"list_tables failed: {error}"))
+            try:
+                if error is not None:
+                    raise CopyFailed(f"list_tables failed: {error.code}: {error.message}")
+                mine = tables_from_answer(result, replica.shard)
+            except CopyFailed as failure:
+                self._step(replica, p.RequestFailed(pending.core, str(failure)))
                 return
-            tables = [t for t in result if t.get("shard") == replica.shard]
             self.begin()
-            for table in tables:
-                schema = define_table(table["table"], table["key"], table["columns"], table["shard"])
-                if table["table"] not in self.store.catalog():
-                    self.store.apply_ops((schema.to_op(),))
+            for table in mine:
+                if table.name not in self.store.catalog():
+                    self.store.apply_ops((table.to_op(),))
             self._step(
                 replica,
-                p.TablesReceived(pending.core, tuple(t["table"] for t in tables), tuple(t["key"] for t in tables)),
+                p.TablesReceived(pending.core, tuple(t.name for t in mine), tuple(t.key_column for t in mine)),
             )
         elif pending.purpose == "batch":
             detail = pending.detail
@@ -489,8 +491,18 @@ class ReplicantNode(NodeServer):
             if pending.purpose == "read_index" and pending.detail["gather"].answered:
                 continue
             if pending.purpose == "read_index":
+                # A read changes nothing, so its outcome is never unknown; and the client knows its
+                # own request id, not the one this replicant gave its read_index request.
                 pending.detail["gather"].answered = True
-            if pending.purpose in ("forward", "read_index"):
+                self.reply(
+                    pending.detail["envelope"],
+                    codec.error(
+                        pending.detail["message"].request_id,
+                        "no_sequencer",
+                        f"core {pending.core} did not confirm the committed key of shard {pending.shard} in time",
+                    ),
+                )
+            elif pending.purpose == "forward":
                 self.reply(
                     pending.detail["envelope"],
                     codec.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import msgspec
 from mnesite.rlog import messages
 
@@ -62,6 +63,8 @@ def encode(message: Message, check: bool = False) -> bytes:
     try:
         body = _ENCODER.encode(message.body)
     except (TypeError, ValueError, OverflowError) as error:
+        if check:
+            _name_the_unencodable(message)
         raise CodecError(f"cannot encode {message.kind}: {error}") from None
     if check:
         check_header(message.kind, message.request_id)
@@ -70,6 +73,20 @@ def encode(message: Message, check: bool = False) -> bytes:
         except messages.MessageError as error:
             raise CodecError(str(error), error.code) from None
     return _ENCODER.encode((PROTOCOL_VERSION, message.kind, message.request_id, msgspec.Raw(body)))
+
+
+def _name_the_unencodable(message: Message) -> None:
+    """A client's body msgpack cannot hold (an integer beyond 64 bits): the schema's own checks,
+    run on the Python values, name the field (``CodecError``) when they can."""
+    schema = KINDS.get(message.kind)
+    if schema is None:
+        return
+    try:
+        msgspec.convert(message.body, schema.body).verify()
+    except msgspec.ValidationError as error:
+        raise CodecError(str(messages.body_error(message.kind, error))) from None
+    except messages.MessageError as error:
+        raise CodecError(f"{message.kind}.{error}", error.code) from None
 
 
 def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Message:
@@ -84,8 +101,12 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
         raise
     except msgspec.ValidationError:
         raise CodecError("frame must be [version, kind, request_id, body]") from None
-    except (msgspec.DecodeError, RecursionError) as error:
+    except msgspec.DecodeError as error:
         raise CodecError(f"malformed msgpack frame: {type(error).__name__}") from None
+    except RecursionError:
+        # msgspec skips the body recursively: a body nested deeper than Python's recursion limit
+        # is split off without recursion, so that the refusal can still name its field.
+        version, kind, request_id, body = _split_deep_frame(frame)
     if type(version) is not int:
         raise CodecError("protocol version must be an integer")
     if version != PROTOCOL_VERSION:
@@ -98,6 +119,22 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
         return Message(kind, request_id, messages.decode_body(kind, body))
     except messages.MessageError as error:
         raise CodecError(str(error), error.code) from None
+
+
+def _split_deep_frame(frame: bytes | bytearray | memoryview) -> tuple[Any, Any, Any, memoryview]:
+    """``[version, kind, request_id, body]`` with the body left as bytes, read by msgpack's
+    streaming unpacker (no recursion for the three header values, which are scalars or refused)."""
+    unpacker = msgpack.Unpacker(raw=False, ext_hook=_refuse_ext, max_buffer_size=len(frame))
+    unpacker.feed(frame)
+    try:
+        if unpacker.read_array_header() != 4:
+            raise CodecError("frame must be [version, kind, request_id, body]")
+        header = tuple(unpacker.unpack() for _ in range(3))
+    except CodecError:
+        raise
+    except Exception as error:  # msgpack raises many types for garbage; all mean the same here.
+        raise CodecError(f"malformed msgpack frame: {type(error).__name__}") from None
+    return (*header, memoryview(frame)[unpacker.tell() :])
 
 
 def check_header(kind: Any, request_id: Any) -> None:

@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import msgpack
 import msgspec
 from mnesite.rlog.types import (
     DIGEST_BYTES,
@@ -261,7 +262,21 @@ class Transact(Body, frozen=True, kw_only=True):
             values.append(guard.key)
             if guard.equals is not None:
                 values.extend(guard.equals.values())
-        _require_scalars(values, "ops")
+        if scalars_refusal(values) is not None:
+            self._name_the_refused_value()
+
+    def _name_the_refused_value(self) -> None:
+        """The error path only: find the first value the set-based check refused, by its path."""
+        for index, op in enumerate(self.ops):
+            if type(op) is WriteRequest:
+                for column, value in op.row.items():
+                    _require_scalars((value,), f"ops[{index}].row.{column}")
+            else:
+                _require_scalars((op.key,), f"ops[{index}].key")
+        for index, guard in enumerate(self.guards):
+            _require_scalars((guard.key,), f"guards[{index}].key")
+            for column, value in (guard.equals or {}).items():
+                _require_scalars((value,), f"guards[{index}].equals.{column}")
 
 
 class CreateTable(Body, frozen=True, kw_only=True):
@@ -546,11 +561,34 @@ def decode_body(kind: str, body: bytes | memoryview) -> Body:
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error(kind, error) from None
     except RecursionError:
-        raise MessageError(kind, "is nested too deep", "bad_frame") from None
+        raise MessageError(_deep_field(kind, body), "is nested deeper than the decoder allows", "bad_frame") from None
     except MessageError as error:
         path = f"{kind}.{error.path}" if error.path else kind
         raise MessageError(path, str(error).partition(": ")[2], error.code) from None
     return value
+
+
+def _deep_field(kind: str, body: bytes | memoryview) -> str:
+    """The path of the field holding the value too deep for msgspec (an error path only): the body
+    is unpacked by msgpack (which does not recurse in Python) and walked with an explicit stack."""
+    try:
+        value = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=lambda code, data: None)
+    except Exception:  # garbage beside the depth: the kind is all that can be named
+        return kind
+    stack: list[tuple[Any, str, int]] = [(value, kind, 0)]
+    while stack:
+        current, path, depth = stack.pop()
+        if depth > FREE_VALUE_DEPTH_MAX:
+            return path
+        if isinstance(current, dict):
+            for key, item in current.items():
+                stack.append((item, f"{path}.{str(key)[:NAME_CHARS_MAX]}", depth + 1))
+        elif isinstance(current, list):
+            # Indices are named only between fields (ops[0].key); a chain of lists is one field.
+            for index, item in enumerate(current):
+                inner = f"{path}[{index}]" if isinstance(item, dict) else path
+                stack.append((item, inner, depth + 1))
+    return kind
 
 
 # -- entries: packed ops decoded once the receiver wants them ------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 from mnesite.core.agent import STOPPED_TRIMMED, Agent, AgentConfig, AgentConfigError
+from mnesite.rlog.messages import typed_body
 from mnesite.rlog.replication import (
     AckReceived,
     AgentMode,
@@ -307,14 +308,14 @@ def test_every_frame_the_rlog_server_queues_passes_the_typed_message_layer():
         "watch_id": "w" * 64,
     }
     committed = log.last_key()
-    answer = server.watch(body, log, committed, log.digest_at(committed), log.digest_at, True, 0)
+    answer = server.watch(typed_body("watch", body), log, committed, log.digest_at(committed), log.digest_at, True, 0)
     assert answer["watch_id"] == "w" * 64
     server.tick(10_000)
     assert server.outbox, "the new agent pushed nothing"
     for _endpoint, message in server.outbox:
         decoded = codec.decode(codec.encode(message))
         assert decoded.kind == message.kind == "push"
-        assert decoded.body["watch"]["watch_id"] == "w" * 64
+        assert decoded.body.watch["watch_id"] == "w" * 64
 
 
 def test_the_retention_floor_waits_for_live_agents_and_forgets_stopped_ones():
@@ -336,13 +337,13 @@ def test_the_retention_floor_waits_for_live_agents_and_forgets_stopped_ones():
         "watch_id": "w1",
     }
     committed = log.last_key()
-    answer = server.watch(body, log, committed, log.digest_at(committed), log.digest_at, True, 0)
+    answer = server.watch(typed_body("watch", body), log, committed, log.digest_at(committed), log.digest_at, True, 0)
     assert server.acked_keys(SHARD) == [TxKey(1, 4)]
     assert server.acked_keys("other") == []
     followers = [TxKey(1, 19), TxKey(1, 20)]
     assert keep_from_match_keys(followers, server.acked_keys(SHARD)) == TxKey(1, 4)
     assert keep_from_match_keys(followers) == TxKey(1, 19)
-    server.acknowledged({"shard": SHARD, "agent": answer["agent"], "applied": [1, 9]}, 10)
+    server.acknowledged(typed_body("push_ack", {"shard": SHARD, "agent": answer["agent"], "applied": [1, 9]}), 10)
     assert server.acked_keys(SHARD) == [TxKey(1, 9)]
     server.stop_shard(SHARD)
     assert keep_from_match_keys(followers, server.acked_keys(SHARD)) == TxKey(1, 19)

@@ -39,8 +39,8 @@ def test_backup_paths_are_absolute_plain_and_never_climb(tmp_path: Path) -> None
     # The wire schema refuses what is not an absolute plain path before the node looks at it.
     for path in ("x", "../../etc/passwd", "/a;b"):
         with pytest.raises(messages.MessageError):
-            messages.check_body("backup", {"path": path})
-    messages.check_body("backup", {"path": "/tmp/b.db"})
+            messages.typed_body("backup", {"path": path})
+    messages.typed_body("backup", {"path": "/tmp/b.db"})
 
 
 def test_only_admins_may_ask_for_a_backup() -> None:
@@ -298,14 +298,18 @@ def test_no_backup_while_a_shard_holds_no_committed_state(tmp_path: Path) -> Non
             status = SimpleNamespace(mode=mode, read_fenced=fenced)
             replicant.replicas = {"default": SimpleNamespace(status=lambda status=status: status)}
             with pytest.raises(BackupError, match="not now: shard default is bootstrapping"):
-                replicant.answer_backup({"path": str(tmp_path / "r.backup")}, replicant._backup_not_ready())
+                replicant.answer_backup(
+                    messages.typed_body("backup", {"path": str(tmp_path / "r.backup")}), replicant._backup_not_ready()
+                )
         status = SimpleNamespace(mode=replication.Mode.NORMAL, read_fenced=False)
         replicant.replicas = {"default": SimpleNamespace(status=lambda: status)}
         assert replicant._backup_not_ready() is None
         node: CoreNode = core.node
         node.not_serving["default"] = "a snapshot install was interrupted"
         with pytest.raises(BackupError, match="not now: shard default: a snapshot install"):
-            node.answer_backup({"path": str(tmp_path / "c.backup")}, node._backup_not_ready())
+            node.answer_backup(
+                messages.typed_body("backup", {"path": str(tmp_path / "c.backup")}), node._backup_not_ready()
+            )
         assert not (tmp_path / "c.backup").exists() and not (tmp_path / "r.backup").exists()
     finally:
         core.stop()

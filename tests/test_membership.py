@@ -32,8 +32,7 @@ from mnesite.core.consensus import (
     TruncateLog,
 )
 from mnesite.core.snapshot import SnapshotOffer, members_after_install
-from mnesite.rlog.messages import MEMBERS_OP_MAX, MessageError
-from mnesite.rlog.messages import decode_ops
+from mnesite.rlog.messages import MEMBERS_OP_MAX, MessageError, decode_ops, typed_body
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
@@ -417,7 +416,9 @@ def test_the_typed_layer_refuses_malformed_membership_requests():
     from mnesite.rlog import codec
 
     good = {"shard": "default", "action": "add", "name": "core4", "endpoint": "tcp://127.0.0.1:7404"}
-    assert codec.decode(codec.encode(codec.Message("membership_change", "r1", good))).body == good
+    assert codec.decode(codec.encode(codec.Message("membership_change", "r1", good))).body == typed_body(
+        "membership_change", good
+    )
     for bad in (
         {**good, "action": "drop"},
         {**good, "name": "core 4"},

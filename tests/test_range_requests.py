@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from mnesite.rlog import codec, range_requests
 from mnesite.rlog.client import MnesiteError
+from mnesite.rlog.messages import typed_body
 from mnesite.rlog.range_digest import text_range_digest
 from mnesite.rlog.schema import SchemaError
 from mnesite.rlog.store import Store
@@ -95,7 +96,7 @@ def test_answers_carry_the_applied_position(thread_node: ThreadNode) -> None:
         ("range_digest", {"table": "nope", "ranges": [[None, None]]}, "unknown_table", "unknown table 'nope'"),
         ("key_boundaries", {"table": "nope", "parts": 2}, "unknown_table", "unknown table"),
         ("row_digests", {"table": "nope"}, "unknown_table", "unknown table"),
-        ("range_digest", {"table": "items", "ranges": []}, "bad_request", "ranges: must be a list"),
+        ("range_digest", {"table": "items", "ranges": []}, "bad_request", "ranges: Expected `array` of length >= 1"),
         ("range_digest", {"table": "items", "ranges": [[1]]}, "bad_request", "range 0 must be a [low, high] pair"),
         ("range_digest", {"table": "items", "ranges": [[None, 5], 7]}, "bad_request", "range 1 must be"),
         ("range_digest", {"table": "items", "ranges": [[5, 5]]}, "bad_request", "low must be below high"),
@@ -105,7 +106,7 @@ def test_answers_carry_the_applied_position(thread_node: ThreadNode) -> None:
             "range_digest",
             {"table": "items", "ranges": [[None, None]] * (range_requests.RANGES_MAX + 1)},
             "bad_request",
-            "ranges: must be a list of 1..10000",
+            "ranges: Expected `array` of length <= 10000",
         ),
         ("key_boundaries", {"table": "items", "parts": 0}, "bad_request", "parts must be"),
         ("key_boundaries", {"table": "items", "parts": range_requests.PARTS_MAX + 1}, "bad_request", "parts must be"),
@@ -137,16 +138,16 @@ def test_unknown_fields_and_wrong_field_types_are_refused_by_the_node(thread_nod
     socket.connect(thread_node.endpoint)
     try:
         for request_id, body, message in (
-            ("r1", {"table": "items", "ranges": [[None, None]], "extra": 1}, "range_digest.extra: is not a field"),
-            ("r2", {"table": "items", "ranges": "all"}, "range_digest.ranges: must be a list"),
-            ("r3", {"ranges": [[None, None]]}, "range_digest.table: is missing"),
+            ("r1", {"table": "items", "ranges": [[None, None]], "extra": 1}, "unknown field `extra`"),
+            ("r2", {"table": "items", "ranges": "all"}, "range_digest.ranges: Expected `array`, got `str`"),
+            ("r3", {"ranges": [[None, None]]}, "missing required field `table`"),
         ):
             # Raw frames: the client would refuse to encode these itself.
             socket.send(msgpack.packb([codec.PROTOCOL_VERSION, "range_digest", request_id, body], use_bin_type=True))
             assert socket.poll(5000), "the node did not answer"
             answer = codec.decode(socket.recv())
-            assert answer.kind == "error" and answer.body["code"] == "bad_frame", answer
-            assert message in answer.body["message"]
+            assert answer.kind == "error" and answer.body.code == "bad_frame", answer
+            assert message in answer.body.message
     finally:
         socket.close(0)
         context.term()
@@ -190,7 +191,7 @@ def test_reads_nest_inside_an_open_write_transaction(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "mnesite.db"), synchronous="OFF")
     create_table(store, "items", "k", COLUMNS)
     commit(store, [WriteOp("items", row(key)) for key in range(5)])
-    body = {"table": "items", "ranges": [[None, None]]}
+    body = typed_body("range_digest", {"table": "items", "ranges": [[None, None]]})
     before = range_requests.answer(store, "range_digest", body, 100)
     assert not store.connection.in_transaction  # the read transaction was released
     store.connection.execute("BEGIN IMMEDIATE")  # what the node does during a turn

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 from mnesite.replicant.node import WaitingRead
 from mnesite.rlog.codec import Message
+from mnesite.rlog.messages import typed_body
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
 
@@ -27,7 +28,7 @@ class FakeReplica:
 
 
 def held(table: str, targets: dict[str, TxKey]) -> WaitingRead:
-    message = Message("get", "r1", {"table": table, "key": 1})
+    message = Message("get", "r1", typed_body("get", {"table": table, "key": 1}))
     return WaitingRead([b"client"], message, targets, deadline_ms=1_000)
 
 

@@ -21,6 +21,7 @@ from mnesite.rlog import codec
 from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated
 from mnesite.rlog.codec import Message
 from mnesite.rlog.config import ConfigError, load_config, parse_config
+from mnesite.rlog.messages import typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
 from mnesite.rlog.security import SecurityError, configure_client, generate_keys, load_key
 from mnesite.rlog.types import TxKey
@@ -171,11 +172,16 @@ def test_every_request_kind_the_codec_accepts_has_a_role_entry() -> None:
 
 
 def test_a_body_sender_must_be_the_authenticated_principal() -> None:
-    assert sender_mismatch("core1", "peer", {"sender": "core1"}) is None
-    assert "claims sender 'core2'" in (sender_mismatch("core1", "peer", {"sender": "core2"}) or "")
-    assert sender_mismatch("core1", "push", {"core": "core2"})
-    assert sender_mismatch("replicant1", "watch", {"replicant": "replicant2"})
-    assert sender_mismatch("app", "transact", {"sender": "whatever"}) is None
+    peer = {"shard": "default", "message": [1, "vote_request"]}
+    watch = {"shard": "default", "endpoint": "tcp://127.0.0.1:1", "from": [0, 0], "from_digest": b"", "protocol": 1}
+    push = {"shard": "default", "agent": "a", "entries": [], "committed": [0, 0], "hears_sequencer": True}
+    assert sender_mismatch("core1", "peer", typed_body("peer", {**peer, "sender": "core1"})) is None
+    assert "claims sender 'core2'" in (
+        sender_mismatch("core1", "peer", typed_body("peer", {**peer, "sender": "core2"})) or ""
+    )
+    assert sender_mismatch("core1", "push", typed_body("push", {**push, "core": "core2"}))
+    assert sender_mismatch("replicant1", "watch", typed_body("watch", {**watch, "replicant": "replicant2"}))
+    assert sender_mismatch("app", "transact", typed_body("transact", {"ops": []})) is None
 
 
 # ---------------------------------------------------------------- a secured core in a thread
@@ -304,11 +310,11 @@ def test_consensus_messages_need_a_core_key_that_matches_the_sender(secure_node)
         if principal == "ops":
             continue  # admin may send every kind; its sender field still has to match (below)
         answer = raw_request(secure_node, principal, Message("peer", "forged", forged))
-        assert answer.kind == "error" and answer.body["code"] == "forbidden", answer
+        assert answer.kind == "error" and answer.body.code == "forbidden", answer
     answer = raw_request(secure_node, "core1", Message("peer", "forged", forged))
-    assert answer.body["code"] == "forbidden" and "claims sender 'core2'" in answer.body["message"]
+    assert answer.body.code == "forbidden" and "claims sender 'core2'" in answer.body.message
     answer = raw_request(secure_node, "ops", Message("peer", "forged", forged))
-    assert answer.body["code"] == "forbidden" and "comes from ops" in answer.body["message"]
+    assert answer.body.code == "forbidden" and "comes from ops" in answer.body.message
     security = secure_node.security()
     assert security["refused_role"] == 2 and security["refused_sender"] == 2
     after = secure_node.node.shards["default"].consensus.generation if "default" in secure_node.node.shards else 0
@@ -337,7 +343,7 @@ def test_sighup_reloads_authorized_keys_and_roles(secure_node, keys: Path) -> No
 
 def test_a_frame_from_an_authenticated_key_still_goes_through_the_decoder(secure_node) -> None:
     answer = raw_request(secure_node, "app", msgpack.packb([1, "get"]))
-    assert answer.kind == "error" and answer.body["code"] == "bad_frame"
+    assert answer.kind == "error" and answer.body.code == "bad_frame"
 
 
 @pytest.mark.parametrize(

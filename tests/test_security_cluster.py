@@ -190,7 +190,7 @@ def test_keys_and_roles_refuse_every_attack_of_the_issue(cluster: Cluster, tmp_p
                 # complete a CurveZMQ handshake with the cluster key, so nothing leaves.
                 assert answer is not None and answer.kind in ("reply", "error")
             else:
-                assert answer is not None and answer.body["code"] == "forbidden", (attacker, target, answer)
+                assert answer is not None and answer.body.code == "forbidden", (attacker, target, answer)
     refused_after = {name: cluster.status(name)["security"] for name in nodes}
     assert sum(refused_after[n]["refused_role"] - refused_before[n]["refused_role"] for n in nodes) >= 11
 

@@ -152,8 +152,8 @@ def test_hostile_contents_get_a_clear_error_naming_the_field_and_change_nothing(
         before = snapshot(client)
         answer = raw_call(node.endpoint, raw_frame(kind, body))
         assert answer is not None and answer.kind == "error", answer
-        assert answer.body["message"].startswith(path), answer.body
-        assert len(answer.body["message"]) < 300, "the error never prints the whole value"
+        assert answer.body.message.startswith(path), answer.body
+        assert len(answer.body.message) < 300, "the error never prints the whole value"
         assert snapshot(client) == before
         assert client.put("known", {"id": 2, "name": "still serving"}) > TxKey(0, 0)
     assert node.thread.is_alive()
@@ -261,14 +261,13 @@ def test_an_append_reply_acknowledging_past_what_was_sent_is_ignored() -> None:
 
 def test_a_peer_message_decodes_to_frozen_fields_and_nothing_unbounded() -> None:
     message = codec.decode(raw_frame("push_ack", {"shard": "default", "agent": "a1", "applied": [1, 2]}))
-    assert message.fields.applied == TxKey(1, 2)
+    assert message.body.applied == TxKey(1, 2)
     with pytest.raises(AttributeError):
-        message.fields.applied = TxKey(0, 0)  # type: ignore[misc]
+        message.body.applied = TxKey(0, 0)  # type: ignore[misc]
     deep: list = []
     for _ in range(100_000):
         deep = [deep]
-    with pytest.raises(messages.MessageError, match="nested deeper"):
-        messages.FreeValue(depth_max=8).check(deep, "x")
+    assert "nested deeper" in messages.free_value_refusal(deep, 8)
     with pytest.raises(CodecError):
         codec.decode(raw_frame("reply", {"result": nested(100_000)}))
 
@@ -335,7 +334,7 @@ def test_a_second_process_on_a_data_directory_refuses_with_one_clear_line(tmp_pa
     ("arguments", "stdin", "expected"),
     [
         (["put", "t", '{"id": 99999999999999999999}'], None, "Error: not sent: transact.ops[0].row.id: integer is"),
-        (["tx", "-"], '{"ops": 5}', "Error: not sent: transact.ops: must be a list"),
+        (["tx", "-"], '{"ops": 5}', "Error: not sent: transact.ops: Expected `array`, got `int`"),
         (["get"], None, "Error: Missing argument 'TABLE'. (see 'mnesite get --help')"),
         (["--bogus"], None, "Error: No such option '--bogus'. (see 'mnesite --help')"),
         (["scan", "t", "--limit", "x"], None, "Error: Invalid value for '--limit'"),

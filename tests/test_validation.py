@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog.config import ConfigError, load_config, parse_config
+from mnesite.rlog.messages import MessageError, typed_body
 from mnesite.rlog.schema import SchemaError, define_table
 from mnesite.rlog.types import DeleteOp, WriteOp
 
@@ -16,7 +17,13 @@ CATALOG = {"users": USERS, "events": OTHER}
 
 
 def parse(ops, guards=None):
-    return parse_transaction(guards, ops, CATALOG, transaction_ops_max=10)
+    """A transact request as a node gets it: decoded by the wire schema, then checked against the catalog."""
+    body = {"ops": ops} if guards is None else {"ops": ops, "guards": guards}
+    try:
+        request = typed_body("transact", body)
+    except MessageError as error:
+        raise SchemaError(error.code, str(error)) from None
+    return parse_transaction(request, CATALOG, transaction_ops_max=10)
 
 
 def test_define_table_validates_names_and_types() -> None:
@@ -46,12 +53,12 @@ def test_writes_become_full_rows() -> None:
         ([{"op": "write", "table": "users", "row": {"id": "x"}}], "wrong_type", "users.id is INTEGER"),
         ([{"op": "write", "table": "users", "row": {"id": 1, "name": 5}}], "wrong_type", "users.name is TEXT"),
         ([{"op": "write", "table": "users", "row": {"id": 1, "name": True}}], "wrong_type", "booleans"),
-        ([{"op": "write", "table": "users", "row": {"id": 2**64}}], "wrong_type", "64-bit"),
+        ([{"op": "write", "table": "users", "row": {"id": 2**64 - 1}}], "bad_request", "64-bit"),
         ([{"op": "write", "table": "users", "row": {"id": 1, "zzz": 1}}], "unknown_column", "no column 'zzz'"),
         ([{"op": "write", "table": "users", "row": {"name": "a"}}], "wrong_type", "cannot be null"),
-        ([{"op": "write", "table": "users", "row": [1]}], "wrong_type", "must be an object"),
+        ([{"op": "write", "table": "users", "row": [1]}], "bad_frame", "Expected `object`, got `array`"),
         ([{"op": "delete", "table": "users", "key": None}], "wrong_type", "cannot be null"),
-        ([{"op": "upsert", "table": "users", "row": {"id": 1}}], "bad_request", "must be"),
+        ([{"op": "upsert", "table": "users", "row": {"id": 1}}], "bad_request", "Invalid value 'upsert'"),
         ([], "bad_request", "at least one op"),
         ([{"op": "delete", "table": "users", "key": i} for i in range(11)], "too_large", "transaction_ops_max"),
         (

@@ -197,22 +197,22 @@ class Fuzzer:
         except codec.CodecError as error:
             raise FuzzFailure(f"a node sent an undecodable answer: {error}") from None
         if answer.kind == "error":
-            code = answer.body["code"]
+            code = answer.body.code
             self.report.errors_by_code[code] = self.report.errors_by_code.get(code, 0) + 1
             if code == "internal" and len(self.report.internal_messages) < INTERNAL_MESSAGES_KEPT:
-                self.report.internal_messages.append(str(answer.body.get("message", ""))[:300])
+                self.report.internal_messages.append(str(answer.body.message)[:300])
         kind = self.writes_pending.pop(answer.request_id, None)
         if kind is None:
             return
         if kind.startswith("create_table") and (
-            answer.kind == "reply" or answer.body["code"] in ("no_sequencer", "outcome_unknown", "overloaded")
+            answer.kind == "reply" or answer.body.code in ("no_sequencer", "outcome_unknown", "overloaded")
         ):
             # A valid create_table opens its shard before the sequencer answers (it may campaign there).
             self.shards_allowed.add(self.create_shards.get(answer.request_id, "default"))
         if answer.kind == "reply":
             self.writes_ok.add(answer.request_id)
             self.report.writes_succeeded += 1
-        elif answer.body["code"] == "outcome_unknown":
+        elif answer.body.code == "outcome_unknown":
             self.writes_ok.add(answer.request_id)  # it may have committed: a legitimate write either way
         else:
             self.writes_refused.add(answer.request_id)

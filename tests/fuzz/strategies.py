@@ -1,6 +1,6 @@
-"""Hypothesis strategies built from the typed message layer (``rlog.messages.SCHEMAS``).
+"""Hypothesis strategies built from the wire schema (``rlog.messages.SCHEMAS``).
 
-Every kind's schema entry is walked field by field: each ``Spec`` maps to a strategy that mostly
+Every kind's body type is walked field by field (``msgspec.inspect``): each field type maps to a strategy that mostly
 produces values of the right type but hostile contents (extreme integers at and just past the bounds,
 huge and empty strings, plausible but wrong names, tx keys and agent ids, deep nesting where a free
 value is allowed), and now and then a value of the wrong type or a field too many. A new kind or field
@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+import msgspec.inspect as mi
 from hypothesis import strategies as st
 from mnesite.rlog import messages
 from mnesite.rlog.types import DIGEST_BYTES
@@ -101,7 +103,7 @@ def tx_key() -> st.SearchStrategy[Any]:
     )
 
 
-def strategy_for(spec: messages.Spec, path: str, known: Known) -> st.SearchStrategy[Any]:
+def strategy_for(spec: mi.Type, path: str, known: Known) -> st.SearchStrategy[Any]:
     """A strategy for one field: right type and hostile contents, one time in ten the wrong type."""
     return _mostly(_right_type(spec, path, known), _wrong_type(), percent=10)
 
@@ -130,57 +132,64 @@ def _name_pool(path: str, known: Known) -> tuple[str, ...]:
     return known.tables + known.nodes
 
 
-def _right_type(spec: messages.Spec, path: str, known: Known) -> st.SearchStrategy[Any]:
-    if isinstance(spec, messages.Text) and path.endswith(".sender"):
+# Fields typed ``Any`` that hold one SQLite value (``rlog.messages.Scalar``); other ``Any`` fields
+# hold free values (a reply's result, a consensus message, ranges).
+SCALAR_FIELDS = frozenset({"key", "after", "low", "high"})
+
+
+def _right_type(spec: mi.Type, path: str, known: Known) -> st.SearchStrategy[Any]:
+    last = path.rsplit(".", 1)[-1]
+    if isinstance(spec, mi.StrType) and last == "sender":
         # Plausible forgeries, but never a real core's name: that is an identity problem (issue 12).
         cores = {name for name in known.nodes if name.startswith("core")}
         return plausible_names(known.forged_senders).filter(lambda name: name not in cores)
-    if isinstance(spec, messages.Text):
-        if spec.choices:
-            return st.one_of(st.sampled_from(spec.choices), st.sampled_from([c.upper() for c in spec.choices]))
-        if spec is messages.ENDPOINT or path.endswith("endpoint"):
+    if isinstance(spec, mi.LiteralType):
+        choices = [str(value) for value in spec.values]
+        return st.one_of(st.sampled_from(choices), st.sampled_from([c.upper() for c in choices]))
+    if isinstance(spec, mi.StrType):
+        if spec.pattern == messages.ENDPOINT_PATTERN or last == "endpoint":
             return st.sampled_from(
                 ["", "x", "tcp://", "tcp://127.0.0.1:1", "tcp://127.0.0.1:99999", "tcp://256.0.0.1:1", "ipc://x"]
                 + [f"tcp://127.0.0.1:{port}" for port in (9, 7, 65535)]
             )
-        if spec.pattern is not None or spec.chars_max <= messages.NAME_CHARS_MAX:
+        chars_max = spec.max_length or 0
+        if spec.pattern is not None or 0 < chars_max <= messages.NAME_CHARS_MAX:
             return plausible_names(_name_pool(path, known))
-        return st.one_of(st.text(max_size=50), st.just("y" * (spec.chars_max + 1)))
-    if isinstance(spec, messages.Integer):
+        return st.one_of(st.text(max_size=50), st.just("y" * (chars_max + 1)))
+    if isinstance(spec, mi.IntType):
+        minimum = -(2**63) if spec.ge is None else spec.ge
+        maximum = 2**63 - 1 if spec.le is None else spec.le
         return st.one_of(
-            st.sampled_from(EXTREME_INTEGERS),
-            st.integers(spec.minimum, spec.maximum),
-            st.just(spec.maximum),
-            st.just(spec.minimum),
+            st.sampled_from(EXTREME_INTEGERS), st.integers(minimum, maximum), st.just(maximum), st.just(minimum)
         )
-    if isinstance(spec, messages.Flag):
+    if isinstance(spec, mi.BoolType):
         return st.booleans()
-    if isinstance(spec, messages.Blob):
-        size = spec.bytes_exact or spec.bytes_max
+    if isinstance(spec, mi.BytesType):
+        size = spec.max_length or DIGEST_BYTES
         return st.one_of(st.binary(min_size=size, max_size=size), st.binary(max_size=size + 2), st.just(b""))
-    if isinstance(spec, messages.TxKeySpec):
+    if isinstance(spec, mi.NamedTupleType):  # a tx key
         return tx_key()
-    if isinstance(spec, messages.Scalar):
-        return scalar()
-    if isinstance(spec, messages.Nullable):
-        return st.one_of(st.none(), _right_type(spec.inner, path, known))
-    if isinstance(spec, messages.ListOf):
-        size_max = min(spec.items_max, 4)
-        items = st.lists(strategy_for(spec.item, f"{path}[]", known), min_size=spec.items_min, max_size=size_max)
+    if isinstance(spec, mi.AnyType):
+        if last in SCALAR_FIELDS:
+            return scalar()
+        return st.one_of(nested_value(messages.FREE_VALUE_DEPTH_MAX), st.lists(scalar(), max_size=4), scalar())
+    if isinstance(spec, mi.NoneType):
+        return st.none()
+    if isinstance(spec, mi.UnionType):
+        return st.one_of(*(_right_type(item, path, known) for item in spec.types))
+    if isinstance(spec, mi.ListType):
+        items_max = spec.max_length if spec.max_length is not None else 100
+        items = st.lists(strategy_for(spec.item_type, f"{path}[]", known), min_size=spec.min_length or 0, max_size=4)
         # Too many items is checked by length before any item is looked at: cheap to build.
-        too_many = st.just([None] * (spec.items_max + 1)) if spec.items_max <= 100_000 else st.nothing()
+        too_many = st.just([None] * (items_max + 1)) if items_max <= 100_000 else st.nothing()
         return st.one_of(items, items, too_many)
-    if isinstance(spec, messages.Pair):
+    if isinstance(spec, mi.TupleType):
         return st.tuples(
-            strategy_for(spec.first, f"{path}[0]", known), strategy_for(spec.second, f"{path}[1]", known)
+            *(strategy_for(item, f"{path}[{index}]", known) for index, item in enumerate(spec.item_types))
         ).map(list)
-    if isinstance(spec, messages.Row):
+    if isinstance(spec, mi.DictType):  # a row
         return st.dictionaries(plausible_names(known.columns), scalar(), max_size=4)
-    if isinstance(spec, messages.Record):
-        return body_for(spec.fields, path, known)
-    if isinstance(spec, messages.FreeValue):
-        return st.one_of(nested_value(spec.depth_max), st.lists(scalar(), max_size=4), scalar())
-    if spec is messages.ENTRY_WIRE:
+    if isinstance(spec, mi.StructType) and spec.cls is messages.WireEntry:
         return st.tuples(
             plausible_names(known.shards),
             tx_key(),
@@ -196,15 +205,24 @@ def _right_type(spec: messages.Spec, path: str, known: Known) -> st.SearchStrate
                     nested_value(6),
                 ),
                 max_size=3,
-            ),
+            ).map(lambda ops: msgpack.packb(ops, use_bin_type=True)),
             st.one_of(st.none(), st.text(max_size=70)),
         ).map(list)
+    if isinstance(spec, mi.StructType):
+        return body_for(spec, path, known)
     return _wrong_type()
 
 
-def body_for(fields: tuple[tuple[str, messages.Spec, bool], ...], path: str, known: Known) -> st.SearchStrategy[Any]:
-    required = {name: strategy_for(spec, f"{path}.{name}", known) for name, spec, needed in fields if needed}
-    optional = {name: strategy_for(spec, f"{path}.{name}", known) for name, spec, needed in fields if not needed}
+def body_for(spec: mi.StructType, path: str, known: Known) -> st.SearchStrategy[Any]:
+    """A body of the struct ``spec``: its fields (by wire name), now and then one missing or one extra."""
+    required = {
+        f.encode_name: strategy_for(f.type, f"{path}.{f.encode_name}", known) for f in spec.fields if f.required
+    }
+    optional = {
+        f.encode_name: strategy_for(f.type, f"{path}.{f.encode_name}", known) for f in spec.fields if not f.required
+    }
+    if spec.tag_field is not None:
+        required[spec.tag_field] = st.sampled_from([spec.tag, str(spec.tag).upper()])
     base = st.fixed_dictionaries(required, optional=optional)
     # Now and then a required field is missing or an unknown one is added.
     broken = st.one_of(
@@ -220,7 +238,10 @@ def message_kinds() -> list[str]:
 def hostile_message(known: Known) -> st.SearchStrategy[tuple[str, dict[str, Any]]]:
     """``(kind, body)`` for every request kind of the schema."""
     return st.one_of(
-        *(st.tuples(st.just(kind), body_for(messages.SCHEMAS[kind].fields, kind, known)) for kind in message_kinds())
+        *(
+            st.tuples(st.just(kind), body_for(mi.type_info(messages.SCHEMAS[kind].body), kind, known))
+            for kind in message_kinds()
+        )
     ).filter(_keeps_the_known_tables(known))
 
 

@@ -135,7 +135,7 @@ def test_the_issue_reproductions_against_real_processes_change_nothing(fuzzed_cl
                 if name == "replicant1":
                     assert socket.poll(10_000), "the replicant answers hostile writes itself"
                     answer = codec.decode(socket.recv())
-                    assert answer.kind == "error" and answer.body["code"] in ("bad_frame", "bad_request"), answer
+                    assert answer.kind == "error" and answer.body.code in ("bad_frame", "bad_request"), answer
         finally:
             socket.close()  # with the linger set above
     with cluster.client("replicant1", timeout_ms=10_000) as client, pytest.raises(RemoteError) as info:

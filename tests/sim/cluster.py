@@ -81,6 +81,7 @@ from mnesite.core.outcome import (
 from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import retention
+from mnesite.rlog.messages import typed_body
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, Entry, Op, TxKey, WriteOp
 
@@ -646,12 +647,14 @@ class Simulation:
             return
         # Production's transaction rules (core.transaction), the guard read through the unapplied tail
         # first, as core/node.py ``_write`` reads it.
-        transaction = parse_transaction(
-            [{"table": READ_TABLE, "key": request.key, "equals": request.expected}],
-            [{"op": "write", "table": READ_TABLE, "row": {"k": request.key, "v": 100_000 + request.number}}],
-            CATALOG,
-            TRANSACTION_OPS_MAX,
+        request_body = typed_body(
+            "transact",
+            {
+                "guards": [{"table": READ_TABLE, "key": request.key, "equals": request.expected}],
+                "ops": [{"op": "write", "table": READ_TABLE, "row": {"k": request.key, "v": 100_000 + request.number}}],
+            },
         )
+        transaction = parse_transaction(request_body, CATALOG, TRANSACTION_OPS_MAX)
 
         def read_row(table: TableSchema, key: Any) -> Row:
             in_tail, row = node.tail.row(table.name, key)
