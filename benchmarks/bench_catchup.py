@@ -358,7 +358,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     """The replicant's apply path without sockets: (seconds, entries).
 
     What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
-    decode the frame (``codec.decode``: msgpack and the typed layer's checks, then ``decode_entry``),
+    decode the frame (``codec.decode``: the wire schema's checks, then ``decode_entries``),
     step the real ``ShardReplica`` (which checks the digest chain), and execute its ``ApplyEntries``
     on a real ``Store`` the way ``replicant.node`` does, one SQLite transaction per push.
     """
@@ -366,10 +366,20 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
 
     from mnesite.replicant.node import ReplicantNode
     from mnesite.replicant.replica import ReplicaConfig, ShardReplica
-    from mnesite.rlog import codec
+    from mnesite.rlog import codec, messages
     from mnesite.rlog import replication as p
     from mnesite.rlog.codec import Message
-    from mnesite.rlog.messages import decode_entry
+
+    if hasattr(messages, "decode_entries"):  # the typed wire: bodies are msgspec Structs
+
+        def decoded_entries(body: object) -> tuple:
+            return messages.decode_entries(body.entries)  # type: ignore[attr-defined]
+
+    else:  # a --baseline tree before the typed wire (dict bodies, decode_entry per entry)
+
+        def decoded_entries(body: object) -> tuple:
+            return tuple(messages.decode_entry(value, "push.entries") for value in body["entries"])  # type: ignore[index]
+
     from mnesite.rlog.schema import TableSchema
     from mnesite.rlog.store import Store
     from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_to_wire, make_entry
@@ -408,7 +418,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     began = time.monotonic()
     for frame in pushes:
         body = codec.decode(frame, 64 * 1024 * 1024).body
-        decoded = tuple(decode_entry(value, "push.entries") for value in body["entries"])
+        decoded = decoded_entries(body)
         store.connection.execute("BEGIN IMMEDIATE")
         for effect in replica.step(p.PushReceived("c", "a", decoded, committed, True), 0):
             if isinstance(effect, p.ApplyEntries):

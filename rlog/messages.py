@@ -594,13 +594,19 @@ def _deep_field(kind: str, body: bytes | memoryview) -> str:
 # -- entries: packed ops decoded once the receiver wants them ------------------------------------
 
 
+# Names in ops are declared without their pattern: a regular expression per column of every row
+# cost more than the rest of the decode. ``decode_ops`` checks each distinct name once instead
+# (``_names_refusal``), against the same rule.
+_OpName = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX)]
+
+
 class _WriteWire(Struct, frozen=True, array_like=True, tag="w"):
-    table: Name
-    row: Annotated[list[tuple[Name, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
+    table: _OpName
+    row: Annotated[list[tuple[_OpName, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
 
 
 class _DeleteWire(Struct, frozen=True, array_like=True, tag="d"):
-    table: Name
+    table: _OpName
     key: Any
 
 
@@ -628,6 +634,23 @@ class _MembersWire(Struct, frozen=True, array_like=True, tag="m"):
             raise ValueError("members op: added must be a name and endpoint an endpoint, or both empty")
 
 
+# Names found valid by the rule; bounded (names are at most NAME_CHARS_MAX characters).
+_NAMES_CHECKED: set[str] = set()
+_NAMES_CHECKED_MAX = 4096
+
+
+def _names_refusal(names: Any) -> str | None:
+    """None if every name in ``names`` follows the name rule; checked once per distinct name."""
+    if _NAMES_CHECKED.issuperset(names):
+        return None
+    for name in set(names) - _NAMES_CHECKED:
+        if not _NAME.match(name):
+            return f"name {name[:NAME_CHARS_MAX]!r} has characters that are not allowed"
+        if len(_NAMES_CHECKED) < _NAMES_CHECKED_MAX:
+            _NAMES_CHECKED.add(name)
+    return None
+
+
 _WireOp = _WriteWire | _DeleteWire | _CreateWire | _DropWire | _MembersWire
 _OPS_DECODER = msgspec.msgpack.Decoder(Annotated[list[_WireOp], Meta(max_length=OPS_MAX)], ext_hook=_refuse_ext)
 _OPS_ENCODER = msgspec.msgpack.Encoder()
@@ -644,16 +667,21 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
     except RecursionError:
         raise MessageError("ops", "are nested too deep") from None
     values: list[Any] = []
+    names: set[str] = set()
     ops: list[Op] = []
     for op in wire:
         if type(op) is _WriteWire:
-            row = op.row
-            columns = [pair[0] for pair in row]
-            if not all(map(str.__lt__, columns, columns[1:])):
+            row = dict(op.row)
+            columns = list(row)
+            # Canonical: columns sorted and each once (the digest covers this form).
+            if len(columns) != len(op.row) or columns != sorted(columns):
                 raise MessageError("ops", "write op columns must be sorted and unique")
-            values.extend(pair[1] for pair in row)
-            ops.append(WriteOp(op.table, dict(row)))
+            names.update(columns)
+            names.add(op.table)
+            values.extend(row.values())
+            ops.append(WriteOp(op.table, row))
         elif type(op) is _DeleteWire:
+            names.add(op.table)
             values.append(op.key)
             ops.append(DeleteOp(op.table, op.key))
         elif type(op) is _CreateWire:
@@ -662,6 +690,9 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
             ops.append(DropTableOp(op.table, op.shard))
         else:
             ops.append(MembersOp(tuple(op.members), op.added, op.endpoint))
+    refusal = _names_refusal(names)
+    if refusal is not None:
+        raise MessageError("ops", refusal)
     refusal = scalars_refusal(values)
     if refusal is not None:
         raise MessageError("ops", refusal)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 from mnesite.replicant.node import WaitingRead
+from mnesite.rlog import codec
 from mnesite.rlog.codec import Message
 from mnesite.rlog.messages import typed_body
 from mnesite.rlog.schema import TableSchema
@@ -98,6 +99,73 @@ def test_a_dropped_outgoing_frame_is_counted_shown_in_status_and_logged_at_most_
             ack = Message("push_ack", "a3", {"shard": "default", "agent": "a1", "applied": [1, 1]})
             node.send_now(FullQueue(), ack)
             assert node.sends_dropped == 5
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+# -- issue 20's three bugs found by reading: each test fails on the code before the fix ----------
+
+
+def _linearizable_read_pending(node, request_id: str):
+    from mnesite.replicant.node import Pending, ReadIndexGather
+
+    message = Message("get", request_id, typed_body("get", {"table": "t", "key": 1, "consistency": "linearizable"}))
+    detail = {"envelope": [b"client"], "message": message, "shard": "default", "gather": ReadIndexGather(1)}
+    return Pending("read_index", "core1", 0, "default", detail)
+
+
+def _answers_to_the_client(node) -> list[Message]:
+    return [message for _socket, envelope, message in node._outbox if envelope == [b"client"]]
+
+
+def test_a_linearizable_read_whose_read_index_times_out_is_answered_with_the_clients_request_id(tmp_path) -> None:
+    """It was answered with the replicant's own read_index request id (which the client does not
+    accept, so it waited out its whole timeout) and with outcome_unknown, which a read never is."""
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.pending["replicant-internal-1"] = _linearizable_read_pending(node, "client-7")
+        node._expire(1)
+        (answer,) = _answers_to_the_client(node)
+        assert answer.request_id == "client-7"
+        assert answer.kind == "error" and answer.body.code == "no_sequencer", answer
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+def test_a_core_refusing_a_read_index_is_passed_on_with_its_detail(tmp_path) -> None:
+    node = offline_replicant(tmp_path / "r")
+    try:
+        pending = _linearizable_read_pending(node, "client-8")
+        refusal = codec.error("replicant-internal-2", "no_sequencer", "election", {"sequencer": "core2"})
+        node._on_answer(pending, refusal)
+        (answer,) = _answers_to_the_client(node)
+        assert (answer.request_id, answer.body.code, answer.body.detail) == (
+            "client-8",
+            "no_sequencer",
+            refusal.body.detail,
+        )
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+def test_a_malformed_list_tables_answer_fails_the_copy_and_not_the_loop_turn(tmp_path) -> None:
+    from mnesite.replicant.node import Pending
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node._open_replica("default")
+        for result in (
+            ["not a table"],
+            [{"table": "t"}],
+            [{"table": 5, "key": "k", "columns": [], "shard": "default"}],
+            7,
+        ):
+            # Each used to raise out of the turn (AttributeError, KeyError, SchemaError) for a list.
+            node._on_answer(Pending("tables", "core1", 0, "default"), codec.reply("q", result))
+        assert node.store.catalog() == {}, "nothing of a malformed answer was applied"
     finally:
         node.store.close()
         node.data_dir_lock.release()
