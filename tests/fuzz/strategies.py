@@ -205,12 +205,21 @@ def _right_type(spec: mi.Type, path: str, known: Known) -> st.SearchStrategy[Any
                     nested_value(6),
                 ),
                 max_size=3,
-            ).map(lambda ops: msgpack.packb(ops, use_bin_type=True)),
+            ).map(_packed_ops),
             st.one_of(st.none(), st.text(max_size=70)),
         ).map(list)
     if isinstance(spec, mi.StructType):
         return body_for(spec, path, known)
     return _wrong_type()
+
+
+def _packed_ops(ops: list[Any]) -> bytes:
+    """An entry's ops as the packed bytes the wire carries; bytes msgpack never makes when a value
+    cannot be packed (an integer past 64 bits): garbage a receiver must refuse as well."""
+    try:
+        return msgpack.packb(ops, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError):
+        return b"\xc1" + repr(ops)[:40].encode()
 
 
 def body_for(spec: mi.StructType, path: str, known: Known) -> st.SearchStrategy[Any]:
