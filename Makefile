@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup java faketime run test test-fast fault-test failover lint bench bench-peers profile clean fuzz
+.PHONY: setup docs docs-deps java faketime run test test-fast fault-test failover lint bench bench-peers profile clean fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,18 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 setup: $(BIN)/.installed
+
+# The documentation tools (the `docs` extra) in the same venv.
+$(BIN)/.docs-installed: pyproject.toml $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[dev,docs]'
+	touch $@
+
+docs-deps: $(BIN)/.docs-installed
+
+# The documentation site in site/ (mkdocs.yml; mkdocs_hooks.py draws the benchmark charts), with
+# warnings as errors: a broken link, anchor, snippet or API reference fails. `make test` (CI) runs it.
+docs: docs-deps
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Spark needs a Java runtime; install Debian's when none is on the PATH.
 java:
@@ -32,13 +44,13 @@ faketime:
 run: setup
 	$(BIN)/mnesite start --sample-data
 
-test: setup java
+test: setup java docs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest
 
 # The fast lane: no multi-process, fault or Spark tests (about a minute).
-test-fast: setup
+test-fast: setup docs-deps
 	$(BIN)/ruff check .
 	$(BIN)/pytest -m "not slow and not spark" -q
 
@@ -71,7 +83,7 @@ profile: setup
 	$(BIN)/python benchmarks/profile_cores.py
 
 clean:
-	rm -rf $(VENV) mnesite-data .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) site docs/benchmarks/charts mnesite-data .pytest_cache .ruff_cache .hypothesis
 
 # Content-level fuzzing of 3 cores + 1 replicant with 100,000 hostile messages (CI runs 2,000).
 fuzz: setup
