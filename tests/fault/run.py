@@ -38,7 +38,7 @@ from pathlib import Path
 from mnesite.rlog.client import MnesiteError
 
 from tests.conftest import Cluster, NodeProcess, wait_until
-from tests.fault import partitions
+from tests.fault import netns, partitions
 from tests.fault.checker import OK, READ, KeyResult, Operation, Verdict, check_history
 from tests.fault.history import COLUMNS, TABLE, Recorder, row_value
 from tests.fault.nemesis import ALL_FAULTS, FAULTS, SCHEDULES, FaultRecord, Nemesis
@@ -390,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         schedule=arguments.schedule,
     )
     print(f"fault run: {settings.replay_command()}", flush=True)
+    if settings.network_faults and (reason := netns.unavailable()) is not None:
+        print(f"cannot run network faults {', '.join(settings.network_faults)}: {reason}", file=sys.stderr)
+        return 2
     if arguments.keep:
         arguments.keep.mkdir(parents=True, exist_ok=True)
         result = run_and_clean_up(arguments.keep, settings)
