@@ -87,9 +87,11 @@ class FaultRecord:
     majority: list[str] = field(default_factory=list)
 
     def describe(self, origin_s: float) -> str:
+        sides = f" minority {','.join(self.minority) or '-'} | majority {','.join(self.majority) or '-'}"
         return (
             f"{self.started_s - origin_s:7.2f}s {self.fault:<17} {','.join(self.targets):<20} hold {self.hold_s:4.1f}s "
             f"generation {self.generation_before} -> {self.generation_after}{' ' + self.note if self.note else ''}"
+            f"{sides if self.minority or self.majority else ''}"
         )
 
 

@@ -131,7 +131,7 @@ def inject(nemesis: Nemesis, fault: str, record: FaultRecord) -> None:
         record.note = f"{sequencer} <-> {follower} delayed {delay_ms} ms each way"
     else:
         raise ValueError(f"unknown network fault {fault!r}")
-    record.targets = sorted(set(record.minority) | set(record.majority))
+    record.targets = record.minority or record.majority
     record.cut_s = nemesis.clock()
     try:
         record.hold_s = nemesis._hold(HOLD_S_MIN, HOLD_S_MAX)
