@@ -300,9 +300,18 @@ def execute(
         divergence = check_convergence(cluster, cluster.names + replicants, position)
         lost = check_lost_writes(cluster, recorder.acknowledged)
     except (AssertionError, MnesiteError) as error:
-        # No convergence (or no answer) after healing is a failure of the run: say how to replay it.
+        # No convergence (or no answer) after healing is a failure of the run: say how to replay it,
+        # and what the clients saw until then (often the cause: a write acknowledged and then lost).
         faults = "\n".join(f"  {record.describe(origin)}" for record in nemesis.log)
-        raise RunFailed(f"{error}\nreplay: {settings.replay_command()}\nfaults:\n{faults}") from error
+        seen = [
+            r
+            for r in check_history(list(recorder.history), steps_max=settings.steps_max)
+            if r.verdict is not Verdict.LINEARIZABLE
+        ]
+        verdicts = "\n".join(result.report(around=10) for result in seen) or "every key linearizable"
+        raise RunFailed(
+            f"{error}\nreplay: {settings.replay_command()}\nfaults:\n{faults}\nthe history until then: {verdicts}"
+        ) from error
     started = time.monotonic()
     key_results = check_history(history, steps_max=settings.steps_max)
     network_kinds = partitions.figures(nemesis.log, history, recorder.refusals, attached)
