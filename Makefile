@@ -3,7 +3,8 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup docs docs-deps java faketime run test test-fast fault-test failover lint bench bench-peers profile clean fuzz
+.PHONY: setup docs docs-deps java faketime iproute2 run test test-fast fault-test partition-test failover lint bench \
+	bench-peers profile clean fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,10 +42,19 @@ faketime:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q faketime; } || \
 	  echo "could not install faketime: the clock_skew fault will be skipped"
 
+# The partition test puts every node in a network namespace of its own: it needs root and iproute2
+# ('ip'); install Debian's when it is missing (without root or namespaces that test is skipped, saying why).
+iproute2:
+	@command -v ip >/dev/null 2>&1 || { \
+	  echo "ip not found: installing iproute2"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q iproute2; } || \
+	  echo "could not install iproute2: the partition test will be skipped"
+
 run: setup
 	$(BIN)/mnesite start --sample-data
 
-test: setup java docs
+test: setup java iproute2 docs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest
@@ -60,6 +70,16 @@ FAULT_DURATION_S ?= 300
 FAULT_CLIENTS ?= 10
 fault-test: setup faketime
 	$(BIN)/python -m tests.fault.run --seed $(FAULT_SEED) --duration-s $(FAULT_DURATION_S) --clients $(FAULT_CLIENTS)
+
+# The long partition run (root: every node in a network namespace of its own; tests/fault/partitions.py):
+# every network fault in shuffled rounds. PARTITION_SEED, PARTITION_DURATION_S, PARTITION_CLIENTS;
+# PARTITION_JSON=FILE also writes the figures there.
+PARTITION_SEED ?= 1
+PARTITION_DURATION_S ?= 300
+PARTITION_CLIENTS ?= 10
+partition-test: setup iproute2
+	$(BIN)/python -m tests.fault.run --faults partitions --schedule rounds --seed $(PARTITION_SEED) \
+	  --duration-s $(PARTITION_DURATION_S) --clients $(PARTITION_CLIENTS) $(if $(PARTITION_JSON),--json $(PARTITION_JSON))
 
 # Sequencer-kill and follower-pause figures (tests/fault/failover.py).
 failover: setup
