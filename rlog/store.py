@@ -23,6 +23,7 @@ Internal tables all start with ``_mnesite``:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -32,6 +33,7 @@ from typing import Any
 import apsw
 import msgpack
 from mnesite.rlog.checkpoint import WalCheckpointer
+from mnesite.rlog.disk import PROBE_BYTES, StorageFailedError, StorageFault
 from mnesite.rlog.retention import retention_floor
 from mnesite.rlog.schema import SchemaError, TableSchema, check_creatable, check_droppable
 from mnesite.rlog.types import (
@@ -54,6 +56,8 @@ from mnesite.rlog.types import (
 )
 
 FORMAT_VERSION = 1
+# Errors of the file system that mean "no space" (a quota counts as no space): nothing was written.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 _SCHEMA = """
@@ -113,6 +117,27 @@ def rlog_row(entry: Entry, appended_ms: int) -> tuple[Any, ...]:
         pack_ops(entry.ops),
         appended_ms,
     )
+
+
+def storage_fault(error: BaseException) -> StorageFault | None:
+    """What a write's exception says about the disk (``rlog.disk``): FULL, FAILED or None (not the disk)."""
+    if isinstance(error, StorageFailedError):
+        return StorageFault.FAILED
+    if isinstance(error, apsw.FullError):
+        return StorageFault.FULL
+    if isinstance(error, apsw.IOError):
+        # SQLite cannot grow the -shm file when the disk is full (a 32 KiB region per 4,096 WAL
+        # frames): that is a full disk too. Every other I/O error (a failed fsync, write or read)
+        # leaves the disk's contents unknown.
+        if getattr(error, "extendedresult", None) == apsw.SQLITE_IOERR_SHMSIZE:
+            return StorageFault.FULL
+        return StorageFault.FAILED
+    if isinstance(error, OSError) and error.errno is not None:
+        if error.errno in _FULL_ERRNOS:
+            return StorageFault.FULL
+        if error.errno == errno.EIO:
+            return StorageFault.FAILED
+    return None
 
 
 class StoreError(RuntimeError):
@@ -187,7 +212,9 @@ class Store:
             self.connection.execute("PRAGMA synchronous=NORMAL")
         if not readonly:
             # WAL checkpoints run in a background thread, not inside a commit (rlog.checkpoint).
-            self.checkpointer = WalCheckpointer(path, self.connection.execute("PRAGMA synchronous").fetchone()[0])
+            self.checkpointer = WalCheckpointer(
+                path, self.connection.execute("PRAGMA synchronous").fetchone()[0], fault_of=storage_fault
+            )
             self.connection.execute("PRAGMA wal_autocheckpoint=0")
             self.connection.set_wal_hook(self._on_wal)
         self._catalog: dict[str, TableSchema] | None = None
@@ -241,9 +268,37 @@ class Store:
         if durable and self._wal_synced_here:
             if self._wal_fd is None:
                 self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY)
-            os.fdatasync(self._wal_fd)
+            try:
+                os.fdatasync(self._wal_fd)
+            except OSError as error:
+                # Whatever errno (EIO, or ENOSPC on file systems that allocate at writeback): the
+                # kernel may have dropped the pages it could not write, so a retry proves nothing.
+                raise StorageFailedError(f"fdatasync of {self.path}-wal failed: {error}") from error
         if self.checkpointer is not None and self.checkpointer.inline_due:
             self.checkpointer.checkpoint_inline(self.connection)
+
+    def rollback(self) -> None:
+        """Roll back the open transaction, if SQLite has not already (it may after SQLITE_FULL)."""
+        if not self.connection.in_transaction:
+            return
+        self.connection.execute("ROLLBACK")
+        self._catalog = None
+
+    def probe_space(self) -> None:
+        """Write ``PROBE_BYTES`` durably and remove them: raises what a full disk raises (``rlog.disk``)."""
+        if self.connection.in_transaction:
+            raise StoreError("probe_space needs no open transaction")
+        try:
+            with self.write_transaction():
+                self.connection.execute(
+                    "INSERT OR REPLACE INTO _mnesite_meta(name, value) VALUES ('disk_probe', zeroblob(?))",
+                    (PROBE_BYTES,),
+                )
+            with self.write_transaction():
+                self.connection.execute("DELETE FROM _mnesite_meta WHERE name = 'disk_probe'")
+        except BaseException:
+            self.rollback()
+            raise
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
