@@ -754,6 +754,9 @@ class ShardConsensus:
 
     def next_deadline_ms(self) -> int:
         """The earliest time at which a ``Ticked`` may change something."""
+        if self._disk_full:
+            # Ticks change nothing until DiskFreed; a deadline in the past would spin the driver.
+            return self._now_ms + self.config.election_timeout_ms_min
         if self._role is Role.SEQUENCER:
             return self._heartbeat_due_ms
         return self._election_deadline_ms
