@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
 from mnesite.rlog.types import TxKey
@@ -332,6 +333,10 @@ class Client:
             break
         if answer.kind == "error":
             code = answer.body["code"]
+            if code == ERROR_DISK_FULL and maybe_applied:
+                # This attempt was refused unread (rlog.disk), but an earlier one may have happened:
+                # the caller must not take "disk_full" for "nothing was written".
+                self._give_up(kind, message.request_id, True, f"node {self.endpoint}: {answer.body['message']}", code)
             raise _ERRORS.get(code, RemoteError)(answer.body["message"], code, answer.body.get("detail"))
         return answer.body.get("result")
 

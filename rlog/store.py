@@ -248,10 +248,15 @@ class Store:
         try:
             yield
         except BaseException:
-            self.connection.execute("ROLLBACK")
-            self._catalog = None  # a rolled-back CREATE TABLE must not linger in the cache
+            # SQLite may have rolled back already (after SQLITE_FULL, for one): a ROLLBACK would then
+            # fail and hide the error that matters.
+            self.rollback()
             raise
-        self.commit(durable=True)
+        try:
+            self.commit(durable=True)
+        except BaseException:
+            self.rollback()  # a COMMIT that failed (a full disk) leaves the transaction open
+            raise
 
     def commit(self, durable: bool = True) -> None:
         """COMMIT the open transaction; ``durable=False`` skips its fsync.
@@ -279,26 +284,21 @@ class Store:
 
     def rollback(self) -> None:
         """Roll back the open transaction, if SQLite has not already (it may after SQLITE_FULL)."""
-        if not self.connection.in_transaction:
-            return
-        self.connection.execute("ROLLBACK")
-        self._catalog = None
+        self._catalog = None  # a rolled-back CREATE TABLE must not linger in the cache
+        if self.connection.in_transaction:
+            self.connection.execute("ROLLBACK")
 
     def probe_space(self) -> None:
         """Write ``PROBE_BYTES`` durably and remove them: raises what a full disk raises (``rlog.disk``)."""
         if self.connection.in_transaction:
             raise StoreError("probe_space needs no open transaction")
-        try:
-            with self.write_transaction():
-                self.connection.execute(
-                    "INSERT OR REPLACE INTO _mnesite_meta(name, value) VALUES ('disk_probe', zeroblob(?))",
-                    (PROBE_BYTES,),
-                )
-            with self.write_transaction():
-                self.connection.execute("DELETE FROM _mnesite_meta WHERE name = 'disk_probe'")
-        except BaseException:
-            self.rollback()
-            raise
+        with self.write_transaction():
+            self.connection.execute(
+                "INSERT OR REPLACE INTO _mnesite_meta(name, value) VALUES ('disk_probe', zeroblob(?))",
+                (PROBE_BYTES,),
+            )
+        with self.write_transaction():
+            self.connection.execute("DELETE FROM _mnesite_meta WHERE name = 'disk_probe'")
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
