@@ -44,8 +44,8 @@ from typing import Any, NoReturn
 import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
-from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.config import DEFAULT_LISTEN
+from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
 from mnesite.rlog.types import TxKey
 from zmq.utils.monitor import recv_monitor_message

@@ -6,17 +6,13 @@ Real processes on size-limited file systems and a failing fsync: tests/test_disk
 from __future__ import annotations
 
 import errno
-import random
 from pathlib import Path
 
 import apsw
 import pytest
 from mnesite.core.consensus import (
     REJECT_DISK_FULL,
-    AppendRequest,
-    MessageReceived,
     PersistEntries,
-    PreVoteReply,
     PreVoteRequest,
     ProposalFailed,
     ProposalRejected,
@@ -37,11 +33,11 @@ from mnesite.rlog.disk import (
 )
 from mnesite.rlog.replication import ApplyEntries, Mode, ProbeJournals, SendWatch, Ticked
 from mnesite.rlog.store import Store, storage_fault
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp
+from mnesite.rlog.types import TxKey, WriteOp
 
 from tests.conftest import ThreadNode, wait_until
 from tests.test_consensus import Harness, append, chain, of_type, sends
-from tests.test_replica import HISTORY, at, ages, bootstrap, connect, of, push, replica
+from tests.test_replica import HISTORY, ages, at, bootstrap, connect, of, push, replica
 
 # ---------------------------------------------------------------- classification
 
