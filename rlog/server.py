@@ -359,6 +359,7 @@ class NodeServer:
 
     def _storage_failed(self, error: BaseException) -> NoReturn:
         self.stop_reason = f"the disk failed: {error}"
+        self.store.disk_failed()
         if isinstance(error, StorageFailedError):
             raise error
         raise StorageFailedError(str(error)) from error

@@ -231,6 +231,13 @@ class Store:
             self.checkpointer.on_wal(pages)
         return apsw.SQLITE_OK
 
+    def disk_failed(self) -> None:
+        """The disk failed a write or a sync (``rlog.disk``): write nothing more, not even the
+        checkpoint SQLite runs when the last connection closes; a restart recovers from the WAL."""
+        self.connection.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
+
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.stop()

@@ -3,6 +3,7 @@ directory and a forced start (DESIGN invariants 1, 2, 3 and 6)."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import shutil
@@ -23,11 +24,14 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 class Load:
     """Writer threads spread over cores; every acknowledged row id and tx key is recorded."""
 
-    def __init__(self, cluster: Cluster, through: list[str], writers: int = 4) -> None:
+    def __init__(self, cluster: Cluster, through: list[str], writers: int = 4, padding_bytes: int = 0) -> None:
         self.cluster = cluster
         self.through = list(through)
+        # Bytes added to each row's value: enough of them fill a disk (tests/test_disk_cluster.py).
+        self.padding = "x" * padding_bytes
         self.acknowledged: dict[int, tuple[int, int]] = {}
         self.errors = 0
+        self.error_codes: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self.ids = itertools.count(1)
@@ -42,12 +46,13 @@ class Load:
                 with self.cluster.client(name, timeout_ms=2000, retries=1) as client:
                     while not self.stop_event.is_set():
                         row_id = next(self.ids)
-                        tx_key = client.put("kv", {"id": row_id, "value": f"w{worker}"})
+                        tx_key = client.put("kv", {"id": row_id, "value": f"w{worker}{self.padding}"})
                         with self.lock:
                             self.acknowledged[row_id] = tuple(tx_key)
-            except MnesiteError:
+            except MnesiteError as error:
                 with self.lock:
                     self.errors += 1  # outcome unknown: never counted as acknowledged
+                    self.error_codes[error.code] += 1
                 time.sleep(0.05)
 
     def start(self) -> Load:
