@@ -249,6 +249,8 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
 
     Without --config: a single core named core1 on tcp://127.0.0.1:7400 with its data in ./mnesite-data.
     The log ends with a line "... shut down (REASON)" when the node stops cleanly.
+    A full disk does not stop it (writes are refused with disk_full until space is freed); a disk
+    that fails a write or an fsync does: exit status 4, and a restart recovers from the log.
     """
     from mnesite.rlog.data_dir import DataDirectoryInUse
     from mnesite.rlog.disk import StorageFailedError

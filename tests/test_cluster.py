@@ -3,7 +3,6 @@ directory and a forced start (DESIGN invariants 1, 2, 3 and 6)."""
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import shutil
@@ -31,7 +30,6 @@ class Load:
         self.padding = "x" * padding_bytes
         self.acknowledged: dict[int, tuple[int, int]] = {}
         self.errors = 0
-        self.error_codes: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self.ids = itertools.count(1)
@@ -49,10 +47,9 @@ class Load:
                         tx_key = client.put("kv", {"id": row_id, "value": f"w{worker}{self.padding}"})
                         with self.lock:
                             self.acknowledged[row_id] = tuple(tx_key)
-            except MnesiteError as error:
+            except MnesiteError:
                 with self.lock:
                     self.errors += 1  # outcome unknown: never counted as acknowledged
-                    self.error_codes[error.code] += 1
                 time.sleep(0.05)
 
     def start(self) -> Load:
