@@ -140,6 +140,14 @@ def storage_fault(error: BaseException) -> StorageFault | None:
     return None
 
 
+def _apply_failure(entry: Entry, error: BaseException) -> BaseException:
+    """What to raise when applying ``entry`` failed: the disk's own error as it is (a full disk is
+    not the entry's fault, ``rlog.disk``), anything else as the entry's ``EntryApplyError``."""
+    if storage_fault(error) is not None:
+        return error
+    return EntryApplyError(entry, error)
+
+
 class StoreError(RuntimeError):
     """The database is not a mnesite database, or a store precondition was violated."""
 
@@ -498,7 +506,7 @@ class Store:
                 try:
                     self.apply_entry(entry, healing)
                 except (apsw.Error, StoreError) as error:
-                    raise EntryApplyError(entry, error) from None
+                    raise _apply_failure(entry, error) from None
                 applied.append(entry)
             after = batch[-1].tx_key
         return applied
@@ -509,7 +517,7 @@ class Store:
             try:
                 self.apply_ops(entry.ops, healing)
             except (apsw.Error, StoreError) as error:
-                raise EntryApplyError(entry, error) from None
+                raise _apply_failure(entry, error) from None
         last = chain[-1]
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "

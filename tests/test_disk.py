@@ -83,6 +83,32 @@ def test_sqlite_full_from_a_real_database_is_a_full_disk_and_rolls_back(tmp_path
         store.close()
 
 
+def test_a_full_disk_while_applying_is_the_disks_error_not_the_entrys(tmp_path: Path) -> None:
+    """Or the node would stop saying a committed entry "cannot be applied on this node"."""
+    from mnesite.rlog.store import EntryApplyError
+    from mnesite.rlog.types import CreateTableOp, WriteOp, make_entry
+
+    store = Store(str(tmp_path / "db"), synchronous="NORMAL")
+    try:
+        with store.write_transaction():
+            store.ensure_shard("default", 0)
+            store.apply_ops((CreateTableOp("big", "default", "id", (("id", "INTEGER"), ("v", "BLOB"))),))
+        position = store.shard("default")
+        ops = tuple(WriteOp("big", {"id": i, "v": b"x" * 4096}) for i in range(64))
+        entry = make_entry("default", TxKey(1, 1), position.applied, position.digest, ops, "big")
+        with store.write_transaction():
+            store.append_entries((entry,), 0, chain_verified=True)
+        pages = store.connection.execute("PRAGMA page_count").fetchone()[0]
+        store.connection.execute(f"PRAGMA max_page_count = {pages + 4}")
+        store.connection.execute("BEGIN IMMEDIATE")
+        with pytest.raises(apsw.FullError) as raised:
+            store.apply_committed("default", TxKey(1, 1))
+        assert not isinstance(raised.value, EntryApplyError)
+        store.rollback()
+    finally:
+        store.close()
+
+
 # ---------------------------------------------------------------- DiskHealth
 
 
