@@ -209,6 +209,13 @@ class Store:
                     )
             version = self._format_version()
         except apsw.Error as error:
+            fault = storage_fault(error)
+            if fault is not None:
+                # Not the file's fault: say what the disk did (rlog.disk), so nobody "repairs" the database.
+                what = "is full" if fault is StorageFault.FULL else "failed"
+                raise StoreError(
+                    f"{path}: cannot open: the disk {what} ({error}); free space or check the disk"
+                ) from None
             raise StoreError(f"{path}: not a mnesite database ({error})") from None
         if version != FORMAT_VERSION:
             raise StoreError(f"{path}: not a mnesite database of format {FORMAT_VERSION} (found {version!r})")
