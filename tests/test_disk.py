@@ -109,6 +109,18 @@ def test_a_full_disk_while_applying_is_the_disks_error_not_the_entrys(tmp_path: 
         store.close()
 
 
+def test_a_database_that_cannot_be_opened_for_want_of_space_is_not_called_foreign(tmp_path: Path, monkeypatch) -> None:
+    from mnesite.rlog.store import StoreError
+
+    def full(*args, **kwargs):
+        raise apsw.FullError("database or disk is full")
+
+    monkeypatch.setattr(apsw, "Connection", full)
+    with pytest.raises(StoreError, match="the disk is full") as raised:
+        Store(str(tmp_path / "db"))
+    assert "not a mnesite database" not in str(raised.value)
+
+
 # ---------------------------------------------------------------- DiskHealth
 
 
