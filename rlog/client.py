@@ -45,6 +45,7 @@ import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import DEFAULT_LISTEN
+from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
 from mnesite.rlog.types import TxKey
 from zmq.utils.monitor import recv_monitor_message
@@ -336,6 +337,10 @@ class Client:
             break
         if answer.kind == "error":
             code = answer.body["code"]
+            if code == ERROR_DISK_FULL and maybe_applied:
+                # This attempt was refused unread (rlog.disk), but an earlier one may have happened:
+                # the caller must not take "disk_full" for "nothing was written".
+                self._give_up(kind, message.request_id, True, f"node {self.endpoint}: {answer.body['message']}", code)
             raise _ERRORS.get(code, RemoteError)(answer.body["message"], code, answer.body.get("detail"))
         return answer.body.get("result")
 
