@@ -3,7 +3,8 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup java faketime run test test-fast fault-test failover lint bench bench-peers profile clean fuzz
+.PHONY: setup docs docs-deps java faketime iproute2 run test test-fast fault-test partition-test failover lint bench \
+	bench-peers profile clean fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +13,18 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 setup: $(BIN)/.installed
+
+# The documentation tools (the `docs` extra) in the same venv.
+$(BIN)/.docs-installed: pyproject.toml $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[dev,docs]'
+	touch $@
+
+docs-deps: $(BIN)/.docs-installed
+
+# The documentation site in site/ (mkdocs.yml; mkdocs_hooks.py draws the benchmark charts), with
+# warnings as errors: a broken link, anchor, snippet or API reference fails. `make test` (CI) runs it.
+docs: docs-deps
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Spark needs a Java runtime; install Debian's when none is on the PATH.
 java:
@@ -29,16 +42,25 @@ faketime:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q faketime; } || \
 	  echo "could not install faketime: the clock_skew fault will be skipped"
 
+# The partition test puts every node in a network namespace of its own: it needs root and iproute2
+# ('ip'); install Debian's when it is missing (without root or namespaces that test is skipped, saying why).
+iproute2:
+	@command -v ip >/dev/null 2>&1 || { \
+	  echo "ip not found: installing iproute2"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q iproute2; } || \
+	  echo "could not install iproute2: the partition test will be skipped"
+
 run: setup
 	$(BIN)/mnesite start --sample-data
 
-test: setup java
+test: setup java iproute2 docs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest
 
 # The fast lane: no multi-process, fault or Spark tests (about a minute).
-test-fast: setup
+test-fast: setup docs-deps
 	$(BIN)/ruff check .
 	$(BIN)/pytest -m "not slow and not spark" -q
 
@@ -48,6 +70,16 @@ FAULT_DURATION_S ?= 300
 FAULT_CLIENTS ?= 10
 fault-test: setup faketime
 	$(BIN)/python -m tests.fault.run --seed $(FAULT_SEED) --duration-s $(FAULT_DURATION_S) --clients $(FAULT_CLIENTS)
+
+# The long partition run (root: every node in a network namespace of its own; tests/fault/partitions.py):
+# every network fault in shuffled rounds. PARTITION_SEED, PARTITION_DURATION_S, PARTITION_CLIENTS;
+# PARTITION_JSON=FILE also writes the figures there.
+PARTITION_SEED ?= 1
+PARTITION_DURATION_S ?= 300
+PARTITION_CLIENTS ?= 10
+partition-test: setup iproute2
+	$(BIN)/python -m tests.fault.run --faults partitions --schedule rounds --seed $(PARTITION_SEED) \
+	  --duration-s $(PARTITION_DURATION_S) --clients $(PARTITION_CLIENTS) $(if $(PARTITION_JSON),--json $(PARTITION_JSON))
 
 # Sequencer-kill and follower-pause figures (tests/fault/failover.py).
 failover: setup
@@ -71,7 +103,7 @@ profile: setup
 	$(BIN)/python benchmarks/profile_cores.py
 
 clean:
-	rm -rf $(VENV) mnesite-data .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) site docs/benchmarks/charts mnesite-data .pytest_cache .ruff_cache .hypothesis
 
 # Content-level fuzzing of 3 cores + 1 replicant with 100,000 hostile messages (CI runs 2,000).
 fuzz: setup

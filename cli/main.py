@@ -34,6 +34,8 @@ IMPORT_BATCH_ROWS = 500
 IMPORT_BATCH_ROWS_MAX = 10_000
 # Exit status of a write whose outcome is unknown (it may or may not have happened), distinct from 1.
 EXIT_OUTCOME_UNKNOWN = 3
+# Exit status of a node that stopped because its disk failed a write or an fsync (rlog.disk).
+EXIT_STORAGE_FAILED = 4
 
 
 def fail(message: str, exit_code: int = 1) -> NoReturn:
@@ -247,8 +249,11 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
 
     Without --config: a single core named core1 on tcp://127.0.0.1:7400 with its data in ./mnesite-data.
     The log ends with a line "... shut down (REASON)" when the node stops cleanly.
+    A full disk does not stop it (writes are refused with disk_full until space is freed); a disk
+    that fails a write or an fsync does: exit status 4, and a restart recovers from the log.
     """
     from mnesite.rlog.data_dir import DataDirectoryInUse
+    from mnesite.rlog.disk import StorageFailedError
     from mnesite.rlog.store import EntryApplyError, StoreError
 
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -283,6 +288,14 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
         # A committed entry this node cannot apply: stop once, naming the entry (never a traceback loop).
         logging.getLogger("mnesite").critical("stopping: %s", error)
         fail(f"node stopped: {error}")
+    except StorageFailedError as error:
+        # rlog.disk: a failed fsync or write is never retried; a restart recovers from the log.
+        logging.getLogger("mnesite").critical("stopping: the disk failed: %s", error)
+        fail(
+            f"node stopped: the disk failed: {error}. Nothing of the failed turn was acknowledged; check the "
+            "disk, then restart the node: it recovers from its log and its peers",
+            exit_code=EXIT_STORAGE_FAILED,
+        )
 
 
 def load_sample_data(node: Any) -> None:

@@ -84,6 +84,16 @@ and executes the effects it returns.
   would replace them and ``ConsensusInvariantError`` stops the shard there: rebuild it (empty data
   directory) and add it again.
 * Membership changes: see ``core.membership`` (one core at a time, through the log).
+* Full disk (``rlog.disk``). The driver steps ``DiskFull`` when a write failed for want of space
+  (after rebuilding the machine from disk: what the failed turn did is gone) and ``DiskFreed`` once a
+  probe wrote durably again. Meanwhile this core can persist nothing, so it takes no part that
+  would need it: a sequencer steps down (its pending proposals fail with ``disk_full``: their
+  entries may still commit elsewhere) so that the majority elects another; proposals, membership
+  changes and force starts are refused; peer messages are dropped unanswered (acknowledging an
+  append would count entries it could not persist toward a commit; granting a vote or adopting a
+  generation must be persisted first); and it never (pre-)campaigns, so it is not elected while
+  full. To the others it looks like a core that is down. Once freed it follows again, and may
+  campaign after a fresh election timeout.
 
 Driver contract
 ---------------
@@ -122,6 +132,7 @@ from typing import Protocol
 
 from mnesite.core import membership
 from mnesite.core.membership import MEMBERS_MAX, membership_changes
+from mnesite.rlog.disk import ERROR_DISK_FULL, DiskFreed, DiskFull
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import Ticked
 from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, chain_break, entry_size_bytes, make_entry
@@ -133,6 +144,7 @@ EXCLUSION_NOTICE_INTERVAL_MS = 1000  # how often a left-out core is told at most
 REJECT_NOT_SEQUENCER = "not_sequencer"
 REJECT_BUSY = "busy"
 REJECT_TOO_MANY_OPS = "too_many_ops"
+REJECT_DISK_FULL = ERROR_DISK_FULL
 
 
 class ConsensusInvariantError(RuntimeError):
@@ -242,6 +254,8 @@ class ConsensusStatus:
     committed_members: tuple[str, ...] = ()
     # A core being added that is still catching up (sequencer only).
     learner: str | None = None
+    # The driver said the disk is full (DiskFull): this core takes no part until DiskFreed.
+    disk_full: bool = False
 
 
 # ---------------------------------------------------------------- peer messages
@@ -368,7 +382,17 @@ class MembershipChangeRequested:
     request_id: str | None = None
 
 
-Event = Ticked | MessageReceived | Proposed | BatchEnded | Persisted | ForceStartRequested | MembershipChangeRequested
+Event = (
+    Ticked
+    | MessageReceived
+    | Proposed
+    | BatchEnded
+    | Persisted
+    | ForceStartRequested
+    | MembershipChangeRequested
+    | DiskFull
+    | DiskFreed
+)
 
 # ---------------------------------------------------------------- effects
 
@@ -621,6 +645,8 @@ class ShardConsensus:
         self._election_deadline_ms = now_ms
         self._reset_election_deadline()
         self._out: list[Effect] = []
+        # DiskFull until DiskFreed: nothing may be persisted (see "Full disk" above).
+        self._disk_full = False
 
     # ------------------------------------------------------------ queries
 
@@ -687,6 +713,7 @@ class ShardConsensus:
             pending_proposals=len(self._pending),
             committed_members=self._committed_members,
             learner=self._learner.name if self._learner is not None else None,
+            disk_full=self._disk_full,
         )
 
     def read_index(self, now_ms: int) -> TxKey | None:
@@ -727,6 +754,9 @@ class ShardConsensus:
 
     def next_deadline_ms(self) -> int:
         """The earliest time at which a ``Ticked`` may change something."""
+        if self._disk_full:
+            # Ticks change nothing until DiskFreed; a deadline in the past would spin the driver.
+            return self._now_ms + self.config.election_timeout_ms_min
         if self._role is Role.SEQUENCER:
             return self._heartbeat_due_ms
         return self._election_deadline_ms
@@ -738,7 +768,13 @@ class ShardConsensus:
             raise ValueError(f"time went backwards: {now_ms} < {self._now_ms}")
         self._now_ms = now_ms
         self._out = []
-        if isinstance(event, Ticked):
+        if isinstance(event, DiskFull):
+            self._on_disk_full(event)
+        elif isinstance(event, DiskFreed):
+            self._on_disk_freed()
+        elif self._disk_full:
+            self._while_disk_full(event)
+        elif isinstance(event, Ticked):
             self._on_tick()
         elif isinstance(event, MessageReceived):
             self._on_message(event.sender, event.message)
@@ -757,6 +793,40 @@ class ShardConsensus:
             raise TypeError(f"not a consensus event: {event!r}")
         out, self._out = self._out, []
         return out
+
+    # ------------------------------------------------------------ full disk (rlog.disk)
+
+    @property
+    def disk_full(self) -> bool:
+        return self._disk_full
+
+    def _on_disk_full(self, event: DiskFull) -> None:
+        self._disk_full = True
+        self._pre_votes = None
+        self._votes = set()
+        if self._role is Role.SEQUENCER:
+            # The majority keeps serving only under another sequencer: this one cannot persist an entry.
+            self._step_down(f"{REJECT_DISK_FULL}: the disk of sequencer {self.name} is full ({event.error})")
+        elif self._role is Role.CANDIDATE:
+            self._set_role(Role.FOLLOWER, None)
+
+    def _on_disk_freed(self) -> None:
+        if not self._disk_full:
+            return
+        self._disk_full = False
+        # It heard nothing while full: count a whole election timeout from now before campaigning,
+        # so that it first hears the sequencer the others elected meanwhile.
+        self._reset_election_deadline()
+
+    def _while_disk_full(self, event: Event) -> None:
+        """Everything but DiskFull/DiskFreed while full: refuse what asks for an answer, drop the rest."""
+        if isinstance(event, (Proposed, MembershipChangeRequested)):
+            self._out.append(ProposalRejected(event.request_id, REJECT_DISK_FULL, None))
+        elif isinstance(event, ForceStartRequested):
+            reached = tuple(sorted(name for name, _ in event.reached))
+            self._out.append(ForceStartRefused(f"the disk of {self.name} is full", reached, self._members))
+        elif not isinstance(event, (Ticked, MessageReceived, BatchEnded, Persisted)):
+            raise TypeError(f"not a consensus event: {event!r}")
 
     # ------------------------------------------------------------ time
 

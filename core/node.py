@@ -25,8 +25,13 @@ Each turn of the loop:
    ``Persisted`` lets each sequencer count its own entries (Raft thesis 10.2.1), and what that
    commits is applied in one more, fsync-less, commit before the queued frames are sent.
 
-If the SQLite commit fails the process stops: the state machines already believe the effects were
-durable, so the only safe continuation is a restart that rebuilds them from disk.
+If the SQLite commit fails the state machines already believe the effects were durable, so the
+only safe continuation rebuilds them from disk. For a full disk (``rlog.disk``) that happens in
+process (``disk_filled``): the turn is rolled back, none of its frames is sent, the old machines
+step ``DiskFull`` (a sequencer steps down and its clients are told the outcome is unknown), and
+new ones are built from disk and told ``DiskFull`` too; writes are refused with ``disk_full``
+until a probe writes again (``disk_freed``). Any other storage failure stops the process, and a
+restart rebuilds them.
 
 Writes at a core that is not the sequencer are forwarded (once: a forwarded request is never
 forwarded again) to the sequencer it knows; the answer is relayed. Requests carry a request id
@@ -119,6 +124,7 @@ from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
+from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.retention import keep_from_match_keys
 from mnesite.rlog.schema import (
     DEFAULT_SHARD,
@@ -130,7 +136,7 @@ from mnesite.rlog.schema import (
     define_table,
 )
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
-from mnesite.rlog.store import ShardPosition, Store, StoreError
+from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
 from mnesite.rlog.types import (
     ZERO_KEY,
     DropTableOp,
@@ -489,6 +495,24 @@ class CoreNode(NodeServer):
                 turn_ms - input_ms - timers_ms,
             )
 
+    def disk_filled(self) -> None:
+        """A turn failed for want of space and was rolled back (``NodeServer.turn``, ``rlog.disk``).
+
+        The machines believe that turn's effects are durable: each first steps ``DiskFull`` (a
+        sequencer steps down; its proposals fail and their clients hear "outcome unknown"), then it
+        is rebuilt from disk as a restart would and told ``DiskFull`` again. Agents are stopped:
+        they may have been told of a commit that was rolled back (their replicants watch again)."""
+        error = self.disk.error
+        for shard, driver in list(self.shards.items()):
+            self._step(driver, DiskFull(error))
+            self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
+            self.rlog_server.stop_shard(shard)
+            self._step(self._open_shard(shard), DiskFull(error))
+
+    def disk_freed(self) -> None:
+        for driver in list(self.shards.values()):
+            self._step(driver, DiskFreed())
+
     def _end_batches(self) -> None:
         """The writes proposed in this turn go to the followers together: one append per follower."""
         for driver in list(self.shards.values()):
@@ -549,6 +573,7 @@ class CoreNode(NodeServer):
                 raise RequestError("backup_refused", str(error)) from None
             self.reply(envelope, codec.reply(message.request_id, result))
         elif message.kind in WRITE_KINDS:
+            self.refuse_if_disk_full()
             self._write(envelope, message)
         elif message.kind == "read_index" or getattr(message.body, "consistency", None) == "linearizable":
             self._linearizable(envelope, message)
@@ -1329,7 +1354,7 @@ class CoreNode(NodeServer):
 
     def _maybe_trim(self) -> None:
         now = int(time.time() * 1000)
-        if now < self._next_retention_ms:
+        if now < self._next_retention_ms or self.disk.full:
             return
         self._next_retention_ms = now + self.config.retention.retention_interval_ms
         retention = self.config.retention
@@ -1343,7 +1368,9 @@ class CoreNode(NodeServer):
                 )
                 self.store.trim(shard, retention.retention_entries_max, before_ms, keep_from)
             self.flush()
-        except apsw.Error:
+        except apsw.Error as error:
+            if storage_fault(error) is not None:
+                raise  # the disk's, handled by NodeServer.turn (rlog.disk)
             log.exception("rlog retention failed; will retry")
 
     # -- reads -------------------------------------------------------------------------------
@@ -1474,6 +1501,7 @@ class CoreNode(NodeServer):
                 "excluded": self.excluded.get(shard),
                 "rlog": self._rlog_statistics(shard),
                 "serving": shard not in self.not_serving,
+                "disk_full": status.disk_full,
                 "not_serving_reason": self.not_serving.get(shard),
             }
             install = self.installs.get(shard)
@@ -1507,6 +1535,7 @@ class CoreNode(NodeServer):
             "durable_commits": self.durable_commits,
             "sends_dropped": self.sends_dropped,
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
+            "disk": {**self.disk.status(self.clock_ms()), "frames_dropped": self.frames_dropped_disk},
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),

@@ -13,7 +13,10 @@ the machine as events. Pushes arrive on the node's ROUTER from the agent's DEALE
 with one-way ``push_ack`` frames.
 
 Effects that change the database run inside one open SQLite transaction per loop turn; frames are
-sent only after it commits, so an acknowledged applied key is always durable (invariant 4).
+sent only after it commits, so an acknowledged applied key is always durable (invariant 4). A turn
+that fails for want of space is rolled back unsent (``rlog.server``); each replica is then told
+``DiskFull`` with the position on disk (``disk_filled``): it applies nothing and keeps serving reads
+until a probe writes again (``disk_freed``); writes are refused with ``disk_full`` meanwhile.
 
 Shards are discovered from the cores' journals: every shard a core reports gets a replica.
 """
@@ -39,6 +42,7 @@ from mnesite.rlog.backup import BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
+from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
@@ -230,7 +234,7 @@ class ReplicantNode(NodeServer):
     def _maybe_trim(self) -> None:
         """Retention of the replicant's own rlog, by count and age like on a core."""
         now = int(time.time() * 1000)
-        if now < self._next_retention_ms:
+        if now < self._next_retention_ms or self.disk.full:
             return
         self._next_retention_ms = now + self.config.retention.retention_interval_ms
         retention = self.config.retention
@@ -257,6 +261,21 @@ class ReplicantNode(NodeServer):
         except (zmq.Again, zmq.ZMQError, CodecError) as error:
             # Like a lost request: its pending entry expires and the copy is retried.
             log.debug("%s to %s not sent: %s", kind, core, error)
+
+    # -- full disk (rlog.disk) ----------------------------------------------------------------
+
+    def disk_filled(self) -> None:
+        """The turn was rolled back: each replica takes back the position on disk and applies nothing."""
+        for shard, replica in list(self.replicas.items()):
+            position = self.store.shard(shard)
+            if position is None:
+                del self.replicas[shard]  # created in the rolled-back turn: discovered again later
+                continue
+            self._step(replica, DiskFull(self.disk.error, position.applied, position.digest))
+
+    def disk_freed(self) -> None:
+        for replica in list(self.replicas.values()):
+            self._step(replica, DiskFreed())
 
     # -- machine effects ---------------------------------------------------------------------
 
@@ -335,6 +354,8 @@ class ReplicantNode(NodeServer):
             )
         elif isinstance(effect, p.ModeChanged):
             log.info("shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
+            if self.disk.full:
+                return  # only counters for the status: persisted at the next change
             status = replica.status()
             self.begin()
             self.store.set_meta(f"bootstraps:{shard}", status.bootstraps)
@@ -436,6 +457,8 @@ class ReplicantNode(NodeServer):
                 return
             self._step(replica, accepted)
         elif pending.purpose == "tables":
+            if self.disk.full:
+                return  # a bootstrap's answer: the replica takes nothing while full, it asks again later
             try:
                 if error is not None:
                     raise CopyFailed(f"list_tables failed: {error.code}: {error.message}")
@@ -542,7 +565,7 @@ class ReplicantNode(NodeServer):
 
     def _discover(self, now: int) -> None:
         """Ask one core (round robin) which shards exist, so that new shards get a replica."""
-        if now < self._next_discovery_ms or not self.cores:
+        if now < self._next_discovery_ms or not self.cores or self.disk.full:
             return
         self._next_discovery_ms = now + DISCOVERY_INTERVAL_MS
         core = self.cores[self._discovery_turn % len(self.cores)]
@@ -580,6 +603,8 @@ class ReplicantNode(NodeServer):
         if message.kind == "push":
             self._on_push(body)
         elif message.kind in ("transact", "create_table", "drop_table"):
+            # Its write would come back through the rlog, which this replicant cannot apply now.
+            self.refuse_if_disk_full()
             self._forward(envelope, message)
         elif message.kind == "status":
             self.reply(envelope, codec.reply(message.request_id, self.status()))
@@ -786,6 +811,7 @@ class ReplicantNode(NodeServer):
                 "serving": status.readable,
                 "read_fenced": status.read_fenced,
                 "read_fence": list(status.read_fence) if status.read_fence else None,
+                "disk_full": status.disk_full,
             }
         return {
             "node": self.config.name,
@@ -797,6 +823,7 @@ class ReplicantNode(NodeServer):
             "no_core_reached": self.no_core_reached(),
             "sends_dropped": self.sends_dropped,
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
+            "disk": {**self.disk.status(self.clock_ms()), "frames_dropped": self.frames_dropped_disk},
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }

@@ -45,6 +45,13 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   overtakes the answer (they travel on different connections) stands for it, so a new agent is
   never taken for a zombie. (While a watch is outstanding, other pushes from the core it went to
   are dropped without an answer.)
+* Full disk (``rlog.disk``). The driver steps ``DiskFull`` with the position its disk still holds
+  (the failed turn's applies were rolled back) and ``DiskFreed`` once a probe wrote again. The
+  replica adopts that position and takes nothing from anyone while full: pushes are dropped
+  unacknowledged (the agent's window fills and it stops: backpressure, no gap), answers and timers
+  are ignored. A NORMAL replica stays NORMAL, so it keeps serving reads of what it holds; a read
+  that needs a newer key waits and times out as usual. Any other mode goes DISCONNECTED. Once
+  freed it resynchronises at once: DISCONNECTED, then a watch from its applied key (a resume).
 * Failure detector. No push or heartbeat from the watched agent for ``failure_timeout_ms``, or an
   upstream that has not heard the sequencer for ``failure_timeout_ms``, or a request (watch, tables,
   batch) unanswered for ``failure_timeout_ms`` (a probe: ``probe_timeout_ms`` more), makes the
@@ -86,6 +93,7 @@ from dataclasses import dataclass
 from mnesite.bootstrap.copy import CopyFailed, TableCopy
 from mnesite.bootstrap.fence import ReadFence
 from mnesite.replicant.upstream import choose_upstream
+from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import (
     UNKNOWN_DIGEST,
@@ -133,6 +141,8 @@ ReplicaEvent = (
     | BatchReceived
     | CommittedReceived
     | RequestFailed
+    | DiskFull
+    | DiskFreed
 )
 ReplicaEffect = (
     ProbeJournals
@@ -208,6 +218,8 @@ class ReplicaStatus:
     # After a bootstrap: the key the applied key must reach before reads (None: being asked).
     read_fence: TxKey | None = None
     read_fenced: bool = False
+    # DiskFull until DiskFreed: nothing is applied (see "Full disk").
+    disk_full: bool = False
 
 
 class _Waiting(enum.Enum):
@@ -293,6 +305,7 @@ class ShardReplica:
         # Read fence after a bootstrap (see the theory of operation).
         self._fence = ReadFence(read_fenced, config.failure_timeout_ms)
         self._out: list[ReplicaEffect] = []
+        self._disk_full = False
 
     # ------------------------------------------------------------ queries
 
@@ -363,10 +376,14 @@ class ShardReplica:
             readable=self.readable(),
             read_fence=self._fence.fence_key,
             read_fenced=self._fence.fenced,
+            disk_full=self._disk_full,
         )
 
     def next_deadline_ms(self) -> int:
         """The earliest time at which a ``Ticked`` may change something."""
+        if self._disk_full:
+            # Ticks change nothing until DiskFreed; a deadline in the past would spin the driver.
+            return self._now_ms + self.config.failure_timeout_ms
         deadlines = []
         if self._waiting is not _Waiting.NOTHING:
             deadlines.append(self._request_deadline_ms)
@@ -389,7 +406,13 @@ class ShardReplica:
             raise ValueError(f"time went backwards: {now_ms} < {self._now_ms}")
         self._now_ms = now_ms
         self._out = []
-        if isinstance(event, Ticked):
+        if isinstance(event, DiskFull):
+            self._on_disk_full(event)
+        elif isinstance(event, DiskFreed):
+            self._on_disk_freed()
+        elif self._disk_full:
+            pass  # nothing can be applied or persisted: take nothing (see "Full disk")
+        elif isinstance(event, Ticked):
             self._on_tick()
         elif isinstance(event, JournalsReceived):
             self._on_journals(event)
@@ -474,6 +497,23 @@ class ShardReplica:
             self._fail(f"{self._upstream} has not heard the sequencer for {timeout} ms")
         else:
             self._ask_fence()
+
+    def _on_disk_full(self, event: DiskFull) -> None:
+        if event.applied_key is None or event.applied_digest is None:
+            raise ValueError("DiskFull for a replica needs the position the disk holds")
+        self._disk_full = True
+        self._applied_key, self._applied_digest = event.applied_key, event.applied_digest
+        self._last_error = f"the disk is full ({event.error}): applying nothing until space is freed"
+        if self._mode is not Mode.NORMAL:
+            self._fail(self._last_error)
+
+    def _on_disk_freed(self) -> None:
+        if not self._disk_full:
+            return
+        self._disk_full = False
+        # The agent saw no acknowledgement for a while and may have pushed past what was applied:
+        # resume from the applied key under a new watch rather than meet a gap.
+        self._fail(f"the disk was full: resynchronising from {self._applied_key}", delay_ms=0)
 
     def _on_request_failed(self, event: RequestFailed) -> None:
         waiting_on_it = self._waiting is not _Waiting.NOTHING and event.core == self._request_core

@@ -22,8 +22,11 @@ each commit with the WAL's size in pages):
 The thread starts at the first wake-up (a store that never writes much has none) and stops at
 ``close``; if no thread (or no connection for it) can be had, commits checkpoint at
 ``pages_background`` as SQLite's default does, and a commit never fails for its checkpoint. A
-failed background checkpoint is logged and retried at the next wake-up, at most once per
-``RETRY_S``; the inline bound still holds meanwhile.
+checkpoint that fails for want of space is logged and retried at the next wake-up, at most once per
+``RETRY_S``; the inline bound still holds meanwhile. A checkpoint that fails with an I/O error (a
+failed fsync of the database file) is never retried (``rlog.disk``): the thread stops and records
+it in ``fatal``, which the node's loop turns into a stop; an inline one raises
+``StorageFailedError`` from the commit.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import apsw
+from mnesite.rlog.disk import StorageFailedError, StorageFault
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ class WalCheckpointer:
         synchronous: str,
         pages_background: int = WAL_PAGES_BACKGROUND,
         pages_inline: int = WAL_PAGES_INLINE,
+        fault_of: Callable[[BaseException], StorageFault | None] = lambda error: None,
     ) -> None:
         if not 0 < pages_background <= pages_inline:
             raise ValueError("need 0 < pages_background <= pages_inline")
@@ -58,6 +64,10 @@ class WalCheckpointer:
         self.synchronous = synchronous
         self.pages_background = pages_background
         self.pages_inline = pages_inline
+        # What a checkpoint's error says about the disk (``rlog.store.storage_fault``).
+        self.fault_of = fault_of
+        # A background checkpoint's I/O error: the node must stop (read by the node's loop).
+        self.fatal: StorageFailedError | None = None
         self.background = 0  # checkpoints the thread ran
         self.inline = 0  # checkpoints the committing connection ran (finishing or forced)
         self.forced = 0  # of which forced: the WAL reached pages_inline (the thread fell behind)
@@ -99,6 +109,8 @@ class WalCheckpointer:
         except apsw.BusyError:
             return  # the thread is checkpointing right now: try again after the next commit
         except apsw.Error as error:
+            if self.fault_of(error) is StorageFault.FAILED:
+                raise StorageFailedError(f"{self.path}: WAL checkpoint failed: {error}") from error
             # The commit itself succeeded: never report it failed for its checkpoint. The next
             # commit at or above a threshold tries again; the log says so at most every RETRY_S.
             self.failures += 1
@@ -169,6 +181,11 @@ class WalCheckpointer:
                     continue  # a commit is finishing a checkpoint right now: not a failure
                 except apsw.Error as error:
                     self.failures += 1
+                    if self.fault_of(error) is StorageFault.FAILED:
+                        # Never retried: a second sync may succeed over pages the kernel dropped.
+                        self.fatal = StorageFailedError(f"{self.path}: background WAL checkpoint failed: {error}")
+                        log.error("%s (not retried: the node stops)", self.fatal)
+                        return
                     log.warning("%s: background WAL checkpoint failed: %s (retrying)", self.path, error)
                     self._stopping.wait(RETRY_S)
         finally:

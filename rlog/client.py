@@ -45,6 +45,7 @@ import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import DEFAULT_LISTEN
+from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
 from mnesite.rlog.types import TxKey
 from zmq.utils.monitor import recv_monitor_message
@@ -157,6 +158,10 @@ def parse_endpoints(endpoints: str | Sequence[str] | None) -> list[str]:
 
 
 class Client:
+    """A connection to one mnesite node (or several, with failover); see the module docstring.
+
+    Use it as a context manager, or call ``close``. Not thread-safe: one per thread."""
+
     def __init__(
         self,
         endpoint: str | Sequence[str] | None = None,
@@ -332,6 +337,10 @@ class Client:
             break
         if answer.kind == "error":
             code = answer.body.code
+            if code == ERROR_DISK_FULL and maybe_applied:
+                # This attempt was refused unread (rlog.disk), but an earlier one may have happened:
+                # the caller must not take "disk_full" for "nothing was written".
+                self._give_up(kind, message.request_id, True, f"node {self.endpoint}: {answer.body.message}", code)
             raise _ERRORS.get(code, RemoteError)(answer.body.message, code, answer.body.detail)
         return answer.body.result
 
@@ -413,17 +422,22 @@ class Client:
         return self.last_tx_key
 
     def put(self, table: str, row: dict[str, Any]) -> TxKey:
+        """Write a full row (insert or replace by its key); returns the write's tx key."""
         return self.transact([{"op": "write", "table": table, "row": row}])
 
     def delete(self, table: str, key: Any) -> TxKey:
+        """Delete the row with this key (nothing to delete is not an error); returns the tx key."""
         return self.transact([{"op": "delete", "table": table, "key": key}])
 
     def transaction(self) -> Transaction:
+        """A transaction built with ``require``, ``put`` and ``delete``, sent when its block ends cleanly."""
         return Transaction(self)
 
     def create_table(
         self, table: str, key: str, columns: list[tuple[str, str]] | None = None, shard: str | None = None
     ) -> TxKey:
+        """Create a STRICT table with key column ``key`` and ``columns`` of (name, type) in ``shard``
+        (default ``default``); types INTEGER, REAL, TEXT, BLOB, ANY. Returns the tx key."""
         body: dict[str, Any] = {"table": table, "key": key, "columns": [list(c) for c in columns or []]}
         if shard is not None:
             body["shard"] = shard
@@ -501,15 +515,18 @@ class Client:
         return self.call("count", self._consistency({"table": table}, consistency, after_tx_key))["rows"]
 
     def table(self, name: str) -> dict[str, Any]:
+        """One table's description (shard, key column, columns) as ``list_tables`` gives it."""
         for table in self.list_tables():
             if table["table"] == name:
                 return table
         raise UnknownTable(f"unknown table {name!r}", "unknown_table")
 
     def list_tables(self) -> list[dict[str, Any]]:
+        """Every table with its shard, key column and columns."""
         return self.call("list_tables")
 
     def status(self) -> dict[str, Any]:
+        """The node's status: what ``mnesite status --json`` prints."""
         return self.call("status")
 
     def journal(self) -> dict[str, Any]:
@@ -541,9 +558,11 @@ class Client:
         return self.call("backup", {"path": path})
 
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
+        """The last ``count`` entries of the shard's rlog (tx key, previous key, digest, ops, request id)."""
         return self.call("rlog_tail", {"shard": shard, "count": count})
 
     def rlog_entries(self, shard: str, after: list[int] | TxKey = (0, 0), limit: int = 1000) -> list[dict[str, Any]]:
+        """Up to ``limit`` committed entries of the shard's rlog after tx key ``after``, in order."""
         return self.call("rlog_entries", {"shard": shard, "after": list(after), "limit": limit})
 
     # -- range requests (rlog.range_requests): the node hashes key ranges itself -------------
@@ -594,14 +613,17 @@ class Transaction:
         return self
 
     def put(self, table: str, row: dict[str, Any]) -> Transaction:
+        """Add the write of a full row."""
         self.ops.append({"op": "write", "table": table, "row": row})
         return self
 
     def delete(self, table: str, key: Any) -> Transaction:
+        """Add the delete of the row with this key."""
         self.ops.append({"op": "delete", "table": table, "key": key})
         return self
 
     def commit(self) -> TxKey:
+        """Send the guards and ops as one transaction (all or nothing); returns its tx key."""
         self.tx_key = self.client.transact(self.ops, self.guards)
         return self.tx_key
 

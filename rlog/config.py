@@ -16,6 +16,7 @@ Example::
 
     [storage]
     synchronous = "FULL"                # OFF | NORMAL | FULL | EXTRA
+    disk_probe_interval_ms = 1000       # while the disk is full: how often a write probe checks for space (rlog.disk)
 
     [limits]
     frame_bytes_max = 4194304           # larger frames get a frame_too_large error
@@ -145,6 +146,9 @@ class Config:
     listen: str = DEFAULT_LISTEN
     core_nodes: dict[str, str] = field(default_factory=dict)
     synchronous: str = "FULL"
+    # While the disk is full (rlog.disk): how often the node tries a small durable write to see
+    # whether space was freed, and resumes writing if it succeeds.
+    disk_probe_interval_ms: int = 1000
     limits: Limits = field(default_factory=Limits)
     retention: Retention = field(default_factory=Retention)
     timing: Timing = field(default_factory=Timing)
@@ -188,6 +192,11 @@ _LIMIT_BOUNDS = {
     "election_timeout_ms_max": (10, 600_000),
     "heartbeat_interval_ms": (1, 300_000),
 }
+
+
+# A probe is one small durable write: more often than every 10 ms would compete with reads for
+# nothing, and an operator who freed space should not wait more than ten minutes for the node.
+DISK_PROBE_INTERVAL_MS_BOUNDS = (10, 600_000)
 
 
 def _int_section(section: str, raw: Any, cls: type) -> Any:
@@ -257,8 +266,15 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     if not isinstance(storage, dict):
         raise ConfigError("[storage] must be a table")
     for key in storage:
-        if key != "synchronous":
-            raise ConfigError(f"unknown key [storage].{key} (known: synchronous)")
+        if key not in ("synchronous", "disk_probe_interval_ms"):
+            raise ConfigError(f"unknown key [storage].{key} (known: disk_probe_interval_ms, synchronous)")
+    disk_probe_interval_ms = storage.get("disk_probe_interval_ms", 1000)
+    low, high = DISK_PROBE_INTERVAL_MS_BOUNDS
+    probe_ms = disk_probe_interval_ms
+    if not isinstance(probe_ms, int) or isinstance(probe_ms, bool) or not low <= probe_ms <= high:
+        raise ConfigError(
+            f"[storage].disk_probe_interval_ms must be an integer in {low}..{high}, got {disk_probe_interval_ms!r}"
+        )
     synchronous = storage.get("synchronous", "FULL")
     if not isinstance(synchronous, str) or synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
         raise ConfigError(f"[storage].synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
@@ -286,6 +302,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         listen=listen,
         core_nodes=dict(core_nodes),
         synchronous=synchronous.upper(),
+        disk_probe_interval_ms=disk_probe_interval_ms,
         limits=limits,
         retention=_int_section("rlog", data.get("rlog", {}), Retention),
         timing=timing,

@@ -10,7 +10,7 @@ Two kinds of figures, kept apart so that a scrape never touches the node's loop:
   latency as a client sees it), malformed frames. prometheus_client's counters and histograms are
   thread-safe, so the hook is one increment or ``observe``.
 * **State** (generations, sequencer, committed and applied tx keys, replicant lag and mode, agents,
-  bootstrap progress, refusals) is what ``status`` already reports. The loop hands a fresh status
+  bootstrap progress, refusals, a full disk) is what ``status`` already reports. The loop hands a fresh status
   dict to ``NodeMetrics.refresh`` at most once per ``REFRESH_INTERVAL_MS``; the scrape thread only
   reads the last one handed over (the loop replaces the reference and never mutates a dict it
   handed over), and turns it into metric families when scraped.
@@ -249,6 +249,22 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
         refused.add_metric(["unknown_key"], security.get("refused_unknown_key", 0))
         refused.add_metric(["handshake"], sum((security.get("handshakes_failed") or {}).values()))
     yield refused
+    yield from _disk_families(status.get("disk"))
+
+
+def _disk_families(disk: dict[str, Any] | None) -> Iterator[Any]:
+    """The disk's state (``rlog.disk``): alert on ``mnesite_disk_full == 1``."""
+    if disk is None:
+        return
+    full = _gauge("mnesite_disk_full", "1 while the disk is full: writes are refused with disk_full", [])
+    full.add_metric([], 1 if disk.get("state") == "full" else 0)
+    full_for = _gauge("mnesite_disk_full_seconds", "How long the disk has been full (0 when not)", [])
+    full_for.add_metric([], (disk.get("full_for_ms") or 0) / 1000)
+    fills = CounterMetricFamily("mnesite_disk_fills", "Times the disk was found full since the node started")
+    fills.add_metric([], disk.get("fills", 0))
+    refused = CounterMetricFamily("mnesite_disk_full_writes_refused", "Writes refused with disk_full")
+    refused.add_metric([], disk.get("writes_refused", 0))
+    yield from (full, full_for, fills, refused)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

@@ -12,6 +12,11 @@ protocol here tolerates (requests are retried, pushes re-sent). Two hooks refine
 sends what a state machine marked as allowed before persistence (a sequencer's appends), and
 ``after_commit`` runs once the turn's writes are durable; what it writes goes in one more commit.
 A turn whose writes a restart redoes anyway (``begin(durable=False)``) commits without an fsync.
+
+A turn that the disk fails (``turn``, ``rlog.disk``) is rolled back and none of its queued frames is
+sent. A full disk then puts the node in the disk-full state (the subclass rebuilds its state
+machines from disk in ``disk_filled`` and refuses writes) until a probe every
+``disk_probe_interval_ms`` writes durably again (``disk_freed``); an I/O error stops the node.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 import zmq
@@ -31,10 +36,11 @@ from mnesite.rlog.backup import BackupError, BackupJob, decide
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
+from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
 from mnesite.rlog.metrics import MetricsServer, NodeMetrics, start_metrics
 from mnesite.rlog.roles import sender_mismatch
 from mnesite.rlog.security import NodeSecurity, SecurityError
-from mnesite.rlog.store import Store
+from mnesite.rlog.store import Store, storage_fault
 
 log = logging.getLogger("mnesite.server")
 # How long a node stopped by a ``stop`` request waits for that request's answer to leave its socket.
@@ -138,6 +144,9 @@ class NodeServer:
         self.outstanding: dict[bytes, set[str]] = {}
         self.protocol_violations = 0
         self._violation_logged_ms: dict[str, int] = {}
+        # Whether the disk takes writes (rlog.disk); frames dropped with turns the disk failed.
+        self.disk = DiskHealth(config.disk_probe_interval_ms)
+        self.frames_dropped_disk = 0
         self.backup_job: BackupJob | None = None
         # Metrics ([metrics] listen): None when off. ``transactions`` is counted by the core's apply.
         self.metrics: NodeMetrics | None = None
@@ -309,7 +318,7 @@ class NodeServer:
                     break
                 if self.reload_requested.is_set():
                     self.reload_security()
-                self.run_turn()
+                self.turn()
         finally:
             self.close()
             # The operator's proof that the node stopped on purpose, and why (a crash logs no such line).
@@ -317,6 +326,80 @@ class NodeServer:
 
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    # -- disk faults (rlog.disk) -------------------------------------------------------------
+
+    def turn(self) -> None:
+        """One ``run_turn``, with the disk's faults handled: full -> the disk-full state, failed -> stop."""
+        checkpointer = self.store.checkpointer
+        if checkpointer is not None and checkpointer.fatal is not None:
+            self._storage_failed(checkpointer.fatal)
+        try:
+            if self.disk.probe_due(monotonic_ms()):
+                self._probe_disk()
+            self.run_turn()
+        except Exception as error:
+            fault = storage_fault(error)
+            if fault is None:
+                raise
+            self.abandon_turn()
+            if fault is StorageFault.FAILED:
+                self._storage_failed(error)
+            if self.disk.filled(str(error), monotonic_ms()):
+                log.warning(
+                    "%s %s: the disk is full (%s): refusing writes with %s, serving reads; "
+                    "trying a write every %d ms, and resuming by itself once space is freed",
+                    self.role,
+                    self.config.name,
+                    error,
+                    ERROR_DISK_FULL,
+                    self.disk.probe_interval_ms,
+                )
+            self.disk_filled()
+
+    def _storage_failed(self, error: BaseException) -> NoReturn:
+        self.stop_reason = f"the disk failed: {error}"
+        self.store.disk_failed()
+        if isinstance(error, StorageFailedError):
+            raise error
+        raise StorageFailedError(str(error)) from error
+
+    def abandon_turn(self) -> None:
+        """The disk failed this turn: roll back its transaction and send none of its frames (they may
+        acknowledge what was not made durable). Their clients retry, or are told by ``disk_filled``."""
+        self.store.rollback()
+        self._in_transaction = False
+        self._durable = False
+        self.frames_dropped_disk += len(self._outbox)
+        self._outbox = []
+
+    def _probe_disk(self) -> None:
+        try:
+            self.store.probe_space()
+        except Exception as error:
+            fault = storage_fault(error)
+            if fault is StorageFault.FULL:
+                self.disk.probe_failed(str(error), monotonic_ms())
+                return
+            if fault is StorageFault.FAILED:
+                self._storage_failed(error)
+            raise
+        full_ms = self.disk.freed(monotonic_ms())
+        name = self.config.name
+        log.warning("%s %s: the disk takes writes again after %d ms: accepting writes", self.role, name, full_ms)
+        self.disk_freed()
+
+    def disk_filled(self) -> None:
+        """Hook: a turn failed for want of space and was rolled back; rebuild from disk, refuse writes."""
+
+    def disk_freed(self) -> None:
+        """Hook: a probe wrote durably; take part again."""
+
+    def refuse_if_disk_full(self) -> None:
+        """Raise the ``disk_full`` error for a write while the disk is full (one error for every node)."""
+        refusal = self.disk.refusal()
+        if refusal is not None:
+            raise RequestError(ERROR_DISK_FULL, f"{self.role} {self.config.name}: {refusal}")
 
     def refresh_metrics(self) -> None:
         """Hand the metrics endpoint a fresh status, at most once per metrics.REFRESH_INTERVAL_MS."""

@@ -23,6 +23,7 @@ Internal tables all start with ``_mnesite``:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -32,6 +33,7 @@ from typing import Any
 import apsw
 import msgpack
 from mnesite.rlog.checkpoint import WalCheckpointer
+from mnesite.rlog.disk import PROBE_BYTES, StorageFailedError, StorageFault
 from mnesite.rlog.retention import retention_floor
 from mnesite.rlog.schema import SchemaError, TableSchema, check_creatable, check_droppable
 from mnesite.rlog.types import (
@@ -54,6 +56,8 @@ from mnesite.rlog.types import (
 )
 
 FORMAT_VERSION = 1
+# Errors of the file system that mean "no space" (a quota counts as no space): nothing was written.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 _SCHEMA = """
@@ -113,6 +117,35 @@ def rlog_row(entry: Entry, appended_ms: int) -> tuple[Any, ...]:
         pack_ops(entry.ops),
         appended_ms,
     )
+
+
+def storage_fault(error: BaseException) -> StorageFault | None:
+    """What a write's exception says about the disk (``rlog.disk``): FULL, FAILED or None (not the disk)."""
+    if isinstance(error, StorageFailedError):
+        return StorageFault.FAILED
+    if isinstance(error, apsw.FullError):
+        return StorageFault.FULL
+    if isinstance(error, apsw.IOError):
+        # SQLite cannot grow the -shm file when the disk is full (a 32 KiB region per 4,096 WAL
+        # frames): that is a full disk too. Every other I/O error (a failed fsync, write or read)
+        # leaves the disk's contents unknown.
+        if getattr(error, "extendedresult", None) == apsw.SQLITE_IOERR_SHMSIZE:
+            return StorageFault.FULL
+        return StorageFault.FAILED
+    if isinstance(error, OSError) and error.errno is not None:
+        if error.errno in _FULL_ERRNOS:
+            return StorageFault.FULL
+        if error.errno == errno.EIO:
+            return StorageFault.FAILED
+    return None
+
+
+def _apply_failure(entry: Entry, error: BaseException) -> BaseException:
+    """What to raise when applying ``entry`` failed: the disk's own error as it is (a full disk is
+    not the entry's fault, ``rlog.disk``), anything else as the entry's ``EntryApplyError``."""
+    if storage_fault(error) is not None:
+        return error
+    return EntryApplyError(entry, error)
 
 
 class StoreError(RuntimeError):
@@ -176,6 +209,13 @@ class Store:
                     )
             version = self._format_version()
         except apsw.Error as error:
+            fault = storage_fault(error)
+            if fault is not None:
+                # Not the file's fault: say what the disk did (rlog.disk), so nobody "repairs" the database.
+                what = "is full" if fault is StorageFault.FULL else "failed"
+                raise StoreError(
+                    f"{path}: cannot open: the disk {what} ({error}); free space or check the disk"
+                ) from None
             raise StoreError(f"{path}: not a mnesite database ({error})") from None
         if version != FORMAT_VERSION:
             raise StoreError(f"{path}: not a mnesite database of format {FORMAT_VERSION} (found {version!r})")
@@ -187,7 +227,9 @@ class Store:
             self.connection.execute("PRAGMA synchronous=NORMAL")
         if not readonly:
             # WAL checkpoints run in a background thread, not inside a commit (rlog.checkpoint).
-            self.checkpointer = WalCheckpointer(path, self.connection.execute("PRAGMA synchronous").fetchone()[0])
+            self.checkpointer = WalCheckpointer(
+                path, self.connection.execute("PRAGMA synchronous").fetchone()[0], fault_of=storage_fault
+            )
             self.connection.execute("PRAGMA wal_autocheckpoint=0")
             self.connection.set_wal_hook(self._on_wal)
         self._catalog: dict[str, TableSchema] | None = None
@@ -203,6 +245,13 @@ class Store:
         if self.checkpointer is not None:
             self.checkpointer.on_wal(pages)
         return apsw.SQLITE_OK
+
+    def disk_failed(self) -> None:
+        """The disk failed a write or a sync (``rlog.disk``): write nothing more, not even the
+        checkpoint SQLite runs when the last connection closes; a restart recovers from the WAL."""
+        self.connection.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
 
     def close(self) -> None:
         if self.checkpointer is not None:
@@ -221,10 +270,15 @@ class Store:
         try:
             yield
         except BaseException:
-            self.connection.execute("ROLLBACK")
-            self._catalog = None  # a rolled-back CREATE TABLE must not linger in the cache
+            # SQLite may have rolled back already (after SQLITE_FULL, for one): a ROLLBACK would then
+            # fail and hide the error that matters.
+            self.rollback()
             raise
-        self.commit(durable=True)
+        try:
+            self.commit(durable=True)
+        except BaseException:
+            self.rollback()  # a COMMIT that failed (a full disk) leaves the transaction open
+            raise
 
     def commit(self, durable: bool = True) -> None:
         """COMMIT the open transaction; ``durable=False`` skips its fsync.
@@ -241,9 +295,32 @@ class Store:
         if durable and self._wal_synced_here:
             if self._wal_fd is None:
                 self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY)
-            os.fdatasync(self._wal_fd)
+            try:
+                os.fdatasync(self._wal_fd)
+            except OSError as error:
+                # Whatever errno (EIO, or ENOSPC on file systems that allocate at writeback): the
+                # kernel may have dropped the pages it could not write, so a retry proves nothing.
+                raise StorageFailedError(f"fdatasync of {self.path}-wal failed: {error}") from error
         if self.checkpointer is not None and self.checkpointer.inline_due:
             self.checkpointer.checkpoint_inline(self.connection)
+
+    def rollback(self) -> None:
+        """Roll back the open transaction, if SQLite has not already (it may after SQLITE_FULL)."""
+        self._catalog = None  # a rolled-back CREATE TABLE must not linger in the cache
+        if self.connection.in_transaction:
+            self.connection.execute("ROLLBACK")
+
+    def probe_space(self) -> None:
+        """Write ``PROBE_BYTES`` durably and remove them: raises what a full disk raises (``rlog.disk``)."""
+        if self.connection.in_transaction:
+            raise StoreError("probe_space needs no open transaction")
+        with self.write_transaction():
+            self.connection.execute(
+                "INSERT OR REPLACE INTO _mnesite_meta(name, value) VALUES ('disk_probe', zeroblob(?))",
+                (PROBE_BYTES,),
+            )
+        with self.write_transaction():
+            self.connection.execute("DELETE FROM _mnesite_meta WHERE name = 'disk_probe'")
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -436,7 +513,7 @@ class Store:
                 try:
                     self.apply_entry(entry, healing)
                 except (apsw.Error, StoreError) as error:
-                    raise EntryApplyError(entry, error) from None
+                    raise _apply_failure(entry, error) from None
                 applied.append(entry)
             after = batch[-1].tx_key
         return applied
@@ -447,7 +524,7 @@ class Store:
             try:
                 self.apply_ops(entry.ops, healing)
             except (apsw.Error, StoreError) as error:
-                raise EntryApplyError(entry, error) from None
+                raise _apply_failure(entry, error) from None
         last = chain[-1]
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "

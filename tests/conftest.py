@@ -100,10 +100,18 @@ class NodeProcess:
 
     ``client_keys`` (``key=``, ``server_key=``) are what the readiness probe speaks with."""
 
-    def __init__(self, config_path: Path, log_path: Path, client_keys: dict | None = None) -> None:
+    def __init__(
+        self,
+        config_path: Path,
+        log_path: Path,
+        client_keys: dict | None = None,
+        command_prefix: list[str] | None = None,
+    ) -> None:
+        """``command_prefix``: what the node's command runs under (``ip netns exec NS``: in a namespace)."""
         self.config_path = config_path
         self.log_path = log_path
         self.client_keys = client_keys or {}
+        self.command_prefix = command_prefix or []
         self.process: subprocess.Popen | None = None
 
     def start(self, endpoint: str, timeout_s: float = 20, env: dict[str, str] | None = None) -> None:
@@ -111,7 +119,7 @@ class NodeProcess:
         env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "mnesite.cli", "start", "--config", str(self.config_path)],
+                [*self.command_prefix, sys.executable, "-m", "mnesite.cli", "start", "--config", str(self.config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -178,18 +186,37 @@ REPLICANT_NAMES = ("replicant1", "replicant2", "replicant3")
 CLIENT_PRINCIPALS = {"admin": "ops", "writer": "app", "reader": "dashboard"}
 
 
+class Loopback:
+    """Where the nodes of a ``Cluster`` run: all on 127.0.0.1, in the test's own network namespace."""
+
+    def host(self, name: str) -> str:
+        return "127.0.0.1"
+
+    def command_prefix(self, name: str) -> list[str]:
+        return []
+
+
 class Cluster:
-    """``size`` real core processes on 127.0.0.1 sharing one ``core_nodes`` table.
+    """``size`` real core processes sharing one ``core_nodes`` table, on 127.0.0.1 unless ``placement``
+    (``host(name)``, ``command_prefix(name)``: ``tests.fault.netns.Network``) puts each node elsewhere.
 
     Secure by default (``secure=None`` follows ``$MNESITE_TEST_INSECURE``): the fixture generates a
     cluster key, one key per core, per replicant and per client principal (``ops`` admin, ``app``
     writer, ``dashboard`` reader) and configures ``[security]``; clients made here speak as ``ops``.
     """
 
-    def __init__(self, root: Path, processes: list[NodeProcess], size: int = 3, secure: bool | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        processes: list[NodeProcess],
+        size: int = 3,
+        secure: bool | None = None,
+        placement: Loopback | None = None,
+    ) -> None:
         self.root = root
+        self.placement = placement or Loopback()
         self.names = [f"core{i}" for i in range(1, size + 1)]
-        self.endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in self.names}
+        self.endpoints = {name: self._endpoint(name) for name in self.names}
         self.nodes: dict[str, NodeProcess] = {}
         self._processes = processes
         self.secure = not os.environ.get(INSECURE_ENV) if secure is None else secure
@@ -199,6 +226,10 @@ class Cluster:
             self._generate_keys([*self.names, *REPLICANT_NAMES, *CLIENT_PRINCIPALS.values()])
         for name in self.names:
             self._write_config(name, "core")
+
+    def _endpoint(self, name: str) -> str:
+        # A port free on 127.0.0.1 here; in a namespace of its own every port is free anyway.
+        return f"tcp://{self.placement.host(name)}:{free_port()}"
 
     def _generate_keys(self, principals: list[str]) -> None:
         from mnesite.rlog.security import generate_keys
@@ -242,7 +273,9 @@ class Cluster:
             f"[cluster]\ncore_nodes = {{ {core_nodes} }}\n"
             '[storage]\nsynchronous = "NORMAL"\n' + self.security_toml(name)
         )
-        self.nodes[name] = NodeProcess(config, self.root / f"{name}.log", self.keys())
+        self.nodes[name] = NodeProcess(
+            config, self.root / f"{name}.log", self.keys(), self.placement.command_prefix(name)
+        )
         self._processes.append(self.nodes[name])
 
     def extend_core_configs(self, toml: str) -> None:
@@ -255,7 +288,7 @@ class Cluster:
         """Configure (not start) a replicant that watches this cluster's cores."""
         if self.secure and name not in REPLICANT_NAMES:
             raise ValueError(f"secure clusters have keys for {REPLICANT_NAMES} only")
-        self.endpoints[name] = f"tcp://127.0.0.1:{free_port()}"
+        self.endpoints[name] = self._endpoint(name)
         self._write_config(name, "replicant")
 
     def data_dir(self, name: str) -> Path:

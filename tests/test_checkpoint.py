@@ -95,8 +95,31 @@ def test_without_a_thread_to_be_had_commits_succeed_and_checkpoint_inline(tmp_pa
         store.close()
 
 
-def test_a_failing_inline_checkpoint_never_fails_the_commit(tmp_path, monkeypatch) -> None:
+def test_an_inline_checkpoint_without_space_never_fails_the_commit(tmp_path, monkeypatch) -> None:
     import apsw
+
+    monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)
+    store, seen = open_store(tmp_path / "db", background=10, inline=20)
+
+    class Broken:
+        def wal_checkpoint(self, mode):
+            raise apsw.FullError("database or disk is full")
+
+    try:
+        fill(store, 0, 20)
+        store.checkpointer.inline_due = True
+        store.checkpointer.checkpoint_inline(Broken())
+        assert store.checkpointer.failures == 1 and not store.checkpointer.inline_due
+        fill(store, 20, 20)  # and the store goes on committing, and checkpointing
+        assert store.connection.execute("SELECT count(*) FROM rows").fetchone() == (40,)
+    finally:
+        store.close()
+
+
+def test_an_inline_checkpoint_with_an_io_error_is_never_retried(tmp_path, monkeypatch) -> None:
+    """rlog.disk: a failed sync of the database file may have lost pages; the commit raises, the node stops."""
+    import apsw
+    from mnesite.rlog.disk import StorageFailedError
 
     monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)
     store, seen = open_store(tmp_path / "db", background=10, inline=20)
@@ -106,12 +129,9 @@ def test_a_failing_inline_checkpoint_never_fails_the_commit(tmp_path, monkeypatc
             raise apsw.IOError("disk I/O error")
 
     try:
-        fill(store, 0, 20)
         store.checkpointer.inline_due = True
-        store.checkpointer.checkpoint_inline(Broken())
-        assert store.checkpointer.failures == 1 and not store.checkpointer.inline_due
-        fill(store, 20, 20)  # and the store goes on committing, and checkpointing
-        assert store.connection.execute("SELECT count(*) FROM rows").fetchone() == (40,)
+        with pytest.raises(StorageFailedError, match="disk I/O error"):
+            store.checkpointer.checkpoint_inline(Broken())
     finally:
         store.close()
 

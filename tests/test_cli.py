@@ -175,10 +175,12 @@ def all_commands(group, prefix=()):
             yield " ".join((*prefix, name))
 
 
-def test_every_command_is_documented_in_the_readme() -> None:
-    readme = (REPO / "README.md").read_text()
-    missing = [name for name in all_commands(main) if f"mnesite {name}" not in readme]
-    assert not missing, f"README.md does not document: {missing}"
+def test_every_command_is_documented_in_the_command_table() -> None:
+    """The hand-kept table of docs/reference/cli.md (moved from the README); the generated reference
+    below it is checked option by option in tests/test_docs_cli.py."""
+    page = (REPO / "docs" / "reference" / "cli.md").read_text()
+    missing = [name for name in all_commands(main) if f"| `mnesite {name}" not in page]
+    assert not missing, f"docs/reference/cli.md's command table does not document: {missing}"
 
 
 def test_every_command_has_help() -> None:

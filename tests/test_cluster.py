@@ -23,9 +23,11 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 class Load:
     """Writer threads spread over cores; every acknowledged row id and tx key is recorded."""
 
-    def __init__(self, cluster: Cluster, through: list[str], writers: int = 4) -> None:
+    def __init__(self, cluster: Cluster, through: list[str], writers: int = 4, padding_bytes: int = 0) -> None:
         self.cluster = cluster
         self.through = list(through)
+        # Bytes added to each row's value: enough of them fill a disk (tests/test_disk_cluster.py).
+        self.padding = "x" * padding_bytes
         self.acknowledged: dict[int, tuple[int, int]] = {}
         self.errors = 0
         self.lock = threading.Lock()
@@ -42,7 +44,7 @@ class Load:
                 with self.cluster.client(name, timeout_ms=2000, retries=1) as client:
                     while not self.stop_event.is_set():
                         row_id = next(self.ids)
-                        tx_key = client.put("kv", {"id": row_id, "value": f"w{worker}"})
+                        tx_key = client.put("kv", {"id": row_id, "value": f"w{worker}{self.padding}"})
                         with self.lock:
                             self.acknowledged[row_id] = tuple(tx_key)
             except MnesiteError:

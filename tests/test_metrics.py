@@ -70,6 +70,7 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
             "handshakes_failed": {"auth": 3},
         },
         "protocol_violations": 7,
+        "disk": {"state": "full", "full_for_ms": 2500, "fills": 2, "writes_refused": 9},
     }
     metrics.refresh(0, status)
     samples = {}
@@ -93,6 +94,10 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_refused_total", reason="handshake") == 3
     assert value(samples, "mnesite_protocol_violations_total") == 7
     assert value(samples, "mnesite_node_info", node="replicant1", role="replicant") == 1
+    assert value(samples, "mnesite_disk_full") == 1
+    assert value(samples, "mnesite_disk_full_seconds") == 2.5
+    assert value(samples, "mnesite_disk_fills_total") == 2
+    assert value(samples, "mnesite_disk_full_writes_refused_total") == 9
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from typing import Any
 from mnesite.rlog.client import Client, GuardFailed, MnesiteError, OutcomeUnknown
 
 from tests.fault.checker import CAS, FAIL, OK, READ, UNKNOWN, WRITE, Operation
+from tests.fault.partitions import Refusal
 
 TABLE = "registers"
 COLUMNS = [("id", "INTEGER"), ("value", "INTEGER")]
@@ -65,6 +66,8 @@ class Recorder:
         self.seed = seed
         self.history: list[Operation] = []
         self.acknowledged: dict[int, tuple[int, int]] = {}  # value -> tx key the node acknowledged
+        # Every error a client got, with when it got it (refused operations are not in the history).
+        self.refusals: list[Refusal] = []
         self.counts: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.failures: list[BaseException] = []
@@ -100,10 +103,12 @@ class Recorder:
             if tx_key is not None:
                 self.acknowledged[operation.value] = tuple(tx_key)
 
-    def _error(self, error: MnesiteError) -> bool:
+    def _error(self, error: MnesiteError, process: int, kind: str, invoked_s: float) -> bool:
         """Count ``error``; True if the operation may have taken effect (its outcome is unknown)."""
         with self._lock:
             self.errors[error.code] += 1
+            if len(self.refusals) < OPERATIONS_MAX:
+                self.refusals.append(Refusal(process, kind, invoked_s, time.monotonic(), error.code))
         if isinstance(error, OutcomeUnknown):
             return True
         self._stopping.wait(UNAVAILABLE_PAUSE_S)
@@ -138,7 +143,7 @@ class Recorder:
         try:
             row = client.get(TABLE, key, consistency="linearizable")
         except MnesiteError as error:
-            self._error(error)
+            self._error(error, process, READ, invoked)
             return False, None
         self._record(Operation(process, key, READ, OK, invoked, time.monotonic(), row_value(row)))
         return True, row
@@ -148,7 +153,7 @@ class Recorder:
         try:
             tx_key = client.put(TABLE, {"id": key, "value": value})
         except MnesiteError as error:
-            if self._error(error):
+            if self._error(error, process, WRITE, invoked):
                 self._record(Operation(process, key, WRITE, UNKNOWN, invoked, math.inf, value))
             return
         self._record(Operation(process, key, WRITE, OK, invoked, time.monotonic(), value), tx_key)
@@ -170,7 +175,7 @@ class Recorder:
             self._record(Operation(process, key, CAS, FAIL, invoked, completed, found, expected))
             return
         except MnesiteError as error:
-            if self._error(error):
+            if self._error(error, process, CAS, invoked):
                 self._record(Operation(process, key, CAS, UNKNOWN, invoked, math.inf, value, expected))
             return
         self._record(Operation(process, key, CAS, OK, invoked, time.monotonic(), value, expected), tx_key)

@@ -11,6 +11,13 @@ Faults (each is injected, held for a random time, then healed, before the next o
   node reads and every timer it waits on run at that rate, so this is a true clock-rate difference.
   It is skipped, with a message, when libfaketime is not installed (``make fault-test`` installs it).
 
+With a ``network`` (``tests.fault.netns.Network``: every node in a namespace of its own) the network
+faults of ``tests.fault.partitions`` join them (``PARTITION_FAULTS``: partitions of several shapes,
+flapping links, slow links); without one they are skipped with a message.
+
+Faults are chosen at random (``schedule="random"``) or in shuffled rounds in which each fault comes
+once (``schedule="rounds"``: a short run still meets every kind).
+
 Every fault is logged with its start time, its target, the hold and the highest generation seen
 before and after, which is how the test shows what a fault cost in elections.
 """
@@ -25,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.conftest import Cluster
+from tests.fault.netns import Network
+from tests.fault.partitions import PARTITION_FAULTS
+from tests.fault.partitions import inject as inject_network_fault
 
 FAKETIME_LIBRARIES = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
@@ -49,6 +59,8 @@ CLOCK_SKEW_HOLD_S_MAX = 10.0
 QUIET_S_MIN = 1.0
 QUIET_S_MAX = 3.0
 FAULTS_MAX = 10_000
+ALL_FAULTS = FAULTS + PARTITION_FAULTS
+SCHEDULES = ("random", "rounds")
 
 
 def faketime_library() -> str | None:
@@ -67,11 +79,19 @@ class FaultRecord:
     generation_before: int | None
     generation_after: int | None = None
     note: str = ""
+    # Network faults: when the cut was in place and when it was healed (time.monotonic), the nodes cut
+    # from a majority of cores (minority) and those through which writes can still commit (majority).
+    cut_s: float | None = None
+    healed_s: float | None = None
+    minority: list[str] = field(default_factory=list)
+    majority: list[str] = field(default_factory=list)
 
     def describe(self, origin_s: float) -> str:
+        sides = f" minority {','.join(self.minority) or '-'} | majority {','.join(self.majority) or '-'}"
         return (
             f"{self.started_s - origin_s:7.2f}s {self.fault:<17} {','.join(self.targets):<20} hold {self.hold_s:4.1f}s "
             f"generation {self.generation_before} -> {self.generation_after}{' ' + self.note if self.note else ''}"
+            f"{sides if self.minority or self.majority else ''}"
         )
 
 
@@ -81,18 +101,27 @@ class Nemesis:
     replicants: list[str]
     seed: int
     faults: tuple[str, ...] = FAULTS
+    network: Network | None = None
+    schedule: str = "random"
     log: list[FaultRecord] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
         self.rng = random.Random(self.seed)
-        self._stopping = threading.Event()
+        self.stopping = threading.Event()
+        self.clock = time.monotonic
+        self._round: list[str] = []
         self._thread = threading.Thread(target=self._run, name="nemesis", daemon=True)
         self.failure: BaseException | None = None
         self._faketime = faketime_library()
         if "clock_skew" in self.faults and self._faketime is None:
             self.skipped.append("clock_skew: libfaketime is not installed (apt-get install -y faketime)")
             self.faults = tuple(f for f in self.faults if f != "clock_skew")
+        if self.network is None and any(f in PARTITION_FAULTS for f in self.faults):
+            self.skipped.append("network faults: the nodes do not run in network namespaces of their own")
+            self.faults = tuple(f for f in self.faults if f not in PARTITION_FAULTS)
 
     def start(self) -> Nemesis:
         self._thread.start()
@@ -100,7 +129,7 @@ class Nemesis:
 
     def stop(self, timeout_s: float = 60) -> None:
         """Stop after healing the fault under way; raise what went wrong in the nemesis, if anything."""
-        self._stopping.set()
+        self.stopping.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise RuntimeError(f"the nemesis did not stop within {timeout_s} s")
@@ -109,14 +138,22 @@ class Nemesis:
 
     def _run(self) -> None:
         try:
-            while not self._stopping.is_set() and len(self.log) < FAULTS_MAX:
-                if self._stopping.wait(self.rng.uniform(QUIET_S_MIN, QUIET_S_MAX)):
+            while not self.stopping.is_set() and len(self.log) < FAULTS_MAX:
+                if self.stopping.wait(self.rng.uniform(QUIET_S_MIN, QUIET_S_MAX)):
                     return
-                self.inject(self.rng.choice(self.faults))
+                self.inject(self._next_fault())
         except BaseException as error:  # reported by stop(); the run's final checks still heal the cluster
             self.failure = error
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _next_fault(self) -> str:
+        if self.schedule == "random":
+            return self.rng.choice(self.faults)
+        if not self._round:
+            self._round = list(self.faults)
+            self.rng.shuffle(self._round)
+        return self._round.pop()
 
     def generation(self) -> int | None:
         generations = []
@@ -133,7 +170,7 @@ class Nemesis:
     def _hold(self, low_s: float = HOLD_S_MIN, high_s: float = HOLD_S_MAX) -> float:
         hold_s = self.rng.uniform(low_s, high_s)
         # The hold ends early only when the run stops; the fault is healed either way.
-        self._stopping.wait(hold_s)
+        self.stopping.wait(hold_s)
         return hold_s
 
     def _kill(self, name: str) -> None:
@@ -148,7 +185,9 @@ class Nemesis:
         record = FaultRecord(fault, [], time.monotonic(), 0.0, self.generation())
         self.log.append(record)
         cores = self.cluster.names
-        if fault in ("kill_sequencer", "kill_core", "kill_two_cores"):
+        if fault in PARTITION_FAULTS:
+            inject_network_fault(self, fault, record)
+        elif fault in ("kill_sequencer", "kill_core", "kill_two_cores"):
             if fault == "kill_sequencer":
                 record.targets = [self._sequencer()]
             else:
@@ -194,7 +233,9 @@ class Nemesis:
         return record
 
     def heal(self) -> None:
-        """Make every node run again with the real clock (called after the nemesis stopped)."""
+        """Make every node run again with the real clock and all links (called after the nemesis stopped)."""
+        if self.network is not None:
+            self.network.heal()
         for name, node in self.cluster.nodes.items():
             node.signal(signal.SIGCONT)
             if node.process is None or node.process.poll() is not None:

@@ -1,17 +1,22 @@
 """One fault run: a real cluster, the history recorder, the nemesis, then the checks.
 
     python -m tests.fault.run --seed 7 --duration-s 300          # what ``make fault-test`` runs
+    python -m tests.fault.run --faults partitions --schedule rounds   # ``make partition-test`` (root)
 
-Steps: start 3 cores and 2 replicants (real processes on 127.0.0.1, free ports); create the table
+Steps: start 3 cores and 2 replicants (real processes on 127.0.0.1, free ports; with a network fault
+among ``--faults``, each node in a network namespace of its own: ``tests.fault.netns``); create the table
 ``registers``; run the client threads (half on cores, half on replicants) and the nemesis for the
-duration; stop the nemesis, heal every node (SIGCONT, restart what is down, real clocks); stop the
+duration; stop the nemesis, heal every node (SIGCONT, restart what is down, real clocks, every link); stop the
 clients; then check
 
 1. convergence: every node applied the same tx key with the same digest, and holds the same rows;
 2. no lost acknowledged write: every write or CAS a node acknowledged is in the rlog at the tx key it
    was acknowledged with, and each key's row is the last write of it in log order;
 3. linearizability per key of the recorded history (``checker``), after one final ``linearizable``
-   read per key, so that a write lost at the very end shows up as well.
+   read per key, so that a write lost at the very end shows up as well;
+4. for network faults, that they were real (``partitions.problems``): every kind injected, no write
+   acknowledged on a minority side during a cut, failures seen there, writes acknowledged on the
+   majority side.
 
 A failing run prints the seed, the command that replays it and the offending histories.
 """
@@ -33,9 +38,12 @@ from pathlib import Path
 from mnesite.rlog.client import MnesiteError
 
 from tests.conftest import Cluster, NodeProcess, wait_until
+from tests.fault import netns, partitions
 from tests.fault.checker import OK, READ, KeyResult, Operation, Verdict, check_history
 from tests.fault.history import COLUMNS, TABLE, Recorder, row_value
-from tests.fault.nemesis import FAULTS, Nemesis
+from tests.fault.nemesis import ALL_FAULTS, FAULTS, SCHEDULES, FaultRecord, Nemesis
+from tests.fault.netns import Network
+from tests.fault.partitions import PARTITION_FAULTS
 
 SHARD = "default"
 RLOG_PAGE_ENTRIES = 1000
@@ -54,12 +62,20 @@ class RunSettings:
     faults: tuple[str, ...] = FAULTS
     client_timeout_ms: int = 1000
     steps_max: int | None = None  # the checker's budget per key; None: its default per operation
+    schedule: str = "random"  # nemesis.SCHEDULES
+
+    @property
+    def network_faults(self) -> tuple[str, ...]:
+        return tuple(fault for fault in self.faults if fault in PARTITION_FAULTS)
+
+    def node_names(self) -> list[str]:
+        return [f"core{i}" for i in range(1, 4)] + [f"replicant{i}" for i in range(1, self.replicants + 1)]
 
     def replay_command(self) -> str:
         faults = ",".join(self.faults) if self.faults else "none"
         return (
             f".venv/bin/python -m tests.fault.run --seed {self.seed} --duration-s {self.duration_s:g} "
-            f"--clients {self.clients} --keys {self.keys} --faults {shlex.quote(faults)}"
+            f"--clients {self.clients} --keys {self.keys} --faults {shlex.quote(faults)} --schedule {self.schedule}"
         )
 
 
@@ -77,6 +93,12 @@ class RunResult:
     generation_final: int | None
     position: dict = field(default_factory=dict)
     check_s: float = 0.0
+    records: list[FaultRecord] = field(default_factory=list)
+    network_kinds: dict[str, partitions.KindFigures] = field(default_factory=dict)
+
+    @property
+    def network_problems(self) -> list[str]:
+        return partitions.problems(self.network_kinds, self.settings.network_faults)
 
     @property
     def violations(self) -> list[KeyResult]:
@@ -88,7 +110,9 @@ class RunResult:
 
     @property
     def passed(self) -> bool:
-        return not (self.violations or self.undetermined or self.lost_writes or self.divergence)
+        return not (
+            self.violations or self.undetermined or self.lost_writes or self.divergence or self.network_problems
+        )
 
     def acknowledged_writes(self) -> int:
         return sum(n for name, n in self.counts.items() if name in ("write ok", "cas ok"))
@@ -108,6 +132,13 @@ class RunResult:
             f"  lost acknowledged writes: {len(self.lost_writes)}; divergence: {len(self.divergence)}",
         ]
         lines += [f"  skipped fault {reason}" for reason in self.skipped]
+        for name, kind in sorted(self.network_kinds.items()):
+            lines.append(
+                f"  {name}: {kind.injected} injected, {kind.held_s:.0f} s held; writes acknowledged on the majority "
+                f"side {kind.majority_acks}, on the minority side {kind.minority_acks}; minority failures "
+                f"{kind.minority_failures}; failover {kind.failover_summary()}"
+            )
+        lines += [f"  network problem: {problem}" for problem in self.network_problems]
         return "\n".join(lines)
 
     def failure_report(self) -> str:
@@ -124,8 +155,11 @@ class RunFailed(Exception):
     """The cluster did not converge or answer after the faults were healed."""
 
 
-def start_cluster(root: Path, processes: list[NodeProcess], replicants: int) -> tuple[Cluster, list[str]]:
-    cluster = Cluster(root, processes)
+def start_cluster(
+    root: Path, processes: list[NodeProcess], replicants: int, network: Network | None = None
+) -> tuple[Cluster, list[str]]:
+    # Nodes in namespaces listen on non-loopback addresses, which a node allows only with [security].
+    cluster = Cluster(root, processes, secure=True if network else None, placement=network)
     cluster.extend_core_configs(CORE_CONFIG_EXTRA)
     cluster.start_all()
     with cluster.client(cluster.names[0], timeout_ms=5000, retries=5) as client:
@@ -231,15 +265,21 @@ def check_lost_writes(cluster: Cluster, acknowledged: dict[int, tuple[int, int]]
     return lost
 
 
-def execute(root: Path, processes: list[NodeProcess], settings: RunSettings) -> RunResult:
-    """Run once; every process started is in ``processes`` (the caller kills them)."""
-    cluster, replicants = start_cluster(root, processes, settings.replicants)
+def execute(
+    root: Path, processes: list[NodeProcess], settings: RunSettings, network: Network | None = None
+) -> RunResult:
+    """Run once; every process started is in ``processes`` (the caller kills them, then closes ``network``).
+
+    ``network``: the namespaces of ``settings.node_names()``, needed by network faults."""
+    if settings.network_faults and network is None:
+        raise ValueError(f"network faults {settings.network_faults} need a Network")
+    cluster, replicants = start_cluster(root, processes, settings.replicants, network)
+    attached = client_nodes(cluster, replicants, settings.clients)
     connect = [
-        functools.partial(cluster.client, name, timeout_ms=settings.client_timeout_ms, retries=1)
-        for name in client_nodes(cluster, replicants, settings.clients)
+        functools.partial(cluster.client, name, timeout_ms=settings.client_timeout_ms, retries=1) for name in attached
     ]
     recorder = Recorder(connect, settings.keys, settings.seed)
-    nemesis = Nemesis(cluster, replicants, settings.seed, settings.faults)
+    nemesis = Nemesis(cluster, replicants, settings.seed, settings.faults, network, settings.schedule)
     origin = time.monotonic()
     recorder.start()
     if settings.faults:
@@ -260,11 +300,21 @@ def execute(root: Path, processes: list[NodeProcess], settings: RunSettings) -> 
         divergence = check_convergence(cluster, cluster.names + replicants, position)
         lost = check_lost_writes(cluster, recorder.acknowledged)
     except (AssertionError, MnesiteError) as error:
-        # No convergence (or no answer) after healing is a failure of the run: say how to replay it.
+        # No convergence (or no answer) after healing is a failure of the run: say how to replay it,
+        # and what the clients saw until then (often the cause: a write acknowledged and then lost).
         faults = "\n".join(f"  {record.describe(origin)}" for record in nemesis.log)
-        raise RunFailed(f"{error}\nreplay: {settings.replay_command()}\nfaults:\n{faults}") from error
+        seen = [
+            r
+            for r in check_history(list(recorder.history), steps_max=settings.steps_max)
+            if r.verdict is not Verdict.LINEARIZABLE
+        ]
+        verdicts = "\n".join(result.report(around=10) for result in seen) or "every key linearizable"
+        raise RunFailed(
+            f"{error}\nreplay: {settings.replay_command()}\nfaults:\n{faults}\nthe history until then: {verdicts}"
+        ) from error
     started = time.monotonic()
     key_results = check_history(history, steps_max=settings.steps_max)
+    network_kinds = partitions.figures(nemesis.log, history, recorder.refusals, attached)
     return RunResult(
         settings,
         history,
@@ -278,13 +328,16 @@ def execute(root: Path, processes: list[NodeProcess], settings: RunSettings) -> 
         nemesis.generation(),
         position,
         time.monotonic() - started,
+        list(nemesis.log),
+        network_kinds,
     )
 
 
 def run_and_clean_up(root: Path, settings: RunSettings) -> RunResult:
     processes: list[NodeProcess] = []
+    network = Network.create(settings.node_names(), root) if settings.network_faults else None
     try:
-        return execute(root, processes, settings)
+        return execute(root, processes, settings, network)
     finally:
         for process in processes:
             try:
@@ -292,16 +345,27 @@ def run_and_clean_up(root: Path, settings: RunSettings) -> RunResult:
                 process.kill()
             except Exception as error:  # keep killing the others
                 print(f"could not kill {process.config_path}: {error!r}", file=sys.stderr)
+        if network is not None:
+            network.close()
 
 
 def parse_faults(text: str) -> tuple[str, ...]:
+    """Comma-separated fault names; ``none``, ``processes`` (the default set) and ``partitions`` (every
+    network fault) name groups."""
     if text in ("", "none"):
         return ()
-    faults = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = set(faults) - set(FAULTS)
+    groups = {"processes": FAULTS, "partitions": PARTITION_FAULTS}
+    faults: list[str] = []
+    for part in (part.strip() for part in text.split(",")):
+        for fault in groups.get(part, (part,) if part else ()):
+            if fault not in faults:
+                faults.append(fault)
+    unknown = set(faults) - set(ALL_FAULTS)
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
-    return faults
+        raise argparse.ArgumentTypeError(
+            f"unknown faults {sorted(unknown)}; known: {', '.join(ALL_FAULTS)} (groups: processes, partitions)"
+        )
+    return tuple(faults)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=300)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--keys", type=int, default=10)
-    parser.add_argument("--faults", type=parse_faults, default=FAULTS, help="comma-separated, or 'none'")
+    parser.add_argument(
+        "--faults",
+        type=parse_faults,
+        default=FAULTS,
+        help="comma-separated fault names or groups ('processes', the default; 'partitions', which needs root "
+        "for network namespaces), or 'none'",
+    )
+    parser.add_argument(
+        "--schedule", choices=SCHEDULES, default="random", help="faults at random, or in shuffled rounds of each"
+    )
     parser.add_argument("--steps-max", type=int, help="checker search budget per key (default: 1000 per operation)")
     parser.add_argument("--keep", type=Path, help="run in this directory and keep it (logs, data)")
     parser.add_argument("--json", type=Path, help="also write the summary figures to this file")
@@ -323,8 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         arguments.keys,
         faults=arguments.faults,
         steps_max=arguments.steps_max,
+        schedule=arguments.schedule,
     )
     print(f"fault run: {settings.replay_command()}", flush=True)
+    if settings.network_faults and (reason := netns.unavailable()) is not None:
+        print(f"cannot run network faults {', '.join(settings.network_faults)}: {reason}", file=sys.stderr)
+        return 2
     if arguments.keep:
         arguments.keep.mkdir(parents=True, exist_ok=True)
         result = run_and_clean_up(arguments.keep, settings)
@@ -355,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                     "divergence": result.divergence,
                     "faults": result.faults,
                     "generation_final": result.generation_final,
+                    "network_faults": {name: kind.as_dict() for name, kind in result.network_kinds.items()},
+                    "network_problems": result.network_problems,
                 },
                 indent=2,
             )

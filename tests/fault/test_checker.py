@@ -237,3 +237,31 @@ def test_the_search_reports_the_longest_prefix_it_could_place() -> None:
     result = check_key(1, history, search_only=True)
     assert result.verdict is Verdict.VIOLATION and len(result.linearized_max) == 2
     assert "could not be placed" in result.report() and "cas 10 -> 12" in result.report()
+
+
+# -- partition-shaped histories: what a minority sequencer that still acknowledged would leave -----------
+
+
+def test_a_minority_sequencer_acknowledging_beside_a_new_majority_is_a_violation() -> None:
+    # Split brain: process 0 writes through the old sequencer cut off at t=10, process 1 through the
+    # majority's new one. Both sides acknowledge CAS from 10, and the minority's reader still sees 10
+    # after the majority's 20 was acknowledged.
+    before = [op(0, WRITE, 0, 1, value=10), op(1, READ, 2, 3, value=10)]
+    majority = [op(1, CAS, 11, 12, value=20, expected=10), op(1, READ, 13, 14, value=20)]
+    assert verdict(before + majority) is Verdict.LINEARIZABLE
+    minority_cas = op(0, CAS, 12.5, 13, value=30, expected=10)  # invoked after 20 was acknowledged
+    assert verdict(before + majority + [minority_cas]) is Verdict.VIOLATION
+    minority_read = op(0, READ, 12.5, 13, value=10)
+    assert verdict(before + majority + [minority_read]) is Verdict.VIOLATION
+
+
+def test_a_minority_write_of_unknown_outcome_that_never_took_effect_is_legal() -> None:
+    # What a correct cluster leaves: the old sequencer could not answer (unknown); the majority went on.
+    history = [
+        op(0, WRITE, 0, 1, value=10),
+        op(0, WRITE, 11, None, value=30, status=UNKNOWN),
+        op(1, CAS, 11.5, 12, value=20, expected=10),
+        op(1, READ, 13, 14, value=20),
+        op(2, READ, 20, 21, value=20),
+    ]
+    assert verdict(history) is Verdict.LINEARIZABLE

@@ -36,3 +36,15 @@ def test_a_failing_run_prints_its_seed_the_replay_command_and_the_history() -> N
     assert "seed 4242" in report and "FAIL" in report
     assert "python -m tests.fault.run --seed 4242 --duration-s 60" in report
     assert "key 3: violation" in report and "read -> 10" in report
+
+
+def test_fault_groups_expand_and_network_faults_are_named_in_the_replay_command() -> None:
+    from tests.fault.partitions import PARTITION_FAULTS
+
+    assert parse_faults("partitions") == PARTITION_FAULTS
+    assert parse_faults("processes,slow_link") == (*FAULTS, "slow_link")
+    settings = RunSettings(seed=9, duration_s=300, faults=parse_faults("partitions"), schedule="rounds")
+    assert settings.network_faults == PARTITION_FAULTS
+    assert settings.node_names() == ["core1", "core2", "core3", "replicant1", "replicant2"]
+    assert "--faults partition_sequencer,partition_split" in settings.replay_command()
+    assert settings.replay_command().endswith("--schedule rounds")

@@ -368,6 +368,18 @@ class Simulation:
         )
 
     def _crash(self, node: SimNode) -> None:
+        self._lose_undurable(node)
+        node.machine = None
+        node.waiters = CommitWaiters()
+        node.forwarded = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
+        node.crash_in_next_step = False
+        node.paused_until_ms = 0
+        node.down_until_ms = self.now_ms + self.rng.randint(20, 600)
+        self.crashes += 1
+        self.trace.append((self.now_ms, node.name, "crashed until", node.down_until_ms))
+
+    def _lose_undurable(self, node: SimNode) -> None:
+        """What the driver's open transaction held is gone (a crash, or a commit that failed)."""
         if node.log.last_key() > node.durable_key:
             # The sequencer's entries since its last Persisted were not durable: gone, and with them
             # whatever the same (uncommitted) driver turn applied.
@@ -378,14 +390,6 @@ class Simulation:
                 if digest is None:
                     raise self.fail(f"{node.name} applied {node.applied_key} beyond its durable log")
                 node.applied_key, node.applied_digest = node.durable_key, digest
-        node.machine = None
-        node.waiters = CommitWaiters()
-        node.forwarded = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
-        node.crash_in_next_step = False
-        node.paused_until_ms = 0
-        node.down_until_ms = self.now_ms + self.rng.randint(20, 600)
-        self.crashes += 1
-        self.trace.append((self.now_ms, node.name, "crashed until", node.down_until_ms))
 
     def _is_up(self, node: SimNode) -> bool:
         return node.machine is not None and node.paused_until_ms <= self.now_ms

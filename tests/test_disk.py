@@ -1,0 +1,289 @@
+"""Unit tests of the full-disk and failed-disk rules (rlog.disk), in the pure machines and the driver.
+
+Real processes on size-limited file systems and a failing fsync: tests/test_disk_cluster.py.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import apsw
+import pytest
+from mnesite.core.consensus import (
+    REJECT_DISK_FULL,
+    PersistEntries,
+    PreVoteRequest,
+    ProposalFailed,
+    ProposalRejected,
+    Proposed,
+    Role,
+    RoleChanged,
+    Send,
+    VoteRequest,
+)
+from mnesite.rlog.client import MnesiteError
+from mnesite.rlog.disk import (
+    ERROR_DISK_FULL,
+    DiskFreed,
+    DiskFull,
+    DiskHealth,
+    StorageFailedError,
+    StorageFault,
+)
+from mnesite.rlog.replication import ApplyEntries, Mode, ProbeJournals, SendWatch, Ticked
+from mnesite.rlog.store import Store, storage_fault
+from mnesite.rlog.types import TxKey, WriteOp
+
+from tests.conftest import ThreadNode, wait_until
+from tests.test_consensus import Harness, append, chain, of_type, sends
+from tests.test_replica import HISTORY, ages, at, bootstrap, connect, of, push, replica
+
+# ---------------------------------------------------------------- classification
+
+
+@pytest.mark.parametrize(
+    ("error", "fault"),
+    [
+        (apsw.FullError("database or disk is full"), StorageFault.FULL),
+        (OSError(errno.ENOSPC, "No space left on device"), StorageFault.FULL),
+        (OSError(errno.EDQUOT, "Disk quota exceeded"), StorageFault.FULL),
+        (apsw.IOError("disk I/O error"), StorageFault.FAILED),
+        (OSError(errno.EIO, "Input/output error"), StorageFault.FAILED),
+        (StorageFailedError("fdatasync failed"), StorageFault.FAILED),
+        (apsw.ConstraintError("UNIQUE"), None),
+        (ValueError("not the disk's"), None),
+    ],
+)
+def test_a_write_error_is_full_failed_or_not_the_disks(error: BaseException, fault: StorageFault | None) -> None:
+    assert storage_fault(error) is fault
+
+
+def test_sqlite_full_from_a_real_database_is_a_full_disk_and_rolls_back(tmp_path: Path) -> None:
+    """max_page_count makes SQLite answer SQLITE_FULL exactly as a full file system does."""
+    store = Store(str(tmp_path / "db"), synchronous="NORMAL")
+    try:
+        store.connection.execute("CREATE TABLE big(x BLOB)")
+        pages = store.connection.execute("PRAGMA page_count").fetchone()[0]
+        store.connection.execute(f"PRAGMA max_page_count = {pages + 8}")
+        store.connection.execute("BEGIN IMMEDIATE")
+        with pytest.raises(apsw.Error) as raised:
+            for _ in range(64):
+                store.connection.execute("INSERT INTO big VALUES (zeroblob(4096))")
+            store.commit()
+        assert storage_fault(raised.value) is StorageFault.FULL
+        store.rollback()
+        assert store.connection.execute("SELECT count(*) FROM big").fetchone() == (0,)
+        with pytest.raises(apsw.FullError):
+            store.probe_space()  # 256 KiB do not fit in 8 pages: still full
+        store.connection.execute("PRAGMA max_page_count = 1000000")
+        store.probe_space()  # space again: the probe writes durably and removes what it wrote
+        assert store.meta("disk_probe", None) is None
+    finally:
+        store.close()
+
+
+def test_a_full_disk_while_applying_is_the_disks_error_not_the_entrys(tmp_path: Path) -> None:
+    """Or the node would stop saying a committed entry "cannot be applied on this node"."""
+    from mnesite.rlog.store import EntryApplyError
+    from mnesite.rlog.types import CreateTableOp, WriteOp, make_entry
+
+    store = Store(str(tmp_path / "db"), synchronous="NORMAL")
+    try:
+        with store.write_transaction():
+            store.ensure_shard("default", 0)
+            store.apply_ops((CreateTableOp("big", "default", "id", (("id", "INTEGER"), ("v", "BLOB"))),))
+        position = store.shard("default")
+        ops = tuple(WriteOp("big", {"id": i, "v": b"x" * 4096}) for i in range(64))
+        entry = make_entry("default", TxKey(1, 1), position.applied, position.digest, ops, "big")
+        with store.write_transaction():
+            store.append_entries((entry,), 0, chain_verified=True)
+        pages = store.connection.execute("PRAGMA page_count").fetchone()[0]
+        store.connection.execute(f"PRAGMA max_page_count = {pages + 4}")
+        store.connection.execute("BEGIN IMMEDIATE")
+        with pytest.raises(apsw.FullError) as raised:
+            store.apply_committed("default", TxKey(1, 1))
+        assert not isinstance(raised.value, EntryApplyError)
+        store.rollback()
+    finally:
+        store.close()
+
+
+def test_a_database_that_cannot_be_opened_for_want_of_space_is_not_called_foreign(tmp_path: Path, monkeypatch) -> None:
+    from mnesite.rlog.store import StoreError
+
+    def full(*args, **kwargs):
+        raise apsw.FullError("database or disk is full")
+
+    monkeypatch.setattr(apsw, "Connection", full)
+    with pytest.raises(StoreError, match="the disk is full") as raised:
+        Store(str(tmp_path / "db"))
+    assert "not a mnesite database" not in str(raised.value)
+
+
+# ---------------------------------------------------------------- DiskHealth
+
+
+def test_a_full_disk_is_logged_once_probed_at_the_interval_and_freed_by_a_probe() -> None:
+    health = DiskHealth(probe_interval_ms=500)
+    assert health.refusal() is None and not health.probe_due(10_000)
+    assert health.filled("database or disk is full", 1000) is True
+    # Further failures in the same episode say nothing new (one log line, not a flood).
+    assert health.filled("database or disk is full", 1100) is False
+    assert not health.probe_due(1599) and health.probe_due(1600)
+    health.probe_failed("still full", 1600)
+    assert not health.probe_due(2099) and health.probe_due(2100)
+    refusal = health.refusal()
+    assert refusal is not None and "still full" in refusal
+    status = health.status(2100)
+    assert status["state"] == "full" and status["full_for_ms"] == 1100 and status["writes_refused"] == 1
+    assert health.freed(2100) == 1100
+    assert health.refusal() is None and health.status(2200)["state"] == "ok" and health.fills == 1
+
+
+# ---------------------------------------------------------------- consensus: step down, take no part
+
+
+def test_a_sequencer_whose_disk_is_full_steps_down_and_fails_its_pending_proposals() -> None:
+    harness = Harness()
+    harness.elect()
+    harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
+    effects = harness.step(DiskFull("database or disk is full"))
+    assert harness.machine.role is Role.FOLLOWER and harness.machine.disk_full
+    (failed,) = of_type(effects, ProposalFailed)
+    assert failed.request_id == "w1" and failed.reason.startswith(REJECT_DISK_FULL)
+    assert of_type(effects, RoleChanged) == [RoleChanged(Role.FOLLOWER, harness.machine.generation, None)]
+    # A proposal while full is refused with the one error code, nothing written.
+    assert harness.step(Proposed((), "w2")) == [ProposalRejected("w2", ERROR_DISK_FULL, None)]
+
+
+def test_a_full_core_never_campaigns_and_is_not_elected_until_freed() -> None:
+    harness = Harness()
+    harness.step(DiskFull("full"))
+    # Long past every election timeout: no pre-vote, no generation bump, nothing persisted.
+    for now_ms in range(0, 20_000, 100):
+        assert harness.step(Ticked(), now_ms) == []
+    assert harness.machine.generation == 0 and harness.machine.role is Role.FOLLOWER
+    assert harness.machine.next_deadline_ms() > harness.now_ms  # never a deadline in the past (no spinning)
+    harness.step(DiskFreed(), 20_000)
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert sends(effects, PreVoteRequest), "once freed it campaigns again"
+
+
+def test_a_full_follower_neither_votes_nor_acknowledges_entries_it_could_not_persist() -> None:
+    harness = Harness(name="b")
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness.receive("a", append(1, None, entries[:1]))
+    harness.step(DiskFull("full"), 10)
+    # An append with a new entry: it would have to persist it first, so it does not answer at all
+    # (a success would count an entry it does not hold toward a commit).
+    effects = harness.receive("a", append(1, entries[0], entries[1:], commit_key=TxKey(1, 1)), 20)
+    assert effects == [] and harness.machine.last_key == TxKey(1, 1)
+    # Votes and pre-votes of a higher generation: granting or adopting must be persisted first.
+    assert harness.receive("c", PreVoteRequest(2, TxKey(1, 2)), 5000) == []
+    assert harness.receive("c", VoteRequest(2, TxKey(1, 2)), 5000) == []
+    assert harness.machine.generation == 1 and harness.state.voted_for is None
+    # Freed: the next append is persisted and acknowledged as usual.
+    harness.step(DiskFreed(), 5100)
+    effects = harness.receive("a", append(1, entries[0], entries[1:], commit_key=TxKey(1, 1)), 5200)
+    assert of_type(effects, PersistEntries) and [m.success for _, m in sends(effects, type(effects[-1].message))]
+
+
+def test_a_full_disk_is_what_keeps_a_follower_from_acknowledging() -> None:
+    """The same append to a healthy follower is persisted and acknowledged (the test above would fail
+    if the DiskFull rule were gone)."""
+    harness = Harness(name="b")
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness.receive("a", append(1, None, entries[:1]))
+    effects = harness.receive("a", append(1, entries[0], entries[1:], commit_key=TxKey(1, 1)), 20)
+    assert of_type(effects, PersistEntries)
+    assert any(isinstance(e, Send) and getattr(e.message, "success", False) for e in effects)
+
+
+# ---------------------------------------------------------------- replica: stop applying, keep serving
+
+
+def test_a_full_replica_keeps_its_position_serves_reads_applies_nothing_and_resumes() -> None:
+    machine = replica(applied=5)
+    connect(machine)
+    effects = machine.step(push(HISTORY[5:8]), 10)
+    assert of(effects, ApplyEntries) and machine.applied_key == at(8)[0]
+    # The turn that applied them failed for want of space: the disk still holds (1, 5).
+    machine.step(DiskFull("full", *at(5)), 11)
+    assert machine.applied_key == at(5)[0] and machine.applied_digest == at(5)[1]
+    assert machine.readable() and machine.mode is Mode.NORMAL and machine.status().disk_full
+    # Later pushes (past a gap now) are neither applied, acknowledged nor rejected.
+    assert machine.step(push(HISTORY[8:10]), 12) == []
+    # Nor does the upstream's silence make it give up its reads while full, and it never spins.
+    assert machine.step(Ticked(), 60_000) == [] and machine.mode is Mode.NORMAL
+    assert machine.next_deadline_ms() > 60_000
+    machine.step(DiskFreed(), 60_001)
+    assert machine.mode is Mode.DISCONNECTED and not machine.status().disk_full
+    assert of(machine.step(Ticked(), 60_001), ProbeJournals), "it resynchronises at once"
+    (watch,) = of(machine.step(ages(), 60_002), SendWatch)
+    assert (watch.from_key, watch.from_digest) == at(5), "from the position the disk holds: no gap"
+
+
+def test_without_the_full_disk_rule_the_next_push_follows_a_key_the_disk_does_not_hold() -> None:
+    """What DiskFull prevents: a replica that kept its in-memory key would apply past the disk's."""
+    machine = replica(applied=5)
+    connect(machine)
+    machine.step(push(HISTORY[5:8]), 10)
+    (applied,) = of(machine.step(push(HISTORY[8:10]), 12), ApplyEntries)
+    assert applied.entries[0].prev == at(8)[0]
+
+
+def test_a_bootstrapping_replica_whose_disk_fills_disconnects_and_waits() -> None:
+    machine = replica(applied=0)
+    bootstrap(machine, k0=10)
+    machine.step(DiskFull("full", *at(0)), 5)
+    assert machine.mode is Mode.DISCONNECTED and not machine.readable()
+    assert machine.step(Ticked(), 100_000) == [], "no probe, no watch while full"
+
+
+# ---------------------------------------------------------------- the driver: no acknowledgement without durability
+
+
+def test_a_write_whose_commit_found_the_disk_full_is_never_acknowledged(tmp_path: Path, monkeypatch) -> None:
+    node = ThreadNode(tmp_path / "data", extra={"storage": {"disk_probe_interval_ms": 50}})
+    try:
+        with node.client(timeout_ms=3000, retries=0) as client:
+            client.create_table("t", "id", [("id", "INTEGER"), ("v", "TEXT")])
+            client.put("t", {"id": 1, "v": "before"})
+            store = node.node.store
+            real_commit = Store.commit
+            full = {"on": True}
+
+            def commit(self, durable: bool = True) -> None:
+                if full["on"] and self is store:
+                    raise apsw.FullError("database or disk is full")
+                real_commit(self, durable)
+
+            monkeypatch.setattr(Store, "commit", commit)
+            with pytest.raises(MnesiteError) as raised:
+                client.put("t", {"id": 2, "v": "not durable"})
+            # The sequencer stepped down (DiskFull): its client hears "outcome unknown" (its retry met
+            # the disk_full refusal, which never turns "maybe applied" into "not applied").
+            assert raised.value.code == "outcome_unknown" and "the disk is full" in str(raised.value)
+            with pytest.raises(MnesiteError) as refused:
+                client.put("t", {"id": 3, "v": "refused"})
+            assert refused.value.code == ERROR_DISK_FULL
+            status = client.status()
+            assert status["disk"]["state"] == "full" and status["shards"]["default"]["disk_full"]
+            assert client.get("t", 1) == {"id": 1, "v": "before"}, "reads are served while full"
+            full["on"] = False  # space freed: a probe writes, the node resumes by itself
+            wait_until(lambda: client.status()["disk"]["state"] == "ok", 10, "the probe to find space")
+            wait_until(lambda: _writable(client, 5), 10, "writes to be accepted again")
+            assert client.get("t", 2) is None, "the write that was not durable did not happen"
+            client.put("t", {"id": 4, "v": "after"})
+            assert client.get("t", 4) == {"id": 4, "v": "after"}
+    finally:
+        node.stop()
+
+
+def _writable(client, row_id: int) -> bool:
+    try:
+        client.put("t", {"id": row_id, "v": "probe"})
+        return True
+    except MnesiteError:
+        return False
