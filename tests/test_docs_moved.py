@@ -1,8 +1,9 @@
 """Nothing of the README before the docs site was lost: its text was moved, not deleted.
 
 The README of commit ``OLD_README_COMMIT`` (1,115 lines, before issue 25 split it) is cut into
-paragraphs, list items, table rows and code lines; each must appear in today's README.md, a page of
-docs/, CHANGELOG.md or a file a page includes. Links are compared by their text (their targets
+paragraphs, list items, table rows and code lines; each must appear in the README.md, a page of
+docs/, CHANGELOG.md or a file a page includes, as they were at ``MOVED_AT_COMMIT`` (the split's
+last commit): later commits may rewrite what the code no longer does. Links are compared by their text (their targets
 changed with the move) and whitespace is collapsed. Headings are not compared: pages renamed them.
 """
 
@@ -17,19 +18,22 @@ import pytest
 from tests.conftest import REPO
 
 OLD_README_COMMIT = "4c12a49"
+MOVED_AT_COMMIT = "752f139"
 INCLUDED = ["spark/README.md", "spark/BENCHMARK.md", "benchmarks/PROFILE.md"]
 
 
-def old_readme() -> str:
+def git(*arguments: str) -> str:
     try:
-        answer = subprocess.run(
-            ["git", "show", f"{OLD_README_COMMIT}:README.md"], cwd=REPO, capture_output=True, text=True, timeout=30
-        )
+        answer = subprocess.run(["git", *arguments], cwd=REPO, capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
         pytest.skip("git is not installed")
     if answer.returncode != 0:
-        pytest.skip(f"commit {OLD_README_COMMIT} is not in this clone (shallow?): {answer.stderr.strip()}")
+        pytest.skip(f"git {' '.join(arguments)} failed (a shallow clone?): {answer.stderr.strip()}")
     return answer.stdout
+
+
+def old_readme() -> str:
+    return git("show", f"{OLD_README_COMMIT}:README.md")
 
 
 def normalise(text: str) -> str:
@@ -67,9 +71,11 @@ def _flush(paragraph: list[str]) -> Iterator[str]:
 
 
 def corpus() -> str:
-    paths = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").rglob("*.md"))]
-    paths += [REPO / name for name in INCLUDED]
-    return "\n".join(normalise(path.read_text()) for path in paths)
+    pages = [
+        path for path in git("ls-tree", "-r", "--name-only", MOVED_AT_COMMIT, "docs").split() if path.endswith(".md")
+    ]
+    paths = ["README.md", "CHANGELOG.md", *pages, *INCLUDED]
+    return "\n".join(normalise(git("show", f"{MOVED_AT_COMMIT}:{path}")) for path in paths)
 
 
 def lost(old: str, new: str) -> list[str]:
