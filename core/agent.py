@@ -20,7 +20,10 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
 * Window. At most ``window_entries_max`` pushed entries, and at most ``window_bytes_max`` bytes of
   them, are unacknowledged; the replica acknowledges with its applied (or spilled) key. A replica
   that stops acknowledging (its spill is full) makes the window fill, which stops the pushes: that
-  is the backpressure. One push holds at most ``push_entries_max`` entries and ``push_bytes_max``
+  is the backpressure. Until the replicant's first acknowledgement the window is only
+  ``probation_bytes_max`` bytes (one push by default): a watch naming an endpoint where nothing
+  listens costs one push, not a window (what zmq queues for a dead endpoint stays there until its
+  socket closes). One push holds at most ``push_entries_max`` entries and ``push_bytes_max``
   bytes (an entry larger than that goes alone), so a push never exceeds the replicant's frame limit
   with large transactions.
 * Paced by acknowledgements. One step pushes at most ``step_bytes_max`` bytes (or less: the driver
@@ -108,6 +111,8 @@ class AgentConfig:
     window_entries_max: int = 1000
     # Pushed bytes not yet acknowledged (estimated by ``entry_size_bytes``).
     window_bytes_max: int = 8 * 1024 * 1024
+    # The window before the replicant's first acknowledgement (it has not shown it is alive yet).
+    probation_bytes_max: int = 256 * 1024
     # Entries and bytes in one push; bounds the size of one message (under the replicant's frame_bytes_max).
     push_entries_max: int = 256
     push_bytes_max: int = 256 * 1024
@@ -175,6 +180,8 @@ class Agent:
         self._hears_sequencer = False
         self._last_push_ms: int | None = None
         self._last_ack_ms = now_ms
+        self._acknowledged = False  # the replicant acknowledged at least once (probation is over)
+        self._mode_counted_at = start_key  # sent_key when entries ahead were last counted
         self._last_rewind_ms: int | None = None
         self._stop_reason: str | None = None
         self._out: list[AgentEffect] = []
@@ -208,11 +215,28 @@ class Agent:
             unacknowledged_bytes=self._unacknowledged_bytes,
         )
 
-    def next_deadline_ms(self) -> int:
-        """The earliest time at which a ``Ticked`` may change something."""
+    @property
+    def unacknowledged_bytes(self) -> int:
+        """Bytes pushed and not acknowledged: what this agent holds of the node's memory budget."""
+        return self._unacknowledged_bytes
+
+    @property
+    def last_ack_ms(self) -> int:
+        """When the replicant last acknowledged (the agent's creation until it does)."""
+        return self._last_ack_ms
+
+    @property
+    def wants_to_push(self) -> bool:
+        """Committed entries wait and the window has room: a step with a push budget would push."""
+        return self._can_push()
+
+    def next_deadline_ms(self, push_room: bool = True) -> int:
+        """The earliest time at which a ``Ticked`` may change something; ``push_room=False``: the driver
+        has no room for a push now (its memory budget is spent), so only heartbeats and the
+        acknowledgement timeout are due (a freed budget makes the agent due again)."""
         if self.stopped:
             return self._now_ms + self.config.ack_timeout_ms
-        if self._last_push_ms is None or self._can_push():
+        if self._last_push_ms is None or (push_room and self._can_push()):
             return self._now_ms
         return min(
             self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self.config.ack_timeout_ms
@@ -271,6 +295,7 @@ class Agent:
 
     def _on_ack(self, key: TxKey) -> None:
         self._last_ack_ms = self._now_ms
+        self._acknowledged = True
         if key > self._acked_key:
             if key > self._pushed_max_key:
                 # Acknowledging what was never pushed: a confused or foreign replica.
@@ -302,13 +327,18 @@ class Agent:
         self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes))
         self._last_push_ms = self._now_ms
 
+    def _window_bytes_max(self) -> int:
+        if self._acknowledged:
+            return self.config.window_bytes_max
+        return min(self.config.window_bytes_max, self.config.probation_bytes_max)
+
     def _can_push(self) -> bool:
         """Committed entries wait and the window has room for at least one more."""
         return (
             not self.stopped
             and self._sent_key < self._committed_key
             and len(self._unacknowledged) < self.config.window_entries_max
-            and self._unacknowledged_bytes < self.config.window_bytes_max
+            and self._unacknowledged_bytes < self._window_bytes_max()
         )
 
     def _pump(self) -> bool:
@@ -334,7 +364,7 @@ class Agent:
             self._stop(STOPPED_TRIMMED)
             return None
         room_entries = min(self.config.push_entries_max, self.config.window_entries_max - len(self._unacknowledged))
-        room_bytes = min(self.config.push_bytes_max, self.config.window_bytes_max - self._unacknowledged_bytes)
+        room_bytes = min(self.config.push_bytes_max, self._window_bytes_max() - self._unacknowledged_bytes)
         # Read about as many entries as fit in room_bytes, judging by the entries seen so far.
         read_limit = max(1, min(room_entries, room_bytes // self._entry_bytes_estimate + 1))
         read = [
@@ -371,8 +401,13 @@ class Agent:
             return
         if self._sent_key >= self._committed_key:
             self._mode = AgentMode.NORMAL
-        elif self._mode is AgentMode.CATCHUP and self._entries_ahead() <= self.config.switchover_entries:
-            self._mode = AgentMode.SWITCHOVER
+        elif self._mode is AgentMode.CATCHUP and self._sent_key != self._mode_counted_at:
+            # Counted only once a push moved sent_key (a commit alone only adds entries ahead): a
+            # new watch, or an agent waiting for its window or the node's memory budget, is stepped
+            # often without pushing, and a count across generations reads the log.
+            self._mode_counted_at = self._sent_key
+            if self._entries_ahead() <= self.config.switchover_entries:
+                self._mode = AgentMode.SWITCHOVER
 
     def _entries_ahead(self) -> int:
         """Committed entries after ``sent_key``, counted up to ``switchover_entries + 1``."""

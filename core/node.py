@@ -297,10 +297,15 @@ class CoreNode(NodeServer):
         agent_config = AgentConfig(
             push_bytes_max=push_bytes_max,
             window_bytes_max=limits.window_bytes_max,
+            probation_bytes_max=push_bytes_max,
             step_bytes_max=push_bytes_max,
         )
         self.rlog_server = RlogServer(
-            config.name, agent_config, random.Random(self.rng.random()), watches_max=limits.watches_max
+            config.name,
+            agent_config,
+            random.Random(self.rng.random()),
+            watches_max=limits.watches_max,
+            agents_bytes_max=limits.agents_bytes_max,
         )
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
         # shards that serve no read (install under way or its read fence not reached yet).
@@ -1538,6 +1543,7 @@ class CoreNode(NodeServer):
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),
+            "agent_budget": self.rlog_server.budget.status(),
             "security": self.security_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,

@@ -70,6 +70,8 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
             "handshakes_failed": {"auth": 3},
         },
         "protocol_violations": 7,
+        "agents": [],
+        "agent_budget": {"used_bytes": 1234, "bytes_max": 16777216, "evicted_agents": 5},
     }
     metrics.refresh(0, status)
     samples = {}
@@ -92,6 +94,9 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_refused_total", reason="role") == 2
     assert value(samples, "mnesite_refused_total", reason="handshake") == 3
     assert value(samples, "mnesite_protocol_violations_total") == 7
+    assert value(samples, "mnesite_agent_budget_used_bytes") == 1234
+    assert value(samples, "mnesite_agent_budget_max_bytes") == 16777216
+    assert value(samples, "mnesite_agent_budget_evictions_total") == 5
     assert value(samples, "mnesite_node_info", node="replicant1", role="replicant") == 1
 
 
@@ -123,6 +128,10 @@ def test_a_scrape_of_a_node_shows_commits_moving(metrics_node) -> None:
     assert value(after, "mnesite_is_sequencer", shard="default") == 1
     assert value(after, "mnesite_sequencer", shard="default", sequencer="core1") == 1
     assert value(after, "mnesite_transactions_total") >= 51
+    # A core's agents' memory budget ([limits] agents_bytes_max, default 16 MiB); no agent, nothing held.
+    assert value(after, "mnesite_agent_budget_max_bytes") == 16 * 1024 * 1024
+    assert value(after, "mnesite_agent_budget_used_bytes") == 0
+    assert value(after, "mnesite_agent_budget_evictions_total") == 0
 
 
 def test_the_endpoint_is_bounded_and_answers_only_metrics(metrics_node) -> None:
