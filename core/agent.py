@@ -21,9 +21,9 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   them, are unacknowledged; the replica acknowledges with its applied (or spilled) key. A replica
   that stops acknowledging (its spill is full) makes the window fill, which stops the pushes: that
   is the backpressure. Until the replicant's first acknowledgement the window is only
-  ``probation_bytes_max`` bytes (one push by default): a watch naming an endpoint where nothing
-  listens costs one push, not a window (what zmq queues for a dead endpoint stays there until its
-  socket closes). One push holds at most ``push_entries_max`` entries and ``push_bytes_max``
+  ``probation_bytes_max`` bytes (a core sets it to one push): a watch naming an endpoint where
+  nothing listens then costs about one push, not a window (zmq keeps what it was handed for a dead
+  endpoint until the socket closes). One push holds at most ``push_entries_max`` entries and ``push_bytes_max``
   bytes (an entry larger than that goes alone), so a push never exceeds the replicant's frame limit
   with large transactions.
 * Paced by acknowledgements. One step pushes at most ``step_bytes_max`` bytes (or less: the driver
@@ -111,8 +111,8 @@ class AgentConfig:
     window_entries_max: int = 1000
     # Pushed bytes not yet acknowledged (estimated by ``entry_size_bytes``).
     window_bytes_max: int = 8 * 1024 * 1024
-    # The window before the replicant's first acknowledgement (it has not shown it is alive yet).
-    probation_bytes_max: int = 256 * 1024
+    # The window in bytes before the replicant's first acknowledgement (it has not shown it is alive).
+    probation_bytes_max: int = 8 * 1024 * 1024
     # Entries and bytes in one push; bounds the size of one message (under the replicant's frame_bytes_max).
     push_entries_max: int = 256
     push_bytes_max: int = 256 * 1024
@@ -180,7 +180,7 @@ class Agent:
         self._hears_sequencer = False
         self._last_push_ms: int | None = None
         self._last_ack_ms = now_ms
-        self._acknowledged = False  # the replicant acknowledged at least once (probation is over)
+        self._acknowledged = False  # the replicant acknowledged at least once: the whole window opens
         self._mode_counted_at = start_key  # sent_key when entries ahead were last counted
         self._last_rewind_ms: int | None = None
         self._stop_reason: str | None = None

@@ -297,6 +297,7 @@ class CoreNode(NodeServer):
         agent_config = AgentConfig(
             push_bytes_max=push_bytes_max,
             window_bytes_max=limits.window_bytes_max,
+            # A watch costs about one push until its replicant first acknowledges (core.agent).
             probation_bytes_max=push_bytes_max,
             step_bytes_max=push_bytes_max,
         )

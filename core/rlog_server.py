@@ -168,7 +168,7 @@ class RlogServer:
             return
         turn_bytes = max(0, self.turn_push_bytes_max - self._turn_pushed_bytes)
         room = self.budget.has_room()
-        self._execute(agent_id, watch, watch.agent.step(event, now_ms, turn_bytes if room else 0))
+        self._execute(agent_id, watch, watch.agent.step(event, now_ms, self._push_bytes(turn_bytes)))
         self._waiting.discard(agent_id)
         # Without a push budget left in this loop turn, an agent that wants to push is due at the next turn.
         if room or agent_id not in self.watches or turn_bytes == 0 or not watch.agent.wants_to_push:
@@ -178,9 +178,14 @@ class RlogServer:
         for evicted in self.budget.evict_for(self._uses(), self._use(agent_id, watch), now_ms):
             self._forget(evicted, drop_frames=True)
         if self.budget.has_room():
-            self._execute(agent_id, watch, watch.agent.step(Ticked(), now_ms, turn_bytes))
+            self._execute(agent_id, watch, watch.agent.step(Ticked(), now_ms, self._push_bytes(turn_bytes)))
         else:
             self._waiting.add(agent_id)
+
+    def _push_bytes(self, turn_bytes: int) -> int:
+        """What one step may push: the loop turn's budget left, and the memory budget's room (a step
+        pushes whole pushes: the last one may cross the bound, by one push at most)."""
+        return max(0, min(turn_bytes, self.budget.bytes_max - self.budget.used_bytes))
 
     def _use(self, agent_id: str, watch: Watch) -> AgentUse:
         return AgentUse(agent_id, self.budget.held_bytes(agent_id), watch.agent.last_ack_ms, watch.acknowledged)
@@ -196,7 +201,9 @@ class RlogServer:
         self.budget.release(agent_id)
         self._waiting.discard(agent_id)
         if drop_frames:
-            self.outbox = [(endpoint, message) for endpoint, message in self.outbox if message.body["agent"] != agent_id]
+            self.outbox = [
+                (endpoint, message) for endpoint, message in self.outbox if message.body["agent"] != agent_id
+            ]
 
     def _execute(self, agent_id: str, watch: Watch, effects: list[Any]) -> None:
         """Turn an agent's effects into frames; record the bytes it holds now."""
