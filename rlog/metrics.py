@@ -10,10 +10,11 @@ Two kinds of figures, kept apart so that a scrape never touches the node's loop:
   latency as a client sees it), malformed frames. prometheus_client's counters and histograms are
   thread-safe, so the hook is one increment or ``observe``.
 * **State** (generations, sequencer, committed and applied tx keys, replicant lag and mode, agents
-  and their memory budget, bootstrap progress, refusals) is what ``status`` already reports. The loop hands a fresh status
-  dict to ``NodeMetrics.refresh`` at most once per ``REFRESH_INTERVAL_MS``; the scrape thread only
-  reads the last one handed over (the loop replaces the reference and never mutates a dict it
-  handed over), and turns it into metric families when scraped.
+  and their memory budget, bootstrap progress, refusals) is what ``status`` already reports. The
+  loop hands a fresh status dict to ``NodeMetrics.refresh`` at most once per
+  ``REFRESH_INTERVAL_MS``; the scrape thread only reads the last one handed over (the loop
+  replaces the reference and never mutates a dict it handed over), and turns it into metric
+  families when scraped.
 
 The HTTP endpoint is an untrusted socket like any other: one thread serves one connection at a
 time (a slow or hostile client delays only other scrapes, never the node), each connection has a
