@@ -33,7 +33,8 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   long burst that would delay the core's heartbeats and appends (DESIGN invariant 11).
   ``next_deadline_ms()`` is ``now`` while the window has room and committed entries wait, so the
   driver keeps the stream going at its own pace. Entries are read from the log in reads sized by
-  the entry sizes seen so far, so a log of large entries is never read far beyond one push.
+  the entry sizes seen so far, and at most twice as many as the last push held, so a log of large
+  entries is never read far beyond one push.
 * Retransmission. An acknowledgement that does not advance while entries are unacknowledged means
   the replica lost a push (a replica acknowledges every push and heartbeat with its position): the
   agent resends from the acknowledged key, at most once per ``heartbeat_interval_ms``. The replica
@@ -176,6 +177,10 @@ class Agent:
         self._unacknowledged_bytes = 0
         # Entries read per log read: sized from the entries seen so far (the first read takes five).
         self._entry_bytes_estimate = max(1, config.push_bytes_max // 4)
+        # Entries in the last push: a read takes at most twice as many, so that a log whose first
+        # entries are tiny (a no-op, a table creation) and the next ones large is not read far
+        # beyond one push on the strength of the tiny ones.
+        self._entries_pushed_last = config.push_entries_max
         self._committed_key = start_key
         self._hears_sequencer = False
         self._last_push_ms: int | None = None
@@ -366,7 +371,9 @@ class Agent:
         room_entries = min(self.config.push_entries_max, self.config.window_entries_max - len(self._unacknowledged))
         room_bytes = min(self.config.push_bytes_max, self._window_bytes_max() - self._unacknowledged_bytes)
         # Read about as many entries as fit in room_bytes, judging by the entries seen so far.
-        read_limit = max(1, min(room_entries, room_bytes // self._entry_bytes_estimate + 1))
+        read_limit = max(
+            1, min(room_entries, room_bytes // self._entry_bytes_estimate + 1, 2 * self._entries_pushed_last)
+        )
         read = [
             entry
             for entry in self._log.entries_after(self._sent_key, read_limit)
@@ -389,6 +396,7 @@ class Agent:
             batch.append((entry, size))
             batch_bytes += size
         self._entry_bytes_estimate = max(1, max(size for _, size in batch))
+        self._entries_pushed_last = len(batch)
         self._push(tuple(entry for entry, _ in batch), batch_bytes)
         self._unacknowledged.extend((entry.tx_key, size) for entry, size in batch)
         self._unacknowledged_bytes += batch_bytes

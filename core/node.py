@@ -167,6 +167,10 @@ FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
 SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
+# Bytes an agent pushes before its replicant's first acknowledgement (a larger entry goes alone): a
+# live replicant acknowledges within a round trip and gets its whole window then, while a flood of
+# watches naming endpoints where nothing listens costs little memory and little work each.
+PROBATION_BYTES_MAX = 64 * 1024
 DEALERS_MAX = 1000  # sockets to peers (replicant endpoints are bounded by [limits] watches_max)
 STATUS_COUNT_INTERVAL_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
@@ -297,8 +301,8 @@ class CoreNode(NodeServer):
         agent_config = AgentConfig(
             push_bytes_max=push_bytes_max,
             window_bytes_max=limits.window_bytes_max,
-            # A watch costs about one push until its replicant first acknowledges (core.agent).
-            probation_bytes_max=push_bytes_max,
+            # What a watch may cost until its replicant first acknowledges (core.agent's probation).
+            probation_bytes_max=min(push_bytes_max, PROBATION_BYTES_MAX),
             step_bytes_max=push_bytes_max,
         )
         self.rlog_server = RlogServer(

@@ -12,8 +12,9 @@ from mnesite.core.agent_budget import AgentBudgetError, AgentMemoryBudget, Agent
 from mnesite.core.rlog_server import RlogServer
 from mnesite.rlog.config import ConfigError, parse_config
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, AgentMode, CommittedAdvanced, Ticked
-from mnesite.rlog.types import GENESIS_DIGEST, TxKey
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
 
+from tests.sim import MemoryLog
 from tests.test_agent import SHARD, build_large_log, build_log
 
 pytestmark = pytest.mark.timeout(30)
@@ -284,3 +285,29 @@ def test_the_config_key_is_bounded():
     assert parse_config({**base, "limits": {"agents_bytes_max": 65536}}).limits.agents_bytes_max == 65536
     with pytest.raises(ConfigError, match="agents_bytes_max"):
         parse_config({**base, "limits": {"agents_bytes_max": 1000}})
+
+
+def test_tiny_first_entries_do_not_make_the_next_read_take_the_whole_log():
+    """A watch from [0, 0]: the log starts with a no-op and a table creation (tens of bytes), then
+    100 KB transactions. Sizing the next read by the tiny ones read 256 large entries (25 MB) for a
+    push of one; a read takes at most twice the entries of the last push."""
+    log = MemoryLog()
+    prev, digest = ZERO_KEY, GENESIS_DIGEST
+    for counter in range(1, 301):
+        ops = () if counter <= 2 else (WriteOp("t", {"k": counter, "v": "x" * 100_000}),)
+        entry = make_entry(SHARD, TxKey(1, counter), prev, digest, ops)
+        log.append((entry,))
+        prev, digest = entry.tx_key, entry.digest
+    read_counts = []
+    original = log.entries_after
+
+    def recording(key, limit):
+        read = original(key, limit)
+        read_counts.append(len(read))
+        return read
+
+    log.entries_after = recording
+    machine = Agent("agent-1", SHARD, "rep0", ZERO_KEY, log, config(push_bytes_max=65_536, step_bytes_max=65_536), 0)
+    machine.step(CommittedAdvanced(log.last_key(), True), 0)
+    assert machine.status().sent_key == TxKey(1, 3)  # the two small ones, then one large one alone
+    assert max(read_counts) <= 4, read_counts
