@@ -700,6 +700,13 @@ class CoreNode(NodeServer):
     def before_send(self) -> None:
         # Agent pushes carry committed entries only: queue them once the turn's commit is done.
         limits = self.config.limits
+        peers = set(self.endpoints.values())
+        for endpoint in self.rlog_server.endpoints_to_reset():
+            # An agent ended and no acknowledging one uses its endpoint: what zmq still queues there
+            # is dropped with the socket (core.rlog_server's _forget); a new agent's pushes below
+            # open a new one.
+            if endpoint not in peers:
+                self.close_dealer(endpoint)
         for endpoint, message in self.rlog_server.drain():
             # Not IMMEDIATE: the first pushes of a new agent go out while the connection (and its
             # CurveZMQ handshake) is still being made; dropping them made every new agent's stream
@@ -712,7 +719,6 @@ class CoreNode(NodeServer):
         # Close the sockets of endpoints no agent pushes to any more (stopped, superseded, evicted),
         # except those a frame of this turn is still queued for: they close at a later turn.
         in_use = self.rlog_server.endpoints()
-        peers = set(self.endpoints.values())
         queued = {id(socket) for socket, _, _ in self._outbox if socket is not None}
         for endpoint, socket in list(self.dealers.items()):
             if endpoint not in in_use and endpoint not in peers and id(socket) not in queued:

@@ -74,6 +74,8 @@ class RlogServer:
         self.budget = AgentMemoryBudget(agents_bytes_max, SILENT_HEARTBEATS * self.config.heartbeat_interval_ms)
         # Agents that want to push but found the memory budget spent and nobody to evict.
         self._waiting: set[str] = set()
+        # Endpoints whose socket the node must close now (see ``_forget``); taken by ``endpoints_to_reset``.
+        self._reset: set[str] = set()
         self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
@@ -101,12 +103,12 @@ class RlogServer:
         from_key = tx_key_from_wire(body["from"])
         owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
         for agent_id in superseded_agents(owners, body["replicant"], body["shard"]):
-            self._forget(agent_id)
+            self._forget(agent_id, drop_frames=True)
         evicted = agent_to_evict(
             ((a, w.acknowledged) for a, w in self.watches.items()), self.watches_max, self.core_name
         )
         if evicted is not None:
-            self._forget(evicted)
+            self._forget(evicted, drop_frames=True)
         mode, start_key, start_digest = decide_watch(
             from_key,
             body["from_digest"],
@@ -196,10 +198,18 @@ class RlogServer:
     def _forget(self, agent_id: str, drop_frames: bool = False) -> None:
         """The agent ended (stopped, superseded, evicted): free its bytes; ``drop_frames``: also its
         frames not yet drained. The node closes its endpoint's socket once no agent uses it."""
-        if self.watches.pop(agent_id, None) is None:
+        watch = self.watches.pop(agent_id, None)
+        if watch is None:
             return
         self.budget.release(agent_id)
         self._waiting.discard(agent_id)
+        # Its bytes left the budget, but zmq may still hold its frames for the endpoint: unless an
+        # agent whose replicant acknowledges (a live endpoint, where they will be delivered) still
+        # uses that endpoint, the node closes its socket now (linger 0), and the frames go with it.
+        # Without this, a replicant name watched again and again naming a dead endpoint would pile
+        # up pushes in one socket that stays open for the newest watch.
+        if not any(w.endpoint == watch.endpoint and w.acknowledged for w in self.watches.values()):
+            self._reset.add(watch.endpoint)
         if drop_frames:
             self.outbox = [
                 (endpoint, message) for endpoint, message in self.outbox if message.body["agent"] != agent_id
@@ -228,6 +238,11 @@ class RlogServer:
     def endpoints(self) -> set[str]:
         return {watch.endpoint for watch in self.watches.values()}
 
+    def endpoints_to_reset(self) -> set[str]:
+        """Endpoints whose socket the node closes before this turn's pushes (made again on demand)."""
+        reset, self._reset = self._reset, set()
+        return reset
+
     def drain(self) -> list[tuple[str, Message]]:
         outbox, self.outbox = self.outbox, []
         return outbox
@@ -235,7 +250,7 @@ class RlogServer:
     def stop_shard(self, shard: str) -> None:
         """Forget every agent of ``shard`` (its log was replaced: their positions mean nothing there)."""
         for agent_id in [a for a, w in self.watches.items() if w.shard == shard]:
-            self._forget(agent_id)
+            self._forget(agent_id, drop_frames=True)
 
     def acked_keys(self, shard: str) -> list[TxKey]:
         """What each live agent of ``shard`` knows its replicant holds (the retention floor waits for it)."""

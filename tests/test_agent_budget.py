@@ -155,7 +155,7 @@ def ack_all(server: RlogServer, agent_id: str, now_ms: int) -> None:
     server.outbox = [(e, m) for e, m in server.outbox if m.body["agent"] != agent_id]
     key = server.watches[agent_id].agent.status().sent_key
     server.begin_turn()
-    server.acknowledged({"shard": SHARD, "agent": agent_id, "applied": list(key)}, now_ms)
+    server.acknowledged({"shard": server.watches[agent_id].shard, "agent": agent_id, "applied": list(key)}, now_ms)
 
 
 def test_a_push_adds_its_bytes_and_an_acknowledgement_frees_them():
@@ -311,3 +311,33 @@ def test_tiny_first_entries_do_not_make_the_next_read_take_the_whole_log():
     machine.step(CommittedAdvanced(log.last_key(), True), 0)
     assert machine.status().sent_key == TxKey(1, 3)  # the two small ones, then one large one alone
     assert max(read_counts) <= 4, read_counts
+
+
+def test_a_dead_endpoint_whose_agent_ends_has_its_socket_reset_a_live_one_keeps_it():
+    """zmq may still hold an ended agent's frames: the socket of its endpoint is closed (and made
+    again for a newer agent) unless an acknowledging agent still uses it. Otherwise one replicant
+    name watched again and again naming a dead endpoint would pile pushes up in one open socket."""
+    log = build_large_log(50, 1000)
+    server = server_of(1_000_000)
+    first = watch(server, log, "ghost", 0)
+    assert server.endpoints_to_reset() == set()
+    watch(server, log, "ghost", 1)  # supersedes the first: same endpoint, nobody acknowledged
+    assert first not in server.watches
+    assert server.endpoints_to_reset() == {"tcp://127.0.0.1:1/ghost"}
+    assert not any(message.body["agent"] == first for _, message in server.outbox)
+    # A live replicant watching two shards: one agent ending leaves the other's stream alone.
+    body = {
+        "shard": "other",
+        "replicant": "live",
+        "endpoint": "tcp://127.0.0.1:1/live",
+        "from": [0, 0],
+        "from_digest": GENESIS_DIGEST,
+        "protocol": REPLICATION_PROTOCOL_VERSION,
+    }
+    other = server.watch(body, log, log.last_key(), log.digest_at(log.last_key()), log.digest_at, True, 2)["agent"]
+    ack_all(server, other, 3)
+    live = watch(server, log, "live", 4)
+    server.endpoints_to_reset()
+    server.acknowledged({"shard": SHARD, "agent": live, "rejected": "not the watched agent"}, 5)
+    assert live not in server.watches and other in server.watches
+    assert server.endpoints_to_reset() == set()
