@@ -23,9 +23,9 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   is the backpressure. Until the replicant's first acknowledgement the window is only
   ``probation_bytes_max`` bytes (a core sets it to one push): a watch naming an endpoint where
   nothing listens then costs about one push, not a window (zmq keeps what it was handed for a dead
-  endpoint until the socket closes). One push holds at most ``push_entries_max`` entries and ``push_bytes_max``
-  bytes (an entry larger than that goes alone), so a push never exceeds the replicant's frame limit
-  with large transactions.
+  endpoint until the socket closes). One push holds at most ``push_entries_max`` entries and
+  ``push_bytes_max`` bytes (an entry larger than that goes alone), so a push never exceeds the
+  replicant's frame limit with large transactions.
 * Paced by acknowledgements. One step pushes at most ``step_bytes_max`` bytes (or less: the driver
   may pass a smaller budget for a step, down to 0, when its loop turn has spent its budget for all
   agents): an acknowledgement (or a commit, or a tick) lets the next ones go. Catching up from far
@@ -45,7 +45,9 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
 * Stopping. The agent stops, for good, when the replica rejects it (it is not the watched agent any
   more, or the replica saw a gap), when the entry it must push next was trimmed from the log
   ("position trimmed: bootstrap needed"; the replica will re-bootstrap), when the log does not
-  continue where it should, or when the replicant acknowledged nothing for ``ack_timeout_ms``.
+  continue where it should, or when the replicant acknowledged nothing for ``ack_timeout_ms``
+  (``probation_timeout_ms`` before its first acknowledgement: a live replica acknowledges within a
+  round trip, and watches again when it hears nothing for its own failure timeout anyway).
 
 Driver contract
 ---------------
@@ -124,11 +126,15 @@ class AgentConfig:
     switchover_entries: int = 1000
     # No acknowledgement for this long stops the agent.
     ack_timeout_ms: int = 10_000
+    # No first acknowledgement for this long stops the agent (at most ack_timeout_ms).
+    probation_timeout_ms: int = 10_000
 
     def __post_init__(self) -> None:
         require_positive_ints(self, AgentConfigError)
         if self.ack_timeout_ms <= self.heartbeat_interval_ms:
             raise AgentConfigError("ack_timeout_ms must be longer than heartbeat_interval_ms")
+        if self.probation_timeout_ms <= self.heartbeat_interval_ms:
+            raise AgentConfigError("probation_timeout_ms must be longer than heartbeat_interval_ms")
 
 
 @dataclass(frozen=True)
@@ -240,12 +246,10 @@ class Agent:
         has no room for a push now (its memory budget is spent), so only heartbeats and the
         acknowledgement timeout are due (a freed budget makes the agent due again)."""
         if self.stopped:
-            return self._now_ms + self.config.ack_timeout_ms
+            return self._now_ms + self._ack_timeout_ms()
         if self._last_push_ms is None or (push_room and self._can_push()):
             return self._now_ms
-        return min(
-            self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self.config.ack_timeout_ms
-        )
+        return min(self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self._ack_timeout_ms())
 
     # ------------------------------------------------------------ the entry point
 
@@ -277,9 +281,9 @@ class Agent:
     # ------------------------------------------------------------ events
 
     def _on_tick(self) -> None:
-        if self._now_ms - self._last_ack_ms >= self.config.ack_timeout_ms:
+        if self._now_ms - self._last_ack_ms >= self._ack_timeout_ms():
             self._stop(
-                f"replicant acknowledged nothing for {self.config.ack_timeout_ms} ms "
+                f"replicant acknowledged nothing for {self._ack_timeout_ms()} ms "
                 f"({len(self._unacknowledged)} entries unacknowledged)"
             )
             return
@@ -331,6 +335,11 @@ class Agent:
     def _push(self, entries: tuple[Entry | PackedEntry, ...], size_bytes: int = 0) -> None:
         self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes))
         self._last_push_ms = self._now_ms
+
+    def _ack_timeout_ms(self) -> int:
+        if self._acknowledged:
+            return self.config.ack_timeout_ms
+        return min(self.config.ack_timeout_ms, self.config.probation_timeout_ms)
 
     def _window_bytes_max(self) -> int:
         if self._acknowledged:

@@ -171,6 +171,10 @@ PEER_SEND_QUEUE_MAX = 1000
 # live replicant acknowledges within a round trip and gets its whole window then, while a flood of
 # watches naming endpoints where nothing listens costs little memory and little work each.
 PROBATION_BYTES_MAX = 64 * 1024
+# An agent whose replicant acknowledged nothing yet stops after this long (instead of the 10 s
+# ack timeout): a live replica acknowledges within a round trip, and one that hears nothing for its
+# failure_timeout_ms (3 s by default) watches again anyway. Dead watches then cost 3 s each.
+PROBATION_TIMEOUT_MS = 3000
 DEALERS_MAX = 1000  # sockets to peers (replicant endpoints are bounded by [limits] watches_max)
 STATUS_COUNT_INTERVAL_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
@@ -303,6 +307,7 @@ class CoreNode(NodeServer):
             window_bytes_max=limits.window_bytes_max,
             # What a watch may cost until its replicant first acknowledges (core.agent's probation).
             probation_bytes_max=min(push_bytes_max, PROBATION_BYTES_MAX),
+            probation_timeout_ms=PROBATION_TIMEOUT_MS,
             step_bytes_max=push_bytes_max,
         )
         self.rlog_server = RlogServer(

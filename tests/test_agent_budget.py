@@ -341,3 +341,19 @@ def test_a_dead_endpoint_whose_agent_ends_has_its_socket_reset_a_live_one_keeps_
     server.acknowledged({"shard": SHARD, "agent": live, "rejected": "not the watched agent"}, 5)
     assert live not in server.watches and other in server.watches
     assert server.endpoints_to_reset() == set()
+
+
+def test_a_watch_never_acknowledged_stops_after_probation_timeout_ms_an_acknowledged_one_after_ack_timeout_ms():
+    log = build_log(5)
+    server = server_of(1_000_000, heartbeat_interval_ms=100, ack_timeout_ms=5_000, probation_timeout_ms=1_000)
+    dead = watch(server, log, "ghost", 0)
+    live = watch(server, log, "live", 0)
+    ack_all(server, live, 10)
+    server.tick(999)
+    assert dead in server.watches
+    server.tick(1_000)
+    assert dead not in server.watches and live in server.watches  # acknowledged at 10: 5 s from there
+    server.tick(5_009)
+    assert live in server.watches
+    server.tick(5_010)
+    assert server.watches == {} and held(server) == 0
