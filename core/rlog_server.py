@@ -34,6 +34,7 @@ from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse
 from mnesite.core.watch import agent_to_evict, check_watch_request, decide_watch, superseded_agents
 from mnesite.rlog.codec import Message
+from mnesite.rlog.config import Limits
 from mnesite.rlog.replication import (
     AckReceived,
     AgentStopped,
@@ -45,7 +46,7 @@ from mnesite.rlog.replication import (
 from mnesite.rlog.types import TxKey, to_wire, tx_key_from_wire
 
 AGENTS_MAX = 1000
-AGENTS_BYTES_MAX = 16 * 1024 * 1024  # rlog.config's default of [limits] agents_bytes_max
+AGENTS_BYTES_MAX = Limits.agents_bytes_max  # the default of [limits] agents_bytes_max
 
 
 @dataclass
