@@ -21,8 +21,8 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   them, are unacknowledged; the replica acknowledges with its applied (or spilled) key. A replica
   that stops acknowledging (its spill is full) makes the window fill, which stops the pushes: that
   is the backpressure. Until the replicant's first acknowledgement the window is only
-  ``probation_bytes_max`` bytes (a core sets it to one push): a watch naming an endpoint where
-  nothing listens then costs about one push, not a window (zmq keeps what it was handed for a dead
+  ``probation_bytes_max`` bytes (64 KiB on a core): a watch naming an endpoint where nothing
+  listens then costs about one push, not a window (zmq keeps what it was handed for a dead
   endpoint until the socket closes). One push holds at most ``push_entries_max`` entries and
   ``push_bytes_max`` bytes (an entry larger than that goes alone), so a push never exceeds the
   replicant's frame limit with large transactions.
