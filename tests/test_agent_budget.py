@@ -250,12 +250,16 @@ def test_an_agent_that_waits_for_the_budget_is_not_due_until_bytes_are_freed():
     server.outbox.clear()
     server.begin_turn()
     server.tick(4)
+    assert not server.budget.has_room()
     waiting = [a for a, w in server.watches.items() if w.agent.wants_to_push]
     assert waiting, "the budget is spent and both want to push"
     # Not due at once (a loop that ticks it at once would spin): only at its next heartbeat.
     assert server.next_deadline_ms() > 4
-    ack_all(server, first, 5)  # bytes freed: due again at once
-    assert server.budget.has_room() is False or server.next_deadline_ms() <= 5
+    # One agent ends: its bytes are free, and whoever waited is due at once.
+    ender = first if first in waiting else second
+    server.acknowledged({"shard": SHARD, "agent": ender, "rejected": "not the watched agent"}, 5)
+    assert server.budget.has_room()
+    assert server.next_deadline_ms() <= 5
 
 
 def test_the_mode_is_counted_only_once_a_push_moved_the_position():
