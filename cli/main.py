@@ -784,6 +784,12 @@ def status(endpoint, timeout_ms, as_json) -> None:
     for shard, info in result["shards"].items():
         if info.get("install"):
             click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
+    budget = result.get("agent_budget")
+    if budget is not None:
+        click.echo(
+            f"agents: {len(result.get('agents', []))}, holding {budget['used_bytes']} of {budget['bytes_max']} "
+            f"bytes (agents_bytes_max), {budget['evicted_agents']} evicted for that budget"
+        )
     for agent in result.get("agents", []):
         click.echo(
             f"agent {agent['agent']} -> {agent['replicant']} ({agent['shard']}, {agent['mode']}): "

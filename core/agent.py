@@ -20,9 +20,12 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
 * Window. At most ``window_entries_max`` pushed entries, and at most ``window_bytes_max`` bytes of
   them, are unacknowledged; the replica acknowledges with its applied (or spilled) key. A replica
   that stops acknowledging (its spill is full) makes the window fill, which stops the pushes: that
-  is the backpressure. One push holds at most ``push_entries_max`` entries and ``push_bytes_max``
-  bytes (an entry larger than that goes alone), so a push never exceeds the replicant's frame limit
-  with large transactions.
+  is the backpressure. Until the replicant's first acknowledgement the window is only
+  ``probation_bytes_max`` bytes (64 KiB on a core): a watch naming an endpoint where nothing
+  listens then costs about one push, not a window (zmq keeps what it was handed for a dead
+  endpoint until the socket closes). One push holds at most ``push_entries_max`` entries and
+  ``push_bytes_max`` bytes (an entry larger than that goes alone), so a push never exceeds the
+  replicant's frame limit with large transactions.
 * Paced by acknowledgements. One step pushes at most ``step_bytes_max`` bytes (or less: the driver
   may pass a smaller budget for a step, down to 0, when its loop turn has spent its budget for all
   agents): an acknowledgement (or a commit, or a tick) lets the next ones go. Catching up from far
@@ -30,7 +33,8 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   long burst that would delay the core's heartbeats and appends (DESIGN invariant 11).
   ``next_deadline_ms()`` is ``now`` while the window has room and committed entries wait, so the
   driver keeps the stream going at its own pace. Entries are read from the log in reads sized by
-  the entry sizes seen so far, so a log of large entries is never read far beyond one push.
+  the entry sizes seen so far, and at most twice as many as the last push held, so a log of large
+  entries is never read far beyond one push.
 * Retransmission. An acknowledgement that does not advance while entries are unacknowledged means
   the replica lost a push (a replica acknowledges every push and heartbeat with its position): the
   agent resends from the acknowledged key, at most once per ``heartbeat_interval_ms``. The replica
@@ -41,7 +45,9 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
 * Stopping. The agent stops, for good, when the replica rejects it (it is not the watched agent any
   more, or the replica saw a gap), when the entry it must push next was trimmed from the log
   ("position trimmed: bootstrap needed"; the replica will re-bootstrap), when the log does not
-  continue where it should, or when the replicant acknowledged nothing for ``ack_timeout_ms``.
+  continue where it should, or when the replicant acknowledged nothing for ``ack_timeout_ms``
+  (``probation_timeout_ms`` before its first acknowledgement: a live replica acknowledges within a
+  round trip, and watches again when it hears nothing for its own failure timeout anyway).
 
 Driver contract
 ---------------
@@ -108,6 +114,8 @@ class AgentConfig:
     window_entries_max: int = 1000
     # Pushed bytes not yet acknowledged (estimated by ``entry_size_bytes``).
     window_bytes_max: int = 8 * 1024 * 1024
+    # The window in bytes before the replicant's first acknowledgement (it has not shown it is alive).
+    probation_bytes_max: int = 8 * 1024 * 1024
     # Entries and bytes in one push; bounds the size of one message (under the replicant's frame_bytes_max).
     push_entries_max: int = 256
     push_bytes_max: int = 256 * 1024
@@ -118,11 +126,15 @@ class AgentConfig:
     switchover_entries: int = 1000
     # No acknowledgement for this long stops the agent.
     ack_timeout_ms: int = 10_000
+    # No first acknowledgement for this long stops the agent (at most ack_timeout_ms).
+    probation_timeout_ms: int = 10_000
 
     def __post_init__(self) -> None:
         require_positive_ints(self, AgentConfigError)
         if self.ack_timeout_ms <= self.heartbeat_interval_ms:
             raise AgentConfigError("ack_timeout_ms must be longer than heartbeat_interval_ms")
+        if self.probation_timeout_ms <= self.heartbeat_interval_ms:
+            raise AgentConfigError("probation_timeout_ms must be longer than heartbeat_interval_ms")
 
 
 @dataclass(frozen=True)
@@ -171,10 +183,16 @@ class Agent:
         self._unacknowledged_bytes = 0
         # Entries read per log read: sized from the entries seen so far (the first read takes five).
         self._entry_bytes_estimate = max(1, config.push_bytes_max // 4)
+        # Entries in the last push: a read takes at most twice as many, so that a log whose first
+        # entries are tiny (a no-op, a table creation) and the next ones large is not read far
+        # beyond one push on the strength of the tiny ones.
+        self._entries_pushed_last = config.push_entries_max
         self._committed_key = start_key
         self._hears_sequencer = False
         self._last_push_ms: int | None = None
         self._last_ack_ms = now_ms
+        self._acknowledged = False  # the replicant acknowledged at least once: the whole window opens
+        self._mode_counted_at = start_key  # sent_key when entries ahead were last counted
         self._last_rewind_ms: int | None = None
         self._stop_reason: str | None = None
         self._out: list[AgentEffect] = []
@@ -208,15 +226,30 @@ class Agent:
             unacknowledged_bytes=self._unacknowledged_bytes,
         )
 
-    def next_deadline_ms(self) -> int:
-        """The earliest time at which a ``Ticked`` may change something."""
+    @property
+    def unacknowledged_bytes(self) -> int:
+        """Bytes pushed and not acknowledged: what this agent holds of the node's memory budget."""
+        return self._unacknowledged_bytes
+
+    @property
+    def last_ack_ms(self) -> int:
+        """When the replicant last acknowledged (the agent's creation until it does)."""
+        return self._last_ack_ms
+
+    @property
+    def wants_to_push(self) -> bool:
+        """Committed entries wait and the window has room: a step with a push budget would push."""
+        return self._can_push()
+
+    def next_deadline_ms(self, push_room: bool = True) -> int:
+        """The earliest time at which a ``Ticked`` may change something; ``push_room=False``: the driver
+        has no room for a push now (its memory budget is spent), so only heartbeats and the
+        acknowledgement timeout are due (a freed budget makes the agent due again)."""
         if self.stopped:
-            return self._now_ms + self.config.ack_timeout_ms
-        if self._last_push_ms is None or self._can_push():
+            return self._now_ms + self._ack_timeout_ms()
+        if self._last_push_ms is None or (push_room and self._can_push()):
             return self._now_ms
-        return min(
-            self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self.config.ack_timeout_ms
-        )
+        return min(self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self._ack_timeout_ms())
 
     # ------------------------------------------------------------ the entry point
 
@@ -248,9 +281,9 @@ class Agent:
     # ------------------------------------------------------------ events
 
     def _on_tick(self) -> None:
-        if self._now_ms - self._last_ack_ms >= self.config.ack_timeout_ms:
+        if self._now_ms - self._last_ack_ms >= self._ack_timeout_ms():
             self._stop(
-                f"replicant acknowledged nothing for {self.config.ack_timeout_ms} ms "
+                f"replicant acknowledged nothing for {self._ack_timeout_ms()} ms "
                 f"({len(self._unacknowledged)} entries unacknowledged)"
             )
             return
@@ -271,6 +304,7 @@ class Agent:
 
     def _on_ack(self, key: TxKey) -> None:
         self._last_ack_ms = self._now_ms
+        self._acknowledged = True
         if key > self._acked_key:
             if key > self._pushed_max_key:
                 # Acknowledging what was never pushed: a confused or foreign replica.
@@ -302,13 +336,23 @@ class Agent:
         self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes))
         self._last_push_ms = self._now_ms
 
+    def _ack_timeout_ms(self) -> int:
+        if self._acknowledged:
+            return self.config.ack_timeout_ms
+        return min(self.config.ack_timeout_ms, self.config.probation_timeout_ms)
+
+    def _window_bytes_max(self) -> int:
+        if self._acknowledged:
+            return self.config.window_bytes_max
+        return min(self.config.window_bytes_max, self.config.probation_bytes_max)
+
     def _can_push(self) -> bool:
         """Committed entries wait and the window has room for at least one more."""
         return (
             not self.stopped
             and self._sent_key < self._committed_key
             and len(self._unacknowledged) < self.config.window_entries_max
-            and self._unacknowledged_bytes < self.config.window_bytes_max
+            and self._unacknowledged_bytes < self._window_bytes_max()
         )
 
     def _pump(self) -> bool:
@@ -334,9 +378,11 @@ class Agent:
             self._stop(STOPPED_TRIMMED)
             return None
         room_entries = min(self.config.push_entries_max, self.config.window_entries_max - len(self._unacknowledged))
-        room_bytes = min(self.config.push_bytes_max, self.config.window_bytes_max - self._unacknowledged_bytes)
+        room_bytes = min(self.config.push_bytes_max, self._window_bytes_max() - self._unacknowledged_bytes)
         # Read about as many entries as fit in room_bytes, judging by the entries seen so far.
-        read_limit = max(1, min(room_entries, room_bytes // self._entry_bytes_estimate + 1))
+        read_limit = max(
+            1, min(room_entries, room_bytes // self._entry_bytes_estimate + 1, 2 * self._entries_pushed_last)
+        )
         read = [
             entry
             for entry in self._log.entries_after(self._sent_key, read_limit)
@@ -359,6 +405,7 @@ class Agent:
             batch.append((entry, size))
             batch_bytes += size
         self._entry_bytes_estimate = max(1, max(size for _, size in batch))
+        self._entries_pushed_last = len(batch)
         self._push(tuple(entry for entry, _ in batch), batch_bytes)
         self._unacknowledged.extend((entry.tx_key, size) for entry, size in batch)
         self._unacknowledged_bytes += batch_bytes
@@ -371,8 +418,13 @@ class Agent:
             return
         if self._sent_key >= self._committed_key:
             self._mode = AgentMode.NORMAL
-        elif self._mode is AgentMode.CATCHUP and self._entries_ahead() <= self.config.switchover_entries:
-            self._mode = AgentMode.SWITCHOVER
+        elif self._mode is AgentMode.CATCHUP and self._sent_key != self._mode_counted_at:
+            # Counted only once a push moved sent_key (a commit alone only adds entries ahead): a
+            # new watch, or an agent waiting for its window or the node's memory budget, is stepped
+            # often without pushing, and a count across generations reads the log.
+            self._mode_counted_at = self._sent_key
+            if self._entries_ahead() <= self.config.switchover_entries:
+                self._mode = AgentMode.SWITCHOVER
 
     def _entries_ahead(self) -> int:
         """Committed entries after ``sent_key``, counted up to ``switchover_entries + 1``."""

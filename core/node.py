@@ -174,6 +174,14 @@ FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
 SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
+# Bytes an agent pushes before its replicant's first acknowledgement (a larger entry goes alone): a
+# live replicant acknowledges within a round trip and gets its whole window then, while a flood of
+# watches naming endpoints where nothing listens costs little memory and little work each.
+PROBATION_BYTES_MAX = 64 * 1024
+# An agent whose replicant acknowledged nothing yet stops after this long (instead of the 10 s
+# ack timeout): a live replica acknowledges within a round trip, and one that hears nothing for its
+# failure_timeout_ms (3 s by default) watches again anyway. Dead watches then cost 3 s each.
+PROBATION_TIMEOUT_MS = 3000
 DEALERS_MAX = 1000  # sockets to peers (replicant endpoints are bounded by [limits] watches_max)
 STATUS_COUNT_INTERVAL_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
@@ -304,10 +312,17 @@ class CoreNode(NodeServer):
         agent_config = AgentConfig(
             push_bytes_max=push_bytes_max,
             window_bytes_max=limits.window_bytes_max,
+            # What a watch may cost until its replicant first acknowledges (core.agent's probation).
+            probation_bytes_max=min(push_bytes_max, PROBATION_BYTES_MAX),
+            probation_timeout_ms=PROBATION_TIMEOUT_MS,
             step_bytes_max=push_bytes_max,
         )
         self.rlog_server = RlogServer(
-            config.name, agent_config, random.Random(self.rng.random()), watches_max=limits.watches_max
+            config.name,
+            agent_config,
+            random.Random(self.rng.random()),
+            watches_max=limits.watches_max,
+            agents_bytes_max=limits.agents_bytes_max,
         )
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
         # shards that serve no read (install under way or its read fence not reached yet).
@@ -711,6 +726,13 @@ class CoreNode(NodeServer):
     def before_send(self) -> None:
         # Agent pushes carry committed entries only: queue them once the turn's commit is done.
         limits = self.config.limits
+        peers = set(self.endpoints.values())
+        for endpoint in self.rlog_server.endpoints_to_reset():
+            # An agent ended and no acknowledging one uses its endpoint: what zmq still queues there
+            # is dropped with the socket (core.rlog_server's _forget); a new agent's pushes below
+            # open a new one.
+            if endpoint not in peers:
+                self.close_dealer(endpoint)
         for endpoint, message in self.rlog_server.drain():
             # Not IMMEDIATE: the first pushes of a new agent go out while the connection (and its
             # CurveZMQ handshake) is still being made; dropping them made every new agent's stream
@@ -723,7 +745,6 @@ class CoreNode(NodeServer):
         # Close the sockets of endpoints no agent pushes to any more (stopped, superseded, evicted),
         # except those a frame of this turn is still queued for: they close at a later turn.
         in_use = self.rlog_server.endpoints()
-        peers = set(self.endpoints.values())
         queued = {id(socket) for socket, _, _ in self._outbox if socket is not None}
         for endpoint, socket in list(self.dealers.items()):
             if endpoint not in in_use and endpoint not in peers and id(socket) not in queued:
@@ -1539,6 +1560,7 @@ class CoreNode(NodeServer):
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),
+            "agent_budget": self.rlog_server.budget.status(),
             "security": self.security_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,

@@ -15,6 +15,13 @@ injected ``random.Random``.
 The protocol decisions live in the pure ``core.agent.Agent``; this adapter creates agents, feeds
 them the shard's committed key and the replicant's acks, and turns their ``Push`` effects into
 frames for the node to send. It holds no socket: the node sends what ``drain`` returns.
+
+Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in one
+``core.agent_budget.AgentMemoryBudget`` of ``agents_bytes_max``: after every step of an agent its
+bytes are recorded, and an agent that ends is released. An agent is stepped with no push budget
+while the memory budget is spent; if it then wants to push, the budget's rule names the silent
+agents to evict, which this adapter stops (their frames not yet drained are dropped; the node closes
+their endpoints' sockets), and the agent is ticked again to push in the room made.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from mnesite.core.agent import Agent, AgentConfig
+from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse
 from mnesite.core.watch import agent_to_evict, check_watch_request, decide_watch, superseded_agents
 from mnesite.rlog import messages
 from mnesite.rlog.codec import Message
+from mnesite.rlog.config import Limits
 from mnesite.rlog.replication import (
     AckReceived,
     AgentStopped,
@@ -38,6 +47,7 @@ from mnesite.rlog.replication import (
 from mnesite.rlog.types import TxKey, to_wire
 
 AGENTS_MAX = 1000
+AGENTS_BYTES_MAX = Limits.agents_bytes_max  # the default of [limits] agents_bytes_max
 
 
 @dataclass
@@ -58,10 +68,16 @@ class RlogServer:
         config: AgentConfig | None = None,
         rng: random.Random | None = None,
         watches_max: int = AGENTS_MAX,
+        agents_bytes_max: int = AGENTS_BYTES_MAX,
     ) -> None:
         self.core_name = core_name
         self.watches_max = watches_max
         self.config = config or AgentConfig()
+        self.budget = AgentMemoryBudget(agents_bytes_max, SILENT_HEARTBEATS * self.config.heartbeat_interval_ms)
+        # Agents that want to push but found the memory budget spent and nobody to evict.
+        self._waiting: set[str] = set()
+        # Endpoints whose socket the node must close now (see ``_forget``); taken by ``endpoints_to_reset``.
+        self._reset: set[str] = set()
         self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
@@ -88,12 +104,12 @@ class RlogServer:
         check_watch_request(body.protocol, watch_id, self.core_name)
         owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
         for agent_id in superseded_agents(owners, body.replicant, body.shard):
-            del self.watches[agent_id]
+            self._forget(agent_id, drop_frames=True)
         evicted = agent_to_evict(
             ((a, w.acknowledged) for a, w in self.watches.items()), self.watches_max, self.core_name
         )
         if evicted is not None:
-            del self.watches[evicted]
+            self._forget(evicted, drop_frames=True)
         mode, start_key, start_digest = decide_watch(
             body.from_,
             body.from_digest,
@@ -136,18 +152,73 @@ class RlogServer:
 
     def tick(self, now_ms: int) -> None:
         for agent_id, watch in list(self.watches.items()):
-            if now_ms >= watch.agent.next_deadline_ms():
+            if now_ms >= watch.agent.next_deadline_ms(self._push_room(agent_id)):
                 self._step(agent_id, Ticked(), now_ms)
 
     def next_deadline_ms(self) -> int | None:
-        return min((w.agent.next_deadline_ms() for w in self.watches.values()), default=None)
+        return min((w.agent.next_deadline_ms(self._push_room(a)) for a, w in self.watches.items()), default=None)
+
+    def _push_room(self, agent_id: str) -> bool:
+        """False for an agent that waits for the memory budget: it found no room and nobody to evict.
+        Such an agent is not due for its pushes (ticking it would only spin the node's loop); an
+        acknowledgement or an agent's end that frees bytes makes it due again, and its heartbeat
+        deadline retries the eviction (an agent turns silent with time)."""
+        return agent_id not in self._waiting or self.budget.has_room()
 
     def _step(self, agent_id: str, event: Any, now_ms: int) -> None:
         watch = self.watches.get(agent_id)
         if watch is None:
             return
-        budget = max(0, self.turn_push_bytes_max - self._turn_pushed_bytes)
-        for effect in watch.agent.step(event, now_ms, budget):
+        turn_bytes = max(0, self.turn_push_bytes_max - self._turn_pushed_bytes)
+        room = self.budget.has_room()
+        self._execute(agent_id, watch, watch.agent.step(event, now_ms, self._push_bytes(turn_bytes)))
+        self._waiting.discard(agent_id)
+        # Without a push budget left in this loop turn, an agent that wants to push is due at the next turn.
+        if room or agent_id not in self.watches or turn_bytes == 0 or not watch.agent.wants_to_push:
+            return
+        # The agent wants to push and the memory budget is spent (perhaps by this event): evict
+        # silent agents for it if the rule allows, then let it push in the room made.
+        for evicted in self.budget.evict_for(self._uses(), self._use(agent_id, watch), now_ms):
+            self._forget(evicted, drop_frames=True)
+        if self.budget.has_room():
+            self._execute(agent_id, watch, watch.agent.step(Ticked(), now_ms, self._push_bytes(turn_bytes)))
+        else:
+            self._waiting.add(agent_id)
+
+    def _push_bytes(self, turn_bytes: int) -> int:
+        """What one step may push: the loop turn's budget left, and the memory budget's room (a step
+        pushes whole pushes: the last one may cross the bound, by one push at most)."""
+        return max(0, min(turn_bytes, self.budget.bytes_max - self.budget.used_bytes))
+
+    def _use(self, agent_id: str, watch: Watch) -> AgentUse:
+        return AgentUse(agent_id, self.budget.held_bytes(agent_id), watch.agent.last_ack_ms, watch.acknowledged)
+
+    def _uses(self) -> list[AgentUse]:
+        return [self._use(agent_id, watch) for agent_id, watch in self.watches.items()]
+
+    def _forget(self, agent_id: str, drop_frames: bool = False) -> None:
+        """The agent ended (stopped, superseded, evicted): free its bytes; ``drop_frames``: also its
+        frames not yet drained. The node closes its endpoint's socket once no agent uses it."""
+        watch = self.watches.pop(agent_id, None)
+        if watch is None:
+            return
+        self.budget.release(agent_id)
+        self._waiting.discard(agent_id)
+        # Its bytes left the budget, but zmq may still hold its frames for the endpoint: unless an
+        # agent whose replicant acknowledges (a live endpoint, where they will be delivered) still
+        # uses that endpoint, the node closes its socket now (linger 0), and the frames go with it.
+        # Without this, a replicant name watched again and again naming a dead endpoint would pile
+        # up pushes in one socket that stays open for the newest watch.
+        if not any(w.endpoint == watch.endpoint and w.acknowledged for w in self.watches.values()):
+            self._reset.add(watch.endpoint)
+        if drop_frames:
+            self.outbox = [
+                (endpoint, message) for endpoint, message in self.outbox if message.body["agent"] != agent_id
+            ]
+
+    def _execute(self, agent_id: str, watch: Watch, effects: list[Any]) -> None:
+        """Turn an agent's effects into frames; record the bytes it holds now."""
+        for effect in effects:
             if isinstance(effect, Push):
                 self._turn_pushed_bytes += effect.size_bytes
                 body = {
@@ -161,10 +232,17 @@ class RlogServer:
                 }
                 self.outbox.append((watch.endpoint, Message("push", agent_id[:64], body)))
             elif isinstance(effect, AgentStopped):
-                self.watches.pop(agent_id, None)
+                self._forget(agent_id)
+                return
+        self.budget.held(agent_id, watch.agent.unacknowledged_bytes)
 
     def endpoints(self) -> set[str]:
         return {watch.endpoint for watch in self.watches.values()}
+
+    def endpoints_to_reset(self) -> set[str]:
+        """Endpoints whose socket the node closes before this turn's pushes (made again on demand)."""
+        reset, self._reset = self._reset, set()
+        return reset
 
     def drain(self) -> list[tuple[str, Message]]:
         outbox, self.outbox = self.outbox, []
@@ -173,7 +251,7 @@ class RlogServer:
     def stop_shard(self, shard: str) -> None:
         """Forget every agent of ``shard`` (its log was replaced: their positions mean nothing there)."""
         for agent_id in [a for a, w in self.watches.items() if w.shard == shard]:
-            del self.watches[agent_id]
+            self._forget(agent_id, drop_frames=True)
 
     def acked_keys(self, shard: str) -> list[TxKey]:
         """What each live agent of ``shard`` knows its replicant holds (the retention floor waits for it)."""
@@ -196,6 +274,7 @@ class RlogServer:
                     "acked": list(status.acked_key),
                     "lag_entries": status.lag_entries,
                     "unacknowledged_entries": status.unacknowledged_entries,
+                    "unacknowledged_bytes": status.unacknowledged_bytes,
                 }
             )
         return result

@@ -27,6 +27,7 @@ Example::
     turn_ms_max = 50                    # time spent draining frames per loop turn
     push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
+    agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
     requests_queued_max = 10000         # incoming frames zmq queues
     replies_queued_max = 1000           # answers zmq queues per connection
@@ -103,6 +104,10 @@ class Limits:
     # An agent's pushes to one replicant: bytes in one push, and pushed but unacknowledged (core.agent).
     push_bytes_max: int = 256 * 1024
     window_bytes_max: int = 8 * 1024 * 1024
+    # Bytes all agents of a node hold together (pushed, not acknowledged: in the outbox, in zmq's send
+    # queues, on the wire). Past it the longest-silent agents are evicted, never an acknowledging
+    # one (core.agent_budget): replicant streams cost the node this much memory at most.
+    agents_bytes_max: int = 16 * 1024 * 1024
     # Requests waiting for a later answer (a commit, the sequencer, a read fence) per client connection.
     requests_outstanding_max: int = 1000
     # Frames zmq queues: incoming ones in all, answers per connection (a client that does not read).
@@ -176,6 +181,7 @@ _LIMIT_BOUNDS = {
     "turn_ms_max": (1, 60_000),
     "push_bytes_max": (1024, 256 * 1024 * 1024),
     "window_bytes_max": (1024, 1024 * 1024 * 1024),
+    "agents_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),
     "requests_outstanding_max": (1, 1_000_000),
     "requests_queued_max": (1, 1_000_000),
     "replies_queued_max": (1, 1_000_000),

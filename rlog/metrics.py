@@ -9,11 +9,12 @@ Two kinds of figures, kept apart so that a scrape never touches the node's loop:
   (group commit), the time a write waited between its arrival and its acknowledgement (commit
   latency as a client sees it), malformed frames. prometheus_client's counters and histograms are
   thread-safe, so the hook is one increment or ``observe``.
-* **State** (generations, sequencer, committed and applied tx keys, replicant lag and mode, agents,
-  bootstrap progress, refusals, a full disk) is what ``status`` already reports. The loop hands a fresh status
-  dict to ``NodeMetrics.refresh`` at most once per ``REFRESH_INTERVAL_MS``; the scrape thread only
-  reads the last one handed over (the loop replaces the reference and never mutates a dict it
-  handed over), and turns it into metric families when scraped.
+* **State** (generations, sequencer, committed and applied tx keys, replicant lag and mode, agents
+  and their memory budget, bootstrap progress, refusals, a full disk) is what ``status`` already
+  reports. The loop hands a fresh status dict to ``NodeMetrics.refresh`` at most once per
+  ``REFRESH_INTERVAL_MS``; the scrape thread only reads the last one handed over (the loop
+  replaces the reference and never mutates a dict it handed over), and turns it into metric
+  families when scraped.
 
 The HTTP endpoint is an untrusted socket like any other: one thread serves one connection at a
 time (a slow or hostile client delays only other scrapes, never the node), each connection has a
@@ -234,6 +235,20 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
             if agent.get("lag_entries") is not None:
                 agent_lag.add_metric([agent["shard"], agent["replicant"]], agent["lag_entries"])
         yield agent_lag
+    budget = status.get("agent_budget")
+    if budget is not None:
+        # core.agent_budget: the bytes all agents hold together, the bound, and evictions for it.
+        used = _gauge(
+            "mnesite_agent_budget_used_bytes", "Bytes all agents hold: pushed to replicants, not acknowledged", []
+        )
+        used.add_metric([], budget["used_bytes"])
+        limit = _gauge("mnesite_agent_budget_max_bytes", "The agents' memory budget: [limits] agents_bytes_max", [])
+        limit.add_metric([], budget["bytes_max"])
+        evicted = CounterMetricFamily(
+            "mnesite_agent_budget_evictions", "Silent agents stopped because the agents' memory budget was spent"
+        )
+        evicted.add_metric([], budget["evicted_agents"])
+        yield from (used, limit, evicted)
     violations = CounterMetricFamily(
         "mnesite_protocol_violations", "Well-formed messages that break the protocol against this node's state"
     )

@@ -71,6 +71,8 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
         },
         "protocol_violations": 7,
         "disk": {"state": "full", "full_for_ms": 2500, "fills": 2, "writes_refused": 9},
+        "agents": [],
+        "agent_budget": {"used_bytes": 1234, "bytes_max": 16777216, "evicted_agents": 5},
     }
     metrics.refresh(0, status)
     samples = {}
@@ -93,6 +95,9 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_refused_total", reason="role") == 2
     assert value(samples, "mnesite_refused_total", reason="handshake") == 3
     assert value(samples, "mnesite_protocol_violations_total") == 7
+    assert value(samples, "mnesite_agent_budget_used_bytes") == 1234
+    assert value(samples, "mnesite_agent_budget_max_bytes") == 16777216
+    assert value(samples, "mnesite_agent_budget_evictions_total") == 5
     assert value(samples, "mnesite_node_info", node="replicant1", role="replicant") == 1
     assert value(samples, "mnesite_disk_full") == 1
     assert value(samples, "mnesite_disk_full_seconds") == 2.5
@@ -128,6 +133,10 @@ def test_a_scrape_of_a_node_shows_commits_moving(metrics_node) -> None:
     assert value(after, "mnesite_is_sequencer", shard="default") == 1
     assert value(after, "mnesite_sequencer", shard="default", sequencer="core1") == 1
     assert value(after, "mnesite_transactions_total") >= 51
+    # A core's agents' memory budget ([limits] agents_bytes_max, default 16 MiB); no agent, nothing held.
+    assert value(after, "mnesite_agent_budget_max_bytes") == 16 * 1024 * 1024
+    assert value(after, "mnesite_agent_budget_used_bytes") == 0
+    assert value(after, "mnesite_agent_budget_evictions_total") == 0
 
 
 def test_the_endpoint_is_bounded_and_answers_only_metrics(metrics_node) -> None:

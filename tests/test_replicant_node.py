@@ -74,7 +74,7 @@ def test_a_dropped_outgoing_frame_is_counted_shown_in_status_and_logged_at_most_
     from mnesite.rlog import server
 
     class FullQueue:
-        def send_multipart(self, frames, flags=0):
+        def send_multipart(self, frames, flags=0, copy=True):  # zmq.Socket.send_multipart's signature
             raise zmq.Again()
 
     node = offline_replicant(tmp_path / "r")

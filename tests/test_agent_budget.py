@@ -1,0 +1,384 @@
+"""core.agent_budget: the eviction rule, sentence by sentence of its theory of operation, and the
+accounting of the bytes agents hold as ``core.rlog_server`` keeps it (added on a push, freed on an
+acknowledgement, an eviction, or the agent's end)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from mnesite.core.agent import Agent, AgentConfig
+from mnesite.core.agent_budget import AgentBudgetError, AgentMemoryBudget, AgentUse, agents_to_evict
+from mnesite.core.rlog_server import RlogServer
+from mnesite.rlog.config import ConfigError, parse_config
+from mnesite.rlog.messages import typed_body
+from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, AgentMode, CommittedAdvanced, Ticked
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+
+from tests.sim import MemoryLog
+from tests.test_agent import SHARD, build_large_log, build_log
+
+pytestmark = pytest.mark.timeout(30)
+
+SILENT_MS = 1000
+
+
+def use(agent_id: str, held_bytes: int, last_heard_ms: int, acknowledged: bool = True) -> AgentUse:
+    return AgentUse(agent_id, held_bytes, last_heard_ms, acknowledged)
+
+
+def evict(agents: list[AgentUse], requester: AgentUse, bytes_max: int, now_ms: int = 10_000) -> list[str]:
+    used = sum(agent.held_bytes for agent in agents)
+    return agents_to_evict(agents, requester, used, bytes_max, now_ms, SILENT_MS)
+
+
+# -- the rule -------------------------------------------------------------------------------------
+
+
+def test_nothing_is_evicted_while_the_budget_has_room():
+    dead = use("dead", 500, 0, acknowledged=False)
+    live = use("live", 0, 9_990)
+    assert evict([dead, live], live, bytes_max=501) == []
+    assert evict([dead, live], live, bytes_max=500) == ["dead"]  # the use reached the bound: no room
+
+
+def test_the_longest_silent_go_first_and_only_as_many_as_make_room():
+    agents = [
+        use("silent-since-3000", 400, 3_000),
+        use("never-acked-since-1000", 400, 1_000, acknowledged=False),
+        use("silent-since-2000", 400, 2_000),
+    ]
+    requester = use("live", 0, 9_999)
+    assert evict([*agents, requester], requester, bytes_max=1_000) == ["never-acked-since-1000"]
+    assert evict([*agents, requester], requester, bytes_max=500) == ["never-acked-since-1000", "silent-since-2000"]
+
+
+def test_an_acknowledging_agent_is_never_evicted_whoever_asks():
+    live = use("live", 10_000, 9_500)  # acknowledged 500 ms ago: live
+    just_silent = use("just-silent", 100, 9_000)  # acknowledged exactly SILENT_MS ago: silent
+    for requester in (use("other-live", 0, 9_999), use("new-watch", 0, 9_999, acknowledged=False)):
+        agents = [live, just_silent, requester]
+        # Evicting the silent one cannot make room: nobody is evicted, the requester waits.
+        assert evict(agents, requester, bytes_max=5_000) == []
+        assert evict(agents, requester, bytes_max=10_050) == ["just-silent"]
+
+
+def test_a_silent_requester_evicts_only_agents_silent_for_longer_than_itself():
+    older = use("older", 300, 4_000, acknowledged=False)
+    newer = use("newer", 300, 6_000, acknowledged=False)
+    requester = use("requester", 0, 5_000, acknowledged=False)
+    agents = [older, newer, requester]
+    assert evict(agents, requester, bytes_max=400) == ["older"]
+    # Even with "newer" holding more, it is left alone; with "older" not enough, nobody is evicted.
+    assert evict(agents, requester, bytes_max=100) == []
+    # A live requester, though, may evict both.
+    live = use("live", 0, 9_999)
+    assert evict([older, newer, live], live, bytes_max=100) == ["older", "newer"]
+
+
+def test_agents_that_hold_nothing_and_the_requester_itself_are_never_evicted():
+    empty = use("empty", 0, 0, acknowledged=False)
+    requester = use("requester", 1_000, 0, acknowledged=False)
+    assert evict([empty, requester], requester, bytes_max=10) == []
+
+
+def test_ties_are_broken_by_agent_id_so_the_rule_is_deterministic():
+    agents = [use("b", 100, 1_000, acknowledged=False), use("a", 100, 1_000, acknowledged=False)]
+    requester = use("live", 0, 9_999)
+    assert evict([*agents, requester], requester, bytes_max=150) == ["a"]
+
+
+def test_the_accounting_adds_frees_and_counts():
+    budget = AgentMemoryBudget(1_000, SILENT_MS)
+    budget.held("a", 600)
+    budget.held("b", 300)
+    assert (budget.used_bytes, budget.has_room()) == (900, True)
+    budget.held("a", 800)  # pushed 200 more
+    assert (budget.used_bytes, budget.has_room()) == (1_100, False)
+    assert budget.release("b") == 300 and budget.release("b") == 0
+    assert (budget.used_bytes, budget.has_room()) == (800, True)
+    budget.held("a", 1_000)
+    requester = use("c", 0, 9_999)
+    evicted = budget.evict_for([use("a", 1_000, 0, acknowledged=False), requester], requester, 10_000)
+    assert evicted == ["a"]
+    assert budget.status() == {"used_bytes": 0, "bytes_max": 1_000, "evicted_agents": 1}
+    with pytest.raises(AgentBudgetError):
+        budget.held("a", -1)
+    with pytest.raises(AgentBudgetError):
+        AgentMemoryBudget(0, SILENT_MS)
+
+
+# -- the accounting in the rlog server --------------------------------------------------------------
+
+
+def config(**overrides) -> AgentConfig:
+    values = {
+        "push_bytes_max": 4096,
+        "window_bytes_max": 32_768,
+        "probation_bytes_max": 4096,
+        "step_bytes_max": 4096,
+        "heartbeat_interval_ms": 100,
+        "ack_timeout_ms": 5_000,
+    }
+    return AgentConfig(**{**values, **overrides})
+
+
+def server_of(agents_bytes_max: int, **overrides) -> RlogServer:
+    return RlogServer(
+        "core1", config(**overrides), random.Random(7), watches_max=100, agents_bytes_max=agents_bytes_max
+    )
+
+
+def watch(server: RlogServer, log, replicant: str, now_ms: int) -> str:
+    """A watch from the start of ``log`` (the agent resumes there and would push all of it)."""
+    body = {
+        "shard": SHARD,
+        "replicant": replicant,
+        "endpoint": f"tcp://{replicant}.test:1",
+        "from": [0, 0],
+        "from_digest": GENESIS_DIGEST,
+        "protocol": REPLICATION_PROTOCOL_VERSION,
+    }
+    server.begin_turn()
+    committed = log.last_key()
+    return server.watch(
+        typed_body("watch", body), log, committed, log.digest_at(committed), log.digest_at, True, now_ms
+    )["agent"]
+
+
+def held(server: RlogServer) -> int:
+    """What the agents hold, from the agents themselves; the budget must say the same."""
+    total = sum(watch.agent.unacknowledged_bytes for watch in server.watches.values())
+    assert server.budget.used_bytes == total
+    return total
+
+
+def ack_all(server: RlogServer, agent_id: str, now_ms: int) -> None:
+    """The replicant of ``agent_id`` acknowledges everything it was pushed (as a live replica does)."""
+    server.outbox = [(e, m) for e, m in server.outbox if m.body["agent"] != agent_id]
+    key = server.watches[agent_id].agent.status().sent_key
+    server.begin_turn()
+    server.acknowledged(
+        typed_body("push_ack", {"shard": server.watches[agent_id].shard, "agent": agent_id, "applied": list(key)}),
+        now_ms,
+    )
+
+
+def test_a_push_adds_its_bytes_and_an_acknowledgement_frees_them():
+    log = build_large_log(20, 1000)
+    server = server_of(1_000_000)
+    agent_id = watch(server, log, "rep0", 0)
+    first = held(server)
+    assert 0 < first <= 4096 + 1100  # about one push (one entry crosses) until the first acknowledgement
+    server.begin_turn()
+    server.tick(1)
+    assert held(server) == first, "before its first acknowledgement, a watch holds one push at most"
+    now = 2
+    while server.watches[agent_id].agent.status().acked_key < log.last_key():
+        ack_all(server, agent_id, now)
+        assert held(server) > 0 or server.watches[agent_id].agent.status().acked_key == log.last_key()
+        server.begin_turn()
+        server.tick(now)
+        now += 1
+    assert held(server) == 0
+
+
+@pytest.mark.parametrize("end", ["ack_timeout", "superseded", "stop_shard", "rejected"])
+def test_an_agent_that_ends_frees_its_bytes(end):
+    log = build_large_log(20, 1000)
+    server = server_of(1_000_000)
+    agent_id = watch(server, log, "rep0", 0)
+    other = watch(server, log, "rep1", 0)
+    assert held(server) > 0
+    before_other = server.budget.held_bytes(other)
+    if end == "ack_timeout":
+        server.tick(6_000)  # both stop: nothing acknowledged for ack_timeout_ms
+        assert server.watches == {} and held(server) == 0
+        return
+    if end == "superseded":
+        watch(server, log, "rep0", 1)  # the same replicant watches again: the old agent ends
+    elif end == "stop_shard":
+        server.stop_shard(SHARD)
+        assert server.watches == {} and held(server) == 0
+        return
+    else:
+        server.acknowledged(
+            typed_body(
+                "push_ack", {"shard": SHARD, "agent": agent_id, "rejected": "not the watched agent", "applied": [0, 0]}
+            ),
+            1,
+        )
+    assert agent_id not in server.watches
+    assert server.budget.held_bytes(agent_id) == 0
+    assert server.budget.held_bytes(other) == before_other
+    held(server)
+
+
+def test_silent_watches_are_evicted_for_a_live_replicant_which_keeps_pushing():
+    log = build_large_log(100, 1000)
+    server = server_of(20_000)
+    live = watch(server, log, "live", 0)
+    ack_all(server, live, 1)  # the live replicant has acknowledged: its window opens
+    server.outbox.clear()
+    dead = [watch(server, log, f"ghost{n}", 10 + n) for n in range(12)]
+    assert held(server) <= 20_000 + 4096  # one push beyond the bound at most
+    evicted_before = server.budget.evicted_agents
+    assert evicted_before > 0, "new watches evict older silent ones once the budget is spent"
+    assert all(d not in server.watches for d in dead[:evicted_before])  # the oldest went first
+    # The live replicant acknowledges everything it gets, turn after turn: it reaches the end of the
+    # log, evicting silent watches on its way whenever the budget is spent.
+    for now in range(100, 400):
+        ack_all(server, live, now)
+        server.begin_turn()
+        server.tick(now)
+        assert live in server.watches
+        assert held(server) <= 20_000 + 4096
+    assert server.watches[live].agent.status().acked_key == log.last_key()
+    assert server.budget.evicted_agents > evicted_before
+    # What was evicted left no frame behind.
+    assert all(message.body["agent"] in server.watches for _, message in server.outbox)
+
+
+def test_an_evicted_agents_frames_not_yet_sent_are_dropped():
+    log = build_large_log(100, 1000)
+    server = server_of(3_000)
+    dead = watch(server, log, "ghost", 0)
+    assert any(message.body["agent"] == dead for _, message in server.outbox)
+    assert not server.budget.has_room()
+    live = watch(server, log, "live", 1)  # a newer watch evicts the older silent one to push
+    assert dead not in server.watches and server.budget.evicted_agents == 1
+    assert not any(message.body["agent"] == dead for _, message in server.outbox)
+    assert any(message.body["agent"] == live and message.body["entries"] for _, message in server.outbox)
+
+
+def test_an_agent_that_waits_for_the_budget_is_not_due_until_bytes_are_freed():
+    log = build_large_log(100, 1000)
+    server = server_of(5_000, heartbeat_interval_ms=100)
+    first = watch(server, log, "rep0", 0)
+    ack_all(server, first, 1)
+    second = watch(server, log, "rep1", 2)
+    ack_all(server, second, 3)  # both live: neither may evict the other
+    server.outbox.clear()
+    server.begin_turn()
+    server.tick(4)
+    assert not server.budget.has_room()
+    waiting = [a for a, w in server.watches.items() if w.agent.wants_to_push]
+    assert waiting, "the budget is spent and both want to push"
+    # Not due at once (a loop that ticks it at once would spin): only at its next heartbeat.
+    assert server.next_deadline_ms() > 4
+    # One agent ends: its bytes are free, and whoever waited is due at once.
+    ender = first if first in waiting else second
+    server.acknowledged(
+        typed_body(
+            "push_ack", {"shard": SHARD, "agent": ender, "rejected": "not the watched agent", "applied": [0, 0]}
+        ),
+        5,
+    )
+    assert server.budget.has_room()
+    assert server.next_deadline_ms() <= 5
+
+
+def test_the_mode_is_counted_only_once_a_push_moved_the_position():
+    """A new watch from another generation (here [0, 0]) that waits for the memory budget is stepped
+    at every heartbeat without pushing: the log is not counted each time (a count reads the log)."""
+    log = build_log(5)
+    counted = []
+    original = log.count_after
+
+    def counting(key, up_to, limit):
+        counted.append(key)
+        return original(key, up_to, limit)
+
+    log.count_after = counting
+    machine = Agent("agent-1", SHARD, "rep0", TxKey(0, 0), log, config(), 0)
+    machine.step(CommittedAdvanced(TxKey(1, 5), True), 0, push_bytes_max=0)
+    for now in range(1, 50):
+        machine.step(Ticked(), now, push_bytes_max=0)
+    assert counted == [] and machine.mode is AgentMode.CATCHUP
+    assert machine.step(Ticked(), 50)  # room again: it pushes, and sent_key is in generation 1 now
+    assert machine.status().sent_key == TxKey(1, 5) and machine.mode is AgentMode.NORMAL
+
+
+def test_the_config_key_is_bounded():
+    base = {"node": {"name": "core1", "data_dir": "/tmp/x"}}
+    assert parse_config(base).limits.agents_bytes_max == 16 * 1024 * 1024
+    assert parse_config({**base, "limits": {"agents_bytes_max": 65536}}).limits.agents_bytes_max == 65536
+    with pytest.raises(ConfigError, match="agents_bytes_max"):
+        parse_config({**base, "limits": {"agents_bytes_max": 1000}})
+
+
+def test_tiny_first_entries_do_not_make_the_next_read_take_the_whole_log():
+    """A watch from [0, 0]: the log starts with a no-op and a table creation (tens of bytes), then
+    100 KB transactions. Sizing the next read by the tiny ones read 256 large entries (25 MB) for a
+    push of one; a read takes at most twice the entries of the last push."""
+    log = MemoryLog()
+    prev, digest = ZERO_KEY, GENESIS_DIGEST
+    for counter in range(1, 301):
+        ops = () if counter <= 2 else (WriteOp("t", {"k": counter, "v": "x" * 100_000}),)
+        entry = make_entry(SHARD, TxKey(1, counter), prev, digest, ops)
+        log.append((entry,))
+        prev, digest = entry.tx_key, entry.digest
+    read_counts = []
+    original = log.entries_after
+
+    def recording(key, limit):
+        read = original(key, limit)
+        read_counts.append(len(read))
+        return read
+
+    log.entries_after = recording
+    machine = Agent("agent-1", SHARD, "rep0", ZERO_KEY, log, config(push_bytes_max=65_536, step_bytes_max=65_536), 0)
+    machine.step(CommittedAdvanced(log.last_key(), True), 0)
+    assert machine.status().sent_key == TxKey(1, 3)  # the two small ones, then one large one alone
+    assert max(read_counts) <= 4, read_counts
+
+
+def test_a_dead_endpoint_whose_agent_ends_has_its_socket_reset_a_live_one_keeps_it():
+    """zmq may still hold an ended agent's frames: the socket of its endpoint is closed (and made
+    again for a newer agent) unless an acknowledging agent still uses it. Otherwise one replicant
+    name watched again and again naming a dead endpoint would pile pushes up in one open socket."""
+    log = build_large_log(50, 1000)
+    server = server_of(1_000_000)
+    first = watch(server, log, "ghost", 0)
+    assert server.endpoints_to_reset() == set()
+    watch(server, log, "ghost", 1)  # supersedes the first: same endpoint, nobody acknowledged
+    assert first not in server.watches
+    assert server.endpoints_to_reset() == {"tcp://ghost.test:1"}
+    assert not any(message.body["agent"] == first for _, message in server.outbox)
+    # A live replicant watching two shards: one agent ending leaves the other's stream alone.
+    body = {
+        "shard": "other",
+        "replicant": "live",
+        "endpoint": "tcp://live.test:1",
+        "from": [0, 0],
+        "from_digest": GENESIS_DIGEST,
+        "protocol": REPLICATION_PROTOCOL_VERSION,
+    }
+    other = server.watch(
+        typed_body("watch", body), log, log.last_key(), log.digest_at(log.last_key()), log.digest_at, True, 2
+    )["agent"]
+    ack_all(server, other, 3)
+    live = watch(server, log, "live", 4)
+    server.endpoints_to_reset()
+    server.acknowledged(
+        typed_body("push_ack", {"shard": SHARD, "agent": live, "rejected": "not the watched agent", "applied": [0, 0]}),
+        5,
+    )
+    assert live not in server.watches and other in server.watches
+    assert server.endpoints_to_reset() == set()
+
+
+def test_a_watch_never_acknowledged_stops_after_probation_timeout_ms_an_acknowledged_one_after_ack_timeout_ms():
+    log = build_log(5)
+    server = server_of(1_000_000, heartbeat_interval_ms=100, ack_timeout_ms=5_000, probation_timeout_ms=1_000)
+    dead = watch(server, log, "ghost", 0)
+    live = watch(server, log, "live", 0)
+    ack_all(server, live, 10)
+    server.tick(999)
+    assert dead in server.watches
+    server.tick(1_000)
+    assert dead not in server.watches and live in server.watches  # acknowledged at 10: 5 s from there
+    server.tick(5_009)
+    assert live in server.watches
+    server.tick(5_010)
+    assert server.watches == {} and held(server) == 0
