@@ -45,6 +45,7 @@ import logging
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,7 @@ from mnesite.core.outcome import (
     CommitWaiters,
     ForwardedRequests,
     Outcome,
+    OutcomeUnknown,
     forward_target,
 )
 from mnesite.core.recovery import (
@@ -118,6 +120,7 @@ from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
+from mnesite.rlog.query import CheckedQuery, QueryRequest
 from mnesite.rlog.retention import keep_from_match_keys
 from mnesite.rlog.schema import (
     DEFAULT_SHARD,
@@ -159,6 +162,7 @@ READ_KINDS = frozenset(
     }
 )
 WRITE_KINDS = frozenset({"transact", "create_table", "drop_table"})
+QUERY_KINDS = frozenset({"query", "query_page", "query_close"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
 POLL_INTERVAL_MS_MAX = 50
@@ -250,6 +254,28 @@ class ShardDriver:
     elections: int = 0
 
 
+@dataclass
+class QueryIndexGather:
+    """A linearizable query's read indexes, one per shard it reads; answered at most once."""
+
+    envelope: list[bytes]
+    message: Message
+    request: QueryRequest
+    checked: CheckedQuery
+    shards: tuple[str, ...]
+    targets: dict[str, TxKey]
+    keys: dict[str, TxKey] = field(default_factory=dict)
+    answered: bool = False
+
+
+@dataclass(frozen=True)
+class QueryIndexAsk:
+    """The payload of a read_index this core asked a shard's sequencer for, for a query."""
+
+    gather: QueryIndexGather
+    shard: str
+
+
 @dataclass(frozen=True)
 class HeldFailure:
     """A failed guard waiting until the entries it observed commit (``core.guard_tail``)."""
@@ -288,7 +314,8 @@ class CoreNode(NodeServer):
         # request id -> (shard, envelope) of a membership change not yet in the log (learner stage).
         self.pending_changes: dict[str, tuple[str, list[bytes]]] = {}
         self.shards: dict[str, ShardDriver] = {}
-        self.forwarded: ForwardedRequests[list[bytes]] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
+        # Payloads: a client's envelope (its request is relayed), or a QueryIndexAsk (rlog.query).
+        self.forwarded: ForwardedRequests[Any] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
         limits = config.limits
@@ -463,6 +490,7 @@ class CoreNode(NodeServer):
         for dealer in list(self.dealers.values()):
             if dealer in ready:
                 self._relay_forwarded(dealer)
+        self.serve_queries(self._query_shard_reached)
         self._end_batches()
         self._expire_forwarded()
         self._expire_held_guard_failures()
@@ -554,6 +582,8 @@ class CoreNode(NodeServer):
             self.reply(envelope, codec.reply(message.request_id, result))
         elif message.kind in WRITE_KINDS:
             self._write(envelope, message)
+        elif message.kind in QUERY_KINDS:
+            self._query(envelope, message)
         elif message.kind == "read_index" or message.body.get("consistency") == "linearizable":
             self._linearizable(envelope, message)
         elif message.kind in READ_KINDS:
@@ -1092,9 +1122,12 @@ class CoreNode(NodeServer):
         self.hold(envelope, request_id)  # may refuse (overloaded): then nobody waits
         driver.waiters.wait(tx_key, request_id, envelope)
 
-    def _tell_outcomes(self, outcomes: list[tuple[list[bytes], Outcome]]) -> None:
+    def _tell_outcomes(self, outcomes: list[tuple[Any, Outcome]]) -> None:
         for envelope, outcome in outcomes:
-            if isinstance(outcome, Acknowledged):
+            if isinstance(envelope, QueryIndexAsk):
+                reason = outcome.reason if isinstance(outcome, OutcomeUnknown) else "the sequencer did not answer"
+                self._query_index_failed(envelope.gather, "outcome_unknown", reason)
+            elif isinstance(outcome, Acknowledged):
                 result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
                 if outcome.duplicate:
                     result["duplicate"] = True
@@ -1166,7 +1199,9 @@ class CoreNode(NodeServer):
             except CodecError:
                 continue
             waiting = self.forwarded.answered(answer.request_id)
-            if waiting is not None:
+            if isinstance(waiting, QueryIndexAsk):
+                self._query_index_answered(waiting, answer)
+            elif waiting is not None:
                 self.reply(waiting, answer)
             elif answer.request_id in self.install_requests:
                 self._on_install_answer(self.install_requests.pop(answer.request_id), answer)
@@ -1365,6 +1400,75 @@ class CoreNode(NodeServer):
         except apsw.Error:
             log.exception("rlog retention failed; will retry")
 
+    # -- read-only SQL queries (rlog.query; the paging and waiting are NodeServer's) -----------
+
+    def _query(self, envelope: list[bytes], message: Message) -> None:
+        if message.kind != "query":
+            self.query_cursor_request(envelope, message)
+            return
+        request, checked, shards = self.query_received(message)
+        for shard in shards:
+            self._check_serving(shard)
+        targets = dict.fromkeys(shards, request.min_key) if request.min_key is not None else {}
+        if request.consistency != "linearizable" or not shards:
+            self.query_wait(envelope, message, request, checked, shards, targets)
+            return
+        # Linearizable: each shard's committed key, confirmed by its sequencer (read_index), which
+        # may be this core or another one; the query waits until this core has applied every key.
+        gather = QueryIndexGather(envelope, message, request, checked, shards, targets)
+        self.hold(envelope, message.request_id)
+        for shard in shards:
+            driver = self.shards.get(shard)
+            if driver is None:
+                raise RequestError("unknown_shard", f"unknown shard {shard!r}")
+            if driver.consensus.role is Role.SEQUENCER:
+                key = driver.consensus.read_index(self.clock_ms())
+                if key is None:
+                    self._query_index_failed(gather, "no_sequencer", f"{self.config.name} has no lease in {shard} now")
+                    return
+                gather.keys[shard] = key
+                continue
+            target = forward_target(driver.consensus.sequencer, self.config.name, False)
+            if target is None or self.forwarded.full():
+                self._query_index_failed(gather, "no_sequencer", f"shard {shard} has no sequencer reachable now")
+                return
+            request_id = uuid.uuid4().hex
+            self.forwarded.forwarded(request_id, QueryIndexAsk(gather, shard), shard, target, self.clock_ms())
+            self._send_peer(target, Message("read_index", request_id, {"shard": shard, "forwarded": True}))
+        self._query_index_complete(gather)
+
+    def _query_index_answered(self, ask: QueryIndexAsk, answer: Message) -> None:
+        result = answer.body.get("result") if answer.kind == "reply" else None
+        try:
+            key = tx_key_from_wire(result["committed"]) if isinstance(result, dict) else None
+        except (OpDecodeError, KeyError):
+            key = None
+        if key is None:
+            code = answer.body.get("code", "bad_answer") if answer.kind == "error" else "bad_answer"
+            self._query_index_failed(ask.gather, code, str(answer.body.get("message", "malformed read_index answer")))
+            return
+        ask.gather.keys[ask.shard] = key
+        self._query_index_complete(ask.gather)
+
+    def _query_index_complete(self, gather: QueryIndexGather) -> None:
+        if gather.answered or len(gather.keys) < len(gather.shards):
+            return
+        gather.answered = True
+        targets = {shard: max(key, gather.targets.get(shard, ZERO_KEY)) for shard, key in gather.keys.items()}
+        try:
+            self.query_wait(gather.envelope, gather.message, gather.request, gather.checked, gather.shards, targets)
+        except RequestError as error:
+            self.reply(gather.envelope, codec.error(gather.message.request_id, error.code, str(error)))
+
+    def _query_index_failed(self, gather: QueryIndexGather, code: str, reason: str) -> None:
+        if not gather.answered:
+            gather.answered = True
+            self.reply(gather.envelope, codec.error(gather.message.request_id, code, reason))
+
+    def _query_shard_reached(self, shard: str, key: TxKey) -> bool:
+        position = self.store.shard(shard)
+        return position is not None and position.applied >= key and shard not in self.not_serving
+
     # -- reads -------------------------------------------------------------------------------
 
     def _table(self, name: str) -> TableSchema:
@@ -1535,6 +1639,8 @@ class CoreNode(NodeServer):
             "durable_commits": self.durable_commits,
             "sends_dropped": self.sends_dropped,
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
+            # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired
+            "queries": self.queries.statistics(),
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),

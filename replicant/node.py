@@ -224,6 +224,7 @@ class ReplicantNode(NodeServer):
         self._expire(now)
         self._warn_if_no_core(now)
         self._answer_waiting_reads()
+        self.serve_queries(self._query_shard_reached)
         self._maybe_trim()
         self.flush()
 
@@ -576,6 +577,10 @@ class ReplicantNode(NodeServer):
             self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
         elif message.kind in ("get", "scan", "count"):
             self._read(envelope, message)
+        elif message.kind == "query":
+            self._query(envelope, message)
+        elif message.kind in ("query_page", "query_close"):
+            self.query_cursor_request(envelope, message)
         elif message.kind in range_requests.KINDS:
             self._serving(self._table(body.get("table")).shard)
             result = range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
@@ -720,8 +725,40 @@ class ReplicantNode(NodeServer):
             return
         self.reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
 
+    def _query(self, envelope: list[bytes], message: Message, index_keys: dict[str, TxKey] | None = None) -> None:
+        """A query (rlog.query): checked, then held until each shard it reads reached its target.
+
+        Linearizable: each shard's read index comes from its sequencer like a linearizable read's
+        (``_read``'s gather); the query is checked again once they are all in (``index_keys``).
+        """
+        request, checked, shards = self.query_received(message)
+        for shard in shards:
+            self._serving(shard)
+        targets = dict.fromkeys(shards, request.min_key) if request.min_key is not None else {}
+        if request.consistency == "linearizable" and shards and index_keys is None:
+            gather = ReadIndexGather(len(shards))
+            for shard in shards:
+                core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
+                detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
+                pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
+                self._request(core, "read_index", {"shard": shard}, pending)
+            return
+        for shard, key in (index_keys or {}).items():
+            targets[shard] = max(key, targets.get(shard, key))
+        self.query_wait(envelope, message, request, checked, shards, targets)
+
+    def _query_shard_reached(self, shard: str, key: TxKey) -> bool:
+        replica = self.replicas.get(shard)
+        return replica is not None and replica.readable_at(key)
+
     def _wait_for(self, envelope: list[bytes], message: Message, targets: dict[str, TxKey]) -> None:
         """Answer the read once every target shard has applied its key (bounded wait and count)."""
+        if message.kind == "query":
+            try:
+                self._query(envelope, message, targets)
+            except RequestError as error:
+                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+            return
         if len(self.waiting_reads) >= WAITING_READS_MAX:
             self.reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
             return
@@ -794,6 +831,8 @@ class ReplicantNode(NodeServer):
             "no_core_reached": self.no_core_reached(),
             "sends_dropped": self.sends_dropped,
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
+            # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired
+            "queries": self.queries.statistics(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }

@@ -71,6 +71,9 @@ FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
 FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a frame_bytes_max frame can hold
 WAIT_MS_MAX = 600_000
 LIMIT_MAX = 2**31
+QUERY_SQL_CHARS_MAX = 100_000  # one query's SQL text (rlog.query)
+QUERY_PARAMS_MAX = 999  # bound parameters of one query
+QUERY_CURSOR_CHARS_MAX = 64  # a query cursor's token
 
 # Exact types (no subclasses) of the scalars msgpack decodes; ``FreeValue`` counts them without a stack trip.
 _WIRE_SCALAR_TYPES = frozenset((type(None), bool, int, float, str, bytes))
@@ -663,6 +666,26 @@ _SCHEMA_LIST = [
         *_READ_OPTIONS,
     ),
     _kind("count", "the number of rows of a table, counted by SQLite", ("table", NAME, True), *_READ_OPTIONS),
+    # read-only SQL (rlog.query): the first page of a statement's rows, then the next pages by cursor
+    _kind(
+        "query",
+        "a read-only SQL statement and its bound parameters; answered with its first page of rows",
+        ("sql", Text(QUERY_SQL_CHARS_MAX, 1), True),
+        ("params", ListOf(SCALAR, QUERY_PARAMS_MAX), False),
+        ("page_rows", LIMIT, False),
+        *_READ_OPTIONS,
+    ),
+    _kind(
+        "query_page",
+        "the next page of a query's rows, by the cursor its previous page named",
+        ("cursor", Text(QUERY_CURSOR_CHARS_MAX, 1, _NAME), True),
+        ("page_rows", LIMIT, False),
+    ),
+    _kind(
+        "query_close",
+        "close a query's cursor before its last page (the node frees its snapshot)",
+        ("cursor", Text(QUERY_CURSOR_CHARS_MAX, 1, _NAME), True),
+    ),
     _kind("status", "the node's status"),
     # admin: the node finishes its loop turn, logs a shutdown line and exits (cli ``stop``)
     _kind("stop", "operator: shut this node down cleanly"),

@@ -46,6 +46,9 @@ READ_KINDS = frozenset(
         "range_digest",
         "key_boundaries",
         "row_digests",
+        "query",
+        "query_page",
+        "query_close",
     }
 )
 
