@@ -1132,8 +1132,10 @@ def keys_generate(name: str, directory: str, as_json: bool) -> None:
 
 def _register_optional_commands() -> None:
     from mnesite.cli.backup import register
+    from mnesite.cli.query import register as register_query
 
     register(main)
+    register_query(main)
     try:
         from mnesite.spark.cli import compare
     except ImportError:

@@ -231,11 +231,9 @@ def _prepared_statements(
     found without parsing anything ourselves.
     """
     found: list[tuple[str, bool, bool]] = []
-    bindings_needed: list[int] = []
 
     def tracer(cursor: apsw.Cursor, text: str, _bindings: Any) -> bool:
         found.append((text, cursor.is_readonly, cursor.has_vdbe))
-        bindings_needed.append(cursor.bindings_count)
         return False
 
     cursor = connection.cursor()
@@ -258,8 +256,6 @@ def _prepared_statements(
             raise BadQuery(_sqlite_message(error)) from None
         if len(found) == before or not found[-1][0]:
             break  # nothing left that SQLite would prepare
-        if before == 0 and bindings_needed[0] != len(params):
-            raise BadQuery(f"the statement has {bindings_needed[0]} parameters; {len(params)} were given")
         remaining = remaining[len(found[-1][0]) :]
         bindings = None  # a further statement with parameters fails to bind: refused above
     cursor.close()
