@@ -707,13 +707,7 @@ class ReplicantNode(NodeServer):
             self._serving(table.shard)
             shards = [table.shard]
         if body.get("consistency") == "linearizable":
-            # Learn each shard's committed key from its sequencer (quorum-confirmed), then wait for it.
-            gather = ReadIndexGather(len(shards))
-            for shard in shards:
-                core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
-                detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
-                pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
-                self._request(core, "read_index", {"shard": shard}, pending)
+            self._ask_read_indexes(envelope, message, shards)
             return
         min_key = body.get("min_key")
         if min_key is not None:
@@ -724,6 +718,15 @@ class ReplicantNode(NodeServer):
             self._wait_for(envelope, message, dict.fromkeys(shards, min_key))
             return
         self.reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
+
+    def _ask_read_indexes(self, envelope: list[bytes], message: Message, shards: list[str] | tuple[str, ...]) -> None:
+        """Learn each shard's committed key from its sequencer (quorum-confirmed); ``_wait_for`` follows."""
+        gather = ReadIndexGather(len(shards))
+        for shard in shards:
+            core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
+            detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
+            pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
+            self._request(core, "read_index", {"shard": shard}, pending)
 
     def _query(self, envelope: list[bytes], message: Message, index_keys: dict[str, TxKey] | None = None) -> None:
         """A query (rlog.query): checked, then held until each shard it reads reached its target.
@@ -736,12 +739,7 @@ class ReplicantNode(NodeServer):
             self._serving(shard)
         targets = dict.fromkeys(shards, request.min_key) if request.min_key is not None else {}
         if request.consistency == "linearizable" and shards and index_keys is None:
-            gather = ReadIndexGather(len(shards))
-            for shard in shards:
-                core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
-                detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
-                pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
-                self._request(core, "read_index", {"shard": shard}, pending)
+            self._ask_read_indexes(envelope, message, shards)
             return
         for shard, key in (index_keys or {}).items():
             targets[shard] = max(key, targets.get(shard, key))

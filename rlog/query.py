@@ -342,10 +342,7 @@ class Finished:
 @dataclass
 class _Cursor:
     token: str
-    query: CheckedQuery
-    shards: tuple[str, ...]
-    targets: dict[str, TxKey]
-    waiting: WaitingQuery | None
+    waiting: WaitingQuery  # the query, its shards and targets (given back to wait again if behind)
     last_used_ms: int
     payload: Any = None
     page_rows: int = 0
@@ -419,9 +416,6 @@ class QueryRunner:
             token = secrets.token_hex(CURSOR_TOKEN_CHARS // 2)
             cursor = _Cursor(
                 token,
-                waiting.query,
-                waiting.shards,
-                waiting.targets,
                 waiting,
                 self.clock_ms(),
                 payload=waiting.payload,
@@ -564,7 +558,7 @@ class QueryRunner:
         )
 
     def _open(self, cursor: _Cursor) -> None:
-        query = cursor.query
+        query = cursor.waiting.query
         try:
             connection = open_connection(self.path, self.limits.page_bytes_max)
         except apsw.Error as error:
@@ -573,12 +567,12 @@ class QueryRunner:
         # The snapshot: it starts at the first read below and lasts until the cursor closes.
         connection.execute("BEGIN")
         positions = {}
-        for shard in cursor.shards:
+        for shard in cursor.waiting.shards:
             row = connection.execute(
                 "SELECT applied_generation, applied_counter FROM _mnesite_shards WHERE shard = ?", (shard,)
             ).fetchone()
             positions[shard] = TxKey(row[0], row[1]) if row else TxKey(0, 0)
-        for shard, target in cursor.targets.items():
+        for shard, target in cursor.waiting.targets.items():
             if positions.get(shard, TxKey(0, 0)) < target:
                 raise QueryBehind()
         cursor.positions = {shard: list(key) for shard, key in positions.items()}

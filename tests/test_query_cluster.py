@@ -70,7 +70,7 @@ def loaded(cluster: Cluster) -> Cluster:
         applied = cluster.wait_converged(cluster.names, shard=shard, timeout_s=60)["applied"]
         for name in REPLICANTS:
             wait_until(
-                lambda n=name, s=shard: tuple((cluster.status(n) or {})["shards"][s]["applied"]) == applied,
+                lambda n=name, s=shard, a=applied: tuple((cluster.status(n) or {})["shards"][s]["applied"]) == a,
                 60,
                 f"{name} to apply {applied} in {shard}",
             )
