@@ -126,15 +126,24 @@ from mnesite.rlog.schema import (
     DEFAULT_SHARD,
     SchemaError,
     TableSchema,
+    check_column_addable,
     check_creatable,
     check_droppable,
+    check_index_creatable,
+    check_index_droppable,
     check_key,
     define_table,
+    find_index,
+    schema_ops_toward,
+    table_from_json,
 )
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError
 from mnesite.rlog.types import (
     ZERO_KEY,
+    AddColumnOp,
+    CreateIndexOp,
+    DropIndexOp,
     DropTableOp,
     Entry,
     MembersOp,
@@ -161,7 +170,8 @@ READ_KINDS = frozenset(
         *range_requests.KINDS,
     }
 )
-WRITE_KINDS = frozenset({"transact", "create_table", "drop_table"})
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
+SCHEMA_CHANGE_KINDS = frozenset({"create_index", "drop_index", "add_column"})
 QUERY_KINDS = frozenset({"query", "query_page", "query_close"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
@@ -942,7 +952,7 @@ class CoreNode(NodeServer):
                 self._step_install(shard, replication.RequestFailed(core, f"list_tables failed: {error}"))
                 return
             try:
-                tables = [define_table(t["table"], t["key"], t["columns"], t["shard"]) for t in result]
+                tables = [table_from_json(t) for t in result]
             except (SchemaError, KeyError, TypeError) as failure:
                 self._step_install(shard, replication.RequestFailed(core, f"malformed table list: {failure}"))
                 return
@@ -950,8 +960,7 @@ class CoreNode(NodeServer):
             self.begin()
             catalog = self.store.catalog()
             for table in mine:
-                if table.name not in catalog:
-                    self.store.apply_ops((table.to_op(),))
+                self.store.apply_ops(schema_ops_toward(catalog.get(table.name), table))
             names = tuple(table.name for table in mine)
             keys = tuple(table.key_column for table in mine)
             self._step_install(shard, replication.TablesReceived(core, names, keys))
@@ -1046,6 +1055,8 @@ class CoreNode(NodeServer):
         catalog = driver.tail.catalog_over(self.store.catalog())
         if message.kind == "drop_table":
             ops = (self._drop_op(catalog, message.body["table"]),)
+        elif message.kind in SCHEMA_CHANGE_KINDS:
+            ops = (self._schema_change_op(catalog, message),)
         elif message.kind == "create_table":
             body = message.body
             table = define_table(body["table"], body["key"], body["columns"], body.get("shard", DEFAULT_SHARD))
@@ -1152,9 +1163,35 @@ class CoreNode(NodeServer):
             raise RequestError("unknown_table", f"unknown table {name!r}")
         return op
 
+    def _schema_change_op(self, catalog: dict[str, TableSchema], message: Message) -> Any:
+        """The op of a create_index, drop_index or add_column request, checked by the apply's own rule
+        (rlog.schema) against the catalog as the unapplied tail leaves it: what is logged applies everywhere."""
+        fields = message.fields
+        if message.kind == "drop_index":
+            found = find_index(catalog, fields.index)
+            if found is None:
+                raise RequestError("unknown_index", f"unknown index {fields.index!r}")
+            op: Any = DropIndexOp(fields.index, found[0].name, found[0].shard)
+            check_index_droppable(catalog, op)
+            return op
+        table = catalog.get(fields.table)
+        if table is None:
+            raise RequestError("unknown_table", f"unknown table {fields.table!r}")
+        if message.kind == "create_index":
+            op = CreateIndexOp(fields.index, table.name, table.shard, tuple(fields.columns))
+            if not check_index_creatable(catalog, op):
+                raise RequestError("index_exists", f"index {fields.index!r} already exists on {table.name!r}")
+            return op
+        op = AddColumnOp(table.name, table.shard, fields.column, str(fields.type).upper())
+        if not check_column_addable(catalog, op):
+            raise RequestError("column_exists", f"{table.name} has a column {fields.column!r} already")
+        return op
+
     def _shard_of(self, message: Message) -> str:
         if message.kind == "drop_table":
             return self._drop_op(self._catalog_with_tails(), message.body["table"]).shard
+        if message.kind in SCHEMA_CHANGE_KINDS:
+            return self._schema_change_op(self._catalog_with_tails(), message).shard
         if message.kind == "create_table":
             shard = message.body.get("shard", DEFAULT_SHARD)
             table = define_table(message.body["table"], message.body["key"], message.body["columns"], shard)

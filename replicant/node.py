@@ -40,7 +40,14 @@ from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.messages import MessageError, decode_entry
-from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name, define_table
+from mnesite.rlog.schema import (
+    SchemaError,
+    TableSchema,
+    check_key,
+    check_name,
+    schema_ops_toward,
+    table_from_json,
+)
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
@@ -53,6 +60,8 @@ from mnesite.rlog.types import (
 )
 
 log = logging.getLogger("mnesite.replicant")
+# Forwarded to a core: replicants never originate writes (DESIGN invariant 7), schema changes included.
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
 
 POLL_INTERVAL_MS_MAX = 50
 DISCOVERY_INTERVAL_MS = 1000
@@ -439,15 +448,18 @@ class ReplicantNode(NodeServer):
             if error is not None or not isinstance(result, list):
                 self._step(replica, p.RequestFailed(pending.core, f"list_tables failed: {error}"))
                 return
-            tables = [t for t in result if t.get("shard") == replica.shard]
+            try:
+                # A core's answer, untrusted: checked like any table definition (rlog.schema).
+                tables = [table_from_json(t) for t in result if isinstance(t, dict) and t.get("shard") == replica.shard]
+            except (SchemaError, KeyError, TypeError) as failure:
+                self._step(replica, p.RequestFailed(pending.core, f"malformed table list: {failure}"))
+                return
             self.begin()
             for table in tables:
-                schema = define_table(table["table"], table["key"], table["columns"], table["shard"])
-                if table["table"] not in self.store.catalog():
-                    self.store.apply_ops((schema.to_op(),))
+                self.store.apply_ops(schema_ops_toward(self.store.catalog().get(table.name), table))
             self._step(
                 replica,
-                p.TablesReceived(pending.core, tuple(t["table"] for t in tables), tuple(t["key"] for t in tables)),
+                p.TablesReceived(pending.core, tuple(t.name for t in tables), tuple(t.key_column for t in tables)),
             )
         elif pending.purpose == "batch":
             detail = pending.detail
@@ -567,7 +579,7 @@ class ReplicantNode(NodeServer):
         body = message.body
         if message.kind == "push":
             self._on_push(body)
-        elif message.kind in ("transact", "create_table", "drop_table"):
+        elif message.kind in WRITE_KINDS:
             self._forward(envelope, message)
         elif message.kind == "status":
             self.reply(envelope, codec.reply(message.request_id, self.status()))

@@ -121,7 +121,7 @@ class InvalidRequest(RemoteError):
 
 
 _ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable, "forbidden": Forbidden}
-WRITE_KINDS = frozenset({"transact", "create_table", "drop_table"})
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
 _HANDSHAKE_EVENTS = 0
 for _event in HANDSHAKE_FAILURES:
     _HANDSHAKE_EVENTS |= _event
@@ -138,6 +138,11 @@ class _NotSent(Exception):
 
 def default_endpoint() -> str:
     return os.environ.get("MNESITE_NODE") or DEFAULT_LISTEN
+
+
+def default_index_name(table: str, columns: Sequence[str]) -> str:
+    """``TABLE_COLUMN_..._idx``, cut to the 63 characters a name may have."""
+    return "_".join((table, *columns))[:59] + "_idx"
 
 
 def parse_endpoints(endpoints: str | Sequence[str] | None) -> list[str]:
@@ -447,7 +452,24 @@ class Client:
 
     def drop_table(self, table: str) -> TxKey:
         """Drop ``table`` and its rows on every node (a replicated schema change; admin role)."""
-        result = self.call("drop_table", {"table": table})
+        return self._schema_change("drop_table", {"table": table})
+
+    def create_index(self, table: str, columns: Sequence[str], name: str | None = None) -> TxKey:
+        """Create a secondary index of ``table`` over ``columns`` on every node (a replicated schema
+        change; admin role). ``name``: default ``TABLE_COLUMN_..._idx``."""
+        index = name or default_index_name(table, columns)
+        return self._schema_change("create_index", {"index": index, "table": table, "columns": list(columns)})
+
+    def drop_index(self, name: str) -> TxKey:
+        """Drop the secondary index ``name`` on every node (a replicated schema change; admin role)."""
+        return self._schema_change("drop_index", {"index": name})
+
+    def add_column(self, table: str, column: str, column_type: str) -> TxKey:
+        """Add a nullable column to ``table`` on every node; existing rows hold null (admin role)."""
+        return self._schema_change("add_column", {"table": table, "column": column, "type": column_type})
+
+    def _schema_change(self, kind: str, body: dict[str, Any]) -> TxKey:
+        result = self.call(kind, body)
         self.last_tx_key = TxKey(*result["tx_key"])
         return self.last_tx_key
 

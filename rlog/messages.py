@@ -60,6 +60,7 @@ REQUEST_ID_CHARS_MAX = 64
 MESSAGE_CHARS_MAX = 4096  # an error reply's message
 OPS_MAX = 100_000  # ops or guards in one transaction on the wire (the node's transaction_ops_max is lower)
 COLUMNS_MAX = 200
+INDEX_COLUMNS_MAX = 16  # columns of one secondary index
 ROW_COLUMNS_MAX = 1000
 MEMBERS_MAX = 64
 # Voters in one membership entry: core.membership.MEMBERS_MAX (rlog imports nothing of core; a test
@@ -556,8 +557,8 @@ def _decode_plain_ops(ops: list[Any]) -> tuple[Op, ...] | None:
 
 def _check_wire_op(op: Any, path: str) -> None:
     """An op in ``rlog.types.encode_op`` form: scalars only in rows and keys."""
-    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c", "x", "m"):
-        raise MessageError(path, "must be an op ['w'|'d'|'c'|'x'|'m', ...]")
+    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c", "x", "m", "i", "j", "a"):
+        raise MessageError(path, "must be an op ['w'|'d'|'c'|'x'|'m'|'i'|'j'|'a', ...]")
     if op[0] == "w":
         if len(op) != 3:
             raise MessageError(path, "write op must be ['w', table, [[column, value]...]]")
@@ -576,6 +577,26 @@ def _check_wire_op(op: Any, path: str) -> None:
             raise MessageError(path, "drop op must be ['x', table, shard]")
         NAME.check(op[1], f"{path}.table")
         NAME.check(op[2], f"{path}.shard")
+    elif op[0] == "i":
+        if len(op) != 5:
+            raise MessageError(path, "create index op must be ['i', index, table, shard, [column...]]")
+        NAME.check(op[1], f"{path}.index")
+        NAME.check(op[2], f"{path}.table")
+        NAME.check(op[3], f"{path}.shard")
+        ListOf(NAME, INDEX_COLUMNS_MAX, 1).check(op[4], f"{path}.columns")
+    elif op[0] == "j":
+        if len(op) != 4:
+            raise MessageError(path, "drop index op must be ['j', index, table, shard]")
+        NAME.check(op[1], f"{path}.index")
+        NAME.check(op[2], f"{path}.table")
+        NAME.check(op[3], f"{path}.shard")
+    elif op[0] == "a":
+        if len(op) != 5:
+            raise MessageError(path, "add column op must be ['a', table, shard, column, type]")
+        NAME.check(op[1], f"{path}.table")
+        NAME.check(op[2], f"{path}.shard")
+        NAME.check(op[3], f"{path}.column")
+        Text(16, 1).check(op[4], f"{path}.type")
     elif op[0] == "d":
         if len(op) != 3:
             raise MessageError(path, "delete op must be ['d', table, key]")
@@ -653,6 +674,25 @@ _SCHEMA_LIST = [
         "drop_table",
         "drop a table and its rows (a replicated schema change, like create_table)",
         ("table", NAME, True),
+        OPTIONAL_FORWARDED,
+    ),
+    _kind(
+        "create_index",
+        "create a secondary index of a table (a replicated schema change, like create_table)",
+        ("index", NAME, True),
+        ("table", NAME, True),
+        ("columns", ListOf(NAME, INDEX_COLUMNS_MAX, 1), True),
+        OPTIONAL_FORWARDED,
+    ),
+    _kind(
+        "drop_index", "drop a secondary index (a replicated schema change)", ("index", NAME, True), OPTIONAL_FORWARDED
+    ),
+    _kind(
+        "add_column",
+        "add a nullable column to a table (a replicated schema change; existing rows hold null)",
+        ("table", NAME, True),
+        ("column", NAME, True),
+        ("type", Text(16, 1), True),
         OPTIONAL_FORWARDED,
     ),
     _kind("list_tables", "the catalog"),

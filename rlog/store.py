@@ -10,7 +10,9 @@ Internal tables all start with ``_mnesite``:
 
 * ``_mnesite_meta(name, value)``: database format version and node facts.
 * ``_mnesite_tables(name, shard, key_column, columns)``: the catalog, written only by
-  applying ``CreateTableOp`` so that it replicates like data.
+  applying ``CreateTableOp`` (and ``AddColumnOp``) so that it replicates like data.
+* ``_mnesite_indexes(name, table_name, columns)``: the secondary indexes of the catalog's tables,
+  written only by applying ``CreateIndexOp`` and ``DropIndexOp``.
 * ``_mnesite_shards(shard, generation, applied_*, applied_digest, voted_for, members, forced,
   trimmed_*)``: per-shard position, the consensus state that must survive a crash (generation and
   vote, persisted before they are used) and the last entry retention removed (its digest is what
@@ -33,12 +35,24 @@ import apsw
 import msgpack
 from mnesite.rlog.checkpoint import WalCheckpointer
 from mnesite.rlog.retention import retention_floor
-from mnesite.rlog.schema import SchemaError, TableSchema, check_creatable, check_droppable
+from mnesite.rlog.schema import (
+    IndexSchema,
+    SchemaError,
+    TableSchema,
+    check_column_addable,
+    check_creatable,
+    check_droppable,
+    check_index_creatable,
+    check_index_droppable,
+)
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
+    AddColumnOp,
+    CreateIndexOp,
     CreateTableOp,
     DeleteOp,
+    DropIndexOp,
     DropTableOp,
     Entry,
     MembersOp,
@@ -93,6 +107,9 @@ CREATE TABLE IF NOT EXISTS _mnesite_spill(
     entry BLOB NOT NULL,
     PRIMARY KEY (shard, generation, counter)
 ) STRICT, WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS _mnesite_indexes(
+    name TEXT PRIMARY KEY, table_name TEXT NOT NULL, columns TEXT NOT NULL
+) STRICT;
 CREATE INDEX IF NOT EXISTS _mnesite_rlog_request ON _mnesite_rlog(request_id) WHERE request_id IS NOT NULL;
 """
 
@@ -262,11 +279,17 @@ class Store:
 
     def catalog(self) -> dict[str, TableSchema]:
         if self._catalog is None:
+            indexes: dict[str, list[IndexSchema]] = {}
+            for name, table_name, columns in self.connection.execute(
+                "SELECT name, table_name, columns FROM _mnesite_indexes ORDER BY name"
+            ):
+                indexes.setdefault(table_name, []).append(IndexSchema(name, tuple(json.loads(columns))))
             catalog = {}
             for name, shard, key_column, columns in self.connection.execute(
                 "SELECT name, shard, key_column, columns FROM _mnesite_tables ORDER BY name"
             ):
-                catalog[name] = TableSchema(name, shard, key_column, tuple((c[0], c[1]) for c in json.loads(columns)))
+                definition = tuple((c[0], c[1]) for c in json.loads(columns))
+                catalog[name] = TableSchema(name, shard, key_column, definition, tuple(indexes.get(name, ())))
             self._catalog = catalog
         return self._catalog
 
@@ -537,8 +560,8 @@ class Store:
                 self._create_table(op)
                 index += 1
                 continue
-            if isinstance(op, DropTableOp):
-                self._drop_table(op)
+            if isinstance(op, (DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)):
+                self._change_schema(op)
                 index += 1
                 continue
             if isinstance(op, MembersOp):
@@ -594,8 +617,8 @@ class Store:
                 self._create_table(op)
             elif isinstance(op, MembersOp):
                 pass  # a membership entry (core.membership) changes no table; its position still advances
-            elif isinstance(op, DropTableOp):
-                self._drop_table(op)
+            elif isinstance(op, (DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)):
+                self._change_schema(op)
             else:
                 raise StoreError(f"unknown op {op!r}")
 
@@ -617,15 +640,37 @@ class Store:
         )
         self._catalog = None
 
-    def _drop_table(self, op: DropTableOp) -> None:
-        # The same rule the sequencer checked before proposing; a table already gone stays gone.
+    def _change_schema(self, op: DropTableOp | CreateIndexOp | DropIndexOp | AddColumnOp) -> None:
+        """Apply a schema change; the same rule (rlog.schema) the sequencer checked before proposing
+        decides, and a change already made (a replay over a copy made after it) changes nothing."""
+        catalog = self.catalog()
         try:
-            if not check_droppable(self.catalog(), op):
-                return
+            if isinstance(op, DropTableOp):
+                if check_droppable(catalog, op):
+                    self.connection.execute(f"DROP TABLE {quote(op.table)}")  # its indexes go with it
+                    self.connection.execute("DELETE FROM _mnesite_tables WHERE name = ?", (op.table,))
+                    self.connection.execute("DELETE FROM _mnesite_indexes WHERE table_name = ?", (op.table,))
+            elif isinstance(op, CreateIndexOp):
+                if check_index_creatable(catalog, op):
+                    columns = ", ".join(quote(column) for column in op.columns)
+                    self.connection.execute(f"CREATE INDEX {quote(op.index)} ON {quote(op.table)} ({columns})")
+                    self.connection.execute(
+                        "INSERT INTO _mnesite_indexes VALUES (?, ?, ?)", (op.index, op.table, json.dumps(op.columns))
+                    )
+            elif isinstance(op, DropIndexOp):
+                if check_index_droppable(catalog, op):
+                    self.connection.execute(f"DROP INDEX {quote(op.index)}")
+                    self.connection.execute("DELETE FROM _mnesite_indexes WHERE name = ?", (op.index,))
+            elif check_column_addable(catalog, op):
+                # Nullable, no default: SQLite changes only the schema, not the rows (O(1) on any table).
+                self.connection.execute(f"ALTER TABLE {quote(op.table)} ADD COLUMN {quote(op.column)} {op.column_type}")
+                changed = catalog[op.table].changed_by(op)
+                self.connection.execute(
+                    "UPDATE _mnesite_tables SET columns = ? WHERE name = ?",
+                    (json.dumps([list(c) for c in changed.columns]), op.table),
+                )
         except SchemaError as error:
-            raise StoreError(f"cannot drop table {op.table!r}: {error}") from None
-        self.connection.execute(f"DROP TABLE {quote(op.table)}")
-        self.connection.execute("DELETE FROM _mnesite_tables WHERE name = ?", (op.table,))
+            raise StoreError(f"cannot apply {type(op).__name__} of {op.table!r}: {error}") from None
         self._catalog = None
 
     def _table(self, name: str) -> TableSchema:
