@@ -501,6 +501,7 @@ class CoreNode(NodeServer):
             if dealer in ready:
                 self._relay_forwarded(dealer)
         self.serve_queries(self._query_shard_reached)
+        self.build_indexes()
         self._end_batches()
         self._expire_forwarded()
         self._expire_held_guard_failures()
@@ -1566,7 +1567,7 @@ class CoreNode(NodeServer):
             bytes_max = self.config.limits.frame_bytes_max // 2
             return read_batch(self.store, table, after, limit, min(bytes_max, body.get("bytes_max", bytes_max)))
         if message.kind == "list_tables":
-            return [table.to_json() for table in self.store.catalog().values()]
+            return self.store.tables_json()
         if message.kind == "status":
             return self.status()
         if message.kind == "journal":
@@ -1678,6 +1679,8 @@ class CoreNode(NodeServer):
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
             # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired
             "queries": self.queries.statistics(),
+            # online index builds (rlog.store): per table, rows copied so far and the indexes being built
+            "index_builds": self.store.index_build_status(),
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),

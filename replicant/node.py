@@ -234,6 +234,7 @@ class ReplicantNode(NodeServer):
         self._warn_if_no_core(now)
         self._answer_waiting_reads()
         self.serve_queries(self._query_shard_reached)
+        self.build_indexes()
         self._maybe_trim()
         self.flush()
 
@@ -584,7 +585,7 @@ class ReplicantNode(NodeServer):
         elif message.kind == "status":
             self.reply(envelope, codec.reply(message.request_id, self.status()))
         elif message.kind == "list_tables":
-            self.reply(envelope, codec.reply(message.request_id, [t.to_json() for t in self.store.catalog().values()]))
+            self.reply(envelope, codec.reply(message.request_id, self.store.tables_json()))
         elif message.kind == "stop":
             self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
         elif message.kind in ("get", "scan", "count"):
@@ -843,6 +844,8 @@ class ReplicantNode(NodeServer):
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
             # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired
             "queries": self.queries.statistics(),
+            # online index builds (rlog.store): per table, rows copied so far and the indexes being built
+            "index_builds": self.store.index_build_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }

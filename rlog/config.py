@@ -37,6 +37,7 @@ Example::
     query_page_bytes_max = 1048576      # bytes of values in one page (at most frame_bytes_max / 2)
     query_cursors_max = 16              # queries with more pages to fetch, held open per node
     query_idle_ms_max = 30000           # a held query whose next page is not asked for in this time is closed
+    index_build_step_rows_max = 2000    # rows an online index build copies per loop turn (mnesite index create)
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -130,6 +131,8 @@ class Limits:
     query_page_bytes_max: int = 1024 * 1024
     query_cursors_max: int = 16
     query_idle_ms_max: int = 30_000
+    # Rows an online index build (rlog.store) copies per loop turn; a table with fewer rows is indexed at once.
+    index_build_step_rows_max: int = 2000
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,7 @@ _LIMIT_BOUNDS = {
     "query_page_bytes_max": (1024, 128 * 1024 * 1024),
     "query_cursors_max": (1, 10_000),
     "query_idle_ms_max": (100, 3_600_000),
+    "index_build_step_rows_max": (1, 1_000_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
     "retention_interval_ms": (10, 3_600_000),

@@ -63,6 +63,7 @@ BACKLOG_FACTOR = 4
 VIOLATION_LOG_INTERVAL_MS = 1000
 VIOLATION_SENDERS_MAX = 1000
 REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
+INDEX_BUILD_POLL_MS = 5  # the longest idle wait between two steps of an online index build
 HELD_TIMES_MAX = 100_000  # arrival times of held writes kept for the commit latency histogram
 
 
@@ -162,6 +163,7 @@ class NodeServer:
         # Read-only SQL queries (rlog.query): run on the runner's threads, never on this loop.
         self.queries = QueryRunner(store.path, QueryLimits.from_config(config.limits), monotonic_ms)
         self.waiting_queries = WaitingQueries()
+        store.index_build_step_rows_max = config.limits.index_build_step_rows_max
 
     def protocol_violation(self, sender: str, reason: str) -> None:
         """Count a peer's message that breaks the protocol against our state; log at most once a second per sender."""
@@ -430,6 +432,9 @@ class NodeServer:
             poller.register(socket, zmq.POLLIN)
         # A query page finished on a runner thread wakes the loop at once.
         poller.register(self.queries.wakeup_fd, zmq.POLLIN)
+        if self.store.index_builds():
+            # An online index build takes a step per turn: turns keep coming while one is under way.
+            timeout_ms = min(timeout_ms, INDEX_BUILD_POLL_MS)
         return dict(poller.poll(timeout_ms))
 
     def receive_frames(
@@ -571,6 +576,15 @@ class NodeServer:
             else:
                 self.reply(envelope, codec.reply(request_id, finished.result))
         self.queries.expire(now)
+
+    def build_indexes(self) -> None:
+        """Once per turn: the next step of each online index build (rlog.store). A step is local work a
+        restart redoes from its persisted progress, so the turn's commit needs no fsync for it."""
+        if not self.store.index_builds():
+            return
+        self.begin(durable=False)
+        for table in self.store.index_build_step():
+            log.info("indexes of table %s built", table)
 
     def reply(self, envelope: list[bytes] | None, message: Message) -> None:
         """Queue an answer to the ROUTER peer ``envelope`` (None: nobody to answer)."""

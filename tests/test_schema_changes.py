@@ -32,6 +32,7 @@ from mnesite.rlog.types import (
     ZERO_KEY,
     AddColumnOp,
     CreateIndexOp,
+    DeleteOp,
     DropIndexOp,
     DropTableOp,
     OpDecodeError,
@@ -252,3 +253,134 @@ def test_cli_index_and_add_column(node: ThreadNode) -> None:
     dropped = mnesite("index", "drop", "by_karma", "--json")
     assert dropped.exit_code == 0 and len(json.loads(dropped.output)["tx_key"]) == 2
     assert "by_karma" not in mnesite("table", "describe", "users").output
+
+
+# -- online index builds (rlog.store) -------------------------------------------------------------
+
+
+def _rows(store: Store, table: str = "users") -> list[tuple]:
+    return list(store.connection.execute(f"SELECT * FROM {table} ORDER BY id"))
+
+
+def _build_to_the_end(store: Store, steps_max: int = 1000) -> int:
+    steps = 0
+    while store.index_builds():
+        with store.write_transaction():
+            store.index_build_step()
+        steps += 1
+        assert steps < steps_max
+    return steps
+
+
+@pytest.fixture
+def big(tmp_path: Path):
+    store = Store(str(tmp_path / "big.db"))
+    store.index_build_step_rows_max = 100
+    with store.write_transaction():
+        store.apply_ops((USERS.to_op(),))
+        store.apply_ops_batched([WriteOp("users", {"id": i, "name": f"u{i}", "karma": i % 7}) for i in range(1000)])
+    yield store
+    store.close()
+
+
+def test_an_index_on_a_large_table_is_built_in_steps_while_writes_apply(big: Store) -> None:
+    with big.write_transaction():
+        big.apply_ops((BY_KARMA,))
+    # The catalog has it at once (every node alike); SQLite will have it when the copy is done.
+    assert big.catalog()["users"].indexes == (IndexSchema("by_karma", ("karma", "name")),)
+    assert big.index_build_status() == {"users": {"rows_copied": 0, "indexes": ["by_karma"]}}
+    steps = 0
+    while big.index_builds():
+        with big.write_transaction():
+            big.index_build_step()
+            # Writes and deletes land on both sides of the copy's position, and beyond the old end.
+            big.apply_ops_batched(
+                [
+                    WriteOp("users", {"id": steps * 37 % 1000, "name": f"w{steps}", "karma": 1}),
+                    DeleteOp("users", steps * 53 % 1000 + 1),
+                    WriteOp("users", {"id": 1000 + steps, "name": "new", "karma": 2}),
+                ]
+            )
+            big.apply_ops((DeleteOp("users", 1000 + steps - 1),))
+        steps += 1
+        assert steps < 100
+    assert steps > 5
+    physical = list(big.connection.execute("SELECT name, tbl_name FROM sqlite_schema WHERE type = 'index'"))
+    assert ("by_karma", "users") in physical
+    assert not [name for name, _ in physical if name.startswith("_mnesite_build")]
+    plan = str(list(big.connection.execute("EXPLAIN QUERY PLAN SELECT id FROM users WHERE karma = 1")))
+    assert "by_karma" in plan
+    # The built table holds exactly what applying the same ops without any build gives.
+    reference = Store(str(Path(big.path).with_name("reference.db")))
+    with reference.write_transaction():
+        reference.apply_ops((USERS.to_op(),))
+        reference.apply_ops_batched([WriteOp("users", {"id": i, "name": f"u{i}", "karma": i % 7}) for i in range(1000)])
+        for step in range(steps):
+            reference.apply_ops_batched(
+                [
+                    WriteOp("users", {"id": step * 37 % 1000, "name": f"w{step}", "karma": 1}),
+                    DeleteOp("users", step * 53 % 1000 + 1),
+                    WriteOp("users", {"id": 1000 + step, "name": "new", "karma": 2}),
+                ]
+            )
+            reference.apply_ops((DeleteOp("users", 1000 + step - 1),))
+    assert _rows(big) == _rows(reference)
+    reference.close()
+    assert list(big.connection.execute("SELECT count(*) FROM users INDEXED BY by_karma WHERE karma >= 0")) == [
+        (len(_rows(big)),)
+    ]
+
+
+def test_a_second_build_keeps_the_first_index_and_changes_during_builds(big: Store) -> None:
+    with big.write_transaction():
+        big.apply_ops((BY_KARMA,))
+    _build_to_the_end(big)
+    by_name = CreateIndexOp("by_name", "users", "s", ("name",))
+    with big.write_transaction():
+        big.apply_ops((by_name,))
+    # The table keeps its index while the shadow gets both (the old one under its other physical name).
+    assert "by_karma" in str(list(big.connection.execute("SELECT name FROM sqlite_schema")))
+    with big.write_transaction():
+        big.index_build_step()
+        big.apply_ops((EMAIL, WriteOp("users", {"id": 5, "name": "five", "karma": 5, "email": "5@x"})))
+    _build_to_the_end(big)
+    indexes = dict(big.connection.execute("SELECT name, physical FROM _mnesite_indexes"))
+    assert indexes == {"by_karma": "_mnesite_b_by_karma", "by_name": "by_name"}
+    assert big.connection.execute("SELECT email FROM users WHERE id = 5").fetchone() == ("5@x",)
+    assert [i.name for i in big.catalog()["users"].indexes] == ["by_karma", "by_name"]
+    # Dropping an index that is being built ends its build; dropping the table ends any build.
+    third = CreateIndexOp("third", "users", "s", ("email",))
+    with big.write_transaction():
+        big.apply_ops((third,))
+        assert big.index_builds() == {"users": "_mnesite_build_users"}
+        big.apply_ops((DropIndexOp("third", "users", "s"),))
+    assert big.index_builds() == {}
+    with big.write_transaction():
+        big.apply_ops((third, DropIndexOp("by_karma", "users", "s")))
+    assert big.index_builds()
+    _build_to_the_end(big)
+    assert dict(big.connection.execute("SELECT name, physical FROM _mnesite_indexes")) == {
+        "by_name": "_mnesite_b_by_name",
+        "third": "third",
+    }
+    with big.write_transaction():
+        big.apply_ops((CreateIndexOp("fourth", "users", "s", ("karma",)), DropTableOp("users", "s")))
+    assert big.index_builds() == {} and big.catalog() == {}
+    assert list(big.connection.execute("SELECT name FROM sqlite_schema WHERE name LIKE '%users%'")) == []
+
+
+def test_a_build_resumes_after_a_restart(big: Store) -> None:
+    with big.write_transaction():
+        big.apply_ops((BY_KARMA,))
+    for _ in range(3):
+        with big.write_transaction():
+            big.index_build_step()
+    path = big.path
+    big.close()
+    reopened = Store(path)
+    reopened.index_build_step_rows_max = 100
+    assert reopened.index_build_status()["users"]["rows_copied"] == 300
+    before = _rows(reopened)
+    assert _build_to_the_end(reopened) == 8
+    assert _rows(reopened) == before and reopened.index_builds() == {}
+    reopened.close()
