@@ -712,7 +712,8 @@ class Store:
                     (json.dumps([list(c) for c in changed.columns]), op.table),
                 )
         except SchemaError as error:
-            raise StoreError(f"cannot apply {type(op).__name__} of {op.table!r}: {error}") from None
+            what = {DropTableOp: "drop table", CreateIndexOp: "create index", DropIndexOp: "drop index"}
+            raise StoreError(f"cannot {what.get(type(op), 'add a column to')} {op.table!r}: {error}") from None
         self._catalog = None
 
     # -- online index builds (see the module's opening) ----------------------------------------
