@@ -592,7 +592,7 @@ class Store:
                 index += 1
                 continue
             if isinstance(op, (DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)):
-                self._change_schema(op)
+                self._change_schema(op, healing)
                 index += 1
                 continue
             if isinstance(op, MembersOp):
@@ -646,7 +646,7 @@ class Store:
             elif isinstance(op, MembersOp):
                 pass  # a membership entry (core.membership) changes no table; its position still advances
             elif isinstance(op, (DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)):
-                self._change_schema(op)
+                self._change_schema(op, healing)
             else:
                 raise StoreError(f"unknown op {op!r}")
 
@@ -671,9 +671,15 @@ class Store:
             definitions.append(f"{quote(column)} {column_type}{suffix}")
         self.connection.execute(f"CREATE TABLE {quote(name)} ({', '.join(definitions)}) STRICT")
 
-    def _change_schema(self, op: DropTableOp | CreateIndexOp | DropIndexOp | AddColumnOp) -> None:
+    def _change_schema(
+        self, op: DropTableOp | CreateIndexOp | DropIndexOp | AddColumnOp, healing: bool = False
+    ) -> None:
         """Apply a schema change; the same rule (rlog.schema) the sequencer checked before proposing
-        decides, and a change already made (a replay over a copy made after it) changes nothing."""
+        decides, and a change already made (a replay over a copy made after it) changes nothing.
+
+        ``healing`` (a replay over a copy made later, see ``apply_ops``): a change the copy contradicts
+        was superseded by a later entry of the same replay (the table was dropped, the index dropped and
+        made again on other columns), which ends in the copy's state anyway: it is skipped."""
         catalog = self.catalog()
         try:
             if isinstance(op, DropTableOp):
@@ -712,6 +718,8 @@ class Store:
                     (json.dumps([list(c) for c in changed.columns]), op.table),
                 )
         except SchemaError as error:
+            if healing:
+                return
             what = {DropTableOp: "drop table", CreateIndexOp: "create index", DropIndexOp: "drop index"}
             raise StoreError(f"cannot {what.get(type(op), 'add a column to')} {op.table!r}: {error}") from None
         self._catalog = None

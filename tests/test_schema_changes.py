@@ -384,3 +384,25 @@ def test_a_build_resumes_after_a_restart(big: Store) -> None:
     assert _build_to_the_end(reopened) == 8
     assert _rows(reopened) == before and reopened.index_builds() == {}
     reopened.close()
+
+
+def test_a_replay_over_a_later_copy_skips_the_changes_it_supersedes(store: Store) -> None:
+    """The copy was made after: index by_karma dropped and made again on other columns, table gone."""
+    with store.write_transaction():
+        store.apply_ops((CreateIndexOp("by_karma", "users", "s", ("name",)),))
+    replay = (
+        BY_KARMA,
+        EMAIL,
+        DropIndexOp("by_karma", "users", "s"),
+        CreateIndexOp("by_karma", "users", "s", ("name",)),
+    )
+    with pytest.raises(Exception, match="cannot create index"), store.write_transaction():
+        store.apply_ops(replay[:1])
+    with store.write_transaction():
+        store.apply_ops(replay[:1], healing=True)
+        store.apply_ops(replay[1:], healing=True)
+    assert store.catalog()["users"].indexes == (IndexSchema("by_karma", ("name",)),)
+    with store.write_transaction():
+        store.apply_ops((DropTableOp("users", "s"),))
+        store.apply_ops((BY_KARMA, EMAIL), healing=True)
+    assert store.catalog() == {}
