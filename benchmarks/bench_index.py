@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--writers", type=int, default=3)
     parser.add_argument("--window-s", type=float, default=5.0)
     parser.add_argument("--lookups", type=int, default=20)
-    parser.add_argument("--step-rows", type=int, default=2000, help="index_build_step_rows_max of the cores")
+    parser.add_argument("--step-rows", type=int, default=1000, help="index_build_step_rows_max of the cores")
     arguments = parser.parse_args()
     print(json.dumps(run(arguments.rows, arguments.writers, arguments.window_s, arguments.lookups,
                          arguments.step_rows), indent=2))  # fmt: skip

@@ -37,7 +37,7 @@ Example::
     query_page_bytes_max = 1048576      # bytes of values in one page (at most frame_bytes_max / 2)
     query_cursors_max = 16              # queries with more pages to fetch, held open per node
     query_idle_ms_max = 30000           # a held query whose next page is not asked for in this time is closed
-    index_build_step_rows_max = 2000    # rows an online index build copies per loop turn (mnesite index create)
+    index_build_step_rows_max = 1000    # rows an online index build copies per step, a step at most every 10 ms
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -131,8 +131,9 @@ class Limits:
     query_page_bytes_max: int = 1024 * 1024
     query_cursors_max: int = 16
     query_idle_ms_max: int = 30_000
-    # Rows an online index build (rlog.store) copies per loop turn; a table with fewer rows is indexed at once.
-    index_build_step_rows_max: int = 2000
+    # Rows an online index build (rlog.store) copies per step (one step at most every 10 ms); a table with
+    # fewer rows is indexed at once.
+    index_build_step_rows_max: int = 1000
 
 
 @dataclass(frozen=True)

@@ -487,6 +487,12 @@ class QueryRunner:
         }
 
     def stop(self) -> None:
+        """Stop the workers; a statement still running is interrupted (the node is shutting down)."""
+        with self._lock:
+            running = [cursor.connection for cursor in self._cursors.values() if cursor.busy and cursor.connection]
+        for connection in running:
+            with contextlib.suppress(apsw.Error):  # it may have finished and closed meanwhile
+                connection.interrupt()  # SQLite allows it from any thread
         for _ in self._threads:
             self._jobs.put(None)
         for thread in self._threads:

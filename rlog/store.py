@@ -90,7 +90,7 @@ from mnesite.rlog.types import (
 FORMAT_VERSION = 1
 BUILD_PREFIX = "_mnesite_build_"
 PHYSICAL_PREFIX = "_mnesite_b_"
-INDEX_BUILD_STEP_ROWS_MAX = 2000
+INDEX_BUILD_STEP_ROWS_MAX = 1000
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 _SCHEMA = """
