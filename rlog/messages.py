@@ -60,6 +60,7 @@ REQUEST_ID_CHARS_MAX = 64
 MESSAGE_CHARS_MAX = 4096  # an error reply's message
 OPS_MAX = 100_000  # ops or guards in one transaction on the wire (the node's transaction_ops_max is lower)
 COLUMNS_MAX = 200
+INDEX_COLUMNS_MAX = 16  # columns of one secondary index
 ROW_COLUMNS_MAX = 1000
 MEMBERS_MAX = 64
 # Voters in one membership entry: core.membership.MEMBERS_MAX (rlog imports nothing of core; a test
@@ -71,6 +72,9 @@ FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
 FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a frame_bytes_max frame can hold
 WAIT_MS_MAX = 600_000
 LIMIT_MAX = 2**31
+QUERY_SQL_CHARS_MAX = 100_000  # one query's SQL text (rlog.query)
+QUERY_PARAMS_MAX = 999  # bound parameters of one query
+QUERY_CURSOR_CHARS_MAX = 64  # a query cursor's token
 
 # Exact types (no subclasses) of the scalars msgpack decodes; ``FreeValue`` counts them without a stack trip.
 _WIRE_SCALAR_TYPES = frozenset((type(None), bool, int, float, str, bytes))
@@ -553,8 +557,8 @@ def _decode_plain_ops(ops: list[Any]) -> tuple[Op, ...] | None:
 
 def _check_wire_op(op: Any, path: str) -> None:
     """An op in ``rlog.types.encode_op`` form: scalars only in rows and keys."""
-    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c", "x", "m"):
-        raise MessageError(path, "must be an op ['w'|'d'|'c'|'x'|'m', ...]")
+    if not isinstance(op, list) or not op or op[0] not in ("w", "d", "c", "x", "m", "i", "j", "a"):
+        raise MessageError(path, "must be an op ['w'|'d'|'c'|'x'|'m'|'i'|'j'|'a', ...]")
     if op[0] == "w":
         if len(op) != 3:
             raise MessageError(path, "write op must be ['w', table, [[column, value]...]]")
@@ -573,6 +577,26 @@ def _check_wire_op(op: Any, path: str) -> None:
             raise MessageError(path, "drop op must be ['x', table, shard]")
         NAME.check(op[1], f"{path}.table")
         NAME.check(op[2], f"{path}.shard")
+    elif op[0] == "i":
+        if len(op) != 5:
+            raise MessageError(path, "create index op must be ['i', index, table, shard, [column...]]")
+        NAME.check(op[1], f"{path}.index")
+        NAME.check(op[2], f"{path}.table")
+        NAME.check(op[3], f"{path}.shard")
+        ListOf(NAME, INDEX_COLUMNS_MAX, 1).check(op[4], f"{path}.columns")
+    elif op[0] == "j":
+        if len(op) != 4:
+            raise MessageError(path, "drop index op must be ['j', index, table, shard]")
+        NAME.check(op[1], f"{path}.index")
+        NAME.check(op[2], f"{path}.table")
+        NAME.check(op[3], f"{path}.shard")
+    elif op[0] == "a":
+        if len(op) != 5:
+            raise MessageError(path, "add column op must be ['a', table, shard, column, type]")
+        NAME.check(op[1], f"{path}.table")
+        NAME.check(op[2], f"{path}.shard")
+        NAME.check(op[3], f"{path}.column")
+        Text(16, 1).check(op[4], f"{path}.type")
     elif op[0] == "d":
         if len(op) != 3:
             raise MessageError(path, "delete op must be ['d', table, key]")
@@ -652,6 +676,25 @@ _SCHEMA_LIST = [
         ("table", NAME, True),
         OPTIONAL_FORWARDED,
     ),
+    _kind(
+        "create_index",
+        "create a secondary index of a table (a replicated schema change, like create_table)",
+        ("index", NAME, True),
+        ("table", NAME, True),
+        ("columns", ListOf(NAME, INDEX_COLUMNS_MAX, 1), True),
+        OPTIONAL_FORWARDED,
+    ),
+    _kind(
+        "drop_index", "drop a secondary index (a replicated schema change)", ("index", NAME, True), OPTIONAL_FORWARDED
+    ),
+    _kind(
+        "add_column",
+        "add a nullable column to a table (a replicated schema change; existing rows hold null)",
+        ("table", NAME, True),
+        ("column", NAME, True),
+        ("type", Text(16, 1), True),
+        OPTIONAL_FORWARDED,
+    ),
     _kind("list_tables", "the catalog"),
     _kind("get", "one row by key", ("table", NAME, True), ("key", SCALAR, True), *_READ_OPTIONS),
     _kind(
@@ -663,6 +706,26 @@ _SCHEMA_LIST = [
         *_READ_OPTIONS,
     ),
     _kind("count", "the number of rows of a table, counted by SQLite", ("table", NAME, True), *_READ_OPTIONS),
+    # read-only SQL (rlog.query): the first page of a statement's rows, then the next pages by cursor
+    _kind(
+        "query",
+        "a read-only SQL statement and its bound parameters; answered with its first page of rows",
+        ("sql", Text(QUERY_SQL_CHARS_MAX, 1), True),
+        ("params", ListOf(SCALAR, QUERY_PARAMS_MAX), False),
+        ("page_rows", LIMIT, False),
+        *_READ_OPTIONS,
+    ),
+    _kind(
+        "query_page",
+        "the next page of a query's rows, by the cursor its previous page named",
+        ("cursor", Text(QUERY_CURSOR_CHARS_MAX, 1, _NAME), True),
+        ("page_rows", LIMIT, False),
+    ),
+    _kind(
+        "query_close",
+        "close a query's cursor before its last page (the node frees its snapshot)",
+        ("cursor", Text(QUERY_CURSOR_CHARS_MAX, 1, _NAME), True),
+    ),
     _kind("status", "the node's status"),
     # admin: the node finishes its loop turn, logs a shutdown line and exits (cli ``stop``)
     _kind("stop", "operator: shut this node down cleanly"),
