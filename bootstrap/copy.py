@@ -21,7 +21,7 @@ its applied key reaches the committed key known after the copy (the read fence).
 from __future__ import annotations
 
 from mnesite.rlog.replication import ApplyBatch, BatchReceived, FetchBatch, TablesReceived
-from mnesite.rlog.schema import SchemaError, TableSchema, define_table
+from mnesite.rlog.schema import SchemaError, TableSchema, table_from_json
 from mnesite.rlog.types import row_size_bytes
 
 CopyEffect = FetchBatch | ApplyBatch
@@ -37,7 +37,7 @@ def tables_from_answer(result: object, shard: str) -> tuple[TableSchema, ...]:
     if not isinstance(result, list):
         raise CopyFailed(f"list_tables answered {type(result).__name__}, not a list")
     try:
-        tables = [define_table(t["table"], t["key"], t["columns"], t["shard"]) for t in result]
+        tables = [table_from_json(t) for t in result]
     except (SchemaError, KeyError, TypeError) as failure:
         raise CopyFailed(f"malformed table list: {failure}") from None
     return tuple(table for table in tables if table.shard == shard)

@@ -19,6 +19,7 @@ from mnesite.rlog.client import (
     MnesiteError,
     OutcomeUnknown,
     default_endpoint,
+    default_index_name,
     parse_endpoints,
 )
 from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
@@ -336,16 +337,16 @@ def load_sample_data(node: Any) -> None:
 
 @main.group()
 def table() -> None:
-    """Create, list, describe and drop tables."""
+    """Create, list, describe, change and drop tables."""
 
 
 COLUMN_TYPE_NAMES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
 
 
-def parse_column(text: str) -> tuple[str, str]:
+def parse_column(text: str, what: str = "--column") -> tuple[str, str]:
     name, sep, column_type = text.partition(":")
     if not sep or not name or column_type.upper() not in COLUMN_TYPE_NAMES:
-        fail(f"--column {text!r} must be NAME:TYPE with TYPE one of {', '.join(COLUMN_TYPE_NAMES)}")
+        fail(f"{what} {text!r} must be NAME:TYPE with TYPE one of {', '.join(COLUMN_TYPE_NAMES)}")
     return name, column_type.upper()
 
 
@@ -419,6 +420,65 @@ def table_describe(table_name, endpoint, timeout_ms, as_json) -> None:
     click.echo(f"table {schema['table']} (shard {schema['shard']}, key {schema['key']})")
     rows = [{"column": n, "type": k, "key": "key" if n == schema["key"] else ""} for n, k in schema["columns"]]
     click.echo(format_table(rows, ["column", "type", "key"]))
+    indexes = [{"index": i["name"], "columns": ", ".join(i["columns"])} for i in schema.get("indexes", [])]
+    if indexes:
+        click.echo("")
+        click.echo(format_table(indexes, ["index", "columns"]))
+
+
+@table.command("add-column")
+@click.argument("table_name", metavar="TABLE")
+@click.argument("column", metavar="NAME:TYPE")
+@node_options
+@json_option
+def table_add_column(table_name, column, endpoint, timeout_ms, as_json) -> None:
+    """Add a nullable column NAME:TYPE to TABLE on every core and replicant (through the rlog; admin role).
+
+    Rows written before hold null there. TYPE: INTEGER REAL TEXT BLOB ANY. Prints the tx key.
+    """
+    name, column_type = parse_column(column, "NAME:TYPE")
+    with client_for(endpoint, timeout_ms) as client:
+        tx_key = run(lambda: client.add_column(table_name, name, column_type))
+    if as_json:
+        emit_json({"tx_key": list(tx_key)})
+    else:
+        click.echo(f"added {name} {column_type} to {table_name} at tx key {tuple(tx_key)}")
+
+
+@main.group()
+def index() -> None:
+    """Create and drop secondary indexes (replicated like tables; table describe shows them)."""
+
+
+@index.command("create")
+@click.argument("table_name", metavar="TABLE")
+@click.argument("columns", metavar="COLUMN...", nargs=-1, required=True)
+@click.option("--name", default=None, help="Index name (default: TABLE_COLUMN..._idx).")
+@node_options
+@json_option
+def index_create(table_name, columns, name, endpoint, timeout_ms, as_json) -> None:
+    """Create a secondary index of TABLE over COLUMN... on every core and replicant (admin role).
+
+    Prints the index name and the tx key; queries (mnesite query) use it where SQLite's planner finds it useful.
+    """
+    index_name = name or default_index_name(table_name, columns)
+    with client_for(endpoint, timeout_ms) as client:
+        tx_key = run(lambda: client.create_index(table_name, list(columns), index_name))
+    if as_json:
+        emit_json({"index": index_name, "tx_key": list(tx_key)})
+    else:
+        click.echo(f"created index {index_name} on {table_name} ({', '.join(columns)}) at tx key {tuple(tx_key)}")
+
+
+@index.command("drop")
+@click.argument("name", metavar="NAME")
+@node_options
+@json_option
+def index_drop(name, endpoint, timeout_ms, as_json) -> None:
+    """Drop the secondary index NAME on every core and replicant (admin role). Prints the tx key."""
+    with client_for(endpoint, timeout_ms) as client:
+        tx_key = run(lambda: client.drop_index(name))
+    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"dropped index {name} at tx key {tuple(tx_key)}")
 
 
 @main.command()
@@ -1164,8 +1224,10 @@ def keys_generate(name: str, directory: str, as_json: bool) -> None:
 
 def _register_optional_commands() -> None:
     from mnesite.cli.backup import register
+    from mnesite.cli.query import register as register_query
 
     register(main)
+    register_query(main)
     try:
         from mnesite.spark.cli import compare
     except ImportError:

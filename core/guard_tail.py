@@ -38,7 +38,17 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from mnesite.rlog.schema import TableSchema
-from mnesite.rlog.types import CreateTableOp, DeleteOp, DropTableOp, Entry, TxKey, WriteOp
+from mnesite.rlog.types import (
+    AddColumnOp,
+    CreateIndexOp,
+    CreateTableOp,
+    DeleteOp,
+    DropIndexOp,
+    DropTableOp,
+    Entry,
+    TxKey,
+    WriteOp,
+)
 
 GUARD_ANSWER = "answer"
 GUARD_HELD = "held"
@@ -104,6 +114,11 @@ class GuardTail(Generic[Token]):
                 self.rows[(op.table, op.key)] = None
             elif isinstance(op, CreateTableOp):
                 self.tables[op.table] = TableSchema.from_op(op)
+            elif isinstance(op, (AddColumnOp, CreateIndexOp, DropIndexOp)):
+                # The next transactions of the tail are checked against the changed table.
+                changed = self.tables.get(op.table) or self.catalog.get(op.table)
+                if changed is not None:
+                    self.tables[op.table] = changed.changed_by(op)
             elif isinstance(op, DropTableOp):
                 self.tables.pop(op.table, None)
                 self.dropped.add(op.table)

@@ -50,6 +50,7 @@ import logging
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,7 @@ from mnesite.core.outcome import (
     CommitWaiters,
     ForwardedRequests,
     Outcome,
+    OutcomeUnknown,
     forward_target,
 )
 from mnesite.core.recovery import (
@@ -125,20 +127,30 @@ from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
+from mnesite.rlog.query import CheckedQuery, QueryRequest
 from mnesite.rlog.retention import keep_from_match_keys
 from mnesite.rlog.schema import (
     DEFAULT_SHARD,
     SchemaError,
     TableSchema,
+    check_column_addable,
     check_creatable,
     check_droppable,
+    check_index_creatable,
+    check_index_droppable,
     check_key,
     define_table,
+    find_index,
+    schema_ops_toward,
+    table_from_json,
 )
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
 from mnesite.rlog.types import (
     ZERO_KEY,
+    AddColumnOp,
+    CreateIndexOp,
+    DropIndexOp,
     DropTableOp,
     Entry,
     MembersOp,
@@ -165,7 +177,9 @@ READ_KINDS = frozenset(
         *range_requests.KINDS,
     }
 )
-WRITE_KINDS = frozenset({"transact", "create_table", "drop_table"})
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
+SCHEMA_CHANGE_KINDS = frozenset({"create_index", "drop_index", "add_column"})
+QUERY_KINDS = frozenset({"query", "query_page", "query_close"})
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
 POLL_INTERVAL_MS_MAX = 50
@@ -265,6 +279,28 @@ class ShardDriver:
     elections: int = 0
 
 
+@dataclass
+class QueryIndexGather:
+    """A linearizable query's read indexes, one per shard it reads; answered at most once."""
+
+    envelope: list[bytes]
+    message: Message
+    request: QueryRequest
+    checked: CheckedQuery
+    shards: tuple[str, ...]
+    targets: dict[str, TxKey]
+    keys: dict[str, TxKey] = field(default_factory=dict)
+    answered: bool = False
+
+
+@dataclass(frozen=True)
+class QueryIndexAsk:
+    """The payload of a read_index this core asked a shard's sequencer for, for a query."""
+
+    gather: QueryIndexGather
+    shard: str
+
+
 @dataclass(frozen=True)
 class HeldFailure:
     """A failed guard waiting until the entries it observed commit (``core.guard_tail``)."""
@@ -303,7 +339,8 @@ class CoreNode(NodeServer):
         # request id -> (shard, envelope) of a membership change not yet in the log (learner stage).
         self.pending_changes: dict[str, tuple[str, list[bytes]]] = {}
         self.shards: dict[str, ShardDriver] = {}
-        self.forwarded: ForwardedRequests[list[bytes]] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
+        # Payloads: a client's envelope (its request is relayed), or a QueryIndexAsk (rlog.query).
+        self.forwarded: ForwardedRequests[Any] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
         limits = config.limits
@@ -480,6 +517,8 @@ class CoreNode(NodeServer):
         for dealer in list(self.dealers.values()):
             if dealer in ready:
                 self._relay_forwarded(dealer)
+        self.serve_queries(self._query_shard_reached)
+        self.build_indexes()
         self._end_batches()
         self._expire_forwarded()
         self._expire_held_guard_failures()
@@ -590,6 +629,8 @@ class CoreNode(NodeServer):
         elif message.kind in WRITE_KINDS:
             self.refuse_if_disk_full()
             self._write(envelope, message)
+        elif message.kind in QUERY_KINDS:
+            self._query(envelope, message)
         elif message.kind == "read_index" or getattr(message.body, "consistency", None) == "linearizable":
             self._linearizable(envelope, message)
         elif message.kind in READ_KINDS:
@@ -949,8 +990,7 @@ class CoreNode(NodeServer):
             self.begin()
             catalog = self.store.catalog()
             for table in mine:
-                if table.name not in catalog:
-                    self.store.apply_ops((table.to_op(),))
+                self.store.apply_ops(schema_ops_toward(catalog.get(table.name), table))
             names = tuple(table.name for table in mine)
             keys = tuple(table.key_column for table in mine)
             self._step_install(shard, replication.TablesReceived(core, names, keys))
@@ -1045,6 +1085,8 @@ class CoreNode(NodeServer):
         catalog = driver.tail.catalog_over(self.store.catalog())
         if message.kind == "drop_table":
             ops = (self._drop_op(catalog, message.body.table),)
+        elif message.kind in SCHEMA_CHANGE_KINDS:
+            ops = (self._schema_change_op(catalog, message),)
         elif message.kind == "create_table":
             body = message.body
             table = define_table(body.table, body.key, body.columns, body.shard or DEFAULT_SHARD)
@@ -1119,9 +1161,12 @@ class CoreNode(NodeServer):
         self.hold(envelope, request_id)  # may refuse (overloaded): then nobody waits
         driver.waiters.wait(tx_key, request_id, envelope)
 
-    def _tell_outcomes(self, outcomes: list[tuple[list[bytes], Outcome]]) -> None:
+    def _tell_outcomes(self, outcomes: list[tuple[Any, Outcome]]) -> None:
         for envelope, outcome in outcomes:
-            if isinstance(outcome, Acknowledged):
+            if isinstance(envelope, QueryIndexAsk):
+                reason = outcome.reason if isinstance(outcome, OutcomeUnknown) else "the sequencer did not answer"
+                self._query_index_failed(envelope.gather, "outcome_unknown", reason)
+            elif isinstance(outcome, Acknowledged):
                 result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
                 if outcome.duplicate:
                     result["duplicate"] = True
@@ -1146,10 +1191,36 @@ class CoreNode(NodeServer):
             raise RequestError("unknown_table", f"unknown table {name!r}")
         return op
 
+    def _schema_change_op(self, catalog: dict[str, TableSchema], message: Message) -> Any:
+        """The op of a create_index, drop_index or add_column request, checked by the apply's own rule
+        (rlog.schema) against the catalog as the unapplied tail leaves it: what is logged applies everywhere."""
+        fields = message.body
+        if message.kind == "drop_index":
+            found = find_index(catalog, fields.index)
+            if found is None:
+                raise RequestError("unknown_index", f"unknown index {fields.index!r}")
+            op: Any = DropIndexOp(fields.index, found[0].name, found[0].shard)
+            check_index_droppable(catalog, op)
+            return op
+        table = catalog.get(fields.table)
+        if table is None:
+            raise RequestError("unknown_table", f"unknown table {fields.table!r}")
+        if message.kind == "create_index":
+            op = CreateIndexOp(fields.index, table.name, table.shard, tuple(fields.columns))
+            if not check_index_creatable(catalog, op):
+                raise RequestError("index_exists", f"index {fields.index!r} already exists on {table.name!r}")
+            return op
+        op = AddColumnOp(table.name, table.shard, fields.column, str(fields.type).upper())
+        if not check_column_addable(catalog, op):
+            raise RequestError("column_exists", f"{table.name} has a column {fields.column!r} already")
+        return op
+
     def _shard_of(self, message: Message) -> str:
         body = message.body
         if message.kind == "drop_table":
             return self._drop_op(self._catalog_with_tails(), body.table).shard
+        if message.kind in SCHEMA_CHANGE_KINDS:
+            return self._schema_change_op(self._catalog_with_tails(), message).shard
         if message.kind == "create_table":
             shard = body.shard or DEFAULT_SHARD
             table = define_table(body.table, body.key, body.columns, shard)
@@ -1193,7 +1264,9 @@ class CoreNode(NodeServer):
             except CodecError:
                 continue
             waiting = self.forwarded.answered(answer.request_id)
-            if waiting is not None:
+            if isinstance(waiting, QueryIndexAsk):
+                self._query_index_answered(waiting, answer)
+            elif waiting is not None:
                 self.reply(waiting, answer)
             elif answer.request_id in self.install_requests:
                 self._on_install_answer(self.install_requests.pop(answer.request_id), answer)
@@ -1394,6 +1467,75 @@ class CoreNode(NodeServer):
                 raise  # the disk's, handled by NodeServer.turn (rlog.disk)
             log.exception("rlog retention failed; will retry")
 
+    # -- read-only SQL queries (rlog.query; the paging and waiting are NodeServer's) -----------
+
+    def _query(self, envelope: list[bytes], message: Message) -> None:
+        if message.kind != "query":
+            self.query_cursor_request(envelope, message)
+            return
+        request, checked, shards = self.query_received(message)
+        for shard in shards:
+            self._check_serving(shard)
+        targets = dict.fromkeys(shards, request.min_key) if request.min_key is not None else {}
+        if request.consistency != "linearizable" or not shards:
+            self.query_wait(envelope, message, request, checked, shards, targets)
+            return
+        # Linearizable: each shard's committed key, confirmed by its sequencer (read_index), which
+        # may be this core or another one; the query waits until this core has applied every key.
+        gather = QueryIndexGather(envelope, message, request, checked, shards, targets)
+        self.hold(envelope, message.request_id)
+        for shard in shards:
+            driver = self.shards.get(shard)
+            if driver is None:
+                raise RequestError("unknown_shard", f"unknown shard {shard!r}")
+            if driver.consensus.role is Role.SEQUENCER:
+                key = driver.consensus.read_index(self.clock_ms())
+                if key is None:
+                    self._query_index_failed(gather, "no_sequencer", f"{self.config.name} has no lease in {shard} now")
+                    return
+                gather.keys[shard] = key
+                continue
+            target = forward_target(driver.consensus.sequencer, self.config.name, False)
+            if target is None or self.forwarded.full():
+                self._query_index_failed(gather, "no_sequencer", f"shard {shard} has no sequencer reachable now")
+                return
+            request_id = uuid.uuid4().hex
+            self.forwarded.forwarded(request_id, QueryIndexAsk(gather, shard), shard, target, self.clock_ms())
+            self._send_peer(target, Message("read_index", request_id, {"shard": shard, "forwarded": True}))
+        self._query_index_complete(gather)
+
+    def _query_index_answered(self, ask: QueryIndexAsk, answer: Message) -> None:
+        result = answer.body.get("result") if answer.kind == "reply" else None
+        try:
+            key = tx_key_from_wire(result["committed"]) if isinstance(result, dict) else None
+        except (OpDecodeError, KeyError):
+            key = None
+        if key is None:
+            code = answer.body.get("code", "bad_answer") if answer.kind == "error" else "bad_answer"
+            self._query_index_failed(ask.gather, code, str(answer.body.get("message", "malformed read_index answer")))
+            return
+        ask.gather.keys[ask.shard] = key
+        self._query_index_complete(ask.gather)
+
+    def _query_index_complete(self, gather: QueryIndexGather) -> None:
+        if gather.answered or len(gather.keys) < len(gather.shards):
+            return
+        gather.answered = True
+        targets = {shard: max(key, gather.targets.get(shard, ZERO_KEY)) for shard, key in gather.keys.items()}
+        try:
+            self.query_wait(gather.envelope, gather.message, gather.request, gather.checked, gather.shards, targets)
+        except RequestError as error:
+            self.reply(gather.envelope, codec.error(gather.message.request_id, error.code, str(error)))
+
+    def _query_index_failed(self, gather: QueryIndexGather, code: str, reason: str) -> None:
+        if not gather.answered:
+            gather.answered = True
+            self.reply(gather.envelope, codec.error(gather.message.request_id, code, reason))
+
+    def _query_shard_reached(self, shard: str, key: TxKey) -> bool:
+        position = self.store.shard(shard)
+        return position is not None and position.applied >= key and shard not in self.not_serving
+
     # -- reads -------------------------------------------------------------------------------
 
     def _table(self, name: str) -> TableSchema:
@@ -1448,7 +1590,7 @@ class CoreNode(NodeServer):
             bytes_max = self.config.limits.frame_bytes_max // 2
             return read_batch(self.store, table, after, limit, min(bytes_max, body.bytes_max or bytes_max))
         if message.kind == "list_tables":
-            return [table.to_json() for table in self.store.catalog().values()]
+            return self.store.tables_json()
         if message.kind == "status":
             return self.status()
         if message.kind == "journal":
@@ -1557,6 +1699,10 @@ class CoreNode(NodeServer):
             "sends_dropped": self.sends_dropped,
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
             "disk": {**self.disk.status(self.clock_ms()), "frames_dropped": self.frames_dropped_disk},
+            # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired
+            "queries": self.queries.statistics(),
+            # online index builds (rlog.store): per table, rows copied so far and the indexes being built
+            "index_builds": self.store.index_build_status(),
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.rlog_server.status(),

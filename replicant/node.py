@@ -43,7 +43,7 @@ from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
-from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name
+from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name, schema_ops_toward
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
@@ -57,6 +57,8 @@ from mnesite.rlog.types import (
 )
 
 log = logging.getLogger("mnesite.replicant")
+# Forwarded to a core: replicants never originate writes (DESIGN invariant 7), schema changes included.
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
 
 POLL_INTERVAL_MS_MAX = 50
 DISCOVERY_INTERVAL_MS = 1000
@@ -228,6 +230,8 @@ class ReplicantNode(NodeServer):
         self._expire(now)
         self._warn_if_no_core(now)
         self._answer_waiting_reads()
+        self.serve_queries(self._query_shard_reached)
+        self.build_indexes()
         self._maybe_trim()
         self.flush()
 
@@ -468,8 +472,7 @@ class ReplicantNode(NodeServer):
                 return
             self.begin()
             for table in mine:
-                if table.name not in self.store.catalog():
-                    self.store.apply_ops((table.to_op(),))
+                self.store.apply_ops(schema_ops_toward(self.store.catalog().get(table.name), table))
             self._step(
                 replica,
                 p.TablesReceived(pending.core, tuple(t.name for t in mine), tuple(t.key_column for t in mine)),
@@ -602,18 +605,22 @@ class ReplicantNode(NodeServer):
         body = message.body
         if message.kind == "push":
             self._on_push(body)
-        elif message.kind in ("transact", "create_table", "drop_table"):
+        elif message.kind in WRITE_KINDS:
             # Its write would come back through the rlog, which this replicant cannot apply now.
             self.refuse_if_disk_full()
             self._forward(envelope, message)
         elif message.kind == "status":
             self.reply(envelope, codec.reply(message.request_id, self.status()))
         elif message.kind == "list_tables":
-            self.reply(envelope, codec.reply(message.request_id, [t.to_json() for t in self.store.catalog().values()]))
+            self.reply(envelope, codec.reply(message.request_id, self.store.tables_json()))
         elif message.kind == "stop":
             self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
         elif message.kind in ("get", "scan", "count"):
             self._read(envelope, message)
+        elif message.kind == "query":
+            self._query(envelope, message)
+        elif message.kind in ("query_page", "query_close"):
+            self.query_cursor_request(envelope, message)
         elif message.kind in range_requests.KINDS:
             self._serving(self._table(body.table).shard)
             result = range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
@@ -734,13 +741,7 @@ class ReplicantNode(NodeServer):
             self._serving(table.shard)
             shards = [table.shard]
         if body.consistency == "linearizable":
-            # Learn each shard's committed key from its sequencer (quorum-confirmed), then wait for it.
-            gather = ReadIndexGather(len(shards))
-            for shard in shards:
-                core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
-                detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
-                pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
-                self._request(core, "read_index", {"shard": shard}, pending)
+            self._ask_read_indexes(envelope, message, shards)
             return
         min_key = body.min_key
         if min_key is not None:
@@ -748,8 +749,44 @@ class ReplicantNode(NodeServer):
             return
         self.reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
 
+    def _ask_read_indexes(self, envelope: list[bytes], message: Message, shards: list[str] | tuple[str, ...]) -> None:
+        """Learn each shard's committed key from its sequencer (quorum-confirmed); ``_wait_for`` follows."""
+        gather = ReadIndexGather(len(shards))
+        for shard in shards:
+            core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
+            detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
+            pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
+            self._request(core, "read_index", {"shard": shard}, pending)
+
+    def _query(self, envelope: list[bytes], message: Message, index_keys: dict[str, TxKey] | None = None) -> None:
+        """A query (rlog.query): checked, then held until each shard it reads reached its target.
+
+        Linearizable: each shard's read index comes from its sequencer like a linearizable read's
+        (``_read``'s gather); the query is checked again once they are all in (``index_keys``).
+        """
+        request, checked, shards = self.query_received(message)
+        for shard in shards:
+            self._serving(shard)
+        targets = dict.fromkeys(shards, request.min_key) if request.min_key is not None else {}
+        if request.consistency == "linearizable" and shards and index_keys is None:
+            self._ask_read_indexes(envelope, message, shards)
+            return
+        for shard, key in (index_keys or {}).items():
+            targets[shard] = max(key, targets.get(shard, key))
+        self.query_wait(envelope, message, request, checked, shards, targets)
+
+    def _query_shard_reached(self, shard: str, key: TxKey) -> bool:
+        replica = self.replicas.get(shard)
+        return replica is not None and replica.readable_at(key)
+
     def _wait_for(self, envelope: list[bytes], message: Message, targets: dict[str, TxKey]) -> None:
         """Answer the read once every target shard has applied its key (bounded wait and count)."""
+        if message.kind == "query":
+            try:
+                self._query(envelope, message, targets)
+            except RequestError as error:
+                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+            return
         if len(self.waiting_reads) >= WAITING_READS_MAX:
             self.reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
             return
@@ -824,6 +861,10 @@ class ReplicantNode(NodeServer):
             "sends_dropped": self.sends_dropped,
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
             "disk": {**self.disk.status(self.clock_ms()), "frames_dropped": self.frames_dropped_disk},
+            # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired
+            "queries": self.queries.statistics(),
+            # online index builds (rlog.store): per table, rows copied so far and the indexes being built
+            "index_builds": self.store.index_build_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "shards": shards,
         }

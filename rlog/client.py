@@ -34,6 +34,7 @@ instead of waiting for an answer that cannot come. A role that may not send a re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket as socket_module
 import time
@@ -51,6 +52,8 @@ from mnesite.rlog.types import TxKey
 from zmq.utils.monitor import recv_monitor_message
 
 SCAN_PAGE_ROWS = 1000
+# How long one page of a query may take to arrive: above a node's default query_ms_max (10 s).
+QUERY_TIMEOUT_MS = 30_000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
 RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_applied"})
 RETRY_BACKOFF_S_MIN = 0.02
@@ -119,7 +122,7 @@ class InvalidRequest(RemoteError):
 
 
 _ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable, "forbidden": Forbidden}
-WRITE_KINDS = frozenset({"transact", "create_table", "drop_table"})
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
 _HANDSHAKE_EVENTS = 0
 for _event in HANDSHAKE_FAILURES:
     _HANDSHAKE_EVENTS |= _event
@@ -136,6 +139,11 @@ class _NotSent(Exception):
 
 def default_endpoint() -> str:
     return os.environ.get("MNESITE_NODE") or DEFAULT_LISTEN
+
+
+def default_index_name(table: str, columns: Sequence[str]) -> str:
+    """``TABLE_COLUMN_..._idx``, cut to the 63 characters a name may have."""
+    return "_".join((table, *columns))[:59] + "_idx"
 
 
 def parse_endpoints(endpoints: str | Sequence[str] | None) -> list[str]:
@@ -268,13 +276,24 @@ class Client:
                 except zmq.Again:
                     continue  # the connection went away between the poll and the send
 
-    def call(self, kind: str, body: dict[str, Any] | None = None, request_id: str | None = None) -> Any:
+    def call(
+        self,
+        kind: str,
+        body: dict[str, Any] | None = None,
+        request_id: str | None = None,
+        *,
+        timeout_ms: int | None = None,
+        retries: int | None = None,
+    ) -> Any:
         """Send one request and return the reply's result; raise ``MnesiteError`` on an error reply.
 
         No answer within ``timeout_ms``, or an answer that says "try again" (no sequencer during an
         election, outcome unknown after a failover), re-sends the same request id, up to ``retries``
-        more times for silence and until ``timeout_ms * (retries + 1)`` in all.
+        more times for silence and until ``timeout_ms * (retries + 1)`` in all. ``timeout_ms`` and
+        ``retries`` default to the client's.
         """
+        timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
+        retries = self.retries if retries is None else retries
         message = Message(kind, request_id or uuid.uuid4().hex, body or {})
         try:
             frame = codec.encode(message, check=True)
@@ -286,10 +305,10 @@ class Client:
                 f"not sent: the {kind} request is {len(frame)} bytes, above frame_bytes_max {self.frame_bytes_max}",
                 "too_large",
             )
-        deadline = time.monotonic() + self.timeout_ms * (self.retries + 1) / 1000
+        deadline = time.monotonic() + timeout_ms * (retries + 1) / 1000
         silent_attempts = 0
         backoff_s = RETRY_BACKOFF_S_MIN
-        last_reason = f"did not answer {kind} within {self.timeout_ms} ms"
+        last_reason = f"did not answer {kind} within {timeout_ms} ms"
         # A write whose request went unanswered, or was answered "outcome unknown", may have been
         # applied: from then on, giving up means telling the caller so, and it never moves to
         # another endpoint.
@@ -299,7 +318,7 @@ class Client:
         unreachable: list[str] = []
         while True:
             try:
-                socket = self._send(frame, min(deadline, time.monotonic() + self.timeout_ms / 1000))
+                socket = self._send(frame, min(deadline, time.monotonic() + timeout_ms / 1000))
             except _NotSent as error:
                 unreachable.append(self.endpoint)
                 # A write that may already have happened at this node is never sent to another one.
@@ -308,15 +327,15 @@ class Client:
                     self._give_up(kind, message.request_id, maybe_applied, self._unreachable(error), "unavailable")
                 self._next_endpoint()
                 continue
-            answer = self._await(socket, message.request_id, deadline)
+            answer = self._await(socket, message.request_id, deadline, timeout_ms)
             if answer is None:
                 # Drop the socket: whatever it still queues must not reach the node later.
                 self.close()
                 silent_attempts += 1
                 maybe_applied = maybe_applied or is_write
-                if silent_attempts > self.retries or time.monotonic() >= deadline:
+                if silent_attempts > retries or time.monotonic() >= deadline:
                     reason = (
-                        f"node {self.endpoint} did not answer {kind} within {self.timeout_ms} ms "
+                        f"node {self.endpoint} did not answer {kind} within {timeout_ms} ms "
                         f"({silent_attempts} attempts{_why_silent(self.endpoint, kind)})"
                     )
                     self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable")
@@ -364,8 +383,8 @@ class Client:
             )
         raise Unavailable(reason, code)
 
-    def _await(self, socket: zmq.Socket, request_id: str, overall_deadline: float) -> Message | None:
-        deadline = min(time.monotonic() + self.timeout_ms / 1000, overall_deadline)
+    def _await(self, socket: zmq.Socket, request_id: str, overall_deadline: float, timeout_ms: int) -> Message | None:
+        deadline = min(time.monotonic() + timeout_ms / 1000, overall_deadline)
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
@@ -447,7 +466,24 @@ class Client:
 
     def drop_table(self, table: str) -> TxKey:
         """Drop ``table`` and its rows on every node (a replicated schema change; admin role)."""
-        result = self.call("drop_table", {"table": table})
+        return self._schema_change("drop_table", {"table": table})
+
+    def create_index(self, table: str, columns: Sequence[str], name: str | None = None) -> TxKey:
+        """Create a secondary index of ``table`` over ``columns`` on every node (a replicated schema
+        change; admin role). ``name``: default ``TABLE_COLUMN_..._idx``."""
+        index = name or default_index_name(table, columns)
+        return self._schema_change("create_index", {"index": index, "table": table, "columns": list(columns)})
+
+    def drop_index(self, name: str) -> TxKey:
+        """Drop the secondary index ``name`` on every node (a replicated schema change; admin role)."""
+        return self._schema_change("drop_index", {"index": name})
+
+    def add_column(self, table: str, column: str, column_type: str) -> TxKey:
+        """Add a nullable column to ``table`` on every node; existing rows hold null (admin role)."""
+        return self._schema_change("add_column", {"table": table, "column": column, "type": column_type})
+
+    def _schema_change(self, kind: str, body: dict[str, Any]) -> TxKey:
+        result = self.call(kind, body)
         self.last_tx_key = TxKey(*result["tx_key"])
         return self.last_tx_key
 
@@ -509,6 +545,29 @@ class Client:
             if key_column is None:
                 key_column = self.table(table)["key"]
             after = page[-1][key_column]
+
+    def query(
+        self,
+        sql: str,
+        params: Sequence[Any] = (),
+        consistency: str = "local",
+        after_tx_key: TxKey | None = None,
+        page_rows: int | None = None,
+        timeout_ms: int = QUERY_TIMEOUT_MS,
+    ) -> QueryResult:
+        """Run one read-only SQL statement (``?`` parameters bound from ``params``) at the node.
+
+        Returns a ``QueryResult``: ``columns``, and the rows as tuples when iterated, fetched from the
+        node page by page (``page_rows`` each, at most the node's ``query_page_rows_max``). All pages
+        come from one snapshot of the node. ``consistency`` and ``after_tx_key`` as for ``get``: the node
+        waits until every shard the statement reads has reached the key. ``timeout_ms``: how long one
+        page may take (the node stops a query at its ``query_ms_max`` of SQLite time).
+        """
+        body: dict[str, Any] = {"sql": sql, "params": list(params)}
+        if page_rows is not None:
+            body["page_rows"] = page_rows
+        first = self.call("query", self._consistency(body, consistency, after_tx_key), timeout_ms=timeout_ms)
+        return QueryResult(self, first, page_rows, timeout_ms)
 
     def count(self, table: str, consistency: str = "local", after_tx_key: TxKey | None = None) -> int:
         """The number of rows of ``table``, counted by the node (no row is shipped)."""
@@ -584,6 +643,66 @@ class Client:
         if limit is not None:
             body["limit"] = limit
         return self.call("row_digests", body)
+
+
+class QueryResult:
+    """The rows of one query, fetched page by page from the node that answered its first page.
+
+    Iterate it for the rows (tuples, in the statement's order). The node holds the statement open
+    between pages (one snapshot for all of them) for at most its ``query_idle_ms_max``; ``close()``
+    (or leaving a ``with`` block) frees it before the last page. A page request is never re-sent:
+    a lost page would skip rows, so silence raises ``Unavailable`` instead.
+    """
+
+    def __init__(self, client: Client, first: dict[str, Any], page_rows: int | None, timeout_ms: int) -> None:
+        self.client = client
+        self.columns: list[str] = list(first["columns"])
+        # shard -> the tx key the snapshot holds: the result reflects exactly those entries.
+        self.positions: dict[str, TxKey] = {s: TxKey(*k) for s, k in first.get("positions", {}).items()}
+        self._page: list[list[Any]] | None = first["rows"]
+        self._cursor: str | None = first.get("cursor")
+        self._page_rows = page_rows
+        self._timeout_ms = timeout_ms
+        self.pages = 1
+
+    def __enter__(self) -> QueryResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        while True:
+            page = self.fetch_page()
+            if page is None:
+                return
+            yield from page
+
+    def fetch_page(self) -> list[tuple[Any, ...]] | None:
+        """The next page of rows (None once every row was fetched)."""
+        if self._page is not None:
+            page, self._page = self._page, None
+            return [tuple(row) for row in page]
+        if self._cursor is None:
+            return None
+        body: dict[str, Any] = {"cursor": self._cursor}
+        if self._page_rows is not None:
+            body["page_rows"] = self._page_rows
+        try:
+            answer = self.client.call("query_page", body, timeout_ms=self._timeout_ms, retries=0)
+        except MnesiteError:
+            self._cursor = None
+            raise
+        self._cursor = answer.get("cursor")
+        self.pages += 1
+        return [tuple(row) for row in answer["rows"]]
+
+    def close(self) -> None:
+        """Free the node's cursor if rows are left (best effort: it also expires by itself)."""
+        cursor, self._cursor, self._page = self._cursor, None, None
+        if cursor is not None:
+            with contextlib.suppress(MnesiteError):
+                self.client.call("query_close", {"cursor": cursor}, retries=0)
 
 
 def _why_silent(endpoint: str, kind: str) -> str:

@@ -34,6 +34,12 @@ Example::
     watches_max = 256                   # replicant watches (agents) per core
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
     backup_step_pages_max = 256         # pages an online backup copies per step (mnesite backup)
+    query_ms_max = 10000                # SQLite time one query may spend, all its pages together (mnesite query)
+    query_page_rows_max = 1000          # rows in one page of a query's answer
+    query_page_bytes_max = 1048576      # bytes of values in one page (at most frame_bytes_max / 2)
+    query_cursors_max = 16              # queries with more pages to fetch, held open per node
+    query_idle_ms_max = 30000           # a held query whose next page is not asked for in this time is closed
+    index_build_step_rows_max = 1000    # rows an online index build copies per step, a step at most every 10 ms
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -124,6 +130,16 @@ class Limits:
     guard_hold_ms_max: int = 5_000
     # Pages an online backup copies per step (rlog.backup); smaller steps share the machine more evenly.
     backup_step_pages_max: int = 256
+    # Read-only SQL queries (rlog.query): the SQLite time one query may spend (its pages together),
+    # each page's rows and bytes, the queries held open for their next page, and how long one waits.
+    query_ms_max: int = 10_000
+    query_page_rows_max: int = 1000
+    query_page_bytes_max: int = 1024 * 1024
+    query_cursors_max: int = 16
+    query_idle_ms_max: int = 30_000
+    # Rows an online index build (rlog.store) copies per step (one step at most every 10 ms); a table with
+    # fewer rows is indexed at once.
+    index_build_step_rows_max: int = 1000
 
 
 @dataclass(frozen=True)
@@ -188,6 +204,12 @@ _LIMIT_BOUNDS = {
     "watches_max": (1, 100_000),
     "push_queue_max": (1, 100_000),
     "backup_step_pages_max": (1, 1_000_000),
+    "query_ms_max": (1, 3_600_000),
+    "query_page_rows_max": (1, 1_000_000),
+    "query_page_bytes_max": (1024, 128 * 1024 * 1024),
+    "query_cursors_max": (1, 10_000),
+    "query_idle_ms_max": (100, 3_600_000),
+    "index_build_step_rows_max": (1, 1_000_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
     "retention_interval_ms": (10, 3_600_000),

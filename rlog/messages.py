@@ -39,8 +39,11 @@ import msgpack
 import msgspec
 from mnesite.rlog.types import (
     DIGEST_BYTES,
+    AddColumnOp,
+    CreateIndexOp,
     CreateTableOp,
     DeleteOp,
+    DropIndexOp,
     DropTableOp,
     Entry,
     MembersOp,
@@ -61,6 +64,7 @@ REQUEST_ID_CHARS_MAX = 64
 MESSAGE_CHARS_MAX = 4096  # an error reply's message
 OPS_MAX = 100_000  # ops or guards in one transaction on the wire (the node's transaction_ops_max is lower)
 COLUMNS_MAX = 200
+INDEX_COLUMNS_MAX = 16  # columns of one secondary index
 ROW_COLUMNS_MAX = 1000
 MEMBERS_MAX = 64
 # Voters in one membership entry: core.membership.MEMBERS_MAX (rlog imports nothing of core; a test
@@ -72,6 +76,9 @@ FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
 FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a frame_bytes_max frame can hold
 WAIT_MS_MAX = 600_000
 BACKUP_PATH_CHARS_MAX = 1024
+QUERY_SQL_CHARS_MAX = 100_000  # one query's SQL text (rlog.query)
+QUERY_PARAMS_MAX = 999  # bound parameters of one query
+QUERY_CURSOR_CHARS_MAX = 64  # a query cursor's token
 
 # The one rule for a name on the wire (tables, columns, shards, nodes, agents). The table schema
 # (``rlog.schema``) is stricter for what may become a SQLite identifier.
@@ -292,6 +299,46 @@ class DropTable(Body, frozen=True, kw_only=True):
     forwarded: bool = False
 
 
+class CreateIndex(Body, frozen=True, kw_only=True):
+    index: Name
+    table: Name
+    columns: Annotated[list[Name], Meta(min_length=1, max_length=INDEX_COLUMNS_MAX)]
+    forwarded: bool = False
+
+
+class DropIndex(Body, frozen=True, kw_only=True):
+    index: Name
+    forwarded: bool = False
+
+
+class AddColumn(Body, frozen=True, kw_only=True):
+    table: Name
+    column: Name
+    type: ColumnType
+    forwarded: bool = False
+
+
+class Query(ReadOptions, frozen=True, kw_only=True):
+    sql: Annotated[str, Meta(min_length=1, max_length=QUERY_SQL_CHARS_MAX)]
+    params: Annotated[list[Scalar], Meta(max_length=QUERY_PARAMS_MAX)] = []
+    page_rows: Integer | None = None
+
+    def verify(self) -> None:
+        _require_scalars(self.params, "params")
+
+
+QueryCursor = Annotated[str, Meta(min_length=1, max_length=QUERY_CURSOR_CHARS_MAX, pattern=NAME_PATTERN)]
+
+
+class QueryPage(Body, frozen=True, kw_only=True):
+    cursor: QueryCursor
+    page_rows: Integer | None = None
+
+
+class QueryClose(Body, frozen=True, kw_only=True):
+    cursor: QueryCursor
+
+
 class Empty(Body, frozen=True, kw_only=True):
     """A request with no fields (status, list_tables, stop, journal, force_start, members)."""
 
@@ -478,10 +525,27 @@ _SCHEMA_LIST = [
     KindSchema("transact", "a transaction: guards and ops over one shard", Transact),
     KindSchema("create_table", "create a table", CreateTable),
     KindSchema("drop_table", "drop a table and its rows (a replicated schema change, like create_table)", DropTable),
+    KindSchema(
+        "create_index",
+        "create a secondary index of a table (a replicated schema change, like create_table)",
+        CreateIndex,
+    ),
+    KindSchema("drop_index", "drop a secondary index (a replicated schema change)", DropIndex),
+    KindSchema(
+        "add_column",
+        "add a nullable column to a table (a replicated schema change; existing rows hold null)",
+        AddColumn,
+    ),
     KindSchema("list_tables", "the catalog", Empty),
     KindSchema("get", "one row by key", Get),
     KindSchema("scan", "a page of rows in key order", Scan),
     KindSchema("count", "the number of rows of a table, counted by SQLite", Count),
+    # read-only SQL (rlog.query): the first page of a statement's rows, then the next pages by cursor
+    KindSchema(
+        "query", "a read-only SQL statement and its bound parameters; answered with its first page of rows", Query
+    ),
+    KindSchema("query_page", "the next page of a query's rows, by the cursor its previous page named", QueryPage),
+    KindSchema("query_close", "close a query's cursor before its last page (the node frees its snapshot)", QueryClose),
     KindSchema("status", "the node's status", Empty),
     # admin: the node finishes its loop turn, logs a shutdown line and exits (cli ``stop``)
     KindSchema("stop", "operator: shut this node down cleanly", Empty),
@@ -622,6 +686,26 @@ class _DropWire(Struct, frozen=True, array_like=True, tag="x"):
     shard: Name
 
 
+class _CreateIndexWire(Struct, frozen=True, array_like=True, tag="i"):
+    index: Name
+    table: Name
+    shard: Name
+    columns: Annotated[list[Name], Meta(min_length=1, max_length=INDEX_COLUMNS_MAX)]
+
+
+class _DropIndexWire(Struct, frozen=True, array_like=True, tag="j"):
+    index: Name
+    table: Name
+    shard: Name
+
+
+class _AddColumnWire(Struct, frozen=True, array_like=True, tag="a"):
+    table: Name
+    shard: Name
+    column: Name
+    column_type: ColumnType
+
+
 class _MembersWire(Struct, frozen=True, array_like=True, tag="m"):
     # A membership entry (core.membership): voter names, the added core and its endpoint (both
     # empty when the change adds none).
@@ -651,7 +735,16 @@ def _names_refusal(names: Any) -> str | None:
     return None
 
 
-_WireOp = _WriteWire | _DeleteWire | _CreateWire | _DropWire | _MembersWire
+_WireOp = (
+    _WriteWire
+    | _DeleteWire
+    | _CreateWire
+    | _DropWire
+    | _MembersWire
+    | _CreateIndexWire
+    | _DropIndexWire
+    | _AddColumnWire
+)
 _OPS_DECODER = msgspec.msgpack.Decoder(Annotated[list[_WireOp], Meta(max_length=OPS_MAX)], ext_hook=_refuse_ext)
 _OPS_ENCODER = msgspec.msgpack.Encoder()
 
@@ -688,8 +781,14 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
             ops.append(CreateTableOp(op.table, op.shard, op.key, tuple(op.columns)))
         elif type(op) is _DropWire:
             ops.append(DropTableOp(op.table, op.shard))
-        else:
+        elif type(op) is _MembersWire:
             ops.append(MembersOp(tuple(op.members), op.added, op.endpoint))
+        elif type(op) is _CreateIndexWire:
+            ops.append(CreateIndexOp(op.index, op.table, op.shard, tuple(op.columns)))
+        elif type(op) is _DropIndexWire:
+            ops.append(DropIndexOp(op.index, op.table, op.shard))
+        else:
+            ops.append(AddColumnOp(op.table, op.shard, op.column, op.column_type))
     refusal = _names_refusal(names)
     if refusal is not None:
         raise MessageError("ops", refusal)

@@ -16,7 +16,8 @@ The roles:
   (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
-* ``admin``: everything, including ``create_table``, ``drop_table``, ``force_start``, ``membership_change``,
+* ``admin``: everything, including ``create_table``, ``drop_table``, ``create_index``, ``drop_index``,
+  ``add_column``, ``force_start``, ``membership_change``,
   ``stop`` and ``backup``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
@@ -46,6 +47,9 @@ READ_KINDS = frozenset(
         "range_digest",
         "key_boundaries",
         "row_digests",
+        "query",
+        "query_page",
+        "query_close",
     }
 )
 
@@ -56,6 +60,9 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "create_table": frozenset({"core", "replicant"}),
     # schema changes are forwarded by cores and replicants; only admin may originate them
     "drop_table": frozenset({"core", "replicant"}),
+    "create_index": frozenset({"core", "replicant"}),
+    "drop_index": frozenset({"core", "replicant"}),
+    "add_column": frozenset({"core", "replicant"}),
     "peer": frozenset({"core"}),
     "push": frozenset({"core"}),
     # a sequencer offers a snapshot to a follower behind its trimmed log (core.snapshot)

@@ -7,12 +7,13 @@ unknown column gets a clear one-line error naming the column, and nothing change
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from mnesite.rlog.types import CreateTableOp, DropTableOp
+from mnesite.rlog.types import AddColumnOp, CreateIndexOp, CreateTableOp, DropIndexOp, DropTableOp
 
 COLUMN_TYPES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
 KEY_TYPES = ("INTEGER", "TEXT", "BLOB")
@@ -20,6 +21,9 @@ NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 RESERVED_PREFIX = "_mnesite"
 SQLITE_RESERVED_PREFIX = "sqlite_"  # SQLite refuses to create objects whose names start with it
 DEFAULT_SHARD = "default"
+COLUMNS_MAX = 200
+INDEX_COLUMNS_MAX = 16
+INDEXES_MAX = 64  # secondary indexes of one table
 INTEGER_MIN = -(2**63)
 INTEGER_MAX = 2**63 - 1
 
@@ -50,6 +54,17 @@ def find_table(catalog: dict[str, TableSchema], name: str) -> TableSchema | None
     return next((t for n, t in catalog.items() if n.lower() == folded), None)
 
 
+def find_index(catalog: dict[str, TableSchema], name: str) -> tuple[TableSchema, IndexSchema] | None:
+    """The table and index SQLite would consider named ``name`` (index names are case-insensitive and
+    global: one namespace with the tables)."""
+    folded = name.lower()
+    for table in catalog.values():
+        for index in table.indexes:
+            if index.name.lower() == folded:
+                return table, index
+    return None
+
+
 def check_creatable(catalog: dict[str, TableSchema], op: CreateTableOp) -> bool:
     """The one rule for creating a table, used before proposing and when applying a committed entry.
 
@@ -57,6 +72,9 @@ def check_creatable(catalog: dict[str, TableSchema], op: CreateTableOp) -> bool:
     raises ``SchemaError`` when the definition is invalid or its name is taken in any letter case.
     """
     TableSchema.from_op(op)  # names, reserved prefixes, types, key column
+    taken = find_index(catalog, op.table)
+    if taken is not None:
+        raise SchemaError("table_exists", f"{op.table!r} is the name of index {taken[1].name!r} of {taken[0].name!r}")
     existing = find_table(catalog, op.table)
     if existing is None:
         return True
@@ -87,12 +105,99 @@ def check_droppable(catalog: dict[str, TableSchema], op: DropTableOp) -> bool:
     return True
 
 
+def _table_of_op(catalog: dict[str, TableSchema], table: str, shard: str, what: str) -> TableSchema:
+    """The table a schema-change op names: its exact name (no case folding) and its shard."""
+    check_name("table", table)
+    check_name("shard", shard)
+    existing = catalog.get(table)
+    if existing is None:
+        raise SchemaError("unknown_table", f"cannot {what}: unknown table {table!r}")
+    if existing.shard != shard:
+        raise SchemaError(
+            "bad_request", f"cannot {what}: table {table!r} is of shard {existing.shard!r}, not {shard!r}"
+        )
+    return existing
+
+
+def check_index_creatable(catalog: dict[str, TableSchema], op: CreateIndexOp) -> bool:
+    """The one rule for creating a secondary index, before proposing and when applying.
+
+    False when the same index exists already (a replay changes nothing); ``SchemaError`` when the table
+    is unknown, a column is not the table's, or the name is taken by another index or any table.
+    """
+    check_name("index", op.index)
+    table = _table_of_op(catalog, op.table, op.shard, f"create index {op.index!r}")
+    if not 1 <= len(op.columns) <= INDEX_COLUMNS_MAX:
+        raise SchemaError("bad_request", f"an index has 1..{INDEX_COLUMNS_MAX} columns, got {len(op.columns)}")
+    types = table.column_types
+    for column in op.columns:
+        if column not in types:
+            raise SchemaError("unknown_column", f"{table.name} has no column {column!r}")
+    if len({column.lower() for column in op.columns}) != len(op.columns):
+        raise SchemaError("bad_request", f"index {op.index!r} names a column twice")
+    found = find_index(catalog, op.index)
+    if found is not None:
+        if found[0].name == op.table and found[1] == IndexSchema(op.index, op.columns):
+            return False
+        raise SchemaError("index_exists", f"index {found[1].name!r} already exists (on {found[0].name!r})")
+    if find_table(catalog, op.index) is not None:
+        raise SchemaError("index_exists", f"{op.index!r} is the name of a table")
+    if len(table.indexes) >= INDEXES_MAX:
+        raise SchemaError("bad_request", f"{table.name} has {INDEXES_MAX} indexes already (the most)")
+    return True
+
+
+def check_index_droppable(catalog: dict[str, TableSchema], op: DropIndexOp) -> bool:
+    """The one rule for dropping a secondary index: False when it does not exist (a replay); the exact
+    name, table and shard otherwise."""
+    check_name("index", op.index)
+    found = find_index(catalog, op.index)
+    if found is None:
+        return False
+    table, index = found
+    if index.name != op.index or table.name != op.table or table.shard != op.shard:
+        raise SchemaError(
+            "bad_request", f"index {op.index!r} of {op.table!r} is {index.name!r} of {table.name!r} ({table.shard!r})"
+        )
+    return True
+
+
+def check_column_addable(catalog: dict[str, TableSchema], op: AddColumnOp) -> bool:
+    """The one rule for adding a column: False when the table has it already with that type (a replay)."""
+    check_name("column", op.column)
+    table = _table_of_op(catalog, op.table, op.shard, f"add column {op.column!r}")
+    if op.column_type not in COLUMN_TYPES:
+        raise SchemaError(
+            "bad_request", f"column {op.column!r} has type {op.column_type!r}; use one of {', '.join(COLUMN_TYPES)}"
+        )
+    for name, column_type in table.columns:
+        if name.lower() == op.column.lower():
+            if name == op.column and column_type == op.column_type:
+                return False
+            raise SchemaError("column_exists", f"{table.name} has a column {name!r} ({column_type}) already")
+    if len(table.columns) >= COLUMNS_MAX:
+        raise SchemaError("bad_request", f"a table has at most {COLUMNS_MAX} columns")
+    return True
+
+
+@dataclass(frozen=True)
+class IndexSchema:
+    """A secondary index: its name and its columns, in order."""
+
+    name: str
+    columns: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "columns": list(self.columns)}
+
+
 @dataclass(frozen=True)
 class TableSchema:
     name: str
     shard: str
     key_column: str
     columns: tuple[tuple[str, str], ...]
+    indexes: tuple[IndexSchema, ...] = ()
 
     @property
     def column_types(self) -> dict[str, str]:
@@ -105,17 +210,32 @@ class TableSchema:
     def to_op(self) -> CreateTableOp:
         return CreateTableOp(self.name, self.shard, self.key_column, self.columns)
 
+    def index_ops(self) -> tuple[CreateIndexOp, ...]:
+        """The ops that create this table's secondary indexes (after ``to_op``), as a copy needs them."""
+        return tuple(CreateIndexOp(index.name, self.name, self.shard, index.columns) for index in self.indexes)
+
+    def changed_by(self, op: AddColumnOp | CreateIndexOp | DropIndexOp) -> TableSchema:
+        """This table after a schema-change op the rules above accepted."""
+        if isinstance(op, AddColumnOp):
+            return dataclasses.replace(self, columns=(*self.columns, (op.column, op.column_type)))
+        if isinstance(op, CreateIndexOp):
+            return dataclasses.replace(self, indexes=(*self.indexes, IndexSchema(op.index, op.columns)))
+        return dataclasses.replace(self, indexes=tuple(i for i in self.indexes if i.name != op.index))
+
     @classmethod
     def from_op(cls, op: CreateTableOp) -> TableSchema:
         return define_table(op.table, op.key_column, list(op.columns), op.shard)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        described: dict[str, Any] = {
             "table": self.name,
             "shard": self.shard,
             "key": self.key_column,
             "columns": [[n, t] for n, t in self.columns],
         }
+        if self.indexes:
+            described["indexes"] = [index.to_json() for index in self.indexes]
+        return described
 
 
 def define_table(name: Any, key_column: Any, columns: Any, shard: Any = DEFAULT_SHARD) -> TableSchema:
@@ -148,9 +268,43 @@ def define_table(name: Any, key_column: Any, columns: Any, shard: Any = DEFAULT_
         raise SchemaError("bad_request", f"key column {key_column!r} differs in case from its declaration")
     if key_type not in KEY_TYPES:
         raise SchemaError("bad_request", f"key column {key_column!r} must be INTEGER, TEXT or BLOB, not {key_type}")
-    if len(declared) > 200:
-        raise SchemaError("bad_request", "a table has at most 200 columns")
+    if len(declared) > COLUMNS_MAX:
+        raise SchemaError("bad_request", f"a table has at most {COLUMNS_MAX} columns")
     return TableSchema(name, shard, key_column, tuple(declared))
+
+
+def table_from_json(value: Any) -> TableSchema:
+    """A table of a ``list_tables`` answer (another node's: untrusted), checked like a definition;
+    raises ``SchemaError`` (or ``KeyError``/``TypeError`` on a malformed answer)."""
+    table = define_table(value["table"], value["key"], value["columns"], value["shard"])
+    indexes = value.get("indexes", [])
+    if not isinstance(indexes, list) or len(indexes) > INDEXES_MAX:
+        raise SchemaError("bad_request", f"indexes of {table.name!r} must be a list of at most {INDEXES_MAX}")
+    catalog = {table.name: table}
+    for index in indexes:
+        op = CreateIndexOp(index["name"], table.name, table.shard, tuple(index["columns"]))
+        if check_index_creatable(catalog, op):
+            catalog[table.name] = catalog[table.name].changed_by(op)
+    return catalog[table.name]
+
+
+def schema_ops_toward(local: TableSchema | None, listed: TableSchema) -> tuple[Any, ...]:
+    """The ops that make a copy's table (``local``; None: it has none) the ``listed`` one: a bootstrap
+    or snapshot install takes the tables as a core lists them, and the replay from its start key only
+    brings the changes made after that. Columns are only ever added; indexes are created and dropped."""
+    if local is None:
+        return (listed.to_op(), *listed.index_ops())
+    have = {name for name, _ in local.columns}
+    ops: list[Any] = [
+        AddColumnOp(listed.name, listed.shard, name, column_type)
+        for name, column_type in listed.columns
+        if name not in have
+    ]
+    wanted = {index.name: index for index in listed.indexes}
+    ops += [DropIndexOp(i.name, local.name, local.shard) for i in local.indexes if wanted.get(i.name) != i]
+    current = set(local.indexes)
+    ops += [op for op in listed.index_ops() if IndexSchema(op.index, op.columns) not in current]
+    return tuple(ops)
 
 
 def check_value(table: TableSchema, column: str, column_type: str, value: Any) -> Any:

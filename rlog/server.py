@@ -38,6 +38,18 @@ from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
 from mnesite.rlog.metrics import MetricsServer, NodeMetrics, start_metrics
+from mnesite.rlog.query import (
+    CheckedQuery,
+    QueryError,
+    QueryLimits,
+    QueryRequest,
+    QueryRunner,
+    WaitingQueries,
+    WaitingQuery,
+    page_request,
+    query_request,
+    shards_of,
+)
 from mnesite.rlog.roles import sender_mismatch
 from mnesite.rlog.security import NodeSecurity, SecurityError
 from mnesite.rlog.store import Store, storage_fault
@@ -57,6 +69,9 @@ BACKLOG_FACTOR = 4
 VIOLATION_LOG_INTERVAL_MS = 1000
 VIOLATION_SENDERS_MAX = 1000
 REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
+# At most one step of online index builds per this interval: a step costs about 5 ms per 1,000 rows
+# here, so the builds take at most a third of a loop's time and writes keep most of it.
+INDEX_BUILD_INTERVAL_MS = 10
 HELD_TIMES_MAX = 100_000  # arrival times of held writes kept for the commit latency histogram
 
 
@@ -156,6 +171,11 @@ class NodeServer:
         self._transactions_at_commit = 0
         self._held_since_s: dict[tuple[bytes, str], float] = {}
         self._turn_began_s = time.monotonic()
+        # Read-only SQL queries (rlog.query): run on the runner's threads, never on this loop.
+        self.queries = QueryRunner(store.path, QueryLimits.from_config(config.limits), monotonic_ms)
+        self.waiting_queries = WaitingQueries()
+        store.index_build_step_rows_max = config.limits.index_build_step_rows_max
+        self._next_build_ms = 0
 
     def protocol_violation(self, sender: str, reason: str) -> None:
         """Count a peer's message that breaks the protocol against our state; log at most once a second per sender."""
@@ -423,6 +443,7 @@ class NodeServer:
         if self.metrics_server is not None:
             self.metrics_server.stop()
             self.metrics_server = None
+        self.queries.stop()
         for socket in self.dealers.values():
             socket.close(0)
         self.dealers = {}
@@ -495,6 +516,11 @@ class NodeServer:
             poller.register(self.socket, zmq.POLLIN)
         for socket in self.dealers.values():
             poller.register(socket, zmq.POLLIN)
+        # A query page finished on a runner thread wakes the loop at once.
+        poller.register(self.queries.wakeup_fd, zmq.POLLIN)
+        if self.store.index_builds():
+            # The next step of an online index build is due then: the loop turns by that time.
+            timeout_ms = max(0, min(timeout_ms, self._next_build_ms - monotonic_ms()))
         return dict(poller.poll(timeout_ms))
 
     def receive_frames(
@@ -561,6 +587,92 @@ class NodeServer:
             self.store.connection.execute("BEGIN IMMEDIATE")
             self._in_transaction = True
         self._durable = self._durable or durable
+
+    # -- read-only SQL queries (rlog.query) ---------------------------------------------------
+
+    def query_received(self, message: Message) -> tuple[QueryRequest, CheckedQuery, tuple[str, ...]]:
+        """A ``query``: its fields, the statement checked by SQLite (a prepare), the shards it reads."""
+        try:
+            request = query_request(message.body, self.queries.limits.page_rows_max)
+            catalog = self.store.catalog()
+            checked = self.queries.check(request.sql, request.params, catalog)
+        except QueryError as error:
+            raise RequestError(error.code, str(error)) from None
+        return request, checked, shards_of(checked.tables, catalog)
+
+    def query_wait(
+        self,
+        envelope: list[bytes],
+        message: Message,
+        request: QueryRequest,
+        checked: CheckedQuery,
+        shards: tuple[str, ...],
+        targets: dict[str, Any],
+    ) -> None:
+        """Hold a checked query until each shard reaches its target (``serve_queries`` starts it)."""
+        self.hold(envelope, message.request_id)
+        waiting = WaitingQuery(
+            (envelope, message.request_id),
+            checked,
+            shards,
+            targets,
+            request.page_rows,
+            monotonic_ms() + request.wait_ms,
+        )
+        try:
+            self.waiting_queries.add(waiting)
+        except QueryError as error:
+            raise RequestError(error.code, str(error)) from None
+
+    def query_cursor_request(self, envelope: list[bytes], message: Message) -> None:
+        """``query_page`` (the next page comes through ``serve_queries``) or ``query_close``."""
+        try:
+            cursor, page_rows = page_request(message.body, self.queries.limits.page_rows_max)
+            if message.kind == "query_close":
+                self.reply(envelope, codec.reply(message.request_id, {"closed": self.queries.close(cursor)}))
+                return
+            self.hold(envelope, message.request_id)
+            self.queries.next_page((envelope, message.request_id), cursor, page_rows)
+        except QueryError as error:
+            raise RequestError(error.code, str(error)) from None
+
+    def serve_queries(self, reached: Callable[[str, Any], bool]) -> None:
+        """Once per turn: start the queries whose shards ``reached`` their targets, answer finished
+        pages, and time out waits and idle cursors."""
+        now = monotonic_ms()
+        for waiting in self.waiting_queries.expired(now):
+            envelope, request_id = waiting.payload
+            self.reply(envelope, codec.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
+        for waiting in self.waiting_queries.ready(reached):
+            try:
+                self.queries.start(waiting)
+            except QueryError as error:
+                envelope, request_id = waiting.payload
+                self.reply(envelope, codec.error(request_id, error.code, str(error)))
+        for finished in self.queries.finished():
+            envelope, request_id = finished.payload
+            if finished.behind is not None:
+                # The snapshot missed a key this node applied in a turn not committed then: wait again.
+                try:
+                    self.waiting_queries.add(finished.behind)
+                except QueryError as error:
+                    self.reply(envelope, codec.error(request_id, error.code, str(error)))
+            elif finished.error is not None:
+                self.reply(envelope, codec.error(request_id, finished.error.code, str(finished.error)))
+            else:
+                self.reply(envelope, codec.reply(request_id, finished.result))
+        self.queries.expire(now)
+
+    def build_indexes(self) -> None:
+        """The next step of each online index build (rlog.store), at most every ``INDEX_BUILD_INTERVAL_MS``.
+        A step is local work a restart redoes from its persisted progress: the turn's commit needs no fsync."""
+        now_ms = monotonic_ms()
+        if not self.store.index_builds() or now_ms < self._next_build_ms:
+            return
+        self._next_build_ms = now_ms + INDEX_BUILD_INTERVAL_MS
+        self.begin(durable=False)
+        for table in self.store.index_build_step():
+            log.info("indexes of table %s built", table)
 
     def reply(self, envelope: list[bytes] | None, message: Message) -> None:
         """Queue an answer to the ROUTER peer ``envelope`` (None: nobody to answer)."""

@@ -6,7 +6,9 @@ An *entry* is one committed transaction of one shard. Its ops are results, not
 commands: a ``WriteOp`` carries the full row as it is after the transaction, a
 ``DeleteOp`` the key that no longer exists, a ``CreateTableOp`` the full table
 definition, a ``DropTableOp`` the table (of its shard) that no longer exists, a
-``MembersOp`` the shard's core membership from then on (no table changes).
+``MembersOp`` the shard's core membership from then on (no table changes), a
+``CreateIndexOp``/``DropIndexOp`` a secondary index that exists (or no longer exists)
+from then on, an ``AddColumnOp`` a nullable column the table has from then on.
 Replaying an entry therefore needs no access to earlier state, which is what lets
 a replica heal a dirty-read copy by replay (DESIGN, bootstrap).
 
@@ -103,7 +105,38 @@ class DropTableOp:
     shard: str
 
 
-Op = WriteOp | DeleteOp | CreateTableOp | DropTableOp | MembersOp
+@dataclass(frozen=True)
+class CreateIndexOp:
+    """Secondary index ``index`` of ``table`` (of ``shard``) over ``columns``, in that order, exists."""
+
+    index: str
+    table: str
+    shard: str
+    columns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DropIndexOp:
+    """Secondary index ``index`` of ``table`` (of ``shard``) no longer exists."""
+
+    index: str
+    table: str
+    shard: str
+
+
+@dataclass(frozen=True)
+class AddColumnOp:
+    """``table`` (of ``shard``) has the nullable column ``column`` of ``column_type`` from now on;
+    rows written before hold null there."""
+
+    table: str
+    shard: str
+    column: str
+    column_type: str
+
+
+Op = WriteOp | DeleteOp | CreateTableOp | DropTableOp | MembersOp | CreateIndexOp | DropIndexOp | AddColumnOp
+SCHEMA_OPS = (CreateTableOp, DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)
 
 
 @dataclass(frozen=True)
@@ -132,6 +165,12 @@ def encode_op(op: Op) -> list[Any]:
         return ["m", list(op.members), op.added, op.endpoint]
     if isinstance(op, DropTableOp):
         return ["x", op.table, op.shard]
+    if isinstance(op, CreateIndexOp):
+        return ["i", op.index, op.table, op.shard, list(op.columns)]
+    if isinstance(op, DropIndexOp):
+        return ["j", op.index, op.table, op.shard]
+    if isinstance(op, AddColumnOp):
+        return ["a", op.table, op.shard, op.column, op.column_type]
     raise TypeError(f"not an op: {op!r}")
 
 
@@ -175,6 +214,18 @@ def decode_op(value: Any) -> Op:
         return MembersOp(tuple(value[1]), value[2], value[3])
     if kind == "x" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], str):
         return DropTableOp(value[1], value[2])
+    if (
+        kind == "i"
+        and len(value) == 5
+        and all(isinstance(v, str) for v in value[1:4])
+        and isinstance(value[4], list)
+        and all(isinstance(column, str) for column in value[4])
+    ):
+        return CreateIndexOp(value[1], value[2], value[3], tuple(value[4]))
+    if kind == "j" and len(value) == 4 and all(isinstance(v, str) for v in value[1:]):
+        return DropIndexOp(value[1], value[2], value[3])
+    if kind == "a" and len(value) == 5 and all(isinstance(v, str) for v in value[1:]):
+        return AddColumnOp(value[1], value[2], value[3], value[4])
     raise OpDecodeError(f"malformed op of kind {kind!r}")
 
 
@@ -313,8 +364,9 @@ def entry_size_bytes(entry: Entry) -> int:
         elif isinstance(op, MembersOp):
             size += 16 + len(op.added.encode()) + len(op.endpoint.encode())
             size += sum(len(name.encode()) + 5 for name in op.members)
-        elif isinstance(op, DropTableOp):
-            size += 16 + len(op.table.encode()) + len(op.shard.encode())
+        elif isinstance(op, (DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)):
+            size += 64 + sum(len(part.encode()) + 5 for part in encode_op(op)[1:] if isinstance(part, str))
+            size += sum(len(column.encode()) + 5 for column in getattr(op, "columns", ()))
         else:
             size += 64 + len(op.table.encode()) + len(op.shard.encode())
             size += sum(len(name.encode()) + len(kind.encode()) + 8 for name, kind in op.columns)

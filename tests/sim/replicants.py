@@ -52,7 +52,19 @@ from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import replication as p
 from mnesite.rlog.schema import TableSchema, define_table
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, Entry, Op, TxKey, WriteOp
+from mnesite.rlog.types import (
+    GENESIS_DIGEST,
+    ZERO_KEY,
+    AddColumnOp,
+    CreateIndexOp,
+    DeleteOp,
+    DropIndexOp,
+    DropTableOp,
+    Entry,
+    Op,
+    TxKey,
+    WriteOp,
+)
 
 from tests.sim.cluster import READ_KEYS, SHARD, ClientRequest, SimNode, Simulation
 
@@ -61,6 +73,8 @@ KEY_COLUMN = "k"
 KEYS_PER_TABLE = 12
 # Now and then a transaction is a table drop (the simulated tables are emptied, like a drop and re-create).
 DROP_TABLE_PROBABILITY = 0.03
+# Index and column changes ride the log like table drops (their digests must agree everywhere).
+SCHEMA_CHANGE_PROBABILITY = 0.03
 # A bootstrap batch's byte bound (production: frame_bytes_max / 2): small, so that it cuts batches too.
 BATCH_BYTES_MAX = 200
 CONVERGENCE_MS_MAX = 30_000
@@ -206,6 +220,17 @@ class ReplicantSimulation(Simulation):
         if self.rng.random() < DROP_TABLE_PROBABILITY:
             # A schema change through the log: agents, pushes, spills and replays carry it like rows.
             return (DropTableOp(self.rng.choice(TABLES), SHARD),)
+        if self.rng.random() < SCHEMA_CHANGE_PROBABILITY:
+            table = self.rng.choice(TABLES)
+            return (
+                self.rng.choice(
+                    [
+                        CreateIndexOp(f"{table}_v_idx", table, SHARD, ("v",)),
+                        DropIndexOp(f"{table}_v_idx", table, SHARD),
+                        AddColumnOp(table, SHARD, f"c{number}", "TEXT"),
+                    ]
+                ),
+            )
         ops: list[Op] = []
         for _ in range(self.rng.randint(1, 3)):
             table = self.rng.choice(TABLES)

@@ -1,0 +1,120 @@
+"""``mnesite query``: a thin command over ``Client.query`` (rlog.query runs the statement at the node).
+
+Rows are printed page by page as they arrive: the command holds one page at a time, however many
+rows the statement returns. ``--json`` prints one object ``{"columns", "positions", "rows"}``,
+written row by row (rows are arrays, in column order, since a statement may repeat a column name).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+from mnesite.cli.main import (
+    AFTER,
+    CONSISTENCY,
+    _json_default,
+    client_for,
+    format_table,
+    json_option,
+    node_options,
+    run,
+    run_iterator,
+)
+from mnesite.rlog.client import QUERY_TIMEOUT_MS
+
+PAGE_ROWS_DEFAULT = 1000
+PAGE_ROWS_MAX = 1_000_000  # the node refuses more than its query_page_rows_max (1,000 by default)
+
+
+def parse_param(text: str) -> Any:
+    """A parameter as JSON when it is JSON (``10``, ``2.5``, ``null``, ``"10"``), else the text itself."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if isinstance(value, (list, dict)):
+        raise click.BadParameter(f"{text!r}: a parameter is one value (number, string or null)")
+    return value
+
+
+@click.command("query")
+@click.argument("sql", metavar="SQL")
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="VALUE",
+    help="Bind the next ? of SQL (repeat in order). JSON if it parses (10, 2.5, null, '\"10\"'), else text.",
+)
+@click.option(
+    "--page-rows",
+    type=click.IntRange(1, PAGE_ROWS_MAX),
+    default=PAGE_ROWS_DEFAULT,
+    show_default=True,
+    help="Rows per page fetched from the node (at most its query_page_rows_max).",
+)
+@CONSISTENCY
+@AFTER
+@node_options
+@json_option
+def query(sql, params, page_rows, consistency, after_tx_key, endpoint, timeout_ms, as_json) -> None:
+    """Run one read-only SQL statement (SELECT or WITH) over the user's tables at a core or replicant.
+
+    SQLite itself refuses anything that is not read-only (writes, DDL, ATTACH, PRAGMA, load_extension)
+    and any table that is not in the catalog, before anything runs. The node stops a statement that
+    spends its query_ms_max of SQLite time. Each page waits up to 30 s or --timeout-ms, the longer.
+    """
+    values = [parse_param(text) for text in params]
+    with client_for(endpoint, timeout_ms, retries=0) as client:
+        result = run(
+            lambda: client.query(
+                sql,
+                values,
+                consistency,
+                after_tx_key,
+                page_rows=page_rows,
+                timeout_ms=max(timeout_ms, QUERY_TIMEOUT_MS),
+            )
+        )
+        with result:
+            pages = run_iterator(iter(result.fetch_page, None))
+            if as_json:
+                positions = {shard: list(key) for shard, key in result.positions.items()}
+                head = json.dumps({"columns": result.columns, "positions": positions})
+                click.echo(head[:-1] + ', "rows": [', nl=False)
+                separator = ""
+                for page in pages:
+                    # One write per page: a million rows cost a thousand writes, not a million.
+                    if page:
+                        text = ",\n".join(json.dumps(list(row), default=_json_default) for row in page)
+                        click.echo(separator + text, nl=False)
+                        separator = ",\n"
+                click.echo("]}")
+                return
+            names = display_names(result.columns)
+            header = True
+            for page in pages:
+                # Widths per page, like scan: a streamed table cannot know the widest cell of later pages.
+                text = format_table([dict(zip(names, row, strict=True)) for row in page], names)
+                click.echo(text if header else text.split("\n", 1)[1])
+                header = False
+            if header:
+                click.echo(format_table([], names))
+
+
+def display_names(columns: list[str]) -> list[str]:
+    """Column names made unique for a table (``SELECT a.id, b.id`` shows ``id`` and ``id:2``)."""
+    names: list[str] = []
+    for column in columns:
+        name, number = column, 1
+        while name in names:
+            number += 1
+            name = f"{column}:{number}"
+        names.append(name)
+    return names
+
+
+def register(main: click.Group) -> None:
+    main.add_command(query)

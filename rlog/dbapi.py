@@ -1,0 +1,247 @@
+"""A PEP 249 (DB-API 2.0) read-only connection to a mnesite node, over ``Client.query`` (rlog.query).
+
+    import mnesite.dbapi
+
+    connection = mnesite.dbapi.connect("tcp://127.0.0.1:7400", consistency="linearizable")
+    cursor = connection.cursor()
+    cursor.execute("SELECT name, karma FROM users WHERE karma > ?", (10,))
+    cursor.fetchall()
+
+    import pandas
+    frame = pandas.read_sql("SELECT * FROM users", connection)
+
+Read-only: the node refuses any statement that would write (``NotSupportedError``), so ``commit``
+and ``rollback`` have nothing to do. ``paramstyle`` is ``qmark``. Each ``execute`` runs one
+statement at the node; its rows arrive page by page as they are fetched (one snapshot of the node
+for all of them), so ``fetchmany`` over a large result holds one page at a time. A connection is one
+``Client``: do not share it between threads (``threadsafety`` 1).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from mnesite.rlog.client import QUERY_TIMEOUT_MS, Client, KeyPair, MnesiteError, QueryResult
+from mnesite.rlog.types import TxKey
+
+apilevel = "2.0"
+threadsafety = 1
+paramstyle = "qmark"
+
+
+class Warning(Exception):  # noqa: A001 (the name PEP 249 requires)
+    pass
+
+
+class Error(Exception):
+    """Base of the errors below; ``code`` is the node's error code when it answered one."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class InterfaceError(Error):
+    pass
+
+
+class DatabaseError(Error):
+    pass
+
+
+class DataError(DatabaseError):
+    pass
+
+
+class OperationalError(DatabaseError):
+    pass
+
+
+class IntegrityError(DatabaseError):
+    pass
+
+
+class InternalError(DatabaseError):
+    pass
+
+
+class ProgrammingError(DatabaseError):
+    pass
+
+
+class NotSupportedError(DatabaseError):
+    pass
+
+
+# The node's error codes -> the PEP 249 class a caller catches.
+_ERRORS: dict[str, type[Error]] = {
+    "query_refused": NotSupportedError,
+    "bad_query": ProgrammingError,
+    "bad_request": ProgrammingError,
+    "unknown_table": ProgrammingError,
+    "query_failed": DataError,
+    "query_budget": OperationalError,
+    "overloaded": OperationalError,
+    "timeout": OperationalError,
+    "unavailable": OperationalError,
+    "outcome_unknown": OperationalError,
+    "no_sequencer": OperationalError,
+    "not_ready": OperationalError,
+    "query_cursor_unknown": OperationalError,
+    "forbidden": OperationalError,
+    "unauthenticated": OperationalError,
+}
+
+
+def _translated(error: MnesiteError) -> Error:
+    return _ERRORS.get(error.code, DatabaseError)(str(error), error.code)
+
+
+def connect(
+    endpoint: str | Sequence[str] | None = None,
+    *,
+    consistency: str = "local",
+    after_tx_key: TxKey | Sequence[int] | None = None,
+    timeout_ms: int = QUERY_TIMEOUT_MS,
+    page_rows: int | None = None,
+    key: str | os.PathLike[str] | KeyPair | None = None,
+    server_key: str | os.PathLike[str] | bytes | None = None,
+) -> Connection:
+    """A read-only connection. ``consistency`` (``local``, ``read-your-writes``, ``linearizable``) and
+    ``after_tx_key`` apply to every statement (change them on the connection); ``page_rows``: rows
+    per page fetched (default: the node's ``query_page_rows_max``)."""
+    try:
+        client = Client(endpoint, timeout_ms=timeout_ms, key=key, server_key=server_key)
+    except MnesiteError as error:
+        raise InterfaceError(str(error), error.code) from None
+    return Connection(client, consistency, TxKey(*after_tx_key) if after_tx_key is not None else None, page_rows)
+
+
+class Connection:
+    def __init__(self, client: Client, consistency: str, after_tx_key: TxKey | None, page_rows: int | None) -> None:
+        self.client: Client | None = client
+        self.consistency = consistency
+        self.after_tx_key = after_tx_key
+        self.page_rows = page_rows
+        # PEP 249's optional extension: the exception classes as attributes of the connection.
+        for error in (Warning, Error, InterfaceError, DatabaseError, DataError, OperationalError):
+            setattr(self, error.__name__, error)
+        for error in (IntegrityError, InternalError, ProgrammingError, NotSupportedError):
+            setattr(self, error.__name__, error)
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def commit(self) -> None:
+        """Nothing to commit: the connection only reads."""
+        self._open_client()
+
+    def rollback(self) -> None:
+        """Nothing to roll back: the connection only reads."""
+        self._open_client()
+
+    def cursor(self) -> Cursor:
+        self._open_client()
+        return Cursor(self)
+
+    def _open_client(self) -> Client:
+        if self.client is None:
+            raise InterfaceError("the connection is closed")
+        return self.client
+
+
+class Cursor:
+    arraysize = 1
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.description: tuple[tuple[str, None, None, None, None, None, None], ...] | None = None
+        self.rowcount = -1
+        self._result: QueryResult | None = None
+        self._page: list[tuple[Any, ...]] = []
+        self._closed = False
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        while True:
+            row = self.fetchone()
+            if row is None:
+                return
+            yield row
+
+    def execute(self, operation: str, parameters: Sequence[Any] | None = None) -> Cursor:
+        if self._closed:
+            raise InterfaceError("the cursor is closed")
+        if isinstance(parameters, dict):
+            raise NotSupportedError("paramstyle is qmark: give the parameters as a sequence")
+        client = self.connection._open_client()
+        self._finish()
+        try:
+            self._result = client.query(
+                operation,
+                list(parameters or ()),
+                self.connection.consistency,
+                self.connection.after_tx_key,
+                page_rows=self.connection.page_rows,
+                timeout_ms=client.timeout_ms,
+            )
+        except MnesiteError as error:
+            raise _translated(error) from None
+        self.description = tuple((name, None, None, None, None, None, None) for name in self._result.columns)
+        return self
+
+    def executemany(self, operation: str, seq_of_parameters: Sequence[Sequence[Any]]) -> None:
+        raise NotSupportedError("the connection is read-only: executemany has nothing to do")
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        rows = self._take(1)
+        return rows[0] if rows else None
+
+    def fetchmany(self, size: int | None = None) -> list[tuple[Any, ...]]:
+        return self._take(self.arraysize if size is None else size)
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        return self._take(None)
+
+    def _take(self, count: int | None) -> list[tuple[Any, ...]]:
+        if self._result is None:
+            raise ProgrammingError("no statement was executed")
+        rows: list[tuple[Any, ...]] = []
+        while count is None or len(rows) < count:
+            if not self._page:
+                try:
+                    page = self._result.fetch_page()
+                except MnesiteError as error:
+                    raise _translated(error) from None
+                if page is None:
+                    break
+                self._page = page
+                continue
+            wanted = len(self._page) if count is None else count - len(rows)
+            rows.extend(self._page[:wanted])
+            del self._page[:wanted]
+        return rows
+
+    def _finish(self) -> None:
+        if self._result is not None:
+            self._result.close()
+        self._result, self._page, self.description = None, [], None
+
+    def close(self) -> None:
+        self._finish()
+        self._closed = True
+
+    def setinputsizes(self, sizes: Any) -> None:
+        pass
+
+    def setoutputsize(self, size: Any, column: Any = None) -> None:
+        pass

@@ -1,0 +1,684 @@
+"""Read-only SQL queries over a node's user tables: checking, running and paging (no zmq here).
+
+Theory of operation
+-------------------
+A query is one SQL statement and its bound parameters. SQLite decides what it may do, never a
+parser of ours:
+
+1. **Check** (``check_query``, on the node's loop thread, a prepare only). The statement is
+   prepared on a read-only connection whose authorizer (``ReadOnlyGuard``) allows exactly: SELECT,
+   recursive CTEs, functions other than ``DENIED_FUNCTIONS``, and reading columns of the user's
+   tables (the catalog) and of the ``json_each``/``json_tree`` table functions. Everything else is
+   denied at prepare time: writes, DDL, ATTACH/DETACH, every PRAGMA, transactions, savepoints,
+   ``load_extension``, and reading any other table (mnesite's ``_mnesite_*`` tables, ``sqlite_schema``,
+   ``dbstat``). An exec tracer aborts before the first step and records SQLite's own verdicts:
+   ``is_readonly`` must be true, and the text after the statement must hold no other statement
+   (SQLite prepares what is left; only comments and whitespace may remain). The check also yields
+   the user tables the statement reads, from which the driver knows the shards to wait for.
+2. **Consistency** is the driver's: it waits until each shard the query reads has reached its
+   target key (``WaitingQueries``), then starts the query.
+3. **Run** (``QueryRunner``, on a worker thread: the node's loop never runs SQL of a query). Each
+   query gets its own read-only connection, so each holds its own snapshot: ``BEGIN``, then the
+   positions of its shards are read (the snapshot starts there), then the statement runs again under
+   the same authorizer and exec tracer (a statement that changed between check and run is refused),
+   in that snapshot. If a shard's position in the snapshot is behind its target (the node applied it in
+   a turn it has not committed yet), the run answers ``QueryBehind`` and the driver waits again.
+4. **Pages.** A page ends at ``page_rows`` rows or ``page_bytes_max`` bytes of values. A query with
+   more rows keeps its connection and statement (a *cursor*, named by an unguessable token) for the
+   next page: the node's memory holds one page per cursor, whatever the result's size, and all pages
+   come from one snapshot. At most ``cursors_max`` cursors exist per node; one not asked for its next
+   page within ``idle_ms_max`` is closed.
+5. **Budget.** A progress handler stops a statement once its SQLite time, summed over its pages,
+   reaches ``ms_max`` (``query_budget``). ``SQLITE_LIMIT_LENGTH`` bounds any one value (and any
+   intermediate string such as a ``group_concat``) to ``page_bytes_max``.
+
+Errors carry a code for the wire: ``query_refused`` (not read-only, or not allowed), ``bad_query``
+(SQLite cannot prepare it: syntax, unknown column, wrong number of parameters), ``query_budget``,
+``query_failed`` (a run-time SQLite error), ``query_cursor_unknown`` (expired, closed or never existed),
+``overloaded`` (``cursors_max`` reached).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import apsw
+from mnesite.rlog.messages import QUERY_PARAMS_MAX as PARAMS_MAX
+from mnesite.rlog.messages import QUERY_SQL_CHARS_MAX as SQL_CHARS_MAX
+from mnesite.rlog.types import TxKey, tx_key_from_wire
+
+CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
+CURSOR_TOKEN_CHARS = 32
+# A progress handler call every this many SQLite VM steps: often enough to stop a runaway statement
+# within a millisecond, rarely enough to cost nothing measurable.
+PROGRESS_STEPS = 10_000
+# Worker threads running queries (SQLite releases the GIL while it steps): two runaway statements
+# delay other queries, never the node's loop.
+QUERY_THREADS = 2
+WAITING_QUERIES_MAX = 10_000
+# Table-valued functions whose "columns" a query may read (pure functions of their arguments).
+ALLOWED_TABLE_FUNCTIONS = frozenset({"json_each", "json_tree"})
+DENIED_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer", "sqlite_offset"})
+
+_ALLOWED_ACTIONS = frozenset({apsw.SQLITE_SELECT, apsw.SQLITE_RECURSIVE})
+
+
+class QueryError(Exception):
+    """A query was refused or stopped; ``code`` is the error code answered on the wire."""
+
+    code = "query_failed"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class QueryRefused(QueryError):
+    code = "query_refused"
+
+
+class BadQuery(QueryError):
+    code = "bad_query"
+
+
+class QueryBudgetExceeded(QueryError):
+    code = "query_budget"
+
+
+class CursorUnknown(QueryError):
+    code = "query_cursor_unknown"
+
+
+class QueryOverloaded(QueryError):
+    code = "overloaded"
+
+
+@dataclass(frozen=True)
+class QueryLimits:
+    ms_max: int = 10_000
+    page_rows_max: int = 1000
+    page_bytes_max: int = 1024 * 1024
+    cursors_max: int = 16
+    idle_ms_max: int = 30_000
+
+    @classmethod
+    def from_config(cls, limits: Any) -> QueryLimits:
+        """From ``[limits]``: a page's values stay within a quarter of a frame, whatever is configured."""
+        return cls(
+            ms_max=limits.query_ms_max,
+            page_rows_max=limits.query_page_rows_max,
+            page_bytes_max=max(1, min(limits.query_page_bytes_max, limits.frame_bytes_max // 4)),
+            cursors_max=limits.query_cursors_max,
+            idle_ms_max=limits.query_idle_ms_max,
+        )
+
+
+@dataclass(frozen=True)
+class CheckedQuery:
+    """A statement SQLite found read-only and allowed, and the user tables it reads."""
+
+    statement: str
+    params: tuple[Any, ...]
+    tables: frozenset[str]
+
+
+class ReadOnlyGuard:
+    """The authorizer: allow-list of actions, the user's tables by name; the first denial is kept."""
+
+    def __init__(self, user_tables: Iterable[str], stored: frozenset[str]) -> None:
+        self.user_tables = frozenset(user_tables)
+        self.stored = stored
+        self.tables_read: set[str] = set()
+        self.denied: str | None = None
+
+    def __call__(self, action: int, third: str | None, fourth: str | None, database: str | None, _via: Any) -> int:
+        reason = self._reason(action, third, fourth, database)
+        if reason is None:
+            return apsw.SQLITE_OK
+        if self.denied is None:
+            self.denied = reason
+        return apsw.SQLITE_DENY
+
+    def _reason(self, action: int, third: str | None, fourth: str | None, database: str | None) -> str | None:
+        if action in _ALLOWED_ACTIONS:
+            return None
+        if action == apsw.SQLITE_FUNCTION:
+            name = (fourth or "").lower()
+            return f"the function {name} is not allowed in a query" if name in DENIED_FUNCTIONS else None
+        if action == apsw.SQLITE_READ:
+            table = third or ""
+            if database not in (None, "main"):
+                return f"reading database {database!r} is not allowed in a query"
+            if table in self.user_tables:
+                self.tables_read.add(table)
+                return None
+            if table in ALLOWED_TABLE_FUNCTIONS:
+                return None
+            if table.lower() in self.stored or table.lower().startswith(("pragma_", "sqlite_", "_mnesite")):
+                return f"{table!r} is not a user table (only the catalog's tables may be queried)"
+            # Neither stored nor a module: the name of a CTE or subquery of the statement itself.
+            return None
+        name = apsw.mapping_authorizer_function.get(action, str(action)).removeprefix("SQLITE_")
+        return f"{name} is not allowed in a query (queries are read-only)"
+
+
+def stored_names(connection: apsw.Connection) -> frozenset[str]:
+    """Lower-cased names SQLite could resolve to stored data: every table, view and index of the
+    schema, and every virtual table module (eponymous ones such as ``dbstat`` are read by name)."""
+    names = {row[0].lower() for row in connection.execute("SELECT name FROM sqlite_schema")}
+    names.update(row[0].lower() for row in connection.execute("PRAGMA module_list"))
+    names.update(("sqlite_schema", "sqlite_master", "sqlite_temp_schema", "sqlite_temp_master"))
+    return frozenset(names)
+
+
+def open_connection(path: str, value_bytes_max: int) -> apsw.Connection:
+    """A read-only connection to the node's database for queries: no extension loading, no
+    statement cache (every prepare meets the authorizer), bounded values, no attached databases."""
+    connection = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY, statementcachesize=0)
+    connection.set_busy_timeout(1000)
+    connection.limit(apsw.SQLITE_LIMIT_LENGTH, value_bytes_max)
+    connection.limit(apsw.SQLITE_LIMIT_SQL_LENGTH, SQL_CHARS_MAX * 4)
+    connection.limit(apsw.SQLITE_LIMIT_ATTACHED, 0)
+    connection.limit(apsw.SQLITE_LIMIT_VARIABLE_NUMBER, PARAMS_MAX)
+    connection.config(apsw.SQLITE_DBCONFIG_DEFENSIVE, 1)
+    connection.config(apsw.SQLITE_DBCONFIG_TRUSTED_SCHEMA, 0)
+    return connection
+
+
+def check_query(
+    connection: apsw.Connection, user_tables: Iterable[str], sql: str, params: tuple[Any, ...]
+) -> CheckedQuery:
+    """Prepare ``sql`` (nothing runs) and return it checked; raise ``QueryRefused`` or ``BadQuery``."""
+    if len(sql) > SQL_CHARS_MAX:
+        raise BadQuery(f"the query is {len(sql)} characters; at most {SQL_CHARS_MAX}")
+    if len(params) > PARAMS_MAX:
+        raise BadQuery(f"{len(params)} parameters; at most {PARAMS_MAX}")
+    connection.authorizer = None
+    guard = ReadOnlyGuard(user_tables, stored_names(connection))
+    connection.authorizer = guard
+    try:
+        statements = _prepared_statements(connection, sql, params, guard)
+    finally:
+        connection.authorizer = None
+    with_code = [(text, readonly) for text, readonly, has_code in statements if has_code]
+    if not with_code:
+        raise BadQuery("the query holds no statement")
+    if len(with_code) > 1:
+        raise QueryRefused("a query is one statement; this one holds more")
+    statement, readonly = with_code[0]
+    if not readonly:
+        raise QueryRefused("the statement is not read-only (SQLite says it may write)")
+    return CheckedQuery(statement, params, frozenset(guard.tables_read))
+
+
+def _prepared_statements(
+    connection: apsw.Connection, sql: str, params: tuple[Any, ...], guard: ReadOnlyGuard
+) -> list[tuple[str, bool, bool]]:
+    """(text, read-only, has code) of each statement of ``sql``, by preparing each (none runs).
+
+    The exec tracer sees each statement before its first step and aborts it; SQLite then prepares
+    the text that follows (apsw's multi-statement execution), which is how a second statement is
+    found without parsing anything ourselves.
+    """
+    found: list[tuple[str, bool, bool]] = []
+
+    def tracer(cursor: apsw.Cursor, text: str, _bindings: Any) -> bool:
+        found.append((text, cursor.is_readonly, cursor.has_vdbe))
+        return False
+
+    cursor = connection.cursor()
+    cursor.exec_trace = tracer
+    remaining, bindings = sql, params
+    # Each round consumes one statement's text (at least one character), so the rounds are bounded.
+    while remaining and sum(has_code for _, _, has_code in found) < 2:
+        before = len(found)
+        try:
+            cursor.execute(remaining, bindings)
+        except apsw.ExecTraceAbort:
+            pass
+        except apsw.Error as error:
+            if guard.denied is not None:
+                raise QueryRefused(guard.denied) from None
+            if found:
+                raise QueryRefused("a query is one statement; this one holds more") from None
+            if isinstance(error, apsw.BindingsError):
+                raise BadQuery(f"parameters: {error}") from None
+            raise BadQuery(_sqlite_message(error)) from None
+        if len(found) == before or not found[-1][0]:
+            break  # nothing left that SQLite would prepare
+        remaining = remaining[len(found[-1][0]) :]
+        bindings = None  # a further statement with parameters fails to bind: refused above
+    cursor.close()
+    return found
+
+
+def _sqlite_message(error: BaseException) -> str:
+    text = str(error)
+    # apsw prefixes "SQLError: "; the SQLite message is what the user needs.
+    return text.split(": ", 1)[1] if ": " in text and text.split(": ", 1)[0].endswith("Error") else text
+
+
+def _value_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value) if value.isascii() else 4 * len(value)
+    if isinstance(value, bytes):
+        return len(value)
+    return 9
+
+
+# -- waiting for consistency ---------------------------------------------------------------------
+
+
+@dataclass
+class WaitingQuery:
+    """A checked query held until each shard it reads has applied its target key."""
+
+    payload: Any
+    query: CheckedQuery
+    shards: tuple[str, ...]
+    targets: dict[str, TxKey]
+    page_rows: int
+    deadline_ms: int
+
+    def describe(self) -> str:
+        return ", ".join(f"shard {shard} did not reach {key}" for shard, key in sorted(self.targets.items()))
+
+
+class WaitingQueries:
+    """Queries waiting for their shards (pure: the driver says which shard reached which key)."""
+
+    def __init__(self, waiting_max: int = WAITING_QUERIES_MAX) -> None:
+        self.waiting_max = waiting_max
+        self._waiting: list[WaitingQuery] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, waiting: WaitingQuery) -> None:
+        if len(self._waiting) >= self.waiting_max:
+            raise QueryOverloaded(f"{self.waiting_max} queries are waiting for their shards; retry later")
+        self._waiting.append(waiting)
+
+    def ready(self, reached: Callable[[str, TxKey], bool]) -> list[WaitingQuery]:
+        ready = [w for w in self._waiting if all(reached(shard, key) for shard, key in w.targets.items())]
+        for waiting in ready:
+            self._waiting.remove(waiting)
+        return ready
+
+    def expired(self, now_ms: int) -> list[WaitingQuery]:
+        late = [w for w in self._waiting if w.deadline_ms <= now_ms]
+        for waiting in late:
+            self._waiting.remove(waiting)
+        return late
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+class QueryBehind(Exception):
+    """The run's snapshot has not reached a target yet (the node has not committed its turn)."""
+
+
+@dataclass
+class Finished:
+    """A job's outcome for the driver: a page (``result``), or an error, or ``behind``."""
+
+    payload: Any
+    result: dict[str, Any] | None = None
+    error: QueryError | None = None
+    behind: WaitingQuery | None = None
+
+
+@dataclass
+class _Cursor:
+    token: str
+    waiting: WaitingQuery  # the query, its shards and targets (given back to wait again if behind)
+    last_used_ms: int
+    payload: Any = None
+    page_rows: int = 0
+    busy: bool = False
+    closed: bool = False
+    spent_ms: float = 0.0
+    deadline_s: float = 0.0
+    connection: apsw.Connection | None = None
+    cursor: apsw.Cursor | None = None
+    columns: list[str] = field(default_factory=list)
+    positions: dict[str, list[int]] = field(default_factory=dict)
+
+
+class QueryRunner:
+    """Runs checked queries on worker threads; the driver's loop submits and collects (``finished``).
+
+    Thread rules: ``_cursors`` and ``_done`` are shared and guarded by ``_lock``; a cursor's SQLite
+    objects are used by one thread at a time (``busy`` is set by the loop before a job is queued and
+    cleared by the worker when it is done). The worker writes a byte to ``wakeup_fd`` when a job is
+    done, so a driver polling that descriptor wakes at once.
+    """
+
+    def __init__(
+        self, path: str, limits: QueryLimits, clock_ms: Callable[[], int], threads: int = QUERY_THREADS
+    ) -> None:
+        self.path = path
+        self.limits = limits
+        self.clock_ms = clock_ms
+        self.threads_max = threads
+        self._threads: list[threading.Thread] = []
+        self._jobs: queue.Queue[_Cursor | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._cursors: dict[str, _Cursor] = {}
+        self._done: collections.deque[Finished] = collections.deque()
+        self._checker: apsw.Connection | None = None
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self.queries = 0
+        self.pages = 0
+        self.refused = 0
+        self.budget_stops = 0
+        self.expired = 0
+
+    @property
+    def wakeup_fd(self) -> int:
+        return self._wake_read
+
+    def check(self, sql: str, params: tuple[Any, ...], user_tables: Iterable[str]) -> CheckedQuery:
+        """Check on the caller's thread (a prepare; nothing runs)."""
+        if self._checker is None:
+            self._checker = open_connection(self.path, self.limits.page_bytes_max)
+        try:
+            return check_query(self._checker, user_tables, sql, params)
+        except QueryRefused:
+            self.refused += 1
+            raise
+
+    def open_cursors(self) -> int:
+        with self._lock:
+            return len(self._cursors)
+
+    def start(self, waiting: WaitingQuery) -> None:
+        """Run a query whose shards reached their targets; its first page arrives through ``finished``."""
+        with self._lock:
+            if len(self._cursors) >= self.limits.cursors_max:
+                raise QueryOverloaded(
+                    f"{len(self._cursors)} queries are open on this node (query_cursors_max "
+                    f"{self.limits.cursors_max}); read them to the end or retry later"
+                )
+            token = secrets.token_hex(CURSOR_TOKEN_CHARS // 2)
+            cursor = _Cursor(
+                token,
+                waiting,
+                self.clock_ms(),
+                payload=waiting.payload,
+                page_rows=waiting.page_rows,
+                busy=True,
+            )
+            self._cursors[token] = cursor
+        self.queries += 1
+        self._submit(cursor)
+
+    def next_page(self, payload: Any, token: str, page_rows: int) -> None:
+        with self._lock:
+            cursor = self._cursors.get(token)
+            if cursor is None or cursor.closed:
+                raise CursorUnknown(
+                    "no such query cursor here (it finished, expired, was closed, or is on another node)"
+                )
+            if cursor.busy:
+                raise QueryError("this cursor is already fetching a page", "query_cursor_busy")
+            cursor.busy = True
+            cursor.payload = payload
+            cursor.page_rows = page_rows
+            cursor.last_used_ms = self.clock_ms()
+        self._submit(cursor)
+
+    def close(self, token: str) -> bool:
+        """Close a cursor (the client stopped reading). False if there is none by that token."""
+        with self._lock:
+            cursor = self._cursors.get(token)
+            if cursor is None:
+                return False
+            cursor.closed = True
+            if cursor.busy:
+                return True  # the worker closes it when its page is done
+            del self._cursors[token]
+        _close_sqlite(cursor)
+        return True
+
+    def expire(self, now_ms: int) -> None:
+        """Close cursors not asked for a page within ``idle_ms_max``."""
+        late = []
+        with self._lock:
+            for token, cursor in list(self._cursors.items()):
+                if not cursor.busy and now_ms - cursor.last_used_ms >= self.limits.idle_ms_max:
+                    late.append(self._cursors.pop(token))
+        for cursor in late:
+            self.expired += 1
+            _close_sqlite(cursor)
+
+    def finished(self) -> list[Finished]:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            done = list(self._done)
+            self._done.clear()
+        return done
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "open": self.open_cursors(),
+            "queries": self.queries,
+            "pages": self.pages,
+            "refused": self.refused,
+            "budget_stops": self.budget_stops,
+            "expired": self.expired,
+        }
+
+    def stop(self) -> None:
+        """Stop the workers; a statement still running is interrupted (the node is shutting down)."""
+        with self._lock:
+            running = [cursor.connection for cursor in self._cursors.values() if cursor.busy and cursor.connection]
+        for connection in running:
+            with contextlib.suppress(apsw.Error):  # it may have finished and closed meanwhile
+                connection.interrupt()  # SQLite allows it from any thread
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=self.limits.ms_max / 1000 + 1)
+        with self._lock:
+            cursors = list(self._cursors.values())
+            self._cursors.clear()
+        for cursor in cursors:
+            if not cursor.busy:
+                _close_sqlite(cursor)
+        if self._checker is not None:
+            self._checker.close(True)
+            self._checker = None
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def _submit(self, cursor: _Cursor) -> None:
+        if len(self._threads) < self.threads_max:
+            thread = threading.Thread(target=self._work, name=f"mnesite-query-{len(self._threads)}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._jobs.put(cursor)
+
+    def _work(self) -> None:
+        while True:
+            cursor = self._jobs.get()
+            if cursor is None:
+                return
+            finished = self._page(cursor)
+            with self._lock:
+                cursor.busy = False
+                keep = finished.result is not None and finished.result.get("cursor") and not cursor.closed
+                if not keep:
+                    self._cursors.pop(cursor.token, None)
+                self._done.append(finished)
+            if not keep:
+                _close_sqlite(cursor)
+            # A full pipe means the loop has a wake-up pending already; a closed one, that the node stops.
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_write, b"x")
+
+    def _page(self, cursor: _Cursor) -> Finished:
+        started_s = time.monotonic()
+        cursor.deadline_s = started_s + max(0.0, self.limits.ms_max - cursor.spent_ms) / 1000
+        try:
+            if cursor.connection is None:
+                self._open(cursor)
+            rows = self._rows(cursor)
+        except QueryBehind:
+            return Finished(cursor.payload, behind=cursor.waiting)
+        except QueryError as error:
+            if isinstance(error, QueryRefused):
+                self.refused += 1
+            return Finished(cursor.payload, error=error)
+        finally:
+            cursor.spent_ms += (time.monotonic() - started_s) * 1000
+        self.pages += 1
+        more = cursor.cursor is not None
+        return Finished(
+            cursor.payload,
+            result={
+                "columns": cursor.columns,
+                "rows": rows,
+                "cursor": cursor.token if more else None,
+                "positions": cursor.positions,
+            },
+        )
+
+    def _open(self, cursor: _Cursor) -> None:
+        query = cursor.waiting.query
+        try:
+            connection = open_connection(self.path, self.limits.page_bytes_max)
+        except apsw.Error as error:
+            raise QueryError(f"cannot open the database for a query: {error}") from None
+        cursor.connection = connection
+        # The snapshot: it starts at the first read below and lasts until the cursor closes.
+        connection.execute("BEGIN")
+        positions = {}
+        for shard in cursor.waiting.shards:
+            row = connection.execute(
+                "SELECT applied_generation, applied_counter FROM _mnesite_shards WHERE shard = ?", (shard,)
+            ).fetchone()
+            positions[shard] = TxKey(row[0], row[1]) if row else TxKey(0, 0)
+        for shard, target in cursor.waiting.targets.items():
+            if positions.get(shard, TxKey(0, 0)) < target:
+                raise QueryBehind()
+        cursor.positions = {shard: list(key) for shard, key in positions.items()}
+        guard = ReadOnlyGuard(query.tables, stored_names(connection))
+        connection.authorizer = guard
+
+        def over_budget() -> bool:
+            return time.monotonic() >= cursor.deadline_s
+
+        connection.set_progress_handler(over_budget, PROGRESS_STEPS)
+
+        def tracer(statement: apsw.Cursor, text: str, _bindings: Any) -> bool:
+            if text != query.statement or not statement.is_readonly:
+                return False
+            cursor.columns = [column[0] for column in statement.get_description()]
+            return True
+
+        sqlite_cursor = connection.cursor()
+        sqlite_cursor.exec_trace = tracer
+        cursor.cursor = sqlite_cursor
+        try:
+            sqlite_cursor.execute(query.statement, query.params)
+        except apsw.ExecTraceAbort:
+            raise QueryRefused("the statement changed between its check and its run; send it again") from None
+        except apsw.Error as error:
+            if guard.denied is not None:
+                raise QueryRefused(guard.denied) from None
+            raise self._run_error(error) from None
+
+    def _rows(self, cursor: _Cursor) -> list[list[Any]]:
+        rows: list[list[Any]] = []
+        size = 0
+        bytes_max = self.limits.page_bytes_max
+        sqlite_cursor = cursor.cursor
+        if sqlite_cursor is None:
+            return rows
+        try:
+            while len(rows) < cursor.page_rows and size < bytes_max:
+                row = next(sqlite_cursor)
+                rows.append(list(row))
+                size += 2 + sum(map(_value_bytes, row))
+        except StopIteration:
+            cursor.cursor = None
+        except apsw.Error as error:
+            cursor.cursor = None
+            raise self._run_error(error) from None
+        return rows
+
+    def _run_error(self, error: BaseException) -> QueryError:
+        if isinstance(error, apsw.InterruptError):
+            self.budget_stops += 1
+            return QueryBudgetExceeded(
+                f"the query was stopped after {self.limits.ms_max} ms of SQLite time (query_ms_max)"
+            )
+        return QueryError(f"the query failed: {_sqlite_message(error)}")
+
+
+def _close_sqlite(cursor: _Cursor) -> None:
+    connection, cursor.connection, cursor.cursor = cursor.connection, None, None
+    if connection is not None:
+        connection.close(True)
+
+
+def shards_of(tables: Iterable[str], catalog: Mapping[str, Any]) -> tuple[str, ...]:
+    """The shards of the user tables a query reads (sorted, without repeats)."""
+    return tuple(sorted({catalog[name].shard for name in tables if name in catalog}))
+
+
+# -- requests: the one place a query request's fields are read ------------------------------------
+
+QUERY_WAIT_MS_DEFAULT = 10_000  # how long a query waits for its shards when the request says nothing
+
+
+@dataclass(frozen=True)
+class QueryRequest:
+    sql: str
+    params: tuple[Any, ...]
+    page_rows: int
+    consistency: str
+    min_key: TxKey | None
+    wait_ms: int
+
+
+def query_request(fields: Any, page_rows_max: int) -> QueryRequest:
+    """A ``query`` message's fields (``rlog.messages`` checked their shapes), with the node's bounds."""
+    page_rows = fields.page_rows if fields.page_rows is not None else page_rows_max
+    if not 0 < page_rows <= page_rows_max:
+        raise QueryError(f"page_rows must be 1..{page_rows_max} (query_page_rows_max)", "bad_request")
+    consistency = fields.consistency or "local"
+    if consistency not in CONSISTENCY_LEVELS:
+        raise QueryError(f"consistency must be one of {', '.join(CONSISTENCY_LEVELS)}", "bad_request")
+    min_key = tx_key_from_wire(fields.min_key) if fields.min_key is not None else None
+    wait_ms = QUERY_WAIT_MS_DEFAULT if fields.wait_ms is None else min(fields.wait_ms, QUERY_WAIT_MS_DEFAULT)
+    return QueryRequest(fields.sql, tuple(fields.params or ()), page_rows, consistency, min_key, wait_ms)
+
+
+def page_request(fields: Any, page_rows_max: int) -> tuple[str, int]:
+    """A ``query_page`` (or ``query_close``: no page_rows) message's cursor and page size."""
+    page_rows = getattr(fields, "page_rows", None)
+    page_rows = page_rows if page_rows is not None else page_rows_max
+    if not 0 < page_rows <= page_rows_max:
+        raise QueryError(f"page_rows must be 1..{page_rows_max} (query_page_rows_max)", "bad_request")
+    return fields.cursor, page_rows

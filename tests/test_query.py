@@ -1,0 +1,489 @@
+"""Read-only SQL queries (rlog.query): what SQLite refuses, pages, snapshots, the budget; then through a
+node (Client.query, the DB-API connection, pandas.read_sql, ``mnesite query``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from pathlib import Path
+
+import apsw
+import pytest
+from click.testing import CliRunner
+from mnesite.cli.main import main
+from mnesite.rlog import query as q
+from mnesite.rlog.client import RemoteError
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import TxKey
+
+from tests.conftest import ThreadNode
+
+pytestmark = pytest.mark.timeout(60)
+
+RUNAWAY_CTE = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT count(*) FROM r"
+
+# Each refused by SQLite (authorizer or read-only verdict), with the words the one-line error holds.
+HOSTILE = [
+    ("INSERT INTO users VALUES (100, 'eve', 1)", "INSERT is not allowed"),
+    ("UPDATE users SET karma = 0", "UPDATE is not allowed"),
+    ("DELETE FROM users", "DELETE is not allowed"),
+    ("DROP TABLE users", "not allowed"),
+    ("CREATE TABLE evil(a)", "not allowed"),
+    ("CREATE TEMP TABLE evil(a)", "not allowed"),
+    ("CREATE INDEX evil ON users(name)", "not allowed"),
+    ("ALTER TABLE users ADD COLUMN evil", "not allowed"),
+    ("ATTACH DATABASE '/tmp/evil.db' AS evil", "ATTACH is not allowed"),
+    ("PRAGMA writable_schema=1", "PRAGMA is not allowed"),
+    ("PRAGMA journal_mode=DELETE", "PRAGMA is not allowed"),
+    ("SELECT load_extension('/tmp/evil.so')", "load_extension is not allowed"),
+    ("SELECT * FROM _mnesite_rlog", "'_mnesite_rlog' is not a user table"),
+    ("SELECT * FROM _mnesite_shards", "'_mnesite_shards' is not a user table"),
+    ("SELECT u.name FROM users u JOIN _mnesite_tables t ON t.name = u.name", "'_mnesite_tables' is not a user"),
+    ("SELECT * FROM sqlite_schema", "'sqlite_master' is not a user table"),
+    ("SELECT * FROM dbstat", "'dbstat' is not a user table"),
+    ("SELECT * FROM pragma_table_info('_mnesite_rlog')", "'pragma_table_info' is not a user table"),
+    ("SELECT 1; SELECT 2", "holds more"),
+    ("SELECT 1; DELETE FROM users", "not allowed"),
+    ("SELECT * FROM users; -- fine\nUPDATE users SET karma = 0", "not allowed"),
+    ("BEGIN", "TRANSACTION is not allowed"),
+    ("SAVEPOINT x", "not allowed"),
+    ("VACUUM", "not read-only"),
+    ("REINDEX", "not allowed"),
+    ("ANALYZE", "not allowed"),
+]
+
+
+def _database(path: Path, rows: int = 100) -> Store:
+    store = Store(str(path))
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+        store.connection.execute("CREATE TABLE users(id INTEGER PRIMARY KEY, name TEXT, karma INTEGER) STRICT")
+        store.connection.executemany(
+            "INSERT INTO users VALUES (?, ?, ?)", [(i, f"user{i}", i % 20) for i in range(rows)]
+        )
+    return store
+
+
+def _file_digest(path: Path) -> str:
+    """The database's contents as SQLite sees them (every table, the internal ones too)."""
+    connection = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    text = []
+    for (name,) in connection.execute("SELECT name FROM sqlite_schema WHERE type = 'table' ORDER BY name"):
+        text.append(name + repr(list(connection.execute(f'SELECT * FROM "{name}" ORDER BY 1'))))
+    text.append(repr(list(connection.execute("SELECT type, name, sql FROM sqlite_schema ORDER BY name"))))
+    connection.close()
+    return hashlib.sha256("\n".join(text).encode()).hexdigest()
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    store = _database(tmp_path / "node.db")
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def runner(store: Store):
+    runner = q.QueryRunner(
+        store.path, q.QueryLimits(ms_max=500, page_rows_max=1000), lambda: int(time.monotonic() * 1000)
+    )
+    yield runner
+    runner.stop()
+
+
+def _finished(runner: q.QueryRunner, timeout_s: float = 10) -> q.Finished:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = runner.finished()
+        if done:
+            assert len(done) == 1
+            return done[0]
+        time.sleep(0.002)
+    raise AssertionError("no page finished in time")
+
+
+def _start(runner: q.QueryRunner, sql: str, params=(), targets=None, page_rows: int = 1000) -> q.Finished:
+    checked = runner.check(sql, tuple(params), ["users"])
+    runner.start(q.WaitingQuery("client", checked, ("default",), targets or {}, page_rows, 0))
+    return _finished(runner)
+
+
+def _all_rows(runner: q.QueryRunner, sql: str, params=(), page_rows: int = 1000) -> tuple[list, int]:
+    finished = _start(runner, sql, params, page_rows=page_rows)
+    assert finished.error is None, finished.error
+    rows, pages = list(finished.result["rows"]), 1
+    while finished.result["cursor"] is not None:
+        runner.next_page("client", finished.result["cursor"], page_rows)
+        finished = _finished(runner)
+        assert finished.error is None, finished.error
+        rows += finished.result["rows"]
+        pages += 1
+    return rows, pages
+
+
+# -- what SQLite refuses ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sql", "words"), HOSTILE)
+def test_hostile_sql_is_refused_by_sqlite_at_prepare_and_changes_nothing(store: Store, sql: str, words: str) -> None:
+    before = _file_digest(Path(store.path))
+    connection = q.open_connection(store.path, 1 << 20)
+    with pytest.raises(q.QueryRefused) as refused:
+        q.check_query(connection, ["users"], sql, ())
+    connection.close()
+    assert refused.value.code == "query_refused"
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+    assert _file_digest(Path(store.path)) == before
+
+
+def test_the_run_enforces_the_same_rules_as_the_check(store: Store, runner: q.QueryRunner) -> None:
+    """A statement that got past a check (here: built by hand) is refused again by the run's authorizer."""
+    before = _file_digest(Path(store.path))
+    forged = q.CheckedQuery("SELECT * FROM _mnesite_rlog", (), frozenset())
+    runner.start(q.WaitingQuery("client", forged, (), {}, 10, 0))
+    finished = _finished(runner)
+    assert finished.error is not None and finished.error.code == "query_refused"
+    forged = q.CheckedQuery("DELETE FROM users", (), frozenset({"users"}))
+    runner.start(q.WaitingQuery("client", forged, (), {}, 10, 0))
+    finished = _finished(runner)
+    assert finished.error is not None and finished.error.code == "query_refused"
+    assert _file_digest(Path(store.path)) == before
+
+
+@pytest.mark.parametrize(
+    ("sql", "params", "words"),
+    [
+        ("SELEC 1", (), "syntax error"),
+        ("SELECT nope FROM users", (), "no such column"),
+        ("SELECT * FROM nope", (), "no such table"),
+        ("SELECT ?", (), "uses 1 and there are 0 supplied"),
+        ("SELECT ?", (1, 2), "uses 1 and there are 2 supplied"),
+        ("   -- nothing", (), "holds no statement"),
+    ],
+)
+def test_sql_sqlite_cannot_prepare_is_a_bad_query(store: Store, sql: str, params: tuple, words: str) -> None:
+    connection = q.open_connection(store.path, 1 << 20)
+    with pytest.raises(q.BadQuery) as bad:
+        q.check_query(connection, ["users"], sql, params)
+    connection.close()
+    assert bad.value.code == "bad_query" and words in str(bad.value)
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT * FROM users WHERE karma > ?",
+        "SELECT karma, count(*), sum(id), group_concat(name) FROM users GROUP BY karma ORDER BY karma",
+        "WITH top AS (SELECT * FROM users WHERE karma > 15) SELECT a.name, b.name FROM top a JOIN users b "
+        "ON b.karma = a.karma - 10 ORDER BY a.id, b.id",
+        "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r WHERE n < 50) SELECT count(*) FROM r",
+        "SELECT value FROM json_each('[1, 2, 3]')",
+        "SELECT 1; -- a trailing comment is not a statement",
+    ],
+)
+def test_read_only_statements_return_what_sqlite_returns(store: Store, runner: q.QueryRunner, sql: str) -> None:
+    params = (10,) if "?" in sql else ()
+    expected = [list(row) for row in store.connection.execute(sql.split(";")[0], params)]
+    rows, _ = _all_rows(runner, sql, params, page_rows=7)
+    assert rows == expected and rows
+
+
+def test_the_tables_a_query_reads_are_known_for_consistency(store: Store) -> None:
+    connection = q.open_connection(store.path, 1 << 20)
+    checked = q.check_query(connection, ["users", "other"], "SELECT count(*) FROM users u JOIN users v USING (id)", ())
+    assert checked.tables == frozenset({"users"})
+    assert q.check_query(connection, ["users"], "SELECT 1", ()).tables == frozenset()
+    connection.close()
+
+
+# -- pages, snapshots, cursors, budget ----------------------------------------------------------
+
+
+def test_pages_are_bounded_by_rows_and_by_bytes(tmp_path: Path) -> None:
+    store = _database(tmp_path / "big.db", rows=0)
+    with store.write_transaction():
+        store.connection.executemany("INSERT INTO users VALUES (?, ?, 0)", [(i, "x" * 10_000) for i in range(100)])
+    limits = q.QueryLimits(ms_max=5000, page_rows_max=1000, page_bytes_max=50_000)
+    runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
+    try:
+        rows, pages = _all_rows(runner, "SELECT * FROM users ORDER BY id", page_rows=1000)
+        assert [row[0] for row in rows] == list(range(100))
+        assert pages >= 100 * 10_000 // 60_000  # about 5 rows per page, not one page of 100
+        rows, pages = _all_rows(runner, "SELECT id FROM users ORDER BY id", page_rows=30)
+        assert len(rows) == 100 and pages == 4
+        # No single value may exceed page_bytes_max (SQLITE_LIMIT_LENGTH): bounded memory per value.
+        finished = _start(runner, "SELECT zeroblob(1000000)")
+        assert finished.error is not None and "too big" in str(finished.error)
+    finally:
+        runner.stop()
+        store.close()
+
+
+def test_all_pages_come_from_one_snapshot(store: Store, runner: q.QueryRunner) -> None:
+    first = _start(runner, "SELECT id FROM users ORDER BY id", page_rows=10)
+    assert first.result["cursor"] is not None
+    with store.write_transaction():
+        store.connection.execute("DELETE FROM users")
+        store.connection.execute("UPDATE _mnesite_shards SET applied_counter = 99")
+    rows = list(first.result["rows"])
+    cursor = first.result["cursor"]
+    while cursor is not None:
+        runner.next_page("client", cursor, 10)
+        finished = _finished(runner)
+        rows += finished.result["rows"]
+        cursor = finished.result["cursor"]
+    assert [row[0] for row in rows] == list(range(100))
+    assert first.result["positions"] == {"default": [0, 0]}
+    assert _start(runner, "SELECT count(*) FROM users").result == {
+        "columns": ["count(*)"],
+        "rows": [[0]],
+        "cursor": None,
+        "positions": {"default": [0, 99]},
+    }
+
+
+def test_a_snapshot_behind_its_target_waits_instead_of_answering(store: Store, runner: q.QueryRunner) -> None:
+    finished = _start(runner, "SELECT count(*) FROM users", targets={"default": TxKey(1, 5)})
+    assert finished.behind is not None and finished.result is None and finished.error is None
+    assert runner.open_cursors() == 0
+    with store.write_transaction():
+        store.connection.execute("UPDATE _mnesite_shards SET applied_generation = 1, applied_counter = 5")
+    finished = _start(runner, "SELECT count(*) FROM users", targets={"default": TxKey(1, 5)})
+    assert finished.result["rows"] == [[100]] and finished.result["positions"] == {"default": [1, 5]}
+
+
+def test_waiting_queries_start_when_every_shard_reached_its_key_and_expire() -> None:
+    waiting = q.WaitingQueries(waiting_max=2)
+    checked = q.CheckedQuery("SELECT 1", (), frozenset())
+    both = q.WaitingQuery("a", checked, ("s1", "s2"), {"s1": TxKey(1, 3), "s2": TxKey(1, 1)}, 10, 1000)
+    late = q.WaitingQuery("b", checked, ("s1",), {"s1": TxKey(9, 9)}, 10, 500)
+    waiting.add(both)
+    waiting.add(late)
+    with pytest.raises(q.QueryOverloaded):
+        waiting.add(q.WaitingQuery("c", checked, (), {}, 10, 0))
+    applied = {"s1": TxKey(1, 3), "s2": TxKey(1, 0)}
+    assert waiting.ready(lambda shard, key: applied[shard] >= key) == []
+    applied["s2"] = TxKey(1, 1)
+    assert waiting.ready(lambda shard, key: applied[shard] >= key) == [both]
+    assert waiting.expired(499) == [] and waiting.expired(500) == [late] and len(waiting) == 0
+
+
+def test_a_runaway_recursive_cte_is_stopped_by_its_budget(runner: q.QueryRunner) -> None:
+    started = time.monotonic()
+    finished = _start(runner, RUNAWAY_CTE)
+    elapsed_s = time.monotonic() - started
+    assert finished.error is not None and finished.error.code == "query_budget"
+    assert "500 ms" in str(finished.error)
+    assert 0.45 <= elapsed_s < 1.5
+    assert runner.open_cursors() == 0 and runner.statistics()["budget_stops"] == 1
+
+
+def test_the_budget_counts_sqlite_time_over_all_pages(tmp_path: Path) -> None:
+    store = _database(tmp_path / "node.db", rows=0)
+    limits = q.QueryLimits(ms_max=300, page_rows_max=1000)
+    runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
+    try:
+        # Each row costs SQLite work; the client takes its time between pages, which is not counted.
+        slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n % 20000 = 0"
+        started = time.monotonic()
+        finished = _start(runner, slow, page_rows=1)
+        pages = 1
+        while finished.error is None:
+            time.sleep(0.05)
+            runner.next_page("client", finished.result["cursor"], 1)
+            finished = _finished(runner)
+            pages += 1
+        # Stopped only once SQLite itself spent 300 ms, though the client's pauses took longer than that.
+        assert finished.error.code == "query_budget" and pages > 1
+        assert time.monotonic() - started > 0.3 + pages * 0.05 - 0.05
+    finally:
+        runner.stop()
+        store.close()
+
+
+def test_cursors_are_bounded_in_count_expire_when_idle_and_close(store: Store) -> None:
+    now = [0]
+    runner = q.QueryRunner(store.path, q.QueryLimits(cursors_max=2, idle_ms_max=1000), lambda: now[0])
+    try:
+        first = _start(runner, "SELECT id FROM users", page_rows=1)
+        second = _start(runner, "SELECT id FROM users", page_rows=1)
+        assert first.result["cursor"] and second.result["cursor"] and runner.open_cursors() == 2
+        with pytest.raises(q.QueryOverloaded):
+            _start(runner, "SELECT id FROM users", page_rows=1)
+        assert runner.close(first.result["cursor"]) and not runner.close(first.result["cursor"])
+        with pytest.raises(q.CursorUnknown):
+            runner.next_page("client", first.result["cursor"], 1)
+        now[0] = 999
+        runner.expire(now[0])
+        assert runner.open_cursors() == 1
+        now[0] = 1000
+        runner.expire(now[0])
+        assert runner.open_cursors() == 0 and runner.statistics()["expired"] == 1
+        with pytest.raises(q.CursorUnknown):
+            runner.next_page("client", second.result["cursor"], 1)
+    finally:
+        runner.stop()
+
+
+# -- through a node -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def node(tmp_path: Path):
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"query_ms_max": 500}})
+    with node.client() as client:
+        client.create_table("users", key="id", columns=[("id", "INTEGER"), ("name", "TEXT"), ("karma", "INTEGER")])
+        client.create_table("posts", key="id", columns=[("id", "INTEGER"), ("author", "INTEGER"), ("title", "TEXT")])
+        with client.transaction() as tx:
+            for i in range(200):
+                tx.put("users", {"id": i, "name": f"user{i}", "karma": i % 20})
+        with client.transaction() as tx:
+            for i in range(300):
+                tx.put("posts", {"id": i, "author": i % 50, "title": f"post {i}"})
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def _node_rows(node: ThreadNode, sql: str, params=()) -> list[tuple]:
+    connection = apsw.Connection(str(Path(node.node.config.database_path)), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return [tuple(row) for row in connection.execute(sql, params)]
+    finally:
+        connection.close()
+
+
+def test_client_query_returns_what_sqlite_returns_on_the_node_file(node: ThreadNode) -> None:
+    sql = (
+        "SELECT u.name, count(p.id) AS posts, max(p.title) FROM users u JOIN posts p ON p.author = u.id "
+        "WHERE u.karma > ? GROUP BY u.id ORDER BY posts DESC, u.name"
+    )
+    with node.client() as client:
+        result = client.query(sql, [5], page_rows=7)
+        rows = list(result)
+        assert result.columns == ["name", "posts", "max(p.title)"] and result.pages > 1
+        assert rows == _node_rows(node, sql, (5,)) and rows
+        tx_key = client.put("users", {"id": 1000, "name": "new", "karma": 19})
+        seen = client.query("SELECT name FROM users WHERE id = ?", [1000], consistency="read-your-writes")
+        assert list(seen) == [("new",)] and seen.positions["default"] >= tx_key
+        assert list(client.query("SELECT count(*) FROM users", consistency="linearizable")) == [(201,)]
+        assert list(client.query("SELECT count(*) FROM users", after_tx_key=tx_key)) == [(201,)]
+
+
+def test_hostile_sql_through_the_wire_is_one_error_and_changes_nothing(node: ThreadNode) -> None:
+    path = Path(node.node.config.database_path)
+    with node.client() as client:
+        before = _node_rows(node, "SELECT * FROM users ORDER BY id")
+        for sql, words in HOSTILE:
+            with pytest.raises(RemoteError) as refused:
+                client.query(sql)
+            assert refused.value.code == "query_refused", sql
+            assert words in str(refused.value) and "\n" not in str(refused.value)
+        assert _node_rows(node, "SELECT * FROM users ORDER BY id") == before
+        assert not (path.parent / "evil.db").exists()
+        assert client.status()["queries"]["refused"] == len(HOSTILE)
+        # Parameters are bound, never interpolated: a "value" full of SQL is only a value.
+        assert list(client.query("SELECT count(*) FROM users WHERE name = ?", ["x'; DELETE FROM users; --"])) == [(0,)]
+        assert _node_rows(node, "SELECT count(*) FROM users") == [(200,)]
+
+
+def test_a_runaway_query_is_stopped_while_the_node_serves_reads_and_writes(node: ThreadNode) -> None:
+    latencies_ms: list[float] = []
+    outcome: dict = {}
+
+    def runaway() -> None:
+        with node.client(timeout_ms=10_000) as client:
+            started = time.monotonic()
+            try:
+                client.query(RUNAWAY_CTE)
+            except RemoteError as error:
+                outcome["error"] = error
+            outcome["elapsed_s"] = time.monotonic() - started
+
+    thread = threading.Thread(target=runaway)
+    with node.client() as client:
+        thread.start()
+        wait_s = time.monotonic() + 5
+        while client.status()["queries"]["queries"] < 1 and time.monotonic() < wait_s:
+            time.sleep(0.005)
+        index = 0
+        while thread.is_alive():
+            started = time.monotonic()
+            client.put("users", {"id": 5000 + index, "name": "during", "karma": 1})
+            assert client.get("users", 5000 + index)["name"] == "during"
+            latencies_ms.append((time.monotonic() - started) * 1000)
+            index += 1
+        thread.join()
+    assert outcome["error"].code == "query_budget"
+    assert outcome["elapsed_s"] < 2
+    assert len(latencies_ms) >= 5, latencies_ms
+    # Served all along: no put+get waited for the runaway statement (its budget is 500 ms).
+    assert max(latencies_ms) < 250, latencies_ms
+
+
+def test_dbapi_connection_and_pandas_read_sql(node: ThreadNode) -> None:
+    import mnesite.dbapi as dbapi
+
+    assert (dbapi.apilevel, dbapi.paramstyle, dbapi.threadsafety) == ("2.0", "qmark", 1)
+    with dbapi.connect(node.endpoint, consistency="linearizable", page_rows=16) as connection:
+        cursor = connection.cursor()
+        cursor.execute("SELECT id, name FROM users WHERE karma = ? ORDER BY id", (3,))
+        assert [d[0] for d in cursor.description] == ["id", "name"]
+        assert cursor.fetchone() == (3, "user3")
+        assert cursor.fetchmany(2) == [(23, "user23"), (43, "user43")]
+        assert cursor.fetchall() == [(i, f"user{i}") for i in range(63, 200, 20)]
+        assert cursor.fetchone() is None
+        cursor.execute("SELECT id FROM users ORDER BY id")
+        assert [row[0] for row in cursor] == list(range(200))  # 13 pages of 16
+        with pytest.raises(dbapi.NotSupportedError):
+            cursor.execute("DELETE FROM users")
+        with pytest.raises(dbapi.ProgrammingError):
+            cursor.execute("SELECT nope FROM users")
+        with pytest.raises(dbapi.OperationalError):
+            cursor.execute(RUNAWAY_CTE)
+        assert issubclass(dbapi.NotSupportedError, dbapi.DatabaseError) and issubclass(dbapi.DatabaseError, dbapi.Error)
+        connection.commit()
+        pandas = pytest.importorskip("pandas")
+        with pytest.warns(UserWarning, match="SQLAlchemy"):  # pandas' note on any DBAPI2 but sqlite3
+            frame = pandas.read_sql(
+                "SELECT karma, count(*) AS users FROM users GROUP BY karma ORDER BY karma", connection
+            )
+        assert list(frame.columns) == ["karma", "users"]
+        assert frame.to_dict("list") == {"karma": list(range(20)), "users": [10] * 20}
+        with pytest.warns(UserWarning, match="SQLAlchemy"):
+            frame = pandas.read_sql("SELECT * FROM users WHERE id < ?", connection, params=[3])
+        assert frame.to_dict("records") == [{"id": i, "name": f"user{i}", "karma": i} for i in range(3)]
+    with pytest.raises(dbapi.InterfaceError):
+        connection.cursor()
+
+
+def test_cli_query(node: ThreadNode) -> None:
+    runner = CliRunner()
+
+    def mnesite(*args: str):
+        return runner.invoke(main, [*args, "--node", node.endpoint], catch_exceptions=False)
+
+    table = mnesite("query", "SELECT id, name FROM users WHERE karma = ? AND id < ? ORDER BY id", "--param", "1",
+                    "--param", "50")  # fmt: skip
+    assert table.exit_code == 0, table.output
+    assert table.output.splitlines() == ["id  name", "1   user1", "21  user21", "41  user41"]
+    paged = mnesite("query", "SELECT id FROM users ORDER BY id", "--page-rows", "7", "--json")
+    document = json.loads(paged.output)
+    assert document["columns"] == ["id"] and document["rows"] == [[i] for i in range(200)]
+    assert document["positions"]["default"][1] > 0
+    duplicate = mnesite("query", "SELECT a.id, b.id FROM users a JOIN users b ON b.id = a.id + 1 WHERE a.id = 0")
+    assert duplicate.output.splitlines() == ["id  id:2", "0   1"]
+    text = mnesite("query", "SELECT name FROM users WHERE name = ?", "--param", "user7", "--consistency",
+                   "linearizable")  # fmt: skip
+    assert text.output.splitlines() == ["name", "user7"]
+    empty = mnesite("query", "SELECT id FROM users WHERE id < 0")
+    assert empty.exit_code == 0 and empty.output.splitlines() == ["id"]
+    refused = mnesite("query", "DROP TABLE users")
+    assert refused.exit_code == 1
+    assert refused.output.count("\n") == 1 and refused.output.startswith("Error: ") and "not allowed" in refused.output
+    bad = mnesite("query", "SELECT 1", "--after", "nonsense")
+    assert bad.exit_code == 1 and "tx key" in bad.output
+    assert mnesite("query", "SELECT count(*) FROM users", "--after", "1,1").output.splitlines() == ["count(*)", "200"]
