@@ -142,7 +142,6 @@ from mnesite.rlog.schema import (
     define_table,
     find_index,
     schema_ops_toward,
-    table_from_json,
 )
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
@@ -1505,14 +1504,15 @@ class CoreNode(NodeServer):
         self._query_index_complete(gather)
 
     def _query_index_answered(self, ask: QueryIndexAsk, answer: Message) -> None:
-        result = answer.body.get("result") if answer.kind == "reply" else None
+        result = answer.body.result if answer.kind == "reply" else None
         try:
             key = tx_key_from_wire(result["committed"]) if isinstance(result, dict) else None
         except (OpDecodeError, KeyError):
             key = None
         if key is None:
-            code = answer.body.get("code", "bad_answer") if answer.kind == "error" else "bad_answer"
-            self._query_index_failed(ask.gather, code, str(answer.body.get("message", "malformed read_index answer")))
+            code = answer.body.code if answer.kind == "error" else "bad_answer"
+            reason = answer.body.message if answer.kind == "error" else "malformed read_index answer"
+            self._query_index_failed(ask.gather, code, reason)
             return
         ask.gather.keys[ask.shard] = key
         self._query_index_complete(ask.gather)

@@ -13,7 +13,7 @@ from mnesite.cli.main import main
 from mnesite.core.guard_tail import GuardTail
 from mnesite.core.transaction import parse_transaction
 from mnesite.rlog.client import RemoteError
-from mnesite.rlog.messages import MessageError, decode_entry
+from mnesite.rlog.messages import MessageError, decode_entry, typed_body, wire_entry
 from mnesite.rlog.roles import RoleTable
 from mnesite.rlog.schema import (
     IndexSchema,
@@ -58,7 +58,7 @@ def test_the_ops_encode_canonically_and_travel_in_entries() -> None:
     for op in (BY_KARMA, DropIndexOp("by_karma", "users", "s"), EMAIL):
         assert decode_op(encode_op(op)) == op
     entry = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (BY_KARMA, EMAIL), "r1")
-    assert decode_entry(entry_to_wire(entry), "push.entries[0]") == entry
+    assert decode_entry(wire_entry(entry_to_wire(entry))) == entry
     other = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (BY_KARMA,), "r1")
     assert other.digest != entry.digest  # the digest chain covers schema changes
     for malformed in (["i", "x", "users", "s", "karma"], ["j", "x", "users"], ["a", "users", "s", "c", 1]):
@@ -69,10 +69,10 @@ def test_the_ops_encode_canonically_and_travel_in_entries() -> None:
 
     hostile = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (CreateIndexOp("ix", "users", "s", ()),))
     with pytest.raises(MessageError):
-        decode_entry(entry_to_wire(hostile), "push.entries[0]")  # an index of no column is no wire op
+        decode_entry(wire_entry(entry_to_wire(hostile)))  # an index of no column is no wire op
     wire[4] = msgpack.packb([["i", "ix", "users", "s", ["bad name!"]]], use_bin_type=True)
     with pytest.raises(MessageError):
-        decode_entry(wire, "push.entries[0]")
+        decode_entry(wire_entry(wire))
 
 
 def test_index_rules() -> None:
@@ -173,10 +173,10 @@ def test_the_guard_tail_checks_later_writes_against_the_changed_table() -> None:
     tail.add((make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (EMAIL, BY_KARMA)),))
     catalog = tail.catalog_over(CATALOG)
     assert catalog["users"].columns[-1] == ("email", "TEXT") and catalog["users"].indexes
-    ops = [{"op": "write", "table": "users", "row": {"id": 3, "email": "c@x"}}]
-    assert parse_transaction(None, ops, catalog, 100)
+    request = typed_body("transact", {"ops": [{"op": "write", "table": "users", "row": {"id": 3, "email": "c@x"}}]})
+    assert parse_transaction(request, catalog, 100)
     with pytest.raises(SchemaError, match="no column 'email'"):
-        parse_transaction(None, ops, CATALOG, 100)
+        parse_transaction(request, CATALOG, 100)
 
 
 def test_only_admins_change_schemas() -> None:
