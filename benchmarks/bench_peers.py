@@ -193,6 +193,21 @@ def measure(spec: dict, clients: int, seconds: float) -> dict:
     }
 
 
+def cpu_seconds(processes: list[subprocess.Popen]) -> list[float]:
+    """CPU time (user + system) each server process has used so far, from ``/proc/PID/stat``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = []
+    for process in processes:
+        try:
+            with open(f"/proc/{process.pid}/stat") as stat:
+                # Fields after the command's closing parenthesis: state is the first, utime the 12th.
+                fields = stat.read().rsplit(")", 1)[1].split()
+            used.append((int(fields[11]) + int(fields[12])) / ticks)
+        except (OSError, IndexError, ValueError):
+            used.append(0.0)
+    return used
+
+
 # ---------------------------------------------------------------- the systems (servers)
 
 
@@ -404,7 +419,17 @@ def main() -> None:
         for round_number in range(args.rounds):
             for clients in client_counts:
                 for system in systems:
+                    cpu_before = cpu_seconds(system.processes)
                     result = measure(system.spec, clients, args.seconds)
+                    cpu_used = [
+                        after - before for before, after in zip(cpu_before, cpu_seconds(system.processes), strict=True)
+                    ]
+                    writes = result["writes_per_s"] * args.seconds
+                    # Server CPU per write: each process (for mnesite the first is the sequencer) and the sum.
+                    result["cpu_us_per_write"] = [
+                        round(used / writes * 1e6, 1) if writes else None for used in cpu_used
+                    ]
+                    result["cpu_us_per_write_sum"] = round(sum(cpu_used) / writes * 1e6, 1) if writes else None
                     result["round"] = round_number
                     runs.setdefault((system.name, clients), []).append(result)
                     print(f"round {round_number + 1} {system.name} {clients} clients: {result}", file=sys.stderr)
@@ -437,6 +462,11 @@ def summarise(
                 "writes_per_s_rounds": [s["writes_per_s"] for s in samples],
                 "p50_ms": statistics.median(s["p50_ms"] for s in samples),
                 "p99_ms": statistics.median(s["p99_ms"] for s in samples),
+                "cpu_us_per_write_sum": _median_of(s["cpu_us_per_write_sum"] for s in samples),
+                "cpu_us_per_write": [
+                    _median_of(s["cpu_us_per_write"][i] for s in samples)
+                    for i in range(len(samples[0]["cpu_us_per_write"]))
+                ],
                 "errors": [e for s in samples for e in s["errors"]][:3],
             }
             # mnesite-3 against every other system, per round, then the median of those ratios.
@@ -450,15 +480,25 @@ def summarise(
     return {"rounds": rounds, "results": rows, "skipped": skipped}
 
 
+def _median_of(values: Any) -> float | None:
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
+
+
 def print_table(report: dict) -> None:
     print(f"{report['date']}, {report['machine']}, {report['seconds']:g} s per point, {report['rounds']} rounds")
-    print("| system | clients | writes/s (median) | rounds | p50 ms | p99 ms | mnesite-3 / this (same round) |")
-    print("| --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    print(
+        "| system | clients | writes/s (median) | rounds | p50 ms | p99 ms | mnesite-3 / this (same round) "
+        "| server CPU us/write: sum (per process) |"
+    )
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | --- |")
     for r in report["results"]:
+        per_process = ", ".join("?" if x is None else f"{x:.0f}" for x in r["cpu_us_per_write"])
+        total = "?" if r["cpu_us_per_write_sum"] is None else f"{r['cpu_us_per_write_sum']:.0f}"
         print(
             f"| {r['system']} | {r['clients']} | {r['writes_per_s']:.0f} | "
             f"{', '.join(f'{x:.0f}' for x in r['writes_per_s_rounds'])} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-            f"{r.get('mnesite_3_over_this', '')} |"
+            f"{r.get('mnesite_3_over_this', '')} | {total} ({per_process}) |"
         )
     print("\ndurability of an acknowledgement:")
     for name, what in DURABILITY.items():
