@@ -60,6 +60,7 @@ import msgspec
 import zmq
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
+from mnesite.core import rules
 from mnesite.core.agent import AgentConfig
 from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
@@ -119,7 +120,7 @@ from mnesite.core.snapshot import (
     members_after_install,
     offer_due,
 )
-from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
+from mnesite.core.transaction import GuardFailed, evaluate
 from mnesite.core.watch import WatchRefusedError
 from mnesite.rlog import codec, messages, range_requests, replication
 from mnesite.rlog.backup import RESTORED_META, BackupError
@@ -129,28 +130,17 @@ from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.query import CheckedQuery, QueryRequest
 from mnesite.rlog.retention import keep_from_match_keys
+from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.schema import (
-    DEFAULT_SHARD,
     SchemaError,
     TableSchema,
-    check_column_addable,
-    check_creatable,
-    check_droppable,
-    check_index_creatable,
-    check_index_droppable,
     check_key,
-    define_table,
-    find_index,
     schema_ops_toward,
 )
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
 from mnesite.rlog.types import (
     ZERO_KEY,
-    AddColumnOp,
-    CreateIndexOp,
-    DropIndexOp,
-    DropTableOp,
     Entry,
     MembersOp,
     OpDecodeError,
@@ -176,10 +166,7 @@ READ_KINDS = frozenset(
         *range_requests.KINDS,
     }
 )
-WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
-SCHEMA_CHANGE_KINDS = frozenset({"create_index", "drop_index", "add_column"})
 QUERY_KINDS = frozenset({"query", "query_page", "query_close"})
-CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 RLOG_TAIL_COUNT_MAX = 1000
 POLL_INTERVAL_MS_MAX = 50
 FORWARD_TIMEOUT_MS = 5000
@@ -606,8 +593,8 @@ class CoreNode(NodeServer):
             self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
             watch = self.rlog_server.watches.get(message.body.agent)
-            if self.security is not None and watch is not None and watch.replicant != principal:
-                # Only the replicant an agent serves may move that agent's window.
+            replicant = watch.replicant if watch is not None else None
+            if not rules.ack_sender_allowed(self.security is not None, replicant, principal):
                 self.security.refused_sender += 1
                 return
             self.rlog_server.acknowledged(message.body, self.clock_ms())
@@ -791,29 +778,18 @@ class CoreNode(NodeServer):
                 self.close_dealer(endpoint)
 
     def _linearizable(self, envelope: list[bytes], message: Message) -> None:
-        """Answer at the sequencer when ``ShardConsensus.read_index`` allows it; elsewhere forward to it.
-
-        The rule (this generation's first entry committed, a lease of this generation's append
-        answers) lives in the consensus machine, where the simulator checks it.
-        """
+        """Answer at the sequencer when ``ShardConsensus.read_index`` allows it; elsewhere forward to it
+        (the rule: ``core.rules.fence_read``; the lease rule lives in the consensus machine)."""
         shard = message.body.shard if message.kind == "read_index" else self._table(message.body.table).shard
         driver = self.shards.get(shard)
         if driver is None:
             raise RequestError("unknown_shard", f"unknown shard {shard!r}")
-        if driver.consensus.role is not Role.SEQUENCER:
-            self._forward(envelope, message, driver)
-            return
         read_index = driver.consensus.read_index(self.clock_ms())
-        if read_index is None:
-            raise RequestError(
-                "no_sequencer",
-                f"{self.config.name} cannot serve a linearizable read of shard {shard} now "
-                "(its generation's first entry has not committed, or no majority answered it recently)",
-            )
-        if message.kind == "read_index":
-            result: Any = {"committed": list(read_index)}
-        else:
-            result = self._read(message)
+        fence = rules.fence_read(self._view(driver), self.config.name, message.body.forwarded, read_index)
+        if isinstance(fence, rules.Forward):
+            self._forward(envelope, message, shard, fence.target)
+            return
+        result: Any = {"committed": list(fence)} if message.kind == "read_index" else self._read(message)
         self.reply(envelope, codec.reply(message.request_id, result))
 
     def _backup_not_ready(self) -> str | None:
@@ -1041,13 +1017,7 @@ class CoreNode(NodeServer):
 
     def _record_exclusion(self, shard: str, effect: Excluded) -> None:
         """The machine accepted that a forced start left us out: say how our journal compares."""
-        own = self.store.digest_at(shard, effect.key)
-        if effect.digest is None or own is None:
-            verdict = f"cannot compare journals at {effect.key} (one side no longer holds it)"
-        elif own == effect.digest:
-            verdict = f"journals agree up to {effect.key}"
-        else:
-            verdict = f"journals DIVERGE at {effect.key}"
+        verdict = rules.journal_verdict(effect.key, self.store.digest_at(shard, effect.key), effect.digest)
         self.excluded[shard] = {
             "by": effect.sender,
             "generation": effect.generation,
@@ -1066,35 +1036,38 @@ class CoreNode(NodeServer):
 
     # -- writes ------------------------------------------------------------------------------
 
+    def _view(self, driver: ShardDriver) -> rules.ShardView:
+        consensus = driver.consensus
+        return rules.ShardView(
+            driver.shard, consensus.role is Role.SEQUENCER, consensus.sequencer, driver.shard in self.excluded
+        )
+
     def _write(self, envelope: list[bytes], message: Message) -> None:
-        shard = self._shard_of(message)
-        if shard in self.excluded:
-            raise RequestError("excluded", f"{self.config.name} was left out of shard {shard}: {self.excluded[shard]}")
+        """A client's write, as the rule-book (``core.rules``) routes it: a retry answered from the log,
+        forwarded to the sequencer, or admitted, evaluated and proposed here."""
+        earlier = self.store.find_request(message.request_id)
+        admitted = None
+        if earlier is None:
+            admitted = rules.admit_write(
+                message.kind, message.body, self._catalog_with_tails(), self.config.limits.transaction_ops_max
+            )
+        shard = earlier[0] if earlier is not None else admitted.shard
         driver = self._shard_for(shard, create=message.kind == "create_table")
         if driver is None:
             raise RequestError("unknown_table", "unknown table")
-        if driver.consensus.role is not Role.SEQUENCER:
-            self._forward(envelope, message, driver)
+        route = rules.route_write(
+            self._view(driver), self.config.name, message.body.forwarded, earlier[1] if earlier else None
+        )
+        if isinstance(route, rules.Forward):
+            self._forward(envelope, message, driver.shard, route.target)
             return
         self.begin()
-        previous = self.store.find_request(message.request_id)
-        if previous is not None:
-            self._await_commit(driver, previous[1], envelope, message.request_id, duplicate=True)
+        if isinstance(route, rules.AwaitCommit):
+            self._await_commit(driver, route.tx_key, envelope, message.request_id, duplicate=True)
             return
-        catalog = driver.tail.catalog_over(self.store.catalog())
-        if message.kind == "drop_table":
-            ops = (self._drop_op(catalog, message.body.table),)
-        elif message.kind in SCHEMA_CHANGE_KINDS:
-            ops = (self._schema_change_op(catalog, message),)
-        elif message.kind == "create_table":
-            body = message.body
-            table = define_table(body.table, body.key, body.columns, body.shard or DEFAULT_SHARD)
-            # The apply's own rule (SQLite names are case-insensitive): what is logged applies everywhere.
-            if not check_creatable(catalog, table.to_op()):
-                raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
-            ops: tuple = (table.to_op(),)
-        else:
-            transaction = parse_transaction(message.body, catalog, self.config.limits.transaction_ops_max)
+        ops = admitted.ops
+        if admitted.transaction is not None:
+            catalog = driver.tail.catalog_over(self.store.catalog())
 
             def read_row(table: TableSchema, key: Any) -> dict[str, Any] | None:
                 in_tail, row = driver.tail.row(table.name, key)
@@ -1104,7 +1077,7 @@ class CoreNode(NodeServer):
                     return None  # created in the unapplied tail: no rows applied yet
                 return self.store.read_row(table, key)
 
-            outcome = evaluate(transaction, catalog, read_row)
+            outcome = evaluate(admitted.transaction, catalog, read_row)
             if isinstance(outcome, GuardFailed):
                 # A failed guard is a read: told only from committed state (core.guard_tail).
                 held = HeldFailure(envelope, message.request_id, outcome)
@@ -1122,8 +1095,10 @@ class CoreNode(NodeServer):
         for effect in effects:
             if isinstance(effect, ProposalRejected) and effect.request_id == message.request_id:
                 if effect.reason == REJECT_NOT_SEQUENCER:
-                    self._forward(envelope, message, driver)
-                    return
+                    route = rules.route_write(self._view(driver), self.config.name, message.body.forwarded, None)
+                    if isinstance(route, rules.Forward):
+                        self._forward(envelope, message, driver.shard, route.target)
+                        return
                 raise RequestError(effect.reason, f"the sequencer refused the transaction: {effect.reason}")
             if isinstance(effect, PersistEntries):
                 for entry in effect.entries:
@@ -1133,14 +1108,8 @@ class CoreNode(NodeServer):
         raise RequestError("internal", "the proposal produced no entry")
 
     def _answer_guard_failure(self, held: HeldFailure, answer: bool, reason: str) -> None:
-        if answer:
-            failure = held.failure
-            detail = {"index": failure.index, "actual": failure.actual}
-            self.reply(held.envelope, codec.error(held.request_id, "guard_failed", failure.describe(), detail))
-            return
-        # Nothing was written: the client retries with the same request id and is evaluated afresh.
-        message = f"the guard failed but cannot be confirmed from committed state ({reason}); retry"
-        self.reply(held.envelope, codec.error(held.request_id, "no_sequencer", message))
+        code, text, detail = rules.guard_failure_answer(held.failure, answer, reason)
+        self.reply(held.envelope, codec.error(held.request_id, code, text, detail))
 
     def _expire_held_guard_failures(self) -> None:
         now = self.clock_ms()
@@ -1180,75 +1149,13 @@ class CoreNode(NodeServer):
             catalog = driver.tail.catalog_over(catalog)
         return catalog
 
-    def _drop_op(self, catalog: dict[str, TableSchema], name: str) -> DropTableOp:
-        """The drop of table ``name``, checked by the apply's own rule (``check_droppable``)."""
-        table = catalog.get(name)
-        if table is None:
-            raise RequestError("unknown_table", f"unknown table {name!r}")
-        op = DropTableOp(table.name, table.shard)
-        if not check_droppable(catalog, op):
-            raise RequestError("unknown_table", f"unknown table {name!r}")
-        return op
-
-    def _schema_change_op(self, catalog: dict[str, TableSchema], message: Message) -> Any:
-        """The op of a create_index, drop_index or add_column request, checked by the apply's own rule
-        (rlog.schema) against the catalog as the unapplied tail leaves it: what is logged applies everywhere."""
-        fields = message.body
-        if message.kind == "drop_index":
-            found = find_index(catalog, fields.index)
-            if found is None:
-                raise RequestError("unknown_index", f"unknown index {fields.index!r}")
-            op: Any = DropIndexOp(fields.index, found[0].name, found[0].shard)
-            check_index_droppable(catalog, op)
-            return op
-        table = catalog.get(fields.table)
-        if table is None:
-            raise RequestError("unknown_table", f"unknown table {fields.table!r}")
-        if message.kind == "create_index":
-            op = CreateIndexOp(fields.index, table.name, table.shard, tuple(fields.columns))
-            if not check_index_creatable(catalog, op):
-                raise RequestError("index_exists", f"index {fields.index!r} already exists on {table.name!r}")
-            return op
-        op = AddColumnOp(table.name, table.shard, fields.column, str(fields.type).upper())
-        if not check_column_addable(catalog, op):
-            raise RequestError("column_exists", f"{table.name} has a column {fields.column!r} already")
-        return op
-
-    def _shard_of(self, message: Message) -> str:
-        body = message.body
-        if message.kind == "drop_table":
-            return self._drop_op(self._catalog_with_tails(), body.table).shard
-        if message.kind in SCHEMA_CHANGE_KINDS:
-            return self._schema_change_op(self._catalog_with_tails(), message).shard
-        if message.kind == "create_table":
-            shard = body.shard or DEFAULT_SHARD
-            table = define_table(body.table, body.key, body.columns, shard)
-            # Refuse a taken name before the shard is opened: a refused write must leave no new shard.
-            catalog = self._catalog_with_tails()
-            if not check_creatable(catalog, table.to_op()):
-                raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
-            return shard
-        if not body.ops:
-            raise RequestError("bad_request", "a transaction needs at least one op")
-        table = self._catalog_with_tails().get(body.ops[0].table)
-        if table is None:
-            raise RequestError("unknown_table", f"unknown table {body.ops[0].table!r}")
-        return table.shard
-
-    def _forward(self, envelope: list[bytes], message: Message, driver: ShardDriver) -> None:
-        sequencer = driver.consensus.sequencer
-        target = forward_target(sequencer, self.config.name, message.body.forwarded)
-        if target is None:
-            hint = f"; try {self.endpoints[sequencer]}" if sequencer in self.endpoints else ""
-            raise RequestError(
-                "no_sequencer",
-                f"shard {driver.shard} has no sequencer reachable from {self.config.name} (election or no quorum)"
-                f"{hint}",
-            )
+    def _forward(self, envelope: list[bytes], message: Message, shard: str, target: str) -> None:
+        """Send a request, marked forwarded, to the sequencer ``target`` (``core.rules`` chose it); its
+        answer is relayed to the client (``_relay_forwarded``) or expires as outcome unknown."""
         if self.forwarded.full():
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
         self.hold(envelope, message.request_id)
-        self.forwarded.forwarded(message.request_id, envelope, driver.shard, target, self.clock_ms())
+        self.forwarded.forwarded(message.request_id, envelope, shard, target, self.clock_ms())
         forwarded = msgspec.structs.replace(message.body, forwarded=True)
         self._send_peer(target, Message(message.kind, message.request_id, forwarded))
 
@@ -1289,33 +1196,35 @@ class CoreNode(NodeServer):
         driver = self.shards.get(body.shard)
         if driver is None:
             raise RequestError("unknown_shard", f"unknown shard {body.shard!r}")
-        if driver.consensus.role is not Role.SEQUENCER:
-            self._forward(envelope, message, driver)
+        forward = rules.route_write(self._view(driver), self.config.name, body.forwarded, None)
+        if isinstance(forward, rules.Forward):
+            self._forward(envelope, message, driver.shard, forward.target)
             return
-        add = body.action == "add"
-        name = body.name
-        endpoint = body.endpoint or self.endpoints.get(name, "")
-        if add and not endpoint:
-            raise RequestError("bad_request", f"the endpoint of core {name!r} is unknown: give it")
         self.begin()
-        if message.request_id in self.pending_changes:
-            # A client's retry while its core is still catching up: answer the retry, change nothing.
-            self.hold(envelope, message.request_id)
-            self.pending_changes[message.request_id] = (driver.shard, envelope)
-            return
-        previous = self.store.find_request(message.request_id)
-        if previous is not None:
+        earlier = self.store.find_request(message.request_id)
+        route = rules.admit_membership_change(
+            body.action == "add",
+            body.name,
+            body.endpoint,
+            self.endpoints.get(body.name),
+            message.request_id,
+            self.pending_changes,
+            earlier[1] if earlier is not None else None,
+            MEMBERS_LEARNED_MAX,
+        )
+        if isinstance(route, rules.AwaitCommit):
             # A retry of a change already in the log: answered when (or since) it committed.
-            self._await_commit(driver, previous[1], envelope, message.request_id, duplicate=True)
+            self._await_commit(driver, route.tx_key, envelope, message.request_id, duplicate=True)
             return
-        if len(self.pending_changes) >= MEMBERS_LEARNED_MAX:
-            raise RequestError("overloaded", "too many membership changes pending")
-        if add:
-            # The sequencer replicates to the learner before any entry names its endpoint.
-            self._learn_endpoint(name, endpoint)
+        # A new change, or a client's retry while its core is still catching up (answer the retry).
         self.hold(envelope, message.request_id)
         self.pending_changes[message.request_id] = (driver.shard, envelope)
-        self._step(driver, MembershipChangeRequested(name, add, endpoint if add else "", message.request_id))
+        if isinstance(route, rules.RequestChange):
+            if route.endpoint:
+                # The sequencer replicates to the learner before any entry names its endpoint.
+                self._learn_endpoint(body.name, route.endpoint)
+            add = body.action == "add"
+            self._step(driver, MembershipChangeRequested(body.name, add, route.endpoint, message.request_id))
 
     def _note_membership_entries(self, driver: ShardDriver, entries: tuple[Entry, ...]) -> None:
         """Persisted entries: learn added cores' endpoints; a pending change now waits for its commit."""
@@ -1545,12 +1454,9 @@ class CoreNode(NodeServer):
         return table
 
     def _check_consistency(self, message: Message, table: TableSchema) -> None:
-        min_key = message.body.min_key
-        if min_key is not None:
-            position = self.store.shard(table.shard)
-            if position is None or position.applied < min_key:
-                # The client retries (bounded by its timeout) until this core has applied it.
-                raise RequestError("not_applied", f"{self.config.name} has not applied {min_key} yet")
+        # The client retries (bounded by its timeout) until this core has applied it.
+        position = self.store.shard(table.shard)
+        rules.check_applied(self.config.name, message.body.min_key, position.applied if position else None)
 
     def _read(self, message: Message) -> Any:
         body = message.body

@@ -43,6 +43,7 @@ from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
+from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name, schema_ops_toward
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
@@ -58,7 +59,6 @@ from mnesite.rlog.types import (
 
 log = logging.getLogger("mnesite.replicant")
 # Forwarded to a core: replicants never originate writes (DESIGN invariant 7), schema changes included.
-WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
 
 POLL_INTERVAL_MS_MAX = 50
 DISCOVERY_INTERVAL_MS = 1000

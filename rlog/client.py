@@ -47,6 +47,7 @@ from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
+from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
 from mnesite.rlog.types import TxKey
 from zmq.utils.monitor import recv_monitor_message
@@ -122,7 +123,6 @@ class InvalidRequest(RemoteError):
 
 
 _ERRORS = {"guard_failed": GuardFailed, "unknown_table": UnknownTable, "forbidden": Forbidden}
-WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
 _HANDSHAKE_EVENTS = 0
 for _event in HANDSHAKE_FAILURES:
     _HANDSHAKE_EVENTS |= _event

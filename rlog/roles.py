@@ -53,6 +53,9 @@ READ_KINDS = frozenset(
     }
 )
 
+# Writes: ordered by the sequencer of their shard (forwarded there by any other node).
+WRITE_KINDS = frozenset({"transact", "create_table", "drop_table", "create_index", "drop_index", "add_column"})
+
 # kind -> the roles that may send it (admin may send every kind and is left out of the table).
 KIND_ROLES: dict[str, frozenset[str]] = {
     **{kind: frozenset({"core", "replicant", "writer", "reader"}) for kind in READ_KINDS},

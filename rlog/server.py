@@ -37,6 +37,7 @@ from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
+from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (re-exported)
 from mnesite.rlog.metrics import MetricsServer, NodeMetrics, start_metrics
 from mnesite.rlog.query import (
     CheckedQuery,
@@ -73,19 +74,6 @@ REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused 
 # here, so the builds take at most a third of a loop's time and writes keep most of it.
 INDEX_BUILD_INTERVAL_MS = 10
 HELD_TIMES_MAX = 100_000  # arrival times of held writes kept for the commit latency histogram
-
-
-class RequestError(Exception):
-    """The request is refused with an error ``code`` (and optional ``detail``); a node answers it as an error."""
-
-    def __init__(self, code: str, message: str, detail: Any = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.detail = detail
-
-
-class OverloadedError(Exception):
-    """A bound was reached; the request is refused with code ``overloaded`` and changes nothing."""
 
 
 def monotonic_ms() -> int:

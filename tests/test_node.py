@@ -97,6 +97,26 @@ def test_a_retried_request_is_applied_once(client: Client) -> None:
     assert sum(1 for e in entries if e["request_id"] == "retry-me") == 1
 
 
+@pytest.mark.parametrize(
+    "kind, body",
+    [
+        ("create_table", {"table": "retried", "key": "id", "columns": [["id", "INTEGER"]]}),
+        ("drop_table", {"table": "users"}),
+        ("create_index", {"table": "users", "index": "users_by_name", "columns": ["name"]}),
+        ("add_column", {"table": "users", "column": "karma", "type": "INTEGER"}),
+    ],
+)
+def test_a_retried_schema_change_is_answered_from_the_log(client: Client, kind: str, body: dict) -> None:
+    # A client that heard no answer resends with the same id: the retry must get the first
+    # attempt's key, not "table_exists"/"unknown_table" from checking the change against the
+    # catalog the first attempt already changed (core.rules: a retry is routed by its entry).
+    first = client.call(kind, body, request_id=f"retry-{kind}")
+    second = client.call(kind, body, request_id=f"retry-{kind}")
+    assert second["tx_key"] == first["tx_key"] and second["duplicate"] is True
+    entries = client.rlog_tail("default", 100)
+    assert sum(1 for e in entries if e["request_id"] == f"retry-{kind}") == 1
+
+
 def test_bad_input_gets_a_clear_error_and_changes_nothing(thread_node: ThreadNode, client: Client) -> None:
     client.put("users", {"id": 1, "name": "ada"})
     before = client.status()["shards"]

@@ -1,0 +1,254 @@
+"""A core's rule-book (pure): what it does with a client's write, fence, retry and membership change.
+
+Theory of operation
+-------------------
+The driver (``core/node.py``) owns the sockets and SQLite. Everything it must *decide* about a
+request lives here, as functions of what it knows, so that the deterministic simulator
+(``tests/sim``) runs the very same decisions under crashes, partitions and pauses:
+
+* ``admit_write``: a write's shard and what it logs. Schema changes are checked with the apply's
+  own rules (``rlog.schema``) against the catalog as the unapplied tails leave it, so what is
+  logged applies on every node; a transaction is checked against that catalog (tables, types, one
+  shard) and its guards are evaluated next, by ``core.transaction.evaluate``.
+* ``route_write``: where a write goes. A request id already in this core's log is a **retry**: it
+  is routed by that entry's shard and answered with that entry's key once committed; it is never
+  admitted or proposed again (a client that heard no answer retries with the same id; the write
+  takes effect once). Otherwise the sequencer proposes it; any other core forwards it once
+  (``core.outcome.forward_target``) or refuses it with ``no_sequencer``; a core a forced start left
+  out of the shard refuses it (``excluded``).
+* ``guard_failure_answer``: a failed guard confirmed from committed state is answered
+  ``guard_failed`` with the row found; one that cannot be confirmed is ``no_sequencer``: nothing
+  was written, and the client retries with the same request id.
+* ``fence_read`` and ``check_applied``: a linearizable read is answered only at the sequencer while
+  ``ShardConsensus.read_index`` gives a key (elsewhere it is forwarded); a read that must see a key
+  (read-your-writes) is refused ``not_applied`` until this core applied it.
+* ``admit_membership_change``: an operator's add or remove at the sequencer: a retry while its
+  change is pending or once it is in the log changes nothing; an add names an endpoint.
+* ``journal_verdict``: how this core's journal compares with the forced sequencer's at one key.
+* ``ack_sender_allowed``: only the replicant an agent serves may move that agent's window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mnesite.core.outcome import forward_target
+from mnesite.core.transaction import GuardFailed, Transaction, parse_transaction
+from mnesite.rlog.errors import RequestError
+from mnesite.rlog.roles import WRITE_KINDS
+from mnesite.rlog.schema import (
+    DEFAULT_SHARD,
+    TableSchema,
+    check_column_addable,
+    check_creatable,
+    check_droppable,
+    check_index_creatable,
+    check_index_droppable,
+    define_table,
+    find_index,
+)
+from mnesite.rlog.types import AddColumnOp, CreateIndexOp, DropIndexOp, DropTableOp, Op, TxKey
+
+SCHEMA_CHANGE_KINDS = WRITE_KINDS - {"transact"}
+
+
+# -- writes ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A write that passed admission: its shard, and either the ops it logs or the transaction to evaluate."""
+
+    shard: str
+    ops: tuple[Op, ...] = ()
+    transaction: Transaction | None = None
+
+
+def admit_write(kind: str, body: Any, catalog: dict[str, TableSchema], transaction_ops_max: int) -> Admitted:
+    """Check a decoded write request against ``catalog`` (every shard's unapplied tail applied over
+    the committed one); raises ``RequestError`` or ``rlog.schema.SchemaError`` when it is refused."""
+    if kind == "transact":
+        transaction = parse_transaction(body, catalog, transaction_ops_max)
+        return Admitted(transaction.shard, transaction=transaction)
+    op = schema_change_op(kind, body, catalog)
+    return Admitted(op.shard, ops=(op,))
+
+
+def schema_change_op(kind: str, body: Any, catalog: dict[str, TableSchema]) -> Any:
+    """The op of a create/drop table, create/drop index or add column request, checked by the
+    apply's own rule (``rlog.schema``): what is logged applies everywhere."""
+    if kind == "create_table":
+        table = define_table(body.table, body.key, body.columns, body.shard or DEFAULT_SHARD)
+        op = table.to_op()
+        # SQLite names are case-insensitive: the apply's rule decides what "taken" means.
+        if not check_creatable(catalog, op):
+            raise RequestError("table_exists", f"table {table.name!r} already exists in shard {table.shard!r}")
+        return op
+    if kind == "drop_index":
+        found = find_index(catalog, body.index)
+        if found is None:
+            raise RequestError("unknown_index", f"unknown index {body.index!r}")
+        op = DropIndexOp(body.index, found[0].name, found[0].shard)
+        check_index_droppable(catalog, op)
+        return op
+    if kind not in SCHEMA_CHANGE_KINDS:
+        raise RequestError("bad_request", f"{kind} is not a write")
+    table = catalog.get(body.table)
+    if table is None:
+        raise RequestError("unknown_table", f"unknown table {body.table!r}")
+    if kind == "drop_table":
+        op = DropTableOp(table.name, table.shard)
+        if not check_droppable(catalog, op):
+            raise RequestError("unknown_table", f"unknown table {body.table!r}")
+        return op
+    if kind == "create_index":
+        op = CreateIndexOp(body.index, table.name, table.shard, tuple(body.columns))
+        if not check_index_creatable(catalog, op):
+            raise RequestError("index_exists", f"index {body.index!r} already exists on {table.name!r}")
+        return op
+    op = AddColumnOp(table.name, table.shard, body.column, str(body.type).upper())
+    if not check_column_addable(catalog, op):
+        raise RequestError("column_exists", f"{table.name} has a column {body.column!r} already")
+    return op
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """What a core knows of one shard when a request for it arrives."""
+
+    shard: str
+    is_sequencer: bool
+    sequencer: str | None
+    excluded: bool = False
+
+
+@dataclass(frozen=True)
+class AwaitCommit:
+    """Answer once ``tx_key`` is applied (``duplicate``: the request id was in the log already)."""
+
+    tx_key: TxKey
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Send the request, marked forwarded, to the sequencer ``target``; relay its answer."""
+
+    target: str
+
+
+@dataclass(frozen=True)
+class Propose:
+    """This core is the sequencer and the request is new: evaluate its guards and propose it."""
+
+
+WriteRoute = AwaitCommit | Forward | Propose
+
+
+def route_write(view: ShardView, me: str, forwarded: bool, earlier_key: TxKey | None) -> WriteRoute:
+    """Where a write for ``view.shard`` goes. ``earlier_key``: the key of the entry this core's log
+    holds with the request's id (a retry), if any; ``forwarded``: another core forwarded it here."""
+    if view.excluded:
+        raise RequestError("excluded", f"{me} was left out of shard {view.shard} by a forced start")
+    if view.is_sequencer:
+        return AwaitCommit(earlier_key, duplicate=True) if earlier_key is not None else Propose()
+    target = forward_target(view.sequencer, me, forwarded)
+    if target is None:
+        raise RequestError(
+            "no_sequencer", f"shard {view.shard} has no sequencer reachable from {me} (election or no quorum)"
+        )
+    return Forward(target)
+
+
+def guard_failure_answer(failure: GuardFailed, confirmed: bool, reason: str) -> tuple[str, str, Any]:
+    """The error (code, message, detail) a failed guard is answered with (``core.guard_tail`` decides
+    ``confirmed``): the row found when committed state confirms it; otherwise a retry."""
+    if confirmed:
+        return "guard_failed", failure.describe(), {"index": failure.index, "actual": failure.actual}
+    # Nothing was written: the client retries with the same request id and is evaluated afresh.
+    return "no_sequencer", f"the guard failed but cannot be confirmed from committed state ({reason}); retry", None
+
+
+# -- reads -----------------------------------------------------------------------------------------
+
+
+def fence_read(view: ShardView, me: str, forwarded: bool, read_index: TxKey | None) -> TxKey | Forward:
+    """A linearizable read or ``read_index`` request: the key it must reflect (at the sequencer, while
+    its lease and its generation's first commit allow: ``ShardConsensus.read_index``) or where to
+    forward it. Refused when neither is possible: the client retries elsewhere."""
+    if not view.is_sequencer:
+        target = forward_target(view.sequencer, me, forwarded)
+        if target is None:
+            raise RequestError("no_sequencer", f"shard {view.shard} has no sequencer reachable from {me}")
+        return Forward(target)
+    if read_index is None:
+        raise RequestError(
+            "no_sequencer",
+            f"{me} cannot serve a linearizable read of shard {view.shard} now "
+            "(its generation's first entry has not committed, or no majority answered it recently)",
+        )
+    return read_index
+
+
+def check_applied(me: str, min_key: TxKey | None, applied: TxKey | None) -> None:
+    """Read-your-writes: a read that must see ``min_key`` waits (the client retries) until it is applied."""
+    if min_key is not None and (applied is None or applied < min_key):
+        raise RequestError("not_applied", f"{me} has not applied {min_key} yet")
+
+
+# -- membership, journals, agents ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestChange:
+    """Start the change: step ``MembershipChangeRequested`` with this endpoint (empty for a removal)."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class StillPending:
+    """A retry of a change still catching its learner up: answer when the first one is answered."""
+
+
+MembershipRoute = RequestChange | StillPending | AwaitCommit
+
+
+def admit_membership_change(
+    add: bool,
+    name: str,
+    endpoint: str,
+    known_endpoint: str | None,
+    request_id: str,
+    pending: Mapping[str, Any],
+    earlier_key: TxKey | None,
+    pending_max: int,
+) -> MembershipRoute:
+    """An operator's change at the sequencer (``core.membership`` decides whether the machine takes it)."""
+    if request_id in pending:
+        return StillPending()
+    if earlier_key is not None:
+        return AwaitCommit(earlier_key, duplicate=True)
+    chosen = endpoint or known_endpoint or ""
+    if add and not chosen:
+        raise RequestError("bad_request", f"the endpoint of core {name!r} is unknown: give it")
+    if len(pending) >= pending_max:
+        raise RequestError("overloaded", "too many membership changes pending")
+    return RequestChange(chosen if add else "")
+
+
+def journal_verdict(key: TxKey, own_digest: bytes | None, their_digest: bytes | None) -> str:
+    """How this core's journal compares with the forced sequencer's at ``key`` (said to the operator)."""
+    if own_digest is None or their_digest is None:
+        return f"cannot compare journals at {key} (one side no longer holds it)"
+    if own_digest == their_digest:
+        return f"journals agree up to {key}"
+    return f"journals DIVERGE at {key}"
+
+
+def ack_sender_allowed(authenticated: bool, watch_replicant: str | None, principal: str) -> bool:
+    """Only the replicant an agent serves may move that agent's window (when peers are authenticated;
+    an acknowledgement for an agent that does not exist moves nothing anyway)."""
+    return not authenticated or watch_replicant is None or watch_replicant == principal
