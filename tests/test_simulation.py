@@ -11,6 +11,7 @@ import heapq
 import os
 
 import pytest
+from mnesite.core import rules
 from mnesite.core.consensus import (
     EXCLUSION_NOTICE_INTERVAL_MS,
     AppendRequest,
@@ -454,3 +455,35 @@ def test_the_ci_seeds_trim_with_the_production_retention_rule_and_send_snapshots
     results = [run_seed(seed) for seed in range(0, 40)]
     assert sum(result.entries_trimmed for result in results) > 0
     assert sum(result.snapshots for result in results) > 0
+
+
+# Seeds at which a sequencer that proposes a resent request id again is caught (found with the
+# mutation below; each fails with "request wN committed at ... and again at ...").
+RESEND_SEEDS = (7, 8, 9, 12)
+
+
+@pytest.mark.timeout(60)
+def test_clients_resend_with_the_same_request_id_and_it_takes_effect_once():
+    """Unmutated, the same seeds resend writes, some answered from the log, none committed twice."""
+    resends = answered_from_log = 0
+    for seed in range(40):
+        simulation = Simulation(seed, 3 if seed % 2 == 0 else 5)
+        simulation.run()
+        resends += simulation.resends
+        answered_from_log += simulation.resends_answered_from_log
+    assert resends > 100 and answered_from_log > 5, (resends, answered_from_log)
+    for seed in RESEND_SEEDS:
+        run_seed(seed)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_resent_request_proposed_again(monkeypatch):
+    """core.rules.route_write answers a request id found in the log from the log; without it, a
+    client's resend of a write that did commit takes effect twice."""
+    route_write = rules.route_write
+    monkeypatch.setattr(
+        rules, "route_write", lambda view, me, forwarded, earlier: route_write(view, me, forwarded, None)
+    )
+    for seed in RESEND_SEEDS:
+        with pytest.raises(SimulationFailure, match=r"request w\d+ committed at .* and again at"):
+            run_seed(seed)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+from mnesite.core import rules
 from mnesite.core.consensus import (
     BatchEnded,
     Commit,
@@ -81,6 +82,7 @@ from mnesite.core.outcome import (
 from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import retention
+from mnesite.rlog.errors import RequestError
 from mnesite.rlog.messages import typed_body
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, Entry, Op, TxKey, WriteOp
@@ -99,6 +101,10 @@ TRANSACTION_OPS_MAX = 16
 # Production's core/node.py FORWARD_TIMEOUT_MS and FORWARDED_MAX, scaled to the simulated timeouts.
 FORWARD_TIMEOUT_MS = 1000
 FORWARDED_MAX = 64
+# A client that hears nothing about its write for this long, or hears "outcome unknown", resends it
+# with the same request id (production's Client does, up to its retries), at most this many times.
+CLIENT_RETRY_MS = 1500
+CLIENT_RETRIES_MAX = 3
 Row = dict[str, Any] | None
 
 
@@ -120,6 +126,8 @@ class MemoryLog:
         self.appended_ms: list[int] = []
         self._trimmed_key = trimmed_key
         self._trimmed_digest = trimmed_digest
+        # request id -> key of the entry carrying it (production: the rlog's request_id column).
+        self.request_keys: dict[str, TxKey] = {}
 
     # LogView
     def last_key(self) -> TxKey:
@@ -171,10 +179,22 @@ class MemoryLog:
                 )
             self.entries.append(entry)
             self.keys.append(entry.tx_key)
+            if entry.request_id is not None:
+                self.request_keys.setdefault(entry.request_id, entry.tx_key)
             self.appended_ms.append(max(appended_ms, self.appended_ms[-1] if self.appended_ms else 0))
+
+    def find_request(self, request_id: str) -> TxKey | None:
+        """The key of the retained entry carrying ``request_id`` (production: ``Store.find_request``)."""
+        return self.request_keys.get(request_id)
+
+    def _forget_requests(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            if entry.request_id is not None and self.request_keys.get(entry.request_id) == entry.tx_key:
+                del self.request_keys[entry.request_id]
 
     def truncate_after(self, key: TxKey) -> None:
         position = bisect.bisect_right(self.keys, key)
+        self._forget_requests(self.entries[position:])
         del self.entries[position:]
         del self.keys[position:]
         del self.appended_ms[position:]
@@ -184,6 +204,7 @@ class MemoryLog:
         if digest is None:
             raise SimulationFailure(f"cannot trim to {key}: not in the log")
         position = bisect.bisect_right(self.keys, key)
+        self._forget_requests(self.entries[:position])
         del self.entries[:position]
         del self.keys[:position]
         del self.appended_ms[:position]
@@ -316,6 +337,14 @@ class Simulation:
         self.committed_request_id: dict[TxKey, str | None] = {}
         self.committed_last_key = ZERO_KEY
         self.acknowledged: dict[str, TxKey] = {}
+        # Client writes not acknowledged yet: request id -> (request, when to resend, resends so far).
+        self.unanswered: dict[str, tuple[ClientRequest, int, int]] = {}
+        self.resends = 0
+        self.resends_answered_from_log = 0
+        # Exactly once: request id -> the key it committed at. A request id may commit again only if
+        # the sequencer that proposed it again no longer retained its first entry (``_propose``).
+        self.committed_key_of_request: dict[str, TxKey] = {}
+        self.reproposed_after_trim: set[str] = set()
         self.client_belief: str | None = None
         self.write_count = 0
         self.crashes = 0
@@ -419,6 +448,10 @@ class Simulation:
         """A write at the sequencer, as production's driver takes it (core/node.py ``_write``):
         propose, then wait for the entry carrying the request id to commit. ``client``: where the
         answer goes (the client, or the core that forwarded the write)."""
+        first = self.committed_key_of_request.get(request_id)
+        if first is not None and first <= node.log.trimmed_key():
+            # Production's limit: a request id is remembered while its entry is retained.
+            self.reproposed_after_trim.add(request_id)
         for effect in self._step(node, Proposed(ops, request_id)):
             if isinstance(effect, PersistEntries) and node.machine is not None:
                 for entry in effect.entries:
@@ -446,10 +479,18 @@ class Simulation:
 
     def _client_told(self, node: SimNode, outcome: Outcome | None) -> None:
         if isinstance(outcome, Acknowledged):
+            earlier = self.acknowledged.get(outcome.request_id)
+            if earlier not in (None, outcome.tx_key) and outcome.request_id not in self.reproposed_after_trim:
+                raise self.fail(f"{outcome.request_id} acknowledged at {earlier} and again at {outcome.tx_key}")
             self.acknowledged[outcome.request_id] = outcome.tx_key
+            self.resends_answered_from_log += outcome.duplicate
+            self.unanswered.pop(outcome.request_id, None)
             self.acknowledged_position = max(self.acknowledged_position, self.commit_position[outcome.tx_key])
         elif isinstance(outcome, OutcomeUnknown):
             self.trace.append((self.now_ms, node.name, "outcome unknown", outcome.request_id, outcome.reason))
+            waiting = self.unanswered.get(outcome.request_id)
+            if waiting is not None:  # the client resends soon, with the same request id
+                self.unanswered[outcome.request_id] = (waiting[0], self.now_ms + 50, waiting[2])
 
     # ------------------------------------------------------------ effects (the driver)
 
@@ -530,6 +571,7 @@ class Simulation:
                     )
                 self.committed_digest[entry.tx_key] = entry.digest
                 self.committed_request_id[entry.tx_key] = entry.request_id
+                self._check_once(entry)
                 self.committed_last_key = entry.tx_key
                 self._remember_committed(entry)
             elif known != entry.digest:
@@ -540,6 +582,15 @@ class Simulation:
             raise self.fail(f"{node.name} asked to apply up to {up_to} but its log reaches only {node.applied_key}")
         self.trace.append((self.now_ms, node.name, "applied", up_to))
         return applied
+
+    def _check_once(self, entry: Entry) -> None:
+        """A resent request id takes effect once (core.rules: a retry is answered from the log)."""
+        request_id = entry.request_id
+        if request_id is None:
+            return
+        first = self.committed_key_of_request.setdefault(request_id, entry.tx_key)
+        if first != entry.tx_key and request_id not in self.reproposed_after_trim:
+            raise self.fail(f"request {request_id} committed at {first} and again at {entry.tx_key}")
 
     def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
         follower = self.nodes[follower_name]
@@ -804,27 +855,54 @@ class Simulation:
         request = ClientRequest(
             "write", 0, self.write_count, self.now_ms, self.acknowledged_position, ops=self._write_ops(self.write_count)
         )
+        self.unanswered[f"w{request.number}"] = (request, self.now_ms + CLIENT_RETRY_MS, 0)
         self._write_at(node, request)
 
+    def _resend_due(self) -> None:
+        """Clients resend unanswered writes with the same request id, to the core they believe leads."""
+        for request_id, (request, resend_ms, resends) in list(self.unanswered.items()):
+            if resend_ms > self.now_ms:
+                continue
+            if resends >= CLIENT_RETRIES_MAX:
+                del self.unanswered[request_id]  # the client gives up: outcome unknown to its caller
+                continue
+            self.unanswered[request_id] = (request, self.now_ms + CLIENT_RETRY_MS, resends + 1)
+            target = self.client_belief or self.rng.choice(list(self.nodes))
+            node = self.nodes[target]
+            if self._is_up(node):
+                self.resends += 1
+                self.trace.append((self.now_ms, target, "client resends", request_id))
+                self._write_at(node, dataclasses.replace(request, started_ms=self.now_ms))
+            else:
+                self.client_belief = None
+
     def _write_at(self, node: SimNode, request: ClientRequest) -> None:
-        """A write reaches ``node`` (core/node.py ``_write``): proposed at the sequencer, forwarded
-        once to the sequencer this core knows (core.outcome), refused otherwise (the client retries)."""
+        """A write reaches ``node``: production's rule-book (``core.rules.route_write``) answers a
+        resent request id from the log, proposes a new one at the sequencer, forwards it once to the
+        sequencer this core knows, or refuses it (the client retries)."""
         machine = node.machine
         if machine is None:
             return
         request_id = f"w{request.number}"
-        if machine.role is Role.SEQUENCER:
-            self._propose(node, request.ops, request_id, request.origin or CLIENT)
-            return
-        target = forward_target(machine.sequencer, node.name, request.origin is not None)
-        if target is None:
+        client = request.origin or CLIENT
+        view = rules.ShardView(SHARD, machine.role is Role.SEQUENCER, machine.sequencer)
+        try:
+            route = rules.route_write(view, node.name, request.origin is not None, node.log.find_request(request_id))
+        except RequestError:
             if request.origin is None:
                 self.client_belief = None  # no_sequencer: the client tries another core next time
             return  # a forwarded write is not forwarded again; its origin's wait expires
-        if node.forwarded.full():
-            return  # overloaded
-        node.forwarded.forwarded(request_id, CLIENT, SHARD, target, self.now_ms)
-        self._enqueue_client(target, dataclasses.replace(request, origin=node.name, forwarded=True))
+        if isinstance(route, rules.Propose):
+            self._propose(node, request.ops, request_id, client)
+        elif isinstance(route, rules.AwaitCommit):
+            answer = node.waiters.answer_now(route.tx_key, request_id, node.applied_key, route.duplicate)
+            if answer is not None:
+                self._tell(node, answer, client)
+            else:
+                node.waiters.wait(route.tx_key, request_id, client)
+        elif not node.forwarded.full():  # full: overloaded, the client retries
+            node.forwarded.forwarded(request_id, CLIENT, SHARD, route.target, self.now_ms)
+            self._enqueue_client(route.target, dataclasses.replace(request, origin=node.name, forwarded=True))
 
     def _write_ops(self, number: int) -> tuple[Op, ...]:
         """The ops of client write ``number`` (a hook: the replicant simulation writes richer ones)."""
@@ -859,6 +937,7 @@ class Simulation:
                 node.tail.expired(self.now_ms)
 
     def _advance(self) -> None:
+        self._resend_due()
         self._deliver_due()
         self._end_batches()
         self._tick_all()

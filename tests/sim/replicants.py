@@ -633,6 +633,7 @@ class ReplicantSimulation(Simulation):
         self.waiting_reads = waiting
 
     def _advance(self) -> None:
+        self._resend_due()
         self._deliver_due()
         self._deliver_replication_due()
         self._answer_waiting_reads()
