@@ -77,7 +77,6 @@ from mnesite.core.outcome import (
     ForwardedRequests,
     Outcome,
     OutcomeUnknown,
-    forward_target,
 )
 from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
@@ -684,21 +683,27 @@ class Simulation:
         if request.kind == "local":
             self._record_read(node.name, request, applied_row)
             return
-        if machine.role is not Role.SEQUENCER:
-            # Forwarded once to the sequencer this node knows (production's core.outcome rule);
-            # otherwise the client retries.
-            target = forward_target(machine.sequencer, node.name, request.forwarded)
-            if target is not None:
-                self._enqueue_client(target, dataclasses.replace(request, forwarded=True))
-            return
+        # Production's read fence (core.rules.fence_read): forwarded once to the sequencer this node
+        # knows; answered there only while ShardConsensus.read_index allows; otherwise refused
+        # (the client retries). A guarded write takes the same way to the sequencer.
         read_index = machine.read_index(self.now_ms)
+        view = rules.ShardView(SHARD, machine.role is Role.SEQUENCER, machine.sequencer)
+        try:
+            fence = rules.fence_read(view, node.name, request.forwarded, read_index)
+        except RequestError:
+            fence = None
+        if isinstance(fence, rules.Forward):
+            self._enqueue_client(fence.target, dataclasses.replace(request, forwarded=True))
+            return
+        if machine.role is not Role.SEQUENCER:
+            return
         if request.kind == "linearizable":
-            if read_index is not None:
+            if fence is not None:
                 self._record_read(node.name, request, applied_row)
             return
         if request.kind == "read_index":
-            if read_index is not None:
-                self._read_index_answered(request, read_index)
+            if fence is not None:
+                self._read_index_answered(request, fence)
             return
         # Production's transaction rules (core.transaction), the guard read through the unapplied tail
         # first, as core/node.py ``_write`` reads it.
