@@ -44,13 +44,14 @@ from typing import Any
 
 from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.bootstrap.serve import read_batch
-from mnesite.core import watch
+from mnesite.core import rules, watch
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.consensus import Commit, Effect, Role
 from mnesite.core.watch import WatchRefusedError
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import replication as p
+from mnesite.rlog.errors import RequestError
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -328,10 +329,25 @@ class ReplicantSimulation(Simulation):
                 raise self.fail(f"{node.name} served a malformed bootstrap batch: {served!r}")
             self._send_replication(node.name, sender, ("answer", answer))
         elif kind == "committed":
-            # The driver asks with read_index: the sequencer's quorum-confirmed committed key.
-            known = self._hears_sequencer(node)
-            answer = p.CommittedReceived(node.name, self.committed_last_key if known else None)
-            self._send_replication(node.name, sender, ("answer", answer))
+            # The replicant's read fence is a read_index request, served as production serves it
+            # (core.rules.fence_read): at the sequencer while ShardConsensus.read_index allows,
+            # forwarded once from any other core, whose answer is relayed to the replicant.
+            _, forwarded, origin, replicant = message if len(message) == 4 else (kind, False, node.name, sender)
+            machine = node.machine
+            view = rules.ShardView(SHARD, machine.role is Role.SEQUENCER, machine.sequencer)
+            try:
+                fence = rules.fence_read(view, node.name, forwarded, machine.read_index(self.now_ms))
+            except RequestError:
+                fence = None
+            if isinstance(fence, rules.Forward):
+                self._send_replication(node.name, fence.target, ("committed", True, origin, replicant))
+            elif origin != node.name:
+                self._send_replication(node.name, origin, ("relay", replicant, fence))
+            else:
+                self._send_replication(node.name, replicant, ("answer", p.CommittedReceived(node.name, fence)))
+        elif kind == "relay":
+            _, replicant, key = message
+            self._send_replication(node.name, replicant, ("answer", p.CommittedReceived(node.name, key)))
         elif kind == "ack":
             self._step_agent(node, message[1], p.AckReceived(message[2]))
         elif kind == "reject":
