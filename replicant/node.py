@@ -34,6 +34,7 @@ from typing import Any
 
 import zmq
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
+from mnesite.replicant.reads import GATHER_FAILED, ReadIndexGather, WaitingReads, shards_to_wait_on
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import codec, messages, range_requests
@@ -95,42 +96,6 @@ class Probe:
     deadline_ms: int
 
 
-@dataclass
-class WaitingRead:
-    """A read held until the replica has applied what it must see.
-
-    ``targets`` maps a shard to the key it must reach. A read of a known table has one target (its
-    shard). A read of a table this replicant does not know yet (created by the very write whose key the
-    client waits for, or by a write committed before a linearizable read began) waits on every shard it
-    replicates: once the table appears its own shard's target decides; if every shard reached its target
-    and the table is still unknown, it did not exist, and the read answers ``unknown_table``.
-    """
-
-    envelope: list[bytes]
-    message: Message
-    targets: dict[str, TxKey]
-    deadline_ms: int
-
-    def ready(self, catalog: dict[str, TableSchema], replicas: dict[str, ShardReplica]) -> bool:
-        table = catalog.get(self.message.body.table)
-        if table is not None and table.shard in self.targets:
-            replica = replicas.get(table.shard)
-            return replica is not None and replica.readable_at(self.targets[table.shard])
-        return all(shard in replicas and replicas[shard].readable_at(key) for shard, key in self.targets.items())
-
-    def describe(self) -> str:
-        return ", ".join(f"shard {shard} did not reach {key}" for shard, key in sorted(self.targets.items()))
-
-
-@dataclass
-class ReadIndexGather:
-    """The read indexes of one linearizable read, one per shard it waits on; answered at most once."""
-
-    expected: int
-    keys: dict[str, TxKey] = field(default_factory=dict)
-    answered: bool = False
-
-
 class ReplicantNode(NodeServer):
     role = "replicant"
 
@@ -155,7 +120,7 @@ class ReplicantNode(NodeServer):
         self.core_sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, Pending] = {}
         self.probes: dict[str, Probe] = {}
-        self.waiting_reads: list[WaitingRead] = []
+        self.waiting_reads: WaitingReads[tuple[list[bytes], Message]] = WaitingReads(WAITING_READS_MAX)
         self.pushes_rejected: dict[str, int] = {}
         self._next_discovery_ms = 0
         self._next_progress_log_ms: dict[str, int] = {}
@@ -402,14 +367,12 @@ class ReplicantNode(NodeServer):
             return
         if pending.purpose == "read_index":
             envelope, message, gather = pending.detail["envelope"], pending.detail["message"], pending.detail["gather"]
-            if gather.answered:
-                return  # another shard's read_index failed and answered the client already
             committed = None
             if error is None and isinstance(result, dict):
                 with contextlib.suppress(OpDecodeError, KeyError):
                     committed = tx_key_from_wire(result["committed"])
-            if committed is None:
-                gather.answered = True
+            step = gather.arrived(pending.detail["shard"], committed)
+            if step == GATHER_FAILED:
                 self.reply(
                     envelope,
                     codec.error(
@@ -419,11 +382,8 @@ class ReplicantNode(NodeServer):
                         error.detail if error else None,
                     ),
                 )
-                return
-            gather.keys[pending.detail["shard"]] = committed
-            if len(gather.keys) == gather.expected:
-                gather.answered = True
-                self._wait_for(envelope, message, dict(gather.keys))
+            elif isinstance(step, dict):
+                self._wait_for(envelope, message, step)
             return
         if pending.purpose == "fence":
             replica = self.replicas.get(pending.shard or "")
@@ -540,12 +500,9 @@ class ReplicantNode(NodeServer):
         for shard in [s for s, probe in self.probes.items() if probe.deadline_ms <= now]:
             if shard in self.replicas:
                 self._finish_probe(self.replicas[shard])
-        for read in [r for r in self.waiting_reads if r.deadline_ms <= now]:
-            self.waiting_reads.remove(read)
-            self.reply(
-                read.envelope,
-                codec.error(read.message.request_id, "timeout", read.describe()),
-            )
+        for read in self.waiting_reads.expired(now):
+            envelope, message = read.payload
+            self.reply(envelope, codec.error(message.request_id, "timeout", read.describe()))
 
     def no_core_reached(self) -> str | None:
         """Why this replicant serves nothing, if no core has answered it for ``NO_CORE_WARNING_MS``."""
@@ -729,17 +686,14 @@ class ReplicantNode(NodeServer):
     def _read(self, envelope: list[bytes], message: Message) -> None:
         body = message.body
         fresh = body.consistency == "linearizable" or body.min_key is not None
-        try:
-            table = self._table(body.table)
-        except RequestError:
-            # A read that must see a key may name a table that key's write created: wait on every
-            # shard (WaitingRead) rather than answer unknown_table before the create is applied.
-            if not fresh or not self.replicas:
-                raise
-            shards = sorted(self.replicas)
-        else:
+        table = self.store.catalog().get(body.table)
+        if table is not None:
             self._serving(table.shard)
-            shards = [table.shard]
+        # A read that must see a key may name a table that key's write created (the held-read
+        # rule, replicant.reads): it waits rather than answer unknown_table too early.
+        shards = shards_to_wait_on(table.shard if table else None, fresh, self.replicas)
+        if shards is None:
+            table = self._table(body.table)  # raises unknown_table, with why if no core is reached
         if body.consistency == "linearizable":
             self._ask_read_indexes(envelope, message, shards)
             return
@@ -751,7 +705,7 @@ class ReplicantNode(NodeServer):
 
     def _ask_read_indexes(self, envelope: list[bytes], message: Message, shards: list[str] | tuple[str, ...]) -> None:
         """Learn each shard's committed key from its sequencer (quorum-confirmed); ``_wait_for`` follows."""
-        gather = ReadIndexGather(len(shards))
+        gather = ReadIndexGather(tuple(shards))
         for shard in shards:
             core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
             detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
@@ -787,12 +741,12 @@ class ReplicantNode(NodeServer):
             except RequestError as error:
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
             return
+        wait_ms = READ_WAIT_MS_MAX if message.body.wait_ms is None else min(READ_WAIT_MS_MAX, message.body.wait_ms)
         if len(self.waiting_reads) >= WAITING_READS_MAX:
             self.reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
             return
-        wait_ms = READ_WAIT_MS_MAX if message.body.wait_ms is None else min(READ_WAIT_MS_MAX, message.body.wait_ms)
-        self.hold(envelope, message.request_id)
-        self.waiting_reads.append(WaitingRead(envelope, message, targets, self.clock_ms() + wait_ms))
+        self.hold(envelope, message.request_id)  # may refuse (overloaded): then nothing waits
+        self.waiting_reads.hold((envelope, message), message.body.table, targets, self.clock_ms() + wait_ms)
 
     def _read_now(self, table: TableSchema, message: Message) -> Any:
         body = message.body
@@ -810,15 +764,23 @@ class ReplicantNode(NodeServer):
         if not self.waiting_reads:
             return
         catalog = self.store.catalog()
-        for read in list(self.waiting_reads):
-            if read.ready(catalog, self.replicas):
-                self.waiting_reads.remove(read)
-                try:
-                    result = self._read_now(self._table(read.message.body.table), read.message)
-                except (RequestError, SchemaError) as error:
-                    self.reply(read.envelope, codec.error(read.message.request_id, error.code, str(error)))
-                    continue
-                self.reply(read.envelope, codec.reply(read.message.request_id, result))
+
+        def shard_of(name: str) -> str | None:
+            table = catalog.get(name)
+            return table.shard if table is not None else None
+
+        def readable(shard: str, key: TxKey) -> bool:
+            replica = self.replicas.get(shard)
+            return replica is not None and replica.readable_at(key)
+
+        for read in self.waiting_reads.ready(shard_of, readable):
+            envelope, message = read.payload
+            try:
+                result = self._read_now(self._table(message.body.table), message)
+            except (RequestError, SchemaError) as error:
+                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                continue
+            self.reply(envelope, codec.reply(message.request_id, result))
 
     def status(self) -> dict[str, Any]:
         shards = {}

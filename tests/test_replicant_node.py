@@ -1,5 +1,5 @@
-"""The replicant node's own rules, without processes: held reads (``WaitingRead``: a read that must
-see a key waits for the table that key's write created, instead of answering ``unknown_table``
+"""The replicant node's own rules, without processes: held reads (``replicant.reads``: a read that
+must see a key waits for the table that key's write created, instead of answering ``unknown_table``
 before the create is applied) and dropped outgoing frames (counted, shown, logged)."""
 
 from __future__ import annotations
@@ -7,9 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from mnesite.replicant.node import WaitingRead
+from mnesite.replicant.reads import (
+    GATHER_DONE,
+    GATHER_FAILED,
+    GATHER_WAITING,
+    ReadIndexGather,
+    WaitingRead,
+    WaitingReads,
+    shards_to_wait_on,
+)
 from mnesite.rlog import codec
 from mnesite.rlog.codec import Message
+from mnesite.rlog.errors import OverloadedError
 from mnesite.rlog.messages import typed_body
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
@@ -28,9 +37,25 @@ class FakeReplica:
         return self.serving and self.applied >= key
 
 
-def held(table: str, targets: dict[str, TxKey]) -> WaitingRead:
-    message = Message("get", "r1", typed_body("get", {"table": table, "key": 1}))
-    return WaitingRead([b"client"], message, targets, deadline_ms=1_000)
+class Held:
+    """A held read with the driver's view of tables and replicas (what ``WaitingReads.ready`` is given)."""
+
+    def __init__(self, table: str, targets: dict[str, TxKey]) -> None:
+        self.read = WaitingRead("client", table, targets, deadline_ms=1_000)
+
+    def ready(self, catalog: dict[str, TableSchema], replicas: dict[str, FakeReplica]) -> bool:
+        table = catalog.get(self.read.table)
+        return self.read.is_ready(
+            table.shard if table else None,
+            lambda shard, key: shard in replicas and replicas[shard].readable_at(key),
+        )
+
+    def describe(self) -> str:
+        return self.read.describe()
+
+
+def held(table: str, targets: dict[str, TxKey]) -> Held:
+    return Held(table, targets)
 
 
 LATE = TableSchema("late", "default", "k", (("k", "TEXT"),))
@@ -61,6 +86,36 @@ def test_a_known_table_waits_for_its_shard_only() -> None:
     replicas["default"].applied = TxKey(2, 1)
     assert read.ready({"late": LATE}, replicas)
     assert read.describe() == "shard default did not reach (2, 1)"
+
+
+def test_which_shards_a_read_waits_on() -> None:
+    assert shards_to_wait_on("a", True, ["a", "b"]) == ["a"]
+    assert shards_to_wait_on(None, True, ["b", "a"]) == ["a", "b"]  # unknown table, must see a key
+    assert shards_to_wait_on(None, False, ["a"]) is None  # a local read of an unknown table: refused
+    assert shards_to_wait_on(None, True, []) is None  # nothing replicated: nothing to wait for
+
+
+def test_held_reads_are_bounded_answered_when_ready_and_expire() -> None:
+    reads: WaitingReads[str] = WaitingReads(2)
+    reads.hold("r1", "late", {"default": TxKey(1, 5)}, deadline_ms=100)
+    reads.hold("r2", "late", {"default": TxKey(1, 9)}, deadline_ms=200)
+    with pytest.raises(OverloadedError):
+        reads.hold("r3", "late", {"default": TxKey(1, 1)}, deadline_ms=300)
+    applied = {"default": TxKey(1, 6)}
+    ready = reads.ready(lambda table: "default", lambda shard, key: applied[shard] >= key)
+    assert [read.payload for read in ready] == ["r1"] and len(reads) == 1
+    assert reads.expired(199) == [] and [read.payload for read in reads.expired(200)] == ["r2"]
+    assert len(reads) == 0
+
+
+def test_a_read_index_gather_waits_for_every_shard_and_decides_once() -> None:
+    gather = ReadIndexGather(("a", "b"))
+    assert gather.arrived("a", TxKey(1, 3)) == GATHER_WAITING
+    assert gather.arrived("b", TxKey(2, 1)) == {"a": TxKey(1, 3), "b": TxKey(2, 1)}
+    assert gather.arrived("b", TxKey(2, 2)) == GATHER_DONE  # a late duplicate changes nothing
+    failed = ReadIndexGather(("a", "b"))
+    assert failed.arrived("a", None) == GATHER_FAILED
+    assert failed.arrived("b", TxKey(1, 1)) == GATHER_DONE  # refused once, never answered later
 
 
 def test_a_dropped_outgoing_frame_is_counted_shown_in_status_and_logged_at_most_every_interval(
@@ -108,10 +163,10 @@ def test_a_dropped_outgoing_frame_is_counted_shown_in_status_and_logged_at_most_
 
 
 def _linearizable_read_pending(node, request_id: str):
-    from mnesite.replicant.node import Pending, ReadIndexGather
+    from mnesite.replicant.node import Pending
 
     message = Message("get", request_id, typed_body("get", {"table": "t", "key": 1, "consistency": "linearizable"}))
-    detail = {"envelope": [b"client"], "message": message, "shard": "default", "gather": ReadIndexGather(1)}
+    detail = {"envelope": [b"client"], "message": message, "shard": "default", "gather": ReadIndexGather(("default",))}
     return Pending("read_index", "core1", 0, "default", detail)
 
 

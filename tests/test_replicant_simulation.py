@@ -12,6 +12,7 @@ import os
 
 import pytest
 from mnesite.core import watch
+from mnesite.replicant import reads
 from mnesite.replicant.replica import ShardReplica
 from mnesite.rlog.replication import Mode, PushReceived
 from mnesite.rlog.types import Entry, TxKey
@@ -130,3 +131,18 @@ def test_the_simulator_catches_a_resume_rule_without_the_digest_check(monkeypatc
     # answer shows as replicas that never converge: the simulator's end check catches it.
     with pytest.raises(SimulationFailure, match=f"seed {RESUME_SEED} .*replicas did not converge"):
         run_replicant_seed(RESUME_SEED)
+
+
+HELD_READ_SEEDS = (3, 4, 6)
+
+
+@pytest.mark.timeout(120)
+def test_the_simulator_catches_a_held_read_answered_before_its_replica_reached_the_read_index(monkeypatch):
+    """replicant.reads: a linearizable read at a replicant waits until the replica is readable at the
+    read index its sequencer confirmed. Answered at once instead, it returns stale rows."""
+    for seed in HELD_READ_SEEDS:
+        run_replicant_seed(seed)  # the real rule passes these seeds
+    monkeypatch.setattr(reads.WaitingRead, "is_ready", lambda self, table_shard, readable: True)
+    for seed in HELD_READ_SEEDS:
+        with pytest.raises(SimulationFailure, match=f"seed {seed} .*replicant linearizable read"):
+            run_replicant_seed(seed)

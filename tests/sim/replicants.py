@@ -36,6 +36,7 @@ NORMAL at the cores' commit key with the sequencer's tables.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import heapq
 import random
@@ -48,10 +49,11 @@ from mnesite.core import rules, watch
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.consensus import Commit, Effect, Role
 from mnesite.core.watch import WatchRefusedError
+from mnesite.replicant.reads import ReadIndexGather, WaitingReads
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import replication as p
-from mnesite.rlog.errors import RequestError
+from mnesite.rlog.errors import OverloadedError, RequestError
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -67,7 +69,7 @@ from mnesite.rlog.types import (
     WriteOp,
 )
 
-from tests.sim.cluster import READ_KEYS, SHARD, ClientRequest, SimNode, Simulation
+from tests.sim.cluster import READ_KEYS, READ_TABLE, SHARD, ClientRequest, SimNode, Simulation
 
 TABLES = ("t", "u")
 KEY_COLUMN = "k"
@@ -81,6 +83,7 @@ BATCH_BYTES_MAX = 200
 CONVERGENCE_MS_MAX = 30_000
 # A replicant's linearizable read waits at most this long for its applied key (production: READ_WAIT_MS_MAX).
 READ_WAIT_MS_MAX = 2000
+WAITING_READS_MAX = 64
 
 
 def replay_command(seed: int) -> str:
@@ -209,7 +212,8 @@ class ReplicantSimulation(Simulation):
         self.pushes_rejected = 0
         self.replicant_crashes = 0
         # Replicant linearizable reads told their read index, waiting to be applied: (request, key, deadline).
-        self.waiting_reads: list[tuple[ClientRequest, TxKey, int]] = []
+        # Each replicant's held linearizable reads (production's rule: replicant.reads).
+        self.waiting_reads: dict[str, WaitingReads[ClientRequest]] = {}
         self.replicant_reads_checked = 0
 
     def _replay_command(self) -> str:
@@ -631,22 +635,25 @@ class ReplicantSimulation(Simulation):
         self._enqueue_client(write_target([upstream], tuple(sorted(self.nodes)), self.rng), request)
 
     def _read_index_answered(self, request: ClientRequest, read_index: TxKey) -> None:
-        self.waiting_reads.append((request, read_index, self.now_ms + READ_WAIT_MS_MAX))
+        # Production's gather of one read index per shard (one shard here), then the held read.
+        targets = ReadIndexGather((SHARD,)).arrived(SHARD, read_index)
+        assert isinstance(targets, dict)
+        reads = self.waiting_reads.setdefault(request.replicant or "", WaitingReads(WAITING_READS_MAX))
+        with contextlib.suppress(OverloadedError):  # refused: the client retries
+            reads.hold(request, READ_TABLE, targets, self.now_ms + READ_WAIT_MS_MAX)
 
     def _answer_waiting_reads(self) -> None:
-        waiting = []
-        for request, read_index, deadline_ms in self.waiting_reads:
-            replicant = self.replicants[request.replicant or ""]
+        for name, reads in self.waiting_reads.items():
+            replicant = self.replicants[name]
             machine = replicant.machine
-            if machine is None or self.now_ms >= deadline_ms:
-                continue  # the client times out and retries
-            if not machine.readable_at(read_index):  # production's rule (replicant/node.py)
-                waiting.append((request, read_index, deadline_ms))
+            if machine is None:
+                reads.reads.clear()  # lost with the process: the clients time out and retry
                 continue
-            row = self._row_at(request.key, self.commit_position[replicant.applied_key])
-            self._record_read(replicant.name, request, row)
-            self.replicant_reads_checked += 1
-        self.waiting_reads = waiting
+            reads.expired(self.now_ms)  # answered "timeout": the clients retry
+            for read in reads.ready(lambda table: SHARD, lambda shard, key, at=machine.readable_at: at(key)):
+                row = self._row_at(read.payload.key, self.commit_position[replicant.applied_key])
+                self._record_read(replicant.name, read.payload, row)
+                self.replicant_reads_checked += 1
 
     def _advance(self) -> None:
         self._resend_due()
