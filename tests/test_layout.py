@@ -76,6 +76,90 @@ def test_the_import_rule_check_catches_a_violation(tmp_path: Path) -> None:
     ]
 
 
+# Protocol decisions live in pure modules the deterministic simulator runs: they import neither the
+# network (zmq) nor the database (apsw), directly or through any module of ours they import.
+PURE_MODULES = (
+    "bootstrap.copy",
+    "bootstrap.fence",
+    "bootstrap.serve",
+    "core.agent",
+    "core.agent_budget",
+    "core.consensus",
+    "core.consensus_wire",
+    "core.guard_tail",
+    "core.membership",
+    "core.outcome",
+    "core.recovery",
+    "core.rules",
+    "core.snapshot",
+    "core.transaction",
+    "core.watch",
+    "replicant.reads",
+    "replicant.replica",
+    "replicant.upstream",
+    "rlog.codec",
+    "rlog.errors",
+    "rlog.messages",
+    "rlog.replication",
+    "rlog.retention",
+    "rlog.roles",
+    "rlog.schema",
+    "rlog.types",
+)
+IMPURE = {"zmq", "apsw"}
+
+
+def _imports(repo: Path, module: str) -> tuple[set[str], set[str]]:
+    """(external top-level packages, modules of ours) that ``module`` imports, at any depth."""
+    external: set[str] = set()
+    ours: set[str] = set()
+    tree = ast.parse((repo / (module.replace(".", "/") + ".py")).read_text())
+    for node in ast.walk(tree):
+        names: list[tuple[str, list[str]]] = []
+        if isinstance(node, ast.Import):
+            names = [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [(node.module, [alias.name for alias in node.names])]
+        for name, members in names:
+            parts = name.split(".")
+            if parts[0] != "mnesite":
+                external.add(parts[0])
+                continue
+            base = ".".join(parts[1:])
+            for member in members or [""]:
+                candidate = f"{base}.{member}" if member else base
+                ours.add(candidate if (repo / (candidate.replace(".", "/") + ".py")).exists() else base)
+    return external, ours
+
+
+def impure_imports(repo: Path, modules: tuple[str, ...]) -> list[str]:
+    found = []
+    for module in modules:
+        seen: set[str] = set()
+        todo = [(module, module)]
+        while todo:
+            current, path = todo.pop()
+            if current in seen or not (repo / (current.replace(".", "/") + ".py")).exists():
+                continue
+            seen.add(current)
+            external, ours = _imports(repo, current)
+            found += [f"{module} imports {name} (via {path})" for name in sorted(external & IMPURE)]
+            todo += [(other, f"{path} -> {other}") for other in ours]
+    return found
+
+
+def test_pure_modules_import_neither_zmq_nor_apsw() -> None:
+    assert impure_imports(REPO, PURE_MODULES) == []
+
+
+def test_the_purity_check_catches_an_indirect_import(tmp_path: Path) -> None:
+    (tmp_path / "core").mkdir()
+    (tmp_path / "rlog").mkdir()
+    (tmp_path / "core" / "rules.py").write_text("from mnesite.rlog import helper\n")
+    (tmp_path / "rlog" / "helper.py").write_text("def f():\n    import apsw\n")
+    assert impure_imports(tmp_path, ("core.rules",)) == ["core.rules imports apsw (via core.rules -> rlog.helper)"]
+
+
 def test_the_front_door() -> None:
     import mnesite
 
