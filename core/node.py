@@ -58,8 +58,8 @@ from typing import Any
 import apsw
 import msgspec
 import zmq
+from mnesite.bootstrap import read_service
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
-from mnesite.bootstrap.serve import read_batch
 from mnesite.core import rules
 from mnesite.core.agent import AgentConfig
 from mnesite.core.consensus import (
@@ -134,7 +134,6 @@ from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.schema import (
     SchemaError,
     TableSchema,
-    check_key,
     schema_ops_toward,
 )
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
@@ -146,7 +145,6 @@ from mnesite.rlog.types import (
     OpDecodeError,
     PackedEntry,
     TxKey,
-    entry_to_json,
     tx_key_from_wire,
 )
 
@@ -167,7 +165,6 @@ READ_KINDS = frozenset(
     }
 )
 QUERY_KINDS = frozenset({"query", "query_page", "query_close"})
-RLOG_TAIL_COUNT_MAX = 1000
 POLL_INTERVAL_MS_MAX = 50
 FORWARD_TIMEOUT_MS = 5000
 FORWARDED_MAX = 10_000
@@ -1459,62 +1456,21 @@ class CoreNode(NodeServer):
         rules.check_applied(self.config.name, message.body.min_key, position.applied if position else None)
 
     def _read(self, message: Message) -> Any:
-        body = message.body
-        if isinstance(getattr(body, "table", None), str):
-            self._check_serving(self._table(body.table).shard)
-        if message.kind in range_requests.KINDS:
-            return range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
-        if message.kind == "get":
-            table = self._table(body.table)
-            self._check_consistency(message, table)
-            return self.store.read_row(table, check_key(table, body.key))
-        if message.kind == "count":
-            # SQLite counts (O(rows) in the engine, nothing shipped): the answer is one integer.
-            table = self._table(body.table)
-            self._check_consistency(message, table)
-            return {"rows": self.store.count_rows(table)}
-        if message.kind == "scan":
-            table = self._table(body.table)
-            self._check_consistency(message, table)
-            limit = self.config.limits.scan_rows_max if body.limit is None else body.limit
-            if not 0 < limit <= self.config.limits.scan_rows_max:
-                raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
-            after = body.after
-            if after is not None:
-                after = check_key(table, after)
-            return self.store.scan(table, after, limit)
-        if message.kind == "bootstrap_batch":
-            # The serving side of a bootstrap (bootstrap.serve): bounded in rows and in bytes, so the
-            # answer fits in a frame and costs this loop turn a bounded time.
-            table = self._table(body.table)
-            limit = body.limit
-            if not 0 < limit <= self.config.limits.scan_rows_max:
-                raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
-            after = body.after
-            if after is not None:
-                after = check_key(table, after)
-            bytes_max = self.config.limits.frame_bytes_max // 2
-            return read_batch(self.store, table, after, limit, min(bytes_max, body.bytes_max or bytes_max))
-        if message.kind == "list_tables":
-            return self.store.tables_json()
-        if message.kind == "status":
+        """A read at this core: its table's shard must be serving, and a read that must see a key
+        is refused until this core applied it; the answer is the shared read service's."""
+        body, kind = message.body, message.kind
+        if kind == "status":
             return self.status()
-        if message.kind == "journal":
+        if kind == "journal":
             return self.journal()
-        if message.kind == "rlog_tail":
-            count = 10 if body.count is None else body.count
-            if not 0 < count <= RLOG_TAIL_COUNT_MAX:
-                raise RequestError("bad_request", f"count must be 1..{RLOG_TAIL_COUNT_MAX}")
-            self._shard(body.shard)
-            return [entry_to_json(entry) for entry in self.store.tail(body.shard, count)]
-        if message.kind == "rlog_entries":
-            limit = RLOG_TAIL_COUNT_MAX if body.limit is None else body.limit
-            if not 0 < limit <= RLOG_TAIL_COUNT_MAX:
-                raise RequestError("bad_request", f"limit must be 1..{RLOG_TAIL_COUNT_MAX}")
-            self._shard(body.shard)
-            after = body.after or ZERO_KEY
-            return [entry_to_json(entry) for entry in self.store.entries_after(body.shard, after, limit)]
-        raise RequestError("bad_request", f"unknown request {message.kind}")
+        table = None
+        if kind in read_service.TABLE_KINDS:
+            table = self._table(body.table)
+            self._check_serving(table.shard)
+            if kind in ("get", "scan", "count"):
+                self._check_consistency(message, table)
+        limits = self.config.limits
+        return read_service.answer_read(self.store, kind, body, table, limits.scan_rows_max, limits.frame_bytes_max)
 
     def _shard(self, shard: str) -> ShardPosition:
         position = self.store.shard(shard)

@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from mnesite.bootstrap import read_service
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
 from mnesite.replicant.reads import GATHER_FAILED, ReadIndexGather, WaitingReads, shards_to_wait_on
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
-from mnesite.rlog import codec, messages, range_requests
+from mnesite.rlog import codec, messages
 from mnesite.rlog import replication as p
 from mnesite.rlog.backup import BackupError
 from mnesite.rlog.codec import CodecError, Message
@@ -45,16 +46,14 @@ from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.roles import WRITE_KINDS
-from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_name, schema_ops_toward
+from mnesite.rlog.schema import SchemaError, TableSchema, check_name, schema_ops_toward
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
-    ZERO_KEY,
     Entry,
     OpDecodeError,
     TxKey,
-    entry_to_json,
     tx_key_from_wire,
 )
 
@@ -69,7 +68,6 @@ PENDING_REQUESTS_MAX = 10_000
 WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
-RLOG_READ_MAX = 1000
 PROGRESS_LOG_INTERVAL_MS = 5000
 # No answer from any core for this long: the replicant says so in its log (at most once per this
 # interval) and in status, instead of answering "unknown table" without a word.
@@ -568,8 +566,6 @@ class ReplicantNode(NodeServer):
             self._forward(envelope, message)
         elif message.kind == "status":
             self.reply(envelope, codec.reply(message.request_id, self.status()))
-        elif message.kind == "list_tables":
-            self.reply(envelope, codec.reply(message.request_id, self.store.tables_json()))
         elif message.kind == "stop":
             self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
         elif message.kind in ("get", "scan", "count"):
@@ -578,12 +574,14 @@ class ReplicantNode(NodeServer):
             self._query(envelope, message)
         elif message.kind in ("query_page", "query_close"):
             self.query_cursor_request(envelope, message)
-        elif message.kind in range_requests.KINDS:
-            self._serving(self._table(body.table).shard)
-            result = range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
-            self.reply(envelope, codec.reply(message.request_id, result))
-        elif message.kind in ("rlog_tail", "rlog_entries"):
-            self.reply(envelope, codec.reply(message.request_id, self._rlog_read(message)))
+        elif message.kind in read_service.KINDS and message.kind != "bootstrap_batch":  # cores serve bootstraps
+            # Range requests, the catalog and this replicant's own rlog (what it applied, as far as it
+            # retains it): answered now, whatever the read's consistency.
+            table = None
+            if message.kind in read_service.TABLE_KINDS:
+                table = self._table(body.table)
+                self._serving(table.shard)
+            self.reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
         elif message.kind == "backup":
             try:
                 result = self.answer_backup(body, self._backup_not_ready())
@@ -646,23 +644,6 @@ class ReplicantNode(NodeServer):
                 fence = status.read_fence or "the committed key being asked for"
                 detail += f", replaying after its bootstrap up to {fence}"
         raise RequestError("not_ready", f"replicant {self.config.name} cannot serve shard {shard} yet ({detail})")
-
-    def _rlog_read(self, message: Message) -> list[dict[str, Any]]:
-        """This replicant's own rlog (what it applied, as far as it retains it)."""
-        body = message.body
-        shard = body.shard
-        if self.store.shard(shard) is None:
-            raise RequestError("unknown_shard", f"unknown shard {shard!r}")
-        if message.kind == "rlog_tail":
-            count = 10 if body.count is None else body.count
-            if not 0 < count <= RLOG_READ_MAX:
-                raise RequestError("bad_request", f"count must be 1..{RLOG_READ_MAX}")
-            return [entry_to_json(entry) for entry in self.store.tail(shard, count)]
-        limit = RLOG_READ_MAX if body.limit is None else body.limit
-        if not 0 < limit <= RLOG_READ_MAX:
-            raise RequestError("bad_request", f"limit must be 1..{RLOG_READ_MAX}")
-        after = body.after or ZERO_KEY
-        return [entry_to_json(entry) for entry in self.store.entries_after(shard, after, limit)]
 
     def _forward(self, envelope: list[bytes], message: Message) -> None:
         """Writes never originate here: send them to a core, which orders them through the sequencer."""
@@ -748,17 +729,11 @@ class ReplicantNode(NodeServer):
         self.hold(envelope, message.request_id)  # may refuse (overloaded): then nothing waits
         self.waiting_reads.hold((envelope, message), message.body.table, targets, self.clock_ms() + wait_ms)
 
-    def _read_now(self, table: TableSchema, message: Message) -> Any:
-        body = message.body
-        if message.kind == "count":
-            return {"rows": self.store.count_rows(table)}
-        if message.kind == "scan":
-            limit = self.config.limits.scan_rows_max if body.limit is None else body.limit
-            if not 0 < limit <= self.config.limits.scan_rows_max:
-                raise RequestError("bad_request", f"limit must be 1..{self.config.limits.scan_rows_max}")
-            after = body.after
-            return self.store.scan(table, check_key(table, after) if after is not None else None, limit)
-        return self.store.read_row(table, check_key(table, body.key))
+    def _read_now(self, table: TableSchema | None, message: Message) -> Any:
+        limits = self.config.limits
+        return read_service.answer_read(
+            self.store, message.kind, message.body, table, limits.scan_rows_max, limits.frame_bytes_max
+        )
 
     def _answer_waiting_reads(self) -> None:
         if not self.waiting_reads:

@@ -1,0 +1,63 @@
+"""The read service: how a node, core or replicant, answers a read from its own store.
+
+Both drivers resolve the table, check that its shard is serving and settle the read's consistency
+(a core refuses ``not_applied``; a replicant holds the read: ``replicant.reads``), then call
+``answer_read``. Every bound a read takes (rows per scan, bytes per bootstrap batch, entries per
+rlog read) is checked here, once, for both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mnesite.bootstrap.serve import read_batch
+from mnesite.rlog import range_requests
+from mnesite.rlog.errors import RequestError
+from mnesite.rlog.schema import TableSchema, check_key
+from mnesite.rlog.types import ZERO_KEY, entry_to_json
+
+RLOG_READ_MAX = 1000  # entries of one rlog_tail or rlog_entries answer
+TABLE_KINDS = frozenset({"get", "scan", "count", "bootstrap_batch", *range_requests.KINDS})
+KINDS = TABLE_KINDS | {"list_tables", "rlog_tail", "rlog_entries"}
+
+
+def _bounded(value: int | None, default: int, value_max: int, name: str) -> int:
+    value = default if value is None else value
+    if not 0 < value <= value_max:
+        raise RequestError("bad_request", f"{name} must be 1..{value_max}")
+    return value
+
+
+def answer_read(
+    store: Any, kind: str, body: Any, table: TableSchema | None, scan_rows_max: int, frame_bytes_max: int
+) -> Any:
+    """The answer to read ``kind`` (one of ``KINDS``); ``table``: the table a ``TABLE_KINDS`` read names,
+    resolved by the driver. Raises ``RequestError`` (or ``SchemaError`` for a key of the wrong type)."""
+    if kind in range_requests.KINDS:
+        return range_requests.answer(store, kind, body, scan_rows_max)
+    if kind == "get":
+        return store.read_row(table, check_key(table, body.key))
+    if kind == "count":
+        # SQLite counts (O(rows) in the engine, nothing shipped): the answer is one integer.
+        return {"rows": store.count_rows(table)}
+    if kind == "scan":
+        limit = _bounded(body.limit, scan_rows_max, scan_rows_max, "limit")
+        return store.scan(table, check_key(table, body.after) if body.after is not None else None, limit)
+    if kind == "bootstrap_batch":
+        # The serving side of a bootstrap (bootstrap.serve): bounded in rows and in bytes, so the
+        # answer fits in a frame and costs this loop turn a bounded time.
+        limit = _bounded(body.limit, scan_rows_max, scan_rows_max, "limit")
+        after = check_key(table, body.after) if body.after is not None else None
+        bytes_max = frame_bytes_max // 2
+        return read_batch(store, table, after, limit, min(bytes_max, body.bytes_max or bytes_max))
+    if kind == "list_tables":
+        return store.tables_json()
+    if kind in ("rlog_tail", "rlog_entries"):
+        if store.shard(body.shard) is None:
+            raise RequestError("unknown_shard", f"unknown shard {body.shard!r}")
+        if kind == "rlog_tail":
+            count = _bounded(body.count, 10, RLOG_READ_MAX, "count")
+            return [entry_to_json(entry) for entry in store.tail(body.shard, count)]
+        limit = _bounded(body.limit, RLOG_READ_MAX, RLOG_READ_MAX, "limit")
+        return [entry_to_json(entry) for entry in store.entries_after(body.shard, body.after or ZERO_KEY, limit)]
+    raise RequestError("bad_request", f"{kind} is not a read")
