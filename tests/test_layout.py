@@ -8,6 +8,7 @@ DESIGN.md: ``rlog`` is the lowest layer and imports nothing else of ours; ``boot
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import zipfile
@@ -185,3 +186,24 @@ def test_a_wheel_installs_only_the_mnesite_package(tmp_path: Path) -> None:
     for module in ("core/node.py", "rlog/codec.py", "replicant/node.py", "cli/main.py", "spark/compare.py"):
         assert f"mnesite/{module}" in names
     assert not any(name.startswith("mnesite/tests") for name in names)
+
+
+def test_every_test_the_rule_table_names_exists() -> None:
+    """docs/contributing/design.md names, for each protocol rule, the tests that catch its breakage."""
+    text = (REPO / "docs" / "contributing" / "design.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") == 5][2:]
+    assert len(table) >= 15
+    named = 0
+    for row in table:
+        cell = row.split("|")[4]
+        current = None
+        for match in re.finditer(r"`(test_\w+\.py)?(?:::)?(\w*)`", cell):
+            file, name = match.groups()
+            current = file or current
+            assert current is not None and (REPO / "tests" / current).exists(), row
+            if not name:
+                continue
+            source = (REPO / "tests" / current).read_text()
+            assert re.search(rf"def {name}\(", source), f"{current}::{name} named in the rule table does not exist"
+            named += 1
+    assert named >= 15
