@@ -83,6 +83,9 @@ class FaultRecord:
     # from a majority of cores (minority) and those through which writes can still commit (majority).
     cut_s: float | None = None
     healed_s: float | None = None
+    # When the heal began: links come back one route at a time from then on, so what completes after
+    # it may have crossed a restored link (the minority checks end here, not at healed_s).
+    healing_s: float | None = None
     minority: list[str] = field(default_factory=list)
     majority: list[str] = field(default_factory=list)
 

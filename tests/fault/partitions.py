@@ -136,6 +136,7 @@ def inject(nemesis: Nemesis, fault: str, record: FaultRecord) -> None:
     try:
         record.hold_s = nemesis._hold(HOLD_S_MIN, HOLD_S_MAX)
     finally:
+        record.healing_s = nemesis.clock()
         network.heal()
         record.healed_s = nemesis.clock()
 
@@ -206,6 +207,8 @@ def figures(
             continue
         kind = result.setdefault(record.fault, KindFigures(record.fault))
         cut_s, healed_s = record.cut_s, record.healed_s
+        # The minority is cut from cut_s until the heal begins (its links return one by one after).
+        cut_until_s = record.healing_s if record.healing_s is not None else healed_s
         kind.injected += 1
         kind.held_s += healed_s - cut_s
         minority, majority = set(record.minority), set(record.majority)
@@ -217,17 +220,17 @@ def figures(
             if first_s is None:
                 first_s = op.completed_s - cut_s
             kind.majority_acks += node in majority
-            kind.minority_acks += node in minority
+            kind.minority_acks += node in minority and op.completed_s < cut_until_s
         kind.failover_s.append(first_s)
         if not minority:
             continue
         for op in history:
             if op.process < 0 or client_nodes[op.process] not in minority or op.kind != READ:
                 continue
-            if cut_s + MINORITY_READ_GRACE_S <= op.invoked_s and op.completed_s <= healed_s:
+            if cut_s + MINORITY_READ_GRACE_S <= op.invoked_s and op.completed_s < cut_until_s:
                 kind.minority_late_reads += 1
         for refusal in refusals:
-            if client_nodes[refusal.process] in minority and cut_s <= refusal.completed_s <= healed_s:
+            if client_nodes[refusal.process] in minority and cut_s <= refusal.completed_s < cut_until_s:
                 kind.minority_failures += 1
     return result
 

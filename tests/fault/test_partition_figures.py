@@ -74,3 +74,17 @@ def test_process_faults_and_unhealed_records_are_left_out() -> None:
     unhealed.healed_s = None
     kill = FaultRecord("kill_sequencer", ["core1"], 10.0, 2.0, 1)
     assert figures([kill, unhealed], history, refusals, CLIENT_NODES) == {}
+
+
+def test_what_completes_while_the_links_are_being_restored_is_not_charged_to_the_minority() -> None:
+    """The heal restores one route at a time: a minority write acknowledged after the heal began may
+    have crossed a restored link, so the minority checks end when the heal begins (2026-11-25: a
+    partition run charged the minority one such write)."""
+    history, refusals = healthy_history()
+    record = sequencer_cut()
+    record.healing_s = 14.9
+    history.append(Operation(0, 2, WRITE, OK, 14.5, 14.95, 200))  # completed while healing
+    assert problems(figures([record], history, refusals, CLIENT_NODES), ["partition_sequencer"]) == []
+    history.append(Operation(0, 3, WRITE, OK, 14.5, 14.8, 300))  # completed before the heal began
+    found = problems(figures([record], history, refusals, CLIENT_NODES), ["partition_sequencer"])
+    assert any("1 writes acknowledged on the minority side" in p for p in found), found
