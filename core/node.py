@@ -1410,11 +1410,8 @@ class CoreNode(NodeServer):
         self._query_index_complete(gather)
 
     def _query_index_answered(self, ask: QueryIndexAsk, answer: Message) -> None:
-        result = answer.body.result if answer.kind == "reply" else None
-        try:
-            key = tx_key_from_wire(result["committed"]) if isinstance(result, dict) else None
-        except (OpDecodeError, KeyError):
-            key = None
+        answered = messages.answer_as(answer.body.result, messages.ReadIndexAnswer) if answer.kind == "reply" else None
+        key = answered.committed if answered is not None else None
         if key is None:
             code = answer.body.code if answer.kind == "error" else "bad_answer"
             reason = answer.body.message if answer.kind == "error" else "malformed read_index answer"

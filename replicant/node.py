@@ -23,7 +23,6 @@ Shards are discovered from the cores' journals: every shard a core reports gets 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
@@ -52,9 +51,7 @@ from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
     Entry,
-    OpDecodeError,
     TxKey,
-    tx_key_from_wire,
 )
 
 log = logging.getLogger("mnesite.replicant")
@@ -365,10 +362,8 @@ class ReplicantNode(NodeServer):
             return
         if pending.purpose == "read_index":
             envelope, message, gather = pending.detail["envelope"], pending.detail["message"], pending.detail["gather"]
-            committed = None
-            if error is None and isinstance(result, dict):
-                with contextlib.suppress(OpDecodeError, KeyError):
-                    committed = tx_key_from_wire(result["committed"])
+            answered = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
+            committed = answered.committed if answered is not None else None
             step = gather.arrived(pending.detail["shard"], committed)
             if step == GATHER_FAILED:
                 self.reply(
@@ -385,10 +380,8 @@ class ReplicantNode(NodeServer):
             return
         if pending.purpose == "fence":
             replica = self.replicas.get(pending.shard or "")
-            committed = None
-            if error is None and isinstance(result, dict):
-                with contextlib.suppress(OpDecodeError, KeyError):
-                    committed = tx_key_from_wire(result["committed"])
+            answered = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
+            committed = answered.committed if answered is not None else None
             if replica is not None:
                 self._step(replica, p.CommittedReceived(pending.core, committed))
             return
@@ -817,16 +810,9 @@ def _valid_shard_name(shard: Any) -> bool:
 
 def watch_accepted(core: str, answer: Any) -> p.WatchAccepted | None:
     """The watch answer ``answer`` from ``core`` (a reply, or repeated in a push); None if malformed."""
-    if not isinstance(answer, dict):
+    accepted = messages.answer_as(answer, messages.WatchAnswer)
+    if accepted is None:
         return None
-    try:
-        start = tx_key_from_wire(answer["start"])
-        fields = (answer["agent"], answer["mode"], answer["start_digest"], answer.get("watch_id", ""))
-    except (OpDecodeError, KeyError):
-        return None
-    agent, mode, start_digest, watch_id = fields
-    if not (isinstance(agent, str) and isinstance(mode, str) and isinstance(watch_id, str)):
-        return None
-    if not isinstance(start_digest, bytes):
-        return None
-    return p.WatchAccepted(core, agent, mode, start, start_digest, watch_id)
+    return p.WatchAccepted(
+        core, accepted.agent, accepted.mode, accepted.start, accepted.start_digest, accepted.watch_id
+    )

@@ -76,6 +76,7 @@ FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
 FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a frame_bytes_max frame can hold
 WAIT_MS_MAX = 600_000
 BACKUP_PATH_CHARS_MAX = 1024
+AGENTS_COUNT_MAX = 2**31  # a core's agent count beyond this is not believed
 QUERY_SQL_CHARS_MAX = 100_000  # one query's SQL text (rlog.query)
 QUERY_PARAMS_MAX = 999  # bound parameters of one query
 QUERY_CURSOR_CHARS_MAX = 64  # a query cursor's token
@@ -837,3 +838,39 @@ def typed_body(kind: str, fields: dict[str, Any]) -> Body:
     """``kind``'s body from a plain dict of its wire fields, checked as a received one would be
     (for in-process callers and tests that build requests by hand)."""
     return decode_body(kind, _OPS_ENCODER.encode(fields))
+
+
+# -- answers: the result of a request as the node that asked reads it -------------------------------
+# A reply's ``result`` is untrusted like any frame. A node that reads another's answer converts it to
+# the answer's type (``answer_as``): bounded, typed, None when malformed. Unknown fields are allowed:
+# a newer release may add some, and an older one must still read what it knows.
+
+
+class Answer(Struct, frozen=True, kw_only=True):
+    """The result of a request, read by the node that asked."""
+
+
+class ReadIndexAnswer(Answer, frozen=True, kw_only=True):
+    committed: TxKey  # the shard's committed key, confirmed by its sequencer's quorum
+
+
+class WatchAnswer(Answer, frozen=True, kw_only=True):
+    agent: Annotated[str, Meta(min_length=1, max_length=AGENT_ID_CHARS_MAX, pattern=NAME_PATTERN)]
+    mode: Literal["resume", "bootstrap"]
+    start: TxKey
+    start_digest: DigestOrEmpty
+    watch_id: Annotated[str, Meta(max_length=64)] = ""
+
+
+class JournalShardAnswer(Answer, frozen=True, kw_only=True):
+    committed: TxKey
+    hears_sequencer: bool
+    agents: Annotated[int, Meta(ge=0, lt=AGENTS_COUNT_MAX)]
+
+
+def answer_as(result: Any, answer_type: type[Any]) -> Any:
+    """``result`` as ``answer_type``, or None if it does not fit (never raises on untrusted input)."""
+    try:
+        return msgspec.convert(result, answer_type)
+    except (msgspec.ValidationError, RecursionError):
+        return None

@@ -31,7 +31,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from mnesite.rlog.types import Entry, PackedEntry, TxKey, tx_key_from_wire
+from mnesite.rlog.messages import JournalShardAnswer, answer_as
+from mnesite.rlog.types import Entry, PackedEntry, TxKey
 
 REPLICATION_PROTOCOL_VERSION = 1
 
@@ -64,26 +65,12 @@ class JournalAnswer:
     agents: int
 
 
-AGENTS_COUNT_MAX = 2**31  # a core's agent count beyond this is not believed
-
-
 def journal_answer(result: object, shard: str) -> JournalAnswer | None:
     """What a core's ``journal`` reply ``result`` says about ``shard``; None if it does not know the
     shard or the answer is malformed there (the reply is untrusted input: it never raises)."""
     shards = result.get("shards") if isinstance(result, dict) else None
-    info = shards.get(shard) if isinstance(shards, dict) else None
-    if not isinstance(info, dict):
-        return None
-    hears, agents = info.get("hears_sequencer"), info.get("agents")
-    if not isinstance(hears, bool) or not isinstance(agents, int) or isinstance(agents, bool):
-        return None
-    if not 0 <= agents < AGENTS_COUNT_MAX:
-        return None
-    try:
-        committed = tx_key_from_wire(info.get("committed"))
-    except ValueError:
-        return None
-    return JournalAnswer(committed, hears, agents)
+    info = answer_as(shards.get(shard), JournalShardAnswer) if isinstance(shards, dict) else None
+    return JournalAnswer(info.committed, info.hears_sequencer, info.agents) if info is not None else None
 
 
 # ---------------------------------------------------------------- replica events
