@@ -20,6 +20,7 @@ its applied key reaches the committed key known after the copy (the read fence).
 
 from __future__ import annotations
 
+from mnesite.rlog.messages import BatchAnswer, answer_as
 from mnesite.rlog.replication import ApplyBatch, BatchReceived, FetchBatch, TablesReceived
 from mnesite.rlog.schema import SchemaError, TableSchema, table_from_json
 from mnesite.rlog.types import row_size_bytes
@@ -48,13 +49,10 @@ def batch_from_answer(
 ) -> BatchReceived | None:
     """The ``bootstrap_batch`` answer ``result`` (of ``size_bytes`` on the wire, if known) as a
     ``BatchReceived``; None if it is malformed."""
-    if not isinstance(result, dict):
+    batch = answer_as(result, BatchAnswer)
+    if batch is None:
         return None
-    rows, done, total = result.get("rows"), result.get("done"), result.get("rows_total")
-    if not isinstance(rows, list) or not isinstance(done, bool):
-        return None
-    total = total if isinstance(total, int) and not isinstance(total, bool) else None
-    return BatchReceived(core, table, after, tuple(rows), done, total, size_bytes)
+    return BatchReceived(core, table, after, tuple(batch.rows), batch.done, batch.rows_total, size_bytes)
 
 
 class TableCopy:

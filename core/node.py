@@ -142,10 +142,8 @@ from mnesite.rlog.types import (
     ZERO_KEY,
     Entry,
     MembersOp,
-    OpDecodeError,
     PackedEntry,
     TxKey,
-    tx_key_from_wire,
 )
 
 log = logging.getLogger("mnesite.core")
@@ -946,10 +944,8 @@ class CoreNode(NodeServer):
         error = answer.body if answer.kind == "error" else None
         result = answer.body.result if answer.kind == "reply" else None
         if purpose == "fence":
-            committed = None
-            if error is None and isinstance(result, dict):
-                with contextlib.suppress(OpDecodeError, KeyError):
-                    committed = tx_key_from_wire(result["committed"])
+            answered = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
+            committed = answered.committed if answered is not None else None
             self._step_install(shard, replication.CommittedReceived(core, committed))
         elif purpose == "tables":
             try:

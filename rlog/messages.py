@@ -868,6 +868,14 @@ class JournalShardAnswer(Answer, frozen=True, kw_only=True):
     agents: Annotated[int, Meta(ge=0, lt=AGENTS_COUNT_MAX)]
 
 
+class BatchAnswer(Answer, frozen=True, kw_only=True):
+    """A ``bootstrap_batch`` answer (``bootstrap.serve``): rows in key order, whether the table is done."""
+
+    rows: Annotated[list[dict[str, Any]], Meta(max_length=1_000_000)]
+    done: bool
+    rows_total: NonNegative | None = None
+
+
 def answer_as(result: Any, answer_type: type[Any]) -> Any:
     """``result`` as ``answer_type``, or None if it does not fit (never raises on untrusted input)."""
     try:
