@@ -35,7 +35,7 @@ import zmq
 from mnesite.bootstrap import read_service
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
 from mnesite.replicant.reads import GATHER_FAILED, ReadIndexGather, WaitingReads, shards_to_wait_on
-from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import codec, messages
 from mnesite.rlog import replication as p
@@ -50,7 +50,6 @@ from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monot
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
-    Entry,
     TxKey,
 )
 
@@ -602,20 +601,12 @@ class ReplicantNode(NodeServer):
         if body.core not in self.core_sockets:
             log.warning("push from unknown core %r ignored", body.core)
             return
-        # The answer to the watch that created the agent: the replica takes it for the answer if
-        # this push overtook it (ShardReplica, "Fencing").
-        accepted = watch_accepted(body.core, body.watch)
-        # A push the replica will refuse unread (a superseded agent's) is not decoded: the
-        # per-row work of its entries is spent only on pushes that may be applied.
-        entries: tuple[Entry, ...] = ()
-        if replica.takes_push(body.core, body.agent, accepted):
-            try:
-                entries = messages.decode_entries(body.entries)
-            except messages.MessageError as error:
-                log.warning("malformed push from %s: %s", body.core, error)
-                return
+        try:
+            push = push_received(replica, body)
+        except messages.MessageError as error:
+            log.warning("malformed push from %s: %s", body.core, error)
+            return
         self._core_heard_ms = self.clock_ms()
-        push = p.PushReceived(body.core, body.agent, entries, body.committed, body.hears_sequencer, accepted)
         self._step(replica, push)
 
     def _serving(self, shard: str) -> ShardReplica:
@@ -806,13 +797,3 @@ def _valid_shard_name(shard: Any) -> bool:
     except SchemaError:
         return False
     return True
-
-
-def watch_accepted(core: str, answer: Any) -> p.WatchAccepted | None:
-    """The watch answer ``answer`` from ``core`` (a reply, or repeated in a push); None if malformed."""
-    accepted = messages.answer_as(answer, messages.WatchAnswer)
-    if accepted is None:
-        return None
-    return p.WatchAccepted(
-        core, accepted.agent, accepted.mode, accepted.start, accepted.start_digest, accepted.watch_id
-    )

@@ -89,10 +89,12 @@ import enum
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from mnesite.bootstrap.copy import CopyFailed, TableCopy
 from mnesite.bootstrap.fence import ReadFence
 from mnesite.replicant.upstream import choose_upstream
+from mnesite.rlog import messages
 from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import (
@@ -796,3 +798,23 @@ class ShardReplica:
     def _check_fence(self) -> None:
         if self._fence.reached(self._applied_key):
             self._out.append(ReadFenceChanged(False))
+
+
+def watch_accepted(core: str, answer: Any) -> WatchAccepted | None:
+    """The watch answer ``answer`` from ``core`` (a reply, or repeated in a push); None if malformed."""
+    accepted = messages.answer_as(answer, messages.WatchAnswer)
+    if accepted is None:
+        return None
+    return WatchAccepted(core, accepted.agent, accepted.mode, accepted.start, accepted.start_digest, accepted.watch_id)
+
+
+def push_received(replica: ShardReplica, body: messages.Push) -> PushReceived:
+    """The ``PushReceived`` event of a decoded push (driver and simulator alike); raises ``MessageError``
+    for malformed entries. The answer to the watch that created the agent rides along: the replica
+    takes it for the answer if this push overtook it ("Fencing"). A push the replica will refuse unread
+    (a superseded agent's) is not decoded: the per-row work is spent only on pushes that may apply."""
+    accepted = watch_accepted(body.core, body.watch)
+    entries: tuple[Entry, ...] = ()
+    if replica.takes_push(body.core, body.agent, accepted):
+        entries = messages.decode_entries(body.entries)
+    return PushReceived(body.core, body.agent, entries, body.committed, body.hears_sequencer, accepted)

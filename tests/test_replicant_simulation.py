@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 import pytest
-from mnesite.core import watch
+from mnesite.core import rlog_server, watch
 from mnesite.replicant import reads
 from mnesite.replicant.replica import ShardReplica
 from mnesite.rlog.replication import Mode, PushReceived
@@ -63,7 +63,11 @@ def _first_failure(replica_class: type[ShardReplica]) -> tuple[int, SimulationFa
 
 
 class _AcceptsAnyAgent(ShardReplica):
-    """Broken fencing: a push from any agent is taken as one from the watched agent."""
+    """Broken fencing: a push from any agent is taken as one from the watched agent (and read: the
+    driver decodes the entries of any push the replica takes, ``replicant.replica.push_received``)."""
+
+    def takes_push(self, core, agent_id, accepted=None) -> bool:
+        return True
 
     def _on_push(self, event: PushReceived) -> None:
         if self._mode in (Mode.NORMAL, Mode.BOOTSTRAP) and self._upstream is not None and self._agent_id is not None:
@@ -126,14 +130,15 @@ RESUME_SEED = 2
 def test_the_simulator_catches_a_resume_rule_without_the_digest_check(monkeypatch):
     result = run_replicant_seed(RESUME_SEED)  # the real rule passes this seed, with resumes
     assert result.resumes > 0
-    monkeypatch.setattr(watch, "decide_watch", _resume_without_the_digest_check)
+    # The simulator's cores run production's RLOG server: mutate the rule where it calls it.
+    monkeypatch.setattr(rlog_server, "decide_watch", _resume_without_the_digest_check)
     # The replica refuses a resume at its key with another digest (defence in depth), so the wrong
     # answer shows as replicas that never converge: the simulator's end check catches it.
     with pytest.raises(SimulationFailure, match=f"seed {RESUME_SEED} .*replicas did not converge"):
         run_replicant_seed(RESUME_SEED)
 
 
-HELD_READ_SEEDS = (3, 4, 6)
+HELD_READ_SEEDS = (0, 1, 4)
 
 
 @pytest.mark.timeout(120)

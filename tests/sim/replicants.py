@@ -10,9 +10,13 @@ simulator also plays the drivers of the replication protocol, from the same ``ra
   sequencer, live agents), refuses a watch of another protocol version or from beyond its committed
   key, resumes when its log holds ``from_key`` with ``from_digest`` (``LogView.digest_at``) and
   bootstraps otherwise, with K0 = its committed key. It answers table batches with *dirty reads* of
-  its current tables, which may be ahead of K0: the replay must heal that. Every watch gets a new
-  ``core.agent.Agent``; agents die with their core, with a snapshot, or when they stop. Old agents
-  are not replaced by newer ones: zombies (agents of paused or forgotten watches) keep pushing.
+  its current tables, which may be ahead of K0: the replay must heal that. Watches, agents and their
+  pushes are production's ``core.rlog_server.RlogServer`` (one per core, built again when the core
+  restarts or installs a snapshot): the watch rules, supersession, the memory budget and the push
+  frames are its own. Pushes and acknowledgements travel as frames of the real codec
+  (``rlog.codec``), decoded and turned into replica events by production's
+  ``replicant.replica.push_received``; pushes of superseded agents still in flight are the zombies
+  the replicas must fence.
 * Replicants run one ``replicant.replica.ShardReplica``; what they persist (applied key and digest,
   tables, spill, counters) survives a crash, the state machine does not. A crash may hit in the
   middle of a step's effects.
@@ -45,14 +49,17 @@ from typing import Any
 
 from mnesite.bootstrap.copy import batch_from_answer
 from mnesite.bootstrap.serve import read_batch
-from mnesite.core import rules, watch
-from mnesite.core.agent import Agent, AgentConfig
+from mnesite.core import rules
+from mnesite.core.agent import AgentConfig
 from mnesite.core.consensus import Commit, Effect, Role
+from mnesite.core.rlog_server import RlogServer
 from mnesite.core.watch import WatchRefusedError
 from mnesite.replicant.reads import ReadIndexGather, WaitingReads
-from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
 from mnesite.replicant.upstream import write_target
+from mnesite.rlog import codec, messages
 from mnesite.rlog import replication as p
+from mnesite.rlog.config import Limits
 from mnesite.rlog.errors import OverloadedError, RequestError
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import (
@@ -84,6 +91,8 @@ CONVERGENCE_MS_MAX = 30_000
 # A replicant's linearizable read waits at most this long for its applied key (production: READ_WAIT_MS_MAX).
 READ_WAIT_MS_MAX = 2000
 WAITING_READS_MAX = 64
+WATCHES_MAX = 8  # per core (production: [limits] watches_max)
+FRAME_BYTES_MAX = Limits.frame_bytes_max
 
 
 def replay_command(seed: int) -> str:
@@ -170,9 +179,8 @@ class ReplicantSimulation(Simulation):
         replica_class: type[ShardReplica] = ShardReplica,
     ) -> None:
         # Set before the base constructor, which starts the cores.
-        self.agents: dict[str, dict[str, tuple[str, Agent]]] = {}
-        # The watch answer of every agent, repeated in its pushes as production's RLOG server does.
-        self.agent_answers: dict[str, p.WatchAccepted] = {}
+        # Each core's RLOG server (production's adapter: watches, agents, push frames).
+        self.rlog_servers: dict[str, RlogServer] = {}
         self.core_tables: dict[str, Tables] = {}
         super().__init__(seed, core_count, faulty_ms, tick_ms)
         rng = self.rng
@@ -205,7 +213,6 @@ class ReplicantSimulation(Simulation):
         self.replication_network: list[tuple[int, int, str, str, tuple[Any, ...]]] = []
         self.replicant_cut: set[tuple[str, str]] = set()
         self.in_order = False
-        self.agent_sequence = 0
         # Every committed entry in key order: the reference state at any committed key.
         self.history: list[Entry] = []
         self.entries_applied = 0
@@ -248,12 +255,12 @@ class ReplicantSimulation(Simulation):
 
     def _start(self, node: SimNode) -> None:
         super()._start(node)
-        self.agents[node.name] = {}
+        self.rlog_servers.pop(node.name, None)  # a new process: a new RLOG server (``_server``)
         self.core_tables.setdefault(node.name, empty_tables())
 
     def _crash(self, node: SimNode) -> None:
         super()._crash(node)
-        self.agents[node.name] = {}
+        self.rlog_servers.pop(node.name, None)  # its agents die with it
 
     def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
         before = self.snapshots
@@ -280,41 +287,39 @@ class ReplicantSimulation(Simulation):
         machine = node.machine
         return machine is not None and (machine.role is Role.SEQUENCER or machine.sequencer is not None)
 
-    def _tell_agents(self, node: SimNode) -> None:
-        event = p.CommittedAdvanced(node.applied_key, self._hears_sequencer(node))
-        for agent_id in list(self.agents[node.name]):
-            self._step_agent(node, agent_id, event)
+    def _server(self, node: SimNode) -> RlogServer:
+        server = self.rlog_servers.get(node.name)
+        if server is None:
+            # Agent ids come from the server's injected random source, drawn from the seed's.
+            rng = random.Random(self.rng.getrandbits(64))
+            server = RlogServer(node.name, self.agent_config, rng, watches_max=WATCHES_MAX)
+            self.rlog_servers[node.name] = server
+        return server
 
-    def _step_agent(self, node: SimNode, agent_id: str, event: Any) -> None:
-        found = self.agents[node.name].get(agent_id)
-        if found is None:
-            return
-        replicant, agent = found
-        for effect in agent.step(event, self.now_ms):
-            if isinstance(effect, p.Push):
-                for entry in effect.entries:
-                    if entry.tx_key > node.applied_key or self.committed_digest.get(entry.tx_key) != entry.digest:
-                        raise self.fail(f"agent {agent_id} on {node.name} pushed {entry.tx_key}, not committed there")
-                message = p.PushReceived(
-                    node.name,
-                    agent_id,
-                    effect.entries,
-                    effect.committed_key,
-                    effect.hears_sequencer,
-                    self.agent_answers[agent_id],
-                )
-                self._send_replication(node.name, replicant, ("push", message))
-            elif isinstance(effect, p.AgentStopped):
-                self.trace.append((self.now_ms, node.name, "agent stopped", agent_id, effect.reason))
-                del self.agents[node.name][agent_id]
-        if agent.status().unacknowledged_entries > self.agent_config.window_entries_max:
-            raise self.fail(f"agent {agent_id} has more than window_entries_max entries unacknowledged")
+    def _tell_agents(self, node: SimNode) -> None:
+        self._server(node).committed(SHARD, node.applied_key, self._hears_sequencer(node), self.now_ms)
+        self._send_pushes(node)
+
+    def _send_pushes(self, node: SimNode) -> None:
+        """What the core's node does after a turn: send the frames its RLOG server queued (checked)."""
+        server = self._server(node)
+        for endpoint, message in server.drain():
+            frame = codec.encode(message)
+            push = codec.decode(frame, FRAME_BYTES_MAX)  # what the replicant will read, checked here too
+            for entry in messages.decode_entries(push.body.entries):
+                if entry.tx_key > node.applied_key or self.committed_digest.get(entry.tx_key) != entry.digest:
+                    raise self.fail(f"agent {push.body.agent} on {node.name} pushed {entry.tx_key}, not committed")
+            self._send_replication(node.name, endpoint.removeprefix("ipc://"), ("frame", frame))
+        for agent_id, watch in server.watches.items():
+            if watch.agent.status().unacknowledged_entries > self.agent_config.window_entries_max:
+                raise self.fail(f"agent {agent_id} has more than window_entries_max entries unacknowledged")
 
     def _serve(self, node: SimNode, sender: str, message: tuple[Any, ...]) -> None:
         """The core's RLOG server."""
         kind = message[0]
         if kind == "probe":
-            age = p.JournalAnswer(node.applied_key, self._hears_sequencer(node), len(self.agents[node.name]))
+            agents = self._server(node).agents_of(SHARD)
+            age = p.JournalAnswer(node.applied_key, self._hears_sequencer(node), agents)
             self._send_replication(node.name, sender, ("age", age))
         elif kind == "watch":
             self._on_watch(node, sender, *message[1:])
@@ -352,40 +357,53 @@ class ReplicantSimulation(Simulation):
         elif kind == "relay":
             _, replicant, key = message
             self._send_replication(node.name, replicant, ("answer", p.CommittedReceived(node.name, key)))
-        elif kind == "ack":
-            self._step_agent(node, message[1], p.AckReceived(message[2]))
-        elif kind == "reject":
-            self._step_agent(node, message[1], p.RejectReceived(message[2]))
+        elif kind == "frame":
+            # A replicant's push_ack, decoded by the real codec and handed to the RLOG server.
+            ack = codec.decode(message[1], FRAME_BYTES_MAX)
+            if ack.kind != "push_ack":
+                raise self.fail(f"{sender} sent {ack.kind} on the replication link")
+            self._server(node).acknowledged(ack.body, self.now_ms)
+            self._send_pushes(node)
         else:
             raise self.fail(f"unknown replication message {message!r}")
 
     def _on_watch(
         self, node: SimNode, sender: str, from_key: TxKey, from_digest: bytes, version: int, watch_id: str
     ) -> None:
+        request = messages.typed_body(
+            "watch",
+            {
+                "shard": SHARD,
+                "replicant": sender,
+                "endpoint": f"ipc://{sender}",
+                "from": list(from_key),
+                "from_digest": from_digest,
+                "protocol": version,
+                "watch_id": watch_id,
+            },
+        )
         try:
-            # Production's watch rules (core.watch), not a copy of them.
-            watch.check_watch_request(version, watch_id, node.name)
-            mode, start_key, start_digest = watch.decide_watch(
-                from_key,
-                from_digest,
-                node.log.trimmed_key(),
+            # Production's RLOG server and its watch rules (core.watch), not a copy of them.
+            answer = self._server(node).watch(
+                request,
+                node.log,
                 node.applied_key,
                 node.applied_digest,
                 node.log.digest_at,
-                node.name,
+                self._hears_sequencer(node),
+                self.now_ms,
             )
         except WatchRefusedError as refused:
             self._send_replication(node.name, sender, ("answer", p.WatchRefused(node.name, str(refused))))
             return
-        self.agent_sequence += 1
-        agent_id = f"{node.name}-agent{self.agent_sequence}"
-        accepted = p.WatchAccepted(node.name, agent_id, mode, start_key, start_digest, watch_id)
-        agent = Agent(agent_id, SHARD, sender, accepted.start_key, node.log, self.agent_config, self.now_ms)
-        self.agents[node.name][agent_id] = (sender, agent)
-        self.agent_answers[agent_id] = accepted
-        self.trace.append((self.now_ms, node.name, "watch", sender, accepted.mode, accepted.start_key, agent_id))
+        accepted = watch_accepted(node.name, answer)
+        if accepted is None:
+            raise self.fail(f"{node.name} answered a watch with a malformed answer {answer!r}")
+        self.trace.append(
+            (self.now_ms, node.name, "watch", sender, accepted.mode, accepted.start_key, accepted.agent_id)
+        )
         self._send_replication(node.name, sender, ("answer", accepted))
-        self._step_agent(node, agent_id, p.CommittedAdvanced(node.applied_key, self._hears_sequencer(node)))
+        self._send_pushes(node)
 
     # ------------------------------------------------------------ replicants (the driver)
 
@@ -532,10 +550,13 @@ class ReplicantSimulation(Simulation):
                 self._apply_entry(replicant, entry)
             replicant.spill = []
         elif isinstance(effect, p.SendAck):
-            self._send_replication(name, effect.core, ("ack", effect.agent_id, effect.applied_key))
+            body = {"shard": SHARD, "agent": effect.agent_id, "applied": list(effect.applied_key)}
+            self._send_replication(name, effect.core, ("frame", codec.encode(codec.Message("push_ack", "ack", body))))
         elif isinstance(effect, p.SendReject):
             self.pushes_rejected += 1
-            self._send_replication(name, effect.core, ("reject", effect.agent_id, effect.reason))
+            applied = replicant.machine.applied_key if replicant.machine is not None else replicant.applied_key
+            body = {"shard": SHARD, "agent": effect.agent_id, "applied": list(applied), "rejected": effect.reason}
+            self._send_replication(name, effect.core, ("frame", codec.encode(codec.Message("push_ack", "ack", body))))
         elif isinstance(effect, p.ModeChanged):
             self.trace.append((self.now_ms, name, "mode", effect.mode.value, effect.upstream, effect.reason))
         elif isinstance(effect, p.ReadFenceChanged):
@@ -611,6 +632,16 @@ class ReplicantSimulation(Simulation):
             if kind == "age":
                 if replicant.probe_answers is not None:
                     replicant.probe_answers[sender] = body
+            elif kind == "frame":
+                # A core's push, through the real codec and production's conversion to a replica event.
+                push = codec.decode(body, FRAME_BYTES_MAX)
+                if push.kind != "push":
+                    raise self.fail(f"{sender} sent {push.kind} on the replication link")
+                try:
+                    event = push_received(replicant.machine, push.body)
+                except messages.MessageError as error:
+                    raise self.fail(f"{sender} pushed malformed entries: {error}") from None
+                self._step_replicant(replicant, event)
             else:
                 self._step_replicant(replicant, body)
         for item in postponed:
@@ -663,9 +694,12 @@ class ReplicantSimulation(Simulation):
         self._tick_all()
         for node in self.nodes.values():
             if self._is_up(node):
+                # One loop turn of the core's node: a new push budget, the committed key, due agents.
+                server = self._server(node)
+                server.begin_turn()
                 self._tell_agents(node)
-                for agent_id in list(self.agents[node.name]):
-                    self._step_agent(node, agent_id, p.Ticked())
+                server.tick(self.now_ms)
+                self._send_pushes(node)
         self._restart_replicants_due()
         for replicant in self.replicants.values():
             if replicant.machine is None:
