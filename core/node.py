@@ -517,6 +517,7 @@ class CoreNode(NodeServer):
             if dealer in ready:
                 self._relay_forwarded(dealer)
         self.serve_queries(self._query_shard_reached)
+        self.serve_changes()
         self.build_indexes()
         self._end_batches()
         self._expire_forwarded()
@@ -630,6 +631,8 @@ class CoreNode(NodeServer):
             self._write(envelope, message)
         elif message.kind in QUERY_KINDS:
             self._query(envelope, message)
+        elif message.kind == "changes":
+            self.changes_request(envelope, message, self._check_serving, read_batch)
         elif message.kind == "read_index" or getattr(message.body, "consistency", None) == "linearizable":
             self._linearizable(envelope, message)
         elif message.kind in READ_KINDS:

@@ -34,6 +34,7 @@ from typing import Any
 
 import zmq
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
+from mnesite.bootstrap.serve import read_batch
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import codec, messages, range_requests
@@ -231,6 +232,7 @@ class ReplicantNode(NodeServer):
         self._warn_if_no_core(now)
         self._answer_waiting_reads()
         self.serve_queries(self._query_shard_reached)
+        self.serve_changes()
         self.build_indexes()
         self._maybe_trim()
         self.flush()
@@ -621,6 +623,8 @@ class ReplicantNode(NodeServer):
             self._query(envelope, message)
         elif message.kind in ("query_page", "query_close"):
             self.query_cursor_request(envelope, message)
+        elif message.kind == "changes":
+            self.changes_request(envelope, message, self._serving, read_batch)
         elif message.kind in range_requests.KINDS:
             self._serving(self._table(body.table).shard)
             result = range_requests.answer(self.store, message.kind, body, self.config.limits.scan_rows_max)
