@@ -1224,10 +1224,12 @@ def keys_generate(name: str, directory: str, as_json: bool) -> None:
 
 def _register_optional_commands() -> None:
     from mnesite.cli.backup import register
+    from mnesite.cli.changes import register as register_changes
     from mnesite.cli.query import register as register_query
 
     register(main)
     register_query(main)
+    register_changes(main)
     try:
         from mnesite.spark.cli import compare
     except ImportError:
