@@ -143,6 +143,25 @@ HOSTILE = [
     ("transact", {"ops": [{"op": "write", "table": "known", "row": {"id": 2**64 - 1}}]}, "transact.ops[0].row.id"),
     ("transact", {"ops": 5}, "transact.ops"),
     ("peer", {"shard": "default", "sender": "core2", "message": [nested()]}, "peer.message"),
+    # the changefeed: a position is the client's, so every field of it is hostile input
+    (
+        "changes",
+        {
+            "positions": [
+                {"shard": "default", "after": [0, 0], "phase": "copy", "table": "known", "table_after": nested()}
+            ]
+        },
+        "changes.positions[0].table_after",
+    ),
+    ("changes", {"positions": [{"shard": "default", "after": [1, 2**64 - 1]}]}, "changes.positions[0].after"),
+    (
+        "changes",
+        {"positions": [{"shard": "default", "after": [0, 0], "phase": "rewind"}]},
+        "changes.positions[0].phase",
+    ),
+    ("changes", {"tables": ["known"], "wait_ms": 10**9}, "changes.wait_ms"),
+    ("changes", {"tables": ["x" * 65]}, "changes.tables[0]"),
+    ("changes", {"page_records": 0}, "changes.page_records"),
 ]
 
 
