@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mnesite.rlog.messages import ChangesPosition
-from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.schema import SchemaError, TableSchema, check_key
 from mnesite.rlog.types import (
     AddColumnOp,
     CreateTableOp,
@@ -66,7 +66,7 @@ from mnesite.rlog.types import (
 # Entries read from the log per step while filling a page; with table filters most may hold nothing
 # for the consumer, so a page also stops after ENTRIES_SCANNED_MAX entries of one shard.
 ENTRIES_STEP = 256
-ENTRIES_SCANNED_MAX = 10_000
+ENTRIES_SCANNED_MAX = 2000
 # A record's bytes beyond its row: the field names and the small values (an estimate, for the bound).
 RECORD_OVERHEAD_BYTES = 64
 RECORD_KINDS = ("change", "snapshot_begin", "snapshot", "snapshot_end")
@@ -325,9 +325,15 @@ class _ShardFeed:
         if table is None or table.shard != self.shard:
             # Dropped while copied: its drop is among the entries the replay delivers.
             return self._next_table(_seen(position, self.applied))
+        after = position.table_after
+        if after is not None:
+            try:  # the client's value: the same check as a bootstrap batch's ``after``
+                after = check_key(table, after)
+            except SchemaError as error:
+                raise ChangesError("bad_request", f"shard {self.shard!r}: table_after: {error}") from None
         rows_max = max(1, self.budget.records_max - self.budget.records)
         bytes_max = max(1, self.budget.bytes_max - self.budget.bytes)
-        batch = self.reader.table_batch(table, position.table_after, rows_max, bytes_max)
+        batch = self.reader.table_batch(table, after, rows_max, bytes_max)
         rows = batch["rows"]
         for row in rows:
             key = row[table.key_column]

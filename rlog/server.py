@@ -724,13 +724,19 @@ class NodeServer:
             moved = any(shard in positions and positions[shard].applied > key for shard, key in waiting.applied.items())
             if not moved and now < waiting.deadline_ms:
                 continue
-            self.waiting_changes.remove(waiting)
             request_id = waiting.message.request_id
             try:
                 page = self._changes_page(waiting.message.body, waiting.serving, waiting.table_batch)
             except RequestError as error:
+                self.waiting_changes.remove(waiting)
                 self.reply(waiting.envelope, codec.error(request_id, error.code, str(error)))
                 continue
+            if page.caught_up and now < waiting.deadline_ms:
+                # What moved was nothing for this feed (another table, or a shard still behind its
+                # position): keep waiting from here.
+                waiting.applied = dict(page.applied)
+                continue
+            self.waiting_changes.remove(waiting)
             self.reply(waiting.envelope, codec.reply(request_id, page.to_wire()))
 
     def build_indexes(self) -> None:

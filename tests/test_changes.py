@@ -187,3 +187,49 @@ def test_the_page_rule_against_a_store_moves_by_whole_entries_within_its_bounds(
     page = build_page(reader, ["users"], [waiting], PageLimits(3, 1_000_000))
     assert page.records == [] and page.caught_up and page.positions == [waiting]
     store.close()
+
+
+def test_two_shards_each_in_its_own_log_order_and_resume_is_a_position_per_shard(node) -> None:
+    with node.client() as client:
+        client.create_table("posts", "id", [("id", "INTEGER"), ("title", "TEXT")], "content")
+        written: dict[str, list] = {"default": [], "content": []}
+        for i in range(30):
+            written["default"].append(client.put("users", {"id": i, "name": "u"}))
+            written["content"].append(client.put("posts", {"id": i, "title": "p"}))
+        feed = client.changes(["users", "posts"])
+        records = [r for r in feed if r["kind"] == "change" and r["op"] == "write"]
+        for shard in ("default", "content"):
+            assert [r["tx_key"] for r in records if r["shard"] == shard] == written[shard]
+        assert feed.position == {"default": written["default"][-1], "content": written["content"][-1]}
+        # A position per shard: each shard resumes strictly after its own key.
+        middle = {"default": written["default"][9], "content": written["content"][19]}
+        resumed = [r for r in client.changes(["users", "posts"], after_tx_key=middle) if r["kind"] == "change"]
+        assert [r["tx_key"] for r in resumed if r["shard"] == "default"] == written["default"][10:]
+        assert [r["tx_key"] for r in resumed if r["shard"] == "content"] == written["content"][20:]
+
+
+def test_a_following_consumer_is_held_while_only_other_tables_change(node) -> None:
+    with node.client() as client:
+        start = client.put("users", {"id": 1, "name": "a"})
+    got: list = []
+    feeds: list = []
+
+    def consume() -> None:
+        with node.client() as consumer:
+            feed = consumer.changes(["users"], after_tx_key=start, follow=True, wait_ms=5000)
+            feeds.append(feed)
+            for record in feed:
+                got.append(record)
+                return
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    with node.client() as client:
+        for i in range(50):
+            client.put("other", {"id": i, "v": i})
+        written = client.put("users", {"id": 2, "name": "b"})
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert [r["tx_key"] for r in got] == [written]
+    # Held at the node while the other table changed: not a page per write of it.
+    assert feeds[0].pages <= 3
