@@ -5,11 +5,14 @@ tests/test_changes_cluster.py."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from mnesite.bootstrap.serve import read_batch
+from mnesite.cli.main import main
 from mnesite.rlog.changes import PageLimits, build_page, live
 from mnesite.rlog.client import Client, InvalidRequest, MnesiteError, RemoteError
 from mnesite.rlog.messages import ChangesPosition
@@ -233,3 +236,31 @@ def test_a_following_consumer_is_held_while_only_other_tables_change(node) -> No
     assert [r["tx_key"] for r in got] == [written]
     # Held at the node while the other table changed: not a page per write of it.
     assert feeds[0].pages <= 3
+
+
+def test_cli_changes(node) -> None:
+    runner = CliRunner()
+
+    def mnesite(*args: str):
+        return runner.invoke(main, [*args, "--node", node.endpoint], catch_exceptions=False)
+
+    with node.client() as client:
+        first = client.put("users", {"id": 1, "name": "ada"})
+        second = client.put("users", {"id": 2, "name": "bob"})
+        client.delete("users", 1)
+        last = client.last_tx_key
+    lines = mnesite("changes", "users", "--from", f"{first.generation},{first.counter}", "--json")
+    assert lines.exit_code == 0, lines.output
+    records = [json.loads(line) for line in lines.stdout.splitlines()]
+    assert [(r["tx_key"], r["op"], r["key"]) for r in records] == [
+        (list(second), "write", 2),
+        (list(last), "delete", 1),
+    ]
+    assert records[0]["row"] == {"id": 2, "name": "bob"}
+    text = mnesite("changes", "users", "--from", f"default:{second.generation},{second.counter}")
+    assert text.stdout.splitlines() == [f"{last} default users delete 1"]
+    assert f"resume with --from default:{last.generation},{last.counter}" in text.stderr
+    bad = mnesite("changes", "--from", "a:1,1", "--from", "nonsense")
+    assert bad.exit_code != 0
+    unknown = mnesite("changes", "nope")
+    assert unknown.exit_code == 1 and "unknown table 'nope'" in unknown.output
