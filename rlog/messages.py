@@ -107,6 +107,9 @@ Scalar = Any
 Row = Annotated[dict[Name, Any], Meta(max_length=ROW_COLUMNS_MAX)]
 
 
+NOT_UTF8 = "holds a string that is not UTF-8"
+
+
 class MessageError(ValueError):
     """A message's contents do not fit its kind's schema. ``code`` is the error code to answer with."""
 
@@ -669,6 +672,9 @@ def decode_body(kind: str, body: bytes | memoryview) -> Body:
         value.verify()
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error(kind, error) from None
+    except UnicodeDecodeError:
+        # msgspec raises it (not a DecodeError) for a msgpack string that is not UTF-8.
+        raise MessageError(kind, NOT_UTF8, "bad_frame") from None
     except RecursionError:
         raise MessageError(_deep_field(kind, body), "is nested deeper than the decoder allows", "bad_frame") from None
     except MessageError as error:
@@ -802,6 +808,8 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
         wire = _OPS_DECODER.decode(packed)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error("ops", error) from None
+    except UnicodeDecodeError:
+        raise MessageError("ops", NOT_UTF8) from None
     except RecursionError:
         raise MessageError("ops", "are nested too deep") from None
     values: list[Any] = []
