@@ -62,6 +62,7 @@ from mnesite.rlog.types import (
     WriteOp,
     row_size_bytes,
 )
+from msgspec.structs import replace
 
 # Entries read from the log per step while filling a page; with table filters most may hold nothing
 # for the consumer, so a page also stops after ENTRIES_SCANNED_MAX entries of one shard.
@@ -346,21 +347,12 @@ class _ShardFeed:
         position = _seen(position, self.applied)
         if batch["done"] or not rows:
             return self._next_table(position)
-        return ChangesPosition(
-            shard=self.shard,
-            after=position.after,
-            phase="copy",
-            table=table.name,
-            table_after=rows[-1][table.key_column],
-            replay_to=position.replay_to,
-        )
+        return replace(position, table_after=rows[-1][table.key_column])
 
     def _next_table(self, position: ChangesPosition) -> ChangesPosition:
         later = [table for table in self._tables() if table.name > (position.table or "")]
         if later:
-            return ChangesPosition(
-                shard=self.shard, after=position.after, phase="copy", table=later[0].name, replay_to=position.replay_to
-            )
+            return replace(position, table=later[0].name, table_after=None)
         # The copy is done: heal it with the entries up to what this node has applied now.
         replay_to = max(position.replay_to or position.after, self.applied)
         return ChangesPosition(shard=self.shard, after=position.after, phase="replay", replay_to=replay_to)
@@ -432,20 +424,8 @@ class _ShardFeed:
 
 def _seen(position: ChangesPosition, applied: TxKey) -> ChangesPosition:
     """A copy position whose replay must reach ``applied`` too."""
-    replay_to = max(position.replay_to or position.after, applied)
-    if replay_to == position.replay_to:
-        return position
-    return ChangesPosition(
-        shard=position.shard,
-        after=position.after,
-        phase=position.phase,
-        table=position.table,
-        table_after=position.table_after,
-        replay_to=replay_to,
-    )
+    return replace(position, replay_to=max(position.replay_to or position.after, applied))
 
 
 def _moved(position: ChangesPosition, after: TxKey) -> ChangesPosition:
-    if after == position.after:
-        return position
-    return ChangesPosition(shard=position.shard, after=after, phase=position.phase, replay_to=position.replay_to)
+    return position if after == position.after else replace(position, after=after)

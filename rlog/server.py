@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import msgpack
@@ -865,26 +866,16 @@ class NodeServer:
             self.refresh_metrics()
 
 
+@dataclass(slots=True)
 class WaitingChanges:
     """A held ``changes`` request: answered once a shard passes ``applied`` or at ``deadline_ms``."""
 
-    __slots__ = ("applied", "deadline_ms", "envelope", "message", "serving", "table_batch")
-
-    def __init__(
-        self,
-        envelope: list[bytes],
-        message: Message,
-        serving: Callable[[str], Any],
-        table_batch: TableBatch,
-        applied: dict[str, TxKey],
-        deadline_ms: int,
-    ) -> None:
-        self.envelope = envelope
-        self.message = message
-        self.serving = serving
-        self.table_batch = table_batch
-        self.applied = applied
-        self.deadline_ms = deadline_ms
+    envelope: list[bytes]
+    message: Message
+    serving: Callable[[str], Any]
+    table_batch: TableBatch
+    applied: dict[str, TxKey]
+    deadline_ms: int
 
 
 class StoreFeedReader:
