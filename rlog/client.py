@@ -771,7 +771,7 @@ class ChangeFeed:
         self.page_records = page_records
         self._positions: dict[str, dict[str, Any]] = {position["shard"]: position for position in positions}
         self.applied: dict[str, TxKey] = {}
-        self.pages = 0
+        self.pages_fetched = 0
 
     @property
     def cursor(self) -> list[dict[str, Any]]:
@@ -800,12 +800,25 @@ class ChangeFeed:
                     open_entries[shard] = record["tx_key"]
                 yield record
             self._positions = positions
-            caught_up = not records and all(
-                TxKey(*position["after"]) >= self.applied.get(shard, TxKey(0, 0))
-                for shard, position in positions.items()
-            )
-            if caught_up and not self.follow:
+            if self._caught_up(records) and not self.follow:
                 return
+
+    def pages(self) -> Iterator[list[dict[str, Any]]]:
+        """The records page by page (a page may be empty while following): for consumers that
+        apply and save their position a page at a time (``cursor`` moves when a page is yielded)."""
+        while True:
+            records, positions = self.fetch_page()
+            self._positions = positions
+            yield records
+            if self._caught_up(records) and not self.follow:
+                return
+
+    def _caught_up(self, records: list[dict[str, Any]]) -> bool:
+        """No record in the last page, and every shard at the answering node's applied key."""
+        return not records and all(
+            TxKey(*position["after"]) >= self.applied.get(shard, TxKey(0, 0))
+            for shard, position in self._positions.items()
+        )
 
     def fetch_page(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
         """One page: its records and the positions after it (the feed's cursor moves on iteration)."""
@@ -820,7 +833,7 @@ class ChangeFeed:
         answer = self.client.call("changes", body, timeout_ms=self.client.timeout_ms + wait_ms)
         records, positions, applied = _changes_page(answer)
         self.applied = applied
-        self.pages += 1
+        self.pages_fetched += 1
         return records, positions
 
 

@@ -85,7 +85,7 @@ def test_every_change_in_log_order_with_its_key_and_row_and_resume_is_strictly_a
         resumed = [r for r in client.changes(["users"], after_tx_key=keys[9]) if r["kind"] == "change"]
         assert [r["tx_key"] for r in resumed] == keys[10:] + [last, last]
         feed = client.changes(["users"])
-        assert len(list(feed)) == len(records) and feed.pages > 3  # pages of at most 7 records
+        assert len(list(feed)) == len(records) and feed.pages_fetched > 3  # pages of at most 7 records
         assert feed.position == {"default": last}
         assert list(client.changes(["users"], after_tx_key=feed.cursor)) == []
 
@@ -235,7 +235,7 @@ def test_a_following_consumer_is_held_while_only_other_tables_change(node) -> No
     assert not thread.is_alive()
     assert [r["tx_key"] for r in got] == [written]
     # Held at the node while the other table changed: not a page per write of it.
-    assert feeds[0].pages <= 3
+    assert feeds[0].pages_fetched <= 3
 
 
 def test_cli_changes(node) -> None:

@@ -60,6 +60,31 @@ class Writer:
         self.client.close()
 
 
+class FailoverConsumer:
+    """A consumer given two cores: ``Client.changes`` moves to the second when the first stops
+    answering, from the last position it received. Reads pages until ``target`` (per shard) is reached."""
+
+    def __init__(self, cluster: Cluster, endpoints: list[str]) -> None:
+        self.client = Client(endpoints, timeout_ms=1500, retries=2, **cluster.keys())
+        self.records: list[dict] = []
+        self.errors: list[BaseException] = []
+        self.target: dict[str, TxKey] | None = None
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        try:
+            feed = self.client.changes(TABLES, follow=True, wait_ms=200, page_records=50)
+            for page in feed.pages():
+                self.records.extend(page)
+                target = self.target
+                if target is not None and all(feed.position.get(s, TxKey(0, 0)) >= k for s, k in target.items()):
+                    return
+        except BaseException as error:  # reported by the test
+            self.errors.append(error)
+        finally:
+            self.client.close()
+
+
 def setup_tables(cluster: Cluster) -> None:
     with cluster.client("core1", timeout_ms=5000, retries=5) as client:
         client.create_table("users", "id", [("id", "INTEGER"), ("name", "TEXT")])
@@ -114,8 +139,10 @@ def test_the_upstream_core_killed_mid_stream_the_consumer_resumes_on_a_replicant
     cluster.add_replicant("replicant1")
     cluster.start("replicant1")
     records: list[dict] = []
+    failover = FailoverConsumer(cluster, [cluster.endpoints["core1"], cluster.endpoints["core3"]])
     with Writer(cluster) as writer:
         wait_until(lambda: writer.written > 50, 60, "writes flowing")
+        failover.thread.start()
         with cluster.client("core1", timeout_ms=1500, retries=0) as consumer:
             feed = consumer.changes(TABLES, follow=True, wait_ms=300, page_records=50)
             with pytest.raises(Unavailable):
@@ -136,14 +163,20 @@ def test_the_upstream_core_killed_mid_stream_the_consumer_resumes_on_a_replicant
     )
     with cluster.client("replicant1", timeout_ms=3000, retries=2) as consumer:
         records.extend(consumer.changes(TABLES, after_tx_key=cursor))
+    failover.target = {shard: TxKey(*key) for shard, key in final.items()}
+    failover.thread.join(timeout=60)
+    assert not failover.thread.is_alive() and not failover.errors, failover.errors
     assert len(records) > killed_at
     assert not any(record["kind"].startswith("snapshot") for record in records)
     with cluster.client("core2", timeout_ms=5000, retries=2) as client:
         for shard in ("default", "content"):
             expected = expected_changes(client, shard)
-            got = received(records, shard)
-            assert len(got) == len(set(got)), f"duplicates in {shard}"
-            assert got == expected, f"{shard}: got {len(got)} changes, the rlog holds {len(expected)}"
+            for consumer, got in (
+                ("resumed", received(records, shard)),
+                ("failover", received(failover.records, shard)),
+            ):
+                assert len(got) == len(set(got)), f"{consumer}: duplicates in {shard}"
+                assert got == expected, f"{consumer}, {shard}: got {len(got)} changes, the rlog holds {len(expected)}"
         state = apply_feed(records)
         for table in TABLES:
             assert state[table] == {row["id"]: row for row in client.scan(table)}
