@@ -193,3 +193,24 @@ def test_positions_breaking_the_phase_rules_are_bad_requests(position: ChangesPo
     with pytest.raises(ChangesError) as error:
         build_page(log, ["users"], [position], PageLimits(5, 1 << 20))
     assert error.value.code == "bad_request"
+
+
+def test_a_page_is_bounded_in_bytes_and_an_entry_larger_than_a_page_goes_alone() -> None:
+    log = MemoryLog()
+    for i in range(50):
+        log.write(i, "x" * 1000)
+    log._append(WriteOp("users", {"id": 999, "name": "y" * 10_000}))  # larger than a page
+    for i in range(50, 60):
+        log.write(i, "x" * 1000)
+    positions = [live("default", TxKey(0, 0))]
+    sizes = []
+    for _ in range(100):
+        page = build_page(log, ["users"], positions, PageLimits(1000, 4096))
+        if page.caught_up:
+            break
+        sizes.append((len(page.records), page.bytes, [r["key"] for r in page.records]))
+        positions = page.positions
+    assert positions[0].after == log.applied_key
+    for count, size, keys in sizes:
+        assert size <= 4096 or keys == [999], (count, size, keys)
+    assert ([999] in [keys for _, _, keys in sizes]) and sum(count for count, _, _ in sizes) == 61
