@@ -205,6 +205,21 @@ def build_page(
     return page
 
 
+def keep_holding(page: Page, now_ms: int, deadline_ms: int) -> bool:
+    """Whether a request whose page is ``page`` is held rather than answered: nothing for it yet
+    (another table moved, or a shard is still behind its position) and its wait is not over."""
+    return page.caught_up and now_ms < deadline_ms
+
+
+def worth_a_page(
+    applied_then: Mapping[str, TxKey], applied_now: Mapping[str, TxKey], now_ms: int, deadline_ms: int
+) -> bool:
+    """Whether a held request's page is built again: a shard it follows moved, or its wait ended."""
+    if now_ms >= deadline_ms:
+        return True
+    return any(shard in applied_now and applied_now[shard] > key for shard, key in applied_then.items())
+
+
 def _check_position(position: ChangesPosition) -> None:
     """The shape rules a schema cannot say: which fields each phase has."""
     if position.phase == "copy" and position.table is None:

@@ -34,7 +34,7 @@ import msgpack
 import zmq
 from mnesite.rlog import codec, messages
 from mnesite.rlog.backup import BackupError, BackupJob, decide
-from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page
+from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
@@ -688,14 +688,15 @@ class NodeServer:
         body: messages.Changes = message.body
         page = self._changes_page(body, serving, table_batch)
         wait_ms = CHANGES_WAIT_MS_DEFAULT if body.wait_ms is None else body.wait_ms
-        if not page.caught_up or wait_ms == 0:
+        now_ms = monotonic_ms()
+        deadline_ms = now_ms + wait_ms
+        if not keep_holding(page, now_ms, deadline_ms):
             self.reply(envelope, codec.reply(message.request_id, page.to_wire()))
             return
         waiting_max = self.config.limits.changes_waiting_max
         if len(self.waiting_changes) >= waiting_max:
             raise OverloadedError(f"{waiting_max} changefeed requests are waiting here (changes_waiting_max)")
         self.hold(envelope, message.request_id)
-        deadline_ms = monotonic_ms() + wait_ms
         self.waiting_changes.append(
             WaitingChanges(envelope, message, serving, table_batch, dict(page.applied), deadline_ms)
         )
@@ -722,8 +723,8 @@ class NodeServer:
         now = monotonic_ms()
         positions = self.store.shards()
         for waiting in list(self.waiting_changes):
-            moved = any(shard in positions and positions[shard].applied > key for shard, key in waiting.applied.items())
-            if not moved and now < waiting.deadline_ms:
+            applied = {shard: position.applied for shard, position in positions.items()}
+            if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms):
                 continue
             request_id = waiting.message.request_id
             try:
@@ -732,9 +733,7 @@ class NodeServer:
                 self.waiting_changes.remove(waiting)
                 self.reply(waiting.envelope, codec.error(request_id, error.code, str(error)))
                 continue
-            if page.caught_up and now < waiting.deadline_ms:
-                # What moved was nothing for this feed (another table, or a shard still behind its
-                # position): keep waiting from here.
+            if keep_holding(page, now, waiting.deadline_ms):
                 waiting.applied = dict(page.applied)
                 continue
             self.waiting_changes.remove(waiting)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from mnesite.rlog.changes import ChangesError, PageLimits, build_page, live
+from mnesite.rlog.changes import ChangesError, PageLimits, build_page, keep_holding, live, worth_a_page
 from mnesite.rlog.messages import ChangesPosition
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import GENESIS_DIGEST, DeleteOp, DropTableOp, Entry, TxKey, WriteOp
@@ -214,3 +214,17 @@ def test_a_page_is_bounded_in_bytes_and_an_entry_larger_than_a_page_goes_alone()
     for count, size, keys in sizes:
         assert size <= 4096 or keys == [999], (count, size, keys)
     assert ([999] in [keys for _, _, keys in sizes]) and sum(count for count, _, _ in sizes) == 61
+
+
+def test_a_held_request_is_paged_again_when_a_shard_moves_or_its_wait_ends_and_held_while_nothing_is_for_it() -> None:
+    then = {"default": TxKey(1, 5), "content": TxKey(2, 3)}
+    assert not worth_a_page(then, then, now_ms=10, deadline_ms=20)
+    assert worth_a_page(then, {**then, "content": TxKey(2, 4)}, now_ms=10, deadline_ms=20)
+    assert worth_a_page(then, then, now_ms=20, deadline_ms=20)
+    assert not worth_a_page(then, {"default": TxKey(1, 5)}, now_ms=10, deadline_ms=20)  # a shard gone: no move
+    log = MemoryLog()
+    log.write(1, "a")
+    caught_up = build_page(log, ["users"], [live("default", log.applied_key)], PageLimits(5, 1 << 20))
+    assert keep_holding(caught_up, now_ms=10, deadline_ms=20) and not keep_holding(caught_up, 20, 20)
+    behind = build_page(log, ["users"], [live("default", TxKey(0, 0))], PageLimits(5, 1 << 20))
+    assert not keep_holding(behind, now_ms=10, deadline_ms=20)
