@@ -40,8 +40,13 @@ the copy cannot be healed: the snapshot starts again (a new ``snapshot_begin`` s
 A node serves entries up to its **applied** key only: every applied entry is committed, on a
 replicant as on a core, so no consumer ever sees a change that a failover could undo. A position
 beyond the node's applied key (a consumer moving to a node that is behind) gets empty pages until
-the node catches up. ``build_page`` is the whole rule; drivers decode the request, call it inside
-their turn, and hold a request whose page would be empty until a shard moves or ``wait_ms`` ends.
+the node catches up.
+
+Driver contract (``rlog.server.NodeServer.changes_request`` and ``serve_changes``): decode the
+request, call ``build_page`` inside the turn (the reads see the applied state), answer the page
+unless ``keep_holding`` says to hold it (nothing for this feed yet and ``wait_ms`` not over); page a
+held request again when ``worth_a_page`` says so (a shard it follows moved, or its wait ended).
+Held requests are bounded by ``changes_waiting_max``.
 """
 
 from __future__ import annotations
