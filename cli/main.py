@@ -931,6 +931,12 @@ def _describe_op(op: dict[str, Any]) -> str:
         return f"members {', '.join(op['members'])}{added}"
     if op["op"] == "drop_table":
         return f"drop_table {op['table']} (shard {op['shard']})"
+    if op["op"] == "create_index":
+        return f"create_index {op['index']} on {op['table']} ({', '.join(op['columns'])})"
+    if op["op"] == "drop_index":
+        return f"drop_index {op['index']} on {op['table']}"
+    if op["op"] == "add_column":
+        return f"add_column {op['table']}.{op['column']} {op['type']}"
     return f"create_table {op['table']} (shard {op['shard']}, key {op['key']})"
 
 

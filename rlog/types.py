@@ -503,6 +503,18 @@ def op_to_json(op: Op) -> dict[str, Any]:
         return {"op": "members", "members": list(op.members), "added": op.added, "endpoint": op.endpoint}
     if isinstance(op, DropTableOp):
         return {"op": "drop_table", "table": op.table, "shard": op.shard}
+    if isinstance(op, CreateIndexOp):
+        return {
+            "op": "create_index",
+            "index": op.index,
+            "table": op.table,
+            "shard": op.shard,
+            "columns": list(op.columns),
+        }
+    if isinstance(op, DropIndexOp):
+        return {"op": "drop_index", "index": op.index, "table": op.table, "shard": op.shard}
+    if isinstance(op, AddColumnOp):
+        return {"op": "add_column", "table": op.table, "shard": op.shard, "column": op.column, "type": op.column_type}
     return {
         "op": "create_table",
         "table": op.table,
