@@ -931,6 +931,12 @@ def _describe_op(op: dict[str, Any]) -> str:
         return f"members {', '.join(op['members'])}{added}"
     if op["op"] == "drop_table":
         return f"drop_table {op['table']} (shard {op['shard']})"
+    if op["op"] == "create_index":
+        return f"create_index {op['index']} on {op['table']} ({', '.join(op['columns'])})"
+    if op["op"] == "drop_index":
+        return f"drop_index {op['index']} on {op['table']}"
+    if op["op"] == "add_column":
+        return f"add_column {op['table']}.{op['column']} {op['type']}"
     return f"create_table {op['table']} (shard {op['shard']}, key {op['key']})"
 
 
@@ -1224,10 +1230,12 @@ def keys_generate(name: str, directory: str, as_json: bool) -> None:
 
 def _register_optional_commands() -> None:
     from mnesite.cli.backup import register
+    from mnesite.cli.changes import register as register_changes
     from mnesite.cli.query import register as register_query
 
     register(main)
     register_query(main)
+    register_changes(main)
     try:
         from mnesite.spark.cli import compare
     except ImportError:

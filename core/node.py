@@ -60,6 +60,7 @@ import msgspec
 import zmq
 from mnesite.bootstrap import read_service
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
+from mnesite.bootstrap.serve import read_batch
 from mnesite.core import rules
 from mnesite.core.agent import AgentConfig
 from mnesite.core.consensus import (
@@ -499,6 +500,7 @@ class CoreNode(NodeServer):
             if dealer in ready:
                 self._relay_forwarded(dealer)
         self.serve_queries(self._query_shard_reached)
+        self.serve_changes()
         self.build_indexes()
         self._end_batches()
         self._expire_forwarded()
@@ -612,6 +614,8 @@ class CoreNode(NodeServer):
             self._write(envelope, message)
         elif message.kind in QUERY_KINDS:
             self._query(envelope, message)
+        elif message.kind == "changes":
+            self.changes_request(envelope, message, self._check_serving, read_batch)
         elif message.kind == "read_index" or getattr(message.body, "consistency", None) == "linearizable":
             self._linearizable(envelope, message)
         elif message.kind in READ_KINDS:

@@ -34,6 +34,7 @@ from typing import Any
 import zmq
 from mnesite.bootstrap import read_service
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
+from mnesite.bootstrap.serve import read_batch
 from mnesite.replicant.reads import GATHER_FAILED, ReadIndexGather, WaitingReads, shards_to_wait_on
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
 from mnesite.replicant.upstream import write_target
@@ -190,6 +191,7 @@ class ReplicantNode(NodeServer):
         self._warn_if_no_core(now)
         self._answer_waiting_reads()
         self.serve_queries(self._query_shard_reached)
+        self.serve_changes()
         self.build_indexes()
         self._maybe_trim()
         self.flush()
@@ -566,6 +568,8 @@ class ReplicantNode(NodeServer):
             self._query(envelope, message)
         elif message.kind in ("query_page", "query_close"):
             self.query_cursor_request(envelope, message)
+        elif message.kind == "changes":
+            self.changes_request(envelope, message, self._serving, read_batch)
         elif message.kind in read_service.KINDS and message.kind != "bootstrap_batch":  # cores serve bootstraps
             # Range requests, the catalog and this replicant's own rlog (what it applied, as far as it
             # retains it): answered now, whatever the read's consistency.

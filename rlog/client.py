@@ -47,12 +47,15 @@ from mnesite.rlog import codec
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
+from mnesite.rlog.messages import MessageError, typed_body
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
 from mnesite.rlog.types import TxKey
 from zmq.utils.monitor import recv_monitor_message
 
 SCAN_PAGE_ROWS = 1000
+# How long a following changefeed asks the node to hold a page while there is no change (long poll).
+CHANGES_WAIT_MS = 1000
 # How long one page of a query may take to arrive: above a node's default query_ms_max (10 s).
 QUERY_TIMEOUT_MS = 30_000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
@@ -569,6 +572,43 @@ class Client:
         first = self.call("query", self._consistency(body, consistency, after_tx_key), timeout_ms=timeout_ms)
         return QueryResult(self, first, page_rows, timeout_ms)
 
+    def changes(
+        self,
+        tables: Sequence[str] | None = None,
+        after_tx_key: Any = None,
+        *,
+        follow: bool = False,
+        wait_ms: int = CHANGES_WAIT_MS,
+        page_records: int | None = None,
+    ) -> ChangeFeed:
+        """The changefeed of ``tables`` (None: every table): an iterator of change records, in log order
+        per shard (``rlog.changes`` says what each record holds).
+
+        ``after_tx_key``: start strictly after this tx key: a ``TxKey`` (or ``(g, c)``) for every shard
+        of the tables, a dict ``{shard: key}``, or a ``ChangeFeed.cursor`` saved from an earlier feed;
+        None starts at the beginning of the log. A position the node's log no longer holds gets a copy
+        of the tables first (``snapshot_begin``, ``snapshot`` rows, ``snapshot_end``). Without
+        ``follow`` the iterator ends once it has every change the node has applied; with it, it waits
+        for more (each page held up to ``wait_ms`` at the node). Pages move to the client's next
+        endpoint when a node stops answering, from the last position received: no gap, no repeat.
+        """
+        names = list(tables or ())
+        return ChangeFeed(self, names, self._changes_positions(names, after_tx_key), follow, wait_ms, page_records)
+
+    def _changes_positions(self, tables: list[str], after: Any) -> list[dict[str, Any]]:
+        """The wire positions a changefeed starts from (see ``changes``)."""
+        if after is None:
+            return []
+        if isinstance(after, dict):
+            return [{"shard": shard, "after": list(TxKey(*key))} for shard, key in sorted(after.items())]
+        if isinstance(after, (list, tuple)) and after and isinstance(after[0], dict):
+            return [dict(position) for position in after]  # a saved cursor
+        key = TxKey(*after)
+        catalog = self.list_tables()
+        known = {table["table"]: table["shard"] for table in catalog}
+        shards = {known[name] for name in tables if name in known} if tables else set(known.values())
+        return [{"shard": shard, "after": list(key)} for shard in sorted(shards)]
+
     def count(self, table: str, consistency: str = "local", after_tx_key: TxKey | None = None) -> int:
         """The number of rows of ``table``, counted by the node (no row is shipped)."""
         return self.call("count", self._consistency({"table": table}, consistency, after_tx_key))["rows"]
@@ -703,6 +743,122 @@ class QueryResult:
         if cursor is not None:
             with contextlib.suppress(MnesiteError):
                 self.client.call("query_close", {"cursor": cursor}, retries=0)
+
+
+class ChangeFeed:
+    """The records of a changefeed (``Client.changes``), fetched page by page.
+
+    ``cursor`` is where the feed stands, per shard: pass it as ``after_tx_key`` to resume (on any
+    node). It moves by whole entries: the records of one entry share a ``tx_key``, and a consumer that
+    stops inside an entry resumes at that entry's start. ``position`` is the last tx key delivered per
+    shard outside a snapshot. ``applied`` is the answering node's applied key per shard (how far
+    behind the feed is). The answers are checked: a malformed page raises ``MnesiteError``.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        tables: list[str],
+        positions: list[dict[str, Any]],
+        follow: bool,
+        wait_ms: int,
+        page_records: int | None,
+    ) -> None:
+        self.client = client
+        self.tables = tables
+        self.follow = follow
+        self.wait_ms = wait_ms
+        self.page_records = page_records
+        self._positions: dict[str, dict[str, Any]] = {position["shard"]: position for position in positions}
+        self.applied: dict[str, TxKey] = {}
+        self.pages_fetched = 0
+
+    @property
+    def cursor(self) -> list[dict[str, Any]]:
+        return [dict(position) for _, position in sorted(self._positions.items())]
+
+    @property
+    def position(self) -> dict[str, TxKey]:
+        return {
+            shard: TxKey(*position["after"])
+            for shard, position in self._positions.items()
+            if position.get("phase", "live") == "live"
+        }
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            records, positions = self.fetch_page()
+            # Within a page, a shard's position moves to an entry once a record of the next entry
+            # is asked for: by then every record of that entry was taken.
+            open_entries: dict[str, list[int]] = {}
+            for record in records:
+                if record["kind"] == "change":
+                    shard = record["shard"]
+                    done = open_entries.get(shard)
+                    if done is not None and done != record["tx_key"]:
+                        self._positions[shard] = {"shard": shard, "after": done}
+                    open_entries[shard] = record["tx_key"]
+                yield record
+            self._positions = positions
+            if self._caught_up(records) and not self.follow:
+                return
+
+    def pages(self) -> Iterator[list[dict[str, Any]]]:
+        """The records page by page (a page may be empty while following): for consumers that
+        apply and save their position a page at a time (``cursor`` moves when a page is yielded)."""
+        while True:
+            records, positions = self.fetch_page()
+            self._positions = positions
+            yield records
+            if self._caught_up(records) and not self.follow:
+                return
+
+    def _caught_up(self, records: list[dict[str, Any]]) -> bool:
+        """No record in the last page, and every shard at the answering node's applied key."""
+        return not records and all(
+            TxKey(*position["after"]) >= self.applied.get(shard, TxKey(0, 0))
+            for shard, position in self._positions.items()
+        )
+
+    def fetch_page(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+        """One page: its records and the positions after it (the feed's cursor moves on iteration)."""
+        body: dict[str, Any] = {"positions": self.cursor}
+        if self.tables:
+            body["tables"] = self.tables
+        if self.page_records is not None:
+            body["page_records"] = self.page_records
+        wait_ms = self.wait_ms if self.follow else 0
+        if wait_ms:
+            body["wait_ms"] = wait_ms
+        answer = self.client.call("changes", body, timeout_ms=self.client.timeout_ms + wait_ms)
+        records, positions, applied = _changes_page(answer)
+        self.applied = applied
+        self.pages_fetched += 1
+        return records, positions
+
+
+_RECORD_KINDS = frozenset({"change", "snapshot_begin", "snapshot", "snapshot_end"})
+
+
+def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, TxKey]]:
+    """A ``changes`` answer checked: records, positions by shard (as sent back), applied keys."""
+    try:
+        records, wire_positions, applied = answer["records"], answer["positions"], answer["applied"]
+        # The node's positions are checked by the very schema it checks them with when they come back.
+        typed_body("changes", {"positions": wire_positions})
+        positions = {position["shard"]: position for position in wire_positions}
+        applied_keys = {shard: TxKey(*key) for shard, key in applied.items()}
+        if not isinstance(records, list) or not all(
+            isinstance(record, dict) and record.get("kind") in _RECORD_KINDS and isinstance(record.get("shard"), str)
+            for record in records
+        ):
+            raise TypeError("a record is not a change record")
+        for record in records:
+            if record.get("tx_key") is not None:
+                record["tx_key"] = TxKey(*record["tx_key"])
+    except (KeyError, TypeError, ValueError, MessageError, AttributeError) as error:
+        raise MnesiteError(f"malformed changes page: {error}", "bad_answer") from None
+    return records, positions, applied_keys
 
 
 def _why_silent(endpoint: str, kind: str) -> str:

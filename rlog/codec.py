@@ -103,6 +103,10 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
         raise CodecError("frame must be [version, kind, request_id, body]") from None
     except msgspec.DecodeError as error:
         raise CodecError(f"malformed msgpack frame: {type(error).__name__}") from None
+    except UnicodeDecodeError:
+        # msgspec raises it, not a DecodeError, for a string that is not UTF-8: one such frame
+        # used to escape this function and stop the node.
+        raise CodecError("malformed msgpack frame: a string is not UTF-8") from None
     except RecursionError:
         # msgspec skips the body recursively: a body nested deeper than Python's recursion limit
         # is split off without recursion, so that the refusal can still name its field.

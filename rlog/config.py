@@ -40,6 +40,9 @@ Example::
     query_cursors_max = 16              # queries with more pages to fetch, held open per node
     query_idle_ms_max = 30000           # a held query whose next page is not asked for in this time is closed
     index_build_step_rows_max = 1000    # rows an online index build copies per step, a step at most every 10 ms
+    changes_page_records_max = 1000     # records in one changefeed page (mnesite changes)
+    changes_page_bytes_max = 1048576    # bytes of records in one changefeed page (at most frame_bytes_max / 4)
+    changes_waiting_max = 1000          # changefeed requests held until their tables change, per node
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -140,6 +143,11 @@ class Limits:
     # Rows an online index build (rlog.store) copies per step (one step at most every 10 ms); a table with
     # fewer rows is indexed at once.
     index_build_step_rows_max: int = 1000
+    # The changefeed (rlog.changes): a consumer pulls pages, so a page bounds what one costs the node;
+    # caught-up consumers wait for their next change in a bounded list.
+    changes_page_records_max: int = 1000
+    changes_page_bytes_max: int = 1024 * 1024
+    changes_waiting_max: int = 1000
 
 
 @dataclass(frozen=True)
@@ -210,6 +218,9 @@ _LIMIT_BOUNDS = {
     "query_cursors_max": (1, 10_000),
     "query_idle_ms_max": (100, 3_600_000),
     "index_build_step_rows_max": (1, 1_000_000),
+    "changes_page_records_max": (1, 1_000_000),
+    "changes_page_bytes_max": (1024, 128 * 1024 * 1024),
+    "changes_waiting_max": (1, 1_000_000),
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
     "retention_interval_ms": (10, 3_600_000),

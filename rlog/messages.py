@@ -80,6 +80,8 @@ AGENTS_COUNT_MAX = 2**31  # a core's agent count beyond this is not believed
 QUERY_SQL_CHARS_MAX = 100_000  # one query's SQL text (rlog.query)
 QUERY_PARAMS_MAX = 999  # bound parameters of one query
 QUERY_CURSOR_CHARS_MAX = 64  # a query cursor's token
+CHANGES_TABLES_MAX = 1000  # tables one changefeed request names
+CHANGES_SHARDS_MAX = 1000  # shard positions one changefeed request carries (a node has at most 1000 shards)
 
 # The one rule for a name on the wire (tables, columns, shards, nodes, agents). The table schema
 # (``rlog.schema``) is stricter for what may become a SQLite identifier.
@@ -104,6 +106,9 @@ Text = Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX)]
 # A SQLite value: checked by ``scalars_refusal`` in the owner's ``verify`` (see above).
 Scalar = Any
 Row = Annotated[dict[Name, Any], Meta(max_length=ROW_COLUMNS_MAX)]
+
+
+NOT_UTF8 = "holds a string that is not UTF-8"
 
 
 class MessageError(ValueError):
@@ -340,6 +345,43 @@ class QueryClose(Body, frozen=True, kw_only=True):
     cursor: QueryCursor
 
 
+class ChangesPosition(Body, frozen=True, kw_only=True):
+    """Where one shard of a changefeed stands (``rlog.changes``): the client keeps it and sends it back.
+
+    ``phase`` ``live``: every change up to ``after`` was delivered. ``copy``: a snapshot replaying
+    from ``after`` is copying ``table``, its rows up to key ``table_after`` delivered (null: none
+    yet). ``replay``: the snapshot's copy is done; entries after ``after`` up to ``replay_to`` are
+    being delivered, then ``snapshot_end`` at ``replay_to``.
+    """
+
+    shard: Name
+    after: TxKey
+    phase: Literal["live", "copy", "replay"] = "live"
+    table: Name | None = None
+    table_after: Scalar = None
+    replay_to: TxKey | None = None
+
+    def verify(self) -> None:
+        _require_scalars((self.table_after,), "table_after")
+
+
+class Changes(Body, frozen=True, kw_only=True):
+    """One page of a changefeed (``rlog.changes``): the changes after ``positions`` of ``tables``
+    (none named: every table), held up to ``wait_ms`` while there is none."""
+
+    tables: Annotated[list[Name], Meta(max_length=CHANGES_TABLES_MAX)] = []
+    positions: Annotated[list[ChangesPosition], Meta(max_length=CHANGES_SHARDS_MAX)] = []
+    page_records: Annotated[int, Meta(ge=1, le=INTEGER_MAX)] | None = None
+    wait_ms: WaitMs | None = None
+
+    def verify(self) -> None:
+        for index, position in enumerate(self.positions):
+            try:
+                position.verify()
+            except MessageError as error:
+                raise MessageError(f"positions[{index}].{error.path}", str(error).partition(": ")[2]) from None
+
+
 class Empty(Body, frozen=True, kw_only=True):
     """A request with no fields (status, list_tables, stop, journal, force_start, members)."""
 
@@ -547,6 +589,12 @@ _SCHEMA_LIST = [
     ),
     KindSchema("query_page", "the next page of a query's rows, by the cursor its previous page named", QueryPage),
     KindSchema("query_close", "close a query's cursor before its last page (the node frees its snapshot)", QueryClose),
+    # the changefeed (rlog.changes): a page of committed changes after the client's positions
+    KindSchema(
+        "changes",
+        "a changefeed page: the committed changes of some tables after per-shard positions (a copy when trimmed)",
+        Changes,
+    ),
     KindSchema("status", "the node's status", Empty),
     # admin: the node finishes its loop turn, logs a shutdown line and exits (cli ``stop``)
     KindSchema("stop", "operator: shut this node down cleanly", Empty),
@@ -625,6 +673,9 @@ def decode_body(kind: str, body: bytes | memoryview) -> Body:
         value.verify()
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error(kind, error) from None
+    except UnicodeDecodeError:
+        # msgspec raises it (not a DecodeError) for a msgpack string that is not UTF-8.
+        raise MessageError(kind, NOT_UTF8, "bad_frame") from None
     except RecursionError:
         raise MessageError(_deep_field(kind, body), "is nested deeper than the decoder allows", "bad_frame") from None
     except MessageError as error:
@@ -758,6 +809,8 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
         wire = _OPS_DECODER.decode(packed)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error("ops", error) from None
+    except UnicodeDecodeError:
+        raise MessageError("ops", NOT_UTF8) from None
     except RecursionError:
         raise MessageError("ops", "are nested too deep") from None
     values: list[Any] = []

@@ -34,7 +34,8 @@ parser of ours:
 
 Errors carry a code for the wire: ``query_refused`` (not read-only, or not allowed), ``bad_query``
 (SQLite cannot prepare it: syntax, unknown column, wrong number of parameters), ``query_budget``,
-``query_failed`` (a run-time SQLite error), ``query_cursor_unknown`` (expired, closed or never existed),
+``unknown_table`` (it names a table the node's catalog does not hold), ``query_failed`` (a run-time
+SQLite error), ``query_cursor_unknown`` (expired, closed or never existed),
 ``overloaded`` (``cursors_max`` reached).
 """
 
@@ -89,6 +90,13 @@ class QueryRefused(QueryError):
 
 class BadQuery(QueryError):
     code = "bad_query"
+
+
+class UnknownQueryTable(BadQuery):
+    """A statement names a table this node's catalog does not hold (a replicant may not have learnt
+    it yet): the same ``unknown_table`` code as a ``get`` of an unknown table."""
+
+    code = "unknown_table"
 
 
 class QueryBudgetExceeded(QueryError):
@@ -253,13 +261,20 @@ def _prepared_statements(
                 raise QueryRefused("a query is one statement; this one holds more") from None
             if isinstance(error, apsw.BindingsError):
                 raise BadQuery(f"parameters: {error}") from None
-            raise BadQuery(_sqlite_message(error)) from None
+            message = _sqlite_message(error)
+            if message.startswith(NO_SUCH_TABLE):
+                name = message[len(NO_SUCH_TABLE) :]
+                raise UnknownQueryTable(f"unknown table {name!r} (no such table in this node's catalog)") from None
+            raise BadQuery(message) from None
         if len(found) == before or not found[-1][0]:
             break  # nothing left that SQLite would prepare
         remaining = remaining[len(found[-1][0]) :]
         bindings = None  # a further statement with parameters fails to bind: refused above
     cursor.close()
     return found
+
+
+NO_SUCH_TABLE = "no such table: "  # SQLite's words when a statement names a table that does not exist
 
 
 def _sqlite_message(error: BaseException) -> str:

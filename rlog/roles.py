@@ -50,6 +50,7 @@ READ_KINDS = frozenset(
         "query",
         "query_page",
         "query_close",
+        "changes",
     }
 )
 

@@ -27,12 +27,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import msgpack
 import zmq
 from mnesite.rlog import codec, messages
 from mnesite.rlog.backup import BackupError, BackupJob, decide
+from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
 from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
@@ -52,8 +54,10 @@ from mnesite.rlog.query import (
     shards_of,
 )
 from mnesite.rlog.roles import sender_mismatch
+from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.security import NodeSecurity, SecurityError
 from mnesite.rlog.store import Store, storage_fault
+from mnesite.rlog.types import Entry, TxKey
 
 log = logging.getLogger("mnesite.server")
 # How long a node stopped by a ``stop`` request waits for that request's answer to leave its socket.
@@ -74,6 +78,15 @@ REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused 
 # here, so the builds take at most a third of a loop's time and writes keep most of it.
 INDEX_BUILD_INTERVAL_MS = 10
 HELD_TIMES_MAX = 100_000  # arrival times of held writes kept for the commit latency histogram
+
+
+# A changefeed page's bytes, at most this share of frame_bytes_max (records are estimated, the frame is not).
+CHANGES_FRAME_SHARE = 4
+# How long a caught-up changefeed request is held at most when it does not say (``changes`` wait_ms).
+CHANGES_WAIT_MS_DEFAULT = 0
+
+# What a driver passes to read one key-ordered batch of a table (``bootstrap.serve.read_batch``).
+TableBatch = Callable[[Store, TableSchema, Any, int, int], dict[str, Any]]
 
 
 def monotonic_ms() -> int:
@@ -162,6 +175,8 @@ class NodeServer:
         # Read-only SQL queries (rlog.query): run on the runner's threads, never on this loop.
         self.queries = QueryRunner(store.path, QueryLimits.from_config(config.limits), monotonic_ms)
         self.waiting_queries = WaitingQueries()
+        # Changefeed requests held until a shard they follow moves (rlog.changes), oldest first.
+        self.waiting_changes: list[WaitingChanges] = []
         store.index_build_step_rows_max = config.limits.index_build_step_rows_max
         self._next_build_ms = 0
 
@@ -651,6 +666,67 @@ class NodeServer:
                 self.reply(envelope, codec.reply(request_id, finished.result))
         self.queries.expire(now)
 
+    # -- the changefeed (rlog.changes; the node keeps nothing per consumer between pages) ---------
+
+    def changes_request(
+        self, envelope: list[bytes], message: Message, serving: Callable[[str], Any], table_batch: TableBatch
+    ) -> None:
+        """Answer a ``changes`` request with its next page, or hold it (a caught-up page, ``wait_ms``)
+        until a shard it follows moves; ``serving`` raises ``RequestError`` for a shard not served now."""
+        body: messages.Changes = message.body
+        page = self._changes_page(body, serving, table_batch)
+        wait_ms = CHANGES_WAIT_MS_DEFAULT if body.wait_ms is None else body.wait_ms
+        now_ms = monotonic_ms()
+        deadline_ms = now_ms + wait_ms
+        if not keep_holding(page, now_ms, deadline_ms):
+            self.reply(envelope, codec.reply(message.request_id, page.to_wire()))
+            return
+        waiting_max = self.config.limits.changes_waiting_max
+        if len(self.waiting_changes) >= waiting_max:
+            raise OverloadedError(f"{waiting_max} changefeed requests are waiting here (changes_waiting_max)")
+        self.hold(envelope, message.request_id)
+        self.waiting_changes.append(
+            WaitingChanges(envelope, message, serving, table_batch, dict(page.applied), deadline_ms)
+        )
+
+    def _changes_page(self, body: messages.Changes, serving: Callable[[str], Any], table_batch: TableBatch) -> Page:
+        limits = self.config.limits
+        records_max = limits.changes_page_records_max
+        if body.page_records is not None:
+            records_max = min(records_max, body.page_records)
+        bytes_max = max(1, min(limits.changes_page_bytes_max, limits.frame_bytes_max // CHANGES_FRAME_SHARE))
+        reader = StoreFeedReader(self.store, table_batch)
+        try:
+            page = build_page(reader, body.tables, body.positions, PageLimits(records_max, bytes_max))
+        except ChangesError as error:
+            raise RequestError(error.code, str(error)) from None
+        for shard in page.applied:
+            serving(shard)
+        return page
+
+    def serve_changes(self) -> None:
+        """Once per turn: answer the held changefeed requests whose shards moved, or whose wait ended."""
+        if not self.waiting_changes:
+            return
+        now = monotonic_ms()
+        positions = self.store.shards()
+        for waiting in list(self.waiting_changes):
+            applied = {shard: position.applied for shard, position in positions.items()}
+            if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms):
+                continue
+            request_id = waiting.message.request_id
+            try:
+                page = self._changes_page(waiting.message.body, waiting.serving, waiting.table_batch)
+            except RequestError as error:
+                self.waiting_changes.remove(waiting)
+                self.reply(waiting.envelope, codec.error(request_id, error.code, str(error)))
+                continue
+            if keep_holding(page, now, waiting.deadline_ms):
+                waiting.applied = dict(page.applied)
+                continue
+            self.waiting_changes.remove(waiting)
+            self.reply(waiting.envelope, codec.reply(request_id, page.to_wire()))
+
     def build_indexes(self) -> None:
         """The next step of each online index build (rlog.store), at most every ``INDEX_BUILD_INTERVAL_MS``.
         A step is local work a restart redoes from its persisted progress: the turn's commit needs no fsync."""
@@ -775,3 +851,43 @@ class NodeServer:
                 self._dropped(message.kind, str(error))
         if self.metrics is not None:
             self.refresh_metrics()
+
+
+@dataclass(slots=True)
+class WaitingChanges:
+    """A held ``changes`` request: answered once a shard passes ``applied`` or at ``deadline_ms``."""
+
+    envelope: list[bytes]
+    message: Message
+    serving: Callable[[str], Any]
+    table_batch: TableBatch
+    applied: dict[str, TxKey]
+    deadline_ms: int
+
+
+class StoreFeedReader:
+    """``rlog.changes.FeedReader`` over the node's store (read in the turn's transaction)."""
+
+    def __init__(self, store: Store, table_batch: TableBatch) -> None:
+        self.store = store
+        self._table_batch = table_batch
+        self._positions = store.shards()
+
+    def catalog(self) -> dict[str, TableSchema]:
+        return self.store.catalog()
+
+    def shard_names(self) -> list[str]:
+        return list(self._positions)
+
+    def applied(self, shard: str) -> TxKey | None:
+        position = self._positions.get(shard)
+        return position.applied if position is not None else None
+
+    def trimmed(self, shard: str) -> TxKey:
+        return self.store.trimmed(shard)[0]
+
+    def entries_after(self, shard: str, after: TxKey, limit: int, up_to: TxKey) -> list[Entry]:
+        return self.store.entries_after(shard, after, limit, up_to)
+
+    def table_batch(self, table: TableSchema, after: Any, rows_max: int, bytes_max: int) -> dict[str, Any]:
+        return self._table_batch(self.store, table, after, rows_max, bytes_max)

@@ -157,7 +157,6 @@ def test_the_run_enforces_the_same_rules_as_the_check(store: Store, runner: q.Qu
     [
         ("SELEC 1", (), "syntax error"),
         ("SELECT nope FROM users", (), "no such column"),
-        ("SELECT * FROM nope", (), "no such table"),
         ("SELECT ?", (), "uses 1 and there are 0 supplied"),
         ("SELECT ?", (1, 2), "uses 1 and there are 2 supplied"),
         ("   -- nothing", (), "holds no statement"),
@@ -169,6 +168,14 @@ def test_sql_sqlite_cannot_prepare_is_a_bad_query(store: Store, sql: str, params
         q.check_query(connection, ["users"], sql, params)
     connection.close()
     assert bad.value.code == "bad_query" and words in str(bad.value)
+
+
+def test_a_table_the_catalog_does_not_hold_is_an_unknown_table_naming_it(store: Store) -> None:
+    connection = q.open_connection(store.path, 1 << 20)
+    with pytest.raises(q.UnknownQueryTable) as unknown:
+        q.check_query(connection, ["users"], "SELECT * FROM users JOIN nope USING (id)", ())
+    connection.close()
+    assert unknown.value.code == "unknown_table" and "unknown table 'nope'" in str(unknown.value)
 
 
 @pytest.mark.parametrize(

@@ -225,6 +225,11 @@ def test_client_index_and_column_changes(node: ThreadNode) -> None:
         assert refused.value.code == "unknown_column"
         client.drop_index("users_karma_idx")
         assert "indexes" not in client.table("users")
+        # rlog tail shows each schema change as what it is (an index op used to fail the whole read).
+        ops = [op for entry in client.rlog_tail("default", 20) for op in entry["ops"]]
+        kinds = [op["op"] for op in ops if op["op"] in ("create_index", "add_column", "drop_index")]
+        assert kinds == ["create_index", "add_column", "drop_index"]
+        assert {"op": "add_column", "table": "users", "shard": "default", "column": "email", "type": "TEXT"} in ops
     connection = apsw.Connection(node.node.config.database_path, flags=apsw.SQLITE_OPEN_READONLY)
     names = [row[0] for row in connection.execute("SELECT name FROM sqlite_schema WHERE tbl_name = 'users'")]
     connection.close()
@@ -253,6 +258,13 @@ def test_cli_index_and_add_column(node: ThreadNode) -> None:
     dropped = mnesite("index", "drop", "by_karma", "--json")
     assert dropped.exit_code == 0 and len(json.loads(dropped.output)["tx_key"]) == 2
     assert "by_karma" not in mnesite("table", "describe", "users").output
+    tail = mnesite("rlog", "tail", "default", "-n", "4").output
+    for line in (
+        "create_index by_karma on users (karma, name)",
+        "add_column users.email TEXT",
+        "drop_index by_karma on users",
+    ):
+        assert line in tail, tail
 
 
 # -- online index builds (rlog.store) -------------------------------------------------------------

@@ -143,6 +143,25 @@ HOSTILE = [
     ("transact", {"ops": [{"op": "write", "table": "known", "row": {"id": 2**64 - 1}}]}, "transact.ops[0].row.id"),
     ("transact", {"ops": 5}, "transact.ops"),
     ("peer", {"shard": "default", "sender": "core2", "message": [nested()]}, "peer.message"),
+    # the changefeed: a position is the client's, so every field of it is hostile input
+    (
+        "changes",
+        {
+            "positions": [
+                {"shard": "default", "after": [0, 0], "phase": "copy", "table": "known", "table_after": nested()}
+            ]
+        },
+        "changes.positions[0].table_after",
+    ),
+    ("changes", {"positions": [{"shard": "default", "after": [1, 2**64 - 1]}]}, "changes.positions[0].after"),
+    (
+        "changes",
+        {"positions": [{"shard": "default", "after": [0, 0], "phase": "rewind"}]},
+        "changes.positions[0].phase",
+    ),
+    ("changes", {"tables": ["known"], "wait_ms": 10**9}, "changes.wait_ms"),
+    ("changes", {"tables": ["x" * 65]}, "changes.tables[0]"),
+    ("changes", {"page_records": 0}, "changes.page_records"),
 ]
 
 
@@ -555,3 +574,27 @@ def test_a_new_core_takes_its_membership_from_its_peers_and_ignores_malformed_on
         assert not node.shards["default"].consensus.voter
     finally:
         node.close()
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\x94\xa3\x00\x00\x80",  # found by test_codec's hypothesis run: a header string, not UTF-8
+        b"\x94\x01\xa2\xff\xfe\xa2id\x80",  # the kind
+        b"\x94\x01\xa3get\xa2id\x82\xa5table\xa2\x80\x80\xa3key\x01",  # a body field
+        b"\x94\x01\xa7changes\xa2id\x81\xa6tables\x91\xa2\xc3\x28",  # a changefeed table name
+    ],
+)
+def test_a_string_that_is_not_utf8_is_a_malformed_frame_and_the_node_keeps_serving(node, frame: bytes) -> None:
+    with pytest.raises(CodecError):
+        codec.decode(frame)
+    answer = raw_call(node.endpoint, frame)
+    assert answer is not None and answer.kind == "error" and answer.body.code in ("bad_frame", "bad_request")
+    with node.client() as client:
+        assert client.get("known", 1) == {"id": 1, "name": "ada"}
+
+
+def test_entry_ops_holding_a_string_that_is_not_utf8_are_refused() -> None:
+    packed = msgpack.packb([["d", "known", 1]], use_bin_type=True).replace(b"known", b"kno\xffn")
+    with pytest.raises(messages.MessageError):
+        messages.decode_ops(packed)

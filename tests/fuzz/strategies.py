@@ -134,7 +134,7 @@ def _name_pool(path: str, known: Known) -> tuple[str, ...]:
 
 # Fields typed ``Any`` that hold one SQLite value (``rlog.messages.Scalar``); other ``Any`` fields
 # hold free values (a reply's result, a consensus message, ranges).
-SCALAR_FIELDS = frozenset({"key", "after", "low", "high"})
+SCALAR_FIELDS = frozenset({"key", "after", "low", "high", "table_after"})
 
 
 def _right_type(spec: mi.Type, path: str, known: Known) -> st.SearchStrategy[Any]:

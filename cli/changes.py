@@ -1,0 +1,83 @@
+"""``mnesite changes``: a thin command over ``Client.changes`` (rlog.changes builds the pages at the node).
+
+One line per record as it arrives: ``--json`` prints JSON lines (one record each, BLOBs as
+``{"base64": ...}``); otherwise ``TX_KEY SHARD TABLE OP KEY ROW``. The command ends once it has every
+change the node applied, or with ``--follow`` keeps waiting for more (Ctrl-C to stop); the last line
+of a run that ends names the position to resume from with ``--from``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+from mnesite.cli.main import _json_default, client_for, json_option, node_options, parse_tx_key, run, run_iterator
+from mnesite.rlog.client import CHANGES_WAIT_MS
+
+
+def parse_from(values: tuple[str, ...]) -> Any:
+    """``--from G,C`` (every shard of the tables) or ``--from SHARD:G,C`` (repeat per shard)."""
+    if not values:
+        return None
+    if len(values) == 1 and ":" not in values[0]:
+        return parse_tx_key(values[0])
+    positions = {}
+    for value in values:
+        shard, separator, key = value.partition(":")
+        if not separator or not shard:
+            raise click.BadParameter(f"{value!r}: with several --from, each is SHARD:G,C")
+        positions[shard] = parse_tx_key(key)
+    return positions
+
+
+def describe(record: dict[str, Any]) -> str:
+    kind = record["kind"]
+    tx_key = record.get("tx_key")
+    key_text = f"({tx_key[0]}, {tx_key[1]})" if tx_key is not None else "-"
+    if kind == "snapshot_begin":
+        return f"{key_text} {record['shard']} snapshot_begin {' '.join(record['tables'])}: {record['reason']}"
+    if kind == "snapshot_end":
+        return f"{key_text} {record['shard']} snapshot_end"
+    row = record.get("row") if record.get("row") is not None else record.get("definition")
+    row_text = json.dumps(row, default=_json_default) if row is not None else ""
+    op = record["op"] if kind == "change" else f"snapshot:{record['op']}"
+    key = json.dumps(record.get("key"), default=_json_default)
+    return f"{key_text} {record['shard']} {record['table']} {op} {key} {row_text}".rstrip()
+
+
+@click.command("changes")
+@click.argument("tables", nargs=-1, metavar="[TABLE]...")
+@click.option(
+    "--from",
+    "from_keys",
+    multiple=True,
+    metavar="G,C",
+    help="Start strictly after this tx key (SHARD:G,C per shard, repeatable). Default: the log's start.",
+)
+@click.option("--follow", is_flag=True, help="Keep waiting for new changes instead of ending when caught up.")
+@node_options
+@json_option
+def changes(tables, from_keys, follow, endpoint, timeout_ms, as_json) -> None:
+    """Print every committed change of TABLEs (none: every table) in log order, from a core or replicant.
+
+    Each record has its tx key, shard, table, op (write, delete, create_table, drop_table, add_column),
+    key and the full row written. A position the node's log no longer holds (trimmed) first gets a copy
+    of the tables at one tx key: snapshot_begin, snapshot rows, snapshot_end, then the changes after it.
+    Give several --node to move to the next node from the last position if one stops answering.
+    """
+    after = parse_from(from_keys)
+    with client_for(endpoint, timeout_ms, retries=1) as client:
+        feed = run(lambda: client.changes(list(tables), after, follow=follow, wait_ms=CHANGES_WAIT_MS))
+        for record in run_iterator(iter(feed)):
+            if as_json:
+                click.echo(json.dumps(record, default=_json_default))
+            else:
+                click.echo(describe(record))
+        if not as_json:
+            positions = " ".join(f"{shard}:{key[0]},{key[1]}" for shard, key in sorted(feed.position.items()))
+            click.echo(f"caught up; resume with --from {positions}" if positions else "caught up", err=True)
+
+
+def register(main: click.Group) -> None:
+    main.add_command(changes)

@@ -1,0 +1,266 @@
+"""The changefeed (rlog.changes): the page rule against a real store, and a thread node end to end.
+
+The acceptance runs with real processes (failover mid-stream, a trimmed start) are in
+tests/test_changes_cluster.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from mnesite.bootstrap.serve import read_batch
+from mnesite.cli.main import main
+from mnesite.rlog.changes import PageLimits, build_page, live
+from mnesite.rlog.client import Client, InvalidRequest, MnesiteError, RemoteError
+from mnesite.rlog.messages import ChangesPosition
+from mnesite.rlog.server import StoreFeedReader
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import ZERO_KEY, TxKey
+
+from tests.conftest import ThreadNode, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def apply_feed(records, state: dict | None = None) -> dict:
+    """A consumer: {table: {key: row}} from records, as the docs tell a consumer to apply them."""
+    state = {} if state is None else state
+    for record in records:
+        kind = record["kind"]
+        if kind == "snapshot_begin":
+            for table in record["tables"]:
+                state[table] = {}
+        elif kind in ("change", "snapshot"):
+            table = state.setdefault(record["table"], {})
+            if record["op"] == "write":
+                table[record["key"]] = record["row"]
+            elif record["op"] == "delete":
+                table.pop(record["key"], None)
+            elif record["op"] == "drop_table":
+                state.pop(record["table"], None)
+    return state
+
+
+def table_rows(client: Client, table: str) -> dict:
+    key = client.table(table)["key"]
+    return {row[key]: row for row in client.scan(table)}
+
+
+@pytest.fixture
+def node(tmp_path: Path):
+    thread_node = ThreadNode(tmp_path / "data", extra={"limits": {"changes_page_records_max": 7}})
+    with thread_node.client() as client:
+        client.create_table("users", "id", [("id", "INTEGER"), ("name", "TEXT")])
+        client.create_table("other", "id", [("id", "INTEGER"), ("v", "INTEGER")])
+    try:
+        yield thread_node
+    finally:
+        thread_node.stop()
+
+
+def test_every_change_in_log_order_with_its_key_and_row_and_resume_is_strictly_after(node) -> None:
+    with node.client() as client:
+        keys = [client.put("users", {"id": i, "name": f"n{i}"}) for i in range(20)]
+        client.put("other", {"id": 1, "v": 1})
+        with client.transaction() as tx:  # one entry, two ops: they travel together
+            tx.put("users", {"id": 100, "name": "x"})
+            tx.delete("users", 3)
+        last = client.last_tx_key
+        records = list(client.changes(["users"]))
+        changes = [r for r in records if r["kind"] == "change"]
+        writes = [r for r in changes if r["op"] == "write"]
+        assert [r["tx_key"] for r in writes[:20]] == keys
+        assert all(r["table"] == "users" for r in changes)  # the filter
+        assert writes[0]["row"] == {"id": 0, "name": "n0"} and writes[0]["key"] == 0
+        assert changes[0]["op"] == "create_table" and changes[0]["definition"]["key"] == "id"
+        assert [(r["op"], r["key"]) for r in changes[-2:]] == [("write", 100), ("delete", 3)]
+        assert changes[-1]["tx_key"] == changes[-2]["tx_key"] == last
+        keys_seen = [r["tx_key"] for r in changes]
+        assert keys_seen == sorted(keys_seen)
+        assert apply_feed(records)["users"] == table_rows(client, "users")
+        # Resume strictly after a key: nothing before or at it comes again.
+        resumed = [r for r in client.changes(["users"], after_tx_key=keys[9]) if r["kind"] == "change"]
+        assert [r["tx_key"] for r in resumed] == keys[10:] + [last, last]
+        feed = client.changes(["users"])
+        assert len(list(feed)) == len(records) and feed.pages_fetched > 3  # pages of at most 7 records
+        assert feed.position == {"default": last}
+        assert list(client.changes(["users"], after_tx_key=feed.cursor)) == []
+
+
+def test_a_trimmed_position_gets_a_copy_at_one_key_then_the_changes_and_ends_equal(tmp_path: Path) -> None:
+    thread_node = ThreadNode(
+        tmp_path / "data",
+        extra={
+            "rlog": {"retention_entries_max": 5, "retention_interval_ms": 10},
+            "limits": {"changes_page_records_max": 4},
+        },
+    )
+    try:
+        with thread_node.client() as client:
+            client.create_table("users", "id", [("id", "INTEGER"), ("name", "TEXT")])
+            first = client.put("users", {"id": 0, "name": "zero"})
+            for i in range(1, 40):
+                client.put("users", {"id": i, "name": f"n{i}"})
+            client.delete("users", 5)
+            wait_until(lambda: client.rlog_entries("default")[0]["tx_key"] > list(first), 10, "the log trimmed")
+            feed = client.changes(["users"], after_tx_key=first)
+            records = []
+            for record in feed:
+                records.append(record)
+                if sum(r["kind"] == "snapshot" for r in records) == 3:
+                    # Writes while the copy is read: the replay heals what the dirty reads saw.
+                    client.put("users", {"id": 1, "name": "changed"})
+                    client.delete("users", 39)
+                    client.put("users", {"id": 1000, "name": "new"})
+            kinds = [r["kind"] for r in records]
+            assert kinds[0] == "snapshot_begin" and "fell behind" in records[0]["reason"]
+            end = kinds.index("snapshot_end")
+            assert set(kinds[1:end]) == {"snapshot"}
+            assert records[end]["tx_key"] >= records[0]["tx_key"]
+            assert apply_feed(records)["users"] == table_rows(client, "users")
+            assert feed.position == {"default": TxKey(*client.status()["shards"]["default"]["applied"])}
+    finally:
+        thread_node.stop()
+
+
+def test_follow_waits_for_the_next_change_and_hands_it_over(node) -> None:
+    with node.client() as client:
+        client.put("users", {"id": 1, "name": "a"})
+        start = client.last_tx_key
+    got: list = []
+
+    def consume() -> None:
+        with node.client() as consumer:
+            for record in consumer.changes(["users"], after_tx_key=start, follow=True, wait_ms=200):
+                got.append(record)
+                return
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    with node.client() as client:
+        written = client.put("users", {"id": 2, "name": "b"})
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert [(r["tx_key"], r["row"]) for r in got] == [(written, {"id": 2, "name": "b"})]
+
+
+def test_hostile_positions_are_refused_with_a_clear_error(node) -> None:
+    with node.client() as client:
+        for positions, code in [
+            ([{"shard": "default", "after": [0, 0], "phase": "copy"}], "bad_request"),
+            ([{"shard": "default", "after": [0, 0]}, {"shard": "default", "after": [0, 1]}], "bad_request"),
+            ([{"shard": "default", "after": [5, 0], "phase": "replay", "replay_to": [1, 0]}], "bad_request"),
+        ]:
+            with pytest.raises(RemoteError) as error:
+                client.call("changes", {"positions": positions})
+            assert error.value.code == code
+        with pytest.raises(InvalidRequest):
+            client.call("changes", {"positions": [{"shard": "default", "after": [0, 2**64]}]})
+        with pytest.raises(MnesiteError) as error:
+            list(client.changes(["nope"]))
+        assert error.value.code == "unknown_table"
+        assert client.get("users", 1) is None  # still serving
+
+
+def test_the_page_rule_against_a_store_moves_by_whole_entries_within_its_bounds(node) -> None:
+    with node.client() as client:
+        with client.transaction() as tx:
+            for i in range(10):  # one entry of ten ops: above the page's 3 records, it goes alone
+                tx.put("users", {"id": i, "name": "x" * 10})
+        client.put("users", {"id": 99, "name": "y"})
+    # A connection of the test's own: the node's loop keeps its own.
+    store = Store(node.node.store.path, readonly=True)
+    reader = StoreFeedReader(store, read_batch)
+    page = build_page(reader, ["users"], [live("default", ZERO_KEY)], PageLimits(3, 1_000_000))
+    assert [r["op"] for r in page.records] == ["create_table"]
+    page = build_page(reader, ["users"], page.positions, PageLimits(3, 1_000_000))
+    assert len(page.records) == 10 and len({tuple(r["tx_key"]) for r in page.records}) == 1
+    assert list(page.positions[0].after) == page.records[0]["tx_key"]
+    page = build_page(reader, ["users"], page.positions, PageLimits(3, 1_000_000))
+    assert [r["key"] for r in page.records] == [99] and not page.caught_up
+    page = build_page(reader, ["users"], page.positions, PageLimits(3, 1_000_000))
+    assert page.records == [] and page.caught_up
+    # A copy position on a node behind the snapshot's start waits instead of copying older rows.
+    ahead = store.shard("default").applied
+    ahead = TxKey(ahead.generation, ahead.counter + 5)
+    waiting = ChangesPosition(shard="default", after=ahead, phase="copy", table="users", replay_to=ahead)
+    page = build_page(reader, ["users"], [waiting], PageLimits(3, 1_000_000))
+    assert page.records == [] and page.caught_up and page.positions == [waiting]
+    store.close()
+
+
+def test_two_shards_each_in_its_own_log_order_and_resume_is_a_position_per_shard(node) -> None:
+    with node.client() as client:
+        client.create_table("posts", "id", [("id", "INTEGER"), ("title", "TEXT")], "content")
+        written: dict[str, list] = {"default": [], "content": []}
+        for i in range(30):
+            written["default"].append(client.put("users", {"id": i, "name": "u"}))
+            written["content"].append(client.put("posts", {"id": i, "title": "p"}))
+        feed = client.changes(["users", "posts"])
+        records = [r for r in feed if r["kind"] == "change" and r["op"] == "write"]
+        for shard in ("default", "content"):
+            assert [r["tx_key"] for r in records if r["shard"] == shard] == written[shard]
+        assert feed.position == {"default": written["default"][-1], "content": written["content"][-1]}
+        # A position per shard: each shard resumes strictly after its own key.
+        middle = {"default": written["default"][9], "content": written["content"][19]}
+        resumed = [r for r in client.changes(["users", "posts"], after_tx_key=middle) if r["kind"] == "change"]
+        assert [r["tx_key"] for r in resumed if r["shard"] == "default"] == written["default"][10:]
+        assert [r["tx_key"] for r in resumed if r["shard"] == "content"] == written["content"][20:]
+
+
+def test_a_following_consumer_is_held_while_only_other_tables_change(node) -> None:
+    with node.client() as client:
+        start = client.put("users", {"id": 1, "name": "a"})
+    got: list = []
+    feeds: list = []
+
+    def consume() -> None:
+        with node.client() as consumer:
+            feed = consumer.changes(["users"], after_tx_key=start, follow=True, wait_ms=5000)
+            feeds.append(feed)
+            for record in feed:
+                got.append(record)
+                return
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    with node.client() as client:
+        for i in range(50):
+            client.put("other", {"id": i, "v": i})
+        written = client.put("users", {"id": 2, "name": "b"})
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert [r["tx_key"] for r in got] == [written]
+    # Held at the node while the other table changed: not a page per write of it.
+    assert feeds[0].pages_fetched <= 3
+
+
+def test_cli_changes(node) -> None:
+    runner = CliRunner()
+
+    def mnesite(*args: str):
+        return runner.invoke(main, [*args, "--node", node.endpoint], catch_exceptions=False)
+
+    with node.client() as client:
+        first = client.put("users", {"id": 1, "name": "ada"})
+        second = client.put("users", {"id": 2, "name": "bob"})
+        client.delete("users", 1)
+        last = client.last_tx_key
+    lines = mnesite("changes", "users", "--from", f"{first.generation},{first.counter}", "--json")
+    assert lines.exit_code == 0, lines.output
+    records = [json.loads(line) for line in lines.stdout.splitlines()]
+    assert [(r["tx_key"], r["op"], r["key"]) for r in records] == [
+        (list(second), "write", 2),
+        (list(last), "delete", 1),
+    ]
+    assert records[0]["row"] == {"id": 2, "name": "bob"}
+    text = mnesite("changes", "users", "--from", f"default:{second.generation},{second.counter}")
+    assert text.stdout.splitlines() == [f"{last} default users delete 1"]
+    assert f"resume with --from default:{last.generation},{last.counter}" in text.stderr
+    bad = mnesite("changes", "--from", "a:1,1", "--from", "nonsense")
+    assert bad.exit_code != 0
+    unknown = mnesite("changes", "nope")
+    assert unknown.exit_code == 1 and "unknown table 'nope'" in unknown.output

@@ -1,0 +1,230 @@
+"""The changefeed's page rule (rlog.changes) against an in-memory log: the copy's corner cases that a
+real node rarely shows (its start trimmed mid-copy, a node behind the copy, a drop during the copy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from mnesite.rlog.changes import ChangesError, PageLimits, build_page, keep_holding, live, worth_a_page
+from mnesite.rlog.messages import ChangesPosition
+from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.types import GENESIS_DIGEST, DeleteOp, DropTableOp, Entry, TxKey, WriteOp
+
+pytestmark = pytest.mark.timeout(30)
+
+USERS = TableSchema("users", "default", "id", (("id", "INTEGER"), ("name", "TEXT")))
+
+
+class MemoryLog:
+    """A node's log and table in memory: ``write``/``delete`` append an entry and apply it."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.trimmed_key = TxKey(0, 0)
+        self.tables = {"users": USERS}
+        self.applied_key = TxKey(0, 0)
+
+    def _append(self, op: Any) -> TxKey:
+        key = TxKey(1, self.applied_key.counter + 1)
+        self.entries.append(Entry("default", key, self.applied_key, GENESIS_DIGEST, (op,)))
+        self.applied_key = key
+        return key
+
+    def write(self, key: int, name: str) -> TxKey:
+        self.rows[key] = {"id": key, "name": name}
+        return self._append(WriteOp("users", dict(self.rows[key])))
+
+    def delete(self, key: int) -> TxKey:
+        self.rows.pop(key, None)
+        return self._append(DeleteOp("users", key))
+
+    def trim_through(self, key: TxKey) -> None:
+        self.trimmed_key = key
+        self.entries = [entry for entry in self.entries if entry.tx_key > key]
+
+    # FeedReader
+    def catalog(self) -> dict[str, TableSchema]:
+        return dict(self.tables)
+
+    def shard_names(self) -> list[str]:
+        return ["default"]
+
+    def applied(self, shard: str) -> TxKey | None:
+        return self.applied_key
+
+    def trimmed(self, shard: str) -> TxKey:
+        return self.trimmed_key
+
+    def entries_after(self, shard: str, after: TxKey, limit: int, up_to: TxKey) -> list[Entry]:
+        return [entry for entry in self.entries if after < entry.tx_key <= up_to][:limit]
+
+    def table_batch(self, table: TableSchema, after: Any, rows_max: int, bytes_max: int) -> dict[str, Any]:
+        keys = sorted(key for key in self.rows if after is None or key > after)
+        chosen = keys[:rows_max]
+        return {"rows": [dict(self.rows[key]) for key in chosen], "done": len(chosen) == len(keys)}
+
+
+def apply(records: list[dict], state: dict) -> None:
+    for record in records:
+        if record["kind"] == "snapshot_begin":
+            state.clear()
+        elif record["kind"] in ("snapshot", "change") and record["op"] == "write":
+            state[record["key"]] = record["row"]
+        elif record["kind"] in ("snapshot", "change") and record["op"] == "delete":
+            state.pop(record["key"], None)
+
+
+def run_to_end(log: MemoryLog, positions: list, state: dict, limits: PageLimits, between=None) -> list[dict]:
+    records: list[dict] = []
+    for page_number in range(1000):
+        page = build_page(log, ["users"], positions, limits)
+        apply(page.records, state)
+        records.extend(page.records)
+        positions = page.positions
+        if between is not None:
+            between(page_number, page)
+        if page.caught_up:
+            return records
+    raise AssertionError("the feed did not catch up in 1000 pages")
+
+
+def test_a_copy_whose_start_is_trimmed_mid_copy_starts_again_saying_so_and_ends_equal() -> None:
+    log = MemoryLog()
+    for i in range(40):
+        log.write(i, f"n{i}")
+    log.trim_through(TxKey(1, 20))
+    state: dict = {}
+
+    def meanwhile(page_number: int, page) -> None:
+        if page_number == 2:  # mid-copy: writes, then the log trimmed past the copy's start
+            log.write(5, "changed")
+            log.delete(7)
+            log.write(100, "new")
+            log.trim_through(log.applied_key)
+        elif page_number < 6:
+            log.write(200 + page_number, "later")
+
+    records = run_to_end(log, [live("default", TxKey(1, 3))], state, PageLimits(10, 1 << 20), meanwhile)
+    begins = [r for r in records if r["kind"] == "snapshot_begin"]
+    assert len(begins) == 2
+    assert "fell behind" in begins[0]["reason"] and "trimmed before its copy was healed" in begins[1]["reason"]
+    assert state == log.rows
+    assert [r["kind"] for r in records].count("snapshot_end") == 1
+
+
+def test_a_copy_moved_to_a_node_behind_its_rows_waits_and_the_replay_reaches_every_key_read() -> None:
+    ahead, behind = MemoryLog(), MemoryLog()
+    for i in range(30):
+        ahead.write(i, f"n{i}")
+        behind.write(i, f"n{i}")
+    ahead.trim_through(TxKey(1, 10))
+    state: dict = {}
+    page = build_page(ahead, ["users"], [live("default", TxKey(1, 2))], PageLimits(5, 1 << 20))
+    apply(page.records, state)
+    position = page.positions[0]
+    assert position.phase == "copy" and position.replay_to == TxKey(1, 30)
+    # The writes reach the first node only; the consumer moves to the second, which lags behind.
+    for i in range(30, 40):
+        ahead.write(i, "only ahead")
+    page = build_page(ahead, ["users"], [position], PageLimits(5, 1 << 20))
+    apply(page.records, state)
+    assert page.positions[0].replay_to == TxKey(1, 40)  # rows were read at (1, 40)
+    behind_page = build_page(behind, ["users"], page.positions, PageLimits(5, 1 << 20))
+    assert behind_page.records == [] or behind_page.records[-1]["kind"] != "snapshot_end"
+    # Caught up with everything the lagging node has: it cannot end the snapshot before (1, 40).
+    records = run_to_end(behind, page.positions, state, PageLimits(5, 1 << 20))
+    assert not any(r["kind"] == "snapshot_end" for r in records)
+    for i in range(30, 40):
+        behind.write(i, "only ahead")
+    records = run_to_end(behind, [run_position(behind, page.positions, state)], state, PageLimits(5, 1 << 20))
+    assert state == behind.rows == ahead.rows
+
+
+def run_position(log: MemoryLog, positions: list, state: dict) -> ChangesPosition:
+    """The position after paging ``log`` to its end (records applied to ``state``)."""
+    for _ in range(1000):
+        page = build_page(log, ["users"], positions, PageLimits(5, 1 << 20))
+        apply(page.records, state)
+        positions = page.positions
+        if page.caught_up:
+            return positions[0]
+    raise AssertionError("no end")
+
+
+def test_a_table_dropped_during_its_copy_is_skipped_and_the_drop_is_replayed() -> None:
+    log = MemoryLog()
+    for i in range(10):
+        log.write(i, "x")
+    log.trim_through(TxKey(1, 5))
+    page = build_page(log, ["users"], [live("default", TxKey(1, 1))], PageLimits(3, 1 << 20))
+    log.rows.clear()
+    del log.tables["users"]
+    log._append(DropTableOp("users", "default"))
+    records = list(page.records)
+    positions = page.positions
+    for _ in range(20):
+        page = build_page(log, ["users"], positions, PageLimits(3, 1 << 20))
+        records.extend(page.records)
+        positions = page.positions
+        if page.caught_up:
+            break
+    ops = [(r["kind"], r.get("op")) for r in records]
+    assert ("snapshot", "drop_table") in ops and ops[-1] == ("snapshot_end", None)
+
+
+@pytest.mark.parametrize(
+    "position",
+    [
+        ChangesPosition(shard="default", after=TxKey(1, 1), phase="copy", replay_to=TxKey(1, 1)),
+        ChangesPosition(shard="default", after=TxKey(1, 1), phase="replay"),
+        ChangesPosition(shard="default", after=TxKey(1, 5), phase="replay", replay_to=TxKey(1, 1)),
+        ChangesPosition(shard="default", after=TxKey(1, 1), table="users"),
+        ChangesPosition(shard="default", after=TxKey(1, 1), replay_to=TxKey(1, 1)),
+        ChangesPosition(
+            shard="default", after=TxKey(1, 1), phase="copy", table="users", table_after="x", replay_to=TxKey(1, 1)
+        ),
+    ],
+)
+def test_positions_breaking_the_phase_rules_are_bad_requests(position: ChangesPosition) -> None:
+    log = MemoryLog()
+    log.write(1, "a")
+    with pytest.raises(ChangesError) as error:
+        build_page(log, ["users"], [position], PageLimits(5, 1 << 20))
+    assert error.value.code == "bad_request"
+
+
+def test_a_page_is_bounded_in_bytes_and_an_entry_larger_than_a_page_goes_alone() -> None:
+    log = MemoryLog()
+    for i in range(50):
+        log.write(i, "x" * 1000)
+    log._append(WriteOp("users", {"id": 999, "name": "y" * 10_000}))  # larger than a page
+    for i in range(50, 60):
+        log.write(i, "x" * 1000)
+    positions = [live("default", TxKey(0, 0))]
+    sizes = []
+    for _ in range(100):
+        page = build_page(log, ["users"], positions, PageLimits(1000, 4096))
+        if page.caught_up:
+            break
+        sizes.append((len(page.records), page.bytes, [r["key"] for r in page.records]))
+        positions = page.positions
+    assert positions[0].after == log.applied_key
+    for count, size, keys in sizes:
+        assert size <= 4096 or keys == [999], (count, size, keys)
+    assert ([999] in [keys for _, _, keys in sizes]) and sum(count for count, _, _ in sizes) == 61
+
+
+def test_a_held_request_is_paged_again_when_a_shard_moves_or_its_wait_ends_and_held_while_nothing_is_for_it() -> None:
+    then = {"default": TxKey(1, 5), "content": TxKey(2, 3)}
+    assert not worth_a_page(then, then, now_ms=10, deadline_ms=20)
+    assert worth_a_page(then, {**then, "content": TxKey(2, 4)}, now_ms=10, deadline_ms=20)
+    assert worth_a_page(then, then, now_ms=20, deadline_ms=20)
+    assert not worth_a_page(then, {"default": TxKey(1, 5)}, now_ms=10, deadline_ms=20)  # a shard gone: no move
+    log = MemoryLog()
+    log.write(1, "a")
+    caught_up = build_page(log, ["users"], [live("default", log.applied_key)], PageLimits(5, 1 << 20))
+    assert keep_holding(caught_up, now_ms=10, deadline_ms=20) and not keep_holding(caught_up, 20, 20)
+    behind = build_page(log, ["users"], [live("default", TxKey(0, 0))], PageLimits(5, 1 << 20))
+    assert not keep_holding(behind, now_ms=10, deadline_ms=20)
