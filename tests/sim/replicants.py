@@ -13,10 +13,13 @@ simulator also plays the drivers of the replication protocol, from the same ``ra
   its current tables, which may be ahead of K0: the replay must heal that. Watches, agents and their
   pushes are production's ``core.rlog_server.RlogServer`` (one per core, built again when the core
   restarts or installs a snapshot): the watch rules, supersession, the memory budget and the push
-  frames are its own. Pushes and acknowledgements travel as frames of the real codec
-  (``rlog.codec``), decoded and turned into replica events by production's
-  ``replicant.replica.push_received``; pushes of superseded agents still in flight are the zombies
-  the replicas must fence.
+  frames are its own. Every replication message travels as a frame of the real codec
+  (``rlog.codec``): a replicant's requests (``journal``, ``watch``, ``list_tables``,
+  ``bootstrap_batch``, ``read_index``) and ``push_ack``, the cores' replies and pushes. Answers are
+  matched by request id and read with production's parsers of untrusted answers (``watch_accepted``,
+  ``journal_answer``, ``tables_from_answer``, ``batch_from_answer``, ``messages.ReadIndexAnswer``);
+  pushes become replica events through ``replicant.replica.push_received``. Pushes of superseded
+  agents still in flight are the zombies the replicas must fence.
 * Replicants run one ``replicant.replica.ShardReplica``; what they persist (applied key and digest,
   tables, spill, counters) survives a crash, the state machine does not. A crash may hit in the
   middle of a step's effects.
@@ -47,7 +50,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from mnesite.bootstrap.copy import batch_from_answer
+from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
 from mnesite.core import rules
 from mnesite.core.agent import AgentConfig
@@ -92,6 +95,10 @@ CONVERGENCE_MS_MAX = 30_000
 READ_WAIT_MS_MAX = 2000
 WAITING_READS_MAX = 64
 WATCHES_MAX = 8  # per core (production: [limits] watches_max)
+# What a replicant asks a core, and what for (production: replicant/node.py ``Pending.purpose``).
+REQUEST_KINDS = {"journal": "probe", "watch": "watch", "list_tables": "tables", "bootstrap_batch": "batch"}
+REQUEST_KINDS["read_index"] = "fence"
+PENDING_MAX = 1000  # request ids a simulated replicant remembers
 FRAME_BYTES_MAX = Limits.frame_bytes_max
 
 
@@ -146,8 +153,11 @@ class SimReplicant:
     machine: ShardReplica | None = None
     down_until_ms: int = 0
     crash_in_next_step: bool = False
-    probe_answers: dict[str, p.JournalAnswer] | None = None
+    probe_answers: dict[str, p.JournalAnswer | None] | None = None
     probe_deadline_ms: int = 0
+    # Requests sent: request id -> (purpose, detail), as production's driver keeps them (lost in a crash).
+    pending: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    requests_sent: int = 0
     # Checker state: the agent of the last watch this replica accepted, and the highest applied key.
     accepted: tuple[str, str] | None = None
     applied_key_max: TxKey = ZERO_KEY
@@ -315,77 +325,70 @@ class ReplicantSimulation(Simulation):
                 raise self.fail(f"agent {agent_id} has more than window_entries_max entries unacknowledged")
 
     def _serve(self, node: SimNode, sender: str, message: tuple[Any, ...]) -> None:
-        """The core's RLOG server."""
+        """The core's node: a replicant's request (a frame of the real codec) or a push_ack."""
         kind = message[0]
-        if kind == "probe":
+        if kind == "relay":
+            # The answer to a read_index this core forwarded for a replicant: relayed as it came.
+            _, replicant, frame = message
+            self._send_replication(node.name, replicant, ("reply", frame))
+            return
+        if kind != "frame":
+            raise self.fail(f"unknown replication message {message!r}")
+        request = codec.decode(message[1], FRAME_BYTES_MAX)
+        if request.kind == "push_ack":
+            self._server(node).acknowledged(request.body, self.now_ms)
+            self._send_pushes(node)
+            return
+        if request.kind not in REQUEST_KINDS:
+            raise self.fail(f"{sender} sent {request.kind} on the replication link")
+        if request.kind == "journal":
             agents = self._server(node).agents_of(SHARD)
-            age = p.JournalAnswer(node.applied_key, self._hears_sequencer(node), agents)
-            self._send_replication(node.name, sender, ("age", age))
-        elif kind == "watch":
-            self._on_watch(node, sender, *message[1:])
-        elif kind == "tables":
-            self._send_replication(
-                node.name, sender, ("answer", p.TablesReceived(node.name, TABLES, (KEY_COLUMN,) * len(TABLES)))
-            )
-        elif kind == "batch":
-            # Production's serving rule (bootstrap.serve, bounded in rows and bytes) over this core's
-            # tables, decoded by production's bootstrap.copy.batch_from_answer.
-            _, table, after, limit = message
-            schema = define_table(table, KEY_COLUMN, [[KEY_COLUMN, "INTEGER"], ["v", "INTEGER"]])
-            served = read_batch(_TablesView(self.core_tables[node.name]), schema, after, limit, BATCH_BYTES_MAX)
-            answer = batch_from_answer(node.name, table, after, served)
-            if answer is None:
-                raise self.fail(f"{node.name} served a malformed bootstrap batch: {served!r}")
-            self._send_replication(node.name, sender, ("answer", answer))
-        elif kind == "committed":
+            info = {
+                "committed": list(node.applied_key),
+                "hears_sequencer": self._hears_sequencer(node),
+                "agents": agents,
+            }
+            reply = codec.reply(request.request_id, {"node": node.name, "shards": {SHARD: info}})
+        elif request.kind == "watch":
+            reply = self._on_watch(node, sender, request)
+        elif request.kind == "list_tables":
+            tables = [define_table(t, KEY_COLUMN, [[KEY_COLUMN, "INTEGER"], ["v", "INTEGER"]], SHARD) for t in TABLES]
+            reply = codec.reply(request.request_id, [table.to_json() for table in tables])
+        elif request.kind == "bootstrap_batch":
+            # Production's serving rule (bootstrap.serve, bounded in rows and bytes) over this core's tables.
+            body = request.body
+            schema = define_table(body.table, KEY_COLUMN, [[KEY_COLUMN, "INTEGER"], ["v", "INTEGER"]])
+            tables = _TablesView(self.core_tables[node.name])
+            reply = codec.reply(request.request_id, read_batch(tables, schema, body.after, body.limit, BATCH_BYTES_MAX))
+        else:
             # The replicant's read fence is a read_index request, served as production serves it
             # (core.rules.fence_read): at the sequencer while ShardConsensus.read_index allows,
             # forwarded once from any other core, whose answer is relayed to the replicant.
-            _, forwarded, origin, replicant = message if len(message) == 4 else (kind, False, node.name, sender)
+            origin, replicant = message[2:] if len(message) == 4 else (node.name, sender)
             machine = node.machine
             view = rules.ShardView(SHARD, machine.role is Role.SEQUENCER, machine.sequencer)
             try:
-                fence = rules.fence_read(view, node.name, forwarded, machine.read_index(self.now_ms))
-            except RequestError:
-                fence = None
-            if isinstance(fence, rules.Forward):
-                self._send_replication(node.name, fence.target, ("committed", True, origin, replicant))
-            elif origin != node.name:
-                self._send_replication(node.name, origin, ("relay", replicant, fence))
+                fence = rules.fence_read(view, node.name, request.body.forwarded, machine.read_index(self.now_ms))
+            except RequestError as refused:
+                reply = codec.error(request.request_id, refused.code, str(refused))
             else:
-                self._send_replication(node.name, replicant, ("answer", p.CommittedReceived(node.name, fence)))
-        elif kind == "relay":
-            _, replicant, key = message
-            self._send_replication(node.name, replicant, ("answer", p.CommittedReceived(node.name, key)))
-        elif kind == "frame":
-            # A replicant's push_ack, decoded by the real codec and handed to the RLOG server.
-            ack = codec.decode(message[1], FRAME_BYTES_MAX)
-            if ack.kind != "push_ack":
-                raise self.fail(f"{sender} sent {ack.kind} on the replication link")
-            self._server(node).acknowledged(ack.body, self.now_ms)
-            self._send_pushes(node)
-        else:
-            raise self.fail(f"unknown replication message {message!r}")
+                if isinstance(fence, rules.Forward):
+                    forwarded = codec.Message("read_index", request.request_id, {"shard": SHARD, "forwarded": True})
+                    self._send_replication(
+                        node.name, fence.target, ("frame", codec.encode(forwarded), origin, replicant)
+                    )
+                    return
+                reply = codec.reply(request.request_id, {"committed": list(fence)})
+            if origin != node.name:
+                self._send_replication(node.name, origin, ("relay", replicant, codec.encode(reply)))
+                return
+        self._send_replication(node.name, sender, ("reply", codec.encode(reply)))
 
-    def _on_watch(
-        self, node: SimNode, sender: str, from_key: TxKey, from_digest: bytes, version: int, watch_id: str
-    ) -> None:
-        request = messages.typed_body(
-            "watch",
-            {
-                "shard": SHARD,
-                "replicant": sender,
-                "endpoint": f"ipc://{sender}",
-                "from": list(from_key),
-                "from_digest": from_digest,
-                "protocol": version,
-                "watch_id": watch_id,
-            },
-        )
+    def _on_watch(self, node: SimNode, sender: str, request: codec.Message) -> codec.Message:
         try:
             # Production's RLOG server and its watch rules (core.watch), not a copy of them.
             answer = self._server(node).watch(
-                request,
+                request.body,
                 node.log,
                 node.applied_key,
                 node.applied_digest,
@@ -394,16 +397,10 @@ class ReplicantSimulation(Simulation):
                 self.now_ms,
             )
         except WatchRefusedError as refused:
-            self._send_replication(node.name, sender, ("answer", p.WatchRefused(node.name, str(refused))))
-            return
-        accepted = watch_accepted(node.name, answer)
-        if accepted is None:
-            raise self.fail(f"{node.name} answered a watch with a malformed answer {answer!r}")
-        self.trace.append(
-            (self.now_ms, node.name, "watch", sender, accepted.mode, accepted.start_key, accepted.agent_id)
-        )
-        self._send_replication(node.name, sender, ("answer", accepted))
+            return codec.error(request.request_id, refused.code, str(refused))
+        self.trace.append((self.now_ms, node.name, "watch", sender, answer["mode"], answer["start"], answer["agent"]))
         self._send_pushes(node)
+        return codec.reply(request.request_id, answer)
 
     # ------------------------------------------------------------ replicants (the driver)
 
@@ -428,6 +425,7 @@ class ReplicantSimulation(Simulation):
         replicant.machine = None
         replicant.crash_in_next_step = False
         replicant.probe_answers = None
+        replicant.pending.clear()  # the driver's requests die with the process
         replicant.down_until_ms = self.now_ms + self.rng.randint(20, 600)
         self.replicant_crashes += 1
         self.trace.append((self.now_ms, replicant.name, "crashed until", replicant.down_until_ms))
@@ -478,6 +476,52 @@ class ReplicantSimulation(Simulation):
             self._check_readable(replicant)
         self._check_replicant(replicant)
 
+    def _request_frame(self, replicant: SimReplicant, kind: str, body: dict[str, Any], detail: Any = None) -> bytes:
+        replicant.requests_sent += 1
+        request_id = f"{replicant.name}-{replicant.requests_sent}"
+        replicant.pending[request_id] = (REQUEST_KINDS[kind], detail)
+        if len(replicant.pending) > PENDING_MAX:
+            del replicant.pending[next(iter(replicant.pending))]
+        return codec.encode(codec.Message(kind, request_id, body))
+
+    def _on_reply(self, replicant: SimReplicant, core: str, frame: bytes) -> None:
+        """A core's answer, read as production's driver reads it (replicant/node.py ``_on_answer``),
+        with production's parsers of untrusted answers."""
+        answer = codec.decode(frame, FRAME_BYTES_MAX)
+        pending = replicant.pending.get(answer.request_id)
+        if pending is None:
+            return  # an answer to a request of the process before a crash
+        purpose, detail = pending
+        error = answer.body if answer.kind == "error" else None
+        result = answer.body.result if answer.kind == "reply" else None
+        if purpose == "probe":
+            if replicant.probe_answers is not None:
+                replicant.probe_answers[core] = p.journal_answer(result, SHARD)
+            return
+        if purpose == "watch":
+            accepted = watch_accepted(core, result)
+            if error is not None:
+                event: Any = p.WatchRefused(core, f"{error.code}: {error.message}")
+            elif accepted is None:
+                raise self.fail(f"{core} answered a watch with a malformed answer {result!r}")
+            else:
+                event = accepted
+        elif purpose == "tables":
+            try:
+                mine = tables_from_answer(result, SHARD)
+            except CopyFailed as failure:
+                raise self.fail(f"{core} answered list_tables with a malformed answer: {failure}") from None
+            event = p.TablesReceived(core, tuple(t.name for t in mine), tuple(t.key_column for t in mine))
+        elif purpose == "batch":
+            table, after = detail
+            event = batch_from_answer(core, table, after, result)
+            if event is None:
+                raise self.fail(f"{core} served a malformed bootstrap batch: {result!r}")
+        else:
+            fence = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
+            event = p.CommittedReceived(core, fence.committed if fence is not None else None)
+        self._step_replicant(replicant, event)
+
     def _check_readable(self, replicant: SimReplicant) -> None:
         """A replica that starts serving reads holds exactly the committed state at its applied key."""
         reference = empty_tables()
@@ -511,19 +555,32 @@ class ReplicantSimulation(Simulation):
             replicant.probe_answers = {}
             replicant.probe_deadline_ms = self.now_ms + self.replica_config.probe_timeout_ms
             for core in effect.cores:
-                self._send_replication(name, core, ("probe",))
+                self._send_replication(name, core, ("frame", self._request_frame(replicant, "journal", {})))
         elif isinstance(effect, p.SendWatch):
             version = p.REPLICATION_PROTOCOL_VERSION
             if self.rng.random() < self.bad_version_probability:
                 version += 1  # an incompatible peer
-            message = ("watch", effect.from_key, effect.from_digest, version, effect.watch_id)
-            self._send_request(name, effect.core, message)
+            body = {
+                "shard": SHARD,
+                "replicant": name,
+                "endpoint": f"ipc://{name}",
+                "from": list(effect.from_key),
+                "from_digest": effect.from_digest,
+                "protocol": version,
+                "watch_id": effect.watch_id,
+            }
+            self._send_request(name, effect.core, ("frame", self._request_frame(replicant, "watch", body)))
         elif isinstance(effect, p.FetchTables):
-            self._send_request(name, effect.core, ("tables",))
+            self._send_request(name, effect.core, ("frame", self._request_frame(replicant, "list_tables", {})))
         elif isinstance(effect, p.FetchBatch):
-            self._send_request(name, effect.core, ("batch", effect.table, effect.after, effect.limit))
+            body = {"table": effect.table, "limit": effect.limit}
+            if effect.after is not None:
+                body["after"] = effect.after
+            frame = self._request_frame(replicant, "bootstrap_batch", body, (effect.table, effect.after))
+            self._send_request(name, effect.core, ("frame", frame))
         elif isinstance(effect, p.FetchCommitted):
-            self._send_request(name, effect.core, ("committed",))
+            frame = self._request_frame(replicant, "read_index", {"shard": SHARD})
+            self._send_request(name, effect.core, ("frame", frame))
         elif isinstance(effect, p.ApplyEntries):
             for entry in effect.entries:
                 self._apply_entry(replicant, entry)
@@ -629,9 +686,8 @@ class ReplicantSimulation(Simulation):
             if replicant.machine is None:
                 continue
             kind, body = message
-            if kind == "age":
-                if replicant.probe_answers is not None:
-                    replicant.probe_answers[sender] = body
+            if kind == "reply":
+                self._on_reply(replicant, sender, body)
             elif kind == "frame":
                 # A core's push, through the real codec and production's conversion to a replica event.
                 push = codec.decode(body, FRAME_BYTES_MAX)
