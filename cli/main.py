@@ -26,6 +26,8 @@ from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
 from mnesite.rlog.types import TxKey
 
+from mnesite import __version__
+
 TIMEOUT_MS_DEFAULT = 5000
 FOLLOW_INTERVAL_MS = 500
 FOLLOW_BATCH_MAX = 1000  # entries per rlog_entries request (the node's maximum)
@@ -224,7 +226,7 @@ class MnesiteGroup(click.Group):
 
 
 @click.group(cls=MnesiteGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="mnesite")
+@click.version_option(version=__version__, prog_name="mnesite")
 def main() -> None:
     """mnesite: a replicated SQLite database with a globally ordered transaction log (rlog)."""
 

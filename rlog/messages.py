@@ -40,6 +40,7 @@ import msgspec
 from mnesite.rlog.types import (
     DIGEST_BYTES,
     AddColumnOp,
+    ClusterVersionOp,
     CreateIndexOp,
     CreateTableOp,
     DeleteOp,
@@ -718,6 +719,12 @@ class _MembersWire(Struct, frozen=True, array_like=True, tag="m"):
             raise ValueError("members op: added must be a name and endpoint an endpoint, or both empty")
 
 
+class _ClusterVersionWire(Struct, frozen=True, array_like=True, tag="v"):
+    # A cluster version entry (core.versions); release 0.1.0 refuses the tag, and is never sent one.
+    shard: Name
+    cluster_version: Annotated[int, Meta(ge=1, le=1000)]
+
+
 # Names found valid by the rule; bounded (names are at most NAME_CHARS_MAX characters).
 _NAMES_CHECKED: set[str] = set()
 _NAMES_CHECKED_MAX = 4096
@@ -744,6 +751,7 @@ _WireOp = (
     | _CreateIndexWire
     | _DropIndexWire
     | _AddColumnWire
+    | _ClusterVersionWire
 )
 _OPS_DECODER = msgspec.msgpack.Decoder(Annotated[list[_WireOp], Meta(max_length=OPS_MAX)], ext_hook=_refuse_ext)
 _OPS_ENCODER = msgspec.msgpack.Encoder()
@@ -787,6 +795,8 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
             ops.append(CreateIndexOp(op.index, op.table, op.shard, tuple(op.columns)))
         elif type(op) is _DropIndexWire:
             ops.append(DropIndexOp(op.index, op.table, op.shard))
+        elif type(op) is _ClusterVersionWire:
+            ops.append(ClusterVersionOp(op.shard, op.cluster_version))
         else:
             ops.append(AddColumnOp(op.table, op.shard, op.column, op.column_type))
     refusal = _names_refusal(names)
