@@ -933,6 +933,8 @@ def _describe_op(op: dict[str, Any]) -> str:
         return f"members {', '.join(op['members'])}{added}"
     if op["op"] == "drop_table":
         return f"drop_table {op['table']} (shard {op['shard']})"
+    if op["op"] == "cluster_version":
+        return f"cluster_version {op['cluster_version']} (shard {op['shard']})"
     return f"create_table {op['table']} (shard {op['shard']}, key {op['key']})"
 
 

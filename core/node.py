@@ -120,6 +120,15 @@ from mnesite.core.snapshot import (
     offer_due,
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
+from mnesite.core.versions import (
+    CLUSTER_VERSION_RETRY_MS,
+    PEERS_MAX,
+    VERSIONS_PROBE_INTERVAL_MS,
+    PeerRefused,
+    PeerVersions,
+    cluster_version_of,
+    cluster_version_to_propose,
+)
 from mnesite.core.watch import WatchRefusedError
 from mnesite.rlog import codec, messages, range_requests, replication
 from mnesite.rlog.backup import RESTORED_META, BackupError
@@ -148,6 +157,7 @@ from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
 from mnesite.rlog.types import (
     ZERO_KEY,
     AddColumnOp,
+    ClusterVersionOp,
     CreateIndexOp,
     DropIndexOp,
     DropTableOp,
@@ -159,6 +169,7 @@ from mnesite.rlog.types import (
     entry_to_json,
     tx_key_from_wire,
 )
+from mnesite.rlog.versions import local_announcement
 
 log = logging.getLogger("mnesite.core")
 
@@ -205,6 +216,7 @@ INSTALL_REQUEST_TIMEOUT_MS = 10_000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
 # Core endpoints a node keeps (its config's and those learned from membership entries and peers).
 MEMBERS_LEARNED_MAX = 64
+VERSIONS_PROBE_PREFIX = "versions-"  # request ids of the journal probes of core.versions
 
 
 class Deferred(Exception):
@@ -359,6 +371,7 @@ class CoreNode(NodeServer):
             random.Random(self.rng.random()),
             watches_max=limits.watches_max,
             agents_bytes_max=limits.agents_bytes_max,
+            versions=local_announcement(),
         )
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
         # shards that serve no read (install under way or its read fence not reached yet).
@@ -366,6 +379,12 @@ class CoreNode(NodeServer):
         self.install_requests: dict[str, tuple[str, str, dict[str, Any], int]] = {}
         self.not_serving: dict[str, str] = {}
         self.last_heard_ms: dict[str, int] = {}
+        # What this core and its peers speak, and the cluster version entries proposed (core.versions).
+        self.versions = self.rlog_server.versions
+        self.peer_versions = PeerVersions(self.versions)
+        self.peer_frames_refused = 0
+        self._next_versions_probe_ms = 0
+        self._cluster_version_proposed: dict[str, tuple[int, int]] = {}
         self._next_progress_log_ms: dict[str, int] = {}
         self.transactions = 0
         self._next_retention_ms = 0
@@ -518,6 +537,7 @@ class CoreNode(NodeServer):
                 self._relay_forwarded(dealer)
         self.serve_queries(self._query_shard_reached)
         self.build_indexes()
+        self._versions_turn()
         self._end_batches()
         self._expire_forwarded()
         self._expire_held_guard_failures()
@@ -688,6 +708,8 @@ class CoreNode(NodeServer):
                 applied_members = membership_of(entry)
                 if applied_members is not None:
                     self._set_cluster_members(applied_members)
+                if cluster_version_of(entry) is not None:
+                    self._cluster_version_applied(shard)
             self.rlog_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
             self._tell_outcomes(driver.waiters.committed(applied))
         elif isinstance(effect, Send):
@@ -840,6 +862,7 @@ class CoreNode(NodeServer):
                 lambda key: self.store.digest_at(driver.shard, key),
                 self._hears_sequencer(driver),
                 self.clock_ms(),
+                self.store.cluster_version(driver.shard),
             )
         except WatchRefusedError as error:
             raise RequestError(error.code, str(error)) from None
@@ -1001,6 +1024,8 @@ class CoreNode(NodeServer):
             self._step_install(shard, batch)
 
     def _send_peer(self, peer: str, message: Message, now: bool = False) -> None:
+        if self.peer_versions.refuses(peer):
+            return  # a peer this core cannot speak with (core.versions) is sent nothing
         endpoint = self.endpoints.get(peer)
         socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
         if socket is None:
@@ -1023,6 +1048,9 @@ class CoreNode(NodeServer):
         sender, shard = body.sender, body.shard
         if sender not in self.endpoints or sender == self.config.name:
             raise RequestError("bad_request", f"peer {sender!r} is not a core of this cluster")
+        if self.peer_versions.refuses(sender):
+            self.peer_frames_refused += 1  # refused with one log line when its versions were heard
+            return
         try:
             peer_message = message_from_wire(body.message)
         except CodecError as error:
@@ -1269,6 +1297,8 @@ class CoreNode(NodeServer):
                 self.reply(waiting, answer)
             elif answer.request_id in self.install_requests:
                 self._on_install_answer(self.install_requests.pop(answer.request_id), answer)
+            elif answer.request_id.startswith(VERSIONS_PROBE_PREFIX):
+                self._on_versions_answer(answer)
 
     def _expire_forwarded(self) -> None:
         now = self.clock_ms()
@@ -1280,6 +1310,71 @@ class CoreNode(NodeServer):
             else:
                 self._step_install(shard, replication.RequestFailed(core, f"{purpose} timed out"))
         self._tell_outcomes(self.forwarded.expired(now))
+
+    # -- versions (core.versions) ----------------------------------------------------------------
+
+    def _versions_turn(self) -> None:
+        """Every VERSIONS_PROBE_INTERVAL_MS: ask each peer what it speaks; as a sequencer, append the
+        cluster version entry once every member speaks a newer one (core.versions decides)."""
+        now = self.clock_ms()
+        if now < self._next_versions_probe_ms:
+            return
+        self._next_versions_probe_ms = now + VERSIONS_PROBE_INTERVAL_MS
+        for peer in sorted(self.endpoints)[:PEERS_MAX]:
+            if peer != self.config.name:
+                # journal: a request every release answers; refused peers are asked too (they may
+                # come back on a release this core speaks), outside _send_peer's refusal.
+                self._send_peer_unchecked(peer, Message("journal", f"{VERSIONS_PROBE_PREFIX}{peer}"[:64], {}))
+        for shard, driver in self.shards.items():
+            status = driver.consensus.status()
+            if status.role is not Role.SEQUENCER:
+                continue
+            current = self.store.cluster_version(shard)
+            proposed = self._cluster_version_proposed.get(shard)
+            if proposed is not None and proposed[0] > current and now < proposed[1]:
+                continue  # in flight
+            settled = status.members == status.committed_members and not status.learner
+            target = cluster_version_to_propose(current, status.members, self.peer_versions, self.config.name, settled)
+            if target is None:
+                continue
+            self.begin()
+            request_id = f"cluster-version-{target}-{self.rng.getrandbits(32):08x}"
+            effects = self._step(driver, Proposed((ClusterVersionOp(shard, target),), request_id))
+            if any(isinstance(effect, PersistEntries) for effect in effects):
+                self._cluster_version_proposed[shard] = (target, now + CLUSTER_VERSION_RETRY_MS)
+                log.info("shard %s: every member speaks cluster version %d: proposing it", shard, target)
+
+    def _send_peer_unchecked(self, peer: str, message: Message) -> None:
+        endpoint = self.endpoints.get(peer)
+        socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
+        if socket is not None:
+            self.queue(socket, message)
+
+    def _on_versions_answer(self, answer: Message) -> None:
+        peer = answer.request_id[len(VERSIONS_PROBE_PREFIX) :]
+        if peer not in self.endpoints or answer.kind != "reply":
+            return
+        for notice in self.peer_versions.heard(peer, answer.body.result, self.clock_ms()):
+            if isinstance(notice, PeerRefused):
+                log.warning("core %s refused: this core cannot speak with it: %s", peer, notice.reason)
+            else:
+                log.warning("core %s accepted again: it speaks %s", peer, notice.announcement.describe())
+
+    def _cluster_version_applied(self, shard: str) -> None:
+        """A cluster version entry applied: replicants that cannot read the log from here on lose their agents."""
+        version = self.store.cluster_version(shard)
+        log.warning("shard %s: cluster version %d (storage format %d)", shard, version, self.store.storage_format())
+        self.rlog_server.stop_unreadable(shard, version, self.versions)
+
+    def _versions_status(self) -> dict[str, Any]:
+        versions = [self.store.cluster_version(shard) for shard in self.shards]
+        return {
+            "versions": self.versions.to_wire(),
+            # the lowest of the shards' (each moves through its own log); 1 before any shard
+            "cluster_version": min(versions, default=1),
+            "storage_format": self.store.storage_format(),
+            "peer_versions": self.peer_versions.status(),
+        }
 
     # -- membership changes (core.membership) ----------------------------------------------------
 
@@ -1297,6 +1392,8 @@ class CoreNode(NodeServer):
         endpoint = body.endpoint or self.endpoints.get(name, "")
         if add and not endpoint:
             raise RequestError("bad_request", f"the endpoint of core {name!r} is unknown: give it")
+        if add and self.peer_versions.refuses(name):
+            raise RequestError("incompatible_version", f"core {name} is refused: {self.peer_versions.refusal(name)}")
         self.begin()
         if message.request_id in self.pending_changes:
             # A client's retry while its core is still catching up: answer the retry, change nothing.
@@ -1633,6 +1730,7 @@ class CoreNode(NodeServer):
                 "members": list(status.members),
                 "hears_sequencer": self._hears_sequencer(driver),
                 "agents": self.rlog_server.agents_of(shard),
+                "cluster_version": self.store.cluster_version(shard),
             }
         return {
             "node": self.config.name,
@@ -1640,6 +1738,8 @@ class CoreNode(NodeServer):
             "members": list(self.members),
             "reachable_peers": self.reachable_peers(),
             "shards": shards,
+            # This core's announcement (rlog.versions; release 0.1.0 answers without it) and its peers'.
+            **self._versions_status(),
         }
 
     def status(self) -> dict[str, Any]:
@@ -1666,6 +1766,7 @@ class CoreNode(NodeServer):
                 "serving": shard not in self.not_serving,
                 "disk_full": status.disk_full,
                 "not_serving_reason": self.not_serving.get(shard),
+                "cluster_version": self.store.cluster_version(shard),
             }
             install = self.installs.get(shard)
             if install is not None:
@@ -1709,6 +1810,8 @@ class CoreNode(NodeServer):
             "agent_budget": self.rlog_server.budget.status(),
             "security": self.security_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
+            **self._versions_status(),
+            "peer_frames_refused": self.peer_frames_refused,
             "shards": shards,
         }
 

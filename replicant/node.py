@@ -55,6 +55,13 @@ from mnesite.rlog.types import (
     entry_to_json,
     tx_key_from_wire,
 )
+from mnesite.rlog.versions import (
+    Announcement,
+    announcement_of,
+    incompatibility,
+    local_announcement,
+    replication_protocol_for,
+)
 
 log = logging.getLogger("mnesite.replicant")
 # Forwarded to a core: replicants never originate writes (DESIGN invariant 7), schema changes included.
@@ -163,8 +170,24 @@ class ReplicantNode(NodeServer):
         self._discovery_turn = 0
         self._core_heard_ms = self.clock_ms()  # last answer or push from any core (start-up counts)
         self._no_core_logged_ms: int | None = None
+        # What this node and each core speak (rlog.versions), from the cores' journal answers.
+        self.versions = local_announcement()
+        self.core_versions: dict[str, Announcement] = {}
         for shard in self.store.shards():
             self._open_replica(shard)
+
+    def _note_versions(self, core: str, answer: Any) -> bool:
+        """Record what a core's journal answer announces; whether this replicant can speak with it.
+        The refusal is logged once, when the core's announcement changes."""
+        announcement = announcement_of(answer)
+        if announcement is None or core not in self.config.core_nodes:
+            return announcement is not None
+        reason = incompatibility(self.versions, announcement)
+        if self.core_versions.get(core) != announcement:
+            if reason is not None:
+                log.warning("core %s: refused, this replicant cannot speak with it: %s", core, reason)
+            self.core_versions[core] = announcement
+        return reason is None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -301,7 +324,8 @@ class ReplicantNode(NodeServer):
                 "endpoint": self.config.listen,
                 "from": list(effect.from_key),
                 "from_digest": effect.from_digest,
-                "protocol": p.REPLICATION_PROTOCOL_VERSION,
+                # the protocol both speak (rlog.versions): a core of release 0.1.0 reads only 1
+                "protocol": replication_protocol_for(self.core_versions.get(effect.core), self.versions),
                 "watch_id": effect.watch_id,
             }
             self._request(effect.core, "watch", body, Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard))
@@ -448,7 +472,9 @@ class ReplicantNode(NodeServer):
             probe = self.probes.get(replica.shard)
             if probe is None:
                 return
-            probe.answers[pending.core] = p.journal_answer(result, replica.shard)
+            # A core this replicant cannot speak with, or whose log it cannot read, does not qualify.
+            speaks = self._note_versions(pending.core, result)
+            probe.answers[pending.core] = p.journal_answer(result, replica.shard, self.versions) if speaks else None
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
@@ -866,6 +892,11 @@ class ReplicantNode(NodeServer):
             # online index builds (rlog.store): per table, rows copied so far and the indexes being built
             "index_builds": self.store.index_build_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
+            "versions": self.versions.to_wire(),
+            "core_versions": {
+                core: {**a.to_wire(), "announced": a.announced, "refused": incompatibility(self.versions, a)}
+                for core, a in sorted(self.core_versions.items())
+            },
             "shards": shards,
         }
 

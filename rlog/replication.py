@@ -32,8 +32,11 @@ import enum
 from dataclasses import dataclass
 
 from mnesite.rlog.types import Entry, PackedEntry, TxKey, tx_key_from_wire
+from mnesite.rlog.versions import THIS_RELEASE, Announcement, log_readable
 
-REPLICATION_PROTOCOL_VERSION = 1
+# The highest replication protocol this release speaks (rlog.versions: 1 is release 0.1.0's; 2 reads
+# cluster version entries). A replicant names the one it shares with each core (replication_protocol_for).
+REPLICATION_PROTOCOL_VERSION = 2
 
 # The applied digest a replica's driver persists after ``ResetShard``: no core holds an entry with
 # this digest, so a watch from it is always answered ``bootstrap``, even after a crash mid-copy.
@@ -67,12 +70,14 @@ class JournalAnswer:
 AGENTS_COUNT_MAX = 2**31  # a core's agent count beyond this is not believed
 
 
-def journal_answer(result: object, shard: str) -> JournalAnswer | None:
+def journal_answer(result: object, shard: str, own: Announcement = THIS_RELEASE) -> JournalAnswer | None:
     """What a core's ``journal`` reply ``result`` says about ``shard``; None if it does not know the
-    shard or the answer is malformed there (the reply is untrusted input: it never raises)."""
+    shard or the answer is malformed there (the reply is untrusted input: it never raises), and None
+    if the shard's log there is at a cluster version this replicant (speaking ``own``) cannot read: a
+    replicant follows only a core whose log it reads (``rlog.versions.log_readable``)."""
     shards = result.get("shards") if isinstance(result, dict) else None
     info = shards.get(shard) if isinstance(shards, dict) else None
-    if not isinstance(info, dict):
+    if not isinstance(info, dict) or not log_readable(info.get("cluster_version"), own):
         return None
     hears, agents = info.get("hears_sequencer"), info.get("agents")
     if not isinstance(hears, bool) or not isinstance(agents, int) or isinstance(agents, bool):

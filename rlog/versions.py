@@ -108,6 +108,7 @@ class Announcement:
 
 
 RELEASE_0_1_0 = Announcement("0.1.0", (1, 1), announced=False)
+THIS_RELEASE = Announcement(SOFTWARE_VERSION, (min(CLUSTER_VERSIONS), CLUSTER_VERSION_HIGHEST))
 
 
 def local_announcement(environ: Mapping[str, str] | None = None) -> Announcement:
@@ -118,7 +119,7 @@ def local_announcement(environ: Mapping[str, str] | None = None) -> Announcement
         if not only.isdigit() or not 1 <= int(only) <= CLUSTER_VERSION_MAX:
             raise ValueError(f"{SPEAK_ONLY_ENV} must be a cluster version 1..{CLUSTER_VERSION_MAX}, not {only!r:.20}")
         return Announcement(SOFTWARE_VERSION, (int(only), int(only)))
-    return Announcement(SOFTWARE_VERSION, (min(CLUSTER_VERSIONS), CLUSTER_VERSION_HIGHEST))
+    return THIS_RELEASE
 
 
 def announcement_of(answer: Any) -> Announcement | None:
@@ -153,6 +154,25 @@ def incompatibility(own: Announcement, peer: Announcement) -> str | None:
     if can_speak(own, peer):
         return None
     return f"it speaks {peer.describe()}; this node speaks {own.describe()}"
+
+
+# -- replication: what a replicant's watch names, and which logs it can follow ------------------------
+
+
+def replication_protocol_for(core: Announcement | None, own: Announcement) -> int:
+    """The replication protocol a replicant's watch names to a core: that of the highest cluster
+    version both speak (a core that announced nothing is release 0.1.0: protocol 1)."""
+    core = core or RELEASE_0_1_0
+    common = min(own.cluster_versions[1], core.cluster_versions[1])
+    return protocols_at(max(common, own.cluster_versions[0])).replication
+
+
+def log_readable(cluster_version: Any, own: Announcement) -> bool:
+    """Whether a replicant speaking ``own`` can read a shard's log at ``cluster_version`` (an answer
+    without one is release 0.1.0's log: version 1). A replicant follows only a core whose log it reads."""
+    if cluster_version is None:
+        cluster_version = 1
+    return type(cluster_version) is int and own.speaks(cluster_version)
 
 
 # -- storage: the format version of a data directory, a backup file and a spill -------------------
