@@ -1036,6 +1036,14 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
         result["cores"][name] = {"endpoint": cores[name], "reachable": answer is not None}
         if answer is not None:
             result["cores"][name]["shards"] = answer["shards"]
+            # rlog.versions: what the core speaks (release 0.1.0 announces nothing) and whom it refuses
+            versions = answer.get("versions") or {"software": "0.1.0", "cluster_versions": [1, 1]}
+            peers = answer.get("peer_versions") or {}
+            result["cores"][name]["versions"] = versions
+            result["cores"][name]["cluster_version"] = answer.get("cluster_version", 1)
+            result["cores"][name]["refuses"] = {
+                peer: info.get("refused") for peer, info in sorted(peers.items()) if info.get("refused")
+            }
     for shard in shards:
         keys = [j["shards"].get(shard, {}).get("committed") if j else None for j in journals.values()]
         result["majority"][shard] = majority_age(keys, len(cores))
@@ -1057,9 +1065,15 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
                     "last": tuple(age["last"]),
                     "members": ",".join(age.get("members", [])),
                     "forced": "FORCED" if age["forced"] else "",
+                    "release": info["versions"].get("software"),
+                    "cluster_version": age.get("cluster_version", 1),
                 }
             )
-    click.echo(format_table(rows, ["core", "shard", "generation", "committed", "last", "members", "forced"]))
+    columns = ["core", "shard", "generation", "committed", "last", "members", "forced", "release", "cluster_version"]
+    click.echo(format_table(rows, columns))
+    for name, info in result["cores"].items():
+        for peer, reason in info.get("refuses", {}).items():
+            click.echo(f"{name} refuses {peer} (incompatible): {reason}")
     for shard, key in result["majority"].items():
         reached = tuple(key) if key is not None else "unknown: no majority of cores answered"
         click.echo(f"majority of {len(cores)} cores has committed {shard} up to {reached}")

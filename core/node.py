@@ -1334,7 +1334,9 @@ class CoreNode(NodeServer):
             if proposed is not None and proposed[0] > current and now < proposed[1]:
                 continue  # in flight
             settled = status.members == status.committed_members and not status.learner
-            target = cluster_version_to_propose(current, status.members, self.peer_versions, self.config.name, settled)
+            target = cluster_version_to_propose(
+                current, status.members, self.peer_versions, self.config.name, settled, now
+            )
             if target is None:
                 continue
             self.begin()

@@ -18,7 +18,8 @@ release of this project reads, so a core never waits for a probe before taking p
   like a membership change (``core.membership``): ``cluster_version_to_propose`` lets the sequencer
   append the entry for version V only when every member of the shard (this core included) announced
   V, i.e. V is the highest every member speaks, above the shard's current one; never while a member
-  is unknown or speaks only less. It moves forward only: nothing proposes a lower version, and
+  is unknown, speaks only less, or has not answered within ``ANNOUNCEMENT_FRESH_MS`` (a member that is
+  down may be coming back on an older release). It moves forward only: nothing proposes a lower version, and
   a core rolled back to a release that does not speak the recorded version cannot read the log any
   more (its storage format moved too, and it refuses the directory). Until then a member can be
   rolled back freely: the version waits for it. Replicants of release 0.1.0 cannot read the entry:
@@ -47,6 +48,8 @@ VERSIONS_PROBE_INTERVAL_MS = 2000
 # A cluster version entry proposed but not applied yet is proposed again after this long (the
 # proposal may have died with a deposed sequencer's uncommitted tail).
 CLUSTER_VERSION_RETRY_MS = 10_000
+# A member's announcement counts for a cluster version move only if heard this recently (two probes).
+ANNOUNCEMENT_FRESH_MS = 2 * VERSIONS_PROBE_INTERVAL_MS
 PEERS_MAX = 64  # = core.node.MEMBERS_LEARNED_MAX: peers tracked beyond it are not probed
 
 
@@ -135,21 +138,26 @@ def cluster_version_of(entry: Entry) -> int | None:
     return found
 
 
-def highest_common_version(own: Announcement, members: Iterable[str], peers: PeerVersions, own_name: str) -> int | None:
-    """The highest cluster version every member speaks (None: a member is unknown or they share none)."""
+def highest_common_version(
+    own: Announcement, members: Iterable[str], peers: PeerVersions, own_name: str, now_ms: int
+) -> int | None:
+    """The highest cluster version every member speaks (None: a member is unknown, was not heard
+    within ``ANNOUNCEMENT_FRESH_MS``, or they share none). A member that stopped answering may be
+    restarting on another release: what it said before does not count."""
     low, high = own.cluster_versions
     for member in members:
         if member == own_name:
             continue
-        announcement = peers.announcement(member)
-        if announcement is None:
+        record = peers.peers.get(member)
+        if record is None or now_ms - record.heard_ms > ANNOUNCEMENT_FRESH_MS:
             return None
+        announcement = record.announcement
         low, high = max(low, announcement.cluster_versions[0]), min(high, announcement.cluster_versions[1])
     return high if low <= high else None
 
 
 def cluster_version_to_propose(
-    current: int, members: Iterable[str], peers: PeerVersions, own_name: str, membership_settled: bool
+    current: int, members: Iterable[str], peers: PeerVersions, own_name: str, membership_settled: bool, now_ms: int
 ) -> int | None:
     """The cluster version the sequencer appends now, or None.
 
@@ -157,7 +165,7 @@ def cluster_version_to_propose(
     make "every member" ambiguous for the length of the change)."""
     if not membership_settled:
         return None
-    target = highest_common_version(peers.own, members, peers, own_name)
+    target = highest_common_version(peers.own, members, peers, own_name, now_ms)
     if target is None or target <= current:
         return None
     return target
