@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mnesite.rlog.versions import SPEAK_ONLY_ENV
 
 from tests.conftest import REPO, Cluster, NodeProcess, wait_until
 from tests.fault.checker import Verdict, check_history
@@ -38,7 +39,8 @@ RELEASE_0_1_0_TAG = "v0.1.0"
 RELEASE_0_1_0_COMMIT = "3f4dcd03de2ebb3d68c3225d3fde0d29f663591a"
 INSTALL_TIMEOUT_S = 120
 STEP_TIMEOUT_S = 60
-WRITERS = 3
+# What a node logs when it was sent something it cannot read (rlog.server, core.watch, rlog.codec).
+UNREADABLE_SIGNS = ("protocol violation", "malformed", "incompatible_protocol", "unsupported", "unknown_kind")
 
 
 def install_release(commit: str, root: Path) -> Path:
@@ -113,6 +115,15 @@ def _wait_serving(cluster: Cluster, name: str, replicant: bool) -> None:
         return info.get("mode") == "normal" if replicant else info.get("serving") is True
 
     wait_until(serving, STEP_TIMEOUT_S, f"{name} to serve again", interval_s=0.1)
+
+
+def _node_metrics(status: dict) -> str:
+    """The Prometheus text of a node's status, as its metrics endpoint serves it."""
+    from mnesite.rlog.metrics import NodeMetrics
+
+    metrics = NodeMetrics(status["node"], status["role"])
+    metrics.refresh(0, status)
+    return metrics.text().decode()
 
 
 def _software(status: dict | None) -> str:
@@ -218,6 +229,11 @@ def test_rolling_upgrade_from_0_1_0_under_writes_with_a_roll_back(
         assert _software(status) != "0.1.0", name
         if name in cluster.names:
             assert status["storage_format"] == 2 and status["shards"][SHARD]["cluster_version"] == 2
+    # Nothing any node was sent was something it could not read: no refusals of frames, watches or entries.
+    for name, node in cluster.nodes.items():
+        text = node.log_path.read_text()
+        for sign in UNREADABLE_SIGNS:
+            assert sign not in text, f"{name}'s log: {sign}"
     timings["total_s"] = round(time.monotonic() - began, 1)
     timings["acknowledged_writes"] = len(recorder.acknowledged)
     timings["generations"] = generation_after - generation_before
@@ -251,3 +267,61 @@ def test_data_directory_of_0_1_0_opens_in_this_release(
         assert status["storage_format"] == 2 and status["versions"]["software"] != "0.1.0"
         entries = client.rlog_entries(SHARD, old_position["applied"], 10)
         assert [op["op"] for entry in entries for op in entry["ops"]] == ["cluster_version"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_core_of_an_incompatible_version_is_refused_logged_once_and_the_cluster_keeps_serving(
+    tmp_path: Path, node_processes: list[NodeProcess]
+) -> None:
+    """core4 is built to speak only cluster version 3 (``MNESITE_TEST_CLUSTER_VERSION_ONLY``): the three
+    others refuse it (one log line each), show it in ``status``, ``journal show`` and metrics, and keep
+    serving with their majority of the four."""
+    cluster = Cluster(tmp_path, node_processes, size=4)
+    for name in cluster.names[:3]:
+        cluster.start(name)
+    with cluster.client("core1", timeout_ms=5000, retries=5) as client:
+        client.create_table(TABLE, "id", COLUMNS)
+        client.put(TABLE, {"id": 1, "value": 1})
+    cluster.nodes["core4"].start(cluster.endpoints["core4"], env={SPEAK_ONLY_ENV: "3"})
+
+    def refused_by(name: str) -> dict | None:
+        return ((cluster.status(name) or {}).get("peer_versions") or {}).get("core4")
+
+    for name in cluster.names[:3]:
+        wait_until(lambda name=name: (refused_by(name) or {}).get("compatible") is False, 30, f"{name} to refuse core4")
+    first = refused_by("core1")
+    assert "cluster versions 3" in first["refused"] and first["cluster_versions"] == [3, 3]
+    # Probes go on (a refused core may come back on a release that overlaps); the line is not repeated.
+    wait_until(lambda: refused_by("core1")["heard_ms"] >= first["heard_ms"] + 2 * 2000, 30, "two more probes")
+    for name in cluster.names[:3]:
+        assert cluster.nodes[name].log_path.read_text().count("core core4 refused") == 1, name
+    own = cluster.status("core4")
+    assert own["versions"]["cluster_versions"] == [3, 3]
+    assert {peer for peer, info in own["peer_versions"].items() if not info["compatible"]} == {
+        "core1",
+        "core2",
+        "core3",
+    }
+    # The cluster keeps serving, and its cluster version waits: core4 is a member that speaks no version of theirs.
+    with cluster.client("core2", timeout_ms=5000, retries=5) as client:
+        for key in range(2, 12):
+            client.put(TABLE, {"id": key, "value": key})
+        assert client.count(TABLE) == 11
+    position = cluster.wait_converged(cluster.names[:3])
+    assert position["applied"] is not None
+    assert all(cluster.status(name)["cluster_version"] == 1 for name in cluster.names[:3])
+    shown = subprocess.run(
+        [sys.executable, "-m", "mnesite.cli", "journal", "show", "--node", cluster.endpoints["core1"]]
+        + cluster.cli_keys(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "core1 refuses core4 (incompatible)" in shown.stdout
+    metrics = _node_metrics(cluster.status("core1"))
+    lines = [line for line in metrics.splitlines() if line.startswith("mnesite_peer_incompatible{")]
+    assert [line.rsplit(" ", 1)[1] for line in lines if 'peer="core4"' in line] == ["1.0"], lines
+    assert [line.rsplit(" ", 1)[1] for line in lines if 'peer="core2"' in line] == ["0.0"], lines
