@@ -783,6 +783,8 @@ def status(endpoint, timeout_ms, as_json) -> None:
         emit_json(result)
         return
     click.echo(f"node {result['node']} ({result['role']})")
+    for line in describe_versions(result):
+        click.echo(line)
     click.echo(describe_security(result.get("security") or {}))
     backup = result.get("backup")
     if backup is not None:
@@ -1019,6 +1021,27 @@ def force_start_losses(node: str, journals: dict[str, dict | None]) -> list[str]
         lines.append(line)
     if not shards:
         lines.append(f"{node} holds no shard yet: nothing to lose")
+    return lines
+
+
+def describe_versions(status: dict[str, Any]) -> list[str]:
+    """What a node's status says of versions (rlog.versions), one line for it and one per peer."""
+    versions = status.get("versions")
+    if versions is None:
+        return ["release 0.1.0 (it announces no versions; cluster version 1)"]
+
+    def spoken(info: dict[str, Any]) -> str:
+        low, high = info.get("cluster_versions") or [1, 1]
+        return f"release {info.get('software')}, cluster versions {low if low == high else f'{low}..{high}'}"
+
+    lines = [f"{spoken(versions)}"]
+    if "cluster_version" in status:
+        lines[0] += f"; cluster version {status['cluster_version']}, storage format {status.get('storage_format')}"
+    peers = status.get("peer_versions") or status.get("core_versions") or {}
+    for peer, info in sorted(peers.items()):
+        said = "" if info.get("announced", True) else " (inferred: it announces no versions)"
+        refused = f": INCOMPATIBLE, refused: {info['refused']}" if info.get("refused") else ""
+        lines.append(f"  {peer}: {spoken(info)}{said}{refused}")
     return lines
 
 

@@ -321,6 +321,14 @@ def test_a_core_of_an_incompatible_version_is_refused_logged_once_and_the_cluste
     )
     assert shown.returncode == 0, shown.stderr
     assert "core1 refuses core4 (incompatible)" in shown.stdout
+    status_text = subprocess.run(
+        [sys.executable, "-m", "mnesite.cli", "status", "--node", cluster.endpoints["core2"]] + cluster.cli_keys(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert "core4: release" in status_text.stdout and "INCOMPATIBLE, refused" in status_text.stdout
     metrics = _node_metrics(cluster.status("core1"))
     lines = [line for line in metrics.splitlines() if line.startswith("mnesite_peer_incompatible{")]
     assert [line.rsplit(" ", 1)[1] for line in lines if 'peer="core4"' in line] == ["1.0"], lines

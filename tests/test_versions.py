@@ -238,3 +238,35 @@ def test_the_simulator_catches_a_cluster_version_moved_before_every_member_speak
     monkeypatch.setattr(simulated, "cluster_version_to_propose", eager)
     with pytest.raises(SimulationFailure, match="cannot read|cannot speak it|before the last core"):
         run_versions_seed(0)
+
+
+def test_status_text_names_each_peer_release_and_the_incompatible_ones() -> None:
+    from mnesite.cli.main import describe_versions
+
+    peers = _peers(core2=RELEASE_0_1_0, core4=NEWER)
+    status = {
+        "versions": THIS_RELEASE.to_wire(),
+        "cluster_version": 1,
+        "storage_format": 1,
+        "peer_versions": peers.status(),
+    }
+    first, core2, core4 = describe_versions(status)
+    assert first == f"release {__version__}, cluster versions 1..2; cluster version 1, storage format 1"
+    assert core2 == "  core2: release 0.1.0, cluster versions 1 (inferred: it announces no versions)"
+    assert core4.startswith("  core4: release 9.0.0, cluster versions 3: INCOMPATIBLE, refused: it speaks")
+    assert describe_versions({"node": "core1"}) == ["release 0.1.0 (it announces no versions; cluster version 1)"]
+
+
+def test_a_core_that_cannot_be_spoken_with_is_not_added_to_the_membership(thread_node) -> None:
+    from mnesite.rlog.client import MnesiteError
+
+    with thread_node.client() as client:
+        client.create_table("t", "id", [("id", "INTEGER")])
+        assert client.status()["versions"] == THIS_RELEASE.to_wire()
+        # What the probe of core9 would have heard (the node's loop reads it on the next request).
+        thread_node.node.peer_versions.heard("core9", {"versions": NEWER.to_wire()}, 0)
+        with pytest.raises(MnesiteError) as refused:
+            client.change_membership("default", "add", "core9", "tcp://127.0.0.1:9")
+        assert refused.value.code == "incompatible_version" and "cluster versions 3" in str(refused.value)
+        assert client.members()["shards"]["default"]["members"] == ["core1"]
+        assert client.status()["peer_versions"]["core9"]["compatible"] is False
