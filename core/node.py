@@ -385,6 +385,7 @@ class CoreNode(NodeServer):
         self.peer_frames_refused = 0
         self._next_versions_probe_ms = 0
         self._cluster_version_proposed: dict[str, tuple[int, int]] = {}
+        self._install_cluster_versions: dict[str, int] = {}  # shard -> the snapshot offer's cluster version
         self._next_progress_log_ms: dict[str, int] = {}
         self.transactions = 0
         self._next_retention_ms = 0
@@ -775,6 +776,9 @@ class CoreNode(NodeServer):
                     "digest": position.digest,
                     "members": list(driver.consensus.committed_members),
                 }
+                # Only above 1: a field a follower of release 0.1.0 would refuse is never sent to one.
+                if self.store.cluster_version(shard) > 1:
+                    body["cluster_version"] = self.store.cluster_version(shard)
                 self._send_peer(effect.follower, Message("snapshot_offer", "snapshot", body))
         elif isinstance(effect, ForceStartRefused):
             log.warning("shard %s: force start refused: %s", shard, effect.reason)
@@ -902,6 +906,7 @@ class CoreNode(NodeServer):
         )
         install = SnapshotInstall(offer, INSTALL_BATCH_ROWS_MAX, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
         self.installs[shard] = install
+        self._install_cluster_versions[shard] = body.cluster_version
         self._execute_install(shard, install.start())
 
     def _step_install(self, shard: str, event: Any) -> None:
@@ -964,6 +969,8 @@ class CoreNode(NodeServer):
                 self.store.persist_consensus_state(shard, generation, voted_for, members, forced)
                 self.store.set_meta(f"installing:{shard}", 0)
                 self.store.set_meta(f"read_fenced:{shard}", 1)
+                # The copied tables are at the offer's cluster version: record it (and the storage format).
+                self.store.apply_ops((ClusterVersionOp(shard, self._install_cluster_versions.pop(shard, 1)),))
                 self.not_serving[shard] = "replaying after a snapshot install"
                 # Agents' positions mean nothing in the new log (core.agent, driver contract 4).
                 self.rlog_server.stop_shard(shard)

@@ -443,6 +443,8 @@ class SnapshotOffer(Body, frozen=True, kw_only=True):
     digest: DigestOrEmpty
     # the sequencer's committed membership at key (core.membership)
     members: Annotated[list[Name], Meta(max_length=MEMBERS_OP_MAX)] = []
+    # the shard's cluster version at key (core.versions); left out at 1, so release 0.1.0 never sees it
+    cluster_version: Annotated[int, Meta(ge=1, le=1000)] = 1
 
 
 class Peer(Body, frozen=True, kw_only=True):

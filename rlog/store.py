@@ -755,6 +755,8 @@ class Store:
         Inside the apply's transaction, like the position: a crash leaves either the old format and
         the entry not applied, or both moved (the migration is this one row). From then on an older
         release refuses the directory (``rlog.versions.storage_refusal``) instead of misreading it."""
+        if op.cluster_version <= self.cluster_version(op.shard):
+            return  # forward only (a snapshot install records the version its copy holds)
         self.set_meta(f"{CLUSTER_VERSION_META}{op.shard}", op.cluster_version)
         storage_format = storage_format_of(op.cluster_version)
         if storage_format > (self._format_version() or 0):
