@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 import subprocess
 import sys
 import sysconfig
@@ -333,3 +334,48 @@ def test_a_core_of_an_incompatible_version_is_refused_logged_once_and_the_cluste
     lines = [line for line in metrics.splitlines() if line.startswith("mnesite_peer_incompatible{")]
     assert [line.rsplit(" ", 1)[1] for line in lines if 'peer="core4"' in line] == ["1.0"], lines
     assert [line.rsplit(" ", 1)[1] for line in lines if 'peer="core2"' in line] == ["0.0"], lines
+
+
+OLD_SPILL_SCRIPT = """
+import json, sys
+from mnesite.rlog.store import Store
+from mnesite.rlog.types import CreateTableOp, TxKey, WriteOp, make_entry
+
+store = Store(sys.argv[1], synchronous="NORMAL")
+start_key, start_digest = TxKey(1, 5), bytes(range(32))
+with store.write_transaction():
+    store.ensure_shard("default", 1)
+    store.apply_ops((CreateTableOp("kv", "default", "id", (("id", "INTEGER"), ("v", "TEXT"))),))
+    first = make_entry("default", TxKey(1, 6), start_key, start_digest, (WriteOp("kv", {"id": 1, "v": "a"}),), "r1")
+    second = make_entry("default", TxKey(1, 7), first.tx_key, first.digest, (WriteOp("kv", {"id": 2, "v": "b"}),))
+    store.spill([first, second])
+store.close()
+print(json.dumps({"digest": second.digest.hex()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_spill_written_by_0_1_0_is_replayed_by_this_release(
+    tmp_path: Path, release_0_1_0: tuple[Path, float]
+) -> None:
+    """A replicant stopped mid-bootstrap on release 0.1.0 and started on this one replays its spill."""
+    from mnesite.rlog.store import Store
+    from mnesite.rlog.types import TxKey
+
+    old_python, _ = release_0_1_0
+    path = tmp_path / "mnesite.db"
+    written = subprocess.run(
+        [str(old_python), "-c", OLD_SPILL_SCRIPT, str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert written.returncode == 0, written.stderr
+    store = Store(str(path), synchronous="NORMAL")
+    try:
+        assert store.storage_format() == 1 and store.spilled("default") == 2
+        with store.write_transaction():
+            last = store.replay_spill("default", TxKey(1, 5), bytes(range(32)), 0)
+        assert last == TxKey(1, 7) and store.shard("default").digest.hex() == json.loads(written.stdout)["digest"]
+        rows = list(store.connection.execute("SELECT id, v FROM kv ORDER BY id"))
+        assert rows == [(1, "a"), (2, "b")] and store.spilled("default") == 0
+    finally:
+        store.close()
