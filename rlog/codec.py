@@ -101,7 +101,8 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
         raise
     except msgspec.ValidationError:
         raise CodecError("frame must be [version, kind, request_id, body]") from None
-    except msgspec.DecodeError as error:
+    except (msgspec.DecodeError, UnicodeDecodeError) as error:
+        # A string of invalid UTF-8 raises UnicodeDecodeError from msgspec, not a DecodeError.
         raise CodecError(f"malformed msgpack frame: {type(error).__name__}") from None
     except RecursionError:
         # msgspec skips the body recursively: a body nested deeper than Python's recursion limit

@@ -627,6 +627,8 @@ def decode_body(kind: str, body: bytes | memoryview) -> Body:
         value.verify()
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error(kind, error) from None
+    except UnicodeDecodeError:  # a string of invalid UTF-8 (msgspec raises it as it is)
+        raise MessageError(kind, "holds a string that is not valid UTF-8", "bad_frame") from None
     except RecursionError:
         raise MessageError(_deep_field(kind, body), "is nested deeper than the decoder allows", "bad_frame") from None
     except MessageError as error:
@@ -767,6 +769,8 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
         wire = _OPS_DECODER.decode(packed)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error("ops", error) from None
+    except UnicodeDecodeError:
+        raise MessageError("ops", "hold a string that is not valid UTF-8") from None
     except RecursionError:
         raise MessageError("ops", "are nested too deep") from None
     values: list[Any] = []
