@@ -121,13 +121,12 @@ from mnesite.core.snapshot import (
 )
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.core.versions import (
-    CLUSTER_VERSION_RETRY_MS,
     PEERS_MAX,
     VERSIONS_PROBE_INTERVAL_MS,
+    ClusterVersionProposals,
     PeerRefused,
     PeerVersions,
     cluster_version_of,
-    cluster_version_to_propose,
 )
 from mnesite.core.watch import WatchRefusedError
 from mnesite.rlog import codec, messages, range_requests, replication
@@ -384,7 +383,7 @@ class CoreNode(NodeServer):
         self.peer_versions = PeerVersions(self.versions)
         self.peer_frames_refused = 0
         self._next_versions_probe_ms = 0
-        self._cluster_version_proposed: dict[str, tuple[int, int]] = {}
+        self.cluster_version_proposals = ClusterVersionProposals()
         self._install_cluster_versions: dict[str, int] = {}  # shard -> the snapshot offer's cluster version
         self._next_progress_log_ms: dict[str, int] = {}
         self.transactions = 0
@@ -1030,9 +1029,9 @@ class CoreNode(NodeServer):
                 return
             self._step_install(shard, batch)
 
-    def _send_peer(self, peer: str, message: Message, now: bool = False) -> None:
-        if self.peer_versions.refuses(peer):
-            return  # a peer this core cannot speak with (core.versions) is sent nothing
+    def _send_peer(self, peer: str, message: Message, now: bool = False, probe: bool = False) -> None:
+        if self.peer_versions.refuses(peer) and not probe:
+            return  # a peer this core cannot speak with (core.versions) is sent nothing but the probe
         endpoint = self.endpoints.get(peer)
         socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
         if socket is None:
@@ -1330,34 +1329,27 @@ class CoreNode(NodeServer):
         for peer in sorted(self.endpoints)[:PEERS_MAX]:
             if peer != self.config.name:
                 # journal: a request every release answers; refused peers are asked too (they may
-                # come back on a release this core speaks), outside _send_peer's refusal.
-                self._send_peer_unchecked(peer, Message("journal", f"{VERSIONS_PROBE_PREFIX}{peer}"[:64], {}))
+                # come back on a release this core speaks).
+                self._send_peer(peer, Message("journal", f"{VERSIONS_PROBE_PREFIX}{peer}"[:64], {}), probe=True)
         for shard, driver in self.shards.items():
             status = driver.consensus.status()
             if status.role is not Role.SEQUENCER:
                 continue
-            current = self.store.cluster_version(shard)
-            proposed = self._cluster_version_proposed.get(shard)
-            if proposed is not None and proposed[0] > current and now < proposed[1]:
-                continue  # in flight
-            settled = status.members == status.committed_members and not status.learner
-            target = cluster_version_to_propose(
-                current, status.members, self.peer_versions, self.config.name, settled, now
+            target = self.cluster_version_proposals.due(
+                shard,
+                self.store.cluster_version(shard),
+                status.members,
+                status.committed_members,
+                status.learner,
+                self.peer_versions,
+                self.config.name,
+                now,
             )
-            if target is None:
-                continue
-            self.begin()
-            request_id = f"cluster-version-{target}-{self.rng.getrandbits(32):08x}"
-            effects = self._step(driver, Proposed((ClusterVersionOp(shard, target),), request_id))
-            if any(isinstance(effect, PersistEntries) for effect in effects):
-                self._cluster_version_proposed[shard] = (target, now + CLUSTER_VERSION_RETRY_MS)
+            if target is not None:
+                self.begin()
+                request_id = f"cluster-version-{target}-{self.rng.getrandbits(32):08x}"
+                self._step(driver, Proposed((ClusterVersionOp(shard, target),), request_id))
                 log.info("shard %s: every member speaks cluster version %d: proposing it", shard, target)
-
-    def _send_peer_unchecked(self, peer: str, message: Message) -> None:
-        endpoint = self.endpoints.get(peer)
-        socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
-        if socket is not None:
-            self.queue(socket, message)
 
     def _on_versions_answer(self, answer: Message) -> None:
         peer = answer.request_id[len(VERSIONS_PROBE_PREFIX) :]

@@ -189,3 +189,34 @@ def watch_protocol_refusal(protocol: int, cluster_version: int, own: Announcemen
             "upgrade the replicant"
         )
     return None
+
+
+@dataclass
+class ClusterVersionProposals:
+    """The sequencer's side of the rule, per shard: what to propose now, and not again while in flight.
+
+    A proposal is in flight until the shard's recorded version reaches it, or for
+    ``CLUSTER_VERSION_RETRY_MS`` (it may have been lost with a deposed sequencer's uncommitted tail)."""
+
+    proposed: dict[str, tuple[int, int]] = field(default_factory=dict)  # shard -> (version, retry at ms)
+
+    def due(
+        self,
+        shard: str,
+        current: int,
+        members: tuple[str, ...],
+        committed_members: tuple[str, ...],
+        learner: Any,
+        peers: PeerVersions,
+        own_name: str,
+        now_ms: int,
+    ) -> int | None:
+        """The version to propose for ``shard`` now (recorded as in flight), or None."""
+        in_flight = self.proposed.get(shard)
+        if in_flight is not None and in_flight[0] > current and now_ms < in_flight[1]:
+            return None
+        settled = members == committed_members and not learner
+        target = cluster_version_to_propose(current, members, peers, own_name, settled, now_ms)
+        if target is not None:
+            self.proposed[shard] = (target, now_ms + CLUSTER_VERSION_RETRY_MS)
+        return target

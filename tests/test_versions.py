@@ -230,12 +230,12 @@ def test_simulated_rolling_upgrades_move_the_cluster_version_only_when_every_mem
 
 def test_the_simulator_catches_a_cluster_version_moved_before_every_member_speaks_it(monkeypatch) -> None:
     """Mutation: a rule that moves as soon as this core (not every member) speaks the newer version."""
-    import tests.sim.versions as simulated
+    import mnesite.core.versions as core_versions
 
     def eager(current, members, peers, own_name, settled, now_ms):
         return peers.own.cluster_versions[1] if current < peers.own.cluster_versions[1] else None
 
-    monkeypatch.setattr(simulated, "cluster_version_to_propose", eager)
+    monkeypatch.setattr(core_versions, "cluster_version_to_propose", eager)
     with pytest.raises(SimulationFailure, match="cannot read|cannot speak it|before the last core"):
         run_versions_seed(0)
 
@@ -270,3 +270,21 @@ def test_a_core_that_cannot_be_spoken_with_is_not_added_to_the_membership(thread
         assert refused.value.code == "incompatible_version" and "cluster versions 3" in str(refused.value)
         assert client.members()["shards"]["default"]["members"] == ["core1"]
         assert client.status()["peer_versions"]["core9"]["compatible"] is False
+
+
+def test_a_proposal_is_not_repeated_while_in_flight_and_is_retried_when_lost() -> None:
+    from mnesite.core.versions import CLUSTER_VERSION_RETRY_MS, ClusterVersionProposals
+
+    members = ("core1", "core2")
+    peers = _peers(core2=THIS_RELEASE)
+    proposals = ClusterVersionProposals()
+
+    def due(current: int, now_ms: int, committed: tuple[str, ...] = members) -> int | None:
+        peers.heard("core2", {"versions": THIS_RELEASE.to_wire()}, now_ms)  # heard afresh
+        return proposals.due("default", current, members, committed, None, peers, "core1", now_ms)
+
+    assert due(1, 0, committed=("core1",)) is None  # a membership change is in flight
+    assert due(1, 10) == 2
+    assert due(1, 20) is None  # in flight
+    assert due(1, 10 + CLUSTER_VERSION_RETRY_MS) == 2  # lost with a deposed sequencer's tail: again
+    assert due(2, 20 + CLUSTER_VERSION_RETRY_MS) is None  # recorded: done

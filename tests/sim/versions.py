@@ -21,11 +21,10 @@ from __future__ import annotations
 from mnesite.core.consensus import Effect, PersistEntries, Role
 from mnesite.core.versions import (
     ANNOUNCEMENT_FRESH_MS,
-    CLUSTER_VERSION_RETRY_MS,
     VERSIONS_PROBE_INTERVAL_MS,
+    ClusterVersionProposals,
     PeerVersions,
     cluster_version_of,
-    cluster_version_to_propose,
 )
 from mnesite.rlog.types import ClusterVersionOp, Entry, TxKey
 from mnesite.rlog.versions import RELEASE_0_1_0, THIS_RELEASE, Announcement
@@ -45,7 +44,8 @@ class VersionsSimulation(Simulation):
         self.release: dict[str, Announcement] = dict.fromkeys(names, RELEASE_0_1_0)
         self.views: dict[str, PeerVersions] = {}
         self.cluster_version: dict[str, int] = dict.fromkeys(names, 1)
-        self.proposed: dict[str, tuple[int, int]] = {}
+        # Production's proposal bookkeeping, one per core (in memory: a restart forgets it).
+        self.proposals: dict[str, ClusterVersionProposals] = {}
         self.committed_versions: list[tuple[TxKey, int]] = []
         self.moves_committed = 0
         self.restarting: dict[str, Announcement] = {}
@@ -84,6 +84,7 @@ class VersionsSimulation(Simulation):
         if hasattr(self, "views"):
             # In memory: a restart forgets what the peers said. Release 0.1.0 runs no such rule.
             self.views.pop(node.name, None)
+            self.proposals.pop(node.name, None)
             if release.announced:
                 self.views[node.name] = PeerVersions(release)
 
@@ -108,15 +109,18 @@ class VersionsSimulation(Simulation):
             machine = node.machine
             if not self._is_up(node) or machine is None or machine.role is not Role.SEQUENCER:
                 continue
-            current = self.cluster_version[name]
-            proposed = self.proposed.get(name)
-            if proposed is not None and proposed[0] > current and self.now_ms < proposed[1]:
-                continue
             status = machine.status()
-            settled = status.members == status.committed_members and not status.learner
-            target = cluster_version_to_propose(current, status.members, view, name, settled, self.now_ms)
+            target = self.proposals.setdefault(name, ClusterVersionProposals()).due(
+                SHARD,
+                self.cluster_version[name],
+                status.members,
+                status.committed_members,
+                status.learner,
+                view,
+                name,
+                self.now_ms,
+            )
             if target is not None:
-                self.proposed[name] = (target, self.now_ms + CLUSTER_VERSION_RETRY_MS)
                 self.trace.append((self.now_ms, name, "proposes cluster version", target))
                 self._propose(node, (ClusterVersionOp(SHARD, target),), f"v{target}-{self.now_ms}")
 
