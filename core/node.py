@@ -383,6 +383,7 @@ class CoreNode(NodeServer):
         self.peer_versions = PeerVersions(self.versions)
         self.peer_frames_refused = 0
         self._next_versions_probe_ms = 0
+        self._versions_check_due = False
         self.cluster_version_proposals = ClusterVersionProposals()
         self._install_cluster_versions: dict[str, int] = {}  # shard -> the snapshot offer's cluster version
         self._next_progress_log_ms: dict[str, int] = {}
@@ -510,6 +511,7 @@ class CoreNode(NodeServer):
             self.store.ensure_shard(shard, 0)
             driver = self._open_shard(shard)
             self._step(driver, Ticked())
+            self._versions_check_due = True
         return driver
 
     # -- the loop ----------------------------------------------------------------------------
@@ -1323,14 +1325,18 @@ class CoreNode(NodeServer):
         """Every VERSIONS_PROBE_INTERVAL_MS: ask each peer what it speaks; as a sequencer, append the
         cluster version entry once every member speaks a newer one (core.versions decides)."""
         now = self.clock_ms()
-        if now < self._next_versions_probe_ms:
+        if now >= self._next_versions_probe_ms:
+            self._next_versions_probe_ms = now + VERSIONS_PROBE_INTERVAL_MS
+            for peer in sorted(self.endpoints)[:PEERS_MAX]:
+                if peer != self.config.name:
+                    # journal: a request every release answers; refused peers are asked too (they may
+                    # come back on a release this core speaks).
+                    message = Message("journal", f"{VERSIONS_PROBE_PREFIX}{peer}"[:64], {})
+                    self._send_peer(peer, message, probe=True)
+        elif not self._versions_check_due:
             return
-        self._next_versions_probe_ms = now + VERSIONS_PROBE_INTERVAL_MS
-        for peer in sorted(self.endpoints)[:PEERS_MAX]:
-            if peer != self.config.name:
-                # journal: a request every release answers; refused peers are asked too (they may
-                # come back on a release this core speaks).
-                self._send_peer(peer, Message("journal", f"{VERSIONS_PROBE_PREFIX}{peer}"[:64], {}), probe=True)
+        # A new shard is checked in the turn that created it: its entry lands right after its first ones.
+        self._versions_check_due = False
         for shard, driver in self.shards.items():
             status = driver.consensus.status()
             if status.role is not Role.SEQUENCER:

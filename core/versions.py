@@ -26,7 +26,9 @@ release of this project reads, so a core never waits for a probe before taking p
   a core stops their agents when the entry applies (``watch_protocol_refusal``), and the upgrade
   procedure upgrades replicants before the last core.
 
-The simulator and the unit tests run these functions; ``core.node`` only sends the probes, feeds
+The sequencer asks after every probe round and in the turn a shard is created (so that on a cluster
+that starts on this release the entry lands right after the shard's first entries, not at a random
+later point). The simulator and the unit tests run these functions; ``core.node`` only sends the probes, feeds
 the answers in and executes the decisions.
 """
 
