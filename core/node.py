@@ -384,6 +384,7 @@ class CoreNode(NodeServer):
         self.peer_frames_refused = 0
         self._next_versions_probe_ms = 0
         self._versions_check_due = False
+        self._versions_probes: dict[str, str] = {}  # request id -> peer, of the last probe round
         self.cluster_version_proposals = ClusterVersionProposals()
         self._install_cluster_versions: dict[str, int] = {}  # shard -> the snapshot offer's cluster version
         self._next_progress_log_ms: dict[str, int] = {}
@@ -1327,12 +1328,15 @@ class CoreNode(NodeServer):
         now = self.clock_ms()
         if now >= self._next_versions_probe_ms:
             self._next_versions_probe_ms = now + VERSIONS_PROBE_INTERVAL_MS
-            for peer in sorted(self.endpoints)[:PEERS_MAX]:
-                if peer != self.config.name:
-                    # journal: a request every release answers; refused peers are asked too (they may
-                    # come back on a release this core speaks).
-                    message = Message("journal", f"{VERSIONS_PROBE_PREFIX}{peer}"[:64], {})
-                    self._send_peer(peer, message, probe=True)
+            # Request ids name the round and the peer's place in it (a name may be as long as a request id).
+            self._versions_probes = {}
+            peers = [peer for peer in sorted(self.endpoints) if peer != self.config.name][:PEERS_MAX]
+            for index, peer in enumerate(peers):
+                request_id = f"{VERSIONS_PROBE_PREFIX}{now}-{index}"
+                self._versions_probes[request_id] = peer
+                # journal: a request every release answers; refused peers are asked too (they may
+                # come back on a release this core speaks).
+                self._send_peer(peer, Message("journal", request_id, {}), probe=True)
         elif not self._versions_check_due:
             return
         # A new shard is checked in the turn that created it: its entry lands right after its first ones.
@@ -1358,8 +1362,8 @@ class CoreNode(NodeServer):
                 log.info("shard %s: every member speaks cluster version %d: proposing it", shard, target)
 
     def _on_versions_answer(self, answer: Message) -> None:
-        peer = answer.request_id[len(VERSIONS_PROBE_PREFIX) :]
-        if peer not in self.endpoints or answer.kind != "reply":
+        peer = self._versions_probes.pop(answer.request_id, None)  # a late answer of an older round is dropped
+        if peer is None or peer not in self.endpoints or answer.kind != "reply":
             return
         for notice in self.peer_versions.heard(peer, answer.body.result, self.clock_ms()):
             if isinstance(notice, PeerRefused):
