@@ -176,18 +176,16 @@ class ReplicantNode(NodeServer):
         for shard in self.store.shards():
             self._open_replica(shard)
 
-    def _note_versions(self, core: str, answer: Any) -> bool:
-        """Record what a core's journal answer announces; whether this replicant can speak with it.
-        The refusal is logged once, when the core's announcement changes."""
+    def _note_versions(self, core: str, answer: Any) -> None:
+        """Record what a core's journal answer announces (whom it follows is ``journal_answer``'s rule);
+        a core it cannot speak with is logged once, when the core's announcement changes."""
         announcement = announcement_of(answer)
-        if announcement is None or core not in self.config.core_nodes:
-            return announcement is not None
+        if announcement is None or core not in self.config.core_nodes or self.core_versions.get(core) == announcement:
+            return
         reason = incompatibility(self.versions, announcement)
-        if self.core_versions.get(core) != announcement:
-            if reason is not None:
-                log.warning("core %s: refused, this replicant cannot speak with it: %s", core, reason)
-            self.core_versions[core] = announcement
-        return reason is None
+        if reason is not None:
+            log.warning("core %s: refused, this replicant cannot speak with it: %s", core, reason)
+        self.core_versions[core] = announcement
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -462,7 +460,11 @@ class ReplicantNode(NodeServer):
             # A core's answer is untrusted input: only well-named shards it states an answer for.
             shards = result.get("shards") if isinstance(result, dict) else None
             for shard in shards if isinstance(shards, dict) else ():
-                if shard not in self.replicas and _valid_shard_name(shard) and p.journal_answer(result, shard):
+                if (
+                    shard not in self.replicas
+                    and _valid_shard_name(shard)
+                    and p.journal_answer(result, shard, self.versions)
+                ):
                     self._open_replica(shard)
             return
         replica = self.replicas.get(pending.shard or "")
@@ -472,9 +474,8 @@ class ReplicantNode(NodeServer):
             probe = self.probes.get(replica.shard)
             if probe is None:
                 return
-            # A core this replicant cannot speak with, or whose log it cannot read, does not qualify.
-            speaks = self._note_versions(pending.core, result)
-            probe.answers[pending.core] = p.journal_answer(result, replica.shard, self.versions) if speaks else None
+            self._note_versions(pending.core, result)
+            probe.answers[pending.core] = p.journal_answer(result, replica.shard, self.versions)
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":

@@ -32,7 +32,7 @@ import enum
 from dataclasses import dataclass
 
 from mnesite.rlog.types import Entry, PackedEntry, TxKey, tx_key_from_wire
-from mnesite.rlog.versions import THIS_RELEASE, Announcement, log_readable
+from mnesite.rlog.versions import THIS_RELEASE, Announcement, announcement_of, can_speak, log_readable
 
 # The highest replication protocol this release speaks (rlog.versions: 1 is release 0.1.0's; 2 reads
 # cluster version entries). A replicant names the one it shares with each core (replication_protocol_for).
@@ -73,8 +73,12 @@ AGENTS_COUNT_MAX = 2**31  # a core's agent count beyond this is not believed
 def journal_answer(result: object, shard: str, own: Announcement = THIS_RELEASE) -> JournalAnswer | None:
     """What a core's ``journal`` reply ``result`` says about ``shard``; None if it does not know the
     shard or the answer is malformed there (the reply is untrusted input: it never raises), and None
-    if the shard's log there is at a cluster version this replicant (speaking ``own``) cannot read: a
-    replicant follows only a core whose log it reads (``rlog.versions.log_readable``)."""
+    for a core this replicant (speaking ``own``) shares no cluster version with, or whose log of the
+    shard is at a cluster version it cannot read: a replicant follows only a core whose log it reads
+    (``rlog.versions``)."""
+    announcement = announcement_of(result)
+    if announcement is None or not can_speak(own, announcement):
+        return None  # a malformed announcement, or a core this replicant cannot speak with at all
     shards = result.get("shards") if isinstance(result, dict) else None
     info = shards.get(shard) if isinstance(shards, dict) else None
     if not isinstance(info, dict) or not log_readable(info.get("cluster_version"), own):

@@ -139,6 +139,9 @@ def test_a_replicant_names_the_protocol_both_speak_and_follows_only_a_log_it_rea
     assert journal_answer(answer, "default") is not None
     assert journal_answer(answer, "default", RELEASE_0_1_0) is None
     assert not log_readable(3, THIS_RELEASE) and not log_readable("2", THIS_RELEASE)
+    # A core this replicant shares no cluster version with never qualifies, nor a malformed announcement.
+    assert journal_answer({**answer, "versions": NEWER.to_wire()}, "default") is None
+    assert journal_answer({**answer, "versions": {"software": 7}}, "default") is None
 
 
 def test_a_core_serves_a_watch_only_with_a_protocol_that_reads_its_log() -> None:
