@@ -297,6 +297,18 @@ def test_a_core_of_an_incompatible_version_is_refused_logged_once_and_the_cluste
     wait_until(lambda: refused_by("core1")["heard_ms"] >= first["heard_ms"] + 2 * 2000, 30, "two more probes")
     for name in cluster.names[:3]:
         assert cluster.nodes[name].log_path.read_text().count("core core4 refused") == 1, name
+    # A replicant of this release follows the three and refuses core4 the same way (one line).
+    cluster.add_replicant("replicant1")
+    cluster.start("replicant1")
+    _wait_serving(cluster, "replicant1", replicant=True)
+    wait_until(
+        lambda: ((cluster.status("replicant1") or {}).get("core_versions") or {}).get("core4", {}).get("refused"),
+        30,
+        "replicant1 to hear core4",
+    )
+    replicant = cluster.status("replicant1")
+    assert replicant["shards"][SHARD]["upstream"] in cluster.names[:3]
+    assert cluster.nodes["replicant1"].log_path.read_text().count("core core4: refused") == 1
     own = cluster.status("core4")
     assert own["versions"]["cluster_versions"] == [3, 3]
     assert {peer for peer, info in own["peer_versions"].items() if not info["compatible"]} == {
