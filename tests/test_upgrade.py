@@ -55,6 +55,9 @@ def install_release(commit: str, root: Path) -> Path:
     )
     if tag.returncode == 0 and commit == RELEASE_0_1_0_COMMIT:
         assert tag.stdout.strip() == commit, f"tag {RELEASE_0_1_0_TAG} is {tag.stdout.strip()}, not {commit}"
+    present = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, timeout=30)
+    if present.returncode != 0:
+        pytest.fail(f"commit {commit} (release 0.1.0) is not in this clone: a shallow clone? git fetch --unshallow")
     archive = subprocess.run(["git", "archive", commit], cwd=REPO, capture_output=True, timeout=60, check=True)
     source = root / "src"
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
