@@ -19,17 +19,19 @@ release of this project reads, so a core never waits for a probe before taking p
   append the entry for version V only when every member of the shard (this core included) announced
   V, i.e. V is the highest every member speaks, above the shard's current one; never while a member
   is unknown, speaks only less, or has not answered within ``ANNOUNCEMENT_FRESH_MS`` (a member that is
-  down may be coming back on an older release). It moves forward only: nothing proposes a lower version, and
-  a core rolled back to a release that does not speak the recorded version cannot read the log any
-  more (its storage format moved too, and it refuses the directory). Until then a member can be
-  rolled back freely: the version waits for it. Replicants of release 0.1.0 cannot read the entry:
-  a core stops their agents when the entry applies (``watch_protocol_refusal``), and the upgrade
+  down may be coming back on an older release). It moves forward only: nothing proposes a lower
+  version, and a core rolled back to a release that does not speak the recorded version cannot read
+  the log any more (its storage format moved too, and it refuses the directory). Until then a member
+  can be rolled back (while another member still runs the older release, the version cannot move).
+  ``ClusterVersionProposals`` keeps a proposal from being repeated while it is in flight, and retries
+  one lost with a deposed sequencer's uncommitted tail. Replicants of release 0.1.0 cannot read the
+  entry: a core stops their agents when it applies (``watch_protocol_refusal``), and the upgrade
   procedure upgrades replicants before the last core.
 
 The sequencer asks after every probe round and in the turn a shard is created (so that on a cluster
 that starts on this release the entry lands right after the shard's first entries, not at a random
-later point). The simulator and the unit tests run these functions; ``core.node`` only sends the probes, feeds
-the answers in and executes the decisions.
+later point). The simulator (``tests/sim/versions.py``) and the unit tests run these functions;
+``core.node`` only sends the probes, feeds the answers in and executes the decisions.
 """
 
 from __future__ import annotations
