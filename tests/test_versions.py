@@ -225,9 +225,11 @@ def test_metrics_show_incompatible_peers_and_the_cluster_version() -> None:
     assert "mnesite_cluster_version 2.0" in text
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_simulated_rolling_upgrades_move_the_cluster_version_only_when_every_member_speaks_it(seed: int) -> None:
-    simulation = run_versions_seed(seed)
+@pytest.mark.parametrize(("seed", "cores"), [*((seed, 3) for seed in range(8)), (100, 5), (101, 5)])
+def test_simulated_rolling_upgrades_move_the_cluster_version_only_when_every_member_speaks_it(
+    seed: int, cores: int
+) -> None:
+    simulation = run_versions_seed(seed, cores)
     assert simulation.moves_committed >= 1, simulation.summary()
 
 

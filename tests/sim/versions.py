@@ -60,7 +60,7 @@ class VersionsSimulation(Simulation):
         self.next_probe_ms = 0
 
     def _replay_command(self) -> str:
-        return f".venv/bin/pytest tests/test_versions.py -k 'simulated and {self.seed}]'"
+        return f".venv/bin/pytest tests/test_versions.py -k 'simulated and {self.seed}-{self.core_count}]'"
 
     # -- the procedure ---------------------------------------------------------------------------
 
