@@ -26,6 +26,8 @@ from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
 from mnesite.rlog.types import TxKey
 
+from mnesite import __version__
+
 TIMEOUT_MS_DEFAULT = 5000
 FOLLOW_INTERVAL_MS = 500
 FOLLOW_BATCH_MAX = 1000  # entries per rlog_entries request (the node's maximum)
@@ -224,7 +226,7 @@ class MnesiteGroup(click.Group):
 
 
 @click.group(cls=MnesiteGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="mnesite")
+@click.version_option(version=__version__, prog_name="mnesite")
 def main() -> None:
     """mnesite: a replicated SQLite database with a globally ordered transaction log (rlog)."""
 
@@ -781,6 +783,8 @@ def status(endpoint, timeout_ms, as_json) -> None:
         emit_json(result)
         return
     click.echo(f"node {result['node']} ({result['role']})")
+    for line in describe_versions(result):
+        click.echo(line)
     click.echo(describe_security(result.get("security") or {}))
     backup = result.get("backup")
     if backup is not None:
@@ -937,6 +941,8 @@ def _describe_op(op: dict[str, Any]) -> str:
         return f"drop_index {op['index']} on {op['table']}"
     if op["op"] == "add_column":
         return f"add_column {op['table']}.{op['column']} {op['type']}"
+    if op["op"] == "cluster_version":
+        return f"cluster_version {op['cluster_version']} (shard {op['shard']})"
     return f"create_table {op['table']} (shard {op['shard']}, key {op['key']})"
 
 
@@ -1024,6 +1030,27 @@ def force_start_losses(node: str, journals: dict[str, dict | None]) -> list[str]
     return lines
 
 
+def describe_versions(status: dict[str, Any]) -> list[str]:
+    """What a node's status says of versions (rlog.versions), one line for it and one per peer."""
+    versions = status.get("versions")
+    if versions is None:
+        return ["release 0.1.0 (it announces no versions; cluster version 1)"]
+
+    def spoken(info: dict[str, Any]) -> str:
+        low, high = info.get("cluster_versions") or [1, 1]
+        return f"release {info.get('software')}, cluster versions {low if low == high else f'{low}..{high}'}"
+
+    lines = [f"{spoken(versions)}"]
+    if "cluster_version" in status:
+        lines[0] += f"; cluster version {status['cluster_version']}, storage format {status.get('storage_format')}"
+    peers = status.get("peer_versions") or status.get("core_versions") or {}
+    for peer, info in sorted(peers.items()):
+        said = "" if info.get("announced", True) else " (inferred: it announces no versions)"
+        refused = f": INCOMPATIBLE, refused: {info['refused']}" if info.get("refused") else ""
+        lines.append(f"  {peer}: {spoken(info)}{said}{refused}")
+    return lines
+
+
 @journal.command("show")
 @node_options
 @json_option
@@ -1038,6 +1065,14 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
         result["cores"][name] = {"endpoint": cores[name], "reachable": answer is not None}
         if answer is not None:
             result["cores"][name]["shards"] = answer["shards"]
+            # rlog.versions: what the core speaks (release 0.1.0 announces nothing) and whom it refuses
+            versions = answer.get("versions") or {"software": "0.1.0", "cluster_versions": [1, 1]}
+            peers = answer.get("peer_versions") or {}
+            result["cores"][name]["versions"] = versions
+            result["cores"][name]["cluster_version"] = answer.get("cluster_version", 1)
+            result["cores"][name]["refuses"] = {
+                peer: info.get("refused") for peer, info in sorted(peers.items()) if info.get("refused")
+            }
     for shard in shards:
         keys = [j["shards"].get(shard, {}).get("committed") if j else None for j in journals.values()]
         result["majority"][shard] = majority_age(keys, len(cores))
@@ -1059,9 +1094,15 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
                     "last": tuple(age["last"]),
                     "members": ",".join(age.get("members", [])),
                     "forced": "FORCED" if age["forced"] else "",
+                    "release": info["versions"].get("software"),
+                    "cluster_version": age.get("cluster_version", 1),
                 }
             )
-    click.echo(format_table(rows, ["core", "shard", "generation", "committed", "last", "members", "forced"]))
+    columns = ["core", "shard", "generation", "committed", "last", "members", "forced", "release", "cluster_version"]
+    click.echo(format_table(rows, columns))
+    for name, info in result["cores"].items():
+        for peer, reason in info.get("refuses", {}).items():
+            click.echo(f"{name} refuses {peer} (incompatible): {reason}")
     for shard, key in result["majority"].items():
         reached = tuple(key) if key is not None else "unknown: no majority of cores answered"
         click.echo(f"majority of {len(cores)} cores has committed {shard} up to {reached}")

@@ -122,6 +122,14 @@ from mnesite.core.snapshot import (
     offer_due,
 )
 from mnesite.core.transaction import GuardFailed, evaluate
+from mnesite.core.versions import (
+    PEERS_MAX,
+    VERSIONS_PROBE_INTERVAL_MS,
+    ClusterVersionProposals,
+    PeerRefused,
+    PeerVersions,
+    cluster_version_of,
+)
 from mnesite.core.watch import WatchRefusedError
 from mnesite.rlog import codec, messages, range_requests, replication
 from mnesite.rlog.backup import RESTORED_META, BackupError
@@ -141,11 +149,13 @@ from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monot
 from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
 from mnesite.rlog.types import (
     ZERO_KEY,
+    ClusterVersionOp,
     Entry,
     MembersOp,
     PackedEntry,
     TxKey,
 )
+from mnesite.rlog.versions import local_announcement
 
 log = logging.getLogger("mnesite.core")
 
@@ -188,6 +198,7 @@ INSTALL_REQUEST_TIMEOUT_MS = 10_000
 FORCE_START_PROBE_TIMEOUT_MS = 1000  # how long a force-start waits for each member's journal
 # Core endpoints a node keeps (its config's and those learned from membership entries and peers).
 MEMBERS_LEARNED_MAX = 64
+VERSIONS_PROBE_PREFIX = "versions-"  # request ids of the journal probes of core.versions
 
 
 class Deferred(Exception):
@@ -342,6 +353,7 @@ class CoreNode(NodeServer):
             random.Random(self.rng.random()),
             watches_max=limits.watches_max,
             agents_bytes_max=limits.agents_bytes_max,
+            versions=local_announcement(),
         )
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
         # shards that serve no read (install under way or its read fence not reached yet).
@@ -349,6 +361,15 @@ class CoreNode(NodeServer):
         self.install_requests: dict[str, tuple[str, str, dict[str, Any], int]] = {}
         self.not_serving: dict[str, str] = {}
         self.last_heard_ms: dict[str, int] = {}
+        # What this core and its peers speak, and the cluster version entries proposed (core.versions).
+        self.versions = self.rlog_server.versions
+        self.peer_versions = PeerVersions(self.versions)
+        self.peer_frames_refused = 0
+        self._next_versions_probe_ms = 0
+        self._versions_check_due = False
+        self._versions_probes: dict[str, str] = {}  # request id -> peer, of the last probe round
+        self.cluster_version_proposals = ClusterVersionProposals()
+        self._install_cluster_versions: dict[str, int] = {}  # shard -> the snapshot offer's cluster version
         self._next_progress_log_ms: dict[str, int] = {}
         self.transactions = 0
         self._next_retention_ms = 0
@@ -474,6 +495,7 @@ class CoreNode(NodeServer):
             self.store.ensure_shard(shard, 0)
             driver = self._open_shard(shard)
             self._step(driver, Ticked())
+            self._versions_check_due = True
         return driver
 
     # -- the loop ----------------------------------------------------------------------------
@@ -502,6 +524,7 @@ class CoreNode(NodeServer):
         self.serve_queries(self._query_shard_reached)
         self.serve_changes()
         self.build_indexes()
+        self._versions_turn()
         self._end_batches()
         self._expire_forwarded()
         self._expire_held_guard_failures()
@@ -674,6 +697,8 @@ class CoreNode(NodeServer):
                 applied_members = membership_of(entry)
                 if applied_members is not None:
                     self._set_cluster_members(applied_members)
+                if cluster_version_of(entry) is not None:
+                    self._cluster_version_applied(shard)
             self.rlog_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
             self._tell_outcomes(driver.waiters.committed(applied))
         elif isinstance(effect, Send):
@@ -739,6 +764,9 @@ class CoreNode(NodeServer):
                     "digest": position.digest,
                     "members": list(driver.consensus.committed_members),
                 }
+                # Only above 1: a field a follower of release 0.1.0 would refuse is never sent to one.
+                if self.store.cluster_version(shard) > 1:
+                    body["cluster_version"] = self.store.cluster_version(shard)
                 self._send_peer(effect.follower, Message("snapshot_offer", "snapshot", body))
         elif isinstance(effect, ForceStartRefused):
             log.warning("shard %s: force start refused: %s", shard, effect.reason)
@@ -815,6 +843,7 @@ class CoreNode(NodeServer):
                 lambda key: self.store.digest_at(driver.shard, key),
                 self._hears_sequencer(driver),
                 self.clock_ms(),
+                self.store.cluster_version(driver.shard),
             )
         except WatchRefusedError as error:
             raise RequestError(error.code, str(error)) from None
@@ -854,6 +883,7 @@ class CoreNode(NodeServer):
         )
         install = SnapshotInstall(offer, INSTALL_BATCH_ROWS_MAX, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
         self.installs[shard] = install
+        self._install_cluster_versions[shard] = body.cluster_version
         self._execute_install(shard, install.start())
 
     def _step_install(self, shard: str, event: Any) -> None:
@@ -916,6 +946,8 @@ class CoreNode(NodeServer):
                 self.store.persist_consensus_state(shard, generation, voted_for, members, forced)
                 self.store.set_meta(f"installing:{shard}", 0)
                 self.store.set_meta(f"read_fenced:{shard}", 1)
+                # The copied tables are at the offer's cluster version: record it (and the storage format).
+                self.store.apply_ops((ClusterVersionOp(shard, self._install_cluster_versions.pop(shard, 1)),))
                 self.not_serving[shard] = "replaying after a snapshot install"
                 # Agents' positions mean nothing in the new log (core.agent, driver contract 4).
                 self.rlog_server.stop_shard(shard)
@@ -973,7 +1005,9 @@ class CoreNode(NodeServer):
                 return
             self._step_install(shard, batch)
 
-    def _send_peer(self, peer: str, message: Message, now: bool = False) -> None:
+    def _send_peer(self, peer: str, message: Message, now: bool = False, probe: bool = False) -> None:
+        if self.peer_versions.refuses(peer) and not probe:
+            return  # a peer this core cannot speak with (core.versions) is sent nothing but the probe
         endpoint = self.endpoints.get(peer)
         socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
         if socket is None:
@@ -996,6 +1030,9 @@ class CoreNode(NodeServer):
         sender, shard = body.sender, body.shard
         if sender not in self.endpoints or sender == self.config.name:
             raise RequestError("bad_request", f"peer {sender!r} is not a core of this cluster")
+        if self.peer_versions.refuses(sender):
+            self.peer_frames_refused += 1  # refused with one log line when its versions were heard
+            return
         try:
             peer_message = message_from_wire(body.message)
         except CodecError as error:
@@ -1173,6 +1210,8 @@ class CoreNode(NodeServer):
                 self.reply(waiting, answer)
             elif answer.request_id in self.install_requests:
                 self._on_install_answer(self.install_requests.pop(answer.request_id), answer)
+            elif answer.request_id.startswith(VERSIONS_PROBE_PREFIX):
+                self._on_versions_answer(answer)
 
     def _expire_forwarded(self) -> None:
         now = self.clock_ms()
@@ -1184,6 +1223,73 @@ class CoreNode(NodeServer):
             else:
                 self._step_install(shard, replication.RequestFailed(core, f"{purpose} timed out"))
         self._tell_outcomes(self.forwarded.expired(now))
+
+    # -- versions (core.versions) ----------------------------------------------------------------
+
+    def _versions_turn(self) -> None:
+        """Every VERSIONS_PROBE_INTERVAL_MS: ask each peer what it speaks; as a sequencer, append the
+        cluster version entry once every member speaks a newer one (core.versions decides)."""
+        now = self.clock_ms()
+        if now >= self._next_versions_probe_ms:
+            self._next_versions_probe_ms = now + VERSIONS_PROBE_INTERVAL_MS
+            # Request ids name the round and the peer's place in it (a name may be as long as a request id).
+            self._versions_probes = {}
+            peers = [peer for peer in sorted(self.endpoints) if peer != self.config.name][:PEERS_MAX]
+            for index, peer in enumerate(peers):
+                request_id = f"{VERSIONS_PROBE_PREFIX}{now}-{index}"
+                self._versions_probes[request_id] = peer
+                # journal: a request every release answers; refused peers are asked too (they may
+                # come back on a release this core speaks).
+                self._send_peer(peer, Message("journal", request_id, {}), probe=True)
+        elif not self._versions_check_due:
+            return
+        # A new shard is checked in the turn that created it: its entry lands right after its first ones.
+        self._versions_check_due = False
+        for shard, driver in self.shards.items():
+            status = driver.consensus.status()
+            if status.role is not Role.SEQUENCER:
+                continue
+            target = self.cluster_version_proposals.due(
+                shard,
+                self.store.cluster_version(shard),
+                status.members,
+                status.committed_members,
+                status.learner,
+                self.peer_versions,
+                self.config.name,
+                now,
+            )
+            if target is not None:
+                self.begin()
+                request_id = f"cluster-version-{target}-{self.rng.getrandbits(32):08x}"
+                self._step(driver, Proposed((ClusterVersionOp(shard, target),), request_id))
+                log.info("shard %s: every member speaks cluster version %d: proposing it", shard, target)
+
+    def _on_versions_answer(self, answer: Message) -> None:
+        peer = self._versions_probes.pop(answer.request_id, None)  # a late answer of an older round is dropped
+        if peer is None or peer not in self.endpoints or answer.kind != "reply":
+            return
+        for notice in self.peer_versions.heard(peer, answer.body.result, self.clock_ms()):
+            if isinstance(notice, PeerRefused):
+                log.warning("core %s refused: this core cannot speak with it: %s", peer, notice.reason)
+            else:
+                log.warning("core %s accepted again: it speaks %s", peer, notice.announcement.describe())
+
+    def _cluster_version_applied(self, shard: str) -> None:
+        """A cluster version entry applied: replicants that cannot read the log from here on lose their agents."""
+        version = self.store.cluster_version(shard)
+        log.warning("shard %s: cluster version %d (storage format %d)", shard, version, self.store.storage_format())
+        self.rlog_server.stop_unreadable(shard, version, self.versions)
+
+    def _versions_status(self) -> dict[str, Any]:
+        versions = [self.store.cluster_version(shard) for shard in self.shards]
+        return {
+            "versions": self.versions.to_wire(),
+            # the lowest of the shards' (each moves through its own log); 1 before any shard
+            "cluster_version": min(versions, default=1),
+            "storage_format": self.store.storage_format(),
+            "peer_versions": self.peer_versions.status(),
+        }
 
     # -- membership changes (core.membership) ----------------------------------------------------
 
@@ -1208,6 +1314,7 @@ class CoreNode(NodeServer):
             self.pending_changes,
             earlier[1] if earlier is not None else None,
             MEMBERS_LEARNED_MAX,
+            self.peer_versions.refusal(body.name),
         )
         if isinstance(route, rules.AwaitCommit):
             # A retry of a change already in the log: answered when (or since) it committed.
@@ -1492,6 +1599,7 @@ class CoreNode(NodeServer):
                 "members": list(status.members),
                 "hears_sequencer": self._hears_sequencer(driver),
                 "agents": self.rlog_server.agents_of(shard),
+                "cluster_version": self.store.cluster_version(shard),
             }
         return {
             "node": self.config.name,
@@ -1499,6 +1607,8 @@ class CoreNode(NodeServer):
             "members": list(self.members),
             "reachable_peers": self.reachable_peers(),
             "shards": shards,
+            # This core's announcement (rlog.versions; release 0.1.0 answers without it) and its peers'.
+            **self._versions_status(),
         }
 
     def status(self) -> dict[str, Any]:
@@ -1525,6 +1635,7 @@ class CoreNode(NodeServer):
                 "serving": shard not in self.not_serving,
                 "disk_full": status.disk_full,
                 "not_serving_reason": self.not_serving.get(shard),
+                "cluster_version": self.store.cluster_version(shard),
             }
             install = self.installs.get(shard)
             if install is not None:
@@ -1568,6 +1679,8 @@ class CoreNode(NodeServer):
             "agent_budget": self.rlog_server.budget.status(),
             "security": self.security_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
+            **self._versions_status(),
+            "peer_frames_refused": self.peer_frames_refused,
             "shards": shards,
         }
 

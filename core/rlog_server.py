@@ -32,6 +32,7 @@ from typing import Any
 
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse
+from mnesite.core.versions import watch_protocol_refusal
 from mnesite.core.watch import agent_to_evict, check_watch_request, decide_watch, superseded_agents
 from mnesite.rlog import messages
 from mnesite.rlog.codec import Message
@@ -45,6 +46,7 @@ from mnesite.rlog.replication import (
     Ticked,
 )
 from mnesite.rlog.types import TxKey, to_wire
+from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
 AGENTS_MAX = 1000
 AGENTS_BYTES_MAX = Limits.agents_bytes_max  # the default of [limits] agents_bytes_max
@@ -59,6 +61,7 @@ class Watch:
     # The answer to the watch, repeated in every push (see the theory of operation).
     answer: dict[str, Any]
     acknowledged: bool = False  # the replicant has acknowledged a push: its endpoint is alive
+    protocol: int = 1  # the replication protocol its watch named (rlog.versions)
 
 
 class RlogServer:
@@ -69,8 +72,10 @@ class RlogServer:
         rng: random.Random | None = None,
         watches_max: int = AGENTS_MAX,
         agents_bytes_max: int = AGENTS_BYTES_MAX,
+        versions: Announcement = THIS_RELEASE,
     ) -> None:
         self.core_name = core_name
+        self.versions = versions
         self.watches_max = watches_max
         self.config = config or AgentConfig()
         self.budget = AgentMemoryBudget(agents_bytes_max, SILENT_HEARTBEATS * self.config.heartbeat_interval_ms)
@@ -98,10 +103,11 @@ class RlogServer:
         digest_at: Any,
         hears_sequencer: bool,
         now_ms: int,
+        cluster_version: int = 1,
     ) -> dict[str, Any]:
         """Create an agent for a replicant's watch; return the answer (raises ``WatchRefusedError``)."""
         watch_id = body.watch_id
-        check_watch_request(body.protocol, watch_id, self.core_name)
+        check_watch_request(body.protocol, watch_id, self.core_name, cluster_version, self.versions)
         owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
         for agent_id in superseded_agents(owners, body.replicant, body.shard):
             self._forget(agent_id, drop_frames=True)
@@ -129,7 +135,7 @@ class RlogServer:
             "committed": list(committed_key),
             "watch_id": watch_id,
         }
-        self.watches[agent_id] = Watch(agent, body.endpoint, body.replicant, body.shard, answer)
+        self.watches[agent_id] = Watch(agent, body.endpoint, body.replicant, body.shard, answer, protocol=body.protocol)
         self._step(agent_id, CommittedAdvanced(committed_key, hears_sequencer), now_ms)
         return answer
 
@@ -247,6 +253,14 @@ class RlogServer:
     def drain(self) -> list[tuple[str, Message]]:
         outbox, self.outbox = self.outbox, []
         return outbox
+
+    def stop_unreadable(self, shard: str, cluster_version: int, own: Announcement) -> None:
+        """The shard's log moved to ``cluster_version``: stop the agents whose replicant cannot read it
+        (``core.versions.watch_protocol_refusal``); their replicants watch again, and are refused or
+        served with the protocol that reads it."""
+        for agent_id, watch in list(self.watches.items()):
+            if watch.shard == shard and watch_protocol_refusal(watch.protocol, cluster_version, own) is not None:
+                self._forget(agent_id, drop_frames=True)
 
     def stop_shard(self, shard: str) -> None:
         """Forget every agent of ``shard`` (its log was replaced: their positions mean nothing there)."""

@@ -23,7 +23,8 @@ request lives here, as functions of what it knows, so that the deterministic sim
   ``ShardConsensus.read_index`` gives a key (elsewhere it is forwarded); a read that must see a key
   (read-your-writes) is refused ``not_applied`` until this core applied it.
 * ``admit_membership_change``: an operator's add or remove at the sequencer: a retry while its
-  change is pending or once it is in the log changes nothing; an add names an endpoint.
+  change is pending or once it is in the log changes nothing; an add names an endpoint, and a core
+  this one cannot speak with (``core.versions``) is not added.
 * ``journal_verdict``: how this core's journal compares with the forced sequencer's at one key.
 * ``ack_sender_allowed``: only the replicant an agent serves may move that agent's window.
 """
@@ -225,8 +226,10 @@ def admit_membership_change(
     pending: Mapping[str, Any],
     earlier_key: TxKey | None,
     pending_max: int,
+    incompatible: str | None = None,
 ) -> MembershipRoute:
-    """An operator's change at the sequencer (``core.membership`` decides whether the machine takes it)."""
+    """An operator's change at the sequencer (``core.membership`` decides whether the machine takes it).
+    ``incompatible``: why this core cannot speak with the core to add, if it cannot (``core.versions``)."""
     if request_id in pending:
         return StillPending()
     if earlier_key is not None:
@@ -234,6 +237,8 @@ def admit_membership_change(
     chosen = endpoint or known_endpoint or ""
     if add and not chosen:
         raise RequestError("bad_request", f"the endpoint of core {name!r} is unknown: give it")
+    if add and incompatible is not None:
+        raise RequestError("incompatible_version", f"core {name} is refused: {incompatible}")
     if len(pending) >= pending_max:
         raise RequestError("overloaded", "too many membership changes pending")
     return RequestChange(chosen if add else "")

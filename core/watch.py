@@ -5,8 +5,9 @@ Theory of operation
 A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, protocol, watch_id)``.
 ``core.rlog_server`` (the adapter that creates agents) asks these functions, in this order:
 
-1. ``check_watch_request``: a watch of another replication protocol version is refused
-   (``incompatible_protocol``), and so is a ``watch_id`` that is not a short string.
+1. ``check_watch_request``: a watch naming a replication protocol that cannot read the shard's log at
+   its cluster version is refused (``incompatible_protocol``, ``core.versions``), and so is a
+   ``watch_id`` that is not a short string.
 2. ``superseded_agents``: a newer watch of the same replicant and shard replaces the older agents
    (their pushes would be rejected by the replica anyway: they carry the old agent id).
 3. ``agent_to_evict``: at ``watches_max`` agents, the oldest one whose replicant never
@@ -27,8 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, UNKNOWN_DIGEST
+from mnesite.core.versions import watch_protocol_refusal
+from mnesite.rlog.replication import UNKNOWN_DIGEST
 from mnesite.rlog.types import TxKey
+from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
 WATCH_ID_CHARACTERS_MAX = 64
 
@@ -41,14 +44,14 @@ class WatchRefusedError(Exception):
         self.code = code
 
 
-def check_watch_request(protocol: Any, watch_id: Any, core_name: str) -> None:
-    """Rule 1 (raises ``WatchRefusedError``)."""
-    if protocol != REPLICATION_PROTOCOL_VERSION:
-        raise WatchRefusedError(
-            "incompatible_protocol",
-            f"replication protocol {protocol} is not supported by core {core_name} "
-            f"(it speaks {REPLICATION_PROTOCOL_VERSION})",
-        )
+def check_watch_request(
+    protocol: Any, watch_id: Any, core_name: str, cluster_version: int = 1, own: Announcement = THIS_RELEASE
+) -> None:
+    """Rule 1 (raises ``WatchRefusedError``): the replicant must read the shard's log at its
+    ``cluster_version`` (``core.versions.watch_protocol_refusal``)."""
+    refusal = watch_protocol_refusal(protocol, cluster_version, own) if type(protocol) is int else "not an integer"
+    if refusal is not None:
+        raise WatchRefusedError("incompatible_protocol", f"core {core_name}: {refusal}")
     if not isinstance(watch_id, str) or len(watch_id) > WATCH_ID_CHARACTERS_MAX:
         raise WatchRefusedError(
             "bad_request", f"watch_id must be a string of at most {WATCH_ID_CHARACTERS_MAX} characters"

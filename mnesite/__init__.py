@@ -5,6 +5,10 @@ The repository's top-level folders install as subpackages of this one (``mnesite
 so that nothing generic lands in a user's site-packages. ``from mnesite import Client`` is the front door.
 """
 
-from mnesite.rlog.client import Client, MnesiteError
+# The one place the release is named: the package metadata (pyproject.toml reads it), ``mnesite
+# --version``, ``status`` and the version announcements between nodes (rlog.versions) all read this.
+__version__ = "0.2.0.dev0"
 
-__all__ = ["Client", "MnesiteError"]
+from mnesite.rlog.client import Client, MnesiteError  # noqa: E402  (after __version__: rlog.versions reads it)
+
+__all__ = ["Client", "MnesiteError", "__version__"]

@@ -53,6 +53,13 @@ from mnesite.rlog.types import (
     GENESIS_DIGEST,
     TxKey,
 )
+from mnesite.rlog.versions import (
+    Announcement,
+    announcement_of,
+    incompatibility,
+    local_announcement,
+    replication_protocol_for,
+)
 
 log = logging.getLogger("mnesite.replicant")
 # Forwarded to a core: replicants never originate writes (DESIGN invariant 7), schema changes included.
@@ -123,8 +130,22 @@ class ReplicantNode(NodeServer):
         self._discovery_turn = 0
         self._core_heard_ms = self.clock_ms()  # last answer or push from any core (start-up counts)
         self._no_core_logged_ms: int | None = None
+        # What this node and each core speak (rlog.versions), from the cores' journal answers.
+        self.versions = local_announcement()
+        self.core_versions: dict[str, Announcement] = {}
         for shard in self.store.shards():
             self._open_replica(shard)
+
+    def _note_versions(self, core: str, answer: Any) -> None:
+        """Record what a core's journal answer announces (whom it follows is ``journal_answer``'s rule);
+        a core it cannot speak with is logged once, when the core's announcement changes."""
+        announcement = announcement_of(answer)
+        if announcement is None or core not in self.config.core_nodes or self.core_versions.get(core) == announcement:
+            return
+        reason = incompatibility(self.versions, announcement)
+        if reason is not None:
+            log.warning("core %s: refused, this replicant cannot speak with it: %s", core, reason)
+        self.core_versions[core] = announcement
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -262,7 +283,8 @@ class ReplicantNode(NodeServer):
                 "endpoint": self.config.listen,
                 "from": list(effect.from_key),
                 "from_digest": effect.from_digest,
-                "protocol": p.REPLICATION_PROTOCOL_VERSION,
+                # the protocol both speak (rlog.versions): a core of release 0.1.0 reads only 1
+                "protocol": replication_protocol_for(self.core_versions.get(effect.core), self.versions),
                 "watch_id": effect.watch_id,
             }
             self._request(effect.core, "watch", body, Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard))
@@ -390,7 +412,11 @@ class ReplicantNode(NodeServer):
             # A core's answer is untrusted input: only well-named shards it states an answer for.
             shards = result.get("shards") if isinstance(result, dict) else None
             for shard in shards if isinstance(shards, dict) else ():
-                if shard not in self.replicas and _valid_shard_name(shard) and p.journal_answer(result, shard):
+                if (
+                    shard not in self.replicas
+                    and _valid_shard_name(shard)
+                    and p.journal_answer(result, shard, self.versions)
+                ):
                     self._open_replica(shard)
             return
         replica = self.replicas.get(pending.shard or "")
@@ -400,7 +426,8 @@ class ReplicantNode(NodeServer):
             probe = self.probes.get(replica.shard)
             if probe is None:
                 return
-            probe.answers[pending.core] = p.journal_answer(result, replica.shard)
+            self._note_versions(pending.core, result)
+            probe.answers[pending.core] = p.journal_answer(result, replica.shard, self.versions)
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
@@ -791,6 +818,11 @@ class ReplicantNode(NodeServer):
             # online index builds (rlog.store): per table, rows copied so far and the indexes being built
             "index_builds": self.store.index_build_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
+            "versions": self.versions.to_wire(),
+            "core_versions": {
+                core: {**a.to_wire(), "announced": a.announced, "refused": incompatibility(self.versions, a)}
+                for core, a in sorted(self.core_versions.items())
+            },
             "shards": shards,
         }
 

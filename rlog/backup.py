@@ -42,6 +42,7 @@ from typing import Any
 
 import apsw
 from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
+from mnesite.rlog.versions import SOFTWARE_VERSION
 
 DATABASE_FILE_NAME = "mnesite.db"
 PARTIAL_SUFFIX = ".partial"
@@ -177,6 +178,12 @@ class BackupJob:
             "role": self.role,
             "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_s)),
             "shards": positions(target),
+            # The release that wrote it and the storage format it holds (rlog.versions): a release that
+            # does not read that format refuses to restore it (rlog.store), with one clear error.
+            "software": SOFTWARE_VERSION,
+            "storage_format": target.execute(
+                "SELECT value FROM _mnesite_meta WHERE name = 'format_version'"
+            ).fetchone()[0],
         }
         if record["shards"] != self.positions:
             raise BackupError("the copy does not hold the snapshot it started from")

@@ -40,6 +40,7 @@ import msgspec
 from mnesite.rlog.types import (
     DIGEST_BYTES,
     AddColumnOp,
+    ClusterVersionOp,
     CreateIndexOp,
     CreateTableOp,
     DeleteOp,
@@ -485,6 +486,8 @@ class SnapshotOffer(Body, frozen=True, kw_only=True):
     digest: DigestOrEmpty
     # the sequencer's committed membership at key (core.membership)
     members: Annotated[list[Name], Meta(max_length=MEMBERS_OP_MAX)] = []
+    # the shard's cluster version at key (core.versions); left out at 1, so release 0.1.0 never sees it
+    cluster_version: Annotated[int, Meta(ge=1, le=1000)] = 1
 
 
 class Peer(Body, frozen=True, kw_only=True):
@@ -770,6 +773,12 @@ class _MembersWire(Struct, frozen=True, array_like=True, tag="m"):
             raise ValueError("members op: added must be a name and endpoint an endpoint, or both empty")
 
 
+class _ClusterVersionWire(Struct, frozen=True, array_like=True, tag="v"):
+    # A cluster version entry (core.versions); release 0.1.0 refuses the tag, and is never sent one.
+    shard: Name
+    cluster_version: Annotated[int, Meta(ge=1, le=1000)]
+
+
 # Names found valid by the rule; bounded (names are at most NAME_CHARS_MAX characters).
 _NAMES_CHECKED: set[str] = set()
 _NAMES_CHECKED_MAX = 4096
@@ -796,6 +805,7 @@ _WireOp = (
     | _CreateIndexWire
     | _DropIndexWire
     | _AddColumnWire
+    | _ClusterVersionWire
 )
 _OPS_DECODER = msgspec.msgpack.Decoder(Annotated[list[_WireOp], Meta(max_length=OPS_MAX)], ext_hook=_refuse_ext)
 _OPS_ENCODER = msgspec.msgpack.Encoder()
@@ -841,6 +851,8 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
             ops.append(CreateIndexOp(op.index, op.table, op.shard, tuple(op.columns)))
         elif type(op) is _DropIndexWire:
             ops.append(DropIndexOp(op.index, op.table, op.shard))
+        elif type(op) is _ClusterVersionWire:
+            ops.append(ClusterVersionOp(op.shard, op.cluster_version))
         else:
             ops.append(AddColumnOp(op.table, op.shard, op.column, op.column_type))
     refusal = _names_refusal(names)
@@ -919,6 +931,8 @@ class JournalShardAnswer(Answer, frozen=True, kw_only=True):
     committed: TxKey
     hears_sequencer: bool
     agents: Annotated[int, Meta(ge=0, lt=AGENTS_COUNT_MAX)]
+    # the shard's cluster version (rlog.versions; absent from release 0.1.0's answers: version 1)
+    cluster_version: Any = None
 
 
 class BatchAnswer(Answer, frozen=True, kw_only=True):

@@ -249,6 +249,19 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
         )
         evicted.add_metric([], budget["evicted_agents"])
         yield from (used, limit, evicted)
+    peer_versions = status.get("peer_versions")
+    if peer_versions is not None:
+        # rlog.versions / core.versions: 1 for a peer this core cannot speak with (refused), else 0.
+        incompatible = _gauge(
+            "mnesite_peer_incompatible",
+            "1 for a peer core refused because it speaks no common cluster version",
+            ["peer"],
+        )
+        for peer, info in sorted(peer_versions.items()):
+            incompatible.add_metric([peer], 0 if info.get("compatible", True) else 1)
+        cluster_version = _gauge("mnesite_cluster_version", "The cluster version this core's shards agreed on", [])
+        cluster_version.add_metric([], status.get("cluster_version", 1))
+        yield from (incompatible, cluster_version)
     violations = CounterMetricFamily(
         "mnesite_protocol_violations", "Well-formed messages that break the protocol against this node's state"
     )

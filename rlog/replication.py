@@ -33,8 +33,11 @@ from dataclasses import dataclass
 
 from mnesite.rlog.messages import JournalShardAnswer, answer_as
 from mnesite.rlog.types import Entry, PackedEntry, TxKey
+from mnesite.rlog.versions import THIS_RELEASE, Announcement, announcement_of, can_speak, log_readable
 
-REPLICATION_PROTOCOL_VERSION = 1
+# The highest replication protocol this release speaks (rlog.versions: 1 is release 0.1.0's; 2 reads
+# cluster version entries). A replicant names the one it shares with each core (replication_protocol_for).
+REPLICATION_PROTOCOL_VERSION = 2
 
 # The applied digest a replica's driver persists after ``ResetShard``: no core holds an entry with
 # this digest, so a watch from it is always answered ``bootstrap``, even after a crash mid-copy.
@@ -65,12 +68,20 @@ class JournalAnswer:
     agents: int
 
 
-def journal_answer(result: object, shard: str) -> JournalAnswer | None:
+def journal_answer(result: object, shard: str, own: Announcement = THIS_RELEASE) -> JournalAnswer | None:
     """What a core's ``journal`` reply ``result`` says about ``shard``; None if it does not know the
-    shard or the answer is malformed there (the reply is untrusted input: it never raises)."""
+    shard or the answer is malformed there (the reply is untrusted input: it never raises), and None
+    for a core this replicant (speaking ``own``) shares no cluster version with, or whose log of the
+    shard is at a cluster version it cannot read: a replicant follows only a core whose log it reads
+    (``rlog.versions``)."""
+    announcement = announcement_of(result)
+    if announcement is None or not can_speak(own, announcement):
+        return None  # a malformed announcement, or a core this replicant cannot speak with at all
     shards = result.get("shards") if isinstance(result, dict) else None
     info = answer_as(shards.get(shard), JournalShardAnswer) if isinstance(shards, dict) else None
-    return JournalAnswer(info.committed, info.hears_sequencer, info.agents) if info is not None else None
+    if info is None or not log_readable(info.cluster_version, own):
+        return None
+    return JournalAnswer(info.committed, info.hears_sequencer, info.agents)
 
 
 # ---------------------------------------------------------------- replica events

@@ -8,7 +8,8 @@ checks its own preconditions (an entry must follow the applied key) with excepti
 
 Internal tables all start with ``_mnesite``:
 
-* ``_mnesite_meta(name, value)``: database format version and node facts.
+* ``_mnesite_meta(name, value)``: database format version (``rlog.versions``: 1 is release 0.1.0's;
+  a cluster version entry moves it), each shard's cluster version and node facts.
 * ``_mnesite_tables(name, shard, key_column, columns)``: the catalog, written only by
   applying ``CreateTableOp`` (and ``AddColumnOp``) so that it replicates like data.
 * ``_mnesite_indexes(name, table_name, columns, physical)``: the secondary indexes of the catalog's
@@ -71,6 +72,7 @@ from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
     AddColumnOp,
+    ClusterVersionOp,
     CreateIndexOp,
     CreateTableOp,
     DeleteOp,
@@ -88,8 +90,12 @@ from mnesite.rlog.types import (
     pack_ops,
     unpack_ops,
 )
+from mnesite.rlog.versions import STORAGE_FORMATS_READ, storage_format_of, storage_refusal
 
+# The format a new database starts with: release 0.1.0's, so that a node of this release can be
+# rolled back until its cluster version moves (which moves the format: ``_record_cluster_version``).
 FORMAT_VERSION = 1
+CLUSTER_VERSION_META = "cluster_version:"
 # Errors of the file system that mean "no space" (a quota counts as no space): nothing was written.
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 BUILD_PREFIX = "_mnesite_build_"
@@ -224,7 +230,16 @@ def quote(name: str) -> str:
 
 
 class Store:
-    def __init__(self, path: str, synchronous: str = "FULL", create: bool = True, readonly: bool = False) -> None:
+    def __init__(
+        self,
+        path: str,
+        synchronous: str = "FULL",
+        create: bool = True,
+        readonly: bool = False,
+        formats_read: tuple[int, ...] = STORAGE_FORMATS_READ,
+    ) -> None:
+        """``formats_read``: the storage formats this release opens (a test passes fewer to play an
+        older release); anything else is refused with one clear error (``rlog.versions``)."""
         if synchronous.upper() not in SYNCHRONOUS_LEVELS:
             raise StoreError(f"synchronous must be one of {', '.join(SYNCHRONOUS_LEVELS)}")
         if not create and not os.path.exists(path):
@@ -260,8 +275,9 @@ class Store:
                     f"{path}: cannot open: the disk {what} ({error}); free space or check the disk"
                 ) from None
             raise StoreError(f"{path}: not a mnesite database ({error})") from None
-        if version != FORMAT_VERSION:
-            raise StoreError(f"{path}: not a mnesite database of format {FORMAT_VERSION} (found {version!r})")
+        refusal = storage_refusal(version, path, formats_read)
+        if refusal is not None:
+            raise StoreError(refusal)
         self.path = path
         self.synchronous = synchronous.upper()
         # FULL: commit at NORMAL and sync the WAL file here when durable (see ``commit``).
@@ -675,6 +691,10 @@ class Store:
             if isinstance(op, MembersOp):
                 index += 1  # a membership entry (core.membership) changes no table
                 continue
+            if isinstance(op, ClusterVersionOp):
+                self._record_cluster_version(op)
+                index += 1
+                continue
             kind, table_name = type(op), op.table
             end = index + 1
             while end < len(ops) and type(ops[end]) is kind and ops[end].table == table_name:
@@ -722,10 +742,32 @@ class Store:
                 self._create_table(op)
             elif isinstance(op, MembersOp):
                 pass  # a membership entry (core.membership) changes no table; its position still advances
+            elif isinstance(op, ClusterVersionOp):
+                self._record_cluster_version(op)
             elif isinstance(op, (DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)):
                 self._change_schema(op, healing)
             else:
                 raise StoreError(f"unknown op {op!r}")
+
+    def _record_cluster_version(self, op: ClusterVersionOp) -> None:
+        """A cluster version entry (``core.versions``): record it, and move the storage format with it.
+
+        Inside the apply's transaction, like the position: a crash leaves either the old format and
+        the entry not applied, or both moved (the migration is this one row). From then on an older
+        release refuses the directory (``rlog.versions.storage_refusal``) instead of misreading it."""
+        if op.cluster_version <= self.cluster_version(op.shard):
+            return  # forward only (a snapshot install records the version its copy holds)
+        self.set_meta(f"{CLUSTER_VERSION_META}{op.shard}", op.cluster_version)
+        storage_format = storage_format_of(op.cluster_version)
+        if storage_format > (self._format_version() or 0):
+            self.set_meta("format_version", storage_format)
+
+    def cluster_version(self, shard: str) -> int:
+        """The cluster version the shard's applied log recorded (1, release 0.1.0's, before any entry)."""
+        return int(self.meta(f"{CLUSTER_VERSION_META}{shard}", 1))
+
+    def storage_format(self) -> int:
+        return int(self._format_version())
 
     def _create_table(self, op: CreateTableOp) -> None:
         # The same rule the sequencer checked before proposing; a replay of the same definition heals.

@@ -135,7 +135,28 @@ class AddColumnOp:
     column_type: str
 
 
-Op = WriteOp | DeleteOp | CreateTableOp | DropTableOp | MembersOp | CreateIndexOp | DropIndexOp | AddColumnOp
+@dataclass(frozen=True)
+class ClusterVersionOp:
+    """The cores of ``shard`` speak ``cluster_version`` from this entry on (``core.versions``): every
+    member announced it. Applying it changes no table; it records the version and moves the data
+    directory's storage format with it (``rlog.versions``). Release 0.1.0 cannot decode it, so it is
+    only ever appended once no 0.1.0 core is a member."""
+
+    shard: str
+    cluster_version: int
+
+
+Op = (
+    WriteOp
+    | DeleteOp
+    | CreateTableOp
+    | DropTableOp
+    | MembersOp
+    | CreateIndexOp
+    | DropIndexOp
+    | AddColumnOp
+    | ClusterVersionOp
+)
 SCHEMA_OPS = (CreateTableOp, DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)
 
 
@@ -171,6 +192,8 @@ def encode_op(op: Op) -> list[Any]:
         return ["j", op.index, op.table, op.shard]
     if isinstance(op, AddColumnOp):
         return ["a", op.table, op.shard, op.column, op.column_type]
+    if isinstance(op, ClusterVersionOp):
+        return ["v", op.shard, op.cluster_version]
     raise TypeError(f"not an op: {op!r}")
 
 
@@ -226,6 +249,8 @@ def decode_op(value: Any) -> Op:
         return DropIndexOp(value[1], value[2], value[3])
     if kind == "a" and len(value) == 5 and all(isinstance(v, str) for v in value[1:]):
         return AddColumnOp(value[1], value[2], value[3], value[4])
+    if kind == "v" and len(value) == 3 and isinstance(value[1], str) and type(value[2]) is int and value[2] > 0:
+        return ClusterVersionOp(value[1], value[2])
     raise OpDecodeError(f"malformed op of kind {kind!r}")
 
 
@@ -361,6 +386,8 @@ def entry_size_bytes(entry: Entry) -> int:
             size += 8 + len(op.table.encode()) + row_size_bytes(op.row)
         elif isinstance(op, DeleteOp):
             size += 8 + len(op.table.encode()) + _value_size_bytes(op.key)
+        elif isinstance(op, ClusterVersionOp):
+            size += 32 + len(op.shard.encode())
         elif isinstance(op, MembersOp):
             size += 16 + len(op.added.encode()) + len(op.endpoint.encode())
             size += sum(len(name.encode()) + 5 for name in op.members)
@@ -515,6 +542,8 @@ def op_to_json(op: Op) -> dict[str, Any]:
         return {"op": "drop_index", "index": op.index, "table": op.table, "shard": op.shard}
     if isinstance(op, AddColumnOp):
         return {"op": "add_column", "table": op.table, "shard": op.shard, "column": op.column, "type": op.column_type}
+    if isinstance(op, ClusterVersionOp):
+        return {"op": "cluster_version", "shard": op.shard, "cluster_version": op.cluster_version}
     return {
         "op": "create_table",
         "table": op.table,

@@ -29,7 +29,7 @@ import apsw
 from mnesite.rlog import range_requests
 from mnesite.rlog.range_requests import RangeAnswer
 from mnesite.rlog.schema import TableSchema
-from mnesite.rlog.store import FORMAT_VERSION, quote
+from mnesite.rlog.store import quote
 from mnesite.rlog.types import (
     CreateTableOp,
     DeleteOp,
@@ -41,6 +41,7 @@ from mnesite.rlog.types import (
     tx_key_from_wire,
     unpack_ops,
 )
+from mnesite.rlog.versions import storage_refusal
 
 DATABASE_FILE_NAME = "mnesite.db"
 NODE_SCHEME = "tcp://"
@@ -207,9 +208,9 @@ class FileReplica(Replica):
             row = self.connection.execute("SELECT value FROM _mnesite_meta WHERE name = 'format_version'").fetchone()
         except apsw.Error as error:
             raise ReplicaError(f"{spec.label}: not a mnesite database ({_first_line(error)})") from None
-        if row is None or row[0] != FORMAT_VERSION:
-            found = row[0] if row else None
-            raise ReplicaError(f"{spec.label}: not a mnesite database of format {FORMAT_VERSION} (found {found!r})")
+        refusal = storage_refusal(row[0] if row else None, spec.label)
+        if refusal is not None:
+            raise ReplicaError(refusal)
         self._catalog: dict[str, TableSchema] | None = None
         self._features_checked = False
 

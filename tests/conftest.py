@@ -113,17 +113,23 @@ class NodeProcess:
         self.client_keys = client_keys or {}
         self.command_prefix = command_prefix or []
         self.process: subprocess.Popen | None = None
+        # The interpreter of another installed release (tests/test_upgrade.py): it runs from its own
+        # venv, without this tree on its path. None: this tree's, as everywhere else.
+        self.python: str | None = None
 
     def start(self, endpoint: str, timeout_s: float = 20, env: dict[str, str] | None = None) -> None:
         """Start the node (``env``: extra environment, e.g. libfaketime's) and wait until it answers."""
         env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+        if self.python is not None:
+            env.pop("PYTHONPATH")
+        python = self.python or sys.executable
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [*self.command_prefix, sys.executable, "-m", "mnesite.cli", "start", "--config", str(self.config_path)],
+                [*self.command_prefix, python, "-m", "mnesite.cli", "start", "--config", str(self.config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                cwd=REPO,
+                cwd=REPO if self.python is None else self.log_path.parent,
                 env=env,
                 start_new_session=True,
             )
@@ -143,6 +149,14 @@ class NodeProcess:
     def signal(self, signum: int) -> None:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signum)
+
+    def stop(self, timeout_s: float = 20) -> None:
+        """SIGTERM (a clean shutdown, as ``mnesite stop`` does) and wait for the process to exit."""
+        if self.process is None:
+            return
+        self.signal(signal.SIGTERM)
+        self.process.wait(timeout=timeout_s)
+        self.process = None
 
     def kill(self) -> None:
         """kill -9 the node and wait for it to be gone."""

@@ -169,3 +169,5 @@ def test_a_follower_core_behind_the_trimmed_log_installs_a_snapshot_and_converge
     assert tuple(info["applied"]) >= position["applied"]
     log_text = (cluster.root / f"{follower}.log").read_text()
     assert "installing a snapshot" in log_text and "snapshot installed" in log_text
+    # Every core agrees on the cluster version, the snapshot's copy included (core.versions).
+    wait_until(lambda: {cluster.status(n)["cluster_version"] for n in cluster.names} == {2}, 30, "cluster version 2")

@@ -6,7 +6,7 @@ import contextlib
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mnesite.rlog import codec, messages
 from mnesite.rlog.codec import CodecError, Message
@@ -79,6 +79,8 @@ def test_empty_body_kinds_round_trip(kind: str, request_id: str) -> None:
 
 @given(st.binary(max_size=512))
 @settings(max_examples=2000)
+@example(b"\x94\xa2\x00\x80")  # a header string of invalid UTF-8 (msgspec raises UnicodeDecodeError)
+@example(b"\x94\x01\xa3get\xa1r\x81\xa5table\xa2\x00\x80")  # the same in a body's field
 def test_arbitrary_bytes_only_raise_codec_error(frame: bytes) -> None:
     try:
         message = codec.decode(frame)

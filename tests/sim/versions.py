@@ -1,0 +1,189 @@
+"""Rolling upgrades under the simulator's faults: the cluster version rule of ``core.versions``.
+
+Theory of operation
+-------------------
+``VersionsSimulation`` is the core simulation (``cluster.py``: drops, duplicates, delays, partitions,
+crashes mid-step, pauses, trimming and snapshot installs) whose cores start on release 0.1.0 and are
+restarted, one at a time and in a random order, on this release; now and then one upgraded core is
+rolled back to 0.1.0 before the last core is upgraded (the procedure of docs/operations/upgrades.md:
+while another core still runs the older release, and the next step only once the probes saw it).
+
+Every ``VERSIONS_PROBE_INTERVAL_MS`` each core of this release hears the announcement of every peer
+it can reach (``PeerVersions.heard``; a 0.1.0 peer answers without one); the sequencer asks
+``cluster_version_to_propose`` and proposes the ``ClusterVersionOp`` it names, as ``core.node`` does.
+The checks: no core of a release that cannot read a cluster version entry ever persists one (it would
+have been sent something it cannot read), every member speaks the version when its entry commits,
+committed cluster versions never go down, and after the last upgrade the version does move.
+"""
+
+from __future__ import annotations
+
+from mnesite.core.consensus import Effect, PersistEntries, Role
+from mnesite.core.versions import (
+    ANNOUNCEMENT_FRESH_MS,
+    VERSIONS_PROBE_INTERVAL_MS,
+    ClusterVersionProposals,
+    PeerVersions,
+    cluster_version_of,
+)
+from mnesite.rlog.types import ClusterVersionOp, Entry, TxKey
+from mnesite.rlog.versions import RELEASE_0_1_0, THIS_RELEASE, Announcement
+
+from tests.sim.cluster import SHARD, SimNode, Simulation, SimulationResult
+
+# Steps of the procedure are this far apart: a probe round has seen the previous step.
+STEP_GAP_MS = ANNOUNCEMENT_FRESH_MS + VERSIONS_PROBE_INTERVAL_MS
+ROLL_BACK_PROBABILITY = 0.5
+
+
+class VersionsSimulation(Simulation):
+    def __init__(self, seed: int, core_count: int = 3) -> None:
+        names = [f"core{index}" for index in range(core_count)]
+        # Enough time for every step of the procedure, and a roll back, to run under faults.
+        super().__init__(seed, core_count, faulty_ms=STEP_GAP_MS * (core_count + 3))
+        self.release: dict[str, Announcement] = dict.fromkeys(names, RELEASE_0_1_0)
+        self.views: dict[str, PeerVersions] = {}
+        self.cluster_version: dict[str, int] = dict.fromkeys(names, 1)
+        # Production's proposal bookkeeping, one per core (in memory: a restart forgets it).
+        self.proposals: dict[str, ClusterVersionProposals] = {}
+        self.committed_versions: list[tuple[TxKey, int]] = []
+        self.moves_committed = 0
+        self.restarting: dict[str, Announcement] = {}
+        order = list(names)
+        self.rng.shuffle(order)
+        plan: list[tuple[str, Announcement]] = [(name, THIS_RELEASE) for name in order]
+        if self.rng.random() < ROLL_BACK_PROBABILITY:
+            # Roll back the first upgraded core while another still runs 0.1.0, then upgrade it again.
+            plan[1:1] = [(order[0], RELEASE_0_1_0), (order[0], THIS_RELEASE)]
+        self.plan = [(STEP_GAP_MS * (index + 1), name, release) for index, (name, release) in enumerate(plan)]
+        self.last_upgrade_ms = self.plan[-1][0]
+        self.next_probe_ms = 0
+
+    def _replay_command(self) -> str:
+        return f".venv/bin/pytest tests/test_versions.py -k 'simulated and {self.seed}-{self.core_count}]'"
+
+    # -- the procedure ---------------------------------------------------------------------------
+
+    def _inject_faults(self) -> None:
+        super()._inject_faults()
+        while self.plan and self.plan[0][0] <= self.now_ms:
+            _, name, release = self.plan.pop(0)
+            node = self.nodes[name]
+            if node.machine is not None:
+                self._crash(node)
+            self.restarting[name] = release
+            self.trace.append((self.now_ms, name, "restarting on", release.software))
+        self._probe_due()
+        self._propose_due()
+
+    def _start(self, node: SimNode) -> None:
+        super()._start(node)
+        if hasattr(self, "restarting") and node.name in self.restarting:
+            self.release[node.name] = self.restarting.pop(node.name)
+        release = self.release[node.name] if hasattr(self, "release") else RELEASE_0_1_0
+        if hasattr(self, "views"):
+            # In memory: a restart forgets what the peers said. Release 0.1.0 runs no such rule.
+            self.views.pop(node.name, None)
+            self.proposals.pop(node.name, None)
+            if release.announced:
+                self.views[node.name] = PeerVersions(release)
+
+    def _probe_due(self) -> None:
+        if self.now_ms < self.next_probe_ms:
+            return
+        self.next_probe_ms = self.now_ms + VERSIONS_PROBE_INTERVAL_MS
+        for name, view in self.views.items():
+            if not self._is_up(self.nodes[name]):
+                continue
+            for peer, node in self.nodes.items():
+                if peer == name or not self._is_up(node) or (name, peer) in self.cut or (peer, name) in self.cut:
+                    continue
+                if self.rng.random() < self.faults.drop_probability:
+                    continue
+                release = self.release[peer]
+                view.heard(peer, {"versions": release.to_wire()} if release.announced else {}, self.now_ms)
+
+    def _propose_due(self) -> None:
+        for name, view in self.views.items():
+            node = self.nodes[name]
+            machine = node.machine
+            if not self._is_up(node) or machine is None or machine.role is not Role.SEQUENCER:
+                continue
+            status = machine.status()
+            target = self.proposals.setdefault(name, ClusterVersionProposals()).due(
+                SHARD,
+                self.cluster_version[name],
+                status.members,
+                status.committed_members,
+                status.learner,
+                view,
+                name,
+                self.now_ms,
+            )
+            if target is not None:
+                self.trace.append((self.now_ms, name, "proposes cluster version", target))
+                self._propose(node, (ClusterVersionOp(SHARD, target),), f"v{target}-{self.now_ms}")
+
+    # -- the checks ------------------------------------------------------------------------------
+
+    def _execute(self, node: SimNode, effect: Effect) -> None:
+        if isinstance(effect, PersistEntries):
+            for entry in effect.entries:
+                version = cluster_version_of(entry)
+                if version is not None and not self.release[node.name].speaks(version):
+                    raise self.fail(
+                        f"{node.name} of release {self.release[node.name].software} was sent the cluster version "
+                        f"{version} entry {entry.tx_key}, which it cannot read"
+                    )
+        super()._execute(node, effect)
+
+    def _apply(self, node: SimNode, up_to: TxKey) -> list[Entry]:
+        applied = super()._apply(node, up_to)
+        for entry in applied:
+            version = cluster_version_of(entry)
+            if version is None:
+                continue
+            self.cluster_version[node.name] = max(self.cluster_version[node.name], version)
+            if (entry.tx_key, version) in self.committed_versions:
+                continue
+            if self.committed_versions and version < self.committed_versions[-1][1]:
+                raise self.fail(f"cluster version went down to {version} at {entry.tx_key}")
+            members = node.machine.members if node.machine is not None else tuple(self.nodes)
+            cannot = [member for member in members if not self.release[member].speaks(version)]
+            if cannot:
+                raise self.fail(f"cluster version {version} committed at {entry.tx_key} while {cannot} cannot speak it")
+            if self.now_ms < self.last_upgrade_ms:
+                raise self.fail(f"cluster version {version} committed before the last core was upgraded")
+            self.committed_versions.append((entry.tx_key, version))
+            self.moves_committed += 1
+        return applied
+
+    def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
+        before = self.nodes[follower_name].applied_key
+        super()._install_snapshot(sequencer, follower_name)
+        if self.nodes[follower_name].applied_key != before:
+            # The copied tables carry the sequencer's recorded cluster version (rlog.store meta).
+            self.cluster_version[follower_name] = self.cluster_version[sequencer.name]
+
+    def run(self) -> SimulationResult:
+        result = super().run()
+        # Healed and quiet: every core runs this release, so the version must have moved everywhere.
+        for _ in range(3):
+            self._probe_due()
+            self._propose_due()
+            self._run_until_quiet(20_000)
+            self.next_probe_ms = 0
+        up = [name for name, node in self.nodes.items() if node.machine is not None]
+        if {self.cluster_version[name] for name in up} != {THIS_RELEASE.cluster_versions[1]}:
+            raise self.fail(f"the cluster version did not move after the last upgrade: {self.cluster_version}")
+        return result
+
+    def summary(self) -> str:
+        return f"seed {self.seed}: versions {self.cluster_version}, moves {self.committed_versions}"
+
+
+def run_versions_seed(seed: int, core_count: int = 3) -> VersionsSimulation:
+    """Run one seed of a rolling upgrade; returns the finished simulation (its counters)."""
+    simulation = VersionsSimulation(seed, core_count)
+    simulation.run()
+    return simulation

@@ -1,0 +1,295 @@
+"""Versions (issue 23): announcements, refusals, the cluster version rule, and storage formats.
+
+The real-process tests with release 0.1.0 are in tests/test_upgrade.py; the cluster version rule
+under the simulator's faults is in tests/sim/versions.py (run here by seed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import apsw
+import pytest
+from mnesite.core.consensus_wire import CONSENSUS_WIRE_VERSION
+from mnesite.core.versions import (
+    ANNOUNCEMENT_FRESH_MS,
+    PeerAccepted,
+    PeerRefused,
+    PeerVersions,
+    cluster_version_of,
+    cluster_version_to_propose,
+    watch_protocol_refusal,
+)
+from mnesite.core.watch import WatchRefusedError, check_watch_request
+from mnesite.rlog import messages
+from mnesite.rlog.backup import BACKUP_META, BackupError, restore
+from mnesite.rlog.codec import PROTOCOL_VERSION
+from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, journal_answer
+from mnesite.rlog.store import FORMAT_VERSION, Store, StoreError
+from mnesite.rlog.types import ClusterVersionOp, Entry, TxKey, decode_op, encode_op, make_entry, pack_ops
+from mnesite.rlog.versions import (
+    CLUSTER_VERSION_HIGHEST,
+    CLUSTER_VERSIONS,
+    RELEASE_0_1_0,
+    SPEAK_ONLY_ENV,
+    THIS_RELEASE,
+    Announcement,
+    announcement_of,
+    can_speak,
+    incompatibility,
+    local_announcement,
+    log_readable,
+    replication_protocol_for,
+    storage_refusal,
+)
+
+from mnesite import __version__
+from tests.sim.cluster import SimulationFailure
+from tests.sim.versions import run_versions_seed
+
+NEWER = Announcement("9.0.0", (3, 3))
+
+
+def test_the_release_has_one_source_and_the_table_names_the_wire_this_tree_speaks() -> None:
+    from importlib.metadata import version
+
+    assert version("mnesite") == __version__ == THIS_RELEASE.software
+    top = CLUSTER_VERSIONS[CLUSTER_VERSION_HIGHEST]
+    # Bumping a wire version without a new row in CLUSTER_VERSIONS fails here.
+    assert (top.client, top.consensus, top.replication) == (
+        PROTOCOL_VERSION,
+        CONSENSUS_WIRE_VERSION,
+        REPLICATION_PROTOCOL_VERSION,
+    )
+    # Release 0.1.0's row is its wire, and a new database starts in its storage format.
+    assert CLUSTER_VERSIONS[1].storage == FORMAT_VERSION == 1 and CLUSTER_VERSIONS[1].replication == 1
+    assert THIS_RELEASE.protocols() == {"client": [1, 1], "consensus": [2, 2], "replication": [1, 2], "storage": [1, 2]}
+
+
+def test_the_announcement_comes_from_the_answer_and_silence_means_release_0_1_0() -> None:
+    assert announcement_of({"node": "core1", "shards": {}}) == RELEASE_0_1_0
+    assert announcement_of({"versions": THIS_RELEASE.to_wire()}) == THIS_RELEASE
+    for bad in (
+        "text",
+        {"versions": []},
+        {"versions": {"software": "x", "cluster_versions": [2, 1]}},
+        {"versions": {"software": "x", "cluster_versions": [0, 1]}},
+        {"versions": {"software": "x", "cluster_versions": [1, True]}},
+        {"versions": {"software": "x" * 65, "cluster_versions": [1, 1]}},
+        {"versions": {"software": "x", "cluster_versions": [1, 10**9]}},
+    ):
+        assert announcement_of(bad) is None, bad
+
+
+def test_only_the_test_switch_builds_a_node_that_speaks_a_newer_version_only() -> None:
+    assert local_announcement({}) == THIS_RELEASE
+    only = local_announcement({SPEAK_ONLY_ENV: "3"})
+    assert only.cluster_versions == (3, 3) and only.protocols()["consensus"] == [3, 3]
+    with pytest.raises(ValueError, match=SPEAK_ONLY_ENV):
+        local_announcement({SPEAK_ONLY_ENV: "-1"})
+    assert can_speak(THIS_RELEASE, RELEASE_0_1_0) and not can_speak(THIS_RELEASE, only)
+    assert "cluster versions 3" in incompatibility(THIS_RELEASE, only)
+
+
+def test_a_peer_that_cannot_be_spoken_with_is_refused_once_and_accepted_again_when_it_can() -> None:
+    peers = PeerVersions(THIS_RELEASE)
+    assert peers.heard("core4", {"versions": NEWER.to_wire()}, 0) == [PeerRefused("core4", peers.refusal("core4"))]
+    assert peers.refuses("core4") and peers.refused() == ["core4"]
+    assert peers.heard("core4", {"versions": NEWER.to_wire()}, 2000) == []  # logged once
+    assert peers.heard("core4", {"garbage": True, "versions": 7}, 4000) == []  # malformed: ignored
+    assert peers.refuses("core4")
+    assert peers.heard("core4", {}, 6000) == [PeerAccepted("core4", RELEASE_0_1_0)]  # back on 0.1.0
+    assert not peers.refuses("core4") and peers.status()["core4"]["announced"] is False
+
+
+def _peers(**announcements: Announcement) -> PeerVersions:
+    peers = PeerVersions(THIS_RELEASE)
+    for name, announcement in announcements.items():
+        peers.heard(name, {"versions": announcement.to_wire()} if announcement.announced else {}, 0)
+    return peers
+
+
+def test_the_cluster_version_moves_only_when_every_member_speaks_it() -> None:
+    members = ("core1", "core2", "core3")
+
+    def propose(peers: PeerVersions, current: int = 1, settled: bool = True, now_ms: int = 0) -> int | None:
+        return cluster_version_to_propose(current, members, peers, "core1", settled, now_ms)
+
+    assert propose(_peers(core2=RELEASE_0_1_0, core3=RELEASE_0_1_0)) is None
+    assert propose(_peers(core2=THIS_RELEASE, core3=RELEASE_0_1_0)) is None  # the last core is not upgraded
+    assert propose(_peers(core2=THIS_RELEASE)) is None  # core3 never answered
+    upgraded = _peers(core2=THIS_RELEASE, core3=THIS_RELEASE)
+    assert propose(upgraded) == 2
+    assert propose(upgraded, current=2) is None  # forward only, and once
+    assert propose(upgraded, settled=False) is None  # not while a membership change is in flight
+    assert propose(upgraded, now_ms=ANNOUNCEMENT_FRESH_MS + 1) is None  # a member not heard lately
+    assert propose(_peers(core2=THIS_RELEASE, core3=NEWER)) is None  # they share no version above 1
+
+
+def test_a_replicant_names_the_protocol_both_speak_and_follows_only_a_log_it_reads() -> None:
+    assert replication_protocol_for(None, THIS_RELEASE) == 1
+    assert replication_protocol_for(RELEASE_0_1_0, THIS_RELEASE) == 1
+    assert replication_protocol_for(THIS_RELEASE, THIS_RELEASE) == 2
+    assert replication_protocol_for(THIS_RELEASE, RELEASE_0_1_0) == 1
+    answer = {"shards": {"default": {"committed": [1, 5], "hears_sequencer": True, "agents": 0}}}
+    assert journal_answer(answer, "default") is not None  # a 0.1.0 core's log: cluster version 1
+    answer["shards"]["default"]["cluster_version"] = 2
+    assert journal_answer(answer, "default") is not None
+    assert journal_answer(answer, "default", RELEASE_0_1_0) is None
+    assert not log_readable(3, THIS_RELEASE) and not log_readable("2", THIS_RELEASE)
+    # A core this replicant shares no cluster version with never qualifies, nor a malformed announcement.
+    assert journal_answer({**answer, "versions": NEWER.to_wire()}, "default") is None
+    assert journal_answer({**answer, "versions": {"software": 7}}, "default") is None
+
+
+def test_a_core_serves_a_watch_only_with_a_protocol_that_reads_its_log() -> None:
+    assert watch_protocol_refusal(1, 1, THIS_RELEASE) is None
+    assert watch_protocol_refusal(2, 1, THIS_RELEASE) is None
+    assert "upgrade the replicant" in watch_protocol_refusal(1, 2, THIS_RELEASE)
+    assert "not supported" in watch_protocol_refusal(3, 1, THIS_RELEASE)
+    check_watch_request(1, "w", "core1", cluster_version=1)
+    with pytest.raises(WatchRefusedError) as refused:
+        check_watch_request(1, "w", "core1", cluster_version=2)
+    assert refused.value.code == "incompatible_protocol"
+
+
+def test_the_cluster_version_entry_is_an_op_on_the_wire_and_in_the_log() -> None:
+    op = ClusterVersionOp("default", 2)
+    assert decode_op(encode_op(op)) == op
+    assert messages.decode_ops(pack_ops((op,))) == (op,)
+    entry = make_entry("default", TxKey(1, 2), TxKey(1, 1), bytes(32), (op,))
+    assert (
+        cluster_version_of(entry) == 2
+        and cluster_version_of(Entry("default", TxKey(1, 1), TxKey(0, 0), b"", ())) is None
+    )
+    with pytest.raises(messages.MessageError):
+        messages.decode_ops(pack_ops((ClusterVersionOp("default", 0),)))
+
+
+def _store_with_a_row(path: Path) -> Store:
+    store = Store(str(path), synchronous="NORMAL")
+    with store.write_transaction():
+        store.connection.execute("INSERT INTO _mnesite_meta VALUES ('note', 'kept')")
+    return store
+
+
+def test_the_storage_format_moves_with_the_cluster_version_entry_in_the_same_transaction(tmp_path: Path) -> None:
+    path = tmp_path / "mnesite.db"
+    store = _store_with_a_row(path)
+    assert store.storage_format() == FORMAT_VERSION == 1 and store.cluster_version("default") == 1
+    # A crash before the apply's commit: nothing moved (one transaction, rolled back).
+    with pytest.raises(RuntimeError), store.write_transaction():
+        store.apply_ops((ClusterVersionOp("default", 2),))
+        raise RuntimeError("crash before commit")
+    assert store.storage_format() == 1 and store.cluster_version("default") == 1
+    with store.write_transaction():
+        store.apply_ops((ClusterVersionOp("default", 2),))
+    assert store.storage_format() == 2 and store.cluster_version("default") == 2
+    store.close()
+    # This release reads it; a deliberately older reader (format 1 only) refuses it with one error.
+    reopened = Store(str(path), synchronous="NORMAL")
+    assert reopened.meta("note") == "kept" and reopened.storage_format() == 2
+    reopened.close()
+    with pytest.raises(
+        StoreError, match=r"written by a newer mnesite release \(storage format 2; .* reads formats 1\)"
+    ):
+        Store(str(path), synchronous="NORMAL", formats_read=(1,))
+    assert storage_refusal("x", "p") == "p: not a mnesite database of a known storage format (found 'x')"
+
+
+def test_a_backup_carries_its_format_and_a_newer_one_is_refused_by_restore(tmp_path: Path) -> None:
+    path = tmp_path / "backup.db"
+    store = _store_with_a_row(path)
+    with store.write_transaction():
+        store.set_meta(BACKUP_META, json.dumps({"node": "core1", "storage_format": 3}))
+        store.set_meta("format_version", 3)  # a newer release's
+    store.close()
+    with pytest.raises(BackupError, match="written by a newer mnesite release"):
+        restore(str(path), str(tmp_path / "restored"), "core")
+    assert not os.path.exists(tmp_path / "restored" / "mnesite.db")  # nothing left behind
+    connection = apsw.Connection(str(path))
+    assert connection.execute("SELECT value FROM _mnesite_meta WHERE name = 'format_version'").fetchone()[0] == 3
+
+
+def test_metrics_show_incompatible_peers_and_the_cluster_version() -> None:
+    from mnesite.rlog.metrics import NodeMetrics
+
+    peers = _peers(core2=THIS_RELEASE, core4=NEWER)
+    metrics = NodeMetrics("core1", "core")
+    metrics.refresh(0, {"node": "core1", "peer_versions": peers.status(), "cluster_version": 2})
+    text = metrics.text().decode()
+    assert 'mnesite_peer_incompatible{peer="core4"} 1.0' in text
+    assert 'mnesite_peer_incompatible{peer="core2"} 0.0' in text
+    assert "mnesite_cluster_version 2.0" in text
+
+
+@pytest.mark.parametrize(("seed", "cores"), [*((seed, 3) for seed in range(8)), (100, 5), (101, 5)])
+def test_simulated_rolling_upgrades_move_the_cluster_version_only_when_every_member_speaks_it(
+    seed: int, cores: int
+) -> None:
+    simulation = run_versions_seed(seed, cores)
+    assert simulation.moves_committed >= 1, simulation.summary()
+
+
+def test_the_simulator_catches_a_cluster_version_moved_before_every_member_speaks_it(monkeypatch) -> None:
+    """Mutation: a rule that moves as soon as this core (not every member) speaks the newer version."""
+    import mnesite.core.versions as core_versions
+
+    def eager(current, members, peers, own_name, settled, now_ms):
+        return peers.own.cluster_versions[1] if current < peers.own.cluster_versions[1] else None
+
+    monkeypatch.setattr(core_versions, "cluster_version_to_propose", eager)
+    with pytest.raises(SimulationFailure, match="cannot read|cannot speak it|before the last core"):
+        run_versions_seed(0)
+
+
+def test_status_text_names_each_peer_release_and_the_incompatible_ones() -> None:
+    from mnesite.cli.main import describe_versions
+
+    peers = _peers(core2=RELEASE_0_1_0, core4=NEWER)
+    status = {
+        "versions": THIS_RELEASE.to_wire(),
+        "cluster_version": 1,
+        "storage_format": 1,
+        "peer_versions": peers.status(),
+    }
+    first, core2, core4 = describe_versions(status)
+    assert first == f"release {__version__}, cluster versions 1..2; cluster version 1, storage format 1"
+    assert core2 == "  core2: release 0.1.0, cluster versions 1 (inferred: it announces no versions)"
+    assert core4.startswith("  core4: release 9.0.0, cluster versions 3: INCOMPATIBLE, refused: it speaks")
+    assert describe_versions({"node": "core1"}) == ["release 0.1.0 (it announces no versions; cluster version 1)"]
+
+
+def test_a_core_that_cannot_be_spoken_with_is_not_added_to_the_membership(thread_node) -> None:
+    from mnesite.rlog.client import MnesiteError
+
+    with thread_node.client() as client:
+        client.create_table("t", "id", [("id", "INTEGER")])
+        assert client.status()["versions"] == THIS_RELEASE.to_wire()
+        # What the probe of core9 would have heard (the node's loop reads it on the next request).
+        thread_node.node.peer_versions.heard("core9", {"versions": NEWER.to_wire()}, 0)
+        with pytest.raises(MnesiteError) as refused:
+            client.change_membership("default", "add", "core9", "tcp://127.0.0.1:9")
+        assert refused.value.code == "incompatible_version" and "cluster versions 3" in str(refused.value)
+        assert client.members()["shards"]["default"]["members"] == ["core1"]
+        assert client.status()["peer_versions"]["core9"]["compatible"] is False
+
+
+def test_a_proposal_is_not_repeated_while_in_flight_and_is_retried_when_lost() -> None:
+    from mnesite.core.versions import CLUSTER_VERSION_RETRY_MS, ClusterVersionProposals
+
+    members = ("core1", "core2")
+    peers = _peers(core2=THIS_RELEASE)
+    proposals = ClusterVersionProposals()
+
+    def due(current: int, now_ms: int, committed: tuple[str, ...] = members) -> int | None:
+        peers.heard("core2", {"versions": THIS_RELEASE.to_wire()}, now_ms)  # heard afresh
+        return proposals.due("default", current, members, committed, None, peers, "core1", now_ms)
+
+    assert due(1, 0, committed=("core1",)) is None  # a membership change is in flight
+    assert due(1, 10) == 2
+    assert due(1, 20) is None  # in flight
+    assert due(1, 10 + CLUSTER_VERSION_RETRY_MS) == 2  # lost with a deposed sequencer's tail: again
+    assert due(2, 20 + CLUSTER_VERSION_RETRY_MS) is None  # recorded: done
