@@ -31,6 +31,7 @@ sent, a second sequencer in one generation) cannot live here: they are in the st
 from __future__ import annotations
 
 import itertools
+import operator
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -664,12 +665,12 @@ def _deep_field(kind: str, body: bytes | memoryview) -> str:
 _OpName = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX)]
 
 
-class _WriteWire(Struct, frozen=True, array_like=True, tag="w"):
+class _WriteWire(Struct, frozen=True, array_like=True, tag="w", gc=False):
     table: _OpName
     row: Annotated[list[tuple[_OpName, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
 
 
-class _DeleteWire(Struct, frozen=True, array_like=True, tag="d"):
+class _DeleteWire(Struct, frozen=True, array_like=True, tag="d", gc=False):
     table: _OpName
     key: Any
 
@@ -745,6 +746,8 @@ _WireOp = (
     | _DropIndexWire
     | _AddColumnWire
 )
+_ROW_OF = operator.attrgetter("row")
+_TABLE_OF = operator.attrgetter("table")
 _OPS_DECODER = msgspec.msgpack.Decoder(Annotated[list[_WireOp], Meta(max_length=OPS_MAX)], ext_hook=_refuse_ext)
 _OPS_ENCODER = msgspec.msgpack.Encoder()
 
@@ -759,20 +762,26 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
         raise body_error("ops", error) from None
     except RecursionError:
         raise MessageError("ops", "are nested too deep") from None
-    values: list[Any] = []
-    names: set[str] = set()
-    ops: list[Op] = []
-    for op in wire:
+    # Writes, by far the most common op, are checked and built set-based (C loops over the rows,
+    # no Python bytecode per row); the other kinds in the loop below.
+    write_wires = wire if set(map(type, wire)) == {_WriteWire} else [op for op in wire if type(op) is _WriteWire]
+    rows = list(map(dict, map(_ROW_OF, write_wires)))
+    # Canonical: columns sorted and each once (the digest covers this form). A repeated column
+    # makes the row's dict shorter than its pairs; each distinct column list is checked once.
+    if list(map(len, rows)) != list(map(len, map(_ROW_OF, write_wires))):
+        raise MessageError("ops", "write op columns must be sorted and unique")
+    names: set[str] = set(map(_TABLE_OF, write_wires))
+    for columns in set(map(tuple, rows)):
+        if list(columns) != sorted(columns):
+            raise MessageError("ops", "write op columns must be sorted and unique")
+        names.update(columns)
+    values: list[Any] = list(itertools.chain.from_iterable(map(dict.values, rows)))
+    writes: list[Op] = list(map(WriteOp, map(_TABLE_OF, write_wires), rows))
+    ops = writes if len(writes) == len(wire) else []
+    next_write = iter(writes).__next__
+    for op in wire if ops is not writes else ():
         if type(op) is _WriteWire:
-            row = dict(op.row)
-            columns = list(row)
-            # Canonical: columns sorted and each once (the digest covers this form).
-            if len(columns) != len(op.row) or columns != sorted(columns):
-                raise MessageError("ops", "write op columns must be sorted and unique")
-            names.update(columns)
-            names.add(op.table)
-            values.extend(row.values())
-            ops.append(WriteOp(op.table, row))
+            ops.append(next_write())
         elif type(op) is _DeleteWire:
             names.add(op.table)
             values.append(op.key)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import operator
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -685,7 +686,7 @@ class Store:
             table = self._table(table_name)
             if kind is WriteOp:
                 names = [name for name, _ in table.columns]
-                rows = [tuple(map(write.row.get, names)) for write in ops[index:end]]
+                rows = _row_tuples(names, ops[index:end])
                 for target in (table.name, self._mirror(table.name)):
                     if target is not None:
                         self.connection.executemany(_write_sql(target, names), rows)
@@ -1168,6 +1169,22 @@ class Store:
                 f"SELECT {columns} FROM {quote(table.name)} WHERE {key} > ? ORDER BY {key} LIMIT ?", (after, limit)
             )
         return [dict(zip(names, row, strict=True)) for row in cursor]
+
+
+def _row_tuples(names: list[str], writes: list[Op]) -> list[tuple[Any, ...]]:
+    """The rows of ``writes`` as tuples in the order of ``names``, a column a row lacks as NULL.
+
+    A row of a write holds every declared column but those added since (``AddColumnOp``): one C
+    ``itemgetter`` for the rows does it unless a row lacks one, then ``dict.get`` per column."""
+    if len(names) > 1:
+        try:
+            return list(map(operator.itemgetter(*names), map(_ROW_OF, writes)))
+        except KeyError:
+            pass
+    return [tuple(map(write.row.get, names)) for write in writes]  # type: ignore[union-attr]
+
+
+_ROW_OF = operator.attrgetter("row")
 
 
 def _write_sql(table: str, names: Sequence[str]) -> str:
