@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_commit import bench_node, start_nodes  # noqa: E402
-from mnesite.rlog.client import Client  # noqa: E402
 
 SAMPLES_PER_S = 200
 
@@ -79,13 +78,8 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="mnesite-profile-"))
     processes, endpoint, keys = start_nodes(directory, "FULL", 3, False)
     try:
-        with Client(endpoint, timeout_ms=2000) as client:
-            status = client.status()
-        sequencer_name = status["node"]
-        names = sorted(status["core_nodes"])
-        follower_name = next(name for name in names if name != sequencer_name)
-        pids = {"sequencer": processes[names.index(sequencer_name)].pid}
-        pids["follower"] = processes[names.index(follower_name)].pid
+        # start_nodes returns the sequencer's process first (not in the order of the names).
+        pids = {"sequencer": processes[0].pid, "follower": processes[1].pid}
         for clients in [int(c) for c in args.clients.split(",")]:
             outputs = {role: directory / f"{role}-{clients}.txt" for role in pids}
             spies = [
