@@ -1,6 +1,6 @@
 """Where the cores spend their time under load: py-spy on the sequencer and one follower.
 
-    .venv/bin/python benchmarks/profile_cores.py [--clients 1,64] [--seconds 8] [--top 25]
+    .venv/bin/python benchmarks/profile_cores.py [--clients 1,64] [--seconds 8] [--top 25] [--gil]
 
 Starts three real core processes (``bench_commit.start_nodes``), drives ``--clients`` clients
 putting one 100-byte row per transaction at the sequencer, and meanwhile samples the sequencer and
@@ -8,6 +8,8 @@ one follower with ``py-spy record --format raw`` (collapsed stacks, idle frames 
 per process and client count, the commits/s reached, the share of samples per function (inclusive:
 the function or anything it called) and the hottest leaf functions (self time). py-spy comes from
 the ``dev`` extra; it needs ptrace rights over the cores (root, or ``kernel.yama.ptrace_scope=0``).
+``--gil`` keeps only samples that hold the GIL (py-spy's ``--gil``): Python's own work, without the
+time spent blocked in C (an fsync, a poll) or waiting for a CPU, which the default samples count.
 Not a test: timing depends on the machine and its load.
 """
 
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--clients", default="1,64")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--gil", action="store_true", help="only samples that hold the GIL (Python's own work)")
     args = parser.parse_args()
     spy = py_spy()
     directory = Path(tempfile.mkdtemp(prefix="mnesite-profile-"))
@@ -85,7 +88,8 @@ def main() -> None:
             spies = [
                 subprocess.Popen(
                     [spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--rate"]
-                    + [str(SAMPLES_PER_S), "--format", "raw", "--output", str(outputs[role]), "--nonblocking"],
+                    + [str(SAMPLES_PER_S), "--format", "raw", "--output", str(outputs[role]), "--nonblocking"]
+                    + (["--gil"] if args.gil else []),
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )

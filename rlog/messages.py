@@ -31,7 +31,6 @@ sent, a second sequencer in one generation) cannot live here: they are in the st
 from __future__ import annotations
 
 import itertools
-import operator
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -746,8 +745,6 @@ _WireOp = (
     | _DropIndexWire
     | _AddColumnWire
 )
-_ROW_OF = operator.attrgetter("row")
-_TABLE_OF = operator.attrgetter("table")
 _OPS_DECODER = msgspec.msgpack.Decoder(Annotated[list[_WireOp], Meta(max_length=OPS_MAX)], ext_hook=_refuse_ext)
 _OPS_ENCODER = msgspec.msgpack.Encoder()
 
@@ -762,26 +759,28 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
         raise body_error("ops", error) from None
     except RecursionError:
         raise MessageError("ops", "are nested too deep") from None
-    # Writes, by far the most common op, are checked and built set-based (C loops over the rows,
-    # no Python bytecode per row); the other kinds in the loop below.
-    write_wires = wire if set(map(type, wire)) == {_WriteWire} else [op for op in wire if type(op) is _WriteWire]
-    rows = list(map(dict, map(_ROW_OF, write_wires)))
-    # Canonical: columns sorted and each once (the digest covers this form). A repeated column
-    # makes the row's dict shorter than its pairs; each distinct column list is checked once.
-    if list(map(len, rows)) != list(map(len, map(_ROW_OF, write_wires))):
-        raise MessageError("ops", "write op columns must be sorted and unique")
-    names: set[str] = set(map(_TABLE_OF, write_wires))
-    for columns in set(map(tuple, rows)):
-        if list(columns) != sorted(columns):
-            raise MessageError("ops", "write op columns must be sorted and unique")
-        names.update(columns)
-    values: list[Any] = list(itertools.chain.from_iterable(map(dict.values, rows)))
-    writes: list[Op] = list(map(WriteOp, map(_TABLE_OF, write_wires), rows))
-    ops = writes if len(writes) == len(wire) else []
-    next_write = iter(writes).__next__
-    for op in wire if ops is not writes else ():
+    values: list[Any] = []
+    names: set[str] = set()
+    # The rows of an entry mostly share a few column lists: each distinct one is checked once
+    # (sorted, which with the length check makes each column appear once) and its names go to the
+    # name rule once.
+    column_lists: set[tuple[str, ...]] = set()
+    ops: list[Op] = []
+    for op in wire:
         if type(op) is _WriteWire:
-            ops.append(next_write())
+            row = dict(op.row)
+            columns = tuple(row)
+            # Canonical: columns sorted and each once (the digest covers this form).
+            if len(columns) != len(op.row):
+                raise MessageError("ops", "write op columns must be sorted and unique")
+            if columns not in column_lists:
+                if list(columns) != sorted(columns):
+                    raise MessageError("ops", "write op columns must be sorted and unique")
+                column_lists.add(columns)
+                names.update(columns)
+            names.add(op.table)
+            values.extend(row.values())
+            ops.append(WriteOp(op.table, row))
         elif type(op) is _DeleteWire:
             names.add(op.table)
             values.append(op.key)
