@@ -93,17 +93,19 @@ bench: setup
 	$(BIN)/python benchmarks/bench_commit.py
 
 # mnesite beside etcd and Redis (installed with apt-get when missing; not in CI): 1/16/64 clients,
-# 3 interleaved rounds. BASELINE=tree adds mnesite-3 run from another commit's source tree.
-bench-peers: setup
+# 3 interleaved rounds. BASELINE=tree adds mnesite-3 run from another commit's source tree. The report
+# goes to BENCH_PEERS_JSON and its chart (writes/s, p50/p99, CPU per write) beside it as .png.
+BENCH_PEERS_JSON ?= bench-peers/peers.json
+bench-peers: setup docs-deps
 	$(BIN)/pip install -q -e '.[bench]'
-	$(BIN)/python benchmarks/bench_peers.py $(if $(BASELINE),--baseline $(BASELINE))
+	$(BIN)/python benchmarks/bench_peers.py $(if $(BASELINE),--baseline $(BASELINE)) --output $(BENCH_PEERS_JSON)
 
 # py-spy profile of the sequencer and a follower under 1 and 64 clients (benchmarks/PROFILE.md).
 profile: setup
 	$(BIN)/python benchmarks/profile_cores.py
 
 clean:
-	rm -rf $(VENV) site docs/benchmarks/charts mnesite-data .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) site docs/benchmarks/charts bench-peers mnesite-data .pytest_cache .ruff_cache .hypothesis
 
 # Content-level fuzzing of 3 cores + 1 replicant with 100,000 hostile messages (CI runs 2,000).
 fuzz: setup

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_catchup.py [--rows 100000] [--rows-per-transaction 1000]
         [--loaders 1] [--writers 3] [--phases catchup,lag,failover,bootstrap,apply,many] [--json]
+        [--baseline TREE]   (the servers run from another commit's source tree, for a same-run A/B)
 
 Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NORMAL"``):
 
@@ -26,7 +27,9 @@ Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NO
   same rows (one ``executemany`` and one transaction per push), interleaved, ``--repeat`` rounds.
 * ``many``: the clients' write latency (``--writers`` clients, one row per transaction, p50/p99)
   with no replicant, then with ``--replicants`` replicants attached and normal, then with none
-  again (they are killed); the ratio is against the mean of the two rounds without.
+  again (they are killed); the ratio is against the mean of the two rounds without. Also the CPU
+  per acknowledged write from ``/proc``: the cores summed without and with the replicants, and each
+  replicant's.
 
 Not a test: it asserts nothing about timing.
 """
@@ -59,6 +62,24 @@ ENTRY_OVERHEAD_BYTES_ESTIMATE = 128
 ROW_BYTES_ESTIMATE = 100
 
 
+# Where the servers import mnesite from: this repository, or a --baseline tree's package layout.
+SERVER_PYTHONPATH = str(REPO)
+
+
+def cpu_used(processes: list[subprocess.Popen]) -> list[float]:
+    """CPU time (user + system) each process has used so far, from ``/proc/PID/stat``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = []
+    for process in processes:
+        try:
+            with open(f"/proc/{process.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # utime and stime: the 12th and 13th
+            used.append((int(fields[11]) + int(fields[12])) / ticks)
+        except (OSError, IndexError, ValueError):
+            used.append(0.0)
+    return used
+
+
 class Cluster:
     """Three core processes and optionally one replicant; every process is killed at ``close``."""
 
@@ -79,8 +100,10 @@ class Cluster:
     def _start(self, name: str, config: Path) -> None:
         self.processes[name] = subprocess.Popen(
             [sys.executable, "-m", "mnesite.cli", "start", "--config", str(config), "--log-level", "INFO"],
-            cwd=REPO,
-            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            # Not the repository as working directory: ``python -m`` would import its own package
+            # first, whatever PYTHONPATH says (a --baseline tree's servers).
+            cwd=self.directory,
+            env=dict(os.environ, PYTHONPATH=SERVER_PYTHONPATH),
             start_new_session=True,
             stdout=subprocess.DEVNULL,
             stderr=(self.directory / f"{name}.log").open("w"),
@@ -508,7 +531,10 @@ def phase_many(directory: Path, args: argparse.Namespace, report: dict) -> None:
     try:
         load(cluster, min(args.rows, 10_000), args.rows_per_transaction, 1)
         rounds: dict[str, list[float]] = {}
+        cores = [cluster.processes[f"core{n}"] for n in range(1, 4)]
+        before = cpu_used(cores)
         rounds["none_before"] = write_latencies(cluster, args.writers, args.seconds)
+        cores_none_s = sum(cpu_used(cores)) - sum(before)
         names = [f"replicant{n}" for n in range(1, args.replicants + 1)]
         for name in names:
             cluster.start_replicant(name)
@@ -522,7 +548,10 @@ def phase_many(directory: Path, args: argparse.Namespace, report: dict) -> None:
             return True
 
         attach_s = cluster.wait(all_normal, args.timeout_s, f"{len(names)} replicants to be normal")
+        replicants = [cluster.processes[name] for name in names]
+        before = cpu_used(cores + replicants)
         rounds["attached"] = write_latencies(cluster, args.writers, args.seconds)
+        used = [after - start for start, after in zip(before, cpu_used(cores + replicants), strict=True)]
         lag = [cluster.shard(name).get("lag_entries") for name in names]
         for name in names:
             cluster.kill(name)
@@ -544,9 +573,18 @@ def phase_many(directory: Path, args: argparse.Namespace, report: dict) -> None:
             "lag_entries_after": lag,
             "rounds": figures,
             "x_p50_attached_vs_none": round(figures["attached"]["p50_ms"] / baseline, 2) if baseline else None,
+            # CPU from /proc over a round, divided by the writes acknowledged in it (every replicant
+            # applies each of them): the cores summed, and each replicant.
+            "cores_cpu_ms_per_write_none": _per_write(cores_none_s, len(rounds["none_before"])),
+            "cores_cpu_ms_per_write_attached": _per_write(sum(used[:3]), len(rounds["attached"])),
+            "replicant_cpu_ms_per_write": [_per_write(value, len(rounds["attached"])) for value in used[3:]],
         }
     finally:
         cluster.close()
+
+
+def _per_write(cpu_s: float, writes: int) -> float | None:
+    return round(cpu_s / writes * 1000, 3) if writes else None
 
 
 def raw_apsw_copy(source: Path, target: Path) -> tuple[int, float]:
@@ -622,11 +660,22 @@ def main() -> None:
     parser.add_argument("--push-entries", type=int, default=10, help="entries per push in the apply phase")
     parser.add_argument("--apply-rows-max", type=int, default=200_000, help="rows of the apply phase at most")
     parser.add_argument("--keep", action="store_true", help="keep the data directories and logs")
+    parser.add_argument(
+        "--baseline",
+        type=lambda text: Path(text).resolve(),
+        help="run the servers (cores, replicants) from another commit's source tree (git archive REV | tar -x -C TREE)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.phases = set(args.phases.split(","))
     root = Path(tempfile.mkdtemp(prefix="mnesite-bench-catchup-"))
     report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "directory": str(root)}
+    if args.baseline is not None:
+        from bench_peers import package_layout
+
+        global SERVER_PYTHONPATH
+        SERVER_PYTHONPATH = package_layout(args.baseline, root)
+        report["servers_from"] = str(args.baseline)
     try:
         if args.phases & {"catchup", "lag", "failover"}:
             (root / "catchup").mkdir()

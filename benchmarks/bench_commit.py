@@ -241,7 +241,9 @@ def start_nodes(
         processes.append(
             subprocess.Popen(
                 [sys.executable, "-m", "mnesite.cli", "start", "--config", str(config), "--log-level", "WARNING"],
-                cwd=REPO,
+                # ``python -m`` puts the working directory first on sys.path: in the repository
+                # that is its own ``mnesite`` package, which would shadow a baseline's PYTHONPATH.
+                cwd=REPO if pythonpath == str(REPO) else pythonpath,
                 env=dict(os.environ, PYTHONPATH=pythonpath),
                 start_new_session=True,
                 stderr=subprocess.DEVNULL,

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_peers.py [--seconds 5] [--clients 1,16,64] [--rounds 3]
         [--systems mnesite-3,mnesite-1,etcd,redis,rqlite,dqlite] [--baseline TREE] [--json]
+        [--output FILE.json]   (the report as JSON, and its chart beside it as FILE.png)
 
 Every system gets the same load: N concurrent clients (threads spread over up to four client
 processes, so that the client side's GIL is not the bottleneck), each writing one 100-byte value
@@ -395,6 +396,11 @@ def main() -> None:
         help="another commit's source tree: adds mnesite-3-baseline (run from that tree) to compare in the same run",
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="write the report as JSON to this file and its chart (charts.draw_peers_report) beside it, as .png",
+    )
     args = parser.parse_args()
     if args.baseline is not None and "mnesite-3-baseline" not in args.systems:
         args.systems = "mnesite-3-baseline," + args.systems
@@ -443,6 +449,26 @@ def main() -> None:
         print(json.dumps(report, indent=2))
     else:
         print_table(report)
+    if args.output is not None:
+        write_report(report, args.output)
+
+
+def write_report(report: dict, output: Path) -> None:
+    """The report as JSON in ``output`` and its chart beside it (same name, ``.png``)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    chart = output.with_suffix(".png")
+    try:
+        from charts import draw_peers_report
+    except ImportError as error:  # pragma: no cover - charts.py sits beside this script
+        print(f"no chart: {error}", file=sys.stderr)
+        return
+    try:
+        draw_peers_report(report, chart)
+    except ImportError as error:
+        print(f"no chart ({error}): install the docs extra (make docs-deps) for matplotlib", file=sys.stderr)
+        return
+    print(f"wrote {output} and {chart}", file=sys.stderr)
 
 
 def summarise(
@@ -467,6 +493,8 @@ def summarise(
                     _median_of(s["cpu_us_per_write"][i] for s in samples)
                     for i in range(len(samples[0]["cpu_us_per_write"]))
                 ],
+                # Per round, to take same-round ratios of CPU per write (e.g. against --baseline).
+                "cpu_us_per_write_rounds": [s["cpu_us_per_write"] for s in samples],
                 "errors": [e for s in samples for e in s["errors"]][:3],
             }
             # mnesite-3 against every other system, per round, then the median of those ratios.

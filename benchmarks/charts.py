@@ -5,6 +5,8 @@ them at every docs build (mkdocs_hooks.py, or ``python benchmarks/charts.py``), 
 disagree with its table. A table that is missing or changed its header fails loudly.
 
     .venv/bin/python benchmarks/charts.py [--page docs/benchmarks/index.md] [--out docs/benchmarks/charts]
+
+``draw_peers_report`` draws one ``bench_peers.py`` run from its JSON report (``--output``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,55 @@ def draw(lines: dict[str, list[tuple[float, float]]], title: str, ylabel: str, p
     axes.set_title(title, fontsize=10)
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, metadata={"Software": None})
+    plt.close(figure)
+
+
+def draw_peers_report(report: dict, path: Path) -> None:
+    """The chart of one ``bench_peers`` report (its JSON): writes/s, p50/p99 latency and server CPU
+    per write, each by client count and system, in three panels (``make bench-peers`` writes it
+    beside the JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems: dict[str, list[dict]] = defaultdict(list)
+    for row in report["results"]:
+        systems[row["system"]].append(row)
+    figure, (rate, latency, cpu) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=100)
+    for index, (name, rows) in enumerate(systems.items()):
+        rows = sorted(rows, key=lambda row: row["clients"])
+        clients = [row["clients"] for row in rows]
+        color = f"C{index % 10}"
+        rate.plot(clients, [row["writes_per_s"] for row in rows], marker="o", color=color, label=name)
+        latency.plot(clients, [row["p50_ms"] for row in rows], marker="o", color=color, label=f"{name} p50")
+        latency.plot(clients, [row["p99_ms"] for row in rows], marker="x", linestyle="--", color=color, label="p99")
+        points = [(c, row["cpu_us_per_write_sum"]) for c, row in zip(clients, rows, strict=True)]
+        points = [(c, value) for c, value in points if value is not None]
+        if points:
+            cpu.plot(*zip(*points, strict=True), marker="o", color=color, label=name)
+    ticks = sorted({row["clients"] for row in report["results"]})
+    for axes, ylabel in (
+        (rate, "acknowledged writes/s (median of rounds)"),
+        (latency, "latency ms (p50 solid, p99 dashed)"),
+        (cpu, "server CPU us per write (all its processes)"),
+    ):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(ticks, labels=[str(tick) for tick in ticks])
+        axes.set_xlabel("concurrent clients")
+        axes.set_ylabel(ylabel)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=7)
+    latency.set_yscale("log")
+    cpu.set_yscale("log")
+    figure.suptitle(
+        f"bench_peers {report['date']}, {report['machine']}, {report['seconds']:g} s per point, "
+        f"{report['rounds']} rounds",
+        fontsize=10,
+    )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, metadata={"Software": None})

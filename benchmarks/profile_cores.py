@@ -1,6 +1,6 @@
 """Where the cores spend their time under load: py-spy on the sequencer and one follower.
 
-    .venv/bin/python benchmarks/profile_cores.py [--clients 1,64] [--seconds 8] [--top 25]
+    .venv/bin/python benchmarks/profile_cores.py [--clients 1,64] [--seconds 8] [--top 25] [--gil]
 
 Starts three real core processes (``bench_commit.start_nodes``), drives ``--clients`` clients
 putting one 100-byte row per transaction at the sequencer, and meanwhile samples the sequencer and
@@ -8,6 +8,8 @@ one follower with ``py-spy record --format raw`` (collapsed stacks, idle frames 
 per process and client count, the commits/s reached, the share of samples per function (inclusive:
 the function or anything it called) and the hottest leaf functions (self time). py-spy comes from
 the ``dev`` extra; it needs ptrace rights over the cores (root, or ``kernel.yama.ptrace_scope=0``).
+``--gil`` keeps only samples that hold the GIL (py-spy's ``--gil``): Python's own work, without the
+time spent blocked in C (an fsync, a poll) or waiting for a CPU, which the default samples count.
 Not a test: timing depends on the machine and its load.
 """
 
@@ -26,7 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_commit import bench_node, start_nodes  # noqa: E402
-from mnesite.rlog.client import Client  # noqa: E402
 
 SAMPLES_PER_S = 200
 
@@ -74,24 +75,21 @@ def main() -> None:
     parser.add_argument("--clients", default="1,64")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--gil", action="store_true", help="only samples that hold the GIL (Python's own work)")
     args = parser.parse_args()
     spy = py_spy()
     directory = Path(tempfile.mkdtemp(prefix="mnesite-profile-"))
     processes, endpoint, keys = start_nodes(directory, "FULL", 3, False)
     try:
-        with Client(endpoint, timeout_ms=2000) as client:
-            status = client.status()
-        sequencer_name = status["node"]
-        names = sorted(status["core_nodes"])
-        follower_name = next(name for name in names if name != sequencer_name)
-        pids = {"sequencer": processes[names.index(sequencer_name)].pid}
-        pids["follower"] = processes[names.index(follower_name)].pid
+        # start_nodes returns the sequencer's process first (not in the order of the names).
+        pids = {"sequencer": processes[0].pid, "follower": processes[1].pid}
         for clients in [int(c) for c in args.clients.split(",")]:
             outputs = {role: directory / f"{role}-{clients}.txt" for role in pids}
             spies = [
                 subprocess.Popen(
                     [spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--rate"]
-                    + [str(SAMPLES_PER_S), "--format", "raw", "--output", str(outputs[role]), "--nonblocking"],
+                    + [str(SAMPLES_PER_S), "--format", "raw", "--output", str(outputs[role]), "--nonblocking"]
+                    + (["--gil"] if args.gil else []),
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )

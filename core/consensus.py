@@ -1201,7 +1201,11 @@ class ShardConsensus:
                 raise ConsensusInvariantError(f"sequencer {sender} disagrees at committed key {prev_key}")
             self._reply_append(sender, message, True, message_last_key)
             return
-        own_prev_digest = self._log.digest_at(prev_key) if prev_key <= self._last_key else None
+        # The usual append continues our log's end, whose digest we hold: no read of the log.
+        if prev_key == self._last_key:
+            own_prev_digest: bytes | None = self._last_digest
+        else:
+            own_prev_digest = self._log.digest_at(prev_key) if prev_key < self._last_key else None
         if own_prev_digest != prev_digest:
             self._reply_append(sender, message, False, ZERO_KEY)
             return

@@ -30,6 +30,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse
 from mnesite.core.versions import watch_protocol_refusal
@@ -48,6 +49,7 @@ from mnesite.rlog.replication import (
 from mnesite.rlog.types import TxKey, to_wire
 from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
+_ENCODER = msgspec.msgpack.Encoder()
 AGENTS_MAX = 1000
 AGENTS_BYTES_MAX = Limits.agents_bytes_max  # the default of [limits] agents_bytes_max
 
@@ -90,9 +92,17 @@ class RlogServer:
         # replicants costs the core's loop a bounded time per turn, whatever the acknowledgements.
         self.turn_push_bytes_max = self.config.step_bytes_max
         self._turn_pushed_bytes = 0
+        # The agents of one shard whose replicants keep up push the same entries after a commit:
+        # each run of entries is encoded once per loop turn and its msgpack bytes are spliced into
+        # every push that carries it (``msgspec.Raw``: the frame's bytes are what encoding the list
+        # would give). Keyed by shard, first entry's prev, last entry's key and count: committed
+        # entries never change at their keys. Cleared every turn (at most a turn's pushed bytes)
+        # and when a shard's log is replaced.
+        self._encoded_entries: dict[tuple[str, TxKey, TxKey, int], msgspec.Raw] = {}
 
     def begin_turn(self) -> None:
         self._turn_pushed_bytes = 0
+        self._encoded_entries.clear()
 
     def watch(
         self,
@@ -231,7 +241,7 @@ class RlogServer:
                     "shard": watch.shard,
                     "agent": agent_id,
                     "core": self.core_name,
-                    "entries": [to_wire(entry) for entry in effect.entries],
+                    "entries": self._entries_on_wire(watch.shard, effect.entries),
                     "committed": list(effect.committed_key),
                     "hears_sequencer": effect.hears_sequencer,
                     "watch": watch.answer,
@@ -241,6 +251,17 @@ class RlogServer:
                 self._forget(agent_id)
                 return
         self.budget.held(agent_id, watch.agent.unacknowledged_bytes)
+
+    def _entries_on_wire(self, shard: str, entries: tuple[Any, ...]) -> msgspec.Raw | list[Any]:
+        """The push's ``entries`` field: encoded once per turn for every agent that pushes them."""
+        if not entries:
+            return []
+        key = (shard, entries[0].prev, entries[-1].tx_key, len(entries))
+        encoded = self._encoded_entries.get(key)
+        if encoded is None:
+            encoded = msgspec.Raw(_ENCODER.encode([to_wire(entry) for entry in entries]))
+            self._encoded_entries[key] = encoded
+        return encoded
 
     def endpoints(self) -> set[str]:
         return {watch.endpoint for watch in self.watches.values()}
@@ -266,6 +287,7 @@ class RlogServer:
         """Forget every agent of ``shard`` (its log was replaced: their positions mean nothing there)."""
         for agent_id in [a for a, w in self.watches.items() if w.shard == shard]:
             self._forget(agent_id, drop_frames=True)
+        self._encoded_entries.clear()
 
     def acked_keys(self, shard: str) -> list[TxKey]:
         """What each live agent of ``shard`` knows its replicant holds (the retention floor waits for it)."""

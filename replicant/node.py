@@ -124,6 +124,9 @@ class ReplicantNode(NodeServer):
         self.probes: dict[str, Probe] = {}
         self.waiting_reads: WaitingReads[tuple[list[bytes], Message]] = WaitingReads(WAITING_READS_MAX)
         self.pushes_rejected: dict[str, int] = {}
+        # Acknowledgements of this turn, one per (core, shard, agent): the last says all the earlier
+        # ones said (an applied key only grows under one agent), so only it is sent (before_send).
+        self._acks: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._next_discovery_ms = 0
         self._next_progress_log_ms: dict[str, int] = {}
         self._next_retention_ms = 0
@@ -265,6 +268,12 @@ class ReplicantNode(NodeServer):
 
     # -- machine effects ---------------------------------------------------------------------
 
+    def before_send(self) -> None:
+        """The turn's acknowledgements, after its commit (they follow what they acknowledge)."""
+        acks, self._acks = self._acks, {}
+        for (core, _, _), body in acks.items():
+            self.queue(self.core_sockets[core], Message("push_ack", "ack", body))
+
     def _step(self, replica: ShardReplica, event: Any) -> None:
         for effect in replica.step(event, self.clock_ms()):
             self._execute(replica, effect)
@@ -318,7 +327,7 @@ class ReplicantNode(NodeServer):
             self.store.replay_spill(shard, effect.start_key, effect.start_digest, int(time.time() * 1000))
         elif isinstance(effect, p.SendAck):
             body = {"shard": shard, "agent": effect.agent_id, "applied": list(effect.applied_key)}
-            self.queue(self.core_sockets[effect.core], Message("push_ack", "ack", body))
+            self._acks[(effect.core, shard, effect.agent_id)] = body
         elif isinstance(effect, p.SendReject):
             self.pushes_rejected[shard] = self.pushes_rejected.get(shard, 0) + 1
             log.info(

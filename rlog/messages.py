@@ -719,12 +719,12 @@ def _deep_field(kind: str, body: bytes | memoryview) -> str:
 _OpName = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX)]
 
 
-class _WriteWire(Struct, frozen=True, array_like=True, tag="w"):
+class _WriteWire(Struct, frozen=True, array_like=True, tag="w", gc=False):
     table: _OpName
     row: Annotated[list[tuple[_OpName, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
 
 
-class _DeleteWire(Struct, frozen=True, array_like=True, tag="d"):
+class _DeleteWire(Struct, frozen=True, array_like=True, tag="d", gc=False):
     table: _OpName
     key: Any
 
@@ -825,15 +825,23 @@ def decode_ops(packed: bytes) -> tuple[Op, ...]:
         raise MessageError("ops", "are nested too deep") from None
     values: list[Any] = []
     names: set[str] = set()
+    # The rows of an entry mostly share a few column lists: each distinct one is checked once
+    # (sorted, which with the length check makes each column appear once) and its names go to the
+    # name rule once.
+    column_lists: set[tuple[str, ...]] = set()
     ops: list[Op] = []
     for op in wire:
         if type(op) is _WriteWire:
             row = dict(op.row)
-            columns = list(row)
+            columns = tuple(row)
             # Canonical: columns sorted and each once (the digest covers this form).
-            if len(columns) != len(op.row) or columns != sorted(columns):
+            if len(columns) != len(op.row):
                 raise MessageError("ops", "write op columns must be sorted and unique")
-            names.update(columns)
+            if columns not in column_lists:
+                if list(columns) != sorted(columns):
+                    raise MessageError("ops", "write op columns must be sorted and unique")
+                column_lists.add(columns)
+                names.update(columns)
             names.add(op.table)
             values.extend(row.values())
             ops.append(WriteOp(op.table, row))

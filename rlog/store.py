@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import operator
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -292,6 +293,11 @@ class Store:
             self.connection.execute("PRAGMA wal_autocheckpoint=0")
             self.connection.set_wal_hook(self._on_wal)
         self._catalog: dict[str, TableSchema] | None = None
+        # The newest log entry's (key, digest) per shard, as this connection last wrote or read it: a
+        # sequencer appends every proposal on its own, and the SELECT that found the log's end cost
+        # more than the INSERT. Kept by ``append_entries``/``log_and_apply_verified``; forgotten by
+        # every other change of the log and by any rollback (see ``_forget_log_ends``).
+        self._log_ends: dict[str, tuple[TxKey, bytes]] = {}
         # Rows an index build copies per step, and the tables being built (table -> shadow).
         self.index_build_step_rows_max = INDEX_BUILD_STEP_ROWS_MAX
         self._builds: dict[str, str] | None = None
@@ -353,7 +359,11 @@ class Store:
         is append-only, so a later durable commit makes it durable too, and a power loss can only drop
         a suffix of such commits, never reorder them.
         """
-        self.connection.execute("COMMIT")
+        try:
+            self.connection.execute("COMMIT")
+        except BaseException:
+            self._forget_log_ends()  # SQLite may have rolled the transaction back
+            raise
         if durable and self._wal_synced_here:
             if self._wal_fd is None:
                 self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY)
@@ -370,6 +380,7 @@ class Store:
         """Roll back the open transaction, if SQLite has not already (it may after SQLITE_FULL)."""
         self._catalog = None  # a rolled-back CREATE TABLE must not linger in the cache
         self._builds = None  # nor a rolled-back index build (rlog.store's online builds)
+        self._forget_log_ends()  # nor rolled-back appends
         if self.connection.in_transaction:
             self.connection.execute("ROLLBACK")
 
@@ -396,8 +407,17 @@ class Store:
             self.connection.execute("RELEASE mnesite_tx")
             self._catalog = None
             self._builds = None
+            self._forget_log_ends()
             raise
         self.connection.execute("RELEASE mnesite_tx")
+
+    def _forget_log_ends(self, shard: str | None = None) -> None:
+        """Drop the cached end of ``shard``'s log (of every shard's if None): the next
+        ``last_entry`` reads it from SQLite."""
+        if shard is None:
+            self._log_ends.clear()
+        else:
+            self._log_ends.pop(shard, None)
 
     # -- catalog ------------------------------------------------------------------------------
 
@@ -480,14 +500,17 @@ class Store:
 
     def last_entry(self, shard: str) -> tuple[TxKey, bytes]:
         """Key and digest of the newest persisted entry (or of the last trimmed one, or genesis)."""
+        cached = self._log_ends.get(shard)
+        if cached is not None:
+            return cached
         row = self.connection.execute(
             "SELECT generation, counter, digest FROM _mnesite_rlog WHERE shard = ? "
             "ORDER BY generation DESC, counter DESC LIMIT 1",
             (shard,),
         ).fetchone()
-        if row is not None:
-            return TxKey(row[0], row[1]), row[2]
-        return self.trimmed(shard)
+        end = (TxKey(row[0], row[1]), row[2]) if row is not None else self.trimmed(shard)
+        self._log_ends[shard] = end
+        return end
 
     def trimmed(self, shard: str) -> tuple[TxKey, bytes]:
         """Key and digest of the last entry removed by retention (ZERO_KEY and genesis if none)."""
@@ -530,16 +553,20 @@ class Store:
         """
         if not entries:
             return
-        last_key, last_digest = self.last_entry(entries[0].shard)
+        shard = entries[0].shard
+        last_key, last_digest = self.last_entry(shard)
         for entry in entries:
-            if entry.prev != last_key:
+            if entry.shard != shard or entry.prev != last_key:
                 raise StoreError(
                     f"shard {entry.shard}: entry {entry.tx_key} follows {entry.prev}, log ends at {last_key}"
                 )
             if not chain_verified and chain_break(last_key, last_digest, entry) is not None:
                 raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
-            self.append_entry(entry, appended_ms)
             last_key, last_digest = entry.tx_key, entry.digest
+        # Links checked for the whole batch, then one prepared statement for all its rows.
+        self._forget_log_ends(shard)
+        self.connection.executemany(RLOG_INSERT, [rlog_row(entry, appended_ms) for entry in entries])
+        self._log_ends[shard] = (last_key, last_digest)
 
     def truncate_after(self, shard: str, key: TxKey) -> int:
         """Remove the uncommitted tail after ``key``; refuses to remove an applied (committed) entry."""
@@ -548,6 +575,7 @@ class Store:
             raise StoreError(f"unknown shard {shard}")
         if key < position.applied:
             raise StoreError(f"shard {shard}: truncating after {key} would remove applied entry {position.applied}")
+        self._forget_log_ends(shard)
         self.connection.execute(
             "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) > (?, ?)",
             (shard, key.generation, key.counter),
@@ -589,12 +617,30 @@ class Store:
         return applied
 
     def _apply_chain(self, shard: str, chain: list[Entry], healing: bool) -> None:
-        """Apply linked, verified entries and move the applied key once (one UPDATE for the batch)."""
-        for entry in chain:
-            try:
-                self.apply_ops(entry.ops, healing)
-            except (apsw.Error, StoreError) as error:
-                raise _apply_failure(entry, error) from None
+        """Apply linked, verified entries and move the applied key once (one UPDATE for the batch).
+
+        Set-based: the ops of the whole batch go through ``apply_ops_batched`` (one prepared
+        ``executemany`` per run of writes, or deletes, of one table), inside a savepoint. If that
+        fails for another reason than the disk, the savepoint is rolled back and the entries are
+        applied one by one, so that the error names the entry that cannot be applied.
+        """
+        self.connection.execute("SAVEPOINT mnesite_apply")
+        try:
+            self.apply_ops_batched([op for entry in chain for op in entry.ops], healing)
+        except (apsw.Error, StoreError) as error:
+            if storage_fault(error) is not None:
+                raise  # not an entry's fault (rlog.disk); SQLite may have rolled back already
+            self.connection.execute("ROLLBACK TO mnesite_apply")
+            self.connection.execute("RELEASE mnesite_apply")
+            self._catalog = None  # a rolled-back schema change must not linger in the caches
+            self._builds = None
+            for entry in chain:
+                try:
+                    self.apply_ops(entry.ops, healing)
+                except (apsw.Error, StoreError) as entry_error:
+                    raise _apply_failure(entry, entry_error) from None
+            raise _apply_failure(chain[0], error) from None  # only together: name the first
+        self.connection.execute("RELEASE mnesite_apply")
         last = chain[-1]
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
@@ -611,6 +657,7 @@ class Store:
         return TxKey(row[0], row[1]) if row else ZERO_KEY
 
     def append_entry(self, entry: Entry, appended_ms: int) -> None:
+        self._forget_log_ends(entry.shard)
         self.connection.execute(RLOG_INSERT, rlog_row(entry, appended_ms))
 
     def apply_entry(self, entry: Entry, healing: bool = False) -> None:
@@ -664,7 +711,9 @@ class Store:
             if entry.shard != shard or entry.prev != previous:
                 raise StoreError(f"shard {shard}: entry {entry.tx_key} of {entry.shard} does not follow {previous}")
             previous = entry.tx_key
+        self._forget_log_ends(shard)
         self.connection.executemany(RLOG_INSERT, [rlog_row(entry, appended_ms) for entry in entries])
+        self._log_ends[shard] = (entries[-1].tx_key, entries[-1].digest)
         self.apply_ops_batched([op for entry in entries for op in entry.ops], healing)
         last = entries[-1]
         self.connection.execute(
@@ -705,7 +754,7 @@ class Store:
             table = self._table(table_name)
             if kind is WriteOp:
                 names = [name for name, _ in table.columns]
-                rows = [tuple(map(write.row.get, names)) for write in ops[index:end]]
+                rows = _row_tuples(names, ops[index:end])
                 for target in (table.name, self._mirror(table.name)):
                     if target is not None:
                         self.connection.executemany(_write_sql(target, names), rows)
@@ -1040,6 +1089,7 @@ class Store:
         digest = self.digest_at(shard, newest_removed)
         if digest is None:
             return 0
+        self._forget_log_ends(shard)
         self.connection.execute(
             "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
             (shard, newest_removed.generation, newest_removed.counter),
@@ -1099,6 +1149,7 @@ class Store:
     def reset_shard(self, shard: str) -> None:
         """Forget a shard's rows, rlog, spill and position (a bootstrap starts); keep its table definitions."""
         self.clear_rows(shard)
+        self._forget_log_ends(shard)
         self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
         self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
         self.ensure_shard(shard, 0)
@@ -1130,6 +1181,7 @@ class Store:
 
     def restart_log_at(self, shard: str, key: TxKey, digest: bytes) -> None:
         """A snapshot install ends: the shard's log is empty, trimmed at ``key``, and applied there."""
+        self._forget_log_ends(shard)
         self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
@@ -1210,6 +1262,22 @@ class Store:
                 f"SELECT {columns} FROM {quote(table.name)} WHERE {key} > ? ORDER BY {key} LIMIT ?", (after, limit)
             )
         return [dict(zip(names, row, strict=True)) for row in cursor]
+
+
+def _row_tuples(names: list[str], writes: list[Op]) -> list[tuple[Any, ...]]:
+    """The rows of ``writes`` as tuples in the order of ``names``, a column a row lacks as NULL.
+
+    A row of a write holds every declared column but those added since (``AddColumnOp``): one C
+    ``itemgetter`` for the rows does it unless a row lacks one, then ``dict.get`` per column."""
+    if len(names) > 1:
+        try:
+            return list(map(operator.itemgetter(*names), map(_ROW_OF, writes)))
+        except KeyError:
+            pass
+    return [tuple(map(write.row.get, names)) for write in writes]  # type: ignore[union-attr]
+
+
+_ROW_OF = operator.attrgetter("row")
 
 
 def _write_sql(table: str, names: Sequence[str]) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, NamedTuple
 
 import msgpack
-from msgspec import Meta
+from msgspec import Meta, Struct
 
 DIGEST_BYTES = 32
 GENESIS_DIGEST = bytes(DIGEST_BYTES)
@@ -57,16 +57,17 @@ ZERO_KEY = TxKey(0, 0)
 Scalar = None | int | float | str | bytes
 
 
-@dataclass(frozen=True)
-class WriteOp:
+# The two per-row op kinds are frozen msgspec Structs, not dataclasses: a replicant builds one per
+# row it applies, and a frozen dataclass's __init__ (0.8 us) cost more than SQLite's upsert of the
+# row; a Struct is built in C (0.1 us). Same fields, equality and immutability.
+class WriteOp(Struct, frozen=True, gc=False):
     """The full row of ``table`` after the transaction (all declared columns)."""
 
     table: str
     row: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class DeleteOp:
+class DeleteOp(Struct, frozen=True, gc=False):
     """``key`` of ``table`` no longer exists after the transaction."""
 
     table: str

@@ -10,10 +10,12 @@ import pytest
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.agent_budget import AgentBudgetError, AgentMemoryBudget, AgentUse, agents_to_evict
 from mnesite.core.rlog_server import RlogServer
+from mnesite.rlog import codec
+from mnesite.rlog.codec import Message
 from mnesite.rlog.config import ConfigError, parse_config
 from mnesite.rlog.messages import typed_body
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, AgentMode, CommittedAdvanced, Ticked
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry, to_wire
 
 from tests.sim import MemoryLog
 from tests.test_agent import SHARD, build_large_log, build_log
@@ -382,3 +384,40 @@ def test_a_watch_never_acknowledged_stops_after_probation_timeout_ms_an_acknowle
     assert live in server.watches
     server.tick(5_010)
     assert server.watches == {} and held(server) == 0
+
+
+def test_agents_pushing_the_same_entries_share_one_encoding_and_send_the_bytes_of_the_plain_list():
+    """Entries pushed by several agents in one turn are encoded once; each frame is byte for byte
+    what encoding the entries as a list gives (the wire of v0.1.0), and decodes to those entries."""
+    log = build_log(30)
+    server = server_of(1_000_000, step_bytes_max=1_000_000)
+    server.begin_turn()
+    committed = log.last_key()
+    for replicant in ("rep0", "rep1"):
+        body = {
+            "shard": SHARD,
+            "replicant": replicant,
+            "endpoint": f"tcp://{replicant}.test:1",
+            "from": [0, 0],
+            "from_digest": GENESIS_DIGEST,
+            "protocol": REPLICATION_PROTOCOL_VERSION,
+        }
+        server.watch(typed_body("watch", body), log, committed, log.digest_at(committed), log.digest_at, True, 0)
+    by_agent: dict[str, list[Message]] = {}
+    for _, message in server.outbox:
+        if message.body["entries"]:
+            by_agent.setdefault(message.body["agent"], []).append(message)
+    first, second = by_agent.values()
+    assert len(first) == len(second) > 0
+    for one, other in zip(first, second, strict=True):
+        assert one.body["entries"] is other.body["entries"]  # encoded once, for both agents
+    for pushes in (first, second):
+        keys = []
+        for message in pushes:
+            frame = codec.encode(message)
+            pushed = codec.decode(frame).body.entries
+            keys += [entry.tx_key for entry in pushed]
+            entries = log.entries_after(pushed[0].prev, len(pushed))
+            plain = Message(message.kind, message.request_id, dict(message.body, entries=list(map(to_wire, entries))))
+            assert frame == codec.encode(plain)
+        assert keys == [TxKey(1, n) for n in range(1, len(keys) + 1)]

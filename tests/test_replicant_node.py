@@ -224,3 +224,31 @@ def test_a_malformed_list_tables_answer_fails_the_copy_and_not_the_loop_turn(tmp
     finally:
         node.store.close()
         node.data_dir_lock.release()
+
+
+def test_the_acknowledgements_of_one_turn_go_out_once_per_agent_with_the_newest_applied_key(tmp_path) -> None:
+    """Each push applied is acknowledged by the replica; the driver sends one push_ack per agent and
+    turn, after the turn's commit, carrying the last applied key (it says all the earlier ones said)."""
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        replica = node._open_replica("default")
+        upstream = object()  # stands for core1's socket: only queued to, never sent on here
+        node.core_sockets = {"core1": upstream}
+        for agent, counter in (("core1-a", 2), ("core1-a", 5), ("core1-b", 3), ("core1-a", 7)):
+            node._execute(replica, p.SendAck("core1", agent, TxKey(1, counter)))
+        assert not [m for _s, _e, m in node._outbox if m.kind == "push_ack"], "nothing before the commit"
+        node.before_send()
+        acks = [(socket, message.body) for socket, _e, message in node._outbox if message.kind == "push_ack"]
+        assert acks == [
+            (upstream, {"shard": "default", "agent": "core1-a", "applied": [1, 7]}),
+            (upstream, {"shard": "default", "agent": "core1-b", "applied": [1, 3]}),
+        ]
+        node._outbox.clear()
+        node.before_send()
+        assert node._outbox == []  # sent once
+    finally:
+        node.core_sockets = {}
+        node.store.close()
+        node.data_dir_lock.release()

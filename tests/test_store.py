@@ -5,7 +5,7 @@ from __future__ import annotations
 import apsw
 import pytest
 from mnesite.rlog.schema import define_table
-from mnesite.rlog.store import Store, StoreError
+from mnesite.rlog.store import EntryApplyError, Store, StoreError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DropTableOp, TxKey, WriteOp, make_entry
 
 pytestmark = pytest.mark.timeout(30)
@@ -229,6 +229,47 @@ def test_apply_committed_from_held_entries_matches_reading_them_back(tmp_path) -
     assert results[0][0].applied == TxKey(1, 5) and results[0][0].digest == entries[-1].digest
     for store in stores:
         store.close()
+
+
+def test_a_batch_apply_that_fails_names_the_entry_that_cannot_be_applied(store) -> None:
+    """Held entries are applied set-based; when that fails, the error still names the one entry at
+    fault (not the first of the batch) and the batch leaves no row behind."""
+    entries = [store.shard("default")]
+    held = []
+    previous_key, previous_digest = entries[0].applied, entries[0].digest
+    for counter, table in ((2, "t"), (3, "missing"), (4, "t")):
+        entry = make_entry(
+            "default", TxKey(1, counter), previous_key, previous_digest, [WriteOp(table, {"k": counter, "v": "x"})]
+        )
+        held.append(entry)
+        previous_key, previous_digest = entry.tx_key, entry.digest
+    with store.write_transaction():
+        store.append_entries(held, 0)
+    with pytest.raises(EntryApplyError, match=r"entry \(1, 3\)") as failure, store.write_transaction():
+        store.apply_committed("default", TxKey(1, 4), held)
+    assert failure.value.entry == held[1]
+    assert store.read_row(store.catalog()["t"], 2) is None
+    assert store.shard("default").applied == TxKey(1, 1)
+
+
+def test_the_end_of_the_log_is_read_again_after_a_rollback_a_truncation_and_a_snapshot_install(store) -> None:
+    """The log's end is cached per shard: every way the log changes besides an append refreshes it."""
+    entry = append(store, 2, "a")
+    with pytest.raises(RuntimeError), store.write_transaction():
+        later = make_entry("default", TxKey(1, 3), entry.tx_key, entry.digest, [WriteOp("t", {"k": 3, "v": "b"})])
+        store.append_entries([later], 0)
+        assert store.last_entry("default") == (later.tx_key, later.digest)
+        raise RuntimeError("rolled back")
+    assert store.last_entry("default") == (entry.tx_key, entry.digest)
+    with store.write_transaction():
+        store.append_entries([later], 0)
+        assert store.truncate_after("default", entry.tx_key) == 1
+    assert store.last_entry("default") == (entry.tx_key, entry.digest)
+    with pytest.raises(StoreError, match="follows"):
+        store.append_entries([make_entry("default", TxKey(1, 9), later.tx_key, later.digest, ())], 0)
+    with store.write_transaction():
+        store.restart_log_at("default", TxKey(2, 7), b"r" * 32)
+    assert store.last_entry("default") == (TxKey(2, 7), b"r" * 32)
 
 
 def drop_entry(store: Store, counter: int, table: str = "t", shard: str = "default"):
