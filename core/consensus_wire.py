@@ -99,6 +99,17 @@ KINDS: dict[str, tuple[type, type[_Wire]]] = {
     "exclusion_notice": (ExclusionNotice, _Exclusion),
 }
 _KIND_OF = {message: kind for kind, (message, _) in KINDS.items()}
+_DECODERS = {kind: msgspec.msgpack.Decoder(wire_type) for kind, (_, wire_type) in KINDS.items()}
+
+
+class _Head(Struct, frozen=True, array_like=True):
+    """The first two fields of any message (the rest is skipped): its version and kind."""
+
+    version: Any
+    kind: Any
+
+
+_HEAD = msgspec.msgpack.Decoder(_Head)
 
 
 def message_to_wire(message: PeerMessage) -> list[Any]:
@@ -112,22 +123,28 @@ def message_to_wire(message: PeerMessage) -> list[Any]:
 
 
 def message_from_wire(value: Any) -> PeerMessage:
-    """Inverse of ``message_to_wire`` (of its unpacked msgpack); raises ``CodecError`` on anything else."""
-    if not isinstance(value, (list, tuple)) or len(value) < 2:
-        raise CodecError("consensus message must be [version, kind, ...]")
-    if value[0] != CONSENSUS_WIRE_VERSION or type(value[0]) is not int:
-        raise CodecError(f"consensus wire version {value[0]!r:.40} is not supported", "unsupported_version")
-    kind = value[1]
+    """Inverse of ``message_to_wire``: of its msgpack bytes (a ``peer`` frame's ``message``, decoded
+    once, by its kind's type) or of the unpacked list; raises ``CodecError`` on anything else."""
+    packed = isinstance(value, (bytes, bytearray, memoryview, msgspec.Raw))
+    try:
+        head = _HEAD.decode(value) if packed else _Head(*value[:2])
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, UnicodeDecodeError, TypeError):
+        raise CodecError("consensus message must be [version, kind, ...]") from None
+    if head.version != CONSENSUS_WIRE_VERSION or type(head.version) is not int:
+        raise CodecError(f"consensus wire version {head.version!r:.40} is not supported", "unsupported_version")
+    kind = head.kind
     if type(kind) is not str or kind not in KINDS:
         raise CodecError(f"unknown consensus message kind {kind!r:.40}", "unknown_kind")
     message_type, wire_type = KINDS[kind]
     try:
-        wire = msgspec.convert(value, wire_type)
+        wire = _DECODERS[kind].decode(value) if packed else msgspec.convert(value, wire_type)
         fields = list(msgspec.structs.astuple(wire)[2:])
         if kind == "append_request":
             fields[5] = decode_entries(wire.entries)
     except msgspec.ValidationError as error:
         raise CodecError(str(body_error(kind, error))[:400]) from None
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+        raise CodecError(f"{kind}: malformed msgpack") from None
     except MessageError as error:
         raise CodecError(f"{kind}.entries: {str(error)[:300]}") from None
     return message_type(*fields)

@@ -493,11 +493,9 @@ class SnapshotOffer(Body, frozen=True, kw_only=True):
 class Peer(Body, frozen=True, kw_only=True):
     shard: Name
     sender: Name
-    # one ``core.consensus_wire`` message, decoded by it
-    message: Annotated[list[Any], Meta(min_length=2, max_length=16)]
-
-    def verify(self) -> None:
-        _require_free(self.message, "message", 9)
+    # one ``core.consensus_wire`` message, left as its msgpack bytes here and decoded once, by its
+    # kind's type, by ``core.consensus_wire.message_from_wire`` (no walk of it as a free value first)
+    message: msgspec.Raw
 
 
 class RangeDigest(Body, frozen=True, kw_only=True):

@@ -146,3 +146,38 @@ def test_the_wire_bytes_are_those_of_release_0_1_0(index):
     frame = bytes.fromhex(V0_1_0_FRAMES[index])
     assert msgpack.packb(message_to_wire(MESSAGES[index]), use_bin_type=True) == frame
     assert message_from_wire(msgpack.unpackb(frame, raw=False)) == MESSAGES[index]
+
+
+# A node decodes a peer frame's message from its msgpack bytes (``Peer.message`` is left raw): the
+# same messages, refusals and hostile inputs, on that path.
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_messages_round_trip_from_their_packed_bytes(message):
+    assert message_from_wire(msgpack.packb(message_to_wire(message), use_bin_type=True)) == message
+
+
+@pytest.mark.timeout(10)
+def test_packed_bytes_that_are_not_a_message_raise_codec_error():
+    hostile = [
+        b"",
+        b"\xc1",  # never used in msgpack
+        b"\x91" * 1010 + b"\xc0",  # nested 1,010 levels
+        msgpack.packb([CONSENSUS_WIRE_VERSION, "vote_reply", 1, True, "extra"]),
+        msgpack.packb([CONSENSUS_WIRE_VERSION, "vote_reply", 1]),
+        msgpack.packb([CONSENSUS_WIRE_VERSION, "vote_request", 1, [1, 2**64 - 1]]),
+        msgpack.packb([CONSENSUS_WIRE_VERSION, "append_request", 1, [0, 0], b"x" * 32, [0, 0], ["a"], [[1]] * 5000, 0]),
+        b"\x94\x02\xa2\x00\x80\x01\xc3",  # a kind that is not UTF-8
+    ]
+    for frame in hostile:
+        with pytest.raises(CodecError):
+            message_from_wire(frame)
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_garbage_bytes_only_raise_codec_error(frame):
+    with contextlib.suppress(CodecError):
+        message_from_wire(frame)

@@ -803,7 +803,7 @@ class Simulation:
             if sender == CLIENT:
                 self._serve_client(node, frame)
                 continue
-            message = message_from_wire(msgpack.unpackb(frame, raw=False))
+            message = message_from_wire(frame)  # the packed bytes, as a node decodes them
             self._step(node, MessageReceived(sender, message))
         for item in postponed:
             heapq.heappush(self.network, item)
