@@ -95,7 +95,7 @@ bench: setup
 # mnesite beside etcd and Redis (installed with apt-get when missing; not in CI): 1/16/64 clients,
 # 3 interleaved rounds. BASELINE=tree adds mnesite-3 run from another commit's source tree. The report
 # goes to BENCH_PEERS_JSON and its chart (writes/s, p50/p99, CPU per write) beside it as .png.
-BENCH_PEERS_JSON ?= bench-peers/peers.json
+BENCH_PEERS_JSON ?= docs/benchmarks/peers.json
 bench-peers: setup docs-deps
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/bench_peers.py $(if $(BASELINE),--baseline $(BASELINE)) --output $(BENCH_PEERS_JSON)
