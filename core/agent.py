@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-When a replica's watch is accepted, the core's RLOG server builds one ``Agent`` with a unique
+When a replica's watch is accepted, the core's agent server builds one ``Agent`` with a unique
 agent id and the key the replica already has (``start_key``: the replica's applied key on a resume,
 K0, the core's committed key, on a bootstrap). The agent pushes every *committed* entry after
 ``start_key`` to the replicant, in key order, and nothing else. It is a pure state machine: it reads

@@ -29,7 +29,7 @@ the socket closes, so ``watches_max`` agents of ``window_bytes_max`` each could 
   make the room (backpressure shared by all agents).
 * The agent's own probation (``core.agent``: a small window, and a short timeout, until the first
   acknowledgement) keeps what each silent watch takes small; the budget bounds their sum.
-* The driver (``core.rlog_server``) executes an eviction: it stops the agent, drops its frames not
+* The driver (``core.agent_server``) executes an eviction: it stops the agent, drops its frames not
   yet handed to zmq, and the node closes the endpoint's DEALER with linger 0, which drops what zmq
   still queues. A replicant that was alive after all notices the missing pushes and heartbeats
   (its ``failure_timeout_ms``), watches again and resumes from its applied key.

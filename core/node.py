@@ -63,6 +63,7 @@ from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_an
 from mnesite.bootstrap.serve import read_batch
 from mnesite.core import rules
 from mnesite.core.agent import AgentConfig
+from mnesite.core.agent_server import AgentServer
 from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
     BatchEnded,
@@ -108,7 +109,6 @@ from mnesite.core.recovery import (
     recovered_members,
     well_formed_answers,
 )
-from mnesite.core.rlog_server import RlogServer
 from mnesite.core.snapshot import (
     BeginInstall,
     FenceReached,
@@ -347,7 +347,7 @@ class CoreNode(NodeServer):
             probation_timeout_ms=PROBATION_TIMEOUT_MS,
             step_bytes_max=push_bytes_max,
         )
-        self.rlog_server = RlogServer(
+        self.agent_server = AgentServer(
             config.name,
             agent_config,
             random.Random(self.rng.random()),
@@ -362,7 +362,7 @@ class CoreNode(NodeServer):
         self.not_serving: dict[str, str] = {}
         self.last_heard_ms: dict[str, int] = {}
         # What this core and its peers speak, and the cluster version entries proposed (core.versions).
-        self.versions = self.rlog_server.versions
+        self.versions = self.agent_server.versions
         self.peer_versions = PeerVersions(self.versions)
         self.peer_frames_refused = 0
         self._next_versions_probe_ms = 0
@@ -503,9 +503,9 @@ class CoreNode(NodeServer):
     def run_turn(self) -> None:
         if self.socket is None:
             raise RuntimeError("socket not bound")
-        self.rlog_server.begin_turn()
+        self.agent_server.begin_turn()
         deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
-        agents_deadline = self.rlog_server.next_deadline_ms()
+        agents_deadline = self.agent_server.next_deadline_ms()
         if agents_deadline is not None:
             deadlines.append(agents_deadline)
         timeout = POLL_INTERVAL_MS_MAX
@@ -540,7 +540,7 @@ class CoreNode(NodeServer):
             self._step_install(shard, Ticked())
         # The shard ticks above may have stepped agents with a later clock reading (a commit feeds
         # them its time): read the clock again, never hand an agent an earlier one.
-        self.rlog_server.tick(self.clock_ms())
+        self.agent_server.tick(self.clock_ms())
         timers_ms = self.clock_ms() - now
         self.flush()
         self._maybe_trim()
@@ -566,7 +566,7 @@ class CoreNode(NodeServer):
         for shard, driver in list(self.shards.items()):
             self._step(driver, DiskFull(error))
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
-            self.rlog_server.stop_shard(shard)
+            self.agent_server.stop_shard(shard)
             self._step(self._open_shard(shard), DiskFull(error))
 
     def disk_freed(self) -> None:
@@ -612,12 +612,12 @@ class CoreNode(NodeServer):
         elif message.kind == "watch":
             self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
-            watch = self.rlog_server.watches.get(message.body.agent)
+            watch = self.agent_server.watches.get(message.body.agent)
             replicant = watch.replicant if watch is not None else None
             if not rules.ack_sender_allowed(self.security is not None, replicant, principal):
                 self.security.refused_sender += 1
                 return
-            self.rlog_server.acknowledged(message.body, self.clock_ms())
+            self.agent_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
             self.reply(envelope, codec.reply(message.request_id, self.force_start()))
         elif message.kind == "membership_change":
@@ -699,7 +699,7 @@ class CoreNode(NodeServer):
                     self._set_cluster_members(applied_members)
                 if cluster_version_of(entry) is not None:
                     self._cluster_version_applied(shard)
-            self.rlog_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
+            self.agent_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
             self._tell_outcomes(driver.waiters.committed(applied))
         elif isinstance(effect, Send):
             frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
@@ -720,7 +720,7 @@ class CoreNode(NodeServer):
             self._tell_outcomes(self.forwarded.sequencer_changed(shard, effect.sequencer))
             position = self.store.shard(shard)
             if position is not None:
-                self.rlog_server.committed(shard, position.applied, effect.sequencer is not None, self.clock_ms())
+                self.agent_server.committed(shard, position.applied, effect.sequencer is not None, self.clock_ms())
             log.info(
                 "shard %s: %s in generation %d (sequencer %s)",
                 shard,
@@ -781,13 +781,13 @@ class CoreNode(NodeServer):
         # Agent pushes carry committed entries only: queue them once the turn's commit is done.
         limits = self.config.limits
         peers = set(self.endpoints.values())
-        for endpoint in self.rlog_server.endpoints_to_reset():
+        for endpoint in self.agent_server.endpoints_to_reset():
             # An agent ended and no acknowledging one uses its endpoint: what zmq still queues there
-            # is dropped with the socket (core.rlog_server's _forget); a new agent's pushes below
+            # is dropped with the socket (core.agent_server's _forget); a new agent's pushes below
             # open a new one.
             if endpoint not in peers:
                 self.close_dealer(endpoint)
-        for endpoint, message in self.rlog_server.drain():
+        for endpoint, message in self.agent_server.drain():
             # Not IMMEDIATE: the first pushes of a new agent go out while the connection (and its
             # CurveZMQ handshake) is still being made; dropping them made every new agent's stream
             # start with a gap, and the replica resynchronised forever. A dead endpoint holds at most
@@ -798,7 +798,7 @@ class CoreNode(NodeServer):
                 self.queue(replicant_socket, message)
         # Close the sockets of endpoints no agent pushes to any more (stopped, superseded, evicted),
         # except those a frame of this turn is still queued for: they close at a later turn.
-        in_use = self.rlog_server.endpoints()
+        in_use = self.agent_server.endpoints()
         queued = {id(socket) for socket, _, _ in self._outbox if socket is not None}
         for endpoint, socket in list(self.dealers.items()):
             if endpoint not in in_use and endpoint not in peers and id(socket) not in queued:
@@ -835,7 +835,7 @@ class CoreNode(NodeServer):
         if driver is None or position is None:
             raise RequestError("unknown_shard", f"unknown shard {body.shard!r}")
         try:
-            return self.rlog_server.watch(
+            return self.agent_server.watch(
                 body,
                 AgentStoreLogView(driver.log_view),
                 position.applied,
@@ -950,7 +950,7 @@ class CoreNode(NodeServer):
                 self.store.apply_ops((ClusterVersionOp(shard, self._install_cluster_versions.pop(shard, 1)),))
                 self.not_serving[shard] = "replaying after a snapshot install"
                 # Agents' positions mean nothing in the new log (core.agent, driver contract 4).
-                self.rlog_server.stop_shard(shard)
+                self.agent_server.stop_shard(shard)
                 self._tell_outcomes(self.shards[shard].waiters.abandoned("this core installed a snapshot"))
                 self._open_shard(shard)
                 log.warning("shard %s: snapshot installed at %s; catching up from the log", shard, effect.key)
@@ -1279,7 +1279,7 @@ class CoreNode(NodeServer):
         """A cluster version entry applied: replicants that cannot read the log from here on lose their agents."""
         version = self.store.cluster_version(shard)
         log.warning("shard %s: cluster version %d (storage format %d)", shard, version, self.store.storage_format())
-        self.rlog_server.stop_unreadable(shard, version, self.versions)
+        self.agent_server.stop_unreadable(shard, version, self.versions)
 
     def _versions_status(self) -> dict[str, Any]:
         versions = [self.store.cluster_version(shard) for shard in self.shards]
@@ -1470,7 +1470,7 @@ class CoreNode(NodeServer):
             for shard, driver in self.shards.items():
                 status = driver.consensus.status()
                 keep_from = keep_from_match_keys(
-                    (key for _, key in status.follower_match_keys), self.rlog_server.acked_keys(shard)
+                    (key for _, key in status.follower_match_keys), self.agent_server.acked_keys(shard)
                 )
                 self.store.trim(shard, retention.retention_entries_max, before_ms, keep_from)
             self.flush()
@@ -1598,7 +1598,7 @@ class CoreNode(NodeServer):
                 "forced": status.forced,
                 "members": list(status.members),
                 "hears_sequencer": self._hears_sequencer(driver),
-                "agents": self.rlog_server.agents_of(shard),
+                "agents": self.agent_server.agents_of(shard),
                 "cluster_version": self.store.cluster_version(shard),
             }
         return {
@@ -1675,8 +1675,8 @@ class CoreNode(NodeServer):
             "index_builds": self.store.index_build_status(),
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
-            "agents": self.rlog_server.status(),
-            "agent_budget": self.rlog_server.budget.status(),
+            "agents": self.agent_server.status(),
+            "agent_budget": self.agent_server.budget.status(),
             "security": self.security_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             **self._versions_status(),

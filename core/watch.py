@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, protocol, watch_id)``.
-``core.rlog_server`` (the adapter that creates agents) asks these functions, in this order:
+``core.agent_server`` (the adapter that creates agents) asks these functions, in this order:
 
 1. ``check_watch_request``: a watch naming a replication protocol that cannot read the shard's log at
    its cluster version is refused (``incompatible_protocol``, ``core.versions``), and so is a

@@ -3,13 +3,13 @@
 This module is the contract between the pure state machines (``replicant.replica.ShardReplica``
 on the replicant, ``core.agent.Agent`` on the core) and their drivers. It holds data only.
 
-The flow, per shard (Mria's RLOG server / agent / replica / bootstrapper, with catch-up from the
+The flow, per shard (Mria's agent server / agent / replica / bootstrapper, with catch-up from the
 persisted rlog that Mria never had):
 
 1. The replica probes every core's journal age (``ProbeJournals`` -> ``JournalsReceived``) and picks
    an upstream whose committed key is at least its own applied key and that hears the sequencer,
    spreading over cores by agent count with randomness (``replicant.upstream``).
-2. It sends ``watch(shard, from_key, from_digest, watch_id)`` (``SendWatch``). The core's RLOG server
+2. It sends ``watch(shard, from_key, from_digest, watch_id)`` (``SendWatch``). The core's agent server
    answers (and every push of the agent it creates repeats that answer, so that a push overtaking
    the answer is not taken for a zombie's):
    * ``resume``: it retains ``from_key`` with that digest; an agent pushes entries after it;

@@ -289,15 +289,15 @@ def test_one_step_pushes_at_most_step_bytes_max_and_the_next_tick_is_due_at_once
     assert pushed_keys(machine.step(Ticked(), 0))[0] == TxKey(1, 7)
 
 
-def test_every_frame_the_rlog_server_queues_passes_the_typed_message_layer():
+def test_every_frame_the_agent_server_queues_passes_the_typed_message_layer():
     """Regression: the watch answer repeated in every push was refused by the codec's depth bound on
     encode, so cores sent ``error`` frames to replicants instead of pushes and no replicant advanced."""
-    from mnesite.core.rlog_server import RlogServer
+    from mnesite.core.agent_server import AgentServer
     from mnesite.rlog import codec
     from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
 
     log = build_log(5)
-    server = RlogServer("core1")
+    server = AgentServer("core1")
     body = {
         "shard": SHARD,
         "replicant": "rep0",
@@ -321,12 +321,12 @@ def test_every_frame_the_rlog_server_queues_passes_the_typed_message_layer():
 def test_the_retention_floor_waits_for_live_agents_and_forgets_stopped_ones():
     """A bootstrapping replicant's agent starts at K0; the age bound must keep K0's successors until
     the replicant acknowledged them, or the copy under writes starts over (bootstraps 3, not 1)."""
-    from mnesite.core.rlog_server import RlogServer
+    from mnesite.core.agent_server import AgentServer
     from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
     from mnesite.rlog.retention import keep_from_match_keys
 
     log = build_log(20)
-    server = RlogServer("core1")
+    server = AgentServer("core1")
     body = {
         "shard": SHARD,
         "replicant": "rep0",

@@ -1,5 +1,5 @@
 """core.agent_budget: the eviction rule, sentence by sentence of its theory of operation, and the
-accounting of the bytes agents hold as ``core.rlog_server`` keeps it (added on a push, freed on an
+accounting of the bytes agents hold as ``core.agent_server`` keeps it (added on a push, freed on an
 acknowledgement, an eviction, or the agent's end)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.agent_budget import AgentBudgetError, AgentMemoryBudget, AgentUse, agents_to_evict
-from mnesite.core.rlog_server import RlogServer
+from mnesite.core.agent_server import AgentServer
 from mnesite.rlog import codec
 from mnesite.rlog.codec import Message
 from mnesite.rlog.config import ConfigError, parse_config
@@ -125,13 +125,13 @@ def config(**overrides) -> AgentConfig:
     return AgentConfig(**{**values, **overrides})
 
 
-def server_of(agents_bytes_max: int, **overrides) -> RlogServer:
-    return RlogServer(
+def server_of(agents_bytes_max: int, **overrides) -> AgentServer:
+    return AgentServer(
         "core1", config(**overrides), random.Random(7), watches_max=100, agents_bytes_max=agents_bytes_max
     )
 
 
-def watch(server: RlogServer, log, replicant: str, now_ms: int) -> str:
+def watch(server: AgentServer, log, replicant: str, now_ms: int) -> str:
     """A watch from the start of ``log`` (the agent resumes there and would push all of it)."""
     body = {
         "shard": SHARD,
@@ -148,14 +148,14 @@ def watch(server: RlogServer, log, replicant: str, now_ms: int) -> str:
     )["agent"]
 
 
-def held(server: RlogServer) -> int:
+def held(server: AgentServer) -> int:
     """What the agents hold, from the agents themselves; the budget must say the same."""
     total = sum(watch.agent.unacknowledged_bytes for watch in server.watches.values())
     assert server.budget.used_bytes == total
     return total
 
 
-def ack_all(server: RlogServer, agent_id: str, now_ms: int) -> None:
+def ack_all(server: AgentServer, agent_id: str, now_ms: int) -> None:
     """The replicant of ``agent_id`` acknowledges everything it was pushed (as a live replica does)."""
     server.outbox = [(e, m) for e, m in server.outbox if m.body["agent"] != agent_id]
     key = server.watches[agent_id].agent.status().sent_key

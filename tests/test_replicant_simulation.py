@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 import pytest
-from mnesite.core import rlog_server, watch
+from mnesite.core import agent_server, watch
 from mnesite.replicant import reads
 from mnesite.replicant.replica import ShardReplica
 from mnesite.rlog.replication import Mode, PushReceived
@@ -130,8 +130,8 @@ RESUME_SEED = 2
 def test_the_simulator_catches_a_resume_rule_without_the_digest_check(monkeypatch):
     result = run_replicant_seed(RESUME_SEED)  # the real rule passes this seed, with resumes
     assert result.resumes > 0
-    # The simulator's cores run production's RLOG server: mutate the rule where it calls it.
-    monkeypatch.setattr(rlog_server, "decide_watch", _resume_without_the_digest_check)
+    # The simulator's cores run production's agent server: mutate the rule where it calls it.
+    monkeypatch.setattr(agent_server, "decide_watch", _resume_without_the_digest_check)
     # The replica refuses a resume at its key with another digest (defence in depth), so the wrong
     # answer shows as replicas that never converge: the simulator's end check catches it.
     with pytest.raises(SimulationFailure, match=f"seed {RESUME_SEED} .*replicas did not converge"):

@@ -6,12 +6,12 @@ Theory of operation
 simulator also plays the drivers of the replication protocol, from the same ``random.Random(seed)``.
 
 * Cores. Besides their log, cores keep applied tables (updated at every ``Commit``, copied with a
-  snapshot). Their RLOG server answers journal probes (committed key, whether the core hears the
+  snapshot). Their agent server answers journal probes (committed key, whether the core hears the
   sequencer, live agents), refuses a watch of another protocol version or from beyond its committed
   key, resumes when its log holds ``from_key`` with ``from_digest`` (``LogView.digest_at``) and
   bootstraps otherwise, with K0 = its committed key. It answers table batches with *dirty reads* of
   its current tables, which may be ahead of K0: the replay must heal that. Watches, agents and their
-  pushes are production's ``core.rlog_server.RlogServer`` (one per core, built again when the core
+  pushes are production's ``core.agent_server.AgentServer`` (one per core, built again when the core
   restarts or installs a snapshot): the watch rules, supersession, the memory budget and the push
   frames are its own. Every replication message travels as a frame of the real codec
   (``rlog.codec``): a replicant's requests (``journal``, ``watch``, ``list_tables``,
@@ -54,8 +54,8 @@ from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_an
 from mnesite.bootstrap.serve import read_batch
 from mnesite.core import rules
 from mnesite.core.agent import AgentConfig
+from mnesite.core.agent_server import AgentServer
 from mnesite.core.consensus import Commit, Effect, Role
-from mnesite.core.rlog_server import RlogServer
 from mnesite.core.watch import WatchRefusedError
 from mnesite.replicant.reads import ReadIndexGather, WaitingReads
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
@@ -189,8 +189,8 @@ class ReplicantSimulation(Simulation):
         replica_class: type[ShardReplica] = ShardReplica,
     ) -> None:
         # Set before the base constructor, which starts the cores.
-        # Each core's RLOG server (production's adapter: watches, agents, push frames).
-        self.rlog_servers: dict[str, RlogServer] = {}
+        # Each core's agent server (production's adapter: watches, agents, push frames).
+        self.agent_servers: dict[str, AgentServer] = {}
         self.core_tables: dict[str, Tables] = {}
         super().__init__(seed, core_count, faulty_ms, tick_ms)
         rng = self.rng
@@ -265,12 +265,12 @@ class ReplicantSimulation(Simulation):
 
     def _start(self, node: SimNode) -> None:
         super()._start(node)
-        self.rlog_servers.pop(node.name, None)  # a new process: a new RLOG server (``_server``)
+        self.agent_servers.pop(node.name, None)  # a new process: a new agent server (``_server``)
         self.core_tables.setdefault(node.name, empty_tables())
 
     def _crash(self, node: SimNode) -> None:
         super()._crash(node)
-        self.rlog_servers.pop(node.name, None)  # its agents die with it
+        self.agent_servers.pop(node.name, None)  # its agents die with it
 
     def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
         before = self.snapshots
@@ -297,13 +297,13 @@ class ReplicantSimulation(Simulation):
         machine = node.machine
         return machine is not None and (machine.role is Role.SEQUENCER or machine.sequencer is not None)
 
-    def _server(self, node: SimNode) -> RlogServer:
-        server = self.rlog_servers.get(node.name)
+    def _server(self, node: SimNode) -> AgentServer:
+        server = self.agent_servers.get(node.name)
         if server is None:
             # Agent ids come from the server's injected random source, drawn from the seed's.
             rng = random.Random(self.rng.getrandbits(64))
-            server = RlogServer(node.name, self.agent_config, rng, watches_max=WATCHES_MAX)
-            self.rlog_servers[node.name] = server
+            server = AgentServer(node.name, self.agent_config, rng, watches_max=WATCHES_MAX)
+            self.agent_servers[node.name] = server
         return server
 
     def _tell_agents(self, node: SimNode) -> None:
@@ -311,7 +311,7 @@ class ReplicantSimulation(Simulation):
         self._send_pushes(node)
 
     def _send_pushes(self, node: SimNode) -> None:
-        """What the core's node does after a turn: send the frames its RLOG server queued (checked)."""
+        """What the core's node does after a turn: send the frames its agent server queued (checked)."""
         server = self._server(node)
         for endpoint, message in server.drain():
             frame = codec.encode(message)
@@ -386,7 +386,7 @@ class ReplicantSimulation(Simulation):
 
     def _on_watch(self, node: SimNode, sender: str, request: codec.Message) -> codec.Message:
         try:
-            # Production's RLOG server and its watch rules (core.watch), not a copy of them.
+            # Production's agent server and its watch rules (core.watch), not a copy of them.
             answer = self._server(node).watch(
                 request.body,
                 node.log,

@@ -1,4 +1,4 @@
-"""The RLOG server of a core: answers replicants' watches and drives one ``Agent`` per watch.
+"""The agent server of a core: answers replicants' watches and drives one ``Agent`` per watch.
 
 Theory of operation
 -------------------
@@ -66,7 +66,7 @@ class Watch:
     protocol: int = 1  # the replication protocol its watch named (rlog.versions)
 
 
-class RlogServer:
+class AgentServer:
     def __init__(
         self,
         core_name: str,
