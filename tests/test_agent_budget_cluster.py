@@ -20,6 +20,7 @@ import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.client import MnesiteError
 from mnesite.rlog.codec import Message
+from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
 from mnesite.rlog.types import GENESIS_DIGEST
 
 from tests.conftest import Cluster, free_port, wait_until
@@ -171,7 +172,8 @@ def send_dead_watches(endpoint: str, count: int) -> int:
                 "endpoint": f"tcp://127.0.0.1:{free_port()}",  # nobody listens there
                 "from": [0, 0],
                 "from_digest": GENESIS_DIGEST,
-                "protocol": 1,
+                # What a replicant of this release names once the cluster version moved (issue 23).
+                "protocol": REPLICATION_PROTOCOL_VERSION,
             }
             socket.send(codec.encode(Message("watch", f"w{index}", body)))
             if socket.poll(5000):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -42,6 +43,12 @@ INSTALL_TIMEOUT_S = 120
 STEP_TIMEOUT_S = 60
 # What a node logs when it was sent something it cannot read (rlog.server, core.watch, rlog.codec).
 UNREADABLE_SIGNS = ("protocol violation", "malformed", "incompatible_protocol", "unsupported", "unknown_kind")
+
+
+def without_this_tree() -> dict[str, str]:
+    """The environment for another release's interpreter: without PYTHONPATH, which may name this tree
+    (the Spark tests set it for their workers), so that its own installed package is the one imported."""
+    return {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
 
 
 def install_release(commit: str, root: Path) -> Path:
@@ -90,7 +97,12 @@ def release_0_1_0(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float
     started = time.monotonic()
     python = install_release(RELEASE_0_1_0_COMMIT, tmp_path_factory.mktemp("release-0.1.0"))
     version = subprocess.run(
-        [str(python), "-m", "mnesite.cli", "--version"], capture_output=True, text=True, timeout=60, cwd=python.parent
+        [str(python), "-m", "mnesite.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=python.parent,
+        env=without_this_tree(),
     )
     assert "0.1.0" in version.stdout, version.stdout + version.stderr
     return python, time.monotonic() - started
@@ -383,7 +395,12 @@ def test_a_spill_written_by_0_1_0_is_replayed_by_this_release(
     old_python, _ = release_0_1_0
     path = tmp_path / "mnesite.db"
     written = subprocess.run(
-        [str(old_python), "-c", OLD_SPILL_SCRIPT, str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        [str(old_python), "-c", OLD_SPILL_SCRIPT, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=without_this_tree(),
     )
     assert written.returncode == 0, written.stderr
     store = Store(str(path), synchronous="NORMAL")
