@@ -453,7 +453,7 @@ class NodeReplica(Replica):
         entries = []
         for item in self._call("rlog_entries", shard, after=list(after), limit=limit):
             try:
-                ops = tuple(_op_from_client(op) for op in item.get("ops", []))
+                ops = tuple(op for op in map(_op_from_client, item.get("ops", [])) if op is not None)
                 entries.append(
                     RlogEntry(
                         tx_key_from_wire(item["tx_key"]),
@@ -470,10 +470,18 @@ class NodeReplica(Replica):
         self.client.close()
 
 
-def _op_from_client(value: Any) -> Op:
-    """Ops as clients see them (``rlog.types.op_to_json`` objects) or in their canonical list form."""
+# Ops that change no row: a membership entry, the cores' cluster version entry, an index's creation
+# or removal. A compare takes them as touching nothing.
+NO_ROW_OPS = frozenset({"members", "cluster_version", "create_index", "drop_index"})
+
+
+def _op_from_client(value: Any) -> Op | None:
+    """Ops as clients see them (``rlog.types.op_to_json`` objects) or in their canonical list form;
+    None for an op that changes no row (``NO_ROW_OPS``)."""
     if isinstance(value, dict):
         kind = value.get("op")
+        if kind in NO_ROW_OPS:
+            return None
         if kind == "write" and isinstance(value.get("row"), dict):
             return WriteOp(str(value["table"]), value["row"])
         if kind == "delete":

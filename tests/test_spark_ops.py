@@ -1,0 +1,30 @@
+"""What the Spark compare reads from a node's rlog (``spark.replica``): the keys each entry touches.
+Entries the cores write themselves (membership, the cluster version of issue 23) and index changes
+touch no row; an op the compare does not know stops it with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+from mnesite.rlog.types import ClusterVersionOp, CreateIndexOp, MembersOp, OpDecodeError, WriteOp, op_to_json
+from mnesite.spark.replica import _op_from_client
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        ClusterVersionOp("default", 2),
+        MembersOp(("core1", "core2", "core3"), "", ""),
+        CreateIndexOp("users_by_name", "users", "default", ("name",)),
+    ],
+    ids=lambda op: type(op).__name__,
+)
+def test_ops_that_change_no_row_touch_nothing(op) -> None:
+    assert _op_from_client(op_to_json(op)) is None
+
+
+def test_a_write_is_read_and_an_unknown_op_is_refused() -> None:
+    assert _op_from_client(op_to_json(WriteOp("users", {"id": 1}))) == WriteOp("users", {"id": 1})
+    with pytest.raises(OpDecodeError, match="unknown op 'rename_table'"):
+        _op_from_client({"op": "rename_table", "table": "users"})
