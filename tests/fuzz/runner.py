@@ -26,11 +26,11 @@ import msgpack
 import zmq
 from mnesite.rlog import codec
 from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.roles import WRITE_KINDS  # every kind that may log an entry (schema changes too)
 from mnesite.rlog.versions import CLUSTER_VERSION_HIGHEST
 
 from tests.conftest import Cluster, wait_until
 
-WRITE_KINDS = ("transact", "create_table", "drop_table")
 DEEP_LEVELS = 1010
 STATUS_TIMEOUT_MS = 1000
 WRITE_ANSWER_TIMEOUT_S = 30.0
