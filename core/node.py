@@ -1082,9 +1082,9 @@ class CoreNode(NodeServer):
         earlier = self.store.find_request(message.request_id)
         admitted = None
         if earlier is None:
-            admitted = rules.admit_write(
-                message.kind, message.body, self._catalog_with_tails(), self.config.limits.transaction_ops_max
-            )
+            # Every shard's unapplied tail over the committed catalog: built once, for admission and guards.
+            catalog = self._catalog_with_tails()
+            admitted = rules.admit_write(message.kind, message.body, catalog, self.config.limits.transaction_ops_max)
         shard = earlier[0] if earlier is not None else admitted.shard
         driver = self._shard_for(shard, create=message.kind == "create_table")
         if driver is None:
@@ -1101,7 +1101,6 @@ class CoreNode(NodeServer):
             return
         ops = admitted.ops
         if admitted.transaction is not None:
-            catalog = driver.tail.catalog_over(self.store.catalog())
 
             def read_row(table: TableSchema, key: Any) -> dict[str, Any] | None:
                 in_tail, row = driver.tail.row(table.name, key)
