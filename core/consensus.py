@@ -346,6 +346,15 @@ class Proposed:
 
 
 @dataclass(frozen=True)
+class ProposedBatch:
+    """The client writes a driver took in one loop turn, in arrival order: proposed as ``Proposed``
+    one after another would be, with one ``PersistEntries`` for all of them (the driver's per-write
+    cost is one step, one log insert and one commit check per batch, not per write)."""
+
+    proposals: tuple[Proposed, ...]
+
+
+@dataclass(frozen=True)
 class BatchEnded:
     """The driver proposed every write of its loop turn: send the turn's new entries, one append
     per follower (instead of one append per entry)."""
@@ -386,6 +395,7 @@ Event = (
     Ticked
     | MessageReceived
     | Proposed
+    | ProposedBatch
     | BatchEnded
     | Persisted
     | ForceStartRequested
@@ -780,6 +790,8 @@ class ShardConsensus:
             self._on_message(event.sender, event.message)
         elif isinstance(event, Proposed):
             self._on_proposed(event)
+        elif isinstance(event, ProposedBatch):
+            self._on_proposed_batch(event)
         elif isinstance(event, BatchEnded):
             self._send_batch()
             self._tell_commit()
@@ -822,6 +834,9 @@ class ShardConsensus:
         """Everything but DiskFull/DiskFreed while full: refuse what asks for an answer, drop the rest."""
         if isinstance(event, (Proposed, MembershipChangeRequested)):
             self._out.append(ProposalRejected(event.request_id, REJECT_DISK_FULL, None))
+        elif isinstance(event, ProposedBatch):
+            for proposal in event.proposals:
+                self._out.append(ProposalRejected(proposal.request_id, REJECT_DISK_FULL, None))
         elif isinstance(event, ForceStartRequested):
             reached = tuple(sorted(name for name, _ in event.reached))
             self._out.append(ForceStartRefused(f"the disk of {self.name} is full", reached, self._members))
@@ -1297,22 +1312,46 @@ class ShardConsensus:
     # ------------------------------------------------------------ replication
 
     def _on_proposed(self, event: Proposed) -> None:
-        if self._role is not Role.SEQUENCER:
-            self._out.append(ProposalRejected(event.request_id, REJECT_NOT_SEQUENCER, self._sequencer))
-            return
-        if len(event.ops) > self.config.ops_per_entry_max:
-            self._out.append(ProposalRejected(event.request_id, REJECT_TOO_MANY_OPS, self.name))
-            return
-        if len(self._pending) >= self.config.pending_proposals_max:
-            self._out.append(ProposalRejected(event.request_id, REJECT_BUSY, self.name))
+        if self._proposal_refused(event):
             return
         self._append_own(tuple(event.ops), event.request_id, proposal=True)
 
-    def _append_own(self, ops: tuple[Op, ...], request_id: str | None, proposal: bool) -> None:
+    def _proposal_refused(self, event: Proposed) -> bool:
+        if self._role is not Role.SEQUENCER:
+            self._out.append(ProposalRejected(event.request_id, REJECT_NOT_SEQUENCER, self._sequencer))
+            return True
+        if len(event.ops) > self.config.ops_per_entry_max:
+            self._out.append(ProposalRejected(event.request_id, REJECT_TOO_MANY_OPS, self.name))
+            return True
+        if len(self._pending) >= self.config.pending_proposals_max:
+            self._out.append(ProposalRejected(event.request_id, REJECT_BUSY, self.name))
+            return True
+        return False
+
+    def _on_proposed_batch(self, event: ProposedBatch) -> None:
+        """Each proposal as ``_on_proposed`` takes it, in order; the accepted ones' entries in one
+        ``PersistEntries``, ahead of the refusals. Nothing commits between two proposals of a batch
+        (a sequencer counts itself only at ``Persisted``, the followers only at their answers), so
+        one commit check at the end decides what per-proposal checks would."""
+        persist = PersistEntries(())
+        self._out.append(persist)
+        position = len(self._out)
+        entries: list[Entry] = []
+        for proposal in event.proposals:
+            if not self._proposal_refused(proposal):
+                entries.append(self._append_own(tuple(proposal.ops), proposal.request_id, proposal=True, batched=True))
+        if entries:
+            self._out[position - 1] = PersistEntries(tuple(entries))
+            self._advance_commit()
+        else:
+            del self._out[position - 1]
+
+    def _append_own(self, ops: tuple[Op, ...], request_id: str | None, proposal: bool, batched: bool = False) -> Entry:
         counter = self._last_key.counter + 1 if self._last_key.generation == self._generation else 1
         prev_key, prev_digest = self._last_key, self._last_digest
         entry = make_entry(self.shard, TxKey(self._generation, counter), prev_key, prev_digest, ops, request_id)
-        self._out.append(PersistEntries((entry,)))
+        if not batched:
+            self._out.append(PersistEntries((entry,)))
         self._last_key, self._last_digest = entry.tx_key, entry.digest
         if proposal:
             self._pending[entry.tx_key] = request_id
@@ -1326,7 +1365,9 @@ class ShardConsensus:
         self._batch.append(entry)
         if not proposal:
             self._send_batch()
-        self._advance_commit()
+        if not batched:
+            self._advance_commit()
+        return entry
 
     def _send_batch(self) -> None:
         """Send the entries appended since the last batch to every follower that is caught up.
@@ -1340,12 +1381,15 @@ class ShardConsensus:
         if not batch or self._role is not Role.SEQUENCER:
             return
         follows = {entry.prev: index for index, entry in enumerate(batch)}
+        sizes: list[int] | None = None  # each entry's size, measured once for every follower
         for peer, progress in self._progress.items():
             start = follows.get(progress.sent_key)
             in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
             while start is not None and start < len(batch) and progress.in_flight < in_flight_max:
+                if sizes is None:
+                    sizes = [entry_size_bytes(entry) for entry in batch]
                 window = batch[start : start + self.config.entries_per_append_max]
-                chunk = _bounded_in_bytes(window, self.config.append_bytes_max)
+                chunk = _bounded_in_bytes(window, self.config.append_bytes_max, sizes[start:])
                 prev = batch[start - 1].digest if start else self._batch_prev_digest
                 self._send(peer, progress, chunk[0].prev, prev, chunk)
                 start = start + len(chunk) if not progress.probing else None
@@ -1547,12 +1591,13 @@ class ShardConsensus:
             self._out.append(ProposalRejected(learner.request_id, membership.REJECT_CATCH_UP_TIMEOUT, self.name))
 
 
-def _bounded_in_bytes(entries: Sequence[Entry], bytes_max: int) -> list[Entry]:
-    """The longest prefix of ``entries`` within ``bytes_max`` bytes, and at least the first entry."""
+def _bounded_in_bytes(entries: Sequence[Entry], bytes_max: int, sizes: Sequence[int] | None = None) -> list[Entry]:
+    """The longest prefix of ``entries`` within ``bytes_max`` bytes, and at least the first entry
+    (``sizes``: their ``entry_size_bytes``, when the caller measured them already)."""
     bounded: list[Entry] = []
     total = 0
-    for entry in entries:
-        total += entry_size_bytes(entry)
+    for index, entry in enumerate(entries):
+        total += sizes[index] if sizes is not None else entry_size_bytes(entry)
         if bounded and total > bytes_max:
             break
         bounded.append(entry)

@@ -34,6 +34,7 @@ Call ``add`` for every ``PersistEntries``, ``committed`` for every ``Commit`` (a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -103,6 +104,15 @@ class GuardTail(Generic[Token]):
         if (table, key) in self.rows:
             return True, self.rows[(table, key)]
         return False, None
+
+    def read(self, table: str, key: Any, read_applied: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """A guard's read: the row as the tail leaves it (its write or delete), absent if the tail
+        drops the table, else the applied row (``read_applied``)."""
+        if (table, key) in self.rows:
+            return self.rows[(table, key)]
+        if table in self.dropped:
+            return None  # the applied rows go with the table
+        return read_applied()
 
     def _index(self, entry: Entry) -> None:
         for op in entry.ops:

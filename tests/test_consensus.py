@@ -10,6 +10,7 @@ from mnesite.core.consensus import (
     EXCLUSION_NOTICE_INTERVAL_MS,
     REJECT_BUSY,
     REJECT_NOT_SEQUENCER,
+    REJECT_TOO_MANY_OPS,
     AppendReply,
     AppendRequest,
     BatchEnded,
@@ -34,6 +35,7 @@ from mnesite.core.consensus import (
     ProposalFailed,
     ProposalRejected,
     Proposed,
+    ProposedBatch,
     ProtocolViolation,
     Role,
     RoleChanged,
@@ -415,6 +417,35 @@ def test_a_turn_of_proposals_travels_in_one_append_per_follower():
     assert harness.step(BatchEnded()) == []  # sent once
     committed = harness.ack("b", TxKey(1, 17))
     assert committed[0] == Commit(TxKey(1, 17)) and len(of_type(committed, ProposalCommitted)) == 16
+
+
+def test_a_batch_of_proposals_is_logged_in_one_persist_and_equals_proposing_them_one_by_one():
+    """ProposedBatch (the driver's turn of writes without guards): the same entries, keys, digests
+    and refusals as one Proposed per write, in one PersistEntries; a refusal leaves the others."""
+    config = dataclasses.replace(CONFIG, entries_per_append_max=64, pending_proposals_max=5, ops_per_entry_max=2)
+    proposals = [Proposed((WriteOp("t", {"k": n}),) * (3 if n == 2 else 1), f"w{n}") for n in range(7)]
+    one_by_one, batched = Harness(config=config), Harness(config=config)
+    for harness in (one_by_one, batched):
+        harness.elect()
+        harness.ack("b", TxKey(1, 1))
+    single_effects = [effect for proposal in proposals for effect in one_by_one.step(proposal)]
+    batch_effects = batched.step(ProposedBatch(tuple(proposals)))
+    persists = of_type(batch_effects, PersistEntries)
+    assert len(persists) == 1
+    assert persists[0].entries == tuple(e for p in of_type(single_effects, PersistEntries) for e in p.entries)
+    assert [e.request_id for e in persists[0].entries] == ["w0", "w1", "w3", "w4", "w5"]
+    rejected = of_type(batch_effects, ProposalRejected)
+    assert rejected == of_type(single_effects, ProposalRejected)
+    assert [(r.request_id, r.reason) for r in rejected] == [
+        ("w2", REJECT_TOO_MANY_OPS),
+        ("w6", REJECT_BUSY),
+    ]
+    assert sends(one_by_one.step(BatchEnded()), AppendRequest) == sends(batched.step(BatchEnded()), AppendRequest)
+    follower = Harness(name="b", config=config)
+    assert of_type(follower.step(ProposedBatch(tuple(proposals[:2]))), ProposalRejected) == [
+        ProposalRejected("w0", REJECT_NOT_SEQUENCER, None),
+        ProposalRejected("w1", REJECT_NOT_SEQUENCER, None),
+    ]
 
 
 def test_a_batch_is_cut_by_entries_per_append_max_and_appends_in_flight_max():
