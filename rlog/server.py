@@ -546,10 +546,6 @@ class NodeServer:
         frames = list(self._backlog)
         self._backlog.clear()
         for _ in range(limits.group_commit_max):
-            # Asked first, not found out by the recv raising zmq.Again: building that exception at
-            # the end of every turn's receiving was 5% of a busy replicant's loop (benchmarks/PROFILE.md).
-            if self.socket is None or not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
-                break
             try:
                 received = self.receive()
             except zmq.Again:
