@@ -27,13 +27,14 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   ``push_bytes_max`` bytes (an entry larger than that goes alone), so a push never exceeds the
   replicant's frame limit with large transactions.
 * Pushes in flight. A push with entries is in flight until an acknowledgement covers its last key.
-  While one is, the next push goes only if it would be full (``push_entries_max`` entries, or
-  ``push_bytes_max`` bytes by the entry sizes seen so far) and fewer than ``pushes_in_flight_max``
-  are in flight; a partial push waits for the acknowledgement and then carries every entry committed
-  meanwhile. Under load a replicant therefore gets fewer, fuller pushes (its cost, and the core's, is
-  per push: a wake-up, a frame, a transaction, an acknowledgement), when idle a commit is pushed at
-  once, and a catch-up still keeps full pushes streaming. A lost acknowledgement holds the next
-  push until the heartbeat's acknowledgement, at most ``heartbeat_interval_ms`` later.
+  A partial push (fewer than ``push_entries_max`` entries and ``push_bytes_max`` bytes, judged by
+  the entry sizes seen so far) goes only while fewer than ``pushes_in_flight_max`` pushes are in
+  flight; otherwise it waits for an acknowledgement and then carries every entry committed
+  meanwhile. A full push goes whenever the window has room, so a catch-up keeps streaming. Under
+  load a replicant therefore gets fewer, fuller pushes (its cost, and the core's, is per push: a
+  wake-up, a frame, a transaction, an acknowledgement), and when idle a commit is pushed at once. A
+  lost acknowledgement holds a partial push until the heartbeat's acknowledgement, at most
+  ``heartbeat_interval_ms`` later.
 * Paced by acknowledgements. One step pushes at most ``step_bytes_max`` bytes (or less: the driver
   may pass a smaller budget for a step, down to 0, when its loop turn has spent its budget for all
   agents): an acknowledgement (or a commit, or a tick) lets the next ones go. Catching up from far
@@ -127,8 +128,8 @@ class AgentConfig:
     # Entries and bytes in one push; bounds the size of one message (under the replicant's frame_bytes_max).
     push_entries_max: int = 256
     push_bytes_max: int = 256 * 1024
-    # Pushes with entries not yet acknowledged (see "Pushes in flight"); a partial push waits for none.
-    pushes_in_flight_max: int = 4
+    # Pushes with entries not yet acknowledged past which a partial push waits (see "Pushes in flight").
+    pushes_in_flight_max: int = 1
     # Bytes pushed in one step at most: bounds the work one event costs the core's loop.
     step_bytes_max: int = 256 * 1024
     heartbeat_interval_ms: int = 500
@@ -191,7 +192,8 @@ class Agent:
         # (key, estimated bytes) pushed and not yet acknowledged, in order; this is the window.
         self._unacknowledged: deque[tuple[TxKey, int]] = deque()
         self._unacknowledged_bytes = 0
-        # The last key of each push with entries not yet acknowledged, in order (see "Pushes in flight").
+        # The last key of each push with entries not yet acknowledged, in order (see "Pushes in flight");
+        # at most window_entries_max of them (a push holds at least one entry of the window).
         self._pushes_in_flight: deque[TxKey] = deque()
         # Entries read per log read: sized from the entries seen so far (the first read takes five).
         self._entry_bytes_estimate = max(1, config.push_bytes_max // 4)
@@ -369,16 +371,13 @@ class Agent:
             and self._sent_key < self._committed_key
             and len(self._unacknowledged) < self.config.window_entries_max
             and self._unacknowledged_bytes < self._window_bytes_max()
-            and (not self._pushes_in_flight or self._full_push_may_go())
+            and (len(self._pushes_in_flight) < self.config.pushes_in_flight_max or self._full_push_waits())
         )
 
-    def _full_push_may_go(self) -> bool:
-        """With pushes in flight: fewer than ``pushes_in_flight_max`` of them, and enough committed
-        entries wait to fill a push (see "Pushes in flight"). Judged without reading the log: by
-        count within a generation and the largest entry of the last push; across generations the
-        count would read the log, so the push goes (a rare moment, after an election)."""
-        if len(self._pushes_in_flight) >= self.config.pushes_in_flight_max:
-            return False
+    def _full_push_waits(self) -> bool:
+        """Enough committed entries wait to fill a push (see "Pushes in flight"). Judged without
+        reading the log: by count within a generation and the largest entry of the last push; across
+        generations the count would read the log, so the push goes (a rare moment, after an election)."""
         if self._sent_key.generation != self._committed_key.generation:
             return True
         waiting = self._committed_key.counter - self._sent_key.counter

@@ -317,14 +317,16 @@ def test_a_partial_push_waits_for_the_acknowledgement_and_then_carries_every_ent
 
 
 @pytest.mark.timeout(10)
-def test_full_pushes_stream_while_fewer_than_pushes_in_flight_max_are_unacknowledged():
-    machine = agent(build_log(20), push_entries_max=2, pushes_in_flight_max=3)
+def test_full_pushes_stream_with_the_window_and_partial_ones_wait_past_pushes_in_flight_max():
+    machine = agent(build_log(20), push_entries_max=2, window_entries_max=6)
     effects = machine.step(CommittedAdvanced(TxKey(1, 20), True), 0)
-    assert [len(push.entries) for push in pushes(effects)] == [2, 2, 2]
-    assert pushed_keys(machine.step(Ticked(), 1)) == []
-    # An acknowledgement covering two of them lets two more go.
-    assert pushed_keys(machine.step(AckReceived(TxKey(1, 4)), 2)) == [TxKey(1, n) for n in range(7, 11)]
-    # The limit is checked: at most pushes_in_flight_max, and it must be positive.
+    assert [len(push.entries) for push in pushes(effects)] == [2, 2, 2]  # the window, not the pushes in flight
+    assert pushed_keys(machine.step(AckReceived(TxKey(1, 4)), 1)) == [TxKey(1, n) for n in range(7, 11)]
+    two = agent(build_log(10), pushes_in_flight_max=2)
+    assert pushed_keys(two.step(CommittedAdvanced(TxKey(1, 1), True), 0)) == [TxKey(1, 1)]
+    assert pushed_keys(two.step(CommittedAdvanced(TxKey(1, 2), True), 1)) == [TxKey(1, 2)]
+    assert pushed_keys(two.step(CommittedAdvanced(TxKey(1, 3), True), 2)) == []
+    assert pushed_keys(two.step(AckReceived(TxKey(1, 1)), 3)) == [TxKey(1, 3)]
     with pytest.raises(AgentConfigError):
         AgentConfig(pushes_in_flight_max=0)
 
