@@ -54,6 +54,13 @@ def encode(message: Message, check: bool = False) -> bytes:
     try:
         body = _ENCODER.encode(message.body)
     except (TypeError, ValueError, OverflowError) as error:
+        if check and message.kind in KINDS:  # an integer beyond 64 bits: the schema's checks name the field
+            try:
+                msgspec.convert(message.body, KINDS[message.kind].body).verify()
+            except msgspec.ValidationError as refusal:
+                raise CodecError(str(messages.body_error(message.kind, refusal))) from None
+            except messages.MessageError as refusal:
+                raise CodecError(f"{message.kind}.{refusal}", refusal.code) from None
         raise CodecError(f"cannot encode {message.kind}: {error}") from None
     if check:
         check_header(message.kind, message.request_id)

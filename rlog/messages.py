@@ -1,12 +1,10 @@
 """The wire schema: one frozen msgspec ``Struct`` per message kind (``SCHEMAS``), decoded once.
 
-Every byte from a socket is untrusted, a peer core's included. ``rlog.codec`` decodes a body straight
-into its kind's type: msgspec checks every declared type, range, length and pattern in C and refuses
-unknown fields; nothing checks a shape again. A body's ``verify`` checks what msgspec cannot declare:
-SQLite values (msgspec allows no union of str and bytes) and free values (walked without recursion).
-Entries carry their ops packed (the bytes the digest covers), decoded by ``decode_ops`` when the
-receiver wants them. A refusal (``MessageError``) names the field path, never the value. Checks
-against the receiver's state belong to the state machines; who may send a kind, to ``rlog.roles``.
+Every byte from a socket is untrusted. msgspec decodes a body straight into its kind's type, checking
+each declared type, range, length and pattern in C; ``verify`` checks what it cannot declare (SQLite
+values: no union of str and bytes; free values: walked without recursion). Entries carry their ops
+packed, decoded by ``decode_ops`` when wanted. A refusal (``MessageError``) names the field path,
+never the value. Rules against the receiver's state live in the state machines; roles in ``rlog.roles``.
 """
 
 from __future__ import annotations
@@ -18,16 +16,13 @@ from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 import msgpack
 import msgspec
 from mnesite.rlog import types
-from mnesite.rlog.types import MEMBERS_OP_MAX, NAME_CHARS_MAX, NAME_PATTERN, Name, TxKey
+from mnesite.rlog.types import NAME_CHARS_MAX, NAME_PATTERN, DeleteOp, MembersOp, Name, TxKey, WriteOp, WriteRow
 from msgspec import Meta, Struct
 
 INTEGER_MIN, INTEGER_MAX = -(2**63), 2**63 - 1  # SQLite's INTEGER
-REQUEST_ID_CHARS_MAX = 64
-MESSAGE_CHARS_MAX = 4096  # an error reply's message
-RANGES_MAX = 10_000
+REQUEST_ID_CHARS_MAX, MESSAGE_CHARS_MAX, RANGES_MAX, BACKUP_PATH_CHARS_MAX = 64, 4096, 10_000, 1024
 FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
 FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a frame_bytes_max frame can hold
-BACKUP_PATH_CHARS_MAX = 1024
 QUERY_SQL_CHARS_MAX, QUERY_PARAMS_MAX = 100_000, 999
 # tcp://host:port (a host name, IPv4 or bracketed IPv6 address); ipc:// for tests.
 ENDPOINT_PATTERN = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://[A-Za-z0-9_./\-]+)$"
@@ -162,32 +157,26 @@ def _kind(kind: str, *fields: Any, body: Any = None, **options: Any) -> Any:
     return body
 
 
+# fmt: off
 TABLE, SHARD, SENDER, LIMIT = ("table", Name), ("shard", Name), ("sender", Name), ("limit", Integer | None, None)
 FORWARDED = ("forwarded", bool, False)  # sent on by the node that received it, not by a client
 RANGE = (("low", Scalar, None), ("high", Scalar, None))
 Empty = _body("Empty")
-READ = (("consistency", Consistency, "local"), ("min_key", TxKey | None, None), ("wait_ms", WaitMs | None, None))
-ReadOptions = _body("ReadOptions", *READ, FORWARDED)  # every read's (README, consistency levels)
+ReadOptions = _body("ReadOptions", ("consistency", Consistency, "local"), ("min_key", TxKey | None, None),
+                    ("wait_ms", WaitMs | None, None), FORWARDED)  # every read's (README, consistency levels)
 WriteRequest = _body("WriteRequest", TABLE, ("row", Row), tag_field="op", tag="write")
 DeleteRequest = _body("DeleteRequest", TABLE, ("key", Scalar), tag_field="op", tag="delete")
 # etcd-style compare: the row at key equals ``equals``, or is absent when it is null
 Guard = _body("Guard", TABLE, ("key", Scalar), ("equals", Row | None, None))
-ChangesPosition = _body(  # where one shard of a changefeed stands (rlog.changes): the client keeps it
-    "ChangesPosition",
-    SHARD,
-    ("after", TxKey),
-    ("phase", Literal["live", "copy", "replay"], "live"),
-    ("table", Name | None, None),
-    ("table_after", Scalar, None),
-    ("replay_to", TxKey | None, None),
-    scalars=("table_after",),
-)
+# where one shard of a changefeed stands (rlog.changes): the client keeps it and sends it back
+PHASE = ("phase", Literal["live", "copy", "replay"], "live")
+ChangesPosition = _body("ChangesPosition", SHARD, ("after", TxKey), PHASE, ("table", Name | None, None),
+                        ("table_after", Scalar, None), ("replay_to", TxKey | None, None), scalars=("table_after",))
 RequestId = Annotated[str, Meta(min_length=1, max_length=REQUEST_ID_CHARS_MAX)] | None
 WireEntry = msgspec.defstruct(  # an entry (rlog.types.entry_to_wire), its ops still packed
-    "WireEntry",
-    (SHARD, ("tx_key", TxKey), ("prev", TxKey), ("digest", Digest), ("ops", bytes), ("request_id", RequestId)),
-    **dict(module=__name__, frozen=True, array_like=True, forbid_unknown_fields=True),
-)
+    "WireEntry", (SHARD, ("tx_key", TxKey), ("prev", TxKey), ("digest", Digest), ("ops", bytes),
+                  ("request_id", RequestId)), module=__name__, frozen=True, array_like=True, forbid_unknown_fields=True)
+# fmt: on
 
 
 class Transact(Body, frozen=True, kw_only=True):
@@ -237,10 +226,10 @@ class Changes(Body, frozen=True, kw_only=True):
             _require_scalars((position.table_after,), f"positions[{index}].table_after")
 
 
+# fmt: off
 # client requests; the schema changes are replicated like create_table
 _kind("transact", body=Transact)
-Column = tuple[Name, types.ColumnType]
-Columns = Annotated[list[Column], Meta(max_length=types.COLUMNS_MAX)]
+Columns = Annotated[list[types.Column], Meta(max_length=types.COLUMNS_MAX)]
 _kind("create_table", TABLE, ("key", Name), ("columns", Columns), ("shard", Name | None, None), FORWARDED)
 _kind("drop_table", TABLE, FORWARDED)
 IndexColumns = Annotated[list[Name], Meta(min_length=1, max_length=types.INDEX_COLUMNS_MAX)]
@@ -257,95 +246,48 @@ _kind("query_close", ("cursor", QueryCursor))  # the node frees the query's snap
 _kind("changes", body=Changes)
 _kind("read_index", SHARD, FORWARDED)  # the committed key, confirmed by the sequencer
 # operator: add or remove one core of a shard (core.membership)
-_kind(
-    "membership_change",
-    SHARD,
-    ("action", Literal["add", "remove"]),
-    ("name", Name),
-    ("endpoint", Endpoint | None, None),
-    FORWARDED,
-)
+_kind("membership_change", SHARD, ("action", Literal["add", "remove"]), ("name", Name),
+      ("endpoint", Endpoint | None, None), FORWARDED)
 BackupPath = Annotated[str, Meta(min_length=2, max_length=BACKUP_PATH_CHARS_MAX, pattern=BACKUP_PATH_PATTERN)]
 Backup = _kind("backup", ("path", BackupPath))  # operator: copy the database to a file on the node's host
 _kind("rlog_tail", SHARD, ("count", Integer | None, None))
 _kind("rlog_entries", SHARD, ("after", TxKey | None, None), LIMIT)
-# status, stop (operator: the node finishes its loop turn and exits), force_start (operator: become sequencer)
+# stop: the node finishes its loop turn, logs a shutdown line and exits; force_start: become sequencer
 for _empty in ("list_tables", "status", "stop", "journal", "force_start", "members"):
     _kind(_empty, body=Empty)
-# replication: replicant -> core: watch; core agent -> replicant: push (no entries: a heartbeat), push_ack
-_from = ("from_", TxKey, msgspec.field(name="from"))
-_watch_id = ("watch_id", WatchId, "")  # chosen by the replica; the answer and every push of its agent repeat it
-Watch = _kind(
-    "watch",
-    SHARD,
-    ("replicant", Name),
-    ("endpoint", Endpoint),
-    _from,
-    ("from_digest", DigestOrEmpty),
-    ("protocol", Annotated[int, Meta(ge=0, le=2**31)]),
-    _watch_id,
-)
+# replication: a replicant's watch (watch_id: chosen by the replica; the answer and every push of its agent
+# repeat it), an agent's push (no entries: a heartbeat; watch: the answer to the watch, which it may
+# overtake), the replicant's push_ack; a bootstrap's batch of one table (bootstrap.serve)
+WATCH_ID, PROTOCOL = ("watch_id", WatchId, ""), ("protocol", Annotated[int, Meta(ge=0, le=2**31)])
+Watch = _kind("watch", SHARD, ("replicant", Name), ("endpoint", Endpoint), ("from_", TxKey, msgspec.field(name="from")),
+              ("from_digest", DigestOrEmpty), PROTOCOL, WATCH_ID)
 Entries = Annotated[list[WireEntry], Meta(max_length=4096)]
-# watch: the answer to the watch that created the agent (a push may overtake that answer)
-Push = _kind(
-    "push",
-    SHARD,
-    ("agent", AgentId),
-    ("core", Name),
-    ("entries", Entries),
-    ("committed", TxKey),
-    ("hears_sequencer", bool),
-    ("watch", Any, None),
-    free={"watch": 3},
-)
+Push = _kind("push", SHARD, ("agent", AgentId), ("core", Name), ("entries", Entries), ("committed", TxKey),
+             ("hears_sequencer", bool), ("watch", Any, None), free={"watch": 3})
 Rejected = Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX)] | None
 PushAck = _kind("push_ack", SHARD, ("agent", AgentId), ("applied", TxKey), ("rejected", Rejected, None))
 BytesMax = Annotated[int, Meta(ge=1, le=2**31)] | None
-_kind(
-    "bootstrap_batch",
-    TABLE,
-    ("limit", Integer),
-    ("after", Scalar, None),
-    ("bytes_max", BytesMax, None),
-    scalars=("after",),
-)
-# sequencer -> a follower behind its trimmed log (core.snapshot): members is the membership at key; the
-# cluster version is left out at 1, so that release 0.1.0 never sees it
-Members = Annotated[list[Name], Meta(max_length=MEMBERS_OP_MAX)]
+_kind("bootstrap_batch", TABLE, ("limit", Integer), ("after", Scalar, None), ("bytes_max", BytesMax, None),
+      scalars=("after",))
+# sequencer -> a follower behind its trimmed log (core.snapshot), with the committed membership at key;
+# the cluster version is left out at 1, so that release 0.1.0 never sees it
+Members = Annotated[list[Name], Meta(max_length=types.MEMBERS_OP_MAX)]
 ClusterVersion = Annotated[int, Meta(ge=1, le=1000)]
-SnapshotOffer = _kind(
-    "snapshot_offer",
-    SHARD,
-    SENDER,
-    ("generation", NonNegative),
-    ("key", TxKey),
-    ("digest", DigestOrEmpty),
-    ("members", Members, []),
-    ("cluster_version", ClusterVersion, 1),
-)
+SnapshotOffer = _kind("snapshot_offer", SHARD, SENDER, ("generation", NonNegative), ("key", TxKey),
+                      ("digest", DigestOrEmpty), ("members", Members, []), ("cluster_version", ClusterVersion, 1))
 # between cores: one consensus message, decoded once by its kind's type (core.consensus_wire)
 _kind("peer", SHARD, SENDER, ("message", msgspec.Raw))
 # range requests (rlog.range_requests)
 Ranges = Annotated[list[Any], Meta(min_length=1, max_length=RANGES_MAX)]
-_kind(
-    "range_digest",
-    TABLE,
-    ("ranges", Ranges),
-    ("split_parts", Integer | None, None),
-    ("split_rows_min", Integer | None, None),
-    free={"ranges": 3},
-)
+_kind("range_digest", TABLE, ("ranges", Ranges), ("split_parts", Integer | None, None),
+      ("split_rows_min", Integer | None, None), free={"ranges": 3})
 _kind("key_boundaries", TABLE, ("parts", Integer), *RANGE, scalars=("low", "high"))
 _kind("row_digests", TABLE, *RANGE, LIMIT, scalars=("low", "high"))
 # replies
 Reply = _kind("reply", ("result", Any, None), free={"result": FREE_VALUE_DEPTH_MAX})
-ErrorCode, ErrorText = (
-    Annotated[str, Meta(min_length=1, max_length=64)],
-    Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX * 4)],
-)
-Error = _kind(
-    "error", ("code", ErrorCode), ("message", ErrorText), ("detail", Any, None), free={"detail": FREE_VALUE_DEPTH_MAX}
-)
+Code, Text = Annotated[str, Meta(min_length=1, max_length=64)], Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX * 4)]
+Error = _kind("error", ("code", Code), ("message", Text), ("detail", Any, None), free={"detail": FREE_VALUE_DEPTH_MAX})
+# fmt: on
 
 
 def body_error(kind: str, error: msgspec.ValidationError | msgspec.DecodeError) -> MessageError:
@@ -416,9 +358,8 @@ def check_endpoint(value: Any) -> bool:
 # -- entries: packed ops decoded once the receiver wants them --------------------------------------
 
 _NAMES_CHECKED: set[str] = set()  # names found valid, bounded (each at most NAME_CHARS_MAX characters)
-_OPS_DECODER = msgspec.msgpack.Decoder(
-    Annotated[list[types.WireOp], Meta(max_length=types.OPS_MAX)], ext_hook=_refuse_ext
-)
+_OPS = Annotated[list[types.WireOp], Meta(max_length=types.OPS_MAX)]
+_OPS_DECODER = msgspec.msgpack.Decoder(_OPS, ext_hook=_refuse_ext)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -439,7 +380,7 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
     column_lists: set[tuple[str, ...]] = set()  # an entry's rows share a few: each is checked once
     ops: list[types.Op] = []
     for op in wire:
-        if type(op) is types.WriteRow:
+        if type(op) is WriteRow:
             row = dict(op.row)
             columns = tuple(row)
             if len(columns) != len(op.row) or columns not in column_lists and list(columns) != sorted(columns):
@@ -449,11 +390,11 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
                 names.update(columns)
             names.add(op.table)
             values.extend(row.values())
-            op = types.WriteOp(op.table, row)
-        elif type(op) is types.DeleteOp:
+            op = WriteOp(op.table, row)
+        elif type(op) is DeleteOp:
             names.add(op.table)
             values.append(op.key)
-        elif type(op) is types.MembersOp and not _members_op_ok(op.added, op.endpoint):
+        elif type(op) is MembersOp and not _members_op_ok(op.added, op.endpoint):
             raise MessageError("ops", "members op: added must be a name and endpoint an endpoint, or both empty")
         ops.append(op)
     for name in names - _NAMES_CHECKED:  # each distinct name once
@@ -475,8 +416,8 @@ def _members_op_ok(added: str, endpoint: str) -> bool:
 
 
 def decode_entry(value: Any) -> types.Entry:
-    """The ``Entry`` of a checked ``WireEntry``, its ops decoded now (a push a replicant refuses
-    anyway, a superseded agent's, costs no per-row work). Raises ``MessageError``."""
+    """The ``Entry`` of a checked ``WireEntry``, its ops decoded now (not on receipt: a push refused
+    anyway costs no per-row work). Raises ``MessageError``."""
     return types.Entry(value.shard, value.tx_key, value.prev, value.digest, decode_ops(value.ops), value.request_id)
 
 
@@ -501,27 +442,17 @@ def _answer(name: str, *fields: Any) -> Any:
     return msgspec.defstruct(name, fields, module=__name__, frozen=True, kw_only=True)
 
 
+# fmt: off
 ReadIndexAnswer = _answer("ReadIndexAnswer", ("committed", TxKey))  # confirmed by the sequencer's quorum
-WatchAnswer = _answer(
-    "WatchAnswer",
-    ("agent", AgentId),
-    ("mode", Literal["resume", "bootstrap"]),
-    ("start", TxKey),
-    ("start_digest", DigestOrEmpty),
-    _watch_id,
-)
+WatchAnswer = _answer("WatchAnswer", ("agent", AgentId), ("mode", Literal["resume", "bootstrap"]), ("start", TxKey),
+                      ("start_digest", DigestOrEmpty), WATCH_ID)
 # cluster_version: absent from release 0.1.0's answers, version 1 (rlog.versions)
-Agents = Annotated[int, Meta(ge=0, lt=2**31)]
-JournalShardAnswer = _answer(
-    "JournalShardAnswer",
-    ("committed", TxKey),
-    ("hears_sequencer", bool),
-    ("agents", Agents),
-    ("cluster_version", Any, None),
-)
+JournalShardAnswer = _answer("JournalShardAnswer", ("committed", TxKey), ("hears_sequencer", bool),
+                             ("agents", Annotated[int, Meta(ge=0, lt=2**31)]), ("cluster_version", Any, None))
 # a bootstrap_batch answer (bootstrap.serve): rows in key order, whether the table is done
 BatchRows = Annotated[list[dict[str, Any]], Meta(max_length=1_000_000)]
 BatchAnswer = _answer("BatchAnswer", ("rows", BatchRows), ("done", bool), ("rows_total", NonNegative | None, None))
+# fmt: on
 
 
 def answer_as(result: Any, answer_type: type[Any]) -> Any:

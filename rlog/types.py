@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, NamedTuple, Union
 
 import msgpack
 import msgspec
@@ -58,31 +58,6 @@ ZERO_KEY = TxKey(0, 0)
 Scalar = None | int | float | str | bytes
 
 
-# -- the op codec ---------------------------------------------------------------------------------
-# An op is the msgpack array [tag, field...] (``WriteOp``: ["w", table, [[column, value]...]], columns
-# sorted), the same bytes on the wire, in the log and in digests. The op types below are those arrays
-# (tagged array_like Structs: msgspec decodes and checks them in C); the bounds are the wire's.
-NAME_CHARS_MAX = 64  # tables, columns, shards, nodes
-NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"  # the one name rule of the wire (rlog.schema is stricter for SQLite)
-ENDPOINT_CHARS_MAX = 255
-OPS_MAX = 100_000  # ops in one entry or transaction on the wire
-COLUMNS_MAX = 200
-INDEX_COLUMNS_MAX = 16
-ROW_COLUMNS_MAX = 1000
-MEMBERS_OP_MAX = 15  # core.membership.MEMBERS_MAX (rlog imports nothing of core; a test keeps them equal)
-Name = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX, pattern=NAME_PATTERN)]
-# A row's names: their pattern is checked once per distinct name (``rlog.messages.decode_ops``), as
-# a regular expression per column of every row cost more than the rest of the decode.
-RowName = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX)]
-ColumnType = Annotated[str, Meta(min_length=1, max_length=16)]
-Column = tuple[Name, ColumnType]
-Names = Annotated[tuple[Name, ...], Meta(min_length=1, max_length=INDEX_COLUMNS_MAX)]
-
-
-class _Op(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    pass
-
-
 # A replicant builds a WriteOp per row it applies: a Struct is built in C (0.1 us; a frozen
 # dataclass's __init__ cost 0.8 us, more than SQLite's upsert of the row).
 class WriteOp(Struct, frozen=True, gc=False):
@@ -92,11 +67,35 @@ class WriteOp(Struct, frozen=True, gc=False):
     row: dict[str, Any]
 
 
+# -- the op codec: an op is packed as the msgpack array [tag, field...], the same bytes on the wire, in
+# the log and in digests. The other ops' types are those arrays (tagged array_like Structs, decoded and
+# checked by msgspec in C) and declare the wire's bounds; a WriteOp is packed as a WriteRow.
+NAME_CHARS_MAX = 64  # tables, columns, shards, nodes
+NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"  # the one name rule of the wire (rlog.schema is stricter for SQLite)
+ENDPOINT_CHARS_MAX = 255
+OPS_MAX = 100_000  # ops in one entry or transaction on the wire
+COLUMNS_MAX, INDEX_COLUMNS_MAX, ROW_COLUMNS_MAX = 200, 16, 1000
+MEMBERS_OP_MAX = 15  # core.membership.MEMBERS_MAX (rlog imports nothing of core; a test keeps them equal)
+Name = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX, pattern=NAME_PATTERN)]
+# A row's names: their pattern is checked once per distinct name (``rlog.messages.decode_ops``); a
+# regular expression per column of every row cost more than the rest of the decode.
+RowName = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX)]
+ColumnType = Annotated[str, Meta(min_length=1, max_length=16)]
+Column = tuple[Name, ColumnType]
+
+
+class _Op(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    pass
+
+
 class WriteRow(_Op, frozen=True, tag="w", gc=False):
     """A ``WriteOp`` as packed: its row as ``[column, value]`` pairs, columns sorted and unique."""
 
     table: RowName
     row: Annotated[list[tuple[RowName, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
+
+
+# -- the other ops ---------------------------------------------------------------------------------
 
 
 class DeleteOp(_Op, frozen=True, tag="d", gc=False):
@@ -140,7 +139,7 @@ class CreateIndexOp(_Op, frozen=True, tag="i"):
     index: Name
     table: Name
     shard: Name
-    columns: Names
+    columns: Annotated[tuple[Name, ...], Meta(min_length=1, max_length=INDEX_COLUMNS_MAX)]
 
 
 class DropIndexOp(_Op, frozen=True, tag="j"):
@@ -199,25 +198,8 @@ class OpDecodeError(ValueError):
     """Encoded ops that are not what ``pack_ops`` makes."""
 
 
-WireOp = (
-    WriteRow
-    | DeleteOp
-    | CreateTableOp
-    | DropTableOp
-    | MembersOp
-    | CreateIndexOp
-    | DropIndexOp
-    | AddColumnOp
-    | ClusterVersionOp
-)
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def _no_ext(code: int, data: memoryview) -> Any:
-    raise OpDecodeError(f"msgpack extension type {code} is not allowed in ops")
-
-
-_UNPACKER = msgspec.msgpack.Decoder(list[WireOp], ext_hook=_no_ext)
+WireOp = Union[(WriteRow, DeleteOp, MembersOp, ClusterVersionOp, *SCHEMA_OPS)]  # noqa: UP007 (the ops as packed)
+_ENCODER, _UNPACKER = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[WireOp])
 
 
 def _packable(op: Op) -> Any:
@@ -226,19 +208,16 @@ def _packable(op: Op) -> Any:
 
 
 def encode_op(op: Op) -> list[Any]:
-    """The op's array as plain values: ``pack_ops`` packs these for the wire, the log and digests."""
-    if not isinstance(op, (WriteOp, _Op)):
-        raise TypeError(f"not an op: {op!r}")
+    """The op's array as plain values (``pack_ops`` packs them)."""
     return list(msgspec.to_builtins(_packable(op), builtin_types=(bytes,)))
 
 
-def _op(op: WireOp) -> Op:
-    if type(op) is not WriteRow:
-        return op
-    row = dict(op.row)
-    if len(row) != len(op.row) or list(row) != sorted(row):
-        raise OpDecodeError("write op columns must be sorted and unique")
-    return WriteOp(op.table, row)
+def _op(op: Any) -> Op:
+    if type(op) is WriteRow:
+        if len(row := dict(op.row)) != len(op.row) or list(row) != sorted(row):
+            raise OpDecodeError("write op columns must be sorted and unique")
+        return WriteOp(op.table, row)
+    return op
 
 
 def decode_op(value: Any) -> Op:
@@ -250,13 +229,10 @@ def decode_op(value: Any) -> Op:
 
 
 # The last ops packed, by identity: an entry's ops are packed for its digest and again when it is
-# logged (a replicant checks the digest in its state machine, then its store logs the entry), and
-# for large entries packing was the largest cost of applying them. A memo of a pure function:
-# each item holds its ops tuple, so an id is never reused while it is cached. Bounded in items and
-# bytes; only tuples (immutable) are cached.
+# logged, the largest cost of applying large entries. Each item holds its ops tuple (immutable),
+# so an id is never reused while it is cached. Bounded in items and bytes.
 _PACKED_OPS: dict[int, tuple[tuple[Op, ...], bytes]] = {}
-_PACKED_OPS_ITEMS_MAX = 512
-_PACKED_OPS_BYTES_MAX = 32 * 1024 * 1024
+_PACKED_OPS_ITEMS_MAX, _PACKED_OPS_BYTES_MAX = 512, 32 * 1024 * 1024
 _packed_ops_bytes = 0
 _packed_ops_lock = threading.Lock()
 
@@ -287,11 +263,38 @@ def remember_packed(ops: tuple[Op, ...], packed: bytes) -> None:
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
-    """The ops of a stored ``pack_ops`` blob, decoded; raises ``OpDecodeError``."""
+    """The ops of a stored ``pack_ops`` blob (trusted: no wire rules; ``rlog.messages.decode_ops``)."""
     try:
         return tuple(map(_op, _UNPACKER.decode(blob)))
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
         raise OpDecodeError(f"entry ops do not decode: {str(error)[:200]}") from None
+
+
+def entry_to_wire(entry: Entry) -> list[Any]:
+    """``[shard, tx_key, prev, digest, packed_ops, request_id]``: the ops as the bytes the digest
+    covers and the log stores, packed once by a sender and checked as they are by a receiver."""
+    return [entry.shard, list(entry.tx_key), list(entry.prev), entry.digest, pack_ops(entry.ops), entry.request_id]
+
+
+def entry_from_wire(value: Any) -> Entry:
+    """The entry of an ``entry_to_wire`` list this node wrote (the store's spill); raises
+    ``OpDecodeError``. A received entry is decoded by the wire's rules (``rlog.messages``)."""
+    try:
+        shard, key, prev, digest, packed, request_id = msgspec.convert(value, _EntryList)
+    except (msgspec.ValidationError, RecursionError):
+        raise OpDecodeError("entry must be [shard, tx_key, prev, digest, packed ops, request_id]") from None
+    remember_packed(ops := unpack_ops(packed), packed)
+    return Entry(shard, key, prev, digest, ops, request_id)
+
+
+_EntryList = tuple[str, TxKey, TxKey, bytes, bytes, str | None]
+
+
+def tx_key_from_wire(value: Any) -> TxKey:
+    try:
+        return msgspec.convert(value, TxKey)
+    except (msgspec.ValidationError, RecursionError):
+        raise OpDecodeError("tx key must be [generation, counter] of non-negative integers") from None
 
 
 def entry_digest(
@@ -437,40 +440,6 @@ def wire_size_bytes(entry: Entry | PackedEntry) -> int:
 
 def to_wire(entry: Entry | PackedEntry) -> list[Any]:
     return entry.to_wire() if isinstance(entry, PackedEntry) else entry_to_wire(entry)
-
-
-def entry_to_wire(entry: Entry) -> list[Any]:
-    """``[shard, tx_key, prev, digest, packed_ops, request_id]``.
-
-    The ops travel as ``pack_ops`` bytes, the very bytes the digest covers and the log stores: a
-    sender packs them once (a sequencer already did, for the digest; an agent pushes the stored
-    bytes), and a receiver checks the digest over the bytes it got, decodes them once, and logs
-    them without packing again. ``entry_from_wire`` refuses bytes that are not the canonical
-    packing of the ops they hold, so a digest over them always is the digest of those ops.
-    """
-    return [entry.shard, list(entry.tx_key), list(entry.prev), entry.digest, pack_ops(entry.ops), entry.request_id]
-
-
-def entry_from_wire(value: Any) -> Entry:
-    """An entry of ``entry_to_wire`` form (the store's spill); raises ``OpDecodeError``. A received
-    entry is decoded by the wire's rules instead (``rlog.messages.decode_entry``)."""
-    try:
-        shard, key, prev, digest, packed, request_id = msgspec.convert(value, _EntryTuple)
-    except (msgspec.ValidationError, RecursionError):
-        raise OpDecodeError("entry must be [shard, tx_key, prev, digest, packed ops, request_id]") from None
-    ops = unpack_ops(packed)
-    remember_packed(ops, packed)
-    return Entry(shard, key, prev, digest, ops, request_id)
-
-
-_EntryTuple = tuple[str, TxKey, TxKey, bytes, bytes, str | None]
-
-
-def tx_key_from_wire(value: Any) -> TxKey:
-    try:
-        return msgspec.convert(value, TxKey)
-    except (msgspec.ValidationError, RecursionError):
-        raise OpDecodeError("tx key must be [generation, counter] of non-negative integers") from None
 
 
 def op_to_json(op: Op) -> dict[str, Any]:
