@@ -1,10 +1,8 @@
 """Peer messages of ``core.consensus`` on the wire (a ``peer`` frame's ``message``).
 
-A message is the array ``[CONSENSUS_WIRE_VERSION, kind, field...]``, its fields those of the
-``core.consensus`` message in their order, each typed by its name (``FIELD_TYPES``): tx keys are
-``rlog.types.TxKey``, names follow the wire's one name rule, entries are ``rlog.messages.WireEntry``
-(ops packed, decoded by ``decode_entries``). msgspec checks every field in C; anything malformed
-raises ``rlog.codec.CodecError`` and nothing else (fuzzed with hypothesis).
+A message is the array ``[CONSENSUS_WIRE_VERSION, kind, field...]``: the fields of the
+``core.consensus`` message in their order, each of the wire type its name has (``FIELD_TYPES``), checked
+by msgspec in C. Anything malformed raises ``rlog.codec.CodecError`` and nothing else (fuzzed).
 """
 
 from __future__ import annotations
@@ -21,31 +19,19 @@ from msgspec import Meta
 
 CONSENSUS_WIRE_VERSION = 2  # 2: entries carry their ops packed (``rlog.types.entry_to_wire``)
 APPEND_ENTRIES_WIRE_MAX = 4096  # far above any entries_per_append_max: more is refused before decoding
-FIELD_TYPES: dict[str, Any] = {
-    "generation": NonNegative,
-    "last_key": TxKey,
-    "granted": bool,
-    "prev_key": TxKey,
-    "prev_digest": Digest,
-    "commit_key": TxKey,
+# fmt: off
+FIELD_TYPES: dict[str, Any] = {  # a consensus message's field -> its wire type
+    **dict.fromkeys(("generation", "sent_ms", "request_sent_ms"), NonNegative),  # sent_ms: the sequencer's clock
+    **dict.fromkeys(("last_key", "prev_key", "commit_key", "match_key", "key"), TxKey),
+    "granted": bool, "success": bool, "prev_digest": Digest, "digest": Digest | None,
     "members": Annotated[tuple[Name, ...], Meta(min_length=1, max_length=consensus.MEMBERS_MAX)],
     "entries": Annotated[list[WireEntry], Meta(max_length=APPEND_ENTRIES_WIRE_MAX)],
-    "sent_ms": NonNegative,  # the sequencer's monotonic clock (the receiver clamps it to its own)
-    "success": bool,
-    "match_key": TxKey,
-    "request_sent_ms": NonNegative,
-    "key": TxKey,
-    "digest": Digest | None,
 }
-MESSAGES = {
-    "vote_request": consensus.VoteRequest,
-    "vote_reply": consensus.VoteReply,
-    "pre_vote_request": consensus.PreVoteRequest,
-    "pre_vote_reply": consensus.PreVoteReply,
-    "append_request": consensus.AppendRequest,
-    "append_reply": consensus.AppendReply,
-    "exclusion_notice": consensus.ExclusionNotice,
-}
+MESSAGES = {"vote_request": consensus.VoteRequest, "vote_reply": consensus.VoteReply,
+            "pre_vote_request": consensus.PreVoteRequest, "pre_vote_reply": consensus.PreVoteReply,
+            "append_request": consensus.AppendRequest, "append_reply": consensus.AppendReply,
+            "exclusion_notice": consensus.ExclusionNotice}
+# fmt: on
 _HEAD = [("version", Literal[CONSENSUS_WIRE_VERSION]), ("kind", str)]
 
 

@@ -1,10 +1,8 @@
 """Wire codec: a frame is the msgpack array ``[version, kind, request_id, body]``.
 
-``version`` is ``PROTOCOL_VERSION`` (others are refused with a clear reason); ``kind`` one of ``KINDS``
-(``rlog.messages``, which holds each kind's typed body); ``request_id`` a client-chosen string that
-pairs a reply with its request and makes a retried write idempotent; ``body`` a map decoded once,
-straight into its kind's frozen Struct (``Message.body``). Decoding never raises anything but
-``CodecError`` (fuzzed with hypothesis) and never pickles: msgpack extension types are refused.
+``version`` is ``PROTOCOL_VERSION``; ``kind`` one of ``KINDS`` (``rlog.messages``); ``request_id`` pairs
+a reply with its request and makes a retried write idempotent; ``body`` is decoded once, straight into
+its kind's Struct. Decoding raises ``CodecError`` and nothing else, and never pickles (no ext types).
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ class CodecError(ValueError):
 
 @dataclass(frozen=True)
 class Message:
-    """One message. ``body`` is its kind's ``rlog.messages`` Struct once decoded; a sender may give
-    a plain dict of the same fields (encoded as it is, checked only if asked)."""
+    """``body``: its kind's Struct once decoded; a sender may give a dict (checked only if asked)."""
 
     kind: str
     request_id: str

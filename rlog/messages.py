@@ -9,9 +9,10 @@ never the value. Rules against the receiver's state live in the state machines; 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import re
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
 import msgspec
@@ -77,11 +78,8 @@ def _require_scalars(values: Any, path: str) -> None:
 
 
 def free_value_refusal(value: Any, depth_max: int, items_max: int = FREE_VALUE_ITEMS_MAX) -> str | None:
-    """None if ``value`` is a plain wire value at most ``depth_max`` deep and ``items_max`` items.
-
-    Walked with an explicit stack (no depth exhausts Python's); containers of scalars only, and lists
-    of such rows (a bootstrap batch), are counted at C speed.
-    """
+    """None if ``value`` is a plain wire value at most ``depth_max`` deep and ``items_max`` items. Walked
+    with an explicit stack; containers of scalars, and lists of such rows, are counted at C speed."""
     stack, items, scalar = [(value, 1)], 0, _SCALARS.__contains__
     while stack:
         current, depth = stack.pop()
@@ -133,11 +131,7 @@ class Body(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_d
                 raise MessageError(name, refusal)
 
 
-class KindSchema(NamedTuple):
-    body: Any
-    decoder: msgspec.msgpack.Decoder
-
-
+KindSchema = collections.namedtuple("KindSchema", "body decoder")  # a kind's body type and its decoder
 SCHEMAS: dict[str, KindSchema] = {}
 
 
@@ -145,8 +139,10 @@ def _refuse_ext(code: int, data: memoryview) -> Any:
     raise MessageError("", f"msgpack extension type {code} is not allowed", "bad_frame")
 
 
-def _body(name: str, *fields: Any, base: Any = Body, scalars: tuple[str, ...] = (), free: Any = None, **options: Any):
-    namespace = {"_scalars": scalars, "_free": free or {}}
+def _body(
+    name: str, *fields: Any, base: Any = Body, scalars: Any = (), free: Any = None, verify: Any = None, **options
+):
+    namespace = {"_scalars": scalars, "_free": free or {}} | ({"verify": verify} if verify else {})
     return msgspec.defstruct(name, fields, bases=(base,), module=__name__, namespace=namespace, kw_only=True, **options)
 
 
@@ -186,12 +182,8 @@ class Transact(Body, frozen=True, kw_only=True):
 
     def verify(self) -> None:
         # Every value of every op and guard in one set-based check; the paths are found on refusal.
-        values: list[Any] = []
-        for op in self.ops:
-            values.extend(op.row.values()) if type(op) is WriteRequest else values.append(op.key)
-        for guard in self.guards:
-            values.append(guard.key)
-            values.extend((guard.equals or {}).values())
+        values = [value for op in self.ops for value in (op.row.values() if type(op) is WriteRequest else (op.key,))]
+        values += [value for guard in self.guards for value in (guard.key, *(guard.equals or {}).values())]
         if scalars_refusal(values) is not None:
             for index, op in enumerate(self.ops):
                 for column, value in op.row.items() if type(op) is WriteRequest else ():
@@ -204,18 +196,7 @@ class Transact(Body, frozen=True, kw_only=True):
                     _require_scalars((value,), f"guards[{index}].equals.{column}")
 
 
-class Query(ReadOptions, frozen=True, kw_only=True):  # read-only SQL (rlog.query): its first page
-    sql: Annotated[str, Meta(min_length=1, max_length=QUERY_SQL_CHARS_MAX)]
-    params: Annotated[list[Scalar], Meta(max_length=QUERY_PARAMS_MAX)] = []
-    page_rows: Integer | None = None
-
-    def verify(self) -> None:
-        _require_scalars(self.params, "params")
-
-
-class Changes(Body, frozen=True, kw_only=True):
-    """A changefeed page (``rlog.changes``): the changes after ``positions`` of ``tables`` (none: all)."""
-
+class Changes(Body, frozen=True, kw_only=True):  # a changefeed page (rlog.changes): changes after positions
     tables: Annotated[list[Name], Meta(max_length=1000)] = []
     positions: Annotated[list[ChangesPosition], Meta(max_length=1000)] = []  # a node has at most 1000 shards
     page_records: Annotated[int, Meta(ge=1, le=INTEGER_MAX)] | None = None
@@ -239,7 +220,11 @@ _kind("add_column", TABLE, ("column", Name), ("type", types.ColumnType), FORWARD
 _kind("get", TABLE, ("key", Scalar), base=ReadOptions, scalars=("key",))
 _kind("scan", TABLE, ("after", Scalar, None), LIMIT, base=ReadOptions, scalars=("after",))
 _kind("count", TABLE, base=ReadOptions)
-_kind("query", body=Query)
+# read-only SQL (rlog.query): the first page of a statement's rows, then the next pages by cursor
+Sql = Annotated[str, Meta(min_length=1, max_length=QUERY_SQL_CHARS_MAX)]
+Params = Annotated[list[Any], Meta(max_length=QUERY_PARAMS_MAX)]
+_kind("query", ("sql", Sql), ("params", Params, []), ("page_rows", Integer | None, None), base=ReadOptions,
+      verify=lambda self: _require_scalars(self.params, "params"))
 QueryCursor = Annotated[str, Meta(min_length=1, max_length=64, pattern=NAME_PATTERN)]
 _kind("query_page", ("cursor", QueryCursor), ("page_rows", Integer | None, None))
 _kind("query_close", ("cursor", QueryCursor))  # the node frees the query's snapshot
@@ -394,7 +379,11 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
         elif type(op) is DeleteOp:
             names.add(op.table)
             values.append(op.key)
-        elif type(op) is MembersOp and not _members_op_ok(op.added, op.endpoint):
+        elif (
+            type(op) is MembersOp
+            and (op.added or op.endpoint)
+            and not (_NAME.match(op.added) and _ENDPOINT.match(op.endpoint))
+        ):
             raise MessageError("ops", "members op: added must be a name and endpoint an endpoint, or both empty")
         ops.append(op)
     for name in names - _NAMES_CHECKED:  # each distinct name once
@@ -409,10 +398,6 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
     decoded = tuple(ops)
     types.remember_packed(decoded, packed)
     return decoded
-
-
-def _members_op_ok(added: str, endpoint: str) -> bool:
-    return not (added or endpoint) or bool(_NAME.match(added) and _ENDPOINT.match(endpoint))
 
 
 def decode_entry(value: Any) -> types.Entry:
