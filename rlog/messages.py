@@ -368,11 +368,13 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
         if type(op) is WriteRow:
             row = dict(op.row)
             columns = tuple(row)
-            if len(columns) != len(op.row) or columns not in column_lists and list(columns) != sorted(columns):
-                raise MessageError("ops", "write op columns must be sorted and unique")
             if columns not in column_lists:
+                if len(columns) != len(op.row) or list(columns) != sorted(columns):
+                    raise MessageError("ops", "write op columns must be sorted and unique")
                 column_lists.add(columns)
                 names.update(columns)
+            elif len(columns) != len(op.row):
+                raise MessageError("ops", "write op columns must be sorted and unique")
             names.add(op.table)
             values.extend(row.values())
             op = WriteOp(op.table, row)
