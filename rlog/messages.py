@@ -120,14 +120,14 @@ class Body(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_d
     """A message body: a msgpack map with exactly the declared fields."""
 
     _scalars: ClassVar[tuple[str, ...]] = ()  # fields holding one SQLite value
-    _free: ClassVar[dict[str, int]] = {}  # fields holding a free value: their depth_max
+    _free: ClassVar[tuple[tuple[str, int], ...]] = ()  # fields holding a free value, and its depth_max
 
     def verify(self) -> None:
         """Raise ``MessageError`` naming the field if a value msgspec let through is not allowed."""
         for name in self._scalars:
             _require_scalars((getattr(self, name),), name)
-        for name, depth_max in self._free.items():
-            if (refusal := free_value_refusal(getattr(self, name), depth_max)) is not None:
+        for name, depth_max in self._free:
+            if (value := getattr(self, name)) is not None and (refusal := free_value_refusal(value, depth_max)):
                 raise MessageError(name, refusal)
 
 
@@ -142,7 +142,7 @@ def _refuse_ext(code: int, data: memoryview) -> Any:
 def _body(
     name: str, *fields: Any, base: Any = Body, scalars: Any = (), free: Any = None, verify: Any = None, **options
 ):
-    namespace = {"_scalars": scalars, "_free": free or {}} | ({"verify": verify} if verify else {})
+    namespace = {"_scalars": scalars, "_free": tuple((free or {}).items())} | ({"verify": verify} if verify else {})
     return msgspec.defstruct(name, fields, bases=(base,), module=__name__, namespace=namespace, kw_only=True, **options)
 
 
@@ -182,8 +182,12 @@ class Transact(Body, frozen=True, kw_only=True):
 
     def verify(self) -> None:
         # Every value of every op and guard in one set-based check; the paths are found on refusal.
-        values = [value for op in self.ops for value in (op.row.values() if type(op) is WriteRequest else (op.key,))]
-        values += [value for guard in self.guards for value in (guard.key, *(guard.equals or {}).values())]
+        values: list[Any] = []
+        for op in self.ops:
+            values.extend(op.row.values()) if type(op) is WriteRequest else values.append(op.key)
+        for guard in self.guards:
+            values.append(guard.key)
+            values.extend((guard.equals or {}).values())
         if scalars_refusal(values) is not None:
             for index, op in enumerate(self.ops):
                 for column, value in op.row.items() if type(op) is WriteRequest else ():
@@ -388,7 +392,7 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
         ):
             raise MessageError("ops", "members op: added must be a name and endpoint an endpoint, or both empty")
         ops.append(op)
-    for name in names - _NAMES_CHECKED:  # each distinct name once
+    for name in () if _NAMES_CHECKED.issuperset(names) else names - _NAMES_CHECKED:  # each distinct name once
         if not _NAME.match(name):
             raise MessageError("ops", f"name {name[:NAME_CHARS_MAX]!r} has characters that are not allowed")
         if len(_NAMES_CHECKED) < 4096:
