@@ -46,7 +46,14 @@ and executes the effects it returns.
   tells a follower that has the committed entries but not the commit key an empty append (a commit
   notice, at most one per follower per event), so followers apply, answer reads waiting for a key
   and push to their replicants without waiting for the next write or heartbeat. Only a reply that
-  acknowledges new entries frees a place among the appends in flight.
+  acknowledges new entries frees a place among the appends in flight. A follower leaves a commit
+  notice unanswered when it answered an append of this generation less than half a heartbeat
+  interval ago (``_notice_quiet_ms``): the answer would acknowledge nothing, and the one before fed
+  the lease a moment ago. Every other append is answered (entries, failures, heartbeats).
+* Resends. A heartbeat resends the entries in flight to a follower (from its match key) only when
+  none was acknowledged for a heartbeat interval (``_answering``): a lost append is found either
+  so or by the failed answer to the next one. Meanwhile the heartbeat is an empty append at the
+  follower's match key, and the follower does not decode, check and skip entries it already has.
 * Appends before the sequencer's fsync (thesis 10.2.1). The sequencer's appends are marked
   ``Send.before_persisted``: the driver may send them before its own commit, so the followers'
   fsyncs overlap the sequencer's. The sequencer therefore counts itself toward a majority only up
@@ -545,6 +552,10 @@ class _Progress:
     sent_key_max: TxKey = ZERO_KEY
     # The highest commit key any append told this follower (see _tell_commit).
     told_commit_key: TxKey = ZERO_KEY
+    # Since when the appends in flight wait for an answer that acknowledges entries: the send of the
+    # first of them, moved on by each reply that acknowledges new entries. A heartbeat resends what
+    # is in flight only once this is a heartbeat interval old (see _on_tick).
+    waiting_since_ms: int = 0
 
 
 @dataclass
@@ -632,6 +643,8 @@ class ShardConsensus:
         # a sequencer at start, and votes for nobody else during the first election timeout.
         self._sequencer_heard_ms: int | None = now_ms if len(members) > 1 else None
         self._progress: dict[str, _Progress] = {}
+        # The generation and time of this core's last successful answer to an append (see _notice_quiet_ms).
+        self._answered: tuple[int, int] = (-1, now_ms)
         # Request ids of this sequencer's uncommitted proposals, in tx key order.
         self._pending: dict[TxKey, str | None] = {}
         # Entries this sequencer appended since the last BatchEnded, not sent yet (see _send_batch).
@@ -861,6 +874,14 @@ class ShardConsensus:
             if self._now_ms >= self._heartbeat_due_ms:
                 self._heartbeat_due_ms = self._now_ms + self.config.heartbeat_interval_ms
                 for peer, progress in self._progress.items():
+                    if self._answering(progress):
+                        # Appends are in flight and their answers keep coming: resending them would
+                        # only make the follower decode and skip them. An empty append where it
+                        # matched keeps it following and feeds the lease.
+                        match_digest = self._log.digest_at(progress.match_key)
+                        if match_digest is not None:
+                            self._send(peer, progress, progress.match_key, match_digest, [])
+                            continue
                     if not progress.probing:
                         # Resend what was not acknowledged: appends may have been lost.
                         progress.sent_key = progress.match_key
@@ -870,6 +891,20 @@ class ShardConsensus:
             return
         if self._now_ms >= self._election_deadline_ms and self.voter:
             self._pre_vote()
+
+    def _answering(self, progress: _Progress) -> bool:
+        """Whether a follower with appends in flight acknowledged entries within the last heartbeat
+        interval (or was sent its first in-flight append within it): none of them is given up as lost yet.
+
+        A lost append shows either as a failed answer to the next one (its previous key is missing)
+        or, when nothing follows it, as a heartbeat interval without an acknowledgement: then the
+        heartbeat resends from the match key."""
+        return (
+            not progress.probing
+            and progress.in_flight > 0
+            and progress.sent_key > progress.match_key
+            and self._now_ms - progress.waiting_since_ms < self.config.heartbeat_interval_ms
+        )
 
     # ------------------------------------------------------------ election
 
@@ -1239,12 +1274,28 @@ class ShardConsensus:
             self._note_changes(new_entries)
         # Raft: commit up to min(sequencer's commit key, last entry this append verified).
         new_commit = min(message.commit_key, message_last_key)
-        if new_commit > self._commit_key:
+        told_commit = new_commit > self._commit_key
+        if told_commit:
             self._commit_key = new_commit
             self._settle_members()
             self._out.append(Commit(new_commit))
         self._adopt_committed_members(message)
+        answered_generation, answered_ms = self._answered
+        recently = answered_generation == self._generation and self._now_ms - answered_ms < self._notice_quiet_ms()
+        if told_commit and not message.entries and recently:
+            # A commit notice (``_tell_commit``) just after an answer: its answer would acknowledge
+            # nothing new and feed a lease that the answer before fed a moment ago.
+            return
+        self._answered = (self._generation, self._now_ms)
         self._reply_append(sender, message, True, message_last_key)
+
+    def _notice_quiet_ms(self) -> int:
+        """How soon after answering its sequencer a follower leaves a commit notice unanswered.
+
+        Half a heartbeat interval: the sequencer still hears this follower at least as often as it
+        sends heartbeats (a heartbeat that tells no new commit key is always answered), and its read
+        lease (half an election timeout, at least a heartbeat interval) lags by at most this much."""
+        return self.config.heartbeat_interval_ms // 2
 
     def _on_append_reply(self, sender: str, message: AppendReply) -> None:
         if self._role is not Role.SEQUENCER or message.generation != self._generation:
@@ -1264,6 +1315,8 @@ class ShardConsensus:
             # to an empty append (a heartbeat, a commit notice) must not make room for another.
             advanced = message.match_key > progress.match_key
             progress.match_key = max(progress.match_key, message.match_key)
+            if advanced:
+                progress.waiting_since_ms = self._now_ms
             if progress.probing:
                 progress.in_flight = 0  # the one probe in flight was answered
             elif advanced:
@@ -1364,6 +1417,8 @@ class ShardConsensus:
         progress.sent_key_max = max(progress.sent_key_max, entries[-1].tx_key if entries else prev_key)
         progress.told_commit_key = max(progress.told_commit_key, self._commit_key)
         if entries:
+            if progress.in_flight == 0:
+                progress.waiting_since_ms = self._now_ms
             progress.in_flight += 1
             if not progress.probing:
                 # While probing, sent_key stays at the probe point so that a lost probe is retried there.
