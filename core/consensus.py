@@ -42,14 +42,16 @@ and executes the effects it returns.
 * Commit. An entry is committed when a majority of the voters of the latest membership in the log
   (the sequencer counts when it is one of them) have persisted it and it belongs to the current
   generation; earlier entries commit with it (Raft, section 5.4.2).
-  Followers learn the commit key from appends. At ``BatchEnded`` and ``Persisted`` the sequencer
-  tells a follower that has the committed entries but not the commit key an empty append (a commit
-  notice, at most one per follower per event), so followers apply, answer reads waiting for a key
-  and push to their replicants without waiting for the next write or heartbeat. Only a reply that
-  acknowledges new entries frees a place among the appends in flight. A follower leaves a commit
-  notice unanswered when it answered an append of this generation less than half a heartbeat
-  interval ago (``_notice_quiet_ms``): the answer would acknowledge nothing, and the one before fed
-  the lease a moment ago. Every other append is answered (entries, failures, heartbeats).
+  Followers learn the commit key from appends. When the commit key moves and a follower that has
+  the committed entries was not told it, the sequencer tells it within ``commit_notice_delay_ms``
+  (at most half a heartbeat interval): with the next batch if one goes out by then, else with an
+  empty append (a commit notice, at most one per follower), so followers apply, answer reads
+  waiting for a key and push to their replicants without waiting for the next heartbeat. Under
+  load the next turn's batch carries it, and the follower applies in the transaction that appends.
+  Only a reply that acknowledges new entries frees a place among the appends in flight. A follower
+  leaves a commit notice unanswered when it answered an append of this generation less than half a
+  heartbeat interval ago (``_notice_quiet_ms``): the answer would acknowledge nothing, and the one
+  before fed the lease a moment ago. Every other append is answered (entries, failures, heartbeats).
 * Resends. A heartbeat resends the entries in flight to a follower (from its match key) only when
   none was acknowledged for a heartbeat interval (``_answering``): a lost append is found either
   so or by the failed answer to the next one. Meanwhile the heartbeat is an empty append at the
@@ -186,6 +188,9 @@ class ConsensusConfig:
     # A peer's message may raise our generation by at most this much: generations grow by one per
     # election, so a larger jump is a hostile or broken peer (and 2**63-1 would overflow SQLite).
     generation_jump_max: int = 1_000_000
+    # How long a move of the commit key may wait for an append that carries it before the sequencer
+    # sends a commit notice (at most half a heartbeat interval: ``ShardConsensus._notice_delay_ms``).
+    commit_notice_delay_ms: int = 10
     # How long a core being added may take to catch up (as a learner) before the change is refused.
     learner_catch_up_ms_max: int = 600_000
 
@@ -655,6 +660,8 @@ class ShardConsensus:
         self._durable_key = self._last_key
         self._state_durable = True
         self._heartbeat_due_ms = now_ms
+        # When a commit notice is due (see _schedule_notice); None: none is scheduled.
+        self._notice_due_ms: int | None = None
         self._election_deadline_ms = now_ms
         self._reset_election_deadline()
         self._out: list[Effect] = []
@@ -771,6 +778,8 @@ class ShardConsensus:
             # Ticks change nothing until DiskFreed; a deadline in the past would spin the driver.
             return self._now_ms + self.config.election_timeout_ms_min
         if self._role is Role.SEQUENCER:
+            if self._notice_due_ms is not None:
+                return min(self._heartbeat_due_ms, self._notice_due_ms)
             return self._heartbeat_due_ms
         return self._election_deadline_ms
 
@@ -795,7 +804,7 @@ class ShardConsensus:
             self._on_proposed(event)
         elif isinstance(event, BatchEnded):
             self._send_batch()
-            self._tell_commit()
+            self._schedule_notice()
         elif isinstance(event, Persisted):
             self._on_persisted()
         elif isinstance(event, ForceStartRequested):
@@ -887,6 +896,9 @@ class ShardConsensus:
                         progress.sent_key = progress.match_key
                     progress.in_flight = 0
                     self._send_append(peer, heartbeat=True)
+            if self._notice_due_ms is not None and self._now_ms >= self._notice_due_ms:
+                self._notice_due_ms = None
+                self._tell_commit()
             self._check_learner()
             return
         if self._now_ms >= self._election_deadline_ms and self.voter:
@@ -917,11 +929,12 @@ class ShardConsensus:
         self._state_durable = True
         if self._role is Role.SEQUENCER:
             self._advance_commit()
-            self._tell_commit()
+            self._schedule_notice()
 
     def _set_role(self, role: Role, sequencer: str | None) -> None:
         if role is not Role.SEQUENCER:
             self._batch = []
+            self._notice_due_ms = None
         if role is not self._role or sequencer != self._sequencer:
             self._role = role
             self._sequencer = sequencer
@@ -1415,7 +1428,10 @@ class ShardConsensus:
         )
         self._out.append(Send(peer, message, before_persisted=self._state_durable))
         progress.sent_key_max = max(progress.sent_key_max, entries[-1].tx_key if entries else prev_key)
-        progress.told_commit_key = max(progress.told_commit_key, self._commit_key)
+        # What the follower can commit from this append: its commit key, but never past the append's end.
+        progress.told_commit_key = max(
+            progress.told_commit_key, min(self._commit_key, entries[-1].tx_key if entries else prev_key)
+        )
         if entries:
             if progress.in_flight == 0:
                 progress.waiting_since_ms = self._now_ms
@@ -1424,19 +1440,40 @@ class ShardConsensus:
                 # While probing, sent_key stays at the probe point so that a lost probe is retried there.
                 progress.sent_key = entries[-1].tx_key
 
+    def _needs_notice(self, progress: _Progress) -> bool:
+        """A follower that was sent every committed entry but not told the commit key."""
+        return (
+            not progress.probing
+            and progress.told_commit_key < self._commit_key
+            and progress.sent_key >= self._commit_key
+        )
+
+    def _notice_delay_ms(self) -> int:
+        return max(1, min(self.config.commit_notice_delay_ms, self.config.heartbeat_interval_ms // 2))
+
+    def _schedule_notice(self) -> None:
+        """At BatchEnded and Persisted: a commit key some follower has not heard is told within
+        ``_notice_delay_ms``, by the next batch if one goes out by then (under load, the next
+        turn's writes), else by a commit notice (``_tell_commit``, at a ``Ticked``). A follower then
+        applies the commit in the same transaction as that batch instead of in a turn of its own."""
+        if self._role is not Role.SEQUENCER or self._notice_due_ms is not None:
+            return
+        if any(self._needs_notice(progress) for progress in self._progress.values()):
+            self._notice_due_ms = self._now_ms + self._notice_delay_ms()
+
     def _tell_commit(self) -> None:
         """Tell each follower a commit key it has not heard yet, in an empty append (at most one each).
 
         Followers learn the commit key from appends; without this, a follower would apply (and
         push to its replicants, and answer reads waiting for the key) only at the next write's
-        append or the next heartbeat. Called at BatchEnded and Persisted, so at most twice a driver
-        turn per follower. A follower that got this turn's batch heard it already; one
-        that is probing, or was not sent the committed entries yet, hears it with those entries.
+        append or the next heartbeat. Sent when the notice scheduled by ``_schedule_notice`` is due.
+        A follower that got a batch since heard it already; one that is probing, or was not sent
+        the committed entries yet, hears it with those entries.
         """
         if self._role is not Role.SEQUENCER:
             return
         for peer, progress in self._progress.items():
-            if progress.probing or progress.told_commit_key >= self._commit_key or progress.sent_key < self._commit_key:
+            if not self._needs_notice(progress):
                 continue
             prev_key = progress.sent_key
             prev_digest = self._last_digest if prev_key == self._last_key else self._log.digest_at(prev_key)
