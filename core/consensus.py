@@ -52,6 +52,8 @@ and executes the effects it returns.
   leaves a commit notice unanswered when it answered an append of this generation less than half a
   heartbeat interval ago (``_notice_quiet_ms``): the answer would acknowledge nothing, and the one
   before fed the lease a moment ago. Every other append is answered (entries, failures, heartbeats).
+* Heartbeats go to a follower that was not sent an append with entries, or not heard, within the
+  last heartbeat interval (``_fed_by_appends``): under load, the appends do their work.
 * Resends. A heartbeat resends the entries in flight to a follower (from its match key) only when
   none was acknowledged for a heartbeat interval (``_answering``): a lost append is found either
   so or by the failed answer to the next one. Meanwhile the heartbeat is an empty append at the
@@ -561,6 +563,8 @@ class _Progress:
     # first of them, moved on by each reply that acknowledges new entries. A heartbeat resends what
     # is in flight only once this is a heartbeat interval old (see _on_tick).
     waiting_since_ms: int = 0
+    # When an append with entries was last sent to this follower (see _fed_by_appends).
+    appended_ms: int | None = None
 
 
 @dataclass
@@ -883,6 +887,8 @@ class ShardConsensus:
             if self._now_ms >= self._heartbeat_due_ms:
                 self._heartbeat_due_ms = self._now_ms + self.config.heartbeat_interval_ms
                 for peer, progress in self._progress.items():
+                    if self._fed_by_appends(progress):
+                        continue  # the appends of the last interval keep it following and feed the lease
                     if self._answering(progress):
                         # Appends are in flight and their answers keep coming: resending them would
                         # only make the follower decode and skip them. An empty append where it
@@ -916,6 +922,19 @@ class ShardConsensus:
             and progress.in_flight > 0
             and progress.sent_key > progress.match_key
             and self._now_ms - progress.waiting_since_ms < self.config.heartbeat_interval_ms
+        )
+
+    def _fed_by_appends(self, progress: _Progress) -> bool:
+        """A follower that needs no heartbeat: within the last heartbeat interval it was sent an
+        append with entries (which resets its election timer as a heartbeat would) and answered
+        (which feeds the lease and the step-down count), and none of its appends is stalled."""
+        interval_ms = self.config.heartbeat_interval_ms
+        return (
+            not progress.probing
+            and progress.appended_ms is not None
+            and self._now_ms - progress.appended_ms < interval_ms
+            and self._now_ms - progress.last_heard_ms < interval_ms
+            and (progress.sent_key <= progress.match_key or self._now_ms - progress.waiting_since_ms < interval_ms)
         )
 
     # ------------------------------------------------------------ election
@@ -1433,6 +1452,7 @@ class ShardConsensus:
             progress.told_commit_key, min(self._commit_key, entries[-1].tx_key if entries else prev_key)
         )
         if entries:
+            progress.appended_ms = self._now_ms
             if progress.in_flight == 0:
                 progress.waiting_since_ms = self._now_ms
             progress.in_flight += 1

@@ -611,6 +611,25 @@ def test_the_sequencer_fences_itself_without_a_majority_and_fails_pending_propos
     assert of_type(harness.step(Proposed((), "w2")), ProposalRejected)[0].reason == REJECT_NOT_SEQUENCER
 
 
+def test_no_heartbeat_goes_to_a_follower_fed_by_appends():
+    """A follower that was sent entries and answered within the last heartbeat interval needs no
+    heartbeat (the appends reset its election timer and feed the lease); one that did not answer
+    gets one."""
+    harness = Harness()
+    harness.elect()
+    heartbeat_ms = next_heartbeat(harness)
+    harness.ack("b", TxKey(1, 1))
+    harness.ack("c", TxKey(1, 1))
+    harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"), heartbeat_ms + 1)
+    assert len(sends(harness.step(BatchEnded()), AppendRequest)) == 2
+    harness.ack("b", TxKey(1, 2))  # c does not answer
+    harness.step(BatchEnded())
+    while harness.machine.next_deadline_ms() < heartbeat_ms + CONFIG.heartbeat_interval_ms:
+        harness.step(Ticked(), harness.machine.next_deadline_ms())  # the commit notices of (1, 2)
+    effects = harness.step(Ticked(), heartbeat_ms + CONFIG.heartbeat_interval_ms)
+    assert [(to, m.entries) for to, m in sends(effects, AppendRequest)] == [("c", ())]
+
+
 def test_heartbeats_resend_unacknowledged_entries():
     harness = Harness()
     harness.elect()
