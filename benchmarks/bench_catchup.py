@@ -549,9 +549,16 @@ def phase_many(directory: Path, args: argparse.Namespace, report: dict) -> None:
 
         attach_s = cluster.wait(all_normal, args.timeout_s, f"{len(names)} replicants to be normal")
         replicants = [cluster.processes[name] for name in names]
+        commits_before = [(cluster.status(name) or {}).get("commits") for name in names]
         before = cpu_used(cores + replicants)
         rounds["attached"] = write_latencies(cluster, args.writers, args.seconds)
         used = [after - start for start, after in zip(before, cpu_used(cores + replicants), strict=True)]
+        commits = [
+            after - start if isinstance(start, int) and isinstance(after, int) else None
+            for start, after in zip(
+                commits_before, [(cluster.status(name) or {}).get("commits") for name in names], strict=True
+            )
+        ]
         lag = [cluster.shard(name).get("lag_entries") for name in names]
         for name in names:
             cluster.kill(name)
@@ -578,6 +585,12 @@ def phase_many(directory: Path, args: argparse.Namespace, report: dict) -> None:
             "cores_cpu_ms_per_write_none": _per_write(cores_none_s, len(rounds["none_before"])),
             "cores_cpu_ms_per_write_attached": _per_write(sum(used[:3]), len(rounds["attached"])),
             "replicant_cpu_ms_per_write": [_per_write(value, len(rounds["attached"])) for value in used[3:]],
+            # The replicants' SQLite commits (about one per loop turn that applied pushes) per write:
+            # 1.0 is a push per write, lower is batching (a tree without the ``commits`` status: None).
+            "replicant_commits_per_write": [
+                round(value / len(rounds["attached"]), 2) if value is not None and rounds["attached"] else None
+                for value in commits
+            ],
         }
     finally:
         cluster.close()

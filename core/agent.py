@@ -26,6 +26,15 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   endpoint until the socket closes). One push holds at most ``push_entries_max`` entries and
   ``push_bytes_max`` bytes (an entry larger than that goes alone), so a push never exceeds the
   replicant's frame limit with large transactions.
+* Pushes in flight. A push with entries is in flight until an acknowledgement covers its last key.
+  A partial push (fewer than ``push_entries_max`` entries and ``push_bytes_max`` bytes, judged by
+  the entry sizes seen so far) goes only while fewer than ``pushes_in_flight_max`` pushes are in
+  flight; otherwise it waits for an acknowledgement and then carries every entry committed
+  meanwhile. A full push goes whenever the window has room, so a catch-up keeps streaming. Under
+  load a replicant therefore gets fewer, fuller pushes (its cost, and the core's, is per push: a
+  wake-up, a frame, a transaction, an acknowledgement), and when idle a commit is pushed at once. A
+  lost acknowledgement holds a partial push until the heartbeat's acknowledgement, at most
+  ``heartbeat_interval_ms`` later.
 * Paced by acknowledgements. One step pushes at most ``step_bytes_max`` bytes (or less: the driver
   may pass a smaller budget for a step, down to 0, when its loop turn has spent its budget for all
   agents): an acknowledgement (or a commit, or a tick) lets the next ones go. Catching up from far
@@ -119,6 +128,8 @@ class AgentConfig:
     # Entries and bytes in one push; bounds the size of one message (under the replicant's frame_bytes_max).
     push_entries_max: int = 256
     push_bytes_max: int = 256 * 1024
+    # Pushes with entries not yet acknowledged past which a partial push waits (see "Pushes in flight").
+    pushes_in_flight_max: int = 1
     # Bytes pushed in one step at most: bounds the work one event costs the core's loop.
     step_bytes_max: int = 256 * 1024
     heartbeat_interval_ms: int = 500
@@ -181,6 +192,9 @@ class Agent:
         # (key, estimated bytes) pushed and not yet acknowledged, in order; this is the window.
         self._unacknowledged: deque[tuple[TxKey, int]] = deque()
         self._unacknowledged_bytes = 0
+        # The last key of each push with entries not yet acknowledged, in order (see "Pushes in flight");
+        # at most window_entries_max of them (a push holds at least one entry of the window).
+        self._pushes_in_flight: deque[TxKey] = deque()
         # Entries read per log read: sized from the entries seen so far (the first read takes five).
         self._entry_bytes_estimate = max(1, config.push_bytes_max // 4)
         # Entries in the last push: a read takes at most twice as many, so that a log whose first
@@ -315,6 +329,8 @@ class Agent:
             self._sent_key = max(self._sent_key, key)
             while self._unacknowledged and self._unacknowledged[0][0] <= key:
                 self._unacknowledged_bytes -= self._unacknowledged.popleft()[1]
+            while self._pushes_in_flight and self._pushes_in_flight[0] <= key:
+                self._pushes_in_flight.popleft()
         elif self._unacknowledged and (
             self._last_rewind_ms is None or self._now_ms - self._last_rewind_ms >= self.config.heartbeat_interval_ms
         ):
@@ -323,6 +339,7 @@ class Agent:
             self._sent_key = self._acked_key
             self._unacknowledged.clear()
             self._unacknowledged_bytes = 0
+            self._pushes_in_flight.clear()
         self._pump()
 
     # ------------------------------------------------------------ pushing
@@ -347,12 +364,26 @@ class Agent:
         return min(self.config.window_bytes_max, self.config.probation_bytes_max)
 
     def _can_push(self) -> bool:
-        """Committed entries wait and the window has room for at least one more."""
+        """Committed entries wait, the window has room for at least one more, and the pushes in flight
+        let the next one go."""
         return (
             not self.stopped
             and self._sent_key < self._committed_key
             and len(self._unacknowledged) < self.config.window_entries_max
             and self._unacknowledged_bytes < self._window_bytes_max()
+            and (len(self._pushes_in_flight) < self.config.pushes_in_flight_max or self._full_push_waits())
+        )
+
+    def _full_push_waits(self) -> bool:
+        """Enough committed entries wait to fill a push (see "Pushes in flight"). Judged without
+        reading the log: by count within a generation and the largest entry of the last push; across
+        generations the count would read the log, so the push goes (a rare moment, after an election)."""
+        if self._sent_key.generation != self._committed_key.generation:
+            return True
+        waiting = self._committed_key.counter - self._sent_key.counter
+        return (
+            waiting >= self.config.push_entries_max
+            or waiting * self._entry_bytes_estimate >= self.config.push_bytes_max
         )
 
     def _pump(self) -> bool:
@@ -410,6 +441,7 @@ class Agent:
         self._unacknowledged.extend((entry.tx_key, size) for entry, size in batch)
         self._unacknowledged_bytes += batch_bytes
         self._sent_key = batch[-1][0].tx_key
+        self._pushes_in_flight.append(self._sent_key)
         self._pushed_max_key = max(self._pushed_max_key, self._sent_key)
         return batch_bytes
 

@@ -42,11 +42,22 @@ and executes the effects it returns.
 * Commit. An entry is committed when a majority of the voters of the latest membership in the log
   (the sequencer counts when it is one of them) have persisted it and it belongs to the current
   generation; earlier entries commit with it (Raft, section 5.4.2).
-  Followers learn the commit key from appends. At ``BatchEnded`` and ``Persisted`` the sequencer
-  tells a follower that has the committed entries but not the commit key an empty append (a commit
-  notice, at most one per follower per event), so followers apply, answer reads waiting for a key
-  and push to their replicants without waiting for the next write or heartbeat. Only a reply that
-  acknowledges new entries frees a place among the appends in flight.
+  Followers learn the commit key from appends. When the commit key moves and a follower that has
+  the committed entries was not told it, the sequencer tells it within ``commit_notice_delay_ms``
+  (at most half a heartbeat interval): with the next batch if one goes out by then, else with an
+  empty append (a commit notice, at most one per follower), so followers apply, answer reads
+  waiting for a key and push to their replicants without waiting for the next heartbeat. Under
+  load the next turn's batch carries it, and the follower applies in the transaction that appends.
+  Only a reply that acknowledges new entries frees a place among the appends in flight. A follower
+  leaves a commit notice unanswered when it answered an append of this generation less than half a
+  heartbeat interval ago (``_notice_quiet_ms``): the answer would acknowledge nothing, and the one
+  before fed the lease a moment ago. Every other append is answered (entries, failures, heartbeats).
+* Heartbeats go to a follower that was not sent an append with entries, or not heard, within the
+  last heartbeat interval (``_fed_by_appends``): under load, the appends do their work.
+* Resends. A heartbeat resends the entries in flight to a follower (from its match key) only when
+  none was acknowledged for a heartbeat interval (``_answering``): a lost append is found either
+  so or by the failed answer to the next one. Meanwhile the heartbeat is an empty append at the
+  follower's match key, and the follower does not decode, check and skip entries it already has.
 * Appends before the sequencer's fsync (thesis 10.2.1). The sequencer's appends are marked
   ``Send.before_persisted``: the driver may send them before its own commit, so the followers'
   fsyncs overlap the sequencer's. The sequencer therefore counts itself toward a majority only up
@@ -179,6 +190,9 @@ class ConsensusConfig:
     # A peer's message may raise our generation by at most this much: generations grow by one per
     # election, so a larger jump is a hostile or broken peer (and 2**63-1 would overflow SQLite).
     generation_jump_max: int = 1_000_000
+    # How long a move of the commit key may wait for an append that carries it before the sequencer
+    # sends a commit notice (at most half a heartbeat interval: ``ShardConsensus._notice_delay_ms``).
+    commit_notice_delay_ms: int = 10
     # How long a core being added may take to catch up (as a learner) before the change is refused.
     learner_catch_up_ms_max: int = 600_000
 
@@ -346,6 +360,15 @@ class Proposed:
 
 
 @dataclass(frozen=True)
+class ProposedBatch:
+    """The client writes a driver took in one loop turn, in arrival order: proposed as ``Proposed``
+    one after another would be, with one ``PersistEntries`` for all of them (the driver's per-write
+    cost is one step, one log insert and one commit check per batch, not per write)."""
+
+    proposals: tuple[Proposed, ...]
+
+
+@dataclass(frozen=True)
 class BatchEnded:
     """The driver proposed every write of its loop turn: send the turn's new entries, one append
     per follower (instead of one append per entry)."""
@@ -386,6 +409,7 @@ Event = (
     Ticked
     | MessageReceived
     | Proposed
+    | ProposedBatch
     | BatchEnded
     | Persisted
     | ForceStartRequested
@@ -545,6 +569,12 @@ class _Progress:
     sent_key_max: TxKey = ZERO_KEY
     # The highest commit key any append told this follower (see _tell_commit).
     told_commit_key: TxKey = ZERO_KEY
+    # Since when the appends in flight wait for an answer that acknowledges entries: the send of the
+    # first of them, moved on by each reply that acknowledges new entries. A heartbeat resends what
+    # is in flight only once this is a heartbeat interval old (see _on_tick).
+    waiting_since_ms: int = 0
+    # When an append with entries was last sent to this follower (see _fed_by_appends).
+    appended_ms: int | None = None
 
 
 @dataclass
@@ -632,6 +662,8 @@ class ShardConsensus:
         # a sequencer at start, and votes for nobody else during the first election timeout.
         self._sequencer_heard_ms: int | None = now_ms if len(members) > 1 else None
         self._progress: dict[str, _Progress] = {}
+        # The generation and time of this core's last successful answer to an append (see _notice_quiet_ms).
+        self._answered: tuple[int, int] = (-1, now_ms)
         # Request ids of this sequencer's uncommitted proposals, in tx key order.
         self._pending: dict[TxKey, str | None] = {}
         # Entries this sequencer appended since the last BatchEnded, not sent yet (see _send_batch).
@@ -642,6 +674,8 @@ class ShardConsensus:
         self._durable_key = self._last_key
         self._state_durable = True
         self._heartbeat_due_ms = now_ms
+        # When a commit notice is due (see _schedule_notice); None: none is scheduled.
+        self._notice_due_ms: int | None = None
         self._election_deadline_ms = now_ms
         self._reset_election_deadline()
         self._out: list[Effect] = []
@@ -758,6 +792,8 @@ class ShardConsensus:
             # Ticks change nothing until DiskFreed; a deadline in the past would spin the driver.
             return self._now_ms + self.config.election_timeout_ms_min
         if self._role is Role.SEQUENCER:
+            if self._notice_due_ms is not None:
+                return min(self._heartbeat_due_ms, self._notice_due_ms)
             return self._heartbeat_due_ms
         return self._election_deadline_ms
 
@@ -780,9 +816,11 @@ class ShardConsensus:
             self._on_message(event.sender, event.message)
         elif isinstance(event, Proposed):
             self._on_proposed(event)
+        elif isinstance(event, ProposedBatch):
+            self._on_proposed_batch(event)
         elif isinstance(event, BatchEnded):
             self._send_batch()
-            self._tell_commit()
+            self._schedule_notice()
         elif isinstance(event, Persisted):
             self._on_persisted()
         elif isinstance(event, ForceStartRequested):
@@ -822,6 +860,9 @@ class ShardConsensus:
         """Everything but DiskFull/DiskFreed while full: refuse what asks for an answer, drop the rest."""
         if isinstance(event, (Proposed, MembershipChangeRequested)):
             self._out.append(ProposalRejected(event.request_id, REJECT_DISK_FULL, None))
+        elif isinstance(event, ProposedBatch):
+            for proposal in event.proposals:
+                self._out.append(ProposalRejected(proposal.request_id, REJECT_DISK_FULL, None))
         elif isinstance(event, ForceStartRequested):
             reached = tuple(sorted(name for name, _ in event.reached))
             self._out.append(ForceStartRefused(f"the disk of {self.name} is full", reached, self._members))
@@ -861,15 +902,55 @@ class ShardConsensus:
             if self._now_ms >= self._heartbeat_due_ms:
                 self._heartbeat_due_ms = self._now_ms + self.config.heartbeat_interval_ms
                 for peer, progress in self._progress.items():
+                    if self._fed_by_appends(progress):
+                        continue  # the appends of the last interval keep it following and feed the lease
+                    if self._answering(progress):
+                        # Appends are in flight and their answers keep coming: resending them would
+                        # only make the follower decode and skip them. An empty append where it
+                        # matched keeps it following and feeds the lease.
+                        match_digest = self._log.digest_at(progress.match_key)
+                        if match_digest is not None:
+                            self._send(peer, progress, progress.match_key, match_digest, [])
+                            continue
                     if not progress.probing:
                         # Resend what was not acknowledged: appends may have been lost.
                         progress.sent_key = progress.match_key
                     progress.in_flight = 0
                     self._send_append(peer, heartbeat=True)
+            if self._notice_due_ms is not None and self._now_ms >= self._notice_due_ms:
+                self._notice_due_ms = None
+                self._tell_commit()
             self._check_learner()
             return
         if self._now_ms >= self._election_deadline_ms and self.voter:
             self._pre_vote()
+
+    def _answering(self, progress: _Progress) -> bool:
+        """Whether a follower with appends in flight acknowledged entries within the last heartbeat
+        interval (or was sent its first in-flight append within it): none of them is given up as lost yet.
+
+        A lost append shows either as a failed answer to the next one (its previous key is missing)
+        or, when nothing follows it, as a heartbeat interval without an acknowledgement: then the
+        heartbeat resends from the match key."""
+        return (
+            not progress.probing
+            and progress.in_flight > 0
+            and progress.sent_key > progress.match_key
+            and self._now_ms - progress.waiting_since_ms < self.config.heartbeat_interval_ms
+        )
+
+    def _fed_by_appends(self, progress: _Progress) -> bool:
+        """A follower that needs no heartbeat: within the last heartbeat interval it was sent an
+        append with entries (which resets its election timer as a heartbeat would) and answered
+        (which feeds the lease and the step-down count), and none of its appends is stalled."""
+        interval_ms = self.config.heartbeat_interval_ms
+        return (
+            not progress.probing
+            and progress.appended_ms is not None
+            and self._now_ms - progress.appended_ms < interval_ms
+            and self._now_ms - progress.last_heard_ms < interval_ms
+            and (progress.sent_key <= progress.match_key or self._now_ms - progress.waiting_since_ms < interval_ms)
+        )
 
     # ------------------------------------------------------------ election
 
@@ -882,11 +963,12 @@ class ShardConsensus:
         self._state_durable = True
         if self._role is Role.SEQUENCER:
             self._advance_commit()
-            self._tell_commit()
+            self._schedule_notice()
 
     def _set_role(self, role: Role, sequencer: str | None) -> None:
         if role is not Role.SEQUENCER:
             self._batch = []
+            self._notice_due_ms = None
         if role is not self._role or sequencer != self._sequencer:
             self._role = role
             self._sequencer = sequencer
@@ -1239,12 +1321,28 @@ class ShardConsensus:
             self._note_changes(new_entries)
         # Raft: commit up to min(sequencer's commit key, last entry this append verified).
         new_commit = min(message.commit_key, message_last_key)
-        if new_commit > self._commit_key:
+        told_commit = new_commit > self._commit_key
+        if told_commit:
             self._commit_key = new_commit
             self._settle_members()
             self._out.append(Commit(new_commit))
         self._adopt_committed_members(message)
+        answered_generation, answered_ms = self._answered
+        recently = answered_generation == self._generation and self._now_ms - answered_ms < self._notice_quiet_ms()
+        if told_commit and not message.entries and recently:
+            # A commit notice (``_tell_commit``) just after an answer: its answer would acknowledge
+            # nothing new and feed a lease that the answer before fed a moment ago.
+            return
+        self._answered = (self._generation, self._now_ms)
         self._reply_append(sender, message, True, message_last_key)
+
+    def _notice_quiet_ms(self) -> int:
+        """How soon after answering its sequencer a follower leaves a commit notice unanswered.
+
+        Half a heartbeat interval: the sequencer still hears this follower at least as often as it
+        sends heartbeats (a heartbeat that tells no new commit key is always answered), and its read
+        lease (half an election timeout, at least a heartbeat interval) lags by at most this much."""
+        return self.config.heartbeat_interval_ms // 2
 
     def _on_append_reply(self, sender: str, message: AppendReply) -> None:
         if self._role is not Role.SEQUENCER or message.generation != self._generation:
@@ -1264,6 +1362,8 @@ class ShardConsensus:
             # to an empty append (a heartbeat, a commit notice) must not make room for another.
             advanced = message.match_key > progress.match_key
             progress.match_key = max(progress.match_key, message.match_key)
+            if advanced:
+                progress.waiting_since_ms = self._now_ms
             if progress.probing:
                 progress.in_flight = 0  # the one probe in flight was answered
             elif advanced:
@@ -1297,22 +1397,46 @@ class ShardConsensus:
     # ------------------------------------------------------------ replication
 
     def _on_proposed(self, event: Proposed) -> None:
-        if self._role is not Role.SEQUENCER:
-            self._out.append(ProposalRejected(event.request_id, REJECT_NOT_SEQUENCER, self._sequencer))
-            return
-        if len(event.ops) > self.config.ops_per_entry_max:
-            self._out.append(ProposalRejected(event.request_id, REJECT_TOO_MANY_OPS, self.name))
-            return
-        if len(self._pending) >= self.config.pending_proposals_max:
-            self._out.append(ProposalRejected(event.request_id, REJECT_BUSY, self.name))
+        if self._proposal_refused(event):
             return
         self._append_own(tuple(event.ops), event.request_id, proposal=True)
 
-    def _append_own(self, ops: tuple[Op, ...], request_id: str | None, proposal: bool) -> None:
+    def _proposal_refused(self, event: Proposed) -> bool:
+        if self._role is not Role.SEQUENCER:
+            self._out.append(ProposalRejected(event.request_id, REJECT_NOT_SEQUENCER, self._sequencer))
+            return True
+        if len(event.ops) > self.config.ops_per_entry_max:
+            self._out.append(ProposalRejected(event.request_id, REJECT_TOO_MANY_OPS, self.name))
+            return True
+        if len(self._pending) >= self.config.pending_proposals_max:
+            self._out.append(ProposalRejected(event.request_id, REJECT_BUSY, self.name))
+            return True
+        return False
+
+    def _on_proposed_batch(self, event: ProposedBatch) -> None:
+        """Each proposal as ``_on_proposed`` takes it, in order; the accepted ones' entries in one
+        ``PersistEntries``, ahead of the refusals. Nothing commits between two proposals of a batch
+        (a sequencer counts itself only at ``Persisted``, the followers only at their answers), so
+        one commit check at the end decides what per-proposal checks would."""
+        persist = PersistEntries(())
+        self._out.append(persist)
+        position = len(self._out)
+        entries: list[Entry] = []
+        for proposal in event.proposals:
+            if not self._proposal_refused(proposal):
+                entries.append(self._append_own(tuple(proposal.ops), proposal.request_id, proposal=True, batched=True))
+        if entries:
+            self._out[position - 1] = PersistEntries(tuple(entries))
+            self._advance_commit()
+        else:
+            del self._out[position - 1]
+
+    def _append_own(self, ops: tuple[Op, ...], request_id: str | None, proposal: bool, batched: bool = False) -> Entry:
         counter = self._last_key.counter + 1 if self._last_key.generation == self._generation else 1
         prev_key, prev_digest = self._last_key, self._last_digest
         entry = make_entry(self.shard, TxKey(self._generation, counter), prev_key, prev_digest, ops, request_id)
-        self._out.append(PersistEntries((entry,)))
+        if not batched:
+            self._out.append(PersistEntries((entry,)))
         self._last_key, self._last_digest = entry.tx_key, entry.digest
         if proposal:
             self._pending[entry.tx_key] = request_id
@@ -1326,7 +1450,9 @@ class ShardConsensus:
         self._batch.append(entry)
         if not proposal:
             self._send_batch()
-        self._advance_commit()
+        if not batched:
+            self._advance_commit()
+        return entry
 
     def _send_batch(self) -> None:
         """Send the entries appended since the last batch to every follower that is caught up.
@@ -1340,12 +1466,15 @@ class ShardConsensus:
         if not batch or self._role is not Role.SEQUENCER:
             return
         follows = {entry.prev: index for index, entry in enumerate(batch)}
+        sizes: list[int] | None = None  # each entry's size, measured once for every follower
         for peer, progress in self._progress.items():
             start = follows.get(progress.sent_key)
             in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
             while start is not None and start < len(batch) and progress.in_flight < in_flight_max:
+                if sizes is None:
+                    sizes = [entry_size_bytes(entry) for entry in batch]
                 window = batch[start : start + self.config.entries_per_append_max]
-                chunk = _bounded_in_bytes(window, self.config.append_bytes_max)
+                chunk = _bounded_in_bytes(window, self.config.append_bytes_max, sizes[start:])
                 prev = batch[start - 1].digest if start else self._batch_prev_digest
                 self._send(peer, progress, chunk[0].prev, prev, chunk)
                 start = start + len(chunk) if not progress.probing else None
@@ -1362,26 +1491,53 @@ class ShardConsensus:
         )
         self._out.append(Send(peer, message, before_persisted=self._state_durable))
         progress.sent_key_max = max(progress.sent_key_max, entries[-1].tx_key if entries else prev_key)
-        progress.told_commit_key = max(progress.told_commit_key, self._commit_key)
+        # What the follower can commit from this append: its commit key, but never past the append's end.
+        progress.told_commit_key = max(
+            progress.told_commit_key, min(self._commit_key, entries[-1].tx_key if entries else prev_key)
+        )
         if entries:
+            progress.appended_ms = self._now_ms
+            if progress.in_flight == 0:
+                progress.waiting_since_ms = self._now_ms
             progress.in_flight += 1
             if not progress.probing:
                 # While probing, sent_key stays at the probe point so that a lost probe is retried there.
                 progress.sent_key = entries[-1].tx_key
+
+    def _needs_notice(self, progress: _Progress) -> bool:
+        """A follower that was sent every committed entry but not told the commit key."""
+        return (
+            not progress.probing
+            and progress.told_commit_key < self._commit_key
+            and progress.sent_key >= self._commit_key
+        )
+
+    def _notice_delay_ms(self) -> int:
+        return max(1, min(self.config.commit_notice_delay_ms, self.config.heartbeat_interval_ms // 2))
+
+    def _schedule_notice(self) -> None:
+        """At BatchEnded and Persisted: a commit key some follower has not heard is told within
+        ``_notice_delay_ms``, by the next batch if one goes out by then (under load, the next
+        turn's writes), else by a commit notice (``_tell_commit``, at a ``Ticked``). A follower then
+        applies the commit in the same transaction as that batch instead of in a turn of its own."""
+        if self._role is not Role.SEQUENCER or self._notice_due_ms is not None:
+            return
+        if any(self._needs_notice(progress) for progress in self._progress.values()):
+            self._notice_due_ms = self._now_ms + self._notice_delay_ms()
 
     def _tell_commit(self) -> None:
         """Tell each follower a commit key it has not heard yet, in an empty append (at most one each).
 
         Followers learn the commit key from appends; without this, a follower would apply (and
         push to its replicants, and answer reads waiting for the key) only at the next write's
-        append or the next heartbeat. Called at BatchEnded and Persisted, so at most twice a driver
-        turn per follower. A follower that got this turn's batch heard it already; one
-        that is probing, or was not sent the committed entries yet, hears it with those entries.
+        append or the next heartbeat. Sent when the notice scheduled by ``_schedule_notice`` is due.
+        A follower that got a batch since heard it already; one that is probing, or was not sent
+        the committed entries yet, hears it with those entries.
         """
         if self._role is not Role.SEQUENCER:
             return
         for peer, progress in self._progress.items():
-            if progress.probing or progress.told_commit_key >= self._commit_key or progress.sent_key < self._commit_key:
+            if not self._needs_notice(progress):
                 continue
             prev_key = progress.sent_key
             prev_digest = self._last_digest if prev_key == self._last_key else self._log.digest_at(prev_key)
@@ -1547,12 +1703,13 @@ class ShardConsensus:
             self._out.append(ProposalRejected(learner.request_id, membership.REJECT_CATCH_UP_TIMEOUT, self.name))
 
 
-def _bounded_in_bytes(entries: Sequence[Entry], bytes_max: int) -> list[Entry]:
-    """The longest prefix of ``entries`` within ``bytes_max`` bytes, and at least the first entry."""
+def _bounded_in_bytes(entries: Sequence[Entry], bytes_max: int, sizes: Sequence[int] | None = None) -> list[Entry]:
+    """The longest prefix of ``entries`` within ``bytes_max`` bytes, and at least the first entry
+    (``sizes``: their ``entry_size_bytes``, when the caller measured them already)."""
     bounded: list[Entry] = []
     total = 0
-    for entry in entries:
-        total += entry_size_bytes(entry)
+    for index, entry in enumerate(entries):
+        total += sizes[index] if sizes is not None else entry_size_bytes(entry)
         if bounded and total > bytes_max:
             break
         bounded.append(entry)

@@ -34,6 +34,7 @@ Call ``add`` for every ``PersistEntries``, ``committed`` for every ``Commit`` (a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -83,7 +84,10 @@ class GuardTail(Generic[Token]):
         self.rows: dict[tuple[str, Any], dict[str, Any] | None] = {}
         self.tables: dict[str, TableSchema] = {}
         # Tables the tail drops (a later create in the tail may bring the name back, empty).
-        self.dropped: set[str] = set()
+        self._dropped: set[str] = set()
+        # How many of ``entries`` are in rows, tables and dropped: they are indexed when a guard (or
+        # a write's admission) first looks, so a follower, which never evaluates guards, never does.
+        self._indexed = 0
         self._held: list[_Held[Token]] = []
 
     # ------------------------------------------------------------ the tail
@@ -91,8 +95,18 @@ class GuardTail(Generic[Token]):
     def add(self, entries: tuple[Entry, ...]) -> None:
         self.entries.extend(entries)
         self.keys.extend(entry.tx_key for entry in entries)
-        for entry in entries:
-            self._index(entry)
+
+    def _indexed_tail(self) -> None:
+        """Index the entries added since the last look (rows, tables, dropped)."""
+        if self._indexed < len(self.entries):
+            for entry in self.entries[self._indexed :]:
+                self._index(entry)
+            self._indexed = len(self.entries)
+
+    @property
+    def dropped(self) -> set[str]:
+        self._indexed_tail()
+        return self._dropped
 
     def last_key(self) -> TxKey | None:
         """The last entry a guard evaluated now observes (None when the tail is empty)."""
@@ -100,9 +114,20 @@ class GuardTail(Generic[Token]):
 
     def row(self, table: str, key: Any) -> tuple[bool, dict[str, Any] | None]:
         """(True, the row's future value) if the tail writes or deletes it, else (False, None)."""
+        self._indexed_tail()
         if (table, key) in self.rows:
             return True, self.rows[(table, key)]
         return False, None
+
+    def read(self, table: str, key: Any, read_applied: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """A guard's read: the row as the tail leaves it (its write or delete), absent if the tail
+        drops the table, else the applied row (``read_applied``)."""
+        self._indexed_tail()
+        if (table, key) in self.rows:
+            return self.rows[(table, key)]
+        if table in self.dropped:
+            return None  # the applied rows go with the table
+        return read_applied()
 
     def _index(self, entry: Entry) -> None:
         for op in entry.ops:
@@ -121,18 +146,20 @@ class GuardTail(Generic[Token]):
                     self.tables[op.table] = changed.changed_by(op)
             elif isinstance(op, DropTableOp):
                 self.tables.pop(op.table, None)
-                self.dropped.add(op.table)
+                self._dropped.add(op.table)
                 for row_key in [k for k in self.rows if k[0] == op.table]:
                     self.rows[row_key] = None  # the rows go with the table
 
     def catalog_over(self, applied: dict[str, TableSchema]) -> dict[str, TableSchema]:
         """The tables as they will be once the tail is applied over the ``applied`` catalog."""
+        self._indexed_tail()
         return {**{n: t for n, t in applied.items() if n not in self.dropped}, **self.tables}
 
     def _rebuild(self, entries: list[Entry], catalog: dict[str, TableSchema]) -> None:
         self.catalog = dict(catalog)
         self.entries, self.keys, self.rows, self.tables = [], [], {}, {}
-        self.dropped = set()
+        self._dropped = set()
+        self._indexed = 0
         self.add(tuple(entries))
 
     # ------------------------------------------------------------ failed guards

@@ -83,6 +83,7 @@ from mnesite.core.consensus import (
     ProposalFailed,
     ProposalRejected,
     Proposed,
+    ProposedBatch,
     ProtocolViolation,
     Role,
     RoleChanged,
@@ -270,6 +271,10 @@ class ShardDriver:
     # (elections seen: a stable cluster keeps this at the elections of its start-up).
     generation: int = 0
     elections: int = 0
+    # Writes without guards admitted in this loop turn and not proposed yet: proposed together
+    # (``ProposedBatch``) at the end of the turn's input or before any other event of this shard,
+    # so the log order is their arrival order. Bounded by WAITERS_MAX with the waiters.
+    proposing: list[tuple[Proposed, list[bytes], Message]] = field(default_factory=list)
 
 
 @dataclass
@@ -331,6 +336,7 @@ class CoreNode(NodeServer):
         self.endpoints: dict[str, str] = {**config.core_nodes, **json.loads(self.store.meta("core_endpoints", "{}"))}
         # request id -> (shard, envelope) of a membership change not yet in the log (learner stage).
         self.pending_changes: dict[str, tuple[str, list[bytes]]] = {}
+        self._proposing_ids: set[str] = set()  # request ids of the writes held in ShardDriver.proposing
         self.shards: dict[str, ShardDriver] = {}
         # Payloads: a client's envelope (its request is relayed), or a QueryIndexAsk (rlog.query).
         self.forwarded: ForwardedRequests[Any] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
@@ -563,6 +569,11 @@ class CoreNode(NodeServer):
         is rebuilt from disk as a restart would and told ``DiskFull`` again. Agents are stopped:
         they may have been told of a commit that was rolled back (their replicants watch again)."""
         error = self.disk.error
+        for driver in self.shards.values():
+            for _, envelope, message in driver.proposing:  # never proposed: nothing was logged
+                self.reply(envelope, codec.error(message.request_id, "disk_full", f"disk_full: {error}"))
+            driver.proposing = []
+        self._proposing_ids.clear()
         for shard, driver in list(self.shards.items()):
             self._step(driver, DiskFull(error))
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
@@ -603,6 +614,7 @@ class CoreNode(NodeServer):
                 self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
             except OverloadedError as error:
                 self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
+        self._propose_all()
 
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         if message.kind == "peer":
@@ -656,6 +668,8 @@ class CoreNode(NodeServer):
     # -- effects -----------------------------------------------------------------------------
 
     def _step(self, driver: ShardDriver, event: Any) -> list[Any]:
+        if driver.proposing:
+            self._propose_batch(driver)  # the writes that arrived before this event go first
         effects = driver.consensus.step(event, self.clock_ms())
         for effect in effects:
             self._execute(driver, effect)
@@ -1079,6 +1093,8 @@ class CoreNode(NodeServer):
     def _write(self, envelope: list[bytes], message: Message) -> None:
         """A client's write, as the rule-book (``core.rules``) routes it: a retry answered from the log,
         forwarded to the sequencer, or admitted, evaluated and proposed here."""
+        if message.request_id in self._proposing_ids:
+            self._propose_all()  # a resend of a write this turn holds: answered from the log below
         earlier = self.store.find_request(message.request_id)
         admitted = None
         if earlier is None:
@@ -1099,18 +1115,28 @@ class CoreNode(NodeServer):
         if isinstance(route, rules.AwaitCommit):
             self._await_commit(driver, route.tx_key, envelope, message.request_id, duplicate=True)
             return
+        if len(driver.waiters) + len(driver.proposing) >= WAITERS_MAX:
+            raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
         ops = admitted.ops
-        if admitted.transaction is not None:
+        transaction = admitted.transaction
+        if transaction is not None and not transaction.guards:
+            # Nothing to read: proposed with the turn's other such writes (``_propose_batch``).
+            driver.proposing.append((Proposed(transaction.ops, message.request_id), envelope, message))
+            self._proposing_ids.add(message.request_id)
+            return
+        if driver.proposing:
+            self._propose_batch(driver)  # a guard reads what the writes before it in this turn wrote
+        if transaction is not None:
 
             def read_row(table: TableSchema, key: Any) -> dict[str, Any] | None:
-                in_tail, row = driver.tail.row(table.name, key)
-                if in_tail:
-                    return row
-                if table.name not in self.store.catalog() or table.name in driver.tail.dropped:
-                    return None  # created in the unapplied tail: no rows applied yet
-                return self.store.read_row(table, key)
+                def applied() -> dict[str, Any] | None:
+                    if table.name not in self.store.catalog():
+                        return None  # created in the unapplied tail: no rows applied yet
+                    return self.store.read_row(table, key)
 
-            outcome = evaluate(admitted.transaction, catalog, read_row)
+                return driver.tail.read(table.name, key, applied)
+
+            outcome = evaluate(transaction, catalog, read_row)
             if isinstance(outcome, GuardFailed):
                 # A failed guard is a read: told only from committed state (core.guard_tail).
                 held = HeldFailure(envelope, message.request_id, outcome)
@@ -1122,23 +1148,53 @@ class CoreNode(NodeServer):
                 self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease")
                 return
             ops = outcome
-        if len(driver.waiters) >= WAITERS_MAX:
-            raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
-        effects = self._step(driver, Proposed(ops, message.request_id))
+        # A guarded write or a schema change: proposed now, so that what follows in this turn (a
+        # guard, an admission) sees it in the tail.
+        driver.proposing.append((Proposed(ops, message.request_id), envelope, message))
+        self._propose_batch(driver)
+
+    def _propose_all(self) -> None:
+        for driver in list(self.shards.values()):
+            if driver.proposing:
+                self._propose_batch(driver)
+
+    def _propose_batch(self, driver: ShardDriver) -> None:
+        """Propose the writes ``_write`` held in this turn, in arrival order, in one step; each
+        client then waits for its entry (or hears why it was refused, or is forwarded)."""
+        batch, driver.proposing = driver.proposing, []
+        for _, _, message in batch:
+            self._proposing_ids.discard(message.request_id)
+        self.begin()
+        effects = self._step(driver, ProposedBatch(tuple(proposal for proposal, _, _ in batch)))
+        keys: dict[str, TxKey] = {}
+        refused: dict[str, ProposalRejected] = {}
         for effect in effects:
-            if isinstance(effect, ProposalRejected) and effect.request_id == message.request_id:
-                if effect.reason == REJECT_NOT_SEQUENCER:
+            if isinstance(effect, PersistEntries):
+                for entry in effect.entries:
+                    if entry.request_id is not None:
+                        keys[entry.request_id] = entry.tx_key
+            elif isinstance(effect, ProposalRejected) and effect.request_id is not None:
+                refused[effect.request_id] = effect
+        for _, envelope, message in batch:
+            request_id = message.request_id
+            try:
+                key = keys.get(request_id)
+                if key is not None:
+                    self._await_commit(driver, key, envelope, request_id, duplicate=False)
+                    continue
+                rejected = refused.get(request_id)
+                if rejected is None:
+                    raise RequestError("internal", "the proposal produced no entry")
+                if rejected.reason == REJECT_NOT_SEQUENCER:
                     route = rules.route_write(self._view(driver), self.config.name, message.body.forwarded, None)
                     if isinstance(route, rules.Forward):
                         self._forward(envelope, message, driver.shard, route.target)
-                        return
-                raise RequestError(effect.reason, f"the sequencer refused the transaction: {effect.reason}")
-            if isinstance(effect, PersistEntries):
-                for entry in effect.entries:
-                    if entry.request_id == message.request_id:
-                        self._await_commit(driver, entry.tx_key, envelope, message.request_id, duplicate=False)
-                        return
-        raise RequestError("internal", "the proposal produced no entry")
+                        continue
+                raise RequestError(rejected.reason, f"the sequencer refused the transaction: {rejected.reason}")
+            except (RequestError, OverloadedError) as error:
+                code = error.code if isinstance(error, RequestError) else "overloaded"
+                detail = error.detail if isinstance(error, RequestError) else None
+                self.reply(envelope, codec.error(request_id, code, str(error), detail))
 
     def _answer_guard_failure(self, held: HeldFailure, answer: bool, reason: str) -> None:
         code, text, detail = rules.guard_failure_answer(held.failure, answer, reason)
@@ -1153,14 +1209,16 @@ class CoreNode(NodeServer):
     def _await_commit(
         self, driver: ShardDriver, tx_key: TxKey, envelope: list[bytes], request_id: str, duplicate: bool
     ) -> None:
-        position = self.store.shard(driver.shard)
-        applied_key = position.applied if position is not None else ZERO_KEY
+        applied_key = ZERO_KEY  # an entry just proposed is not applied before its commit
+        if duplicate:
+            position = self.store.shard(driver.shard)
+            applied_key = position.applied if position is not None else ZERO_KEY
         answer = driver.waiters.answer_now(tx_key, request_id, applied_key, duplicate)
         if answer is not None:
             self._tell_outcomes([(envelope, answer)])
             return
         self.hold(envelope, request_id)  # may refuse (overloaded): then nobody waits
-        driver.waiters.wait(tx_key, request_id, envelope)
+        driver.waiters.wait(tx_key, request_id, envelope, duplicate)
 
     def _tell_outcomes(self, outcomes: list[tuple[Any, Outcome]]) -> None:
         for envelope, outcome in outcomes:

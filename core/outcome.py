@@ -72,8 +72,8 @@ class CommitWaiters(Generic[Payload]):
     """Writes waiting at the sequencer for their entry to commit (one per shard)."""
 
     def __init__(self) -> None:
-        # tx key -> [(payload, request id)]
-        self._waiting: dict[TxKey, list[tuple[Payload, str]]] = {}
+        # tx key -> [(payload, request id, duplicate: a resend of a request id already in the log)]
+        self._waiting: dict[TxKey, list[tuple[Payload, str, bool]]] = {}
         self._count = 0
 
     def __len__(self) -> int:
@@ -84,18 +84,18 @@ class CommitWaiters(Generic[Payload]):
         """Rule 4: the answer if ``tx_key`` is applied already; None: ``wait`` for it."""
         return Acknowledged(request_id, tx_key, duplicate) if tx_key <= applied_key else None
 
-    def wait(self, tx_key: TxKey, request_id: str, payload: Payload) -> None:
+    def wait(self, tx_key: TxKey, request_id: str, payload: Payload, duplicate: bool = False) -> None:
         """Wait for ``tx_key`` to commit (after ``answer_now`` said None)."""
-        self._waiting.setdefault(tx_key, []).append((payload, request_id))
+        self._waiting.setdefault(tx_key, []).append((payload, request_id, duplicate))
         self._count += 1
 
     def committed(self, applied: Iterable[Entry]) -> list[tuple[Payload, Outcome]]:
         """Rule 1: the entries just applied, in order."""
         answers: list[tuple[Payload, Outcome]] = []
         for entry in applied:
-            for payload, request_id in self._pop(entry.tx_key):
+            for payload, request_id, duplicate in self._pop(entry.tx_key):
                 if entry.request_id == request_id:
-                    answers.append((payload, Acknowledged(request_id, entry.tx_key)))
+                    answers.append((payload, Acknowledged(request_id, entry.tx_key, duplicate)))
                 else:
                     answers.append((payload, OutcomeUnknown(request_id, REASON_OTHER_ENTRY)))
         return answers
@@ -104,21 +104,21 @@ class CommitWaiters(Generic[Payload]):
         """Rule 2: the tail after ``after_key`` was removed."""
         answers: list[tuple[Payload, Outcome]] = []
         for key in sorted(k for k in self._waiting if k > after_key):
-            answers += [(payload, OutcomeUnknown(r, REASON_TRUNCATED)) for payload, r in self._pop(key)]
+            answers += [(payload, OutcomeUnknown(r, REASON_TRUNCATED)) for payload, r, _ in self._pop(key)]
         return answers
 
     def failed(self, tx_key: TxKey, reason: str) -> list[tuple[Payload, Outcome]]:
         """Rule 3: the consensus machine gave up on the proposal at ``tx_key``."""
-        return [(payload, OutcomeUnknown(request_id, reason)) for payload, request_id in self._pop(tx_key)]
+        return [(payload, OutcomeUnknown(request_id, reason)) for payload, request_id, _ in self._pop(tx_key)]
 
     def abandoned(self, reason: str) -> list[tuple[Payload, Outcome]]:
         """Every waiter, when the log they wait on is replaced (a snapshot install)."""
         answers: list[tuple[Payload, Outcome]] = []
         for key in sorted(self._waiting):
-            answers += [(payload, OutcomeUnknown(r, reason)) for payload, r in self._pop(key)]
+            answers += [(payload, OutcomeUnknown(r, reason)) for payload, r, _ in self._pop(key)]
         return answers
 
-    def _pop(self, tx_key: TxKey) -> list[tuple[Payload, str]]:
+    def _pop(self, tx_key: TxKey) -> list[tuple[Payload, str, bool]]:
         waiting = self._waiting.pop(tx_key, [])
         self._count -= len(waiting)
         return waiting

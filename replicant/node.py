@@ -300,7 +300,7 @@ class ReplicantNode(NodeServer):
         elif isinstance(effect, p.ApplyEntries):
             self.begin()
             # Until its read fence opens, a replica is still healing its bootstrap copy (Store.apply_ops).
-            healing = self.replicas[shard].status().read_fenced if shard in self.replicas else False
+            healing = self.replicas[shard].read_fenced if shard in self.replicas else False
             self.apply_entries(self.store, effect.entries, healing)
         elif isinstance(effect, p.ResetShard):
             self.begin()
@@ -820,6 +820,9 @@ class ReplicantNode(NodeServer):
             "security": self.security_status(),
             "no_core_reached": self.no_core_reached(),
             "sends_dropped": self.sends_dropped,
+            # SQLite transactions committed: about one per loop turn that applied pushes (the cost of
+            # a replicant is per turn; writes applied per commit is how well pushes are batched)
+            "commits": self.commits,
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
             "disk": {**self.disk.status(self.clock_ms()), "frames_dropped": self.frames_dropped_disk},
             # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired

@@ -340,6 +340,17 @@ class ShardReplica:
         """Reads of every kind may be served: NORMAL, and the read fence of the last bootstrap is reached."""
         return self._mode is Mode.NORMAL and not self._fence.fenced
 
+    @property
+    def read_fenced(self) -> bool:
+        """Reads are fenced until the replay of the last bootstrap reaches its read fence (``status``'s
+        ``read_fenced``, without building the whole status: a driver asks at every apply)."""
+        return self._fence.fenced
+
+    @property
+    def waits_for_watch_answer(self) -> bool:
+        """A watch is outstanding: a push may carry its answer (see ``push_received``)."""
+        return self._waiting is _Waiting.WATCH
+
     def readable_at(self, min_key: TxKey) -> bool:
         """A read that must see ``min_key`` (a linearizable read's read index, a client's ``min_key``)
         may be answered now: ``readable`` (checked again when it is answered: a bootstrap may have
@@ -813,7 +824,8 @@ def push_received(replica: ShardReplica, body: messages.Push) -> PushReceived:
     for malformed entries. The answer to the watch that created the agent rides along: the replica
     takes it for the answer if this push overtook it ("Fencing"). A push the replica will refuse unread
     (a superseded agent's) is not decoded: the per-row work is spent only on pushes that may apply."""
-    accepted = watch_accepted(body.core, body.watch)
+    # Only an outstanding watch takes an answer (``_answers_watch``): otherwise it is not converted.
+    accepted = watch_accepted(body.core, body.watch) if replica.waits_for_watch_answer else None
     entries: tuple[Entry, ...] = ()
     if replica.takes_push(body.core, body.agent, accepted):
         entries = messages.decode_entries(body.entries)

@@ -1,16 +1,8 @@
-"""Wire codec: msgpack frames with an explicit protocol version and message kind.
+"""Wire codec: a frame is the msgpack array ``[version, kind, request_id, body]``.
 
-A frame is the msgpack array ``[version, kind, request_id, body]``:
-
-* ``version``: ``PROTOCOL_VERSION``; other versions are refused with a clear reason.
-* ``kind``: one of ``KINDS``; ``rlog.messages`` holds each kind's typed body (types, ranges, lengths, depth).
-* ``request_id``: a client-chosen string (at most 64 characters). It pairs a reply with
-  its request and, for writes, makes a retried request idempotent.
-* ``body``: a map from field name to value, decoded once, straight into its kind's frozen
-  ``rlog.messages`` Struct, which is what every reader of ``Message.body`` gets.
-
-Decoding never raises anything but ``CodecError`` (fuzzed with hypothesis), and never
-pickles: msgpack extension types are refused.
+``version`` is ``PROTOCOL_VERSION``; ``kind`` one of ``KINDS`` (``rlog.messages``); ``request_id`` pairs
+a reply with its request and makes a retried write idempotent; ``body`` is decoded once, straight into
+its kind's Struct. Decoding raises ``CodecError`` and nothing else, and never pickles (no ext types).
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ from mnesite.rlog import messages
 PROTOCOL_VERSION = 1
 FRAME_BYTES_MAX_DEFAULT = 4 * 1024 * 1024
 REQUEST_ID_CHARS_MAX = messages.REQUEST_ID_CHARS_MAX
+KINDS = messages.SCHEMAS
 
 
 class CodecError(ValueError):
@@ -35,14 +28,9 @@ class CodecError(ValueError):
         self.code = code
 
 
-# One schema entry per kind lives in ``rlog.messages``; this is the set of kinds it knows.
-KINDS = messages.SCHEMAS
-
-
 @dataclass(frozen=True)
 class Message:
-    """One message. ``body`` is its kind's ``rlog.messages`` Struct once decoded; a sender may give
-    a plain dict of the same fields (it is encoded as it is, and checked only if asked)."""
+    """``body``: its kind's Struct once decoded; a sender may give a dict (checked only if asked)."""
 
     kind: str
     request_id: str
@@ -63,8 +51,13 @@ def encode(message: Message, check: bool = False) -> bytes:
     try:
         body = _ENCODER.encode(message.body)
     except (TypeError, ValueError, OverflowError) as error:
-        if check:
-            _name_the_unencodable(message)
+        if check and message.kind in KINDS:  # an integer beyond 64 bits: the schema's checks name the field
+            try:
+                msgspec.convert(message.body, KINDS[message.kind].body).verify()
+            except msgspec.ValidationError as refusal:
+                raise CodecError(str(messages.body_error(message.kind, refusal))) from None
+            except messages.MessageError as refusal:
+                raise CodecError(f"{message.kind}.{refusal}", refusal.code) from None
         raise CodecError(f"cannot encode {message.kind}: {error}") from None
     if check:
         check_header(message.kind, message.request_id)
@@ -73,20 +66,6 @@ def encode(message: Message, check: bool = False) -> bytes:
         except messages.MessageError as error:
             raise CodecError(str(error), error.code) from None
     return _ENCODER.encode((PROTOCOL_VERSION, message.kind, message.request_id, msgspec.Raw(body)))
-
-
-def _name_the_unencodable(message: Message) -> None:
-    """A client's body msgpack cannot hold (an integer beyond 64 bits): the schema's own checks,
-    run on the Python values, name the field (``CodecError``) when they can."""
-    schema = KINDS.get(message.kind)
-    if schema is None:
-        return
-    try:
-        msgspec.convert(message.body, schema.body).verify()
-    except msgspec.ValidationError as error:
-        raise CodecError(str(messages.body_error(message.kind, error))) from None
-    except messages.MessageError as error:
-        raise CodecError(f"{message.kind}.{error}", error.code) from None
 
 
 def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Message:
@@ -103,21 +82,15 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
         raise CodecError("frame must be [version, kind, request_id, body]") from None
     except msgspec.DecodeError as error:
         raise CodecError(f"malformed msgpack frame: {type(error).__name__}") from None
-    except UnicodeDecodeError:
-        # msgspec raises it, not a DecodeError, for a string that is not UTF-8: one such frame
-        # used to escape this function and stop the node.
+    except UnicodeDecodeError:  # msgspec raises it, not a DecodeError, for a string that is not UTF-8
         raise CodecError("malformed msgpack frame: a string is not UTF-8") from None
-    except RecursionError:
-        # msgspec skips the body recursively: a body nested deeper than Python's recursion limit
-        # is split off without recursion, so that the refusal can still name its field.
+    except RecursionError:  # a body deeper than msgspec's skip recursion: split off without recursion
         version, kind, request_id, body = _split_deep_frame(frame)
     if type(version) is not int:
         raise CodecError("protocol version must be an integer")
     if version != PROTOCOL_VERSION:
-        raise CodecError(
-            f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})",
-            "unsupported_version",
-        )
+        message = f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})"
+        raise CodecError(message, "unsupported_version")
     check_header(kind, request_id)
     try:
         return Message(kind, request_id, messages.decode_body(kind, body))
@@ -126,8 +99,8 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
 
 
 def _split_deep_frame(frame: bytes | bytearray | memoryview) -> tuple[Any, Any, Any, memoryview]:
-    """``[version, kind, request_id, body]`` with the body left as bytes, read by msgpack's
-    streaming unpacker (no recursion for the three header values, which are scalars or refused)."""
+    """The header read by msgpack's streaming unpacker (scalars, or refused), the body left as bytes
+    so that its refusal can still name the field too deep."""
     unpacker = msgpack.Unpacker(raw=False, ext_hook=_refuse_ext, max_buffer_size=len(frame))
     unpacker.feed(frame)
     try:

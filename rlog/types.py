@@ -25,9 +25,10 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, NamedTuple, Union
 
 import msgpack
+import msgspec
 from msgspec import Meta, Struct
 
 DIGEST_BYTES = 32
@@ -57,9 +58,8 @@ ZERO_KEY = TxKey(0, 0)
 Scalar = None | int | float | str | bytes
 
 
-# The two per-row op kinds are frozen msgspec Structs, not dataclasses: a replicant builds one per
-# row it applies, and a frozen dataclass's __init__ (0.8 us) cost more than SQLite's upsert of the
-# row; a Struct is built in C (0.1 us). Same fields, equality and immutability.
+# A replicant builds a WriteOp per row it applies: a Struct is built in C (0.1 us; a frozen
+# dataclass's __init__ cost 0.8 us, more than SQLite's upsert of the row).
 class WriteOp(Struct, frozen=True, gc=False):
     """The full row of ``table`` after the transaction (all declared columns)."""
 
@@ -67,84 +67,105 @@ class WriteOp(Struct, frozen=True, gc=False):
     row: dict[str, Any]
 
 
-class DeleteOp(Struct, frozen=True, gc=False):
+# -- the op codec: an op is packed as the msgpack array [tag, field...], the same bytes on the wire, in
+# the log and in digests. The other ops' types are those arrays (tagged array_like Structs, decoded and
+# checked by msgspec in C) and declare the wire's bounds; a WriteOp is packed as a WriteRow.
+NAME_CHARS_MAX = 64  # tables, columns, shards, nodes
+NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"  # the one name rule of the wire (rlog.schema is stricter for SQLite)
+ENDPOINT_CHARS_MAX = 255
+OPS_MAX = 100_000  # ops in one entry or transaction on the wire
+COLUMNS_MAX, INDEX_COLUMNS_MAX, ROW_COLUMNS_MAX = 200, 16, 1000
+MEMBERS_OP_MAX = 15  # core.membership.MEMBERS_MAX (rlog imports nothing of core; a test keeps them equal)
+Name = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX, pattern=NAME_PATTERN)]
+# A row's names: their pattern is checked once per distinct name (``rlog.messages.decode_ops``); a
+# regular expression per column of every row cost more than the rest of the decode.
+RowName = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX)]
+ColumnType = Annotated[str, Meta(min_length=1, max_length=16)]
+Column = tuple[Name, ColumnType]
+
+
+class _Op(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    pass
+
+
+class WriteRow(_Op, frozen=True, tag="w", gc=False):
+    """A ``WriteOp`` as packed: its row as ``[column, value]`` pairs, columns sorted and unique."""
+
+    table: RowName
+    row: Annotated[list[tuple[RowName, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
+
+
+# -- the other ops ---------------------------------------------------------------------------------
+
+
+class DeleteOp(_Op, frozen=True, tag="d", gc=False):
     """``key`` of ``table`` no longer exists after the transaction."""
 
-    table: str
+    table: RowName
     key: Any
 
 
-@dataclass(frozen=True)
-class CreateTableOp:
+class CreateTableOp(_Op, frozen=True, tag="c"):
     """A table definition; ``columns`` is ``((name, type), ...)`` in declared order."""
 
-    table: str
-    shard: str
-    key_column: str
-    columns: tuple[tuple[str, str], ...]
+    table: Name
+    shard: Name
+    key_column: Name
+    columns: Annotated[tuple[Column, ...], Meta(max_length=COLUMNS_MAX)]
 
 
-@dataclass(frozen=True)
-class MembersOp:
-    """The shard's core membership from this entry on (``core.membership``): sorted voter names.
-
-    ``added`` and ``endpoint`` name the core this change adds and where it listens (empty when the
-    change removes one or only records the membership, as a forced start does), so that every core
-    learns a new peer's endpoint from the log. Applying it changes no table.
-    """
-
-    members: tuple[str, ...]
-    added: str = ""
-    endpoint: str = ""
-
-
-@dataclass(frozen=True)
-class DropTableOp:
+class DropTableOp(_Op, frozen=True, tag="x"):
     """``table`` of ``shard`` and its rows no longer exist after the transaction."""
 
-    table: str
-    shard: str
+    table: Name
+    shard: Name
 
 
-@dataclass(frozen=True)
-class CreateIndexOp:
+class MembersOp(_Op, frozen=True, tag="m"):
+    """The shard's core membership from this entry on (``core.membership``): sorted voter names.
+
+    ``added`` and ``endpoint`` name the core this change adds and where it listens (empty when it
+    adds none), so that every core learns a new peer's endpoint from the log. Changes no table.
+    """
+
+    members: Annotated[tuple[Name, ...], Meta(max_length=MEMBERS_OP_MAX)]
+    added: Annotated[str, Meta(max_length=NAME_CHARS_MAX)] = ""
+    endpoint: Annotated[str, Meta(max_length=ENDPOINT_CHARS_MAX)] = ""
+
+
+class CreateIndexOp(_Op, frozen=True, tag="i"):
     """Secondary index ``index`` of ``table`` (of ``shard``) over ``columns``, in that order, exists."""
 
-    index: str
-    table: str
-    shard: str
-    columns: tuple[str, ...]
+    index: Name
+    table: Name
+    shard: Name
+    columns: Annotated[tuple[Name, ...], Meta(min_length=1, max_length=INDEX_COLUMNS_MAX)]
 
 
-@dataclass(frozen=True)
-class DropIndexOp:
+class DropIndexOp(_Op, frozen=True, tag="j"):
     """Secondary index ``index`` of ``table`` (of ``shard``) no longer exists."""
 
-    index: str
-    table: str
-    shard: str
+    index: Name
+    table: Name
+    shard: Name
 
 
-@dataclass(frozen=True)
-class AddColumnOp:
-    """``table`` (of ``shard``) has the nullable column ``column`` of ``column_type`` from now on;
-    rows written before hold null there."""
+class AddColumnOp(_Op, frozen=True, tag="a"):
+    """``table`` (of ``shard``) has the nullable column ``column`` from now on (older rows: null)."""
 
-    table: str
-    shard: str
-    column: str
-    column_type: str
+    table: Name
+    shard: Name
+    column: Name
+    column_type: ColumnType
 
 
-@dataclass(frozen=True)
-class ClusterVersionOp:
+class ClusterVersionOp(_Op, frozen=True, tag="v"):
     """The cores of ``shard`` speak ``cluster_version`` from this entry on (``core.versions``): every
-    member announced it. Applying it changes no table; it records the version and moves the data
-    directory's storage format with it (``rlog.versions``). Release 0.1.0 cannot decode it, so it is
-    only ever appended once no 0.1.0 core is a member."""
+    member announced it. Changes no table; moves the storage format with it (``rlog.versions``).
+    Release 0.1.0 cannot decode it, so it is appended only once no 0.1.0 core is a member."""
 
-    shard: str
-    cluster_version: int
+    shard: Name
+    cluster_version: Annotated[int, Meta(ge=1, le=1000)]
 
 
 Op = (
@@ -173,96 +194,45 @@ class Entry:
     request_id: str | None = None
 
 
-def encode_op(op: Op) -> list[Any]:
-    """Canonical, self-describing list form of an op (used on the wire, on disk and in digests)."""
-    if isinstance(op, WriteOp):
-        # Pairs as tuples: msgpack writes a tuple as the same array as a list, and sorting the
-        # items (names are unique, so values are never compared) is the cheapest canonical order.
-        return ["w", op.table, sorted(op.row.items())]
-    if isinstance(op, DeleteOp):
-        return ["d", op.table, op.key]
-    if isinstance(op, CreateTableOp):
-        return ["c", op.table, op.shard, op.key_column, [list(c) for c in op.columns]]
-    if isinstance(op, MembersOp):
-        return ["m", list(op.members), op.added, op.endpoint]
-    if isinstance(op, DropTableOp):
-        return ["x", op.table, op.shard]
-    if isinstance(op, CreateIndexOp):
-        return ["i", op.index, op.table, op.shard, list(op.columns)]
-    if isinstance(op, DropIndexOp):
-        return ["j", op.index, op.table, op.shard]
-    if isinstance(op, AddColumnOp):
-        return ["a", op.table, op.shard, op.column, op.column_type]
-    if isinstance(op, ClusterVersionOp):
-        return ["v", op.shard, op.cluster_version]
-    raise TypeError(f"not an op: {op!r}")
-
-
 class OpDecodeError(ValueError):
-    """An encoded op does not have the shape ``encode_op`` produces."""
+    """Encoded ops that are not what ``pack_ops`` makes."""
+
+
+WireOp = Union[(WriteRow, DeleteOp, MembersOp, ClusterVersionOp, *SCHEMA_OPS)]  # noqa: UP007 (the ops as packed)
+_ENCODER, _UNPACKER = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[WireOp])
+
+
+def _packable(op: Op) -> Any:
+    # Pairs as tuples (the same msgpack array); sorting the items is the cheapest canonical order.
+    return ("w", op.table, sorted(op.row.items())) if type(op) is WriteOp else op
+
+
+def encode_op(op: Op) -> list[Any]:
+    """The op's array as plain values (``pack_ops`` packs them)."""
+    return list(msgspec.to_builtins(_packable(op), builtin_types=(bytes,)))
+
+
+def _op(op: Any) -> Op:
+    if type(op) is WriteRow:
+        if len(row := dict(op.row)) != len(op.row) or list(row) != sorted(row):
+            raise OpDecodeError("write op columns must be sorted and unique")
+        return WriteOp(op.table, row)
+    return op
 
 
 def decode_op(value: Any) -> Op:
     """Inverse of ``encode_op``; raises ``OpDecodeError`` on anything else."""
-    if not isinstance(value, list) or not value or not isinstance(value[0], str):
-        raise OpDecodeError("op must be a non-empty list starting with its kind")
-    kind = value[0]
-    if kind == "w" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], list):
-        pairs = value[2]
-        previous = None
-        for pair in pairs:
-            if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
-                raise OpDecodeError("write op row must be a list of [column, value] pairs")
-            # Canonical form (encode_op): columns sorted, each once; the digest is over that form.
-            if previous is not None and not previous < pair[0]:
-                raise OpDecodeError("write op columns must be sorted and unique")
-            previous = pair[0]
-        return WriteOp(value[1], dict(pairs))
-    if kind == "d" and len(value) == 3 and isinstance(value[1], str):
-        return DeleteOp(value[1], value[2])
-    if kind == "c" and len(value) == 5 and all(isinstance(v, str) for v in value[1:4]) and isinstance(value[4], list):
-        columns = []
-        for column in value[4]:
-            if not isinstance(column, list) or len(column) != 2 or not all(isinstance(c, str) for c in column):
-                raise OpDecodeError("create op columns must be [name, type] pairs")
-            columns.append((column[0], column[1]))
-        return CreateTableOp(value[1], value[2], value[3], tuple(columns))
-    if (
-        kind == "m"
-        and len(value) == 4
-        and isinstance(value[1], list)
-        and all(isinstance(name, str) for name in value[1])
-        and isinstance(value[2], str)
-        and isinstance(value[3], str)
-    ):
-        return MembersOp(tuple(value[1]), value[2], value[3])
-    if kind == "x" and len(value) == 3 and isinstance(value[1], str) and isinstance(value[2], str):
-        return DropTableOp(value[1], value[2])
-    if (
-        kind == "i"
-        and len(value) == 5
-        and all(isinstance(v, str) for v in value[1:4])
-        and isinstance(value[4], list)
-        and all(isinstance(column, str) for column in value[4])
-    ):
-        return CreateIndexOp(value[1], value[2], value[3], tuple(value[4]))
-    if kind == "j" and len(value) == 4 and all(isinstance(v, str) for v in value[1:]):
-        return DropIndexOp(value[1], value[2], value[3])
-    if kind == "a" and len(value) == 5 and all(isinstance(v, str) for v in value[1:]):
-        return AddColumnOp(value[1], value[2], value[3], value[4])
-    if kind == "v" and len(value) == 3 and isinstance(value[1], str) and type(value[2]) is int and value[2] > 0:
-        return ClusterVersionOp(value[1], value[2])
-    raise OpDecodeError(f"malformed op of kind {kind!r}")
+    try:
+        return _op(msgspec.convert(value, WireOp))
+    except (msgspec.ValidationError, RecursionError) as error:
+        raise OpDecodeError(f"malformed op: {str(error)[:200]}") from None
 
 
 # The last ops packed, by identity: an entry's ops are packed for its digest and again when it is
-# logged (a replicant checks the digest in its state machine, then its store logs the entry), and
-# for large entries packing was the largest cost of applying them. A memo of a pure function:
-# each item holds its ops tuple, so an id is never reused while it is cached. Bounded in items and
-# bytes; only tuples (immutable) are cached.
+# logged, the largest cost of applying large entries. Each item holds its ops tuple (immutable),
+# so an id is never reused while it is cached. Bounded in items and bytes.
 _PACKED_OPS: dict[int, tuple[tuple[Op, ...], bytes]] = {}
-_PACKED_OPS_ITEMS_MAX = 512
-_PACKED_OPS_BYTES_MAX = 32 * 1024 * 1024
+_PACKED_OPS_ITEMS_MAX, _PACKED_OPS_BYTES_MAX = 512, 32 * 1024 * 1024
 _packed_ops_bytes = 0
 _packed_ops_lock = threading.Lock()
 
@@ -271,7 +241,7 @@ def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
     cached = _PACKED_OPS.get(id(ops))
     if cached is not None and cached[0] is ops:
         return cached[1]
-    packed = msgpack.packb([encode_op(op) for op in ops], use_bin_type=True)
+    packed = _ENCODER.encode([_packable(op) for op in ops])
     if isinstance(ops, tuple):
         remember_packed(ops, packed)
     return packed
@@ -293,8 +263,38 @@ def remember_packed(ops: tuple[Op, ...], packed: bytes) -> None:
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
-    """The ops of a stored ``pack_ops`` blob, decoded."""
-    return tuple(decode_op(v) for v in unpack_wire_ops(blob))
+    """The ops of a stored ``pack_ops`` blob (trusted: no wire rules; ``rlog.messages.decode_ops``)."""
+    try:
+        return tuple(map(_op, _UNPACKER.decode(blob)))
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise OpDecodeError(f"entry ops do not decode: {str(error)[:200]}") from None
+
+
+def entry_to_wire(entry: Entry) -> list[Any]:
+    """``[shard, tx_key, prev, digest, packed_ops, request_id]``: the ops as the bytes the digest
+    covers and the log stores, packed once by a sender and checked as they are by a receiver."""
+    return [entry.shard, list(entry.tx_key), list(entry.prev), entry.digest, pack_ops(entry.ops), entry.request_id]
+
+
+def entry_from_wire(value: Any) -> Entry:
+    """The entry of an ``entry_to_wire`` list this node wrote (the store's spill); raises
+    ``OpDecodeError``. A received entry is decoded by the wire's rules (``rlog.messages``)."""
+    try:
+        shard, key, prev, digest, packed, request_id = msgspec.convert(value, _EntryList)
+    except (msgspec.ValidationError, RecursionError):
+        raise OpDecodeError("entry must be [shard, tx_key, prev, digest, packed ops, request_id]") from None
+    remember_packed(ops := unpack_ops(packed), packed)
+    return Entry(shard, key, prev, digest, ops, request_id)
+
+
+_EntryList = tuple[str, TxKey, TxKey, bytes, bytes, str | None]
+
+
+def tx_key_from_wire(value: Any) -> TxKey:
+    try:
+        return msgspec.convert(value, TxKey)
+    except (msgspec.ValidationError, RecursionError):
+        raise OpDecodeError("tx key must be [generation, counter] of non-negative integers") from None
 
 
 def entry_digest(
@@ -440,85 +440,6 @@ def wire_size_bytes(entry: Entry | PackedEntry) -> int:
 
 def to_wire(entry: Entry | PackedEntry) -> list[Any]:
     return entry.to_wire() if isinstance(entry, PackedEntry) else entry_to_wire(entry)
-
-
-def entry_to_wire(entry: Entry) -> list[Any]:
-    """``[shard, tx_key, prev, digest, packed_ops, request_id]``.
-
-    The ops travel as ``pack_ops`` bytes, the very bytes the digest covers and the log stores: a
-    sender packs them once (a sequencer already did, for the digest; an agent pushes the stored
-    bytes), and a receiver checks the digest over the bytes it got, decodes them once, and logs
-    them without packing again. ``entry_from_wire`` refuses bytes that are not the canonical
-    packing of the ops they hold, so a digest over them always is the digest of those ops.
-    """
-    return [entry.shard, list(entry.tx_key), list(entry.prev), entry.digest, pack_ops(entry.ops), entry.request_id]
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise OpDecodeError(f"msgpack extension type {code} is not allowed in ops")
-
-
-def unpack_wire_ops(packed: Any) -> list[Any]:
-    """The ops of a wire entry unpacked (plain msgpack values, lists for arrays); nothing else decoded.
-
-    Raises ``OpDecodeError`` on anything but bytes holding one msgpack array without extension types.
-    """
-    if not isinstance(packed, bytes):
-        raise OpDecodeError("entry ops must be packed bytes")
-    try:
-        value = msgpack.unpackb(packed, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True)
-    except OpDecodeError:
-        raise
-    except Exception as error:  # msgpack raises many types for garbage; all mean the same here.
-        raise OpDecodeError(f"entry ops are not msgpack: {type(error).__name__}") from None
-    if not isinstance(value, list):
-        raise OpDecodeError("entry ops must be a list")
-    return value
-
-
-def entry_from_unpacked(value: Any, ops: list[Any], decoded: tuple[Op, ...] | None = None) -> Entry:
-    """The entry of wire form ``value`` whose ops ``unpack_wire_ops`` gave as ``ops``; ``decoded``:
-    the caller's ``decode_op`` of each of them, if it made them already (``rlog.messages``).
-
-    Raises ``OpDecodeError`` on any malformation, and when the packed bytes are not the canonical
-    packing of the ops (``pack_ops`` of the decoded ops would differ): the digest is over them.
-    """
-    if not isinstance(value, list) or len(value) != 6:
-        raise OpDecodeError("entry must be a list of 6 fields")
-    shard, key, prev, digest, packed, request_id = value
-    if not isinstance(shard, str) or not isinstance(digest, bytes) or not isinstance(packed, bytes):
-        raise OpDecodeError("entry fields have wrong types")
-    if request_id is not None and not isinstance(request_id, str):
-        raise OpDecodeError("entry request id must be a string or nil")
-    if decoded is None:
-        decoded = tuple(decode_op(o) for o in ops)
-    # decode_op checked the shapes and the column order; packing the plain values again (at C speed)
-    # shows the bytes used the canonical msgpack forms (smallest ints, str for text, float64...).
-    if msgpack.packb(ops, use_bin_type=True) != packed:
-        raise OpDecodeError("entry ops are not in canonical form")
-    remember_packed(decoded, packed)
-    return Entry(shard, tx_key_from_wire(key), tx_key_from_wire(prev), digest, decoded, request_id)
-
-
-def entry_from_wire(value: Any) -> Entry:
-    """Decode an entry (``entry_to_wire`` form); raises ``OpDecodeError`` on any malformation.
-
-    Shapes only: a receiver runs the typed layer's checks first (``rlog.messages.decode_entry``)."""
-    if not isinstance(value, list) or len(value) != 6:
-        raise OpDecodeError("entry must be a list of 6 fields")
-    return entry_from_unpacked(value, unpack_wire_ops(value[4]))
-
-
-def tx_key_from_wire(value: Any) -> TxKey:
-    if (
-        not isinstance(value, (list, tuple))
-        or len(value) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
-    ):
-        # Never format the value itself: a hostile one may be nested too deep for repr.
-        got = type(value).__name__
-        raise OpDecodeError(f"tx key must be [generation, counter] of non-negative integers, got {got}")
-    return TxKey(value[0], value[1])
 
 
 def op_to_json(op: Op) -> dict[str, Any]:

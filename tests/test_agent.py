@@ -49,15 +49,19 @@ def test_only_committed_entries_are_pushed_even_if_the_log_holds_an_uncommitted_
     log = build_log(10)
     machine = agent(log)
     effects = machine.step(CommittedAdvanced(TxKey(1, 6), True), 0)
+    # The first read takes five entries; the sixth, a partial push, waits for their acknowledgement.
+    effects += machine.step(AckReceived(TxKey(1, 5)), 0)
     assert pushed_keys(effects) == [TxKey(1, n) for n in range(1, 7)]
     assert all(push.committed_key == TxKey(1, 6) and push.hears_sequencer for push in pushes(effects))
+    machine.step(AckReceived(TxKey(1, 6)), 1)
     assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 8), True), 1)) == [TxKey(1, 7), TxKey(1, 8)]
 
 
 @pytest.mark.timeout(10)
 def test_a_push_holds_at_most_push_entries_max_entries_and_they_follow_each_other():
-    machine = agent(build_log(20), push_entries_max=3)
+    machine = agent(build_log(20), push_entries_max=3, pushes_in_flight_max=10)
     effects = machine.step(CommittedAdvanced(TxKey(1, 20), True), 0)
+    effects += machine.step(AckReceived(TxKey(1, 18)), 1)  # the partial push of the last two waited for it
     assert [len(push.entries) for push in pushes(effects)] == [3, 3, 3, 3, 3, 3, 2]
     entries = [entry for push in pushes(effects) for entry in push.entries]
     assert entries[0].prev == ZERO_KEY
@@ -174,7 +178,9 @@ def test_an_ack_that_does_not_advance_resends_from_the_acknowledged_key_at_most_
 
 @pytest.mark.timeout(10)
 def test_no_ack_for_ack_timeout_ms_stops_the_agent():
-    machine = agent(build_log(5), window_entries_max=2, ack_timeout_ms=1000, heartbeat_interval_ms=100)
+    machine = agent(
+        build_log(5), window_entries_max=2, push_entries_max=1, ack_timeout_ms=1000, heartbeat_interval_ms=100
+    )
     machine.step(CommittedAdvanced(TxKey(1, 5), True), 0)
     machine.step(AckReceived(TxKey(1, 1)), 500)
     assert not any(isinstance(e, AgentStopped) for e in machine.step(Ticked(), 1499))
@@ -229,9 +235,9 @@ def test_a_log_that_does_not_continue_at_the_position_stops_the_agent():
 def test_status_reports_the_lag_and_time_never_goes_backwards():
     machine = agent(build_log(10))
     machine.step(CommittedAdvanced(TxKey(1, 10), True), 5)
-    machine.step(AckReceived(TxKey(1, 4)), 6)
+    machine.step(AckReceived(TxKey(1, 5)), 6)  # the first push held five; the acknowledgement lets the rest go
     status = machine.status()
-    assert (status.sent_key, status.acked_key, status.lag_entries) == (TxKey(1, 10), TxKey(1, 4), 6)
+    assert (status.sent_key, status.acked_key, status.lag_entries) == (TxKey(1, 10), TxKey(1, 5), 5)
     assert (status.agent_id, status.replicant, status.shard) == ("agent-1", "rep0", SHARD)
     with pytest.raises(ValueError, match="time went backwards"):
         machine.step(Ticked(), 5)
@@ -261,8 +267,15 @@ def build_large_log(count: int, value_bytes: int) -> MemoryLog:
 
 @pytest.mark.timeout(10)
 def test_a_push_holds_at_most_push_bytes_max_bytes_on_the_wire_and_a_large_entry_goes_alone():
-    machine = agent(build_large_log(30, 1000), push_bytes_max=5000, window_bytes_max=100_000, step_bytes_max=100_000)
+    machine = agent(
+        build_large_log(30, 1000),
+        push_bytes_max=5000,
+        window_bytes_max=100_000,
+        step_bytes_max=100_000,
+        pushes_in_flight_max=10,
+    )
     effects = machine.step(CommittedAdvanced(TxKey(1, 30), True), 0)
+    effects += machine.step(AckReceived(machine.status().sent_key), 1)  # the partial last push waited for it
     sizes = [len(msgpack.packb([entry_to_wire(e) for e in push.entries])) for push in pushes(effects)]
     assert pushed_keys(effects) == [TxKey(1, n) for n in range(1, 31)]
     assert all(size <= 5000 for size in sizes) and max(len(push.entries) for push in pushes(effects)) == 4
@@ -272,12 +285,61 @@ def test_a_push_holds_at_most_push_bytes_max_bytes_on_the_wire_and_a_large_entry
 
 @pytest.mark.timeout(10)
 def test_the_window_is_bounded_in_bytes_and_acknowledgements_pace_the_catch_up():
-    machine = agent(build_large_log(100, 1000), push_bytes_max=3000, window_bytes_max=10_000, step_bytes_max=100_000)
+    machine = agent(
+        build_large_log(100, 1000),
+        push_bytes_max=3000,
+        window_bytes_max=10_000,
+        step_bytes_max=100_000,
+        pushes_in_flight_max=10,
+    )
     first = pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 100), True), 0))
     assert first == [TxKey(1, n) for n in range(1, 10)]  # 9 entries of about 1.1 KB: the window is full
     assert machine.status().unacknowledged_bytes >= 10_000 - 1200
     assert pushed_keys(machine.step(Ticked(), 1)) == []  # nothing more until the replicant acknowledges
     assert pushed_keys(machine.step(AckReceived(TxKey(1, 4)), 2))[0] == TxKey(1, 10)
+
+
+@pytest.mark.timeout(10)
+def test_a_partial_push_waits_for_the_acknowledgement_and_then_carries_every_entry_committed_meanwhile():
+    machine = agent(build_log(10))
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 1), True), 0)) == [TxKey(1, 1)]  # idle: at once
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 2), True), 1)) == []
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 4), True), 2)) == []
+    # Waiting for the acknowledgement is no reason to be stepped: only the heartbeat is due.
+    assert machine.next_deadline_ms() == 0 + machine.config.heartbeat_interval_ms
+    assert not machine.wants_to_push
+    effects = machine.step(AckReceived(TxKey(1, 1)), 3)
+    assert [len(push.entries) for push in pushes(effects)] == [2]  # twice the last push at most (a read's rule)
+    effects += machine.step(AckReceived(TxKey(1, 3)), 4)
+    assert pushed_keys(effects) == [TxKey(1, 2), TxKey(1, 3), TxKey(1, 4)]
+    machine.step(AckReceived(TxKey(1, 4)), 5)
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 5), True), 6)) == [TxKey(1, 5)]  # idle again
+
+
+@pytest.mark.timeout(10)
+def test_full_pushes_stream_with_the_window_and_partial_ones_wait_past_pushes_in_flight_max():
+    machine = agent(build_log(20), push_entries_max=2, window_entries_max=6)
+    effects = machine.step(CommittedAdvanced(TxKey(1, 20), True), 0)
+    assert [len(push.entries) for push in pushes(effects)] == [2, 2, 2]  # the window, not the pushes in flight
+    assert pushed_keys(machine.step(AckReceived(TxKey(1, 4)), 1)) == [TxKey(1, n) for n in range(7, 11)]
+    two = agent(build_log(10), pushes_in_flight_max=2)
+    assert pushed_keys(two.step(CommittedAdvanced(TxKey(1, 1), True), 0)) == [TxKey(1, 1)]
+    assert pushed_keys(two.step(CommittedAdvanced(TxKey(1, 2), True), 1)) == [TxKey(1, 2)]
+    assert pushed_keys(two.step(CommittedAdvanced(TxKey(1, 3), True), 2)) == []
+    assert pushed_keys(two.step(AckReceived(TxKey(1, 1)), 3)) == [TxKey(1, 3)]
+    with pytest.raises(AgentConfigError):
+        AgentConfig(pushes_in_flight_max=0)
+
+
+@pytest.mark.timeout(10)
+def test_a_lost_acknowledgement_holds_the_next_push_until_the_heartbeat_is_acknowledged():
+    machine = agent(build_log(5), heartbeat_interval_ms=100)
+    machine.step(CommittedAdvanced(TxKey(1, 1), True), 0)
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 3), True), 10)) == []  # [1] in flight, its ack lost
+    heartbeat = pushes(machine.step(Ticked(), 100))
+    assert [push.entries for push in heartbeat] == [()]
+    # The replica acknowledges the heartbeat with its applied key: the push in flight arrived.
+    assert pushed_keys(machine.step(AckReceived(TxKey(1, 1)), 101)) == [TxKey(1, 2), TxKey(1, 3)]
 
 
 @pytest.mark.timeout(10)

@@ -10,6 +10,7 @@ from mnesite.core.consensus import (
     EXCLUSION_NOTICE_INTERVAL_MS,
     REJECT_BUSY,
     REJECT_NOT_SEQUENCER,
+    REJECT_TOO_MANY_OPS,
     AppendReply,
     AppendRequest,
     BatchEnded,
@@ -34,6 +35,7 @@ from mnesite.core.consensus import (
     ProposalFailed,
     ProposalRejected,
     Proposed,
+    ProposedBatch,
     ProtocolViolation,
     Role,
     RoleChanged,
@@ -354,9 +356,10 @@ def test_the_sequencer_assigns_the_next_key_persists_then_sends_and_commits_on_a
     assert harness.machine.committed_key == TxKey(1, 2)
 
 
-def test_a_follower_hears_a_new_commit_key_in_the_same_turn_not_at_the_next_write():
-    """A commit made by a reply is told to every follower holding the committed entries at
-    BatchEnded (an empty append), once; a follower that was not sent them (probing) is not told."""
+def test_a_follower_hears_a_new_commit_key_within_the_notice_delay_not_at_the_next_write():
+    """A commit made by a reply is told to every follower holding the committed entries within
+    commit_notice_delay_ms (an empty append when no batch carried it), once; a follower that was
+    not sent them (probing) is not told."""
     harness = Harness()
     harness.elect()
     harness.ack("b", TxKey(1, 1))  # b is caught up; c never answered: it is still probing
@@ -364,15 +367,97 @@ def test_a_follower_hears_a_new_commit_key_in_the_same_turn_not_at_the_next_writ
     harness.step(BatchEnded())
     committed = harness.ack("b", TxKey(1, 2))
     assert of_type(committed, Commit) == [Commit(TxKey(1, 2))]
-    notices = sends(harness.step(BatchEnded()), AppendRequest)
+    assert sends(harness.step(BatchEnded()), AppendRequest) == []  # no batch: the notice waits
+    due_ms = harness.machine.next_deadline_ms()
+    assert due_ms == harness.now_ms + CONFIG.commit_notice_delay_ms
+    assert sends(harness.step(Ticked(), due_ms - 1), AppendRequest) == []
+    notices = sends(harness.step(Ticked(), due_ms), AppendRequest)
     assert [(to, m.entries, m.prev_key, m.commit_key) for to, m in notices] == [("b", (), TxKey(1, 2), TxKey(1, 2))]
     assert sends(harness.step(BatchEnded()), AppendRequest) == []  # told once
+    assert sends(harness.step(Ticked(), due_ms + 1), AppendRequest) == []
     # The follower's side: the empty append makes it apply up to the commit key at once.
     follower = Harness(name="b", entries=chain([TxKey(1, 1), TxKey(1, 2)]), committed_key=TxKey(1, 1))
     follower.step(Ticked(), 1)
     prev = follower.log.entries_after(TxKey(1, 1), 1)[0]
     effects = follower.receive("a", append(1, prev, [], commit_key=TxKey(1, 2)))
     assert of_type(effects, Commit) == [Commit(TxKey(1, 2))]
+
+
+def test_a_batch_within_the_notice_delay_carries_the_commit_key_and_no_notice_follows():
+    """Under load the next turn's batch tells the commit key: the follower applies it in the turn
+    that appends, and no commit notice costs it a turn of its own."""
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.ack("c", TxKey(1, 1))
+    harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
+    harness.step(BatchEnded())
+    harness.ack("b", TxKey(1, 2))
+    assert sends(harness.step(BatchEnded()), AppendRequest) == []
+    due_ms = harness.machine.next_deadline_ms()
+    harness.step(Proposed((WriteOp("t", {"k": 2}),), "w2"), due_ms - 1)
+    batch = sends(harness.step(BatchEnded()), AppendRequest)
+    assert sorted((to, m.commit_key, len(m.entries)) for to, m in batch) == [
+        ("b", TxKey(1, 2), 1),
+        ("c", TxKey(1, 2), 1),
+    ]
+    assert sends(harness.step(Ticked(), due_ms), AppendRequest) == []
+
+
+def test_a_follower_leaves_a_commit_notice_unanswered_just_after_an_answer():
+    """A commit notice within half a heartbeat interval of the follower's last answer goes
+    unanswered (its answer would acknowledge nothing); later, and any append with entries or
+    without a new commit key (a heartbeat), is answered."""
+    entries = chain([TxKey(1, 1), TxKey(1, 2), TxKey(1, 3)])
+    follower = Harness(name="b", entries=entries[:1], committed_key=TxKey(1, 1))
+    follower.step(Ticked(), 1)
+    answered = sends(follower.receive("a", append(1, entries[0], [entries[1]], commit_key=TxKey(1, 1)), 5), AppendReply)
+    assert [m.match_key for _, m in answered] == [TxKey(1, 2)]
+    notice = append(1, entries[1], [], commit_key=TxKey(1, 2))
+    effects = follower.receive("a", notice, 5 + CONFIG.heartbeat_interval_ms // 2 - 1)
+    assert of_type(effects, Commit) == [Commit(TxKey(1, 2))]
+    assert sends(effects, AppendReply) == []
+    heartbeat = append(1, entries[1], [], commit_key=TxKey(1, 2))
+    assert len(sends(follower.receive("a", heartbeat), AppendReply)) == 1  # told nothing new: answered
+    follower.receive("a", append(1, entries[1], [entries[2]], commit_key=TxKey(1, 2)))
+    late = follower.now_ms + CONFIG.heartbeat_interval_ms // 2
+    effects = follower.receive("a", append(1, entries[2], [], commit_key=TxKey(1, 3)), late)
+    assert of_type(effects, Commit) == [Commit(TxKey(1, 3))]
+    assert len(sends(effects, AppendReply)) == 1  # half a heartbeat interval since the last answer
+
+
+def next_heartbeat(harness: Harness) -> int:
+    """Tick a sequencer millisecond by millisecond until it sends heartbeats; return that time."""
+    for now_ms in range(harness.now_ms + 1, harness.now_ms + 2 * CONFIG.heartbeat_interval_ms):
+        if sends(harness.step(Ticked(), now_ms), AppendRequest):
+            return now_ms
+    raise AssertionError("no heartbeat within two heartbeat intervals")
+
+
+def test_a_heartbeat_resends_appends_in_flight_only_once_unanswered_for_an_interval():
+    """While a follower acknowledges, a heartbeat is an empty append at its match key (it does not
+    make the follower decode and skip the entries in flight again); after a heartbeat interval
+    without an acknowledgement, the heartbeat resends from the match key (an append was lost)."""
+    harness = Harness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.ack("c", TxKey(1, 1))
+    heartbeat_ms = next_heartbeat(harness)
+    harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"), heartbeat_ms + 1)
+    sent_ms = harness.now_ms
+    assert len(sends(harness.step(BatchEnded()), AppendRequest)) == 2
+    heartbeats = sends(harness.step(Ticked(), heartbeat_ms + CONFIG.heartbeat_interval_ms), AppendRequest)
+    assert sorted((to, m.prev_key, m.entries) for to, m in heartbeats) == [
+        ("b", TxKey(1, 1), ()),
+        ("c", TxKey(1, 1), ()),
+    ]
+    # b and c keep silent: at the next heartbeat the append is given up as lost.
+    resent = sends(harness.step(Ticked(), heartbeat_ms + 2 * CONFIG.heartbeat_interval_ms), AppendRequest)
+    assert harness.now_ms - sent_ms >= CONFIG.heartbeat_interval_ms
+    assert sorted((to, m.prev_key, [e.tx_key for e in m.entries]) for to, m in resent) == [
+        ("b", TxKey(1, 1), [TxKey(1, 2)]),
+        ("c", TxKey(1, 1), [TxKey(1, 2)]),
+    ]
 
 
 def test_a_reply_to_an_empty_append_does_not_free_a_place_in_flight():
@@ -415,6 +500,35 @@ def test_a_turn_of_proposals_travels_in_one_append_per_follower():
     assert harness.step(BatchEnded()) == []  # sent once
     committed = harness.ack("b", TxKey(1, 17))
     assert committed[0] == Commit(TxKey(1, 17)) and len(of_type(committed, ProposalCommitted)) == 16
+
+
+def test_a_batch_of_proposals_is_logged_in_one_persist_and_equals_proposing_them_one_by_one():
+    """ProposedBatch (the driver's turn of writes without guards): the same entries, keys, digests
+    and refusals as one Proposed per write, in one PersistEntries; a refusal leaves the others."""
+    config = dataclasses.replace(CONFIG, entries_per_append_max=64, pending_proposals_max=5, ops_per_entry_max=2)
+    proposals = [Proposed((WriteOp("t", {"k": n}),) * (3 if n == 2 else 1), f"w{n}") for n in range(7)]
+    one_by_one, batched = Harness(config=config), Harness(config=config)
+    for harness in (one_by_one, batched):
+        harness.elect()
+        harness.ack("b", TxKey(1, 1))
+    single_effects = [effect for proposal in proposals for effect in one_by_one.step(proposal)]
+    batch_effects = batched.step(ProposedBatch(tuple(proposals)))
+    persists = of_type(batch_effects, PersistEntries)
+    assert len(persists) == 1
+    assert persists[0].entries == tuple(e for p in of_type(single_effects, PersistEntries) for e in p.entries)
+    assert [e.request_id for e in persists[0].entries] == ["w0", "w1", "w3", "w4", "w5"]
+    rejected = of_type(batch_effects, ProposalRejected)
+    assert rejected == of_type(single_effects, ProposalRejected)
+    assert [(r.request_id, r.reason) for r in rejected] == [
+        ("w2", REJECT_TOO_MANY_OPS),
+        ("w6", REJECT_BUSY),
+    ]
+    assert sends(one_by_one.step(BatchEnded()), AppendRequest) == sends(batched.step(BatchEnded()), AppendRequest)
+    follower = Harness(name="b", config=config)
+    assert of_type(follower.step(ProposedBatch(tuple(proposals[:2]))), ProposalRejected) == [
+        ProposalRejected("w0", REJECT_NOT_SEQUENCER, None),
+        ProposalRejected("w1", REJECT_NOT_SEQUENCER, None),
+    ]
 
 
 def test_a_batch_is_cut_by_entries_per_append_max_and_appends_in_flight_max():
@@ -528,14 +642,36 @@ def test_the_sequencer_fences_itself_without_a_majority_and_fails_pending_propos
     assert of_type(harness.step(Proposed((), "w2")), ProposalRejected)[0].reason == REJECT_NOT_SEQUENCER
 
 
+def test_no_heartbeat_goes_to_a_follower_fed_by_appends():
+    """A follower that was sent entries and answered within the last heartbeat interval needs no
+    heartbeat (the appends reset its election timer and feed the lease); one that did not answer
+    gets one."""
+    harness = Harness()
+    harness.elect()
+    heartbeat_ms = next_heartbeat(harness)
+    harness.ack("b", TxKey(1, 1))
+    harness.ack("c", TxKey(1, 1))
+    harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"), heartbeat_ms + 1)
+    assert len(sends(harness.step(BatchEnded()), AppendRequest)) == 2
+    harness.ack("b", TxKey(1, 2))  # c does not answer
+    harness.step(BatchEnded())
+    while harness.machine.next_deadline_ms() < heartbeat_ms + CONFIG.heartbeat_interval_ms:
+        harness.step(Ticked(), harness.machine.next_deadline_ms())  # the commit notices of (1, 2)
+    effects = harness.step(Ticked(), heartbeat_ms + CONFIG.heartbeat_interval_ms)
+    assert [(to, m.entries) for to, m in sends(effects, AppendRequest)] == [("c", ())]
+
+
 def test_heartbeats_resend_unacknowledged_entries():
     harness = Harness()
     harness.elect()
     harness.ack("b", TxKey(1, 1))
     harness.ack("c", TxKey(1, 1))
     harness.step(Proposed((), "w1"))  # suppose this append to b is lost
-    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
-    resent = dict(sends(effects, AppendRequest))
+    resent, start_ms = {}, harness.now_ms
+    while not resent.get("b", AppendRequest(0, ZERO_KEY, b"", ZERO_KEY, ())).entries:
+        # The commit notice of (1, 1) first, then the heartbeat.
+        assert harness.now_ms < start_ms + CONFIG.heartbeat_interval_ms
+        resent = dict(sends(harness.step(Ticked(), harness.machine.next_deadline_ms()), AppendRequest))
     assert [e.tx_key for e in resent["b"].entries] == [TxKey(1, 2)]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GUARD_RETRY, GuardTail
 from mnesite.rlog.schema import define_table
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, TxKey, WriteOp, make_entry
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -66,3 +66,14 @@ def test_held_failures_are_bounded_in_number_and_time():
     assert tail.failed("b", ZERO_KEY, read_index=ZERO_KEY, now_ms=0) == GUARD_RETRY
     assert tail.expired(99) == []
     assert tail.expired(100) == ["a"] and tail.held_count() == 0
+
+
+def test_a_guard_reads_a_row_absent_once_the_tail_drops_its_table():
+    """A row only in the applied store is gone once the unapplied tail drops its table (a guard that
+    read the applied row there answered a value no committed prefix holds: the simulator caught it)."""
+    tail: GuardTail[str] = GuardTail(CATALOG)
+    applied = {"k": 2, "v": 49}
+    assert tail.read("t", 2, lambda: applied) == applied
+    tail.add((make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (DropTableOp("t", "s"),)),))
+    assert tail.read("t", 2, lambda: applied) is None
+    assert tail.row("t", 2) == (False, None), "the tail's own index does not hold the applied row"

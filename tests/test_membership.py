@@ -32,9 +32,10 @@ from mnesite.core.consensus import (
     TruncateLog,
 )
 from mnesite.core.snapshot import SnapshotOffer, members_after_install
-from mnesite.rlog.messages import MEMBERS_OP_MAX, MessageError, decode_ops, typed_body
+from mnesite.rlog.messages import MessageError, decode_ops, typed_body
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
+    MEMBERS_OP_MAX,
     ZERO_KEY,
     MembersOp,
     TxKey,

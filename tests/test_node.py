@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import msgpack
 import pytest
@@ -115,6 +116,38 @@ def test_a_retried_schema_change_is_answered_from_the_log(client: Client, kind: 
     assert second["tx_key"] == first["tx_key"] and second["duplicate"] is True
     entries = client.rlog_tail("default", 100)
     assert sum(1 for e in entries if e["request_id"] == f"retry-{kind}") == 1
+
+
+def test_a_burst_of_writes_and_resends_in_one_turn_logs_each_request_id_once(thread_node: ThreadNode, client: Client):
+    """Writes without guards are proposed together at the end of the turn's input (core/node.py
+    ``_propose_batch``); a resend arriving in the same turn as its original (before the original is
+    proposed) must still be answered from the log: same tx key, marked duplicate, logged once."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(thread_node.endpoint)
+    pairs = 40
+    try:
+        for number in range(pairs):
+            body = {"ops": [{"op": "write", "table": "users", "row": {"id": 1000 + number, "name": f"n{number}"}}]}
+            frame = codec.encode(Message("transact", f"burst-{number}", body))
+            socket.send(frame)  # the original and its resend back to back, no wait between
+            socket.send(frame)
+        answers: dict[str, list[dict]] = {}
+        deadline = time.monotonic() + 10
+        while sum(len(a) for a in answers.values()) < 2 * pairs:
+            assert socket.poll(max(1, int((deadline - time.monotonic()) * 1000))), "no answer in time"
+            answer = codec.decode(socket.recv())
+            assert answer.kind == "reply", answer
+            answers.setdefault(answer.request_id, []).append(answer.body.result)
+    finally:
+        socket.close(0)
+    logged = [e["request_id"] for e in client.rlog_tail("default", 1000)]
+    for number in range(pairs):
+        first, second = answers[f"burst-{number}"]
+        assert first["tx_key"] == second["tx_key"]
+        assert sorted([first.get("duplicate", False), second.get("duplicate", False)]) == [False, True]
+        assert logged.count(f"burst-{number}") == 1
+        assert client.get("users", 1000 + number)["name"] == f"n{number}"
 
 
 def test_bad_input_gets_a_clear_error_and_changes_nothing(thread_node: ThreadNode, client: Client) -> None:

@@ -33,6 +33,16 @@ def test_a_waiter_is_acknowledged_only_by_its_own_entry():
     assert len(waiters) == 0
 
 
+def test_a_resend_waiting_for_its_uncommitted_entry_is_acknowledged_as_a_duplicate():
+    waiters: CommitWaiters[str] = CommitWaiters()
+    waiters.wait(TxKey(1, 1), "a", "first attempt")
+    waiters.wait(TxKey(1, 1), "a", "resend", duplicate=True)
+    assert waiters.committed([entry(1, "a")]) == [
+        ("first attempt", Acknowledged("a", TxKey(1, 1))),
+        ("resend", Acknowledged("a", TxKey(1, 1), True)),
+    ]
+
+
 def test_a_truncation_tells_every_waiter_above_it_that_the_outcome_is_unknown():
     waiters: CommitWaiters[str] = CommitWaiters()
     for counter in (1, 2, 3):

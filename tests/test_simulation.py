@@ -257,8 +257,9 @@ def test_a_new_sequencer_serves_reads_only_after_its_first_entry_commits():
 @pytest.mark.timeout(30)
 def test_the_simulator_catches_reads_served_before_the_new_generations_first_entry_commits(monkeypatch):
     monkeypatch.setattr(ShardConsensus, "_own_generation_committed", lambda self: True)
-    with pytest.raises(SimulationFailure, match="linearizable read .* returned"):
-        _reads_at_a_new_sequencer_before_its_first_entry_commits(0)
+    for seed in (1, 2):  # seeds at which the heir serves a read in time to be caught
+        with pytest.raises(SimulationFailure, match="linearizable read .* returned"):
+            _reads_at_a_new_sequencer_before_its_first_entry_commits(seed)
 
 
 @pytest.mark.timeout(30)
@@ -459,7 +460,7 @@ def test_the_ci_seeds_trim_with_the_production_retention_rule_and_send_snapshots
 
 # Seeds at which a sequencer that proposes a resent request id again is caught (found with the
 # mutation below; each fails with "request wN committed at ... and again at ...").
-RESEND_SEEDS = (7, 8, 9, 12)
+RESEND_SEEDS = (1, 8, 9, 14)
 
 
 @pytest.mark.timeout(60)

@@ -61,6 +61,7 @@ from mnesite.core.consensus import (
     ProposalFailed,
     ProposalRejected,
     Proposed,
+    ProposedBatch,
     Role,
     RoleChanged,
     Send,
@@ -257,6 +258,10 @@ class SimNode:
     next_retention_ms: int = 0
     # The driver's in-memory guard tail (lost in a crash, rebuilt from the log at a restart).
     tail: GuardTail[tuple[ClientRequest, Row]] = field(default_factory=lambda: GuardTail(CATALOG))
+    # Writes without guards taken since the driver last stepped this node, proposed together as one
+    # ``ProposedBatch`` before its next event (production's ShardDriver.proposing): (ops, request
+    # id, where the answer goes). Lost in a crash, as production's are.
+    proposing: list[tuple[tuple[Op, ...], str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -398,6 +403,7 @@ class Simulation:
     def _crash(self, node: SimNode) -> None:
         self._lose_undurable(node)
         node.machine = None
+        node.proposing = []
         node.waiters = CommitWaiters()
         node.forwarded = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         node.crash_in_next_step = False
@@ -427,6 +433,14 @@ class Simulation:
         machine = node.machine
         if machine is None:
             raise self.fail(f"stepping crashed node {node.name}")
+        if node.proposing and not isinstance(event, (ProposedBatch, Persisted)):
+            # Production's driver proposes a turn's held writes before any other event of the shard.
+            # Not before Persisted: in this model Persisted reports the previous turn's commit, which
+            # did not hold them (production's turn proposes them before its commit, never after).
+            self._propose_held(node)
+            machine = node.machine
+            if machine is None:
+                return []
         try:
             effects = machine.step(event, self.now_ms)
         except ConsensusInvariantError as error:
@@ -443,24 +457,40 @@ class Simulation:
         self._check_node(node)
         return effects
 
-    def _propose(self, node: SimNode, ops: tuple[Op, ...], request_id: str, client: str = CLIENT) -> None:
+    def _propose(
+        self, node: SimNode, ops: tuple[Op, ...], request_id: str, client: str = CLIENT, held: bool = False
+    ) -> None:
         """A write at the sequencer, as production's driver takes it (core/node.py ``_write``):
         propose, then wait for the entry carrying the request id to commit. ``client``: where the
-        answer goes (the client, or the core that forwarded the write)."""
+        answer goes (the client, or the core that forwarded the write). ``held``: a write without
+        guards, held with the others of this turn and proposed with them (``_propose_held``)."""
         first = self.committed_key_of_request.get(request_id)
         if first is not None and first <= node.log.trimmed_key():
             # Production's limit: a request id is remembered while its entry is retained.
             self.reproposed_after_trim.add(request_id)
-        for effect in self._step(node, Proposed(ops, request_id)):
+        if held:
+            node.proposing.append((ops, request_id, client))
+            return
+        self._await_entries(node, self._step(node, Proposed(ops, request_id)), {request_id: client})
+
+    def _propose_held(self, node: SimNode) -> None:
+        """Production's ``CoreNode._propose_batch``: the held writes in one ``ProposedBatch``."""
+        held, node.proposing = node.proposing, []
+        event = ProposedBatch(tuple(Proposed(ops, request_id) for ops, request_id, _ in held))
+        self._await_entries(node, self._step(node, event), {request_id: client for _, request_id, client in held})
+
+    def _await_entries(self, node: SimNode, effects: list[Effect], clients: dict[str, str]) -> None:
+        for effect in effects:
             if isinstance(effect, PersistEntries) and node.machine is not None:
                 for entry in effect.entries:
-                    if entry.request_id != request_id:
+                    client = clients.get(entry.request_id or "")
+                    if client is None:
                         continue
-                    answer = node.waiters.answer_now(entry.tx_key, request_id, node.applied_key)
+                    answer = node.waiters.answer_now(entry.tx_key, entry.request_id, node.applied_key)
                     if answer is not None:
                         self._tell(node, answer, client)
                     else:
-                        node.waiters.wait(entry.tx_key, request_id, client)
+                        node.waiters.wait(entry.tx_key, entry.request_id, client)
 
     def _tell(self, node: SimNode, outcome: Outcome | None, client: str = CLIENT) -> None:
         """A write's outcome leaves ``node``: an acknowledgement must name where it committed. It
@@ -679,6 +709,13 @@ class Simulation:
         if request.kind == "write":
             self._write_at(node, request)
             return
+        if request.kind == "guard" and node.proposing:
+            # Production's guarded write: the writes held before it are proposed first, and its guard
+            # reads what they wrote (the tail) or, once applied, the store.
+            self._propose_held(node)
+            machine = node.machine
+            if machine is None:
+                return
         applied_row = self._row_at(request.key, self.commit_position[node.applied_key])
         if request.kind == "local":
             self._record_read(node.name, request, applied_row)
@@ -717,8 +754,7 @@ class Simulation:
         transaction = parse_transaction(request_body, CATALOG, TRANSACTION_OPS_MAX)
 
         def read_row(table: TableSchema, key: Any) -> Row:
-            in_tail, row = node.tail.row(table.name, key)
-            return row if in_tail else applied_row
+            return node.tail.read(table.name, key, lambda: applied_row)
 
         outcome = evaluate(transaction, CATALOG, read_row)
         if not isinstance(outcome, GuardFailed):
@@ -890,6 +926,11 @@ class Simulation:
             return
         request_id = f"w{request.number}"
         client = request.origin or CLIENT
+        if any(held_id == request_id for _, held_id, _ in node.proposing):
+            self._propose_held(node)  # production: a resend of a held write is answered from the log
+            machine = node.machine
+            if machine is None:
+                return
         view = rules.ShardView(SHARD, machine.role is Role.SEQUENCER, machine.sequencer)
         try:
             route = rules.route_write(view, node.name, request.origin is not None, node.log.find_request(request_id))
@@ -898,13 +939,13 @@ class Simulation:
                 self.client_belief = None  # no_sequencer: the client tries another core next time
             return  # a forwarded write is not forwarded again; its origin's wait expires
         if isinstance(route, rules.Propose):
-            self._propose(node, request.ops, request_id, client)
+            self._propose(node, request.ops, request_id, client, held=True)
         elif isinstance(route, rules.AwaitCommit):
             answer = node.waiters.answer_now(route.tx_key, request_id, node.applied_key, route.duplicate)
             if answer is not None:
                 self._tell(node, answer, client)
             else:
-                node.waiters.wait(route.tx_key, request_id, client)
+                node.waiters.wait(route.tx_key, request_id, client, route.duplicate)
         elif not node.forwarded.full():  # full: overloaded, the client retries
             node.forwarded.forwarded(request_id, CLIENT, SHARD, route.target, self.now_ms)
             self._enqueue_client(route.target, dataclasses.replace(request, origin=node.name, forwarded=True))
