@@ -355,6 +355,32 @@ class Cluster:
         wait_until(converged, timeout_s, f"{names} to converge on shard {shard}", interval_s=0.1)
         return result
 
+    def wait_replicants_converged(
+        self, cores: list[str], replicants: list[str], shard: str = "default", timeout_s: float = 60
+    ) -> dict:
+        """Wait until ``replicants`` have applied the position ``cores`` converged on, with its digest;
+        return that position. The cores' position is read again at every poll: the cores may append
+        entries of their own after the clients stop (a cluster version entry proposed once every
+        member's announcement is heard, seconds after a start or a membership change), so a position
+        read once may be passed over by a replicant that receives the next entries in the same push."""
+        result: dict = {}
+
+        def caught_up() -> bool:
+            try:
+                position = self.wait_converged(cores, shard, timeout_s=1)
+            except AssertionError:
+                return False
+            for name in replicants:
+                status = self.status(name)
+                info = (status or {}).get("shards", {}).get(shard) or {}
+                if (tuple(info.get("applied", ())), info.get("digest")) != (position["applied"], position["digest"]):
+                    return False
+            result.update(position)
+            return True
+
+        wait_until(caught_up, timeout_s, f"{replicants} to apply what {cores} converged on", interval_s=0.1)
+        return result
+
 
 @pytest.fixture
 def cluster(tmp_path: Path, node_processes: list[NodeProcess]) -> Cluster:

@@ -367,15 +367,7 @@ def test_a_drop_reaches_every_core_and_replicant(cluster: Cluster) -> None:
         main, ["table", "drop", "keep", "--node", cluster.endpoints["core2"], *cluster.cli_keys("app")]
     )
     assert refused.exit_code == 1 and "may not send drop_table" in refused.output
-    position = cluster.wait_converged(cluster.names)
-    wait_until(
-        lambda: (
-            tuple(((cluster.status("replicant1") or {}).get("shards", {}).get("default") or {}).get("applied", ()))
-            == tuple(position["applied"])
-        ),
-        30,
-        "replicant1 to apply the drop",
-    )
+    cluster.wait_replicants_converged(cluster.names, ["replicant1"], timeout_s=30)
     for name in [*cluster.names, "replicant1"]:
         with cluster.client(name) as client:
             assert [t["table"] for t in client.list_tables()] == ["keep"], name

@@ -32,16 +32,7 @@ def wait_normal(cluster: Cluster, name: str, timeout_s: float = 60) -> dict:
 
 def wait_replicant_caught_up(cluster: Cluster, replicants: list[str], timeout_s: float = 60) -> tuple:
     """Wait until every replicant has applied what the cores agree on; return (applied, digest)."""
-    position = cluster.wait_converged(cluster.names, timeout_s=timeout_s)
-
-    def caught_up() -> bool:
-        for name in replicants:
-            status = shard_status(cluster, name)
-            if status is None or tuple(status["applied"]) != position["applied"]:
-                return False
-        return True
-
-    wait_until(caught_up, timeout_s, f"{replicants} to apply {position['applied']}", interval_s=0.1)
+    position = cluster.wait_replicants_converged(cluster.names, replicants, timeout_s=timeout_s)
     return position["applied"], position["digest"]
 
 

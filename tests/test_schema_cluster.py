@@ -104,13 +104,7 @@ def test_indexes_and_columns_change_online_and_every_node_ends_the_same(cluster:
     _start_replicant(cluster, "replicant2")  # bootstraps from a core: tables, indexes, rows
     names = [*cluster.names, "replicant1", "replicant2"]
     wait_until(lambda: _normal(cluster, "replicant2"), 90, "replicant2 to serve")
-    position = cluster.wait_converged(cluster.names, timeout_s=60)
-    for name in ("replicant1", "replicant2"):
-        wait_until(
-            lambda n=name: tuple((cluster.status(n) or {})["shards"]["default"]["applied"]) == position["applied"],
-            60,
-            f"{name} to apply {position['applied']}",
-        )
+    position = cluster.wait_replicants_converged(cluster.names, ["replicant1", "replicant2"], timeout_s=60)
     wait_until(lambda: all(not (cluster.status(n) or {"index_builds": 1})["index_builds"] for n in names), 120,
                "every build to finish")  # fmt: skip
 
