@@ -83,7 +83,6 @@ from mnesite.core.consensus import (
     ProposalFailed,
     ProposalRejected,
     Proposed,
-    ProposedBatch,
     ProtocolViolation,
     Role,
     RoleChanged,
@@ -271,10 +270,10 @@ class ShardDriver:
     # (elections seen: a stable cluster keeps this at the elections of its start-up).
     generation: int = 0
     elections: int = 0
-    # Writes without guards admitted in this loop turn and not proposed yet: proposed together
-    # (``ProposedBatch``) at the end of the turn's input or before any other event of this shard,
-    # so the log order is their arrival order. Bounded by WAITERS_MAX with the waiters.
-    proposing: list[tuple[Proposed, list[bytes], Message]] = field(default_factory=list)
+    # Writes without guards admitted in this loop turn and not proposed yet (``core.rules.HeldWrites``):
+    # proposed together at the end of the turn's input or before any other event of this shard, so
+    # the log order is their arrival order. Bounded by WAITERS_MAX with the waiters.
+    held: rules.HeldWrites[tuple[list[bytes], Message]] = field(default_factory=rules.HeldWrites)
 
 
 @dataclass
@@ -336,7 +335,6 @@ class CoreNode(NodeServer):
         self.endpoints: dict[str, str] = {**config.core_nodes, **json.loads(self.store.meta("core_endpoints", "{}"))}
         # request id -> (shard, envelope) of a membership change not yet in the log (learner stage).
         self.pending_changes: dict[str, tuple[str, list[bytes]]] = {}
-        self._proposing_ids: set[str] = set()  # request ids of the writes held in ShardDriver.proposing
         self.shards: dict[str, ShardDriver] = {}
         # Payloads: a client's envelope (its request is relayed), or a QueryIndexAsk (rlog.query).
         self.forwarded: ForwardedRequests[Any] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
@@ -570,10 +568,9 @@ class CoreNode(NodeServer):
         they may have been told of a commit that was rolled back (their replicants watch again)."""
         error = self.disk.error
         for driver in self.shards.values():
-            for _, envelope, message in driver.proposing:  # never proposed: nothing was logged
-                self.reply(envelope, codec.error(message.request_id, "disk_full", f"disk_full: {error}"))
-            driver.proposing = []
-        self._proposing_ids.clear()
+            _, held = driver.held.take()
+            for request_id, (envelope, _) in held:  # never proposed: nothing was logged
+                self.reply(envelope, codec.error(request_id, "disk_full", f"disk_full: {error}"))
         for shard, driver in list(self.shards.items()):
             self._step(driver, DiskFull(error))
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
@@ -668,7 +665,7 @@ class CoreNode(NodeServer):
     # -- effects -----------------------------------------------------------------------------
 
     def _step(self, driver: ShardDriver, event: Any) -> list[Any]:
-        if driver.proposing:
+        if driver.held:
             self._propose_batch(driver)  # the writes that arrived before this event go first
         effects = driver.consensus.step(event, self.clock_ms())
         for effect in effects:
@@ -1093,7 +1090,7 @@ class CoreNode(NodeServer):
     def _write(self, envelope: list[bytes], message: Message) -> None:
         """A client's write, as the rule-book (``core.rules``) routes it: a retry answered from the log,
         forwarded to the sequencer, or admitted, evaluated and proposed here."""
-        if message.request_id in self._proposing_ids:
+        if any(driver.held.holds(message.request_id) for driver in self.shards.values()):
             self._propose_all()  # a resend of a write this turn holds: answered from the log below
         earlier = self.store.find_request(message.request_id)
         admitted = None
@@ -1115,16 +1112,15 @@ class CoreNode(NodeServer):
         if isinstance(route, rules.AwaitCommit):
             self._await_commit(driver, route.tx_key, envelope, message.request_id, duplicate=True)
             return
-        if len(driver.waiters) + len(driver.proposing) >= WAITERS_MAX:
+        if len(driver.waiters) + len(driver.held) >= WAITERS_MAX:
             raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
         ops = admitted.ops
         transaction = admitted.transaction
-        if transaction is not None and not transaction.guards:
+        if rules.holds_write(transaction):
             # Nothing to read: proposed with the turn's other such writes (``_propose_batch``).
-            driver.proposing.append((Proposed(transaction.ops, message.request_id), envelope, message))
-            self._proposing_ids.add(message.request_id)
+            driver.held.hold(Proposed(transaction.ops, message.request_id), (envelope, message))
             return
-        if driver.proposing:
+        if driver.held:
             self._propose_batch(driver)  # a guard reads what the writes before it in this turn wrote
         if transaction is not None:
 
@@ -1150,33 +1146,21 @@ class CoreNode(NodeServer):
             ops = outcome
         # A guarded write or a schema change: proposed now, so that what follows in this turn (a
         # guard, an admission) sees it in the tail.
-        driver.proposing.append((Proposed(ops, message.request_id), envelope, message))
+        driver.held.hold(Proposed(ops, message.request_id), (envelope, message))
         self._propose_batch(driver)
 
     def _propose_all(self) -> None:
         for driver in list(self.shards.values()):
-            if driver.proposing:
+            if driver.held:
                 self._propose_batch(driver)
 
     def _propose_batch(self, driver: ShardDriver) -> None:
         """Propose the writes ``_write`` held in this turn, in arrival order, in one step; each
         client then waits for its entry (or hears why it was refused, or is forwarded)."""
-        batch, driver.proposing = driver.proposing, []
-        for _, _, message in batch:
-            self._proposing_ids.discard(message.request_id)
+        batch, held = driver.held.take()
         self.begin()
-        effects = self._step(driver, ProposedBatch(tuple(proposal for proposal, _, _ in batch)))
-        keys: dict[str, TxKey] = {}
-        refused: dict[str, ProposalRejected] = {}
-        for effect in effects:
-            if isinstance(effect, PersistEntries):
-                for entry in effect.entries:
-                    if entry.request_id is not None:
-                        keys[entry.request_id] = entry.tx_key
-            elif isinstance(effect, ProposalRejected) and effect.request_id is not None:
-                refused[effect.request_id] = effect
-        for _, envelope, message in batch:
-            request_id = message.request_id
+        keys, refused = rules.batch_outcomes(self._step(driver, batch))
+        for request_id, (envelope, message) in held:
             try:
                 key = keys.get(request_id)
                 if key is not None:

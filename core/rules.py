@@ -16,6 +16,11 @@ request lives here, as functions of what it knows, so that the deterministic sim
   takes effect once). Otherwise the sequencer proposes it; any other core forwards it once
   (``core.outcome.forward_target``) or refuses it with ``no_sequencer``; a core a forced start left
   out of the shard refuses it (``excluded``).
+* ``HeldWrites`` and ``batch_outcomes``: a turn's writes without guards are held and proposed as one
+  ``ProposedBatch``, in arrival order, before any other event of their shard's machine (a guarded
+  write, a schema change, a resend of a held request id, an append, a tick) and at the end of the
+  turn's input; each held write then waits for the entry carrying its request id, or hears why the
+  batch refused it.
 * ``guard_failure_answer``: a failed guard confirmed from committed state is answered
   ``guard_failed`` with the row found; one that cannot be confirmed is ``no_sequencer``: nothing
   was written, and the client retries with the same request id.
@@ -31,10 +36,11 @@ request lives here, as functions of what it knows, so that the deterministic sim
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
+from mnesite.core.consensus import PersistEntries, ProposalRejected, Proposed, ProposedBatch
 from mnesite.core.outcome import forward_target
 from mnesite.core.transaction import GuardFailed, Transaction, parse_transaction
 from mnesite.rlog.errors import RequestError
@@ -161,6 +167,59 @@ def route_write(view: ShardView, me: str, forwarded: bool, earlier_key: TxKey | 
             "no_sequencer", f"shard {view.shard} has no sequencer reachable from {me} (election or no quorum)"
         )
     return Forward(target)
+
+
+T = TypeVar("T")
+
+
+def holds_write(transaction: Transaction | None) -> bool:
+    """A write that reads nothing (a transaction without guards) is held for the turn's batch; a
+    guarded write or a schema change is proposed at once, after the held ones, so that what follows
+    it in the turn (a guard, an admission) sees it in the unapplied tail."""
+    return transaction is not None and not transaction.guards
+
+
+@dataclass
+class HeldWrites(Generic[T]):
+    """One shard's writes held in this loop turn, each with the driver's context (where its answer
+    goes). The driver proposes them (``take``) before stepping its shard's machine with anything
+    else, so the log order is the arrival order; bounded by the driver with its waiters."""
+
+    held: list[tuple[Proposed, T]] = field(default_factory=list)
+    request_ids: set[str] = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def hold(self, proposed: Proposed, context: T) -> None:
+        self.held.append((proposed, context))
+        self.request_ids.add(proposed.request_id or "")
+
+    def holds(self, request_id: str) -> bool:
+        """A resend of a held write: the driver proposes the held ones first, then answers it from the log."""
+        return request_id in self.request_ids
+
+    def take(self) -> tuple[ProposedBatch, list[tuple[str, T]]]:
+        """The batch to step, and each write's (request id, context), in arrival order; empties the hold."""
+        held, self.held = self.held, []
+        self.request_ids = set()
+        batch = ProposedBatch(tuple(proposed for proposed, _ in held))
+        return batch, [(proposed.request_id or "", context) for proposed, context in held]
+
+
+def batch_outcomes(effects: Iterable[Any]) -> tuple[dict[str, TxKey], dict[str, ProposalRejected]]:
+    """What a ``ProposedBatch`` step did with each request id: the key of its entry (it waits for
+    that entry to commit), or the machine's rejection (not the sequencer, too large, ...)."""
+    keys: dict[str, TxKey] = {}
+    refused: dict[str, ProposalRejected] = {}
+    for effect in effects:
+        if isinstance(effect, PersistEntries):
+            for entry in effect.entries:
+                if entry.request_id is not None:
+                    keys[entry.request_id] = entry.tx_key
+        elif isinstance(effect, ProposalRejected) and effect.request_id is not None:
+            refused[effect.request_id] = effect
+    return keys, refused
 
 
 def guard_failure_answer(failure: GuardFailed, confirmed: bool, reason: str) -> tuple[str, str, Any]:

@@ -87,3 +87,30 @@ def test_forwarded_requests_are_told_when_their_sequencer_is_replaced_or_silent(
     forwarded.forwarded("c", "cc", "s", "core3", now_ms=0)
     assert forwarded.answered("c") == "cc"
     assert forwarded.answered("c") is None  # a late duplicate answer: nobody waits for it
+
+
+def test_held_writes_are_proposed_as_one_batch_in_arrival_order_and_each_finds_its_outcome():
+    """``core.rules.HeldWrites`` and ``batch_outcomes``: the driver and the simulator hold a turn's
+    writes without guards and propose them in one ``ProposedBatch``; each then waits for the entry
+    carrying its request id, or hears the machine's refusal."""
+    from mnesite.core.consensus import PersistEntries, ProposalRejected, Proposed, ProposedBatch
+    from mnesite.core.rules import HeldWrites, batch_outcomes, holds_write
+    from mnesite.core.transaction import Guard, Transaction
+
+    plain = Transaction("default", (), ())
+    guarded = Transaction("default", (Guard("kv", 1, None),), ())
+    assert holds_write(plain) and not holds_write(guarded) and not holds_write(None)  # None: a schema change
+
+    held: HeldWrites[str] = HeldWrites()
+    assert not held
+    for request_id in ("a", "b", "c"):
+        held.hold(Proposed((), request_id), f"client-{request_id}")
+    assert len(held) == 3 and held.holds("b") and not held.holds("d")
+    batch, contexts = held.take()
+    assert batch == ProposedBatch((Proposed((), "a"), Proposed((), "b"), Proposed((), "c")))
+    assert contexts == [("a", "client-a"), ("b", "client-b"), ("c", "client-c")]
+    assert not held and not held.holds("b")  # taken once: a resend of "b" is answered from the log now
+
+    refusal = ProposalRejected("c", "too_large", None)
+    keys, refused = batch_outcomes([PersistEntries((entry(7, "a"), entry(8, None), entry(9, "b"))), refusal])
+    assert keys == {"a": TxKey(1, 7), "b": TxKey(1, 9)} and refused == {"c": refusal}

@@ -259,9 +259,9 @@ class SimNode:
     # The driver's in-memory guard tail (lost in a crash, rebuilt from the log at a restart).
     tail: GuardTail[tuple[ClientRequest, Row]] = field(default_factory=lambda: GuardTail(CATALOG))
     # Writes without guards taken since the driver last stepped this node, proposed together as one
-    # ``ProposedBatch`` before its next event (production's ShardDriver.proposing): (ops, request
-    # id, where the answer goes). Lost in a crash, as production's are.
-    proposing: list[tuple[tuple[Op, ...], str, str]] = field(default_factory=list)
+    # ``ProposedBatch`` before its next event: production's ``core.rules.HeldWrites``, each with
+    # where its answer goes. Lost in a crash, as production's are.
+    held: rules.HeldWrites[str] = field(default_factory=rules.HeldWrites)
 
 
 @dataclass
@@ -403,7 +403,7 @@ class Simulation:
     def _crash(self, node: SimNode) -> None:
         self._lose_undurable(node)
         node.machine = None
-        node.proposing = []
+        node.held = rules.HeldWrites()
         node.waiters = CommitWaiters()
         node.forwarded = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         node.crash_in_next_step = False
@@ -433,7 +433,7 @@ class Simulation:
         machine = node.machine
         if machine is None:
             raise self.fail(f"stepping crashed node {node.name}")
-        if node.proposing and not isinstance(event, (ProposedBatch, Persisted)):
+        if node.held and not isinstance(event, (ProposedBatch, Persisted)):
             # Production's driver proposes a turn's held writes before any other event of the shard.
             # Not before Persisted: in this model Persisted reports the previous turn's commit, which
             # did not hold them (production's turn proposes them before its commit, never after).
@@ -469,28 +469,30 @@ class Simulation:
             # Production's limit: a request id is remembered while its entry is retained.
             self.reproposed_after_trim.add(request_id)
         if held:
-            node.proposing.append((ops, request_id, client))
+            node.held.hold(Proposed(ops, request_id), client)
             return
         self._await_entries(node, self._step(node, Proposed(ops, request_id)), {request_id: client})
 
     def _propose_held(self, node: SimNode) -> None:
         """Production's ``CoreNode._propose_batch``: the held writes in one ``ProposedBatch``."""
-        held, node.proposing = node.proposing, []
-        event = ProposedBatch(tuple(Proposed(ops, request_id) for ops, request_id, _ in held))
-        self._await_entries(node, self._step(node, event), {request_id: client for _, request_id, client in held})
+        batch, held = node.held.take()
+        self._await_entries(node, self._step(node, batch), dict(held))
 
     def _await_entries(self, node: SimNode, effects: list[Effect], clients: dict[str, str]) -> None:
-        for effect in effects:
-            if isinstance(effect, PersistEntries) and node.machine is not None:
-                for entry in effect.entries:
-                    client = clients.get(entry.request_id or "")
-                    if client is None:
-                        continue
-                    answer = node.waiters.answer_now(entry.tx_key, entry.request_id, node.applied_key)
-                    if answer is not None:
-                        self._tell(node, answer, client)
-                    else:
-                        node.waiters.wait(entry.tx_key, entry.request_id, client)
+        """Production's ``CoreNode._propose_batch``: each proposed write waits for its entry (one the
+        machine refused is not answered here: the client retries)."""
+        if node.machine is None:
+            return  # it crashed in that step: its waiters are gone
+        keys, _ = rules.batch_outcomes(effects)
+        for request_id, client in clients.items():
+            key = keys.get(request_id)
+            if key is None:
+                continue
+            answer = node.waiters.answer_now(key, request_id, node.applied_key)
+            if answer is not None:
+                self._tell(node, answer, client)
+            else:
+                node.waiters.wait(key, request_id, client)
 
     def _tell(self, node: SimNode, outcome: Outcome | None, client: str = CLIENT) -> None:
         """A write's outcome leaves ``node``: an acknowledgement must name where it committed. It
@@ -709,7 +711,7 @@ class Simulation:
         if request.kind == "write":
             self._write_at(node, request)
             return
-        if request.kind == "guard" and node.proposing:
+        if request.kind == "guard" and node.held:
             # Production's guarded write: the writes held before it are proposed first, and its guard
             # reads what they wrote (the tail) or, once applied, the store.
             self._propose_held(node)
@@ -926,7 +928,7 @@ class Simulation:
             return
         request_id = f"w{request.number}"
         client = request.origin or CLIENT
-        if any(held_id == request_id for _, held_id, _ in node.proposing):
+        if node.held.holds(request_id):
             self._propose_held(node)  # production: a resend of a held write is answered from the log
             machine = node.machine
             if machine is None:

@@ -98,7 +98,7 @@ class DiskFullSimulation(Simulation):
             self.full_until_ms[name] = self.now_ms  # freed at the next _restart_due
 
     def _step(self, node: SimNode, event: Any) -> list[Effect]:
-        if node.proposing and node.machine is not None and not isinstance(event, (ProposedBatch, Persisted)):
+        if node.held and node.machine is not None and not isinstance(event, (ProposedBatch, Persisted)):
             self._propose_held(node)  # as the base driver does: the held writes go first
             if node.machine is None:
                 return []  # it crashed in that step
