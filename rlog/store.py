@@ -294,7 +294,7 @@ class Store:
             self.connection.execute("PRAGMA wal_autocheckpoint=0")
             # The savepoint of every apply (``_apply_chain``) copies each page it changes to a
             # sub-journal, which SQLite spills to a temporary file past 64 KiB: at 64 clients about
-            # one apply in three opened, wrote and closed one (2.3 of a follower's 6.1 pwrite calls
+            # one apply in five opened, wrote and closed one (2.3 of a follower's 6.1 pwrite calls
             # per write, benchmarks/PROFILE.md). In memory it holds at most the pages of one turn's
             # transaction; no durable file changes (the WAL and its fsyncs are as before), and this
             # connection's other temporary structures are small (an index created at once is made
