@@ -61,7 +61,8 @@ _SCALARS_LOOPED_MAX = 8
 
 
 def scalars_refusal(values: Any) -> str | None:
-    """None if every value is a SQLite scalar; else why not. Set-based: a row costs a few C loops."""
+    """None if every value is a SQLite scalar; else why not. Set-based (a row costs a few C loops), and a
+    plain loop for a few values."""
     values = values if isinstance(values, (list, tuple)) else list(values)
     if len(values) <= _SCALARS_LOOPED_MAX:
         # A few values (a one-row entry): one Python loop step each costs less than the C loops'
