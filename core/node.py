@@ -1377,7 +1377,9 @@ class CoreNode(NodeServer):
             for op in entry.ops:
                 if isinstance(op, MembersOp) and op.added:
                     self._learn_endpoint(op.added, op.endpoint)
-            pending = self.pending_changes.pop(entry.request_id, None) if entry.request_id else None
+            pending = (
+                self.pending_changes.pop(entry.request_id, None) if entry.request_id and self.pending_changes else None
+            )
             if pending is not None:
                 driver.waiters.wait(entry.tx_key, entry.request_id or "", pending[1])
 

@@ -92,6 +92,8 @@ class CommitWaiters(Generic[Payload]):
     def committed(self, applied: Iterable[Entry]) -> list[tuple[Payload, Outcome]]:
         """Rule 1: the entries just applied, in order."""
         answers: list[tuple[Payload, Outcome]] = []
+        if not self._waiting:
+            return answers  # a follower's: nobody waits there, and it applies one entry per write
         for entry in applied:
             for payload, request_id, duplicate in self._pop(entry.tx_key):
                 if entry.request_id == request_id:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, TxKey, WriteOp, entry_digest, make_entry
@@ -80,3 +81,21 @@ def test_the_one_chain_check_names_the_broken_link():
     assert chain_break(first.tx_key, first.digest, tampered) == CHAIN_DIGEST
     backwards = dataclasses.replace(second, tx_key=TxKey(1, 1))
     assert chain_break(first.tx_key, first.digest, backwards) == CHAIN_ORDER
+
+
+def test_the_digest_header_is_msgpacks_bytes_at_every_size_boundary() -> None:
+    # entry_digest packs [shard, tx_key, prev, request_id] with msgspec: the bytes (hence every digest
+    # in every log) must stay msgpack's, at each boundary where msgpack changes an int's or a str's form.
+    import hashlib
+
+    import msgpack
+    from mnesite.rlog import types
+
+    parts = [0, 1, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**63 - 1]
+    names = ["s", "x" * 31, "x" * 32, "é" * 20, "x" * 255, "x" * 256, "x" * 2**16]
+    for count, (part, name) in enumerate(itertools.product(parts, names)):
+        request_id = (None, "", "r", "q" * 64)[count % 4]
+        key, prev = types.TxKey(part, parts[count % len(parts)]), types.TxKey(count, part)
+        body = msgpack.packb([name, list(key), list(prev), request_id, []], use_bin_type=True)
+        expected = hashlib.blake2b(b"p" * 16 + body, digest_size=types.DIGEST_BYTES).digest()
+        assert types.entry_digest(b"p" * 16, name, key, prev, (), request_id) == expected
