@@ -1,17 +1,17 @@
 """The wire schema: one frozen msgspec ``Struct`` per message kind (``SCHEMAS``), decoded once.
 
 Every byte from a socket is untrusted. msgspec decodes a body straight into its kind's type, checking
-each declared type, range, length and pattern in C. What it cannot declare has a type of its own that
-the decoders' ``dec_hook`` checks, with the field's path: ``Scalar`` (one SQLite value: msgspec allows
-no union of str and bytes) and ``_free`` (a value of bounded depth); a transaction's row values are
-checked in one set-based pass (``Transact``). Entries carry their ops packed, decoded by ``decode_ops``
-when wanted. A refusal (``MessageError``) names the field path, never the value. Rules against the
-receiver's state live in the state machines; roles in ``rlog.roles``.
+each declared type, range, length and pattern in C. What it cannot declare has a type checked by the
+decoders' ``dec_hook``: ``Scalar`` (one SQLite value: msgspec allows no union of str and bytes) and
+``_free`` (bounded depth); a transaction's values are checked at once (``Transact``). Entries carry
+their ops packed, decoded by ``decode_ops`` when wanted. A refusal (``MessageError``) names the field
+path, never the value. Rules against the receiver's state live in the state machines.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import operator
 import re
@@ -42,8 +42,7 @@ NOT_UTF8 = "holds a string that is not UTF-8"
 
 
 class MessageError(ValueError):
-    """A frame or body that does not fit the wire (``rlog.codec.CodecError`` too). ``code`` is the error
-    code to answer with."""
+    """A frame or body that does not fit the wire (``codec.CodecError``); ``code``: the error to answer."""
 
     def __init__(self, message: str, code: str = "bad_frame") -> None:
         super().__init__(message)
@@ -106,30 +105,27 @@ def _flat_rows(values: list[Any]) -> bool:
 
 
 class _Checked(type):
-    """A field type msgspec decodes as any msgpack value and hands to ``_check`` (the decoders' dec_hook)
-    with the value; msgspec then asks whether the value is an instance, which whatever passed is."""
+    """A field type msgspec decodes as any msgpack value, then hands to ``_check`` (the decoders' dec_hook)
+    with the value to refuse; msgspec then asks if the value is an instance, which what passed is."""
 
     def __instancecheck__(cls, value: Any) -> bool:
         return True
 
 
-def _check(field_type: Any, value: Any) -> Any:
+def _check(field_type: Any, value: Any) -> Any:  # a ValueError: msgspec refuses the body, naming the path
     if (refusal := field_type.refusal(value)) is not None:
-        raise ValueError(refusal)  # msgspec refuses the body with it, at the field's path
+        raise ValueError(refusal)
     return value
 
 
-def _checked(name: str, refusal: Any) -> Any:
-    return _Checked(name, (), {"refusal": staticmethod(refusal), "__module__": __name__})
-
-
 def _free(depth_max: int) -> Any:  # a free value, at most depth_max levels deep
-    return _checked(f"Free{depth_max}", lambda value: free_value_refusal(value, depth_max))
+    return _Checked(f"Free{depth_max}", (), {"refusal": staticmethod(lambda v: free_value_refusal(v, depth_max))})
 
 
-_PLAIN = frozenset((type(None), bool, str, bytes))  # scalars whose every value SQLite stores
-# one SQLite value (but a transaction's, checked all at once by Transact)
-Scalar = _checked("Scalar", lambda value: None if type(value) in _PLAIN else scalars_refusal((value,)))
+_PLAIN = frozenset((type(None), bool, str, bytes))  # scalars SQLite stores whatever their value
+Scalar = _Checked(
+    "Scalar", (), {"refusal": staticmethod(lambda v: None if type(v) in _PLAIN else scalars_refusal((v,)))}
+)
 
 # -- the bodies: (field, type[, default]) per field ----------------------------------------------
 
@@ -188,7 +184,7 @@ class Transact(Body, frozen=True, kw_only=True):
     guards: Annotated[list[Guard], Meta(max_length=types.OPS_MAX)] = []
     forwarded: bool = False
 
-    def __post_init__(self) -> None:  # msgspec calls it once decoded: every value of every op and guard at once
+    def __post_init__(self) -> None:  # msgspec calls it once decoded: all values of all ops and guards at once
         values: list[Any] = []
         for op in self.ops:
             values.extend(op.row.values()) if type(op) is WriteRequest else values.append(op.key)
@@ -197,17 +193,12 @@ class Transact(Body, frozen=True, kw_only=True):
             values.append(guard.key)
         if scalars_refusal(values) is None:
             return
-        items = [(f"ops[{i}]", op) for i, op in enumerate(self.ops)] + [
-            (f"guards[{i}]", guard) for i, guard in enumerate(self.guards)
-        ]
-        for path, item in items:
-            field, row = ("row", item.row) if type(item) is WriteRequest else ("equals", getattr(item, "equals", {}))
-            for sub, value in [
-                ("key", getattr(item, "key", None)),
-                *((f"{field}.{c}", v) for c, v in (row or {}).items()),
-            ]:
-                if (refusal := scalars_refusal((value,))) is not None:
-                    raise _Refused(f"{path}.{sub}", refusal)
+        for field, items in (("ops", self.ops), ("guards", self.guards)):  # where the refused value is
+            for index, item in enumerate(items):
+                for name, value in msgspec.structs.asdict(item).items():
+                    for column, scalar in value.items() if type(value) is dict else [(None, value)]:
+                        if (refusal := scalars_refusal((scalar,))) is not None:
+                            raise _Refused(f"{field}[{index}].{name}" + (f".{column}" if column else ""), refusal)
 
 
 # fmt: off
@@ -230,10 +221,10 @@ _kind("query", ("sql", Sql), ("params", Params, []), ("page_rows", Integer | Non
 _kind("query_page", ("cursor", Name), ("page_rows", Integer | None, None))
 _kind("query_close", ("cursor", Name))  # the node frees the query's snapshot
 # a changefeed page (rlog.changes): changes after positions; a node has at most 1000 shards
-PageRecords = Annotated[int, Meta(ge=1, le=INTEGER_MAX)] | None
 Changes = _kind("changes", ("tables", Annotated[list[Name], Meta(max_length=1000)], []),
                 ("positions", Annotated[list[ChangesPosition], Meta(max_length=1000)], []),
-                ("page_records", PageRecords, None), ("wait_ms", WaitMs | None, None))
+                ("page_records", Annotated[int, Meta(ge=1, le=INTEGER_MAX)] | None, None),
+                ("wait_ms", WaitMs | None, None))
 _kind("read_index", SHARD, FORWARDED)  # the committed key, confirmed by the sequencer
 # operator: add or remove one core of a shard (core.membership)
 _kind("membership_change", SHARD, ("action", Literal["add", "remove"]), ("name", Name),
@@ -245,19 +236,17 @@ _kind("rlog_entries", SHARD, ("after", TxKey | None, None), LIMIT)
 # stop: the node finishes its loop turn, logs a shutdown line and exits; force_start: become sequencer
 for _empty in ("list_tables", "status", "stop", "journal", "force_start", "members"):
     _kind(_empty, body=Empty)
-# replication: a replicant's watch (watch_id: chosen by the replica; the answer and every push of its agent
-# repeat it), an agent's push (no entries: a heartbeat; watch: the answer to the watch, which it may
-# overtake), the replicant's push_ack; a bootstrap's batch of one table (bootstrap.serve)
+# replication: a replicant's watch (watch_id: the replica's, repeated by the answer and its agent's pushes), an
+# agent's push (no entries: a heartbeat; watch: the watch's answer, which it may overtake), the push_ack
 WATCH_ID = ("watch_id", Annotated[str, Meta(max_length=64)], "")
-PROTOCOL = ("protocol", Annotated[int, Meta(ge=0, le=2**31)])
 Watch = _kind("watch", SHARD, ("replicant", Name), ("endpoint", Endpoint), ("from_", TxKey, msgspec.field(name="from")),
-              ("from_digest", DigestOrEmpty), PROTOCOL, WATCH_ID)
+              ("from_digest", DigestOrEmpty), ("protocol", Annotated[int, Meta(ge=0, le=2**31)]), WATCH_ID)
 Entries = Annotated[list[WireEntry], Meta(max_length=4096)]
 Push = _kind("push", SHARD, ("agent", Name), ("core", Name), ("entries", Entries), ("committed", TxKey),
              ("hears_sequencer", bool), ("watch", _free(3), None))
 Rejected = Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX)] | None
 PushAck = _kind("push_ack", SHARD, ("agent", Name), ("applied", TxKey), ("rejected", Rejected, None))
-BytesMax = Annotated[int, Meta(ge=1, le=2**31)] | None
+BytesMax = Annotated[int, Meta(ge=1, le=2**31)] | None  # a bootstrap's batch of one table (bootstrap.serve)
 _kind("bootstrap_batch", TABLE, ("limit", Integer), ("after", Scalar, None), ("bytes_max", BytesMax, None))
 # sequencer -> a follower behind its trimmed log (core.snapshot), with the committed membership at key;
 # the cluster version is left out at 1, so that release 0.1.0 never sees it
@@ -293,8 +282,7 @@ def body_error(kind: str, error: msgspec.ValidationError | msgspec.DecodeError) 
 
 
 def decode_body(kind: str, body: Any) -> Body:
-    """``body`` as ``kind``'s type, checked: msgpack bytes, or a value to convert (a sender's own, that
-    msgpack cannot hold); raises ``MessageError``."""
+    """``body`` (msgpack bytes, or a value msgpack cannot hold) as ``kind``'s type; raises ``MessageError``."""
     schema = SCHEMAS.get(kind)
     if schema is None:
         raise MessageError("kind: is not a known message kind", "unknown_kind")
@@ -330,9 +318,8 @@ UNSORTED = "ops: write op columns must be sorted and unique"
 
 
 def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
-    """The ops of an entry's packed bytes, checked by the wire's rules and required to be their
-    canonical packing (``rlog.types.pack_ops``, which the digest covers): columns sorted and unique,
-    smallest integer forms, float64, text as str. Raises ``MessageError`` naming what is wrong."""
+    """The ops of an entry's packed bytes, checked by the wire's rules and required to be their canonical
+    packing (``rlog.types.pack_ops``, which the digest covers); raises ``MessageError`` naming what is wrong."""
     try:
         wire = _OPS_DECODER.decode(packed)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
@@ -389,8 +376,7 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
 
 
 def decode_entry(value: Any) -> types.Entry:
-    """The ``Entry`` of a checked ``WireEntry``, its ops decoded now (not on receipt: a push refused
-    anyway costs no per-row work). Raises ``MessageError``."""
+    """A ``WireEntry``'s ``Entry``, its ops decoded now (a push refused anyway costs no per-row work)."""
     return types.Entry(value.shard, value.tx_key, value.prev, value.digest, decode_ops(value.ops), value.request_id)
 
 
@@ -398,23 +384,12 @@ def decode_entries(values: list[Any]) -> tuple[types.Entry, ...]:
     return tuple(decode_entry(value) for value in values)
 
 
-def wire_entry(value: Any) -> Any:
-    """A ``WireEntry`` of a plain list (``entry_to_wire``), checked; raises ``MessageError``."""
-    try:
-        return msgspec.convert(value, WireEntry)
-    except msgspec.ValidationError as error:
-        raise body_error("entry", error) from None
+class Answer(Struct, frozen=True, kw_only=True):
+    """A reply's ``result`` as the node that asked reads it (``answer_as``): untrusted, None when malformed;
+    unknown fields allowed (a newer release may add some: an older one still reads what it knows)."""
 
 
-# -- answers: a reply's ``result`` as the node that asked reads it (``answer_as``) -----------------
-# Untrusted like any frame: converted to the answer's type, None when malformed. Unknown fields are
-# allowed: a newer release may add some, and an older one must still read what it knows.
-
-
-def _answer(name: str, *fields: Any) -> Any:
-    return msgspec.defstruct(name, fields, module=__name__, frozen=True, kw_only=True)
-
-
+_answer = functools.partial(_body, base=Answer)
 # fmt: off
 ReadIndexAnswer = _answer("ReadIndexAnswer", ("committed", TxKey))  # confirmed by the sequencer's quorum
 WatchAnswer = _answer("WatchAnswer", ("agent", Name), ("mode", Literal["resume", "bootstrap"]), ("start", TxKey),
