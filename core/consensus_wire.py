@@ -1,8 +1,7 @@
 """Peer messages of ``core.consensus`` on the wire (a ``peer`` frame's ``message``).
 
-A message is the array ``[CONSENSUS_WIRE_VERSION, kind, field...]``: the fields of the
-``core.consensus`` message in their order, each of the wire type its name has (``FIELD_TYPES``), checked
-by msgspec in C. Anything malformed raises ``rlog.codec.CodecError`` and nothing else (fuzzed).
+A message is the array ``[CONSENSUS_WIRE_VERSION, kind, field...]``: the message's fields in order, each
+of its name's wire type (``FIELD_TYPES``), checked by msgspec in C. Anything malformed raises ``CodecError``.
 """
 
 from __future__ import annotations
@@ -60,8 +59,7 @@ def message_to_wire(message: consensus.PeerMessage) -> list[Any]:
 
 
 def message_from_wire(value: Any) -> consensus.PeerMessage:
-    """Inverse of ``message_to_wire``: of its msgpack bytes (decoded once, by its kind's type) or of
-    the unpacked list; raises ``CodecError`` on anything else."""
+    """Inverse of ``message_to_wire``, of its msgpack bytes or the unpacked list; else raises ``CodecError``."""
     try:
         packed = value if isinstance(value, (bytes, bytearray, memoryview, msgspec.Raw)) else _ENCODER.encode(value)
         version, kind = msgspec.structs.astuple(_HEAD.decode(packed))

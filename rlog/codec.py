@@ -16,7 +16,6 @@ from mnesite.rlog import messages
 
 PROTOCOL_VERSION = 1
 FRAME_BYTES_MAX_DEFAULT = 4 * 1024 * 1024
-REQUEST_ID_CHARS_MAX = messages.REQUEST_ID_CHARS_MAX
 KINDS = messages.SCHEMAS
 
 
@@ -105,8 +104,8 @@ def check_header(kind: Any, request_id: Any) -> None:
         raise CodecError("message kind must be a string")
     if kind not in KINDS:
         raise CodecError(f"unknown message kind {kind!r:.40}", "unknown_kind")
-    if type(request_id) is not str or not 0 < len(request_id) <= REQUEST_ID_CHARS_MAX:
-        raise CodecError(f"request_id must be a string of 1..{REQUEST_ID_CHARS_MAX} characters")
+    if type(request_id) is not str or not 0 < len(request_id) <= messages.REQUEST_ID_CHARS_MAX:
+        raise CodecError(f"request_id must be a string of 1..{messages.REQUEST_ID_CHARS_MAX} characters")
 
 
 def reply(request_id: str, result: Any = None) -> Message:
