@@ -122,10 +122,13 @@ def _free(depth_max: int) -> Any:  # a free value, at most depth_max levels deep
     return _Checked(f"Free{depth_max}", (), {"refusal": staticmethod(lambda v: free_value_refusal(v, depth_max))})
 
 
+def _scalar_refusal(value: Any) -> str | None:  # scalars_refusal of one value, its common kinds without sets
+    plain = type(value) in _PLAIN or type(value) is int and value <= INTEGER_MAX
+    return None if plain else scalars_refusal((value,))
+
+
 _PLAIN = frozenset((type(None), bool, str, bytes))  # scalars SQLite stores whatever their value
-Scalar = _Checked(
-    "Scalar", (), {"refusal": staticmethod(lambda v: None if type(v) in _PLAIN else scalars_refusal((v,)))}
-)
+Scalar = _Checked("Scalar", (), {"refusal": staticmethod(_scalar_refusal)})  # one SQLite value
 
 # -- the bodies: (field, type[, default]) per field ----------------------------------------------
 
@@ -348,11 +351,14 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
             if type(op) is WriteRow:
                 row = dict(op.row)
                 columns = tuple(row)
-                if len(columns) != len(op.row) or columns not in column_lists and list(columns) != sorted(columns):
+                if columns not in column_lists:  # an entry's rows share a few column lists: each is checked once
+                    if list(columns) != sorted(columns):
+                        raise MessageError(UNSORTED)
+                    column_lists.add(columns)
+                    names.update(columns)
+                if len(columns) != len(op.row):  # a repeated column collapses in the dict
                     raise MessageError(UNSORTED)
-                column_lists.add(columns)
                 names.add(op.table)
-                names.update(columns)
                 values.extend(row.values())
                 op = WriteOp(op.table, row)
             elif type(op) is types.DeleteOp:
