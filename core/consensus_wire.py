@@ -1,13 +1,13 @@
 """Peer messages of ``core.consensus`` on the wire (a ``peer`` frame's ``message``).
 
-A message is the array ``[CONSENSUS_WIRE_VERSION, kind, field...]``: the fields of the
-``core.consensus`` message in their order, each of the wire type its name has (``FIELD_TYPES``), checked
-by msgspec in C. Anything malformed raises ``rlog.codec.CodecError`` and nothing else (fuzzed).
+A message is the array ``[CONSENSUS_WIRE_VERSION, kind, field...]``: the message's fields in order, each
+of its name's wire type (``FIELD_TYPES``), checked by msgspec in C. Anything malformed raises ``CodecError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -27,25 +27,25 @@ FIELD_TYPES: dict[str, Any] = {  # a consensus message's field -> its wire type
     "members": Annotated[tuple[Name, ...], Meta(min_length=1, max_length=consensus.MEMBERS_MAX)],
     "entries": Annotated[list[WireEntry], Meta(max_length=APPEND_ENTRIES_WIRE_MAX)],
 }
-MESSAGES = {"vote_request": consensus.VoteRequest, "vote_reply": consensus.VoteReply,
-            "pre_vote_request": consensus.PreVoteRequest, "pre_vote_reply": consensus.PreVoteReply,
-            "append_request": consensus.AppendRequest, "append_reply": consensus.AppendReply,
-            "exclusion_notice": consensus.ExclusionNotice}
 # fmt: on
-_HEAD = [("version", Literal[CONSENSUS_WIRE_VERSION]), ("kind", str)]
 
 
-def _wire_type(message: type) -> Any:
-    fields = _HEAD + [(field.name, FIELD_TYPES[field.name]) for field in dataclasses.fields(message)]
+def _wire_type(message: type) -> Any:  # the array [version, kind, field...] of a consensus message
+    fields = [(field.name, FIELD_TYPES[field.name]) for field in dataclasses.fields(message)]
+    fields = [("version", Literal[CONSENSUS_WIRE_VERSION]), ("kind", str), *fields]
     return msgspec.defstruct(
         f"{message.__name__}Wire", fields, array_like=True, frozen=True, forbid_unknown_fields=True
     )
 
 
-KINDS = {kind: (message, _wire_type(message)) for kind, message in MESSAGES.items()}  # kind -> (message, wire type)
+# kind (VoteRequest: vote_request) -> (message type, decoder of its wire type)
+KINDS = {
+    re.sub(r"(?<!^)(?=[A-Z])", "_", message.__name__).lower(): (message, msgspec.msgpack.Decoder(_wire_type(message)))
+    for message in consensus.PeerMessage.__args__
+}
 _KIND_OF = {message: kind for kind, (message, _) in KINDS.items()}
-_DECODERS = {kind: msgspec.msgpack.Decoder(wire_type) for kind, (_, wire_type) in KINDS.items()}
-_ANY_HEAD = msgspec.msgpack.Decoder(msgspec.defstruct("Head", [("version", Any), ("kind", Any)], array_like=True))
+_HEAD = msgspec.msgpack.Decoder(msgspec.defstruct("Head", [("version", Any), ("kind", Any)], array_like=True))
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 def message_to_wire(message: consensus.PeerMessage) -> list[Any]:
@@ -59,20 +59,19 @@ def message_to_wire(message: consensus.PeerMessage) -> list[Any]:
 
 
 def message_from_wire(value: Any) -> consensus.PeerMessage:
-    """Inverse of ``message_to_wire``: of its msgpack bytes (decoded once, by its kind's type) or of
-    the unpacked list; raises ``CodecError`` on anything else."""
-    packed = isinstance(value, (bytes, bytearray, memoryview, msgspec.Raw))
+    """Inverse of ``message_to_wire``, of its msgpack bytes or the unpacked list; else raises ``CodecError``."""
     try:
-        version, kind = msgspec.structs.astuple(_ANY_HEAD.decode(value)) if packed else (value[0], value[1])
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, UnicodeDecodeError, TypeError, LookupError):
+        packed = value if isinstance(value, (bytes, bytearray, memoryview, msgspec.Raw)) else _ENCODER.encode(value)
+        version, kind = msgspec.structs.astuple(_HEAD.decode(packed))
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, TypeError, OverflowError):
         raise CodecError("consensus message must be [version, kind, ...]") from None
     if version != CONSENSUS_WIRE_VERSION or type(version) is not int:
         raise CodecError(f"consensus wire version {version!r:.40} is not supported", "unsupported_version")
     if type(kind) is not str or kind not in KINDS:
         raise CodecError(f"unknown consensus message kind {kind!r:.40}", "unknown_kind")
-    message_type, wire_type = KINDS[kind]
+    message_type, decoder = KINDS[kind]
     try:
-        wire = _DECODERS[kind].decode(value) if packed else msgspec.convert(value, wire_type)
+        wire = decoder.decode(packed)
         fields = list(msgspec.structs.astuple(wire)[2:])
         if kind == "append_request":
             fields[5] = decode_entries(wire.entries)

@@ -429,7 +429,7 @@ class CoreNode(NodeServer):
         if not isinstance(endpoints, dict):
             return
         for name, endpoint in list(endpoints.items())[:MEMBERS_LEARNED_MAX]:
-            if not (messages.check_name(name) and messages.check_endpoint(endpoint)):
+            if not (messages.answer_as(name, messages.Name) and messages.answer_as(endpoint, messages.Endpoint)):
                 continue
             if name not in self.endpoints:
                 self._learn_endpoint(name, endpoint)

@@ -16,16 +16,10 @@ from mnesite.rlog import messages
 
 PROTOCOL_VERSION = 1
 FRAME_BYTES_MAX_DEFAULT = 4 * 1024 * 1024
-REQUEST_ID_CHARS_MAX = messages.REQUEST_ID_CHARS_MAX
 KINDS = messages.SCHEMAS
 
 
-class CodecError(ValueError):
-    """A frame could not be decoded. ``code`` is the error code to answer with."""
-
-    def __init__(self, message: str, code: str = "bad_frame") -> None:
-        super().__init__(message)
-        self.code = code
+CodecError = messages.MessageError  # a frame could not be decoded; ``code`` is the error code to answer with
 
 
 @dataclass(frozen=True)
@@ -37,11 +31,7 @@ class Message:
     body: Any = field(default_factory=dict)
 
 
-def _refuse_ext(code: int, data: memoryview) -> Any:
-    raise CodecError(f"msgpack extension type {code} is not allowed")
-
-
-_HEADER = msgspec.msgpack.Decoder(tuple[Any, Any, Any, msgspec.Raw], ext_hook=_refuse_ext)
+_HEADER = msgspec.msgpack.Decoder(tuple[Any, Any, Any, msgspec.Raw], ext_hook=messages.refuse_ext)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -52,19 +42,11 @@ def encode(message: Message, check: bool = False) -> bytes:
         body = _ENCODER.encode(message.body)
     except (TypeError, ValueError, OverflowError) as error:
         if check and message.kind in KINDS:  # an integer beyond 64 bits: the schema's checks name the field
-            try:
-                msgspec.convert(message.body, KINDS[message.kind].body).verify()
-            except msgspec.ValidationError as refusal:
-                raise CodecError(str(messages.body_error(message.kind, refusal))) from None
-            except messages.MessageError as refusal:
-                raise CodecError(f"{message.kind}.{refusal}", refusal.code) from None
+            messages.decode_body(message.kind, message.body)
         raise CodecError(f"cannot encode {message.kind}: {error}") from None
     if check:
         check_header(message.kind, message.request_id)
-        try:
-            messages.decode_body(message.kind, body)
-        except messages.MessageError as error:
-            raise CodecError(str(error), error.code) from None
+        messages.decode_body(message.kind, body)
     return _ENCODER.encode((PROTOCOL_VERSION, message.kind, message.request_id, msgspec.Raw(body)))
 
 
@@ -74,44 +56,47 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
         raise CodecError("frame must be bytes")
     if len(frame) > frame_bytes_max:
         raise CodecError(f"frame of {len(frame)} bytes exceeds frame_bytes_max {frame_bytes_max}", "frame_too_large")
+    deep = False
     try:
         version, kind, request_id, body = _HEADER.decode(frame)
-    except CodecError:
-        raise
     except msgspec.ValidationError:
         raise CodecError("frame must be [version, kind, request_id, body]") from None
     except msgspec.DecodeError as error:
         raise CodecError(f"malformed msgpack frame: {type(error).__name__}") from None
     except UnicodeDecodeError:  # msgspec raises it, not a DecodeError, for a string that is not UTF-8
         raise CodecError("malformed msgpack frame: a string is not UTF-8") from None
-    except RecursionError:  # a body deeper than msgspec's skip recursion: split off without recursion
-        version, kind, request_id, body = _split_deep_frame(frame)
+    except RecursionError:  # deeper than msgspec recurses: unpacked by msgpack (in C) to name the field
+        try:
+            version, kind, request_id, body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        except Exception as error:  # garbage, or not 4 items (msgpack raises many types): all the same here
+            raise CodecError(f"malformed msgpack frame: {type(error).__name__}") from None
+        deep = True
     if type(version) is not int:
         raise CodecError("protocol version must be an integer")
     if version != PROTOCOL_VERSION:
         message = f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})"
         raise CodecError(message, "unsupported_version")
     check_header(kind, request_id)
-    try:
-        return Message(kind, request_id, messages.decode_body(kind, body))
-    except messages.MessageError as error:
-        raise CodecError(str(error), error.code) from None
+    if deep:
+        raise CodecError(f"{_deep_path(kind, body)}: is nested deeper than the decoder allows")
+    return Message(kind, request_id, messages.decode_body(kind, body))
 
 
-def _split_deep_frame(frame: bytes | bytearray | memoryview) -> tuple[Any, Any, Any, memoryview]:
-    """The header read by msgpack's streaming unpacker (scalars, or refused), the body left as bytes
-    so that its refusal can still name the field too deep."""
-    unpacker = msgpack.Unpacker(raw=False, ext_hook=_refuse_ext, max_buffer_size=len(frame))
-    unpacker.feed(frame)
-    try:
-        if unpacker.read_array_header() != 4:
-            raise CodecError("frame must be [version, kind, request_id, body]")
-        header = tuple(unpacker.unpack() for _ in range(3))
-    except CodecError:
-        raise
-    except Exception as error:  # msgpack raises many types for garbage; all mean the same here.
-        raise CodecError(f"malformed msgpack frame: {type(error).__name__}") from None
-    return (*header, memoryview(frame)[unpacker.tell() :])
+def _deep_path(kind: str, body: Any) -> str:
+    """The path of the field nested deeper than a free value may be, walked with an explicit stack;
+    indices only between fields (``ops[0].key``)."""
+    stack: list[tuple[Any, str, int]] = [(body, kind, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > messages.FREE_VALUE_DEPTH_MAX:
+            return path
+        if isinstance(value, dict):
+            stack.extend((item, f"{path}.{str(key)[:64]}", depth + 1) for key, item in value.items())
+        elif isinstance(value, list):
+            stack.extend(
+                (item, f"{path}[{i}]" if type(item) is dict else path, depth + 1) for i, item in enumerate(value)
+            )
+    return kind
 
 
 def check_header(kind: Any, request_id: Any) -> None:
@@ -119,8 +104,8 @@ def check_header(kind: Any, request_id: Any) -> None:
         raise CodecError("message kind must be a string")
     if kind not in KINDS:
         raise CodecError(f"unknown message kind {kind!r:.40}", "unknown_kind")
-    if type(request_id) is not str or not 0 < len(request_id) <= REQUEST_ID_CHARS_MAX:
-        raise CodecError(f"request_id must be a string of 1..{REQUEST_ID_CHARS_MAX} characters")
+    if type(request_id) is not str or not 0 < len(request_id) <= messages.REQUEST_ID_CHARS_MAX:
+        raise CodecError(f"request_id must be a string of 1..{messages.REQUEST_ID_CHARS_MAX} characters")
 
 
 def reply(request_id: str, result: Any = None) -> Message:

@@ -1,56 +1,51 @@
 """The wire schema: one frozen msgspec ``Struct`` per message kind (``SCHEMAS``), decoded once.
 
 Every byte from a socket is untrusted. msgspec decodes a body straight into its kind's type, checking
-each declared type, range, length and pattern in C; ``verify`` checks what it cannot declare (SQLite
-values: no union of str and bytes; free values: walked without recursion). Entries carry their ops
-packed, decoded by ``decode_ops`` when wanted. A refusal (``MessageError``) names the field path,
-never the value. Rules against the receiver's state live in the state machines; roles in ``rlog.roles``.
+each declared type, range, length and pattern in C. What it cannot declare has a type checked by the
+decoders' ``dec_hook``: ``Scalar`` (one SQLite value: msgspec allows no union of str and bytes) and
+``_free`` (bounded depth); a transaction's values are checked at once (``Transact``). Entries carry
+their ops packed, decoded by ``decode_ops`` when wanted. A refusal (``MessageError``) names the field
+path, never the value. Rules against the receiver's state live in the state machines.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import operator
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-import msgpack
 import msgspec
 from mnesite.rlog import types
-from mnesite.rlog.types import NAME_CHARS_MAX, NAME_PATTERN, DeleteOp, MembersOp, Name, TxKey, WriteOp, WriteRow
+from mnesite.rlog.types import ENDPOINT_PATTERN, NAME_CHARS_MAX, NAME_PATTERN, Name, TxKey, WriteOp, WriteRow
 from msgspec import Meta, Struct
 
 INTEGER_MIN, INTEGER_MAX = -(2**63), 2**63 - 1  # SQLite's INTEGER
 REQUEST_ID_CHARS_MAX, MESSAGE_CHARS_MAX, RANGES_MAX, BACKUP_PATH_CHARS_MAX = 64, 4096, 10_000, 1024
 FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
-FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a frame_bytes_max frame can hold
+FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a default frame_bytes_max frame can hold
 QUERY_SQL_CHARS_MAX, QUERY_PARAMS_MAX = 100_000, 999
-# tcp://host:port (a host name, IPv4 or bracketed IPv6 address); ipc:// for tests.
-ENDPOINT_PATTERN = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://[A-Za-z0-9_./\-]+)$"
 BACKUP_PATH_PATTERN = r"^/[A-Za-z0-9_./\-]*$"  # absolute, plain characters (rlog.backup checks it again)
-_NAME, _ENDPOINT = re.compile(NAME_PATTERN), re.compile(ENDPOINT_PATTERN)
+_NAME = re.compile(NAME_PATTERN)
 
 Endpoint = Annotated[str, Meta(min_length=1, max_length=types.ENDPOINT_CHARS_MAX, pattern=ENDPOINT_PATTERN)]
-AgentId = Annotated[str, Meta(min_length=1, max_length=64, pattern=NAME_PATTERN)]
 Digest = Annotated[bytes, Meta(min_length=types.DIGEST_BYTES, max_length=types.DIGEST_BYTES)]
 DigestOrEmpty = Annotated[bytes, Meta(max_length=types.DIGEST_BYTES)]
 Integer = Annotated[int, Meta(ge=INTEGER_MIN, le=INTEGER_MAX)]
 NonNegative = Annotated[int, Meta(ge=0, le=INTEGER_MAX)]
 Consistency = Literal["local", "read-your-writes", "linearizable"]
 WaitMs = Annotated[int, Meta(ge=0, le=600_000)]
-WatchId = Annotated[str, Meta(max_length=64)]
-Scalar = Any  # one SQLite value, checked by its body's ``verify``
 Row = Annotated[dict[Name, Any], Meta(max_length=1000)]
 NOT_UTF8 = "holds a string that is not UTF-8"
 
 
 class MessageError(ValueError):
-    """A message's contents do not fit its kind's schema. ``code`` is the error code to answer with."""
+    """A frame or body that does not fit the wire (``codec.CodecError``); ``code``: the error to answer."""
 
-    def __init__(self, path: str, expected: str, code: str = "bad_request") -> None:
-        super().__init__(f"{path}: {expected}")
-        self.path = path
+    def __init__(self, message: str, code: str = "bad_frame") -> None:
+        super().__init__(message)
         self.code = code
 
 
@@ -90,11 +85,6 @@ def scalars_refusal(values: Any) -> str | None:
     return None
 
 
-def _require_scalars(values: Any, path: str) -> None:
-    if (refusal := scalars_refusal(values)) is not None:
-        raise MessageError(path, refusal)
-
-
 def free_value_refusal(value: Any, depth_max: int, items_max: int = FREE_VALUE_ITEMS_MAX) -> str | None:
     """None if ``value`` is a plain wire value at most ``depth_max`` deep and ``items_max`` items. Walked
     with an explicit stack; containers of scalars, and lists of such rows, are counted at C speed."""
@@ -131,43 +121,55 @@ def _flat_rows(values: list[Any]) -> bool:
     return all(map(scalar, map(type, chain(values)))) and all(map(scalar, map(type, chain(map(dict.values, values)))))
 
 
+class _Checked(type):
+    """A field type msgspec decodes as any msgpack value, then hands to ``_check`` (the decoders' dec_hook)
+    with the value to refuse; msgspec then asks if the value is an instance, which what passed is."""
+
+    def __instancecheck__(cls, value: Any) -> bool:
+        return True
+
+
+def _check(field_type: Any, value: Any) -> Any:  # a ValueError: msgspec refuses the body, naming the path
+    if (refusal := field_type.refusal(value)) is not None:
+        raise ValueError(refusal)
+    return value
+
+
+def _free(depth_max: int) -> Any:  # a free value, at most depth_max levels deep
+    return _Checked(f"Free{depth_max}", (), {"refusal": staticmethod(lambda v: free_value_refusal(v, depth_max))})
+
+
+def _scalar_refusal(value: Any) -> str | None:  # scalars_refusal of one value, its common kinds without sets
+    plain = type(value) in _PLAIN or type(value) is int and value <= INTEGER_MAX
+    return None if plain else scalars_refusal((value,))
+
+
+_PLAIN = frozenset((type(None), bool, str, bytes))  # scalars SQLite stores whatever their value
+Scalar = _Checked("Scalar", (), {"refusal": staticmethod(_scalar_refusal)})  # one SQLite value
+
 # -- the bodies: (field, type[, default]) per field ----------------------------------------------
 
 
 class Body(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     """A message body: a msgpack map with exactly the declared fields."""
 
-    _scalars: ClassVar[tuple[str, ...]] = ()  # fields holding one SQLite value
-    _free: ClassVar[tuple[tuple[str, int], ...]] = ()  # fields holding a free value, and its depth_max
-
-    def verify(self) -> None:
-        """Raise ``MessageError`` naming the field if a value msgspec let through is not allowed."""
-        for name in self._scalars:
-            _require_scalars((getattr(self, name),), name)
-        for name, depth_max in self._free:
-            if (value := getattr(self, name)) is not None and (refusal := free_value_refusal(value, depth_max)):
-                raise MessageError(name, refusal)
-
 
 KindSchema = collections.namedtuple("KindSchema", "body decoder")  # a kind's body type and its decoder
 SCHEMAS: dict[str, KindSchema] = {}
 
 
-def _refuse_ext(code: int, data: memoryview) -> Any:
-    raise MessageError("", f"msgpack extension type {code} is not allowed", "bad_frame")
+def refuse_ext(code: int, data: memoryview) -> Any:
+    raise MessageError(f"msgpack extension type {code} is not allowed")
 
 
-def _body(
-    name: str, *fields: Any, base: Any = Body, scalars: Any = (), free: Any = None, verify: Any = None, **options
-):
-    namespace = {"_scalars": scalars, "_free": tuple((free or {}).items())} | ({"verify": verify} if verify else {})
-    return msgspec.defstruct(name, fields, bases=(base,), module=__name__, namespace=namespace, kw_only=True, **options)
+def _body(name: str, *fields: Any, base: Any = Body, **options: Any) -> Any:
+    return msgspec.defstruct(name, fields, bases=(base,), module=__name__, kw_only=True, **options)
 
 
 def _kind(kind: str, *fields: Any, body: Any = None, **options: Any) -> Any:
     """Declare ``kind`` in ``SCHEMAS``: its body type is ``body`` or one of ``fields`` (``_body``)."""
     body = body or _body(kind.title().replace("_", ""), *fields, **options)
-    SCHEMAS[kind] = KindSchema(body, msgspec.msgpack.Decoder(body, ext_hook=_refuse_ext))
+    SCHEMAS[kind] = KindSchema(body, msgspec.msgpack.Decoder(body, ext_hook=refuse_ext, dec_hook=_check))
     return body
 
 
@@ -179,13 +181,13 @@ Empty = _body("Empty")
 ReadOptions = _body("ReadOptions", ("consistency", Consistency, "local"), ("min_key", TxKey | None, None),
                     ("wait_ms", WaitMs | None, None), FORWARDED)  # every read's (README, consistency levels)
 WriteRequest = _body("WriteRequest", TABLE, ("row", Row), tag_field="op", tag="write")
-DeleteRequest = _body("DeleteRequest", TABLE, ("key", Scalar), tag_field="op", tag="delete")
+DeleteRequest = _body("DeleteRequest", TABLE, ("key", Any), tag_field="op", tag="delete")
 # etcd-style compare: the row at key equals ``equals``, or is absent when it is null
-Guard = _body("Guard", TABLE, ("key", Scalar), ("equals", Row | None, None))
+Guard = _body("Guard", TABLE, ("key", Any), ("equals", Row | None, None))
 # where one shard of a changefeed stands (rlog.changes): the client keeps it and sends it back
 PHASE = ("phase", Literal["live", "copy", "replay"], "live")
 ChangesPosition = _body("ChangesPosition", SHARD, ("after", TxKey), PHASE, ("table", Name | None, None),
-                        ("table_after", Scalar, None), ("replay_to", TxKey | None, None), scalars=("table_after",))
+                        ("table_after", Scalar, None), ("replay_to", TxKey | None, None))
 RequestId = Annotated[str, Meta(min_length=1, max_length=REQUEST_ID_CHARS_MAX)] | None
 WireEntry = msgspec.defstruct(  # an entry (rlog.types.entry_to_wire), its ops still packed
     "WireEntry", (SHARD, ("tx_key", TxKey), ("prev", TxKey), ("digest", Digest), ("ops", bytes),
@@ -193,40 +195,30 @@ WireEntry = msgspec.defstruct(  # an entry (rlog.types.entry_to_wire), its ops s
 # fmt: on
 
 
+class _Refused(Exception):
+    """A value ``Transact`` refuses: not a ValueError, so that msgspec lets it through with its path."""
+
+
 class Transact(Body, frozen=True, kw_only=True):
     ops: Annotated[list[WriteRequest | DeleteRequest], Meta(max_length=types.OPS_MAX)]
     guards: Annotated[list[Guard], Meta(max_length=types.OPS_MAX)] = []
     forwarded: bool = False
 
-    def verify(self) -> None:
-        # Every value of every op and guard in one set-based check; the paths are found on refusal.
+    def __post_init__(self) -> None:  # msgspec calls it once decoded: all values of all ops and guards at once
         values: list[Any] = []
         for op in self.ops:
             values.extend(op.row.values()) if type(op) is WriteRequest else values.append(op.key)
         for guard in self.guards:
+            values.extend(guard.equals.values()) if guard.equals else None
             values.append(guard.key)
-            values.extend((guard.equals or {}).values())
-        if scalars_refusal(values) is not None:
-            for index, op in enumerate(self.ops):
-                for column, value in op.row.items() if type(op) is WriteRequest else ():
-                    _require_scalars((value,), f"ops[{index}].row.{column}")
-                if type(op) is DeleteRequest:
-                    _require_scalars((op.key,), f"ops[{index}].key")
-            for index, guard in enumerate(self.guards):
-                _require_scalars((guard.key,), f"guards[{index}].key")
-                for column, value in (guard.equals or {}).items():
-                    _require_scalars((value,), f"guards[{index}].equals.{column}")
-
-
-class Changes(Body, frozen=True, kw_only=True):  # a changefeed page (rlog.changes): changes after positions
-    tables: Annotated[list[Name], Meta(max_length=1000)] = []
-    positions: Annotated[list[ChangesPosition], Meta(max_length=1000)] = []  # a node has at most 1000 shards
-    page_records: Annotated[int, Meta(ge=1, le=INTEGER_MAX)] | None = None
-    wait_ms: WaitMs | None = None
-
-    def verify(self) -> None:
-        for index, position in enumerate(self.positions):
-            _require_scalars((position.table_after,), f"positions[{index}].table_after")
+        if scalars_refusal(values) is None:
+            return
+        for field, items in (("ops", self.ops), ("guards", self.guards)):  # where the refused value is
+            for index, item in enumerate(items):
+                for name, value in msgspec.structs.asdict(item).items():
+                    for column, scalar in value.items() if type(value) is dict else [(None, value)]:
+                        if (refusal := scalars_refusal((scalar,))) is not None:
+                            raise _Refused(f"{field}[{index}].{name}" + (f".{column}" if column else ""), refusal)
 
 
 # fmt: off
@@ -239,18 +231,20 @@ IndexColumns = Annotated[list[Name], Meta(min_length=1, max_length=types.INDEX_C
 _kind("create_index", ("index", Name), TABLE, ("columns", IndexColumns), FORWARDED)
 _kind("drop_index", ("index", Name), FORWARDED)
 _kind("add_column", TABLE, ("column", Name), ("type", types.ColumnType), FORWARDED)
-_kind("get", TABLE, ("key", Scalar), base=ReadOptions, scalars=("key",))
-_kind("scan", TABLE, ("after", Scalar, None), LIMIT, base=ReadOptions, scalars=("after",))
+_kind("get", TABLE, ("key", Scalar), base=ReadOptions)
+_kind("scan", TABLE, ("after", Scalar, None), LIMIT, base=ReadOptions)
 _kind("count", TABLE, base=ReadOptions)
 # read-only SQL (rlog.query): the first page of a statement's rows, then the next pages by cursor
 Sql = Annotated[str, Meta(min_length=1, max_length=QUERY_SQL_CHARS_MAX)]
-Params = Annotated[list[Any], Meta(max_length=QUERY_PARAMS_MAX)]
-_kind("query", ("sql", Sql), ("params", Params, []), ("page_rows", Integer | None, None), base=ReadOptions,
-      verify=lambda self: _require_scalars(self.params, "params"))
-QueryCursor = Annotated[str, Meta(min_length=1, max_length=64, pattern=NAME_PATTERN)]
-_kind("query_page", ("cursor", QueryCursor), ("page_rows", Integer | None, None))
-_kind("query_close", ("cursor", QueryCursor))  # the node frees the query's snapshot
-_kind("changes", body=Changes)
+Params = Annotated[list[Scalar], Meta(max_length=QUERY_PARAMS_MAX)]
+_kind("query", ("sql", Sql), ("params", Params, []), ("page_rows", Integer | None, None), base=ReadOptions)
+_kind("query_page", ("cursor", Name), ("page_rows", Integer | None, None))
+_kind("query_close", ("cursor", Name))  # the node frees the query's snapshot
+# a changefeed page (rlog.changes): changes after positions; a node has at most 1000 shards
+Changes = _kind("changes", ("tables", Annotated[list[Name], Meta(max_length=1000)], []),
+                ("positions", Annotated[list[ChangesPosition], Meta(max_length=1000)], []),
+                ("page_records", Annotated[int, Meta(ge=1, le=INTEGER_MAX)] | None, None),
+                ("wait_ms", WaitMs | None, None))
 _kind("read_index", SHARD, FORWARDED)  # the committed key, confirmed by the sequencer
 # operator: add or remove one core of a shard (core.membership)
 _kind("membership_change", SHARD, ("action", Literal["add", "remove"]), ("name", Name),
@@ -262,20 +256,18 @@ _kind("rlog_entries", SHARD, ("after", TxKey | None, None), LIMIT)
 # stop: the node finishes its loop turn, logs a shutdown line and exits; force_start: become sequencer
 for _empty in ("list_tables", "status", "stop", "journal", "force_start", "members"):
     _kind(_empty, body=Empty)
-# replication: a replicant's watch (watch_id: chosen by the replica; the answer and every push of its agent
-# repeat it), an agent's push (no entries: a heartbeat; watch: the answer to the watch, which it may
-# overtake), the replicant's push_ack; a bootstrap's batch of one table (bootstrap.serve)
-WATCH_ID, PROTOCOL = ("watch_id", WatchId, ""), ("protocol", Annotated[int, Meta(ge=0, le=2**31)])
+# replication: a replicant's watch (watch_id: the replica's, repeated by the answer and its agent's pushes), an
+# agent's push (no entries: a heartbeat; watch: the watch's answer, which it may overtake), the push_ack
+WATCH_ID = ("watch_id", Annotated[str, Meta(max_length=64)], "")
 Watch = _kind("watch", SHARD, ("replicant", Name), ("endpoint", Endpoint), ("from_", TxKey, msgspec.field(name="from")),
-              ("from_digest", DigestOrEmpty), PROTOCOL, WATCH_ID)
+              ("from_digest", DigestOrEmpty), ("protocol", Annotated[int, Meta(ge=0, le=2**31)]), WATCH_ID)
 Entries = Annotated[list[WireEntry], Meta(max_length=4096)]
-Push = _kind("push", SHARD, ("agent", AgentId), ("core", Name), ("entries", Entries), ("committed", TxKey),
-             ("hears_sequencer", bool), ("watch", Any, None), free={"watch": 3})
+Push = _kind("push", SHARD, ("agent", Name), ("core", Name), ("entries", Entries), ("committed", TxKey),
+             ("hears_sequencer", bool), ("watch", _free(3), None))
 Rejected = Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX)] | None
-PushAck = _kind("push_ack", SHARD, ("agent", AgentId), ("applied", TxKey), ("rejected", Rejected, None))
-BytesMax = Annotated[int, Meta(ge=1, le=2**31)] | None
-_kind("bootstrap_batch", TABLE, ("limit", Integer), ("after", Scalar, None), ("bytes_max", BytesMax, None),
-      scalars=("after",))
+PushAck = _kind("push_ack", SHARD, ("agent", Name), ("applied", TxKey), ("rejected", Rejected, None))
+BytesMax = Annotated[int, Meta(ge=1, le=2**31)] | None  # a bootstrap's batch of one table (bootstrap.serve)
+_kind("bootstrap_batch", TABLE, ("limit", Integer), ("after", Scalar, None), ("bytes_max", BytesMax, None))
 # sequencer -> a follower behind its trimmed log (core.snapshot), with the committed membership at key;
 # the cluster version is left out at 1, so that release 0.1.0 never sees it
 Members = Annotated[list[Name], Meta(max_length=types.MEMBERS_OP_MAX)]
@@ -285,15 +277,16 @@ SnapshotOffer = _kind("snapshot_offer", SHARD, SENDER, ("generation", NonNegativ
 # between cores: one consensus message, decoded once by its kind's type (core.consensus_wire)
 _kind("peer", SHARD, SENDER, ("message", msgspec.Raw))
 # range requests (rlog.range_requests)
-Ranges = Annotated[list[Any], Meta(min_length=1, max_length=RANGES_MAX)]
+Ranges = Annotated[list[_free(2)], Meta(min_length=1, max_length=RANGES_MAX)]
 _kind("range_digest", TABLE, ("ranges", Ranges), ("split_parts", Integer | None, None),
-      ("split_rows_min", Integer | None, None), free={"ranges": 3})
-_kind("key_boundaries", TABLE, ("parts", Integer), *RANGE, scalars=("low", "high"))
-_kind("row_digests", TABLE, *RANGE, LIMIT, scalars=("low", "high"))
+      ("split_rows_min", Integer | None, None))
+_kind("key_boundaries", TABLE, ("parts", Integer), *RANGE)
+_kind("row_digests", TABLE, *RANGE, LIMIT)
 # replies
-Reply = _kind("reply", ("result", Any, None), free={"result": FREE_VALUE_DEPTH_MAX})
+FreeValue = _free(FREE_VALUE_DEPTH_MAX)
+Reply = _kind("reply", ("result", FreeValue, None))
 Code, Text = Annotated[str, Meta(min_length=1, max_length=64)], Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX * 4)]
-Error = _kind("error", ("code", Code), ("message", Text), ("detail", Any, None), free={"detail": FREE_VALUE_DEPTH_MAX})
+Error = _kind("error", ("code", Code), ("message", Text), ("detail", FreeValue, None))
 # fmt: on
 
 
@@ -301,52 +294,32 @@ def body_error(kind: str, error: msgspec.ValidationError | msgspec.DecodeError) 
     """msgspec's refusal, its ``$`` path replaced by the kind: ``bad_frame`` for a wrong type or a
     missing or unknown field, ``bad_request`` for a value out of its range, length or choices."""
     if not isinstance(error, msgspec.ValidationError):  # a DecodeError that is not a ValidationError
-        return MessageError(kind, "malformed msgpack body", "bad_frame")
+        return MessageError(f"{kind}: malformed msgpack body")
     message, _, path = str(error).partition(" - at `$")
     shape = message.startswith(("Object missing required field", "Object contains unknown field"))
     shape = shape or (message.startswith("Expected `") and ", got `" in message)
-    return MessageError(kind + path.rstrip("`"), message[:300], "bad_frame" if shape else "bad_request")
+    return MessageError(f"{kind}{path.rstrip('`')}: {message[:300]}", "bad_frame" if shape else "bad_request")
 
 
-def decode_body(kind: str, body: bytes | memoryview) -> Body:
-    """Decode and check ``body`` (msgpack bytes) as ``kind``'s type; raises ``MessageError``."""
+def decode_body(kind: str, body: Any) -> Body:
+    """``body`` (msgpack bytes, or a value msgpack cannot hold) as ``kind``'s type; raises ``MessageError``."""
     schema = SCHEMAS.get(kind)
     if schema is None:
-        raise MessageError("kind", "is not a known message kind", "unknown_kind")
+        raise MessageError("kind: is not a known message kind", "unknown_kind")
     try:
-        value: Body = schema.decoder.decode(body)
-        value.verify()
+        if isinstance(body, (bytes, memoryview, msgspec.Raw)):
+            return schema.decoder.decode(body)
+        return msgspec.convert(body, schema.body, dec_hook=_check)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error(kind, error) from None
+    except _Refused as error:
+        raise MessageError(f"{kind}.{error.args[0]}: {error.args[1]}", "bad_request") from None
     except UnicodeDecodeError:  # msgspec raises it, not a DecodeError, for a string that is not UTF-8
-        raise MessageError(kind, NOT_UTF8, "bad_frame") from None
-    except RecursionError:
-        raise MessageError(_deep_field(kind, body), "is nested deeper than the decoder allows", "bad_frame") from None
-    except MessageError as error:
-        path = f"{kind}.{error.path}" if error.path else kind
-        raise MessageError(path, str(error).partition(": ")[2], error.code) from None
-    return value
-
-
-def _deep_field(kind: str, body: bytes | memoryview) -> str:
-    """The path of the field too deep for msgspec (an error path only), found by msgpack (which does
-    not recurse in Python) and an explicit stack; indices only between fields (``ops[0].key``)."""
-    try:
-        value = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=lambda code, data: None)
-    except Exception:  # garbage beside the depth: the kind is all that can be named
-        return kind
-    stack: list[tuple[Any, str, int]] = [(value, kind, 0)]
-    while stack:
-        current, path, depth = stack.pop()
-        if depth > FREE_VALUE_DEPTH_MAX:
-            return path
-        if isinstance(current, dict):
-            stack.extend((item, f"{path}.{str(key)[:NAME_CHARS_MAX]}", depth + 1) for key, item in current.items())
-        elif isinstance(current, list):
-            stack.extend(
-                (item, f"{path}[{i}]" if type(item) is dict else path, depth + 1) for i, item in enumerate(current)
-            )
-    return kind
+        raise MessageError(f"{kind}: {NOT_UTF8}") from None
+    except RecursionError:  # codec.decode names the field of a frame this deep
+        raise MessageError(f"{kind}: is nested deeper than the decoder allows") from None
+    except MessageError as error:  # an extension type
+        raise MessageError(f"{kind}: {error}") from None
 
 
 def typed_body(kind: str, fields: dict[str, Any]) -> Body:
@@ -354,115 +327,89 @@ def typed_body(kind: str, fields: dict[str, Any]) -> Body:
     return decode_body(kind, _ENCODER.encode(fields))
 
 
-def check_name(value: Any) -> bool:
-    return type(value) is str and 0 < len(value) <= NAME_CHARS_MAX and _NAME.match(value) is not None
-
-
-def check_endpoint(value: Any) -> bool:
-    return type(value) is str and 0 < len(value) <= types.ENDPOINT_CHARS_MAX and _ENDPOINT.match(value) is not None
-
-
 # -- entries: packed ops decoded once the receiver wants them --------------------------------------
 
 _NAMES_CHECKED: set[str] = set()  # names found valid, bounded (each at most NAME_CHARS_MAX characters)
 _OPS = Annotated[list[types.WireOp], Meta(max_length=types.OPS_MAX)]
-_OPS_DECODER = msgspec.msgpack.Decoder(_OPS, ext_hook=_refuse_ext)
+_OPS_DECODER = msgspec.msgpack.Decoder(_OPS, ext_hook=refuse_ext)
 _ENCODER = msgspec.msgpack.Encoder()
-_ROW_PAIRS_OF = operator.attrgetter("row")
-_TABLE_OF = operator.attrgetter("table")
-_KEY_OF = operator.attrgetter("key")
+_ROW_PAIRS_OF, _TABLE_OF, _KEY_OF = operator.attrgetter("row"), operator.attrgetter("table"), operator.attrgetter("key")
+UNSORTED = "ops: write op columns must be sorted and unique"
 
 
 def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
-    """The ops of an entry's packed bytes, checked by the wire's rules and required to be their
-    canonical packing (``rlog.types.pack_ops``, which the digest covers): columns sorted and unique,
-    smallest integer forms, float64, text as str. Raises ``MessageError`` naming what is wrong."""
+    """The ops of an entry's packed bytes, checked by the wire's rules and required to be their canonical
+    packing (``rlog.types.pack_ops``, which the digest covers); raises ``MessageError`` naming what is wrong."""
     try:
         wire = _OPS_DECODER.decode(packed)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error("ops", error) from None
     except UnicodeDecodeError:
-        raise MessageError("ops", NOT_UTF8) from None
+        raise MessageError(f"ops: {NOT_UTF8}") from None
     except RecursionError:
-        raise MessageError("ops", "are nested too deep") from None
-    values: Any
-    names: set[str]
-    ops: Any
-    # A few ops go faster through the loop below than through the C loops' setup.
-    kinds = set(map(type, wire)) if len(wire) >= 8 else None
+        raise MessageError("ops: are nested too deep") from None
+    names: set[str] = set()
+    kinds = set(map(type, wire)) if len(wire) >= 8 else None  # a few ops go faster through the loop below
     if len(wire) == 1 and type(wire[0]) is WriteRow:
         # The commonest entry, one written row (a follower decodes one per write): the loop's steps
         # below for that row, without its bookkeeping.
         op = wire[0]
         row = dict(op.row)
         if len(row) != len(op.row) or list(row) != sorted(row):
-            raise MessageError("ops", "write op columns must be sorted and unique")
+            raise MessageError(UNSORTED)
         names = {op.table, *row}
-        values = list(row.values())
-        ops = (WriteOp(op.table, row),)
-    elif kinds == {WriteRow}:
-        # The common entry, only writes: every per-row step is one C loop over the rows (``map``),
-        # about half the cost of a Python loop per row (benchmarks/PROFILE.md, replicant apply).
+        values: Any = list(row.values())
+        ops: Any = (WriteOp(op.table, row),)
+    elif kinds == {WriteRow}:  # the common large entry: each per-row step is one C loop over the rows
         pair_lists = list(map(_ROW_PAIRS_OF, wire))
         rows = list(map(dict, pair_lists))
+        column_lists = set(map(tuple, rows))  # an entry's rows share a few: each is checked once
         # A repeated column collapses in the dict: its row is shorter than its pairs.
-        if list(map(len, rows)) != list(map(len, pair_lists)):
-            raise MessageError("ops", "write op columns must be sorted and unique")
-        names = set(map(_TABLE_OF, wire))
-        for columns in set(map(tuple, rows)):  # an entry's rows share a few: each is checked once
-            if list(columns) != sorted(columns):
-                raise MessageError("ops", "write op columns must be sorted and unique")
-            names.update(columns)
+        if list(map(len, rows)) != list(map(len, pair_lists)) or any(list(c) != sorted(c) for c in column_lists):
+            raise MessageError(UNSORTED)
+        names.update(map(_TABLE_OF, wire), *column_lists)
         values = list(itertools.chain.from_iterable(map(dict.values, rows)))
-        ops = map(WriteOp, map(_TABLE_OF, wire), rows)
-    elif kinds == {DeleteOp}:
-        names = set(map(_TABLE_OF, wire))
-        values = list(map(_KEY_OF, wire))
-        ops = wire
+        ops = tuple(map(WriteOp, map(_TABLE_OF, wire), rows))
+    elif kinds == {types.DeleteOp}:
+        names, values, ops = set(map(_TABLE_OF, wire)), list(map(_KEY_OF, wire)), tuple(wire)
     else:
-        values, names, ops = [], set(), []
-        column_lists: set[tuple[str, ...]] = set()  # an entry's rows share a few: each is checked once
+        values, ops, column_lists = [], [], set()
         for op in wire:
             if type(op) is WriteRow:
                 row = dict(op.row)
                 columns = tuple(row)
-                if columns not in column_lists:
-                    if len(columns) != len(op.row) or list(columns) != sorted(columns):
-                        raise MessageError("ops", "write op columns must be sorted and unique")
+                if columns not in column_lists:  # an entry's rows share a few column lists: each is checked once
+                    if list(columns) != sorted(columns):
+                        raise MessageError(UNSORTED)
                     column_lists.add(columns)
                     names.update(columns)
-                elif len(columns) != len(op.row):
-                    raise MessageError("ops", "write op columns must be sorted and unique")
+                if len(columns) != len(op.row):  # a repeated column collapses in the dict
+                    raise MessageError(UNSORTED)
                 names.add(op.table)
                 values.extend(row.values())
                 op = WriteOp(op.table, row)
-            elif type(op) is DeleteOp:
+            elif type(op) is types.DeleteOp:
                 names.add(op.table)
                 values.append(op.key)
-            elif (
-                type(op) is MembersOp
-                and (op.added or op.endpoint)
-                and not (_NAME.match(op.added) and _ENDPOINT.match(op.endpoint))
-            ):
-                raise MessageError("ops", "members op: added must be a name and endpoint an endpoint, or both empty")
+            elif type(op) is types.MembersOp and bool(op.added) != bool(op.endpoint):
+                raise MessageError("ops: members op: added and endpoint must be both set or both empty")
             ops.append(op)
+        ops = tuple(ops)
     for name in () if _NAMES_CHECKED.issuperset(names) else names - _NAMES_CHECKED:  # each distinct name once
         if not _NAME.match(name):
-            raise MessageError("ops", f"name {name[:NAME_CHARS_MAX]!r} has characters that are not allowed")
+            raise MessageError(f"ops: name {name[:NAME_CHARS_MAX]!r} has characters that are not allowed")
         if len(_NAMES_CHECKED) < 4096:
             _NAMES_CHECKED.add(name)
     if (refusal := scalars_refusal(values)) is not None:
-        raise MessageError("ops", refusal)
+        raise MessageError(f"ops: {refusal}")
     if _ENCODER.encode(wire) != packed:  # packing the decoded values again, at C speed
-        raise MessageError("ops", "entry ops are not in canonical form")
-    decoded = tuple(ops)
-    types.remember_packed(decoded, packed)
-    return decoded
+        raise MessageError("ops: entry ops are not in canonical form")
+    types.remember_packed(ops, packed)
+    return ops
 
 
 def decode_entry(value: Any) -> types.Entry:
-    """The ``Entry`` of a checked ``WireEntry``, its ops decoded now (not on receipt: a push refused
-    anyway costs no per-row work). Raises ``MessageError``."""
+    """A ``WireEntry``'s ``Entry``, its ops decoded now (a push refused anyway costs no per-row work)."""
     return types.Entry(value.shard, value.tx_key, value.prev, value.digest, decode_ops(value.ops), value.request_id)
 
 
@@ -470,26 +417,15 @@ def decode_entries(values: list[Any]) -> tuple[types.Entry, ...]:
     return tuple(decode_entry(value) for value in values)
 
 
-def wire_entry(value: Any) -> Any:
-    """A ``WireEntry`` of a plain list (``entry_to_wire``), checked; raises ``MessageError``."""
-    try:
-        return msgspec.convert(value, WireEntry)
-    except msgspec.ValidationError as error:
-        raise body_error("entry", error) from None
+class Answer(Struct, frozen=True, kw_only=True):
+    """A reply's ``result`` as the node that asked reads it (``answer_as``): untrusted, None when malformed;
+    unknown fields allowed (a newer release may add some: an older one still reads what it knows)."""
 
 
-# -- answers: a reply's ``result`` as the node that asked reads it (``answer_as``) -----------------
-# Untrusted like any frame: converted to the answer's type, None when malformed. Unknown fields are
-# allowed: a newer release may add some, and an older one must still read what it knows.
-
-
-def _answer(name: str, *fields: Any) -> Any:
-    return msgspec.defstruct(name, fields, module=__name__, frozen=True, kw_only=True)
-
-
+_answer = functools.partial(_body, base=Answer)
 # fmt: off
 ReadIndexAnswer = _answer("ReadIndexAnswer", ("committed", TxKey))  # confirmed by the sequencer's quorum
-WatchAnswer = _answer("WatchAnswer", ("agent", AgentId), ("mode", Literal["resume", "bootstrap"]), ("start", TxKey),
+WatchAnswer = _answer("WatchAnswer", ("agent", Name), ("mode", Literal["resume", "bootstrap"]), ("start", TxKey),
                       ("start_digest", DigestOrEmpty), WATCH_ID)
 # cluster_version: absent from release 0.1.0's answers, version 1 (rlog.versions)
 JournalShardAnswer = _answer("JournalShardAnswer", ("committed", TxKey), ("hears_sequencer", bool),

@@ -66,18 +66,18 @@ class WriteOp(Struct, frozen=True, gc=False):
     row: dict[str, Any]
 
 
-# -- the op codec: an op is packed as the msgpack array [tag, field...], the same bytes on the wire, in
-# the log and in digests. The other ops' types are those arrays (tagged array_like Structs, decoded and
-# checked by msgspec in C) and declare the wire's bounds; a WriteOp is packed as a WriteRow.
+# -- the op codec: an op is packed as the msgpack array [tag, field...] (on the wire, in the log, in digests);
+# the op types are those arrays (tagged array_like Structs declaring the wire's bounds); a WriteOp packs as a WriteRow.
 NAME_CHARS_MAX = 64  # tables, columns, shards, nodes
 NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"  # the one name rule of the wire (rlog.schema is stricter for SQLite)
 ENDPOINT_CHARS_MAX = 255
+# tcp://host:port (a host name, IPv4 or bracketed IPv6 address); ipc:// for tests.
+ENDPOINT_PATTERN = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://[A-Za-z0-9_./\-]+)$"
 OPS_MAX = 100_000  # ops in one entry or transaction on the wire
 COLUMNS_MAX, INDEX_COLUMNS_MAX, ROW_COLUMNS_MAX = 200, 16, 1000
 MEMBERS_OP_MAX = 15  # core.membership.MEMBERS_MAX (rlog imports nothing of core; a test keeps them equal)
 Name = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX, pattern=NAME_PATTERN)]
-# A row's names: their pattern is checked once per distinct name (``rlog.messages.decode_ops``); a
-# regular expression per column of every row cost more than the rest of the decode.
+# A row's names: their pattern is checked once per distinct name (a regex per column cost more than the decode).
 RowName = Annotated[str, Meta(min_length=1, max_length=NAME_CHARS_MAX)]
 ColumnType = Annotated[str, Meta(min_length=1, max_length=16)]
 Column = tuple[Name, ColumnType]
@@ -128,8 +128,8 @@ class MembersOp(_Op, frozen=True, tag="m"):
     """
 
     members: Annotated[tuple[Name, ...], Meta(max_length=MEMBERS_OP_MAX)]
-    added: Annotated[str, Meta(max_length=NAME_CHARS_MAX)] = ""
-    endpoint: Annotated[str, Meta(max_length=ENDPOINT_CHARS_MAX)] = ""
+    added: Annotated[str, Meta(max_length=NAME_CHARS_MAX, pattern=r"^[A-Za-z0-9_.\-]*$")] = ""  # a name, or empty
+    endpoint: Annotated[str, Meta(max_length=ENDPOINT_CHARS_MAX, pattern=f"^$|{ENDPOINT_PATTERN}")] = ""
 
 
 class CreateIndexOp(_Op, frozen=True, tag="i"):
@@ -227,9 +227,8 @@ def decode_op(value: Any) -> Op:
         raise OpDecodeError(f"malformed op: {str(error)[:200]}") from None
 
 
-# The last ops packed, by identity: an entry's ops are packed for its digest and again when it is
-# logged, the largest cost of applying large entries. Each item holds its ops tuple (immutable),
-# so an id is never reused while it is cached. Bounded in items and bytes.
+# The last ops packed, by identity (an entry's ops are packed for its digest and again when logged); each
+# item holds its ops tuple (immutable), so an id is never reused while it is cached. Bounded in items and bytes.
 _PACKED_OPS: dict[int, tuple[tuple[Op, ...], bytes]] = {}
 _PACKED_OPS_ITEMS_MAX, _PACKED_OPS_BYTES_MAX = 512, 32 * 1024 * 1024
 _packed_ops_bytes = 0
@@ -270,14 +269,12 @@ def unpack_ops(blob: bytes) -> tuple[Op, ...]:
 
 
 def entry_to_wire(entry: Entry) -> list[Any]:
-    """``[shard, tx_key, prev, digest, packed_ops, request_id]``: the ops as the bytes the digest
-    covers and the log stores, packed once by a sender and checked as they are by a receiver."""
+    """``[shard, tx_key, prev, digest, packed_ops, request_id]``: ops as the bytes the digest covers."""
     return [entry.shard, list(entry.tx_key), list(entry.prev), entry.digest, pack_ops(entry.ops), entry.request_id]
 
 
 def entry_from_wire(value: Any) -> Entry:
-    """The entry of an ``entry_to_wire`` list this node wrote (the store's spill); raises
-    ``OpDecodeError``. A received entry is decoded by the wire's rules (``rlog.messages``)."""
+    """The entry of an ``entry_to_wire`` list this node wrote (the store's spill); raises ``OpDecodeError``."""
     try:
         shard, key, prev, digest, packed, request_id = msgspec.convert(value, _EntryList)
     except (msgspec.ValidationError, RecursionError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -288,7 +289,7 @@ def test_wire_entry_ops_must_be_the_canonical_packing() -> None:
     type) are refused, so a digest over the received bytes is always the digest of the ops."""
     entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"a": 1, "b": 2.5})])
     wire = entry_to_wire(entry)
-    assert messages.decode_entry(messages.wire_entry(list(wire))) == entry
+    assert messages.decode_entry(msgspec.convert(wire, messages.WireEntry)) == entry
     canonical = wire[4]
     assert canonical == msgpack.packb([["w", "t", [["a", 1], ["b", 2.5]]]], use_bin_type=True)
     variants = {
@@ -303,7 +304,7 @@ def test_wire_entry_ops_must_be_the_canonical_packing() -> None:
     for name, packed in variants.items():
         assert packed != canonical, name
         with pytest.raises(messages.MessageError):
-            messages.decode_entry(messages.wire_entry([*wire[:4], packed, wire[5]]))
+            messages.decode_entry(msgspec.convert([*wire[:4], packed, wire[5]], messages.WireEntry))
             pytest.fail(f"{name} was accepted")
 
 

@@ -7,13 +7,14 @@ import json
 from pathlib import Path
 
 import apsw
+import msgspec
 import pytest
 from click.testing import CliRunner
 from mnesite.cli.main import main
 from mnesite.core.guard_tail import GuardTail
 from mnesite.core.transaction import parse_transaction
 from mnesite.rlog.client import RemoteError
-from mnesite.rlog.messages import MessageError, decode_entry, typed_body, wire_entry
+from mnesite.rlog.messages import MessageError, WireEntry, decode_entry, typed_body
 from mnesite.rlog.roles import RoleTable
 from mnesite.rlog.schema import (
     IndexSchema,
@@ -58,7 +59,7 @@ def test_the_ops_encode_canonically_and_travel_in_entries() -> None:
     for op in (BY_KARMA, DropIndexOp("by_karma", "users", "s"), EMAIL):
         assert decode_op(encode_op(op)) == op
     entry = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (BY_KARMA, EMAIL), "r1")
-    assert decode_entry(wire_entry(entry_to_wire(entry))) == entry
+    assert decode_entry(msgspec.convert(entry_to_wire(entry), WireEntry)) == entry
     other = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (BY_KARMA,), "r1")
     assert other.digest != entry.digest  # the digest chain covers schema changes
     for malformed in (["i", "x", "users", "s", "karma"], ["j", "x", "users"], ["a", "users", "s", "c", 1]):
@@ -69,10 +70,10 @@ def test_the_ops_encode_canonically_and_travel_in_entries() -> None:
 
     hostile = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (CreateIndexOp("ix", "users", "s", ()),))
     with pytest.raises(MessageError):
-        decode_entry(wire_entry(entry_to_wire(hostile)))  # an index of no column is no wire op
+        decode_entry(msgspec.convert(entry_to_wire(hostile), WireEntry))  # an index of no column is no wire op
     wire[4] = msgpack.packb([["i", "ix", "users", "s", ["bad name!"]]], use_bin_type=True)
     with pytest.raises(MessageError):
-        decode_entry(wire_entry(wire))
+        decode_entry(msgspec.convert(wire, WireEntry))
 
 
 def test_index_rules() -> None:

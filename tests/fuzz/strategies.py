@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import msgspec.inspect as mi
 from hypothesis import strategies as st
-from mnesite.rlog import messages
+from mnesite.rlog import messages, types
 from mnesite.rlog.types import DIGEST_BYTES
 
 # Kinds left out of the fuzz on purpose: ``force_start`` and ``membership_change`` are operator
@@ -132,11 +132,6 @@ def _name_pool(path: str, known: Known) -> tuple[str, ...]:
     return known.tables + known.nodes
 
 
-# Fields typed ``Any`` that hold one SQLite value (``rlog.messages.Scalar``); other ``Any`` fields
-# hold free values (a reply's result, a consensus message, ranges).
-SCALAR_FIELDS = frozenset({"key", "after", "low", "high", "table_after"})
-
-
 def _right_type(spec: mi.Type, path: str, known: Known) -> st.SearchStrategy[Any]:
     last = path.rsplit(".", 1)[-1]
     if isinstance(spec, mi.StrType) and last == "sender":
@@ -147,7 +142,7 @@ def _right_type(spec: mi.Type, path: str, known: Known) -> st.SearchStrategy[Any
         choices = [str(value) for value in spec.values]
         return st.one_of(st.sampled_from(choices), st.sampled_from([c.upper() for c in choices]))
     if isinstance(spec, mi.StrType):
-        if spec.pattern == messages.ENDPOINT_PATTERN or last == "endpoint":
+        if spec.pattern == types.ENDPOINT_PATTERN or last == "endpoint":
             return st.sampled_from(
                 ["", "x", "tcp://", "tcp://127.0.0.1:1", "tcp://127.0.0.1:99999", "tcp://256.0.0.1:1", "ipc://x"]
                 + [f"tcp://127.0.0.1:{port}" for port in (9, 7, 65535)]
@@ -169,9 +164,14 @@ def _right_type(spec: mi.Type, path: str, known: Known) -> st.SearchStrategy[Any
         return st.one_of(st.binary(min_size=size, max_size=size), st.binary(max_size=size + 2), st.just(b""))
     if isinstance(spec, mi.NamedTupleType):  # a tx key
         return tx_key()
-    if isinstance(spec, mi.AnyType):
-        if last in SCALAR_FIELDS:
-            return scalar()
+    if (
+        isinstance(spec, mi.CustomType)
+        and spec.cls is messages.Scalar
+        or isinstance(spec, mi.AnyType)
+        and last == "key"
+    ):
+        return scalar()  # one SQLite value
+    if isinstance(spec, (mi.AnyType, mi.CustomType)):  # a free value (a reply's result, a watch, a range)
         return st.one_of(nested_value(messages.FREE_VALUE_DEPTH_MAX), st.lists(scalar(), max_size=4), scalar())
     if isinstance(spec, mi.NoneType):
         return st.none()
