@@ -82,8 +82,8 @@ DEFAULT_LISTEN = "tcp://127.0.0.1:7400"
 DEFAULT_DATA_DIR = "./mnesite-data"
 DEFAULT_NAME = "core1"
 ROLES = ("core", "replicant")
-ENDPOINT_PATTERN = re.compile(r"^tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+|\*):(\d{1,5})$")
-NODE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+ENDPOINT_PATTERN = re.compile(r"^tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+|\*):(\d{1,5})\Z")
+NODE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}\Z")
 LOOPBACK_HOSTS = ("localhost", "[::1]")
 SECURITY_PATHS = ("server_key", "client_key", "authorized_keys")
 

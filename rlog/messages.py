@@ -27,7 +27,7 @@ REQUEST_ID_CHARS_MAX, MESSAGE_CHARS_MAX, RANGES_MAX, BACKUP_PATH_CHARS_MAX = 64,
 FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
 FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a default frame_bytes_max frame can hold
 QUERY_SQL_CHARS_MAX, QUERY_PARAMS_MAX = 100_000, 999
-BACKUP_PATH_PATTERN = r"^/[A-Za-z0-9_./\-]*$"  # absolute, plain characters (rlog.backup checks it again)
+BACKUP_PATH_PATTERN = r"^/[A-Za-z0-9_./\-]*\Z"  # absolute, plain characters (rlog.backup checks it again)
 _NAME = re.compile(NAME_PATTERN)
 
 Endpoint = Annotated[str, Meta(min_length=1, max_length=types.ENDPOINT_CHARS_MAX, pattern=ENDPOINT_PATTERN)]

@@ -17,7 +17,7 @@ from mnesite.rlog.types import AddColumnOp, CreateIndexOp, CreateTableOp, DropIn
 
 COLUMN_TYPES = ("INTEGER", "REAL", "TEXT", "BLOB", "ANY")
 KEY_TYPES = ("INTEGER", "TEXT", "BLOB")
-NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
 RESERVED_PREFIX = "_mnesite"
 SQLITE_RESERVED_PREFIX = "sqlite_"  # SQLite refuses to create objects whose names start with it
 DEFAULT_SHARD = "default"

@@ -69,10 +69,10 @@ class WriteOp(Struct, frozen=True, gc=False):
 # -- the op codec: an op is packed as the msgpack array [tag, field...] (on the wire, in the log, in digests);
 # the op types are those arrays (tagged array_like Structs declaring the wire's bounds); a WriteOp packs as a WriteRow.
 NAME_CHARS_MAX = 64  # tables, columns, shards, nodes
-NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"  # the one name rule of the wire (rlog.schema is stricter for SQLite)
+NAME_PATTERN = r"^[A-Za-z0-9_.\-]+\Z"  # the one name rule of the wire (rlog.schema is stricter for SQLite)
 ENDPOINT_CHARS_MAX = 255
 # tcp://host:port (a host name, IPv4 or bracketed IPv6 address); ipc:// for tests.
-ENDPOINT_PATTERN = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://[A-Za-z0-9_./\-]+)$"
+ENDPOINT_PATTERN = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://[A-Za-z0-9_./\-]+)\Z"
 OPS_MAX = 100_000  # ops in one entry or transaction on the wire
 COLUMNS_MAX, INDEX_COLUMNS_MAX, ROW_COLUMNS_MAX = 200, 16, 1000
 MEMBERS_OP_MAX = 15  # core.membership.MEMBERS_MAX (rlog imports nothing of core; a test keeps them equal)
@@ -128,8 +128,8 @@ class MembersOp(_Op, frozen=True, tag="m"):
     """
 
     members: Annotated[tuple[Name, ...], Meta(max_length=MEMBERS_OP_MAX)]
-    added: Annotated[str, Meta(max_length=NAME_CHARS_MAX, pattern=r"^[A-Za-z0-9_.\-]*$")] = ""  # a name, or empty
-    endpoint: Annotated[str, Meta(max_length=ENDPOINT_CHARS_MAX, pattern=f"^$|{ENDPOINT_PATTERN}")] = ""
+    added: Annotated[str, Meta(max_length=NAME_CHARS_MAX, pattern=r"^[A-Za-z0-9_.\-]*\Z")] = ""  # a name, or empty
+    endpoint: Annotated[str, Meta(max_length=ENDPOINT_CHARS_MAX, pattern=f"^\\Z|{ENDPOINT_PATTERN}")] = ""
 
 
 class CreateIndexOp(_Op, frozen=True, tag="i"):

@@ -172,3 +172,28 @@ def test_a_core_holds_failed_guards_within_its_configured_limits(tmp_path) -> No
         assert (tail.failures_held_max, tail.hold_ms_max) == (3, 40)
     finally:
         node.close()
+
+
+@pytest.mark.parametrize("trailing", ["\n", "\r\n"])
+def test_a_name_endpoint_or_path_with_a_trailing_newline_is_refused_everywhere(trailing, tmp_path) -> None:
+    """Every name rule ends its pattern at the end of the string: ``$`` also matches before a final
+    newline, so ``"kv\\n"`` passed the wire, the schema and the config (found by reading)."""
+    from mnesite.rlog.messages import decode_ops
+    from mnesite.rlog.types import pack_ops
+
+    with pytest.raises(SchemaError, match="invalid table name"):
+        define_table("kv" + trailing, "k", [])
+    with pytest.raises(MessageError):
+        typed_body("get", {"table": "kv" + trailing, "key": 1})
+    with pytest.raises(MessageError):
+        typed_body("backup", {"path": "/tmp/backup" + trailing})
+    with pytest.raises(MessageError):
+        decode_ops(pack_ops((WriteOp("kv" + trailing, {"id": 1}),)))
+    with pytest.raises(ConfigError):
+        parse_config({"node": {"name": "core1" + trailing}})
+    with pytest.raises(ConfigError):
+        parse_config({"node": {"name": "core1", "listen": "tcp://127.0.0.1:7000" + trailing}})
+    # The same names without the newline pass.
+    define_table("kv", "k", [])
+    typed_body("get", {"table": "kv", "key": 1})
+    decode_ops(pack_ops((WriteOp("kv", {"id": 1}),)))
