@@ -1418,18 +1418,14 @@ class ShardConsensus:
         ``PersistEntries``, ahead of the refusals. Nothing commits between two proposals of a batch
         (a sequencer counts itself only at ``Persisted``, the followers only at their answers), so
         one commit check at the end decides what per-proposal checks would."""
-        persist = PersistEntries(())
-        self._out.append(persist)
         position = len(self._out)
         entries: list[Entry] = []
         for proposal in event.proposals:
             if not self._proposal_refused(proposal):
                 entries.append(self._append_own(tuple(proposal.ops), proposal.request_id, proposal=True, batched=True))
         if entries:
-            self._out[position - 1] = PersistEntries(tuple(entries))
+            self._out.insert(position, PersistEntries(tuple(entries)))
             self._advance_commit()
-        else:
-            del self._out[position - 1]
 
     def _append_own(self, ops: tuple[Op, ...], request_id: str | None, proposal: bool, batched: bool = False) -> Entry:
         counter = self._last_key.counter + 1 if self._last_key.generation == self._generation else 1

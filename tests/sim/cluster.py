@@ -433,14 +433,9 @@ class Simulation:
         machine = node.machine
         if machine is None:
             raise self.fail(f"stepping crashed node {node.name}")
-        if node.held and not isinstance(event, (ProposedBatch, Persisted)):
-            # Production's driver proposes a turn's held writes before any other event of the shard.
-            # Not before Persisted: in this model Persisted reports the previous turn's commit, which
-            # did not hold them (production's turn proposes them before its commit, never after).
-            self._propose_held(node)
-            machine = node.machine
-            if machine is None:
-                return []
+        if not self._propose_held_first(node, event):
+            return []
+        machine = node.machine
         try:
             effects = machine.step(event, self.now_ms)
         except ConsensusInvariantError as error:
@@ -456,6 +451,15 @@ class Simulation:
             self._crash(node)
         self._check_node(node)
         return effects
+
+    def _propose_held_first(self, node: SimNode, event: Any) -> bool:
+        """Production's driver proposes a turn's held writes before any other event of the shard. Not
+        before Persisted: in this model Persisted reports the previous turn's commit, which did not
+        hold them (production's turn proposes them before its commit, never after). False if the node
+        crashed in that step."""
+        if node.held and node.machine is not None and not isinstance(event, (ProposedBatch, Persisted)):
+            self._propose_held(node)
+        return node.machine is not None
 
     def _propose(
         self, node: SimNode, ops: tuple[Op, ...], request_id: str, client: str = CLIENT, held: bool = False

@@ -32,10 +32,8 @@ from mnesite.core.consensus import (
     Commit,
     ConsensusInvariantError,
     Effect,
-    Persisted,
     PersistEntries,
     PersistState,
-    ProposedBatch,
     Send,
     TruncateLog,
 )
@@ -98,10 +96,8 @@ class DiskFullSimulation(Simulation):
             self.full_until_ms[name] = self.now_ms  # freed at the next _restart_due
 
     def _step(self, node: SimNode, event: Any) -> list[Effect]:
-        if node.held and node.machine is not None and not isinstance(event, (ProposedBatch, Persisted)):
-            self._propose_held(node)  # as the base driver does: the held writes go first
-            if node.machine is None:
-                return []  # it crashed in that step
+        if node.machine is not None and not self._propose_held_first(node, event):
+            return []  # it crashed in that step
         machine = node.machine
         if machine is None or node.name not in self.full_until_ms or node.crash_in_next_step:
             return super()._step(node, event)
