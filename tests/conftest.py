@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,10 +25,37 @@ from tests.spark_fixtures import spark_session  # noqa: F401  (the one SparkSess
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _listen_ports() -> range:
+    """Ports for the nodes' listening sockets: outside the kernel's ephemeral range. A port the kernel
+    picked for ``bind(0)`` lies in that range, so between the pick and a node's bind (seconds later,
+    for a node started after the others) the kernel could hand it out as the source port of one of
+    the many outbound connections of the test's nodes: the node then fails with EADDRINUSE."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(10_000, low) if low - 10_000 >= 2_000 else range(high + 1, 65_536)
+
+
+_PORTS = _listen_ports()
+_PORTS_GIVEN: set[int] = set()  # never the same port twice in one test run (a node may not have bound it yet)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port free on 127.0.0.1 now, outside the ephemeral range, not given before in this run."""
+    rng = random.Random()
+    for _ in range(1_000):
+        port = rng.choice(_PORTS)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02) -> None:
