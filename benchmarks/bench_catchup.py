@@ -11,7 +11,7 @@ Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NO
   starts while ``--writers`` clients keep writing one row per transaction, and resumes from (0, 0)
   through the rlog (default retention). Reported: seconds until it is ``normal`` at (or past) the
   cores' committed key of the moment it started,
-  entries/s and MB/s (entry bytes estimated by ``entry_size_bytes``), elections during the catch-up.
+  entries/s and MB/s (entry bytes estimated by ``Entry.size_bytes``), elections during the catch-up.
 * ``lag``: the writers' maximum rate is measured for ``--seconds``, then they write at half of it;
   after each acknowledgement the writer reads its row at the replicant with ``after_tx_key`` (held
   there until applied): lag of a write = acknowledgement to that answer (p50, p99), which includes
@@ -405,7 +405,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
 
     from mnesite.rlog.schema import TableSchema
     from mnesite.rlog.store import Store
-    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_to_wire, make_entry
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
 
     schema = TableSchema("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT")))
     entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (schema.to_op(),))]
@@ -421,7 +421,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
             "shard": "default",
             "agent": "a",
             "core": "c",
-            "entries": [entry_to_wire(e) for e in entries[i : i + push_entries]],
+            "entries": [e.to_wire() for e in entries[i : i + push_entries]],
             "committed": list(committed),
             "hears_sequencer": True,
         }

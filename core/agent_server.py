@@ -46,7 +46,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import TxKey, to_wire
+from mnesite.rlog.types import TxKey
 from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -259,7 +259,7 @@ class AgentServer:
         key = (shard, entries[0].prev, entries[-1].tx_key, len(entries))
         encoded = self._encoded_entries.get(key)
         if encoded is None:
-            encoded = msgspec.Raw(_ENCODER.encode([to_wire(entry) for entry in entries]))
+            encoded = msgspec.Raw(_ENCODER.encode([entry.to_wire() for entry in entries]))
             self._encoded_entries[key] = encoded
         return encoded
 

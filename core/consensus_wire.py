@@ -14,10 +14,10 @@ import msgspec
 from mnesite.core import consensus
 from mnesite.rlog.codec import CodecError
 from mnesite.rlog.messages import Digest, MessageError, NonNegative, WireEntry, body_error, decode_entries
-from mnesite.rlog.types import Name, TxKey, entry_to_wire
+from mnesite.rlog.types import Name, TxKey
 from msgspec import Meta
 
-CONSENSUS_WIRE_VERSION = 2  # 2: entries carry their ops packed (``rlog.types.entry_to_wire``)
+CONSENSUS_WIRE_VERSION = 2  # 2: entries carry their ops packed (``rlog.types.Entry.to_wire``)
 APPEND_ENTRIES_WIRE_MAX = 4096  # far above any entries_per_append_max: more is refused before decoding
 # fmt: off
 FIELD_TYPES: dict[str, Any] = {  # a consensus message's field -> its wire type
@@ -54,7 +54,7 @@ def message_to_wire(message: consensus.PeerMessage) -> list[Any]:
         raise TypeError(f"not a consensus peer message: {message!r}")
     fields = [getattr(message, field.name) for field in dataclasses.fields(message)]
     if kind == "append_request":
-        fields[5] = [entry_to_wire(entry) for entry in fields[5]]
+        fields[5] = [entry.to_wire() for entry in fields[5]]
     return [CONSENSUS_WIRE_VERSION, kind, *fields]
 
 

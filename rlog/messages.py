@@ -189,7 +189,7 @@ PHASE = ("phase", Literal["live", "copy", "replay"], "live")
 ChangesPosition = _body("ChangesPosition", SHARD, ("after", TxKey), PHASE, ("table", Name | None, None),
                         ("table_after", Scalar, None), ("replay_to", TxKey | None, None))
 RequestId = Annotated[str, Meta(min_length=1, max_length=REQUEST_ID_CHARS_MAX)] | None
-WireEntry = msgspec.defstruct(  # an entry (rlog.types.entry_to_wire), its ops still packed
+WireEntry = msgspec.defstruct(  # an entry (rlog.types.Entry.to_wire), its ops still packed
     "WireEntry", (SHARD, ("tx_key", TxKey), ("prev", TxKey), ("digest", Digest), ("ops", bytes),
                   ("request_id", RequestId)), module=__name__, frozen=True, array_like=True, forbid_unknown_fields=True)
 # fmt: on
@@ -404,13 +404,13 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
         raise MessageError(f"ops: {refusal}")
     if _ENCODER.encode(wire) != packed:  # packing the decoded values again, at C speed
         raise MessageError("ops: entry ops are not in canonical form")
-    types.remember_packed(ops, packed)
     return ops
 
 
 def decode_entry(value: Any) -> types.Entry:
     """A ``WireEntry``'s ``Entry``, its ops decoded now (a push refused anyway costs no per-row work)."""
-    return types.Entry(value.shard, value.tx_key, value.prev, value.digest, decode_ops(value.ops), value.request_id)
+    ops = decode_ops(value.ops)  # checked canonical: the packed bytes are what ``pack_ops(ops)`` makes
+    return types.Entry(value.shard, value.tx_key, value.prev, value.digest, ops, value.request_id, value.ops)
 
 
 def decode_entries(values: list[Any]) -> tuple[types.Entry, ...]:

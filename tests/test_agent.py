@@ -15,7 +15,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_to_wire, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
 
 from tests.sim import MemoryLog
 
@@ -276,7 +276,7 @@ def test_a_push_holds_at_most_push_bytes_max_bytes_on_the_wire_and_a_large_entry
     )
     effects = machine.step(CommittedAdvanced(TxKey(1, 30), True), 0)
     effects += machine.step(AckReceived(machine.status().sent_key), 1)  # the partial last push waited for it
-    sizes = [len(msgpack.packb([entry_to_wire(e) for e in push.entries])) for push in pushes(effects)]
+    sizes = [len(msgpack.packb([e.to_wire() for e in push.entries])) for push in pushes(effects)]
     assert pushed_keys(effects) == [TxKey(1, n) for n in range(1, 31)]
     assert all(size <= 5000 for size in sizes) and max(len(push.entries) for push in pushes(effects)) == 4
     alone = agent(build_large_log(3, 10_000), push_bytes_max=5000, window_bytes_max=100_000, step_bytes_max=100_000)

@@ -21,7 +21,6 @@ from mnesite.rlog.types import (
     WriteOp,
     decode_op,
     entry_from_wire,
-    entry_to_wire,
     make_entry,
 )
 
@@ -158,7 +157,7 @@ def test_oversized_frames_are_refused_before_parsing() -> None:
 )
 def test_entries_round_trip_on_the_wire(ops, request_id) -> None:
     entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, ops, request_id)
-    wire = msgpack.unpackb(msgpack.packb(entry_to_wire(entry), use_bin_type=True), raw=False)
+    wire = msgpack.unpackb(msgpack.packb(entry.to_wire(), use_bin_type=True), raw=False)
     assert entry_from_wire(wire) == entry
 
 
@@ -263,7 +262,7 @@ def test_decode_ops_accepts_exactly_what_the_plain_rules_accept(ops) -> None:
 
 def test_a_push_with_a_malformed_row_is_refused_with_the_path_of_the_value() -> None:
     entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"k": 1})])
-    wire = entry_to_wire(entry)
+    wire = entry.to_wire()
     wire[4] = msgpack.packb([["w", "t", [["k", 1], ["v", float("nan")]]]], use_bin_type=True)
     body = {"shard": "default", "agent": "a", "core": "c", "entries": [wire], "committed": [1, 1]}
     body["hears_sequencer"] = True
@@ -288,7 +287,7 @@ def test_wire_entry_ops_must_be_the_canonical_packing() -> None:
     ``pack_ops`` makes (a larger int form, unsorted or repeated columns, float32, an extension
     type) are refused, so a digest over the received bytes is always the digest of the ops."""
     entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"a": 1, "b": 2.5})])
-    wire = entry_to_wire(entry)
+    wire = entry.to_wire()
     assert messages.decode_entry(msgspec.convert(wire, messages.WireEntry)) == entry
     canonical = wire[4]
     assert canonical == msgpack.packb([["w", "t", [["a", 1], ["b", 2.5]]]], use_bin_type=True)

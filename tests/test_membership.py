@@ -42,7 +42,6 @@ from mnesite.rlog.types import (
     WriteOp,
     decode_op,
     encode_op,
-    entry_to_wire,
     make_entry,
 )
 
@@ -250,7 +249,7 @@ def test_a_membership_op_round_trips_and_the_typed_layer_refuses_malformed_ones(
         with pytest.raises(MessageError):
             check_wire_op(bad, "op")
     entry = make_entry("s", TxKey(1, 1), ZERO_KEY, bytes(32), (op,))
-    msgpack.packb(entry_to_wire(entry))
+    msgpack.packb(entry.to_wire())
     # No entry a core accepts may name a membership a core cannot start with.
     assert MEMBERS_OP_MAX == membership.MEMBERS_MAX
     with pytest.raises(MessageError):

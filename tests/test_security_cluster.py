@@ -18,7 +18,7 @@ from mnesite.rlog.client import Client, Forbidden, RemoteError, Unauthenticated
 from mnesite.rlog.codec import Message
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
 from mnesite.rlog.security import configure_client, generate_keys, load_key
-from mnesite.rlog.types import TxKey, WriteOp, entry_to_wire, make_entry
+from mnesite.rlog.types import TxKey, WriteOp, make_entry
 
 from tests.conftest import Cluster, free_port, wait_until
 from tests.test_cluster import create_table
@@ -156,7 +156,7 @@ def test_keys_and_roles_refuse_every_attack_of_the_issue(cluster: Cluster, tmp_p
                     "shard": "default",
                     "agent": replicant_status["agent"],
                     "core": replicant_status["upstream"],
-                    "entries": [entry_to_wire(forged_entry)],
+                    "entries": [forged_entry.to_wire()],
                     "committed": [generation + 1000, 1],
                     "hears_sequencer": True,
                 },
