@@ -674,7 +674,9 @@ class CoreNode(NodeServer):
 
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
         shard = driver.shard
-        if isinstance(effect, PersistState):
+        if type(effect) is ProposalCommitted:  # one per write, tested first
+            pass  # answered through the waiters when the Commit applied the entry
+        elif isinstance(effect, PersistState):
             self.begin()
             state = effect.state
             self.store.persist_consensus_state(shard, state.generation, state.voted_for, state.members, state.forced)
@@ -715,8 +717,6 @@ class CoreNode(NodeServer):
         elif isinstance(effect, Send):
             frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
             self._send_peer(effect.to, Message("peer", "peer", frame_body), now=effect.before_persisted)
-        elif isinstance(effect, ProposalCommitted):
-            pass  # answered through the waiters when the Commit applied the entry
         elif isinstance(effect, ProposalFailed):
             self._tell_outcomes(driver.waiters.failed(effect.tx_key, effect.reason))
         elif isinstance(effect, ProposalRejected):
