@@ -148,6 +148,7 @@ class NodeServer:
         # Frames received but left for a later turn (see receive_frames).
         self._backlog: deque[tuple[list[bytes], bytes, str]] = deque()
         self._poller: tuple[tuple[zmq.Socket | None, ...], zmq.Poller] | None = None  # rebuilt when the sockets change
+        self._queries_woken = True  # the query runner's wakeup pipe was readable at the last poll
         self.security: NodeSecurity | None = None
         self.reload_requested = threading.Event()
         self._refusal_logged_ms = -REFUSAL_LOG_INTERVAL_MS
@@ -550,7 +551,9 @@ class NodeServer:
         if self.store.index_builds():
             # The next step of an online index build is due then: the loop turns by that time.
             timeout_ms = max(0, min(timeout_ms, self._next_build_ms - monotonic_ms()))
-        return dict(poller.poll(timeout_ms))
+        ready = dict(poller.poll(timeout_ms))
+        self._queries_woken = self.queries.wakeup_fd in ready
+        return ready
 
     def receive_frames(
         self, clock_ms: Callable[[], int], urgent: Callable[[bytes], bool] | None = None
@@ -678,7 +681,7 @@ class NodeServer:
             except QueryError as error:
                 envelope, request_id = waiting.payload
                 self.reply(envelope, codec.error(request_id, error.code, str(error)))
-        for finished in self.queries.finished():
+        for finished in self.queries.finished(drain=self._queries_woken):
             envelope, request_id = finished.payload
             if finished.behind is not None:
                 # The snapshot missed a key this node applied in a turn not committed then: wait again.
