@@ -50,7 +50,6 @@ import logging
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,6 +153,7 @@ from mnesite.rlog.types import (
     MembersOp,
     PackedEntry,
     TxKey,
+    new_request_id,
 )
 from mnesite.rlog.versions import local_announcement
 
@@ -1554,7 +1554,7 @@ class CoreNode(NodeServer):
             if target is None or self.forwarded.full():
                 self._query_index_failed(gather, "no_sequencer", f"shard {shard} has no sequencer reachable now")
                 return
-            request_id = uuid.uuid4().hex
+            request_id = new_request_id()
             self.forwarded.forwarded(request_id, QueryIndexAsk(gather, shard), shard, target, self.clock_ms())
             self._send_peer(target, Message("read_index", request_id, {"shard": shard, "forwarded": True}))
         self._query_index_complete(gather)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +51,7 @@ from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
     TxKey,
+    new_request_id,
 )
 from mnesite.rlog.versions import (
     Announcement,
@@ -239,7 +239,7 @@ class ReplicantNode(NodeServer):
         if len(self.pending) >= PENDING_REQUESTS_MAX:
             log.warning("too many pending requests; %s to %s not sent", kind, core)
             return
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         self.pending[request_id] = pending
         message = Message(kind, request_id, body)
         if not at_once:

@@ -38,7 +38,6 @@ import contextlib
 import os
 import socket as socket_module
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -50,7 +49,7 @@ from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.messages import MessageError, typed_body
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
-from mnesite.rlog.types import TxKey
+from mnesite.rlog.types import TxKey, new_request_id
 from zmq.utils.monitor import recv_monitor_message
 
 SCAN_PAGE_ROWS = 1000
@@ -297,7 +296,7 @@ class Client:
         """
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         retries = self.retries if retries is None else retries
-        message = Message(kind, request_id or uuid.uuid4().hex, body or {})
+        message = Message(kind, request_id or new_request_id(), body or {})
         try:
             frame = codec.encode(message, check=True)
         except CodecError as error:

@@ -115,3 +115,14 @@ def test_the_digest_header_is_msgpacks_bytes_at_every_size_boundary() -> None:
         body = msgpack.packb([name, list(key), list(prev), request_id, []], use_bin_type=True)
         expected = hashlib.blake2b(b"p" * 16 + body, digest_size=types.DIGEST_BYTES).digest()
         assert types.entry_digest(b"p" * 16, name, key, prev, pack_ops(()), request_id) == expected
+
+
+def test_request_ids_are_unique_and_sort_in_the_order_they_were_made(monkeypatch) -> None:
+    # The log's request-id index takes new ids at its end only if later ids sort after earlier ones.
+    from mnesite.rlog import types
+
+    clock = iter(range(1_700_000_000_000_000_000, 1_700_000_100_000_000_000, 1_000_000))
+    monkeypatch.setattr(types.time, "time_ns", lambda: next(clock))
+    made = [types.new_request_id() for _ in range(1000)]
+    assert made == sorted(made) and len(set(made)) == len(made)
+    assert all(len(request_id) == 32 for request_id in made)
