@@ -729,6 +729,8 @@ class CoreNode(NodeServer):
             # Requests forwarded to a sequencer we no longer follow would wait for FORWARD_TIMEOUT_MS
             # (it may be dead): tell their clients now, so that they retry with the same request id.
             self._tell_outcomes(self.forwarded.sequencer_changed(shard, effect.sequencer))
+            # A new sequencer checks the cluster version in this turn, not at the next probe round.
+            self._versions_check_due = self._versions_check_due or effect.role is Role.SEQUENCER
             position = self.store.shard(shard)
             if position is not None:
                 self.agent_server.committed(shard, position.applied, effect.sequencer is not None, self.clock_ms())
@@ -1310,6 +1312,7 @@ class CoreNode(NodeServer):
         peer = self._versions_probes.pop(answer.request_id, None)  # a late answer of an older round is dropped
         if peer is None or peer not in self.endpoints or answer.kind != "reply":
             return
+        self._versions_check_due = True  # what a member speaks may allow a proposal now
         for notice in self.peer_versions.heard(peer, answer.body.result, self.clock_ms()):
             if isinstance(notice, PeerRefused):
                 log.warning("core %s refused: this core cannot speak with it: %s", peer, notice.reason)
