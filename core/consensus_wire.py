@@ -1,7 +1,6 @@
-"""Peer messages of ``core.consensus`` on the wire (a ``peer`` frame's ``message``).
-
-A message is the array ``[CONSENSUS_WIRE_VERSION, kind, field...]``: the message's fields in order, each
-of its name's wire type (``FIELD_TYPES``), checked by msgspec in C. Anything malformed raises ``MessageError``.
+"""Peer messages of ``core.consensus`` on the wire (a ``peer`` frame's ``message``): the array
+``[CONSENSUS_WIRE_VERSION, kind, field...]``, the message's fields in order, each of its name's wire type
+(``FIELD_TYPES``), checked by msgspec in C. Anything malformed raises ``MessageError``.
 """
 
 from __future__ import annotations
@@ -32,9 +31,7 @@ FIELD_TYPES: dict[str, Any] = {  # a consensus message's field -> its wire type
 def _wire_type(message: type) -> Any:  # the array [version, kind, field...] of a consensus message
     fields = [(field.name, FIELD_TYPES[field.name]) for field in dataclasses.fields(message)]
     fields = [("version", Literal[CONSENSUS_WIRE_VERSION]), ("kind", str), *fields]
-    return msgspec.defstruct(
-        f"{message.__name__}Wire", fields, array_like=True, frozen=True, forbid_unknown_fields=True
-    )
+    return msgspec.defstruct(f"{message.__name__}Wire", fields, array_like=True, forbid_unknown_fields=True)
 
 
 # kind (VoteRequest: vote_request) -> (message type, decoder of its wire type)
@@ -70,10 +67,9 @@ def message_from_wire(value: Any) -> consensus.PeerMessage:
         raise MessageError(f"unknown consensus message kind {kind!r:.40}", "unknown_kind")
     message_type, decoder = KINDS[kind]
     try:
-        wire = decoder.decode(packed)
-        fields = list(msgspec.structs.astuple(wire)[2:])
+        fields = list(msgspec.structs.astuple(decoder.decode(packed))[2:])
         if kind == "append_request":
-            fields[5] = decode_entries(wire.entries)
+            fields[5] = decode_entries(fields[5])
     except msgspec.ValidationError as error:
         raise MessageError(str(body_error(kind, error))[:400]) from None
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):

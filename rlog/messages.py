@@ -62,8 +62,7 @@ _SCALARS_LOOPED_MAX = 8
 
 
 def scalars_refusal(values: Any) -> str | None:
-    """None if every value is a SQLite scalar; else why not. Set-based (a row costs a few C loops), and a
-    plain loop for a few values."""
+    """None if every value is a SQLite scalar; else why not. Set-based: a row costs a few C loops."""
     values = values if isinstance(values, (list, tuple)) else list(values)
     if len(values) <= _SCALARS_LOOPED_MAX:
         # A few values (a one-row entry): one Python loop step each costs less than the C loops'
@@ -450,8 +449,7 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
     names: set[str] = set()
     kinds = set(map(type, wire)) if len(wire) >= 8 else None  # a few ops go faster through the loop below
     if len(wire) == 1 and type(wire[0]) is WriteRow:
-        # The commonest entry, one written row (a follower decodes one per write): the loop's steps
-        # below for that row, without its bookkeeping.
+        # The commonest entry, one row (a follower decodes one per write): the loop's steps, no bookkeeping.
         op = wire[0]
         row = dict(op.row)
         if len(row) != len(op.row) or list(row) != sorted(row):
