@@ -1,14 +1,11 @@
-"""The wire: frames, and one frozen msgspec ``Struct`` per message kind (``SCHEMAS``), decoded once.
-
-A frame is the msgpack array ``[version, kind, request_id, body]``: ``version`` is ``PROTOCOL_VERSION``,
-``request_id`` pairs a reply with its request and makes a retried write idempotent, ``body`` is decoded
-straight into its kind's type, each declared type, range, length and pattern checked by msgspec in C.
-What it cannot declare has a type checked by the decoders' ``dec_hook``: ``Scalar`` (one SQLite value:
-msgspec allows no union of str and bytes) and ``_free`` (bounded depth); a transaction's values are
-checked at once (``Transact``). Entries carry their ops packed, decoded by ``decode_ops`` when wanted.
-Every byte from a socket is untrusted: decoding raises ``MessageError`` and nothing else, naming the field
-path, never the value, and never pickles (no ext types). Rules against the receiver's state live in the
-state machines.
+"""The wire: a frame is the msgpack array ``[version, kind, request_id, body]`` (``request_id`` pairs a
+reply with its request and makes a retried write idempotent); ``body`` is decoded once, straight into its
+kind's frozen msgspec ``Struct`` (``SCHEMAS``), whose declared types, ranges, lengths and patterns msgspec
+checks in C. What it cannot declare has a type checked by the decoders' ``dec_hook``: ``Scalar`` (one
+SQLite value: msgspec allows no union of str and bytes) and ``_free`` (bounded depth); a transaction's
+values are checked at once (``Transact``), an entry's packed ops when wanted (``decode_ops``). Decoding
+raises ``MessageError`` only, naming the field path, never the value. Rules against the receiver's state
+live in the state machines.
 """
 
 from __future__ import annotations
@@ -69,13 +66,7 @@ def scalars_refusal(values: Any) -> str | None:
         # setup below, which only run (and name the refusal) when this loop finds something wrong.
         for value in values:
             kind = type(value)
-            if kind is int:
-                if value > INTEGER_MAX:
-                    break
-            elif kind is float:
-                if value != value:
-                    break
-            elif kind not in _SCALARS:
+            if kind is int and value > INTEGER_MAX or kind is float and value != value or kind not in _SCALARS:
                 break
         else:
             return None
