@@ -381,7 +381,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     """The replicant's apply path without sockets: (seconds, entries).
 
     What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
-    decode the frame (``codec.decode``: the wire schema's checks, then ``decode_entries``),
+    decode the frame (``messages.decode``: the wire schema's checks, then ``decode_entries``),
     step the real ``ShardReplica`` (which checks the digest chain), and execute its ``ApplyEntries``
     on a real ``Store`` the way ``replicant.node`` does, one SQLite transaction per push.
     """
@@ -389,9 +389,13 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
 
     from mnesite.replicant.node import ReplicantNode
     from mnesite.replicant.replica import ReplicaConfig, ShardReplica
-    from mnesite.rlog import codec, messages
+    from mnesite.rlog import messages
     from mnesite.rlog import replication as p
-    from mnesite.rlog.codec import Message
+
+    try:  # a --baseline tree with its frames in their own module
+        from mnesite.rlog import codec
+    except ImportError:
+        codec = messages
 
     if hasattr(messages, "decode_entries"):  # the typed wire: bodies are msgspec Structs
 
@@ -425,7 +429,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
             "committed": list(committed),
             "hears_sequencer": True,
         }
-        pushes.append(codec.encode(Message("push", "a", body)))
+        pushes.append(codec.encode(codec.Message("push", "a", body)))
     # The replicant holds only what it receives: the loaded entries would make every garbage
     # collection of the timed loop walk them.
     entries_count = len(entries)

@@ -36,8 +36,8 @@ from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, Agen
 from mnesite.core.versions import watch_protocol_refusal
 from mnesite.core.watch import agent_to_evict, check_watch_request, decide_watch, superseded_agents
 from mnesite.rlog import messages
-from mnesite.rlog.codec import Message
 from mnesite.rlog.config import Limits
+from mnesite.rlog.messages import Message
 from mnesite.rlog.replication import (
     AckReceived,
     AgentStopped,

@@ -130,12 +130,12 @@ from mnesite.core.versions import (
     cluster_version_of,
 )
 from mnesite.core.watch import WatchRefusedError
-from mnesite.rlog import codec, messages, range_requests, replication
+from mnesite.rlog import messages, range_requests, replication
 from mnesite.rlog.backup import RESTORED_META, BackupError
-from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
+from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.query import CheckedQuery, QueryRequest
 from mnesite.rlog.retention import keep_from_match_keys
 from mnesite.rlog.roles import WRITE_KINDS
@@ -570,7 +570,7 @@ class CoreNode(NodeServer):
         for driver in self.shards.values():
             _, held = driver.held.take()
             for request_id, (envelope, _) in held:  # never proposed: nothing was logged
-                self.reply(envelope, codec.error(request_id, "disk_full", f"disk_full: {error}"))
+                self.reply(envelope, messages.error(request_id, "disk_full", f"disk_full: {error}"))
         for shard, driver in list(self.shards.items()):
             self._step(driver, DiskFull(error))
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
@@ -592,10 +592,10 @@ class CoreNode(NodeServer):
             return
         for envelope, frame, principal in self.receive_frames(self.clock_ms, is_peer_frame):
             try:
-                message = codec.decode(frame, self.config.limits.frame_bytes_max)
-            except CodecError as error:
+                message = messages.decode(frame, self.config.limits.frame_bytes_max)
+            except MessageError as error:
                 self.malformed_frame()
-                self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
+                self.reply(envelope, messages.error(request_id_of(frame), error.code, str(error)))
                 continue
             refused = self.refusal(principal, message)
             if refused is not None:
@@ -606,11 +606,11 @@ class CoreNode(NodeServer):
             except Deferred:
                 pass
             except RequestError as error:
-                self.reply(envelope, codec.error(message.request_id, error.code, str(error), error.detail))
+                self.reply(envelope, messages.error(message.request_id, error.code, str(error), error.detail))
             except SchemaError as error:
-                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
             except OverloadedError as error:
-                self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
+                self.reply(envelope, messages.error(message.request_id, "overloaded", str(error)))
         self._propose_all()
 
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
@@ -619,7 +619,7 @@ class CoreNode(NodeServer):
         elif message.kind == "snapshot_offer":
             self._on_snapshot_offer(message.body)
         elif message.kind == "watch":
-            self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
+            self.reply(envelope, messages.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
             watch = self.agent_server.watches.get(message.body.agent)
             replicant = watch.replicant if watch is not None else None
@@ -628,19 +628,19 @@ class CoreNode(NodeServer):
                 return
             self.agent_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
-            self.reply(envelope, codec.reply(message.request_id, self.force_start()))
+            self.reply(envelope, messages.reply(message.request_id, self.force_start()))
         elif message.kind == "membership_change":
             self._membership_change(envelope, message)
         elif message.kind == "members":
-            self.reply(envelope, codec.reply(message.request_id, self.membership()))
+            self.reply(envelope, messages.reply(message.request_id, self.membership()))
         elif message.kind == "stop":
-            self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
+            self.reply(envelope, messages.reply(message.request_id, self.stop_request(principal)))
         elif message.kind == "backup":
             try:
                 result = self.answer_backup(message.body, self._backup_not_ready())
             except BackupError as error:
                 raise RequestError("backup_refused", str(error)) from None
-            self.reply(envelope, codec.reply(message.request_id, result))
+            self.reply(envelope, messages.reply(message.request_id, result))
         elif message.kind in WRITE_KINDS:
             self.refuse_if_disk_full()
             self._write(envelope, message)
@@ -658,7 +658,7 @@ class CoreNode(NodeServer):
             except Exception as error:  # a read must never take the node down; say what failed
                 log.exception("read %s failed", message.kind)
                 raise RequestError("internal", f"{message.kind} failed: {type(error).__name__}: {error}") from None
-            self.reply(envelope, codec.reply(message.request_id, result))
+            self.reply(envelope, messages.reply(message.request_id, result))
         else:
             raise RequestError("bad_request", f"{message.kind} is a reply kind")
 
@@ -830,7 +830,7 @@ class CoreNode(NodeServer):
             self._forward(envelope, message, shard, fence.target)
             return
         result: Any = {"committed": list(fence)} if message.kind == "read_index" else self._read(message)
-        self.reply(envelope, codec.reply(message.request_id, result))
+        self.reply(envelope, messages.reply(message.request_id, result))
 
     def _backup_not_ready(self) -> str | None:
         """Why a backup taken now would not hold a committed state of every shard (None: it would)."""
@@ -1048,7 +1048,7 @@ class CoreNode(NodeServer):
             return
         try:
             peer_message = message_from_wire(body.message)
-        except CodecError as error:
+        except MessageError as error:
             self.protocol_violation(sender, f"malformed consensus message: {error}")
             return
         self.last_heard_ms[sender] = self.clock_ms()
@@ -1180,11 +1180,11 @@ class CoreNode(NodeServer):
             except (RequestError, OverloadedError) as error:
                 code = error.code if isinstance(error, RequestError) else "overloaded"
                 detail = error.detail if isinstance(error, RequestError) else None
-                self.reply(envelope, codec.error(request_id, code, str(error), detail))
+                self.reply(envelope, messages.error(request_id, code, str(error), detail))
 
     def _answer_guard_failure(self, held: HeldFailure, answer: bool, reason: str) -> None:
         code, text, detail = rules.guard_failure_answer(held.failure, answer, reason)
-        self.reply(held.envelope, codec.error(held.request_id, code, text, detail))
+        self.reply(held.envelope, messages.error(held.request_id, code, text, detail))
 
     def _expire_held_guard_failures(self) -> None:
         now = self.clock_ms()
@@ -1215,7 +1215,7 @@ class CoreNode(NodeServer):
                 result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
                 if outcome.duplicate:
                     result["duplicate"] = True
-                self.reply(envelope, codec.reply(outcome.request_id, result))
+                self.reply(envelope, messages.reply(outcome.request_id, result))
             else:
                 self.reply(envelope, _outcome_unknown(outcome.request_id, outcome.reason))
 
@@ -1243,8 +1243,8 @@ class CoreNode(NodeServer):
             except zmq.Again:
                 return
             try:
-                answer = codec.decode(frame, self.config.limits.frame_bytes_max)
-            except CodecError:
+                answer = messages.decode(frame, self.config.limits.frame_bytes_max)
+            except MessageError:
                 continue
             waiting = self.forwarded.answered(answer.request_id)
             if isinstance(waiting, QueryIndexAsk):
@@ -1391,12 +1391,12 @@ class CoreNode(NodeServer):
         if effect.reason in ALREADY_DONE:
             # A retried (or half-done cluster-wide) change: the membership already is what was asked.
             result = {"shard": driver.shard, "members": list(driver.consensus.members), "unchanged": effect.reason}
-            self.reply(envelope, codec.reply(request_id, result))
+            self.reply(envelope, messages.reply(request_id, result))
             return
         sequencer = f" (sequencer: {effect.sequencer})" if effect.sequencer else ""
         self.reply(
             envelope,
-            codec.error(
+            messages.error(
                 request_id,
                 effect.reason,
                 f"membership change refused in shard {driver.shard}: {effect.reason}{sequencer}",
@@ -1581,12 +1581,12 @@ class CoreNode(NodeServer):
         try:
             self.query_wait(gather.envelope, gather.message, gather.request, gather.checked, gather.shards, targets)
         except RequestError as error:
-            self.reply(gather.envelope, codec.error(gather.message.request_id, error.code, str(error)))
+            self.reply(gather.envelope, messages.error(gather.message.request_id, error.code, str(error)))
 
     def _query_index_failed(self, gather: QueryIndexGather, code: str, reason: str) -> None:
         if not gather.answered:
             gather.answered = True
-            self.reply(gather.envelope, codec.error(gather.message.request_id, code, reason))
+            self.reply(gather.envelope, messages.error(gather.message.request_id, code, reason))
 
     def _query_shard_reached(self, shard: str, key: TxKey) -> bool:
         position = self.store.shard(shard)
@@ -1776,7 +1776,7 @@ def is_peer_frame(frame: bytes) -> bool:
 
 
 def _outcome_unknown(request_id: str, reason: str) -> Message:
-    return codec.error(
+    return messages.error(
         request_id,
         "outcome_unknown",
         f"the outcome is unknown ({reason}); retry with the same request id to learn it",

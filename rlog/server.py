@@ -32,14 +32,14 @@ from typing import Any, NoReturn
 
 import msgpack
 import zmq
-from mnesite.rlog import codec, messages
+from mnesite.rlog import messages
 from mnesite.rlog.backup import BackupError, BackupJob, decide
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
-from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
 from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (re-exported)
+from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.metrics import MetricsServer, NodeMetrics, start_metrics
 from mnesite.rlog.query import (
     CheckedQuery,
@@ -287,12 +287,12 @@ class NodeServer:
         if reason is not None:
             self.security.refused_role += 1
             self._log_refusal("refused: %s", reason)
-            return codec.error(message.request_id, "forbidden", reason)
+            return messages.error(message.request_id, "forbidden", reason)
         reason = sender_mismatch(principal, message.kind, message.body)
         if reason is not None:
             self.security.refused_sender += 1
             self._log_refusal("refused a forged sender: %s", reason)
-            return codec.error(message.request_id, "forbidden", reason)
+            return messages.error(message.request_id, "forbidden", reason)
         return None
 
     def _log_refusal(self, text: str, reason: str) -> None:
@@ -601,7 +601,7 @@ class NodeServer:
                 self._backlog.append(triple)
                 backlog_bytes += len(frame)
             else:
-                self.reply(triple[0], codec.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
+                self.reply(triple[0], messages.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
 
     def has_backlog(self) -> bool:
         return bool(self._backlog)
@@ -661,7 +661,7 @@ class NodeServer:
         try:
             cursor, page_rows = page_request(message.body, self.queries.limits.page_rows_max)
             if message.kind == "query_close":
-                self.reply(envelope, codec.reply(message.request_id, {"closed": self.queries.close(cursor)}))
+                self.reply(envelope, messages.reply(message.request_id, {"closed": self.queries.close(cursor)}))
                 return
             self.hold(envelope, message.request_id)
             self.queries.next_page((envelope, message.request_id), cursor, page_rows)
@@ -674,13 +674,13 @@ class NodeServer:
         now = monotonic_ms()
         for waiting in self.waiting_queries.expired(now):
             envelope, request_id = waiting.payload
-            self.reply(envelope, codec.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
+            self.reply(envelope, messages.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
         for waiting in self.waiting_queries.ready(reached):
             try:
                 self.queries.start(waiting)
             except QueryError as error:
                 envelope, request_id = waiting.payload
-                self.reply(envelope, codec.error(request_id, error.code, str(error)))
+                self.reply(envelope, messages.error(request_id, error.code, str(error)))
         for finished in self.queries.finished(drain=self._queries_woken):
             envelope, request_id = finished.payload
             if finished.behind is not None:
@@ -688,11 +688,11 @@ class NodeServer:
                 try:
                     self.waiting_queries.add(finished.behind)
                 except QueryError as error:
-                    self.reply(envelope, codec.error(request_id, error.code, str(error)))
+                    self.reply(envelope, messages.error(request_id, error.code, str(error)))
             elif finished.error is not None:
-                self.reply(envelope, codec.error(request_id, finished.error.code, str(finished.error)))
+                self.reply(envelope, messages.error(request_id, finished.error.code, str(finished.error)))
             else:
-                self.reply(envelope, codec.reply(request_id, finished.result))
+                self.reply(envelope, messages.reply(request_id, finished.result))
         self.queries.expire(now)
 
     # -- the changefeed (rlog.changes; the node keeps nothing per consumer between pages) ---------
@@ -708,7 +708,7 @@ class NodeServer:
         now_ms = monotonic_ms()
         deadline_ms = now_ms + wait_ms
         if not keep_holding(page, now_ms, deadline_ms):
-            self.reply(envelope, codec.reply(message.request_id, page.to_wire()))
+            self.reply(envelope, messages.reply(message.request_id, page.to_wire()))
             return
         waiting_max = self.config.limits.changes_waiting_max
         if len(self.waiting_changes) >= waiting_max:
@@ -748,13 +748,13 @@ class NodeServer:
                 page = self._changes_page(waiting.message.body, waiting.serving, waiting.table_batch)
             except RequestError as error:
                 self.waiting_changes.remove(waiting)
-                self.reply(waiting.envelope, codec.error(request_id, error.code, str(error)))
+                self.reply(waiting.envelope, messages.error(request_id, error.code, str(error)))
                 continue
             if keep_holding(page, now, waiting.deadline_ms):
                 waiting.applied = dict(page.applied)
                 continue
             self.waiting_changes.remove(waiting)
-            self.reply(waiting.envelope, codec.reply(request_id, page.to_wire()))
+            self.reply(waiting.envelope, messages.reply(request_id, page.to_wire()))
 
     def build_indexes(self) -> None:
         """The next step of each online index build (rlog.store), at most every ``INDEX_BUILD_INTERVAL_MS``.
@@ -797,8 +797,8 @@ class NodeServer:
         """Send a frame to a DEALER socket at once, before the turn's commit: only for what may be
         said before the turn's writes are durable (a sequencer's appends, Raft thesis 10.2.1)."""
         try:
-            frame = codec.encode(message)
-        except CodecError as error:
+            frame = messages.encode(message)
+        except MessageError as error:
             # As in flush: a message of ours that our own typed layer refuses is a bug here.
             log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
             return
@@ -850,18 +850,18 @@ class NodeServer:
             if target is None:
                 continue
             try:
-                frame = codec.encode(message)
-            except CodecError as error:
+                frame = messages.encode(message)
+            except MessageError as error:
                 if socket is not None:
                     # A message of ours to a peer or replicant that our own typed layer refuses is a bug
                     # here: say so in the log, and never send the peer an ``error`` it did not ask for.
                     log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
                     continue
-                frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
+                frame = messages.encode(messages.error(message.request_id, "internal", f"reply not encodable: {error}"))
             if socket is None and len(frame) > self.config.limits.frame_bytes_max:
                 # The client would drop a frame above its limit and report silence: say why instead.
-                frame = codec.encode(
-                    codec.error(
+                frame = messages.encode(
+                    messages.error(
                         message.request_id,
                         "too_large",
                         f"the answer is {len(frame)} bytes, above frame_bytes_max "

@@ -45,9 +45,6 @@ class TxKey(NamedTuple):
     generation: TxKeyPart
     counter: TxKeyPart
 
-    def to_wire(self) -> list[int]:
-        return [self.generation, self.counter]
-
     def __str__(self) -> str:
         return f"({self.generation}, {self.counter})"
 
@@ -78,8 +75,9 @@ class WriteOp(Struct, frozen=True, gc=False):
     row: dict[str, Any]
 
 
-# -- the op codec: an op is packed as the msgpack array [tag, field...] (on the wire, in the log, in digests);
-# the op types are those arrays (tagged array_like Structs declaring the wire's bounds); a WriteOp packs as a WriteRow.
+# --- op codec ---
+# An op is packed as the msgpack array [tag, field...] (on the wire, in the log, in digests): the op types
+# are those arrays (tagged array_like Structs declaring the wire's bounds); a WriteOp packs as a WriteRow.
 NAME_CHARS_MAX = 64  # tables, columns, shards, nodes
 NAME_PATTERN = r"^[A-Za-z0-9_.\-]+\Z"  # the one name rule of the wire (rlog.schema is stricter for SQLite)
 ENDPOINT_CHARS_MAX = 255
@@ -106,6 +104,7 @@ class WriteRow(_Op, frozen=True, tag="w", gc=False):
     row: Annotated[list[tuple[RowName, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
 
 
+# --- end op codec ---
 # -- the other ops ---------------------------------------------------------------------------------
 
 
@@ -217,17 +216,29 @@ class Entry(Struct, frozen=True, gc=False):
         request_id_bytes = len(self.request_id.encode()) if self.request_id else 0
         return ENTRY_OVERHEAD_BYTES + len(self.shard.encode()) + request_id_bytes + len(self.packed)
 
+    # --- op codec ---
     def to_wire(self) -> list[Any]:
         """``[shard, tx_key, prev, digest, packed_ops, request_id]``: ops as the bytes the digest covers."""
         return [self.shard, list(self.tx_key), list(self.prev), self.digest, self.packed, self.request_id]
 
+    # --- end op codec ---
 
+
+# --- op codec ---
 class OpDecodeError(ValueError):
     """Encoded ops that are not what ``pack_ops`` makes."""
 
 
 WireOp = Union[(WriteRow, DeleteOp, MembersOp, ClusterVersionOp, *SCHEMA_OPS)]  # noqa: UP007 (the ops as packed)
 _ENCODER, _UNPACKER = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[WireOp])
+
+
+def _decoded(decode: Any, value: Any, refusal: str) -> Any:
+    """``decode(value)``, or ``OpDecodeError(refusal)`` (its ``{}``: why msgspec refused)."""
+    try:
+        return decode(value)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise OpDecodeError(refusal.format(str(error)[:200])) from None
 
 
 def _packable(op: Op) -> Any:
@@ -250,10 +261,7 @@ def _op(op: Any) -> Op:
 
 def decode_op(value: Any) -> Op:
     """Inverse of ``encode_op``; raises ``OpDecodeError`` on anything else."""
-    try:
-        return _op(msgspec.convert(value, WireOp))
-    except (msgspec.ValidationError, RecursionError) as error:
-        raise OpDecodeError(f"malformed op: {str(error)[:200]}") from None
+    return _op(_decoded(lambda v: msgspec.convert(v, WireOp), value, "malformed op: {}"))
 
 
 def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
@@ -262,18 +270,13 @@ def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
     """The ops of a stored ``pack_ops`` blob (trusted: no wire rules; ``rlog.messages.decode_ops``)."""
-    try:
-        return tuple(map(_op, _UNPACKER.decode(blob)))
-    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
-        raise OpDecodeError(f"entry ops do not decode: {str(error)[:200]}") from None
+    return tuple(map(_op, _decoded(_UNPACKER.decode, blob, "entry ops do not decode: {}")))
 
 
 def entry_from_wire(value: Any) -> Entry:
     """The entry of an ``Entry.to_wire`` list this node wrote (the store's spill); raises ``OpDecodeError``."""
-    try:
-        shard, key, prev, digest, packed, request_id = msgspec.convert(value, _EntryList)
-    except (msgspec.ValidationError, RecursionError):
-        raise OpDecodeError("entry must be [shard, tx_key, prev, digest, packed ops, request_id]") from None
+    refusal = "entry must be [shard, tx_key, prev, digest, packed ops, request_id]"
+    shard, key, prev, digest, packed, request_id = _decoded(lambda v: msgspec.convert(v, _EntryList), value, refusal)
     return Entry(shard, key, prev, digest, unpack_ops(packed), request_id, packed)
 
 
@@ -281,10 +284,11 @@ _EntryList = tuple[str, TxKey, TxKey, bytes, bytes, str | None]
 
 
 def tx_key_from_wire(value: Any) -> TxKey:
-    try:
-        return msgspec.convert(value, TxKey)
-    except (msgspec.ValidationError, RecursionError):
-        raise OpDecodeError("tx key must be [generation, counter] of non-negative integers") from None
+    refusal = "tx key must be [generation, counter] of non-negative integers"
+    return _decoded(lambda v: msgspec.convert(v, TxKey), value, refusal)
+
+
+# --- end op codec ---
 
 
 def entry_digest(

@@ -355,7 +355,7 @@ def test_every_frame_the_agent_server_queues_passes_the_typed_message_layer():
     """Regression: the watch answer repeated in every push was refused by the codec's depth bound on
     encode, so cores sent ``error`` frames to replicants instead of pushes and no replicant advanced."""
     from mnesite.core.agent_server import AgentServer
-    from mnesite.rlog import codec
+    from mnesite.rlog import messages
     from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
 
     log = build_log(5)
@@ -375,7 +375,7 @@ def test_every_frame_the_agent_server_queues_passes_the_typed_message_layer():
     server.tick(10_000)
     assert server.outbox, "the new agent pushed nothing"
     for _endpoint, message in server.outbox:
-        decoded = codec.decode(codec.encode(message))
+        decoded = messages.decode(messages.encode(message))
         assert decoded.kind == message.kind == "push"
         assert decoded.body.watch["watch_id"] == "w" * 64
 

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from mnesite.cli.main import main
 from mnesite.core.consensus import AppendRequest, ExclusionNotice, VoteRequest
 from mnesite.core.consensus_wire import message_to_wire
-from mnesite.rlog import codec
+from mnesite.rlog import messages
 from mnesite.rlog.client import Client, Forbidden, RemoteError, Unauthenticated
-from mnesite.rlog.codec import Message
+from mnesite.rlog.messages import Message
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
 from mnesite.rlog.security import configure_client, generate_keys, load_key
 from mnesite.rlog.types import TxKey, WriteOp, make_entry
@@ -35,8 +35,8 @@ def send_as(cluster: Cluster, principal_key: Path, endpoint: str, message: Messa
         pair = load_key(str(principal_key), "key", secret=True)
         configure_client(socket, pair, load_key(str(cluster.keys_dir / "cluster.key"), "key", secret=False).public)
         socket.connect(endpoint)
-        socket.send(codec.encode(message))
-        return codec.decode(socket.recv()) if socket.poll(5000) else None
+        socket.send(messages.encode(message))
+        return messages.decode(socket.recv()) if socket.poll(5000) else None
     finally:
         socket.close(0)
 
