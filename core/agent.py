@@ -450,8 +450,8 @@ class Agent:
         batch_bytes = 0
         # Read in chunks until the push is full or every committed entry is in: each chunk about as
         # many entries as fit in what is left of room_bytes (judging by the entries seen so far), and
-        # at most twice as many as the last push, or as this one so far, held. A push that carries
-        # the commits of a push delay after single-entry pushes therefore still carries them all.
+        # at most twice as many as the last push held (the first chunk) or as this push holds so
+        # far. A push after a push delay that follows single-entry pushes still carries every entry.
         while len(batch) < room_entries:
             after = batch[-1][0].tx_key if batch else self._sent_key
             read_limit = max(
@@ -459,7 +459,7 @@ class Agent:
                 min(
                     room_entries - len(batch),
                     (room_bytes - batch_bytes) // self._entry_bytes_estimate + 1,
-                    2 * max(self._entries_pushed_last, len(batch)),
+                    2 * (len(batch) or self._entries_pushed_last),
                 ),
             )
             read = [
