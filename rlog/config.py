@@ -27,7 +27,7 @@ Example::
     turn_ms_max = 50                    # time spent draining frames per loop turn
     push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
-    push_delay_ms_max = 50              # a partial push waits this long after the previous one (0: never); lag grows by it at most
+    push_delay_ms_max = 50              # a partial push waits this long after the previous one (0: never)
     agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
     requests_queued_max = 10000         # incoming frames zmq queues
