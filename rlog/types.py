@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Annotated, Any, NamedTuple, Union
 
@@ -230,9 +229,7 @@ def decode_op(value: Any) -> Op:
 
 # The last ops packed, by identity (an entry's ops are packed for its digest and again when logged); each
 # item holds its ops tuple (immutable), so an id is never reused while it is cached. Bounded in items and bytes.
-# An OrderedDict: evicting the oldest is O(1) (a dict's first item is found by skipping the slots of
-# the items removed before it: 4 us per remembered entry at 512 items, a third of a pushed entry's decode).
-_PACKED_OPS: OrderedDict[int, tuple[tuple[Op, ...], bytes]] = OrderedDict()
+_PACKED_OPS: dict[int, tuple[tuple[Op, ...], bytes]] = {}
 _PACKED_OPS_ITEMS_MAX, _PACKED_OPS_BYTES_MAX = 512, 32 * 1024 * 1024
 _packed_ops_bytes = 0
 _packed_ops_lock = threading.Lock()
@@ -260,7 +257,7 @@ def remember_packed(ops: tuple[Op, ...], packed: bytes) -> None:
         _PACKED_OPS[id(ops)] = (ops, packed)
         _packed_ops_bytes += len(packed)
         while len(_PACKED_OPS) > _PACKED_OPS_ITEMS_MAX or _packed_ops_bytes > _PACKED_OPS_BYTES_MAX:
-            _packed_ops_bytes -= len(_PACKED_OPS.popitem(last=False)[1][1])
+            _packed_ops_bytes -= len(_PACKED_OPS.pop(next(iter(_PACKED_OPS)))[1])
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
