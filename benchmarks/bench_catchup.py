@@ -11,7 +11,7 @@ Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NO
   starts while ``--writers`` clients keep writing one row per transaction, and resumes from (0, 0)
   through the rlog (default retention). Reported: seconds until it is ``normal`` at (or past) the
   cores' committed key of the moment it started,
-  entries/s and MB/s (entry bytes estimated by ``entry_size_bytes``), elections during the catch-up.
+  entries/s and MB/s (entry bytes estimated by ``Entry.size_bytes``), elections during the catch-up.
 * ``lag``: the writers' maximum rate is measured for ``--seconds``, then they write at half of it;
   after each acknowledgement the writer reads its row at the replicant with ``after_tx_key`` (held
   there until applied): lag of a write = acknowledgement to that answer (p50, p99), which includes
@@ -381,7 +381,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     """The replicant's apply path without sockets: (seconds, entries).
 
     What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
-    decode the frame (``codec.decode``: the wire schema's checks, then ``decode_entries``),
+    decode the frame (``messages.decode``: the wire schema's checks, then ``decode_entries``),
     step the real ``ShardReplica`` (which checks the digest chain), and execute its ``ApplyEntries``
     on a real ``Store`` the way ``replicant.node`` does, one SQLite transaction per push.
     """
@@ -389,9 +389,13 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
 
     from mnesite.replicant.node import ReplicantNode
     from mnesite.replicant.replica import ReplicaConfig, ShardReplica
-    from mnesite.rlog import codec, messages
+    from mnesite.rlog import messages
     from mnesite.rlog import replication as p
-    from mnesite.rlog.codec import Message
+
+    try:  # a --baseline tree with its frames in their own module
+        from mnesite.rlog import codec
+    except ImportError:
+        codec = messages
 
     if hasattr(messages, "decode_entries"):  # the typed wire: bodies are msgspec Structs
 
@@ -405,7 +409,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
 
     from mnesite.rlog.schema import TableSchema
     from mnesite.rlog.store import Store
-    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_to_wire, make_entry
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
 
     schema = TableSchema("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT")))
     entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (schema.to_op(),))]
@@ -421,11 +425,11 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
             "shard": "default",
             "agent": "a",
             "core": "c",
-            "entries": [entry_to_wire(e) for e in entries[i : i + push_entries]],
+            "entries": [e.to_wire() for e in entries[i : i + push_entries]],
             "committed": list(committed),
             "hears_sequencer": True,
         }
-        pushes.append(codec.encode(Message("push", "a", body)))
+        pushes.append(codec.encode(codec.Message("push", "a", body)))
     # The replicant holds only what it receives: the loaded entries would make every garbage
     # collection of the timed loop walk them.
     entries_count = len(entries)

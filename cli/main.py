@@ -302,12 +302,12 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
 
 
 def load_sample_data(node: Any) -> None:
-    from mnesite.rlog import codec
-    from mnesite.rlog.codec import Message
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
 
     def typed(message: Message) -> Message:
         # What the node would have received: the body decoded into its kind's type.
-        return codec.decode(codec.encode(message))
+        return messages.decode(messages.encode(message))
 
     if "sample_users" in node.store.catalog():
         return

@@ -99,7 +99,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import Entry, PackedEntry, TxKey, wire_size_bytes
+from mnesite.rlog.types import Entry, PackedEntry, TxKey
 
 STOPPED_TRIMMED = "position trimmed: bootstrap needed"
 
@@ -131,7 +131,7 @@ class AgentLogView(Protocol):
 class AgentConfig:
     # Pushed entries not yet acknowledged; bounds what is in flight to one replicant.
     window_entries_max: int = 1000
-    # Pushed bytes not yet acknowledged (estimated by ``entry_size_bytes``).
+    # Pushed bytes not yet acknowledged (``size_bytes`` of the entries).
     window_bytes_max: int = 8 * 1024 * 1024
     # The window in bytes before the replicant's first acknowledgement (it has not shown it is alive).
     probation_bytes_max: int = 8 * 1024 * 1024
@@ -475,7 +475,7 @@ class Agent:
                 if batch and entry.prev != batch[-1][0].tx_key:
                     self._stop(f"the log is not contiguous at {entry.tx_key}")
                     return None
-                size = wire_size_bytes(entry)
+                size = entry.size_bytes
                 if batch and batch_bytes + size > room_bytes:
                     full = True  # the first entry always goes, alone if it is larger than a push
                     break

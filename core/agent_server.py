@@ -36,8 +36,8 @@ from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, Agen
 from mnesite.core.versions import watch_protocol_refusal
 from mnesite.core.watch import agent_to_evict, check_watch_request, decide_watch, superseded_agents
 from mnesite.rlog import messages
-from mnesite.rlog.codec import Message
 from mnesite.rlog.config import Limits
+from mnesite.rlog.messages import Message
 from mnesite.rlog.replication import (
     AckReceived,
     AgentStopped,
@@ -46,7 +46,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import TxKey, to_wire
+from mnesite.rlog.types import TxKey
 from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -259,7 +259,7 @@ class AgentServer:
         key = (shard, entries[0].prev, entries[-1].tx_key, len(entries))
         encoded = self._encoded_entries.get(key)
         if encoded is None:
-            encoded = msgspec.Raw(_ENCODER.encode([to_wire(entry) for entry in entries]))
+            encoded = msgspec.Raw(_ENCODER.encode([entry.to_wire() for entry in entries]))
             self._encoded_entries[key] = encoded
         return encoded
 

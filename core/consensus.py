@@ -146,7 +146,7 @@ from mnesite.core.membership import MEMBERS_MAX, membership_changes
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskFreed, DiskFull
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import Ticked
-from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, chain_break, entry_size_bytes, make_entry
+from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, chain_break, make_entry
 
 # Generations are persisted as SQLite integers and a campaign adds one: stay below 2**63 - 1.
 GENERATION_MAX = 2**63 - 2
@@ -179,7 +179,7 @@ class ConsensusConfig:
     heartbeat_interval_ms: int = 100
     # Entries in one append message; bounds message size and the work of one step.
     entries_per_append_max: int = 64
-    # Bytes of entries in one append (estimated by ``entry_size_bytes``; an entry larger than this goes
+    # Bytes of entries in one append (``Entry.size_bytes``; an entry larger than this goes
     # alone): 64 entries of 1,000 rows would otherwise exceed a follower's frame_bytes_max.
     append_bytes_max: int = 512 * 1024
     # Appends carrying entries sent to one follower and not yet answered (pipelining depth).
@@ -1468,7 +1468,7 @@ class ShardConsensus:
             in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
             while start is not None and start < len(batch) and progress.in_flight < in_flight_max:
                 if sizes is None:
-                    sizes = [entry_size_bytes(entry) for entry in batch]
+                    sizes = [entry.size_bytes for entry in batch]
                 window = batch[start : start + self.config.entries_per_append_max]
                 chunk = _bounded_in_bytes(window, self.config.append_bytes_max, sizes[start:])
                 prev = batch[start - 1].digest if start else self._batch_prev_digest
@@ -1701,11 +1701,11 @@ class ShardConsensus:
 
 def _bounded_in_bytes(entries: Sequence[Entry], bytes_max: int, sizes: Sequence[int] | None = None) -> list[Entry]:
     """The longest prefix of ``entries`` within ``bytes_max`` bytes, and at least the first entry
-    (``sizes``: their ``entry_size_bytes``, when the caller measured them already)."""
+    (``sizes``: their ``size_bytes``, when the caller measured them already)."""
     bounded: list[Entry] = []
     total = 0
     for index, entry in enumerate(entries):
-        total += sizes[index] if sizes is not None else entry_size_bytes(entry)
+        total += sizes[index] if sizes is not None else entry.size_bytes
         if bounded and total > bytes_max:
             break
         bounded.append(entry)

@@ -1,7 +1,6 @@
-"""Peer messages of ``core.consensus`` on the wire (a ``peer`` frame's ``message``).
-
-A message is the array ``[CONSENSUS_WIRE_VERSION, kind, field...]``: the message's fields in order, each
-of its name's wire type (``FIELD_TYPES``), checked by msgspec in C. Anything malformed raises ``CodecError``.
+"""Peer messages of ``core.consensus`` on the wire (a ``peer`` frame's ``message``): the array
+``[CONSENSUS_WIRE_VERSION, kind, field...]``, the message's fields in order, each of its name's wire type
+(``FIELD_TYPES``), checked by msgspec in C. Anything malformed raises ``MessageError``.
 """
 
 from __future__ import annotations
@@ -12,12 +11,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from mnesite.core import consensus
-from mnesite.rlog.codec import CodecError
 from mnesite.rlog.messages import Digest, MessageError, NonNegative, WireEntry, body_error, decode_entries
-from mnesite.rlog.types import Name, TxKey, entry_to_wire
+from mnesite.rlog.types import Name, TxKey
 from msgspec import Meta
 
-CONSENSUS_WIRE_VERSION = 2  # 2: entries carry their ops packed (``rlog.types.entry_to_wire``)
+CONSENSUS_WIRE_VERSION = 2  # 2: entries carry their ops packed (``rlog.types.Entry.to_wire``)
 APPEND_ENTRIES_WIRE_MAX = 4096  # far above any entries_per_append_max: more is refused before decoding
 # fmt: off
 FIELD_TYPES: dict[str, Any] = {  # a consensus message's field -> its wire type
@@ -33,9 +31,7 @@ FIELD_TYPES: dict[str, Any] = {  # a consensus message's field -> its wire type
 def _wire_type(message: type) -> Any:  # the array [version, kind, field...] of a consensus message
     fields = [(field.name, FIELD_TYPES[field.name]) for field in dataclasses.fields(message)]
     fields = [("version", Literal[CONSENSUS_WIRE_VERSION]), ("kind", str), *fields]
-    return msgspec.defstruct(
-        f"{message.__name__}Wire", fields, array_like=True, frozen=True, forbid_unknown_fields=True
-    )
+    return msgspec.defstruct(f"{message.__name__}Wire", fields, array_like=True, forbid_unknown_fields=True)
 
 
 # kind (VoteRequest: vote_request) -> (message type, decoder of its wire type)
@@ -54,31 +50,30 @@ def message_to_wire(message: consensus.PeerMessage) -> list[Any]:
         raise TypeError(f"not a consensus peer message: {message!r}")
     fields = [getattr(message, field.name) for field in dataclasses.fields(message)]
     if kind == "append_request":
-        fields[5] = [entry_to_wire(entry) for entry in fields[5]]
+        fields[5] = [entry.to_wire() for entry in fields[5]]
     return [CONSENSUS_WIRE_VERSION, kind, *fields]
 
 
 def message_from_wire(value: Any) -> consensus.PeerMessage:
-    """Inverse of ``message_to_wire``, of its msgpack bytes or the unpacked list; else raises ``CodecError``."""
+    """Inverse of ``message_to_wire``, of its msgpack bytes or the unpacked list; else raises ``MessageError``."""
     try:
         packed = value if isinstance(value, (bytes, bytearray, memoryview, msgspec.Raw)) else _ENCODER.encode(value)
         version, kind = msgspec.structs.astuple(_HEAD.decode(packed))
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, TypeError, OverflowError):
-        raise CodecError("consensus message must be [version, kind, ...]") from None
+        raise MessageError("consensus message must be [version, kind, ...]") from None
     if version != CONSENSUS_WIRE_VERSION or type(version) is not int:
-        raise CodecError(f"consensus wire version {version!r:.40} is not supported", "unsupported_version")
+        raise MessageError(f"consensus wire version {version!r:.40} is not supported", "unsupported_version")
     if type(kind) is not str or kind not in KINDS:
-        raise CodecError(f"unknown consensus message kind {kind!r:.40}", "unknown_kind")
+        raise MessageError(f"unknown consensus message kind {kind!r:.40}", "unknown_kind")
     message_type, decoder = KINDS[kind]
     try:
-        wire = decoder.decode(packed)
-        fields = list(msgspec.structs.astuple(wire)[2:])
+        fields = list(msgspec.structs.astuple(decoder.decode(packed))[2:])
         if kind == "append_request":
-            fields[5] = decode_entries(wire.entries)
+            fields[5] = decode_entries(fields[5])
     except msgspec.ValidationError as error:
-        raise CodecError(str(body_error(kind, error))[:400]) from None
+        raise MessageError(str(body_error(kind, error))[:400]) from None
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
-        raise CodecError(f"{kind}: malformed msgpack") from None
+        raise MessageError(f"{kind}: malformed msgpack") from None
     except MessageError as error:
-        raise CodecError(f"{kind}.entries: {str(error)[:300]}") from None
+        raise MessageError(f"{kind}.entries: {str(error)[:300]}") from None
     return message_type(*fields)

@@ -151,9 +151,12 @@ class GuardTail(Generic[Token]):
                     self.rows[row_key] = None  # the rows go with the table
 
     def catalog_over(self, applied: dict[str, TableSchema]) -> dict[str, TableSchema]:
-        """The tables as they will be once the tail is applied over the ``applied`` catalog."""
+        """The tables as they will be once the tail is applied over the ``applied`` catalog (that
+        dict itself when the tail changes no table: as the store's, it is read, never changed)."""
         self._indexed_tail()
-        return {**{n: t for n, t in applied.items() if n not in self.dropped}, **self.tables}
+        if not self.tables and not self._dropped:
+            return applied
+        return {**{n: t for n, t in applied.items() if n not in self._dropped}, **self.tables}
 
     def _rebuild(self, entries: list[Entry], catalog: dict[str, TableSchema]) -> None:
         self.catalog = dict(catalog)

@@ -50,7 +50,6 @@ import logging
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,12 +130,12 @@ from mnesite.core.versions import (
     cluster_version_of,
 )
 from mnesite.core.watch import WatchRefusedError
-from mnesite.rlog import codec, messages, range_requests, replication
+from mnesite.rlog import messages, range_requests, replication
 from mnesite.rlog.backup import RESTORED_META, BackupError
-from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
+from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.query import CheckedQuery, QueryRequest
 from mnesite.rlog.retention import keep_from_match_keys
 from mnesite.rlog.roles import WRITE_KINDS
@@ -154,6 +153,7 @@ from mnesite.rlog.types import (
     MembersOp,
     PackedEntry,
     TxKey,
+    new_request_id,
 )
 from mnesite.rlog.versions import local_announcement
 
@@ -571,7 +571,7 @@ class CoreNode(NodeServer):
         for driver in self.shards.values():
             _, held = driver.held.take()
             for request_id, (envelope, _) in held:  # never proposed: nothing was logged
-                self.reply(envelope, codec.error(request_id, "disk_full", f"disk_full: {error}"))
+                self.reply(envelope, messages.error(request_id, "disk_full", f"disk_full: {error}"))
         for shard, driver in list(self.shards.items()):
             self._step(driver, DiskFull(error))
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
@@ -593,10 +593,10 @@ class CoreNode(NodeServer):
             return
         for envelope, frame, principal in self.receive_frames(self.clock_ms, is_peer_frame):
             try:
-                message = codec.decode(frame, self.config.limits.frame_bytes_max)
-            except CodecError as error:
+                message = messages.decode(frame, self.config.limits.frame_bytes_max)
+            except MessageError as error:
                 self.malformed_frame()
-                self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
+                self.reply(envelope, messages.error(request_id_of(frame), error.code, str(error)))
                 continue
             refused = self.refusal(principal, message)
             if refused is not None:
@@ -607,11 +607,11 @@ class CoreNode(NodeServer):
             except Deferred:
                 pass
             except RequestError as error:
-                self.reply(envelope, codec.error(message.request_id, error.code, str(error), error.detail))
+                self.reply(envelope, messages.error(message.request_id, error.code, str(error), error.detail))
             except SchemaError as error:
-                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
             except OverloadedError as error:
-                self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
+                self.reply(envelope, messages.error(message.request_id, "overloaded", str(error)))
         self._propose_all()
 
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
@@ -620,7 +620,7 @@ class CoreNode(NodeServer):
         elif message.kind == "snapshot_offer":
             self._on_snapshot_offer(message.body)
         elif message.kind == "watch":
-            self.reply(envelope, codec.reply(message.request_id, self._watch(message.body)))
+            self.reply(envelope, messages.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
             watch = self.agent_server.watches.get(message.body.agent)
             replicant = watch.replicant if watch is not None else None
@@ -629,19 +629,19 @@ class CoreNode(NodeServer):
                 return
             self.agent_server.acknowledged(message.body, self.clock_ms())
         elif message.kind == "force_start":
-            self.reply(envelope, codec.reply(message.request_id, self.force_start()))
+            self.reply(envelope, messages.reply(message.request_id, self.force_start()))
         elif message.kind == "membership_change":
             self._membership_change(envelope, message)
         elif message.kind == "members":
-            self.reply(envelope, codec.reply(message.request_id, self.membership()))
+            self.reply(envelope, messages.reply(message.request_id, self.membership()))
         elif message.kind == "stop":
-            self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
+            self.reply(envelope, messages.reply(message.request_id, self.stop_request(principal)))
         elif message.kind == "backup":
             try:
                 result = self.answer_backup(message.body, self._backup_not_ready())
             except BackupError as error:
                 raise RequestError("backup_refused", str(error)) from None
-            self.reply(envelope, codec.reply(message.request_id, result))
+            self.reply(envelope, messages.reply(message.request_id, result))
         elif message.kind in WRITE_KINDS:
             self.refuse_if_disk_full()
             self._write(envelope, message)
@@ -659,7 +659,7 @@ class CoreNode(NodeServer):
             except Exception as error:  # a read must never take the node down; say what failed
                 log.exception("read %s failed", message.kind)
                 raise RequestError("internal", f"{message.kind} failed: {type(error).__name__}: {error}") from None
-            self.reply(envelope, codec.reply(message.request_id, result))
+            self.reply(envelope, messages.reply(message.request_id, result))
         else:
             raise RequestError("bad_request", f"{message.kind} is a reply kind")
 
@@ -675,7 +675,9 @@ class CoreNode(NodeServer):
 
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
         shard = driver.shard
-        if isinstance(effect, PersistState):
+        if type(effect) is ProposalCommitted:  # one per write, tested first
+            pass  # answered through the waiters when the Commit applied the entry
+        elif isinstance(effect, PersistState):
             self.begin()
             state = effect.state
             self.store.persist_consensus_state(shard, state.generation, state.voted_for, state.members, state.forced)
@@ -716,8 +718,6 @@ class CoreNode(NodeServer):
         elif isinstance(effect, Send):
             frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
             self._send_peer(effect.to, Message("peer", "peer", frame_body), now=effect.before_persisted)
-        elif isinstance(effect, ProposalCommitted):
-            pass  # answered through the waiters when the Commit applied the entry
         elif isinstance(effect, ProposalFailed):
             self._tell_outcomes(driver.waiters.failed(effect.tx_key, effect.reason))
         elif isinstance(effect, ProposalRejected):
@@ -730,6 +730,8 @@ class CoreNode(NodeServer):
             # Requests forwarded to a sequencer we no longer follow would wait for FORWARD_TIMEOUT_MS
             # (it may be dead): tell their clients now, so that they retry with the same request id.
             self._tell_outcomes(self.forwarded.sequencer_changed(shard, effect.sequencer))
+            # A new sequencer checks the cluster version in this turn, not at the next probe round.
+            self._versions_check_due = self._versions_check_due or effect.role is Role.SEQUENCER
             position = self.store.shard(shard)
             if position is not None:
                 self.agent_server.committed(shard, position.applied, effect.sequencer is not None, self.clock_ms())
@@ -829,7 +831,7 @@ class CoreNode(NodeServer):
             self._forward(envelope, message, shard, fence.target)
             return
         result: Any = {"committed": list(fence)} if message.kind == "read_index" else self._read(message)
-        self.reply(envelope, codec.reply(message.request_id, result))
+        self.reply(envelope, messages.reply(message.request_id, result))
 
     def _backup_not_ready(self) -> str | None:
         """Why a backup taken now would not hold a committed state of every shard (None: it would)."""
@@ -1047,7 +1049,7 @@ class CoreNode(NodeServer):
             return
         try:
             peer_message = message_from_wire(body.message)
-        except CodecError as error:
+        except MessageError as error:
             self.protocol_violation(sender, f"malformed consensus message: {error}")
             return
         self.last_heard_ms[sender] = self.clock_ms()
@@ -1179,11 +1181,11 @@ class CoreNode(NodeServer):
             except (RequestError, OverloadedError) as error:
                 code = error.code if isinstance(error, RequestError) else "overloaded"
                 detail = error.detail if isinstance(error, RequestError) else None
-                self.reply(envelope, codec.error(request_id, code, str(error), detail))
+                self.reply(envelope, messages.error(request_id, code, str(error), detail))
 
     def _answer_guard_failure(self, held: HeldFailure, answer: bool, reason: str) -> None:
         code, text, detail = rules.guard_failure_answer(held.failure, answer, reason)
-        self.reply(held.envelope, codec.error(held.request_id, code, text, detail))
+        self.reply(held.envelope, messages.error(held.request_id, code, text, detail))
 
     def _expire_held_guard_failures(self) -> None:
         now = self.clock_ms()
@@ -1214,7 +1216,7 @@ class CoreNode(NodeServer):
                 result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
                 if outcome.duplicate:
                     result["duplicate"] = True
-                self.reply(envelope, codec.reply(outcome.request_id, result))
+                self.reply(envelope, messages.reply(outcome.request_id, result))
             else:
                 self.reply(envelope, _outcome_unknown(outcome.request_id, outcome.reason))
 
@@ -1242,8 +1244,8 @@ class CoreNode(NodeServer):
             except zmq.Again:
                 return
             try:
-                answer = codec.decode(frame, self.config.limits.frame_bytes_max)
-            except CodecError:
+                answer = messages.decode(frame, self.config.limits.frame_bytes_max)
+            except MessageError:
                 continue
             waiting = self.forwarded.answered(answer.request_id)
             if isinstance(waiting, QueryIndexAsk):
@@ -1311,6 +1313,7 @@ class CoreNode(NodeServer):
         peer = self._versions_probes.pop(answer.request_id, None)  # a late answer of an older round is dropped
         if peer is None or peer not in self.endpoints or answer.kind != "reply":
             return
+        self._versions_check_due = True  # what a member speaks may allow a proposal now
         for notice in self.peer_versions.heard(peer, answer.body.result, self.clock_ms()):
             if isinstance(notice, PeerRefused):
                 log.warning("core %s refused: this core cannot speak with it: %s", peer, notice.reason)
@@ -1389,12 +1392,12 @@ class CoreNode(NodeServer):
         if effect.reason in ALREADY_DONE:
             # A retried (or half-done cluster-wide) change: the membership already is what was asked.
             result = {"shard": driver.shard, "members": list(driver.consensus.members), "unchanged": effect.reason}
-            self.reply(envelope, codec.reply(request_id, result))
+            self.reply(envelope, messages.reply(request_id, result))
             return
         sequencer = f" (sequencer: {effect.sequencer})" if effect.sequencer else ""
         self.reply(
             envelope,
-            codec.error(
+            messages.error(
                 request_id,
                 effect.reason,
                 f"membership change refused in shard {driver.shard}: {effect.reason}{sequencer}",
@@ -1555,7 +1558,7 @@ class CoreNode(NodeServer):
             if target is None or self.forwarded.full():
                 self._query_index_failed(gather, "no_sequencer", f"shard {shard} has no sequencer reachable now")
                 return
-            request_id = uuid.uuid4().hex
+            request_id = new_request_id()
             self.forwarded.forwarded(request_id, QueryIndexAsk(gather, shard), shard, target, self.clock_ms())
             self._send_peer(target, Message("read_index", request_id, {"shard": shard, "forwarded": True}))
         self._query_index_complete(gather)
@@ -1579,12 +1582,12 @@ class CoreNode(NodeServer):
         try:
             self.query_wait(gather.envelope, gather.message, gather.request, gather.checked, gather.shards, targets)
         except RequestError as error:
-            self.reply(gather.envelope, codec.error(gather.message.request_id, error.code, str(error)))
+            self.reply(gather.envelope, messages.error(gather.message.request_id, error.code, str(error)))
 
     def _query_index_failed(self, gather: QueryIndexGather, code: str, reason: str) -> None:
         if not gather.answered:
             gather.answered = True
-            self.reply(gather.envelope, codec.error(gather.message.request_id, code, reason))
+            self.reply(gather.envelope, messages.error(gather.message.request_id, code, reason))
 
     def _query_shard_reached(self, shard: str, key: TxKey) -> bool:
         position = self.store.shard(shard)
@@ -1774,7 +1777,7 @@ def is_peer_frame(frame: bytes) -> bool:
 
 
 def _outcome_unknown(request_id: str, reason: str) -> Message:
-    return codec.error(
+    return messages.error(
         request_id,
         "outcome_unknown",
         f"the outcome is unknown ({reason}); retry with the same request id to learn it",

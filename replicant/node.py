@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,13 +37,13 @@ from mnesite.bootstrap.serve import read_batch
 from mnesite.replicant.reads import GATHER_FAILED, ReadIndexGather, WaitingReads, shards_to_wait_on
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
 from mnesite.replicant.upstream import write_target
-from mnesite.rlog import codec, messages
+from mnesite.rlog import messages
 from mnesite.rlog import replication as p
 from mnesite.rlog.backup import BackupError
-from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
+from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.schema import SchemaError, TableSchema, check_name, schema_ops_toward
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
@@ -52,6 +51,7 @@ from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
     TxKey,
+    new_request_id,
 )
 from mnesite.rlog.versions import (
     Announcement,
@@ -239,15 +239,15 @@ class ReplicantNode(NodeServer):
         if len(self.pending) >= PENDING_REQUESTS_MAX:
             log.warning("too many pending requests; %s to %s not sent", kind, core)
             return
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         self.pending[request_id] = pending
         message = Message(kind, request_id, body)
         if not at_once:
             self.queue(self.core_sockets[core], message)
             return
         try:
-            self.core_sockets[core].send(codec.encode(message), zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError, CodecError) as error:
+            self.core_sockets[core].send(messages.encode(message), zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError, MessageError) as error:
             # Like a lost request: its pending entry expires and the copy is retried.
             log.debug("%s to %s not sent: %s", kind, core, error)
 
@@ -377,8 +377,8 @@ class ReplicantNode(NodeServer):
             except zmq.Again:
                 return
             try:
-                answer = codec.decode(frame, self.config.limits.frame_bytes_max)
-            except CodecError:
+                answer = messages.decode(frame, self.config.limits.frame_bytes_max)
+            except MessageError:
                 continue
             self._core_heard_ms = self.clock_ms()
             pending = self.pending.pop(answer.request_id, None)
@@ -400,7 +400,7 @@ class ReplicantNode(NodeServer):
             if step == GATHER_FAILED:
                 self.reply(
                     envelope,
-                    codec.error(
+                    messages.error(
                         message.request_id,
                         error.code if error else "bad_answer",
                         error.message if error else "malformed read_index answer",
@@ -510,7 +510,7 @@ class ReplicantNode(NodeServer):
                 pending.detail["gather"].answered = True
                 self.reply(
                     pending.detail["envelope"],
-                    codec.error(
+                    messages.error(
                         pending.detail["message"].request_id,
                         "no_sequencer",
                         f"core {pending.core} did not confirm the committed key of shard {pending.shard} in time",
@@ -519,7 +519,7 @@ class ReplicantNode(NodeServer):
             elif pending.purpose == "forward":
                 self.reply(
                     pending.detail["envelope"],
-                    codec.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
+                    messages.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
                 )
             elif pending.purpose == "fence" and pending.shard in self.replicas:
                 self._step(self.replicas[pending.shard], p.CommittedReceived(pending.core, None))
@@ -530,7 +530,7 @@ class ReplicantNode(NodeServer):
                 self._finish_probe(self.replicas[shard])
         for read in self.waiting_reads.expired(now):
             envelope, message = read.payload
-            self.reply(envelope, codec.error(message.request_id, "timeout", read.describe()))
+            self.reply(envelope, messages.error(message.request_id, "timeout", read.describe()))
 
     def no_core_reached(self) -> str | None:
         """Why this replicant serves nothing, if no core has answered it for ``NO_CORE_WARNING_MS``."""
@@ -567,10 +567,10 @@ class ReplicantNode(NodeServer):
             return
         for envelope, frame, principal in self.receive_frames(self.clock_ms):
             try:
-                message = codec.decode(frame, self.config.limits.frame_bytes_max)
-            except CodecError as error:
+                message = messages.decode(frame, self.config.limits.frame_bytes_max)
+            except MessageError as error:
                 self.malformed_frame()
-                self.reply(envelope, codec.error(request_id_of(frame), error.code, str(error)))
+                self.reply(envelope, messages.error(request_id_of(frame), error.code, str(error)))
                 continue
             refused = self.refusal(principal, message)
             if refused is not None:
@@ -580,11 +580,11 @@ class ReplicantNode(NodeServer):
             try:
                 self._dispatch(envelope, message, principal)
             except RequestError as error:
-                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
             except SchemaError as error:
-                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
             except OverloadedError as error:
-                self.reply(envelope, codec.error(message.request_id, "overloaded", str(error)))
+                self.reply(envelope, messages.error(message.request_id, "overloaded", str(error)))
 
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         body = message.body
@@ -595,9 +595,9 @@ class ReplicantNode(NodeServer):
             self.refuse_if_disk_full()
             self._forward(envelope, message)
         elif message.kind == "status":
-            self.reply(envelope, codec.reply(message.request_id, self.status()))
+            self.reply(envelope, messages.reply(message.request_id, self.status()))
         elif message.kind == "stop":
-            self.reply(envelope, codec.reply(message.request_id, self.stop_request(principal)))
+            self.reply(envelope, messages.reply(message.request_id, self.stop_request(principal)))
         elif message.kind in ("get", "scan", "count"):
             self._read(envelope, message)
         elif message.kind == "query":
@@ -613,13 +613,13 @@ class ReplicantNode(NodeServer):
             if message.kind in read_service.TABLE_KINDS:
                 table = self._table(body.table)
                 self._serving(table.shard)
-            self.reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
+            self.reply(envelope, messages.reply(message.request_id, self._read_now(table, message)))
         elif message.kind == "backup":
             try:
                 result = self.answer_backup(body, self._backup_not_ready())
             except BackupError as error:
                 raise RequestError("backup_refused", str(error)) from None
-            self.reply(envelope, codec.reply(message.request_id, result))
+            self.reply(envelope, messages.reply(message.request_id, result))
         elif message.kind in ("journal", "watch", "force_start", "peer", "read_index"):
             raise RequestError("not_a_core", f"{self.config.name} is a replicant; send {message.kind} to a core")
         else:
@@ -706,7 +706,7 @@ class ReplicantNode(NodeServer):
         if min_key is not None:
             self._wait_for(envelope, message, dict.fromkeys(shards, min_key))
             return
-        self.reply(envelope, codec.reply(message.request_id, self._read_now(table, message)))
+        self.reply(envelope, messages.reply(message.request_id, self._read_now(table, message)))
 
     def _ask_read_indexes(self, envelope: list[bytes], message: Message, shards: list[str] | tuple[str, ...]) -> None:
         """Learn each shard's committed key from its sequencer (quorum-confirmed); ``_wait_for`` follows."""
@@ -744,11 +744,11 @@ class ReplicantNode(NodeServer):
             try:
                 self._query(envelope, message, targets)
             except RequestError as error:
-                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
             return
         wait_ms = READ_WAIT_MS_MAX if message.body.wait_ms is None else min(READ_WAIT_MS_MAX, message.body.wait_ms)
         if len(self.waiting_reads) >= WAITING_READS_MAX:
-            self.reply(envelope, codec.error(message.request_id, "overloaded", "too many reads waiting"))
+            self.reply(envelope, messages.error(message.request_id, "overloaded", "too many reads waiting"))
             return
         self.hold(envelope, message.request_id)  # may refuse (overloaded): then nothing waits
         self.waiting_reads.hold((envelope, message), message.body.table, targets, self.clock_ms() + wait_ms)
@@ -777,9 +777,9 @@ class ReplicantNode(NodeServer):
             try:
                 result = self._read_now(self._table(message.body.table), message)
             except (RequestError, SchemaError) as error:
-                self.reply(envelope, codec.error(message.request_id, error.code, str(error)))
+                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
                 continue
-            self.reply(envelope, codec.reply(message.request_id, result))
+            self.reply(envelope, messages.reply(message.request_id, result))
 
     def status(self) -> dict[str, Any]:
         shards = {}

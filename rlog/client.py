@@ -38,19 +38,17 @@ import contextlib
 import os
 import socket as socket_module
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import zmq
-from mnesite.rlog import codec
-from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog import messages
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
-from mnesite.rlog.messages import MessageError, typed_body
+from mnesite.rlog.messages import Message, MessageError, typed_body
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
-from mnesite.rlog.types import TxKey
+from mnesite.rlog.types import TxKey, new_request_id
 from zmq.utils.monitor import recv_monitor_message
 
 SCAN_PAGE_ROWS = 1000
@@ -180,7 +178,7 @@ class Client:
         retries: int = 2,
         key: str | os.PathLike[str] | KeyPair | None = None,
         server_key: str | os.PathLike[str] | bytes | None = None,
-        frame_bytes_max: int = codec.FRAME_BYTES_MAX_DEFAULT,
+        frame_bytes_max: int = messages.FRAME_BYTES_MAX_DEFAULT,
     ) -> None:
         """``key``: the caller's secret key file (or a loaded ``KeyPair``); ``server_key``: the
         cluster's public key file (or the raw 32-byte key). Give both, or neither (no CurveZMQ).
@@ -297,10 +295,10 @@ class Client:
         """
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         retries = self.retries if retries is None else retries
-        message = Message(kind, request_id or uuid.uuid4().hex, body or {})
+        message = Message(kind, request_id or new_request_id(), body or {})
         try:
-            frame = codec.encode(message, check=True)
-        except CodecError as error:
+            frame = messages.encode(message, check=True)
+        except MessageError as error:
             # The same schema a node checks: refuse here, before anything is sent.
             raise InvalidRequest(f"not sent: {error}", "bad_request") from None
         if len(frame) > self.frame_bytes_max:
@@ -406,8 +404,8 @@ class Client:
                 continue
             frame = socket.recv()
             try:
-                answer = codec.decode(frame, self.frame_bytes_max)
-            except CodecError:
+                answer = messages.decode(frame, self.frame_bytes_max)
+            except MessageError:
                 continue  # not ours to understand; keep waiting for our answer
             if answer.request_id in (request_id, "?") and answer.kind in ("reply", "error"):
                 return answer

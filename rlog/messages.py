@@ -1,27 +1,30 @@
-"""The wire schema: one frozen msgspec ``Struct`` per message kind (``SCHEMAS``), decoded once.
-
-Every byte from a socket is untrusted. msgspec decodes a body straight into its kind's type, checking
-each declared type, range, length and pattern in C. What it cannot declare has a type checked by the
-decoders' ``dec_hook``: ``Scalar`` (one SQLite value: msgspec allows no union of str and bytes) and
-``_free`` (bounded depth); a transaction's values are checked at once (``Transact``). Entries carry
-their ops packed, decoded by ``decode_ops`` when wanted. A refusal (``MessageError``) names the field
-path, never the value. Rules against the receiver's state live in the state machines.
+"""The wire: a frame is the msgpack array ``[version, kind, request_id, body]`` (``request_id`` pairs a
+reply with its request and makes a retried write idempotent); ``body`` is decoded once, straight into its
+kind's frozen msgspec ``Struct`` (``SCHEMAS``), whose declared types, ranges, lengths and patterns msgspec
+checks in C. What it cannot declare has a type checked by the decoders' ``dec_hook``: ``Scalar`` (one
+SQLite value: msgspec allows no union of str and bytes) and ``_free`` (bounded depth); a transaction's
+values are checked at once (``Transact``), an entry's packed ops when wanted (``decode_ops``). Decoding
+raises ``MessageError`` only, naming the field path, never the value. Rules against the receiver's state
+live in the state machines.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import operator
 import re
 from typing import Annotated, Any, Literal
 
+import msgpack
 import msgspec
 from mnesite.rlog import types
 from mnesite.rlog.types import ENDPOINT_PATTERN, NAME_CHARS_MAX, NAME_PATTERN, Name, TxKey, WriteOp, WriteRow
 from msgspec import Meta, Struct
 
+PROTOCOL_VERSION, FRAME_BYTES_MAX_DEFAULT = 1, 4 * 1024 * 1024
 INTEGER_MIN, INTEGER_MAX = -(2**63), 2**63 - 1  # SQLite's INTEGER
 REQUEST_ID_CHARS_MAX, MESSAGE_CHARS_MAX, RANGES_MAX, BACKUP_PATH_CHARS_MAX = 64, 4096, 10_000, 1024
 FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
@@ -42,7 +45,7 @@ NOT_UTF8 = "holds a string that is not UTF-8"
 
 
 class MessageError(ValueError):
-    """A frame or body that does not fit the wire (``codec.CodecError``); ``code``: the error to answer."""
+    """A frame or body that does not fit the wire; ``code``: the error to answer with."""
 
     def __init__(self, message: str, code: str = "bad_frame") -> None:
         super().__init__(message)
@@ -56,21 +59,14 @@ _SCALARS_LOOPED_MAX = 8
 
 
 def scalars_refusal(values: Any) -> str | None:
-    """None if every value is a SQLite scalar; else why not. Set-based (a row costs a few C loops), and a
-    plain loop for a few values."""
+    """None if every value is a SQLite scalar; else why not. Set-based: a row costs a few C loops."""
     values = values if isinstance(values, (list, tuple)) else list(values)
     if len(values) <= _SCALARS_LOOPED_MAX:
         # A few values (a one-row entry): one Python loop step each costs less than the C loops'
         # setup below, which only run (and name the refusal) when this loop finds something wrong.
         for value in values:
             kind = type(value)
-            if kind is int:
-                if value > INTEGER_MAX:
-                    break
-            elif kind is float:
-                if value != value:
-                    break
-            elif kind not in _SCALARS:
+            if kind is int and value > INTEGER_MAX or kind is float and value != value or kind not in _SCALARS:
                 break
         else:
             return None
@@ -189,7 +185,7 @@ PHASE = ("phase", Literal["live", "copy", "replay"], "live")
 ChangesPosition = _body("ChangesPosition", SHARD, ("after", TxKey), PHASE, ("table", Name | None, None),
                         ("table_after", Scalar, None), ("replay_to", TxKey | None, None))
 RequestId = Annotated[str, Meta(min_length=1, max_length=REQUEST_ID_CHARS_MAX)] | None
-WireEntry = msgspec.defstruct(  # an entry (rlog.types.entry_to_wire), its ops still packed
+WireEntry = msgspec.defstruct(  # an entry (rlog.types.Entry.to_wire), its ops still packed
     "WireEntry", (SHARD, ("tx_key", TxKey), ("prev", TxKey), ("digest", Digest), ("ops", bytes),
                   ("request_id", RequestId)), module=__name__, frozen=True, array_like=True, forbid_unknown_fields=True)
 # fmt: on
@@ -303,20 +299,17 @@ def body_error(kind: str, error: msgspec.ValidationError | msgspec.DecodeError) 
 
 def decode_body(kind: str, body: Any) -> Body:
     """``body`` (msgpack bytes, or a value msgpack cannot hold) as ``kind``'s type; raises ``MessageError``."""
-    schema = SCHEMAS.get(kind)
-    if schema is None:
-        raise MessageError("kind: is not a known message kind", "unknown_kind")
     try:
         if isinstance(body, (bytes, memoryview, msgspec.Raw)):
-            return schema.decoder.decode(body)
-        return msgspec.convert(body, schema.body, dec_hook=_check)
+            return SCHEMAS[kind].decoder.decode(body)
+        return msgspec.convert(body, SCHEMAS[kind].body, dec_hook=_check)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error(kind, error) from None
     except _Refused as error:
         raise MessageError(f"{kind}.{error.args[0]}: {error.args[1]}", "bad_request") from None
     except UnicodeDecodeError:  # msgspec raises it, not a DecodeError, for a string that is not UTF-8
         raise MessageError(f"{kind}: {NOT_UTF8}") from None
-    except RecursionError:  # codec.decode names the field of a frame this deep
+    except RecursionError:  # decode names the field of a frame this deep
         raise MessageError(f"{kind}: is nested deeper than the decoder allows") from None
     except MessageError as error:  # an extension type
         raise MessageError(f"{kind}: {error}") from None
@@ -327,12 +320,108 @@ def typed_body(kind: str, fields: dict[str, Any]) -> Body:
     return decode_body(kind, _ENCODER.encode(fields))
 
 
+# -- frames ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """``body``: its kind's Struct once decoded; a sender may give a dict (checked only if asked)."""
+
+    kind: str
+    request_id: str
+    body: Any = dataclasses.field(default_factory=dict)
+
+
+_HEADER = msgspec.msgpack.Decoder(tuple[Any, Any, Any, msgspec.Raw], ext_hook=refuse_ext)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(message: Message, check: bool = False) -> bytes:
+    """Encode a message; raises ``MessageError`` if it cannot be represented, or, with ``check``
+    (clients), if the receiver's schema would refuse it."""
+    try:
+        body = _ENCODER.encode(message.body)
+    except (TypeError, ValueError, OverflowError) as error:
+        if check and message.kind in SCHEMAS:  # an integer beyond 64 bits: the schema's checks name the field
+            decode_body(message.kind, message.body)
+        raise MessageError(f"cannot encode {message.kind}: {error}") from None
+    if check:
+        check_header(message.kind, message.request_id)
+        decode_body(message.kind, body)
+    return _ENCODER.encode((PROTOCOL_VERSION, message.kind, message.request_id, msgspec.Raw(body)))
+
+
+def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Message:
+    """Decode one frame. Anything malformed raises ``MessageError``, nothing else."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise MessageError("frame must be bytes")
+    if len(frame) > frame_bytes_max:
+        raise MessageError(f"frame of {len(frame)} bytes exceeds frame_bytes_max {frame_bytes_max}", "frame_too_large")
+    deep = False
+    try:
+        version, kind, request_id, body = _HEADER.decode(frame)
+    except msgspec.ValidationError:
+        raise MessageError("frame must be [version, kind, request_id, body]") from None
+    except msgspec.DecodeError as error:
+        raise MessageError(f"malformed msgpack frame: {type(error).__name__}") from None
+    except UnicodeDecodeError:  # msgspec raises it, not a DecodeError, for a string that is not UTF-8
+        raise MessageError("malformed msgpack frame: a string is not UTF-8") from None
+    except RecursionError:  # deeper than msgspec recurses: unpacked by msgpack (in C) to name the field
+        try:
+            version, kind, request_id, body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        except Exception as error:  # garbage, or not 4 items (msgpack raises many types): all the same here
+            raise MessageError(f"malformed msgpack frame: {type(error).__name__}") from None
+        deep = True
+    if type(version) is not int:
+        raise MessageError("protocol version must be an integer")
+    if version != PROTOCOL_VERSION:
+        message = f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})"
+        raise MessageError(message, "unsupported_version")
+    check_header(kind, request_id)
+    if deep:
+        raise MessageError(f"{_deep_path(kind, body)}: is nested deeper than the decoder allows")
+    return Message(kind, request_id, decode_body(kind, body))
+
+
+def _deep_path(kind: str, body: Any) -> str:
+    """The path of the field nested deeper than a free value may be, walked with an explicit stack;
+    indices only between fields (``ops[0].key``)."""
+    stack: list[tuple[Any, str, int]] = [(body, kind, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > FREE_VALUE_DEPTH_MAX:
+            return path
+        if isinstance(value, dict):
+            stack.extend((item, f"{path}.{str(key)[:64]}", depth + 1) for key, item in value.items())
+        elif isinstance(value, list):
+            stack.extend(
+                (item, f"{path}[{i}]" if type(item) is dict else path, depth + 1) for i, item in enumerate(value)
+            )
+    return kind
+
+
+def check_header(kind: Any, request_id: Any) -> None:
+    if type(kind) is not str:
+        raise MessageError("message kind must be a string")
+    if kind not in SCHEMAS:
+        raise MessageError(f"unknown message kind {kind!r:.40}", "unknown_kind")
+    if type(request_id) is not str or not 0 < len(request_id) <= REQUEST_ID_CHARS_MAX:
+        raise MessageError(f"request_id must be a string of 1..{REQUEST_ID_CHARS_MAX} characters")
+
+
+def reply(request_id: str, result: Any = None) -> Message:
+    return Message("reply", request_id, Reply(result=result))
+
+
+def error(request_id: str, code: str, message: str, detail: Any = None) -> Message:
+    return Message("error", request_id, Error(code=code, message=message, detail=detail))
+
+
 # -- entries: packed ops decoded once the receiver wants them --------------------------------------
 
 _NAMES_CHECKED: set[str] = set()  # names found valid, bounded (each at most NAME_CHARS_MAX characters)
 _OPS = Annotated[list[types.WireOp], Meta(max_length=types.OPS_MAX)]
 _OPS_DECODER = msgspec.msgpack.Decoder(_OPS, ext_hook=refuse_ext)
-_ENCODER = msgspec.msgpack.Encoder()
 _ROW_PAIRS_OF, _TABLE_OF, _KEY_OF = operator.attrgetter("row"), operator.attrgetter("table"), operator.attrgetter("key")
 UNSORTED = "ops: write op columns must be sorted and unique"
 
@@ -351,8 +440,7 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
     names: set[str] = set()
     kinds = set(map(type, wire)) if len(wire) >= 8 else None  # a few ops go faster through the loop below
     if len(wire) == 1 and type(wire[0]) is WriteRow:
-        # The commonest entry, one written row (a follower decodes one per write): the loop's steps
-        # below for that row, without its bookkeeping.
+        # The commonest entry, one row (a follower decodes one per write): the loop's steps, no bookkeeping.
         op = wire[0]
         row = dict(op.row)
         if len(row) != len(op.row) or list(row) != sorted(row):
@@ -404,13 +492,13 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
         raise MessageError(f"ops: {refusal}")
     if _ENCODER.encode(wire) != packed:  # packing the decoded values again, at C speed
         raise MessageError("ops: entry ops are not in canonical form")
-    types.remember_packed(ops, packed)
     return ops
 
 
 def decode_entry(value: Any) -> types.Entry:
     """A ``WireEntry``'s ``Entry``, its ops decoded now (a push refused anyway costs no per-row work)."""
-    return types.Entry(value.shard, value.tx_key, value.prev, value.digest, decode_ops(value.ops), value.request_id)
+    ops = decode_ops(value.ops)  # checked canonical: the packed bytes are what ``pack_ops(ops)`` makes
+    return types.Entry(value.shard, value.tx_key, value.prev, value.digest, ops, value.request_id, value.ops)
 
 
 def decode_entries(values: list[Any]) -> tuple[types.Entry, ...]:

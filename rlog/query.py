@@ -374,7 +374,8 @@ class _Cursor:
 class QueryRunner:
     """Runs checked queries on worker threads; the driver's loop submits and collects (``finished``).
 
-    Thread rules: ``_cursors`` and ``_done`` are shared and guarded by ``_lock``; a cursor's SQLite
+    Thread rules: ``_cursors`` and ``_done`` are shared and guarded by ``_lock`` (the loop may look
+    whether ``_done`` is empty without it: a deque's length is read atomically); a cursor's SQLite
     objects are used by one thread at a time (``busy`` is set by the loop before a job is queued and
     cleared by the worker when it is done). The worker writes a byte to ``wakeup_fd`` when a job is
     done, so a driver polling that descriptor wakes at once.
@@ -480,12 +481,17 @@ class QueryRunner:
             self.expired += 1
             _close_sqlite(cursor)
 
-    def finished(self) -> list[Finished]:
-        try:
-            while os.read(self._wake_read, 4096):
+    def finished(self, drain: bool = True) -> list[Finished]:
+        """The pages finished since the last call. ``drain``: the wakeup pipe is readable (the loop's
+        poll said so), empty it; reading an empty pipe every turn cost an exception per turn."""
+        if drain:
+            try:
+                while os.read(self._wake_read, 4096):
+                    pass
+            except BlockingIOError:
                 pass
-        except BlockingIOError:
-            pass
+        if not self._done:  # a worker appends before it writes the wakeup byte: checked again next turn
+            return []
         with self._lock:
             done = list(self._done)
             self._done.clear()

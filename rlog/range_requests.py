@@ -61,7 +61,7 @@ BOUNDARY_KEYS_PER_SCAN_ROW = 100  # keys key_boundaries may walk per row a scan 
 _SAVEPOINT = "mnesite_range_read"
 _ANY = object
 
-# kind -> {field: (python types, required)}, in rlog.codec's format
+# kind -> {field: (python types, required)}
 KINDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "range_digest": {
         "table": ((str,), True),

@@ -309,7 +309,7 @@ class Push:
     entries: tuple[Entry | PackedEntry, ...]
     committed_key: TxKey
     hears_sequencer: bool
-    # The entries' estimated bytes (``entry_size_bytes``), for the driver's budget per loop turn.
+    # The entries' estimated bytes (``size_bytes``), for the driver's budget per loop turn.
     size_bytes: int = 0
 
 

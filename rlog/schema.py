@@ -8,6 +8,7 @@ unknown column gets a clear one-line error naming the column, and nothing change
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -199,11 +200,11 @@ class TableSchema:
     columns: tuple[tuple[str, str], ...]
     indexes: tuple[IndexSchema, ...] = ()
 
-    @property
+    @functools.cached_property  # read for every row checked (not a field: equality stays the columns')
     def column_types(self) -> dict[str, str]:
         return dict(self.columns)
 
-    @property
+    @functools.cached_property
     def key_type(self) -> str:
         return self.column_types[self.key_column]
 
@@ -307,10 +308,16 @@ def schema_ops_toward(local: TableSchema | None, listed: TableSchema) -> tuple[A
     return tuple(ops)
 
 
+# The value types a column type takes as they are (a bool is not an int here: type() is exact).
+_AS_IS = {"TEXT": str, "BLOB": bytes, "ANY": str}
+
+
 def check_value(table: TableSchema, column: str, column_type: str, value: Any) -> Any:
     """Return ``value`` normalised for ``column_type`` or raise ``SchemaError('wrong_type')``."""
-    if value is None:
-        return None
+    if value is None or type(value) is _AS_IS.get(column_type):
+        return value
+    if type(value) is int and column_type in ("INTEGER", "ANY") and INTEGER_MIN <= value <= INTEGER_MAX:
+        return value
     where = f"{table.name}.{column}"
     if isinstance(value, bool):
         raise SchemaError("wrong_type", f"{where} is {column_type}; booleans are not stored, use 0 or 1")
@@ -358,5 +365,6 @@ def check_row(table: TableSchema, row: Any) -> dict[str, Any]:
         if column not in types:
             raise SchemaError("unknown_column", f"{table.name} has no column {column!r}")
     full = {name: check_value(table, name, column_type, row.get(name)) for name, column_type in table.columns}
-    check_key(table, full[table.key_column])
+    if full[table.key_column] is None:
+        check_key(table, None)  # its refusal
     return full

@@ -32,14 +32,14 @@ from typing import Any, NoReturn
 
 import msgpack
 import zmq
-from mnesite.rlog import codec, messages
+from mnesite.rlog import messages
 from mnesite.rlog.backup import BackupError, BackupJob, decide
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
-from mnesite.rlog.codec import CodecError, Message
 from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
 from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (re-exported)
+from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.metrics import MetricsServer, NodeMetrics, start_metrics
 from mnesite.rlog.query import (
     CheckedQuery,
@@ -78,6 +78,20 @@ REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused 
 # here, so the builds take at most a third of a loop's time and writes keep most of it.
 INDEX_BUILD_INTERVAL_MS = 10
 HELD_TIMES_MAX = 100_000  # arrival times of held writes kept for the commit latency histogram
+
+# pyzmq's compiled send and recv, called with plain int flags: its Python send_multipart and
+# recv_multipart cost 4x and 2x as much per message (flag enums, a wrapper per frame), about 13 us a
+# write on the sequencer. Frames from COPY_BYTES_MIN go out without a copy (zmq keeps the bytes).
+_SEND = zmq.Socket.__mro__[1].send
+_NOBLOCK, _NOBLOCK_MORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.RCVMORE)
+COPY_BYTES_MIN = 64 * 1024
+
+
+def send_frames(socket: zmq.Socket, frames: list[bytes]) -> None:
+    """Send one multipart message without blocking (raises ``zmq.Again`` when the queue is full)."""
+    last = len(frames) - 1
+    for index, frame in enumerate(frames):
+        _SEND(socket, frame, _NOBLOCK_MORE if index < last else _NOBLOCK, len(frame) < COPY_BYTES_MIN)
 
 
 # A changefeed page's bytes, at most this share of frame_bytes_max (records are estimated, the frame is not).
@@ -133,6 +147,8 @@ class NodeServer:
         self._durable = False
         # Frames received but left for a later turn (see receive_frames).
         self._backlog: deque[tuple[list[bytes], bytes, str]] = deque()
+        self._poller: tuple[tuple[zmq.Socket | None, ...], zmq.Poller] | None = None  # rebuilt when the sockets change
+        self._queries_woken = True  # the query runner's wakeup pipe was readable at the last poll
         self.security: NodeSecurity | None = None
         self.reload_requested = threading.Event()
         self._refusal_logged_ms = -REFUSAL_LOG_INTERVAL_MS
@@ -249,11 +265,19 @@ class NodeServer:
         """
         if self.socket is None:
             raise zmq.Again()
-        parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        socket = self.socket
+        principal = ""
+        if self.security is None:
+            parts = [socket.recv(_NOBLOCK)]
+        else:  # the authenticated key is a property of the message, read from its first frame
+            first = socket.recv(_NOBLOCK, copy=False)
+            principal = self.security.principal_of(first)
+            parts = [first.bytes]
+        while socket.get(_RCVMORE):
+            parts.append(socket.recv(_NOBLOCK))
         if len(parts) < 2:
             return None  # not from a ROUTER peer we can answer
-        principal = self.security.principal_of(parts[-1]) if self.security is not None else ""
-        return [part.bytes for part in parts[:-1]], parts[-1].bytes, principal
+        return parts[:-1], parts[-1], principal
 
     def refusal(self, principal: str, message: Message) -> Message | None:
         """The error to answer if ``principal`` may not send ``message`` (counted); None if it may."""
@@ -263,12 +287,12 @@ class NodeServer:
         if reason is not None:
             self.security.refused_role += 1
             self._log_refusal("refused: %s", reason)
-            return codec.error(message.request_id, "forbidden", reason)
+            return messages.error(message.request_id, "forbidden", reason)
         reason = sender_mismatch(principal, message.kind, message.body)
         if reason is not None:
             self.security.refused_sender += 1
             self._log_refusal("refused a forged sender: %s", reason)
-            return codec.error(message.request_id, "forbidden", reason)
+            return messages.error(message.request_id, "forbidden", reason)
         return None
 
     def _log_refusal(self, text: str, reason: str) -> None:
@@ -514,17 +538,22 @@ class NodeServer:
             self._held_since_s[(envelope[0], request_id)] = time.monotonic()
 
     def poll(self, timeout_ms: int) -> dict[Any, int]:
-        poller = zmq.Poller()
-        if self.socket is not None:
-            poller.register(self.socket, zmq.POLLIN)
-        for socket in self.dealers.values():
-            poller.register(socket, zmq.POLLIN)
-        # A query page finished on a runner thread wakes the loop at once.
-        poller.register(self.queries.wakeup_fd, zmq.POLLIN)
+        sockets = (self.socket, *self.dealers.values())
+        if self._poller is None or self._poller[0] != sockets:
+            poller = zmq.Poller()
+            for socket in sockets:
+                if socket is not None:
+                    poller.register(socket, zmq.POLLIN)
+            # A query page finished on a runner thread wakes the loop at once.
+            poller.register(self.queries.wakeup_fd, zmq.POLLIN)
+            self._poller = (sockets, poller)
+        poller = self._poller[1]
         if self.store.index_builds():
             # The next step of an online index build is due then: the loop turns by that time.
             timeout_ms = max(0, min(timeout_ms, self._next_build_ms - monotonic_ms()))
-        return dict(poller.poll(timeout_ms))
+        ready = dict(poller.poll(timeout_ms))
+        self._queries_woken = self.queries.wakeup_fd in ready
+        return ready
 
     def receive_frames(
         self, clock_ms: Callable[[], int], urgent: Callable[[bytes], bool] | None = None
@@ -572,7 +601,7 @@ class NodeServer:
                 self._backlog.append(triple)
                 backlog_bytes += len(frame)
             else:
-                self.reply(triple[0], codec.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
+                self.reply(triple[0], messages.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
 
     def has_backlog(self) -> bool:
         return bool(self._backlog)
@@ -632,7 +661,7 @@ class NodeServer:
         try:
             cursor, page_rows = page_request(message.body, self.queries.limits.page_rows_max)
             if message.kind == "query_close":
-                self.reply(envelope, codec.reply(message.request_id, {"closed": self.queries.close(cursor)}))
+                self.reply(envelope, messages.reply(message.request_id, {"closed": self.queries.close(cursor)}))
                 return
             self.hold(envelope, message.request_id)
             self.queries.next_page((envelope, message.request_id), cursor, page_rows)
@@ -645,25 +674,25 @@ class NodeServer:
         now = monotonic_ms()
         for waiting in self.waiting_queries.expired(now):
             envelope, request_id = waiting.payload
-            self.reply(envelope, codec.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
+            self.reply(envelope, messages.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
         for waiting in self.waiting_queries.ready(reached):
             try:
                 self.queries.start(waiting)
             except QueryError as error:
                 envelope, request_id = waiting.payload
-                self.reply(envelope, codec.error(request_id, error.code, str(error)))
-        for finished in self.queries.finished():
+                self.reply(envelope, messages.error(request_id, error.code, str(error)))
+        for finished in self.queries.finished(drain=self._queries_woken):
             envelope, request_id = finished.payload
             if finished.behind is not None:
                 # The snapshot missed a key this node applied in a turn not committed then: wait again.
                 try:
                     self.waiting_queries.add(finished.behind)
                 except QueryError as error:
-                    self.reply(envelope, codec.error(request_id, error.code, str(error)))
+                    self.reply(envelope, messages.error(request_id, error.code, str(error)))
             elif finished.error is not None:
-                self.reply(envelope, codec.error(request_id, finished.error.code, str(finished.error)))
+                self.reply(envelope, messages.error(request_id, finished.error.code, str(finished.error)))
             else:
-                self.reply(envelope, codec.reply(request_id, finished.result))
+                self.reply(envelope, messages.reply(request_id, finished.result))
         self.queries.expire(now)
 
     # -- the changefeed (rlog.changes; the node keeps nothing per consumer between pages) ---------
@@ -679,7 +708,7 @@ class NodeServer:
         now_ms = monotonic_ms()
         deadline_ms = now_ms + wait_ms
         if not keep_holding(page, now_ms, deadline_ms):
-            self.reply(envelope, codec.reply(message.request_id, page.to_wire()))
+            self.reply(envelope, messages.reply(message.request_id, page.to_wire()))
             return
         waiting_max = self.config.limits.changes_waiting_max
         if len(self.waiting_changes) >= waiting_max:
@@ -719,13 +748,13 @@ class NodeServer:
                 page = self._changes_page(waiting.message.body, waiting.serving, waiting.table_batch)
             except RequestError as error:
                 self.waiting_changes.remove(waiting)
-                self.reply(waiting.envelope, codec.error(request_id, error.code, str(error)))
+                self.reply(waiting.envelope, messages.error(request_id, error.code, str(error)))
                 continue
             if keep_holding(page, now, waiting.deadline_ms):
                 waiting.applied = dict(page.applied)
                 continue
             self.waiting_changes.remove(waiting)
-            self.reply(waiting.envelope, codec.reply(request_id, page.to_wire()))
+            self.reply(waiting.envelope, messages.reply(request_id, page.to_wire()))
 
     def build_indexes(self) -> None:
         """The next step of each online index build (rlog.store), at most every ``INDEX_BUILD_INTERVAL_MS``.
@@ -768,13 +797,13 @@ class NodeServer:
         """Send a frame to a DEALER socket at once, before the turn's commit: only for what may be
         said before the turn's writes are durable (a sequencer's appends, Raft thesis 10.2.1)."""
         try:
-            frame = codec.encode(message)
-        except CodecError as error:
+            frame = messages.encode(message)
+        except MessageError as error:
             # As in flush: a message of ours that our own typed layer refuses is a bug here.
             log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
             return
         try:
-            socket.send_multipart([frame], zmq.NOBLOCK)
+            send_frames(socket, [frame])
         except zmq.Again:
             self._dropped(message.kind, "the receiver's queue is full")
         except zmq.ZMQError as error:
@@ -821,18 +850,18 @@ class NodeServer:
             if target is None:
                 continue
             try:
-                frame = codec.encode(message)
-            except CodecError as error:
+                frame = messages.encode(message)
+            except MessageError as error:
                 if socket is not None:
                     # A message of ours to a peer or replicant that our own typed layer refuses is a bug
                     # here: say so in the log, and never send the peer an ``error`` it did not ask for.
                     log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
                     continue
-                frame = codec.encode(codec.error(message.request_id, "internal", f"reply not encodable: {error}"))
+                frame = messages.encode(messages.error(message.request_id, "internal", f"reply not encodable: {error}"))
             if socket is None and len(frame) > self.config.limits.frame_bytes_max:
                 # The client would drop a frame above its limit and report silence: say why instead.
-                frame = codec.encode(
-                    codec.error(
+                frame = messages.encode(
+                    messages.error(
                         message.request_id,
                         "too_large",
                         f"the answer is {len(frame)} bytes, above frame_bytes_max "
@@ -840,10 +869,9 @@ class NodeServer:
                     )
                 )
             try:
-                # copy=False: zmq sends the encoded bytes themselves (pyzmq still copies frames under
-                # its copy_threshold). Copying a 256 KiB push cost about a millisecond of the loop
-                # (fresh pages), and held each frame twice until zmq had sent it.
-                target.send_multipart([*envelope, frame], zmq.NOBLOCK, copy=False)
+                # A large frame goes without a copy (send_frames): copying a 256 KiB push cost about a
+                # millisecond of the loop (fresh pages), and held each frame twice until zmq had sent it.
+                send_frames(target, [*envelope, frame])
             except zmq.Again:
                 self._dropped(message.kind, "the receiver's queue is full")
             except zmq.ZMQError as error:

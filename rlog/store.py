@@ -87,8 +87,6 @@ from mnesite.rlog.types import (
     WriteOp,
     chain_break,
     entry_from_wire,
-    entry_to_wire,
-    pack_ops,
     unpack_ops,
 )
 from mnesite.rlog.versions import STORAGE_FORMATS_READ, storage_format_of, storage_refusal
@@ -165,7 +163,7 @@ def rlog_row(entry: Entry, appended_ms: int) -> tuple[Any, ...]:
         entry.prev.counter,
         entry.digest,
         entry.request_id,
-        pack_ops(entry.ops),
+        entry.packed,
         appended_ms,
     )
 
@@ -1212,7 +1210,7 @@ class Store:
                     entry.shard,
                     entry.tx_key.generation,
                     entry.tx_key.counter,
-                    msgpack.packb(entry_to_wire(entry), use_bin_type=True),
+                    msgpack.packb(entry.to_wire(), use_bin_type=True),
                 ),
             )
 
@@ -1324,9 +1322,8 @@ def _chain_within(held: Sequence[Entry], after: TxKey, up_to: TxKey) -> list[Ent
 
 def _entry(row: tuple[Any, ...]) -> Entry:
     shard, generation, counter, prev_generation, prev_counter, digest, ops, request_id = row
-    return Entry(
-        shard, TxKey(generation, counter), TxKey(prev_generation, prev_counter), digest, unpack_ops(ops), request_id
-    )
+    key, prev = TxKey(generation, counter), TxKey(prev_generation, prev_counter)
+    return Entry(shard, key, prev, digest, unpack_ops(ops), request_id, ops)
 
 
 class _RetentionView:

@@ -23,8 +23,8 @@ bytes do not depend on dict ordering or on the Python process.
 from __future__ import annotations
 
 import hashlib
-import threading
-from dataclasses import dataclass
+import secrets
+import time
 from typing import Annotated, Any, NamedTuple, Union
 
 import msgspec
@@ -45,14 +45,23 @@ class TxKey(NamedTuple):
     generation: TxKeyPart
     counter: TxKeyPart
 
-    def to_wire(self) -> list[int]:
-        return [self.generation, self.counter]
-
     def __str__(self) -> str:
         return f"({self.generation}, {self.counter})"
 
 
 ZERO_KEY = TxKey(0, 0)
+
+
+def new_request_id() -> str:
+    """A fresh request id: 12 hex digits of the wall clock in ms, then 80 random bits (32 characters).
+
+    Ids made later sort after earlier ones, so every core's request-id index of the log takes new
+    ids at its end: with random ids (uuid4) each write dirtied its own index page, about one 4 KiB
+    WAL frame per write to write and checkpoint on each core. The random part keeps ids unique; a
+    clock that steps back only costs that locality, never correctness (any string is a valid id).
+    """
+    return f"{time.time_ns() // 1_000_000:012x}{secrets.token_hex(10)}"
+
 
 Scalar = None | int | float | str | bytes
 
@@ -66,8 +75,9 @@ class WriteOp(Struct, frozen=True, gc=False):
     row: dict[str, Any]
 
 
-# -- the op codec: an op is packed as the msgpack array [tag, field...] (on the wire, in the log, in digests);
-# the op types are those arrays (tagged array_like Structs declaring the wire's bounds); a WriteOp packs as a WriteRow.
+# --- op codec ---
+# An op is packed as the msgpack array [tag, field...] (on the wire, in the log, in digests): the op types
+# are those arrays (tagged array_like Structs declaring the wire's bounds); a WriteOp packs as a WriteRow.
 NAME_CHARS_MAX = 64  # tables, columns, shards, nodes
 NAME_PATTERN = r"^[A-Za-z0-9_.\-]+\Z"  # the one name rule of the wire (rlog.schema is stricter for SQLite)
 ENDPOINT_CHARS_MAX = 255
@@ -94,6 +104,7 @@ class WriteRow(_Op, frozen=True, tag="w", gc=False):
     row: Annotated[list[tuple[RowName, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
 
 
+# --- end op codec ---
 # -- the other ops ---------------------------------------------------------------------------------
 
 
@@ -181,9 +192,11 @@ Op = (
 SCHEMA_OPS = (CreateTableOp, DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)
 
 
-@dataclass(frozen=True, slots=True)  # slots: built once per write on every core, its fields read many times
-class Entry:
-    """One rlog record."""
+class Entry(Struct, frozen=True, gc=False):
+    """One rlog record. ``packed`` is its ops' canonical packing (``pack_ops``): what the digest
+    covers, the log stores and the wire carries, made once (by ``make_entry``, or received and
+    checked by ``rlog.messages.decode_ops``, or read from the log) and never again. A Struct is
+    built in C: every core builds one per write, a follower one per received entry."""
 
     shard: str
     tx_key: TxKey
@@ -191,14 +204,41 @@ class Entry:
     digest: bytes
     ops: tuple[Op, ...]
     request_id: str | None = None
+    packed: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not self.packed:  # built from its ops alone (tests, tools): pack them
+            msgspec.structs.force_setattr(self, "packed", pack_ops(self.ops))
+
+    @property
+    def size_bytes(self) -> int:
+        """The entry's size on the wire, bounded above (``ENTRY_OVERHEAD_BYTES`` for all but the ops)."""
+        request_id_bytes = len(self.request_id.encode()) if self.request_id else 0
+        return ENTRY_OVERHEAD_BYTES + len(self.shard.encode()) + request_id_bytes + len(self.packed)
+
+    # --- op codec ---
+    def to_wire(self) -> list[Any]:
+        """``[shard, tx_key, prev, digest, packed_ops, request_id]``: ops as the bytes the digest covers."""
+        return [self.shard, list(self.tx_key), list(self.prev), self.digest, self.packed, self.request_id]
+
+    # --- end op codec ---
 
 
+# --- op codec ---
 class OpDecodeError(ValueError):
     """Encoded ops that are not what ``pack_ops`` makes."""
 
 
 WireOp = Union[(WriteRow, DeleteOp, MembersOp, ClusterVersionOp, *SCHEMA_OPS)]  # noqa: UP007 (the ops as packed)
 _ENCODER, _UNPACKER = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[WireOp])
+
+
+def _decoded(decode: Any, value: Any, refusal: str) -> Any:
+    """``decode(value)``, or ``OpDecodeError(refusal)`` (its ``{}``: why msgspec refused)."""
+    try:
+        return decode(value)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise OpDecodeError(refusal.format(str(error)[:200])) from None
 
 
 def _packable(op: Op) -> Any:
@@ -221,76 +261,34 @@ def _op(op: Any) -> Op:
 
 def decode_op(value: Any) -> Op:
     """Inverse of ``encode_op``; raises ``OpDecodeError`` on anything else."""
-    try:
-        return _op(msgspec.convert(value, WireOp))
-    except (msgspec.ValidationError, RecursionError) as error:
-        raise OpDecodeError(f"malformed op: {str(error)[:200]}") from None
-
-
-# The last ops packed, by identity (an entry's ops are packed for its digest and again when logged); each
-# item holds its ops tuple (immutable), so an id is never reused while it is cached. Bounded in items and bytes.
-_PACKED_OPS: dict[int, tuple[tuple[Op, ...], bytes]] = {}
-_PACKED_OPS_ITEMS_MAX, _PACKED_OPS_BYTES_MAX = 512, 32 * 1024 * 1024
-_packed_ops_bytes = 0
-_packed_ops_lock = threading.Lock()
+    return _op(_decoded(lambda v: msgspec.convert(v, WireOp), value, "malformed op: {}"))
 
 
 def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
-    cached = _PACKED_OPS.get(id(ops))
-    if cached is not None and cached[0] is ops:
-        return cached[1]
-    packed = _ENCODER.encode([_packable(op) for op in ops])
-    if isinstance(ops, tuple):
-        remember_packed(ops, packed)
-    return packed
-
-
-def remember_packed(ops: tuple[Op, ...], packed: bytes) -> None:
-    """Record that ``packed`` is ``pack_ops(ops)`` (the caller made sure of it)."""
-    global _packed_ops_bytes
-    if len(packed) > _PACKED_OPS_BYTES_MAX // 4:
-        return
-    with _packed_ops_lock:
-        previous = _PACKED_OPS.pop(id(ops), None)
-        if previous is not None:
-            _packed_ops_bytes -= len(previous[1])
-        _PACKED_OPS[id(ops)] = (ops, packed)
-        _packed_ops_bytes += len(packed)
-        while len(_PACKED_OPS) > _PACKED_OPS_ITEMS_MAX or _packed_ops_bytes > _PACKED_OPS_BYTES_MAX:
-            _packed_ops_bytes -= len(_PACKED_OPS.pop(next(iter(_PACKED_OPS)))[1])
+    return _ENCODER.encode([_packable(op) for op in ops])
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
     """The ops of a stored ``pack_ops`` blob (trusted: no wire rules; ``rlog.messages.decode_ops``)."""
-    try:
-        return tuple(map(_op, _UNPACKER.decode(blob)))
-    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
-        raise OpDecodeError(f"entry ops do not decode: {str(error)[:200]}") from None
-
-
-def entry_to_wire(entry: Entry) -> list[Any]:
-    """``[shard, tx_key, prev, digest, packed_ops, request_id]``: ops as the bytes the digest covers."""
-    return [entry.shard, list(entry.tx_key), list(entry.prev), entry.digest, pack_ops(entry.ops), entry.request_id]
+    return tuple(map(_op, _decoded(_UNPACKER.decode, blob, "entry ops do not decode: {}")))
 
 
 def entry_from_wire(value: Any) -> Entry:
-    """The entry of an ``entry_to_wire`` list this node wrote (the store's spill); raises ``OpDecodeError``."""
-    try:
-        shard, key, prev, digest, packed, request_id = msgspec.convert(value, _EntryList)
-    except (msgspec.ValidationError, RecursionError):
-        raise OpDecodeError("entry must be [shard, tx_key, prev, digest, packed ops, request_id]") from None
-    remember_packed(ops := unpack_ops(packed), packed)
-    return Entry(shard, key, prev, digest, ops, request_id)
+    """The entry of an ``Entry.to_wire`` list this node wrote (the store's spill); raises ``OpDecodeError``."""
+    refusal = "entry must be [shard, tx_key, prev, digest, packed ops, request_id]"
+    shard, key, prev, digest, packed, request_id = _decoded(lambda v: msgspec.convert(v, _EntryList), value, refusal)
+    return Entry(shard, key, prev, digest, unpack_ops(packed), request_id, packed)
 
 
 _EntryList = tuple[str, TxKey, TxKey, bytes, bytes, str | None]
 
 
 def tx_key_from_wire(value: Any) -> TxKey:
-    try:
-        return msgspec.convert(value, TxKey)
-    except (msgspec.ValidationError, RecursionError):
-        raise OpDecodeError("tx key must be [generation, counter] of non-negative integers") from None
+    refusal = "tx key must be [generation, counter] of non-negative integers"
+    return _decoded(lambda v: msgspec.convert(v, TxKey), value, refusal)
+
+
+# --- end op codec ---
 
 
 def entry_digest(
@@ -298,21 +296,21 @@ def entry_digest(
     shard: str,
     tx_key: TxKey,
     prev: TxKey,
-    ops: tuple[Op, ...] | list[Op],
+    packed_ops: bytes,
     request_id: str | None,
 ) -> bytes:
     """digest(n) = BLAKE2b(digest(n-1) + canonical(entry n)).
 
     canonical(entry) is the msgpack array ``[shard, tx_key, prev, request_id, ops]``, built here
-    from its parts (a 5-array header, then each element packed) so that the packed ops are the
-    ones ``pack_ops`` returns and remembers for the log.
+    from its parts (a 5-array header, then each element packed) so that the ops are hashed as the
+    bytes the entry carries (``pack_ops``, ``Entry.packed``), not packed again.
     """
     hasher = hashlib.blake2b(prev_digest, digest_size=DIGEST_BYTES)
     hasher.update(_ENTRY_ARRAY_HEADER)
     # msgspec packs these (str, non-negative ints, None) as msgpack does with use_bin_type, the same
     # bytes (tests/test_types.py holds them to msgpack's), without building a Packer per entry.
     hasher.update(_ENCODER.encode((shard, tx_key, prev, request_id))[1:])
-    hasher.update(pack_ops(ops))
+    hasher.update(packed_ops)
     return hasher.digest()
 
 
@@ -336,7 +334,7 @@ def chain_break(prev_key: TxKey, prev_digest: bytes, entry: Entry) -> str | None
         return CHAIN_LINK
     if not entry.tx_key > prev_key:
         return CHAIN_ORDER
-    expected = entry_digest(prev_digest, entry.shard, entry.tx_key, entry.prev, entry.ops, entry.request_id)
+    expected = entry_digest(prev_digest, entry.shard, entry.tx_key, entry.prev, entry.packed, entry.request_id)
     return None if entry.digest == expected else CHAIN_DIGEST
 
 
@@ -351,8 +349,9 @@ def make_entry(
     """Build the entry that follows ``prev`` (whose digest is ``prev_digest``)."""
     if not tx_key > prev:
         raise ValueError(f"tx key {tx_key} does not follow {prev}")
-    ops = tuple(ops)
-    return Entry(shard, tx_key, prev, entry_digest(prev_digest, shard, tx_key, prev, ops, request_id), ops, request_id)
+    packed = pack_ops(ops)
+    digest = entry_digest(prev_digest, shard, tx_key, prev, packed, request_id)
+    return Entry(shard, tx_key, prev, digest, tuple(ops), request_id, packed)
 
 
 # Per-entry bytes on the wire besides the ops: shard, two keys, digest, request id and framing.
@@ -368,76 +367,28 @@ def _value_size_bytes(value: Any) -> int:
 
 
 def row_size_bytes(row: dict[str, Any]) -> int:
-    """An upper estimate of a row's msgpack size (see ``entry_size_bytes``)."""
+    """An upper estimate of a row's msgpack size (every scalar counted at its largest msgpack header)."""
     return 8 + sum(len(name.encode()) + 8 + _value_size_bytes(value) for name, value in row.items())
 
 
-def entry_size_bytes(entry: Entry) -> int:
-    """An upper estimate of the entry's msgpack size, for byte limits on messages and windows.
-
-    Walking the ops is far cheaper than encoding them, and the estimate never falls below the
-    encoded size (every scalar is counted at its largest msgpack header), so a message built under
-    a byte limit by this measure stays under it on the wire.
-    """
-    size = ENTRY_OVERHEAD_BYTES + len(entry.shard.encode()) + len((entry.request_id or "").encode())
-    for op in entry.ops:
-        if isinstance(op, WriteOp):
-            size += 8 + len(op.table.encode()) + row_size_bytes(op.row)
-        elif isinstance(op, DeleteOp):
-            size += 8 + len(op.table.encode()) + _value_size_bytes(op.key)
-        elif isinstance(op, ClusterVersionOp):
-            size += 32 + len(op.shard.encode())
-        elif isinstance(op, MembersOp):
-            size += 16 + len(op.added.encode()) + len(op.endpoint.encode())
-            size += sum(len(name.encode()) + 5 for name in op.members)
-        elif isinstance(op, (DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)):
-            size += 64 + sum(len(part.encode()) + 5 for part in encode_op(op)[1:] if isinstance(part, str))
-            size += sum(len(column.encode()) + 5 for column in getattr(op, "columns", ()))
-        else:
-            size += 64 + len(op.table.encode()) + len(op.shard.encode())
-            size += sum(len(name.encode()) + len(kind.encode()) + 8 for name, kind in op.columns)
-    return size
-
-
-@dataclass(frozen=True)
-class PackedEntry:
+class PackedEntry(Struct, frozen=True, gc=False):
     """An rlog record as read from the store for pushing, its ops still in their stored msgpack form.
 
     A core's agent only forwards entries: decoding every op into a ``WriteOp`` and encoding it
     again for the wire cost it more than everything else it does (profiled under a catch-up of
-    100 KB entries). The stored form is the wire form (``pack_ops`` of ``encode_op``), so the ops
-    go out as they were persisted, and the size bound is exact for them.
+    100 KB entries). The stored form is the wire form (``pack_ops``), so the ops go out as they
+    were persisted: an ``Entry`` without its decoded ops, with the same size and wire form.
     """
 
     shard: str
     tx_key: TxKey
     prev: TxKey
     digest: bytes
-    packed_ops: bytes
+    packed: bytes
     request_id: str | None = None
 
-    @property
-    def size_bytes(self) -> int:
-        """An upper bound of the entry's size on the wire (see ``entry_size_bytes``)."""
-        return (
-            ENTRY_OVERHEAD_BYTES
-            + len(self.shard.encode())
-            + len((self.request_id or "").encode())
-            + len(self.packed_ops)
-        )
-
-    def to_wire(self) -> list[Any]:
-        """``entry_to_wire`` of the entry: the stored ops go out as they are."""
-        return [self.shard, list(self.tx_key), list(self.prev), self.digest, self.packed_ops, self.request_id]
-
-
-def wire_size_bytes(entry: Entry | PackedEntry) -> int:
-    """``entry_size_bytes`` of an ``Entry``, or the packed size of a ``PackedEntry``."""
-    return entry.size_bytes if isinstance(entry, PackedEntry) else entry_size_bytes(entry)
-
-
-def to_wire(entry: Entry | PackedEntry) -> list[Any]:
-    return entry.to_wire() if isinstance(entry, PackedEntry) else entry_to_wire(entry)
+    size_bytes = Entry.size_bytes
+    to_wire = Entry.to_wire
 
 
 def op_to_json(op: Op) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A **cluster version** is one integer that names, for every protocol a node speaks, the version the
 nodes of a cluster at that cluster version write (``CLUSTER_VERSIONS``): the client frames
-(``rlog.codec.PROTOCOL_VERSION``), the consensus messages between cores
+(``rlog.messages.PROTOCOL_VERSION``), the consensus messages between cores
 (``core.consensus_wire.CONSENSUS_WIRE_VERSION``), the replication protocol a replicant's watch names
 (``rlog.replication.REPLICATION_PROTOCOL_VERSION``) and the storage format of a data directory
 (``rlog.store`` ``format_version``; a backup file and a replicant's spill live in that database and

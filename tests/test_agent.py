@@ -15,7 +15,7 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, entry_to_wire, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
 
 from tests.sim import MemoryLog
 
@@ -276,7 +276,7 @@ def test_a_push_holds_at_most_push_bytes_max_bytes_on_the_wire_and_a_large_entry
     )
     effects = machine.step(CommittedAdvanced(TxKey(1, 30), True), 0)
     effects += machine.step(AckReceived(machine.status().sent_key), 1)  # the partial last push waited for it
-    sizes = [len(msgpack.packb([entry_to_wire(e) for e in push.entries])) for push in pushes(effects)]
+    sizes = [len(msgpack.packb([e.to_wire() for e in push.entries])) for push in pushes(effects)]
     assert pushed_keys(effects) == [TxKey(1, n) for n in range(1, 31)]
     assert all(size <= 5000 for size in sizes) and max(len(push.entries) for push in pushes(effects)) == 4
     alone = agent(build_large_log(3, 10_000), push_bytes_max=5000, window_bytes_max=100_000, step_bytes_max=100_000)
@@ -355,7 +355,7 @@ def test_every_frame_the_agent_server_queues_passes_the_typed_message_layer():
     """Regression: the watch answer repeated in every push was refused by the codec's depth bound on
     encode, so cores sent ``error`` frames to replicants instead of pushes and no replicant advanced."""
     from mnesite.core.agent_server import AgentServer
-    from mnesite.rlog import codec
+    from mnesite.rlog import messages
     from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
 
     log = build_log(5)
@@ -375,7 +375,7 @@ def test_every_frame_the_agent_server_queues_passes_the_typed_message_layer():
     server.tick(10_000)
     assert server.outbox, "the new agent pushed nothing"
     for _endpoint, message in server.outbox:
-        decoded = codec.decode(codec.encode(message))
+        decoded = messages.decode(messages.encode(message))
         assert decoded.kind == message.kind == "push"
         assert decoded.body.watch["watch_id"] == "w" * 64
 

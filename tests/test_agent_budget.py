@@ -10,12 +10,11 @@ import pytest
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.agent_budget import AgentBudgetError, AgentMemoryBudget, AgentUse, agents_to_evict
 from mnesite.core.agent_server import AgentServer
-from mnesite.rlog import codec
-from mnesite.rlog.codec import Message
+from mnesite.rlog import messages
 from mnesite.rlog.config import ConfigError, parse_config
-from mnesite.rlog.messages import typed_body
+from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, AgentMode, CommittedAdvanced, Ticked
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry, to_wire
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
 
 from tests.sim import MemoryLog
 from tests.test_agent import SHARD, build_large_log, build_log
@@ -414,10 +413,11 @@ def test_agents_pushing_the_same_entries_share_one_encoding_and_send_the_bytes_o
     for pushes in (first, second):
         keys = []
         for message in pushes:
-            frame = codec.encode(message)
-            pushed = codec.decode(frame).body.entries
+            frame = messages.encode(message)
+            pushed = messages.decode(frame).body.entries
             keys += [entry.tx_key for entry in pushed]
             entries = log.entries_after(pushed[0].prev, len(pushed))
-            plain = Message(message.kind, message.request_id, dict(message.body, entries=list(map(to_wire, entries))))
-            assert frame == codec.encode(plain)
+            wire_entries = [entry.to_wire() for entry in entries]
+            plain = Message(message.kind, message.request_id, dict(message.body, entries=wire_entries))
+            assert frame == messages.encode(plain)
         assert keys == [TxKey(1, n) for n in range(1, len(keys) + 1)]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import zmq
-from mnesite.rlog import codec
+from mnesite.rlog import messages
 from mnesite.rlog.client import MnesiteError
-from mnesite.rlog.codec import Message
+from mnesite.rlog.messages import Message
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
 from mnesite.rlog.types import GENESIS_DIGEST
 
@@ -175,9 +175,9 @@ def send_dead_watches(endpoint: str, count: int) -> int:
                 # What a replicant of this release names once the cluster version moved (issue 23).
                 "protocol": REPLICATION_PROTOCOL_VERSION,
             }
-            socket.send(codec.encode(Message("watch", f"w{index}", body)))
+            socket.send(messages.encode(Message("watch", f"w{index}", body)))
             if socket.poll(5000):
-                answer = codec.decode(socket.recv())
+                answer = messages.decode(socket.recv())
                 answered += answer.kind == "reply"
     finally:
         socket.close(0)

@@ -1,4 +1,4 @@
-"""The wire codec round-trips every valid message and turns any garbage into CodecError only."""
+"""The wire codec round-trips every valid message and turns any garbage into MessageError only."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import msgspec
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from mnesite.rlog import codec, messages
-from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog import messages
+from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
     ZERO_KEY,
@@ -21,7 +21,6 @@ from mnesite.rlog.types import (
     WriteOp,
     decode_op,
     entry_from_wire,
-    entry_to_wire,
     make_entry,
 )
 
@@ -57,7 +56,7 @@ def transact_messages(draw) -> Message:
 
 @given(transact_messages())
 def test_transact_round_trips(message: Message) -> None:
-    decoded = codec.decode(codec.encode(message))
+    decoded = messages.decode(messages.encode(message))
     assert (decoded.kind, decoded.request_id) == (message.kind, message.request_id)
     assert decoded.body.ops == [
         messages.WriteRequest(table=op["table"], row=op["row"])
@@ -69,13 +68,13 @@ def test_transact_round_trips(message: Message) -> None:
         (g["table"], g["key"], g["equals"]) for g in message.body["guards"]
     ]
     # A decoded body encodes to a frame that decodes to the same typed value.
-    assert codec.decode(codec.encode(decoded)) == decoded
+    assert messages.decode(messages.encode(decoded)) == decoded
 
 
 @given(st.sampled_from(["status", "list_tables"]), request_ids)
 def test_empty_body_kinds_round_trip(kind: str, request_id: str) -> None:
     message = Message(kind, request_id, {})
-    assert codec.decode(codec.encode(message)) == Message(kind, request_id, messages.Empty())
+    assert messages.decode(messages.encode(message)) == Message(kind, request_id, messages.Empty())
 
 
 @given(st.binary(max_size=512))
@@ -84,10 +83,10 @@ def test_empty_body_kinds_round_trip(kind: str, request_id: str) -> None:
 @example(b"\x94\x01\xa3get\xa1r\x81\xa5table\xa2\x00\x80")  # the same in a body's field
 def test_arbitrary_bytes_only_raise_codec_error(frame: bytes) -> None:
     try:
-        message = codec.decode(frame)
-    except CodecError:
+        message = messages.decode(frame)
+    except MessageError:
         return
-    assert message.kind in codec.KINDS
+    assert message.kind in messages.SCHEMAS
 
 
 values = st.recursive(
@@ -100,42 +99,42 @@ values = st.recursive(
 @given(values)
 @settings(max_examples=1000)
 def test_arbitrary_msgpack_values_only_raise_codec_error(value) -> None:
-    with contextlib.suppress(CodecError):
-        codec.decode(msgpack.packb(value, use_bin_type=True))
+    with contextlib.suppress(MessageError):
+        messages.decode(msgpack.packb(value, use_bin_type=True))
 
 
-@given(st.sampled_from(sorted(codec.KINDS)), values)
+@given(st.sampled_from(sorted(messages.SCHEMAS)), values)
 @settings(max_examples=1000)
 def test_well_framed_bodies_of_wrong_shape_raise_codec_error(kind: str, body) -> None:
-    frame = msgpack.packb([codec.PROTOCOL_VERSION, kind, "r1", body], use_bin_type=True)
+    frame = msgpack.packb([messages.PROTOCOL_VERSION, kind, "r1", body], use_bin_type=True)
     try:
-        message = codec.decode(frame)
-    except CodecError:
+        message = messages.decode(frame)
+    except MessageError:
         return
     assert message.kind == kind and isinstance(message.body, messages.SCHEMAS[kind].body)
 
 
 def test_errors_name_the_problem() -> None:
-    with pytest.raises(CodecError, match="version 9 is not supported") as info:
-        codec.decode(msgpack.packb([9, "status", "r", {}]))
+    with pytest.raises(MessageError, match="version 9 is not supported") as info:
+        messages.decode(msgpack.packb([9, "status", "r", {}]))
     assert info.value.code == "unsupported_version"
-    with pytest.raises(CodecError, match="unknown message kind") as info:
-        codec.decode(msgpack.packb([1, "launch_missiles", "r", {}]))
+    with pytest.raises(MessageError, match="unknown message kind") as info:
+        messages.decode(msgpack.packb([1, "launch_missiles", "r", {}]))
     assert info.value.code == "unknown_kind"
-    with pytest.raises(CodecError, match=r"transact: Object missing required field `ops`"):
-        codec.decode(msgpack.packb([1, "transact", "r", {}]))
-    with pytest.raises(CodecError, match=r"get\.table: Expected `str`, got `int`"):
-        codec.decode(msgpack.packb([1, "get", "r", {"table": 5, "key": 1}]))
-    with pytest.raises(CodecError, match=r"get\.table: Expected `str` of length <= 64"):
-        codec.decode(msgpack.packb([1, "get", "r", {"table": "t" * 65, "key": 1}]))
-    with pytest.raises(CodecError, match="extension type"):
-        codec.decode(msgpack.packb([1, "get", "r", {"table": "t", "key": msgpack.ExtType(5, b"x")}]))
+    with pytest.raises(MessageError, match=r"transact: Object missing required field `ops`"):
+        messages.decode(msgpack.packb([1, "transact", "r", {}]))
+    with pytest.raises(MessageError, match=r"get\.table: Expected `str`, got `int`"):
+        messages.decode(msgpack.packb([1, "get", "r", {"table": 5, "key": 1}]))
+    with pytest.raises(MessageError, match=r"get\.table: Expected `str` of length <= 64"):
+        messages.decode(msgpack.packb([1, "get", "r", {"table": "t" * 65, "key": 1}]))
+    with pytest.raises(MessageError, match="extension type"):
+        messages.decode(msgpack.packb([1, "get", "r", {"table": "t", "key": msgpack.ExtType(5, b"x")}]))
 
 
 def test_oversized_frames_are_refused_before_parsing() -> None:
-    frame = codec.encode(Message("get", "r", {"table": "t", "key": "x" * 2000}))
-    with pytest.raises(CodecError) as info:
-        codec.decode(frame, frame_bytes_max=1000)
+    frame = messages.encode(Message("get", "r", {"table": "t", "key": "x" * 2000}))
+    with pytest.raises(MessageError) as info:
+        messages.decode(frame, frame_bytes_max=1000)
     assert info.value.code == "frame_too_large"
 
 
@@ -158,7 +157,7 @@ def test_oversized_frames_are_refused_before_parsing() -> None:
 )
 def test_entries_round_trip_on_the_wire(ops, request_id) -> None:
     entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, ops, request_id)
-    wire = msgpack.unpackb(msgpack.packb(entry_to_wire(entry), use_bin_type=True), raw=False)
+    wire = msgpack.unpackb(msgpack.packb(entry.to_wire(), use_bin_type=True), raw=False)
     assert entry_from_wire(wire) == entry
 
 
@@ -263,24 +262,24 @@ def test_decode_ops_accepts_exactly_what_the_plain_rules_accept(ops) -> None:
 
 def test_a_push_with_a_malformed_row_is_refused_with_the_path_of_the_value() -> None:
     entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"k": 1})])
-    wire = entry_to_wire(entry)
+    wire = entry.to_wire()
     wire[4] = msgpack.packb([["w", "t", [["k", 1], ["v", float("nan")]]]], use_bin_type=True)
     body = {"shard": "default", "agent": "a", "core": "c", "entries": [wire], "committed": [1, 1]}
     body["hears_sequencer"] = True
-    frame = msgpack.packb([codec.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
+    frame = msgpack.packb([messages.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
     # The envelope passes the message check; the ops are checked when the entry is decoded.
-    checked = codec.decode(frame).body.entries[0]
+    checked = messages.decode(frame).body.entries[0]
     with pytest.raises(messages.MessageError, match=r"ops: NaN cannot be stored"):
         messages.decode_entry(checked)
     wire[4] = msgpack.packb([["w", "t", [["k", 1], ["z!", 1]]]], use_bin_type=True)
-    frame = msgpack.packb([codec.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
+    frame = msgpack.packb([messages.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
     with pytest.raises(messages.MessageError, match=r"ops: name .z!. has characters that are not allowed"):
-        messages.decode_entry(codec.decode(frame).body.entries[0])
+        messages.decode_entry(messages.decode(frame).body.entries[0])
     # Ops that are not packed bytes are refused by the message check itself.
     wire[4] = [["w", "t", [["k", 1]]]]
-    frame = msgpack.packb([codec.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
-    with pytest.raises(CodecError, match=r"push\.entries\[0\]\[4\]: Expected `bytes`, got `array`"):
-        codec.decode(frame)
+    frame = msgpack.packb([messages.PROTOCOL_VERSION, "push", "r", body], use_bin_type=True)
+    with pytest.raises(MessageError, match=r"push\.entries\[0\]\[4\]: Expected `bytes`, got `array`"):
+        messages.decode(frame)
 
 
 def test_wire_entry_ops_must_be_the_canonical_packing() -> None:
@@ -288,7 +287,7 @@ def test_wire_entry_ops_must_be_the_canonical_packing() -> None:
     ``pack_ops`` makes (a larger int form, unsorted or repeated columns, float32, an extension
     type) are refused, so a digest over the received bytes is always the digest of the ops."""
     entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [WriteOp("t", {"a": 1, "b": 2.5})])
-    wire = entry_to_wire(entry)
+    wire = entry.to_wire()
     assert messages.decode_entry(msgspec.convert(wire, messages.WireEntry)) == entry
     canonical = wire[4]
     assert canonical == msgpack.packb([["w", "t", [["a", 1], ["b", 2.5]]]], use_bin_type=True)

@@ -1,4 +1,4 @@
-"""Round trips of consensus peer messages, and garbage only ever raising CodecError."""
+"""Round trips of consensus peer messages, and garbage only ever raising MessageError."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mnesite.core.consensus import (
     VoteRequest,
 )
 from mnesite.core.consensus_wire import CONSENSUS_WIRE_VERSION, message_from_wire, message_to_wire
-from mnesite.rlog.codec import CodecError
+from mnesite.rlog.messages import MessageError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, TxKey, WriteOp, make_entry
 
 FIRST = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (WriteOp("t", {"k": 1, "v": b"x"}),), "w1")
@@ -77,7 +77,7 @@ def test_messages_round_trip_through_msgpack(message):
     ],
 )
 def test_malformed_messages_raise_codec_error(value):
-    with pytest.raises(CodecError):
+    with pytest.raises(MessageError):
         message_from_wire(value)
 
 
@@ -94,7 +94,7 @@ _values = st.recursive(
 @settings(max_examples=400, deadline=None)
 @given(_values)
 def test_arbitrary_values_only_raise_codec_error(value):
-    with contextlib.suppress(CodecError):
+    with contextlib.suppress(MessageError):
         message_from_wire(value)
 
 
@@ -107,7 +107,7 @@ def test_mutated_valid_messages_decode_or_raise_codec_error(message, data):
     wire[position] = data.draw(_values)
     try:
         decoded = message_from_wire(wire)
-    except CodecError:
+    except MessageError:
         return
     assert message_to_wire(decoded) == wire
 
@@ -120,7 +120,7 @@ def test_garbage_frames_unpacked_then_decoded_only_raise_codec_error(frame):
         value = msgpack.unpackb(frame, raw=False)
     except Exception:  # msgpack's own errors belong to the frame codec, not to this module
         return
-    with contextlib.suppress(CodecError):
+    with contextlib.suppress(MessageError):
         message_from_wire(value)
 
 
@@ -171,7 +171,7 @@ def test_packed_bytes_that_are_not_a_message_raise_codec_error():
         b"\x94\x02\xa2\x00\x80\x01\xc3",  # a kind that is not UTF-8
     ]
     for frame in hostile:
-        with pytest.raises(CodecError):
+        with pytest.raises(MessageError):
             message_from_wire(frame)
 
 
@@ -179,5 +179,5 @@ def test_packed_bytes_that_are_not_a_message_raise_codec_error():
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_garbage_bytes_only_raise_codec_error(frame):
-    with contextlib.suppress(CodecError):
+    with contextlib.suppress(MessageError):
         message_from_wire(frame)

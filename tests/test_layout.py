@@ -98,7 +98,6 @@ PURE_MODULES = (
     "replicant.reads",
     "replicant.replica",
     "replicant.upstream",
-    "rlog.codec",
     "rlog.errors",
     "rlog.messages",
     "rlog.replication",
@@ -183,7 +182,7 @@ def test_a_wheel_installs_only_the_mnesite_package(tmp_path: Path) -> None:
         top_level = {name.split("/")[0] for name in archive.namelist()}
         names = set(archive.namelist())
     assert {name for name in top_level if not name.endswith(".dist-info")} == {"mnesite"}
-    for module in ("core/node.py", "rlog/codec.py", "replicant/node.py", "cli/main.py", "spark/compare.py"):
+    for module in ("core/node.py", "rlog/messages.py", "replicant/node.py", "cli/main.py", "spark/compare.py"):
         assert f"mnesite/{module}" in names
     assert not any(name.startswith("mnesite/tests") for name in names)
 

@@ -8,7 +8,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from mnesite.rlog import codec
+from mnesite.rlog import messages
 from mnesite.rlog.client import (
     Client,
     GuardFailed,
@@ -18,7 +18,7 @@ from mnesite.rlog.client import (
     Unavailable,
     UnknownTable,
 )
-from mnesite.rlog.codec import Message
+from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
 from tests.conftest import ThreadNode
@@ -44,7 +44,7 @@ def raw_call(endpoint: str, frame: bytes, timeout_ms: int = 5000) -> Message:
         socket.send(frame)
         if not socket.poll(timeout_ms):
             raise AssertionError("no answer")
-        return codec.decode(socket.recv())
+        return messages.decode(socket.recv())
     finally:
         socket.close(0)
 
@@ -129,14 +129,14 @@ def test_a_burst_of_writes_and_resends_in_one_turn_logs_each_request_id_once(thr
     try:
         for number in range(pairs):
             body = {"ops": [{"op": "write", "table": "users", "row": {"id": 1000 + number, "name": f"n{number}"}}]}
-            frame = codec.encode(Message("transact", f"burst-{number}", body))
+            frame = messages.encode(Message("transact", f"burst-{number}", body))
             socket.send(frame)  # the original and its resend back to back, no wait between
             socket.send(frame)
         answers: dict[str, list[dict]] = {}
         deadline = time.monotonic() + 10
         while sum(len(a) for a in answers.values()) < 2 * pairs:
             assert socket.poll(max(1, int((deadline - time.monotonic()) * 1000))), "no answer in time"
-            answer = codec.decode(socket.recv())
+            answer = messages.decode(socket.recv())
             assert answer.kind == "reply", answer
             answers.setdefault(answer.request_id, []).append(answer.body.result)
     finally:
@@ -158,8 +158,8 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(thread_node: ThreadNod
         (msgpack.packb([1, "transact", "r1", {"ops": "not a list"}]), "bad_frame"),
         (msgpack.packb([2, "status", "r1", {}]), "unsupported_version"),
         (msgpack.packb([1, "drop_everything", "r1", {}]), "unknown_kind"),
-        (codec.encode(Message("get", "r1", {"table": "users", "key": "x" * 5_000_000})), "frame_too_large"),
-        (codec.encode(Message("reply", "r1", {"result": 1})), "bad_request"),
+        (messages.encode(Message("get", "r1", {"table": "users", "key": "x" * 5_000_000})), "frame_too_large"),
+        (messages.encode(Message("reply", "r1", {"result": 1})), "bad_request"),
     ]
     for frame, code in cases:
         answer = raw_call(thread_node.endpoint, frame)

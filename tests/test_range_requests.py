@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mnesite.rlog import codec, range_requests
+from mnesite.rlog import messages, range_requests
 from mnesite.rlog.client import MnesiteError
 from mnesite.rlog.messages import typed_body
 from mnesite.rlog.range_digest import text_range_digest
@@ -143,9 +143,9 @@ def test_unknown_fields_and_wrong_field_types_are_refused_by_the_node(thread_nod
             ("r3", {"ranges": [[None, None]]}, "missing required field `table`"),
         ):
             # Raw frames: the client would refuse to encode these itself.
-            socket.send(msgpack.packb([codec.PROTOCOL_VERSION, "range_digest", request_id, body], use_bin_type=True))
+            socket.send(msgpack.packb([messages.PROTOCOL_VERSION, "range_digest", request_id, body], use_bin_type=True))
             assert socket.poll(5000), "the node did not answer"
-            answer = codec.decode(socket.recv())
+            answer = messages.decode(socket.recv())
             assert answer.kind == "error" and answer.body.code == "bad_frame", answer
             assert message in answer.body.message
     finally:

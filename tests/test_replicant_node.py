@@ -16,10 +16,9 @@ from mnesite.replicant.reads import (
     WaitingReads,
     shards_to_wait_on,
 )
-from mnesite.rlog import codec
-from mnesite.rlog.codec import Message
+from mnesite.rlog import messages
 from mnesite.rlog.errors import OverloadedError
-from mnesite.rlog.messages import typed_body
+from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
 
@@ -193,7 +192,7 @@ def test_a_core_refusing_a_read_index_is_passed_on_with_its_detail(tmp_path) -> 
     node = offline_replicant(tmp_path / "r")
     try:
         pending = _linearizable_read_pending(node, "client-8")
-        refusal = codec.error("replicant-internal-2", "no_sequencer", "election", {"sequencer": "core2"})
+        refusal = messages.error("replicant-internal-2", "no_sequencer", "election", {"sequencer": "core2"})
         node._on_answer(pending, refusal)
         (answer,) = _answers_to_the_client(node)
         assert (answer.request_id, answer.body.code, answer.body.detail) == (
@@ -219,7 +218,7 @@ def test_a_malformed_list_tables_answer_fails_the_copy_and_not_the_loop_turn(tmp
             7,
         ):
             # Each used to raise out of the turn (AttributeError, KeyError, SchemaError) for a list.
-            node._on_answer(Pending("tables", "core1", 0, "default"), codec.reply("q", result))
+            node._on_answer(Pending("tables", "core1", 0, "default"), messages.reply("q", result))
         assert node.store.catalog() == {}, "nothing of a malformed answer was applied"
     finally:
         node.store.close()

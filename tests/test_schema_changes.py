@@ -41,7 +41,6 @@ from mnesite.rlog.types import (
     WriteOp,
     decode_op,
     encode_op,
-    entry_to_wire,
     make_entry,
 )
 
@@ -59,18 +58,18 @@ def test_the_ops_encode_canonically_and_travel_in_entries() -> None:
     for op in (BY_KARMA, DropIndexOp("by_karma", "users", "s"), EMAIL):
         assert decode_op(encode_op(op)) == op
     entry = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (BY_KARMA, EMAIL), "r1")
-    assert decode_entry(msgspec.convert(entry_to_wire(entry), WireEntry)) == entry
+    assert decode_entry(msgspec.convert(entry.to_wire(), WireEntry)) == entry
     other = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (BY_KARMA,), "r1")
     assert other.digest != entry.digest  # the digest chain covers schema changes
     for malformed in (["i", "x", "users", "s", "karma"], ["j", "x", "users"], ["a", "users", "s", "c", 1]):
         with pytest.raises(OpDecodeError):
             decode_op(malformed)
-    wire = entry_to_wire(entry)
+    wire = entry.to_wire()
     import msgpack
 
     hostile = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (CreateIndexOp("ix", "users", "s", ()),))
     with pytest.raises(MessageError):
-        decode_entry(msgspec.convert(entry_to_wire(hostile), WireEntry))  # an index of no column is no wire op
+        decode_entry(msgspec.convert(hostile.to_wire(), WireEntry))  # an index of no column is no wire op
     wire[4] = msgpack.packb([["i", "ix", "users", "s", ["bad name!"]]], use_bin_type=True)
     with pytest.raises(MessageError):
         decode_entry(msgspec.convert(wire, WireEntry))

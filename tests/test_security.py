@@ -17,11 +17,10 @@ from mnesite.cli.main import main
 from mnesite.core.consensus import VoteRequest
 from mnesite.core.consensus_wire import message_to_wire
 from mnesite.core.node import CoreNode
-from mnesite.rlog import codec
+from mnesite.rlog import messages
 from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated
-from mnesite.rlog.codec import Message
 from mnesite.rlog.config import ConfigError, load_config, parse_config
-from mnesite.rlog.messages import typed_body
+from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
 from mnesite.rlog.security import SecurityError, configure_client, generate_keys, load_key
 from mnesite.rlog.types import TxKey
@@ -168,7 +167,7 @@ def test_every_kind_names_its_roles_and_admin_may_send_everything() -> None:
 
 def test_every_request_kind_the_codec_accepts_has_a_role_entry() -> None:
     # A kind missing from the table is admin-only: a new request kind must be placed deliberately.
-    assert set(codec.KINDS) - {"reply", "error"} == set(KIND_ROLES)
+    assert set(messages.SCHEMAS) - {"reply", "error"} == set(KIND_ROLES)
 
 
 def test_a_body_sender_must_be_the_authenticated_principal() -> None:
@@ -240,10 +239,10 @@ def raw_request(node: SecureNode, principal: str, frame: Message | bytes) -> Mes
         pair = load_key(str(node.keys / f"{principal}.key_secret"), "key", secret=True)
         configure_client(socket, pair, load_key(str(node.keys / "cluster.key"), "key", secret=False).public)
         socket.connect(node.endpoint)
-        socket.send(codec.encode(frame) if isinstance(frame, Message) else frame)
+        socket.send(messages.encode(frame) if isinstance(frame, Message) else frame)
         if not socket.poll(5000):
             raise AssertionError(f"no answer to {frame!r}")
-        return codec.decode(socket.recv())
+        return messages.decode(socket.recv())
     finally:
         socket.close(0)
 

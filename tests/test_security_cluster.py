@@ -13,12 +13,12 @@ from click.testing import CliRunner
 from mnesite.cli.main import main
 from mnesite.core.consensus import AppendRequest, ExclusionNotice, VoteRequest
 from mnesite.core.consensus_wire import message_to_wire
-from mnesite.rlog import codec
+from mnesite.rlog import messages
 from mnesite.rlog.client import Client, Forbidden, RemoteError, Unauthenticated
-from mnesite.rlog.codec import Message
+from mnesite.rlog.messages import Message
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
 from mnesite.rlog.security import configure_client, generate_keys, load_key
-from mnesite.rlog.types import TxKey, WriteOp, entry_to_wire, make_entry
+from mnesite.rlog.types import TxKey, WriteOp, make_entry
 
 from tests.conftest import Cluster, free_port, wait_until
 from tests.test_cluster import create_table
@@ -35,8 +35,8 @@ def send_as(cluster: Cluster, principal_key: Path, endpoint: str, message: Messa
         pair = load_key(str(principal_key), "key", secret=True)
         configure_client(socket, pair, load_key(str(cluster.keys_dir / "cluster.key"), "key", secret=False).public)
         socket.connect(endpoint)
-        socket.send(codec.encode(message))
-        return codec.decode(socket.recv()) if socket.poll(5000) else None
+        socket.send(messages.encode(message))
+        return messages.decode(socket.recv()) if socket.poll(5000) else None
     finally:
         socket.close(0)
 
@@ -156,7 +156,7 @@ def test_keys_and_roles_refuse_every_attack_of_the_issue(cluster: Cluster, tmp_p
                     "shard": "default",
                     "agent": replicant_status["agent"],
                     "core": replicant_status["upstream"],
-                    "entries": [entry_to_wire(forged_entry)],
+                    "entries": [forged_entry.to_wire()],
                     "committed": [generation + 1000, 1],
                     "hears_sequencer": True,
                 },

@@ -402,7 +402,7 @@ def test_a_verified_batch_with_a_gap_is_refused_and_changes_nothing(store) -> No
 
 def test_packed_entries_go_on_the_wire_exactly_as_decoded_ones_within_their_size_bound(store) -> None:
     import msgpack
-    from mnesite.rlog.types import DeleteOp, entry_to_wire, to_wire, wire_size_bytes
+    from mnesite.rlog.types import DeleteOp
 
     entries = chain_after(
         store,
@@ -413,7 +413,7 @@ def test_packed_entries_go_on_the_wire_exactly_as_decoded_ones_within_their_size
     packed = store.packed_entries_after("default", TxKey(1, 1), 10)
     assert [p.tx_key for p in packed] == [e.tx_key for e in entries]
     for entry, packed_entry in zip(entries, packed, strict=True):
-        assert to_wire(packed_entry) == msgpack.unpackb(msgpack.packb(entry_to_wire(entry)), raw=False)
-        assert msgpack.packb(to_wire(packed_entry)) == msgpack.packb(entry_to_wire(entry))
-        assert len(msgpack.packb(to_wire(packed_entry))) <= wire_size_bytes(packed_entry)
+        assert packed_entry.to_wire() == msgpack.unpackb(msgpack.packb(entry.to_wire()), raw=False)
+        assert msgpack.packb(packed_entry.to_wire()) == msgpack.packb(entry.to_wire())
+        assert len(msgpack.packb(packed_entry.to_wire())) <= packed_entry.size_bytes
     assert store.packed_entries_after("default", TxKey(1, 2), 1)[0].tx_key == TxKey(1, 3)

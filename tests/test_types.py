@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
+import msgspec
 import pytest
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, TxKey, WriteOp, entry_digest, make_entry
+from mnesite.rlog.types import (
+    GENESIS_DIGEST,
+    ZERO_KEY,
+    DeleteOp,
+    Entry,
+    TxKey,
+    WriteOp,
+    entry_digest,
+    make_entry,
+    pack_ops,
+)
 
 pytestmark = pytest.mark.timeout(30)
+EMPTY = pack_ops([])
 
 
 def chain(ops_list, shard="default"):
@@ -31,16 +42,16 @@ def test_digest_covers_the_whole_history() -> None:
 
 
 def test_digest_does_not_depend_on_column_order() -> None:
-    one = entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, [WriteOp("t", {"a": 1, "b": 2})], None)
-    two = entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, [WriteOp("t", {"b": 2, "a": 1})], None)
+    one = entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, pack_ops([WriteOp("t", {"a": 1, "b": 2})]), None)
+    two = entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, pack_ops([WriteOp("t", {"b": 2, "a": 1})]), None)
     assert one == two
 
 
 def test_digest_covers_key_shard_and_request_id() -> None:
-    base = entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, [], None)
-    assert base != entry_digest(GENESIS_DIGEST, "s", TxKey(2, 1), ZERO_KEY, [], None)
-    assert base != entry_digest(GENESIS_DIGEST, "other", TxKey(1, 1), ZERO_KEY, [], None)
-    assert base != entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, [], "r")
+    base = entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, EMPTY, None)
+    assert base != entry_digest(GENESIS_DIGEST, "s", TxKey(2, 1), ZERO_KEY, EMPTY, None)
+    assert base != entry_digest(GENESIS_DIGEST, "other", TxKey(1, 1), ZERO_KEY, EMPTY, None)
+    assert base != entry_digest(GENESIS_DIGEST, "s", TxKey(1, 1), ZERO_KEY, EMPTY, "r")
 
 
 def test_tx_keys_order_by_generation_then_counter() -> None:
@@ -49,23 +60,28 @@ def test_tx_keys_order_by_generation_then_counter() -> None:
         make_entry("s", TxKey(1, 1), TxKey(1, 1), GENESIS_DIGEST, [])
 
 
-def test_the_digest_is_blake2b_of_the_entry_array_and_the_packed_ops_memo_stays_bounded() -> None:
+def test_the_digest_is_blake2b_of_the_entry_array_over_the_ops_an_entry_carries_packed() -> None:
     import hashlib
 
     import msgpack
     from mnesite.rlog import types
 
-    for count in range(types._PACKED_OPS_ITEMS_MAX + 50):
+    for count in range(1, 100):
         ops = tuple(types.WriteOp("t", {"v": "x" * (count % 7), "k": count}) for _ in range(count % 5))
         encoded = [["w", "t", [["k", count], ["v", "x" * (count % 7)]]] for _ in ops]
         body = msgpack.packb(["s", [1, count], [1, 0], None if count % 2 else "r", encoded], use_bin_type=True)
         expected = hashlib.blake2b(b"d" * 32 + body, digest_size=types.DIGEST_BYTES).digest()
         key = types.TxKey(1, count)
-        assert types.entry_digest(b"d" * 32, "s", key, types.TxKey(1, 0), ops, None if count % 2 else "r") == expected
+        request_id = None if count % 2 else "r"
+        assert types.entry_digest(b"d" * 32, "s", key, types.TxKey(1, 0), pack_ops(ops), request_id) == expected
         assert types.pack_ops(ops) == msgpack.packb(encoded, use_bin_type=True)
         assert types.pack_ops(list(ops)) == types.pack_ops(ops)
-    assert len(types._PACKED_OPS) <= types._PACKED_OPS_ITEMS_MAX
-    assert types._packed_ops_bytes == sum(len(packed) for _, packed in types._PACKED_OPS.values())
+        # Every way an entry is built carries the same packing of its ops, which its digest covers.
+        made = make_entry("s", key, types.TxKey(1, 0), b"d" * 32, ops, request_id)
+        assert made.digest == expected and made.packed == msgpack.packb(encoded, use_bin_type=True)
+        assert Entry("s", key, types.TxKey(1, 0), expected, ops, request_id) == made  # packed from its ops
+        assert types.entry_from_wire(made.to_wire()) == made
+        assert made.size_bytes >= len(msgpack.packb(made.to_wire(), use_bin_type=True))
 
 
 def test_the_one_chain_check_names_the_broken_link():
@@ -77,9 +93,9 @@ def test_the_one_chain_check_names_the_broken_link():
     assert chain_break(first.tx_key, first.digest, second) is None
     assert chain_break(ZERO_KEY, GENESIS_DIGEST, second) == CHAIN_LINK
     assert chain_break(first.tx_key, bytes(32), second) == CHAIN_DIGEST  # another history before it
-    tampered = dataclasses.replace(second, ops=(WriteOp("t", {"a": 2}),))
+    tampered = Entry(second.shard, second.tx_key, second.prev, second.digest, (WriteOp("t", {"a": 2}),))
     assert chain_break(first.tx_key, first.digest, tampered) == CHAIN_DIGEST
-    backwards = dataclasses.replace(second, tx_key=TxKey(1, 1))
+    backwards = msgspec.structs.replace(second, tx_key=TxKey(1, 1))
     assert chain_break(first.tx_key, first.digest, backwards) == CHAIN_ORDER
 
 
@@ -98,4 +114,15 @@ def test_the_digest_header_is_msgpacks_bytes_at_every_size_boundary() -> None:
         key, prev = types.TxKey(part, parts[count % len(parts)]), types.TxKey(count, part)
         body = msgpack.packb([name, list(key), list(prev), request_id, []], use_bin_type=True)
         expected = hashlib.blake2b(b"p" * 16 + body, digest_size=types.DIGEST_BYTES).digest()
-        assert types.entry_digest(b"p" * 16, name, key, prev, (), request_id) == expected
+        assert types.entry_digest(b"p" * 16, name, key, prev, pack_ops(()), request_id) == expected
+
+
+def test_request_ids_are_unique_and_sort_in_the_order_they_were_made(monkeypatch) -> None:
+    # The log's request-id index takes new ids at its end only if later ids sort after earlier ones.
+    from mnesite.rlog import types
+
+    clock = iter(range(1_700_000_000_000_000_000, 1_700_000_100_000_000_000, 1_000_000))
+    monkeypatch.setattr(types.time, "time_ns", lambda: next(clock))
+    made = [types.new_request_id() for _ in range(1000)]
+    assert made == sorted(made) and len(set(made)) == len(made)
+    assert all(len(request_id) == 32 for request_id in made)

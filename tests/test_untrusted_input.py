@@ -16,9 +16,9 @@ from mnesite.core.consensus import (
     Role,
     VoteRequest,
 )
-from mnesite.rlog import codec, messages
+from mnesite.rlog import messages
 from mnesite.rlog.client import Client, InvalidRequest, RemoteError
-from mnesite.rlog.codec import CodecError, Message
+from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey
 
 from tests.conftest import ThreadNode, free_port, node_config
@@ -59,7 +59,7 @@ def raw_frame(kind: str, body: dict, request_id: str = "hostile") -> bytes:
             return [mark(v) for v in value]
         return value
 
-    frame = msgpack.packb([codec.PROTOCOL_VERSION, kind, request_id, mark(body)], use_bin_type=True)
+    frame = msgpack.packb([messages.PROTOCOL_VERSION, kind, request_id, mark(body)], use_bin_type=True)
     for splice in splices:
         frame = frame.replace(msgpack.packb(splice.marker), splice.packed())
     return frame
@@ -74,7 +74,7 @@ def raw_call(endpoint: str, frame: bytes, timeout_ms: int = 5000) -> Message | N
         socket.send(frame)
         if not socket.poll(timeout_ms):
             return None
-        return codec.decode(socket.recv())
+        return messages.decode(socket.recv())
     finally:
         socket.close(0)
 
@@ -279,7 +279,7 @@ def test_an_append_reply_acknowledging_past_what_was_sent_is_ignored() -> None:
 
 
 def test_a_peer_message_decodes_to_frozen_fields_and_nothing_unbounded() -> None:
-    message = codec.decode(raw_frame("push_ack", {"shard": "default", "agent": "a1", "applied": [1, 2]}))
+    message = messages.decode(raw_frame("push_ack", {"shard": "default", "agent": "a1", "applied": [1, 2]}))
     assert message.body.applied == TxKey(1, 2)
     with pytest.raises(AttributeError):
         message.body.applied = TxKey(0, 0)  # type: ignore[misc]
@@ -287,8 +287,8 @@ def test_a_peer_message_decodes_to_frozen_fields_and_nothing_unbounded() -> None
     for _ in range(100_000):
         deep = [deep]
     assert "nested deeper" in messages.free_value_refusal(deep, 8)
-    with pytest.raises(CodecError):
-        codec.decode(raw_frame("reply", {"result": nested(100_000)}))
+    with pytest.raises(MessageError):
+        messages.decode(raw_frame("reply", {"result": nested(100_000)}))
 
 
 # -- the data directory ---------------------------------------------------------------------------
@@ -406,7 +406,7 @@ def test_a_thousand_watches_to_dead_endpoints_cost_little_and_a_real_replicant_s
                 "from_digest": digest,
                 "protocol": 1,
             }
-            socket.send(codec.encode(Message("watch", f"w{index}", body)))
+            socket.send(messages.encode(Message("watch", f"w{index}", body)))
             if socket.poll(5000):
                 socket.recv()
                 answers += 1
@@ -456,7 +456,7 @@ def test_requests_outstanding_per_connection_are_bounded_and_released_by_the_ans
     with pytest.raises(OverloadedError, match="requests_outstanding_max 2"):
         node.hold(envelope, "r3")
     node.hold([b"client-b"], "r3")  # another connection has its own bound
-    node.reply(envelope, codec.reply("r1", None))
+    node.reply(envelope, messages.reply("r1", None))
     node.hold(envelope, "r3")
     assert node.outstanding[b"client-a"] == {"r2", "r3"}
 
@@ -586,8 +586,8 @@ def test_a_new_core_takes_its_membership_from_its_peers_and_ignores_malformed_on
     ],
 )
 def test_a_string_that_is_not_utf8_is_a_malformed_frame_and_the_node_keeps_serving(node, frame: bytes) -> None:
-    with pytest.raises(CodecError):
-        codec.decode(frame)
+    with pytest.raises(MessageError):
+        messages.decode(frame)
     answer = raw_call(node.endpoint, frame)
     assert answer is not None and answer.kind == "error" and answer.body.code in ("bad_frame", "bad_request")
     with node.client() as client:

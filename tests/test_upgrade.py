@@ -41,7 +41,7 @@ RELEASE_0_1_0_TAG = "v0.1.0"
 RELEASE_0_1_0_COMMIT = "3f4dcd03de2ebb3d68c3225d3fde0d29f663591a"
 INSTALL_TIMEOUT_S = 120
 STEP_TIMEOUT_S = 60
-# What a node logs when it was sent something it cannot read (rlog.server, core.watch, rlog.codec).
+# What a node logs when it was sent something it cannot read (rlog.server, core.watch, rlog.messages).
 UNREADABLE_SIGNS = ("protocol violation", "malformed", "incompatible_protocol", "unsupported", "unknown_kind")
 
 

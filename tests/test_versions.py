@@ -25,7 +25,7 @@ from mnesite.core.versions import (
 from mnesite.core.watch import WatchRefusedError, check_watch_request
 from mnesite.rlog import messages
 from mnesite.rlog.backup import BACKUP_META, BackupError, restore
-from mnesite.rlog.codec import PROTOCOL_VERSION
+from mnesite.rlog.messages import PROTOCOL_VERSION
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, journal_answer
 from mnesite.rlog.store import FORMAT_VERSION, Store, StoreError
 from mnesite.rlog.types import ClusterVersionOp, Entry, TxKey, decode_op, encode_op, make_entry, pack_ops

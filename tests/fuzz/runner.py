@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 import zmq
-from mnesite.rlog import codec
+from mnesite.rlog import messages
 from mnesite.rlog.client import Client, MnesiteError
 from mnesite.rlog.roles import WRITE_KINDS  # every kind that may log an entry (schema changes too)
 from mnesite.rlog.versions import CLUSTER_VERSION_HIGHEST
@@ -88,7 +88,9 @@ def rss_kb(pid: int) -> int:
 def deep_frame(kind: str, body: dict[str, Any], field_name: str, request_id: str) -> bytes:
     """``body`` with ``field_name`` replaced by [[[...]]] of DEEP_LEVELS levels, spliced in as raw bytes."""
     marker = f"@deep-{uuid.uuid4().hex}@"
-    frame = msgpack.packb([codec.PROTOCOL_VERSION, kind, request_id, {**body, field_name: marker}], use_bin_type=True)
+    frame = msgpack.packb(
+        [messages.PROTOCOL_VERSION, kind, request_id, {**body, field_name: marker}], use_bin_type=True
+    )
     return frame.replace(msgpack.packb(marker), b"\x91" * DEEP_LEVELS + b"\x90")
 
 
@@ -139,7 +141,7 @@ class Fuzzer:
     def send(self, kind: str, body: dict[str, Any]) -> None:
         request_id = f"fz{self.report.messages_sent}-{uuid.uuid4().hex[:8]}"
         try:
-            frame = msgpack.packb([codec.PROTOCOL_VERSION, kind, request_id, body], use_bin_type=True)
+            frame = msgpack.packb([messages.PROTOCOL_VERSION, kind, request_id, body], use_bin_type=True)
         except (OverflowError, ValueError, TypeError):
             self.report.not_packable += 1  # e.g. an integer below -2**63: msgpack has no encoding for it
             return
@@ -194,8 +196,8 @@ class Fuzzer:
     def _on_answer(self, frame: bytes) -> None:
         self.report.answers += 1
         try:
-            answer = codec.decode(frame, 64 * 1024 * 1024)
-        except codec.CodecError as error:
+            answer = messages.decode(frame, 64 * 1024 * 1024)
+        except messages.MessageError as error:
             raise FuzzFailure(f"a node sent an undecodable answer: {error}") from None
         if answer.kind == "error":
             code = answer.body.code

@@ -103,7 +103,7 @@ def test_the_issue_reproductions_against_real_processes_change_nothing(fuzzed_cl
     import zmq
     from mnesite.core.consensus import VoteRequest
     from mnesite.core.consensus_wire import message_to_wire
-    from mnesite.rlog import codec
+    from mnesite.rlog import messages
     from mnesite.rlog.client import RemoteError
     from mnesite.rlog.types import TxKey
 
@@ -115,7 +115,7 @@ def test_the_issue_reproductions_against_real_processes_change_nothing(fuzzed_cl
     vote = message_to_wire(VoteRequest(2**63 - 1, TxKey(2**63 - 1, 1)))
     frames = {
         "core1": [
-            codec.encode(codec.Message("peer", "v", {"shard": "default", "sender": "core2", "message": vote})),
+            messages.encode(messages.Message("peer", "v", {"shard": "default", "sender": "core2", "message": vote})),
         ],
         "replicant1": [
             deep_frame("transact", {"ops": []}, "ops", "deep-through-replicant"),
@@ -134,7 +134,7 @@ def test_the_issue_reproductions_against_real_processes_change_nothing(fuzzed_cl
                 socket.send(frame)
                 if name == "replicant1":
                     assert socket.poll(10_000), "the replicant answers hostile writes itself"
-                    answer = codec.decode(socket.recv())
+                    answer = messages.decode(socket.recv())
                     assert answer.kind == "error" and answer.body.code in ("bad_frame", "bad_request"), answer
         finally:
             socket.close()  # with the linger set above

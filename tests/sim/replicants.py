@@ -14,7 +14,7 @@ simulator also plays the drivers of the replication protocol, from the same ``ra
   pushes are production's ``core.agent_server.AgentServer`` (one per core, built again when the core
   restarts or installs a snapshot): the watch rules, supersession, the memory budget and the push
   frames are its own. Every replication message travels as a frame of the real codec
-  (``rlog.codec``): a replicant's requests (``journal``, ``watch``, ``list_tables``,
+  (``rlog.messages``): a replicant's requests (``journal``, ``watch``, ``list_tables``,
   ``bootstrap_batch``, ``read_index``) and ``push_ack``, the cores' replies and pushes. Answers are
   matched by request id and read with production's parsers of untrusted answers (``watch_accepted``,
   ``journal_answer``, ``tables_from_answer``, ``batch_from_answer``, ``messages.ReadIndexAnswer``);
@@ -60,7 +60,7 @@ from mnesite.core.watch import WatchRefusedError
 from mnesite.replicant.reads import ReadIndexGather, WaitingReads
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
 from mnesite.replicant.upstream import write_target
-from mnesite.rlog import codec, messages
+from mnesite.rlog import messages
 from mnesite.rlog import replication as p
 from mnesite.rlog.config import Limits
 from mnesite.rlog.errors import OverloadedError, RequestError
@@ -316,8 +316,8 @@ class ReplicantSimulation(Simulation):
         """What the core's node does after a turn: send the frames its agent server queued (checked)."""
         server = self._server(node)
         for endpoint, message in server.drain():
-            frame = codec.encode(message)
-            push = codec.decode(frame, FRAME_BYTES_MAX)  # what the replicant will read, checked here too
+            frame = messages.encode(message)
+            push = messages.decode(frame, FRAME_BYTES_MAX)  # what the replicant will read, checked here too
             for entry in messages.decode_entries(push.body.entries):
                 if entry.tx_key > node.applied_key or self.committed_digest.get(entry.tx_key) != entry.digest:
                     raise self.fail(f"agent {push.body.agent} on {node.name} pushed {entry.tx_key}, not committed")
@@ -336,7 +336,7 @@ class ReplicantSimulation(Simulation):
             return
         if kind != "frame":
             raise self.fail(f"unknown replication message {message!r}")
-        request = codec.decode(message[1], FRAME_BYTES_MAX)
+        request = messages.decode(message[1], FRAME_BYTES_MAX)
         if request.kind == "push_ack":
             self._server(node).acknowledged(request.body, self.now_ms)
             self._send_pushes(node)
@@ -350,18 +350,20 @@ class ReplicantSimulation(Simulation):
                 "hears_sequencer": self._hears_sequencer(node),
                 "agents": agents,
             }
-            reply = codec.reply(request.request_id, {"node": node.name, "shards": {SHARD: info}})
+            reply = messages.reply(request.request_id, {"node": node.name, "shards": {SHARD: info}})
         elif request.kind == "watch":
             reply = self._on_watch(node, sender, request)
         elif request.kind == "list_tables":
             tables = [define_table(t, KEY_COLUMN, [[KEY_COLUMN, "INTEGER"], ["v", "INTEGER"]], SHARD) for t in TABLES]
-            reply = codec.reply(request.request_id, [table.to_json() for table in tables])
+            reply = messages.reply(request.request_id, [table.to_json() for table in tables])
         elif request.kind == "bootstrap_batch":
             # Production's serving rule (bootstrap.serve, bounded in rows and bytes) over this core's tables.
             body = request.body
             schema = define_table(body.table, KEY_COLUMN, [[KEY_COLUMN, "INTEGER"], ["v", "INTEGER"]])
             tables = _TablesView(self.core_tables[node.name])
-            reply = codec.reply(request.request_id, read_batch(tables, schema, body.after, body.limit, BATCH_BYTES_MAX))
+            reply = messages.reply(
+                request.request_id, read_batch(tables, schema, body.after, body.limit, BATCH_BYTES_MAX)
+            )
         else:
             # The replicant's read fence is a read_index request, served as production serves it
             # (core.rules.fence_read): at the sequencer while ShardConsensus.read_index allows,
@@ -372,21 +374,21 @@ class ReplicantSimulation(Simulation):
             try:
                 fence = rules.fence_read(view, node.name, request.body.forwarded, machine.read_index(self.now_ms))
             except RequestError as refused:
-                reply = codec.error(request.request_id, refused.code, str(refused))
+                reply = messages.error(request.request_id, refused.code, str(refused))
             else:
                 if isinstance(fence, rules.Forward):
-                    forwarded = codec.Message("read_index", request.request_id, {"shard": SHARD, "forwarded": True})
+                    forwarded = messages.Message("read_index", request.request_id, {"shard": SHARD, "forwarded": True})
                     self._send_replication(
-                        node.name, fence.target, ("frame", codec.encode(forwarded), origin, replicant)
+                        node.name, fence.target, ("frame", messages.encode(forwarded), origin, replicant)
                     )
                     return
-                reply = codec.reply(request.request_id, {"committed": list(fence)})
+                reply = messages.reply(request.request_id, {"committed": list(fence)})
             if origin != node.name:
-                self._send_replication(node.name, origin, ("relay", replicant, codec.encode(reply)))
+                self._send_replication(node.name, origin, ("relay", replicant, messages.encode(reply)))
                 return
-        self._send_replication(node.name, sender, ("reply", codec.encode(reply)))
+        self._send_replication(node.name, sender, ("reply", messages.encode(reply)))
 
-    def _on_watch(self, node: SimNode, sender: str, request: codec.Message) -> codec.Message:
+    def _on_watch(self, node: SimNode, sender: str, request: messages.Message) -> messages.Message:
         try:
             # Production's agent server and its watch rules (core.watch), not a copy of them.
             answer = self._server(node).watch(
@@ -399,10 +401,10 @@ class ReplicantSimulation(Simulation):
                 self.now_ms,
             )
         except WatchRefusedError as refused:
-            return codec.error(request.request_id, refused.code, str(refused))
+            return messages.error(request.request_id, refused.code, str(refused))
         self.trace.append((self.now_ms, node.name, "watch", sender, answer["mode"], answer["start"], answer["agent"]))
         self._send_pushes(node)
-        return codec.reply(request.request_id, answer)
+        return messages.reply(request.request_id, answer)
 
     # ------------------------------------------------------------ replicants (the driver)
 
@@ -484,12 +486,12 @@ class ReplicantSimulation(Simulation):
         replicant.pending[request_id] = (REQUEST_KINDS[kind], detail)
         if len(replicant.pending) > PENDING_MAX:
             del replicant.pending[next(iter(replicant.pending))]
-        return codec.encode(codec.Message(kind, request_id, body))
+        return messages.encode(messages.Message(kind, request_id, body))
 
     def _on_reply(self, replicant: SimReplicant, core: str, frame: bytes) -> None:
         """A core's answer, read as production's driver reads it (replicant/node.py ``_on_answer``),
         with production's parsers of untrusted answers."""
-        answer = codec.decode(frame, FRAME_BYTES_MAX)
+        answer = messages.decode(frame, FRAME_BYTES_MAX)
         pending = replicant.pending.get(answer.request_id)
         if pending is None:
             return  # an answer to a request of the process before a crash
@@ -610,12 +612,16 @@ class ReplicantSimulation(Simulation):
             replicant.spill = []
         elif isinstance(effect, p.SendAck):
             body = {"shard": SHARD, "agent": effect.agent_id, "applied": list(effect.applied_key)}
-            self._send_replication(name, effect.core, ("frame", codec.encode(codec.Message("push_ack", "ack", body))))
+            self._send_replication(
+                name, effect.core, ("frame", messages.encode(messages.Message("push_ack", "ack", body)))
+            )
         elif isinstance(effect, p.SendReject):
             self.pushes_rejected += 1
             applied = replicant.machine.applied_key if replicant.machine is not None else replicant.applied_key
             body = {"shard": SHARD, "agent": effect.agent_id, "applied": list(applied), "rejected": effect.reason}
-            self._send_replication(name, effect.core, ("frame", codec.encode(codec.Message("push_ack", "ack", body))))
+            self._send_replication(
+                name, effect.core, ("frame", messages.encode(messages.Message("push_ack", "ack", body)))
+            )
         elif isinstance(effect, p.ModeChanged):
             self.trace.append((self.now_ms, name, "mode", effect.mode.value, effect.upstream, effect.reason))
         elif isinstance(effect, p.ReadFenceChanged):
@@ -692,7 +698,7 @@ class ReplicantSimulation(Simulation):
                 self._on_reply(replicant, sender, body)
             elif kind == "frame":
                 # A core's push, through the real codec and production's conversion to a replica event.
-                push = codec.decode(body, FRAME_BYTES_MAX)
+                push = messages.decode(body, FRAME_BYTES_MAX)
                 if push.kind != "push":
                     raise self.fail(f"{sender} sent {push.kind} on the replication link")
                 try:

@@ -1,0 +1,32 @@
+"""The wire layer's line count (``benchmarks/wire_lines.py``) cannot silently grow back."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(30)
+
+REPO = Path(__file__).resolve().parent.parent
+_SPEC = importlib.util.spec_from_file_location("wire_lines", REPO / "benchmarks" / "wire_lines.py")
+wire_lines = importlib.util.module_from_spec(_SPEC)
+sys.modules["wire_lines"] = wire_lines
+_SPEC.loader.exec_module(wire_lines)
+
+
+def test_the_wire_layer_stays_under_its_ceiling() -> None:
+    counts = wire_lines.wire_lines(REPO)
+    assert counts["total"] == sum(count for name, count in counts.items() if name != "total")
+    assert counts["rlog/types.py (op codec)"] > 50  # the markers are in place around the op codec
+    assert counts["total"] <= wire_lines.WIRE_LINES_MAX, counts
+    assert wire_lines.WIRE_LINES_MAX < 772  # the count before this test existed (issue 20's tally)
+
+
+def test_marked_lines_counts_only_inside_the_markers() -> None:
+    lines = ["a", wire_lines.BEGIN, "", "b", "# why", "", wire_lines.END, "c", wire_lines.BEGIN, "d", wire_lines.END]
+    assert wire_lines.marked_lines(lines) == 3
+    with pytest.raises(ValueError):
+        wire_lines.marked_lines([wire_lines.BEGIN, "a"])
