@@ -35,6 +35,15 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   wake-up, a frame, a transaction, an acknowledgement), and when idle a commit is pushed at once. A
   lost acknowledgement holds a partial push until the heartbeat's acknowledgement, at most
   ``heartbeat_interval_ms`` later.
+* Push delay. A partial push also waits until ``push_delay_ms_max`` has passed since the previous
+  push with entries (0: it never waits for that). The acknowledgement of a push usually comes back
+  long before the next commit, so the pushes in flight alone leave about one push per commit; this
+  delay makes the commits of the next ``push_delay_ms_max`` ride in one push, which costs the
+  replicant one wake-up, one transaction and one acknowledgement instead of one each per commit. A
+  commit after a quiet spell still goes at once, and an entry waits at most ``push_delay_ms_max``
+  for this rule: what it adds to a replicant's lag is bounded by it. The agents of a shard are
+  stepped by the same commits, so they wait in step, and the core pushes to all of them in one
+  loop turn (each run of entries encoded once).
 * Paced by acknowledgements. One step pushes at most ``step_bytes_max`` bytes (or less: the driver
   may pass a smaller budget for a step, down to 0, when its loop turn has spent its budget for all
   agents): an acknowledgement (or a commit, or a tick) lets the next ones go. Catching up from far
@@ -42,8 +51,9 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   long burst that would delay the core's heartbeats and appends (DESIGN invariant 11).
   ``next_deadline_ms()`` is ``now`` while the window has room and committed entries wait, so the
   driver keeps the stream going at its own pace. Entries are read from the log in reads sized by
-  the entry sizes seen so far, and at most twice as many as the last push held, so a log of large
-  entries is never read far beyond one push.
+  the entry sizes seen so far, each at most twice as many as the last push (or the push being
+  filled) held, so a log of large entries is never read far beyond one push; a push reads again
+  until it is full or holds every committed entry.
 * Retransmission. An acknowledgement that does not advance while entries are unacknowledged means
   the replica lost a push (a replica acknowledges every push and heartbeat with its position): the
   agent resends from the acknowledged key, at most once per ``heartbeat_interval_ms``. The replica
@@ -130,6 +140,8 @@ class AgentConfig:
     push_bytes_max: int = 256 * 1024
     # Pushes with entries not yet acknowledged past which a partial push waits (see "Pushes in flight").
     pushes_in_flight_max: int = 1
+    # A partial push waits this long after the previous push with entries (see "Push delay"); 0: never.
+    push_delay_ms_max: int = 0
     # Bytes pushed in one step at most: bounds the work one event costs the core's loop.
     step_bytes_max: int = 256 * 1024
     heartbeat_interval_ms: int = 500
@@ -141,7 +153,9 @@ class AgentConfig:
     probation_timeout_ms: int = 10_000
 
     def __post_init__(self) -> None:
-        require_positive_ints(self, AgentConfigError)
+        require_positive_ints(self, AgentConfigError, zero_allowed=("push_delay_ms_max",))  # 0: no push delay
+        if self.push_delay_ms_max >= self.heartbeat_interval_ms:
+            raise AgentConfigError("push_delay_ms_max must be shorter than heartbeat_interval_ms")
         if self.ack_timeout_ms <= self.heartbeat_interval_ms:
             raise AgentConfigError("ack_timeout_ms must be longer than heartbeat_interval_ms")
         if self.probation_timeout_ms <= self.heartbeat_interval_ms:
@@ -204,6 +218,7 @@ class Agent:
         self._committed_key = start_key
         self._hears_sequencer = False
         self._last_push_ms: int | None = None
+        self._last_entries_push_ms: int | None = None  # the previous push with entries (see "Push delay")
         self._last_ack_ms = now_ms
         self._acknowledged = False  # the replicant acknowledged at least once: the whole window opens
         self._mode_counted_at = start_key  # sent_key when entries ahead were last counted
@@ -263,7 +278,13 @@ class Agent:
             return self._now_ms + self._ack_timeout_ms()
         if self._last_push_ms is None or (push_room and self._can_push()):
             return self._now_ms
-        return min(self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self._ack_timeout_ms())
+        deadline = min(
+            self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self._ack_timeout_ms()
+        )
+        delayed_until = self._partial_push_delayed_until()
+        if push_room and delayed_until is not None and self._can_push(ignore_delay=True):
+            deadline = min(deadline, delayed_until)
+        return deadline
 
     # ------------------------------------------------------------ the entry point
 
@@ -352,6 +373,8 @@ class Agent:
     def _push(self, entries: tuple[Entry | PackedEntry, ...], size_bytes: int = 0) -> None:
         self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes))
         self._last_push_ms = self._now_ms
+        if entries:
+            self._last_entries_push_ms = self._now_ms
 
     def _ack_timeout_ms(self) -> int:
         if self._acknowledged:
@@ -363,16 +386,29 @@ class Agent:
             return self.config.window_bytes_max
         return min(self.config.window_bytes_max, self.config.probation_bytes_max)
 
-    def _can_push(self) -> bool:
+    def _can_push(self, ignore_delay: bool = False) -> bool:
         """Committed entries wait, the window has room for at least one more, and the pushes in flight
-        let the next one go."""
+        and the push delay let the next one go (``ignore_delay``: all of that but the push delay)."""
         return (
             not self.stopped
             and self._sent_key < self._committed_key
             and len(self._unacknowledged) < self.config.window_entries_max
             and self._unacknowledged_bytes < self._window_bytes_max()
-            and (len(self._pushes_in_flight) < self.config.pushes_in_flight_max or self._full_push_waits())
+            and (
+                (
+                    len(self._pushes_in_flight) < self.config.pushes_in_flight_max
+                    and (ignore_delay or self._partial_push_delayed_until() is None)
+                )
+                or self._full_push_waits()
+            )
         )
+
+    def _partial_push_delayed_until(self) -> int | None:
+        """When the push delay lets a partial push go, if that is later than now (see "Push delay")."""
+        if self._last_entries_push_ms is None:
+            return None
+        due = self._last_entries_push_ms + self.config.push_delay_ms_max
+        return due if due > self._now_ms else None
 
     def _full_push_waits(self) -> bool:
         """Enough committed entries wait to fill a push (see "Pushes in flight"). Judged without
@@ -410,32 +446,44 @@ class Agent:
             return None
         room_entries = min(self.config.push_entries_max, self.config.window_entries_max - len(self._unacknowledged))
         room_bytes = min(self.config.push_bytes_max, self._window_bytes_max() - self._unacknowledged_bytes)
-        # Read about as many entries as fit in room_bytes, judging by the entries seen so far.
-        read_limit = max(
-            1, min(room_entries, room_bytes // self._entry_bytes_estimate + 1, 2 * self._entries_pushed_last)
-        )
-        read = [
-            entry
-            for entry in self._log.entries_after(self._sent_key, read_limit)
-            if entry.tx_key <= self._committed_key
-        ]
-        if not read or read[0].prev != self._sent_key:
-            self._stop(
-                f"the log does not continue after {self._sent_key} up to the committed key {self._committed_key}"
-            )
-            return None
         batch: list[tuple[Entry | PackedEntry, int]] = []
         batch_bytes = 0
-        for entry in read:
-            if batch and entry.prev != batch[-1][0].tx_key:
-                self._stop(f"the log is not contiguous at {entry.tx_key}")
+        # Read in chunks until the push is full or every committed entry is in: each chunk about as
+        # many entries as fit in what is left of room_bytes (judging by the entries seen so far), and
+        # at most twice as many as the last push held (the first chunk) or as this push holds so
+        # far. A push after a push delay that follows single-entry pushes still carries every entry.
+        while len(batch) < room_entries:
+            after = batch[-1][0].tx_key if batch else self._sent_key
+            read_limit = max(
+                1,
+                min(
+                    room_entries - len(batch),
+                    (room_bytes - batch_bytes) // self._entry_bytes_estimate + 1,
+                    2 * (len(batch) or self._entries_pushed_last),
+                ),
+            )
+            read = [
+                entry for entry in self._log.entries_after(after, read_limit) if entry.tx_key <= self._committed_key
+            ]
+            if not batch and (not read or read[0].prev != self._sent_key):
+                self._stop(
+                    f"the log does not continue after {self._sent_key} up to the committed key {self._committed_key}"
+                )
                 return None
-            size = entry.size_bytes
-            if batch and batch_bytes + size > room_bytes:
-                break  # the first entry always goes, alone if it is larger than a push
-            batch.append((entry, size))
-            batch_bytes += size
-        self._entry_bytes_estimate = max(1, max(size for _, size in batch))
+            full = False
+            for entry in read:
+                if batch and entry.prev != batch[-1][0].tx_key:
+                    self._stop(f"the log is not contiguous at {entry.tx_key}")
+                    return None
+                size = entry.size_bytes
+                if batch and batch_bytes + size > room_bytes:
+                    full = True  # the first entry always goes, alone if it is larger than a push
+                    break
+                batch.append((entry, size))
+                batch_bytes += size
+            self._entry_bytes_estimate = max(1, max(size for _, size in batch))
+            if full or len(read) < read_limit or batch[-1][0].tx_key >= self._committed_key:
+                break
         self._entries_pushed_last = len(batch)
         self._push(tuple(entry for entry, _ in batch), batch_bytes)
         self._unacknowledged.extend((entry.tx_key, size) for entry, size in batch)

@@ -350,6 +350,7 @@ class CoreNode(NodeServer):
             probation_bytes_max=min(push_bytes_max, PROBATION_BYTES_MAX),
             probation_timeout_ms=PROBATION_TIMEOUT_MS,
             step_bytes_max=push_bytes_max,
+            push_delay_ms_max=limits.push_delay_ms_max,
         )
         self.agent_server = AgentServer(
             config.name,

@@ -27,6 +27,7 @@ Example::
     turn_ms_max = 50                    # time spent draining frames per loop turn
     push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
+    push_delay_ms_max = 50              # a partial push waits this long after the previous one (0: never)
     agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
     requests_queued_max = 10000         # incoming frames zmq queues
@@ -113,6 +114,10 @@ class Limits:
     # An agent's pushes to one replicant: bytes in one push, and pushed but unacknowledged (core.agent).
     push_bytes_max: int = 256 * 1024
     window_bytes_max: int = 8 * 1024 * 1024
+    # How long a partial push waits after an agent's previous push, so that the commits meanwhile ride
+    # in it (core.agent's "Push delay"): a replicant costs a wake-up, a transaction and an
+    # acknowledgement per push, not per commit; its lag grows by this much at most. 0: no wait.
+    push_delay_ms_max: int = 50
     # Bytes all agents of a node hold together (pushed, not acknowledged: in the outbox, in zmq's send
     # queues, on the wire). Past it the longest-silent agents are evicted, never an acknowledging
     # one (core.agent_budget): replicant streams cost the node this much memory at most.
@@ -205,6 +210,7 @@ _LIMIT_BOUNDS = {
     "turn_ms_max": (1, 60_000),
     "push_bytes_max": (1024, 256 * 1024 * 1024),
     "window_bytes_max": (1024, 1024 * 1024 * 1024),
+    "push_delay_ms_max": (0, 250),  # below the agents' heartbeat interval (500 ms)
     "agents_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),
     "requests_outstanding_max": (1, 1_000_000),
     "requests_queued_max": (1, 1_000_000),

@@ -6,9 +6,12 @@ import dataclasses
 from typing import Any
 
 
-def require_positive_ints(config: Any, error: type[Exception]) -> None:
-    """Raise ``error`` naming the first field of the dataclass ``config`` that is not an integer >= 1."""
+def require_positive_ints(config: Any, error: type[Exception], zero_allowed: tuple[str, ...] = ()) -> None:
+    """Raise ``error`` naming the first field of the dataclass ``config`` that is not an integer >= 1
+    (>= 0 for the fields named in ``zero_allowed``, where 0 turns something off)."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise error(f"{field.name} must be a positive integer, got {value!r}")
+        low = 0 if field.name in zero_allowed else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            kind = "a non-negative" if low == 0 else "a positive"
+            raise error(f"{field.name} must be {kind} integer, got {value!r}")

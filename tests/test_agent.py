@@ -309,8 +309,8 @@ def test_a_partial_push_waits_for_the_acknowledgement_and_then_carries_every_ent
     assert machine.next_deadline_ms() == 0 + machine.config.heartbeat_interval_ms
     assert not machine.wants_to_push
     effects = machine.step(AckReceived(TxKey(1, 1)), 3)
-    assert [len(push.entries) for push in pushes(effects)] == [2]  # twice the last push at most (a read's rule)
-    effects += machine.step(AckReceived(TxKey(1, 3)), 4)
+    # One push, read in chunks of at most twice what the push holds so far (a read's rule).
+    assert [len(push.entries) for push in pushes(effects)] == [3]
     assert pushed_keys(effects) == [TxKey(1, 2), TxKey(1, 3), TxKey(1, 4)]
     machine.step(AckReceived(TxKey(1, 4)), 5)
     assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 5), True), 6)) == [TxKey(1, 5)]  # idle again
@@ -409,3 +409,106 @@ def test_the_retention_floor_waits_for_live_agents_and_forgets_stopped_ones():
     assert server.acked_keys(SHARD) == [TxKey(1, 9)]
     server.stop_shard(SHARD)
     assert keep_from_match_keys(followers, server.acked_keys(SHARD)) == TxKey(1, 19)
+
+
+@pytest.mark.timeout(10)
+def test_a_partial_push_waits_push_delay_ms_max_after_the_previous_push_and_then_carries_every_commit_since():
+    machine = agent(build_log(10), push_delay_ms_max=20)
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 1), True), 0)) == [TxKey(1, 1)]  # quiet: at once
+    assert pushed_keys(machine.step(AckReceived(TxKey(1, 1)), 2)) == []  # acknowledged, but the delay runs
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 2), True), 5)) == []
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 4), True), 12)) == []
+    # The driver is told when the delay ends (the delay, not the heartbeat), and not before.
+    assert machine.next_deadline_ms() == 20
+    assert not machine.wants_to_push
+    assert pushed_keys(machine.step(Ticked(), 19)) == []
+    effects = machine.step(Ticked(), 20)
+    assert [push.entries[0].tx_key for push in pushes(effects)] == [TxKey(1, 2)]
+    assert pushed_keys(effects) == [TxKey(1, 2), TxKey(1, 3), TxKey(1, 4)]  # one push, in order, no gap
+    # Without the acknowledgement the next partial push waits past the delay too (pushes in flight).
+    machine.step(CommittedAdvanced(TxKey(1, 5), True), 30)
+    assert pushed_keys(machine.step(Ticked(), 45)) == []
+    assert machine.next_deadline_ms() == 20 + machine.config.heartbeat_interval_ms
+    assert pushed_keys(machine.step(AckReceived(TxKey(1, 4)), 46)) == [TxKey(1, 5)]
+    # A commit after a quiet spell goes at once.
+    machine.step(AckReceived(TxKey(1, 5)), 47)
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 6), True), 200)) == [TxKey(1, 6)]
+
+
+@pytest.mark.timeout(10)
+def test_a_full_push_does_not_wait_for_the_push_delay_so_a_catch_up_keeps_streaming():
+    machine = agent(build_log(30), push_delay_ms_max=50, push_entries_max=5, window_entries_max=100)
+    effects = machine.step(CommittedAdvanced(TxKey(1, 30), True), 0)
+    # The first read takes five entries (a full push); then full pushes go, the window has room.
+    assert pushed_keys(effects) == [TxKey(1, n) for n in range(1, 31)]
+    assert [len(push.entries) for push in pushes(effects)] == [5] * 6
+
+
+@pytest.mark.timeout(10)
+def test_the_push_delay_is_zero_or_more_and_shorter_than_the_heartbeat_interval():
+    assert AgentConfig(push_delay_ms_max=0).push_delay_ms_max == 0
+    for bad in (-1, True, 1.5, 500, 600):
+        with pytest.raises(AgentConfigError):
+            AgentConfig(heartbeat_interval_ms=500, push_delay_ms_max=bad)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("seed", range(40))
+def test_delayed_pushes_never_skip_or_reorder_entries_and_an_entry_waits_at_most_the_delay(seed: int) -> None:
+    """Random commits, acknowledgements (some lost) and ticks at the agent's deadlines, as the driver
+    steps it: every pushed run continues the previous one, in order, and when no acknowledgement is
+    lost no committed entry waits in the agent longer than push_delay_ms_max (or than an
+    acknowledgement's round trip, if that is longer)."""
+    import random
+
+    rng = random.Random(seed)
+    delay_ms = rng.choice([1, 7, 20, 50])
+    ack_ms_max = 3
+    count = 200
+    machine = agent(build_log(count), push_delay_ms_max=delay_ms, push_entries_max=rng.choice([4, 256]))
+    lossy = rng.random() < 0.5
+    now, committed, last_pushed = 0, 0, ZERO_KEY
+    next_commit_ms = 0
+    committed_at: dict[int, int] = {}
+    pending_acks: list[tuple[int, TxKey]] = []
+    waited_ms_max = 0
+    # The new agent's first heartbeat, acknowledged at once (a late acknowledgement of it would make
+    # the agent resend what it pushed meanwhile: "Retransmission", not this rule).
+    assert pushes(machine.step(Ticked(), 0)) == [Push((), ZERO_KEY, False)]
+    machine.step(AckReceived(ZERO_KEY), 0)
+    while last_pushed < TxKey(1, count):
+        # The next event: a commit, an acknowledgement or the agent's deadline, whichever is first.
+        candidates = [machine.next_deadline_ms(), *(due for due, _ in pending_acks)]
+        if committed < count:
+            candidates.append(next_commit_ms)
+        now = max(now, min(candidates))
+        events = []
+        if committed < count and now >= next_commit_ms:
+            committed = min(count, committed + rng.choice([1, 1, 2, 9]))
+            for counter in range(len(committed_at) + 1, committed + 1):
+                committed_at[counter] = now
+            events.append(CommittedAdvanced(TxKey(1, committed), True))
+            next_commit_ms = now + rng.choice([0, 1, 2, 5, 13, 80])
+        events += [AckReceived(key) for due, key in pending_acks if due <= now]
+        pending_acks = [(due, key) for due, key in pending_acks if due > now]
+        if now >= machine.next_deadline_ms():
+            events.append(Ticked())
+        for event in events:
+            for push in pushes(machine.step(event, now)):
+                acknowledged = last_pushed
+                if push.entries:
+                    # Contiguous with what was pushed before: a resend starts at or before it, never after.
+                    assert push.entries[0].prev <= last_pushed
+                    for before, after in zip(push.entries, push.entries[1:], strict=False):
+                        assert after.prev == before.tx_key
+                    if push.entries[0].prev == last_pushed:
+                        for entry in push.entries:
+                            waited_ms_max = max(waited_ms_max, now - committed_at[entry.tx_key.counter])
+                    last_pushed = acknowledged = max(last_pushed, push.entries[-1].tx_key)
+                if not (lossy and rng.random() < 0.1):
+                    # In order, like one connection delivers them: never before the previous one.
+                    due = max([now + rng.randint(0, ack_ms_max), *(due for due, _ in pending_acks[-1:])])
+                    pending_acks.append((due, acknowledged))
+        assert not machine.stopped and now < 100_000
+    if not lossy:
+        assert waited_ms_max <= max(delay_ms, ack_ms_max)

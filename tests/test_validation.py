@@ -174,6 +174,24 @@ def test_a_core_holds_failed_guards_within_its_configured_limits(tmp_path) -> No
         node.close()
 
 
+def test_a_cores_agents_take_push_delay_ms_max_from_the_config_and_0_turns_it_off(tmp_path) -> None:
+    from mnesite.core.node import CoreNode
+
+    assert parse_config({}).limits.push_delay_ms_max == 50
+    for bad in (-1, 251, True):
+        with pytest.raises(ConfigError, match="push_delay_ms_max"):
+            parse_config({"limits": {"push_delay_ms_max": bad}})
+    for value in (0, 20):
+        config = parse_config(
+            {"node": {"data_dir": str(tmp_path / str(value))}, "limits": {"push_delay_ms_max": value}}
+        )
+        node = CoreNode(config)
+        try:
+            assert node.agent_server.config.push_delay_ms_max == value
+        finally:
+            node.close()
+
+
 @pytest.mark.parametrize("trailing", ["\n", "\r\n"])
 def test_a_name_endpoint_or_path_with_a_trailing_newline_is_refused_everywhere(trailing, tmp_path) -> None:
     """Every name rule ends its pattern at the end of the string: ``$`` also matches before a final

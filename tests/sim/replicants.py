@@ -206,6 +206,8 @@ class ReplicantSimulation(Simulation):
         self.agent_config = AgentConfig(
             window_entries_max=rng.choice([2, 8, 64]),
             push_entries_max=rng.choice([1, 4, 16]),
+            # Partial pushes held back for a while (core.agent's "Push delay"), or never.
+            push_delay_ms_max=rng.choice([0, 5, 30]),
             heartbeat_interval_ms=60,
             switchover_entries=5,
             ack_timeout_ms=1000,
