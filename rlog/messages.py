@@ -70,11 +70,11 @@ def scalars_refusal(values: Any) -> str | None:
                 break
         else:
             return None
-    kinds = set(map(type, values))
+    kinds = set(each := list(map(type, values)))  # each value's type
     if not kinds <= _SCALARS:
         return "must be null, a 64-bit integer, a float, a string or bytes"
-    # msgpack holds no integer below -2**63: only the top of SQLite's range can be passed.
-    if int in kinds and max(value for value in values if type(value) is int) > INTEGER_MAX:
+    # msgpack holds no integer below -2**63: only the top of SQLite's range can be passed (ints picked in C).
+    if int in kinds and max(itertools.compress(values, map(operator.is_, each, itertools.repeat(int)))) > INTEGER_MAX:
         return "integer is outside SQLite's 64-bit range"
     if float in kinds and any(value != value for value in values if type(value) is float):
         return "NaN cannot be stored"

@@ -45,8 +45,10 @@ same rows and the same schema in the end.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
+import itertools
 import json
 import operator
 import os
@@ -738,6 +740,7 @@ class Store:
         """``apply_ops`` with one prepared ``executemany`` per run of consecutive writes (or deletes)
         of one table; the order of the ops is kept, so a later op on a key still wins. ``healing`` as
         in ``apply_ops``: writes and deletes of a table the (later) copy no longer has are skipped."""
+        run_ends = _row_op_run_ends(ops)
         index = 0
         while index < len(ops):
             op = ops[index]
@@ -757,9 +760,12 @@ class Store:
                 index += 1
                 continue
             kind, table_name = type(op), op.table
-            end = index + 1
-            while end < len(ops) and type(ops[end]) is kind and ops[end].table == table_name:
-                end += 1
+            if run_ends is not None:
+                end = run_ends[bisect.bisect_right(run_ends, index)]
+            else:
+                end = index + 1
+                while end < len(ops) and type(ops[end]) is kind and ops[end].table == table_name:
+                    end += 1
             if healing and kind in (WriteOp, DeleteOp) and table_name not in self.catalog():
                 index = end
                 continue
@@ -1290,6 +1296,16 @@ def _row_tuples(names: list[str], writes: list[Op]) -> list[tuple[Any, ...]]:
 
 
 _ROW_OF = operator.attrgetter("row")
+_KIND_AND_TABLE = operator.attrgetter("__class__", "table")
+
+
+def _row_op_run_ends(ops: list[Op]) -> list[int] | None:
+    """Where each run of writes (or deletes) of one table ends, found in C loops, when ``ops`` holds
+    only writes and deletes (a replicant's push of 100,000 rows spent 0.7 us a row scanning in Python);
+    None otherwise (the caller scans)."""
+    if not set(map(type, ops)) <= {WriteOp, DeleteOp}:
+        return None
+    return list(itertools.accumulate(len(list(run)) for _, run in itertools.groupby(ops, _KIND_AND_TABLE)))
 
 
 def _write_sql(table: str, names: Sequence[str]) -> str:

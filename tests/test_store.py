@@ -417,3 +417,22 @@ def test_packed_entries_go_on_the_wire_exactly_as_decoded_ones_within_their_size
         assert msgpack.packb(packed_entry.to_wire()) == msgpack.packb(entry.to_wire())
         assert len(msgpack.packb(packed_entry.to_wire())) <= packed_entry.size_bytes
     assert store.packed_entries_after("default", TxKey(1, 2), 1)[0].tx_key == TxKey(1, 3)
+
+
+def test_a_batch_of_row_ops_is_applied_in_runs_of_one_kind_and_table_in_order(tmp_path) -> None:
+    from mnesite.rlog.store import _row_op_run_ends
+    from mnesite.rlog.types import DeleteOp, MembersOp, WriteOp
+
+    ops = [WriteOp("a", {"id": 1}), WriteOp("a", {"id": 2}), DeleteOp("a", 1), WriteOp("b", {"id": 1})]
+    ops += [WriteOp("a", {"id": 1}), WriteOp("a", {"id": 3})]
+    assert _row_op_run_ends(ops) == [2, 3, 4, 6]
+    assert _row_op_run_ends([*ops, MembersOp(("c1",), "", "")]) is None  # the caller scans
+    store = Store(str(tmp_path / "runs.db"))
+    with store.write_transaction():
+        store.ensure_shard("default", 0)
+        for name in ("a", "b"):
+            store.apply_ops((define_table(name, "id", [("id", "INTEGER")], "default").to_op(),))
+        store.apply_ops_batched(ops)
+    catalog = store.catalog()
+    assert [row["id"] for row in store.scan(catalog["a"], None, 10)] == [1, 2, 3]  # deleted, then written again
+    assert [row["id"] for row in store.scan(catalog["b"], None, 10)] == [1]
