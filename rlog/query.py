@@ -211,6 +211,8 @@ def check_query(
         raise BadQuery(f"the query is {len(sql)} characters; at most {SQL_CHARS_MAX}")
     if len(params) > PARAMS_MAX:
         raise BadQuery(f"{len(params)} parameters; at most {PARAMS_MAX}")
+    if "\x00" in sql:  # apsw refuses it with a ValueError, which no caller expects from a prepare
+        raise BadQuery(f"the query holds a NUL character (at {sql.index(chr(0))})")
     connection.authorizer = None
     guard = ReadOnlyGuard(user_tables, stored_names(connection))
     connection.authorizer = guard

@@ -160,6 +160,10 @@ def test_the_run_enforces_the_same_rules_as_the_check(store: Store, runner: q.Qu
         ("SELECT ?", (), "uses 1 and there are 0 supplied"),
         ("SELECT ?", (1, 2), "uses 1 and there are 2 supplied"),
         ("   -- nothing", (), "holds no statement"),
+        # apsw raises ValueError (not an apsw.Error) for SQL text holding a NUL: it killed a replicant
+        # in the fuzz campaign of 2026-11-25 (fifth session).
+        ("SELECT 1\x00", (), "NUL character"),
+        ("SELECT \x00 * FROM users", (), "NUL character"),
     ],
 )
 def test_sql_sqlite_cannot_prepare_is_a_bad_query(store: Store, sql: str, params: tuple, words: str) -> None:
