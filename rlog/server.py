@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 
 import msgpack
 import zmq
+import zmq.backend
 from mnesite.rlog import messages
 from mnesite.rlog.backup import BackupError, BackupJob, decide
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
@@ -82,7 +83,7 @@ HELD_TIMES_MAX = 100_000  # arrival times of held writes kept for the commit lat
 # pyzmq's compiled send and recv, called with plain int flags: its Python send_multipart and
 # recv_multipart cost 4x and 2x as much per message (flag enums, a wrapper per frame), about 13 us a
 # write on the sequencer. Frames from COPY_BYTES_MIN go out without a copy (zmq keeps the bytes).
-_SEND = zmq.Socket.__mro__[1].send
+_SEND = zmq.backend.Socket.send  # the compiled class pyzmq's Socket derives from
 _NOBLOCK, _NOBLOCK_MORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.RCVMORE)
 COPY_BYTES_MIN = 64 * 1024
 

@@ -263,3 +263,29 @@ def test_a_write_without_a_definite_answer_raises_outcome_unknown_with_the_id_to
     first = client.transact(ops, request_id=info.value.request_id)
     assert client.transact(ops, request_id=info.value.request_id) == first
     assert client.get("users", 40, after_tx_key=first) == {"id": 40, "name": "lost?", "score": 1.0}
+
+
+def test_send_frames_delivers_a_multipart_message_intact_and_refuses_a_full_queue() -> None:
+    # The loop's sends bypass pyzmq's Python wrappers (rlog.server.send_frames): the frames, their order
+    # and a frame sent without a copy must arrive as they were, and a full queue must raise, not block.
+    from mnesite.rlog.server import COPY_BYTES_MIN, send_frames
+
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    try:
+        sender.setsockopt(zmq.SNDHWM, 2)
+        receiver.setsockopt(zmq.RCVHWM, 2)
+        sender.bind("inproc://send-frames")
+        receiver.connect("inproc://send-frames")
+        large = bytes(range(256)) * (COPY_BYTES_MIN // 256 + 1)
+        send_frames(sender, [b"envelope", b"", large])
+        send_frames(sender, [b"alone"])
+        assert receiver.recv_multipart() == [b"envelope", b"", large]
+        assert receiver.recv_multipart() == [b"alone"]
+        with pytest.raises(zmq.Again):  # nobody reads: the queue fills within its high-water marks
+            for _ in range(100):
+                send_frames(sender, [b"x"])
+    finally:
+        sender.close(linger=0)
+        receiver.close(linger=0)
+        context.term()
