@@ -606,12 +606,8 @@ class CoreNode(NodeServer):
                 self._dispatch(envelope, message, principal)
             except Deferred:
                 pass
-            except RequestError as error:
-                self.reply(envelope, messages.error(message.request_id, error.code, str(error), error.detail))
-            except SchemaError as error:
-                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
-            except OverloadedError as error:
-                self.reply(envelope, messages.error(message.request_id, "overloaded", str(error)))
+            except (RequestError, SchemaError, OverloadedError) as error:
+                self.refuse(envelope, message.request_id, error)
         self._propose_all()
 
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
@@ -1178,10 +1174,8 @@ class CoreNode(NodeServer):
                         self._forward(envelope, message, driver.shard, route.target)
                         continue
                 raise RequestError(rejected.reason, f"the sequencer refused the transaction: {rejected.reason}")
-            except (RequestError, OverloadedError) as error:
-                code = error.code if isinstance(error, RequestError) else "overloaded"
-                detail = error.detail if isinstance(error, RequestError) else None
-                self.reply(envelope, messages.error(request_id, code, str(error), detail))
+            except (RequestError, OverloadedError) as error:  # answered here: outside _serve_waiting's dispatch
+                self.refuse(envelope, request_id, error)
 
     def _answer_guard_failure(self, held: HeldFailure, answer: bool, reason: str) -> None:
         code, text, detail = rules.guard_failure_answer(held.failure, answer, reason)
@@ -1582,7 +1576,7 @@ class CoreNode(NodeServer):
         try:
             self.query_wait(gather.envelope, gather.message, gather.request, gather.checked, gather.shards, targets)
         except RequestError as error:
-            self.reply(gather.envelope, messages.error(gather.message.request_id, error.code, str(error)))
+            self.refuse(gather.envelope, gather.message.request_id, error)
 
     def _query_index_failed(self, gather: QueryIndexGather, code: str, reason: str) -> None:
         if not gather.answered:

@@ -579,12 +579,8 @@ class ReplicantNode(NodeServer):
                 continue
             try:
                 self._dispatch(envelope, message, principal)
-            except RequestError as error:
-                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
-            except SchemaError as error:
-                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
-            except OverloadedError as error:
-                self.reply(envelope, messages.error(message.request_id, "overloaded", str(error)))
+            except (RequestError, SchemaError, OverloadedError) as error:
+                self.refuse(envelope, message.request_id, error)
 
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         body = message.body
@@ -744,7 +740,7 @@ class ReplicantNode(NodeServer):
             try:
                 self._query(envelope, message, targets)
             except RequestError as error:
-                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
+                self.refuse(envelope, message.request_id, error)
             return
         wait_ms = READ_WAIT_MS_MAX if message.body.wait_ms is None else min(READ_WAIT_MS_MAX, message.body.wait_ms)
         if len(self.waiting_reads) >= WAITING_READS_MAX:
@@ -777,7 +773,7 @@ class ReplicantNode(NodeServer):
             try:
                 result = self._read_now(self._table(message.body.table), message)
             except (RequestError, SchemaError) as error:
-                self.reply(envelope, messages.error(message.request_id, error.code, str(error)))
+                self.refuse(envelope, message.request_id, error)
                 continue
             self.reply(envelope, messages.reply(message.request_id, result))
 

@@ -39,7 +39,7 @@ from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, kee
 from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
-from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (re-exported)
+from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (RequestError re-exported)
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.metrics import MetricsServer, NodeMetrics, start_metrics
 from mnesite.rlog.query import (
@@ -749,7 +749,7 @@ class NodeServer:
                 page = self._changes_page(waiting.message.body, waiting.serving, waiting.table_batch)
             except RequestError as error:
                 self.waiting_changes.remove(waiting)
-                self.reply(waiting.envelope, messages.error(request_id, error.code, str(error)))
+                self.refuse(waiting.envelope, request_id, error)
                 continue
             if keep_holding(page, now, waiting.deadline_ms):
                 waiting.applied = dict(page.applied)
@@ -783,6 +783,12 @@ class NodeServer:
                 if not held:
                     del self.outstanding[envelope[0]]
             self._outbox.append((None, envelope, message))
+
+    def refuse(self, envelope: list[bytes] | None, request_id: str, error: Exception) -> None:
+        """Answer a request refused by a ``RequestError`` (with its detail), a ``SchemaError`` or an
+        ``OverloadedError`` (code ``overloaded``): the one place these become an ``error`` answer."""
+        code = "overloaded" if isinstance(error, OverloadedError) else getattr(error, "code", "internal")
+        self.reply(envelope, messages.error(request_id, code, str(error), getattr(error, "detail", None)))
 
     def queue(self, socket: zmq.Socket, message: Message) -> None:
         """Queue a frame for a DEALER socket."""
