@@ -570,7 +570,7 @@ class ReplicantNode(NodeServer):
                 message = messages.decode(frame, self.config.limits.frame_bytes_max)
             except MessageError as error:
                 self.malformed_frame()
-                self.reply(envelope, messages.error(request_id_of(frame), error.code, str(error)))
+                self.refuse(envelope, request_id_of(frame), error)
                 continue
             refused = self.refusal(principal, message)
             if refused is not None:

@@ -681,7 +681,7 @@ class NodeServer:
                 self.queries.start(waiting)
             except QueryError as error:
                 envelope, request_id = waiting.payload
-                self.reply(envelope, messages.error(request_id, error.code, str(error)))
+                self.refuse(envelope, request_id, error)
         for finished in self.queries.finished(drain=self._queries_woken):
             envelope, request_id = finished.payload
             if finished.behind is not None:
@@ -689,7 +689,7 @@ class NodeServer:
                 try:
                     self.waiting_queries.add(finished.behind)
                 except QueryError as error:
-                    self.reply(envelope, messages.error(request_id, error.code, str(error)))
+                    self.refuse(envelope, request_id, error)
             elif finished.error is not None:
                 self.reply(envelope, messages.error(request_id, finished.error.code, str(finished.error)))
             else:
@@ -785,8 +785,9 @@ class NodeServer:
             self._outbox.append((None, envelope, message))
 
     def refuse(self, envelope: list[bytes] | None, request_id: str, error: Exception) -> None:
-        """Answer a request refused by a ``RequestError`` (with its detail), a ``SchemaError`` or an
-        ``OverloadedError`` (code ``overloaded``): the one place these become an ``error`` answer."""
+        """Answer a refused request: an error with a ``code`` (``RequestError`` with its detail,
+        ``SchemaError``, ``QueryError``, ``MessageError``) or an ``OverloadedError`` (code ``overloaded``);
+        the one place these become an ``error`` answer."""
         code = "overloaded" if isinstance(error, OverloadedError) else getattr(error, "code", "internal")
         self.reply(envelope, messages.error(request_id, code, str(error), getattr(error, "detail", None)))
 
