@@ -400,7 +400,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     if hasattr(messages, "decode_entries"):  # the typed wire: bodies are msgspec Structs
 
         def decoded_entries(body: object) -> tuple:
-            return messages.decode_entries(body.entries)  # type: ignore[attr-defined]
+            return tuple(map(messages.decode_entry, body.entries))  # type: ignore[attr-defined]
 
     else:  # a --baseline tree before the typed wire (dict bodies, decode_entry per entry)
 

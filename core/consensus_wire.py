@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from mnesite.core import consensus
-from mnesite.rlog.messages import Digest, MessageError, NonNegative, WireEntry, body_error, decode_entries
+from mnesite.rlog.messages import Digest, MessageError, NonNegative, WireEntry, decode_entry, typed
 from mnesite.rlog.types import Name, TxKey
 from msgspec import Meta
 
@@ -45,9 +45,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 def message_to_wire(message: consensus.PeerMessage) -> list[Any]:
-    kind = _KIND_OF.get(type(message))
-    if kind is None:
-        raise TypeError(f"not a consensus peer message: {message!r}")
+    kind = _KIND_OF[type(message)]  # a KeyError for anything that is not a peer message
     fields = [getattr(message, field.name) for field in dataclasses.fields(message)]
     if kind == "append_request":
         fields[5] = [entry.to_wire() for entry in fields[5]]
@@ -66,14 +64,7 @@ def message_from_wire(value: Any) -> consensus.PeerMessage:
     if type(kind) is not str or kind not in KINDS:
         raise MessageError(f"unknown consensus message kind {kind!r:.40}", "unknown_kind")
     message_type, decoder = KINDS[kind]
-    try:
-        fields = list(msgspec.structs.astuple(decoder.decode(packed))[2:])
-        if kind == "append_request":
-            fields[5] = decode_entries(fields[5])
-    except msgspec.ValidationError as error:
-        raise MessageError(str(body_error(kind, error))[:400]) from None
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
-        raise MessageError(f"{kind}: malformed msgpack") from None
-    except MessageError as error:
-        raise MessageError(f"{kind}.entries: {str(error)[:300]}") from None
+    fields = list(msgspec.structs.astuple(typed(kind, decoder.decode, packed))[2:])
+    if kind == "append_request":
+        fields[5] = typed(f"{kind}.entries", lambda wire: tuple(map(decode_entry, wire)), fields[5])
     return message_type(*fields)

@@ -828,5 +828,5 @@ def push_received(replica: ShardReplica, body: messages.Push) -> PushReceived:
     accepted = watch_accepted(body.core, body.watch) if replica.waits_for_watch_answer else None
     entries: tuple[Entry, ...] = ()
     if replica.takes_push(body.core, body.agent, accepted):
-        entries = messages.decode_entries(body.entries)
+        entries = tuple(map(messages.decode_entry, body.entries))
     return PushReceived(body.core, body.agent, entries, body.committed, body.hears_sequencer, accepted)

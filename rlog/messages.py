@@ -299,10 +299,15 @@ def body_error(kind: str, error: msgspec.ValidationError | msgspec.DecodeError) 
 
 def decode_body(kind: str, body: Any) -> Body:
     """``body`` (msgpack bytes, or a value msgpack cannot hold) as ``kind``'s type; raises ``MessageError``."""
+    if isinstance(body, (bytes, memoryview, msgspec.Raw)):
+        return typed(kind, SCHEMAS[kind].decoder.decode, body)
+    return typed(kind, functools.partial(msgspec.convert, type=SCHEMAS[kind].body, dec_hook=_check), body)
+
+
+def typed(kind: str, decode: Any, data: Any) -> Any:
+    """``decode(data)``; whatever msgspec (or a type's own check) refuses as ``MessageError`` naming ``kind``."""
     try:
-        if isinstance(body, (bytes, memoryview, msgspec.Raw)):
-            return SCHEMAS[kind].decoder.decode(body)
-        return msgspec.convert(body, SCHEMAS[kind].body, dec_hook=_check)
+        return decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise body_error(kind, error) from None
     except _Refused as error:
@@ -378,26 +383,10 @@ def decode(frame: bytes, frame_bytes_max: int = FRAME_BYTES_MAX_DEFAULT) -> Mess
         message = f"protocol version {version} is not supported (this node speaks {PROTOCOL_VERSION})"
         raise MessageError(message, "unsupported_version")
     check_header(kind, request_id)
-    if deep:
-        raise MessageError(f"{_deep_path(kind, body)}: is nested deeper than the decoder allows")
+    if deep:  # typed from the unpacked body: a field's type refuses the deep value, naming its path
+        decode_body(kind, body)
+        raise MessageError(f"{kind}: is nested deeper than the decoder allows")
     return Message(kind, request_id, decode_body(kind, body))
-
-
-def _deep_path(kind: str, body: Any) -> str:
-    """The path of the field nested deeper than a free value may be, walked with an explicit stack;
-    indices only between fields (``ops[0].key``)."""
-    stack: list[tuple[Any, str, int]] = [(body, kind, 0)]
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > FREE_VALUE_DEPTH_MAX:
-            return path
-        if isinstance(value, dict):
-            stack.extend((item, f"{path}.{str(key)[:64]}", depth + 1) for key, item in value.items())
-        elif isinstance(value, list):
-            stack.extend(
-                (item, f"{path}[{i}]" if type(item) is dict else path, depth + 1) for i, item in enumerate(value)
-            )
-    return kind
 
 
 def check_header(kind: Any, request_id: Any) -> None:
@@ -429,60 +418,32 @@ UNSORTED = "ops: write op columns must be sorted and unique"
 def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
     """The ops of an entry's packed bytes, checked by the wire's rules and required to be their canonical
     packing (``rlog.types.pack_ops``, which the digest covers); raises ``MessageError`` naming what is wrong."""
-    try:
-        wire = _OPS_DECODER.decode(packed)
-    except (msgspec.ValidationError, msgspec.DecodeError) as error:
-        raise body_error("ops", error) from None
-    except UnicodeDecodeError:
-        raise MessageError(f"ops: {NOT_UTF8}") from None
-    except RecursionError:
-        raise MessageError("ops: are nested too deep") from None
-    names: set[str] = set()
-    kinds = set(map(type, wire)) if len(wire) >= 8 else None  # a few ops go faster through the loop below
+    wire = typed("ops", _OPS_DECODER.decode, packed)
     if len(wire) == 1 and type(wire[0]) is WriteRow:
-        # The commonest entry, one row (a follower decodes one per write): the loop's steps, no bookkeeping.
-        op = wire[0]
-        row = dict(op.row)
-        if len(row) != len(op.row) or list(row) != sorted(row):
+        # The commonest entry, one row (a follower decodes one per write): plain steps, no C-loop setups.
+        row = dict(wire[0].row)
+        if len(row) != len(wire[0].row) or list(row) != sorted(row):
             raise MessageError(UNSORTED)
-        names = {op.table, *row}
-        values: Any = list(row.values())
-        ops: Any = (WriteOp(op.table, row),)
-    elif kinds == {WriteRow}:  # the common large entry: each per-row step is one C loop over the rows
-        pair_lists = list(map(_ROW_PAIRS_OF, wire))
-        rows = list(map(dict, pair_lists))
+        names, values, ops = {wire[0].table, *row}, list(row.values()), (WriteOp(wire[0].table, row),)
+    else:  # set-based: each per-row step is one C loop over the entry's rows
+        kinds = set(map(type, wire))
+        writes = wire if kinds == {WriteRow} else [op for op in wire if type(op) is WriteRow]
+        deletes = [op for op in wire if type(op) is types.DeleteOp] if types.DeleteOp in kinds else ()
+        rows = list(map(dict, pair_lists := list(map(_ROW_PAIRS_OF, writes))))
         column_lists = set(map(tuple, rows))  # an entry's rows share a few: each is checked once
         # A repeated column collapses in the dict: its row is shorter than its pairs.
         if list(map(len, rows)) != list(map(len, pair_lists)) or any(list(c) != sorted(c) for c in column_lists):
             raise MessageError(UNSORTED)
-        names.update(map(_TABLE_OF, wire), *column_lists)
-        values = list(itertools.chain.from_iterable(map(dict.values, rows)))
-        ops = tuple(map(WriteOp, map(_TABLE_OF, wire), rows))
-    elif kinds == {types.DeleteOp}:
-        names, values, ops = set(map(_TABLE_OF, wire)), list(map(_KEY_OF, wire)), tuple(wire)
-    else:
-        values, ops, column_lists = [], [], set()
-        for op in wire:
-            if type(op) is WriteRow:
-                row = dict(op.row)
-                columns = tuple(row)
-                if columns not in column_lists:  # an entry's rows share a few column lists: each is checked once
-                    if list(columns) != sorted(columns):
-                        raise MessageError(UNSORTED)
-                    column_lists.add(columns)
-                    names.update(columns)
-                if len(columns) != len(op.row):  # a repeated column collapses in the dict
-                    raise MessageError(UNSORTED)
-                names.add(op.table)
-                values.extend(row.values())
-                op = WriteOp(op.table, row)
-            elif type(op) is types.DeleteOp:
-                names.add(op.table)
-                values.append(op.key)
-            elif type(op) is types.MembersOp and bool(op.added) != bool(op.endpoint):
-                raise MessageError("ops: members op: added and endpoint must be both set or both empty")
-            ops.append(op)
-        ops = tuple(ops)
+        members = [op for op in wire if type(op) is types.MembersOp] if types.MembersOp in kinds else ()
+        if any(bool(op.added) != bool(op.endpoint) for op in members):
+            raise MessageError("ops: members op: added and endpoint must be both set or both empty")
+        names = {*map(_TABLE_OF, writes), *map(_TABLE_OF, deletes), *itertools.chain.from_iterable(column_lists)}
+        values = [*itertools.chain.from_iterable(map(dict.values, rows)), *map(_KEY_OF, deletes)]
+        if writes is wire or not writes:
+            ops = tuple(map(WriteOp, map(_TABLE_OF, writes), rows)) if writes else tuple(wire)
+        else:  # writes among other ops: the others stay as decoded, in their places
+            row_of = dict(zip(map(id, writes), rows, strict=True))
+            ops = tuple(WriteOp(op.table, row_of[id(op)]) if type(op) is WriteRow else op for op in wire)
     for name in () if _NAMES_CHECKED.issuperset(names) else names - _NAMES_CHECKED:  # each distinct name once
         if not _NAME.match(name):
             raise MessageError(f"ops: name {name[:NAME_CHARS_MAX]!r} has characters that are not allowed")
@@ -499,10 +460,6 @@ def decode_entry(value: Any) -> types.Entry:
     """A ``WireEntry``'s ``Entry``, its ops decoded now (a push refused anyway costs no per-row work)."""
     ops = decode_ops(value.ops)  # checked canonical: the packed bytes are what ``pack_ops(ops)`` makes
     return types.Entry(value.shard, value.tx_key, value.prev, value.digest, ops, value.request_id, value.ops)
-
-
-def decode_entries(values: list[Any]) -> tuple[types.Entry, ...]:
-    return tuple(decode_entry(value) for value in values)
 
 
 class Answer(Struct, frozen=True, kw_only=True):

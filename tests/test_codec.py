@@ -363,3 +363,15 @@ def test_a_one_row_entry_is_refused_with_the_same_reason_as_a_long_one() -> None
     assert messages.decode_ops(msgpack.packb([["w", "t", [["k", 1], ["v", None]]]], use_bin_type=True)) == (
         WriteOp("t", {"k": 1, "v": None}),
     )
+
+
+def test_a_members_op_names_its_added_core_and_its_endpoint_together_or_neither() -> None:
+    # A members op that adds a core carries where it listens; a half-set pair is refused in any entry.
+    for added, endpoint in (("b", ""), ("", "tcp://127.0.0.1:9")):
+        bad = ["m", ["a", "b"], added, endpoint]
+        for ops in ([bad], [["w", "t", [["k", 1]]], bad], [["d", "t", 1], bad, ["w", "t", [["k", 2]]]]):
+            with pytest.raises(messages.MessageError, match="added and endpoint must be both set or both empty"):
+                messages.decode_ops(msgpack.packb(ops, use_bin_type=True))
+    good = [["w", "t", [["k", 1]]], ["m", ["a", "b"], "b", "tcp://127.0.0.1:9"], ["d", "t", 3]]
+    decoded = messages.decode_ops(msgpack.packb(good, use_bin_type=True))
+    assert decoded == (WriteOp("t", {"k": 1}), decode_op(good[1]), decode_op(good[2]))

@@ -318,7 +318,7 @@ class ReplicantSimulation(Simulation):
         for endpoint, message in server.drain():
             frame = messages.encode(message)
             push = messages.decode(frame, FRAME_BYTES_MAX)  # what the replicant will read, checked here too
-            for entry in messages.decode_entries(push.body.entries):
+            for entry in map(messages.decode_entry, push.body.entries):
                 if entry.tx_key > node.applied_key or self.committed_digest.get(entry.tx_key) != entry.digest:
                     raise self.fail(f"agent {push.body.agent} on {node.name} pushed {entry.tx_key}, not committed")
             self._send_replication(node.name, endpoint.removeprefix("ipc://"), ("frame", frame))
