@@ -381,10 +381,11 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     """The replicant's apply path without sockets: (seconds, entries).
 
     What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
-    decode the frame (``messages.decode``: the wire schema's checks, then ``decode_entries``),
+    decode the frame (``messages.decode``: the wire schema's checks, then ``decode_entry`` per entry),
     step the real ``ShardReplica`` (which checks the digest chain), and execute its ``ApplyEntries``
     on a real ``Store`` the way ``replicant.node`` does, one SQLite transaction per push.
     """
+    import inspect
     import random
 
     from mnesite.replicant.node import ReplicantNode
@@ -397,7 +398,7 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     except ImportError:
         codec = messages
 
-    if hasattr(messages, "decode_entries"):  # the typed wire: bodies are msgspec Structs
+    if len(inspect.signature(messages.decode_entry).parameters) == 1:  # the typed wire: msgspec Struct bodies
 
         def decoded_entries(body: object) -> tuple:
             return tuple(map(messages.decode_entry, body.entries))  # type: ignore[attr-defined]
