@@ -34,6 +34,7 @@ Call ``add`` for every ``PersistEntries``, ``committed`` for every ``Commit`` (a
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -50,6 +51,8 @@ from mnesite.rlog.types import (
     TxKey,
     WriteOp,
 )
+
+_TX_KEY_OF = operator.attrgetter("tx_key")
 
 GUARD_ANSWER = "answer"
 GUARD_HELD = "held"
@@ -94,7 +97,7 @@ class GuardTail(Generic[Token]):
 
     def add(self, entries: tuple[Entry, ...]) -> None:
         self.entries.extend(entries)
-        self.keys.extend(entry.tx_key for entry in entries)
+        self.keys.extend(map(_TX_KEY_OF, entries))
 
     def _indexed_tail(self) -> None:
         """Index the entries added since the last look (rows, tables, dropped)."""

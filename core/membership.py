@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from mnesite.rlog.types import Entry, MembersOp, TxKey
+from mnesite.rlog.types import ROW_OPS, Entry, MembersOp, TxKey
 
 MEMBERS_MAX = 15
 
@@ -95,6 +95,8 @@ def membership_changes(entries: Iterable[Entry]) -> list[tuple[TxKey, tuple[str,
     """(tx key, membership) of every membership entry among ``entries``, in order."""
     changes = []
     for entry in entries:
+        if ROW_OPS.issuperset(map(type, entry.ops)):
+            continue  # the common entry: rows only
         members = membership_of(entry)
         if members is not None:
             changes.append((entry.tx_key, members))

@@ -147,6 +147,7 @@ from mnesite.rlog.schema import (
 from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
 from mnesite.rlog.types import (
+    ROW_OPS,
     ZERO_KEY,
     ClusterVersionOp,
     Entry,
@@ -704,6 +705,8 @@ class CoreNode(NodeServer):
                 self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
             self.transactions += len(applied)
             for entry in applied:
+                if ROW_OPS.issuperset(map(type, entry.ops)):
+                    continue  # the common entry: rows only, no membership or cluster version
                 applied_members = membership_of(entry)
                 if applied_members is not None:
                     self._set_cluster_members(applied_members)
@@ -1372,7 +1375,7 @@ class CoreNode(NodeServer):
     def _note_membership_entries(self, driver: ShardDriver, entries: tuple[Entry, ...]) -> None:
         """Persisted entries: learn added cores' endpoints; a pending change now waits for its commit."""
         for entry in entries:
-            for op in entry.ops:
+            for op in () if ROW_OPS.issuperset(map(type, entry.ops)) else entry.ops:
                 if isinstance(op, MembersOp) and op.added:
                     self._learn_endpoint(op.added, op.endpoint)
             pending = (

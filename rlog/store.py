@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
+import functools
 import itertools
 import json
 import operator
@@ -775,7 +776,7 @@ class Store:
                 rows = _row_tuples(names, ops[index:end])
                 for target in (table.name, self._mirror(table.name)):
                     if target is not None:
-                        self.connection.executemany(_write_sql(target, names), rows)
+                        self.connection.executemany(_write_sql(target, tuple(names)), rows)
             elif kind is DeleteOp:
                 keys = [(delete.key,) for delete in ops[index:end]]
                 for target in (table.name, self._mirror(table.name)):
@@ -799,7 +800,7 @@ class Store:
                 names = [name for name, _ in table.columns]
                 for target in (table.name, self._mirror(table.name)):
                     if target is not None:
-                        self.connection.execute(_write_sql(target, names), tuple(op.row.get(n) for n in names))
+                        self.connection.execute(_write_sql(target, tuple(names)), tuple(op.row.get(n) for n in names))
             elif isinstance(op, DeleteOp):
                 table = self._table(op.table)
                 for target in (table.name, self._mirror(table.name)):
@@ -1184,7 +1185,7 @@ class Store:
         values = [tuple(map(row.get, names)) for row in rows]
         for target in (table.name, self._mirror(table.name)):
             if target is not None:
-                self.connection.executemany(_write_sql(target, names), values)
+                self.connection.executemany(_write_sql(target, tuple(names)), values)
 
     def clear_rows(self, shard: str) -> None:
         """Delete the rows of every table of ``shard`` (a snapshot install starts); log and position stay."""
@@ -1308,11 +1309,13 @@ def _row_op_run_ends(ops: list[Op]) -> list[int] | None:
     return list(itertools.accumulate(len(list(run)) for _, run in itertools.groupby(ops, _KIND_AND_TABLE)))
 
 
-def _write_sql(table: str, names: Sequence[str]) -> str:
+@functools.lru_cache(maxsize=1024)  # per table and column list: made once, not per applied batch
+def _write_sql(table: str, names: tuple[str, ...]) -> str:
     columns = ", ".join(quote(name) for name in names)
     return f"INSERT OR REPLACE INTO {quote(table)} ({columns}) VALUES ({', '.join('?' for _ in names)})"
 
 
+@functools.lru_cache(maxsize=1024)
 def _delete_sql(table: str, key_column: str) -> str:
     return f"DELETE FROM {quote(table)} WHERE {quote(key_column)} = ?"
 

@@ -190,6 +190,9 @@ Op = (
     | ClusterVersionOp
 )
 SCHEMA_OPS = (CreateTableOp, DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)
+# The ops that only change rows: an entry of nothing else (``ROW_OPS.issuperset(map(type, entry.ops))``, one
+# C loop) records no membership, cluster version or schema change, which spares the per-op scans for those.
+ROW_OPS = frozenset((WriteOp, DeleteOp))
 
 
 class Entry(Struct, frozen=True, gc=False):
