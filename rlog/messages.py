@@ -185,8 +185,8 @@ PHASE = ("phase", Literal["live", "copy", "replay"], "live")
 ChangesPosition = _body("ChangesPosition", SHARD, ("after", TxKey), PHASE, ("table", Name | None, None),
                         ("table_after", Scalar, None), ("replay_to", TxKey | None, None))
 RequestId = Annotated[str, Meta(min_length=1, max_length=REQUEST_ID_CHARS_MAX)] | None
-WireEntry = msgspec.defstruct(  # an entry (rlog.types.Entry.to_wire), its ops still packed
-    "WireEntry", (SHARD, ("tx_key", TxKey), ("prev", TxKey), ("digest", Digest), ("ops", bytes),
+WireEntry = msgspec.defstruct(  # Entry.to_wire, ops still packed; shard not matched: receivers refuse one not theirs
+    "WireEntry", (("shard", types.RowName), ("tx_key", TxKey), ("prev", TxKey), ("digest", Digest), ("ops", bytes),
                   ("request_id", RequestId)), module=__name__, frozen=True, array_like=True, forbid_unknown_fields=True)
 # fmt: on
 

@@ -308,13 +308,13 @@ def entry_digest(
     from its parts (a 5-array header, then each element packed) so that the ops are hashed as the
     bytes the entry carries (``pack_ops``, ``Entry.packed``), not packed again.
     """
-    hasher = hashlib.blake2b(prev_digest, digest_size=DIGEST_BYTES)
-    hasher.update(_ENTRY_ARRAY_HEADER)
     # msgspec packs these (str, non-negative ints, None) as msgpack does with use_bin_type, the same
-    # bytes (tests/test_types.py holds them to msgpack's), without building a Packer per entry.
-    hasher.update(_ENCODER.encode((shard, tx_key, prev, request_id))[1:])
-    hasher.update(packed_ops)
-    return hasher.digest()
+    # bytes (tests/test_types.py holds them to msgpack's), without building a Packer per entry. One
+    # call hashes the concatenation: the same bytes as updating part by part, in one C call.
+    header = _ENCODER.encode((shard, tx_key, prev, request_id))[1:]
+    return hashlib.blake2b(
+        b"".join((prev_digest, _ENTRY_ARRAY_HEADER, header, packed_ops)), digest_size=DIGEST_BYTES
+    ).digest()
 
 
 # msgpack's header of a 5-element array (fixarray); the 4-array header of the first four is cut off.

@@ -755,6 +755,16 @@ def test_a_follower_refuses_a_broken_digest_chain():
     assert of_type(effects, ProtocolViolation) and of_type(effects, PersistEntries) == []
 
 
+def test_a_follower_refuses_an_entry_of_another_shard():
+    # The wire bounds an entry's shard but does not match its name: the machine refuses any not its own.
+    first = chain([TxKey(1, 1)])[0]
+    for shard in ("other", "not a name!"):
+        stranger = make_entry(shard, TxKey(1, 2), first.tx_key, first.digest, (WriteOp("t", {"k": 1}),), "r")
+        harness = Harness()
+        effects = harness.receive("b", append(1, None, [first, stranger]))
+        assert of_type(effects, ProtocolViolation) and of_type(effects, PersistEntries) == []
+
+
 def test_a_follower_adopts_the_membership_of_a_force_started_sequencer():
     harness = Harness(name="b")
     message = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, ("a", "b"), ())
