@@ -69,6 +69,13 @@ STOP_GRACE_MS = 200  # how long a node keeps serving after it answered a stop re
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
 SENDS_DROPPED_LOG_MS = 10_000
+# A request is a few parts (the ROUTER's identity, a REQ client's empty delimiter, a proxy's hops, the
+# frame). zmq bounds each part's size, not their number, and queues a whole message before its first part
+# can be read: a message of more parts is refused, its parts beyond these never held, and the rest of it
+# is read off at most DISCARD_PARTS_PER_TURN a loop turn, so that a million-part message neither grows
+# the node's memory by a list of its parts nor stops the loop's timers while it is read.
+MESSAGE_PARTS_MAX = 16
+DISCARD_PARTS_PER_TURN = 10_000
 ROUTER_QUEUE_MAX = 10_000
 # Frames (and bytes, times turn_bytes_max) kept for later turns, as a multiple of group_commit_max.
 BACKLOG_FACTOR = 4
@@ -148,6 +155,7 @@ class NodeServer:
         self._durable = False
         # Frames received but left for a later turn (see receive_frames).
         self._backlog: deque[tuple[list[bytes], bytes, str]] = deque()
+        self._discarding = False  # the socket's next parts are the rest of a refused message (see receive)
         self._poller: tuple[tuple[zmq.Socket | None, ...], zmq.Poller] | None = None  # rebuilt when the sockets change
         self._queries_woken = True  # the query runner's wakeup pipe was readable at the last poll
         self.security: NodeSecurity | None = None
@@ -262,11 +270,19 @@ class NodeServer:
         """One waiting ROUTER request: (envelope, frame, principal); None when nothing waits.
 
         The principal is the ZAP user id of the authenticated key ("" without [security]).
-        Raises ``zmq.Again`` when the queue is empty; malformed multipart messages give ``None``.
+        Raises ``zmq.Again`` when the queue is empty, or while the rest of a message of more than
+        ``MESSAGE_PARTS_MAX`` parts is read off (that message gives ``None``, as any malformed one).
         """
         if self.socket is None:
             raise zmq.Again()
         socket = self.socket
+        if self._discarding:  # the rest of a message of too many parts: some of it, then this turn ends
+            for _ in range(DISCARD_PARTS_PER_TURN):
+                if not socket.get(_RCVMORE):
+                    self._discarding = False
+                    break
+                socket.recv(_NOBLOCK)
+            raise zmq.Again()
         principal = ""
         if self.security is None:
             parts = [socket.recv(_NOBLOCK)]
@@ -275,6 +291,10 @@ class NodeServer:
             principal = self.security.principal_of(first)
             parts = [first.bytes]
         while socket.get(_RCVMORE):
+            if len(parts) == MESSAGE_PARTS_MAX:
+                self._discarding = True  # refused: no answer can be told from which part is the frame
+                self.malformed_frame()
+                return None
             parts.append(socket.recv(_NOBLOCK))
         if len(parts) < 2:
             return None  # not from a ROUTER peer we can answer

@@ -16,12 +16,12 @@ from mnesite.core.consensus import (
     Role,
     VoteRequest,
 )
-from mnesite.rlog import messages
+from mnesite.rlog import messages, server
 from mnesite.rlog.client import Client, InvalidRequest, RemoteError
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey
 
-from tests.conftest import ThreadNode, free_port, node_config
+from tests.conftest import ThreadNode, free_port, node_config, wait_until
 from tests.test_consensus import Harness, append, chain, of_type
 
 pytestmark = pytest.mark.timeout(60)
@@ -598,3 +598,67 @@ def test_entry_ops_holding_a_string_that_is_not_utf8_are_refused() -> None:
     packed = msgpack.packb([["d", "known", 1]], use_bin_type=True).replace(b"known", b"kno\xffn")
     with pytest.raises(messages.MessageError):
         messages.decode_ops(packed)
+
+
+class _Receiver:
+    """What ``NodeServer.receive`` reads of its node: the ROUTER socket, no security, the counters."""
+
+    receive = server.NodeServer.receive
+    malformed_frame = server.NodeServer.malformed_frame
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket, self.security, self.metrics = socket, None, None
+        self.malformed_frames, self._discarding = 0, False
+
+
+def test_a_message_of_too_many_parts_is_refused_and_read_off_over_several_turns() -> None:
+    # zmq bounds each part's size, not their number: the node keeps at most MESSAGE_PARTS_MAX of a
+    # message's parts, and reads the rest off at most DISCARD_PARTS_PER_TURN a turn (raising zmq.Again
+    # to end the turn's reading), so that its timers keep running; the next message is read intact.
+    context = zmq.Context.instance()
+    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    try:
+        router.bind("inproc://too-many-parts")
+        dealer.connect("inproc://too-many-parts")
+        parts = 2 * server.DISCARD_PARTS_PER_TURN + 7
+        dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.send_multipart([b"p"] * parts)
+        dealer.send(b"next")
+        assert router.poll(5000)
+        receiver = _Receiver(router)
+        assert receiver.receive() is None and receiver.malformed_frames == 1
+        turns = 0
+        while True:
+            try:
+                received = receiver.receive()
+            except zmq.Again:
+                turns += 1
+                assert turns < 10, "the refused message is never read off"
+                continue
+            break
+        # 20,008 parts with the identity, less the MESSAGE_PARTS_MAX read first: two turns of reading off
+        assert turns == 2
+        assert received is not None and received[1] == b"next" and len(received[0]) == 1
+        assert receiver.malformed_frames == 1 and not receiver._discarding
+    finally:
+        router.close(0)
+        dealer.close(0)
+
+
+def test_a_node_sent_a_message_of_200k_parts_keeps_serving_and_changes_nothing(node) -> None:
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.connect(node.endpoint)
+    try:
+        with node.client(timeout_ms=10_000) as client:
+            socket.send_multipart([raw_frame("get", {"table": "known", "key": 1})] * 200_000)
+            wait_until(lambda: node.node.malformed_frames == 1, 30, "the node refuses the 200k-part message")
+            assert client.put("known", {"id": 2, "name": "still serving"}) > TxKey(0, 0)
+            assert client.get("known", 2) == {"id": 2, "name": "still serving"}
+            assert client.get("known", 1) == {"id": 1, "name": "ada"}
+        assert node.node.malformed_frames == 1 and not node.node._discarding  # read off whole, refused once
+        assert not socket.poll(200), "a part of the refused message was answered"
+    finally:
+        socket.close(0)
+    assert node.thread.is_alive()
