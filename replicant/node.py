@@ -823,6 +823,7 @@ class ReplicantNode(NodeServer):
             "disk": {**self.disk.status(self.clock_ms()), "frames_dropped": self.frames_dropped_disk},
             # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired
             "queries": self.queries.statistics(),
+            "changes": self.changes_statistics(),
             # online index builds (rlog.store): per table, rows copied so far and the indexes being built
             "index_builds": self.store.index_build_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,

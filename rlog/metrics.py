@@ -278,6 +278,40 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
         refused.add_metric(["handshake"], sum((security.get("handshakes_failed") or {}).values()))
     yield refused
     yield from _disk_families(status.get("disk"))
+    yield from _reader_families(status.get("queries"), status.get("changes"))
+
+
+# (status key, metric name, help) of the read-only SQL queries (rlog.query) and the changefeed (rlog.changes)
+QUERY_COUNTERS = (
+    ("queries", "mnesite_queries", "Read-only SQL queries started"),
+    ("pages", "mnesite_query_pages", "Pages of query results answered"),
+    ("refused", "mnesite_queries_refused", "Queries refused by the read-only checks"),
+    ("budget_stops", "mnesite_query_budget_stops", "Queries stopped after query_ms_max of SQLite time"),
+    ("expired", "mnesite_query_cursors_expired", "Query cursors closed because their reader stopped asking"),
+)
+CHANGES_COUNTERS = (
+    ("pages", "mnesite_changes_pages", "Changefeed pages answered"),
+    ("records", "mnesite_changes_records", "Changefeed records answered (changes and copy rows)"),
+    ("snapshots", "mnesite_changes_snapshots", "Copies begun for a consumer whose position was trimmed"),
+    ("refused", "mnesite_changes_refused", "Changefeed requests refused: changes_waiting_max were held"),
+)
+
+
+def _reader_families(queries: dict[str, Any] | None, changes: dict[str, Any] | None) -> Iterator[Any]:
+    """What readers asked of this node: SQL queries and changefeed pages (a node serves both)."""
+    for figures, counters in ((queries, QUERY_COUNTERS), (changes, CHANGES_COUNTERS)):
+        for key, name, text in counters if figures is not None else ():
+            counter = CounterMetricFamily(name, text)
+            counter.add_metric([], figures.get(key, 0))
+            yield counter
+    if queries is not None:
+        open_cursors = _gauge("mnesite_query_cursors_open", "Query cursors open (a statement's snapshot held)", [])
+        open_cursors.add_metric([], queries.get("open", 0))
+        yield open_cursors
+    if changes is not None:
+        held = _gauge("mnesite_changes_held", "Changefeed requests held until a shard they follow moves", [])
+        held.add_metric([], changes.get("held", 0))
+        yield held
 
 
 def _disk_families(disk: dict[str, Any] | None) -> Iterator[Any]:

@@ -202,6 +202,9 @@ class NodeServer:
         self.waiting_queries = WaitingQueries()
         # Changefeed requests held until a shard they follow moves (rlog.changes), oldest first.
         self.waiting_changes: list[WaitingChanges] = []
+        # What the changefeed served since start (status "changes", metrics): pages answered, their records,
+        # the copies of trimmed positions begun (snapshot_begin records), requests refused for want of room.
+        self.changes_served = {"pages": 0, "records": 0, "snapshots": 0, "refused": 0}
         store.index_build_step_rows_max = config.limits.index_build_step_rows_max
         self._next_build_ms = 0
 
@@ -729,10 +732,11 @@ class NodeServer:
         now_ms = monotonic_ms()
         deadline_ms = now_ms + wait_ms
         if not keep_holding(page, now_ms, deadline_ms):
-            self.reply(envelope, messages.reply(message.request_id, page.to_wire()))
+            self._answer_changes(envelope, message.request_id, page)
             return
         waiting_max = self.config.limits.changes_waiting_max
         if len(self.waiting_changes) >= waiting_max:
+            self.changes_served["refused"] += 1
             raise OverloadedError(f"{waiting_max} changefeed requests are waiting here (changes_waiting_max)")
         self.hold(envelope, message.request_id)
         self.waiting_changes.append(
@@ -775,7 +779,18 @@ class NodeServer:
                 waiting.applied = dict(page.applied)
                 continue
             self.waiting_changes.remove(waiting)
-            self.reply(waiting.envelope, messages.reply(request_id, page.to_wire()))
+            self._answer_changes(waiting.envelope, request_id, page)
+
+    def _answer_changes(self, envelope: list[bytes], request_id: str, page: Page) -> None:
+        served = self.changes_served
+        served["pages"] += 1
+        served["records"] += len(page.records)
+        served["snapshots"] += sum(1 for record in page.records if record["kind"] == "snapshot_begin")
+        self.reply(envelope, messages.reply(request_id, page.to_wire()))
+
+    def changes_statistics(self) -> dict[str, int]:
+        """The changefeed's figures for ``status``: served since start, and the requests held now."""
+        return {**self.changes_served, "held": len(self.waiting_changes)}
 
     def build_indexes(self) -> None:
         """The next step of each online index build (rlog.store), at most every ``INDEX_BUILD_INTERVAL_MS``.

@@ -73,6 +73,8 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
         "disk": {"state": "full", "full_for_ms": 2500, "fills": 2, "writes_refused": 9},
         "agents": [],
         "agent_budget": {"used_bytes": 1234, "bytes_max": 16777216, "evicted_agents": 5},
+        "queries": {"open": 2, "queries": 11, "pages": 13, "refused": 3, "budget_stops": 1, "expired": 4},
+        "changes": {"pages": 21, "records": 340, "snapshots": 1, "refused": 6, "held": 2},
     }
     metrics.refresh(0, status)
     samples = {}
@@ -103,6 +105,17 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_disk_full_seconds") == 2.5
     assert value(samples, "mnesite_disk_fills_total") == 2
     assert value(samples, "mnesite_disk_full_writes_refused_total") == 9
+    assert value(samples, "mnesite_queries_total") == 11
+    assert value(samples, "mnesite_query_pages_total") == 13
+    assert value(samples, "mnesite_queries_refused_total") == 3
+    assert value(samples, "mnesite_query_budget_stops_total") == 1
+    assert value(samples, "mnesite_query_cursors_expired_total") == 4
+    assert value(samples, "mnesite_query_cursors_open") == 2
+    assert value(samples, "mnesite_changes_pages_total") == 21
+    assert value(samples, "mnesite_changes_records_total") == 340
+    assert value(samples, "mnesite_changes_snapshots_total") == 1
+    assert value(samples, "mnesite_changes_refused_total") == 6
+    assert value(samples, "mnesite_changes_held") == 2
 
 
 @pytest.fixture
@@ -137,6 +150,30 @@ def test_a_scrape_of_a_node_shows_commits_moving(metrics_node) -> None:
     assert value(after, "mnesite_agent_budget_max_bytes") == 16 * 1024 * 1024
     assert value(after, "mnesite_agent_budget_used_bytes") == 0
     assert value(after, "mnesite_agent_budget_evictions_total") == 0
+
+
+def test_a_scrape_counts_the_changefeed_pages_and_queries_a_node_answered(metrics_node) -> None:
+    node, port = metrics_node
+    with node.client(timeout_ms=5000) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        for row_id in range(5):
+            client.put("kv", {"id": row_id, "value": "x"})
+        records = list(client.changes(["kv"], page_records=2))
+        rows = client.query("SELECT count(*) AS n FROM kv")
+    assert [r for r in records if r["kind"] == "change" and r["op"] == "write"] and rows
+    changes = [r for r in records if r["kind"] == "change"]
+
+    def counted() -> bool:
+        samples = scrape(port)
+        return (value(samples, "mnesite_changes_records_total") or 0) >= len(changes) and (
+            value(samples, "mnesite_queries_total") or 0
+        ) >= 1
+
+    wait_until(counted, 10, "a refresh counting the feed and the query")
+    samples = scrape(port)
+    assert value(samples, "mnesite_changes_pages_total") >= 3  # 6 change records, at most 2 a page
+    assert value(samples, "mnesite_changes_held") == 0 and value(samples, "mnesite_changes_refused_total") == 0
+    assert value(samples, "mnesite_query_pages_total") >= 1 and value(samples, "mnesite_queries_refused_total") == 0
 
 
 def test_the_endpoint_is_bounded_and_answers_only_metrics(metrics_node) -> None:
