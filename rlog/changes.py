@@ -12,7 +12,9 @@ page per consumer in flight at most, of at most those bounds.
 
 Order. Within a shard, records come in tx-key order (the rlog's), and a position moves only past
 whole entries, so resuming strictly after the last tx key delivered neither repeats nor skips a
-change (an entry's ops travel in one page, a larger entry alone). Across shards there is no order:
+change (an entry's ops travel in one page). An entry whose records are more bytes than a page holds
+(they could outgrow a frame) goes over several pages, each alone: the position between them stays
+before the entry and counts its records delivered (``records_after``). Across shards there is no order:
 a page holds each shard's next changes side by side (each shard a fair share of the page), and the
 resume position is the vector of per-shard positions.
 
@@ -51,6 +53,7 @@ Held requests are bounded by ``changes_waiting_max``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -143,6 +146,8 @@ def position_to_wire(position: ChangesPosition) -> dict[str, Any]:
     if position.table is not None:
         wire["table"] = position.table
         wire["table_after"] = position.table_after
+    if position.records_after is not None:
+        wire["records_after"] = position.records_after
     if position.replay_to is not None:
         wire["replay_to"] = list(position.replay_to)
     return wire
@@ -235,6 +240,8 @@ def _check_position(position: ChangesPosition) -> None:
         raise ChangesError("bad_request", f"shard {position.shard!r}: a snapshot position needs replay_to >= after")
     if position.phase == "live" and position.replay_to is not None:
         raise ChangesError("bad_request", f"shard {position.shard!r}: a live position has no replay_to")
+    if position.phase == "copy" and position.records_after is not None:
+        raise ChangesError("bad_request", f"shard {position.shard!r}: a copy position has no records_after")
 
 
 @dataclass
@@ -380,25 +387,36 @@ class _ShardFeed:
     # -- entries ------------------------------------------------------------------------------
 
     def _entries(self, position: ChangesPosition, up_to: TxKey, kind: str) -> ChangesPosition:
-        """Records of the entries after the position up to ``up_to``, whole entries, within budget."""
+        """Records of the entries after the position up to ``up_to``, whole entries, within budget; an
+        entry whose records alone exceed the page's bytes goes over several pages (``records_after``)."""
         after = TxKey(*position.after)
+        skip = position.records_after or 0  # records of the entry after ``after`` already delivered
         scanned = 0
         while not self.budget.spent and after < up_to and scanned < ENTRIES_SCANNED_MAX:
             entries = self.reader.entries_after(self.shard, after, ENTRIES_STEP, up_to)
             if not entries:
                 break
             for entry in entries:
-                records, size = self._records_of(entry, kind)
+                records, sizes = self._records_of(entry, kind)
+                if skip > len(records):
+                    raise ChangesError("bad_request", f"shard {self.shard!r}: records_after past entry {entry.tx_key}")
+                records, sizes, size = records[skip:], sizes[skip:], sum(sizes[skip:])
                 if not self.budget.fits(len(records), size):
-                    return _moved(position, after)
-                for record in records:
-                    self.records.append(record)
-                self.budget.take(len(records), size)
-                after = entry.tx_key
+                    return _moved(position, after, skip)
+                taken = len(records)
+                if self.budget.records == 0 and size > self.budget.bytes_max:
+                    # Larger than a page alone (it could outgrow a frame): what the page holds, one at least.
+                    fitting = itertools.takewhile(self.budget.bytes_max.__ge__, itertools.accumulate(sizes))
+                    taken = max(1, sum(1 for _ in fitting))
+                self.records.extend(records[:taken])
+                self.budget.take(taken, sum(sizes[:taken]))
+                if taken < len(records):
+                    return _moved(position, after, skip + taken)
+                after, skip = entry.tx_key, 0
                 scanned += 1
                 if self.budget.spent:
                     break
-        return _moved(position, after)
+        return _moved(position, after, skip)
 
     def _key_column(self, table: str) -> str | None:
         if table in self.key_columns:
@@ -406,9 +424,10 @@ class _ShardFeed:
         schema = self.catalog.get(table)
         return schema.key_column if schema is not None else None
 
-    def _records_of(self, entry: Entry, kind: str) -> tuple[list[dict[str, Any]], int]:
+    def _records_of(self, entry: Entry, kind: str) -> tuple[list[dict[str, Any]], list[int]]:
+        """The entry's records for this feed and each one's size (its row's bytes and the overhead)."""
         records: list[dict[str, Any]] = []
-        size = 0
+        sizes: list[int] = []
         tx_key = list(entry.tx_key)
         for op in entry.ops:
             if isinstance(op, CreateTableOp):
@@ -417,6 +436,7 @@ class _ShardFeed:
             if table is None or (self.wanted and table not in self.wanted):
                 continue
             record: dict[str, Any] = {"kind": kind, "shard": self.shard, "tx_key": tx_key, "table": table}
+            size = RECORD_OVERHEAD_BYTES
             if isinstance(op, WriteOp):
                 column = self._key_column(table)
                 record.update(op="write", key=op.row.get(column) if column else None, row=op.row)
@@ -433,9 +453,9 @@ class _ShardFeed:
                 record.update(op="add_column", key=None, row=None, definition={op.column: op.column_type})
             else:
                 continue  # index changes change no row
-            size += RECORD_OVERHEAD_BYTES
             records.append(record)
-        return records, size
+            sizes.append(size)
+        return records, sizes
 
     def _emit(self, record: dict[str, Any], size: int) -> None:
         self.records.append(record)
@@ -447,5 +467,8 @@ def _seen(position: ChangesPosition, applied: TxKey) -> ChangesPosition:
     return replace(position, replay_to=max(position.replay_to or position.after, applied))
 
 
-def _moved(position: ChangesPosition, after: TxKey) -> ChangesPosition:
-    return position if after == position.after else replace(position, after=after)
+def _moved(position: ChangesPosition, after: TxKey, records_after: int = 0) -> ChangesPosition:
+    """``position`` moved to ``after`` (and ``records_after`` records into the entry after it)."""
+    if after == position.after and (records_after or None) == position.records_after:
+        return position
+    return replace(position, after=after, records_after=records_after or None)

@@ -747,8 +747,9 @@ class ChangeFeed:
     """The records of a changefeed (``Client.changes``), fetched page by page.
 
     ``cursor`` is where the feed stands, per shard: pass it as ``after_tx_key`` to resume (on any
-    node). It moves by whole entries: the records of one entry share a ``tx_key``, and a consumer that
-    stops inside an entry resumes at that entry's start. ``position`` is the last tx key delivered per
+    node). It moves by whole entries (the records of one entry share a ``tx_key``, and a consumer that
+    stops inside an entry resumes at that entry's start), and page by page through an entry whose
+    records are more bytes than a page holds (``records_after``). ``position`` is the last tx key delivered per
     shard outside a snapshot. ``applied`` is the answering node's applied key per shard (how far
     behind the feed is). The answers are checked: a malformed page raises ``MnesiteError``.
     """

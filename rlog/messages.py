@@ -183,7 +183,8 @@ Guard = _body("Guard", TABLE, ("key", Any), ("equals", Row | None, None))
 # where one shard of a changefeed stands (rlog.changes): the client keeps it and sends it back
 PHASE = ("phase", Literal["live", "copy", "replay"], "live")
 ChangesPosition = _body("ChangesPosition", SHARD, ("after", TxKey), PHASE, ("table", Name | None, None),
-                        ("table_after", Scalar, None), ("replay_to", TxKey | None, None))
+                        ("table_after", Scalar, None), ("replay_to", TxKey | None, None),
+                        ("records_after", Annotated[int, Meta(ge=1, le=types.OPS_MAX)] | None, None))
 RequestId = Annotated[str, Meta(min_length=1, max_length=REQUEST_ID_CHARS_MAX)] | None
 WireEntry = msgspec.defstruct(  # Entry.to_wire, ops still packed; shard not matched: receivers refuse one not theirs
     "WireEntry", (("shard", types.RowName), ("tx_key", TxKey), ("prev", TxKey), ("digest", Digest), ("ops", bytes),

@@ -264,3 +264,30 @@ def test_cli_changes(node) -> None:
     assert bad.exit_code != 0
     unknown = mnesite("changes", "nope")
     assert unknown.exit_code == 1 and "unknown table 'nope'" in unknown.output
+
+
+def test_a_transaction_whose_records_outgrow_a_frame_reaches_the_consumer_over_several_pages(tmp_path: Path) -> None:
+    # 1,000 rows of 200 bytes: the write fits a 256 KiB frame, its change records (about 60 bytes more
+    # each) do not; they used to be answered too_large, and the feed could not pass the entry.
+    limits = {
+        "frame_bytes_max": 256 * 1024,
+        "query_page_bytes_max": 128 * 1024,
+        "changes_page_bytes_max": 64 * 1024,
+    }
+    thread_node = ThreadNode(tmp_path / "data", extra={"limits": limits})
+    try:
+        with thread_node.client() as client:
+            client.create_table("users", "id", [("id", "INTEGER"), ("name", "TEXT")])
+            client.put("users", {"id": 0, "name": "first"})
+            big = client.transact(
+                [{"op": "write", "table": "users", "row": {"id": i, "name": "n" * 200}} for i in range(1, 1001)]
+            )
+            client.put("users", {"id": 5000, "name": "last"})
+            feed = client.changes(["users"])
+            records = [record for record in feed if record["kind"] == "change" and record["op"] == "write"]
+            cursors = feed.pages_fetched
+        assert [record["key"] for record in records] == [0, *range(1, 1001), 5000]
+        assert [record["tx_key"] for record in records[1:1001]] == [big] * 1000
+        assert cursors >= 5  # about 300 KB of records in pages of at most 64 KiB
+    finally:
+        thread_node.stop()

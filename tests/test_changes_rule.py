@@ -185,6 +185,10 @@ def test_a_table_dropped_during_its_copy_is_skipped_and_the_drop_is_replayed() -
         ChangesPosition(
             shard="default", after=TxKey(1, 1), phase="copy", table="users", table_after="x", replay_to=TxKey(1, 1)
         ),
+        ChangesPosition(
+            shard="default", after=TxKey(1, 1), phase="copy", table="users", replay_to=TxKey(1, 1), records_after=1
+        ),
+        ChangesPosition(shard="default", after=TxKey(0, 0), records_after=2),  # past the one-record entry
     ],
 )
 def test_positions_breaking_the_phase_rules_are_bad_requests(position: ChangesPosition) -> None:
@@ -228,3 +232,51 @@ def test_a_held_request_is_paged_again_when_a_shard_moves_or_its_wait_ends_and_h
     assert keep_holding(caught_up, now_ms=10, deadline_ms=20) and not keep_holding(caught_up, 20, 20)
     behind = build_page(log, ["users"], [live("default", TxKey(0, 0))], PageLimits(5, 1 << 20))
     assert not keep_holding(behind, now_ms=10, deadline_ms=20)
+
+
+def test_an_entry_larger_than_a_page_goes_over_several_pages_and_every_record_once_in_order() -> None:
+    # A transaction whose records exceed the page's bytes (they could outgrow a frame) is cut between
+    # pages: the position stays before the entry and counts the records delivered (records_after).
+    log = MemoryLog()
+    log.write(1, "before")
+    rows = [WriteOp("users", {"id": 100 + i, "name": "z" * 300}) for i in range(40)]
+    key = TxKey(1, 2)
+    log.entries.append(Entry("default", key, log.applied_key, GENESIS_DIGEST, tuple(rows)))
+    log.applied_key = key
+    log.rows.update({op.row["id"]: dict(op.row) for op in rows})
+    log.write(2, "after")
+    positions = [live("default", TxKey(0, 0))]
+    pages, state = [], {}
+    for _ in range(100):
+        page = build_page(log, ["users"], positions, PageLimits(1000, 4096))
+        if page.caught_up:
+            break
+        assert page.bytes <= 4096 or len(page.records) == 1, page.bytes
+        pages.append(page)
+        apply(page.records, state)
+        positions = page.positions
+    keys = [record["key"] for page in pages for record in page.records]
+    assert keys == [1, *(100 + i for i in range(40)), 2]  # each once, in the entry's order
+    inside = [page.positions[0] for page in pages if page.positions[0].records_after]
+    assert len(inside) >= 3 and all(position.after == TxKey(1, 1) for position in inside)
+    assert [p.records_after for p in inside] == sorted(p.records_after for p in inside)
+    assert positions[0].after == log.applied_key and positions[0].records_after is None
+    assert state == log.rows
+    # The position of a page cut inside the entry resumes there, on this node or another one alike.
+    again = build_page(log, ["users"], [inside[0]], PageLimits(1000, 4096))
+    assert again.records[0]["key"] == 100 + inside[0].records_after
+
+
+def test_a_replay_position_inside_an_entry_resumes_inside_it() -> None:
+    log = MemoryLog()
+    rows = [WriteOp("users", {"id": i, "name": "w" * 500}) for i in range(20)]
+    log.entries.append(Entry("default", TxKey(1, 1), TxKey(0, 0), GENESIS_DIGEST, tuple(rows)))
+    log.applied_key = TxKey(1, 1)
+    position = ChangesPosition(shard="default", after=TxKey(0, 0), phase="replay", replay_to=TxKey(1, 1))
+    page = build_page(log, ["users"], [position], PageLimits(1000, 2048))
+    moved = page.positions[0]
+    assert moved.phase == "replay" and moved.records_after == len(page.records) < 20
+    assert all(record["kind"] == "snapshot" for record in page.records)
+    rest = build_page(log, ["users"], [moved], PageLimits(1000, 1 << 20))
+    assert [r["key"] for r in page.records + rest.records if r["kind"] == "snapshot"] == list(range(20))
+    assert rest.positions[0].phase == "live" and rest.positions[0].after == TxKey(1, 1)
