@@ -1375,7 +1375,7 @@ class CoreNode(NodeServer):
     def _note_membership_entries(self, driver: ShardDriver, entries: tuple[Entry, ...]) -> None:
         """Persisted entries: learn added cores' endpoints; a pending change now waits for its commit."""
         for entry in entries:
-            for op in () if ROW_OPS.issuperset(map(type, entry.ops)) else entry.ops:
+            for op in entry.ops:
                 if isinstance(op, MembersOp) and op.added:
                     self._learn_endpoint(op.added, op.endpoint)
             pending = (

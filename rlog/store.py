@@ -772,11 +772,11 @@ class Store:
                 continue
             table = self._table(table_name)
             if kind is WriteOp:
-                names = [name for name, _ in table.columns]
+                names = tuple(name for name, _ in table.columns)
                 rows = _row_tuples(names, ops[index:end])
                 for target in (table.name, self._mirror(table.name)):
                     if target is not None:
-                        self.connection.executemany(_write_sql(target, tuple(names)), rows)
+                        self.connection.executemany(_write_sql(target, names), rows)
             elif kind is DeleteOp:
                 keys = [(delete.key,) for delete in ops[index:end]]
                 for target in (table.name, self._mirror(table.name)):
@@ -797,10 +797,10 @@ class Store:
                 continue
             if isinstance(op, WriteOp):
                 table = self._table(op.table)
-                names = [name for name, _ in table.columns]
+                names = tuple(name for name, _ in table.columns)
                 for target in (table.name, self._mirror(table.name)):
                     if target is not None:
-                        self.connection.execute(_write_sql(target, tuple(names)), tuple(op.row.get(n) for n in names))
+                        self.connection.execute(_write_sql(target, names), tuple(op.row.get(n) for n in names))
             elif isinstance(op, DeleteOp):
                 table = self._table(op.table)
                 for target in (table.name, self._mirror(table.name)):
@@ -1181,11 +1181,11 @@ class Store:
     def write_rows(self, table_name: str, rows: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> None:
         """Write full rows of one table (a bootstrap batch): one prepared statement for all of them."""
         table = self._table(table_name)
-        names = [name for name, _ in table.columns]
+        names = tuple(name for name, _ in table.columns)
         values = [tuple(map(row.get, names)) for row in rows]
         for target in (table.name, self._mirror(table.name)):
             if target is not None:
-                self.connection.executemany(_write_sql(target, tuple(names)), values)
+                self.connection.executemany(_write_sql(target, names), values)
 
     def clear_rows(self, shard: str) -> None:
         """Delete the rows of every table of ``shard`` (a snapshot install starts); log and position stay."""
@@ -1283,7 +1283,7 @@ class Store:
         return [dict(zip(names, row, strict=True)) for row in cursor]
 
 
-def _row_tuples(names: list[str], writes: list[Op]) -> list[tuple[Any, ...]]:
+def _row_tuples(names: Sequence[str], writes: list[Op]) -> list[tuple[Any, ...]]:
     """The rows of ``writes`` as tuples in the order of ``names``, a column a row lacks as NULL.
 
     A row of a write holds every declared column but those added since (``AddColumnOp``): one C
