@@ -381,14 +381,13 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     """The replicant's apply path without sockets: (seconds, entries).
 
     What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
-    decode the frame (``messages.decode``: the wire schema's checks, then ``decode_entry`` per entry),
-    step the real ``ShardReplica`` (which checks the digest chain), and execute its ``ApplyEntries``
-    on a real ``Store`` the way ``replicant.node`` does, one SQLite transaction per push.
+    decode the frame (``messages.decode``: the wire schema's checks, then ``push_received``'s
+    ``decode_entry`` per entry), step the real ``ShardReplica`` (which checks the digest chain), and
+    execute its ``ApplyEntries`` on a real ``Store`` the way ``replicant.node`` does, with the cyclic
+    collector paused as the driver pauses it, one SQLite transaction per push.
     """
-    import inspect
     import random
 
-    from mnesite.replicant.node import ReplicantNode
     from mnesite.replicant.replica import ReplicaConfig, ShardReplica
     from mnesite.rlog import messages
     from mnesite.rlog import replication as p
@@ -397,16 +396,21 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
         from mnesite.rlog import codec
     except ImportError:
         codec = messages
+    try:  # what the replicant's driver runs around a push (replicant.node._dispatch)
+        from mnesite.rlog.server import collector_paused
+    except ImportError:  # a --baseline tree: the collector stays on
+        collector_paused = contextlib.nullcontext
+    try:  # the typed wire: the driver's own decode of a push (replicant.replica.push_received)
+        from mnesite.replicant.replica import push_received
 
-    if len(inspect.signature(messages.decode_entry).parameters) == 1:  # the typed wire: msgspec Struct bodies
+        def received(body: object) -> p.PushReceived:
+            return push_received(replica, body)  # type: ignore[arg-type]
 
-        def decoded_entries(body: object) -> tuple:
-            return tuple(map(messages.decode_entry, body.entries))  # type: ignore[attr-defined]
+    except ImportError:  # a --baseline tree before the typed wire (dict bodies, decode_entry per entry)
 
-    else:  # a --baseline tree before the typed wire (dict bodies, decode_entry per entry)
-
-        def decoded_entries(body: object) -> tuple:
-            return tuple(messages.decode_entry(value, "push.entries") for value in body["entries"])  # type: ignore[index]
+        def received(body: object) -> p.PushReceived:
+            decoded = tuple(messages.decode_entry(value, "push.entries") for value in body["entries"])  # type: ignore[index]
+            return p.PushReceived("c", "a", decoded, committed, True)
 
     from mnesite.rlog.schema import TableSchema
     from mnesite.rlog.store import Store
@@ -446,17 +450,26 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     began = time.monotonic()
     for frame in pushes:
         body = codec.decode(frame, 64 * 1024 * 1024).body
-        decoded = decoded_entries(body)
         store.connection.execute("BEGIN IMMEDIATE")
-        for effect in replica.step(p.PushReceived("c", "a", decoded, committed, True), 0):
-            if isinstance(effect, p.ApplyEntries):
-                ReplicantNode.apply_entries(store, effect.entries)
+        with collector_paused():  # as the driver: left once the push's decoded rows are freed
+            apply_push(store, replica, received(body))
         store.connection.execute("COMMIT")
     elapsed = time.monotonic() - began
     if replica.applied_key != committed or store.count_rows(schema) != rows:
         raise SystemExit(f"the apply benchmark applied up to {replica.applied_key}, not {committed}")
     store.close()
     return elapsed, entries_count
+
+
+def apply_push(store: object, replica: object, push: object) -> None:
+    """Step the replica with a decoded push and apply its ``ApplyEntries`` (the driver's ``_step``); a
+    function of its own so that its locals, the decoded rows, are freed when it returns."""
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.rlog import replication as p
+
+    for effect in replica.step(push, 0):  # type: ignore[attr-defined]
+        if isinstance(effect, p.ApplyEntries):
+            ReplicantNode.apply_entries(store, effect.entries)  # type: ignore[arg-type]
 
 
 def raw_apsw_upsert_rate(directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> float:

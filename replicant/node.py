@@ -46,7 +46,14 @@ from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.schema import SchemaError, TableSchema, check_name, schema_ops_toward
-from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
+from mnesite.rlog.server import (
+    NodeServer,
+    OverloadedError,
+    RequestError,
+    collector_paused,
+    monotonic_ms,
+    request_id_of,
+)
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -585,7 +592,8 @@ class ReplicantNode(NodeServer):
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         body = message.body
         if message.kind == "push":
-            self._on_push(body)
+            with collector_paused():  # left once _on_push's locals (the decoded rows) are freed
+                self._on_push(body)
         elif message.kind in WRITE_KINDS:
             # Its write would come back through the rlog, which this replicant cannot apply now.
             self.refuse_if_disk_full()

@@ -18,7 +18,7 @@ from mnesite.replicant.reads import (
 )
 from mnesite.rlog import messages
 from mnesite.rlog.errors import OverloadedError
-from mnesite.rlog.messages import Message, typed_body
+from mnesite.rlog.messages import Message, MessageError, typed_body
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
 
@@ -249,5 +249,42 @@ def test_the_acknowledgements_of_one_turn_go_out_once_per_agent_with_the_newest_
         assert node._outbox == []  # sent once
     finally:
         node.core_sockets = {}
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+def test_the_collector_is_paused_while_a_push_is_handled_and_restored_after(tmp_path, monkeypatch) -> None:
+    """A push's decoded rows live through its apply; with the cyclic collector on they are promoted
+    until a full collection walks the heap (benchmarks/PROFILE.md). The driver pauses it for the push
+    and restores it, also when the push fails, and keeps a collector someone else paused, paused."""
+    import gc
+
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.rlog.server import collector_paused
+
+    seen: list[bool] = []
+
+    def on_push(self: ReplicantNode, body: object) -> None:
+        seen.append(gc.isenabled())
+        if body == "fails":
+            raise MessageError("a push that fails")
+
+    monkeypatch.setattr(ReplicantNode, "_on_push", on_push)
+    node = offline_replicant(tmp_path / "r")
+    assert gc.isenabled()
+    try:
+        node._dispatch([], Message("push", "p", "ok"))
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(MessageError):
+            node._dispatch([], Message("push", "p", "fails"))
+        assert seen == [False, False] and gc.isenabled()
+        gc.disable()
+        try:
+            with collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # paused by the caller: left paused
+        finally:
+            gc.enable()
+    finally:
         node.store.close()
         node.data_dir_lock.release()

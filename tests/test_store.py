@@ -427,6 +427,9 @@ def test_a_batch_of_row_ops_is_applied_in_runs_of_one_kind_and_table_in_order(tm
     ops += [WriteOp("a", {"id": 1}), WriteOp("a", {"id": 3})]
     assert _row_op_run_ends(ops) == [2, 3, 4, 6]
     assert _row_op_run_ends([*ops, MembersOp(("c1",), "", "")]) is None  # the caller scans
+    assert _row_op_run_ends(ops[:2]) == [2]  # one kind of one table: one run
+    assert _row_op_run_ends([ops[0], WriteOp("b", {"id": 1})]) == [1, 2]  # one kind, two tables
+    assert _row_op_run_ends([ops[0], DeleteOp("a", 2)]) == [1, 2]  # one table, two kinds
     store = Store(str(tmp_path / "runs.db"))
     with store.write_transaction():
         store.ensure_shard("default", 0)
