@@ -400,7 +400,8 @@ class _ShardFeed:
                 records, sizes = self._records_of(entry, kind)
                 if skip > len(records):
                     raise ChangesError("bad_request", f"shard {self.shard!r}: records_after past entry {entry.tx_key}")
-                records, sizes, size = records[skip:], sizes[skip:], sum(sizes[skip:])
+                records, sizes = records[skip:], sizes[skip:]
+                size = sum(sizes)
                 if not self.budget.fits(len(records), size):
                     return _moved(position, after, skip)
                 taken = len(records)
