@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 
 .PHONY: setup docs docs-deps java faketime iproute2 run test test-fast fault-test partition-test failover lint bench \
-	bench-peers profile clean fuzz
+	bench-peers profile trace-write clean fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,10 @@ bench-peers: setup docs-deps
 # py-spy profile of the sequencer and a follower under 1 and 64 clients (benchmarks/PROFILE.md).
 profile: setup
 	$(BIN)/python benchmarks/profile_cores.py
+
+# The hops of a 1-client write through three cores, timed (benchmarks/PROFILE.md).
+trace-write: setup
+	$(BIN)/python benchmarks/trace_write.py
 
 clean:
 	rm -rf $(VENV) site docs/benchmarks/charts bench-peers mnesite-data .pytest_cache .ruff_cache .hypothesis

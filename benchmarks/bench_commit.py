@@ -221,11 +221,19 @@ def security_toml(directory: Path, name: str, cores: int) -> str:
 
 
 def start_nodes(
-    directory: Path, synchronous: str, cores: int, secure: bool, pythonpath: str = str(REPO)
+    directory: Path,
+    synchronous: str,
+    cores: int,
+    secure: bool,
+    pythonpath: str = str(REPO),
+    launcher: tuple[str, ...] = ("-m", "mnesite.cli"),
+    environment: dict[str, str] | None = None,
 ) -> tuple[list[subprocess.Popen], str, dict]:
     """Start ``cores`` core processes; create the bench table; return them, the sequencer's endpoint
     and the client's key arguments. ``pythonpath``: where the cores import ``mnesite`` from (another
-    version's package directory, to measure a baseline in the same run)."""
+    version's package directory, to measure a baseline in the same run). ``launcher``: what Python
+    runs, given the CLI's arguments (``trace_write.py`` runs its tracing hook); ``environment``: more
+    variables for the cores (``{name}`` in a value becomes the core's name)."""
     endpoints = {f"core{i}": free_endpoint() for i in range(1, cores + 1)}
     core_nodes = ", ".join(f'{name} = "{endpoint}"' for name, endpoint in endpoints.items())
     keys = make_keys(directory, cores) if secure else {}
@@ -240,11 +248,15 @@ def start_nodes(
         )
         processes.append(
             subprocess.Popen(
-                [sys.executable, "-m", "mnesite.cli", "start", "--config", str(config), "--log-level", "WARNING"],
+                [sys.executable, *launcher, "start", "--config", str(config), "--log-level", "WARNING"],
                 # ``python -m`` puts the working directory first on sys.path: in the repository
                 # that is its own ``mnesite`` package, which would shadow a baseline's PYTHONPATH.
                 cwd=REPO if pythonpath == str(REPO) else pythonpath,
-                env=dict(os.environ, PYTHONPATH=pythonpath),
+                env=dict(
+                    os.environ,
+                    PYTHONPATH=pythonpath,
+                    **{key: value.format(name=name) for key, value in (environment or {}).items()},
+                ),
                 start_new_session=True,
                 stderr=subprocess.DEVNULL,
             )
