@@ -6,7 +6,7 @@ import apsw
 import pytest
 from mnesite.rlog.schema import define_table
 from mnesite.rlog.store import EntryApplyError, Store, StoreError
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DropTableOp, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DropTableOp, TxKey, WriteOp, make_entry
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -250,6 +250,45 @@ def test_a_batch_apply_that_fails_names_the_entry_that_cannot_be_applied(store) 
     assert failure.value.entry == held[1]
     assert store.read_row(store.catalog()["t"], 2) is None
     assert store.shard("default").applied == TxKey(1, 1)
+
+
+def test_a_failed_batch_apply_rolls_the_whole_transaction_back_and_leaves_none_open(store) -> None:
+    """No savepoint around the set-based apply: when it fails, the turn's transaction is rolled back
+    (what was appended before it too: nothing of the turn is committed, the node stops), and naming
+    the entry at fault applies the entries one by one in a transaction that is rolled back as well."""
+    start = store.shard("default")
+    t_create = make_entry(
+        "default", TxKey(1, 2), start.applied, start.digest, [CreateTableOp("u", "default", "k", (("k", "INTEGER"),))]
+    )
+    write_u = make_entry("default", TxKey(1, 3), t_create.tx_key, t_create.digest, [WriteOp("u", {"k": 1})])
+    bad = make_entry("default", TxKey(1, 4), write_u.tx_key, write_u.digest, [WriteOp("missing", {"k": 2})])
+    held = [t_create, write_u, bad]
+    store.connection.execute("BEGIN IMMEDIATE")
+    store.append_entries(held, 0)
+    with pytest.raises(EntryApplyError, match=r"entry \(1, 4\)") as failure:
+        store.apply_committed("default", TxKey(1, 4), held)
+    # The table made by the first entry of the batch is there when the third is tried alone.
+    assert failure.value.entry == bad and "missing" in str(failure.value)
+    assert not store.connection.in_transaction
+    assert store.last_entry("default")[0] == start.applied  # the appends of the turn are gone too
+    assert "u" not in store.catalog() and store.shard("default").applied == start.applied
+
+
+def test_a_batch_that_fails_only_together_names_its_first_entry_with_the_batch_s_error(store, monkeypatch) -> None:
+    start = store.shard("default")
+    first = make_entry("default", TxKey(1, 2), start.applied, start.digest, [WriteOp("t", {"k": 2, "v": "a"})])
+    second = make_entry("default", TxKey(1, 3), first.tx_key, first.digest, [WriteOp("t", {"k": 3, "v": "b"})])
+    store.connection.execute("BEGIN IMMEDIATE")
+    store.append_entries([first, second], 0)
+
+    def batch_fails(ops, healing=False):
+        raise StoreError("only together")
+
+    monkeypatch.setattr(store, "apply_ops_batched", batch_fails)
+    with pytest.raises(EntryApplyError, match="only together") as failure:
+        store.apply_committed("default", second.tx_key, [first, second])
+    assert failure.value.entry == first
+    assert not store.connection.in_transaction and store.read_row(store.catalog()["t"], 2) is None
 
 
 def test_the_end_of_the_log_is_read_again_after_a_rollback_a_truncation_and_a_snapshot_install(store) -> None:
