@@ -293,10 +293,10 @@ class Store:
                 path, self.connection.execute("PRAGMA synchronous").fetchone()[0], fault_of=storage_fault
             )
             self.connection.execute("PRAGMA wal_autocheckpoint=0")
-            # The savepoint of every apply (``_apply_chain``) copies each page it changes to a
-            # sub-journal, which SQLite spills to a temporary file past 64 KiB: at 64 clients about
-            # one apply in five opened, wrote and closed one (2.3 of a follower's 6.1 pwrite calls
-            # per write, benchmarks/PROFILE.md). In memory it holds at most the pages of one turn's
+            # Sub-journals (a statement or savepoint inside the turn's transaction keeps copies of
+            # the pages it changes, to undo them) spill to a temporary file past 64 KiB: when the
+            # apply ran in a savepoint, about one apply in five opened, wrote and closed one at 64
+            # clients (benchmarks/PROFILE.md). In memory they hold at most the pages of one turn's
             # transaction; no durable file changes (the WAL and its fsyncs are as before), and this
             # connection's other temporary structures are small (an index created at once is made
             # only on a table of at most ``index_build_step_rows_max`` rows; queries run on
