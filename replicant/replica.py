@@ -828,5 +828,6 @@ def push_received(replica: ShardReplica, body: messages.Push) -> PushReceived:
     accepted = watch_accepted(body.core, body.watch) if replica.waits_for_watch_answer else None
     entries: tuple[Entry, ...] = ()
     if replica.takes_push(body.core, body.agent, accepted):
-        entries = tuple(map(messages.decode_entry, body.entries))
+        # An entry of one table's rows is decoded as one run (``WriteRows``): its rows bound as decoded.
+        entries = tuple(messages.decode_entry(entry, runs=True) for entry in body.entries)
     return PushReceived(body.core, body.agent, entries, body.committed, body.hears_sequencer, accepted)

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import msgpack
 import msgspec
 from mnesite.rlog import types
-from mnesite.rlog.types import ENDPOINT_PATTERN, NAME_CHARS_MAX, NAME_PATTERN, Name, TxKey, WriteOp, WriteRow
+from mnesite.rlog.types import ENDPOINT_PATTERN, NAME_CHARS_MAX, NAME_PATTERN, MembersOp, Name, TxKey, WriteOp, WriteRow
 from msgspec import Meta, Struct
 
 PROTOCOL_VERSION, FRAME_BYTES_MAX_DEFAULT = 1, 4 * 1024 * 1024
@@ -62,8 +62,7 @@ def scalars_refusal(values: Any) -> str | None:
     """None if every value is a SQLite scalar; else why not. Set-based: a row costs a few C loops."""
     values = values if isinstance(values, (list, tuple)) else list(values)
     if len(values) <= _SCALARS_LOOPED_MAX:
-        # A few values (a one-row entry): one Python loop step each costs less than the C loops'
-        # setup below, which only run (and name the refusal) when this loop finds something wrong.
+        # A few values (a one-row entry): a Python loop costs less than the C loops' setups below.
         for value in values:
             kind = type(value)
             if kind is int and value > INTEGER_MAX or kind is float and value != value or kind not in _SCALARS:
@@ -94,14 +93,8 @@ def free_value_refusal(value: Any, depth_max: int, items_max: int = FREE_VALUE_I
             if depth >= depth_max:
                 return f"is nested deeper than {depth_max} levels"
             children = list(current.keys()) + list(current.values()) if isinstance(current, dict) else current
-            if all(map(scalar, map(type, children))):
-                items += len(children)
-            else:
-                for child in children:
-                    if scalar(type(child)):
-                        items += 1
-                    else:
-                        stack.append((child, depth + 1))
+            items += sum(plain := list(map(scalar, map(type, children))))  # the others are walked
+            stack.extend((child, depth + 1) for child, is_plain in zip(children, plain, strict=True) if not is_plain)
         elif not scalar(type(current)):
             return f"holds a {type(current).__name__}, which is not a wire value"
         if items > items_max:
@@ -416,9 +409,10 @@ _ROW_PAIRS_OF, _TABLE_OF, _KEY_OF = operator.attrgetter("row"), operator.attrget
 UNSORTED = "ops: write op columns must be sorted and unique"
 
 
-def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
+def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
     """The ops of an entry's packed bytes, checked by the wire's rules and required to be their canonical
-    packing (``rlog.types.pack_ops``, which the digest covers); raises ``MessageError`` naming what is wrong."""
+    packing (``rlog.types.pack_ops``, which the digest covers); raises ``MessageError`` naming what is wrong.
+    ``runs``: an entry of several writes of one table with the same columns is one ``WriteRows``."""
     wire = typed("ops", _OPS_DECODER.decode, packed)
     if len(wire) == 1 and type(wire[0]) is WriteRow:
         # The commonest entry, one row (a follower decodes one per write): plain steps, no C-loop setups.
@@ -427,23 +421,26 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
             raise MessageError(UNSORTED)
         names, values, ops = {wire[0].table, *row}, list(row.values()), (WriteOp(wire[0].table, row),)
     else:  # set-based: each per-row step is one C loop over the entry's rows
-        kinds = set(map(type, wire))
+        kinds, rows, chain = set(map(type, wire)), None, itertools.chain.from_iterable
         writes = wire if kinds == {WriteRow} else [op for op in wire if type(op) is WriteRow]
         deletes = [op for op in wire if type(op) is types.DeleteOp] if types.DeleteOp in kinds else ()
-        rows = list(map(dict, pair_lists := list(map(_ROW_PAIRS_OF, writes))))
-        column_lists = set(map(tuple, rows))  # an entry's rows share a few: each is checked once
-        # A repeated column collapses in the dict: its row is shorter than its pairs.
-        if list(map(len, rows)) != list(map(len, pair_lists)) or any(list(c) != sorted(c) for c in column_lists):
+        flat = list(chain(chain(pair_lists := list(map(_ROW_PAIRS_OF, writes)))))  # column, value, column, ...
+        column_lists: Any = [[*(dict(pair_lists[0]) if pair_lists else ())]]  # the common entry: all rows have these
+        if not (set(map(len, pair_lists)) <= {len(first := column_lists[0])} and flat[0::2] == first * len(writes)):
+            rows = list(map(dict, pair_lists))  # several column lists, or a repeated one (a shorter dict)
+            column_lists = set(map(tuple, rows)) if list(map(len, rows)) == list(map(len, pair_lists)) else None
+        if column_lists is None or any(list(c) != sorted(c) for c in column_lists):
             raise MessageError(UNSORTED)
-        members = [op for op in wire if type(op) is types.MembersOp] if types.MembersOp in kinds else ()
-        if any(bool(op.added) != bool(op.endpoint) for op in members):
+        if types.MembersOp in kinds and any(bool(m.added) != bool(m.endpoint) for m in wire if type(m) is MembersOp):
             raise MessageError("ops: members op: added and endpoint must be both set or both empty")
-        names = {*map(_TABLE_OF, writes), *map(_TABLE_OF, deletes), *itertools.chain.from_iterable(column_lists)}
-        values = [*itertools.chain.from_iterable(map(dict.values, rows)), *map(_KEY_OF, deletes)]
-        if writes is wire or not writes:
-            ops = tuple(map(WriteOp, map(_TABLE_OF, writes), rows)) if writes else tuple(wire)
+        names = {*(tables := {*map(_TABLE_OF, writes)}), *map(_TABLE_OF, deletes), *chain(column_lists)}
+        values = [*flat[1::2], *map(_KEY_OF, deletes)]
+        if runs and rows is None and first and writes is wire and len(tables) == 1:  # values: the rows' only
+            ops = (types.WriteRows(wire[0].table, tuple(first), list(zip(*[iter(values)] * len(first), strict=True))),)
+        elif writes is wire or not writes:
+            ops = tuple(map(WriteOp, map(_TABLE_OF, writes), rows or map(dict, pair_lists))) if writes else tuple(wire)
         else:  # writes among other ops: the others stay as decoded, in their places
-            row_of = dict(zip(map(id, writes), rows, strict=True))
+            row_of = dict(zip(map(id, writes), rows or map(dict, pair_lists), strict=True))
             ops = tuple(WriteOp(op.table, row_of[id(op)]) if type(op) is WriteRow else op for op in wire)
     for name in () if _NAMES_CHECKED.issuperset(names) else names - _NAMES_CHECKED:  # each distinct name once
         if not _NAME.match(name):
@@ -457,9 +454,9 @@ def decode_ops(packed: bytes) -> tuple[types.Op, ...]:
     return ops
 
 
-def decode_entry(value: Any) -> types.Entry:
+def decode_entry(value: Any, runs: bool = False) -> types.Entry:
     """A ``WireEntry``'s ``Entry``, its ops decoded now (a push refused anyway costs no per-row work)."""
-    ops = decode_ops(value.ops)  # checked canonical: the packed bytes are what ``pack_ops(ops)`` makes
+    ops = decode_ops(value.ops, runs)  # checked canonical: the packed bytes are what ``pack_ops(ops)`` makes
     return types.Entry(value.shard, value.tx_key, value.prev, value.digest, ops, value.request_id, value.ops)
 
 

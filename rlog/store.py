@@ -88,6 +88,7 @@ from mnesite.rlog.types import (
     PackedEntry,
     TxKey,
     WriteOp,
+    WriteRows,
     chain_break,
     entry_from_wire,
     unpack_ops,
@@ -775,7 +776,7 @@ class Store:
                 end = index + 1
                 while end < len(ops) and type(ops[end]) is kind and ops[end].table == table_name:
                     end += 1
-            if healing and kind in (WriteOp, DeleteOp) and table_name not in self.catalog():
+            if healing and kind in (WriteOp, WriteRows, DeleteOp) and table_name not in self.catalog():
                 index = end
                 continue
             table = self._table(table_name)
@@ -785,6 +786,12 @@ class Store:
                 for target in (table.name, self._mirror(table.name)):
                     if target is not None:
                         self.connection.executemany(_write_sql(target, names), rows)
+            elif kind is WriteRows:  # entries decoded as runs (a replicant's): their tuples bound as they are
+                for columns, runs in itertools.groupby(ops[index:end], _COLUMNS_OF):
+                    columns, rows = _write_rows(tuple(name for name, _ in table.columns), columns, list(runs))
+                    for target in (table.name, self._mirror(table.name)):
+                        if target is not None:
+                            self.connection.executemany(_write_sql(target, columns), rows)
             elif kind is DeleteOp:
                 keys = [(delete.key,) for delete in ops[index:end]]
                 for target in (table.name, self._mirror(table.name)):
@@ -801,9 +808,11 @@ class Store:
         replay's own drop entry ends with no such table anyway. Outside healing such an op is an error:
         validation before proposal makes it impossible."""
         for op in ops:
-            if healing and isinstance(op, (WriteOp, DeleteOp)) and op.table not in self.catalog():
+            if healing and isinstance(op, (WriteOp, WriteRows, DeleteOp)) and op.table not in self.catalog():
                 continue
-            if isinstance(op, WriteOp):
+            if isinstance(op, WriteRows):
+                self.apply_ops_batched([op])
+            elif isinstance(op, WriteOp):
                 table = self._table(op.table)
                 names = tuple(name for name, _ in table.columns)
                 for target in (table.name, self._mirror(table.name)):
@@ -1304,7 +1313,20 @@ def _row_tuples(names: Sequence[str], writes: list[Op]) -> list[tuple[Any, ...]]
     return [tuple(map(write.row.get, names)) for write in writes]  # type: ignore[union-attr]
 
 
+def _write_rows(names: tuple[str, ...], columns: tuple[str, ...], runs: list[WriteRows]) -> tuple[tuple[str, ...], Any]:
+    """The column list to bind and the rows of ``runs`` (one table's, all of ``columns``): their own
+    tuples when they hold the table's columns (``names``: in any order, the statement names them); else
+    as ``_row_tuples`` makes them, a column a row lacks as NULL, one it has that the table lacks left out."""
+    rows = runs[0].rows if len(runs) == 1 else list(itertools.chain.from_iterable(map(_ROWS_OF, runs)))
+    if set(columns) == set(names):
+        return columns, rows
+    positions = {column: position for position, column in enumerate(columns)}
+    getters = [operator.itemgetter(positions[name]) if name in positions else (lambda _row: None) for name in names]
+    return names, [tuple(getter(row) for getter in getters) for row in rows]
+
+
 _ROW_OF, _TABLE_OF = operator.attrgetter("row"), operator.attrgetter("table")
+_ROWS_OF, _COLUMNS_OF = operator.attrgetter("rows"), operator.attrgetter("columns")
 _KIND_AND_TABLE = operator.attrgetter("__class__", "table")
 
 
@@ -1313,7 +1335,7 @@ def _row_op_run_ends(ops: list[Op]) -> list[int] | None:
     only writes and deletes (a replicant's push of 100,000 rows spent 0.7 us a row scanning in Python);
     None otherwise (the caller scans)."""
     kinds = set(map(type, ops))
-    if not kinds <= {WriteOp, DeleteOp}:
+    if not kinds <= {WriteOp, WriteRows, DeleteOp}:
         return None
     if len(kinds) == 1 and len(set(map(_TABLE_OF, ops))) == 1:  # one run (a push of one table's writes)
         return [len(ops)]

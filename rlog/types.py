@@ -178,8 +178,20 @@ class ClusterVersionOp(_Op, frozen=True, tag="v"):
     cluster_version: Annotated[int, Meta(ge=1, le=1000)]
 
 
+class WriteRows(Struct, frozen=True, gc=False):
+    """Full rows of ``table``, each a tuple in ``columns`` order: how a replicant holds an entry whose ops
+    all write rows of one table with the same columns (``rlog.messages.decode_ops`` with ``runs``), so
+    that applying it binds the decoded values in one ``executemany`` without a dict and a ``WriteOp``
+    per row. Only in memory: the entry keeps the packing it was received with (its ``WriteRow`` ops)."""
+
+    table: str
+    columns: tuple[str, ...]
+    rows: list[tuple[Any, ...]]
+
+
 Op = (
     WriteOp
+    | WriteRows
     | DeleteOp
     | CreateTableOp
     | DropTableOp
@@ -192,7 +204,7 @@ Op = (
 SCHEMA_OPS = (CreateTableOp, DropTableOp, CreateIndexOp, DropIndexOp, AddColumnOp)
 # The ops that only change rows: an entry of nothing else (``ROW_OPS.issuperset(map(type, entry.ops))``, one
 # C loop) records no membership, cluster version or schema change, which spares the per-op scans for those.
-ROW_OPS = frozenset((WriteOp, DeleteOp))
+ROW_OPS = frozenset((WriteOp, WriteRows, DeleteOp))
 
 
 class Entry(Struct, frozen=True, gc=False):

@@ -19,6 +19,7 @@ from mnesite.rlog.types import (
     OpDecodeError,
     TxKey,
     WriteOp,
+    WriteRows,
     decode_op,
     entry_from_wire,
     make_entry,
@@ -375,3 +376,79 @@ def test_a_members_op_names_its_added_core_and_its_endpoint_together_or_neither(
     good = [["w", "t", [["k", 1]]], ["m", ["a", "b"], "b", "tcp://127.0.0.1:9"], ["d", "t", 3]]
     decoded = messages.decode_ops(msgpack.packb(good, use_bin_type=True))
     assert decoded == (WriteOp("t", {"k": 1}), decode_op(good[1]), decode_op(good[2]))
+
+
+def _expanded(ops) -> tuple:
+    """``ops`` with each ``WriteRows`` written out as the ``WriteOp`` of each of its rows."""
+    return tuple(
+        written
+        for op in ops
+        for written in (
+            [WriteOp(op.table, dict(zip(op.columns, row, strict=True))) for row in op.rows]
+            if type(op) is WriteRows
+            else [op]
+        )
+    )
+
+
+@st.composite
+def one_table_entries(draw):
+    """Entries of one table's rows, the shape a replicant decodes as a run, each maybe spoiled once: a
+    row's columns swapped, lacking one, repeated, another table's, a hostile value, a delete among them,
+    or a row's last column moved to the next row's start."""
+    columns = sorted(draw(st.sets(names, min_size=1, max_size=4)))
+    count = draw(st.integers(2, 6))
+    ops = [["w", "t", [[column, draw(scalars)] for column in columns]] for _ in range(count)]
+    where = draw(st.integers(0, count - 1))
+    spoil = draw(st.sampled_from(["none", "swap", "lack", "repeat", "table", "value", "delete", "extra", "shift"]))
+    pairs = ops[where][2]
+    if spoil == "swap" and len(pairs) > 1:
+        pairs[0], pairs[1] = pairs[1], pairs[0]
+    elif spoil == "lack" and len(pairs) > 1:
+        del pairs[-1]
+    elif spoil == "repeat":
+        pairs.append(list(pairs[-1]))
+    elif spoil == "table":
+        ops[where][1] = "u"
+    elif spoil == "value":
+        pairs[0][1] = draw(st.sampled_from([float("nan"), 2**63, [1], {"a": 1}]))
+    elif spoil == "delete":
+        ops[where] = ["d", "t", draw(scalars)]
+    elif spoil == "shift" and where + 1 < count:  # the columns, all rows together, still read as the list repeated
+        ops[where + 1][2].insert(0, pairs.pop())
+    elif spoil == "extra":
+        pairs.append(["zzzzzzzzzzzz", 1])  # sorts after every generated name: another column list
+    return ops
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(one_table_entries(), wire_ops()))
+def test_decoding_runs_accepts_and_means_exactly_what_decoding_ops_does(ops) -> None:
+    # A replicant decodes an entry of one table's rows as one WriteRows (decode_ops with runs): the same
+    # checks must refuse the same entries with the same reason, and its rows must be the same writes.
+    try:
+        packed = msgpack.packb(ops, use_bin_type=True)
+    except (OverflowError, TypeError):
+        return
+    outcomes = []
+    for runs in (False, True):
+        try:
+            outcomes.append(messages.decode_ops(packed, runs=runs))
+        except messages.MessageError as error:
+            outcomes.append(str(error))
+    plain, as_runs = outcomes
+    assert isinstance(plain, str) != _reference_accepts(ops), ops
+    if isinstance(plain, str):
+        assert as_runs == plain
+        return
+    assert _expanded(as_runs) == plain
+    one_run = len(plain) > 1 and {type(op) for op in plain} == {WriteOp} and len({op.table for op in plain}) == 1
+    one_run = one_run and len({tuple(op.row) for op in plain}) == 1 and bool(plain[0].row)
+    assert [type(op) for op in as_runs] == ([WriteRows] if one_run else [type(op) for op in plain])
+
+
+def test_a_run_holds_the_rows_as_tuples_in_the_order_of_its_sorted_columns() -> None:
+    packed = msgpack.packb([["w", "t", [["a", i], ["b", str(i)]]] for i in range(3)], use_bin_type=True)
+    assert messages.decode_ops(packed, runs=True) == (WriteRows("t", ("a", "b"), [(0, "0"), (1, "1"), (2, "2")]),)
+    one_row = msgpack.packb([["w", "t", [["a", 1]]]], use_bin_type=True)  # a follower's common entry
+    assert messages.decode_ops(one_row, runs=True) == (WriteOp("t", {"a": 1}),)

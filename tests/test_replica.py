@@ -708,3 +708,34 @@ def test_a_waiting_read_is_answered_only_when_readable_and_its_key_is_applied():
     assert not machine.readable_at(at(5)[0])
     machine.step(CommittedReceived("core0", at(12)[0]), 4)
     assert machine.readable_at(at(12)[0]) and not machine.readable_at(at(13)[0])
+
+
+@pytest.mark.timeout(10)
+def test_a_pushed_entry_of_one_tables_rows_is_decoded_as_one_run_and_still_chains():
+    """``push_received`` (driver and simulator) decodes an entry of several rows of one table as one
+    ``WriteRows``: what the replicant's apply binds without a dict and a WriteOp per row; the digest
+    chain the machine checks is the packed bytes', so the run is applied like any entry."""
+    from mnesite.replicant.replica import push_received
+    from mnesite.rlog import messages
+    from mnesite.rlog.types import WriteRows
+
+    rows = tuple(WriteOp("t", {"k": k, "v": "x"}) for k in range(3))
+    entry = make_entry(SHARD, TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, rows)
+    body = messages.typed_body(
+        "push",
+        {
+            "shard": SHARD,
+            "agent": "a1",
+            "core": "core0",
+            "entries": [entry.to_wire()],
+            "committed": [1, 1],
+            "hears_sequencer": True,
+        },
+    )
+    machine = replica()
+    connect(machine)
+    received = push_received(machine, body)
+    assert received.entries[0].ops == (WriteRows("t", ("k", "v"), [(0, "x"), (1, "x"), (2, "x")]),)
+    assert received.entries[0].packed == entry.packed
+    (applied,) = of(machine.step(received, 1), ApplyEntries)
+    assert applied.entries == received.entries and machine.applied_key == TxKey(1, 1)

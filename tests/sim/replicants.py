@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import heapq
+import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,7 @@ from mnesite.core.watch import WatchRefusedError
 from mnesite.replicant.reads import ReadIndexGather, WaitingReads
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
 from mnesite.replicant.upstream import write_target
-from mnesite.rlog import messages
+from mnesite.rlog import messages, types
 from mnesite.rlog import replication as p
 from mnesite.rlog.config import Limits
 from mnesite.rlog.errors import OverloadedError, RequestError
@@ -77,6 +78,7 @@ from mnesite.rlog.types import (
     Op,
     TxKey,
     WriteOp,
+    WriteRows,
 )
 
 from tests.sim.cluster import READ_KEYS, READ_TABLE, SHARD, ClientRequest, SimNode, Simulation
@@ -134,8 +136,13 @@ def apply_ops(tables: Tables, entry: Entry) -> None:
             tables.setdefault(op.table, {})[op.row[KEY_COLUMN]] = dict(op.row)
         elif isinstance(op, DeleteOp):
             tables.setdefault(op.table, {}).pop(op.key, None)
+        elif isinstance(op, WriteRows):  # a run of one table's rows, as a replicant decodes a push
+            for row in map(dict, map(zip, itertools.repeat(op.columns), op.rows)):
+                tables.setdefault(op.table, {})[row[KEY_COLUMN]] = row
         elif isinstance(op, DropTableOp):
             tables[op.table] = {}  # the simulated tables come back empty at their next write
+        elif not isinstance(op, types.SCHEMA_OPS + (types.MembersOp, types.ClusterVersionOp)):
+            raise AssertionError(f"the simulated tables cannot apply {type(op).__name__}")  # a new kind: model it
 
 
 @dataclass
