@@ -104,6 +104,9 @@ _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 BUILD_PREFIX = "_mnesite_build_"
 PHYSICAL_PREFIX = "_mnesite_b_"
 INDEX_BUILD_STEP_ROWS_MAX = 1000
+# Retention counts the newest generations' entries from their first and last keys, and walks the
+# entries of older ones (a log of that many generations has had that many elections in its window).
+RETENTION_GENERATIONS_COUNTED = 64
 PAGE_CACHE_BYTES_MAX = 16 * 1024 * 1024  # the writing connection's SQLite page cache
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
@@ -1151,7 +1154,25 @@ class Store:
         return self._newest_key("shard = ? AND (generation, counter) < (?, ?)", (shard, key.generation, key.counter))
 
     def _newest_key_at(self, shard: str, offset: int) -> TxKey | None:
-        return self._newest_key("shard = ?", (shard,), offset)
+        """The key with ``offset`` newer entries after it, counted generation by generation from the
+        newest: a generation's counters are consecutive (``rlog.types.next_key``, checked on every entry
+        taken from elsewhere), so its entries number its last counter less its first plus one, two index
+        seeks. An OFFSET walk of the log cost every retention run about 13 ms at 100,000 entries; it is
+        left for what remains after ``RETENTION_GENERATIONS_COUNTED`` generations."""
+        condition, parameters = "shard = ?", (shard,)
+        for _ in range(RETENTION_GENERATIONS_COUNTED):
+            newest = self._newest_key(condition, parameters)
+            if newest is None:
+                return None
+            (first,) = self.connection.execute(
+                "SELECT counter FROM _mnesite_rlog WHERE shard = ? AND generation = ? ORDER BY counter LIMIT 1",
+                (shard, newest.generation),
+            ).fetchone()
+            if offset <= newest.counter - first:
+                return TxKey(newest.generation, newest.counter - offset)
+            offset -= newest.counter - first + 1
+            condition, parameters = "shard = ? AND generation < ?", (shard, newest.generation)
+        return self._newest_key(condition, parameters, offset)
 
     def _newest_appended_before(self, shard: str, before_ms: int) -> TxKey | None:
         return self._newest_key("shard = ? AND appended_ms < ?", (shard, before_ms))

@@ -338,6 +338,16 @@ CHAIN_ORDER = "order"  # the entry's key does not move past its predecessor's
 CHAIN_DIGEST = "digest"  # the entry's digest is not digest(predecessor's digest + entry)
 
 
+def next_key(prev_key: TxKey, generation: int) -> TxKey | None:
+    """The key the entry after ``prev_key`` has when written by the sequencer of ``generation``: the
+    next counter of the same generation, or counter 1 of a later one (``core.consensus``); None for an
+    older generation. So a log's counters are consecutive within each generation, which lets the
+    store count a generation's entries from its first and last key (``Store._newest_key_at``)."""
+    if generation == prev_key.generation:
+        return TxKey(generation, prev_key.counter + 1)
+    return TxKey(generation, 1) if generation > prev_key.generation else None
+
+
 def chain_break(prev_key: TxKey, prev_digest: bytes, entry: Entry) -> str | None:
     """The one digest-chain check: None if ``entry`` follows the entry at ``prev_key`` whose digest
     is ``prev_digest``; else which link breaks (``CHAIN_LINK``, ``CHAIN_ORDER`` or ``CHAIN_DIGEST``).
@@ -347,7 +357,7 @@ def chain_break(prev_key: TxKey, prev_digest: bytes, entry: Entry) -> str | None
     """
     if entry.prev != prev_key:
         return CHAIN_LINK
-    if not entry.tx_key > prev_key:
+    if entry.tx_key != next_key(prev_key, entry.tx_key.generation):
         return CHAIN_ORDER
     expected = entry_digest(prev_digest, entry.shard, entry.tx_key, entry.prev, entry.packed, entry.request_id)
     return None if entry.digest == expected else CHAIN_DIGEST

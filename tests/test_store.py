@@ -525,3 +525,36 @@ def test_a_run_of_a_table_that_is_gone_is_skipped_only_while_healing(store) -> N
         store.apply_ops_batched([run], healing=True)  # a bootstrap copy made after the drop lacks it
         with pytest.raises(StoreError):
             store.apply_ops_batched([run])
+
+
+def test_the_key_retention_counts_back_to_is_the_one_an_offset_walk_finds(tmp_path, monkeypatch) -> None:
+    # Store._newest_key_at counts each generation's entries from its first and last key (counters are
+    # consecutive within a generation); the OFFSET walk it replaced is the reference, at every offset, over
+    # a log of several generations, after trims, and past the generations it counts (then it walks).
+    import mnesite.rlog.store as store_module
+
+    store = Store(str(tmp_path / "generations.db"))
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+    previous, digest = ZERO_KEY, GENESIS_DIGEST
+    for generation, count in ((1, 5), (2, 1), (4, 6), (5, 3), (7, 2)):
+        for counter in range(1, count + 1):
+            entry = make_entry("default", TxKey(generation, counter), previous, digest, [TABLE.to_op()])
+            with store.write_transaction():
+                store.append_entry(entry, 0)
+                store.apply_entry(entry)
+            previous, digest = entry.tx_key, entry.digest
+
+    def walked(offset: int) -> TxKey | None:
+        return store._newest_key("shard = ?", ("default",), offset)
+
+    for trimmed in (0, 3, 6, 9):  # entries removed by retention so far
+        if trimmed:
+            with store.write_transaction():
+                store.trim("default", 17 - trimmed, None)
+        held = [TxKey(*row) for row in store.connection.execute("SELECT generation, counter FROM _mnesite_rlog")]
+        assert len(held) == 17 - trimmed
+        for counted in (64, 2, 1):
+            monkeypatch.setattr(store_module, "RETENTION_GENERATIONS_COUNTED", counted)
+            assert [store._newest_key_at("default", offset) for offset in range(20)] == [walked(o) for o in range(20)]
+    store.close()

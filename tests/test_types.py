@@ -97,6 +97,18 @@ def test_the_one_chain_check_names_the_broken_link():
     assert chain_break(first.tx_key, first.digest, tampered) == CHAIN_DIGEST
     backwards = msgspec.structs.replace(second, tx_key=TxKey(1, 1))
     assert chain_break(first.tx_key, first.digest, backwards) == CHAIN_ORDER
+    # Counters are consecutive within a generation, and a later generation starts at 1 (rlog.types.next_key):
+    # what lets the store count a generation's entries from its first and last key.
+    for key, verdict in (
+        ((1, 2), None),
+        ((1, 3), CHAIN_ORDER),
+        ((3, 1), None),
+        ((3, 2), CHAIN_ORDER),
+    ):
+        entry = make_entry("s", TxKey(*key), first.tx_key, first.digest, [], None)
+        assert chain_break(first.tx_key, first.digest, entry) == verdict, key
+    older = msgspec.structs.replace(second, tx_key=TxKey(0, 9))  # make_entry refuses to build it
+    assert chain_break(first.tx_key, first.digest, older) == CHAIN_ORDER
 
 
 def test_the_digest_header_is_msgpacks_bytes_at_every_size_boundary() -> None:
