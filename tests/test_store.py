@@ -558,3 +558,46 @@ def test_the_key_retention_counts_back_to_is_the_one_an_offset_walk_finds(tmp_pa
             monkeypatch.setattr(store_module, "RETENTION_GENERATIONS_COUNTED", counted)
             assert [store._newest_key_at("default", offset) for offset in range(20)] == [walked(o) for o in range(20)]
     store.close()
+
+
+def test_the_newest_key_appended_before_a_time_is_found_by_bisection_as_a_walk_finds_it(tmp_path) -> None:
+    # Retention's age bound (Store._newest_appended_before) bisects over the log's keys, named by each
+    # generation's first and last counter: the walk from the newest entry it replaced is the reference at
+    # every time, over several generations and after trims; after the clock stepped back it stops where the
+    # appended times cross the bound (an entry before it, the next one at or after it).
+    store = Store(str(tmp_path / "ages.db"))
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+    previous, digest = ZERO_KEY, GENESIS_DIGEST
+    times = iter([10, 10, 20, 30, 30, 30, 40, 55, 60, 61, 70, 80, 95, 96, 97, 120])
+    for generation, count in ((1, 4), (2, 1), (4, 6), (5, 3), (7, 2)):
+        for counter in range(1, count + 1):
+            entry = make_entry("default", TxKey(generation, counter), previous, digest, [TABLE.to_op()])
+            with store.write_transaction():
+                store.append_entry(entry, next(times))
+                store.apply_entry(entry)
+            previous, digest = entry.tx_key, entry.digest
+
+    def walked(before_ms: int) -> TxKey | None:
+        return store._newest_key("shard = ? AND appended_ms < ?", ("default", before_ms))
+
+    for trimmed in (0, 5, 11):
+        if trimmed:
+            with store.write_transaction():
+                store.trim("default", 16 - trimmed, None)
+        assert [store._newest_appended_before("default", t) for t in range(130)] == [walked(t) for t in range(130)]
+    with store.write_transaction():  # the node's clock stepped back: times 120 (kept), then 50, 130, 140
+        for when in (50, 130, 140):
+            entry = make_entry("default", TxKey(7, previous.counter + 1), previous, digest, [TABLE.to_op()])
+            store.append_entry(entry, when)
+            store.apply_entry(entry)
+            previous, digest = entry.tx_key, entry.digest
+    rows = list(store.connection.execute("SELECT generation, counter, appended_ms FROM _mnesite_rlog ORDER BY 1, 2"))
+    for before_ms in range(150):
+        found = store._newest_appended_before("default", before_ms)
+        if found is None:
+            assert rows[0][2] >= before_ms
+            continue
+        index = [TxKey(g, c) for g, c, _ in rows].index(found)
+        assert rows[index][2] < before_ms and (index + 1 == len(rows) or rows[index + 1][2] >= before_ms)
+    store.close()
