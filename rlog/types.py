@@ -440,13 +440,16 @@ def op_to_json(op: Op) -> dict[str, Any]:
         return {"op": "add_column", "table": op.table, "shard": op.shard, "column": op.column, "type": op.column_type}
     if isinstance(op, ClusterVersionOp):
         return {"op": "cluster_version", "shard": op.shard, "cluster_version": op.cluster_version}
-    return {
-        "op": "create_table",
-        "table": op.table,
-        "shard": op.shard,
-        "key": op.key_column,
-        "columns": [list(c) for c in op.columns],
-    }
+    if isinstance(op, CreateTableOp):
+        return {
+            "op": "create_table",
+            "table": op.table,
+            "shard": op.shard,
+            "key": op.key_column,
+            "columns": [list(c) for c in op.columns],
+        }
+    # A WriteRows lives only in a replicant's apply; what clients see is read back from the log.
+    raise TypeError(f"{type(op).__name__} has no client form")
 
 
 def entry_to_json(entry: Entry) -> dict[str, Any]:

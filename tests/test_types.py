@@ -138,3 +138,18 @@ def test_request_ids_are_unique_and_sort_in_the_order_they_were_made(monkeypatch
     made = [types.new_request_id() for _ in range(1000)]
     assert made == sorted(made) and len(set(made)) == len(made)
     assert all(len(request_id) == 32 for request_id in made)
+
+
+def test_every_op_of_the_log_has_a_client_form_and_a_replicants_run_has_none() -> None:
+    from mnesite.rlog.types import ClusterVersionOp, CreateTableOp, DeleteOp, MembersOp, WriteRows, op_to_json
+
+    ops = (
+        WriteOp("t", {"a": 1}),
+        DeleteOp("t", 1),
+        MembersOp(("a",), "", ""),
+        ClusterVersionOp("s", 2),
+        CreateTableOp("t", "s", "a", (("a", "INTEGER"),)),
+    )
+    assert [op_to_json(op)["op"] for op in ops] == ["write", "delete", "members", "cluster_version", "create_table"]
+    with pytest.raises(TypeError, match="WriteRows has no client form"):  # it used to fall into create_table's
+        op_to_json(WriteRows("t", ("a",), [(1,)]))
