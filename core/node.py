@@ -176,6 +176,9 @@ READ_KINDS = frozenset(
 )
 QUERY_KINDS = frozenset({"query", "query_page", "query_close"})
 POLL_INTERVAL_MS_MAX = 50
+# Effects a follower's gathered commits may wait through (``FollowerApply``); any other one (a role
+# change, a truncation, a failed proposal, a snapshot's offer) is executed on the applied state.
+GATHER_THROUGH = frozenset((Commit, PersistEntries, PersistState, Send))
 FORWARD_TIMEOUT_MS = 5000
 FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
@@ -275,6 +278,8 @@ class ShardDriver:
     # proposed together at the end of the turn's input or before any other event of this shard, so
     # the log order is their arrival order. Bounded by WAITERS_MAX with the waiters.
     held: rules.HeldWrites[tuple[list[bytes], Message]] = field(default_factory=rules.HeldWrites)
+    # Commits this core heard as a follower and applies together (``core.rules.FollowerApply``).
+    apply: rules.FollowerApply = field(default_factory=lambda: rules.FollowerApply(0))
 
 
 @dataclass
@@ -488,7 +493,10 @@ class CoreNode(NodeServer):
             random.Random(self.rng.random()),
             self.clock_ms(),
         )
-        driver = ShardDriver(shard, consensus, log_view, tail, generation=generation)
+        driver = ShardDriver(
+            shard, consensus, log_view, tail, generation=generation,
+            apply=rules.FollowerApply(self.config.limits.follower_apply_delay_ms_max),
+        )  # fmt: skip
         self.shards[shard] = driver
         return driver
 
@@ -511,6 +519,7 @@ class CoreNode(NodeServer):
             raise RuntimeError("socket not bound")
         self.agent_server.begin_turn()
         deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
+        deadlines += [key for d in self.shards.values() if (key := d.apply.deadline_ms()) is not None]
         agents_deadline = self.agent_server.next_deadline_ms()
         if agents_deadline is not None:
             deadlines.append(agents_deadline)
@@ -527,6 +536,7 @@ class CoreNode(NodeServer):
         for dealer in list(self.dealers.values()):
             if dealer in ready:
                 self._relay_forwarded(dealer)
+        self._apply_due()  # the gathered commits due now, or waited for by what this turn serves
         self.serve_queries(self._query_shard_reached)
         self.serve_changes()
         self.build_indexes()
@@ -673,8 +683,10 @@ class CoreNode(NodeServer):
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
         shard = driver.shard
         if type(effect) is ProposalCommitted:  # one per write, tested first
-            pass  # answered through the waiters when the Commit applied the entry
-        elif isinstance(effect, PersistState):
+            return  # answered through the waiters when the Commit applied the entry
+        if driver.apply.up_to is not None and type(effect) not in GATHER_THROUGH:
+            self._apply_gathered(driver)  # a role change, a truncation, an install: on the applied state
+        if isinstance(effect, PersistState):
             self.begin()
             state = effect.state
             self.store.persist_consensus_state(shard, state.generation, state.voted_for, state.members, state.forced)
@@ -694,26 +706,10 @@ class CoreNode(NodeServer):
                 self._answer_guard_failure(held, answer=False, reason="the entries it observed were replaced")
             self._tell_outcomes(driver.waiters.truncated(effect.after_key))
         elif isinstance(effect, Commit):
-            # Applying needs no fsync of its own: the entries are durable in the log already, and a
-            # restart applies again whatever a power failure took (the applied key moves with the rows).
-            self.begin(durable=False)
-            # A shard not serving yet is catching up over a snapshot's dirty copy: healing (Store.apply_ops).
-            healing = shard in self.not_serving
-            applied = self.store.apply_committed(shard, effect.up_to, driver.tail.entries, healing=healing)
-            read_index = driver.consensus.read_index(self.clock_ms())
-            for held, verdict in driver.tail.committed(effect.up_to, self.store.catalog(), read_index):
-                self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
-            self.transactions += len(applied)
-            for entry in applied:
-                if ROW_OPS.issuperset(map(type, entry.ops)):
-                    continue  # the common entry: rows only, no membership or cluster version
-                applied_members = membership_of(entry)
-                if applied_members is not None:
-                    self._set_cluster_members(applied_members)
-                if cluster_version_of(entry) is not None:
-                    self._cluster_version_applied(shard)
+            up_to = self._gather_commit(driver, effect.up_to)
+            if up_to is not None:
+                self._apply_up_to(driver, up_to)
             self.agent_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
-            self._tell_outcomes(driver.waiters.committed(applied))
         elif isinstance(effect, Send):
             frame_body = {"shard": shard, "sender": self.config.name, "message": message_to_wire(effect.message)}
             self._send_peer(effect.to, Message("peer", "peer", frame_body), now=effect.before_persisted)
@@ -839,11 +835,71 @@ class CoreNode(NodeServer):
             return f"shard {shard}: {reason}"
         return None
 
+    def _gather_commit(self, driver: ShardDriver, up_to: TxKey) -> TxKey | None:
+        """The key to apply up to now, or None while a follower gathers this commit with the next ones
+        (``core.rules.FollowerApply``)."""
+        gathering = driver.apply
+        tail_keys = driver.tail.keys
+        since = bisect.bisect_right(tail_keys, gathering.up_to) if gathering.up_to is not None else 0
+        new = driver.tail.entries[since : bisect.bisect_right(tail_keys, up_to, since)]
+        gatherable = (
+            gathering.delay_ms_max > 0
+            and driver.consensus.role is Role.FOLLOWER
+            and driver.shard not in self.not_serving
+            and all(ROW_OPS.issuperset(map(type, entry.ops)) for entry in new)
+        )
+        size = sum(len(entry.packed) for entry in new) if gatherable else 0
+        return gathering.committed(up_to, len(new), size, gatherable, self._applied_waited_on(driver), self.clock_ms())
+
+    def _applied_waited_on(self, driver: ShardDriver) -> bool:
+        """Whether anything here waits for this core's applied state of ``driver``'s shard: a client's
+        write or a held guard, a query (rlog.query) or a changefeed request (rlog.changes)."""
+        waiting = driver.waiters or driver.tail.held_count() > 0
+        return bool(waiting or self.waiting_queries or self.waiting_changes)
+
+    def _apply_gathered(self, driver: ShardDriver) -> None:
+        """Apply now whatever commits ``driver``'s shard gathered (a reader waits, or the state must be current)."""
+        up_to = driver.apply.take()
+        if up_to is not None:
+            self._apply_up_to(driver, up_to)
+
+    def _apply_due(self) -> None:
+        """Once a turn, after its input: apply the gathered commits whose time has come or that someone waits for."""
+        for driver in self.shards.values():
+            if driver.apply.up_to is not None:
+                up_to = driver.apply.due(self.clock_ms(), self._applied_waited_on(driver))
+                if up_to is not None:
+                    self._apply_up_to(driver, up_to)
+
+    def _apply_up_to(self, driver: ShardDriver, up_to: TxKey) -> None:
+        shard = driver.shard
+        # Applying needs no fsync of its own: the entries are durable in the log already, and a
+        # restart applies again whatever a power failure took (the applied key moves with the rows).
+        self.begin(durable=False)
+        # A shard not serving yet is catching up over a snapshot's dirty copy: healing (Store.apply_ops).
+        healing = shard in self.not_serving
+        applied = self.store.apply_committed(shard, up_to, driver.tail.entries, healing=healing)
+        read_index = driver.consensus.read_index(self.clock_ms())
+        for held, verdict in driver.tail.committed(up_to, self.store.catalog(), read_index):
+            self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
+        self.transactions += len(applied)
+        for entry in applied:
+            if ROW_OPS.issuperset(map(type, entry.ops)):
+                continue  # the common entry: rows only, no membership or cluster version
+            applied_members = membership_of(entry)
+            if applied_members is not None:
+                self._set_cluster_members(applied_members)
+            if cluster_version_of(entry) is not None:
+                self._cluster_version_applied(shard)
+        self._tell_outcomes(driver.waiters.committed(applied))
+
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
         return driver.consensus.sequencer is not None
 
     def _watch(self, body: messages.Watch) -> dict[str, Any]:
         driver = self.shards.get(body.shard)
+        if driver is not None:
+            self._apply_gathered(driver)  # K0 is the applied key: the replica starts from the newest one
         position = self.store.shard(body.shard)
         if driver is None or position is None:
             raise RequestError("unknown_shard", f"unknown shard {body.shard!r}")
@@ -901,6 +957,8 @@ class CoreNode(NodeServer):
 
     def _step_install(self, shard: str, event: Any) -> None:
         install = self.installs.get(shard)
+        if install is not None and shard in self.shards:
+            self._apply_gathered(self.shards[shard])
         position = self.store.shard(shard)
         if install is None or position is None:
             return
@@ -1601,6 +1659,12 @@ class CoreNode(NodeServer):
     def _check_consistency(self, message: Message, table: TableSchema) -> None:
         # The client retries (bounded by its timeout) until this core has applied it.
         position = self.store.shard(table.shard)
+        driver = self.shards.get(table.shard)
+        min_key = message.body.min_key
+        behind = min_key is not None and (position is None or position.applied < min_key)
+        if behind and driver is not None and driver.apply.up_to is not None:
+            self._apply_gathered(driver)  # the key may be among the commits this follower gathered
+            position = self.store.shard(table.shard)
         rules.check_applied(self.config.name, message.body.min_key, position.applied if position else None)
 
     def _read(self, message: Message) -> Any:
@@ -1669,6 +1733,8 @@ class CoreNode(NodeServer):
                 "role": status.role.value,
                 "sequencer": status.sequencer,
                 "committed": list(status.committed_key),
+                # Heard committed, not applied yet: a follower gathers commits (core.rules.FollowerApply).
+                "gathered_entries": driver.apply.entries,
                 "last": list(status.last_key),
                 "members": list(status.members),
                 "committed_members": list(status.committed_members),

@@ -32,6 +32,16 @@ request lives here, as functions of what it knows, so that the deterministic sim
   this one cannot speak with (``core.versions``) is not added.
 * ``journal_verdict``: how this core's journal compares with the forced sequencer's at one key.
 * ``ack_sender_allowed``: only the replicant an agent serves may move that agent's window.
+* ``FollowerApply``: when a follower applies what it learned is committed. Applying is not what makes
+  an entry durable or committed (the log is, and a restart applies again whatever was not applied),
+  so a follower gathers the commits it hears and applies them together: at most ``delay_ms_max``
+  after the first of them, at ``entries_max`` entries or ``bytes_max`` bytes, and at once when
+  anything waits for its applied state (a read that must see a key, a query, a changefeed, a watch,
+  a client's write or a held guard) or when the commit carries more than rows (a schema change, a
+  membership or a cluster version), and at every commit on a sequencer or with ``delay_ms_max`` 0.
+  A commit rewrites the data pages it changes in the WAL: the 64 clients' key ranges of a benchmark
+  dirty about 34 pages a commit, and gathering eight commits writes most hot pages once instead of
+  eight times (``benchmarks/PROFILE.md``, tenth session).
 """
 
 from __future__ import annotations
@@ -316,3 +326,69 @@ def ack_sender_allowed(authenticated: bool, watch_replicant: str | None, princip
     """Only the replicant an agent serves may move that agent's window (when peers are authenticated;
     an acknowledgement for an agent that does not exist moves nothing anyway)."""
     return not authenticated or watch_replicant is None or watch_replicant == principal
+
+
+# What a follower holds committed and not applied, at most (``FollowerApply``): the entries stay in
+# the shard's in-memory tail (``core.guard_tail``) until applied.
+FOLLOWER_APPLY_ENTRIES_MAX = 4096
+FOLLOWER_APPLY_BYTES_MAX = 16 * 1024 * 1024
+
+
+class FollowerApply:
+    """A follower's applies of committed entries, gathered (see the module's theory of operation).
+
+    ``committed`` is told of each commit and answers the key to apply up to now, or None while the
+    commit may wait; ``due`` answers the same at any other time (a loop turn, a reader waiting);
+    ``deadline_ms`` is when a gathered commit must be applied at the latest, for the loop's poll.
+    """
+
+    def __init__(
+        self,
+        delay_ms_max: int,
+        entries_max: int = FOLLOWER_APPLY_ENTRIES_MAX,
+        bytes_max: int = FOLLOWER_APPLY_BYTES_MAX,
+    ) -> None:
+        self.delay_ms_max = delay_ms_max
+        self.entries_max = entries_max
+        self.bytes_max = bytes_max
+        self.up_to: TxKey | None = None  # committed, not applied: apply up to this key
+        self.since_ms = 0  # when the oldest commit gathered was heard
+        self.entries = 0
+        self.bytes = 0
+
+    def committed(
+        self, up_to: TxKey, entries: int, size_bytes: int, gatherable: bool, waited_on: bool, now_ms: int
+    ) -> TxKey | None:
+        """A commit up to ``up_to`` of ``entries`` more entries (``size_bytes`` of packed ops).
+        ``gatherable``: this core follows the shard and the entries hold only rows; ``waited_on``:
+        something waits for this core's applied state."""
+        if self.up_to is None:
+            self.since_ms = now_ms
+        if self.up_to is None or up_to > self.up_to:
+            self.up_to = up_to
+        self.entries += entries
+        self.bytes += size_bytes
+        if not gatherable or self.delay_ms_max == 0:
+            return self.take()
+        return self.due(now_ms, waited_on)
+
+    def due(self, now_ms: int, waited_on: bool) -> TxKey | None:
+        """The key to apply up to now, if a gathered commit must be applied (and forgets it), else None."""
+        if self.up_to is None:
+            return None
+        if (
+            waited_on
+            or self.entries >= self.entries_max
+            or self.bytes >= self.bytes_max
+            or now_ms - self.since_ms >= self.delay_ms_max
+        ):
+            return self.take()
+        return None
+
+    def take(self) -> TxKey | None:
+        """Whatever is gathered, to apply now (None if nothing is)."""
+        key, self.up_to, self.entries, self.bytes = self.up_to, None, 0, 0
+        return key
+
+    def deadline_ms(self) -> int | None:
+        return None if self.up_to is None else self.since_ms + self.delay_ms_max

@@ -28,6 +28,7 @@ Example::
     push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
     push_delay_ms_max = 50              # a partial push waits this long after the previous one (0: never)
+    follower_apply_delay_ms_max = 100   # a following core applies commits together, within this (0: each at once)
     agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
     requests_queued_max = 10000         # incoming frames zmq queues
@@ -118,6 +119,11 @@ class Limits:
     # in it (core.agent's "Push delay"): a replicant costs a wake-up, a transaction and an
     # acknowledgement per push, not per commit; its lag grows by this much at most. 0: no wait.
     push_delay_ms_max: int = 50
+    # How long a core that follows a shard may hold what it heard is committed before applying it, so
+    # that several commits' rows are applied (and their pages written to the WAL) together
+    # (core.rules.FollowerApply). Reads that wait for a key, queries, changefeeds and watches make it
+    # apply at once; a read that waits for nothing may see the follower this much older. 0: at every commit.
+    follower_apply_delay_ms_max: int = 100
     # Bytes all agents of a node hold together (pushed, not acknowledged: in the outbox, in zmq's send
     # queues, on the wire). Past it the longest-silent agents are evicted, never an acknowledging
     # one (core.agent_budget): replicant streams cost the node this much memory at most.
@@ -211,6 +217,7 @@ _LIMIT_BOUNDS = {
     "push_bytes_max": (1024, 256 * 1024 * 1024),
     "window_bytes_max": (1024, 1024 * 1024 * 1024),
     "push_delay_ms_max": (0, 250),  # below the agents' heartbeat interval (500 ms)
+    "follower_apply_delay_ms_max": (0, 10_000),
     "agents_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),
     "requests_outstanding_max": (1, 1_000_000),
     "requests_queued_max": (1, 1_000_000),

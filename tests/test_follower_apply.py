@@ -1,0 +1,176 @@
+"""A follower gathers the commits it hears and applies them together (``core.rules.FollowerApply``).
+
+The pure rule first; then three real cores whose followers may hold commits for 3 s, so that what the
+rule promises is visible: the commits are held (the status says how many), a read that must see a
+key, a query and a waiting changefeed get them applied at once, a schema change is applied at once,
+and an idle follower applies what it holds when the delay ends, with no request to wake it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from mnesite.core.rules import FollowerApply
+from mnesite.rlog.types import TxKey
+
+from tests.conftest import Cluster, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+DELAY_MS = 3000
+
+
+# -- the rule -------------------------------------------------------------------------------
+
+
+def test_commits_are_gathered_until_the_delay_ends() -> None:
+    rule = FollowerApply(delay_ms_max=100)
+    assert rule.committed(TxKey(1, 1), 1, 50, gatherable=True, waited_on=False, now_ms=1000) is None
+    assert rule.committed(TxKey(1, 3), 2, 100, gatherable=True, waited_on=False, now_ms=1050) is None
+    assert (rule.up_to, rule.entries, rule.bytes) == (TxKey(1, 3), 3, 150)
+    assert rule.deadline_ms() == 1100  # from the first commit gathered, not the last
+    assert rule.due(1099, waited_on=False) is None
+    assert rule.due(1100, waited_on=False) == TxKey(1, 3)
+    assert (rule.up_to, rule.entries, rule.bytes, rule.deadline_ms()) == (None, 0, 0, None)
+    assert rule.due(5000, waited_on=True) is None  # nothing gathered, nothing to apply
+
+
+def test_a_waiting_reader_or_a_commit_that_cannot_wait_applies_everything_gathered() -> None:
+    rule = FollowerApply(delay_ms_max=100)
+    assert rule.committed(TxKey(1, 1), 1, 10, True, False, 0) is None
+    assert rule.due(1, waited_on=True) == TxKey(1, 1)
+    assert rule.committed(TxKey(1, 2), 1, 10, True, False, 0) is None
+    # A schema change (or a sequencer's commit): applied at once, with what was gathered before it.
+    assert rule.committed(TxKey(1, 3), 1, 10, gatherable=False, waited_on=False, now_ms=1) == TxKey(1, 3)
+    assert rule.committed(TxKey(1, 4), 1, 10, True, waited_on=True, now_ms=2) == TxKey(1, 4)
+    assert rule.take() is None
+
+
+def test_the_entry_and_byte_bounds_and_delay_0() -> None:
+    by_entries = FollowerApply(delay_ms_max=10_000, entries_max=4, bytes_max=10**9)
+    assert by_entries.committed(TxKey(1, 3), 3, 30, True, False, 0) is None
+    assert by_entries.committed(TxKey(1, 4), 1, 10, True, False, 0) == TxKey(1, 4)
+    by_bytes = FollowerApply(delay_ms_max=10_000, entries_max=10**6, bytes_max=100)
+    assert by_bytes.committed(TxKey(1, 1), 1, 99, True, False, 0) is None
+    assert by_bytes.committed(TxKey(1, 2), 1, 1, True, False, 0) == TxKey(1, 2)
+    never = FollowerApply(delay_ms_max=0)
+    assert never.committed(TxKey(1, 1), 1, 1, True, False, 0) == TxKey(1, 1)
+
+
+def test_an_older_commit_key_never_moves_the_gathered_key_back() -> None:
+    rule = FollowerApply(delay_ms_max=100)
+    rule.committed(TxKey(2, 5), 5, 5, True, False, 0)
+    rule.committed(TxKey(2, 4), 0, 0, True, False, 1)
+    assert rule.take() == TxKey(2, 5)
+
+
+# -- three real cores -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def gathering(cluster: Cluster) -> tuple[Cluster, str, str]:
+    """Three cores whose followers may hold commits for DELAY_MS; a table ``t``; (cluster, sequencer, follower)."""
+    cluster.extend_core_configs(f"[limits]\nfollower_apply_delay_ms_max = {DELAY_MS}\n")
+    cluster.start_all()
+    with cluster.client("core1", timeout_ms=5000, retries=20) as client:  # forwarded to the sequencer elected
+        client.create_table("t", "id", [("id", "INTEGER"), ("v", "TEXT")])
+    cluster.wait_converged(cluster.names, timeout_s=30)
+    wait_until(lambda: cluster.sequencer() is not None, 30, "a sequencer")
+    sequencer = cluster.sequencer()[0]
+    return cluster, sequencer, next(name for name in cluster.names if name != sequencer)
+
+
+def _shard_status(cluster: Cluster, name: str) -> dict:
+    status = cluster.status(name)
+    assert status is not None, f"{name} does not answer"
+    return status["shards"]["default"]
+
+
+def _write(cluster: Cluster, sequencer: str, ids: range) -> TxKey:
+    with cluster.client(sequencer, timeout_ms=5000) as client:
+        keys = [client.put("t", {"id": i, "v": f"row {i}"}) for i in ids]
+    return keys[-1]
+
+
+def _held(cluster: Cluster, follower: str, last: TxKey) -> dict:
+    """Wait until ``follower`` heard ``last`` committed; it must still hold it unapplied."""
+    wait_until(lambda: tuple(_shard_status(cluster, follower)["committed"]) >= last, 5, f"{follower} to hear {last}")
+    shard = _shard_status(cluster, follower)
+    assert tuple(shard["applied"]) < last, f"{follower} applied at once: {shard}"
+    assert shard["gathered_entries"] > 0
+    return shard
+
+
+def test_a_follower_holds_commits_and_a_read_that_must_see_a_key_applies_them_at_once(gathering) -> None:
+    cluster, sequencer, follower = gathering
+    last = _write(cluster, sequencer, range(20))
+    _held(cluster, follower, last)
+    began = time.monotonic()
+    with cluster.client(follower, timeout_ms=10_000) as client:
+        row = client.get("t", 19, after_tx_key=last)
+    elapsed = time.monotonic() - began
+    assert row == {"id": 19, "v": "row 19"}
+    assert elapsed < DELAY_MS / 1000 / 2, f"the read waited {elapsed:.2f} s: it did not make the follower apply"
+    shard = _shard_status(cluster, follower)
+    assert tuple(shard["applied"]) >= last and shard["gathered_entries"] == 0
+
+
+def test_a_query_at_a_follower_applies_what_it_holds(gathering) -> None:
+    cluster, sequencer, follower = gathering
+    last = _write(cluster, sequencer, range(100, 130))
+    _held(cluster, follower, last)
+    began = time.monotonic()
+    with cluster.client(follower, timeout_ms=10_000) as client:
+        rows = list(client.query("SELECT count(*), max(id) FROM t", after_tx_key=last))
+    assert rows == [(30, 129)]
+    assert time.monotonic() - began < DELAY_MS / 1000 / 2
+
+
+def test_a_changefeed_waiting_at_a_follower_gets_a_commit_at_once(gathering) -> None:
+    cluster, sequencer, follower = gathering
+    start = _write(cluster, sequencer, range(200, 201))
+    with cluster.client(follower, timeout_ms=10_000) as client:
+        client.get("t", 200, after_tx_key=start)  # applied up to start: the feed begins there
+    received: list[tuple[float, dict]] = []
+
+    def follow() -> None:
+        with cluster.client(follower, timeout_ms=10_000) as client:
+            for record in client.changes(["t"], after_tx_key=start, follow=True, wait_ms=5000):
+                received.append((time.monotonic(), record))
+                return
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    wait_until(lambda: cluster.status(follower) is not None, 5, "the follower")
+    time.sleep(0.3)  # the feed's request is held at the follower (no event tells a client that)
+    written = time.monotonic()
+    _write(cluster, sequencer, range(201, 202))
+    reader.join(timeout=10)
+    assert received, "no change arrived"
+    arrived, record = received[0]
+    assert record["row"] == {"id": 201, "v": "row 201"}
+    assert arrived - written < DELAY_MS / 1000 / 2, f"the change took {arrived - written:.2f} s"
+
+
+def test_a_schema_change_is_applied_at_once_and_an_idle_follower_applies_when_the_delay_ends(gathering) -> None:
+    cluster, sequencer, follower = gathering
+    last = _write(cluster, sequencer, range(300, 310))
+    _held(cluster, follower, last)
+    with cluster.client(sequencer, timeout_ms=5000) as client:
+        client.create_table("u", "id", [("id", "INTEGER")])
+
+    def has_u() -> bool:
+        with cluster.client(follower, timeout_ms=5000) as client:
+            return any(table["table"] == "u" for table in client.list_tables())
+
+    began = time.monotonic()
+    wait_until(has_u, DELAY_MS / 1000 / 2, f"{follower} to apply the create_table at once")
+    assert tuple(_shard_status(cluster, follower)["applied"]) >= last  # with the rows gathered before it
+    # Nothing asks the follower anything now but its status: it applies the next rows by the deadline.
+    last = _write(cluster, sequencer, range(310, 315))
+    _held(cluster, follower, last)
+    began = time.monotonic()
+    wait_until(lambda: tuple(_shard_status(cluster, follower)["applied"]) >= last, DELAY_MS / 1000 + 5, "the delay")
+    waited = time.monotonic() - began
+    assert waited < DELAY_MS / 1000 + 2, f"applied after {waited:.2f} s"
