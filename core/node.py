@@ -838,18 +838,11 @@ class CoreNode(NodeServer):
     def _gather_commit(self, driver: ShardDriver, up_to: TxKey) -> TxKey | None:
         """The key to apply up to now, or None while a follower gathers this commit with the next ones
         (``core.rules.FollowerApply``)."""
-        gathering = driver.apply
-        tail_keys = driver.tail.keys
+        gathering, tail_keys = driver.apply, driver.tail.keys
         since = bisect.bisect_right(tail_keys, gathering.up_to) if gathering.up_to is not None else 0
         new = driver.tail.entries[since : bisect.bisect_right(tail_keys, up_to, since)]
-        gatherable = (
-            gathering.delay_ms_max > 0
-            and driver.consensus.role is Role.FOLLOWER
-            and driver.shard not in self.not_serving
-            and all(ROW_OPS.issuperset(map(type, entry.ops)) for entry in new)
-        )
-        size = sum(len(entry.packed) for entry in new) if gatherable else 0
-        return gathering.committed(up_to, len(new), size, gatherable, self._applied_waited_on(driver), self.clock_ms())
+        following = driver.consensus.role is Role.FOLLOWER and driver.shard not in self.not_serving
+        return gathering.committed(up_to, new, following, self._applied_waited_on(driver), self.clock_ms())
 
     def _applied_waited_on(self, driver: ShardDriver) -> bool:
         """Whether anything here waits for this core's applied state of ``driver``'s shard: a client's

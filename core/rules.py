@@ -46,7 +46,7 @@ request lives here, as functions of what it knows, so that the deterministic sim
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -66,7 +66,7 @@ from mnesite.rlog.schema import (
     define_table,
     find_index,
 )
-from mnesite.rlog.types import AddColumnOp, CreateIndexOp, DropIndexOp, DropTableOp, Op, TxKey
+from mnesite.rlog.types import ROW_OPS, AddColumnOp, CreateIndexOp, DropIndexOp, DropTableOp, Entry, Op, TxKey
 
 SCHEMA_CHANGE_KINDS = WRITE_KINDS - {"transact"}
 
@@ -357,19 +357,21 @@ class FollowerApply:
         self.bytes = 0
 
     def committed(
-        self, up_to: TxKey, entries: int, size_bytes: int, gatherable: bool, waited_on: bool, now_ms: int
+        self, up_to: TxKey, entries: Sequence[Entry], following: bool, waited_on: bool, now_ms: int
     ) -> TxKey | None:
-        """A commit up to ``up_to`` of ``entries`` more entries (``size_bytes`` of packed ops).
-        ``gatherable``: this core follows the shard and the entries hold only rows; ``waited_on``:
-        something waits for this core's applied state."""
+        """A commit up to ``up_to`` of ``entries``, the entries it commits that were not committed
+        before. ``following``: this core follows the shard and serves it (not a sequencer, a
+        candidate, or a shard being installed from a snapshot); ``waited_on``: something waits for
+        this core's applied state. Only entries of rows may wait: a schema change, a membership or a
+        cluster version changes what the node itself does next."""
         if self.up_to is None:
             self.since_ms = now_ms
         if self.up_to is None or up_to > self.up_to:
             self.up_to = up_to
-        self.entries += entries
-        self.bytes += size_bytes
-        if not gatherable or self.delay_ms_max == 0:
+        if not following or self.delay_ms_max == 0 or not all(ROW_OPS.issuperset(map(type, e.ops)) for e in entries):
             return self.take()
+        self.entries += len(entries)
+        self.bytes += sum(len(entry.packed) for entry in entries)
         return self.due(now_ms, waited_on)
 
     def due(self, now_ms: int, waited_on: bool) -> TxKey | None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from mnesite.core.rules import FollowerApply
-from mnesite.rlog.types import TxKey
+from mnesite.rlog.types import DropTableOp, MembersOp, TxKey, WriteOp
 
 from tests.conftest import Cluster, wait_until
 
@@ -24,10 +25,15 @@ DELAY_MS = 3000
 # -- the rule -------------------------------------------------------------------------------
 
 
+def _rows(count: int, size: int = 10) -> list[SimpleNamespace]:
+    """``count`` committed entries of one written row each, ``size`` packed bytes each (what the rule reads)."""
+    return [SimpleNamespace(ops=(WriteOp("t", {"id": i}),), packed=b"x" * size) for i in range(count)]
+
+
 def test_commits_are_gathered_until_the_delay_ends() -> None:
     rule = FollowerApply(delay_ms_max=100)
-    assert rule.committed(TxKey(1, 1), 1, 50, gatherable=True, waited_on=False, now_ms=1000) is None
-    assert rule.committed(TxKey(1, 3), 2, 100, gatherable=True, waited_on=False, now_ms=1050) is None
+    assert rule.committed(TxKey(1, 1), _rows(1, 50), following=True, waited_on=False, now_ms=1000) is None
+    assert rule.committed(TxKey(1, 3), _rows(2, 50), following=True, waited_on=False, now_ms=1050) is None
     assert (rule.up_to, rule.entries, rule.bytes) == (TxKey(1, 3), 3, 150)
     assert rule.deadline_ms() == 1100  # from the first commit gathered, not the last
     assert rule.due(1099, waited_on=False) is None
@@ -36,32 +42,36 @@ def test_commits_are_gathered_until_the_delay_ends() -> None:
     assert rule.due(5000, waited_on=True) is None  # nothing gathered, nothing to apply
 
 
-def test_a_waiting_reader_or_a_commit_that_cannot_wait_applies_everything_gathered() -> None:
+def test_a_waiting_reader_a_sequencer_or_more_than_rows_applies_everything_gathered() -> None:
     rule = FollowerApply(delay_ms_max=100)
-    assert rule.committed(TxKey(1, 1), 1, 10, True, False, 0) is None
+    assert rule.committed(TxKey(1, 1), _rows(1), True, False, 0) is None
     assert rule.due(1, waited_on=True) == TxKey(1, 1)
-    assert rule.committed(TxKey(1, 2), 1, 10, True, False, 0) is None
-    # A schema change (or a sequencer's commit): applied at once, with what was gathered before it.
-    assert rule.committed(TxKey(1, 3), 1, 10, gatherable=False, waited_on=False, now_ms=1) == TxKey(1, 3)
-    assert rule.committed(TxKey(1, 4), 1, 10, True, waited_on=True, now_ms=2) == TxKey(1, 4)
-    assert rule.take() is None
+    assert rule.committed(TxKey(1, 2), _rows(1), True, False, 0) is None
+    schema_change = [SimpleNamespace(ops=(DropTableOp("t", "default"),), packed=b"x")]
+    assert rule.committed(TxKey(1, 3), schema_change, following=True, waited_on=False, now_ms=1) == TxKey(1, 3)
+    assert rule.committed(TxKey(1, 4), _rows(1), True, waited_on=True, now_ms=2) == TxKey(1, 4)
+    assert rule.committed(TxKey(1, 5), _rows(1), following=False, waited_on=False, now_ms=3) == TxKey(1, 5)
+    mixed = [SimpleNamespace(ops=(WriteOp("t", {"id": 1}), MembersOp(("a", "b"))), packed=b"x")]
+    assert rule.committed(TxKey(1, 6), mixed, True, False, 4) == TxKey(1, 6)
+    assert rule.committed(TxKey(1, 7), [], True, False, 5) is None  # a commit notice of nothing new waits too
+    assert rule.take() == TxKey(1, 7)
 
 
 def test_the_entry_and_byte_bounds_and_delay_0() -> None:
     by_entries = FollowerApply(delay_ms_max=10_000, entries_max=4, bytes_max=10**9)
-    assert by_entries.committed(TxKey(1, 3), 3, 30, True, False, 0) is None
-    assert by_entries.committed(TxKey(1, 4), 1, 10, True, False, 0) == TxKey(1, 4)
+    assert by_entries.committed(TxKey(1, 3), _rows(3), True, False, 0) is None
+    assert by_entries.committed(TxKey(1, 4), _rows(1), True, False, 0) == TxKey(1, 4)
     by_bytes = FollowerApply(delay_ms_max=10_000, entries_max=10**6, bytes_max=100)
-    assert by_bytes.committed(TxKey(1, 1), 1, 99, True, False, 0) is None
-    assert by_bytes.committed(TxKey(1, 2), 1, 1, True, False, 0) == TxKey(1, 2)
+    assert by_bytes.committed(TxKey(1, 1), _rows(1, 99), True, False, 0) is None
+    assert by_bytes.committed(TxKey(1, 2), _rows(1, 1), True, False, 0) == TxKey(1, 2)
     never = FollowerApply(delay_ms_max=0)
-    assert never.committed(TxKey(1, 1), 1, 1, True, False, 0) == TxKey(1, 1)
+    assert never.committed(TxKey(1, 1), _rows(1), True, False, 0) == TxKey(1, 1)
 
 
 def test_an_older_commit_key_never_moves_the_gathered_key_back() -> None:
     rule = FollowerApply(delay_ms_max=100)
-    rule.committed(TxKey(2, 5), 5, 5, True, False, 0)
-    rule.committed(TxKey(2, 4), 0, 0, True, False, 1)
+    rule.committed(TxKey(2, 5), _rows(5), True, False, 0)
+    rule.committed(TxKey(2, 4), [], True, False, 1)
     assert rule.take() == TxKey(2, 5)
 
 
