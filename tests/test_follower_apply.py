@@ -112,6 +112,7 @@ def _held(cluster: Cluster, follower: str, last: TxKey) -> dict:
     return shard
 
 
+@pytest.mark.slow
 def test_a_follower_holds_commits_and_a_read_that_must_see_a_key_applies_them_at_once(gathering) -> None:
     cluster, sequencer, follower = gathering
     last = _write(cluster, sequencer, range(20))
@@ -126,6 +127,7 @@ def test_a_follower_holds_commits_and_a_read_that_must_see_a_key_applies_them_at
     assert tuple(shard["applied"]) >= last and shard["gathered_entries"] == 0
 
 
+@pytest.mark.slow
 def test_a_query_at_a_follower_applies_what_it_holds(gathering) -> None:
     cluster, sequencer, follower = gathering
     last = _write(cluster, sequencer, range(100, 130))
@@ -137,6 +139,7 @@ def test_a_query_at_a_follower_applies_what_it_holds(gathering) -> None:
     assert time.monotonic() - began < DELAY_MS / 1000 / 2
 
 
+@pytest.mark.slow
 def test_a_changefeed_waiting_at_a_follower_gets_a_commit_at_once(gathering) -> None:
     cluster, sequencer, follower = gathering
     start = _write(cluster, sequencer, range(200, 201))
@@ -163,6 +166,7 @@ def test_a_changefeed_waiting_at_a_follower_gets_a_commit_at_once(gathering) -> 
     assert arrived - written < DELAY_MS / 1000 / 2, f"the change took {arrived - written:.2f} s"
 
 
+@pytest.mark.slow
 def test_a_schema_change_is_applied_at_once_and_an_idle_follower_applies_when_the_delay_ends(gathering) -> None:
     cluster, sequencer, follower = gathering
     last = _write(cluster, sequencer, range(300, 310))
