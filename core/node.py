@@ -176,9 +176,6 @@ READ_KINDS = frozenset(
 )
 QUERY_KINDS = frozenset({"query", "query_page", "query_close"})
 POLL_INTERVAL_MS_MAX = 50
-# Effects a follower's gathered commits may wait through (``FollowerApply``); any other one (a role
-# change, a truncation, a failed proposal, a snapshot's offer) is executed on the applied state.
-GATHER_THROUGH = frozenset((Commit, PersistEntries, PersistState, Send))
 FORWARD_TIMEOUT_MS = 5000
 FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
@@ -584,6 +581,9 @@ class CoreNode(NodeServer):
             for request_id, (envelope, _) in held:  # never proposed: nothing was logged
                 self.reply(envelope, messages.error(request_id, "disk_full", f"disk_full: {error}"))
         for shard, driver in list(self.shards.items()):
+            # What it gathered is forgotten as a restart forgets it: nothing is applied on a full disk
+            # now, and the rebuilt shard applies from its log what it learns is committed again.
+            driver.apply.take()
             self._step(driver, DiskFull(error))
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
             self.agent_server.stop_shard(shard)
@@ -684,7 +684,7 @@ class CoreNode(NodeServer):
         shard = driver.shard
         if type(effect) is ProposalCommitted:  # one per write, tested first
             return  # answered through the waiters when the Commit applied the entry
-        if driver.apply.up_to is not None and type(effect) not in GATHER_THROUGH:
+        if driver.apply.up_to is not None and type(effect) not in rules.GATHER_THROUGH:
             self._apply_gathered(driver)  # a role change, a truncation, an install: on the applied state
         if isinstance(effect, PersistState):
             self.begin()
@@ -838,11 +838,9 @@ class CoreNode(NodeServer):
     def _gather_commit(self, driver: ShardDriver, up_to: TxKey) -> TxKey | None:
         """The key to apply up to now, or None while a follower gathers this commit with the next ones
         (``core.rules.FollowerApply``)."""
-        gathering, tail_keys = driver.apply, driver.tail.keys
-        since = bisect.bisect_right(tail_keys, gathering.up_to) if gathering.up_to is not None else 0
-        new = driver.tail.entries[since : bisect.bisect_right(tail_keys, up_to, since)]
+        new = driver.apply.newly_committed(driver.tail.keys, driver.tail.entries, up_to)
         following = driver.consensus.role is Role.FOLLOWER and driver.shard not in self.not_serving
-        return gathering.committed(up_to, new, following, self._applied_waited_on(driver), self.clock_ms())
+        return driver.apply.committed(up_to, new, following, self._applied_waited_on(driver), self.clock_ms())
 
     def _applied_waited_on(self, driver: ShardDriver) -> bool:
         """Whether anything here waits for this core's applied state of ``driver``'s shard: a client's
@@ -927,6 +925,11 @@ class CoreNode(NodeServer):
         position = self.store.shard(shard)
         if driver is None or position is None or body.sender not in self.endpoints:
             return
+        if driver.apply.up_to is not None:
+            # The offer is judged against (and an install replaces) the applied state: what this core
+            # gathered first, so that nothing gathered is left to apply over the copied tables.
+            self._apply_gathered(driver)
+            position = self.store.shard(shard) or position
         offer = SnapshotOffer(body.sender, body.generation, body.key, body.digest, tuple(body.members))
         install = self.installs.get(shard)
         installing = install is not None and install.mode in (InstallMode.LISTING, InstallMode.COPYING)

@@ -46,11 +46,20 @@ request lives here, as functions of what it knows, so that the deterministic sim
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from mnesite.core.consensus import PersistEntries, ProposalRejected, Proposed, ProposedBatch
+from mnesite.core.consensus import (
+    Commit,
+    PersistEntries,
+    PersistState,
+    ProposalRejected,
+    Proposed,
+    ProposedBatch,
+    Send,
+)
 from mnesite.core.outcome import forward_target
 from mnesite.core.transaction import GuardFailed, Transaction, parse_transaction
 from mnesite.rlog.errors import RequestError
@@ -332,6 +341,9 @@ def ack_sender_allowed(authenticated: bool, watch_replicant: str | None, princip
 # the shard's in-memory tail (``core.guard_tail``) until applied.
 FOLLOWER_APPLY_ENTRIES_MAX = 4096
 FOLLOWER_APPLY_BYTES_MAX = 16 * 1024 * 1024
+# Effects a follower's gathered commits may wait through; before any other one (a role change, a
+# truncation, a failed proposal, a snapshot's offer) the driver applies what was gathered.
+GATHER_THROUGH = frozenset((Commit, PersistEntries, PersistState, Send))
 
 
 class FollowerApply:
@@ -373,6 +385,12 @@ class FollowerApply:
         self.entries += len(entries)
         self.bytes += sum(len(entry.packed) for entry in entries)
         return self.due(now_ms, waited_on)
+
+    def newly_committed(self, keys: Sequence[TxKey], entries: Sequence[Entry], up_to: TxKey) -> Sequence[Entry]:
+        """Of a shard's unapplied tail (its entries in key order, and their keys), those a commit up to
+        ``up_to`` adds to what is gathered already."""
+        since = bisect.bisect_right(keys, self.up_to) if self.up_to is not None else 0
+        return entries[since : bisect.bisect_right(keys, up_to, since)]
 
     def due(self, now_ms: int, waited_on: bool) -> TxKey | None:
         """The key to apply up to now, if a gathered commit must be applied (and forgets it), else None."""

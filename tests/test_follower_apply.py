@@ -16,6 +16,8 @@ from mnesite.core.rules import FollowerApply
 from mnesite.rlog.types import DropTableOp, MembersOp, TxKey, WriteOp
 
 from tests.conftest import Cluster, wait_until
+from tests.sim.cluster import GatheringSimulation, SimulationFailure
+from tests.sim.disk import GatheringDiskFullSimulation
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,6 +75,57 @@ def test_an_older_commit_key_never_moves_the_gathered_key_back() -> None:
     rule.committed(TxKey(2, 5), _rows(5), True, False, 0)
     rule.committed(TxKey(2, 4), [], True, False, 1)
     assert rule.take() == TxKey(2, 5)
+
+
+# -- the simulator: followers gathering under crashes, partitions, pauses and snapshots ------------
+
+GATHERING_SEEDS = range(0, 24)
+
+
+def _run_gathering(seed: int) -> GatheringSimulation:
+    simulation = GatheringSimulation(seed, 3 if seed % 2 == 0 else 5)
+    simulation.run()
+    return simulation
+
+
+@pytest.mark.timeout(120)
+def test_followers_gathering_commits_keep_every_invariant_of_the_simulator() -> None:
+    """Every check of the core simulation holds (acknowledged writes committed and applied where they
+    are acknowledged, committed prefixes agree, reads and failed guards answer committed prefixes),
+    with followers gathering commits, and the gathering is exercised: applies whose time came."""
+    assert sum(_run_gathering(seed).applies_gathered for seed in GATHERING_SEEDS) > 0
+
+
+@pytest.mark.timeout(120)
+def test_followers_gathering_commits_on_full_disks_keep_every_invariant() -> None:
+    gathered = failed_steps = 0
+    for seed in GATHERING_SEEDS:
+        simulation = GatheringDiskFullSimulation(seed, 3 if seed % 2 == 0 else 5)
+        simulation.run()
+        gathered += simulation.applies_gathered
+        failed_steps += simulation.failed_steps
+    assert gathered > 0 and failed_steps > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_simulator_catches_a_follower_that_never_applies_on_time(monkeypatch) -> None:
+    monkeypatch.setattr(FollowerApply, "due", lambda self, now_ms, waited_on: self.take() if waited_on else None)
+    with pytest.raises(SimulationFailure, match="past the delay"):
+        for seed in GATHERING_SEEDS:
+            _run_gathering(seed)
+
+
+@pytest.mark.timeout(120)
+def test_the_simulator_catches_a_sequencer_that_gathers(monkeypatch) -> None:
+    committed = FollowerApply.committed
+    monkeypatch.setattr(
+        FollowerApply,
+        "committed",
+        lambda self, up_to, entries, following, waited_on, now_ms: committed(self, up_to, entries, True, False, now_ms),
+    )
+    with pytest.raises(SimulationFailure, match="reported committed at .* but not committed there"):
+        for seed in GATHERING_SEEDS:
+            _run_gathering(seed)
 
 
 # -- three real cores -----------------------------------------------------------------------

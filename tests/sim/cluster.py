@@ -10,6 +10,13 @@ and the random source of every state machine. Time is a fake clock advanced in `
 * Storage: what a node persisted (``PersistState``, ``PersistEntries``, ``TruncateLog`` and the
   applied key from ``Commit``) lives in its ``SimNode``; a crash throws the state machine away and a
   restart rebuilds it from there. A crash may hit in the middle of a step's effects.
+* Applying: every core's Commit goes through production's ``core.rules.FollowerApply`` and
+  ``GATHER_THROUGH``. In ``GatheringSimulation`` (``follower_apply_delay_ms``: production's default)
+  a follower gathers the commits it hears and applies them together: once the delay ends, when a
+  commit carries more than rows, before any other effect of its machine, before a snapshot offer,
+  and at once while a client's write or a held guard waits on it; what it gathered is in memory (a
+  crash or a full disk forgets it; the restart applies again from the log). The other simulations
+  run with a delay of 0 (every commit applied at once), which their fixed-seed scenarios assume.
 * Pauses: a paused node neither ticks nor receives (its messages wait), then resumes with stale state.
 * Clients send writes to the node they believe is the sequencer; a follower forwards them once to
   the sequencer it knows and relays the answer, and every answer comes from production's
@@ -82,6 +89,7 @@ from mnesite.core.outcome import (
 from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.rlog import retention
+from mnesite.rlog.config import Limits
 from mnesite.rlog.errors import RequestError
 from mnesite.rlog.messages import typed_body
 from mnesite.rlog.schema import TableSchema, define_table
@@ -262,6 +270,9 @@ class SimNode:
     # ``ProposedBatch`` before its next event: production's ``core.rules.HeldWrites``, each with
     # where its answer goes. Lost in a crash, as production's are.
     held: rules.HeldWrites[str] = field(default_factory=rules.HeldWrites)
+    # Commits heard as a follower and not applied yet (production's ``core.rules.FollowerApply``;
+    # in memory, lost in a crash). Made by ``_start`` with the simulation's delay.
+    apply: rules.FollowerApply = field(default_factory=lambda: rules.FollowerApply(0))
 
 
 @dataclass
@@ -297,8 +308,13 @@ class _Faults:
 
 
 class Simulation:
+    # How long a follower may gather commits (production's [limits] follower_apply_delay_ms_max);
+    # 0: every commit applied at once (see the theory of operation).
+    follower_apply_delay_ms = 0
+
     def __init__(self, seed: int, core_count: int, faulty_ms: int = 3000, tick_ms: int = 10) -> None:
         self.seed = seed
+        self.applies_gathered = 0  # applies of gathered commits whose time came (FollowerApply.due)
         self.rng = random.Random(seed)
         self.core_count = core_count
         self.faulty_ms = faulty_ms
@@ -388,6 +404,7 @@ class Simulation:
         node.durable_key = node.log.last_key()
         node.persisting_key = None
         node.tail = GuardTail(CATALOG)
+        node.apply = rules.FollowerApply(self.follower_apply_delay_ms)  # a driver's own memory
         node.tail.add(tuple(node.log.entries_after(node.applied_key, len(node.log.entries))))
         node.machine = ShardConsensus(
             SHARD,
@@ -530,6 +547,8 @@ class Simulation:
     # ------------------------------------------------------------ effects (the driver)
 
     def _execute(self, node: SimNode, effect: Effect) -> None:
+        if node.apply.up_to is not None and type(effect) not in rules.GATHER_THROUGH | {ProposalCommitted}:
+            self._apply_gathered(node)  # production's driver: any other effect sees the applied state
         if isinstance(effect, Send):
             self._send(node.name, effect.to, effect.message)
         elif isinstance(effect, PersistEntries):
@@ -557,13 +576,11 @@ class Simulation:
             # Failed guards that observed the removed entries get no answer: their clients retry.
             node.tail.truncated(effect.after_key, CATALOG)
         elif isinstance(effect, Commit):
-            for client, outcome in node.waiters.committed(self._apply(node, effect.up_to)):
-                self._tell(node, outcome, client)
-            machine = node.machine
-            read_index = machine.read_index(self.now_ms) if machine is not None else None
-            for (request, row), verdict in node.tail.committed(effect.up_to, CATALOG, read_index):
-                if verdict == GUARD_ANSWER:
-                    self._record_read(node.name, request, row)
+            new = node.apply.newly_committed(node.tail.keys, node.tail.entries, effect.up_to)
+            following = node.machine is not None and node.machine.role is Role.FOLLOWER
+            up_to = node.apply.committed(effect.up_to, new, following, self._applied_waited_on(node), self.now_ms)
+            if up_to is not None:
+                self._apply_up_to(node, up_to)
         elif isinstance(effect, ProposalCommitted):
             # Production answers clients through the waiters (``_tell``); this effect is only checked.
             if effect.request_id is None:
@@ -586,6 +603,25 @@ class Simulation:
                 self._client_told(node, outcome)
         else:
             self.trace.append((self.now_ms, node.name, effect))
+
+    def _applied_waited_on(self, node: SimNode) -> bool:
+        """Production's ``_applied_waited_on``: a client's write or a held guard waits for the apply
+        (the simulator has no queries, changefeeds or reads that wait for a key at a core)."""
+        return bool(node.waiters) or node.tail.held_count() > 0
+
+    def _apply_gathered(self, node: SimNode) -> None:
+        up_to = node.apply.take()
+        if up_to is not None:
+            self._apply_up_to(node, up_to)
+
+    def _apply_up_to(self, node: SimNode, up_to: TxKey) -> None:
+        for client, outcome in node.waiters.committed(self._apply(node, up_to)):
+            self._tell(node, outcome, client)
+        machine = node.machine
+        read_index = machine.read_index(self.now_ms) if machine is not None else None
+        for (request, row), verdict in node.tail.committed(up_to, CATALOG, read_index):
+            if verdict == GUARD_ANSWER:
+                self._record_read(node.name, request, row)
 
     def _apply(self, node: SimNode, up_to: TxKey) -> list[Entry]:
         """Apply the committed entries up to ``up_to``; the entries applied."""
@@ -636,6 +672,7 @@ class Simulation:
         # Production's offer rule (core.snapshot): the follower takes an offer only from the
         # sequencer it knows, in its generation, beyond its applied key. The copy itself (the
         # driver's job there) is modelled as a consistent copy of the sequencer's applied state.
+        self._apply_gathered(follower)  # production's _on_snapshot_offer: the offer meets the applied state
         offer = SnapshotOffer(
             sequencer.name,
             sequencer.machine.generation,
@@ -816,8 +853,15 @@ class Simulation:
             raise self.fail(f"{node.name} lost or changed its applied entry {node.applied_key}")
         if node.applied_key != ZERO_KEY and self.committed_digest.get(node.applied_key) != node.applied_digest:
             raise self.fail(f"{node.name} applied {node.applied_key} outside the committed history")
-        if machine is not None and machine.committed_key != node.applied_key:
-            raise self.fail(f"{node.name} machine commit {machine.committed_key} != applied {node.applied_key}")
+        # Applied up to the commit key, or gathered exactly up to it (FollowerApply), never beyond.
+        reached = node.apply.up_to or node.applied_key
+        if machine is not None and machine.committed_key != reached:
+            applied, gathered = node.applied_key, node.apply.up_to
+            raise self.fail(
+                f"{node.name} machine commit {machine.committed_key} != applied {applied} (gathered {gathered})"
+            )
+        if node.apply.up_to is not None and node.apply.up_to <= node.applied_key:
+            raise self.fail(f"{node.name} gathered {node.apply.up_to}, already applied {node.applied_key}")
 
     # ------------------------------------------------------------ network
 
@@ -985,6 +1029,13 @@ class Simulation:
         for node in self.nodes.values():
             if self._is_up(node):
                 self._step(node, Ticked())
+                if node.machine is not None and node.apply.up_to is not None:  # production's _apply_due
+                    up_to = node.apply.due(self.now_ms, self._applied_waited_on(node))
+                    if up_to is not None:
+                        self.applies_gathered += 1
+                        self._apply_up_to(node, up_to)
+                    elif self.now_ms - node.apply.since_ms >= self.follower_apply_delay_ms:
+                        raise self.fail(f"{node.name} holds commits gathered at t={node.apply.since_ms} past the delay")
                 # Held failed guards whose tail is stuck: the driver tells them to retry.
                 node.tail.expired(self.now_ms)
 
@@ -1173,6 +1224,12 @@ class Simulation:
                 entry = node.log.entry_at(key)
                 if entry is not None and entry.request_id != request_id:
                     raise self.fail(f"{node.name} holds another entry than {request_id} at {key}")
+
+
+class GatheringSimulation(Simulation):
+    """The core simulation whose followers gather commits at production's default delay."""
+
+    follower_apply_delay_ms = Limits().follower_apply_delay_ms_max
 
 
 def run_seed(seed: int, core_count: int | None = None, faulty_ms: int = 3000) -> SimulationResult:

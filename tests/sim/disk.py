@@ -37,6 +37,7 @@ from mnesite.core.consensus import (
     Send,
     TruncateLog,
 )
+from mnesite.rlog.config import Limits
 from mnesite.rlog.disk import DiskFreed, DiskFull
 
 from tests.sim.cluster import SimNode, Simulation, SimulationResult
@@ -124,6 +125,7 @@ class DiskFullSimulation(Simulation):
         if old is None:
             return
         self.trace.append((self.now_ms, node.name, "a write found the disk full", old.role.value))
+        node.apply.take()  # production: the commits gathered are forgotten, as a restart forgets them
         for effect in old.step(DiskFull("simulated"), self.now_ms):
             if isinstance(effect, WRITING_EFFECTS):
                 raise self.fail(f"{node.name} wrote {effect} after DiskFull")
@@ -145,3 +147,10 @@ def run_disk_seed(seed: int, core_count: int | None = None, faulty_ms: int = 300
     simulation = DiskFullSimulation(seed, core_count, faulty_ms)
     simulation.result = simulation.run()
     return simulation
+
+
+class GatheringDiskFullSimulation(DiskFullSimulation):
+    """Full disks with followers gathering commits (``core.rules.FollowerApply`` at production's delay):
+    what a full core gathered is forgotten with its turn, as production's ``disk_filled`` forgets it."""
+
+    follower_apply_delay_ms = Limits().follower_apply_delay_ms_max
