@@ -18,6 +18,7 @@ from mnesite.rlog.types import DropTableOp, MembersOp, TxKey, WriteOp
 from tests.conftest import Cluster, wait_until
 from tests.sim.cluster import GatheringSimulation, SimulationFailure
 from tests.sim.disk import GatheringDiskFullSimulation
+from tests.sim.replicants import GatheringReplicantSimulation
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -105,6 +106,18 @@ def test_followers_gathering_commits_on_full_disks_keep_every_invariant() -> Non
         gathered += simulation.applies_gathered
         failed_steps += simulation.failed_steps
     assert gathered > 0 and failed_steps > 0
+
+
+@pytest.mark.timeout(120)
+def test_replicants_of_followers_gathering_commits_keep_every_invariant() -> None:
+    """The replicant simulation's checks (no gap, no duplicate, reads only of committed prefixes, tables
+    equal at the end) with cores whose followers gather: pushes carry what is committed, not yet applied."""
+    gathered = 0
+    for seed in GATHERING_SEEDS:
+        simulation = GatheringReplicantSimulation(seed, 3 if seed % 2 == 0 else 5, 2)
+        simulation.run()
+        gathered += simulation.applies_gathered
+    assert gathered > 0
 
 
 @pytest.mark.timeout(120)

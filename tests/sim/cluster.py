@@ -11,11 +11,12 @@ and the random source of every state machine. Time is a fake clock advanced in `
   applied key from ``Commit``) lives in its ``SimNode``; a crash throws the state machine away and a
   restart rebuilds it from there. A crash may hit in the middle of a step's effects.
 * Applying: every core's Commit goes through production's ``core.rules.FollowerApply`` and
-  ``GATHER_THROUGH``. In ``GatheringSimulation`` (``follower_apply_delay_ms``: production's default)
-  a follower gathers the commits it hears and applies them together: once the delay ends, when a
-  commit carries more than rows, before any other effect of its machine, before a snapshot offer,
-  and at once while a client's write or a held guard waits on it; what it gathered is in memory (a
-  crash or a full disk forgets it; the restart applies again from the log). The other simulations
+  ``GATHER_THROUGH``. In ``GatheringSimulation`` and its disk and replicant kin
+  (``follower_apply_delay_ms``: production's default) a follower gathers the commits it hears and
+  applies them together: once the delay ends, when a commit carries more than rows, before any other
+  effect of its machine, before a snapshot offer, and at once while a client's write or a held
+  guard waits on it; what it gathered is in memory (a crash or a full disk forgets it; the restart
+  applies again from the log). The other simulations
   run with a delay of 0 (every commit applied at once), which their fixed-seed scenarios assume.
 * Pauses: a paused node neither ticks nor receives (its messages wait), then resumes with stale state.
 * Clients send writes to the node they believe is the sequencer; a follower forwards them once to

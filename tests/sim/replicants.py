@@ -288,11 +288,13 @@ class ReplicantSimulation(Simulation):
             self.core_tables[follower_name] = copy.deepcopy(self.core_tables[sequencer.name])
 
     def _execute(self, node: SimNode, effect: Effect) -> None:
-        if not isinstance(effect, Commit):
-            super()._execute(node, effect)
-            return
-        before = node.applied_key
         super()._execute(node, effect)
+        if isinstance(effect, Commit):
+            self._tell_agents(node)  # production: agent_server.committed at every Commit, applied or gathered
+
+    def _apply_up_to(self, node: SimNode, up_to: TxKey) -> None:
+        before = node.applied_key
+        super()._apply_up_to(node, up_to)
         tables = self.core_tables[node.name]
         for entry in node.log.entries_after(before, len(node.log.entries)):
             if entry.tx_key > node.applied_key:
@@ -300,7 +302,6 @@ class ReplicantSimulation(Simulation):
             apply_ops(tables, entry)
             if not self.history or entry.tx_key > self.history[-1].tx_key:
                 self.history.append(entry)
-        self._tell_agents(node)
 
     def _hears_sequencer(self, node: SimNode) -> bool:
         machine = node.machine
@@ -315,8 +316,12 @@ class ReplicantSimulation(Simulation):
             self.agent_servers[node.name] = server
         return server
 
+    def _committed_key(self, node: SimNode) -> TxKey:
+        """What the core knows is committed: applied, or gathered to apply (``FollowerApply``)."""
+        return node.apply.up_to or node.applied_key
+
     def _tell_agents(self, node: SimNode) -> None:
-        self._server(node).committed(SHARD, node.applied_key, self._hears_sequencer(node), self.now_ms)
+        self._server(node).committed(SHARD, self._committed_key(node), self._hears_sequencer(node), self.now_ms)
         self._send_pushes(node)
 
     def _send_pushes(self, node: SimNode) -> None:
@@ -326,7 +331,7 @@ class ReplicantSimulation(Simulation):
             frame = messages.encode(message)
             push = messages.decode(frame, FRAME_BYTES_MAX)  # what the replicant will read, checked here too
             for entry in map(messages.decode_entry, push.body.entries):
-                if entry.tx_key > node.applied_key or self.committed_digest.get(entry.tx_key) != entry.digest:
+                if entry.tx_key > self._committed_key(node) or self.committed_digest.get(entry.tx_key) != entry.digest:
                     raise self.fail(f"agent {push.body.agent} on {node.name} pushed {entry.tx_key}, not committed")
             self._send_replication(node.name, endpoint.removeprefix("ipc://"), ("frame", frame))
         for agent_id, watch in server.watches.items():
@@ -396,6 +401,7 @@ class ReplicantSimulation(Simulation):
         self._send_replication(node.name, sender, ("reply", messages.encode(reply)))
 
     def _on_watch(self, node: SimNode, sender: str, request: messages.Message) -> messages.Message:
+        self._apply_gathered(node)  # production's _watch: K0 is the applied key, after what was gathered
         try:
             # Production's agent server and its watch rules (core.watch), not a copy of them.
             answer = self._server(node).watch(
@@ -872,6 +878,14 @@ class ReplicantSimulation(Simulation):
                 raise self.fail(f"{replicant.name} is at {replicant.applied_key}, the cores at {sequencer.applied_key}")
             if replicant.tables != expected:
                 raise self.fail(f"{replicant.name}'s tables differ from the cores' at {sequencer.applied_key}")
+
+
+class GatheringReplicantSimulation(ReplicantSimulation):
+    """Replicants watching cores whose followers gather commits (``core.rules.FollowerApply`` at
+    production's delay): agents are told of every commit, a watch takes K0 after applying what was
+    gathered, and a bootstrap's dirty reads come from the applied tables."""
+
+    follower_apply_delay_ms = Limits().follower_apply_delay_ms_max
 
 
 def run_replicant_seed(
