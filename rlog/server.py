@@ -824,8 +824,16 @@ class NodeServer:
         for table in self.store.index_build_step():
             log.info("indexes of table %s built", table)
 
-    def reply(self, envelope: list[bytes] | None, message: Message) -> None:
-        """Queue an answer to the ROUTER peer ``envelope`` (None: nobody to answer)."""
+    def reply(self, envelope: list[bytes] | None, message: Message, now: bool = False) -> None:
+        """Queue an answer to the ROUTER peer ``envelope`` (None: nobody to answer).
+
+        ``now``: send it at once, before the turn's commit, instead of behind it. Only for an answer
+        whose truth does not hang on this turn's writes: a write's acknowledgement (its entry is
+        committed, so durable on a majority of cores in earlier turns' commits, whatever becomes of
+        this turn's; ``core.outcome``). Nothing reads this node's applied state before the turn's
+        commit that could miss the write: the loop serves every later request after it, and a query
+        runner whose snapshot missed a key applied in an uncommitted turn waits again (``serve_queries``).
+        """
         if envelope is not None:
             if self.metrics is not None:
                 # A write that was not held is answered in the turn that received it.
@@ -838,7 +846,10 @@ class NodeServer:
                 held.discard(message.request_id)
                 if not held:
                     del self.outstanding[envelope[0]]
-            self._outbox.append((None, envelope, message))
+            if now:
+                self._send_queued(None, envelope, message)
+            else:
+                self._outbox.append((None, envelope, message))
 
     def refuse(self, envelope: list[bytes] | None, request_id: str, error: Exception) -> None:
         """Answer a refused request: an error with a ``code`` (``RequestError`` with its detail,
@@ -871,6 +882,40 @@ class NodeServer:
         except zmq.Again:
             self._dropped(message.kind, "the receiver's queue is full")
         except zmq.ZMQError as error:
+            self._dropped(message.kind, str(error))
+
+    def _send_queued(self, socket: zmq.Socket | None, envelope: list[bytes], message: Message) -> None:
+        """Send one frame of the outbox (``socket`` None: an answer through the ROUTER socket)."""
+        target = socket if socket is not None else self.socket
+        if target is None:
+            return
+        try:
+            frame = messages.encode(message)
+        except MessageError as error:
+            if socket is not None:
+                # A message of ours to a peer or replicant that our own typed layer refuses is a bug
+                # here: say so in the log, and never send the peer an ``error`` it did not ask for.
+                log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
+                return
+            frame = messages.encode(messages.error(message.request_id, "internal", f"reply not encodable: {error}"))
+        if socket is None and len(frame) > self.config.limits.frame_bytes_max:
+            # The client would drop a frame above its limit and report silence: say why instead.
+            frame = messages.encode(
+                messages.error(
+                    message.request_id,
+                    "too_large",
+                    f"the answer is {len(frame)} bytes, above frame_bytes_max "
+                    f"{self.config.limits.frame_bytes_max}; ask for fewer rows",
+                )
+            )
+        try:
+            # A large frame goes without a copy (send_frames): copying a 256 KiB push cost about a
+            # millisecond of the loop (fresh pages), and held each frame twice until zmq had sent it.
+            send_frames(target, [*envelope, frame])
+        except zmq.Again:
+            self._dropped(message.kind, "the receiver's queue is full")
+        except zmq.ZMQError as error:
+            # A socket closed meanwhile (its endpoint no longer used): every protocol here re-sends.
             self._dropped(message.kind, str(error))
 
     def _dropped(self, kind: str, why: str) -> None:
@@ -910,37 +955,7 @@ class NodeServer:
         self.before_send()
         outbox, self._outbox = self._outbox, []
         for socket, envelope, message in outbox:
-            target = socket if socket is not None else self.socket
-            if target is None:
-                continue
-            try:
-                frame = messages.encode(message)
-            except MessageError as error:
-                if socket is not None:
-                    # A message of ours to a peer or replicant that our own typed layer refuses is a bug
-                    # here: say so in the log, and never send the peer an ``error`` it did not ask for.
-                    log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
-                    continue
-                frame = messages.encode(messages.error(message.request_id, "internal", f"reply not encodable: {error}"))
-            if socket is None and len(frame) > self.config.limits.frame_bytes_max:
-                # The client would drop a frame above its limit and report silence: say why instead.
-                frame = messages.encode(
-                    messages.error(
-                        message.request_id,
-                        "too_large",
-                        f"the answer is {len(frame)} bytes, above frame_bytes_max "
-                        f"{self.config.limits.frame_bytes_max}; ask for fewer rows",
-                    )
-                )
-            try:
-                # A large frame goes without a copy (send_frames): copying a 256 KiB push cost about a
-                # millisecond of the loop (fresh pages), and held each frame twice until zmq had sent it.
-                send_frames(target, [*envelope, frame])
-            except zmq.Again:
-                self._dropped(message.kind, "the receiver's queue is full")
-            except zmq.ZMQError as error:
-                # A socket closed meanwhile (its endpoint no longer used): every protocol here re-sends.
-                self._dropped(message.kind, str(error))
+            self._send_queued(socket, envelope, message)
         if self.metrics is not None:
             self.refresh_metrics()
 

@@ -109,7 +109,8 @@ def test_mutated_valid_messages_decode_or_raise_codec_error(message, data):
         decoded = message_from_wire(wire)
     except MessageError:
         return
-    assert message_to_wire(decoded) == wire
+    # Compared as the bytes that travel: a tx key goes out as a tuple and may come in as a list.
+    assert msgpack.packb(message_to_wire(decoded)) == msgpack.packb(wire)
 
 
 @pytest.mark.timeout(60)
