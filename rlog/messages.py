@@ -58,9 +58,11 @@ _SCALARS = frozenset((type(None), bool, int, float, str, bytes))
 _SCALARS_LOOPED_MAX = 8
 
 
-def scalars_refusal(values: Any) -> str | None:
-    """None if every value is a SQLite scalar; else why not. Set-based: a row costs a few C loops."""
-    values = values if isinstance(values, (list, tuple)) else list(values)
+def scalars_refusal(values: list[Any] | tuple[Any, ...], width: int = 0) -> str | None:
+    """None if every value is a SQLite scalar, else why (set-based). ``width``: rows of that many values, by column."""
+    slices = (values[column::width] for column in range(width))  # a type set and a max a column (benchmarks/PROFILE.md)
+    if width and all((kinds := set(map(type, c))) <= _PLAIN or kinds == _INT and max(c) <= INTEGER_MAX for c in slices):
+        return None
     if len(values) <= _SCALARS_LOOPED_MAX:
         # A few values (a one-row entry): a Python loop costs less than the C loops' setups below.
         for value in values:
@@ -133,7 +135,7 @@ def _scalar_refusal(value: Any) -> str | None:  # scalars_refusal of one value, 
     return None if plain else scalars_refusal((value,))
 
 
-_PLAIN = frozenset((type(None), bool, str, bytes))  # scalars SQLite stores whatever their value
+_PLAIN, _INT = frozenset((type(None), bool, str, bytes)), frozenset((int,))  # SQLite stores these whatever their value
 Scalar = _Checked("Scalar", (), {"refusal": staticmethod(_scalar_refusal)})  # one SQLite value
 
 # -- the bodies: (field, type[, default]) per field ----------------------------------------------
@@ -419,7 +421,7 @@ def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
         row = dict(wire[0].row)
         if len(row) != len(wire[0].row) or list(row) != sorted(row):
             raise MessageError(UNSORTED)
-        names, values, ops = {wire[0].table, *row}, list(row.values()), (WriteOp(wire[0].table, row),)
+        names, values, ops, width = {wire[0].table, *row}, list(row.values()), (WriteOp(wire[0].table, row),), 0
     else:  # set-based: each per-row step is one C loop over the entry's rows
         kinds, rows, chain = set(map(type, wire)), None, itertools.chain.from_iterable
         writes = wire if kinds == {WriteRow} else [op for op in wire if type(op) is WriteRow]
@@ -435,6 +437,7 @@ def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
             raise MessageError("ops: members op: added and endpoint must be both set or both empty")
         names = {*(tables := {*map(_TABLE_OF, writes)}), *map(_TABLE_OF, deletes), *chain(column_lists)}
         values = [*flat[1::2], *map(_KEY_OF, deletes)]
+        width = len(first) if rows is None and not deletes else 0  # values laid out row by row, by ``first``
         if runs and rows is None and first and writes is wire and len(tables) == 1:  # values: the rows' only
             ops = (types.WriteRows(wire[0].table, tuple(first), list(zip(*[iter(values)] * len(first), strict=True))),)
         elif writes is wire or not writes:
@@ -447,7 +450,7 @@ def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
             raise MessageError(f"ops: name {name[:NAME_CHARS_MAX]!r} has characters that are not allowed")
         if len(_NAMES_CHECKED) < 4096:
             _NAMES_CHECKED.add(name)
-    if (refusal := scalars_refusal(values)) is not None:
+    if (refusal := scalars_refusal(values, width)) is not None:
         raise MessageError(f"ops: {refusal}")
     if _ENCODER.encode(wire) != packed:  # packing the decoded values again, at C speed
         raise MessageError("ops: entry ops are not in canonical form")

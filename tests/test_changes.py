@@ -171,6 +171,9 @@ def test_the_page_rule_against_a_store_moves_by_whole_entries_within_its_bounds(
             for i in range(10):  # one entry of ten ops: above the page's 3 records, it goes alone
                 tx.put("users", {"id": i, "name": "x" * 10})
         client.put("users", {"id": 99, "name": "y"})
+        # The acknowledgement may leave before its turn's commit (NodeServer.reply); a read is served in
+        # a later turn, after it, so the file read below holds the write.
+        assert client.get("users", 99) == {"id": 99, "name": "y"}
     # A connection of the test's own: the node's loop keeps its own.
     store = Store(node.node.store.path, readonly=True)
     reader = StoreFeedReader(store, read_batch)

@@ -366,6 +366,33 @@ def test_a_one_row_entry_is_refused_with_the_same_reason_as_a_long_one() -> None
     )
 
 
+_column_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.binary(max_size=3),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+)
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=500, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda width: st.tuples(st.just(width), st.lists(_column_values, max_size=24))))
+@example((1, [2**63]))
+@example((2, [1, "a", 2**63, "b", 3, "c"]))
+@example((2, [1, 1.5, 2, float("nan")]))
+@example((3, [None, b"x", True, None, b"y", [1]]))
+def test_the_column_wise_scalar_check_gives_the_general_rules_answer(case) -> None:
+    # decode_ops checks the values of rows that share their columns a column at a time: for any values,
+    # it must refuse exactly what scalars_refusal refuses, with the same reason.
+    width, values = case
+    values = values[: len(values) // width * width]
+    assert messages.scalars_refusal(values, width) == messages.scalars_refusal(values)
+
+
 def test_a_members_op_names_its_added_core_and_its_endpoint_together_or_neither() -> None:
     # A members op that adds a core carries where it listens; a half-set pair is refused in any entry.
     for added, endpoint in (("b", ""), ("", "tcp://127.0.0.1:9")):

@@ -293,6 +293,9 @@ def test_live_node_compares_equal_to_its_own_file(spark_session: Any, thread_nod
         client.create_table("kv", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
         for key in range(50):
             client.put("kv", {"k": key, "v": f"value {key}"})
+        # The file is read directly below; an acknowledgement may leave before its turn's commit
+        # (NodeServer.reply), a read is answered after it.
+        assert client.get("kv", 49) == {"k": 49, "v": "value 49"}
     data_directory = tmp_path / "data"
     assert os.path.exists(data_directory / "mnesite.db")
     report = compare([thread_node.endpoint, str(data_directory)], DRILL, session=spark_session)
@@ -334,6 +337,9 @@ def test_a_node_over_its_row_budget_is_drilled_into_not_misreported(spark_sessio
             with client.transaction() as tx:
                 for key in range(60):
                     tx.put("kv", {"k": key, "v": f"value {key}"})
+            # The file is read directly below; an acknowledgement may leave before its turn's commit
+            # (NodeServer.reply), a read is answered after it.
+            assert client.get("kv", 59) == {"k": 59, "v": "value 59"}
         options = CompareOptions(ranges_initial=1, fanout=4, leaf_rows_max=16)
         report = compare([node.endpoint, str(tmp_path / "data")], options, session=spark_session)
         assert report.exit_status == EXIT_EQUAL, report.to_json()
