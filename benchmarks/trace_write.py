@@ -93,8 +93,8 @@ def hops(sequencer: Trace, followers: list[Trace]) -> dict[str, list[float]]:
         note("sequencer: first ack received", ack, 1, t0)
         note("sequencer: entry applied", applied, 2, t0)
         note("sequencer: apply committed", apply_commit, 2, t0)
-        # The reply leaves as soon as its entry is applied, before the apply's commit (NodeServer.reply).
-        note("sequencer: reply sent", sequencer.first(applied[2], t1, "send_frames"), 1, t0)
+        # The reply leaves as its entry commits, before the apply and its commit (NodeServer.reply).
+        note("sequencer: reply sent", sequencer.first(ack[1], t1, "send_frames"), 1, t0)
         found.setdefault("sequencer: next write received", []).append((t1 - t0) / 1000)
     return found
 

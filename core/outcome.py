@@ -10,9 +10,10 @@ idempotent (an id found in the rlog is answered with its tx key once committed).
 
 ``CommitWaiters`` (at the sequencer; one per shard) maps the log's fate to answers:
 
-1. A waiter for tx key K is acknowledged when K is applied and the entry applied at K carries the
-   waiter's request id. Another entry at K (not possible under the consensus rules, but checked)
-   gives ``outcome_unknown``.
+1. A waiter for tx key K is acknowledged when K commits and the entry committed at K carries the
+   waiter's request id (the driver tells it as the commit is stepped, just before applying it in
+   the same step; the simulator as it applies). Another entry at K (not possible under the
+   consensus rules, but checked) gives ``outcome_unknown``.
 2. A truncation of the uncommitted tail after A gives ``outcome_unknown`` to every waiter above A
    (a new sequencer replaced those entries; the write may still have reached its log).
 3. A proposal the consensus machine gives up on (``ProposalFailed``) gives ``outcome_unknown``.
@@ -90,7 +91,7 @@ class CommitWaiters(Generic[Payload]):
         self._count += 1
 
     def committed(self, applied: Iterable[Entry]) -> list[tuple[Payload, Outcome]]:
-        """Rule 1: the entries just applied, in order."""
+        """Rule 1: the entries just committed (or applied), in order."""
         answers: list[tuple[Payload, Outcome]] = []
         if not self._waiting:
             return answers  # a follower's: nobody waits there, and it applies one entry per write
