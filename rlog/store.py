@@ -175,6 +175,16 @@ def rlog_row(entry: Entry, appended_ms: int) -> tuple[Any, ...]:
     )
 
 
+def free_bytes(directory: str) -> int | None:
+    """Bytes this process may still write on ``directory``'s file system (root may use the blocks
+    reserved for it, others not); None when the file system does not say."""
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return None
+    return (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) * stat.f_frsize
+
+
 def storage_fault(error: BaseException) -> StorageFault | None:
     """What a write's exception says about the disk (``rlog.disk``): FULL, FAILED or None (not the disk)."""
     if isinstance(error, StorageFailedError):
@@ -404,9 +414,18 @@ class Store:
             self.connection.execute("ROLLBACK")
 
     def probe_space(self) -> None:
-        """Write ``PROBE_BYTES`` durably and remove them: raises what a full disk raises (``rlog.disk``)."""
+        """Write ``PROBE_BYTES`` durably and remove them: raises what a full disk raises (``rlog.disk``).
+
+        The file system must first report ``PROBE_BYTES`` free: SQLite writes a WAL that a checkpoint
+        emptied over its old frames, so a probe could succeed on a file system with no byte free, and
+        the node resume only to fill again at once (seen with a replicant under load: it left NORMAL to
+        resynchronise and refused reads while it did)."""
         if self.connection.in_transaction:
             raise StoreError("probe_space needs no open transaction")
+        free = free_bytes(os.path.dirname(os.path.abspath(self.path)))
+        if free is not None and free < PROBE_BYTES:
+            message = f"{free} bytes free where {self.path} lives, fewer than a probe's {PROBE_BYTES}: still full"
+            raise OSError(errno.ENOSPC, message)
         with self.write_transaction():
             self.connection.execute(
                 "INSERT OR REPLACE INTO _mnesite_meta(name, value) VALUES ('disk_probe', zeroblob(?))",

@@ -83,6 +83,33 @@ def test_sqlite_full_from_a_real_database_is_a_full_disk_and_rolls_back(tmp_path
         store.close()
 
 
+def test_a_probe_finds_the_disk_full_while_the_file_system_has_no_room_for_it(tmp_path: Path, monkeypatch) -> None:
+    """SQLite can commit over a WAL a checkpoint emptied with no byte free on the file system: the probe
+    asks the file system first, so a node does not resume to fill again at once."""
+    import os
+    from types import SimpleNamespace
+
+    from mnesite.rlog.disk import PROBE_BYTES
+
+    store = Store(str(tmp_path / "db"), synchronous="NORMAL")
+    real_statvfs = os.statvfs
+    try:
+        for free_blocks, full in ((PROBE_BYTES // 4096 - 1, True), (PROBE_BYTES // 4096, False)):
+            fake = SimpleNamespace(f_bfree=free_blocks, f_bavail=free_blocks, f_frsize=4096)
+            monkeypatch.setattr(os, "statvfs", lambda path, fake=fake: fake)
+            if full:
+                with pytest.raises(OSError) as raised:
+                    store.probe_space()
+                assert storage_fault(raised.value) is StorageFault.FULL and "still full" in str(raised.value)
+            else:
+                store.probe_space()
+            assert store.meta("disk_probe", None) is None
+        monkeypatch.setattr(os, "statvfs", real_statvfs)
+        store.probe_space()  # this machine's own file system
+    finally:
+        store.close()
+
+
 def test_a_full_disk_while_applying_is_the_disks_error_not_the_entrys(tmp_path: Path) -> None:
     """Or the node would stop saying a committed entry "cannot be applied on this node"."""
     from mnesite.rlog.store import EntryApplyError

@@ -209,7 +209,12 @@ def test_a_replicant_whose_disk_fills_stops_applying_serves_reads_and_resumes(mo
     core_applied = shard_status(cluster, cluster.names[0])["applied"]
     assert core_applied > held["applied"]
     with cluster.client("replicant1") as client:
-        assert client.count("kv") == len(rows(cluster, "replicant1")), "local reads of what it holds"
+        try:
+            count = client.count("kv")
+        except MnesiteError as error:  # say why it stopped serving: its disk record and its log's tail
+            log_tail = cluster.nodes["replicant1"].log_path.read_text().splitlines()[-15:]
+            raise AssertionError(f"{error}; disk {disk(cluster, 'replicant1')}; log tail {log_tail}") from error
+        assert count == len(rows(cluster, "replicant1")), "local reads of what it holds"
     free_and_wait(cluster, "replicant1", filler)
     acknowledged = load.stop()
     applied, digest = wait_replicant_caught_up(cluster, ["replicant1"])
