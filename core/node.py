@@ -24,8 +24,9 @@ Each turn of the loop:
    (``Send.before_persisted``), so that the followers' fsyncs overlap ours; after the commit
    ``Persisted`` lets each sequencer count its own entries (Raft thesis 10.2.1), and what that
    commits is applied in one more, fsync-less, commit before the queued frames are sent. And a
-   write's acknowledgement, as soon as its entry is applied: the entry is committed, durable on a
-   majority through earlier commits, so the turn's own commit cannot make the answer false.
+   write's acknowledgement, as its entry commits (just before the apply of the same step): the
+   entry is durable on a majority through earlier commits, so the turn's own commit cannot make
+   the answer false.
 
 If the SQLite commit fails the state machines already believe the effects were durable, so the
 only safe continuation rebuilds them from disk. For a full disk (``rlog.disk``) that happens in
@@ -685,7 +686,7 @@ class CoreNode(NodeServer):
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
         shard = driver.shard
         if type(effect) is ProposalCommitted:  # one per write, tested first
-            return  # answered through the waiters when the Commit applied the entry
+            return  # answered through the waiters when the Commit effect is executed
         if driver.apply.up_to is not None and type(effect) not in rules.GATHER_THROUGH:
             self._apply_gathered(driver)  # a role change, a truncation, an install: on the applied state
         if isinstance(effect, PersistState):
