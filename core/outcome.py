@@ -11,8 +11,8 @@ idempotent (an id found in the rlog is answered with its tx key once committed).
 ``CommitWaiters`` (at the sequencer; one per shard) maps the log's fate to answers:
 
 1. A waiter for tx key K is acknowledged when K commits and the entry committed at K carries the
-   waiter's request id (the driver tells it as the commit is stepped, just before applying it in
-   the same step; the simulator as it applies). Another entry at K (not possible under the
+   waiter's request id (driver and simulator tell it as the commit is stepped, just before
+   applying it in the same step: ``core.rules.commit_heard``). Another entry at K (not possible under the
    consensus rules, but checked) gives ``outcome_unknown``.
 2. A truncation of the uncommitted tail after A gives ``outcome_unknown`` to every waiter above A
    (a new sequencer replaced those entries; the write may still have reached its log).

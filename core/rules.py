@@ -42,12 +42,17 @@ request lives here, as functions of what it knows, so that the deterministic sim
   A commit rewrites the data pages it changes in the WAL: the 64 clients' key ranges of a benchmark
   dirty about 34 pages a commit, and gathering eight commits writes most hot pages once instead of
   eight times (``benchmarks/PROFILE.md``, tenth session).
+* ``commit_heard``: what a Commit effect does, in order. The writes waiting for the entries it
+  commits are told first (``core.outcome.CommitWaiters``, rule 1): those entries are durable on a
+  majority through earlier turns' commits, so the answer cannot be undone by whatever becomes of
+  this turn; then ``FollowerApply`` decides whether to apply now, asked after the telling, so that a
+  write already told no longer counts as waiting for this core's applied state.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -60,7 +65,7 @@ from mnesite.core.consensus import (
     ProposedBatch,
     Send,
 )
-from mnesite.core.outcome import forward_target
+from mnesite.core.outcome import CommitWaiters, Outcome, forward_target
 from mnesite.core.transaction import GuardFailed, Transaction, parse_transaction
 from mnesite.rlog.errors import RequestError
 from mnesite.rlog.roles import WRITE_KINDS
@@ -189,6 +194,7 @@ def route_write(view: ShardView, me: str, forwarded: bool, earlier_key: TxKey | 
 
 
 T = TypeVar("T")
+P = TypeVar("P")  # where an outcome goes (the driver: a reply envelope; the simulator: a client)
 
 
 def holds_write(transaction: Transaction | None) -> bool:
@@ -412,3 +418,22 @@ class FollowerApply:
 
     def deadline_ms(self) -> int | None:
         return None if self.up_to is None else self.since_ms + self.delay_ms_max
+
+
+def commit_heard(
+    apply: FollowerApply,
+    waiters: CommitWaiters[P],
+    tail_keys: Sequence[TxKey],
+    tail_entries: Sequence[Entry],
+    up_to: TxKey,
+    following: bool,
+    waited_on: Callable[[], bool],
+    now_ms: int,
+) -> tuple[Sequence[Entry], list[tuple[P, Outcome]], TxKey | None]:
+    """A Commit effect up to ``up_to`` (see the module's theory of operation), the driver's and the
+    simulator's alike: (the entries of the unapplied tail it newly commits, the outcomes to tell now,
+    the key to apply up to now or None while a follower gathers). ``waited_on`` is asked after the
+    telling. Entries not in the tail (read back from the log) are told when applied."""
+    new = apply.newly_committed(tail_keys, tail_entries, up_to)
+    told = waiters.committed(new) if waiters else []
+    return new, told, apply.committed(up_to, new, following, waited_on(), now_ms)

@@ -488,3 +488,21 @@ def test_the_simulator_catches_a_resent_request_proposed_again(monkeypatch):
     for seed in RESEND_SEEDS:
         with pytest.raises(SimulationFailure, match=r"request w\d+ committed at .* and again at"):
             run_seed(seed)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_writes_told_before_their_entries_commit(monkeypatch):
+    """core.rules.commit_heard tells the writes whose entries a Commit effect commits, and only those;
+    one that also told the writes further down the unapplied tail (persisted here, not committed)
+    acknowledges what a new sequencer may still replace. The simulator runs the same rule as the
+    driver and checks every acknowledgement against the committed history when it is told."""
+    commit_heard = rules.commit_heard
+
+    def told_early(apply, waiters, keys, entries, up_to, following, waited_on, now_ms):
+        new, told, apply_up_to = commit_heard(apply, waiters, keys, entries, up_to, following, waited_on, now_ms)
+        return new, told + waiters.committed(entries), apply_up_to
+
+    monkeypatch.setattr(rules, "commit_heard", told_early)
+    with pytest.raises(SimulationFailure, match=r"acknowledged at .* but not committed there"):
+        for seed in range(40):
+            run_seed(seed)

@@ -30,10 +30,11 @@ and the random source of every state machine. Time is a fake clock advanced in `
   whose guard is evaluated against the applied state plus ``core.guard_tail.GuardTail``, the
   production rule for when a failed guard may be told.
 * History check (``_record_read``). The simulator knows the committed log (entries in the order
-  they were first applied anywhere). Every answered read and failed guard must return the row
-  after some committed prefix that includes every write acknowledged before the request began and
-  every prefix a linearizable read of that key answered before it began, and that had committed
-  when the answer was given. Local reads only need some committed prefix.
+  they were first committed anywhere, as each Commit effect is executed). Every answered read and
+  failed guard must return the row after some committed prefix that includes every write
+  acknowledged before the request began and every prefix a linearizable read of that key answered
+  before it began, and that had committed when the answer was given. Local reads only need some
+  committed prefix.
 
 Checks run after every step (see ``_check_node``) and at the end, after healing everything and
 running until the cluster is quiet. A violation raises ``SimulationFailure`` naming the seed and the
@@ -520,7 +521,8 @@ class Simulation:
         """A write's outcome leaves ``node``: an acknowledgement must name where it committed. It
         reaches the client directly, or through the core that forwarded the write (``relay``)."""
         committed_here = isinstance(outcome, Acknowledged) and (
-            outcome.tx_key <= node.applied_key and self.committed_request_id.get(outcome.tx_key) == outcome.request_id
+            outcome.tx_key <= self._commit_point(node)
+            and self.committed_request_id.get(outcome.tx_key) == outcome.request_id
         )
         if isinstance(outcome, Acknowledged) and not committed_here:
             raise self.fail(f"{outcome.request_id} acknowledged at {outcome.tx_key} but not committed there")
@@ -529,6 +531,12 @@ class Simulation:
             self._enqueue_client(client, relay)
             return
         self._client_told(node, outcome)
+
+    @staticmethod
+    def _commit_point(node: SimNode) -> TxKey:
+        """How far ``node`` knows its log committed: its machine's commit point, or what it applied."""
+        machine = node.machine
+        return node.applied_key if machine is None else max(node.applied_key, machine.committed_key)
 
     def _client_told(self, node: SimNode, outcome: Outcome | None) -> None:
         if isinstance(outcome, Acknowledged):
@@ -577,9 +585,24 @@ class Simulation:
             # Failed guards that observed the removed entries get no answer: their clients retry.
             node.tail.truncated(effect.after_key, CATALOG)
         elif isinstance(effect, Commit):
-            new = node.apply.newly_committed(node.tail.keys, node.tail.entries, effect.up_to)
+            # Production's order (core.rules.commit_heard): the writes whose entries commit are told
+            # first, then the apply, now or gathered. The history learns the entries as they commit,
+            # so that each acknowledgement is checked against it when told.
             following = node.machine is not None and node.machine.role is Role.FOLLOWER
-            up_to = node.apply.committed(effect.up_to, new, following, self._applied_waited_on(node), self.now_ms)
+            new, told, up_to = rules.commit_heard(
+                node.apply,
+                node.waiters,
+                node.tail.keys,
+                node.tail.entries,
+                effect.up_to,
+                following,
+                lambda: self._applied_waited_on(node),
+                self.now_ms,
+            )
+            for entry in new:
+                self._record_committed(node, entry)
+            for client, outcome in told:
+                self._tell(node, outcome, client)
             if up_to is not None:
                 self._apply_up_to(node, up_to)
         elif isinstance(effect, ProposalCommitted):
@@ -624,6 +647,24 @@ class Simulation:
             if verdict == GUARD_ANSWER:
                 self._record_read(node.name, request, row)
 
+    def _record_committed(self, node: SimNode, entry: Entry) -> None:
+        """``node`` commits ``entry``: the committed history learns it (the first time any node commits
+        its key) or checks it is the same entry."""
+        known = self.committed_digest.get(entry.tx_key)
+        if known is None:
+            if entry.prev != self.committed_last_key:
+                raise self.fail(
+                    f"{node.name} commits {entry.tx_key} after {entry.prev}, "
+                    f"but the committed history ends at {self.committed_last_key}"
+                )
+            self.committed_digest[entry.tx_key] = entry.digest
+            self.committed_request_id[entry.tx_key] = entry.request_id
+            self._check_once(entry)
+            self.committed_last_key = entry.tx_key
+            self._remember_committed(entry)
+        elif known != entry.digest:
+            raise self.fail(f"{node.name} commits a different entry at {entry.tx_key}")
+
     def _apply(self, node: SimNode, up_to: TxKey) -> list[Entry]:
         """Apply the committed entries up to ``up_to``; the entries applied."""
         applied: list[Entry] = []
@@ -634,20 +675,7 @@ class Simulation:
                 break
             if entry.prev != node.applied_key:
                 raise self.fail(f"{node.name} applies {entry.tx_key} after {entry.prev} but applied {node.applied_key}")
-            known = self.committed_digest.get(entry.tx_key)
-            if known is None:
-                if entry.prev != self.committed_last_key:
-                    raise self.fail(
-                        f"{node.name} commits {entry.tx_key} after {entry.prev}, "
-                        f"but the committed history ends at {self.committed_last_key}"
-                    )
-                self.committed_digest[entry.tx_key] = entry.digest
-                self.committed_request_id[entry.tx_key] = entry.request_id
-                self._check_once(entry)
-                self.committed_last_key = entry.tx_key
-                self._remember_committed(entry)
-            elif known != entry.digest:
-                raise self.fail(f"{node.name} commits a different entry at {entry.tx_key}")
+            self._record_committed(node, entry)  # entries not in the tail at their commit (read back from the log)
             node.applied_key, node.applied_digest = entry.tx_key, entry.digest
             applied.append(entry)
         if node.applied_key != up_to:
