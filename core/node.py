@@ -854,8 +854,9 @@ class CoreNode(NodeServer):
     def _applied_waited_on(self, driver: ShardDriver) -> bool:
         """Whether anything here waits for this core's applied state of ``driver``'s shard: a client's
         write or a held guard, a query (rlog.query) or a changefeed request (rlog.changes)."""
-        waiting = driver.waiters or driver.tail.held_count() > 0
-        return bool(waiting or self.waiting_queries or self.waiting_changes)
+        return rules.applied_waited_on(
+            len(driver.waiters), driver.tail.held_count(), len(self.waiting_queries), len(self.waiting_changes)
+        )
 
     def _apply_gathered(self, driver: ShardDriver) -> None:
         """Apply now whatever commits ``driver``'s shard gathered (a reader waits, or the state must be current)."""

@@ -47,6 +47,8 @@ request lives here, as functions of what it knows, so that the deterministic sim
   majority through earlier turns' commits, so the answer cannot be undone by whatever becomes of
   this turn; then ``FollowerApply`` decides whether to apply now, asked after the telling, so that a
   write already told no longer counts as waiting for this core's applied state.
+* ``applied_waited_on``: what counts as waiting for a core's applied state (the ``waited_on`` of
+  ``FollowerApply``): a client's write, a held guard, a query or a changefeed request.
 """
 
 from __future__ import annotations
@@ -437,3 +439,10 @@ def commit_heard(
     new = apply.newly_committed(tail_keys, tail_entries, up_to)
     told = waiters.committed(new) if waiters else []
     return new, told, apply.committed(up_to, new, following, waited_on(), now_ms)
+
+
+def applied_waited_on(waiters: int, held_guards: int, queries: int, changes: int) -> bool:
+    """Whether anything waits for a core's applied state of a shard (the driver's and the simulator's,
+    which has no queries or changefeeds): the counts of writes waiting for their commit, of failed
+    guards held until they can be told, of waiting queries and of held changefeed requests."""
+    return bool(waiters or held_guards or queries or changes)

@@ -629,9 +629,9 @@ class Simulation:
             self.trace.append((self.now_ms, node.name, effect))
 
     def _applied_waited_on(self, node: SimNode) -> bool:
-        """Production's ``_applied_waited_on``: a client's write or a held guard waits for the apply
-        (the simulator has no queries, changefeeds or reads that wait for a key at a core)."""
-        return bool(node.waiters) or node.tail.held_count() > 0
+        """Production's rule (``core.rules.applied_waited_on``): a client's write or a held guard waits
+        for the apply (the simulator has no queries, changefeeds or reads that wait for a key at a core)."""
+        return rules.applied_waited_on(len(node.waiters), node.tail.held_count(), 0, 0)
 
     def _apply_gathered(self, node: SimNode) -> None:
         up_to = node.apply.take()
