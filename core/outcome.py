@@ -90,12 +90,12 @@ class CommitWaiters(Generic[Payload]):
         self._waiting.setdefault(tx_key, []).append((payload, request_id, duplicate))
         self._count += 1
 
-    def committed(self, applied: Iterable[Entry]) -> list[tuple[Payload, Outcome]]:
-        """Rule 1: the entries just committed (or applied), in order."""
+    def committed(self, entries: Iterable[Entry]) -> list[tuple[Payload, Outcome]]:
+        """Rule 1: the entries just committed (or, read back from the log, applied), in order."""
         answers: list[tuple[Payload, Outcome]] = []
         if not self._waiting:
-            return answers  # a follower's: nobody waits there, and it applies one entry per write
-        for entry in applied:
+            return answers  # a follower's, usually: nobody waits there, and it hears commits all the time
+        for entry in entries:
             for payload, request_id, duplicate in self._pop(entry.tx_key):
                 if entry.request_id == request_id:
                     answers.append((payload, Acknowledged(request_id, entry.tx_key, duplicate)))

@@ -437,7 +437,7 @@ def commit_heard(
     the key to apply up to now or None while a follower gathers). ``waited_on`` is asked after the
     telling. Entries not in the tail (read back from the log) are told when applied."""
     new = apply.newly_committed(tail_keys, tail_entries, up_to)
-    told = waiters.committed(new) if waiters else []
+    told = waiters.committed(new)  # nothing to do where nobody waits (a follower's)
     return new, told, apply.committed(up_to, new, following, waited_on(), now_ms)
 
 
