@@ -21,10 +21,11 @@ Phases (each starts three fresh core processes on 127.0.0.1, ``synchronous = "NO
 * ``bootstrap``: retention of 50 entries forces a dirty-read bootstrap of the ``--rows`` rows; the
   baseline is a raw apsw copy of the same rows (read from a core's database file in key order,
   inserted into a new WAL database in one transaction), measured in the same run.
-* ``apply``: the replicant's apply path without sockets (``replicant_apply_rate``: push frames
+* ``apply``: the replicant's apply path without sockets (``ReplicantApply``: push frames
   decoded and checked by the typed layer, the real ``ShardReplica``, the store's set-based apply,
   one transaction per push of ``--push-entries`` entries) against raw apsw's batched upsert of the
-  same rows (one ``executemany`` and one transaction per push), interleaved, ``--repeat`` rounds.
+  same rows (one ``executemany`` and one transaction per push), alternated push by push and each
+  timed alone (``apply_round``), ``--repeat`` rounds.
 * ``many``: the clients' write latency (``--writers`` clients, one row per transaction, p50/p99)
   with no replicant, then with ``--replicants`` replicants attached and normal, then with none
   again (they are killed); the ratio is against the mean of the two rounds without. Also the CPU
@@ -377,8 +378,8 @@ def phase_failover(cluster: Cluster, args: argparse.Namespace, report: dict) -> 
     }
 
 
-def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> tuple[float, int]:
-    """The replicant's apply path without sockets: (seconds, entries).
+class ReplicantApply:
+    """The replicant's apply path without sockets, one push at a time (``apply_phase`` times each).
 
     What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
     decode the frame (``messages.decode``: the wire schema's checks, then ``push_received``'s
@@ -386,79 +387,87 @@ def replicant_apply_rate(directory: Path, rows: int, rows_per_transaction: int, 
     execute its ``ApplyEntries`` on a real ``Store`` the way ``replicant.node`` does, with the cyclic
     collector paused as the driver pauses it, one SQLite transaction per push.
     """
-    import random
 
-    from mnesite.replicant.replica import ReplicaConfig, ShardReplica
-    from mnesite.rlog import messages
-    from mnesite.rlog import replication as p
+    def __init__(self, directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> None:
+        import random
 
-    try:  # a --baseline tree with its frames in their own module
-        from mnesite.rlog import codec
-    except ImportError:
-        codec = messages
-    try:  # what the replicant's driver runs around a push (replicant.node._dispatch)
-        from mnesite.rlog.server import collector_paused
-    except ImportError:  # a --baseline tree: the collector stays on
-        collector_paused = contextlib.nullcontext
-    try:  # the typed wire: the driver's own decode of a push (replicant.replica.push_received)
-        from mnesite.replicant.replica import push_received
+        from mnesite.replicant.replica import ReplicaConfig, ShardReplica
+        from mnesite.rlog import messages
+        from mnesite.rlog import replication as p
 
-        def received(body: object) -> p.PushReceived:
-            return push_received(replica, body)  # type: ignore[arg-type]
+        try:  # a --baseline tree with its frames in their own module
+            from mnesite.rlog import codec
+        except ImportError:
+            codec = messages
+        try:  # what the replicant's driver runs around a push (replicant.node._dispatch)
+            from mnesite.rlog.server import collector_paused
+        except ImportError:  # a --baseline tree: the collector stays on
+            collector_paused = contextlib.nullcontext
+        try:  # the typed wire: the driver's own decode of a push (replicant.replica.push_received)
+            from mnesite.replicant.replica import push_received
 
-    except ImportError:  # a --baseline tree before the typed wire (dict bodies, decode_entry per entry)
+            def received(body: object) -> p.PushReceived:
+                return push_received(self.replica, body)  # type: ignore[arg-type]
 
-        def received(body: object) -> p.PushReceived:
-            decoded = tuple(messages.decode_entry(value, "push.entries") for value in body["entries"])  # type: ignore[index]
-            return p.PushReceived("c", "a", decoded, committed, True)
+        except ImportError:  # a --baseline tree before the typed wire (dict bodies, decode_entry per entry)
 
-    from mnesite.rlog.schema import TableSchema
-    from mnesite.rlog.store import Store
-    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+            def received(body: object) -> p.PushReceived:
+                decoded = tuple(messages.decode_entry(value, "push.entries") for value in body["entries"])  # type: ignore[index]
+                return p.PushReceived("c", "a", decoded, self.committed, True)
 
-    schema = TableSchema("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT")))
-    entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (schema.to_op(),))]
-    for start in range(0, rows, rows_per_transaction):
-        keys = range(start, min(rows, start + rows_per_transaction))
-        ops = tuple(WriteOp("kv", {"id": i, "value": ROW_VALUE}) for i in keys)
-        last = entries[-1]
-        entries.append(make_entry("default", TxKey(1, last.tx_key.counter + 1), last.tx_key, last.digest, ops))
-    committed = entries[-1].tx_key
-    pushes = []
-    for i in range(0, len(entries), push_entries):
-        body = {
-            "shard": "default",
-            "agent": "a",
-            "core": "c",
-            "entries": [e.to_wire() for e in entries[i : i + push_entries]],
-            "committed": list(committed),
-            "hears_sequencer": True,
-        }
-        pushes.append(codec.encode(codec.Message("push", "a", body)))
-    # The replicant holds only what it receives: the loaded entries would make every garbage
-    # collection of the timed loop walk them.
-    entries_count = len(entries)
-    del entries, body
-    gc.collect()
-    store = Store(str(directory / "apply.db"), synchronous="NORMAL")
-    with store.write_transaction():
-        store.ensure_shard("default", 0)
-    replica = ShardReplica("default", "r", ("c",), ZERO_KEY, GENESIS_DIGEST, ReplicaConfig(), random.Random(0), 0)
-    replica.step(p.Ticked(), 0)
-    replica.step(p.JournalsReceived((("c", p.JournalAnswer(committed, True, 0)),)), 0)
-    replica.step(p.WatchAccepted("c", "a", "resume", ZERO_KEY, GENESIS_DIGEST, replica.watch_id), 0)
-    began = time.monotonic()
-    for frame in pushes:
-        body = codec.decode(frame, 64 * 1024 * 1024).body
-        store.connection.execute("BEGIN IMMEDIATE")
-        with collector_paused():  # as the driver: left once the push's decoded rows are freed
-            apply_push(store, replica, received(body))
-        store.connection.execute("COMMIT")
-    elapsed = time.monotonic() - began
-    if replica.applied_key != committed or store.count_rows(schema) != rows:
-        raise SystemExit(f"the apply benchmark applied up to {replica.applied_key}, not {committed}")
-    store.close()
-    return elapsed, entries_count
+        from mnesite.rlog.schema import TableSchema
+        from mnesite.rlog.store import Store
+        from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp, make_entry
+
+        self.codec, self.received, self.collector_paused = codec, received, collector_paused
+        self.rows, self.schema = rows, TableSchema("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT")))
+        entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (self.schema.to_op(),))]
+        for start in range(0, rows, rows_per_transaction):
+            keys = range(start, min(rows, start + rows_per_transaction))
+            ops = tuple(WriteOp("kv", {"id": i, "value": ROW_VALUE}) for i in keys)
+            last = entries[-1]
+            entries.append(make_entry("default", TxKey(1, last.tx_key.counter + 1), last.tx_key, last.digest, ops))
+        self.committed = committed = entries[-1].tx_key
+        self.pushes = []
+        for i in range(0, len(entries), push_entries):
+            body = {
+                "shard": "default",
+                "agent": "a",
+                "core": "c",
+                "entries": [e.to_wire() for e in entries[i : i + push_entries]],
+                "committed": list(committed),
+                "hears_sequencer": True,
+            }
+            self.pushes.append(codec.encode(codec.Message("push", "a", body)))
+        # The replicant holds only what it receives: the loaded entries would make every garbage
+        # collection of the timed loop walk them.
+        self.entries = len(entries)
+        del entries, body
+        gc.collect()
+        self.store = Store(str(directory / "apply.db"), synchronous="NORMAL")
+        with self.store.write_transaction():
+            self.store.ensure_shard("default", 0)
+        self.replica = ShardReplica(
+            "default", "r", ("c",), ZERO_KEY, GENESIS_DIGEST, ReplicaConfig(), random.Random(0), 0
+        )
+        self.replica.step(p.Ticked(), 0)
+        self.replica.step(p.JournalsReceived((("c", p.JournalAnswer(committed, True, 0)),)), 0)
+        self.replica.step(p.WatchAccepted("c", "a", "resume", ZERO_KEY, GENESIS_DIGEST, self.replica.watch_id), 0)
+
+    def apply(self, index: int) -> None:
+        """Push ``index``: decoded, stepped and applied in one transaction, as the driver does it."""
+        body = self.codec.decode(self.pushes[index], 64 * 1024 * 1024).body
+        self.store.connection.execute("BEGIN IMMEDIATE")
+        with self.collector_paused():  # as the driver: left once the push's decoded rows are freed
+            apply_push(self.store, self.replica, self.received(body))
+        self.store.connection.execute("COMMIT")
+
+    def close(self) -> None:
+        """Check that every row arrived (a benchmark of a broken apply would measure nothing)."""
+        applied, rows = self.replica.applied_key, self.store.count_rows(self.schema)
+        self.store.close()
+        if applied != self.committed or rows != self.rows:
+            raise SystemExit(f"the apply benchmark applied up to {applied} ({rows} rows), not {self.committed}")
 
 
 def apply_push(store: object, replica: object, push: object) -> None:
@@ -472,37 +481,63 @@ def apply_push(store: object, replica: object, push: object) -> None:
             ReplicantNode.apply_entries(store, effect.entries)  # type: ignore[arg-type]
 
 
-def raw_apsw_upsert_rate(directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> float:
+class RawUpsert:
     """Raw apsw batched upsert of the same rows: one prepared executemany and one transaction per push."""
-    import apsw
 
-    connection = apsw.Connection(str(directory / "raw-upsert.db"))
-    connection.execute("PRAGMA journal_mode=WAL")
-    connection.execute("PRAGMA synchronous=NORMAL")
-    connection.execute("CREATE TABLE kv(id INTEGER PRIMARY KEY NOT NULL, value TEXT) STRICT")
-    batch_rows = rows_per_transaction * push_entries
-    began = time.monotonic()
-    for start in range(0, rows, batch_rows):
-        with connection:
-            connection.executemany(
-                'INSERT OR REPLACE INTO kv ("id", "value") VALUES (?, ?)',
-                ((i, ROW_VALUE) for i in range(start, min(rows, start + batch_rows))),
+    def __init__(self, directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> None:
+        import apsw
+
+        self.connection = apsw.Connection(str(directory / "raw-upsert.db"))
+        self.connection.execute("PRAGMA journal_mode=WAL")
+        self.connection.execute("PRAGMA synchronous=NORMAL")
+        self.connection.execute("CREATE TABLE kv(id INTEGER PRIMARY KEY NOT NULL, value TEXT) STRICT")
+        batch_rows = rows_per_transaction * push_entries
+        self.batches = [range(start, min(rows, start + batch_rows)) for start in range(0, rows, batch_rows)]
+
+    def apply(self, index: int) -> None:
+        with self.connection:
+            self.connection.executemany(
+                'INSERT OR REPLACE INTO kv ("id", "value") VALUES (?, ?)', ((i, ROW_VALUE) for i in self.batches[index])
             )
-    elapsed = time.monotonic() - began
-    connection.close()
-    return elapsed
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def apply_round(directory: Path, rows: int, rows_per_transaction: int, push_entries: int) -> tuple[float, float, int]:
+    """One round of the apply phase: (replicant seconds, raw apsw seconds, entries).
+
+    The two alternate push by push (a raw batch, then a replicant push, ...), each timed alone: this
+    machine's speed swings within seconds (the same code measured 0.39-0.83x in rounds run one after
+    the other, 2026-11-27), and the ratio of two runs taken a few milliseconds apart does not swing
+    with it.
+    """
+    replicant = ReplicantApply(directory, rows, rows_per_transaction, push_entries)
+    raw = RawUpsert(directory, rows, rows_per_transaction, push_entries)
+    replicant_s = raw_s = 0.0
+    try:
+        for index in range(max(len(replicant.pushes), len(raw.batches))):
+            began = time.perf_counter()
+            if index < len(raw.batches):
+                raw.apply(index)
+            middle = time.perf_counter()
+            if index < len(replicant.pushes):
+                replicant.apply(index)
+            raw_s, replicant_s = raw_s + middle - began, replicant_s + time.perf_counter() - middle
+    finally:
+        raw.close()
+        replicant.close()
+    return replicant_s, raw_s, replicant.entries
 
 
 def phase_apply(directory: Path, args: argparse.Namespace, report: dict) -> None:
-    """Replicant apply rate against raw apsw's batched upsert, interleaved, ``--repeat`` rounds."""
+    """Replicant apply rate against raw apsw's batched upsert, push by push (``apply_round``), ``--repeat`` rounds."""
     rows = min(args.rows, args.apply_rows_max)
     rounds = []
     for round_index in range(args.repeat):
         round_directory = directory / f"round{round_index}"
         round_directory.mkdir()
-        raw_s = raw_apsw_upsert_rate(round_directory, rows, args.rows_per_transaction, args.push_entries)
-        apply_s, entries = replicant_apply_rate(round_directory, rows, args.rows_per_transaction, args.push_entries)
-        rounds.append((apply_s, raw_s, entries))
+        rounds.append(apply_round(round_directory, rows, args.rows_per_transaction, args.push_entries))
         shutil.rmtree(round_directory, ignore_errors=True)
     ratios = sorted(raw_s / apply_s for apply_s, raw_s, _ in rounds)
     report["apply"] = {
@@ -511,6 +546,7 @@ def phase_apply(directory: Path, args: argparse.Namespace, report: dict) -> None
         "entries_per_push": args.push_entries,
         "replicant_rows_per_s": [round(rows / apply_s) for apply_s, _, _ in rounds],
         "raw_apsw_rows_per_s": [round(rows / raw_s) for _, raw_s, _ in rounds],
+        "x_raw_apsw_per_round": [round(raw_s / apply_s, 3) for apply_s, raw_s, _ in rounds],
         "x_raw_apsw_median": round(ratios[len(ratios) // 2], 2),
     }
 
