@@ -379,7 +379,7 @@ def phase_failover(cluster: Cluster, args: argparse.Namespace, report: dict) -> 
 
 
 class ReplicantApply:
-    """The replicant's apply path without sockets, one push at a time (``apply_phase`` times each).
+    """The replicant's apply path without sockets, one push at a time (``apply_round`` times each).
 
     What a replicant does with pushes of ``push_entries`` entries of ``rows_per_transaction`` rows:
     decode the frame (``messages.decode``: the wire schema's checks, then ``push_received``'s
@@ -513,9 +513,9 @@ def apply_round(directory: Path, rows: int, rows_per_transaction: int, push_entr
     """One round of the apply phase: (replicant seconds, raw apsw seconds, entries).
 
     The two alternate push by push (a raw batch, then a replicant push, ...), each timed alone: this
-    machine's speed swings within seconds (the same code measured 0.39-0.83x in rounds run one after
-    the other, 2026-11-27), and the ratio of two runs taken a few milliseconds apart does not swing
-    with it.
+    machine's speed swings within seconds (the same code measured 0.39-0.83x in rounds that ran the
+    two sides one after the other, 2026-11-27), and a ratio of sums of turns taken milliseconds apart
+    swings much less (0.41-0.48x over 15 rounds the same evening).
     """
     replicant = ReplicantApply(directory, rows, rows_per_transaction, push_entries)
     raw = RawUpsert(directory, rows, rows_per_transaction, push_entries)
