@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import logging
 import os
@@ -285,6 +286,11 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
     node.install_signal_handlers()
     if sample_data and config.role == "core":
         load_sample_data(node)
+    # What starting made (modules, types, the node's state) lives as long as the process: frozen out
+    # of the cyclic collector, a full collection walks only what the loop made since. Under load a
+    # core's full collections took 22-45 ms of its loop, frozen 0.6-5 ms (benchmarks/PROFILE.md).
+    # Here and not in serve_forever: a node served from a thread must not freeze its host's heap.
+    gc.freeze()
     try:
         node.serve_forever()
     except EntryApplyError as error:

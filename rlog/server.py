@@ -419,6 +419,15 @@ class NodeServer:
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    @staticmethod
+    def collector_status() -> dict[str, Any]:
+        """Python's cyclic collector in this process: the objects frozen out of it at start (``mnesite
+        start`` freezes what starting made) and the collections of each generation so far."""
+        return {
+            "frozen": gc.get_freeze_count(),
+            "collections": [generation["collections"] for generation in gc.get_stats()],
+        }
+
     # -- disk faults (rlog.disk) -------------------------------------------------------------
 
     def turn(self) -> None:

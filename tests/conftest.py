@@ -195,6 +195,23 @@ class NodeProcess:
         self.process = None
 
 
+def start_core_process(
+    directory: Path, node_processes: list[NodeProcess], data_dir: str | None = None
+) -> tuple[NodeProcess, str, Path]:
+    """One core started with ``mnesite start`` from ``directory/core1.toml`` (``node_processes`` kills it
+    at teardown): the process, its endpoint and its config file."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = directory / "core1.toml"
+    config.write_text(
+        f'[node]\nname = "core1"\ndata_dir = "{data_dir or directory / "core1"}"\nlisten = "{endpoint}"\n'
+        '[storage]\nsynchronous = "NORMAL"\n'
+    )
+    node = NodeProcess(config, directory / "core1.log")
+    node_processes.append(node)
+    node.start(endpoint)
+    return node, endpoint, config
+
+
 @pytest.fixture
 def silent_endpoint() -> Iterator[str]:
     """An endpoint that accepts connections and takes requests but never answers (a hung node)."""

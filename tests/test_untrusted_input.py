@@ -319,17 +319,10 @@ def test_a_second_process_on_a_data_directory_refuses_with_one_clear_line(tmp_pa
     import subprocess
     import sys
 
-    from tests.conftest import REPO, NodeProcess, free_port
+    from tests.conftest import REPO, free_port, start_core_process
 
-    port = free_port()
-    config = tmp_path / "core1.toml"
-    config.write_text(
-        f'[node]\nname = "core1"\ndata_dir = "data"\nlisten = "tcp://127.0.0.1:{port}"\n'
-        '[storage]\nsynchronous = "NORMAL"\n'
-    )
-    first = NodeProcess(config, tmp_path / "core1.log")
-    node_processes.append(first)
-    first.start(f"tcp://127.0.0.1:{port}")
+    _, endpoint, config = start_core_process(tmp_path, node_processes, data_dir="data")
+    port = int(endpoint.rsplit(":", 1)[1])
     second = tmp_path / "second.toml"
     second.write_text(config.read_text().replace(str(port), str(free_port())).replace('"core1"', '"core9"', 1))
     result = subprocess.run(
