@@ -289,7 +289,9 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
     # What starting made (modules, types, the node's state) lives as long as the process: frozen out
     # of the cyclic collector, a full collection walks only what the loop made since. Under load a
     # core's full collections took 22-45 ms of its loop, frozen 0.6-5 ms (benchmarks/PROFILE.md).
-    # Here and not in serve_forever: a node served from a thread must not freeze its host's heap.
+    # The price: an object made while starting that later ends in a reference cycle is never
+    # reclaimed (at most the start-up heap, a few MB, once). Here and not in serve_forever: a node
+    # served from a thread must not freeze its host's heap.
     gc.freeze()
     try:
         node.serve_forever()
