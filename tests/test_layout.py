@@ -187,14 +187,17 @@ def test_a_wheel_installs_only_the_mnesite_package(tmp_path: Path) -> None:
     assert not any(name.startswith("mnesite/tests") for name in names)
 
 
-def test_every_test_the_rule_table_names_exists() -> None:
-    """docs/contributing/design.md names, for each protocol rule, the tests that catch its breakage."""
-    text = (REPO / "docs" / "contributing" / "design.md").read_text()
-    table = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") == 5][2:]
-    assert len(table) >= 15
+def _rule_table_rows(text: str, columns: int) -> list[str]:
+    """The rows (header and rule lines dropped) of the markdown table with this many columns."""
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") == columns + 1]
+    return [row for row in rows[2:] if not row.startswith("| ---")]
+
+
+def _check_named_tests(rows: list[str], cell_index: int) -> int:
+    """Every `test_x.py` and `::test_name` a row's test cell names exists; returns how many names."""
     named = 0
-    for row in table:
-        cell = row.split("|")[4]
+    for row in rows:
+        cell = row.split("|")[cell_index]
         current = None
         for match in re.finditer(r"`(test_\w+\.py)?(?:::)?(\w*)`", cell):
             file, name = match.groups()
@@ -205,4 +208,23 @@ def test_every_test_the_rule_table_names_exists() -> None:
             source = (REPO / "tests" / current).read_text()
             assert re.search(rf"def {name}\(", source), f"{current}::{name} named in the rule table does not exist"
             named += 1
-    assert named >= 15
+    return named
+
+
+def test_every_test_the_rule_table_names_exists() -> None:
+    """docs/contributing/design.md names, for each protocol rule, the tests that catch its breakage."""
+    table = _rule_table_rows((REPO / "docs" / "contributing" / "design.md").read_text(), 4)
+    assert len(table) >= 15
+    assert _check_named_tests(table, 4) >= 15
+
+
+def test_every_test_the_readme_rule_table_names_exists() -> None:
+    """README's short rule table (rule, module, tests) names tests that exist, at least one per rule."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Rules and the tests that catch them") :]
+    section = section[: section.index("\n## ", 1)]
+    table = _rule_table_rows(section, 3)
+    assert len(table) >= 15
+    for row in table:
+        assert "`test_" in row.split("|")[3], f"a README rule row names no test: {row}"
+    assert _check_named_tests(table, 3) >= 15
