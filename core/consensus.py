@@ -366,6 +366,9 @@ class ProposedBatch:
     cost is one step, one log insert and one commit check per batch, not per write)."""
 
     proposals: tuple[Proposed, ...]
+    # Pack each entry's runs of rows once (``rlog.types.pack_ops``): the driver's shard is at a cluster
+    # version whose members all decode them (``rlog.versions.packs_runs``).
+    runs: bool = False
 
 
 @dataclass(frozen=True)
@@ -1422,15 +1425,17 @@ class ShardConsensus:
         entries: list[Entry] = []
         for proposal in event.proposals:
             if not self._proposal_refused(proposal):
-                entries.append(self._append_own(tuple(proposal.ops), proposal.request_id, proposal=True, batched=True))
+                entries.append(self._append_own(tuple(proposal.ops), proposal.request_id, True, True, event.runs))
         if entries:
             self._out.insert(position, PersistEntries(tuple(entries)))
             self._advance_commit()
 
-    def _append_own(self, ops: tuple[Op, ...], request_id: str | None, proposal: bool, batched: bool = False) -> Entry:
+    def _append_own(
+        self, ops: tuple[Op, ...], request_id: str | None, proposal: bool, batched: bool = False, runs: bool = False
+    ) -> Entry:
         counter = self._last_key.counter + 1 if self._last_key.generation == self._generation else 1
         prev_key, prev_digest = self._last_key, self._last_digest
-        entry = make_entry(self.shard, TxKey(self._generation, counter), prev_key, prev_digest, ops, request_id)
+        entry = make_entry(self.shard, TxKey(self._generation, counter), prev_key, prev_digest, ops, request_id, runs)
         if not batched:
             self._out.append(PersistEntries((entry,)))
         self._last_key, self._last_digest = entry.tx_key, entry.digest

@@ -1223,7 +1223,7 @@ class CoreNode(NodeServer):
     def _propose_batch(self, driver: ShardDriver) -> None:
         """Propose the writes ``_write`` held in this turn, in arrival order, in one step; each
         client then waits for its entry (or hears why it was refused, or is forwarded)."""
-        batch, held = driver.held.take()
+        batch, held = driver.held.take(self.store.cluster_version(driver.shard))
         self.begin()
         keys, refused = rules.batch_outcomes(self._step(driver, batch))
         for request_id, (envelope, message) in held:

@@ -83,6 +83,7 @@ from mnesite.rlog.schema import (
     find_index,
 )
 from mnesite.rlog.types import ROW_OPS, AddColumnOp, CreateIndexOp, DropIndexOp, DropTableOp, Entry, Op, TxKey
+from mnesite.rlog.versions import packs_runs
 
 SCHEMA_CHANGE_KINDS = WRITE_KINDS - {"transact"}
 
@@ -226,11 +227,12 @@ class HeldWrites(Generic[T]):
         """A resend of a held write: the driver proposes the held ones first, then answers it from the log."""
         return request_id in self.request_ids
 
-    def take(self) -> tuple[ProposedBatch, list[tuple[str, T]]]:
-        """The batch to step, and each write's (request id, context), in arrival order; empties the hold."""
+    def take(self, cluster_version: int = 1) -> tuple[ProposedBatch, list[tuple[str, T]]]:
+        """The batch to step, and each write's (request id, context), in arrival order; empties the hold.
+        ``cluster_version``: the shard's applied one, which decides how its entries pack their rows."""
         held, self.held = self.held, []
         self.request_ids = set()
-        batch = ProposedBatch(tuple(proposed for proposed, _ in held))
+        batch = ProposedBatch(tuple(proposed for proposed, _ in held), packs_runs(cluster_version))
         return batch, [(proposed.request_id or "", context) for proposed, context in held]
 
 

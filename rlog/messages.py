@@ -415,8 +415,13 @@ def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
     """The ops of an entry's packed bytes, checked by the wire's rules and required to be their canonical
     packing (``rlog.types.pack_ops``, which the digest covers); raises ``MessageError`` naming what is wrong.
     ``runs``: an entry of several writes of one table with the same columns is one ``WriteRows``."""
-    wire = typed("ops", _OPS_DECODER.decode, packed)
-    if len(wire) == 1 and type(wire[0]) is WriteRow:
+    packed_wire = wire = typed("ops", _OPS_DECODER.decode, packed)
+    if (one_run := types.WriteRows in {*map(type, wire)}) and not (runs and len(wire) == 1 and _one_run(wire[0])):
+        wire, one_run = _as_writes(wire), False  # runs of rows (cluster version 2) checked as the writes they pack
+    if one_run:  # a replicant's entry of one run of rows (a bulk write): its tuples are bound as decoded
+        names, values, ops = {wire[0].table, *wire[0].columns}, [*itertools.chain.from_iterable(wire[0].rows)], wire
+        width = len(wire[0].columns)
+    elif len(wire) == 1 and type(wire[0]) is WriteRow:
         # The commonest entry, one row (a follower decodes one per write): plain steps, no C-loop setups.
         row = dict(wire[0].row)
         if len(row) != len(wire[0].row) or list(row) != sorted(row):
@@ -452,9 +457,28 @@ def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
             _NAMES_CHECKED.add(name)
     if (refusal := scalars_refusal(values, width)) is not None:
         raise MessageError(f"ops: {refusal}")
-    if _ENCODER.encode(wire) != packed:  # packing the decoded values again, at C speed
+    if _ENCODER.encode(packed_wire) != packed:  # packing the decoded values again, at C speed
         raise MessageError("ops: entry ops are not in canonical form")
-    return ops
+    return tuple(ops)
+
+
+def _one_run(op: types.WriteRows) -> bool:  # columns sorted and unique, every row a value for each
+    return list(op.columns) == sorted({*op.columns}) and {*map(len, op.rows)} == {len(op.columns)}
+
+
+def _as_writes(wire: list[Any]) -> list[Any]:
+    """``wire`` with each ``WriteRows`` as the ``WriteRow`` ops it packs, in their places."""
+    try:
+        wire = [w for op in wire for w in (_writes_of(op) if type(op) is types.WriteRows else (op,))]
+    except ValueError:  # zip's strict
+        raise MessageError("ops: a row of a write run does not have one value for each column") from None
+    if len(wire) > types.OPS_MAX:
+        raise MessageError(f"ops: more than {types.OPS_MAX} writes in an entry")
+    return wire
+
+
+def _writes_of(op: types.WriteRows) -> list[WriteRow]:
+    return [WriteRow(op.table, list(zip(op.columns, row, strict=True))) for row in op.rows]
 
 
 def decode_entry(value: Any, runs: bool = False) -> types.Entry:

@@ -23,6 +23,7 @@ bytes do not depend on dict ordering or on the Python process.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import secrets
 import time
 from typing import Annotated, Any, NamedTuple, Union
@@ -104,6 +105,16 @@ class WriteRow(_Op, frozen=True, tag="w", gc=False):
     row: Annotated[list[tuple[RowName, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
 
 
+class WriteRows(_Op, frozen=True, tag="r", gc=False):
+    """Full rows of ``table``, each a tuple in ``columns`` order (sorted, unique): two or more consecutive
+    writes of one table with the same columns, packed once from cluster version 2 on (``pack_ops`` with
+    ``runs``), and how a replicant applies them: one ``executemany`` binds the tuples as decoded."""
+
+    table: RowName
+    columns: Annotated[tuple[RowName, ...], Meta(min_length=1, max_length=ROW_COLUMNS_MAX)]
+    rows: Annotated[list[tuple[Any, ...]], Meta(min_length=2, max_length=OPS_MAX)]
+
+
 # --- end op codec ---
 # -- the other ops ---------------------------------------------------------------------------------
 
@@ -178,17 +189,6 @@ class ClusterVersionOp(_Op, frozen=True, tag="v"):
     cluster_version: Annotated[int, Meta(ge=1, le=1000)]
 
 
-class WriteRows(Struct, frozen=True, gc=False):
-    """Full rows of ``table``, each a tuple in ``columns`` order: how a replicant holds an entry whose ops
-    all write rows of one table with the same columns (``rlog.messages.decode_ops`` with ``runs``), so
-    that applying it binds the decoded values in one ``executemany`` without a dict and a ``WriteOp``
-    per row. Only in memory: the entry keeps the packing it was received with (its ``WriteRow`` ops)."""
-
-    table: str
-    columns: tuple[str, ...]
-    rows: list[tuple[Any, ...]]
-
-
 Op = (
     WriteOp
     | WriteRows
@@ -244,7 +244,7 @@ class OpDecodeError(ValueError):
     """Encoded ops that are not what ``pack_ops`` makes."""
 
 
-WireOp = Union[(WriteRow, DeleteOp, MembersOp, ClusterVersionOp, *SCHEMA_OPS)]  # noqa: UP007 (the ops as packed)
+WireOp = Union[(WriteRow, WriteRows, DeleteOp, MembersOp, ClusterVersionOp, *SCHEMA_OPS)]  # noqa: UP007 (the ops as packed)
 _ENCODER, _UNPACKER = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[WireOp])
 
 
@@ -279,13 +279,34 @@ def decode_op(value: Any) -> Op:
     return _op(_decoded(lambda v: msgspec.convert(v, WireOp), value, "malformed op: {}"))
 
 
-def pack_ops(ops: tuple[Op, ...] | list[Op]) -> bytes:
-    return _ENCODER.encode([_packable(op) for op in ops])
+def pack_ops(ops: tuple[Op, ...] | list[Op], runs: bool = False) -> bytes:
+    """``runs`` (cluster version 2, ``rlog.versions.packs_runs``): each longest run of two or more writes
+    of one table with the same columns as one ``WriteRows``, its column names packed once, not per row."""
+    packable = [_packable(op) for op in ops]
+    if runs and len(packable) > 1:
+        packable = [op for _, run in itertools.groupby(packable, _run_of) for op in _run([*run])]
+    return _ENCODER.encode(packable)
+
+
+def _run_of(op: Any) -> Any:  # the table and columns of a write's packed form; any other op is a run of its own
+    return (op[1], [column for column, _ in op[2]]) if type(op) is tuple else id(op)
+
+
+def _run(run: list[Any]) -> list[Any]:
+    if len(run) < 2 or type(run[0]) is not tuple:
+        return run
+    return [WriteRows(run[0][1], tuple(c for c, _ in run[0][2]), [tuple(v for _, v in write[2]) for write in run])]
+
+
+def expand_rows(op: WriteRows) -> list[WriteOp]:
+    """A ``WriteRows``'s writes, one ``WriteOp`` each; ``ValueError`` if a row's length is not the columns'."""
+    return [WriteOp(op.table, dict(zip(op.columns, row, strict=True))) for row in op.rows]
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
     """The ops of a stored ``pack_ops`` blob (trusted: no wire rules; ``rlog.messages.decode_ops``)."""
-    return tuple(map(_op, _decoded(_UNPACKER.decode, blob, "entry ops do not decode: {}")))
+    ops = _decoded(_UNPACKER.decode, blob, "entry ops do not decode: {}")
+    return tuple(each for op in ops for each in (expand_rows(op) if type(op) is WriteRows else (_op(op),)))
 
 
 def entry_from_wire(value: Any) -> Entry:
@@ -370,11 +391,12 @@ def make_entry(
     prev_digest: bytes,
     ops: tuple[Op, ...] | list[Op],
     request_id: str | None = None,
+    runs: bool = False,
 ) -> Entry:
-    """Build the entry that follows ``prev`` (whose digest is ``prev_digest``)."""
+    """Build the entry that follows ``prev`` (whose digest is ``prev_digest``); ``runs``: as ``pack_ops``."""
     if not tx_key > prev:
         raise ValueError(f"tx key {tx_key} does not follow {prev}")
-    packed = pack_ops(ops)
+    packed = pack_ops(ops, runs)
     digest = entry_digest(prev_digest, shard, tx_key, prev, packed, request_id)
     return Entry(shard, tx_key, prev, digest, tuple(ops), request_id, packed)
 

@@ -57,8 +57,9 @@ class Protocols:
 CLUSTER_VERSIONS: dict[int, Protocols] = {
     # Release 0.1.0, the first: it knows nothing of versions and refuses unknown fields and kinds.
     1: Protocols(client=1, consensus=2, replication=1, storage=1),
-    # Release 0.2.0: the log may hold a cluster version entry; a replicant that reads it watches
-    # with replication protocol 2; a data directory that applied one has storage format 2.
+    # Release 0.2.0: the log may hold a cluster version entry, and a write run (``packs_runs``); a
+    # replicant that reads it watches with replication protocol 2; a data directory that applied one
+    # has storage format 2.
     2: Protocols(client=1, consensus=2, replication=2, storage=2),
 }
 CLUSTER_VERSION_HIGHEST = max(CLUSTER_VERSIONS)
@@ -191,6 +192,13 @@ def storage_refusal(found: Any, path: str, formats_read: tuple[int, ...] = STORA
             f"reads formats {', '.join(map(str, formats_read))}): start it with that release or a later one"
         )
     return f"{path}: not a mnesite database of a known storage format (found {found!r:.40})"
+
+
+def packs_runs(cluster_version: int) -> bool:
+    """Whether a sequencer at ``cluster_version`` packs a transaction's runs of writes of one table with the
+    same columns as one op, its column names once (``rlog.types.WriteRows``): from 2 on; release 0.1.0,
+    which speaks only 1, cannot decode that op, and a shard moves to 2 only once every member speaks it."""
+    return cluster_version >= 2
 
 
 def storage_format_of(cluster_version: int) -> int:
