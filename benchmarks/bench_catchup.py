@@ -422,11 +422,18 @@ class ReplicantApply:
         self.codec, self.received, self.collector_paused = codec, received, collector_paused
         self.rows, self.schema = rows, TableSchema("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT")))
         entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (self.schema.to_op(),))]
+        try:  # as a cluster at cluster version 2 packs a bulk write: one run of rows (rlog.types.WriteRows)
+            from mnesite.rlog.versions import packs_runs
+
+            runs = {"runs": packs_runs(2)}
+        except ImportError:  # a --baseline tree: one op per row
+            runs = {}
         for start in range(0, rows, rows_per_transaction):
             keys = range(start, min(rows, start + rows_per_transaction))
             ops = tuple(WriteOp("kv", {"id": i, "value": ROW_VALUE}) for i in keys)
             last = entries[-1]
-            entries.append(make_entry("default", TxKey(1, last.tx_key.counter + 1), last.tx_key, last.digest, ops))
+            key = TxKey(1, last.tx_key.counter + 1)
+            entries.append(make_entry("default", key, last.tx_key, last.digest, ops, **runs))
         self.committed = committed = entries[-1].tx_key
         self.pushes = []
         for i in range(0, len(entries), push_entries):

@@ -55,7 +55,6 @@ class MessageError(ValueError):
 # -- what msgspec cannot declare -----------------------------------------------------------------
 
 _SCALARS = frozenset((type(None), bool, int, float, str, bytes))
-_SCALARS_LOOPED_MAX = 8
 
 
 def scalars_refusal(values: list[Any] | tuple[Any, ...], width: int = 0) -> str | None:
@@ -63,14 +62,9 @@ def scalars_refusal(values: list[Any] | tuple[Any, ...], width: int = 0) -> str 
     slices = (values[column::width] for column in range(width))  # a type set and a max a column (benchmarks/PROFILE.md)
     if width and all((kinds := set(map(type, c))) <= _PLAIN or kinds == _INT and max(c) <= INTEGER_MAX for c in slices):
         return None
-    if len(values) <= _SCALARS_LOOPED_MAX:
-        # A few values (a one-row entry): a Python loop costs less than the C loops' setups below.
-        for value in values:
-            kind = type(value)
-            if kind is int and value > INTEGER_MAX or kind is float and value != value or kind not in _SCALARS:
-                break
-        else:
-            return None
+    # A few values (a one-row entry): a loop costs less than the C loops' setups below (NaN is not <=).
+    if len(values) <= 8 and all(type(v) in _PLAIN or type(v) in (int, float) and v <= INTEGER_MAX for v in values):
+        return None
     kinds = set(each := list(map(type, values)))  # each value's type
     if not kinds <= _SCALARS:
         return "must be null, a 64-bit integer, a float, a string or bytes"
@@ -408,21 +402,20 @@ _NAMES_CHECKED: set[str] = set()  # names found valid, bounded (each at most NAM
 _OPS = Annotated[list[types.WireOp], Meta(max_length=types.OPS_MAX)]
 _OPS_DECODER = msgspec.msgpack.Decoder(_OPS, ext_hook=refuse_ext)
 _ROW_PAIRS_OF, _TABLE_OF, _KEY_OF = operator.attrgetter("row"), operator.attrgetter("table"), operator.attrgetter("key")
-UNSORTED = "ops: write op columns must be sorted and unique"
+UNSORTED = "ops: write op columns must be sorted and unique, and a run of writes its entry's only op"
 
 
 def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
     """The ops of an entry's packed bytes, checked by the wire's rules and required to be their canonical
     packing (``rlog.types.pack_ops``, which the digest covers); raises ``MessageError`` naming what is wrong.
-    ``runs``: an entry of several writes of one table with the same columns is one ``WriteRows``."""
-    packed_wire = wire = typed("ops", _OPS_DECODER.decode, packed)
-    if (one_run := types.WriteRows in {*map(type, wire)}) and not (runs and len(wire) == 1 and _one_run(wire[0])):
-        wire, one_run = _as_writes(wire), False  # runs of rows (cluster version 2) checked as the writes they pack
-    if one_run:  # a replicant's entry of one run of rows (a bulk write): its tuples are bound as decoded
-        names, values, ops = {wire[0].table, *wire[0].columns}, [*itertools.chain.from_iterable(wire[0].rows)], wire
-        width = len(wire[0].columns)
-    elif len(wire) == 1 and type(wire[0]) is WriteRow:
-        # The commonest entry, one row (a follower decodes one per write): plain steps, no C-loop setups.
+    ``runs`` (a replicant's): a bulk write's ``WriteRows`` stays one, bound as decoded (else a WriteOp a row)."""
+    wire = typed("ops", _OPS_DECODER.decode, packed)
+    if len(wire) == 1 and type(run := wire[0]) is types.WriteRows:  # a bulk write (cluster version 2)
+        if list(run.columns) != sorted({*run.columns}) or {*map(len, run.rows)} != {len(run.columns)}:
+            raise MessageError("ops: a write run's columns must be sorted and unique, with a value each in every row")
+        names, values, width = {run.table, *run.columns}, [*itertools.chain.from_iterable(run.rows)], len(run.columns)
+        ops = (run,) if runs else types.unpack_ops(packed)  # a WriteOp a row
+    elif len(wire) == 1 and type(wire[0]) is WriteRow:  # the commonest entry (a follower's per write): no C loops
         row = dict(wire[0].row)
         if len(row) != len(wire[0].row) or list(row) != sorted(row):
             raise MessageError(UNSORTED)
@@ -436,16 +429,14 @@ def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
         if not (set(map(len, pair_lists)) <= {len(first := column_lists[0])} and flat[0::2] == first * len(writes)):
             rows = list(map(dict, pair_lists))  # several column lists, or a repeated one (a shorter dict)
             column_lists = set(map(tuple, rows)) if list(map(len, rows)) == list(map(len, pair_lists)) else None
-        if column_lists is None or any(list(c) != sorted(c) for c in column_lists):
-            raise MessageError(UNSORTED)
+        if column_lists is None or types.WriteRows in kinds or any(list(c) != sorted(c) for c in column_lists):
+            raise MessageError(UNSORTED)  # a run of writes (WriteRows) is packed only as its entry's one op
         if types.MembersOp in kinds and any(bool(m.added) != bool(m.endpoint) for m in wire if type(m) is MembersOp):
             raise MessageError("ops: members op: added and endpoint must be both set or both empty")
-        names = {*(tables := {*map(_TABLE_OF, writes)}), *map(_TABLE_OF, deletes), *chain(column_lists)}
+        names = {*map(_TABLE_OF, writes), *map(_TABLE_OF, deletes), *chain(column_lists)}
         values = [*flat[1::2], *map(_KEY_OF, deletes)]
         width = len(first) if rows is None and not deletes else 0  # values laid out row by row, by ``first``
-        if runs and rows is None and first and writes is wire and len(tables) == 1:  # values: the rows' only
-            ops = (types.WriteRows(wire[0].table, tuple(first), list(zip(*[iter(values)] * len(first), strict=True))),)
-        elif writes is wire or not writes:
+        if writes is wire or not writes:
             ops = tuple(map(WriteOp, map(_TABLE_OF, writes), rows or map(dict, pair_lists))) if writes else tuple(wire)
         else:  # writes among other ops: the others stay as decoded, in their places
             row_of = dict(zip(map(id, writes), rows or map(dict, pair_lists), strict=True))
@@ -457,28 +448,9 @@ def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
             _NAMES_CHECKED.add(name)
     if (refusal := scalars_refusal(values, width)) is not None:
         raise MessageError(f"ops: {refusal}")
-    if _ENCODER.encode(packed_wire) != packed:  # packing the decoded values again, at C speed
+    if _ENCODER.encode(wire) != packed:  # packing the decoded values again, at C speed
         raise MessageError("ops: entry ops are not in canonical form")
-    return tuple(ops)
-
-
-def _one_run(op: types.WriteRows) -> bool:  # columns sorted and unique, every row a value for each
-    return list(op.columns) == sorted({*op.columns}) and {*map(len, op.rows)} == {len(op.columns)}
-
-
-def _as_writes(wire: list[Any]) -> list[Any]:
-    """``wire`` with each ``WriteRows`` as the ``WriteRow`` ops it packs, in their places."""
-    try:
-        wire = [w for op in wire for w in (_writes_of(op) if type(op) is types.WriteRows else (op,))]
-    except ValueError:  # zip's strict
-        raise MessageError("ops: a row of a write run does not have one value for each column") from None
-    if len(wire) > types.OPS_MAX:
-        raise MessageError(f"ops: more than {types.OPS_MAX} writes in an entry")
-    return wire
-
-
-def _writes_of(op: types.WriteRows) -> list[WriteRow]:
-    return [WriteRow(op.table, list(zip(op.columns, row, strict=True))) for row in op.rows]
+    return ops
 
 
 def decode_entry(value: Any, runs: bool = False) -> types.Entry:

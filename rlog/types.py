@@ -105,16 +105,6 @@ class WriteRow(_Op, frozen=True, tag="w", gc=False):
     row: Annotated[list[tuple[RowName, Any]], Meta(max_length=ROW_COLUMNS_MAX)]
 
 
-class WriteRows(_Op, frozen=True, tag="r", gc=False):
-    """Full rows of ``table``, each a tuple in ``columns`` order (sorted, unique): two or more consecutive
-    writes of one table with the same columns, packed once from cluster version 2 on (``pack_ops`` with
-    ``runs``), and how a replicant applies them: one ``executemany`` binds the tuples as decoded."""
-
-    table: RowName
-    columns: Annotated[tuple[RowName, ...], Meta(min_length=1, max_length=ROW_COLUMNS_MAX)]
-    rows: Annotated[list[tuple[Any, ...]], Meta(min_length=2, max_length=OPS_MAX)]
-
-
 # --- end op codec ---
 # -- the other ops ---------------------------------------------------------------------------------
 
@@ -189,6 +179,18 @@ class ClusterVersionOp(_Op, frozen=True, tag="v"):
     cluster_version: Annotated[int, Meta(ge=1, le=1000)]
 
 
+class WriteRows(_Op, frozen=True, tag="r", gc=False):
+    """Full rows of ``table``, each a tuple in ``columns`` order (sorted and unique). On the wire and in the
+    log from cluster version 2 on, an entry of two or more writes of one table with the same columns and
+    nothing else (a bulk write): the column names packed once, not per row (``pack_ops`` with ``runs``).
+    A replicant applies any entry of one table's writes with the same columns as one (``decode_ops`` with
+    ``runs``): one ``executemany`` binds the tuples as decoded, without a dict and a ``WriteOp`` per row."""
+
+    table: RowName
+    columns: Annotated[tuple[RowName, ...], Meta(min_length=1, max_length=ROW_COLUMNS_MAX)]
+    rows: Annotated[list[tuple[Any, ...]], Meta(min_length=2, max_length=OPS_MAX)]
+
+
 Op = (
     WriteOp
     | WriteRows
@@ -261,11 +263,6 @@ def _packable(op: Op) -> Any:
     return ("w", op.table, sorted(op.row.items())) if type(op) is WriteOp else op
 
 
-def encode_op(op: Op) -> list[Any]:
-    """The op's array as plain values (``pack_ops`` packs them)."""
-    return list(msgspec.to_builtins(_packable(op), builtin_types=(bytes,)))
-
-
 def _op(op: Any) -> Op:
     if type(op) is WriteRow:
         if len(row := dict(op.row)) != len(op.row) or list(row) != sorted(row):
@@ -275,38 +272,26 @@ def _op(op: Any) -> Op:
 
 
 def decode_op(value: Any) -> Op:
-    """Inverse of ``encode_op``; raises ``OpDecodeError`` on anything else."""
+    """An op from its packed array as plain values; raises ``OpDecodeError`` on anything else."""
     return _op(_decoded(lambda v: msgspec.convert(v, WireOp), value, "malformed op: {}"))
 
 
 def pack_ops(ops: tuple[Op, ...] | list[Op], runs: bool = False) -> bytes:
-    """``runs`` (cluster version 2, ``rlog.versions.packs_runs``): each longest run of two or more writes
-    of one table with the same columns as one ``WriteRows``, its column names packed once, not per row."""
-    packable = [_packable(op) for op in ops]
-    if runs and len(packable) > 1:
-        packable = [op for _, run in itertools.groupby(packable, _run_of) for op in _run([*run])]
-    return _ENCODER.encode(packable)
-
-
-def _run_of(op: Any) -> Any:  # the table and columns of a write's packed form; any other op is a run of its own
-    return (op[1], [column for column, _ in op[2]]) if type(op) is tuple else id(op)
-
-
-def _run(run: list[Any]) -> list[Any]:
-    if len(run) < 2 or type(run[0]) is not tuple:
-        return run
-    return [WriteRows(run[0][1], tuple(c for c, _ in run[0][2]), [tuple(v for _, v in write[2]) for write in run])]
-
-
-def expand_rows(op: WriteRows) -> list[WriteOp]:
-    """A ``WriteRows``'s writes, one ``WriteOp`` each; ``ValueError`` if a row's length is not the columns'."""
-    return [WriteOp(op.table, dict(zip(op.columns, row, strict=True))) for row in op.rows]
+    """``runs`` (cluster version 2, ``rlog.versions.packs_runs``): a bulk write packs as one ``WriteRows``."""
+    if runs and len(ops) > 1 and {*map(type, ops)} == {WriteOp} and len({op.table for op in ops}) == 1:
+        rows, columns = [op.row for op in ops], tuple(sorted(ops[0].row))
+        if {*map(len, rows)} == {len(columns)} and set().union(*rows) == {*columns}:  # each row has these columns
+            by_row = zip(*[[row[column] for row in rows] for column in columns], strict=True)
+            return _ENCODER.encode([WriteRows(ops[0].table, columns, [*by_row])])
+    return _ENCODER.encode([_packable(op) for op in ops])
 
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
-    """The ops of a stored ``pack_ops`` blob (trusted: no wire rules; ``rlog.messages.decode_ops``)."""
-    ops = _decoded(_UNPACKER.decode, blob, "entry ops do not decode: {}")
-    return tuple(each for op in ops for each in (expand_rows(op) if type(op) is WriteRows else (_op(op),)))
+    """A stored ``pack_ops`` blob's ops, a ``WriteRows`` as a ``WriteOp`` a row (trusted: checked when received)."""
+    ops, repeat = _decoded(_UNPACKER.decode, blob, "entry ops do not decode: {}"), itertools.repeat
+    if len(ops) == 1 and type(run := ops[0]) is WriteRows:
+        return tuple(map(WriteOp, repeat(run.table), map(dict, map(zip, repeat(run.columns), run.rows))))
+    return tuple(map(_op, ops))
 
 
 def entry_from_wire(value: Any) -> Entry:

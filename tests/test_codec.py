@@ -23,6 +23,8 @@ from mnesite.rlog.types import (
     decode_op,
     entry_from_wire,
     make_entry,
+    pack_ops,
+    unpack_ops,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -188,10 +190,15 @@ wire_values = st.one_of(
 def wire_ops(draw):
     ops = []
     for _ in range(draw(st.integers(0, 4))):
-        kind = draw(st.sampled_from(["w", "d", "x", 7]))
+        kind = draw(st.sampled_from(["w", "d", "x", 7, "r"]))
         table = draw(st.one_of(names, wire_values))
         if kind == "d" or kind == 7:
             ops.append([kind, table, draw(wire_values)])
+            continue
+        if kind == "r":  # a run of rows: column names, then rows of values (or anything else)
+            columns = draw(st.lists(st.one_of(names, wire_values), max_size=3))
+            rows = draw(st.lists(st.one_of(st.lists(wire_values, max_size=3), wire_values), max_size=4))
+            ops.append(["r", table, columns, rows])
             continue
         pairs = draw(
             st.lists(
@@ -212,7 +219,7 @@ def wire_ops(draw):
 
 def _reference_accepts(ops) -> bool:
     """The rules for an entry's ops in plain Python, one value at a time: what ``decode_ops`` must
-    accept, no more and no less (writes and deletes; ``wire_ops`` makes no other kinds)."""
+    accept, no more and no less (writes, deletes and runs of rows; ``wire_ops`` makes no other kinds)."""
     import re
 
     def name(value):
@@ -226,6 +233,15 @@ def _reference_accepts(ops) -> bool:
         return value is None or type(value) in (bool, str, bytes)
 
     for op in ops:
+        if isinstance(op, list) and len(op) == 4 and op[0] == "r":  # a run of rows: its entry's only op
+            if len(ops) != 1 or not name(op[1]) or not isinstance(op[2], list) or not isinstance(op[3], list):
+                return False
+            columns, rows = op[2], op[3]
+            if not columns or not all(map(name, columns)) or columns != sorted(set(columns)) or len(rows) < 2:
+                return False
+            if not all(isinstance(row, list) and len(row) == len(columns) and all(map(scalar, row)) for row in rows):
+                return False
+            continue
         if not isinstance(op, list) or len(op) != 3 or op[0] not in ("w", "d") or not name(op[1]):
             return False
         if op[0] == "d":
@@ -258,7 +274,14 @@ def test_decode_ops_accepts_exactly_what_the_plain_rules_accept(ops) -> None:
     accepted = _reference_accepts(ops)
     assert (decoded is not None) == accepted, ops
     if accepted:
-        assert decoded == tuple(decode_op(op) for op in ops)
+        assert decoded == _expected(ops)
+
+
+def _expected(ops) -> tuple:
+    """What accepted ops mean: a run of rows is a ``WriteOp`` a row, any other op ``decode_op``'s."""
+    if len(ops) == 1 and ops[0][0] == "r":
+        return tuple(WriteOp(ops[0][1], dict(zip(ops[0][2], row, strict=True))) for row in ops[0][3])
+    return tuple(decode_op(op) for op in ops)
 
 
 def test_a_push_with_a_malformed_row_is_refused_with_the_path_of_the_value() -> None:
@@ -448,11 +471,43 @@ def one_table_entries(draw):
     return ops
 
 
+@st.composite
+def one_run_entries(draw):
+    """Entries of one run of rows (a bulk write from cluster version 2 on), each maybe spoiled once: its
+    columns swapped or repeated, a row short or long, a hostile value, one row only, no column, a bad
+    name, another op beside it, or the run written as the writes it packs."""
+    columns = sorted(draw(st.sets(names, min_size=1, max_size=4)))
+    rows = [[draw(scalars) for _ in columns] for _ in range(draw(st.integers(2, 6)))]
+    where = draw(st.integers(0, len(rows) - 1))
+    spoil = draw(st.sampled_from(["none", "swap", "repeat", "short", "long", "value", "one", "empty", "name", "other"]))
+    if spoil == "swap" and len(columns) > 1:
+        columns[0], columns[1] = columns[1], columns[0]
+    elif spoil == "repeat":
+        columns.append(columns[-1])
+        rows = [[*row, row[-1]] for row in rows]
+    elif spoil == "short":
+        rows[where].pop()
+    elif spoil == "long":
+        rows[where].append(None)
+    elif spoil == "value":
+        rows[where][0] = draw(st.sampled_from([float("nan"), 2**63, [1], {"a": 1}]))
+    elif spoil == "one":
+        rows = rows[:1]
+    elif spoil == "empty":
+        columns, rows = [], [[] for _ in rows]
+    elif spoil == "name":
+        columns[0] = draw(st.sampled_from(["bad name!", "", "x" * 65]))
+    ops = [["r", "t", columns, rows]]
+    if spoil == "other":
+        ops.insert(draw(st.integers(0, 1)), draw(st.sampled_from([["d", "t", 1], ["w", "t", [["a", 1]]]])))
+    return ops
+
+
 @settings(max_examples=400, deadline=None)
-@given(st.one_of(one_table_entries(), wire_ops()))
+@given(st.one_of(one_table_entries(), one_run_entries(), wire_ops()))
 def test_decoding_runs_accepts_and_means_exactly_what_decoding_ops_does(ops) -> None:
-    # A replicant decodes an entry of one table's rows as one WriteRows (decode_ops with runs): the same
-    # checks must refuse the same entries with the same reason, and its rows must be the same writes.
+    # A replicant decodes with ``runs``: a bulk write's one WriteRows stays one. The same checks must
+    # refuse the same entries with the same reason, and what it keeps must be the same writes.
     try:
         packed = msgpack.packb(ops, use_bin_type=True)
     except (OverflowError, TypeError):
@@ -468,14 +523,29 @@ def test_decoding_runs_accepts_and_means_exactly_what_decoding_ops_does(ops) -> 
     if isinstance(plain, str):
         assert as_runs == plain
         return
-    assert _expanded(as_runs) == plain
-    one_run = len(plain) > 1 and {type(op) for op in plain} == {WriteOp} and len({op.table for op in plain}) == 1
-    one_run = one_run and len({tuple(op.row) for op in plain}) == 1 and bool(plain[0].row)
+    assert _expanded(as_runs) == plain == _expected(ops)
+    one_run = len(ops) == 1 and ops[0][0] == "r"
     assert [type(op) for op in as_runs] == ([WriteRows] if one_run else [type(op) for op in plain])
+    assert unpack_ops(packed) == plain  # what the log's reader (trusted) makes of the same bytes
 
 
-def test_a_run_holds_the_rows_as_tuples_in_the_order_of_its_sorted_columns() -> None:
-    packed = msgpack.packb([["w", "t", [["a", i], ["b", str(i)]]] for i in range(3)], use_bin_type=True)
+def test_a_bulk_write_packs_as_one_run_of_tuples_in_the_order_of_its_sorted_columns() -> None:
+    writes = tuple(WriteOp("t", {"b": str(i), "a": i}) for i in range(3))
+    packed = pack_ops(writes, runs=True)  # a sequencer at cluster version 2
+    assert msgpack.unpackb(packed) == [["r", "t", ["a", "b"], [[0, "0"], [1, "1"], [2, "2"]]]]
+    assert len(packed) < len(pack_ops(writes))  # the column names once, not per row
     assert messages.decode_ops(packed, runs=True) == (WriteRows("t", ("a", "b"), [(0, "0"), (1, "1"), (2, "2")]),)
-    one_row = msgpack.packb([["w", "t", [["a", 1]]]], use_bin_type=True)  # a follower's common entry
-    assert messages.decode_ops(one_row, runs=True) == (WriteOp("t", {"a": 1}),)
+    assert messages.decode_ops(packed) == writes == unpack_ops(packed)
+    # Packed a write at a time: one write, two tables, two column lists, a delete among them, cluster version 1.
+    for ops in (
+        writes[:1],
+        (*writes, WriteOp("u", {"a": 1})),
+        (*writes, WriteOp("t", {"a": 9})),
+        (*writes, DeleteOp("t", 1)),
+    ):
+        assert pack_ops(ops, runs=True) == pack_ops(ops)
+        assert messages.decode_ops(pack_ops(ops), runs=True) == ops  # a replicant keeps a WriteOp a row
+    assert [op[0] for op in msgpack.unpackb(pack_ops(writes))] == ["w", "w", "w"]
+    # One column: still a tuple a row.
+    single = tuple(WriteOp("t", {"a": i}) for i in range(2))
+    assert messages.decode_ops(pack_ops(single, runs=True), runs=True) == (WriteRows("t", ("a",), [(0,), (1,)]),)

@@ -8,6 +8,7 @@ import json
 import os
 
 import msgpack
+import msgspec
 import pytest
 from mnesite.core import membership
 from mnesite.core.consensus import (
@@ -41,7 +42,6 @@ from mnesite.rlog.types import (
     TxKey,
     WriteOp,
     decode_op,
-    encode_op,
     make_entry,
 )
 
@@ -236,9 +236,9 @@ def check_wire_op(op, path):
 
 def test_a_membership_op_round_trips_and_the_typed_layer_refuses_malformed_ones():
     op = MembersOp(("a", "b"), "b", "tcp://127.0.0.1:9")
-    assert decode_op(encode_op(op)) == op
-    check_wire_op(encode_op(op), "op")
-    check_wire_op(encode_op(MembersOp(("a",))), "op")
+    assert decode_op(msgspec.to_builtins(op)) == op
+    check_wire_op(msgspec.to_builtins(op), "op")
+    check_wire_op(msgspec.to_builtins(MembersOp(("a",))), "op")
     for bad in (
         ["m", "a", "", ""],
         ["m", ["a"], "b"],

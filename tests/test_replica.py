@@ -712,15 +712,15 @@ def test_a_waiting_read_is_answered_only_when_readable_and_its_key_is_applied():
 
 @pytest.mark.timeout(10)
 def test_a_pushed_entry_of_one_tables_rows_is_decoded_as_one_run_and_still_chains():
-    """``push_received`` (driver and simulator) decodes an entry of several rows of one table as one
-    ``WriteRows``: what the replicant's apply binds without a dict and a WriteOp per row; the digest
+    """``push_received`` (driver and simulator) keeps a bulk write packed as one ``WriteRows`` (cluster
+    version 2) as it is: what the replicant's apply binds without a dict and a WriteOp per row; the digest
     chain the machine checks is the packed bytes', so the run is applied like any entry."""
     from mnesite.replicant.replica import push_received
     from mnesite.rlog import messages
     from mnesite.rlog.types import WriteRows
 
     rows = tuple(WriteOp("t", {"k": k, "v": "x"}) for k in range(3))
-    entry = make_entry(SHARD, TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, rows)
+    entry = make_entry(SHARD, TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, rows, runs=True)
     body = messages.typed_body(
         "push",
         {

@@ -40,7 +40,6 @@ from mnesite.rlog.types import (
     TxKey,
     WriteOp,
     decode_op,
-    encode_op,
     make_entry,
 )
 
@@ -56,7 +55,7 @@ EMAIL = AddColumnOp("users", "s", "email", "TEXT")
 
 def test_the_ops_encode_canonically_and_travel_in_entries() -> None:
     for op in (BY_KARMA, DropIndexOp("by_karma", "users", "s"), EMAIL):
-        assert decode_op(encode_op(op)) == op
+        assert decode_op(msgspec.to_builtins(op)) == op
     entry = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (BY_KARMA, EMAIL), "r1")
     assert decode_entry(msgspec.convert(entry.to_wire(), WireEntry)) == entry
     other = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (BY_KARMA,), "r1")

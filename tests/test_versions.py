@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import apsw
+import msgspec
 import pytest
 from mnesite.core.consensus_wire import CONSENSUS_WIRE_VERSION
 from mnesite.core.versions import (
@@ -28,7 +29,7 @@ from mnesite.rlog.backup import BACKUP_META, BackupError, restore
 from mnesite.rlog.messages import PROTOCOL_VERSION
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, journal_answer
 from mnesite.rlog.store import FORMAT_VERSION, Store, StoreError
-from mnesite.rlog.types import ClusterVersionOp, Entry, TxKey, decode_op, encode_op, make_entry, pack_ops
+from mnesite.rlog.types import ClusterVersionOp, Entry, TxKey, decode_op, make_entry, pack_ops
 from mnesite.rlog.versions import (
     CLUSTER_VERSION_HIGHEST,
     CLUSTER_VERSIONS,
@@ -157,7 +158,7 @@ def test_a_core_serves_a_watch_only_with_a_protocol_that_reads_its_log() -> None
 
 def test_the_cluster_version_entry_is_an_op_on_the_wire_and_in_the_log() -> None:
     op = ClusterVersionOp("default", 2)
-    assert decode_op(encode_op(op)) == op
+    assert decode_op(msgspec.to_builtins(op)) == op
     assert messages.decode_ops(pack_ops((op,))) == (op,)
     entry = make_entry("default", TxKey(1, 2), TxKey(1, 1), bytes(32), (op,))
     assert (
