@@ -11,10 +11,12 @@ exported tree with ``--no-deps --no-index --no-build-isolation``. That takes 2-3
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import sysconfig
@@ -22,7 +24,9 @@ import tarfile
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
+from mnesite.rlog.types import TxKey
 from mnesite.rlog.versions import SPEAK_ONLY_ENV
 
 from tests.conftest import REPO, Cluster, NodeProcess, wait_until
@@ -142,6 +146,18 @@ def _node_metrics(status: dict) -> str:
     return metrics.text().decode()
 
 
+BULK_ROWS = 20
+
+
+def _packing(data_dir: Path, key: TxKey) -> list[str]:
+    """The op tags of the logged entry at ``key`` (read-only, beside the running node)."""
+    uri = f"file:{data_dir / 'mnesite.db'}?mode=ro"
+    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=10)) as connection:
+        query = "SELECT ops FROM _mnesite_rlog WHERE shard = ? AND generation = ? AND counter = ?"
+        (ops,) = connection.execute(query, (SHARD, key.generation, key.counter)).fetchone()
+    return [op[0] for op in msgpack.unpackb(ops)]
+
+
 def _software(status: dict | None) -> str:
     return ((status or {}).get("versions") or {}).get("software", "0.1.0")
 
@@ -188,6 +204,15 @@ def test_rolling_upgrade_from_0_1_0_under_writes_with_a_roll_back(
             return {_cluster_version(cluster.status(name)) for name in cluster.names}
 
         acknowledged_more()
+        bulk_keys = []  # bulk writes: packed a row at a time while a member speaks only 1, as one run after
+
+        def bulk_write() -> TxKey:
+            first = 1000 + BULK_ROWS * len(bulk_keys)  # above the recorder's keys
+            ops = [{"op": "write", "table": TABLE, "row": {"id": first + i, "value": i}} for i in range(BULK_ROWS)]
+            with cluster.client(cluster.names[len(bulk_keys) % 3], timeout_ms=5000, retries=5) as client:
+                bulk_keys.append(client.transact(ops))
+            return bulk_keys[-1]
+
         # The documented order (docs/operations/upgrades.md): replicants, followers, the sequencer last.
         steps: list[tuple[str, Path | None, str]] = [
             *((name, None, "upgrade") for name in replicants),
@@ -202,6 +227,7 @@ def test_rolling_upgrade_from_0_1_0_under_writes_with_a_roll_back(
             acknowledged_more()
             # The cluster version waits for the last core: a member still speaks only 1.
             assert cluster_versions() == {1}, f"after {what} of {name}: {cluster_versions()}"
+            bulk_write()
         status = cluster.status(followers[0])
         assert _software(status) != "0.1.0" and status["peer_versions"][sequencer]["software"] == "0.1.0"
         assert status["peer_versions"][sequencer]["announced"] is False
@@ -210,6 +236,7 @@ def test_rolling_upgrade_from_0_1_0_under_writes_with_a_roll_back(
         moved = time.monotonic()
         wait_until(lambda: cluster_versions() == {2}, STEP_TIMEOUT_S, "the cluster version to move to 2", 0.1)
         timings["cluster_version_moved_after_s"] = round(time.monotonic() - moved, 1)
+        bulk_write()
         acknowledged_more()
     finally:
         recorder.stop()
@@ -247,6 +274,12 @@ def test_rolling_upgrade_from_0_1_0_under_writes_with_a_roll_back(
         assert _software(status) != "0.1.0", name
         if name in cluster.names:
             assert status["storage_format"] == 2 and status["shards"][SHARD]["cluster_version"] == 2
+    # Bulk writes were packed a row at a time while release 0.1.0 had to read them, as one run after.
+    packing = [_packing(cluster.data_dir(cluster.names[0]), key) for key in bulk_keys]
+    assert packing == [["w"] * BULK_ROWS] * (len(bulk_keys) - 1) + [["r"]], packing
+    for name in cluster.names + replicants:
+        with cluster.client(name, timeout_ms=5000, retries=5) as client:
+            assert client.count(TABLE) >= BULK_ROWS * len(bulk_keys), name
     # Nothing any node was sent was something it could not read: no refusals of frames, watches or entries.
     for name, node in cluster.nodes.items():
         text = node.log_path.read_text()

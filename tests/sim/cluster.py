@@ -313,6 +313,9 @@ class Simulation:
     # How long a follower may gather commits (production's [limits] follower_apply_delay_ms_max);
     # 0: every commit applied at once (see the theory of operation).
     follower_apply_delay_ms = 0
+    # The cluster version the cores' applied state is at when they propose (production reads its shard's):
+    # from 2 on a bulk write packs as one run of rows (rlog.versions.packs_runs).
+    cluster_version = 1
 
     def __init__(self, seed: int, core_count: int, faulty_ms: int = 3000, tick_ms: int = 10) -> None:
         self.seed = seed
@@ -498,7 +501,7 @@ class Simulation:
 
     def _propose_held(self, node: SimNode) -> None:
         """Production's ``CoreNode._propose_batch``: the held writes in one ``ProposedBatch``."""
-        batch, held = node.held.take()
+        batch, held = node.held.take(self.cluster_version)
         self._await_entries(node, self._step(node, batch), dict(held))
 
     def _await_entries(self, node: SimNode, effects: list[Effect], clients: dict[str, str]) -> None:

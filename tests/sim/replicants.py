@@ -182,10 +182,15 @@ class ReplicantSimulationResult:
     rows_copied: int
     pushes_rejected: int
     replicant_crashes: int
+    runs_pushed: int
     final_time_ms: int
 
 
 class ReplicantSimulation(Simulation):
+    # The cores pack a write of two or more rows of one table as one run (cluster version 2): pushes carry
+    # runs through the real codec, and replicants decode and apply them as production's do.
+    cluster_version = 2
+
     def __init__(
         self,
         seed: int,
@@ -196,6 +201,7 @@ class ReplicantSimulation(Simulation):
         replica_class: type[ShardReplica] = ShardReplica,
     ) -> None:
         # Set before the base constructor, which starts the cores.
+        self.runs_pushed = 0  # entries pushed whose rows are packed as one run (checked: the CI seeds push some)
         # Each core's agent server (production's adapter: watches, agents, push frames).
         self.agent_servers: dict[str, AgentServer] = {}
         self.core_tables: dict[str, Tables] = {}
@@ -333,6 +339,8 @@ class ReplicantSimulation(Simulation):
             for entry in map(messages.decode_entry, push.body.entries):
                 if entry.tx_key > self._committed_key(node) or self.committed_digest.get(entry.tx_key) != entry.digest:
                     raise self.fail(f"agent {push.body.agent} on {node.name} pushed {entry.tx_key}, not committed")
+                if any(type(op) is WriteRows for op in messages.decode_ops(entry.packed, runs=True)):
+                    self.runs_pushed += 1  # a bulk write packed as one run, as a replicant decodes it
             self._send_replication(node.name, endpoint.removeprefix("ipc://"), ("frame", frame))
         for agent_id, watch in server.watches.items():
             if watch.agent.status().unacknowledged_entries > self.agent_config.window_entries_max:
@@ -863,6 +871,7 @@ class ReplicantSimulation(Simulation):
             rows_copied=sum(r.machine.status().rows_copied for r in self.replicants.values() if r.machine),
             pushes_rejected=self.pushes_rejected,
             replicant_crashes=self.replicant_crashes,
+            runs_pushed=self.runs_pushed,
             final_time_ms=self.now_ms,
         )
 
