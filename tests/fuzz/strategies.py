@@ -203,6 +203,12 @@ def _right_type(spec: mi.Type, path: str, known: Known) -> st.SearchStrategy[Any
             st.lists(
                 st.one_of(
                     st.tuples(st.just("w"), plausible_names(known.tables), st.just([["id", 1]])).map(list),
+                    st.tuples(  # a run of rows (a bulk write): rows of one value, of another length, or not rows
+                        st.just("r"),
+                        plausible_names(known.tables),
+                        st.sampled_from([["id"], ["id", "id"], [], ["id", "v"], ["v", "id"]]),
+                        st.lists(st.one_of(st.tuples(scalar()).map(list), nested_value(3)), max_size=3),
+                    ).map(list),
                     st.tuples(st.just("d"), plausible_names(known.tables), scalar()).map(list),
                     st.tuples(
                         st.just("c"), plausible_names(known.tables), st.just("default"), st.just("id"), st.just([])
