@@ -183,8 +183,8 @@ class WriteRows(_Op, frozen=True, tag="r", gc=False):
     """Full rows of ``table``, each a tuple in ``columns`` order (sorted and unique). On the wire and in the
     log from cluster version 2 on, an entry of two or more writes of one table with the same columns and
     nothing else (a bulk write): the column names packed once, not per row (``pack_ops`` with ``runs``).
-    A replicant applies any entry of one table's writes with the same columns as one (``decode_ops`` with
-    ``runs``): one ``executemany`` binds the tuples as decoded, without a dict and a ``WriteOp`` per row."""
+    A replicant keeps it as decoded (``decode_ops`` with ``runs``): one ``executemany`` binds the tuples,
+    without a dict and a ``WriteOp`` per row; everyone else reads a ``WriteOp`` a row."""
 
     table: RowName
     columns: Annotated[tuple[RowName, ...], Meta(min_length=1, max_length=ROW_COLUMNS_MAX)]
