@@ -313,9 +313,9 @@ class Simulation:
     # How long a follower may gather commits (production's [limits] follower_apply_delay_ms_max);
     # 0: every commit applied at once (see the theory of operation).
     follower_apply_delay_ms = 0
-    # The cluster version the cores' applied state is at when they propose (production reads its shard's):
+    # The cluster version the cores' applied state is at when they propose (``_applied_cluster_version``):
     # from 2 on a bulk write packs as one run of rows (rlog.versions.packs_runs).
-    cluster_version = 1
+    packing_cluster_version = 1
 
     def __init__(self, seed: int, core_count: int, faulty_ms: int = 3000, tick_ms: int = 10) -> None:
         self.seed = seed
@@ -501,8 +501,12 @@ class Simulation:
 
     def _propose_held(self, node: SimNode) -> None:
         """Production's ``CoreNode._propose_batch``: the held writes in one ``ProposedBatch``."""
-        batch, held = node.held.take(self.cluster_version)
+        batch, held = node.held.take(self._applied_cluster_version(node))
         self._await_entries(node, self._step(node, batch), dict(held))
+
+    def _applied_cluster_version(self, node: SimNode) -> int:
+        """The cluster version ``node``'s applied state is at (production reads its shard's from the store)."""
+        return self.packing_cluster_version
 
     def _await_entries(self, node: SimNode, effects: list[Effect], clients: dict[str, str]) -> None:
         """Production's ``CoreNode._propose_batch``: each proposed write waits for its entry (one the

@@ -189,7 +189,7 @@ class ReplicantSimulationResult:
 class ReplicantSimulation(Simulation):
     # The cores pack a write of two or more rows of one table as one run (cluster version 2): pushes carry
     # runs through the real codec, and replicants decode and apply them as production's do.
-    cluster_version = 2
+    packing_cluster_version = 2
 
     def __init__(
         self,

@@ -103,6 +103,10 @@ class VersionsSimulation(Simulation):
                 release = self.release[peer]
                 view.heard(peer, {"versions": release.to_wire()} if release.announced else {}, self.now_ms)
 
+    def _applied_cluster_version(self, node: SimNode) -> int:
+        """Each core packs by the cluster version it applied, as production's driver does."""
+        return self.cluster_version[node.name]
+
     def _propose_due(self) -> None:
         for name, view in self.views.items():
             node = self.nodes[name]
