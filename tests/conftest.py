@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -14,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import zmq
 from mnesite.core.node import CoreNode
@@ -65,6 +68,16 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, inter
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+def logged_op_tags(data_dir: Path, shard: str, key: tuple[int, int]) -> list[str] | None:
+    """The op tags (``w``, ``r``, ...) of the entry at ``key`` in a node's log, read-only beside the running
+    node: how the entry was packed. None if the node has not logged it."""
+    uri = f"file:{data_dir / 'mnesite.db'}?mode=ro"
+    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=10)) as connection:
+        query = "SELECT ops FROM _mnesite_rlog WHERE shard = ? AND generation = ? AND counter = ?"
+        row = connection.execute(query, (shard, *key)).fetchone()
+    return None if row is None else [op[0] for op in msgpack.unpackb(row[0])]
 
 
 def offline_replicant(data_dir: Path):

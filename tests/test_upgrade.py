@@ -11,12 +11,10 @@ exported tree with ``--no-deps --no-index --no-build-isolation``. That takes 2-3
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import sysconfig
@@ -24,12 +22,11 @@ import tarfile
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 from mnesite.rlog.types import TxKey
 from mnesite.rlog.versions import SPEAK_ONLY_ENV
 
-from tests.conftest import REPO, Cluster, NodeProcess, wait_until
+from tests.conftest import REPO, Cluster, NodeProcess, logged_op_tags, wait_until
 from tests.fault.checker import Verdict, check_history
 from tests.fault.history import COLUMNS, TABLE, Recorder
 from tests.fault.run import (
@@ -149,15 +146,6 @@ def _node_metrics(status: dict) -> str:
 BULK_ROWS = 20
 
 
-def _packing(data_dir: Path, key: TxKey) -> list[str]:
-    """The op tags of the logged entry at ``key`` (read-only, beside the running node)."""
-    uri = f"file:{data_dir / 'mnesite.db'}?mode=ro"
-    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=10)) as connection:
-        query = "SELECT ops FROM _mnesite_rlog WHERE shard = ? AND generation = ? AND counter = ?"
-        (ops,) = connection.execute(query, (SHARD, key.generation, key.counter)).fetchone()
-    return [op[0] for op in msgpack.unpackb(ops)]
-
-
 def _software(status: dict | None) -> str:
     return ((status or {}).get("versions") or {}).get("software", "0.1.0")
 
@@ -275,7 +263,7 @@ def test_rolling_upgrade_from_0_1_0_under_writes_with_a_roll_back(
         if name in cluster.names:
             assert status["storage_format"] == 2 and status["shards"][SHARD]["cluster_version"] == 2
     # Bulk writes were packed a row at a time while release 0.1.0 had to read them, as one run after.
-    packing = [_packing(cluster.data_dir(cluster.names[0]), key) for key in bulk_keys]
+    packing = [logged_op_tags(cluster.data_dir(cluster.names[0]), SHARD, key) for key in bulk_keys]
     assert packing == [["w"] * BULK_ROWS] * (len(bulk_keys) - 1) + [["r"]], packing
     for name in cluster.names + replicants:
         with cluster.client(name, timeout_ms=5000, retries=5) as client:

@@ -9,29 +9,16 @@ op, which followers and a replicant apply to the same rows (digests converge).
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
 from pathlib import Path
 
-import msgpack
 import pytest
 from mnesite.rlog.types import TxKey
 from mnesite.rlog.versions import SPEAK_ONLY_ENV, packs_runs
 
-from tests.conftest import Cluster, NodeProcess, wait_until
+from tests.conftest import Cluster, NodeProcess, logged_op_tags, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 TABLE, ROWS, SHARD = "bulk", 50, "default"
-
-
-def _tags(data_dir: Path, key: TxKey) -> list[str]:
-    """The op tags of the logged entry at ``key`` (read-only, beside the running node)."""
-    uri = f"file:{data_dir / 'mnesite.db'}?mode=ro"
-    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=10)) as connection:
-        query = "SELECT ops FROM _mnesite_rlog WHERE shard = ? AND generation = ? AND counter = ?"
-        row = connection.execute(query, (SHARD, key.generation, key.counter)).fetchone()
-    assert row is not None, f"{data_dir.name} has no entry {key}"
-    return [op[0] for op in msgpack.unpackb(row[0])]
 
 
 def _cluster_versions(cluster: Cluster) -> set:
@@ -68,25 +55,19 @@ def test_a_bulk_write_is_packed_a_row_at_a_time_at_version_1_and_as_one_run_at_2
     cluster.wait_converged(cluster.names)
     assert _cluster_versions(cluster) == {1}  # core3 speaks only 1
     for name in cluster.names:
-        assert _tags(cluster.data_dir(name), at_1) == ["w"] * ROWS, name
+        assert logged_op_tags(cluster.data_dir(name), SHARD, at_1) == ["w"] * ROWS, name
 
     cluster.nodes["core3"].stop()
     cluster.start("core3")  # now speaks 1 and 2: the shard moves to 2
     wait_until(lambda: _cluster_versions(cluster) == {2}, 60, "the cluster version to move to 2", interval_s=0.2)
     at_2 = _bulk_write(cluster, ROWS)
     for name in [*cluster.names, "replicant1"]:
-        wait_until(lambda name=name: _has_entry(cluster.data_dir(name), at_2), 30, f"{name} to log {at_2}")
-        assert _tags(cluster.data_dir(name), at_2) == ["r"], name
+        data_dir = cluster.data_dir(name)
+        wait_until(lambda d=data_dir: logged_op_tags(d, SHARD, at_2) is not None, 30, f"{name} to log {at_2}")
+        assert logged_op_tags(data_dir, SHARD, at_2) == ["r"], name
     position = cluster.wait_replicants_converged(cluster.names, ["replicant1"])
     assert tuple(position["applied"]) >= tuple(at_2)
     for name in [*cluster.names, "replicant1"]:
         with cluster.client(name, timeout_ms=5000, retries=5) as client:
             rows = list(client.scan(TABLE))
         assert [(row["id"], row["note"]) for row in rows] == [(i, f"row {i}") for i in range(2 * ROWS)], name
-
-
-def _has_entry(data_dir: Path, key: TxKey) -> bool:
-    uri = f"file:{data_dir / 'mnesite.db'}?mode=ro"
-    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=10)) as connection:
-        query = "SELECT 1 FROM _mnesite_rlog WHERE shard = ? AND generation = ? AND counter = ?"
-        return connection.execute(query, (SHARD, key.generation, key.counter)).fetchone() is not None
