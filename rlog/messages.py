@@ -414,7 +414,7 @@ def decode_ops(packed: bytes, runs: bool = False) -> tuple[types.Op, ...]:
         if list(run.columns) != sorted({*run.columns}) or {*map(len, run.rows)} != {len(run.columns)}:
             raise MessageError("ops: a write run's columns must be sorted and unique, with a value each in every row")
         names, values, width = {run.table, *run.columns}, [*itertools.chain.from_iterable(run.rows)], len(run.columns)
-        ops = (run,) if runs else types.unpack_ops(packed)  # a WriteOp a row
+        ops = (run,) if runs else run.writes()
     elif len(wire) == 1 and type(wire[0]) is WriteRow:  # the commonest entry (a follower's per write): no C loops
         row = dict(wire[0].row)
         if len(row) != len(wire[0].row) or list(row) != sorted(row):

@@ -190,6 +190,11 @@ class WriteRows(_Op, frozen=True, tag="r", gc=False):
     columns: Annotated[tuple[RowName, ...], Meta(min_length=1, max_length=ROW_COLUMNS_MAX)]
     rows: Annotated[list[tuple[Any, ...]], Meta(min_length=2, max_length=OPS_MAX)]
 
+    def writes(self) -> tuple[WriteOp, ...]:
+        """The run as the writes it packs, a ``WriteOp`` a row (each row a value a column: checked when received)."""
+        repeat = itertools.repeat
+        return tuple(map(WriteOp, repeat(self.table), map(dict, map(zip, repeat(self.columns), self.rows))))
+
 
 Op = (
     WriteOp
@@ -288,10 +293,8 @@ def pack_ops(ops: tuple[Op, ...] | list[Op], runs: bool = False) -> bytes:
 
 def unpack_ops(blob: bytes) -> tuple[Op, ...]:
     """A stored ``pack_ops`` blob's ops, a ``WriteRows`` as a ``WriteOp`` a row (trusted: checked when received)."""
-    ops, repeat = _decoded(_UNPACKER.decode, blob, "entry ops do not decode: {}"), itertools.repeat
-    if len(ops) == 1 and type(run := ops[0]) is WriteRows:
-        return tuple(map(WriteOp, repeat(run.table), map(dict, map(zip, repeat(run.columns), run.rows))))
-    return tuple(map(_op, ops))
+    ops = _decoded(_UNPACKER.decode, blob, "entry ops do not decode: {}")
+    return ops[0].writes() if len(ops) == 1 and type(ops[0]) is WriteRows else tuple(map(_op, ops))
 
 
 def entry_from_wire(value: Any) -> Entry:
