@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 
 .PHONY: setup docs docs-deps java faketime iproute2 run test test-fast fault-test partition-test failover lint bench \
-	bench-peers profile trace-write clean fuzz
+	bench-peers profile trace-write turn-costs clean fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -108,6 +108,10 @@ profile: setup
 # The hops of a 1-client write through three cores, timed (benchmarks/PROFILE.md).
 trace-write: setup
 	$(BIN)/python benchmarks/trace_write.py
+
+# A write's CPU by core and thread, its commits and context switches, at 1, 8 and 64 clients (benchmarks/PROFILE.md).
+turn-costs: setup
+	$(BIN)/python benchmarks/turn_costs.py $(if $(CORES),--cores $(CORES))
 
 clean:
 	rm -rf $(VENV) site docs/benchmarks/charts bench-peers mnesite-data .pytest_cache .ruff_cache .hypothesis

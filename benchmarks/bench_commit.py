@@ -275,6 +275,15 @@ def start_nodes(
     raise SystemExit("no sequencer after the table was created")
 
 
+def stop_nodes(processes: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+    """Stop what ``start_nodes`` started: SIGTERM to each node's process group (each runs in a session
+    of its own), then wait for every one."""
+    for process in processes:
+        os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
+        process.wait(timeout_s)
+
+
 def machine() -> str:
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{os.cpu_count()} cores, {memory_gib:.0f} GiB, {platform.machine()}, Python {platform.python_version()}"
@@ -313,10 +322,7 @@ def main() -> None:
                         results.append(median)
             finally:
                 for processes, _, _ in clusters.values():
-                    for process in processes:
-                        os.killpg(process.pid, signal.SIGTERM)
-                    for process in processes:
-                        process.wait(30)
+                    stop_nodes(processes, timeout_s=30)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     by_run = {(r["name"], r["clients"]): r for r in results}

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_commit import bench_node, start_nodes  # noqa: E402
+from bench_commit import bench_node, start_nodes, stop_nodes  # noqa: E402
 
 SAMPLES_PER_S = 200
 
@@ -109,10 +107,7 @@ def main() -> None:
                 for name, percent in leaves:
                     print(f"| {percent:.1f} | {name} |")
     finally:
-        for process in processes:
-            os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            process.wait(30)
+        stop_nodes(processes, timeout_s=30)
         shutil.rmtree(directory, ignore_errors=True)
 
 

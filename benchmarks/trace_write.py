@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -29,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_commit import bench_node, machine, start_nodes  # noqa: E402
+from bench_commit import bench_node, machine, start_nodes, stop_nodes  # noqa: E402
 
 HOOK = Path(__file__).resolve().parent / "trace_hook.py"
 Event = tuple[str, int, int, Any]
@@ -129,10 +127,7 @@ def main() -> None:
     try:
         result = bench_node(endpoint, 1, args.seconds, "3 cores", keys)
     finally:
-        for process in processes:
-            os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            process.wait(60)
+        stop_nodes(processes)
     try:
         traces = [Trace(path) for path in sorted(directory.glob("*.trace"))]
     finally:

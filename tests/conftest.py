@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import random
 import shutil
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import msgpack
 import pytest
@@ -26,6 +28,21 @@ from mnesite.rlog.config import parse_config
 from tests.spark_fixtures import spark_session  # noqa: F401  (the one SparkSession of the test run)
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """The script ``benchmarks/<name>.py`` as a module (scripts, not a package: their directory goes on
+    ``sys.path`` for their own imports of each other); loaded once per test run."""
+    if name in sys.modules:
+        return sys.modules[name]
+    directory = str(REPO / "benchmarks")
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _listen_ports() -> range:

@@ -7,20 +7,15 @@ not give a figure.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 pytestmark = pytest.mark.timeout(60)
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-_SPEC = importlib.util.spec_from_file_location("bench_catchup", REPO / "benchmarks" / "bench_catchup.py")
-bench_catchup = importlib.util.module_from_spec(_SPEC)
-sys.modules.setdefault("bench_catchup", bench_catchup)
-_SPEC.loader.exec_module(bench_catchup)
+bench_catchup = load_benchmark("bench_catchup")
 
 
 def test_a_round_applies_every_row_through_the_replicant_and_times_both_sides(tmp_path: Path) -> None:

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 pytestmark = pytest.mark.timeout(30)
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-_SPEC = importlib.util.spec_from_file_location("trace_write", REPO / "benchmarks" / "trace_write.py")
-trace_write = importlib.util.module_from_spec(_SPEC)
-sys.modules["trace_write"] = trace_write
-_SPEC.loader.exec_module(trace_write)
+trace_write = load_benchmark("trace_write")
 
 US = 1000  # ns
 

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 pytestmark = pytest.mark.timeout(30)
 
 REPO = Path(__file__).resolve().parent.parent
-_SPEC = importlib.util.spec_from_file_location("wire_lines", REPO / "benchmarks" / "wire_lines.py")
-wire_lines = importlib.util.module_from_spec(_SPEC)
-sys.modules["wire_lines"] = wire_lines
-_SPEC.loader.exec_module(wire_lines)
+wire_lines = load_benchmark("wire_lines")
 
 
 def test_the_wire_layer_stays_under_its_ceiling() -> None:
