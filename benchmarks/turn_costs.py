@@ -76,15 +76,17 @@ def read_threads(pid: int) -> dict[int, ThreadSample]:
 
 
 def machine_busy_s() -> float:
-    """CPU seconds the whole machine spent outside idle since boot (``/proc/stat``)."""
-    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = values[3] + values[4]  # idle, iowait
-    return (sum(values[:8]) - idle) / TICKS_S
+    """CPU seconds the machine's CPUs ran something since boot (``/proc/stat``: user, nice, system, irq
+    and softirq; not idle, iowait, or steal, the hypervisor's time given to other machines)."""
+    user, nice, system, _idle, _iowait, irq, softirq = (
+        int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:8]
+    )
+    return (user + nice + system + irq + softirq) / TICKS_S
 
 
 def per_write(before: dict[str, CoreSample], after: dict[str, CoreSample], writes: int) -> list[dict[str, Any]]:
     """Each core's CPU per write by thread (us), and its commits and context switches per write,
-    between two samples; threads that used no CPU in between are left out."""
+    between two samples; a thread that used under half a microsecond a write is left out of the CPU."""
     if writes <= 0:
         raise ValueError("no write was applied between the two samples")
     rows = []
