@@ -10,7 +10,8 @@ per thread, the CPU each write costs, and per core the commits (one a loop turn 
 context switches each write costs, with the whole machine's CPU in use over the same window.
 
 What it shows (``benchmarks/PROFILE.md``): how much of a write's CPU is a turn's fixed cost, paid
-again by every turn however few writes it carries, against what each write adds. Not a test: the
+again by every turn however few writes it carries, against what each write adds; with two client
+counts above one, it fits both per role (``turn_and_write_costs``). Not a test: the
 figures depend on the machine and its load; compare rows of one run.
 """
 
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -116,6 +118,26 @@ def per_write(before: dict[str, CoreSample], after: dict[str, CoreSample], write
     return rows
 
 
+def turn_and_write_costs(reports: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per role, a core's CPU per write as a cost per committing turn times its commits per write,
+    plus a cost per write: a least-squares line through the cores of that role in every run with more
+    than one client. A one-client run is left out: its turns that commit nothing (heartbeats, commit
+    notices) weigh on each commit there. A role needs points at two commit rates or more."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for report in reports:
+        if report["clients"] > 1:
+            for row in report["per_write"]:
+                points.setdefault(row["role"], []).append((row["commits"], row["cpu_us"]))
+    fits = {}
+    for role, pairs in sorted(points.items()):
+        commits, cpu = [c for c, _ in pairs], [u for _, u in pairs]
+        if len(set(commits)) < 2:
+            continue
+        per_turn, per_write = statistics.linear_regression(commits, cpu)
+        fits[role] = {"per_turn_us": round(per_turn), "per_write_us": round(per_write, 1), "points": len(pairs)}
+    return fits
+
+
 def sample(processes: dict[str, Any], endpoints: dict[str, str]) -> dict[str, CoreSample]:
     samples = {}
     for name, process in processes.items():
@@ -174,8 +196,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
     reports = [measure(args.cores, int(clients), args.seconds) for clients in args.clients.split(",")]
+    fits = turn_and_write_costs(reports)
     if args.json:
-        print(json.dumps({"machine": machine(), "reports": reports}, indent=1))
+        print(json.dumps({"machine": machine(), "reports": reports, "fits": fits}, indent=1))
         return
     print(machine())
     for report in reports:
@@ -193,6 +216,16 @@ def main() -> None:
             print(
                 f"| {row['core']} | {row['role']} | {row['cpu_us']:.0f} | {row['commits']:.3f} | "
                 f"{row['switches']:.2f} | {threads} |"
+            )
+    if fits:
+        print(
+            "\nFitted through the runs with more than one client "
+            "(CPU a write = a turn's cost x commits a write + a write's):"
+        )
+        for role, fit in fits.items():
+            print(
+                f"* {role}: {fit['per_turn_us']} us of CPU a committing turn, {fit['per_write_us']} us a write "
+                f"({fit['points']} points)"
             )
 
 

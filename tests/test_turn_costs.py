@@ -80,3 +80,24 @@ def test_the_threads_of_a_process_are_read_with_their_cpu_and_switches() -> None
     assert worker.native_id in threads
     assert all(thread.voluntary >= 0 and thread.involuntary >= 0 for thread in threads.values())
     assert turn_costs.machine_busy_s() > 0
+
+
+def _report(clients: int, rows: list[tuple[str, float, float]]) -> dict:
+    return {"clients": clients, "per_write": [{"role": r, "commits": c, "cpu_us": u} for r, c, u in rows]}
+
+
+def test_a_turn_s_cost_and_a_write_s_are_fitted_per_role_from_the_runs_with_several_clients() -> None:
+    # A follower: 400 us a committing turn and 30 a write; a sequencer: 500 and 90.
+    reports = [
+        _report(1, [("follower", 1.0, 900.0), ("sequencer", 2.0, 2000.0)]),  # left out: one client
+        _report(8, [("follower", 0.3, 150.0), ("follower", 0.3, 150.0), ("sequencer", 0.4, 290.0)]),
+        _report(64, [("follower", 0.05, 50.0), ("follower", 0.05, 50.0), ("sequencer", 0.06, 120.0)]),
+    ]
+    fits = turn_costs.turn_and_write_costs(reports)
+    assert fits["follower"] == {"per_turn_us": 400, "per_write_us": 30.0, "points": 4}
+    assert fits["sequencer"] == {"per_turn_us": 500, "per_write_us": 90.0, "points": 2}
+
+
+def test_no_fit_for_a_role_seen_at_one_commit_rate_only() -> None:
+    reports = [_report(1, [("sequencer", 2.0, 900.0)]), _report(64, [("sequencer", 0.1, 100.0)])]
+    assert turn_costs.turn_and_write_costs(reports) == {}
