@@ -122,53 +122,57 @@ def turn_and_write_costs(reports: list[dict[str, Any]]) -> dict[str, dict[str, f
     """Per role, a core's CPU per write as a cost per committing turn times its commits per write,
     plus a cost per write: a least-squares line through the cores of that role in every run with more
     than one client. A one-client run is left out: its turns that commit nothing (heartbeats, commit
-    notices) weigh on each commit there. A role needs points at two commit rates or more."""
+    notices) weigh on each commit there. A role needs runs at two client counts or more: the cores of one
+    run differ in commit rate by chance, not by load."""
     points: dict[str, list[tuple[float, float]]] = {}
+    client_counts: dict[str, set[int]] = {}
     for report in reports:
         if report["clients"] > 1:
             for row in report["per_write"]:
                 points.setdefault(row["role"], []).append((row["commits"], row["cpu_us"]))
+                client_counts.setdefault(row["role"], set()).add(report["clients"])
     fits = {}
     for role, pairs in sorted(points.items()):
         commits, cpu = [c for c, _ in pairs], [u for _, u in pairs]
-        if len(set(commits)) < 2:
+        if len(client_counts[role]) < 2 or len(set(commits)) < 2:
             continue
         per_turn, per_write = statistics.linear_regression(commits, cpu)
         fits[role] = {"per_turn_us": round(per_turn), "per_write_us": round(per_write, 1), "points": len(pairs)}
     return fits
 
 
-def sample(processes: dict[str, Any], endpoints: dict[str, str]) -> dict[str, CoreSample]:
+def sample(cores: dict[str, tuple[Any, str]]) -> dict[str, CoreSample]:
+    """Each core's threads and status now (``cores``: name -> its process and endpoint)."""
     samples = {}
-    for name, process in processes.items():
+    for name, (process, endpoint) in cores.items():
         threads = read_threads(process.pid)
-        with Client(endpoints[name], timeout_ms=5000) as client:
+        with Client(endpoint, timeout_ms=5000) as client:
             status = client.status()
         shard = status["shards"].get("default", {})
         samples[name] = CoreSample(threads, shard.get("role", "?"), status["commits"], shard.get("applied", [0, 0])[1])
     return samples
 
 
+def _config_value(config: str, key: str) -> str:
+    return re.search(rf'^{key} = "([^"]+)"', config, re.MULTILINE).group(1)
+
+
 def measure(cores: int, clients: int, seconds: float) -> dict[str, Any]:
     directory = Path(tempfile.mkdtemp(prefix="mnesite-turns-"))
     processes, endpoint, keys = start_nodes(directory, "FULL", cores, False)
     try:
-        endpoints = {}
-        for index in range(1, cores + 1):
-            config = (directory / f"{cores}-core{index}.toml").read_text()
-            endpoints[f"core{index}"] = re.search(r'^listen = "([^"]+)"', config, re.MULTILINE).group(1)
-        # start_nodes returns the sequencer's process first: name each by the config it was started with.
-        by_name = {
-            Path(process.args[process.args.index("--config") + 1]).stem.split("-")[-1]: process for process in processes
-        }
+        by_name = {}  # each core's name and endpoint, from the config its process was started with
+        for process in processes:
+            config = Path(process.args[process.args.index("--config") + 1]).read_text()
+            by_name[_config_value(config, "name")] = (process, _config_value(config, "listen"))
         result: dict[str, Any] = {}
         load = threading.Thread(target=lambda: result.update(bench_node(endpoint, clients, seconds, "x", keys)))
         load.start()
         try:
             time.sleep(seconds * 0.25)
-            before, busy_before, began = sample(by_name, endpoints), machine_busy_s(), time.monotonic()
+            before, busy_before, began = sample(by_name), machine_busy_s(), time.monotonic()
             time.sleep(seconds * 0.5)
-            after, busy_after, ended = sample(by_name, endpoints), machine_busy_s(), time.monotonic()
+            after, busy_after, ended = sample(by_name), machine_busy_s(), time.monotonic()
         finally:
             load.join(seconds + 180)
         sequencer = [name for name, core in after.items() if core.role == "sequencer"]

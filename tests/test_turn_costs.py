@@ -101,3 +101,9 @@ def test_a_turn_s_cost_and_a_write_s_are_fitted_per_role_from_the_runs_with_seve
 def test_no_fit_for_a_role_seen_at_one_commit_rate_only() -> None:
     reports = [_report(1, [("sequencer", 2.0, 900.0)]), _report(64, [("sequencer", 0.1, 100.0)])]
     assert turn_costs.turn_and_write_costs(reports) == {}
+
+
+def test_no_fit_from_the_cores_of_a_single_run() -> None:
+    # Two followers of one run differ in commit rate by chance: a line through them means nothing.
+    reports = [_report(2, [("follower", 0.841, 460.0), ("follower", 0.85, 432.0), ("sequencer", 1.47, 700.0)])]
+    assert turn_costs.turn_and_write_costs(reports) == {}
