@@ -1,7 +1,7 @@
 """mnesite beside peer systems: one Python load generator, the same writes, ratios from the same round.
 
     .venv/bin/python benchmarks/bench_peers.py [--seconds 5] [--clients 1,16,64] [--rounds 3]
-        [--systems mnesite-3,mnesite-1,etcd,redis,rqlite,dqlite] [--baseline TREE] [--json]
+        [--systems mnesite-3,mnesite-1,etcd,redis,rqlite,dqlite,floor-1,floor-3] [--baseline TREE] [--json]
         [--output FILE.json]   (the report as JSON, and its chart beside it as FILE.png)
 
 Every system gets the same load: N concurrent clients (threads spread over up to four client
@@ -23,6 +23,10 @@ What an acknowledgement means (durability), per system:
 * ``redis``: a primary with ``appendonly yes`` + ``appendfsync always`` and one replica (Debian
   ``redis-server``); each request is ``SET`` then ``WAIT 1 1000`` in one round trip; an ack means the
   primary fsynced its AOF and the replica *received* the write (not fsynced on the replica).
+* ``floor-1``, ``floor-3`` (only when named in ``--systems``): ``floor_node.py``'s bare processes,
+  the least a durable (floor-1) or majority-replicated (floor-3) write costs with mnesite's own stack
+  (CPython, pyzmq, apsw, one process per node): no checks, no log, no apply. mnesite's figures over
+  the floor's are what its cores add; the floor's 3-over-1 ratios say what the stack allows.
 * ``rqlite``, ``dqlite``: not packaged in Debian 12 and not servers on PyPI (the PyPI packages are
   clients); skipped with a message when no ``rqlited`` / dqlite server binary is found.
 
@@ -68,6 +72,8 @@ DURABILITY = {
     "redis": "primary AOF fsync (appendfsync always) + WAIT 1 (one replica received it, no fsync there)",
     "rqlite": "raft log on a majority",
     "dqlite": "raft log on a majority",
+    "floor-1": "fsync on its one disk (benchmarks/floor_node.py: no checks, no log, no apply)",
+    "floor-3": "fsync on a majority (2 of 3) (benchmarks/floor_node.py: no checks, no log, no apply)",
 }
 SYSTEMS = ("mnesite-3", "mnesite-1", "etcd", "redis", "rqlite", "dqlite")
 
@@ -160,7 +166,28 @@ def _redis_writer(spec: dict) -> tuple[Callable[[str], None], Callable[[], None]
     return write, client.close
 
 
-WRITERS = {"mnesite": _mnesite_writer, "etcd": _etcd_writer, "redis": _redis_writer}
+def _floor_writer(spec: dict) -> tuple[Callable[[str], None], Callable[[], None]]:
+    import zmq
+
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, REQUEST_TIMEOUT_S * 1000)
+    dealer.connect(spec["endpoint"])
+    value = VALUE.encode()
+
+    def write(key: str) -> None:
+        dealer.send_multipart([key.encode(), value])
+        if dealer.recv_multipart() != [b"ok"]:
+            raise RuntimeError("the floor node answered something other than ok")
+
+    def close() -> None:
+        context.destroy(linger=0)
+
+    return write, close
+
+
+WRITERS = {"mnesite": _mnesite_writer, "etcd": _etcd_writer, "redis": _redis_writer, "floor": _floor_writer}
 
 
 def _client_process(spec: dict, threads: int, worker: int, seconds: float, queue: Any) -> None:
@@ -349,6 +376,35 @@ class Redis(System):
         self.spec = {"kind": "redis", "port": primary}
 
 
+class Floor(System):
+    """``floor_node.py``'s processes: the least a write costs with mnesite's stack (its docstring)."""
+
+    def __init__(self, directory: Path, nodes: int) -> None:
+        super().__init__(directory)
+        self.nodes = nodes
+        self.name = f"floor-{nodes}"
+
+    def start(self) -> None:
+        script = [sys.executable, str(Path(__file__).resolve().parent / "floor_node.py")]
+        ports = [free_port() for _ in range(self.nodes)]
+        if self.nodes == 1:
+            roles = [["--role", "single"]]
+        else:
+            followers = ",".join(str(port) for port in ports[1:])
+            roles = [["--role", "leader", "--peers", followers]]
+            roles += [["--role", "follower", "--leader", str(ports[0])] for _ in ports[1:]]
+        for number, (port, role) in enumerate(zip(ports, roles, strict=True)):
+            database = self.directory / f"floor{number}" / "kv.db"
+            self.spawn([*script, *role, "--port", str(port), "--db", str(database)], f"floor{number}.log")
+        self.spec = {"kind": "floor", "endpoint": f"tcp://127.0.0.1:{ports[0]}"}
+        # Ready once a write is answered (every node has bound and connected): the same path as the load's.
+        write, close = _floor_writer(self.spec)
+        try:
+            write("floor/ready")
+        finally:
+            close()
+
+
 class NotPackaged(System):
     def __init__(self, directory: Path, name: str, binary: str) -> None:
         super().__init__(directory)
@@ -370,6 +426,8 @@ def make_system(name: str, directory: Path, baseline: Path | None) -> System:
         return Mnesite(directory, int(name.split("-")[1]), baseline)
     if name.startswith("mnesite-"):
         return Mnesite(directory, int(name.split("-")[1]))
+    if name in ("floor-1", "floor-3"):
+        return Floor(directory, int(name.split("-")[1]))
     if name == "etcd":
         return Etcd(directory)
     if name == "redis":
@@ -378,7 +436,8 @@ def make_system(name: str, directory: Path, baseline: Path | None) -> System:
         return NotPackaged(directory, "rqlite", "rqlited")
     if name == "dqlite":
         return NotPackaged(directory, "dqlite", "dqlite-demo")
-    raise SystemExit(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+    known = (*SYSTEMS, "floor-1", "floor-3", "mnesite-3-baseline", "mnesite-1-baseline")
+    raise SystemExit(f"unknown system {name!r}; known: {', '.join(known)}")
 
 
 # ---------------------------------------------------------------- the run

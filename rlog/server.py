@@ -942,6 +942,13 @@ class NodeServer:
             self._sends_dropped_logged = self.sends_dropped
             self._sends_dropped_log_ms = now
 
+    def flush_durable(self) -> None:
+        """``flush`` now if the turn wrote something that must be durable (appended entries, a vote):
+        what waits on that fsync (an acknowledgement, the sequencer's own count) need not wait for
+        the rest of the turn. A turn that wrote nothing, or only an apply, commits at its end."""
+        if self._in_transaction and self._durable:
+            self.flush()
+
     def flush(self) -> None:
         """Commit the open transaction (one fsync), then send everything queued behind it."""
         if self._in_transaction:

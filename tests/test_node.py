@@ -289,3 +289,32 @@ def test_send_frames_delivers_a_multipart_message_intact_and_refuses_a_full_queu
         sender.close(linger=0)
         receiver.close(linger=0)
         context.term()
+
+
+def test_a_turn_commits_the_entries_it_appended_before_its_bookkeeping(thread_node: ThreadNode, client: Client):
+    """core/node.py ``run_turn``: the entries a turn's input appended are committed (``flush_durable``)
+    before the turn serves queries and runs its timers, so that an acknowledgement (here the
+    sequencer's own count, then the client's answer) does not wait for that bookkeeping. At
+    ``serve_queries`` no transaction holding a durable write may still be open."""
+    node = thread_node.node
+    seen: list[tuple[bool, bool, int]] = []
+    serve_queries = node.serve_queries
+
+    def recording(*args, **kwargs):
+        seen.append((node._in_transaction, node._durable, node.durable_commits))
+        return serve_queries(*args, **kwargs)
+
+    node.serve_queries = recording
+    try:
+        before = len(seen)
+        for number in range(20):
+            client.put("users", {"id": 5000 + number, "name": "early"})
+        # The last write's answer may reach us before its turn's serve_queries: one more turn after it.
+        assert client.get("users", 5019)["name"] == "early"
+    finally:
+        del node.serve_queries
+    calls = seen[before:]
+    assert calls, "serve_queries was not called in the write's turns"
+    assert not [call for call in calls if call[0] and call[1]], "a durable write was still uncommitted"
+    # The twenty writes were committed durably, each before a serve_queries of its own turn.
+    assert calls[-1][2] - calls[0][2] >= 19

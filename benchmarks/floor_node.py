@@ -1,0 +1,154 @@
+"""The floor: the least a replicated, durable write costs with mnesite's stack on this machine.
+
+    .venv/bin/python benchmarks/floor_node.py --role single|leader|follower --port P --db FILE
+        [--peers PORT,PORT] [--leader PORT]
+
+``bench_peers.py --systems floor-1,floor-3,...`` starts these processes; they are not a database.
+They do only what any replicated write must do, with the same parts mnesite uses (CPython, pyzmq,
+apsw with a WAL and an fsync per commit, one process per node, 127.0.0.1):
+
+* ``single`` (floor-1): a loop turn reads every request waiting on its ROUTER socket, inserts them
+  into one table in one transaction, commits it (``synchronous=FULL``: the WAL is fsynced), and
+  answers each.
+* ``leader`` (floor-3, with two followers): the same turn, but it sends the turn's requests to both
+  followers *before* its own commit (so the followers' fsyncs overlap its own, as mnesite's
+  sequencer does) and answers a request once its own commit is done and one follower has
+  acknowledged it: two of three nodes have it on disk.
+* ``follower``: a turn inserts every append waiting on its socket in one transaction, commits it
+  (fsync) and acknowledges the last one to the leader.
+
+No checks, no consensus state, no log beside the table, no apply, no metrics: whatever mnesite's
+cores spend above these processes is theirs; what these processes spend is the floor that a
+mnesite of this design (Python processes talking zmq, SQLite's commit) cannot go below on this
+machine. Its WAL is checkpointed by a thread with its own connection, off the loop, as mnesite's
+is (``rlog.checkpoint``), so that the WAL is overwritten rather than grown.
+
+Frames (all from 127.0.0.1 peers of one benchmark run; the sizes are bounded all the same):
+a client sends ``[key, value]``; a leader sends a follower ``[b"append", seq, key, value, ...]``;
+a follower answers ``[b"ack", seq]``; every answer to a client is ``[b"ok"]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import signal
+import sys
+import threading
+
+import apsw
+import zmq
+
+TURN_MESSAGES_MAX = 4096  # messages read in one turn: bounded, and one transaction carries them
+FRAME_BYTES_MAX = 1 << 20  # a frame larger than this is refused by zmq (MAXMSGSIZE)
+WAITING_MAX = 1 << 16  # requests committed here and waiting for a follower's acknowledgement
+CHECKPOINT_EVERY_S = 0.5
+
+
+def open_table(path: str) -> apsw.Connection:
+    connection = apsw.Connection(path)
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=FULL")
+    connection.execute("PRAGMA wal_autocheckpoint=0")
+    connection.execute("CREATE TABLE IF NOT EXISTS kv(key BLOB PRIMARY KEY, value BLOB NOT NULL)")
+    return connection
+
+
+def checkpoint_forever(path: str, stop: threading.Event) -> None:
+    connection = apsw.Connection(path)
+    connection.set_busy_timeout(1000)
+    while not stop.wait(CHECKPOINT_EVERY_S):
+        with contextlib.suppress(apsw.BusyError):  # the writer holds the lock: the next round
+            connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+
+def insert(connection: apsw.Connection, pairs: list[tuple[bytes, bytes]]) -> None:
+    connection.execute("BEGIN")
+    connection.executemany("INSERT OR REPLACE INTO kv(key, value) VALUES (?, ?)", pairs)
+    connection.execute("COMMIT")  # synchronous=FULL in WAL mode: the WAL is fsynced here
+
+
+def serve(role: str, port: int, db: str, peers: list[int], leader: int | None) -> None:
+    connection = open_table(db)
+    stop = threading.Event()
+    threading.Thread(target=checkpoint_forever, args=(db, stop), daemon=True).start()
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.MAXMSGSIZE, FRAME_BYTES_MAX)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    dealers = []
+    for peer in peers if role == "leader" else [leader] if role == "follower" else []:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://127.0.0.1:{peer}")
+        dealers.append(dealer)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    # leader: (seq, client identity) committed here, answered once a follower acknowledged seq
+    waiting: collections.deque[tuple[int, bytes]] = collections.deque()
+    seq = acked = 0
+    try:
+        while True:
+            poller.poll(1000)
+            clients: list[bytes] = []
+            pairs: list[tuple[bytes, bytes]] = []
+            appended = 0
+            for _ in range(TURN_MESSAGES_MAX):
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if role == "follower":  # [identity, b"append", seq, key, value, ...]
+                    appended = int(frames[2])
+                    pairs.extend(zip(frames[3::2], frames[4::2], strict=True))
+                elif frames[1] == b"ack":  # leader: [identity, b"ack", seq]
+                    acked = max(acked, int(frames[2]))
+                else:  # [identity, key, value]
+                    clients.append(frames[0])
+                    pairs.append((frames[1], frames[2]))
+            if role == "leader" and pairs:
+                seq += 1
+                body = [b"append", b"%d" % seq, *(item for pair in pairs for item in pair)]
+                for dealer in dealers:
+                    dealer.send_multipart(body)  # before our own fsync: the followers' overlap it
+            if pairs:
+                insert(connection, pairs)
+            if role == "follower" and appended:
+                dealers[0].send_multipart([b"ack", b"%d" % appended])
+            elif role == "single":
+                for client in clients:
+                    router.send_multipart([client, b"ok"])
+            elif role == "leader":
+                if len(waiting) + len(clients) > WAITING_MAX:
+                    raise SystemExit("more requests wait for an acknowledgement than WAITING_MAX")
+                waiting.extend((seq, client) for client in clients)
+                while waiting and waiting[0][0] <= acked:
+                    router.send_multipart([waiting.popleft()[1], b"ok"])
+    finally:
+        stop.set()
+        context.destroy(linger=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=("single", "leader", "follower"), required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--peers", default="", help="leader: the followers' ports, comma-separated")
+    parser.add_argument("--leader", type=int, help="follower: the leader's port")
+    args = parser.parse_args()
+    peers = [int(p) for p in args.peers.split(",") if p]
+    if args.role == "leader" and len(peers) != 2:
+        parser.error("a leader has two followers (--peers PORT,PORT)")
+    if args.role == "follower" and args.leader is None:
+        parser.error("a follower needs --leader PORT")
+    os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
+    serve(args.role, args.port, args.db, peers, args.leader)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""``benchmarks/floor_node.py``: the floor's answer means what bench_peers says it means.
+
+floor-3 is the baseline that mnesite-3's replication is measured against: if its leader answered
+before a follower had the write on disk, the floor would be lower than any replicated write can be,
+and every ratio against it would flatter the floor.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import apsw
+import pytest
+import zmq
+
+from tests.conftest import REPO, free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPT = REPO / "benchmarks" / "floor_node.py"
+
+
+def start(role: list[str], port: int, database: Path) -> subprocess.Popen:
+    command = [sys.executable, str(SCRIPT), *role, "--port", str(port), "--db", str(database)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def rows(database: Path) -> set[bytes]:
+    connection = apsw.Connection(str(database), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return {key for (key,) in connection.execute("SELECT key FROM kv")}
+    finally:
+        connection.close()
+
+
+def test_the_leader_answers_only_once_a_follower_has_the_write_on_disk(tmp_path: Path) -> None:
+    leader_port, follower_port, absent_port = free_port(), free_port(), free_port()
+    processes = []
+    context = zmq.Context()
+    try:
+        processes.append(
+            start(["--role", "leader", "--peers", f"{follower_port},{absent_port}"], leader_port, tmp_path / "l.db")
+        )
+        client = context.socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(f"tcp://127.0.0.1:{leader_port}")
+        client.send_multipart([b"k1", b"v" * 100])
+        # No follower runs: the leader has the write on its own disk only, and must not answer.
+        assert client.poll(1500) == 0
+        assert rows(tmp_path / "l.db") == {b"k1"}
+        processes.append(start(["--role", "follower", "--leader", str(leader_port)], follower_port, tmp_path / "f.db"))
+        # The follower receives the append its DEALER queued (zmq reconnects), stores it, acknowledges.
+        assert client.poll(30_000) == zmq.POLLIN
+        assert client.recv_multipart() == [b"ok"]
+        assert rows(tmp_path / "f.db") == {b"k1"}
+        for number in range(20):
+            client.send_multipart([b"k%d" % (number + 2), b"v"])
+            assert client.poll(10_000) == zmq.POLLIN
+            assert client.recv_multipart() == [b"ok"]
+        expected = {b"k%d" % n for n in range(1, 22)}
+        assert rows(tmp_path / "l.db") == expected
+        assert rows(tmp_path / "f.db") == expected
+    finally:
+        context.destroy(linger=0)
+        for process in processes:
+            process.kill()
+            process.wait(10)
+
+
+def test_the_single_node_answers_after_its_commit(tmp_path: Path) -> None:
+    port = free_port()
+    process = start(["--role", "single"], port, tmp_path / "s.db")
+    context = zmq.Context()
+    try:
+        client = context.socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(f"tcp://127.0.0.1:{port}")
+        client.send_multipart([b"only", b"value"])
+        assert client.poll(30_000) == zmq.POLLIN
+        assert client.recv_multipart() == [b"ok"]
+        assert rows(tmp_path / "s.db") == {b"only"}
+    finally:
+        context.destroy(linger=0)
+        process.kill()
+        process.wait(10)
+
+
+def test_a_leader_without_two_followers_is_refused(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--role", "leader", "--port", "1", "--db", str(tmp_path / "x.db")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "two followers" in result.stderr
