@@ -23,7 +23,7 @@ What an acknowledgement means (durability), per system:
 * ``redis``: a primary with ``appendonly yes`` + ``appendfsync always`` and one replica (Debian
   ``redis-server``); each request is ``SET`` then ``WAIT 1 1000`` in one round trip; an ack means the
   primary fsynced its AOF and the replica *received* the write (not fsynced on the replica).
-* ``floor-1``, ``floor-3`` (only when named in ``--systems``): ``floor_node.py``'s bare processes,
+* ``floor-1``, ``floor-3``: ``floor_node.py``'s bare processes,
   the least a durable (floor-1) or majority-replicated (floor-3) write costs with mnesite's own stack
   (CPython, pyzmq, apsw, one process per node): no checks, no log, no apply. mnesite's figures over
   the floor's are what its cores add; the floor's 3-over-1 ratios say what the stack allows.
@@ -75,7 +75,7 @@ DURABILITY = {
     "floor-1": "fsync on its one disk (benchmarks/floor_node.py: no checks, no log, no apply)",
     "floor-3": "fsync on a majority (2 of 3) (benchmarks/floor_node.py: no checks, no log, no apply)",
 }
-SYSTEMS = ("mnesite-3", "mnesite-1", "etcd", "redis", "rqlite", "dqlite")
+SYSTEMS = ("mnesite-3", "mnesite-1", "etcd", "redis", "rqlite", "dqlite", "floor-3", "floor-1")
 
 
 class Skipped(Exception):
@@ -401,6 +401,9 @@ class Floor(System):
         write, close = _floor_writer(self.spec)
         try:
             write("floor/ready")
+        except Exception as error:  # main stops a skipped system's processes
+            logs = " | ".join(path.read_text()[-300:] for path in sorted(self.directory.glob("floor*.log")))
+            raise Skipped(f"its first write failed ({type(error).__name__}: {error}); its logs: {logs}") from None
         finally:
             close()
 
@@ -436,7 +439,7 @@ def make_system(name: str, directory: Path, baseline: Path | None) -> System:
         return NotPackaged(directory, "rqlite", "rqlited")
     if name == "dqlite":
         return NotPackaged(directory, "dqlite", "dqlite-demo")
-    known = (*SYSTEMS, "floor-1", "floor-3", "mnesite-3-baseline", "mnesite-1-baseline")
+    known = (*SYSTEMS, "mnesite-3-baseline", "mnesite-1-baseline")
     raise SystemExit(f"unknown system {name!r}; known: {', '.join(known)}")
 
 
