@@ -9,7 +9,9 @@ processes, so that the client side's GIL is not the bottleneck), each writing on
 under a fresh key per request and waiting for the acknowledgement, for ``--seconds`` per point. The
 points are interleaved: each round measures every client count on every system in turn, and ratios
 are taken between systems *within a round* (the median of the per-round ratios is reported), so a
-machine whose load drifts biases no system. All nodes run on 127.0.0.1 of this one machine.
+machine whose load drifts biases no system. Issue 21's acceptance lines follow the table, each ratio per
+round with how many rounds met its target (``acceptance_lines``; ``lines`` in the JSON). All nodes
+run on 127.0.0.1 of this one machine.
 
 What an acknowledgement means (durability), per system:
 
@@ -567,7 +569,48 @@ def summarise(
                 if ratios:
                     row["mnesite_3_over_this"] = round(statistics.median(ratios), 2)
             rows.append(row)
-    return {"rounds": rounds, "results": rows, "skipped": skipped}
+    return {"rounds": rounds, "results": rows, "skipped": skipped, "lines": acceptance_lines(runs)}
+
+
+# Issue 21's acceptance lines, each a same-round ratio: (name, clients, numerator, denominator, measure, kind,
+# target: the ratio's bound, "min" (at least) or "max" (at most), None for a line that is only a reading).
+LINES = (
+    ("3 cores / Redis, writes/s", 64, "mnesite-3", "redis", "writes_per_s", "min", 0.6),
+    ("3 cores / single core, writes/s", 64, "mnesite-3", "mnesite-1", "writes_per_s", "min", 0.75),
+    ("3 cores / single core, p50", 1, "mnesite-3", "mnesite-1", "p50_ms", "max", 2.0),
+    ("3 cores / etcd, p50", 1, "mnesite-3", "etcd", "p50_ms", "max", 1.0),
+    (
+        "3 cores / the tree before, summed CPU a write",
+        64,
+        "mnesite-3",
+        "mnesite-3-baseline",
+        "cpu_us_per_write_sum",
+        "max",
+        0.5,
+    ),
+    ("floor-3 / single core, writes/s", 64, "floor-3", "mnesite-1", "writes_per_s", None, None),
+    ("floor-3 / single core, p50", 1, "floor-3", "mnesite-1", "p50_ms", None, None),
+)
+
+
+def acceptance_lines(runs: dict[tuple[str, int], list[dict]]) -> list[dict]:
+    """Each of ``LINES`` whose two systems ran at its client count in the same rounds: its ratio per
+    round and, for a line with a target, how many rounds met it (the issue asks for every round)."""
+    lines = []
+    for name, clients, over, under, measure, kind, target in LINES:
+        tops, bottoms = runs.get((over, clients), []), runs.get((under, clients), [])
+        if not tops or len(tops) != len(bottoms):
+            continue
+        ratios = [
+            round(top[measure] / bottom[measure], 3) if top[measure] is not None and bottom[measure] else None
+            for top, bottom in zip(tops, bottoms, strict=True)
+        ]
+        line: dict[str, Any] = {"line": name, "clients": clients, "per_round": ratios}
+        if kind is not None:
+            met = [r is not None and (r >= target if kind == "min" else r <= target) for r in ratios]
+            line.update({"target": f"{'at least' if kind == 'min' else 'at most'} {target:g}x", "rounds_met": sum(met)})
+        lines.append(line)
+    return lines
 
 
 def _median_of(values: Any) -> float | None:
@@ -590,6 +633,16 @@ def print_table(report: dict) -> None:
             f"{', '.join(f'{x:.0f}' for x in r['writes_per_s_rounds'])} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
             f"{r.get('mnesite_3_over_this', '')} | {total} ({per_process}) |"
         )
+    if report.get("lines"):
+        print("\nsame-round ratios, per round (issue 21's lines):")
+        for line in report["lines"]:
+            ratios = ", ".join("?" if r is None else f"{r:.2f}" for r in line["per_round"])
+            verdict = (
+                f"; {line['target']}: met in {line['rounds_met']} of {len(line['per_round'])}"
+                if "target" in line
+                else ""
+            )
+            print(f"- {line['line']} at {line['clients']} client(s): {ratios}{verdict}")
     print("\ndurability of an acknowledgement:")
     for name, what in DURABILITY.items():
         if any(r["system"] == name for r in report["results"]):

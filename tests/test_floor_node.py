@@ -15,7 +15,7 @@ import apsw
 import pytest
 import zmq
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, load_benchmark
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,3 +96,36 @@ def test_a_leader_without_two_followers_is_refused(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "two followers" in result.stderr
+
+
+def test_bench_peers_reads_each_line_of_issue_21_per_round_against_its_target() -> None:
+    """``bench_peers.acceptance_lines``: the same-round ratios the closing notes quote, and whether each
+    round met the issue's bound (at least for rates, at most for latency and CPU)."""
+    bench_peers = load_benchmark("bench_peers")
+
+    def point(writes: float, p50: float, cpu: float | None) -> dict:
+        return {"writes_per_s": writes, "p50_ms": p50, "cpu_us_per_write_sum": cpu}
+
+    runs = {
+        ("mnesite-3", 64): [point(4000, 15, 200), point(3000, 15, 260)],
+        ("mnesite-1", 64): [point(5000, 9, 100), point(5000, 9, 100)],
+        ("redis", 64): [point(5000, 7, 90), point(4000, 7, 90)],
+        ("mnesite-3-baseline", 64): [point(2000, 25, 400), point(2000, 25, 500)],
+        ("mnesite-3", 1): [point(500, 1.5, 2000), point(500, 1.9, 2000)],
+        ("mnesite-1", 1): [point(1200, 0.75, 500), point(1200, 0.75, 500)],
+        ("etcd", 1): [point(600, 1.6, 1800)],  # one round only: no same-round line
+        ("floor-3", 64): [point(5500, 10, None), point(5000, 10, None)],
+    }
+    lines = {(line["line"], line["clients"]): line for line in bench_peers.acceptance_lines(runs)}
+    redis = lines[("3 cores / Redis, writes/s", 64)]
+    assert redis["per_round"] == [0.8, 0.75] and redis["rounds_met"] == 2 and redis["target"] == "at least 0.6x"
+    single = lines[("3 cores / single core, writes/s", 64)]
+    assert single["per_round"] == [0.8, 0.6] and single["rounds_met"] == 1
+    latency = lines[("3 cores / single core, p50", 1)]
+    assert latency["per_round"] == [2.0, 2.533] and latency["rounds_met"] == 1 and latency["target"] == "at most 2x"
+    cpu = lines[("3 cores / the tree before, summed CPU a write", 64)]
+    assert cpu["per_round"] == [0.5, 0.52] and cpu["rounds_met"] == 1
+    floor = lines[("floor-3 / single core, writes/s", 64)]
+    assert floor["per_round"] == [1.1, 1.0] and "target" not in floor
+    assert ("3 cores / etcd, p50", 1) not in lines
+    assert ("floor-3 / single core, p50", 1) not in lines  # floor-3 did not run at 1 client
