@@ -70,6 +70,15 @@ def insert(connection: apsw.Connection, pairs: list[tuple[bytes, bytes]]) -> Non
     connection.execute("COMMIT")  # synchronous=FULL in WAL mode: the WAL is fsynced here
 
 
+def well_formed(role: str, frames: list[bytes]) -> bool:
+    """Whether a ROUTER message has the parts its role reads (see the module's frames)."""
+    if role == "follower":
+        return len(frames) >= 3 and len(frames) % 2 == 1 and frames[1] == b"append" and frames[2].isdigit()
+    if len(frames) == 3 and frames[1] == b"ack":
+        return role == "leader" and frames[2].isdigit()
+    return len(frames) == 3
+
+
 def serve(role: str, port: int, db: str, peers: list[int], leader: int | None) -> None:
     connection = open_table(db)
     stop = threading.Event()
@@ -102,6 +111,8 @@ def serve(role: str, port: int, db: str, peers: list[int], leader: int | None) -
                     frames = router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if not well_formed(role, frames):
+                    continue  # not a frame of this benchmark: dropped, never a crash
                 if role == "follower":  # [identity, b"append", seq, key, value, ...]
                     appended = int(frames[2])
                     pairs.extend(zip(frames[3::2], frames[4::2], strict=True))

@@ -539,7 +539,7 @@ class CoreNode(NodeServer):
         # The input's entries leave for the followers, and are committed, before the turn's
         # bookkeeping: a follower's acknowledgement, and the sequencer's Persisted, do not wait for
         # queries, the changefeed, index builds, versions, expiries and timers (about 50 us of a
-        # follower's turn; 1 client p50 -12%, 64 clients +4-34% writes/s: benchmarks/PROFILE.md).
+        # follower's turn at one client; 3 cores' 1-client p50 1.85 -> 1.62 ms: benchmarks/PROFILE.md).
         # What that bookkeeping writes or proposes goes in the turn's final flush, as before.
         self._end_batches()
         self._apply_due()  # the gathered commits due now, or waited for by what this turn serves

@@ -129,3 +129,24 @@ def test_bench_peers_reads_each_line_of_issue_21_per_round_against_its_target() 
     assert floor["per_round"] == [1.1, 1.0] and "target" not in floor
     assert ("3 cores / etcd, p50", 1) not in lines
     assert ("floor-3 / single core, p50", 1) not in lines  # floor-3 did not run at 1 client
+
+
+def test_the_floor_drops_frames_that_are_not_its_own_and_keeps_answering(tmp_path: Path) -> None:
+    port = free_port()
+    process = start(["--role", "single"], port, tmp_path / "s.db")
+    context = zmq.Context()
+    try:
+        client = context.socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(f"tcp://127.0.0.1:{port}")
+        for junk in ([b"one part"], [b"a", b"b", b"c"], [b"ack", b"x"]):
+            client.send_multipart(junk)
+        client.send_multipart([b"after", b"junk"])
+        assert client.poll(30_000) == zmq.POLLIN
+        assert client.recv_multipart() == [b"ok"]
+        assert rows(tmp_path / "s.db") == {b"after"}
+        assert process.poll() is None
+    finally:
+        context.destroy(linger=0)
+        process.kill()
+        process.wait(10)
