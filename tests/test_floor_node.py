@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import apsw
@@ -69,7 +70,9 @@ def test_the_leader_answers_only_once_a_follower_has_the_write_on_disk(tmp_path:
             process.wait(10)
 
 
-def test_the_single_node_answers_after_its_commit(tmp_path: Path) -> None:
+@pytest.fixture
+def single(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, zmq.Socket]]:
+    """A floor-1 node and a client's DEALER connected to it; both stopped after the test."""
     port = free_port()
     process = start(["--role", "single"], port, tmp_path / "s.db")
     context = zmq.Context()
@@ -77,14 +80,19 @@ def test_the_single_node_answers_after_its_commit(tmp_path: Path) -> None:
         client = context.socket(zmq.DEALER)
         client.setsockopt(zmq.LINGER, 0)
         client.connect(f"tcp://127.0.0.1:{port}")
-        client.send_multipart([b"only", b"value"])
-        assert client.poll(30_000) == zmq.POLLIN
-        assert client.recv_multipart() == [b"ok"]
-        assert rows(tmp_path / "s.db") == {b"only"}
+        yield process, client
     finally:
         context.destroy(linger=0)
         process.kill()
         process.wait(10)
+
+
+def test_the_single_node_answers_after_its_commit(tmp_path: Path, single) -> None:
+    _, client = single
+    client.send_multipart([b"only", b"value"])
+    assert client.poll(30_000) == zmq.POLLIN
+    assert client.recv_multipart() == [b"ok"]
+    assert rows(tmp_path / "s.db") == {b"only"}
 
 
 def test_a_leader_without_two_followers_is_refused(tmp_path: Path) -> None:
@@ -131,22 +139,12 @@ def test_bench_peers_reads_each_line_of_issue_21_per_round_against_its_target() 
     assert ("floor-3 / single core, p50", 1) not in lines  # floor-3 did not run at 1 client
 
 
-def test_the_floor_drops_frames_that_are_not_its_own_and_keeps_answering(tmp_path: Path) -> None:
-    port = free_port()
-    process = start(["--role", "single"], port, tmp_path / "s.db")
-    context = zmq.Context()
-    try:
-        client = context.socket(zmq.DEALER)
-        client.setsockopt(zmq.LINGER, 0)
-        client.connect(f"tcp://127.0.0.1:{port}")
-        for junk in ([b"one part"], [b"a", b"b", b"c"], [b"ack", b"x"]):
-            client.send_multipart(junk)
-        client.send_multipart([b"after", b"junk"])
-        assert client.poll(30_000) == zmq.POLLIN
-        assert client.recv_multipart() == [b"ok"]
-        assert rows(tmp_path / "s.db") == {b"after"}
-        assert process.poll() is None
-    finally:
-        context.destroy(linger=0)
-        process.kill()
-        process.wait(10)
+def test_the_floor_drops_frames_that_are_not_its_own_and_keeps_answering(tmp_path: Path, single) -> None:
+    process, client = single
+    for junk in ([b"one part"], [b"a", b"b", b"c"], [b"ack", b"x"]):
+        client.send_multipart(junk)
+    client.send_multipart([b"after", b"junk"])
+    assert client.poll(30_000) == zmq.POLLIN
+    assert client.recv_multipart() == [b"ok"]
+    assert rows(tmp_path / "s.db") == {b"after"}
+    assert process.poll() is None
