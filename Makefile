@@ -94,7 +94,7 @@ bench: setup
 	$(BIN)/python benchmarks/bench_commit.py
 
 # mnesite beside etcd and Redis (installed with apt-get when missing; not in CI): 1/16/64 clients,
-# 3 interleaved rounds. BASELINE=tree adds mnesite-3 run from another commit's source tree. The report
+# 3 rounds, the systems taking turns in 1-s slices. BASELINE=tree adds mnesite-3 run from another commit's source tree. The report
 # goes to BENCH_PEERS_JSON and its chart (writes/s, p50/p99, CPU per write) beside it as .png.
 BENCH_PEERS_JSON ?= docs/benchmarks/peers.json
 bench-peers: setup docs-deps

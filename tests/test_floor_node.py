@@ -148,3 +148,24 @@ def test_the_floor_drops_frames_that_are_not_its_own_and_keeps_answering(tmp_pat
     assert client.recv_multipart() == [b"ok"]
     assert rows(tmp_path / "s.db") == {b"after"}
     assert process.poll() is None
+
+
+def test_a_client_pool_moves_its_load_slice_by_slice_with_a_fresh_key_per_write(tmp_path: Path) -> None:
+    """``bench_peers.measure_point``: the clients keep their connections from slice to slice, every write
+    is acknowledged under a key never written before (the floor replaces a key written twice), and the
+    CPU of the system's processes is counted over its slices."""
+    bench_peers = load_benchmark("bench_peers")
+    system = bench_peers.Floor(tmp_path, 1)
+    pool = None
+    try:
+        system.start()
+        pool = bench_peers.ClientPool({system.name: system.spec}, 3)
+        results = [bench_peers.measure_point([system], pool, 0.6, 3)[system.name] for _ in range(2)]
+    finally:
+        if pool is not None:
+            pool.close()
+        system.stop()
+    assert [result["errors"] for result in results] == [[], []]
+    assert all(result["writes"] > 0 and result["cpu_us_per_write_sum"] > 0 for result in results)
+    # Six slices over two points, three clients: one row per write, plus the write that found the node ready.
+    assert len(rows(tmp_path / "floor0" / "kv.db")) == sum(result["writes"] for result in results) + 1
