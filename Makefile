@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 
 .PHONY: setup docs docs-deps java faketime iproute2 run test test-fast fault-test partition-test failover lint bench \
-	bench-peers profile trace-write turn-costs clean fuzz
+	bench-peers profile trace-write turn-costs cpu-by-function clean fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +112,10 @@ trace-write: setup
 # A write's CPU by core and thread, its commits and context switches, at 1, 8 and 64 clients (benchmarks/PROFILE.md).
 turn-costs: setup
 	$(BIN)/python benchmarks/turn_costs.py $(if $(CORES),--cores $(CORES))
+
+# A write's CPU by function of each core's loop, per write and per turn (benchmarks/PROFILE.md).
+cpu-by-function: setup
+	$(BIN)/python benchmarks/cpu_by_function.py $(if $(CORES),--cores $(CORES)) $(if $(CLIENTS),--clients $(CLIENTS))
 
 clean:
 	rm -rf $(VENV) site docs/benchmarks/charts bench-peers mnesite-data .pytest_cache .ruff_cache .hypothesis
