@@ -242,9 +242,13 @@ def _pool_worker(specs: dict[str, dict], threads: int, worker: int, commands: An
     slice per command ``(system, seconds)`` until ``None``."""
     writers: dict[str, list[Writer]] = {}
     try:
-        for name, spec in specs.items():
-            make = WRITERS[spec["kind"]]
-            writers[name] = [make({**spec, "key_base": (worker * 1000 + t) * 10_000_000}) for t in range(threads)]
+        try:
+            for name, spec in specs.items():
+                make = WRITERS[spec["kind"]]
+                writers[name] = [make({**spec, "key_base": (worker * 1000 + t) * 10_000_000}) for t in range(threads)]
+        except Exception as error:  # said by the parent (ClientPool), not lost with this process
+            results.put(("failed", f"client process {worker} could not connect: {type(error).__name__}: {error}"))
+            return
         counters = {name: [0] * threads for name in specs}
         results.put(("ready", worker))
         while (command := commands.get()) is not None:
@@ -276,7 +280,9 @@ class ClientPool:
             worker.start()
         try:
             for _ in self.workers:
-                self.results.get(timeout=timeout_s)  # each worker has made its writers
+                state, detail = self.results.get(timeout=timeout_s)  # each worker has made its writers
+                if state != "ready":
+                    raise RuntimeError(detail)
         except BaseException:
             self.close()
             raise

@@ -169,3 +169,9 @@ def test_a_client_pool_moves_its_load_slice_by_slice_with_a_fresh_key_per_write(
     assert all(result["writes"] > 0 and result["cpu_us_per_write_sum"] > 0 for result in results)
     # Six slices over two points, three clients: one row per write, plus the write that found the node ready.
     assert len(rows(tmp_path / "floor0" / "kv.db")) == sum(result["writes"] for result in results) + 1
+
+
+def test_a_client_pool_that_cannot_connect_says_why() -> None:
+    bench_peers = load_benchmark("bench_peers")
+    with pytest.raises(RuntimeError, match="could not connect: KeyError"):
+        bench_peers.ClientPool({"nothing": {"kind": "no such kind"}}, 2)
