@@ -593,6 +593,8 @@ def main() -> None:
         help="write the report as JSON to this file and its chart (charts.draw_peers_report) beside it, as .png",
     )
     args = parser.parse_args()
+    if args.slices < 1 or args.rounds < 1 or args.seconds <= 0:
+        parser.error("--slices and --rounds must be at least 1, --seconds above 0")
     if args.baseline is not None and "mnesite-3-baseline" not in args.systems:
         args.systems = "mnesite-3-baseline," + args.systems
     client_counts = [int(c) for c in args.clients.split(",")]
@@ -614,8 +616,10 @@ def main() -> None:
                 skipped[name] = str(why)
                 print(f"skipping {name}: {why}", file=sys.stderr)
         specs = {system.name: system.spec for system in systems}
-        pools = {clients: ClientPool(specs, clients) for clients in client_counts}
+        pools: dict[int, ClientPool] = {}
         try:
+            for clients in client_counts:
+                pools[clients] = ClientPool(specs, clients)
             for round_number in range(args.rounds):
                 for clients in client_counts:
                     for system, result in measure_point(systems, pools[clients], args.seconds, args.slices).items():
