@@ -59,9 +59,10 @@ _SCALARS = frozenset((type(None), bool, int, float, str, bytes))
 
 def scalars_refusal(values: list[Any] | tuple[Any, ...], width: int = 0) -> str | None:
     """None if every value is a SQLite scalar, else why (set-based). ``width``: rows of that many values, by column."""
-    slices = (values[column::width] for column in range(width))  # a type set and a max a column (benchmarks/PROFILE.md)
-    if width and all((kinds := set(map(type, c))) <= _PLAIN or kinds == _INT and max(c) <= INTEGER_MAX for c in slices):
-        return None
+    if width:  # a type set and a max a column (benchmarks/PROFILE.md)
+        slices = (values[column::width] for column in range(width))  # made only here: 0.45 us of a 0.88 us check
+        if all((kinds := set(map(type, c))) <= _PLAIN or kinds == _INT and max(c) <= INTEGER_MAX for c in slices):
+            return None
     # A few values (a one-row entry): a loop costs less than the C loops' setups below (NaN is not <=).
     if len(values) <= 8 and all(type(v) in _PLAIN or type(v) in (int, float) and v <= INTEGER_MAX for v in values):
         return None
