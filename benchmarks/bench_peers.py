@@ -149,17 +149,19 @@ def _etcd_writer(spec: dict) -> tuple[Callable[[str], None], Callable[[], None]]
     connection = http.client.HTTPConnection("127.0.0.1", spec["port"], timeout=REQUEST_TIMEOUT_S)
     value = base64.b64encode(VALUE.encode()).decode()
 
+    def put(body: str) -> http.client.HTTPResponse:
+        connection.request("POST", "/v3/kv/put", body, {"Content-Type": "application/json"})
+        return connection.getresponse()
+
     def write(key: str) -> None:
         body = json.dumps({"key": base64.b64encode(key.encode()).decode(), "value": value})
         try:
-            connection.request("POST", "/v3/kv/put", body, {"Content-Type": "application/json"})
-            response = connection.getresponse()
-        except (http.client.RemoteDisconnected, ConnectionError):
+            response = put(body)
+        except ConnectionError:  # http.client.RemoteDisconnected is one
             # A keep-alive connection idle while other systems had their slices, closed by the
             # server: open it again once (a PUT of the same key and value is idempotent).
             connection.close()
-            connection.request("POST", "/v3/kv/put", body, {"Content-Type": "application/json"})
-            response = connection.getresponse()
+            response = put(body)
         payload = response.read()
         if response.status != 200:
             raise RuntimeError(f"etcd answered {response.status}: {payload[:200]!r}")
@@ -630,9 +632,10 @@ def main() -> None:
                 pools[clients] = ClientPool(specs, clients)
             # A system's first seconds are not what it does in service (a WAL that grows until its first
             # checkpoint, cold caches): the first round measured them (mnesite-3 at 0.70x its later rounds).
-            for clients in client_counts:
-                for system in systems if args.warm_up > 0 else ():
-                    pools[clients].run(system.name, args.warm_up)
+            if args.warm_up > 0:
+                for clients in client_counts:
+                    for system in systems:
+                        pools[clients].run(system.name, args.warm_up)
             for round_number in range(args.rounds):
                 for clients in client_counts:
                     for system, result in measure_point(systems, pools[clients], args.seconds, args.slices).items():
