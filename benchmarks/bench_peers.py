@@ -327,6 +327,15 @@ def cpu_seconds(processes: list[subprocess.Popen]) -> list[float]:
     return used
 
 
+def machine_busy_seconds() -> float:
+    """CPU time the whole machine has spent busy so far (every CPU, not idle nor waiting on I/O), from
+    ``/proc/stat``."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal ...: busy is all but idle and iowait.
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 # ---------------------------------------------------------------- the systems (servers)
 
 
@@ -544,14 +553,26 @@ def measure_point(systems: list[System], pool: ClientPool, seconds: float, slice
     the same machine, so the ratios between them hold still. Per system: writes/s, p50/p99 over all
     its slices, and its server processes' CPU per write (``cpu_seconds`` around each of its slices)."""
     totals = {
-        system.name: {"writes": 0, "latencies": [], "errors": [], "cpu": [0.0] * len(system.processes)}
+        system.name: {
+            "writes": 0,
+            "latencies": [],
+            "errors": [],
+            "cpu": [0.0] * len(system.processes),
+            "load_cpu": 0.0,
+            "busy": 0.0,
+            "wall": 0.0,
+        }
         for system in systems
     }
     for number in range(slices):
         for system in systems if number % 2 == 0 else systems[::-1]:
             total = totals[system.name]
             before = cpu_seconds(system.processes)
+            load_before, busy_before, began = sum(cpu_seconds(pool.workers)), machine_busy_seconds(), time.monotonic()
             out = pool.run(system.name, seconds / slices)
+            total["wall"] += time.monotonic() - began
+            total["busy"] += machine_busy_seconds() - busy_before
+            total["load_cpu"] += sum(cpu_seconds(pool.workers)) - load_before
             after = cpu_seconds(system.processes)
             total["cpu"] = [used + now - then for used, then, now in zip(total["cpu"], before, after, strict=True)]
             total["writes"] += out["writes"]
@@ -569,6 +590,11 @@ def measure_point(systems: list[System], pool: ClientPool, seconds: float, slice
             # Server CPU per write: each process (for mnesite the first is the sequencer) and the sum.
             "cpu_us_per_write": [round(used / writes * 1e6, 1) if writes else None for used in total["cpu"]],
             "cpu_us_per_write_sum": round(sum(total["cpu"]) / writes * 1e6, 1) if writes else None,
+            # The rest of the machine's CPU in the same slices: the load generator's processes, and
+            # everything busy (servers, load generator, kernel threads) per write and in CPUs.
+            "load_cpu_us_per_write": round(total["load_cpu"] / writes * 1e6, 1) if writes else None,
+            "machine_cpu_us_per_write": round(total["busy"] / writes * 1e6, 1) if writes else None,
+            "cpus_busy": round(total["busy"] / total["wall"], 2) if total["wall"] else None,
         }
     return results
 
@@ -709,6 +735,9 @@ def summarise(
                 ],
                 # Per round, to take same-round ratios of CPU per write (e.g. against --baseline).
                 "cpu_us_per_write_rounds": [s["cpu_us_per_write"] for s in samples],
+                "load_cpu_us_per_write": _median_of(s.get("load_cpu_us_per_write") for s in samples),
+                "machine_cpu_us_per_write": _median_of(s.get("machine_cpu_us_per_write") for s in samples),
+                "cpus_busy": _median_of(s.get("cpus_busy") for s in samples),
                 "errors": [e for s in samples for e in s["errors"]][:3],
             }
             # mnesite-3 against every other system, per round, then the median of those ratios.
@@ -719,7 +748,13 @@ def summarise(
                 if ratios:
                     row["mnesite_3_over_this"] = round(statistics.median(ratios), 2)
             rows.append(row)
-    return {"rounds": rounds, "results": rows, "skipped": skipped, "lines": acceptance_lines(runs)}
+    return {
+        "rounds": rounds,
+        "results": rows,
+        "skipped": skipped,
+        "lines": acceptance_lines(runs),
+        "single_core_line_needs": single_core_line_needs(runs),
+    }
 
 
 # Issue 21's acceptance lines, each a same-round ratio: (name, clients, numerator, denominator, measure, kind,
@@ -763,9 +798,47 @@ def acceptance_lines(runs: dict[tuple[str, int], list[dict]]) -> list[dict]:
     return lines
 
 
+def single_core_line_needs(
+    runs: dict[tuple[str, int], list[dict]], clients: int = 64, ratio: float = 0.75
+) -> list[dict]:
+    """Per round: the summed server CPU a write at which mnesite-3 would reach ``ratio`` times the single
+    core's writes/s, beside what mnesite-3 (and floor-3, if it ran) spent.
+
+    A model, not a measurement: the machine stays as busy as mnesite-3 kept it in that round (``cpus_busy``)
+    and the rest of its CPU a write (load generator, kernel) stays what it was, so that writes/s is the busy
+    CPUs over the machine's CPU a write. Where the CPUs are the bound, this is what the line asks of the cores.
+    """
+    tops, singles = runs.get(("mnesite-3", clients), []), runs.get(("mnesite-1", clients), [])
+    floors = runs.get(("floor-3", clients), [])
+    if not tops or len(tops) != len(singles):
+        return []
+    needs = []
+    for number, (top, single) in enumerate(zip(tops, singles, strict=True)):
+        known = (top.get("cpus_busy"), top.get("machine_cpu_us_per_write"), top["cpu_us_per_write_sum"])
+        if None in known or not single["writes_per_s"]:
+            continue
+        busy, machine_us, cores_us = known
+        rest_us = machine_us - cores_us
+        row = {
+            "round": number,
+            "needed_cpu_us_per_write_sum": round(busy * 1e6 / (ratio * single["writes_per_s"]) - rest_us, 1),
+            "mnesite_3_cpu_us_per_write_sum": cores_us,
+            "rest_cpu_us_per_write": round(rest_us, 1),
+            "cpus_busy": busy,
+        }
+        if len(floors) == len(tops):
+            row["floor_3_cpu_us_per_write"] = floors[number]["cpu_us_per_write"]
+        needs.append(row)
+    return needs
+
+
 def _median_of(values: Any) -> float | None:
     known = [value for value in values if value is not None]
     return statistics.median(known) if known else None
+
+
+def _us(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f}"
 
 
 def print_table(report: dict) -> None:
@@ -774,16 +847,18 @@ def print_table(report: dict) -> None:
     print(f"{report['date']}, {report['machine']}, {point}, {report['rounds']} rounds")
     print(
         "| system | clients | writes/s (median) | rounds | p50 ms | p99 ms | mnesite-3 / this (same round) "
-        "| server CPU us/write: sum (per process) |"
+        "| server CPU us/write: sum (per process) | load generator, machine CPU us/write | CPUs busy |"
     )
-    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | ---: |")
     for r in report["results"]:
         per_process = ", ".join("?" if x is None else f"{x:.0f}" for x in r["cpu_us_per_write"])
         total = "?" if r["cpu_us_per_write_sum"] is None else f"{r['cpu_us_per_write_sum']:.0f}"
         print(
             f"| {r['system']} | {r['clients']} | {r['writes_per_s']:.0f} | "
             f"{', '.join(f'{x:.0f}' for x in r['writes_per_s_rounds'])} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-            f"{r.get('mnesite_3_over_this', '')} | {total} ({per_process}) |"
+            f"{r.get('mnesite_3_over_this', '')} | {total} ({per_process}) | "
+            f"{_us(r.get('load_cpu_us_per_write'))}, {_us(r.get('machine_cpu_us_per_write'))} | "
+            f"{'?' if r.get('cpus_busy') is None else format(r['cpus_busy'], '.2f')} |"
         )
     if report.get("lines"):
         print("\nsame-round ratios, per round (issue 21's lines):")
@@ -795,6 +870,17 @@ def print_table(report: dict) -> None:
                 else ""
             )
             print(f"- {line['line']} at {line['clients']} client(s): {ratios}{verdict}")
+    if report.get("single_core_line_needs"):
+        print("\nwhat 0.75x the single core at 64 clients asks of the 3 cores' summed CPU a write, per round (a model:")
+        print("the machine as busy as mnesite-3 kept it, the load generator's and the kernel's CPU a write unchanged):")
+        for need in report["single_core_line_needs"]:
+            floor = need.get("floor_3_cpu_us_per_write")
+            floor_text = "" if floor is None else f"; floor-3 spent {', '.join(f'{x:.0f}' for x in floor)}"
+            print(
+                f"- round {need['round'] + 1}: at most {need['needed_cpu_us_per_write_sum']:.0f} us, "
+                f"mnesite-3 spent {need['mnesite_3_cpu_us_per_write_sum']:.0f} (the rest of the machine "
+                f"{need['rest_cpu_us_per_write']:.0f} us a write, {need['cpus_busy']:.2f} CPUs busy){floor_text}"
+            )
     print("\ndurability of an acknowledgement:")
     for name, what in DURABILITY.items():
         if any(r["system"] == name for r in report["results"]):

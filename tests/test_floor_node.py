@@ -7,6 +7,7 @@ and every ratio against it would flatter the floor.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -139,6 +140,35 @@ def test_bench_peers_reads_each_line_of_issue_21_per_round_against_its_target() 
     assert ("floor-3 / single core, p50", 1) not in lines  # floor-3 did not run at 1 client
 
 
+def test_bench_peers_models_what_the_single_core_line_asks_of_the_cores_cpu() -> None:
+    """``bench_peers.single_core_line_needs``: per round, the summed CPU a write at which mnesite-3 would
+    reach 0.75x the single core's writes/s with the machine as busy and the rest of its CPU a write as
+    it was (writes/s = busy CPUs / the machine's CPU a write)."""
+    bench_peers = load_benchmark("bench_peers")
+
+    def point(writes: float, cpu: float, machine: float | None, busy: float | None, per_process=None) -> dict:
+        return {
+            "writes_per_s": writes,
+            "cpu_us_per_write_sum": cpu,
+            "cpu_us_per_write": per_process or [cpu],
+            "machine_cpu_us_per_write": machine,
+            "cpus_busy": busy,
+        }
+
+    runs = {
+        # 1.8 CPUs / (0.75 * 9,000 writes/s) = 266.7 us a write for the machine, of which 140 are not the cores'.
+        ("mnesite-3", 64): [point(5000, 220, 360, 1.8), point(5000, 220, None, None)],
+        ("mnesite-1", 64): [point(9000, 90, 200, 1.8), point(9000, 90, 200, 1.8)],
+        ("floor-3", 64): [point(8000, 110, 220, 1.7, [60, 25, 25]), point(8000, 110, 220, 1.7, [60, 25, 25])],
+    }
+    needs = bench_peers.single_core_line_needs(runs)
+    assert len(needs) == 1  # the second round has no machine figures: left out, not guessed
+    assert needs[0]["needed_cpu_us_per_write_sum"] == 126.7
+    assert needs[0]["rest_cpu_us_per_write"] == 140 and needs[0]["mnesite_3_cpu_us_per_write_sum"] == 220
+    assert needs[0]["floor_3_cpu_us_per_write"] == [60, 25, 25]
+    assert bench_peers.single_core_line_needs({("mnesite-3", 64): runs[("mnesite-3", 64)]}) == []
+
+
 def test_the_floor_drops_frames_that_are_not_its_own_and_keeps_answering(tmp_path: Path, single) -> None:
     process, client = single
     for junk in ([b"one part"], [b"a", b"b", b"c"], [b"ack", b"x"]):
@@ -167,6 +197,13 @@ def test_a_client_pool_moves_its_load_slice_by_slice_with_a_fresh_key_per_write(
         system.stop()
     assert [result["errors"] for result in results] == [[], []]
     assert all(result["writes"] > 0 and result["cpu_us_per_write_sum"] > 0 for result in results)
+    # The load generator's processes and the whole machine were counted over the same slices: the
+    # machine's CPU a write holds at least the server's and the load generator's.
+    for result in results:
+        assert result["load_cpu_us_per_write"] > 0 and 0 < result["cpus_busy"] <= (os.cpu_count() or 1) + 0.1
+        assert result["machine_cpu_us_per_write"] >= 0.9 * (
+            result["cpu_us_per_write_sum"] + result["load_cpu_us_per_write"]
+        )
     # Six slices over two points, three clients: one row per write, plus the write that found the node ready.
     assert len(rows(tmp_path / "floor0" / "kv.db")) == sum(result["writes"] for result in results) + 1
 
