@@ -15,8 +15,11 @@ from 0.42x to 0.66x where slices give 0.52x to 0.57x (summed CPU a write against
 2026-11-28). Before the first round each system gets ``--warm-up`` seconds of load at each client
 count, not counted. Ratios are taken between systems *within a round* (the median of the per-round ratios is
 reported). Issue 21's acceptance lines follow the table, each ratio per
-round with how many rounds met its target (``acceptance_lines``; ``lines`` in the JSON). All nodes
-run on 127.0.0.1 of this one machine.
+round with how many rounds met its target (``acceptance_lines``; ``lines`` in the JSON). Each system's
+row also gives its load generator's CPU per write, the whole machine's and how many CPUs were busy, in the
+same slices; from them ``single_core_line_needs`` models what 0.75x the single core asks of the three
+cores' summed CPU per write (``single_core_line_needs`` in the JSON). All nodes run on 127.0.0.1 of this
+one machine.
 
 What an acknowledgement means (durability), per system:
 
