@@ -1,0 +1,48 @@
+"""docs/operations/sizing.md states the memory and disk bounds the code enforces, with the code's values.
+
+The page's measured figures (CPU, bytes, resident memory) are a dated reading; its bounds are not: each
+sentence that names a bound is checked against the constant or the default that sets it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from mnesite.core import rules
+from mnesite.rlog import checkpoint, config, server, store
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(30)
+
+PAGE = REPO / "docs" / "operations" / "sizing.md"
+MIB = 1024 * 1024
+
+
+def page() -> str:
+    return re.sub(r"\s+", " ", PAGE.read_text())
+
+
+def test_the_sizing_page_states_the_bounds_the_code_sets() -> None:
+    text = page()
+    limits = config.Limits()
+    assert store.PAGE_CACHE_BYTES_MAX == 16 * MIB
+    assert "SQLite's page cache of the writing connection: 16 MiB" in text
+    assert (
+        f"at most {server.BACKLOG_FACTOR} x `group_commit_max` frames and {server.BACKLOG_FACTOR} x `turn_bytes_max`"
+        in text
+    )
+    assert rules.FOLLOWER_APPLY_BYTES_MAX == 16 * MIB
+    assert f"at most {rules.FOLLOWER_APPLY_ENTRIES_MAX:,} entries or 16 MiB" in text
+    assert limits.agents_bytes_max == 16 * MIB and "`agents_bytes_max` (16 MiB)" in text
+    assert f"grows to about 32 MiB ({checkpoint.WAL_PAGES_BACKGROUND:,} pages)" in text
+    assert checkpoint.WAL_PAGES_BACKGROUND * 4096 // MIB in (31, 32)  # 4 KiB pages
+    retention = config.Retention().retention_entries_max
+    assert f"({retention:,} by default" in text
+
+
+def test_the_sizing_page_names_only_config_keys_that_exist() -> None:
+    keys = set(config.Limits.__dataclass_fields__) | set(config.Retention.__dataclass_fields__)
+    named = set(re.findall(r"`([a-z_]+_(?:max|ms_max|delay_ms_max))`", page()))
+    assert named and named <= keys, named - keys
