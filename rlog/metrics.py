@@ -2,13 +2,15 @@
 
 Theory of operation
 -------------------
-Two kinds of figures, kept apart so that a scrape never touches the node's loop:
+Three kinds of figures, kept apart so that a scrape never touches the node's loop:
 
 * **Events** the loop counts as they happen, through small hooks at the places that do the work:
   SQLite commits and their duration (the fsync at ``synchronous=FULL``), transactions per commit
   (group commit), the time a write waited between its arrival and its acknowledgement (commit
   latency as a client sees it), malformed frames. prometheus_client's counters and histograms are
   thread-safe, so the hook is one increment or ``observe``.
+* **The process** (its CPU seconds, resident memory and open file descriptors, ``process_*``):
+  prometheus_client's process collector reads them from ``/proc`` in the scrape thread.
 * **State** (generations, sequencer, committed and applied tx keys, replicant lag and mode, agents
   and their memory budget, bootstrap progress, refusals, a full disk) is what ``status`` already
   reports. The loop hands a fresh status dict to ``NodeMetrics.refresh`` at most once per
@@ -32,7 +34,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -100,6 +102,9 @@ class NodeMetrics:
         self._status: dict[str, Any] = {}
         self._next_refresh_ms = 0
         self.registry.register(_StatusCollector(self))
+        # The process's CPU seconds, resident memory and file descriptors (process_*, read from /proc
+        # by the scrape thread): what sizing a node needs, e.g. its CPU per applied transaction.
+        ProcessCollector(registry=self.registry)
 
     # -- hooks for the loop ----------------------------------------------------------------
 

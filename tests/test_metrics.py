@@ -116,6 +116,9 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_changes_snapshots_total") == 1
     assert value(samples, "mnesite_changes_refused_total") == 6
     assert value(samples, "mnesite_changes_held") == 2
+    # The process itself, for sizing (CPU per applied transaction, resident memory).
+    assert value(samples, "process_cpu_seconds_total") > 0
+    assert value(samples, "process_resident_memory_bytes") > 1024 * 1024
 
 
 @pytest.fixture
@@ -249,12 +252,26 @@ def test_real_processes_scraped_under_writes_show_commits_and_lag(cluster: Clust
     # Drained once the writes stop: under a steady load the agents' push delay (push_delay_ms_max) keeps
     # up to a delay's commits unpushed at any moment, so the lag need not read 0 while writers run.
     wait_until(lambda: agent_lag() == 0, 30, "the agent's lag to drain", interval_s=0.2)
-    time.sleep(1.2)  # one metrics refresh interval after the last write
+
+    def applied(samples: dict) -> float:
+        return value(samples, "mnesite_applied_counter", shard="default") or 0
+
+    # Each node's status reaches its metrics at the next refresh (at most a second after it changed).
+    wait_until(
+        lambda: all(applied(scrape(port)) > applied(first[name]) for name, port in ports.items()),
+        10,
+        "every node's applied key to move in its metrics",
+        interval_s=0.2,
+    )
     second = {name: scrape(port) for name, port in ports.items()}
     assert second[sequencer][("mnesite_commits_total", ())] > first[sequencer][("mnesite_commits_total", ())] + 10
     assert value(second[sequencer], "mnesite_group_commit_transactions_sum") >= 300
     assert value(second[sequencer], "mnesite_commit_seconds_count") >= 1
     assert value(second[upstream], "mnesite_agents") >= 1
+    # Each node's own process: its CPU seconds grew under the writes, and its resident memory is its own.
+    for name in [*cluster.names, "replicant1"]:
+        assert value(second[name], "process_cpu_seconds_total") > value(first[name], "process_cpu_seconds_total")
+        assert 10 * 1024 * 1024 < value(second[name], "process_resident_memory_bytes") < 1024**3
     for name in [*cluster.names, "replicant1"]:
         assert value(second[name], "mnesite_applied_counter", shard="default") > value(
             first[name], "mnesite_applied_counter", shard="default"
