@@ -221,8 +221,13 @@ def test_a_changefeed_waiting_at_a_follower_gets_a_commit_at_once(gathering) -> 
 
     reader = threading.Thread(target=follow, daemon=True)
     reader.start()
-    wait_until(lambda: cluster.status(follower) is not None, 5, "the follower")
-    time.sleep(0.3)  # the feed's request is held at the follower (no event tells a client that)
+    # The feed's request is held at the follower before the write: its status counts it.
+    wait_until(
+        lambda: ((cluster.status(follower) or {}).get("changes") or {}).get("held", 0) >= 1,
+        5,
+        "the changefeed request to be held at the follower",
+        interval_s=0.02,
+    )
     written = time.monotonic()
     _write(cluster, sequencer, range(201, 202))
     reader.join(timeout=10)
