@@ -62,7 +62,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -315,8 +315,9 @@ class ClientPool:
                 worker.join(10)
 
 
-def cpu_seconds(processes: list[subprocess.Popen]) -> list[float]:
-    """CPU time (user + system) each server process has used so far, from ``/proc/PID/stat``."""
+def cpu_seconds(processes: Sequence[subprocess.Popen | multiprocessing.Process]) -> list[float]:
+    """CPU time (user + system) each process (a server's, or a load generator's) has used so far, from
+    ``/proc/PID/stat``."""
     ticks = os.sysconf("SC_CLK_TCK")
     used = []
     for process in processes:
@@ -760,11 +761,13 @@ def summarise(
     }
 
 
+# The line single_core_line_needs models (one of LINES below).
+SINGLE_CORE_RATE_LINE = ("3 cores / single core, writes/s", 64, "mnesite-3", "mnesite-1", "writes_per_s", "min", 0.75)
 # Issue 21's acceptance lines, each a same-round ratio: (name, clients, numerator, denominator, measure, kind,
 # target: the ratio's bound, "min" (at least) or "max" (at most), None for a line that is only a reading).
 LINES = (
     ("3 cores / Redis, writes/s", 64, "mnesite-3", "redis", "writes_per_s", "min", 0.6),
-    ("3 cores / single core, writes/s", 64, "mnesite-3", "mnesite-1", "writes_per_s", "min", 0.75),
+    SINGLE_CORE_RATE_LINE,
     ("3 cores / single core, p50", 1, "mnesite-3", "mnesite-1", "p50_ms", "max", 2.0),
     ("3 cores / etcd, p50", 1, "mnesite-3", "etcd", "p50_ms", "max", 1.0),
     (
@@ -802,7 +805,9 @@ def acceptance_lines(runs: dict[tuple[str, int], list[dict]]) -> list[dict]:
 
 
 def single_core_line_needs(
-    runs: dict[tuple[str, int], list[dict]], clients: int = 64, ratio: float = 0.75
+    runs: dict[tuple[str, int], list[dict]],
+    clients: int = SINGLE_CORE_RATE_LINE[1],
+    ratio: float = SINGLE_CORE_RATE_LINE[6],
 ) -> list[dict]:
     """Per round: the summed server CPU a write at which mnesite-3 would reach ``ratio`` times the single
     core's writes/s, beside what mnesite-3 (and floor-3, if it ran) spent.
@@ -874,8 +879,10 @@ def print_table(report: dict) -> None:
             )
             print(f"- {line['line']} at {line['clients']} client(s): {ratios}{verdict}")
     if report.get("single_core_line_needs"):
-        print("\nwhat 0.75x the single core at 64 clients asks of the 3 cores' summed CPU a write, per round (a model:")
-        print("the machine as busy as mnesite-3 kept it, the load generator's and the kernel's CPU a write unchanged):")
+        _, clients, *_, ratio = SINGLE_CORE_RATE_LINE
+        print(f"\nwhat {ratio:g}x the single core at {clients} clients asks of the 3 cores' summed CPU a write,")
+        print("per round (a model: the machine as busy as mnesite-3 kept it, the load generator's and the")
+        print("kernel's CPU a write unchanged):")
         for need in report["single_core_line_needs"]:
             floor = need.get("floor_3_cpu_us_per_write")
             floor_text = "" if floor is None else f"; floor-3 spent {', '.join(f'{x:.0f}' for x in floor)}"
