@@ -58,7 +58,7 @@ from mnesite.rlog.query import (
 )
 from mnesite.rlog.roles import sender_mismatch
 from mnesite.rlog.schema import TableSchema
-from mnesite.rlog.security import NodeSecurity, SecurityError
+from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
 from mnesite.rlog.store import Store, storage_fault
 from mnesite.rlog.types import Entry, TxKey
 
@@ -328,6 +328,10 @@ class NodeServer:
         """The error to answer if ``principal`` may not send ``message`` (counted); None if it may."""
         if self.security is None:
             return None
+        if not principal:  # authenticated at its handshake, but a reload removed its key since
+            self.security.refused_unknown_key += 1
+            self._log_refusal("refused: %s", REVOKED)
+            return messages.error(message.request_id, "forbidden", REVOKED)
         reason = self.security.roles.refusal(principal, message.kind)
         if reason is not None:
             self.security.refused_role += 1
