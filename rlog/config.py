@@ -38,7 +38,7 @@ Example::
     backup_step_pages_max = 256         # pages an online backup copies per step (mnesite backup)
     query_ms_max = 10000                # SQLite time one query may spend, all its pages together (mnesite query)
     query_page_rows_max = 1000          # rows in one page of a query's answer
-    query_page_bytes_max = 1048576      # bytes of values in one page (at most frame_bytes_max / 2)
+    query_page_bytes_max = 1048576      # bytes of values in one page (at most frame_bytes_max / 4)
     query_cursors_max = 16              # queries with more pages to fetch, held open per node
     query_idle_ms_max = 30000           # a held query whose next page is not asked for in this time is closed
     index_build_step_rows_max = 1000    # rows an online index build copies per step, a step at most every 10 ms
