@@ -14,7 +14,7 @@ import os
 import time
 
 import click
-from mnesite.cli.main import client_for, emit_json, fail, json_option, node_options, run
+from mnesite.cli.main import client_for, emit_json, fail, json_option, node_options, run, single_endpoint
 from mnesite.rlog.backup import BackupError, read_record, restore
 
 POLL_INTERVAL_S = 0.2
@@ -39,13 +39,17 @@ def _describe_shards(shards: dict) -> str:
 @node_options
 @json_option
 def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
-    """Write a consistent copy of the running node at --node to FILE, on the node's host. Needs the admin role.
+    """Write a consistent copy of the running node at --node to FILE, on the node's host. Needs the admin role
+    and exactly one --node (a backup never fails over to another node).
 
     \b
     The node keeps serving: it copies the state of the moment it accepted the request, page by
     page, in a background thread. FILE records each shard's applied tx key and digest; it must not
     exist. Restore it with `mnesite restore FILE --data-dir DIR`.
     """
+    # The node writes FILE on its own host: never fail over to another node (and another host) when
+    # the one named does not answer, as a read would.
+    endpoint = single_endpoint(endpoint, "backup")
     path = os.path.abspath(file)
     deadline = time.monotonic() + wait_ms / 1000
     last_shown = -1.0

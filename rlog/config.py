@@ -38,7 +38,7 @@ Example::
     backup_step_pages_max = 256         # pages an online backup copies per step (mnesite backup)
     query_ms_max = 10000                # SQLite time one query may spend, all its pages together (mnesite query)
     query_page_rows_max = 1000          # rows in one page of a query's answer
-    query_page_bytes_max = 1048576      # bytes of values in one page (at most frame_bytes_max / 2)
+    query_page_bytes_max = 1048576      # bytes of values in one page (at most frame_bytes_max / 4)
     query_cursors_max = 16              # queries with more pages to fetch, held open per node
     query_idle_ms_max = 30000           # a held query whose next page is not asked for in this time is closed
     index_build_step_rows_max = 1000    # rows an online index build copies per step, a step at most every 10 ms
@@ -305,10 +305,19 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     core_nodes = cluster.get("core_nodes", {name: listen} if role == "core" else {})
     if not isinstance(core_nodes, dict):
         raise ConfigError('[cluster].core_nodes must be a table of name = "tcp://host:port"')
+    named_at: dict[str, str] = {}
     for core_name, endpoint in core_nodes.items():
         if not NODE_NAME_PATTERN.match(core_name):
             raise ConfigError(f"[cluster].core_nodes: invalid node name {core_name!r}")
         check_endpoint(f"[cluster].core_nodes.{core_name}", endpoint)
+        # Two names at one endpoint (a copied line): what is sent to one core reaches the other, and
+        # the cluster runs a core short of what its size says, with nothing in the log until a failure.
+        if endpoint in named_at:
+            raise ConfigError(
+                f"[cluster].core_nodes.{core_name} has the endpoint of {named_at[endpoint]} ({endpoint}); "
+                "every core needs its own"
+            )
+        named_at[endpoint] = core_name
     if role == "core" and name not in core_nodes:
         raise ConfigError(f"[cluster].core_nodes must list this core node {name!r}")
     if role == "replicant" and not core_nodes:

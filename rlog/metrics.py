@@ -5,7 +5,8 @@ Theory of operation
 Three kinds of figures, kept apart so that a scrape never touches the node's loop:
 
 * **Events** the loop counts as they happen, through small hooks at the places that do the work:
-  SQLite commits and their duration (the fsync at ``synchronous=FULL``), transactions per commit
+  SQLite commits, the duration of the durable ones (the fsync at ``synchronous=FULL``; a commit
+  that only applies entries already durable in the log skips it), transactions per commit
   (group commit), the time a write waited between its arrival and its acknowledgement (commit
   latency as a client sees it), malformed frames. prometheus_client's counters and histograms are
   thread-safe, so the hook is one increment or ``observe``.
@@ -74,11 +75,13 @@ class NodeMetrics:
         self.role = role
         self.registry = CollectorRegistry(auto_describe=False)
         self.commits = Counter(
-            "mnesite_commits", "SQLite commits (each one fsync at synchronous=FULL)", registry=self.registry
+            "mnesite_commits",
+            "SQLite commits (a durable one fsyncs the WAL at synchronous=FULL; applies of logged entries do not)",
+            registry=self.registry,
         )
         self.commit_seconds = Histogram(
             "mnesite_fsync_seconds",
-            "Duration of a SQLite COMMIT statement: the fsync of the turn's writes",
+            "Duration of a durable SQLite COMMIT: the fsync of the turn's writes",
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
@@ -108,9 +111,11 @@ class NodeMetrics:
 
     # -- hooks for the loop ----------------------------------------------------------------
 
-    def committed(self, seconds: float, transactions: int) -> None:
+    def committed(self, seconds: float, transactions: int, durable: bool = True) -> None:
+        """One COMMIT of ``seconds``: ``transactions`` applied in it; ``durable``: it waited for an fsync."""
         self.commits.inc()
-        self.commit_seconds.observe(seconds)
+        if durable:
+            self.commit_seconds.observe(seconds)
         if transactions > 0:
             self.group_commit.observe(transactions)
 

@@ -8,13 +8,17 @@ CurveZMQ *client* with its own key pair (``client_key``), pinning the cluster's 
 A client (``rlog.client.Client``, the CLI) does the same with the caller's key.
 
 The ZAP handler (pyzmq's ``ThreadAuthenticator``, one per node context) accepts a client key only
-if it is one of the public keys in the ``authorized_keys`` directory; the principal is the file's
-name (``keys/app.key`` -> ``app``) and reaches the node as the ZAP user id, a property of every
-frame. Unknown keys and clients without CurveZMQ fail the handshake: their bytes never reach the
-message decoder. The node counts those handshake failures from a socket monitor.
+if it is one of the public keys in the ``authorized_keys`` directory. The ZAP user id, a property of
+every frame, is the client's public key (z85); the node maps it to its principal, the file's name
+(``keys/app.key`` -> ``app``), at every frame with the current table. Unknown keys and clients
+without CurveZMQ fail the handshake: their bytes never reach the message decoder. The node counts
+those handshake failures from a socket monitor.
 
 ``reload`` re-reads ``authorized_keys`` and the roles (SIGHUP): the new maps replace the old ones
-in one assignment each, so the ZAP thread and the node thread never see half a table.
+in one assignment each, so the ZAP thread and the node thread never see half a table. Because the
+principal is looked up per frame, not fixed at the handshake, a key removed (or replaced) by a
+reload stops working on the connections it already holds too: their frames have no principal and
+are refused (``REVOKED``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ SECRET_SUFFIX = ".key_secret"
 AUTHORIZED_KEYS_MAX = 10_000  # public key files read from authorized_keys
 MONITOR_POLL_MS = 200
 ZAP_DOMAIN = "mnesite"
+# What a frame whose key a reload took out of authorized_keys is refused with (its connection was
+# authenticated before the reload).
+REVOKED = "this connection's key is no longer in authorized_keys (reloaded); connect with an authorized key"
 HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
@@ -158,7 +165,9 @@ class _Authenticator(ThreadAuthenticator):
         self.security = security
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self.security.authorized.get(zmq.utils.z85.encode(client_public_key), "")
+        # The key itself, not its principal: the node maps it at every frame (``principal_of``), so a
+        # reload that removes or replaces the key applies to connections already open.
+        return zmq.utils.z85.encode(client_public_key).decode("ascii")
 
 
 class _KeyCheck:
@@ -243,11 +252,13 @@ class NodeSecurity:
         self.reloads += 1
 
     def principal_of(self, frame: zmq.Frame) -> str:
-        """The ZAP user id of ``frame``: the authenticated principal ("" if there is none)."""
+        """The principal of ``frame``'s authenticated key (its ZAP user id) in the current
+        ``authorized_keys``; "" if there is none (no key, or a key a reload removed)."""
         try:
-            return frame.get("User-Id")
+            user_id = frame.get("User-Id")
         except zmq.ZMQError:
             return ""
+        return self.authorized.get(user_id.encode("ascii", "replace"), "") if user_id else ""
 
     def status(self) -> dict[str, object]:
         return {

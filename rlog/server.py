@@ -58,7 +58,7 @@ from mnesite.rlog.query import (
 )
 from mnesite.rlog.roles import sender_mismatch
 from mnesite.rlog.schema import TableSchema
-from mnesite.rlog.security import NodeSecurity, SecurityError
+from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
 from mnesite.rlog.store import Store, storage_fault
 from mnesite.rlog.types import Entry, TxKey
 
@@ -328,6 +328,10 @@ class NodeServer:
         """The error to answer if ``principal`` may not send ``message`` (counted); None if it may."""
         if self.security is None:
             return None
+        if not principal:  # authenticated at its handshake, but a reload removed its key since
+            self.security.refused_unknown_key += 1
+            self._log_refusal("refused: %s", REVOKED)
+            return messages.error(message.request_id, "forbidden", REVOKED)
         reason = self.security.roles.refusal(principal, message.kind)
         if reason is not None:
             self.security.refused_role += 1
@@ -949,25 +953,26 @@ class NodeServer:
         if self._in_transaction and self._durable:
             self.flush()
 
+    def _commit(self) -> None:
+        """COMMIT the open transaction (an fsync if durable), counted in status and in the metrics."""
+        began_s = time.monotonic()
+        durable, self._durable = self._durable, False
+        self.store.commit(durable)
+        self._in_transaction = False
+        self.commits += 1
+        self.durable_commits += durable
+        if self.metrics is not None:
+            seconds = time.monotonic() - began_s
+            self.metrics.committed(seconds, self.transactions - self._transactions_at_commit, durable)
+            self._transactions_at_commit = self.transactions
+
     def flush(self) -> None:
         """Commit the open transaction (one fsync), then send everything queued behind it."""
         if self._in_transaction:
-            began_s = time.monotonic()
-            durable, self._durable = self._durable, False
-            self.store.commit(durable)
-            self._in_transaction = False
-            self.commits += 1
-            self.durable_commits += durable
-            if self.metrics is not None:
-                self.metrics.committed(time.monotonic() - began_s, self.transactions - self._transactions_at_commit)
-                self._transactions_at_commit = self.transactions
+            self._commit()
             self.after_commit()
             if self._in_transaction:
-                durable, self._durable = self._durable, False
-                self.store.commit(durable)
-                self._in_transaction = False
-                self.commits += 1
-                self.durable_commits += durable
+                self._commit()
         self.before_send()
         outbox, self._outbox = self._outbox, []
         for socket, envelope, message in outbox:

@@ -19,7 +19,7 @@ from mnesite.rlog.roles import RoleTable
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import GENESIS_DIGEST, CreateTableOp, TxKey, WriteOp, make_entry
 
-from tests.conftest import Cluster, ThreadNode, offline_replicant, wait_until
+from tests.conftest import Cluster, ThreadNode, free_port, offline_replicant, wait_until
 from tests.test_cluster import Load, create_table, rows
 
 
@@ -422,3 +422,18 @@ def test_closing_a_node_cancels_its_running_backup(tmp_path: Path, monkeypatch) 
     node.close()
     assert node.backup_job.state == "failed" and node.backup_job.error == "BackupError: cancelled: the node shut down"
     assert not target.exists() and not Path(str(target) + PARTIAL_SUFFIX).exists()
+
+
+def test_a_backup_acts_on_one_named_node_and_never_fails_over(thread_node: ThreadNode, tmp_path: Path) -> None:
+    """A backup is written on the host of the node that takes it: with a list of endpoints (--node a,b
+    or $MNESITE_NODE as the README exports it) a first node that does not answer must not turn the
+    backup into one of another node, on another host, under the same name."""
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there: the first node is down
+    backup = tmp_path / "core-a.backup"
+    listed = CliRunner().invoke(main, ["backup", str(backup), "--node", f"{dead},{thread_node.endpoint}"])
+    assert listed.exit_code == 1 and "backup needs exactly one explicit --node" in listed.stderr, listed.output
+    from_env = CliRunner(env={"MNESITE_NODE": f"{dead},{thread_node.endpoint}"}).invoke(main, ["backup", str(backup)])
+    assert from_env.exit_code == 1 and "backup needs exactly one explicit --node" in from_env.stderr
+    assert not backup.exists()
+    with thread_node.client(timeout_ms=5000) as client:
+        assert client.status()["backup"] is None  # the node that answered was never asked

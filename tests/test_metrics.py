@@ -155,6 +155,29 @@ def test_a_scrape_of_a_node_shows_commits_moving(metrics_node) -> None:
     assert value(after, "mnesite_agent_budget_evictions_total") == 0
 
 
+def test_the_commit_metrics_count_every_commit_the_node_makes(metrics_node) -> None:
+    """A sequencer commits twice in a turn that commits writes: its appended entries (with the fsync),
+    then their applies (no fsync: the log is durable). mnesite_commits_total counted only the first,
+    about half the commits ``status`` reports; mnesite_fsync_seconds counts the durable ones."""
+    node, port = metrics_node
+    with node.client(timeout_ms=5000) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        for row_id in range(50):
+            client.put("kv", {"id": row_id, "value": "x"})
+
+        def agree() -> bool:
+            status, samples = client.status(), scrape(port)
+            return (samples[("mnesite_commits_total", ())], samples[("mnesite_fsync_seconds_count", ())]) == (
+                status["commits"],
+                status["durable_commits"],
+            )
+
+        wait_until(agree, 10, "the commit metrics to agree with status")
+        assert client.status()["commits"] > client.status()["durable_commits"] >= 50
+    samples = scrape(port)
+    assert samples[("mnesite_group_commit_transactions_sum", ())] >= 51  # each applied transaction once
+
+
 def test_a_scrape_counts_the_changefeed_pages_and_queries_a_node_answered(metrics_node) -> None:
     node, port = metrics_node
     with node.client(timeout_ms=5000) as client:

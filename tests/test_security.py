@@ -370,3 +370,28 @@ def test_an_insecure_node_says_so_at_every_start(tmp_path: Path, caplog) -> None
         node.close()
     warnings = [r for r in caplog.records if "WITHOUT authentication" in r.getMessage()]
     assert len(warnings) == 2
+
+
+def test_sighup_revokes_a_removed_or_replaced_key_on_connections_already_open(secure_node, keys: Path) -> None:
+    """The ZAP handshake runs once per connection: a key taken out of authorized_keys (or replaced by a
+    new key of the same principal) and reloaded must stop working on a connection it already holds,
+    not only on the next one."""
+    with secure_node.client("ops") as admin:
+        admin.create_table("kv", "id", [("id", "INTEGER")])
+    generate_keys("app2", str(keys))  # the replacement key pair of principal "app"
+    authorized = keys.parent / "authorized"
+    with secure_node.client("app") as revoked, secure_node.client("dashboard") as rotated:
+        revoked.put("kv", {"id": 1})  # both connections are open and authenticated now
+        assert rotated.get("kv", 1) == {"id": 1}
+        (authorized / "app.key").unlink()
+        shutil.copy(keys / "app2.key", authorized / "dashboard.key")  # dashboard's key rotated
+        secure_node.node.reload_requested.set()  # what the SIGHUP handler does
+        wait_until(lambda: secure_node.security()["reloads"] == 1, 10, "the reload")
+        with pytest.raises(Forbidden, match="no longer in authorized_keys"):
+            revoked.put("kv", {"id": 2})
+        with pytest.raises(Forbidden, match="no longer in authorized_keys"):
+            rotated.get("kv", 1)
+    with secure_node.client("ops") as admin:
+        assert admin.get("kv", 2) is None  # the revoked key wrote nothing
+    with secure_node.client("app2") as fresh:  # dashboard's new key is the principal dashboard
+        assert fresh.get("kv", 1) == {"id": 1}

@@ -113,6 +113,10 @@ def test_default_config_is_a_single_core() -> None:
         ({"nodes": {}}, r"unknown section \[nodes\]"),
         ({"node": {"name": "a"}, "cluster": {"core_nodes": {"b": "tcp://127.0.0.1:1"}}}, "must list this core"),
         ({"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:99999"}}}, r"core_nodes.core1"),
+        (
+            {"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://127.0.0.1:7400"}}},
+            r"\[cluster\].core_nodes.core2 has the endpoint of core1",
+        ),
         ({"node": {"role": "replicant"}}, "at least one core"),
         ({"storage": {"synchronous": "SOMETIMES"}}, r"\[storage\].synchronous"),
         ({"limits": {"group_commit_max": 0}}, r"\[limits\].group_commit_max"),
