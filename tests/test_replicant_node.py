@@ -288,3 +288,57 @@ def test_the_collector_is_paused_while_a_push_is_handled_and_restored_after(tmp_
     finally:
         node.store.close()
         node.data_dir_lock.release()
+
+
+def test_a_bootstrap_keeps_the_applied_key_on_disk_as_a_floor_across_a_restart_and_a_full_disk(tmp_path) -> None:
+    """ResetShard's contract (rlog.replication): the driver keeps the applied key and persists the
+    unknown digest. The store reset the position to genesis instead, so a replicant restarted during
+    a bootstrap (or told DiskFull, which adopts the position on disk) forgot its floor: it could watch
+    a core behind what it had applied, and with the genesis digest a core that never trimmed let it
+    resume from [0, 0] over the half-copied tables and the spill of the aborted bootstrap."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.disk import DiskFull
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, WriteOp, make_entry
+
+    table = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+    entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [table.to_op()])]
+    for counter in (2, 3):
+        last = entries[-1]
+        entries.append(
+            make_entry("default", TxKey(1, counter), last.tx_key, last.digest, [WriteOp("t", {"k": counter})])
+        )
+    data_dir = tmp_path / "r"
+    node = offline_replicant(data_dir)
+    try:
+        replica = node._open_replica("default")
+        node._execute(replica, p.ApplyEntries(tuple(entries)))
+        node.flush()
+        floor = TxKey(1, 3)
+        # A bootstrap begins: fenced, reset; a batch and a pushed entry are written, then the disk fills.
+        for effect in (p.ReadFenceChanged(True), p.ResetShard()):
+            node._execute(replica, effect)
+        node._execute(replica, p.ApplyBatch("t", ({"k": 9, "v": "dirty"},)))
+        node._execute(replica, p.SpillEntries((make_entry("default", TxKey(1, 11), TxKey(1, 10), b"\x01" * 32, []),)))
+        node.flush()
+        position = node.store.shard("default")
+        assert (position.applied, position.digest) == (floor, p.UNKNOWN_DIGEST)
+        assert node.store.verify_chain("default") == floor  # `mnesite check` still reads the position
+        fresh = node._open_replica("default")
+        fresh.step(DiskFull("disk full", position.applied, position.digest), node.clock_ms())
+        assert (fresh.applied_key, fresh.applied_digest) == (floor, p.UNKNOWN_DIGEST)
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+    node = offline_replicant(data_dir)  # restarted in the middle of the bootstrap
+    try:
+        replica = node.replicas["default"]
+        assert (replica.applied_key, replica.applied_digest) == (floor, p.UNKNOWN_DIGEST)
+        assert replica.read_fenced
+        # It never watches a core behind its floor, and asks for a bootstrap (the unknown digest).
+        replica.step(p.Ticked(), replica.next_deadline_ms())
+        behind = p.JournalAnswer(TxKey(1, 2), True, 0)
+        assert replica.step(p.JournalsReceived((("core1", behind),)), node.clock_ms()) == []
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
