@@ -24,7 +24,8 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   the tables are copied in key-ordered batches of ``batch_rows_max`` rows (``FetchTables``, then
   ``FetchBatch``/``ApplyBatch`` table after table). The agent pushes entries after K0 meanwhile; they
   are checked exactly like normal pushes (from K0, then from the last spilled key), spilled
-  (``SpillEntries``) and acknowledged with the spilled key. Once ``spill_entries_max`` entries are
+  (``SpillEntries``) and acknowledged with the spilled key. Once ``spill_entries_max`` entries, or
+  ``spill_bytes_max`` bytes of them (the spill is on disk, one per bootstrapping shard), are
   spilled it releases the agent (``SendReject(..., "resynchronise")``: the core frees its window)
   and takes no more pushes; ``last_error`` says so. The copy goes on, however long it takes: the
   failure detector then watches only the copy's requests, not the released agent's silence (a
@@ -185,6 +186,8 @@ class ReplicaConfig:
     batch_rows_max: int = 10_000
     # Entries spilled during one bootstrap; then the agent is released until the copy is done.
     spill_entries_max: int = 100_000
+    # Bytes of those entries (``Entry.size_bytes``): an entry may be as large as a frame.
+    spill_bytes_max: int = 1024 * 1024 * 1024
     # Consecutive failed bootstraps after which retries slow down to one per failure_timeout_ms.
     bootstrap_attempts_max: int = 3
 
@@ -306,6 +309,7 @@ class ShardReplica:
         self._spill_key = applied_key
         self._spill_digest = applied_digest
         self._spilled = 0
+        self._spilled_bytes = 0
         self._spill_full = False
         # Read fence after a bootstrap (see the theory of operation).
         self._fence = ReadFence(read_fenced, config.failure_timeout_ms)
@@ -609,6 +613,7 @@ class ShardReplica:
             self._start_key, self._start_digest = event.start_key, event.start_digest
             self._spill_key, self._spill_digest = event.start_key, event.start_digest
             self._spilled = 0
+            self._spilled_bytes = 0
             self._spill_full = False
             self._copy = None
             self._out.append(FetchTables(event.core))
@@ -776,19 +781,25 @@ class ShardReplica:
 
     def _spill(self, event: PushReceived, new: tuple[Entry, ...]) -> None:
         if new:
-            taken = new[: self.config.spill_entries_max - self._spilled]
+            taken: list[Entry] = []
+            for entry in new[: self.config.spill_entries_max - self._spilled]:
+                size = entry.size_bytes
+                if self._spilled_bytes + size > self.config.spill_bytes_max:
+                    break
+                taken.append(entry)
+                self._spilled_bytes += size
             if taken:
-                self._out.append(SpillEntries(taken))
+                self._out.append(SpillEntries(tuple(taken)))
                 self._spilled += len(taken)
                 self._entries_spilled += len(taken)
                 self._spill_key, self._spill_digest = taken[-1].tx_key, taken[-1].digest
-            if self._spilled >= self.config.spill_entries_max:
+            if len(taken) < len(new) or self._spilled >= self.config.spill_entries_max:
                 # Release the agent rather than stall it: a stalled one stops for want of
                 # acknowledgements, and its silence would fail the copy (see BOOTSTRAP).
                 self._spill_full = True
                 self._last_error = (
-                    f"spill full ({self._spilled} entries, spill_entries_max): agent released until the copy "
-                    f"is done, then resuming from {self._spill_key}"
+                    f"spill full ({self._spilled} entries, {self._spilled_bytes} bytes; spill_entries_max, "
+                    f"spill_bytes_max): agent released until the copy is done, then resuming from {self._spill_key}"
                 )
                 self._out.append(SendReject(event.core, event.agent_id, REJECT_RESYNCHRONISE))
                 return

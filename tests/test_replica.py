@@ -495,6 +495,27 @@ def test_the_spill_is_bounded_then_the_agent_is_released_and_the_replica_resynch
 
 
 @pytest.mark.timeout(10)
+def test_the_spill_is_bounded_in_bytes_too():
+    """The spill is on disk, one per bootstrapping shard: bounded by count only, 100,000 entries of up
+    to a frame each (4 MiB) could take hundreds of GB. spill_bytes_max bounds it like the count."""
+    size = HISTORY[10].size_bytes
+    machine = replica(applied=0, spill_bytes_max=2 * size + size // 2)
+    bootstrap(machine, k0=10)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    effects = machine.step(push(HISTORY[10:14]), 2)
+    assert effects == [SpillEntries(tuple(HISTORY[10:12])), SendReject("core0", "a1", "resynchronise")]
+    assert "spill full" in machine.status().last_error and "spill_bytes_max" in machine.status().last_error
+    assert machine.step(push(HISTORY[12:14]), 3) == []
+    effects = machine.step(BatchReceived("core0", "t", None, (), True), 4)
+    assert effects[1] == ReplaySpill(*at(10)) and machine.applied_key == at(12)[0]
+    # A new bootstrap starts with an empty spill.
+    machine = replica(applied=0, spill_bytes_max=2 * size)
+    bootstrap(machine, k0=10)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    assert machine.step(push(HISTORY[10:11]), 2) == [SpillEntries((HISTORY[10],)), SendAck("core0", "a1", at(11)[0])]
+
+
+@pytest.mark.timeout(10)
 def test_stale_or_mismatched_batches_are_ignored_and_oversized_ones_fail_the_bootstrap():
     machine = replica(applied=0, batch_rows_max=2)
     bootstrap(machine, k0=10)
