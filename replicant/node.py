@@ -267,7 +267,8 @@ class ReplicantNode(NodeServer):
             if position is None:
                 del self.replicas[shard]  # created in the rolled-back turn: discovered again later
                 continue
-            self._step(replica, DiskFull(self.disk.error, position.applied, position.digest))
+            fenced = bool(int(self.store.meta(f"read_fenced:{shard}", 0)))
+            self._step(replica, DiskFull(self.disk.error, position.applied, position.digest, fenced))
 
     def disk_freed(self) -> None:
         for replica in list(self.replicas.values()):

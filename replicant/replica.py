@@ -50,8 +50,10 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   never taken for a zombie. (While a watch is outstanding, other pushes from the core it went to
   are dropped without an answer.)
 * Full disk (``rlog.disk``). The driver steps ``DiskFull`` with the position its disk still holds
-  (the failed turn's applies were rolled back) and ``DiskFreed`` once a probe wrote again. The
-  replica adopts that position and takes nothing from anyone while full: pushes are dropped
+  (the failed turn's applies were rolled back) and whether its reads are fenced there, and
+  ``DiskFreed`` once a probe wrote again. The replica adopts that position, and the fence if the
+  failed turn had reached it (it asks for a fence key again once resynchronised), and takes
+  nothing from anyone while full: pushes are dropped
   unacknowledged (the agent's window fills and it stops: backpressure, no gap), answers and timers
   are ignored. A NORMAL replica stays NORMAL, so it keeps serving reads of what it holds; a read
   that needs a newer key waits and times out as usual. Any other mode goes DISCONNECTED. Once
@@ -529,6 +531,9 @@ class ShardReplica:
             raise ValueError("DiskFull for a replica needs the position the disk holds")
         self._disk_full = True
         self._applied_key, self._applied_digest = event.applied_key, event.applied_digest
+        if event.read_fenced and not self._fence.fenced:
+            # The rolled-back turn reached the read fence: the rows on disk are not healed yet.
+            self._fence.fence()
         self._last_error = f"the disk is full ({event.error}): applying nothing until space is freed"
         if self._mode is not Mode.NORMAL:
             self._fail(self._last_error)

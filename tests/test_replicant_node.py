@@ -342,3 +342,67 @@ def test_a_bootstrap_keeps_the_applied_key_on_disk_as_a_floor_across_a_restart_a
     finally:
         node.store.close()
         node.data_dir_lock.release()
+
+
+class _Socket:
+    """Stands for a core's DEALER: what the driver sends on it is kept, never sent."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, frame, flags=0) -> None:
+        self.sent.append(frame)
+
+    def send_multipart(self, frames, flags=0) -> None:
+        self.sent.append(frames)
+
+
+def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_reads_again(tmp_path) -> None:
+    """After a bootstrap the replica serves nothing until its applied key reaches the read fence. If
+    the turn that reached it is rolled back for want of space, the disk holds an earlier position,
+    over rows the replay has not healed yet, and still says 'fenced'; the replica took back the
+    position (DiskFull) but kept its fence open, so it served those dirty rows as a committed state."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, WriteOp, make_entry
+
+    table = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+    history = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [table.to_op()])]
+    for counter in range(2, 7):
+        last = history[-1]
+        op = WriteOp("t", {"k": counter, "v": f"at {counter}"})
+        history.append(make_entry("default", TxKey(1, counter), last.tx_key, last.digest, [op]))
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _Socket()}
+        replica = node._open_replica("default")
+        node._execute(replica, p.ApplyEntries((history[0],)))  # the table, and the position K0
+        node.flush()
+        k0, d0 = history[0].tx_key, history[0].digest
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", k0, d0, replica.watch_id))
+        node._step(replica, p.TablesReceived("core1", ("t",), ("k",)))
+        # The dirty read saw the write of entry 6.
+        node._step(replica, p.BatchReceived("core1", "t", None, ({"k": 6, "v": "at 6"},), True))
+        assert replica.mode is p.Mode.NORMAL and replica.read_fenced
+        node.flush()
+        node._step(replica, p.CommittedReceived("core1", TxKey(1, 6)))  # the read fence: (1, 6)
+        node.flush()
+        assert not replica.readable()
+        # One turn applies up to the fence (reads would open), then its commit fails: disk full.
+        node._step(replica, p.PushReceived("core1", "a1", tuple(history[1:6]), TxKey(1, 6), True))
+        assert replica.readable() and replica.applied_key == TxKey(1, 6)
+        node.abandon_turn()
+        node.disk.filled("database or disk is full", node.clock_ms())
+        node.disk_filled()
+        assert node.store.shard("default").applied == k0  # rolled back: the row of 6, not yet healed
+        assert node.store.read_row(node.store.catalog()["t"], 6) == {"k": 6, "v": "at 6"}
+        assert replica.applied_key == k0
+        assert not replica.readable(), "a dirty copy at (1, 1) is served as if it were the committed state there"
+        with pytest.raises(Exception, match="not_ready|cannot serve"):
+            node._serving("default")
+    finally:
+        node.core_sockets = {}
+        node.store.close()
+        node.data_dir_lock.release()
