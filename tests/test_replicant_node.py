@@ -406,3 +406,52 @@ def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_
         node.core_sockets = {}
         node.store.close()
         node.data_dir_lock.release()
+
+
+def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_never_starve_the_replicas(
+    tmp_path,
+) -> None:
+    """A linearizable read asks a core for its read index: a pending request. It was neither counted
+    against its connection's requests_outstanding_max nor refused when the pending table was full:
+    past 10,000 it went unsent and unanswered (the client waited out its timeout), and the replicas'
+    own requests (probes, watches, bootstrap batches) found the table full of client reads and were
+    dropped: a flood of reads kept the replicant from failing over or bootstrapping."""
+    from mnesite.replicant.node import PENDING_REQUESTS_MAX, Pending
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _Socket()}
+        replica = node._open_replica("default")
+
+        def read(envelope: bytes, request_id: str) -> None:
+            body = typed_body("get", {"table": "t", "key": 1, "consistency": "linearizable"})
+            node._dispatch([envelope], Message("get", request_id, body))
+
+        # One connection: at most requests_outstanding_max of its reads wait for a read index.
+        limit = node.config.limits.requests_outstanding_max
+        for index in range(limit):
+            read(b"one", f"r{index}")
+        with pytest.raises(OverloadedError):
+            read(b"one", "one too many")
+        assert len(node.pending) == limit
+        # Many connections: client reads stop short of the whole table; the replicas keep their room.
+        node.pending.clear()
+        node.outstanding.clear()
+        for index in range(PENDING_REQUESTS_MAX):
+            try:
+                read(f"c{index}".encode(), "r")
+            except OverloadedError:
+                break
+        else:
+            pytest.fail("never refused: the client reads took the whole pending table")
+        with pytest.raises(OverloadedError):
+            read(b"late", "r")
+        before = len(node.pending)
+        node._execute(replica, p.ProbeJournals(("core1",)))
+        assert len(node.pending) == before + 1, "the replica's own request is still sent"
+        assert all(isinstance(pending, Pending) for pending in node.pending.values())
+    finally:
+        node.core_sockets = {}
+        node.store.close()
+        node.data_dir_lock.release()
