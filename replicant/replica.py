@@ -419,7 +419,7 @@ class ShardReplica:
                 deadlines.append(ask_ms)
             if self._not_hearing_since_ms is not None:
                 deadlines.append(self._not_hearing_since_ms + self.config.failure_timeout_ms)
-        return min(deadlines)
+        return min(deadlines, default=self._now_ms + self.config.failure_timeout_ms)
 
     def _agent_released(self) -> bool:
         """The full spill released the agent: until the copy is done, its silence is no failure."""
