@@ -76,6 +76,11 @@ DISCOVERY_INTERVAL_MS = 1000
 REQUEST_TIMEOUT_MS = 3000
 FORWARD_TIMEOUT_MS = 10_000
 PENDING_REQUESTS_MAX = 10_000
+# What this replicant asks cores on its clients' behalf (forwarded writes, the read indexes of
+# linearizable reads) is refused ``overloaded`` past this many pending requests: the rest of the
+# table stays for the replicas' own (probes, watches, bootstrap batches, read fences), which a flood
+# of client requests must never crowd out.
+CLIENT_PENDING_REQUESTS_MAX = PENDING_REQUESTS_MAX * 4 // 5
 WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
@@ -267,7 +272,8 @@ class ReplicantNode(NodeServer):
             if position is None:
                 del self.replicas[shard]  # created in the rolled-back turn: discovered again later
                 continue
-            self._step(replica, DiskFull(self.disk.error, position.applied, position.digest))
+            fenced = bool(int(self.store.meta(f"read_fenced:{shard}", 0)))
+            self._step(replica, DiskFull(self.disk.error, position.applied, position.digest, fenced))
 
     def disk_freed(self) -> None:
         for replica in list(self.replicas.values()):
@@ -677,11 +683,20 @@ class ReplicantNode(NodeServer):
         """Writes never originate here: send them to a core, which orders them through the sequencer."""
         core = write_target([r.upstream for r in self.replicas.values()], self.cores, self.rng)
         now = self.clock_ms()
+        self._admit_client_requests(1)
         self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
         self.pending[message.request_id] = Pending(
             "forward", core, now + FORWARD_TIMEOUT_MS, detail={"envelope": envelope}
         )
         self.queue(self.core_sockets[core], message)
+
+    def _admit_client_requests(self, count: int) -> None:
+        """Refuse (``overloaded``) a client request that would take ``count`` pending requests past
+        ``CLIENT_PENDING_REQUESTS_MAX``; each one is otherwise sent and answered or expired."""
+        if len(self.pending) + count > CLIENT_PENDING_REQUESTS_MAX:
+            raise OverloadedError(
+                f"replicant {self.config.name} has {len(self.pending)} requests to cores pending; retry later"
+            )
 
     def _table(self, name: Any) -> TableSchema:
         table = self.store.catalog().get(name) if isinstance(name, str) else None
@@ -714,6 +729,8 @@ class ReplicantNode(NodeServer):
 
     def _ask_read_indexes(self, envelope: list[bytes], message: Message, shards: list[str] | tuple[str, ...]) -> None:
         """Learn each shard's committed key from its sequencer (quorum-confirmed); ``_wait_for`` follows."""
+        self._admit_client_requests(len(shards))
+        self.hold(envelope, message.request_id)  # answered later: bounded per client connection
         gather = ReadIndexGather(tuple(shards))
         for shard in shards:
             core = write_target([self.replicas[shard].upstream], self.cores, self.rng)

@@ -24,13 +24,17 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   the tables are copied in key-ordered batches of ``batch_rows_max`` rows (``FetchTables``, then
   ``FetchBatch``/``ApplyBatch`` table after table). The agent pushes entries after K0 meanwhile; they
   are checked exactly like normal pushes (from K0, then from the last spilled key), spilled
-  (``SpillEntries``) and acknowledged with the spilled key. Once ``spill_entries_max`` entries are
-  spilled it stops acknowledging, so the agent's window fills and it stops pushing (backpressure);
-  ``last_error`` says so.
+  (``SpillEntries``) and acknowledged with the spilled key. Once ``spill_entries_max`` entries, or
+  ``spill_bytes_max`` bytes of them (the spill is on disk, one per bootstrapping shard), are
+  spilled it releases the agent (``SendReject(..., "resynchronise")``: the core frees its window)
+  and takes no more pushes; ``last_error`` says so. The copy goes on, however long it takes: the
+  failure detector then watches only the copy's requests, not the released agent's silence (a
+  stalled agent would stop for want of acknowledgements after its ack timeout, and the replica,
+  hearing nothing, would fail the bootstrap and start over, forever if copies outlast that).
 * LOCAL_REPLAY, when every table is copied: ``ReplaySpill`` sets the position to K0 and applies the
   spilled entries. Because entries carry results (full rows, deleted keys), this heals whatever the
   dirty reads saw. The applied key becomes the last spilled key, then the replica is NORMAL. If
-  pushes were dropped because the spill was full, it resynchronises at once (DISCONNECTED, then a
+  the spill was full (the agent was released), it resynchronises at once (DISCONNECTED, then a
   watch that resumes from the applied key).
 * Read fence. The copied rows were read dirty: they may hold writes of entries after the applied
   key. After a bootstrap the replica therefore asks its upstream for the shard's committed key as
@@ -46,13 +50,16 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   never taken for a zombie. (While a watch is outstanding, other pushes from the core it went to
   are dropped without an answer.)
 * Full disk (``rlog.disk``). The driver steps ``DiskFull`` with the position its disk still holds
-  (the failed turn's applies were rolled back) and ``DiskFreed`` once a probe wrote again. The
-  replica adopts that position and takes nothing from anyone while full: pushes are dropped
+  (the failed turn's applies were rolled back) and whether its reads are fenced there, and
+  ``DiskFreed`` once a probe wrote again. The replica adopts that position, and the fence if the
+  failed turn had reached it (it asks for a fence key again once resynchronised), and takes
+  nothing from anyone while full: pushes are dropped
   unacknowledged (the agent's window fills and it stops: backpressure, no gap), answers and timers
   are ignored. A NORMAL replica stays NORMAL, so it keeps serving reads of what it holds; a read
   that needs a newer key waits and times out as usual. Any other mode goes DISCONNECTED. Once
   freed it resynchronises at once: DISCONNECTED, then a watch from its applied key (a resume).
-* Failure detector. No push or heartbeat from the watched agent for ``failure_timeout_ms``, or an
+* Failure detector. No push or heartbeat from the watched agent for ``failure_timeout_ms`` (unless
+  the full spill released it), or an
   upstream that has not heard the sequencer for ``failure_timeout_ms``, or a request (watch, tables,
   batch) unanswered for ``failure_timeout_ms`` (a probe: ``probe_timeout_ms`` more), makes the
   replica DISCONNECTED; it fails over to another core when one qualifies, resuming from its applied
@@ -179,8 +186,10 @@ class ReplicaConfig:
     retry_interval_ms: int = 200
     # Rows asked for in one ``FetchBatch`` (the core also bounds a batch in bytes: bootstrap.serve).
     batch_rows_max: int = 10_000
-    # Entries spilled during one bootstrap before acknowledgements stop (backpressure).
+    # Entries spilled during one bootstrap; then the agent is released until the copy is done.
     spill_entries_max: int = 100_000
+    # Bytes of those entries (``Entry.size_bytes``): an entry may be as large as a frame.
+    spill_bytes_max: int = 1024 * 1024 * 1024
     # Consecutive failed bootstraps after which retries slow down to one per failure_timeout_ms.
     bootstrap_attempts_max: int = 3
 
@@ -302,8 +311,8 @@ class ShardReplica:
         self._spill_key = applied_key
         self._spill_digest = applied_digest
         self._spilled = 0
+        self._spilled_bytes = 0
         self._spill_full = False
-        self._spill_dropped = False
         # Read fence after a bootstrap (see the theory of operation).
         self._fence = ReadFence(read_fenced, config.failure_timeout_ms)
         self._out: list[ReplicaEffect] = []
@@ -403,14 +412,18 @@ class ShardReplica:
         if self._mode is Mode.DISCONNECTED:
             if self._waiting is _Waiting.NOTHING:
                 deadlines.append(self._next_probe_ms)
-        else:
+        elif not self._agent_released():
             deadlines.append(self._last_heard_ms + self.config.failure_timeout_ms)
             ask_ms = self._fence.next_ask_ms(self._now_ms)
             if ask_ms is not None:
                 deadlines.append(ask_ms)
             if self._not_hearing_since_ms is not None:
                 deadlines.append(self._not_hearing_since_ms + self.config.failure_timeout_ms)
-        return min(deadlines)
+        return min(deadlines, default=self._now_ms + self.config.failure_timeout_ms)
+
+    def _agent_released(self) -> bool:
+        """The full spill released the agent: until the copy is done, its silence is no failure."""
+        return self._mode is Mode.BOOTSTRAP and self._spill_full
 
     # ------------------------------------------------------------ the entry point
 
@@ -504,6 +517,8 @@ class ShardReplica:
                 self._out.append(ProbeJournals(self.cores))
                 self._request(_Waiting.JOURNALS, None)
             return
+        if self._agent_released():
+            return  # the copy's requests have their own deadline (above)
         if now - self._last_heard_ms >= timeout:
             self._fail(f"no push or heartbeat from {self._upstream} for {timeout} ms")
         elif self._not_hearing_since_ms is not None and now - self._not_hearing_since_ms >= timeout:
@@ -516,6 +531,9 @@ class ShardReplica:
             raise ValueError("DiskFull for a replica needs the position the disk holds")
         self._disk_full = True
         self._applied_key, self._applied_digest = event.applied_key, event.applied_digest
+        if event.read_fenced and not self._fence.fenced:
+            # The rolled-back turn reached the read fence: the rows on disk are not healed yet.
+            self._fence.fence()
         self._last_error = f"the disk is full ({event.error}): applying nothing until space is freed"
         if self._mode is not Mode.NORMAL:
             self._fail(self._last_error)
@@ -600,8 +618,8 @@ class ShardReplica:
             self._start_key, self._start_digest = event.start_key, event.start_digest
             self._spill_key, self._spill_digest = event.start_key, event.start_digest
             self._spilled = 0
+            self._spilled_bytes = 0
             self._spill_full = False
-            self._spill_dropped = False
             self._copy = None
             self._out.append(FetchTables(event.core))
             self._request(_Waiting.TABLES, event.core)
@@ -661,9 +679,8 @@ class ShardReplica:
         self._bootstrap_failures = 0
         self._last_error = None
         self._set_mode(Mode.NORMAL, f"bootstrap done at {self._applied_key}")
-        if self._spill_dropped and self._upstream is not None and self._agent_id is not None:
-            # The agent pushed past what was spilled; a new watch resumes exactly at the applied key.
-            self._out.append(SendReject(self._upstream, self._agent_id, REJECT_RESYNCHRONISE))
+        if self._spill_full:
+            # The agent was released when the spill filled; a new watch resumes exactly at the applied key.
             self._fail(f"the spill was full; resuming from {self._applied_key}", delay_ms=0)
             return
         if self._upstream is not None and self._agent_id is not None:
@@ -710,9 +727,7 @@ class ShardReplica:
         elif self._not_hearing_since_ms is None:
             self._not_hearing_since_ms = self._now_ms
         if self._mode is Mode.BOOTSTRAP and self._spill_full:
-            if any(entry.tx_key > self._spill_key for entry in event.entries):
-                self._spill_dropped = True
-            return  # backpressure: no acknowledgement until the copy is done
+            return  # the released agent's pushes still in flight: the replica resumes after the copy
         bootstrapping = self._mode is Mode.BOOTSTRAP
         key, digest = (
             (self._spill_key, self._spill_digest) if bootstrapping else (self._applied_key, self._applied_digest)
@@ -771,23 +786,28 @@ class ShardReplica:
 
     def _spill(self, event: PushReceived, new: tuple[Entry, ...]) -> None:
         if new:
-            room = self.config.spill_entries_max - self._spilled
-            taken = new[:room]
-            if len(taken) < len(new):
-                self._spill_dropped = True
+            taken: list[Entry] = []
+            for entry in new[: self.config.spill_entries_max - self._spilled]:
+                size = entry.size_bytes
+                if self._spilled_bytes + size > self.config.spill_bytes_max:
+                    break
+                taken.append(entry)
+                self._spilled_bytes += size
             if taken:
-                self._out.append(SpillEntries(taken))
+                self._out.append(SpillEntries(tuple(taken)))
                 self._spilled += len(taken)
                 self._entries_spilled += len(taken)
                 self._spill_key, self._spill_digest = taken[-1].tx_key, taken[-1].digest
-            if self._spilled >= self.config.spill_entries_max:
+            if len(taken) < len(new) or self._spilled >= self.config.spill_entries_max:
+                # Release the agent rather than stall it: a stalled one stops for want of
+                # acknowledgements, and its silence would fail the copy (see BOOTSTRAP).
                 self._spill_full = True
                 self._last_error = (
-                    f"spill full ({self._spilled} entries, spill_entries_max): not acknowledging until the copy "
-                    "is done (backpressure on the agent)"
+                    f"spill full ({self._spilled} entries, {self._spilled_bytes} bytes; spill_entries_max, "
+                    f"spill_bytes_max): agent released until the copy is done, then resuming from {self._spill_key}"
                 )
-                if not taken:
-                    return
+                self._out.append(SendReject(event.core, event.agent_id, REJECT_RESYNCHRONISE))
+                return
         self._out.append(SendAck(event.core, event.agent_id, self._spill_key))
 
     # ------------------------------------------------------------ the read fence

@@ -55,11 +55,14 @@ class DiskFull:
     """Event for a node's pure machines: a write failed for want of space; nothing can be persisted
     until ``DiskFreed``. A core's ``ShardConsensus`` is rebuilt from disk by its driver; a replicant's
     ``ShardReplica`` keeps serving, so it is told the position the disk still holds instead
-    (``applied_key``, ``applied_digest``: the failed turn's applies were rolled back)."""
+    (``applied_key``, ``applied_digest``: the failed turn's applies were rolled back) and whether
+    its reads are fenced there (``read_fenced``: the turn that reached the read fence may be one of
+    them)."""
 
     error: str = ""
     applied_key: TxKey | None = None
     applied_digest: bytes | None = None
+    read_fenced: bool = False
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ import apsw
 import msgpack
 from mnesite.rlog.checkpoint import WalCheckpointer
 from mnesite.rlog.disk import PROBE_BYTES, StorageFailedError, StorageFault
+from mnesite.rlog.replication import UNKNOWN_DIGEST
 from mnesite.rlog.retention import retention_floor
 from mnesite.rlog.schema import (
     IndexSchema,
@@ -1259,16 +1260,19 @@ class Store:
     # -- replicant: bootstrap ------------------------------------------------------------------
 
     def reset_shard(self, shard: str) -> None:
-        """Forget a shard's rows, rlog, spill and position (a bootstrap starts); keep its table definitions."""
+        """A bootstrap starts (``ResetShard``): forget a shard's rows, rlog and spill; keep its table
+        definitions and its applied key, a floor the replica must never watch a core behind, even
+        after a restart. The position's digest becomes ``UNKNOWN_DIGEST`` (no watch resumes from it;
+        the log restarts there, so ``verify_chain`` still finds the position)."""
         self.clear_rows(shard)
         self._forget_log_ends(shard)
         self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
         self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
         self.ensure_shard(shard, 0)
         self.connection.execute(
-            "UPDATE _mnesite_shards SET applied_generation = 0, applied_counter = 0, applied_digest = ?, "
-            "trimmed_generation = 0, trimmed_counter = 0, trimmed_digest = ? WHERE shard = ?",
-            (GENESIS_DIGEST, GENESIS_DIGEST, shard),
+            "UPDATE _mnesite_shards SET applied_digest = ?, trimmed_generation = applied_generation, "
+            "trimmed_counter = applied_counter, trimmed_digest = ? WHERE shard = ?",
+            (UNKNOWN_DIGEST, UNKNOWN_DIGEST, shard),
         )
 
     def write_rows(self, table_name: str, rows: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> None:

@@ -31,13 +31,22 @@ from mnesite.rlog.disk import (
     StorageFailedError,
     StorageFault,
 )
-from mnesite.rlog.replication import ApplyEntries, Mode, ProbeJournals, SendWatch, Ticked
+from mnesite.rlog.replication import (
+    ApplyEntries,
+    CommittedReceived,
+    FetchCommitted,
+    Mode,
+    ProbeJournals,
+    SendWatch,
+    Ticked,
+    WatchAccepted,
+)
 from mnesite.rlog.store import Store, storage_fault
 from mnesite.rlog.types import TxKey, WriteOp
 
 from tests.conftest import ThreadNode, wait_until
 from tests.test_consensus import Harness, append, chain, of_type, sends
-from tests.test_replica import HISTORY, ages, at, bootstrap, connect, of, push, replica
+from tests.test_replica import HISTORY, ages, at, bootstrap, bootstrapped, connect, of, push, replica
 
 # ---------------------------------------------------------------- classification
 
@@ -266,6 +275,29 @@ def test_a_bootstrapping_replica_whose_disk_fills_disconnects_and_waits() -> Non
     machine.step(DiskFull("full", *at(0)), 5)
     assert machine.mode is Mode.DISCONNECTED and not machine.readable()
     assert machine.step(Ticked(), 100_000) == [], "no probe, no watch while full"
+
+
+def test_a_full_disk_that_rolled_back_reaching_the_read_fence_fences_reads_again() -> None:
+    """The failed turn may be the one whose applies reached the read fence of a bootstrap: the disk
+    then holds an earlier position over rows not healed yet, and says the reads are fenced."""
+    machine = bootstrapped(k0=10, spilled=12)
+    machine.step(CommittedReceived("core0", at(14)[0]), 4)
+    machine.step(push(HISTORY[12:14]), 5)
+    assert machine.readable()
+    machine.step(DiskFull("full", *at(12), read_fenced=True), 6)
+    assert not machine.readable() and machine.status().read_fenced and machine.mode is Mode.NORMAL
+    machine.step(DiskFreed(), 7)
+    machine.step(Ticked(), 7)
+    (watch,) = of(machine.step(ages(), 7), SendWatch)
+    machine.step(WatchAccepted(watch.core, "a2", "resume", *at(12), machine.watch_id), 8)
+    assert of(machine.step(Ticked(), 9), FetchCommitted), "it asks for a new fence key"
+    assert not machine.readable()
+    # A turn rolled back that did not touch the fence changes nothing of it.
+    other = bootstrapped(k0=10, spilled=12)
+    other.step(CommittedReceived("core0", at(12)[0]), 4)
+    assert other.readable()
+    other.step(DiskFull("full", *at(12), read_fenced=False), 5)
+    assert other.readable()
 
 
 # ---------------------------------------------------------------- the driver: no acknowledgement without durability

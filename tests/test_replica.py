@@ -469,8 +469,8 @@ def test_pushes_during_bootstrap_are_checked_for_gaps_and_digests_from_k0():
 
 
 @pytest.mark.timeout(10)
-def test_the_spill_is_bounded_then_acknowledgements_stop_and_the_replica_resynchronises_after_replay():
-    machine = replica(applied=0, spill_entries_max=3)
+def test_the_spill_is_bounded_then_the_agent_is_released_and_the_replica_resynchronises_after_replay():
+    machine = replica(applied=0, spill_entries_max=3, failure_timeout_ms=1000)
     bootstrap(machine, k0=10)
     machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
     assert machine.step(push(HISTORY[10:12]), 2) == [
@@ -478,17 +478,41 @@ def test_the_spill_is_bounded_then_acknowledgements_stop_and_the_replica_resynch
         SendAck("core0", "a1", at(12)[0]),
     ]
     effects = machine.step(push(HISTORY[12:15]), 3)
-    assert effects == [SpillEntries((HISTORY[12],)), SendAck("core0", "a1", at(13)[0])]
-    assert "spill full" in machine.status().last_error and "backpressure" in machine.status().last_error
-    assert machine.step(push(HISTORY[13:16]), 4) == []  # not spilled, not acknowledged
+    assert effects == [SpillEntries((HISTORY[12],)), SendReject("core0", "a1", "resynchronise")]
+    assert "spill full" in machine.status().last_error and "released" in machine.status().last_error
+    assert machine.step(push(HISTORY[13:16]), 4) == []  # in flight from the released agent: dropped
     assert machine.step(push([]), 5) == []
     assert machine.status().entries_spilled == 3
-    effects = machine.step(BatchReceived("core0", "t", None, (), True), 6)
+    # The released agent's silence fails nothing; only the copy's own request deadline counts.
+    assert machine.next_deadline_ms() == 1 + 1000
+    assert machine.step(Ticked(), 1000) == [] and machine.mode is Mode.BOOTSTRAP
+    effects = machine.step(BatchReceived("core0", "t", None, (), True), 1000)
     assert effects[1] == ReplaySpill(*at(10))
-    assert effects[3] == SendReject("core0", "a1", "resynchronise")
+    assert not of(effects, SendAck) and not of(effects, SendReject)
     assert machine.mode is Mode.DISCONNECTED and machine.applied_key == at(13)[0]
-    assert machine.status().bootstraps == 1
-    assert machine.step(Ticked(), 6) == [ProbeJournals(CORES)]
+    assert machine.status().bootstraps == 1 and machine.status().bootstrap_failures_in_a_row == 0
+    assert machine.step(Ticked(), 1000) == [ProbeJournals(CORES)]
+
+
+@pytest.mark.timeout(10)
+def test_the_spill_is_bounded_in_bytes_too():
+    """The spill is on disk, one per bootstrapping shard: bounded by count only, 100,000 entries of up
+    to a frame each (4 MiB) could take hundreds of GB. spill_bytes_max bounds it like the count."""
+    size = HISTORY[10].size_bytes
+    machine = replica(applied=0, spill_bytes_max=2 * size + size // 2)
+    bootstrap(machine, k0=10)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    effects = machine.step(push(HISTORY[10:14]), 2)
+    assert effects == [SpillEntries(tuple(HISTORY[10:12])), SendReject("core0", "a1", "resynchronise")]
+    assert "spill full" in machine.status().last_error and "spill_bytes_max" in machine.status().last_error
+    assert machine.step(push(HISTORY[12:14]), 3) == []
+    effects = machine.step(BatchReceived("core0", "t", None, (), True), 4)
+    assert effects[1] == ReplaySpill(*at(10)) and machine.applied_key == at(12)[0]
+    # A new bootstrap starts with an empty spill.
+    machine = replica(applied=0, spill_bytes_max=2 * size)
+    bootstrap(machine, k0=10)
+    machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    assert machine.step(push(HISTORY[10:11]), 2) == [SpillEntries((HISTORY[10],)), SendAck("core0", "a1", at(11)[0])]
 
 
 @pytest.mark.timeout(10)
@@ -739,3 +763,60 @@ def test_a_pushed_entry_of_one_tables_rows_is_decoded_as_one_run_and_still_chain
     assert received.entries[0].packed == entry.packed
     (applied,) = of(machine.step(received, 1), ApplyEntries)
     assert applied.entries == received.entries and machine.applied_key == TxKey(1, 1)
+
+
+@pytest.mark.timeout(10)
+def test_a_copy_that_outlasts_the_agents_ack_timeout_after_the_spill_filled_still_completes():
+    """Default timeouts, a real agent (core.agent) coupled to the replica. Once the spill was full the
+    replica acknowledged nothing, not even heartbeats, so the agent stopped after its ack_timeout_ms
+    (10 s), the replica heard nothing for failure_timeout_ms (3 s) and failed the bootstrap: a copy
+    lasting longer than that after the spill filled (a large table under writes) never completed,
+    it started over from scratch every time."""
+    from mnesite.core.agent import Agent, AgentConfig
+    from mnesite.rlog.replication import AckReceived, CommittedAdvanced, Push, RejectReceived
+
+    from tests.sim import MemoryLog
+
+    log = MemoryLog()
+    log.append(tuple(HISTORY))
+    machine = replica(applied=0, spill_entries_max=3)
+    bootstrap(machine, k0=10)
+    agent = Agent("a1", SHARD, "rep0", at(10)[0], log, AgentConfig(), 0)
+    replica_effects: list = list(machine.step(TablesReceived("core0", ("t",), ("k",)), 0))
+    agent_effects: list = list(agent.step(CommittedAdvanced(at(30)[0], True), 0))
+    copy_ms, now = 20_000, 0
+    seen: list = []
+    while now <= 30_000 and not of(seen, ReplaySpill):
+        # Route until quiet: pushes to the replica, its acknowledgements and rejections to the agent.
+        while agent_effects or replica_effects:
+            for effect in agent_effects:
+                if isinstance(effect, Push):
+                    received = PushReceived("core0", "a1", tuple(effect.entries), effect.committed_key, True)
+                    replica_effects += machine.step(received, now)
+            agent_effects = []
+            for effect in replica_effects:
+                seen.append(effect)
+                if isinstance(effect, SendAck) and effect.agent_id == "a1":
+                    agent_effects += agent.step(AckReceived(effect.applied_key), now)
+                elif isinstance(effect, SendReject) and effect.agent_id == "a1":
+                    agent_effects += agent.step(RejectReceived(effect.reason), now)
+            replica_effects = []
+        now += 100
+        agent_effects += agent.step(Ticked(), now)
+        replica_effects += machine.step(Ticked(), now)
+        # The core answers the batch outstanding once a second: one row each, the last after copy_ms.
+        fetches = of(seen, FetchBatch)
+        if now % 1000 == 0 and fetches and machine.mode is Mode.BOOTSTRAP:
+            fetch = fetches[-1]
+            row = {"k": now, "v": "dirty"}
+            replica_effects += machine.step(BatchReceived("core0", "t", fetch.after, (row,), now >= copy_ms), now)
+    assert of(seen, ReplaySpill) == [ReplaySpill(*at(10))], of(seen, ModeChanged)
+    assert agent.stopped  # released when the spill filled: the core holds no window for it
+    status = machine.status()
+    assert (status.bootstraps, status.bootstrap_failures_in_a_row, status.entries_spilled) == (1, 0, 3)
+    assert machine.applied_key == at(13)[0]
+    # Then it resumes from what it replayed, under a new watch.
+    machine.step(Ticked(), now)
+    effects = machine.step(ages(), now)
+    (watch,) = of(effects, SendWatch)
+    assert (watch.from_key, watch.from_digest) == at(13)

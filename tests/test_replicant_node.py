@@ -288,3 +288,170 @@ def test_the_collector_is_paused_while_a_push_is_handled_and_restored_after(tmp_
     finally:
         node.store.close()
         node.data_dir_lock.release()
+
+
+def test_a_bootstrap_keeps_the_applied_key_on_disk_as_a_floor_across_a_restart_and_a_full_disk(tmp_path) -> None:
+    """ResetShard's contract (rlog.replication): the driver keeps the applied key and persists the
+    unknown digest. The store reset the position to genesis instead, so a replicant restarted during
+    a bootstrap (or told DiskFull, which adopts the position on disk) forgot its floor: it could watch
+    a core behind what it had applied, and with the genesis digest a core that never trimmed let it
+    resume from [0, 0] over the half-copied tables and the spill of the aborted bootstrap."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.disk import DiskFull
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, WriteOp, make_entry
+
+    table = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+    entries = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [table.to_op()])]
+    for counter in (2, 3):
+        last = entries[-1]
+        entries.append(
+            make_entry("default", TxKey(1, counter), last.tx_key, last.digest, [WriteOp("t", {"k": counter})])
+        )
+    data_dir = tmp_path / "r"
+    node = offline_replicant(data_dir)
+    try:
+        replica = node._open_replica("default")
+        node._execute(replica, p.ApplyEntries(tuple(entries)))
+        node.flush()
+        floor = TxKey(1, 3)
+        # A bootstrap begins: fenced, reset; a batch and a pushed entry are written, then the disk fills.
+        for effect in (p.ReadFenceChanged(True), p.ResetShard()):
+            node._execute(replica, effect)
+        node._execute(replica, p.ApplyBatch("t", ({"k": 9, "v": "dirty"},)))
+        node._execute(replica, p.SpillEntries((make_entry("default", TxKey(1, 11), TxKey(1, 10), b"\x01" * 32, []),)))
+        node.flush()
+        position = node.store.shard("default")
+        assert (position.applied, position.digest) == (floor, p.UNKNOWN_DIGEST)
+        assert node.store.verify_chain("default") == floor  # `mnesite check` still reads the position
+        fresh = node._open_replica("default")
+        fresh.step(DiskFull("disk full", position.applied, position.digest), node.clock_ms())
+        assert (fresh.applied_key, fresh.applied_digest) == (floor, p.UNKNOWN_DIGEST)
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+    node = offline_replicant(data_dir)  # restarted in the middle of the bootstrap
+    try:
+        replica = node.replicas["default"]
+        assert (replica.applied_key, replica.applied_digest) == (floor, p.UNKNOWN_DIGEST)
+        assert replica.read_fenced
+        # It never watches a core behind its floor, and asks for a bootstrap (the unknown digest).
+        replica.step(p.Ticked(), replica.next_deadline_ms())
+        behind = p.JournalAnswer(TxKey(1, 2), True, 0)
+        assert replica.step(p.JournalsReceived((("core1", behind),)), node.clock_ms()) == []
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+class _Socket:
+    """Stands for a core's DEALER: what the driver sends on it is kept, never sent."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, frame, flags=0) -> None:
+        self.sent.append(frame)
+
+    def send_multipart(self, frames, flags=0) -> None:
+        self.sent.append(frames)
+
+
+def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_reads_again(tmp_path) -> None:
+    """After a bootstrap the replica serves nothing until its applied key reaches the read fence. If
+    the turn that reached it is rolled back for want of space, the disk holds an earlier position,
+    over rows the replay has not healed yet, and still says 'fenced'; the replica took back the
+    position (DiskFull) but kept its fence open, so it served those dirty rows as a committed state."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, WriteOp, make_entry
+
+    table = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+    history = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [table.to_op()])]
+    for counter in range(2, 7):
+        last = history[-1]
+        op = WriteOp("t", {"k": counter, "v": f"at {counter}"})
+        history.append(make_entry("default", TxKey(1, counter), last.tx_key, last.digest, [op]))
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _Socket()}
+        replica = node._open_replica("default")
+        node._execute(replica, p.ApplyEntries((history[0],)))  # the table, and the position K0
+        node.flush()
+        k0, d0 = history[0].tx_key, history[0].digest
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", k0, d0, replica.watch_id))
+        node._step(replica, p.TablesReceived("core1", ("t",), ("k",)))
+        # The dirty read saw the write of entry 6.
+        node._step(replica, p.BatchReceived("core1", "t", None, ({"k": 6, "v": "at 6"},), True))
+        assert replica.mode is p.Mode.NORMAL and replica.read_fenced
+        node.flush()
+        node._step(replica, p.CommittedReceived("core1", TxKey(1, 6)))  # the read fence: (1, 6)
+        node.flush()
+        assert not replica.readable()
+        # One turn applies up to the fence (reads would open), then its commit fails: disk full.
+        node._step(replica, p.PushReceived("core1", "a1", tuple(history[1:6]), TxKey(1, 6), True))
+        assert replica.readable() and replica.applied_key == TxKey(1, 6)
+        node.abandon_turn()
+        node.disk.filled("database or disk is full", node.clock_ms())
+        node.disk_filled()
+        assert node.store.shard("default").applied == k0  # rolled back: the row of 6, not yet healed
+        assert node.store.read_row(node.store.catalog()["t"], 6) == {"k": 6, "v": "at 6"}
+        assert replica.applied_key == k0
+        assert not replica.readable(), "a dirty copy at (1, 1) is served as if it were the committed state there"
+        with pytest.raises(Exception, match="not_ready|cannot serve"):
+            node._serving("default")
+    finally:
+        node.core_sockets = {}
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_never_starve_the_replicas(
+    tmp_path,
+) -> None:
+    """A linearizable read asks a core for its read index: a pending request. It was neither counted
+    against its connection's requests_outstanding_max nor refused when the pending table was full:
+    past 10,000 it went unsent and unanswered (the client waited out its timeout), and the replicas'
+    own requests (probes, watches, bootstrap batches) found the table full of client reads and were
+    dropped: a flood of reads kept the replicant from failing over or bootstrapping."""
+    from mnesite.replicant.node import PENDING_REQUESTS_MAX, Pending
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _Socket()}
+        replica = node._open_replica("default")
+
+        def read(envelope: bytes, request_id: str) -> None:
+            body = typed_body("get", {"table": "t", "key": 1, "consistency": "linearizable"})
+            node._dispatch([envelope], Message("get", request_id, body))
+
+        # One connection: at most requests_outstanding_max of its reads wait for a read index.
+        limit = node.config.limits.requests_outstanding_max
+        for index in range(limit):
+            read(b"one", f"r{index}")
+        with pytest.raises(OverloadedError):
+            read(b"one", "one too many")
+        assert len(node.pending) == limit
+        # Many connections: client reads stop short of the whole table; the replicas keep their room.
+        node.pending.clear()
+        node.outstanding.clear()
+        for index in range(PENDING_REQUESTS_MAX):
+            try:
+                read(f"c{index}".encode(), "r")
+            except OverloadedError:
+                break
+        else:
+            pytest.fail("never refused: the client reads took the whole pending table")
+        with pytest.raises(OverloadedError):
+            read(b"late", "r")
+        before = len(node.pending)
+        node._execute(replica, p.ProbeJournals(("core1",)))
+        assert len(node.pending) == before + 1, "the replica's own request is still sent"
+        assert all(isinstance(pending, Pending) for pending in node.pending.values())
+    finally:
+        node.core_sockets = {}
+        node.store.close()
+        node.data_dir_lock.release()

@@ -214,6 +214,8 @@ class ReplicantSimulation(Simulation):
             retry_interval_ms=50,
             batch_rows_max=rng.choice([1, 3, 50]),
             spill_entries_max=rng.choice([2, 8, 1000]),
+            # Drawn apart from the run's random stream, so that every seed's scenario stays the same.
+            spill_bytes_max=random.Random(seed).choice([300, 3000, 1 << 30]),
             bootstrap_attempts_max=3,
         )
         self.agent_config = AgentConfig(
