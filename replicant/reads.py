@@ -9,7 +9,10 @@ instead of answering stale data:
 * ``linearizable``: the key of each shard is that shard's *read index*, the committed key its
   sequencer confirms with a quorum (``read_index`` request, ``core.rules.fence_read``). The read
   indexes of one read are gathered by ``ReadIndexGather``: the read waits once every shard answered,
-  and is refused (at most once) as soon as one shard could not answer.
+  and is refused (at most once) as soon as one shard could not answer. ``check_read_indexes_room``
+admits a read's read indexes only while client reads hold fewer than half of the replicant's pending
+requests (the rest stay for its replicas' own: watch, fence, batches); past it the read is refused
+``overloaded`` at once, never asked without a pending entry (which nothing would ever answer).
 
 ``shards_to_wait_on``: a read of a known table waits on that table's shard. A read that must see a
 key may name a table this replicant does not know yet (created by the very write whose key the
@@ -90,6 +93,16 @@ class WaitingReads(Generic[Payload]):
         if expired:
             self.reads = [read for read in self.reads if read.deadline_ms > now_ms]
         return expired
+
+
+def check_read_indexes_room(pending: int, asking: int, pending_max: int) -> None:
+    """Refuse (``OverloadedError``) a read whose ``asking`` read indexes would take the replicant past
+    half of its ``pending_max`` pending requests (``pending`` now): a flood of linearizable reads never
+    starves the replicas' own requests, and each read index asked has its pending entry (and deadline)."""
+    if pending + asking > pending_max // 2:
+        raise OverloadedError(
+            f"{pending} requests to the cores are pending here; linearizable reads wait for room (retry later)"
+        )
 
 
 GATHER_WAITING = "waiting"  # more shards must answer
