@@ -47,7 +47,9 @@ the node catches up.
 Driver contract (``rlog.server.NodeServer.changes_request`` and ``serve_changes``): decode the
 request, call ``build_page`` inside the turn (the reads see the applied state), answer the page
 unless ``keep_holding`` says to hold it (nothing for this feed yet and ``wait_ms`` not over); page a
-held request again when ``worth_a_page`` says so (a shard it follows moved, or its wait ended).
+held request again when ``worth_a_page`` says so (a shard it follows moved, or its wait ended), from
+the positions its last page reached (a held page holds no record, so nothing is skipped; paged from
+the request's own positions, every turn re-read all the entries since, up to 2,000 per shard).
 Held requests are bounded by ``changes_waiting_max``.
 """
 
