@@ -572,6 +572,9 @@ class QueryRunner:
             if isinstance(error, QueryRefused):
                 self.refused += 1
             return Finished(cursor.payload, error=error)
+        except Exception as error:  # anything else apsw raises: answered, and the worker thread lives on
+            cursor.cursor = None
+            return Finished(cursor.payload, error=QueryError(f"the query failed: {type(error).__name__}: {error}"))
         finally:
             cursor.spent_ms += (time.monotonic() - started_s) * 1000
         self.pages += 1
@@ -645,12 +648,17 @@ class QueryRunner:
                 size += 2 + sum(map(_value_bytes, row))
         except StopIteration:
             cursor.cursor = None
-        except apsw.Error as error:
+        except (apsw.Error, UnicodeDecodeError) as error:  # apsw converts a row's TEXT from UTF-8
             cursor.cursor = None
             raise self._run_error(error) from None
         return rows
 
     def _run_error(self, error: BaseException) -> QueryError:
+        if isinstance(error, UnicodeDecodeError):
+            return QueryError(
+                f"the query failed: a TEXT value of its result is not UTF-8 ({error.reason} at byte {error.start}); "
+                "select it CAST AS BLOB"
+            )
         if isinstance(error, apsw.InterruptError):
             self.budget_stops += 1
             return QueryBudgetExceeded(

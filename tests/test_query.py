@@ -314,6 +314,32 @@ def test_the_budget_counts_sqlite_time_over_all_pages(tmp_path: Path) -> None:
         store.close()
 
 
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT CAST(x'ff' AS TEXT)",  # text that is not UTF-8: apsw raises UnicodeDecodeError
+        "SELECT char(55296)",  # a lone surrogate, encoded by SQLite
+        "SELECT id, CASE WHEN id = 50 THEN CAST(x'c0' AS TEXT) ELSE name END FROM users",  # mid-result
+    ],
+)
+def test_a_value_python_cannot_hold_fails_its_query_and_the_workers_keep_serving(
+    runner: q.QueryRunner, sql: str
+) -> None:
+    """apsw raises more than apsw.Error while it converts a row: a UnicodeDecodeError escaped the
+    worker thread, which died with its cursor busy; the query was never answered, and once both
+    threads had died no query ran on the node again."""
+    for _ in range(q.QUERY_THREADS + 1):
+        finished = _start(runner, sql, page_rows=10)
+        while finished.error is None and finished.result["cursor"] is not None:
+            runner.next_page("client", finished.result["cursor"], 10)
+            finished = _finished(runner, timeout_s=5)
+        assert finished.error is not None and finished.error.code == "query_failed", finished
+        assert "UTF-8" in str(finished.error)
+        assert runner.open_cursors() == 0
+    rows, _pages = _all_rows(runner, "SELECT count(*) FROM users")
+    assert rows == [[100]]
+
+
 def test_cursors_are_bounded_in_count_expire_when_idle_and_close(store: Store) -> None:
     now = [0]
     runner = q.QueryRunner(store.path, q.QueryLimits(cursors_max=2, idle_ms_max=1000), lambda: now[0])
