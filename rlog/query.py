@@ -27,7 +27,7 @@ parser of ours:
    more rows keeps its connection and statement (a *cursor*, named by an unguessable token) for the
    next page: the node's memory holds one page per cursor, whatever the result's size, and all pages
    come from one snapshot. At most ``cursors_max`` cursors exist per node; one not asked for its next
-   page within ``idle_ms_max`` is closed.
+   page within ``idle_ms_max`` of its last page being done is closed.
 5. **Budget.** A progress handler stops a statement once its SQLite time, summed over its pages,
    reaches ``ms_max`` (``query_budget``). ``SQLITE_LIMIT_LENGTH`` bounds any one value (and any
    intermediate string such as a ``group_concat``) to ``page_bytes_max``.
@@ -549,6 +549,7 @@ class QueryRunner:
             finished = self._page(cursor)
             with self._lock:
                 cursor.busy = False
+                cursor.last_used_ms = self.clock_ms()  # idle from now: the client is just being answered
                 keep = finished.result is not None and finished.result.get("cursor") and not cursor.closed
                 if not keep:
                     self._cursors.pop(cursor.token, None)

@@ -340,6 +340,30 @@ def test_a_value_python_cannot_hold_fails_its_query_and_the_workers_keep_serving
     assert rows == [[100]]
 
 
+def test_a_cursor_is_idle_from_when_its_page_was_done_not_from_when_it_was_asked(store: Store) -> None:
+    """The idle time was counted from the page's request: a page whose run (or wait for a worker)
+    took longer than query_idle_ms_max left a cursor expired the moment it was answered, and the
+    client's next page was query_cursor_unknown."""
+    idle_ms = 100
+    runner = q.QueryRunner(store.path, q.QueryLimits(ms_max=10_000, idle_ms_max=idle_ms), q_clock)
+    try:
+        slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n % 1000000 = 0"
+        asked = q_clock()
+        finished = _start(runner, slow, page_rows=1)
+        assert finished.error is None and finished.result["cursor"], finished
+        assert q_clock() - asked > idle_ms, "the page must take longer than query_idle_ms_max"
+        runner.expire(q_clock())  # the driver's next turn, as the page is answered
+        runner.next_page("client", finished.result["cursor"], 1)  # raised CursorUnknown
+        finished = _finished(runner)
+        assert finished.error is None and finished.result["rows"] == [[2_000_000]]
+    finally:
+        runner.stop()
+
+
+def q_clock() -> int:
+    return int(time.monotonic() * 1000)
+
+
 def test_cursors_are_bounded_in_count_expire_when_idle_and_close(store: Store) -> None:
     now = [0]
     runner = q.QueryRunner(store.path, q.QueryLimits(cursors_max=2, idle_ms_max=1000), lambda: now[0])
