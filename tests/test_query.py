@@ -548,3 +548,26 @@ def test_cli_query(node: ThreadNode) -> None:
     bad = mnesite("query", "SELECT 1", "--after", "nonsense")
     assert bad.exit_code == 1 and "tx key" in bad.output
     assert mnesite("query", "SELECT count(*) FROM users", "--after", "1,1").output.splitlines() == ["count(*)", "200"]
+
+
+def test_a_linearizable_query_whose_sequencer_does_not_answer_is_a_read_refused_not_an_unknown_outcome(
+    tmp_path: Path,
+) -> None:
+    """A query asks a shard's sequencer for its read index; when that forward expired, the core
+    answered outcome_unknown, which says a write may have happened: the client then never moved to
+    another node (it may not re-send a write elsewhere) and the caller was told a read's outcome is
+    unknown. A read changes nothing: no_sequencer, as a replicant answers (issue 20)."""
+    from mnesite.core.node import QueryIndexAsk, QueryIndexGather
+    from mnesite.core.outcome import OutcomeUnknown
+    from mnesite.rlog.messages import Message, typed_body
+
+    thread_node = ThreadNode(tmp_path / "data")
+    thread_node.stop()  # its rules called directly: no thread may touch the node meanwhile
+    node = thread_node.node
+    message = Message("query", "client-3", typed_body("query", {"sql": "SELECT 1", "consistency": "linearizable"}))
+    gather = QueryIndexGather([b"client"], message, None, None, ("default",), {})
+    node.hold([b"client"], "client-3")
+    node._tell_outcomes([(QueryIndexAsk(gather, "default"), OutcomeUnknown("forwarded-1", "no answer in time"))])
+    answers = [m for _s, envelope, m in node._outbox if envelope == [b"client"]]
+    assert [(m.request_id, m.kind, m.body.code) for m in answers] == [("client-3", "error", "no_sequencer")]
+    assert b"client" not in node.outstanding
