@@ -521,6 +521,29 @@ def test_dbapi_connection_and_pandas_read_sql(node: ThreadNode) -> None:
         connection.cursor()
 
 
+def test_closing_a_dbapi_connection_frees_its_cursors_at_the_node_and_they_are_unusable(node: ThreadNode) -> None:
+    """Closing the connection closed its zmq socket only: the node kept each unfinished result's
+    cursor (its read snapshot, and one of query_cursors_max places) until query_idle_ms_max, and the
+    Python cursor went on fetching pages over a new socket. PEP 249: once closed, the connection and
+    its cursors raise on use."""
+    import mnesite.dbapi as dbapi
+
+    connection = dbapi.connect(node.endpoint, page_rows=16)
+    cursors = [connection.cursor() for _ in range(2)]
+    for cursor in cursors:
+        cursor.execute("SELECT id FROM users ORDER BY id")
+        assert cursor.fetchone() == (0,)
+    assert node.node.queries.open_cursors() == 2
+    connection.close()
+    assert node.node.queries.open_cursors() == 0  # query_close is answered before close() returns
+    for cursor in cursors:
+        with pytest.raises(dbapi.InterfaceError):
+            cursor.fetchone()
+        with pytest.raises(dbapi.InterfaceError):
+            cursor.execute("SELECT 1")
+    connection.close()  # twice: nothing more to do
+
+
 def test_cli_query(node: ThreadNode) -> None:
     runner = CliRunner()
 
