@@ -1278,8 +1278,10 @@ class CoreNode(NodeServer):
     def _tell_outcomes(self, outcomes: list[tuple[Any, Outcome]]) -> None:
         for envelope, outcome in outcomes:
             if isinstance(envelope, QueryIndexAsk):
+                # A query's read index: a read changes nothing, so its outcome is never unknown (and a
+                # client told outcome_unknown keeps to this node, as for a write it may not re-send).
                 reason = outcome.reason if isinstance(outcome, OutcomeUnknown) else "the sequencer did not answer"
-                self._query_index_failed(envelope.gather, "outcome_unknown", reason)
+                self._query_index_failed(envelope.gather, "no_sequencer", reason)
             elif isinstance(outcome, Acknowledged):
                 result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
                 if outcome.duplicate:

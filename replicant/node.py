@@ -34,7 +34,13 @@ import zmq
 from mnesite.bootstrap import read_service
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
-from mnesite.replicant.reads import GATHER_FAILED, ReadIndexGather, WaitingReads, shards_to_wait_on
+from mnesite.replicant.reads import (
+    GATHER_FAILED,
+    ReadIndexGather,
+    WaitingReads,
+    check_client_requests_room,
+    shards_to_wait_on,
+)
 from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import messages
@@ -76,11 +82,6 @@ DISCOVERY_INTERVAL_MS = 1000
 REQUEST_TIMEOUT_MS = 3000
 FORWARD_TIMEOUT_MS = 10_000
 PENDING_REQUESTS_MAX = 10_000
-# What this replicant asks cores on its clients' behalf (forwarded writes, the read indexes of
-# linearizable reads) is refused ``overloaded`` past this many pending requests: the rest of the
-# table stays for the replicas' own (probes, watches, bootstrap batches, read fences), which a flood
-# of client requests must never crowd out.
-CLIENT_PENDING_REQUESTS_MAX = PENDING_REQUESTS_MAX * 4 // 5
 WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
@@ -683,20 +684,12 @@ class ReplicantNode(NodeServer):
         """Writes never originate here: send them to a core, which orders them through the sequencer."""
         core = write_target([r.upstream for r in self.replicas.values()], self.cores, self.rng)
         now = self.clock_ms()
-        self._admit_client_requests(1)
+        check_client_requests_room(len(self.pending), 1, PENDING_REQUESTS_MAX)
         self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
         self.pending[message.request_id] = Pending(
             "forward", core, now + FORWARD_TIMEOUT_MS, detail={"envelope": envelope}
         )
         self.queue(self.core_sockets[core], message)
-
-    def _admit_client_requests(self, count: int) -> None:
-        """Refuse (``overloaded``) a client request that would take ``count`` pending requests past
-        ``CLIENT_PENDING_REQUESTS_MAX``; each one is otherwise sent and answered or expired."""
-        if len(self.pending) + count > CLIENT_PENDING_REQUESTS_MAX:
-            raise OverloadedError(
-                f"replicant {self.config.name} has {len(self.pending)} requests to cores pending; retry later"
-            )
 
     def _table(self, name: Any) -> TableSchema:
         table = self.store.catalog().get(name) if isinstance(name, str) else None
@@ -728,9 +721,11 @@ class ReplicantNode(NodeServer):
         self.reply(envelope, messages.reply(message.request_id, self._read_now(table, message)))
 
     def _ask_read_indexes(self, envelope: list[bytes], message: Message, shards: list[str] | tuple[str, ...]) -> None:
-        """Learn each shard's committed key from its sequencer (quorum-confirmed); ``_wait_for`` follows."""
-        self._admit_client_requests(len(shards))
-        self.hold(envelope, message.request_id)  # answered later: bounded per client connection
+        """Learn each shard's committed key from its sequencer (quorum-confirmed); ``_wait_for`` follows.
+        The request is held from here (bounded per connection) and answered exactly once: refused now,
+        or by the gather's failure, its expiry or ``_wait_for``."""
+        check_client_requests_room(len(self.pending), len(shards), PENDING_REQUESTS_MAX)
+        self.hold(envelope, message.request_id)  # may refuse (overloaded): then nothing is asked
         gather = ReadIndexGather(tuple(shards))
         for shard in shards:
             core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
@@ -760,19 +755,21 @@ class ReplicantNode(NodeServer):
         return replica is not None and replica.readable_at(key)
 
     def _wait_for(self, envelope: list[bytes], message: Message, targets: dict[str, TxKey]) -> None:
-        """Answer the read once every target shard has applied its key (bounded wait and count)."""
-        if message.kind == "query":
-            try:
+        """Answer the read once every target shard has applied its key (bounded wait and count).
+
+        Called from ``_on_answer`` too (the read indexes arrived), outside ``_serve_waiting``'s
+        dispatch: a refusal is answered here, never raised out of the loop turn."""
+        try:
+            if message.kind == "query":
                 self._query(envelope, message, targets)
-            except RequestError as error:
-                self.refuse(envelope, message.request_id, error)
-            return
-        wait_ms = READ_WAIT_MS_MAX if message.body.wait_ms is None else min(READ_WAIT_MS_MAX, message.body.wait_ms)
-        if len(self.waiting_reads) >= WAITING_READS_MAX:
-            self.reply(envelope, messages.error(message.request_id, "overloaded", "too many reads waiting"))
-            return
-        self.hold(envelope, message.request_id)  # may refuse (overloaded): then nothing waits
-        self.waiting_reads.hold((envelope, message), message.body.table, targets, self.clock_ms() + wait_ms)
+                return
+            wait_ms = READ_WAIT_MS_MAX if message.body.wait_ms is None else min(READ_WAIT_MS_MAX, message.body.wait_ms)
+            if len(self.waiting_reads) >= WAITING_READS_MAX:
+                raise OverloadedError("too many reads waiting")
+            self.hold(envelope, message.request_id)  # may refuse (overloaded): then nothing waits
+            self.waiting_reads.hold((envelope, message), message.body.table, targets, self.clock_ms() + wait_ms)
+        except (RequestError, SchemaError, OverloadedError) as error:
+            self.refuse(envelope, message.request_id, error)
 
     def _read_now(self, table: TableSchema | None, message: Message) -> Any:
         limits = self.config.limits

@@ -9,7 +9,11 @@ instead of answering stale data:
 * ``linearizable``: the key of each shard is that shard's *read index*, the committed key its
   sequencer confirms with a quorum (``read_index`` request, ``core.rules.fence_read``). The read
   indexes of one read are gathered by ``ReadIndexGather``: the read waits once every shard answered,
-  and is refused (at most once) as soon as one shard could not answer.
+  and is refused (at most once) as soon as one shard could not answer. ``check_client_requests_room``
+  admits what this replicant asks the cores on its clients' behalf (a read's read indexes, a
+  forwarded write) only while that keeps the replicant under half of its pending requests (the rest
+  stay for its replicas' own: probes, watches, bootstrap batches, read fences); past it the request is
+  refused ``overloaded`` at once, never asked without a pending entry (which nothing would answer).
 
 ``shards_to_wait_on``: a read of a known table waits on that table's shard. A read that must see a
 key may name a table this replicant does not know yet (created by the very write whose key the
@@ -90,6 +94,15 @@ class WaitingReads(Generic[Payload]):
         if expired:
             self.reads = [read for read in self.reads if read.deadline_ms > now_ms]
         return expired
+
+
+def check_client_requests_room(pending: int, asking: int, pending_max: int) -> None:
+    """Refuse (``OverloadedError``) a client's request whose ``asking`` requests to the cores (a read's
+    read indexes, a forwarded write) would take the replicant past half of its ``pending_max`` pending
+    requests (``pending`` now): a flood of linearizable reads or writes never starves the replicas' own
+    requests, and each request asked has its pending entry (and deadline)."""
+    if pending + asking > pending_max // 2:
+        raise OverloadedError(f"{pending} requests to the cores are pending here; retry later")
 
 
 GATHER_WAITING = "waiting"  # more shards must answer

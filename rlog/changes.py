@@ -47,7 +47,9 @@ the node catches up.
 Driver contract (``rlog.server.NodeServer.changes_request`` and ``serve_changes``): decode the
 request, call ``build_page`` inside the turn (the reads see the applied state), answer the page
 unless ``keep_holding`` says to hold it (nothing for this feed yet and ``wait_ms`` not over); page a
-held request again when ``worth_a_page`` says so (a shard it follows moved, or its wait ended).
+held request again when ``worth_a_page`` says so (a shard it follows moved, or its wait ended), from
+the positions its last page reached (a held page holds no record, so nothing is skipped; paged from
+the request's own positions, every turn re-read all the entries since, up to 2,000 per shard).
 Held requests are bounded by ``changes_waiting_max``.
 """
 
@@ -73,7 +75,8 @@ from mnesite.rlog.types import (
 from msgspec.structs import replace
 
 # Entries read from the log per step while filling a page; with table filters most may hold nothing
-# for the consumer, so a page also stops after ENTRIES_SCANNED_MAX entries of one shard.
+# for the consumer, so a page also stops after ENTRIES_SCANNED_MAX entries of one shard (all its
+# phases together: a live position, or a replay and the live entries after it).
 ENTRIES_STEP = 256
 ENTRIES_SCANNED_MAX = 2000
 # A record's bytes beyond its row: the field names and the small values (an estimate, for the bound).
@@ -289,6 +292,7 @@ class _ShardFeed:
         # Key columns of tables created in entries of this page (a table may be gone from the catalog).
         self.key_columns: dict[str, str] = {}
         self.snapshots = 0
+        self.scanned = 0  # entries read for this page (ENTRIES_SCANNED_MAX)
 
     def run(self, position: ChangesPosition) -> ChangesPosition:
         """Move ``position`` as far as the budget allows; each turn moves it or ends the shard's part."""
@@ -391,11 +395,12 @@ class _ShardFeed:
         entry whose records alone exceed the page's bytes goes over several pages (``records_after``)."""
         after = TxKey(*position.after)
         skip = position.records_after or 0  # records of the entry after ``after`` already delivered
-        scanned = 0
-        while not self.budget.spent and after < up_to and scanned < ENTRIES_SCANNED_MAX:
-            entries = self.reader.entries_after(self.shard, after, ENTRIES_STEP, up_to)
+        while not self.budget.spent and after < up_to and self.scanned < ENTRIES_SCANNED_MAX:
+            step = min(ENTRIES_STEP, ENTRIES_SCANNED_MAX - self.scanned)
+            entries = self.reader.entries_after(self.shard, after, step, up_to)
             if not entries:
                 break
+            self.scanned += len(entries)
             for entry in entries:
                 records, sizes = self._records_of(entry, kind)
                 if skip > len(records):
@@ -414,7 +419,6 @@ class _ShardFeed:
                 if taken < len(records):
                     return _moved(position, after, skip + taken)
                 after, skip = entry.tx_key, 0
-                scanned += 1
                 if self.budget.spent:
                     break
         return _moved(position, after, skip)

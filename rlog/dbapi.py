@@ -20,6 +20,7 @@ for all of them), so ``fetchmany`` over a large result holds one page at a time.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -125,6 +126,8 @@ class Connection:
         self.consistency = consistency
         self.after_tx_key = after_tx_key
         self.page_rows = page_rows
+        # Closed with the connection: each may hold a cursor (a read snapshot) at the node.
+        self._cursors: weakref.WeakSet[Cursor] = weakref.WeakSet()
         # PEP 249's optional extension: the exception classes as attributes of the connection.
         for error in (Warning, Error, InterfaceError, DatabaseError, DataError, OperationalError):
             setattr(self, error.__name__, error)
@@ -138,7 +141,10 @@ class Connection:
         self.close()
 
     def close(self) -> None:
+        """Close every cursor (the node frees their unfinished results), then the connection."""
         if self.client is not None:
+            for cursor in list(self._cursors):
+                cursor.close()
             self.client.close()
             self.client = None
 
@@ -152,7 +158,9 @@ class Connection:
 
     def cursor(self) -> Cursor:
         self._open_client()
-        return Cursor(self)
+        cursor = Cursor(self)
+        self._cursors.add(cursor)
+        return cursor
 
     def _open_client(self) -> Client:
         if self.client is None:
@@ -213,6 +221,8 @@ class Cursor:
         return self._take(None)
 
     def _take(self, count: int | None) -> list[tuple[Any, ...]]:
+        if self._closed:
+            raise InterfaceError("the cursor is closed")
         if self._result is None:
             raise ProgrammingError("no statement was executed")
         rows: list[tuple[Any, ...]] = []

@@ -27,7 +27,7 @@ parser of ours:
    more rows keeps its connection and statement (a *cursor*, named by an unguessable token) for the
    next page: the node's memory holds one page per cursor, whatever the result's size, and all pages
    come from one snapshot. At most ``cursors_max`` cursors exist per node; one not asked for its next
-   page within ``idle_ms_max`` is closed.
+   page within ``idle_ms_max`` of its last page being done is closed.
 5. **Budget.** A progress handler stops a statement once its SQLite time, summed over its pages,
    reaches ``ms_max`` (``query_budget``). ``SQLITE_LIMIT_LENGTH`` bounds any one value (and any
    intermediate string such as a ``group_concat``) to ``page_bytes_max``.
@@ -549,6 +549,7 @@ class QueryRunner:
             finished = self._page(cursor)
             with self._lock:
                 cursor.busy = False
+                cursor.last_used_ms = self.clock_ms()  # idle from now: the client is just being answered
                 keep = finished.result is not None and finished.result.get("cursor") and not cursor.closed
                 if not keep:
                     self._cursors.pop(cursor.token, None)
@@ -572,6 +573,9 @@ class QueryRunner:
             if isinstance(error, QueryRefused):
                 self.refused += 1
             return Finished(cursor.payload, error=error)
+        except Exception as error:  # anything else apsw raises: answered, and the worker thread lives on
+            cursor.cursor = None
+            return Finished(cursor.payload, error=QueryError(f"the query failed: {type(error).__name__}: {error}"))
         finally:
             cursor.spent_ms += (time.monotonic() - started_s) * 1000
         self.pages += 1
@@ -645,12 +649,17 @@ class QueryRunner:
                 size += 2 + sum(map(_value_bytes, row))
         except StopIteration:
             cursor.cursor = None
-        except apsw.Error as error:
+        except (apsw.Error, UnicodeDecodeError) as error:  # apsw converts a row's TEXT from UTF-8
             cursor.cursor = None
             raise self._run_error(error) from None
         return rows
 
     def _run_error(self, error: BaseException) -> QueryError:
+        if isinstance(error, UnicodeDecodeError):
+            return QueryError(
+                f"the query failed: a TEXT value of its result is not UTF-8 ({error.reason} at byte {error.start}); "
+                "select it CAST AS BLOB"
+            )
         if isinstance(error, apsw.InterruptError):
             self.budget_stops += 1
             return QueryBudgetExceeded(

@@ -761,7 +761,7 @@ class NodeServer:
         """Answer a ``changes`` request with its next page, or hold it (a caught-up page, ``wait_ms``)
         until a shard it follows moves; ``serving`` raises ``RequestError`` for a shard not served now."""
         body: messages.Changes = message.body
-        page = self._changes_page(body, serving, table_batch)
+        page = self._changes_page(body, body.positions, serving, table_batch)
         wait_ms = CHANGES_WAIT_MS_DEFAULT if body.wait_ms is None else body.wait_ms
         now_ms = monotonic_ms()
         deadline_ms = now_ms + wait_ms
@@ -774,10 +774,16 @@ class NodeServer:
             raise OverloadedError(f"{waiting_max} changefeed requests are waiting here (changes_waiting_max)")
         self.hold(envelope, message.request_id)
         self.waiting_changes.append(
-            WaitingChanges(envelope, message, serving, table_batch, dict(page.applied), deadline_ms)
+            WaitingChanges(envelope, message, serving, table_batch, dict(page.applied), deadline_ms, page.positions)
         )
 
-    def _changes_page(self, body: messages.Changes, serving: Callable[[str], Any], table_batch: TableBatch) -> Page:
+    def _changes_page(
+        self,
+        body: messages.Changes,
+        positions: list[messages.ChangesPosition],
+        serving: Callable[[str], Any],
+        table_batch: TableBatch,
+    ) -> Page:
         limits = self.config.limits
         records_max = limits.changes_page_records_max
         if body.page_records is not None:
@@ -785,7 +791,7 @@ class NodeServer:
         bytes_max = max(1, min(limits.changes_page_bytes_max, limits.frame_bytes_max // CHANGES_FRAME_SHARE))
         reader = StoreFeedReader(self.store, table_batch)
         try:
-            page = build_page(reader, body.tables, body.positions, PageLimits(records_max, bytes_max))
+            page = build_page(reader, body.tables, positions, PageLimits(records_max, bytes_max))
         except ChangesError as error:
             raise RequestError(error.code, str(error)) from None
         for shard in page.applied:
@@ -804,13 +810,14 @@ class NodeServer:
                 continue
             request_id = waiting.message.request_id
             try:
-                page = self._changes_page(waiting.message.body, waiting.serving, waiting.table_batch)
+                page = self._changes_page(waiting.message.body, waiting.positions, waiting.serving, waiting.table_batch)
             except RequestError as error:
                 self.waiting_changes.remove(waiting)
                 self.refuse(waiting.envelope, request_id, error)
                 continue
             if keep_holding(page, now, waiting.deadline_ms):
-                waiting.applied = dict(page.applied)
+                # Paged again from here: what this page passed holds nothing for the request.
+                waiting.applied, waiting.positions = dict(page.applied), page.positions
                 continue
             self.waiting_changes.remove(waiting)
             self._answer_changes(waiting.envelope, request_id, page)
@@ -983,7 +990,8 @@ class NodeServer:
 
 @dataclass(slots=True)
 class WaitingChanges:
-    """A held ``changes`` request: answered once a shard passes ``applied`` or at ``deadline_ms``."""
+    """A held ``changes`` request: answered once a shard passes ``applied`` or at ``deadline_ms``;
+    ``positions``: where its last page ended (a held page has no record), where the next one starts."""
 
     envelope: list[bytes]
     message: Message
@@ -991,6 +999,7 @@ class WaitingChanges:
     table_batch: TableBatch
     applied: dict[str, TxKey]
     deadline_ms: int
+    positions: list[messages.ChangesPosition]
 
 
 class StoreFeedReader:

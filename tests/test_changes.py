@@ -294,3 +294,42 @@ def test_a_transaction_whose_records_outgrow_a_frame_reaches_the_consumer_over_s
         assert cursors >= 5  # about 300 KB of records in pages of at most 64 KiB
     finally:
         thread_node.stop()
+
+
+def test_a_held_request_is_paged_again_from_where_its_last_page_ended_not_from_its_start(node, monkeypatch) -> None:
+    """A held request was paged again from the positions it arrived with: each turn that moved its
+    shard read every entry since then again (quadratic in the writes of the wait, on the loop thread;
+    up to 2,000 entries per held request per turn). Paged from where its last page ended, each entry
+    is read about once."""
+    entries_read = [0]
+    entries_after = StoreFeedReader.entries_after
+
+    def counted(self, shard, after, limit, up_to):
+        entries = entries_after(self, shard, after, limit, up_to)
+        entries_read[0] += len(entries)
+        return entries
+
+    monkeypatch.setattr(StoreFeedReader, "entries_after", counted)
+    with node.client() as client:
+        start = client.put("users", {"id": 1, "name": "a"})
+    got: list = []
+
+    def consume() -> None:
+        with node.client(timeout_ms=20_000) as consumer:
+            feed = consumer.changes(["users"], after_tx_key=start, follow=True, wait_ms=15_000)
+            for record in feed:
+                got.append(record)
+                return
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    wait_until(lambda: node.node.changes_statistics()["held"] == 1, 10, "the request to be held")
+    writes = 60
+    with node.client() as client:
+        for i in range(writes):
+            client.put("other", {"id": i, "v": i})
+        written = client.put("users", {"id": 2, "name": "b"})
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert [r["tx_key"] for r in got] == [written]
+    assert entries_read[0] <= 3 * (writes + 1), f"{entries_read[0]} entries read for {writes + 1} written"

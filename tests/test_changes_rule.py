@@ -280,3 +280,28 @@ def test_a_replay_position_inside_an_entry_resumes_inside_it() -> None:
     rest = build_page(log, ["users"], [moved], PageLimits(1000, 1 << 20))
     assert [r["key"] for r in page.records + rest.records if r["kind"] == "snapshot"] == list(range(20))
     assert rest.positions[0].phase == "live" and rest.positions[0].after == TxKey(1, 1)
+
+
+def test_a_page_reads_at_most_entries_scanned_max_entries_of_a_shard_when_none_is_for_the_feed() -> None:
+    """A feed of a rarely written table among busy ones: each page reads a bounded number of entries
+    (docs: changefeed.md, Flow control), exactly ENTRIES_SCANNED_MAX, and moves past all it read. The
+    bound was counted per call of ``_entries``, which ``run`` repeats while the position moves: a page
+    read the whole log up to the applied key (here 3,000 entries of 3,000)."""
+    from mnesite.rlog.changes import ENTRIES_SCANNED_MAX
+
+    class CountingLog(MemoryLog):
+        read = 0
+
+        def entries_after(self, shard: str, after: TxKey, limit: int, up_to: TxKey) -> list[Entry]:
+            entries = super().entries_after(shard, after, limit, up_to)
+            self.read += len(entries)
+            return entries
+
+    log = CountingLog()
+    for i in range(ENTRIES_SCANNED_MAX + 1000):
+        log._append(WriteOp("other", {"id": i}))
+    page = build_page(log, ["users"], [live("default", TxKey(0, 0))], PageLimits(100, 1 << 20))
+    assert page.records == []
+    assert log.read == ENTRIES_SCANNED_MAX
+    assert page.positions == [live("default", TxKey(1, ENTRIES_SCANNED_MAX))]
+    assert not page.caught_up  # answered at once: the consumer asks again from there

@@ -314,6 +314,56 @@ def test_the_budget_counts_sqlite_time_over_all_pages(tmp_path: Path) -> None:
         store.close()
 
 
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT CAST(x'ff' AS TEXT)",  # text that is not UTF-8: apsw raises UnicodeDecodeError
+        "SELECT char(55296)",  # a lone surrogate, encoded by SQLite
+        "SELECT id, CASE WHEN id = 50 THEN CAST(x'c0' AS TEXT) ELSE name END FROM users",  # mid-result
+    ],
+)
+def test_a_value_python_cannot_hold_fails_its_query_and_the_workers_keep_serving(
+    runner: q.QueryRunner, sql: str
+) -> None:
+    """apsw raises more than apsw.Error while it converts a row: a UnicodeDecodeError escaped the
+    worker thread, which died with its cursor busy; the query was never answered, and once both
+    threads had died no query ran on the node again."""
+    for _ in range(q.QUERY_THREADS + 1):
+        finished = _start(runner, sql, page_rows=10)
+        while finished.error is None and finished.result["cursor"] is not None:
+            runner.next_page("client", finished.result["cursor"], 10)
+            finished = _finished(runner, timeout_s=5)
+        assert finished.error is not None and finished.error.code == "query_failed", finished
+        assert "UTF-8" in str(finished.error)
+        assert runner.open_cursors() == 0
+    rows, _pages = _all_rows(runner, "SELECT count(*) FROM users")
+    assert rows == [[100]]
+
+
+def test_a_cursor_is_idle_from_when_its_page_was_done_not_from_when_it_was_asked(store: Store) -> None:
+    """The idle time was counted from the page's request: a page whose run (or wait for a worker)
+    took longer than query_idle_ms_max left a cursor expired the moment it was answered, and the
+    client's next page was query_cursor_unknown."""
+    idle_ms = 100
+    runner = q.QueryRunner(store.path, q.QueryLimits(ms_max=10_000, idle_ms_max=idle_ms), q_clock)
+    try:
+        slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n % 1000000 = 0"
+        asked = q_clock()
+        finished = _start(runner, slow, page_rows=1)
+        assert finished.error is None and finished.result["cursor"], finished
+        assert q_clock() - asked > idle_ms, "the page must take longer than query_idle_ms_max"
+        runner.expire(q_clock())  # the driver's next turn, as the page is answered
+        runner.next_page("client", finished.result["cursor"], 1)  # raised CursorUnknown
+        finished = _finished(runner)
+        assert finished.error is None and finished.result["rows"] == [[2_000_000]]
+    finally:
+        runner.stop()
+
+
+def q_clock() -> int:
+    return int(time.monotonic() * 1000)
+
+
 def test_cursors_are_bounded_in_count_expire_when_idle_and_close(store: Store) -> None:
     now = [0]
     runner = q.QueryRunner(store.path, q.QueryLimits(cursors_max=2, idle_ms_max=1000), lambda: now[0])
@@ -471,6 +521,29 @@ def test_dbapi_connection_and_pandas_read_sql(node: ThreadNode) -> None:
         connection.cursor()
 
 
+def test_closing_a_dbapi_connection_frees_its_cursors_at_the_node_and_they_are_unusable(node: ThreadNode) -> None:
+    """Closing the connection closed its zmq socket only: the node kept each unfinished result's
+    cursor (its read snapshot, and one of query_cursors_max places) until query_idle_ms_max, and the
+    Python cursor went on fetching pages over a new socket. PEP 249: once closed, the connection and
+    its cursors raise on use."""
+    import mnesite.dbapi as dbapi
+
+    connection = dbapi.connect(node.endpoint, page_rows=16)
+    cursors = [connection.cursor() for _ in range(2)]
+    for cursor in cursors:
+        cursor.execute("SELECT id FROM users ORDER BY id")
+        assert cursor.fetchone() == (0,)
+    assert node.node.queries.open_cursors() == 2
+    connection.close()
+    assert node.node.queries.open_cursors() == 0  # query_close is answered before close() returns
+    for cursor in cursors:
+        with pytest.raises(dbapi.InterfaceError):
+            cursor.fetchone()
+        with pytest.raises(dbapi.InterfaceError):
+            cursor.execute("SELECT 1")
+    connection.close()  # twice: nothing more to do
+
+
 def test_cli_query(node: ThreadNode) -> None:
     runner = CliRunner()
 
@@ -498,3 +571,26 @@ def test_cli_query(node: ThreadNode) -> None:
     bad = mnesite("query", "SELECT 1", "--after", "nonsense")
     assert bad.exit_code == 1 and "tx key" in bad.output
     assert mnesite("query", "SELECT count(*) FROM users", "--after", "1,1").output.splitlines() == ["count(*)", "200"]
+
+
+def test_a_linearizable_query_whose_sequencer_does_not_answer_is_a_read_refused_not_an_unknown_outcome(
+    tmp_path: Path,
+) -> None:
+    """A query asks a shard's sequencer for its read index; when that forward expired, the core
+    answered outcome_unknown, which says a write may have happened: the client then never moved to
+    another node (it may not re-send a write elsewhere) and the caller was told a read's outcome is
+    unknown. A read changes nothing: no_sequencer, as a replicant answers (issue 20)."""
+    from mnesite.core.node import QueryIndexAsk, QueryIndexGather
+    from mnesite.core.outcome import OutcomeUnknown
+    from mnesite.rlog.messages import Message, typed_body
+
+    thread_node = ThreadNode(tmp_path / "data")
+    thread_node.stop()  # its rules called directly: no thread may touch the node meanwhile
+    node = thread_node.node
+    message = Message("query", "client-3", typed_body("query", {"sql": "SELECT 1", "consistency": "linearizable"}))
+    gather = QueryIndexGather([b"client"], message, None, None, ("default",), {})
+    node.hold([b"client"], "client-3")
+    node._tell_outcomes([(QueryIndexAsk(gather, "default"), OutcomeUnknown("forwarded-1", "no answer in time"))])
+    answers = [m for _s, envelope, m in node._outbox if envelope == [b"client"]]
+    assert [(m.request_id, m.kind, m.body.code) for m in answers] == [("client-3", "error", "no_sequencer")]
+    assert b"client" not in node.outstanding

@@ -455,3 +455,86 @@ def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_nev
         node.core_sockets = {}
         node.store.close()
         node.data_dir_lock.release()
+
+
+# -- linearizable reads and queries: their read indexes are bounded and always answered once -------
+
+
+def _serve(node, envelope: list[bytes], message: Message) -> None:
+    """What ``_serve_waiting`` does with one decoded request: dispatch it, refuse what it raises."""
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.schema import SchemaError
+
+    try:
+        node._dispatch(envelope, message)
+    except (RequestError, SchemaError, OverloadedError) as error:
+        node.refuse(envelope, message.request_id, error)
+
+
+def _answer_read_indexes(node, committed: TxKey) -> None:
+    """The cores confirm every read_index the node asked (as ``_receive_answers`` hands them on)."""
+    for request_id in [r for r, pending in node.pending.items() if pending.purpose == "read_index"]:
+        node._on_answer(node.pending.pop(request_id), messages.reply(request_id, {"committed": list(committed)}))
+
+
+def test_a_linearizable_read_past_requests_outstanding_max_is_refused_and_never_raises_out_of_the_turn(
+    tmp_path,
+) -> None:
+    """Its read index was asked without holding the request; the hold came when the answer arrived,
+    in ``_on_answer``, where its OverloadedError escaped the loop turn and stopped the replicant."""
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node._open_replica("default")
+        node.core_sockets = {"core1": object()}  # only queued to, never sent on here
+        envelope = [b"client"]
+        for i in range(node.config.limits.requests_outstanding_max):
+            node.hold(envelope, f"held-{i}")  # this connection's other requests awaiting answers
+        body = {"table": "later", "key": 1, "consistency": "linearizable"}
+        _serve(node, envelope, Message("get", "client-9", typed_body("get", body)))
+        _answer_read_indexes(node, TxKey(1, 0))  # raised OverloadedError here
+        answers = _answers_to_the_client(node)
+        assert [(a.request_id, a.kind, a.body.code) for a in answers] == [("client-9", "error", "overloaded")]
+        assert "client-9" not in node.outstanding.get(b"client", set())
+    finally:
+        node.core_sockets = {}
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+def test_a_linearizable_read_whose_read_index_cannot_be_asked_is_answered_overloaded(tmp_path) -> None:
+    """With the replicant's pending requests full, the read index was not sent and nothing was
+    recorded: the read was never answered (the client waited out its timeout), and client reads could
+    take every pending place the replicas' own requests (watch, fence, batches) need."""
+    from mnesite.replicant.node import PENDING_REQUESTS_MAX, Pending
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node._open_replica("default")
+        node.core_sockets = {"core1": object()}
+        envelope = [b"client"]
+        body = {"table": "later", "key": 1, "consistency": "linearizable"}
+        asked = 0
+        for i in range(PENDING_REQUESTS_MAX):
+            _serve(node, [f"client-{i}".encode()], Message("get", f"r{i}", typed_body("get", body)))
+            if _answers_to_the_client_of(node, f"client-{i}".encode()):
+                break
+            asked += 1
+        assert asked < PENDING_REQUESTS_MAX, "client read indexes took every pending place"
+        (refusal,) = _answers_to_the_client_of(node, f"client-{asked}".encode())
+        assert (refusal.kind, refusal.body.code) == ("error", "overloaded")
+        # The replica's own requests still find a place.
+        room = PENDING_REQUESTS_MAX - len(node.pending)
+        assert room > 0
+        node._request("core1", "watch", {"shard": "default"}, Pending("watch", "core1", 0, "default"))
+        assert len(node.pending) == PENDING_REQUESTS_MAX - room + 1
+        _serve(node, envelope, Message("get", "client-x", typed_body("get", body)))
+        (answer,) = _answers_to_the_client(node)
+        assert (answer.request_id, answer.body.code) == ("client-x", "overloaded")
+    finally:
+        node.core_sockets = {}
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+def _answers_to_the_client_of(node, identity: bytes) -> list[Message]:
+    return [message for _socket, envelope, message in node._outbox if envelope == [identity]]
