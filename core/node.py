@@ -138,6 +138,7 @@ from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
+from mnesite.rlog.limits import SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.query import CheckedQuery, QueryRequest
 from mnesite.rlog.retention import keep_from_match_keys
@@ -182,7 +183,6 @@ POLL_INTERVAL_MS_MAX = 50
 FORWARD_TIMEOUT_MS = 5000
 FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
-SHARDS_MAX = 1000
 PEER_SEND_QUEUE_MAX = 1000
 # Bytes an agent pushes before its replicant's first acknowledgement (a larger entry goes alone): a
 # live replicant acknowledges within a round trip and gets its whole window then, while a flood of
@@ -294,6 +294,15 @@ class QueryIndexGather:
     targets: dict[str, TxKey]
     keys: dict[str, TxKey] = field(default_factory=dict)
     answered: bool = False
+
+
+@dataclass(frozen=True)
+class ForwardedRead:
+    """The payload of a read this core forwarded to a shard's sequencer (a linearizable read, a
+    ``read_index``): the client's envelope. A read changes nothing, so one the sequencer does not
+    answer is ``no_sequencer`` (the client may ask another node), never ``outcome_unknown``."""
+
+    envelope: list[bytes]
 
 
 @dataclass(frozen=True)
@@ -1282,6 +1291,9 @@ class CoreNode(NodeServer):
                 # client told outcome_unknown keeps to this node, as for a write it may not re-send).
                 reason = outcome.reason if isinstance(outcome, OutcomeUnknown) else "the sequencer did not answer"
                 self._query_index_failed(envelope.gather, "no_sequencer", reason)
+            elif isinstance(envelope, ForwardedRead):
+                reason = outcome.reason if isinstance(outcome, OutcomeUnknown) else "the sequencer did not answer"
+                self.reply(envelope.envelope, messages.error(outcome.request_id, "no_sequencer", reason))
             elif isinstance(outcome, Acknowledged):
                 result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
                 if outcome.duplicate:
@@ -1302,11 +1314,14 @@ class CoreNode(NodeServer):
 
     def _forward(self, envelope: list[bytes], message: Message, shard: str, target: str) -> None:
         """Send a request, marked forwarded, to the sequencer ``target`` (``core.rules`` chose it); its
-        answer is relayed to the client (``_relay_forwarded``) or expires as outcome unknown."""
+        answer is relayed to the client (``_relay_forwarded``) or expires: as outcome unknown for a write,
+        ``no_sequencer`` for a read (``ForwardedRead``)."""
         if self.forwarded.full():
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
         self.hold(envelope, message.request_id)
-        self.forwarded.forwarded(message.request_id, envelope, shard, target, self.clock_ms())
+        # A write's silence leaves its outcome unknown; a read's only says the sequencer did not answer.
+        payload = envelope if message.kind in WRITE_KINDS else ForwardedRead(envelope)
+        self.forwarded.forwarded(message.request_id, payload, shard, target, self.clock_ms())
         forwarded = msgspec.structs.replace(message.body, forwarded=True)
         self._send_peer(target, Message(message.kind, message.request_id, forwarded))
 
@@ -1321,14 +1336,21 @@ class CoreNode(NodeServer):
             except MessageError:
                 continue
             waiting = self.forwarded.answered(answer.request_id)
-            if isinstance(waiting, QueryIndexAsk):
-                self._query_index_answered(waiting, answer)
-            elif waiting is not None:
-                self.reply(waiting, answer)
+            if waiting is not None:
+                self._relay(waiting, answer)
             elif answer.request_id in self.install_requests:
                 self._on_install_answer(self.install_requests.pop(answer.request_id), answer)
             elif answer.request_id.startswith(VERSIONS_PROBE_PREFIX):
                 self._on_versions_answer(answer)
+
+    def _relay(self, waiting: Any, answer: Message) -> None:
+        """The sequencer's ``answer`` to a request this core forwarded, to whoever waits for it."""
+        if isinstance(waiting, QueryIndexAsk):
+            self._query_index_answered(waiting, answer)
+        elif isinstance(waiting, ForwardedRead):
+            self.reply(waiting.envelope, answer)
+        else:
+            self.reply(waiting, answer)
 
     def _expire_forwarded(self) -> None:
         now = self.clock_ms()

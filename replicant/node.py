@@ -49,6 +49,7 @@ from mnesite.rlog.backup import BackupError
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
+from mnesite.rlog.limits import SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.schema import SchemaError, TableSchema, check_name, schema_ops_toward
@@ -440,6 +441,10 @@ class ReplicantNode(NodeServer):
                     and _valid_shard_name(shard)
                     and p.journal_answer(result, shard, self.versions)
                 ):
+                    if len(self.replicas) >= SHARDS_MAX:  # no core holds more: a core's answer is untrusted
+                        too_many = f"{pending.core} reports over {SHARDS_MAX} shards"
+                        self._log_refusal("%s; following the first ones", too_many)
+                        break
                     self._open_replica(shard)
             return
         replica = self.replicas.get(pending.shard or "")

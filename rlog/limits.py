@@ -1,9 +1,14 @@
-"""Validation shared by the protocol configs: every limit is a positive integer."""
+"""Limits shared by the roles, and the validation shared by the protocol configs: every limit is a
+positive integer."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+# Shards one node holds at most: a core refuses to create more, a replicant opens no more of those
+# its cores report (their answers are untrusted input).
+SHARDS_MAX = 1000
 
 
 def require_positive_ints(config: Any, error: type[Exception], zero_allowed: tuple[str, ...] = ()) -> None:

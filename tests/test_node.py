@@ -318,3 +318,39 @@ def test_a_turn_commits_the_entries_it_appended_before_its_bookkeeping(thread_no
     assert not [call for call in calls if call[0] and call[1]], "a durable write was still uncommitted"
     # The twenty writes were committed durably, each before a serve_queries of its own turn.
     assert calls[-1][2] - calls[0][2] >= 19
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "code"),
+    [
+        ("get", {"table": "t", "key": 1, "consistency": "linearizable"}, "no_sequencer"),
+        ("read_index", {"shard": "default"}, "no_sequencer"),
+        ("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}, "outcome_unknown"),
+    ],
+)
+def test_a_forwarded_request_that_expires_is_outcome_unknown_only_for_a_write(
+    tmp_path, kind: str, body: dict, code: str
+) -> None:
+    """A follower core forwards a linearizable read (and a write) to the sequencer; when no answer came
+    in time it answered outcome_unknown for both. For a read that says a write may have happened: the
+    client then kept to this node (it never re-sends an unknown outcome elsewhere) and a caller was told
+    a read's outcome is unknown. A read changes nothing: no_sequencer, and the client fails over. An
+    answer that does come is still relayed to the client as it is."""
+    thread_node = ThreadNode(tmp_path / "data")
+    thread_node.stop()  # its driver called directly: no thread may touch the node meanwhile
+    node = thread_node.node
+    envelope = [b"client"]
+    message = Message(kind, "r-1", messages.typed_body(kind, body))
+    node._forward(envelope, message, "default", "core2")
+    node._tell_outcomes(node.forwarded.expired(node.clock_ms() + 10**9))
+    answers = [m for _s, to, m in node._outbox if to == envelope]
+    assert [(m.request_id, m.kind, m.body.code) for m in answers] == [("r-1", "error", code)]
+    assert b"client" not in node.outstanding
+    # An answer from the sequencer is relayed to the client unchanged.
+    node._outbox.clear()
+    node._forward(envelope, Message(kind, "r-2", messages.typed_body(kind, body)), "default", "core2")
+    waiting = node.forwarded.answered("r-2")
+    assert waiting is not None
+    node._relay(waiting, messages.reply("r-2", {"committed": [1, 2]}))
+    answers = [m for _s, to, m in node._outbox if to == envelope]
+    assert [(m.request_id, m.kind, m.body.result) for m in answers] == [("r-2", "reply", {"committed": [1, 2]})]

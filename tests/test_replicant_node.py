@@ -538,3 +538,25 @@ def test_a_linearizable_read_whose_read_index_cannot_be_asked_is_answered_overlo
 
 def _answers_to_the_client_of(node, identity: bytes) -> list[Message]:
     return [message for _socket, envelope, message in node._outbox if envelope == [identity]]
+
+
+def test_a_core_that_reports_more_shards_than_a_node_may_hold_opens_no_more_than_shards_max(tmp_path) -> None:
+    """A core's journal answer is untrusted input: a replicant opened a replica (its state, timers and
+    requests) for every well-named shard a core said it had, so a hostile or broken core could make it
+    open any number. No core holds more than SHARDS_MAX shards: a replicant opens no more either."""
+    from mnesite.replicant.node import Pending
+    from mnesite.rlog.limits import SHARDS_MAX
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        shard = {"committed": [1, 1], "hears_sequencer": True, "agents": 0}
+        result = {"shards": {f"s{index}": shard for index in range(SHARDS_MAX + 50)}}
+        node._on_answer(Pending("discover", "core1", node.clock_ms() + 1000), messages.reply("d-1", result))
+        assert len(node.replicas) == SHARDS_MAX
+        # A later answer naming still more opens none of them.
+        more = {"shards": {f"t{index}": shard for index in range(10)}}
+        node._on_answer(Pending("discover", "core1", node.clock_ms() + 1000), messages.reply("d-2", more))
+        assert len(node.replicas) == SHARDS_MAX
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
