@@ -387,7 +387,7 @@ def start_metrics(
     metrics = NodeMetrics(node, role)
     server = MetricsServer(host, port, metrics)
     server.start()
-    if not is_loopback(f"tcp://{host}:{port}"):
+    if not is_loopback(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"):  # IPv6: bracketed
         log.warning("metrics on %s:%d are readable by anyone who can reach it (no authentication)", host, port)
     log.info("metrics on http://%s:%d/metrics", host, server.server_address[1])
     return metrics, server

@@ -301,3 +301,21 @@ def test_real_processes_scraped_under_writes_show_commits_and_lag(cluster: Clust
         ), f"{name}'s applied key did not move"
     assert value(second["replicant1"], "mnesite_replicant_lag_entries", shard="default") is not None
     assert value(second["replicant1"], "mnesite_resumes_total", shard="default") is not None
+
+
+@pytest.mark.parametrize(("host", "warned"), [("[::1]", False), ("127.0.0.1", False), ("0.0.0.0", True)])
+def test_the_metrics_endpoint_warns_only_off_loopback(host: str, warned: bool, caplog) -> None:
+    """The endpoint has no authentication: off loopback it says so in the log. An IPv6 loopback
+    (``[::1]``) was taken for a public address (its host reached the check without its brackets)."""
+    from mnesite.rlog.config import is_loopback
+    from mnesite.rlog.metrics import start_metrics
+
+    if host == "[::1]":
+        try:
+            socket.socket(socket.AF_INET6).bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback on this machine")
+    with caplog.at_level("WARNING", logger="mnesite.metrics"):
+        _, server = start_metrics(f"{host}:{free_port()}", "core1", "core", is_loopback)
+        server.stop()
+    assert any("readable by anyone" in record.getMessage() for record in caplog.records) is warned
