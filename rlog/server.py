@@ -92,13 +92,17 @@ HELD_TIMES_MAX = 100_000  # arrival times of held writes kept for the commit lat
 # pyzmq's compiled send and recv, called with plain int flags: its Python send_multipart and
 # recv_multipart cost 4x and 2x as much per message (flag enums, a wrapper per frame), about 13 us a
 # write on the sequencer. Frames from COPY_BYTES_MIN go out without a copy (zmq keeps the bytes).
-_SEND = zmq.backend.Socket.send  # the compiled class pyzmq's Socket derives from
+_SOCKET = zmq.backend.Socket  # the compiled class pyzmq's Socket derives from
+_SEND = _SOCKET.send
 _NOBLOCK, _NOBLOCK_MORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.RCVMORE)
 COPY_BYTES_MIN = 64 * 1024
 
 
 def send_frames(socket: zmq.Socket, frames: list[bytes]) -> None:
     """Send one multipart message without blocking (raises ``zmq.Again`` when the queue is full)."""
+    if not isinstance(socket, _SOCKET):
+        # The compiled send does not check its receiver's type: it would read any object as a socket.
+        raise TypeError(f"send_frames needs a zmq socket, not {type(socket).__name__}")
     last = len(frames) - 1
     for index, frame in enumerate(frames):
         _SEND(socket, frame, _NOBLOCK_MORE if index < last else _NOBLOCK, len(frame) < COPY_BYTES_MIN)
