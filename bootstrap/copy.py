@@ -9,8 +9,9 @@ the effects to execute, ``FetchBatch`` (ask the core for the next batch: ``boots
 other side) and ``ApplyBatch`` (write the rows), the request before the write of the batch that
 answered the previous one, so that reading and writing overlap. A batch is accepted only if it answers the request
 outstanding (same core, table and ``after``), holds at most ``batch_rows_max`` rows, every row has
-the table's key column, and it moves past ``after``; anything else raises ``CopyFailed`` (the owner
-gives up on that core) or is ignored as a stale answer. One batch is outstanding at a time, so
+the table's key column, and its last key comes after ``after`` in SQLite's key order
+(``sqlite_key_order``: a core cannot send the copy back and forth for ever); anything else raises
+``CopyFailed`` (the owner gives up on that core) or is ignored as a stale answer. One batch is outstanding at a time, so
 memory and the core's work are bounded by one batch. ``done`` is true once every table is copied.
 
 The copied rows are dirty reads: the owner makes them consistent by applying every entry after K0
@@ -53,6 +54,17 @@ def batch_from_answer(
     if batch is None:
         return None
     return BatchReceived(core, table, after, tuple(batch.rows), batch.done, batch.rows_total, size_bytes)
+
+
+_KEY_RANKS = {type(None): 0, bool: 1, int: 1, float: 1, str: 2, bytes: 3}
+
+
+def sqlite_key_order(key: object) -> tuple[int, object] | None:
+    """``key``'s place in SQLite's order of a key column (BINARY collation: NULL < numbers < TEXT <
+    BLOB, numbers by value, TEXT by its UTF-8 bytes, which Python's order of code points matches);
+    None for a value SQLite cannot hold."""
+    rank = _KEY_RANKS.get(type(key))
+    return None if rank is None else (rank, 0 if key is None else key)
 
 
 class TableCopy:
@@ -118,7 +130,11 @@ class TableCopy:
                 raise CopyFailed(f"{event.core} sent a row of {event.table} without its key column {key_column!r}")
         effects: list[CopyEffect] = []
         if event.rows:
-            if self.after is not None and event.rows[-1][key_column] == self.after:
+            last = sqlite_key_order(event.rows[-1][key_column])
+            if last is None:
+                raise CopyFailed(f"{event.core} sent a row of {event.table} whose key SQLite cannot hold")
+            # Forward in the table's key order, or the copy could go back and forth for ever.
+            if self.after is not None and not last > sqlite_key_order(self.after):  # type: ignore[operator]
                 raise CopyFailed(
                     f"{event.core} sent a batch of {event.table} that does not advance past {self.after!r}"
                 )
