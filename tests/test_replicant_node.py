@@ -352,6 +352,15 @@ def _unconnected_dealer():
     return socket
 
 
+def _close_offline(node) -> None:
+    """Close an offline replicant whose core sockets are ``_unconnected_dealer``s."""
+    for socket in node.core_sockets.values():
+        socket.close(0)
+    node.core_sockets = {}
+    node.store.close()
+    node.data_dir_lock.release()
+
+
 def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_reads_again(tmp_path) -> None:
     """After a bootstrap the replica serves nothing until its applied key reaches the read fence. If
     the turn that reached it is rolled back for want of space, the disk holds an earlier position,
@@ -398,11 +407,7 @@ def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_
         with pytest.raises(Exception, match="not_ready|cannot serve"):
             node._serving("default")
     finally:
-        for socket in node.core_sockets.values():
-            socket.close(0)
-        node.core_sockets = {}
-        node.store.close()
-        node.data_dir_lock.release()
+        _close_offline(node)
 
 
 def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_never_starve_the_replicas(
@@ -449,11 +454,7 @@ def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_nev
         assert len(node.pending) == before + 1, "the replica's own request is still sent"
         assert all(isinstance(pending, Pending) for pending in node.pending.values())
     finally:
-        for socket in node.core_sockets.values():
-            socket.close(0)
-        node.core_sockets = {}
-        node.store.close()
-        node.data_dir_lock.release()
+        _close_offline(node)
 
 
 # -- linearizable reads and queries: their read indexes are bounded and always answered once -------
