@@ -30,7 +30,10 @@ parser of ours:
    page within ``idle_ms_max`` of its last page being done is closed.
 5. **Budget.** A progress handler stops a statement once its SQLite time, summed over its pages,
    reaches ``ms_max`` (``query_budget``). ``SQLITE_LIMIT_LENGTH`` bounds any one value (and any
-   intermediate string such as a ``group_concat``) to ``page_bytes_max``.
+   intermediate string such as a ``group_concat``) to ``page_bytes_max``; and, because apsw builds
+   a whole row before any of it can be measured, a result of more than ``ROW_PAGES`` columns gets
+   a smaller bound per value (``row_value_bytes_max``), so that reading one row never holds more
+   than ``ROW_PAGES`` pages' worth of values, however many columns a SELECT makes up.
 
 Errors carry a code for the wire: ``query_refused`` (not read-only, or not allowed), ``bad_query``
 (SQLite cannot prepare it: syntax, unknown column, wrong number of parameters), ``query_budget``,
@@ -65,6 +68,10 @@ PROGRESS_STEPS = 10_000
 # Worker threads running queries (SQLite releases the GIL while it steps): two runaway statements
 # delay other queries, never the node's loop.
 QUERY_THREADS = 2
+# A result row is read whole (apsw converts every column before returning it), so the values of one
+# row together are bounded to this many pages (page_bytes_max each): SELECT zeroblob(N), ... repeated
+# over up to 2,000 columns would otherwise hold 2,000 values of page_bytes_max each in one worker.
+ROW_PAGES = 16
 WAITING_QUERIES_MAX = 10_000
 # Table-valued functions whose "columns" a query may read (pure functions of their arguments).
 ALLOWED_TABLE_FUNCTIONS = frozenset({"json_each", "json_tree"})
@@ -201,6 +208,13 @@ def open_connection(path: str, value_bytes_max: int) -> apsw.Connection:
     connection.config(apsw.SQLITE_DBCONFIG_DEFENSIVE, 1)
     connection.config(apsw.SQLITE_DBCONFIG_TRUSTED_SCHEMA, 0)
     return connection
+
+
+def row_value_bytes_max(page_bytes_max: int, columns: int) -> int:
+    """The bound on one value of a result with ``columns`` columns: ``page_bytes_max``, shared out
+    among the columns once there are more than ``ROW_PAGES`` (a row then holds at most
+    ``ROW_PAGES * page_bytes_max`` bytes of values while it is read)."""
+    return max(1, min(page_bytes_max, ROW_PAGES * page_bytes_max // max(1, columns)))
 
 
 def check_query(
@@ -371,6 +385,7 @@ class _Cursor:
     cursor: apsw.Cursor | None = None
     columns: list[str] = field(default_factory=list)
     positions: dict[str, list[int]] = field(default_factory=dict)
+    value_bytes_max: int = 0  # SQLITE_LIMIT_LENGTH for this cursor's statement (row_value_bytes_max)
 
 
 class QueryRunner:
@@ -621,6 +636,9 @@ class QueryRunner:
             if text != query.statement or not statement.is_readonly:
                 return False
             cursor.columns = [column[0] for column in statement.get_description()]
+            # Before the first step: the bound applies to every value this statement makes.
+            cursor.value_bytes_max = row_value_bytes_max(self.limits.page_bytes_max, len(cursor.columns))
+            connection.limit(apsw.SQLITE_LIMIT_LENGTH, cursor.value_bytes_max)
             return True
 
         sqlite_cursor = connection.cursor()
@@ -633,7 +651,7 @@ class QueryRunner:
         except apsw.Error as error:
             if guard.denied is not None:
                 raise QueryRefused(guard.denied) from None
-            raise self._run_error(error) from None
+            raise self._run_error(error, cursor) from None
 
     def _rows(self, cursor: _Cursor) -> list[list[Any]]:
         rows: list[list[Any]] = []
@@ -651,10 +669,10 @@ class QueryRunner:
             cursor.cursor = None
         except (apsw.Error, UnicodeDecodeError) as error:  # apsw converts a row's TEXT from UTF-8
             cursor.cursor = None
-            raise self._run_error(error) from None
+            raise self._run_error(error, cursor) from None
         return rows
 
-    def _run_error(self, error: BaseException) -> QueryError:
+    def _run_error(self, error: BaseException, cursor: _Cursor) -> QueryError:
         if isinstance(error, UnicodeDecodeError):
             return QueryError(
                 f"the query failed: a TEXT value of its result is not UTF-8 ({error.reason} at byte {error.start}); "
@@ -665,6 +683,16 @@ class QueryRunner:
             return QueryBudgetExceeded(
                 f"the query was stopped after {self.limits.ms_max} ms of SQLite time (query_ms_max)"
             )
+        if isinstance(error, apsw.TooBigError):
+            bound = cursor.value_bytes_max or self.limits.page_bytes_max
+            shared = (
+                f", query_page_bytes_max {self.limits.page_bytes_max} shared among its {len(cursor.columns)} "
+                f"columns beyond {ROW_PAGES}"
+                if bound < self.limits.page_bytes_max
+                else " (query_page_bytes_max)"
+            )
+            what = "a value (or a row to sort) of its result"
+            return QueryError(f"the query failed: {what} is too big: more than {bound} bytes{shared}")
         return QueryError(f"the query failed: {_sqlite_message(error)}")
 
 

@@ -232,6 +232,40 @@ def test_pages_are_bounded_by_rows_and_by_bytes(tmp_path: Path) -> None:
         store.close()
 
 
+def test_one_row_of_many_columns_holds_at_most_row_pages_pages_of_values(tmp_path: Path) -> None:
+    """apsw builds a whole row before it can be measured: SELECT zeroblob(N), ... over hundreds of
+    columns held hundreds of values of page_bytes_max each in a worker (200 x 1 MB raised its peak by
+    383 MB). Past ROW_PAGES columns the bound per value is page_bytes_max shared among the columns."""
+    store = _database(tmp_path / "wide.db", rows=0)
+    page = 20_000
+    runner = q.QueryRunner(store.path, q.QueryLimits(ms_max=5000, page_bytes_max=page), q_clock)
+    try:
+        assert q.row_value_bytes_max(page, 1) == q.row_value_bytes_max(page, q.ROW_PAGES) == page
+        assert q.row_value_bytes_max(page, 200) == q.ROW_PAGES * page // 200
+        wide = q.row_value_bytes_max(page, 200)
+
+        def blobs(columns: int, size: int) -> str:
+            return "SELECT " + ", ".join(f"zeroblob({size}) AS c{i}" for i in range(columns))
+
+        # Few columns: each value may fill a page, as before.
+        rows, _pages = _all_rows(runner, blobs(q.ROW_PAGES, page))
+        assert len(rows) == 1 and [len(value) for value in rows[0]] == [page] * q.ROW_PAGES
+        # Many columns: values up to the shared bound pass, one byte more is refused with the bound named.
+        rows, _pages = _all_rows(runner, blobs(200, wide))
+        assert [len(value) for value in rows[0]] == [wide] * 200
+        finished = _start(runner, blobs(200, wide + 1))
+        assert finished.error is not None and finished.error.code == "query_failed"
+        assert "too big" in str(finished.error) and f"more than {wide} bytes" in str(finished.error)
+        assert "200 columns" in str(finished.error)
+        # The bound is per statement: a narrow query on the same runner gets the whole page again.
+        rows, _pages = _all_rows(runner, blobs(1, page))
+        assert len(rows[0][0]) == page
+        assert runner.open_cursors() == 0
+    finally:
+        runner.stop()
+        store.close()
+
+
 def test_all_pages_come_from_one_snapshot(store: Store, runner: q.QueryRunner) -> None:
     first = _start(runner, "SELECT id FROM users ORDER BY id", page_rows=10)
     assert first.result["cursor"] is not None
