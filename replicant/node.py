@@ -41,7 +41,7 @@ from mnesite.replicant.reads import (
     check_client_requests_room,
     shards_to_wait_on,
 )
-from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
+from mnesite.replicant.replica import ReplicaConfig, ShardReplica, SpillBudget, push_received, watch_accepted
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import messages
 from mnesite.rlog import replication as p
@@ -129,6 +129,8 @@ class ReplicantNode(NodeServer):
         self.clock_ms = clock_ms
         self.rng = rng or random.Random()
         self.replica_config = replica_config or ReplicaConfig()
+        # One budget for the spills of all this node's shards (a first start bootstraps them all at once).
+        self.spill_budget = SpillBudget(self.replica_config.spill_bytes_max)
         self.cores = tuple(sorted(config.core_nodes))
         data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
         super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
@@ -195,6 +197,7 @@ class ReplicantNode(NodeServer):
             bootstraps=int(self.store.meta(f"bootstraps:{shard}", 0)),
             resumes=int(self.store.meta(f"resumes:{shard}", 0)),
             read_fenced=bool(int(self.store.meta(f"read_fenced:{shard}", 0))),
+            spill_budget=self.spill_budget,
         )
         self.replicas[shard] = replica
         return replica

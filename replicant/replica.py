@@ -24,9 +24,10 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   the tables are copied in key-ordered batches of ``batch_rows_max`` rows (``FetchTables``, then
   ``FetchBatch``/``ApplyBatch`` table after table). The agent pushes entries after K0 meanwhile; they
   are checked exactly like normal pushes (from K0, then from the last spilled key), spilled
-  (``SpillEntries``) and acknowledged with the spilled key. Once ``spill_entries_max`` entries, or
-  ``spill_bytes_max`` bytes of them (the spill is on disk, one per bootstrapping shard), are
-  spilled it releases the agent (``SendReject(..., "resynchronise")``: the core frees its window)
+  (``SpillEntries``) and acknowledged with the spilled key. Once ``spill_entries_max`` entries are
+  spilled, or the node's ``SpillBudget`` (``spill_bytes_max`` bytes of spilled entries for all the
+  shards of a node together: a replicant's first start bootstraps every shard at once) has no room
+  for the next, it releases the agent (``SendReject(..., "resynchronise")``: the core frees its window)
   and takes no more pushes; ``last_error`` says so. The copy goes on, however long it takes: the
   failure detector then watches only the copy's requests, not the released agent's silence (a
   stalled agent would stop for want of acknowledgements after its ack timeout, and the replica,
@@ -188,7 +189,8 @@ class ReplicaConfig:
     batch_rows_max: int = 10_000
     # Entries spilled during one bootstrap; then the agent is released until the copy is done.
     spill_entries_max: int = 100_000
-    # Bytes of those entries (``Entry.size_bytes``): an entry may be as large as a frame.
+    # Bytes of spilled entries (``Entry.size_bytes``: an entry may be as large as a frame) for all
+    # the shards of a node together (``SpillBudget``).
     spill_bytes_max: int = 1024 * 1024 * 1024
     # Consecutive failed bootstraps after which retries slow down to one per failure_timeout_ms.
     bootstrap_attempts_max: int = 3
@@ -250,6 +252,28 @@ class _Invalid(Exception):
         self.reason = reason
 
 
+class SpillBudget:
+    """The bytes of spilled entries a node holds, over all its bootstrapping shards (each spill is on
+    disk until its replay). One object is shared by a node's replicas; a replica charges what it
+    spills and gives it back when its spill is replayed or discarded by a new bootstrap."""
+
+    def __init__(self, bytes_max: int) -> None:
+        if bytes_max < 1:
+            raise ReplicaConfigError(f"spill_bytes_max must be a positive integer, got {bytes_max!r}")
+        self.bytes_max = bytes_max
+        self.used = 0
+
+    def take(self, size: int) -> bool:
+        if self.used + size > self.bytes_max:
+            return False
+        self.used += size
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.used -= size
+        assert self.used >= 0, "a spill gave back more than it took"
+
+
 class ShardReplica:
     """Replication state of one shard on one replicant node."""
 
@@ -266,6 +290,7 @@ class ShardReplica:
         bootstraps: int = 0,
         resumes: int = 0,
         read_fenced: bool = False,
+        spill_budget: SpillBudget | None = None,
     ) -> None:
         if not shard or not name:
             raise ReplicaConfigError("shard and name must not be empty")
@@ -312,6 +337,7 @@ class ShardReplica:
         self._spill_digest = applied_digest
         self._spilled = 0
         self._spilled_bytes = 0
+        self._spill_budget = spill_budget if spill_budget is not None else SpillBudget(config.spill_bytes_max)
         self._spill_full = False
         # Read fence after a bootstrap (see the theory of operation).
         self._fence = ReadFence(read_fenced, config.failure_timeout_ms)
@@ -617,8 +643,7 @@ class ShardReplica:
             self._fence.fence()
             self._start_key, self._start_digest = event.start_key, event.start_digest
             self._spill_key, self._spill_digest = event.start_key, event.start_digest
-            self._spilled = 0
-            self._spilled_bytes = 0
+            self._discard_spill()  # ResetShard empties the shard's spill on disk
             self._spill_full = False
             self._copy = None
             self._out.append(FetchTables(event.core))
@@ -676,6 +701,7 @@ class ShardReplica:
         self._set_mode(Mode.LOCAL_REPLAY, f"tables copied; replaying {self._spilled} spilled entries")
         self._out.append(ReplaySpill(self._start_key, self._start_digest))
         self._applied_key, self._applied_digest = self._spill_key, self._spill_digest
+        self._discard_spill()  # ReplaySpill applies the spill and empties it
         self._bootstrap_failures = 0
         self._last_error = None
         self._set_mode(Mode.NORMAL, f"bootstrap done at {self._applied_key}")
@@ -789,7 +815,7 @@ class ShardReplica:
             taken: list[Entry] = []
             for entry in new[: self.config.spill_entries_max - self._spilled]:
                 size = entry.size_bytes
-                if self._spilled_bytes + size > self.config.spill_bytes_max:
+                if not self._spill_budget.take(size):
                     break
                 taken.append(entry)
                 self._spilled_bytes += size
@@ -803,12 +829,18 @@ class ShardReplica:
                 # acknowledgements, and its silence would fail the copy (see BOOTSTRAP).
                 self._spill_full = True
                 self._last_error = (
-                    f"spill full ({self._spilled} entries, {self._spilled_bytes} bytes; spill_entries_max, "
-                    f"spill_bytes_max): agent released until the copy is done, then resuming from {self._spill_key}"
+                    f"spill full ({self._spilled} entries, {self._spilled_bytes} bytes; the node's spills "
+                    f"{self._spill_budget.used} bytes; spill_entries_max, spill_bytes_max): agent released "
+                    f"until the copy is done, then resuming from {self._spill_key}"
                 )
                 self._out.append(SendReject(event.core, event.agent_id, REJECT_RESYNCHRONISE))
                 return
         self._out.append(SendAck(event.core, event.agent_id, self._spill_key))
+
+    def _discard_spill(self) -> None:
+        self._spill_budget.give_back(self._spilled_bytes)
+        self._spilled = 0
+        self._spilled_bytes = 0
 
     # ------------------------------------------------------------ the read fence
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from mnesite.replicant.replica import ReplicaConfig, ReplicaConfigError, ShardReplica
+from mnesite.replicant.replica import ReplicaConfig, ReplicaConfigError, ShardReplica, SpillBudget
 from mnesite.rlog.replication import (
     UNKNOWN_DIGEST,
     ApplyBatch,
@@ -513,6 +513,54 @@ def test_the_spill_is_bounded_in_bytes_too():
     bootstrap(machine, k0=10)
     machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
     assert machine.step(push(HISTORY[10:11]), 2) == [SpillEntries((HISTORY[10],)), SendAck("core0", "a1", at(11)[0])]
+
+
+@pytest.mark.timeout(10)
+def test_the_spills_of_all_a_nodes_shards_share_one_byte_budget():
+    """spill_bytes_max bounded each shard's spill alone: a replicant's first start bootstraps every
+    shard at once (up to SHARDS_MAX), so the node's disk could take a thousand times the bound. One
+    SpillBudget per node: a shard finding no room releases its agent as when its own spill is full,
+    and a spill gives its bytes back when it is replayed or discarded by a new bootstrap."""
+    size = HISTORY[10].size_bytes
+    budget = SpillBudget(3 * size)
+    config = ReplicaConfig(spill_bytes_max=3 * size)
+
+    def sharing() -> ShardReplica:
+        # Two machines of one shard stand for two shards of one node: only the budget joins them.
+        key, digest = at(0)
+        return ShardReplica(SHARD, "rep0", CORES, key, digest, config, random.Random(0), 0, spill_budget=budget)
+
+    first, second = sharing(), sharing()
+    for machine in (first, second):
+        bootstrap(machine, k0=10)
+        machine.step(TablesReceived("core0", ("t",), ("k",)), 1)
+    assert first.step(push(HISTORY[10:12]), 2) == [
+        SpillEntries(tuple(HISTORY[10:12])),
+        SendAck("core0", "a1", at(12)[0]),
+    ]
+    assert budget.used == 2 * size
+    # The second shard's own spill is empty, but the node's budget has room for one entry only.
+    effects = second.step(push(HISTORY[10:12]), 2)
+    assert effects == [SpillEntries((HISTORY[10],)), SendReject("core0", "a1", "resynchronise")]
+    assert "the node's spills" in second.status().last_error and budget.used == 3 * size
+    # The first shard's copy ends: its spill is replayed and its bytes are given back.
+    effects = first.step(BatchReceived("core0", "t", None, (), True), 3)
+    assert of(effects, ReplaySpill) and budget.used == size
+    # A new bootstrap of the second shard discards its spill (ResetShard) and gives its bytes back.
+    effects = second.step(BatchReceived("core0", "t", None, (), True), 4)
+    assert of(effects, ReplaySpill) and budget.used == 0 and second.mode is Mode.DISCONNECTED
+    bootstrap(second, k0=11, now_ms=5)
+    second.step(TablesReceived("core0", ("t",), ("k",)), 5)
+    assert second.step(push(HISTORY[11:13]), 6) == [
+        SpillEntries(tuple(HISTORY[11:13])),
+        SendAck("core0", "a1", at(13)[0]),
+    ]
+    # The copy fails (its batch unanswered): the spill stays on disk, and charged, until a new
+    # bootstrap resets the shard.
+    second.step(Ticked(), 6 + config.failure_timeout_ms + 1)
+    assert second.mode is Mode.DISCONNECTED and budget.used == 2 * size
+    effects = bootstrap(second, k0=13, now_ms=20_000)
+    assert of(effects, ResetShard) and second.mode is Mode.BOOTSTRAP and budget.used == 0
 
 
 @pytest.mark.timeout(10)
