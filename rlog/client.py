@@ -34,7 +34,6 @@ instead of waiting for an answer that cannot come. A role that may not send a re
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket as socket_module
 import time
@@ -735,12 +734,20 @@ class QueryResult:
         self.pages += 1
         return [tuple(row) for row in answer["rows"]]
 
-    def close(self) -> None:
-        """Free the node's cursor if rows are left (best effort: it also expires by itself)."""
+    def close(self, timeout_ms: int | None = None) -> bool:
+        """Free the node's cursor if rows are left (best effort: it also expires by itself, after the
+        node's ``query_idle_ms_max``). ``timeout_ms`` 0 only forgets it here. False if the node was
+        asked and did not answer within ``timeout_ms`` (the client's timeout by default)."""
         cursor, self._cursor, self._page = self._cursor, None, None
-        if cursor is not None:
-            with contextlib.suppress(MnesiteError):
-                self.client.call("query_close", {"cursor": cursor}, retries=0)
+        if cursor is None or timeout_ms == 0:
+            return True
+        try:
+            self.client.call("query_close", {"cursor": cursor}, timeout_ms=timeout_ms, retries=0)
+        except Unavailable:
+            return False
+        except MnesiteError:
+            pass  # answered: already expired, or refused; either way nothing is left to free
+        return True
 
 
 class ChangeFeed:

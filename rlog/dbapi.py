@@ -20,6 +20,7 @@ for all of them), so ``fetchmany`` over a large result holds one page at a time.
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -141,10 +142,17 @@ class Connection:
         self.close()
 
     def close(self) -> None:
-        """Close every cursor (the node frees their unfinished results), then the connection."""
+        """Close every cursor (the node frees their unfinished results), then the connection.
+
+        One timeout for all of them, not one per cursor: once the node leaves a close unanswered, or
+        the time is spent, the other cursors are only forgotten here (the node expires them after
+        its ``query_idle_ms_max``)."""
         if self.client is not None:
+            deadline = time.monotonic() + self.client.timeout_ms / 1000
+            answering = True
             for cursor in list(self._cursors):
-                cursor.close()
+                left_ms = int((deadline - time.monotonic()) * 1000) if answering else 0
+                answering = cursor._close(max(0, left_ms)) and left_ms > 0
             self.client.close()
             self.client = None
 
@@ -241,14 +249,19 @@ class Cursor:
             del self._page[:wanted]
         return rows
 
-    def _finish(self) -> None:
-        if self._result is not None:
-            self._result.close()
+    def _finish(self, timeout_ms: int | None = None) -> bool:
+        answered = self._result.close(timeout_ms) if self._result is not None else True
         self._result, self._page, self.description = None, [], None
+        return answered
 
     def close(self) -> None:
-        self._finish()
+        self._close(None)
+
+    def _close(self, timeout_ms: int | None) -> bool:
+        """Close with ``timeout_ms`` for the node's answer (0: do not ask it); False if unanswered."""
+        answered = self._finish(timeout_ms)
         self._closed = True
+        return answered
 
     def setinputsizes(self, sizes: Any) -> None:
         pass

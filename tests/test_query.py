@@ -607,6 +607,33 @@ def test_cli_query(node: ThreadNode) -> None:
     assert mnesite("query", "SELECT count(*) FROM users", "--after", "1,1").output.splitlines() == ["count(*)", "200"]
 
 
+@pytest.mark.timeout(30)
+def test_closing_a_dbapi_connection_to_a_hung_node_takes_one_timeout_not_one_per_cursor(silent_endpoint: str) -> None:
+    """Each cursor's query_close waited the client's whole timeout: a connection with N unfinished
+    results to a hung node took N timeouts to close. Now one timeout for all; once the node leaves a
+    close unanswered the other cursors are only forgotten here (the node expires them by itself)."""
+    from mnesite.rlog.client import QueryResult
+
+    import mnesite.dbapi as dbapi
+
+    timeout_ms = 600
+    connection = dbapi.connect(silent_endpoint, timeout_ms=timeout_ms)
+    client = connection.client
+    cursors = [connection.cursor() for _ in range(4)]
+    for number, cursor in enumerate(cursors):
+        # An unfinished result as a node's first page leaves it: rows and a cursor token.
+        first = {"columns": ["id"], "rows": [[number]], "cursor": f"token{number}"}
+        cursor._result = QueryResult(client, first, None, timeout_ms)
+        assert cursor.fetchone() == (number,)
+    started = time.monotonic()
+    connection.close()
+    elapsed_s = time.monotonic() - started
+    assert timeout_ms / 1000 * 0.9 <= elapsed_s < timeout_ms / 1000 * 2, elapsed_s  # four closes took 2.4 s
+    for cursor in cursors:
+        with pytest.raises(dbapi.InterfaceError):
+            cursor.fetchone()
+
+
 def test_a_linearizable_query_whose_sequencer_does_not_answer_is_a_read_refused_not_an_unknown_outcome(
     tmp_path: Path,
 ) -> None:
