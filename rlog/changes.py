@@ -47,7 +47,8 @@ the node catches up.
 Driver contract (``rlog.server.NodeServer.changes_request`` and ``serve_changes``): decode the
 request, call ``build_page`` inside the turn (the reads see the applied state), answer the page
 unless ``keep_holding`` says to hold it (nothing for this feed yet and ``wait_ms`` not over); page a
-held request again when ``worth_a_page`` says so (a shard it follows moved, or its wait ended), from
+held request again when ``worth_a_page`` says so (a shard it follows moved, a new shard appeared, or
+its wait ended), from
 the positions its last page reached (a held page holds no record, so nothing is skipped; paged from
 the request's own positions, every turn re-read all the entries since, up to 2,000 per shard).
 Held requests are bounded by ``changes_waiting_max``.
@@ -56,7 +57,7 @@ Held requests are bounded by ``changes_waiting_max``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -225,10 +226,18 @@ def keep_holding(page: Page, now_ms: int, deadline_ms: int) -> bool:
 
 
 def worth_a_page(
-    applied_then: Mapping[str, TxKey], applied_now: Mapping[str, TxKey], now_ms: int, deadline_ms: int
+    applied_then: Mapping[str, TxKey],
+    applied_now: Mapping[str, TxKey],
+    now_ms: int,
+    deadline_ms: int,
+    shards_then: Collection[str] | None = None,
 ) -> bool:
-    """Whether a held request's page is built again: a shard it follows moved, or its wait ended."""
+    """Whether a held request's page is built again: a shard it follows moved, a shard the node did
+    not have when the page was built (``shards_then``) appeared (a feed of every table follows it,
+    and a position can name a shard the node had not opened yet), or its wait ended."""
     if now_ms >= deadline_ms:
+        return True
+    if shards_then is not None and any(shard not in shards_then for shard in applied_now):
         return True
     return any(shard in applied_now and applied_now[shard] > key for shard, key in applied_then.items())
 

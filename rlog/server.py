@@ -777,8 +777,11 @@ class NodeServer:
             self.changes_served["refused"] += 1
             raise OverloadedError(f"{waiting_max} changefeed requests are waiting here (changes_waiting_max)")
         self.hold(envelope, message.request_id)
+        shards = frozenset(self.store.shards())
         self.waiting_changes.append(
-            WaitingChanges(envelope, message, serving, table_batch, dict(page.applied), deadline_ms, page.positions)
+            WaitingChanges(
+                envelope, message, serving, table_batch, dict(page.applied), deadline_ms, page.positions, shards
+            )
         )
 
     def _changes_page(
@@ -810,7 +813,7 @@ class NodeServer:
         positions = self.store.shards()
         for waiting in list(self.waiting_changes):
             applied = {shard: position.applied for shard, position in positions.items()}
-            if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms):
+            if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms, waiting.shards):
                 continue
             request_id = waiting.message.request_id
             try:
@@ -822,6 +825,7 @@ class NodeServer:
             if keep_holding(page, now, waiting.deadline_ms):
                 # Paged again from here: what this page passed holds nothing for the request.
                 waiting.applied, waiting.positions = dict(page.applied), page.positions
+                waiting.shards = frozenset(positions)  # a new shard wakes a held request once
                 continue
             self.waiting_changes.remove(waiting)
             self._answer_changes(waiting.envelope, request_id, page)
@@ -1004,6 +1008,7 @@ class WaitingChanges:
     applied: dict[str, TxKey]
     deadline_ms: int
     positions: list[messages.ChangesPosition]
+    shards: frozenset[str]  # the node's shards when the last page was built
 
 
 class StoreFeedReader:

@@ -296,6 +296,33 @@ def test_a_transaction_whose_records_outgrow_a_frame_reaches_the_consumer_over_s
         thread_node.stop()
 
 
+def test_a_held_feed_of_every_table_wakes_for_a_shard_created_while_it_waits(node) -> None:
+    """A held request was paged again only when a shard it had a position in moved: a feed of every
+    table, held before a new shard's first entry, heard of it only at the end of its wait_ms."""
+    with node.client() as client:
+        client.put("users", {"id": 1, "name": "a"})
+        feed = client.changes(None)
+        for _record in feed:
+            pass
+        cursor = feed.cursor
+    got: list = []
+
+    def consume() -> None:
+        with node.client(timeout_ms=30_000) as consumer:
+            for record in consumer.changes(None, after_tx_key=cursor, follow=True, wait_ms=20_000):
+                got.append(record)
+                return
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    wait_until(lambda: node.node.changes_statistics()["held"] == 1, 10, "the request to be held")
+    with node.client() as client:
+        client.create_table("posts", "id", [("id", "INTEGER"), ("title", "TEXT")], "content")
+    thread.join(timeout=8)  # well inside the 20 s wait
+    assert not thread.is_alive(), "the held feed did not wake for the new shard"
+    assert got and got[0]["shard"] == "content" and got[0]["op"] == "create_table"
+
+
 def test_a_held_request_is_paged_again_from_where_its_last_page_ended_not_from_its_start(node, monkeypatch) -> None:
     """A held request was paged again from the positions it arrived with: each turn that moved its
     shard read every entry since then again (quadratic in the writes of the wait, on the loop thread;

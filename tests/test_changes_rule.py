@@ -226,6 +226,10 @@ def test_a_held_request_is_paged_again_when_a_shard_moves_or_its_wait_ends_and_h
     assert worth_a_page(then, {**then, "content": TxKey(2, 4)}, now_ms=10, deadline_ms=20)
     assert worth_a_page(then, then, now_ms=20, deadline_ms=20)
     assert not worth_a_page(then, {"default": TxKey(1, 5)}, now_ms=10, deadline_ms=20)  # a shard gone: no move
+    # A shard the node did not have when the page was built: once, until the page is built again.
+    grown = {**then, "new": TxKey(3, 1)}
+    assert worth_a_page(then, grown, now_ms=10, deadline_ms=20, shards_then=set(then))
+    assert not worth_a_page(then, grown, now_ms=10, deadline_ms=20, shards_then=set(grown))
     log = MemoryLog()
     log.write(1, "a")
     caught_up = build_page(log, ["users"], [live("default", log.applied_key)], PageLimits(5, 1 << 20))
