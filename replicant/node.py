@@ -101,6 +101,7 @@ class Pending:
     deadline_ms: int
     shard: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    watch_id: str | None = None  # watch, tables, batch: the replica's attempt (RequestFailed.watch_id)
 
 
 @dataclass
@@ -314,7 +315,8 @@ class ReplicantNode(NodeServer):
                 "protocol": replication_protocol_for(self.core_versions.get(effect.core), self.versions),
                 "watch_id": effect.watch_id,
             }
-            self._request(effect.core, "watch", body, Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard))
+            pending = Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard, watch_id=effect.watch_id)
+            self._request(effect.core, "watch", body, pending)
         elif isinstance(effect, p.ApplyEntries):
             self.begin()
             # Until its read fence opens, a replica is still healing its bootstrap copy (Store.apply_ops).
@@ -324,15 +326,14 @@ class ReplicantNode(NodeServer):
             self.begin()
             self.store.reset_shard(shard)
         elif isinstance(effect, p.FetchTables):
-            self._request(
-                effect.core, "list_tables", {}, Pending("tables", effect.core, now + REQUEST_TIMEOUT_MS, shard)
-            )
+            pending = Pending("tables", effect.core, now + REQUEST_TIMEOUT_MS, shard, watch_id=replica.watch_id)
+            self._request(effect.core, "list_tables", {}, pending)
         elif isinstance(effect, p.FetchBatch):
             body: dict[str, Any] = {"table": effect.table, "limit": effect.limit}
             if effect.after is not None:
                 body["after"] = effect.after
             detail = {"table": effect.table, "after": effect.after, "limit": effect.limit}
-            pending = Pending("batch", effect.core, now + REQUEST_TIMEOUT_MS, shard, detail)
+            pending = Pending("batch", effect.core, now + REQUEST_TIMEOUT_MS, shard, detail, replica.watch_id)
             self._request(effect.core, "bootstrap_batch", body, pending, at_once=True)
         elif isinstance(effect, p.ApplyBatch):
             self.begin()
@@ -467,7 +468,7 @@ class ReplicantNode(NodeServer):
                 return
             accepted = watch_accepted(pending.core, result)
             if accepted is None:
-                self._step(replica, p.RequestFailed(pending.core, "malformed watch answer"))
+                self._step(replica, p.RequestFailed(pending.core, "malformed watch answer", pending.watch_id))
                 return
             self._step(replica, accepted)
         elif pending.purpose == "tables":
@@ -478,7 +479,7 @@ class ReplicantNode(NodeServer):
                     raise CopyFailed(f"list_tables failed: {error.code}: {error.message}")
                 mine = tables_from_answer(result, replica.shard)
             except CopyFailed as failure:
-                self._step(replica, p.RequestFailed(pending.core, str(failure)))
+                self._step(replica, p.RequestFailed(pending.core, str(failure), pending.watch_id))
                 return
             self.begin()
             for table in mine:
@@ -491,7 +492,7 @@ class ReplicantNode(NodeServer):
             detail = pending.detail
             batch = batch_from_answer(pending.core, detail["table"], detail["after"], result, frame_bytes)
             if error is not None or batch is None:
-                self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}"))
+                self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}", pending.watch_id))
                 return
             self._step(replica, batch)
             self._log_progress(replica)
@@ -546,7 +547,8 @@ class ReplicantNode(NodeServer):
             elif pending.purpose == "fence" and pending.shard in self.replicas:
                 self._step(self.replicas[pending.shard], p.CommittedReceived(pending.core, None))
             elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
-                self._step(self.replicas[pending.shard], p.RequestFailed(pending.core, f"{pending.purpose} timed out"))
+                failed = p.RequestFailed(pending.core, f"{pending.purpose} timed out", pending.watch_id)
+                self._step(self.replicas[pending.shard], failed)
         for shard in [s for s, probe in self.probes.items() if probe.deadline_ms <= now]:
             if shard in self.replicas:
                 self._finish_probe(self.replicas[shard])

@@ -573,6 +573,8 @@ class ShardReplica:
         self._fail(f"the disk was full: resynchronising from {self._applied_key}", delay_ms=0)
 
     def _on_request_failed(self, event: RequestFailed) -> None:
+        if event.watch_id is not None and event.watch_id != self._watch_id:
+            return  # a request of an earlier attempt: it must not fail this one on the same core
         waiting_on_it = self._waiting is not _Waiting.NOTHING and event.core == self._request_core
         if waiting_on_it or (self._upstream is not None and event.core == self._upstream):
             self._fail(f"request to {event.core} failed: {event.reason}")

@@ -167,10 +167,13 @@ class CommittedReceived:
 
 @dataclass(frozen=True)
 class RequestFailed:
-    """A request to ``core`` (watch, fetch) got no answer or an error."""
+    """A request to ``core`` (watch, fetch) got no answer or an error. ``watch_id``: the replica's
+    attempt the request was sent in (``ShardReplica.watch_id``); a failure of an earlier attempt's
+    request (expired or answered late, after that attempt had already failed) changes nothing."""
 
     core: str
     reason: str
+    watch_id: str | None = None
 
 
 # ---------------------------------------------------------------- replica effects

@@ -200,6 +200,25 @@ def test_a_failed_request_to_the_upstream_disconnects():
     assert machine.step(RequestFailed("core2", "unrelated"), 2) == []
 
 
+@pytest.mark.timeout(10)
+def test_a_failure_of_an_earlier_attempts_request_does_not_fail_the_next_attempt_on_the_same_core():
+    """The driver expires a request by its own deadline: a batch of a bootstrap that had already
+    failed (its own deadline, a refused watch) could time out after the next attempt had started on
+    the same core, and failed that one too (a wasted attempt, a retry delay). A RequestFailed carries
+    the attempt (watch_id) its request was sent in."""
+    machine = replica(applied=0)
+    bootstrap(machine, k0=10)
+    first_attempt = machine.watch_id
+    machine.step(RequestFailed("core0", "lost", first_attempt), 1)
+    assert machine.mode is Mode.DISCONNECTED
+    bootstrap(machine, k0=10, now_ms=10_000)
+    assert machine.mode is Mode.BOOTSTRAP and machine.watch_id != first_attempt
+    assert machine.step(RequestFailed("core0", "batch timed out", first_attempt), 10_001) == []
+    assert machine.mode is Mode.BOOTSTRAP
+    effects = machine.step(RequestFailed("core0", "batch timed out", machine.watch_id), 10_002)
+    assert machine.mode is Mode.DISCONNECTED and of(effects, ModeChanged)
+
+
 # ---------------------------------------------------------------- pushes
 
 

@@ -560,3 +560,44 @@ def test_a_core_that_reports_more_shards_than_a_node_may_hold_opens_no_more_than
     finally:
         node.store.close()
         node.data_dir_lock.release()
+
+
+def test_a_request_of_an_earlier_bootstrap_attempt_expiring_does_not_fail_the_next_attempt(tmp_path) -> None:
+    """The driver's pending list_tables of a failed attempt expired after the next attempt began on
+    the same core, and its RequestFailed failed that attempt too. The driver now passes the attempt
+    (the replica's watch_id when the request was sent), and the replica drops a stale one."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
+
+    node = offline_replicant(tmp_path / "r")
+    node.core_sockets = {"core1": _unconnected_dealer()}
+    try:
+        replica = node._open_replica("default")
+        committed = p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 5), True, 0)),))
+
+        def bootstrap_attempt(at_ms: int) -> None:
+            now[0] = at_ms
+            replica.step(p.Ticked(), at_ms)
+            replica.step(committed, at_ms)
+            accepted = p.WatchAccepted("core1", "a1", "bootstrap", ZERO_KEY, GENESIS_DIGEST, replica.watch_id)
+            for effect in replica.step(accepted, at_ms):
+                node._execute(replica, effect)  # ResetShard, then FetchTables: a pending list_tables
+
+        base = node.clock_ms()  # the replica was opened on the node's clock, which the test now moves
+        now = [base]
+        node.clock_ms = lambda: now[0]
+        bootstrap_attempt(base)
+        first_attempt = replica.watch_id
+        (stale,) = [pending for pending in node.pending.values() if pending.purpose == "tables"]
+        assert stale.watch_id == first_attempt
+        replica.step(p.RequestFailed("core1", "refused", first_attempt), base + 1)
+        assert replica.mode is p.Mode.DISCONNECTED
+        bootstrap_attempt(base + 60_000)
+        assert replica.mode is p.Mode.BOOTSTRAP and replica.watch_id != first_attempt
+        stale.deadline_ms = 0
+        node.pending = {"stale": stale}
+        now[0] = base + 60_001
+        node._expire(now[0])
+        assert replica.mode is p.Mode.BOOTSTRAP, replica.status().last_error
+    finally:
+        _close_offline(node)
