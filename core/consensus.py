@@ -1383,6 +1383,19 @@ class ShardConsensus:
             resume_key = message.commit_key
             if message.last_key <= self._last_key and self._log.digest_at(message.last_key) is not None:
                 resume_key = message.last_key
+            if message.commit_key > message.last_key or not self._holds_key(resume_key):
+                # A commit key beyond the replier's own last key, or one this log lacks (beyond its
+                # end, or on another branch): a hostile or broken peer, or a core holding committed
+                # entries that a forced start lost. Resuming there would make the next heartbeat
+                # find no entry to send from and stop this sequencer: ignore the reply instead.
+                self._out.append(
+                    ProtocolViolation(
+                        sender,
+                        f"failed append answered with commit key {message.commit_key} (last key "
+                        f"{message.last_key}), which this log does not hold",
+                    )
+                )
+                return
             if message.last_key < progress.match_key:
                 # The follower lost entries it had acknowledged (its data directory was lost and it
                 # is recovering): what it holds now is all it has. The commit key never goes back,
@@ -1569,6 +1582,11 @@ class ShardConsensus:
             )
         if entries or heartbeat:
             self._send(peer, progress, prev_key, prev_digest, entries)
+
+    def _holds_key(self, key: TxKey) -> bool:
+        """Whether appends can start after ``key``: this log holds it, or retention trimmed it (the
+        follower is then recovered by a snapshot, ``SnapshotNeeded``)."""
+        return key < self._log.trimmed_key() or self._log.digest_at(key) is not None
 
     def _own_match_key(self) -> TxKey:
         """How far this sequencer's own log counts toward a majority: only what is durable."""

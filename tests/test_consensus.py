@@ -627,6 +627,30 @@ def test_a_follower_behind_the_retained_log_needs_a_snapshot():
     assert sends(effects, AppendRequest) == []
 
 
+@pytest.mark.parametrize(
+    ("last_key", "commit_key"),
+    [
+        (TxKey(5, 9), TxKey(5, 9)),  # beyond the sequencer's log
+        (TxKey(1, 1), TxKey(1, 2)),  # a commit key beyond the replier's own last key
+    ],
+)
+def test_a_failed_append_reply_with_a_commit_key_the_sequencer_lacks_is_ignored(last_key, commit_key):
+    """A follower resumes at its commit key, which every sequencer's log holds: one the log lacks is a
+    hostile or broken peer, and must not make a heartbeat find no entry to send from (which raised
+    ConsensusInvariantError and stopped the sequencer's node)."""
+    harness = Harness(entries=chain([TxKey(1, 1)]), state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 1))
+    harness.elect()
+    effects = harness.receive("b", AppendReply(2, False, ZERO_KEY, last_key, commit_key, harness.now_ms))
+    assert [v.sender for v in of_type(effects, ProtocolViolation)] == ["b"]
+    assert sends(effects, AppendRequest) == []
+    for _ in range(3):  # heartbeats to b go on from where it was (before the fix: raised here)
+        harness.ack("c", TxKey(2, 1))
+        next_heartbeat(harness)
+    harness.ack("b", TxKey(2, 1))
+    assert harness.machine.role is Role.SEQUENCER
+    assert dict(harness.machine.status().follower_match_keys)["b"] == TxKey(2, 1)
+
+
 def test_the_sequencer_fences_itself_without_a_majority_and_fails_pending_proposals():
     harness = Harness()
     harness.elect()
