@@ -1262,6 +1262,16 @@ class ShardConsensus:
             if entry.shard != self.shard:
                 self._out.append(ProtocolViolation(sender, f"entry of shard {entry.shard!r} sent to {self.shard!r}"))
                 return
+            if entry.tx_key.generation > message.generation:
+                # A sequencer writes entries of its generation or earlier ones (Raft: terms in a log
+                # never exceed the leader's). A later one would make this core's log end beyond its
+                # own generation: as sequencer it could then append nothing (its keys would go back).
+                self._out.append(
+                    ProtocolViolation(
+                        sender, f"entry {entry.tx_key} is of a later generation than its append ({message.generation})"
+                    )
+                )
+                return
         # Entries up to our commit key are already here and final; check rather than trust.
         while entries and entries[0].tx_key <= self._commit_key:
             first = entries.pop(0)

@@ -789,6 +789,19 @@ def test_a_follower_refuses_an_entry_of_another_shard():
         assert of_type(effects, ProtocolViolation) and of_type(effects, PersistEntries) == []
 
 
+def test_a_follower_refuses_an_entry_of_a_later_generation_than_its_append():
+    """Entries in a log never have a generation above their sequencer's: one that did would leave
+    this core, once elected, unable to append (its first key would go back: make_entry raised)."""
+    harness = Harness(name="b")
+    effects = harness.receive("a", append(1, None, chain([TxKey(3, 1)])), now_ms=QUIET_AFTER_START_MS)
+    assert [v.sender for v in of_type(effects, ProtocolViolation)] == ["a"]
+    assert of_type(effects, PersistEntries) == [] and harness.machine.last_key == ZERO_KEY
+    harness.campaign()
+    for peer in ("a", "c"):
+        harness.receive(peer, VoteReply(harness.machine.generation, True))
+    assert harness.machine.role is Role.SEQUENCER
+
+
 def test_a_follower_adopts_the_membership_of_a_force_started_sequencer():
     harness = Harness(name="b")
     message = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, ("a", "b"), ())
