@@ -1321,7 +1321,12 @@ class CoreNode(NodeServer):
         self.hold(envelope, message.request_id)
         # A write's silence leaves its outcome unknown; a read's only says the sequencer did not answer.
         payload = envelope if message.kind in WRITE_KINDS else ForwardedRead(envelope)
-        self.forwarded.forwarded(message.request_id, payload, shard, target, self.clock_ms())
+        replaced = self.forwarded.forwarded(message.request_id, payload, shard, target, self.clock_ms())
+        if replaced:
+            # A resend of a request still pending (core.outcome rule 4): the earlier is told now, or
+            # its connection's place (``hold``) would never be given back.
+            self._tell_outcomes(replaced)
+            self.hold(envelope, message.request_id)  # still held if that was this same connection
         forwarded = msgspec.structs.replace(message.body, forwarded=True)
         self._send_peer(target, Message(message.kind, message.request_id, forwarded))
 
@@ -1654,6 +1659,7 @@ class CoreNode(NodeServer):
                 self._query_index_failed(gather, "no_sequencer", f"shard {shard} has no sequencer reachable now")
                 return
             request_id = new_request_id()
+            # A fresh request id: it replaces nothing.
             self.forwarded.forwarded(request_id, QueryIndexAsk(gather, shard), shard, target, self.clock_ms())
             self._send_peer(target, Message("read_index", request_id, {"shard": shard, "forwarded": True}))
         self._query_index_complete(gather)

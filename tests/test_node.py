@@ -358,3 +358,21 @@ def test_a_forwarded_request_that_expires_is_outcome_unknown_only_for_a_write(
     node._relay(waiting, messages.reply("r-2", {"committed": [1, 2]}))
     answers = [m for _s, to, m in node._outbox if to == envelope]
     assert [(m.request_id, m.kind, m.body.result) for m in answers] == [("r-2", "reply", {"committed": [1, 2]})]
+
+
+def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connections_place(tmp_path) -> None:
+    """A client that hears nothing closes its socket and resends the same request id on a new one. The
+    follower forwarded both under one id: the earlier connection was never answered and its place among
+    requests_outstanding_max stayed held for good (one more leaked per such resend). It is told
+    outcome_unknown now; the sequencer's answer goes to the resend."""
+    thread_node = ThreadNode(tmp_path / "data")
+    thread_node.stop()  # its driver called directly: no thread may touch the node meanwhile
+    node = thread_node.node
+    body = messages.typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
+    node._forward([b"first"], Message("transact", "w-1", body), "default", "core2")
+    node._forward([b"second"], Message("transact", "w-1", body), "default", "core2")
+    assert b"first" not in node.outstanding
+    answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox]
+    assert answers == [([b"first"], "error", "outcome_unknown")]
+    node._relay(node.forwarded.answered("w-1"), messages.reply("w-1", {"tx_key": [1, 2]}))
+    assert node.outstanding == {}

@@ -1033,7 +1033,8 @@ class Simulation:
             else:
                 node.waiters.wait(route.tx_key, request_id, client, route.duplicate)
         elif not node.forwarded.full():  # full: overloaded, the client retries
-            node.forwarded.forwarded(request_id, CLIENT, SHARD, route.target, self.now_ms)
+            for _, outcome in node.forwarded.forwarded(request_id, CLIENT, SHARD, route.target, self.now_ms):
+                self._client_told(node, outcome)
             self._enqueue_client(route.target, dataclasses.replace(request, origin=node.name, forwarded=True))
 
     def _write_ops(self, number: int) -> tuple[Op, ...]:
