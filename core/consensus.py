@@ -798,6 +798,10 @@ class ShardConsensus:
             if self._notice_due_ms is not None:
                 return min(self._heartbeat_due_ms, self._notice_due_ms)
             return self._heartbeat_due_ms
+        if self._excluded or not self.voter:
+            # It never campaigns (a removed core, a learner, a core a forced start left out): its
+            # election deadline passes and stays passed, and the driver would poll without waiting.
+            return self._now_ms + self.config.election_timeout_ms_min
         return self._election_deadline_ms
 
     # ------------------------------------------------------------ the entry point

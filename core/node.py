@@ -527,7 +527,9 @@ class CoreNode(NodeServer):
         if self.socket is None:
             raise RuntimeError("socket not bound")
         self.agent_server.begin_turn()
-        deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
+        # Only the machines this loop ticks: a deadline of one it does not tick passes and stays
+        # passed, and the poll below would never wait (a CPU spun for the whole snapshot install).
+        deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values() if self._ticked(d)]
         deadlines += [key for d in self.shards.values() if (key := d.apply.deadline_ms()) is not None]
         agents_deadline = self.agent_server.next_deadline_ms()
         if agents_deadline is not None:
@@ -563,10 +565,7 @@ class CoreNode(NodeServer):
         now = self.clock_ms()
         input_ms = now - began_ms
         for driver in list(self.shards.values()):
-            # A shard whose rows are being replaced by a snapshot does not campaign meanwhile.
-            if driver.shard in self.not_serving and driver.shard not in self._installed_shards():
-                continue
-            if now >= driver.consensus.next_deadline_ms() and driver.shard not in self.excluded:
+            if self._ticked(driver) and now >= driver.consensus.next_deadline_ms():
                 self._step(driver, Ticked())
         for shard in list(self.installs):
             self._step_install(shard, Ticked())
@@ -586,6 +585,13 @@ class CoreNode(NodeServer):
                 timers_ms,
                 turn_ms - input_ms - timers_ms,
             )
+
+    def _ticked(self, driver: ShardDriver) -> bool:
+        """Whether the loop ticks this shard's machine: not while its rows are being replaced by a
+        snapshot (it does not campaign meanwhile), nor once a forced start left this core out."""
+        shard = driver.shard
+        installing = shard in self.not_serving and shard not in self._installed_shards()
+        return not installing and shard not in self.excluded
 
     def disk_filled(self) -> None:
         """A turn failed for want of space and was rolled back (``NodeServer.turn``, ``rlog.disk``).

@@ -189,6 +189,19 @@ def test_a_core_outside_its_membership_is_a_learner_that_never_campaigns():
     assert not harness.machine.voter
 
 
+@pytest.mark.parametrize("kind", ["outside its membership", "left out by a forced start"])
+def test_a_core_that_never_campaigns_keeps_its_next_deadline_ahead(kind):
+    """Its election deadline passes and a tick changes nothing: a next deadline left in the past made
+    the driver poll without waiting, a removed or left-out core spinning a CPU for as long as it ran."""
+    harness = Harness(name="d") if kind == "outside its membership" else Harness()
+    if kind == "left out by a forced start":
+        harness.receive("b", ExclusionNotice(5, ("b", "c"), ZERO_KEY, None), now_ms=50)
+        assert harness.machine.excluded
+    for now_ms in (10_000, 20_000):
+        assert harness.step(Ticked(), now_ms) == []
+        assert harness.machine.next_deadline_ms() > now_ms
+
+
 def test_time_must_not_go_backwards():
     harness = Harness()
     harness.step(Ticked(), 50)

@@ -8,6 +8,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from mnesite.core.node import CoreNode
 from mnesite.rlog import messages
 from mnesite.rlog.client import (
     Client,
@@ -21,7 +22,7 @@ from mnesite.rlog.client import (
 from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ThreadNode
+from tests.conftest import ThreadNode, free_port, node_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -376,3 +377,23 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
     assert answers == [([b"first"], "error", "outcome_unknown")]
     node._relay(node.forwarded.answered("w-1"), messages.reply("w-1", {"tx_key": [1, 2]}))
     assert node.outstanding == {}
+
+
+def test_the_loop_does_not_wait_on_a_machine_it_does_not_tick(tmp_path) -> None:
+    """A shard whose rows a snapshot is replacing is not ticked (it does not campaign meanwhile). Its
+    machine's deadline counted for the poll all the same: once passed, the loop polled without waiting
+    and spun a CPU for the whole install."""
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    try:
+        driver = node._shard_for("default", create=True)
+        node.not_serving["default"] = "installing a snapshot at (1, 1)"
+        timeouts: list[int] = []
+        poll = node.poll
+        node.poll = lambda timeout_ms: (timeouts.append(timeout_ms), poll(timeout_ms))[1]
+        passed_ms = driver.consensus.next_deadline_ms() + 1
+        while node.clock_ms() < passed_ms + 200:
+            node.run_turn()
+        assert len(timeouts) < 20 and min(timeouts[1:]) > 0, timeouts
+    finally:
+        node.close()
