@@ -151,6 +151,9 @@ from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, chain_brea
 # Generations are persisted as SQLite integers and a campaign adds one: stay below 2**63 - 1.
 GENERATION_MAX = 2**63 - 2
 EXCLUSION_NOTICE_INTERVAL_MS = 1000  # how often a left-out core is told at most
+# The violation a message from outside the membership is (also from an honest core that was removed
+# or left out, while its messages are in flight: the simulator tells it from the others by this).
+NOT_A_MEMBER = "not a member of"
 
 REJECT_NOT_SEQUENCER = "not_sequencer"
 REJECT_BUSY = "busy"
@@ -1189,7 +1192,7 @@ class ShardConsensus:
             self._on_exclusion(sender, message)
             return
         if sender == self.name or (sender not in self._members and not self._heeds_outsider(sender, message)):
-            self._out.append(ProtocolViolation(sender, f"not a member of {self._members}"))
+            self._out.append(ProtocolViolation(sender, f"{NOT_A_MEMBER} {self._members}"))
             if sender != self.name and not self._excluded and self._forced:
                 # Only a forced start leaves cores out behind their back; a core outside an
                 # ordinary membership (a learner, a removed core) is simply not answered.
