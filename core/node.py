@@ -1473,6 +1473,12 @@ class CoreNode(NodeServer):
             return
         # A new change, or a client's retry while its core is still catching up (answer the retry).
         self.hold(envelope, message.request_id)
+        replaced = self.pending_changes.get(message.request_id)
+        if replaced is not None and replaced[1] != envelope:
+            # The retry came on another connection (a client that heard nothing reconnects): tell the
+            # earlier one now, or its connection's place (``hold``) is never given back.
+            reason = "the change was requested again; the answer goes to the newest request"
+            self.reply(replaced[1], _outcome_unknown(message.request_id, reason))
         self.pending_changes[message.request_id] = (driver.shard, envelope)
         if isinstance(route, rules.RequestChange):
             if route.endpoint:

@@ -397,3 +397,28 @@ def test_the_loop_does_not_wait_on_a_machine_it_does_not_tick(tmp_path) -> None:
         assert len(timeouts) < 20 and min(timeouts[1:]) > 0, timeouts
     finally:
         node.close()
+
+
+def test_a_membership_change_requested_again_on_a_new_connection_frees_the_earlier_connections_place(
+    tmp_path,
+) -> None:
+    """An add waits while its core catches up as a learner (minutes, at most learner_catch_up_ms_max);
+    a client that heard nothing asks again with the same request id on a new connection. The earlier
+    connection was never answered and its place among requests_outstanding_max stayed held for good."""
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    try:
+        driver = node._shard_for("default", create=True)
+        while driver.consensus.committed_key.generation != driver.consensus.generation:
+            node.run_turn()  # one core: it elects itself and commits its no-op
+        node._outbox.clear()
+        body = {"shard": "default", "action": "add", "name": "core9", "endpoint": "tcp://127.0.0.1:9"}
+        request = Message("membership_change", "m-1", messages.typed_body("membership_change", body))
+        node._membership_change([b"first"], request)
+        node._membership_change([b"second"], request)
+        assert driver.consensus.status().learner == "core9"
+        assert b"first" not in node.outstanding and node.outstanding[b"second"] == {"m-1"}
+        answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox]
+        assert answers == [([b"first"], "error", "outcome_unknown")]
+    finally:
+        node.close()
