@@ -611,6 +611,7 @@ class CoreNode(NodeServer):
             driver.apply.take()
             self._step(driver, DiskFull(error))
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
+            self._abandon_held_guard_failures(driver, f"disk_full: {error}")
             self.agent_server.stop_shard(shard)
             self._step(self._open_shard(shard), DiskFull(error))
 
@@ -1051,6 +1052,7 @@ class CoreNode(NodeServer):
                 # Agents' positions mean nothing in the new log (core.agent, driver contract 4).
                 self.agent_server.stop_shard(shard)
                 self._tell_outcomes(self.shards[shard].waiters.abandoned("this core installed a snapshot"))
+                self._abandon_held_guard_failures(self.shards[shard], "this core installed a snapshot")
                 self._open_shard(shard)
                 log.warning("shard %s: snapshot installed at %s; catching up from the log", shard, effect.key)
             elif isinstance(effect, replication.FetchCommitted):
@@ -1269,6 +1271,12 @@ class CoreNode(NodeServer):
     def _answer_guard_failure(self, held: HeldFailure, answer: bool, reason: str) -> None:
         code, text, detail = rules.guard_failure_answer(held.failure, answer, reason)
         self.reply(held.envelope, messages.error(held.request_id, code, text, detail))
+
+    def _abandon_held_guard_failures(self, driver: ShardDriver, reason: str) -> None:
+        """The shard's tail is about to be rebuilt (``_open_shard``): its held failed guards are told
+        to retry now; the new tail knows nothing of them, and they were never answered."""
+        for held in driver.tail.abandoned():
+            self._answer_guard_failure(held, answer=False, reason=reason)
 
     def _expire_held_guard_failures(self) -> None:
         now = self.clock_ms()
