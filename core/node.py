@@ -1204,6 +1204,10 @@ class CoreNode(NodeServer):
             return
         if len(driver.waiters) + len(driver.held) >= WAITERS_MAX:
             raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
+        # The connection's bound (requests_outstanding_max) is checked now, while nothing is written:
+        # checked once the entry is proposed (``_await_commit``), its "overloaded" (which says nothing
+        # changed) went to a write that then committed. Every answer below gives the place back.
+        self.hold(envelope, message.request_id)
         ops = admitted.ops
         transaction = admitted.transaction
         if rules.holds_write(transaction):

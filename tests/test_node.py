@@ -422,3 +422,33 @@ def test_a_membership_change_requested_again_on_a_new_connection_frees_the_earli
         assert answers == [([b"first"], "error", "outcome_unknown")]
     finally:
         node.close()
+
+
+def test_a_write_over_its_connections_bound_is_refused_before_it_is_proposed(tmp_path) -> None:
+    """requests_outstanding_max bounds the requests of one connection that await an answer. It was
+    checked once the write's entry was proposed: the write was answered "overloaded" (which says
+    nothing changed) and committed all the same. It is checked first now; nothing is written."""
+    from mnesite.rlog.errors import OverloadedError
+
+    node = CoreNode(node_config(tmp_path / "data", free_port(), extra={"limits": {"requests_outstanding_max": 1}}))
+    node.bind()
+    try:
+        columns = [["id", "INTEGER"], ["v", "TEXT"]]
+        create = {"table": "t", "key": "id", "columns": columns}
+        node._dispatch([b"c0"], Message("create_table", "t0", messages.typed_body("create_table", create)))
+        while node.store.catalog().get("t") is None:
+            node.run_turn()  # one core: it elects itself and commits
+        node._outbox.clear()
+        for number in (1, 2):  # one connection, two writes in one turn (as _serve_waiting takes them)
+            body = {"ops": [{"op": "write", "table": "t", "row": {"id": number, "v": "x"}}]}
+            try:
+                node._dispatch([b"c1"], Message("transact", f"w{number}", messages.typed_body("transact", body)))
+            except OverloadedError as error:
+                node.refuse([b"c1"], f"w{number}", error)
+        node._propose_all()
+        answers = [(m.request_id, m.kind, m.body.code) for _s, _to, m in node._outbox]
+        assert answers == [("w2", "error", "overloaded")]
+        assert node.store.find_request("w1") is not None
+        assert node.store.find_request("w2") is None, "refused as overloaded, yet logged"
+    finally:
+        node.close()
