@@ -31,7 +31,10 @@ and executes the effects it returns.
   generation has no ops (Raft's no-op): once it commits, every earlier entry is settled. Entries are
   chained by digest (``rlog.types.make_entry``). Each append carries the previous tx key and its
   digest; a follower accepts it only if its own log has that key with that digest, truncates a
-  conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``).
+  conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``). An
+  entry of a later generation than its append is refused (Raft: no entry's term exceeds its
+  leader's). A follower that refuses says where it stands (last and committed keys); the sequencer
+  resumes there, and ignores an answer whose committed key its own log does not hold.
 * Batches. The proposals of one driver turn are appended one entry each, but sent only at
   ``BatchEnded``: every caught-up follower then gets them in one append (cut by
   ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
