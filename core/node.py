@@ -1337,8 +1337,11 @@ class CoreNode(NodeServer):
         if self.forwarded.full():
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
         self.hold(envelope, message.request_id)
-        # A write's silence leaves its outcome unknown; a read's only says the sequencer did not answer.
-        payload = envelope if message.kind in WRITE_KINDS else ForwardedRead(envelope)
+        # A write's silence leaves its outcome unknown, and so does a membership change's (the
+        # sequencer may be catching a core up for minutes, then commit it); a read's only says the
+        # sequencer did not answer.
+        changes = message.kind in WRITE_KINDS or message.kind == "membership_change"
+        payload = envelope if changes else ForwardedRead(envelope)
         replaced = self.forwarded.forwarded(message.request_id, payload, shard, target, self.clock_ms())
         if replaced:
             # A resend of a request still pending (core.outcome rule 4): the earlier is told now, or
