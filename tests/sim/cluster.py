@@ -1076,6 +1076,9 @@ class Simulation:
         for node in self.nodes.values():
             if self._is_up(node):
                 self._step(node, Ticked())
+                if node.machine is not None and node.machine.next_deadline_ms() <= self.now_ms:
+                    # The driver polls until the earliest deadline: one a tick left in the past spins it.
+                    raise self.fail(f"{node.name}'s next deadline stays passed after a tick")
                 if node.machine is not None and node.apply.up_to is not None:  # production's _apply_due
                     up_to = node.apply.due(self.now_ms, self._applied_waited_on(node))
                     if up_to is not None:
