@@ -31,7 +31,10 @@ and executes the effects it returns.
   generation has no ops (Raft's no-op): once it commits, every earlier entry is settled. Entries are
   chained by digest (``rlog.types.make_entry``). Each append carries the previous tx key and its
   digest; a follower accepts it only if its own log has that key with that digest, truncates a
-  conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``).
+  conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``). An
+  entry of a later generation than its append is refused (Raft: no entry's term exceeds its
+  leader's). A follower that refuses says where it stands (last and committed keys); the sequencer
+  resumes there, and ignores an answer whose committed key its own log does not hold.
 * Batches. The proposals of one driver turn are appended one entry each, but sent only at
   ``BatchEnded``: every caught-up follower then gets them in one append (cut by
   ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
@@ -151,6 +154,9 @@ from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, chain_brea
 # Generations are persisted as SQLite integers and a campaign adds one: stay below 2**63 - 1.
 GENERATION_MAX = 2**63 - 2
 EXCLUSION_NOTICE_INTERVAL_MS = 1000  # how often a left-out core is told at most
+# The violation a message from outside the membership is (also from an honest core that was removed
+# or left out, while its messages are in flight: the simulator tells it from the others by this).
+NOT_A_MEMBER = "not a member of"
 
 REJECT_NOT_SEQUENCER = "not_sequencer"
 REJECT_BUSY = "busy"
@@ -798,6 +804,10 @@ class ShardConsensus:
             if self._notice_due_ms is not None:
                 return min(self._heartbeat_due_ms, self._notice_due_ms)
             return self._heartbeat_due_ms
+        if self._excluded or not self.voter:
+            # It never campaigns (a removed core, a learner, a core a forced start left out): its
+            # election deadline passes and stays passed, and the driver would poll without waiting.
+            return self._now_ms + self.config.election_timeout_ms_min
         return self._election_deadline_ms
 
     # ------------------------------------------------------------ the entry point
@@ -1185,7 +1195,7 @@ class ShardConsensus:
             self._on_exclusion(sender, message)
             return
         if sender == self.name or (sender not in self._members and not self._heeds_outsider(sender, message)):
-            self._out.append(ProtocolViolation(sender, f"not a member of {self._members}"))
+            self._out.append(ProtocolViolation(sender, f"{NOT_A_MEMBER} {self._members}"))
             if sender != self.name and not self._excluded and self._forced:
                 # Only a forced start leaves cores out behind their back; a core outside an
                 # ordinary membership (a learner, a removed core) is simply not answered.
@@ -1261,6 +1271,16 @@ class ShardConsensus:
         for entry in entries:
             if entry.shard != self.shard:
                 self._out.append(ProtocolViolation(sender, f"entry of shard {entry.shard!r} sent to {self.shard!r}"))
+                return
+            if entry.tx_key.generation > message.generation:
+                # A sequencer writes entries of its generation or earlier ones (Raft: terms in a log
+                # never exceed the leader's). A later one would make this core's log end beyond its
+                # own generation: as sequencer it could then append nothing (its keys would go back).
+                self._out.append(
+                    ProtocolViolation(
+                        sender, f"entry {entry.tx_key} is of a later generation than its append ({message.generation})"
+                    )
+                )
                 return
         # Entries up to our commit key are already here and final; check rather than trust.
         while entries and entries[0].tx_key <= self._commit_key:
@@ -1383,6 +1403,19 @@ class ShardConsensus:
             resume_key = message.commit_key
             if message.last_key <= self._last_key and self._log.digest_at(message.last_key) is not None:
                 resume_key = message.last_key
+            if message.commit_key > message.last_key or not self._holds_key(resume_key):
+                # A commit key beyond the replier's own last key, or one this log lacks (beyond its
+                # end, or on another branch): a hostile or broken peer, or a core holding committed
+                # entries that a forced start lost. Resuming there would make the next heartbeat
+                # find no entry to send from and stop this sequencer: ignore the reply instead.
+                self._out.append(
+                    ProtocolViolation(
+                        sender,
+                        f"failed append answered with commit key {message.commit_key} (last key "
+                        f"{message.last_key}), which this log does not hold",
+                    )
+                )
+                return
             if message.last_key < progress.match_key:
                 # The follower lost entries it had acknowledged (its data directory was lost and it
                 # is recovering): what it holds now is all it has. The commit key never goes back,
@@ -1569,6 +1602,11 @@ class ShardConsensus:
             )
         if entries or heartbeat:
             self._send(peer, progress, prev_key, prev_digest, entries)
+
+    def _holds_key(self, key: TxKey) -> bool:
+        """Whether appends can start after ``key``: this log holds it, or retention trimmed it (the
+        follower is then recovered by a snapshot, ``SnapshotNeeded``)."""
+        return key < self._log.trimmed_key() or self._log.digest_at(key) is not None
 
     def _own_match_key(self) -> TxKey:
         """How far this sequencer's own log counts toward a majority: only what is durable."""

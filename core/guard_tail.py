@@ -28,7 +28,8 @@ that waits longer than ``guard_hold_ms_max`` gets the same answer, and at most
 Driver contract
 ---------------
 Call ``add`` for every ``PersistEntries``, ``committed`` for every ``Commit`` (after applying it),
-``truncated`` for every ``TruncateLog``, ``expired`` on every turn; answer the tokens returned as
+``truncated`` for every ``TruncateLog``, ``expired`` on every turn, ``abandoned`` before the shard's
+tail is rebuilt from disk or replaced by a snapshot; answer the tokens returned as
 ``GUARD_ANSWER`` with the guard failure and as ``GUARD_RETRY`` with a retryable error.
 """
 
@@ -207,6 +208,12 @@ class GuardTail(Generic[Token]):
         if expired:
             self._held = [held for held in self._held if held.deadline_ms > now_ms]
         return expired
+
+    def abandoned(self) -> list[Token]:
+        """Every held failure, when the tail they wait on is replaced (the driver rebuilds the shard
+        from disk, or installs a snapshot): they are told to retry, as at a truncation."""
+        abandoned, self._held = [held.token for held in self._held], []
+        return abandoned
 
     def held_count(self) -> int:
         return len(self._held)

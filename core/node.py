@@ -527,7 +527,9 @@ class CoreNode(NodeServer):
         if self.socket is None:
             raise RuntimeError("socket not bound")
         self.agent_server.begin_turn()
-        deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values()]
+        # Only the machines this loop ticks: a deadline of one it does not tick passes and stays
+        # passed, and the poll below would never wait (a CPU spun for the whole snapshot install).
+        deadlines = [d.consensus.next_deadline_ms() for d in self.shards.values() if self._ticked(d)]
         deadlines += [key for d in self.shards.values() if (key := d.apply.deadline_ms()) is not None]
         agents_deadline = self.agent_server.next_deadline_ms()
         if agents_deadline is not None:
@@ -563,10 +565,7 @@ class CoreNode(NodeServer):
         now = self.clock_ms()
         input_ms = now - began_ms
         for driver in list(self.shards.values()):
-            # A shard whose rows are being replaced by a snapshot does not campaign meanwhile.
-            if driver.shard in self.not_serving and driver.shard not in self._installed_shards():
-                continue
-            if now >= driver.consensus.next_deadline_ms() and driver.shard not in self.excluded:
+            if self._ticked(driver) and now >= driver.consensus.next_deadline_ms():
                 self._step(driver, Ticked())
         for shard in list(self.installs):
             self._step_install(shard, Ticked())
@@ -587,6 +586,13 @@ class CoreNode(NodeServer):
                 turn_ms - input_ms - timers_ms,
             )
 
+    def _ticked(self, driver: ShardDriver) -> bool:
+        """Whether the loop ticks this shard's machine: not while its rows are being replaced by a
+        snapshot (it does not campaign meanwhile), nor once a forced start left this core out."""
+        shard = driver.shard
+        installing = shard in self.not_serving and shard not in self._installed_shards()
+        return not installing and shard not in self.excluded
+
     def disk_filled(self) -> None:
         """A turn failed for want of space and was rolled back (``NodeServer.turn``, ``rlog.disk``).
 
@@ -605,6 +611,7 @@ class CoreNode(NodeServer):
             driver.apply.take()
             self._step(driver, DiskFull(error))
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
+            self._abandon_held_guard_failures(driver, f"disk_full: {error}")
             self.agent_server.stop_shard(shard)
             self._step(self._open_shard(shard), DiskFull(error))
 
@@ -1045,6 +1052,7 @@ class CoreNode(NodeServer):
                 # Agents' positions mean nothing in the new log (core.agent, driver contract 4).
                 self.agent_server.stop_shard(shard)
                 self._tell_outcomes(self.shards[shard].waiters.abandoned("this core installed a snapshot"))
+                self._abandon_held_guard_failures(self.shards[shard], "this core installed a snapshot")
                 self._open_shard(shard)
                 log.warning("shard %s: snapshot installed at %s; catching up from the log", shard, effect.key)
             elif isinstance(effect, replication.FetchCommitted):
@@ -1196,6 +1204,10 @@ class CoreNode(NodeServer):
             return
         if len(driver.waiters) + len(driver.held) >= WAITERS_MAX:
             raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
+        # The connection's bound (requests_outstanding_max) is checked now, while nothing is written:
+        # checked once the entry is proposed (``_await_commit``), its "overloaded" (which says nothing
+        # changed) went to a write that then committed. Every answer below gives the place back.
+        self.hold(envelope, message.request_id)
         ops = admitted.ops
         transaction = admitted.transaction
         if rules.holds_write(transaction):
@@ -1264,6 +1276,12 @@ class CoreNode(NodeServer):
         code, text, detail = rules.guard_failure_answer(held.failure, answer, reason)
         self.reply(held.envelope, messages.error(held.request_id, code, text, detail))
 
+    def _abandon_held_guard_failures(self, driver: ShardDriver, reason: str) -> None:
+        """The shard's tail is about to be rebuilt (``_open_shard``): its held failed guards are told
+        to retry now; the new tail knows nothing of them, and they were never answered."""
+        for held in driver.tail.abandoned():
+            self._answer_guard_failure(held, answer=False, reason=reason)
+
     def _expire_held_guard_failures(self) -> None:
         now = self.clock_ms()
         for driver in self.shards.values():
@@ -1319,9 +1337,17 @@ class CoreNode(NodeServer):
         if self.forwarded.full():
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
         self.hold(envelope, message.request_id)
-        # A write's silence leaves its outcome unknown; a read's only says the sequencer did not answer.
-        payload = envelope if message.kind in WRITE_KINDS else ForwardedRead(envelope)
-        self.forwarded.forwarded(message.request_id, payload, shard, target, self.clock_ms())
+        # A write's silence leaves its outcome unknown, and so does a membership change's (the
+        # sequencer may be catching a core up for minutes, then commit it); a read's only says the
+        # sequencer did not answer.
+        changes = message.kind in WRITE_KINDS or message.kind == "membership_change"
+        payload = envelope if changes else ForwardedRead(envelope)
+        replaced = self.forwarded.forwarded(message.request_id, payload, shard, target, self.clock_ms())
+        if replaced:
+            # A resend of a request still pending (core.outcome rule 4): the earlier is told now, or
+            # its connection's place (``hold``) would never be given back.
+            self._tell_outcomes(replaced)
+            self.hold(envelope, message.request_id)  # still held if that was this same connection
         forwarded = msgspec.structs.replace(message.body, forwarded=True)
         self._send_peer(target, Message(message.kind, message.request_id, forwarded))
 
@@ -1462,6 +1488,12 @@ class CoreNode(NodeServer):
             return
         # A new change, or a client's retry while its core is still catching up (answer the retry).
         self.hold(envelope, message.request_id)
+        replaced = self.pending_changes.get(message.request_id)
+        if replaced is not None and replaced[1] != envelope:
+            # The retry came on another connection (a client that heard nothing reconnects): tell the
+            # earlier one now, or its connection's place (``hold``) is never given back.
+            reason = "the change was requested again; the answer goes to the newest request"
+            self.reply(replaced[1], _outcome_unknown(message.request_id, reason))
         self.pending_changes[message.request_id] = (driver.shard, envelope)
         if isinstance(route, rules.RequestChange):
             if route.endpoint:
@@ -1654,6 +1686,7 @@ class CoreNode(NodeServer):
                 self._query_index_failed(gather, "no_sequencer", f"shard {shard} has no sequencer reachable now")
                 return
             request_id = new_request_id()
+            # A fresh request id: it replaces nothing.
             self.forwarded.forwarded(request_id, QueryIndexAsk(gather, shard), shard, target, self.clock_ms())
             self._send_peer(target, Message("read_index", request_id, {"shard": shard, "forwarded": True}))
         self._query_index_complete(gather)

@@ -28,6 +28,9 @@ idempotent (an id found in the rlog is answered with its tx key once committed).
    is not answered within ``timeout_ms``, gets ``outcome_unknown`` at once: the old sequencer may
    be dead, and the client retries with the same request id.
 3. At most ``forwarded_max`` are pending; the next one is refused (``overloaded``).
+4. A request forwarded again while its id is still pending (a client that heard nothing resends on
+   a new connection) replaces the earlier one, which is told ``outcome_unknown`` at once: the
+   sequencer's one answer for that id goes to the newest, and the earlier would wait forever.
 
 Both hold the client's reply address as an opaque ``payload``; the driver turns each
 ``Acknowledged`` / ``OutcomeUnknown`` into a frame. The simulator (``tests/sim/cluster.py``) runs
@@ -47,6 +50,7 @@ Payload = TypeVar("Payload")
 REASON_TRUNCATED = "its entry was replaced by the new sequencer"
 REASON_OTHER_ENTRY = "another entry committed at its key"
 REASON_FORWARD_TIMEOUT = "the sequencer did not answer in time"
+REASON_SENT_AGAIN = "the request was sent again; the answer goes to the newest"
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,15 @@ class ForwardedRequests(Generic[Payload]):
         """Rule 3."""
         return len(self._pending) >= self.forwarded_max
 
-    def forwarded(self, request_id: str, payload: Payload, shard: str, sequencer: str, now_ms: int) -> None:
+    def forwarded(
+        self, request_id: str, payload: Payload, shard: str, sequencer: str, now_ms: int
+    ) -> list[tuple[Payload, Outcome]]:
+        """Wait for the answer to ``request_id``; rule 4: what to tell the request it replaces, if any."""
+        replaced = self._pending.pop(request_id, None)
         self._pending[request_id] = _Forwarded(payload, now_ms + self.timeout_ms, shard, sequencer)
+        if replaced is None:
+            return []
+        return [(replaced.payload, OutcomeUnknown(request_id, REASON_SENT_AGAIN))]
 
     def answered(self, request_id: str) -> Payload | None:
         """The payload to relay the sequencer's answer to; None for an answer nobody waits for."""

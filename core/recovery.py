@@ -19,8 +19,9 @@ committed and last keys) in two situations, and only asks: the decisions are her
   ``(peer, generation)`` pairs of its ``ForceStartRequested`` event.
 
 A peer's answer is untrusted input like any other frame. ``well_formed_answers`` keeps only the
-answers that state every generation as an integer in [0, 2**63) (one malformed generation drops
-the whole answer: that peer counts as not reached), and a shard name that is not a valid name is
+answers that state every generation as an integer in [0, ``GENERATION_MAX``], the bound a consensus
+message's generation is held to too (one malformed generation drops the whole answer: that peer
+counts as not reached), and a shard name that is not a valid name is
 ignored (it never becomes a row of this core's database).
 """
 
@@ -29,10 +30,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mnesite.core.consensus import GENERATION_MAX
 from mnesite.core.membership import valid_members
 from mnesite.rlog.schema import SchemaError, check_name
-
-GENERATION_LIMIT = 2**63  # generations are SQLite integers
 
 
 def journal_generation(journal: Mapping[str, Any], shard: str) -> int:
@@ -42,7 +42,9 @@ def journal_generation(journal: Mapping[str, Any], shard: str) -> int:
     if age is None:
         return 0
     generation = age.get("generation") if isinstance(age, dict) else None
-    if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation < GENERATION_LIMIT:
+    # At most GENERATION_MAX, as in a consensus message: a campaign adds one to what is recovered, and
+    # 2**63 - 1 + 1 is beyond SQLite's integers (the core then failed at each election, restart or not).
+    if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation <= GENERATION_MAX:
         return -1
     return generation
 

@@ -189,6 +189,19 @@ def test_a_core_outside_its_membership_is_a_learner_that_never_campaigns():
     assert not harness.machine.voter
 
 
+@pytest.mark.parametrize("kind", ["outside its membership", "left out by a forced start"])
+def test_a_core_that_never_campaigns_keeps_its_next_deadline_ahead(kind):
+    """Its election deadline passes and a tick changes nothing: a next deadline left in the past made
+    the driver poll without waiting, a removed or left-out core spinning a CPU for as long as it ran."""
+    harness = Harness(name="d") if kind == "outside its membership" else Harness()
+    if kind == "left out by a forced start":
+        harness.receive("b", ExclusionNotice(5, ("b", "c"), ZERO_KEY, None), now_ms=50)
+        assert harness.machine.excluded
+    for now_ms in (10_000, 20_000):
+        assert harness.step(Ticked(), now_ms) == []
+        assert harness.machine.next_deadline_ms() > now_ms
+
+
 def test_time_must_not_go_backwards():
     harness = Harness()
     harness.step(Ticked(), 50)
@@ -627,6 +640,30 @@ def test_a_follower_behind_the_retained_log_needs_a_snapshot():
     assert sends(effects, AppendRequest) == []
 
 
+@pytest.mark.parametrize(
+    ("last_key", "commit_key"),
+    [
+        (TxKey(5, 9), TxKey(5, 9)),  # beyond the sequencer's log
+        (TxKey(1, 1), TxKey(1, 2)),  # a commit key beyond the replier's own last key
+    ],
+)
+def test_a_failed_append_reply_with_a_commit_key_the_sequencer_lacks_is_ignored(last_key, commit_key):
+    """A follower resumes at its commit key, which every sequencer's log holds: one the log lacks is a
+    hostile or broken peer, and must not make a heartbeat find no entry to send from (which raised
+    ConsensusInvariantError and stopped the sequencer's node)."""
+    harness = Harness(entries=chain([TxKey(1, 1)]), state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 1))
+    harness.elect()
+    effects = harness.receive("b", AppendReply(2, False, ZERO_KEY, last_key, commit_key, harness.now_ms))
+    assert [v.sender for v in of_type(effects, ProtocolViolation)] == ["b"]
+    assert sends(effects, AppendRequest) == []
+    for _ in range(3):  # heartbeats to b go on from where it was (before the fix: raised here)
+        harness.ack("c", TxKey(2, 1))
+        next_heartbeat(harness)
+    harness.ack("b", TxKey(2, 1))
+    assert harness.machine.role is Role.SEQUENCER
+    assert dict(harness.machine.status().follower_match_keys)["b"] == TxKey(2, 1)
+
+
 def test_the_sequencer_fences_itself_without_a_majority_and_fails_pending_proposals():
     harness = Harness()
     harness.elect()
@@ -763,6 +800,19 @@ def test_a_follower_refuses_an_entry_of_another_shard():
         harness = Harness()
         effects = harness.receive("b", append(1, None, [first, stranger]))
         assert of_type(effects, ProtocolViolation) and of_type(effects, PersistEntries) == []
+
+
+def test_a_follower_refuses_an_entry_of_a_later_generation_than_its_append():
+    """Entries in a log never have a generation above their sequencer's: one that did would leave
+    this core, once elected, unable to append (its first key would go back: make_entry raised)."""
+    harness = Harness(name="b")
+    effects = harness.receive("a", append(1, None, chain([TxKey(3, 1)])), now_ms=QUIET_AFTER_START_MS)
+    assert [v.sender for v in of_type(effects, ProtocolViolation)] == ["a"]
+    assert of_type(effects, PersistEntries) == [] and harness.machine.last_key == ZERO_KEY
+    harness.campaign()
+    for peer in ("a", "c"):
+        harness.receive(peer, VoteReply(harness.machine.generation, True))
+    assert harness.machine.role is Role.SEQUENCER
 
 
 def test_a_follower_adopts_the_membership_of_a_force_started_sequencer():

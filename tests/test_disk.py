@@ -44,7 +44,7 @@ from mnesite.rlog.replication import (
 from mnesite.rlog.store import Store, storage_fault
 from mnesite.rlog.types import TxKey, WriteOp
 
-from tests.conftest import ThreadNode, wait_until
+from tests.conftest import ThreadNode, free_port, node_config, wait_until
 from tests.test_consensus import Harness, append, chain, of_type, sends
 from tests.test_replica import HISTORY, ages, at, bootstrap, bootstrapped, connect, of, push, replica
 
@@ -349,3 +349,40 @@ def _writable(client, row_id: int) -> bool:
         return True
     except MnesiteError:
         return False
+
+
+def test_a_failed_guard_held_when_the_disk_fills_is_told_to_retry(tmp_path: Path) -> None:
+    """A guard that failed against an uncommitted entry waits for it to commit (core.guard_tail). The
+    disk filling rebuilds the shard from disk with a new tail, and that wait was dropped unanswered:
+    its client heard nothing until its own timeout. It is told to retry now, as the writes waiting for
+    their commit are told their outcome."""
+    from mnesite.core.node import CoreNode, Deferred
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
+
+    def request(kind: str, request_id: str, body: dict) -> Message:
+        return Message(kind, request_id, messages.typed_body(kind, body))
+
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    try:
+        columns = [["id", "INTEGER"], ["v", "TEXT"]]
+        node._dispatch([b"c0"], request("create_table", "t0", {"table": "t", "key": "id", "columns": columns}))
+        driver = node.shards["default"]
+        while node.store.catalog().get("t") is None:
+            node.run_turn()  # one core: it elects itself and commits
+        node._outbox.clear()
+        write = {"ops": [{"op": "write", "table": "t", "row": {"id": 1, "v": "a"}}]}
+        node._dispatch([b"c1"], request("transact", "w1", write))
+        node._propose_all()  # w1's entry is in the tail, not committed (that needs the turn's commit)
+        guarded = {"guards": [{"table": "t", "key": 1, "equals": None}], **write}
+        with pytest.raises(Deferred):  # the guard saw w1's row: held until w1 commits
+            node._dispatch([b"c2"], request("transact", "w2", guarded))
+        assert driver.tail.held_count() == 1
+        node.abandon_turn()  # the turn's commit found the disk full (NodeServer.turn)
+        node.disk.filled("database or disk is full", 0)
+        node.disk_filled()
+        answers = {m.request_id: m.body.code for _s, _to, m in node._outbox}
+        assert answers == {"w1": "outcome_unknown", "w2": "no_sequencer"}
+    finally:
+        node.close()

@@ -59,6 +59,16 @@ def test_a_failure_whose_observed_entries_are_truncated_is_evaluated_again():
     assert tail.committed(TxKey(1, 1), CATALOG, read_index=TxKey(1, 1)) == [("a", GUARD_ANSWER)]
 
 
+def test_held_failures_are_handed_back_when_the_tail_is_replaced():
+    """A rebuild from disk (a full disk) or a snapshot install gives the shard a new tail: its held
+    failures are handed back once, to be told to retry (they were dropped unanswered)."""
+    tail: GuardTail[str] = GuardTail(CATALOG)
+    tail.add((FIRST,))
+    assert tail.failed("a", ZERO_KEY, read_index=ZERO_KEY, now_ms=0) == GUARD_HELD
+    assert tail.abandoned() == ["a"]
+    assert tail.held_count() == 0 and tail.abandoned() == []
+
+
 def test_held_failures_are_bounded_in_number_and_time():
     tail: GuardTail[str] = GuardTail(CATALOG, failures_held_max=1, hold_ms_max=100)
     tail.add((FIRST,))

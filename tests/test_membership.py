@@ -280,6 +280,19 @@ def test_membership_changes_under_faults(seed):
     assert simulation.result is not None and simulation.result.committed_entries >= 4
 
 
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_deadline_left_in_the_past(monkeypatch):
+    """A core outside the membership never campaigns: its election deadline passes for good. Giving
+    it as the next deadline (as before) makes the driver's poll spin; the simulator catches it."""
+    monkeypatch.setattr(
+        ShardConsensus,
+        "next_deadline_ms",
+        lambda self: self._heartbeat_due_ms if self.role is Role.SEQUENCER else self._election_deadline_ms,
+    )
+    with pytest.raises(SimulationFailure, match="next deadline stays passed after a tick"):
+        run_membership_seed(0, 3)
+
+
 @pytest.mark.timeout(120)
 def test_the_seeds_change_the_membership_for_real():
     """The seeds above must exercise commits of adds and removes, or they check nothing new."""

@@ -8,6 +8,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from mnesite.core.node import CoreNode
 from mnesite.rlog import messages
 from mnesite.rlog.client import (
     Client,
@@ -21,7 +22,7 @@ from mnesite.rlog.client import (
 from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ThreadNode
+from tests.conftest import ThreadNode, free_port, node_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -330,6 +331,9 @@ def test_a_turn_commits_the_entries_it_appended_before_its_bookkeeping(thread_no
         ("get", {"table": "t", "key": 1, "consistency": "linearizable"}, "no_sequencer"),
         ("read_index", {"shard": "default"}, "no_sequencer"),
         ("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}, "outcome_unknown"),
+        # A membership change changes the cluster like a write: the sequencer may be catching the
+        # core up (minutes) and commit it later; "no_sequencer" said nothing had been started.
+        ("membership_change", {"shard": "default", "action": "remove", "name": "core2"}, "outcome_unknown"),
     ],
 )
 def test_a_forwarded_request_that_expires_is_outcome_unknown_only_for_a_write(
@@ -358,3 +362,96 @@ def test_a_forwarded_request_that_expires_is_outcome_unknown_only_for_a_write(
     node._relay(waiting, messages.reply("r-2", {"committed": [1, 2]}))
     answers = [m for _s, to, m in node._outbox if to == envelope]
     assert [(m.request_id, m.kind, m.body.result) for m in answers] == [("r-2", "reply", {"committed": [1, 2]})]
+
+
+def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connections_place(tmp_path) -> None:
+    """A client that hears nothing closes its socket and resends the same request id on a new one. The
+    follower forwarded both under one id: the earlier connection was never answered and its place among
+    requests_outstanding_max stayed held for good (one more leaked per such resend). It is told
+    outcome_unknown now; the sequencer's answer goes to the resend."""
+    thread_node = ThreadNode(tmp_path / "data")
+    thread_node.stop()  # its driver called directly: no thread may touch the node meanwhile
+    node = thread_node.node
+    body = messages.typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
+    node._forward([b"first"], Message("transact", "w-1", body), "default", "core2")
+    node._forward([b"second"], Message("transact", "w-1", body), "default", "core2")
+    assert b"first" not in node.outstanding
+    answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox]
+    assert answers == [([b"first"], "error", "outcome_unknown")]
+    node._relay(node.forwarded.answered("w-1"), messages.reply("w-1", {"tx_key": [1, 2]}))
+    assert node.outstanding == {}
+
+
+def test_the_loop_does_not_wait_on_a_machine_it_does_not_tick(tmp_path) -> None:
+    """A shard whose rows a snapshot is replacing is not ticked (it does not campaign meanwhile). Its
+    machine's deadline counted for the poll all the same: once passed, the loop polled without waiting
+    and spun a CPU for the whole install."""
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    try:
+        driver = node._shard_for("default", create=True)
+        node.not_serving["default"] = "installing a snapshot at (1, 1)"
+        timeouts: list[int] = []
+        poll = node.poll
+        node.poll = lambda timeout_ms: (timeouts.append(timeout_ms), poll(timeout_ms))[1]
+        passed_ms = driver.consensus.next_deadline_ms() + 1
+        while node.clock_ms() < passed_ms + 200:
+            node.run_turn()
+        assert len(timeouts) < 20 and min(timeouts[1:]) > 0, timeouts
+    finally:
+        node.close()
+
+
+def test_a_membership_change_requested_again_on_a_new_connection_frees_the_earlier_connections_place(
+    tmp_path,
+) -> None:
+    """An add waits while its core catches up as a learner (minutes, at most learner_catch_up_ms_max);
+    a client that heard nothing asks again with the same request id on a new connection. The earlier
+    connection was never answered and its place among requests_outstanding_max stayed held for good."""
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    try:
+        driver = node._shard_for("default", create=True)
+        while driver.consensus.committed_key.generation != driver.consensus.generation:
+            node.run_turn()  # one core: it elects itself and commits its no-op
+        node._outbox.clear()
+        body = {"shard": "default", "action": "add", "name": "core9", "endpoint": "tcp://127.0.0.1:9"}
+        request = Message("membership_change", "m-1", messages.typed_body("membership_change", body))
+        node._membership_change([b"first"], request)
+        node._membership_change([b"second"], request)
+        assert driver.consensus.status().learner == "core9"
+        assert b"first" not in node.outstanding and node.outstanding[b"second"] == {"m-1"}
+        answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox]
+        assert answers == [([b"first"], "error", "outcome_unknown")]
+    finally:
+        node.close()
+
+
+def test_a_write_over_its_connections_bound_is_refused_before_it_is_proposed(tmp_path) -> None:
+    """requests_outstanding_max bounds the requests of one connection that await an answer. It was
+    checked once the write's entry was proposed: the write was answered "overloaded" (which says
+    nothing changed) and committed all the same. It is checked first now; nothing is written."""
+    from mnesite.rlog.errors import OverloadedError
+
+    node = CoreNode(node_config(tmp_path / "data", free_port(), extra={"limits": {"requests_outstanding_max": 1}}))
+    node.bind()
+    try:
+        columns = [["id", "INTEGER"], ["v", "TEXT"]]
+        create = {"table": "t", "key": "id", "columns": columns}
+        node._dispatch([b"c0"], Message("create_table", "t0", messages.typed_body("create_table", create)))
+        while node.store.catalog().get("t") is None:
+            node.run_turn()  # one core: it elects itself and commits
+        node._outbox.clear()
+        for number in (1, 2):  # one connection, two writes in one turn (as _serve_waiting takes them)
+            body = {"ops": [{"op": "write", "table": "t", "row": {"id": number, "v": "x"}}]}
+            try:
+                node._dispatch([b"c1"], Message("transact", f"w{number}", messages.typed_body("transact", body)))
+            except OverloadedError as error:
+                node.refuse([b"c1"], f"w{number}", error)
+        node._propose_all()
+        answers = [(m.request_id, m.kind, m.body.code) for _s, _to, m in node._outbox]
+        assert answers == [("w2", "error", "overloaded")]
+        assert node.store.find_request("w1") is not None
+        assert node.store.find_request("w2") is None, "refused as overloaded, yet logged"
+    finally:
+        node.close()

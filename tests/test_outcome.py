@@ -5,6 +5,7 @@ from __future__ import annotations
 from mnesite.core.outcome import (
     REASON_FORWARD_TIMEOUT,
     REASON_OTHER_ENTRY,
+    REASON_SENT_AGAIN,
     REASON_TRUNCATED,
     Acknowledged,
     CommitWaiters,
@@ -87,6 +88,20 @@ def test_forwarded_requests_are_told_when_their_sequencer_is_replaced_or_silent(
     forwarded.forwarded("c", "cc", "s", "core3", now_ms=0)
     assert forwarded.answered("c") == "cc"
     assert forwarded.answered("c") is None  # a late duplicate answer: nobody waits for it
+
+
+def test_a_request_forwarded_again_while_pending_tells_the_earlier_one():
+    """A client that heard nothing resends the same request id on a new connection: the sequencer's
+    one answer goes to the newest, and the earlier (its connection's place held) is told at once
+    instead of never."""
+    forwarded: ForwardedRequests[str] = ForwardedRequests(forwarded_max=2, timeout_ms=100)
+    assert forwarded.forwarded("a", "first", "s", "core2", now_ms=0) == []
+    assert forwarded.forwarded("a", "second", "s", "core2", now_ms=60) == [
+        ("first", OutcomeUnknown("a", REASON_SENT_AGAIN))
+    ]
+    assert len(forwarded) == 1
+    assert forwarded.expired(100) == []  # the resend's own deadline counts
+    assert forwarded.answered("a") == "second"
 
 
 def test_held_writes_are_proposed_as_one_batch_in_arrival_order_and_each_finds_its_outcome():

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from mnesite.core.consensus import GENERATION_MAX
 from mnesite.core.recovery import (
     journal_generation,
     reached_generations,
     recovered_generations,
     well_formed_answers,
 )
+from mnesite.rlog.schema import INTEGER_MAX
 
 
 def test_a_core_with_a_lost_disk_recovers_the_highest_generation_any_peer_knows_per_shard():
@@ -23,7 +25,7 @@ def test_no_answer_recovers_nothing():
     assert recovered_generations({}) == {}
 
 
-@pytest.mark.parametrize("generation", [2**63, -1, "7", True, None, 7.0])
+@pytest.mark.parametrize("generation", [2**63, 2**63 - 1, -1, "7", True, None, 7.0])
 def test_one_malformed_generation_drops_the_whole_answer(generation):
     answers = {
         "core2": {"shards": {"default": {"generation": 3}, "other": {"generation": generation}}},
@@ -51,3 +53,12 @@ def test_a_forced_start_is_told_every_reached_peer_in_name_order_with_0_for_an_u
     answers = {"core3": {"shards": {"default": {"generation": 5}}}, "core2": {"shards": {}}}
     assert reached_generations(answers, "default") == (("core2", 0), ("core3", 5))
     assert journal_generation(answers["core2"], "default") == 0
+
+
+def test_a_recovered_generation_leaves_room_for_a_campaign():
+    """A peer's journal is held to the bound of a consensus message's generation: a core that recovered
+    2**63 - 1 persisted it, and its first campaign asked SQLite for 2**63."""
+    answers = {"core2": {"shards": {"default": {"generation": GENERATION_MAX}}}}
+    assert recovered_generations(answers) == {"default": GENERATION_MAX}
+    assert GENERATION_MAX + 1 <= INTEGER_MAX
+    assert recovered_generations({"core2": {"shards": {"default": {"generation": GENERATION_MAX + 1}}}}) == {}

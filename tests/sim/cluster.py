@@ -36,9 +36,11 @@ and the random source of every state machine. Time is a fake clock advanced in `
   before it began, and that had committed when the answer was given. Local reads only need some
   committed prefix.
 
-Checks run after every step (see ``_check_node``) and at the end, after healing everything and
-running until the cluster is quiet. A violation raises ``SimulationFailure`` naming the seed and the
-command that replays it.
+Every core is honest, so a ``ProtocolViolation`` fails the run (a check of a peer's message that
+misjudges honest traffic), except a message from outside the membership (``NOT_A_MEMBER``: a removed
+or left-out core's messages in flight). Checks run after every step (see ``_check_node``) and at the
+end, after healing everything and running until the cluster is quiet. A violation raises
+``SimulationFailure`` naming the seed and the command that replays it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import Any
 import msgpack
 from mnesite.core import rules
 from mnesite.core.consensus import (
+    NOT_A_MEMBER,
     BatchEnded,
     Commit,
     ConsensusConfig,
@@ -71,6 +74,7 @@ from mnesite.core.consensus import (
     ProposalRejected,
     Proposed,
     ProposedBatch,
+    ProtocolViolation,
     Role,
     RoleChanged,
     Send,
@@ -567,6 +571,12 @@ class Simulation:
             self._apply_gathered(node)  # production's driver: any other effect sees the applied state
         if isinstance(effect, Send):
             self._send(node.name, effect.to, effect.message)
+        elif isinstance(effect, ProtocolViolation):
+            # Every core here is honest: a violation is a check that misjudges honest traffic (lost,
+            # duplicated, reordered or late), except a core's messages that reach a membership that
+            # no longer has it (removed, or left out by a forced start).
+            if not effect.reason.startswith(NOT_A_MEMBER):
+                raise self.fail(f"{node.name}: protocol violation by {effect.sender}: {effect.reason}")
         elif isinstance(effect, PersistEntries):
             for entry in effect.entries:
                 seen = self.digest_ever_persisted.setdefault(entry.tx_key, entry.digest)
@@ -1033,7 +1043,8 @@ class Simulation:
             else:
                 node.waiters.wait(route.tx_key, request_id, client, route.duplicate)
         elif not node.forwarded.full():  # full: overloaded, the client retries
-            node.forwarded.forwarded(request_id, CLIENT, SHARD, route.target, self.now_ms)
+            for _, outcome in node.forwarded.forwarded(request_id, CLIENT, SHARD, route.target, self.now_ms):
+                self._client_told(node, outcome)
             self._enqueue_client(route.target, dataclasses.replace(request, origin=node.name, forwarded=True))
 
     def _write_ops(self, number: int) -> tuple[Op, ...]:
@@ -1065,6 +1076,9 @@ class Simulation:
         for node in self.nodes.values():
             if self._is_up(node):
                 self._step(node, Ticked())
+                if node.machine is not None and node.machine.next_deadline_ms() <= self.now_ms:
+                    # The driver polls until the earliest deadline: one a tick left in the past spins it.
+                    raise self.fail(f"{node.name}'s next deadline stays passed after a tick")
                 if node.machine is not None and node.apply.up_to is not None:  # production's _apply_due
                     up_to = node.apply.due(self.now_ms, self._applied_waited_on(node))
                     if up_to is not None:
