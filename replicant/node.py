@@ -34,6 +34,7 @@ import zmq
 from mnesite.bootstrap import read_service
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
+from mnesite.core.outcome import REASON_SENT_AGAIN
 from mnesite.replicant.reads import (
     GATHER_FAILED,
     ReadIndexGather,
@@ -695,6 +696,16 @@ class ReplicantNode(NodeServer):
         core = write_target([r.upstream for r in self.replicas.values()], self.cores, self.rng)
         now = self.clock_ms()
         check_client_requests_room(len(self.pending), 1, PENDING_REQUESTS_MAX)
+        earlier = self.pending.get(message.request_id)
+        if earlier is not None and earlier.purpose == "forward":
+            # core.outcome rule 4: a client that heard nothing resends the same request id, often on a
+            # new connection; the core's one answer goes to the newest, and the earlier one would
+            # otherwise wait for ever, holding its connection's place (requests_outstanding_max).
+            del self.pending[message.request_id]
+            self.reply(
+                earlier.detail["envelope"],
+                messages.error(message.request_id, "outcome_unknown", REASON_SENT_AGAIN),
+            )
         self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
         self.pending[message.request_id] = Pending(
             "forward", core, now + FORWARD_TIMEOUT_MS, detail={"envelope": envelope}

@@ -601,3 +601,22 @@ def test_a_request_of_an_earlier_bootstrap_attempt_expiring_does_not_fail_the_ne
         assert replica.mode is p.Mode.BOOTSTRAP, replica.status().last_error
     finally:
         _close_offline(node)
+
+
+def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connections_place(tmp_path) -> None:
+    """A client that hears nothing resends the same request id on a new connection. The replicant's
+    pending forward was replaced silently: the earlier connection was never answered and its place
+    among requests_outstanding_max stayed held for good (the forward's timeout, 10 s, outlasts the
+    client's). It is told outcome_unknown now (core.outcome rule 4); the core's answer goes to the resend."""
+    node = offline_replicant(tmp_path / "r")
+    node.core_sockets = {"core1": _unconnected_dealer()}
+    try:
+        body = typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
+        node._forward([b"first"], Message("transact", "w-1", body))
+        node._forward([b"second"], Message("transact", "w-1", body))
+        assert b"first" not in node.outstanding and node.outstanding[b"second"] == {"w-1"}
+        answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox if to in ([b"first"], [b"second"])]
+        assert answers == [([b"first"], "error", "outcome_unknown")]
+        assert [pending.detail["envelope"] for pending in node.pending.values()] == [[b"second"]]
+    finally:
+        _close_offline(node)
