@@ -378,7 +378,9 @@ class CoreNode(NodeServer):
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
         # shards that serve no read (install under way or its read fence not reached yet).
         self.installs: dict[str, SnapshotInstall] = {}
-        self.install_requests: dict[str, tuple[str, str, dict[str, Any], int]] = {}
+        # request id -> (shard, purpose, detail, deadline, the install that asked): an answer or an
+        # expiry concerns only that install, not a later one of the same shard.
+        self.install_requests: dict[str, tuple[str, str, dict[str, Any], int, SnapshotInstall | None]] = {}
         self.not_serving: dict[str, str] = {}
         self.last_heard_ms: dict[str, int] = {}
         # What this core and its peers speak, and the cluster version entries proposed (core.versions).
@@ -1017,7 +1019,7 @@ class CoreNode(NodeServer):
         request_id = f"install-{self.rng.getrandbits(64):016x}"
         purpose = {"list_tables": "tables", "bootstrap_batch": "batch", "read_index": "fence"}[kind]
         deadline_ms = self.clock_ms() + INSTALL_REQUEST_TIMEOUT_MS
-        self.install_requests[request_id] = (shard, purpose, detail, deadline_ms)
+        self.install_requests[request_id] = (shard, purpose, detail, deadline_ms, self.installs.get(shard))
         self._send_peer(core, Message(kind, request_id, body))
 
     def _execute_install(self, shard: str, effects: list[Any]) -> None:
@@ -1072,11 +1074,13 @@ class CoreNode(NodeServer):
             else:
                 raise TypeError(f"unknown install effect {effect!r}")
 
-    def _on_install_answer(self, pending: tuple[str, str, dict[str, Any], int], answer: Message) -> None:
-        shard, purpose, detail, _ = pending
+    def _on_install_answer(
+        self, pending: tuple[str, str, dict[str, Any], int, SnapshotInstall | None], answer: Message
+    ) -> None:
+        shard, purpose, detail, _, asking = pending
         install = self.installs.get(shard)
-        if install is None:
-            return
+        if install is None or install is not asking:
+            return  # the answer of an install abandoned since (or done): a later one did not ask it
         core = install.offer.sequencer
         error = answer.body if answer.kind == "error" else None
         result = answer.body.result if answer.kind == "reply" else None
@@ -1381,8 +1385,11 @@ class CoreNode(NodeServer):
     def _expire_forwarded(self) -> None:
         now = self.clock_ms()
         for request_id in [r for r, pending in self.install_requests.items() if pending[3] <= now]:
-            shard, purpose, _, _ = self.install_requests.pop(request_id)
-            core = self.installs[shard].offer.sequencer if shard in self.installs else "?"
+            shard, purpose, _, _, asking = self.install_requests.pop(request_id)
+            install = self.installs.get(shard)
+            if install is None or install is not asking:
+                continue  # a request of an install abandoned since: it must not fail a later one
+            core = install.offer.sequencer
             if purpose == "fence":
                 self._step_install(shard, replication.CommittedReceived(core, None))
             else:

@@ -455,3 +455,36 @@ def test_a_write_over_its_connections_bound_is_refused_before_it_is_proposed(tmp
         assert node.store.find_request("w2") is None, "refused as overloaded, yet logged"
     finally:
         node.close()
+
+
+def test_an_install_request_of_an_abandoned_install_neither_feeds_nor_fails_a_later_one(tmp_path) -> None:
+    """A core's snapshot-install requests were matched by shard: the late answer (or the expiry) of a
+    request of an install abandoned since was taken by the next install of the same shard, and failed
+    it or fed it a stale batch. Each request now names the install that asked."""
+
+    node = CoreNode(node_config(tmp_path / "data", free_port()))  # never bound: its driver called directly
+    try:
+        _install_answers_of_an_abandoned_install(node)
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+def _install_answers_of_an_abandoned_install(node: CoreNode) -> None:
+    from mnesite.core.snapshot import InstallMode, SnapshotInstall, SnapshotOffer
+
+    node.begin()
+    node.store.ensure_shard("default", 0)  # an install steps only on a shard the store holds
+    offer = SnapshotOffer("core2", 3, TxKey(3, 50), b"d" * 32)
+    earlier, later = SnapshotInstall(offer, 2, 1000, 0), SnapshotInstall(offer, 2, 1000, 0)
+    later.start()
+    node.installs["default"] = later
+    refused = messages.error("install-1", "not_serving", "gone")
+    node._on_install_answer(("default", "tables", {}, 0, earlier), refused)
+    assert node.installs.get("default") is later and later.mode is not InstallMode.ABANDONED
+    node.install_requests["install-2"] = ("default", "tables", {}, 0, earlier)
+    node._expire_forwarded()
+    assert node.installs.get("default") is later and later.mode is not InstallMode.ABANDONED
+    # The later install's own failed request still abandons it.
+    node._on_install_answer(("default", "tables", {}, 0, later), refused)
+    assert "default" not in node.installs and later.mode is InstallMode.ABANDONED
