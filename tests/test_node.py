@@ -358,3 +358,29 @@ def test_a_forwarded_request_that_expires_is_outcome_unknown_only_for_a_write(
     node._relay(waiting, messages.reply("r-2", {"committed": [1, 2]}))
     answers = [m for _s, to, m in node._outbox if to == envelope]
     assert [(m.request_id, m.kind, m.body.result) for m in answers] == [("r-2", "reply", {"committed": [1, 2]})]
+
+
+def test_a_watch_naming_the_endpoint_of_a_core_is_refused(thread_node: ThreadNode, client: Client):
+    """Regression: the pushes of a watch go to its endpoint through the core's DEALER for it, and a
+    core's peers are reached through the DEALER of their endpoint: a watch naming a core's endpoint
+    put its pushes (a window of them per watch, again at every new watch) in the queue of that
+    core's appends and heartbeats (DESIGN invariant 11), whose socket is never closed for it."""
+    from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
+    from mnesite.rlog.types import GENESIS_DIGEST
+
+    def watch(endpoint: str) -> object:
+        body = {
+            "shard": "default",
+            "replicant": "rep1",
+            "endpoint": endpoint,
+            "from": [0, 0],
+            "from_digest": GENESIS_DIGEST,
+            "protocol": REPLICATION_PROTOCOL_VERSION,
+        }
+        return client.call("watch", body)
+
+    with pytest.raises(MnesiteError) as refused:
+        watch(thread_node.endpoint)
+    assert refused.value.code == "bad_request" and "endpoint of core core1" in str(refused.value)
+    assert thread_node.node.agent_server.agents_of() == 0
+    assert watch(f"tcp://127.0.0.1:{thread_node.port + 1}")["mode"] == "resume"
