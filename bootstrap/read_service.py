@@ -2,8 +2,8 @@
 
 Both drivers resolve the table, check that its shard is serving and settle the read's consistency
 (a core refuses ``not_applied``; a replicant holds the read: ``replicant.reads``), then call
-``answer_read``. Every bound a read takes (rows per scan, bytes per bootstrap batch, entries per
-rlog read) is checked here, once, for both.
+``answer_read``. Every bound a read takes (rows and bytes per scan, bytes per bootstrap batch,
+entries per rlog read) is checked here, once, for both.
 """
 
 from __future__ import annotations
@@ -42,7 +42,19 @@ def answer_read(
         return {"rows": store.count_rows(table)}
     if kind == "scan":
         limit = _bounded(body.limit, scan_rows_max, scan_rows_max, "limit")
-        return store.scan(table, check_key(table, body.after) if body.after is not None else None, limit)
+        after = check_key(table, body.after) if body.after is not None else None
+        # Read like a bootstrap batch, bounded in bytes by a frame: ``limit`` rows of large ones would
+        # otherwise be read and encoded whole (a gigabyte for 10,000 rows of 100 KB) before the reply
+        # is found above frame_bytes_max. A scan page cut short would read as the end of the table,
+        # so a page that does not fit is ``too_large`` (what its reply would have been), and the
+        # client asks for fewer rows.
+        page = read_batch(store, table, after, limit, frame_bytes_max, rows_total=False)
+        if len(page["rows"]) < limit and not page["done"]:
+            raise RequestError(
+                "too_large",
+                f"{limit} rows of {table.name} are above frame_bytes_max {frame_bytes_max}; ask for fewer rows",
+            )
+        return page["rows"]
     if kind == "bootstrap_batch":
         # The serving side of a bootstrap (bootstrap.serve): bounded in rows and in bytes, so the
         # answer fits in a frame and costs this loop turn a bounded time.

@@ -33,12 +33,15 @@ from mnesite.rlog.types import row_size_bytes
 READ_ROWS_STEP = 256
 
 
-def read_batch(store: Any, table: TableSchema, after: Any, rows_max: int, bytes_max: int) -> dict[str, Any]:
-    """``{"rows": [...], "done": bool}``: rows of ``table`` after ``after`` (None: from the start)."""
+def read_batch(
+    store: Any, table: TableSchema, after: Any, rows_max: int, bytes_max: int, rows_total: bool = True
+) -> dict[str, Any]:
+    """``{"rows": [...], "done": bool}``: rows of ``table`` after ``after`` (None: from the start);
+    ``rows_total`` False: the first batch does not count the table's rows (a scan page)."""
     if rows_max < 1 or bytes_max < 1:
         raise ValueError("rows_max and bytes_max must be positive")
     answer: dict[str, Any] = {"rows": [], "done": False}
-    if after is None:
+    if after is None and rows_total:
         answer["rows_total"] = store.count_rows(table)
     rows: list[dict[str, Any]] = answer["rows"]
     size = 0

@@ -67,6 +67,7 @@ class CountingStore:
         return rows
 
     def count_rows(self, table):
+        self.counted = True
         return self.store.count_rows(table)
 
 
@@ -93,5 +94,39 @@ def test_a_batch_of_large_rows_reads_about_the_rows_it_answers_not_a_whole_read_
         assert answered == 300
         # Each batch reads at most about twice the rows it answers (plus the one that crosses the bound).
         assert counting.rows_read <= 2 * answered + 2 * batches
+    finally:
+        store.close()
+
+
+def test_a_scan_over_frame_bytes_max_is_too_large_after_reading_about_a_frame_not_every_row(tmp_path) -> None:
+    """Regression: a scan read all its ``limit`` rows (scan_rows_max, 10,000 by default) into memory
+    and encoded them before the reply was found larger than a frame and replaced by ``too_large``:
+    a scan of 100 KB rows cost the node about 1 GB and its loop turn, for an error."""
+    from mnesite.bootstrap.read_service import answer_read
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.messages import decode_body
+
+    large = define_table("large", "k", [["k", "INTEGER"], ["v", "BLOB"]])
+    store = Store(str(tmp_path / "large.db"), synchronous="NORMAL")
+    try:
+        with store.write_transaction():
+            store.apply_ops((large.to_op(),))
+            store.apply_ops(tuple(WriteOp("large", {"k": k, "v": bytes(20_000)}) for k in range(300)))
+        counting = CountingStore(store)
+        body = decode_body("scan", {"table": "large", "limit": 300})
+        with pytest.raises(RequestError) as refused:
+            answer_read(counting, "scan", body, large, 10_000, 1_000_000)
+        assert refused.value.code == "too_large"
+        assert counting.rows_read <= 2 * 1_000_000 // 20_000 + 2
+        assert not hasattr(counting, "counted")  # a scan page does not count the table's rows
+        # A scan whose answer fits a frame is answered whole, and a short page still means the end.
+        body = decode_body("scan", {"table": "large", "limit": 40, "after": 100})
+        assert [row["k"] for row in answer_read(counting, "scan", body, large, 10_000, 1_000_000)] == list(
+            range(101, 141)
+        )
+        body = decode_body("scan", {"table": "large", "limit": 40, "after": 280})
+        assert [row["k"] for row in answer_read(counting, "scan", body, large, 10_000, 1_000_000)] == list(
+            range(281, 300)
+        )
     finally:
         store.close()
