@@ -65,11 +65,16 @@ def answer_read(
     if kind == "list_tables":
         return store.tables_json()
     if kind in ("rlog_tail", "rlog_entries"):
-        if store.shard(body.shard) is None:
+        position = store.shard(body.shard)
+        if position is None:
             raise RequestError("unknown_shard", f"unknown shard {body.shard!r}")
+        # Committed entries only: a node applies nothing else, while a core's log may end with an
+        # uncommitted tail that a new sequencer truncates and replaces with other entries at its keys.
+        applied = position.applied
         if kind == "rlog_tail":
             count = _bounded(body.count, 10, RLOG_READ_MAX, "count")
-            return [entry_to_json(entry) for entry in store.tail(body.shard, count)]
+            return [entry_to_json(entry) for entry in store.tail(body.shard, count, up_to=applied)]
         limit = _bounded(body.limit, RLOG_READ_MAX, RLOG_READ_MAX, "limit")
-        return [entry_to_json(entry) for entry in store.entries_after(body.shard, body.after or ZERO_KEY, limit)]
+        entries = store.entries_after(body.shard, body.after or ZERO_KEY, limit, up_to=applied)
+        return [entry_to_json(entry) for entry in entries]
     raise RequestError("bad_request", f"{kind} is not a read")
