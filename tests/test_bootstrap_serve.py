@@ -71,34 +71,39 @@ class CountingStore:
         return self.store.count_rows(table)
 
 
-def test_a_batch_of_large_rows_reads_about_the_rows_it_answers_not_a_whole_read_step(tmp_path) -> None:
+LARGE = define_table("large", "k", [["k", "INTEGER"], ["v", "BLOB"]])
+
+
+@pytest.fixture
+def large_rows(tmp_path):
+    """A store whose table ``large`` holds 300 rows of 20 KB, behind a ``CountingStore``."""
+    store = Store(str(tmp_path / "large.db"), synchronous="NORMAL")
+    with store.write_transaction():
+        store.apply_ops((LARGE.to_op(),))
+        store.apply_ops(tuple(WriteOp("large", {"k": k, "v": bytes(20_000)}) for k in range(300)))
+    yield CountingStore(store)
+    store.close()
+
+
+def test_a_batch_of_large_rows_reads_about_the_rows_it_answers_not_a_whole_read_step(large_rows) -> None:
     """Regression: every batch read READ_ROWS_STEP (256) rows before measuring them, so a table of
     100 KB rows cost each 1 MB batch 25 MB read and packed to answer 10 rows (and a table of 4 MB
     rows 1 GB per batch of one row): a loop turn bounded by rows, not by bytes."""
-    large = define_table("large", "k", [["k", "INTEGER"], ["v", "BLOB"]])
-    store = Store(str(tmp_path / "large.db"), synchronous="NORMAL")
-    try:
-        with store.write_transaction():
-            store.apply_ops((large.to_op(),))
-            store.apply_ops(tuple(WriteOp("large", {"k": k, "v": bytes(20_000)}) for k in range(300)))
-        counting = CountingStore(store)
-        after, answered, batches = None, 0, 0
-        while True:
-            answer = read_batch(counting, large, after, 10_000, 100_000)
-            answered += len(answer["rows"])
-            batches += 1
-            assert len(msgpack.packb(answer["rows"])) <= 100_000
-            if answer["done"]:
-                break
-            after = answer["rows"][-1]["k"]
-        assert answered == 300
-        # Each batch reads at most about twice the rows it answers (plus the one that crosses the bound).
-        assert counting.rows_read <= 2 * answered + 2 * batches
-    finally:
-        store.close()
+    after, answered, batches = None, 0, 0
+    while True:
+        answer = read_batch(large_rows, LARGE, after, 10_000, 100_000)
+        answered += len(answer["rows"])
+        batches += 1
+        assert len(msgpack.packb(answer["rows"])) <= 100_000
+        if answer["done"]:
+            break
+        after = answer["rows"][-1]["k"]
+    assert answered == 300
+    # Each batch reads at most about twice the rows it answers (plus the one that crosses the bound).
+    assert large_rows.rows_read <= 2 * answered + 2 * batches
 
 
-def test_a_scan_over_frame_bytes_max_is_too_large_after_reading_about_a_frame_not_every_row(tmp_path) -> None:
+def test_a_scan_over_frame_bytes_max_is_too_large_after_reading_about_a_frame_not_every_row(large_rows) -> None:
     """Regression: a scan read all its ``limit`` rows (scan_rows_max, 10,000 by default) into memory
     and encoded them before the reply was found larger than a frame and replaced by ``too_large``:
     a scan of 100 KB rows cost the node about 1 GB and its loop turn, for an error."""
@@ -106,27 +111,15 @@ def test_a_scan_over_frame_bytes_max_is_too_large_after_reading_about_a_frame_no
     from mnesite.rlog.errors import RequestError
     from mnesite.rlog.messages import decode_body
 
-    large = define_table("large", "k", [["k", "INTEGER"], ["v", "BLOB"]])
-    store = Store(str(tmp_path / "large.db"), synchronous="NORMAL")
-    try:
-        with store.write_transaction():
-            store.apply_ops((large.to_op(),))
-            store.apply_ops(tuple(WriteOp("large", {"k": k, "v": bytes(20_000)}) for k in range(300)))
-        counting = CountingStore(store)
-        body = decode_body("scan", {"table": "large", "limit": 300})
-        with pytest.raises(RequestError) as refused:
-            answer_read(counting, "scan", body, large, 10_000, 1_000_000)
-        assert refused.value.code == "too_large"
-        assert counting.rows_read <= 2 * 1_000_000 // 20_000 + 2
-        assert not hasattr(counting, "counted")  # a scan page does not count the table's rows
-        # A scan whose answer fits a frame is answered whole, and a short page still means the end.
-        body = decode_body("scan", {"table": "large", "limit": 40, "after": 100})
-        assert [row["k"] for row in answer_read(counting, "scan", body, large, 10_000, 1_000_000)] == list(
-            range(101, 141)
-        )
-        body = decode_body("scan", {"table": "large", "limit": 40, "after": 280})
-        assert [row["k"] for row in answer_read(counting, "scan", body, large, 10_000, 1_000_000)] == list(
-            range(281, 300)
-        )
-    finally:
-        store.close()
+    def scan(**body) -> list[int]:
+        answer = answer_read(large_rows, "scan", decode_body("scan", {"table": "large", **body}), LARGE, 10_000, 10**6)
+        return [row["k"] for row in answer]
+
+    with pytest.raises(RequestError) as refused:
+        scan(limit=300)
+    assert refused.value.code == "too_large"
+    assert large_rows.rows_read <= 2 * 1_000_000 // 20_000 + 2
+    assert not hasattr(large_rows, "counted")  # a scan page does not count the table's rows
+    # A scan whose answer fits a frame is answered whole, and a short page still means the end.
+    assert scan(limit=40, after=100) == list(range(101, 141))
+    assert scan(limit=40, after=280) == list(range(281, 300))
