@@ -66,7 +66,7 @@ def answer_read(
     """The answer to read ``kind`` (one of ``KINDS``); ``table``: the table a ``TABLE_KINDS`` read names,
     resolved by the driver. Raises ``RequestError`` (or ``SchemaError`` for a key of the wrong type)."""
     if kind in range_requests.KINDS:
-        return range_requests.answer(store, kind, body, scan_rows_max)
+        return range_requests.answer(store, kind, body, scan_rows_max, frame_bytes_max)
     if kind == "get":
         return store.read_row(table, check_key(table, body.key))
     if kind == "count":
