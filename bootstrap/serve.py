@@ -13,9 +13,12 @@ LOCAL_REPLAY).
 A batch holds at most ``rows_max`` rows and about ``bytes_max`` bytes (estimated by
 ``rlog.types.row_size_bytes``; at least one row, so a table of rows larger than that still
 progresses), so one answer always fits in a frame, whatever the row size, and the core spends a
-bounded time on it in one loop turn. ``done`` says the table is exhausted: with a byte bound, a
-short batch does not mean the end. The first batch of a table (``after`` None) also says how many
-rows the table holds then (``rows_total``), for the copier's progress and ETA.
+bounded time on it in one loop turn: rows are read in chunks sized by the rows seen so far (the
+first chunk one row, each next at most twice the rows taken and about what the bytes left hold), so
+a batch of large rows reads about the rows it answers, not ``READ_ROWS_STEP`` rows. ``done`` says
+the table is exhausted: with a byte bound, a short batch does not mean the end. The first batch of
+a table (``after`` None) also says how many rows the table holds then (``rows_total``), for the
+copier's progress and ETA.
 """
 
 from __future__ import annotations
@@ -26,25 +29,37 @@ import msgpack
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import row_size_bytes
 
-# Rows read from SQLite per step while filling a batch: bounds the rows read past the byte limit.
+# Rows read from SQLite per step while filling a batch, at most: bounds the rows read past the byte limit.
 READ_ROWS_STEP = 256
 
 
-def read_batch(store: Any, table: TableSchema, after: Any, rows_max: int, bytes_max: int) -> dict[str, Any]:
-    """``{"rows": [...], "done": bool}``: rows of ``table`` after ``after`` (None: from the start)."""
+def read_batch(
+    store: Any, table: TableSchema, after: Any, rows_max: int, bytes_max: int, rows_total: bool = True
+) -> dict[str, Any]:
+    """``{"rows": [...], "done": bool}``: rows of ``table`` after ``after`` (None: from the start);
+    ``rows_total`` False: the first batch does not count the table's rows (a scan page)."""
     if rows_max < 1 or bytes_max < 1:
         raise ValueError("rows_max and bytes_max must be positive")
     answer: dict[str, Any] = {"rows": [], "done": False}
-    if after is None:
+    if after is None and rows_total:
         answer["rows_total"] = store.count_rows(table)
     rows: list[dict[str, Any]] = answer["rows"]
     size = 0
     cursor_after = after
+    # The largest mean row size of the chunks read so far (0: none read yet).
+    row_bytes_estimate = 0
     while len(rows) < rows_max:
-        step = min(READ_ROWS_STEP, rows_max - len(rows))
+        # Each read is sized by what is known of the rows: the first takes one row, the next at most
+        # twice the rows taken so far and about as many as the bytes left hold (judging by the rows
+        # seen), so a table of large rows is not read READ_ROWS_STEP rows a batch to answer a few.
+        step = min(READ_ROWS_STEP, rows_max - len(rows), 2 * len(rows) or 1)
+        if row_bytes_estimate:
+            step = min(step, (bytes_max - size) // row_bytes_estimate + 1)
         read = store.scan(table, cursor_after, step)
         # Measured a chunk at a time (msgpack is C); row by row only for the chunk that crosses the limit.
         chunk_bytes = len(msgpack.packb(read, use_bin_type=True))
+        if read:
+            row_bytes_estimate = max(row_bytes_estimate, -(-chunk_bytes // len(read)))
         if rows and size + chunk_bytes > bytes_max:
             for row in read:
                 row_bytes = row_size_bytes(row)

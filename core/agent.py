@@ -55,9 +55,11 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   filled) held, so a log of large entries is never read far beyond one push; a push reads again
   until it is full or holds every committed entry.
 * Retransmission. An acknowledgement that does not advance while entries are unacknowledged means
-  the replica lost a push (a replica acknowledges every push and heartbeat with its position): the
-  agent resends from the acknowledged key, at most once per ``heartbeat_interval_ms``. The replica
-  skips the duplicates.
+  the replica lost a push (a replica acknowledges every push and heartbeat with its position), if
+  the oldest push not acknowledged went out at least ``heartbeat_interval_ms`` ago (a younger one may
+  just be overtaken by the ack of a heartbeat sent before it; a lost last push is followed by a
+  heartbeat that long after it): the agent resends from the acknowledged key, at most once per
+  ``heartbeat_interval_ms``. The replica skips the duplicates.
 * Heartbeats. A push without entries, carrying the committed key and whether the core hears the
   sequencer, goes out whenever nothing was pushed for ``heartbeat_interval_ms``, and at once when
   ``hears_sequencer`` changes; the replica's failure detector lives on them.
@@ -206,9 +208,10 @@ class Agent:
         # (key, estimated bytes) pushed and not yet acknowledged, in order; this is the window.
         self._unacknowledged: deque[tuple[TxKey, int]] = deque()
         self._unacknowledged_bytes = 0
-        # The last key of each push with entries not yet acknowledged, in order (see "Pushes in flight");
-        # at most window_entries_max of them (a push holds at least one entry of the window).
-        self._pushes_in_flight: deque[TxKey] = deque()
+        # The last key and send time of each push with entries not yet acknowledged, in order (see
+        # "Pushes in flight" and "Retransmission"); at most window_entries_max of them (a push holds
+        # at least one entry of the window).
+        self._pushes_in_flight: deque[tuple[TxKey, int]] = deque()
         # Entries read per log read: sized from the entries seen so far (the first read takes five).
         self._entry_bytes_estimate = max(1, config.push_bytes_max // 4)
         # Entries in the last push: a read takes at most twice as many, so that a log whose first
@@ -350,12 +353,20 @@ class Agent:
             self._sent_key = max(self._sent_key, key)
             while self._unacknowledged and self._unacknowledged[0][0] <= key:
                 self._unacknowledged_bytes -= self._unacknowledged.popleft()[1]
-            while self._pushes_in_flight and self._pushes_in_flight[0] <= key:
+            while self._pushes_in_flight and self._pushes_in_flight[0][0] <= key:
                 self._pushes_in_flight.popleft()
-        elif self._unacknowledged and (
-            self._last_rewind_ms is None or self._now_ms - self._last_rewind_ms >= self.config.heartbeat_interval_ms
+        elif (
+            self._pushes_in_flight
+            and self._now_ms - self._pushes_in_flight[0][1] >= self.config.heartbeat_interval_ms
+            and (
+                self._last_rewind_ms is None or self._now_ms - self._last_rewind_ms >= self.config.heartbeat_interval_ms
+            )
         ):
-            # The replica is at acked_key and did not get what followed: resend from there.
+            # The replica is at acked_key and did not get what followed: resend from there. Only once
+            # the oldest push not acknowledged went out a heartbeat interval ago: a younger one may
+            # simply be overtaken by the ack of a heartbeat sent before it, while a lost push is
+            # noticed by the ack of the heartbeat that follows it (sent a heartbeat interval after
+            # the last push).
             self._last_rewind_ms = self._now_ms
             self._sent_key = self._acked_key
             self._unacknowledged.clear()
@@ -489,7 +500,7 @@ class Agent:
         self._unacknowledged.extend((entry.tx_key, size) for entry, size in batch)
         self._unacknowledged_bytes += batch_bytes
         self._sent_key = batch[-1][0].tx_key
-        self._pushes_in_flight.append(self._sent_key)
+        self._pushes_in_flight.append((self._sent_key, self._now_ms))
         self._pushed_max_key = max(self._pushed_max_key, self._sent_key)
         return batch_bytes
 

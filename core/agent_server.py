@@ -16,6 +16,11 @@ The protocol decisions live in the pure ``core.agent.Agent``; this adapter creat
 them the shard's committed key and the replicant's acks, and turns their ``Push`` effects into
 frames for the node to send. It holds no socket: the node sends what ``drain`` returns.
 
+Endpoints. The node sends a watch's pushes through its DEALER to the watch's endpoint, the one it
+also reaches a core at when the endpoint is a core's: a watch naming a core's endpoint (its own or a
+peer's) is refused, or its pushes would queue in front of that core's appends and heartbeats
+(DESIGN invariant 11) in a socket that is never closed for them.
+
 Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in one
 ``core.agent_budget.AgentMemoryBudget`` of ``agents_bytes_max``: after every step of an agent its
 bytes are recorded, and an agent that ends is released. An agent is stepped with no push budget
@@ -27,6 +32,7 @@ their endpoints' sockets), and the agent is ticked again to push in the room mad
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +40,13 @@ import msgspec
 from mnesite.core.agent import Agent, AgentConfig
 from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse
 from mnesite.core.versions import watch_protocol_refusal
-from mnesite.core.watch import agent_to_evict, check_watch_request, decide_watch, superseded_agents
+from mnesite.core.watch import (
+    WatchRefusedError,
+    agent_to_evict,
+    check_watch_request,
+    decide_watch,
+    superseded_agents,
+)
 from mnesite.rlog import messages
 from mnesite.rlog.config import Limits
 from mnesite.rlog.messages import Message
@@ -114,10 +126,17 @@ class AgentServer:
         hears_sequencer: bool,
         now_ms: int,
         cluster_version: int = 1,
+        core_endpoints: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
-        """Create an agent for a replicant's watch; return the answer (raises ``WatchRefusedError``)."""
+        """Create an agent for a replicant's watch; return the answer (raises ``WatchRefusedError``).
+        ``core_endpoints``: the cores' endpoints by name, which no watch may name (see "Endpoints" above)."""
         watch_id = body.watch_id
         check_watch_request(body.protocol, watch_id, self.core_name, cluster_version, self.versions)
+        core = next((name for name, endpoint in (core_endpoints or {}).items() if endpoint == body.endpoint), None)
+        if core is not None:
+            raise WatchRefusedError(
+                "bad_request", f"the watch names the endpoint of core {core} ({body.endpoint}), not a replicant's"
+            )
         owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
         for agent_id in superseded_agents(owners, body.replicant, body.shard):
             self._forget(agent_id, drop_frames=True)

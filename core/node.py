@@ -939,6 +939,7 @@ class CoreNode(NodeServer):
                 self._hears_sequencer(driver),
                 self.clock_ms(),
                 self.store.cluster_version(driver.shard),
+                self.endpoints,
             )
         except WatchRefusedError as error:
             raise RequestError(error.code, str(error)) from None

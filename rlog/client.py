@@ -654,7 +654,8 @@ class Client:
         return self.call("backup", {"path": path})
 
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
-        """The last ``count`` entries of the shard's rlog (tx key, previous key, digest, ops, request id)."""
+        """The last ``count`` committed entries of the shard's rlog (tx key, previous key, digest, ops,
+        request id): those the node has applied."""
         return self.call("rlog_tail", {"shard": shard, "count": count})
 
     def rlog_entries(self, shard: str, after: list[int] | TxKey = (0, 0), limit: int = 1000) -> list[dict[str, Any]]:

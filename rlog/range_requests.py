@@ -29,7 +29,8 @@ are never issued on the node's connection.
 Bounds. A node answers on its serving thread, so each answer is bounded: at most
 ``RANGES_MAX`` ranges, ``rows_max = scan_rows_max * DIGEST_ROWS_PER_SCAN_ROW`` rows hashed (a
 hashed row costs the node about a tenth of a shipped one), ``row_digests`` at most ``rows_max``
-rows, ``key_boundaries`` at most ``PARTS_MAX`` parts spaced over at most
+rows and about ``frame_bytes_max * DIGEST_ROWS_PER_SCAN_ROW`` bytes of their row texts (at least
+one row; ``more`` says a row follows), ``key_boundaries`` at most ``PARTS_MAX`` parts spaced over at most
 ``scan_rows_max * BOUNDARY_KEYS_PER_SCAN_ROW`` keys from the low end. When the row budget runs
 out, ``range_digest`` answers the ranges it finished (``more`` is true) and the caller asks again
 from the next range; a single range with more rows than the budget is answered with ``digest``
@@ -236,16 +237,25 @@ def key_boundaries(
 
 
 def row_digests(
-    connection: apsw.Connection, table: TableSchema, low: Any, high: Any, limit: int
+    connection: apsw.Connection, table: TableSchema, low: Any, high: Any, limit: int, text_bytes_max: int | None = None
 ) -> list[tuple[Any, bytes]]:
-    """``(key, row digest)`` of the first ``limit`` rows of ``(low, high]`` in key order."""
+    """``(key, row digest)`` of the first ``limit`` rows of ``(low, high]`` in key order; with
+    ``text_bytes_max``, only until their row texts reach that many bytes (at least one row)."""
     key = _quote(table.key_column)
     where, bindings = _condition(table, low, high)
     cursor = connection.execute(
         f"SELECT {key}, {row_text_sql(table.columns)} FROM {_quote(table.name)}{where} ORDER BY {key} LIMIT ?",
         (*bindings, limit),
     )
-    return [(row_key, text_row_digest(text)) for row_key, text in cursor]
+    if text_bytes_max is None:
+        return [(row_key, text_row_digest(text)) for row_key, text in cursor]
+    digests, text_bytes = [], 0
+    for row_key, text in cursor:
+        digests.append((row_key, text_row_digest(text)))
+        text_bytes += len(text)
+        if text_bytes >= text_bytes_max:
+            break
+    return digests
 
 
 def read_rows(connection: apsw.Connection, table: TableSchema, keys: Sequence[Any]) -> dict[Any, tuple[Any, ...]]:
@@ -294,7 +304,7 @@ def _int_field(body: Any, name: str, default: int, minimum: int, maximum: int) -
     return value
 
 
-def answer(store: Any, kind: str, body: Any, scan_rows_max: int) -> dict[str, Any]:
+def answer(store: Any, kind: str, body: Any, scan_rows_max: int, frame_bytes_max: int) -> dict[str, Any]:
     """Answer one range request for a node (``store`` is its ``rlog.store.Store``, ``body`` the
     request's ``rlog.messages`` body).
 
@@ -335,11 +345,19 @@ def answer(store: Any, kind: str, body: Any, scan_rows_max: int) -> dict[str, An
     low, high = _check_range(table, body.low, body.high, "range")
     with _sql_errors(), read_snapshot(connection):
         applied, digest = applied_position(connection, table.shard)
-        digests = row_digests(connection, table, low, high, limit + 1)
+        digests = row_digests(connection, table, low, high, limit + 1, frame_bytes_max * DIGEST_ROWS_PER_SCAN_ROW)
+        more = len(digests) > limit
+        if not more and digests:
+            # Cut by the bytes of row text perhaps: whether a row follows is one step of the key index.
+            where, bindings = _condition(table, digests[-1][0], high)
+            more = (
+                connection.execute(f"SELECT 1 FROM {_quote(table.name)}{where} LIMIT 1", bindings).fetchone()
+                is not None
+            )
     return {
         **_position(table, applied, digest),
         "rows": [[key, row_digest] for key, row_digest in digests[:limit]],
-        "more": len(digests) > limit,
+        "more": more,
     }
 
 

@@ -1109,12 +1109,15 @@ class Store:
             for shard_, generation, counter, prev_generation, prev_counter, digest, ops, rid in rows
         ]
 
-    def tail(self, shard: str, count: int) -> list[Entry]:
+    def tail(self, shard: str, count: int, up_to: TxKey | None = None) -> list[Entry]:
+        """The last ``count`` entries (at or before ``up_to``), in tx-key order."""
+        high = up_to if up_to is not None else TxKey(2**63 - 1, 2**63 - 1)
         rows = list(
             self.connection.execute(
                 "SELECT shard, generation, counter, prev_generation, prev_counter, digest, ops, request_id "
-                "FROM _mnesite_rlog WHERE shard = ? ORDER BY generation DESC, counter DESC LIMIT ?",
-                (shard, count),
+                "FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?) "
+                "ORDER BY generation DESC, counter DESC LIMIT ?",
+                (shard, high.generation, high.counter, count),
             )
         )
         return [_entry(row) for row in reversed(rows)]

@@ -52,3 +52,74 @@ def test_a_row_larger_than_bytes_max_goes_alone_and_an_empty_table_is_done(store
     assert read_batch(store, TABLE, 999, 10, 100) == {"rows": [], "done": True}
     with pytest.raises(ValueError):
         read_batch(store, TABLE, None, 0, 100)
+
+
+class CountingStore:
+    """A store that counts the rows its scans read (what a batch costs the core's loop turn)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.rows_read = 0
+
+    def scan(self, table, after, limit):
+        rows = self.store.scan(table, after, limit)
+        self.rows_read += len(rows)
+        return rows
+
+    def count_rows(self, table):
+        self.counted = True
+        return self.store.count_rows(table)
+
+
+LARGE = define_table("large", "k", [["k", "INTEGER"], ["v", "BLOB"]])
+
+
+@pytest.fixture
+def large_rows(tmp_path):
+    """A store whose table ``large`` holds 300 rows of 20 KB, behind a ``CountingStore``."""
+    store = Store(str(tmp_path / "large.db"), synchronous="NORMAL")
+    with store.write_transaction():
+        store.apply_ops((LARGE.to_op(),))
+        store.apply_ops(tuple(WriteOp("large", {"k": k, "v": bytes(20_000)}) for k in range(300)))
+    yield CountingStore(store)
+    store.close()
+
+
+def test_a_batch_of_large_rows_reads_about_the_rows_it_answers_not_a_whole_read_step(large_rows) -> None:
+    """Regression: every batch read READ_ROWS_STEP (256) rows before measuring them, so a table of
+    100 KB rows cost each 1 MB batch 25 MB read and packed to answer 10 rows (and a table of 4 MB
+    rows 1 GB per batch of one row): a loop turn bounded by rows, not by bytes."""
+    after, answered, batches = None, 0, 0
+    while True:
+        answer = read_batch(large_rows, LARGE, after, 10_000, 100_000)
+        answered += len(answer["rows"])
+        batches += 1
+        assert len(msgpack.packb(answer["rows"])) <= 100_000
+        if answer["done"]:
+            break
+        after = answer["rows"][-1]["k"]
+    assert answered == 300
+    # Each batch reads at most about twice the rows it answers (plus the one that crosses the bound).
+    assert large_rows.rows_read <= 2 * answered + 2 * batches
+
+
+def test_a_scan_over_frame_bytes_max_is_too_large_after_reading_about_a_frame_not_every_row(large_rows) -> None:
+    """Regression: a scan read all its ``limit`` rows (scan_rows_max, 10,000 by default) into memory
+    and encoded them before the reply was found larger than a frame and replaced by ``too_large``:
+    a scan of 100 KB rows cost the node about 1 GB and its loop turn, for an error."""
+    from mnesite.bootstrap.read_service import answer_read
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.messages import decode_body
+
+    def scan(**body) -> list[int]:
+        answer = answer_read(large_rows, "scan", decode_body("scan", {"table": "large", **body}), LARGE, 10_000, 10**6)
+        return [row["k"] for row in answer]
+
+    with pytest.raises(RequestError) as refused:
+        scan(limit=300)
+    assert refused.value.code == "too_large"
+    assert large_rows.rows_read <= 2 * 1_000_000 // 20_000 + 2
+    assert not hasattr(large_rows, "counted")  # a scan page does not count the table's rows
+    # A scan whose answer fits a frame is answered whole, and a short page still means the end.
+    assert scan(limit=40, after=100) == list(range(101, 141))
+    assert scan(limit=40, after=280) == list(range(281, 300))

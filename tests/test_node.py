@@ -488,3 +488,29 @@ def _install_answers_of_an_abandoned_install(node: CoreNode) -> None:
     # The later install's own failed request still abandons it.
     node._on_install_answer(("default", "tables", {}, 0, later), refused)
     assert "default" not in node.installs and later.mode is InstallMode.ABANDONED
+
+
+def test_a_watch_naming_the_endpoint_of_a_core_is_refused(thread_node: ThreadNode, client: Client):
+    """Regression: the pushes of a watch go to its endpoint through the core's DEALER for it, and a
+    core's peers are reached through the DEALER of their endpoint: a watch naming a core's endpoint
+    put its pushes (a window of them per watch, again at every new watch) in the queue of that
+    core's appends and heartbeats (DESIGN invariant 11), whose socket is never closed for it."""
+    from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
+    from mnesite.rlog.types import GENESIS_DIGEST
+
+    def watch(endpoint: str) -> object:
+        body = {
+            "shard": "default",
+            "replicant": "rep1",
+            "endpoint": endpoint,
+            "from": [0, 0],
+            "from_digest": GENESIS_DIGEST,
+            "protocol": REPLICATION_PROTOCOL_VERSION,
+        }
+        return client.call("watch", body)
+
+    with pytest.raises(MnesiteError) as refused:
+        watch(thread_node.endpoint)
+    assert refused.value.code == "bad_request" and "endpoint of core core1" in str(refused.value)
+    assert thread_node.node.agent_server.agents_of() == 0
+    assert watch(f"tcp://127.0.0.1:{thread_node.port + 1}")["mode"] == "resume"

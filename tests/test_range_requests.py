@@ -192,7 +192,7 @@ def test_reads_nest_inside_an_open_write_transaction(tmp_path: Path) -> None:
     create_table(store, "items", "k", COLUMNS)
     commit(store, [WriteOp("items", row(key)) for key in range(5)])
     body = typed_body("range_digest", {"table": "items", "ranges": [[None, None]]})
-    before = range_requests.answer(store, "range_digest", body, 100)
+    before = range_requests.answer(store, "range_digest", body, 100, 10**6)
     assert not store.connection.in_transaction  # the read transaction was released
     store.connection.execute("BEGIN IMMEDIATE")  # what the node does during a turn
     commit_inside = [WriteOp("items", row(7))]
@@ -204,13 +204,41 @@ def test_reads_nest_inside_an_open_write_transaction(tmp_path: Path) -> None:
     )
     store.append_entry(entry, 0)
     store.apply_entry(entry)
-    inside = range_requests.answer(store, "range_digest", body, 100)
+    inside = range_requests.answer(store, "range_digest", body, 100, 10**6)
     assert store.connection.in_transaction  # still the node's transaction, not committed by the read
     assert inside["ranges"][0]["rows"] == 6 and inside["applied"] == list(entry.tx_key)
     assert inside["ranges"][0]["digest"] != before["ranges"][0]["digest"]
     store.connection.execute("ROLLBACK")
-    assert range_requests.answer(store, "range_digest", body, 100) == before
+    assert range_requests.answer(store, "range_digest", body, 100, 10**6) == before
     with pytest.raises(SchemaError) as raised:
-        range_requests.answer(store, "scan", body, 100)
+        range_requests.answer(store, "scan", body, 100, 10**6)
     assert raised.value.code == "bad_request"
     store.close()
+
+
+@pytest.mark.timeout(30)
+def test_row_digests_of_large_rows_are_bounded_in_bytes_hashed_and_say_more(tmp_path: Path) -> None:
+    """Regression: ``row_digests`` built and hashed the text of up to ``scan_rows_max * 10`` rows
+    (100,000 by default) whatever their size, in one loop turn: 100 KB rows cost a node about 20 GB of
+    row text per request. It now stops after about ``DIGEST_ROWS_PER_SCAN_ROW`` frames of row text
+    (at least one row) and says ``more``; the compare asks again after the last key."""
+    store = Store(str(tmp_path / "mnesite.db"), synchronous="OFF")
+    create_table(store, "large", "k", [("k", "INTEGER"), ("v", "BLOB")])
+    commit(store, [WriteOp("large", {"k": key, "v": bytes(20_000)}) for key in range(300)])
+    frame_bytes_max = 100_000  # row text hashed per request: about 10 frames, 1 MB: some 50 rows
+    keys, low, pages = [], None, 0
+    while True:
+        body = typed_body("row_digests", {"table": "large", "low": low})
+        answer = range_requests.answer(store, "row_digests", body, 10_000, frame_bytes_max)
+        page = [key for key, _ in answer["rows"]]
+        assert 0 < len(page) <= 60
+        keys += page
+        pages += 1
+        if not answer["more"]:
+            break
+        low = page[-1]
+    assert keys == list(range(300)) and pages >= 5
+    # A row larger than the bound still goes, alone.
+    body = typed_body("row_digests", {"table": "large"})
+    answer = range_requests.answer(store, "row_digests", body, 10_000, 1000)
+    assert [key for key, _ in answer["rows"]] == [0] and answer["more"]
