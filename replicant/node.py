@@ -34,7 +34,6 @@ import zmq
 from mnesite.bootstrap import read_service
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
-from mnesite.core.outcome import REASON_SENT_AGAIN
 from mnesite.replicant.reads import (
     GATHER_FAILED,
     ReadIndexGather,
@@ -696,7 +695,7 @@ class ReplicantNode(NodeServer):
         core = write_target([r.upstream for r in self.replicas.values()], self.cores, self.rng)
         now = self.clock_ms()
         check_client_requests_room(len(self.pending), 1, PENDING_REQUESTS_MAX)
-        earlier = self.pending.get(message.request_id)
+        earlier = self.pending.get(message.request_id)  # the words of core.outcome's rule 4 (a layer above)
         if earlier is not None and earlier.purpose == "forward":
             # core.outcome rule 4: a client that heard nothing resends the same request id, often on a
             # new connection; the core's one answer goes to the newest, and the earlier one would
@@ -704,7 +703,9 @@ class ReplicantNode(NodeServer):
             del self.pending[message.request_id]
             self.reply(
                 earlier.detail["envelope"],
-                messages.error(message.request_id, "outcome_unknown", REASON_SENT_AGAIN),
+                messages.error(
+                    message.request_id, "outcome_unknown", "the request was sent again; the answer goes to the newest"
+                ),
             )
         self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
         self.pending[message.request_id] = Pending(
