@@ -159,3 +159,8 @@ def compare(
         sys.exit(EXIT_ERROR)
     click.echo(report_json(report) if as_json else render_report(report))
     sys.exit(report.exit_status)
+
+
+# Read by the mnesite group (cli.main.MnesiteGroup): a usage error or an unexpected failure of compare
+# exits 2, "could not compare"; its 1 means "diverged".
+compare.failure_exit_code = EXIT_ERROR  # type: ignore[attr-defined]
