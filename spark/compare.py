@@ -315,6 +315,15 @@ def compare(
             say(f"Spark started in {time.monotonic() - spark_began:.1f} s")
         try:
             _run(session, replicas, labels, report, in_flight, options, say)
+        except ReplicaError as error:  # read by the driver: a node went away, a boundary read failed
+            raise CompareError(str(error)) from None
+        except Exception as error:
+            # A task failed on an executor, which opens every replica again (on a cluster, from the
+            # worker's disk): Spark raises its own exception around the task's ReplicaError. It is a
+            # compare that could not run (exit 2), said in the replica's one line, not a Java traceback.
+            if not _is_spark_error(error):
+                raise
+            raise CompareError(_spark_failure(error)) from error
         finally:
             if owns_session:
                 session.stop()
@@ -324,6 +333,28 @@ def compare(
     report.statistics["seconds"] = round(time.monotonic() - started, 3)
     say(f"done in {report.statistics['seconds']} s: {'diverged' if report.diverged else 'equal'}")
     return report
+
+
+def _is_spark_error(error: Exception) -> bool:
+    """Whether ``error`` is Spark's (a job or the gateway failed), not a defect of this module."""
+    try:
+        from py4j.protocol import Py4JError
+        from pyspark.errors import PySparkException
+    except ImportError:
+        return False
+    return isinstance(error, (PySparkException, Py4JError))
+
+
+def _spark_failure(error: Exception) -> str:
+    """One line for a failed Spark job: the ``ReplicaError`` a task raised if there is one (its message
+    names the replica), else the first line of Spark's message."""
+    text = str(error)
+    marker = f"{ReplicaError.__name__}: "
+    for line in text.splitlines():
+        if marker in line:
+            return line.split(marker, 1)[1].strip()
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    return f"the Spark job failed: {first[:300]}"
 
 
 def _active_session() -> Any:

@@ -356,3 +356,22 @@ def test_a_node_over_its_row_budget_is_drilled_into_not_misreported(spark_sessio
         assert pair.counts["different"] == 1 and list(samples_by_key(pair, "different")) == [33]
     finally:
         node.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_an_executor_cannot_read_is_a_compare_error_not_a_spark_traceback(
+    spark_session: Any, equal_replicas: tuple
+) -> None:
+    """Executors open each replica again (on a cluster, from the worker's disk): a replica the driver
+    read but an executor cannot (the file went away in between, or is not on that worker) failed the
+    Spark job with a captured Java traceback instead of a CompareError (the CLI's exit 2)."""
+    primary, copy = equal_replicas
+
+    def remove_the_copy_once_planned(message: str) -> None:
+        if message.startswith("comparing"):
+            os.rename(copy / "mnesite.db", copy / "moved.db")
+
+    with pytest.raises(CompareError) as caught:
+        compare([str(primary), str(copy)], DRILL, session=spark_session, progress=remove_the_copy_once_planned)
+    message = str(caught.value)
+    assert "\n" not in message and str(copy) in message and "not a mnesite database" in message, message
