@@ -672,8 +672,14 @@ def _run(
         phase("row_merge")
     else:
         report.statistics["row_level"] = "spark"
+
+        def widen() -> None:
+            # As for the driver's merge: once the row digests are in, the writes made meanwhile are in flight.
+            if any(replica.spec.kind == "node" for replica in replicas):
+                _widen_in_flight(replicas, labels, tables, report, in_flight, options, say)
+
         _spark_row_level(
-            session, run, tasks_for(leaf_ranges, True), tables, labels, results, in_flight, options, report, say
+            session, run, tasks_for(leaf_ranges, True), tables, labels, results, in_flight, options, report, say, widen
         )
         phase("row_spark_join")
     _fetch_samples(replicas, tables, results, labels, report)
@@ -712,8 +718,11 @@ def _spark_row_level(
     options: CompareOptions,
     report: CompareReport,
     say: Progress,
+    widen: Callable[[], None],
 ) -> None:
-    """Row level for many differing rows: Spark joins the row digests, the driver gets counts and samples."""
+    """Row level for many differing rows: Spark joins the row digests, the driver gets counts and samples.
+
+    ``widen`` runs once the row digests are read (cached), before the in-flight keys are joined."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
     from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType
@@ -734,6 +743,7 @@ def _spark_row_level(
     context = session.sparkContext
     rows = session.createDataFrame(context.parallelize(tasks, len(tasks)).flatMap(flatten), schema).cache()
     report.statistics["rows_shipped"] = rows.count()
+    widen()
     say(
         f"row level: {report.statistics['rows_shipped']} row digest(s) from "
         f"{report.statistics['leaf_ranges']} range(s), joined by Spark"

@@ -375,3 +375,43 @@ def test_a_replica_an_executor_cannot_read_is_a_compare_error_not_a_spark_traceb
         compare([str(primary), str(copy)], DRILL, session=spark_session, progress=remove_the_copy_once_planned)
     message = str(caught.value)
     assert "\n" not in message and str(copy) in message and "not a mnesite database" in message, message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row_level", ["driver", "spark"])
+def test_writes_during_the_compare_are_in_flight_whichever_joins_the_rows(
+    spark_session: Any, thread_node: Any, tmp_path: Path, row_level: str
+) -> None:
+    """A live node moves on while it is read: keys written between the plan and the row level are in
+    flight. The driver's merge widened the in-flight keys to those writes; Spark's join (many differing
+    rows) did not, and reported them as divergence."""
+    with thread_node.client() as client:
+        client.create_table("kv", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
+        with client.transaction() as tx:
+            for key in range(60):
+                tx.put("kv", {"k": key, "v": f"value {key}"})
+        assert client.get("kv", 59) == {"k": 59, "v": "value 59"}  # answered after its turn's commit
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    target = apsw.Connection(str(copy / "mnesite.db"))
+    with target.backup("main", apsw.Connection(str(tmp_path / "data" / "mnesite.db")), "main") as backup:
+        backup.step()
+    target.close()
+    tamper(copy, [("UPDATE kv SET v = 'x' WHERE k = 33", ())])
+
+    def write_during_the_levels(message: str) -> None:
+        if message.startswith("level 1"):
+            with thread_node.client() as client:
+                client.put("kv", {"k": 34, "v": "written during the compare"})
+                assert client.get("kv", 34)["v"] == "written during the compare"
+
+    options = CompareOptions(
+        ranges_initial=1, leaf_rows_max=100, driver_row_digests_max=1_000_000 if row_level == "driver" else 0
+    )
+    report = compare(
+        [thread_node.endpoint, str(copy)], options, session=spark_session, progress=write_during_the_levels
+    )
+    assert report.statistics["row_level"] == row_level
+    (pair,) = report.pairs
+    assert pair.counts == {"missing_on_left": 0, "missing_on_right": 0, "different": 1, "in_flight": 1}, pair.counts
+    assert list(samples_by_key(pair, "in_flight")) == [34]
