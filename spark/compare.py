@@ -474,9 +474,10 @@ def _widen_in_flight(
     options: CompareOptions,
     say: Progress,
 ) -> None:
-    """Live nodes move on while they are read: every key touched between the lowest applied key seen
-    before the reads and the highest seen after them (on either side of a pair) may legitimately
-    differ, so it is in flight, not divergence. Read once the row digests are in."""
+    """Live nodes, and the files of running nodes (read one snapshot per call), move on while they are
+    read: every key touched between the lowest applied key seen before the reads and the highest seen
+    after them (on either side of a pair) may legitimately differ, so it is in flight, not divergence.
+    Read once the row digests are in; replicas that did not move cost one ``applied`` read each."""
     after = [replica.applied() for replica in replicas]
     shards = sorted({t.shard for t in tables.values()})
     for right in range(1, len(replicas)):
@@ -491,8 +492,9 @@ def _widen_in_flight(
                 )
                 if shard_applied is not None
             ]
-            if not seen or min(seen) == max(seen):
-                continue
+            moved = any(report.applied[labels[index]].get(shard) != after[index].get(shard) for index in (0, right))
+            if not moved or min(seen) == max(seen):
+                continue  # nothing moved: the plan's span (step 2) already holds the lag between the two
             low, high = min(seen), max(seen)
             ahead = max((0, right), key=lambda index: after[index][shard].applied if shard in after[index] else low)
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], low, high, True, 0)
@@ -660,9 +662,9 @@ def _run(
             found[name][replica_index].update(pairs)
             shipped += len(pairs)
         phase("row_job")
-        if any(replica.spec.kind == "node" for replica in replicas):
-            _widen_in_flight(replicas, labels, tables, report, in_flight, options, say)
-            phase("in_flight_widening")
+        # Nodes, and the data directories of running nodes (one snapshot per read), move on meanwhile.
+        _widen_in_flight(replicas, labels, tables, report, in_flight, options, say)
+        phase("in_flight_widening")
         report.statistics["rows_shipped"] = shipped
         say(f"row level: {shipped} row digest(s) from {report.statistics['leaf_ranges']} range(s), merged here")
         for name, per_replica in found.items():
@@ -675,8 +677,7 @@ def _run(
 
         def widen() -> None:
             # As for the driver's merge: once the row digests are in, the writes made meanwhile are in flight.
-            if any(replica.spec.kind == "node" for replica in replicas):
-                _widen_in_flight(replicas, labels, tables, report, in_flight, options, say)
+            _widen_in_flight(replicas, labels, tables, report, in_flight, options, say)
 
         _spark_row_level(
             session, run, tasks_for(leaf_ranges, True), tables, labels, results, in_flight, options, report, say, widen

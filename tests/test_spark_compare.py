@@ -415,3 +415,24 @@ def test_writes_during_the_compare_are_in_flight_whichever_joins_the_rows(
     (pair,) = report.pairs
     assert pair.counts == {"missing_on_left": 0, "missing_on_right": 0, "different": 1, "in_flight": 1}, pair.counts
     assert list(samples_by_key(pair, "in_flight")) == [34]
+
+
+@pytest.mark.timeout(120)
+def test_writes_to_a_data_directory_during_the_compare_are_in_flight(spark_session: Any, equal_replicas: tuple) -> None:
+    """A data directory whose node keeps writing is read one snapshot per call (spark.replica): keys
+    written between the plan and the row level are in flight there too, not only on tcp:// nodes."""
+    primary, copy = equal_replicas
+    tamper(copy, [("UPDATE tags SET weight = -1 WHERE tag = 'tag-0010'", ())])
+
+    def write_during_the_levels(message: str) -> None:
+        if message.startswith("level 1"):
+            store = Store(str(primary / "mnesite.db"), synchronous="OFF")
+            commit(store, [WriteOp("tags", {"tag": "tag-0011", "weight": 1111})])
+            store.close()
+
+    options = CompareOptions(tables=("tags",), ranges_initial=1, leaf_rows_max=1000)
+    report = compare([str(primary), str(copy)], options, session=spark_session, progress=write_during_the_levels)
+    (pair,) = report.pairs
+    assert pair.counts == {"missing_on_left": 0, "missing_on_right": 0, "different": 1, "in_flight": 1}, pair.counts
+    assert list(samples_by_key(pair, "in_flight")) == ["tag-0011"]
+    assert report.exit_status == EXIT_DIVERGED
