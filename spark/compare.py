@@ -3,10 +3,11 @@
 Theory of operation
 -------------------
 1. *Plan (driver).* Open every replica (file read-only, or node client); read catalogs and each
-   shard's applied tx key. Tables missing on a replica or declared differently are reported
-   and not compared. The first level's key ranges come from the replica with the most rows
-   (``ntile`` over its key index for a file, a sampled key scan for a node): the same
-   boundaries for every replica, ranges ``(low, high]`` covering the whole key space.
+   shard's applied tx key. Tables missing on a replica or declared differently (shard, key
+   column, columns and their types) are reported and not compared. The first level's key
+   ranges come from the replica with the most rows (``ntile`` over its key index for a file,
+   a sampled key scan for a node): the same boundaries for every replica, ranges
+   ``(low, high]`` covering the whole key space.
 2. *In flight (driver).* For each pair (first replica, other replica) and each shard whose
    applied keys differ, the more advanced replica's rlog between the two applied keys is read
    (bounded by ``in_flight_entries_max``). The keys its entries wrote or deleted are *in flight*:
@@ -402,9 +403,10 @@ def _plan(
             report.tables_missing[name] = lacking
             continue
         definitions = {label: catalog[name] for label, catalog in zip(labels, catalogs, strict=True)}
-        if len({(d.key_column, d.columns) for d in definitions.values()}) > 1:
+        # The shard is part of a table's declaration: the same rows in another shard follow another log.
+        if len({(d.shard, d.key_column, d.columns) for d in definitions.values()}) > 1:
             report.tables_mismatched[name] = {
-                label: {"key": d.key_column, "columns": [list(c) for c in d.columns]}
+                label: {"shard": d.shard, "key": d.key_column, "columns": [list(c) for c in d.columns]}
                 for label, d in definitions.items()
             }
             continue
