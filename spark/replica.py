@@ -470,9 +470,11 @@ class NodeReplica(Replica):
         self.client.close()
 
 
-# Ops that change no row: a membership entry, the cores' cluster version entry, an index's creation
-# or removal. A compare takes them as touching nothing.
-NO_ROW_OPS = frozenset({"members", "cluster_version", "create_index", "drop_index"})
+# Ops that touch no row key a compare can name: a membership entry, the cores' cluster version entry, an
+# index's creation or removal, a column added, a table dropped (as a file replica's entries read them:
+# only writes and deletes touch keys). A schema change in flight shows as a table declared differently
+# or missing on one replica, which the compare reports itself.
+NO_ROW_OPS = frozenset({"members", "cluster_version", "create_index", "drop_index", "add_column", "drop_table"})
 
 
 def _op_from_client(value: Any) -> Op | None:

@@ -1,11 +1,22 @@
 """What the Spark compare reads from a node's rlog (``spark.replica``): the keys each entry touches.
-Entries the cores write themselves (membership, the cluster version of issue 23) and index changes
-touch no row; an op the compare does not know stops it with a clear error."""
+Entries the cores write themselves (membership, the cluster version of issue 23), index changes and the
+schema changes that add a column or drop a table touch no row (as a file replica reads them); an op the
+compare does not know stops it with a clear error."""
 
 from __future__ import annotations
 
 import pytest
-from mnesite.rlog.types import ClusterVersionOp, CreateIndexOp, MembersOp, OpDecodeError, WriteOp, op_to_json
+from mnesite.rlog.types import (
+    AddColumnOp,
+    ClusterVersionOp,
+    CreateIndexOp,
+    DropIndexOp,
+    DropTableOp,
+    MembersOp,
+    OpDecodeError,
+    WriteOp,
+    op_to_json,
+)
 from mnesite.spark.replica import _op_from_client
 
 pytestmark = pytest.mark.timeout(10)
@@ -17,6 +28,12 @@ pytestmark = pytest.mark.timeout(10)
         ClusterVersionOp("default", 2),
         MembersOp(("core1", "core2", "core3"), "", ""),
         CreateIndexOp("users_by_name", "users", "default", ("name",)),
+        DropIndexOp("users_by_name", "users", "default"),
+        # Schema changes: a compare of a live node whose span held one stopped with "unknown op" (exit 2);
+        # a file replica's entries read them as touching no row. The table's declaration differs then
+        # (missing, or another column), which the compare reports itself.
+        AddColumnOp("users", "default", "email", "TEXT"),
+        DropTableOp("users", "default"),
     ],
     ids=lambda op: type(op).__name__,
 )
