@@ -720,7 +720,8 @@ def import_rows(table_name, file, file_format, batch_rows, endpoint, timeout_ms,
     Rows are written in transactions of --batch-rows rows (each all or nothing), so memory stays
     bounded whatever the file's size. A regular FILE is read twice: first checked against TABLE's
     columns (an error names the line and nothing is written), then imported. CSV cells are converted
-    to the column's type; an empty cell is null.
+    to the column's type; an empty cell is null (in a TEXT column: the empty text; an ANY column's
+    cells stay text). JSON lines keep every value as it is.
     """
     from mnesite.cli import transfer
 

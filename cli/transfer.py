@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 Neither direction holds more than one batch (import) or one page (export) in memory, whatever the
 file's or the table's size. Import reads the file line by line, turns each line into a full row of
-the table (CSV cells converted to the declared column type, an empty cell null; JSON values as
+the table (CSV cells converted to the declared column type, an empty cell null but in a TEXT
+column, where it is the empty text, and an ANY column's cells text; JSON values as
 they are, a BLOB as ``{"base64": ...}`` or hex) and refuses a line that does not fit, naming it:
 ``line 7: ...``. Rows go to the node in transactions of ``batch_rows`` rows through the normal
 write path (each all or nothing, replicated like any write); an error the node answers names the
@@ -64,7 +65,8 @@ def _blob(value: Any, where: str) -> bytes:
 
 
 def _from_cell(text: str, column_type: str, where: str) -> Any:
-    """A CSV cell as a value of ``column_type`` (the table's declared type); an empty cell is null."""
+    """A CSV cell as a value of ``column_type`` (the table's declared type); an empty cell is null, but
+    in a TEXT column it is the empty text (CSV cannot tell them apart) and an ANY column's cells stay text."""
     if text == "" and column_type != "TEXT":
         return None
     try:

@@ -132,6 +132,24 @@ def test_export_then_import_round_trips(mnesite, thread_node: ThreadNode, tmp_pa
         assert list(client.scan("copy")) == list(client.scan("items"))
 
 
+def test_csv_keeps_no_storage_class_as_the_docs_say(mnesite, thread_node: ThreadNode, tmp_path: Path) -> None:
+    """The docs said an empty CSV cell is null and that import reads an export back: in a TEXT column an
+    empty cell is the empty text (CSV cannot tell them apart), so a TEXT null comes back as ''."""
+    with thread_node.client() as client:
+        client.put("items", {"id": 1, "name": None, "price": None, "raw": None})
+    exported = tmp_path / "items.csv"
+    assert mnesite("export", "items", "--format", "csv", "--output", str(exported)).exit_code == 0
+    assert exported.read_text().splitlines() == ["id,name,price,raw", "1,,,"]
+    created = mnesite("table", "create", "copy", "--key-column", "id", "--column", "id:INTEGER",
+                      "--column", "name:TEXT", "--column", "price:REAL", "--column", "raw:BLOB")  # fmt: skip
+    assert created.exit_code == 0
+    assert mnesite("import", "copy", str(exported)).exit_code == 0
+    with thread_node.client() as client:
+        assert client.get("copy", 1) == {"id": 1, "name": "", "price": None, "raw": None}
+    reference = (REPO / "docs" / "reference" / "cli.md").read_text()
+    assert "a null in a TEXT column comes back as the empty text" in reference
+
+
 def test_import_names_the_bad_line_and_writes_nothing(mnesite, thread_node: ThreadNode, tmp_path: Path) -> None:
     good = "".join(json.dumps({"id": i, "name": f"n{i}"}) + "\n" for i in range(5))
     cases = {
