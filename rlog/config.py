@@ -25,7 +25,7 @@ Example::
     scan_rows_max = 10000               # rows per scan page
     turn_bytes_max = 8388608            # frames drained per loop turn, in bytes
     turn_ms_max = 50                    # time spent draining frames per loop turn
-    push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max)
+    push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max / 2)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
     push_delay_ms_max = 50              # a partial push waits this long after the previous one (0: never)
     follower_apply_delay_ms_max = 100   # a following core applies commits together, within this (0: each at once)
