@@ -13,7 +13,8 @@ Theory of operation
    (bounded by ``in_flight_entries_max``). The keys its entries wrote or deleted are *in flight*:
    a difference there is the lag of one replica, not divergence. If the rlog no longer holds
    the whole span (trimmed, or the histories do not connect), the shard is marked incomplete
-   and its differences count as divergence.
+   and its differences count as divergence. If the more advanced replica's entry at the other's
+   applied key has another digest, the histories diverged: reported as such, and no key is in flight.
 3. *Digest levels (Spark).* The first level's ranges are small: about ``range_rows`` (64) rows
    each, at most ``ranges_initial_max`` per table (or ``ranges_initial`` if set), so that with
    differences spread all over the table a differing range is still only a few rows. Tasks
@@ -453,9 +454,31 @@ def _find_in_flight(
             else:
                 ahead, behind_key, ahead_key = right, left_key, right_key
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], behind_key, ahead_key, True, 0)
+            behind_applied = right_applied if ahead == 0 else left_applied
             touched, span.complete, span.reason, span.entries = _touched_between(
-                replicas[ahead], shard, behind_key, ahead_key, options.in_flight_entries_max
+                replicas[ahead],
+                shard,
+                behind_key,
+                ahead_key,
+                options.in_flight_entries_max,
+                behind_applied.digest if behind_applied else "",
             )
+            if span.reason.startswith(HISTORY_DIVERGED) and behind_applied is not None:
+                # Reported like two replicas at one key with different digests: the digests at the behind key.
+                ahead_digest = _digest_at(replicas[ahead], shard, behind_key) or ""
+                left_digest, right_digest = (
+                    (ahead_digest, behind_applied.digest) if ahead == 0 else (behind_applied.digest, ahead_digest)
+                )
+                report.histories_diverged.append(
+                    {
+                        "shard": shard,
+                        "left": labels[0],
+                        "right": labels[right],
+                        "applied": list(behind_key),
+                        "left_digest": left_digest,
+                        "right_digest": right_digest,
+                    }
+                )
             for table_name, key in touched:
                 if table_name in tables:
                     in_flight[(right, table_name)].add(key_bytes(key))
@@ -484,24 +507,26 @@ def _widen_in_flight(
     shards = sorted({t.shard for t in tables.values()})
     for right in range(1, len(replicas)):
         for shard in shards:
-            seen = [
-                shard_applied.applied
-                for shard_applied in (
+            positions = [
+                position
+                for position in (
                     report.applied[labels[0]].get(shard),
                     report.applied[labels[right]].get(shard),
                     after[0].get(shard),
                     after[right].get(shard),
                 )
-                if shard_applied is not None
+                if position is not None
             ]
+            seen = [position.applied for position in positions]
             moved = any(report.applied[labels[index]].get(shard) != after[index].get(shard) for index in (0, right))
             if not moved or min(seen) == max(seen):
                 continue  # nothing moved: the plan's span (step 2) already holds the lag between the two
             low, high = min(seen), max(seen)
+            low_digest = next(position.digest for position in positions if position.applied == low)
             ahead = max((0, right), key=lambda index: after[index][shard].applied if shard in after[index] else low)
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], low, high, True, 0)
             touched, span.complete, span.reason, span.entries = _touched_between(
-                replicas[ahead], shard, low, high, options.in_flight_entries_max
+                replicas[ahead], shard, low, high, options.in_flight_entries_max, low_digest
             )
             span.reason = span.reason or "the replicas moved on while they were read"
             for table_name, key in touched:
@@ -511,13 +536,39 @@ def _widen_in_flight(
             say(f"shard {shard}: writes went on during the compare ({span.entries} entries in flight)")
 
 
+HISTORY_DIVERGED = "histories diverged"
+
+
+def _digest_at(replica: Replica, shard: str, key: TxKey) -> str | None:
+    """The digest of ``replica``'s entry at ``key`` (hex), or None when its log does not hold it (trimmed)."""
+    if key.counter < 1:
+        return None
+    # The entry at ``key`` is the first one after (generation, counter - 1): nothing sorts between them.
+    probe = replica.entries_after(shard, TxKey(key.generation, key.counter - 1), 1)
+    return probe[0].digest if probe and probe[0].tx_key == key else None
+
+
 def _touched_between(
-    replica: Replica, shard: str, behind: TxKey, ahead: TxKey, entries_max: int
+    replica: Replica, shard: str, behind: TxKey, ahead: TxKey, entries_max: int, behind_digest: str = ""
 ) -> tuple[list[tuple[str, Any]], bool, str, int]:
-    """(touched keys, complete, reason, entries read) for the entries in ``(behind, ahead]``."""
+    """(touched keys, complete, reason, entries read) for the entries in ``(behind, ahead]``.
+
+    The span is lag only if ``replica``'s history goes through the behind replica's position: the
+    entry after ``behind`` must name it as previous, and the entry at ``behind``, when the log still
+    holds it, must have the behind replica's digest (``behind_digest``). Another entry at the same key
+    is another history: the span is incomplete (its reason starts with ``HISTORY_DIVERGED``), and what
+    its keys show is divergence, not lag."""
     touched: list[tuple[str, Any]] = []
     after = behind
     count = 0
+    if behind_digest:
+        digest = _digest_at(replica, shard, behind)
+        if digest is not None and digest != behind_digest:
+            reason = (
+                f"{HISTORY_DIVERGED}: the rlog of {replica.spec.label} has a different digest at {behind} "
+                f"({digest[:16]}, the other replica applied {behind_digest[:16]})"
+            )
+            return touched, False, reason, count
     while after < ahead:
         batch = replica.entries_after(shard, after, min(1000, entries_max - count) or 1)
         if not batch:

@@ -451,3 +451,30 @@ def test_a_table_in_another_shard_is_declared_differently(spark_session: Any, tm
     assert list(report.tables_mismatched) == ["kv"]
     assert report.tables_mismatched["kv"][str(tmp_path / "b")]["shard"] == "other"
     assert report.exit_status == EXIT_DIVERGED
+
+
+@pytest.mark.timeout(120)
+def test_a_behind_replica_whose_last_entry_differs_from_the_ahead_ones_has_a_diverged_history(
+    spark_session: Any, tmp_path: Path
+) -> None:
+    """The span between two applied keys was taken as lag when the ahead replica's log went through the
+    behind one's key: the digests at that key were never compared. A behind replica that applied another
+    entry at that key (another history) had its differences in keys the span touched again reported as
+    in flight, and the replicas as equal."""
+    build_primary(tmp_path / "ahead").close()
+    behind = copy_replica(tmp_path / "ahead", tmp_path / "behind")
+    store = Store(str(behind / "mnesite.db"), synchronous="OFF")
+    other_history = commit(store, [WriteOp("users", {**user(7), "name": "written by another history"})])
+    store.close()
+    store = Store(str(tmp_path / "ahead" / "mnesite.db"), synchronous="OFF")
+    assert commit(store, [WriteOp("users", {**user(7), "name": "renamed"})]) == other_history
+    commit(store, [WriteOp("users", {**user(7), "name": "renamed again"})])
+    store.close()
+    report = compare([str(tmp_path / "ahead"), str(behind)], DRILL, session=spark_session)
+    assert report.exit_status == EXIT_DIVERGED, report.to_json()
+    (diverged,) = report.histories_diverged
+    assert diverged["shard"] == "default" and diverged["applied"] == list(other_history)
+    assert diverged["right_digest"] == report.applied[str(behind)]["default"].digest
+    assert diverged["left_digest"] not in ("", diverged["right_digest"])
+    (span,) = report.in_flight_spans
+    assert not span.complete and "different digest" in span.reason
