@@ -45,3 +45,31 @@ def test_a_write_is_read_and_an_unknown_op_is_refused() -> None:
     assert _op_from_client(op_to_json(WriteOp("users", {"id": 1}))) == WriteOp("users", {"id": 1})
     with pytest.raises(OpDecodeError, match="unknown op 'rename_table'"):
         _op_from_client({"op": "rename_table", "table": "users"})
+
+
+@pytest.mark.timeout(60)
+def test_a_node_replica_reads_rows_larger_than_a_frame_holds_per_batch(tmp_path) -> None:
+    """The data source reads a live node's rows in scan pages of ``batch_rows`` (1,000). A page of big
+    rows exceeds the node's frame_bytes_max and is answered ``too_large``: the read failed, where
+    ``Client.scan`` asks for fewer rows. It reads every row now, in key ranges too."""
+    from mnesite.spark.replica import open_replica, parse_replica
+
+    from tests.conftest import ThreadNode
+
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"frame_bytes_max": 64 * 1024}})
+    try:
+        with node.client() as client:
+            client.create_table("big", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
+            for start in range(0, 300, 20):
+                client.transact(
+                    [
+                        {"op": "write", "table": "big", "row": {"k": k, "v": "x" * 1000}}
+                        for k in range(start, start + 20)
+                    ]
+                )
+        with open_replica(parse_replica(node.endpoint)) as replica:
+            table = replica.table("big")
+            assert [key for key, _ in replica.iter_rows(table, None, None)] == list(range(300))
+            assert [key for key, _ in replica.iter_rows(table, 99, 250)] == list(range(100, 251))
+    finally:
+        node.stop()
