@@ -711,9 +711,10 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
     show_default=True,
     help="Rows per transaction (keep it at most the node's transaction_ops_max).",
 )
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @node_options
 @json_option
-def import_rows(table_name, file, file_format, batch_rows, endpoint, timeout_ms, as_json) -> None:
+def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, timeout_ms, as_json) -> None:
     """Write the rows of FILE ('-': stdin) into TABLE: JSON lines (one object per line) or CSV with a header.
 
     \b
@@ -721,7 +722,8 @@ def import_rows(table_name, file, file_format, batch_rows, endpoint, timeout_ms,
     bounded whatever the file's size. A regular FILE is read twice: first checked against TABLE's
     columns (an error names the line and nothing is written), then imported. CSV cells are converted
     to the column's type; an empty cell is null (in a TEXT column: the empty text; an ANY column's
-    cells stay text). JSON lines keep every value as it is.
+    cells stay text). JSON lines keep every value as it is. Progress goes to stderr (about once a
+    second) unless --quiet.
     """
     from mnesite.cli import transfer
 
@@ -734,7 +736,11 @@ def import_rows(table_name, file, file_format, batch_rows, endpoint, timeout_ms,
                     pass  # the check pass: a malformed line stops the import before anything is written
                 file.seek(0)
             imported = transfer.import_rows(
-                client, table_name, transfer.read_rows(file, file_format, schema), batch_rows
+                client,
+                table_name,
+                transfer.read_rows(file, file_format, schema),
+                batch_rows,
+                None if quiet else lambda line: click.echo(line, err=True),
             )
         except transfer.ImportFailed as error:
             fail(str(error), EXIT_OUTCOME_UNKNOWN if error.outcome_unknown else 1)
