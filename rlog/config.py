@@ -310,6 +310,13 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         if not NODE_NAME_PATTERN.match(core_name):
             raise ConfigError(f"[cluster].core_nodes: invalid node name {core_name!r}")
         check_endpoint(f"[cluster].core_nodes.{core_name}", endpoint)
+        if endpoint.startswith("tcp://*:") and not (role == "core" and core_name == name):
+            # A wildcard is an address to bind (listen), not one this node can connect to (its own
+            # entry may be its listen address: a single core listening on every interface).
+            raise ConfigError(
+                f"[cluster].core_nodes.{core_name} must be an address to connect to, not {endpoint!r} "
+                "(a wildcard is for [node].listen)"
+            )
         # Two names at one endpoint (a copied line): what is sent to one core reaches the other, and
         # the cluster runs a core short of what its size says, with nothing in the log until a failure.
         if endpoint in named_at:
