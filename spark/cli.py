@@ -22,6 +22,7 @@ from mnesite.spark.compare import (
     CATEGORIES,
     EXIT_ERROR,
     SAMPLE_MAX_LIMIT,
+    TIMEOUT_MS_LIMIT,
     CompareError,
     CompareOptions,
     CompareReport,
@@ -113,7 +114,7 @@ def _file_option(flag: str, envvar: str, text: str) -> Any:
     "--timeout-ms",
     default=NODE_TIMEOUT_MS,
     show_default=True,
-    type=click.IntRange(1, 600_000),
+    type=click.IntRange(1, TIMEOUT_MS_LIMIT),
     help="Timeout of each request to a tcp:// node.",
 )
 @_file_option("--key", "MNESITE_KEY", "Your secret key file for tcp:// nodes of a cluster with [security]")

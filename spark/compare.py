@@ -68,6 +68,7 @@ EXIT_ERROR = 2
 
 CATEGORIES = ("missing_on_left", "missing_on_right", "different")
 SAMPLE_MAX_LIMIT = 10_000
+TIMEOUT_MS_LIMIT = 600_000  # each request to a node (mnesite compare --timeout-ms takes the same range)
 
 Progress = Callable[[str], None]
 
@@ -99,6 +100,13 @@ class CompareOptions:
     def check(self) -> None:
         if not 0 <= self.sample_max <= SAMPLE_MAX_LIMIT:
             raise CompareError(f"sample must be between 0 and {SAMPLE_MAX_LIMIT}")
+        for name, low, high in (
+            ("in_flight_entries_max", 1, 10**9),
+            ("batch_rows_max", 1, BATCH_ROWS_MAX),
+            ("timeout_ms", 1, TIMEOUT_MS_LIMIT),
+        ):
+            if not low <= getattr(self, name) <= high:
+                raise CompareError(f"{name} must be between {low} and {high}, got {getattr(self, name)}")
         if (
             self.ranges_initial < 0
             or self.range_rows < 1

@@ -73,3 +73,20 @@ def test_a_node_replica_reads_rows_larger_than_a_frame_holds_per_batch(tmp_path)
             assert [key for key, _ in replica.iter_rows(table, 99, 250)] == list(range(100, 251))
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"in_flight_entries_max": 0}, {"timeout_ms": 0}, {"batch_rows_max": 0}, {"batch_rows_max": 10**9}],
+    ids=lambda change: next(iter(change)),
+)
+def test_compare_options_out_of_bounds_are_refused_before_anything_runs(change) -> None:
+    """``CompareOptions`` checked most of its bounds but not these: a zero timeout failed each node request,
+    ``in_flight_entries_max`` 0 marked every lag incomplete (divergence), a huge batch asked nodes for more
+    rows than any answers."""
+    from dataclasses import replace
+
+    from mnesite.spark.compare import CompareError, CompareOptions, compare
+
+    with pytest.raises(CompareError, match=next(iter(change))):
+        compare(["a", "b"], replace(CompareOptions(), **change))
