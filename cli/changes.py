@@ -2,8 +2,8 @@
 
 One line per record as it arrives: ``--json`` prints JSON lines (one record each, BLOBs as
 ``{"base64": ...}``); otherwise ``TX_KEY SHARD TABLE OP KEY ROW``. The command ends once it has every
-change the node applied, or with ``--follow`` keeps waiting for more (Ctrl-C to stop); the last line
-of a run that ends names the position to resume from with ``--from``.
+change the node applied, or with ``--follow`` keeps waiting for more (Ctrl-C ends it, exit 0); the last
+line of a run that ends, also by Ctrl-C, names the position to resume from with ``--from`` (on stderr).
 """
 
 from __future__ import annotations
@@ -69,11 +69,16 @@ def changes(tables, from_keys, follow, endpoint, timeout_ms, as_json) -> None:
     after = parse_from(from_keys)
     with client_for(endpoint, timeout_ms, retries=1) as client:
         feed = run(lambda: client.changes(list(tables), after, follow=follow, wait_ms=CHANGES_WAIT_MS))
-        for record in run_iterator(iter(feed)):
-            if as_json:
-                click.echo(json.dumps(record, default=_json_default))
-            else:
-                click.echo(describe(record))
+        try:
+            for record in run_iterator(iter(feed)):
+                if as_json:
+                    click.echo(json.dumps(record, default=_json_default))
+                else:
+                    click.echo(describe(record))
+        except KeyboardInterrupt:
+            # Ctrl-C is how --follow ends (like rlog tail --follow): a clean exit that still says where
+            # to resume, which is what a follower needs most.
+            pass
         if not as_json:
             positions = " ".join(f"{shard}:{key[0]},{key[1]}" for shard, key in sorted(feed.position.items()))
             click.echo(f"caught up; resume with --from {positions}" if positions else "caught up", err=True)

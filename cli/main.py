@@ -203,8 +203,19 @@ class MnesiteGroup(click.Group):
     and exit 2, and no exception ever reaches the user as a traceback (``MNESITE_DEBUG=1`` shows it).
     """
 
+    # A command whose exit statuses mean something else sets ``failure_exit_code`` on itself: ``mnesite
+    # compare`` exits 1 for "diverged", so its usage errors and unexpected failures exit 2 ("could not
+    # compare"), never a 1 that a script would read as divergence.
+    _failure_exit_code = 1
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        name, command, rest = super().resolve_command(ctx, args)
+        self._failure_exit_code = getattr(command, "failure_exit_code", 1)
+        return name, command, rest
+
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
+        self._failure_exit_code = 1
         try:
             result = super().main(*args, **kwargs)
         except click.exceptions.NoArgsIsHelpError as error:
@@ -212,15 +223,18 @@ class MnesiteGroup(click.Group):
             sys.exit(0)
         except click.UsageError as error:
             command = error.ctx.command_path if error.ctx is not None else "mnesite"
-            fail(f"{error.format_message()} (see '{command} --help')")
+            fail(f"{error.format_message()} (see '{command} --help')", self._failure_exit_code)
         except click.ClickException as error:
-            fail(error.format_message())
+            fail(error.format_message(), self._failure_exit_code)
         except click.Abort:
-            fail("aborted")
+            fail("aborted", self._failure_exit_code)
         except Exception as error:
             if os.environ.get("MNESITE_DEBUG"):
                 raise
-            fail(f"unexpected {type(error).__name__}: {str(error)[:300]} (MNESITE_DEBUG=1 shows the traceback)")
+            fail(
+                f"unexpected {type(error).__name__}: {str(error)[:300]} (MNESITE_DEBUG=1 shows the traceback)",
+                self._failure_exit_code,
+            )
         if isinstance(result, int) and result != 0:
             sys.exit(result)  # click.Exit from --help / --version in non-standalone mode
         return result
@@ -697,16 +711,19 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
     show_default=True,
     help="Rows per transaction (keep it at most the node's transaction_ops_max).",
 )
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @node_options
 @json_option
-def import_rows(table_name, file, file_format, batch_rows, endpoint, timeout_ms, as_json) -> None:
+def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, timeout_ms, as_json) -> None:
     """Write the rows of FILE ('-': stdin) into TABLE: JSON lines (one object per line) or CSV with a header.
 
     \b
     Rows are written in transactions of --batch-rows rows (each all or nothing), so memory stays
     bounded whatever the file's size. A regular FILE is read twice: first checked against TABLE's
     columns (an error names the line and nothing is written), then imported. CSV cells are converted
-    to the column's type; an empty cell is null.
+    to the column's type; an empty cell is null (in a TEXT column: the empty text; an ANY column's
+    cells stay text). JSON lines keep every value as it is. Progress goes to stderr (about once a
+    second) unless --quiet.
     """
     from mnesite.cli import transfer
 
@@ -719,7 +736,11 @@ def import_rows(table_name, file, file_format, batch_rows, endpoint, timeout_ms,
                     pass  # the check pass: a malformed line stops the import before anything is written
                 file.seek(0)
             imported = transfer.import_rows(
-                client, table_name, transfer.read_rows(file, file_format, schema), batch_rows
+                client,
+                table_name,
+                transfer.read_rows(file, file_format, schema),
+                batch_rows,
+                None if quiet else lambda line: click.echo(line, err=True),
             )
         except transfer.ImportFailed as error:
             fail(str(error), EXIT_OUTCOME_UNKNOWN if error.outcome_unknown else 1)

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 Neither direction holds more than one batch (import) or one page (export) in memory, whatever the
 file's or the table's size. Import reads the file line by line, turns each line into a full row of
-the table (CSV cells converted to the declared column type, an empty cell null; JSON values as
+the table (CSV cells converted to the declared column type, an empty cell null but in a TEXT
+column, where it is the empty text, and an ANY column's cells text; JSON values as
 they are, a BLOB as ``{"base64": ...}`` or hex) and refuses a line that does not fit, naming it:
 ``line 7: ...``. Rows go to the node in transactions of ``batch_rows`` rows through the normal
 write path (each all or nothing, replicated like any write); an error the node answers names the
@@ -22,13 +23,15 @@ import base64
 import binascii
 import csv
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
 
 LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
+PROGRESS_INTERVAL_S = 1.0  # an import says how far it got at most this often (on stderr, unless --quiet)
 csv.field_size_limit(LINE_CHARS_MAX)
 
 
@@ -64,7 +67,8 @@ def _blob(value: Any, where: str) -> bytes:
 
 
 def _from_cell(text: str, column_type: str, where: str) -> Any:
-    """A CSV cell as a value of ``column_type`` (the table's declared type); an empty cell is null."""
+    """A CSV cell as a value of ``column_type`` (the table's declared type); an empty cell is null, but
+    in a TEXT column it is the empty text (CSV cannot tell them apart) and an ANY column's cells stay text."""
     if text == "" and column_type != "TEXT":
         return None
     try:
@@ -136,12 +140,27 @@ def read_rows(file: IO[str], file_format: str, schema: dict[str, Any]) -> Iterat
         yield line, _check_row(row, schema, line)
 
 
-def import_rows(client: Client, table: str, rows: Iterator[tuple[int, dict[str, Any]]], batch_rows: int) -> Imported:
-    """Write ``rows`` in transactions of at most ``batch_rows`` rows; raise ``ImportFailed`` on the first refusal."""
+def import_rows(
+    client: Client,
+    table: str,
+    rows: Iterator[tuple[int, dict[str, Any]]],
+    batch_rows: int,
+    progress: Callable[[str], None] | None = None,
+) -> Imported:
+    """Write ``rows`` in transactions of at most ``batch_rows`` rows; raise ``ImportFailed`` on the first refusal.
+
+    ``progress`` gets a line after a transaction at most every ``PROGRESS_INTERVAL_S``, and after the last."""
     imported = Imported()
     batch: list[tuple[int, dict[str, Any]]] = []
+    shown_at = [time.monotonic()]
 
-    def send() -> None:
+    def show(line: int, last: bool) -> None:
+        if progress is not None and (last or time.monotonic() - shown_at[0] >= PROGRESS_INTERVAL_S):
+            shown_at[0] = time.monotonic()
+            progress(f"import: {imported.rows} rows in {imported.transactions} transactions (line {line})")
+
+    def send() -> int:
+        """The batch as one transaction; returns the line of its last row."""
         lines = f"lines {batch[0][0]}-{batch[-1][0]}" if len(batch) > 1 else f"line {batch[0][0]}"
         before = f"{imported.rows} rows in {imported.transactions} transactions were imported before"
         try:
@@ -152,14 +171,19 @@ def import_rows(client: Client, table: str, rows: Iterator[tuple[int, dict[str, 
             raise ImportFailed(f"{lines}: {error}; {before}") from None
         imported.rows += len(batch)
         imported.transactions += 1
+        line = batch[-1][0]
         batch.clear()
+        return line
 
+    line = 0
     for line, row in rows:
         batch.append((line, row))
         if len(batch) >= batch_rows:
-            send()
+            show(send(), last=False)
     if batch:
         send()
+    if imported.transactions:
+        show(line, last=True)
     return imported
 
 

@@ -25,7 +25,7 @@ Example::
     scan_rows_max = 10000               # rows per scan page
     turn_bytes_max = 8388608            # frames drained per loop turn, in bytes
     turn_ms_max = 50                    # time spent draining frames per loop turn
-    push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max)
+    push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max / 2)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
     push_delay_ms_max = 50              # a partial push waits this long after the previous one (0: never)
     follower_apply_delay_ms_max = 100   # a following core applies commits together, within this (0: each at once)
@@ -310,6 +310,13 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         if not NODE_NAME_PATTERN.match(core_name):
             raise ConfigError(f"[cluster].core_nodes: invalid node name {core_name!r}")
         check_endpoint(f"[cluster].core_nodes.{core_name}", endpoint)
+        if endpoint.startswith("tcp://*:") and not (role == "core" and core_name == name):
+            # A wildcard is an address to bind (listen), not one this node can connect to (its own
+            # entry may be its listen address: a single core listening on every interface).
+            raise ConfigError(
+                f"[cluster].core_nodes.{core_name} must be an address to connect to, not {endpoint!r} "
+                "(a wildcard is for [node].listen)"
+            )
         # Two names at one endpoint (a copied line): what is sent to one core reaches the other, and
         # the cluster runs a core short of what its size says, with nothing in the log until a failure.
         if endpoint in named_at:

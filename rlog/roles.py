@@ -102,6 +102,16 @@ class RoleTable:
                 principals.setdefault(name, set()).add(role)
         self.principals = {name: frozenset(found) for name, found in principals.items()}
 
+    def without_keys(self, keyed: Iterable[str]) -> list[str]:
+        """``principal (roles)`` for each principal given a role but not among ``keyed`` (the names
+        of authorized_keys): no one can hold that role; usually a typo of a name that has a key."""
+        known = set(keyed)
+        return [
+            f"{name} ({', '.join(sorted(roles))})"
+            for name, roles in sorted(self.principals.items())
+            if name not in known
+        ]
+
     def roles_of(self, principal: str) -> frozenset[str]:
         return self.principals.get(principal, frozenset())
 

@@ -192,6 +192,7 @@ class NodeSecurity:
         self.authorized_keys_dir = config.authorized_keys
         self.authorized = load_authorized_keys(config.authorized_keys)
         self.roles = RoleTable(config.roles)
+        _warn_roles_without_keys(self.roles, self.authorized)
         self.refused_unknown_key = 0
         self.handshakes_failed: dict[str, int] = {reason: 0 for reason in HANDSHAKE_FAILURES.values()}
         self.refused_role = 0
@@ -250,6 +251,7 @@ class NodeSecurity:
         roles = RoleTable(config.roles)
         self.authorized, self.roles = authorized, roles
         self.reloads += 1
+        _warn_roles_without_keys(roles, authorized)
 
     def principal_of(self, frame: zmq.Frame) -> str:
         """The principal of ``frame``'s authenticated key (its ZAP user id) in the current
@@ -270,6 +272,16 @@ class NodeSecurity:
             "authorized_keys": len(self.authorized),
             "reloads": self.reloads,
         }
+
+
+def _warn_roles_without_keys(roles: RoleTable, authorized: Mapping[bytes, str]) -> None:
+    """One line at start and at each reload when a role names a principal with no key (a typo is
+    otherwise silent until that principal is refused)."""
+    missing = roles.without_keys(authorized.values())
+    if missing:
+        log.warning(
+            "[security.roles] names principals with no key in authorized_keys (a typo?): %s", ", ".join(missing)
+        )
 
 
 def client_keys(key_path: str | Path | None, server_key_path: str | Path | None) -> tuple[KeyPair, bytes] | None:

@@ -31,6 +31,7 @@ version, so that a test can show how a cluster refuses a node it cannot speak wi
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,9 @@ from mnesite import __version__ as SOFTWARE_VERSION
 # The test-only switch (see the theory of operation); never set it on a production node.
 SPEAK_ONLY_ENV = "MNESITE_TEST_CLUSTER_VERSION_ONLY"
 SOFTWARE_CHARS_MAX = 64
+# The characters of a release name (PEP 440 and local versions): a peer's name goes into log lines and
+# status, so a newline or an escape sequence in it must not get there (it would forge a log line).
+SOFTWARE_PATTERN = re.compile(rf"[0-9A-Za-z.+_\-]{{1,{SOFTWARE_CHARS_MAX}}}\Z")
 CLUSTER_VERSION_MAX = 1000  # far above any release; bounds what a peer's answer may claim
 PROTOCOL_NAMES = ("client", "consensus", "replication", "storage")
 
@@ -136,7 +140,7 @@ def announcement_of(answer: Any) -> Announcement | None:
     if not isinstance(versions, dict):
         return None
     software, span = versions.get("software"), versions.get("cluster_versions")
-    if not isinstance(software, str) or not 0 < len(software) <= SOFTWARE_CHARS_MAX:
+    if not isinstance(software, str) or not SOFTWARE_PATTERN.match(software):
         return None
     if not isinstance(span, list) or len(span) != 2:
         return None

@@ -22,6 +22,7 @@ from mnesite.spark.compare import (
     CATEGORIES,
     EXIT_ERROR,
     SAMPLE_MAX_LIMIT,
+    TIMEOUT_MS_LIMIT,
     CompareError,
     CompareOptions,
     CompareReport,
@@ -113,7 +114,7 @@ def _file_option(flag: str, envvar: str, text: str) -> Any:
     "--timeout-ms",
     default=NODE_TIMEOUT_MS,
     show_default=True,
-    type=click.IntRange(1, 600_000),
+    type=click.IntRange(1, TIMEOUT_MS_LIMIT),
     help="Timeout of each request to a tcp:// node.",
 )
 @_file_option("--key", "MNESITE_KEY", "Your secret key file for tcp:// nodes of a cluster with [security]")
@@ -159,3 +160,8 @@ def compare(
         sys.exit(EXIT_ERROR)
     click.echo(report_json(report) if as_json else render_report(report))
     sys.exit(report.exit_status)
+
+
+# Read by the mnesite group (cli.main.MnesiteGroup): a usage error or an unexpected failure of compare
+# exits 2, "could not compare"; its 1 means "diverged".
+compare.failure_exit_code = EXIT_ERROR  # type: ignore[attr-defined]

@@ -3,16 +3,18 @@
 Theory of operation
 -------------------
 1. *Plan (driver).* Open every replica (file read-only, or node client); read catalogs and each
-   shard's applied tx key. Tables missing on a replica or declared differently are reported
-   and not compared. The first level's key ranges come from the replica with the most rows
-   (``ntile`` over its key index for a file, a sampled key scan for a node): the same
-   boundaries for every replica, ranges ``(low, high]`` covering the whole key space.
+   shard's applied tx key. Tables missing on a replica or declared differently (shard, key
+   column, columns and their types) are reported and not compared. The first level's key
+   ranges come from the replica with the most rows (``ntile`` over its key index for a file,
+   a sampled key scan for a node): the same boundaries for every replica, ranges
+   ``(low, high]`` covering the whole key space.
 2. *In flight (driver).* For each pair (first replica, other replica) and each shard whose
    applied keys differ, the more advanced replica's rlog between the two applied keys is read
    (bounded by ``in_flight_entries_max``). The keys its entries wrote or deleted are *in flight*:
    a difference there is the lag of one replica, not divergence. If the rlog no longer holds
    the whole span (trimmed, or the histories do not connect), the shard is marked incomplete
-   and its differences count as divergence.
+   and its differences count as divergence. If the more advanced replica's entry at the other's
+   applied key has another digest, the histories diverged: reported as such, and no key is in flight.
 3. *Digest levels (Spark).* The first level's ranges are small: about ``range_rows`` (64) rows
    each, at most ``ranges_initial_max`` per table (or ``ranges_initial`` if set), so that with
    differences spread all over the table a differing range is still only a few rows. Tasks
@@ -66,6 +68,7 @@ EXIT_ERROR = 2
 
 CATEGORIES = ("missing_on_left", "missing_on_right", "different")
 SAMPLE_MAX_LIMIT = 10_000
+TIMEOUT_MS_LIMIT = 600_000  # each request to a node (mnesite compare --timeout-ms takes the same range)
 
 Progress = Callable[[str], None]
 
@@ -97,6 +100,13 @@ class CompareOptions:
     def check(self) -> None:
         if not 0 <= self.sample_max <= SAMPLE_MAX_LIMIT:
             raise CompareError(f"sample must be between 0 and {SAMPLE_MAX_LIMIT}")
+        for name, low, high in (
+            ("in_flight_entries_max", 1, 10**9),
+            ("batch_rows_max", 1, BATCH_ROWS_MAX),
+            ("timeout_ms", 1, TIMEOUT_MS_LIMIT),
+        ):
+            if not low <= getattr(self, name) <= high:
+                raise CompareError(f"{name} must be between {low} and {high}, got {getattr(self, name)}")
         if (
             self.ranges_initial < 0
             or self.range_rows < 1
@@ -315,6 +325,15 @@ def compare(
             say(f"Spark started in {time.monotonic() - spark_began:.1f} s")
         try:
             _run(session, replicas, labels, report, in_flight, options, say)
+        except ReplicaError as error:  # read by the driver: a node went away, a boundary read failed
+            raise CompareError(str(error)) from None
+        except Exception as error:
+            # A task failed on an executor, which opens every replica again (on a cluster, from the
+            # worker's disk): Spark raises its own exception around the task's ReplicaError. It is a
+            # compare that could not run (exit 2), said in the replica's one line, not a Java traceback.
+            if not _is_spark_error(error):
+                raise
+            raise CompareError(_spark_failure(error)) from error
         finally:
             if owns_session:
                 session.stop()
@@ -324,6 +343,28 @@ def compare(
     report.statistics["seconds"] = round(time.monotonic() - started, 3)
     say(f"done in {report.statistics['seconds']} s: {'diverged' if report.diverged else 'equal'}")
     return report
+
+
+def _is_spark_error(error: Exception) -> bool:
+    """Whether ``error`` is Spark's (a job or the gateway failed), not a defect of this module."""
+    try:
+        from py4j.protocol import Py4JError
+        from pyspark.errors import PySparkException
+    except ImportError:
+        return False
+    return isinstance(error, (PySparkException, Py4JError))
+
+
+def _spark_failure(error: Exception) -> str:
+    """One line for a failed Spark job: the ``ReplicaError`` a task raised if there is one (its message
+    names the replica), else the first line of Spark's message."""
+    text = str(error)
+    marker = f"{ReplicaError.__name__}: "
+    for line in text.splitlines():
+        if marker in line:
+            return line.split(marker, 1)[1].strip()
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    return f"the Spark job failed: {first[:300]}"
 
 
 def _active_session() -> Any:
@@ -371,9 +412,10 @@ def _plan(
             report.tables_missing[name] = lacking
             continue
         definitions = {label: catalog[name] for label, catalog in zip(labels, catalogs, strict=True)}
-        if len({(d.key_column, d.columns) for d in definitions.values()}) > 1:
+        # The shard is part of a table's declaration: the same rows in another shard follow another log.
+        if len({(d.shard, d.key_column, d.columns) for d in definitions.values()}) > 1:
             report.tables_mismatched[name] = {
-                label: {"key": d.key_column, "columns": [list(c) for c in d.columns]}
+                label: {"shard": d.shard, "key": d.key_column, "columns": [list(c) for c in d.columns]}
                 for label, d in definitions.items()
             }
             continue
@@ -420,9 +462,31 @@ def _find_in_flight(
             else:
                 ahead, behind_key, ahead_key = right, left_key, right_key
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], behind_key, ahead_key, True, 0)
+            behind_applied = right_applied if ahead == 0 else left_applied
             touched, span.complete, span.reason, span.entries = _touched_between(
-                replicas[ahead], shard, behind_key, ahead_key, options.in_flight_entries_max
+                replicas[ahead],
+                shard,
+                behind_key,
+                ahead_key,
+                options.in_flight_entries_max,
+                behind_applied.digest if behind_applied else "",
             )
+            if span.reason.startswith(HISTORY_DIVERGED) and behind_applied is not None:
+                # Reported like two replicas at one key with different digests: the digests at the behind key.
+                ahead_digest = _digest_at(replicas[ahead], shard, behind_key) or ""
+                left_digest, right_digest = (
+                    (ahead_digest, behind_applied.digest) if ahead == 0 else (behind_applied.digest, ahead_digest)
+                )
+                report.histories_diverged.append(
+                    {
+                        "shard": shard,
+                        "left": labels[0],
+                        "right": labels[right],
+                        "applied": list(behind_key),
+                        "left_digest": left_digest,
+                        "right_digest": right_digest,
+                    }
+                )
             for table_name, key in touched:
                 if table_name in tables:
                     in_flight[(right, table_name)].add(key_bytes(key))
@@ -443,30 +507,34 @@ def _widen_in_flight(
     options: CompareOptions,
     say: Progress,
 ) -> None:
-    """Live nodes move on while they are read: every key touched between the lowest applied key seen
-    before the reads and the highest seen after them (on either side of a pair) may legitimately
-    differ, so it is in flight, not divergence. Read once the row digests are in."""
+    """Live nodes, and the files of running nodes (read one snapshot per call), move on while they are
+    read: every key touched between the lowest applied key seen before the reads and the highest seen
+    after them (on either side of a pair) may legitimately differ, so it is in flight, not divergence.
+    Read once the row digests are in; replicas that did not move cost one ``applied`` read each."""
     after = [replica.applied() for replica in replicas]
     shards = sorted({t.shard for t in tables.values()})
     for right in range(1, len(replicas)):
         for shard in shards:
-            seen = [
-                shard_applied.applied
-                for shard_applied in (
+            positions = [
+                position
+                for position in (
                     report.applied[labels[0]].get(shard),
                     report.applied[labels[right]].get(shard),
                     after[0].get(shard),
                     after[right].get(shard),
                 )
-                if shard_applied is not None
+                if position is not None
             ]
-            if not seen or min(seen) == max(seen):
-                continue
+            seen = [position.applied for position in positions]
+            moved = any(report.applied[labels[index]].get(shard) != after[index].get(shard) for index in (0, right))
+            if not moved or min(seen) == max(seen):
+                continue  # nothing moved: the plan's span (step 2) already holds the lag between the two
             low, high = min(seen), max(seen)
+            low_digest = next(position.digest for position in positions if position.applied == low)
             ahead = max((0, right), key=lambda index: after[index][shard].applied if shard in after[index] else low)
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], low, high, True, 0)
             touched, span.complete, span.reason, span.entries = _touched_between(
-                replicas[ahead], shard, low, high, options.in_flight_entries_max
+                replicas[ahead], shard, low, high, options.in_flight_entries_max, low_digest
             )
             span.reason = span.reason or "the replicas moved on while they were read"
             for table_name, key in touched:
@@ -476,13 +544,39 @@ def _widen_in_flight(
             say(f"shard {shard}: writes went on during the compare ({span.entries} entries in flight)")
 
 
+HISTORY_DIVERGED = "histories diverged"
+
+
+def _digest_at(replica: Replica, shard: str, key: TxKey) -> str | None:
+    """The digest of ``replica``'s entry at ``key`` (hex), or None when its log does not hold it (trimmed)."""
+    if key.counter < 1:
+        return None
+    # The entry at ``key`` is the first one after (generation, counter - 1): nothing sorts between them.
+    probe = replica.entries_after(shard, TxKey(key.generation, key.counter - 1), 1)
+    return probe[0].digest if probe and probe[0].tx_key == key else None
+
+
 def _touched_between(
-    replica: Replica, shard: str, behind: TxKey, ahead: TxKey, entries_max: int
+    replica: Replica, shard: str, behind: TxKey, ahead: TxKey, entries_max: int, behind_digest: str = ""
 ) -> tuple[list[tuple[str, Any]], bool, str, int]:
-    """(touched keys, complete, reason, entries read) for the entries in ``(behind, ahead]``."""
+    """(touched keys, complete, reason, entries read) for the entries in ``(behind, ahead]``.
+
+    The span is lag only if ``replica``'s history goes through the behind replica's position: the
+    entry after ``behind`` must name it as previous, and the entry at ``behind``, when the log still
+    holds it, must have the behind replica's digest (``behind_digest``). Another entry at the same key
+    is another history: the span is incomplete (its reason starts with ``HISTORY_DIVERGED``), and what
+    its keys show is divergence, not lag."""
     touched: list[tuple[str, Any]] = []
     after = behind
     count = 0
+    if behind_digest:
+        digest = _digest_at(replica, shard, behind)
+        if digest is not None and digest != behind_digest:
+            reason = (
+                f"{HISTORY_DIVERGED}: the rlog of {replica.spec.label} has a different digest at {behind} "
+                f"({digest[:16]}, the other replica applied {behind_digest[:16]})"
+            )
+            return touched, False, reason, count
     while after < ahead:
         batch = replica.entries_after(shard, after, min(1000, entries_max - count) or 1)
         if not batch:
@@ -629,9 +723,9 @@ def _run(
             found[name][replica_index].update(pairs)
             shipped += len(pairs)
         phase("row_job")
-        if any(replica.spec.kind == "node" for replica in replicas):
-            _widen_in_flight(replicas, labels, tables, report, in_flight, options, say)
-            phase("in_flight_widening")
+        # Nodes, and the data directories of running nodes (one snapshot per read), move on meanwhile.
+        _widen_in_flight(replicas, labels, tables, report, in_flight, options, say)
+        phase("in_flight_widening")
         report.statistics["rows_shipped"] = shipped
         say(f"row level: {shipped} row digest(s) from {report.statistics['leaf_ranges']} range(s), merged here")
         for name, per_replica in found.items():
@@ -641,8 +735,13 @@ def _run(
         phase("row_merge")
     else:
         report.statistics["row_level"] = "spark"
+
+        def widen() -> None:
+            # As for the driver's merge: once the row digests are in, the writes made meanwhile are in flight.
+            _widen_in_flight(replicas, labels, tables, report, in_flight, options, say)
+
         _spark_row_level(
-            session, run, tasks_for(leaf_ranges, True), tables, labels, results, in_flight, options, report, say
+            session, run, tasks_for(leaf_ranges, True), tables, labels, results, in_flight, options, report, say, widen
         )
         phase("row_spark_join")
     _fetch_samples(replicas, tables, results, labels, report)
@@ -681,8 +780,11 @@ def _spark_row_level(
     options: CompareOptions,
     report: CompareReport,
     say: Progress,
+    widen: Callable[[], None],
 ) -> None:
-    """Row level for many differing rows: Spark joins the row digests, the driver gets counts and samples."""
+    """Row level for many differing rows: Spark joins the row digests, the driver gets counts and samples.
+
+    ``widen`` runs once the row digests are read (cached), before the in-flight keys are joined."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
     from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType
@@ -703,6 +805,7 @@ def _spark_row_level(
     context = session.sparkContext
     rows = session.createDataFrame(context.parallelize(tasks, len(tasks)).flatMap(flatten), schema).cache()
     report.statistics["rows_shipped"] = rows.count()
+    widen()
     say(
         f"row level: {report.statistics['rows_shipped']} row digest(s) from "
         f"{report.statistics['leaf_ranges']} range(s), joined by Spark"

@@ -269,6 +269,32 @@ def test_cli_changes(node) -> None:
     assert unknown.exit_code == 1 and "unknown table 'nope'" in unknown.output
 
 
+def test_cli_changes_follow_ended_by_ctrl_c_exits_0_and_names_the_resume_position(node, monkeypatch) -> None:
+    """Ctrl-C is how ``changes --follow`` ends. It printed "Error: aborted" and exited 1, and the line
+    naming the position to resume from (what a follower needs most) was never printed."""
+    from mnesite.rlog.client import ChangeFeed
+
+    with node.client() as client:
+        client.put("users", {"id": 1, "name": "ada"})
+        last = client.put("users", {"id": 2, "name": "bob"})
+    real_fetch_page = ChangeFeed.fetch_page
+    delivered = []
+
+    def interrupted_once_caught_up(feed):
+        if last in delivered:
+            raise KeyboardInterrupt  # the operator's Ctrl-C while the feed waits for more
+        records, positions = real_fetch_page(feed)
+        delivered.extend(record.get("tx_key") for record in records)
+        return records, positions
+
+    monkeypatch.setattr(ChangeFeed, "fetch_page", interrupted_once_caught_up)
+    result = CliRunner().invoke(main, ["changes", "users", "--follow", "--node", node.endpoint])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == f"{last} default users write 2 " + '{"id": 2, "name": "bob"}'
+    assert f"resume with --from default:{last.generation},{last.counter}" in result.stderr
+    assert "Error" not in result.stderr
+
+
 def test_a_transaction_whose_records_outgrow_a_frame_reaches_the_consumer_over_several_pages(tmp_path: Path) -> None:
     # 1,000 rows of 200 bytes: the write fits a 256 KiB frame, its change records (about 60 bytes more
     # each) do not; they used to be answered too_large, and the feed could not pass the entry.

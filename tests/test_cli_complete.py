@@ -127,9 +127,49 @@ def test_export_then_import_round_trips(mnesite, thread_node: ThreadNode, tmp_pa
     assert created.exit_code == 0
     imported = mnesite("import", "copy", str(exported), "--batch-rows", "10", "--json")
     assert imported.exit_code == 0, imported.output
-    assert json.loads(imported.output) == {"table": "copy", "rows": 29, "transactions": 3}
+    assert json.loads(imported.stdout) == {"table": "copy", "rows": 29, "transactions": 3}  # progress: stderr
     with thread_node.client() as client:
         assert list(client.scan("copy")) == list(client.scan("items"))
+
+
+def test_csv_keeps_no_storage_class_as_the_docs_say(mnesite, thread_node: ThreadNode, tmp_path: Path) -> None:
+    """The docs said an empty CSV cell is null and that import reads an export back: in a TEXT column an
+    empty cell is the empty text (CSV cannot tell them apart), so a TEXT null comes back as ''."""
+    with thread_node.client() as client:
+        client.put("items", {"id": 1, "name": None, "price": None, "raw": None})
+    exported = tmp_path / "items.csv"
+    assert mnesite("export", "items", "--format", "csv", "--output", str(exported)).exit_code == 0
+    assert exported.read_text().splitlines() == ["id,name,price,raw", "1,,,"]
+    created = mnesite("table", "create", "copy", "--key-column", "id", "--column", "id:INTEGER",
+                      "--column", "name:TEXT", "--column", "price:REAL", "--column", "raw:BLOB")  # fmt: skip
+    assert created.exit_code == 0
+    assert mnesite("import", "copy", str(exported)).exit_code == 0
+    with thread_node.client() as client:
+        assert client.get("copy", 1) == {"id": 1, "name": "", "price": None, "raw": None}
+    reference = (REPO / "docs" / "reference" / "cli.md").read_text()
+    assert "a null in a TEXT column comes back as the empty text" in reference
+
+
+def test_import_shows_its_progress_on_stderr_unless_quiet(
+    mnesite, thread_node: ThreadNode, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long import printed nothing until its end (backup and compare show their progress): an
+    operator could not tell a slow import from a stuck one. It says how far it got on stderr."""
+    from mnesite.cli import transfer
+
+    monkeypatch.setattr(transfer, "PROGRESS_INTERVAL_S", 0.0)  # a line per transaction, here
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "name": f"n{i}"}) + "\n" for i in range(25)))
+    result = mnesite("import", "items", str(rows), "--batch-rows", "10")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "import: 10 rows in 1 transactions (line 10)",
+        "import: 20 rows in 2 transactions (line 20)",
+        "import: 25 rows in 3 transactions (line 25)",
+    ]
+    assert result.stdout == "imported 25 rows into items in 3 transactions\n"
+    quiet = mnesite("import", "items", str(rows), "--batch-rows", "10", "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
 
 
 def test_import_names_the_bad_line_and_writes_nothing(mnesite, thread_node: ThreadNode, tmp_path: Path) -> None:

@@ -395,3 +395,37 @@ def test_sighup_revokes_a_removed_or_replaced_key_on_connections_already_open(se
         assert admin.get("kv", 2) is None  # the revoked key wrote nothing
     with secure_node.client("app2") as fresh:  # dashboard's new key is the principal dashboard
         assert fresh.get("kv", 1) == {"id": 1}
+
+
+def test_a_role_given_to_a_principal_without_a_key_is_logged_at_start_and_reload(
+    keys: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``[security.roles]`` naming a principal that has no key in authorized_keys (a typo: "opps" for
+    "ops") was accepted without a word: the operator learnt it only when "ops" was refused."""
+    from mnesite.rlog.security import NodeSecurity, SecurityConfig
+
+    def config(roles: dict[str, tuple[str, ...]]) -> SecurityConfig:
+        return SecurityConfig(
+            False,
+            str(keys / "cluster.key_secret"),
+            str(keys / "core1.key_secret"),
+            str(keys.parent / "authorized"),
+            roles,
+        )
+
+    with caplog.at_level("WARNING", logger="mnesite.security"):
+        security = NodeSecurity(config({"core": ("core1", "core2"), "admin": ("opps",)}))
+    assert [r.getMessage() for r in caplog.records] == [
+        "[security.roles] names principals with no key in authorized_keys (a typo?): opps (admin)"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mnesite.security"):
+        security.reload(config({"core": ("core1",), "admin": ("ops",), "reader": ("dashbord", "stranger")}))
+    assert [r.getMessage() for r in caplog.records] == [
+        "[security.roles] names principals with no key in authorized_keys (a typo?): dashbord (reader), "
+        "stranger (reader)"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mnesite.security"):
+        security.reload(config({"core": ("core1",), "admin": ("ops",)}))
+    assert caplog.records == []

@@ -356,3 +356,125 @@ def test_a_node_over_its_row_budget_is_drilled_into_not_misreported(spark_sessio
         assert pair.counts["different"] == 1 and list(samples_by_key(pair, "different")) == [33]
     finally:
         node.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_an_executor_cannot_read_is_a_compare_error_not_a_spark_traceback(
+    spark_session: Any, equal_replicas: tuple
+) -> None:
+    """Executors open each replica again (on a cluster, from the worker's disk): a replica the driver
+    read but an executor cannot (the file went away in between, or is not on that worker) failed the
+    Spark job with a captured Java traceback instead of a CompareError (the CLI's exit 2)."""
+    primary, copy = equal_replicas
+
+    def remove_the_copy_once_planned(message: str) -> None:
+        if message.startswith("comparing"):
+            os.rename(copy / "mnesite.db", copy / "moved.db")
+
+    with pytest.raises(CompareError) as caught:
+        compare([str(primary), str(copy)], DRILL, session=spark_session, progress=remove_the_copy_once_planned)
+    message = str(caught.value)
+    assert "\n" not in message and str(copy) in message and "not a mnesite database" in message, message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row_level", ["driver", "spark"])
+def test_writes_during_the_compare_are_in_flight_whichever_joins_the_rows(
+    spark_session: Any, thread_node: Any, tmp_path: Path, row_level: str
+) -> None:
+    """A live node moves on while it is read: keys written between the plan and the row level are in
+    flight. The driver's merge widened the in-flight keys to those writes; Spark's join (many differing
+    rows) did not, and reported them as divergence."""
+    with thread_node.client() as client:
+        client.create_table("kv", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
+        with client.transaction() as tx:
+            for key in range(60):
+                tx.put("kv", {"k": key, "v": f"value {key}"})
+        assert client.get("kv", 59) == {"k": 59, "v": "value 59"}  # answered after its turn's commit
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    target = apsw.Connection(str(copy / "mnesite.db"))
+    with target.backup("main", apsw.Connection(str(tmp_path / "data" / "mnesite.db")), "main") as backup:
+        backup.step()
+    target.close()
+    tamper(copy, [("UPDATE kv SET v = 'x' WHERE k = 33", ())])
+
+    def write_during_the_levels(message: str) -> None:
+        if message.startswith("level 1"):
+            with thread_node.client() as client:
+                client.put("kv", {"k": 34, "v": "written during the compare"})
+                assert client.get("kv", 34)["v"] == "written during the compare"
+
+    options = CompareOptions(
+        ranges_initial=1, leaf_rows_max=100, driver_row_digests_max=1_000_000 if row_level == "driver" else 0
+    )
+    report = compare(
+        [thread_node.endpoint, str(copy)], options, session=spark_session, progress=write_during_the_levels
+    )
+    assert report.statistics["row_level"] == row_level
+    (pair,) = report.pairs
+    assert pair.counts == {"missing_on_left": 0, "missing_on_right": 0, "different": 1, "in_flight": 1}, pair.counts
+    assert list(samples_by_key(pair, "in_flight")) == [34]
+
+
+@pytest.mark.timeout(120)
+def test_writes_to_a_data_directory_during_the_compare_are_in_flight(spark_session: Any, equal_replicas: tuple) -> None:
+    """A data directory whose node keeps writing is read one snapshot per call (spark.replica): keys
+    written between the plan and the row level are in flight there too, not only on tcp:// nodes."""
+    primary, copy = equal_replicas
+    tamper(copy, [("UPDATE tags SET weight = -1 WHERE tag = 'tag-0010'", ())])
+
+    def write_during_the_levels(message: str) -> None:
+        if message.startswith("level 1"):
+            store = Store(str(primary / "mnesite.db"), synchronous="OFF")
+            commit(store, [WriteOp("tags", {"tag": "tag-0011", "weight": 1111})])
+            store.close()
+
+    options = CompareOptions(tables=("tags",), ranges_initial=1, leaf_rows_max=1000)
+    report = compare([str(primary), str(copy)], options, session=spark_session, progress=write_during_the_levels)
+    (pair,) = report.pairs
+    assert pair.counts == {"missing_on_left": 0, "missing_on_right": 0, "different": 1, "in_flight": 1}, pair.counts
+    assert list(samples_by_key(pair, "in_flight")) == ["tag-0011"]
+    assert report.exit_status == EXIT_DIVERGED
+
+
+@pytest.mark.timeout(120)
+def test_a_table_in_another_shard_is_declared_differently(spark_session: Any, tmp_path: Path) -> None:
+    """The same rows in a table of another shard are not a replica of it: the shard is part of its
+    declaration (its rows follow another log), and was left out of the comparison of definitions."""
+    for name, shard in (("a", "default"), ("b", "other")):
+        store = create_store(tmp_path / name)
+        create_table(store, "kv", "k", [("k", "INTEGER"), ("v", "TEXT")], shard=shard)
+        commit(store, [WriteOp("kv", {"k": 1, "v": "one"})], shard=shard)
+        store.close()
+    report = compare([str(tmp_path / "a"), str(tmp_path / "b")], CompareOptions(), session=spark_session)
+    assert list(report.tables_mismatched) == ["kv"]
+    assert report.tables_mismatched["kv"][str(tmp_path / "b")]["shard"] == "other"
+    assert report.exit_status == EXIT_DIVERGED
+
+
+@pytest.mark.timeout(120)
+def test_a_behind_replica_whose_last_entry_differs_from_the_ahead_ones_has_a_diverged_history(
+    spark_session: Any, tmp_path: Path
+) -> None:
+    """The span between two applied keys was taken as lag when the ahead replica's log went through the
+    behind one's key: the digests at that key were never compared. A behind replica that applied another
+    entry at that key (another history) had its differences in keys the span touched again reported as
+    in flight, and the replicas as equal."""
+    build_primary(tmp_path / "ahead").close()
+    behind = copy_replica(tmp_path / "ahead", tmp_path / "behind")
+    store = Store(str(behind / "mnesite.db"), synchronous="OFF")
+    other_history = commit(store, [WriteOp("users", {**user(7), "name": "written by another history"})])
+    store.close()
+    store = Store(str(tmp_path / "ahead" / "mnesite.db"), synchronous="OFF")
+    assert commit(store, [WriteOp("users", {**user(7), "name": "renamed"})]) == other_history
+    commit(store, [WriteOp("users", {**user(7), "name": "renamed again"})])
+    store.close()
+    report = compare([str(tmp_path / "ahead"), str(behind)], DRILL, session=spark_session)
+    assert report.exit_status == EXIT_DIVERGED, report.to_json()
+    (diverged,) = report.histories_diverged
+    assert diverged["shard"] == "default" and diverged["applied"] == list(other_history)
+    assert diverged["right_digest"] == report.applied[str(behind)]["default"].digest
+    assert diverged["left_digest"] not in ("", diverged["right_digest"])
+    (span,) = report.in_flight_spans
+    assert not span.complete and "different digest" in span.reason

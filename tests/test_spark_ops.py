@@ -1,11 +1,22 @@
 """What the Spark compare reads from a node's rlog (``spark.replica``): the keys each entry touches.
-Entries the cores write themselves (membership, the cluster version of issue 23) and index changes
-touch no row; an op the compare does not know stops it with a clear error."""
+Entries the cores write themselves (membership, the cluster version of issue 23), index changes and the
+schema changes that add a column or drop a table touch no row (as a file replica reads them); an op the
+compare does not know stops it with a clear error."""
 
 from __future__ import annotations
 
 import pytest
-from mnesite.rlog.types import ClusterVersionOp, CreateIndexOp, MembersOp, OpDecodeError, WriteOp, op_to_json
+from mnesite.rlog.types import (
+    AddColumnOp,
+    ClusterVersionOp,
+    CreateIndexOp,
+    DropIndexOp,
+    DropTableOp,
+    MembersOp,
+    OpDecodeError,
+    WriteOp,
+    op_to_json,
+)
 from mnesite.spark.replica import _op_from_client
 
 pytestmark = pytest.mark.timeout(10)
@@ -17,6 +28,12 @@ pytestmark = pytest.mark.timeout(10)
         ClusterVersionOp("default", 2),
         MembersOp(("core1", "core2", "core3"), "", ""),
         CreateIndexOp("users_by_name", "users", "default", ("name",)),
+        DropIndexOp("users_by_name", "users", "default"),
+        # Schema changes: a compare of a live node whose span held one stopped with "unknown op" (exit 2);
+        # a file replica's entries read them as touching no row. The table's declaration differs then
+        # (missing, or another column), which the compare reports itself.
+        AddColumnOp("users", "default", "email", "TEXT"),
+        DropTableOp("users", "default"),
     ],
     ids=lambda op: type(op).__name__,
 )
@@ -28,3 +45,48 @@ def test_a_write_is_read_and_an_unknown_op_is_refused() -> None:
     assert _op_from_client(op_to_json(WriteOp("users", {"id": 1}))) == WriteOp("users", {"id": 1})
     with pytest.raises(OpDecodeError, match="unknown op 'rename_table'"):
         _op_from_client({"op": "rename_table", "table": "users"})
+
+
+@pytest.mark.timeout(60)
+def test_a_node_replica_reads_rows_larger_than_a_frame_holds_per_batch(tmp_path) -> None:
+    """The data source reads a live node's rows in scan pages of ``batch_rows`` (1,000). A page of big
+    rows exceeds the node's frame_bytes_max and is answered ``too_large``: the read failed, where
+    ``Client.scan`` asks for fewer rows. It reads every row now, in key ranges too."""
+    from mnesite.spark.replica import open_replica, parse_replica
+
+    from tests.conftest import ThreadNode
+
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"frame_bytes_max": 64 * 1024}})
+    try:
+        with node.client() as client:
+            client.create_table("big", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
+            for start in range(0, 300, 20):
+                client.transact(
+                    [
+                        {"op": "write", "table": "big", "row": {"k": k, "v": "x" * 1000}}
+                        for k in range(start, start + 20)
+                    ]
+                )
+        with open_replica(parse_replica(node.endpoint)) as replica:
+            table = replica.table("big")
+            assert [key for key, _ in replica.iter_rows(table, None, None)] == list(range(300))
+            assert [key for key, _ in replica.iter_rows(table, 99, 250)] == list(range(100, 251))
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"in_flight_entries_max": 0}, {"timeout_ms": 0}, {"batch_rows_max": 0}, {"batch_rows_max": 10**9}],
+    ids=lambda change: next(iter(change)),
+)
+def test_compare_options_out_of_bounds_are_refused_before_anything_runs(change) -> None:
+    """``CompareOptions`` checked most of its bounds but not these: a zero timeout failed each node request,
+    ``in_flight_entries_max`` 0 marked every lag incomplete (divergence), a huge batch asked nodes for more
+    rows than any answers."""
+    from dataclasses import replace
+
+    from mnesite.spark.compare import CompareError, CompareOptions, compare
+
+    with pytest.raises(CompareError, match=next(iter(change))):
+        compare(["a", "b"], replace(CompareOptions(), **change))

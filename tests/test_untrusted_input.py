@@ -365,6 +365,25 @@ def test_the_cli_answers_one_error_line_and_exit_1_never_a_traceback(arguments, 
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        (["compare", "a", "b", "--sample", "-1"], "Error: Invalid value for '--sample'"),
+        (["compare", "a", "b", "--bogus"], "Error: No such option '--bogus'"),
+        (["compare", "a", "b", "--timeout-ms", "x"], "Error: Invalid value for '--timeout-ms'"),
+    ],
+)
+def test_compare_usage_errors_exit_2_could_not_compare_not_1_diverged(arguments, expected) -> None:
+    """``mnesite compare`` exits 0 equal, 1 diverged, 2 could not compare: a mistyped option went through
+    the group's usage-error path, which exits 1, and a script read "the replicas diverged"."""
+    from click.testing import CliRunner
+    from mnesite.cli.main import main
+
+    result = CliRunner().invoke(main, arguments, prog_name="mnesite")
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and result.output.startswith(expected), result.output
+
+
 # -- bounded watches -------------------------------------------------------------------------------
 
 

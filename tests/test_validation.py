@@ -117,6 +117,15 @@ def test_default_config_is_a_single_core() -> None:
             {"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://127.0.0.1:7400"}}},
             r"\[cluster\].core_nodes.core2 has the endpoint of core1",
         ),
+        # A wildcard is for listen only: a peer cannot connect to it (zmq: Invalid argument at start).
+        (
+            {"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://*:7401"}}},
+            r"\[cluster\].core_nodes.core2 must be an address to connect to",
+        ),
+        (
+            {"node": {"role": "replicant"}, "cluster": {"core_nodes": {"core1": "tcp://*:7400"}}},
+            r"\[cluster\].core_nodes.core1 must be an address to connect to",
+        ),
         ({"node": {"role": "replicant"}}, "at least one core"),
         ({"storage": {"synchronous": "SOMETIMES"}}, r"\[storage\].synchronous"),
         ({"limits": {"group_commit_max": 0}}, r"\[limits\].group_commit_max"),

@@ -84,6 +84,15 @@ def test_the_announcement_comes_from_the_answer_and_silence_means_release_0_1_0(
         assert announcement_of(bad) is None, bad
 
 
+def test_a_release_name_that_would_forge_log_lines_is_refused() -> None:
+    """A peer's release name goes into one log line ("core core4 refused: ... it speaks release X") and
+    into status: a newline in it wrote a second, forged line. Only the characters of a version are taken."""
+    for software in ("0.2.0\n2026-01-01 ERROR mnesite: forged", "0.2.0\r", "0.2 0", "\x1b[31m0.2.0", "0.2.0\u2028"):
+        assert announcement_of({"versions": {"software": software, "cluster_versions": [1, 2]}}) is None, software
+    for software in ("0.1.0", "0.2.0.dev0", "1.0.0rc1+local.7", "2.0_post-1"):
+        assert announcement_of({"versions": {"software": software, "cluster_versions": [1, 2]}}).software == software
+
+
 def test_only_the_test_switch_builds_a_node_that_speaks_a_newer_version_only() -> None:
     assert local_announcement({}) == THIS_RELEASE
     only = local_announcement({SPEAK_ONLY_ENV: "3"})
