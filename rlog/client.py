@@ -58,6 +58,10 @@ CHANGES_WAIT_MS = 1000
 QUERY_TIMEOUT_MS = 30_000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
 RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_applied"})
+# Answers a node gives before it looks at the request (its backlog or outstanding requests are full,
+# its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
+# of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
+REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden"})
 RETRY_BACKOFF_S_MIN = 0.02
 # Small enough that a client notices a new sequencer within 0.1 s of its election.
 RETRY_BACKOFF_S_MAX = 0.1
@@ -357,9 +361,9 @@ class Client:
             break
         if answer.kind == "error":
             code = answer.body.code
-            if code == ERROR_DISK_FULL and maybe_applied:
-                # This attempt was refused unread (rlog.disk), but an earlier one may have happened:
-                # the caller must not take "disk_full" for "nothing was written".
+            if code in REFUSED_UNREAD_CODES and maybe_applied:
+                # This attempt was refused unread, but an earlier one may have happened: the caller
+                # must not take the refusal for "nothing was written".
                 self._give_up(kind, message.request_id, True, f"node {self.endpoint}: {answer.body.message}", code)
             raise _ERRORS.get(code, RemoteError)(answer.body.message, code, answer.body.detail)
         return answer.body.result
