@@ -77,6 +77,10 @@ SENDS_DROPPED_LOG_MS = 10_000
 # is read off at most DISCARD_PARTS_PER_TURN a loop turn, so that a million-part message neither grows
 # the node's memory by a list of its parts nor stops the loop's timers while it is read.
 MESSAGE_PARTS_MAX = 16
+# The parts before the frame are routing ids (zmq's are at most 255 bytes) and a REQ client's empty
+# delimiter. They are held in the backlog beside the frame and echoed in the answer, and the backlog's
+# and the turn's byte bounds count frames only: a longer part is refused, so neither is a way around them.
+ENVELOPE_PART_BYTES_MAX = 255
 DISCARD_PARTS_PER_TURN = 10_000
 ROUTER_QUEUE_MAX = 10_000
 # Frames (and bytes, times turn_bytes_max) kept for later turns, as a multiple of group_commit_max.
@@ -326,7 +330,11 @@ class NodeServer:
             parts.append(socket.recv(_NOBLOCK))
         if len(parts) < 2:
             return None  # not from a ROUTER peer we can answer
-        return parts[:-1], parts[-1], principal
+        envelope = parts[:-1]
+        if any(len(part) > ENVELOPE_PART_BYTES_MAX for part in envelope):
+            self.malformed_frame()  # no routing id is that long: neither held nor answered
+            return None
+        return envelope, parts[-1], principal
 
     def refusal(self, principal: str, message: Message) -> Message | None:
         """The error to answer if ``principal`` may not send ``message`` (counted); None if it may."""

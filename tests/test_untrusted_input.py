@@ -638,6 +638,30 @@ def test_a_message_of_too_many_parts_is_refused_and_read_off_over_several_turns(
         dealer.close(0)
 
 
+def test_a_message_whose_envelope_part_is_longer_than_a_routing_id_is_refused() -> None:
+    # The backlog of frames left for later turns is bounded in bytes by the frames it holds, and an
+    # answer echoes the request's envelope: a part before the frame larger than any routing id (zmq's
+    # are at most 255 bytes) would be held uncounted and sent back. Such a message is refused unanswered.
+    context = zmq.Context.instance()
+    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    try:
+        router.bind("inproc://large-envelope")
+        dealer.connect("inproc://large-envelope")
+        frame = raw_frame("get", {"table": "known", "key": 1})
+        dealer.send_multipart([b"h" * (server.ENVELOPE_PART_BYTES_MAX + 1), frame])
+        dealer.send_multipart([b"h" * server.ENVELOPE_PART_BYTES_MAX, frame])  # a proxy's hop: kept
+        assert router.poll(5000)
+        receiver = _Receiver(router)
+        assert receiver.receive() is None and receiver.malformed_frames == 1
+        assert router.poll(5000)
+        received = receiver.receive()
+        assert received is not None and received[1] == frame and len(received[0]) == 2
+        assert receiver.malformed_frames == 1
+    finally:
+        router.close(0)
+        dealer.close(0)
+
+
 def test_a_node_sent_a_message_of_200k_parts_keeps_serving_and_changes_nothing(node) -> None:
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
