@@ -130,8 +130,10 @@ class ReplicantNode(NodeServer):
         self.rng = rng or random.Random()
         self.replica_config = replica_config or ReplicaConfig()
         self.cores = tuple(sorted(config.core_nodes))
-        data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
-        super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
+        store, data_dir_lock = DataDirectoryLock.acquire_and_open(
+            config.data_dir, config.name, config.database_path, config.synchronous
+        )
+        super().__init__(config, store, data_dir_lock)
         self.replicas: dict[str, ShardReplica] = {}
         self.core_sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, Pending] = {}

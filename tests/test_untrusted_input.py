@@ -314,6 +314,26 @@ def test_a_second_node_on_a_data_directory_refuses_to_start_and_files_are_privat
     ThreadNode(tmp_path / "data").stop()  # the lock goes with its node
 
 
+def test_a_node_that_fails_to_open_its_data_directory_leaves_it_unlocked(tmp_path: Path) -> None:
+    # A start that fails after the lock was taken (the database is not mnesite's, or cannot even be
+    # opened) must give the lock back: a process that goes on (a test, an embedding program, a
+    # restore that failed) would otherwise find its own directory "in use" by itself until it exits.
+    from mnesite.rlog.data_dir import DataDirectoryLock
+    from mnesite.rlog.store import StoreError
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "mnesite.db").write_bytes(b"not a database, " * 64)
+    with pytest.raises(StoreError, match="not a mnesite database"):
+        ThreadNode(data)
+    (data / "mnesite.db").unlink()
+    (data / "mnesite.db").mkdir()  # the lock is taken, then the database file cannot be opened
+    with pytest.raises(IsADirectoryError):
+        DataDirectoryLock.acquire(str(data), "core1", str(data / "mnesite.db"))
+    (data / "mnesite.db").rmdir()
+    ThreadNode(data).stop()
+
+
 @pytest.mark.slow
 def test_a_second_process_on_a_data_directory_refuses_with_one_clear_line(tmp_path: Path, node_processes) -> None:
     import subprocess
