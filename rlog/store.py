@@ -186,6 +186,14 @@ def free_bytes(directory: str) -> int | None:
     return (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) * stat.f_frsize
 
 
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def storage_fault(error: BaseException) -> StorageFault | None:
     """What a write's exception says about the disk (``rlog.disk``): FULL, FAILED or None (not the disk)."""
     if isinstance(error, StorageFailedError):
@@ -264,6 +272,7 @@ class Store:
             raise StoreError(f"{path}: no such database")
         self._wal_synced_here = False  # until the connection is set up (``commit``)
         self._wal_fd: int | None = None
+        self._wal_directory_synced = False  # the directory, once the WAL is synced here (``commit``)
         self.checkpointer: WalCheckpointer | None = None
         if readonly:
             # Offline checks of a backup file: leave it exactly as it is (no WAL switch, no schema).
@@ -403,6 +412,17 @@ class Store:
                 # Whatever errno (EIO, or ENOSPC on file systems that allocate at writeback): the
                 # kernel may have dropped the pages it could not write, so a retry proves nothing.
                 raise StorageFailedError(f"fdatasync of {self.path}-wal failed: {error}") from error
+            if not self._wal_directory_synced:
+                # SQLite at FULL syncs the directory once after it creates the -wal file (so the file
+                # itself survives a power failure, not only its contents); so does this.
+                directory = os.path.dirname(os.path.abspath(self.path))
+                try:
+                    _fsync_directory(directory)
+                except OSError as error:
+                    raise StorageFailedError(
+                        f"fsync of {directory} (holding {self.path}-wal) failed: {error}"
+                    ) from error
+                self._wal_directory_synced = True
         if self.checkpointer is not None and self.checkpointer.inline_due:
             self.checkpointer.checkpoint_inline(self.connection)
 

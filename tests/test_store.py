@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import apsw
 import pytest
 from mnesite.rlog.schema import define_table
@@ -200,6 +202,36 @@ def test_at_full_a_durable_commit_syncs_the_wal_and_an_apply_only_commit_does_no
         normal.ensure_shard("default", 1)
     normal.close()
     assert len(synced) == 2  # NORMAL never syncs a commit
+
+
+def test_at_full_the_first_durable_commit_also_syncs_the_directory_of_the_wal(tmp_path, monkeypatch) -> None:
+    """SQLite at FULL syncs the directory once after it creates the -wal file (its DIRSYNC flag), so that
+    the file, not only its contents, survives a power failure: the store commits at NORMAL and syncs
+    the WAL itself (``commit``), so it must sync the directory too, once, before the first durable
+    commit returns. Without it the first writes acknowledged after each start (SQLite removes the WAL
+    when the node stops) were durable only on file systems that persist a new file's name with it."""
+    import stat
+
+    import mnesite.rlog.store as store_module
+
+    synced: list[str] = []
+    real_fsync, real_fdatasync = store_module.os.fsync, store_module.os.fdatasync
+
+    def what(fd: int) -> str:
+        return "directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+
+    monkeypatch.setattr(store_module.os, "fsync", lambda fd: (synced.append(what(fd)), real_fsync(fd)))
+    monkeypatch.setattr(store_module.os, "fdatasync", lambda fd: (synced.append(what(fd)), real_fdatasync(fd)))
+    full = Store(str(tmp_path / "full.db"), synchronous="FULL")
+    try:
+        with full.write_transaction():
+            full.ensure_shard("default", 1)
+        assert synced == ["file", "directory"]
+        with full.write_transaction():
+            full.ensure_shard("other", 1)
+        assert synced == ["file", "directory", "file"]  # once per WAL file, not per commit
+    finally:
+        full.close()
 
 
 def test_apply_committed_from_held_entries_matches_reading_them_back(tmp_path) -> None:
