@@ -108,6 +108,7 @@ INDEX_BUILD_STEP_ROWS_MAX = 1000
 # Retention counts the newest generations' entries from their first and last keys, and walks the
 # entries of older ones (a log of that many generations has had that many elections in its window).
 RETENTION_GENERATIONS_COUNTED = 64
+SPILL_REPLAY_ENTRIES_MAX = 1000  # spilled entries a bootstrap's replay decodes at a time (``replay_spill``)
 PAGE_CACHE_BYTES_MAX = 16 * 1024 * 1024  # the writing connection's SQLite page cache
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
@@ -1350,19 +1351,24 @@ class Store:
             "WHERE shard = ?",
             (*start_key, start_digest, *start_key, start_digest, start_key.generation, shard),
         )
-        entries = [
-            entry_from_wire(msgpack.unpackb(row[0], raw=False))
-            for row in self.connection.execute(
-                "SELECT entry FROM _mnesite_spill WHERE shard = ? AND (generation, counter) > (?, ?) "
-                "ORDER BY generation, counter",
-                (shard, *start_key),
-            )
-        ]
-        self.append_entries(entries, appended_ms)
-        for entry in entries:
-            self.apply_entry(entry, healing=True)
+        # Read and applied SPILL_REPLAY_ENTRIES_MAX at a time: the spill may hold spill_bytes_max
+        # (1 GiB) of entries, many times that once decoded. One transaction all the same (the caller's).
+        last_key = start_key
+        while True:
+            rows = self.connection.execute(
+                "SELECT generation, counter, entry FROM _mnesite_spill "
+                "WHERE shard = ? AND (generation, counter) > (?, ?) ORDER BY generation, counter LIMIT ?",
+                (shard, *last_key, SPILL_REPLAY_ENTRIES_MAX),
+            ).fetchall()
+            if not rows:
+                break
+            entries = [entry_from_wire(msgpack.unpackb(row[2], raw=False)) for row in rows]
+            self.append_entries(entries, appended_ms)
+            for entry in entries:
+                self.apply_entry(entry, healing=True)
+            last_key = TxKey(rows[-1][0], rows[-1][1])
         self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
-        return entries[-1].tx_key if entries else start_key
+        return last_key
 
     def meta(self, name: str, default: Any = None) -> Any:
         row = self.connection.execute("SELECT value FROM _mnesite_meta WHERE name = ?", (name,)).fetchone()

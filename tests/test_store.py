@@ -234,6 +234,34 @@ def test_at_full_the_first_durable_commit_also_syncs_the_directory_of_the_wal(tm
         full.close()
 
 
+def test_a_spill_is_replayed_a_bounded_number_of_entries_at_a_time(store, monkeypatch) -> None:
+    """A bootstrap's spill may hold up to ``spill_bytes_max`` (1 GiB) of entries: the replay reads,
+    decodes and applies them ``SPILL_REPLAY_ENTRIES_MAX`` at a time, in order, in the caller's one
+    transaction, instead of decoding the whole spill into memory at once."""
+    import mnesite.rlog.store as store_module
+
+    monkeypatch.setattr(store_module, "SPILL_REPLAY_ENTRIES_MAX", 3, raising=False)
+    position = store.shard("default")
+    entries, previous = [], (position.applied, position.digest)
+    for counter in range(2, 10):  # 8 entries: batches of 3, 3 and 2
+        entry = make_entry("default", TxKey(1, counter), *previous, [WriteOp("t", {"k": counter, "v": "spilled"})])
+        entries.append(entry)
+        previous = (entry.tx_key, entry.digest)
+    batches: list[int] = []
+    real_append = store.append_entries
+    monkeypatch.setattr(
+        store, "append_entries", lambda batch, *args: (batches.append(len(batch)), real_append(batch, *args))
+    )
+    with store.write_transaction():
+        store.spill(entries)
+        last = store.replay_spill("default", position.applied, position.digest, 0)
+    assert last == TxKey(1, 9) and store.spilled("default") == 0
+    assert batches == [3, 3, 2]
+    assert (store.shard("default").applied, store.shard("default").digest) == previous
+    assert [row["k"] for row in store.scan(TABLE, None, 100)] == list(range(2, 10))
+    assert store.verify_chain("default") == TxKey(1, 9)
+
+
 def test_apply_committed_from_held_entries_matches_reading_them_back(tmp_path) -> None:
     """Applying from the driver's in-memory tail gives the rows and position of the log path; a
     held copy that does not link to the applied key is not trusted (the log is read instead)."""
