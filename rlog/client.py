@@ -332,7 +332,19 @@ class Client:
                     self._give_up(kind, message.request_id, maybe_applied, self._unreachable(error), "unavailable")
                 self._next_endpoint()
                 continue
-            answer = self._await(socket, message.request_id, deadline, timeout_ms)
+            except Unauthenticated as error:
+                # The reconnection for a re-send failed its handshake (a key revoked meanwhile): that
+                # says nothing of an earlier attempt, which may have been applied.
+                if maybe_applied:
+                    self._give_up(kind, message.request_id, True, str(error), error.code)
+                raise
+            try:
+                answer = self._await(socket, message.request_id, deadline, timeout_ms)
+            except Unauthenticated as error:
+                # This attempt left over an authenticated connection before a reconnection failed.
+                if is_write:
+                    self._give_up(kind, message.request_id, True, str(error), error.code)
+                raise
             if answer is None:
                 # Drop the socket: whatever it still queues must not reach the node later.
                 self.close()

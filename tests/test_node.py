@@ -313,6 +313,49 @@ def test_a_write_whose_resend_is_refused_unread_after_a_silent_attempt_is_outcom
         node.close()
 
 
+def test_a_write_whose_reconnection_is_refused_after_a_silent_attempt_is_outcome_unknown() -> None:
+    # The first attempt went out over an authenticated connection and got no answer; the client's
+    # reconnection for the re-send fails its handshake (the key was revoked meanwhile). That says
+    # nothing of the first attempt: "outcome unknown", not "unauthenticated" (taken for "not written").
+    from mnesite.rlog.security import KeyPair
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class FirstHandshakeOnly:
+        def __init__(self) -> None:
+            self.handshakes = 0
+
+        def callback(self, domain: str, key: bytes) -> bool:
+            self.handshakes += 1
+            return self.handshakes == 1
+
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    context = zmq.Context()
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    provider = FirstHandshakeOnly()
+    authenticator.configure_curve_callback("*", credentials_provider=provider)
+    server = context.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.curve_server, server.curve_secretkey = True, server_secret
+    endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        key = KeyPair(zmq.utils.z85.decode(client_public), zmq.utils.z85.decode(client_secret))
+        with (
+            Client(
+                endpoint, timeout_ms=500, retries=1, key=key, server_key=zmq.utils.z85.decode(server_public)
+            ) as client,
+            pytest.raises(OutcomeUnknown) as info,
+        ):
+            client.put("users", {"id": 1})
+        assert server.poll(0) and messages.decode(server.recv_multipart()[-1]).request_id == info.value.request_id
+        assert provider.handshakes >= 2
+    finally:
+        server.close(0)
+        authenticator.stop()
+        context.term()
+
+
 def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
     # Nothing was sent before: "overloaded" at once means surely not applied (no outcome to learn).
     node = _ScriptedNode([("overloaded", "busy node")])
