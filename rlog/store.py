@@ -782,7 +782,14 @@ class Store:
         self._forget_log_ends(shard)
         self.connection.executemany(RLOG_INSERT, [rlog_row(entry, appended_ms) for entry in entries])
         self._log_ends[shard] = (entries[-1].tx_key, entries[-1].digest)
-        self.apply_ops_batched([op for entry in entries for op in entry.ops], healing)
+        try:
+            self.apply_ops_batched([op for entry in entries for op in entry.ops], healing)
+        except (apsw.Error, StoreError) as error:
+            if storage_fault(error) is not None:
+                raise  # not an entry's fault (rlog.disk)
+            # As ``_apply_chain``: the turn is rolled back and the node stops, naming the entry.
+            self.rollback()
+            raise self._entry_at_fault(list(entries), error, healing) from None
         last = entries[-1]
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "

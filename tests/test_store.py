@@ -334,6 +334,21 @@ def test_a_failed_batch_apply_rolls_the_whole_transaction_back_and_leaves_none_o
     assert "u" not in store.catalog() and store.shard("default").applied == start.applied
 
 
+def test_a_replicant_s_apply_that_fails_names_the_entry_and_keeps_nothing(store) -> None:
+    """A replicant applies pushed entries with ``log_and_apply_verified`` (set-based too): an entry
+    that cannot be applied stops the node with the ``EntryApplyError`` naming it, as on a core, not
+    a bare "unknown table" that hides which committed entry it was."""
+    start = store.shard("default")
+    good = make_entry("default", TxKey(1, 2), start.applied, start.digest, [WriteOp("t", {"k": 2, "v": "a"})])
+    bad = make_entry("default", TxKey(1, 3), good.tx_key, good.digest, [WriteOp("missing", {"k": 3})])
+    store.connection.execute("BEGIN IMMEDIATE")
+    with pytest.raises(EntryApplyError, match=r"entry \(1, 3\).*missing") as failure:
+        store.log_and_apply_verified([good, bad], 0)
+    assert failure.value.entry == bad
+    assert not store.connection.in_transaction
+    assert store.last_entry("default")[0] == start.applied and store.read_row(store.catalog()["t"], 2) is None
+
+
 def test_a_batch_that_fails_only_together_names_its_first_entry_with_the_batch_s_error(store, monkeypatch) -> None:
     start = store.shard("default")
     first = make_entry("default", TxKey(1, 2), start.applied, start.digest, [WriteOp("t", {"k": 2, "v": "a"})])
