@@ -1198,6 +1198,9 @@ class CoreNode(NodeServer):
             return
         if len(driver.waiters) + len(driver.held) >= WAITERS_MAX:
             raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
+        # The place its answer waits in, taken before it is proposed: past requests_outstanding_max it
+        # is refused now, unproposed ("overloaded" changes nothing), not once its entry is in the log.
+        self.hold(envelope, message.request_id)
         ops = admitted.ops
         transaction = admitted.transaction
         if rules.holds_write(transaction):
@@ -1283,7 +1286,12 @@ class CoreNode(NodeServer):
         if answer is not None:
             self._tell_outcomes([(envelope, answer)])
             return
-        self.hold(envelope, request_id)  # may refuse (overloaded): then nobody waits
+        try:
+            self.hold(envelope, request_id)  # taken at admission for a new write (``_write``)
+        except OverloadedError:
+            # Its entry is in the log and may commit: "overloaded" would say it changed nothing.
+            self.reply(envelope, _outcome_unknown(request_id, "too many requests of this connection wait"))
+            return
         driver.waiters.wait(tx_key, request_id, envelope, duplicate)
 
     def _tell_outcomes(self, outcomes: list[tuple[Any, Outcome]]) -> None:

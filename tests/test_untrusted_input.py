@@ -474,6 +474,67 @@ def test_requests_outstanding_per_connection_are_bounded_and_released_by_the_ans
     assert node.outstanding[b"client-a"] == {"r2", "r3"}
 
 
+def test_a_proposed_write_past_requests_outstanding_max_is_never_answered_overloaded(tmp_path: Path) -> None:
+    # "overloaded" means "refused, nothing changed" (rlog.errors). A connection past its bound whose
+    # write was admitted and proposed in the same turn (it commits) was nevertheless answered
+    # "overloaded" when the node went to hold it for its commit: its client took it for not written.
+    thread_node = ThreadNode(tmp_path / "data", extra={"limits": {"requests_outstanding_max": 1}})
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        with thread_node.client() as client:
+            client.create_table("known", "id", [("id", "INTEGER"), ("name", "TEXT")])
+        socket.connect(thread_node.endpoint)
+        writes = 20
+        # One connection, many writes sent at once: they arrive in one turn and are proposed as a batch.
+        for number in range(writes):
+            body = {"ops": [{"op": "write", "table": "known", "row": {"id": number, "name": "w"}}]}
+            socket.send(messages.encode(Message("transact", f"w{number}", body)))
+        answers: dict[str, Message] = {}
+        while len(answers) < writes:
+            assert socket.poll(10_000), f"only {len(answers)} of {writes} writes were answered"
+            answer = messages.decode(socket.recv())
+            answers[answer.request_id] = answer
+        refused = 0
+        with thread_node.client() as client:
+            for number in range(writes):
+                answer = answers[f"w{number}"]
+                written = client.get("known", number) is not None
+                if answer.kind == "error" and answer.body.code == "overloaded":
+                    assert not written, f"write {number} was answered overloaded but applied"
+                    refused += 1
+                elif answer.kind == "reply":
+                    assert written
+                else:  # the bound may also be met after proposing (a re-send of a logged write)
+                    assert answer.body.code == "outcome_unknown", answer
+        assert refused, "the bound was never reached: the test did not test it"
+    finally:
+        socket.close(0)
+        thread_node.stop()
+
+
+def test_a_resend_of_a_logged_write_past_requests_outstanding_max_is_told_outcome_unknown(tmp_path: Path) -> None:
+    # A re-send whose entry is in the log, not yet applied, waits for its commit: past the connection's
+    # bound it cannot wait, and "overloaded" would say it changed nothing (the entry may commit).
+    thread_node = ThreadNode(tmp_path / "data", extra={"limits": {"requests_outstanding_max": 1}})
+    with thread_node.client() as client:
+        client.create_table("known", "id", [("id", "INTEGER")])
+    thread_node.stop()  # the accounting only: no thread may touch the node meanwhile
+    from mnesite.rlog.store import Store
+
+    node = thread_node.node
+    node.store = Store(node.config.database_path)  # closed with its node; one for this thread
+    envelope = [b"client-a"]
+    node.hold(envelope, "another")
+    try:
+        node._await_commit(node.shards["default"], TxKey(99, 1), envelope, "resent", duplicate=True)
+    finally:
+        node.store.close()
+    answers = [message for _socket, to, message in node._outbox if to == envelope]
+    assert [(answer.request_id, answer.body.code) for answer in answers] == [("resent", "outcome_unknown")]
+    assert node.outstanding[b"client-a"] == {"another"}
+
+
 def test_status_counts_the_rlog_at_most_once_a_second(tmp_path: Path, monkeypatch) -> None:
     from mnesite.rlog.store import Store
 
