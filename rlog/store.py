@@ -1177,16 +1177,19 @@ class Store:
         if digest is None:
             return 0
         self._forget_log_ends(shard)
-        self.connection.execute(
-            "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
-            (shard, newest_removed.generation, newest_removed.counter),
-        )
-        deleted = self.connection.changes()
-        self.connection.execute(
-            "UPDATE _mnesite_shards SET trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ? "
-            "WHERE shard = ?",
-            (newest_removed.generation, newest_removed.counter, digest, shard),
-        )
+        # All or nothing: entries deleted without the record of the last one would leave a log that
+        # no longer chains from its trimmed key, and a caller may go on with its turn after a failure.
+        with self.savepoint():
+            self.connection.execute(
+                "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
+                (shard, newest_removed.generation, newest_removed.counter),
+            )
+            deleted = self.connection.changes()
+            self.connection.execute(
+                "UPDATE _mnesite_shards SET trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ? "
+                "WHERE shard = ?",
+                (newest_removed.generation, newest_removed.counter, digest, shard),
+            )
         return deleted
 
     def _newest_key(self, condition: str, parameters: tuple[Any, ...], offset: int = 0) -> TxKey | None:

@@ -132,6 +132,27 @@ def test_age_retention_waits_for_followers_but_the_count_bound_is_hard(store) ->
     assert store.verify_chain("default") == TxKey(1, 11)
 
 
+def test_a_trim_that_fails_midway_removes_nothing(store) -> None:
+    """A trim deletes the oldest entries, then records the last one removed (its key and digest are
+    what an append after it, and a watch from it, are checked against). The core's retention logs a
+    failure that is not the disk's and goes on with the turn, whose commit then kept the deletion
+    without the record: the log no longer chained from its trimmed key. A trim is all or nothing."""
+    for counter in range(2, 8):
+        append(store, counter, "x")
+    # Any error of the second statement (a trigger stands in for it) must undo the first.
+    store.connection.execute(
+        "CREATE TRIGGER refuse_trim BEFORE UPDATE OF trimmed_counter ON _mnesite_shards "
+        "BEGIN SELECT RAISE(ABORT, 'refused'); END"
+    )
+    with store.write_transaction():
+        with pytest.raises(apsw.ConstraintError, match="refused"):
+            store.trim("default", entries_max=2, before_ms=None)
+        store.ensure_shard("other", 1)  # the turn goes on and commits
+    assert [e.tx_key.counter for e in store.tail("default", 100)] == list(range(1, 8))
+    assert store.trimmed("default")[0] == ZERO_KEY
+    assert store.verify_chain("default") == TxKey(1, 7)
+
+
 def test_retention_never_trims_unapplied_entries(store) -> None:
     position = store.shard("default")
     entries = []
