@@ -463,8 +463,11 @@ class Store:
         try:
             yield
         except BaseException:
-            self.connection.execute("ROLLBACK TO mnesite_tx")
-            self.connection.execute("RELEASE mnesite_tx")
+            # SQLite may have rolled back the whole transaction, savepoint included (after SQLITE_FULL,
+            # for one): undoing it then would fail and hide the error that matters.
+            if self.connection.in_transaction:
+                self.connection.execute("ROLLBACK TO mnesite_tx")
+                self.connection.execute("RELEASE mnesite_tx")
             self._catalog = None
             self._builds = None
             self._forget_log_ends()

@@ -153,6 +153,21 @@ def test_a_trim_that_fails_midway_removes_nothing(store) -> None:
     assert store.verify_chain("default") == TxKey(1, 7)
 
 
+def test_a_savepoint_whose_transaction_sqlite_rolled_back_raises_the_error_that_did_it(store) -> None:
+    """After some errors (SQLITE_FULL among them) SQLite rolls back the whole transaction, savepoints
+    included: undoing the savepoint then failed with "no such savepoint", which hid the error that
+    matters (a full disk, which the node must tell from a bug: ``storage_fault``)."""
+    # A trigger's RAISE(ROLLBACK) ends the transaction the way such an error does.
+    store.connection.execute(
+        "CREATE TRIGGER roll_back BEFORE INSERT ON t WHEN NEW.k = 99 BEGIN SELECT RAISE(ROLLBACK, 'gone'); END"
+    )
+    store.connection.execute("BEGIN IMMEDIATE")
+    with pytest.raises(apsw.ConstraintError, match="gone"), store.savepoint():
+        store.connection.execute("INSERT INTO t VALUES (99, 'x')")
+    assert not store.connection.in_transaction
+    store.rollback()  # what the node's turn does next: nothing left to roll back, no error
+
+
 def test_retention_never_trims_unapplied_entries(store) -> None:
     position = store.shard("default")
     entries = []
