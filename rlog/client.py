@@ -41,6 +41,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
+import msgspec
 import zmq
 from mnesite.rlog import messages
 from mnesite.rlog.config import DEFAULT_LISTEN
@@ -186,7 +187,8 @@ class Client:
     ) -> None:
         """``key``: the caller's secret key file (or a loaded ``KeyPair``); ``server_key``: the
         cluster's public key file (or the raw 32-byte key). Give both, or neither (no CurveZMQ).
-        ``frame_bytes_max``: requests above it are refused before sending, answers above it ignored.
+        ``frame_bytes_max``: requests above it are refused before sending; an answer above it raises
+        ``RemoteError`` ``too_large`` (``scan`` then asks for smaller pages).
 
         ``endpoint``: one endpoint, several separated by commas, or a list. The client talks to one
         at a time and moves to the next (failover) only when the outcome of the request is known:
@@ -421,7 +423,16 @@ class Client:
             frame = socket.recv()
             try:
                 answer = messages.decode(frame, self.frame_bytes_max)
-            except MessageError:
+            except MessageError as error:
+                if error.code == "frame_too_large" and _request_id_of(frame) == request_id:
+                    # Our answer, above our own bound (the node caps it at its own): say so, never
+                    # "did not answer" after every retry; scan() then asks for smaller pages.
+                    return messages.error(
+                        request_id,
+                        "too_large",
+                        f"the answer is {len(frame)} bytes, above this client's frame_bytes_max "
+                        f"{self.frame_bytes_max}; ask for fewer rows or raise frame_bytes_max",
+                    )
                 continue  # not ours to understand; keep waiting for our answer
             if answer.request_id in (request_id, "?") and answer.kind in ("reply", "error"):
                 return answer
@@ -874,6 +885,18 @@ def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str
     except (KeyError, TypeError, ValueError, MessageError, AttributeError) as error:
         raise MnesiteError(f"malformed changes page: {error}", "bad_answer") from None
     return records, positions, applied_keys
+
+
+# A frame's header with its body left undecoded (msgspec walks past it without building it).
+_HEADER = msgspec.msgpack.Decoder(tuple[Any, Any, Any, msgspec.Raw])
+
+
+def _request_id_of(frame: bytes) -> Any:
+    """The request id of a frame too large to decode (None if even its header is malformed)."""
+    try:
+        return _HEADER.decode(frame)[2]
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+        return None
 
 
 def _why_silent(endpoint: str, kind: str) -> str:

@@ -356,6 +356,22 @@ def test_a_write_whose_reconnection_is_refused_after_a_silent_attempt_is_outcome
         context.term()
 
 
+def test_an_answer_above_the_client_s_frame_bytes_max_is_reported_as_too_large(thread_node: ThreadNode) -> None:
+    # The node caps an answer at its own frame_bytes_max; a client configured with a smaller one dropped
+    # the answer and, after every retry, reported that the node "did not answer", hiding the cause. It
+    # is "too_large" now, at once, which is also what lets scan() ask for smaller pages.
+    with thread_node.client(timeout_ms=2000) as writer:
+        writer.create_table("wide", "id", [("id", "INTEGER"), ("v", "TEXT")])
+        for key in range(3):
+            writer.put("wide", {"id": key, "v": "x" * 1500})
+    with thread_node.client(timeout_ms=2000, frame_bytes_max=2048) as client:
+        started = time.monotonic()
+        with pytest.raises(RemoteError, match="above this client's frame_bytes_max 2048") as info:
+            client.scan_page("wide")
+        assert info.value.code == "too_large" and time.monotonic() - started < 1.5
+        assert [row["id"] for row in client.scan("wide")] == [0, 1, 2]
+
+
 def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
     # Nothing was sent before: "overloaded" at once means surely not applied (no outcome to learn).
     node = _ScriptedNode([("overloaded", "busy node")])
