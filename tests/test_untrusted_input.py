@@ -334,6 +334,24 @@ def test_a_node_that_fails_to_open_its_data_directory_leaves_it_unlocked(tmp_pat
     ThreadNode(data).stop()
 
 
+def test_a_node_that_cannot_bind_its_endpoint_closes_what_it_opened(tmp_path: Path) -> None:
+    # A bind that fails (the port is taken) left the node's store, data directory lock, zmq context
+    # and socket open: the process that goes on could not start a node on that directory again.
+    from mnesite.core.node import CoreNode
+
+    taken = zmq.Context.instance().socket(zmq.ROUTER)
+    taken.setsockopt(zmq.LINGER, 0)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        node = CoreNode(node_config(tmp_path / "data", port))
+        with pytest.raises(zmq.ZMQError):
+            node.bind()
+        assert node.context is None and node.socket is None
+    finally:
+        taken.close(0)
+    ThreadNode(tmp_path / "data").stop()
+
+
 @pytest.mark.slow
 def test_a_second_process_on_a_data_directory_refuses_with_one_clear_line(tmp_path: Path, node_processes) -> None:
     import subprocess
