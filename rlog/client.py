@@ -63,6 +63,8 @@ RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_app
 # its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
 # of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
 REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden"})
+# Requests that act on the node they reach, not on the cluster: never moved to another endpoint.
+NODE_KINDS = frozenset({"stop", "force_start", "backup"})
 RETRY_BACKOFF_S_MIN = 0.02
 # Small enough that a client notices a new sequencer within 0.1 s of its election.
 RETRY_BACKOFF_S_MAX = 0.1
@@ -301,6 +303,11 @@ class Client:
         """
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         retries = self.retries if retries is None else retries
+        if kind in NODE_KINDS and len(self.endpoints) > 1:
+            # Failover would carry it to another node than the one meant (as the CLI's one --node).
+            raise InvalidRequest(
+                f"not sent: {kind} acts on the node it reaches; use a Client of exactly one endpoint", "bad_request"
+            )
         message = Message(kind, request_id or new_request_id(), body or {})
         try:
             frame = messages.encode(message, check=True)

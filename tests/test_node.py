@@ -12,6 +12,7 @@ from mnesite.rlog import messages
 from mnesite.rlog.client import (
     Client,
     GuardFailed,
+    InvalidRequest,
     MnesiteError,
     OutcomeUnknown,
     RemoteError,
@@ -370,6 +371,19 @@ def test_an_answer_above_the_client_s_frame_bytes_max_is_reported_as_too_large(t
             client.scan_page("wide")
         assert info.value.code == "too_large" and time.monotonic() - started < 1.5
         assert [row["id"] for row in client.scan("wide")] == [0, 1, 2]
+
+
+def test_a_request_about_one_node_never_fails_over_to_another(thread_node: ThreadNode, silent_endpoint: str) -> None:
+    # stop, force_start and backup act on the node they reach. A client of several endpoints moved a
+    # read-like request to the next endpoint when the first was silent or down: it stopped (or forced
+    # sequencer, or backed up) another node than the one meant. They need a client of one endpoint.
+    with Client([silent_endpoint, thread_node.endpoint], timeout_ms=200, retries=1) as client:
+        for call in (client.stop, client.force_start, lambda: client.backup("/tmp/never.backup")):
+            with pytest.raises(InvalidRequest, match="exactly one endpoint"):
+                call()
+    with thread_node.client() as client:
+        assert client.status()["node"] == "core1"
+    assert thread_node.thread.is_alive() and not thread_node.node.stop_requested
 
 
 def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
