@@ -269,6 +269,12 @@ class ReplicantNode(NodeServer):
 
     # -- full disk (rlog.disk) ----------------------------------------------------------------
 
+    def abandon_turn(self) -> None:
+        # The turn's acknowledgements wait for its commit outside the outbox (``before_send``): they
+        # acknowledge applies the rollback undid, and must leave no more than its frames.
+        super().abandon_turn()
+        self._acks = {}
+
     def disk_filled(self) -> None:
         """The turn was rolled back: each replica takes back the position on disk and applies nothing."""
         for shard, replica in list(self.replicas.items()):

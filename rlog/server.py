@@ -489,7 +489,8 @@ class NodeServer:
 
     def abandon_turn(self) -> None:
         """The disk failed this turn: roll back its transaction and send none of its frames (they may
-        acknowledge what was not made durable). Their clients retry, or are told by ``disk_filled``."""
+        acknowledge what was not made durable). Their clients retry, or are told by ``disk_filled``.
+        A driver that keeps frames of the turn outside the outbox (for ``before_send``) drops them too."""
         self.store.rollback()
         self._in_transaction = False
         self._durable = False
