@@ -41,7 +41,6 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-import msgspec
 import zmq
 from mnesite.rlog import messages
 from mnesite.rlog.config import DEFAULT_LISTEN
@@ -431,7 +430,10 @@ class Client:
             try:
                 answer = messages.decode(frame, self.frame_bytes_max)
             except MessageError as error:
-                if error.code == "frame_too_large" and _request_id_of(frame) == request_id:
+                # The node's header-only reader (imported here: the client needs the node loop only then).
+                from mnesite.rlog.server import request_id_of
+
+                if error.code == "frame_too_large" and request_id_of(frame) == request_id:
                     # Our answer, above our own bound (the node caps it at its own): say so, never
                     # "did not answer" after every retry; scan() then asks for smaller pages.
                     return messages.error(
@@ -892,18 +894,6 @@ def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str
     except (KeyError, TypeError, ValueError, MessageError, AttributeError) as error:
         raise MnesiteError(f"malformed changes page: {error}", "bad_answer") from None
     return records, positions, applied_keys
-
-
-# A frame's header with its body left undecoded (msgspec walks past it without building it).
-_HEADER = msgspec.msgpack.Decoder(tuple[Any, Any, Any, msgspec.Raw])
-
-
-def _request_id_of(frame: bytes) -> Any:
-    """The request id of a frame too large to decode (None if even its header is malformed)."""
-    try:
-        return _HEADER.decode(frame)[2]
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
-        return None
 
 
 def _why_silent(endpoint: str, kind: str) -> str:
