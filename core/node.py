@@ -341,8 +341,10 @@ class CoreNode(NodeServer):
             election_timeout_ms_max=config.timing.election_timeout_ms_max,
             heartbeat_interval_ms=config.timing.heartbeat_interval_ms,
         )
-        data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
-        super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
+        store, data_dir_lock = DataDirectoryLock.acquire_and_open(
+            config.data_dir, config.name, config.database_path, config.synchronous
+        )
+        super().__init__(config, store, data_dir_lock)
         # The cluster's membership (core.membership): the config's core_nodes seed it; after that it
         # is the membership last applied from any shard's log, and it seeds shards created later.
         # Endpoints of cores added later are learned from their membership entries.
@@ -1304,7 +1306,12 @@ class CoreNode(NodeServer):
         if answer is not None:
             self._tell_outcomes([(envelope, answer)])
             return
-        self.hold(envelope, request_id)  # may refuse (overloaded): then nobody waits
+        try:
+            self.hold(envelope, request_id)  # taken at admission for a new write (``_write``)
+        except OverloadedError:
+            # Its entry is in the log and may commit: "overloaded" would say it changed nothing.
+            self.reply(envelope, _outcome_unknown(request_id, "too many requests of this connection wait"))
+            return
         driver.waiters.wait(tx_key, request_id, envelope, duplicate)
 
     def _tell_outcomes(self, outcomes: list[tuple[Any, Outcome]]) -> None:

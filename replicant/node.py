@@ -133,8 +133,10 @@ class ReplicantNode(NodeServer):
         # One budget for the spills of all this node's shards (a first start bootstraps them all at once).
         self.spill_budget = SpillBudget(self.replica_config.spill_bytes_max)
         self.cores = tuple(sorted(config.core_nodes))
-        data_dir_lock = DataDirectoryLock.acquire(config.data_dir, config.name, config.database_path)
-        super().__init__(config, Store(config.database_path, synchronous=config.synchronous), data_dir_lock)
+        store, data_dir_lock = DataDirectoryLock.acquire_and_open(
+            config.data_dir, config.name, config.database_path, config.synchronous
+        )
+        super().__init__(config, store, data_dir_lock)
         self.replicas: dict[str, ShardReplica] = {}
         self.core_sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, Pending] = {}
@@ -270,6 +272,12 @@ class ReplicantNode(NodeServer):
             log.debug("%s to %s not sent: %s", kind, core, error)
 
     # -- full disk (rlog.disk) ----------------------------------------------------------------
+
+    def abandon_turn(self) -> None:
+        # The turn's acknowledgements wait for its commit outside the outbox (``before_send``): they
+        # acknowledge applies the rollback undid, and must leave no more than its frames.
+        super().abandon_turn()
+        self._acks = {}
 
     def disk_filled(self) -> None:
         """The turn was rolled back: each replica takes back the position on disk and applies nothing."""

@@ -16,7 +16,8 @@ Everything a node knows is in that one database file, so the snapshot carries ea
 applied tx key and digest in the same transaction as the rows (DESIGN invariant 4). The copy is
 written to ``FILE.partial``, switched to a rollback journal (one self-contained file), given a
 ``backup`` record in ``_mnesite_meta`` (node, role, time, and per shard the applied tx key, digest
-and generation) and renamed to ``FILE``: a file named ``FILE`` is always a complete backup.
+and generation) and linked to ``FILE`` (never replacing a file made there meanwhile), then ``FILE.partial``
+is removed: a file named ``FILE`` is always a complete backup.
 
 ``restore`` seeds a new data directory from a backup: the copy drops what is not part of the
 committed state (entries after the applied key, which a core may not have seen committed; a
@@ -32,6 +33,7 @@ same path reports its progress, so the client polls with the same request until 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -159,7 +161,7 @@ class BackupJob:
                 self._finish(target)
             finally:
                 target.close()
-            os.rename(partial, self.path)
+            _publish(partial, self.path)
             _fsync_directory(os.path.dirname(self.path))
             self.state = "done"
         except Exception as error:  # reported to the client that polls; the node goes on serving
@@ -216,6 +218,25 @@ class BackupJob:
         """For tests and shutdown: True once the copy thread has ended."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+
+def _publish(partial: str, path: str) -> None:
+    """Give the finished copy its name, never replacing a file made at ``path`` while it was copied
+    (checked free at the start only): a hard link fails if the name exists, where a rename replaces it."""
+    taken = BackupError(f"{path} exists (made while the backup was copied); a backup never overwrites a file")
+    try:
+        os.link(partial, path)
+    except FileExistsError:
+        raise taken from None
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        # A file system without hard links: the name is checked again just before the rename.
+        if os.path.lexists(path):
+            raise taken from None
+        os.rename(partial, path)
+        return
+    os.unlink(partial)
 
 
 def _fsync_directory(path: str) -> None:

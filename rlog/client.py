@@ -57,6 +57,12 @@ CHANGES_WAIT_MS = 1000
 QUERY_TIMEOUT_MS = 30_000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
 RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_applied"})
+# Answers a node gives before it looks at the request (its backlog or outstanding requests are full,
+# its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
+# of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
+REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden"})
+# Requests that act on the node they reach, not on the cluster: never moved to another endpoint.
+NODE_KINDS = frozenset({"stop", "force_start", "backup"})
 RETRY_BACKOFF_S_MIN = 0.02
 # Small enough that a client notices a new sequencer within 0.1 s of its election.
 RETRY_BACKOFF_S_MAX = 0.1
@@ -181,7 +187,8 @@ class Client:
     ) -> None:
         """``key``: the caller's secret key file (or a loaded ``KeyPair``); ``server_key``: the
         cluster's public key file (or the raw 32-byte key). Give both, or neither (no CurveZMQ).
-        ``frame_bytes_max``: requests above it are refused before sending, answers above it ignored.
+        ``frame_bytes_max``: requests above it are refused before sending; an answer above it raises
+        ``RemoteError`` ``too_large`` (``scan`` then asks for smaller pages).
 
         ``endpoint``: one endpoint, several separated by commas, or a list. The client talks to one
         at a time and moves to the next (failover) only when the outcome of the request is known:
@@ -294,6 +301,11 @@ class Client:
         """
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         retries = self.retries if retries is None else retries
+        if kind in NODE_KINDS and len(self.endpoints) > 1:
+            # Failover would carry it to another node than the one meant (as the CLI's one --node).
+            raise InvalidRequest(
+                f"not sent: {kind} acts on the node it reaches; use a Client of exactly one endpoint", "bad_request"
+            )
         message = Message(kind, request_id or new_request_id(), body or {})
         try:
             frame = messages.encode(message, check=True)
@@ -327,7 +339,19 @@ class Client:
                     self._give_up(kind, message.request_id, maybe_applied, self._unreachable(error), "unavailable")
                 self._next_endpoint()
                 continue
-            answer = self._await(socket, message.request_id, deadline, timeout_ms)
+            except Unauthenticated as error:
+                # The reconnection for a re-send failed its handshake (a key revoked meanwhile): that
+                # says nothing of an earlier attempt, which may have been applied.
+                if maybe_applied:
+                    self._give_up(kind, message.request_id, True, str(error), error.code)
+                raise
+            try:
+                answer = self._await(socket, message.request_id, deadline, timeout_ms)
+            except Unauthenticated as error:
+                # This attempt left over an authenticated connection before a reconnection failed.
+                if is_write:
+                    self._give_up(kind, message.request_id, True, str(error), error.code)
+                raise
             if answer is None:
                 # Drop the socket: whatever it still queues must not reach the node later.
                 self.close()
@@ -356,9 +380,9 @@ class Client:
             break
         if answer.kind == "error":
             code = answer.body.code
-            if code == ERROR_DISK_FULL and maybe_applied:
-                # This attempt was refused unread (rlog.disk), but an earlier one may have happened:
-                # the caller must not take "disk_full" for "nothing was written".
+            if code in REFUSED_UNREAD_CODES and maybe_applied:
+                # This attempt was refused unread, but an earlier one may have happened: the caller
+                # must not take the refusal for "nothing was written".
                 self._give_up(kind, message.request_id, True, f"node {self.endpoint}: {answer.body.message}", code)
             raise _ERRORS.get(code, RemoteError)(answer.body.message, code, answer.body.detail)
         return answer.body.result
@@ -404,7 +428,19 @@ class Client:
             frame = socket.recv()
             try:
                 answer = messages.decode(frame, self.frame_bytes_max)
-            except MessageError:
+            except MessageError as error:
+                # The node's header-only reader (imported here: the client needs the node loop only then).
+                from mnesite.rlog.server import request_id_of
+
+                if error.code == "frame_too_large" and request_id_of(frame) == request_id:
+                    # Our answer, above our own bound (the node caps it at its own): say so, never
+                    # "did not answer" after every retry; scan() then asks for smaller pages.
+                    return messages.error(
+                        request_id,
+                        "too_large",
+                        f"the answer is {len(frame)} bytes, above this client's frame_bytes_max "
+                        f"{self.frame_bytes_max}; ask for fewer rows or raise frame_bytes_max",
+                    )
                 continue  # not ours to understand; keep waiting for our answer
             if answer.request_id in (request_id, "?") and answer.kind in ("reply", "error"):
                 return answer

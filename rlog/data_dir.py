@@ -17,6 +17,8 @@ from __future__ import annotations
 import fcntl
 import os
 
+from mnesite.rlog.store import Store
+
 LOCK_FILE = "LOCK"
 DIRECTORY_MODE = 0o700
 FILE_MODE = 0o600
@@ -48,16 +50,34 @@ class DataDirectoryLock:
                 f"data directory {data_dir} is in use by {holder}; stop that node first "
                 f"(two processes on one data directory would corrupt its rlog)"
             ) from None
-        os.fchmod(fd, FILE_MODE)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"node {node_name} (pid {os.getpid()})\n".encode(), 0)
-        if database_path is not None:
-            # Created 0600 before SQLite opens it; an existing one is narrowed to 0600.
-            os.close(os.open(database_path, os.O_RDWR | os.O_CREAT, FILE_MODE))
-            for suffix in ("", "-wal", "-shm"):
-                if os.path.exists(database_path + suffix):
-                    os.chmod(database_path + suffix, FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"node {node_name} (pid {os.getpid()})\n".encode(), 0)
+            if database_path is not None:
+                # Created 0600 before SQLite opens it; an existing one is narrowed to 0600.
+                os.close(os.open(database_path, os.O_RDWR | os.O_CREAT, FILE_MODE))
+                for suffix in ("", "-wal", "-shm"):
+                    if os.path.exists(database_path + suffix):
+                        os.chmod(database_path + suffix, FILE_MODE)
+        except BaseException:
+            # A process that goes on after this failure must not keep the directory locked by itself.
+            os.close(fd)
+            raise
         return cls(data_dir, fd)
+
+    @classmethod
+    def acquire_and_open(
+        cls, data_dir: str, node_name: str, database_path: str, synchronous: str
+    ) -> tuple[Store, DataDirectoryLock]:
+        """The node's ``rlog.store.Store`` opened under the lock (both returned); a database that does
+        not open gives the lock back before the error leaves (a process may go on after it)."""
+        lock = cls.acquire(data_dir, node_name, database_path)
+        try:
+            return Store(database_path, synchronous=synchronous), lock
+        except BaseException:
+            lock.release()
+            raise
 
     def release(self) -> None:
         if self._fd is not None:

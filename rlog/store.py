@@ -108,6 +108,7 @@ INDEX_BUILD_STEP_ROWS_MAX = 1000
 # Retention counts the newest generations' entries from their first and last keys, and walks the
 # entries of older ones (a log of that many generations has had that many elections in its window).
 RETENTION_GENERATIONS_COUNTED = 64
+SPILL_REPLAY_ENTRIES_MAX = 1000  # spilled entries a bootstrap's replay decodes at a time (``replay_spill``)
 PAGE_CACHE_BYTES_MAX = 16 * 1024 * 1024  # the writing connection's SQLite page cache
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
@@ -184,6 +185,14 @@ def free_bytes(directory: str) -> int | None:
     except OSError:
         return None
     return (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) * stat.f_frsize
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def storage_fault(error: BaseException) -> StorageFault | None:
@@ -264,6 +273,7 @@ class Store:
             raise StoreError(f"{path}: no such database")
         self._wal_synced_here = False  # until the connection is set up (``commit``)
         self._wal_fd: int | None = None
+        self._wal_directory_synced = False  # the directory, once the WAL is synced here (``commit``)
         self.checkpointer: WalCheckpointer | None = None
         if readonly:
             # Offline checks of a backup file: leave it exactly as it is (no WAL switch, no schema).
@@ -403,6 +413,17 @@ class Store:
                 # Whatever errno (EIO, or ENOSPC on file systems that allocate at writeback): the
                 # kernel may have dropped the pages it could not write, so a retry proves nothing.
                 raise StorageFailedError(f"fdatasync of {self.path}-wal failed: {error}") from error
+            if not self._wal_directory_synced:
+                # SQLite at FULL syncs the directory once after it creates the -wal file (so the file
+                # itself survives a power failure, not only its contents); so does this.
+                directory = os.path.dirname(os.path.abspath(self.path))
+                try:
+                    _fsync_directory(directory)
+                except OSError as error:
+                    raise StorageFailedError(
+                        f"fsync of {directory} (holding {self.path}-wal) failed: {error}"
+                    ) from error
+                self._wal_directory_synced = True
         if self.checkpointer is not None and self.checkpointer.inline_due:
             self.checkpointer.checkpoint_inline(self.connection)
 
@@ -442,8 +463,11 @@ class Store:
         try:
             yield
         except BaseException:
-            self.connection.execute("ROLLBACK TO mnesite_tx")
-            self.connection.execute("RELEASE mnesite_tx")
+            # SQLite may have rolled back the whole transaction, savepoint included (after SQLITE_FULL,
+            # for one): undoing it then would fail and hide the error that matters.
+            if self.connection.in_transaction:
+                self.connection.execute("ROLLBACK TO mnesite_tx")
+                self.connection.execute("RELEASE mnesite_tx")
             self._catalog = None
             self._builds = None
             self._forget_log_ends()
@@ -761,7 +785,14 @@ class Store:
         self._forget_log_ends(shard)
         self.connection.executemany(RLOG_INSERT, [rlog_row(entry, appended_ms) for entry in entries])
         self._log_ends[shard] = (entries[-1].tx_key, entries[-1].digest)
-        self.apply_ops_batched([op for entry in entries for op in entry.ops], healing)
+        try:
+            self.apply_ops_batched([op for entry in entries for op in entry.ops], healing)
+        except (apsw.Error, StoreError) as error:
+            if storage_fault(error) is not None:
+                raise  # not an entry's fault (rlog.disk)
+            # As ``_apply_chain``: the turn is rolled back and the node stops, naming the entry.
+            self.rollback()
+            raise self._entry_at_fault(list(entries), error, healing) from None
         last = entries[-1]
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
@@ -1152,16 +1183,19 @@ class Store:
         if digest is None:
             return 0
         self._forget_log_ends(shard)
-        self.connection.execute(
-            "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
-            (shard, newest_removed.generation, newest_removed.counter),
-        )
-        deleted = self.connection.changes()
-        self.connection.execute(
-            "UPDATE _mnesite_shards SET trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ? "
-            "WHERE shard = ?",
-            (newest_removed.generation, newest_removed.counter, digest, shard),
-        )
+        # All or nothing: entries deleted without the record of the last one would leave a log that
+        # no longer chains from its trimmed key, and a caller may go on with its turn after a failure.
+        with self.savepoint():
+            self.connection.execute(
+                "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
+                (shard, newest_removed.generation, newest_removed.counter),
+            )
+            deleted = self.connection.changes()
+            self.connection.execute(
+                "UPDATE _mnesite_shards SET trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ? "
+                "WHERE shard = ?",
+                (newest_removed.generation, newest_removed.counter, digest, shard),
+            )
         return deleted
 
     def _newest_key(self, condition: str, parameters: tuple[Any, ...], offset: int = 0) -> TxKey | None:
@@ -1333,19 +1367,24 @@ class Store:
             "WHERE shard = ?",
             (*start_key, start_digest, *start_key, start_digest, start_key.generation, shard),
         )
-        entries = [
-            entry_from_wire(msgpack.unpackb(row[0], raw=False))
-            for row in self.connection.execute(
-                "SELECT entry FROM _mnesite_spill WHERE shard = ? AND (generation, counter) > (?, ?) "
-                "ORDER BY generation, counter",
-                (shard, *start_key),
-            )
-        ]
-        self.append_entries(entries, appended_ms)
-        for entry in entries:
-            self.apply_entry(entry, healing=True)
+        # Read and applied SPILL_REPLAY_ENTRIES_MAX at a time: the spill may hold spill_bytes_max
+        # (1 GiB) of entries, many times that once decoded. One transaction all the same (the caller's).
+        last_key = start_key
+        while True:
+            rows = self.connection.execute(
+                "SELECT generation, counter, entry FROM _mnesite_spill "
+                "WHERE shard = ? AND (generation, counter) > (?, ?) ORDER BY generation, counter LIMIT ?",
+                (shard, *last_key, SPILL_REPLAY_ENTRIES_MAX),
+            ).fetchall()
+            if not rows:
+                break
+            entries = [entry_from_wire(msgpack.unpackb(row[2], raw=False)) for row in rows]
+            self.append_entries(entries, appended_ms)
+            for entry in entries:
+                self.apply_entry(entry, healing=True)
+            last_key = TxKey(rows[-1][0], rows[-1][1])
         self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
-        return entries[-1].tx_key if entries else start_key
+        return last_key
 
     def meta(self, name: str, default: Any = None) -> Any:
         row = self.connection.execute("SELECT value FROM _mnesite_meta WHERE name = ?", (name,)).fetchone()

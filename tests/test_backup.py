@@ -408,6 +408,34 @@ def test_a_backup_cancelled_by_shutdown_fails_cleanly_and_leaves_no_partial_file
     store.close()
 
 
+def test_a_backup_never_replaces_a_file_made_at_its_path_while_it_copied(tmp_path: Path, monkeypatch) -> None:
+    """The path is checked free when the backup starts, but the copy takes a while: a file made at
+    that path meanwhile (another tool, an operator) must survive, and the backup fail saying why."""
+    from mnesite.rlog import backup as backup_module
+    from mnesite.rlog.backup import PARTIAL_SUFFIX, BackupJob
+
+    from tests.spark_fixtures import create_store, write_rows
+    from tests.spark_fixtures import create_table as create_fixture_table
+
+    store = create_store(tmp_path / "node")
+    create_fixture_table(store, "kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+    write_rows(store, "kv", [{"id": key, "value": "v"} for key in range(10)])
+    target = tmp_path / "node.backup"
+    real_finish = BackupJob._finish
+
+    def finish_while_a_file_appears(job: BackupJob, connection) -> None:
+        real_finish(job, connection)
+        target.write_text("someone else's file")
+
+    monkeypatch.setattr(backup_module.BackupJob, "_finish", finish_while_a_file_appears)
+    job = BackupJob(str(tmp_path / "node" / "mnesite.db"), str(target), "core1", "core")
+    assert job.wait(60) and job.state == "failed"
+    assert "exists" in job.error and str(target) in job.error
+    assert target.read_text() == "someone else's file"
+    assert not Path(str(target) + PARTIAL_SUFFIX).exists()
+    store.close()
+
+
 @pytest.mark.timeout(60)
 def test_closing_a_node_cancels_its_running_backup(tmp_path: Path, monkeypatch) -> None:
     from mnesite.rlog.backup import PARTIAL_SUFFIX, BackupJob

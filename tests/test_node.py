@@ -13,6 +13,7 @@ from mnesite.rlog import messages
 from mnesite.rlog.client import (
     Client,
     GuardFailed,
+    InvalidRequest,
     MnesiteError,
     OutcomeUnknown,
     RemoteError,
@@ -264,6 +265,141 @@ def test_a_write_without_a_definite_answer_raises_outcome_unknown_with_the_id_to
     first = client.transact(ops, request_id=info.value.request_id)
     assert client.transact(ops, request_id=info.value.request_id) == first
     assert client.get("users", 40, after_tx_key=first) == {"id": 40, "name": "lost?", "score": 1.0}
+
+
+class _ScriptedNode:
+    """A ROUTER on 127.0.0.1 that answers the n-th request it receives with ``answers[n]`` (None: no
+    answer, a node that took the request and went silent), from a thread; ``requests`` holds their ids."""
+
+    def __init__(self, answers: list[tuple[str, str] | None]) -> None:
+        self.answers = answers
+        self.requests: list[str] = []
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set() and len(self.requests) < len(self.answers):
+            if not self.socket.poll(50):
+                continue
+            *envelope, frame = self.socket.recv_multipart()
+            request_id = messages.decode(frame).request_id
+            answer = self.answers[len(self.requests)]
+            self.requests.append(request_id)
+            if answer is not None:
+                code, text = answer
+                self.socket.send_multipart([*envelope, messages.encode(messages.error(request_id, code, text))])
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.socket.close(0)
+
+
+@pytest.mark.parametrize("code", ["overloaded", "disk_full", "forbidden"])
+def test_a_write_whose_resend_is_refused_unread_after_a_silent_attempt_is_outcome_unknown(code: str) -> None:
+    # The first attempt reached the node and got no answer: it may have been applied. The re-send
+    # (same request id) is refused before the node looked at it (a full backlog, a full disk, a key
+    # revoked meanwhile): that says nothing of the first attempt, so the caller must hear "outcome
+    # unknown" with the id to send it again, never an error it would take for "not written".
+    node = _ScriptedNode([None, (code, f"refused: {code}")])
+    try:
+        with Client(node.endpoint, timeout_ms=300, retries=1) as client, pytest.raises(OutcomeUnknown) as info:
+            client.put("users", {"id": 1})
+        assert code in str(info.value)
+        assert len(node.requests) == 2 and set(node.requests) == {info.value.request_id}
+    finally:
+        node.close()
+
+
+def test_a_write_whose_reconnection_is_refused_after_a_silent_attempt_is_outcome_unknown() -> None:
+    # The first attempt went out over an authenticated connection and got no answer; the client's
+    # reconnection for the re-send fails its handshake (the key was revoked meanwhile). That says
+    # nothing of the first attempt: "outcome unknown", not "unauthenticated" (taken for "not written").
+    from mnesite.rlog.security import KeyPair
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class FirstHandshakeOnly:
+        def __init__(self) -> None:
+            self.handshakes = 0
+
+        def callback(self, domain: str, key: bytes) -> bool:
+            self.handshakes += 1
+            return self.handshakes == 1
+
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    context = zmq.Context()
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    provider = FirstHandshakeOnly()
+    authenticator.configure_curve_callback("*", credentials_provider=provider)
+    server = context.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.curve_server, server.curve_secretkey = True, server_secret
+    endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        key = KeyPair(zmq.utils.z85.decode(client_public), zmq.utils.z85.decode(client_secret))
+        with (
+            Client(
+                endpoint, timeout_ms=500, retries=1, key=key, server_key=zmq.utils.z85.decode(server_public)
+            ) as client,
+            pytest.raises(OutcomeUnknown) as info,
+        ):
+            client.put("users", {"id": 1})
+        assert server.poll(0) and messages.decode(server.recv_multipart()[-1]).request_id == info.value.request_id
+        assert provider.handshakes >= 2
+    finally:
+        server.close(0)
+        authenticator.stop()
+        context.term()
+
+
+def test_an_answer_above_the_client_s_frame_bytes_max_is_reported_as_too_large(thread_node: ThreadNode) -> None:
+    # The node caps an answer at its own frame_bytes_max; a client configured with a smaller one dropped
+    # the answer and, after every retry, reported that the node "did not answer", hiding the cause. It
+    # is "too_large" now, at once, which is also what lets scan() ask for smaller pages.
+    with thread_node.client(timeout_ms=2000) as writer:
+        writer.create_table("wide", "id", [("id", "INTEGER"), ("v", "TEXT")])
+        for key in range(3):
+            writer.put("wide", {"id": key, "v": "x" * 1500})
+    with thread_node.client(timeout_ms=2000, frame_bytes_max=2048) as client:
+        started = time.monotonic()
+        with pytest.raises(RemoteError, match="above this client's frame_bytes_max 2048") as info:
+            client.scan_page("wide")
+        assert info.value.code == "too_large" and time.monotonic() - started < 1.5
+        assert [row["id"] for row in client.scan("wide")] == [0, 1, 2]
+
+
+def test_a_request_about_one_node_never_fails_over_to_another(thread_node: ThreadNode, silent_endpoint: str) -> None:
+    # stop, force_start and backup act on the node they reach. A client of several endpoints moved a
+    # read-like request to the next endpoint when the first was silent or down: it stopped (or forced
+    # sequencer, or backed up) another node than the one meant. They need a client of one endpoint.
+    with Client([silent_endpoint, thread_node.endpoint], timeout_ms=200, retries=1) as client:
+        for call in (client.stop, client.force_start, lambda: client.backup("/tmp/never.backup")):
+            with pytest.raises(InvalidRequest, match="exactly one endpoint"):
+                call()
+    with thread_node.client() as client:
+        assert client.status()["node"] == "core1"
+    assert thread_node.thread.is_alive() and not thread_node.node.stop_requested
+
+
+def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
+    # Nothing was sent before: "overloaded" at once means surely not applied (no outcome to learn).
+    node = _ScriptedNode([("overloaded", "busy node")])
+    try:
+        with Client(node.endpoint, timeout_ms=300, retries=1) as client, pytest.raises(RemoteError) as info:
+            client.put("users", {"id": 1})
+        assert (
+            "busy node" in str(info.value)
+            and info.value.code == "overloaded"
+            and not isinstance(info.value, OutcomeUnknown)
+        )
+    finally:
+        node.close()
 
 
 def test_send_frames_delivers_a_multipart_message_intact_and_refuses_a_full_queue() -> None:

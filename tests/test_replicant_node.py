@@ -410,6 +410,52 @@ def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_
         _close_offline(node)
 
 
+def test_a_turn_rolled_back_for_want_of_space_acknowledges_none_of_its_applies(tmp_path) -> None:
+    """A push's acknowledgement is queued after the turn's commit (``before_send``). When that commit
+    found the disk full, the turn's frames were dropped but its acknowledgements were kept for the next
+    turn's flush: the core heard that entries were applied which the rollback had undone (its agent
+    then pushes past them, and its retention counts on them)."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, WriteOp, make_entry
+
+    table = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+    history = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [table.to_op()])]
+    for counter in range(2, 5):
+        last = history[-1]
+        history.append(
+            make_entry("default", TxKey(1, counter), last.tx_key, last.digest, [WriteOp("t", {"k": counter})])
+        )
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        replica = node._open_replica("default")
+        k0, d0 = history[0].tx_key, history[0].digest
+        node._execute(replica, p.ApplyEntries((history[0],)))
+        node.flush()
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 4), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", k0, d0, replica.watch_id))
+        node._step(replica, p.TablesReceived("core1", ("t",), ("k",)))
+        node._step(replica, p.BatchReceived("core1", "t", None, (), True))
+        node.flush()
+        node._step(replica, p.CommittedReceived("core1", TxKey(1, 4)))
+        node.flush()
+        node._step(replica, p.PushReceived("core1", "a1", tuple(history[1:4]), TxKey(1, 4), True))
+        assert replica.applied_key == TxKey(1, 4) and node._acks  # an acknowledgement of (1, 4) waits
+        node.abandon_turn()  # the turn's commit found the disk full
+        node.disk.filled("database or disk is full", node.clock_ms())
+        node.disk_filled()
+        assert node.store.shard("default").applied == k0
+        queued: list[Message] = []
+        node.queue = lambda socket, message: queued.append(message)  # type: ignore[method-assign]
+        node.flush()  # the next turn
+        acknowledged = [message.body["applied"] for message in queued if message.kind == "push_ack"]
+        assert [1, 4] not in acknowledged, "an apply the rollback undid was acknowledged"
+    finally:
+        _close_offline(node)
+
+
 def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_never_starve_the_replicas(
     tmp_path,
 ) -> None:

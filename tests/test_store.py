@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import apsw
 import pytest
 from mnesite.rlog.schema import define_table
@@ -130,6 +132,42 @@ def test_age_retention_waits_for_followers_but_the_count_bound_is_hard(store) ->
     assert store.verify_chain("default") == TxKey(1, 11)
 
 
+def test_a_trim_that_fails_midway_removes_nothing(store) -> None:
+    """A trim deletes the oldest entries, then records the last one removed (its key and digest are
+    what an append after it, and a watch from it, are checked against). The core's retention logs a
+    failure that is not the disk's and goes on with the turn, whose commit then kept the deletion
+    without the record: the log no longer chained from its trimmed key. A trim is all or nothing."""
+    for counter in range(2, 8):
+        append(store, counter, "x")
+    # Any error of the second statement (a trigger stands in for it) must undo the first.
+    store.connection.execute(
+        "CREATE TRIGGER refuse_trim BEFORE UPDATE OF trimmed_counter ON _mnesite_shards "
+        "BEGIN SELECT RAISE(ABORT, 'refused'); END"
+    )
+    with store.write_transaction():
+        with pytest.raises(apsw.ConstraintError, match="refused"):
+            store.trim("default", entries_max=2, before_ms=None)
+        store.ensure_shard("other", 1)  # the turn goes on and commits
+    assert [e.tx_key.counter for e in store.tail("default", 100)] == list(range(1, 8))
+    assert store.trimmed("default")[0] == ZERO_KEY
+    assert store.verify_chain("default") == TxKey(1, 7)
+
+
+def test_a_savepoint_whose_transaction_sqlite_rolled_back_raises_the_error_that_did_it(store) -> None:
+    """After some errors (SQLITE_FULL among them) SQLite rolls back the whole transaction, savepoints
+    included: undoing the savepoint then failed with "no such savepoint", which hid the error that
+    matters (a full disk, which the node must tell from a bug: ``storage_fault``)."""
+    # A trigger's RAISE(ROLLBACK) ends the transaction the way such an error does.
+    store.connection.execute(
+        "CREATE TRIGGER roll_back BEFORE INSERT ON t WHEN NEW.k = 99 BEGIN SELECT RAISE(ROLLBACK, 'gone'); END"
+    )
+    store.connection.execute("BEGIN IMMEDIATE")
+    with pytest.raises(apsw.ConstraintError, match="gone"), store.savepoint():
+        store.connection.execute("INSERT INTO t VALUES (99, 'x')")
+    assert not store.connection.in_transaction
+    store.rollback()  # what the node's turn does next: nothing left to roll back, no error
+
+
 def test_retention_never_trims_unapplied_entries(store) -> None:
     position = store.shard("default")
     entries = []
@@ -202,6 +240,64 @@ def test_at_full_a_durable_commit_syncs_the_wal_and_an_apply_only_commit_does_no
     assert len(synced) == 2  # NORMAL never syncs a commit
 
 
+def test_at_full_the_first_durable_commit_also_syncs_the_directory_of_the_wal(tmp_path, monkeypatch) -> None:
+    """SQLite at FULL syncs the directory once after it creates the -wal file (its DIRSYNC flag), so that
+    the file, not only its contents, survives a power failure: the store commits at NORMAL and syncs
+    the WAL itself (``commit``), so it must sync the directory too, once, before the first durable
+    commit returns. Without it the first writes acknowledged after each start (SQLite removes the WAL
+    when the node stops) were durable only on file systems that persist a new file's name with it."""
+    import stat
+
+    import mnesite.rlog.store as store_module
+
+    synced: list[str] = []
+    real_fsync, real_fdatasync = store_module.os.fsync, store_module.os.fdatasync
+
+    def what(fd: int) -> str:
+        return "directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+
+    monkeypatch.setattr(store_module.os, "fsync", lambda fd: (synced.append(what(fd)), real_fsync(fd)))
+    monkeypatch.setattr(store_module.os, "fdatasync", lambda fd: (synced.append(what(fd)), real_fdatasync(fd)))
+    full = Store(str(tmp_path / "full.db"), synchronous="FULL")
+    try:
+        with full.write_transaction():
+            full.ensure_shard("default", 1)
+        assert synced == ["file", "directory"]
+        with full.write_transaction():
+            full.ensure_shard("other", 1)
+        assert synced == ["file", "directory", "file"]  # once per WAL file, not per commit
+    finally:
+        full.close()
+
+
+def test_a_spill_is_replayed_a_bounded_number_of_entries_at_a_time(store, monkeypatch) -> None:
+    """A bootstrap's spill may hold up to ``spill_bytes_max`` (1 GiB) of entries: the replay reads,
+    decodes and applies them ``SPILL_REPLAY_ENTRIES_MAX`` at a time, in order, in the caller's one
+    transaction, instead of decoding the whole spill into memory at once."""
+    import mnesite.rlog.store as store_module
+
+    monkeypatch.setattr(store_module, "SPILL_REPLAY_ENTRIES_MAX", 3, raising=False)
+    position = store.shard("default")
+    entries, previous = [], (position.applied, position.digest)
+    for counter in range(2, 10):  # 8 entries: batches of 3, 3 and 2
+        entry = make_entry("default", TxKey(1, counter), *previous, [WriteOp("t", {"k": counter, "v": "spilled"})])
+        entries.append(entry)
+        previous = (entry.tx_key, entry.digest)
+    batches: list[int] = []
+    real_append = store.append_entries
+    monkeypatch.setattr(
+        store, "append_entries", lambda batch, *args: (batches.append(len(batch)), real_append(batch, *args))
+    )
+    with store.write_transaction():
+        store.spill(entries)
+        last = store.replay_spill("default", position.applied, position.digest, 0)
+    assert last == TxKey(1, 9) and store.spilled("default") == 0
+    assert batches == [3, 3, 2]
+    assert (store.shard("default").applied, store.shard("default").digest) == previous
+    assert [row["k"] for row in store.scan(TABLE, None, 100)] == list(range(2, 10))
+    assert store.verify_chain("default") == TxKey(1, 9)
+
+
 def test_apply_committed_from_held_entries_matches_reading_them_back(tmp_path) -> None:
     """Applying from the driver's in-memory tail gives the rows and position of the log path; a
     held copy that does not link to the applied key is not trusted (the log is read instead)."""
@@ -272,6 +368,21 @@ def test_a_failed_batch_apply_rolls_the_whole_transaction_back_and_leaves_none_o
     assert not store.connection.in_transaction
     assert store.last_entry("default")[0] == start.applied  # the appends of the turn are gone too
     assert "u" not in store.catalog() and store.shard("default").applied == start.applied
+
+
+def test_a_replicant_s_apply_that_fails_names_the_entry_and_keeps_nothing(store) -> None:
+    """A replicant applies pushed entries with ``log_and_apply_verified`` (set-based too): an entry
+    that cannot be applied stops the node with the ``EntryApplyError`` naming it, as on a core, not
+    a bare "unknown table" that hides which committed entry it was."""
+    start = store.shard("default")
+    good = make_entry("default", TxKey(1, 2), start.applied, start.digest, [WriteOp("t", {"k": 2, "v": "a"})])
+    bad = make_entry("default", TxKey(1, 3), good.tx_key, good.digest, [WriteOp("missing", {"k": 3})])
+    store.connection.execute("BEGIN IMMEDIATE")
+    with pytest.raises(EntryApplyError, match=r"entry \(1, 3\).*missing") as failure:
+        store.log_and_apply_verified([good, bad], 0)
+    assert failure.value.entry == bad
+    assert not store.connection.in_transaction
+    assert store.last_entry("default")[0] == start.applied and store.read_row(store.catalog()["t"], 2) is None
 
 
 def test_a_batch_that_fails_only_together_names_its_first_entry_with_the_batch_s_error(store, monkeypatch) -> None:
