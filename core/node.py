@@ -1074,6 +1074,10 @@ class CoreNode(NodeServer):
                 log.info("shard %s: the snapshot's read fence is reached; serving reads", shard)
             elif isinstance(effect, InstallAbandoned):
                 log.warning("shard %s: snapshot install abandoned: %s", shard, effect.reason)
+                if shard in self.not_serving:  # the rows are half copied: say why nothing is served
+                    self.not_serving[shard] = (
+                        f"a snapshot install was abandoned ({effect.reason}); waiting for the next offer"
+                    )
             else:
                 raise TypeError(f"unknown install effect {effect!r}")
 
