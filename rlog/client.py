@@ -61,9 +61,27 @@ RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_app
 # its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
 # of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
 REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden"})
-# Requests that act on the node they reach, not on the cluster: never moved to another endpoint.
-# A query's pages too: its cursor lives on the node that answered its first page (``QueryResult``).
-NODE_KINDS = frozenset({"stop", "force_start", "backup", "query_page", "query_close"})
+# Requests about the node they reach, not the cluster: never moved to another endpoint, whose answer
+# would be taken for this node's. They act on it (stop, force_start, backup); they ask for its own
+# state (its journal age, read to decide a force start; its status); they hash its own data (range
+# requests: the compare job asks each replica, and another node's answer would compare it with
+# itself); a query's pages (the cursor lives on the node that answered the first one, QueryResult).
+# The rest may move: any node's answer is right (reads, members and rlog entries name or hold the
+# shard's one log, changes pages resume from positions any node serves).
+NODE_KINDS = frozenset(
+    {
+        "stop",
+        "force_start",
+        "backup",
+        "journal",
+        "status",
+        "range_digest",
+        "key_boundaries",
+        "row_digests",
+        "query_page",
+        "query_close",
+    }
+)
 RETRY_BACKOFF_S_MIN = 0.02
 # Small enough that a client notices a new sequencer within 0.1 s of its election.
 RETRY_BACKOFF_S_MAX = 0.1
@@ -318,7 +336,7 @@ class Client:
         if kind in NODE_KINDS and len(self.endpoints) > 1:
             # Failover would carry it to another node than the one meant (as the CLI's one --node).
             raise InvalidRequest(
-                f"not sent: {kind} acts on the node it reaches; use a Client of exactly one endpoint", "bad_request"
+                f"not sent: {kind} is about the node it reaches; use a Client of exactly one endpoint", "bad_request"
             )
         message = Message(kind, request_id or new_request_id(), body or {})
         try:

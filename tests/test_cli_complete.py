@@ -219,9 +219,23 @@ def test_client_fails_over_from_a_stopped_node_for_reads_and_writes(mnesite, thr
     for argv in (["--node", dead, "--node", thread_node.endpoint], ["--node", f"{dead},{thread_node.endpoint}"]):
         result = runner.invoke(main, ["get", "items", "1", "--json", *argv])
         assert result.exit_code == 0 and json.loads(result.output)["id"] == 1, result.output
-    both_dead = runner.invoke(main, ["status", "--node", f"{dead},tcp://127.0.0.1:{free_port()}"])
+    both_dead = runner.invoke(main, ["table", "list", "--node", f"{dead},tcp://127.0.0.1:{free_port()}"])
     assert both_dead.exit_code == 1 and "are the nodes running? check --node" in both_dead.output
     assert tx_key is not None
+
+
+def test_status_needs_one_node_and_journal_show_asks_each_node_in_turn(mnesite, thread_node: ThreadNode) -> None:
+    # A node's status and journal are its own: with several --node they failed over and printed
+    # another node's as if it were the first's. status now needs one node; journal show asks each
+    # --node alone until one answers (each journal is shown under its core's name).
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    runner = CliRunner()
+    result = runner.invoke(main, ["status", "--node", dead, "--node", thread_node.endpoint])
+    assert result.exit_code == 1 and "exactly one --node" in result.output, result.output
+    result = runner.invoke(main, ["journal", "show", "--json", "--node", f"{dead},{thread_node.endpoint}"])
+    assert result.exit_code == 0 and "core1" in json.loads(result.output)["cores"], result.output
+    result = runner.invoke(main, ["journal", "show", "--node", f"{dead},tcp://127.0.0.1:{free_port()}"])
+    assert result.exit_code == 1 and "unreachable" in result.output, result.output
 
 
 def test_a_write_sent_and_unanswered_is_never_retried_on_another_node(
