@@ -949,7 +949,9 @@ def rlog_tail(shard, count, follow, interval_ms, endpoint, timeout_ms, as_json) 
                     print_entry(entry, as_json)
                 if batch:
                     last = batch[-1]["tx_key"]
-                if len(batch) < FOLLOW_BATCH_MAX:
+                else:
+                    # Only an empty page says the node had nothing more: a page is bounded in bytes
+                    # too (half a frame), so a short one may just be a page of large entries.
                     time.sleep(interval_ms / 1000)
         except KeyboardInterrupt:
             return  # Ctrl-C is how --follow ends: a clean exit
