@@ -1000,7 +1000,7 @@ def _describe_op(op: dict[str, Any]) -> str:
 @json_option
 def rlog_verify(data_dir, as_json) -> None:
     """Check offline that DATA_DIR's rlog (or a backup file's) is one unbroken digest chain ending at each
-    shard's applied key."""
+    shard's applied key. Read-only: it writes nothing there, not even a WAL checkpoint."""
     import os
 
     from mnesite.rlog.store import Store, StoreError
@@ -1008,7 +1008,9 @@ def rlog_verify(data_dir, as_json) -> None:
     is_file = os.path.isfile(data_dir)
     path = data_dir if is_file else os.path.join(data_dir, "mnesite.db")
     try:
-        store = Store(path, create=False, readonly=is_file)
+        # Read-only, a data directory too: no WAL pragma, no checkpointer, and no checkpoint at the
+        # close (a read-write last close would move a stopped node's WAL into its database file).
+        store = Store(path, create=False, readonly=True)
         try:
             result = {shard: list(store.verify_chain(shard)) for shard in store.shards()}
         finally:
