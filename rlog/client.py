@@ -15,10 +15,12 @@
 
 Every request carries a fresh request id. A request that gets no answer within
 ``timeout_ms`` is re-sent with the *same* id up to ``retries`` times (the node applies a
-write only once per id). A write that still has no definite answer raises ``OutcomeUnknown``:
-it may or may not have happened; ``error.request_id`` is the id to send it again with
-(``transact(..., request_id=...)``), which answers with its tx key if it did happen and applies
-it otherwise. A read or a write that was surely not applied raises ``Unavailable``.
+write only once per id, while the sequencer's rlog holds the id's entry: not after retention
+trimmed it, nor on a sequencer whose log a snapshot install emptied). A write that still has
+no definite answer raises ``OutcomeUnknown``: it may or may not have happened;
+``error.request_id`` is the id to send it again with (``transact(..., request_id=...)``), which
+answers with its tx key if it did happen and applies it otherwise. A read or a write that was
+surely not applied raises ``Unavailable``.
 
 Read-your-writes across clients: pass the tx key a write returned as ``after_tx_key=`` to ``get``
 or ``scan``; the node answers once it has applied that key. A client object is not thread-safe;
