@@ -19,6 +19,7 @@ from mnesite.rlog.client import (
     GuardFailed,
     MnesiteError,
     OutcomeUnknown,
+    Unavailable,
     default_endpoint,
     default_index_name,
     parse_endpoints,
@@ -129,6 +130,23 @@ def single_endpoint(endpoint: tuple[str, ...], command: str) -> str:
         fail(str(error))
     if len(endpoints) != 1:
         fail(f"{command} needs exactly one explicit --node ENDPOINT")
+    return endpoints[0]
+
+
+def node_endpoints(endpoint: tuple[str, ...]) -> list[str]:
+    """This command's --node endpoints, or the default one(s)."""
+    try:
+        return parse_endpoints(list(endpoint) if endpoint else None)
+    except MnesiteError as error:
+        fail(str(error))
+
+
+def one_node(endpoint: tuple[str, ...], command: str) -> str:
+    """The one node a command reports on (its own state: another node's answer would be taken for
+    it, so it never fails over); unlike ``single_endpoint``, the default endpoint will do."""
+    endpoints = node_endpoints(endpoint)
+    if len(endpoints) != 1:
+        fail(f"{command} shows one node's own state: give exactly one --node ENDPOINT, not {len(endpoints)}")
     return endpoints[0]
 
 
@@ -806,7 +824,7 @@ def describe_copy(copy: dict[str, Any]) -> str:
 @json_option
 def status(endpoint, timeout_ms, as_json) -> None:
     """Show the node's role and, per shard, its generation, applied tx key and digest."""
-    with client_for(endpoint, timeout_ms) as client:
+    with client_for(one_node(endpoint, "status"), timeout_ms) as client:
         result = run(client.status)
     if as_json:
         emit_json(result)
@@ -931,7 +949,9 @@ def rlog_tail(shard, count, follow, interval_ms, endpoint, timeout_ms, as_json) 
                     print_entry(entry, as_json)
                 if batch:
                     last = batch[-1]["tx_key"]
-                if len(batch) < FOLLOW_BATCH_MAX:
+                else:
+                    # Only an empty page says the node had nothing more: a page is bounded in bytes
+                    # too (half a frame), so a short one may just be a page of large entries.
                     time.sleep(interval_ms / 1000)
         except KeyboardInterrupt:
             return  # Ctrl-C is how --follow ends: a clean exit
@@ -980,7 +1000,7 @@ def _describe_op(op: dict[str, Any]) -> str:
 @json_option
 def rlog_verify(data_dir, as_json) -> None:
     """Check offline that DATA_DIR's rlog (or a backup file's) is one unbroken digest chain ending at each
-    shard's applied key."""
+    shard's applied key. Read-only: it writes nothing there, not even a WAL checkpoint."""
     import os
 
     from mnesite.rlog.store import Store, StoreError
@@ -988,7 +1008,9 @@ def rlog_verify(data_dir, as_json) -> None:
     is_file = os.path.isfile(data_dir)
     path = data_dir if is_file else os.path.join(data_dir, "mnesite.db")
     try:
-        store = Store(path, create=False, readonly=is_file)
+        # Read-only, a data directory too: no WAL pragma, no checkpointer, and no checkpoint at the
+        # close (a read-write last close would move a stopped node's WAL into its database file).
+        store = Store(path, create=False, readonly=True)
         try:
             result = {shard: list(store.verify_chain(shard)) for shard in store.shards()}
         finally:
@@ -1015,9 +1037,21 @@ def majority_age(keys: list[list[int] | None], cores: int) -> list[int] | None:
 
 
 def collect_journals(endpoint: Any, timeout_ms: int) -> tuple[dict[str, Any], dict[str, dict | None]]:
-    """The journal of the core at ``endpoint`` and of every core it names (None: did not answer)."""
-    with client_for(endpoint, timeout_ms) as client:
-        first = run(client.journal)
+    """The journal of the first core of ``endpoint`` (one or several --node) that answers, and of
+    every core it names (None: did not answer)."""
+    endpoints = node_endpoints(endpoint if isinstance(endpoint, tuple) else (endpoint,))
+    for index, one in enumerate(endpoints):
+        # A journal is one core's own (the client never fails it over): ask each --node in turn; the
+        # answer names its core, and each core's journal is shown under its own name.
+        with client_for(one, timeout_ms) as client:
+            if index == len(endpoints) - 1:
+                first = run(client.journal)
+                break
+            try:
+                first = client.journal()
+                break
+            except Unavailable:
+                continue
     journals: dict[str, dict | None] = {}
     for name, core_endpoint in sorted(first["core_nodes"].items()):
         if name == first["node"]:

@@ -173,11 +173,17 @@ class ReplicantNode(NodeServer):
 
     def bind(self) -> None:
         super().bind()
-        for core in self.cores:
-            socket = self.dealer(self.config.core_nodes[core], CORE_QUEUE_MAX, len(self.cores))
-            if socket is None:
-                raise RuntimeError(f"no socket for core {core}")
-            self.core_sockets[core] = socket
+        try:
+            for core in self.cores:
+                socket = self.dealer(self.config.core_nodes[core], CORE_QUEUE_MAX, len(self.cores))
+                if socket is None:
+                    raise RuntimeError(f"no socket for core {core}")
+                self.core_sockets[core] = socket
+        except BaseException:
+            # As a failed base bind does: nothing this process opened stays open (the store, the
+            # data directory's lock, zmq), so it could open a node on that directory again.
+            self.close()
+            raise
 
     def close(self) -> None:
         self.core_sockets = {}

@@ -287,12 +287,15 @@ def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
         fd = os.open(database_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
         source = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY)
-        target = apsw.Connection(database_path)
         try:
-            with target.backup("main", source, "main") as copy:
-                copy.step(-1)
+            # Opened inside: a target that does not open must not leave the source open.
+            target = apsw.Connection(database_path)
+            try:
+                with target.backup("main", source, "main") as copy:
+                    copy.step(-1)
+            finally:
+                target.close()
         finally:
-            target.close()
             source.close()
         try:
             store = Store(database_path, create=False)

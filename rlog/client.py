@@ -15,10 +15,12 @@
 
 Every request carries a fresh request id. A request that gets no answer within
 ``timeout_ms`` is re-sent with the *same* id up to ``retries`` times (the node applies a
-write only once per id). A write that still has no definite answer raises ``OutcomeUnknown``:
-it may or may not have happened; ``error.request_id`` is the id to send it again with
-(``transact(..., request_id=...)``), which answers with its tx key if it did happen and applies
-it otherwise. A read or a write that was surely not applied raises ``Unavailable``.
+write only once per id, while the sequencer's rlog holds the id's entry: not after retention
+trimmed it, nor on a sequencer whose log a snapshot install emptied). A write that still has
+no definite answer raises ``OutcomeUnknown``: it may or may not have happened;
+``error.request_id`` is the id to send it again with (``transact(..., request_id=...)``), which
+answers with its tx key if it did happen and applies it otherwise. A read or a write that was
+surely not applied raises ``Unavailable``.
 
 Read-your-writes across clients: pass the tx key a write returned as ``after_tx_key=`` to ``get``
 or ``scan``; the node answers once it has applied that key. A client object is not thread-safe;
@@ -61,8 +63,27 @@ RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_app
 # its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
 # of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
 REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden"})
-# Requests that act on the node they reach, not on the cluster: never moved to another endpoint.
-NODE_KINDS = frozenset({"stop", "force_start", "backup"})
+# Requests about the node they reach, not the cluster: never moved to another endpoint, whose answer
+# would be taken for this node's. They act on it (stop, force_start, backup); they ask for its own
+# state (its journal age, read to decide a force start; its status); they hash its own data (range
+# requests: the compare job asks each replica, and another node's answer would compare it with
+# itself); a query's pages (the cursor lives on the node that answered the first one, QueryResult).
+# The rest may move: any node's answer is right (reads, members and rlog entries name or hold the
+# shard's one log, changes pages resume from positions any node serves).
+NODE_KINDS = frozenset(
+    {
+        "stop",
+        "force_start",
+        "backup",
+        "journal",
+        "status",
+        "range_digest",
+        "key_boundaries",
+        "row_digests",
+        "query_page",
+        "query_close",
+    }
+)
 RETRY_BACKOFF_S_MIN = 0.02
 # Small enough that a client notices a new sequencer within 0.1 s of its election.
 RETRY_BACKOFF_S_MAX = 0.1
@@ -222,6 +243,19 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
+    def pinned(self) -> Client:
+        """A client of this client's current endpoint alone, with its keys and limits: for requests
+        that must reach that node and no other (``NODE_KINDS``). Close it after use."""
+        key, server_key = self._curve if self._curve is not None else (None, None)
+        return Client(
+            self.endpoint,
+            timeout_ms=self.timeout_ms,
+            retries=self.retries,
+            key=key,
+            server_key=server_key,
+            frame_bytes_max=self.frame_bytes_max,
+        )
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -304,7 +338,7 @@ class Client:
         if kind in NODE_KINDS and len(self.endpoints) > 1:
             # Failover would carry it to another node than the one meant (as the CLI's one --node).
             raise InvalidRequest(
-                f"not sent: {kind} acts on the node it reaches; use a Client of exactly one endpoint", "bad_request"
+                f"not sent: {kind} is about the node it reaches; use a Client of exactly one endpoint", "bad_request"
             )
         message = Message(kind, request_id or new_request_id(), body or {})
         try:
@@ -725,11 +759,15 @@ class QueryResult:
     Iterate it for the rows (tuples, in the statement's order). The node holds the statement open
     between pages (one snapshot for all of them) for at most its ``query_idle_ms_max``; ``close()``
     (or leaving a ``with`` block) frees it before the last page. A page request is never re-sent:
-    a lost page would skip rows, so silence raises ``Unavailable`` instead.
+    a lost page would skip rows, so silence raises ``Unavailable`` instead. The cursor is that
+    node's: page requests go there even after the client failed over to another endpoint, and if
+    that node is gone the rest of the result is lost (``Unavailable`` says so: run the query again).
     """
 
     def __init__(self, client: Client, first: dict[str, Any], page_rows: int | None, timeout_ms: int) -> None:
         self.client = client
+        # The node that answered the first page: it alone holds the cursor.
+        self.endpoint = client.endpoint
         self.columns: list[str] = list(first["columns"])
         # shard -> the tx key the snapshot holds: the result reflects exactly those entries.
         self.positions: dict[str, TxKey] = {s: TxKey(*k) for s, k in first.get("positions", {}).items()}
@@ -737,6 +775,10 @@ class QueryResult:
         self._cursor: str | None = first.get("cursor")
         self._page_rows = page_rows
         self._timeout_ms = timeout_ms
+        # A client of ``endpoint`` alone, made when the client has several (it fails over between them).
+        self._node_client: Client | None = None
+        if self._cursor is not None and len(client.endpoints) > 1:
+            self._node_client = client.pinned()
         self.pages = 1
 
     def __enter__(self) -> QueryResult:
@@ -752,6 +794,26 @@ class QueryResult:
                 return
             yield from page
 
+    def _call(self, kind: str, body: dict[str, Any], timeout_ms: int | None) -> Any:
+        """``kind`` sent to the node that holds the cursor, and to no other."""
+        client = self._node_client or self.client
+        try:
+            return client.call(kind, body, timeout_ms=timeout_ms, retries=0)
+        except OutcomeUnknown:
+            raise
+        except Unavailable as error:
+            raise Unavailable(
+                f"node {self.endpoint} holds this query's cursor and did not answer ({error}); "
+                "the rest of the result is lost there: run the query again",
+                error.code,
+            ) from None
+
+    def _forget(self) -> None:
+        self._cursor = None
+        if self._node_client is not None:
+            self._node_client.close()
+            self._node_client = None
+
     def fetch_page(self) -> list[tuple[Any, ...]] | None:
         """The next page of rows (None once every row was fetched)."""
         if self._page is not None:
@@ -763,11 +825,13 @@ class QueryResult:
         if self._page_rows is not None:
             body["page_rows"] = self._page_rows
         try:
-            answer = self.client.call("query_page", body, timeout_ms=self._timeout_ms, retries=0)
+            answer = self._call("query_page", body, self._timeout_ms)
         except MnesiteError:
-            self._cursor = None
+            self._forget()
             raise
         self._cursor = answer.get("cursor")
+        if self._cursor is None:
+            self._forget()
         self.pages += 1
         return [tuple(row) for row in answer["rows"]]
 
@@ -775,16 +839,19 @@ class QueryResult:
         """Free the node's cursor if rows are left (best effort: it also expires by itself, after the
         node's ``query_idle_ms_max``). ``timeout_ms`` 0 only forgets it here. False if the node was
         asked and did not answer within ``timeout_ms`` (the client's timeout by default)."""
-        cursor, self._cursor, self._page = self._cursor, None, None
-        if cursor is None or timeout_ms == 0:
-            return True
+        cursor, self._page = self._cursor, None
         try:
-            self.client.call("query_close", {"cursor": cursor}, timeout_ms=timeout_ms, retries=0)
-        except Unavailable:
-            return False
-        except MnesiteError:
-            pass  # answered: already expired, or refused; either way nothing is left to free
-        return True
+            if cursor is None or timeout_ms == 0:
+                return True
+            try:
+                self._call("query_close", {"cursor": cursor}, timeout_ms)
+            except Unavailable:
+                return False
+            except MnesiteError:
+                pass  # answered: already expired, or refused; either way nothing is left to free
+            return True
+        finally:
+            self._forget()
 
 
 class ChangeFeed:

@@ -545,6 +545,19 @@ class NodeServer:
             self.metrics.malformed.inc()
 
     def close(self) -> None:
+        try:
+            self._close_serving()
+        finally:
+            # Whatever failed above or in the store's close (a disk error at its last checkpoint),
+            # the data directory's lock is given back: a process that goes on could not open it again.
+            try:
+                self.store.close()
+            finally:
+                if self.data_dir_lock is not None:
+                    self.data_dir_lock.release()
+
+    def _close_serving(self) -> None:
+        """Everything ``close`` stops before the store: the backup, metrics, queries, sockets, zmq."""
         if self.backup_job is not None and self.backup_job.state == "running":
             # A copy cut off by the process exit would leave FILE.partial behind, and a later backup
             # to the same path would refuse to start: stop it between two steps, it removes the file.
@@ -567,9 +580,6 @@ class NodeServer:
         if self.context is not None:
             self.context.term()
             self.context = None
-        self.store.close()
-        if self.data_dir_lock is not None:
-            self.data_dir_lock.release()
 
     def dealer(self, endpoint: str, queue_max: int, dealers_max: int, immediate: bool = False) -> zmq.Socket | None:
         """The DEALER connected to ``endpoint`` (made on first use; None past ``dealers_max``).

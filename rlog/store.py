@@ -276,7 +276,8 @@ class Store:
         self._wal_directory_synced = False  # the directory, once the WAL is synced here (``commit``)
         self.checkpointer: WalCheckpointer | None = None
         if readonly:
-            # Offline checks of a backup file: leave it exactly as it is (no WAL switch, no schema).
+            # Offline checks (rlog verify of a data directory or a backup file): leave it exactly as
+            # it is (no WAL switch, no schema, no checkpointer, no checkpoint at the close).
             flags, create = apsw.SQLITE_OPEN_READONLY, False
         else:
             flags = apsw.SQLITE_OPEN_READWRITE | (apsw.SQLITE_OPEN_CREATE if create else 0)

@@ -465,3 +465,34 @@ def test_a_backup_acts_on_one_named_node_and_never_fails_over(thread_node: Threa
     assert not backup.exists()
     with thread_node.client(timeout_ms=5000) as client:
         assert client.status()["backup"] is None  # the node that answered was never asked
+
+
+def test_a_restore_whose_target_does_not_open_closes_its_source(tmp_path: Path, monkeypatch) -> None:
+    # The backup file was opened, then opening the new database failed: the backup's connection
+    # stayed open (a descriptor and SQLite's lock on the file) in a process that goes on.
+    import apsw
+
+    source = tmp_path / "source.db"
+    store = Store(str(source))
+    with store.write_transaction():
+        store.set_meta("backup", json.dumps({"node": "core9", "role": "core", "taken_at": "t", "shards": {}}))
+    store.close()
+    target = str(tmp_path / "new" / "mnesite.db")
+    real_connection = apsw.Connection
+    opened: list[apsw.Connection] = []
+
+    def connection(path: str, *args, **kwargs) -> apsw.Connection:
+        if path == target:
+            raise apsw.CantOpenError("unable to open database file")
+        opened.append(real_connection(path, *args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(apsw, "Connection", connection)
+    with pytest.raises(apsw.CantOpenError):
+        restore(str(source), str(tmp_path / "new"), "replicant")
+    monkeypatch.undo()
+    assert len(opened) == 2  # the record's read, then the copy's source
+    for opened_connection in opened:
+        with pytest.raises(apsw.ConnectionClosedError):
+            opened_connection.execute("SELECT 1")
+    assert not (tmp_path / "new" / "mnesite.db").exists()

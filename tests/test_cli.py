@@ -170,6 +170,33 @@ def test_rlog_verify(tmp_path, thread_node: ThreadNode, mnesite) -> None:
     assert bad.exit_code == 1 and "no such database" in bad.output
 
 
+def test_rlog_verify_of_a_data_directory_changes_no_byte_of_it(tmp_path) -> None:
+    # verify is a read-only check, but it opened a data directory read-write: WAL pragma, a
+    # checkpointer thread, and SQLite's checkpoint at the last close, which moved a crashed node's
+    # WAL into its database file and deleted the WAL. It now opens it read-only.
+    node = ThreadNode(tmp_path / "data")
+    try:
+        with node.client() as client:
+            client.create_table("users", "id", [("id", "INTEGER"), ("name", "TEXT")])
+            client.put("users", {"id": 1, "name": "ada"})
+        node.node.store.disk_failed()  # as after a crash: the last pages stay in the WAL
+    finally:
+        node.stop()
+    data_dir = Path(node.node.config.data_dir)
+
+    def files() -> dict[str, bytes]:
+        return {path.name: path.read_bytes() for path in sorted(data_dir.iterdir()) if path.is_file()}
+
+    before = files()
+    assert "mnesite.db-wal" in before and before["mnesite.db-wal"]
+    result = CliRunner().invoke(main, ["rlog", "verify", str(data_dir), "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["shards"]["default"]["ok"] is True, result.output
+    after = files()
+    assert after.keys() == before.keys() and all(
+        after[name] == before[name] for name in before if name != "mnesite.db-shm"
+    )
+
+
 def all_commands(group, prefix=()):
     for name, command in group.commands.items():
         if hasattr(command, "commands"):

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -219,9 +221,23 @@ def test_client_fails_over_from_a_stopped_node_for_reads_and_writes(mnesite, thr
     for argv in (["--node", dead, "--node", thread_node.endpoint], ["--node", f"{dead},{thread_node.endpoint}"]):
         result = runner.invoke(main, ["get", "items", "1", "--json", *argv])
         assert result.exit_code == 0 and json.loads(result.output)["id"] == 1, result.output
-    both_dead = runner.invoke(main, ["status", "--node", f"{dead},tcp://127.0.0.1:{free_port()}"])
+    both_dead = runner.invoke(main, ["table", "list", "--node", f"{dead},tcp://127.0.0.1:{free_port()}"])
     assert both_dead.exit_code == 1 and "are the nodes running? check --node" in both_dead.output
     assert tx_key is not None
+
+
+def test_status_needs_one_node_and_journal_show_asks_each_node_in_turn(mnesite, thread_node: ThreadNode) -> None:
+    # A node's status and journal are its own: with several --node they failed over and printed
+    # another node's as if it were the first's. status now needs one node; journal show asks each
+    # --node alone until one answers (each journal is shown under its core's name).
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    runner = CliRunner()
+    result = runner.invoke(main, ["status", "--node", dead, "--node", thread_node.endpoint])
+    assert result.exit_code == 1 and "exactly one --node" in result.output, result.output
+    result = runner.invoke(main, ["journal", "show", "--json", "--node", f"{dead},{thread_node.endpoint}"])
+    assert result.exit_code == 0 and "core1" in json.loads(result.output)["cores"], result.output
+    result = runner.invoke(main, ["journal", "show", "--node", f"{dead},tcp://127.0.0.1:{free_port()}"])
+    assert result.exit_code == 1 and "unreachable" in result.output, result.output
 
 
 def test_a_write_sent_and_unanswered_is_never_retried_on_another_node(
@@ -452,3 +468,37 @@ def test_force_start_without_yes_forces_nothing(mnesite) -> None:
         json.loads(mnesite("journal", "show", "--json").output)["cores"]["core1"]["shards"]["default"]["forced"]
         is False
     )
+
+
+def test_rlog_tail_follow_pauses_only_when_the_node_had_nothing_more(tmp_path, monkeypatch) -> None:
+    # A node's rlog read is bounded in bytes (half a frame) as well as in entries: catching up on
+    # large entries takes pages of a few entries each. The follower paused --interval-ms after
+    # every page shorter than 1,000 entries, so it fell behind by one interval per page. It pauses
+    # now only after an empty page: the node had nothing more.
+    limits = {"frame_bytes_max": 65536, "push_bytes_max": 32768, "query_page_bytes_max": 16384}
+    node = ThreadNode(tmp_path / "data", extra={"limits": {**limits, "changes_page_bytes_max": 16384}})
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 1:  # the follower caught up: five entries of 20 KB, one page each, commit
+            with node.client() as client:
+                for key in range(5):
+                    client.put("big", {"id": key, "v": f"large{key}" + "x" * 20_000})
+        else:
+            raise KeyboardInterrupt  # how --follow ends
+
+    try:
+        with node.client() as client:
+            client.create_table("big", "id", [("id", "INTEGER"), ("v", "TEXT")])
+        # The command's own clock only: the node's thread and the client keep the real one.
+        clock = types.SimpleNamespace(sleep=pause, monotonic=time.monotonic, time=time.time)
+        monkeypatch.setattr("mnesite.cli.main.time", clock)
+        result = CliRunner().invoke(
+            main, ["rlog", "tail", "default", "-n", "1", "--follow", "--interval-ms", "60000", "--node", node.endpoint]
+        )
+        assert result.exit_code == 0, result.output
+        assert all(f"large{key}" in result.output for key in range(5)), result.output[:300]
+        assert pauses == [60.0, 60.0]
+    finally:
+        node.stop()

@@ -387,6 +387,29 @@ def test_a_request_about_one_node_never_fails_over_to_another(thread_node: Threa
     assert thread_node.thread.is_alive() and not thread_node.node.stop_requested
 
 
+def test_a_request_about_one_node_s_own_state_never_fails_over_to_another(
+    thread_node: ThreadNode, silent_endpoint: str
+) -> None:
+    # A node's journal and status are its own; range digests, key boundaries and row digests hash its
+    # own data (the compare job asks each replica). A client of several endpoints answered them from
+    # the next endpoint when the first was silent: another node's journal (read as this one's by a
+    # force-start decision), or a compare of one node with itself. Any node's answer is right for
+    # the others (members and rlog entries name or hold the same log): those still fail over.
+    with Client([silent_endpoint, thread_node.endpoint], timeout_ms=200, retries=1) as client:
+        for call in (
+            client.journal,
+            client.status,
+            lambda: client.range_digest("t", [[None, None]]),
+            lambda: client.key_boundaries("t", 2),
+            lambda: client.row_digests("t"),
+        ):
+            with pytest.raises(InvalidRequest, match="exactly one endpoint"):
+                call()
+        assert client.members()["node"] == "core1" and client.endpoint == thread_node.endpoint
+    with thread_node.client() as client:
+        assert client.journal()["node"] == client.status()["node"] == "core1"
+
+
 def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
     # Nothing was sent before: "overloaded" at once means surely not applied (no outcome to learn).
     node = _ScriptedNode([("overloaded", "busy node")])

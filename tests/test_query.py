@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from mnesite.cli.main import main
 from mnesite.rlog import query as q
-from mnesite.rlog.client import RemoteError
+from mnesite.rlog.client import Client, RemoteError, Unavailable
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import TxKey
 
@@ -655,3 +655,33 @@ def test_a_linearizable_query_whose_sequencer_does_not_answer_is_a_read_refused_
     answers = [m for _s, envelope, m in node._outbox if envelope == [b"client"]]
     assert [(m.request_id, m.kind, m.body.code) for m in answers] == [("client-3", "error", "no_sequencer")]
     assert b"client" not in node.outstanding
+
+
+def test_the_pages_of_a_query_come_from_the_node_that_answered_its_first_page(node: ThreadNode, tmp_path: Path):
+    # The cursor is the answering node's. A client of several endpoints that moved to another one
+    # (a failover of any request in between) sent the page requests there: query_cursor_unknown, or
+    # another node's rows. The pages stay with the first page's node; its loss is said plainly.
+    other = ThreadNode(tmp_path / "other")
+    try:
+        with other.client() as writer:
+            writer.create_table("users", key="id", columns=[("id", "INTEGER"), ("name", "TEXT"), ("karma", "INTEGER")])
+        sql = "SELECT id FROM users ORDER BY id"
+        with Client([node.endpoint, other.endpoint], timeout_ms=2000) as client:
+            result = client.query(sql, page_rows=50)
+            client._next_endpoint()  # what a failover of another request does to the client
+            assert client.endpoint == other.endpoint
+            assert list(result) == _node_rows(node, sql) and result.pages == 5
+            assert client.endpoint == other.endpoint and list(client.query(sql)) == []
+            client._next_endpoint()
+            result = client.query(sql, page_rows=50)
+            client._next_endpoint()
+            with result:  # the close goes to the node that holds the cursor
+                assert len(result.fetch_page()) == 50
+            client._next_endpoint()
+            result = client.query(sql, page_rows=50)
+            assert len(result.fetch_page()) == 50
+        node.stop()
+        with pytest.raises(Unavailable, match=f"{node.endpoint}.*holds this query's cursor"):
+            result.fetch_page()
+    finally:
+        other.stop()

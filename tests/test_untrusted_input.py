@@ -352,6 +352,49 @@ def test_a_node_that_cannot_bind_its_endpoint_closes_what_it_opened(tmp_path: Pa
     ThreadNode(tmp_path / "data").stop()
 
 
+def test_a_node_whose_store_fails_to_close_still_unlocks_its_data_directory(tmp_path: Path) -> None:
+    # close() released the data directory's lock after store.close(): a store that raised there (a
+    # disk error at the last checkpoint) kept the directory locked by this process until it exited.
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog.data_dir import DataDirectoryLock
+
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    store_close = node.store.close
+
+    def failing_close() -> None:
+        store_close()
+        raise OSError("disk I/O error at the last checkpoint")
+
+    node.store.close = failing_close
+    with pytest.raises(OSError, match="disk I/O error"):
+        node.close()
+    assert node.context is None
+    DataDirectoryLock.acquire(str(tmp_path / "data"), "core1").release()
+
+
+def test_a_replicant_that_cannot_make_its_dealers_closes_what_it_opened(tmp_path: Path, monkeypatch) -> None:
+    # ReplicantNode.bind makes a dealer per core after the base bind (ROUTER, zmq context, metrics);
+    # one that could not be made raised and left them, the store and the data directory's lock open.
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.rlog.config import parse_config
+    from mnesite.rlog.data_dir import DataDirectoryLock
+
+    config = parse_config(
+        {
+            "node": {"name": "replicant1", "role": "replicant", "data_dir": str(tmp_path / "data"),
+                     "listen": f"tcp://127.0.0.1:{free_port()}"},
+            "cluster": {"core_nodes": {"core1": f"tcp://127.0.0.1:{free_port()}"}},
+        }
+    )  # fmt: skip
+    node = ReplicantNode(config)
+    monkeypatch.setattr(node, "dealer", lambda *args, **kwargs: None)
+    with pytest.raises(RuntimeError, match="no socket for core core1"):
+        node.bind()
+    assert node.context is None and node.socket is None
+    DataDirectoryLock.acquire(str(tmp_path / "data"), "replicant1").release()
+
+
 @pytest.mark.slow
 def test_a_second_process_on_a_data_directory_refuses_with_one_clear_line(tmp_path: Path, node_processes) -> None:
     import subprocess
