@@ -33,8 +33,10 @@ and executes the effects it returns.
   digest; a follower accepts it only if its own log has that key with that digest, truncates a
   conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``). An
   entry of a later generation than its append is refused (Raft: no entry's term exceeds its
-  leader's). A follower that refuses says where it stands (last and committed keys); the sequencer
-  resumes there, and ignores an answer whose committed key its own log does not hold.
+  leader's), and so is an entry that records a cluster version this core does not speak
+  (``own_versions``; ``core.versions``, "A follower's own check"): both are protocol violations,
+  unanswered. A follower that refuses a mismatch says where it stands (last and committed keys);
+  the sequencer resumes there, and ignores an answer whose committed key its own log does not hold.
 * Batches. The proposals of one driver turn are appended one entry each, but sent only at
   ``BatchEnded``: every caught-up follower then gets them in one append (cut by
   ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
@@ -146,10 +148,12 @@ from typing import Protocol
 
 from mnesite.core import membership
 from mnesite.core.membership import MEMBERS_MAX, membership_changes
+from mnesite.core.versions import unspoken_entry
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskFreed, DiskFull
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import Ticked
 from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, chain_break, make_entry
+from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
 # Generations are persisted as SQLite integers and a campaign adds one: stay below 2**63 - 1.
 GENERATION_MAX = 2**63 - 2
@@ -609,6 +613,7 @@ class ShardConsensus:
         config: ConsensusConfig,
         rng: random.Random,
         now_ms: int,
+        own_versions: Announcement = THIS_RELEASE,
     ) -> None:
         members = tuple(sorted(set(state.members)))
         # A core outside its membership is a learner being added, or a removed core: it follows the
@@ -625,6 +630,8 @@ class ShardConsensus:
         self._log = log
         self._rng = rng
         self._now_ms = now_ms
+        # The cluster versions this core speaks: it persists no entry that moves the shard beyond them.
+        self._own_versions = own_versions
         # The persisted membership is the one as of the committed key; membership entries after it
         # (``_changes``, read from the log below) override it: the latest one in the log counts.
         self._committed_members = members
@@ -649,6 +656,11 @@ class ShardConsensus:
             batch = log.entries_after(scanned_key, 1024)
             if not batch:
                 break
+            unspoken = unspoken_entry(batch, own_versions)
+            if unspoken is not None:
+                # Persisted while this core ran a release that speaks it, then rolled back: applying it
+                # would move the shard (and the storage format) beyond what this release reads.
+                raise ConsensusConfigError(f"the log holds {unspoken}")
             self._changes.extend(membership_changes(batch))
             scanned_key = batch[-1].tx_key
         if self._changes:
@@ -1282,6 +1294,13 @@ class ShardConsensus:
                     )
                 )
                 return
+        unspoken = unspoken_entry(entries, self._own_versions)
+        if unspoken is not None:
+            # The sequencer appends a cluster version only once every member announced it; a member
+            # rolled back since, or a broken sequencer, must not move this core to a version it cannot
+            # read (``core.versions``): it stays at the entry before, loudly.
+            self._out.append(ProtocolViolation(sender, unspoken))
+            return
         # Entries up to our commit key are already here and final; check rather than trust.
         while entries and entries[0].tx_key <= self._commit_key:
             first = entries.pop(0)

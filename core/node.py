@@ -71,6 +71,7 @@ from mnesite.core.consensus import (
     BatchEnded,
     Commit,
     ConsensusConfig,
+    ConsensusConfigError,
     Excluded,
     ForceStarted,
     ForceStartRefused,
@@ -126,6 +127,7 @@ from mnesite.core.snapshot import (
 from mnesite.core.transaction import GuardFailed, evaluate
 from mnesite.core.versions import (
     PEERS_MAX,
+    UNSPOKEN_CLUSTER_VERSION,
     VERSIONS_PROBE_INTERVAL_MS,
     ClusterVersionProposals,
     PeerRefused,
@@ -393,7 +395,6 @@ class CoreNode(NodeServer):
         self._versions_check_due = False
         self._versions_probes: dict[str, str] = {}  # request id -> peer, of the last probe round
         self.cluster_version_proposals = ClusterVersionProposals()
-        self._install_cluster_versions: dict[str, int] = {}  # shard -> the snapshot offer's cluster version
         self._next_progress_log_ms: dict[str, int] = {}
         self.transactions = 0
         self._next_retention_ms = 0
@@ -496,16 +497,21 @@ class CoreNode(NodeServer):
         )
         tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
         log_view = StoreLogView(self.store, shard, tail)
-        consensus = ShardConsensus(
-            shard,
-            self.config.name,
-            log_view,
-            state,
-            position.applied,
-            self.consensus_config,
-            random.Random(self.rng.random()),
-            self.clock_ms(),
-        )
+        try:
+            consensus = ShardConsensus(
+                shard,
+                self.config.name,
+                log_view,
+                state,
+                position.applied,
+                self.consensus_config,
+                random.Random(self.rng.random()),
+                self.clock_ms(),
+                own_versions=self.versions,
+            )
+        except ConsensusConfigError as error:
+            # A log this release cannot follow (core.versions): refused like a newer storage format.
+            raise StoreError(f"shard {shard}: {error}") from None
         driver = ShardDriver(
             shard, consensus, log_view, tail, generation=generation,
             apply=rules.FollowerApply(self.config.limits.follower_apply_delay_ms_max),
@@ -968,12 +974,17 @@ class CoreNode(NodeServer):
             # gathered first, so that nothing gathered is left to apply over the copied tables.
             self._apply_gathered(driver)
             position = self.store.shard(shard) or position
-        offer = SnapshotOffer(body.sender, body.generation, body.key, body.digest, tuple(body.members))
+        offer = SnapshotOffer(
+            body.sender, body.generation, body.key, body.digest, tuple(body.members), body.cluster_version
+        )
         install = self.installs.get(shard)
         installing = install is not None and install.mode in (InstallMode.LISTING, InstallMode.COPYING)
         refused = accept_offer(
-            offer, driver.consensus.generation, driver.consensus.sequencer, position.applied, installing
+            offer, driver.consensus.generation, driver.consensus.sequencer, position.applied, installing, self.versions
         )
+        if refused is not None and refused.startswith(UNSPOKEN_CLUSTER_VERSION):
+            self.protocol_violation(body.sender, f"shard {shard}: snapshot offer at {offer.key}: {refused}")
+            return
         if refused is not None:
             log.debug("shard %s: snapshot offer refused: %s", shard, refused)
             return
@@ -986,7 +997,6 @@ class CoreNode(NodeServer):
         )
         install = SnapshotInstall(offer, INSTALL_BATCH_ROWS_MAX, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
         self.installs[shard] = install
-        self._install_cluster_versions[shard] = body.cluster_version
         self._execute_install(shard, install.start())
 
     def _step_install(self, shard: str, event: Any) -> None:
@@ -1052,7 +1062,7 @@ class CoreNode(NodeServer):
                 self.store.set_meta(f"installing:{shard}", 0)
                 self.store.set_meta(f"read_fenced:{shard}", 1)
                 # The copied tables are at the offer's cluster version: record it (and the storage format).
-                self.store.apply_ops((ClusterVersionOp(shard, self._install_cluster_versions.pop(shard, 1)),))
+                self.store.apply_ops((ClusterVersionOp(shard, self.installs[shard].offer.cluster_version),))
                 self.not_serving[shard] = "replaying after a snapshot install"
                 # Agents' positions mean nothing in the new log (core.agent, driver contract 4).
                 self.agent_server.stop_shard(shard)

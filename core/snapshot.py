@@ -5,9 +5,9 @@ Theory of operation
 When the sequencer's consensus finds a follower behind its trimmed key (``SnapshotNeeded``), the
 sequencer offers a snapshot: ``snapshot_offer(shard, generation, key, digest)`` with its applied key
 K0 and digest. The follower accepts an offer only from the sequencer it knows for that shard, in its
-own generation, for a key beyond its applied key, and only one install per shard at a time
-(``accept_offer``). The install is the one bootstrap path (``bootstrap``), the same a replicant
-takes:
+own generation, for a key beyond its applied key, at a cluster version it speaks (``core.versions``),
+and only one install per shard at a time (``accept_offer``). The install is the one bootstrap path
+(``bootstrap``), the same a replicant takes:
 
 1. ``BeginInstall``: persist that an install is under way (a crash in the middle restarts it, and
    the shard serves no read and does not campaign meanwhile) and delete the shard's rows; the log
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from mnesite.bootstrap.copy import CopyFailed, TableCopy
 from mnesite.bootstrap.fence import ReadFence
 from mnesite.core.membership import valid_members
+from mnesite.core.versions import unspoken_cluster_version
 from mnesite.rlog.replication import (
     ApplyBatch,
     BatchReceived,
@@ -47,6 +48,7 @@ from mnesite.rlog.replication import (
     Ticked,
 )
 from mnesite.rlog.types import TxKey
+from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class SnapshotOffer:
     # The sequencer's committed membership at ``key`` (core.membership): the membership entries up
     # to it are not copied, so the offer carries what they decided (as Raft's snapshots do).
     members: tuple[str, ...] = ()
+    # The cluster version the sequencer's copied state is at (``rlog.store``; 1 before any entry).
+    cluster_version: int = 1
 
 
 @dataclass(frozen=True)
@@ -111,16 +115,23 @@ def members_after_install(offer: SnapshotOffer, members: tuple[str, ...]) -> tup
 
 
 def accept_offer(
-    offer: SnapshotOffer, generation: int, sequencer: str | None, applied_key: TxKey, installing: bool
+    offer: SnapshotOffer,
+    generation: int,
+    sequencer: str | None,
+    applied_key: TxKey,
+    installing: bool,
+    own: Announcement = THIS_RELEASE,
 ) -> str | None:
-    """None if the follower takes ``offer``; otherwise why not."""
+    """None if the follower takes ``offer``; otherwise why not (a reason that begins with
+    ``core.versions.UNSPOKEN_CLUSTER_VERSION`` is a protocol violation: ``own`` does not speak the
+    offer's cluster version, which the sequencer's rule should have prevented)."""
     if installing:
         return "an install is already under way"
     if offer.generation != generation or offer.sequencer != sequencer:
         return f"offered by {offer.sequencer} in generation {offer.generation}, not the known sequencer {sequencer}"
     if offer.key <= applied_key:
         return f"offered key {offer.key} is not beyond the applied key {applied_key}"
-    return None
+    return unspoken_cluster_version(offer.cluster_version, own)
 
 
 def offer_due(follower_heard_ms: int | None, now_ms: int, window_ms: int) -> bool:

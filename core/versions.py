@@ -28,6 +28,24 @@ release of this project reads, so a core never waits for a probe before taking p
   entry: a core stops their agents when it applies (``watch_protocol_refusal``), and the upgrade
   procedure upgrades replicants before the last core.
 
+* **A follower's own check.** The sequencer's rule is not the only guard: a member can be rolled back
+  after the probes heard it (the procedure forbids it; an operator may not know), and a broken or
+  hostile sequencer may append anything. So a core never takes its shard's log to a cluster version
+  it does not speak itself (``unspoken_cluster_version``): its consensus refuses an append holding
+  such an entry as a protocol violation (``unspoken_entry``: nothing of it is persisted, nothing is
+  answered, and the driver logs it once a second with the count; ``core.consensus``), and it refuses
+  a snapshot offer at such a version (``core.snapshot.accept_offer``, logged the same way). It
+  stays a member at the entry before, like a core cut off from its sequencer: it keeps hearing
+  heartbeats (so it starts no election), acknowledges nothing beyond, cannot be elected past a
+  committed entry it lacks, and serves local reads of the state it has (read-your-writes and
+  linearizable reads that need more time out). Restarted on a release that speaks the version, it
+  takes the entry and catches up; nothing is lost, because the majority that committed the entry
+  holds it. Stopping the shard instead would take the same core out of the quorum for no gain.
+  A core whose log already holds such an entry (persisted before it was rolled back) does not start:
+  its consensus refuses to open the log (``ConsensusConfigError``, which the node reports as a
+  ``StoreError`` naming the entry and the version), as a newer storage format is refused; applying
+  the entry would have moved the storage format beyond what the release reads.
+
 The sequencer asks after every probe round and in the turn a shard is created (so that on a cluster
 that starts on this release the entry lands right after the shard's first entries, not at a random
 later point). The simulator (``tests/sim/versions.py``) and the unit tests run these functions;
@@ -40,7 +58,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mnesite.rlog.types import ClusterVersionOp, Entry
+from mnesite.rlog.types import ROW_OPS, ClusterVersionOp, Entry
 from mnesite.rlog.versions import (
     Announcement,
     announcement_of,
@@ -140,6 +158,35 @@ def cluster_version_of(entry: Entry) -> int | None:
         if isinstance(op, ClusterVersionOp):
             found = op.cluster_version
     return found
+
+
+# How a refusal of ``unspoken_cluster_version`` begins (a driver logs it as a protocol violation).
+UNSPOKEN_CLUSTER_VERSION = "this core does not speak cluster version"
+
+
+def unspoken_cluster_version(cluster_version: int, own: Announcement) -> str | None:
+    """Why this core must not take its shard's log to ``cluster_version`` (None: it speaks it).
+
+    The follower's own check (see the theory of operation), for an append's entry and a snapshot offer."""
+    if own.speaks(cluster_version):
+        return None
+    return (
+        f"{UNSPOKEN_CLUSTER_VERSION} {cluster_version} ({own.describe()}), so it does not take the shard's "
+        "log there: restart it on a release that speaks that version"
+    )
+
+
+def unspoken_entry(entries: Iterable[Entry], own: Announcement) -> str | None:
+    """Why this core must not persist ``entries``: one records a cluster version it does not speak (None: none does)."""
+    for entry in entries:
+        if ROW_OPS.issuperset(map(type, entry.ops)):
+            continue  # the common entry: rows only
+        version = cluster_version_of(entry)
+        if version is not None:
+            reason = unspoken_cluster_version(version, own)
+            if reason is not None:
+                return f"entry {entry.tx_key}: {reason}"
+    return None
 
 
 def highest_common_version(

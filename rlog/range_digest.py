@@ -8,7 +8,8 @@ included, ``None`` meaning unbounded. That matches the batched dirty-read protoc
 (``scan_page(after=low)``), so a live node and a file replica read a range the same way.
 
 SQLite builds the canonical *row text* of each row natively (``row_text_sql``) and Python hashes
-whole ranges of it (``text_range_digest``), which avoids a Python call per row. The compare job
+a range's row texts one after the other into one hash (``range_hasher``; ``text_range_digest`` is
+the same digest of texts already joined), so memory holds one row text, not a range. The compare job
 (for file replicas) and the node's range requests (``rlog.range_requests``) use the same functions,
 so a live node and a copy of its file give identical digests. Keys travel as bytes that sort like
 SQLite sorts them (``key_bytes``).
@@ -26,9 +27,9 @@ ROW_DIGEST_BYTES = 16
 
 # -- row text: the canonical row encoding SQLite computes itself ----------------------------------
 #
-# Hashing rows in Python costs a Python call per row; the compare job instead has SQLite build a
-# canonical *row text* natively and hashes whole ranges of it at once. The row text is the values
-# in declared column order, each followed by ``,``:
+# Encoding rows' values in Python would cost Python work per value; the compare job instead has
+# SQLite build a canonical *row text* natively, and Python only feeds each row's text, one bytes
+# object, to the range's hash. The row text is the values in declared column order, each followed by ``,``:
 #
 # * INTEGER column: the decimal integer; REAL column: SQLite's ``quote()`` of the value, which
 #   round-trips exactly (checked by ``SQL_FEATURES_CHECK``), or ``-0.0`` for negative zero;
@@ -92,10 +93,17 @@ def row_text_sql(columns: Sequence[tuple[str, str]]) -> str:
     return f"CAST({parts} AS BLOB)"
 
 
-def text_range_digest(rows: int, text: bytes | None) -> bytes:
-    """Range digest from SQLite's concatenated row texts of the range (``None`` when it is empty)."""
+def range_hasher(rows: int) -> Any:
+    """A hash object for the digest of a range of ``rows`` rows: ``update`` it with the range's row
+    texts in scan order, then ``digest()``. The row count comes first, so it is known before the texts."""
     hasher = hashlib.blake2b(digest_size=RANGE_DIGEST_BYTES, person=ROW_TEXT_PERSON)
     hasher.update(b"rows %d;" % rows)
+    return hasher
+
+
+def text_range_digest(rows: int, text: bytes | None) -> bytes:
+    """Range digest from the concatenated row texts of the range (``None`` when it is empty)."""
+    hasher = range_hasher(rows)
     if text:
         hasher.update(text)
     return hasher.digest()

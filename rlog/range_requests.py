@@ -12,8 +12,10 @@ on an apsw connection to a mnesite database, and answer three questions about on
   limit cut it; ask again after the last key).
 
 SQLite builds each row's canonical text natively (``rlog.range_digest.row_text_sql``) and
-concatenates a range's texts with ``group_concat``; Python only hashes one byte string per
-range. So a million rows cost SQLite a few tenths of a second and Python almost nothing.
+Python feeds the texts of a range, one row at a time, to one hash (``range_hasher``): memory
+holds one row text whatever the range holds, and a million rows cost about a second. (A
+``group_concat`` of the range hashed at once took about two thirds of that time, but held the
+whole range's text, up to SQLite's 1 GB value, on the node's loop thread.)
 
 The same functions serve a live node (``answer``, wired into ``core.node`` for the request
 kinds in ``KINDS``) and the Spark side's file replicas (``spark.replica``), so a node and a
@@ -27,14 +29,18 @@ position always agree (they are applied together, DESIGN invariant 4). ``BEGIN``
 are never issued on the node's connection.
 
 Bounds. A node answers on its serving thread, so each answer is bounded: at most
-``RANGES_MAX`` ranges, ``rows_max = scan_rows_max * DIGEST_ROWS_PER_SCAN_ROW`` rows hashed (a
+``RANGES_MAX`` ranges, ``rows_max = scan_rows_max * DIGEST_ROWS_PER_SCAN_ROW`` rows and
+``text_bytes_max = frame_bytes_max * DIGEST_ROWS_PER_SCAN_ROW`` bytes of row text hashed (a
 hashed row costs the node about a tenth of a shipped one), ``row_digests`` at most ``rows_max``
-rows and about ``frame_bytes_max * DIGEST_ROWS_PER_SCAN_ROW`` bytes of their row texts (at least
-one row; ``more`` says a row follows), ``key_boundaries`` at most ``PARTS_MAX`` parts spaced over at most
-``scan_rows_max * BOUNDARY_KEYS_PER_SCAN_ROW`` keys from the low end. When the row budget runs
-out, ``range_digest`` answers the ranges it finished (``more`` is true) and the caller asks again
-from the next range; a single range with more rows than the budget is answered with ``digest``
-null and ``rows`` a lower bound, which the compare job treats as "differs" and cuts smaller.
+rows and about ``text_bytes_max`` bytes of their row texts (at least one row; ``more`` says a row
+follows), ``key_boundaries`` at most ``PARTS_MAX`` parts spaced over at most
+``scan_rows_max * BOUNDARY_KEYS_PER_SCAN_ROW`` keys from the low end. When the row or the byte
+budget runs out, ``range_digest`` answers the ranges it finished (``more`` is true) and the caller
+asks again from the next range; a single range over the budget is answered with ``digest`` null
+and ``rows`` its row count (a lower bound when over the row budget) and, on request, split keys,
+which the compare job treats as "differs" and cuts smaller (or, at ``leaf_rows_max`` rows or
+fewer, compares row by row with ``row_digests``, whose pages the byte budget cuts). A file
+replica's digests have no budget; their memory is one row text too.
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ from typing import Any
 import apsw
 from mnesite.rlog.range_digest import (
     SQL_FEATURES_CHECK,
+    range_hasher,
     row_text_sql,
-    text_range_digest,
     text_row_digest,
 )
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key
@@ -155,38 +161,70 @@ def range_digests(
     split_parts: int = 0,
     split_rows_min: int = 0,
     rows_max: int | None = None,
+    text_bytes_max: int | None = None,
 ) -> list[RangeAnswer]:
-    """Answers for ``ranges`` in order; fewer than asked when ``rows_max`` runs out (see above)."""
+    """Answers for ``ranges`` in order; fewer than asked when ``rows_max`` or ``text_bytes_max``
+    (bytes of row text hashed) runs out (see above)."""
     text = row_text_sql(table.columns)
     name = _quote(table.name)
     answers: list[RangeAnswer] = []
-    used = 0
+    rows_used = text_bytes_used = 0
     cursor = connection.cursor()
     for low, high in ranges:
         where, bindings = _condition(table, low, high)
+        # The row count first: the digest hashes it before the row texts, and a range over the row
+        # budget is known without building any row text.
         if rows_max is None:
-            rows, blob = cursor.execute(
-                f"SELECT count(*), CAST(group_concat({text}, '') AS BLOB) FROM {name}{where}", bindings
-            ).fetchone()
+            rows = cursor.execute(f"SELECT count(*) FROM {name}{where}", bindings).fetchone()[0]
         else:
-            remaining = rows_max - used
-            rows, blob = cursor.execute(
-                f"SELECT count(*), CAST(group_concat(t, '') AS BLOB) "
-                f"FROM (SELECT {text} AS t FROM {name}{where} LIMIT ?)",
-                (*bindings, remaining + 1),
-            ).fetchone()
-            if rows > remaining:
-                if answers:
-                    break  # the budget is spent: the caller asks again from this range
-                over = _split_keys(connection, table, low, high, rows, split_parts, rows_max) if split_parts else ()
-                answers.append(RangeAnswer(rows, None, over))
-                break
-            used += rows
+            rows = cursor.execute(
+                f"SELECT count(*) FROM (SELECT 1 FROM {name}{where} LIMIT ?)", (*bindings, rows_max - rows_used + 1)
+            ).fetchone()[0]
+        digest, text_bytes = None, 0
+        if rows_max is None or rows <= rows_max - rows_used:
+            text_bytes_left = None if text_bytes_max is None else text_bytes_max - text_bytes_used
+            digest, text_bytes = _hash_range(
+                connection, f"SELECT {text} FROM {name}{where}", bindings, rows, text_bytes_left
+            )
+        if digest is None:  # over the row or the byte budget
+            if answers:
+                break  # the budget is spent: the caller asks again from this range
+            over = _split_keys(connection, table, low, high, rows, split_parts, rows_max) if split_parts else ()
+            answers.append(RangeAnswer(rows, None, over))
+            break
+        rows_used += rows
+        text_bytes_used += text_bytes
         splits: tuple[Any, ...] = ()
         if split_parts >= 2 and rows > split_rows_min:
             splits = _split_keys(connection, table, low, high, rows, split_parts, rows_max)
-        answers.append(RangeAnswer(rows, text_range_digest(rows, bytes(blob) if blob is not None else None), splits))
+        answers.append(RangeAnswer(rows, digest, splits))
     return answers
+
+
+def _hash_range(
+    connection: apsw.Connection, sql: str, bindings: tuple[Any, ...], rows: int, text_bytes_max: int | None
+) -> tuple[bytes | None, int]:
+    """``(digest, bytes of row text)`` of the ``rows`` rows ``sql`` selects the row texts of, in scan
+    order; digest None once the texts pass ``text_bytes_max``, where the scan stops.
+
+    One row text at a time goes from SQLite to the hash: a range of wide rows never sits whole in
+    memory (a ``group_concat`` of it could reach SQLite's 1 GB value, on the node's loop thread).
+    The texts are hashed in the order this plain scan returns them, the order the digest is
+    defined with (``rlog.range_digest``). ``LIMIT rows``: in the read snapshot the range holds
+    exactly the rows counted."""
+    hasher = range_hasher(rows)
+    update = hasher.update  # the loop runs once per row: keep it to a few operations
+    text_bytes, text_bytes_limit = 0, math.inf if text_bytes_max is None else text_bytes_max
+    cursor = connection.cursor()
+    try:
+        for (row_text,) in cursor.execute(f"{sql} LIMIT ?", (*bindings, rows)):
+            text_bytes += len(row_text)
+            if text_bytes > text_bytes_limit:
+                return None, text_bytes
+            update(row_text)
+    finally:
+        cursor.close(True)  # an unfinished scan is reset at once, not left open in the read snapshot
+    return hasher.digest(), text_bytes
 
 
 def _split_keys(
@@ -317,6 +355,7 @@ def answer(store: Any, kind: str, body: Any, scan_rows_max: int, frame_bytes_max
     with _sql_errors():
         check_sql_features(store.connection)
     rows_max = scan_rows_max * DIGEST_ROWS_PER_SCAN_ROW
+    text_bytes_max = frame_bytes_max * DIGEST_ROWS_PER_SCAN_ROW  # bytes of row text one answer may hash
     connection = store.connection
     if kind == "range_digest":
         ranges = body.ranges
@@ -331,7 +370,7 @@ def answer(store: Any, kind: str, body: Any, scan_rows_max: int, frame_bytes_max
         split_rows_min = _int_field(body, "split_rows_min", 0, 0, 2**62)
         with _sql_errors(), read_snapshot(connection):
             applied, digest = applied_position(connection, table.shard)
-            answers = range_digests(connection, table, checked, split_parts, split_rows_min, rows_max)
+            answers = range_digests(connection, table, checked, split_parts, split_rows_min, rows_max, text_bytes_max)
         result = [{"rows": a.rows, "digest": a.digest, "split_keys": list(a.split_keys)} for a in answers]
         return {**_position(table, applied, digest), "ranges": result, "more": len(answers) < len(checked)}
     if kind == "key_boundaries":
@@ -345,7 +384,7 @@ def answer(store: Any, kind: str, body: Any, scan_rows_max: int, frame_bytes_max
     low, high = _check_range(table, body.low, body.high, "range")
     with _sql_errors(), read_snapshot(connection):
         applied, digest = applied_position(connection, table.shard)
-        digests = row_digests(connection, table, low, high, limit + 1, frame_bytes_max * DIGEST_ROWS_PER_SCAN_ROW)
+        digests = row_digests(connection, table, low, high, limit + 1, text_bytes_max)
         more = len(digests) > limit
         if not more and digests:
             # Cut by the bytes of row text perhaps: whether a row follows is one step of the key index.

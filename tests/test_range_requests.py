@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import apsw
 import pytest
 from mnesite.rlog import messages, range_requests
 from mnesite.rlog.client import MnesiteError
@@ -242,3 +243,79 @@ def test_row_digests_of_large_rows_are_bounded_in_bytes_hashed_and_say_more(tmp_
     body = typed_body("row_digests", {"table": "large"})
     answer = range_requests.answer(store, "row_digests", body, 10_000, 1000)
     assert [key for key, _ in answer["rows"]] == [0] and answer["more"]
+
+
+def _large_rows_store(tmp_path: Path, rows: int, value_bytes: int) -> Store:
+    store = Store(str(tmp_path / "mnesite.db"), synchronous="OFF")
+    create_table(store, "large", "k", [("k", "INTEGER"), ("v", "BLOB")])
+    for start in range(0, rows, 50):
+        commit(
+            store, [WriteOp("large", {"k": k, "v": bytes([k % 256]) * value_bytes}) for k in range(start, start + 50)]
+        )
+    return store
+
+
+def _large_rows_digest(keys: range, value_bytes: int) -> bytes:
+    # The row text of (k INTEGER, v BLOB), written out by hand (rlog.range_digest's section comment).
+    texts = b"".join(b"%d,%d:%s," % (k, value_bytes, bytes([k % 256]) * value_bytes) for k in keys)
+    return text_range_digest(len(keys), texts)
+
+
+@pytest.mark.timeout(60)
+def test_a_range_digest_holds_one_row_text_at_a_time_not_the_whole_range(tmp_path: Path) -> None:
+    """Regression: ``range_digests`` had SQLite ``group_concat`` the row texts of a whole range (up
+    to ``scan_rows_max * 10`` rows, 100,000 by default) and copied the result into Python: with
+    wide rows one request made a node hold up to SQLite's 1 GB value, twice, on its loop thread.
+    It now hashes the row texts one at a time, and the digests are the same."""
+    import tracemalloc
+
+    value_bytes = 100_000
+    store = _large_rows_store(tmp_path, 300, value_bytes)  # 30 MB of row text in one range
+    table = store.catalog()["large"]
+    connection = store.connection
+    sqlite_before = apsw.memory_used()
+    apsw.memory_high_water(True)
+    tracemalloc.start()
+    try:
+        with range_requests.read_snapshot(connection):
+            answers = range_requests.range_digests(connection, table, [(None, None), (99, 199)])
+        python_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    sqlite_peak = apsw.memory_high_water() - sqlite_before
+    assert [answer.rows for answer in answers] == [300, 100]
+    assert answers[0].digest == _large_rows_digest(range(300), value_bytes)
+    assert answers[1].digest == _large_rows_digest(range(100, 200), value_bytes)
+    assert python_peak < 4_000_000, python_peak
+    assert sqlite_peak < 12_000_000, sqlite_peak  # the page cache may grow too (at most 16 MB, mostly full)
+    store.close()
+
+
+@pytest.mark.timeout(60)
+def test_range_digest_answers_are_bounded_in_bytes_of_row_text(tmp_path: Path) -> None:
+    """Regression: a ``range_digest`` request was bounded in rows only (``scan_rows_max * 10``), so
+    wide rows made one request hash gigabytes on the node's loop thread. Like ``row_digests``, it
+    now stops at about ``DIGEST_ROWS_PER_SCAN_ROW`` frames of row text: the ranges it finished come
+    back with ``more``, and a range over the budget alone gets no digest, its row count and split
+    keys, which the compare cuts smaller (as for the row budget)."""
+    value_bytes = 20_000
+    store = _large_rows_store(tmp_path, 300, value_bytes)
+    frame_bytes_max = 100_000  # row text hashed per request: about 10 frames, 1 MB: some 50 rows
+    ranges = [[None, 19], [19, 39], [39, 59], [59, None]]  # 20 rows (400 KB) each, the last one 240 rows
+    body = typed_body("range_digest", {"table": "large", "ranges": ranges})
+    answer = range_requests.answer(store, "range_digest", body, 10_000, frame_bytes_max)
+    assert answer["more"] is True
+    assert [(r["rows"], r["digest"]) for r in answer["ranges"]] == [
+        (20, _large_rows_digest(range(0, 20), value_bytes)),
+        (20, _large_rows_digest(range(20, 40), value_bytes)),
+    ]
+    body = typed_body("range_digest", {"table": "large", "ranges": [[59, None]], "split_parts": 4})
+    answer = range_requests.answer(store, "range_digest", body, 10_000, frame_bytes_max)
+    (only,) = answer["ranges"]
+    assert answer["more"] is False and only["digest"] is None and only["rows"] == 240
+    assert len(only["split_keys"]) == 3 and all(59 < key < 299 for key in only["split_keys"])
+    # Under the budget the digest is there, and the same as without any budget.
+    body = typed_body("range_digest", {"table": "large", "ranges": [[None, 9]]})
+    answer = range_requests.answer(store, "range_digest", body, 10_000, frame_bytes_max)
+    assert answer["ranges"][0]["digest"] == _large_rows_digest(range(10), value_bytes)
+    store.close()

@@ -326,6 +326,26 @@ def test_row_level_joined_by_spark_gives_the_driver_merge_report(spark_session: 
     assert samples_by_key(users, "different")[1000]["right"]["name"] == "mallory"
 
 
+def compare_with_its_file_and_a_tampered_copy(
+    spark_session: Any, endpoint: str, data: Path, table: str, key: int
+) -> Any:
+    """Compare a live node with its own data directory (equal: the report is returned), then with an
+    online copy of it where ``key``'s ``v`` was changed (exactly that difference is reported)."""
+    options = CompareOptions(ranges_initial=1, fanout=4, leaf_rows_max=16)
+    report = compare([endpoint, str(data)], options, session=spark_session)
+    assert report.exit_status == EXIT_EQUAL, report.to_json()
+    copy = data.parent / "copy"
+    copy.mkdir()
+    target = apsw.Connection(str(copy / "mnesite.db"))
+    with target.backup("main", apsw.Connection(str(data / "mnesite.db")), "main") as backup:
+        backup.step()
+    target.close()
+    tamper(copy, [(f"UPDATE {table} SET v = 'x' WHERE k = ?", (key,))])
+    (pair,) = compare([endpoint, str(copy)], options, session=spark_session).pairs
+    assert pair.counts["different"] == 1 and list(samples_by_key(pair, "different")) == [key]
+    return report
+
+
 @pytest.mark.timeout(120)
 def test_a_node_over_its_row_budget_is_drilled_into_not_misreported(spark_session: Any, tmp_path: Path) -> None:
     from tests.conftest import ThreadNode
@@ -340,20 +360,34 @@ def test_a_node_over_its_row_budget_is_drilled_into_not_misreported(spark_sessio
             # The file is read directly below; an acknowledgement may leave before its turn's commit
             # (NodeServer.reply), a read is answered after it.
             assert client.get("kv", 59) == {"k": 59, "v": "value 59"}
-        options = CompareOptions(ranges_initial=1, fanout=4, leaf_rows_max=16)
-        report = compare([node.endpoint, str(tmp_path / "data")], options, session=spark_session)
-        assert report.exit_status == EXIT_EQUAL, report.to_json()
+        report = compare_with_its_file_and_a_tampered_copy(spark_session, node.endpoint, tmp_path / "data", "kv", 33)
         assert report.statistics["levels"] == 2 and report.statistics["rows_shipped"] == 0
-        copy = tmp_path / "copy"
-        copy.mkdir()
-        target = apsw.Connection(str(copy / "mnesite.db"))
-        with target.backup("main", apsw.Connection(str(tmp_path / "data" / "mnesite.db")), "main") as backup:
-            backup.step()
-        target.close()
-        tamper(copy, [("UPDATE kv SET v = 'x' WHERE k = 33", ())])
-        report = compare([node.endpoint, str(copy)], options, session=spark_session)
-        (pair,) = report.pairs
-        assert pair.counts["different"] == 1 and list(samples_by_key(pair, "different")) == [33]
+    finally:
+        node.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_node_over_its_byte_budget_is_drilled_into_with_the_same_results(spark_session: Any, tmp_path: Path) -> None:
+    """A node's ``range_digest`` answer hashes at most about ten frames of row text (the regression
+    is in tests/test_range_requests.py): a range of wide rows over it gets no digest, is drilled into
+    like a range over the row budget, and the compare's results are those of an unbounded replica."""
+    from tests.conftest import ThreadNode
+
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"frame_bytes_max": 64 * 1024}})  # 640 KB per answer
+    try:
+        with node.client() as client:
+            client.create_table("wide", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
+            for start in range(0, 120, 4):  # 1.2 MB of row text
+                client.transact(
+                    [
+                        {"op": "write", "table": "wide", "row": {"k": k, "v": f"{k:05d}" * 2000}}
+                        for k in range(start, start + 4)
+                    ]
+                )
+            assert client.get("wide", 119)["k"] == 119  # answered after the last turn's commit
+        report = compare_with_its_file_and_a_tampered_copy(spark_session, node.endpoint, tmp_path / "data", "wide", 77)
+        assert report.statistics["levels"] == 2 and report.statistics["rows_shipped"] == 0
+        assert set(report.rows["wide"].values()) == {120}  # the node counted the range it did not hash
     finally:
         node.stop()
 

@@ -251,7 +251,10 @@ def test_the_simulator_catches_a_cluster_version_moved_before_every_member_speak
         return peers.own.cluster_versions[1] if current < peers.own.cluster_versions[1] else None
 
     monkeypatch.setattr(core_versions, "cluster_version_to_propose", eager)
-    with pytest.raises(SimulationFailure, match="cannot read|cannot speak it|before the last core"):
+    # The first to notice is usually a core of release 0.1.0 refusing the entry (the follower's own check).
+    with pytest.raises(
+        SimulationFailure, match="does not speak cluster version|cannot read|cannot speak it|before the last core"
+    ):
         run_versions_seed(0)
 
 
@@ -303,3 +306,85 @@ def test_a_proposal_is_not_repeated_while_in_flight_and_is_retried_when_lost() -
     assert due(1, 20) is None  # in flight
     assert due(1, 10 + CLUSTER_VERSION_RETRY_MS) == 2  # lost with a deposed sequencer's tail: again
     assert due(2, 20 + CLUSTER_VERSION_RETRY_MS) is None  # recorded: done
+
+
+def test_a_follower_never_takes_a_cluster_version_it_does_not_speak() -> None:
+    """Regression: a follower persisted (and then applied) a cluster version entry, or installed a
+    snapshot offer at a cluster version, without checking that it speaks that version itself: only
+    the sequencer's rule (every member announced it) kept a core from running a version it cannot
+    read, so a member rolled back after the probes, or a broken sequencer, moved it anyway (and the
+    storage format with it: the core then refused its own data directory). The follower's own rule
+    (``core.versions.unspoken_cluster_version``) refuses such an append as a protocol violation,
+    persisting nothing, and such a snapshot offer."""
+    import dataclasses
+    import random
+
+    from mnesite.core.consensus import (
+        AppendRequest,
+        ConsensusConfig,
+        MessageReceived,
+        PersistedState,
+        PersistEntries,
+        ProtocolViolation,
+        ShardConsensus,
+    )
+    from mnesite.core.snapshot import SnapshotOffer, accept_offer
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, make_entry
+
+    from tests.sim import MemoryLog
+
+    first = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, ())
+    moved = make_entry("s", TxKey(1, 2), first.tx_key, first.digest, (ClusterVersionOp("s", 2),))
+    append = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, ("a", "b", "c"), (first, moved))
+
+    def follower(speaks: Announcement) -> tuple[ShardConsensus, list]:
+        state = PersistedState(1, None, ("a", "b", "c"))
+        machine = ShardConsensus(
+            "s", "b", MemoryLog(), state, ZERO_KEY, ConsensusConfig(), random.Random(1), 0, own_versions=speaks
+        )
+        return machine, machine.step(MessageReceived("a", append), 0)
+
+    _, effects = follower(Announcement("0.2.0", (1, 1)))
+    assert not [e for e in effects if isinstance(e, PersistEntries)], effects
+    (violation,) = [e for e in effects if isinstance(e, ProtocolViolation)]
+    assert violation.sender == "a"
+    assert "entry (1, 2)" in violation.reason and "does not speak cluster version 2" in violation.reason
+    _, effects = follower(THIS_RELEASE)
+    (persisted,) = [e for e in effects if isinstance(e, PersistEntries)]
+    assert persisted.entries == (first, moved)
+
+    offer = SnapshotOffer("a", 3, TxKey(3, 50), b"d" * 32, cluster_version=THIS_RELEASE.cluster_versions[1] + 1)
+    refused = accept_offer(offer, 3, "a", TxKey(2, 9), False, own=THIS_RELEASE)
+    assert refused is not None and "does not speak cluster version" in refused
+    assert (
+        accept_offer(dataclasses.replace(offer, cluster_version=2), 3, "a", TxKey(2, 9), False, own=THIS_RELEASE)
+        is None
+    )
+
+
+def test_a_core_restarted_on_a_release_that_does_not_speak_its_logged_cluster_version_refuses_to_start() -> None:
+    """Regression: a core that persisted a cluster version entry, then was rolled back to a release
+    that does not speak that version, applied the entry once it committed (and moved its storage
+    format beyond what it reads: it then refused its own directory at the next start). Its consensus
+    now refuses to open such a log, in words the node's start reports (a ``StoreError``)."""
+    import random
+
+    from mnesite.core.consensus import ConsensusConfig, ConsensusConfigError, PersistedState, ShardConsensus
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
+
+    from tests.sim import MemoryLog
+
+    first = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, ())
+    moved = make_entry("s", TxKey(1, 2), first.tx_key, first.digest, (ClusterVersionOp("s", 2),))
+    log = MemoryLog()
+    log.append((first, moved))
+    state = PersistedState(1, None, ("a", "b", "c"))
+
+    def start(speaks: Announcement, committed: TxKey) -> ShardConsensus:
+        return ShardConsensus(
+            "s", "b", log, state, committed, ConsensusConfig(), random.Random(1), 0, own_versions=speaks
+        )
+
+    with pytest.raises(ConsensusConfigError, match=r"entry \(1, 2\): this core does not speak cluster version 2"):
+        start(Announcement("0.2.0", (1, 1)), first.tx_key)
+    assert start(THIS_RELEASE, first.tx_key).last_key == moved.tx_key

@@ -94,12 +94,14 @@ from mnesite.core.outcome import (
 )
 from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
+from mnesite.core.versions import UNSPOKEN_CLUSTER_VERSION
 from mnesite.rlog import retention
 from mnesite.rlog.config import Limits
 from mnesite.rlog.errors import RequestError
 from mnesite.rlog.messages import typed_body
 from mnesite.rlog.schema import TableSchema, define_table
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, Entry, Op, TxKey, WriteOp
+from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
 SHARD = "main"
 TRACE_LINES_MAX = 80
@@ -424,7 +426,12 @@ class Simulation:
             self.config,
             random.Random(self.rng.getrandbits(64)),
             self.now_ms,
+            own_versions=self._speaks(node),
         )
+
+    def _speaks(self, node: SimNode) -> Announcement:
+        """What ``node``'s release speaks (production: ``rlog.versions.local_announcement``)."""
+        return THIS_RELEASE
 
     def _crash(self, node: SimNode) -> None:
         self._lose_undurable(node)
@@ -725,9 +732,16 @@ class Simulation:
             sequencer.applied_key,
             sequencer.applied_digest,
             sequencer.machine.committed_members,
+            self._applied_cluster_version(sequencer),
         )
         machine = follower.machine
-        if accept_offer(offer, machine.generation, machine.sequencer, follower.applied_key, False) is not None:
+        refused = accept_offer(
+            offer, machine.generation, machine.sequencer, follower.applied_key, False, self._speaks(follower)
+        )
+        if refused is not None and refused.startswith(UNSPOKEN_CLUSTER_VERSION):
+            # Every core here is honest: the sequencer's rule should have kept the version where all speak it.
+            raise self.fail(f"{follower.name}: snapshot offer by {sequencer.name}: {refused}")
+        if refused is not None:
             return
         # The driver copies the sequencer's applied tables; the follower's log restarts there.
         for client, outcome in follower.waiters.abandoned("this core installed a snapshot"):

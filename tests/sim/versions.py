@@ -76,10 +76,14 @@ class VersionsSimulation(Simulation):
         self._probe_due()
         self._propose_due()
 
+    def _speaks(self, node: SimNode) -> Announcement:
+        # The node's release runs the follower's own check (core.versions.unspoken_cluster_version).
+        return self.release[node.name] if hasattr(self, "release") else RELEASE_0_1_0
+
     def _start(self, node: SimNode) -> None:
-        super()._start(node)
         if hasattr(self, "restarting") and node.name in self.restarting:
             self.release[node.name] = self.restarting.pop(node.name)
+        super()._start(node)
         release = self.release[node.name] if hasattr(self, "release") else RELEASE_0_1_0
         if hasattr(self, "views"):
             # In memory: a restart forgets what the peers said. Release 0.1.0 runs no such rule.
