@@ -316,19 +316,23 @@ class ClientPool:
 
 
 def cpu_seconds(processes: Sequence[subprocess.Popen | multiprocessing.Process]) -> list[float]:
-    """CPU time (user + system) each process (a server's, or a load generator's) has used so far, from
-    ``/proc/PID/stat``."""
-    ticks = os.sysconf("SC_CLK_TCK")
+    """CPU time (user + system, every thread) each process (a server's, or a load generator's) has used
+    so far, read from the process's CPU clock in nanoseconds. ``/proc/PID/stat`` gives the same time
+    truncated to clock ticks (10 ms): on a loaded machine a load generator process can use less than a
+    tick in a slice, and a slice then counted none of its CPU."""
     used = []
     for process in processes:
         try:
-            with open(f"/proc/{process.pid}/stat") as stat:
-                # Fields after the command's closing parenthesis: state is the first, utime the 12th.
-                fields = stat.read().rsplit(")", 1)[1].split()
-            used.append((int(fields[11]) + int(fields[12])) / ticks)
-        except (OSError, IndexError, ValueError):
+            used.append(time.clock_gettime(_process_cpu_clock(process.pid)))
+        except (OSError, OverflowError):
             used.append(0.0)
     return used
+
+
+def _process_cpu_clock(pid: int) -> int:
+    """The clock id of process ``pid``'s CPU time (all its threads), as glibc's ``clock_getcpuclockid``
+    makes it: Linux encodes ``~pid << 3`` with ``CPUCLOCK_SCHED`` (2), and lets any process read it."""
+    return (~pid << 3) | 2
 
 
 def machine_busy_seconds() -> float:
@@ -572,10 +576,14 @@ def measure_point(systems: list[System], pool: ClientPool, seconds: float, slice
         for system in systems if number % 2 == 0 else systems[::-1]:
             total = totals[system.name]
             before = cpu_seconds(system.processes)
-            load_before, busy_before, began = sum(cpu_seconds(pool.workers)), machine_busy_seconds(), time.monotonic()
+            # The wall time spans the two reads of the machine's busy time (taken first, read last): a
+            # preemption between a read of one and of the other (likely on a loaded machine) then adds
+            # to both, never to the busy time alone, which would read more CPUs busy than there are.
+            load_before, began = sum(cpu_seconds(pool.workers)), time.monotonic()
+            busy_before = machine_busy_seconds()
             out = pool.run(system.name, seconds / slices)
-            total["wall"] += time.monotonic() - began
             total["busy"] += machine_busy_seconds() - busy_before
+            total["wall"] += time.monotonic() - began
             total["load_cpu"] += sum(cpu_seconds(pool.workers)) - load_before
             after = cpu_seconds(system.processes)
             total["cpu"] = [used + now - then for used, then, now in zip(total["cpu"], before, after, strict=True)]

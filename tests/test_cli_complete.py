@@ -258,13 +258,22 @@ def test_a_write_sent_and_unanswered_is_never_retried_on_another_node(
         assert client.get("items", 9) is None
 
 
+FOLLOW_AS_FROM_A_TERMINAL = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('mnesite.cli', run_name='__main__', alter_sys=True)"
+)
+
+
 def test_rlog_tail_follow_prints_new_entries_and_exits_0_on_ctrl_c(mnesite, thread_node: ThreadNode, tmp_path) -> None:
     out = tmp_path / "follow.out"
     with open(out, "w") as sink:
         follower = subprocess.Popen(
+            # `python -m mnesite.cli` as a terminal starts it: SIGINT raising KeyboardInterrupt. A child
+            # inherits an ignored SIGINT (a suite started in the background by a non-interactive shell,
+            # or under nohup, ignores it), and Python then leaves it ignored: the follower never ended.
             # -n 2: the newest entry may be the shard's cluster version entry (core.versions), appended
             # on its own once its one member announced this release's cluster version.
-            [sys.executable, "-m", "mnesite.cli", "rlog", "tail", "default", "-n", "2", "--follow",
+            [sys.executable, "-c", FOLLOW_AS_FROM_A_TERMINAL, "rlog", "tail", "default", "-n", "2", "--follow",
              "--interval-ms", "50", "--node", thread_node.endpoint],
             stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
         )  # fmt: skip
