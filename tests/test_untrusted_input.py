@@ -3,6 +3,8 @@ node keeps serving. Unit level against a thread node (``tests/conftest.py``) and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -765,15 +767,25 @@ class _Receiver:
         self.malformed_frames, self._discarding = 0, False
 
 
+@contextlib.contextmanager
+def _inproc_pair(name: str) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+    """A ROUTER bound to inproc://NAME and a DEALER connected to it, both closed after."""
+    context = zmq.Context.instance()
+    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    try:
+        router.bind(f"inproc://{name}")
+        dealer.connect(f"inproc://{name}")
+        yield router, dealer
+    finally:
+        router.close(0)
+        dealer.close(0)
+
+
 def test_a_message_of_too_many_parts_is_refused_and_read_off_over_several_turns() -> None:
     # zmq bounds each part's size, not their number: the node keeps at most MESSAGE_PARTS_MAX of a
     # message's parts, and reads the rest off at most DISCARD_PARTS_PER_TURN a turn (raising zmq.Again
     # to end the turn's reading), so that its timers keep running; the next message is read intact.
-    context = zmq.Context.instance()
-    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
-    try:
-        router.bind("inproc://too-many-parts")
-        dealer.connect("inproc://too-many-parts")
+    with _inproc_pair("too-many-parts") as (router, dealer):
         parts = 2 * server.DISCARD_PARTS_PER_TURN + 7
         dealer.setsockopt(zmq.SNDHWM, 0)
         dealer.send_multipart([b"p"] * parts)
@@ -794,20 +806,13 @@ def test_a_message_of_too_many_parts_is_refused_and_read_off_over_several_turns(
         assert turns == 2
         assert received is not None and received[1] == b"next" and len(received[0]) == 1
         assert receiver.malformed_frames == 1 and not receiver._discarding
-    finally:
-        router.close(0)
-        dealer.close(0)
 
 
 def test_a_message_whose_envelope_part_is_longer_than_a_routing_id_is_refused() -> None:
     # The backlog of frames left for later turns is bounded in bytes by the frames it holds, and an
     # answer echoes the request's envelope: a part before the frame larger than any routing id (zmq's
     # are at most 255 bytes) would be held uncounted and sent back. Such a message is refused unanswered.
-    context = zmq.Context.instance()
-    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
-    try:
-        router.bind("inproc://large-envelope")
-        dealer.connect("inproc://large-envelope")
+    with _inproc_pair("large-envelope") as (router, dealer):
         frame = raw_frame("get", {"table": "known", "key": 1})
         dealer.send_multipart([b"h" * (server.ENVELOPE_PART_BYTES_MAX + 1), frame])
         dealer.send_multipart([b"h" * server.ENVELOPE_PART_BYTES_MAX, frame])  # a proxy's hop: kept
@@ -818,9 +823,6 @@ def test_a_message_whose_envelope_part_is_longer_than_a_routing_id_is_refused() 
         received = receiver.receive()
         assert received is not None and received[1] == frame and len(received[0]) == 2
         assert receiver.malformed_frames == 1
-    finally:
-        router.close(0)
-        dealer.close(0)
 
 
 def test_the_request_id_of_a_refused_frame_is_read_without_decoding_its_body() -> None:
