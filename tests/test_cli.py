@@ -175,13 +175,19 @@ def test_rlog_verify_of_a_data_directory_changes_no_byte_of_it(tmp_path) -> None
     # checkpointer thread, and SQLite's checkpoint at the last close, which moved a crashed node's
     # WAL into its database file and deleted the WAL. It now opens it read-only.
     node = ThreadNode(tmp_path / "data")
+    # The loop closes the node as it stops: held back until its thread is done, since the store's
+    # connection may be used by one thread at a time (called from here while the loop ran, apsw
+    # raised ThreadingViolationError now and then).
+    close = node.node.close
+    node.node.close = lambda: None
     try:
         with node.client() as client:
             client.create_table("users", "id", [("id", "INTEGER"), ("name", "TEXT")])
             client.put("users", {"id": 1, "name": "ada"})
-        node.node.store.disk_failed()  # as after a crash: the last pages stay in the WAL
     finally:
         node.stop()
+        node.node.store.disk_failed()  # as after a crash: the last pages stay in the WAL
+        close()
     data_dir = Path(node.node.config.data_dir)
 
     def files() -> dict[str, bytes]:
