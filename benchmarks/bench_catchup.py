@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from mnesite.rlog.client import Client, MnesiteError  # noqa: E402
 
-from benchmarks.bench_commit import free_endpoint, machine, percentile, wait_listening  # noqa: E402
+from benchmarks.bench_commit import cpu_seconds, free_endpoint, machine, percentile, wait_listening  # noqa: E402
 
 ROW_VALUE = "v" * 90  # with the id and the encoding, about 100 bytes a row
 ENTRY_OVERHEAD_BYTES_ESTIMATE = 128
@@ -65,20 +65,6 @@ ROW_BYTES_ESTIMATE = 100
 
 # Where the servers import mnesite from: this repository, or a --baseline tree's package layout.
 SERVER_PYTHONPATH = str(REPO)
-
-
-def cpu_used(processes: list[subprocess.Popen]) -> list[float]:
-    """CPU time (user + system) each process has used so far, from ``/proc/PID/stat``."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    used = []
-    for process in processes:
-        try:
-            with open(f"/proc/{process.pid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()  # utime and stime: the 12th and 13th
-            used.append((int(fields[11]) + int(fields[12])) / ticks)
-        except (OSError, IndexError, ValueError):
-            used.append(0.0)
-    return used
 
 
 class Cluster:
@@ -600,9 +586,9 @@ def phase_many(directory: Path, args: argparse.Namespace, report: dict) -> None:
         load(cluster, min(args.rows, 10_000), args.rows_per_transaction, 1)
         rounds: dict[str, list[float]] = {}
         cores = [cluster.processes[f"core{n}"] for n in range(1, 4)]
-        before = cpu_used(cores)
+        before = cpu_seconds(cores)
         rounds["none_before"] = write_latencies(cluster, args.writers, args.seconds)
-        cores_none_s = sum(cpu_used(cores)) - sum(before)
+        cores_none_s = sum(cpu_seconds(cores)) - sum(before)
         names = [f"replicant{n}" for n in range(1, args.replicants + 1)]
         for name in names:
             cluster.start_replicant(name)
@@ -618,9 +604,9 @@ def phase_many(directory: Path, args: argparse.Namespace, report: dict) -> None:
         attach_s = cluster.wait(all_normal, args.timeout_s, f"{len(names)} replicants to be normal")
         replicants = [cluster.processes[name] for name in names]
         commits_before = [(cluster.status(name) or {}).get("commits") for name in names]
-        before = cpu_used(cores + replicants)
+        before = cpu_seconds(cores + replicants)
         rounds["attached"] = write_latencies(cluster, args.writers, args.seconds)
-        used = [after - start for start, after in zip(before, cpu_used(cores + replicants), strict=True)]
+        used = [after - start for start, after in zip(before, cpu_seconds(cores + replicants), strict=True)]
         commits = [
             after - start if isinstance(start, int) and isinstance(after, int) else None
             for start, after in zip(

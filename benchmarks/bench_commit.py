@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -282,6 +282,26 @@ def stop_nodes(processes: list[subprocess.Popen], timeout_s: float = 60.0) -> No
         os.killpg(process.pid, signal.SIGTERM)
     for process in processes:
         process.wait(timeout_s)
+
+
+def cpu_seconds(processes: Sequence[subprocess.Popen | multiprocessing.Process]) -> list[float]:
+    """CPU time (user + system, every thread) each process (a server's, or a load generator's) has used
+    so far, read from the process's CPU clock in nanoseconds. ``/proc/PID/stat`` gives the same time
+    truncated to clock ticks (10 ms): on a loaded machine a load generator process can use less than a
+    tick in a slice, and a slice then counted none of its CPU."""
+    used = []
+    for process in processes:
+        try:
+            used.append(time.clock_gettime(_process_cpu_clock(process.pid)))
+        except (OSError, OverflowError):
+            used.append(0.0)
+    return used
+
+
+def _process_cpu_clock(pid: int) -> int:
+    """The clock id of process ``pid``'s CPU time (all its threads), as glibc's ``clock_getcpuclockid``
+    makes it: Linux encodes ``~pid << 3`` with ``CPUCLOCK_SCHED`` (2), and lets any process read it."""
+    return (~pid << 3) | 2
 
 
 def machine() -> str:

@@ -62,13 +62,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_commit import CLIENT_PROCESSES_MAX, REPO, Writer, machine, percentile, start_nodes  # noqa: E402
+from bench_commit import CLIENT_PROCESSES_MAX, REPO, Writer, cpu_seconds, machine, percentile, start_nodes  # noqa: E402
 
 VALUE = "x" * 100
 STARTUP_TIMEOUT_S = 30
@@ -313,26 +313,6 @@ class ClientPool:
             if worker.is_alive():
                 worker.kill()
                 worker.join(10)
-
-
-def cpu_seconds(processes: Sequence[subprocess.Popen | multiprocessing.Process]) -> list[float]:
-    """CPU time (user + system, every thread) each process (a server's, or a load generator's) has used
-    so far, read from the process's CPU clock in nanoseconds. ``/proc/PID/stat`` gives the same time
-    truncated to clock ticks (10 ms): on a loaded machine a load generator process can use less than a
-    tick in a slice, and a slice then counted none of its CPU."""
-    used = []
-    for process in processes:
-        try:
-            used.append(time.clock_gettime(_process_cpu_clock(process.pid)))
-        except (OSError, OverflowError):
-            used.append(0.0)
-    return used
-
-
-def _process_cpu_clock(pid: int) -> int:
-    """The clock id of process ``pid``'s CPU time (all its threads), as glibc's ``clock_getcpuclockid``
-    makes it: Linux encodes ``~pid << 3`` with ``CPUCLOCK_SCHED`` (2), and lets any process read it."""
-    return (~pid << 3) | 2
 
 
 def machine_busy_seconds() -> float:
