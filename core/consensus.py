@@ -1138,10 +1138,17 @@ class ShardConsensus:
                 )
             )
             return
+        # Above every generation a reached member has seen, so each of them follows this sequencer.
+        generation = max((self._generation, *generations.values())) + 1
+        if generation > GENERATION_MAX:
+            # A peer's journal may say GENERATION_MAX (it is checked no further): one more would be
+            # persisted, and the next campaign's would overflow SQLite's integer and stop the node.
+            reason = f"the new generation {generation} would pass the largest one ({GENERATION_MAX})"
+            self._out.append(ForceStartRefused(reason, new_members, self._members))
+            return
         if self._role is Role.SEQUENCER:
             self._fail_pending("sequencer force-started into a new generation")
-        # Above every generation a reached member has seen, so each of them follows this sequencer.
-        self._generation = max(self._generation, *generations.values()) + 1 if generations else self._generation + 1
+        self._generation = generation
         self._voted_for = self.name
         # The operator's override: the reduced set is in force at once (committed, for this core),
         # and the forced generation's first entry records it in the log for everyone else.

@@ -270,8 +270,11 @@ class SpillBudget:
         return True
 
     def give_back(self, size: int) -> None:
+        # Checked always (not an ``assert``, which ``python -O`` drops): a budget that went below zero
+        # would let the node spill more than ``spill_bytes_max`` from then on, silently.
+        if size < 0 or size > self.used:
+            raise ValueError(f"a spill gave back {size} bytes of {self.used} taken (spill accounting is wrong)")
         self.used -= size
-        assert self.used >= 0, "a spill gave back more than it took"
 
 
 class ShardReplica:

@@ -8,6 +8,7 @@ import random
 import pytest
 from mnesite.core.consensus import (
     EXCLUSION_NOTICE_INTERVAL_MS,
+    GENERATION_MAX,
     REJECT_BUSY,
     REJECT_NOT_SEQUENCER,
     REJECT_TOO_MANY_OPS,
@@ -878,6 +879,19 @@ def test_force_start_is_refused_while_a_majority_of_members_is_reached(reached):
     assert "majority" in refused.reason and set(refused.reached) >= {"a", "b"} and refused.members == MEMBERS
     assert effects == [refused]  # nothing persisted, nothing sent
     assert harness.machine.generation == generation and harness.machine.members == MEMBERS
+
+
+def test_force_start_is_refused_when_its_generation_would_pass_the_largest():
+    """A reached peer's journal may report ``GENERATION_MAX`` (hostile, or a long-lived bug): a forced
+    generation above it would be persisted, and the next campaign's would overflow the node's store."""
+    harness = Harness(members=FIVE, state=PersistedState(3, None, FIVE))
+    effects = harness.step(ForceStartRequested((("b", GENERATION_MAX),)))
+    [refused] = of_type(effects, ForceStartRefused)
+    assert "largest" in refused.reason and refused.reached == ("a", "b")
+    assert effects == [refused]  # nothing persisted, nothing sent
+    assert harness.machine.generation == 3 and harness.machine.members == FIVE
+    effects = harness.step(ForceStartRequested((("b", GENERATION_MAX - 1),)))  # the last generation allowed
+    assert of_type(effects, ForceStarted)[0].generation == GENERATION_MAX
 
 
 def test_force_start_ignores_answers_from_cores_that_are_not_members():

@@ -887,3 +887,17 @@ def test_a_copy_that_outlasts_the_agents_ack_timeout_after_the_spill_filled_stil
     effects = machine.step(ages(), now)
     (watch,) = of(effects, SendWatch)
     assert (watch.from_key, watch.from_digest) == at(13)
+
+
+def test_a_spill_budget_refuses_to_give_back_more_than_it_took() -> None:
+    """An accounting error is loud, also under ``python -O`` (an ``assert`` was: the budget then went
+    below zero and let the node spill more than ``spill_bytes_max``)."""
+    budget = SpillBudget(100)
+    assert budget.take(60)
+    with pytest.raises(ValueError, match="gave back 61 bytes of 60"):
+        budget.give_back(61)
+    with pytest.raises(ValueError, match="gave back -1 bytes"):
+        budget.give_back(-1)
+    assert budget.used == 60
+    budget.give_back(60)
+    assert budget.used == 0 and budget.take(100)
