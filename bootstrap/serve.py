@@ -18,7 +18,10 @@ first chunk one row, each next at most twice the rows taken and about what the b
 a batch of large rows reads about the rows it answers, not ``READ_ROWS_STEP`` rows. ``done`` says
 the table is exhausted: with a byte bound, a short batch does not mean the end. The first batch of
 a table (``after`` None) also says how many rows the table holds then (``rows_total``), for the
-copier's progress and ETA.
+copier's progress and ETA. SQLite counts by reading the whole table, here on the core's loop, so it
+counts at most ``ROWS_TOTAL_COUNTED_MAX`` rows (tens of milliseconds): a larger table's total is
+not known (None), and the copy shows its rows and rate without an ETA (DESIGN invariant 11: a
+bootstrap never holds the loop for seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import msgpack
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import row_size_bytes
 
+# The most rows a first batch counts for ``rows_total`` (a larger table's total is None).
+ROWS_TOTAL_COUNTED_MAX = 500_000
 # Rows read from SQLite per step while filling a batch, at most: bounds the rows read past the byte limit.
 READ_ROWS_STEP = 256
 
@@ -42,7 +47,8 @@ def read_batch(
         raise ValueError("rows_max and bytes_max must be positive")
     answer: dict[str, Any] = {"rows": [], "done": False}
     if after is None and rows_total:
-        answer["rows_total"] = store.count_rows(table)
+        counted = store.count_rows(table, ROWS_TOTAL_COUNTED_MAX + 1)
+        answer["rows_total"] = counted if counted <= ROWS_TOTAL_COUNTED_MAX else None
     rows: list[dict[str, Any]] = answer["rows"]
     size = 0
     cursor_after = after

@@ -207,6 +207,10 @@ MEMBERS_LEARNED_MAX = 64
 VERSIONS_PROBE_PREFIX = "versions-"  # request ids of the journal probes of core.versions
 
 
+# What ``_read`` returns for a read it will answer later (a ``count``: ``NodeServer.count_later``).
+HELD = object()
+
+
 class Deferred(Exception):
     """The request will be answered later (when its entry commits, or by the sequencer)."""
 
@@ -696,13 +700,14 @@ class CoreNode(NodeServer):
             self._linearizable(envelope, message)
         elif message.kind in READ_KINDS:
             try:
-                result = self._read(message)
-            except (RequestError, SchemaError):
+                result = self._read(envelope, message)
+            except (RequestError, SchemaError, OverloadedError):
                 raise
             except Exception as error:  # a read must never take the node down; say what failed
                 log.exception("read %s failed", message.kind)
                 raise RequestError("internal", f"{message.kind} failed: {type(error).__name__}: {error}") from None
-            self.reply(envelope, messages.reply(message.request_id, result))
+            if result is not HELD:
+                self.reply(envelope, messages.reply(message.request_id, result))
         else:
             raise RequestError("bad_request", f"{message.kind} is a reply kind")
 
@@ -874,8 +879,9 @@ class CoreNode(NodeServer):
         if isinstance(fence, rules.Forward):
             self._forward(envelope, message, shard, fence.target)
             return
-        result: Any = {"committed": list(fence)} if message.kind == "read_index" else self._read(message)
-        self.reply(envelope, messages.reply(message.request_id, result))
+        result: Any = {"committed": list(fence)} if message.kind == "read_index" else self._read(envelope, message)
+        if result is not HELD:
+            self.reply(envelope, messages.reply(message.request_id, result))
 
     def _backup_not_ready(self) -> str | None:
         """Why a backup taken now would not hold a committed state of every shard (None: it would)."""
@@ -1769,9 +1775,10 @@ class CoreNode(NodeServer):
             position = self.store.shard(table.shard)
         rules.check_applied(self.config.name, message.body.min_key, position.applied if position else None)
 
-    def _read(self, message: Message) -> Any:
+    def _read(self, envelope: list[bytes], message: Message) -> Any:
         """A read at this core: its table's shard must be serving, and a read that must see a key
-        is refused until this core applied it; the answer is the shared read service's."""
+        is refused until this core applied it; the answer is the shared read service's. ``HELD``: it
+        is answered later (a ``count``, run on a query worker: ``NodeServer.count_later``)."""
         body, kind = message.body, message.kind
         if kind == "status":
             return self.status()
@@ -1783,6 +1790,10 @@ class CoreNode(NodeServer):
             self._check_serving(table.shard)
             if kind in ("get", "scan", "count"):
                 self._check_consistency(message, table)
+            if kind == "count":
+                applied = self._shard(table.shard).applied
+                if self.count_later(envelope, message.request_id, table, applied):
+                    return HELD
         limits = self.config.limits
         return read_service.answer_read(self.store, kind, body, table, limits.scan_rows_max, limits.frame_bytes_max)
 

@@ -754,6 +754,18 @@ class ReplicantNode(NodeServer):
         if min_key is not None:
             self._wait_for(envelope, message, dict.fromkeys(shards, min_key))
             return
+        self._answer_read(envelope, message, table)
+
+    def _answer_read(self, envelope: list[bytes], message: Message, table: TableSchema | None) -> None:
+        """Answer a read whose shard is readable now; a ``count`` runs on a query worker instead, from
+        the key applied now (``NodeServer.count_later``: never a whole table read on the loop)."""
+        replica = self.replicas.get(table.shard) if table is not None else None
+        if (
+            message.kind == "count"
+            and replica is not None
+            and self.count_later(envelope, message.request_id, table, replica.applied_key)
+        ):
+            return
         self.reply(envelope, messages.reply(message.request_id, self._read_now(table, message)))
 
     def _ask_read_indexes(self, envelope: list[bytes], message: Message, shards: list[str] | tuple[str, ...]) -> None:
@@ -829,11 +841,9 @@ class ReplicantNode(NodeServer):
         for read in self.waiting_reads.ready(shard_of, readable):
             envelope, message = read.payload
             try:
-                result = self._read_now(self._table(message.body.table), message)
-            except (RequestError, SchemaError) as error:
+                self._answer_read(envelope, message, self._table(message.body.table))
+            except (RequestError, SchemaError, OverloadedError) as error:
                 self.refuse(envelope, message.request_id, error)
-                continue
-            self.reply(envelope, messages.reply(message.request_id, result))
 
     def status(self) -> dict[str, Any]:
         shards = {}

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import msgspec
 import zmq
@@ -45,6 +45,7 @@ from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (Req
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.metrics import MetricsServer, NodeMetrics, start_metrics
 from mnesite.rlog.query import (
+    QUERY_WAIT_MS_DEFAULT,
     CheckedQuery,
     QueryError,
     QueryLimits,
@@ -59,7 +60,7 @@ from mnesite.rlog.query import (
 from mnesite.rlog.roles import sender_mismatch
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
-from mnesite.rlog.store import Store, storage_fault
+from mnesite.rlog.store import Store, quote, storage_fault
 from mnesite.rlog.types import Entry, TxKey
 
 log = logging.getLogger("mnesite.server")
@@ -119,6 +120,18 @@ CHANGES_WAIT_MS_DEFAULT = 0
 
 # What a driver passes to read one key-ordered batch of a table (``bootstrap.serve.read_batch``).
 TableBatch = Callable[[Store, TableSchema, Any, int, int], dict[str, Any]]
+
+
+class CountRead(NamedTuple):
+    """A ``count`` read run as a query (``NodeServer.count_later``): answered ``{"rows": n}``, not as a page.
+    Unpacks as a query's payload does, ``(envelope, request_id)``."""
+
+    envelope: list[bytes]
+    request_id: str
+
+
+# A count's one row and the end of its statement, read in one page (so no cursor stays open).
+COUNT_PAGE_ROWS = 2
 
 
 def monotonic_ms() -> int:
@@ -750,6 +763,35 @@ class NodeServer:
         except QueryError as error:
             raise RequestError(error.code, str(error)) from None
 
+    def count_later(self, envelope: list[bytes], request_id: str, table: TableSchema, target: TxKey) -> bool:
+        """Run a ``count`` of ``table`` on a query worker once its shard reached ``target`` (the key this
+        node had applied when the read was checked), and answer it from there (``serve_queries``).
+
+        SQLite counts a table by reading all of it: tens of milliseconds a million rows when cached,
+        seconds for a large table read from disk. On the loop that would hold every heartbeat and
+        append for as long (DESIGN invariant 11); a query worker has its own snapshot, the query
+        budget (``query_ms_max``) and the cursor bound. False: the statement cannot be checked now (the
+        table was created in this turn, which is not committed): the caller counts on the loop, a table
+        that new holding at most a turn's rows."""
+        try:
+            checked = self.queries.check(f"SELECT count(*) FROM {quote(table.name)}", (), self.store.catalog())
+        except QueryError:
+            return False
+        self.hold(envelope, request_id)
+        payload, deadline_ms = CountRead(envelope, request_id), monotonic_ms() + QUERY_WAIT_MS_DEFAULT
+        waiting = WaitingQuery(payload, checked, (table.shard,), {table.shard: target}, COUNT_PAGE_ROWS, deadline_ms)
+        try:
+            self.waiting_queries.add(waiting)
+        except QueryError as error:
+            raise RequestError(error.code, str(error)) from None
+        return True
+
+    def _counted(self, page: dict[str, Any]) -> int:
+        """The row count a ``count`` query's page holds (``SELECT count(*)``: one row, one column)."""
+        if page["cursor"] is not None:  # not expected (the page reads past the one row): never left open
+            self.queries.close(page["cursor"])
+        return page["rows"][0][0]
+
     def query_cursor_request(self, envelope: list[bytes], message: Message) -> None:
         """``query_page`` (the next page comes through ``serve_queries``) or ``query_close``."""
         try:
@@ -785,6 +827,8 @@ class NodeServer:
                     self.refuse(envelope, request_id, error)
             elif finished.error is not None:
                 self.reply(envelope, messages.error(request_id, finished.error.code, str(finished.error)))
+            elif isinstance(finished.payload, CountRead):
+                self.reply(envelope, messages.reply(request_id, {"rows": self._counted(finished.result)}))
             else:
                 self.reply(envelope, messages.reply(request_id, finished.result))
         self.queries.expire(now)

@@ -1404,8 +1404,12 @@ class Store:
         ).fetchone()
         return dict(zip(names, row, strict=True)) if row is not None else None
 
-    def count_rows(self, table: TableSchema) -> int:
-        return self.connection.execute(f"SELECT count(*) FROM {quote(table.name)}").fetchone()[0]
+    def count_rows(self, table: TableSchema, limit: int | None = None) -> int:
+        """The table's rows, or ``min(rows, limit)``: SQLite reads every row it counts."""
+        if limit is None:
+            return self.connection.execute(f"SELECT count(*) FROM {quote(table.name)}").fetchone()[0]
+        sql = f"SELECT count(*) FROM (SELECT 1 FROM {quote(table.name)} LIMIT ?)"
+        return self.connection.execute(sql, (limit,)).fetchone()[0]
 
     def scan(self, table: TableSchema, after: Any, limit: int) -> list[dict[str, Any]]:
         """Rows in key order, strictly after ``after`` (None: from the start), at most ``limit``."""

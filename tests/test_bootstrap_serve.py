@@ -66,9 +66,9 @@ class CountingStore:
         self.rows_read += len(rows)
         return rows
 
-    def count_rows(self, table):
+    def count_rows(self, table, limit=None):
         self.counted = True
-        return self.store.count_rows(table)
+        return self.store.count_rows(table, limit)
 
 
 LARGE = define_table("large", "k", [["k", "INTEGER"], ["v", "BLOB"]])
@@ -123,3 +123,19 @@ def test_a_scan_over_frame_bytes_max_is_too_large_after_reading_about_a_frame_no
     # A scan whose answer fits a frame is answered whole, and a short page still means the end.
     assert scan(limit=40, after=100) == list(range(101, 141))
     assert scan(limit=40, after=280) == list(range(281, 300))
+
+
+def test_the_first_batch_counts_at_most_rows_total_counted_max_rows(store, monkeypatch) -> None:
+    """SQLite counts a table by reading it, on the core's loop: a first batch counted the whole table
+    (seconds for a large one, holding every heartbeat and append). It counts up to a bound now, and a
+    larger table's total is unknown (None: the copy shows rows and rate, without an ETA)."""
+    import mnesite.bootstrap.serve as serve
+
+    counted: list[int | None] = []
+    count_rows = store.count_rows
+    monkeypatch.setattr(store, "count_rows", lambda table, limit: counted.append(limit) or count_rows(table, limit))
+    monkeypatch.setattr(serve, "ROWS_TOTAL_COUNTED_MAX", 999)
+    assert read_batch(store, TABLE, None, 10, 10**6)["rows_total"] is None  # 1,000 rows: above the bound
+    monkeypatch.setattr(serve, "ROWS_TOTAL_COUNTED_MAX", 1000)
+    assert read_batch(store, TABLE, None, 10, 10**6)["rows_total"] == 1000
+    assert counted == [1000, 1001]  # never an unbounded count

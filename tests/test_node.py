@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 
@@ -675,3 +676,35 @@ def test_a_watch_naming_the_endpoint_of_a_core_is_refused(thread_node: ThreadNod
     assert refused.value.code == "bad_request" and "endpoint of core core1" in str(refused.value)
     assert thread_node.node.agent_server.agents_of() == 0
     assert watch(f"tcp://127.0.0.1:{thread_node.port + 1}")["mode"] == "resume"
+
+
+def test_a_count_runs_on_a_query_worker_or_on_the_loop_for_a_table_not_committed_yet(tmp_path) -> None:
+    """A ``count`` reads the whole table, so it runs on a query worker (``NodeServer.count_later``)
+    and is answered from there. A table this turn created is not in the workers' snapshots yet: its
+    count is taken on the loop (at most a turn's rows), not refused as unknown."""
+    from mnesite.core.node import HELD
+    from mnesite.rlog.types import CreateTableOp, WriteOp
+
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    try:
+        driver = node._shard_for("default", create=True)
+        while driver.consensus.committed_key.generation != driver.consensus.generation:
+            node.run_turn()  # one core: it elects itself and commits its no-op
+        columns = (("id", "INTEGER"), ("v", "TEXT"))
+        node.begin()
+        node.store.apply_ops_batched([CreateTableOp("t", "default", "id", columns), WriteOp("t", {"id": 1, "v": "a"})])
+        count = Message("count", "c-1", messages.typed_body("count", {"table": "t"}))
+        assert node._read([b"client"], count) == {"rows": 1}  # the turn's transaction holds the table
+        node.flush()
+        assert node._read([b"client"], count) is HELD and node.outstanding[b"client"] == {"c-1"}
+        deadline = time.monotonic() + 10
+        while not any(message.request_id == "c-1" for _s, _to, message in node._outbox):
+            assert time.monotonic() < deadline, "the count was not answered"
+            select.select([node.queries.wakeup_fd], [], [], 0.05)  # a worker writes it when done
+            node.serve_queries(node._query_shard_reached)
+        [(to, answer)] = [(to, m) for _s, to, m in node._outbox if m.request_id == "c-1"]
+        assert to == [b"client"] and answer.kind == "reply" and answer.body.result == {"rows": 1}
+        assert node.queries.statistics()["queries"] == 1
+    finally:
+        node.close()

@@ -97,6 +97,33 @@ def test_joins_and_aggregates_equal_sqlite_on_every_node(loaded: Cluster) -> Non
             assert set(positions) == {"default", "content"}  # a join over both shards, one snapshot
 
 
+def test_counts_run_on_a_query_worker_at_every_node_and_equal_sqlite(loaded: Cluster) -> None:
+    """A ``count`` reads the whole table: it runs as a query (``NodeServer.count_later``), never on the
+    node's loop, where a large table's count held every heartbeat and append for as long (DESIGN
+    invariant 11). The nodes' status counts one query per count, at every consistency level (a
+    linearizable count at a follower core is counted by the sequencer it is forwarded to)."""
+    everyone = [*loaded.names, *REPLICANTS]
+
+    def queries_run() -> int:
+        return sum((loaded.status(name) or {})["queries"]["queries"] for name in everyone)
+
+    with loaded.client(loaded.names[0], retries=5) as writer:
+        tx_key = writer.put("users", {"id": 20_000, "name": "counted", "karma": 1})
+    for name in everyone:
+        started = queries_run()
+        with loaded.client(name) as client:
+            counts = [
+                client.count("users"),
+                client.count("users", after_tx_key=tx_key),
+                client.count("posts", consistency="linearizable"),
+            ]
+        users = _sqlite_rows(loaded, name, "SELECT count(*) FROM users", ())[0][0]
+        posts = _sqlite_rows(loaded, name, "SELECT count(*) FROM posts", ())[0][0]
+        # A local count may be taken before this node applied the write just acknowledged elsewhere.
+        assert counts[0] in (users - 1, users) and counts[1:] == [users, posts] and users > USERS, name
+        assert queries_run() == started + 3, name
+
+
 def test_linearizable_and_read_your_writes_queries_at_a_replicant(loaded: Cluster) -> None:
     replicant = loaded.client("replicant1")
     try:

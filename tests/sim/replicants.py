@@ -117,8 +117,9 @@ class _TablesView:
     def __init__(self, tables: Tables) -> None:
         self.tables = tables
 
-    def count_rows(self, table: TableSchema) -> int:
-        return len(self.tables.get(table.name, {}))
+    def count_rows(self, table: TableSchema, limit: int | None = None) -> int:
+        rows = len(self.tables.get(table.name, {}))
+        return rows if limit is None else min(rows, limit)
 
     def scan(self, table: TableSchema, after: Any, limit: int) -> list[dict[str, Any]]:
         rows = self.tables.get(table.name, {})
