@@ -562,18 +562,25 @@ def test_the_loop_does_not_wait_on_a_machine_it_does_not_tick(tmp_path) -> None:
         node.close()
 
 
+def _sequencer_of_one(tmp_path):
+    """A bound core of one, not served (the test calls its rules), sequencer of ``default`` with its
+    no-op committed; the caller closes it."""
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    driver = node._shard_for("default", create=True)
+    while driver.consensus.committed_key.generation != driver.consensus.generation:
+        node.run_turn()  # one core: it elects itself and commits its no-op
+    return node, driver
+
+
 def test_a_membership_change_requested_again_on_a_new_connection_frees_the_earlier_connections_place(
     tmp_path,
 ) -> None:
     """An add waits while its core catches up as a learner (minutes, at most learner_catch_up_ms_max);
     a client that heard nothing asks again with the same request id on a new connection. The earlier
     connection was never answered and its place among requests_outstanding_max stayed held for good."""
-    node = CoreNode(node_config(tmp_path / "data", free_port()))
-    node.bind()
+    node, driver = _sequencer_of_one(tmp_path)
     try:
-        driver = node._shard_for("default", create=True)
-        while driver.consensus.committed_key.generation != driver.consensus.generation:
-            node.run_turn()  # one core: it elects itself and commits its no-op
         node._outbox.clear()
         body = {"shard": "default", "action": "add", "name": "core9", "endpoint": "tcp://127.0.0.1:9"}
         request = Message("membership_change", "m-1", messages.typed_body("membership_change", body))
@@ -685,12 +692,8 @@ def test_a_count_runs_on_a_query_worker_or_on_the_loop_for_a_table_not_committed
     from mnesite.core.node import HELD
     from mnesite.rlog.types import CreateTableOp, WriteOp
 
-    node = CoreNode(node_config(tmp_path / "data", free_port()))
-    node.bind()
+    node, driver = _sequencer_of_one(tmp_path)
     try:
-        driver = node._shard_for("default", create=True)
-        while driver.consensus.committed_key.generation != driver.consensus.generation:
-            node.run_turn()  # one core: it elects itself and commits its no-op
         columns = (("id", "INTEGER"), ("v", "TEXT"))
         node.begin()
         node.store.apply_ops_batched([CreateTableOp("t", "default", "id", columns), WriteOp("t", {"id": 1, "v": "a"})])
