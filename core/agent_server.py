@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, protocol, watch_id)``.
-Whether and how it is served (protocol version, supersession, eviction of silent watches, resume
-or bootstrap) is decided by the pure rules of ``core.watch``; this adapter applies them.
+Whether and how it is served (protocol version, supersession, the agents one replicant may hold,
+eviction of silent watches, resume or bootstrap) is decided by the pure rules of ``core.watch``;
+this adapter applies them.
 
 Every push of an agent carries the answer to the watch that created it (agent id, mode, start key
 and digest, the replica's ``watch_id``): the answer goes back on the replicant's request
@@ -43,6 +44,7 @@ from mnesite.core.versions import watch_protocol_refusal
 from mnesite.core.watch import (
     WatchRefusedError,
     agent_to_evict,
+    check_replicant_watches,
     check_watch_request,
     decide_watch,
     superseded_agents,
@@ -64,6 +66,7 @@ from mnesite.rlog.versions import THIS_RELEASE, Announcement
 _ENCODER = msgspec.msgpack.Encoder()
 AGENTS_MAX = 1000
 AGENTS_BYTES_MAX = Limits.agents_bytes_max  # the default of [limits] agents_bytes_max
+REPLICANT_WATCHES_MAX = Limits.replicant_watches_max  # the default of [limits] replicant_watches_max
 
 
 @dataclass
@@ -87,10 +90,12 @@ class AgentServer:
         watches_max: int = AGENTS_MAX,
         agents_bytes_max: int = AGENTS_BYTES_MAX,
         versions: Announcement = THIS_RELEASE,
+        replicant_watches_max: int = REPLICANT_WATCHES_MAX,
     ) -> None:
         self.core_name = core_name
         self.versions = versions
         self.watches_max = watches_max
+        self.replicant_watches_max = replicant_watches_max
         self.config = config or AgentConfig()
         self.budget = AgentMemoryBudget(agents_bytes_max, SILENT_HEARTBEATS * self.config.heartbeat_interval_ms)
         # Agents that want to push but found the memory budget spent and nobody to evict.
@@ -140,6 +145,9 @@ class AgentServer:
         owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
         for agent_id in superseded_agents(owners, body.replicant, body.shard):
             self._forget(agent_id, drop_frames=True)
+        check_replicant_watches(
+            (w.replicant for w in self.watches.values()), body.replicant, self.replicant_watches_max, self.core_name
+        )
         evicted = agent_to_evict(
             ((a, w.acknowledged) for a, w in self.watches.items()), self.watches_max, self.core_name
         )

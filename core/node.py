@@ -378,6 +378,7 @@ class CoreNode(NodeServer):
             watches_max=limits.watches_max,
             agents_bytes_max=limits.agents_bytes_max,
             versions=local_announcement(),
+            replicant_watches_max=limits.replicant_watches_max,
         )
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
         # shards that serve no read (install under way or its read fence not reached yet).

@@ -421,3 +421,46 @@ def test_agents_pushing_the_same_entries_share_one_encoding_and_send_the_bytes_o
             plain = Message(message.kind, message.request_id, dict(message.body, entries=wire_entries))
             assert frame == messages.encode(plain)
         assert keys == [TxKey(1, n) for n in range(1, len(keys) + 1)]
+
+
+def test_one_replicant_cannot_take_every_agent_slot():
+    """At ``replicant_watches_max`` agents of one replicant (principal), its next watch of another shard
+    is refused (``overloaded``), whatever room ``watches_max`` has: other replicants keep theirs."""
+    from mnesite.core.watch import WatchRefusedError
+
+    log = build_log(5)
+    server = AgentServer("core1", config(), random.Random(7), watches_max=10, replicant_watches_max=2)
+
+    def watch_shard(replicant: str, shard: str) -> str:
+        body = {
+            "shard": shard,
+            "replicant": replicant,
+            "endpoint": f"tcp://{replicant}.test:1",
+            "from": [0, 0],
+            "from_digest": GENESIS_DIGEST,
+            "protocol": REPLICATION_PROTOCOL_VERSION,
+        }
+        committed = log.last_key()
+        answer = server.watch(
+            typed_body("watch", body), log, committed, log.digest_at(committed), log.digest_at, True, 0
+        )
+        return answer["agent"]
+
+    watch_shard("greedy", "s1")
+    watch_shard("greedy", "s2")
+    with pytest.raises(WatchRefusedError, match="replicant greedy holds 2 watches") as refused:
+        watch_shard("greedy", "s3")
+    assert refused.value.code == "overloaded"
+    watch_shard("greedy", "s2")  # a watch again of a shard it holds supersedes its agent: served
+    watch_shard("other", "s3")  # another replicant is served
+    assert sorted(w.replicant for w in server.watches.values()) == ["greedy", "greedy", "other"]
+
+
+def test_replicant_watches_max_is_a_bounded_config_key_at_most_watches_max():
+    base = {"node": {"name": "core1", "data_dir": "/tmp/x"}}
+    assert parse_config(base).limits.replicant_watches_max == 32
+    assert parse_config({**base, "limits": {"replicant_watches_max": 5}}).limits.replicant_watches_max == 5
+    with pytest.raises(ConfigError, match="replicant_watches_max"):
+        parse_config({**base, "limits": {"replicant_watches_max": 0}})
+    with pytest.raises(ConfigError, match=r"replicant_watches_max must be at most \[limits\].watches_max"):
+        parse_config({**base, "limits": {"replicant_watches_max": 20, "watches_max": 10}})
