@@ -22,6 +22,12 @@ also reaches a core at when the endpoint is a core's: a watch naming a core's en
 peer's) is refused, or its pushes would queue in front of that core's appends and heartbeats
 (DESIGN invariant 11) in a socket that is never closed for them.
 
+Tokens. An agent of a watch naming replication protocol 2 gets a random ``token_key`` from the
+injected ``random.Random`` (``core.versions.watch_proves_acknowledgements``): its pushes carry a
+``token`` and its acknowledgements must echo one (``core.agent``, "Proven acknowledgements"). A
+watch's ``acknowledged`` flag, which the eviction rules read, is the agent's own: set only by an
+acknowledgement the agent took. Refused ones are counted in ``acks_refused`` (``status``).
+
 Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in one
 ``core.agent_budget.AgentMemoryBudget`` of ``agents_bytes_max``: after every step of an agent its
 bytes are recorded, and an agent that ends is released. An agent is stepped with no push budget
@@ -38,9 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from mnesite.core.agent import Agent, AgentConfig
+from mnesite.core.agent import TOKEN_KEY_BYTES, Agent, AgentConfig
 from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse
-from mnesite.core.versions import watch_protocol_refusal
+from mnesite.core.versions import watch_protocol_refusal, watch_proves_acknowledgements
 from mnesite.core.watch import (
     WatchRefusedError,
     agent_to_evict,
@@ -105,6 +111,9 @@ class AgentServer:
         self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
+        # Acknowledgements refused by agents since the start: they proved no push read, or claimed
+        # keys beyond those they proved (core.agent, "Proven acknowledgements").
+        self.acks_refused = 0
         # Bytes all agents may push in one loop turn (the driver calls ``begin_turn``): serving
         # replicants costs the core's loop a bounded time per turn, whatever the acknowledgements.
         self.turn_push_bytes_max = self.config.step_bytes_max
@@ -163,7 +172,9 @@ class AgentServer:
             self.core_name,
         )
         agent_id = f"{self.core_name}-{self.rng.getrandbits(64):016x}"
-        agent = Agent(agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms)
+        # A replicant that echoes tokens must prove what it read (core.agent, "Proven acknowledgements").
+        token_key = self.rng.randbytes(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None
+        agent = Agent(agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms, token_key)
         answer = {
             "agent": agent_id,
             "mode": mode,
@@ -182,11 +193,16 @@ class AgentServer:
         watch = self.watches.get(agent_id)
         if watch is None or watch.shard != body.shard:
             return  # a stopped or superseded agent (or a wrong shard): nothing to do
-        watch.acknowledged = True
         if body.rejected:
+            watch.acknowledged = True
             self._step(agent_id, RejectReceived(body.rejected), now_ms)
-        else:
-            self._step(agent_id, AckReceived(body.applied), now_ms)
+            return
+        refused_before = watch.agent.acks_refused
+        self._step(agent_id, AckReceived(body.applied, body.token), now_ms)
+        # Only an acknowledgement the agent took (with tokens: one that proves what it read) shows
+        # that the endpoint is alive.
+        watch.acknowledged = watch.agent.acknowledged
+        self.acks_refused += watch.agent.acks_refused - refused_before
 
     def committed(self, shard: str, committed_key: TxKey, hears_sequencer: bool, now_ms: int) -> None:
         for agent_id, watch in list(self.watches.items()):
@@ -273,6 +289,8 @@ class AgentServer:
                     "hears_sequencer": effect.hears_sequencer,
                     "watch": watch.answer,
                 }
+                if effect.token is not None:  # never for a replicant of protocol 1, which cannot read it
+                    body["token"] = effect.token
                 self.outbox.append((watch.endpoint, Message("push", agent_id[:64], body)))
             elif isinstance(effect, AgentStopped):
                 self._forget(agent_id)
@@ -338,6 +356,7 @@ class AgentServer:
                     "lag_entries": status.lag_entries,
                     "unacknowledged_entries": status.unacknowledged_entries,
                     "unacknowledged_bytes": status.unacknowledged_bytes,
+                    "acks_refused": status.acks_refused,
                 }
             )
         return result

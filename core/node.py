@@ -1891,7 +1891,7 @@ class CoreNode(NodeServer):
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.agent_server.status(),
-            "agent_budget": self.agent_server.budget.status(),
+            "agent_budget": {**self.agent_server.budget.status(), "acks_refused": self.agent_server.acks_refused},
             "security": self.security_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             **self._versions_status(),
