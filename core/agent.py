@@ -59,7 +59,27 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   the oldest push not acknowledged went out at least ``heartbeat_interval_ms`` ago (a younger one may
   just be overtaken by the ack of a heartbeat sent before it; a lost last push is followed by a
   heartbeat that long after it): the agent resends from the acknowledged key, at most once per
-  ``heartbeat_interval_ms``. The replica skips the duplicates.
+  ``heartbeat_interval_ms``, and with tokens only once the acknowledgement proves a push sent after
+  the oldest one in flight (see "Proven acknowledgements"). The replica skips the duplicates.
+* Proven acknowledgements. The window and the node's memory budget (``core.agent_budget``) free
+  a push's bytes when it is acknowledged; so does the retransmission rule resend. But a push the
+  replicant has not read still sits in zmq's send queue on this core, so an acknowledgement of keys
+  it never read (a hostile or broken replicant) would let the core queue any number of bytes while
+  its budget counts none, and on a slow link a resend would pile a second copy behind the first.
+  So an agent built with a ``token_key`` (the driver gives one to replicants of replication
+  protocol 2; release 0.1.0's protocol 1 cannot read the field and is served as before: its
+  acknowledgements are trusted) gives every push, heartbeats too, a *token*: its push sequence
+  number and a keyed hash of it (unguessable without the key, so only read pushes can be echoed).
+  The replica echoes the token of the last push it read in each acknowledgement; the pushes reach
+  it in order on one connection, so a valid token of push ``n`` proves every push up to ``n`` left
+  this core's queue. An acknowledgement with no valid token, or naming a key beyond the last key
+  of the pushes it proves (``proven_key``), is refused: counted (``acks_refused``) and otherwise
+  ignored, not even taken as a sign of life, so a replicant that lies holds its window (which the
+  budget counts) until its acknowledgement timeout stops it. A resend happens only when the
+  acknowledgement proves a push sent after the oldest push in flight: the replica read past it
+  and does not have it, so it was lost, not still queued. Every push with entries is remembered
+  (sequence number, last key) until proven, at most ``2 * window_entries_max`` of them (the
+  oldest forgotten first: the later ones prove higher keys anyway).
 * Heartbeats. A push without entries, carrying the committed key and whether the core hears the
   sequencer, goes out whenever nothing was pushed for ``heartbeat_interval_ms``, and at once when
   ``hears_sequencer`` changes; the replica's failure detector lives on them.
@@ -86,6 +106,8 @@ Driver contract
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -104,6 +126,10 @@ from mnesite.rlog.replication import (
 from mnesite.rlog.types import Entry, PackedEntry, TxKey
 
 STOPPED_TRIMMED = "position trimmed: bootstrap needed"
+# A push's token (see "Proven acknowledgements"): its sequence number, then a keyed hash of it.
+TOKEN_SEQUENCE_BYTES = 8
+TOKEN_HASH_BYTES = 8
+TOKEN_KEY_BYTES = 16
 
 AgentEvent = Ticked | CommittedAdvanced | AckReceived | RejectReceived
 AgentEffect = Push | AgentStopped
@@ -178,6 +204,8 @@ class AgentStatus:
     unacknowledged_entries: int
     stop_reason: str | None
     unacknowledged_bytes: int = 0
+    # Acknowledgements refused: no valid token, or keys beyond the pushes it proves.
+    acks_refused: int = 0
 
 
 class Agent:
@@ -192,9 +220,23 @@ class Agent:
         log: AgentLogView,
         config: AgentConfig,
         now_ms: int,
+        token_key: bytes | None = None,
     ) -> None:
+        """``token_key``: the secret of this agent's push tokens (see "Proven acknowledgements"); None:
+        its pushes carry none and acknowledgements are trusted (a replicant of protocol 1)."""
         if not agent_id:
             raise AgentConfigError("agent_id must not be empty")
+        if token_key is not None and len(token_key) != TOKEN_KEY_BYTES:
+            raise AgentConfigError(f"token_key must be {TOKEN_KEY_BYTES} bytes")
+        self._token_key = token_key
+        # The sequence number of the last push, and what the replicant proved it read: the highest
+        # key of the pushes up to the one whose token it echoed; (sequence number, last key) of each
+        # push with entries not proven yet, in order (at most _proofs_max).
+        self._push_sequence = 0
+        self._proven_key = start_key
+        self._proofs: deque[tuple[int, TxKey]] = deque()
+        self._proofs_max = 2 * config.window_entries_max
+        self.acks_refused = 0
         self.agent_id = agent_id
         self.shard = shard
         self.replicant = replicant
@@ -208,10 +250,10 @@ class Agent:
         # (key, estimated bytes) pushed and not yet acknowledged, in order; this is the window.
         self._unacknowledged: deque[tuple[TxKey, int]] = deque()
         self._unacknowledged_bytes = 0
-        # The last key and send time of each push with entries not yet acknowledged, in order (see
-        # "Pushes in flight" and "Retransmission"); at most window_entries_max of them (a push holds
-        # at least one entry of the window).
-        self._pushes_in_flight: deque[tuple[TxKey, int]] = deque()
+        # The last key, send time and sequence number of each push with entries not yet acknowledged,
+        # in order (see "Pushes in flight" and "Retransmission"); at most window_entries_max of them
+        # (a push holds at least one entry of the window).
+        self._pushes_in_flight: deque[tuple[TxKey, int, int]] = deque()
         # Entries read per log read: sized from the entries seen so far (the first read takes five).
         self._entry_bytes_estimate = max(1, config.push_bytes_max // 4)
         # Entries in the last push: a read takes at most twice as many, so that a log whose first
@@ -256,12 +298,18 @@ class Agent:
             unacknowledged_entries=len(self._unacknowledged),
             stop_reason=self._stop_reason,
             unacknowledged_bytes=self._unacknowledged_bytes,
+            acks_refused=self.acks_refused,
         )
 
     @property
     def unacknowledged_bytes(self) -> int:
         """Bytes pushed and not acknowledged: what this agent holds of the node's memory budget."""
         return self._unacknowledged_bytes
+
+    @property
+    def acknowledged(self) -> bool:
+        """The replicant acknowledged at least once (with a token that proves it, when the agent has tokens)."""
+        return self._acknowledged
 
     @property
     def last_ack_ms(self) -> int:
@@ -308,7 +356,7 @@ class Agent:
         elif isinstance(event, CommittedAdvanced):
             self._on_committed(event)
         elif isinstance(event, AckReceived):
-            self._on_ack(event.applied_key)
+            self._on_ack(event.applied_key, event.token)
         elif isinstance(event, RejectReceived):
             self._stop(f"rejected by the replicant: {event.reason}")
         else:
@@ -340,7 +388,15 @@ class Agent:
         if flag_changed and not pushed and not self.stopped:
             self._push(())
 
-    def _on_ack(self, key: TxKey) -> None:
+    def _on_ack(self, key: TxKey, token: bytes | None) -> None:
+        proven_sequence = None
+        if self._token_key is not None:
+            proven_sequence = self._proven_sequence(token)
+            if proven_sequence is None or key > self._prove(proven_sequence):
+                # It proves no push read, or claims keys beyond those it proves: the bytes may still
+                # sit in zmq here (see "Proven acknowledgements"). Refused, and not a sign of life.
+                self.acks_refused += 1
+                return
         self._last_ack_ms = self._now_ms
         self._acknowledged = True
         if key > self._acked_key:
@@ -358,6 +414,9 @@ class Agent:
         elif (
             self._pushes_in_flight
             and self._now_ms - self._pushes_in_flight[0][1] >= self.config.heartbeat_interval_ms
+            # With tokens: only once the replica proved it read a push sent after the oldest one in
+            # flight (that one was lost, not still queued: no second copy behind the first).
+            and (proven_sequence is None or proven_sequence > self._pushes_in_flight[0][2])
             and (
                 self._last_rewind_ms is None or self._now_ms - self._last_rewind_ms >= self.config.heartbeat_interval_ms
             )
@@ -382,10 +441,40 @@ class Agent:
         self._out.append(AgentStopped(reason))
 
     def _push(self, entries: tuple[Entry | PackedEntry, ...], size_bytes: int = 0) -> None:
-        self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes))
+        self._push_sequence += 1
+        token = None
+        if self._token_key is not None:
+            token = self._push_sequence.to_bytes(TOKEN_SEQUENCE_BYTES, "big") + self._token_hash(self._push_sequence)
+            if entries:
+                if len(self._proofs) >= self._proofs_max:
+                    self._proofs.popleft()
+                self._proofs.append((self._push_sequence, entries[-1].tx_key))
+        self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes, token))
         self._last_push_ms = self._now_ms
         if entries:
             self._last_entries_push_ms = self._now_ms
+
+    def _token_hash(self, sequence: int) -> bytes:
+        return hashlib.blake2b(
+            sequence.to_bytes(TOKEN_SEQUENCE_BYTES, "big"), key=self._token_key or b"", digest_size=TOKEN_HASH_BYTES
+        ).digest()
+
+    def _proven_sequence(self, token: bytes | None) -> int | None:
+        """The sequence number of the push whose token ``token`` is (untrusted bytes); None if it is none."""
+        if token is None or len(token) != TOKEN_SEQUENCE_BYTES + TOKEN_HASH_BYTES:
+            return None
+        sequence = int.from_bytes(token[:TOKEN_SEQUENCE_BYTES], "big")
+        if not 1 <= sequence <= self._push_sequence:
+            return None
+        if not hmac.compare_digest(token[TOKEN_SEQUENCE_BYTES:], self._token_hash(sequence)):
+            return None
+        return sequence
+
+    def _prove(self, sequence: int) -> TxKey:
+        """The replica read every push up to ``sequence``: the highest key it may hold now."""
+        while self._proofs and self._proofs[0][0] <= sequence:
+            self._proven_key = max(self._proven_key, self._proofs.popleft()[1])
+        return self._proven_key
 
     def _ack_timeout_ms(self) -> int:
         if self._acknowledged:
@@ -500,7 +589,7 @@ class Agent:
         self._unacknowledged.extend((entry.tx_key, size) for entry, size in batch)
         self._unacknowledged_bytes += batch_bytes
         self._sent_key = batch[-1][0].tx_key
-        self._pushes_in_flight.append((self._sent_key, self._now_ms))
+        self._pushes_in_flight.append((self._sent_key, self._now_ms, self._push_sequence))
         self._pushed_max_key = max(self._pushed_max_key, self._sent_key)
         return batch_bytes
 

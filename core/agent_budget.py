@@ -29,6 +29,11 @@ the socket closes, so ``watches_max`` agents of ``window_bytes_max`` each could 
   make the room (backpressure shared by all agents).
 * The agent's own probation (``core.agent``: a small window, and a short timeout, until the first
   acknowledgement) keeps what each silent watch takes small; the budget bounds their sum.
+* The accounting is only as good as the acknowledgements: bytes an acknowledgement frees must have
+  left zmq's queue. A replicant of replication protocol 2 must prove it read the pushes it
+  acknowledges (``core.agent``, "Proven acknowledgements"): an acknowledgement that does not frees
+  nothing and does not make its agent live. A replicant of protocol 1 (release 0.1.0, served only
+  while a shard is at cluster version 1) is trusted.
 * The driver (``core.agent_server``) executes an eviction: it stops the agent, drops its frames not
   yet handed to zmq, and the node closes the endpoint's DEALER with linger 0, which drops what zmq
   still queues. A replicant that was alive after all notices the missing pushes and heartbeats

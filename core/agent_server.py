@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, protocol, watch_id)``.
-Whether and how it is served (protocol version, supersession, eviction of silent watches, resume
-or bootstrap) is decided by the pure rules of ``core.watch``; this adapter applies them.
+Whether and how it is served (protocol version, supersession, the agents one replicant may hold,
+eviction of silent watches, resume or bootstrap) is decided by the pure rules of ``core.watch``;
+this adapter applies them.
 
 Every push of an agent carries the answer to the watch that created it (agent id, mode, start key
 and digest, the replica's ``watch_id``): the answer goes back on the replicant's request
@@ -20,6 +21,12 @@ Endpoints. The node sends a watch's pushes through its DEALER to the watch's end
 also reaches a core at when the endpoint is a core's: a watch naming a core's endpoint (its own or a
 peer's) is refused, or its pushes would queue in front of that core's appends and heartbeats
 (DESIGN invariant 11) in a socket that is never closed for them.
+
+Tokens. An agent of a watch naming replication protocol 2 gets a random ``token_key`` from the
+injected ``random.Random`` (``core.versions.watch_proves_acknowledgements``): its pushes carry a
+``token`` and its acknowledgements must echo one (``core.agent``, "Proven acknowledgements"). A
+watch's ``acknowledged`` flag, which the eviction rules read, is the agent's own: set only by an
+acknowledgement the agent took. Refused ones are counted in ``acks_refused`` (``status``).
 
 Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in one
 ``core.agent_budget.AgentMemoryBudget`` of ``agents_bytes_max``: after every step of an agent its
@@ -37,12 +44,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from mnesite.core.agent import Agent, AgentConfig
+from mnesite.core.agent import TOKEN_KEY_BYTES, Agent, AgentConfig
 from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse
-from mnesite.core.versions import watch_protocol_refusal
+from mnesite.core.versions import watch_protocol_refusal, watch_proves_acknowledgements
 from mnesite.core.watch import (
     WatchRefusedError,
     agent_to_evict,
+    check_replicant_watches,
     check_watch_request,
     decide_watch,
     superseded_agents,
@@ -64,6 +72,7 @@ from mnesite.rlog.versions import THIS_RELEASE, Announcement
 _ENCODER = msgspec.msgpack.Encoder()
 AGENTS_MAX = 1000
 AGENTS_BYTES_MAX = Limits.agents_bytes_max  # the default of [limits] agents_bytes_max
+REPLICANT_WATCHES_MAX = Limits.replicant_watches_max  # the default of [limits] replicant_watches_max
 
 
 @dataclass
@@ -87,10 +96,12 @@ class AgentServer:
         watches_max: int = AGENTS_MAX,
         agents_bytes_max: int = AGENTS_BYTES_MAX,
         versions: Announcement = THIS_RELEASE,
+        replicant_watches_max: int = REPLICANT_WATCHES_MAX,
     ) -> None:
         self.core_name = core_name
         self.versions = versions
         self.watches_max = watches_max
+        self.replicant_watches_max = replicant_watches_max
         self.config = config or AgentConfig()
         self.budget = AgentMemoryBudget(agents_bytes_max, SILENT_HEARTBEATS * self.config.heartbeat_interval_ms)
         # Agents that want to push but found the memory budget spent and nobody to evict.
@@ -100,6 +111,9 @@ class AgentServer:
         self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
+        # Acknowledgements refused by agents since the start: they proved no push read, or claimed
+        # keys beyond those they proved (core.agent, "Proven acknowledgements").
+        self.acks_refused = 0
         # Bytes all agents may push in one loop turn (the driver calls ``begin_turn``): serving
         # replicants costs the core's loop a bounded time per turn, whatever the acknowledgements.
         self.turn_push_bytes_max = self.config.step_bytes_max
@@ -140,6 +154,9 @@ class AgentServer:
         owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
         for agent_id in superseded_agents(owners, body.replicant, body.shard):
             self._forget(agent_id, drop_frames=True)
+        check_replicant_watches(
+            (w.replicant for w in self.watches.values()), body.replicant, self.replicant_watches_max, self.core_name
+        )
         evicted = agent_to_evict(
             ((a, w.acknowledged) for a, w in self.watches.items()), self.watches_max, self.core_name
         )
@@ -155,7 +172,9 @@ class AgentServer:
             self.core_name,
         )
         agent_id = f"{self.core_name}-{self.rng.getrandbits(64):016x}"
-        agent = Agent(agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms)
+        # A replicant that echoes tokens must prove what it read (core.agent, "Proven acknowledgements").
+        token_key = self.rng.randbytes(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None
+        agent = Agent(agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms, token_key)
         answer = {
             "agent": agent_id,
             "mode": mode,
@@ -174,11 +193,16 @@ class AgentServer:
         watch = self.watches.get(agent_id)
         if watch is None or watch.shard != body.shard:
             return  # a stopped or superseded agent (or a wrong shard): nothing to do
-        watch.acknowledged = True
         if body.rejected:
+            watch.acknowledged = True
             self._step(agent_id, RejectReceived(body.rejected), now_ms)
-        else:
-            self._step(agent_id, AckReceived(body.applied), now_ms)
+            return
+        refused_before = watch.agent.acks_refused
+        self._step(agent_id, AckReceived(body.applied, body.token), now_ms)
+        # Only an acknowledgement the agent took (with tokens: one that proves what it read) shows
+        # that the endpoint is alive.
+        watch.acknowledged = watch.agent.acknowledged
+        self.acks_refused += watch.agent.acks_refused - refused_before
 
     def committed(self, shard: str, committed_key: TxKey, hears_sequencer: bool, now_ms: int) -> None:
         for agent_id, watch in list(self.watches.items()):
@@ -265,6 +289,8 @@ class AgentServer:
                     "hears_sequencer": effect.hears_sequencer,
                     "watch": watch.answer,
                 }
+                if effect.token is not None:  # never for a replicant of protocol 1, which cannot read it
+                    body["token"] = effect.token
                 self.outbox.append((watch.endpoint, Message("push", agent_id[:64], body)))
             elif isinstance(effect, AgentStopped):
                 self._forget(agent_id)
@@ -330,6 +356,7 @@ class AgentServer:
                     "lag_entries": status.lag_entries,
                     "unacknowledged_entries": status.unacknowledged_entries,
                     "unacknowledged_bytes": status.unacknowledged_bytes,
+                    "acks_refused": status.acks_refused,
                 }
             )
         return result

@@ -382,6 +382,7 @@ class CoreNode(NodeServer):
             watches_max=limits.watches_max,
             agents_bytes_max=limits.agents_bytes_max,
             versions=local_announcement(),
+            replicant_watches_max=limits.replicant_watches_max,
         )
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
         # shards that serve no read (install under way or its read fence not reached yet).
@@ -1901,7 +1902,7 @@ class CoreNode(NodeServer):
             "transactions": self.transactions,
             "protocol_violations": self.protocol_violations,
             "agents": self.agent_server.status(),
-            "agent_budget": self.agent_server.budget.status(),
+            "agent_budget": {**self.agent_server.budget.status(), "acks_refused": self.agent_server.acks_refused},
             "security": self.security_status(),
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             **self._versions_status(),

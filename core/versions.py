@@ -242,6 +242,15 @@ def watch_protocol_refusal(protocol: int, cluster_version: int, own: Announcemen
     return None
 
 
+def watch_proves_acknowledgements(protocol: int) -> bool:
+    """Whether the agent of a watch naming replication ``protocol`` gives its pushes tokens and takes
+    only acknowledgements that echo one (``core.agent``, "Proven acknowledgements"): from protocol 2
+    on. Release 0.1.0 (protocol 1) refuses a push with the unknown field, so its acknowledgements are
+    trusted as before; a shard at cluster version 2 refuses protocol 1 watches (above), so once the
+    cores' upgrade is done every agent takes proven acknowledgements only."""
+    return protocol >= 2
+
+
 @dataclass
 class ClusterVersionProposals:
     """The sequencer's side of the rule, per shard: what to propose now, and not again while in flight.

@@ -41,7 +41,14 @@ from mnesite.replicant.reads import (
     check_client_requests_room,
     shards_to_wait_on,
 )
-from mnesite.replicant.replica import ReplicaConfig, ShardReplica, SpillBudget, push_received, watch_accepted
+from mnesite.replicant.replica import (
+    ReplicaConfig,
+    ShardReplica,
+    SpillBudget,
+    ack_body,
+    push_received,
+    watch_accepted,
+)
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import messages
 from mnesite.rlog import replication as p
@@ -359,8 +366,8 @@ class ReplicantNode(NodeServer):
             self.begin()
             self.store.replay_spill(shard, effect.start_key, effect.start_digest, int(time.time() * 1000))
         elif isinstance(effect, p.SendAck):
-            body = {"shard": shard, "agent": effect.agent_id, "applied": list(effect.applied_key)}
-            self._acks[(effect.core, shard, effect.agent_id)] = body
+            # The turn's last acknowledgement of an agent wins: its key and the token of the last push read.
+            self._acks[(effect.core, shard, effect.agent_id)] = ack_body(shard, effect)
         elif isinstance(effect, p.SendReject):
             self.pushes_rejected[shard] = self.pushes_rejected.get(shard, 0) + 1
             log.info(

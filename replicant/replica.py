@@ -339,6 +339,9 @@ class ShardReplica:
         self._spill_key = applied_key
         self._spill_digest = applied_digest
         self._spilled = 0
+        # The token of the last push of the watched agent read: every acknowledgement echoes it, which
+        # proves to the agent that this replica read its pushes up to that one (core.agent).
+        self._push_token: bytes | None = None
         self._spilled_bytes = 0
         self._spill_budget = spill_budget if spill_budget is not None else SpillBudget(config.spill_bytes_max)
         self._spill_full = False
@@ -528,6 +531,7 @@ class ShardReplica:
         self._set_mode(Mode.DISCONNECTED, reason)
         self._upstream = None
         self._agent_id = None
+        self._push_token = None
         self._hears_sequencer = False
         self._not_hearing_since_ms = None
         self._waiting = _Waiting.NOTHING
@@ -659,6 +663,7 @@ class ShardReplica:
     def _connect(self, event: WatchAccepted) -> None:
         self._upstream = event.core
         self._agent_id = event.agent_id
+        self._push_token = None
         self._waiting = _Waiting.NOTHING
         self._request_core = None
         self._failed_core = None
@@ -715,7 +720,7 @@ class ShardReplica:
             self._fail(f"the spill was full; resuming from {self._applied_key}", delay_ms=0)
             return
         if self._upstream is not None and self._agent_id is not None:
-            self._out.append(SendAck(self._upstream, self._agent_id, self._applied_key))
+            self._out.append(SendAck(self._upstream, self._agent_id, self._applied_key, self._push_token))
         self._ask_fence()
 
     # ------------------------------------------------------------ pushes
@@ -750,6 +755,7 @@ class ShardReplica:
             self._out.append(SendReject(event.core, event.agent_id, REJECT_NOT_WATCHED))
             return
         self._last_heard_ms = self._now_ms
+        self._push_token = event.token
         if self._committed_key is None or event.committed_key > self._committed_key:
             self._committed_key = event.committed_key
         self._hears_sequencer = event.hears_sequencer
@@ -776,7 +782,7 @@ class ShardReplica:
             self._out.append(ApplyEntries(new))
             self._applied_key, self._applied_digest = new[-1].tx_key, new[-1].digest
             self._check_fence()
-        self._out.append(SendAck(event.core, event.agent_id, self._applied_key))
+        self._out.append(SendAck(event.core, event.agent_id, self._applied_key, self._push_token))
 
     def _new_entries(self, event: PushReceived, key: TxKey, digest: bytes) -> tuple[Entry, ...]:
         """The entries of ``event`` after ``key``, checked to continue it; raises ``_Invalid``."""
@@ -840,7 +846,7 @@ class ShardReplica:
                 )
                 self._out.append(SendReject(event.core, event.agent_id, REJECT_RESYNCHRONISE))
                 return
-        self._out.append(SendAck(event.core, event.agent_id, self._spill_key))
+        self._out.append(SendAck(event.core, event.agent_id, self._spill_key, self._push_token))
 
     def _discard_spill(self) -> None:
         self._spill_budget.give_back(self._spilled_bytes)
@@ -887,4 +893,13 @@ def push_received(replica: ShardReplica, body: messages.Push) -> PushReceived:
     if replica.takes_push(body.core, body.agent, accepted):
         # An entry of one table's rows is decoded as one run (``WriteRows``): its rows bound as decoded.
         entries = tuple(messages.decode_entry(entry, runs=True) for entry in body.entries)
-    return PushReceived(body.core, body.agent, entries, body.committed, body.hears_sequencer, accepted)
+    return PushReceived(body.core, body.agent, entries, body.committed, body.hears_sequencer, accepted, body.token)
+
+
+def ack_body(shard: str, ack: SendAck) -> dict[str, Any]:
+    """The ``push_ack`` body of ``ack`` (driver and simulator alike): the token only when the push
+    carried one, so that a core of release 0.1.0, which sends none, never sees the field."""
+    body: dict[str, Any] = {"shard": shard, "agent": ack.agent_id, "applied": list(ack.applied_key)}
+    if ack.token is not None:
+        body["token"] = ack.token
+    return body

@@ -34,6 +34,7 @@ Example::
     requests_queued_max = 10000         # incoming frames zmq queues
     replies_queued_max = 1000           # answers zmq queues per connection
     watches_max = 256                   # replicant watches (agents) per core
+    replicant_watches_max = 128         # watches (agents) one replicant (principal) holds on a core
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
     backup_step_pages_max = 256         # pages an online backup copies per step (mnesite backup)
     query_ms_max = 10000                # SQLite time one query may spend, all its pages together (mnesite query)
@@ -136,6 +137,10 @@ class Limits:
     # Replicant watches (agents) one core serves; watches to endpoints that never acknowledged are
     # evicted first when a new watch needs room.
     watches_max: int = 256
+    # Watches (agents) one replicant holds on one core (with security on: one principal), at most
+    # watches_max: one key cannot take every slot and starve the other replicants (core.watch). A
+    # replicant holds one agent per shard it follows: keep it at least the number of shards.
+    replicant_watches_max: int = 128
     # Frames queued to one replicant's endpoint (pushes beyond it are dropped and re-sent by the agent).
     push_queue_max: int = 1024
     # Failed guards a sequencer holds until the entries they observed commit (core.guard_tail), and
@@ -223,6 +228,7 @@ _LIMIT_BOUNDS = {
     "requests_queued_max": (1, 1_000_000),
     "replies_queued_max": (1, 1_000_000),
     "watches_max": (1, 100_000),
+    "replicant_watches_max": (1, 100_000),
     "push_queue_max": (1, 100_000),
     "backup_step_pages_max": (1, 1_000_000),
     "query_ms_max": (1, 3_600_000),
@@ -348,6 +354,12 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         raise ConfigError(f"[storage].synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
 
     limits = _int_section("limits", data.get("limits", {}), Limits)
+    if "replicant_watches_max" not in data.get("limits", {}):
+        # The default follows a smaller watches_max (an older config that lowered it stays valid).
+        per_replicant = min(limits.replicant_watches_max, limits.watches_max)
+        limits = dataclasses.replace(limits, replicant_watches_max=per_replicant)
+    elif limits.replicant_watches_max > limits.watches_max:
+        raise ConfigError("[limits].replicant_watches_max must be at most [limits].watches_max")
     metrics_listen = parse_metrics(data.get("metrics"))
     security = parse_security(data.get("security"), base_dir)
     if security is not None and security.enabled:

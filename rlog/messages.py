@@ -243,16 +243,17 @@ _kind("rlog_entries", SHARD, ("after", TxKey | None, None), LIMIT)
 # stop: the node finishes its loop turn, logs a shutdown line and exits; force_start: become sequencer
 for _empty in ("list_tables", "status", "stop", "journal", "force_start", "members"):
     _kind(_empty, body=Empty)
-# replication: a replicant's watch (watch_id: the replica's, repeated by the answer and its agent's pushes), an
-# agent's push (no entries: a heartbeat; watch: the watch's answer, which it may overtake), the push_ack
+# replication: a replicant's watch (watch_id: the replica's, repeated by the answer and pushes), an agent's push (no
+# entries: a heartbeat; watch: the answer, which it may overtake; token: core.agent's), the push_ack (echoing a token)
 WATCH_ID = ("watch_id", Annotated[str, Meta(max_length=64)], "")
 Watch = _kind("watch", SHARD, ("replicant", Name), ("endpoint", Endpoint), ("from_", TxKey, msgspec.field(name="from")),
               ("from_digest", DigestOrEmpty), ("protocol", Annotated[int, Meta(ge=0, le=2**31)]), WATCH_ID)
 Entries = Annotated[list[WireEntry], Meta(max_length=4096)]
+TOKEN = ("token", Annotated[bytes, Meta(max_length=32)] | None, None)  # protocol 2 only (never to release 0.1.0)
 Push = _kind("push", SHARD, ("agent", Name), ("core", Name), ("entries", Entries), ("committed", TxKey),
-             ("hears_sequencer", bool), ("watch", _free(3), None))
+             ("hears_sequencer", bool), ("watch", _free(3), None), TOKEN)
 Rejected = Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX)] | None
-PushAck = _kind("push_ack", SHARD, ("agent", Name), ("applied", TxKey), ("rejected", Rejected, None))
+PushAck = _kind("push_ack", SHARD, ("agent", Name), ("applied", TxKey), ("rejected", Rejected, None), TOKEN)
 BytesMax = Annotated[int, Meta(ge=1, le=2**31)] | None  # a bootstrap's batch of one table (bootstrap.serve)
 _kind("bootstrap_batch", TABLE, ("limit", Integer), ("after", Scalar, None), ("bytes_max", BytesMax, None))
 # sequencer -> a follower behind its trimmed log (core.snapshot), with the committed membership at key;

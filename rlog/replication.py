@@ -127,6 +127,8 @@ class PushReceived:
     # The answer to the watch that created this agent. Every push carries it, so a push that
     # overtakes the answer (they travel on different connections) is taken as that answer.
     accepted: WatchAccepted | None = None
+    # The push's token (opaque), echoed by the acknowledgement that follows it; None: the core sent none.
+    token: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,8 @@ class SendAck:
     core: str
     agent_id: str
     applied_key: TxKey
+    # The token of the last push of this agent the replica read (None: none carried one).
+    token: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -295,6 +299,9 @@ class CommittedAdvanced:
 @dataclass(frozen=True)
 class AckReceived:
     applied_key: TxKey
+    # The token of the last push the replicant read, echoed (None: an acknowledgement without one,
+    # as replication protocol 1 sends; see core.agent, "Proven acknowledgements").
+    token: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -314,6 +321,8 @@ class Push:
     hears_sequencer: bool
     # The entries' estimated bytes (``size_bytes``), for the driver's budget per loop turn.
     size_bytes: int = 0
+    # The push's token, which the replica echoes in its acknowledgement (None: not sent; core.agent).
+    token: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -425,7 +425,9 @@ def test_the_retention_floor_waits_for_live_agents_and_forgets_stopped_ones():
     followers = [TxKey(1, 19), TxKey(1, 20)]
     assert keep_from_match_keys(followers, server.acked_keys(SHARD)) == TxKey(1, 4)
     assert keep_from_match_keys(followers) == TxKey(1, 19)
-    server.acknowledged(typed_body("push_ack", {"shard": SHARD, "agent": answer["agent"], "applied": [1, 9]}), 10)
+    token = server.outbox[-1][1].body["token"]  # the replica read the first push (up to 1, 9 at least)
+    ack = {"shard": SHARD, "agent": answer["agent"], "applied": [1, 9], "token": token}
+    server.acknowledged(typed_body("push_ack", ack), 10)
     assert server.acked_keys(SHARD) == [TxKey(1, 9)]
     server.stop_shard(SHARD)
     assert keep_from_match_keys(followers, server.acked_keys(SHARD)) == TxKey(1, 19)
@@ -532,3 +534,65 @@ def test_delayed_pushes_never_skip_or_reorder_entries_and_an_entry_waits_at_most
         assert not machine.stopped and now < 100_000
     if not lossy:
         assert waited_ms_max <= max(delay_ms, ack_ms_max)
+
+
+TOKEN_KEY = bytes(range(16))
+
+
+def proving_agent(log: MemoryLog, start: TxKey = ZERO_KEY, **config) -> Agent:
+    """An agent of a replicant of replication protocol 2: its acknowledgements must prove what was read."""
+    return Agent("agent-1", SHARD, "rep0", start, log, AgentConfig(**config), 0, token_key=TOKEN_KEY)
+
+
+@pytest.mark.timeout(10)
+def test_an_acknowledgement_must_echo_a_pushed_token_and_claim_no_key_beyond_the_pushes_it_proves():
+    """A push the replicant has not read still sits in zmq's queue on the core: an acknowledgement that
+    does not prove it read the push must not free its bytes (nor open the window, nor count as life)."""
+    machine = proving_agent(build_log(9), push_entries_max=3, pushes_in_flight_max=10)
+    sent = pushes(machine.step(CommittedAdvanced(TxKey(1, 9), True), 0))
+    assert [push.entries[-1].tx_key for push in sent] == [TxKey(1, 3), TxKey(1, 6), TxKey(1, 9)]
+    tokens = [push.token for push in sent]
+    assert all(token is not None for token in tokens) and len(set(tokens)) == 3
+    held = machine.unacknowledged_bytes
+    forged = tokens[1][:8] + bytes(8)  # push 2's sequence number, not its hash
+    for lie in [
+        AckReceived(TxKey(1, 9)),  # no token: proves nothing
+        AckReceived(TxKey(1, 9), forged),
+        AckReceived(TxKey(1, 9), (99).to_bytes(8, "big") + tokens[0][8:]),  # a push never sent
+        AckReceived(TxKey(1, 4), tokens[0]),  # push 1 proves up to (1, 3) only
+    ]:
+        assert machine.step(lie, 1) == []
+    status = machine.status()
+    assert status.acks_refused == 4 and status.acked_key == ZERO_KEY and machine.unacknowledged_bytes == held
+    assert not machine.acknowledged, "a refused acknowledgement is no sign of life"
+    machine.step(AckReceived(TxKey(1, 3), tokens[0]), 2)
+    assert machine.status().acked_key == TxKey(1, 3) and machine.acknowledged
+    machine.step(AckReceived(TxKey(1, 9), tokens[2]), 3)  # push 3 proves pushes 1 to 3
+    assert machine.status().acked_key == TxKey(1, 9) and machine.unacknowledged_bytes == 0
+    assert machine.status().acks_refused == 4
+    # Heartbeats carry tokens too; a replicant of protocol 1 gets none and is trusted as before.
+    assert pushes(machine.step(Ticked(), 600))[0].token is not None
+    old = agent(build_log(3))
+    assert all(push.token is None for push in pushes(old.step(CommittedAdvanced(TxKey(1, 3), True), 0)))
+    old.step(AckReceived(TxKey(1, 3)), 1)
+    assert old.status().acked_key == TxKey(1, 3) and old.status().acks_refused == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_resend_waits_for_proof_that_the_push_was_lost_not_still_queued():
+    """On a slow link the first copy of a push may still sit in zmq when an acknowledgement that does
+    not advance arrives: resending then piles a second copy behind the first. Only an acknowledgement
+    proving a push sent after it (the replica read past it) shows it was lost."""
+    machine = proving_agent(build_log(2), heartbeat_interval_ms=100)
+    heartbeat = pushes(machine.step(CommittedAdvanced(ZERO_KEY, True), 0))[0]
+    assert heartbeat.entries == ()
+    machine.step(AckReceived(ZERO_KEY, heartbeat.token), 1)
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 2), True), 10)) == [TxKey(1, 1), TxKey(1, 2)]
+    # Long after the push, acknowledgements that prove only the heartbeat before it: still queued.
+    assert pushed_keys(machine.step(AckReceived(ZERO_KEY, heartbeat.token), 200)) == []
+    assert pushed_keys(machine.step(AckReceived(ZERO_KEY, heartbeat.token), 400)) == []
+    assert machine.status().unacknowledged_entries == 2
+    # The heartbeat after the push is read and the position did not move: the push was lost.
+    later = [push for push in pushes(machine.step(Ticked(), 400)) if not push.entries]
+    assert later, "a heartbeat is due a heartbeat interval after the push"
+    assert pushed_keys(machine.step(AckReceived(ZERO_KEY, later[0].token), 401)) == [TxKey(1, 1), TxKey(1, 2)]

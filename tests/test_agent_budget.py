@@ -130,15 +130,17 @@ def server_of(agents_bytes_max: int, **overrides) -> AgentServer:
     )
 
 
-def watch(server: AgentServer, log, replicant: str, now_ms: int) -> str:
+def watch(
+    server: AgentServer, log, replicant: str, now_ms: int, shard: str = SHARD, protocol=REPLICATION_PROTOCOL_VERSION
+) -> str:
     """A watch from the start of ``log`` (the agent resumes there and would push all of it)."""
     body = {
-        "shard": SHARD,
+        "shard": shard,
         "replicant": replicant,
         "endpoint": f"tcp://{replicant}.test:1",
         "from": [0, 0],
         "from_digest": GENESIS_DIGEST,
-        "protocol": REPLICATION_PROTOCOL_VERSION,
+        "protocol": protocol,
     }
     server.begin_turn()
     committed = log.last_key()
@@ -155,14 +157,23 @@ def held(server: AgentServer) -> int:
 
 
 def ack_all(server: AgentServer, agent_id: str, now_ms: int) -> None:
-    """The replicant of ``agent_id`` acknowledges everything it was pushed (as a live replica does)."""
+    """The replicant of ``agent_id`` reads everything it was pushed and acknowledges it, echoing the
+    last push's token (as a live replica does)."""
+    read = [m for _, m in server.outbox if m.body["agent"] == agent_id]
     server.outbox = [(e, m) for e, m in server.outbox if m.body["agent"] != agent_id]
     key = server.watches[agent_id].agent.status().sent_key
+    body = {"shard": server.watches[agent_id].shard, "agent": agent_id, "applied": list(key)}
+    if read:
+        body["token"] = read[-1].body["token"]
+        read_token[agent_id] = body["token"]
+    elif agent_id in read_token:
+        body["token"] = read_token[agent_id]
     server.begin_turn()
-    server.acknowledged(
-        typed_body("push_ack", {"shard": server.watches[agent_id].shard, "agent": agent_id, "applied": list(key)}),
-        now_ms,
-    )
+    server.acknowledged(typed_body("push_ack", body), now_ms)
+
+
+# The token of the last push each agent's replicant read (it echoes it while nothing new arrives).
+read_token: dict[str, bytes] = {}
 
 
 def test_a_push_adds_its_bytes_and_an_acknowledgement_frees_them():
@@ -421,3 +432,53 @@ def test_agents_pushing_the_same_entries_share_one_encoding_and_send_the_bytes_o
             plain = Message(message.kind, message.request_id, dict(message.body, entries=wire_entries))
             assert frame == messages.encode(plain)
         assert keys == [TxKey(1, n) for n in range(1, len(keys) + 1)]
+
+
+def test_one_replicant_cannot_take_every_agent_slot():
+    """At ``replicant_watches_max`` agents of one replicant (principal), its next watch of another shard
+    is refused (``overloaded``), whatever room ``watches_max`` has: other replicants keep theirs."""
+    from mnesite.core.watch import WatchRefusedError
+
+    log = build_log(5)
+    server = AgentServer("core1", config(), random.Random(7), watches_max=10, replicant_watches_max=2)
+
+    def watch_shard(replicant: str, shard: str) -> str:
+        return watch(server, log, replicant, 0, shard)
+
+    watch_shard("greedy", "s1")
+    watch_shard("greedy", "s2")
+    with pytest.raises(WatchRefusedError, match="replicant greedy holds 2 watches") as refused:
+        watch_shard("greedy", "s3")
+    assert refused.value.code == "overloaded"
+    watch_shard("greedy", "s2")  # a watch again of a shard it holds supersedes its agent: served
+    watch_shard("other", "s3")  # another replicant is served
+    assert sorted(w.replicant for w in server.watches.values()) == ["greedy", "greedy", "other"]
+
+
+def test_replicant_watches_max_is_a_bounded_config_key_at_most_watches_max():
+    base = {"node": {"name": "core1", "data_dir": "/tmp/x"}}
+    assert parse_config(base).limits.replicant_watches_max == 128
+    assert parse_config({**base, "limits": {"replicant_watches_max": 5}}).limits.replicant_watches_max == 5
+    with pytest.raises(ConfigError, match="replicant_watches_max"):
+        parse_config({**base, "limits": {"replicant_watches_max": 0}})
+    # Not given: the default follows a smaller watches_max (a config that lowered it stays valid).
+    assert parse_config({**base, "limits": {"watches_max": 10}}).limits.replicant_watches_max == 10
+    with pytest.raises(ConfigError, match=r"replicant_watches_max must be at most \[limits\].watches_max"):
+        parse_config({**base, "limits": {"replicant_watches_max": 20, "watches_max": 10}})
+
+
+def test_the_agent_server_gives_tokens_to_protocol_2_replicants_only():
+    """A replicant of release 0.1.0 (protocol 1) refuses a push with a field it does not know: its
+    pushes carry no token, and its acknowledgements are trusted as before."""
+    log = build_log(3)
+    server = server_of(1_000_000)
+    old, new = watch(server, log, "old", 0, protocol=1), watch(server, log, "new", 0)
+    frames = server.drain()
+    assert {m.body["agent"] for _, m in frames} == {old, new}
+    assert all(("token" in m.body) == (m.body["agent"] == new) for _, m in frames)
+    for _, message in frames:  # what each replicant decodes
+        typed_body("push", {**message.body, "entries": []})
+    server.acknowledged(typed_body("push_ack", {"shard": SHARD, "agent": old, "applied": [1, 3]}), 1)
+    server.acknowledged(typed_body("push_ack", {"shard": SHARD, "agent": new, "applied": [1, 3]}), 1)
+    assert server.watches[old].acknowledged and server.watches[old].agent.status().acked_key == TxKey(1, 3)
+    assert not server.watches[new].acknowledged and server.acks_refused == 1

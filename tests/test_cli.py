@@ -124,7 +124,7 @@ def test_status_and_rlog_tail(mnesite, thread_node: ThreadNode) -> None:
     text = mnesite("status").output
     assert "default" in text
     assert "agents: 0, holding 0 of 16777216 bytes (agents_bytes_max), 0 evicted for that budget" in text
-    assert status["agent_budget"] == {"used_bytes": 0, "bytes_max": 16777216, "evicted_agents": 0}
+    assert status["agent_budget"] == {"used_bytes": 0, "bytes_max": 16777216, "evicted_agents": 0, "acks_refused": 0}
     entries = json.loads(mnesite("rlog", "tail", "default", "-n", "2", "--json").output)
     assert [e["tx_key"] for e in entries][-1] == tx_key
     assert entries[-1]["digest"] == shard["digest"] and entries[-1]["prev"] == entries[0]["tx_key"]

@@ -901,3 +901,19 @@ def test_a_spill_budget_refuses_to_give_back_more_than_it_took() -> None:
     assert budget.used == 60
     budget.give_back(60)
     assert budget.used == 0 and budget.take(100)
+
+
+@pytest.mark.timeout(10)
+def test_every_acknowledgement_echoes_the_token_of_the_last_push_read_and_only_to_a_core_that_sent_one():
+    """The token proves to the agent that this replica read its pushes up to that one (core.agent,
+    "Proven acknowledgements"); a core of release 0.1.0 sends none and must get no unknown field."""
+    from mnesite.replicant.replica import ack_body
+
+    machine = replica(applied=5)
+    connect(machine)
+    tokened = PushReceived("core0", "a1", tuple(HISTORY[5:7]), at(30)[0], True, None, b"t1")
+    assert of(machine.step(tokened, 1), SendAck) == [SendAck("core0", "a1", at(7)[0], b"t1")]
+    heartbeat = PushReceived("core0", "a1", (), at(30)[0], True, None, b"t2")
+    assert of(machine.step(heartbeat, 2), SendAck) == [SendAck("core0", "a1", at(7)[0], b"t2")]
+    assert ack_body(SHARD, SendAck("core0", "a1", at(7)[0], b"t2"))["token"] == b"t2"
+    assert "token" not in ack_body(SHARD, of(machine.step(push(HISTORY[7:8]), 3), SendAck)[0])

@@ -58,3 +58,17 @@ def test_at_the_bound_the_oldest_silent_watch_makes_room_and_otherwise_the_watch
     with pytest.raises(WatchRefusedError) as refused:
         agent_to_evict([("a1", True), ("a2", True)], 2, "core1")
     assert refused.value.code == "overloaded"
+
+
+def test_one_replicant_holds_at_most_replicant_watches_max_agents_and_is_told_why():
+    """One principal (with security on, a watch's replicant is its key's principal) could open watches
+    of one shard after another until ``watches_max``, leaving every other replicant ``overloaded``."""
+    from mnesite.core.watch import check_replicant_watches
+
+    owners = ["rep1", "rep2", "rep1"]
+    check_replicant_watches(owners, "rep1", 3, "core1")  # two held, a third fits
+    check_replicant_watches(owners, "rep2", 2, "core1")
+    with pytest.raises(WatchRefusedError) as refused:
+        check_replicant_watches(owners, "rep1", 2, "core1")
+    assert refused.value.code == "overloaded"
+    assert "replicant rep1 holds 2 watches" in str(refused.value) and "replicant_watches_max" in str(refused.value)

@@ -59,7 +59,7 @@ from mnesite.core.agent_server import AgentServer
 from mnesite.core.consensus import Commit, Effect, Role
 from mnesite.core.watch import WatchRefusedError
 from mnesite.replicant.reads import ReadIndexGather, WaitingReads
-from mnesite.replicant.replica import ReplicaConfig, ShardReplica, push_received, watch_accepted
+from mnesite.replicant.replica import ReplicaConfig, ShardReplica, ack_body, push_received, watch_accepted
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import messages, types
 from mnesite.rlog import replication as p
@@ -635,7 +635,7 @@ class ReplicantSimulation(Simulation):
                 self._apply_entry(replicant, entry)
             replicant.spill = []
         elif isinstance(effect, p.SendAck):
-            body = {"shard": SHARD, "agent": effect.agent_id, "applied": list(effect.applied_key)}
+            body = ack_body(SHARD, effect)  # production's body: the token echoed
             self._send_replication(
                 name, effect.core, ("frame", messages.encode(messages.Message("push_ack", "ack", body)))
             )
