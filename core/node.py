@@ -282,6 +282,8 @@ class ShardDriver:
     held: rules.HeldWrites[tuple[list[bytes], Message]] = field(default_factory=rules.HeldWrites)
     # Commits this core heard as a follower and applies together (``core.rules.FollowerApply``).
     apply: rules.FollowerApply = field(default_factory=lambda: rules.FollowerApply(0))
+    # The consensus's ``stuck_reason`` the log last said (logged once when it appears and when it goes).
+    stuck_logged: str | None = None
 
 
 @dataclass
@@ -714,7 +716,30 @@ class CoreNode(NodeServer):
         effects = driver.consensus.step(event, self.clock_ms())
         for effect in effects:
             self._execute(driver, effect)
+        if driver.consensus.stuck_reason != driver.stuck_logged:
+            self._log_stuck(driver)
         return effects
+
+    def _log_stuck(self, driver: ShardDriver) -> None:
+        """Once when the shard's consensus cannot go on past an entry (``stuck_reason``), once when it can."""
+        reason = driver.consensus.stuck_reason
+        driver.stuck_logged = reason
+        if reason is not None:
+            log.error("shard %s: %s; serving no read of the shard until then", driver.shard, reason)
+        else:
+            log.warning("shard %s: the log moved past the refused entry; serving reads again", driver.shard)
+
+    def _not_serving_reason(self, shard: str) -> str | None:
+        """Why this core serves no read of ``shard`` now (None: it serves): an install under way or
+        not fenced yet (``not_serving``), or a log its consensus cannot follow (``stuck_reason``)."""
+        reason = self.not_serving.get(shard)
+        driver = self.shards.get(shard)
+        if reason is None and driver is not None and driver.consensus.stuck_reason is not None:
+            applied = self.store.shard(shard)
+            at = f" at {applied.applied}" if applied is not None else ""
+            # Its applied state stops there while the others go on: a local read would be ever staler.
+            reason = f"stopped{at}: {driver.consensus.stuck_reason}"
+        return reason
 
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
         shard = driver.shard
@@ -959,7 +984,7 @@ class CoreNode(NodeServer):
         return {shard for shard, install in self.installs.items() if install.mode is InstallMode.FENCED}
 
     def _check_serving(self, shard: str) -> None:
-        reason = self.not_serving.get(shard)
+        reason = self._not_serving_reason(shard)
         if reason is not None:
             raise RequestError("not_ready", f"{self.config.name} cannot serve shard {shard} yet: {reason}")
 
@@ -1748,7 +1773,7 @@ class CoreNode(NodeServer):
 
     def _query_shard_reached(self, shard: str, key: TxKey) -> bool:
         position = self.store.shard(shard)
-        return position is not None and position.applied >= key and shard not in self.not_serving
+        return position is not None and position.applied >= key and self._not_serving_reason(shard) is None
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -1844,9 +1869,9 @@ class CoreNode(NodeServer):
                 "forced": status.forced,
                 "excluded": self.excluded.get(shard),
                 "rlog": self._rlog_statistics(shard),
-                "serving": shard not in self.not_serving,
+                "serving": self._not_serving_reason(shard) is None,
                 "disk_full": status.disk_full,
-                "not_serving_reason": self.not_serving.get(shard),
+                "not_serving_reason": self._not_serving_reason(shard),
                 "cluster_version": self.store.cluster_version(shard),
             }
             install = self.installs.get(shard)
