@@ -134,7 +134,8 @@ Driver contract
 4. ``ProposalRejected`` (nothing was written; forward to ``sequencer`` or answer ``reason``) and
    ``ProposalFailed`` (the outcome is unknown: the entry may still commit under a later sequencer,
    so answer the client with that reason; a retry with the same request id is the client's way to
-   find out). ``SnapshotNeeded`` asks the driver to recover that follower by snapshot.
+   find out). ``SnapshotNeeded`` asks the driver to recover that follower by snapshot (step
+   ``SnapshotRequested`` when a follower asks for one: ``core.snapshot``).
    ``RoleChanged``, ``ForceStarted`` and ``ProtocolViolation`` are for logs and metrics.
 5. ``ConsensusInvariantError`` means a safety rule would be broken (for example truncating a
    committed entry): stop serving the shard and alert the operator; never catch and continue.
@@ -395,6 +396,14 @@ class Persisted:
 
 
 @dataclass(frozen=True)
+class SnapshotRequested:
+    """``follower`` asked this core for a snapshot offer (``core.snapshot``: an install it began was
+    abandoned, so its rows are half copied although this log may still retain its position)."""
+
+    follower: str
+
+
+@dataclass(frozen=True)
 class ForceStartRequested:
     """Operator: make this core sequencer of a new generation with the members it reached.
 
@@ -427,6 +436,7 @@ Event = (
     | ProposedBatch
     | BatchEnded
     | Persisted
+    | SnapshotRequested
     | ForceStartRequested
     | MembershipChangeRequested
     | DiskFull
@@ -499,11 +509,13 @@ class ProposalFailed:
 
 @dataclass(frozen=True)
 class SnapshotNeeded:
-    """``follower`` needs entries after ``follower_key``, older than this log retains."""
+    """``follower`` needs entries after ``follower_key``, older than this log retains, or (``requested``)
+    it asked for an offer (``SnapshotRequested``)."""
 
     follower: str
     follower_key: TxKey
     trimmed_key: TxKey
+    requested: bool = False
 
 
 @dataclass(frozen=True)
@@ -863,6 +875,8 @@ class ShardConsensus:
             self._schedule_notice()
         elif isinstance(event, Persisted):
             self._on_persisted()
+        elif isinstance(event, SnapshotRequested):
+            self._on_snapshot_requested(event.follower)
         elif isinstance(event, ForceStartRequested):
             self._force_start(event.reached)
         elif isinstance(event, MembershipChangeRequested):
@@ -906,7 +920,7 @@ class ShardConsensus:
         elif isinstance(event, ForceStartRequested):
             reached = tuple(sorted(name for name, _ in event.reached))
             self._out.append(ForceStartRefused(f"the disk of {self.name} is full", reached, self._members))
-        elif not isinstance(event, (Ticked, MessageReceived, BatchEnded, Persisted)):
+        elif not isinstance(event, (Ticked, MessageReceived, BatchEnded, Persisted, SnapshotRequested)):
             raise TypeError(f"not a consensus event: {event!r}")
 
     # ------------------------------------------------------------ time
@@ -1644,6 +1658,21 @@ class ShardConsensus:
             )
         if entries or heartbeat:
             self._send(peer, progress, prev_key, prev_digest, entries)
+
+    def _on_snapshot_requested(self, follower: str) -> None:
+        """A follower asks for a snapshot offer: an install it began was abandoned (``core.snapshot``),
+        and ``_send_append`` offers one only while this log is trimmed past the follower's position.
+        Only the sequencer offers, only to a core it replicates to, at most once a heartbeat interval
+        (as ``_send_append`` does): the offer costs the follower nothing it has not lost already, and
+        it refuses one that would take anything back (``core.snapshot.accept_offer``)."""
+        progress = self._progress.get(follower) if self._role is Role.SEQUENCER else None
+        if progress is None:
+            return
+        last_request = progress.snapshot_requested_ms
+        if last_request is not None and self._now_ms - last_request < self.config.heartbeat_interval_ms:
+            return
+        progress.snapshot_requested_ms = self._now_ms
+        self._out.append(SnapshotNeeded(follower, progress.match_key, self._log.trimmed_key(), requested=True))
 
     def _holds_key(self, key: TxKey) -> bool:
         """Whether appends can start after ``key``: this log holds it, or retention trimmed it (the
