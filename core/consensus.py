@@ -35,8 +35,10 @@ and executes the effects it returns.
   entry of a later generation than its append is refused (Raft: no entry's term exceeds its
   leader's), and so is an entry that records a cluster version this core does not speak
   (``own_versions``; ``core.versions``, "A follower's own check"): both are protocol violations,
-  unanswered. A follower that refuses a mismatch says where it stands (last and committed keys);
-  the sequencer resumes there, and ignores an answer whose committed key its own log does not hold.
+  unanswered, and the latter leaves the follower unable to go on (``stuck_reason``: the driver
+  serves no read of the shard) until its log passes that key. A follower that refuses a mismatch
+  says where it stands (last and committed keys); the sequencer resumes there, and ignores an
+  answer whose committed key its own log does not hold.
 * Batches. The proposals of one driver turn are appended one entry each, but sent only at
   ``BatchEnded``: every caught-up follower then gets them in one append (cut by
   ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
@@ -132,7 +134,8 @@ Driver contract
 4. ``ProposalRejected`` (nothing was written; forward to ``sequencer`` or answer ``reason``) and
    ``ProposalFailed`` (the outcome is unknown: the entry may still commit under a later sequencer,
    so answer the client with that reason; a retry with the same request id is the client's way to
-   find out). ``SnapshotNeeded`` asks the driver to recover that follower by snapshot.
+   find out). ``SnapshotNeeded`` asks the driver to recover that follower by snapshot (step
+   ``SnapshotRequested`` when a follower asks for one: ``core.snapshot``).
    ``RoleChanged``, ``ForceStarted`` and ``ProtocolViolation`` are for logs and metrics.
 5. ``ConsensusInvariantError`` means a safety rule would be broken (for example truncating a
    committed entry): stop serving the shard and alert the operator; never catch and continue.
@@ -148,7 +151,7 @@ from typing import Protocol
 
 from mnesite.core import membership
 from mnesite.core.membership import MEMBERS_MAX, membership_changes
-from mnesite.core.versions import unspoken_entry
+from mnesite.core.versions import first_unspoken, unspoken_entry
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskFreed, DiskFull
 from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import Ticked
@@ -393,6 +396,14 @@ class Persisted:
 
 
 @dataclass(frozen=True)
+class SnapshotRequested:
+    """``follower`` asked this core for a snapshot offer (``core.snapshot``: an install it began was
+    abandoned, so its rows are half copied although this log may still retain its position)."""
+
+    follower: str
+
+
+@dataclass(frozen=True)
 class ForceStartRequested:
     """Operator: make this core sequencer of a new generation with the members it reached.
 
@@ -425,6 +436,7 @@ Event = (
     | ProposedBatch
     | BatchEnded
     | Persisted
+    | SnapshotRequested
     | ForceStartRequested
     | MembershipChangeRequested
     | DiskFull
@@ -497,11 +509,13 @@ class ProposalFailed:
 
 @dataclass(frozen=True)
 class SnapshotNeeded:
-    """``follower`` needs entries after ``follower_key``, older than this log retains."""
+    """``follower`` needs entries after ``follower_key``, older than this log retains, or (``requested``)
+    it asked for an offer (``SnapshotRequested``)."""
 
     follower: str
     follower_key: TxKey
     trimmed_key: TxKey
+    requested: bool = False
 
 
 @dataclass(frozen=True)
@@ -702,6 +716,9 @@ class ShardConsensus:
         self._out: list[Effect] = []
         # DiskFull until DiskFreed: nothing may be persisted (see "Full disk" above).
         self._disk_full = False
+        # (key, why) of the last append entry refused for a cluster version this core does not speak,
+        # until its log passes that key (see ``stuck_reason``).
+        self._stuck: tuple[TxKey, str] | None = None
 
     # ------------------------------------------------------------ queries
 
@@ -724,6 +741,16 @@ class ShardConsensus:
     @property
     def last_key(self) -> TxKey:
         return self._last_key
+
+    @property
+    def stuck_reason(self) -> str | None:
+        """Why this follower cannot advance (None: it can): it refused the sequencer's entry at a key
+        for a cluster version it does not speak (``core.versions``, "A follower's own check"). Its
+        applied state stops before that entry while the others go on, so its local reads would grow
+        ever staler: the driver serves none of the shard and says why. Cleared once its log passes
+        that key (a sequencer whose log replaced the entry); a restart on a release that speaks the
+        version starts without it."""
+        return None if self._stuck is None else self._stuck[1]
 
     @property
     def excluded(self) -> bool:
@@ -848,6 +875,8 @@ class ShardConsensus:
             self._schedule_notice()
         elif isinstance(event, Persisted):
             self._on_persisted()
+        elif isinstance(event, SnapshotRequested):
+            self._on_snapshot_requested(event.follower)
         elif isinstance(event, ForceStartRequested):
             self._force_start(event.reached)
         elif isinstance(event, MembershipChangeRequested):
@@ -891,7 +920,7 @@ class ShardConsensus:
         elif isinstance(event, ForceStartRequested):
             reached = tuple(sorted(name for name, _ in event.reached))
             self._out.append(ForceStartRefused(f"the disk of {self.name} is full", reached, self._members))
-        elif not isinstance(event, (Ticked, MessageReceived, BatchEnded, Persisted)):
+        elif not isinstance(event, (Ticked, MessageReceived, BatchEnded, Persisted, SnapshotRequested)):
             raise TypeError(f"not a consensus event: {event!r}")
 
     # ------------------------------------------------------------ time
@@ -1089,6 +1118,7 @@ class ShardConsensus:
 
     def _become_sequencer(self, first_ops: tuple[Op, ...] = ()) -> None:
         self._set_role(Role.SEQUENCER, self.name)
+        self._stuck = None  # its own log is the one followed now: nothing refused is in it
         self._votes = set()
         self._progress = {
             peer: _Progress(sent_key=self._last_key, last_heard_ms=self._now_ms) for peer in self._peers()
@@ -1301,12 +1331,15 @@ class ShardConsensus:
                     )
                 )
                 return
-        unspoken = unspoken_entry(entries, self._own_versions)
+        unspoken = first_unspoken(entries, self._own_versions)
         if unspoken is not None:
             # The sequencer appends a cluster version only once every member announced it; a member
             # rolled back since, or a broken sequencer, must not move this core to a version it cannot
-            # read (``core.versions``): it stays at the entry before, loudly.
-            self._out.append(ProtocolViolation(sender, unspoken))
+            # read (``core.versions``): it stays at the entry before, loudly. Its state no longer
+            # advances, so it is kept as ``stuck_reason`` (the driver serves no read of the shard).
+            key, reason = unspoken
+            self._stuck = (key, f"the sequencer's entry {key} was refused: {reason}")
+            self._out.append(ProtocolViolation(sender, f"entry {key}: {reason}"))
             return
         # Entries up to our commit key are already here and final; check rather than trust.
         while entries and entries[0].tx_key <= self._commit_key:
@@ -1368,6 +1401,10 @@ class ShardConsensus:
             self._last_key = new_entries[-1].tx_key
             self._last_digest = new_entries[-1].digest
             self._note_changes(new_entries)
+            if self._stuck is not None and self._last_key >= self._stuck[0]:
+                # The log it follows no longer holds the refused entry there (the entries just
+                # persisted passed the check above): it goes on again.
+                self._stuck = None
         # Raft: commit up to min(sequencer's commit key, last entry this append verified).
         new_commit = min(message.commit_key, message_last_key)
         told_commit = new_commit > self._commit_key
@@ -1628,6 +1665,21 @@ class ShardConsensus:
             )
         if entries or heartbeat:
             self._send(peer, progress, prev_key, prev_digest, entries)
+
+    def _on_snapshot_requested(self, follower: str) -> None:
+        """A follower asks for a snapshot offer: an install it began was abandoned (``core.snapshot``),
+        and ``_send_append`` offers one only while this log is trimmed past the follower's position.
+        Only the sequencer offers, only to a core it replicates to, at most once a heartbeat interval
+        (as ``_send_append`` does): the offer costs the follower nothing it has not lost already, and
+        it refuses one that would take anything back (``core.snapshot.accept_offer``)."""
+        progress = self._progress.get(follower) if self._role is Role.SEQUENCER else None
+        if progress is None:
+            return
+        last_request = progress.snapshot_requested_ms
+        if last_request is not None and self._now_ms - last_request < self.config.heartbeat_interval_ms:
+            return
+        progress.snapshot_requested_ms = self._now_ms
+        self._out.append(SnapshotNeeded(follower, progress.match_key, self._log.trimmed_key(), requested=True))
 
     def _holds_key(self, key: TxKey) -> bool:
         """Whether appends can start after ``key``: this log holds it, or retention trimmed it (the

@@ -92,6 +92,7 @@ from mnesite.core.consensus import (
     Send,
     ShardConsensus,
     SnapshotNeeded,
+    SnapshotRequested,
     Ticked,
     TruncateLog,
 )
@@ -123,6 +124,8 @@ from mnesite.core.snapshot import (
     accept_offer,
     members_after_install,
     offer_due,
+    reads_snapshot_request,
+    snapshot_request_due,
 )
 from mnesite.core.transaction import GuardFailed, evaluate
 from mnesite.core.versions import (
@@ -286,6 +289,8 @@ class ShardDriver:
     held: rules.HeldWrites[tuple[list[bytes], Message]] = field(default_factory=rules.HeldWrites)
     # Commits this core heard as a follower and applies together (``core.rules.FollowerApply``).
     apply: rules.FollowerApply = field(default_factory=lambda: rules.FollowerApply(0))
+    # The consensus's ``stuck_reason`` the log last said (logged once when it appears and when it goes).
+    stuck_logged: str | None = None
 
 
 @dataclass
@@ -391,6 +396,10 @@ class CoreNode(NodeServer):
         # expiry concerns only that install, not a later one of the same shard.
         self.install_requests: dict[str, tuple[str, str, dict[str, Any], int, SnapshotInstall | None]] = {}
         self.not_serving: dict[str, str] = {}
+        # Shards whose rows an install deleted and no install has copied since (the ``installing:``
+        # meta), and when this core last asked its sequencer for an offer (core.snapshot, "Re-offer").
+        self.rows_lost: set[str] = set()
+        self.snapshot_asked_ms: dict[str, int] = {}
         self.last_heard_ms: dict[str, int] = {}
         # What this core and its peers speak, and the cluster version entries proposed (core.versions).
         self.versions = self.agent_server.versions
@@ -415,7 +424,11 @@ class CoreNode(NodeServer):
         for shard in self.store.shards():
             self._open_shard(shard)
             if int(self.store.meta(f"installing:{shard}", 0)):
-                self.not_serving[shard] = "a snapshot install was interrupted; waiting for the next offer"
+                self.rows_lost.add(shard)
+                self.not_serving[shard] = (
+                    "a snapshot install was interrupted (the shard's rows are half copied); asking the sequencer "
+                    "for another offer"
+                )
             elif int(self.store.meta(f"read_fenced:{shard}", 0)):
                 self.not_serving[shard] = "replaying after a snapshot install"
                 sequencer = next((m for m in self.members if m != config.name), config.name)
@@ -584,6 +597,7 @@ class CoreNode(NodeServer):
                 self._step(driver, Ticked())
         for shard in list(self.installs):
             self._step_install(shard, Ticked())
+        self._ask_for_snapshots()
         # The shard ticks above may have stepped agents with a later clock reading (a commit feeds
         # them its time): read the clock again, never hand an agent an earlier one.
         self.agent_server.tick(self.clock_ms())
@@ -667,6 +681,8 @@ class CoreNode(NodeServer):
             self._on_peer(message)
         elif message.kind == "snapshot_offer":
             self._on_snapshot_offer(message.body)
+        elif message.kind == "snapshot_request":
+            self._on_snapshot_request(message.body)
         elif message.kind == "watch":
             self.reply(envelope, messages.reply(message.request_id, self._watch(message.body)))
         elif message.kind == "push_ack":
@@ -720,7 +736,30 @@ class CoreNode(NodeServer):
         effects = driver.consensus.step(event, self.clock_ms())
         for effect in effects:
             self._execute(driver, effect)
+        if driver.consensus.stuck_reason != driver.stuck_logged:
+            self._log_stuck(driver)
         return effects
+
+    def _log_stuck(self, driver: ShardDriver) -> None:
+        """Once when the shard's consensus cannot go on past an entry (``stuck_reason``), once when it can."""
+        reason = driver.consensus.stuck_reason
+        driver.stuck_logged = reason
+        if reason is not None:
+            log.error("shard %s: %s; serving no read of the shard until then", driver.shard, reason)
+        else:
+            log.warning("shard %s: the log moved past the refused entry; serving reads again", driver.shard)
+
+    def _not_serving_reason(self, shard: str) -> str | None:
+        """Why this core serves no read of ``shard`` now (None: it serves): an install under way or
+        not fenced yet (``not_serving``), or a log its consensus cannot follow (``stuck_reason``)."""
+        reason = self.not_serving.get(shard)
+        driver = self.shards.get(shard)
+        if reason is None and driver is not None and driver.consensus.stuck_reason is not None:
+            applied = self.store.shard(shard)
+            at = f" at {applied.applied}" if applied is not None else ""
+            # Its applied state stops there while the others go on: a local read would be ever staler.
+            reason = f"stopped{at}: {driver.consensus.stuck_reason}"
+        return reason
 
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
         shard = driver.shard
@@ -811,15 +850,24 @@ class CoreNode(NodeServer):
                 self.consensus_config.election_timeout_ms_min,
             )
             if position is not None and effect.follower in self.endpoints and recently:
-                log.info(
-                    "shard %s: follower %s needs entries after %s, older than this rlog retains (%s): offering a "
-                    "snapshot at %s",
-                    shard,
-                    effect.follower,
-                    effect.follower_key,
-                    effect.trimmed_key,
-                    position.applied,
-                )
+                if effect.requested:
+                    log.info(
+                        "shard %s: follower %s asked for a snapshot (an install of its was abandoned): offering "
+                        "one at %s",
+                        shard,
+                        effect.follower,
+                        position.applied,
+                    )
+                else:
+                    log.info(
+                        "shard %s: follower %s needs entries after %s, older than this rlog retains (%s): "
+                        "offering a snapshot at %s",
+                        shard,
+                        effect.follower,
+                        effect.follower_key,
+                        effect.trimmed_key,
+                        position.applied,
+                    )
                 body = {
                     "shard": shard,
                     "sender": self.config.name,
@@ -966,7 +1014,7 @@ class CoreNode(NodeServer):
         return {shard for shard, install in self.installs.items() if install.mode is InstallMode.FENCED}
 
     def _check_serving(self, shard: str) -> None:
-        reason = self.not_serving.get(shard)
+        reason = self._not_serving_reason(shard)
         if reason is not None:
             raise RequestError("not_ready", f"{self.config.name} cannot serve shard {shard} yet: {reason}")
 
@@ -987,7 +1035,13 @@ class CoreNode(NodeServer):
         install = self.installs.get(shard)
         installing = install is not None and install.mode in (InstallMode.LISTING, InstallMode.COPYING)
         refused = accept_offer(
-            offer, driver.consensus.generation, driver.consensus.sequencer, position.applied, installing, self.versions
+            offer,
+            driver.consensus.generation,
+            driver.consensus.sequencer,
+            position.applied,
+            installing,
+            self.versions,
+            rows_lost=shard in self.rows_lost,
         )
         if refused is not None and refused.startswith(UNSPOKEN_CLUSTER_VERSION):
             self.protocol_violation(body.sender, f"shard {shard}: snapshot offer at {offer.key}: {refused}")
@@ -995,16 +1049,50 @@ class CoreNode(NodeServer):
         if refused is not None:
             log.debug("shard %s: snapshot offer refused: %s", shard, refused)
             return
-        log.warning(
-            "shard %s: the peers trimmed the entries after %s; installing a snapshot at %s from %s",
-            shard,
-            position.applied,
-            offer.key,
-            offer.sequencer,
-        )
+        if shard in self.rows_lost:
+            log.warning(
+                "shard %s: its rows are half copied by an abandoned install; installing a snapshot at %s from %s",
+                shard,
+                offer.key,
+                offer.sequencer,
+            )
+        else:
+            log.warning(
+                "shard %s: the peers trimmed the entries after %s; installing a snapshot at %s from %s",
+                shard,
+                position.applied,
+                offer.key,
+                offer.sequencer,
+            )
         install = SnapshotInstall(offer, INSTALL_BATCH_ROWS_MAX, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
         self.installs[shard] = install
         self._execute_install(shard, install.start())
+
+    def _on_snapshot_request(self, body: messages.SnapshotRequest) -> None:
+        """A follower whose rows an abandoned install deleted asks for an offer: the sequencer's
+        consensus decides (``SnapshotRequested``: only the sequencer, only to a core it replicates to)."""
+        driver = self.shards.get(body.shard)
+        if driver is None or body.sender not in self.endpoints or body.sender == self.config.name:
+            return
+        self._step(driver, SnapshotRequested(body.sender))
+
+    def _ask_for_snapshots(self) -> None:
+        """Each shard whose rows an abandoned install deleted asks its sequencer for an offer, now and
+        then (``core.snapshot.snapshot_request_due``): the sequencer's own rule offers one only while it
+        has trimmed past this core's position, which it may never be (core.snapshot, "Re-offer")."""
+        now = self.clock_ms()
+        for shard in sorted(self.rows_lost):
+            driver = self.shards.get(shard)
+            if driver is None:
+                continue
+            sequencer = driver.consensus.sequencer
+            asked_ms = self.snapshot_asked_ms.get(shard)
+            if not snapshot_request_due(True, shard in self.installs, sequencer, self.config.name, asked_ms, now):
+                continue
+            self.snapshot_asked_ms[shard] = now
+            if sequencer is not None and reads_snapshot_request(self.peer_versions.announcement(sequencer)):
+                body = {"shard": shard, "sender": self.config.name}
+                self._send_peer(sequencer, Message("snapshot_request", "snapshot", body))
 
     def _step_install(self, shard: str, event: Any) -> None:
         install = self.installs.get(shard)
@@ -1048,6 +1136,7 @@ class CoreNode(NodeServer):
                 self.begin()
                 self.store.set_meta(f"installing:{shard}", 1)
                 self.store.clear_rows(shard)
+                self.rows_lost.add(shard)
                 self.not_serving[shard] = f"installing a snapshot at {effect.key}"
             elif isinstance(effect, replication.FetchTables):
                 self._install_request(shard, effect.core, "list_tables", {}, {})
@@ -1067,6 +1156,7 @@ class CoreNode(NodeServer):
                 members = members_after_install(self.installs[shard].offer, members or self.members)
                 self.store.persist_consensus_state(shard, generation, voted_for, members, forced)
                 self.store.set_meta(f"installing:{shard}", 0)
+                self.rows_lost.discard(shard)
                 self.store.set_meta(f"read_fenced:{shard}", 1)
                 # The copied tables are at the offer's cluster version: record it (and the storage format).
                 self.store.apply_ops((ClusterVersionOp(shard, self.installs[shard].offer.cluster_version),))
@@ -1093,7 +1183,8 @@ class CoreNode(NodeServer):
                 log.warning("shard %s: snapshot install abandoned: %s", shard, effect.reason)
                 if shard in self.not_serving:  # the rows are half copied: say why nothing is served
                     self.not_serving[shard] = (
-                        f"a snapshot install was abandoned ({effect.reason}); waiting for the next offer"
+                        f"a snapshot install was abandoned ({effect.reason}; the shard's rows are half copied); "
+                        "asking the sequencer for another offer"
                     )
             else:
                 raise TypeError(f"unknown install effect {effect!r}")
@@ -1755,7 +1846,7 @@ class CoreNode(NodeServer):
 
     def _query_shard_reached(self, shard: str, key: TxKey) -> bool:
         position = self.store.shard(shard)
-        return position is not None and position.applied >= key and shard not in self.not_serving
+        return position is not None and position.applied >= key and self._not_serving_reason(shard) is None
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -1856,9 +1947,9 @@ class CoreNode(NodeServer):
                 "forced": status.forced,
                 "excluded": self.excluded.get(shard),
                 "rlog": self._rlog_statistics(shard),
-                "serving": shard not in self.not_serving,
+                "serving": self._not_serving_reason(shard) is None,
                 "disk_full": status.disk_full,
-                "not_serving_reason": self.not_serving.get(shard),
+                "not_serving_reason": self._not_serving_reason(shard),
                 "cluster_version": self.store.cluster_version(shard),
             }
             install = self.installs.get(shard)

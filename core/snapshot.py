@@ -22,9 +22,25 @@ and only one install per shard at a time (``accept_offer``). The install is the 
    quorum-confirmed committed key after the copy; no read is served until the applied key reaches it.
 
 Anything that fails (an answer missing for ``request_timeout_ms``, a malformed batch, another
-sequencer) abandons the install (``InstallAbandoned``); the sequencer offers again while the
-follower is behind its trimmed key. The state machine is pure: the driver executes the effects in
-order and feeds the answers back.
+sequencer) abandons the install (``InstallAbandoned``), and so does a restart in the middle.
+
+Re-offer. An abandoned install leaves the shard's rows half copied (``BeginInstall`` deleted them)
+while its log and position are whole: the core keeps acknowledging appends, but serves no read of
+the shard and does not campaign. The sequencer's own rule offers a snapshot only while its log is
+trimmed past the follower's position, which a new sequencer (or the same one, after the follower
+caught up by appends) may never be. So the follower asks: while its rows are lost and no install
+is under way, it sends its known sequencer a ``snapshot_request(shard, sender)`` at most every
+``SNAPSHOT_REQUEST_INTERVAL_MS`` (``snapshot_request_due``); the sequencer's consensus turns it into
+``SnapshotNeeded`` for that follower even though it retains the position
+(``core.consensus.SnapshotRequested``), and the offer follows as any other. The follower takes an
+offer at its applied key or beyond while its rows are lost (``accept_offer``: nothing to replay
+then, but the copy heals the rows); never one behind it. ``FinishInstall`` keeps the log's entries
+after the offer's key when the log holds that key with the offer's digest (the same history, Raft's
+rule for snapshots): entries this core acknowledged are never dropped. A release that does not know
+``snapshot_request`` (0.1.0, which announces no versions) is never sent one: such a sequencer offers
+only while it has trimmed, as before.
+
+The state machine is pure: the driver executes the effects in order and feeds the answers back.
 """
 
 from __future__ import annotations
@@ -121,17 +137,49 @@ def accept_offer(
     applied_key: TxKey,
     installing: bool,
     own: Announcement = THIS_RELEASE,
+    rows_lost: bool = False,
 ) -> str | None:
     """None if the follower takes ``offer``; otherwise why not (a reason that begins with
     ``core.versions.UNSPOKEN_CLUSTER_VERSION`` is a protocol violation: ``own`` does not speak the
-    offer's cluster version, which the sequencer's rule should have prevented)."""
+    offer's cluster version, which the sequencer's rule should have prevented).
+
+    ``rows_lost``: an install began and was abandoned (see "Re-offer"): an offer at the applied key
+    heals the rows too. An offer behind the applied key is never taken (the applied state would go back)."""
     if installing:
         return "an install is already under way"
     if offer.generation != generation or offer.sequencer != sequencer:
         return f"offered by {offer.sequencer} in generation {offer.generation}, not the known sequencer {sequencer}"
-    if offer.key <= applied_key:
+    if offer.key < applied_key or (offer.key == applied_key and not rows_lost):
         return f"offered key {offer.key} is not beyond the applied key {applied_key}"
     return unspoken_cluster_version(offer.cluster_version, own)
+
+
+# How often a follower whose rows an abandoned install deleted asks its sequencer for an offer (see
+# "Re-offer"): an install takes far longer, and a lost request is simply asked again.
+SNAPSHOT_REQUEST_INTERVAL_MS = 1000
+
+
+def snapshot_request_due(
+    rows_lost: bool,
+    install_under_way: bool,
+    sequencer: str | None,
+    own_name: str,
+    asked_ms: int | None,
+    now_ms: int,
+    interval_ms: int = SNAPSHOT_REQUEST_INTERVAL_MS,
+) -> bool:
+    """Whether a follower asks its known ``sequencer`` for a snapshot offer now (see "Re-offer"):
+    its rows are lost, no install is under way (or fenced), it knows a sequencer other than itself,
+    and it did not ask within ``interval_ms`` (``asked_ms``: when it last asked, None: never)."""
+    if not rows_lost or install_under_way or sequencer is None or sequencer == own_name:
+        return False
+    return asked_ms is None or now_ms - asked_ms >= interval_ms
+
+
+def reads_snapshot_request(sequencer: Announcement | None) -> bool:
+    """Whether a sequencer that announced ``sequencer`` knows ``snapshot_request``: every release that
+    announces its versions does; 0.1.0 announces none (and one not heard yet is not asked)."""
+    return sequencer is not None and sequencer.announced
 
 
 def offer_due(follower_heard_ms: int | None, now_ms: int, window_ms: int) -> bool:

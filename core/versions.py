@@ -36,10 +36,12 @@ release of this project reads, so a core never waits for a probe before taking p
   answered, and the driver logs it once a second with the count; ``core.consensus``), and it refuses
   a snapshot offer at such a version (``core.snapshot.accept_offer``, logged the same way). It
   stays a member at the entry before, like a core cut off from its sequencer: it keeps hearing
-  heartbeats (so it starts no election), acknowledges nothing beyond, cannot be elected past a
-  committed entry it lacks, and serves local reads of the state it has (read-your-writes and
-  linearizable reads that need more time out). Restarted on a release that speaks the version, it
-  takes the entry and catches up; nothing is lost, because the majority that committed the entry
+  heartbeats (so it starts no election), acknowledges nothing beyond, and cannot be elected past a
+  committed entry it lacks. Its state no longer advances while the others' does, so it serves no read
+  of the shard: its consensus keeps why (``ShardConsensus.stuck_reason``, until its log passes the
+  refused key), and the driver answers reads ``not_ready`` with that reason (``status``'s
+  ``not_serving_reason``) and logs it once. Restarted on a release that speaks the version, it
+  takes the entry, catches up and serves again; nothing is lost, because the majority that committed the entry
   holds it. Stopping the shard instead would take the same core out of the quorum for no gain.
   A core whose log already holds such an entry (persisted before it was rolled back) does not start:
   its consensus refuses to open the log (``ConsensusConfigError``, which the node reports as a
@@ -58,7 +60,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mnesite.rlog.types import ROW_OPS, ClusterVersionOp, Entry
+from mnesite.rlog.types import ROW_OPS, ClusterVersionOp, Entry, TxKey
 from mnesite.rlog.versions import (
     Announcement,
     announcement_of,
@@ -178,6 +180,12 @@ def unspoken_cluster_version(cluster_version: int, own: Announcement) -> str | N
 
 def unspoken_entry(entries: Iterable[Entry], own: Announcement) -> str | None:
     """Why this core must not persist ``entries``: one records a cluster version it does not speak (None: none does)."""
+    found = first_unspoken(entries, own)
+    return None if found is None else f"entry {found[0]}: {found[1]}"
+
+
+def first_unspoken(entries: Iterable[Entry], own: Announcement) -> tuple[TxKey, str] | None:
+    """The first of ``entries`` that records a cluster version this core does not speak, and why (None: none)."""
     for entry in entries:
         if ROW_OPS.issuperset(map(type, entry.ops)):
             continue  # the common entry: rows only
@@ -185,7 +193,7 @@ def unspoken_entry(entries: Iterable[Entry], own: Announcement) -> str | None:
         if version is not None:
             reason = unspoken_cluster_version(version, own)
             if reason is not None:
-                return f"entry {entry.tx_key}: {reason}"
+                return entry.tx_key, reason
     return None
 
 

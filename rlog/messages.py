@@ -262,6 +262,7 @@ Members = Annotated[list[Name], Meta(max_length=types.MEMBERS_OP_MAX)]
 ClusterVersion = Annotated[int, Meta(ge=1, le=1000)]
 SnapshotOffer = _kind("snapshot_offer", SHARD, SENDER, ("generation", NonNegative), ("key", TxKey),
                       ("digest", DigestOrEmpty), ("members", Members, []), ("cluster_version", ClusterVersion, 1))
+SnapshotRequest = _kind("snapshot_request", SHARD, SENDER)  # rows lost: offer me one (core.snapshot, "Re-offer")
 # between cores: one consensus message, decoded once by its kind's type (core.consensus_wire)
 _kind("peer", SHARD, SENDER, ("message", msgspec.Raw))
 # range requests (rlog.range_requests)

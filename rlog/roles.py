@@ -13,7 +13,8 @@ The roles:
 
 * ``core``: consensus (``peer``, which also carries exclusion notices), replication to replicants (``push``), and what a
   core asks of another core on behalf of its own clients (forwarded writes, journals, reads), snapshot offers
-  (``snapshot_offer``) and the ``bootstrap_batch`` reads of a snapshot install.
+  (``snapshot_offer``), a follower's request for one (``snapshot_request``) and the ``bootstrap_batch``
+  reads of a snapshot install.
 * ``replicant``: ``watch`` and ``push_ack``, forwarding its clients' writes, and the reads it needs
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
 * ``admin``: everything, including ``create_table``, ``drop_table``, ``create_index``, ``drop_index``,
@@ -71,6 +72,8 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "push": frozenset({"core"}),
     # a sequencer offers a snapshot to a follower behind its trimmed log (core.snapshot)
     "snapshot_offer": frozenset({"core"}),
+    # a follower whose rows an abandoned install deleted asks its sequencer for an offer (core.snapshot)
+    "snapshot_request": frozenset({"core"}),
     # key-ordered dirty-read batches of a whole table, for bootstraps (bootstrap.serve)
     "bootstrap_batch": frozenset({"core", "replicant"}),
     "watch": frozenset({"replicant"}),
@@ -86,7 +89,13 @@ KIND_ROLES: dict[str, frozenset[str]] = {
 }
 
 # Kinds whose body names its sender: the name must be the authenticated principal.
-SENDER_FIELDS: dict[str, str] = {"peer": "sender", "push": "core", "watch": "replicant", "snapshot_offer": "sender"}
+SENDER_FIELDS: dict[str, str] = {
+    "peer": "sender",
+    "push": "core",
+    "watch": "replicant",
+    "snapshot_offer": "sender",
+    "snapshot_request": "sender",
+}
 
 
 class RoleTable:

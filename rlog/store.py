@@ -1334,9 +1334,18 @@ class Store:
                 )
 
     def restart_log_at(self, shard: str, key: TxKey, digest: bytes) -> None:
-        """A snapshot install ends: the shard's log is empty, trimmed at ``key``, and applied there."""
+        """A snapshot install ends: the shard's log is trimmed at ``key`` and applied there. It keeps its
+        entries after ``key`` when it holds ``key`` with ``digest`` (the same history, Raft's rule for
+        snapshots: an entry this core acknowledged is never dropped); otherwise it is emptied."""
+        same_history = self.digest_at(shard, key) == digest
         self._forget_log_ends(shard)
-        self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
+        if same_history:
+            self.connection.execute(
+                "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
+                (shard, key.generation, key.counter),
+            )
+        else:
+            self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
             "trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ?, generation = max(generation, ?) "

@@ -131,13 +131,18 @@ def test_compare_works_right_after_a_bootstrap_without_any_read_first(cluster: C
     assert report.pairs[0].counts["different"] == 0 and acknowledged
 
 
-def test_a_follower_core_behind_the_trimmed_log_installs_a_snapshot_and_converges(cluster: Cluster) -> None:
-    cluster.extend_core_configs("[rlog]\nretention_entries_max = 50\n")
+def start_with_a_follower(cluster: Cluster) -> tuple[str, str]:
+    """Start the cluster with table kv; its sequencer and one of its followers."""
     cluster.start_all()
     create_table(cluster)
     wait_until(lambda: cluster.sequencer() is not None, 30, "a sequencer")
     sequencer, _ = cluster.sequencer()
-    follower = next(name for name in cluster.names if name != sequencer)
+    return sequencer, next(name for name in cluster.names if name != sequencer)
+
+
+def test_a_follower_core_behind_the_trimmed_log_installs_a_snapshot_and_converges(cluster: Cluster) -> None:
+    cluster.extend_core_configs("[rlog]\nretention_entries_max = 50\n")
+    sequencer, follower = start_with_a_follower(cluster)
     load_batches(cluster, 3, 1000, through=sequencer)
     stopped_at = tuple(cluster.status(follower)["shards"]["default"]["applied"])
     cluster.nodes[follower].kill()
@@ -171,3 +176,40 @@ def test_a_follower_core_behind_the_trimmed_log_installs_a_snapshot_and_converge
     assert "installing a snapshot" in log_text and "snapshot installed" in log_text
     # Every core agrees on the cluster version, the snapshot's copy included (core.versions).
     wait_until(lambda: {cluster.status(n)["cluster_version"] for n in cluster.names} == {2}, 30, "cluster version 2")
+
+
+def test_an_install_cut_by_a_restart_under_a_sequencer_that_retains_the_position_heals(cluster: Cluster) -> None:
+    """Regression: a follower whose snapshot install was cut by a restart (its rows deleted by
+    BeginInstall, the copy not done) under a sequencer that still retains its position waited for an
+    offer that never came: the shard served no read, for good. It now asks its sequencer for an offer
+    (core.snapshot, "Re-offer"), installs, and serves rows equal to the sequencer's."""
+    from mnesite.rlog.store import Store
+
+    sequencer, follower = start_with_a_follower(cluster)
+    load_batches(cluster, 2, 200, through=sequencer)
+    stopped_at = tuple(cluster.wait_converged(cluster.names, timeout_s=60)["applied"])
+    cluster.nodes[follower].stop()
+    # What BeginInstall persisted before the restart cut the copy: the flag, and the rows deleted.
+    store = Store(str(cluster.data_dir(follower) / "mnesite.db"), create=False)
+    try:
+        with store.write_transaction():
+            store.set_meta("installing:default", 1)
+            store.clear_rows("default")
+    finally:
+        store.close()
+    cluster.start(follower)
+    load_batches(cluster, 1, 200, through=sequencer)
+    wait_until(
+        lambda: (cluster.status(follower) or {}).get("shards", {}).get("default", {}).get("serving") is True,
+        60,
+        f"{follower} to serve reads after asking for a snapshot",
+    )
+    rlog = cluster.status(sequencer)["shards"]["default"]["rlog"]
+    assert tuple(rlog["first"]) <= stopped_at, "the sequencer retains the follower's position: it never trimmed past it"
+    with cluster.client(follower) as client:
+        follower_rows = {row["id"]: row["value"] for row in client.scan("kv")}
+    with cluster.client(sequencer) as client:
+        sequencer_rows = {row["id"]: row["value"] for row in client.scan("kv")}
+    assert follower_rows == sequencer_rows and len(follower_rows) == 400
+    log_text = (cluster.root / f"{follower}.log").read_text()
+    assert "half copied by an abandoned install; installing a snapshot" in log_text

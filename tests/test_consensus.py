@@ -1117,3 +1117,24 @@ def test_a_follower_whose_election_timeout_expires_stops_naming_its_sequencer():
     effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
     assert harness.machine.sequencer is None and RoleChanged(Role.FOLLOWER, 1, None) in effects
     assert sends(effects, PreVoteRequest)
+
+
+def test_a_sequencer_that_retains_the_followers_position_offers_a_snapshot_when_asked():
+    """Regression: a sequencer offered a snapshot only while its log was trimmed past a follower's
+    position, so a follower whose install was abandoned (its rows half copied) under a sequencer that
+    retains its position never got another offer. Asked (``SnapshotRequested``), the sequencer now
+    offers one at most once a heartbeat interval; a follower, or a sequencer asked by a core it does
+    not replicate to, offers nothing."""
+    from mnesite.core.consensus import SnapshotRequested
+
+    harness = Harness("a")
+    assert of_type(harness.step(SnapshotRequested("b")), SnapshotNeeded) == []  # not the sequencer
+    harness.elect()
+    assert harness.log.trimmed_key() == ZERO_KEY  # it retains everything
+    asked_ms = harness.now_ms
+    effects = harness.step(SnapshotRequested("b"), asked_ms)
+    assert of_type(effects, SnapshotNeeded) == [SnapshotNeeded("b", ZERO_KEY, ZERO_KEY, requested=True)]
+    assert of_type(harness.step(SnapshotRequested("b"), asked_ms + 1), SnapshotNeeded) == []  # rate-limited
+    later = asked_ms + CONFIG.heartbeat_interval_ms
+    assert len(of_type(harness.step(SnapshotRequested("b"), later), SnapshotNeeded)) == 1
+    assert of_type(harness.step(SnapshotRequested("z"), later), SnapshotNeeded) == []  # not a follower of it

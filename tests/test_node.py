@@ -656,7 +656,7 @@ def _install_answers_of_an_abandoned_install(node: CoreNode) -> None:
     node.not_serving["default"] = "installing a snapshot at (3, 50)"  # as BeginInstall left it
     node._on_install_answer(("default", "tables", {}, 0, later), refused)
     assert "default" not in node.installs and later.mode is InstallMode.ABANDONED
-    assert "abandoned" in node.not_serving["default"] and "next offer" in node.not_serving["default"]
+    assert "abandoned" in node.not_serving["default"] and "another offer" in node.not_serving["default"]
 
 
 def test_a_watch_naming_the_endpoint_of_a_core_is_refused(thread_node: ThreadNode, client: Client):

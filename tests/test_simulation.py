@@ -7,6 +7,7 @@ with ``MNESITE_SIM_SEEDS=5000``.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import os
 
@@ -22,6 +23,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.guard_tail import GuardTail
 from mnesite.rlog import retention
+from mnesite.rlog.types import ZERO_KEY
 
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import READ_KEYS, replay_command
@@ -506,3 +508,71 @@ def test_the_simulator_catches_writes_told_before_their_entries_commit(monkeypat
     with pytest.raises(SimulationFailure, match=r"acknowledged at .* but not committed there"):
         for seed in range(40):
             run_seed(seed)
+
+
+def _abandoned_install_under_a_retaining_sequencer(seed: int) -> tuple[Simulation, str]:
+    """3 cores, no faults, nothing trimmed: a follower's install is abandoned half way (its rows
+    deleted) under a sequencer that retains its position, then writes go on."""
+    sim = Simulation(seed, 3)
+    sim._heal()  # no faults
+    # Nothing trimmed: the sequencer's own rule (offer while trimmed past the follower) never offers.
+    sim.faults = dataclasses.replace(sim.faults, retention_entries_max=10**9)
+    sequencer = sim.run_until_quiet()
+    follower = next(name for name in sim.nodes if name != sequencer.name)
+    for _ in range(5):
+        sim.write(sequencer.name)
+        sim.advance()
+    sim.abandon_install(follower)
+    for _ in range(5):
+        sim.write(sequencer.name)
+        sim.read(follower, 0, kind="local")  # refused while its rows are half copied
+        sim.advance()
+    assert sim.local_reads_answered[follower] == 0 or not sim.nodes[follower].rows_lost
+    return sim, follower
+
+
+@pytest.mark.timeout(60)
+def test_an_install_abandoned_under_a_sequencer_that_retains_the_position_heals():
+    """Regression: the sequencer offered a snapshot only while its rlog was trimmed past the
+    follower's position, so an install abandoned under a sequencer that retained it left the
+    follower's rows half copied for good (no read served, no campaign). The follower now asks
+    (``core.snapshot``, "Re-offer") and the sequencer's consensus offers (``SnapshotRequested``)."""
+    for seed in (1, 2, 3):
+        sim, follower = _abandoned_install_under_a_retaining_sequencer(seed)
+        sequencer = sim.run_until_quiet()
+        sim.final_check(sequencer)
+        node = sim.nodes[follower]
+        assert not node.rows_lost and sim.snapshots == 1 and sim.installs_abandoned == 1
+        assert node.applied_digest == sequencer.applied_digest and sequencer.log.trimmed_key() == ZERO_KEY
+        reads_before = sim.local_reads_answered[follower]
+        sim.read(follower, 0, kind="local")
+        for _ in range(10):
+            sim.advance()
+        assert sim.local_reads_answered[follower] > reads_before, "the healed follower serves local reads again"
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_an_abandoned_install_that_never_gets_another_offer(monkeypatch):
+    """The old behaviour (the sequencer ignores a follower's request for an offer): the follower's
+    rows stay half copied, which the final check catches."""
+    monkeypatch.setattr(ShardConsensus, "_on_snapshot_requested", lambda self, follower: None)
+    sim, _ = _abandoned_install_under_a_retaining_sequencer(1)
+    with pytest.raises(SimulationFailure, match="seed 1 .*still half copied by an abandoned snapshot install"):
+        sim.run_until_quiet()
+
+
+class _AbandoningSimulation(Simulation):
+    installs_abandoned_max = 2  # the first two installs are abandoned half way
+
+
+@pytest.mark.timeout(120)
+def test_seeds_whose_first_installs_are_abandoned_heal():
+    """Under the CI faults (trimming, crashes, partitions), the first installs are abandoned: every
+    follower still ends with whole rows (the final check), through the sequencer's trimmed-log offers
+    or through a follower's request."""
+    abandoned = 0
+    for seed in range(0, 40):
+        sim = _AbandoningSimulation(seed, 3 if seed % 2 == 0 else 5)
+        sim.run()
+        abandoned += sim.installs_abandoned
+    assert abandoned > 0

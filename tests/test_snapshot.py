@@ -94,3 +94,24 @@ def test_a_snapshot_is_offered_only_to_a_follower_heard_within_the_window():
 
     assert offer_due(1000, 1500, 500) and not offer_due(1000, 1501, 500)
     assert not offer_due(None, 0, 500)  # never heard: it may be down
+
+
+def test_a_follower_whose_rows_an_abandoned_install_deleted_takes_an_offer_at_its_applied_key():
+    """An abandoned install left the rows half copied while the position stayed: an offer at the
+    applied key heals them too (but one behind it would take the applied state back)."""
+    at_applied = accept_offer(OFFER, 3, "core1", OFFER.key, installing=False, rows_lost=True)
+    assert at_applied is None
+    assert "not beyond" in accept_offer(OFFER, 3, "core1", OFFER.key, installing=False)
+    assert "not beyond" in accept_offer(OFFER, 3, "core1", TxKey(3, 51), installing=False, rows_lost=True)
+
+
+def test_a_follower_whose_rows_are_lost_asks_its_sequencer_for_an_offer_now_and_then():
+    from mnesite.core.snapshot import SNAPSHOT_REQUEST_INTERVAL_MS, snapshot_request_due
+
+    assert snapshot_request_due(True, False, "core1", "core2", None, 0)
+    assert not snapshot_request_due(False, False, "core1", "core2", None, 0)  # its rows are whole
+    assert not snapshot_request_due(True, True, "core1", "core2", None, 0)  # an install is under way
+    assert not snapshot_request_due(True, False, None, "core2", None, 0)  # no sequencer known
+    assert not snapshot_request_due(True, False, "core2", "core2", None, 0)  # itself
+    assert not snapshot_request_due(True, False, "core1", "core2", 0, SNAPSHOT_REQUEST_INTERVAL_MS - 1)
+    assert snapshot_request_due(True, False, "core1", "core2", 0, SNAPSHOT_REQUEST_INTERVAL_MS)

@@ -168,14 +168,20 @@ def test_a_savepoint_whose_transaction_sqlite_rolled_back_raises_the_error_that_
     store.rollback()  # what the node's turn does next: nothing left to roll back, no error
 
 
-def test_retention_never_trims_unapplied_entries(store) -> None:
+def entries_after_applied(store: Store, counters: range) -> list:
+    """Chained entries of generation 1 at ``counters``, each writing a row of t, after the applied key."""
     position = store.shard("default")
     entries = []
     previous, digest = position.applied, position.digest
-    for counter in range(2, 6):
+    for counter in counters:
         entry = make_entry("default", TxKey(1, counter), previous, digest, [WriteOp("t", {"k": counter, "v": "u"})])
         entries.append(entry)
         previous, digest = entry.tx_key, entry.digest
+    return entries
+
+
+def test_retention_never_trims_unapplied_entries(store) -> None:
+    entries = entries_after_applied(store, range(2, 6))
     with store.write_transaction():
         store.append_entries(entries, 0)
         store.trim("default", entries_max=1, before_ms=10**9)
@@ -713,3 +719,20 @@ def test_the_newest_key_appended_before_a_time_is_found_by_bisection_as_a_walk_f
         index = [TxKey(g, c) for g, c, _ in rows].index(found)
         assert rows[index][2] < before_ms and (index + 1 == len(rows) or rows[index + 1][2] >= before_ms)
     store.close()
+
+
+def test_a_snapshot_install_keeps_the_log_after_its_key_when_the_log_holds_that_key(store) -> None:
+    """Regression: ``restart_log_at`` emptied the log, so an install at a key the follower's log holds
+    (an offer it asked for after an abandoned install: core.snapshot, "Re-offer") dropped the entries
+    after it, which this core may have acknowledged (a committed write could lose a replica it was
+    counted on). Holding the key with the offer's digest, the log keeps them (Raft's rule)."""
+    entries = entries_after_applied(store, range(2, 6))
+    with store.write_transaction():
+        store.append_entries(entries, 0)
+        store.restart_log_at("default", TxKey(1, 3), entries[1].digest)
+    assert [e.tx_key.counter for e in store.tail("default", 100)] == [4, 5]
+    assert store.trimmed("default") == (TxKey(1, 3), entries[1].digest)
+    assert store.shard("default").applied == TxKey(1, 3)
+    with store.write_transaction():  # another history at that key: nothing of this log is kept
+        store.restart_log_at("default", TxKey(1, 4), b"x" * 32)
+    assert store.tail("default", 100) == [] and store.last_entry("default") == (TxKey(1, 4), b"x" * 32)

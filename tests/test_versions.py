@@ -388,3 +388,90 @@ def test_a_core_restarted_on_a_release_that_does_not_speak_its_logged_cluster_ve
     with pytest.raises(ConsensusConfigError, match=r"entry \(1, 2\): this core does not speak cluster version 2"):
         start(Announcement("0.2.0", (1, 1)), first.tx_key)
     assert start(THIS_RELEASE, first.tx_key).last_key == moved.tx_key
+
+
+def test_a_follower_stuck_at_an_unspoken_cluster_version_says_why_and_resumes_past_it() -> None:
+    """Regression: a follower that refused an append holding a cluster version it does not speak never
+    advanced, yet nothing of its state said so: its driver kept serving local reads from an ever older
+    state, and ``status`` did not say why. Its consensus now keeps why (``stuck_reason``: the entry, the
+    version, and to upgrade it), which the driver turns into the shard's ``not_serving_reason``, and
+    forgets it once the log it follows moved past that entry (a sequencer whose log replaced it)."""
+    import random
+
+    from mnesite.core.consensus import AppendRequest, ConsensusConfig, MessageReceived, PersistedState, ShardConsensus
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
+
+    from tests.sim import MemoryLog
+
+    first = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, ())
+    moved = make_entry("s", TxKey(1, 2), first.tx_key, first.digest, (ClusterVersionOp("s", 2),))
+    members = ("a", "b", "c")
+    machine = ShardConsensus(
+        "s",
+        "b",
+        MemoryLog(),
+        PersistedState(1, None, members),
+        ZERO_KEY,
+        ConsensusConfig(),
+        random.Random(1),
+        0,
+        own_versions=Announcement("0.2.0", (1, 1)),
+    )
+    assert machine.stuck_reason is None
+    machine.step(MessageReceived("a", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, members, (first,))), 0)
+    assert machine.stuck_reason is None
+    machine.step(MessageReceived("a", AppendRequest(1, first.tx_key, first.digest, ZERO_KEY, members, (moved,))), 1)
+    reason = machine.stuck_reason
+    assert reason is not None
+    assert "(1, 2)" in reason and "cluster version 2" in reason and "restart it on a release" in reason
+    # A heartbeat at its last key changes nothing: it is still stuck.
+    machine.step(MessageReceived("a", AppendRequest(1, first.tx_key, first.digest, ZERO_KEY, members)), 2)
+    assert machine.stuck_reason == reason
+    # A sequencer of generation 2 whose log replaced the entry: the follower goes on, and serves again.
+    other = make_entry("s", TxKey(2, 1), first.tx_key, first.digest, ())
+    machine.step(MessageReceived("c", AppendRequest(2, first.tx_key, first.digest, ZERO_KEY, members, (other,))), 3)
+    assert machine.last_key == other.tx_key and machine.stuck_reason is None
+
+
+def test_a_core_stuck_at_an_unspoken_cluster_version_serves_no_read_and_status_says_why(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """Regression: a core that refused its sequencer's cluster version entry (it does not speak the
+    version) stopped advancing but kept answering local reads from its ever older state, and ``status``
+    did not say why. It now refuses reads of the shard (``not_ready``) with a ``not_serving_reason``
+    naming the entry, the version and the upgrade; restarted (its consensus rebuilt), it serves again."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
+
+    from tests.conftest import free_port, node_config
+
+    monkeypatch.setenv(SPEAK_ONLY_ENV, "1")  # this core speaks cluster version 1 only
+    cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
+    node = CoreNode(node_config(tmp_path / "data", free_port(), extra={"cluster": {"core_nodes": cores}}))
+    try:
+        node.begin()
+        node.store.ensure_shard("default", 0)
+        driver = node._open_shard("default")
+        assert node.status()["shards"]["default"]["not_serving_reason"] is None
+        first = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, ())
+        moved = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (ClusterVersionOp("default", 2),))
+        members = tuple(sorted(cores))
+        stuck = MessageReceived("core2", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, members, (first, moved)))
+        with caplog.at_level("ERROR", logger="mnesite"):
+            for _ in range(3):  # the sequencer sends it again and again: one line says why
+                node._step(driver, stuck)
+        assert len([r for r in caplog.records if "serving no read of the shard" in r.getMessage()]) == 1
+        reason = node.status()["shards"]["default"]["not_serving_reason"]
+        assert reason is not None and "(1, 2)" in reason and "cluster version 2" in reason
+        assert "restart it on a release that speaks that version" in reason
+        assert node.status()["shards"]["default"]["serving"] is False
+        with pytest.raises(Exception, match="cannot serve shard default yet") as refused:
+            node._check_serving("default")
+        assert getattr(refused.value, "code", None) == "not_ready"
+        node._open_shard("default")  # as a restart rebuilds it (on a release that speaks the version)
+        assert node.status()["shards"]["default"]["serving"] is True
+        node._check_serving("default")
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()

@@ -80,6 +80,7 @@ from mnesite.core.consensus import (
     Send,
     ShardConsensus,
     SnapshotNeeded,
+    SnapshotRequested,
     Ticked,
     TruncateLog,
 )
@@ -92,7 +93,7 @@ from mnesite.core.outcome import (
     Outcome,
     OutcomeUnknown,
 )
-from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install
+from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install, snapshot_request_due
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.core.versions import UNSPOKEN_CLUSTER_VERSION
 from mnesite.rlog import retention
@@ -112,6 +113,7 @@ READ_KEYS = 4
 READ_TABLE = "t"
 CATALOG: dict[str, TableSchema] = {READ_TABLE: define_table(READ_TABLE, "k", [["k", "INTEGER"], ["v", "INTEGER"]])}
 CLIENT = "client"
+SNAPSHOT_REQUEST = "snapshot_request"  # the frame a core whose rows are lost sends its sequencer
 RETENTION_INTERVAL_MS = 100
 TRANSACTION_OPS_MAX = 16
 # Production's core/node.py FORWARD_TIMEOUT_MS and FORWARDED_MAX, scaled to the simulated timeouts.
@@ -215,6 +217,14 @@ class MemoryLog:
         del self.keys[position:]
         del self.appended_ms[position:]
 
+    def restarted_at(self, key: TxKey, digest: bytes) -> MemoryLog:
+        """A snapshot install ends (production: ``Store.restart_log_at``): the log keeps its entries
+        after ``key`` when it holds ``key`` with ``digest`` (the same history), else it is emptied."""
+        if self.digest_at(key) == digest:
+            self.trim_to(key)
+            return self
+        return MemoryLog(key, digest)
+
     def trim_to(self, key: TxKey) -> None:
         digest = self.digest_at(key)
         if digest is None:
@@ -281,6 +291,11 @@ class SimNode:
     # Commits heard as a follower and not applied yet (production's ``core.rules.FollowerApply``;
     # in memory, lost in a crash). Made by ``_start`` with the simulation's delay.
     apply: rules.FollowerApply = field(default_factory=lambda: rules.FollowerApply(0))
+    # An install began (its rows deleted) and was abandoned: persisted (production's ``installing:``
+    # meta), so a restart keeps it. Such a core serves no local read and does not tick its machine
+    # (production's ``CoreNode._ticked``), and asks for an offer (``core.snapshot``, "Re-offer").
+    rows_lost: bool = False
+    snapshot_asked_ms: int | None = None  # when it last asked (in memory)
 
 
 @dataclass
@@ -322,6 +337,9 @@ class Simulation:
     # The cluster version the cores' applied state is at when they propose (``_applied_cluster_version``):
     # from 2 on a bulk write packs as one run of rows (rlog.versions.packs_runs).
     packing_cluster_version = 1
+    # The first this many snapshot installs the followers take are abandoned half way (their rows
+    # deleted, the copy cut by a timeout or a restart); 0: every install completes.
+    installs_abandoned_max = 0
 
     def __init__(self, seed: int, core_count: int, faulty_ms: int = 3000, tick_ms: int = 10) -> None:
         self.seed = seed
@@ -381,6 +399,7 @@ class Simulation:
         self.crashes = 0
         self.pauses = 0
         self.snapshots = 0
+        self.installs_abandoned = 0
         self.entries_trimmed = 0
         self.lost_for_good: set[str] = set()
         # The committed log as the simulator knows it, for the history check of reads.
@@ -394,6 +413,7 @@ class Simulation:
         self.last_seen: dict[int, Row] = {}
         self.read_count = 0
         self.reads_checked = 0
+        self.local_reads_answered: dict[str, int] = defaultdict(int)  # per node
         self.guard_failures_checked = 0
 
     # ------------------------------------------------------------ failures
@@ -413,6 +433,7 @@ class Simulation:
 
     def _start(self, node: SimNode) -> None:
         node.durable_key = node.log.last_key()
+        node.snapshot_asked_ms = None
         node.persisting_key = None
         node.tail = GuardTail(CATALOG)
         node.apply = rules.FollowerApply(self.follower_apply_delay_ms)  # a driver's own memory
@@ -736,24 +757,53 @@ class Simulation:
         )
         machine = follower.machine
         refused = accept_offer(
-            offer, machine.generation, machine.sequencer, follower.applied_key, False, self._speaks(follower)
+            offer,
+            machine.generation,
+            machine.sequencer,
+            follower.applied_key,
+            False,
+            self._speaks(follower),
+            rows_lost=follower.rows_lost,
         )
         if refused is not None and refused.startswith(UNSPOKEN_CLUSTER_VERSION):
             # Every core here is honest: the sequencer's rule should have kept the version where all speak it.
             raise self.fail(f"{follower.name}: snapshot offer by {sequencer.name}: {refused}")
         if refused is not None:
             return
+        if self.installs_abandoned < self.installs_abandoned_max:
+            self.abandon_install(follower_name)
+            return
         # The driver copies the sequencer's applied tables; the follower's log restarts there.
         for client, outcome in follower.waiters.abandoned("this core installed a snapshot"):
             self._tell(follower, outcome, client)
-        follower.log = MemoryLog(sequencer.applied_key, sequencer.applied_digest)
+        follower.log = follower.log.restarted_at(sequencer.applied_key, sequencer.applied_digest)
         follower.applied_key, follower.applied_digest = sequencer.applied_key, sequencer.applied_digest
+        follower.rows_lost = False
         # The driver persists the offer's membership with the copied tables (core.snapshot).
         members = members_after_install(offer, follower.state.members)
         follower.state = dataclasses.replace(follower.state, members=members)
         self.snapshots += 1
         self.trace.append((self.now_ms, follower.name, "installed snapshot at", follower.applied_key))
         self._start(follower)
+
+    def abandon_install(self, name: str) -> None:
+        """An install ``name`` began is abandoned half way: BeginInstall deleted its rows (persisted),
+        its log and position stay (production's ``_execute_install``), and the copy went no further."""
+        self.installs_abandoned += 1
+        self.nodes[name].rows_lost = True
+        self.trace.append((self.now_ms, name, "snapshot install abandoned: rows half copied"))
+
+    def _ask_for_snapshot(self, node: SimNode) -> None:
+        """Production's driver (``CoreNode._ask_for_snapshots``): the pure rule decides when to ask."""
+        machine = node.machine
+        if machine is None:
+            return
+        if snapshot_request_due(
+            node.rows_lost, False, machine.sequencer, node.name, node.snapshot_asked_ms, self.now_ms
+        ):
+            node.snapshot_asked_ms = self.now_ms
+            if machine.sequencer is not None:
+                self._send(node.name, machine.sequencer, SNAPSHOT_REQUEST)
 
     def _remember_committed(self, entry: Entry) -> None:
         self.commit_count += 1
@@ -821,6 +871,8 @@ class Simulation:
                 return
         applied_row = self._row_at(request.key, self.commit_position[node.applied_key])
         if request.kind == "local":
+            if node.rows_lost:
+                return  # production answers not_ready: the rows are half copied (the client retries)
             self._record_read(node.name, request, applied_row)
             return
         # Production's read fence (core.rules.fence_read): forwarded once to the sequencer this node
@@ -894,6 +946,7 @@ class Simulation:
                 f"which no committed prefix from position {floor} (acknowledged writes and earlier reads) "
                 f"to {self.commit_count} (committed when it answered) holds"
             )
+        self.local_reads_answered[where] += request.kind == "local"
         if request.kind != "local":
             self.answered_prefixes[key].append((self.now_ms, position))
             self.reads_checked += request.kind in ("linearizable", "read_index")
@@ -925,8 +978,9 @@ class Simulation:
 
     # ------------------------------------------------------------ network
 
-    def _send(self, sender: str, to: str, message: PeerMessage) -> None:
-        frame = msgpack.packb(message_to_wire(message), use_bin_type=True)
+    def _send(self, sender: str, to: str, message: PeerMessage | str) -> None:
+        # A snapshot request is a frame of its own kind (``snapshot_request``), not a consensus message.
+        frame = message if message == SNAPSHOT_REQUEST else msgpack.packb(message_to_wire(message), use_bin_type=True)
         faults = self.faults
         if self.rng.random() < faults.drop_probability:
             return
@@ -948,6 +1002,9 @@ class Simulation:
                 continue
             if sender == CLIENT:
                 self._serve_client(node, frame)
+                continue
+            if frame == SNAPSHOT_REQUEST:  # production's CoreNode._on_snapshot_request
+                self._step(node, SnapshotRequested(sender))
                 continue
             message = message_from_wire(frame)  # the packed bytes, as a node decodes them
             self._step(node, MessageReceived(sender, message))
@@ -1089,8 +1146,11 @@ class Simulation:
     def _tick_all(self) -> None:
         for node in self.nodes.values():
             if self._is_up(node):
-                self._step(node, Ticked())
-                if node.machine is not None and node.machine.next_deadline_ms() <= self.now_ms:
+                if node.rows_lost:
+                    self._ask_for_snapshot(node)  # and its machine is not ticked: it does not campaign
+                else:
+                    self._step(node, Ticked())
+                if node.machine is not None and node.machine.next_deadline_ms() <= self.now_ms and not node.rows_lost:
                     # The driver polls until the earliest deadline: one a tick left in the past spins it.
                     raise self.fail(f"{node.name}'s next deadline stays passed after a tick")
                 if node.machine is not None and node.apply.up_to is not None:  # production's _apply_due
@@ -1156,6 +1216,8 @@ class Simulation:
                 return None
             if node.applied_key != machine.committed_key or node.log.last_key() != machine.last_key:
                 return None
+            if node.rows_lost:
+                return None  # it serves no read until an install heals it
         return sequencer
 
     def _members_of(self, machine: ShardConsensus) -> list[SimNode]:
@@ -1224,6 +1286,12 @@ class Simulation:
                 quiet_since = (self.now_ms, *current)
             elif self.now_ms - quiet_since[0] > self.config.election_timeout_ms_max:
                 return sequencer
+        lost = [name for name, node in self.nodes.items() if node.rows_lost]
+        if lost:
+            raise self.fail(
+                f"the healed cluster did not converge within {limit_ms} ms: the rows of {', '.join(lost)} are "
+                "still half copied by an abandoned snapshot install (no read served)"
+            )
         raise self.fail(f"the healed cluster did not converge within {limit_ms} ms")
 
     def run(self) -> SimulationResult:
@@ -1276,6 +1344,10 @@ class Simulation:
         members = self._members_of(sequencer.machine)
         commit_key = sequencer.applied_key
         for node in members:
+            if node.rows_lost:
+                raise self.fail(
+                    f"{node.name}'s rows are still half copied by an abandoned snapshot install: it serves no read"
+                )
             if node.applied_key != commit_key or node.applied_digest != sequencer.applied_digest:
                 raise self.fail(f"{node.name} applied {node.applied_key}, the sequencer {commit_key}")
             if node.log.digest_at(commit_key) != sequencer.applied_digest:

@@ -167,9 +167,9 @@ class VersionsSimulation(Simulation):
         return applied
 
     def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
-        before = self.nodes[follower_name].applied_key
+        before = self.snapshots
         super()._install_snapshot(sequencer, follower_name)
-        if self.nodes[follower_name].applied_key != before:
+        if self.snapshots != before:
             # The copied tables carry the sequencer's recorded cluster version (rlog.store meta).
             self.cluster_version[follower_name] = self.cluster_version[sequencer.name]
 
