@@ -256,8 +256,7 @@ Rejected = Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX)] | None
 PushAck = _kind("push_ack", SHARD, ("agent", Name), ("applied", TxKey), ("rejected", Rejected, None), TOKEN)
 BytesMax = Annotated[int, Meta(ge=1, le=2**31)] | None  # a bootstrap's batch of one table (bootstrap.serve)
 _kind("bootstrap_batch", TABLE, ("limit", Integer), ("after", Scalar, None), ("bytes_max", BytesMax, None))
-# sequencer -> a follower behind its trimmed log (core.snapshot), with the committed membership at key;
-# the cluster version is left out at 1, so that release 0.1.0 never sees it
+# sequencer -> a follower behind its trimmed log (core.snapshot), the membership at key; version 1 left out (0.1.0)
 Members = Annotated[list[Name], Meta(max_length=types.MEMBERS_OP_MAX)]
 ClusterVersion = Annotated[int, Meta(ge=1, le=1000)]
 SnapshotOffer = _kind("snapshot_offer", SHARD, SENDER, ("generation", NonNegative), ("key", TxKey),
