@@ -738,6 +738,12 @@ class CoreNode(NodeServer):
             self._execute(driver, effect)
         if driver.consensus.stuck_reason != driver.stuck_logged:
             self._log_stuck(driver)
+            # The agents' pushes say whether this core follows the sequencer: tell them now, since
+            # a stuck shard's commits, which carry it otherwise, stop.
+            consensus = driver.consensus
+            self.agent_server.committed(
+                driver.shard, consensus.committed_key, self._hears_sequencer(driver), self.clock_ms()
+            )
         return effects
 
     def _log_stuck(self, driver: ShardDriver) -> None:
@@ -983,7 +989,12 @@ class CoreNode(NodeServer):
         self._tell_outcomes(driver.waiters.committed(applied))
 
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
-        return driver.consensus.sequencer is not None
+        """Whether this core follows a sequencer of the shard: it knows one, and its log can go on
+        (``stuck_reason``). Replicas watching a core that does not prefer another core and, after
+        their ``failure_timeout_ms``, move to one (``replicant.upstream``): a stuck core's committed key
+        stops while the others go on, and its replicas would serve ever staler reads."""
+        consensus = driver.consensus
+        return consensus.sequencer is not None and consensus.stuck_reason is None
 
     def _watch(self, body: messages.Watch) -> dict[str, Any]:
         driver = self.shards.get(body.shard)

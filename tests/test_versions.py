@@ -458,9 +458,13 @@ def test_a_core_stuck_at_an_unspoken_cluster_version_serves_no_read_and_status_s
         moved = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (ClusterVersionOp("default", 2),))
         members = tuple(sorted(cores))
         stuck = MessageReceived("core2", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, members, (first, moved)))
+        told: list[bool] = []
+        monkeypatch.setattr(node.agent_server, "committed", lambda shard, key, hears, now: told.append(hears))
         with caplog.at_level("ERROR", logger="mnesite"):
             for _ in range(3):  # the sequencer sends it again and again: one line says why
                 node._step(driver, stuck)
+        # Its replicas' agents hear that it follows no sequencer now: they move to another core.
+        assert told[-1] is False and node.journal()["shards"]["default"]["hears_sequencer"] is False
         assert len([r for r in caplog.records if "serving no read of the shard" in r.getMessage()]) == 1
         reason = node.status()["shards"]["default"]["not_serving_reason"]
         assert reason is not None and "(1, 2)" in reason and "cluster version 2" in reason
