@@ -258,7 +258,12 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
             "mnesite_agent_budget_evictions", "Silent agents stopped because the agents' memory budget was spent"
         )
         evicted.add_metric([], budget["evicted_agents"])
-        yield from (used, limit, evicted)
+        # core.agent, "Proven acknowledgements": an ack that proves no push read (a lying or broken replicant).
+        refused = CounterMetricFamily(
+            "mnesite_agent_acks_refused", "Replicant acknowledgements refused: no valid token, or keys beyond it"
+        )
+        refused.add_metric([], budget.get("acks_refused", 0))
+        yield from (used, limit, evicted, refused)
     peer_versions = status.get("peer_versions")
     if peer_versions is not None:
         # rlog.versions / core.versions: 1 for a peer this core cannot speak with (refused), else 0.

@@ -72,7 +72,7 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
         "protocol_violations": 7,
         "disk": {"state": "full", "full_for_ms": 2500, "fills": 2, "writes_refused": 9},
         "agents": [],
-        "agent_budget": {"used_bytes": 1234, "bytes_max": 16777216, "evicted_agents": 5},
+        "agent_budget": {"used_bytes": 1234, "bytes_max": 16777216, "evicted_agents": 5, "acks_refused": 9},
         "queries": {"open": 2, "queries": 11, "pages": 13, "refused": 3, "budget_stops": 1, "expired": 4},
         "changes": {"pages": 21, "records": 340, "snapshots": 1, "refused": 6, "held": 2},
     }
@@ -100,6 +100,7 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_agent_budget_used_bytes") == 1234
     assert value(samples, "mnesite_agent_budget_max_bytes") == 16777216
     assert value(samples, "mnesite_agent_budget_evictions_total") == 5
+    assert value(samples, "mnesite_agent_acks_refused_total") == 9
     assert value(samples, "mnesite_node_info", node="replicant1", role="replicant") == 1
     assert value(samples, "mnesite_disk_full") == 1
     assert value(samples, "mnesite_disk_full_seconds") == 2.5
