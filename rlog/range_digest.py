@@ -40,9 +40,10 @@ ROW_DIGEST_BYTES = 16
 # Numbers never contain ``,`` or ``:`` and text and blobs are length-prefixed, so the text of a
 # row parses back to exactly its values and storage classes (``decode_row_text``), and the
 # concatenated texts of a range parse back to its rows. A range digest is BLAKE2b over its row
-# count and the concatenated row texts; rows are concatenated in the order SQLite scans the key
-# range (its key order in practice, not relied upon): an order that differed between replicas
-# could only make equal ranges look different and be drilled into, never the reverse.
+# count and the concatenated row texts, in key order (``ORDER BY`` the key: a table with a TEXT key
+# keeps a rowid, and a plain scan of an unbounded range returns rows in the order they were written,
+# which differs between a core and a replica copied in key order). An order that differed between
+# replicas could only make equal ranges look different and be drilled into, never the reverse.
 
 ROW_TEXT_PERSON = b"mnesite-rowtext1"
 ROW_TEXT_VERSION = 1
@@ -95,7 +96,7 @@ def row_text_sql(columns: Sequence[tuple[str, str]]) -> str:
 
 def range_hasher(rows: int) -> Any:
     """A hash object for the digest of a range of ``rows`` rows: ``update`` it with the range's row
-    texts in scan order, then ``digest()``. The row count comes first, so it is known before the texts."""
+    texts in key order, then ``digest()``. The row count comes first, so it is known before the texts."""
     hasher = hashlib.blake2b(digest_size=RANGE_DIGEST_BYTES, person=ROW_TEXT_PERSON)
     hasher.update(b"rows %d;" % rows)
     return hasher

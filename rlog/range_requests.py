@@ -183,9 +183,10 @@ def range_digests(
         digest, text_bytes = None, 0
         if rows_max is None or rows <= rows_max - rows_used:
             text_bytes_left = None if text_bytes_max is None else text_bytes_max - text_bytes_used
-            digest, text_bytes = _hash_range(
-                connection, f"SELECT {text} FROM {name}{where}", bindings, rows, text_bytes_left
-            )
+            # In key order: a table with a TEXT key keeps a rowid, and a plain scan of an unbounded
+            # range returns its rows in the order they were written, which differs between replicas.
+            sql = f"SELECT {text} FROM {name}{where} ORDER BY {_quote(table.key_column)}"
+            digest, text_bytes = _hash_range(connection, sql, bindings, rows, text_bytes_left)
         if digest is None:  # over the row or the byte budget
             if answers:
                 break  # the budget is spent: the caller asks again from this range
@@ -204,13 +205,13 @@ def range_digests(
 def _hash_range(
     connection: apsw.Connection, sql: str, bindings: tuple[Any, ...], rows: int, text_bytes_max: int | None
 ) -> tuple[bytes | None, int]:
-    """``(digest, bytes of row text)`` of the ``rows`` rows ``sql`` selects the row texts of, in scan
-    order; digest None once the texts pass ``text_bytes_max``, where the scan stops.
+    """``(digest, bytes of row text)`` of the ``rows`` rows ``sql`` selects the row texts of, in its
+    order (key order); digest None once the texts pass ``text_bytes_max``, where the scan stops.
 
     One row text at a time goes from SQLite to the hash: a range of wide rows never sits whole in
     memory (a ``group_concat`` of it could reach SQLite's 1 GB value, on the node's loop thread).
-    The texts are hashed in the order this plain scan returns them, the order the digest is
-    defined with (``rlog.range_digest``). ``LIMIT rows``: in the read snapshot the range holds
+    The texts are hashed in key order, the order the digest is defined with (``rlog.range_digest``).
+    ``LIMIT rows``: in the read snapshot the range holds
     exactly the rows counted."""
     hasher = range_hasher(rows)
     update = hasher.update  # the loop runs once per row: keep it to a few operations

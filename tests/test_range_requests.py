@@ -319,3 +319,25 @@ def test_range_digest_answers_are_bounded_in_bytes_of_row_text(tmp_path: Path) -
     answer = range_requests.answer(store, "range_digest", body, 10_000, frame_bytes_max)
     assert answer["ranges"][0]["digest"] == _large_rows_digest(range(10), value_bytes)
     store.close()
+
+
+@pytest.mark.timeout(30)
+def test_equal_rows_of_a_text_key_table_written_in_another_order_digest_the_same(tmp_path: Path) -> None:
+    """A range's row texts are hashed in key order. A table with a TEXT key keeps SQLite's rowid,
+    and an unbounded range was scanned in rowid order, that is in the order the rows were written:
+    a core (the log's order) and a replicant bootstrapped from it (key order) digested equal tables
+    differently, and every compare drilled down from the top."""
+    columns = [("k", "TEXT"), ("v", "INTEGER")]
+    answers = []
+    for name, keys in (("written", ["m", "b", "z", "a"]), ("sorted", ["a", "b", "m", "z"])):
+        store = Store(str(tmp_path / f"{name}.db"), synchronous="OFF")
+        try:
+            create_table(store, "t", "k", columns)
+            for key in keys:
+                commit(store, [WriteOp("t", {"k": key, "v": ord(key)})])
+            body = typed_body("range_digest", {"table": "t", "ranges": [[None, None], ["a", "m"]]})
+            answers.append(range_requests.answer(store, "range_digest", body, 100, 10**6)["ranges"])
+        finally:
+            store.close()
+    assert answers[0] == answers[1]
+    assert [answer["rows"] for answer in answers[0]] == [4, 2]
