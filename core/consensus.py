@@ -753,6 +753,15 @@ class ShardConsensus:
         return None if self._stuck is None else self._stuck[1]
 
     @property
+    def follows_sequencer(self) -> bool:
+        """Whether this core follows a sequencer of the shard, as its replicants are told (its journal's
+        and its agents' ``hears_sequencer``): it knows one (itself, as sequencer) and its log can go on
+        (``stuck_reason`` None). A stuck core's committed key stops while the others' goes on: its
+        replicas must move to another core (``replicant.upstream``), not serve ever staler reads. The
+        rule lives here so that the driver and the simulator run the same one."""
+        return self._sequencer is not None and self._stuck is None
+
+    @property
     def excluded(self) -> bool:
         """A forced start left this core out (it was told); it takes no part until rebuilt."""
         return self._excluded

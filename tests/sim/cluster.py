@@ -873,6 +873,8 @@ class Simulation:
         if request.kind == "local":
             if node.rows_lost:
                 return  # production answers not_ready: the rows are half copied (the client retries)
+            if node.machine is not None and node.machine.stuck_reason is not None:
+                return  # production answers not_ready: its state stopped at a refused entry (core.versions)
             self._record_read(node.name, request, applied_row)
             return
         # Production's read fence (core.rules.fence_read): forwarded once to the sequencer this node
