@@ -1697,7 +1697,8 @@ class CoreNode(NodeServer):
         result: dict[str, Any] = {}
         refusals: dict[str, str] = {}
         for driver in self.shards.values():
-            effects = self._step(driver, ForceStartRequested(reached_generations(journals, driver.shard)))
+            reached = reached_generations(journals, driver.shard)
+            effects = self._step(driver, ForceStartRequested(reached, rows_lost=driver.shard in self.rows_lost))
             for effect in effects:
                 if isinstance(effect, ForceStartRefused):
                     refusals[driver.shard] = effect.reason

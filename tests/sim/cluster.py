@@ -1252,7 +1252,7 @@ class Simulation:
             raise self.fail(f"force start at crashed node {name}")
         reached = self.reached_by(name)
         self.trace.append((self.now_ms, name, "force start requested, reached", reached))
-        effects = node.machine.step(ForceStartRequested(reached), self.now_ms)
+        effects = node.machine.step(ForceStartRequested(reached, rows_lost=node.rows_lost), self.now_ms)
         for effect in effects:
             self._execute(node, effect)
         self._check_node(node)
