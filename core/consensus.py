@@ -409,9 +409,12 @@ class ForceStartRequested:
 
     ``reached``: (member, highest generation it has seen) for every other core that answered the
     driver's probe just now. Cores that did not answer are left out of the new membership.
+    ``rows_lost``: the driver's word that this core's rows of the shard are half copied by an
+    abandoned snapshot install (``core.snapshot``, "Re-offer"): refused, see ``_force_start``.
     """
 
     reached: tuple[tuple[str, int], ...]
+    rows_lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -753,6 +756,15 @@ class ShardConsensus:
         return None if self._stuck is None else self._stuck[1]
 
     @property
+    def follows_sequencer(self) -> bool:
+        """Whether this core follows a sequencer of the shard, as its replicants are told (its journal's
+        and its agents' ``hears_sequencer``): it knows one (itself, as sequencer) and its log can go on
+        (``stuck_reason`` None). A stuck core's committed key stops while the others' goes on: its
+        replicas must move to another core (``replicant.upstream``), not serve ever staler reads. The
+        rule lives here so that the driver and the simulator run the same one."""
+        return self._sequencer is not None and self._stuck is None
+
+    @property
     def excluded(self) -> bool:
         """A forced start left this core out (it was told); it takes no part until rebuilt."""
         return self._excluded
@@ -878,7 +890,7 @@ class ShardConsensus:
         elif isinstance(event, SnapshotRequested):
             self._on_snapshot_requested(event.follower)
         elif isinstance(event, ForceStartRequested):
-            self._force_start(event.reached)
+            self._force_start(event.reached, event.rows_lost)
         elif isinstance(event, MembershipChangeRequested):
             self._on_membership_change(event)
         else:
@@ -1142,7 +1154,7 @@ class ShardConsensus:
             self._out.append(ProposalRejected(self._learner.request_id, REJECT_NOT_SEQUENCER, None))
             self._learner = None
 
-    def _force_start(self, reached: tuple[tuple[str, int], ...]) -> None:
+    def _force_start(self, reached: tuple[tuple[str, int], ...], rows_lost: bool = False) -> None:
         """Become sequencer of a new generation with the members reached, loudly; refuse if a
         majority was reached (an election can do the job without losing anything).
 
@@ -1167,6 +1179,16 @@ class ShardConsensus:
                     self._members,
                 )
             )
+            return
+        if rows_lost:
+            # A sequencer executes transactions and evaluates guards against its rows: half-copied
+            # ones would commit wrong rows for good, and no sequencer offers itself the snapshot that
+            # heals them (it campaigns for the same reason: never).
+            reason = (
+                f"the rows of shard {self.shard} on {self.name} are half copied by an abandoned snapshot "
+                "install: force-start a core whose rows are whole"
+            )
+            self._out.append(ForceStartRefused(reason, new_members, self._members))
             return
         # Above every generation a reached member has seen, so each of them follows this sequencer.
         generation = max((self._generation, *generations.values())) + 1

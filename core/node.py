@@ -989,12 +989,9 @@ class CoreNode(NodeServer):
         self._tell_outcomes(driver.waiters.committed(applied))
 
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
-        """Whether this core follows a sequencer of the shard: it knows one, and its log can go on
-        (``stuck_reason``). Replicas watching a core that does not prefer another core and, after
-        their ``failure_timeout_ms``, move to one (``replicant.upstream``): a stuck core's committed key
-        stops while the others go on, and its replicas would serve ever staler reads."""
-        consensus = driver.consensus
-        return consensus.sequencer is not None and consensus.stuck_reason is None
+        """What this core's journal and agents tell replicants: the consensus's rule
+        (``ShardConsensus.follows_sequencer``, which the simulator runs too)."""
+        return driver.consensus.follows_sequencer
 
     def _watch(self, body: messages.Watch) -> dict[str, Any]:
         driver = self.shards.get(body.shard)
@@ -1700,7 +1697,8 @@ class CoreNode(NodeServer):
         result: dict[str, Any] = {}
         refusals: dict[str, str] = {}
         for driver in self.shards.values():
-            effects = self._step(driver, ForceStartRequested(reached_generations(journals, driver.shard)))
+            reached = reached_generations(journals, driver.shard)
+            effects = self._step(driver, ForceStartRequested(reached, rows_lost=driver.shard in self.rows_lost))
             for effect in effects:
                 if isinstance(effect, ForceStartRefused):
                     refusals[driver.shard] = effect.reason

@@ -40,9 +40,11 @@ release of this project reads, so a core never waits for a probe before taking p
   committed entry it lacks. Its state no longer advances while the others' does, so it serves no read
   of the shard: its consensus keeps why (``ShardConsensus.stuck_reason``, until its log passes the
   refused key), and the driver answers reads ``not_ready`` with that reason (``status``'s
-  ``not_serving_reason``) and logs it once. Restarted on a release that speaks the version, it
-  takes the entry, catches up and serves again; nothing is lost, because the majority that committed the entry
-  holds it. Stopping the shard instead would take the same core out of the quorum for no gain.
+  ``not_serving_reason``) and logs it once; it tells replicants it follows no sequencer
+  (``ShardConsensus.follows_sequencer``), so they move to another core. Restarted on a release
+  that speaks the version, it takes the entry, catches up and serves again; nothing is lost,
+  because the majority that committed the entry holds it. Stopping the shard instead would take
+  the same core out of the quorum for no gain.
   A core whose log already holds such an entry (persisted before it was rolled back) does not start:
   its consensus refuses to open the log (``ConsensusConfigError``, which the node reports as a
   ``StoreError`` naming the entry and the version), as a newer storage format is refused; applying

@@ -123,6 +123,21 @@ def node_config(data_dir: Path, port: int, name: str = "core1", extra: dict | No
     return parse_config(data)
 
 
+@contextlib.contextmanager
+def follower_by_hand(data_dir: Path) -> Iterator[tuple[CoreNode, object]]:
+    """``core1`` of three cores, not bound nor served (the test steps its rules), with the ``default``
+    shard open and its turn's transaction begun: ``(node, driver)``; closed after the block."""
+    cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
+    node = CoreNode(node_config(data_dir, free_port(), extra={"cluster": {"core_nodes": cores}}))
+    try:
+        node.begin()
+        node.store.ensure_shard("default", 0)
+        yield node, node._open_shard("default")
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
 class ThreadNode:
     """A core node served from a thread of the test process (fast; for protocol and CLI tests)."""
 

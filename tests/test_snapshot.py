@@ -115,3 +115,26 @@ def test_a_follower_whose_rows_are_lost_asks_its_sequencer_for_an_offer_now_and_
     assert not snapshot_request_due(True, False, "core2", "core2", None, 0)  # itself
     assert not snapshot_request_due(True, False, "core1", "core2", 0, SNAPSHOT_REQUEST_INTERVAL_MS - 1)
     assert snapshot_request_due(True, False, "core1", "core2", 0, SNAPSHOT_REQUEST_INTERVAL_MS)
+
+
+@pytest.mark.timeout(60)
+def test_a_core_whose_rows_an_abandoned_install_deleted_is_never_force_started(tmp_path, monkeypatch) -> None:
+    """Regression: a core whose install was abandoned (its rows half copied: ``rows_lost``) does not
+    campaign, but a forced start made it sequencer all the same: it then executed transactions and
+    evaluated guards against half-copied rows (wrong rows committed for good), and, being the
+    sequencer, was never offered the snapshot that would heal them. The consensus now refuses, saying
+    why (``ForceStartRequested.rows_lost``), so the operator force-starts a core whose rows are whole."""
+    from mnesite.rlog.errors import RequestError
+
+    from tests.conftest import follower_by_hand
+
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        node.rows_lost.add("default")  # as an abandoned install leaves it (BeginInstall, then InstallAbandoned)
+        monkeypatch.setattr(node, "probe_peers", lambda timeout_ms: {})  # no other core answers
+        with pytest.raises(RequestError, match="half copied") as refused:
+            node.force_start()
+        assert refused.value.code == "force_start_refused"
+        assert driver.consensus.sequencer is None and driver.consensus.generation == 0
+        node.rows_lost.discard("default")  # an install healed it: the operator's override is taken
+        assert node.force_start()["node"] == "core1"
+        assert driver.consensus.sequencer == "core1"

@@ -441,22 +441,16 @@ def test_a_core_stuck_at_an_unspoken_cluster_version_serves_no_read_and_status_s
     did not say why. It now refuses reads of the shard (``not_ready``) with a ``not_serving_reason``
     naming the entry, the version and the upgrade; restarted (its consensus rebuilt), it serves again."""
     from mnesite.core.consensus import AppendRequest, MessageReceived
-    from mnesite.core.node import CoreNode
     from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
 
-    from tests.conftest import free_port, node_config
+    from tests.conftest import follower_by_hand
 
     monkeypatch.setenv(SPEAK_ONLY_ENV, "1")  # this core speaks cluster version 1 only
-    cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
-    node = CoreNode(node_config(tmp_path / "data", free_port(), extra={"cluster": {"core_nodes": cores}}))
-    try:
-        node.begin()
-        node.store.ensure_shard("default", 0)
-        driver = node._open_shard("default")
+    with follower_by_hand(tmp_path / "data") as (node, driver):
         assert node.status()["shards"]["default"]["not_serving_reason"] is None
         first = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, ())
         moved = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (ClusterVersionOp("default", 2),))
-        members = tuple(sorted(cores))
+        members = ("core1", "core2", "core3")
         stuck = MessageReceived("core2", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, members, (first, moved)))
         told: list[bool] = []
         monkeypatch.setattr(node.agent_server, "committed", lambda shard, key, hears, now: told.append(hears))
@@ -476,6 +470,48 @@ def test_a_core_stuck_at_an_unspoken_cluster_version_serves_no_read_and_status_s
         node._open_shard("default")  # as a restart rebuilds it (on a release that speaks the version)
         assert node.status()["shards"]["default"]["serving"] is True
         node._check_serving("default")
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
+
+
+@pytest.mark.timeout(60)
+def test_the_replicant_simulator_tells_agents_a_stuck_core_follows_no_sequencer() -> None:
+    """Regression: whether a core follows its sequencer, which its journal and its agents' pushes tell
+    replicants (``hears_sequencer``), was decided in the driver (``CoreNode._hears_sequencer``), so the
+    simulator kept its own copy without the stuck rule: its replicants went on hearing that a core stuck
+    at an unspoken cluster version followed the sequencer, and no seed checked that they move away. The
+    rule is now the consensus's own (``ShardConsensus.follows_sequencer``), run by both."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+
+    from tests.sim.cluster import SHARD
+    from tests.sim.replicants import ReplicantSimulation
+
+    sim = ReplicantSimulation(1, 3, 1)
+    sim._heal()
+    sequencer = sim.run_until_quiet()
+    follower = next(node for node in sim.nodes.values() if node is not sequencer)
+    machine = follower.machine
+    assert machine is not None and sim._hears_sequencer(follower)
+    last_key = machine.last_key
+    unspoken = make_entry(
+        SHARD,
+        TxKey(last_key.generation, last_key.counter + 1),
+        last_key,
+        follower.log.digest_at(last_key),
+        (ClusterVersionOp(SHARD, 1000),),
+    )
+    append = AppendRequest(
+        machine.generation,
+        last_key,
+        follower.log.digest_at(last_key),
+        machine.committed_key,
+        tuple(sorted(sim.nodes)),
+        (unspoken,),
+    )
+    machine.step(MessageReceived(sequencer.name, append), sim.now_ms)
+    assert machine.stuck_reason is not None and machine.sequencer == sequencer.name
+    assert not sim._hears_sequencer(follower), "production's rule: a stuck core follows no sequencer"
+    # Nor does it answer local reads (production: not_ready, ``CoreNode._not_serving_reason``).
+    answered = sim.local_reads_answered[follower.name]
+    sim.read(follower.name, 0, kind="local")
+    for _ in range(10):
+        sim.advance()
+    assert machine.stuck_reason is not None and sim.local_reads_answered[follower.name] == answered

@@ -873,6 +873,8 @@ class Simulation:
         if request.kind == "local":
             if node.rows_lost:
                 return  # production answers not_ready: the rows are half copied (the client retries)
+            if node.machine is not None and node.machine.stuck_reason is not None:
+                return  # production answers not_ready: its state stopped at a refused entry (core.versions)
             self._record_read(node.name, request, applied_row)
             return
         # Production's read fence (core.rules.fence_read): forwarded once to the sequencer this node
@@ -1250,7 +1252,7 @@ class Simulation:
             raise self.fail(f"force start at crashed node {name}")
         reached = self.reached_by(name)
         self.trace.append((self.now_ms, name, "force start requested, reached", reached))
-        effects = node.machine.step(ForceStartRequested(reached), self.now_ms)
+        effects = node.machine.step(ForceStartRequested(reached, rows_lost=node.rows_lost), self.now_ms)
         for effect in effects:
             self._execute(node, effect)
         self._check_node(node)

@@ -313,8 +313,9 @@ class ReplicantSimulation(Simulation):
                 self.history.append(entry)
 
     def _hears_sequencer(self, node: SimNode) -> bool:
+        # Production's rule (``CoreNode._hears_sequencer``): a stuck core follows no sequencer.
         machine = node.machine
-        return machine is not None and (machine.role is Role.SEQUENCER or machine.sequencer is not None)
+        return machine is not None and machine.follows_sequencer
 
     def _server(self, node: SimNode) -> AgentServer:
         server = self.agent_servers.get(node.name)
