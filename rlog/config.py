@@ -34,7 +34,7 @@ Example::
     requests_queued_max = 10000         # incoming frames zmq queues
     replies_queued_max = 1000           # answers zmq queues per connection
     watches_max = 256                   # replicant watches (agents) per core
-    replicant_watches_max = 128         # watches (agents) one replicant (principal) holds on a core
+    replicant_watches_max = 256         # agents one replicant (principal) holds on a core (default: watches_max)
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
     backup_step_pages_max = 256         # pages an online backup copies per step (mnesite backup)
     query_ms_max = 10000                # SQLite time one query may spend, all its pages together (mnesite query)
@@ -138,9 +138,10 @@ class Limits:
     # evicted first when a new watch needs room.
     watches_max: int = 256
     # Watches (agents) one replicant holds on one core (with security on: one principal), at most
-    # watches_max: one key cannot take every slot and starve the other replicants (core.watch). A
-    # replicant holds one agent per shard it follows: keep it at least the number of shards.
-    replicant_watches_max: int = 128
+    # watches_max (core.watch). Not given: watches_max, no bound of its own (a replicant holds one
+    # agent per shard it follows, and a cluster may have more shards than any default). A core that
+    # serves several replicant keys sets it so that one key cannot take every slot.
+    replicant_watches_max: int = 256
     # Frames queued to one replicant's endpoint (pushes beyond it are dropped and re-sent by the agent).
     push_queue_max: int = 1024
     # Failed guards a sequencer holds until the entries they observed commit (core.guard_tail), and
@@ -355,9 +356,8 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
 
     limits = _int_section("limits", data.get("limits", {}), Limits)
     if "replicant_watches_max" not in data.get("limits", {}):
-        # The default follows a smaller watches_max (an older config that lowered it stays valid).
-        per_replicant = min(limits.replicant_watches_max, limits.watches_max)
-        limits = dataclasses.replace(limits, replicant_watches_max=per_replicant)
+        # Not given: watches_max (a config that changed watches_max alone stays valid and bounds as before).
+        limits = dataclasses.replace(limits, replicant_watches_max=limits.watches_max)
     elif limits.replicant_watches_max > limits.watches_max:
         raise ConfigError("[limits].replicant_watches_max must be at most [limits].watches_max")
     metrics_listen = parse_metrics(data.get("metrics"))

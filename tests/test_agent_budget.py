@@ -457,12 +457,13 @@ def test_one_replicant_cannot_take_every_agent_slot():
 
 def test_replicant_watches_max_is_a_bounded_config_key_at_most_watches_max():
     base = {"node": {"name": "core1", "data_dir": "/tmp/x"}}
-    assert parse_config(base).limits.replicant_watches_max == 128
+    assert parse_config(base).limits.replicant_watches_max == 256
     assert parse_config({**base, "limits": {"replicant_watches_max": 5}}).limits.replicant_watches_max == 5
     with pytest.raises(ConfigError, match="replicant_watches_max"):
         parse_config({**base, "limits": {"replicant_watches_max": 0}})
-    # Not given: the default follows a smaller watches_max (a config that lowered it stays valid).
+    # Not given: watches_max, smaller or larger (no bound of its own: a cluster of 300 shards keeps its replicants).
     assert parse_config({**base, "limits": {"watches_max": 10}}).limits.replicant_watches_max == 10
+    assert parse_config({**base, "limits": {"watches_max": 500}}).limits.replicant_watches_max == 500
     with pytest.raises(ConfigError, match=r"replicant_watches_max must be at most \[limits\].watches_max"):
         parse_config({**base, "limits": {"replicant_watches_max": 20, "watches_max": 10}})
 
