@@ -73,6 +73,12 @@ def answer_read(
         # SQLite counts (O(rows) in the engine, nothing shipped): the answer is one integer.
         return {"rows": store.count_rows(table)}
     if kind == "scan":
+        if body.limit is not None and body.limit > scan_rows_max:
+            # A page this node does not serve, like one above a frame: ``too_large``, so that a client
+            # whose page size suits another node (``Client.scan``, the Spark data source's batches)
+            # asks again for fewer rows instead of failing.
+            above = f"limit {body.limit} is above this node's scan_rows_max {scan_rows_max}"
+            raise RequestError("too_large", f"{above}; ask for fewer rows")
         limit = _bounded(body.limit, scan_rows_max, scan_rows_max, "limit")
         after = check_key(table, body.after) if body.after is not None else None
         # Read like a bootstrap batch, bounded in bytes by a frame: ``limit`` rows of large ones would

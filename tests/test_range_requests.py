@@ -341,3 +341,23 @@ def test_equal_rows_of_a_text_key_table_written_in_another_order_digest_the_same
             store.close()
     assert answers[0] == answers[1]
     assert [answer["rows"] for answer in answers[0]] == [4, 2]
+
+
+@pytest.mark.timeout(60)
+def test_a_scan_page_above_the_nodes_scan_rows_max_is_asked_again_smaller(tmp_path: Path) -> None:
+    """A node with a smaller ``scan_rows_max`` than a client's page (the Spark data source's 1,000-row
+    batches) answered ``bad_request``, and the read failed; it is ``too_large`` now, and ``Client.scan``
+    asks again for fewer rows, as for a page above a frame."""
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"scan_rows_max": 3}})
+    try:
+        fill(node, range(10))
+        with node.client() as client:
+            with pytest.raises(MnesiteError, match="above this node's scan_rows_max 3") as refused:
+                client.scan_page("items", None, 10)
+            assert getattr(refused.value, "code", None) == "too_large"
+            assert [row["k"] for row in client.scan("items", page_rows=10)] == list(range(10))
+        with NodeReplica(parse_replica(node.endpoint)) as replica:
+            table = replica.table("items")
+            assert [key for key, _ in replica.iter_rows(table, None, None, 1000)] == list(range(10))
+    finally:
+        node.stop()
