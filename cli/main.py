@@ -895,17 +895,28 @@ def status(endpoint, timeout_ms, as_json) -> None:
     for shard, info in result["shards"].items():
         if info.get("install"):
             click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
-    budget = result.get("agent_budget")
+    for line in describe_agents(result):
+        click.echo(line)
+
+
+def describe_agents(status: dict[str, Any]) -> list[str]:
+    """A core's agents in ``mnesite status``: their memory budget, then one line per agent. The refused
+    acknowledgements (no proof of a push read, or keys beyond it) are a broken or hostile replicant's."""
+    lines = []
+    budget = status.get("agent_budget")
     if budget is not None:
-        click.echo(
-            f"agents: {len(result.get('agents', []))}, holding {budget['used_bytes']} of {budget['bytes_max']} "
-            f"bytes (agents_bytes_max), {budget['evicted_agents']} evicted for that budget"
+        lines.append(
+            f"agents: {len(status.get('agents', []))}, holding {budget['used_bytes']} of {budget['bytes_max']} "
+            f"bytes (agents_bytes_max), {budget['evicted_agents']} evicted for that budget, "
+            f"{budget.get('acks_refused', 0)} acknowledgements refused"
         )
-    for agent in result.get("agents", []):
-        click.echo(
+    for agent in status.get("agents", []):
+        lines.append(
             f"agent {agent['agent']} -> {agent['replicant']} ({agent['shard']}, {agent['mode']}): "
-            f"acked {tuple(agent['acked'])}, lag {agent['lag_entries']}"
+            f"acked {tuple(agent['acked'])}, lag {agent['lag_entries']}, "
+            f"{agent.get('acks_refused', 0)} acknowledgements refused"
         )
+    return lines
 
 
 @main.group()

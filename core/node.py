@@ -756,16 +756,15 @@ class CoreNode(NodeServer):
             log.warning("shard %s: the log moved past the refused entry; serving reads again", driver.shard)
 
     def _not_serving_reason(self, shard: str) -> str | None:
-        """Why this core serves no read of ``shard`` now (None: it serves): an install under way or
-        not fenced yet (``not_serving``), or a log its consensus cannot follow (``stuck_reason``)."""
-        reason = self.not_serving.get(shard)
+        """Why this core serves no read of ``shard`` now (None: it serves): ``core.rules.not_serving_reason``
+        over its install's words (``not_serving``), ``rows_lost``, its consensus's ``stuck_reason`` and its
+        applied key."""
         driver = self.shards.get(shard)
-        if reason is None and driver is not None and driver.consensus.stuck_reason is not None:
-            applied = self.store.shard(shard)
-            at = f" at {applied.applied}" if applied is not None else ""
-            # Its applied state stops there while the others go on: a local read would be ever staler.
-            reason = f"stopped{at}: {driver.consensus.stuck_reason}"
-        return reason
+        stuck_reason = driver.consensus.stuck_reason if driver is not None else None
+        # The applied key is said only with a stuck log: no store read on the common path (every read asks).
+        position = self.store.shard(shard) if stuck_reason is not None else None
+        applied = position.applied if position is not None else None
+        return rules.not_serving_reason(self.not_serving.get(shard), shard in self.rows_lost, stuck_reason, applied)
 
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
         shard = driver.shard

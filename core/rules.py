@@ -27,6 +27,11 @@ request lives here, as functions of what it knows, so that the deterministic sim
 * ``fence_read`` and ``check_applied``: a linearizable read is answered only at the sequencer while
   ``ShardConsensus.read_index`` gives a key (elsewhere it is forwarded); a read that must see a key
   (read-your-writes) is refused ``not_applied`` until this core applied it.
+* ``not_serving_reason``: whether a core serves local reads of a shard, and why not: not while a
+  snapshot install is under way or its read fence is not reached (the install's own words), not
+  while an install that deleted the shard's rows has not copied them again (``rows_lost``: the rows
+  are half copied), and not while its consensus cannot follow the log (``stuck_reason``: its applied
+  state stops while the others go on, so its reads would be ever staler).
 * ``admit_membership_change``: an operator's add or remove at the sequencer: a retry while its
   change is pending or once it is in the log changes nothing; an add names an endpoint, and a core
   this one cannot speak with (``core.versions``) is not added.
@@ -285,6 +290,33 @@ def check_applied(me: str, min_key: TxKey | None, applied: TxKey | None) -> None
     """Read-your-writes: a read that must see ``min_key`` waits (the client retries) until it is applied."""
     if min_key is not None and (applied is None or applied < min_key):
         raise RequestError("not_applied", f"{me} has not applied {min_key} yet")
+
+
+# What a core says when an install deleted a shard's rows and none copied them since, and its install
+# said nothing of it (the driver's installs do: ``CoreNode._execute_install``; the simulator's are one step).
+ROWS_LOST_REASON = (
+    "a snapshot install was abandoned (the shard's rows are half copied); asking the sequencer for another offer"
+)
+
+
+def not_serving_reason(
+    install_reason: str | None, rows_lost: bool, stuck_reason: str | None, applied: TxKey | None
+) -> str | None:
+    """Why a core serves no local read of a shard now (None: it serves); reads hear it as ``not_ready``
+    and ``status`` shows it (``not_serving_reason``). ``install_reason``: what the shard's snapshot
+    install says while it keeps the shard from serving (``core.snapshot``: copying, its read fence not
+    reached, interrupted or abandoned); ``rows_lost``: an install deleted the shard's rows and none has
+    copied them since; ``stuck_reason``: ``ShardConsensus.stuck_reason``; ``applied``: this core's
+    applied key of the shard, where its state stopped."""
+    if install_reason is not None:
+        return install_reason
+    if rows_lost:
+        return ROWS_LOST_REASON
+    if stuck_reason is not None:
+        at = f" at {applied}" if applied is not None else ""
+        # Its applied state stops there while the others go on: a local read would be ever staler.
+        return f"stopped{at}: {stuck_reason}"
+    return None
 
 
 # -- membership, journals, agents ------------------------------------------------------------------

@@ -483,3 +483,28 @@ def test_the_agent_server_gives_tokens_to_protocol_2_replicants_only():
     server.acknowledged(typed_body("push_ack", {"shard": SHARD, "agent": new, "applied": [1, 3]}), 1)
     assert server.watches[old].acknowledged and server.watches[old].agent.status().acked_key == TxKey(1, 3)
     assert not server.watches[new].acknowledged and server.acks_refused == 1
+
+
+def test_the_agent_server_counts_each_refused_acknowledgement_once():
+    """``AgentServer.acks_refused`` adds what each acknowledgement made its agent refuse (an agent's own
+    count grows over its life): one per refusal, over every agent, kept when the agents end."""
+    log = build_log(3)
+    server = server_of(1_000_000)
+    first, second = watch(server, log, "r1", 0), watch(server, log, "r2", 0)
+    tokens = {m.body["agent"]: m.body["token"] for _, m in server.drain()}
+
+    def acknowledge(agent: str, token: bytes | None = None) -> None:
+        body = {"shard": SHARD, "agent": agent, "applied": [1, 3], "token": token}
+        server.acknowledged(typed_body("push_ack", body), 1)
+
+    for _ in range(3):
+        acknowledge(first)  # no token: proves no push read
+    acknowledge(second, bytes(len(tokens[second])))  # a token no push carried
+    assert server.acks_refused == 4  # adding the agents' running counts would give 1 + 2 + 3 + 1
+    acknowledge(first, tokens[first])  # taken: counts nothing
+    assert server.watches[first].acknowledged and server.acks_refused == 4
+    acknowledge(second)
+    assert server.acks_refused == 5
+    server.stop_shard(SHARD)  # since the start: the ended agents' refusals stay counted
+    acknowledge(second)  # an ended agent's acknowledgement is nobody's to refuse
+    assert not server.watches and server.acks_refused == 5

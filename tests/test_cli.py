@@ -108,6 +108,41 @@ def test_tx_from_stdin_with_guards(mnesite) -> None:
     assert shape.exit_code == 1 and '{"guards": [...], "ops": [...]}' in shape.output
 
 
+def test_status_text_shows_the_acknowledgements_the_agents_refused() -> None:
+    """A growing count is a broken or hostile replicant: ``status`` says it in its text, in total and per agent."""
+    from mnesite.cli.main import describe_agents
+
+    status = {
+        "agent_budget": {"used_bytes": 1234, "bytes_max": 16777216, "evicted_agents": 1, "acks_refused": 9},
+        "agents": [
+            {
+                "agent": "a1",
+                "replicant": "r1",
+                "shard": "s",
+                "mode": "normal",
+                "acked": [1, 3],
+                "lag_entries": 0,
+                "acks_refused": 2,
+            },
+            {
+                "agent": "a2",
+                "replicant": "r2",
+                "shard": "s",
+                "mode": "normal",
+                "acked": [1, 2],
+                "lag_entries": 1,
+                "acks_refused": 0,
+            },
+        ],
+    }
+    assert describe_agents(status) == [
+        "agents: 2, holding 1234 of 16777216 bytes (agents_bytes_max), 1 evicted for that budget, "
+        "9 acknowledgements refused",
+        "agent a1 -> r1 (s, normal): acked (1, 3), lag 0, 2 acknowledgements refused",
+        "agent a2 -> r2 (s, normal): acked (1, 2), lag 1, 0 acknowledgements refused",
+    ]
+
+
 def test_tx_from_file(mnesite, tmp_path) -> None:
     path = tmp_path / "tx.json"
     path.write_text(json.dumps({"ops": [{"op": "write", "table": "users", "row": {"id": 5}}]}))
@@ -123,7 +158,10 @@ def test_status_and_rlog_tail(mnesite, thread_node: ThreadNode) -> None:
     assert shard["applied"] == tx_key and shard["generation"] == tx_key[0] and len(shard["digest"]) == 64
     text = mnesite("status").output
     assert "default" in text
-    assert "agents: 0, holding 0 of 16777216 bytes (agents_bytes_max), 0 evicted for that budget" in text
+    assert (
+        "agents: 0, holding 0 of 16777216 bytes (agents_bytes_max), 0 evicted for that budget, "
+        "0 acknowledgements refused" in text
+    )
     assert status["agent_budget"] == {"used_bytes": 0, "bytes_max": 16777216, "evicted_agents": 0, "acks_refused": 0}
     entries = json.loads(mnesite("rlog", "tail", "default", "-n", "2", "--json").output)
     assert [e["tx_key"] for e in entries][-1] == tx_key

@@ -561,6 +561,55 @@ def test_the_simulator_catches_an_abandoned_install_that_never_gets_another_offe
         sim.run_until_quiet()
 
 
+def _abandoned_install_cut_off(seed: int) -> tuple[Simulation, str]:
+    """3 cores, no faults: every key written and applied everywhere, then a follower's install is
+    abandoned half way (its rows deleted) while it is cut off from the other cores (no offer heals it),
+    and a client asks it for local reads of key 0."""
+    sim = Simulation(seed, 3)
+    sim._heal()  # no faults
+    sequencer = sim.run_until_quiet()
+    for _ in range(2 * READ_KEYS):
+        sim.write(sequencer.name)
+        sim.advance()
+    sequencer = sim.run_until_quiet()
+    follower = next(name for name in sim.nodes if name != sequencer.name)
+    sim.cut = {(a, b) for a in sim.nodes for b in sim.nodes if (a == follower) != (b == follower)}
+    sim.abandon_install(follower)
+    for _ in range(5):
+        sim.read(follower, 0, kind="local")
+        sim.advance()
+    for _ in range(20):
+        sim.advance()
+    return sim, follower
+
+
+def _serving_half_copied_rows(install_reason, rows_lost, stuck_reason, applied):
+    """Mutation of the serving rule: the rows an abandoned install deleted are served as if whole."""
+    return _NOT_SERVING_REASON(install_reason, False, stuck_reason, applied)
+
+
+_NOT_SERVING_REASON = rules.not_serving_reason
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_serving_rule_that_ignores_half_copied_rows(monkeypatch):
+    """``core.rules.not_serving_reason`` (run by the driver and by the simulator's local-read gate)
+    serves no read of rows an abandoned install deleted; one that ignores ``rows_lost`` answers a
+    local read from them, which the simulator's check of local reads catches (the node applied a row
+    its rows no longer hold)."""
+    # Unmutated, the same scenario answers no local read at the follower, and heals once reconnected.
+    for seed in (1, 2, 3):
+        sim, follower = _abandoned_install_cut_off(seed)
+        assert sim.nodes[follower].rows_lost and sim.local_reads_answered[follower] == 0
+        sim._heal()
+        sim.final_check(sim.run_until_quiet())
+        assert not sim.nodes[follower].rows_lost
+    monkeypatch.setattr(rules, "not_serving_reason", _serving_half_copied_rows)
+    for seed in (1, 2, 3):
+        with pytest.raises(SimulationFailure, match=f"seed {seed} .*local read of key 0 at .* half copied"):
+            _abandoned_install_cut_off(seed)
+
+
 class _AbandoningSimulation(Simulation):
     installs_abandoned_max = 2  # the first two installs are abandoned half way
 

@@ -34,7 +34,9 @@ and the random source of every state machine. Time is a fake clock advanced in `
   failed guard must return the row after some committed prefix that includes every write
   acknowledged before the request began and every prefix a linearizable read of that key answered
   before it began, and that had committed when the answer was given. Local reads only need some
-  committed prefix.
+  committed prefix, and the one the node applied (``_record_local_read``): a node whose rows an
+  abandoned install deleted answers from what is left of them. Which cores answer local reads is
+  production's ``core.rules.not_serving_reason``.
 
 Every core is honest, so a ``ProtocolViolation`` fails the run (a check of a peer's message that
 misjudges honest traffic), except a message from outside the membership (``NOT_A_MEMBER``: a removed
@@ -871,11 +873,11 @@ class Simulation:
                 return
         applied_row = self._row_at(request.key, self.commit_position[node.applied_key])
         if request.kind == "local":
-            if node.rows_lost:
-                return  # production answers not_ready: the rows are half copied (the client retries)
-            if node.machine is not None and node.machine.stuck_reason is not None:
-                return  # production answers not_ready: its state stopped at a refused entry (core.versions)
-            self._record_read(node.name, request, applied_row)
+            # Production's gate (CoreNode._not_serving_reason): its installs are one step here, so
+            # they say nothing; half-copied rows or a log it cannot follow answer not_ready (the
+            # client retries).
+            if rules.not_serving_reason(None, node.rows_lost, machine.stuck_reason, node.applied_key) is None:
+                self._record_local_read(node, request, applied_row)
             return
         # Production's read fence (core.rules.fence_read): forwarded once to the sequencer this node
         # knows; answered there only while ShardConsensus.read_index allows; otherwise refused
@@ -927,6 +929,17 @@ class Simulation:
     def _read_index_answered(self, request: ClientRequest, read_index: TxKey) -> None:
         """The sequencer told a replicant the key its linearizable read must wait for (a hook)."""
         raise self.fail(f"read_index answered for {request} without replicants")
+
+    def _record_local_read(self, node: SimNode, request: ClientRequest, applied_row: Row) -> None:
+        """A local read answers from the node's rows, which hold its applied state, except after an
+        abandoned install: that deleted them and copied none (``abandon_install``)."""
+        row = None if node.rows_lost else applied_row
+        if row != applied_row:
+            raise self.fail(
+                f"local read of key {request.key} at {node.name} returned {row}, but it applied {applied_row} "
+                f"by {node.applied_key}: its rows are half copied by an abandoned snapshot install"
+            )
+        self._record_read(node.name, request, row)
 
     def _record_read(self, where: str, request: ClientRequest, row: Row) -> None:
         """Check an answer against the committed history (see the theory of operation)."""
