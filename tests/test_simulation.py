@@ -27,6 +27,7 @@ from mnesite.rlog.types import ZERO_KEY
 
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import READ_KEYS, replay_command
+from tests.sim.versions import stuck_member_reading_locally
 
 CI_SEEDS = 240
 
@@ -625,3 +626,33 @@ def test_seeds_whose_first_installs_are_abandoned_heal():
         sim.run()
         abandoned += sim.installs_abandoned
     assert abandoned > 0
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_serving_rule_that_ignores_a_stuck_consensus(monkeypatch):
+    """``core.rules.not_serving_reason`` serves no local read at a core whose consensus is stuck at a
+    cluster version entry it refused (``stuck_reason``): its state stops while the others go on. The
+    simulator checks what such a read returns, not why it was served: where faults cannot hold a core
+    back (``StuckMemberSimulation``), a local read must reflect every entry committed more than
+    ``_local_read_lag_ms_max`` before it began, a bound a core that can follow meets (the other cores
+    answer over a hundred reads under it here) and a stuck one breaks once a write commits after it
+    stopped. A check of the history, rather than of ``stuck_reason`` itself, also catches a consensus
+    that stops without saying so."""
+    seeds = (1, 2, 3, 4)
+    for seed in seeds:
+        sim, stuck, answered = stuck_member_reading_locally(seed)
+        node = sim.nodes[stuck]
+        assert node.machine is not None and node.machine.stuck_reason is not None
+        assert sim.local_reads_answered[stuck] == answered, "the stuck core answers no local read"
+        assert node.applied_key < sim.committed_last_key and sim.snapshots == 0
+        others = [name for name in sim.nodes if name != stuck]
+        assert all(sim.local_reads_answered[name] >= 30 for name in others), sim.local_reads_answered
+    monkeypatch.setattr(rules, "not_serving_reason", _serving_a_stuck_consensus)
+    for seed in seeds:
+        with pytest.raises(SimulationFailure, match=f"seed {seed} .*local read of key \\d at core\\d"):
+            stuck_member_reading_locally(seed)
+
+
+def _serving_a_stuck_consensus(install_reason, rows_lost, stuck_reason, applied):
+    """Mutation of the serving rule: a core whose consensus cannot follow the log serves anyway."""
+    return _NOT_SERVING_REASON(install_reason, rows_lost, None, applied)

@@ -35,8 +35,11 @@ and the random source of every state machine. Time is a fake clock advanced in `
   acknowledged before the request began and every prefix a linearizable read of that key answered
   before it began, and that had committed when the answer was given. Local reads only need some
   committed prefix, and the one the node applied (``_record_local_read``): a node whose rows an
-  abandoned install deleted answers from what is left of them. Which cores answer local reads is
-  production's ``core.rules.not_serving_reason``.
+  abandoned install deleted answers from what is left of them. Where a simulation can bound how far a
+  core that can follow lags (``_local_read_lag_ms_max``: none under faults, which hold a correct core
+  back as long as they last), a local read must also reflect every entry committed that long before
+  it began: a core stuck at an entry it refused, which stops while the others go on, breaks it.
+  Which cores answer local reads is production's ``core.rules.not_serving_reason``.
 
 Every core is honest, so a ``ProtocolViolation`` fails the run (a check of a peer's message that
 misjudges honest traffic), except a message from outside the membership (``NOT_A_MEMBER``: a removed
@@ -407,6 +410,7 @@ class Simulation:
         # The committed log as the simulator knows it, for the history check of reads.
         self.commit_position: dict[TxKey, int] = {ZERO_KEY: 0}
         self.commit_count = 0
+        self.committed_ms: list[int] = []  # when each position of the committed log first committed
         self.row_positions: dict[int, list[int]] = defaultdict(list)
         self.row_values: dict[int, list[Row]] = defaultdict(list)
         self.acknowledged_position = 0
@@ -810,6 +814,7 @@ class Simulation:
     def _remember_committed(self, entry: Entry) -> None:
         self.commit_count += 1
         self.commit_position[entry.tx_key] = self.commit_count
+        self.committed_ms.append(self.now_ms)
         for op in entry.ops:
             if isinstance(op, WriteOp) and op.table == READ_TABLE and isinstance(op.row.get("k"), int):
                 changed = [(op.row["k"], op.row)]
@@ -941,15 +946,26 @@ class Simulation:
             )
         self._record_read(node.name, request, row)
 
+    def _local_read_lag_ms_max(self) -> int | None:
+        """How long after an entry commits every core that answers local reads reflects it (a hook;
+        None: no bound, as under faults: a partition or a pause holds a correct core back as long as
+        it lasts, and a local read promises only some committed prefix)."""
+        return None
+
     def _record_read(self, where: str, request: ClientRequest, row: Row) -> None:
         """Check an answer against the committed history (see the theory of operation)."""
         key = request.key
         floor = 0
+        since = "acknowledged writes and earlier reads"
         if request.kind != "local":
             floor = request.acknowledged_position
             for answered_ms, position in self.answered_prefixes[key]:
                 if answered_ms < request.started_ms:
                     floor = max(floor, position)
+        elif (lag_ms := self._local_read_lag_ms_max()) is not None:
+            # Staleness: what committed more than the bound before the read began must show.
+            floor = bisect.bisect_right(self.committed_ms, request.started_ms - lag_ms)
+            since = f"committed by t={request.started_ms - lag_ms}: local reads lag at most {lag_ms} ms"
         position = next((p for p in range(floor, self.commit_count + 1) if self._row_at(key, p) == row), None)
         what = {"guard": "failed guard", "read_index": "replicant linearizable read"}.get(
             request.kind, f"{request.kind} read"
@@ -958,7 +974,7 @@ class Simulation:
         if position is None:
             raise self.fail(
                 f"{what} of key {key} at {where} (began t={request.started_ms}) returned {row}, "
-                f"which no committed prefix from position {floor} (acknowledged writes and earlier reads) "
+                f"which no committed prefix from position {floor} ({since}) "
                 f"to {self.commit_count} (committed when it answered) holds"
             )
         self.local_reads_answered[where] += request.kind == "local"

@@ -14,13 +14,22 @@ it can reach (``PeerVersions.heard``; a 0.1.0 peer answers without one); the seq
 The checks: no core of a release that cannot read a cluster version entry ever persists one (it would
 have been sent something it cannot read), every member speaks the version when its entry commits,
 committed cluster versions never go down, and after the last upgrade the version does move.
+
+``StuckMemberSimulation`` is the other side of that rule: a member rolled back after the probes saw
+it, so that the sequencer appends a cluster version it does not speak. It refuses the entry (its own
+check) and is stuck there (``ShardConsensus.stuck_reason``) while the others go on; clients keep
+reading locally everywhere, and the simulator's lag bound for local reads (``_local_read_lag_ms_max``)
+catches a stuck core that answers them.
 """
 
 from __future__ import annotations
 
-from mnesite.core.consensus import Effect, PersistEntries, Role
+import dataclasses
+
+from mnesite.core.consensus import Effect, PersistEntries, ProtocolViolation, Role
 from mnesite.core.versions import (
     ANNOUNCEMENT_FRESH_MS,
+    UNSPOKEN_CLUSTER_VERSION,
     VERSIONS_PROBE_INTERVAL_MS,
     ClusterVersionProposals,
     PeerVersions,
@@ -29,7 +38,7 @@ from mnesite.core.versions import (
 from mnesite.rlog.types import ClusterVersionOp, Entry, TxKey
 from mnesite.rlog.versions import RELEASE_0_1_0, THIS_RELEASE, Announcement
 
-from tests.sim.cluster import SHARD, SimNode, Simulation, SimulationResult
+from tests.sim.cluster import READ_KEYS, SHARD, SimNode, Simulation, SimulationResult
 
 # Steps of the procedure are this far apart: a probe round has seen the previous step.
 STEP_GAP_MS = ANNOUNCEMENT_FRESH_MS + VERSIONS_PROBE_INTERVAL_MS
@@ -195,3 +204,94 @@ def run_versions_seed(seed: int, core_count: int = 3) -> VersionsSimulation:
     simulation = VersionsSimulation(seed, core_count)
     simulation.run()
     return simulation
+
+
+# The stuck scenario: how long clients go on after the member is stuck, how often one writes at the
+# sequencer (more than two round trips at the longest delay: no write waits behind another).
+STUCK_RUN_MS = 2000
+STUCK_WRITE_GAP_MS = 300
+
+
+class StuckMemberSimulation(Simulation):
+    """Cores without faults (no drops, partitions, pauses, crashes or trimming) whose member
+    ``rolled_back`` restarts on release 0.1.0 (cluster version 1 only) after the probes saw it speak
+    this release, and whose sequencer then appends this release's highest cluster version."""
+
+    def __init__(self, seed: int, core_count: int) -> None:
+        self.rolled_back: str | None = None
+        super().__init__(seed, core_count)
+        self._heal()
+
+    def _replay_command(self) -> str:
+        return f".venv/bin/pytest tests/test_simulation.py -k stuck_consensus (seed {self.seed})"
+
+    def _heal(self) -> None:
+        super()._heal()
+        # No trimming: a snapshot offer would take the stuck core past the entry it refused, and
+        # the simulator models installs at ``packing_cluster_version``, not at the version applied.
+        self.faults = dataclasses.replace(self.faults, retention_entries_max=10**9)
+
+    def _local_read_lag_ms_max(self) -> int | None:
+        """No faults, and writes ``STUCK_WRITE_GAP_MS`` apart (none waits behind another): an entry
+        committed at t reaches a follower that can follow by t + 3 delays (its append may wait for
+        one in flight, answered within a round trip, then travels), and so does the commit key (in
+        that append, or in a commit notice sent within a heartbeat interval); it applies within its
+        gathering delay, and each step of the driver takes up to a tick."""
+        return (
+            self.config.heartbeat_interval_ms
+            + 3 * self.faults.delay_ms_max
+            + self.follower_apply_delay_ms
+            + 3 * self.tick_ms
+        )
+
+    def _speaks(self, node: SimNode) -> Announcement:
+        return RELEASE_0_1_0 if node.name == self.rolled_back else THIS_RELEASE
+
+    def roll_back(self, name: str) -> None:
+        """``name`` restarts on release 0.1.0 (a crash now; ``run_until_quiet`` restarts it)."""
+        self.rolled_back = name
+        self._crash(self.nodes[name])
+
+    def _execute(self, node: SimNode, effect: Effect) -> None:
+        # The rolled-back member refusing the entry is the scenario (and the only protocol
+        # violation it has): its own check holds it at the entry before, loudly.
+        if (
+            isinstance(effect, ProtocolViolation)
+            and node.name == self.rolled_back
+            and UNSPOKEN_CLUSTER_VERSION in effect.reason
+        ):
+            self.trace.append((self.now_ms, node.name, "refused", effect.reason))
+            return
+        super()._execute(node, effect)
+
+
+def stuck_member_reading_locally(seed: int) -> tuple[StuckMemberSimulation, str, int]:
+    """3 cores (even seeds) or 5: once quiet, a follower is rolled back to release 0.1.0 and the
+    sequencer appends the next cluster version, which that follower refuses: it is stuck while the
+    others commit a write every ``STUCK_WRITE_GAP_MS``, and clients read every key locally, in turn
+    at every core, for ``STUCK_RUN_MS``. Returns the simulation, the stuck core, and how many local
+    reads it had answered when it got stuck."""
+    sim = StuckMemberSimulation(seed, 3 if seed % 2 == 0 else 5)
+    sequencer = sim.run_until_quiet()
+    stuck = next(name for name in sorted(sim.nodes) if name != sequencer.name)
+    sim.roll_back(stuck)
+    sequencer = sim.run_until_quiet()
+    version = THIS_RELEASE.cluster_versions[1]
+    if sequencer.name == stuck or RELEASE_0_1_0.speaks(version):
+        raise sim.fail(f"the scenario needs a follower {stuck} that does not speak cluster version {version}")
+    sim._propose(sequencer, (ClusterVersionOp(SHARD, version),), f"v{version}")
+    node = sim.nodes[stuck]
+    for _ in range(100):
+        if node.machine is not None and node.machine.stuck_reason is not None:
+            break
+        sim.advance()
+    else:
+        raise sim.fail(f"{stuck} did not refuse the cluster version {version} entry")
+    answered = sim.local_reads_answered[stuck]
+    names = sorted(sim.nodes)
+    for tick in range(STUCK_RUN_MS // sim.tick_ms):
+        if tick * sim.tick_ms % STUCK_WRITE_GAP_MS == 0:
+            sim.write(sequencer.name)
+        sim.read(names[tick % len(names)], tick // len(names) % READ_KEYS, kind="local")
+        sim.advance()
+    return sim, stuck, answered
