@@ -1367,7 +1367,22 @@ class Simulation:
             node.crash_in_next_step = False
             node.paused_until_ms = min(node.paused_until_ms, self.now_ms)
             node.down_until_ms = min(node.down_until_ms, self.now_ms)
-        self.faults = _Faults(0.0, 0.0, self.faults.delay_ms_max, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        # Faults and load stop. Retention is not a fault, and this is deliberate: from here on it keeps
+        # one entry (``retention_floor`` keeps at least one) and no age bound, so the quiet phase trims
+        # as far as the rule allows (a core that lags then needs a snapshot offer). A scenario that
+        # needs the log kept sets retention again after healing.
+        self.faults = _Faults(
+            drop_probability=0.0,
+            duplicate_probability=0.0,
+            delay_ms_max=self.faults.delay_ms_max,
+            partition_probability=0.0,
+            heal_probability=0.0,
+            crash_probability=0.0,
+            pause_probability=0.0,
+            retention_entries_max=0,
+            retention_age_ms_max=0,
+            write_probability=0.0,
+        )
 
     def final_check(self, sequencer: SimNode) -> None:
         if sequencer.machine is None:
