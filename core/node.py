@@ -153,7 +153,7 @@ from mnesite.rlog.schema import (
     TableSchema,
     schema_ops_toward,
 )
-from mnesite.rlog.server import NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
+from mnesite.rlog.server import STOPPING, NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
 from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
 from mnesite.rlog.types import (
     ROW_OPS,
@@ -643,6 +643,17 @@ class CoreNode(NodeServer):
             self._abandon_held_guard_failures(driver, f"disk_full: {error}")
             self.agent_server.stop_shard(shard)
             self._step(self._open_shard(shard), DiskFull(error))
+
+    def answer_held_at_stop(self, reason: str) -> None:
+        """What a stop can answer better than ``hold`` recorded (``NodeServer.answer_at_stop`` answers
+        the rest): a write not proposed yet (a turn cut short) and a failed guard held until the
+        entries it observed commit wrote nothing: ``stopping``, the client asks another core."""
+        for driver in self.shards.values():
+            _, held = driver.held.take()
+            for request_id, (envelope, _) in held:
+                self.reply(envelope, messages.error(request_id, STOPPING, reason))
+            for failure in driver.tail.abandoned():
+                self.reply(failure.envelope, messages.error(failure.request_id, STOPPING, reason))
 
     def disk_freed(self) -> None:
         for driver in list(self.shards.values()):
@@ -1467,18 +1478,18 @@ class CoreNode(NodeServer):
         ``no_sequencer`` for a read (``ForwardedRead``)."""
         if self.forwarded.full():
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
-        self.hold(envelope, message.request_id)
         # A write's silence leaves its outcome unknown, and so does a membership change's (the
         # sequencer may be catching a core up for minutes, then commit it); a read's only says the
         # sequencer did not answer.
         changes = message.kind in WRITE_KINDS or message.kind == "membership_change"
+        self.hold(envelope, message.request_id, changes)
         payload = envelope if changes else ForwardedRead(envelope)
         replaced = self.forwarded.forwarded(message.request_id, payload, shard, target, self.clock_ms())
         if replaced:
             # A resend of a request still pending (core.outcome rule 4): the earlier is told now, or
             # its connection's place (``hold``) would never be given back.
             self._tell_outcomes(replaced)
-            self.hold(envelope, message.request_id)  # still held if that was this same connection
+            self.hold(envelope, message.request_id, changes)  # still held if that was this same connection
         forwarded = msgspec.structs.replace(message.body, forwarded=True)
         self._send_peer(target, Message(message.kind, message.request_id, forwarded))
 
@@ -1804,7 +1815,7 @@ class CoreNode(NodeServer):
         # Linearizable: each shard's committed key, confirmed by its sequencer (read_index), which
         # may be this core or another one; the query waits until this core has applied every key.
         gather = QueryIndexGather(envelope, message, request, checked, shards, targets)
-        self.hold(envelope, message.request_id)
+        self.hold(envelope, message.request_id, changes=False)
         for shard in shards:
             driver = self.shards.get(shard)
             if driver is None:

@@ -780,7 +780,7 @@ class ReplicantNode(NodeServer):
         The request is held from here (bounded per connection) and answered exactly once: refused now,
         or by the gather's failure, its expiry or ``_wait_for``."""
         check_client_requests_room(len(self.pending), len(shards), PENDING_REQUESTS_MAX)
-        self.hold(envelope, message.request_id)  # may refuse (overloaded): then nothing is asked
+        self.hold(envelope, message.request_id, changes=False)  # may refuse (overloaded): then nothing is asked
         gather = ReadIndexGather(tuple(shards))
         for shard in shards:
             core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
@@ -821,7 +821,7 @@ class ReplicantNode(NodeServer):
             wait_ms = READ_WAIT_MS_MAX if message.body.wait_ms is None else min(READ_WAIT_MS_MAX, message.body.wait_ms)
             if len(self.waiting_reads) >= WAITING_READS_MAX:
                 raise OverloadedError("too many reads waiting")
-            self.hold(envelope, message.request_id)  # may refuse (overloaded): then nothing waits
+            self.hold(envelope, message.request_id, changes=False)  # may refuse (overloaded): then nothing waits
             self.waiting_reads.hold((envelope, message), message.body.table, targets, self.clock_ms() + wait_ms)
         except (RequestError, SchemaError, OverloadedError) as error:
             self.refuse(envelope, message.request_id, error)

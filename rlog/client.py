@@ -59,6 +59,10 @@ CHANGES_WAIT_MS = 1000
 QUERY_TIMEOUT_MS = 30_000
 # Answers that mean "not now": retried with the same request id, which keeps writes idempotent.
 RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_applied"})
+# The node is shutting down and did nothing with the request (a write it may have logged is answered
+# ``outcome_unknown`` instead): asked again at once at the next endpoint, never at that node again in
+# this call (it is closing its socket); with no endpoint left, the call ends with this code.
+STOPPING_CODE = "stopping"
 # Answers a node gives before it looks at the request (its backlog or outstanding requests are full,
 # its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
 # of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
@@ -360,7 +364,8 @@ class Client:
         # another endpoint.
         maybe_applied = False
         is_write = kind in WRITE_KINDS
-        # Endpoints that refused a connection in this call: once all did, the caller is told at once.
+        # Endpoints that refused a connection in this call, or answered that they are stopping: once
+        # all did, the caller is told at once.
         unreachable: list[str] = []
         while True:
             try:
@@ -399,6 +404,17 @@ class Client:
                     self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable")
                 if not maybe_applied:
                     self._next_endpoint()  # a read: any other node may answer it
+                continue
+            if answer.kind == "error" and answer.body.code == STOPPING_CODE:
+                # Moved on at once, on a fresh socket: the stopping node reads nothing more.
+                unreachable.append(self.endpoint)
+                self.close()
+                exhausted = len(set(unreachable)) >= len(self.endpoints) or time.monotonic() >= deadline
+                if exhausted or maybe_applied:
+                    # An earlier attempt of a write may have happened there: that stays its outcome.
+                    reason = f"node {self.endpoint}: {answer.body.message}"
+                    self._give_up(kind, message.request_id, maybe_applied, reason, STOPPING_CODE)
+                self._next_endpoint()
                 continue
             if answer.kind == "error" and answer.body.code in RETRIABLE_CODES:
                 last_reason = answer.body.message

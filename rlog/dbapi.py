@@ -90,6 +90,7 @@ _ERRORS: dict[str, type[Error]] = {
     "unavailable": OperationalError,
     "outcome_unknown": OperationalError,
     "no_sequencer": OperationalError,
+    "stopping": OperationalError,
     "not_ready": OperationalError,
     "query_cursor_unknown": OperationalError,
     "forbidden": OperationalError,

@@ -68,6 +68,8 @@ PROGRESS_STEPS = 10_000
 # Worker threads running queries (SQLite releases the GIL while it steps): two runaway statements
 # delay other queries, never the node's loop.
 QUERY_THREADS = 2
+# How long a stopping node waits for its query workers, all together, once their statements are interrupted.
+STOP_WAIT_S = 1.0
 # A result row is read whole (apsw converts every column before returning it), so the values of one
 # row together are bounded to this many pages (page_bytes_max each): SELECT zeroblob(N), ... repeated
 # over up to 2,000 columns would otherwise hold 2,000 values of page_bytes_max each in one worker.
@@ -414,6 +416,8 @@ class QueryRunner:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
+        # Set by ``stop``: a statement running stops at its next progress check, a job queued does not start.
+        self._stopping = False
         self.queries = 0
         self.pages = 0
         self.refused = 0
@@ -525,7 +529,11 @@ class QueryRunner:
         }
 
     def stop(self) -> None:
-        """Stop the workers; a statement still running is interrupted (the node is shutting down)."""
+        """Stop the workers (the node is shutting down): a statement still running is interrupted, by
+        ``interrupt`` and at its next progress check (one that was opening its connection, past the
+        interrupt, too), and a job queued does not start; each worker is waited for at most
+        ``STOP_WAIT_S`` (a daemon thread that still runs then does not keep the process)."""
+        self._stopping = True
         with self._lock:
             running = [cursor.connection for cursor in self._cursors.values() if cursor.busy and cursor.connection]
         for connection in running:
@@ -533,8 +541,9 @@ class QueryRunner:
                 connection.interrupt()  # SQLite allows it from any thread
         for _ in self._threads:
             self._jobs.put(None)
+        deadline_s = time.monotonic() + STOP_WAIT_S
         for thread in self._threads:
-            thread.join(timeout=self.limits.ms_max / 1000 + 1)
+            thread.join(timeout=max(0.0, deadline_s - time.monotonic()))
         with self._lock:
             cursors = list(self._cursors.values())
             self._cursors.clear()
@@ -576,6 +585,8 @@ class QueryRunner:
                 os.write(self._wake_write, b"x")
 
     def _page(self, cursor: _Cursor) -> Finished:
+        if self._stopping:  # queued before the stop: its client is answered by the node's stop
+            return Finished(cursor.payload, error=QueryError("the node is shutting down", "stopping"))
         started_s = time.monotonic()
         cursor.deadline_s = started_s + max(0.0, self.limits.ms_max - cursor.spent_ms) / 1000
         try:
@@ -628,7 +639,7 @@ class QueryRunner:
         connection.authorizer = guard
 
         def over_budget() -> bool:
-            return time.monotonic() >= cursor.deadline_s
+            return self._stopping or time.monotonic() >= cursor.deadline_s
 
         connection.set_progress_handler(over_budget, PROGRESS_STEPS)
 
@@ -678,6 +689,8 @@ class QueryRunner:
                 f"the query failed: a TEXT value of its result is not UTF-8 ({error.reason} at byte {error.start}); "
                 "select it CAST AS BLOB"
             )
+        if isinstance(error, apsw.InterruptError) and self._stopping:
+            return QueryError("the node is shutting down", "stopping")
         if isinstance(error, apsw.InterruptError):
             self.budget_stops += 1
             return QueryBudgetExceeded(

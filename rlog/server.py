@@ -64,8 +64,13 @@ from mnesite.rlog.store import Store, quote, storage_fault
 from mnesite.rlog.types import Entry, TxKey
 
 log = logging.getLogger("mnesite.server")
-# How long a node stopped by a ``stop`` request waits for that request's answer to leave its socket.
+# How long a stopping node waits for the answers of a ``stop`` request, and of the requests it held
+# (``NodeServer.answer_at_stop``), to leave its socket.
 STOP_REPLY_LINGER_MS = 1000
+# The error code of a request a stopping node answers without having acted on it: ask another node.
+STOPPING = "stopping"
+# Requests not read yet that a stopping node answers (the rest of its socket's queue is dropped).
+STOP_QUEUED_ANSWERS_MAX = 10_000
 STOP_GRACE_MS = 200  # how long a node keeps serving after it answered a stop request
 
 # zmq disconnects peers whose message exceeds this many times frame_bytes_max; frames between
@@ -120,6 +125,14 @@ CHANGES_WAIT_MS_DEFAULT = 0
 
 # What a driver passes to read one key-ordered batch of a table (``bootstrap.serve.read_batch``).
 TableBatch = Callable[[Store, TableSchema, Any, int, int], dict[str, Any]]
+
+
+class HeldRequest(NamedTuple):
+    """A request held for a later answer (``NodeServer.hold``): where its answer goes, and whether a
+    stop answers it ``outcome_unknown`` (it may change the database) or ``stopping``."""
+
+    envelope: list[bytes]
+    changes: bool
 
 
 class CountRead(NamedTuple):
@@ -230,8 +243,10 @@ class NodeServer:
                 )
             if principal is None:
                 log.warning("[security].client_key of %s is not in its own authorized_keys", config.name)
-        # connection identity -> request ids held for a later answer (writes awaiting commit, ...)
-        self.outstanding: dict[bytes, set[str]] = {}
+        # connection identity -> request id -> the request held for a later answer (writes awaiting
+        # commit, reads waiting for a key, queries, ...): bounded per connection, answered at a stop.
+        self.outstanding: dict[bytes, dict[str, HeldRequest]] = {}
+        self.stop_answers = 0  # held or queued requests answered because the node stopped
         self.protocol_violations = 0
         self._violation_logged_ms: dict[str, int] = {}
         # Whether the disk takes writes (rlog.disk); frames dropped with turns the disk failed.
@@ -454,9 +469,85 @@ class NodeServer:
                     self.reload_security()
                 self.turn()
         finally:
+            try:
+                self.answer_at_stop()
+            except Exception:  # the node still closes: its store and its data directory's lock
+                log.exception("answering the held requests at the stop failed")
             self.close()
             # The operator's proof that the node stopped on purpose, and why (a crash logs no such line).
             log.info("%s %s shut down (%s)", self.role, self.config.name, self.stop_reason)
+
+    def answer_at_stop(self) -> int:
+        """Answer, once, every request this node holds or has queued, before its sockets close; the
+        number answered. Without it a stop dropped them, and each client waited out its timeout.
+
+        A held request is answered as ``hold`` recorded it: ``outcome_unknown`` if it may change the
+        database (a write waiting for its commit or forwarded may still commit: the client retries it
+        with the same request id, which the sequencer applies at most once), else ``stopping`` (a
+        read, a query, a changefeed wait: the client asks another node at once). Requests not read yet
+        (this loop's backlog, the socket's queue, at most ``STOP_QUEUED_ANSWERS_MAX``) were never looked
+        at: ``stopping``. A turn cut short by an error may have queued answers its commit did not make
+        true: they become ``outcome_unknown`` (answers queued with no write pending, such as
+        ``disk_filled``'s, are sent as they are). A running query is interrupted by ``close``
+        (``QueryRunner.stop``); its answer here is ``stopping``. Answers go out now (they say nothing
+        about the database), and ``close`` lingers a bounded time so that zmq sends them."""
+        reason = f"{self.role} {self.config.name} is shutting down ({self.stop_reason})"
+        answers: list[tuple[list[bytes], Message]] = []
+        left, self._outbox = self._outbox, []
+        for socket, envelope, message in left:
+            if socket is not None or not envelope:
+                continue  # a frame to a peer: not sent by a stopping node
+            if self._in_transaction:  # a turn cut short: its answer may tell of writes not committed
+                message = messages.error(message.request_id, "outcome_unknown", reason)
+            answers.append((envelope, message))
+        self.answer_held_at_stop(reason)
+        precise, self._outbox = self._outbox, []
+        answers += [(envelope, message) for socket, envelope, message in precise if socket is None and envelope]
+        outstanding, self.outstanding = self.outstanding, {}
+        self._held_since_s.clear()
+        for held in outstanding.values():
+            for request_id, request in held.items():
+                code = "outcome_unknown" if request.changes else STOPPING
+                answers.append((request.envelope, messages.error(request_id, code, reason)))
+        self.waiting_changes.clear()
+        queued = list(self._backlog)
+        self._backlog.clear()
+        answers += self._refuse_queued(queued, reason)
+        for envelope, message in answers:
+            self._send_queued(None, envelope, message)
+        answered = len(answers)
+        if answered:
+            # As after a stop request (STOP_GRACE_MS): answers sent right before the socket closes were
+            # lost in tests, linger or not. Meanwhile what arrives (a client's retry) is told too.
+            grace_ends_ms = monotonic_ms() + STOP_GRACE_MS
+            while self.socket is not None and answered < STOP_QUEUED_ANSWERS_MAX:
+                remaining_ms = grace_ends_ms - monotonic_ms()
+                if remaining_ms <= 0 or not self.socket.poll(remaining_ms):
+                    break
+                for envelope, message in self._refuse_queued([], reason, STOP_QUEUED_ANSWERS_MAX - answered):
+                    self._send_queued(None, envelope, message)
+                    answered += 1
+            log.info("answered %d held or queued request(s) at the stop", answered)
+        self.stop_answers += answered
+        return answered
+
+    def _refuse_queued(
+        self, queued: list[tuple[list[bytes], bytes, str]], reason: str, count_max: int = STOP_QUEUED_ANSWERS_MAX
+    ) -> list[tuple[list[bytes], Message]]:
+        """``stopping`` for the requests ``queued`` and those waiting in the socket (not read: nothing
+        was done with them), at most ``count_max`` in all."""
+        while len(queued) < count_max:
+            try:
+                received = self.receive()
+            except (zmq.Again, zmq.ZMQError):
+                break
+            if received is not None:
+                queued.append(received)
+        return [(envelope, messages.error(request_id_of(frame), STOPPING, reason)) for envelope, frame, _ in queued]
+
+    def answer_held_at_stop(self, reason: str) -> None:
+        """Hook: answer (``reply``) the held requests a driver can tell more precisely about than
+        ``hold`` recorded; whatever it leaves held is answered by ``answer_at_stop``."""
 
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -585,8 +676,10 @@ class NodeServer:
             socket.close(0)
         self.dealers = {}
         if self.socket is not None:
-            # A stop request's answer may still sit in zmq's queue: give it a bounded time to leave.
-            self.socket.close(STOP_REPLY_LINGER_MS if self.stop_requested else 0)
+            # A stop request's answer, and those of the requests answered at the stop (``answer_at_stop``),
+            # may still sit in zmq's queue: give them a bounded time to leave.
+            linger_ms = STOP_REPLY_LINGER_MS if self.stop_requested or self.stop_answers else 0
+            self.socket.close(linger_ms)
             self.socket = None
         if self.security is not None:
             self.security.stop()
@@ -630,17 +723,23 @@ class NodeServer:
 
     # -- requests held for a later answer ----------------------------------------------------
 
-    def hold(self, envelope: list[bytes] | None, request_id: str) -> None:
-        """Count a request that will be answered later; refuse past ``requests_outstanding_max`` per connection."""
+    def hold(self, envelope: list[bytes] | None, request_id: str, changes: bool = True) -> None:
+        """Count a request that will be answered later; refuse past ``requests_outstanding_max`` per connection.
+
+        ``changes``: what a stop answers it (``answer_at_stop``). True (a write, or anything that may
+        change the database once it was looked at): ``outcome_unknown``, never an answer that says it
+        failed when it may still commit. False (a read, a query, a changefeed page): ``stopping``, and
+        the client asks another node. True is the default because it is never wrong, only less helpful.
+        """
         if envelope is None:
             return
-        held = self.outstanding.setdefault(envelope[0], set())
+        held = self.outstanding.setdefault(envelope[0], {})
         if request_id not in held and len(held) >= self.config.limits.requests_outstanding_max:
             raise OverloadedError(
                 f"{len(held)} requests of this connection are outstanding "
                 f"(requests_outstanding_max {self.config.limits.requests_outstanding_max}); read the answers first"
             )
-        held.add(request_id)
+        held[request_id] = HeldRequest(envelope, changes)
         if self.metrics is not None and len(self._held_since_s) < HELD_TIMES_MAX:
             self._held_since_s[(envelope[0], request_id)] = time.monotonic()
 
@@ -749,7 +848,7 @@ class NodeServer:
         targets: dict[str, Any],
     ) -> None:
         """Hold a checked query until each shard reaches its target (``serve_queries`` starts it)."""
-        self.hold(envelope, message.request_id)
+        self.hold(envelope, message.request_id, changes=False)
         waiting = WaitingQuery(
             (envelope, message.request_id),
             checked,
@@ -777,7 +876,7 @@ class NodeServer:
             checked = self.queries.check(f"SELECT count(*) FROM {quote(table.name)}", (), self.store.catalog())
         except QueryError:
             return False
-        self.hold(envelope, request_id)
+        self.hold(envelope, request_id, changes=False)
         payload, deadline_ms = CountRead(envelope, request_id), monotonic_ms() + QUERY_WAIT_MS_DEFAULT
         waiting = WaitingQuery(payload, checked, (table.shard,), {table.shard: target}, COUNT_PAGE_ROWS, deadline_ms)
         try:
@@ -799,7 +898,7 @@ class NodeServer:
             if message.kind == "query_close":
                 self.reply(envelope, messages.reply(message.request_id, {"closed": self.queries.close(cursor)}))
                 return
-            self.hold(envelope, message.request_id)
+            self.hold(envelope, message.request_id, changes=False)
             self.queries.next_page((envelope, message.request_id), cursor, page_rows)
         except QueryError as error:
             raise RequestError(error.code, str(error)) from None
@@ -852,7 +951,7 @@ class NodeServer:
         if len(self.waiting_changes) >= waiting_max:
             self.changes_served["refused"] += 1
             raise OverloadedError(f"{waiting_max} changefeed requests are waiting here (changes_waiting_max)")
-        self.hold(envelope, message.request_id)
+        self.hold(envelope, message.request_id, changes=False)
         shards = frozenset(self.store.shards())
         self.waiting_changes.append(
             WaitingChanges(
@@ -947,7 +1046,7 @@ class NodeServer:
                     self.metrics.acknowledged(time.monotonic() - since)
             held = self.outstanding.get(envelope[0])
             if held is not None:
-                held.discard(message.request_id)
+                held.pop(message.request_id, None)
                 if not held:
                     del self.outstanding[envelope[0]]
             if now:

@@ -1,0 +1,253 @@
+"""A node that stops answers every request it holds, before its socket closes: a write whose entry may
+commit is ``outcome_unknown``, anything else ``stopping`` (the client asks another node at once).
+Before, a stop dropped them all and each client waited out its whole timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from mnesite.core.node import CoreNode
+from mnesite.rlog import messages
+from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown, Unavailable
+from mnesite.rlog.messages import Message
+from mnesite.rlog.types import TxKey
+
+from tests.conftest import ThreadNode, free_port, node_config, offline_replicant, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+CLIENT_TIMEOUT_MS = 10_000
+# Well within the client's timeout: what an answer at the stop takes, not a timeout's silence.
+PROMPT_S = 2.5
+
+
+class Asked:
+    """A request sent from a thread of its own (the client blocks until it is answered)."""
+
+    def __init__(self, call: Any) -> None:
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self.elapsed_s = 0.0
+        self._call = call
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            self.result = self._call()
+        except BaseException as error:  # the test asserts on it
+            self.error = error
+        self.elapsed_s = time.monotonic() - started
+
+    def join(self) -> None:
+        self._thread.join(timeout=CLIENT_TIMEOUT_MS * 3 / 1000)
+        if self._thread.is_alive():
+            raise AssertionError("the request was not answered")
+
+
+def held(node: CoreNode) -> bool:
+    # An in-memory dict of the node (never its store) read from the test thread: only whether it is empty.
+    return bool(node.outstanding)
+
+
+def test_a_query_waiting_for_a_key_is_answered_stopping_when_the_node_stops(tmp_path: Path) -> None:
+    node = ThreadNode(tmp_path / "data")
+    try:
+        with node.client(timeout_ms=CLIENT_TIMEOUT_MS) as client:
+            client.create_table("users", "id", [("id", "INTEGER")])
+
+        def ask() -> Any:
+            with node.client(timeout_ms=CLIENT_TIMEOUT_MS, retries=0) as client:
+                return client.query("SELECT * FROM users", after_tx_key=TxKey(99, 1), timeout_ms=CLIENT_TIMEOUT_MS)
+
+        asked = Asked(ask)
+        wait_until(lambda: held(node.node), 5, "the query held until its key is applied")
+    finally:
+        node.stop()
+    asked.join()
+    assert isinstance(asked.error, Unavailable), asked.error
+    assert asked.error.code == "stopping"
+    assert asked.elapsed_s < PROMPT_S, str(asked.error)
+
+
+def test_a_query_running_on_a_worker_is_interrupted_and_answered_when_the_node_stops(tmp_path: Path) -> None:
+    # A statement that runs until its budget (20 s here) unless interrupted.
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"query_ms_max": 20_000}})
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    try:
+
+        def ask() -> Any:
+            with node.client(timeout_ms=CLIENT_TIMEOUT_MS, retries=0) as client:
+                return client.query(endless, timeout_ms=CLIENT_TIMEOUT_MS)
+
+        asked = Asked(ask)
+        wait_until(lambda: node.node.queries.queries > 0, 5, "the query started on a worker")
+    finally:
+        stopping = time.monotonic()
+        node.stop()
+        stopped_s = time.monotonic() - stopping
+    asked.join()
+    assert isinstance(asked.error, Unavailable), asked.error
+    assert asked.error.code == "stopping"
+    assert asked.elapsed_s < PROMPT_S, str(asked.error)
+    assert stopped_s < PROMPT_S  # the worker was interrupted, not waited on for its budget
+
+
+def test_requests_queued_in_the_socket_are_answered_stopping(tmp_path: Path) -> None:
+    """Requests the loop never read (in zmq's queue when the node stops) are answered too."""
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(node.config.listen)
+    try:
+        for request_id in ("q-1", "q-2"):
+            socket.send(
+                messages.encode(Message("get", request_id, messages.typed_body("get", {"table": "t", "key": 1})))
+            )
+        # Both frames are in the node's socket (the node is not served: this thread owns it).
+        assert node.socket is not None
+        wait_until(lambda: node.socket.poll(0), 5, "the requests in the node's socket")
+        node.request_stop("test")
+        node.serve_forever()  # stops at once: answers what it holds and closes
+        answers = []
+        for _ in range(2):
+            assert socket.poll(5000), "no answer"
+            answers.append(messages.decode(socket.recv()))
+    finally:
+        socket.close(0)
+    assert sorted((a.request_id, a.kind, a.body.code) for a in answers) == [
+        ("q-1", "error", "stopping"),
+        ("q-2", "error", "stopping"),
+    ]
+
+
+def test_a_write_waiting_for_its_commit_is_outcome_unknown_when_the_sequencer_stops(tmp_path: Path) -> None:
+    """Three cores; the followers stop, so the sequencer's write cannot commit; the sequencer stops
+    before its election timeout would make it step down: the client hears outcome_unknown at once."""
+    names = ("core1", "core2", "core3")
+    ports = {name: free_port() for name in names}
+    cores = {name: f"tcp://127.0.0.1:{port}" for name, port in ports.items()}
+    timing = {
+        "core_nodes": cores,
+        "recovery_timeout_ms": 50,
+        "election_timeout_ms_min": 4000,
+        "election_timeout_ms_max": 5000,
+        "heartbeat_interval_ms": 100,
+    }
+    nodes: dict[str, CoreNode] = {}
+    threads: dict[str, threading.Thread] = {}
+    for name in names:
+        node = CoreNode(node_config(tmp_path / name, ports[name], name=name, extra={"cluster": timing}))
+        node.bind()
+        nodes[name] = node
+        threads[name] = threading.Thread(target=node.serve_forever, daemon=True)
+        threads[name].start()
+
+    def stop(name: str) -> None:
+        nodes[name].stopping.set()
+        threads[name].join(timeout=10)
+        assert not threads[name].is_alive()
+
+    try:
+        with Client(list(cores.values()), timeout_ms=15_000) as client:
+            client.create_table("users", "id", [("id", "INTEGER")])
+        sequencer = None
+        for name in names:
+            with Client(cores[name], timeout_ms=2000) as client:
+                if client.status()["shards"]["default"]["role"] == "sequencer":
+                    sequencer = name
+        assert sequencer is not None
+        for name in names:
+            if name != sequencer:
+                stop(name)
+
+        def write() -> Any:
+            with Client(cores[sequencer], timeout_ms=CLIENT_TIMEOUT_MS, retries=0) as client:
+                return client.put("users", {"id": 1})
+
+        asked = Asked(write)
+        wait_until(lambda: held(nodes[sequencer]), 5, "the write waiting for its commit")
+        stop(sequencer)
+    finally:
+        for name in names:
+            if threads[name].is_alive():
+                stop(name)
+    asked.join()
+    # Answered outcome_unknown at the stop (the client then tried the same request id again there, was
+    # told stopping or found the node gone, and gave up at once), not after its timeout's silence.
+    assert isinstance(asked.error, OutcomeUnknown), asked.error
+    assert nodes[sequencer].stop_answers >= 1  # and the retry, if it came before the socket closed
+    assert asked.elapsed_s < PROMPT_S, str(asked.error)
+
+
+def test_a_client_told_stopping_asks_the_next_node_at_once(tmp_path: Path) -> None:
+    """A node that says ``stopping`` did nothing with the request: the client goes to the next endpoint
+    without waiting; with no other endpoint, it gives up at once with the node's reason."""
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stopping_endpoint = f"tcp://127.0.0.1:{port}"
+    done = threading.Event()
+
+    def answer_stopping() -> None:
+        while not done.is_set():
+            if router.poll(20):
+                *envelope, frame = router.recv_multipart()
+                request_id = messages.decode(frame).request_id
+                router.send_multipart(
+                    [*envelope, messages.encode(messages.error(request_id, "stopping", "shutting down"))]
+                )
+
+    server = threading.Thread(target=answer_stopping, daemon=True)
+    server.start()
+    node = ThreadNode(tmp_path / "data")
+    try:
+        with node.client() as client:
+            client.create_table("users", "id", [("id", "INTEGER")])
+            client.put("users", {"id": 1})
+        with Client([stopping_endpoint, node.endpoint], timeout_ms=CLIENT_TIMEOUT_MS) as client:
+            started = time.monotonic()
+            assert client.get("users", 1) == {"id": 1}
+            assert time.monotonic() - started < PROMPT_S
+        with Client(stopping_endpoint, timeout_ms=CLIENT_TIMEOUT_MS) as client:
+            started = time.monotonic()
+            with pytest.raises(MnesiteError) as raised:
+                client.get("users", 1)
+            assert raised.value.code == "stopping" and "shutting down" in str(raised.value)
+            assert time.monotonic() - started < PROMPT_S
+    finally:
+        done.set()
+        server.join(timeout=5)
+        router.close(0)
+        node.stop()
+
+
+def test_a_stopping_replicant_answers_its_waiting_read_stopping_and_its_forwarded_write_outcome_unknown(
+    tmp_path: Path,
+) -> None:
+    """A replicant holds reads waiting until it applied a key, and writes it forwarded to a core (which
+    may commit them): at its stop the read is ``stopping``, the write ``outcome_unknown``."""
+    node = offline_replicant(tmp_path / "r")
+    sent: list[tuple[list[bytes], Message]] = []
+    node._send_queued = lambda _socket, envelope, message: sent.append((envelope, message))
+    try:
+        body = messages.typed_body("get", {"table": "t", "key": 1, "min_key": [5, 1]})
+        node._wait_for([b"reader"], Message("get", "r-1", body), {"default": TxKey(5, 1)})
+        node.hold([b"writer"], "w-1")  # as ``_forward`` holds a write it sent to a core
+        assert node.answer_at_stop() == 2
+        assert node.answer_at_stop() == 0  # once
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+    assert sorted((envelope, m.request_id, m.kind, m.body.code) for envelope, m in sent) == [
+        ([b"reader"], "r-1", "error", "stopping"),
+        ([b"writer"], "w-1", "error", "outcome_unknown"),
+    ]
