@@ -286,10 +286,10 @@ class ReplicantNode(NodeServer):
 
     # -- full disk (rlog.disk) ----------------------------------------------------------------
 
-    def abandon_turn(self) -> None:
+    def abandon_turn(self, reason: str = "the disk failed") -> None:
         # The turn's acknowledgements wait for its commit outside the outbox (``before_send``): they
-        # acknowledge applies the rollback undid, and must leave no more than its frames.
-        super().abandon_turn()
+        # acknowledge applies the rollback undid, and must leave no more than its peer frames.
+        super().abandon_turn(reason)
         self._acks = {}
 
     def disk_filled(self) -> None:

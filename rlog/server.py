@@ -576,7 +576,7 @@ class NodeServer:
             fault = storage_fault(error)
             if fault is None:
                 raise
-            self.abandon_turn()
+            self.abandon_turn(str(error))
             if fault is StorageFault.FAILED:
                 self._storage_failed(error)
             if self.disk.filled(str(error), monotonic_ms()):
@@ -598,15 +598,28 @@ class NodeServer:
             raise error
         raise StorageFailedError(str(error)) from error
 
-    def abandon_turn(self) -> None:
-        """The disk failed this turn: roll back its transaction and send none of its frames (they may
-        acknowledge what was not made durable). Their clients retry, or are told by ``disk_filled``.
-        A driver that keeps frames of the turn outside the outbox (for ``before_send``) drops them too."""
+    def abandon_turn(self, reason: str = "the disk failed") -> None:
+        """The disk failed this turn: roll back its transaction and send none of its frames as they
+        are (they may acknowledge what was not made durable). A client's answer becomes
+        ``outcome_unknown`` (dropped, it left the client to wait out its timeout): the client asks
+        again, a write with the same request id, which the sequencer applies at most once; a refusal
+        (an ``error``) tells of nothing written and is kept. Frames to peers are dropped. The answers
+        leave with the next turn's frames, or at a stop (``answer_at_stop``). A driver that keeps frames
+        of the turn outside the outbox (for ``before_send``) drops them too."""
         self.store.rollback()
         self._in_transaction = False
         self._durable = False
-        self.frames_dropped_disk += len(self._outbox)
-        self._outbox = []
+        dropped, self._outbox = self._outbox, []
+        for socket, envelope, message in dropped:
+            if socket is not None or not envelope:
+                self.frames_dropped_disk += 1
+            elif message.kind == "error":
+                self._outbox.append((None, envelope, message))
+            else:
+                unknown = messages.error(
+                    message.request_id, "outcome_unknown", f"the turn that answered failed: {reason}"
+                )
+                self._outbox.append((None, envelope, unknown))
 
     def _probe_disk(self) -> None:
         try:

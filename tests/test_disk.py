@@ -386,3 +386,36 @@ def test_a_failed_guard_held_when_the_disk_fills_is_told_to_retry(tmp_path: Path
         assert answers == {"w1": "outcome_unknown", "w2": "no_sequencer"}
     finally:
         node.close()
+
+
+def test_answers_of_a_turn_the_disk_failed_become_outcome_unknown_not_silence(tmp_path: Path) -> None:
+    """A turn whose commit found the disk full is rolled back and none of its frames leave (they may
+    tell of what was not made durable). The clients answered in it were dropped with those frames:
+    each waited out its own timeout before it tried again. A client's answer is now replaced by
+    ``outcome_unknown`` (it retries; a write with the same request id, which the sequencer applies
+    at most once); a refusal, which tells of nothing written, is kept; frames to peers still never leave."""
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
+
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    try:
+        body = {"table": "t", "key": "id", "columns": [["id", "INTEGER"], ["v", "TEXT"]]}
+        node._dispatch([b"c0"], Message("create_table", "t0", messages.typed_body("create_table", body)))
+        while node.store.catalog().get("t") is None:
+            node.run_turn()  # one core: it elects itself and commits
+        node._outbox.clear()
+        node.begin()  # the turn's transaction, as a turn that writes opens it
+        node.reply([b"c1"], messages.reply("r1", {"row": None}))  # a read's answer, queued behind the commit
+        node.reply([b"c2"], messages.error("r2", "bad_request", "no such column"))  # a refusal
+        node._outbox.append((object(), [b"peer"], messages.reply("p1", {})))  # a frame to a peer
+        node.abandon_turn()  # the turn's commit found the disk full (NodeServer.turn)
+        answers = {m.request_id: (to, m.kind, getattr(m.body, "code", None)) for _s, to, m in node._outbox}
+        assert answers == {
+            "r1": ([b"c1"], "error", "outcome_unknown"),
+            "r2": ([b"c2"], "error", "bad_request"),
+        }
+        assert node.frames_dropped_disk == 1
+    finally:
+        node.close()
