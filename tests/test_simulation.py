@@ -656,3 +656,16 @@ def test_the_simulator_catches_a_serving_rule_that_ignores_a_stuck_consensus(mon
 def _serving_a_stuck_consensus(install_reason, rows_lost, stuck_reason, applied):
     """Mutation of the serving rule: a core whose consensus cannot follow the log serves anyway."""
     return _NOT_SERVING_REASON(install_reason, rows_lost, None, applied)
+
+
+def test_a_failure_names_the_test_that_replays_it(monkeypatch):
+    """A fixed scenario has no ``seed_N`` test id: the replay command names the test that ran it."""
+    from tests.sim.cluster import replay_command
+
+    node_id = "tests/test_simulation.py::test_an_install_abandoned_under_a_sequencer_that_retains_the_position_heals"
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{node_id} (call)")
+    assert replay_command(3) == f"MNESITE_SIM_SEED=3 .venv/bin/pytest '{node_id}'"
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    assert replay_command(3, "tests/test_disk_simulation.py") == (
+        "MNESITE_SIM_SEED=3 .venv/bin/pytest tests/test_disk_simulation.py -k 'seed_3'"
+    )

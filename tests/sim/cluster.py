@@ -53,6 +53,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import os
 import random
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -131,8 +132,12 @@ CLIENT_RETRIES_MAX = 3
 Row = dict[str, Any] | None
 
 
-def replay_command(seed: int) -> str:
-    return f"MNESITE_SIM_SEED={seed} .venv/bin/pytest tests/test_simulation.py -k 'seed_{seed}'"
+def replay_command(seed: int, test_file: str = "tests/test_simulation.py") -> str:
+    """The command that replays ``seed``: the pytest test that runs it now, by its node id (a fixed
+    scenario has no ``seed_N`` id for ``-k`` to find), else the seed's test in ``test_file``."""
+    node_id = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    target = f"'{node_id}'" if node_id else f"{test_file} -k 'seed_{seed}'"
+    return f"MNESITE_SIM_SEED={seed} .venv/bin/pytest {target}"
 
 
 class SimulationFailure(AssertionError):
