@@ -251,6 +251,9 @@ class PersistedState:
     voted_for: str | None
     members: tuple[str, ...]
     forced: bool = False
+    # A core rebuilt on an empty database (``core.recovery``): the highest log key its peers reported
+    # when it recovered. It stands in for the log the core lost when it judges a candidate's log.
+    vote_floor: TxKey = ZERO_KEY
 
 
 @dataclass(frozen=True)
@@ -656,6 +659,7 @@ class ShardConsensus:
         self._members = members
         self._learner: _Learner | None = None
         self._forced = state.forced
+        self._vote_floor = state.vote_floor
         # Left out by a forced start (ExclusionNotice): never campaign again until rebuilt.
         self._excluded = False
         # Non-member -> when it was last told it is left out (bounded by MEMBERS_MAX entries).
@@ -786,7 +790,9 @@ class ShardConsensus:
         return self.name in self._members
 
     def persisted_state(self) -> PersistedState:
-        return PersistedState(self._generation, self._voted_for, self._committed_members, self._forced)
+        return PersistedState(
+            self._generation, self._voted_for, self._committed_members, self._forced, self._vote_floor
+        )
 
     def status(self) -> ConsensusStatus:
         matches: tuple[tuple[str, TxKey], ...] = ()
@@ -1092,7 +1098,9 @@ class ShardConsensus:
         # committed even if nobody alive has learned that yet, and any majority of voters
         # contains one node holding it. Refusing candidates whose last appended key is
         # behind ours is what guarantees that such an entry is in the winner's log.
-        return candidate_last_key >= self._last_key
+        # A core rebuilt on an empty database held such entries before it lost them: its
+        # ``vote_floor`` (what its peers' logs held when it recovered) stands in for that log.
+        return candidate_last_key >= max(self._last_key, self._vote_floor)
 
     def _adopt_generation(self, generation: int) -> None:
         was_sequencer = self._role is Role.SEQUENCER

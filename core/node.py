@@ -111,6 +111,8 @@ from mnesite.core.recovery import (
     reached_generations,
     recovered_generations,
     recovered_members,
+    recovered_vote_floors,
+    recovery_shortfall,
     well_formed_answers,
 )
 from mnesite.core.snapshot import (
@@ -188,6 +190,10 @@ POLL_INTERVAL_MS_MAX = 50
 FORWARD_TIMEOUT_MS = 5000
 FORWARDED_MAX = 10_000
 WAITERS_MAX = 100_000
+# Meta key prefix (+ shard) of a rebuilt core's vote floor, "generation,counter" (``recover_generations``).
+VOTE_FLOOR_META = "vote_floor:"
+# Journal probes a core on an empty database makes (each up to recovery_timeout_ms) before it gives up.
+RECOVERY_ROUNDS_MAX = 10
 PEER_SEND_QUEUE_MAX = 1000
 # Bytes an agent pushes before its replicant's first acknowledgement (a larger entry goes alone): a
 # live replicant acknowledges within a round trip and gets its whole window then, while a flood of
@@ -443,11 +449,31 @@ class CoreNode(NodeServer):
         """
         if timeout_ms is None:
             timeout_ms = self.config.timing.recovery_timeout_ms
-        answers = self.probe_peers(timeout_ms)
+        for attempt in range(1, RECOVERY_ROUNDS_MAX + 1):
+            answers = self.probe_peers(timeout_ms)
+            # A core added to a running cluster (or one being rebuilt) starts with the members the peers
+            # know, not its config's core_nodes: outside them it is a learner until an add entry names it.
+            members, cluster = recovered_members(answers)
+            missing = recovery_shortfall(answers, cluster or self.members, self.config.name)
+            if missing == 0:
+                break
+            log.warning(
+                "empty database in a running cluster: %d more of the cores %s must answer before this core may "
+                "vote (it may have held entries it lost; answers from %s); asking again (%d of %d)",
+                missing,
+                list(cluster or self.members),
+                sorted(answers),
+                attempt,
+                RECOVERY_ROUNDS_MAX,
+            )
+        else:
+            raise StoreError(
+                f"empty database in a running cluster: {missing} more of the cores {list(cluster or self.members)} "
+                f"must answer before this core may take part (heard {sorted(answers)}); start it again once they "
+                "are reachable, or remove it and add it back (docs: Membership)"
+            )
         generations = recovered_generations(answers)
-        # A core added to a running cluster (or one being rebuilt) starts with the members the peers
-        # know, not its config's core_nodes: outside them it is a learner until an add entry names it.
-        members, cluster = recovered_members(answers)
+        floors = recovered_vote_floors(answers)
         for journal in well_formed_answers(answers).values():
             self._learn_endpoints(journal.get("core_nodes"))
         if generations:
@@ -458,10 +484,26 @@ class CoreNode(NodeServer):
                         continue  # a restored shard already at (or past) the generation the peers know
                     shard_members = members.get(shard, self.members)
                     self.store.persist_consensus_state(shard, generation, self.config.name, shard_members, False)
+                for shard, floor in floors.items():
+                    self.store.ensure_shard(shard, 0)
+                    if floor > self._vote_floor(shard):
+                        self.store.set_meta(VOTE_FLOOR_META + shard, f"{floor.generation},{floor.counter}")
                 if cluster is not None:
                     self._set_cluster_members(cluster)
-            log.warning("empty database: recovering from peers at generations %s", generations)
+            log.warning(
+                "empty database: recovering from peers at generations %s; voting only for logs at or past %s",
+                generations,
+                {shard: tuple(floor) for shard, floor in floors.items()},
+            )
         return generations
+
+    def _vote_floor(self, shard: str) -> TxKey:
+        """The shard's vote floor persisted by ``recover_generations`` (ZERO_KEY: none)."""
+        value = self.store.meta(VOTE_FLOOR_META + shard)
+        if not value:
+            return ZERO_KEY
+        generation, counter = (int(part) for part in str(value).split(","))
+        return TxKey(generation, counter)
 
     def _learn_endpoints(self, endpoints: Any) -> None:
         """Peer endpoints from a peer's journal answer (untrusted: names and endpoints are checked)."""
@@ -505,7 +547,7 @@ class CoreNode(NodeServer):
 
     def _open_shard(self, shard: str) -> ShardDriver:
         generation, voted_for, members, forced = self.store.consensus_state(shard)
-        state = PersistedState(generation, voted_for, members or self.members, forced)
+        state = PersistedState(generation, voted_for, members or self.members, forced, self._vote_floor(shard))
         position = self.store.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")

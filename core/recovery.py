@@ -10,6 +10,16 @@ committed and last keys) in two situations, and only asks: the decisions are her
   peer knows, ``recovered_generations`` names the highest generation in use; the driver persists
   it with this core's vote already cast (for itself), so the core never grants a vote in a
   generation it may have voted in before the loss, and then catches up like a follower far behind.
+  It also lost entries it held, and an entry is committed once a majority holds it: with an empty
+  log it would count any candidate up to date and could elect one without such an entry, which
+  then truncates it from the others (an acknowledged write lost to one lost disk).
+  ``recovered_vote_floors`` names, per shard, the highest log key the peers report; the core
+  grants a (pre-)vote only to a candidate at or past it until its own log passes it
+  (``PersistedState.vote_floor``). The floor holds only if the answers include a core that holds
+  each such entry: ``recovery_shortfall`` asks for ``n - majority + 1`` of the other members (any
+  majority that held an entry has one of them among those), and until that many answered the core
+  does not start. A floor above every log left (the peer that reported it is gone for good) keeps
+  this core from electing anyone without it: a forced start then decides.
   No answer (a new cluster) recovers nothing.
 * Membership (``core.membership``): a core that joins a running cluster (or is rebuilt) starts
   with the membership its peers report, not its config's ``core_nodes``. ``recovered_members``
@@ -33,6 +43,7 @@ from typing import Any
 from mnesite.core.consensus import GENERATION_MAX
 from mnesite.core.membership import valid_members
 from mnesite.rlog.schema import SchemaError, check_name
+from mnesite.rlog.types import ZERO_KEY, TxKey
 
 
 def journal_generation(journal: Mapping[str, Any], shard: str) -> int:
@@ -72,6 +83,54 @@ def recovered_generations(answers: Mapping[str, Any]) -> dict[str, int]:
                 continue
             generations[shard] = max(generations.get(shard, 0), journal_generation(journal, shard))
     return generations
+
+
+def journal_key(value: Any) -> TxKey | None:
+    """A log key of a peer's journal answer (``[generation, counter]``), or None if malformed."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    generation, counter = value
+    for part in (generation, counter):
+        if not isinstance(part, int) or isinstance(part, bool) or not 0 <= part <= GENERATION_MAX:
+            return None
+    return TxKey(generation, counter)
+
+
+def recovered_vote_floors(answers: Mapping[str, Any]) -> dict[str, TxKey]:
+    """Vote floors after a lost disk: for each validly named shard, the highest log key (``last``,
+    or ``committed`` if higher) any well-formed answer reports. An entry is committed once a
+    majority holds it, and this core may have been one of them: until its own log reaches what its
+    peers' logs held, it counts a candidate up to date only at this key (``ShardConsensus``). A
+    malformed key is left out (that peer then adds nothing to the floor); no answer: no floor."""
+    floors: dict[str, TxKey] = {}
+    for journal in well_formed_answers(answers).values():
+        for shard, age in journal["shards"].items():
+            try:
+                check_name("shard", shard)
+            except SchemaError:
+                continue
+            if not isinstance(age, dict):
+                continue
+            for key in (journal_key(age.get("last")), journal_key(age.get("committed"))):
+                if key is not None and key > floors.get(shard, ZERO_KEY):
+                    floors[shard] = key
+    return floors
+
+
+def recovery_shortfall(answers: Mapping[str, Any], members: tuple[str, ...], name: str) -> int:
+    """How many more members must answer before a core rebuilt on an empty database may take part
+    (0: enough). Nothing when no well-formed answer shows a generation in use (a new cluster, whose
+    cores all start empty) or when ``name`` is not a member (a learner never votes). Otherwise
+    ``n - majority + 1`` of the other members: an entry committed on a majority that included this
+    core is held by at least ``majority - 1`` of the others, and that many answers always include
+    one of them, so the vote floor (``recovered_vote_floors``) is at or past every committed entry."""
+    usable = well_formed_answers(answers)
+    history = any(journal_generation(journal, shard) > 0 for journal in usable.values() for shard in journal["shards"])
+    if not history or name not in members:
+        return 0
+    needed = len(members) - (len(members) // 2 + 1) + 1
+    heard = sum(1 for peer in usable if peer in members and peer != name)
+    return max(0, needed - heard)
 
 
 def reached_generations(answers: Mapping[str, Any], shard: str) -> tuple[tuple[str, int], ...]:

@@ -1138,3 +1138,28 @@ def test_a_sequencer_that_retains_the_followers_position_offers_a_snapshot_when_
     later = asked_ms + CONFIG.heartbeat_interval_ms
     assert len(of_type(harness.step(SnapshotRequested("b"), later), SnapshotNeeded)) == 1
     assert of_type(harness.step(SnapshotRequested("z"), later), SnapshotNeeded) == []  # not a follower of it
+
+
+def test_a_core_that_lost_its_log_votes_only_for_a_candidate_at_its_recovered_floor():
+    """A core rebuilt on an empty database (a lost disk, ``mnesite`` docs: "rebuild it (empty data
+    directory)") may have held entries that are committed because it held them: the entry at (1, 2)
+    below was persisted by the sequencer and this core, a majority of three, and acknowledged. With an
+    empty log it counted every candidate up to date, so the third core, which never had that entry,
+    won its vote, became sequencer and truncated the entry from the old sequencer's log: an
+    acknowledged write lost to one lost disk. The recovered floor (``PersistedState.vote_floor``, the
+    highest log key its peers reported when it recovered) stands in for the log it lost."""
+    floor = TxKey(1, 2)
+    recovered = PersistedState(1, "a", MEMBERS, vote_floor=floor)
+    harness = Harness(state=recovered)
+    behind = harness.receive("c", VoteRequest(2, TxKey(1, 1)), now_ms=QUIET_AFTER_START_MS)
+    assert sends(behind, VoteReply) == [("c", VoteReply(2, False))]
+    pre_behind = Harness(state=recovered).receive("c", PreVoteRequest(2, TxKey(1, 1)), now_ms=QUIET_AFTER_START_MS)
+    assert sends(pre_behind, PreVoteReply) == [("c", PreVoteReply(1, False))]
+    at_floor = Harness(state=recovered).receive("b", VoteRequest(2, floor), now_ms=QUIET_AFTER_START_MS)
+    assert sends(at_floor, VoteReply) == [("b", VoteReply(2, True))]
+    # The floor is persisted with the rest of the state (a restart before it caught up keeps it).
+    assert of_type(at_floor, PersistState)[-1].state.vote_floor == floor
+    # Once its own log holds entries past the floor, its log decides, as for any core.
+    caught_up = Harness(entries=chain([TxKey(1, 1), TxKey(1, 2), TxKey(1, 3)]), state=recovered)
+    refused = caught_up.receive("b", VoteRequest(2, floor), now_ms=QUIET_AFTER_START_MS)
+    assert sends(refused, VoteReply) == [("b", VoteReply(2, False))]

@@ -62,3 +62,49 @@ def test_a_recovered_generation_leaves_room_for_a_campaign():
     assert recovered_generations(answers) == {"default": GENERATION_MAX}
     assert GENERATION_MAX + 1 <= INTEGER_MAX
     assert recovered_generations({"core2": {"shards": {"default": {"generation": GENERATION_MAX + 1}}}}) == {}
+
+
+def test_a_core_with_a_lost_disk_takes_the_highest_log_key_any_peer_reports_as_its_vote_floor():
+    from mnesite.core.recovery import recovered_vote_floors
+    from mnesite.rlog.types import TxKey
+
+    answers = {
+        "core2": {"shards": {"default": {"generation": 3, "committed": [3, 7], "last": [3, 9]}}},
+        "core3": {
+            "shards": {
+                "default": {"generation": 3, "committed": [3, 8], "last": [3, 8]},
+                "other": {"generation": 1, "committed": [1, 2], "last": "junk"},  # a malformed key adds nothing
+                "bad name!": {"generation": 1, "committed": [1, 5], "last": [1, 5]},
+            }
+        },
+        "core4": {"shards": {"default": {"generation": 2**63, "last": [9, 9]}}},  # malformed: not reached
+    }
+    assert recovered_vote_floors(answers) == {"default": TxKey(3, 9), "other": TxKey(1, 2)}
+    assert recovered_vote_floors({}) == {}
+    hostile = {"core2": {"shards": {"default": {"generation": 1, "last": [True, 1], "committed": [1, -1]}}}}
+    assert recovered_vote_floors(hostile) == {}
+
+
+def test_a_rebuilt_member_needs_answers_from_n_minus_majority_plus_one_other_members():
+    """Any majority holding an entry has a member among that many others, so the floor covers it."""
+    from mnesite.core.recovery import recovery_shortfall
+
+    history = {"generation": 3, "last": [3, 4]}
+    three = ("core1", "core2", "core3")
+    assert recovery_shortfall({"core2": {"shards": {"default": history}}}, three, "core1") == 1
+    both = {"core2": {"shards": {"default": history}}, "core3": {"shards": {"default": history}}}
+    assert recovery_shortfall(both, three, "core1") == 0
+    five = ("core1", "core2", "core3", "core4", "core5")
+    answers = {peer: {"shards": {"default": history}} for peer in ("core2", "core3")}
+    assert recovery_shortfall(answers, five, "core1") == 1
+    answers["core9"] = {"shards": {"default": history}}  # not a member: does not count
+    assert recovery_shortfall(answers, five, "core1") == 1
+    answers["core4"] = {"shards": {"default": history}}
+    assert recovery_shortfall(answers, five, "core1") == 0
+    # A new cluster (no generation in use anywhere, or nobody answered) and a learner wait for nobody.
+    assert recovery_shortfall({"core2": {"shards": {"default": {"generation": 0}}}}, three, "core1") == 0
+    assert recovery_shortfall({}, three, "core1") == 0
+    assert recovery_shortfall({"core2": {"shards": {"default": history}}}, three, "core4") == 0
+    # A malformed answer counts as not reached.
+    assert recovery_shortfall({"core2": {"shards": {"default": {"generation": -1}}}, **both}, three, "core1") == 0
+    assert recovery_shortfall({"core2": {"shards": {"default": {"generation": "x"}}}}, three, "core1") == 0

@@ -656,3 +656,70 @@ def test_the_simulator_catches_a_serving_rule_that_ignores_a_stuck_consensus(mon
 def _serving_a_stuck_consensus(install_reason, rows_lost, stuck_reason, applied):
     """Mutation of the serving rule: a core whose consensus cannot follow the log serves anyway."""
     return _NOT_SERVING_REASON(install_reason, rows_lost, None, applied)
+
+
+def test_a_failure_names_the_test_that_replays_it(monkeypatch):
+    """A fixed scenario has no ``seed_N`` test id: the replay command names the test that ran it."""
+    from tests.sim.cluster import replay_command
+
+    node_id = "tests/test_simulation.py::test_an_install_abandoned_under_a_sequencer_that_retains_the_position_heals"
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{node_id} (call)")
+    assert replay_command(3) == f"MNESITE_SIM_SEED=3 .venv/bin/pytest '{node_id}'"
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    assert replay_command(3, "tests/test_disk_simulation.py") == (
+        "MNESITE_SIM_SEED=3 .venv/bin/pytest tests/test_disk_simulation.py -k 'seed_3'"
+    )
+
+
+def _disk_lost_while_a_core_lags(seed: int) -> Simulation:
+    """3 cores, no random faults: writes commit on the sequencer and one follower while the third is
+    cut off from the sequencer; that follower's disk is then lost. It recovers from the journals of
+    the other two (``core.recovery``), and the sequencer is cut off from it at once, before it could
+    send it anything: the lagging core campaigns, and the rebuilt core's vote decides. Then heal."""
+    sim = Simulation(seed, 3)
+    sim._heal()
+    sim.faults = dataclasses.replace(sim.faults, retention_entries_max=10**9)
+    sequencer = sim.run_until_quiet()
+    a = sequencer.name
+    b, c = (name for name in sorted(sim.nodes) if name != a)
+    sim.cut = {(a, c), (c, a)}
+    for _ in range(5):
+        sim.write(a)
+        sim.advance()
+    for _ in range(100):
+        sim.advance()
+    assert len(sim.acknowledged) >= 5, "the writes committed on the sequencer and b"
+    sim.lose_disk(b)
+    sim._restart_due()  # b recovers (it reaches a and c) and starts
+    assert sim.nodes[b].machine is not None and not sim.nodes[b].disk_lost
+    sim.cut |= {(a, b), (b, a)}
+    for _ in range(300):  # 3 s: c's election timeouts pass
+        sim._restart_due()
+        sim.advance()
+    sim.cut = set()
+    sequencer = sim.run_until_quiet()
+    sim.final_check(sequencer)
+    assert sim.disks_lost == 1
+    return sim
+
+
+@pytest.mark.timeout(60)
+def test_a_core_rebuilt_on_an_empty_disk_never_elects_a_core_that_lacks_what_it_held():
+    """The writes were committed on the sequencer and the core whose disk was lost. With an empty log
+    that core counted the lagging core up to date, elected it, and the writes were truncated from the
+    old sequencer: acknowledged writes lost to one lost disk. Its recovered vote floor refuses it."""
+    for seed in (1, 2, 3, 4):
+        sim = _disk_lost_while_a_core_lags(seed)
+        assert sim.acknowledged, "acknowledged writes survived"
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_rebuilt_core_that_ignores_its_vote_floor(monkeypatch):
+    """Mutation: recovery names no floor (the rule before it); the lagging core is elected with the
+    rebuilt core's vote and the acknowledged writes are lost, which the simulator catches."""
+    from tests.sim import cluster
+
+    monkeypatch.setattr(cluster, "recovered_vote_floors", lambda answers: {})
+    for seed in (1, 2, 3, 4):
+        with pytest.raises(SimulationFailure, match="missing|different entry|commits"):
+            _disk_lost_while_a_core_lags(seed)

@@ -866,3 +866,70 @@ def test_a_node_sent_a_message_of_200k_parts_keeps_serving_and_changes_nothing(n
     finally:
         socket.close(0)
     assert node.thread.is_alive()
+
+
+def test_a_rebuilt_core_persists_its_vote_floor_and_its_consensus_judges_candidates_by_it(tmp_path: Path, monkeypatch):
+    """A core on an empty database lost the entries it held; the highest log key its peers report
+    stands in for them when it votes (``core.recovery.recovered_vote_floors``), across a restart."""
+    from mnesite.core.consensus import MessageReceived, VoteRequest
+    from mnesite.core.node import CoreNode
+    from mnesite.core.recovery import well_formed_answers
+    from mnesite.rlog.types import TxKey
+
+    answers = {
+        "core2": {"shards": {"default": {"generation": 4, "committed": [4, 10], "last": [4, 12]}}},
+        "core3": {"shards": {"default": {"generation": 4, "committed": [4, 9], "last": [4, 9]}}},
+    }
+    config = node_config(tmp_path / "data", free_port())
+    node = CoreNode(config)
+    try:
+        monkeypatch.setattr(node, "members", ("core1", "core2", "core3"))
+        # What ``probe_peers`` makes of the peers' answers (asking each over its own client).
+        monkeypatch.setattr(node, "probe_peers", lambda timeout_ms: well_formed_answers(answers))
+        assert node.recover_generations() == {"default": 4}
+    finally:
+        node.close()
+    restarted = CoreNode(config)  # the floor is on disk, read when the shard's machine is built
+    try:
+        consensus = restarted.shards["default"].consensus
+        assert consensus.persisted_state().vote_floor == TxKey(4, 12)
+        later = restarted.clock_ms() + 60_000  # past the quiet time after a start
+        refused = consensus.step(MessageReceived("core3", VoteRequest(5, TxKey(4, 9))), later)
+        granted = consensus.step(MessageReceived("core2", VoteRequest(6, TxKey(4, 12))), later)
+        assert [effect.message.granted for effect in refused if hasattr(effect, "message")] == [False]
+        assert [effect.message.granted for effect in granted if hasattr(effect, "message")] == [True]
+    finally:
+        restarted.close()
+
+
+def test_a_rebuilt_core_waits_for_enough_peers_and_gives_up_with_a_clear_error(tmp_path: Path, monkeypatch):
+    """With one of its two peers answering, a rebuilt member of three cores cannot know that its floor
+    covers every committed entry (the silent one may be the only other holder): it asks again, starts
+    once both answered, and gives up with a clear error after RECOVERY_ROUNDS_MAX rounds."""
+    from mnesite.core import node as node_module
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog.store import StoreError
+    from mnesite.rlog.types import TxKey
+
+    history = {"generation": 4, "committed": [4, 10], "last": [4, 12], "members": ["core1", "core2", "core3"]}
+    rounds = []
+
+    def probe(timeout_ms: int) -> dict:
+        rounds.append(timeout_ms)
+        answers = {"core2": {"shards": {"default": history}}}
+        if len(rounds) >= 3:
+            answers["core3"] = {"shards": {"default": {**history, "last": [4, 10]}}}
+        return answers
+
+    config = node_config(tmp_path / "data", free_port())
+    node = CoreNode(config)
+    try:
+        monkeypatch.setattr(node, "probe_peers", probe)
+        assert node.recover_generations() == {"default": 4} and len(rounds) == 3
+        assert node._vote_floor("default") == TxKey(4, 12)
+        monkeypatch.setattr(node, "probe_peers", lambda timeout_ms: {"core2": {"shards": {"default": history}}})
+        with pytest.raises(StoreError, match="1 more of the cores"):
+            node.recover_generations()
+    finally:
+        node.close()
+    assert node_module.RECOVERY_ROUNDS_MAX >= 2

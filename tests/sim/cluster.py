@@ -53,6 +53,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import os
 import random
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -98,6 +99,12 @@ from mnesite.core.outcome import (
     Outcome,
     OutcomeUnknown,
 )
+from mnesite.core.recovery import (
+    recovered_generations,
+    recovered_members,
+    recovered_vote_floors,
+    recovery_shortfall,
+)
 from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install, snapshot_request_due
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.core.versions import UNSPOKEN_CLUSTER_VERSION
@@ -128,11 +135,18 @@ FORWARDED_MAX = 64
 # with the same request id (production's Client does, up to its retries), at most this many times.
 CLIENT_RETRY_MS = 1500
 CLIENT_RETRIES_MAX = 3
+# A core on an empty database that heard too few peers asks again after this long (production: a
+# probe of up to recovery_timeout_ms, RECOVERY_ROUNDS_MAX times, then it does not start).
+RECOVERY_RETRY_MS = 200
 Row = dict[str, Any] | None
 
 
-def replay_command(seed: int) -> str:
-    return f"MNESITE_SIM_SEED={seed} .venv/bin/pytest tests/test_simulation.py -k 'seed_{seed}'"
+def replay_command(seed: int, test_file: str = "tests/test_simulation.py") -> str:
+    """The command that replays ``seed``: the pytest test that runs it now, by its node id (a fixed
+    scenario has no ``seed_N`` id for ``-k`` to find), else the seed's test in ``test_file``."""
+    node_id = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    target = f"'{node_id}'" if node_id else f"{test_file} -k 'seed_{seed}'"
+    return f"MNESITE_SIM_SEED={seed} .venv/bin/pytest {target}"
 
 
 class SimulationFailure(AssertionError):
@@ -301,6 +315,9 @@ class SimNode:
     # (production's ``CoreNode._ticked``), and asks for an offer (``core.snapshot``, "Re-offer").
     rows_lost: bool = False
     snapshot_asked_ms: int | None = None  # when it last asked (in memory)
+    # Its disk was replaced by an empty one (``Simulation.lose_disk``): before it starts it recovers
+    # from its peers' journals as production's ``CoreNode.recover_generations`` does.
+    disk_lost: bool = False
 
 
 @dataclass
@@ -402,6 +419,7 @@ class Simulation:
         self.client_belief: str | None = None
         self.write_count = 0
         self.crashes = 0
+        self.disks_lost = 0
         self.pauses = 0
         self.snapshots = 0
         self.installs_abandoned = 0
@@ -1074,9 +1092,53 @@ class Simulation:
                 self.pauses += 1
                 self.trace.append((self.now_ms, node.name, "paused until", node.paused_until_ms))
 
+    def lose_disk(self, name: str) -> None:
+        """``name`` crashes and its disk is replaced by an empty one (its log, votes and rows are gone);
+        it restarts at the next step on an empty database, recovering first (``_recover``)."""
+        node = self.nodes[name]
+        if node.machine is not None:
+            self._crash(node)
+        node.log = MemoryLog()
+        node.applied_key, node.applied_digest = ZERO_KEY, GENESIS_DIGEST
+        node.durable_key, node.rows_lost = ZERO_KEY, False
+        node.state = PersistedState(0, None, node.state.members)
+        node.disk_lost = True
+        node.down_until_ms = self.now_ms
+        self.disks_lost += 1
+        self.trace.append((self.now_ms, name, "lost its disk"))
+
+    def _recover(self, node: SimNode) -> bool:
+        """Production's ``CoreNode.recover_generations`` on the journals of the cores ``node`` reaches
+        now, with ``core.recovery``'s rules; False while too few answered (it asks again later)."""
+        answers = {}
+        for other in self.nodes.values():
+            machine = other.machine
+            if other.name == node.name or machine is None or not self._is_up(other):
+                continue
+            if (node.name, other.name) in self.cut or (other.name, node.name) in self.cut:
+                continue
+            age = machine.journal_age()
+            shard = {"generation": age.generation, "committed": list(age.committed_key), "last": list(age.last_key)}
+            answers[other.name] = {"shards": {SHARD: {**shard, "members": list(machine.members)}}}
+        _, cluster = recovered_members(answers)
+        members = cluster or node.state.members
+        if recovery_shortfall(answers, members, node.name):
+            node.down_until_ms = self.now_ms + RECOVERY_RETRY_MS
+            self.trace.append((self.now_ms, node.name, "recovery heard too few cores", sorted(answers)))
+            return False
+        generation = recovered_generations(answers).get(SHARD, 0)
+        if generation > 0:
+            floor = recovered_vote_floors(answers).get(SHARD, ZERO_KEY)
+            node.state = PersistedState(generation, node.name, members, vote_floor=floor)
+            self.trace.append((self.now_ms, node.name, "recovered generation", generation, "vote floor", floor))
+        node.disk_lost = False
+        return True
+
     def _restart_due(self) -> None:
         for node in self.nodes.values():
             if node.machine is None and node.down_until_ms <= self.now_ms and node.name not in self.lost_for_good:
+                if node.disk_lost and not self._recover(node):
+                    continue
                 self._start(node)
                 self.trace.append((self.now_ms, node.name, "restarted at generation", node.state.generation))
 

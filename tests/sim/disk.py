@@ -40,7 +40,7 @@ from mnesite.core.consensus import (
 from mnesite.rlog.config import Limits
 from mnesite.rlog.disk import DiskFreed, DiskFull
 
-from tests.sim.cluster import SimNode, Simulation, SimulationResult
+from tests.sim.cluster import SimNode, Simulation, SimulationResult, replay_command
 
 WRITING_EFFECTS = (PersistEntries, PersistState, TruncateLog, Commit)
 
@@ -64,7 +64,7 @@ class DiskFullSimulation(Simulation):
         self.result: SimulationResult | None = None
 
     def _replay_command(self) -> str:
-        return f"MNESITE_SIM_SEED={self.seed} .venv/bin/pytest tests/test_disk_simulation.py -k 'seed_{self.seed}'"
+        return replay_command(self.seed, "tests/test_disk_simulation.py")
 
     def fill(self, name: str, duration_ms: int) -> None:
         """``name``'s disk is full for ``duration_ms`` (its next writing step fails)."""

@@ -82,6 +82,7 @@ from mnesite.rlog.types import (
 )
 
 from tests.sim.cluster import READ_KEYS, READ_TABLE, SHARD, ClientRequest, SimNode, Simulation
+from tests.sim.cluster import replay_command as cluster_replay_command
 
 TABLES = ("t", "u")
 KEY_COLUMN = "k"
@@ -105,7 +106,7 @@ FRAME_BYTES_MAX = Limits.frame_bytes_max
 
 
 def replay_command(seed: int) -> str:
-    return f"MNESITE_SIM_SEED={seed} .venv/bin/pytest tests/test_replicant_simulation.py -k 'seed_{seed}'"
+    return cluster_replay_command(seed, "tests/test_replicant_simulation.py")
 
 
 Tables = dict[str, dict[Any, dict[str, Any]]]
