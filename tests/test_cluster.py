@@ -280,3 +280,34 @@ def test_one_durable_commit_per_write_at_the_sequencer(cluster: Cluster) -> None
     commits = after["commits"] - before["commits"]
     assert durable <= writes + 2 * (seconds + 1), (durable, commits, seconds)
     assert commits >= writes + durable // 2, "the applies should have their own, fsync-less commits"
+
+
+def test_a_wiped_core_starts_only_once_enough_of_its_peers_answer(cluster: Cluster) -> None:
+    """A core on an empty data directory may have held entries committed because it held them: it
+    takes part only once n - majority + 1 of the other members answered its journal probe (here both
+    others), so that the highest log key they report covers them (its vote floor); with one of its
+    two peers down it refuses to start and says which cores must answer."""
+    for name in cluster.names:  # a short probe: the refusal comes after 10 of them
+        config = cluster.root / f"{name}.toml"
+        config.write_text(config.read_text().replace("[cluster]\n", "[cluster]\nrecovery_timeout_ms = 100\n", 1))
+    cluster.start_all()
+    create_table(cluster)
+    sequencer, _ = cluster.sequencer()
+    down, wiped = [name for name in cluster.names if name != sequencer]
+    with cluster.client(sequencer, retries=5) as client:
+        for i in range(20):
+            client.put("kv", {"id": i, "value": "before"})
+    cluster.nodes[wiped].kill()
+    shutil.rmtree(cluster.data_dir(wiped))
+    cluster.nodes[down].kill()
+    with pytest.raises(AssertionError, match="1 more of the cores") as refused:
+        cluster.start(wiped)
+    assert "node exited with" in str(refused.value)
+    cluster.start(down)
+    cluster.start(wiped)
+    log = (cluster.root / f"{wiped}.log").read_text()
+    assert "voting only for logs at or past" in log
+    converged = cluster.wait_converged(cluster.names)
+    with cluster.client(wiped) as client:
+        assert client.get("kv", 19) == {"id": 19, "value": "before"}
+    assert converged
