@@ -1052,6 +1052,11 @@ class ShardConsensus:
         if self._role is Role.FOLLOWER:
             # We no longer hear the sequencer: stop forwarding to it (the driver tells waiting clients).
             self._set_role(Role.FOLLOWER, None)
+        if self._last_key < self._vote_floor:
+            # Rebuilt on an empty disk and not caught up past its vote floor: its log may lack entries
+            # committed because it held them before, and its own vote would not stop it. It waits for
+            # a sequencer whose log has them instead of campaigning.
+            return
         self._pre_votes = {self.name}
         if len(self._pre_votes) >= self._majority():
             self._campaign()

@@ -474,6 +474,15 @@ class CoreNode(NodeServer):
             )
         generations = recovered_generations(answers)
         floors = recovered_vote_floors(answers)
+        if not any(generations.values()):
+            # A core of a new cluster, or a rebuilt one that reached no core that saw an election: it
+            # cannot tell which, and starts with nothing to recover (docs: Troubleshooting).
+            log.info(
+                "empty database: no peer reports a generation in use (answers from %s): starting as a core of a "
+                "new cluster; if this core was rebuilt in a running cluster, stop it and start it again once "
+                "the other cores are up",
+                sorted(answers),
+            )
         for journal in well_formed_answers(answers).values():
             self._learn_endpoints(journal.get("core_nodes"))
         if generations:

@@ -1163,3 +1163,17 @@ def test_a_core_that_lost_its_log_votes_only_for_a_candidate_at_its_recovered_fl
     caught_up = Harness(entries=chain([TxKey(1, 1), TxKey(1, 2), TxKey(1, 3)]), state=recovered)
     refused = caught_up.receive("b", VoteRequest(2, floor), now_ms=QUIET_AFTER_START_MS)
     assert sends(refused, VoteReply) == [("b", VoteReply(2, False))]
+
+
+def test_a_core_below_its_vote_floor_never_campaigns():
+    """Its vote for itself is not judged by the floor: a rebuilt core that campaigned while its log was
+    behind it could win with the vote of a core as far behind, and truncate committed entries."""
+    harness = Harness(entries=chain([TxKey(1, 1)]), state=PersistedState(1, "a", MEMBERS, vote_floor=TxKey(1, 5)))
+    effects = harness.step(Ticked(), harness.machine.next_deadline_ms())
+    assert sends(effects, PreVoteRequest) == [] and harness.machine.role is Role.FOLLOWER
+    assert harness.machine.next_deadline_ms() > harness.now_ms  # it does not spin on a passed deadline
+    caught_up = Harness(
+        entries=chain([TxKey(1, 1), TxKey(1, 5)]), state=PersistedState(1, "a", MEMBERS, vote_floor=TxKey(1, 5))
+    )
+    effects = caught_up.step(Ticked(), caught_up.machine.next_deadline_ms())
+    assert {to for to, _ in sends(effects, PreVoteRequest)} == {"b", "c"}

@@ -1122,6 +1122,14 @@ class Simulation:
             answers[other.name] = {"shards": {SHARD: {**shard, "members": list(machine.members)}}}
         _, cluster = recovered_members(answers)
         members = cluster or node.state.members
+        if not recovered_generations(answers).get(SHARD, 0):
+            # Production cannot tell a rebuilt core that reaches no peer that saw an election (none,
+            # or only cores that never heard a sequencer) from a core of a new cluster: it starts with
+            # nothing to recover, and says so. The operator's part (docs: Troubleshooting), modelled
+            # here: start a rebuilt core again once it reaches the cluster's running cores.
+            node.down_until_ms = self.now_ms + RECOVERY_RETRY_MS
+            self.trace.append((self.now_ms, node.name, "rebuilt core reaches no core that saw an election"))
+            return False
         if recovery_shortfall(answers, members, node.name):
             node.down_until_ms = self.now_ms + RECOVERY_RETRY_MS
             self.trace.append((self.now_ms, node.name, "recovery heard too few cores", sorted(answers)))
