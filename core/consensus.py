@@ -14,6 +14,10 @@ and executes the effects it returns.
   other members for their vote. A member grants at most one vote per generation (persisted before the
   reply is sent), and only to a candidate whose last appended tx key is at least its own. A candidate
   with the votes of a majority becomes sequencer.
+* Vote floor (``PersistedState.vote_floor``). A core rebuilt on an empty disk lost entries that may
+  be committed because it held them; ``core.recovery`` gives it the highest log key its peers held
+  when it recovered. Until its own log reaches that key, it counts a candidate up to date only at
+  or past it, and it does not campaign (its vote for itself would not be judged by the floor).
 * Pre-vote (Raft thesis 9.6). Before it bumps the generation, a follower whose election timeout
   expired asks the others whether they *would* vote for it in g+1 (``PreVoteRequest``); nobody
   persists or adopts anything for a pre-vote. Only with a majority of would-be votes does it start

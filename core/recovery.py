@@ -13,13 +13,16 @@ committed and last keys) in two situations, and only asks: the decisions are her
   It also lost entries it held, and an entry is committed once a majority holds it: with an empty
   log it would count any candidate up to date and could elect one without such an entry, which
   then truncates it from the others (an acknowledged write lost to one lost disk).
-  ``recovered_vote_floors`` names, per shard, the highest log key the peers report; the core
-  grants a (pre-)vote only to a candidate at or past it until its own log passes it
-  (``PersistedState.vote_floor``). The floor holds only if the answers include a core that holds
+  ``recovered_vote_floors`` names, per shard, the highest log key the peers report; until its own
+  log reaches it the core grants a (pre-)vote only to a candidate at or past it, and does not
+  campaign (``PersistedState.vote_floor``). The floor holds only if the answers include a core that holds
   each such entry: ``recovery_shortfall`` asks for ``n - majority + 1`` of the other members (any
   majority that held an entry has one of them among those), and until that many answered the core
   does not start. A floor above every log left (the peer that reported it is gone for good) keeps
-  this core from electing anyone without it: a forced start then decides.
+  this core from electing anyone without it: a forced start then decides. A core that reaches no
+  core that saw an election (none answers, or only cores that never heard a sequencer) cannot tell
+  itself from a core of a new cluster: it recovers nothing, and the driver logs so (a known gap:
+  telling them apart needs the operator's word or journal answers served during recovery).
   No answer (a new cluster) recovers nothing.
 * Membership (``core.membership``): a core that joins a running cluster (or is rebuilt) starts
   with the membership its peers report, not its config's ``core_nodes``. ``recovered_members``
