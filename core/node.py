@@ -454,33 +454,40 @@ class CoreNode(NodeServer):
             # A core added to a running cluster (or one being rebuilt) starts with the members the peers
             # know, not its config's core_nodes: outside them it is a learner until an add entry names it.
             members, cluster = recovered_members(answers)
-            missing = recovery_shortfall(answers, cluster or self.members, self.config.name)
+            existing = self.config.initial_cluster_state == "existing"
+            missing = recovery_shortfall(answers, cluster or self.members, self.config.name, existing)
             if missing == 0:
                 break
+            silent = sorted(set(cluster or self.members) - set(well_formed_answers(answers)) - {self.config.name})
             log.warning(
-                "empty database in a running cluster: %d more of the cores %s must answer before this core may "
-                "vote (it may have held entries it lost; answers from %s); asking again (%d of %d)",
+                "empty database in a running cluster: every other member must answer before this core may vote "
+                "(it may have voted, and held entries, before its loss); %d not yet: %s (answers from %s); "
+                "asking again (%d of %d)",
                 missing,
-                list(cluster or self.members),
+                silent,
                 sorted(answers),
                 attempt,
                 RECOVERY_ROUNDS_MAX,
             )
         else:
             raise StoreError(
-                f"empty database in a running cluster: {missing} more of the cores {list(cluster or self.members)} "
-                f"must answer before this core may take part (heard {sorted(answers)}); start it again once they "
-                "are reachable, or remove it and add it back (docs: Membership)"
+                f"empty database in a running cluster: every other member must answer before this core may take "
+                f"part; {missing} did not: {silent} (heard {sorted(answers)}); start it again once they are "
+                "reachable, or remove the ones gone for good (cluster remove-core), or remove this core and add it "
+                "back (docs: Membership)"
             )
         generations = recovered_generations(answers)
         floors = recovered_vote_floors(answers)
-        if not any(generations.values()):
+        if not any(generations.values()) and self.config.initial_cluster_state == "existing":
+            log.info("empty database: every other member answered and none saw an election: nothing to recover")
+        elif not any(generations.values()):
             # A core of a new cluster, or a rebuilt one that reached no core that saw an election: it
-            # cannot tell which, and starts with nothing to recover (docs: Troubleshooting).
+            # cannot tell which, and starts with nothing to recover unless the operator said which
+            # ([cluster] initial_cluster_state; docs: Troubleshooting).
             log.info(
                 "empty database: no peer reports a generation in use (answers from %s): starting as a core of a "
-                "new cluster; if this core was rebuilt in a running cluster, stop it and start it again once "
-                "the other cores are up",
+                "new cluster; if this core was rebuilt in a running cluster, stop it and start it again with "
+                '[cluster] initial_cluster_state = "existing"',
                 sorted(answers),
             )
         for journal in well_formed_answers(answers).values():

@@ -16,14 +16,18 @@ committed and last keys) in two situations, and only asks: the decisions are her
   ``recovered_vote_floors`` names, per shard, the highest log key the peers report; until its own
   log reaches it the core grants a (pre-)vote only to a candidate at or past it, and does not
   campaign (``PersistedState.vote_floor``). The floor holds only if the answers include a core that holds
-  each such entry: ``recovery_shortfall`` asks for ``n - majority + 1`` of the other members (any
-  majority that held an entry has one of them among those), and until that many answered the core
-  does not start. A floor above every log left (the peer that reported it is gone for good) keeps
-  this core from electing anyone without it: a forced start then decides. A core that reaches no
-  core that saw an election (none answers, or only cores that never heard a sequencer) cannot tell
-  itself from a core of a new cluster: it recovers nothing, and the driver logs so (a known gap:
-  telling them apart needs the operator's word or journal answers served during recovery).
-  No answer (a new cluster) recovers nothing.
+  each such entry (``n - majority + 1`` of the other members would do: any majority that held an
+  entry has one of them among those), and the recovered generation only if they include the
+  candidate of every vote this core cast: a candidate cut off before it won may be the only core
+  that knows of the vote. So ``recovery_shortfall`` asks for every other member, and until all
+  answered the core does not start. A floor above every log left (the peer that reported it is gone
+  for good) keeps this core from electing anyone without it: a forced start then decides.
+* New cluster or history? A core that reaches no core that saw an election (none answers, or only
+  cores that never heard a sequencer) cannot tell itself from a core of a new cluster, whose cores
+  all start empty: it recovers nothing (no answer, or none with a generation: nothing to wait
+  for). The operator's word tells them apart: ``[cluster] initial_cluster_state = "existing"``
+  (etcd's initial-cluster-state) makes ``recovery_shortfall`` ask for every other member even
+  then; without it the driver logs that it starts as a core of a new cluster.
 * Membership (``core.membership``): a core that joins a running cluster (or is rebuilt) starts
   with the membership its peers report, not its config's ``core_nodes``. ``recovered_members``
   takes, per shard, the members the answer with the highest generation reports, and as the
@@ -120,20 +124,28 @@ def recovered_vote_floors(answers: Mapping[str, Any]) -> dict[str, TxKey]:
     return floors
 
 
-def recovery_shortfall(answers: Mapping[str, Any], members: tuple[str, ...], name: str) -> int:
+def recovery_shortfall(answers: Mapping[str, Any], members: tuple[str, ...], name: str, existing: bool = False) -> int:
     """How many more members must answer before a core rebuilt on an empty database may take part
-    (0: enough). Nothing when no well-formed answer shows a generation in use (a new cluster, whose
-    cores all start empty) or when ``name`` is not a member (a learner never votes). Otherwise
-    ``n - majority + 1`` of the other members: an entry committed on a majority that included this
-    core is held by at least ``majority - 1`` of the others, and that many answers always include
-    one of them, so the vote floor (``recovered_vote_floors``) is at or past every committed entry."""
+    (0: enough). Every other member, once any well-formed answer shows a generation in use or the
+    operator declared the cluster ``existing`` (``[cluster] initial_cluster_state``); nothing for a
+    new cluster (no generation in use, not declared existing: its cores all start empty) or when
+    ``name`` is not a member (a learner never votes).
+
+    Why every one: the vote this core cast before its loss lives on only at the candidate it voted
+    for, which may have heard from no other core since (a candidate cut off, its campaign not yet
+    won). Without that candidate's answer the recovered generation can be below the one it voted
+    in; it would vote in it again, for another core, and the candidate could still win it with the
+    lost vote: two sequencers of one generation (``test_simulation.py``, 5 cores). n - majority + 1
+    answers are enough for the vote floor (any majority that committed an entry has one of them
+    among those), not for the votes."""
+    if name not in members:
+        return 0
     usable = well_formed_answers(answers)
     history = any(journal_generation(journal, shard) > 0 for journal in usable.values() for shard in journal["shards"])
-    if not history or name not in members:
+    if not history and not existing:
         return 0
-    needed = len(members) - (len(members) // 2 + 1) + 1
     heard = sum(1 for peer in usable if peer in members and peer != name)
-    return max(0, needed - heard)
+    return max(0, len(members) - 1 - heard)
 
 
 def reached_generations(answers: Mapping[str, Any], shard: str) -> tuple[tuple[str, int], ...]:

@@ -13,6 +13,7 @@ Example::
     election_timeout_ms_min = 800       # randomised election timeout, per shard
     election_timeout_ms_max = 1600
     heartbeat_interval_ms = 100         # at most half of election_timeout_ms_min
+    initial_cluster_state = "new"       # "existing": this core was rebuilt in a running cluster (core.recovery)
 
     [storage]
     synchronous = "FULL"                # OFF | NORMAL | FULL | EXTRA
@@ -84,6 +85,7 @@ from mnesite.rlog.security import SecurityConfig, SecurityError, check_roles
 DEFAULT_LISTEN = "tcp://127.0.0.1:7400"
 DEFAULT_DATA_DIR = "./mnesite-data"
 DEFAULT_NAME = "core1"
+INITIAL_CLUSTER_STATES = ("new", "existing")
 ROLES = ("core", "replicant")
 ENDPOINT_PATTERN = re.compile(r"^tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+|\*):(\d{1,5})\Z")
 NODE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}\Z")
@@ -191,6 +193,10 @@ class Config:
     data_dir: str = DEFAULT_DATA_DIR
     listen: str = DEFAULT_LISTEN
     core_nodes: dict[str, str] = field(default_factory=dict)
+    # What an empty data directory means (etcd's initial-cluster-state): "new", the first start of a
+    # new cluster; "existing", a core rebuilt (lost disk, wiped, restored) in a cluster with history,
+    # which then waits for every other member before it takes part (core.recovery.recovery_shortfall).
+    initial_cluster_state: str = "new"
     synchronous: str = "FULL"
     # While the disk is full (rlog.disk): how often the node tries a small durable write to see
     # whether space was freed, and resumes writing if it succeeds.
@@ -301,9 +307,17 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     if not isinstance(cluster, dict):
         raise ConfigError("[cluster] must be a table")
     timing_keys = {f.name for f in fields(Timing)}
+    cluster_keys = ("core_nodes", "initial_cluster_state")
     for key in cluster:
-        if key != "core_nodes" and key not in timing_keys:
-            raise ConfigError(f"unknown key [cluster].{key} (known: core_nodes, {', '.join(sorted(timing_keys))})")
+        if key not in cluster_keys and key not in timing_keys:
+            known = ", ".join(sorted((*cluster_keys, *timing_keys)))
+            raise ConfigError(f"unknown key [cluster].{key} (known: {known})")
+    initial_cluster_state = cluster.get("initial_cluster_state", "new")
+    if initial_cluster_state not in INITIAL_CLUSTER_STATES:
+        raise ConfigError(
+            f"[cluster].initial_cluster_state must be one of {', '.join(INITIAL_CLUSTER_STATES)}, "
+            f"got {initial_cluster_state!r}"
+        )
     timing = _int_section("cluster", {k: v for k, v in cluster.items() if k in timing_keys}, Timing)
     if timing.election_timeout_ms_max < timing.election_timeout_ms_min:
         raise ConfigError("[cluster].election_timeout_ms_max must be at least election_timeout_ms_min")
@@ -381,6 +395,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         data_dir=data_dir,
         listen=listen,
         core_nodes=dict(core_nodes),
+        initial_cluster_state=initial_cluster_state,
         synchronous=synchronous.upper(),
         disk_probe_interval_ms=disk_probe_interval_ms,
         limits=limits,

@@ -283,10 +283,12 @@ def test_one_durable_commit_per_write_at_the_sequencer(cluster: Cluster) -> None
 
 
 def test_a_wiped_core_starts_only_once_enough_of_its_peers_answer(cluster: Cluster) -> None:
-    """A core on an empty data directory may have held entries committed because it held them: it
-    takes part only once n - majority + 1 of the other members answered its journal probe (here both
-    others), so that the highest log key they report covers them (its vote floor); with one of its
-    two peers down it refuses to start and says which cores must answer."""
+    """A core on an empty data directory may have held entries committed because it held them, and
+    voted: it takes part only once every other member answered its journal probe, so that the highest
+    log key they report covers them (its vote floor) and it learns every generation it may have voted
+    in; with one of its two peers down it refuses to start and says which core must answer. Declared
+    ``initial_cluster_state = "existing"``, it refuses with no peer up too, where it would otherwise
+    take itself for a core of a new cluster."""
     for name in cluster.names:  # a short probe: the refusal comes after 10 of them
         config = cluster.root / f"{name}.toml"
         config.write_text(config.read_text().replace("[cluster]\n", "[cluster]\nrecovery_timeout_ms = 100\n", 1))
@@ -300,9 +302,16 @@ def test_a_wiped_core_starts_only_once_enough_of_its_peers_answer(cluster: Clust
     cluster.nodes[wiped].kill()
     shutil.rmtree(cluster.data_dir(wiped))
     cluster.nodes[down].kill()
-    with pytest.raises(AssertionError, match="1 more of the cores") as refused:
+    with pytest.raises(AssertionError, match=rf"1 did not: \['{down}'\]") as refused:
         cluster.start(wiped)
     assert "node exited with" in str(refused.value)
+    config = cluster.root / f"{wiped}.toml"
+    config.write_text(config.read_text().replace("[cluster]\n", '[cluster]\ninitial_cluster_state = "existing"\n', 1))
+    cluster.nodes[sequencer].kill()
+    silent = sorted((down, sequencer))
+    with pytest.raises(AssertionError, match=rf"2 did not: \['{silent[0]}', '{silent[1]}'\]"):
+        cluster.start(wiped)
+    cluster.start(sequencer)
     cluster.start(down)
     cluster.start(wiped)
     log = (cluster.root / f"{wiped}.log").read_text()

@@ -44,14 +44,15 @@ def test_the_configuration_page_lists_every_key_with_the_codes_default() -> None
     documented = config.parse_config(data)  # the page's example is a valid configuration
     default = config.parse_config({})
     for section, cls in SECTIONS.items():
-        listed = set(data.get(section, {})) - {"core_nodes"}
+        listed = set(data.get(section, {})) - {"core_nodes", "initial_cluster_state"}
         assert listed == {f.name for f in dataclasses.fields(cls)}, (
             section,
             sorted(set(map(str, listed)) ^ {f.name for f in dataclasses.fields(cls)}),
         )
     for attribute in ("limits", "retention", "timing"):
         assert getattr(documented, attribute) == getattr(default, attribute)
-    assert (documented.synchronous, documented.disk_probe_interval_ms) == (
+    assert (documented.synchronous, documented.disk_probe_interval_ms, documented.initial_cluster_state) == (
         default.synchronous,
         default.disk_probe_interval_ms,
+        default.initial_cluster_state,
     )

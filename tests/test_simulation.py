@@ -723,3 +723,113 @@ def test_the_simulator_catches_a_rebuilt_core_that_ignores_its_vote_floor(monkey
     for seed in (1, 2, 3, 4):
         with pytest.raises(SimulationFailure, match="missing|different entry|commits"):
             _disk_lost_while_a_core_lags(seed)
+
+
+def _vote_lost_with_the_disk(seed: int) -> Simulation:
+    """5 cores, no random faults. The sequencer ``a`` is cut off from three cores; one of them, P,
+    campaigns in generation g and gets Q's vote (and no other: its request to ``a`` is held on a slow
+    link, the rest are cut). Q's disk is then lost, and with it the vote. Q restarts reaching ``a``, R
+    and S (n - majority + 1 = 3 of the others) but not P, so none of its answers knows g. If it starts,
+    it votes again in g, for a core of R and S; then P's held request reaches ``a``, which has voted in
+    no generation g, and P wins g with the lost vote: two sequencers of one generation. A rebuilt core
+    must hear every other member before it takes part (``core.recovery.recovery_shortfall``)."""
+    sim = Simulation(seed, 5)
+    sim._heal()
+    sim.faults = dataclasses.replace(sim.faults, retention_entries_max=10**9)
+    a = sim.run_until_quiet().name
+    names = sorted(sim.nodes)
+    b, c, d, e = (name for name in names if name != a)
+
+    def cut(x: str, y: str) -> None:
+        sim.cut |= {(x, y), (y, x)}
+
+    def machine(name: str) -> ShardConsensus:
+        node_machine = sim.nodes[name].machine
+        assert node_machine is not None, f"{name} is running"
+        return node_machine
+
+    for other in (b, c, d):
+        cut(a, other)
+    for _ in range(3000):
+        sim.advance()
+        candidates = [name for name in (b, c, d) if machine(name).role is Role.CANDIDATE]
+        if candidates:
+            break
+    else:
+        raise AssertionError("no core campaigned")
+    p = candidates[0]
+    q = next(name for name in (b, c, d) if name != p)
+    generation = machine(p).generation
+    held = [message for message in sim.network if message[2] == p and message[3] == a]
+    assert held, f"{p}'s vote request to {a} is on its way"
+    sim.network = [message for message in sim.network if message not in held]
+    heapq.heapify(sim.network)
+    for other in names:
+        if other not in (p, q):
+            cut(p, other)
+    for _ in range(200):
+        sim.advance()
+        if q in machine(p)._votes:
+            break
+    else:
+        raise AssertionError(f"{q} did not vote for {p}")
+    cut(p, q)
+    sim.lose_disk(q)
+    sim.cut -= {(a, q), (q, a)}
+    r, s = (name for name in names if name not in (a, p, q))
+    for _ in range(300):  # Q asks a, R and S (and, with the rule, waits for P)
+        sim._restart_due()
+        sim.advance()
+        if sim.nodes[q].machine is not None:
+            break
+    for other in names:
+        if other != a:
+            cut(a, other)
+    for _ in range(1000):  # R, S and Q (if it started) elect; a votes in nothing
+        sim._restart_due()
+        sim.advance()
+    sim.cut -= {(p, a), (a, p)}
+    for message in held:  # the slow link delivers P's request for a's vote in generation g
+        heapq.heappush(sim.network, (sim.now_ms + 1, *message[1:]))
+    for _ in range(200):
+        sim.advance()
+    sim._heal()
+    sequencer = sim.run_until_quiet()
+    sim.final_check(sequencer)
+    assert machine(q).generation >= generation and sim.disks_lost == 1
+    assert any(event[1:3] == (q, "recovery heard too few cores") for event in sim.trace), (
+        f"{q} waited for {p}, whose answer knows generation {generation}"
+    )
+    return sim
+
+
+@pytest.mark.timeout(60)
+def test_a_core_rebuilt_on_an_empty_disk_waits_for_every_other_member_before_it_votes():
+    """A vote cast before the loss lives on at its candidate only: the rebuilt core starts once every
+    other member answered, so it learns that generation and never votes in it again."""
+    for seed in (1, 2, 6, 8):
+        _vote_lost_with_the_disk(seed)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_rebuilt_core_that_votes_again_in_a_generation_it_voted_in(monkeypatch):
+    """Mutation: the rule before, n - majority + 1 of the other members; the rebuilt core learns
+    nothing of generation g from them, votes in it again and two cores are sequencers of g."""
+    from mnesite.core import recovery
+
+    from tests.sim import cluster
+
+    def majority_only(answers, members, name, existing=False):
+        if name not in members:
+            return 0
+        usable = recovery.well_formed_answers(answers)
+        history = any(recovery.journal_generation(j, shard) > 0 for j in usable.values() for shard in j["shards"])
+        if not existing and not history:
+            return 0
+        heard = sum(1 for peer in usable if peer in members and peer != name)
+        return max(0, len(members) - (len(members) // 2 + 1) + 1 - heard)
+
+    monkeypatch.setattr(cluster, "recovery_shortfall", majority_only)
+    for seed in (1, 2, 6, 8):  # seeds whose other cores elect in generation g itself
+        with pytest.raises(SimulationFailure, match="two sequencers in generation"):
+            _vote_lost_with_the_disk(seed)

@@ -134,6 +134,8 @@ def test_default_config_is_a_single_core() -> None:
         ({"cluster": {"election_timeout_ms": 5}}, r"unknown key \[cluster\].election_timeout_ms "),
         ({"cluster": {"heartbeat_interval_ms": 900}}, r"heartbeat_interval_ms must be at most half"),
         ({"cluster": {"election_timeout_ms_min": 500, "election_timeout_ms_max": 100}}, r"at least election_"),
+        ({"cluster": {"initial_cluster_state": "rebuilt"}}, r"initial_cluster_state must be one of new, existing"),
+        ({"cluster": {"initial_cluster_state": 1}}, r"initial_cluster_state must be one of new, existing"),
     ],
 )
 def test_config_mistakes_name_the_key(data, text) -> None:
@@ -152,6 +154,8 @@ def test_config_file_errors(tmp_path) -> None:
     good.write_text('[node]\nname = "n1"\ndata_dir = "d"\nlisten = "tcp://127.0.0.1:7500"\n')
     config = load_config(str(good))
     assert config.data_dir == str(tmp_path / "d") and config.core_nodes == {"n1": "tcp://127.0.0.1:7500"}
+    assert config.initial_cluster_state == "new"
+    assert parse_config({"cluster": {"initial_cluster_state": "existing"}}).initial_cluster_state == "existing"
 
 
 def test_driver_limits_a_user_may_tune_are_config_keys_with_bounds() -> None:

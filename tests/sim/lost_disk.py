@@ -6,9 +6,10 @@ Theory of operation
 ``LostDiskSimulation`` is the core simulation (``cluster.py``) where, now and then, a core's disk is
 replaced by an empty one (``Simulation.lose_disk``): the core crashes and restarts on an empty
 database, recovering first as production's ``CoreNode.recover_generations`` does, with the same
-pure rules (``recovery_shortfall``: it starts only once n - majority + 1 of the other members
-answered; ``recovered_generations``; ``recovered_vote_floors``: it votes only for a log at or past
-the highest key they hold until its own log does). While too few answer it asks again later.
+pure rules (``recovery_shortfall``: it starts only once every other member answered, declared
+``initial_cluster_state = "existing"`` by the operator as the docs say; ``recovered_generations``;
+``recovered_vote_floors``: it votes only for a log at or past the highest key they hold until its
+own log does). While too few answer it asks again later.
 
 One lost disk is one fault: a disk is lost only while no rebuilt core is still below its vote floor
 (it holds again everything it held before its loss once its log passed the floor). Two disks lost
