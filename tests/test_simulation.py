@@ -833,3 +833,56 @@ def test_the_simulator_catches_a_rebuilt_core_that_votes_again_in_a_generation_i
     for seed in (1, 2, 6, 8):  # seeds whose other cores elect in generation g itself
         with pytest.raises(SimulationFailure, match="two sequencers in generation"):
             _vote_lost_with_the_disk(seed)
+
+
+def _rebuilt_core_reaching_only_a_core_that_never_saw_an_election(seed: int, declared_existing: bool) -> Simulation:
+    """3 cores; the third is cut off from the start, so it never sees an election. The other two
+    elect and commit writes; the follower's disk is then lost and it restarts reaching only the third
+    core, whose journal shows no generation: just what a core of a new cluster hears. Undeclared, it
+    starts with nothing to recover, votes for the third core in the generation it voted in before and
+    with an empty log: two sequencers of one generation, and the writes it helped commit truncated.
+    Declared ``initial_cluster_state = "existing"``, it waits for the sequencer's answer."""
+    sim = Simulation(seed, 3)
+    sim.rebuilt_cores_declared_existing = declared_existing
+    sim._heal()
+    sim.faults = dataclasses.replace(sim.faults, retention_entries_max=10**9)
+    a, b, c = sorted(sim.nodes)
+    sim.cut = {(c, a), (a, c), (c, b), (b, c)}
+    for _ in range(3000):
+        sim.advance()
+        sequencer = next((n for n in (a, b) if sim.nodes[n].machine.role is Role.SEQUENCER), None)
+        if sequencer is not None and sim.nodes[c].machine.generation == 0:
+            break
+    else:
+        raise AssertionError("a and b elected no sequencer while c never saw an election")
+    follower = b if sequencer == a else a
+    for _ in range(5):
+        sim.write(sequencer)
+        sim.advance()
+    for _ in range(100):
+        sim.advance()
+    assert len(sim.acknowledged) >= 5, "the writes committed on the sequencer and the follower"
+    sim.lose_disk(follower)
+    sim.cut = {(follower, sequencer), (sequencer, follower), (c, sequencer), (sequencer, c)}
+    for _ in range(1500):
+        sim._restart_due()
+        sim.advance()
+    sim._heal()
+    sim.faults = dataclasses.replace(sim.faults, retention_entries_max=10**9)
+    sim.final_check(sim.run_until_quiet())
+    return sim
+
+
+@pytest.mark.timeout(60)
+def test_a_rebuilt_core_declared_existing_does_not_take_a_fresh_core_for_a_new_cluster():
+    for seed in (1, 2, 3, 4):
+        sim = _rebuilt_core_reaching_only_a_core_that_never_saw_an_election(seed, declared_existing=True)
+        assert any(event[2] == "recovery heard too few cores" for event in sim.trace if len(event) > 2)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_rebuilt_core_that_takes_a_fresh_core_for_a_new_cluster():
+    """Mutation: the operator starts the rebuilt core without ``initial_cluster_state = "existing"``."""
+    for seed in (1, 2, 3, 4):
+        with pytest.raises(SimulationFailure, match="two sequencers|missing|different entry|commits"):
+            _rebuilt_core_reaching_only_a_core_that_never_saw_an_election(seed, declared_existing=False)
