@@ -11,7 +11,7 @@ import os
 import pytest
 
 from tests.sim import SimulationFailure
-from tests.sim.lost_disk import run_lost_disk_seed
+from tests.sim.lost_disk import LostDiskSimulation, run_lost_disk_seed
 
 CI_SEEDS = 40
 
@@ -36,12 +36,34 @@ def test_the_seeds_lose_disks() -> None:
     assert sum(s.disks_lost for s in simulations) >= 10
 
 
-@pytest.mark.timeout(120)
-def test_the_simulator_catches_a_recovery_without_the_vote_floor(monkeypatch) -> None:
-    """Mutation: recovery names no floor (the rule before it). Some seed loses an acknowledged write."""
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", [146, 150])  # of the first 200 seeds, the ones the mutation fails
+def test_the_simulator_catches_a_recovery_without_the_vote_floor(monkeypatch, seed: int) -> None:
+    """Mutation: recovery names no floor (the rule before it): a core without the writes the rebuilt
+    core helped commit is elected and would replace them."""
     from tests.sim import cluster
 
     monkeypatch.setattr(cluster, "recovered_vote_floors", lambda answers: {})
+    with pytest.raises(SimulationFailure, match="would replace committed entries"):
+        run_lost_disk_seed(seed)
+
+
+class _Undeclared(LostDiskSimulation):
+    """The operator starts rebuilt cores without ``initial_cluster_state = "existing"``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rebuilt_cores_declared_existing = False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", [100, 176, 240, 310])  # of the first 400 seeds, the ones the mutation fails
+def test_the_simulator_catches_rebuilt_cores_not_declared_existing(monkeypatch, seed: int) -> None:
+    """Mutation: a rebuilt core that reaches only cores that never saw an election takes itself for a
+    core of a new cluster, forgets its votes and its floor: two sequencers of a generation, or
+    committed entries replaced."""
+    from tests.sim import lost_disk
+
+    monkeypatch.setattr(lost_disk, "LostDiskSimulation", _Undeclared)
     with pytest.raises(SimulationFailure):
-        for seed in range(200):
-            run_lost_disk_seed(seed)
+        run_lost_disk_seed(seed)
