@@ -6,6 +6,11 @@ Faults (each is injected, held for a random time, then healed, before the next o
   directory (disks kept; two cores down is a lost majority for the hold time);
 * ``pause_sequencer``, ``pause_follower``, ``pause_replicant``: SIGSTOP, then SIGCONT;
 * ``restart_replicant``: kill -9 and restart a replicant;
+* ``lose_disk``: kill -9 a core, empty its data directory (a lost disk, a rebuilt core) and start it
+  with ``initial_cluster_state = "existing"``, as the docs tell operators (``core.recovery``: it
+  waits for every other member, learns the generations and its vote floor, then catches up); the
+  fault ends once its log reaches what the others held when it started, so that two disks are never
+  lost before the first caught up (a majority protocol does not survive two lost copies at once);
 * ``clock_skew``: restart one core under libfaketime with its clock running ``rate`` times as fast
   as the others' (0.25 to 4), for a longer hold, then restart it with the real clock. Every clock the
   node reads and every timer it waits on run at that rate, so this is a true clock-rate difference.
@@ -25,6 +30,7 @@ before and after, which is how the test shows what a fault cost in elections.
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import threading
 import time
@@ -50,8 +56,10 @@ FAULTS = (
     "pause_replicant",
     "restart_replicant",
     "clock_skew",
+    "lose_disk",
 )
 CLOCK_RATES = (0.25, 0.5, 2.0, 4.0)
+CATCH_UP_TIMEOUT_S = 60.0  # a rebuilt core's catch-up after a lost disk (its table is small in a fault run)
 HOLD_S_MIN = 0.5
 HOLD_S_MAX = 4.0
 CLOCK_SKEW_HOLD_S_MIN = 5.0
@@ -220,6 +228,14 @@ class Nemesis:
             self._kill(name)
             record.hold_s = self._hold()
             self._restart(name)
+        elif fault == "lose_disk":
+            name = self.rng.choice(cores)
+            record.targets = [name]
+            self._kill(name)
+            record.hold_s = self._hold()
+            self._lose_disk(name)
+            self._restart(name)
+            record.note = self._await_caught_up(name)
         elif fault == "clock_skew":
             name = self.rng.choice(cores)
             rate = self.rng.choice(CLOCK_RATES)
@@ -234,6 +250,36 @@ class Nemesis:
             raise ValueError(f"unknown fault {fault!r}")
         record.generation_after = self.generation()
         return record
+
+    def _lose_disk(self, name: str) -> None:
+        shutil.rmtree(self.cluster.data_dir(name), ignore_errors=True)
+        config = self.cluster.root / f"{name}.toml"
+        text = config.read_text()
+        if "initial_cluster_state" not in text:
+            config.write_text(text.replace("[cluster]\n", '[cluster]\ninitial_cluster_state = "existing"\n', 1))
+
+    def _await_caught_up(self, name: str) -> str:
+        """Wait until the rebuilt core's log reaches the highest log key the others held once it was
+        up (at or past its vote floor); raise if it does not within CATCH_UP_TIMEOUT_S."""
+        others = [core for core in self.cluster.names if core != name]
+        target: tuple[int, int] = (0, 0)
+        for core in others:
+            status = self.cluster.status(core, timeout_ms=1000)
+            if status and "default" in status["shards"]:
+                target = max(target, tuple(status["shards"]["default"]["last"]))
+        started = time.monotonic()
+        deadline = started + CATCH_UP_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            status = self.cluster.status(name, timeout_ms=1000)
+            shard = status["shards"].get("default") if status else None
+            if shard is not None and tuple(shard["last"]) >= target:
+                return f"caught up past {list(target)} in {time.monotonic() - started:.1f} s"
+            time.sleep(0.2)
+        if self.stopping.is_set():
+            return f"the run stopped before it caught up past {list(target)}"
+        raise RuntimeError(
+            f"{name}, rebuilt on an empty disk, did not reach {list(target)} within {CATCH_UP_TIMEOUT_S} s"
+        )
 
     def heal(self) -> None:
         """Make every node run again with the real clock and all links (called after the nemesis stopped)."""
