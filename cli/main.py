@@ -892,11 +892,28 @@ def status(endpoint, timeout_ms, as_json) -> None:
             click.echo(f"{shard}: EXCLUDED {info['excluded']}")
         if not info.get("serving", True):
             click.echo(f"{shard}: not serving: {info.get('not_serving_reason')}")
+        floor_line = describe_vote_floor(shard, info)
+        if floor_line:
+            click.echo(floor_line)
     for shard, info in result["shards"].items():
         if info.get("install"):
             click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
     for line in describe_agents(result):
         click.echo(line)
+
+
+def describe_vote_floor(shard: str, info: dict[str, Any]) -> str | None:
+    """A core rebuilt on an empty disk while its log is below its vote floor (``core.recovery``): it
+    may lack entries committed because it held them before, so it votes only for logs that reach the
+    floor, and no other core's disk should be replaced until it passes (None: no floor, or passed)."""
+    floor = tuple(info.get("vote_floor") or (0, 0))
+    last = tuple(info.get("last") or (0, 0))
+    if floor == (0, 0) or last >= floor:
+        return None
+    return (
+        f"{shard}: REBUILT, catching up: log at {last}, below its vote floor {floor}; it votes only for logs "
+        "that reach the floor and does not campaign; rebuild no other core until it passes"
+    )
 
 
 def describe_agents(status: dict[str, Any]) -> list[str]:

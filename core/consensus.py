@@ -290,6 +290,9 @@ class ConsensusStatus:
     learner: str | None = None
     # The driver said the disk is full (DiskFull): this core takes no part until DiskFreed.
     disk_full: bool = False
+    # Rebuilt on an empty disk (``PersistedState.vote_floor``): until ``last_key`` reaches it, this core
+    # votes only for logs at or past it and does not campaign (ZERO_KEY: no floor).
+    vote_floor: TxKey = ZERO_KEY
 
 
 # ---------------------------------------------------------------- peer messages
@@ -818,6 +821,7 @@ class ShardConsensus:
             committed_members=self._committed_members,
             learner=self._learner.name if self._learner is not None else None,
             disk_full=self._disk_full,
+            vote_floor=self._vote_floor,
         )
 
     def read_index(self, now_ms: int) -> TxKey | None:

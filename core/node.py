@@ -2018,6 +2018,9 @@ class CoreNode(NodeServer):
                 # Heard committed, not applied yet: a follower gathers commits (core.rules.FollowerApply).
                 "gathered_entries": driver.apply.entries,
                 "last": list(status.last_key),
+                # A core rebuilt on an empty disk (core.recovery): below this key it votes only for logs
+                # that reach it and does not campaign; another core's disk should not be replaced before.
+                "vote_floor": list(status.vote_floor),
                 "members": list(status.members),
                 "committed_members": list(status.committed_members),
                 "learner": status.learner,

@@ -143,6 +143,21 @@ def test_status_text_shows_the_acknowledgements_the_agents_refused() -> None:
     ]
 
 
+def test_status_text_shows_a_rebuilt_core_below_its_vote_floor() -> None:
+    """An operator replacing disks one at a time must know when the rebuilt core holds again what it held."""
+    from mnesite.cli.main import describe_vote_floor
+
+    below = {"last": [4, 7], "vote_floor": [4, 12]}
+    assert describe_vote_floor("default", below) == (
+        "default: REBUILT, catching up: log at (4, 7), below its vote floor (4, 12); it votes only for logs "
+        "that reach the floor and does not campaign; rebuild no other core until it passes"
+    )
+    assert describe_vote_floor("default", {"last": [4, 12], "vote_floor": [4, 12]}) is None
+    assert describe_vote_floor("default", {"last": [5, 1], "vote_floor": [4, 12]}) is None
+    assert describe_vote_floor("default", {"last": [0, 0], "vote_floor": [0, 0]}) is None, "no floor"
+    assert describe_vote_floor("default", {"last": [3, 1]}) is None, "a release without the field"
+
+
 def test_tx_from_file(mnesite, tmp_path) -> None:
     path = tmp_path / "tx.json"
     path.write_text(json.dumps({"ops": [{"op": "write", "table": "users", "row": {"id": 5}}]}))

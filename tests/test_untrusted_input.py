@@ -898,6 +898,7 @@ def test_a_rebuilt_core_persists_its_vote_floor_and_its_consensus_judges_candida
     try:
         consensus = restarted.shards["default"].consensus
         assert consensus.persisted_state().vote_floor == TxKey(4, 12)
+        assert restarted.status()["shards"]["default"]["vote_floor"] == [4, 12]  # `mnesite status` shows it
         later = restarted.clock_ms() + 60_000  # past the quiet time after a start
         refused = consensus.step(MessageReceived("core3", VoteRequest(5, TxKey(4, 9))), later)
         granted = consensus.step(MessageReceived("core2", VoteRequest(6, TxKey(4, 12))), later)
