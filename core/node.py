@@ -444,8 +444,11 @@ class CoreNode(NodeServer):
         """A core with an empty database may have lost one that voted: learn the generations in use.
 
         It asks every peer for its journal and persists what ``core.recovery.recovered_generations``
-        decides from the answers, with its vote already cast (for itself). If no peer answers (a new
-        cluster), nothing changes.
+        decides from the answers, with its vote already cast (for itself), and its vote floor. In a
+        cluster with history (an answer shows a generation) or one declared ``existing``
+        (``[cluster] initial_cluster_state``) every other member must answer (``recovery_shortfall``):
+        it asks up to ``RECOVERY_ROUNDS_MAX`` times, then raises. If no peer answers and the cluster is
+        not declared existing (a new cluster), nothing changes.
         """
         if timeout_ms is None:
             timeout_ms = self.config.timing.recovery_timeout_ms
