@@ -363,6 +363,9 @@ class Client:
         # applied: from then on, giving up means telling the caller so, and it never moves to
         # another endpoint.
         maybe_applied = False
+        # The first answer that said so (``outcome_unknown``: the node's reason, such as its shutdown):
+        # whatever ends the call later (the node gone, silent, stopping), the caller hears it first.
+        unknown_answer: str | None = None
         is_write = kind in WRITE_KINDS
         # Endpoints that refused a connection in this call, or answered that they are stopping: once
         # all did, the caller is told at once.
@@ -373,23 +376,24 @@ class Client:
             except _NotSent as error:
                 unreachable.append(self.endpoint)
                 # A write that may already have happened at this node is never sent to another one.
-                exhausted = len(set(unreachable)) >= len(self.endpoints) or time.monotonic() >= deadline
-                if exhausted or maybe_applied:
-                    self._give_up(kind, message.request_id, maybe_applied, self._unreachable(error), "unavailable")
+                tried_all = len(set(unreachable)) >= len(self.endpoints)
+                if tried_all or maybe_applied or time.monotonic() >= deadline:
+                    reason = self._unreachable(error, tried_all)
+                    self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable", unknown_answer)
                 self._next_endpoint()
                 continue
             except Unauthenticated as error:
                 # The reconnection for a re-send failed its handshake (a key revoked meanwhile): that
                 # says nothing of an earlier attempt, which may have been applied.
                 if maybe_applied:
-                    self._give_up(kind, message.request_id, True, str(error), error.code)
+                    self._give_up(kind, message.request_id, True, str(error), error.code, unknown_answer)
                 raise
             try:
                 answer = self._await(socket, message.request_id, deadline, timeout_ms)
             except Unauthenticated as error:
                 # This attempt left over an authenticated connection before a reconnection failed.
                 if is_write:
-                    self._give_up(kind, message.request_id, True, str(error), error.code)
+                    self._give_up(kind, message.request_id, True, str(error), error.code, unknown_answer)
                 raise
             if answer is None:
                 # Drop the socket: whatever it still queues must not reach the node later.
@@ -401,7 +405,7 @@ class Client:
                         f"node {self.endpoint} did not answer {kind} within {timeout_ms} ms "
                         f"({silent_attempts} attempts{_why_silent(self.endpoint, kind)})"
                     )
-                    self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable")
+                    self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable", unknown_answer)
                 if not maybe_applied:
                     self._next_endpoint()  # a read: any other node may answer it
                 continue
@@ -413,12 +417,14 @@ class Client:
                 if exhausted or maybe_applied:
                     # An earlier attempt of a write may have happened there: that stays its outcome.
                     reason = f"node {self.endpoint}: {answer.body.message}"
-                    self._give_up(kind, message.request_id, maybe_applied, reason, STOPPING_CODE)
+                    self._give_up(kind, message.request_id, maybe_applied, reason, STOPPING_CODE, unknown_answer)
                 self._next_endpoint()
                 continue
             if answer.kind == "error" and answer.body.code in RETRIABLE_CODES:
                 last_reason = answer.body.message
-                maybe_applied = maybe_applied or answer.body.code == "outcome_unknown"
+                if answer.body.code == "outcome_unknown":
+                    maybe_applied = True
+                    unknown_answer = unknown_answer or f"node {self.endpoint}: {last_reason}"
                 if time.monotonic() + backoff_s < deadline:
                     time.sleep(backoff_s)  # an election or failover is under way: give it time
                     backoff_s = min(backoff_s * 2, RETRY_BACKOFF_S_MAX)
@@ -426,14 +432,15 @@ class Client:
                         self._next_endpoint()  # nothing happened there: another node may do better
                     continue
                 reason = f"node {self.endpoint}: {last_reason}"
-                self._give_up(kind, message.request_id, maybe_applied, reason, answer.body.code)
+                self._give_up(kind, message.request_id, maybe_applied, reason, answer.body.code, unknown_answer)
             break
         if answer.kind == "error":
             code = answer.body.code
             if code in REFUSED_UNREAD_CODES and maybe_applied:
                 # This attempt was refused unread, but an earlier one may have happened: the caller
                 # must not take the refusal for "nothing was written".
-                self._give_up(kind, message.request_id, True, f"node {self.endpoint}: {answer.body.message}", code)
+                reason = f"node {self.endpoint}: {answer.body.message}"
+                self._give_up(kind, message.request_id, True, reason, code, unknown_answer)
             raise _ERRORS.get(code, RemoteError)(answer.body.message, code, answer.body.detail)
         return answer.body.result
 
@@ -443,13 +450,21 @@ class Client:
             self.close()
             self.endpoint = self.endpoints[(self.endpoints.index(self.endpoint) + 1) % len(self.endpoints)]
 
-    def _unreachable(self, error: _NotSent) -> str:
-        if len(self.endpoints) == 1:
+    def _unreachable(self, error: _NotSent, tried_all: bool) -> str:
+        """Why the call ends at an endpoint no connection reached: that node, or every endpoint
+        when all were tried (a write that may have happened is never tried elsewhere)."""
+        if len(self.endpoints) == 1 or not tried_all:
             return f"{error}; {UNREACHABLE_HINT}"
         return f"none of {', '.join(self.endpoints)} accepts connections; are the nodes running? check --node"
 
-    def _give_up(self, kind: str, request_id: str, maybe_applied: bool, reason: str, code: str) -> NoReturn:
+    def _give_up(
+        self, kind: str, request_id: str, maybe_applied: bool, reason: str, code: str, unknown_answer: str | None = None
+    ) -> NoReturn:
+        """End the call. ``unknown_answer``: a node's earlier ``outcome_unknown`` answer, named before
+        ``reason`` (what ended the call): why the write may have happened is what the caller needs."""
         if kind in WRITE_KINDS and maybe_applied:
+            if unknown_answer is not None and unknown_answer != reason:
+                reason = f"{unknown_answer}; then {reason}"
             raise OutcomeUnknown(
                 f"outcome unknown: the {kind} may or may not have happened ({reason}); "
                 f"send it again with request id {request_id} to learn its outcome",

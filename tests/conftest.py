@@ -257,6 +257,57 @@ def start_core_process(
     return node, endpoint, config
 
 
+class ScriptedNode:
+    """A ROUTER on 127.0.0.1 that answers the n-th request it receives with ``answers[n]`` (code,
+    message; None: no answer, a node that took the request and went silent), from a thread;
+    ``requests`` holds the ids of every request it read.
+
+    ``then_gone``: after its last answer the node is gone, as a stopping one is: it closes once one
+    more request arrives (read, never answered) or ``STOP_GRACE_S`` passed, and nothing accepts
+    connections there any more. Closed right after its answer, the answer was lost now and then (as
+    production's stop found: it lingers ``rlog.server.STOP_GRACE_MS``)."""
+
+    STOP_GRACE_S = 0.2
+
+    def __init__(self, answers: list[tuple[str, str] | None], then_gone: bool = False) -> None:
+        self.answers = answers
+        self.then_gone = then_gone
+        self.requests: list[str] = []
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        from mnesite.rlog import messages
+
+        grace_ends_s: float | None = None
+        while not self.stopping.is_set() and (grace_ends_s is None or time.monotonic() < grace_ends_s):
+            if not self.socket.poll(20):
+                continue
+            *envelope, frame = self.socket.recv_multipart()
+            request_id = messages.decode(frame).request_id
+            self.requests.append(request_id)
+            if len(self.requests) > len(self.answers):
+                break  # gone: this one is never answered
+            answer = self.answers[len(self.requests) - 1]
+            if answer is not None:
+                code, text = answer
+                self.socket.send_multipart([*envelope, messages.encode(messages.error(request_id, code, text))])
+            if len(self.requests) == len(self.answers):
+                if not self.then_gone:
+                    return  # the socket stays open, unread, until close()
+                grace_ends_s = time.monotonic() + self.STOP_GRACE_S
+        self.socket.close(0)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.socket.close(0)  # a second close does nothing
+
+
 @pytest.fixture
 def silent_endpoint() -> Iterator[str]:
     """An endpoint that accepts connections and takes requests but never answers (a hung node)."""

@@ -24,7 +24,7 @@ from mnesite.rlog.client import (
 from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ThreadNode, free_port, node_config
+from tests.conftest import ScriptedNode, ThreadNode, free_port, node_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -268,45 +268,13 @@ def test_a_write_without_a_definite_answer_raises_outcome_unknown_with_the_id_to
     assert client.get("users", 40, after_tx_key=first) == {"id": 40, "name": "lost?", "score": 1.0}
 
 
-class _ScriptedNode:
-    """A ROUTER on 127.0.0.1 that answers the n-th request it receives with ``answers[n]`` (None: no
-    answer, a node that took the request and went silent), from a thread; ``requests`` holds their ids."""
-
-    def __init__(self, answers: list[tuple[str, str] | None]) -> None:
-        self.answers = answers
-        self.requests: list[str] = []
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stopping.is_set() and len(self.requests) < len(self.answers):
-            if not self.socket.poll(50):
-                continue
-            *envelope, frame = self.socket.recv_multipart()
-            request_id = messages.decode(frame).request_id
-            answer = self.answers[len(self.requests)]
-            self.requests.append(request_id)
-            if answer is not None:
-                code, text = answer
-                self.socket.send_multipart([*envelope, messages.encode(messages.error(request_id, code, text))])
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=5)
-        self.socket.close(0)
-
-
 @pytest.mark.parametrize("code", ["overloaded", "disk_full", "forbidden"])
 def test_a_write_whose_resend_is_refused_unread_after_a_silent_attempt_is_outcome_unknown(code: str) -> None:
     # The first attempt reached the node and got no answer: it may have been applied. The re-send
     # (same request id) is refused before the node looked at it (a full backlog, a full disk, a key
     # revoked meanwhile): that says nothing of the first attempt, so the caller must hear "outcome
     # unknown" with the id to send it again, never an error it would take for "not written".
-    node = _ScriptedNode([None, (code, f"refused: {code}")])
+    node = ScriptedNode([None, (code, f"refused: {code}")])
     try:
         with Client(node.endpoint, timeout_ms=300, retries=1) as client, pytest.raises(OutcomeUnknown) as info:
             client.put("users", {"id": 1})
@@ -413,7 +381,7 @@ def test_a_request_about_one_node_s_own_state_never_fails_over_to_another(
 
 def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
     # Nothing was sent before: "overloaded" at once means surely not applied (no outcome to learn).
-    node = _ScriptedNode([("overloaded", "busy node")])
+    node = ScriptedNode([("overloaded", "busy node")])
     try:
         with Client(node.endpoint, timeout_ms=300, retries=1) as client, pytest.raises(RemoteError) as info:
             client.put("users", {"id": 1})

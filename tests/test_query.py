@@ -18,7 +18,7 @@ from mnesite.rlog.client import Client, RemoteError, Unavailable
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ThreadNode
+from tests.conftest import ThreadNode, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -323,6 +323,66 @@ def test_a_runaway_recursive_cte_is_stopped_by_its_budget(runner: q.QueryRunner)
     assert "500 ms" in str(finished.error)
     assert 0.45 <= elapsed_s < 1.5
     assert runner.open_cursors() == 0 and runner.statistics()["budget_stops"] == 1
+
+
+# -- the stop flag (QueryRunner.stop): the node is shutting down ------------------------------------
+
+# Far above what a stop may take: a statement that runs until this budget was not stopped.
+STOP_BUDGET_MS = 20_000
+
+
+def _stopping_runner(store: Store, threads: int = q.QUERY_THREADS) -> q.QueryRunner:
+    return q.QueryRunner(
+        store.path, q.QueryLimits(ms_max=STOP_BUDGET_MS), lambda: int(time.monotonic() * 1000), threads=threads
+    )
+
+
+def _submit(runner: q.QueryRunner, sql: str) -> None:
+    runner.start(q.WaitingQuery("client-" + sql[:8], runner.check(sql, (), ["users"]), ("default",), {}, 1000, 0))
+
+
+def _running(runner: q.QueryRunner) -> bool:
+    # A worker opened the statement's connection: it is running (or about to step), past the job's start.
+    with runner._lock:
+        return any(cursor.connection is not None for cursor in runner._cursors.values())
+
+
+def test_a_running_statement_stops_at_its_next_progress_check_once_the_runner_is_stopping(store: Store) -> None:
+    """The flag alone (no interrupt): the progress handler reads it, so the statement ends within
+    ``PROGRESS_STEPS`` VM steps and is answered ``stopping``, not run until its budget."""
+    runner = _stopping_runner(store)
+    try:
+        _submit(runner, RUNAWAY_CTE)
+        wait_until(lambda: _running(runner), 5, "the statement running on a worker")
+        runner._stopping = True  # what stop() sets first, here without its interrupt
+        started = time.monotonic()
+        finished = _finished(runner, timeout_s=3)
+        assert time.monotonic() - started < 1.0
+    finally:
+        runner.stop()
+    assert finished.error is not None and finished.error.code == "stopping", finished.error
+    assert finished.result is None and runner.statistics()["budget_stops"] == 0
+
+
+def test_stop_interrupts_a_running_statement_and_a_job_queued_before_it_never_starts(store: Store) -> None:
+    """One worker runs a runaway statement; a second query waits in the queue behind it. ``stop``
+    returns within ``STOP_WAIT_S``: the running statement is answered ``stopping`` (not the budget's
+    ``query_budget``), and the queued one, which would answer at once, is answered ``stopping``
+    without running (no page made)."""
+    runner = _stopping_runner(store, threads=1)
+    _submit(runner, RUNAWAY_CTE)
+    wait_until(lambda: _running(runner), 5, "the statement running on the worker")
+    _submit(runner, "SELECT count(*) FROM users")  # queued: the only worker is busy
+    started = time.monotonic()
+    runner.stop()
+    assert time.monotonic() - started < q.STOP_WAIT_S
+    # stop() waited for the worker, which answered both: their outcomes are all there (the wakeup pipe is closed).
+    finished = runner.finished(drain=False)
+    assert [(f.payload, f.error.code if f.error else None, f.result) for f in finished] == [
+        ("client-WITH REC", "stopping", None),
+        ("client-SELECT c", "stopping", None),
+    ]
+    assert runner.statistics()["pages"] == 0 and runner.statistics()["budget_stops"] == 0
 
 
 def test_the_budget_counts_sqlite_time_over_all_pages(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import heapq
 import os
 
 import pytest
-from mnesite.core import rules
+from mnesite.core import rules, snapshot
 from mnesite.core.consensus import (
     EXCLUSION_NOTICE_INTERVAL_MS,
     AppendRequest,
@@ -24,6 +24,7 @@ from mnesite.core.consensus import (
 from mnesite.core.guard_tail import GuardTail
 from mnesite.rlog import retention
 from mnesite.rlog.types import ZERO_KEY
+from mnesite.rlog.versions import THIS_RELEASE
 
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import READ_KEYS, replay_command
@@ -651,6 +652,25 @@ def test_the_simulator_catches_a_serving_rule_that_ignores_a_stuck_consensus(mon
     for seed in seeds:
         with pytest.raises(SimulationFailure, match=f"seed {seed} .*local read of key \\d at core\\d"):
             stuck_member_reading_locally(seed)
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_member_refuses_snapshot_offers_at_the_cluster_version_it_does_not_speak(monkeypatch):
+    """The sequencer's snapshot offers carry the cluster version its applied state records, as
+    production's do (``CoreNode`` reads it from its store), not a version the simulator assumes. In
+    ``StuckMemberSimulation`` the sequencer trims past the stuck member and offers it snapshots at the
+    version it refused: it refuses each (``core.snapshot.accept_offer``) and stays stuck. Mutation: an
+    offer rule that ignores the version lets it install a copy it cannot read; the simulator catches it."""
+    version = THIS_RELEASE.cluster_versions[1]  # the one the scenario's sequencer appends
+    for seed in (1, 2):
+        sim, stuck, _ = stuck_member_reading_locally(seed)
+        assert sim.offers_refused > 0 and sim.snapshots == 0
+        assert sim.nodes[stuck].machine.stuck_reason is not None
+        versions = {name: node.cluster_version for name, node in sim.nodes.items()}
+        assert versions == {name: 1 if name == stuck else version for name in sim.nodes}
+    monkeypatch.setattr(snapshot, "unspoken_cluster_version", lambda version, own: None)
+    with pytest.raises(SimulationFailure, match=f"took a snapshot offer at cluster version {version}, which it cannot"):
+        stuck_member_reading_locally(1)
 
 
 def _serving_a_stuck_consensus(install_reason, rows_lost, stuck_reason, applied):

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import zmq
 from mnesite.core.node import CoreNode
+from mnesite.rlog import client as client_module
 from mnesite.rlog import messages
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown, Unavailable
 from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ThreadNode, free_port, node_config, offline_replicant, wait_until
+from tests.conftest import ScriptedNode, ThreadNode, free_port, node_config, offline_replicant, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -251,3 +252,62 @@ def test_a_stopping_replicant_answers_its_waiting_read_stopping_and_its_forwarde
         ([b"reader"], "r-1", "error", "stopping"),
         ([b"writer"], "w-1", "error", "outcome_unknown"),
     ]
+
+
+# What a core that stops answers a write waiting for its commit (``core.node._outcome_unknown``).
+SHUTDOWN_ANSWER = (
+    "the outcome is unknown (core core1 is shutting down (SIGTERM)); retry with the same request id to learn it"
+)
+
+
+def _outcome_unknown_write(endpoints: list[str]) -> OutcomeUnknown:
+    # A retry the gone node read and never answered ends in silence: one timeout, not more.
+    timeout_ms = 1000
+    with Client(endpoints, timeout_ms=timeout_ms, retries=0) as client:
+        started = time.monotonic()
+        with pytest.raises(MnesiteError) as raised:
+            client.put("users", {"id": 1})
+        assert time.monotonic() - started < timeout_ms / 1000 + PROMPT_S, str(raised.value)
+    # Never "not applied": the write may have happened at the node that answered outcome_unknown.
+    assert isinstance(raised.value, OutcomeUnknown), raised.value
+    assert raised.value.code == "outcome_unknown"
+    return raised.value
+
+
+@pytest.mark.parametrize("retry_after_close", [False, True], ids=["retry_read_then_close", "retry_after_close"])
+@pytest.mark.parametrize("others", [0, 1], ids=["one_endpoint", "two_endpoints"])
+def test_a_write_told_outcome_unknown_whose_node_is_then_gone_names_that_answer_first(
+    silent_endpoint: str, others: int, retry_after_close: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node answered the write ``outcome_unknown`` at its stop (its reason: it is shutting down),
+    then closed. The client's retry finds nothing accepting connections there (sent after the close),
+    or went out just before it and is never answered (its silence ends the call, and the check of the
+    endpoint finds it unreachable). The error says why the write may have happened first, then that
+    the node is gone. The write stays with its node: with a second endpoint (silent: it would only
+    time out), it is not sent there, nor is that node named ("none of ... accepts connections")."""
+    if retry_after_close:
+        monkeypatch.setattr(client_module, "RETRY_BACKOFF_S_MIN", ScriptedNode.STOP_GRACE_S * 2)
+    node = ScriptedNode([("outcome_unknown", SHUTDOWN_ANSWER)], then_gone=True)
+    try:
+        error = _outcome_unknown_write([node.endpoint, silent_endpoint][: 1 + others])
+    finally:
+        node.close()
+    text = str(error)
+    assert node.requests == [error.request_id] * (1 if retry_after_close else 2)
+    assert SHUTDOWN_ANSWER in text and f"node {node.endpoint} " in text and "unreachable" in text, text
+    assert text.index(SHUTDOWN_ANSWER) < text.index("unreachable"), text
+    assert silent_endpoint not in text, text
+
+
+def test_a_write_told_outcome_unknown_then_stopping_names_both_answers_in_order() -> None:
+    """The retry reaches the node before its socket closes and is told ``stopping`` (it did nothing
+    with the retry): the first answer, which says the write may have happened, comes first."""
+    stopping = "core core1 is shutting down (SIGTERM)"
+    node = ScriptedNode([("outcome_unknown", SHUTDOWN_ANSWER), ("stopping", stopping)], then_gone=True)
+    try:
+        error = _outcome_unknown_write([node.endpoint])
+    finally:
+        node.close()
+    text = str(error)
+    assert node.requests == [error.request_id, error.request_id]
+    assert f"node {node.endpoint}: {SHUTDOWN_ANSWER}; then node {node.endpoint}: {stopping}" in text, text

@@ -9,7 +9,9 @@ and the random source of every state machine. Time is a fake clock advanced in `
   is dropped, duplicated or delayed (which reorders); partitions cut directed links.
 * Storage: what a node persisted (``PersistState``, ``PersistEntries``, ``TruncateLog`` and the
   applied key from ``Commit``) lives in its ``SimNode``; a crash throws the state machine away and a
-  restart rebuilds it from there. A crash may hit in the middle of a step's effects.
+  restart rebuilds it from there. A crash may hit in the middle of a step's effects. The cluster
+  version its applied state records lives there too (``SimNode.cluster_version``, production's
+  store's): the sequencer packs writes by it, and its snapshot offers carry it, as production's do.
 * Applying: every core's Commit goes through production's ``core.rules.FollowerApply`` and
   ``GATHER_THROUGH``. In ``GatheringSimulation`` and its disk and replicant kin
   (``follower_apply_delay_ms``: production's default) a follower gathers the commits it hears and
@@ -107,7 +109,7 @@ from mnesite.core.recovery import (
 )
 from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install, snapshot_request_due
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
-from mnesite.core.versions import UNSPOKEN_CLUSTER_VERSION
+from mnesite.core.versions import UNSPOKEN_CLUSTER_VERSION, cluster_version_of
 from mnesite.rlog import retention
 from mnesite.rlog.config import Limits
 from mnesite.rlog.errors import RequestError
@@ -318,6 +320,10 @@ class SimNode:
     # Its disk was replaced by an empty one (``Simulation.lose_disk``): before it starts it recovers
     # from its peers' journals as production's ``CoreNode.recover_generations`` does.
     disk_lost: bool = False
+    # The cluster version its applied state records (production's ``Store.cluster_version``, persisted
+    # with the applied key; 1 on an empty store): moved forward by an applied cluster version entry and
+    # by a snapshot install (to the offer's). The sequencer packs by it, and its snapshot offers carry it.
+    cluster_version: int = 1
 
 
 @dataclass
@@ -356,9 +362,10 @@ class Simulation:
     # How long a follower may gather commits (production's [limits] follower_apply_delay_ms_max);
     # 0: every commit applied at once (see the theory of operation).
     follower_apply_delay_ms = 0
-    # The cluster version the cores' applied state is at when they propose (``_applied_cluster_version``):
-    # from 2 on a bulk write packs as one run of rows (rlog.versions.packs_runs).
-    packing_cluster_version = 1
+    # The cluster version every core's applied state is at when the run begins (``SimNode.cluster_version``),
+    # as if the entry that moved the cluster there had committed, and been trimmed, before: from 2 on a
+    # bulk write packs as one run of rows (rlog.versions.packs_runs).
+    initial_cluster_version = 1
     # The first this many snapshot installs the followers take are abandoned half way (their rows
     # deleted, the copy cut by a timeout or a restart); 0: every install completes.
     installs_abandoned_max = 0
@@ -394,7 +401,10 @@ class Simulation:
             read_probability=rng.choice([0.3, 0.6]),
         )
         members = tuple(f"core{index}" for index in range(core_count))
-        self.nodes = {name: SimNode(name, PersistedState(0, None, members)) for name in members}
+        self.nodes = {
+            name: SimNode(name, PersistedState(0, None, members), cluster_version=self.initial_cluster_version)
+            for name in members
+        }
         for node in self.nodes.values():
             self._start(node)
         self.network: list[tuple[int, int, str, str, Any]] = []
@@ -560,12 +570,8 @@ class Simulation:
 
     def _propose_held(self, node: SimNode) -> None:
         """Production's ``CoreNode._propose_batch``: the held writes in one ``ProposedBatch``."""
-        batch, held = node.held.take(self._applied_cluster_version(node))
+        batch, held = node.held.take(node.cluster_version)
         self._await_entries(node, self._step(node, batch), dict(held))
-
-    def _applied_cluster_version(self, node: SimNode) -> int:
-        """The cluster version ``node``'s applied state is at (production reads its shard's from the store)."""
-        return self.packing_cluster_version
 
     def _await_entries(self, node: SimNode, effects: list[Effect], clients: dict[str, str]) -> None:
         """Production's ``CoreNode._propose_batch``: each proposed write waits for its entry (one the
@@ -749,6 +755,9 @@ class Simulation:
                 raise self.fail(f"{node.name} applies {entry.tx_key} after {entry.prev} but applied {node.applied_key}")
             self._record_committed(node, entry)  # entries not in the tail at their commit (read back from the log)
             node.applied_key, node.applied_digest = entry.tx_key, entry.digest
+            version = cluster_version_of(entry)
+            if version is not None:  # recorded with the position, forward only (production's store)
+                node.cluster_version = max(node.cluster_version, version)
             applied.append(entry)
         if node.applied_key != up_to:
             raise self.fail(f"{node.name} asked to apply up to {up_to} but its log reaches only {node.applied_key}")
@@ -780,7 +789,7 @@ class Simulation:
             sequencer.applied_key,
             sequencer.applied_digest,
             sequencer.machine.committed_members,
-            self._applied_cluster_version(sequencer),
+            sequencer.cluster_version,  # production's: what the sequencer's store recorded as applied
         )
         machine = follower.machine
         refused = accept_offer(
@@ -793,10 +802,15 @@ class Simulation:
             rows_lost=follower.rows_lost,
         )
         if refused is not None and refused.startswith(UNSPOKEN_CLUSTER_VERSION):
-            # Every core here is honest: the sequencer's rule should have kept the version where all speak it.
-            raise self.fail(f"{follower.name}: snapshot offer by {sequencer.name}: {refused}")
+            self._offer_unspoken(follower, sequencer, refused)
+            return
         if refused is not None:
             return
+        if not self._speaks(follower).speaks(offer.cluster_version):
+            raise self.fail(
+                f"{follower.name} of release {self._speaks(follower).software} took a snapshot offer at cluster "
+                f"version {offer.cluster_version}, which it cannot read"
+            )
         if self.installs_abandoned < self.installs_abandoned_max:
             self.abandon_install(follower_name)
             return
@@ -806,12 +820,20 @@ class Simulation:
         follower.log = follower.log.restarted_at(sequencer.applied_key, sequencer.applied_digest)
         follower.applied_key, follower.applied_digest = sequencer.applied_key, sequencer.applied_digest
         follower.rows_lost = False
+        # The copied tables are at the offer's cluster version: the driver records it (forward only).
+        follower.cluster_version = max(follower.cluster_version, offer.cluster_version)
         # The driver persists the offer's membership with the copied tables (core.snapshot).
         members = members_after_install(offer, follower.state.members)
         follower.state = dataclasses.replace(follower.state, members=members)
         self.snapshots += 1
         self.trace.append((self.now_ms, follower.name, "installed snapshot at", follower.applied_key))
         self._start(follower)
+
+    def _offer_unspoken(self, follower: SimNode, sequencer: SimNode, refused: str) -> None:
+        """``follower`` refused an offer at a cluster version its release does not speak (production
+        counts a protocol violation). Every core here is honest: the sequencer's rule should have kept
+        the version where all speak it."""
+        raise self.fail(f"{follower.name}: snapshot offer by {sequencer.name}: {refused}")
 
     def abandon_install(self, name: str) -> None:
         """An install ``name`` began is abandoned half way: BeginInstall deleted its rows (persisted),
@@ -1104,6 +1126,7 @@ class Simulation:
         node.log = MemoryLog()
         node.applied_key, node.applied_digest = ZERO_KEY, GENESIS_DIGEST
         node.durable_key, node.rows_lost = ZERO_KEY, False
+        node.cluster_version = 1  # an empty store's
         node.state = PersistedState(0, None, node.state.members)
         node.disk_lost = True
         node.down_until_ms = self.now_ms

@@ -189,9 +189,10 @@ class ReplicantSimulationResult:
 
 
 class ReplicantSimulation(Simulation):
-    # The cores pack a write of two or more rows of one table as one run (cluster version 2): pushes carry
-    # runs through the real codec, and replicants decode and apply them as production's do.
-    packing_cluster_version = 2
+    # The cores' applied state is at cluster version 2, so they pack a write of two or more rows of one
+    # table as one run: pushes carry runs through the real codec, and replicants decode and apply them
+    # as production's do.
+    initial_cluster_version = 2
 
     def __init__(
         self,

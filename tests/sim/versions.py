@@ -19,12 +19,12 @@ committed cluster versions never go down, and after the last upgrade the version
 it, so that the sequencer appends a cluster version it does not speak. It refuses the entry (its own
 check) and is stuck there (``ShardConsensus.stuck_reason``) while the others go on; clients keep
 reading locally everywhere, and the simulator's lag bound for local reads (``_local_read_lag_ms_max``)
-catches a stuck core that answers them.
+catches a stuck core that answers them. The sequencer trims past it and offers it snapshots at the
+cluster version it applied (production's offer): the stuck member refuses them too, and a member that
+took one (a copy at a cluster version its release cannot read) fails the run.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from mnesite.core.consensus import Effect, PersistEntries, ProtocolViolation, Role
 from mnesite.core.versions import (
@@ -52,7 +52,6 @@ class VersionsSimulation(Simulation):
         super().__init__(seed, core_count, faulty_ms=STEP_GAP_MS * (core_count + 3))
         self.release: dict[str, Announcement] = dict.fromkeys(names, RELEASE_0_1_0)
         self.views: dict[str, PeerVersions] = {}
-        self.cluster_version: dict[str, int] = dict.fromkeys(names, 1)
         # Production's proposal bookkeeping, one per core (in memory: a restart forgets it).
         self.proposals: dict[str, ClusterVersionProposals] = {}
         self.committed_versions: list[tuple[TxKey, int]] = []
@@ -116,10 +115,6 @@ class VersionsSimulation(Simulation):
                 release = self.release[peer]
                 view.heard(peer, {"versions": release.to_wire()} if release.announced else {}, self.now_ms)
 
-    def _applied_cluster_version(self, node: SimNode) -> int:
-        """Each core packs by the cluster version it applied, as production's driver does."""
-        return self.cluster_version[node.name]
-
     def _propose_due(self) -> None:
         for name, view in self.views.items():
             node = self.nodes[name]
@@ -129,7 +124,7 @@ class VersionsSimulation(Simulation):
             status = machine.status()
             target = self.proposals.setdefault(name, ClusterVersionProposals()).due(
                 SHARD,
-                self.cluster_version[name],
+                node.cluster_version,
                 status.members,
                 status.committed_members,
                 status.learner,
@@ -160,7 +155,6 @@ class VersionsSimulation(Simulation):
             version = cluster_version_of(entry)
             if version is None:
                 continue
-            self.cluster_version[node.name] = max(self.cluster_version[node.name], version)
             if (entry.tx_key, version) in self.committed_versions:
                 continue
             if self.committed_versions and version < self.committed_versions[-1][1]:
@@ -175,13 +169,6 @@ class VersionsSimulation(Simulation):
             self.moves_committed += 1
         return applied
 
-    def _install_snapshot(self, sequencer: SimNode, follower_name: str) -> None:
-        before = self.snapshots
-        super()._install_snapshot(sequencer, follower_name)
-        if self.snapshots != before:
-            # The copied tables carry the sequencer's recorded cluster version (rlog.store meta).
-            self.cluster_version[follower_name] = self.cluster_version[sequencer.name]
-
     def run(self) -> SimulationResult:
         result = super().run()
         # Healed and quiet: every core runs this release, so the version must have moved everywhere.
@@ -191,12 +178,15 @@ class VersionsSimulation(Simulation):
             self._run_until_quiet(20_000)
             self.next_probe_ms = 0
         up = [name for name, node in self.nodes.items() if node.machine is not None]
-        if {self.cluster_version[name] for name in up} != {THIS_RELEASE.cluster_versions[1]}:
-            raise self.fail(f"the cluster version did not move after the last upgrade: {self.cluster_version}")
+        if {self.nodes[name].cluster_version for name in up} != {THIS_RELEASE.cluster_versions[1]}:
+            raise self.fail(f"the cluster version did not move after the last upgrade: {self.cluster_versions()}")
         return result
 
+    def cluster_versions(self) -> dict[str, int]:
+        return {name: node.cluster_version for name, node in self.nodes.items()}
+
     def summary(self) -> str:
-        return f"seed {self.seed}: versions {self.cluster_version}, moves {self.committed_versions}"
+        return f"seed {self.seed}: versions {self.cluster_versions()}, moves {self.committed_versions}"
 
 
 def run_versions_seed(seed: int, core_count: int = 3) -> VersionsSimulation:
@@ -213,23 +203,20 @@ STUCK_WRITE_GAP_MS = 300
 
 
 class StuckMemberSimulation(Simulation):
-    """Cores without faults (no drops, partitions, pauses, crashes or trimming) whose member
-    ``rolled_back`` restarts on release 0.1.0 (cluster version 1 only) after the probes saw it speak
-    this release, and whose sequencer then appends this release's highest cluster version."""
+    """Cores without faults (no drops, partitions, pauses or crashes; the healed run's trimming)
+    whose member ``rolled_back`` restarts on release 0.1.0 (cluster version 1 only) after the probes
+    saw it speak this release, and whose sequencer then appends this release's highest cluster
+    version. The sequencer trims past the stuck member's position and offers it snapshots, at the
+    cluster version it applied (production's offer): the member refuses each (``offers_refused``)."""
 
     def __init__(self, seed: int, core_count: int) -> None:
         self.rolled_back: str | None = None
+        self.offers_refused = 0
         super().__init__(seed, core_count)
         self._heal()
 
     def _replay_command(self) -> str:
         return f".venv/bin/pytest tests/test_simulation.py -k stuck_consensus (seed {self.seed})"
-
-    def _heal(self) -> None:
-        super()._heal()
-        # No trimming: a snapshot offer would take the stuck core past the entry it refused, and
-        # the simulator models installs at ``packing_cluster_version``, not at the version applied.
-        self.faults = dataclasses.replace(self.faults, retention_entries_max=10**9)
 
     def _local_read_lag_ms_max(self) -> int | None:
         """No faults, and writes ``STUCK_WRITE_GAP_MS`` apart (none waits behind another): an entry
@@ -263,6 +250,14 @@ class StuckMemberSimulation(Simulation):
             self.trace.append((self.now_ms, node.name, "refused", effect.reason))
             return
         super()._execute(node, effect)
+
+    def _offer_unspoken(self, follower: SimNode, sequencer: SimNode, refused: str) -> None:
+        # So are the snapshot offers at that version: the stuck member refuses them (core.snapshot),
+        # as production does (a protocol violation counted), and stays where it is.
+        if follower.name != self.rolled_back:
+            super()._offer_unspoken(follower, sequencer, refused)
+        self.offers_refused += 1
+        self.trace.append((self.now_ms, follower.name, "refused an offer", refused))
 
 
 def stuck_member_reading_locally(seed: int) -> tuple[StuckMemberSimulation, str, int]:
