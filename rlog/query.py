@@ -416,6 +416,10 @@ class QueryRunner:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
+        # Set by ``stop`` (under ``_lock``) once the pipe is closed: its numbers may then belong to
+        # any file the process opens next, so a late worker must not write to them, nor a second
+        # ``stop`` close them again.
+        self._pipe_closed = False
         # Set by ``stop``: a statement running stops at its next progress check, a job queued does not start.
         self._stopping = False
         self.queries = 0
@@ -505,7 +509,7 @@ class QueryRunner:
     def finished(self, drain: bool = True) -> list[Finished]:
         """The pages finished since the last call. ``drain``: the wakeup pipe is readable (the loop's
         poll said so), empty it; reading an empty pipe every turn cost an exception per turn."""
-        if drain:
+        if drain and not self._pipe_closed:
             try:
                 while os.read(self._wake_read, 4096):
                     pass
@@ -553,8 +557,11 @@ class QueryRunner:
         if self._checker is not None:
             self._checker.close(True)
             self._checker = None
-        for fd in (self._wake_read, self._wake_write):
-            os.close(fd)
+        with self._lock:
+            closing, self._pipe_closed = not self._pipe_closed, True
+        if closing:
+            for fd in (self._wake_read, self._wake_write):
+                os.close(fd)
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -580,9 +587,11 @@ class QueryRunner:
                 self._done.append(finished)
             if not keep:
                 _close_sqlite(cursor)
-            # A full pipe means the loop has a wake-up pending already; a closed one, that the node stops.
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.write(self._wake_write, b"x")
+            # A full pipe means the loop has a wake-up pending already. A closed one (a worker that
+            # outlived ``stop``) is not written: its number may be another file's by now.
+            with self._lock, contextlib.suppress(BlockingIOError, OSError):
+                if not self._pipe_closed:
+                    os.write(self._wake_write, b"x")
 
     def _page(self, cursor: _Cursor) -> Finished:
         if self._stopping:  # queued before the stop: its client is answered by the node's stop

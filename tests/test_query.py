@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -383,6 +384,24 @@ def test_stop_interrupts_a_running_statement_and_a_job_queued_before_it_never_st
         ("client-SELECT c", "stopping", None),
     ]
     assert runner.statistics()["pages"] == 0 and runner.statistics()["budget_stops"] == 0
+
+
+def test_a_second_stop_closes_no_file_the_process_opened_since(store: Store) -> None:
+    """``stop`` closes the wakeup pipe once: the freed numbers go to the next file the process opens
+    (here another pipe), which a second ``stop`` (or a drain, or a late worker's wake-up) must not touch."""
+    runner = _stopping_runner(store, threads=1)
+    numbers = {runner._wake_read, runner._wake_write}
+    runner.stop()
+    read_fd, write_fd = os.pipe()
+    try:
+        assert {read_fd, write_fd} == numbers, "the process reuses the lowest free numbers"
+        runner.stop()
+        assert runner.finished() == []  # a drain of the closed pipe reads nothing
+        os.write(write_fd, b"y")
+        assert os.read(read_fd, 1) == b"y"
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
 
 
 def test_the_budget_counts_sqlite_time_over_all_pages(tmp_path: Path) -> None:
