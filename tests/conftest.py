@@ -269,9 +269,9 @@ def silent_endpoint() -> Iterator[str]:
         socket.close(0)
 
 
-@pytest.fixture
-def node_processes() -> Iterator[list[NodeProcess]]:
-    """Collects NodeProcess objects; every one is killed at teardown, also when the test fails."""
+@contextlib.contextmanager
+def _killed_at_exit() -> Iterator[list[NodeProcess]]:
+    """A list to collect NodeProcess objects in; every one is killed at exit, also on an exception."""
     processes: list[NodeProcess] = []
     try:
         yield processes
@@ -282,6 +282,13 @@ def node_processes() -> Iterator[list[NodeProcess]]:
                 process.kill()
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
+
+
+@pytest.fixture
+def node_processes() -> Iterator[list[NodeProcess]]:
+    """Collects NodeProcess objects; every one is killed at teardown, also when the test fails."""
+    with _killed_at_exit() as processes:
+        yield processes
 
 
 # Tests run the real-process cluster with [security] unless this is set (to run them insecure).
@@ -475,3 +482,12 @@ class Cluster:
 @pytest.fixture
 def cluster(tmp_path: Path, node_processes: list[NodeProcess]) -> Cluster:
     return Cluster(tmp_path, node_processes)
+
+
+@pytest.fixture(scope="module")
+def module_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A ``Cluster`` shared by the tests of one module (its processes are killed after the module's
+    last test): for tests that only read what a costly setup loaded, or write rows of their own that
+    no other test of the module counts."""
+    with _killed_at_exit() as processes:
+        yield Cluster(tmp_path_factory.mktemp("cluster"), processes)
