@@ -192,6 +192,11 @@ class NodeProcess:
 
     def start(self, endpoint: str, timeout_s: float = 20, env: dict[str, str] | None = None) -> None:
         """Start the node (``env``: extra environment, e.g. libfaketime's) and wait until it answers."""
+        self.launch(env)
+        self.wait_ready(endpoint, timeout_s)
+
+    def launch(self, env: dict[str, str] | None = None) -> None:
+        """Start the node's process and return at once (``wait_ready`` waits until it answers)."""
         env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
         if self.python is not None:
             env.pop("PYTHONPATH")
@@ -206,6 +211,9 @@ class NodeProcess:
                 env=env,
                 start_new_session=True,
             )
+
+    def wait_ready(self, endpoint: str, timeout_s: float = 20) -> None:
+        """Wait until the launched node answers a status request at ``endpoint``; fail if it exits."""
 
         def ready() -> bool:
             if self.process is not None and self.process.poll() is not None:
@@ -409,8 +417,11 @@ class Cluster:
         self.nodes[name].start(self.endpoints[name])
 
     def start_all(self) -> None:
+        """Launch every core at once (as an operator boots a cluster), then wait until each answers."""
         for name in self.names:
-            self.start(name)
+            self.nodes[name].launch()
+        for name in self.names:
+            self.nodes[name].wait_ready(self.endpoints[name])
 
     def client(self, name: str, principal: str = "ops", **kwargs) -> Client:
         kwargs.setdefault("timeout_ms", 3000)
