@@ -54,13 +54,18 @@ iproute2:
 run: setup
 	$(BIN)/mnesite start --sample-data
 
+# CI (.ci/run): every test, in two pytest runs: the fast lane's tests on two worker processes, then the
+# slow (multi-process, timing-sensitive) and Spark tests serially, one at a time. The second run starts
+# also when the first failed; the target fails when either did.
 test: setup java iproute2 docs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not slow and not spark" -n 2; fast=$$?; \
+	$(BIN)/pytest -m "slow or spark"; slow=$$?; \
+	exit $$(( fast != 0 ? fast : slow ))
 
 # The fast lane: no multi-process, fault or Spark tests, on two worker processes (about a minute on 2 CPUs;
-# 1 min 40 s serially). CI's `make test` runs everything serially.
+# 1 min 40 s serially). CI's `make test` runs them the same way, then the others serially.
 test-fast: setup docs-deps
 	$(BIN)/ruff check .
 	$(BIN)/pytest -m "not slow and not spark" -q -n 2

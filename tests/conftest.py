@@ -192,6 +192,11 @@ class NodeProcess:
 
     def start(self, endpoint: str, timeout_s: float = 20, env: dict[str, str] | None = None) -> None:
         """Start the node (``env``: extra environment, e.g. libfaketime's) and wait until it answers."""
+        self.launch(env)
+        self.wait_ready(endpoint, timeout_s)
+
+    def launch(self, env: dict[str, str] | None = None) -> None:
+        """Start the node's process and return at once (``wait_ready`` waits until it answers)."""
         env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
         if self.python is not None:
             env.pop("PYTHONPATH")
@@ -206,6 +211,9 @@ class NodeProcess:
                 env=env,
                 start_new_session=True,
             )
+
+    def wait_ready(self, endpoint: str, timeout_s: float = 20) -> None:
+        """Wait until the launched node answers a status request at ``endpoint``; fail if it exits."""
 
         def ready() -> bool:
             if self.process is not None and self.process.poll() is not None:
@@ -320,9 +328,9 @@ def silent_endpoint() -> Iterator[str]:
         socket.close(0)
 
 
-@pytest.fixture
-def node_processes() -> Iterator[list[NodeProcess]]:
-    """Collects NodeProcess objects; every one is killed at teardown, also when the test fails."""
+@contextlib.contextmanager
+def _killed_at_exit() -> Iterator[list[NodeProcess]]:
+    """A list to collect NodeProcess objects in; every one is killed at exit, also on an exception."""
     processes: list[NodeProcess] = []
     try:
         yield processes
@@ -333,6 +341,13 @@ def node_processes() -> Iterator[list[NodeProcess]]:
                 process.kill()
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
+
+
+@pytest.fixture
+def node_processes() -> Iterator[list[NodeProcess]]:
+    """Collects NodeProcess objects; every one is killed at teardown, also when the test fails."""
+    with _killed_at_exit() as processes:
+        yield processes
 
 
 # Tests run the real-process cluster with [security] unless this is set (to run them insecure).
@@ -453,8 +468,11 @@ class Cluster:
         self.nodes[name].start(self.endpoints[name])
 
     def start_all(self) -> None:
+        """Launch every core at once (as an operator boots a cluster), then wait until each answers."""
         for name in self.names:
-            self.start(name)
+            self.nodes[name].launch()
+        for name in self.names:
+            self.nodes[name].wait_ready(self.endpoints[name])
 
     def client(self, name: str, principal: str = "ops", **kwargs) -> Client:
         kwargs.setdefault("timeout_ms", 3000)
@@ -526,3 +544,12 @@ class Cluster:
 @pytest.fixture
 def cluster(tmp_path: Path, node_processes: list[NodeProcess]) -> Cluster:
     return Cluster(tmp_path, node_processes)
+
+
+@pytest.fixture(scope="module")
+def module_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A ``Cluster`` shared by the tests of one module (its processes are killed after the module's
+    last test): for tests that only read what a costly setup loaded, or write rows of their own that
+    no other test of the module counts."""
+    with _killed_at_exit() as processes:
+        yield Cluster(tmp_path_factory.mktemp("cluster"), processes)
