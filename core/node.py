@@ -452,12 +452,12 @@ class CoreNode(NodeServer):
         """
         if timeout_ms is None:
             timeout_ms = self.config.timing.recovery_timeout_ms
+        existing = self.config.initial_cluster_state == "existing"
         for attempt in range(1, RECOVERY_ROUNDS_MAX + 1):
             answers = self.probe_peers(timeout_ms)
             # A core added to a running cluster (or one being rebuilt) starts with the members the peers
             # know, not its config's core_nodes: outside them it is a learner until an add entry names it.
             members, cluster = recovered_members(answers)
-            existing = self.config.initial_cluster_state == "existing"
             missing = recovery_shortfall(answers, cluster or self.members, self.config.name, existing)
             if missing == 0:
                 break
@@ -481,7 +481,7 @@ class CoreNode(NodeServer):
             )
         generations = recovered_generations(answers)
         floors = recovered_vote_floors(answers)
-        if not any(generations.values()) and self.config.initial_cluster_state == "existing":
+        if not any(generations.values()) and existing:
             log.info("empty database: every other member answered and none saw an election: nothing to recover")
         elif not any(generations.values()):
             # A core of a new cluster, or a rebuilt one that reached no core that saw an election: it

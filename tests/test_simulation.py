@@ -691,6 +691,16 @@ def test_a_failure_names_the_test_that_replays_it(monkeypatch):
     )
 
 
+def _commit_writes(sim: Simulation, sequencer: str, why: str, count: int = 5) -> None:
+    """``count`` writes at ``sequencer``, then time for them to commit on the cores it reaches."""
+    for _ in range(count):
+        sim.write(sequencer)
+        sim.advance()
+    for _ in range(100):
+        sim.advance()
+    assert len(sim.acknowledged) >= count, why
+
+
 def _disk_lost_while_a_core_lags(seed: int) -> Simulation:
     """3 cores, no random faults: writes commit on the sequencer and one follower while the third is
     cut off from the sequencer; that follower's disk is then lost. It recovers from the journals of
@@ -703,12 +713,7 @@ def _disk_lost_while_a_core_lags(seed: int) -> Simulation:
     a = sequencer.name
     b, c = (name for name in sorted(sim.nodes) if name != a)
     sim.cut = {(a, c), (c, a)}
-    for _ in range(5):
-        sim.write(a)
-        sim.advance()
-    for _ in range(100):
-        sim.advance()
-    assert len(sim.acknowledged) >= 5, "the writes committed on the sequencer and b"
+    _commit_writes(sim, a, "the writes committed on the sequencer and b")
     sim.lose_disk(b)
     sim._restart_due()  # b recovers (it reaches a and c) and starts
     assert sim.nodes[b].machine is not None and not sim.nodes[b].disk_lost
@@ -876,12 +881,7 @@ def _rebuilt_core_reaching_only_a_core_that_never_saw_an_election(seed: int, dec
     else:
         raise AssertionError("a and b elected no sequencer while c never saw an election")
     follower = b if sequencer == a else a
-    for _ in range(5):
-        sim.write(sequencer)
-        sim.advance()
-    for _ in range(100):
-        sim.advance()
-    assert len(sim.acknowledged) >= 5, "the writes committed on the sequencer and the follower"
+    _commit_writes(sim, sequencer, "the writes committed on the sequencer and the follower")
     sim.lose_disk(follower)
     sim.cut = {(follower, sequencer), (sequencer, follower), (c, sequencer), (sequencer, c)}
     for _ in range(1500):
