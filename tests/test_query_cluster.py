@@ -5,7 +5,7 @@ Figures are printed (``-s`` shows them) and bounded by assertions."""
 
 from __future__ import annotations
 
-import resource
+import os
 import sqlite3
 import statistics
 import subprocess
@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mnesite.rlog.client import RemoteError
@@ -271,6 +272,24 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def _run_measured(command: list[str], stdout: Any, stderr_path: Path, timeout_s: float) -> tuple[int, str, int]:
+    """Run ``command`` to its end: its exit code, its stderr and the peak RSS (KiB) of that one process.
+
+    ``os.wait4`` reports the rusage of the child it reaps; ``RUSAGE_CHILDREN`` would give the largest
+    of every child this pytest process has reaped so far (node processes of earlier modules too), under
+    which a client's own growth could hide."""
+    with stderr_path.open("wb") as stderr:
+        process = subprocess.Popen(command, cwd=REPO, stdout=stdout, stderr=stderr)
+    killer = threading.Timer(timeout_s, process.kill)  # wait4 has no deadline of its own
+    killer.start()
+    try:
+        _, status, usage = os.wait4(process.pid, 0)
+    finally:
+        killer.cancel()
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    return process.returncode, stderr_path.read_text(errors="replace"), usage.ru_maxrss
+
+
 def test_a_million_row_result_streams_in_bounded_memory(loaded: Cluster, tmp_path: Path) -> None:
     # 1,000 users x 1,000 users: 1,000,000 rows of about 130 bytes (130 MB of values) from a user table.
     sql = (
@@ -283,24 +302,20 @@ def test_a_million_row_result_streams_in_bounded_memory(loaded: Cluster, tmp_pat
     if loaded.secure:
         keys = loaded.cli_keys()
     command = [sys.executable, "-m", "mnesite.cli", "query", "--node", loaded.endpoints[node], *keys, "--json"]
-    baseline = subprocess.run([*command, "SELECT 1"], cwd=REPO, capture_output=True, timeout=60)
-    assert baseline.returncode == 0, baseline.stderr
-    client_baseline_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    code, stderr, client_baseline_kib = _run_measured(
+        [*command, "SELECT 1"], subprocess.DEVNULL, tmp_path / "baseline.err", 60
+    )
+    assert code == 0, stderr
     _reset_peak_rss(pid)
     node_before_kib = _rss_kib(pid)
     started = time.monotonic()
     output = tmp_path / "rows.json"
     with output.open("wb") as sink:
-        run = subprocess.run(
-            [*command, sql, "--param", str(USERS), "--param", str(USERS)],
-            cwd=REPO,
-            stdout=sink,
-            stderr=subprocess.PIPE,
-            timeout=240,
+        code, stderr, client_peak_kib = _run_measured(
+            [*command, sql, "--param", str(USERS), "--param", str(USERS)], sink, tmp_path / "query.err", 240
         )
     elapsed_s = time.monotonic() - started
-    assert run.returncode == 0, run.stderr
-    client_peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert code == 0, stderr
     node_peak_kib = _peak_rss_kib(pid)
     with output.open("rb") as written:
         lines = sum(1 for _ in written)
@@ -316,3 +331,18 @@ def test_a_million_row_result_streams_in_bounded_memory(loaded: Cluster, tmp_pat
     # Memory does not grow with the result: far below the 130 MB of values, on both sides.
     assert node_peak_kib - node_before_kib < 64 * 1024
     assert client_peak_kib - client_baseline_kib < 64 * 1024
+
+
+def test_the_client_measure_is_the_one_process_not_the_largest_child_reaped(tmp_path: Path) -> None:
+    # A large child first: RUSAGE_CHILDREN would report its 200 MiB for every later child too.
+    big = [sys.executable, "-c", "b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096])"]
+    code, stderr, big_kib = _run_measured(big, subprocess.DEVNULL, tmp_path / "big.err", 60)
+    assert code == 0, stderr
+    assert big_kib >= 200 * 1024
+    code, stderr, small_kib = _run_measured([sys.executable, "-c", "pass"], subprocess.DEVNULL, tmp_path / "s.err", 60)
+    assert code == 0, stderr
+    assert small_kib < 100 * 1024
+    code, _, _ = _run_measured(
+        [sys.executable, "-c", "raise SystemExit(3)"], subprocess.DEVNULL, tmp_path / "e.err", 60
+    )
+    assert code == 3
