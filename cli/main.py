@@ -736,8 +736,9 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
     """Write the rows of FILE ('-': stdin) into TABLE: JSON lines (one object per line) or CSV with a header.
 
     \b
-    Rows are written in transactions of --batch-rows rows (each all or nothing), so memory stays
-    bounded whatever the file's size. A regular FILE is read twice: first checked against TABLE's
+    Rows are written in transactions of --batch-rows rows (each all or nothing; fewer when the rows
+    are wide, so that a transaction stays under the frame size), so memory stays bounded whatever the
+    file's size. A regular FILE is read twice: first checked against TABLE's
     columns (an error names the line and nothing is written), then imported. CSV cells are converted
     to the column's type; an empty cell is null (in a TEXT column: the empty text; an ANY column's
     cells stay text). JSON lines keep every value as it is. Progress goes to stderr (about once a

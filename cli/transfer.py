@@ -9,7 +9,9 @@ column, where it is the empty text, and an ANY column's cells text; JSON values 
 they are, a BLOB as ``{"base64": ...}`` or hex) and refuses a line that does not fit, naming it:
 ``line 7: ...``. Rows go to the node in transactions of ``batch_rows`` rows through the normal
 write path (each all or nothing, replicated like any write); an error the node answers names the
-lines of the batch it refused and says how many rows were imported before it. A batch whose
+lines of the batch it refused and says how many rows were imported before it. A batch also ends
+before its request would outgrow the client's ``frame_bytes_max`` (with room for the envelope): wide
+rows go in smaller transactions rather than in one the client must refuse to send. A batch whose
 outcome is unknown is reported as such (the caller exits 3): it is never re-sent silently.
 
 sqlite-utils' readers (``rows_from_file``) skip blank lines and hide the CSV reader, so they cannot
@@ -28,10 +30,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+import msgspec
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
 
 LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
 PROGRESS_INTERVAL_S = 1.0  # an import says how far it got at most this often (on stderr, unless --quiet)
+# The share of the client's frame_bytes_max a batch's ops may fill: the rest is the request's envelope.
+BATCH_FRAME_SHARE = 0.9
 csv.field_size_limit(LINE_CHARS_MAX)
 
 
@@ -147,11 +152,14 @@ def import_rows(
     batch_rows: int,
     progress: Callable[[str], None] | None = None,
 ) -> Imported:
-    """Write ``rows`` in transactions of at most ``batch_rows`` rows; raise ``ImportFailed`` on the first refusal.
+    """Write ``rows`` in transactions of at most ``batch_rows`` rows, each small enough to send; raise
+    ``ImportFailed`` on the first refusal. A row too large to send even alone is refused naming its line.
 
     ``progress`` gets a line after a transaction at most every ``PROGRESS_INTERVAL_S``, and after the last."""
     imported = Imported()
     batch: list[tuple[int, dict[str, Any]]] = []
+    batch_bytes = [0]
+    bytes_max = int(client.frame_bytes_max * BATCH_FRAME_SHARE)
     shown_at = [time.monotonic()]
 
     def show(line: int, last: bool) -> None:
@@ -164,7 +172,7 @@ def import_rows(
         lines = f"lines {batch[0][0]}-{batch[-1][0]}" if len(batch) > 1 else f"line {batch[0][0]}"
         before = f"{imported.rows} rows in {imported.transactions} transactions were imported before"
         try:
-            client.transact([{"op": "write", "table": table, "row": row} for _, row in batch])
+            client.transact([write for _, write in batch])
         except OutcomeUnknown as error:
             raise ImportFailed(f"{lines}: {error}; {before}", outcome_unknown=True) from None
         except MnesiteError as error:
@@ -173,11 +181,17 @@ def import_rows(
         imported.transactions += 1
         line = batch[-1][0]
         batch.clear()
+        batch_bytes[0] = 0
         return line
 
     line = 0
     for line, row in rows:
-        batch.append((line, row))
+        write = {"op": "write", "table": table, "row": row}
+        size = len(msgspec.msgpack.encode(write))
+        if batch and batch_bytes[0] + size > bytes_max:
+            show(send(), last=False)
+        batch.append((line, write))
+        batch_bytes[0] += size
         if len(batch) >= batch_rows:
             show(send(), last=False)
     if batch:

@@ -511,3 +511,19 @@ def test_rlog_tail_follow_pauses_only_when_the_node_had_nothing_more(tmp_path, m
         assert pauses == [60.0, 60.0]
     finally:
         node.stop()
+
+
+def test_an_import_of_wide_rows_cuts_its_transactions_by_bytes(
+    mnesite, thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """500 rows of 20 KB make a 10 MB transaction, above frame_bytes_max (4 MiB): the import stopped at its
+    first batch ("not sent: ... above frame_bytes_max"). A batch now also ends before it would not fit."""
+    rows = tmp_path / "wide.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "name": f"{i:05d}" + "x" * 20_000}) + "\n" for i in range(600)))
+    result = mnesite("import", "items", str(rows), "--json")
+    assert result.exit_code == 0, result.output
+    imported = json.loads(result.stdout)
+    assert imported["rows"] == 600 and imported["transactions"] >= 3, imported
+    with thread_node.client() as client:
+        assert client.count("items") == 600
+        assert [row["name"][:5] for row in client.scan("items")] == [f"{i:05d}" for i in range(600)]
