@@ -3,7 +3,8 @@
 One line per record as it arrives: ``--json`` prints JSON lines (one record each, BLOBs as
 ``{"base64": ...}``); otherwise ``TX_KEY SHARD TABLE OP KEY ROW``. The command ends once it has every
 change the node applied, or with ``--follow`` keeps waiting for more (Ctrl-C ends it, exit 0); the last
-line of a run that ends, also by Ctrl-C, names the position to resume from with ``--from`` (on stderr).
+line of a run that ends, also by Ctrl-C, names the position to resume from with ``--from`` (on stderr, in
+both output modes); one that ends with an error names it on the line before the error.
 """
 
 from __future__ import annotations
@@ -12,8 +13,17 @@ import json
 from typing import Any
 
 import click
-from mnesite.cli.main import _json_default, client_for, json_option, node_options, parse_tx_key, run, run_iterator
-from mnesite.rlog.client import CHANGES_WAIT_MS
+from mnesite.cli.main import (
+    EXIT_OUTCOME_UNKNOWN,
+    _json_default,
+    client_for,
+    fail,
+    json_option,
+    node_options,
+    parse_tx_key,
+    run,
+)
+from mnesite.rlog.client import CHANGES_WAIT_MS, MnesiteError, OutcomeUnknown
 
 
 def parse_from(values: tuple[str, ...]) -> Any:
@@ -69,8 +79,9 @@ def changes(tables, from_keys, follow, endpoint, timeout_ms, as_json) -> None:
     after = parse_from(from_keys)
     with client_for(endpoint, timeout_ms, retries=1) as client:
         feed = run(lambda: client.changes(list(tables), after, follow=follow, wait_ms=CHANGES_WAIT_MS))
+        ended = "caught up"
         try:
-            for record in run_iterator(iter(feed)):
+            for record in iter(feed):
                 if as_json:
                     click.echo(json.dumps(record, default=_json_default))
                 else:
@@ -78,10 +89,19 @@ def changes(tables, from_keys, follow, endpoint, timeout_ms, as_json) -> None:
         except KeyboardInterrupt:
             # Ctrl-C is how --follow ends (like rlog tail --follow): a clean exit that still says where
             # to resume, which is what a follower needs most.
-            pass
-        if not as_json:
-            positions = " ".join(f"{shard}:{key[0]},{key[1]}" for shard, key in sorted(feed.position.items()))
-            click.echo(f"caught up; resume with --from {positions}" if positions else "caught up", err=True)
+            ended = "stopped"
+        except MnesiteError as error:
+            # The node stopped answering (or refused): where to resume is what the caller needs next,
+            # and a feed of some tables cannot rebuild it from the records it printed.
+            if feed.position:
+                click.echo(_resume_line("stopped", feed.position), err=True)
+            fail(str(error), EXIT_OUTCOME_UNKNOWN if isinstance(error, OutcomeUnknown) else 1)
+        click.echo(_resume_line(ended, feed.position), err=True)
+
+
+def _resume_line(ended: str, position: dict[str, Any]) -> str:
+    positions = " ".join(f"{shard}:{key[0]},{key[1]}" for shard, key in sorted(position.items()))
+    return f"{ended}; resume with --from {positions}" if positions else ended
 
 
 def register(main: click.Group) -> None:

@@ -269,30 +269,52 @@ def test_cli_changes(node) -> None:
     assert unknown.exit_code == 1 and "unknown table 'nope'" in unknown.output
 
 
-def test_cli_changes_follow_ended_by_ctrl_c_exits_0_and_names_the_resume_position(node, monkeypatch) -> None:
-    """Ctrl-C is how ``changes --follow`` ends. It printed "Error: aborted" and exited 1, and the line
-    naming the position to resume from (what a follower needs most) was never printed."""
+def _feed_raising_once_caught_up(node, monkeypatch, error: BaseException) -> TxKey:
+    """Two writes; every ``ChangeFeed`` page fetch after the one that delivered the second raises ``error``."""
     from mnesite.rlog.client import ChangeFeed
 
     with node.client() as client:
         client.put("users", {"id": 1, "name": "ada"})
         last = client.put("users", {"id": 2, "name": "bob"})
     real_fetch_page = ChangeFeed.fetch_page
-    delivered = []
+    delivered: dict[int, tuple] = {}  # per feed (each CLI run makes its own), kept alive: no id reused
 
-    def interrupted_once_caught_up(feed):
-        if last in delivered:
-            raise KeyboardInterrupt  # the operator's Ctrl-C while the feed waits for more
+    def raising_once_caught_up(feed):
+        _, keys = delivered.setdefault(id(feed), (feed, []))
+        if last in keys:
+            raise error
         records, positions = real_fetch_page(feed)
-        delivered.extend(record.get("tx_key") for record in records)
+        keys.extend(record.get("tx_key") for record in records)
         return records, positions
 
-    monkeypatch.setattr(ChangeFeed, "fetch_page", interrupted_once_caught_up)
+    monkeypatch.setattr(ChangeFeed, "fetch_page", raising_once_caught_up)
+    return last
+
+
+def test_cli_changes_follow_ended_by_ctrl_c_exits_0_and_names_the_resume_position(node, monkeypatch) -> None:
+    """Ctrl-C is how ``changes --follow`` ends. It printed "Error: aborted" and exited 1, and the line
+    naming the position to resume from (what a follower needs most) was never printed."""
+    # The operator's Ctrl-C while the feed waits for more.
+    last = _feed_raising_once_caught_up(node, monkeypatch, KeyboardInterrupt())
     result = CliRunner().invoke(main, ["changes", "users", "--follow", "--node", node.endpoint])
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[-1] == f"{last} default users write 2 " + '{"id": 2, "name": "bob"}'
     assert f"resume with --from default:{last.generation},{last.counter}" in result.stderr
     assert "Error" not in result.stderr
+
+
+def test_cli_changes_that_lose_their_node_still_name_the_resume_position(node, monkeypatch) -> None:
+    """A feed whose node stops answering ended with only "Error: ...": the position to resume from,
+    which a table-filtered feed cannot rebuild from the records it printed, was lost with it."""
+    from mnesite.rlog.client import Unavailable
+
+    last = _feed_raising_once_caught_up(node, monkeypatch, Unavailable("did not answer changes within 1000 ms"))
+    for json_flag in ([], ["--json"]):
+        result = CliRunner().invoke(main, ["changes", "users", "--follow", *json_flag, "--node", node.endpoint])
+        assert result.exit_code == 1, result.output
+        lines = result.stderr.splitlines()
+        assert lines[-1] == "Error: did not answer changes within 1000 ms", lines
+        assert f"resume with --from default:{last.generation},{last.counter}" in lines[-2], lines
 
 
 def test_a_transaction_whose_records_outgrow_a_frame_reaches_the_consumer_over_several_pages(tmp_path: Path) -> None:
