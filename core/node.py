@@ -429,16 +429,26 @@ class CoreNode(NodeServer):
                 self.store.set_meta(RESTORED_META, "")
         for shard in self.store.shards():
             self._open_shard(shard)
-            if int(self.store.meta(f"installing:{shard}", 0)):
-                self.rows_lost.add(shard)
-                self.not_serving[shard] = (
-                    "a snapshot install was interrupted (the shard's rows are half copied); asking the sequencer "
-                    "for another offer"
-                )
-            elif int(self.store.meta(f"read_fenced:{shard}", 0)):
-                self.not_serving[shard] = "replaying after a snapshot install"
-                sequencer = next((m for m in self.members if m != config.name), config.name)
-                self.installs[shard] = SnapshotInstall.fenced(sequencer, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
+            self._install_state_from_disk(shard)
+
+    def _install_state_from_disk(self, shard: str) -> None:
+        """The shard's snapshot install as the disk records it (``core.snapshot``), at a start or once a
+        full disk rolled a turn back (``disk_filled``): rows half copied by an install that did not
+        finish (another offer is asked for), or installed and not yet at the read fence. An install
+        under way in memory is dropped (its answers are ignored): what it copied may be rolled back."""
+        self.installs.pop(shard, None)
+        self.rows_lost.discard(shard)
+        self.not_serving.pop(shard, None)
+        if int(self.store.meta(f"installing:{shard}", 0)):
+            self.rows_lost.add(shard)
+            self.not_serving[shard] = (
+                "a snapshot install was interrupted (the shard's rows are half copied); asking the sequencer "
+                "for another offer"
+            )
+        elif int(self.store.meta(f"read_fenced:{shard}", 0)):
+            self.not_serving[shard] = "replaying after a snapshot install"
+            sequencer = next((m for m in self.members if m != self.config.name), self.config.name)
+            self.installs[shard] = SnapshotInstall.fenced(sequencer, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
 
     def recover_generations(self, timeout_ms: int | None = None) -> dict[str, int]:
         """A core with an empty database may have lost one that voted: learn the generations in use.
@@ -689,8 +699,12 @@ class CoreNode(NodeServer):
         The machines believe that turn's effects are durable: each first steps ``DiskFull`` (a
         sequencer steps down; its proposals fail and their clients hear "outcome unknown"), then it
         is rebuilt from disk as a restart would and told ``DiskFull`` again. Agents are stopped:
-        they may have been told of a commit that was rolled back (their replicants watch again)."""
+        they may have been told of a commit that was rolled back (their replicants watch again).
+        A shard the turn created (its first table, a peer's first message of it) is forgotten with
+        the rollback, and a snapshot install takes its state from the disk as at a start: the batch
+        (and the finish) of the turn were rolled back with it."""
         error = self.disk.error
+        on_disk = self.store.shards()
         for driver in self.shards.values():
             _, held = driver.held.take()
             for request_id, (envelope, _) in held:  # never proposed: nothing was logged
@@ -703,7 +717,11 @@ class CoreNode(NodeServer):
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
             self._abandon_held_guard_failures(driver, f"disk_full: {error}")
             self.agent_server.stop_shard(shard)
+            if shard not in on_disk:
+                del self.shards[shard]
+                continue
             self._step(self._open_shard(shard), DiskFull(error))
+            self._install_state_from_disk(shard)
 
     def answer_held_at_stop(self, reason: str) -> None:
         """What a stop can answer better than ``hold`` recorded (``NodeServer.answer_at_stop`` answers
