@@ -1200,7 +1200,10 @@ class CoreNode(NodeServer):
             return
         self._execute_install(shard, install.step(event, position.applied, self.clock_ms()))
         if install.mode in (InstallMode.DONE, InstallMode.ABANDONED):
-            del self.installs[shard]
+            # Not there any more when a step of the same install ended it first: a core that is the
+            # sequencer answers its own fence question (``FetchCommitted``) inside the step that asked.
+            if self.installs.get(shard) is install:
+                del self.installs[shard]
         else:
             self._log_install_progress(shard, install)
 
