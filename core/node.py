@@ -113,6 +113,7 @@ from mnesite.core.recovery import (
     recovered_members,
     recovered_vote_floors,
     recovery_shortfall,
+    vote_recovered,
     well_formed_answers,
 )
 from mnesite.core.snapshot import (
@@ -509,10 +510,14 @@ class CoreNode(NodeServer):
             with self.store.write_transaction():
                 for shard, generation in generations.items():
                     self.store.ensure_shard(shard, 0)
-                    if generation <= self.store.consensus_state(shard)[0]:
-                        continue  # a restored shard already at (or past) the generation the peers know
-                    shard_members = members.get(shard, self.members)
-                    self.store.persist_consensus_state(shard, generation, self.config.name, shard_members, False)
+                    own_generation, voted_for, own_members, forced = self.store.consensus_state(shard)
+                    if not vote_recovered(own_generation, voted_for, generation):
+                        continue  # a restored shard past the generation the peers know, or its vote there on record
+                    if generation == own_generation:  # restored at the peers' generation: only the vote is new
+                        shard_members = own_members or members.get(shard, self.members)
+                    else:
+                        shard_members, forced = members.get(shard, self.members), False
+                    self.store.persist_consensus_state(shard, generation, self.config.name, shard_members, forced)
                 for shard, floor in floors.items():
                     self.store.ensure_shard(shard, 0)
                     if floor > self._vote_floor(shard):
