@@ -458,7 +458,8 @@ class CoreNode(NodeServer):
         decides from the answers, with its vote already cast (for itself), and its vote floor. In a
         cluster with history (an answer shows a generation) or one declared ``existing``
         (``[cluster] initial_cluster_state``) every other member must answer (``recovery_shortfall``):
-        it asks up to ``RECOVERY_ROUNDS_MAX`` times, then raises. If no peer answers and the cluster is
+        it asks up to ``RECOVERY_ROUNDS_MAX`` times (each round also the members whose endpoints the
+        last round's answers reported), then raises. If no peer answers and the cluster is
         not declared existing (a new cluster), nothing changes.
         """
         if timeout_ms is None:
@@ -466,6 +467,10 @@ class CoreNode(NodeServer):
         existing = self.config.initial_cluster_state == "existing"
         for attempt in range(1, RECOVERY_ROUNDS_MAX + 1):
             answers = self.probe_peers(timeout_ms)
+            # ``core_nodes`` only seeds a cluster: a member added since is known by the endpoint its add
+            # entry carried. Learned from this round's answers, it is asked in the next round.
+            for journal in answers.values():
+                self._learn_endpoints(journal.get("core_nodes"))
             # A core added to a running cluster (or one being rebuilt) starts with the members the peers
             # know, not its config's core_nodes: outside them it is a learner until an add entry names it.
             members, cluster = recovered_members(answers)
@@ -504,8 +509,6 @@ class CoreNode(NodeServer):
                 '[cluster] initial_cluster_state = "existing"',
                 sorted(answers),
             )
-        for journal in well_formed_answers(answers).values():
-            self._learn_endpoints(journal.get("core_nodes"))
         if generations:
             with self.store.write_transaction():
                 for shard, generation in generations.items():

@@ -975,3 +975,35 @@ def test_a_restored_core_at_the_peers_generation_counts_its_vote_there_as_cast(t
         assert [effect.message.granted for effect in asked if hasattr(effect, "message")] == [False]
     finally:
         restarted.close()
+
+
+def test_a_rebuilt_core_asks_the_members_whose_endpoints_its_peers_report(tmp_path: Path, monkeypatch):
+    """Regression: ``core_nodes`` only seeds a cluster; a core added later is known by the endpoint
+    its add entry carried. A member rebuilt on an empty disk with its first config heard the peers
+    it knew name that core as a member, but learned its endpoint only once every member had answered:
+    it never asked it, and gave up after RECOVERY_ROUNDS_MAX rounds saying that core did not answer
+    (again at every start). It now learns the endpoints from each round's answers and asks them next."""
+    from mnesite.core.node import CoreNode
+
+    cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
+    members = ["core1", "core2", "core4"]  # core3 was removed, core4 added (cluster remove-core, add-core)
+    endpoints = {"core1": cores["core1"], "core2": cores["core2"], "core4": f"tcp://127.0.0.1:{free_port()}"}
+    age = {"generation": 6, "committed": [6, 3], "last": [6, 3], "members": members}
+    asked = []
+
+    def probe(timeout_ms: int) -> dict:
+        asked.append(sorted(node.endpoints))
+        up = {"core2", "core4"} & set(node.endpoints)  # core3 is gone
+        return {peer: {"core_nodes": endpoints, "shards": {"default": age}} for peer in up}
+
+    config = node_config(tmp_path / "data", free_port(), extra={"cluster": {"core_nodes": cores}})
+    monkeypatch.setattr(CoreNode, "recover_generations", lambda self, timeout_ms=None: {})  # at construction
+    node = CoreNode(config)
+    try:
+        monkeypatch.undo()
+        monkeypatch.setattr(node, "probe_peers", probe)
+        assert node.recover_generations() == {"default": 6}
+        assert len(asked) == 2 and "core4" in asked[1], "core4 is asked once a peer named its endpoint"
+        assert node.endpoints["core4"] == endpoints["core4"] and node.members == ("core1", "core2", "core4")
+    finally:
+        node.close()
