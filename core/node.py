@@ -113,6 +113,7 @@ from mnesite.core.recovery import (
     recovered_members,
     recovered_vote_floors,
     recovery_shortfall,
+    vote_recovered,
     well_formed_answers,
 )
 from mnesite.core.snapshot import (
@@ -429,16 +430,26 @@ class CoreNode(NodeServer):
                 self.store.set_meta(RESTORED_META, "")
         for shard in self.store.shards():
             self._open_shard(shard)
-            if int(self.store.meta(f"installing:{shard}", 0)):
-                self.rows_lost.add(shard)
-                self.not_serving[shard] = (
-                    "a snapshot install was interrupted (the shard's rows are half copied); asking the sequencer "
-                    "for another offer"
-                )
-            elif int(self.store.meta(f"read_fenced:{shard}", 0)):
-                self.not_serving[shard] = "replaying after a snapshot install"
-                sequencer = next((m for m in self.members if m != config.name), config.name)
-                self.installs[shard] = SnapshotInstall.fenced(sequencer, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
+            self._install_state_from_disk(shard)
+
+    def _install_state_from_disk(self, shard: str) -> None:
+        """The shard's snapshot install as the disk records it (``core.snapshot``), at a start or once a
+        full disk rolled a turn back (``disk_filled``): rows half copied by an install that did not
+        finish (another offer is asked for), or installed and not yet at the read fence. An install
+        under way in memory is dropped (its answers are ignored): what it copied may be rolled back."""
+        self.installs.pop(shard, None)
+        self.rows_lost.discard(shard)
+        self.not_serving.pop(shard, None)
+        if int(self.store.meta(f"installing:{shard}", 0)):
+            self.rows_lost.add(shard)
+            self.not_serving[shard] = (
+                "a snapshot install was interrupted (the shard's rows are half copied); asking the sequencer "
+                "for another offer"
+            )
+        elif int(self.store.meta(f"read_fenced:{shard}", 0)):
+            self.not_serving[shard] = "replaying after a snapshot install"
+            sequencer = next((m for m in self.members if m != self.config.name), self.config.name)
+            self.installs[shard] = SnapshotInstall.fenced(sequencer, INSTALL_REQUEST_TIMEOUT_MS, self.clock_ms())
 
     def recover_generations(self, timeout_ms: int | None = None) -> dict[str, int]:
         """A core with an empty database may have lost one that voted: learn the generations in use.
@@ -447,7 +458,8 @@ class CoreNode(NodeServer):
         decides from the answers, with its vote already cast (for itself), and its vote floor. In a
         cluster with history (an answer shows a generation) or one declared ``existing``
         (``[cluster] initial_cluster_state``) every other member must answer (``recovery_shortfall``):
-        it asks up to ``RECOVERY_ROUNDS_MAX`` times, then raises. If no peer answers and the cluster is
+        it asks up to ``RECOVERY_ROUNDS_MAX`` times (each round also the members whose endpoints the
+        last round's answers reported), then raises. If no peer answers and the cluster is
         not declared existing (a new cluster), nothing changes.
         """
         if timeout_ms is None:
@@ -455,6 +467,10 @@ class CoreNode(NodeServer):
         existing = self.config.initial_cluster_state == "existing"
         for attempt in range(1, RECOVERY_ROUNDS_MAX + 1):
             answers = self.probe_peers(timeout_ms)
+            # ``core_nodes`` only seeds a cluster: a member added since is known by the endpoint its add
+            # entry carried. Learned from this round's answers, it is asked in the next round.
+            for journal in answers.values():
+                self._learn_endpoints(journal.get("core_nodes"))
             # A core added to a running cluster (or one being rebuilt) starts with the members the peers
             # know, not its config's core_nodes: outside them it is a learner until an add entry names it.
             members, cluster = recovered_members(answers)
@@ -493,16 +509,18 @@ class CoreNode(NodeServer):
                 '[cluster] initial_cluster_state = "existing"',
                 sorted(answers),
             )
-        for journal in well_formed_answers(answers).values():
-            self._learn_endpoints(journal.get("core_nodes"))
         if generations:
             with self.store.write_transaction():
                 for shard, generation in generations.items():
                     self.store.ensure_shard(shard, 0)
-                    if generation <= self.store.consensus_state(shard)[0]:
-                        continue  # a restored shard already at (or past) the generation the peers know
-                    shard_members = members.get(shard, self.members)
-                    self.store.persist_consensus_state(shard, generation, self.config.name, shard_members, False)
+                    own_generation, voted_for, own_members, forced = self.store.consensus_state(shard)
+                    if not vote_recovered(own_generation, voted_for, generation):
+                        continue  # a restored shard past the generation the peers know, or its vote there on record
+                    if generation == own_generation:  # restored at the peers' generation: only the vote is new
+                        shard_members = own_members or members.get(shard, self.members)
+                    else:
+                        shard_members, forced = members.get(shard, self.members), False
+                    self.store.persist_consensus_state(shard, generation, self.config.name, shard_members, forced)
                 for shard, floor in floors.items():
                     self.store.ensure_shard(shard, 0)
                     if floor > self._vote_floor(shard):
@@ -689,8 +707,12 @@ class CoreNode(NodeServer):
         The machines believe that turn's effects are durable: each first steps ``DiskFull`` (a
         sequencer steps down; its proposals fail and their clients hear "outcome unknown"), then it
         is rebuilt from disk as a restart would and told ``DiskFull`` again. Agents are stopped:
-        they may have been told of a commit that was rolled back (their replicants watch again)."""
+        they may have been told of a commit that was rolled back (their replicants watch again).
+        A shard the turn created (its first table, a peer's first message of it) is forgotten with
+        the rollback, and a snapshot install takes its state from the disk as at a start: the batch
+        (and the finish) of the turn were rolled back with it."""
         error = self.disk.error
+        on_disk = self.store.shards()
         for driver in self.shards.values():
             _, held = driver.held.take()
             for request_id, (envelope, _) in held:  # never proposed: nothing was logged
@@ -703,7 +725,11 @@ class CoreNode(NodeServer):
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
             self._abandon_held_guard_failures(driver, f"disk_full: {error}")
             self.agent_server.stop_shard(shard)
+            if shard not in on_disk:
+                del self.shards[shard]
+                continue
             self._step(self._open_shard(shard), DiskFull(error))
+            self._install_state_from_disk(shard)
 
     def answer_held_at_stop(self, reason: str) -> None:
         """What a stop can answer better than ``hold`` recorded (``NodeServer.answer_at_stop`` answers
@@ -1182,7 +1208,10 @@ class CoreNode(NodeServer):
             return
         self._execute_install(shard, install.step(event, position.applied, self.clock_ms()))
         if install.mode in (InstallMode.DONE, InstallMode.ABANDONED):
-            del self.installs[shard]
+            # Not there any more when a step of the same install ended it first: a core that is the
+            # sequencer answers its own fence question (``FetchCommitted``) inside the step that asked.
+            if self.installs.get(shard) is install:
+                del self.installs[shard]
         else:
             self._log_install_progress(shard, install)
 

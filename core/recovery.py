@@ -10,6 +10,8 @@ committed and last keys) in two situations, and only asks: the decisions are her
   peer knows, ``recovered_generations`` names the highest generation in use; the driver persists
   it with this core's vote already cast (for itself), so the core never grants a vote in a
   generation it may have voted in before the loss, and then catches up like a follower far behind.
+  A database restored from a backup is judged the same way (``vote_recovered``): its vote in the
+  peers' generation counts as cast unless the backup records one there.
   It also lost entries it held, and an entry is committed once a majority holds it: with an empty
   log it would count any candidate up to date and could elect one without such an entry, which
   then truncates it from the others (an acknowledged write lost to one lost disk).
@@ -90,6 +92,21 @@ def recovered_generations(answers: Mapping[str, Any]) -> dict[str, int]:
                 continue
             generations[shard] = max(generations.get(shard, 0), journal_generation(journal, shard))
     return generations
+
+
+def vote_recovered(own_generation: int, own_voted_for: str | None, recovered_generation: int) -> bool:
+    """Whether a core rebuilt on an empty database, or restored from a backup, persists the
+    ``recovered_generation`` of a shard with its vote cast (for itself); False: it keeps its own state.
+
+    Its own state may be older than votes it cast (a backup holds what was persisted when it was
+    taken). Past its own generation, any vote may have been cast. At its own generation too, unless
+    the state records one: a core adopts a generation (no vote) before it votes in it, so a backup
+    taken in between holds no vote where a vote was cast; a restored core that kept that state
+    could vote in the generation again, for another candidate (two sequencers of one generation).
+    A vote on record is the only one it could have cast there."""
+    if recovered_generation != own_generation:
+        return recovered_generation > own_generation
+    return own_voted_for is None
 
 
 def journal_key(value: Any) -> TxKey | None:

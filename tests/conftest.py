@@ -138,6 +138,33 @@ def follower_by_hand(data_dir: Path) -> Iterator[tuple[CoreNode, object]]:
         node.data_dir_lock.release()
 
 
+TABLE_T = {"table": "t", "key": "id", "columns": [["id", "INTEGER"], ["v", "TEXT"]]}
+
+
+def create_table_t(node: CoreNode, request_id: str = "t0") -> None:
+    """Dispatch ``create_table t (id, v)`` to a core driven by hand (answered to envelope ``c0``)."""
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
+
+    node._dispatch([b"c0"], Message("create_table", request_id, messages.typed_body("create_table", TABLE_T)))
+
+
+@contextlib.contextmanager
+def core_with_table(data_dir: Path) -> Iterator[CoreNode]:
+    """A bound single core, not served (the test steps its driver), whose table ``t`` (id, v) is
+    committed (it elected itself) and whose outbox is empty; closed after the block."""
+    node = CoreNode(node_config(data_dir, free_port()))
+    node.bind()
+    try:
+        create_table_t(node)
+        while node.store.catalog().get("t") is None:
+            node.run_turn()  # one core: it elects itself and commits
+        node._outbox.clear()
+        yield node
+    finally:
+        node.close()
+
+
 class ThreadNode:
     """A core node served from a thread of the test process (fast; for protocol and CLI tests)."""
 

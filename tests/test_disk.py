@@ -44,7 +44,7 @@ from mnesite.rlog.replication import (
 from mnesite.rlog.store import Store, storage_fault
 from mnesite.rlog.types import TxKey, WriteOp
 
-from tests.conftest import ThreadNode, free_port, node_config, wait_until
+from tests.conftest import ThreadNode, core_with_table, create_table_t, free_port, node_config, wait_until
 from tests.test_consensus import Harness, append, chain, of_type, sends
 from tests.test_replica import HISTORY, ages, at, bootstrap, bootstrapped, connect, of, push, replica
 
@@ -394,18 +394,9 @@ def test_answers_of_a_turn_the_disk_failed_become_outcome_unknown_not_silence(tm
     each waited out its own timeout before it tried again. A client's answer is now replaced by
     ``outcome_unknown`` (it retries; a write with the same request id, which the sequencer applies
     at most once); a refusal, which tells of nothing written, is kept; frames to peers still never leave."""
-    from mnesite.core.node import CoreNode
     from mnesite.rlog import messages
-    from mnesite.rlog.messages import Message
 
-    node = CoreNode(node_config(tmp_path / "data", free_port()))
-    node.bind()
-    try:
-        body = {"table": "t", "key": "id", "columns": [["id", "INTEGER"], ["v", "TEXT"]]}
-        node._dispatch([b"c0"], Message("create_table", "t0", messages.typed_body("create_table", body)))
-        while node.store.catalog().get("t") is None:
-            node.run_turn()  # one core: it elects itself and commits
-        node._outbox.clear()
+    with core_with_table(tmp_path / "data") as node:
         node.begin()  # the turn's transaction, as a turn that writes opens it
         node.reply([b"c1"], messages.reply("r1", {"row": None}))  # a read's answer, queued behind the commit
         node.reply([b"c2"], messages.error("r2", "bad_request", "no such column"))  # a refusal
@@ -417,5 +408,59 @@ def test_answers_of_a_turn_the_disk_failed_become_outcome_unknown_not_silence(tm
             "r2": ([b"c2"], "error", "bad_request"),
         }
         assert node.frames_dropped_disk == 1
+
+
+def test_a_shard_created_by_the_turn_the_disk_filled_is_forgotten_not_fatal(tmp_path: Path) -> None:
+    """Regression: the first ``create_table`` of a shard (or a peer's first message of one) creates the
+    shard in the turn's transaction. When that turn's commit found the disk full, the rollback took
+    the shard from the disk but not from the driver: rebuilding it from disk (``disk_filled``) raised
+    "unknown shard", out of ``NodeServer.turn``, and the node stopped instead of refusing writes."""
+    from mnesite.core.node import CoreNode
+
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    try:
+        create_table_t(node)
+        assert "default" in node.shards  # created in the turn's transaction, not committed yet
+        node.abandon_turn()  # the turn's commit found the disk full (NodeServer.turn)
+        node.disk.filled("database or disk is full", 0)
+        node.disk_filled()
+        assert "default" not in node.shards, "the driver holds only the shards the disk holds"
+        answers = {m.request_id: m.body.code for _s, _to, m in node._outbox}
+        assert answers == {"t0": "outcome_unknown"}
+        node.disk.freed(0)
+        node.disk_freed()
+        create_table_t(node, "t1")
+        while node.store.catalog().get("t") is None:
+            node.run_turn()  # the write is taken again once space is freed: the shard is created anew
     finally:
         node.close()
+
+
+def test_an_install_whose_last_batch_the_disk_rolled_back_is_not_taken_as_done(tmp_path: Path) -> None:
+    """Regression: the turn that applies an install's last batch also finishes the install (the log
+    restarts at the offer's key, ``installing:`` is cleared) and may reach the read fence. When its
+    commit found the disk full, the rows and the finish were rolled back but the install was left
+    finished in memory: the shard served reads of a table missing its last batch, and never asked
+    for another offer (``rows_lost`` was cleared). ``disk_filled`` now takes the install's state from
+    the disk, as a restart does: rows half copied, not served, another offer asked for."""
+    from mnesite.core.snapshot import SnapshotInstall, SnapshotOffer
+    from mnesite.rlog.replication import BatchReceived, TablesReceived
+
+    with core_with_table(tmp_path / "data") as node:
+        applied = node.store.shard("default").applied
+        offer = SnapshotOffer("core2", node.shards["default"].consensus.generation, applied, b"d" * 32)
+        install = SnapshotInstall(offer, 10, 60_000, node.clock_ms())
+        node.installs["default"] = install
+        node._execute_install("default", install.start())  # BeginInstall: rows deleted, installing:default
+        node.flush()  # that turn commits
+        node._step_install("default", TablesReceived("core2", ("t",), ("id",)))
+        rows = ({"id": 1, "v": "a"}, {"id": 2, "v": "b"})
+        node._step_install("default", BatchReceived("core2", "t", None, rows, True))  # the last batch: done
+        node.abandon_turn()  # that turn's commit found the disk full (NodeServer.turn)
+        node.disk.filled("database or disk is full", 0)
+        node.disk_filled()
+        assert node.store.meta("installing:default") in (1, "1"), "the disk holds an install not finished"
+        assert node._not_serving_reason("default") is not None, "half-copied rows are never served"
+        assert "default" in node.rows_lost, "another offer is asked for"
+        assert "default" not in node.installs

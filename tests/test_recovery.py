@@ -8,6 +8,7 @@ from mnesite.core.recovery import (
     journal_generation,
     reached_generations,
     recovered_generations,
+    vote_recovered,
     well_formed_answers,
 )
 from mnesite.rlog.schema import INTEGER_MAX
@@ -127,3 +128,20 @@ def test_a_core_declared_existing_waits_for_every_other_member_even_when_none_sa
     assert recovery_shortfall(every, three, "core1", existing=True) == 0
     assert recovery_shortfall({}, three, "core4", existing=True) == 0, "a learner holds no vote and no entry"
     assert recovery_shortfall({}, ("core1",), "core1", existing=True) == 0, "a single core has no one to hear"
+
+
+@pytest.mark.parametrize(
+    ("own_generation", "own_voted_for", "recovered", "persisted"),
+    [
+        (0, None, 7, True),  # an empty database: every generation in use may have had its vote
+        (3, "core2", 7, True),  # a backup behind the peers
+        (7, None, 7, True),  # a backup of generation 7 taken before its vote: the vote may be lost
+        (7, "core2", 7, False),  # its vote in 7 is on record: the only one it could have cast
+        (7, "core1", 7, False),
+        (8, None, 7, False),  # past what the peers know: nothing to recover
+    ],
+)
+def test_a_recovered_generation_counts_the_vote_in_it_as_cast_unless_one_is_on_record(
+    own_generation, own_voted_for, recovered, persisted
+):
+    assert vote_recovered(own_generation, own_voted_for, recovered) is persisted

@@ -138,3 +138,25 @@ def test_a_core_whose_rows_an_abandoned_install_deleted_is_never_force_started(t
         node.rows_lost.discard("default")  # an install healed it: the operator's override is taken
         assert node.force_start()["node"] == "core1"
         assert driver.consensus.sequencer == "core1"
+
+
+@pytest.mark.timeout(60)
+def test_a_fenced_install_whose_own_core_is_sequencer_reaches_its_fence_without_a_crash(tmp_path) -> None:
+    """Regression: a core that installed a snapshot (fenced: reads wait for the committed key) may be
+    elected sequencer before its fence is reached. It then answers its own fence question at once
+    (``FetchCommitted`` to itself), inside the step that asked: that inner step reached the fence and
+    removed the install, and the outer step removed it again: ``KeyError`` out of the loop, the core
+    stopped, and with ``read_fenced`` still on disk it did so again at each election it won."""
+    from mnesite.core.snapshot import SnapshotInstall
+
+    from tests.conftest import core_with_table
+
+    with core_with_table(tmp_path / "data") as node:
+        # As a restart between FinishInstall and the fence leaves it (CoreNode.__init__).
+        node.installs["default"] = SnapshotInstall.fenced("core1", 60_000, node.clock_ms())
+        node.not_serving["default"] = "replaying after a snapshot install"
+        node.begin()
+        node.store.set_meta("read_fenced:default", 1)
+        node.run_turn()
+        assert "default" not in node.installs and "default" not in node.not_serving
+        assert node.store.meta("read_fenced:default") in (0, "0")

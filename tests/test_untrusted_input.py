@@ -939,3 +939,71 @@ def test_a_rebuilt_core_waits_for_enough_peers_and_gives_up_with_a_clear_error(t
     finally:
         node.close()
     assert node_module.RECOVERY_ROUNDS_MAX >= 2
+
+
+def test_a_restored_core_at_the_peers_generation_counts_its_vote_there_as_cast(tmp_path: Path, monkeypatch):
+    """Regression: a backup taken after its core adopted generation g and before it voted in g holds
+    ``(g, no vote)``. Restored, the core learned that its peers are at g and kept its own state, as
+    "already at the generation the peers know": it could then vote in g a second time, for another
+    candidate than the one its lost vote went to (two sequencers of g). Its vote in g now counts as
+    cast (for itself), as at any generation it recovers."""
+    from mnesite.core.consensus import MessageReceived, VoteRequest
+    from mnesite.core.node import CoreNode
+    from mnesite.core.recovery import well_formed_answers
+    from mnesite.rlog.types import TxKey
+
+    members = ("core1", "core2", "core3")
+    age = {"generation": 4, "committed": [4, 9], "last": [4, 9]}
+    answers = {peer: {"shards": {"default": age}} for peer in members[1:]}
+    config = node_config(tmp_path / "data", free_port())
+    node = CoreNode(config)
+    try:
+        with node.store.write_transaction():  # what the backup held: generation 4 adopted, no vote in it
+            node.store.ensure_shard("default", 0)
+            node.store.persist_consensus_state("default", 4, None, members, False)
+        monkeypatch.setattr(node, "members", members)
+        monkeypatch.setattr(node, "probe_peers", lambda timeout_ms: well_formed_answers(answers))
+        assert node.recover_generations() == {"default": 4}
+        assert node.store.consensus_state("default") == (4, "core1", members, False)
+    finally:
+        node.close()
+    restarted = CoreNode(config)
+    try:
+        consensus = restarted.shards["default"].consensus
+        later = restarted.clock_ms() + 60_000  # past the quiet time after a start
+        asked = consensus.step(MessageReceived("core3", VoteRequest(4, TxKey(4, 9))), later)
+        assert [effect.message.granted for effect in asked if hasattr(effect, "message")] == [False]
+    finally:
+        restarted.close()
+
+
+def test_a_rebuilt_core_asks_the_members_whose_endpoints_its_peers_report(tmp_path: Path, monkeypatch):
+    """Regression: ``core_nodes`` only seeds a cluster; a core added later is known by the endpoint
+    its add entry carried. A member rebuilt on an empty disk with its first config heard the peers
+    it knew name that core as a member, but learned its endpoint only once every member had answered:
+    it never asked it, and gave up after RECOVERY_ROUNDS_MAX rounds saying that core did not answer
+    (again at every start). It now learns the endpoints from each round's answers and asks them next."""
+    from mnesite.core.node import CoreNode
+
+    cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
+    members = ["core1", "core2", "core4"]  # core3 was removed, core4 added (cluster remove-core, add-core)
+    endpoints = {"core1": cores["core1"], "core2": cores["core2"], "core4": f"tcp://127.0.0.1:{free_port()}"}
+    age = {"generation": 6, "committed": [6, 3], "last": [6, 3], "members": members}
+    asked = []
+
+    def probe(timeout_ms: int) -> dict:
+        asked.append(sorted(node.endpoints))
+        up = {"core2", "core4"} & set(node.endpoints)  # core3 is gone
+        return {peer: {"core_nodes": endpoints, "shards": {"default": age}} for peer in up}
+
+    config = node_config(tmp_path / "data", free_port(), extra={"cluster": {"core_nodes": cores}})
+    monkeypatch.setattr(CoreNode, "recover_generations", lambda self, timeout_ms=None: {})  # at construction
+    node = CoreNode(config)
+    try:
+        monkeypatch.undo()
+        monkeypatch.setattr(node, "probe_peers", probe)
+        assert node.recover_generations() == {"default": 6}
+        assert len(asked) == 2 and "core4" in asked[1], "core4 is asked once a peer named its endpoint"
+        assert node.endpoints["core4"] == endpoints["core4"] and node.members == ("core1", "core2", "core4")
+    finally:
+        node.close()
