@@ -363,6 +363,16 @@ class CoreNode(NodeServer):
             config.data_dir, config.name, config.database_path, config.synchronous
         )
         super().__init__(config, store, data_dir_lock)
+        try:
+            self._start_core(config)
+        except BaseException:
+            # A start that fails once the data directory is locked (a rebuilt core whose peers did not all
+            # answer) gives the lock, the store and the query threads back: the process may go on.
+            self.close()
+            raise
+
+    def _start_core(self, config: Config) -> None:
+        """The rest of ``__init__``, once the store is open and the data directory locked."""
         # The cluster's membership (core.membership): the config's core_nodes seed it; after that it
         # is the membership last applied from any shard's log, and it seeds shards created later.
         # Endpoints of cores added later are learned from their membership entries.

@@ -1007,3 +1007,23 @@ def test_a_rebuilt_core_asks_the_members_whose_endpoints_its_peers_report(tmp_pa
         assert node.endpoints["core4"] == endpoints["core4"] and node.members == ("core1", "core2", "core4")
     finally:
         node.close()
+
+
+def test_a_core_whose_start_fails_gives_its_data_directory_back(tmp_path: Path, monkeypatch):
+    """A start that failed after the data directory was locked (a rebuilt core whose peers did not all
+    answer) kept the lock, the store and the query threads: the same process could not start a node on
+    that directory again ("in use" by its own pid)."""
+    from mnesite.core.node import CoreNode
+
+    cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
+    config = node_config(tmp_path / "data", free_port(), extra={"cluster": {"core_nodes": cores}})
+
+    def peers_silent(self, timeout_ms=None):
+        raise RuntimeError("1 did not: ['core3']")
+
+    monkeypatch.setattr(CoreNode, "recover_generations", peers_silent)
+    with pytest.raises(RuntimeError, match="did not"):
+        CoreNode(config)
+    monkeypatch.setattr(CoreNode, "recover_generations", lambda self, timeout_ms=None: {})
+    node = CoreNode(config)  # raised DataDirectoryInUse naming this very process
+    node.close()
