@@ -145,8 +145,10 @@ class BackupJob:
 
     def _run(self) -> None:
         partial = self.path + PARTIAL_SUFFIX
+        created = False  # FILE.partial is this job's to remove only once its exclusive create succeeded
         try:
             fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never follows or reuses a file
+            created = True
             os.close(fd)
             target = apsw.Connection(partial)
             try:
@@ -167,7 +169,7 @@ class BackupJob:
         except Exception as error:  # reported to the client that polls; the node goes on serving
             self.error = f"{type(error).__name__}: {str(error)[:300]}"
             self.state = "failed"
-            if os.path.exists(partial):
+            if created and os.path.exists(partial):
                 os.unlink(partial)
         finally:
             self._source.close()

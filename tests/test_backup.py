@@ -436,6 +436,31 @@ def test_a_backup_never_replaces_a_file_made_at_its_path_while_it_copied(tmp_pat
     store.close()
 
 
+def test_a_backup_that_finds_its_partial_file_taken_leaves_that_file_alone(tmp_path: Path, monkeypatch) -> None:
+    """Two backups to one path: the second passes the start's check before the first creates
+    FILE.partial, then its exclusive create fails. Its cleanup removed FILE.partial, the first's copy."""
+    from mnesite.rlog import backup as backup_module
+    from mnesite.rlog.backup import PARTIAL_SUFFIX, BackupJob
+
+    from tests.spark_fixtures import create_store
+
+    store = create_store(tmp_path / "node")
+    target = tmp_path / "node.backup"
+    partial = Path(str(target) + PARTIAL_SUFFIX)
+    partial.write_text("the other backup's copy")
+    real_lexists = backup_module.os.path.lexists
+
+    def checked_before_it_existed(path) -> bool:
+        return False if str(path).startswith(str(target)) else real_lexists(path)
+
+    monkeypatch.setattr(backup_module.os.path, "lexists", checked_before_it_existed)
+    job = BackupJob(str(tmp_path / "node" / "mnesite.db"), str(target), "core1", "core")
+    assert job.wait(60) and job.state == "failed"
+    assert "FileExistsError" in job.error, job.error
+    assert partial.read_text() == "the other backup's copy"
+    store.close()
+
+
 @pytest.mark.timeout(60)
 def test_closing_a_node_cancels_its_running_backup(tmp_path: Path, monkeypatch) -> None:
     from mnesite.rlog.backup import PARTIAL_SUFFIX, BackupJob
