@@ -23,7 +23,10 @@ parser of ours:
    the same authorizer and exec tracer (a statement that changed between check and run is refused),
    in that snapshot. If a shard's position in the snapshot is behind its target (the node applied it in
    a turn it has not committed yet), the run answers ``QueryBehind`` and the driver waits again.
-4. **Pages.** A page ends at ``page_rows`` rows or ``page_bytes_max`` bytes of values. A query with
+4. **Pages.** A page ends at ``page_rows`` rows or ``page_bytes_max`` bytes of values, and before a row
+   that would take its answer past ``answer_bytes_max`` (a frame less its envelope; the row opens the
+   next page): a page holds whole rows, and one row may hold many pages' worth of values (5. below).
+   A row too large for an answer on its own fails the query, which frees its cursor. A query with
    more rows keeps its connection and statement (a *cursor*, named by an unguessable token) for the
    next page: the node's memory holds one page per cursor, whatever the result's size, and all pages
    come from one snapshot. At most ``cursors_max`` cursors exist per node; one not asked for its next
@@ -74,6 +77,12 @@ STOP_WAIT_S = 1.0
 # row together are bounded to this many pages (page_bytes_max each): SELECT zeroblob(N), ... repeated
 # over up to 2,000 columns would otherwise hold 2,000 values of page_bytes_max each in one worker.
 ROW_PAGES = 16
+# The bytes of a query answer that are not its rows, columns or positions: the frame's version, kind
+# and request id (at most 64 characters), the field names and the cursor token. What is left of a
+# frame is a page's ``answer_bytes_max``.
+ANSWER_ENVELOPE_BYTES = 512
+# msgpack's header of one value (a string, a BLOB) or list, at most: added to the value's own bytes.
+VALUE_HEADER_BYTES = 5
 WAITING_QUERIES_MAX = 10_000
 # Table-valued functions whose "columns" a query may read (pure functions of their arguments).
 ALLOWED_TABLE_FUNCTIONS = frozenset({"json_each", "json_tree"})
@@ -127,16 +136,21 @@ class QueryLimits:
     page_bytes_max: int = 1024 * 1024
     cursors_max: int = 16
     idle_ms_max: int = 30_000
+    # The bytes one page's answer may hold (its rows, columns and positions): a frame less its
+    # envelope. A page ends before a row that would pass it, whatever ``page_bytes_max`` allows.
+    answer_bytes_max: int = 4 * 1024 * 1024 - ANSWER_ENVELOPE_BYTES
 
     @classmethod
     def from_config(cls, limits: Any) -> QueryLimits:
-        """From ``[limits]``: a page's values stay within a quarter of a frame, whatever is configured."""
+        """From ``[limits]``: a page's values stay within a quarter of a frame, whatever is configured,
+        and a page's answer within a frame (``answer_bytes_max``)."""
         return cls(
             ms_max=limits.query_ms_max,
             page_rows_max=limits.query_page_rows_max,
             page_bytes_max=max(1, min(limits.query_page_bytes_max, limits.frame_bytes_max // 4)),
             cursors_max=limits.query_cursors_max,
             idle_ms_max=limits.query_idle_ms_max,
+            answer_bytes_max=max(1, limits.frame_bytes_max - ANSWER_ENVELOPE_BYTES),
         )
 
 
@@ -309,6 +323,11 @@ def _value_bytes(value: Any) -> int:
     return 9
 
 
+def _row_bytes(row: list[Any]) -> int:
+    """A row's bytes in an answer, at most: its values, each one's header and the list's."""
+    return VALUE_HEADER_BYTES * (len(row) + 1) + sum(map(_value_bytes, row))
+
+
 # -- waiting for consistency ---------------------------------------------------------------------
 
 
@@ -388,6 +407,8 @@ class _Cursor:
     columns: list[str] = field(default_factory=list)
     positions: dict[str, list[int]] = field(default_factory=dict)
     value_bytes_max: int = 0  # SQLITE_LIMIT_LENGTH for this cursor's statement (row_value_bytes_max)
+    # A row read for a page its answer could not hold (answer_bytes_max): the next page's first row.
+    carried: list[Any] | None = None
 
 
 class QueryRunner:
@@ -680,11 +701,26 @@ class QueryRunner:
         sqlite_cursor = cursor.cursor
         if sqlite_cursor is None:
             return rows
+        # Every page's answer carries the column names and the positions besides its rows.
+        positions_bytes = sum(_value_bytes(shard) + 2 * 9 + 3 * VALUE_HEADER_BYTES for shard in cursor.positions)
+        answer_max = self.limits.answer_bytes_max - _row_bytes(cursor.columns) - positions_bytes
         try:
             while len(rows) < cursor.page_rows and size < bytes_max:
-                row = next(sqlite_cursor)
-                rows.append(list(row))
-                size += 2 + sum(map(_value_bytes, row))
+                row = cursor.carried if cursor.carried is not None else list(next(sqlite_cursor))
+                cursor.carried = None
+                row_bytes = _row_bytes(row)
+                if size + row_bytes > answer_max:
+                    if rows:  # the page is full: the row opens the next one
+                        cursor.carried = row
+                        break
+                    cursor.cursor = None
+                    raise QueryError(
+                        f"the query failed: a row of its result is about {row_bytes} bytes, more than one answer "
+                        f"holds ({max(0, answer_max)} bytes of a frame, frame_bytes_max); select fewer or smaller "
+                        "columns"
+                    )
+                rows.append(row)
+                size += row_bytes
         except StopIteration:
             cursor.cursor = None
         except (apsw.Error, UnicodeDecodeError) as error:  # apsw converts a row's TEXT from UTF-8
@@ -719,7 +755,7 @@ class QueryRunner:
 
 
 def _close_sqlite(cursor: _Cursor) -> None:
-    connection, cursor.connection, cursor.cursor = cursor.connection, None, None
+    connection, cursor.connection, cursor.cursor, cursor.carried = cursor.connection, None, None, None
     if connection is not None:
         connection.close(True)
 

@@ -764,3 +764,62 @@ def test_the_pages_of_a_query_come_from_the_node_that_answered_its_first_page(no
             result.fetch_page()
     finally:
         other.stop()
+
+
+def test_a_page_never_outgrows_a_frame_and_a_row_too_big_for_one_frees_its_cursor(tmp_path: Path) -> None:
+    # A page ends once its values reach query_page_bytes_max (a quarter of a frame), but one row may
+    # hold up to 16 pages of values: a page whose last row was large, or a lone large row, made an
+    # answer above frame_bytes_max. The node then answered ``too_large`` ("ask for fewer rows", which
+    # cannot help) while the cursor of that page stayed open, unknown to the client, until
+    # query_idle_ms_max: 16 such queries refused every query and count for 30 s (query_cursors_max).
+    limits = {"frame_bytes_max": 65536, "query_page_bytes_max": 16384}
+    node = ThreadNode(tmp_path / "data", extra={"limits": limits})
+    try:
+        with node.client() as client:
+            # Row 0 holds 15,000 bytes (the page goes on), row 1 holds 60,000: together above a frame.
+            wide = ", ".join(f"CASE WHEN n = 1 THEN zeroblob(15000) END AS b{i}" for i in range(3))
+            sql = f"SELECT n, zeroblob(15000) AS a, {wide} FROM (SELECT 0 AS n UNION ALL SELECT 1 AS n)"
+            result = client.query(sql)
+            rows = list(result)
+            assert [row[0] for row in rows] == [0, 1] and result.pages >= 2
+            assert [len(value or b"") for value in rows[1][1:]] == [15000] * 4
+            # A row alone above a frame fails its query with its reason, and frees its cursor at once.
+            huge = "SELECT " + ", ".join(f"zeroblob(16000) AS b{i}" for i in range(5))
+            with pytest.raises(RemoteError) as failed:
+                client.query(huge)
+            assert failed.value.code == "query_failed", failed.value
+            assert "frame_bytes_max" in str(failed.value) and "fewer rows" not in str(failed.value)
+            assert client.status()["queries"]["open"] == 0
+    finally:
+        node.stop()
+
+
+def test_a_row_its_page_cannot_hold_opens_the_next_page_none_lost_none_repeated(tmp_path: Path) -> None:
+    store = _database(tmp_path / "sizes.db", rows=0)
+    sizes = [(i * 7919) % 19_000 + 100 for i in range(60)]
+    with store.write_transaction():
+        store.connection.executemany("INSERT INTO users VALUES (?, ?, 0)", [(i, "x" * n) for i, n in enumerate(sizes)])
+    limits = q.QueryLimits(ms_max=5000, page_bytes_max=20_000, answer_bytes_max=30_000)
+    runner = q.QueryRunner(store.path, limits, q_clock)
+    try:
+        for page_rows in (1, 3, 1000):
+            finished = _start(runner, "SELECT id, name FROM users ORDER BY id", page_rows=page_rows)
+            rows, pages = [], []
+            while True:
+                assert finished.error is None, finished.error
+                page = finished.result["rows"]
+                rows += page
+                pages.append(page)
+                # What a page's answer holds (the columns' names and the positions too) stays within the bound.
+                assert sum(map(q._row_bytes, page)) + q._row_bytes(["id", "name"]) < 30_000
+                if finished.result["cursor"] is None:
+                    break
+                runner.next_page("client", finished.result["cursor"], page_rows)
+                finished = _finished(runner)
+            assert [row[0] for row in rows] == list(range(60)), page_rows
+            assert [len(row[1]) for row in rows] == sizes
+            assert page_rows == 1 or any(len(page) > 1 for page in pages)
+        assert runner.open_cursors() == 0
+    finally:
+        runner.stop()
+        store.close()
