@@ -22,7 +22,13 @@ parser of ours:
    positions of its shards are read (the snapshot starts there), then the statement runs again under
    the same authorizer and exec tracer (a statement that changed between check and run is refused),
    in that snapshot. If a shard's position in the snapshot is behind its target (the node applied it in
-   a turn it has not committed yet), the run answers ``QueryBehind`` and the driver waits again.
+   a turn it has not committed yet), the run answers ``QueryBehind`` and the driver waits again. A
+   query waits for a worker, so its shards may stop serving before its snapshot is taken (a core's
+   snapshot install, a replicant's bootstrap: the rows go, the applied key stays), which the snapshot
+   cannot tell: the driver notes it (``note_unserved``, every turn, for each query started whose
+   first page is not back), and such a first page is not answered: the query waits for its shards
+   to serve again and runs again (``WaitingQueries.ready`` starts a query only while every shard it
+   reads serves).
 4. **Pages.** A page ends at ``page_rows`` rows or ``page_bytes_max`` bytes of values, and before a row
    that would take its answer past ``answer_bytes_max`` (a frame less its envelope; the row opens the
    next page): a page holds whole rows, and one row may hold many pages' worth of values (5. below).
@@ -61,7 +67,7 @@ from typing import Any
 import apsw
 from mnesite.rlog.messages import QUERY_PARAMS_MAX as PARAMS_MAX
 from mnesite.rlog.messages import QUERY_SQL_CHARS_MAX as SQL_CHARS_MAX
-from mnesite.rlog.types import TxKey, tx_key_from_wire
+from mnesite.rlog.types import ZERO_KEY, TxKey, tx_key_from_wire
 
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 CURSOR_TOKEN_CHARS = 32
@@ -341,9 +347,27 @@ class WaitingQuery:
     targets: dict[str, TxKey]
     page_rows: int
     deadline_ms: int
+    # Set by ``note_unserved``: a shard it reads stopped serving after it started, so the snapshot
+    # of its first page may hold no committed state.
+    unserved: bool = False
 
     def describe(self) -> str:
-        return ", ".join(f"shard {shard} did not reach {key}" for shard, key in sorted(self.targets.items()))
+        reasons = [f"shard {shard} did not reach {key}" for shard, key in sorted(self.targets.items())]
+        reasons += [f"shard {shard} did not serve" for shard in self.shards if shard not in self.targets]
+        return ", ".join(reasons)
+
+    def ready(self, reached: Callable[[str, TxKey], bool]) -> bool:
+        """Every shard it reads serves and has reached its target (a shard without one: any key)."""
+        shards = set(self.shards) | set(self.targets)
+        return all(reached(shard, self.targets.get(shard, ZERO_KEY)) for shard in shards)
+
+
+def note_unserved(started: Iterable[WaitingQuery], reached: Callable[[str, TxKey], bool]) -> None:
+    """Mark the queries started whose first page is not back and one of whose shards serves no read
+    now (``reached`` at any key is false): their snapshot may be taken after it stopped serving."""
+    for waiting in started:
+        if not waiting.unserved and not all(reached(shard, ZERO_KEY) for shard in waiting.shards):
+            waiting.unserved = True
 
 
 class WaitingQueries:
@@ -362,7 +386,7 @@ class WaitingQueries:
         self._waiting.append(waiting)
 
     def ready(self, reached: Callable[[str, TxKey], bool]) -> list[WaitingQuery]:
-        ready = [w for w in self._waiting if all(reached(shard, key) for shard, key in w.targets.items())]
+        ready = [waiting for waiting in self._waiting if waiting.ready(reached)]
         for waiting in ready:
             self._waiting.remove(waiting)
         return ready
@@ -383,12 +407,14 @@ class QueryBehind(Exception):
 
 @dataclass
 class Finished:
-    """A job's outcome for the driver: a page (``result``), or an error, or ``behind``."""
+    """A job's outcome for the driver: a page (``result``), or an error, or ``behind``; ``first``: the
+    query, when this page is its first (its snapshot was taken for it)."""
 
     payload: Any
     result: dict[str, Any] | None = None
     error: QueryError | None = None
     behind: WaitingQuery | None = None
+    first: WaitingQuery | None = None
 
 
 @dataclass
@@ -409,6 +435,7 @@ class _Cursor:
     value_bytes_max: int = 0  # SQLITE_LIMIT_LENGTH for this cursor's statement (row_value_bytes_max)
     # A row read for a page its answer could not hold (answer_bytes_max): the next page's first row.
     carried: list[Any] | None = None
+    first: bool = True  # its first page is not done yet
 
 
 class QueryRunner:
@@ -615,6 +642,12 @@ class QueryRunner:
                     os.write(self._wake_write, b"x")
 
     def _page(self, cursor: _Cursor) -> Finished:
+        finished = self._page_of(cursor)
+        finished.first = cursor.waiting if cursor.first else None
+        cursor.first = False
+        return finished
+
+    def _page_of(self, cursor: _Cursor) -> Finished:
         if self._stopping:  # queued before the stop: its client is answered by the node's stop
             return Finished(cursor.payload, error=QueryError("the node is shutting down", "stopping"))
         started_s = time.monotonic()

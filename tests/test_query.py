@@ -823,3 +823,79 @@ def test_a_row_its_page_cannot_hold_opens_the_next_page_none_lost_none_repeated(
     finally:
         runner.stop()
         store.close()
+
+
+def test_a_query_whose_shard_stopped_serving_before_its_snapshot_runs_again_once_it_serves(node: ThreadNode) -> None:
+    """A query is checked while its shards serve, then waits for a query worker (both may be busy
+    with other statements for up to query_ms_max). If its shard stopped serving meanwhile (a core's
+    snapshot install deleted its rows, a replicant's bootstrap did; the applied key stays), the
+    snapshot the worker took held no committed state, yet its page was answered: here an empty table
+    at the applied key. Now a first page whose shard stopped serving after the query started is not
+    answered: the query waits for the shard to serve again and runs again (within its wait)."""
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog.messages import Message, typed_body
+
+    from tests.conftest import node_config
+
+    node.stop()  # the node fixture's data (200 users), opened again without its loop
+    core = CoreNode(node_config(Path(node.node.config.data_dir), node.port))  # its rules called from this thread
+    release = threading.Event()
+    opened = core.queries._open
+
+    def open_when_released(cursor):  # the worker takes its snapshot only once the test says so
+        assert release.wait(10)
+        opened(cursor)
+
+    core.queries._open = open_when_released
+    try:
+        envelope = [b"client"]
+        message = Message("query", "q-1", typed_body("query", {"sql": "SELECT count(*) FROM users"}))
+        core._query(envelope, message)
+        core.serve_queries(core._query_shard_reached)  # started: a worker holds it, not opened yet
+        assert core.queries.open_cursors() == 1
+        # A snapshot install starts: the shard serves no read, its rows are deleted, its applied key stays.
+        users = list(core.store.connection.execute("SELECT id, name, karma FROM users"))
+        core.not_serving["default"] = "installing a snapshot"
+        core.begin()
+        core.store.clear_rows("default")
+        core._commit()
+        release.set()
+
+        def answers() -> list:
+            core.serve_queries(core._query_shard_reached)
+            return [m for _s, to, m in core._outbox if to == envelope]
+
+        wait_until(lambda: core.queries.open_cursors() == 0, 10, "the first page done")
+        assert answers() == []  # not the empty table: the query waits for the shard
+        # The install ends: the rows are back and the shard serves again; the query runs again.
+        core.begin()
+        core.store.connection.executemany("INSERT INTO users VALUES (?, ?, ?)", users)
+        core._commit()
+        del core.not_serving["default"]
+        wait_until(lambda: answers() != [], 10, "the query answered")
+        (answer,) = answers()
+        assert answer.kind == "reply" and answer.body.result["rows"] == [[200]], answer
+    finally:
+        core.close()
+
+
+def test_a_query_starts_only_while_its_shards_serve_and_a_start_is_noted_unserved() -> None:
+    serving = {"default": True, "other": True}
+
+    def reached(shard: str, key: TxKey) -> bool:
+        return serving[shard] and key <= TxKey(1, 5)
+
+    waiting = q.WaitingQueries()
+    local = q.WaitingQuery("local", None, ("default", "other"), {}, 10, 1000)
+    pinned = q.WaitingQuery("pinned", None, ("default",), {"default": TxKey(1, 5)}, 10, 1000)
+    serving["other"] = False
+    waiting.add(local)
+    waiting.add(pinned)
+    assert waiting.ready(reached) == [pinned] and "shard other did not serve" in local.describe()
+    serving["other"] = True
+    assert waiting.ready(reached) == [local]
+    q.note_unserved([local, pinned], reached)
+    assert not local.unserved and not pinned.unserved
+    serving["other"] = False
+    q.note_unserved([local, pinned], reached)
+    assert local.unserved and not pinned.unserved
