@@ -958,7 +958,8 @@ def rlog() -> None:
 def rlog_tail(shard, count, follow, interval_ms, endpoint, timeout_ms, as_json) -> None:
     """Show the last entries of SHARD's rlog; with --follow, then every new entry as it commits.
 
-    --json prints a JSON array; with --follow, one JSON object per line.
+    --json prints a JSON array; with --follow, one JSON object per line. Entries the node trimmed
+    from its log before --follow read them are not shown: a line on stderr names them.
     """
     with client_for(endpoint, timeout_ms) as client:
         entries = run(lambda: client.rlog_tail(shard, count))
@@ -969,11 +970,16 @@ def rlog_tail(shard, count, follow, interval_ms, endpoint, timeout_ms, as_json) 
             print_entry(entry, as_json)
         if not follow:
             return
-        last = entries[-1]["tx_key"] if entries else [0, 0]
+        last = entries[-1]["tx_key"] if entries else None  # None: nothing shown yet, from the log's start
         try:
             while True:
                 # Each poll is one request under --timeout-ms: a node that goes away ends the command.
-                batch = run(lambda after=last: client.rlog_entries(shard, after, FOLLOW_BATCH_MAX))
+                batch = run(lambda after=last or [0, 0]: client.rlog_entries(shard, after, FOLLOW_BATCH_MAX))
+                if batch and last is not None and batch[0]["prev"] != last:
+                    # The node answers the entries it holds after ``last``: those between were trimmed
+                    # from its log (retention, a snapshot) before this follower read them.
+                    gap = f"entries after {tuple(last)} up to {tuple(batch[0]['prev'])} are not in the node's log"
+                    click.echo(f"{gap} any more (trimmed before they were read): not shown", err=True)
                 for entry in batch:
                     print_entry(entry, as_json)
                 if batch:

@@ -22,8 +22,17 @@ parser of ours:
    positions of its shards are read (the snapshot starts there), then the statement runs again under
    the same authorizer and exec tracer (a statement that changed between check and run is refused),
    in that snapshot. If a shard's position in the snapshot is behind its target (the node applied it in
-   a turn it has not committed yet), the run answers ``QueryBehind`` and the driver waits again.
-4. **Pages.** A page ends at ``page_rows`` rows or ``page_bytes_max`` bytes of values. A query with
+   a turn it has not committed yet), the run answers ``QueryBehind`` and the driver waits again. A
+   query waits for a worker, so its shards may stop serving before its snapshot is taken (a core's
+   snapshot install, a replicant's bootstrap: the rows go, the applied key stays), which the snapshot
+   cannot tell: the driver notes it (``note_unserved``, every turn, for each query started whose
+   first page is not back), and such a first page is not answered: the query waits for its shards
+   to serve again and runs again (``WaitingQueries.ready`` starts a query only while every shard it
+   reads serves).
+4. **Pages.** A page ends at ``page_rows`` rows or ``page_bytes_max`` bytes of values, and before a row
+   that would take its answer past ``answer_bytes_max`` (a frame less its envelope; the row opens the
+   next page): a page holds whole rows, and one row may hold many pages' worth of values (5. below).
+   A row too large for an answer on its own fails the query, which frees its cursor. A query with
    more rows keeps its connection and statement (a *cursor*, named by an unguessable token) for the
    next page: the node's memory holds one page per cursor, whatever the result's size, and all pages
    come from one snapshot. At most ``cursors_max`` cursors exist per node; one not asked for its next
@@ -58,7 +67,7 @@ from typing import Any
 import apsw
 from mnesite.rlog.messages import QUERY_PARAMS_MAX as PARAMS_MAX
 from mnesite.rlog.messages import QUERY_SQL_CHARS_MAX as SQL_CHARS_MAX
-from mnesite.rlog.types import TxKey, tx_key_from_wire
+from mnesite.rlog.types import ZERO_KEY, TxKey, tx_key_from_wire
 
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
 CURSOR_TOKEN_CHARS = 32
@@ -74,6 +83,12 @@ STOP_WAIT_S = 1.0
 # row together are bounded to this many pages (page_bytes_max each): SELECT zeroblob(N), ... repeated
 # over up to 2,000 columns would otherwise hold 2,000 values of page_bytes_max each in one worker.
 ROW_PAGES = 16
+# The bytes of a query answer that are not its rows, columns or positions: the frame's version, kind
+# and request id (at most 64 characters), the field names and the cursor token. What is left of a
+# frame is a page's ``answer_bytes_max``.
+ANSWER_ENVELOPE_BYTES = 512
+# msgpack's header of one value (a string, a BLOB) or list, at most: added to the value's own bytes.
+VALUE_HEADER_BYTES = 5
 WAITING_QUERIES_MAX = 10_000
 # Table-valued functions whose "columns" a query may read (pure functions of their arguments).
 ALLOWED_TABLE_FUNCTIONS = frozenset({"json_each", "json_tree"})
@@ -127,16 +142,21 @@ class QueryLimits:
     page_bytes_max: int = 1024 * 1024
     cursors_max: int = 16
     idle_ms_max: int = 30_000
+    # The bytes one page's answer may hold (its rows, columns and positions): a frame less its
+    # envelope. A page ends before a row that would pass it, whatever ``page_bytes_max`` allows.
+    answer_bytes_max: int = 4 * 1024 * 1024 - ANSWER_ENVELOPE_BYTES
 
     @classmethod
     def from_config(cls, limits: Any) -> QueryLimits:
-        """From ``[limits]``: a page's values stay within a quarter of a frame, whatever is configured."""
+        """From ``[limits]``: a page's values stay within a quarter of a frame, whatever is configured,
+        and a page's answer within a frame (``answer_bytes_max``)."""
         return cls(
             ms_max=limits.query_ms_max,
             page_rows_max=limits.query_page_rows_max,
             page_bytes_max=max(1, min(limits.query_page_bytes_max, limits.frame_bytes_max // 4)),
             cursors_max=limits.query_cursors_max,
             idle_ms_max=limits.query_idle_ms_max,
+            answer_bytes_max=max(1, limits.frame_bytes_max - ANSWER_ENVELOPE_BYTES),
         )
 
 
@@ -309,6 +329,11 @@ def _value_bytes(value: Any) -> int:
     return 9
 
 
+def _row_bytes(row: list[Any]) -> int:
+    """A row's bytes in an answer, at most: its values, each one's header and the list's."""
+    return VALUE_HEADER_BYTES * (len(row) + 1) + sum(map(_value_bytes, row))
+
+
 # -- waiting for consistency ---------------------------------------------------------------------
 
 
@@ -322,9 +347,27 @@ class WaitingQuery:
     targets: dict[str, TxKey]
     page_rows: int
     deadline_ms: int
+    # Set by ``note_unserved``: a shard it reads stopped serving after it started, so the snapshot
+    # of its first page may hold no committed state.
+    unserved: bool = False
 
     def describe(self) -> str:
-        return ", ".join(f"shard {shard} did not reach {key}" for shard, key in sorted(self.targets.items()))
+        reasons = [f"shard {shard} did not reach {key}" for shard, key in sorted(self.targets.items())]
+        reasons += [f"shard {shard} did not serve" for shard in self.shards if shard not in self.targets]
+        return ", ".join(reasons)
+
+    def ready(self, reached: Callable[[str, TxKey], bool]) -> bool:
+        """Every shard it reads serves and has reached its target (a shard without one: any key)."""
+        shards = set(self.shards) | set(self.targets)
+        return all(reached(shard, self.targets.get(shard, ZERO_KEY)) for shard in shards)
+
+
+def note_unserved(started: Iterable[WaitingQuery], reached: Callable[[str, TxKey], bool]) -> None:
+    """Mark the queries started whose first page is not back and one of whose shards serves no read
+    now (``reached`` at any key is false): their snapshot may be taken after it stopped serving."""
+    for waiting in started:
+        if not waiting.unserved and not all(reached(shard, ZERO_KEY) for shard in waiting.shards):
+            waiting.unserved = True
 
 
 class WaitingQueries:
@@ -343,7 +386,7 @@ class WaitingQueries:
         self._waiting.append(waiting)
 
     def ready(self, reached: Callable[[str, TxKey], bool]) -> list[WaitingQuery]:
-        ready = [w for w in self._waiting if all(reached(shard, key) for shard, key in w.targets.items())]
+        ready = [waiting for waiting in self._waiting if waiting.ready(reached)]
         for waiting in ready:
             self._waiting.remove(waiting)
         return ready
@@ -364,12 +407,14 @@ class QueryBehind(Exception):
 
 @dataclass
 class Finished:
-    """A job's outcome for the driver: a page (``result``), or an error, or ``behind``."""
+    """A job's outcome for the driver: a page (``result``), or an error, or ``behind``; ``first``: the
+    query, when this page is its first (its snapshot was taken for it)."""
 
     payload: Any
     result: dict[str, Any] | None = None
     error: QueryError | None = None
     behind: WaitingQuery | None = None
+    first: WaitingQuery | None = None
 
 
 @dataclass
@@ -388,6 +433,9 @@ class _Cursor:
     columns: list[str] = field(default_factory=list)
     positions: dict[str, list[int]] = field(default_factory=dict)
     value_bytes_max: int = 0  # SQLITE_LIMIT_LENGTH for this cursor's statement (row_value_bytes_max)
+    # A row read for a page its answer could not hold (answer_bytes_max): the next page's first row.
+    carried: list[Any] | None = None
+    first: bool = True  # its first page is not done yet
 
 
 class QueryRunner:
@@ -594,6 +642,12 @@ class QueryRunner:
                     os.write(self._wake_write, b"x")
 
     def _page(self, cursor: _Cursor) -> Finished:
+        finished = self._page_of(cursor)
+        finished.first = cursor.waiting if cursor.first else None
+        cursor.first = False
+        return finished
+
+    def _page_of(self, cursor: _Cursor) -> Finished:
         if self._stopping:  # queued before the stop: its client is answered by the node's stop
             return Finished(cursor.payload, error=QueryError("the node is shutting down", "stopping"))
         started_s = time.monotonic()
@@ -680,11 +734,26 @@ class QueryRunner:
         sqlite_cursor = cursor.cursor
         if sqlite_cursor is None:
             return rows
+        # Every page's answer carries the column names and the positions besides its rows.
+        positions_bytes = sum(_value_bytes(shard) + 2 * 9 + 3 * VALUE_HEADER_BYTES for shard in cursor.positions)
+        answer_max = self.limits.answer_bytes_max - _row_bytes(cursor.columns) - positions_bytes
         try:
             while len(rows) < cursor.page_rows and size < bytes_max:
-                row = next(sqlite_cursor)
-                rows.append(list(row))
-                size += 2 + sum(map(_value_bytes, row))
+                row = cursor.carried if cursor.carried is not None else list(next(sqlite_cursor))
+                cursor.carried = None
+                row_bytes = _row_bytes(row)
+                if size + row_bytes > answer_max:
+                    if rows:  # the page is full: the row opens the next one
+                        cursor.carried = row
+                        break
+                    cursor.cursor = None
+                    raise QueryError(
+                        f"the query failed: a row of its result is about {row_bytes} bytes, more than one answer "
+                        f"holds ({max(0, answer_max)} bytes of a frame, frame_bytes_max); select fewer or smaller "
+                        "columns"
+                    )
+                rows.append(row)
+                size += row_bytes
         except StopIteration:
             cursor.cursor = None
         except (apsw.Error, UnicodeDecodeError) as error:  # apsw converts a row's TEXT from UTF-8
@@ -719,7 +788,7 @@ class QueryRunner:
 
 
 def _close_sqlite(cursor: _Cursor) -> None:
-    connection, cursor.connection, cursor.cursor = cursor.connection, None, None
+    connection, cursor.connection, cursor.cursor, cursor.carried = cursor.connection, None, None, None
     if connection is not None:
         connection.close(True)
 

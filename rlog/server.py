@@ -53,6 +53,7 @@ from mnesite.rlog.query import (
     QueryRunner,
     WaitingQueries,
     WaitingQuery,
+    note_unserved,
     page_request,
     query_request,
     shards_of,
@@ -264,6 +265,8 @@ class NodeServer:
         # Read-only SQL queries (rlog.query): run on the runner's threads, never on this loop.
         self.queries = QueryRunner(store.path, QueryLimits.from_config(config.limits), monotonic_ms)
         self.waiting_queries = WaitingQueries()
+        # Queries started whose first page is not back (at most query_cursors_max: each holds a cursor).
+        self._queries_starting: dict[int, WaitingQuery] = {}
         # Changefeed requests held until a shard they follow moves (rlog.changes), oldest first.
         self.waiting_changes: list[WaitingChanges] = []
         # What the changefeed served since start (status "changes", metrics): pages answered, their records,
@@ -920,6 +923,9 @@ class NodeServer:
         """Once per turn: start the queries whose shards ``reached`` their targets, answer finished
         pages, and time out waits and idle cursors."""
         now = monotonic_ms()
+        # Before the pages are collected: a shard that stopped serving before a worker took a first
+        # page's snapshot is noted in this turn or an earlier one (it serves again turns later).
+        note_unserved(self._queries_starting.values(), reached)
         for waiting in self.waiting_queries.expired(now):
             envelope, request_id = waiting.payload
             self.reply(envelope, messages.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
@@ -929,12 +935,23 @@ class NodeServer:
             except QueryError as error:
                 envelope, request_id = waiting.payload
                 self.refuse(envelope, request_id, error)
+            else:
+                self._queries_starting[id(waiting)] = waiting
         for finished in self.queries.finished(drain=self._queries_woken):
             envelope, request_id = finished.payload
-            if finished.behind is not None:
-                # The snapshot missed a key this node applied in a turn not committed then: wait again.
+            again = finished.behind
+            if finished.first is not None:
+                self._queries_starting.pop(id(finished.first), None)
+                if finished.first.unserved and again is None:
+                    # Its snapshot may hold no committed state: not answered, run again once it serves.
+                    if finished.result is not None and finished.result["cursor"] is not None:
+                        self.queries.close(finished.result["cursor"])
+                    again, finished.first.unserved = finished.first, False
+            if again is not None:
+                # The snapshot missed a key this node applied in a turn not committed then, or its
+                # shard stopped serving before it was taken: wait again.
                 try:
-                    self.waiting_queries.add(finished.behind)
+                    self.waiting_queries.add(again)
                 except QueryError as error:
                     self.refuse(envelope, request_id, error)
             elif finished.error is not None:

@@ -527,3 +527,42 @@ def test_an_import_of_wide_rows_cuts_its_transactions_by_bytes(
     with thread_node.client() as client:
         assert client.count("items") == 600
         assert [row["name"][:5] for row in client.scan("items")] == [f"{i:05d}" for i in range(600)]
+
+
+def test_rlog_tail_follow_says_when_entries_were_trimmed_before_it_read_them(tmp_path, monkeypatch) -> None:
+    # ``rlog_entries`` after a key the node's log no longer holds answers the entries it still has:
+    # a follower that fell behind the node's retention (a paused terminal, a slow pipe) went on from
+    # there and printed no word of the entries it never showed. It says so now, on stderr.
+    node = ThreadNode(tmp_path / "data", extra={"rlog": {"retention_entries_max": 2, "retention_interval_ms": 10}})
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) > 1:
+            raise KeyboardInterrupt  # how --follow ends
+        with node.client() as client:  # entries while the follower waits, until retention trimmed some
+
+            def trimmed() -> bool:
+                client.put("t", {"id": len(pauses)})
+                return client.rlog_entries("default", shown[-1], 1)[0]["prev"] != shown[-1]
+
+            wait_until(trimmed, 10, "entries after the follower's last one trimmed")
+
+    shown: list[list[int]] = []
+    try:
+        with node.client() as client:
+            client.create_table("t", "id", [("id", "INTEGER")])
+            client.get("t", 0, consistency="read-your-writes")  # the table's entry is applied: the tail shows it
+            shown.append(client.rlog_tail("default", 1)[-1]["tx_key"])
+        clock = types.SimpleNamespace(sleep=pause, monotonic=time.monotonic, time=time.time)
+        monkeypatch.setattr("mnesite.cli.main.time", clock)
+        result = CliRunner().invoke(main, ["rlog", "tail", "default", "-n", "1", "--follow", "--node", node.endpoint])
+        assert result.exit_code == 0, result.output
+        lines = [line.split(" ", 5) for line in result.stdout.splitlines()]
+        keys = [(line[0] + " " + line[1], line[3] + " " + line[4]) for line in lines]  # ("(g, c)", "(pg, pc)")
+        gaps = [(before[0], after[1]) for before, after in zip(keys, keys[1:], strict=False) if after[1] != before[0]]
+        assert len(gaps) == 1 and keys[0][0] == str(tuple(shown[-1])), result.stdout
+        after, up_to = gaps[0]
+        assert f"entries after {after} up to {up_to} are not in the node's log" in result.stderr, result.stderr
+    finally:
+        node.stop()

@@ -764,3 +764,138 @@ def test_the_pages_of_a_query_come_from_the_node_that_answered_its_first_page(no
             result.fetch_page()
     finally:
         other.stop()
+
+
+def test_a_page_never_outgrows_a_frame_and_a_row_too_big_for_one_frees_its_cursor(tmp_path: Path) -> None:
+    # A page ends once its values reach query_page_bytes_max (a quarter of a frame), but one row may
+    # hold up to 16 pages of values: a page whose last row was large, or a lone large row, made an
+    # answer above frame_bytes_max. The node then answered ``too_large`` ("ask for fewer rows", which
+    # cannot help) while the cursor of that page stayed open, unknown to the client, until
+    # query_idle_ms_max: 16 such queries refused every query and count for 30 s (query_cursors_max).
+    limits = {"frame_bytes_max": 65536, "query_page_bytes_max": 16384}
+    node = ThreadNode(tmp_path / "data", extra={"limits": limits})
+    try:
+        with node.client() as client:
+            # Row 0 holds 15,000 bytes (the page goes on), row 1 holds 60,000: together above a frame.
+            wide = ", ".join(f"CASE WHEN n = 1 THEN zeroblob(15000) END AS b{i}" for i in range(3))
+            sql = f"SELECT n, zeroblob(15000) AS a, {wide} FROM (SELECT 0 AS n UNION ALL SELECT 1 AS n)"
+            result = client.query(sql)
+            rows = list(result)
+            assert [row[0] for row in rows] == [0, 1] and result.pages >= 2
+            assert [len(value or b"") for value in rows[1][1:]] == [15000] * 4
+            # A row alone above a frame fails its query with its reason, and frees its cursor at once.
+            huge = "SELECT " + ", ".join(f"zeroblob(16000) AS b{i}" for i in range(5))
+            with pytest.raises(RemoteError) as failed:
+                client.query(huge)
+            assert failed.value.code == "query_failed", failed.value
+            assert "frame_bytes_max" in str(failed.value) and "fewer rows" not in str(failed.value)
+            assert client.status()["queries"]["open"] == 0
+    finally:
+        node.stop()
+
+
+def test_a_row_its_page_cannot_hold_opens_the_next_page_none_lost_none_repeated(tmp_path: Path) -> None:
+    store = _database(tmp_path / "sizes.db", rows=0)
+    sizes = [(i * 7919) % 19_000 + 100 for i in range(60)]
+    with store.write_transaction():
+        store.connection.executemany("INSERT INTO users VALUES (?, ?, 0)", [(i, "x" * n) for i, n in enumerate(sizes)])
+    limits = q.QueryLimits(ms_max=5000, page_bytes_max=20_000, answer_bytes_max=30_000)
+    runner = q.QueryRunner(store.path, limits, q_clock)
+    try:
+        for page_rows in (1, 3, 1000):
+            finished = _start(runner, "SELECT id, name FROM users ORDER BY id", page_rows=page_rows)
+            rows, pages = [], []
+            while True:
+                assert finished.error is None, finished.error
+                page = finished.result["rows"]
+                rows += page
+                pages.append(page)
+                # What a page's answer holds (the columns' names and the positions too) stays within the bound.
+                assert sum(map(q._row_bytes, page)) + q._row_bytes(["id", "name"]) < 30_000
+                if finished.result["cursor"] is None:
+                    break
+                runner.next_page("client", finished.result["cursor"], page_rows)
+                finished = _finished(runner)
+            assert [row[0] for row in rows] == list(range(60)), page_rows
+            assert [len(row[1]) for row in rows] == sizes
+            assert page_rows == 1 or any(len(page) > 1 for page in pages)
+        assert runner.open_cursors() == 0
+    finally:
+        runner.stop()
+        store.close()
+
+
+def test_a_query_whose_shard_stopped_serving_before_its_snapshot_runs_again_once_it_serves(node: ThreadNode) -> None:
+    """A query is checked while its shards serve, then waits for a query worker (both may be busy
+    with other statements for up to query_ms_max). If its shard stopped serving meanwhile (a core's
+    snapshot install deleted its rows, a replicant's bootstrap did; the applied key stays), the
+    snapshot the worker took held no committed state, yet its page was answered: here an empty table
+    at the applied key. Now a first page whose shard stopped serving after the query started is not
+    answered: the query waits for the shard to serve again and runs again (within its wait)."""
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog.messages import Message, typed_body
+
+    from tests.conftest import node_config
+
+    node.stop()  # the node fixture's data (200 users), opened again without its loop
+    core = CoreNode(node_config(Path(node.node.config.data_dir), node.port))  # its rules called from this thread
+    release = threading.Event()
+    opened = core.queries._open
+
+    def open_when_released(cursor):  # the worker takes its snapshot only once the test says so
+        assert release.wait(10)
+        opened(cursor)
+
+    core.queries._open = open_when_released
+    try:
+        envelope = [b"client"]
+        message = Message("query", "q-1", typed_body("query", {"sql": "SELECT count(*) FROM users"}))
+        core._query(envelope, message)
+        core.serve_queries(core._query_shard_reached)  # started: a worker holds it, not opened yet
+        assert core.queries.open_cursors() == 1
+        # A snapshot install starts: the shard serves no read, its rows are deleted, its applied key stays.
+        users = list(core.store.connection.execute("SELECT id, name, karma FROM users"))
+        core.not_serving["default"] = "installing a snapshot"
+        core.begin()
+        core.store.clear_rows("default")
+        core._commit()
+        release.set()
+
+        def answers() -> list:
+            core.serve_queries(core._query_shard_reached)
+            return [m for _s, to, m in core._outbox if to == envelope]
+
+        wait_until(lambda: core.queries.open_cursors() == 0, 10, "the first page done")
+        assert answers() == []  # not the empty table: the query waits for the shard
+        # The install ends: the rows are back and the shard serves again; the query runs again.
+        core.begin()
+        core.store.connection.executemany("INSERT INTO users VALUES (?, ?, ?)", users)
+        core._commit()
+        del core.not_serving["default"]
+        wait_until(lambda: answers() != [], 10, "the query answered")
+        (answer,) = answers()
+        assert answer.kind == "reply" and answer.body.result["rows"] == [[200]], answer
+    finally:
+        core.close()
+
+
+def test_a_query_starts_only_while_its_shards_serve_and_a_start_is_noted_unserved() -> None:
+    serving = {"default": True, "other": True}
+
+    def reached(shard: str, key: TxKey) -> bool:
+        return serving[shard] and key <= TxKey(1, 5)
+
+    waiting = q.WaitingQueries()
+    local = q.WaitingQuery("local", None, ("default", "other"), {}, 10, 1000)
+    pinned = q.WaitingQuery("pinned", None, ("default",), {"default": TxKey(1, 5)}, 10, 1000)
+    serving["other"] = False
+    waiting.add(local)
+    waiting.add(pinned)
+    assert waiting.ready(reached) == [pinned] and "shard other did not serve" in local.describe()
+    serving["other"] = True
+    assert waiting.ready(reached) == [local]
+    q.note_unserved([local, pinned], reached)
+    assert not local.unserved and not pinned.unserved
+    serving["other"] = False
+    q.note_unserved([local, pinned], reached)
+    assert local.unserved and not pinned.unserved
