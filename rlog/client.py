@@ -695,8 +695,8 @@ class Client:
 
     def _changes_positions(self, tables: list[str], after: Any) -> list[dict[str, Any]]:
         """The wire positions a changefeed starts from (see ``changes``)."""
-        if after is None:
-            return []
+        if after is None or (isinstance(after, list) and not after):
+            return []  # the log's start (an empty saved cursor: a feed from the start that had not moved)
         if isinstance(after, dict):
             return [{"shard": shard, "after": list(TxKey(*key))} for shard, key in sorted(after.items())]
         if isinstance(after, (list, tuple)) and after and isinstance(after[0], dict):
@@ -889,9 +889,11 @@ class ChangeFeed:
     """The records of a changefeed (``Client.changes``), fetched page by page.
 
     ``cursor`` is where the feed stands, per shard: pass it as ``after_tx_key`` to resume (on any
-    node). It moves by whole entries (the records of one entry share a ``tx_key``, and a consumer that
-    stops inside an entry resumes at that entry's start), and page by page through an entry whose
-    records are more bytes than a page holds (``records_after``). ``position`` is the last tx key delivered per
+    node). It moves as a record is handed over, to just after it when the record ends its entry (the
+    records of one entry share a ``tx_key``) or a copy (``snapshot_end``): a consumer that saves it once
+    it applied a record resumes with the next one, and one that stops inside an entry resumes at that
+    entry's start. Through an entry whose records are more bytes than a page holds it moves page by
+    page (``records_after``). ``position`` is the last tx key delivered per
     shard outside a snapshot. ``applied`` is the answering node's applied key per shard (how far
     behind the feed is). The answers are checked: a malformed page raises ``MnesiteError``.
     """
@@ -929,16 +931,18 @@ class ChangeFeed:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         while True:
             records, positions = self.fetch_page()
-            # Within a page, a shard's position moves to an entry once a record of the next entry
-            # is asked for: by then every record of that entry was taken.
-            open_entries: dict[str, list[int]] = {}
-            for record in records:
-                if record["kind"] == "change":
-                    shard = record["shard"]
-                    done = open_entries.get(shard)
-                    if done is not None and done != record["tx_key"]:
-                        self._positions[shard] = {"shard": shard, "after": done}
-                    open_entries[shard] = record["tx_key"]
+            # The cursor moves as a record is handed over, to the position after it when that is a
+            # whole entry's end (or a copy's): a consumer that saves ``cursor`` once it applied the
+            # record resumes with the next one. Inside an entry it stays at the entry's start.
+            for record, following in zip(records, _next_of_shard(records), strict=True):
+                shard = record["shard"]
+                if following is None:
+                    if shard in positions:  # all of the page's records of the shard
+                        self._positions[shard] = positions[shard]
+                elif record["kind"] == "snapshot_end" or (
+                    record["kind"] == "change" and following["tx_key"] != record["tx_key"]
+                ):
+                    self._positions[shard] = {"shard": shard, "after": list(record["tx_key"])}
                 yield record
             self._positions = positions
             if self._caught_up(records) and not self.follow:
@@ -979,6 +983,16 @@ class ChangeFeed:
 
 
 _RECORD_KINDS = frozenset({"change", "snapshot_begin", "snapshot", "snapshot_end"})
+
+
+def _next_of_shard(records: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """For each record, the next record of its shard in ``records`` (None for its shard's last)."""
+    following: list[dict[str, Any] | None] = [None] * len(records)
+    later: dict[str, dict[str, Any]] = {}
+    for index in range(len(records) - 1, -1, -1):
+        following[index] = later.get(records[index]["shard"])
+        later[records[index]["shard"]] = records[index]
+    return following
 
 
 def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, TxKey]]:

@@ -5,8 +5,10 @@ tests/test_changes_cluster.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,7 +92,12 @@ def test_every_change_in_log_order_with_its_key_and_row_and_resume_is_strictly_a
         assert list(client.changes(["users"], after_tx_key=feed.cursor)) == []
 
 
-def test_a_trimmed_position_gets_a_copy_at_one_key_then_the_changes_and_ends_equal(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def trimmed_past_the_first_write(
+    tmp_path: Path, writes: int, delete: int | None = None
+) -> Iterator[tuple[Client, TxKey]]:
+    """A node keeping 5 entries, pages of 4 records, ``users`` with ``writes`` rows written (then the
+    row ``delete`` deleted) and its first write trimmed from the log: a client and that write's key."""
     thread_node = ThreadNode(
         tmp_path / "data",
         extra={
@@ -102,28 +109,86 @@ def test_a_trimmed_position_gets_a_copy_at_one_key_then_the_changes_and_ends_equ
         with thread_node.client() as client:
             client.create_table("users", "id", [("id", "INTEGER"), ("name", "TEXT")])
             first = client.put("users", {"id": 0, "name": "zero"})
-            for i in range(1, 40):
+            for i in range(1, writes):
                 client.put("users", {"id": i, "name": f"n{i}"})
-            client.delete("users", 5)
+            if delete is not None:
+                client.delete("users", delete)
             wait_until(lambda: client.rlog_entries("default")[0]["tx_key"] > list(first), 10, "the log trimmed")
-            feed = client.changes(["users"], after_tx_key=first)
-            records = []
-            for record in feed:
-                records.append(record)
-                if sum(r["kind"] == "snapshot" for r in records) == 3:
-                    # Writes while the copy is read: the replay heals what the dirty reads saw.
-                    client.put("users", {"id": 1, "name": "changed"})
-                    client.delete("users", 39)
-                    client.put("users", {"id": 1000, "name": "new"})
-            kinds = [r["kind"] for r in records]
-            assert kinds[0] == "snapshot_begin" and "fell behind" in records[0]["reason"]
-            end = kinds.index("snapshot_end")
-            assert set(kinds[1:end]) == {"snapshot"}
-            assert records[end]["tx_key"] >= records[0]["tx_key"]
-            assert apply_feed(records)["users"] == table_rows(client, "users")
-            assert feed.position == {"default": TxKey(*client.status()["shards"]["default"]["applied"])}
+            yield client, first
     finally:
         thread_node.stop()
+
+
+def test_a_trimmed_position_gets_a_copy_at_one_key_then_the_changes_and_ends_equal(tmp_path: Path) -> None:
+    with trimmed_past_the_first_write(tmp_path, 40, delete=5) as (client, first):
+        feed = client.changes(["users"], after_tx_key=first)
+        records = []
+        for record in feed:
+            records.append(record)
+            if sum(r["kind"] == "snapshot" for r in records) == 3:
+                # Writes while the copy is read: the replay heals what the dirty reads saw.
+                client.put("users", {"id": 1, "name": "changed"})
+                client.delete("users", 39)
+                client.put("users", {"id": 1000, "name": "new"})
+        kinds = [r["kind"] for r in records]
+        assert kinds[0] == "snapshot_begin" and "fell behind" in records[0]["reason"]
+        end = kinds.index("snapshot_end")
+        assert set(kinds[1:end]) == {"snapshot"}
+        assert records[end]["tx_key"] >= records[0]["tx_key"]
+        assert apply_feed(records)["users"] == table_rows(client, "users")
+        assert feed.position == {"default": TxKey(*client.status()["shards"]["default"]["applied"])}
+
+
+def _resumed_after_each_record(client: Client, tables: list[str], records: list, cursors: list) -> None:
+    """Resuming from the cursor saved after record k gives exactly what follows it, once record k ends
+    its entry (or a copy); inside an entry the resume repeats that entry from its start."""
+    for k, cursor in enumerate(cursors):
+        rest = list(client.changes(tables, after_tx_key=cursor))
+        record = records[k]
+        ends_entry = (
+            k + 1 == len(records)
+            or record["kind"] in ("snapshot_begin", "snapshot_end")
+            or (record["kind"] == "change" and records[k + 1]["tx_key"] != record["tx_key"])
+        )
+        if ends_entry:
+            assert rest == records[k + 1 :], (k, record, rest[:2])
+        elif record["kind"] == "change":
+            start = next(i for i, r in enumerate(records) if r["tx_key"] == record["tx_key"])
+            assert rest == records[start:], (k, record, rest[:2])
+
+
+def test_a_cursor_saved_after_each_record_resumes_with_what_was_not_applied(node) -> None:
+    """The docs' consumer saves ``feed.cursor`` after each record it applied. The cursor moved only
+    once the next record was asked for: a consumer that stopped right after an entry's last record
+    got that entry again on resuming, and after ``snapshot_end`` the whole copy again."""
+    with node.client() as client:
+        for i in range(10):
+            client.put("users", {"id": i, "name": f"n{i}"})
+        with client.transaction() as tx:  # one entry of three records
+            for i in range(10, 13):
+                tx.put("users", {"id": i, "name": f"n{i}"})
+        for i in range(13, 18):
+            client.put("users", {"id": i, "name": f"n{i}"})
+        feed = client.changes(["users"], after_tx_key=ZERO_KEY)
+        records, cursors = [], []
+        for record in feed:
+            records.append(record)
+            cursors.append(feed.cursor)
+        assert len(records) == 19  # create_table and 18 writes, over pages of 7
+        unmoved = client.changes(["users"]).cursor  # a feed from the log's start, before its first page
+        assert unmoved == [] and list(client.changes(["users"], after_tx_key=unmoved)) == records
+        _resumed_after_each_record(client, ["users"], records, cursors)
+
+
+def test_a_cursor_saved_after_a_copy_ends_does_not_copy_again(tmp_path: Path) -> None:
+    with trimmed_past_the_first_write(tmp_path, 12) as (client, first):
+        feed = client.changes(["users"], after_tx_key=first)
+        records, cursors = [], []
+        for record in feed:
+            records.append(record)
+            cursors.append(feed.cursor)
+        end = [r["kind"] for r in records].index("snapshot_end")
+        assert list(client.changes(["users"], after_tx_key=cursors[end])) == records[end + 1 :]
 
 
 def test_follow_waits_for_the_next_change_and_hands_it_over(node) -> None:
