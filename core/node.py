@@ -105,7 +105,6 @@ from mnesite.core.outcome import (
     ForwardedRequests,
     Outcome,
     OutcomeUnknown,
-    forward_target,
 )
 from mnesite.core.recovery import (
     reached_generations,
@@ -1914,27 +1913,30 @@ class CoreNode(NodeServer):
             return
         # Linearizable: each shard's committed key, confirmed by its sequencer (read_index), which
         # may be this core or another one; the query waits until this core has applied every key.
+        drivers = {shard: self.shards.get(shard) for shard in shards}
+        unknown = [shard for shard, driver in drivers.items() if driver is None]
+        if unknown:  # before anything is held or forwarded: this refusal is the request's one answer
+            raise RequestError("unknown_shard", f"unknown shard {unknown[0]!r}")
         gather = QueryIndexGather(envelope, message, request, checked, shards, targets)
         self.hold(envelope, message.request_id, changes=False)
-        for shard in shards:
-            driver = self.shards.get(shard)
-            if driver is None:
-                raise RequestError("unknown_shard", f"unknown shard {shard!r}")
-            if driver.consensus.role is Role.SEQUENCER:
-                key = driver.consensus.read_index(self.clock_ms())
-                if key is None:
-                    self._query_index_failed(gather, "no_sequencer", f"{self.config.name} has no lease in {shard} now")
-                    return
-                gather.keys[shard] = key
-                continue
-            target = forward_target(driver.consensus.sequencer, self.config.name, False)
-            if target is None or self.forwarded.full():
-                self._query_index_failed(gather, "no_sequencer", f"shard {shard} has no sequencer reachable now")
+        for shard, driver in drivers.items():
+            # The rule a linearizable read follows (``rules.fence_read``): this core's read index as
+            # sequencer, or its sequencer's, asked with a fresh request id (it replaces nothing).
+            try:
+                fence = rules.fence_read(
+                    self._view(driver), self.config.name, False, driver.consensus.read_index(self.clock_ms())
+                )
+                if isinstance(fence, rules.Forward) and self.forwarded.full():
+                    raise RequestError("no_sequencer", f"shard {shard}: too many requests forwarded now")
+            except RequestError as error:
+                self._query_index_failed(gather, error.code, str(error))
                 return
+            if not isinstance(fence, rules.Forward):
+                gather.keys[shard] = fence
+                continue
             request_id = new_request_id()
-            # A fresh request id: it replaces nothing.
-            self.forwarded.forwarded(request_id, QueryIndexAsk(gather, shard), shard, target, self.clock_ms())
-            self._send_peer(target, Message("read_index", request_id, {"shard": shard, "forwarded": True}))
+            self.forwarded.forwarded(request_id, QueryIndexAsk(gather, shard), shard, fence.target, self.clock_ms())
+            self._send_peer(fence.target, Message("read_index", request_id, {"shard": shard, "forwarded": True}))
         self._query_index_complete(gather)
 
     def _query_index_answered(self, ask: QueryIndexAsk, answer: Message) -> None:
