@@ -495,6 +495,8 @@ class ReplicantNode(NodeServer):
         elif pending.purpose == "tables":
             if self.disk.full:
                 return  # a bootstrap's answer: the replica takes nothing while full, it asks again later
+            if not replica.takes_tables(pending.core, pending.watch_id):
+                return  # stale (an earlier attempt's): its definitions may be older than the ones held
             try:
                 if error is not None:
                     raise CopyFailed(f"list_tables failed: {error.code}: {error.message}")
@@ -505,13 +507,12 @@ class ReplicantNode(NodeServer):
             self.begin()
             for table in mine:
                 self.store.apply_ops(schema_ops_toward(self.store.catalog().get(table.name), table))
-            self._step(
-                replica,
-                p.TablesReceived(pending.core, tuple(t.name for t in mine), tuple(t.key_column for t in mine)),
-            )
+            names, keys = tuple(t.name for t in mine), tuple(t.key_column for t in mine)
+            self._step(replica, p.TablesReceived(pending.core, names, keys, pending.watch_id))
         elif pending.purpose == "batch":
             detail = pending.detail
-            batch = batch_from_answer(pending.core, detail["table"], detail["after"], result, frame_bytes)
+            after = detail["after"]
+            batch = batch_from_answer(pending.core, detail["table"], after, result, frame_bytes, pending.watch_id)
             if error is not None or batch is None:
                 self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}", pending.watch_id))
                 return
