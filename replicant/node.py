@@ -70,7 +70,6 @@ from mnesite.rlog.server import (
 )
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
-    GENESIS_DIGEST,
     TxKey,
     new_request_id,
 )
@@ -862,7 +861,8 @@ class ReplicantNode(NodeServer):
                 "upstream": status.upstream,
                 "agent": status.agent_id,
                 "applied": list(status.applied_key),
-                "digest": status.applied_digest.hex() if status.applied_digest else GENESIS_DIGEST.hex(),
+                # None while unknown: from a bootstrap's reset until its replay (p.UNKNOWN_DIGEST).
+                "digest": status.applied_digest.hex() if status.applied_digest != p.UNKNOWN_DIGEST else None,
                 "committed": list(status.committed_key) if status.committed_key else None,
                 "lag_entries": status.lag_entries,
                 "bootstraps": status.bootstraps,

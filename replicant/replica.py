@@ -10,7 +10,8 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   (``ProbeJournals``), chooses an upstream with ``replicant.upstream.choose_upstream`` (never a core
   whose committed key is behind the applied key: no time travel, invariant 5; preferably one that
   hears the sequencer; spread by agent count) and sends ``watch(applied key, applied digest)``.
-  The data it holds is a consistent prefix of the shard's history, so it may serve stale reads.
+  The data it holds is a consistent prefix of the shard's history, but it serves no read until it
+  is NORMAL again (``readable``: reads answer ``not_ready``, as docs/concepts/guarantees.md says).
 * NORMAL, after a ``resume`` answer (the core retains the applied key with that digest). Each push
   of the watched agent is applied only where it continues the applied key: entries at or below it
   are duplicates and skipped (the one at the applied key must have the applied digest), the first

@@ -711,3 +711,24 @@ def test_a_table_list_of_an_earlier_bootstrap_changes_no_table_definition(tmp_pa
         assert node.store.catalog()["t"].indexes == indexed.indexes, "a stale table list dropped an index"
     finally:
         _close_offline(node)
+
+
+def test_status_says_the_digest_is_unknown_while_a_bootstrap_has_reset_the_shard(tmp_path) -> None:
+    """From a bootstrap's reset until its replay the replica's digest is unknown (``UNKNOWN_DIGEST``):
+    its rows are being copied. ``status`` showed the genesis digest at the applied key instead, a
+    position no core ever had, as if the replica held a divergent history."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.types import GENESIS_DIGEST
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        replica = node._open_replica("default")
+        assert node.status()["shards"]["default"]["digest"] == GENESIS_DIGEST.hex()  # a fresh shard: genesis
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+        assert replica.applied_digest == p.UNKNOWN_DIGEST
+        assert node.status()["shards"]["default"]["digest"] is None
+    finally:
+        _close_offline(node)
