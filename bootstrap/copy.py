@@ -46,14 +46,14 @@ def tables_from_answer(result: object, shard: str) -> tuple[TableSchema, ...]:
 
 
 def batch_from_answer(
-    core: str, table: str, after: object, result: object, size_bytes: int | None = None
+    core: str, table: str, after: object, result: object, size_bytes: int | None = None, watch_id: str | None = None
 ) -> BatchReceived | None:
-    """The ``bootstrap_batch`` answer ``result`` (of ``size_bytes`` on the wire, if known) as a
-    ``BatchReceived``; None if it is malformed."""
+    """The ``bootstrap_batch`` answer ``result`` (of ``size_bytes`` on the wire, if known) to a request
+    sent in the replica's attempt ``watch_id`` as a ``BatchReceived``; None if it is malformed."""
     batch = answer_as(result, BatchAnswer)
     if batch is None:
         return None
-    return BatchReceived(core, table, after, tuple(batch.rows), batch.done, batch.rows_total, size_bytes)
+    return BatchReceived(core, table, after, tuple(batch.rows), batch.done, batch.rows_total, size_bytes, watch_id)
 
 
 _KEY_RANKS = {type(None): 0, bool: 1, int: 1, float: 1, str: 2, bytes: 3}

@@ -852,7 +852,7 @@ def status(endpoint, timeout_ms, as_json) -> None:
                 "mode": info["mode"],
                 "upstream": info["upstream"] or "-",
                 "applied": tuple(info["applied"]),
-                "digest": info["digest"][:16],
+                "digest": (info["digest"] or "unknown")[:16],
                 "lag": "" if info["lag_entries"] is None else info["lag_entries"],
                 "bootstraps": info["bootstraps"],
                 "resumes": info["resumes"],

@@ -70,7 +70,6 @@ from mnesite.rlog.server import (
 )
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
-    GENESIS_DIGEST,
     TxKey,
     new_request_id,
 )
@@ -495,6 +494,8 @@ class ReplicantNode(NodeServer):
         elif pending.purpose == "tables":
             if self.disk.full:
                 return  # a bootstrap's answer: the replica takes nothing while full, it asks again later
+            if not replica.takes_tables(pending.core, pending.watch_id):
+                return  # stale (an earlier attempt's): its definitions may be older than the ones held
             try:
                 if error is not None:
                     raise CopyFailed(f"list_tables failed: {error.code}: {error.message}")
@@ -505,13 +506,12 @@ class ReplicantNode(NodeServer):
             self.begin()
             for table in mine:
                 self.store.apply_ops(schema_ops_toward(self.store.catalog().get(table.name), table))
-            self._step(
-                replica,
-                p.TablesReceived(pending.core, tuple(t.name for t in mine), tuple(t.key_column for t in mine)),
-            )
+            names, keys = tuple(t.name for t in mine), tuple(t.key_column for t in mine)
+            self._step(replica, p.TablesReceived(pending.core, names, keys, pending.watch_id))
         elif pending.purpose == "batch":
             detail = pending.detail
-            batch = batch_from_answer(pending.core, detail["table"], detail["after"], result, frame_bytes)
+            after = detail["after"]
+            batch = batch_from_answer(pending.core, detail["table"], after, result, frame_bytes, pending.watch_id)
             if error is not None or batch is None:
                 self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}", pending.watch_id))
                 return
@@ -861,7 +861,8 @@ class ReplicantNode(NodeServer):
                 "upstream": status.upstream,
                 "agent": status.agent_id,
                 "applied": list(status.applied_key),
-                "digest": status.applied_digest.hex() if status.applied_digest else GENESIS_DIGEST.hex(),
+                # None while unknown: from a bootstrap's reset until its replay (p.UNKNOWN_DIGEST).
+                "digest": status.applied_digest.hex() if status.applied_digest != p.UNKNOWN_DIGEST else None,
                 "committed": list(status.committed_key) if status.committed_key else None,
                 "lag_entries": status.lag_entries,
                 "bootstraps": status.bootstraps,

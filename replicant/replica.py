@@ -10,7 +10,8 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   (``ProbeJournals``), chooses an upstream with ``replicant.upstream.choose_upstream`` (never a core
   whose committed key is behind the applied key: no time travel, invariant 5; preferably one that
   hears the sequencer; spread by agent count) and sends ``watch(applied key, applied digest)``.
-  The data it holds is a consistent prefix of the shard's history, so it may serve stale reads.
+  The data it holds is a consistent prefix of the shard's history, but it serves no read until it
+  is NORMAL again (``readable``: reads answer ``not_ready``, as docs/concepts/guarantees.md says).
 * NORMAL, after a ``resume`` answer (the core retains the applied key with that digest). Each push
   of the watched agent is applied only where it continues the applied key: entries at or below it
   are duplicates and skipped (the one at the applied key must have the applied digest), the first
@@ -22,7 +23,9 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
 * BOOTSTRAP, after a ``bootstrap`` answer with K0 (the core's committed key). The shard is reset
   (``ResetShard``: the applied key stays as a floor, the digest becomes ``UNKNOWN_DIGEST``), then
   the tables are copied in key-ordered batches of ``batch_rows_max`` rows (``FetchTables``, then
-  ``FetchBatch``/``ApplyBatch`` table after table). The agent pushes entries after K0 meanwhile; they
+  ``FetchBatch``/``ApplyBatch`` table after table; an answer to a request of an earlier attempt,
+  told by its ``watch_id``, is ignored: it was read before this K0, and the replay from K0 would
+  not heal it). The agent pushes entries after K0 meanwhile; they
   are checked exactly like normal pushes (from K0, then from the last spilled key), spilled
   (``SpillEntries``) and acknowledged with the spilled key. Once ``spill_entries_max`` entries are
   spilled, or the node's ``SpillBudget`` (``spill_bytes_max`` bytes of spilled entries for all the
@@ -84,7 +87,9 @@ Driver contract
 3. ``ProbeJournals``: ask every listed core for its journal age of the shard and step one
    ``JournalsReceived`` after at most ``probe_timeout_ms`` (``None`` for a core that did not answer).
    ``SendWatch``/``FetchTables``/``FetchBatch``: step the answer (``WatchAccepted``, ``WatchRefused``,
-   ``TablesReceived``, ``BatchReceived``) or ``RequestFailed``. Sends are fire-and-forget.
+   ``TablesReceived``, ``BatchReceived``) or ``RequestFailed``, the last three with the ``watch_id``
+   the replica had when the request was sent; apply a table list's definitions only if
+   ``takes_tables`` says so. Sends are fire-and-forget.
 4. ``ModeChanged`` is for logs and metrics. The read path asks ``readable()``: NORMAL and past the
    read fence of the last bootstrap; never in BOOTSTRAP or LOCAL_REPLAY.
 5. ``FetchCommitted``: step ``CommittedReceived`` with the core's committed key, or with None when
@@ -580,7 +585,7 @@ class ShardReplica:
         self._fail(f"the disk was full: resynchronising from {self._applied_key}", delay_ms=0)
 
     def _on_request_failed(self, event: RequestFailed) -> None:
-        if event.watch_id is not None and event.watch_id != self._watch_id:
+        if not self._of_this_attempt(event.watch_id):
             return  # a request of an earlier attempt: it must not fail this one on the same core
         waiting_on_it = self._waiting is not _Waiting.NOTHING and event.core == self._request_core
         if waiting_on_it or (self._upstream is not None and event.core == self._upstream):
@@ -674,8 +679,25 @@ class ShardReplica:
 
     # ------------------------------------------------------------ bootstrap
 
+    def takes_tables(self, core: str, watch_id: str | None) -> bool:
+        """Whether a table list from ``core``, asked in the attempt ``watch_id``, answers the request
+        outstanding (the driver applies its table definitions only then)."""
+        return (
+            self._mode is Mode.BOOTSTRAP
+            and self._waiting is _Waiting.TABLES
+            and core == self._upstream
+            and self._of_this_attempt(watch_id)
+        )
+
+    def _of_this_attempt(self, watch_id: str | None) -> bool:
+        """An answer (or failure) of a request sent in the attempt ``watch_id`` concerns the current
+        attempt (None: not tied to one). A late answer of a failed bootstrap on the same core may match
+        the next one's request: its rows were read before the next K0, so the replay from K0 would
+        not heal them (entries up to K0 are never applied over the copy)."""
+        return watch_id is None or watch_id == self._watch_id
+
     def _on_tables(self, event: TablesReceived) -> None:
-        if self._mode is not Mode.BOOTSTRAP or self._waiting is not _Waiting.TABLES or event.core != self._upstream:
+        if not self.takes_tables(event.core, event.watch_id):
             return
         self._copy = TableCopy(event.core, self.config.batch_rows_max, self._now_ms)
         self._run_copy(lambda copy: copy.on_tables(event))
@@ -684,8 +706,8 @@ class ShardReplica:
         copy = self._copy
         if self._mode is not Mode.BOOTSTRAP or self._waiting is not _Waiting.BATCH or copy is None:
             return
-        if event.core != self._upstream or not copy.answers(event):
-            return  # an answer to a request this replica no longer waits for
+        if event.core != self._upstream or not self._of_this_attempt(event.watch_id) or not copy.answers(event):
+            return  # an answer to a request this replica no longer waits for (or of an earlier attempt)
         self._run_copy(lambda copy: copy.on_batch(event))
 
     def _run_copy(self, step: Callable[[TableCopy], list]) -> None:

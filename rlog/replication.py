@@ -144,6 +144,9 @@ class BatchReceived:
     rows_total: int | None = None
     # The answer's size as received (None: estimate it from the rows); for progress only.
     size_bytes: int | None = None
+    # The replica's attempt the request was sent in (``ShardReplica.watch_id``; None: not tied to
+    # one, a core's snapshot install): a batch of an earlier attempt was read before this one's K0.
+    watch_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,8 @@ class TablesReceived:
     core: str
     tables: tuple[str, ...]
     keys: tuple[str, ...] = ()
+    # As ``BatchReceived.watch_id``: the table list of an earlier attempt is not this one's.
+    watch_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -594,6 +594,33 @@ def test_stale_or_mismatched_batches_are_ignored_and_oversized_ones_fail_the_boo
 
 
 @pytest.mark.timeout(10)
+def test_a_table_list_or_batch_of_an_earlier_bootstrap_on_the_same_core_is_not_copied():
+    """A copy's rows must be read after its K0 was fixed: a row read before it misses the entries up
+    to K0, which the replay (from K0) never applies. A failed bootstrap's answers may still arrive
+    once the next bootstrap on the same core waits for the same request (the first batch of a
+    table asks the same ``after``): they carry the attempt (watch_id) they were asked in."""
+    machine = replica(applied=0)
+    bootstrap(machine, k0=10)
+    first_attempt = machine.watch_id
+    assert of(machine.step(TablesReceived("core0", ("t",), ("k",), first_attempt), 1), FetchBatch)
+    machine.step(push(chain(1, HISTORY[12])), 2)  # a gap: this bootstrap fails
+    assert machine.mode is Mode.DISCONNECTED
+    bootstrap(machine, k0=20, now_ms=10_000)
+    second_attempt = machine.watch_id
+    assert machine.mode is Mode.BOOTSTRAP and second_attempt != first_attempt
+    # The first attempt's table list, read before K0 = 20: no copy starts from it.
+    assert machine.step(TablesReceived("core0", ("t",), ("k",), first_attempt), 10_001) == []
+    assert of(machine.step(TablesReceived("core0", ("t",), ("k",), second_attempt), 10_002), FetchBatch)
+    # The first attempt's first batch answers the same request (t, after None) but is not applied.
+    stale = BatchReceived("core0", "t", None, ({"k": 1, "v": "before K0"},), True, watch_id=first_attempt)
+    assert machine.step(stale, 10_003) == []
+    assert machine.mode is Mode.BOOTSTRAP
+    fresh = BatchReceived("core0", "t", None, ({"k": 1, "v": "v"},), True, watch_id=second_attempt)
+    effects = machine.step(fresh, 10_004)
+    assert ApplyBatch("t", ({"k": 1, "v": "v"},)) in effects and machine.mode is Mode.NORMAL
+
+
+@pytest.mark.timeout(10)
 def test_a_row_without_its_key_column_or_a_malformed_table_list_fails_the_bootstrap():
     machine = replica(applied=0)
     bootstrap(machine)

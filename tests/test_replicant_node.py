@@ -5,6 +5,7 @@ before the create is applied) and dropped outgoing frames (counted, shown, logge
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from mnesite.replicant.reads import (
@@ -664,5 +665,70 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
         answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox if to in ([b"first"], [b"second"])]
         assert answers == [([b"first"], "error", "outcome_unknown")]
         assert [pending.detail["envelope"] for pending in node.pending.values()] == [[b"second"]]
+    finally:
+        _close_offline(node)
+
+
+def test_a_table_list_of_an_earlier_bootstrap_changes_no_table_definition(tmp_path) -> None:
+    """A bootstrap takes the tables as its core lists them (``schema_ops_toward``: indexes created and
+    dropped), and the replay from K0 brings only later changes. A table list asked by a failed
+    bootstrap, answered once the next one on the same core had taken its own, dropped an index that
+    list no longer knew of, created before K0, so nothing would create it again."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.schema import IndexSchema, define_table
+
+    now = [1_000]
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.clock_ms = lambda: now[0]
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        replica = node._open_replica("default")
+
+        def bootstrap() -> Any:
+            node._step(replica, p.Ticked())
+            node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+            node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+            asked = [pending for pending in node.pending.values() if pending.purpose == "tables"]
+            return asked[-1]
+
+        def answer(pending: Any, tables: list[TableSchema]) -> None:
+            request_id = next(rid for rid, one in node.pending.items() if one is pending)
+            del node.pending[request_id]
+            reply = messages.decode(messages.encode(messages.reply(request_id, [t.to_json() for t in tables])))
+            node._on_answer(pending, reply)
+
+        earlier = bootstrap()
+        node._step(replica, p.RequestFailed("core1", "the agent went silent", replica.watch_id))
+        assert replica.mode is p.Mode.DISCONNECTED
+        now[0] += 60_000
+        current = bootstrap()
+        assert current.watch_id == replica.watch_id != earlier.watch_id
+        plain = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+        indexed = TableSchema(plain.name, plain.shard, plain.key_column, plain.columns, (IndexSchema("by_v", ("v",)),))
+        answer(current, [indexed])
+        assert node.store.catalog()["t"].indexes == indexed.indexes
+        answer(earlier, [plain])  # read before this bootstrap's K0, when by_v did not exist yet
+        assert node.store.catalog()["t"].indexes == indexed.indexes, "a stale table list dropped an index"
+    finally:
+        _close_offline(node)
+
+
+def test_status_says_the_digest_is_unknown_while_a_bootstrap_has_reset_the_shard(tmp_path) -> None:
+    """From a bootstrap's reset until its replay the replica's digest is unknown (``UNKNOWN_DIGEST``):
+    its rows are being copied. ``status`` showed the genesis digest at the applied key instead, a
+    position no core ever had, as if the replica held a divergent history."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.types import GENESIS_DIGEST
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        replica = node._open_replica("default")
+        assert node.status()["shards"]["default"]["digest"] == GENESIS_DIGEST.hex()  # a fresh shard: genesis
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+        assert replica.applied_digest == p.UNKNOWN_DIGEST
+        assert node.status()["shards"]["default"]["digest"] is None
     finally:
         _close_offline(node)

@@ -542,10 +542,10 @@ class ReplicantSimulation(Simulation):
                 mine = tables_from_answer(result, SHARD)
             except CopyFailed as failure:
                 raise self.fail(f"{core} answered list_tables with a malformed answer: {failure}") from None
-            event = p.TablesReceived(core, tuple(t.name for t in mine), tuple(t.key_column for t in mine))
+            event = p.TablesReceived(core, tuple(t.name for t in mine), tuple(t.key_column for t in mine), detail)
         elif purpose == "batch":
-            table, after = detail
-            event = batch_from_answer(core, table, after, result)
+            table, after, watch_id = detail
+            event = batch_from_answer(core, table, after, result, watch_id=watch_id)
             if event is None:
                 raise self.fail(f"{core} served a malformed bootstrap batch: {result!r}")
         else:
@@ -602,12 +602,15 @@ class ReplicantSimulation(Simulation):
             }
             self._send_request(name, effect.core, ("frame", self._request_frame(replicant, "watch", body)))
         elif isinstance(effect, p.FetchTables):
-            self._send_request(name, effect.core, ("frame", self._request_frame(replicant, "list_tables", {})))
+            frame = self._request_frame(replicant, "list_tables", {}, replicant.machine.watch_id)
+            self._send_request(name, effect.core, ("frame", frame))
         elif isinstance(effect, p.FetchBatch):
             body = {"table": effect.table, "limit": effect.limit}
             if effect.after is not None:
                 body["after"] = effect.after
-            frame = self._request_frame(replicant, "bootstrap_batch", body, (effect.table, effect.after))
+            frame = self._request_frame(
+                replicant, "bootstrap_batch", body, (effect.table, effect.after, replicant.machine.watch_id)
+            )
             self._send_request(name, effect.core, ("frame", frame))
         elif isinstance(effect, p.FetchCommitted):
             frame = self._request_frame(replicant, "read_index", {"shard": SHARD})
