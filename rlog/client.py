@@ -19,8 +19,9 @@ write only once per id, while the sequencer's rlog holds the id's entry: not aft
 trimmed it, nor on a sequencer whose log a snapshot install emptied). A write that still has
 no definite answer raises ``OutcomeUnknown``: it may or may not have happened;
 ``error.request_id`` is the id to send it again with (``transact(..., request_id=...)``), which
-answers with its tx key if it did happen and applies it otherwise. A read or a write that was
-surely not applied raises ``Unavailable``.
+answers with its tx key if it did happen and applies it otherwise (a re-send that gets no definite
+answer is ``OutcomeUnknown`` again: the earlier attempt may have happened). A read or a write that
+was surely not applied raises ``Unavailable``.
 
 Read-your-writes across clients: pass the tx key a write returned as ``after_tx_key=`` to ``get``
 or ``scan``; the node answers once it has applied that key. A client object is not thread-safe;
@@ -336,6 +337,10 @@ class Client:
         election, outcome unknown after a failover), re-sends the same request id, up to ``retries``
         more times for silence and until ``timeout_ms * (retries + 1)`` in all. ``timeout_ms`` and
         ``retries`` default to the client's.
+
+        ``request_id``: a write's given id is taken for an earlier attempt's (``OutcomeUnknown.request_id``),
+        which may have been applied: a call that gets no definite answer then ends in ``OutcomeUnknown``,
+        never in an error that says nothing was written (unreachable, refused unread, ``stopping``).
         """
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         retries = self.retries if retries is None else retries
@@ -367,6 +372,10 @@ class Client:
         # whatever ends the call later (the node gone, silent, stopping), the caller hears it first.
         unknown_answer: str | None = None
         is_write = kind in WRITE_KINDS
+        # A write sent again with an earlier attempt's id: that attempt may have been applied whatever
+        # becomes of this call's own attempts (which alone decide whether it may move to another endpoint:
+        # the sequencer applies an id at most once, whichever node it came through).
+        sent_before = is_write and request_id is not None
         # Endpoints that refused a connection in this call, or answered that they are stopping: once
         # all did, the caller is told at once.
         unreachable: list[str] = []
@@ -379,13 +388,14 @@ class Client:
                 tried_all = len(set(unreachable)) >= len(self.endpoints)
                 if tried_all or maybe_applied or time.monotonic() >= deadline:
                     reason = self._unreachable(error, tried_all)
-                    self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable", unknown_answer)
+                    unknown = maybe_applied or sent_before
+                    self._give_up(kind, message.request_id, unknown, reason, "unavailable", unknown_answer)
                 self._next_endpoint()
                 continue
             except Unauthenticated as error:
                 # The reconnection for a re-send failed its handshake (a key revoked meanwhile): that
                 # says nothing of an earlier attempt, which may have been applied.
-                if maybe_applied:
+                if maybe_applied or sent_before:
                     self._give_up(kind, message.request_id, True, str(error), error.code, unknown_answer)
                 raise
             try:
@@ -417,7 +427,8 @@ class Client:
                 if exhausted or maybe_applied:
                     # An earlier attempt of a write may have happened there: that stays its outcome.
                     reason = f"node {self.endpoint}: {answer.body.message}"
-                    self._give_up(kind, message.request_id, maybe_applied, reason, STOPPING_CODE, unknown_answer)
+                    unknown = maybe_applied or sent_before
+                    self._give_up(kind, message.request_id, unknown, reason, STOPPING_CODE, unknown_answer)
                 self._next_endpoint()
                 continue
             if answer.kind == "error" and answer.body.code in RETRIABLE_CODES:
@@ -432,11 +443,12 @@ class Client:
                         self._next_endpoint()  # nothing happened there: another node may do better
                     continue
                 reason = f"node {self.endpoint}: {last_reason}"
-                self._give_up(kind, message.request_id, maybe_applied, reason, answer.body.code, unknown_answer)
+                unknown = maybe_applied or sent_before
+                self._give_up(kind, message.request_id, unknown, reason, answer.body.code, unknown_answer)
             break
         if answer.kind == "error":
             code = answer.body.code
-            if code in REFUSED_UNREAD_CODES and maybe_applied:
+            if code in REFUSED_UNREAD_CODES and (maybe_applied or sent_before):
                 # This attempt was refused unread, but an earlier one may have happened: the caller
                 # must not take the refusal for "nothing was written".
                 reason = f"node {self.endpoint}: {answer.body.message}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import socket as socket_module
 import threading
 import time
 
@@ -282,6 +283,36 @@ def test_a_write_whose_resend_is_refused_unread_after_a_silent_attempt_is_outcom
         assert len(node.requests) == 2 and set(node.requests) == {info.value.request_id}
     finally:
         node.close()
+
+
+@pytest.mark.parametrize("code", ["overloaded", "disk_full", "forbidden", "stopping", "no_sequencer"])
+def test_a_resend_with_an_earlier_attempt_s_id_that_gets_no_definite_answer_is_outcome_unknown(code: str) -> None:
+    # transact(request_id=error.request_id) re-sends a write whose outcome was unknown: it may have been
+    # applied already. A re-send refused unread (a full backlog or disk, a revoked key), answered
+    # "stopping" by the last endpoint, or told "not now" until the deadline says nothing of that earlier
+    # attempt. The call raised RemoteError or Unavailable, which the caller takes for "not written".
+    node = ScriptedNode([(code, f"refused: {code}")] * 20)
+    try:
+        with Client(node.endpoint, timeout_ms=100, retries=1) as client, pytest.raises(OutcomeUnknown) as info:
+            client.transact([{"op": "write", "table": "users", "row": {"id": 1}}], request_id="earlier-attempt")
+        assert code in str(info.value) and info.value.request_id == "earlier-attempt"
+        assert set(node.requests) == {"earlier-attempt"}
+    finally:
+        node.close()
+
+
+def test_a_resend_with_an_earlier_attempt_s_id_to_a_node_now_unreachable_is_outcome_unknown() -> None:
+    # No connection completes: this attempt surely did not happen, but the earlier one may have.
+    with socket_module.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"  # bound, never listening: refused
+        with Client(endpoint, timeout_ms=2000, retries=1) as client, pytest.raises(OutcomeUnknown) as info:
+            client.transact([{"op": "write", "table": "users", "row": {"id": 1}}], request_id="earlier-attempt")
+        # A read surely changed nothing: unreachable stays Unavailable.
+        with Client(endpoint, timeout_ms=2000, retries=1) as client, pytest.raises(Unavailable) as read_error:
+            client.get("users", 1)
+    assert "unreachable" in str(info.value) and info.value.request_id == "earlier-attempt"
+    assert not isinstance(read_error.value, OutcomeUnknown)
 
 
 def test_a_write_whose_reconnection_is_refused_after_a_silent_attempt_is_outcome_unknown() -> None:
