@@ -433,7 +433,9 @@ class Client:
                 continue
             if answer.kind == "error" and answer.body.code in RETRIABLE_CODES:
                 last_reason = answer.body.message
-                if answer.body.code == "outcome_unknown":
+                if answer.body.code == "outcome_unknown" and is_write:
+                    # A read told so (its node's turn failed, or a stop cut it short) changed nothing:
+                    # "not now", and any node may answer it.
                     maybe_applied = True
                     unknown_answer = unknown_answer or f"node {self.endpoint}: {last_reason}"
                 if time.monotonic() + backoff_s < deadline:

@@ -410,6 +410,22 @@ def test_a_request_about_one_node_s_own_state_never_fails_over_to_another(
         assert client.journal()["node"] == client.status()["node"] == "core1"
 
 
+def test_a_read_answered_outcome_unknown_moves_to_the_next_endpoint(thread_node: ThreadNode) -> None:
+    # A node answers outcome_unknown to whatever a turn that failed had answered (abandon_turn), or
+    # that a stop cut short (answer_at_stop), reads too. A read changes nothing: it may be asked of
+    # any node. It was pinned to that node for the rest of the call, as a write that may have
+    # happened is, and ended in Unavailable while the next endpoint could answer it.
+    node = ScriptedNode([("outcome_unknown", "the turn that answered failed: disk I/O error")])
+    try:
+        with Client([node.endpoint, thread_node.endpoint], timeout_ms=1000, retries=1) as client:
+            started = time.monotonic()
+            assert client.list_tables() == []
+            assert client.endpoint == thread_node.endpoint and time.monotonic() - started < 0.9
+        assert len(node.requests) == 1
+    finally:
+        node.close()
+
+
 def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
     # Nothing was sent before: "overloaded" at once means surely not applied (no outcome to learn).
     node = ScriptedNode([("overloaded", "busy node")])
