@@ -539,6 +539,30 @@ def test_a_forwarded_request_that_expires_is_outcome_unknown_only_for_a_write(
     assert [(m.request_id, m.kind, m.body.result) for m in answers] == [("r-2", "reply", {"committed": [1, 2]})]
 
 
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}),
+        ("get", {"table": "t", "key": 1, "consistency": "linearizable"}),
+    ],
+)
+def test_a_sequencer_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path, kind: str, body: dict) -> None:
+    """A follower relayed the stopping sequencer's "stopping" (it did nothing with the request) as it
+    was. The client takes "stopping" for the node it asked: it never asked that follower again in the
+    call, and a client of that one endpoint gave up at once (Unavailable) instead of retrying while a
+    new sequencer was elected (a rolling restart). It is "no_sequencer" now, which the client retries."""
+    thread_node = ThreadNode(tmp_path / "data")
+    thread_node.stop()  # its driver called directly: no thread may touch the node meanwhile
+    node = thread_node.node
+    node._outbox.clear()
+    node._forward([b"client"], Message(kind, "r-1", messages.typed_body(kind, body)), "default", "core2")
+    node._relay(node.forwarded.answered("r-1"), messages.error("r-1", "stopping", "core core2 is shutting down"))
+    answers = [m for _s, to, m in node._outbox if to == [b"client"]]
+    assert [(m.request_id, m.body.code) for m in answers] == [("r-1", "no_sequencer")]
+    assert "core core2 is shutting down" in answers[0].body.message
+    assert b"client" not in node.outstanding
+
+
 def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connections_place(tmp_path) -> None:
     """A client that hears nothing closes its socket and resends the same request id on a new one. The
     follower forwarded both under one id: the earlier connection was never answered and its place among

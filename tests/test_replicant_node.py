@@ -666,3 +666,21 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
         assert [pending.detail["envelope"] for pending in node.pending.values()] == [[b"second"]]
     finally:
         _close_offline(node)
+
+
+def test_a_core_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path) -> None:
+    """The replicant relayed a stopping core's "stopping" (it did nothing with the request) as it was:
+    the client took it for the replicant's own shutdown, never asked it again in the call, and a client
+    of that one endpoint gave up at once instead of retrying (the replicant asks another core next)."""
+    from mnesite.replicant.node import Pending
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        stopping = messages.error("w-1", "stopping", "core core1 is shutting down")
+        node._on_answer(Pending("forward", "core1", 0, detail={"envelope": [b"client"]}), stopping)
+        node._on_answer(_linearizable_read_pending(node, "client-9"), messages.error("ri-1", "stopping", "gone"))
+        answers = _answers_to_the_client(node)
+        assert [(m.request_id, m.body.code) for m in answers] == [("w-1", "no_sequencer"), ("client-9", "no_sequencer")]
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
