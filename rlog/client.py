@@ -64,6 +64,10 @@ RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_app
 # ``outcome_unknown`` instead): asked again at once at the next endpoint, never at that node again in
 # this call (it is closing its socket); with no endpoint left, the call ends with this code.
 STOPPING_CODE = "stopping"
+# A read refused by a node that cannot serve its shard yet (a replicant bootstrapping, a core installing
+# a snapshot), maybe for minutes: asked again at once at the next endpoint, which may serve it; the call
+# ends with this code once every endpoint said so (or could not be reached).
+NOT_READY_CODE = "not_ready"
 # Answers a node gives before it looks at the request (its backlog or outstanding requests are full,
 # its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
 # of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
@@ -379,6 +383,8 @@ class Client:
         # Endpoints that refused a connection in this call, or answered that they are stopping: once
         # all did, the caller is told at once.
         unreachable: list[str] = []
+        # Endpoints that answered this read ``not_ready`` in this call.
+        not_ready: set[str] = set()
         while True:
             try:
                 socket = self._send(frame, min(deadline, time.monotonic() + timeout_ms / 1000))
@@ -431,6 +437,11 @@ class Client:
                     self._give_up(kind, message.request_id, unknown, reason, STOPPING_CODE, unknown_answer)
                 self._next_endpoint()
                 continue
+            if answer.kind == "error" and answer.body.code == NOT_READY_CODE and not is_write:
+                not_ready.add(self.endpoint)
+                if len(not_ready | set(unreachable)) < len(self.endpoints) and time.monotonic() < deadline:
+                    self._next_endpoint()  # a read: another node may serve its shard now
+                    continue
             if answer.kind == "error" and answer.body.code in RETRIABLE_CODES:
                 last_reason = answer.body.message
                 if answer.body.code == "outcome_unknown" and is_write:

@@ -418,12 +418,37 @@ def test_a_read_answered_outcome_unknown_moves_to_the_next_endpoint(thread_node:
     node = ScriptedNode([("outcome_unknown", "the turn that answered failed: disk I/O error")])
     try:
         with Client([node.endpoint, thread_node.endpoint], timeout_ms=1000, retries=1) as client:
-            started = time.monotonic()
             assert client.list_tables() == []
-            assert client.endpoint == thread_node.endpoint and time.monotonic() - started < 0.9
+            assert client.endpoint == thread_node.endpoint
         assert len(node.requests) == 1
     finally:
         node.close()
+
+
+def test_a_read_refused_not_ready_moves_to_the_next_endpoint(thread_node: ThreadNode) -> None:
+    # A replicant bootstrapping (or a core installing a snapshot) refuses reads of the shard with
+    # not_ready, for minutes maybe. A client of several endpoints raised it at once, though a read may
+    # be asked of any node and the next endpoint could answer: it asks the next one now, and raises
+    # not_ready only once every endpoint said so.
+    with thread_node.client(timeout_ms=2000) as writer:
+        writer.create_table("t", "id", [("id", "INTEGER")])
+        writer.put("t", {"id": 1})
+    bootstrapping = ScriptedNode([("not_ready", "replicant r1 cannot serve shard default yet (mode bootstrap)")])
+    try:
+        with Client([bootstrapping.endpoint, thread_node.endpoint], timeout_ms=2000, retries=1) as client:
+            assert client.get("t", 1) == {"id": 1} and client.endpoint == thread_node.endpoint
+        assert len(bootstrapping.requests) == 1
+    finally:
+        bootstrapping.close()
+    nodes = [ScriptedNode([("not_ready", f"replicant r{i} cannot serve shard default yet")]) for i in (1, 2)]
+    try:
+        endpoints = [node.endpoint for node in nodes]
+        with Client(endpoints, timeout_ms=2000, retries=1) as client, pytest.raises(RemoteError) as info:
+            client.get("t", 1)
+        assert info.value.code == "not_ready" and [len(node.requests) for node in nodes] == [1, 1]
+    finally:
+        for node in nodes:
+            node.close()
 
 
 def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
