@@ -93,6 +93,11 @@ NODE_KINDS = frozenset(
         "query_close",
     }
 )
+# A read that must see a key (``after_tx_key``, read-your-writes) asks the node to wait for it less than
+# an attempt's timeout, by a tenth of it and at most this: a replicant holds the read that long, then
+# answers ``timeout`` naming the key, and that answer must come while the client still listens, not
+# after it gave the attempt up as silent (it then said "did not answer", after every retry).
+READ_WAIT_MARGIN_MS_MAX = 500
 RETRY_BACKOFF_S_MIN = 0.02
 # Small enough that a client notices a new sequencer within 0.1 s of its election.
 RETRY_BACKOFF_S_MAX = 0.1
@@ -630,7 +635,7 @@ class Client:
             min_key = self.last_tx_key if min_key is None else max(min_key, self.last_tx_key)
         if min_key is not None:
             body["min_key"] = list(min_key)
-            body["wait_ms"] = self.timeout_ms
+            body["wait_ms"] = max(0, self.timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, self.timeout_ms // 10))
         return body
 
     def scan_page(
