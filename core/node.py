@@ -155,7 +155,15 @@ from mnesite.rlog.schema import (
     TableSchema,
     schema_ops_toward,
 )
-from mnesite.rlog.server import STOPPING, NodeServer, OverloadedError, RequestError, monotonic_ms, request_id_of
+from mnesite.rlog.server import (
+    STOPPING,
+    NodeServer,
+    OverloadedError,
+    RequestError,
+    monotonic_ms,
+    relayed,
+    request_id_of,
+)
 from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
 from mnesite.rlog.types import (
     ROW_OPS,
@@ -1612,6 +1620,7 @@ class CoreNode(NodeServer):
 
     def _relay(self, waiting: Any, answer: Message) -> None:
         """The sequencer's ``answer`` to a request this core forwarded, to whoever waits for it."""
+        answer = relayed(answer)
         if isinstance(waiting, QueryIndexAsk):
             self._query_index_answered(waiting, answer)
         elif isinstance(waiting, ForwardedRead):

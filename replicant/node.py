@@ -66,6 +66,7 @@ from mnesite.rlog.server import (
     RequestError,
     collector_paused,
     monotonic_ms,
+    relayed,
     request_id_of,
 )
 from mnesite.rlog.store import Store
@@ -426,6 +427,8 @@ class ReplicantNode(NodeServer):
             self._on_answer(pending, answer, len(frame))
 
     def _on_answer(self, pending: Pending, answer: Message, frame_bytes: int | None = None) -> None:
+        if pending.purpose in ("forward", "read_index"):
+            answer = relayed(answer)  # a client's request: the core's answer becomes this node's
         error = answer.body if answer.kind == "error" else None
         result = answer.body.result if answer.kind == "reply" else None
         if pending.purpose == "forward":

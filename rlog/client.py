@@ -19,8 +19,9 @@ write only once per id, while the sequencer's rlog holds the id's entry: not aft
 trimmed it, nor on a sequencer whose log a snapshot install emptied). A write that still has
 no definite answer raises ``OutcomeUnknown``: it may or may not have happened;
 ``error.request_id`` is the id to send it again with (``transact(..., request_id=...)``), which
-answers with its tx key if it did happen and applies it otherwise. A read or a write that was
-surely not applied raises ``Unavailable``.
+answers with its tx key if it did happen and applies it otherwise (a re-send that gets no definite
+answer is ``OutcomeUnknown`` again: the earlier attempt may have happened). A read or a write that
+was surely not applied raises ``Unavailable``.
 
 Read-your-writes across clients: pass the tx key a write returned as ``after_tx_key=`` to ``get``
 or ``scan``; the node answers once it has applied that key. A client object is not thread-safe;
@@ -63,6 +64,10 @@ RETRIABLE_CODES = frozenset({"no_sequencer", "outcome_unknown", "busy", "not_app
 # ``outcome_unknown`` instead): asked again at once at the next endpoint, never at that node again in
 # this call (it is closing its socket); with no endpoint left, the call ends with this code.
 STOPPING_CODE = "stopping"
+# A read refused by a node that cannot serve its shard yet (a replicant bootstrapping, a core installing
+# a snapshot), maybe for minutes: asked again at once at the next endpoint, which may serve it; the call
+# ends with this code once every endpoint said so (or could not be reached).
+NOT_READY_CODE = "not_ready"
 # Answers a node gives before it looks at the request (its backlog or outstanding requests are full,
 # its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
 # of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
@@ -88,6 +93,11 @@ NODE_KINDS = frozenset(
         "query_close",
     }
 )
+# A read that must see a key (``after_tx_key``, read-your-writes) asks the node to wait for it less than
+# an attempt's timeout, by a tenth of it and at most this: a replicant holds the read that long, then
+# answers ``timeout`` naming the key, and that answer must come while the client still listens, not
+# after it gave the attempt up as silent (it then said "did not answer", after every retry).
+READ_WAIT_MARGIN_MS_MAX = 500
 RETRY_BACKOFF_S_MIN = 0.02
 # Small enough that a client notices a new sequencer within 0.1 s of its election.
 RETRY_BACKOFF_S_MAX = 0.1
@@ -336,6 +346,10 @@ class Client:
         election, outcome unknown after a failover), re-sends the same request id, up to ``retries``
         more times for silence and until ``timeout_ms * (retries + 1)`` in all. ``timeout_ms`` and
         ``retries`` default to the client's.
+
+        ``request_id``: a write's given id is taken for an earlier attempt's (``OutcomeUnknown.request_id``),
+        which may have been applied: a call that gets no definite answer then ends in ``OutcomeUnknown``,
+        never in an error that says nothing was written (unreachable, refused unread, ``stopping``).
         """
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         retries = self.retries if retries is None else retries
@@ -367,9 +381,15 @@ class Client:
         # whatever ends the call later (the node gone, silent, stopping), the caller hears it first.
         unknown_answer: str | None = None
         is_write = kind in WRITE_KINDS
+        # A write sent again with an earlier attempt's id: that attempt may have been applied whatever
+        # becomes of this call's own attempts (which alone decide whether it may move to another endpoint:
+        # the sequencer applies an id at most once, whichever node it came through).
+        sent_before = is_write and request_id is not None
         # Endpoints that refused a connection in this call, or answered that they are stopping: once
         # all did, the caller is told at once.
         unreachable: list[str] = []
+        # Endpoints that answered this read ``not_ready`` in this call.
+        not_ready: set[str] = set()
         while True:
             try:
                 socket = self._send(frame, min(deadline, time.monotonic() + timeout_ms / 1000))
@@ -379,13 +399,14 @@ class Client:
                 tried_all = len(set(unreachable)) >= len(self.endpoints)
                 if tried_all or maybe_applied or time.monotonic() >= deadline:
                     reason = self._unreachable(error, tried_all)
-                    self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable", unknown_answer)
+                    unknown = maybe_applied or sent_before
+                    self._give_up(kind, message.request_id, unknown, reason, "unavailable", unknown_answer)
                 self._next_endpoint()
                 continue
             except Unauthenticated as error:
                 # The reconnection for a re-send failed its handshake (a key revoked meanwhile): that
                 # says nothing of an earlier attempt, which may have been applied.
-                if maybe_applied:
+                if maybe_applied or sent_before:
                     self._give_up(kind, message.request_id, True, str(error), error.code, unknown_answer)
                 raise
             try:
@@ -417,12 +438,20 @@ class Client:
                 if exhausted or maybe_applied:
                     # An earlier attempt of a write may have happened there: that stays its outcome.
                     reason = f"node {self.endpoint}: {answer.body.message}"
-                    self._give_up(kind, message.request_id, maybe_applied, reason, STOPPING_CODE, unknown_answer)
+                    unknown = maybe_applied or sent_before
+                    self._give_up(kind, message.request_id, unknown, reason, STOPPING_CODE, unknown_answer)
                 self._next_endpoint()
                 continue
+            if answer.kind == "error" and answer.body.code == NOT_READY_CODE and not is_write:
+                not_ready.add(self.endpoint)
+                if len(not_ready | set(unreachable)) < len(self.endpoints) and time.monotonic() < deadline:
+                    self._next_endpoint()  # a read: another node may serve its shard now
+                    continue
             if answer.kind == "error" and answer.body.code in RETRIABLE_CODES:
                 last_reason = answer.body.message
-                if answer.body.code == "outcome_unknown":
+                if answer.body.code == "outcome_unknown" and is_write:
+                    # A read told so (its node's turn failed, or a stop cut it short) changed nothing:
+                    # "not now", and any node may answer it.
                     maybe_applied = True
                     unknown_answer = unknown_answer or f"node {self.endpoint}: {last_reason}"
                 if time.monotonic() + backoff_s < deadline:
@@ -432,11 +461,12 @@ class Client:
                         self._next_endpoint()  # nothing happened there: another node may do better
                     continue
                 reason = f"node {self.endpoint}: {last_reason}"
-                self._give_up(kind, message.request_id, maybe_applied, reason, answer.body.code, unknown_answer)
+                unknown = maybe_applied or sent_before
+                self._give_up(kind, message.request_id, unknown, reason, answer.body.code, unknown_answer)
             break
         if answer.kind == "error":
             code = answer.body.code
-            if code in REFUSED_UNREAD_CODES and maybe_applied:
+            if code in REFUSED_UNREAD_CODES and (maybe_applied or sent_before):
                 # This attempt was refused unread, but an earlier one may have happened: the caller
                 # must not take the refusal for "nothing was written".
                 reason = f"node {self.endpoint}: {answer.body.message}"
@@ -605,7 +635,7 @@ class Client:
             min_key = self.last_tx_key if min_key is None else max(min_key, self.last_tx_key)
         if min_key is not None:
             body["min_key"] = list(min_key)
-            body["wait_ms"] = self.timeout_ms
+            body["wait_ms"] = max(0, self.timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, self.timeout_ms // 10))
         return body
 
     def scan_page(

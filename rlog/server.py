@@ -189,6 +189,18 @@ def request_id_of(frame: bytes) -> str:
     return "?"
 
 
+def relayed(answer: Message) -> Message:
+    """The answer of the node a request was forwarded to (a core's sequencer, a replicant's core), as
+    this node's own answer to its client. ``stopping`` there says that *upstream* node is going away
+    and did nothing with the request; a client takes ``stopping`` for the node it asked (it never asks
+    it again in the call, and gives up at once with no other endpoint): relayed, it is
+    ``no_sequencer``, which the client retries while another sequencer is elected or chosen."""
+    if answer.kind == "error" and answer.body.code == STOPPING:
+        upstream = f"the node it was forwarded to is shutting down and did nothing with it: {answer.body.message}"
+        return messages.error(answer.request_id, "no_sequencer", upstream, answer.body.detail)
+    return answer
+
+
 class NodeServer:
     """Sockets, the per-turn transaction and the outbox; subclasses implement ``run_turn``."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import socket as socket_module
 import threading
 import time
 
@@ -284,6 +285,36 @@ def test_a_write_whose_resend_is_refused_unread_after_a_silent_attempt_is_outcom
         node.close()
 
 
+@pytest.mark.parametrize("code", ["overloaded", "disk_full", "forbidden", "stopping", "no_sequencer"])
+def test_a_resend_with_an_earlier_attempt_s_id_that_gets_no_definite_answer_is_outcome_unknown(code: str) -> None:
+    # transact(request_id=error.request_id) re-sends a write whose outcome was unknown: it may have been
+    # applied already. A re-send refused unread (a full backlog or disk, a revoked key), answered
+    # "stopping" by the last endpoint, or told "not now" until the deadline says nothing of that earlier
+    # attempt. The call raised RemoteError or Unavailable, which the caller takes for "not written".
+    node = ScriptedNode([(code, f"refused: {code}")] * 20)
+    try:
+        with Client(node.endpoint, timeout_ms=100, retries=1) as client, pytest.raises(OutcomeUnknown) as info:
+            client.transact([{"op": "write", "table": "users", "row": {"id": 1}}], request_id="earlier-attempt")
+        assert code in str(info.value) and info.value.request_id == "earlier-attempt"
+        assert set(node.requests) == {"earlier-attempt"}
+    finally:
+        node.close()
+
+
+def test_a_resend_with_an_earlier_attempt_s_id_to_a_node_now_unreachable_is_outcome_unknown() -> None:
+    # No connection completes: this attempt surely did not happen, but the earlier one may have.
+    with socket_module.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"  # bound, never listening: refused
+        with Client(endpoint, timeout_ms=2000, retries=1) as client, pytest.raises(OutcomeUnknown) as info:
+            client.transact([{"op": "write", "table": "users", "row": {"id": 1}}], request_id="earlier-attempt")
+        # A read surely changed nothing: unreachable stays Unavailable.
+        with Client(endpoint, timeout_ms=2000, retries=1) as client, pytest.raises(Unavailable) as read_error:
+            client.get("users", 1)
+    assert "unreachable" in str(info.value) and info.value.request_id == "earlier-attempt"
+    assert not isinstance(read_error.value, OutcomeUnknown)
+
+
 def test_a_write_whose_reconnection_is_refused_after_a_silent_attempt_is_outcome_unknown() -> None:
     # The first attempt went out over an authenticated connection and got no answer; the client's
     # reconnection for the re-send fails its handshake (the key was revoked meanwhile). That says
@@ -377,6 +408,47 @@ def test_a_request_about_one_node_s_own_state_never_fails_over_to_another(
         assert client.members()["node"] == "core1" and client.endpoint == thread_node.endpoint
     with thread_node.client() as client:
         assert client.journal()["node"] == client.status()["node"] == "core1"
+
+
+def test_a_read_answered_outcome_unknown_moves_to_the_next_endpoint(thread_node: ThreadNode) -> None:
+    # A node answers outcome_unknown to whatever a turn that failed had answered (abandon_turn), or
+    # that a stop cut short (answer_at_stop), reads too. A read changes nothing: it may be asked of
+    # any node. It was pinned to that node for the rest of the call, as a write that may have
+    # happened is, and ended in Unavailable while the next endpoint could answer it.
+    node = ScriptedNode([("outcome_unknown", "the turn that answered failed: disk I/O error")])
+    try:
+        with Client([node.endpoint, thread_node.endpoint], timeout_ms=1000, retries=1) as client:
+            assert client.list_tables() == []
+            assert client.endpoint == thread_node.endpoint
+        assert len(node.requests) == 1
+    finally:
+        node.close()
+
+
+def test_a_read_refused_not_ready_moves_to_the_next_endpoint(thread_node: ThreadNode) -> None:
+    # A replicant bootstrapping (or a core installing a snapshot) refuses reads of the shard with
+    # not_ready, for minutes maybe. A client of several endpoints raised it at once, though a read may
+    # be asked of any node and the next endpoint could answer: it asks the next one now, and raises
+    # not_ready only once every endpoint said so.
+    with thread_node.client(timeout_ms=2000) as writer:
+        writer.create_table("t", "id", [("id", "INTEGER")])
+        writer.put("t", {"id": 1})
+    bootstrapping = ScriptedNode([("not_ready", "replicant r1 cannot serve shard default yet (mode bootstrap)")])
+    try:
+        with Client([bootstrapping.endpoint, thread_node.endpoint], timeout_ms=2000, retries=1) as client:
+            assert client.get("t", 1) == {"id": 1} and client.endpoint == thread_node.endpoint
+        assert len(bootstrapping.requests) == 1
+    finally:
+        bootstrapping.close()
+    nodes = [ScriptedNode([("not_ready", f"replicant r{i} cannot serve shard default yet")]) for i in (1, 2)]
+    try:
+        endpoints = [node.endpoint for node in nodes]
+        with Client(endpoints, timeout_ms=2000, retries=1) as client, pytest.raises(RemoteError) as info:
+            client.get("t", 1)
+        assert info.value.code == "not_ready" and [len(node.requests) for node in nodes] == [1, 1]
+    finally:
+        for node in nodes:
+            node.close()
 
 
 def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
@@ -490,6 +562,30 @@ def test_a_forwarded_request_that_expires_is_outcome_unknown_only_for_a_write(
     node._relay(waiting, messages.reply("r-2", {"committed": [1, 2]}))
     answers = [m for _s, to, m in node._outbox if to == envelope]
     assert [(m.request_id, m.kind, m.body.result) for m in answers] == [("r-2", "reply", {"committed": [1, 2]})]
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}),
+        ("get", {"table": "t", "key": 1, "consistency": "linearizable"}),
+    ],
+)
+def test_a_sequencer_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path, kind: str, body: dict) -> None:
+    """A follower relayed the stopping sequencer's "stopping" (it did nothing with the request) as it
+    was. The client takes "stopping" for the node it asked: it never asked that follower again in the
+    call, and a client of that one endpoint gave up at once (Unavailable) instead of retrying while a
+    new sequencer was elected (a rolling restart). It is "no_sequencer" now, which the client retries."""
+    thread_node = ThreadNode(tmp_path / "data")
+    thread_node.stop()  # its driver called directly: no thread may touch the node meanwhile
+    node = thread_node.node
+    node._outbox.clear()
+    node._forward([b"client"], Message(kind, "r-1", messages.typed_body(kind, body)), "default", "core2")
+    node._relay(node.forwarded.answered("r-1"), messages.error("r-1", "stopping", "core core2 is shutting down"))
+    answers = [m for _s, to, m in node._outbox if to == [b"client"]]
+    assert [(m.request_id, m.body.code) for m in answers] == [("r-1", "no_sequencer")]
+    assert "core core2 is shutting down" in answers[0].body.message
+    assert b"client" not in node.outstanding
 
 
 def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connections_place(tmp_path) -> None:

@@ -732,3 +732,77 @@ def test_status_says_the_digest_is_unknown_while_a_bootstrap_has_reset_the_shard
         assert node.status()["shards"]["default"]["digest"] is None
     finally:
         _close_offline(node)
+
+
+def test_a_core_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path) -> None:
+    """The replicant relayed a stopping core's "stopping" (it did nothing with the request) as it was:
+    the client took it for the replicant's own shutdown, never asked it again in the call, and a client
+    of that one endpoint gave up at once instead of retrying (the replicant asks another core next)."""
+    from mnesite.replicant.node import Pending
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        stopping = messages.error("w-1", "stopping", "core core1 is shutting down")
+        node._on_answer(Pending("forward", "core1", 0, detail={"envelope": [b"client"]}), stopping)
+        node._on_answer(_linearizable_read_pending(node, "client-9"), messages.error("ri-1", "stopping", "gone"))
+        answers = _answers_to_the_client(node)
+        assert [(m.request_id, m.body.code) for m in answers] == [("w-1", "no_sequencer"), ("client-9", "no_sequencer")]
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_read_waiting_for_a_key_the_replicant_never_reaches_gets_its_timeout_answer(tmp_path) -> None:
+    """A replicant holds a read that must see a key (``after_tx_key``, read-your-writes) for the
+    ``wait_ms`` it carries, then answers ``timeout`` naming the key. The client asked for a wait as long
+    as its own attempt's timeout: that answer always came after the client had given the attempt up as
+    silent; it re-sent the read and, after every retry, said the node "did not answer" (3x the timeout
+    by default). It now asks for a shorter wait and hears the replicant's answer."""
+    import threading
+
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.rlog.client import Client, MnesiteError, RemoteError, Unavailable
+    from mnesite.rlog.config import parse_config
+
+    from tests.conftest import ThreadNode, free_port, wait_until
+
+    core = ThreadNode(tmp_path / "core")
+    replicant = None
+    thread = None
+    try:
+        with core.client(timeout_ms=3000) as writer:
+            writer.create_table("t", "id", [("id", "INTEGER")])
+            writer.put("t", {"id": 1})
+        port = free_port()
+        replicant = ReplicantNode(
+            parse_config(
+                {
+                    "node": {"name": "replicant1", "role": "replicant", "data_dir": str(tmp_path / "r"),
+                             "listen": f"tcp://127.0.0.1:{port}"},
+                    "cluster": {"core_nodes": {"core1": core.endpoint}},
+                    "storage": {"synchronous": "NORMAL"},
+                }
+            )
+        )  # fmt: skip
+        replicant.bind()
+        thread = threading.Thread(target=replicant.serve_forever, daemon=True)
+        thread.start()
+        with Client(f"tcp://127.0.0.1:{port}", timeout_ms=1000, retries=1) as client:
+
+            def serves() -> bool:
+                try:
+                    return client.get("t", 1) == {"id": 1}
+                except MnesiteError:  # unknown_table, not_ready: not copied yet
+                    return False
+
+            wait_until(serves, 15, "the replicant to serve table t")
+            with pytest.raises(RemoteError) as info:
+                client.get("t", 1, after_tx_key=TxKey(99, 1))
+            assert not isinstance(info.value, Unavailable), info.value
+            assert info.value.code == "timeout" and "(99, 1)" in str(info.value).replace("[99, 1]", "(99, 1)")
+    finally:
+        if thread is not None and replicant is not None:
+            replicant.request_stop("the test ended")
+            thread.join(timeout=10)
+        core.stop()
