@@ -109,6 +109,7 @@ from mnesite.core.outcome import (
 )
 from mnesite.core.recovery import (
     reached_generations,
+    reached_last_keys,
     recovered_generations,
     recovered_members,
     recovered_vote_floors,
@@ -1808,7 +1809,9 @@ class CoreNode(NodeServer):
         refusals: dict[str, str] = {}
         for driver in self.shards.values():
             reached = reached_generations(journals, driver.shard)
-            effects = self._step(driver, ForceStartRequested(reached, rows_lost=driver.shard in self.rows_lost))
+            last_keys = reached_last_keys(journals, driver.shard)
+            request = ForceStartRequested(reached, last_keys, rows_lost=driver.shard in self.rows_lost)
+            effects = self._step(driver, request)
             for effect in effects:
                 if isinstance(effect, ForceStartRefused):
                     refusals[driver.shard] = effect.reason
