@@ -1007,8 +1007,17 @@ class ShardConsensus:
                 self._tell_commit()
             self._check_learner()
             return
-        if self._now_ms >= self._election_deadline_ms and self.voter:
+        if self._now_ms < self._election_deadline_ms:
+            return
+        if self.voter:
             self._pre_vote()
+        elif self._sequencer is not None:
+            # A core outside the membership (a learner, a removed core) never campaigns, so it never
+            # reaches the pre-vote where a voter forgets a sequencer it no longer hears. It forgets it
+            # here: its replicants (``follows_sequencer``) and forwarded writes must not count on a
+            # sequencer that stopped replicating to it (a learner refused, or its sequencer deposed).
+            self._set_role(Role.FOLLOWER, None)
+            self._reset_election_deadline()
 
     def _answering(self, progress: _Progress) -> bool:
         """Whether a follower with appends in flight acknowledged entries within the last heartbeat
