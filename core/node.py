@@ -1825,10 +1825,20 @@ class CoreNode(NodeServer):
                     "committed": list(driver.consensus.committed_key),
                 }
         if refusals:
+            # Each shard's machine decides for itself: the shards it forced are forced for good, and
+            # the operator must hear so, not only that others refused.
+            forced = "".join(
+                f"; FORCED shard {shard} (generation {info['generation']}, members {', '.join(info['members'])}, "
+                f"left out {', '.join(info['left_out']) or 'nobody'})"
+                for shard, info in sorted(result.items())
+            )
+            if forced:
+                log.warning("FORCE START by operator, in part: %s; refused: %s", result, refusals)
             raise RequestError(
                 "force_start_refused",
                 f"force-start refused: {self.config.name} reached {', '.join(reached_names) or 'no other core'}; "
-                + "; ".join(f"shard {shard}: {reason}" for shard, reason in sorted(refusals.items())),
+                + "; ".join(f"shard {shard}: {reason}" for shard, reason in sorted(refusals.items()))
+                + forced,
                 {"reached": reached_names, "refused": refusals, "forced": result},
             )
         left_out = [m for m in self.members if m != self.config.name and m not in journals]
