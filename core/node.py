@@ -1849,9 +1849,11 @@ class CoreNode(NodeServer):
             else "nothing: every member answered"
         )
         log.warning("FORCE START by operator: %s; may lose: %s", result, may_lose)
+        # The members kept (a core reached may be no member: a removed core still answers the probe).
+        kept = sorted({self.config.name}.union(*(info["members"] for info in result.values())))
         return {
             "node": self.config.name,
-            "members": [self.config.name, *reached_names],
+            "members": kept,
             "reached": reached_names,
             "left_out": left_out,
             "may_lose": may_lose,

@@ -704,3 +704,19 @@ def test_a_force_start_refused_in_one_shard_says_which_shards_it_forced(tmp_path
         message = str(refused.value)
         assert "shard other: " in message and "half copied" in message
         assert "FORCED shard default (generation 1, members core1" in message
+
+
+@pytest.mark.timeout(60)
+def test_a_force_start_reports_as_members_only_the_members_it_kept(tmp_path, monkeypatch) -> None:
+    """The probe asks every core whose endpoint this core knows, and endpoints are never forgotten: a
+    removed core still running answers it. The machine keeps only members; the answer (``members``,
+    what the CLI prints after FORCE-STARTED) named every core that answered."""
+    from tests.conftest import follower_by_hand
+
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        removed = {"shards": {"default": {"generation": 0, "last": [0, 0]}}}
+        monkeypatch.setattr(node, "probe_peers", lambda timeout_ms: {"core9": removed})
+        result = node.force_start()
+        assert driver.consensus.members == ("core1",)
+        assert result["members"] == ["core1"] and result["shards"]["default"]["members"] == ["core1"]
+        assert result["left_out"] == ["core2", "core3"] and result["reached"] == ["core9"]
