@@ -1110,14 +1110,18 @@ def force_start_losses(node: str, journals: dict[str, dict | None]) -> list[str]
     for shard in shards:
         age = own["shards"].get(shard)
         last = tuple(age["last"]) if age else (0, 0)
-        ahead = [
-            f"{name} {tuple(answer['shards'][shard]['last'])}"
+        ahead = {
+            name: tuple(answer["shards"][shard]["last"])
             for name, answer in sorted(journals.items())
             if answer and name != node and shard in answer["shards"] and tuple(answer["shards"][shard]["last"]) > last
-        ]
+        }
         line = f"{shard}: {node} has the log up to {last}"
         if ahead:
-            line += f"; reachable cores hold more: {', '.join(ahead)} (their entries after {last} would be dropped)"
+            # The core refuses then (ShardConsensus._force_start): its entries after `last` would be replaced.
+            held = ", ".join(f"{name} {key}" for name, key in ahead.items())
+            line += (
+                f"; reachable cores hold more: {held} (refused here: force-start {max(ahead, key=ahead.get)} instead)"
+            )
         if unreachable:
             line += f"; anything {', '.join(unreachable)} committed after {last} would be lost"
         if not ahead and not unreachable:
@@ -1215,7 +1219,8 @@ def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
     generation, when a majority of cores is gone for good. Needs the admin role.
 
     The core first asks every member for its journal; it refuses while a majority answers (an
-    election will choose a sequencer without losing anything) and says which members it reached.
+    election will choose a sequencer without losing anything) and says which members it reached,
+    and while a member it reached holds more of a shard's log (force-start that member instead).
 
     \b
     What may be lost: writes that the lost majority committed but this core never received, and the

@@ -93,8 +93,10 @@ and executes the effects it returns.
   The driver first asks every member for its generation; the members that answered are *reached*.
   A force start is refused (``ForceStartRefused``) while this core reaches a majority of the current
   members: then an election can pick a sequencer and nothing needs to be lost, and forcing would
-  leave out cores that are alive. The forced generation is above every generation a reached member
-  has seen, so every reached member follows the forced sequencer. A core that hears from a core
+  leave out cores that are alive, and while a reached member's log is ahead of this core's (its
+  last key is later: forcing it instead loses nothing that forcing this core would keep). The forced
+  generation is above every generation a reached member has seen, so every reached member follows
+  the forced sequencer. A core that hears from a core
   outside its (reduced) membership answers with an ``ExclusionNotice`` (at most once per
   ``EXCLUSION_NOTICE_INTERVAL_MS`` per core); a core told that a forced membership left it out steps
   down, fails its pending writes, and stops taking part.
@@ -419,11 +421,14 @@ class ForceStartRequested:
 
     ``reached``: (member, highest generation it has seen) for every other core that answered the
     driver's probe just now. Cores that did not answer are left out of the new membership.
+    ``last_keys``: (member, last key of its log) for those of them whose answer says it: a forced
+    start is refused while one of them holds more of the log (see ``_force_start``).
     ``rows_lost``: the driver's word that this core's rows of the shard are half copied by an
     abandoned snapshot install (``core.snapshot``, "Re-offer"): refused, see ``_force_start``.
     """
 
     reached: tuple[tuple[str, int], ...]
+    last_keys: tuple[tuple[str, TxKey], ...] = ()
     rows_lost: bool = False
 
 
@@ -904,7 +909,7 @@ class ShardConsensus:
         elif isinstance(event, SnapshotRequested):
             self._on_snapshot_requested(event.follower)
         elif isinstance(event, ForceStartRequested):
-            self._force_start(event.reached, event.rows_lost)
+            self._force_start(event.reached, event.last_keys, event.rows_lost)
         elif isinstance(event, MembershipChangeRequested):
             self._on_membership_change(event)
         else:
@@ -1002,8 +1007,17 @@ class ShardConsensus:
                 self._tell_commit()
             self._check_learner()
             return
-        if self._now_ms >= self._election_deadline_ms and self.voter:
+        if self._now_ms < self._election_deadline_ms:
+            return
+        if self.voter:
             self._pre_vote()
+        elif self._sequencer is not None:
+            # A core outside the membership (a learner, a removed core) never campaigns, so it never
+            # reaches the pre-vote where a voter forgets a sequencer it no longer hears. It forgets it
+            # here: its replicants (``follows_sequencer``) and forwarded writes must not count on a
+            # sequencer that stopped replicating to it (a learner refused, or its sequencer deposed).
+            self._set_role(Role.FOLLOWER, None)
+            self._reset_election_deadline()
 
     def _answering(self, progress: _Progress) -> bool:
         """Whether a follower with appends in flight acknowledged entries within the last heartbeat
@@ -1175,14 +1189,26 @@ class ShardConsensus:
             self._out.append(ProposalRejected(self._learner.request_id, REJECT_NOT_SEQUENCER, None))
             self._learner = None
 
-    def _force_start(self, reached: tuple[tuple[str, int], ...], rows_lost: bool = False) -> None:
+    def _force_start(
+        self,
+        reached: tuple[tuple[str, int], ...],
+        last_keys: tuple[tuple[str, TxKey], ...] = (),
+        rows_lost: bool = False,
+    ) -> None:
         """Become sequencer of a new generation with the members reached, loudly; refuse if a
-        majority was reached (an election can do the job without losing anything).
+        majority was reached (an election can do the job without losing anything), or if a member
+        reached holds more of the log than this core (forcing that member loses less).
 
-        What may be lost: entries that the old majority committed (and acknowledged) but this core
-        never received; they are gone for good. Entries in this core's uncommitted tail become
+        What may be lost: entries that the old majority committed (and acknowledged) but no core
+        reached holds; they are gone for good. Entries in this core's uncommitted tail become
         committed, even if their clients were told the outcome was unknown. Members left out are
         ignored from now on and must be rebuilt from scratch before they rejoin.
+
+        Why a member ahead refuses it: its last key is past ours by the election's up-to-date rule
+        (``_candidate_log_is_up_to_date``), so its log holds every entry committed that ours holds,
+        and entries that ours lacks may be committed (a lost majority acknowledged them). Forced here,
+        the new generation would replace them: that member's committed ones stop the shard on it
+        (``ConsensusInvariantError``), and a forced set that needs its answers commits nothing.
         """
         generations = {name: generation for name, generation in reached if name in self._members}
         generations.pop(self.name, None)
@@ -1200,6 +1226,15 @@ class ShardConsensus:
                     self._members,
                 )
             )
+            return
+        ahead = sorted((key, name) for name, key in last_keys if name in generations and key > self._last_key)
+        if ahead:
+            key, name = ahead[-1]
+            reason = (
+                f"{name} holds the log up to {key}, {self.name} only up to {self._last_key}: force-start "
+                f"{name} instead (forced here, the entries after {self._last_key} would be replaced)"
+            )
+            self._out.append(ForceStartRefused(reason, new_members, self._members))
             return
         if rows_lost:
             # A sequencer executes transactions and evaluates guards against its rows: half-copied

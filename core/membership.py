@@ -25,8 +25,11 @@ election must hear. That argument holds only between two ADJACENT sets, hence th
 A core to be added first catches up as a *learner*: the sequencer replicates to it (through the
 snapshot path if its log is behind the retained entries) without counting it in any quorum; only
 when it holds the sequencer's committed key is the add entry appended. So a slow new core never
-stalls commits. A core removed stops voting when it persists the entry; a sequencer that removed
-itself keeps serving without counting itself until the entry commits, then steps down.
+stalls commits. A core outside the membership that hears no sequencer for an election timeout
+follows none (``ShardConsensus.follows_sequencer``), as a voter does from its pre-vote on: its
+replicants move away from its stale log. A core removed stops voting when it persists the entry;
+a sequencer that removed itself keeps serving without counting itself until the entry commits,
+then steps down.
 
 Membership is per shard, like everything the consensus decides: each shard's quorums come from its
 own log, which is what keeps them consistent. The cluster-wide change (``cluster add-core``) is the

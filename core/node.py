@@ -108,6 +108,7 @@ from mnesite.core.outcome import (
 )
 from mnesite.core.recovery import (
     reached_generations,
+    reached_last_keys,
     recovered_generations,
     recovered_members,
     recovered_vote_floors,
@@ -1816,7 +1817,9 @@ class CoreNode(NodeServer):
         refusals: dict[str, str] = {}
         for driver in self.shards.values():
             reached = reached_generations(journals, driver.shard)
-            effects = self._step(driver, ForceStartRequested(reached, rows_lost=driver.shard in self.rows_lost))
+            last_keys = reached_last_keys(journals, driver.shard)
+            request = ForceStartRequested(reached, last_keys, rows_lost=driver.shard in self.rows_lost)
+            effects = self._step(driver, request)
             for effect in effects:
                 if isinstance(effect, ForceStartRefused):
                     refusals[driver.shard] = effect.reason
@@ -1830,10 +1833,20 @@ class CoreNode(NodeServer):
                     "committed": list(driver.consensus.committed_key),
                 }
         if refusals:
+            # Each shard's machine decides for itself: the shards it forced are forced for good, and
+            # the operator must hear so, not only that others refused.
+            forced = "".join(
+                f"; FORCED shard {shard} (generation {info['generation']}, members {', '.join(info['members'])}, "
+                f"left out {', '.join(info['left_out']) or 'nobody'})"
+                for shard, info in sorted(result.items())
+            )
+            if forced:
+                log.warning("FORCE START by operator, in part: %s; refused: %s", result, refusals)
             raise RequestError(
                 "force_start_refused",
                 f"force-start refused: {self.config.name} reached {', '.join(reached_names) or 'no other core'}; "
-                + "; ".join(f"shard {shard}: {reason}" for shard, reason in sorted(refusals.items())),
+                + "; ".join(f"shard {shard}: {reason}" for shard, reason in sorted(refusals.items()))
+                + forced,
                 {"reached": reached_names, "refused": refusals, "forced": result},
             )
         left_out = [m for m in self.members if m != self.config.name and m not in journals]
@@ -1844,9 +1857,11 @@ class CoreNode(NodeServer):
             else "nothing: every member answered"
         )
         log.warning("FORCE START by operator: %s; may lose: %s", result, may_lose)
+        # The members kept (a core reached may be no member: a removed core still answers the probe).
+        kept = sorted({self.config.name}.union(*(info["members"] for info in result.values())))
         return {
             "node": self.config.name,
-            "members": [self.config.name, *reached_names],
+            "members": kept,
             "reached": reached_names,
             "left_out": left_out,
             "may_lose": may_lose,

@@ -34,8 +34,9 @@ committed and last keys) in two situations, and only asks: the decisions are her
   with the membership its peers report, not its config's ``core_nodes``. ``recovered_members``
   takes, per shard, the members the answer with the highest generation reports, and as the
   cluster's membership the one of the highest generation overall; a malformed list is ignored.
-* A forced start (``ShardConsensus`` decides): ``reached_generations`` turns the answers into the
-  ``(peer, generation)`` pairs of its ``ForceStartRequested`` event.
+* A forced start (``ShardConsensus`` decides): ``reached_generations`` and ``reached_last_keys``
+  turn the answers into the ``(peer, generation)`` and ``(peer, last key)`` pairs of its
+  ``ForceStartRequested`` event.
 
 A peer's answer is untrusted input like any other frame. ``well_formed_answers`` keeps only the
 answers that state every generation as an integer in [0, ``GENERATION_MAX``], the bound a consensus
@@ -168,6 +169,19 @@ def recovery_shortfall(answers: Mapping[str, Any], members: tuple[str, ...], nam
 def reached_generations(answers: Mapping[str, Any], shard: str) -> tuple[tuple[str, int], ...]:
     """The ``(peer, generation)`` pairs a forced start of ``shard`` is told, peers in name order."""
     return tuple((peer, journal_generation(journal, shard)) for peer, journal in sorted(answers.items()))
+
+
+def reached_last_keys(answers: Mapping[str, Any], shard: str) -> tuple[tuple[str, TxKey], ...]:
+    """The ``(peer, last log key)`` pairs a forced start of ``shard`` is told, peers in name order:
+    only the peers whose answer gives a well-formed last key for the shard (one that does not
+    holds nothing there that the forced start could weigh)."""
+    keys = []
+    for peer, journal in sorted(well_formed_answers(answers).items()):
+        age = journal["shards"].get(shard)
+        key = journal_key(age.get("last")) if isinstance(age, dict) else None
+        if key is not None:
+            keys.append((peer, key))
+    return tuple(keys)
 
 
 def answer_members(value: Any) -> tuple[str, ...] | None:

@@ -463,7 +463,7 @@ def test_force_start_without_yes_says_what_this_core_may_lose() -> None:
     lines = force_start_losses("core3", {"core1": None, "core2": age((4, 9)), "core3": age((4, 7))})
     assert lines == [
         "default: core3 has the log up to (4, 7); reachable cores hold more: core2 (4, 9) "
-        "(their entries after (4, 7) would be dropped); anything core1 committed after (4, 7) would be lost"
+        "(refused here: force-start core2 instead); anything core1 committed after (4, 7) would be lost"
     ]
     assert force_start_losses("core1", {"core1": {"shards": {}}}) == ["core1 holds no shard yet: nothing to lose"]
 

@@ -881,6 +881,41 @@ def test_force_start_is_refused_while_a_majority_of_members_is_reached(reached):
     assert harness.machine.generation == generation and harness.machine.members == MEMBERS
 
 
+def test_force_start_is_refused_while_a_reached_member_holds_more_of_the_log():
+    """Five cores: b, c and d committed (1, 2) and (1, 3) while a was cut off; then c, d and e are
+    lost for good. Forced at a, the new generation would be built on a log that lacks those
+    acknowledged entries although b, reached, holds them: b could not follow it (its committed
+    entries would be replaced: ``ConsensusInvariantError`` stops the shard there) and the forced pair
+    {a, b} could then commit nothing. Forcing b instead loses nothing that forcing a would keep."""
+    entries = chain([TxKey(1, 1), TxKey(1, 2), TxKey(1, 3)])
+    state = PersistedState(1, None, FIVE)
+    a = Harness(members=FIVE, entries=entries[:1], state=state, committed_key=TxKey(1, 1))
+    effects = a.step(ForceStartRequested((("b", 1),), last_keys=(("b", TxKey(1, 3)),)))
+    [refused] = of_type(effects, ForceStartRefused)
+    assert "b holds the log up to (1, 3)" in refused.reason and "force-start b" in refused.reason
+    assert effects == [refused]  # nothing persisted, nothing sent
+    assert a.machine.generation == 1 and a.machine.members == FIVE and a.machine.role is Role.FOLLOWER
+    # A longer log of an earlier generation is not ahead (the up-to-date rule of an election): a
+    # core whose last entry is of a later generation holds every entry committed before it.
+    later = Harness(
+        members=FIVE, entries=[entries[0], *chain([TxKey(2, 1)], entries[0])], state=PersistedState(2, None, FIVE)
+    )
+    effects = later.step(ForceStartRequested((("b", 1),), last_keys=(("b", TxKey(1, 3)),)))
+    assert of_type(effects, ForceStarted)
+    # b, the most advanced, is forced and a follows it: every entry is kept.
+    b = Harness(name="b", members=FIVE, entries=entries, state=state, committed_key=TxKey(1, 3))
+    effects = b.step(ForceStartRequested((("a", 1), ("z", 1)), last_keys=(("a", TxKey(1, 1)), ("z", TxKey(9, 9)))))
+    [forced] = of_type(effects, ForceStarted)
+    assert forced.members == ("a", "b") and forced.last_key == TxKey(1, 3)
+    requests = sends(effects, AppendRequest)
+    assert [to for to, _ in requests] == ["a"]
+    for _ in range(3):  # a lacks (1, 2): it says so, and b resends from where a stands
+        replies = [reply for _, request in requests for reply in sends(a.receive("b", request), AppendReply)]
+        requests = [sent for _, reply in replies for sent in sends(b.receive("a", reply), AppendRequest)]
+    assert a.machine.last_key == b.machine.committed_key == TxKey(2, 1)
+    assert [entry.tx_key for entry in a.log.entries] == [TxKey(1, 1), TxKey(1, 2), TxKey(1, 3), TxKey(2, 1)]
+
+
 def test_force_start_is_refused_when_its_generation_would_pass_the_largest():
     """A reached peer's journal may report ``GENERATION_MAX`` (hostile, or a long-lived bug): a forced
     generation above it would be persisted, and the next campaign's would overflow the node's store."""

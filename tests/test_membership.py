@@ -28,6 +28,7 @@ from mnesite.core.consensus import (
     ProposalRejected,
     Proposed,
     Role,
+    RoleChanged,
     ShardConsensus,
     Ticked,
     TruncateLog,
@@ -197,6 +198,35 @@ def test_a_follower_uses_an_uncommitted_membership_entry_and_drops_it_with_a_tru
     (other,) = chain([TxKey(2, 1)], first)
     follower.receive("c", AppendRequest(2, first.tx_key, first.digest, first.tx_key, ("a", "b", "c"), (other,)))
     assert follower.machine.members == ("a", "b", "c")
+
+
+def test_a_core_outside_the_membership_forgets_a_sequencer_it_no_longer_hears():
+    """A learner (here: one whose add was refused with ``catch_up_timeout``, or whose sequencer was
+    deposed) never campaigns, so it never reached the pre-vote where a voter forgets a sequencer it
+    no longer hears: it went on saying it follows one (what its journal and agents tell replicants,
+    ``follows_sequencer``) and forwarding writes there, however stale its log grew."""
+    learner = Harness(name="d")
+    (first,) = chain([TxKey(1, 1)])
+    learner.receive("a", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, first.tx_key, ("a", "b", "c"), (first,)), 10)
+    assert not learner.machine.voter and learner.machine.sequencer == "a" and learner.machine.follows_sequencer
+    # Heartbeats keep it following...
+    now = 10
+    for _ in range(20):
+        now += CONFIG.heartbeat_interval_ms
+        beat = AppendRequest(1, first.tx_key, first.digest, first.tx_key, ("a", "b", "c"), ())
+        learner.receive("a", beat, now)
+        assert learner.step(Ticked(), now) == [] and learner.machine.follows_sequencer
+    # ...until the sequencer stops replicating to it: after an election timeout it follows nobody,
+    # and still never campaigns.
+    effects = learner.step(Ticked(), now + CONFIG.election_timeout_ms_max)
+    assert of_type(effects, RoleChanged) == [RoleChanged(Role.FOLLOWER, 1, None)]
+    assert learner.machine.sequencer is None and not learner.machine.follows_sequencer
+    assert not sends(effects, PreVoteRequest) and learner.machine.generation == 1
+    later = learner.step(Ticked(), now + 10 * CONFIG.election_timeout_ms_max)
+    assert not sends(later, PreVoteRequest) and not of_type(later, RoleChanged)
+    # Heard again (added after all): it follows at once.
+    learner.receive("a", beat, now + 10 * CONFIG.election_timeout_ms_max)
+    assert learner.machine.sequencer == "a" and learner.machine.follows_sequencer
 
 
 def test_a_restarted_core_reads_its_membership_from_the_log():

@@ -775,3 +775,44 @@ def test_a_count_runs_on_a_query_worker_or_on_the_loop_for_a_table_not_committed
         assert node.queries.statistics()["queries"] == 1
     finally:
         node.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_force_start_refused_in_one_shard_says_which_shards_it_forced(tmp_path, monkeypatch) -> None:
+    """Each shard's machine decides for itself: one may be forced while another refuses (its rows
+    half copied, a member reached ahead of this core, a majority reached in a membership that a
+    half-done change left different). The refusal said only "force-start refused" and the refused
+    shards' reasons, so the operator took it that nothing was forced, while the other shards ran in
+    a forced generation with the other cores left out."""
+    from mnesite.rlog.errors import RequestError
+
+    from tests.conftest import follower_by_hand
+
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        node.store.ensure_shard("other", 0)
+        other = node._open_shard("other")
+        node.rows_lost.add("other")  # as an abandoned install leaves it
+        monkeypatch.setattr(node, "probe_peers", lambda timeout_ms: {})  # no other core answers
+        with pytest.raises(RequestError) as refused:
+            node.force_start()
+        assert refused.value.code == "force_start_refused"
+        assert driver.consensus.sequencer == "core1" and other.consensus.sequencer is None
+        message = str(refused.value)
+        assert "shard other: " in message and "half copied" in message
+        assert "FORCED shard default (generation 1, members core1" in message
+
+
+@pytest.mark.timeout(60)
+def test_a_force_start_reports_as_members_only_the_members_it_kept(tmp_path, monkeypatch) -> None:
+    """The probe asks every core whose endpoint this core knows, and endpoints are never forgotten: a
+    removed core still running answers it. The machine keeps only members; the answer (``members``,
+    what the CLI prints after FORCE-STARTED) named every core that answered."""
+    from tests.conftest import follower_by_hand
+
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        removed = {"shards": {"default": {"generation": 0, "last": [0, 0]}}}
+        monkeypatch.setattr(node, "probe_peers", lambda timeout_ms: {"core9": removed})
+        result = node.force_start()
+        assert driver.consensus.members == ("core1",)
+        assert result["members"] == ["core1"] and result["shards"]["default"]["members"] == ["core1"]
+        assert result["left_out"] == ["core2", "core3"] and result["reached"] == ["core9"]

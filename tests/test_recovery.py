@@ -7,11 +7,13 @@ from mnesite.core.consensus import GENERATION_MAX
 from mnesite.core.recovery import (
     journal_generation,
     reached_generations,
+    reached_last_keys,
     recovered_generations,
     vote_recovered,
     well_formed_answers,
 )
 from mnesite.rlog.schema import INTEGER_MAX
+from mnesite.rlog.types import TxKey
 
 
 def test_a_core_with_a_lost_disk_recovers_the_highest_generation_any_peer_knows_per_shard():
@@ -54,6 +56,20 @@ def test_a_forced_start_is_told_every_reached_peer_in_name_order_with_0_for_an_u
     answers = {"core3": {"shards": {"default": {"generation": 5}}}, "core2": {"shards": {}}}
     assert reached_generations(answers, "default") == (("core2", 0), ("core3", 5))
     assert journal_generation(answers["core2"], "default") == 0
+
+
+def test_a_forced_start_is_told_the_last_key_of_every_reached_peer_that_says_it():
+    """The machine refuses a forced start while a reached member holds more of the log; a peer whose
+    answer gives no well-formed last key for the shard is weighed as holding nothing there."""
+    answers = {
+        "core4": {"shards": {"default": {"generation": 2, "last": [2, 9]}}},
+        "core2": {"shards": {"default": {"generation": 1, "last": [1, 3]}, "other": {"generation": 1}}},
+        "core3": {"shards": {"default": {"generation": 1, "last": [1, "x"]}}},
+        "core5": {"shards": {"default": {"generation": -1, "last": [9, 9]}}},  # malformed: not reached
+        "core6": {"shards": {}},
+    }
+    assert reached_last_keys(answers, "default") == (("core2", TxKey(1, 3)), ("core4", TxKey(2, 9)))
+    assert reached_last_keys(answers, "other") == ()
 
 
 def test_a_recovered_generation_leaves_room_for_a_campaign():

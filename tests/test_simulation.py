@@ -158,6 +158,65 @@ def test_force_start_after_the_majority_is_lost_for_good_keeps_every_acknowledge
         simulation.final_check(sequencer)
 
 
+def _force_start_beside_a_core_that_holds_more(seed: int, forcer_role: str) -> tuple[Simulation, str, list]:
+    """5 cores, no random faults: L is cut off while the others commit three writes; then the
+    three cores other than L and one follower R are lost for good (R holds every write) and the
+    cut heals. The operator force-starts ``forcer_role`` ("lagging": L, or "ahead": R). Returns the
+    simulation, the core forced and the effects of its force start."""
+    simulation = Simulation(seed, 5)
+    simulation._heal()
+    sequencer = simulation.run_until_quiet()
+    names = sorted(simulation.nodes)
+    lagging, ahead = [name for name in names if name != sequencer.name][:2]
+    simulation.cut = {(lagging, other) for other in names} | {(other, lagging) for other in names}
+    for _ in range(3):
+        simulation.write(sequencer.name)
+
+    def ahead_knows_the_writes_committed() -> bool:
+        machine = simulation.nodes[ahead].machine
+        keys = simulation.acknowledged.values()
+        return len(keys) == 3 and machine is not None and machine.committed_key >= max(keys)
+
+    while not ahead_knows_the_writes_committed():
+        simulation.advance()
+    simulation.lose_for_good([name for name in names if name not in (lagging, ahead)])
+    simulation.cut = set()
+    forcer = lagging if forcer_role == "lagging" else ahead
+    return simulation, forcer, simulation.force_start(forcer)
+
+
+@pytest.mark.timeout(60)
+def test_force_start_is_refused_beside_a_core_that_holds_more_and_keeps_every_write_there():
+    for seed in range(6):
+        simulation, lagging, effects = _force_start_beside_a_core_that_holds_more(seed, "lagging")
+        [refused] = [effect for effect in effects if isinstance(effect, ForceStartRefused)]
+        assert "holds the log up to" in refused.reason and effects == [refused]
+        machine = simulation.nodes[lagging].machine
+        assert machine is not None and not machine.status().forced
+        acknowledged = dict(simulation.acknowledged)
+        simulation, ahead, effects = _force_start_beside_a_core_that_holds_more(seed, "ahead")
+        forced = [effect.members for effect in effects if isinstance(effect, ForceStarted)]
+        assert forced == [tuple(sorted((ahead, lagging)))]
+        simulation.write(ahead)
+        sequencer = simulation.run_until_quiet()
+        assert sequencer.name == ahead and sequencer.state.forced
+        assert len(simulation.acknowledged) == 4 and acknowledged.items() <= simulation.acknowledged.items()
+        simulation.final_check(sequencer)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_force_start_beside_a_core_that_holds_more(monkeypatch):
+    """Mutation: a forced start that weighs no reached core's log builds the new generation on the
+    lagging core's log: the core that holds the committed writes cannot follow it."""
+    real = ShardConsensus._force_start
+    monkeypatch.setattr(
+        ShardConsensus, "_force_start", lambda self, reached, last_keys=(), rows_lost=False: real(self, reached)
+    )
+    simulation, _, _ = _force_start_beside_a_core_that_holds_more(0, "lagging")
+    with pytest.raises(SimulationFailure, match="ConsensusInvariantError|acknowledged"):
+        simulation.run_until_quiet()
+
+
 # ---------------------------------------------------------------- linearizable reads and failed guards
 
 

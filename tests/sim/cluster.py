@@ -1371,8 +1371,11 @@ class Simulation:
         if node.machine is None:
             raise self.fail(f"force start at crashed node {name}")
         reached = self.reached_by(name)
-        self.trace.append((self.now_ms, name, "force start requested, reached", reached))
-        effects = node.machine.step(ForceStartRequested(reached, rows_lost=node.rows_lost), self.now_ms)
+        # What each reached core's journal answer says of its log (production: ``reached_last_keys``).
+        last_keys = tuple((other, self.nodes[other].machine.last_key) for other, _ in reached)
+        self.trace.append((self.now_ms, name, "force start requested, reached", reached, last_keys))
+        request = ForceStartRequested(reached, last_keys, rows_lost=node.rows_lost)
+        effects = node.machine.step(request, self.now_ms)
         for effect in effects:
             self._execute(node, effect)
         self._check_node(node)
