@@ -1544,13 +1544,17 @@ class CoreNode(NodeServer):
         if answer is not None:
             self._tell_outcomes([(envelope, answer)])
             return
+        if duplicate and len(driver.waiters) + len(driver.held) >= WAITERS_MAX:
+            # Its entry is in the log and may commit: "overloaded" would say it changed nothing.
+            self.reply(envelope, _outcome_unknown(request_id, f"{WAITERS_MAX} requests are waiting for commits"))
+            return
         try:
             self.hold(envelope, request_id)  # taken at admission for a new write (``_write``)
         except OverloadedError:
             # Its entry is in the log and may commit: "overloaded" would say it changed nothing.
             self.reply(envelope, _outcome_unknown(request_id, "too many requests of this connection wait"))
             return
-        driver.waiters.wait(tx_key, request_id, envelope, duplicate)
+        driver.waiters.wait(tx_key, request_id, envelope, duplicate)  # False: its resends are answered already
 
     def _tell_outcomes(self, outcomes: list[tuple[Any, Outcome]]) -> None:
         for envelope, outcome in outcomes:

@@ -73,6 +73,11 @@ class OutcomeUnknown:
 Outcome = Acknowledged | OutcomeUnknown
 
 
+# Requests of one connection waiting under one request id for one entry: a client resends on silence,
+# a few times; more are answered by the answers already owed (``CommitWaiters.wait``).
+RESENDS_WAITING_MAX = 8
+
+
 class CommitWaiters(Generic[Payload]):
     """Writes waiting at the sequencer for their entry to commit (one per shard)."""
 
@@ -89,10 +94,17 @@ class CommitWaiters(Generic[Payload]):
         """Rule 4: the answer if ``tx_key`` is applied already; None: ``wait`` for it."""
         return Acknowledged(request_id, tx_key, duplicate) if tx_key <= applied_key else None
 
-    def wait(self, tx_key: TxKey, request_id: str, payload: Payload, duplicate: bool = False) -> None:
-        """Wait for ``tx_key`` to commit (after ``answer_now`` said None)."""
-        self._waiting.setdefault(tx_key, []).append((payload, request_id, duplicate))
+    def wait(self, tx_key: TxKey, request_id: str, payload: Payload, duplicate: bool = False) -> bool:
+        """Wait for ``tx_key`` to commit (after ``answer_now`` said None); every request waiting gets its
+        answer. False, and nothing added, for a resend (``duplicate``) of a ``payload`` (a connection)
+        that waits under ``request_id`` with ``RESENDS_WAITING_MAX`` requests already: the answers to
+        come are its answers, and its resends cannot grow this without bound."""
+        waiting = self._waiting.setdefault(tx_key, [])
+        if duplicate and sum(p == payload and r == request_id for p, r, _ in waiting) >= RESENDS_WAITING_MAX:
+            return False
+        waiting.append((payload, request_id, duplicate))
         self._count += 1
+        return True
 
     def committed(self, entries: Iterable[Entry]) -> list[tuple[Payload, Outcome]]:
         """Rule 1: the entries just committed (or, read back from the log, applied), in order."""

@@ -129,3 +129,19 @@ def test_held_writes_are_proposed_as_one_batch_in_arrival_order_and_each_finds_i
     refusal = ProposalRejected("c", "too_large", None)
     keys, refused = batch_outcomes([PersistEntries((entry(7, "a"), entry(8, None), entry(9, "b"))), refusal])
     assert keys == {"a": TxKey(1, 7), "b": TxKey(1, 9)} and refused == {"c": refusal}
+
+
+def test_resends_of_one_connection_waiting_under_one_id_are_bounded():
+    from mnesite.core.outcome import RESENDS_WAITING_MAX
+
+    waiters: CommitWaiters[str] = CommitWaiters()
+    assert waiters.wait(TxKey(1, 1), "a", "connection")
+    added = [waiters.wait(TxKey(1, 1), "a", "connection", duplicate=True) for _ in range(3 * RESENDS_WAITING_MAX)]
+    assert added.count(True) == RESENDS_WAITING_MAX - 1 and len(waiters) == RESENDS_WAITING_MAX
+    # Another connection's resend of the same id, and the first one's other ids, still wait.
+    assert waiters.wait(TxKey(1, 1), "a", "other connection", duplicate=True)
+    assert waiters.wait(TxKey(1, 1), "b", "connection", duplicate=True)
+    answers = waiters.committed([entry(1, "a")])
+    assert len(answers) == RESENDS_WAITING_MAX + 2
+    assert answers[0] == ("connection", Acknowledged("a", TxKey(1, 1)))
+    assert answers[-1] == ("connection", OutcomeUnknown("b", REASON_OTHER_ENTRY))

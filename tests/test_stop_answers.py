@@ -129,63 +129,109 @@ def test_requests_queued_in_the_socket_are_answered_stopping(tmp_path: Path) -> 
     ]
 
 
+class SequencerAlone:
+    """Three cores in threads, then the followers stopped: the sequencer's writes cannot commit, and
+    it keeps its role until its election timeout (4-5 s). ``stop(name)`` stops one core."""
+
+    names = ("core1", "core2", "core3")
+
+    def __init__(self, tmp_path: Path) -> None:
+        ports = {name: free_port() for name in self.names}
+        self.cores = {name: f"tcp://127.0.0.1:{port}" for name, port in ports.items()}
+        timing = {
+            "core_nodes": self.cores,
+            "recovery_timeout_ms": 50,
+            "election_timeout_ms_min": 4000,
+            "election_timeout_ms_max": 5000,
+            "heartbeat_interval_ms": 100,
+        }
+        self.nodes: dict[str, CoreNode] = {}
+        self.threads: dict[str, threading.Thread] = {}
+        for name in self.names:
+            node = CoreNode(node_config(tmp_path / name, ports[name], name=name, extra={"cluster": timing}))
+            node.bind()
+            self.nodes[name] = node
+            self.threads[name] = threading.Thread(target=node.serve_forever, daemon=True)
+            self.threads[name].start()
+        self.sequencer = ""
+
+    def __enter__(self) -> SequencerAlone:
+        with Client(list(self.cores.values()), timeout_ms=15_000) as client:
+            client.create_table("users", "id", [("id", "INTEGER")])
+        for name in self.names:
+            with Client(self.cores[name], timeout_ms=2000) as client:
+                if client.status()["shards"]["default"]["role"] == "sequencer":
+                    self.sequencer = name
+        assert self.sequencer
+        for name in self.names:
+            if name != self.sequencer:
+                self.stop(name)
+        return self
+
+    def stop(self, name: str) -> None:
+        self.nodes[name].stopping.set()
+        self.threads[name].join(timeout=10)
+        assert not self.threads[name].is_alive()
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.names:
+            if self.threads[name].is_alive():
+                self.stop(name)
+
+
 def test_a_write_waiting_for_its_commit_is_outcome_unknown_when_the_sequencer_stops(tmp_path: Path) -> None:
     """Three cores; the followers stop, so the sequencer's write cannot commit; the sequencer stops
     before its election timeout would make it step down: the client hears outcome_unknown at once."""
-    names = ("core1", "core2", "core3")
-    ports = {name: free_port() for name in names}
-    cores = {name: f"tcp://127.0.0.1:{port}" for name, port in ports.items()}
-    timing = {
-        "core_nodes": cores,
-        "recovery_timeout_ms": 50,
-        "election_timeout_ms_min": 4000,
-        "election_timeout_ms_max": 5000,
-        "heartbeat_interval_ms": 100,
-    }
-    nodes: dict[str, CoreNode] = {}
-    threads: dict[str, threading.Thread] = {}
-    for name in names:
-        node = CoreNode(node_config(tmp_path / name, ports[name], name=name, extra={"cluster": timing}))
-        node.bind()
-        nodes[name] = node
-        threads[name] = threading.Thread(target=node.serve_forever, daemon=True)
-        threads[name].start()
-
-    def stop(name: str) -> None:
-        nodes[name].stopping.set()
-        threads[name].join(timeout=10)
-        assert not threads[name].is_alive()
-
-    try:
-        with Client(list(cores.values()), timeout_ms=15_000) as client:
-            client.create_table("users", "id", [("id", "INTEGER")])
-        sequencer = None
-        for name in names:
-            with Client(cores[name], timeout_ms=2000) as client:
-                if client.status()["shards"]["default"]["role"] == "sequencer":
-                    sequencer = name
-        assert sequencer is not None
-        for name in names:
-            if name != sequencer:
-                stop(name)
+    with SequencerAlone(tmp_path) as cluster:
+        sequencer = cluster.sequencer
 
         def write() -> Any:
-            with Client(cores[sequencer], timeout_ms=CLIENT_TIMEOUT_MS, retries=0) as client:
+            with Client(cluster.cores[sequencer], timeout_ms=CLIENT_TIMEOUT_MS, retries=0) as client:
                 return client.put("users", {"id": 1})
 
         asked = Asked(write)
-        wait_until(lambda: held(nodes[sequencer]), 5, "the write waiting for its commit")
-        stop(sequencer)
-    finally:
-        for name in names:
-            if threads[name].is_alive():
-                stop(name)
+        wait_until(lambda: held(cluster.nodes[sequencer]), 5, "the write waiting for its commit")
+        cluster.stop(sequencer)
     asked.join()
     # Answered outcome_unknown at the stop (the client then tried the same request id again there, was
     # told stopping or found the node gone, and gave up at once), not after its timeout's silence.
     assert isinstance(asked.error, OutcomeUnknown), asked.error
-    assert nodes[sequencer].stop_answers >= 1  # and the retry, if it came before the socket closed
+    assert cluster.nodes[sequencer].stop_answers >= 1  # and the retry, if it came before the socket closed
     assert asked.elapsed_s < PROMPT_S, str(asked.error)
+
+
+def test_resends_of_a_waiting_write_on_one_connection_wait_as_one(tmp_path: Path) -> None:
+    """A connection that sent the same request id again and again while its entry could not commit
+    added a commit waiter each time (its held requests counted it once): memory without bound. At
+    most ``RESENDS_WAITING_MAX`` of them wait."""
+    from mnesite.core.outcome import RESENDS_WAITING_MAX
+
+    with SequencerAlone(tmp_path) as cluster:
+        node = cluster.nodes[cluster.sequencer]
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(cluster.cores[cluster.sequencer])
+        try:
+            write = Message("transact", "resent-1", {"ops": [{"op": "write", "table": "users", "row": {"id": 1}}]})
+            for _ in range(200):
+                dealer.send(messages.encode(write))
+            dealer.send(messages.encode(Message("status", "after-the-resends", {})))
+            assert dealer.poll(10_000), "the status after the resends was not answered"
+            answered = [messages.decode(dealer.recv(), 1 << 22).request_id]
+            while dealer.poll(0):
+                answered.append(messages.decode(dealer.recv(), 1 << 22).request_id)
+            assert answered == ["after-the-resends"]  # the write waits for its commit, unanswered
+            waiting = len(node.shards["default"].waiters)  # an int read from the test thread
+            assert waiting == RESENDS_WAITING_MAX, waiting  # the write and its first resends
+            cluster.stop(cluster.sequencer)  # answers the waiters: outcome_unknown
+            assert dealer.poll(10_000)
+            answers = [messages.decode(dealer.recv(), 1 << 22)]
+            while dealer.poll(500):
+                answers.append(messages.decode(dealer.recv(), 1 << 22))
+            # One answer at the stop: the connection's held request (``answer_at_stop``) is one per id.
+            assert [(a.request_id, a.body.code) for a in answers] == [("resent-1", "outcome_unknown")]
+        finally:
+            dealer.close(0)
 
 
 def test_a_client_told_stopping_asks_the_next_node_at_once(tmp_path: Path) -> None:
