@@ -58,6 +58,15 @@ def simulation_seeds(ci_seeds: int, count_variable: str, fast_seeds: int) -> lis
     ]
 
 
+def seed_ranges(seed_count: int, fast_seeds: int) -> list:
+    """Seeds 0 to ``seed_count`` - 1 as two parameters of a test that runs a range of seeds and checks their
+    sum: the first ``fast_seeds`` (the fast lane's sample), and the others, marked deep (CI runs both)."""
+    return [
+        pytest.param(range(fast_seeds), id=f"seeds_0-{fast_seeds - 1}"),
+        pytest.param(range(fast_seeds, seed_count), id=f"seeds_{fast_seeds}-{seed_count - 1}", marks=pytest.mark.deep),
+    ]
+
+
 def _listen_ports() -> range:
     """Ports for the nodes' listening sockets: outside the kernel's ephemeral range. A port the kernel
     picked for ``bind(0)`` lies in that range, so between the pick and a node's bind (seconds later,

@@ -98,6 +98,25 @@ def test_the_fast_lane_runs_a_sample_of_each_simulations_seeds_and_ci_all_of_the
     assert 0 < module.FAST_SEEDS < module.CI_SEEDS and deep == list(range(module.FAST_SEEDS, module.CI_SEEDS))
 
 
+@pytest.mark.parametrize(
+    ("family", "seed_test", "seed_count"),
+    [
+        ("test_follower_apply", "test_followers_gathering_commits_keep_every_invariant_of_the_simulator", 24),
+        ("test_follower_apply", "test_followers_gathering_commits_on_full_disks_keep_every_invariant", 24),
+        ("test_follower_apply", "test_replicants_of_followers_gathering_commits_keep_every_invariant", 24),
+        ("test_simulation", "test_seeds_whose_first_installs_are_abandoned_heal", 40),
+    ],
+)
+def test_the_fast_lane_runs_the_first_seeds_of_a_seed_range_test_and_ci_all_of_them(
+    family: str, seed_test: str, seed_count: int
+) -> None:
+    module = importlib.import_module(f"tests.{family}")
+    (parametrize,) = [mark for mark in getattr(module, seed_test).pytestmark if mark.name == "parametrize"]
+    fast, deep = parametrize.args[1]
+    assert not fast.marks and [mark.name for mark in deep.marks] == ["deep"]
+    assert len(fast.values[0]) > 0 and [*fast.values[0], *deep.values[0]] == list(range(seed_count))
+
+
 def test_no_mutation_test_is_deep() -> None:
     """The fast lane runs every test that breaks a rule on purpose and requires the simulator to catch it."""
     deep_tests = [

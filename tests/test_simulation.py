@@ -26,7 +26,7 @@ from mnesite.rlog import retention
 from mnesite.rlog.types import ZERO_KEY
 from mnesite.rlog.versions import THIS_RELEASE
 
-from tests.conftest import simulation_seeds
+from tests.conftest import seed_ranges, simulation_seeds
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import READ_KEYS, replay_command
 from tests.sim.versions import stuck_member_reading_locally
@@ -613,13 +613,18 @@ class _AbandoningSimulation(Simulation):
     installs_abandoned_max = 2  # the first two installs are abandoned half way
 
 
+ABANDONING_SEEDS = 40
+ABANDONING_FAST_SEEDS = 10  # the fast lane's sample; CI runs the others too (deep)
+
+
 @pytest.mark.timeout(120)
-def test_seeds_whose_first_installs_are_abandoned_heal():
+@pytest.mark.parametrize("seeds", seed_ranges(ABANDONING_SEEDS, ABANDONING_FAST_SEEDS))
+def test_seeds_whose_first_installs_are_abandoned_heal(seeds):
     """Under the CI faults (trimming, crashes, partitions), the first installs are abandoned: every
     follower still ends with whole rows (the final check), through the sequencer's trimmed-log offers
     or through a follower's request."""
     abandoned = 0
-    for seed in range(0, 40):
+    for seed in seeds:
         sim = _AbandoningSimulation(seed, 3 if seed % 2 == 0 else 5)
         sim.run()
         abandoned += sim.installs_abandoned
