@@ -54,9 +54,10 @@ iproute2:
 run: setup
 	$(BIN)/mnesite start --sample-data
 
-# CI (.ci/run): every test, in two pytest runs: the fast lane's tests on two worker processes, then the
-# slow (multi-process, timing-sensitive) and Spark tests serially, one at a time. The second run starts
-# also when the first failed; the target fails when either did.
+# CI (.ci/run): every test, in two pytest runs: the fast lane's tests and the deep ones (every seed of
+# every simulation) on two worker processes, then the slow (multi-process, timing-sensitive) and Spark
+# tests serially, one at a time. The second run starts also when the first failed; the target fails when
+# either did.
 test: setup java iproute2 docs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -64,11 +65,12 @@ test: setup java iproute2 docs
 	$(BIN)/pytest -m "slow or spark"; slow=$$?; \
 	exit $$(( fast != 0 ? fast : slow ))
 
-# The fast lane: no multi-process, fault or Spark tests, on two worker processes (about a minute on 2 CPUs;
-# 1 min 40 s serially). CI's `make test` runs them the same way, then the others serially.
+# The developers' fast lane: no multi-process, fault, Spark or deep tests (of each simulation a sample of its
+# seeds, and every mutation test), on two worker processes (about a minute on 2 CPUs). CI's `make test`
+# runs them and the deep ones the same way, then the others serially.
 test-fast: setup docs-deps
 	$(BIN)/ruff check .
-	$(BIN)/pytest -m "not slow and not spark" -q -n 2
+	$(BIN)/pytest -m "not slow and not spark and not deep" -q -n 2
 
 # The long real-process fault run (tests/fault/run.py): FAULT_SEED, FAULT_DURATION_S, FAULT_CLIENTS.
 FAULT_SEED ?= 1

@@ -45,6 +45,28 @@ def load_benchmark(name: str) -> ModuleType:
     return module
 
 
+def simulation_seeds(ci_seeds: int, count_variable: str, fast_seeds: int) -> list:
+    """The seeds a simulation's seed test runs, as pytest parameters with ids ``seed_N``: only
+    ``MNESITE_SIM_SEED`` when it is set (a replay), else seeds 0 up to ``count_variable``'s value or
+    ``ci_seeds``. The seeds from ``fast_seeds`` on are marked deep: CI runs them all, the developers'
+    fast lane (``make test-fast``) runs the first ``fast_seeds``, a sample of every simulation."""
+    if os.environ.get("MNESITE_SIM_SEED"):
+        return [pytest.param(int(os.environ["MNESITE_SIM_SEED"]), id=f"seed_{os.environ['MNESITE_SIM_SEED']}")]
+    seeds = range(int(os.environ.get(count_variable, ci_seeds)))
+    return [
+        pytest.param(seed, id=f"seed_{seed}", marks=[pytest.mark.deep] if seed >= fast_seeds else []) for seed in seeds
+    ]
+
+
+def seed_ranges(seed_count: int, fast_seeds: int) -> list:
+    """Seeds 0 to ``seed_count`` - 1 as two parameters of a test that runs a range of seeds and checks their
+    sum: the first ``fast_seeds`` (the fast lane's sample), and the others, marked deep (CI runs both)."""
+    return [
+        pytest.param(range(fast_seeds), id=f"seeds_0-{fast_seeds - 1}"),
+        pytest.param(range(fast_seeds, seed_count), id=f"seeds_{fast_seeds}-{seed_count - 1}", marks=pytest.mark.deep),
+    ]
+
+
 def _listen_ports() -> range:
     """Ports for the nodes' listening sockets: outside the kernel's ephemeral range. A port the kernel
     picked for ``bind(0)`` lies in that range, so between the pick and a node's bind (seconds later,

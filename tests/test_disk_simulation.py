@@ -1,29 +1,24 @@
 """Deterministic simulation of full disks among the other faults (see tests/sim/disk.py).
 
+CI runs ``CI_SEEDS`` seeds, ``make test-fast`` the first ``FAST_SEEDS`` (the others are marked deep).
 Replay one seed with ``MNESITE_SIM_SEED=12 .venv/bin/pytest tests/test_disk_simulation.py -k seed_12``;
 run more locally with ``MNESITE_DISK_SIM_SEEDS=2000``.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from mnesite.core.consensus import Role, ShardConsensus
 
+from tests.conftest import simulation_seeds
 from tests.sim.disk import DiskFullSimulation, run_disk_seed
 
 CI_SEEDS = 80
-
-
-def _seeds() -> list[int]:
-    if os.environ.get("MNESITE_SIM_SEED"):
-        return [int(os.environ["MNESITE_SIM_SEED"])]
-    return list(range(int(os.environ.get("MNESITE_DISK_SIM_SEEDS", CI_SEEDS))))
+FAST_SEEDS = 20  # the developers' fast lane runs these; the others are marked deep
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("seed", _seeds(), ids=lambda seed: f"seed_{seed}")
+@pytest.mark.parametrize("seed", simulation_seeds(CI_SEEDS, "MNESITE_DISK_SIM_SEEDS", FAST_SEEDS))
 def test_seed(seed: int) -> None:
     simulation = run_disk_seed(seed)
     assert simulation.result is not None and simulation.result.committed_entries >= 4

@@ -15,7 +15,7 @@ import pytest
 from mnesite.core.rules import FollowerApply
 from mnesite.rlog.types import DropTableOp, MembersOp, TxKey, WriteOp
 
-from tests.conftest import Cluster, wait_until
+from tests.conftest import Cluster, seed_ranges, wait_until
 from tests.sim.cluster import GatheringSimulation, SimulationFailure
 from tests.sim.disk import GatheringDiskFullSimulation
 from tests.sim.replicants import GatheringReplicantSimulation
@@ -81,6 +81,7 @@ def test_an_older_commit_key_never_moves_the_gathered_key_back() -> None:
 # -- the simulator: followers gathering under crashes, partitions, pauses and snapshots ------------
 
 GATHERING_SEEDS = range(0, 24)
+GATHERING_FAST_SEEDS = 6  # the fast lane's sample of the invariant tests below; CI runs the others too (deep)
 
 
 def _run_gathering(seed: int) -> GatheringSimulation:
@@ -90,17 +91,19 @@ def _run_gathering(seed: int) -> GatheringSimulation:
 
 
 @pytest.mark.timeout(120)
-def test_followers_gathering_commits_keep_every_invariant_of_the_simulator() -> None:
+@pytest.mark.parametrize("seeds", seed_ranges(len(GATHERING_SEEDS), GATHERING_FAST_SEEDS))
+def test_followers_gathering_commits_keep_every_invariant_of_the_simulator(seeds: range) -> None:
     """Every check of the core simulation holds (acknowledged writes committed and applied where they
     are acknowledged, committed prefixes agree, reads and failed guards answer committed prefixes),
     with followers gathering commits, and the gathering is exercised: applies whose time came."""
-    assert sum(_run_gathering(seed).applies_gathered for seed in GATHERING_SEEDS) > 0
+    assert sum(_run_gathering(seed).applies_gathered for seed in seeds) > 0
 
 
 @pytest.mark.timeout(120)
-def test_followers_gathering_commits_on_full_disks_keep_every_invariant() -> None:
+@pytest.mark.parametrize("seeds", seed_ranges(len(GATHERING_SEEDS), GATHERING_FAST_SEEDS))
+def test_followers_gathering_commits_on_full_disks_keep_every_invariant(seeds: range) -> None:
     gathered = failed_steps = 0
-    for seed in GATHERING_SEEDS:
+    for seed in seeds:
         simulation = GatheringDiskFullSimulation(seed, 3 if seed % 2 == 0 else 5)
         simulation.run()
         gathered += simulation.applies_gathered
@@ -109,11 +112,12 @@ def test_followers_gathering_commits_on_full_disks_keep_every_invariant() -> Non
 
 
 @pytest.mark.timeout(120)
-def test_replicants_of_followers_gathering_commits_keep_every_invariant() -> None:
+@pytest.mark.parametrize("seeds", seed_ranges(len(GATHERING_SEEDS), GATHERING_FAST_SEEDS))
+def test_replicants_of_followers_gathering_commits_keep_every_invariant(seeds: range) -> None:
     """The replicant simulation's checks (no gap, no duplicate, reads only of committed prefixes, tables
     equal at the end) with cores whose followers gather: pushes carry what is committed, not yet applied."""
     gathered = 0
-    for seed in GATHERING_SEEDS:
+    for seed in seeds:
         simulation = GatheringReplicantSimulation(seed, 3 if seed % 2 == 0 else 5, 2)
         simulation.run()
         gathered += simulation.applies_gathered

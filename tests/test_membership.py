@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import msgpack
 import msgspec
@@ -46,11 +45,13 @@ from mnesite.rlog.types import (
     make_entry,
 )
 
+from tests.conftest import simulation_seeds
 from tests.sim import SimulationFailure
 from tests.sim.membership import MembershipSimulation, run_membership_seed
 from tests.test_consensus import CONFIG, Harness, chain, of_type, sends
 
 CI_SEEDS = 40
+FAST_SEEDS = 10  # the developers' fast lane runs these; the others are marked deep
 
 
 class TurnHarness(Harness):
@@ -297,14 +298,8 @@ def test_a_snapshot_carries_the_committed_membership():
 # ---------------------------------------------------------------- the simulator
 
 
-def _seeds() -> list[int]:
-    if os.environ.get("MNESITE_SIM_SEED"):
-        return [int(os.environ["MNESITE_SIM_SEED"])]
-    return list(range(int(os.environ.get("MNESITE_SIM_SEEDS", CI_SEEDS))))
-
-
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("seed", _seeds(), ids=lambda seed: f"seed_{seed}")
+@pytest.mark.parametrize("seed", simulation_seeds(CI_SEEDS, "MNESITE_SIM_SEEDS", FAST_SEEDS))
 def test_membership_changes_under_faults(seed):
     simulation = run_membership_seed(seed, 3 if seed % 2 == 0 else 5)
     assert simulation.result is not None and simulation.result.committed_entries >= 4

@@ -1,6 +1,7 @@
 """Deterministic simulation of cores with replicants under faults (see tests/sim/replicants.py).
 
-CI runs ``CI_SEEDS`` seeds (even seeds: 3 cores, odd seeds: 5 cores; 2 or 3 replicants). Replay one
+CI runs ``CI_SEEDS`` seeds (even seeds: 3 cores, odd seeds: 5 cores; 2 or 3 replicants), ``make
+test-fast`` the first ``FAST_SEEDS`` (the others are marked deep). Replay one
 seed with ``MNESITE_SIM_SEED=123 .venv/bin/pytest tests/test_replicant_simulation.py -k seed_123``;
 run more locally with ``MNESITE_SIM_SEEDS=5000``.
 """
@@ -8,7 +9,6 @@ run more locally with ``MNESITE_SIM_SEEDS=5000``.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 from mnesite.core import agent_server, watch
@@ -17,20 +17,16 @@ from mnesite.replicant.replica import ShardReplica
 from mnesite.rlog.replication import Mode, PushReceived
 from mnesite.rlog.types import Entry, TxKey
 
+from tests.conftest import simulation_seeds
 from tests.sim.cluster import SimulationFailure
 from tests.sim.replicants import ReplicantSimulation, replay_command, run_replicant_seed
 
 CI_SEEDS = 120
-
-
-def _seeds() -> list[int]:
-    if os.environ.get("MNESITE_SIM_SEED"):
-        return [int(os.environ["MNESITE_SIM_SEED"])]
-    return list(range(int(os.environ.get("MNESITE_SIM_SEEDS", CI_SEEDS))))
+FAST_SEEDS = 30  # the developers' fast lane runs these; the others are marked deep
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("seed", _seeds(), ids=lambda seed: f"seed_{seed}")
+@pytest.mark.parametrize("seed", simulation_seeds(CI_SEEDS, "MNESITE_SIM_SEEDS", FAST_SEEDS))
 def test_seed(seed):
     result = run_replicant_seed(seed)
     # Every run must commit something and connect every replicant at least once, or it checked nothing.
@@ -38,6 +34,7 @@ def test_seed(seed):
     assert result.bootstraps + result.resumes >= result.replicant_count
 
 
+@pytest.mark.deep  # over CI's seeds, most of them deep
 @pytest.mark.timeout(60)
 def test_the_ci_seeds_cover_bootstraps_with_dirty_copies_resumes_rejections_and_crashes():
     totals = {"bootstraps": 0, "resumes": 0, "rows_copied": 0, "pushes_rejected": 0, "replicant_crashes": 0}

@@ -1,6 +1,7 @@
 """Deterministic simulation of 3- and 5-core clusters under faults (see tests/sim/cluster.py).
 
-CI runs ``CI_SEEDS`` seeds (even seeds: 3 cores, odd seeds: 5 cores). Replay one seed with
+CI runs ``CI_SEEDS`` seeds (even seeds: 3 cores, odd seeds: 5 cores), ``make test-fast`` the first
+``FAST_SEEDS`` (the others are marked deep). Replay one seed with
 ``MNESITE_SIM_SEED=123 .venv/bin/pytest tests/test_simulation.py -k seed_123``; run more locally
 with ``MNESITE_SIM_SEEDS=5000``.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import os
 
 import pytest
 from mnesite.core import rules, snapshot
@@ -26,21 +26,17 @@ from mnesite.rlog import retention
 from mnesite.rlog.types import ZERO_KEY
 from mnesite.rlog.versions import THIS_RELEASE
 
+from tests.conftest import seed_ranges, simulation_seeds
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import READ_KEYS, replay_command
 from tests.sim.versions import stuck_member_reading_locally
 
 CI_SEEDS = 240
-
-
-def _seeds() -> list[int]:
-    if os.environ.get("MNESITE_SIM_SEED"):
-        return [int(os.environ["MNESITE_SIM_SEED"])]
-    return list(range(int(os.environ.get("MNESITE_SIM_SEEDS", CI_SEEDS))))
+FAST_SEEDS = 60  # the developers' fast lane runs these; the others are marked deep
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("seed", _seeds(), ids=lambda seed: f"seed_{seed}")
+@pytest.mark.parametrize("seed", simulation_seeds(CI_SEEDS, "MNESITE_SIM_SEEDS", FAST_SEEDS))
 def test_seed(seed):
     result = run_seed(seed)
     # Every run must commit something after healing, or it checked nothing.
@@ -514,6 +510,7 @@ def test_the_simulator_catches_a_retention_floor_that_ignores_the_applied_key(mo
             run_seed(seed)
 
 
+@pytest.mark.deep  # over CI's seeds 0-39, most of them deep
 @pytest.mark.timeout(60)
 def test_the_ci_seeds_trim_with_the_production_retention_rule_and_send_snapshots():
     results = [run_seed(seed) for seed in range(0, 40)]
@@ -675,13 +672,18 @@ class _AbandoningSimulation(Simulation):
     installs_abandoned_max = 2  # the first two installs are abandoned half way
 
 
+ABANDONING_SEEDS = 40
+ABANDONING_FAST_SEEDS = 10  # the fast lane's sample; CI runs the others too (deep)
+
+
 @pytest.mark.timeout(120)
-def test_seeds_whose_first_installs_are_abandoned_heal():
+@pytest.mark.parametrize("seeds", seed_ranges(ABANDONING_SEEDS, ABANDONING_FAST_SEEDS))
+def test_seeds_whose_first_installs_are_abandoned_heal(seeds):
     """Under the CI faults (trimming, crashes, partitions), the first installs are abandoned: every
     follower still ends with whole rows (the final check), through the sequencer's trimmed-log offers
     or through a follower's request."""
     abandoned = 0
-    for seed in range(0, 40):
+    for seed in seeds:
         sim = _AbandoningSimulation(seed, 3 if seed % 2 == 0 else 5)
         sim.run()
         abandoned += sim.installs_abandoned
