@@ -98,6 +98,10 @@ NODE_KINDS = frozenset(
 # answers ``timeout`` naming the key, and that answer must come while the client still listens, not
 # after it gave the attempt up as silent (it then said "did not answer", after every retry).
 READ_WAIT_MARGIN_MS_MAX = 500
+# Requests that change the cluster's state through the log, each applied at most once per request id:
+# the writes, and a membership change (a members entry). After silence they may have happened: the
+# call ends in ``OutcomeUnknown`` and never moves to another endpoint.
+CHANGING_KINDS = WRITE_KINDS | {"membership_change"}
 RETRY_BACKOFF_S_MIN = 0.02
 # Small enough that a client notices a new sequencer within 0.1 s of its election.
 RETRY_BACKOFF_S_MAX = 0.1
@@ -380,7 +384,7 @@ class Client:
         # The first answer that said so (``outcome_unknown``: the node's reason, such as its shutdown):
         # whatever ends the call later (the node gone, silent, stopping), the caller hears it first.
         unknown_answer: str | None = None
-        is_write = kind in WRITE_KINDS
+        is_write = kind in CHANGING_KINDS
         # A write sent again with an earlier attempt's id: that attempt may have been applied whatever
         # becomes of this call's own attempts (which alone decide whether it may move to another endpoint:
         # the sequencer applies an id at most once, whichever node it came through).
@@ -492,7 +496,7 @@ class Client:
     ) -> NoReturn:
         """End the call. ``unknown_answer``: a node's earlier ``outcome_unknown`` answer, named before
         ``reason`` (what ended the call): why the write may have happened is what the caller needs."""
-        if kind in WRITE_KINDS and maybe_applied:
+        if kind in CHANGING_KINDS and maybe_applied:
             if unknown_answer is not None and unknown_answer != reason:
                 reason = f"{unknown_answer}; then {reason}"
             raise OutcomeUnknown(

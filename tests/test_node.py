@@ -816,3 +816,19 @@ def test_a_force_start_reports_as_members_only_the_members_it_kept(tmp_path, mon
         assert driver.consensus.members == ("core1",)
         assert result["members"] == ["core1"] and result["shards"]["default"]["members"] == ["core1"]
         assert result["left_out"] == ["core2", "core3"] and result["reached"] == ["core9"]
+
+
+def test_a_membership_change_that_gets_no_answer_is_outcome_unknown_and_never_moves() -> None:
+    # A membership change is logged like a write (the sequencer applies its request id once). Silence
+    # ended in Unavailable, which says it was not applied, and a client of several endpoints moved it
+    # to the next one after its first silent attempt.
+    silent, other = ScriptedNode([None] * 5), ScriptedNode([None] * 5)
+    try:
+        endpoints = [silent.endpoint, other.endpoint]
+        with Client(endpoints, timeout_ms=100, retries=1) as client, pytest.raises(OutcomeUnknown) as info:
+            client.change_membership("default", "remove", "core2")
+        assert "membership_change" in str(info.value)
+        assert len(silent.requests) == 2 and other.requests == []  # asked again where it may have happened
+    finally:
+        silent.close()
+        other.close()
