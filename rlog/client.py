@@ -639,7 +639,8 @@ class Client:
             min_key = self.last_tx_key if min_key is None else max(min_key, self.last_tx_key)
         if min_key is not None:
             body["min_key"] = list(min_key)
-            body["wait_ms"] = max(0, self.timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, self.timeout_ms // 10))
+            wait_ms = self.timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, self.timeout_ms // 10)
+            body["wait_ms"] = max(0, min(wait_ms, messages.WAIT_MS_MAX))  # a longer wait: refused unsent
         return body
 
     def scan_page(

@@ -832,3 +832,12 @@ def test_a_membership_change_that_gets_no_answer_is_outcome_unknown_and_never_mo
     finally:
         silent.close()
         other.close()
+
+
+def test_a_read_after_a_key_with_a_long_timeout_asks_for_the_longest_wait_a_node_allows(
+    thread_node: ThreadNode, client: Client
+) -> None:
+    # A timeout above 667 s made the wait asked for pass the schema's 600,000 ms: refused before sending.
+    tx_key = client.put("users", {"id": 7, "name": "ada"})
+    with Client(thread_node.endpoint, timeout_ms=900_000) as patient:
+        assert patient.get("users", 7, after_tx_key=tx_key)["name"] == "ada"
