@@ -50,7 +50,7 @@ from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.messages import Message, MessageError, typed_body
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
-from mnesite.rlog.types import TxKey, new_request_id
+from mnesite.rlog.types import WAIT_MS_MAX, TxKey, new_request_id
 from zmq.utils.monitor import recv_monitor_message
 
 SCAN_PAGE_ROWS = 1000
@@ -640,7 +640,7 @@ class Client:
         if min_key is not None:
             body["min_key"] = list(min_key)
             wait_ms = self.timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, self.timeout_ms // 10)
-            body["wait_ms"] = max(0, min(wait_ms, messages.WAIT_MS_MAX))  # a longer wait: refused unsent
+            body["wait_ms"] = max(0, min(wait_ms, WAIT_MS_MAX))  # a longer wait: refused unsent
         return body
 
     def scan_page(

@@ -39,8 +39,7 @@ DigestOrEmpty = Annotated[bytes, Meta(max_length=types.DIGEST_BYTES)]
 Integer = Annotated[int, Meta(ge=INTEGER_MIN, le=INTEGER_MAX)]
 NonNegative = Annotated[int, Meta(ge=0, le=INTEGER_MAX)]
 Consistency = Literal["local", "read-your-writes", "linearizable"]
-WAIT_MS_MAX = 600_000  # the longest a node holds a read for its key (a client asks at most this)
-WaitMs = Annotated[int, Meta(ge=0, le=WAIT_MS_MAX)]
+WaitMs = Annotated[int, Meta(ge=0, le=types.WAIT_MS_MAX)]
 Row = Annotated[dict[Name, Any], Meta(max_length=1000)]
 NOT_UTF8 = "holds a string that is not UTF-8"
 
