@@ -76,11 +76,12 @@ class WriteOp(Struct, frozen=True, gc=False):
     row: dict[str, Any]
 
 
+WAIT_MS_MAX = 600_000  # the longest a node holds a read for its key (a client asks at most this)
+
 # --- op codec ---
 # An op is packed as the msgpack array [tag, field...] (on the wire, in the log, in digests): the op types
 # are those arrays (tagged array_like Structs declaring the wire's bounds); a WriteOp packs as a WriteRow.
 NAME_CHARS_MAX = 64  # tables, columns, shards, nodes
-WAIT_MS_MAX = 600_000  # the longest a node holds a read for its key (a client asks at most this)
 NAME_PATTERN = r"^[A-Za-z0-9_.\-]+\Z"  # the one name rule of the wire (rlog.schema is stricter for SQLite)
 ENDPOINT_CHARS_MAX = 255
 # tcp://host:port (a host name, IPv4 or bracketed IPv6 address); ipc:// for tests.
