@@ -138,6 +138,7 @@ from mnesite.core.versions import (
     PeerRefused,
     PeerVersions,
     cluster_version_of,
+    member_refusal,
 )
 from mnesite.core.watch import WatchRefusedError
 from mnesite.rlog import messages, range_requests, replication
@@ -1724,7 +1725,7 @@ class CoreNode(NodeServer):
             self.pending_changes,
             earlier[1] if earlier is not None else None,
             MEMBERS_LEARNED_MAX,
-            self.peer_versions.refusal(body.name),
+            member_refusal(self.peer_versions, body.name, self.store.cluster_version(driver.shard)),
         )
         if isinstance(route, rules.AwaitCommit):
             # A retry of a change already in the log: answered when (or since) it committed.

@@ -21,6 +21,7 @@ from mnesite.core.versions import (
     PeerVersions,
     cluster_version_of,
     cluster_version_to_propose,
+    member_refusal,
     watch_protocol_refusal,
 )
 from mnesite.core.watch import WatchRefusedError, check_watch_request
@@ -288,6 +289,37 @@ def test_a_core_that_cannot_be_spoken_with_is_not_added_to_the_membership(thread
         assert refused.value.code == "incompatible_version" and "cluster versions 3" in str(refused.value)
         assert client.members()["shards"]["default"]["members"] == ["core1"]
         assert client.status()["peer_versions"]["core9"]["compatible"] is False
+
+
+def test_a_core_that_cannot_read_the_shards_cluster_version_is_not_made_a_member() -> None:
+    peers = PeerVersions(THIS_RELEASE)
+    assert member_refusal(peers, "core4", 2) is None  # not heard yet: caught up as a learner first
+    peers.heard("core4", {}, 0)  # release 0.1.0: it shares cluster version 1 with this core
+    assert peers.refusal("core4") is None
+    assert member_refusal(peers, "core4", 1) is None
+    refused = member_refusal(peers, "core4", 2)
+    assert refused is not None and "release 0.1.0" in refused and "cluster version 2" in refused
+    peers.heard("core9", {"versions": NEWER.to_wire()}, 0)  # shares no version at all
+    assert member_refusal(peers, "core9", 1) == peers.refusal("core9")
+
+
+def test_a_release_0_1_0_core_is_not_added_to_a_shard_at_cluster_version_2(thread_node) -> None:
+    from mnesite.rlog.client import MnesiteError
+
+    from tests.conftest import wait_until
+
+    with thread_node.client() as client:
+        client.create_table("t", "id", [("id", "INTEGER")])
+        # One member, of this release: the shard moves to this release's highest cluster version.
+        wait_until(lambda: client.status()["cluster_version"] == 2, 10, "the shard to move to cluster version 2")
+        # What the probe of core4, of release 0.1.0, would have heard (an answer without versions).
+        thread_node.node.peer_versions.heard("core4", {}, 0)
+        assert client.status()["peer_versions"]["core4"]["compatible"] is True  # it shares version 1
+        with pytest.raises(MnesiteError) as refused:
+            client.change_membership("default", "add", "core4", "tcp://127.0.0.1:9")
+        assert refused.value.code == "incompatible_version"
+        assert "release 0.1.0" in str(refused.value) and "cluster version 2" in str(refused.value)
+        assert client.members()["shards"]["default"]["members"] == ["core1"]
 
 
 def test_a_proposal_is_not_repeated_while_in_flight_and_is_retried_when_lost() -> None:
