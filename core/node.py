@@ -76,6 +76,7 @@ from mnesite.core.consensus import (
     ForceStarted,
     ForceStartRefused,
     ForceStartRequested,
+    LearnerRefused,
     MembershipChangeRequested,
     MessageReceived,
     Persisted,
@@ -1659,6 +1660,13 @@ class CoreNode(NodeServer):
             status = driver.consensus.status()
             if status.role is not Role.SEQUENCER:
                 continue
+            if status.learner is not None:
+                # A core being added that the probes found unable to read the shard's log: refused now.
+                refused = member_refusal(self.peer_versions, status.learner, self.store.cluster_version(shard))
+                if refused is not None:
+                    log.warning("shard %s: core %s is not added: %s", shard, status.learner, refused)
+                    self._step(driver, LearnerRefused(status.learner, refused))
+                continue  # a change in flight: the cluster version waits for it
             target = self.cluster_version_proposals.due(
                 shard,
                 self.store.cluster_version(shard),

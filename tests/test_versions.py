@@ -322,6 +322,33 @@ def test_a_release_0_1_0_core_is_not_added_to_a_shard_at_cluster_version_2(threa
         assert client.members()["shards"]["default"]["members"] == ["core1"]
 
 
+def test_a_learner_the_probes_find_on_release_0_1_0_ends_its_change_at_once(thread_node) -> None:
+    import concurrent.futures
+
+    from mnesite.rlog.client import MnesiteError
+
+    from tests.conftest import wait_until
+
+    with thread_node.client() as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        client.create_table("t", "id", [("id", "INTEGER")])
+        wait_until(lambda: client.status()["cluster_version"] == 2, 10, "the shard to move to cluster version 2")
+
+        def add() -> dict:
+            with thread_node.client() as adding:
+                return adding.change_membership("default", "add", "core4", "tcp://127.0.0.1:9")
+
+        # Not heard before: core4 is caught up as a learner (its endpoint answers nothing).
+        change = pool.submit(add)
+        learner = lambda: client.members()["shards"]["default"]["learner"]  # noqa: E731
+        wait_until(lambda: learner() == "core4", 10, "core4 to be the shard's learner")
+        # Then a probe hears it: release 0.1.0, which cannot read the shard at cluster version 2.
+        thread_node.node.peer_versions.heard("core4", {}, 0)
+        with pytest.raises(MnesiteError) as refused:
+            change.result(timeout=30)
+        assert refused.value.code == "incompatible_version"
+        assert learner() is None and client.members()["shards"]["default"]["members"] == ["core1"]
+
+
 def test_a_proposal_is_not_repeated_while_in_flight_and_is_retried_when_lost() -> None:
     from mnesite.core.versions import CLUSTER_VERSION_RETRY_MS, ClusterVersionProposals
 
