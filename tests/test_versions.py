@@ -210,6 +210,16 @@ def test_the_storage_format_moves_with_the_cluster_version_entry_in_the_same_tra
     assert storage_refusal("x", "p") == "p: not a mnesite database of a known storage format (found 'x')"
 
 
+def test_one_shards_entry_moves_the_whole_directory_while_another_shard_stays_at_1(tmp_path: Path) -> None:
+    # Why docs/operations/upgrades.md names the storage format, not a core's (lowest) cluster version,
+    # as the condition of a roll back.
+    store = _store_with_a_row(tmp_path / "mnesite.db")
+    with store.write_transaction():
+        store.apply_ops((ClusterVersionOp("other", 2),))
+    assert store.cluster_version("default") == 1 and store.storage_format() == 2
+    store.close()
+
+
 def test_a_backup_carries_its_format_and_a_newer_one_is_refused_by_restore(tmp_path: Path) -> None:
     path = tmp_path / "backup.db"
     store = _store_with_a_row(path)
