@@ -28,7 +28,7 @@ from mnesite.core.watch import WatchRefusedError, check_watch_request
 from mnesite.rlog import messages
 from mnesite.rlog.backup import BACKUP_META, BackupError, restore
 from mnesite.rlog.messages import PROTOCOL_VERSION
-from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, journal_answer
+from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, journal_answer, unreadable_log
 from mnesite.rlog.store import FORMAT_VERSION, Store, StoreError
 from mnesite.rlog.types import ClusterVersionOp, Entry, TxKey, decode_op, make_entry, pack_ops
 from mnesite.rlog.versions import (
@@ -153,6 +153,16 @@ def test_a_replicant_names_the_protocol_both_speak_and_follows_only_a_log_it_rea
     # A core this replicant shares no cluster version with never qualifies, nor a malformed announcement.
     assert journal_answer({**answer, "versions": NEWER.to_wire()}, "default") is None
     assert journal_answer({**answer, "versions": {"software": 7}}, "default") is None
+
+
+def test_a_replicant_says_why_it_cannot_follow_a_core_that_answered() -> None:
+    answer = {"shards": {"default": {"committed": [1, 5], "hears_sequencer": True, "agents": 0, "cluster_version": 2}}}
+    assert unreadable_log(answer, "default", THIS_RELEASE) is None
+    assert unreadable_log({}, "default", THIS_RELEASE) is None  # no answer about the shard: nothing to say
+    at_2 = unreadable_log(answer, "default", RELEASE_0_1_0)
+    assert at_2 is not None and "at cluster version 2" in at_2 and "upgrade this replicant" in at_2
+    newer = unreadable_log({**answer, "versions": NEWER.to_wire()}, "default", THIS_RELEASE)
+    assert newer is not None and "release 9.0.0" in newer and "cannot speak with it" in newer
 
 
 def test_a_core_serves_a_watch_only_with_a_protocol_that_reads_its_log() -> None:
