@@ -107,7 +107,8 @@ and executes the effects it returns.
   it ends its exclusion. If its log holds committed entries the forced sequencer lacks, the append
   would replace them and ``ConsensusInvariantError`` stops the shard there: rebuild it (empty data
   directory) and add it again.
-* Membership changes: see ``core.membership`` (one core at a time, through the log).
+* Membership changes: see ``core.membership`` (one core at a time, through the log). A learner the
+  driver's version probes find unable to read the shard's log is dropped at once (``LearnerRefused``).
 * Full disk (``rlog.disk``). The driver steps ``DiskFull`` when a write failed for want of space
   (after rebuilding the machine from disk: what the failed turn did is gone) and ``DiskFreed`` once a
   probe wrote durably again. Meanwhile this core can persist nothing, so it takes no part that
@@ -447,6 +448,17 @@ class MembershipChangeRequested:
     request_id: str | None = None
 
 
+@dataclass(frozen=True)
+class LearnerRefused:
+    """The driver's probes found that ``name``, the learner of a change, cannot read the shard's log
+    (``core.versions.member_refusal``: ``reason``): the change is refused now (``ProposalRejected``
+    with ``membership.REJECT_INCOMPATIBLE_VERSION``) and the learner is sent nothing more, instead of
+    a log it cannot decode until the catch-up deadline. Any other name: nothing happens."""
+
+    name: str
+    reason: str
+
+
 Event = (
     Ticked
     | MessageReceived
@@ -457,6 +469,7 @@ Event = (
     | SnapshotRequested
     | ForceStartRequested
     | MembershipChangeRequested
+    | LearnerRefused
     | DiskFull
     | DiskFreed
 )
@@ -912,6 +925,8 @@ class ShardConsensus:
             self._force_start(event.reached, event.last_keys, event.rows_lost)
         elif isinstance(event, MembershipChangeRequested):
             self._on_membership_change(event)
+        elif isinstance(event, LearnerRefused):
+            self._on_learner_refused(event.name)
         else:
             raise TypeError(f"not a consensus event: {event!r}")
         out, self._out = self._out, []
@@ -951,6 +966,8 @@ class ShardConsensus:
         elif isinstance(event, ForceStartRequested):
             reached = tuple(sorted(name for name, _ in event.reached))
             self._out.append(ForceStartRefused(f"the disk of {self.name} is full", reached, self._members))
+        elif isinstance(event, LearnerRefused):
+            self._on_learner_refused(event.name)  # nothing to persist: the change ends all the same
         elif not isinstance(event, (Ticked, MessageReceived, BatchEnded, Persisted, SnapshotRequested)):
             raise TypeError(f"not a consensus event: {event!r}")
 
@@ -1881,6 +1898,14 @@ class ShardConsensus:
         self._learner = _Learner(event.name, event.endpoint, event.request_id, self._now_ms)
         self._progress[event.name] = _Progress(sent_key=self._last_key, last_heard_ms=self._now_ms)
         self._send_append(event.name, heartbeat=True)
+
+    def _on_learner_refused(self, name: str) -> None:
+        learner = self._learner
+        if learner is None or learner.name != name:
+            return
+        self._learner = None
+        self._progress.pop(learner.name, None)
+        self._out.append(ProposalRejected(learner.request_id, membership.REJECT_INCOMPATIBLE_VERSION, self.name))
 
     def _check_learner(self) -> None:
         learner = self._learner

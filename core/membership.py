@@ -53,6 +53,9 @@ REJECT_NOT_MEMBER = "not_member"
 REJECT_TOO_MANY_MEMBERS = "too_many_members"
 REJECT_LAST_MEMBER = "last_member"
 REJECT_CATCH_UP_TIMEOUT = "catch_up_timeout"
+# The core being added cannot read the shard's log (core.versions.member_refusal): the operator's
+# `cluster add-core` is refused with the same code before it starts, when the probes heard the core.
+REJECT_INCOMPATIBLE_VERSION = "incompatible_version"
 # Answers that mean "the membership already is what was asked": a retried change reports success.
 ALREADY_DONE = frozenset({REJECT_ALREADY_MEMBER, REJECT_NOT_MEMBER})
 

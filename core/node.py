@@ -76,6 +76,7 @@ from mnesite.core.consensus import (
     ForceStarted,
     ForceStartRefused,
     ForceStartRequested,
+    LearnerRefused,
     MembershipChangeRequested,
     MessageReceived,
     Persisted,
@@ -139,6 +140,7 @@ from mnesite.core.versions import (
     PeerRefused,
     PeerVersions,
     cluster_version_of,
+    member_refusal,
 )
 from mnesite.core.watch import WatchRefusedError
 from mnesite.rlog import messages, range_requests, replication
@@ -1672,6 +1674,13 @@ class CoreNode(NodeServer):
             status = driver.consensus.status()
             if status.role is not Role.SEQUENCER:
                 continue
+            if status.learner is not None:
+                # A core being added that the probes found unable to read the shard's log: refused now.
+                refused = member_refusal(self.peer_versions, status.learner, self.store.cluster_version(shard))
+                if refused is not None:
+                    log.warning("shard %s: core %s is not added: %s", shard, status.learner, refused)
+                    self._step(driver, LearnerRefused(status.learner, refused))
+                continue  # a change in flight: the cluster version waits for it
             target = self.cluster_version_proposals.due(
                 shard,
                 self.store.cluster_version(shard),
@@ -1738,7 +1747,7 @@ class CoreNode(NodeServer):
             self.pending_changes,
             earlier[1] if earlier is not None else None,
             MEMBERS_LEARNED_MAX,
-            self.peer_versions.refusal(body.name),
+            member_refusal(self.peer_versions, body.name, self.store.cluster_version(driver.shard)),
         )
         if isinstance(route, rules.AwaitCommit):
             # A retry of a change already in the log: answered when (or since) it committed.

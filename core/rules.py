@@ -349,7 +349,8 @@ def admit_membership_change(
     incompatible: str | None = None,
 ) -> MembershipRoute:
     """An operator's change at the sequencer (``core.membership`` decides whether the machine takes it).
-    ``incompatible``: why this core cannot speak with the core to add, if it cannot (``core.versions``)."""
+    ``incompatible``: why the core to add may not be a member of the shard, if it may not
+    (``core.versions.member_refusal``: this core cannot speak with it, or it cannot read the shard's log)."""
     if request_id in pending:
         return StillPending()
     if earlier_key is not None:

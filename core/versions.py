@@ -232,6 +232,23 @@ def cluster_version_to_propose(
     return target
 
 
+def member_refusal(peers: PeerVersions, peer: str, cluster_version: int) -> str | None:
+    """Why ``peer`` must not be added to a shard at ``cluster_version`` (None: it may, or it has not
+    been heard yet, and is caught up as a learner first): this core cannot speak with it at all, or
+    it does not speak the shard's cluster version. Sharing version 1 is not enough once the shard
+    moved to 2: the log it would be sent holds the cluster version entry, and the runs written
+    since, which release 0.1.0 cannot decode; the version never moves back for it."""
+    record = peers.peers.get(peer)
+    if record is None or record.refused_reason is not None:
+        return None if record is None else record.refused_reason
+    if record.announcement.speaks(cluster_version):
+        return None
+    return (
+        f"it speaks {record.announcement.describe()}; the shard is at cluster version {cluster_version}, "
+        "whose log it cannot read: upgrade it first"
+    )
+
+
 def watch_protocol_refusal(protocol: int, cluster_version: int, own: Announcement) -> str | None:
     """Why a replicant's watch naming replication ``protocol`` is refused by a core whose shard is at
     ``cluster_version`` (None: it is served). A replicant follows only a core whose log it can read:

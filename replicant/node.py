@@ -118,6 +118,8 @@ class Probe:
     cores: tuple[str, ...]
     answers: dict[str, p.JournalAnswer | None]
     deadline_ms: int
+    # Cores that answered with a log this replicant cannot read, and why (``rlog.replication.unreadable_log``).
+    unreadable: dict[str, str] = field(default_factory=dict)
 
 
 class ReplicantNode(NodeServer):
@@ -483,6 +485,9 @@ class ReplicantNode(NodeServer):
                 return
             self._note_versions(pending.core, result)
             probe.answers[pending.core] = p.journal_answer(result, replica.shard, self.versions)
+            unreadable = p.unreadable_log(result, replica.shard, self.versions)
+            if unreadable is not None:
+                probe.unreadable[pending.core] = unreadable
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
@@ -544,7 +549,7 @@ class ReplicantNode(NodeServer):
         if probe is None:
             return
         ages = tuple((core, probe.answers.get(core)) for core in probe.cores)
-        self._step(replica, p.JournalsReceived(ages))
+        self._step(replica, p.JournalsReceived(ages, tuple(sorted(probe.unreadable.items()))))
 
     def _expire(self, now: int) -> None:
         for request_id in [r for r, pending in self.pending.items() if pending.deadline_ms <= now]:

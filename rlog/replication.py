@@ -33,7 +33,14 @@ from dataclasses import dataclass
 
 from mnesite.rlog.messages import JournalShardAnswer, answer_as
 from mnesite.rlog.types import Entry, PackedEntry, TxKey
-from mnesite.rlog.versions import THIS_RELEASE, Announcement, announcement_of, can_speak, log_readable
+from mnesite.rlog.versions import (
+    THIS_RELEASE,
+    Announcement,
+    announcement_of,
+    can_speak,
+    incompatibility,
+    log_readable,
+)
 
 # The highest replication protocol this release speaks (rlog.versions: 1 is release 0.1.0's; 2 reads
 # cluster version entries). A replicant names the one it shares with each core (replication_protocol_for).
@@ -73,7 +80,7 @@ def journal_answer(result: object, shard: str, own: Announcement = THIS_RELEASE)
     shard or the answer is malformed there (the reply is untrusted input: it never raises), and None
     for a core this replicant (speaking ``own``) shares no cluster version with, or whose log of the
     shard is at a cluster version it cannot read: a replicant follows only a core whose log it reads
-    (``rlog.versions``)."""
+    (``rlog.versions``; ``unreadable_log`` says why, for the replica's status)."""
     announcement = announcement_of(result)
     if announcement is None or not can_speak(own, announcement):
         return None  # a malformed announcement, or a core this replicant cannot speak with at all
@@ -82,6 +89,25 @@ def journal_answer(result: object, shard: str, own: Announcement = THIS_RELEASE)
     if info is None or not log_readable(info.cluster_version, own):
         return None
     return JournalAnswer(info.committed, info.hears_sequencer, info.agents)
+
+
+def unreadable_log(result: object, shard: str, own: Announcement = THIS_RELEASE) -> str | None:
+    """Why a core that answered is not followed for ``shard`` because of versions (None: not for that):
+    ``journal_answer``'s two refusals in words, so that a replica's status does not say that a core
+    which answered "did not answer" (``JournalsReceived.unreadable``)."""
+    announcement = announcement_of(result)
+    if announcement is None:
+        return None
+    if not can_speak(own, announcement):
+        return f"this replicant cannot speak with it: {incompatibility(own, announcement)}"
+    shards = result.get("shards") if isinstance(result, dict) else None
+    info = answer_as(shards.get(shard), JournalShardAnswer) if isinstance(shards, dict) else None
+    if info is None or log_readable(info.cluster_version, own):
+        return None
+    return (
+        f"its log of shard {shard} is at cluster version {info.cluster_version}, which this replicant "
+        f"({own.describe()}) cannot read: upgrade this replicant"
+    )
 
 
 # ---------------------------------------------------------------- replica events
@@ -95,9 +121,12 @@ class Ticked:
 
 @dataclass(frozen=True)
 class JournalsReceived:
-    """Answers to ``ProbeJournals``; ``None`` for a core that did not answer in time."""
+    """Answers to ``ProbeJournals``; ``None`` for a core that did not answer in time, or whose answer
+    cannot be followed: ``unreadable`` names those that answered with a log this replicant cannot
+    read, and why (``unreadable_log``), for the status."""
 
     ages: tuple[tuple[str, JournalAnswer | None], ...]
+    unreadable: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

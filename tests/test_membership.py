@@ -17,6 +17,7 @@ from mnesite.core.consensus import (
     Commit,
     ExclusionNotice,
     ForceStartRequested,
+    LearnerRefused,
     MembershipChangeRequested,
     Persisted,
     PersistEntries,
@@ -186,6 +187,28 @@ def test_a_learner_that_never_catches_up_is_refused_after_the_deadline():
         refusals = of_type(harness.step(Ticked(), now), ProposalRejected)
     assert refusals == [ProposalRejected("m1", membership.REJECT_CATCH_UP_TIMEOUT, "a")]
     assert harness.machine.members == ("a", "b", "c") and harness.machine.status().learner is None
+
+
+def test_a_learner_the_probes_find_unable_to_read_the_shard_is_refused_at_once_and_sent_nothing_more():
+    harness = TurnHarness()
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    harness.step(MembershipChangeRequested("d", add=True, endpoint="tcp://127.0.0.1:7", request_id="m1"))
+    assert harness.machine.status().learner == "d"
+    # Another core's learner, or none at all: nothing happens.
+    assert harness.step(LearnerRefused("e", "it speaks release 0.1.0")) == []
+    effects = harness.step(LearnerRefused("d", "it speaks release 0.1.0"))
+    assert of_type(effects, ProposalRejected) == [ProposalRejected("m1", membership.REJECT_INCOMPATIBLE_VERSION, "a")]
+    assert harness.machine.status().learner is None and harness.machine.members == ("a", "b", "c")
+    # Nothing more is sent to it: heartbeats go to the members only.
+    now = harness.now_ms
+    for _ in range(5):
+        now += CONFIG.heartbeat_interval_ms
+        harness.ack("b", TxKey(1, 1))  # a majority keeps answering: the sequencer does not fence itself
+        assert "d" not in [to for to, _ in sends(harness.step(Ticked(), now), AppendRequest)]
+    # A change can be asked again (the core may come back on a release that reads the shard).
+    harness.step(MembershipChangeRequested("d", add=True, endpoint="tcp://127.0.0.1:7", request_id="m2"))
+    assert harness.machine.status().learner == "d"
 
 
 def test_a_follower_uses_an_uncommitted_membership_entry_and_drops_it_with_a_truncation():

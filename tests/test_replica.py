@@ -73,6 +73,17 @@ def ages(committed: int = 30, **overrides) -> JournalsReceived:
     return JournalsReceived(tuple(values.items()))
 
 
+def test_a_replica_says_why_no_core_qualifies_when_the_cores_answered_with_logs_it_cannot_read() -> None:
+    machine = replica()
+    assert of(machine.step(Ticked(), 0), ProbeJournals)
+    why = "its log of shard s is at cluster version 3, which this replicant cannot read"
+    unreadable = tuple((core, why) for core in CORES[1:])
+    machine.step(JournalsReceived(tuple((core, None) for core in CORES), unreadable), 0)
+    error = machine.status().last_error
+    assert f"{CORES[0]} did not answer" in error
+    assert all(f"{core} answered, but {why}" in error and f"{core} did not answer" not in error for core in CORES[1:])
+
+
 def of(effects, kind) -> list:
     return [effect for effect in effects if isinstance(effect, kind)]
 

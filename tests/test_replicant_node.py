@@ -806,3 +806,30 @@ def test_a_read_waiting_for_a_key_the_replicant_never_reaches_gets_its_timeout_a
             replicant.request_stop("the test ended")
             thread.join(timeout=10)
         core.stop()
+
+
+def test_a_replicant_whose_cores_answer_with_logs_it_cannot_read_says_so_not_that_they_are_silent(tmp_path) -> None:
+    """Its status said "core1 did not answer" of a core that answered with a log at a cluster version
+    this replicant does not read (rlog.versions): the operator looked for a network fault instead of
+    upgrading the replicant. The probe now keeps why (rlog.replication.unreadable_log)."""
+    from mnesite.replicant.node import Pending, Probe
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        shard = {"committed": [1, 1], "hears_sequencer": True, "agents": 0}
+        node._on_answer(
+            Pending("discover", "core1", node.clock_ms() + 1000), messages.reply("d", {"shards": {"s": shard}})
+        )
+        replica = node.replicas["s"]
+        # It probes the cores' journals (the machine's effect; the driver's probe, without a socket).
+        (probe,) = [e for e in replica.step(p.Ticked(), node.clock_ms()) if isinstance(e, p.ProbeJournals)]
+        node.probes["s"] = Probe(probe.cores, {}, node.clock_ms() + 1000)
+        newer = {"shards": {"s": {**shard, "cluster_version": 3}}}
+        node._on_answer(Pending("probe", "core1", node.clock_ms() + 1000, "s"), messages.reply("j", newer))
+        error = replica.status().last_error
+        assert "core1 did not answer" not in error
+        assert "core1 answered, but its log of shard s is at cluster version 3" in error
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()

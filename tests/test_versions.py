@@ -21,13 +21,14 @@ from mnesite.core.versions import (
     PeerVersions,
     cluster_version_of,
     cluster_version_to_propose,
+    member_refusal,
     watch_protocol_refusal,
 )
 from mnesite.core.watch import WatchRefusedError, check_watch_request
 from mnesite.rlog import messages
 from mnesite.rlog.backup import BACKUP_META, BackupError, restore
 from mnesite.rlog.messages import PROTOCOL_VERSION
-from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, journal_answer
+from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, journal_answer, unreadable_log
 from mnesite.rlog.store import FORMAT_VERSION, Store, StoreError
 from mnesite.rlog.types import ClusterVersionOp, Entry, TxKey, decode_op, make_entry, pack_ops
 from mnesite.rlog.versions import (
@@ -154,6 +155,16 @@ def test_a_replicant_names_the_protocol_both_speak_and_follows_only_a_log_it_rea
     assert journal_answer({**answer, "versions": {"software": 7}}, "default") is None
 
 
+def test_a_replicant_says_why_it_cannot_follow_a_core_that_answered() -> None:
+    answer = {"shards": {"default": {"committed": [1, 5], "hears_sequencer": True, "agents": 0, "cluster_version": 2}}}
+    assert unreadable_log(answer, "default", THIS_RELEASE) is None
+    assert unreadable_log({}, "default", THIS_RELEASE) is None  # no answer about the shard: nothing to say
+    at_2 = unreadable_log(answer, "default", RELEASE_0_1_0)
+    assert at_2 is not None and "at cluster version 2" in at_2 and "upgrade this replicant" in at_2
+    newer = unreadable_log({**answer, "versions": NEWER.to_wire()}, "default", THIS_RELEASE)
+    assert newer is not None and "release 9.0.0" in newer and "cannot speak with it" in newer
+
+
 def test_a_core_serves_a_watch_only_with_a_protocol_that_reads_its_log() -> None:
     assert watch_protocol_refusal(1, 1, THIS_RELEASE) is None
     assert watch_protocol_refusal(2, 1, THIS_RELEASE) is None
@@ -207,6 +218,16 @@ def test_the_storage_format_moves_with_the_cluster_version_entry_in_the_same_tra
     ):
         Store(str(path), synchronous="NORMAL", formats_read=(1,))
     assert storage_refusal("x", "p") == "p: not a mnesite database of a known storage format (found 'x')"
+
+
+def test_one_shards_entry_moves_the_whole_directory_while_another_shard_stays_at_1(tmp_path: Path) -> None:
+    # Why docs/operations/upgrades.md names the storage format, not a core's (lowest) cluster version,
+    # as the condition of a roll back.
+    store = _store_with_a_row(tmp_path / "mnesite.db")
+    with store.write_transaction():
+        store.apply_ops((ClusterVersionOp("other", 2),))
+    assert store.cluster_version("default") == 1 and store.storage_format() == 2
+    store.close()
 
 
 def test_a_backup_carries_its_format_and_a_newer_one_is_refused_by_restore(tmp_path: Path) -> None:
@@ -288,6 +309,64 @@ def test_a_core_that_cannot_be_spoken_with_is_not_added_to_the_membership(thread
         assert refused.value.code == "incompatible_version" and "cluster versions 3" in str(refused.value)
         assert client.members()["shards"]["default"]["members"] == ["core1"]
         assert client.status()["peer_versions"]["core9"]["compatible"] is False
+
+
+def test_a_core_that_cannot_read_the_shards_cluster_version_is_not_made_a_member() -> None:
+    peers = PeerVersions(THIS_RELEASE)
+    assert member_refusal(peers, "core4", 2) is None  # not heard yet: caught up as a learner first
+    peers.heard("core4", {}, 0)  # release 0.1.0: it shares cluster version 1 with this core
+    assert peers.refusal("core4") is None
+    assert member_refusal(peers, "core4", 1) is None
+    refused = member_refusal(peers, "core4", 2)
+    assert refused is not None and "release 0.1.0" in refused and "cluster version 2" in refused
+    peers.heard("core9", {"versions": NEWER.to_wire()}, 0)  # shares no version at all
+    assert member_refusal(peers, "core9", 1) == peers.refusal("core9")
+
+
+def test_a_release_0_1_0_core_is_not_added_to_a_shard_at_cluster_version_2(thread_node) -> None:
+    from mnesite.rlog.client import MnesiteError
+
+    from tests.conftest import wait_until
+
+    with thread_node.client() as client:
+        client.create_table("t", "id", [("id", "INTEGER")])
+        # One member, of this release: the shard moves to this release's highest cluster version.
+        wait_until(lambda: client.status()["cluster_version"] == 2, 10, "the shard to move to cluster version 2")
+        # What the probe of core4, of release 0.1.0, would have heard (an answer without versions).
+        thread_node.node.peer_versions.heard("core4", {}, 0)
+        assert client.status()["peer_versions"]["core4"]["compatible"] is True  # it shares version 1
+        with pytest.raises(MnesiteError) as refused:
+            client.change_membership("default", "add", "core4", "tcp://127.0.0.1:9")
+        assert refused.value.code == "incompatible_version"
+        assert "release 0.1.0" in str(refused.value) and "cluster version 2" in str(refused.value)
+        assert client.members()["shards"]["default"]["members"] == ["core1"]
+
+
+def test_a_learner_the_probes_find_on_release_0_1_0_ends_its_change_at_once(thread_node) -> None:
+    import concurrent.futures
+
+    from mnesite.rlog.client import MnesiteError
+
+    from tests.conftest import wait_until
+
+    with thread_node.client() as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        client.create_table("t", "id", [("id", "INTEGER")])
+        wait_until(lambda: client.status()["cluster_version"] == 2, 10, "the shard to move to cluster version 2")
+
+        def add() -> dict:
+            with thread_node.client() as adding:
+                return adding.change_membership("default", "add", "core4", "tcp://127.0.0.1:9")
+
+        # Not heard before: core4 is caught up as a learner (its endpoint answers nothing).
+        change = pool.submit(add)
+        learner = lambda: client.members()["shards"]["default"]["learner"]  # noqa: E731
+        wait_until(lambda: learner() == "core4", 10, "core4 to be the shard's learner")
+        # Then a probe hears it: release 0.1.0, which cannot read the shard at cluster version 2.
+        thread_node.node.peer_versions.heard("core4", {}, 0)
+        with pytest.raises(MnesiteError) as refused:
+            change.result(timeout=30)
+        assert refused.value.code == "incompatible_version"
+        assert learner() is None and client.members()["shards"]["default"]["members"] == ["core1"]
 
 
 def test_a_proposal_is_not_repeated_while_in_flight_and_is_retried_when_lost() -> None:
