@@ -156,6 +156,7 @@ from mnesite.rlog.schema import (
     TableSchema,
     schema_ops_toward,
 )
+from mnesite.rlog.security import NodeSecurity
 from mnesite.rlog.server import (
     STOPPING,
     NodeServer,
@@ -759,6 +760,14 @@ class CoreNode(NodeServer):
                 self.reply(envelope, messages.error(request_id, STOPPING, reason))
             for failure in driver.tail.abandoned():
                 self.reply(failure.envelope, messages.error(failure.request_id, STOPPING, reason))
+
+    def security_reloaded(self, security: NodeSecurity) -> None:
+        """A watch is checked once, when it arrives, and its agent pushes on this core's own connection:
+        without this, a replicant whose key or role the reload revoked kept receiving every commit until
+        its agent's window filled or its acknowledgements timed out."""
+        stopped = self.agent_server.stop_replicants(lambda replicant: security.allows(replicant, "watch"))
+        if stopped:
+            log.warning("SIGHUP: stopped the agents of %s: no longer allowed to watch", ", ".join(stopped))
 
     def disk_freed(self) -> None:
         for driver in list(self.shards.values()):

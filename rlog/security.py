@@ -18,7 +18,9 @@ those handshake failures from a socket monitor.
 in one assignment each, so the ZAP thread and the node thread never see half a table. Because the
 principal is looked up per frame, not fixed at the handshake, a key removed (or replaced) by a
 reload stops working on the connections it already holds too: their frames have no principal and
-are refused (``REVOKED``).
+are refused (``REVOKED``). State a revoked principal set up before the reload and that needs no
+frame of its own to go on (a replicant's watch: its core pushes on its own connection) is ended by
+the node at the reload (``NodeSecurity.allows``, ``Server.security_reloaded``).
 """
 
 from __future__ import annotations
@@ -252,6 +254,12 @@ class NodeSecurity:
         self.authorized, self.roles = authorized, roles
         self.reloads += 1
         _warn_roles_without_keys(roles, authorized)
+
+    def allows(self, principal: str, kind: str) -> bool:
+        """Whether ``principal`` may send ``kind`` now: it has a key in the current authorized_keys and
+        a role that allows the kind. What a reload asks of the senders of standing state (a watch's
+        agents), which no new frame of theirs re-checks."""
+        return principal in self.authorized.values() and self.roles.refusal(principal, kind) is None
 
     def principal_of(self, frame: zmq.Frame) -> str:
         """The principal of ``frame``'s authenticated key (its ZAP user id) in the current

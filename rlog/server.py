@@ -353,6 +353,11 @@ class NodeServer:
             log.error("SIGHUP: keeping the current keys and roles: %s", error)
             return
         log.info("SIGHUP: reloaded %d authorized keys and the roles", len(self.security.authorized))
+        self.security_reloaded(self.security)
+
+    def security_reloaded(self, security: NodeSecurity) -> None:
+        """Hook: ``authorized_keys`` and the roles were reloaded; end what a principal they no longer
+        allow set up before (``NodeSecurity.allows``). Frames are checked one by one already."""
 
     def receive(self) -> tuple[list[bytes], bytes, str] | None:
         """One waiting ROUTER request: (envelope, frame, principal); None when nothing waits.

@@ -22,10 +22,10 @@ from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated
 from mnesite.rlog.config import ConfigError, load_config, parse_config
 from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
-from mnesite.rlog.security import SecurityError, configure_client, generate_keys, load_key
+from mnesite.rlog.security import SecurityError, configure_client, configure_server, generate_keys, load_key
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, wait_until, watch_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -429,3 +429,51 @@ def test_a_role_given_to_a_principal_without_a_key_is_logged_at_start_and_reload
     with caplog.at_level("WARNING", logger="mnesite.security"):
         security.reload(config({"core": ("core1",), "admin": ("ops",)}))
     assert caplog.records == []
+
+
+@pytest.mark.parametrize("revoked", ["key", "role"])
+def test_sighup_stops_the_agents_of_a_replicant_whose_key_or_role_it_revoked(secure_node, keys: Path, revoked) -> None:
+    """A revoked replicant's frames are refused after the reload, but the agent its watch created kept
+    pushing it every new commit (the core is the CurveZMQ client of those pushes, so no frame of the
+    replicant's is needed for them) until its window filled or its acknowledgement timeout ran out.
+    The reload must stop the agents of a replicant that may no longer watch."""
+    with secure_node.client("ops") as admin:
+        admin.create_table("kv", "id", [("id", "INTEGER")])
+    context = zmq.Context.instance()
+    cluster_key = load_key(str(keys / "cluster.key_secret"), "key", secret=True)
+    receiver = context.socket(zmq.ROUTER)  # the replicant's endpoint, where the core pushes
+    receiver.setsockopt(zmq.LINGER, 0)
+    configure_server(receiver, cluster_key)
+    requests = context.socket(zmq.DEALER)  # the replicant's connection to the core
+    requests.setsockopt(zmq.LINGER, 0)
+    configure_client(requests, load_key(str(keys / "replicant1.key_secret"), "key", secret=True), cluster_key.public)
+    try:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        receiver.bind(endpoint)
+        requests.connect(secure_node.endpoint)
+        requests.send(messages.encode(Message("watch", "w1", watch_body("replicant1", endpoint, watch_id="w1"))))
+        assert requests.poll(5000), "the core did not answer the watch"
+        assert messages.decode(requests.recv()).kind == "reply"
+        assert receiver.poll(5000), "the core pushed nothing to the watch's endpoint"
+        push = messages.decode(receiver.recv_multipart()[-1])
+        assert push.kind == "push"
+        # A live replicant: acknowledge what was read (echoing the push's token), so only the reload can stop it.
+        ack = {"shard": "default", "agent": push.body.agent, "applied": push.body.committed, "token": push.body.token}
+        requests.send(messages.encode(Message("push_ack", "ack", ack)))
+
+        def acknowledged() -> bool:
+            with secure_node.client("ops") as admin:
+                return [agent["acked"] for agent in admin.status()["agents"]] == [list(push.body.committed)]
+
+        wait_until(acknowledged, 5, "the agent to take the acknowledgement")
+        if revoked == "key":
+            (keys.parent / "authorized" / "replicant1.key").unlink()
+        else:
+            secure_node.write_config({**ROLES_WITH_READER, "replicant": []})
+        secure_node.node.reload_requested.set()  # what the SIGHUP handler does
+        wait_until(lambda: secure_node.security()["reloads"] == 1, 10, "the reload")
+        with secure_node.client("ops") as admin:
+            assert admin.status()["agents"] == [], "the revoked replicant's agent outlived the reload"
+    finally:
+        receiver.close(0)
+        requests.close(0)
