@@ -77,6 +77,21 @@ def test_keys_generate_writes_a_public_key_and_a_private_secret_and_never_overwr
     assert bad.exit_code == 1 and "NAME must be" in bad.output
 
 
+@pytest.mark.parametrize("file_name", ["app.key", "app.key_secret"])
+def test_keys_generate_never_writes_through_a_symbolic_link(tmp_path: Path, file_name: str) -> None:
+    """A dangling link in the key directory (a shared or someone else's directory) did not count as an
+    existing file: the secret key was written wherever the link pointed, in a file its owner can place."""
+    directory = tmp_path / "k"
+    directory.mkdir()
+    target = tmp_path / "elsewhere" / "stolen"
+    target.parent.mkdir()
+    (directory / file_name).symlink_to(target)
+    result = CliRunner().invoke(main, ["keys", "generate", "app", "--dir", str(directory)])
+    assert result.exit_code == 1 and "exists already" in result.output, result.output
+    assert not target.exists()
+    assert sorted(os.listdir(directory)) == [file_name]
+
+
 # ---------------------------------------------------------------- config
 
 
