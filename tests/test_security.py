@@ -492,3 +492,34 @@ def test_sighup_stops_the_agents_of_a_replicant_whose_key_or_role_it_revoked(sec
     finally:
         receiver.close(0)
         requests.close(0)
+
+
+def test_only_a_core_key_puts_its_peer_frames_ahead_of_the_turn_budget(tmp_path: Path, keys: Path) -> None:
+    """Frames that look like a consensus message are handled first and outside the turn's byte and
+    time budget (DESIGN invariant 11). The look is the frame's first bytes, which any client can write:
+    a writer (or a replicant) could make every frame of its own a forged peer frame of up to
+    frame_bytes_max and have all of them decoded in one turn, holding back the cores' heartbeats.
+    With [security] only a core's key buys that place; the others' frames wait in the budget."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config_path = tmp_path / "core1.toml"
+    config_path.write_text(
+        f'[node]\nname = "core1"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
+        f'[cluster]\ncore_nodes = {{ core1 = "{endpoint}" }}\n[limits]\nturn_bytes_max = 1024\n'
+        + security_toml(keys, ROLES_WITH_READER)
+    )
+    node = CoreNode(load_config(str(config_path)))
+    try:
+        forged = b"\x94\x01\xa4peer" + b"x" * 1500  # over the turn's budget on its own (turn_bytes_max 1024)
+        waiting = [([b"app"], forged, "app"), ([b"replicant1"], forged, "replicant1"), ([b"core1"], forged, "core1")]
+
+        def receive() -> tuple[list[bytes], bytes, str]:
+            if not waiting:
+                raise zmq.Again()
+            return waiting.pop(0)
+
+        node.receive = receive  # type: ignore[method-assign]
+        handled = [principal for _, _, principal in node.receive_frames(lambda: 0)]
+        assert handled == ["core1"]  # first, and it spent the turn's budget: the others wait for the next turn
+        assert [principal for _, _, principal in node._backlog] == ["app", "replicant1"]
+    finally:
+        node.close()
