@@ -39,7 +39,7 @@ their endpoints' sockets), and the agent is ticked again to push in the room mad
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,6 +327,14 @@ class AgentServer:
         for agent_id, watch in list(self.watches.items()):
             if watch.shard == shard and watch_protocol_refusal(watch.protocol, cluster_version, own) is not None:
                 self._forget(agent_id, drop_frames=True)
+
+    def stop_replicants(self, may_watch: Callable[[str], bool]) -> list[str]:
+        """Forget every agent whose replicant ``may_watch`` refuses now (its key or role was revoked);
+        return those replicants' names, sorted."""
+        stopped = {w.replicant for w in self.watches.values() if not may_watch(w.replicant)}
+        for agent_id in [a for a, w in self.watches.items() if w.replicant in stopped]:
+            self._forget(agent_id, drop_frames=True)
+        return sorted(stopped)
 
     def stop_shard(self, shard: str) -> None:
         """Forget every agent of ``shard`` (its log was replaced: their positions mean nothing there)."""

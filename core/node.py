@@ -158,6 +158,7 @@ from mnesite.rlog.schema import (
     TableSchema,
     schema_ops_toward,
 )
+from mnesite.rlog.security import NodeSecurity
 from mnesite.rlog.server import (
     STOPPING,
     NodeServer,
@@ -762,6 +763,23 @@ class CoreNode(NodeServer):
             for failure in driver.tail.abandoned():
                 self.reply(failure.envelope, messages.error(failure.request_id, STOPPING, reason))
 
+    def urgent(self, frame: bytes, principal: str) -> bool:
+        """A peer message (``is_peer_frame``) from a core: with [security], from a key with the core
+        role. The look at the frame's first bytes is all a client needs to forge; without the
+        principal's check, any writer or replicant could have all its frames handled first and
+        outside the turn's budget (DESIGN invariant 11)."""
+        if not is_peer_frame(frame):
+            return False
+        return self.security is None or "core" in self.security.roles.roles_of(principal)
+
+    def security_reloaded(self, security: NodeSecurity) -> None:
+        """A watch is checked once, when it arrives, and its agent pushes on this core's own connection:
+        without this, a replicant whose key or role the reload revoked kept receiving every commit until
+        its agent's window filled or its acknowledgements timed out."""
+        stopped = self.agent_server.stop_replicants(lambda replicant: security.allows(replicant, "watch"))
+        if stopped:
+            log.warning("SIGHUP: stopped the agents of %s: no longer allowed to watch", ", ".join(stopped))
+
     def disk_freed(self) -> None:
         for driver in list(self.shards.values()):
             self._step(driver, DiskFreed())
@@ -775,7 +793,7 @@ class CoreNode(NodeServer):
     def _serve_waiting(self) -> None:
         if self.socket is None:
             return
-        for envelope, frame, principal in self.receive_frames(self.clock_ms, is_peer_frame):
+        for envelope, frame, principal in self.receive_frames(self.clock_ms):
             try:
                 message = messages.decode(frame, self.config.limits.frame_bytes_max)
             except MessageError as error:
@@ -2198,7 +2216,8 @@ class CoreNode(NodeServer):
 
 
 # The msgpack prefix of a "peer" frame: [version 1, "peer", ...]. A cheap look, not a decode: the
-# frame is decoded and checked like any other; a forged prefix only buys a place in the queue.
+# frame is decoded and checked like any other; a forged prefix buys a place in the queue only to a
+# key with the core role (``CoreNode.urgent``).
 _PEER_FRAME_PREFIX = b"\x94\x01\xa4peer"
 
 

@@ -18,7 +18,9 @@ those handshake failures from a socket monitor.
 in one assignment each, so the ZAP thread and the node thread never see half a table. Because the
 principal is looked up per frame, not fixed at the handshake, a key removed (or replaced) by a
 reload stops working on the connections it already holds too: their frames have no principal and
-are refused (``REVOKED``).
+are refused (``REVOKED``). State a revoked principal set up before the reload and that needs no
+frame of its own to go on (a replicant's watch: its core pushes on its own connection) is ended by
+the node at the reload (``NodeSecurity.allows``, ``Server.security_reloaded``).
 """
 
 from __future__ import annotations
@@ -80,22 +82,51 @@ class KeyPair:
 
 
 def generate_keys(name: str, directory: str) -> tuple[str, str]:
-    """Write ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret`` (mode 0600); refuse to overwrite."""
+    """Write ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret`` (mode 0600); refuse to overwrite.
+
+    Each file is created exclusively (``O_EXCL``, ``O_NOFOLLOW``): never over an existing file, nor
+    through a symbolic link, even one to a file that does not exist yet (in a directory others can
+    write, a link placed there would have received the secret key wherever it pointed).
+    """
     os.makedirs(directory, exist_ok=True)
     public_path = os.path.join(directory, name + PUBLIC_SUFFIX)
     secret_path = os.path.join(directory, name + SECRET_SUFFIX)
     for path in (public_path, secret_path):
-        if os.path.exists(path):
+        if os.path.lexists(path):
             raise SecurityError(f"{path} exists already; remove it first to make a new key")
-    # zmq.auth writes NAME.key and NAME.key_secret; the umask makes the secret file 0600 from the start.
-    previous_umask = os.umask(0o077)
+    public, secret = zmq.curve_keypair()
+    written: list[str] = []
     try:
-        zmq.auth.create_certificates(directory, name)
-    finally:
-        os.umask(previous_umask)
-    os.chmod(secret_path, 0o600)
-    os.chmod(public_path, 0o644)
+        for path, mode, text in (
+            (secret_path, 0o600, _certificate("Secret", public, secret)),
+            (public_path, 0o644, _certificate("Public", public, None)),
+        ):
+            _write_exclusive(path, mode, text)
+            written.append(path)
+    except BaseException:
+        for path in written:
+            os.unlink(path)  # no half pair left behind
+        raise
     return public_path, secret_path
+
+
+def _certificate(what: str, public: bytes, secret: bytes | None) -> str:
+    """A certificate in zmq's format (what ``zmq.auth.load_certificate`` reads)."""
+    lines = [f"#   ZeroMQ CURVE {what} Certificate (mnesite keys generate)", "", "metadata", "curve"]
+    lines.append(f'    public-key = "{public.decode("ascii")}"')
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode("ascii")}"')
+    return "\n".join(lines) + "\n"
+
+
+def _write_exclusive(path: str, mode: int, text: str) -> None:
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    except FileExistsError:
+        raise SecurityError(f"{path} exists already; remove it first to make a new key") from None
+    with os.fdopen(descriptor, "w", encoding="ascii") as file:
+        os.fchmod(file.fileno(), mode)  # whatever the umask
+        file.write(text)
 
 
 def load_key(path: str, what: str, secret: bool) -> KeyPair:
@@ -252,6 +283,12 @@ class NodeSecurity:
         self.authorized, self.roles = authorized, roles
         self.reloads += 1
         _warn_roles_without_keys(roles, authorized)
+
+    def allows(self, principal: str, kind: str) -> bool:
+        """Whether ``principal`` may send ``kind`` now: it has a key in the current authorized_keys and
+        a role that allows the kind. What a reload asks of the senders of standing state (a watch's
+        agents), which no new frame of theirs re-checks."""
+        return principal in self.authorized.values() and self.roles.refusal(principal, kind) is None
 
     def principal_of(self, frame: zmq.Frame) -> str:
         """The principal of ``frame``'s authenticated key (its ZAP user id) in the current

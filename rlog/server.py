@@ -353,6 +353,11 @@ class NodeServer:
             log.error("SIGHUP: keeping the current keys and roles: %s", error)
             return
         log.info("SIGHUP: reloaded %d authorized keys and the roles", len(self.security.authorized))
+        self.security_reloaded(self.security)
+
+    def security_reloaded(self, security: NodeSecurity) -> None:
+        """Hook: ``authorized_keys`` and the roles were reloaded; end what a principal they no longer
+        allow set up before (``NodeSecurity.allows``). Frames are checked one by one already."""
 
     def receive(self) -> tuple[list[bytes], bytes, str] | None:
         """One waiting ROUTER request: (envelope, frame, principal); None when nothing waits.
@@ -789,9 +794,12 @@ class NodeServer:
         self._queries_woken = self.queries.wakeup_fd in ready
         return ready
 
-    def receive_frames(
-        self, clock_ms: Callable[[], int], urgent: Callable[[bytes], bool] | None = None
-    ) -> Iterator[tuple[list[bytes], bytes, str]]:
+    def urgent(self, frame: bytes, principal: str) -> bool:
+        """Hook: whether ``frame`` from ``principal`` is handled first and outside the turn's budget
+        (``receive_frames``); a core's peer messages are (``CoreNode.urgent``), nothing else is."""
+        return False
+
+    def receive_frames(self, clock_ms: Callable[[], int]) -> Iterator[tuple[list[bytes], bytes, str]]:
         """The (envelope, frame, principal) triples to handle in this loop turn, urgent ones first.
 
         DESIGN invariant 11: a long run of large transactions, pushes or catch-up reads must never
@@ -815,15 +823,14 @@ class NodeServer:
                 break
             if received is not None:
                 frames.append(received)
-        if urgent is not None:
-            # Stable: urgent frames first, each group in arrival order.
-            frames.sort(key=lambda triple: not urgent(triple[1]))
+        # Stable: urgent frames first, each group in arrival order.
+        frames.sort(key=lambda triple: not self.urgent(triple[1], triple[2]))
         started_ms = clock_ms()
         handled_bytes = 0
         backlog_bytes = 0
         for triple in frames:
             frame = triple[1]
-            is_urgent = urgent is not None and urgent(frame)
+            is_urgent = self.urgent(frame, triple[2])
             over_budget = handled_bytes >= limits.turn_bytes_max or clock_ms() - started_ms >= limits.turn_ms_max
             if is_urgent or not over_budget:
                 handled_bytes += len(frame)

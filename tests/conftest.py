@@ -100,6 +100,22 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {_PORTS}")
 
 
+def watch_body(replicant: str, endpoint: str, shard: str = "default", **extra: object) -> dict[str, object]:
+    """A replicant's ``watch`` from the start of ``shard``'s log, pushes to ``endpoint``."""
+    from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
+    from mnesite.rlog.types import GENESIS_DIGEST
+
+    return {
+        "shard": shard,
+        "replicant": replicant,
+        "endpoint": endpoint,
+        "from": [0, 0],
+        "from_digest": GENESIS_DIGEST,
+        "protocol": REPLICATION_PROTOCOL_VERSION,
+        **extra,
+    }
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02) -> None:
     """Poll ``condition`` until it holds; fail the test with ``what`` when ``timeout_s`` runs out."""
     deadline = time.monotonic() + timeout_s

@@ -25,7 +25,7 @@ from mnesite.rlog.client import (
 from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ScriptedNode, ThreadNode, free_port, node_config
+from tests.conftest import ScriptedNode, ThreadNode, free_port, node_config, watch_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -728,19 +728,9 @@ def test_a_watch_naming_the_endpoint_of_a_core_is_refused(thread_node: ThreadNod
     core's peers are reached through the DEALER of their endpoint: a watch naming a core's endpoint
     put its pushes (a window of them per watch, again at every new watch) in the queue of that
     core's appends and heartbeats (DESIGN invariant 11), whose socket is never closed for it."""
-    from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION
-    from mnesite.rlog.types import GENESIS_DIGEST
 
     def watch(endpoint: str) -> object:
-        body = {
-            "shard": "default",
-            "replicant": "rep1",
-            "endpoint": endpoint,
-            "from": [0, 0],
-            "from_digest": GENESIS_DIGEST,
-            "protocol": REPLICATION_PROTOCOL_VERSION,
-        }
-        return client.call("watch", body)
+        return client.call("watch", watch_body("rep1", endpoint))
 
     with pytest.raises(MnesiteError) as refused:
         watch(thread_node.endpoint)

@@ -22,10 +22,10 @@ from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated
 from mnesite.rlog.config import ConfigError, load_config, parse_config
 from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
-from mnesite.rlog.security import SecurityError, configure_client, generate_keys, load_key
+from mnesite.rlog.security import SecurityError, configure_client, configure_server, generate_keys, load_key
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, wait_until, watch_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,6 +75,21 @@ def test_keys_generate_writes_a_public_key_and_a_private_secret_and_never_overwr
     assert again.exit_code == 1 and "exists already" in again.output
     bad = runner.invoke(main, ["keys", "generate", "../x", "--dir", str(tmp_path / "k")])
     assert bad.exit_code == 1 and "NAME must be" in bad.output
+
+
+@pytest.mark.parametrize("file_name", ["app.key", "app.key_secret"])
+def test_keys_generate_never_writes_through_a_symbolic_link(tmp_path: Path, file_name: str) -> None:
+    """A dangling link in the key directory (a shared or someone else's directory) did not count as an
+    existing file: the secret key was written wherever the link pointed, in a file its owner can place."""
+    directory = tmp_path / "k"
+    directory.mkdir()
+    target = tmp_path / "elsewhere" / "stolen"
+    target.parent.mkdir()
+    (directory / file_name).symlink_to(target)
+    result = CliRunner().invoke(main, ["keys", "generate", "app", "--dir", str(directory)])
+    assert result.exit_code == 1 and "exists already" in result.output, result.output
+    assert not target.exists()
+    assert sorted(os.listdir(directory)) == [file_name]
 
 
 # ---------------------------------------------------------------- config
@@ -429,3 +444,82 @@ def test_a_role_given_to_a_principal_without_a_key_is_logged_at_start_and_reload
     with caplog.at_level("WARNING", logger="mnesite.security"):
         security.reload(config({"core": ("core1",), "admin": ("ops",)}))
     assert caplog.records == []
+
+
+@pytest.mark.parametrize("revoked", ["key", "role"])
+def test_sighup_stops_the_agents_of_a_replicant_whose_key_or_role_it_revoked(secure_node, keys: Path, revoked) -> None:
+    """A revoked replicant's frames are refused after the reload, but the agent its watch created kept
+    pushing it every new commit (the core is the CurveZMQ client of those pushes, so no frame of the
+    replicant's is needed for them) until its window filled or its acknowledgement timeout ran out.
+    The reload must stop the agents of a replicant that may no longer watch."""
+    with secure_node.client("ops") as admin:
+        admin.create_table("kv", "id", [("id", "INTEGER")])
+    context = zmq.Context.instance()
+    cluster_key = load_key(str(keys / "cluster.key_secret"), "key", secret=True)
+    receiver = context.socket(zmq.ROUTER)  # the replicant's endpoint, where the core pushes
+    receiver.setsockopt(zmq.LINGER, 0)
+    configure_server(receiver, cluster_key)
+    requests = context.socket(zmq.DEALER)  # the replicant's connection to the core
+    requests.setsockopt(zmq.LINGER, 0)
+    configure_client(requests, load_key(str(keys / "replicant1.key_secret"), "key", secret=True), cluster_key.public)
+    try:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        receiver.bind(endpoint)
+        requests.connect(secure_node.endpoint)
+        requests.send(messages.encode(Message("watch", "w1", watch_body("replicant1", endpoint, watch_id="w1"))))
+        assert requests.poll(5000), "the core did not answer the watch"
+        assert messages.decode(requests.recv()).kind == "reply"
+        assert receiver.poll(5000), "the core pushed nothing to the watch's endpoint"
+        push = messages.decode(receiver.recv_multipart()[-1])
+        assert push.kind == "push"
+        # A live replicant: acknowledge what was read (echoing the push's token), so only the reload can stop it.
+        ack = {"shard": "default", "agent": push.body.agent, "applied": push.body.committed, "token": push.body.token}
+        requests.send(messages.encode(Message("push_ack", "ack", ack)))
+
+        def acknowledged() -> bool:
+            with secure_node.client("ops") as admin:
+                return [agent["acked"] for agent in admin.status()["agents"]] == [list(push.body.committed)]
+
+        wait_until(acknowledged, 5, "the agent to take the acknowledgement")
+        if revoked == "key":
+            (keys.parent / "authorized" / "replicant1.key").unlink()
+        else:
+            secure_node.write_config({**ROLES_WITH_READER, "replicant": []})
+        secure_node.node.reload_requested.set()  # what the SIGHUP handler does
+        wait_until(lambda: secure_node.security()["reloads"] == 1, 10, "the reload")
+        with secure_node.client("ops") as admin:
+            assert admin.status()["agents"] == [], "the revoked replicant's agent outlived the reload"
+    finally:
+        receiver.close(0)
+        requests.close(0)
+
+
+def test_only_a_core_key_puts_its_peer_frames_ahead_of_the_turn_budget(tmp_path: Path, keys: Path) -> None:
+    """Frames that look like a consensus message are handled first and outside the turn's byte and
+    time budget (DESIGN invariant 11). The look is the frame's first bytes, which any client can write:
+    a writer (or a replicant) could make every frame of its own a forged peer frame of up to
+    frame_bytes_max and have all of them decoded in one turn, holding back the cores' heartbeats.
+    With [security] only a core's key buys that place; the others' frames wait in the budget."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config_path = tmp_path / "core1.toml"
+    config_path.write_text(
+        f'[node]\nname = "core1"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
+        f'[cluster]\ncore_nodes = {{ core1 = "{endpoint}" }}\n[limits]\nturn_bytes_max = 1024\n'
+        + security_toml(keys, ROLES_WITH_READER)
+    )
+    node = CoreNode(load_config(str(config_path)))
+    try:
+        forged = b"\x94\x01\xa4peer" + b"x" * 1500  # over the turn's budget on its own (turn_bytes_max 1024)
+        waiting = [([b"app"], forged, "app"), ([b"replicant1"], forged, "replicant1"), ([b"core1"], forged, "core1")]
+
+        def receive() -> tuple[list[bytes], bytes, str]:
+            if not waiting:
+                raise zmq.Again()
+            return waiting.pop(0)
+
+        node.receive = receive  # type: ignore[method-assign]
+        handled = [principal for _, _, principal in node.receive_frames(lambda: 0)]
+        assert handled == ["core1"]  # first, and it spent the turn's budget: the others wait for the next turn
+        assert [principal for _, _, principal in node._backlog] == ["app", "replicant1"]
+    finally:
+        node.close()
