@@ -66,7 +66,7 @@ test: setup java iproute2 docs
 	exit $$(( fast != 0 ? fast : slow ))
 
 # The developers' fast lane: no multi-process, fault, Spark or deep tests (of each simulation a sample of its
-# seeds, and every mutation test), on two worker processes (about a minute on 2 CPUs). CI's `make test`
+# seeds, and every mutation test), on two worker processes (about 80 s on 2 CPUs). CI's `make test`
 # runs them and the deep ones the same way, then the others serially.
 test-fast: setup docs-deps
 	$(BIN)/ruff check .
