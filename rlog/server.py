@@ -1067,9 +1067,11 @@ class NodeServer:
 
     def build_indexes(self) -> None:
         """The next step of each online index build (rlog.store), at most every ``INDEX_BUILD_INTERVAL_MS``.
-        A step is local work a restart redoes from its persisted progress: the turn's commit needs no fsync."""
+        A step is local work a restart redoes from its persisted progress: the turn's commit needs no fsync.
+        None while the disk is full (``rlog.disk``): a step writes, so each one failed its turn again (every
+        10 ms: the answers of those turns waited, clients timed out) and put the probe off (``DiskHealth.filled``)."""
         now_ms = monotonic_ms()
-        if not self.store.index_builds() or now_ms < self._next_build_ms:
+        if not self.store.index_builds() or now_ms < self._next_build_ms or self.disk.full:
             return
         self._next_build_ms = now_ms + INDEX_BUILD_INTERVAL_MS
         self.begin(durable=False)

@@ -464,3 +464,50 @@ def test_an_install_whose_last_batch_the_disk_rolled_back_is_not_taken_as_done(t
         assert node._not_serving_reason("default") is not None, "half-copied rows are never served"
         assert "default" in node.rows_lost, "another offer is asked for"
         assert "default" not in node.installs
+
+
+def test_an_index_build_waits_while_the_disk_is_full_and_the_node_keeps_answering(tmp_path: Path, monkeypatch) -> None:
+    """Regression: an online index build's step (``NodeServer.build_indexes``, every 10 ms) wrote on a
+    full disk too. Its turn failed again at each step (about 100 a second, each rolled back and each
+    rebuilding the shards from disk), the answers queued in those turns waited for a turn that
+    committed (a write's and reads' clients timed out unanswered), and each failure put the probe
+    off again (``DiskHealth.filled``): no probe ever ran. The build waits while full, like retention,
+    and goes on once a probe frees the disk."""
+    limits = {"index_build_step_rows_max": 1}  # 200 steps of 10 ms: the build is under way when the disk fills
+    node = ThreadNode(tmp_path / "data", extra={"storage": {"disk_probe_interval_ms": 100}, "limits": limits})
+    try:
+        with node.client(timeout_ms=3000, retries=0) as client:
+            client.create_table("t", "id", [("id", "INTEGER"), ("v", "TEXT")])
+            client.transact([{"op": "write", "table": "t", "row": {"id": i, "v": f"v{i}"}} for i in range(200)])
+            client.create_index("t", ["v"])
+            wait_until(lambda: "building" in client.list_tables()[0], 10, "the index entry to be applied")
+            store = node.node.store
+            real_commit = Store.commit
+            full = {"on": True}
+            failed_turns = {"count": 0}
+
+            def commit(self, durable: bool = True) -> None:
+                if full["on"] and self is store:
+                    failed_turns["count"] += 1
+                    raise apsw.FullError("database or disk is full")
+                real_commit(self, durable)
+
+            monkeypatch.setattr(Store, "commit", commit)
+            with pytest.raises(MnesiteError) as raised:
+                client.put("t", {"id": 1000, "v": "not durable"})
+            # The build's step may be the write that finds the disk full first (then the put is refused),
+            # and either way the node answers: the client does not wait out its own timeout.
+            assert raised.value.code in ("outcome_unknown", ERROR_DISK_FULL)
+            assert "did not answer" not in str(raised.value), raised.value
+            for _ in range(20):
+                assert client.get("t", 7) == {"id": 7, "v": "v7"}, "reads are served while full"
+            building = {table["table"]: table.get("building") for table in client.list_tables()}
+            assert building["t"] is not None, "the build waits"
+            wait_until(lambda: client.status()["disk"]["probes_failed"] >= 2, 5, "the probe to try the disk")
+            assert failed_turns["count"] <= 2 + client.status()["disk"]["probes_failed"] * 2, failed_turns
+            full["on"] = False  # space freed: a probe writes, the node resumes by itself
+            wait_until(lambda: client.status()["disk"]["state"] == "ok", 10, "the probe to find space")
+            wait_until(lambda: "building" not in client.list_tables()[0], 20, "the build to go on and finish")
+            assert client.get("t", 199) == {"id": 199, "v": "v199"} and client.get("t", 1000) is None
+    finally:
+        node.stop()
