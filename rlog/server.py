@@ -488,6 +488,9 @@ class NodeServer:
                 if self.reload_requested.is_set():
                     self.reload_security()
                 self.turn()
+            # A background checkpoint that failed after the last turn read it (a stop came first): the
+            # node stops for its disk, as that turn would have, not as if on purpose.
+            self._raise_if_checkpoint_failed()
         finally:
             try:
                 self.answer_at_stop()
@@ -585,9 +588,7 @@ class NodeServer:
 
     def turn(self) -> None:
         """One ``run_turn``, with the disk's faults handled: full -> the disk-full state, failed -> stop."""
-        checkpointer = self.store.checkpointer
-        if checkpointer is not None and checkpointer.fatal is not None:
-            self._storage_failed(checkpointer.fatal)
+        self._raise_if_checkpoint_failed()
         try:
             if self.disk.probe_due(monotonic_ms()):
                 self._probe_disk()
@@ -610,6 +611,12 @@ class NodeServer:
                     self.disk.probe_interval_ms,
                 )
             self.disk_filled()
+
+    def _raise_if_checkpoint_failed(self) -> None:
+        """Stop (``_storage_failed``) if the background WAL checkpointer failed a sync (``rlog.checkpoint``)."""
+        checkpointer = self.store.checkpointer
+        if checkpointer is not None and checkpointer.fatal is not None:
+            self._storage_failed(checkpointer.fatal)
 
     def _storage_failed(self, error: BaseException) -> NoReturn:
         self.stop_reason = f"the disk failed: {error}"

@@ -511,3 +511,20 @@ def test_an_index_build_waits_while_the_disk_is_full_and_the_node_keeps_answerin
             assert client.get("t", 199) == {"id": 199, "v": "v199"} and client.get("t", 1000) is None
     finally:
         node.stop()
+
+
+def test_a_node_that_stops_before_a_turn_read_its_failed_checkpoint_stops_for_the_disk(tmp_path: Path) -> None:
+    """A background checkpoint that failed (``WalCheckpointer.fatal``) is read at the start of each turn.
+    A node asked to stop before its next turn (a stop request, SIGTERM) left its loop as if on purpose:
+    "shut down (stop request)" and exit status 0, and the operator restarted it on a disk that had
+    failed a sync. It stops for the disk (``StorageFailedError``: exit status 4), with what failed."""
+    from mnesite.core.node import CoreNode
+
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    assert node.store.checkpointer is not None
+    node.store.checkpointer.fatal = StorageFailedError("db: background WAL checkpoint failed: disk I/O error")
+    node.request_stop("stop request")
+    with pytest.raises(StorageFailedError, match="background WAL checkpoint failed"):
+        node.serve_forever()  # closes the node on the way out
+    assert node.stop_reason.startswith("the disk failed: db: background WAL checkpoint failed")
