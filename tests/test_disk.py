@@ -528,3 +528,37 @@ def test_a_node_that_stops_before_a_turn_read_its_failed_checkpoint_stops_for_th
     with pytest.raises(StorageFailedError, match="background WAL checkpoint failed"):
         node.serve_forever()  # closes the node on the way out
     assert node.stop_reason.startswith("the disk failed: db: background WAL checkpoint failed")
+
+
+def test_a_full_core_creates_no_shard_for_a_peers_message_and_does_once_space_is_freed(tmp_path: Path) -> None:
+    """Regression: a peer's first message of a shard creates the shard (``CoreNode._shard_for``), which
+    writes. On a full disk that turn failed and was rolled back, the shard forgotten with it
+    (``disk_filled``), and the sequencer's next heartbeat of that shard (every 100 ms) did it again: a
+    failed turn each time (its answers, reads included, dropped to ``outcome_unknown``, every shard
+    rebuilt, every agent stopped) and the probe put off each time (``DiskHealth.filled``). A full core
+    takes no part in its shards (``core.consensus``): the message is dropped, as the machine drops
+    those of the shards it has, and the shard is created by a message after space is freed."""
+    from mnesite.core.consensus import AppendRequest
+    from mnesite.core.consensus_wire import message_to_wire
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
+
+    cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
+    node = CoreNode(node_config(tmp_path / "data", free_port(), extra={"cluster": {"core_nodes": cores}}))
+    node.bind()
+    heartbeat = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, tuple(cores))
+    body = {"shard": "s2", "sender": "core2", "message": message_to_wire(heartbeat)}
+    try:
+        node.disk.filled("database or disk is full", 0)
+        node._on_peer(Message("peer", "peer", messages.typed_body("peer", body)))
+        assert "s2" not in node.shards and not node._in_transaction, "nothing written on the full disk"
+        node.disk.freed(0)
+        node.disk_freed()
+        node._on_peer(Message("peer", "peer", messages.typed_body("peer", body)))
+        assert "s2" in node.shards and node._in_transaction
+        node.flush()
+        assert node.store.shard("s2") is not None
+    finally:
+        node.close()
