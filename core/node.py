@@ -638,8 +638,11 @@ class CoreNode(NodeServer):
         return driver
 
     def _shard_for(self, shard: str, create: bool) -> ShardDriver | None:
+        """The shard's driver; ``create``: made (persisted) if the node has none, except on a full disk
+        (None: a full core takes no part, ``rlog.disk``; a client's write was refused before). Creating
+        it there failed the turn again at each heartbeat of the shard and put the probe off each time."""
         driver = self.shards.get(shard)
-        if driver is None and create:
+        if driver is None and create and not self.disk.full:
             if len(self.shards) >= SHARDS_MAX:
                 raise RequestError("too_large", f"at most {SHARDS_MAX} shards")
             self.begin()

@@ -26,7 +26,9 @@ checkpoint that fails for want of space is logged and retried at the next wake-u
 ``RETRY_S``; the inline bound still holds meanwhile. A checkpoint that fails with an I/O error (a
 failed fsync of the database file) is never retried (``rlog.disk``): the thread stops and records
 it in ``fatal``, which the node's loop turns into a stop; an inline one raises
-``StorageFailedError`` from the commit.
+``StorageFailedError`` from the commit. After either, no checkpoint runs again: a commit that
+reaches ``pages_inline`` raises ``fatal`` instead, and the store closes without SQLite's
+checkpoint (``Store.close``).
 """
 
 from __future__ import annotations
@@ -109,7 +111,11 @@ class WalCheckpointer:
                 self._wake.set()
 
     def checkpoint_inline(self, connection: apsw.Connection) -> None:
-        """Run by the committing connection after its commit when ``inline_due``."""
+        """Run by the committing connection after its commit when ``inline_due``. Never once a
+        background checkpoint failed with an I/O error (``fatal``): a second sync of the database file
+        may succeed over pages the kernel dropped, and the WAL then start over without them."""
+        if self.fatal is not None:
+            raise StorageFailedError(f"{self.fatal} (no checkpoint runs after it)")
         try:
             connection.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
         except apsw.BusyError:

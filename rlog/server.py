@@ -488,6 +488,9 @@ class NodeServer:
                 if self.reload_requested.is_set():
                     self.reload_security()
                 self.turn()
+            # A background checkpoint that failed after the last turn read it (a stop came first): the
+            # node stops for its disk, as that turn would have, not as if on purpose.
+            self._raise_if_checkpoint_failed()
         finally:
             try:
                 self.answer_at_stop()
@@ -585,9 +588,7 @@ class NodeServer:
 
     def turn(self) -> None:
         """One ``run_turn``, with the disk's faults handled: full -> the disk-full state, failed -> stop."""
-        checkpointer = self.store.checkpointer
-        if checkpointer is not None and checkpointer.fatal is not None:
-            self._storage_failed(checkpointer.fatal)
+        self._raise_if_checkpoint_failed()
         try:
             if self.disk.probe_due(monotonic_ms()):
                 self._probe_disk()
@@ -610,6 +611,12 @@ class NodeServer:
                     self.disk.probe_interval_ms,
                 )
             self.disk_filled()
+
+    def _raise_if_checkpoint_failed(self) -> None:
+        """Stop (``_storage_failed``) if the background WAL checkpointer failed a sync (``rlog.checkpoint``)."""
+        checkpointer = self.store.checkpointer
+        if checkpointer is not None and checkpointer.fatal is not None:
+            self._storage_failed(checkpointer.fatal)
 
     def _storage_failed(self, error: BaseException) -> NoReturn:
         self.stop_reason = f"the disk failed: {error}"
@@ -1067,9 +1074,11 @@ class NodeServer:
 
     def build_indexes(self) -> None:
         """The next step of each online index build (rlog.store), at most every ``INDEX_BUILD_INTERVAL_MS``.
-        A step is local work a restart redoes from its persisted progress: the turn's commit needs no fsync."""
+        A step is local work a restart redoes from its persisted progress: the turn's commit needs no fsync.
+        None while the disk is full (``rlog.disk``): a step writes, so each one failed its turn again (every
+        10 ms: the answers of those turns waited, clients timed out) and put the probe off (``DiskHealth.filled``)."""
         now_ms = monotonic_ms()
-        if not self.store.index_builds() or now_ms < self._next_build_ms:
+        if not self.store.index_builds() or now_ms < self._next_build_ms or self.disk.full:
             return
         self._next_build_ms = now_ms + INDEX_BUILD_INTERVAL_MS
         self.begin(durable=False)

@@ -365,6 +365,10 @@ class Store:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.stop()
+            if self.checkpointer.fatal is not None:
+                # A background checkpoint's sync failed (the node may stop before a turn reads it):
+                # no second checkpoint at the close, which could succeed over pages the kernel dropped.
+                self.connection.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
         if self._wal_fd is not None:
             os.close(self._wal_fd)
             self._wal_fd = None

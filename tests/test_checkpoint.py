@@ -139,3 +139,65 @@ def test_an_inline_checkpoint_with_an_io_error_is_never_retried(tmp_path, monkey
 def test_thresholds_must_be_ordered() -> None:
     with pytest.raises(ValueError):
         WalCheckpointer("unused", "2", pages_background=100, pages_inline=10)
+
+
+def fail_background_checkpoints(monkeypatch) -> None:
+    """The checkpointer threads started from now on checkpoint on a connection whose checkpoints fail
+    with an I/O error (a failed fsync of the database file)."""
+    import apsw
+    from mnesite.rlog import checkpoint
+
+    class FailingConnection:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def execute(self, sql: str) -> None:
+            pass
+
+        def wal_checkpoint(self, mode: int) -> None:
+            raise apsw.IOError("disk I/O error")
+
+        def close(self) -> None:
+            pass
+
+    class ApswWithFailingConnections:
+        Connection = FailingConnection
+
+        def __getattr__(self, name: str):
+            return getattr(apsw, name)
+
+    monkeypatch.setattr(checkpoint, "apsw", ApswWithFailingConnections())
+
+
+def test_after_a_background_checkpoint_failed_no_checkpoint_runs_at_the_bound_nor_at_the_close(
+    tmp_path, monkeypatch
+) -> None:
+    """rlog.disk: after a failed sync of the database file, a second checkpoint may sync "successfully"
+    over pages the kernel dropped, and the WAL then starts over without them. The thread never retries;
+    neither do the commits that reach the inline bound (the commit raises, the node stops) nor the
+    checkpoint SQLite runs when the store closes (a node may stop before its next turn reads ``fatal``):
+    the WAL keeps every commit, and a restart recovers from it."""
+    from mnesite.rlog.disk import StorageFailedError
+
+    fail_background_checkpoints(monkeypatch)
+    store, seen = open_store(tmp_path / "db", background=10, inline=40)
+    checkpointer = store.checkpointer
+    try:
+        fill(store, 0, 5)  # past pages_background: the thread starts, fails its checkpoint and ends
+        assert checkpointer._thread is not None
+        checkpointer._thread.join(10)
+        assert isinstance(checkpointer.fatal, StorageFailedError) and checkpointer.failures == 1
+        assert checkpointer.background == 0 and not checkpointer.running
+        with pytest.raises(StorageFailedError, match="background WAL checkpoint failed"):
+            fill(store, 5, 100)  # reaches the inline bound (40 pages)
+        assert checkpointer.inline == 0 and seen[-1] >= 40
+    finally:
+        store.close()
+    wal = tmp_path / "db-wal"
+    assert wal.exists() and wal.stat().st_size > 0, "nothing was checkpointed, at the close neither"
+    reopened = Store(str(tmp_path / "db"), create=False)
+    try:
+        (rows,) = reopened.connection.execute("SELECT count(*) FROM rows").fetchone()
+        assert rows >= 6  # every commit made before the bound raised
+    finally:
+        reopened.close()

@@ -464,3 +464,101 @@ def test_an_install_whose_last_batch_the_disk_rolled_back_is_not_taken_as_done(t
         assert node._not_serving_reason("default") is not None, "half-copied rows are never served"
         assert "default" in node.rows_lost, "another offer is asked for"
         assert "default" not in node.installs
+
+
+def test_an_index_build_waits_while_the_disk_is_full_and_the_node_keeps_answering(tmp_path: Path, monkeypatch) -> None:
+    """Regression: an online index build's step (``NodeServer.build_indexes``, every 10 ms) wrote on a
+    full disk too. Its turn failed again at each step (about 100 a second, each rolled back and each
+    rebuilding the shards from disk), the answers queued in those turns waited for a turn that
+    committed (a write's and reads' clients timed out unanswered), and each failure put the probe
+    off again (``DiskHealth.filled``): no probe ever ran. The build waits while full, like retention,
+    and goes on once a probe frees the disk."""
+    limits = {"index_build_step_rows_max": 1}  # 200 steps of 10 ms: the build is under way when the disk fills
+    node = ThreadNode(tmp_path / "data", extra={"storage": {"disk_probe_interval_ms": 100}, "limits": limits})
+    try:
+        with node.client(timeout_ms=3000, retries=0) as client:
+            client.create_table("t", "id", [("id", "INTEGER"), ("v", "TEXT")])
+            client.transact([{"op": "write", "table": "t", "row": {"id": i, "v": f"v{i}"}} for i in range(200)])
+            client.create_index("t", ["v"])
+            wait_until(lambda: "building" in client.list_tables()[0], 10, "the index entry to be applied")
+            store = node.node.store
+            real_commit = Store.commit
+            full = {"on": True}
+            failed_turns = {"count": 0}
+
+            def commit(self, durable: bool = True) -> None:
+                if full["on"] and self is store:
+                    failed_turns["count"] += 1
+                    raise apsw.FullError("database or disk is full")
+                real_commit(self, durable)
+
+            monkeypatch.setattr(Store, "commit", commit)
+            with pytest.raises(MnesiteError) as raised:
+                client.put("t", {"id": 1000, "v": "not durable"})
+            # The build's step may be the write that finds the disk full first (then the put is refused),
+            # and either way the node answers: the client does not wait out its own timeout.
+            assert raised.value.code in ("outcome_unknown", ERROR_DISK_FULL)
+            assert "did not answer" not in str(raised.value), raised.value
+            for _ in range(20):
+                assert client.get("t", 7) == {"id": 7, "v": "v7"}, "reads are served while full"
+            building = {table["table"]: table.get("building") for table in client.list_tables()}
+            assert building["t"] is not None, "the build waits"
+            wait_until(lambda: client.status()["disk"]["probes_failed"] >= 2, 5, "the probe to try the disk")
+            assert failed_turns["count"] <= 2 + client.status()["disk"]["probes_failed"] * 2, failed_turns
+            full["on"] = False  # space freed: a probe writes, the node resumes by itself
+            wait_until(lambda: client.status()["disk"]["state"] == "ok", 10, "the probe to find space")
+            wait_until(lambda: "building" not in client.list_tables()[0], 20, "the build to go on and finish")
+            assert client.get("t", 199) == {"id": 199, "v": "v199"} and client.get("t", 1000) is None
+    finally:
+        node.stop()
+
+
+def test_a_node_that_stops_before_a_turn_read_its_failed_checkpoint_stops_for_the_disk(tmp_path: Path) -> None:
+    """A background checkpoint that failed (``WalCheckpointer.fatal``) is read at the start of each turn.
+    A node asked to stop before its next turn (a stop request, SIGTERM) left its loop as if on purpose:
+    "shut down (stop request)" and exit status 0, and the operator restarted it on a disk that had
+    failed a sync. It stops for the disk (``StorageFailedError``: exit status 4), with what failed."""
+    from mnesite.core.node import CoreNode
+
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    assert node.store.checkpointer is not None
+    node.store.checkpointer.fatal = StorageFailedError("db: background WAL checkpoint failed: disk I/O error")
+    node.request_stop("stop request")
+    with pytest.raises(StorageFailedError, match="background WAL checkpoint failed"):
+        node.serve_forever()  # closes the node on the way out
+    assert node.stop_reason.startswith("the disk failed: db: background WAL checkpoint failed")
+
+
+def test_a_full_core_creates_no_shard_for_a_peers_message_and_does_once_space_is_freed(tmp_path: Path) -> None:
+    """Regression: a peer's first message of a shard creates the shard (``CoreNode._shard_for``), which
+    writes. On a full disk that turn failed and was rolled back, the shard forgotten with it
+    (``disk_filled``), and the sequencer's next heartbeat of that shard (every 100 ms) did it again: a
+    failed turn each time (its answers, reads included, dropped to ``outcome_unknown``, every shard
+    rebuilt, every agent stopped) and the probe put off each time (``DiskHealth.filled``). A full core
+    takes no part in its shards (``core.consensus``): the message is dropped, as the machine drops
+    those of the shards it has, and the shard is created by a message after space is freed."""
+    from mnesite.core.consensus import AppendRequest
+    from mnesite.core.consensus_wire import message_to_wire
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
+
+    cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
+    node = CoreNode(node_config(tmp_path / "data", free_port(), extra={"cluster": {"core_nodes": cores}}))
+    node.bind()
+    heartbeat = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, ZERO_KEY, tuple(cores))
+    body = {"shard": "s2", "sender": "core2", "message": message_to_wire(heartbeat)}
+    try:
+        node.disk.filled("database or disk is full", 0)
+        node._on_peer(Message("peer", "peer", messages.typed_body("peer", body)))
+        assert "s2" not in node.shards and not node._in_transaction, "nothing written on the full disk"
+        node.disk.freed(0)
+        node.disk_freed()
+        node._on_peer(Message("peer", "peer", messages.typed_body("peer", body)))
+        assert "s2" in node.shards and node._in_transaction
+        node.flush()
+        assert node.store.shard("s2") is not None
+    finally:
+        node.close()
