@@ -6,7 +6,8 @@ Theory of operation
    shard's applied tx key. Tables missing on a replica or declared differently (shard, key
    column, columns and their types) are reported and not compared. The first level's key
    ranges come from the replica with the most rows (``ntile`` over its key index for a file,
-   a sampled key scan for a node): the same boundaries for every replica, ranges
+   a sampled key scan for a node, asked again after its last key while a node's bounded scan
+   leaves more than about one range): the same boundaries for every replica, ranges
    ``(low, high]`` covering the whole key space.
 2. *In flight (driver).* For each pair (first replica, other replica) and each shard whose
    applied keys differ, the more advanced replica's rlog between the two applied keys is read
@@ -28,11 +29,12 @@ Theory of operation
    the split keys of the replica with the most rows there, which came with its digests, and
    digested again (at most ``depth_max`` levels). Equal replicas therefore ship only digests.
 4. *Row level.* For the differing leaf ranges every replica ships ``(key, row digest)`` per row
-   (computed from the same row texts). When there are at most ``driver_row_digests_max`` of them
-   the driver merges them; otherwise Spark full-outer-joins the first replica with each other
-   one on the key. Either way keys are classified (missing on one side, values differ, in
-   flight) and counted exactly, and at most ``sample_max`` keys per class are kept, the first in
-   key order, whose rows are then read by key from both replicas.
+   (computed from the same row texts). When there are known to be at most ``driver_row_digests_max``
+   of them the driver merges them; otherwise (or when a node over its row budget gave only a lower
+   bound for a leaf's rows) Spark full-outer-joins the first replica with each other one on the
+   key. Either way keys are classified (missing on one side, values differ, in flight) and counted
+   exactly, and at most ``sample_max`` keys per class are kept, the first in key order, whose rows
+   are then read by key from both replicas.
 
 Exit status: 0 equal (in-flight differences allowed), 1 diverged, 2 could not compare
 (``CompareError``: bad replica, unknown table, unreachable node, Spark unavailable).
@@ -648,12 +650,16 @@ def _run(
     pending: dict[str, list[tuple[Any, Any]]] = {}
     for name, table in tables.items():
         reference, rows = _reference_replica(replicas, table)
-        parts = options.ranges_initial or max(1, -(-rows // options.range_rows))
-        split_keys = reference.key_boundaries(table, min(parts, options.ranges_initial_max))[1] if parts > 1 else []
+        if options.ranges_initial:
+            split_keys = reference.split_keys(table, min(options.ranges_initial, options.ranges_initial_max))
+        else:
+            split_keys = _initial_split_keys(reference, table, rows, options)
         edges = [None, *split_keys, None]
         pending[name] = list(zip(edges, edges[1:], strict=False))
     phase("boundaries")
-    leaves: dict[str, list[tuple[Any, Any, int]]] = defaultdict(list)  # (low, high, rows on all replicas)
+    # (low, high, rows on all replicas, whether that count is exact: a node over its row budget
+    # answers no digest and a lower bound for the rows, so a leaf's size is then unknown).
+    leaves: dict[str, list[tuple[Any, Any, int, bool]]] = defaultdict(list)
     level = 0
     digests_shipped = 0
     while pending:
@@ -693,7 +699,8 @@ def _run(
                 widest = max(range(len(replicas)), key=lambda r: (per_replica[r], -r))
                 cut = splits[name][widest].get(position, ())
                 if too_many or max(per_replica) <= options.leaf_rows_max or level >= options.depth_max or not cut:
-                    leaves[name].append((low, high, sum(per_replica)))
+                    exact = all(digests[name][r][position] is not None for r in range(len(replicas)))
+                    leaves[name].append((low, high, sum(per_replica), exact))
                     continue
                 edges = [low, *cut, high]
                 next_pending[name].extend(zip(edges, edges[1:], strict=False))
@@ -712,10 +719,12 @@ def _run(
         return
 
     # Row level: (key, row digest) for the rows of the differing leaves only.
-    leaf_ranges = {name: [(low, high) for low, high, _ in items] for name, items in leaves.items()}
-    expected = sum(rows for items in leaves.values() for _, _, rows in items)
+    leaf_ranges = {name: [(low, high) for low, high, _, _ in items] for name, items in leaves.items()}
+    expected = sum(rows for items in leaves.values() for _, _, rows, _ in items)
+    exact = all(exact for items in leaves.values() for _, _, _, exact in items)
     results = {(p.table, p.right): p for p in report.pairs}
-    if expected <= options.driver_row_digests_max:
+    # The driver holds every row digest it merges: only when their number is known to be within its bound.
+    if exact and expected <= options.driver_row_digests_max:
         report.statistics["row_level"] = "driver"
         found: dict[str, list[dict[Any, bytes]]] = {name: [{} for _ in replicas] for name in leaf_ranges}
         shipped = 0
@@ -890,6 +899,26 @@ def _fetch_samples(
                 sample["right"] = dict(zip(names, right, strict=True)) if right is not None else None
             items.sort(key=lambda item: key_bytes(item["key"]))
     report.statistics["rows_fetched"] = fetched
+
+
+def _initial_split_keys(reference: Replica, table: TableSchema, rows: int, options: CompareOptions) -> list[Any]:
+    """The first level's split keys, about one per ``range_rows`` rows, at most ``ranges_initial_max - 1``.
+
+    A node's ``key_boundaries`` walks a bounded number of keys from the low end (``rows`` is then a
+    lower bound and its keys cut only those first rows): the rest of the table would be one range,
+    over the node's row budget, drilled into a budget's worth of rows per level. So the keys are asked
+    for again after the last one until what follows it is about one range; for a file, which counts
+    all its rows, that is one more count of the last range's rows."""
+    keys: list[Any] = []
+    while True:
+        parts = min(max(1, -(-rows // options.range_rows)), options.ranges_initial_max - len(keys))
+        if parts < 2:
+            return keys
+        found = reference.key_boundaries(table, parts, keys[-1] if keys else None)[1]
+        if not found:
+            return keys
+        keys.extend(found)
+        rows = reference.key_boundaries(table, 1, keys[-1])[0]
 
 
 def _reference_replica(replicas: list[Replica], table: TableSchema) -> tuple[Replica, int]:

@@ -391,7 +391,8 @@ class NodeReplica(Replica):
     def key_boundaries(
         self, table: TableSchema, parts: int, low: Any = None, high: Any = None
     ) -> tuple[int, list[Any]]:
-        answer = self._answer("key_boundaries", table.name, parts, low=low, high=high)
+        # A node cuts a range into at most PARTS_MAX parts per answer (more is a bad request).
+        answer = self._answer("key_boundaries", table.name, min(parts, range_requests.PARTS_MAX), low=low, high=high)
         try:
             return int(answer["rows"]), list(answer["keys"])
         except (KeyError, TypeError, ValueError) as error:
