@@ -5,9 +5,9 @@ Theory of operation
 1. *Plan (driver).* Open every replica (file read-only, or node client); read catalogs and each
    shard's applied tx key. Tables missing on a replica or declared differently (shard, key
    column, columns and their types) are reported and not compared. The first level's key
-   ranges come from the replica with the most rows (``ntile`` over its key index for a file,
-   a sampled key scan for a node, asked again after its last key while a node's bounded scan
-   leaves more than about one range): the same boundaries for every replica, ranges
+   ranges come from the replica with the most rows (``key_boundaries``: SQLite walks the key
+   index, of the file or on the node, asked again after the last key while a node's bounded
+   walk leaves more than about one range): the same boundaries for every replica, ranges
    ``(low, high]`` covering the whole key space.
 2. *In flight (driver).* For each pair (first replica, other replica) and each shard whose
    applied keys differ, the more advanced replica's rlog between the two applied keys is read
