@@ -12,8 +12,9 @@ import apsw
 import pytest
 from click.testing import CliRunner
 from mnesite.rlog.store import Store
-from mnesite.rlog.types import WriteOp
+from mnesite.rlog.types import DropTableOp, WriteOp
 from mnesite.spark.cli import compare as compare_command
+from mnesite.spark.cli import render_report
 from mnesite.spark.compare import EXIT_DIVERGED, EXIT_EQUAL, EXIT_ERROR, CompareError, CompareOptions, compare
 
 from tests.spark_fixtures import commit, copy_replica, create_store, create_table, delete_keys, write_rows
@@ -202,12 +203,10 @@ def test_trimmed_rlog_makes_lag_count_as_divergence(spark_session: Any, tmp_path
 @pytest.mark.timeout(120)
 def test_tables_missing_on_one_side_are_reported(spark_session: Any, equal_replicas: tuple) -> None:
     primary, copy = equal_replicas
-    store = Store(str(primary / "mnesite.db"), synchronous="OFF")
-    create_table(store, "only_left", "k", [("k", "INTEGER")])
-    store.close()
-    report = compare([str(primary), str(copy)], CompareOptions(tables=("only_left", "tags")), session=spark_session)
-    assert report.tables_missing == {"only_left": [str(copy)]}
-    assert report.tables == ["tags"] and report.exit_status == EXIT_DIVERGED
+    tamper(copy, [("DROP TABLE tags", ()), ("DELETE FROM _mnesite_tables WHERE name = 'tags'", ())])
+    report = compare([str(primary), str(copy)], CompareOptions(tables=("tags", "users")), session=spark_session)
+    assert report.tables_missing == {"tags": [str(copy)]} and report.tables_in_flight == {}
+    assert report.tables == ["users"] and report.exit_status == EXIT_DIVERGED
     with pytest.raises(CompareError, match="unknown table 'nope'"):
         compare([str(primary), str(copy)], CompareOptions(tables=("nope",)), session=spark_session)
 
@@ -580,3 +579,35 @@ def test_more_first_level_ranges_than_a_node_cuts_per_answer_is_not_a_compare_er
     report = compare([thread_node.endpoint, str(tmp_path / "data")], options, session=spark_session)
     assert report.exit_status == EXIT_EQUAL, report.to_json()
     assert report.statistics["range_digests"] == 2 * 50  # one range per row
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["created", "dropped"])
+def test_a_table_created_or_dropped_between_the_applied_keys_is_in_flight(
+    spark_session: Any, equal_replicas: tuple, change: str
+) -> None:
+    """A table the more advanced replica's rlog creates (or drops) between the two applied keys is the
+    other replica's lag, like the keys those entries touch: it was reported missing on the other
+    replica, and the replicas diverged (exit 1), for a replicant one create_table behind its core."""
+    primary, copy = equal_replicas
+    store = Store(str(primary / "mnesite.db"), synchronous="OFF")
+    if change == "created":
+        create_table(store, "fresh", "k", [("k", "INTEGER")])
+        commit(store, [WriteOp("fresh", {"k": 1})])
+    else:
+        commit(store, [DropTableOp("tags", "default")])
+    commit(store, [WriteOp("users", {**user(7), "name": "renamed"})])
+    store.close()
+    table, lacking = ("fresh", copy) if change == "created" else ("tags", primary)
+    for replicas in ([primary, copy], [copy, primary]):
+        report = compare([str(replica) for replica in replicas], DRILL, session=spark_session)
+        assert report.tables_in_flight == {table: [str(lacking)]} and report.tables_missing == {}, report.to_json()
+        assert table not in report.tables and report.exit_status == EXIT_EQUAL
+        assert f"table {table}: missing on {lacking}, created or dropped in flight" in render_report(report)
+    # The same table missing with no entry that explains it still diverges.
+    trimmed = Store(str(primary / "mnesite.db"), synchronous="OFF")
+    with trimmed.write_transaction():
+        trimmed.trim("default", entries_max=1, before_ms=None)
+    trimmed.close()
+    report = compare([str(primary), str(copy)], DRILL, session=spark_session)
+    assert report.tables_missing == {table: [str(lacking)]} and report.exit_status == EXIT_DIVERGED
