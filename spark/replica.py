@@ -78,7 +78,7 @@ class ReplicaSpec:
 class ShardApplied:
     shard: str
     applied: TxKey
-    digest: str
+    digest: str  # hex; "" when the node does not know it (a replicant during a bootstrap)
 
 
 @dataclass(frozen=True)
@@ -375,7 +375,8 @@ class NodeReplica(Replica):
                 applied = tx_key_from_wire(facts["applied"])
             except (OpDecodeError, KeyError) as error:
                 raise ReplicaError(f"{self.spec.label}: malformed status for shard {shard} ({error})") from None
-            result[shard] = ShardApplied(shard, applied, str(facts.get("digest", "")))
+            # A replicant's digest is null from a bootstrap's reset until its replay: unknown, "".
+            result[shard] = ShardApplied(shard, applied, str(facts.get("digest") or ""))
         return result
 
     def iter_rows(

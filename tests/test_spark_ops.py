@@ -98,3 +98,25 @@ def test_compare_options_out_of_bounds_are_refused_before_anything_runs(change) 
 
     with pytest.raises(CompareError, match=next(iter(change))):
         compare(["a", "b"], replace(CompareOptions(), **change))
+
+
+def test_a_digest_a_replicant_does_not_know_yet_is_unknown_not_a_diverged_history() -> None:
+    """A replicant's status gives digest null from a bootstrap's reset until its replay. It was read as
+    the text "None", compared with the other replica's digest at the same applied key, and reported
+    as diverged histories (and, behind, made every key of the span divergence)."""
+    from types import SimpleNamespace
+
+    from mnesite.rlog.types import TxKey
+    from mnesite.spark.compare import CompareOptions, CompareReport, _find_in_flight
+    from mnesite.spark.replica import NodeReplica, ReplicaSpec, ShardApplied
+
+    replica = NodeReplica.__new__(NodeReplica)  # no node: only its status answer matters
+    replica.spec = ReplicaSpec("node", "tcp://127.0.0.1:1", "tcp://127.0.0.1:1")
+    replica._error_type = RuntimeError
+    replica.client = SimpleNamespace(status=lambda: {"shards": {"default": {"applied": [1, 5], "digest": None}}})
+    unknown = replica.applied()["default"]
+    assert unknown == ShardApplied("default", TxKey(1, 5), "")
+    known = ShardApplied("default", TxKey(1, 5), "ab" * 16)
+    report = CompareReport([], {"core": {"default": known}, "replicant": {"default": unknown}})
+    _find_in_flight([replica, replica], ["core", "replicant"], {}, ["default"], report, CompareOptions(), print)
+    assert report.histories_diverged == []
