@@ -62,6 +62,8 @@ def render_report(report: CompareReport) -> str:
         )
     for table, lacking in report.tables_missing.items():
         lines.append(f"table {table}: missing on {', '.join(lacking)}")
+    for table, lacking in report.tables_in_flight.items():
+        lines.append(f"table {table}: missing on {', '.join(lacking)}, created or dropped in flight (not compared)")
     for table in report.tables_mismatched:
         lines.append(f"table {table}: declared differently on the replicas")
     header = f"{'table':<20} {'left':<20} {'right':<20} {'rows':>21} {'miss.left':>9} {'miss.right':>10} "

@@ -4,14 +4,18 @@ Theory of operation
 -------------------
 1. *Plan (driver).* Open every replica (file read-only, or node client); read catalogs and each
    shard's applied tx key. Tables missing on a replica or declared differently (shard, key
-   column, columns and their types) are reported and not compared. The first level's key
-   ranges come from the replica with the most rows (``ntile`` over its key index for a file,
-   a sampled key scan for a node): the same boundaries for every replica, ranges
+   column, columns and their types) are reported and not compared (a table created or dropped
+   in flight, step 2, is reported as such). The first level's key
+   ranges come from the replica with the most rows (``key_boundaries``: SQLite walks the key
+   index, of the file or on the node, asked again after the last key while a node's bounded
+   walk leaves more than about one range): the same boundaries for every replica, ranges
    ``(low, high]`` covering the whole key space.
 2. *In flight (driver).* For each pair (first replica, other replica) and each shard whose
    applied keys differ, the more advanced replica's rlog between the two applied keys is read
    (bounded by ``in_flight_entries_max``). The keys its entries wrote or deleted are *in flight*:
-   a difference there is the lag of one replica, not divergence. If the rlog no longer holds
+   a difference there is the lag of one replica, not divergence; so is a table lacking on one
+   replica of a pair that those entries created (on the replica ahead) or dropped last
+   (``tables_in_flight``, not compared). If the rlog no longer holds
    the whole span (trimmed, or the histories do not connect), the shard is marked incomplete
    and its differences count as divergence. If the more advanced replica's entry at the other's
    applied key has another digest, the histories diverged: reported as such, and no key is in flight.
@@ -28,11 +32,12 @@ Theory of operation
    the split keys of the replica with the most rows there, which came with its digests, and
    digested again (at most ``depth_max`` levels). Equal replicas therefore ship only digests.
 4. *Row level.* For the differing leaf ranges every replica ships ``(key, row digest)`` per row
-   (computed from the same row texts). When there are at most ``driver_row_digests_max`` of them
-   the driver merges them; otherwise Spark full-outer-joins the first replica with each other
-   one on the key. Either way keys are classified (missing on one side, values differ, in
-   flight) and counted exactly, and at most ``sample_max`` keys per class are kept, the first in
-   key order, whose rows are then read by key from both replicas.
+   (computed from the same row texts). When there are known to be at most ``driver_row_digests_max``
+   of them the driver merges them; otherwise (or when a node over its row budget gave only a lower
+   bound for a leaf's rows) Spark full-outer-joins the first replica with each other one on the
+   key. Either way keys are classified (missing on one side, values differ, in flight) and counted
+   exactly, and at most ``sample_max`` keys per class are kept, the first in key order, whose rows
+   are then read by key from both replicas.
 
 Exit status: 0 equal (in-flight differences allowed), 1 diverged, 2 could not compare
 (``CompareError``: bad replica, unknown table, unreachable node, Spark unavailable).
@@ -185,6 +190,8 @@ class CompareReport:
     tables: list[str] = field(default_factory=list)
     rows: dict[str, dict[str, int]] = field(default_factory=dict)  # table -> replica label -> rows
     tables_missing: dict[str, list[str]] = field(default_factory=dict)  # table -> labels lacking it
+    # Tables lacking only where an entry in flight (step 2) created or dropped them: lag, not divergence.
+    tables_in_flight: dict[str, list[str]] = field(default_factory=dict)  # table -> labels lacking it
     tables_mismatched: dict[str, dict[str, Any]] = field(default_factory=dict)  # table -> label -> definition
     histories_diverged: list[dict[str, Any]] = field(default_factory=list)
     in_flight_spans: list[InFlightSpan] = field(default_factory=list)
@@ -216,6 +223,7 @@ class CompareReport:
             "tables": self.tables,
             "rows": self.rows,
             "tables_missing": self.tables_missing,
+            "tables_in_flight": self.tables_in_flight,
             "tables_mismatched": self.tables_mismatched,
             "histories_diverged": self.histories_diverged,
             "in_flight_spans": [s.to_json() for s in self.in_flight_spans],
@@ -406,10 +414,11 @@ def _plan(
     else:
         wanted = known
     comparable: dict[str, TableSchema] = {}
+    lacking_by_table: dict[str, list[str]] = {}
     for name in wanted:
         lacking = [label for label, catalog in zip(labels, catalogs, strict=True) if name not in catalog]
         if lacking:
-            report.tables_missing[name] = lacking
+            lacking_by_table[name] = lacking
             continue
         definitions = {label: catalog[name] for label, catalog in zip(labels, catalogs, strict=True)}
         # The shard is part of a table's declaration: the same rows in another shard follow another log.
@@ -422,22 +431,48 @@ def _plan(
         comparable[name] = definitions[labels[0]]
     report.tables = sorted(comparable)
     say(f"comparing {len(comparable)} table(s) across {len(replicas)} replicas")
-    in_flight = _find_in_flight(replicas, labels, comparable, report, options, say)
+    shards = {table.shard for table in comparable.values()}
+    shards.update(catalog[name].shard for name in lacking_by_table for catalog in catalogs if name in catalog)
+    in_flight, changes = _find_in_flight(replicas, labels, comparable, sorted(shards), report, options, say)
+    for name, lacking in lacking_by_table.items():
+        if _created_or_dropped_in_flight(name, catalogs, changes):
+            report.tables_in_flight[name] = lacking
+        else:
+            report.tables_missing[name] = lacking
     report.statistics["in_flight_keys"] = sum(len(keys) for keys in in_flight.values())
     return report, in_flight
+
+
+# (right replica index, shard) -> (index of the replica ahead, table -> its last change in the span)
+TableChanges = dict[tuple[int, str], tuple[int, dict[str, str]]]
+
+
+def _created_or_dropped_in_flight(name: str, catalogs: list[dict[str, TableSchema]], changes: TableChanges) -> bool:
+    """Whether table ``name``, lacking on some replicas, is lacking only where the span between the
+    applied keys of a pair explains it: the replica ahead created it last, or dropped it last."""
+    for right in range(1, len(catalogs)):
+        holders = [index for index in (0, right) if name in catalogs[index]]
+        if len(holders) != 1:
+            continue  # both have it or both lack it: no difference in this pair
+        ahead, last = changes.get((right, catalogs[holders[0]][name].shard), (-1, {}))
+        if last.get(name) != ("created" if holders[0] == ahead else "dropped"):
+            return False
+    return True
 
 
 def _find_in_flight(
     replicas: list[Replica],
     labels: list[str],
     tables: dict[str, TableSchema],
+    shards: list[str],
     report: CompareReport,
     options: CompareOptions,
     say: Progress,
-) -> InFlightKeys:
-    """Keys touched between the applied keys of the first replica and each other one (see step 2)."""
-    shards = sorted({t.shard for t in tables.values()})
+) -> tuple[InFlightKeys, TableChanges]:
+    """Keys touched, and tables created or dropped, between the applied keys of the first replica
+    and each other one in ``shards`` (see step 2)."""
     in_flight: InFlightKeys = defaultdict(set)
+    changes: TableChanges = {}
     for right in range(1, len(replicas)):
         for shard in shards:
             left_applied = report.applied[labels[0]].get(shard)
@@ -445,7 +480,9 @@ def _find_in_flight(
             left_key = left_applied.applied if left_applied else TxKey(0, 0)
             right_key = right_applied.applied if right_applied else TxKey(0, 0)
             if left_key == right_key:
-                if left_applied and right_applied and left_applied.digest != right_applied.digest:
+                # Another digest at the same key is another history; an unknown one ("") tells nothing.
+                digests = {left_applied.digest, right_applied.digest} if left_applied and right_applied else set()
+                if len(digests) > 1 and "" not in digests:
                     report.histories_diverged.append(
                         {
                             "shard": shard,
@@ -463,7 +500,7 @@ def _find_in_flight(
                 ahead, behind_key, ahead_key = right, left_key, right_key
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], behind_key, ahead_key, True, 0)
             behind_applied = right_applied if ahead == 0 else left_applied
-            touched, span.complete, span.reason, span.entries = _touched_between(
+            touched, span.complete, span.reason, span.entries, changed = _touched_between(
                 replicas[ahead],
                 shard,
                 behind_key,
@@ -471,6 +508,7 @@ def _find_in_flight(
                 options.in_flight_entries_max,
                 behind_applied.digest if behind_applied else "",
             )
+            changes[(right, shard)] = (ahead, changed)
             if span.reason.startswith(HISTORY_DIVERGED) and behind_applied is not None:
                 # Reported like two replicas at one key with different digests: the digests at the behind key.
                 ahead_digest = _digest_at(replicas[ahead], shard, behind_key) or ""
@@ -495,7 +533,7 @@ def _find_in_flight(
                 f"shard {shard}: {labels[ahead]} is ahead of the other by {span.entries} entries"
                 + ("" if span.complete else f" ({span.reason})")
             )
-    return in_flight
+    return in_flight, changes
 
 
 def _widen_in_flight(
@@ -533,7 +571,7 @@ def _widen_in_flight(
             low_digest = next(position.digest for position in positions if position.applied == low)
             ahead = max((0, right), key=lambda index: after[index][shard].applied if shard in after[index] else low)
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], low, high, True, 0)
-            touched, span.complete, span.reason, span.entries = _touched_between(
+            touched, span.complete, span.reason, span.entries, _ = _touched_between(
                 replicas[ahead], shard, low, high, options.in_flight_entries_max, low_digest
             )
             span.reason = span.reason or "the replicas moved on while they were read"
@@ -558,8 +596,9 @@ def _digest_at(replica: Replica, shard: str, key: TxKey) -> str | None:
 
 def _touched_between(
     replica: Replica, shard: str, behind: TxKey, ahead: TxKey, entries_max: int, behind_digest: str = ""
-) -> tuple[list[tuple[str, Any]], bool, str, int]:
-    """(touched keys, complete, reason, entries read) for the entries in ``(behind, ahead]``.
+) -> tuple[list[tuple[str, Any]], bool, str, int, dict[str, str]]:
+    """(touched keys, complete, reason, entries read, table -> last "created" or "dropped") for the
+    entries in ``(behind, ahead]`` (as far as they were read, when incomplete).
 
     The span is lag only if ``replica``'s history goes through the behind replica's position: the
     entry after ``behind`` must name it as previous, and the entry at ``behind``, when the log still
@@ -567,6 +606,7 @@ def _touched_between(
     is another history: the span is incomplete (its reason starts with ``HISTORY_DIVERGED``), and what
     its keys show is divergence, not lag."""
     touched: list[tuple[str, Any]] = []
+    changed: dict[str, str] = {}
     after = behind
     count = 0
     if behind_digest:
@@ -576,22 +616,29 @@ def _touched_between(
                 f"{HISTORY_DIVERGED}: the rlog of {replica.spec.label} has a different digest at {behind} "
                 f"({digest[:16]}, the other replica applied {behind_digest[:16]})"
             )
-            return touched, False, reason, count
+            return touched, False, reason, count, changed
     while after < ahead:
         batch = replica.entries_after(shard, after, min(1000, entries_max - count) or 1)
         if not batch:
-            return touched, False, f"the rlog of {replica.spec.label} ends before {ahead}", count
+            return touched, False, f"the rlog of {replica.spec.label} ends before {ahead}", count, changed
         if count == 0 and batch[0].prev != behind:
-            return touched, False, f"the rlog of {replica.spec.label} no longer holds the entry after {behind}", count
+            return (
+                touched,
+                False,
+                f"the rlog of {replica.spec.label} no longer holds the entry after {behind}",
+                count,
+                changed,
+            )
         for entry in batch:
             if entry.tx_key > ahead:
-                return touched, True, "", count
+                return touched, True, "", count, changed
             if count >= entries_max:
-                return touched, False, f"more than in_flight_entries_max={entries_max} entries", count
+                return touched, False, f"more than in_flight_entries_max={entries_max} entries", count, changed
             touched.extend(entry.touched)
+            changed.update(entry.tables_changed)
             count += 1
             after = entry.tx_key
-    return touched, True, "", count
+    return touched, True, "", count, changed
 
 
 def _run(
@@ -648,12 +695,16 @@ def _run(
     pending: dict[str, list[tuple[Any, Any]]] = {}
     for name, table in tables.items():
         reference, rows = _reference_replica(replicas, table)
-        parts = options.ranges_initial or max(1, -(-rows // options.range_rows))
-        split_keys = reference.key_boundaries(table, min(parts, options.ranges_initial_max))[1] if parts > 1 else []
+        if options.ranges_initial:
+            split_keys = reference.split_keys(table, min(options.ranges_initial, options.ranges_initial_max))
+        else:
+            split_keys = _initial_split_keys(reference, table, rows, options)
         edges = [None, *split_keys, None]
         pending[name] = list(zip(edges, edges[1:], strict=False))
     phase("boundaries")
-    leaves: dict[str, list[tuple[Any, Any, int]]] = defaultdict(list)  # (low, high, rows on all replicas)
+    # (low, high, rows on all replicas, whether that count is exact: a node over its row budget
+    # answers no digest and a lower bound for the rows, so a leaf's size is then unknown).
+    leaves: dict[str, list[tuple[Any, Any, int, bool]]] = defaultdict(list)
     level = 0
     digests_shipped = 0
     while pending:
@@ -693,7 +744,8 @@ def _run(
                 widest = max(range(len(replicas)), key=lambda r: (per_replica[r], -r))
                 cut = splits[name][widest].get(position, ())
                 if too_many or max(per_replica) <= options.leaf_rows_max or level >= options.depth_max or not cut:
-                    leaves[name].append((low, high, sum(per_replica)))
+                    exact = all(digests[name][r][position] is not None for r in range(len(replicas)))
+                    leaves[name].append((low, high, sum(per_replica), exact))
                     continue
                 edges = [low, *cut, high]
                 next_pending[name].extend(zip(edges, edges[1:], strict=False))
@@ -712,10 +764,12 @@ def _run(
         return
 
     # Row level: (key, row digest) for the rows of the differing leaves only.
-    leaf_ranges = {name: [(low, high) for low, high, _ in items] for name, items in leaves.items()}
-    expected = sum(rows for items in leaves.values() for _, _, rows in items)
+    leaf_ranges = {name: [(low, high) for low, high, _, _ in items] for name, items in leaves.items()}
+    expected = sum(rows for items in leaves.values() for _, _, rows, _ in items)
+    exact = all(exact for items in leaves.values() for _, _, _, exact in items)
     results = {(p.table, p.right): p for p in report.pairs}
-    if expected <= options.driver_row_digests_max:
+    # The driver holds every row digest it merges: only when their number is known to be within its bound.
+    if exact and expected <= options.driver_row_digests_max:
         report.statistics["row_level"] = "driver"
         found: dict[str, list[dict[Any, bytes]]] = {name: [{} for _ in replicas] for name in leaf_ranges}
         shipped = 0
@@ -890,6 +944,26 @@ def _fetch_samples(
                 sample["right"] = dict(zip(names, right, strict=True)) if right is not None else None
             items.sort(key=lambda item: key_bytes(item["key"]))
     report.statistics["rows_fetched"] = fetched
+
+
+def _initial_split_keys(reference: Replica, table: TableSchema, rows: int, options: CompareOptions) -> list[Any]:
+    """The first level's split keys, about one per ``range_rows`` rows, at most ``ranges_initial_max - 1``.
+
+    A node's ``key_boundaries`` walks a bounded number of keys from the low end (``rows`` is then a
+    lower bound and its keys cut only those first rows): the rest of the table would be one range,
+    over the node's row budget, drilled into a budget's worth of rows per level. So the keys are asked
+    for again after the last one until what follows it is about one range; for a file, which counts
+    all its rows, that is one more count of the last range's rows."""
+    keys: list[Any] = []
+    while True:
+        parts = min(max(1, -(-rows // options.range_rows)), options.ranges_initial_max - len(keys))
+        if parts < 2:
+            return keys
+        found = reference.key_boundaries(table, parts, keys[-1] if keys else None)[1]
+        if not found:
+            return keys
+        keys.extend(found)
+        rows = reference.key_boundaries(table, 1, keys[-1])[0]
 
 
 def _reference_replica(replicas: list[Replica], table: TableSchema) -> tuple[Replica, int]:

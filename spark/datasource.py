@@ -8,8 +8,9 @@ Theory of operation
 ``[security]`` add ``option("key", SECRET_KEY_FILE)`` and ``option("server_key", CLUSTER_KEY_FILE)``).
 
 The driver reads the catalog once to build the schema from the table's declared columns
-and chooses ``partitions`` key ranges ``(low, high]``: on a file with ``ntile`` over the key
-index, on a node with a bounded evenly spaced sample of one key scan. Each range is one
+and chooses ``partitions`` key ranges ``(low, high]`` from evenly spaced keys (``key_boundaries``:
+SQLite walks the key index, of the file or on the node, which walks a bounded number of keys from
+the low end, so the last partition holds the rest of a big table). Each range is one
 ``InputPartition``; executors open the replica themselves and read their range in key
 order, so reads run in parallel and no executor holds more than one batch of rows.
 

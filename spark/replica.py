@@ -33,6 +33,7 @@ from mnesite.rlog.store import quote
 from mnesite.rlog.types import (
     CreateTableOp,
     DeleteOp,
+    DropTableOp,
     Op,
     OpDecodeError,
     TxKey,
@@ -77,17 +78,18 @@ class ReplicaSpec:
 class ShardApplied:
     shard: str
     applied: TxKey
-    digest: str
+    digest: str  # hex; "" when the node does not know it (a replicant during a bootstrap)
 
 
 @dataclass(frozen=True)
 class RlogEntry:
-    """The parts of an rlog entry the compare job needs: its keys, digest and touched row keys."""
+    """The parts of an rlog entry the compare job needs: its keys, digest, touched row keys and tables."""
 
     tx_key: TxKey
     prev: TxKey
     digest: str
     touched: tuple[tuple[str, Any], ...]  # (table, key) pairs written or deleted
+    tables_changed: tuple[tuple[str, str], ...] = ()  # (table, "created" or "dropped"), in op order
 
 
 def parse_replica(text: str, key: str | None = None, server_key: str | None = None) -> ReplicaSpec:
@@ -197,6 +199,17 @@ class Replica(ABC):
             elif isinstance(op, DeleteOp):
                 touched.append((op.table, op.key))
         return tuple(touched)
+
+
+def tables_changed(ops: tuple[Op, ...]) -> tuple[tuple[str, str], ...]:
+    """``(table, "created" or "dropped")`` for the ops that create or drop a table, in order."""
+    changes: list[tuple[str, str]] = []
+    for op in ops:
+        if isinstance(op, CreateTableOp):
+            changes.append((op.table, "created"))
+        elif isinstance(op, DropTableOp):
+            changes.append((op.table, "dropped"))
+    return tuple(changes)
 
 
 class FileReplica(Replica):
@@ -313,6 +326,7 @@ class FileReplica(Replica):
                     TxKey(prev_generation, prev_counter),
                     digest.hex(),
                     self._resolve_touched(decoded),
+                    tables_changed(decoded),
                 )
             )
         return entries
@@ -361,7 +375,8 @@ class NodeReplica(Replica):
                 applied = tx_key_from_wire(facts["applied"])
             except (OpDecodeError, KeyError) as error:
                 raise ReplicaError(f"{self.spec.label}: malformed status for shard {shard} ({error})") from None
-            result[shard] = ShardApplied(shard, applied, str(facts.get("digest", "")))
+            # A replicant's digest is null from a bootstrap's reset until its replay: unknown, "".
+            result[shard] = ShardApplied(shard, applied, str(facts.get("digest") or ""))
         return result
 
     def iter_rows(
@@ -391,7 +406,8 @@ class NodeReplica(Replica):
     def key_boundaries(
         self, table: TableSchema, parts: int, low: Any = None, high: Any = None
     ) -> tuple[int, list[Any]]:
-        answer = self._answer("key_boundaries", table.name, parts, low=low, high=high)
+        # A node cuts a range into at most PARTS_MAX parts per answer (more is a bad request).
+        answer = self._answer("key_boundaries", table.name, min(parts, range_requests.PARTS_MAX), low=low, high=high)
         try:
             return int(answer["rows"]), list(answer["keys"])
         except (KeyError, TypeError, ValueError) as error:
@@ -462,6 +478,7 @@ class NodeReplica(Replica):
                         tx_key_from_wire(item["prev"]),
                         str(item["digest"]),
                         self._resolve_touched(ops),
+                        tables_changed(ops),
                     )
                 )
             except (OpDecodeError, KeyError, TypeError) as error:
@@ -473,10 +490,10 @@ class NodeReplica(Replica):
 
 
 # Ops that touch no row key a compare can name: a membership entry, the cores' cluster version entry, an
-# index's creation or removal, a column added, a table dropped (as a file replica's entries read them:
-# only writes and deletes touch keys). A schema change in flight shows as a table declared differently
-# or missing on one replica, which the compare reports itself.
-NO_ROW_OPS = frozenset({"members", "cluster_version", "create_index", "drop_index", "add_column", "drop_table"})
+# index's creation or removal, a column added (as a file replica's entries read them: only writes and
+# deletes touch keys). A column added in flight shows as a table declared differently, which the compare
+# reports itself; a table created or dropped in flight is reported as such (``tables_changed``).
+NO_ROW_OPS = frozenset({"members", "cluster_version", "create_index", "drop_index", "add_column"})
 
 
 def _op_from_client(value: Any) -> Op | None:
@@ -490,6 +507,8 @@ def _op_from_client(value: Any) -> Op | None:
             return WriteOp(str(value["table"]), value["row"])
         if kind == "delete":
             return DeleteOp(str(value["table"]), value.get("key"))
+        if kind == "drop_table":
+            return DropTableOp(str(value["table"]), str(value["shard"]))
         if kind == "create_table":
             return CreateTableOp(
                 str(value["table"]), str(value["shard"]), str(value["key"]), tuple(tuple(c) for c in value["columns"])

@@ -1,7 +1,7 @@
 """What the Spark compare reads from a node's rlog (``spark.replica``): the keys each entry touches.
-Entries the cores write themselves (membership, the cluster version of issue 23), index changes and the
-schema changes that add a column or drop a table touch no row (as a file replica reads them); an op the
-compare does not know stops it with a clear error."""
+Entries the cores write themselves (membership, the cluster version of issue 23), index changes and a
+column added touch no row (as a file replica reads them); a table created or dropped is a table change;
+an op the compare does not know stops it with a clear error."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from mnesite.rlog.types import (
     AddColumnOp,
     ClusterVersionOp,
     CreateIndexOp,
+    CreateTableOp,
     DropIndexOp,
     DropTableOp,
     MembersOp,
@@ -17,7 +18,7 @@ from mnesite.rlog.types import (
     WriteOp,
     op_to_json,
 )
-from mnesite.spark.replica import _op_from_client
+from mnesite.spark.replica import _op_from_client, tables_changed
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -29,16 +30,23 @@ pytestmark = pytest.mark.timeout(10)
         MembersOp(("core1", "core2", "core3"), "", ""),
         CreateIndexOp("users_by_name", "users", "default", ("name",)),
         DropIndexOp("users_by_name", "users", "default"),
-        # Schema changes: a compare of a live node whose span held one stopped with "unknown op" (exit 2);
-        # a file replica's entries read them as touching no row. The table's declaration differs then
-        # (missing, or another column), which the compare reports itself.
+        # A compare of a live node whose span held one stopped with "unknown op" (exit 2); a file
+        # replica's entries read it as touching no row. The declarations differ then, which the
+        # compare reports itself.
         AddColumnOp("users", "default", "email", "TEXT"),
-        DropTableOp("users", "default"),
     ],
     ids=lambda op: type(op).__name__,
 )
 def test_ops_that_change_no_row_touch_nothing(op) -> None:
     assert _op_from_client(op_to_json(op)) is None
+
+
+def test_a_node_and_a_file_read_a_table_created_or_dropped_alike() -> None:
+    """A table dropped in a node's span was read as no op, so it was not known to be in flight."""
+    ops = (CreateTableOp("fresh", "default", "k", (("k", "INTEGER"),)), DropTableOp("users", "default"))
+    read = tuple(_op_from_client(op_to_json(op)) for op in ops)
+    assert read == ops
+    assert tables_changed(read) == (("fresh", "created"), ("users", "dropped"))
 
 
 def test_a_write_is_read_and_an_unknown_op_is_refused() -> None:
@@ -90,3 +98,25 @@ def test_compare_options_out_of_bounds_are_refused_before_anything_runs(change) 
 
     with pytest.raises(CompareError, match=next(iter(change))):
         compare(["a", "b"], replace(CompareOptions(), **change))
+
+
+def test_a_digest_a_replicant_does_not_know_yet_is_unknown_not_a_diverged_history() -> None:
+    """A replicant's status gives digest null from a bootstrap's reset until its replay. It was read as
+    the text "None", compared with the other replica's digest at the same applied key, and reported
+    as diverged histories (and, behind, made every key of the span divergence)."""
+    from types import SimpleNamespace
+
+    from mnesite.rlog.types import TxKey
+    from mnesite.spark.compare import CompareOptions, CompareReport, _find_in_flight
+    from mnesite.spark.replica import NodeReplica, ReplicaSpec, ShardApplied
+
+    replica = NodeReplica.__new__(NodeReplica)  # no node: only its status answer matters
+    replica.spec = ReplicaSpec("node", "tcp://127.0.0.1:1", "tcp://127.0.0.1:1")
+    replica._error_type = RuntimeError
+    replica.client = SimpleNamespace(status=lambda: {"shards": {"default": {"applied": [1, 5], "digest": None}}})
+    unknown = replica.applied()["default"]
+    assert unknown == ShardApplied("default", TxKey(1, 5), "")
+    known = ShardApplied("default", TxKey(1, 5), "ab" * 16)
+    report = CompareReport([], {"core": {"default": known}, "replicant": {"default": unknown}})
+    _find_in_flight([replica, replica], ["core", "replicant"], {}, ["default"], report, CompareOptions(), print)
+    assert report.histories_diverged == []
