@@ -1485,9 +1485,12 @@ class CoreNode(NodeServer):
 
             def read_row(table: TableSchema, key: Any) -> dict[str, Any] | None:
                 def applied() -> dict[str, Any] | None:
-                    if table.name not in self.store.catalog():
+                    # Read with the table as applied: ``table`` is as the tail leaves it, and SQLite
+                    # read a column the tail adds (not there yet) as its quoted name, a string.
+                    applied_table = self.store.catalog().get(table.name)
+                    if applied_table is None:
                         return None  # created in the unapplied tail: no rows applied yet
-                    return self.store.read_row(table, key)
+                    return self.store.read_row(applied_table, key)
 
                 return driver.tail.read(table.name, key, applied)
 
