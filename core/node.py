@@ -1520,8 +1520,16 @@ class CoreNode(NodeServer):
         """Propose the writes ``_write`` held in this turn, in arrival order, in one step; each
         client then waits for its entry (or hears why it was refused, or is forwarded)."""
         batch, held = driver.held.take(self.store.cluster_version(driver.shard))
-        self.begin()
-        keys, refused = rules.batch_outcomes(self._step(driver, batch))
+        try:
+            self.begin()
+            effects = self._step(driver, batch)
+        except BaseException:
+            # The turn fails (a full disk rolls it back, ``disk_filled``; anything else stops the node):
+            # these writes are in no hold and no waiter any more, and nothing else would answer them.
+            for request_id, (envelope, _) in held:
+                self.reply(envelope, _outcome_unknown(request_id, "the turn that proposed it failed"))
+            raise
+        keys, refused = rules.batch_outcomes(effects)
         for request_id, (envelope, message) in held:
             try:
                 key = keys.get(request_id)
