@@ -896,3 +896,47 @@ def test_a_guard_on_an_applied_row_while_an_added_column_is_uncommitted_reads_it
         table = node.store.catalog()["t"]
         assert node.store.read_row(table, 1) == {"id": 1, "v": "a", "w": "x"}
         assert node.store.read_row(table, 2) == {"id": 2, "v": "b", "w": "x"}
+
+
+def test_an_append_that_would_replace_a_committed_entry_stops_the_shard_not_the_node(tmp_path) -> None:
+    """``ConsensusInvariantError`` (a peer's append would replace an entry this core holds committed: a
+    core left out by a forced start whose journal diverges, or a broken peer) means "stop serving the
+    shard and alert the operator" (core.consensus, driver contract 5; docs: Force start). It went out
+    of the loop turn and stopped the node, every shard with it, and again at each restart as the
+    sequencer's next append came. The shard stops now, loudly: its machine is never stepped again in
+    this process, it serves no read (``not_serving_reason`` says why), takes no write (``no_sequencer``:
+    the client asks another core) and is not ticked; the node serves its other shards."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, make_entry
+
+    from tests.conftest import follower_by_hand
+
+    members = ("core1", "core2", "core3")
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        table = define_table("t", "id", [["id", "INTEGER"]], "default")
+        first = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (table.to_op(),), "a")
+        second = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (), "b")
+        committed = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, second.tx_key, members, (first, second))
+        node._step(driver, MessageReceived("core2", committed))
+        assert driver.consensus.committed_key == second.tx_key
+        other = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (), "other")
+        diverging = AppendRequest(2, first.tx_key, first.digest, other.tx_key, members, (other,))
+        assert node._step(driver, MessageReceived("core3", diverging)) == []
+        reason = node._not_serving_reason("default")
+        assert reason is not None and "different entry at committed key (1, 2)" in reason
+        assert not node._ticked(driver)
+        assert node._step(driver, MessageReceived("core2", committed)) == [], "its machine is stepped no more"
+        view = node._view(driver)
+        assert not view.is_sequencer and view.sequencer is None
+        write = {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}
+        with pytest.raises(RequestError) as refused:
+            node._write([b"c1"], Message("transact", "w1", messages.typed_body("transact", write)))
+        assert refused.value.code == "no_sequencer"
+        shard_status = node.status()["shards"]["default"]
+        assert shard_status["serving"] is False and "different entry" in shard_status["not_serving_reason"]
+        assert node.journal()["shards"]["default"]["hears_sequencer"] is False
+        with pytest.raises(RequestError) as forced:
+            node.force_start()  # its machine would not step: it must not be reported forced
+        assert "stopped on this core" in forced.value.detail["refused"]["default"]
