@@ -125,13 +125,20 @@ class GuardTail(Generic[Token]):
 
     def read(self, table: str, key: Any, read_applied: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
         """A guard's read: the row as the tail leaves it (its write or delete), absent if the tail
-        drops the table, else the applied row (``read_applied``)."""
+        drops the table, else the applied row (``read_applied``: read with the table as applied, the
+        columns the tail adds left out). A column the tail adds is null in a row written before it,
+        in the tail or applied, as the apply's ``ALTER TABLE ... ADD COLUMN`` leaves it."""
         self._indexed_tail()
         if (table, key) in self.rows:
-            return self.rows[(table, key)]
-        if table in self.dropped:
+            row = self.rows[(table, key)]
+        elif table in self._dropped:
             return None  # the applied rows go with the table
-        return read_applied()
+        else:
+            row = read_applied()
+        changed = self.tables.get(table)
+        if row is None or changed is None:
+            return row  # the common read: a table the tail does not change
+        return {name: row.get(name) for name, _ in changed.columns}
 
     def _index(self, entry: Entry) -> None:
         for op in entry.ops:

@@ -34,7 +34,9 @@ process (``disk_filled``): the turn is rolled back, none of its frames is sent, 
 step ``DiskFull`` (a sequencer steps down and its clients are told the outcome is unknown), and
 new ones are built from disk and told ``DiskFull`` too; writes are refused with ``disk_full``
 until a probe writes again (``disk_freed``). Any other storage failure stops the process, and a
-restart rebuilds them.
+restart rebuilds them. A ``ConsensusInvariantError`` (a peer's append would replace a committed
+entry) stops the shard, not the process (``_stop_shard``): its machine is stepped no more, and the
+node serves its other shards.
 
 Writes at a core that is not the sequencer are forwarded (once: a forwarded request is never
 forwarded again) to the sequencer it knows; the answer is relayed. Requests carry a request id
@@ -72,6 +74,7 @@ from mnesite.core.consensus import (
     Commit,
     ConsensusConfig,
     ConsensusConfigError,
+    ConsensusInvariantError,
     Excluded,
     ForceStarted,
     ForceStartRefused,
@@ -396,6 +399,9 @@ class CoreNode(NodeServer):
         self.forwarded: ForwardedRequests[Any] = ForwardedRequests(FORWARDED_MAX, FORWARD_TIMEOUT_MS)
         # shard -> why this core was left out by a forced start (it then stops campaigning there)
         self.excluded: dict[str, dict[str, Any]] = {}
+        # shard -> the ConsensusInvariantError that stopped it here (``_stop_shard``): until a restart its
+        # machine is stepped no more, and the shard serves nothing (the node serves its other shards).
+        self.stopped: dict[str, str] = {}
         limits = config.limits
         # A push is one frame: never more than half of frame_bytes_max, whatever push_bytes_max says.
         push_bytes_max = max(1, min(limits.push_bytes_max, limits.frame_bytes_max // 2))
@@ -723,7 +729,7 @@ class CoreNode(NodeServer):
         snapshot (it does not campaign meanwhile), nor once a forced start left this core out."""
         shard = driver.shard
         installing = shard in self.not_serving and shard not in self._installed_shards()
-        return not installing and shard not in self.excluded
+        return not installing and shard not in self.excluded and shard not in self.stopped
 
     def disk_filled(self) -> None:
         """A turn failed for want of space and was rolled back (``NodeServer.turn``, ``rlog.disk``).
@@ -872,7 +878,15 @@ class CoreNode(NodeServer):
     def _step(self, driver: ShardDriver, event: Any) -> list[Any]:
         if driver.held:
             self._propose_batch(driver)  # the writes that arrived before this event go first
-        effects = driver.consensus.step(event, self.clock_ms())
+        if driver.shard in self.stopped:
+            return []
+        try:
+            effects = driver.consensus.step(event, self.clock_ms())
+        except ConsensusInvariantError as error:
+            # Raised before any effect of this step ran (a peer's append would replace a committed
+            # entry, or a broken peer): the machine is not trusted again (driver contract 5).
+            self._stop_shard(driver, str(error))
+            return []
         for effect in effects:
             self._execute(driver, effect)
         if driver.consensus.stuck_reason != driver.stuck_logged:
@@ -884,6 +898,29 @@ class CoreNode(NodeServer):
                 driver.shard, consensus.committed_key, self._hears_sequencer(driver), self.clock_ms()
             )
         return effects
+
+    def _stop_shard(self, driver: ShardDriver, reason: str) -> None:
+        """Stop serving ``driver``'s shard on this core until a restart, loudly (core.consensus, driver
+        contract 5), and tell whoever waits on it: a write waiting for its entry (it may commit through
+        the other cores) and a request forwarded for it (to the sequencer) hear ``outcome_unknown`` (a
+        read ``no_sequencer``), a held failed guard to retry, a membership change ``outcome_unknown``;
+        its agents stop (their replicants watch another core). The node serves its other shards."""
+        shard = driver.shard
+        self.stopped[shard] = reason
+        log.error(
+            "shard %s: STOPPED on this core: %s. It serves nothing here until a restart; if it stops again, "
+            "rebuild this core from a member's data directory (docs: Force start)",
+            shard,
+            reason,
+        )
+        self._tell_outcomes(driver.waiters.abandoned(f"shard {shard} stopped on {self.config.name}"))
+        self._abandon_held_guard_failures(driver, f"shard {shard} stopped on {self.config.name}")
+        self._tell_outcomes(self.forwarded.sequencer_changed(shard, None))
+        for request_id, (pending_shard, envelope) in list(self.pending_changes.items()):
+            if pending_shard == shard:
+                del self.pending_changes[request_id]
+                self.reply(envelope, _outcome_unknown(request_id, f"shard {shard} stopped on {self.config.name}"))
+        self.agent_server.stop_shard(shard)
 
     def _log_stuck(self, driver: ShardDriver) -> None:
         """Once when the shard's consensus cannot go on past an entry (``stuck_reason``), once when it can."""
@@ -900,6 +937,7 @@ class CoreNode(NodeServer):
         applied key."""
         driver = self.shards.get(shard)
         stuck_reason = driver.consensus.stuck_reason if driver is not None else None
+        stuck_reason = self.stopped.get(shard, stuck_reason)
         # The applied key is said only with a stuck log: no store read on the common path (every read asks).
         position = self.store.shard(shard) if stuck_reason is not None else None
         applied = position.applied if position is not None else None
@@ -1128,8 +1166,8 @@ class CoreNode(NodeServer):
 
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
         """What this core's journal and agents tell replicants: the consensus's rule
-        (``ShardConsensus.follows_sequencer``, which the simulator runs too)."""
-        return driver.consensus.follows_sequencer
+        (``ShardConsensus.follows_sequencer``, which the simulator runs too); never for a stopped shard."""
+        return driver.consensus.follows_sequencer and driver.shard not in self.stopped
 
     def _watch(self, body: messages.Watch) -> dict[str, Any]:
         driver = self.shards.get(body.shard)
@@ -1138,6 +1176,8 @@ class CoreNode(NodeServer):
         position = self.store.shard(body.shard)
         if driver is None or position is None:
             raise RequestError("unknown_shard", f"unknown shard {body.shard!r}")
+        if body.shard in self.stopped:
+            self._check_serving(body.shard)  # its reason, as a read hears it
         try:
             return self.agent_server.watch(
                 body,
@@ -1168,7 +1208,7 @@ class CoreNode(NodeServer):
         shard = body.shard
         driver = self.shards.get(shard)
         position = self.store.shard(shard)
-        if driver is None or position is None or body.sender not in self.endpoints:
+        if driver is None or position is None or body.sender not in self.endpoints or shard in self.stopped:
             return
         if driver.apply.up_to is not None:
             # The offer is judged against (and an install replaces) the applied state: what this core
@@ -1440,6 +1480,8 @@ class CoreNode(NodeServer):
     # -- writes ------------------------------------------------------------------------------
 
     def _view(self, driver: ShardDriver) -> rules.ShardView:
+        if driver.shard in self.stopped:
+            return rules.ShardView(driver.shard, False, None)  # writes and fenced reads: ``no_sequencer``
         consensus = driver.consensus
         return rules.ShardView(
             driver.shard, consensus.role is Role.SEQUENCER, consensus.sequencer, driver.shard in self.excluded
@@ -1488,9 +1530,12 @@ class CoreNode(NodeServer):
 
             def read_row(table: TableSchema, key: Any) -> dict[str, Any] | None:
                 def applied() -> dict[str, Any] | None:
-                    if table.name not in self.store.catalog():
+                    # Read with the table as applied: ``table`` is as the tail leaves it, and SQLite
+                    # read a column the tail adds (not there yet) as its quoted name, a string.
+                    applied_table = self.store.catalog().get(table.name)
+                    if applied_table is None:
                         return None  # created in the unapplied tail: no rows applied yet
-                    return self.store.read_row(table, key)
+                    return self.store.read_row(applied_table, key)
 
                 return driver.tail.read(table.name, key, applied)
 
@@ -1520,8 +1565,16 @@ class CoreNode(NodeServer):
         """Propose the writes ``_write`` held in this turn, in arrival order, in one step; each
         client then waits for its entry (or hears why it was refused, or is forwarded)."""
         batch, held = driver.held.take(self.store.cluster_version(driver.shard))
-        self.begin()
-        keys, refused = rules.batch_outcomes(self._step(driver, batch))
+        try:
+            self.begin()
+            effects = self._step(driver, batch)
+        except BaseException:
+            # The turn fails (a full disk rolls it back, ``disk_filled``; anything else stops the node):
+            # these writes are in no hold and no waiter any more, and nothing else would answer them.
+            for request_id, (envelope, _) in held:
+                self.reply(envelope, _outcome_unknown(request_id, "the turn that proposed it failed"))
+            raise
+        keys, refused = rules.batch_outcomes(effects)
         for request_id, (envelope, message) in held:
             try:
                 key = keys.get(request_id)
@@ -1850,6 +1903,9 @@ class CoreNode(NodeServer):
         result: dict[str, Any] = {}
         refusals: dict[str, str] = {}
         for driver in self.shards.values():
+            if driver.shard in self.stopped:
+                refusals[driver.shard] = f"stopped on this core: {self.stopped[driver.shard]}"
+                continue
             reached = reached_generations(journals, driver.shard)
             last_keys = reached_last_keys(journals, driver.shard)
             request = ForceStartRequested(reached, last_keys, rows_lost=driver.shard in self.rows_lost)

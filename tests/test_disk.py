@@ -562,3 +562,35 @@ def test_a_full_core_creates_no_shard_for_a_peers_message_and_does_once_space_is
         assert node.store.shard("s2") is not None
     finally:
         node.close()
+
+
+def test_writes_whose_batch_found_the_disk_full_while_appending_are_answered(tmp_path: Path, monkeypatch) -> None:
+    """A turn's writes without guards are held and proposed together (``core.rules.HeldWrites``). When
+    appending their entries found the disk full (SQLite writes a large transaction's pages before its
+    commit), the turn was rolled back and ``disk_filled`` answered the writes still held, but those the
+    failed batch had taken from the hold were in no hold and no waiter any more: never answered until
+    the node stopped (each client waited out its timeout), their connections' places held for good.
+    They are told ``outcome_unknown`` now, as the writes waiting for their commit are."""
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
+
+    with core_with_table(tmp_path / "data") as node:
+        for number in (1, 2):
+            body = messages.typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": number}}]})
+            node._dispatch([b"c%d" % number], Message("transact", f"w{number}", body))
+        assert len(node.shards["default"].held) == 2
+
+        def full(*_args, **_kwargs) -> None:
+            raise apsw.FullError("database or disk is full")
+
+        monkeypatch.setattr(node.store, "append_entries", full)
+        with pytest.raises(apsw.FullError):
+            node._propose_all()  # the end of the turn's input (``_serve_waiting``)
+        monkeypatch.undo()
+        node.abandon_turn("database or disk is full")  # NodeServer.turn
+        node.disk.filled("database or disk is full", 0)
+        node.disk_filled()
+        answers = {m.request_id: (to, m.body.code) for _s, to, m in node._outbox}
+        assert answers == {"w1": ([b"c1"], "outcome_unknown"), "w2": ([b"c2"], "outcome_unknown")}
+        assert node.outstanding == {}, "every connection's place is given back"
+        assert node.store.find_request("w1") is None and node.store.find_request("w2") is None

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GUARD_RETRY, GuardTail
 from mnesite.rlog.schema import define_table
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, DeleteOp, DropTableOp, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import (
+    GENESIS_DIGEST,
+    ZERO_KEY,
+    AddColumnOp,
+    DeleteOp,
+    DropTableOp,
+    TxKey,
+    WriteOp,
+    make_entry,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -87,3 +96,17 @@ def test_a_guard_reads_a_row_absent_once_the_tail_drops_its_table():
     tail.add((make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (DropTableOp("t", "s"),)),))
     assert tail.read("t", 2, lambda: applied) is None
     assert tail.row("t", 2) == (False, None), "the tail's own index does not hold the applied row"
+
+
+def test_a_column_the_tail_adds_is_null_in_rows_written_before_it_applied_or_in_the_tail():
+    """The apply's ``ALTER TABLE ... ADD COLUMN`` leaves the new column null in every row there: a guard
+    read through the tail sees each row so, whether the tail wrote it before the column was added or
+    it is applied (read with the table as applied). A row lacking the column failed a guard naming it
+    null, and passed one naming what SQLite read for a column it did not have yet."""
+    add = make_entry("s", TxKey(1, 2), FIRST.tx_key, FIRST.digest, (AddColumnOp("t", "s", "w", "TEXT"),), "a1")
+    tail: GuardTail[str] = GuardTail(CATALOG)
+    tail.add((FIRST, add))
+    assert tail.read("t", 1, lambda: None) == {"k": 1, "v": 10, "w": None}
+    assert tail.read("t", 2, lambda: {"k": 2, "v": 20}) == {"k": 2, "v": 20, "w": None}
+    assert tail.read("t", 3, lambda: None) is None
+    assert tail.catalog_over(CATALOG)["t"].column_types["w"] == "TEXT"

@@ -831,3 +831,112 @@ def test_a_read_after_a_key_with_a_long_timeout_asks_for_the_longest_wait_a_node
     tx_key = client.put("users", {"id": 7, "name": "ada"})
     with Client(thread_node.endpoint, timeout_ms=900_000) as patient:
         assert patient.get("users", 7, after_tx_key=tx_key)["name"] == "ada"
+
+
+def _dispatch_and_answer(node: CoreNode, envelope: bytes, kind: str, request_id: str, body: dict) -> None:
+    """Dispatch a request to a core driven by hand, refusing it as ``_serve_waiting`` would."""
+    from mnesite.core.node import Deferred
+    from mnesite.rlog.errors import OverloadedError, RequestError
+    from mnesite.rlog.schema import SchemaError
+
+    try:
+        node._dispatch([envelope], Message(kind, request_id, messages.typed_body(kind, body)))
+    except Deferred:
+        pass
+    except (RequestError, SchemaError, OverloadedError) as error:
+        node.refuse([envelope], request_id, error)
+
+
+def test_a_guard_on_an_applied_row_while_an_added_column_is_uncommitted_reads_it_with_that_column_null(
+    tmp_path,
+) -> None:
+    """A guard is evaluated against the applied state plus the unapplied tail, with the catalog as the
+    tail leaves it. With an ``add_column`` not applied yet, a guard on a row already applied read it
+    with that catalog: SQLite took the quoted name of the column it does not have yet for a string,
+    so the guard saw the row with ``w = "w"``, a value it never has: a guard naming that passed (and
+    wrote), one naming the row as it will be (``w`` null) failed. A row the tail wrote before the
+    column was added lacked it, and failed the same guard. Both now read the row as the apply will
+    leave it: the added column null."""
+    from tests.conftest import core_with_table
+
+    with core_with_table(tmp_path / "data") as node:
+        write_1 = {"ops": [{"op": "write", "table": "t", "row": {"id": 1, "v": "a"}}]}
+        _dispatch_and_answer(node, b"c1", "transact", "w1", write_1)
+        node._propose_all()  # a write without guards is held for the turn's batch
+        while node.store.shard("default").applied < node.store.find_request("w1")[1]:
+            node.run_turn()  # one core: it commits and applies w1
+        node._outbox.clear()
+        told: dict[str, tuple[str, object]] = {}
+        reply = node.reply
+        node.reply = lambda envelope, message, now=False: (
+            told.setdefault(message.request_id, (message.kind, getattr(message.body, "code", None))),
+            reply(envelope, message, now),
+        )
+        # One turn: a write of row 2, the column added, then guards naming each row with the column null.
+        write_2 = {"ops": [{"op": "write", "table": "t", "row": {"id": 2, "v": "b"}}]}
+        _dispatch_and_answer(node, b"c2", "transact", "w2", write_2)
+        _dispatch_and_answer(node, b"c3", "add_column", "a1", {"table": "t", "column": "w", "type": "TEXT"})
+        phantom = {"guards": [{"table": "t", "key": 1, "equals": {"id": 1, "v": "a", "w": "w"}}], **write_1}
+        _dispatch_and_answer(node, b"c5", "transact", "g0", phantom)
+        assert node.store.find_request("g0") is None, "a guard passed on a value the row never has"
+        driver = node.shards["default"]
+        assert driver.tail.held_count() == 1  # failed against the uncommitted tail: told once it commits
+        for number, v in ((1, "a"), (2, "b")):
+            guarded = {
+                "guards": [{"table": "t", "key": number, "equals": {"id": number, "v": v, "w": None}}],
+                "ops": [{"op": "write", "table": "t", "row": {"id": number, "v": v, "w": "x"}}],
+            }
+            _dispatch_and_answer(node, b"c4", "transact", f"g{number}", guarded)
+        node._propose_all()
+        assert [request_id for request_id, (kind, _) in told.items() if kind == "error"] == []
+        assert node.store.find_request("g1") is not None and node.store.find_request("g2") is not None
+        while node.store.shard("default").applied < node.store.find_request("g2")[1]:
+            node.run_turn()
+        assert told.get("g0") == ("error", "guard_failed"), told
+        table = node.store.catalog()["t"]
+        assert node.store.read_row(table, 1) == {"id": 1, "v": "a", "w": "x"}
+        assert node.store.read_row(table, 2) == {"id": 2, "v": "b", "w": "x"}
+
+
+def test_an_append_that_would_replace_a_committed_entry_stops_the_shard_not_the_node(tmp_path) -> None:
+    """``ConsensusInvariantError`` (a peer's append would replace an entry this core holds committed: a
+    core left out by a forced start whose journal diverges, or a broken peer) means "stop serving the
+    shard and alert the operator" (core.consensus, driver contract 5; docs: Force start). It went out
+    of the loop turn and stopped the node, every shard with it, and again at each restart as the
+    sequencer's next append came. The shard stops now, loudly: its machine is never stepped again in
+    this process, it serves no read (``not_serving_reason`` says why), takes no write (``no_sequencer``:
+    the client asks another core) and is not ticked; the node serves its other shards."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, make_entry
+
+    from tests.conftest import follower_by_hand
+
+    members = ("core1", "core2", "core3")
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        table = define_table("t", "id", [["id", "INTEGER"]], "default")
+        first = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (table.to_op(),), "a")
+        second = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (), "b")
+        committed = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, second.tx_key, members, (first, second))
+        node._step(driver, MessageReceived("core2", committed))
+        assert driver.consensus.committed_key == second.tx_key
+        other = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (), "other")
+        diverging = AppendRequest(2, first.tx_key, first.digest, other.tx_key, members, (other,))
+        assert node._step(driver, MessageReceived("core3", diverging)) == []
+        reason = node._not_serving_reason("default")
+        assert reason is not None and "different entry at committed key (1, 2)" in reason
+        assert not node._ticked(driver)
+        assert node._step(driver, MessageReceived("core2", committed)) == [], "its machine is stepped no more"
+        view = node._view(driver)
+        assert not view.is_sequencer and view.sequencer is None
+        write = {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}
+        with pytest.raises(RequestError) as refused:
+            node._write([b"c1"], Message("transact", "w1", messages.typed_body("transact", write)))
+        assert refused.value.code == "no_sequencer"
+        shard_status = node.status()["shards"]["default"]
+        assert shard_status["serving"] is False and "different entry" in shard_status["not_serving_reason"]
+        assert node.journal()["shards"]["default"]["hears_sequencer"] is False
+        with pytest.raises(RequestError) as forced:
+            node.force_start()  # its machine would not step: it must not be reported forced
+        assert "stopped on this core" in forced.value.detail["refused"]["default"]

@@ -961,7 +961,13 @@ class Simulation:
         transaction = parse_transaction(request_body, CATALOG, TRANSACTION_OPS_MAX)
 
         def read_row(table: TableSchema, key: Any) -> Row:
-            return node.tail.read(table.name, key, lambda: applied_row)
+            row = node.tail.read(table.name, key, lambda: applied_row)
+            # The rows here hold the key and v only: a column added through the log (the replicant
+            # scenarios' AddColumnOp) is null in each, which the tail says (core.guard_tail) and the
+            # committed history, written with writes of k and v, does not.
+            if row is None:
+                return None
+            return {column: value for column, value in row.items() if column in ("k", "v") or value is not None}
 
         outcome = evaluate(transaction, CATALOG, read_row)
         if not isinstance(outcome, GuardFailed):
