@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import apsw
+from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
 from mnesite.rlog.messages import QUERY_PARAMS_MAX as PARAMS_MAX
 from mnesite.rlog.messages import QUERY_SQL_CHARS_MAX as SQL_CHARS_MAX
 from mnesite.rlog.types import ZERO_KEY, TxKey, tx_key_from_wire
@@ -144,7 +145,7 @@ class QueryLimits:
     idle_ms_max: int = 30_000
     # The bytes one page's answer may hold (its rows, columns and positions): a frame less its
     # envelope. A page ends before a row that would pass it, whatever ``page_bytes_max`` allows.
-    answer_bytes_max: int = 4 * 1024 * 1024 - ANSWER_ENVELOPE_BYTES
+    answer_bytes_max: int = FRAME_BYTES_MAX_DEFAULT - ANSWER_ENVELOPE_BYTES
 
     @classmethod
     def from_config(cls, limits: Any) -> QueryLimits:

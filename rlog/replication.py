@@ -75,39 +75,42 @@ class JournalAnswer:
     agents: int
 
 
+def _journal_verdict(result: object, shard: str, own: Announcement) -> tuple[JournalShardAnswer | None, str | None]:
+    """A core's ``journal`` reply about ``shard``, for ``journal_answer`` and ``unreadable_log``: the
+    shard's answer if this replicant may follow that core for it (else None), and why not when the
+    reason is versions (else None: a malformed reply, or a shard the core does not know)."""
+    announcement = announcement_of(result)
+    if announcement is None:
+        return None, None  # a malformed announcement
+    if not can_speak(own, announcement):
+        return None, f"this replicant cannot speak with it: {incompatibility(own, announcement)}"
+    shards = result.get("shards") if isinstance(result, dict) else None
+    info = answer_as(shards.get(shard), JournalShardAnswer) if isinstance(shards, dict) else None
+    if info is None:
+        return None, None
+    if not log_readable(info.cluster_version, own):
+        return None, (
+            f"its log of shard {shard} is at cluster version {info.cluster_version}, which this replicant "
+            f"({own.describe()}) cannot read: upgrade this replicant"
+        )
+    return info, None
+
+
 def journal_answer(result: object, shard: str, own: Announcement = THIS_RELEASE) -> JournalAnswer | None:
     """What a core's ``journal`` reply ``result`` says about ``shard``; None if it does not know the
     shard or the answer is malformed there (the reply is untrusted input: it never raises), and None
     for a core this replicant (speaking ``own``) shares no cluster version with, or whose log of the
     shard is at a cluster version it cannot read: a replicant follows only a core whose log it reads
     (``rlog.versions``; ``unreadable_log`` says why, for the replica's status)."""
-    announcement = announcement_of(result)
-    if announcement is None or not can_speak(own, announcement):
-        return None  # a malformed announcement, or a core this replicant cannot speak with at all
-    shards = result.get("shards") if isinstance(result, dict) else None
-    info = answer_as(shards.get(shard), JournalShardAnswer) if isinstance(shards, dict) else None
-    if info is None or not log_readable(info.cluster_version, own):
-        return None
-    return JournalAnswer(info.committed, info.hears_sequencer, info.agents)
+    info, _ = _journal_verdict(result, shard, own)
+    return None if info is None else JournalAnswer(info.committed, info.hears_sequencer, info.agents)
 
 
 def unreadable_log(result: object, shard: str, own: Announcement = THIS_RELEASE) -> str | None:
     """Why a core that answered is not followed for ``shard`` because of versions (None: not for that):
     ``journal_answer``'s two refusals in words, so that a replica's status does not say that a core
     which answered "did not answer" (``JournalsReceived.unreadable``)."""
-    announcement = announcement_of(result)
-    if announcement is None:
-        return None
-    if not can_speak(own, announcement):
-        return f"this replicant cannot speak with it: {incompatibility(own, announcement)}"
-    shards = result.get("shards") if isinstance(result, dict) else None
-    info = answer_as(shards.get(shard), JournalShardAnswer) if isinstance(shards, dict) else None
-    if info is None or log_readable(info.cluster_version, own):
-        return None
-    return (
-        f"its log of shard {shard} is at cluster version {info.cluster_version}, which this replicant "
-        f"({own.describe()}) cannot read: upgrade this replicant"
-    )
+    return _journal_verdict(result, shard, own)[1]
 
 
 # ---------------------------------------------------------------- replica events
