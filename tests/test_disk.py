@@ -166,15 +166,35 @@ def test_a_full_disk_is_logged_once_probed_at_the_interval_and_freed_by_a_probe(
     assert health.filled("database or disk is full", 1000) is True
     # Further failures in the same episode say nothing new (one log line, not a flood).
     assert health.filled("database or disk is full", 1100) is False
-    assert not health.probe_due(1599) and health.probe_due(1600)
-    health.probe_failed("still full", 1600)
-    assert not health.probe_due(2099) and health.probe_due(2100)
+    assert not health.probe_due(1499) and health.probe_due(1500)
+    health.probe_failed("still full", 1500)
+    assert not health.probe_due(1999) and health.probe_due(2000)
     refusal = health.refusal()
     assert refusal is not None and "still full" in refusal
     status = health.status(2100)
     assert status["state"] == "full" and status["full_for_ms"] == 1100 and status["writes_refused"] == 1
     assert health.freed(2100) == 1100
     assert health.refusal() is None and health.status(2200)["state"] == "ok" and health.fills == 1
+
+
+def test_failures_while_full_never_put_the_probe_off() -> None:
+    """Regression: every failure while full (``filled``: a turn that fails again, an index build's step,
+    a peer's message) moved the probe one interval on, so a core whose turns kept failing at least once
+    an interval never probed, and never resumed by itself (lock-ups before). The probe keeps its own
+    schedule: one interval after the episode's first failure, then one after each failed probe."""
+    interval_ms = 500
+    health = DiskHealth(probe_interval_ms=interval_ms)
+    now_ms = 1000
+    assert health.filled("database or disk is full", now_ms) is True
+    probes = []
+    # A fake clock: a turn every 10 ms for 5 s, every one of which fails for want of space.
+    for now_ms in range(1000, 6000, 10):
+        if health.probe_due(now_ms):
+            probes.append(now_ms)
+            health.probe_failed("database or disk is full", now_ms)
+        assert health.filled("database or disk is full", now_ms) is False
+    assert probes == list(range(1500, 6000, interval_ms)), probes
+    assert health.probes_failed == len(probes) and health.fills == 1
 
 
 # ---------------------------------------------------------------- consensus: step down, take no part
