@@ -284,6 +284,15 @@ class Store:
         try:
             self.connection = apsw.Connection(path, flags=flags)
             self.connection.set_busy_timeout(5000)
+            if create:
+                foreign = self._foreign_tables()
+                if foreign:
+                    self.connection.close()
+                    raise StoreError(
+                        f"{path}: not a mnesite database: it holds another application's tables "
+                        f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); it was left as it is. "
+                        "Give the node a data directory of its own"
+                    )
             if not readonly:
                 self.connection.execute("PRAGMA journal_mode=WAL")
                 self.connection.execute(f"PRAGMA synchronous={synchronous.upper()}")
@@ -342,6 +351,14 @@ class Store:
         # Rows an index build copies per step, and the tables being built (table -> shadow).
         self.index_build_step_rows_max = INDEX_BUILD_STEP_ROWS_MAX
         self._builds: dict[str, str] | None = None
+
+    def _foreign_tables(self) -> list[str]:
+        """The tables of a database that is not empty and not a mnesite store (its ``_mnesite_meta``
+        missing), read before anything is written: creating a store there would write mnesite's
+        schema into a file of someone else's (a user's own database at the data directory's path).
+        An empty file, or a store whose creation was cut short before its schema, holds none."""
+        names = [row[0] for row in self.connection.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")]
+        return [] if not names or "_mnesite_meta" in names else sorted(names)
 
     def _format_version(self) -> Any:
         try:
