@@ -187,7 +187,7 @@ def free_bytes(directory: str) -> int | None:
     return (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) * stat.f_frsize
 
 
-def _fsync_directory(path: str) -> None:
+def fsync_directory(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -440,7 +440,7 @@ class Store:
                 # itself survives a power failure, not only its contents); so does this.
                 directory = os.path.dirname(os.path.abspath(self.path))
                 try:
-                    _fsync_directory(directory)
+                    fsync_directory(directory)
                 except OSError as error:
                     raise StorageFailedError(
                         f"fsync of {directory} (holding {self.path}-wal) failed: {error}"

@@ -157,6 +157,36 @@ def test_a_database_that_cannot_be_opened_for_want_of_space_is_not_called_foreig
     assert "not a mnesite database" not in str(raised.value)
 
 
+def test_a_new_data_directory_is_made_durable_in_its_parent(tmp_path: Path, monkeypatch) -> None:
+    """Regression: the data directory was made (``os.makedirs``) and never its parent synced, so a power
+    loss could lose the directory's entry, and with it every commit synced under it. The parent of
+    each directory made is fsynced once at creation; an existing directory costs no fsync."""
+    import os
+
+    from mnesite.rlog.data_dir import DataDirectoryLock
+
+    synced: list[tuple[int, int]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        status = os.fstat(fd)
+        synced.append((status.st_dev, status.st_ino))
+        real_fsync(fd)
+
+    def identity(path: Path) -> tuple[int, int]:
+        status = path.stat()
+        return status.st_dev, status.st_ino
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    data = tmp_path / "disks" / "node1" / "data"
+    DataDirectoryLock.acquire(str(data), "core1", str(data / "mnesite.db")).release()
+    for parent in (tmp_path, tmp_path / "disks", tmp_path / "disks" / "node1"):
+        assert identity(parent) in synced, f"{parent} holds a new directory's entry and was not synced"
+    synced.clear()
+    DataDirectoryLock.acquire(str(data), "core1", str(data / "mnesite.db")).release()
+    assert synced == [], "an existing data directory is not synced again"
+
+
 # ---------------------------------------------------------------- DiskHealth
 
 
