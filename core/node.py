@@ -150,7 +150,7 @@ from mnesite.rlog import messages, range_requests, replication
 from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
-from mnesite.rlog.disk import DiskFreed, DiskFull
+from mnesite.rlog.disk import DiskFreed, DiskFull, StorageFailedError
 from mnesite.rlog.limits import SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.query import CheckedQuery, QueryRequest
@@ -2010,7 +2010,10 @@ class CoreNode(NodeServer):
         except apsw.Error as error:
             if storage_fault(error) is not None:
                 raise  # the disk's, handled by NodeServer.turn (rlog.disk)
-            log.exception("rlog retention failed; will retry")
+            # Retention's statements are fixed: SQLite refusing them says the database is not what
+            # this core wrote (a malformed image, a read that failed as corruption). Logged and tried
+            # again every second, the core went on serving from it; it stops as for a failed disk.
+            raise StorageFailedError(f"rlog retention failed: {type(error).__name__}: {error}") from error
 
     # -- read-only SQL queries (rlog.query; the paging and waiting are NodeServer's) -----------
 

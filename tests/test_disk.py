@@ -580,6 +580,28 @@ def test_a_node_that_stops_before_a_turn_read_its_failed_checkpoint_stops_for_th
     assert node.stop_reason.startswith("the disk failed: db: background WAL checkpoint failed")
 
 
+@pytest.mark.parametrize(
+    "error",
+    [apsw.CorruptError("database disk image is malformed"), apsw.IOError("disk I/O error")],
+    ids=["corrupt", "io"],
+)
+def test_a_retention_that_the_database_fails_stops_the_core_for_the_disk(tmp_path: Path, monkeypatch, error) -> None:
+    """Regression: a core's retention (``CoreNode._maybe_trim``) logged any SQLite error that was not
+    the disk's by ``storage_fault`` ("rlog retention failed; will retry") and went on serving, every
+    second, from a database that had just said its image is malformed. Whatever SQLite says there,
+    the core stops as for a failed disk (``StorageFailedError``: exit status 4), its turn rolled back."""
+    with core_with_table(tmp_path / "data") as node:
+
+        def trim(*_args, **_kwargs) -> int:
+            raise error
+
+        monkeypatch.setattr(node.store, "trim", trim)
+        node._next_retention_ms = 0
+        with pytest.raises(StorageFailedError, match=str(error)):
+            node.turn()
+        assert node.stop_reason.startswith("the disk failed: ") and str(error) in node.stop_reason
+
+
 def test_a_full_core_creates_no_shard_for_a_peers_message_and_does_once_space_is_freed(tmp_path: Path) -> None:
     """Regression: a peer's first message of a shard creates the shard (``CoreNode._shard_for``), which
     writes. On a full disk that turn failed and was rolled back, the shard forgotten with it
