@@ -350,6 +350,48 @@ def test_a_full_disk_that_rolled_back_reaching_the_read_fence_fences_reads_again
     assert other.readable()
 
 
+def test_a_spill_that_a_full_disk_rolled_back_with_its_reset_gives_its_bytes_back() -> None:
+    """Regression: the node's spill budget (``SpillBudget``) is charged as pushes are spilled and given
+    back when the spill is replayed or discarded by a bootstrap's reset. When the turn that reset the
+    shard for a bootstrap (and spilled the new agent's first pushes) found the disk full, the rollback
+    took the reset and the spill off the disk, but the bytes stayed charged: the disk held the old
+    position and its digest, so the replica resumed from it, and nothing gave them back (the node's
+    spills then stopped short for good). A disk holding a known digest holds no spill of the shard
+    (the reset and the replay change both in one transaction): the replica gives its spill back."""
+    import random
+
+    from mnesite.replicant.replica import ReplicaConfig, ShardReplica, SpillBudget
+    from mnesite.rlog.replication import UNKNOWN_DIGEST, ResetShard
+
+    from tests.test_replica import CORES, SHARD
+
+    size = HISTORY[10].size_bytes
+    budget = SpillBudget(10 * size)
+    machine = ShardReplica(SHARD, "rep0", CORES, *at(5), ReplicaConfig(), random.Random(0), 0, spill_budget=budget)
+    # One turn: the core no longer retains (1, 5) and offers a bootstrap; the new agent's pushes are spilled.
+    assert of(bootstrap(machine, k0=10), ResetShard)
+    machine.step(push(HISTORY[10:12]), 1)
+    assert budget.used == 2 * size
+    # That turn's commit found the disk full: it still holds (1, 5) with its digest, and no spill.
+    machine.step(DiskFull("full", *at(5)), 2)
+    assert machine.mode is Mode.DISCONNECTED and budget.used == 0
+    machine.step(DiskFreed(), 3)
+    machine.step(Ticked(), 3)
+    (watch,) = of(machine.step(ages(), 3), SendWatch)
+    assert (watch.from_key, watch.from_digest) == at(5)
+    machine.step(WatchAccepted(watch.core, "a2", "resume", *at(5), machine.watch_id), 4)
+    assert machine.mode is Mode.NORMAL and budget.used == 0
+    # A later turn of a bootstrap rolled back: the disk holds the reset (an unknown digest) and the
+    # spill of the turns before; it stays charged until the next bootstrap's reset discards it.
+    other = ShardReplica(SHARD, "rep0", CORES, *at(5), ReplicaConfig(), random.Random(0), 0, spill_budget=budget)
+    assert of(bootstrap(other, k0=12, now_ms=5), ResetShard)
+    other.step(push(HISTORY[12:14]), 6)
+    other.step(DiskFull("full", at(5)[0], UNKNOWN_DIGEST), 7)
+    assert other.mode is Mode.DISCONNECTED and budget.used == 2 * size
+    other.step(DiskFreed(), 8)
+    assert of(bootstrap(other, k0=14, now_ms=8), ResetShard) and budget.used == 0
+
+
 # ---------------------------------------------------------------- the driver: no acknowledgement without durability
 
 
