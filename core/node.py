@@ -150,7 +150,7 @@ from mnesite.rlog import messages, range_requests, replication
 from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
-from mnesite.rlog.disk import DiskFreed, DiskFull
+from mnesite.rlog.disk import DiskFreed, DiskFull, StorageFailedError
 from mnesite.rlog.limits import SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.query import CheckedQuery, QueryRequest
@@ -738,9 +738,11 @@ class CoreNode(NodeServer):
         sequencer steps down; its proposals fail and their clients hear "outcome unknown"), then it
         is rebuilt from disk as a restart would and told ``DiskFull`` again. Agents are stopped:
         they may have been told of a commit that was rolled back (their replicants watch again).
-        A shard the turn created (its first table, a peer's first message of it) is forgotten with
-        the rollback, and a snapshot install takes its state from the disk as at a start: the batch
-        (and the finish) of the turn were rolled back with it."""
+        A membership change not in the log yet is told ``outcome_unknown`` and forgotten, as a write
+        waiting for its entry is: the rebuilt machine knows nothing of it, and once space is back it
+        can be asked again. A shard the turn created (its first table, a peer's first message of it)
+        is forgotten with the rollback, and a snapshot install takes its state from the disk as at a
+        start: the batch (and the finish) of the turn were rolled back with it."""
         error = self.disk.error
         on_disk = self.store.shards()
         for driver in self.shards.values():
@@ -753,6 +755,9 @@ class CoreNode(NodeServer):
             driver.apply.take()
             self._step(driver, DiskFull(error))
             self._tell_outcomes(driver.waiters.abandoned(f"disk_full: {error}"))
+            # A change whose entry the failed turn was appending (its learner caught up) is in no
+            # waiter yet; one still at its learner stage was refused by the step down just above.
+            self._abandon_pending_changes(shard, f"disk_full: {error}")
             self._abandon_held_guard_failures(driver, f"disk_full: {error}")
             self.agent_server.stop_shard(shard)
             if shard not in on_disk:
@@ -916,11 +921,17 @@ class CoreNode(NodeServer):
         self._tell_outcomes(driver.waiters.abandoned(f"shard {shard} stopped on {self.config.name}"))
         self._abandon_held_guard_failures(driver, f"shard {shard} stopped on {self.config.name}")
         self._tell_outcomes(self.forwarded.sequencer_changed(shard, None))
+        self._abandon_pending_changes(shard, f"shard {shard} stopped on {self.config.name}")
+        self.agent_server.stop_shard(shard)
+
+    def _abandon_pending_changes(self, shard: str, reason: str) -> None:
+        """Tell each membership change of ``shard`` not yet in the log ``outcome_unknown`` and forget it:
+        its machine no longer tracks it (a stopped shard, one rebuilt after a full disk), so nothing
+        would ever answer it, and a retry with its request id would be taken for it (``StillPending``)."""
         for request_id, (pending_shard, envelope) in list(self.pending_changes.items()):
             if pending_shard == shard:
                 del self.pending_changes[request_id]
-                self.reply(envelope, _outcome_unknown(request_id, f"shard {shard} stopped on {self.config.name}"))
-        self.agent_server.stop_shard(shard)
+                self.reply(envelope, _outcome_unknown(request_id, reason))
 
     def _log_stuck(self, driver: ShardDriver) -> None:
         """Once when the shard's consensus cannot go on past an entry (``stuck_reason``), once when it can."""
@@ -2010,7 +2021,10 @@ class CoreNode(NodeServer):
         except apsw.Error as error:
             if storage_fault(error) is not None:
                 raise  # the disk's, handled by NodeServer.turn (rlog.disk)
-            log.exception("rlog retention failed; will retry")
+            # Retention's statements are fixed: SQLite refusing them says the database is not what
+            # this core wrote (a malformed image, a read that failed as corruption). Logged and tried
+            # again every second, the core went on serving from it; it stops as for a failed disk.
+            raise StorageFailedError(f"rlog retention failed: {type(error).__name__}: {error}") from error
 
     # -- read-only SQL queries (rlog.query; the paging and waiting are NodeServer's) -----------
 

@@ -60,8 +60,10 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   nothing from anyone while full: pushes are dropped
   unacknowledged (the agent's window fills and it stops: backpressure, no gap), answers and timers
   are ignored. A NORMAL replica stays NORMAL, so it keeps serving reads of what it holds; a read
-  that needs a newer key waits and times out as usual. Any other mode goes DISCONNECTED. Once
-  freed it resynchronises at once: DISCONNECTED, then a watch from its applied key (a resume).
+  that needs a newer key waits and times out as usual. Any other mode goes DISCONNECTED. A known
+  digest on disk means the disk holds no spill of the shard (the failed turn was the one that reset
+  it), so the spill's bytes go back to the node's budget. Once freed it resynchronises at once:
+  DISCONNECTED, then a watch from its applied key (a resume).
 * Failure detector. No push or heartbeat from the watched agent for ``failure_timeout_ms`` (unless
   the full spill released it), or an
   upstream that has not heard the sequencer for ``failure_timeout_ms``, or a request (watch, tables,
@@ -569,6 +571,12 @@ class ShardReplica:
             raise ValueError("DiskFull for a replica needs the position the disk holds")
         self._disk_full = True
         self._applied_key, self._applied_digest = event.applied_key, event.applied_digest
+        if event.applied_digest != UNKNOWN_DIGEST:
+            # The disk holds no spill of this shard (a bootstrap's reset and its replay each change
+            # the spill and the digest in one transaction): the rolled-back turn was the reset's, and
+            # took its spill off the disk. Charged still, it would stay so for good, since the
+            # replica resumes from that digest and no reset discards it.
+            self._discard_spill()
         if event.read_fenced and not self._fence.fenced:
             # The rolled-back turn reached the read fence: the rows on disk are not healed yet.
             self._fence.fence()

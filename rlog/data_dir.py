@@ -10,6 +10,10 @@ process refuses to start with an error that names them.
 
 The data is the database's: the directory is made 0700 and the database file 0600 before SQLite
 opens it (SQLite gives its -wal and -shm files the database file's mode), whatever the umask.
+
+A directory made here is made durable at once: its parent is fsynced (each new one's, when several
+levels are made), so that a power loss cannot take the directory's entry, and every commit under it,
+away. The store syncs the data directory itself, which holds the database's entry (``rlog.store``).
 """
 
 from __future__ import annotations
@@ -17,12 +21,32 @@ from __future__ import annotations
 import fcntl
 import os
 
-from mnesite.rlog.store import Store
+from mnesite.rlog.store import Store, fsync_directory
 
 LOCK_FILE = "LOCK"
 DIRECTORY_MODE = 0o700
 FILE_MODE = 0o600
 LOCK_RECORD_BYTES_MAX = 256
+
+
+def _make_directory_durably(data_dir: str) -> None:
+    """Create ``data_dir`` (and its missing parents, 0700) if needed, and fsync the parent of each
+    directory made here, once: a new directory's entry is in its parent, which a power loss can lose
+    with everything under it, though every commit was synced (the store syncs the data directory
+    itself, ``rlog.store``, never its parent). An existing directory costs no fsync."""
+    made = []
+    path = os.path.abspath(data_dir)
+    while not os.path.isdir(path):
+        made.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if not made:
+        return
+    os.makedirs(data_dir, mode=DIRECTORY_MODE, exist_ok=True)
+    for directory in reversed(made):  # the outermost first: its entry holds the others'
+        fsync_directory(os.path.dirname(directory))
 
 
 class DataDirectoryInUse(RuntimeError):
@@ -37,7 +61,7 @@ class DataDirectoryLock:
     @classmethod
     def acquire(cls, data_dir: str, node_name: str, database_path: str | None = None) -> DataDirectoryLock:
         """Create the directory (0700) if needed and lock it for ``node_name``; raise ``DataDirectoryInUse``."""
-        os.makedirs(data_dir, mode=DIRECTORY_MODE, exist_ok=True)
+        _make_directory_durably(data_dir)
         os.chmod(data_dir, DIRECTORY_MODE)
         path = os.path.join(data_dir, LOCK_FILE)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)

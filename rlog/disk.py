@@ -98,13 +98,17 @@ class DiskHealth:
         return self.state is DiskState.FULL
 
     def filled(self, error: str, now_ms: int) -> bool:
-        """A write failed for want of space. True when this starts an episode (log one line then)."""
+        """A write failed for want of space. True when this starts an episode (log one line then).
+
+        Only the episode's first failure schedules the probe: a later failure (a turn that fails
+        again while full) never puts it off, or a node whose turns keep failing would never probe
+        and never resume. The probe then runs every ``probe_interval_ms`` (``probe_failed``)."""
         self.error = error
-        self.next_probe_ms = now_ms + self.probe_interval_ms
         if self.state is DiskState.FULL:
             return False
         self.state = DiskState.FULL
         self.since_ms = now_ms
+        self.next_probe_ms = now_ms + self.probe_interval_ms
         self.fills += 1
         return True
 
@@ -112,8 +116,10 @@ class DiskHealth:
         return self.state is DiskState.FULL and now_ms >= self.next_probe_ms
 
     def probe_failed(self, error: str, now_ms: int) -> None:
+        """A probe found the disk still full: the next one is due a probe interval from this one."""
         self.probes_failed += 1
         self.filled(error, now_ms)
+        self.next_probe_ms = now_ms + self.probe_interval_ms
 
     def freed(self, now_ms: int) -> int:
         """A probe wrote durably: writes may go on. Returns how long the disk was full (for the log)."""

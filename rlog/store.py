@@ -187,7 +187,7 @@ def free_bytes(directory: str) -> int | None:
     return (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) * stat.f_frsize
 
 
-def _fsync_directory(path: str) -> None:
+def fsync_directory(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -284,6 +284,15 @@ class Store:
         try:
             self.connection = apsw.Connection(path, flags=flags)
             self.connection.set_busy_timeout(5000)
+            if create:
+                foreign = self._foreign_tables()
+                if foreign:
+                    self.connection.close()
+                    raise StoreError(
+                        f"{path}: not a mnesite database: it holds another application's tables "
+                        f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); it was left as it is. "
+                        "Give the node a data directory of its own"
+                    )
             if not readonly:
                 self.connection.execute("PRAGMA journal_mode=WAL")
                 self.connection.execute(f"PRAGMA synchronous={synchronous.upper()}")
@@ -342,6 +351,14 @@ class Store:
         # Rows an index build copies per step, and the tables being built (table -> shadow).
         self.index_build_step_rows_max = INDEX_BUILD_STEP_ROWS_MAX
         self._builds: dict[str, str] | None = None
+
+    def _foreign_tables(self) -> list[str]:
+        """The tables of a database that is not empty and not a mnesite store (its ``_mnesite_meta``
+        missing), read before anything is written: creating a store there would write mnesite's
+        schema into a file of someone else's (a user's own database at the data directory's path).
+        An empty file, or a store whose creation was cut short before its schema, holds none."""
+        names = [row[0] for row in self.connection.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")]
+        return [] if not names or "_mnesite_meta" in names else sorted(names)
 
     def _format_version(self) -> Any:
         try:
@@ -423,7 +440,7 @@ class Store:
                 # itself survives a power failure, not only its contents); so does this.
                 directory = os.path.dirname(os.path.abspath(self.path))
                 try:
-                    _fsync_directory(directory)
+                    fsync_directory(directory)
                 except OSError as error:
                     raise StorageFailedError(
                         f"fsync of {directory} (holding {self.path}-wal) failed: {error}"

@@ -157,6 +157,36 @@ def test_a_database_that_cannot_be_opened_for_want_of_space_is_not_called_foreig
     assert "not a mnesite database" not in str(raised.value)
 
 
+def test_a_new_data_directory_is_made_durable_in_its_parent(tmp_path: Path, monkeypatch) -> None:
+    """Regression: the data directory was made (``os.makedirs``) and never its parent synced, so a power
+    loss could lose the directory's entry, and with it every commit synced under it. The parent of
+    each directory made is fsynced once at creation; an existing directory costs no fsync."""
+    import os
+
+    from mnesite.rlog.data_dir import DataDirectoryLock
+
+    synced: list[tuple[int, int]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        status = os.fstat(fd)
+        synced.append((status.st_dev, status.st_ino))
+        real_fsync(fd)
+
+    def identity(path: Path) -> tuple[int, int]:
+        status = path.stat()
+        return status.st_dev, status.st_ino
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    data = tmp_path / "disks" / "node1" / "data"
+    DataDirectoryLock.acquire(str(data), "core1", str(data / "mnesite.db")).release()
+    for parent in (tmp_path, tmp_path / "disks", tmp_path / "disks" / "node1"):
+        assert identity(parent) in synced, f"{parent} holds a new directory's entry and was not synced"
+    synced.clear()
+    DataDirectoryLock.acquire(str(data), "core1", str(data / "mnesite.db")).release()
+    assert synced == [], "an existing data directory is not synced again"
+
+
 # ---------------------------------------------------------------- DiskHealth
 
 
@@ -166,15 +196,35 @@ def test_a_full_disk_is_logged_once_probed_at_the_interval_and_freed_by_a_probe(
     assert health.filled("database or disk is full", 1000) is True
     # Further failures in the same episode say nothing new (one log line, not a flood).
     assert health.filled("database or disk is full", 1100) is False
-    assert not health.probe_due(1599) and health.probe_due(1600)
-    health.probe_failed("still full", 1600)
-    assert not health.probe_due(2099) and health.probe_due(2100)
+    assert not health.probe_due(1499) and health.probe_due(1500)
+    health.probe_failed("still full", 1500)
+    assert not health.probe_due(1999) and health.probe_due(2000)
     refusal = health.refusal()
     assert refusal is not None and "still full" in refusal
     status = health.status(2100)
     assert status["state"] == "full" and status["full_for_ms"] == 1100 and status["writes_refused"] == 1
     assert health.freed(2100) == 1100
     assert health.refusal() is None and health.status(2200)["state"] == "ok" and health.fills == 1
+
+
+def test_failures_while_full_never_put_the_probe_off() -> None:
+    """Regression: every failure while full (``filled``: a turn that fails again, an index build's step,
+    a peer's message) moved the probe one interval on, so a core whose turns kept failing at least once
+    an interval never probed, and never resumed by itself (lock-ups before). The probe keeps its own
+    schedule: one interval after the episode's first failure, then one after each failed probe."""
+    interval_ms = 500
+    health = DiskHealth(probe_interval_ms=interval_ms)
+    now_ms = 1000
+    assert health.filled("database or disk is full", now_ms) is True
+    probes = []
+    # A fake clock: a turn every 10 ms for 5 s, every one of which fails for want of space.
+    for now_ms in range(1000, 6000, 10):
+        if health.probe_due(now_ms):
+            probes.append(now_ms)
+            health.probe_failed("database or disk is full", now_ms)
+        assert health.filled("database or disk is full", now_ms) is False
+    assert probes == list(range(1500, 6000, interval_ms)), probes
+    assert health.probes_failed == len(probes) and health.fills == 1
 
 
 # ---------------------------------------------------------------- consensus: step down, take no part
@@ -298,6 +348,48 @@ def test_a_full_disk_that_rolled_back_reaching_the_read_fence_fences_reads_again
     assert other.readable()
     other.step(DiskFull("full", *at(12), read_fenced=False), 5)
     assert other.readable()
+
+
+def test_a_spill_that_a_full_disk_rolled_back_with_its_reset_gives_its_bytes_back() -> None:
+    """Regression: the node's spill budget (``SpillBudget``) is charged as pushes are spilled and given
+    back when the spill is replayed or discarded by a bootstrap's reset. When the turn that reset the
+    shard for a bootstrap (and spilled the new agent's first pushes) found the disk full, the rollback
+    took the reset and the spill off the disk, but the bytes stayed charged: the disk held the old
+    position and its digest, so the replica resumed from it, and nothing gave them back (the node's
+    spills then stopped short for good). A disk holding a known digest holds no spill of the shard
+    (the reset and the replay change both in one transaction): the replica gives its spill back."""
+    import random
+
+    from mnesite.replicant.replica import ReplicaConfig, ShardReplica, SpillBudget
+    from mnesite.rlog.replication import UNKNOWN_DIGEST, ResetShard
+
+    from tests.test_replica import CORES, SHARD
+
+    size = HISTORY[10].size_bytes
+    budget = SpillBudget(10 * size)
+    machine = ShardReplica(SHARD, "rep0", CORES, *at(5), ReplicaConfig(), random.Random(0), 0, spill_budget=budget)
+    # One turn: the core no longer retains (1, 5) and offers a bootstrap; the new agent's pushes are spilled.
+    assert of(bootstrap(machine, k0=10), ResetShard)
+    machine.step(push(HISTORY[10:12]), 1)
+    assert budget.used == 2 * size
+    # That turn's commit found the disk full: it still holds (1, 5) with its digest, and no spill.
+    machine.step(DiskFull("full", *at(5)), 2)
+    assert machine.mode is Mode.DISCONNECTED and budget.used == 0
+    machine.step(DiskFreed(), 3)
+    machine.step(Ticked(), 3)
+    (watch,) = of(machine.step(ages(), 3), SendWatch)
+    assert (watch.from_key, watch.from_digest) == at(5)
+    machine.step(WatchAccepted(watch.core, "a2", "resume", *at(5), machine.watch_id), 4)
+    assert machine.mode is Mode.NORMAL and budget.used == 0
+    # A later turn of a bootstrap rolled back: the disk holds the reset (an unknown digest) and the
+    # spill of the turns before; it stays charged until the next bootstrap's reset discards it.
+    other = ShardReplica(SHARD, "rep0", CORES, *at(5), ReplicaConfig(), random.Random(0), 0, spill_budget=budget)
+    assert of(bootstrap(other, k0=12, now_ms=5), ResetShard)
+    other.step(push(HISTORY[12:14]), 6)
+    other.step(DiskFull("full", at(5)[0], UNKNOWN_DIGEST), 7)
+    assert other.mode is Mode.DISCONNECTED and budget.used == 2 * size
+    other.step(DiskFreed(), 8)
+    assert of(bootstrap(other, k0=14, now_ms=8), ResetShard) and budget.used == 0
 
 
 # ---------------------------------------------------------------- the driver: no acknowledgement without durability
@@ -528,6 +620,28 @@ def test_a_node_that_stops_before_a_turn_read_its_failed_checkpoint_stops_for_th
     with pytest.raises(StorageFailedError, match="background WAL checkpoint failed"):
         node.serve_forever()  # closes the node on the way out
     assert node.stop_reason.startswith("the disk failed: db: background WAL checkpoint failed")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [apsw.CorruptError("database disk image is malformed"), apsw.IOError("disk I/O error")],
+    ids=["corrupt", "io"],
+)
+def test_a_retention_that_the_database_fails_stops_the_core_for_the_disk(tmp_path: Path, monkeypatch, error) -> None:
+    """Regression: a core's retention (``CoreNode._maybe_trim``) logged any SQLite error that was not
+    the disk's by ``storage_fault`` ("rlog retention failed; will retry") and went on serving, every
+    second, from a database that had just said its image is malformed. Whatever SQLite says there,
+    the core stops as for a failed disk (``StorageFailedError``: exit status 4), its turn rolled back."""
+    with core_with_table(tmp_path / "data") as node:
+
+        def trim(*_args, **_kwargs) -> int:
+            raise error
+
+        monkeypatch.setattr(node.store, "trim", trim)
+        node._next_retention_ms = 0
+        with pytest.raises(StorageFailedError, match=str(error)):
+            node.turn()
+        assert node.stop_reason.startswith("the disk failed: ") and str(error) in node.stop_reason
 
 
 def test_a_full_core_creates_no_shard_for_a_peers_message_and_does_once_space_is_freed(tmp_path: Path) -> None:

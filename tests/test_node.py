@@ -637,6 +637,12 @@ def _sequencer_of_one(tmp_path):
     return node, driver
 
 
+def _add_core9(request_id: str = "m-1") -> Message:
+    """An operator's request to add core9 to ``default`` (its learner never answers unless told to)."""
+    body = {"shard": "default", "action": "add", "name": "core9", "endpoint": "tcp://127.0.0.1:9"}
+    return Message("membership_change", request_id, messages.typed_body("membership_change", body))
+
+
 def test_a_membership_change_requested_again_on_a_new_connection_frees_the_earlier_connections_place(
     tmp_path,
 ) -> None:
@@ -646,14 +652,62 @@ def test_a_membership_change_requested_again_on_a_new_connection_frees_the_earli
     node, driver = _sequencer_of_one(tmp_path)
     try:
         node._outbox.clear()
-        body = {"shard": "default", "action": "add", "name": "core9", "endpoint": "tcp://127.0.0.1:9"}
-        request = Message("membership_change", "m-1", messages.typed_body("membership_change", body))
+        request = _add_core9()
         node._membership_change([b"first"], request)
         node._membership_change([b"second"], request)
         assert driver.consensus.status().learner == "core9"
         assert b"first" not in node.outstanding and set(node.outstanding[b"second"]) == {"m-1"}
         answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox]
         assert answers == [([b"first"], "error", "outcome_unknown")]
+    finally:
+        node.close()
+
+
+def test_a_membership_change_whose_append_found_the_disk_full_is_answered_and_forgotten(tmp_path, monkeypatch) -> None:
+    """Regression: an add whose learner caught up is appended; when that append found the disk full,
+    the turn was rolled back and the shard rebuilt (``disk_filled``), but the change stayed in
+    ``pending_changes``: its client was never answered (its connection's place held) and a retry with
+    its request id was taken for the pending change and never answered either, until a restart. It
+    is told ``outcome_unknown``, as the writes waiting for their entries are, and forgotten: once
+    space is back the change can be asked again."""
+    import apsw
+    from mnesite.core.consensus import AppendReply, MessageReceived, Role
+
+    node, driver = _sequencer_of_one(tmp_path)
+    try:
+        node._outbox.clear()
+        request = _add_core9()
+        node._membership_change([b"c1"], request)
+        assert driver.consensus.status().learner == "core9"
+
+        def full(*_args, **_kwargs) -> None:
+            raise apsw.FullError("database or disk is full")
+
+        monkeypatch.setattr(node.store, "append_entries", full)
+        key = driver.consensus.committed_key
+        caught_up = AppendReply(driver.consensus.generation, True, key, key, key)
+        with pytest.raises(apsw.FullError):
+            node._step(driver, MessageReceived("core9", caught_up))  # the learner caught up: the add is appended
+        monkeypatch.undo()
+        node.abandon_turn("database or disk is full")  # NodeServer.turn
+        node.disk.filled("database or disk is full", 0)
+        node.disk_filled()
+        answers = [(to, m.request_id, m.body.code) for _s, to, m in node._outbox]
+        assert answers == [([b"c1"], "m-1", "outcome_unknown")], answers
+        assert node.pending_changes == {} and node.outstanding == {}
+        node._outbox.clear()
+        node.disk.freed(0)
+        node.disk_freed()
+        driver = node.shards["default"]
+        deadline = time.monotonic() + 10
+        while (
+            driver.consensus.role is not Role.SEQUENCER
+            or driver.consensus.committed_key.generation != driver.consensus.generation
+        ):
+            assert time.monotonic() < deadline, "the core of one elected itself again"
+            node.run_turn()  # one core: it elects itself again and commits its no-op
+        node._membership_change([b"c2"], request)  # the client asks again: a change, not one pending
+        assert driver.consensus.status().learner == "core9"
     finally:
         node.close()
 

@@ -118,6 +118,27 @@ def test_a_file_that_is_not_a_mnesite_database_is_refused(tmp_path) -> None:
         Store(str(tmp_path / "missing.db"), create=False)
 
 
+def test_a_store_is_never_created_in_another_applications_database(tmp_path) -> None:
+    """Regression: ``Store(path)`` (``create=True``, how a node opens its data directory's database)
+    wrote mnesite's schema, a format version and the WAL mode into any SQLite file at that path, a
+    user's own database included, and opened it as a store. Such a file is refused, named, with its
+    tables, and left byte for byte as it was; an empty file and an existing store open as before."""
+    path = tmp_path / "mine.db"
+    connection = apsw.Connection(str(path))
+    connection.execute("CREATE TABLE invoices(id INTEGER PRIMARY KEY, total REAL)")
+    connection.execute("INSERT INTO invoices VALUES (1, 9.5)")
+    connection.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="not a mnesite database") as raised:
+        Store(str(path))
+    assert str(path) in str(raised.value) and "invoices" in str(raised.value)
+    assert path.read_bytes() == before, "the file is not modified"
+    assert not (tmp_path / "mine.db-wal").exists()
+    (tmp_path / "empty.db").write_bytes(b"")
+    Store(str(tmp_path / "empty.db")).close()
+    Store(str(tmp_path / "empty.db")).close()  # a store now: opened again
+
+
 def test_age_retention_waits_for_followers_but_the_count_bound_is_hard(store) -> None:
     for counter in range(2, 12):
         append(store, counter, "x", appended_ms=counter * 1000)
