@@ -58,17 +58,15 @@ later point). The simulator (``tests/sim/versions.py``) and the unit tests run t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mnesite.rlog.types import ROW_OPS, ClusterVersionOp, Entry, TxKey
-from mnesite.rlog.versions import (
-    Announcement,
-    announcement_of,
-    incompatibility,
-    protocols_at,
-)
+from mnesite.rlog.types import Entry, TxKey
+from mnesite.rlog.versions import UNSPOKEN_VERSION, Announcement, announcement_of, incompatibility, protocols_at
+from mnesite.rlog.versions import cluster_version_of as cluster_version_of
+from mnesite.rlog.versions import first_unspoken as first_unspoken_index
+from mnesite.rlog.versions import unspoken_cluster_version as unspoken_cluster_version
 
 VERSIONS_PROBE_INTERVAL_MS = 2000
 # A cluster version entry proposed but not applied yet is proposed again after this long (the
@@ -155,48 +153,23 @@ class PeerVersions:
         }
 
 
-def cluster_version_of(entry: Entry) -> int | None:
-    """The cluster version an entry records (its ``ClusterVersionOp``), or None for any other entry."""
-    found = None
-    for op in entry.ops:
-        if isinstance(op, ClusterVersionOp):
-            found = op.cluster_version
-    return found
-
-
 # How a refusal of ``unspoken_cluster_version`` begins (a driver logs it as a protocol violation).
-UNSPOKEN_CLUSTER_VERSION = "this core does not speak cluster version"
+UNSPOKEN_CLUSTER_VERSION = f"this core {UNSPOKEN_VERSION}"
 
 
-def unspoken_cluster_version(cluster_version: int, own: Announcement) -> str | None:
-    """Why this core must not take its shard's log to ``cluster_version`` (None: it speaks it).
-
-    The follower's own check (see the theory of operation), for an append's entry and a snapshot offer."""
-    if own.speaks(cluster_version):
-        return None
-    return (
-        f"{UNSPOKEN_CLUSTER_VERSION} {cluster_version} ({own.describe()}), so it does not take the shard's "
-        "log there: restart it on a release that speaks that version"
-    )
-
-
-def unspoken_entry(entries: Iterable[Entry], own: Announcement) -> str | None:
+def unspoken_entry(entries: Sequence[Entry], own: Announcement) -> str | None:
     """Why this core must not persist ``entries``: one records a cluster version it does not speak (None: none does)."""
     found = first_unspoken(entries, own)
     return None if found is None else f"entry {found[0]}: {found[1]}"
 
 
-def first_unspoken(entries: Iterable[Entry], own: Announcement) -> tuple[TxKey, str] | None:
+def first_unspoken(entries: Sequence[Entry], own: Announcement) -> tuple[TxKey, str] | None:
     """The first of ``entries`` that records a cluster version this core does not speak, and why (None: none)."""
-    for entry in entries:
-        if ROW_OPS.issuperset(map(type, entry.ops)):
-            continue  # the common entry: rows only
-        version = cluster_version_of(entry)
-        if version is not None:
-            reason = unspoken_cluster_version(version, own)
-            if reason is not None:
-                return entry.tx_key, reason
-    return None
+    found = first_unspoken_index(entries, own)
+    if found is None:
+        return None
+    index, version = found
+    return entries[index].tx_key, unspoken_cluster_version(version, own) or ""
 
 
 def highest_common_version(

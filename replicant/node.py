@@ -216,6 +216,7 @@ class ReplicantNode(NodeServer):
             resumes=int(self.store.meta(f"resumes:{shard}", 0)),
             read_fenced=bool(int(self.store.meta(f"read_fenced:{shard}", 0))),
             spill_budget=self.spill_budget,
+            speaks=self.versions,
         )
         self.replicas[shard] = replica
         return replica
