@@ -37,10 +37,11 @@ and executes the effects it returns.
   digest; a follower accepts it only if its own log has that key with that digest, truncates a
   conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``). An
   entry of a later generation than its append is refused (Raft: no entry's term exceeds its
-  leader's), and so is an entry that records a cluster version this core does not speak
-  (``own_versions``; ``core.versions``, "A follower's own check"): both are protocol violations,
-  unanswered, and the latter leaves the follower unable to go on (``stuck_reason``: the driver
-  serves no read of the shard) until its log passes that key. A follower that refuses a mismatch
+  leader's): a protocol violation, unanswered. So is an entry that records a cluster version this
+  core does not speak (``own_versions``; ``core.versions``, "A follower's own check"), but the
+  entries of the append before it are taken (and answered) as an append of those alone would be;
+  it leaves the follower unable to go on past them (``stuck_reason``: the driver serves no read of
+  the shard) until its log passes that key. A follower that refuses a mismatch
   says where it stands (last and committed keys); the sequencer resumes there, and ignores an
   answer whose committed key its own log does not hold.
 * Batches. The proposals of one driver turn are appended one entry each, but sent only at
