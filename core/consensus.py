@@ -37,10 +37,11 @@ and executes the effects it returns.
   digest; a follower accepts it only if its own log has that key with that digest, truncates a
   conflicting *uncommitted* tail, and never a committed entry (``ConsensusInvariantError``). An
   entry of a later generation than its append is refused (Raft: no entry's term exceeds its
-  leader's), and so is an entry that records a cluster version this core does not speak
-  (``own_versions``; ``core.versions``, "A follower's own check"): both are protocol violations,
-  unanswered, and the latter leaves the follower unable to go on (``stuck_reason``: the driver
-  serves no read of the shard) until its log passes that key. A follower that refuses a mismatch
+  leader's): a protocol violation, unanswered. So is an entry that records a cluster version this
+  core does not speak (``own_versions``; ``core.versions``, "A follower's own check"), but the
+  entries of the append before it are taken (and answered) as an append of those alone would be;
+  it leaves the follower unable to go on past them (``stuck_reason``: the driver serves no read of
+  the shard) until its log passes that key. A follower that refuses a mismatch
   says where it stands (last and committed keys); the sequencer resumes there, and ignores an
   answer whose committed key its own log does not hold.
 * Batches. The proposals of one driver turn are appended one entry each, but sent only at
@@ -1430,12 +1431,16 @@ class ShardConsensus:
         if unspoken is not None:
             # The sequencer appends a cluster version only once every member announced it; a member
             # rolled back since, or a broken sequencer, must not move this core to a version it cannot
-            # read (``core.versions``): it stays at the entry before, loudly. Its state no longer
-            # advances, so it is kept as ``stuck_reason`` (the driver serves no read of the shard).
-            key, reason = unspoken
+            # read (``core.versions``): it takes the entries before it, as an append of those alone,
+            # and stays at the entry before, loudly. Its state no longer advances, so it is kept as
+            # ``stuck_reason`` (the driver serves no read of the shard).
+            index, reason = unspoken
+            key = entries[index].tx_key
             self._stuck = (key, f"the sequencer's entry {key} was refused: {reason}")
             self._out.append(ProtocolViolation(sender, f"entry {key}: {reason}"))
-            return
+            del entries[index:]
+        # The last key this append verifies: the commit key and the answer go no further.
+        message_last_key = entries[-1].tx_key if entries else message.prev_key
         # Entries up to our commit key are already here and final; check rather than trust.
         while entries and entries[0].tx_key <= self._commit_key:
             first = entries.pop(0)
@@ -1445,7 +1450,6 @@ class ShardConsensus:
                     f"sequencer {sender} sent a different entry at committed key {first.tx_key}"
                 )
             prev_key, prev_digest = first.tx_key, first.digest
-        message_last_key = message.entries[-1].tx_key if message.entries else message.prev_key
 
         if prev_key < self._commit_key:
             if entries:

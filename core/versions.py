@@ -31,9 +31,10 @@ release of this project reads, so a core never waits for a probe before taking p
 * **A follower's own check.** The sequencer's rule is not the only guard: a member can be rolled back
   after the probes heard it (the procedure forbids it; an operator may not know), and a broken or
   hostile sequencer may append anything. So a core never takes its shard's log to a cluster version
-  it does not speak itself (``unspoken_cluster_version``): its consensus refuses an append holding
-  such an entry as a protocol violation (``unspoken_entry``: nothing of it is persisted, nothing is
-  answered, and the driver logs it once a second with the count; ``core.consensus``), and it refuses
+  it does not speak itself (``unspoken_cluster_version``): its consensus refuses such an entry of an
+  append as a protocol violation (``first_unspoken``: the entries before it are taken, as an append of
+  those alone would be, with their commit and the answer; nothing from it on is persisted; the driver
+  logs it once a second with the count; ``core.consensus``), and it refuses
   a snapshot offer at such a version (``core.snapshot.accept_offer``, logged the same way). It
   stays a member at the entry before, like a core cut off from its sequencer: it keeps hearing
   heartbeats (so it starts no election), acknowledges nothing beyond, and cannot be elected past a
@@ -58,17 +59,15 @@ later point). The simulator (``tests/sim/versions.py``) and the unit tests run t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mnesite.rlog.types import ROW_OPS, ClusterVersionOp, Entry, TxKey
-from mnesite.rlog.versions import (
-    Announcement,
-    announcement_of,
-    incompatibility,
-    protocols_at,
-)
+from mnesite.rlog.types import Entry
+from mnesite.rlog.versions import UNSPOKEN_VERSION, Announcement, announcement_of, incompatibility, protocols_at
+from mnesite.rlog.versions import cluster_version_of as cluster_version_of
+from mnesite.rlog.versions import first_unspoken as first_unspoken_index
+from mnesite.rlog.versions import unspoken_cluster_version as unspoken_cluster_version
 
 VERSIONS_PROBE_INTERVAL_MS = 2000
 # A cluster version entry proposed but not applied yet is proposed again after this long (the
@@ -155,48 +154,24 @@ class PeerVersions:
         }
 
 
-def cluster_version_of(entry: Entry) -> int | None:
-    """The cluster version an entry records (its ``ClusterVersionOp``), or None for any other entry."""
-    found = None
-    for op in entry.ops:
-        if isinstance(op, ClusterVersionOp):
-            found = op.cluster_version
-    return found
-
-
 # How a refusal of ``unspoken_cluster_version`` begins (a driver logs it as a protocol violation).
-UNSPOKEN_CLUSTER_VERSION = "this core does not speak cluster version"
+UNSPOKEN_CLUSTER_VERSION = f"this core {UNSPOKEN_VERSION}"
 
 
-def unspoken_cluster_version(cluster_version: int, own: Announcement) -> str | None:
-    """Why this core must not take its shard's log to ``cluster_version`` (None: it speaks it).
-
-    The follower's own check (see the theory of operation), for an append's entry and a snapshot offer."""
-    if own.speaks(cluster_version):
-        return None
-    return (
-        f"{UNSPOKEN_CLUSTER_VERSION} {cluster_version} ({own.describe()}), so it does not take the shard's "
-        "log there: restart it on a release that speaks that version"
-    )
-
-
-def unspoken_entry(entries: Iterable[Entry], own: Announcement) -> str | None:
+def unspoken_entry(entries: Sequence[Entry], own: Announcement) -> str | None:
     """Why this core must not persist ``entries``: one records a cluster version it does not speak (None: none does)."""
     found = first_unspoken(entries, own)
-    return None if found is None else f"entry {found[0]}: {found[1]}"
+    return None if found is None else f"entry {entries[found[0]].tx_key}: {found[1]}"
 
 
-def first_unspoken(entries: Iterable[Entry], own: Announcement) -> tuple[TxKey, str] | None:
-    """The first of ``entries`` that records a cluster version this core does not speak, and why (None: none)."""
-    for entry in entries:
-        if ROW_OPS.issuperset(map(type, entry.ops)):
-            continue  # the common entry: rows only
-        version = cluster_version_of(entry)
-        if version is not None:
-            reason = unspoken_cluster_version(version, own)
-            if reason is not None:
-                return entry.tx_key, reason
-    return None
+def first_unspoken(entries: Sequence[Entry], own: Announcement) -> tuple[int, str] | None:
+    """The index of the first of ``entries`` that records a cluster version this core does not speak,
+    and why (None: none does). The entries before it are this core's to take."""
+    found = first_unspoken_index(entries, own)
+    if found is None:
+        return None
+    index, version = found
+    return index, unspoken_cluster_version(version, own) or ""
 
 
 def highest_common_version(

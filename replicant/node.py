@@ -109,6 +109,7 @@ class Pending:
     shard: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     watch_id: str | None = None  # watch, tables, batch: the replica's attempt (RequestFailed.watch_id)
+    probe_id: int = 0  # probe: the probe that asked (``Probe.probe_id``)
 
 
 @dataclass
@@ -118,6 +119,9 @@ class Probe:
     cores: tuple[str, ...]
     answers: dict[str, p.JournalAnswer | None]
     deadline_ms: int
+    # Which of the node's probes this is: an answer counts only in the probe that asked (a request
+    # outlives a probe that timed out, and its late answer must not end the shard's next probe).
+    probe_id: int = 0
     # Cores that answered with a log this replicant cannot read, and why (``rlog.replication.unreadable_log``).
     unreadable: dict[str, str] = field(default_factory=dict)
 
@@ -150,6 +154,7 @@ class ReplicantNode(NodeServer):
         self.core_sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, Pending] = {}
         self.probes: dict[str, Probe] = {}
+        self.probes_sent = 0  # numbers each probe (``Probe.probe_id``)
         self.waiting_reads: WaitingReads[tuple[list[bytes], Message]] = WaitingReads(WAITING_READS_MAX)
         self.pushes_rejected: dict[str, int] = {}
         # Acknowledgements of this turn, one per (core, shard, agent): the last says all the earlier
@@ -216,6 +221,7 @@ class ReplicantNode(NodeServer):
             resumes=int(self.store.meta(f"resumes:{shard}", 0)),
             read_fenced=bool(int(self.store.meta(f"read_fenced:{shard}", 0))),
             spill_budget=self.spill_budget,
+            speaks=self.versions,
         )
         self.replicas[shard] = replica
         return replica
@@ -324,9 +330,12 @@ class ReplicantNode(NodeServer):
         shard = replica.shard
         now = self.clock_ms()
         if isinstance(effect, p.ProbeJournals):
-            self.probes[shard] = Probe(effect.cores, {}, now + self.replica_config.probe_timeout_ms)
+            self.probes_sent += 1
+            probe = Probe(effect.cores, {}, now + self.replica_config.probe_timeout_ms, self.probes_sent)
+            self.probes[shard] = probe
             for core in effect.cores:
-                self._request(core, "journal", {}, Pending("probe", core, now + REQUEST_TIMEOUT_MS, shard))
+                pending = Pending("probe", core, now + REQUEST_TIMEOUT_MS, shard, probe_id=probe.probe_id)
+                self._request(core, "journal", {}, pending)
         elif isinstance(effect, p.SendWatch):
             body = {
                 "shard": shard,
@@ -481,8 +490,8 @@ class ReplicantNode(NodeServer):
             return
         if pending.purpose == "probe":
             probe = self.probes.get(replica.shard)
-            if probe is None:
-                return
+            if probe is None or probe.probe_id != pending.probe_id:
+                return  # an answer to a probe that ended (timed out): not this one's
             self._note_versions(pending.core, result)
             probe.answers[pending.core] = p.journal_answer(result, replica.shard, self.versions)
             unreadable = p.unreadable_log(result, replica.shard, self.versions)

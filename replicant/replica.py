@@ -19,7 +19,10 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   then ``ApplyEntries`` and ``SendAck`` with the new applied key. A gap is never skipped: the agent
   is rejected and the replica goes DISCONNECTED to resynchronise by a new watch. A digest that
   does not chain means divergent history: nothing is applied, DISCONNECTED with that reason (the
-  next watch from the same key and digest is answered ``bootstrap``).
+  next watch from the same key and digest is answered ``bootstrap``). An entry that records a cluster
+  version the replica's release does not speak (``speaks``; ``rlog.versions.first_unspoken``) is not
+  applied (nor spilled): the entries before it are, then the agent is rejected and the replica goes
+  DISCONNECTED with the reason, as a core refuses such an append.
 * BOOTSTRAP, after a ``bootstrap`` answer with K0 (the core's committed key). The shard is reset
   (``ResetShard``: the applied key stays as a floor, the digest becomes ``UNKNOWN_DIGEST``), then
   the tables are copied in key-ordered batches of ``batch_rows_max`` rows (``FetchTables``, then
@@ -141,11 +144,13 @@ from mnesite.rlog.replication import (
     WatchRefused,
 )
 from mnesite.rlog.types import Entry, TxKey, chain_break
+from mnesite.rlog.versions import THIS_RELEASE, Announcement, first_unspoken, unspoken_cluster_version
 
 REJECT_NOT_WATCHED = "not the watched agent"
 REJECT_GAP = "gap"
 REJECT_DIGEST = "digest mismatch"
 REJECT_RESYNCHRONISE = "resynchronise"
+REJECT_UNSPOKEN = "unspoken cluster version"
 CORES_MAX = 64
 
 ReplicaEvent = (
@@ -301,6 +306,7 @@ class ShardReplica:
         resumes: int = 0,
         read_fenced: bool = False,
         spill_budget: SpillBudget | None = None,
+        speaks: Announcement = THIS_RELEASE,
     ) -> None:
         if not shard or not name:
             raise ReplicaConfigError("shard and name must not be empty")
@@ -315,6 +321,7 @@ class ShardReplica:
         self.name = name
         self.cores = cores
         self.config = config
+        self.speaks = speaks
         self._rng = rng
         self._now_ms = now_ms
         self._mode = Mode.DISCONNECTED
@@ -806,14 +813,29 @@ class ShardReplica:
             self._out.append(SendReject(event.core, event.agent_id, invalid.reject))
             self._fail(invalid.reason)
             return
+        unspoken = first_unspoken(new, self.speaks)
+        refused = None
+        if unspoken is not None:
+            # A core pushes such an entry only to a replicant that speaks it (``watch_protocol_refusal``);
+            # one that does anyway (broken, or this replicant was rolled back) must not move the shard
+            # to a version its release cannot read (the storage format would move too): the replica
+            # takes the entries before it, then stops there and says why, as a core does. Its next
+            # watch goes only to a core whose log it reads (``log_readable``).
+            index, version = unspoken
+            why = unspoken_cluster_version(version, self.speaks, "replicant")
+            refused = f"{event.core} pushed entry {new[index].tx_key}, refused: {why}"
+            new = new[:index]
         if bootstrapping:
             self._spill(event, new)
-            return
-        if new:
-            self._out.append(ApplyEntries(new))
-            self._applied_key, self._applied_digest = new[-1].tx_key, new[-1].digest
-            self._check_fence()
-        self._out.append(SendAck(event.core, event.agent_id, self._applied_key, self._push_token))
+        else:
+            if new:
+                self._out.append(ApplyEntries(new))
+                self._applied_key, self._applied_digest = new[-1].tx_key, new[-1].digest
+                self._check_fence()
+            self._out.append(SendAck(event.core, event.agent_id, self._applied_key, self._push_token))
+        if refused is not None:
+            self._out.append(SendReject(event.core, event.agent_id, REJECT_UNSPOKEN))
+            self._fail(refused)
 
     def _new_entries(self, event: PushReceived, key: TxKey, digest: bytes) -> tuple[Entry, ...]:
         """The entries of ``event`` after ``key``, checked to continue it; raises ``_Invalid``."""

@@ -137,10 +137,22 @@ def load_key(path: str, what: str, secret: bool) -> KeyPair:
         raise SecurityError(f"{what}: cannot read a zmq certificate from {path}: {error}") from None
     if secret and not secret_key:
         raise SecurityError(f"{what}: {path} has no secret key (give the {SECRET_SUFFIX} file)")
-    if secret and os.stat(path).st_mode & 0o077:
-        # Like ssh: a secret others can read is not a secret; say how to fix it rather than use it.
-        raise SecurityError(f"{what}: {path} is readable by other users; chmod 600 {path}")
+    if secret:
+        _check_secret_file(path, what)
     return KeyPair(public, secret_key)
+
+
+def _check_secret_file(path: str, what: str) -> None:
+    """Like ssh: a secret others can read, or that another user owns (and so may rewrite or chmod),
+    is not this user's secret; say how to fix it rather than use it."""
+    status = os.stat(path)
+    if status.st_uid != os.geteuid():
+        raise SecurityError(
+            f"{what}: {path} is owned by uid {status.st_uid}, not by this user (uid {os.geteuid()}); "
+            f"chown it to the user that runs mnesite, then chmod 600 {path}"
+        )
+    if status.st_mode & 0o077:
+        raise SecurityError(f"{what}: {path} is readable by other users; chmod 600 {path}")
 
 
 def load_authorized_keys(directory: str) -> dict[bytes, str]:
@@ -154,6 +166,10 @@ def load_authorized_keys(directory: str) -> dict[bytes, str]:
     keys: dict[bytes, str] = {}
     for file_name in names:
         principal = file_name[: -len(PUBLIC_SUFFIX)]
+        if not principal:
+            # "" is what ``principal_of`` answers for a frame with no known key: never a real principal.
+            path = os.path.join(directory, file_name)
+            raise SecurityError(f"authorized_keys: {path} names no principal; rename it NAME{PUBLIC_SUFFIX}")
         pair = load_key(os.path.join(directory, file_name), "authorized_keys", secret=False)
         if pair.public in keys:
             raise SecurityError(f"authorized_keys: {file_name} repeats the key of {keys[pair.public]}")

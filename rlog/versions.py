@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from mnesite.rlog.types import ROW_OPS, ClusterVersionOp, Entry
 
 from mnesite import __version__ as SOFTWARE_VERSION
 
@@ -178,6 +180,47 @@ def log_readable(cluster_version: Any, own: Announcement) -> bool:
     if cluster_version is None:
         cluster_version = 1
     return type(cluster_version) is int and own.speaks(cluster_version)
+
+
+# -- the log's cluster version entries, and the follower's own check ------------------------------
+
+
+def cluster_version_of(entry: Entry) -> int | None:
+    """The cluster version an entry records (its ``ClusterVersionOp``), or None for any other entry."""
+    found = None
+    for op in entry.ops:
+        if isinstance(op, ClusterVersionOp):
+            found = op.cluster_version
+    return found
+
+
+def first_unspoken(entries: Sequence[Entry], own: Announcement) -> tuple[int, int] | None:
+    """The index in ``entries`` of the first that records a cluster version ``own`` does not speak, and
+    that version (None: none does). A node never takes a shard's log to such a version, whatever sent
+    it (a core's consensus, ``core.versions``; a replicant's replica, ``replicant.replica``): applying
+    it would move the shard, and the storage format, beyond what its release reads."""
+    for index, entry in enumerate(entries):
+        if ROW_OPS.issuperset(map(type, entry.ops)):
+            continue  # the common entry: rows only
+        version = cluster_version_of(entry)
+        if version is not None and not own.speaks(version):
+            return index, version
+    return None
+
+
+def unspoken_cluster_version(cluster_version: int, own: Announcement, role: str = "core") -> str | None:
+    """Why a ``role`` node speaking ``own`` must not take its shard's log to ``cluster_version`` (None:
+    it speaks it), in words for its log line and ``status``."""
+    if own.speaks(cluster_version):
+        return None
+    return (
+        f"this {role} {UNSPOKEN_VERSION} {cluster_version} ({own.describe()}), so it does not take "
+        "the shard's log there: restart it on a release that speaks that version"
+    )
+
+
+# How the reason of ``unspoken_cluster_version`` goes on after "this core" or "this replicant".
+UNSPOKEN_VERSION = "does not speak cluster version"
 
 
 # -- storage: the format version of a data directory, a backup file and a spill -------------------

@@ -34,7 +34,8 @@ from mnesite.rlog.replication import (
     WatchAccepted,
     WatchRefused,
 )
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, ClusterVersionOp, Entry, TxKey, WriteOp, make_entry
+from mnesite.rlog.versions import THIS_RELEASE
 
 SHARD = "main"
 CORES = ("core0", "core1", "core2")
@@ -240,6 +241,45 @@ def test_a_push_that_follows_the_applied_key_is_applied_then_acknowledged():
     effects = machine.step(push(HISTORY[5:8]), 1)
     assert effects == [ApplyEntries(tuple(HISTORY[5:8])), SendAck("core0", "a1", at(8)[0])]
     assert (machine.applied_key, machine.applied_digest) == at(8)
+
+
+def with_version(after: Entry, version: int) -> list[Entry]:
+    """A cluster version entry after ``after``, then one entry of rows after it."""
+    entry = make_entry(
+        SHARD, TxKey(1, after.tx_key.counter + 1), after.tx_key, after.digest, (ClusterVersionOp(SHARD, version),)
+    )
+    return [entry, *chain(1, after=entry)]
+
+
+@pytest.mark.timeout(10)
+def test_a_push_up_to_a_cluster_version_it_does_not_speak_is_applied_up_to_that_entry_then_it_stops_and_says_why():
+    machine = replica(applied=5)
+    connect(machine)
+    unspoken = with_version(HISTORY[6], THIS_RELEASE.cluster_versions[1] + 1)
+    effects = machine.step(push([*HISTORY[5:7], *unspoken], committed=9), 1)
+    assert effects[:3] == [
+        ApplyEntries(tuple(HISTORY[5:7])),
+        SendAck("core0", "a1", at(7)[0]),
+        SendReject("core0", "a1", "unspoken cluster version"),
+    ]
+    assert (machine.applied_key, machine.applied_digest) == at(7)
+    assert machine.mode is Mode.DISCONNECTED
+    why = machine.status().last_error
+    assert f"entry {unspoken[0].tx_key}" in why and f"cluster version {THIS_RELEASE.cluster_versions[1] + 1}" in why
+    assert "restart it on a release that speaks that version" in why
+    # Bootstrapping: the entries before it are spilled, nothing from it on.
+    machine = replica(applied=0)
+    bootstrap(machine, k0=5)
+    effects = machine.step(push([*HISTORY[5:7], *unspoken], committed=9), 1)
+    assert of(effects, SpillEntries) == [SpillEntries(tuple(HISTORY[5:7]))]
+    assert of(effects, SendReject) == [SendReject("core0", "a1", "unspoken cluster version")]
+    assert machine.mode is Mode.DISCONNECTED
+    # One it speaks is applied like any other entry.
+    machine = replica(applied=5)
+    connect(machine)
+    spoken = with_version(HISTORY[6], THIS_RELEASE.cluster_versions[1])
+    effects = machine.step(push([*HISTORY[5:7], *spoken], committed=9), 1)
+    assert effects == [ApplyEntries((*HISTORY[5:7], *spoken)), SendAck("core0", "a1", spoken[-1].tx_key)]
 
 
 @pytest.mark.timeout(10)

@@ -833,3 +833,43 @@ def test_a_replicant_whose_cores_answer_with_logs_it_cannot_read_says_so_not_tha
     finally:
         node.store.close()
         node.data_dir_lock.release()
+
+
+def test_a_journal_answer_to_an_earlier_probe_is_not_counted_in_a_later_one(tmp_path) -> None:
+    """Regression: a probe that timed out left its journal requests pending (a request lives
+    ``REQUEST_TIMEOUT_MS``, a probe ``probe_timeout_ms``), and a late answer to one was counted in the
+    shard's next probe: that probe could end on it, with what the core said before the replica gave up
+    on it (its committed key, whether it heard the sequencer then). Each answer now counts only in the
+    probe that asked (``Pending.probe_id``)."""
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    node.core_sockets = {"core1": _unconnected_dealer()}
+    try:
+        base = node.clock_ms()
+        now = [base]
+        node.clock_ms = lambda: now[0]
+        replica = node._open_replica("default")
+
+        def probe(at_ms: int) -> Any:
+            now[0] = at_ms
+            node._step(replica, p.Ticked())
+            (asked,) = [pending for pending in node.pending.values() if pending.purpose == "probe"]
+            return asked
+
+        stale = probe(base)
+        now[0] = node.probes["default"].deadline_ms
+        node._expire(now[0])  # the probe gives up on core1; its request is still pending
+        assert "default" not in node.probes and "core1 did not answer" in replica.status().last_error
+        node.pending = {}
+        fresh = probe(node.clock_ms() + 60_000)
+        assert "default" in node.probes
+        earlier = {"shards": {"default": {"committed": [1, 4], "hears_sequencer": True, "agents": 0, "generation": 1}}}
+        node._on_answer(stale, messages.reply("stale", earlier))
+        assert node.probes["default"].answers == {}, "the earlier probe's answer is not this probe's"
+        assert replica.watch_id is None
+        later = {"shards": {"default": {"committed": [1, 9], "hears_sequencer": True, "agents": 0, "generation": 1}}}
+        node._on_answer(fresh, messages.reply("fresh", later))
+        assert "default" not in node.probes and replica.watch_id is not None  # this probe's answer: a watch
+    finally:
+        _close_offline(node)

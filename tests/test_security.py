@@ -22,7 +22,14 @@ from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated
 from mnesite.rlog.config import ConfigError, load_config, parse_config
 from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
-from mnesite.rlog.security import SecurityError, configure_client, configure_server, generate_keys, load_key
+from mnesite.rlog.security import (
+    SecurityError,
+    configure_client,
+    configure_server,
+    generate_keys,
+    load_authorized_keys,
+    load_key,
+)
 from mnesite.rlog.types import TxKey
 
 from tests.conftest import free_port, wait_until, watch_body
@@ -157,6 +164,26 @@ def test_a_secret_key_readable_by_others_is_refused(keys: Path) -> None:
     with pytest.raises(MnesiteError, match="chmod 600"):
         Client("tcp://127.0.0.1:1", key=secret, server_key=keys / "cluster.key")
     assert load_key(str(keys / "app.key"), "key", secret=False).public  # public keys may be world-readable
+
+
+def test_a_secret_key_owned_by_another_user_is_refused(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What ``keys generate`` writes passes; the same file seen by another user does not (ssh's rule).
+    secret = keys / "app.key_secret"
+    assert load_key(str(secret), "key", secret=True).secret
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(secret).st_uid + 1)
+    with pytest.raises(SecurityError, match=r"is owned by uid \d+, not by this user .*chown"):
+        load_key(str(secret), "key", secret=True)
+    assert load_key(str(keys / "app.key"), "key", secret=False).public  # a public key may be anyone's
+
+
+def test_an_authorized_key_file_named_only_dot_key_is_refused(keys: Path) -> None:
+    # ".key" would map its key to the principal "", the one ``principal_of`` gives a frame without one.
+    authorized = keys.parent / "authorized"
+    shutil.copy(keys / "stranger.key", authorized / ".key")
+    with pytest.raises(SecurityError, match=r"authorized_keys: .*\.key names no principal; rename it NAME\.key"):
+        load_authorized_keys(str(authorized))
+    (authorized / ".key").unlink()
+    assert "" not in load_authorized_keys(str(authorized)).values()
 
 
 # ---------------------------------------------------------------- roles

@@ -29,7 +29,7 @@ from mnesite.rlog.versions import THIS_RELEASE
 from tests.conftest import seed_ranges, simulation_seeds
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import READ_KEYS, replay_command
-from tests.sim.versions import stuck_member_reading_locally
+from tests.sim.versions import stuck_member_behind_one_append, stuck_member_reading_locally
 
 CI_SEEDS = 240
 FAST_SEEDS = 60  # the developers' fast lane runs these; the others are marked deep
@@ -732,6 +732,23 @@ def test_a_stuck_member_refuses_snapshot_offers_at_the_cluster_version_it_does_n
     monkeypatch.setattr(snapshot, "unspoken_cluster_version", lambda version, own: None)
     with pytest.raises(SimulationFailure, match=f"took a snapshot offer at cluster version {version}, which it cannot"):
         stuck_member_reading_locally(1)
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_member_takes_the_entries_of_an_append_before_the_cluster_version_it_does_not_speak():
+    """Regression: a member that does not speak a cluster version refused the whole append holding
+    its entry, the entries before it too, and so stayed behind what it could read: the write that
+    travelled with the entry was neither persisted nor applied there (nor, when it came alone, applied:
+    every later append telling its commit also held the entry). Its consensus now takes the entries
+    before the refused one, as an append of those alone, and their commit: it stops at the entry
+    before (``StuckMemberSimulation``: the write and the version entry proposed in one turn)."""
+    for seed in (5, 6, 7, 9):  # seeds whose appends carry more than one entry
+        sim, stuck, written = stuck_member_behind_one_append(seed)
+        node = sim.nodes[stuck]
+        assert node.machine is not None and node.machine.stuck_reason is not None
+        assert "was refused" in node.machine.stuck_reason
+        assert (node.log.last_key(), node.applied_key) == (written, written), seed
+        assert sim.committed_last_key > written and node.cluster_version == 1
 
 
 def _serving_a_stuck_consensus(install_reason, rows_lost, stuck_reason, applied):

@@ -393,8 +393,8 @@ def test_a_follower_never_takes_a_cluster_version_it_does_not_speak() -> None:
     the sequencer's rule (every member announced it) kept a core from running a version it cannot
     read, so a member rolled back after the probes, or a broken sequencer, moved it anyway (and the
     storage format with it: the core then refused its own data directory). The follower's own rule
-    (``core.versions.unspoken_cluster_version``) refuses such an append as a protocol violation,
-    persisting nothing, and such a snapshot offer."""
+    (``core.versions.unspoken_cluster_version``) refuses such an entry as a protocol violation,
+    persisting nothing from it on (the entries before it are taken), and such a snapshot offer."""
     import dataclasses
     import random
 
@@ -424,7 +424,7 @@ def test_a_follower_never_takes_a_cluster_version_it_does_not_speak() -> None:
         return machine, machine.step(MessageReceived("a", append), 0)
 
     _, effects = follower(Announcement("0.2.0", (1, 1)))
-    assert not [e for e in effects if isinstance(e, PersistEntries)], effects
+    assert [e.entries for e in effects if isinstance(e, PersistEntries)] == [(first,)], effects
     (violation,) = [e for e in effects if isinstance(e, ProtocolViolation)]
     assert violation.sender == "a"
     assert "entry (1, 2)" in violation.reason and "does not speak cluster version 2" in violation.reason

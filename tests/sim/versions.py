@@ -21,7 +21,9 @@ check) and is stuck there (``ShardConsensus.stuck_reason``) while the others go 
 reading locally everywhere, and the simulator's lag bound for local reads (``_local_read_lag_ms_max``)
 catches a stuck core that answers them. The sequencer trims past it and offers it snapshots at the
 cluster version it applied (production's offer): the stuck member refuses them too, and a member that
-took one (a copy at a cluster version its release cannot read) fails the run.
+took one (a copy at a cluster version its release cannot read) fails the run. When a write and the
+entry travel in one append (``stuck_member_behind_one_append``), the member takes the write and its
+commit, and stops at it.
 """
 
 from __future__ import annotations
@@ -290,3 +292,30 @@ def stuck_member_reading_locally(seed: int) -> tuple[StuckMemberSimulation, str,
         sim.read(names[tick % len(names)], tick // len(names) % READ_KEYS, kind="local")
         sim.advance()
     return sim, stuck, answered
+
+
+def stuck_member_behind_one_append(seed: int) -> tuple[StuckMemberSimulation, str, TxKey]:
+    """As ``stuck_member_reading_locally``, but the sequencer proposes a write and the cluster version
+    entry in one turn, so that they travel to the rolled-back member in one append: the write first.
+    Runs ``STUCK_RUN_MS`` more; returns the simulation, the stuck core and the write's
+    key, the last entry that member can read."""
+    sim = StuckMemberSimulation(seed, 3 if seed % 2 == 0 else 5)
+    if sim.config.entries_per_append_max < 2:
+        raise sim.fail("the scenario needs a seed whose appends carry more than one entry")
+    sequencer = sim.run_until_quiet()
+    stuck = next(name for name in sorted(sim.nodes) if name != sequencer.name)
+    sim.roll_back(stuck)
+    sequencer = sim.run_until_quiet()
+    version = THIS_RELEASE.cluster_versions[1]
+    if sequencer.name == stuck or sequencer.machine is None or RELEASE_0_1_0.speaks(version):
+        raise sim.fail(f"the scenario needs a follower {stuck} that does not speak cluster version {version}")
+    written = TxKey(sequencer.machine.last_key.generation, sequencer.machine.last_key.counter + 1)
+    # Held, as the writes of one turn are, then proposed in one batch (production's _propose_batch).
+    sim._propose(sequencer, sim._write_ops(0), "before-the-version", held=True)
+    sim._propose(sequencer, (ClusterVersionOp(SHARD, version),), f"v{version}", held=True)
+    sim._propose_held(sequencer)
+    if sequencer.machine.last_key <= written:
+        raise sim.fail(f"the sequencer appended no cluster version {version} entry after {written}")
+    for _ in range(STUCK_RUN_MS // sim.tick_ms):
+        sim.advance()
+    return sim, stuck, written
