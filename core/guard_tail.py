@@ -25,6 +25,13 @@ same request id, and the retry is evaluated afresh by whoever is sequencer then.
 that waits longer than ``guard_hold_ms_max`` gets the same answer, and at most
 ``guard_failures_held_max`` are held at once.
 
+3. A request sent again while its failure is held (``resent``: a client that heard nothing re-sends
+   the same request id) is not evaluated again: evaluated against a tail that moved on, the retry
+   could pass and be written while the held one still answers that the guard failed, two answers
+   to one request id, one of them saying nothing was written. The held failure answers the newest
+   request, once; the driver tells an earlier one on another connection at once that the answer
+   goes to the newest (``core.outcome``'s rule 4 of forwarding, for the same reason).
+
 Driver contract
 ---------------
 Call ``add`` for every ``PersistEntries``, ``committed`` for every ``Commit`` (after applying it),
@@ -191,6 +198,16 @@ class GuardTail(Generic[Token]):
             self._held.append(_Held(token, observed_key, now_ms + self.hold_ms_max))
             return GUARD_HELD
         return GUARD_ANSWER if read_index is not None else GUARD_RETRY
+
+    def resent(self, same: Callable[[Token], bool], renewed: Callable[[Token], Token]) -> Token | None:
+        """Rule 3: the held failure ``same`` picks is the request sent again: its token becomes
+        ``renewed(token)`` (its observed key and deadline stay); returns the token it replaced, None
+        when none is held."""
+        for index, held in enumerate(self._held):
+            if same(held.token):
+                self._held[index] = _Held(renewed(held.token), held.observed_key, held.deadline_ms)
+                return held.token
+        return None
 
     def committed(
         self, up_to: TxKey, catalog: dict[str, TableSchema], read_index: TxKey | None

@@ -56,7 +56,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import apsw
@@ -104,6 +104,7 @@ from mnesite.core.consensus_wire import message_from_wire, message_to_wire
 from mnesite.core.guard_tail import GUARD_ANSWER, GUARD_HELD, GuardTail
 from mnesite.core.membership import ALREADY_DONE, membership_of
 from mnesite.core.outcome import (
+    REASON_SENT_AGAIN,
     Acknowledged,
     CommitWaiters,
     ForwardedRequests,
@@ -331,10 +332,15 @@ class QueryIndexGather:
 @dataclass(frozen=True)
 class ForwardedRead:
     """The payload of a read this core forwarded to a shard's sequencer (a linearizable read, a
-    ``read_index``): the client's envelope. A read changes nothing, so one the sequencer does not
-    answer is ``no_sequencer`` (the client may ask another node), never ``outcome_unknown``."""
+    ``read_index``): the client's envelope and request id. A read changes nothing, so one the sequencer
+    does not answer is ``no_sequencer`` (the client may ask another node), never ``outcome_unknown``.
+
+    It is forwarded under a request id of its own (``_forward``), as a query's read index is: answers
+    are matched by request id, and the client's, global but chosen by clients, may be another client's
+    too; the sequencer's answer then went to whichever of them forwarded it last."""
 
     envelope: list[bytes]
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -859,7 +865,13 @@ class CoreNode(NodeServer):
         elif message.kind in WRITE_KINDS:
             self.refuse_if_disk_full()
             self._write(envelope, message)
-        elif message.kind in QUERY_KINDS:
+        else:
+            self.refuse_held_again(envelope, message)
+            self._dispatch_read(envelope, message)
+
+    def _dispatch_read(self, envelope: list[bytes], message: Message) -> None:
+        """A query, a changefeed page or a read (its id not held on its connection already)."""
+        if message.kind in QUERY_KINDS:
             self._query(envelope, message)
         elif message.kind == "changes":
             self.changes_request(envelope, message, self._check_serving, read_batch)
@@ -1425,11 +1437,16 @@ class CoreNode(NodeServer):
                 return
             self._step_install(shard, batch)
 
-    def _send_peer(self, peer: str, message: Message, now: bool = False, probe: bool = False) -> None:
+    def _peer_socket(self, peer: str, probe: bool = False) -> zmq.Socket | None:
+        """The dealer to send ``peer`` a message on; None: nothing can be sent to it now (no endpoint
+        known, no dealer left, or a peer this core cannot speak with, which is sent nothing but the probe)."""
         if self.peer_versions.refuses(peer) and not probe:
-            return  # a peer this core cannot speak with (core.versions) is sent nothing but the probe
+            return None
         endpoint = self.endpoints.get(peer)
-        socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
+        return self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
+
+    def _send_peer(self, peer: str, message: Message, now: bool = False, probe: bool = False) -> None:
+        socket = self._peer_socket(peer, probe)
         if socket is None:
             return
         if now:
@@ -1538,6 +1555,8 @@ class CoreNode(NodeServer):
         if driver.held:
             self._propose_batch(driver)  # a guard reads what the writes before it in this turn wrote
         if transaction is not None:
+            if driver.tail.held_count() and self._resent_held_failure(driver, envelope, message.request_id):
+                raise Deferred()  # a guarded write sent again: its held failure answers it (guard_tail rule 3)
 
             def read_row(table: TableSchema, key: Any) -> dict[str, Any] | None:
                 def applied() -> dict[str, Any] | None:
@@ -1608,6 +1627,19 @@ class CoreNode(NodeServer):
         code, text, detail = rules.guard_failure_answer(held.failure, answer, reason)
         self.reply(held.envelope, messages.error(held.request_id, code, text, detail))
 
+    def _resent_held_failure(self, driver: ShardDriver, envelope: list[bytes], request_id: str) -> bool:
+        """Whether ``request_id`` is a failed guard ``driver``'s tail holds (``core.guard_tail``, rule
+        3): the resend takes its place, and an earlier request on another connection is told now, or
+        its connection's place (``hold``) would wait for an answer that goes to the resend."""
+        earlier = driver.tail.resent(
+            lambda held: held.request_id == request_id, lambda held: replace(held, envelope=envelope)
+        )
+        if earlier is None:
+            return False
+        if earlier.envelope != envelope:
+            self.reply(earlier.envelope, _outcome_unknown(request_id, REASON_SENT_AGAIN))
+        return True
+
     def _abandon_held_guard_failures(self, driver: ShardDriver, reason: str) -> None:
         """The shard's tail is about to be rebuilt (``_open_shard``): its held failed guards are told
         to retry now; the new tail knows nothing of them, and they were never answered."""
@@ -1652,7 +1684,7 @@ class CoreNode(NodeServer):
                 self._query_index_failed(envelope.gather, "no_sequencer", reason)
             elif isinstance(envelope, ForwardedRead):
                 reason = outcome.reason if isinstance(outcome, OutcomeUnknown) else "the sequencer did not answer"
-                self.reply(envelope.envelope, messages.error(outcome.request_id, "no_sequencer", reason))
+                self.reply(envelope.envelope, messages.error(envelope.request_id, "no_sequencer", reason))
             elif isinstance(outcome, Acknowledged):
                 result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
                 if outcome.duplicate:
@@ -1674,23 +1706,41 @@ class CoreNode(NodeServer):
     def _forward(self, envelope: list[bytes], message: Message, shard: str, target: str) -> None:
         """Send a request, marked forwarded, to the sequencer ``target`` (``core.rules`` chose it); its
         answer is relayed to the client (``_relay_forwarded``) or expires: as outcome unknown for a write,
-        ``no_sequencer`` for a read (``ForwardedRead``)."""
+        ``no_sequencer`` for a read (``ForwardedRead``). A write goes under the client's request id (the
+        sequencer applies an id once); a read under one of its own, which only this connection's read has."""
         if self.forwarded.full():
             raise RequestError("overloaded", f"{FORWARDED_MAX} forwarded requests pending; retry later")
+        socket = self._peer_socket(target)
+        if socket is None:
+            # No core sees it: not held for the forward's timeout to say its outcome is unknown.
+            raise RequestError("no_sequencer", f"shard {shard}: {self._unsent(target)}")
         # A write's silence leaves its outcome unknown, and so does a membership change's (the
         # sequencer may be catching a core up for minutes, then commit it); a read's only says the
         # sequencer did not answer.
         changes = message.kind in WRITE_KINDS or message.kind == "membership_change"
         self.hold(envelope, message.request_id, changes)
-        payload = envelope if changes else ForwardedRead(envelope)
-        replaced = self.forwarded.forwarded(message.request_id, payload, shard, target, self.clock_ms())
+        if changes:
+            payload, request_id = envelope, message.request_id
+        else:
+            payload, request_id = ForwardedRead(envelope, message.request_id), new_request_id()
+        replaced = self.forwarded.forwarded(request_id, payload, shard, target, self.clock_ms())
         if replaced:
             # A resend of a request still pending (core.outcome rule 4): the earlier is told now, or
             # its connection's place (``hold``) would never be given back.
             self._tell_outcomes(replaced)
             self.hold(envelope, message.request_id, changes)  # still held if that was this same connection
         forwarded = msgspec.structs.replace(message.body, forwarded=True)
-        self._send_peer(target, Message(message.kind, message.request_id, forwarded))
+        self.queue(socket, Message(message.kind, request_id, forwarded))
+
+    def _unsent(self, peer: str) -> str:
+        """Why a request for ``peer`` (the sequencer) was not sent (``_peer_socket`` gave no socket)."""
+        if self.peer_versions.refuses(peer):
+            why = f"this core does not speak with it ({self.peer_versions.refusal(peer)})"
+        elif peer not in self.endpoints:
+            why = "this core knows no endpoint of it"
+        else:
+            why = f"this core has no connection left to open to it ({DEALERS_MAX} peers connected)"
+        return f"its sequencer {peer} cannot be reached from {self.config.name}: {why}; nothing was sent"
 
     def _relay_forwarded(self, socket: zmq.Socket) -> None:
         for _ in range(self.config.limits.group_commit_max):
@@ -1716,7 +1766,7 @@ class CoreNode(NodeServer):
         if isinstance(waiting, QueryIndexAsk):
             self._query_index_answered(waiting, answer)
         elif isinstance(waiting, ForwardedRead):
-            self.reply(waiting.envelope, answer)
+            self.reply(waiting.envelope, replace(answer, request_id=waiting.request_id))
         else:
             self.reply(waiting, answer)
 
@@ -2056,6 +2106,8 @@ class CoreNode(NodeServer):
                 )
                 if isinstance(fence, rules.Forward) and self.forwarded.full():
                     raise RequestError("no_sequencer", f"shard {shard}: too many requests forwarded now")
+                if isinstance(fence, rules.Forward) and self._peer_socket(fence.target) is None:
+                    raise RequestError("no_sequencer", f"shard {shard}: {self._unsent(fence.target)}")
             except RequestError as error:
                 self._query_index_failed(gather, error.code, str(error))
                 return

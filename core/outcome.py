@@ -30,7 +30,10 @@ idempotent (an id found in the rlog is answered with its tx key once committed).
 3. At most ``forwarded_max`` are pending; the next one is refused (``overloaded``).
 4. A request forwarded again while its id is still pending (a client that heard nothing resends on
    a new connection) replaces the earlier one, which is told ``outcome_unknown`` at once: the
-   sequencer's one answer for that id goes to the newest, and the earlier would wait forever.
+   sequencer's one answer for that id goes to the newest, and the earlier would wait forever. The
+   driver forwards a write under its client's request id (the sequencer applies an id once) and a
+   read under a fresh one of its own, so that a read's answer goes to the connection that asked it
+   and to no other client that chose the same id.
 
 Both hold the client's reply address as an opaque ``payload``; the driver turns each
 ``Acknowledged`` / ``OutcomeUnknown`` into a frame. The simulator (``tests/sim/cluster.py``) runs

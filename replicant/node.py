@@ -657,7 +657,14 @@ class ReplicantNode(NodeServer):
             self.reply(envelope, messages.reply(message.request_id, self.status()))
         elif message.kind == "stop":
             self.reply(envelope, messages.reply(message.request_id, self.stop_request(principal)))
-        elif message.kind in ("get", "scan", "count"):
+        else:
+            self.refuse_held_again(envelope, message)
+            self._dispatch_read(envelope, message)
+
+    def _dispatch_read(self, envelope: list[bytes], message: Message) -> None:
+        """A read, a query, a changefeed page or a backup (its id not held on its connection already)."""
+        body = message.body
+        if message.kind in ("get", "scan", "count"):
             self._read(envelope, message)
         elif message.kind == "query":
             self._query(envelope, message)

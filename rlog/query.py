@@ -351,6 +351,8 @@ class WaitingQuery:
     # Set by ``note_unserved``: a shard it reads stopped serving after it started, so the snapshot
     # of its first page may hold no committed state.
     unserved: bool = False
+    # The client's request id: a query sent again with it replaces this one (``withdraw``); None: never.
+    request_id: str | None = None
 
     def describe(self) -> str:
         reasons = [f"shard {shard} did not reach {key}" for shard, key in sorted(self.targets.items())]
@@ -391,6 +393,13 @@ class WaitingQueries:
         for waiting in ready:
             self._waiting.remove(waiting)
         return ready
+
+    def withdraw(self, request_id: str) -> list[WaitingQuery]:
+        """The queries waiting under ``request_id``, taken out (a resend of it replaces them)."""
+        earlier = [w for w in self._waiting if w.request_id == request_id]
+        for waiting in earlier:
+            self._waiting.remove(waiting)
+        return earlier
 
     def expired(self, now_ms: int) -> list[WaitingQuery]:
         late = [w for w in self._waiting if w.deadline_ms <= now_ms]
@@ -460,6 +469,8 @@ class QueryRunner:
         self._jobs: queue.Queue[_Cursor | None] = queue.Queue()
         self._lock = threading.Lock()
         self._cursors: dict[str, _Cursor] = {}
+        # request id -> the token of the cursor its query opened (a query sent again closes it: ``withdraw``)
+        self._cursor_of: dict[str, str] = {}
         self._done: collections.deque[Finished] = collections.deque()
         self._checker: apsw.Connection | None = None
         self._wake_read, self._wake_write = os.pipe()
@@ -513,6 +524,8 @@ class QueryRunner:
                 busy=True,
             )
             self._cursors[token] = cursor
+            if waiting.request_id is not None:
+                self._cursor_of[waiting.request_id] = token
         self.queries += 1
         self._submit(cursor)
 
@@ -540,17 +553,33 @@ class QueryRunner:
             cursor.closed = True
             if cursor.busy:
                 return True  # the worker closes it when its page is done
-            del self._cursors[token]
+            self._forget(cursor)
         _close_sqlite(cursor)
         return True
+
+    def withdraw(self, request_id: str) -> bool:
+        """Close the cursor a query of ``request_id`` opened, if it is still open: the client sent that
+        query again (it heard nothing, often on a new connection), and the earlier run's pages go to a
+        connection it no longer reads. A page being read is still answered, to that connection."""
+        with self._lock:
+            token = self._cursor_of.get(request_id)
+        return token is not None and self.close(token)
+
+    def _forget(self, cursor: _Cursor) -> None:
+        """Take ``cursor`` out of the runner (under ``_lock``); the caller closes its SQLite objects."""
+        self._cursors.pop(cursor.token, None)
+        request_id = cursor.waiting.request_id
+        if request_id is not None and self._cursor_of.get(request_id) == cursor.token:
+            del self._cursor_of[request_id]
 
     def expire(self, now_ms: int) -> None:
         """Close cursors not asked for a page within ``idle_ms_max``."""
         late = []
         with self._lock:
-            for token, cursor in list(self._cursors.items()):
+            for cursor in list(self._cursors.values()):
                 if not cursor.busy and now_ms - cursor.last_used_ms >= self.limits.idle_ms_max:
-                    late.append(self._cursors.pop(token))
+                    late.append(cursor)
+                    self._forget(cursor)
         for cursor in late:
             self.expired += 1
             _close_sqlite(cursor)
@@ -600,6 +629,7 @@ class QueryRunner:
         with self._lock:
             cursors = list(self._cursors.values())
             self._cursors.clear()
+            self._cursor_of.clear()
         for cursor in cursors:
             if not cursor.busy:
                 _close_sqlite(cursor)
@@ -632,7 +662,7 @@ class QueryRunner:
                 cursor.last_used_ms = self.clock_ms()  # idle from now: the client is just being answered
                 keep = finished.result is not None and finished.result.get("cursor") and not cursor.closed
                 if not keep:
-                    self._cursors.pop(cursor.token, None)
+                    self._forget(cursor)
                 self._done.append(finished)
             if not keep:
                 _close_sqlite(cursor)

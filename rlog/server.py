@@ -783,6 +783,31 @@ class NodeServer:
         if self.metrics is not None and len(self._held_since_s) < HELD_TIMES_MAX:
             self._held_since_s[(envelope[0], request_id)] = time.monotonic()
 
+    def refuse_held_again(self, envelope: list[bytes], message: Message) -> None:
+        """Refuse a read (a changefeed page, a query or its page, a read that waits for a key) whose
+        request id this connection waits on already; the driver asks before it handles the read.
+
+        ``hold`` counts an id once per connection, and that is all it can do: each waiting place (the
+        changefeed's, the query waits and workers, a replicant's waiting reads) would take the resend
+        as one more request, bounded only by the node-wide limits. The newer one is refused, not the
+        older answered: the older is where it waits and answers under the id in its time, and taking it
+        out of every one of those places would cost each of them a search. The Python client never
+        re-sends on the connection it waits on (silence drops its socket), so this answers only a
+        client that reused an id whose answer it is owed. A request a core forwarded is not refused:
+        a core of an earlier release forwards a read under its client's id, re-sends a client's resend
+        on its one connection, and relays the first answer to the newest client (``core.outcome``,
+        rule 4). Writes are not asked: a resend of a write is answered from the log, at most
+        ``RESENDS_WAITING_MAX`` per connection and id (``core.outcome``), or by its held failed guard
+        (``core.guard_tail``, rule 3)."""
+        held = self.outstanding.get(envelope[0])
+        if held is None or message.request_id not in held or getattr(message.body, "forwarded", False):
+            return
+        raise RequestError(
+            "bad_request",
+            f"request {message.request_id} of this connection is held already, waiting for its answer; "
+            "wait for that answer, or send a new request with a new request id",
+        )
+
     def poll(self, timeout_ms: int) -> dict[Any, int]:
         sockets = (self.socket, *self.dealers.values())
         if self._poller is None or self._poller[0] != sockets:
@@ -889,15 +914,26 @@ class NodeServer:
         shards: tuple[str, ...],
         targets: dict[str, Any],
     ) -> None:
-        """Hold a checked query until each shard reaches its target (``serve_queries`` starts it)."""
-        self.hold(envelope, message.request_id, changes=False)
+        """Hold a checked query until each shard reaches its target (``serve_queries`` starts it).
+
+        A query of the same request id still waiting or with a cursor open is the client's earlier
+        attempt (it heard nothing and sent the query again, often on a new connection): it is taken out
+        and answered ``sent_again``, and its cursor closed, instead of holding a place and a snapshot
+        until its wait ends or ``query_idle_ms_max`` for a connection that no longer reads it."""
+        request_id = message.request_id
+        self.hold(envelope, request_id, changes=False)
+        for earlier in self.waiting_queries.withdraw(request_id):
+            told = messages.error(request_id, "sent_again", "the query was sent again; the answer goes to the newest")
+            self.reply(earlier.payload[0], told)
+        self.queries.withdraw(request_id)
         waiting = WaitingQuery(
-            (envelope, message.request_id),
+            (envelope, request_id),
             checked,
             shards,
             targets,
             request.page_rows,
             monotonic_ms() + request.wait_ms,
+            request_id=request_id,
         )
         try:
             self.waiting_queries.add(waiting)

@@ -203,6 +203,22 @@ def core_with_table(data_dir: Path) -> Iterator[CoreNode]:
         node.close()
 
 
+@contextlib.contextmanager
+def forwarding_core(data_dir: Path) -> Iterator[CoreNode]:
+    """``core1`` of three cores, bound but not served (the test steps its driver), with the ``default``
+    shard open: a request it forwards to ``core2`` or ``core3`` is sent (queued on a dealer)."""
+    cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
+    node = CoreNode(node_config(data_dir, free_port(), extra={"cluster": {"core_nodes": cores}}))
+    node.bind()
+    try:
+        node.begin()
+        node.store.ensure_shard("default", 0)
+        node._open_shard("default")
+        yield node
+    finally:
+        node.close()
+
+
 class ThreadNode:
     """A core node served from a thread of the test process (fast; for protocol and CLI tests)."""
 

@@ -25,7 +25,7 @@ from mnesite.rlog.client import (
 from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ScriptedNode, ThreadNode, free_port, node_config, watch_body
+from tests.conftest import ScriptedNode, ThreadNode, forwarding_core, free_port, node_config, watch_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -544,24 +544,23 @@ def test_a_forwarded_request_that_expires_is_outcome_unknown_only_for_a_write(
     client then kept to this node (it never re-sends an unknown outcome elsewhere) and a caller was told
     a read's outcome is unknown. A read changes nothing: no_sequencer, and the client fails over. An
     answer that does come is still relayed to the client as it is."""
-    thread_node = ThreadNode(tmp_path / "data")
-    thread_node.stop()  # its driver called directly: no thread may touch the node meanwhile
-    node = thread_node.node
-    envelope = [b"client"]
-    message = Message(kind, "r-1", messages.typed_body(kind, body))
-    node._forward(envelope, message, "default", "core2")
-    node._tell_outcomes(node.forwarded.expired(node.clock_ms() + 10**9))
-    answers = [m for _s, to, m in node._outbox if to == envelope]
-    assert [(m.request_id, m.kind, m.body.code) for m in answers] == [("r-1", "error", code)]
-    assert b"client" not in node.outstanding
-    # An answer from the sequencer is relayed to the client unchanged.
-    node._outbox.clear()
-    node._forward(envelope, Message(kind, "r-2", messages.typed_body(kind, body)), "default", "core2")
-    waiting = node.forwarded.answered("r-2")
-    assert waiting is not None
-    node._relay(waiting, messages.reply("r-2", {"committed": [1, 2]}))
-    answers = [m for _s, to, m in node._outbox if to == envelope]
-    assert [(m.request_id, m.kind, m.body.result) for m in answers] == [("r-2", "reply", {"committed": [1, 2]})]
+    with forwarding_core(tmp_path / "data") as node:  # its driver called directly; core2 is known
+        envelope = [b"client"]
+        message = Message(kind, "r-1", messages.typed_body(kind, body))
+        node._forward(envelope, message, "default", "core2")
+        node._tell_outcomes(node.forwarded.expired(node.clock_ms() + 10**9))
+        answers = [m for _s, to, m in node._outbox if to == envelope]
+        assert [(m.request_id, m.kind, m.body.code) for m in answers] == [("r-1", "error", code)]
+        assert b"client" not in node.outstanding
+        # An answer from the sequencer is relayed to the client unchanged.
+        node._outbox.clear()
+        node._forward(envelope, Message(kind, "r-2", messages.typed_body(kind, body)), "default", "core2")
+        forward = [m for _s, to, m in node._outbox if not to][-1]  # a read's: under an id of its own
+        waiting = node.forwarded.answered(forward.request_id)
+        assert waiting is not None
+        node._relay(waiting, messages.reply(forward.request_id, {"committed": [1, 2]}))
+        answers = [m for _s, to, m in node._outbox if to == envelope]
+        assert [(m.request_id, m.kind, m.body.result) for m in answers] == [("r-2", "reply", {"committed": [1, 2]})]
 
 
 @pytest.mark.parametrize(
@@ -576,16 +575,16 @@ def test_a_sequencer_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path, kind
     was. The client takes "stopping" for the node it asked: it never asked that follower again in the
     call, and a client of that one endpoint gave up at once (Unavailable) instead of retrying while a
     new sequencer was elected (a rolling restart). It is "no_sequencer" now, which the client retries."""
-    thread_node = ThreadNode(tmp_path / "data")
-    thread_node.stop()  # its driver called directly: no thread may touch the node meanwhile
-    node = thread_node.node
-    node._outbox.clear()
-    node._forward([b"client"], Message(kind, "r-1", messages.typed_body(kind, body)), "default", "core2")
-    node._relay(node.forwarded.answered("r-1"), messages.error("r-1", "stopping", "core core2 is shutting down"))
-    answers = [m for _s, to, m in node._outbox if to == [b"client"]]
-    assert [(m.request_id, m.body.code) for m in answers] == [("r-1", "no_sequencer")]
-    assert "core core2 is shutting down" in answers[0].body.message
-    assert b"client" not in node.outstanding
+    with forwarding_core(tmp_path / "data") as node:  # its driver called directly; core2 is known
+        node._outbox.clear()
+        node._forward([b"client"], Message(kind, "r-1", messages.typed_body(kind, body)), "default", "core2")
+        forward = [m for _s, to, m in node._outbox if not to][-1]  # a read's: under an id of its own
+        stopping = messages.error(forward.request_id, "stopping", "core core2 is shutting down")
+        node._relay(node.forwarded.answered(forward.request_id), stopping)
+        answers = [m for _s, to, m in node._outbox if to == [b"client"]]
+        assert [(m.request_id, m.body.code) for m in answers] == [("r-1", "no_sequencer")]
+        assert "core core2 is shutting down" in answers[0].body.message
+        assert b"client" not in node.outstanding
 
 
 def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connections_place(tmp_path) -> None:
@@ -593,17 +592,15 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
     follower forwarded both under one id: the earlier connection was never answered and its place among
     requests_outstanding_max stayed held for good (one more leaked per such resend). It is told
     outcome_unknown now; the sequencer's answer goes to the resend."""
-    thread_node = ThreadNode(tmp_path / "data")
-    thread_node.stop()  # its driver called directly: no thread may touch the node meanwhile
-    node = thread_node.node
-    body = messages.typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
-    node._forward([b"first"], Message("transact", "w-1", body), "default", "core2")
-    node._forward([b"second"], Message("transact", "w-1", body), "default", "core2")
-    assert b"first" not in node.outstanding
-    answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox]
-    assert answers == [([b"first"], "error", "outcome_unknown")]
-    node._relay(node.forwarded.answered("w-1"), messages.reply("w-1", {"tx_key": [1, 2]}))
-    assert node.outstanding == {}
+    with forwarding_core(tmp_path / "data") as node:  # its driver called directly; core2 is known
+        body = messages.typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
+        node._forward([b"first"], Message("transact", "w-1", body), "default", "core2")
+        node._forward([b"second"], Message("transact", "w-1", body), "default", "core2")
+        assert b"first" not in node.outstanding
+        answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox if to]  # not the forwards
+        assert answers == [([b"first"], "error", "outcome_unknown")]
+        node._relay(node.forwarded.answered("w-1"), messages.reply("w-1", {"tx_key": [1, 2]}))
+        assert node.outstanding == {}
 
 
 def test_the_loop_does_not_wait_on_a_machine_it_does_not_tick(tmp_path) -> None:
@@ -657,7 +654,7 @@ def test_a_membership_change_requested_again_on_a_new_connection_frees_the_earli
         node._membership_change([b"second"], request)
         assert driver.consensus.status().learner == "core9"
         assert b"first" not in node.outstanding and set(node.outstanding[b"second"]) == {"m-1"}
-        answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox]
+        answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox if to]  # not the forwards
         assert answers == [([b"first"], "error", "outcome_unknown")]
     finally:
         node.close()
