@@ -83,18 +83,22 @@ class TableCopy:
         self.after: object = None
         self.rows = 0
         self.bytes = 0
-        # Sum of the tables' row counts when their first batch was read (progress only).
+        # Sum of the tables' row counts when their first batch was read (progress only), and how
+        # many tables counted: a table's count comes with its first batch (None: too large to count).
         self.rows_expected = 0
+        self.tables_counted = 0
 
     @property
     def done(self) -> bool:
         return self.listed and self.table_index >= len(self.tables)
 
     def progress(self, now_ms: int) -> tuple[float, int | None]:
-        """(rows per second, estimated ms to go or None)."""
+        """(rows per second, estimated ms to go or None: not before every table's row count is known,
+        or the ETA of the tables counted so far would read as the copy's)."""
         rate = self.rows * 1000 / max(1, now_ms - self.started_ms)
         eta = None
-        if not self.done and rate > 0 and self.rows_expected >= self.rows:
+        counted = self.listed and self.tables_counted == len(self.tables)
+        if counted and not self.done and rate > 0 and self.rows_expected >= self.rows:
             eta = int((self.rows_expected - self.rows) / rate * 1000)
         return round(rate, 1), eta
 
@@ -146,6 +150,7 @@ class TableCopy:
             self.bytes += size if size is not None and size >= 0 else sum(map(row_size_bytes, event.rows))
         if event.after is None and event.rows_total is not None and event.rows_total >= 0:
             self.rows_expected += event.rows_total
+            self.tables_counted += 1
         if event.done or not event.rows:
             self.table_index += 1
             self.after = None

@@ -95,8 +95,13 @@ def answer_read(
         return page["rows"]
     if kind == "bootstrap_batch":
         # The serving side of a bootstrap (bootstrap.serve): bounded in rows and in bytes, so the
-        # answer fits in a frame and costs this loop turn a bounded time.
-        limit = _bounded(body.limit, scan_rows_max, scan_rows_max, "limit")
+        # answer fits in a frame and costs this loop turn a bounded time. A copier asks for batches
+        # of its own size (10,000 rows) whatever this node's scan_rows_max: a batch may hold fewer
+        # rows than asked (``done`` tells the end), so a larger one is answered with scan_rows_max
+        # rows, not refused (refused, every copy from a node set below it failed and began again).
+        if body.limit is not None and body.limit < 1:
+            raise RequestError("bad_request", "limit must be positive")
+        limit = scan_rows_max if body.limit is None else min(body.limit, scan_rows_max)
         after = check_key(table, body.after) if body.after is not None else None
         bytes_max = frame_bytes_max // 2
         return read_batch(store, table, after, limit, min(bytes_max, body.bytes_max or bytes_max))

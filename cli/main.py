@@ -816,7 +816,8 @@ def describe_copy(copy: dict[str, Any]) -> str:
     """A bootstrap's or snapshot install's progress: rows of the total, rate and ETA."""
     eta = f"{copy['eta_ms'] / 1000:.0f} s" if copy.get("eta_ms") is not None else "unknown"
     total = copy.get("rows_expected") or 0
-    percent = f" ({100 * copy['rows'] / total:.0f}%)" if total else ""
+    # No ETA: some table's row count is not known yet (it comes with its first batch), so no percent.
+    percent = f" ({100 * copy['rows'] / total:.0f}%)" if total and copy.get("eta_ms") is not None else ""
     return f"{copy['rows']} of about {total} rows{percent}, {copy.get('rows_per_s') or 0:.0f} rows/s, ETA {eta}"
 
 

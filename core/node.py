@@ -160,7 +160,7 @@ from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.schema import (
     SchemaError,
     TableSchema,
-    schema_ops_toward,
+    shard_schema_ops_toward,
 )
 from mnesite.rlog.security import NodeSecurity
 from mnesite.rlog.server import (
@@ -1424,9 +1424,7 @@ class CoreNode(NodeServer):
                 self._step_install(shard, replication.RequestFailed(core, str(failure)))
                 return
             self.begin()
-            catalog = self.store.catalog()
-            for table in mine:
-                self.store.apply_ops(schema_ops_toward(catalog.get(table.name), table))
+            self.store.apply_ops(shard_schema_ops_toward(self.store.catalog(), shard, mine))
             names = tuple(table.name for table in mine)
             keys = tuple(table.key_column for table in mine)
             self._step_install(shard, replication.TablesReceived(core, names, keys))

@@ -59,7 +59,7 @@ from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.limits import SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.roles import WRITE_KINDS
-from mnesite.rlog.schema import SchemaError, TableSchema, check_name, schema_ops_toward
+from mnesite.rlog.schema import SchemaError, TableSchema, check_name, shard_schema_ops_toward
 from mnesite.rlog.server import (
     NodeServer,
     OverloadedError,
@@ -521,8 +521,7 @@ class ReplicantNode(NodeServer):
                 self._step(replica, p.RequestFailed(pending.core, str(failure), pending.watch_id))
                 return
             self.begin()
-            for table in mine:
-                self.store.apply_ops(schema_ops_toward(self.store.catalog().get(table.name), table))
+            self.store.apply_ops(shard_schema_ops_toward(self.store.catalog(), replica.shard, mine))
             names, keys = tuple(t.name for t in mine), tuple(t.key_column for t in mine)
             self._step(replica, p.TablesReceived(pending.core, names, keys, pending.watch_id))
         elif pending.purpose == "batch":

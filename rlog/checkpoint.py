@@ -14,7 +14,9 @@ each commit with the WAL's size in pages):
   never blocks the writer, and apsw releases the GIL while SQLite works, so the loop goes on;
 * once such a checkpoint has completed, the next commit finishes it inline: a PASSIVE checkpoint
   of the few pages committed meanwhile. The WAL can only start over when a checkpoint has copied
-  *all* of it, which a background checkpoint racing a busy writer never does;
+  *all* of it, which a background checkpoint racing a busy writer never does; one that did (the
+  writer idle) leaves nothing to finish: a commit below ``pages_background`` (the WAL started over)
+  forgets it, and the next crossing wakes the thread again;
 * at ``pages_inline`` pages or more (the thread fell behind: a slow disk, a long reader) the
   committing connection checkpoints whatever is left itself, so the WAL stays bounded whatever the
   thread does.
@@ -109,6 +111,12 @@ class WalCheckpointer:
                     self._no_thread = self.inline_due = True
                     return
                 self._wake.set()
+        elif self._backfilled:
+            # Below the threshold the WAL has started over (it only grows until then): nothing is left
+            # to finish. Kept, the mark of a checkpoint that copied it all (the writer idle, or a run
+            # again on the young WAL of a wake-up set while it ran) had the commit that next crossed
+            # the threshold checkpoint the whole WAL inline instead of waking the thread.
+            self._backfilled = False
 
     def checkpoint_inline(self, connection: apsw.Connection) -> None:
         """Run by the committing connection after its commit when ``inline_due``. Never once a
@@ -183,22 +191,26 @@ class WalCheckpointer:
             while not self._stopping.is_set():
                 self._wake.wait()
                 self._wake.clear()
-                if self._stopping.is_set():
+                if self._stopping.is_set() or not self._checkpoint_in_background(connection):
                     break
-                try:
-                    connection.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
-                    self.background += 1
-                    self._backfilled = True
-                except apsw.BusyError:
-                    continue  # a commit is finishing a checkpoint right now: not a failure
-                except apsw.Error as error:
-                    self.failures += 1
-                    if self.fault_of(error) is StorageFault.FAILED:
-                        # Never retried: a second sync may succeed over pages the kernel dropped.
-                        self.fatal = StorageFailedError(f"{self.path}: background WAL checkpoint failed: {error}")
-                        log.error("%s (not retried: the node stops)", self.fatal)
-                        return
-                    log.warning("%s: background WAL checkpoint failed: %s (retrying)", self.path, error)
-                    self._stopping.wait(RETRY_S)
         finally:
             connection.close()
+
+    def _checkpoint_in_background(self, connection: apsw.Connection) -> bool:
+        """One checkpoint of the thread (woken by ``on_wal``) on its ``connection``; False: the thread ends."""
+        try:
+            connection.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
+            self.background += 1
+            self._backfilled = True
+        except apsw.BusyError:
+            pass  # a commit is finishing a checkpoint right now: not a failure
+        except apsw.Error as error:
+            self.failures += 1
+            if self.fault_of(error) is StorageFault.FAILED:
+                # Never retried: a second sync may succeed over pages the kernel dropped.
+                self.fatal = StorageFailedError(f"{self.path}: background WAL checkpoint failed: {error}")
+                log.error("%s (not retried: the node stops)", self.fatal)
+                return False
+            log.warning("%s: background WAL checkpoint failed: %s (retrying)", self.path, error)
+            self._stopping.wait(RETRY_S)
+        return True

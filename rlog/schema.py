@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,6 +307,38 @@ def schema_ops_toward(local: TableSchema | None, listed: TableSchema) -> tuple[A
     current = set(local.indexes)
     ops += [op for op in listed.index_ops() if IndexSchema(op.index, op.columns) not in current]
     return tuple(ops)
+
+
+def shard_schema_ops_toward(
+    catalog: dict[str, TableSchema], shard: str, listed: Sequence[TableSchema]
+) -> tuple[Any, ...]:
+    """The ops that make a copy's tables of ``shard`` (in ``catalog``) the ``listed`` ones, as a core
+    lists them to a bootstrap or a snapshot install (which deleted the copy's rows of the shard first).
+
+    A table of the shard the core does not list was dropped meanwhile: it is dropped (no entry after
+    the copy's start key would drop it). A listed table the copy holds under the same name as another
+    table (another key column, a column the listed one lacks or declares with another type: it was
+    dropped and created again meanwhile, since columns are only ever added) is dropped and created as
+    listed; its old key would otherwise stay the key of the copied rows. Every other table is brought
+    to its listed definition by ``schema_ops_toward``. Drops come first: a name may come back in
+    another letter case."""
+    wanted = {table.name: table for table in listed}
+    dropped = [
+        DropTableOp(name, shard)
+        for name, local in catalog.items()
+        if local.shard == shard and (name not in wanted or not _same_table(local, wanted[name]))
+    ]
+    gone = {op.table for op in dropped}
+    ops: list[Any] = list(dropped)
+    for table in listed:
+        ops += schema_ops_toward(None if table.name in gone else catalog.get(table.name), table)
+    return tuple(ops)
+
+
+def _same_table(local: TableSchema, listed: TableSchema) -> bool:
+    """Whether ``listed`` can be ``local`` with columns added (and indexes changed), not a table made anew."""
+    types = listed.column_types
+    return local.key_column == listed.key_column and all(types.get(name) == kind for name, kind in local.columns)
 
 
 # The value types a column type takes as they are (a bool is not an int here: type() is exact).

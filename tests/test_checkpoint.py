@@ -201,3 +201,38 @@ def test_after_a_background_checkpoint_failed_no_checkpoint_runs_at_the_bound_no
         assert rows >= 6  # every commit made before the bound raised
     finally:
         reopened.close()
+
+
+def test_after_a_background_checkpoint_emptied_the_wal_the_next_one_is_the_thread_s_again(
+    tmp_path, monkeypatch
+) -> None:
+    """A commit finishes a background checkpoint inline only because one racing the writer leaves the
+    frames committed meanwhile, and then the WAL never starts over. A background checkpoint that left
+    nothing (the writer was idle, or it ran again on the young WAL of a wake-up set while it ran: both
+    seen under bursts of writes) still marked itself to be finished, the WAL started over by itself,
+    and the mark stayed: the commit that next crossed ``pages_background`` checkpointed the whole WAL
+    inline (32 MiB at the defaults, with the database's sync) instead of waking the thread, at every
+    other crossing."""
+    import apsw
+
+    monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)  # the test runs the thread's steps
+    store, seen = open_store(tmp_path / "db", background=50, inline=100_000)
+    checkpointer = store.checkpointer
+    thread_connection = apsw.Connection(str(tmp_path / "db"))
+    thread_connection.execute("PRAGMA synchronous=NORMAL")  # as the thread's: it reads the WAL from then on
+    try:
+        fill(store, 0, 20)  # crosses 50 pages: the commits at or above it wake the thread
+        assert seen[-1] >= 50 and checkpointer.inline == 0
+        assert checkpointer._checkpoint_in_background(thread_connection)  # the writer idle: all copied
+        fill(store, 20, 1)
+        assert seen[-1] < 50  # the WAL started over by itself: nothing to finish
+        assert checkpointer._checkpoint_in_background(thread_connection)  # a wake-up set meanwhile
+        written = 21
+        while seen[-1] < 50:
+            fill(store, written, 1)
+            written += 1
+        assert checkpointer.inline == 0, f"a commit checkpointed a WAL of {seen[-1]} pages inline"
+        assert checkpointer.background == 2
+    finally:
+        thread_connection.close()
+        store.close()

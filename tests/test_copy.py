@@ -55,3 +55,23 @@ def test_a_key_sqlite_cannot_hold_fails_the_copy() -> None:
     copy = copy_after([1])
     with pytest.raises(CopyFailed, match="key"):
         copy.on_batch(BatchReceived("core1", "t", 1, ({"k": [2]},), False))
+
+
+def test_no_eta_before_every_table_s_row_count_is_known() -> None:
+    """A table's row count comes with its first batch, so while the first of two tables was copied the
+    ETA was that of the first alone: 'ETA 1 s' with a whole second table still to copy, and 'ETA 0 s'
+    between the two tables. It is unknown until every table's count is (then: rows of all of them)."""
+    copy = TableCopy("core1", batch_rows_max=10, now_ms=0)
+    copy.on_tables(TablesReceived("core1", ("a", "b"), ("k", "k")))
+    copy.on_batch(BatchReceived("core1", "a", None, tuple({"k": k} for k in range(10)), False, rows_total=20))
+    assert copy.progress(1_000) == (10.0, None)
+    copy.on_batch(BatchReceived("core1", "a", 9, tuple({"k": k} for k in range(10, 20)), True))
+    assert copy.progress(2_000) == (10.0, None)
+    copy.on_batch(BatchReceived("core1", "b", None, tuple({"k": k} for k in range(10)), False, rows_total=1000))
+    assert copy.rows_expected == 1020 and copy.progress(3_000) == (10.0, 99_000)
+    # A table too large to count (None) leaves the ETA unknown to the end.
+    uncounted = TableCopy("core1", batch_rows_max=10, now_ms=0)
+    uncounted.on_tables(TablesReceived("core1", ("a", "b"), ("k", "k")))
+    uncounted.on_batch(BatchReceived("core1", "a", None, ({"k": 1},), True, rows_total=None))
+    uncounted.on_batch(BatchReceived("core1", "b", None, ({"k": 1},), False, rows_total=2))
+    assert uncounted.progress(1_000) == (2.0, None)

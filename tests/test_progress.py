@@ -12,6 +12,9 @@ def test_copy_progress_names_rows_of_the_total_rate_and_eta() -> None:
     text = describe_copy({"rows": 250, "rows_expected": 1000, "rows_per_s": 125.0, "eta_ms": 6000})
     assert text == "250 of about 1000 rows (25%), 125 rows/s, ETA 6 s"
     assert "ETA unknown" in describe_copy({"rows": 0, "rows_expected": 0, "rows_per_s": 0, "eta_ms": None})
+    # Tables whose count is not known yet: the rows counted so far are no total to show a percent of.
+    text = describe_copy({"rows": 250, "rows_expected": 250, "rows_per_s": 125.0, "eta_ms": None})
+    assert text == "250 of about 250 rows, 125 rows/s, ETA unknown"
 
 
 def test_text_status_of_a_bootstrapping_replicant_shows_its_progress(monkeypatch: pytest.MonkeyPatch) -> None:

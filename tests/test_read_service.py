@@ -100,3 +100,32 @@ def test_rlog_reads_are_bounded_in_bytes_and_read_about_the_entries_they_answer(
         assert [entry["tx_key"] for entry in one] == [[1, 2]]
     finally:
         store.close()
+
+
+def test_a_bootstrap_batch_above_this_node_s_scan_rows_max_is_answered_with_fewer_rows(tmp_path) -> None:
+    """A copier asks for batches of its own size (10,000 rows: a replicant's ``batch_rows_max``, a core's
+    install) whatever the core's ``scan_rows_max``. A core configured below that refused every batch
+    (``bad_request``): each bootstrap and snapshot install from it failed at its first batch and
+    started again, for ever. A batch may hold fewer rows than asked (``done`` says the end), so the
+    core answers at most its own bound, and the copy goes on."""
+    from mnesite.bootstrap.copy import TableCopy
+    from mnesite.rlog.replication import ApplyBatch, BatchReceived, FetchBatch, TablesReceived
+
+    store = build_store(tmp_path / "mnesite.db", applied=25, appended=25)
+    try:
+        copy = TableCopy("core1", batch_rows_max=10_000, now_ms=0)
+        effects = copy.on_tables(TablesReceived("core1", ("t",), ("k",)))
+        copied = []
+        while not copy.done:
+            (fetch,) = [effect for effect in effects if isinstance(effect, FetchBatch)]
+            body = {"table": fetch.table, "limit": fetch.limit}
+            if fetch.after is not None:
+                body["after"] = fetch.after
+            answer = answer_read(store, "bootstrap_batch", decode_body("bootstrap_batch", body), TABLE, 10, 100_000)
+            assert len(answer["rows"]) <= 10
+            batch = BatchReceived("core1", "t", fetch.after, tuple(answer["rows"]), answer["done"])
+            effects = copy.on_batch(batch)
+            copied += [row["k"] for effect in effects if isinstance(effect, ApplyBatch) for row in effect.rows]
+        assert copied == list(range(2, 27))
+    finally:
+        store.close()

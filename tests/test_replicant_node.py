@@ -873,3 +873,45 @@ def test_a_journal_answer_to_an_earlier_probe_is_not_counted_in_a_later_one(tmp_
         assert "default" not in node.probes and replica.watch_id is not None  # this probe's answer: a watch
     finally:
         _close_offline(node)
+
+
+def test_a_bootstrap_takes_the_shard_s_tables_as_listed_even_after_a_drop_or_a_re_creation(tmp_path) -> None:
+    """A replicant away long enough to bootstrap may find a table of its shard dropped on the cores,
+    or dropped and created again with another key. The bootstrap only added the listed columns and
+    indexes to the tables it held: a dropped table stayed (empty, readable, and no entry after K0
+    would ever drop it), and a re-created one kept its old key column: its copied rows were stored
+    under keys SQLite made up (an INTEGER key; a TEXT one failed the copy, NOT NULL, at every
+    attempt) and a read by their real key found nothing, while the cores had them."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.schema import define_table
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.clock_ms = lambda: 1_000
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        old = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+        gone = define_table("gone", "k", [["k", "INTEGER"]])
+        with node.store.write_transaction():
+            node.store.apply_ops((old.to_op(), gone.to_op()))
+            node.store.write_rows("t", [{"k": 1, "v": "old"}])
+        replica = node._open_replica("default")
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+        (asked,) = [pending for pending in node.pending.values() if pending.purpose == "tables"]
+        request_id = next(rid for rid, one in node.pending.items() if one is asked)
+        del node.pending[request_id]
+        created_again = define_table("t", "id", [["id", "TEXT"], ["w", "BLOB"]])
+        node._on_answer(asked, messages.reply(request_id, [created_again.to_json()]))
+        assert node.store.catalog() == {"t": created_again}
+        node.flush()
+        (batch,) = [pending for pending in node.pending.values() if pending.purpose == "batch"]
+        request_id = next(rid for rid, one in node.pending.items() if one is batch)
+        del node.pending[request_id]
+        answer = {"rows": [{"id": "a", "w": b"\x00"}], "done": True, "rows_total": 1}
+        node._on_answer(batch, messages.reply(request_id, answer))
+        node.flush()
+        assert replica.mode is p.Mode.NORMAL, replica.status().last_error
+        assert node.store.read_row(node.store.catalog()["t"], "a") == {"id": "a", "w": b"\x00"}
+    finally:
+        _close_offline(node)

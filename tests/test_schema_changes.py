@@ -25,6 +25,7 @@ from mnesite.rlog.schema import (
     check_index_droppable,
     define_table,
     schema_ops_toward,
+    shard_schema_ops_toward,
     table_from_json,
 )
 from mnesite.rlog.store import Store
@@ -165,6 +166,32 @@ def test_a_copy_is_brought_to_the_listed_definition(store: Store) -> None:
     assert store.catalog()["users"] == listed
     with pytest.raises(SchemaError):
         table_from_json({**listed.to_json(), "indexes": [{"name": "x", "columns": ["nope"]}]})
+
+
+def test_a_copy_s_shard_is_brought_to_the_listed_tables_dropped_and_re_created_ones_included(store: Store) -> None:
+    """A bootstrap or snapshot install takes a shard's tables as its core lists them. Each listed table
+    was only brought up to date (columns added, indexes changed): a table dropped on the cores stayed,
+    and one dropped and created again with another key kept its old key, under which the copied rows
+    were then stored."""
+    gone = define_table("gone", "id", [["id", "INTEGER"]], "s")
+    other_shard = define_table("elsewhere", "id", [["id", "INTEGER"]], "t")
+    again = define_table("users", "uid", [["uid", "TEXT"], ["name", "TEXT"]], "s")
+    retyped = define_table("users", "id", [["id", "INTEGER"], ["name", "BLOB"], ["karma", "INTEGER"]], "s")
+    catalog = {"users": USERS, "gone": gone, "elsewhere": other_shard}
+    listed = USERS.changed_by(EMAIL).changed_by(BY_KARMA)
+    assert shard_schema_ops_toward(catalog, "s", [listed]) == (DropTableOp("gone", "s"), EMAIL, BY_KARMA)
+    assert shard_schema_ops_toward(catalog, "s", [again]) == (
+        DropTableOp("users", "s"),
+        DropTableOp("gone", "s"),
+        again.to_op(),
+    )
+    assert shard_schema_ops_toward(catalog, "s", [retyped])[0] == DropTableOp("users", "s")
+    assert shard_schema_ops_toward({"users": listed}, "s", [listed]) == ()
+    with store.write_transaction():
+        store.apply_ops((USERS.to_op(), gone.to_op(), other_shard.to_op()))
+        store.write_rows("users", [{"id": 1, "name": "old", "karma": 0}])
+        store.apply_ops(shard_schema_ops_toward(store.catalog(), "s", [again]))
+    assert store.catalog() == {"users": again, "elsewhere": other_shard}
 
 
 def test_the_guard_tail_checks_later_writes_against_the_changed_table() -> None:

@@ -160,3 +160,24 @@ def test_a_fenced_install_whose_own_core_is_sequencer_reaches_its_fence_without_
         node.run_turn()
         assert "default" not in node.installs and "default" not in node.not_serving
         assert node.store.meta("read_fenced:default") in (0, "0")
+
+
+def test_an_install_takes_the_shard_s_tables_as_listed_even_after_a_drop_or_a_re_creation(tmp_path) -> None:
+    """A follower far enough behind to install a snapshot may hold a table of the shard the cores
+    dropped since, or dropped and created again with another key. The install only added the listed
+    columns and indexes to what it held: the dropped table stayed, and the re-created one kept its old
+    key, so its copied rows were stored under keys SQLite made up and a read by their key found nothing."""
+    from mnesite.rlog import messages
+    from mnesite.rlog.schema import define_table
+
+    from tests.conftest import follower_by_hand
+
+    with follower_by_hand(tmp_path / "data") as (node, _driver):
+        old = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+        node.store.apply_ops((old.to_op(), define_table("gone", "k", [["k", "INTEGER"]]).to_op()))
+        install = SnapshotInstall(SnapshotOffer("core2", 1, TxKey(1, 9), b"d" * 32), 100, 60_000, node.clock_ms())
+        node.installs["default"] = install
+        created_again = define_table("t", "id", [["id", "TEXT"], ["w", "BLOB"]])
+        answer = messages.reply("r1", [created_again.to_json()])
+        node._on_install_answer(("default", "tables", {}, 0, install), answer)
+        assert node.store.catalog() == {"t": created_again}
