@@ -22,9 +22,13 @@ also reaches a core at when the endpoint is a core's: a watch naming a core's en
 peer's) is refused, or its pushes would queue in front of that core's appends and heartbeats
 (DESIGN invariant 11) in a socket that is never closed for them.
 
-Tokens. An agent of a watch naming replication protocol 2 gets a random ``token_key`` from the
-injected ``random.Random`` (``core.versions.watch_proves_acknowledgements``): its pushes carry a
-``token`` and its acknowledgements must echo one (``core.agent``, "Proven acknowledgements"). A
+Tokens. An agent of a watch naming replication protocol 2 gets a random ``token_key``
+(``core.versions.watch_proves_acknowledgements``): its pushes carry a ``token`` and its
+acknowledgements must echo one (``core.agent``, "Proven acknowledgements"). The key comes from
+``token_keys``, the operating system's secure source (``secrets.token_bytes``), never from the
+injected ``random.Random``: that one is a Mersenne Twister, whose whole state follows from about 624
+of its outputs, and the agent ids it gives are told to every replicant (one that watched some 300
+times would know every later key and could forge tokens). The simulator passes its seeded source. A
 watch's ``acknowledged`` flag, which the eviction rules read, is the agent's own: set only by an
 acknowledgement the agent took. Refused ones are counted in ``acks_refused`` (``status``).
 
@@ -39,6 +43,7 @@ their endpoints' sockets), and the agent is ticked again to push in the room mad
 from __future__ import annotations
 
 import random
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -97,8 +102,12 @@ class AgentServer:
         agents_bytes_max: int = AGENTS_BYTES_MAX,
         versions: Announcement = THIS_RELEASE,
         replicant_watches_max: int = REPLICANT_WATCHES_MAX,
+        token_keys: Callable[[int], bytes] = secrets.token_bytes,
     ) -> None:
+        """``rng``: agent ids (seen by replicants); ``token_keys(n)``: ``n`` secret bytes for a token key
+        (see "Tokens": never a source whose outputs a replicant sees)."""
         self.core_name = core_name
+        self.token_keys = token_keys
         self.versions = versions
         self.watches_max = watches_max
         self.replicant_watches_max = replicant_watches_max
@@ -173,7 +182,7 @@ class AgentServer:
         )
         agent_id = f"{self.core_name}-{self.rng.getrandbits(64):016x}"
         # A replicant that echoes tokens must prove what it read (core.agent, "Proven acknowledgements").
-        token_key = self.rng.randbytes(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None
+        token_key = self.token_keys(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None
         agent = Agent(agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms, token_key)
         answer = {
             "agent": agent_id,

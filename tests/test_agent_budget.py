@@ -4,10 +4,11 @@ acknowledgement, an eviction, or the agent's end)."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
-from mnesite.core.agent import Agent, AgentConfig
+from mnesite.core.agent import TOKEN_HASH_BYTES, TOKEN_KEY_BYTES, TOKEN_SEQUENCE_BYTES, Agent, AgentConfig
 from mnesite.core.agent_budget import AgentBudgetError, AgentMemoryBudget, AgentUse, agents_to_evict
 from mnesite.core.agent_server import AgentServer
 from mnesite.rlog import messages
@@ -508,3 +509,23 @@ def test_the_agent_server_counts_each_refused_acknowledgement_once():
     server.stop_shard(SHARD)  # since the start: the ended agents' refusals stay counted
     acknowledge(second)  # an ended agent's acknowledgement is nobody's to refuse
     assert not server.watches and server.acks_refused == 5
+
+
+def test_a_replicant_that_learns_the_agent_ids_random_source_cannot_forge_a_token():
+    """The agent ids a replicant is told come from the server's injected ``random.Random``, a Mersenne
+    Twister: about 624 of its outputs (some 300 agent ids, collected by watching again and again) give
+    its whole state. A token key drawn from the same source would then be known too, and a lying
+    replicant could forge the tokens that prove what it read ("Proven acknowledgements")."""
+    log = build_log(3)
+    server = server_of(1_000_000)
+    agent_id = watch(server, log, "liar", 0)
+    clone = random.Random(7)  # the state the replicant recovered from the agent ids it was told
+    assert agent_id == f"core1-{clone.getrandbits(64):016x}"
+    guessed_key = clone.randbytes(TOKEN_KEY_BYTES)
+    server.drain()  # pushed, never read
+    forged = (1).to_bytes(TOKEN_SEQUENCE_BYTES, "big")
+    forged += hashlib.blake2b(forged, key=guessed_key, digest_size=TOKEN_HASH_BYTES).digest()
+    body = {"shard": SHARD, "agent": agent_id, "applied": [1, 3], "token": forged}
+    server.acknowledged(typed_body("push_ack", body), 1)
+    assert server.acks_refused == 1
+    assert not server.watches[agent_id].acknowledged and held(server) > 0
