@@ -37,7 +37,9 @@ Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in on
 bytes are recorded, and an agent that ends is released. An agent is stepped with no push budget
 while the memory budget is spent; if it then wants to push, the budget's rule names the silent
 agents to evict, which this adapter stops (their frames not yet drained are dropped; the node closes
-their endpoints' sockets), and the agent is ticked again to push in the room made.
+their endpoints' sockets), and the agent is ticked again to push in the room made. A socket closed so
+takes the pushes queued in it of every agent that uses its endpoint: each such agent is stepped
+``PushesDropped`` and resends from its acknowledged key (``_reset_endpoint``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from mnesite.rlog.replication import (
     AgentStopped,
     CommittedAdvanced,
     Push,
+    PushesDropped,
     RejectReceived,
     Ticked,
 )
@@ -117,6 +120,8 @@ class AgentServer:
         self._waiting: set[str] = set()
         # Endpoints whose socket the node must close now (see ``_forget``); taken by ``endpoints_to_reset``.
         self._reset: set[str] = set()
+        # The latest time any entry point was given: an agent stepped outside one (``_forget``) gets it.
+        self._now_ms = 0
         self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
@@ -153,6 +158,7 @@ class AgentServer:
     ) -> dict[str, Any]:
         """Create an agent for a replicant's watch; return the answer (raises ``WatchRefusedError``).
         ``core_endpoints``: the cores' endpoints by name, which no watch may name (see "Endpoints" above)."""
+        self._now_ms = max(self._now_ms, now_ms)
         watch_id = body.watch_id
         check_watch_request(body.protocol, watch_id, self.core_name, cluster_version, self.versions)
         core = next((name for name, endpoint in (core_endpoints or {}).items() if endpoint == body.endpoint), None)
@@ -237,6 +243,7 @@ class AgentServer:
         watch = self.watches.get(agent_id)
         if watch is None:
             return
+        self._now_ms = max(self._now_ms, now_ms)
         turn_bytes = max(0, self.turn_push_bytes_max - self._turn_pushed_bytes)
         room = self.budget.has_room()
         self._execute(agent_id, watch, watch.agent.step(event, now_ms, self._push_bytes(turn_bytes)))
@@ -278,11 +285,25 @@ class AgentServer:
         # Without this, a replicant name watched again and again naming a dead endpoint would pile
         # up pushes in one socket that stays open for the newest watch.
         if not any(w.endpoint == watch.endpoint and w.acknowledged for w in self.watches.values()):
-            self._reset.add(watch.endpoint)
+            self._reset_endpoint(watch.endpoint)
         if drop_frames:
             self.outbox = [
                 (endpoint, message) for endpoint, message in self.outbox if message.body["agent"] != agent_id
             ]
+
+    def _reset_endpoint(self, endpoint: str) -> None:
+        """The node closes ``endpoint``'s socket, and what zmq queues there goes with it: the pushes
+        the other agents that use it (none acknowledged) handed over in earlier turns too. Their frames
+        not yet drained are dropped with them, and they resend from their acknowledged key (``core.agent``,
+        "Retransmission"), at their next step: otherwise their replicant's next push would follow a gap."""
+        self._reset.add(endpoint)
+        resending = {agent_id for agent_id, watch in self.watches.items() if watch.endpoint == endpoint}
+        if not resending:
+            return
+        self.outbox = [(to, message) for to, message in self.outbox if message.body["agent"] not in resending]
+        for agent_id in resending:
+            watch = self.watches[agent_id]
+            self._execute(agent_id, watch, watch.agent.step(PushesDropped(), self._now_ms, push_bytes_max=0))
 
     def _execute(self, agent_id: str, watch: Watch, effects: list[Any]) -> None:
         """Turn an agent's effects into frames; record the bytes it holds now."""

@@ -381,6 +381,28 @@ def test_a_dead_endpoint_whose_agent_ends_has_its_socket_reset_a_live_one_keeps_
     assert server.endpoints_to_reset() == set()
 
 
+def test_the_agents_left_on_a_reset_endpoint_resend_what_went_with_its_socket():
+    """A reset endpoint's socket is closed with everything zmq still queues for it: the pushes that
+    the other agents using it handed over in earlier turns go too. Those agents (none of their
+    replicants acknowledged, or the socket would have been kept) resend from their acknowledged key:
+    otherwise the next push would start after a gap, and the replicant resynchronise (a restarted
+    replicant that follows two shards, its two watches in two loop turns)."""
+    log = build_log(3)
+    server = server_of(1_000_000)
+    fresh = watch(server, log, "r", 0, shard="other")
+    watch(server, log, "r", 0)
+    assert server.watches[fresh].agent.status().sent_key == TxKey(1, 3)
+    server.drain()  # handed to zmq in this turn
+    watch(server, log, "r", 1)  # a watch again of the shard: its old agent ends, nobody acknowledged
+    assert server.endpoints_to_reset() == {"tcp://r.test:1"}  # the node closes the socket, and its queue
+    server.begin_turn()
+    server.tick(2)
+    resent = [m for _, m in server.drain() if m.body["agent"] == fresh and m.body["entries"] != []]
+    assert len(resent) == 1
+    assert server.watches[fresh].agent.status().sent_key == TxKey(1, 3)
+    held(server)
+
+
 def test_a_watch_never_acknowledged_stops_after_probation_timeout_ms_an_acknowledged_one_after_ack_timeout_ms():
     log = build_log(5)
     server = server_of(1_000_000, heartbeat_interval_ms=100, ack_timeout_ms=5_000, probation_timeout_ms=1_000)
