@@ -166,6 +166,16 @@ class AgentServer:
             raise WatchRefusedError(
                 "bad_request", f"the watch names the endpoint of core {core} ({body.endpoint}), not a replicant's"
             )
+        # Before any agent ends for this watch: one refused as behind evicts nobody (core.watch, rule 2).
+        mode, start_key, start_digest = decide_watch(
+            body.from_,
+            body.from_digest,
+            log_view.trimmed_key(),
+            committed_key,
+            committed_digest,
+            digest_at,
+            self.core_name,
+        )
         owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
         for agent_id in superseded_agents(owners, body.replicant, body.shard):
             self._forget(agent_id, drop_frames=True)
@@ -177,15 +187,6 @@ class AgentServer:
         )
         if evicted is not None:
             self._forget(evicted, drop_frames=True)
-        mode, start_key, start_digest = decide_watch(
-            body.from_,
-            body.from_digest,
-            log_view.trimmed_key(),
-            committed_key,
-            committed_digest,
-            digest_at,
-            self.core_name,
-        )
         agent_id = f"{self.core_name}-{self.rng.getrandbits(64):016x}"
         # A replicant that echoes tokens must prove what it read (core.agent, "Proven acknowledgements").
         token_key = self.token_keys(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None

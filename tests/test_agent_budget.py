@@ -132,14 +132,20 @@ def server_of(agents_bytes_max: int, **overrides) -> AgentServer:
 
 
 def watch(
-    server: AgentServer, log, replicant: str, now_ms: int, shard: str = SHARD, protocol=REPLICATION_PROTOCOL_VERSION
+    server: AgentServer,
+    log,
+    replicant: str,
+    now_ms: int,
+    shard: str = SHARD,
+    protocol=REPLICATION_PROTOCOL_VERSION,
+    from_key: tuple[int, int] = (0, 0),
 ) -> str:
     """A watch from the start of ``log`` (the agent resumes there and would push all of it)."""
     body = {
         "shard": shard,
         "replicant": replicant,
         "endpoint": f"tcp://{replicant}.test:1",
-        "from": [0, 0],
+        "from": list(from_key),
         "from_digest": GENESIS_DIGEST,
         "protocol": protocol,
     }
@@ -476,6 +482,22 @@ def test_one_replicant_cannot_take_every_agent_slot():
     watch_shard("greedy", "s2")  # a watch again of a shard it holds supersedes its agent: served
     watch_shard("other", "s3")  # another replicant is served
     assert sorted(w.replicant for w in server.watches.values()) == ["greedy", "greedy", "other"]
+
+
+def test_a_watch_refused_as_behind_evicts_no_silent_agent():
+    """At ``watches_max`` a watch evicts the oldest agent whose replicant never acknowledged, to be
+    served in its place; a watch this core refuses (its committed key is behind the replica) is not
+    served, so it must change nothing: otherwise watches naming a key beyond the log would kill every
+    connecting replicant's agent and hold no slot themselves."""
+    from mnesite.core.watch import WatchRefusedError
+
+    log = build_log(5)
+    server = AgentServer("core1", config(), random.Random(7), watches_max=2)
+    connecting, other = watch(server, log, "connecting", 0), watch(server, log, "other", 0, "s2")
+    with pytest.raises(WatchRefusedError, match="has committed only up to") as refused:
+        watch(server, log, "ahead", 1, from_key=(1, 9))
+    assert refused.value.code == "behind"
+    assert set(server.watches) == {connecting, other} and server.endpoints_to_reset() == set()
 
 
 def test_replicant_watches_max_is_a_bounded_config_key_at_most_watches_max():
