@@ -26,8 +26,8 @@ A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, pro
    acknowledged a push (a dead or fake endpoint) makes room; with none, the watch is refused
    (``overloaded``), so silent watches can never keep a real replicant out.
 
-The simulator (``tests/sim/replicants.py``) runs rules 1 and 2 for every watch; it keeps
-superseded agents alive on purpose (zombies that keep pushing are a fault it injects).
+The simulator (``tests/sim/replicants.py``) runs every rule through production's ``AgentServer``
+for every watch; the pushes of superseded agents still in flight are the zombies its replicas fence.
 """
 
 from __future__ import annotations
