@@ -60,7 +60,9 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   just be overtaken by the ack of a heartbeat sent before it; a lost last push is followed by a
   heartbeat that long after it): the agent resends from the acknowledged key, at most once per
   ``heartbeat_interval_ms``, and with tokens only once the acknowledgement proves a push sent after
-  the oldest one in flight (see "Proven acknowledgements"). The replica skips the duplicates.
+  the oldest one in flight (see "Proven acknowledgements"). The replica skips the duplicates. A loss
+  the driver knows of needs no such proof: ``PushesDropped`` (it closed the socket to the replicant's
+  endpoint, with what was queued there) makes the agent resend from the acknowledged key at once.
 * Proven acknowledgements. The window and the node's memory budget (``core.agent_budget``) free
   a push's bytes when it is acknowledged; so does the retransmission rule resend. But a push the
   replicant has not read still sits in zmq's send queue on this core, so an acknowledgement of keys
@@ -99,7 +101,9 @@ Driver contract
    the next one matters), and ``AckReceived`` / ``RejectReceived`` for the replicant's answers
    addressed to this agent id. ``now_ms`` never decreases.
 3. ``Push`` is fire-and-forget to the replicant, tagged with the agent id. ``AgentStopped`` means:
-   forget this agent (and tell nobody: the replica's failure detector notices).
+   forget this agent (and tell nobody: the replica's failure detector notices). A driver that drops
+   pushes it was given and the agent may not know lost (it closes the endpoint's socket with its
+   queue) steps ``PushesDropped``.
 4. The ``AgentLogView`` must reflect the core's persisted log. If the log is replaced wholesale (a
    snapshot is installed), stop every agent of the shard: their positions mean nothing there.
 """
@@ -120,6 +124,7 @@ from mnesite.rlog.replication import (
     AgentStopped,
     CommittedAdvanced,
     Push,
+    PushesDropped,
     RejectReceived,
     Ticked,
 )
@@ -131,7 +136,7 @@ TOKEN_SEQUENCE_BYTES = 8
 TOKEN_HASH_BYTES = 8
 TOKEN_KEY_BYTES = 16
 
-AgentEvent = Ticked | CommittedAdvanced | AckReceived | RejectReceived
+AgentEvent = Ticked | CommittedAdvanced | AckReceived | RejectReceived | PushesDropped
 AgentEffect = Push | AgentStopped
 
 
@@ -359,6 +364,9 @@ class Agent:
             self._on_ack(event.applied_key, event.token)
         elif isinstance(event, RejectReceived):
             self._stop(f"rejected by the replicant: {event.reason}")
+        elif isinstance(event, PushesDropped):
+            self._resend_from_acknowledged()
+            self._pump()
         else:
             raise TypeError(f"not an agent event: {event!r}")
         out, self._out = self._out, []
@@ -427,11 +435,16 @@ class Agent:
             # noticed by the ack of the heartbeat that follows it (sent a heartbeat interval after
             # the last push).
             self._last_rewind_ms = self._now_ms
-            self._sent_key = self._acked_key
-            self._unacknowledged.clear()
-            self._unacknowledged_bytes = 0
-            self._pushes_in_flight.clear()
+            self._resend_from_acknowledged()
         self._pump()
+
+    def _resend_from_acknowledged(self) -> None:
+        """What was pushed after the acknowledged key is lost: the window empties and the next push
+        follows the acknowledged key (the replica skips what it may hold already)."""
+        self._sent_key = self._acked_key
+        self._unacknowledged.clear()
+        self._unacknowledged_bytes = 0
+        self._pushes_in_flight.clear()
 
     # ------------------------------------------------------------ pushing
 

@@ -22,9 +22,13 @@ also reaches a core at when the endpoint is a core's: a watch naming a core's en
 peer's) is refused, or its pushes would queue in front of that core's appends and heartbeats
 (DESIGN invariant 11) in a socket that is never closed for them.
 
-Tokens. An agent of a watch naming replication protocol 2 gets a random ``token_key`` from the
-injected ``random.Random`` (``core.versions.watch_proves_acknowledgements``): its pushes carry a
-``token`` and its acknowledgements must echo one (``core.agent``, "Proven acknowledgements"). A
+Tokens. An agent of a watch naming replication protocol 2 gets a random ``token_key``
+(``core.versions.watch_proves_acknowledgements``): its pushes carry a ``token`` and its
+acknowledgements must echo one (``core.agent``, "Proven acknowledgements"). The key comes from
+``token_keys``, the operating system's secure source (``secrets.token_bytes``), never from the
+injected ``random.Random``: that one is a Mersenne Twister, whose whole state follows from about 624
+of its outputs, and the agent ids it gives are told to every replicant (one that watched some 300
+times would know every later key and could forge tokens). The simulator passes its seeded source. A
 watch's ``acknowledged`` flag, which the eviction rules read, is the agent's own: set only by an
 acknowledgement the agent took. Refused ones are counted in ``acks_refused`` (``status``).
 
@@ -33,12 +37,15 @@ Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in on
 bytes are recorded, and an agent that ends is released. An agent is stepped with no push budget
 while the memory budget is spent; if it then wants to push, the budget's rule names the silent
 agents to evict, which this adapter stops (their frames not yet drained are dropped; the node closes
-their endpoints' sockets), and the agent is ticked again to push in the room made.
+their endpoints' sockets), and the agent is ticked again to push in the room made. A socket closed so
+takes the pushes queued in it of every agent that uses its endpoint: each such agent is stepped
+``PushesDropped`` and resends from its acknowledged key (``_reset_endpoint``).
 """
 
 from __future__ import annotations
 
 import random
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +70,7 @@ from mnesite.rlog.replication import (
     AgentStopped,
     CommittedAdvanced,
     Push,
+    PushesDropped,
     RejectReceived,
     Ticked,
 )
@@ -97,8 +105,12 @@ class AgentServer:
         agents_bytes_max: int = AGENTS_BYTES_MAX,
         versions: Announcement = THIS_RELEASE,
         replicant_watches_max: int = REPLICANT_WATCHES_MAX,
+        token_keys: Callable[[int], bytes] = secrets.token_bytes,
     ) -> None:
+        """``rng``: agent ids (seen by replicants); ``token_keys(n)``: ``n`` secret bytes for a token key
+        (see "Tokens": never a source whose outputs a replicant sees)."""
         self.core_name = core_name
+        self.token_keys = token_keys
         self.versions = versions
         self.watches_max = watches_max
         self.replicant_watches_max = replicant_watches_max
@@ -108,6 +120,8 @@ class AgentServer:
         self._waiting: set[str] = set()
         # Endpoints whose socket the node must close now (see ``_forget``); taken by ``endpoints_to_reset``.
         self._reset: set[str] = set()
+        # The latest time any entry point was given: an agent stepped outside one (``_forget``) gets it.
+        self._now_ms = 0
         self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
@@ -144,6 +158,7 @@ class AgentServer:
     ) -> dict[str, Any]:
         """Create an agent for a replicant's watch; return the answer (raises ``WatchRefusedError``).
         ``core_endpoints``: the cores' endpoints by name, which no watch may name (see "Endpoints" above)."""
+        self._now_ms = max(self._now_ms, now_ms)
         watch_id = body.watch_id
         check_watch_request(body.protocol, watch_id, self.core_name, cluster_version, self.versions)
         core = next((name for name, endpoint in (core_endpoints or {}).items() if endpoint == body.endpoint), None)
@@ -151,6 +166,16 @@ class AgentServer:
             raise WatchRefusedError(
                 "bad_request", f"the watch names the endpoint of core {core} ({body.endpoint}), not a replicant's"
             )
+        # Before any agent ends for this watch: one refused as behind evicts nobody (core.watch, rule 2).
+        mode, start_key, start_digest = decide_watch(
+            body.from_,
+            body.from_digest,
+            log_view.trimmed_key(),
+            committed_key,
+            committed_digest,
+            digest_at,
+            self.core_name,
+        )
         owners = [(a, w.replicant, w.shard) for a, w in self.watches.items()]
         for agent_id in superseded_agents(owners, body.replicant, body.shard):
             self._forget(agent_id, drop_frames=True)
@@ -162,18 +187,9 @@ class AgentServer:
         )
         if evicted is not None:
             self._forget(evicted, drop_frames=True)
-        mode, start_key, start_digest = decide_watch(
-            body.from_,
-            body.from_digest,
-            log_view.trimmed_key(),
-            committed_key,
-            committed_digest,
-            digest_at,
-            self.core_name,
-        )
         agent_id = f"{self.core_name}-{self.rng.getrandbits(64):016x}"
         # A replicant that echoes tokens must prove what it read (core.agent, "Proven acknowledgements").
-        token_key = self.rng.randbytes(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None
+        token_key = self.token_keys(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None
         agent = Agent(agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms, token_key)
         answer = {
             "agent": agent_id,
@@ -228,6 +244,7 @@ class AgentServer:
         watch = self.watches.get(agent_id)
         if watch is None:
             return
+        self._now_ms = max(self._now_ms, now_ms)
         turn_bytes = max(0, self.turn_push_bytes_max - self._turn_pushed_bytes)
         room = self.budget.has_room()
         self._execute(agent_id, watch, watch.agent.step(event, now_ms, self._push_bytes(turn_bytes)))
@@ -269,11 +286,25 @@ class AgentServer:
         # Without this, a replicant name watched again and again naming a dead endpoint would pile
         # up pushes in one socket that stays open for the newest watch.
         if not any(w.endpoint == watch.endpoint and w.acknowledged for w in self.watches.values()):
-            self._reset.add(watch.endpoint)
+            self._reset_endpoint(watch.endpoint)
         if drop_frames:
             self.outbox = [
                 (endpoint, message) for endpoint, message in self.outbox if message.body["agent"] != agent_id
             ]
+
+    def _reset_endpoint(self, endpoint: str) -> None:
+        """The node closes ``endpoint``'s socket, and what zmq queues there goes with it: the pushes
+        the other agents that use it (none acknowledged) handed over in earlier turns too. Their frames
+        not yet drained are dropped with them, and they resend from their acknowledged key (``core.agent``,
+        "Retransmission"), at their next step: otherwise their replicant's next push would follow a gap."""
+        self._reset.add(endpoint)
+        resending = {agent_id for agent_id, watch in self.watches.items() if watch.endpoint == endpoint}
+        if not resending:
+            return
+        self.outbox = [(to, message) for to, message in self.outbox if message.body["agent"] not in resending]
+        for agent_id in resending:
+            watch = self.watches[agent_id]
+            self._execute(agent_id, watch, watch.agent.step(PushesDropped(), self._now_ms, push_bytes_max=0))
 
     def _execute(self, agent_id: str, watch: Watch, effects: list[Any]) -> None:
         """Turn an agent's effects into frames; record the bytes it holds now."""

@@ -8,25 +8,26 @@ A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, pro
 1. ``check_watch_request``: a watch naming a replication protocol that cannot read the shard's log at
    its cluster version is refused (``incompatible_protocol``, ``core.versions``), and so is a
    ``watch_id`` that is not a short string.
-2. ``superseded_agents``: a newer watch of the same replicant and shard replaces the older agents
+2. ``decide_watch``, the resume-or-bootstrap rule: a core whose committed key is behind
+   ``from_key`` refuses (the replica must never move backwards); if this core's rlog still holds
+   ``from_key`` (not trimmed) with that digest, the new agent resumes from it (no copy); otherwise
+   the answer is ``bootstrap`` from K0, this core's committed key now, and the replicant copies the
+   tables while the agent pushes the entries after K0. It is asked before the rules that end
+   agents: a watch refused as behind is not served, so it evicts nobody.
+3. ``superseded_agents``: a newer watch of the same replicant and shard replaces the older agents
    (their pushes would be rejected by the replica anyway: they carry the old agent id).
-3. ``check_replicant_watches``: one replicant holds at most ``replicant_watches_max`` agents of this
-   core (after rule 2, so a watch again of a shard it holds is served); past it the watch is refused
+4. ``check_replicant_watches``: one replicant holds at most ``replicant_watches_max`` agents of this
+   core (after rule 3, so a watch again of a shard it holds is served); past it the watch is refused
    (``overloaded``). With security on a watch's replicant is its key's principal (``rlog.roles``), so
    one key cannot take every agent slot of ``watches_max`` and starve the other replicants; its own
    agents are not evicted for it either (a replicant follows one agent per shard, so the bound must be
    at least the number of shards a replicant follows).
-4. ``agent_to_evict``: at ``watches_max`` agents, the oldest one whose replicant never
+5. ``agent_to_evict``: at ``watches_max`` agents, the oldest one whose replicant never
    acknowledged a push (a dead or fake endpoint) makes room; with none, the watch is refused
    (``overloaded``), so silent watches can never keep a real replicant out.
-5. ``decide_watch``, the resume-or-bootstrap rule: a core whose committed key is behind
-   ``from_key`` refuses (the replica must never move backwards); if this core's rlog still holds
-   ``from_key`` (not trimmed) with that digest, the new agent resumes from it (no copy); otherwise
-   the answer is ``bootstrap`` from K0, this core's committed key now, and the replicant copies the
-   tables while the agent pushes the entries after K0.
 
-The simulator (``tests/sim/replicants.py``) runs rules 1 and 5 for every watch; it keeps
-superseded agents alive on purpose (zombies that keep pushing are a fault it injects).
+The simulator (``tests/sim/replicants.py``) runs every rule through production's ``AgentServer``
+for every watch; the pushes of superseded agents still in flight are the zombies its replicas fence.
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ def check_watch_request(
 
 
 def superseded_agents(watches: Iterable[tuple[str, str, str]], replicant: str, shard: str) -> list[str]:
-    """Rule 2: the agents (of ``(agent id, replicant, shard)``) a new watch of ``replicant`` replaces."""
+    """Rule 3: the agents (of ``(agent id, replicant, shard)``) a new watch of ``replicant`` replaces."""
     return [agent_id for agent_id, owner, watched in watches if (owner, watched) == (replicant, shard)]
 
 
 def check_replicant_watches(owners: Iterable[str], replicant: str, replicant_watches_max: int, core_name: str) -> None:
-    """Rule 3 (raises ``WatchRefusedError``): over the replicants of the agents left after rule 2,
+    """Rule 4 (raises ``WatchRefusedError``): over the replicants of the agents left after rule 3,
     ``replicant`` may hold one more agent only while it holds fewer than ``replicant_watches_max``."""
     held = sum(1 for owner in owners if owner == replicant)
     if held >= replicant_watches_max:
@@ -82,7 +83,7 @@ def check_replicant_watches(owners: Iterable[str], replicant: str, replicant_wat
 
 
 def agent_to_evict(watches: Iterable[tuple[str, bool]], watches_max: int, core_name: str) -> str | None:
-    """Rule 4: over ``(agent id, acknowledged)`` in age order, the agent to evict for a new watch (None:
+    """Rule 5: over ``(agent id, acknowledged)`` in age order, the agent to evict for a new watch (None:
     there is room); raises ``WatchRefusedError`` when every agent's replicant has acknowledged."""
     watches = list(watches)
     if len(watches) < watches_max:
@@ -102,7 +103,7 @@ def decide_watch(
     digest_at: Callable[[TxKey], bytes | None],
     core_name: str,
 ) -> tuple[str, TxKey, bytes]:
-    """Rule 5: ``(mode, start key, start digest)``, or ``WatchRefusedError``.
+    """Rule 2: ``(mode, start key, start digest)``, or ``WatchRefusedError``.
 
     Resume only from a key this core still retains (not trimmed) and has committed, with the same
     digest there: then the replica's history is a prefix of this core's. A core behind the

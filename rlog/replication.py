@@ -346,6 +346,12 @@ class RejectReceived:
     reason: str
 
 
+@dataclass(frozen=True)
+class PushesDropped:
+    """The driver dropped every push of the agent still queued (it closed the socket to the
+    replicant's endpoint): what was not acknowledged must go again (see ``core.agent``, "Retransmission")."""
+
+
 # ---------------------------------------------------------------- agent effects
 
 

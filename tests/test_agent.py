@@ -12,6 +12,7 @@ from mnesite.rlog.replication import (
     AgentStopped,
     CommittedAdvanced,
     Push,
+    PushesDropped,
     RejectReceived,
     Ticked,
 )
@@ -194,6 +195,21 @@ def test_the_late_ack_of_a_heartbeat_sent_before_a_push_does_not_resend_it():
     assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 3), True), 20)) == [TxKey(1, 3)]
     assert [push.entries for push in pushes(machine.step(Ticked(), 120))] == [()]
     assert pushed_keys(machine.step(AckReceived(TxKey(1, 2)), 121)) == [TxKey(1, 3)]
+
+
+@pytest.mark.timeout(10)
+def test_pushes_the_driver_dropped_are_resent_from_the_acknowledged_key_at_once():
+    """The driver closed the socket to the replicant's endpoint, and with it every push queued there:
+    the window empties and the agent pushes again after the acknowledged key, without waiting for a
+    heartbeat's acknowledgement to show the loss."""
+    machine = agent(build_log(10), push_entries_max=4, pushes_in_flight_max=10)
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 10), True), 0)) == [TxKey(1, n) for n in range(1, 11)]
+    machine.step(AckReceived(TxKey(1, 4)), 1)
+    effects = machine.step(PushesDropped(), 2, push_bytes_max=0)
+    assert effects == [] and machine.status().unacknowledged_entries == 0 and machine.unacknowledged_bytes == 0
+    assert machine.wants_to_push and machine.next_deadline_ms() == 2
+    assert pushed_keys(machine.step(Ticked(), 2)) == [TxKey(1, n) for n in range(5, 11)]
+    assert machine.status().acked_key == TxKey(1, 4) and machine.status().unacknowledged_entries == 6
 
 
 @pytest.mark.timeout(10)

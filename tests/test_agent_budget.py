@@ -4,10 +4,11 @@ acknowledgement, an eviction, or the agent's end)."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
-from mnesite.core.agent import Agent, AgentConfig
+from mnesite.core.agent import TOKEN_HASH_BYTES, TOKEN_KEY_BYTES, TOKEN_SEQUENCE_BYTES, Agent, AgentConfig
 from mnesite.core.agent_budget import AgentBudgetError, AgentMemoryBudget, AgentUse, agents_to_evict
 from mnesite.core.agent_server import AgentServer
 from mnesite.rlog import messages
@@ -131,14 +132,20 @@ def server_of(agents_bytes_max: int, **overrides) -> AgentServer:
 
 
 def watch(
-    server: AgentServer, log, replicant: str, now_ms: int, shard: str = SHARD, protocol=REPLICATION_PROTOCOL_VERSION
+    server: AgentServer,
+    log,
+    replicant: str,
+    now_ms: int,
+    shard: str = SHARD,
+    protocol=REPLICATION_PROTOCOL_VERSION,
+    from_key: tuple[int, int] = (0, 0),
 ) -> str:
     """A watch from the start of ``log`` (the agent resumes there and would push all of it)."""
     body = {
         "shard": shard,
         "replicant": replicant,
         "endpoint": f"tcp://{replicant}.test:1",
-        "from": [0, 0],
+        "from": list(from_key),
         "from_digest": GENESIS_DIGEST,
         "protocol": protocol,
     }
@@ -380,6 +387,28 @@ def test_a_dead_endpoint_whose_agent_ends_has_its_socket_reset_a_live_one_keeps_
     assert server.endpoints_to_reset() == set()
 
 
+def test_the_agents_left_on_a_reset_endpoint_resend_what_went_with_its_socket():
+    """A reset endpoint's socket is closed with everything zmq still queues for it: the pushes that
+    the other agents using it handed over in earlier turns go too. Those agents (none of their
+    replicants acknowledged, or the socket would have been kept) resend from their acknowledged key:
+    otherwise the next push would start after a gap, and the replicant resynchronise (a restarted
+    replicant that follows two shards, its two watches in two loop turns)."""
+    log = build_log(3)
+    server = server_of(1_000_000)
+    fresh = watch(server, log, "r", 0, shard="other")
+    watch(server, log, "r", 0)
+    assert server.watches[fresh].agent.status().sent_key == TxKey(1, 3)
+    server.drain()  # handed to zmq in this turn
+    watch(server, log, "r", 1)  # a watch again of the shard: its old agent ends, nobody acknowledged
+    assert server.endpoints_to_reset() == {"tcp://r.test:1"}  # the node closes the socket, and its queue
+    server.begin_turn()
+    server.tick(2)
+    resent = [m for _, m in server.drain() if m.body["agent"] == fresh and m.body["entries"] != []]
+    assert len(resent) == 1
+    assert server.watches[fresh].agent.status().sent_key == TxKey(1, 3)
+    held(server)
+
+
 def test_a_watch_never_acknowledged_stops_after_probation_timeout_ms_an_acknowledged_one_after_ack_timeout_ms():
     log = build_log(5)
     server = server_of(1_000_000, heartbeat_interval_ms=100, ack_timeout_ms=5_000, probation_timeout_ms=1_000)
@@ -455,6 +484,22 @@ def test_one_replicant_cannot_take_every_agent_slot():
     assert sorted(w.replicant for w in server.watches.values()) == ["greedy", "greedy", "other"]
 
 
+def test_a_watch_refused_as_behind_evicts_no_silent_agent():
+    """At ``watches_max`` a watch evicts the oldest agent whose replicant never acknowledged, to be
+    served in its place; a watch this core refuses (its committed key is behind the replica) is not
+    served, so it must change nothing: otherwise watches naming a key beyond the log would kill every
+    connecting replicant's agent and hold no slot themselves."""
+    from mnesite.core.watch import WatchRefusedError
+
+    log = build_log(5)
+    server = AgentServer("core1", config(), random.Random(7), watches_max=2)
+    connecting, other = watch(server, log, "connecting", 0), watch(server, log, "other", 0, "s2")
+    with pytest.raises(WatchRefusedError, match="has committed only up to") as refused:
+        watch(server, log, "ahead", 1, from_key=(1, 9))
+    assert refused.value.code == "behind"
+    assert set(server.watches) == {connecting, other} and server.endpoints_to_reset() == set()
+
+
 def test_replicant_watches_max_is_a_bounded_config_key_at_most_watches_max():
     base = {"node": {"name": "core1", "data_dir": "/tmp/x"}}
     assert parse_config(base).limits.replicant_watches_max == 256
@@ -508,3 +553,23 @@ def test_the_agent_server_counts_each_refused_acknowledgement_once():
     server.stop_shard(SHARD)  # since the start: the ended agents' refusals stay counted
     acknowledge(second)  # an ended agent's acknowledgement is nobody's to refuse
     assert not server.watches and server.acks_refused == 5
+
+
+def test_a_replicant_that_learns_the_agent_ids_random_source_cannot_forge_a_token():
+    """The agent ids a replicant is told come from the server's injected ``random.Random``, a Mersenne
+    Twister: about 624 of its outputs (some 300 agent ids, collected by watching again and again) give
+    its whole state. A token key drawn from the same source would then be known too, and a lying
+    replicant could forge the tokens that prove what it read ("Proven acknowledgements")."""
+    log = build_log(3)
+    server = server_of(1_000_000)
+    agent_id = watch(server, log, "liar", 0)
+    clone = random.Random(7)  # the state the replicant recovered from the agent ids it was told
+    assert agent_id == f"core1-{clone.getrandbits(64):016x}"
+    guessed_key = clone.randbytes(TOKEN_KEY_BYTES)
+    server.drain()  # pushed, never read
+    forged = (1).to_bytes(TOKEN_SEQUENCE_BYTES, "big")
+    forged += hashlib.blake2b(forged, key=guessed_key, digest_size=TOKEN_HASH_BYTES).digest()
+    body = {"shard": SHARD, "agent": agent_id, "applied": [1, 3], "token": forged}
+    server.acknowledged(typed_body("push_ack", body), 1)
+    assert server.acks_refused == 1
+    assert not server.watches[agent_id].acknowledged and held(server) > 0

@@ -322,9 +322,10 @@ class ReplicantSimulation(Simulation):
     def _server(self, node: SimNode) -> AgentServer:
         server = self.agent_servers.get(node.name)
         if server is None:
-            # Agent ids come from the server's injected random source, drawn from the seed's.
+            # Agent ids and token keys come from the server's injected random source, drawn from the
+            # seed's (production draws token keys from the operating system's secure source).
             rng = random.Random(self.rng.getrandbits(64))
-            server = AgentServer(node.name, self.agent_config, rng, watches_max=WATCHES_MAX)
+            server = AgentServer(node.name, self.agent_config, rng, watches_max=WATCHES_MAX, token_keys=rng.randbytes)
             self.agent_servers[node.name] = server
         return server
 
