@@ -6,6 +6,7 @@ import base64
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -54,8 +55,33 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def json_text(value: Any) -> str:
+    """``value`` as JSON text, BLOBs as ``{"base64": ...}``: what every ``--json`` output and JSON lines
+    export writes.
+
+    JSON has no infinity, and a REAL may hold one (SQLite stores ``1e999`` so): Python's json writes
+    the word ``Infinity``, which JSON parsers refuse. It is written as SQLite's own ``json()``
+    writes it, ``9.0e+999``, a JSON number that parsers (Python's json, so ``import``) read back as
+    infinity; a NaN, which SQLite never holds (it stores one as null), as ``null``."""
+    try:
+        return json.dumps(value, default=_json_default, allow_nan=False)
+    except ValueError:
+        return _json_with_non_finite(value)  # rare: only a value holding a non-finite float gets here
+
+
+def _json_with_non_finite(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "null" if math.isnan(value) else ("9.0e+999" if value > 0 else "-9.0e+999")
+    if isinstance(value, dict):
+        items = (f"{json.dumps(str(key))}: {_json_with_non_finite(item)}" for key, item in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_json_with_non_finite(item) for item in value) + "]"
+    return json.dumps(value, default=_json_default)
+
+
 def emit_json(value: Any) -> None:
-    click.echo(json.dumps(value, default=_json_default, sort_keys=False))
+    click.echo(json_text(value))
 
 
 def _remember(context: click.Context, parameter: click.Parameter, value: Any) -> Any:
@@ -567,7 +593,7 @@ def get(table_name, key, consistency, after_tx_key, endpoint, timeout_ms, as_jso
     elif row is None:
         fail(f"{table_name}: no row at key {key!r}")
     else:
-        click.echo(json.dumps(row, default=_json_default))
+        click.echo(json_text(row))
 
 
 @main.command()
@@ -609,7 +635,7 @@ def scan(table_name, from_key, limit, page_rows, consistency, after_tx_key, endp
         if as_json:
             click.echo("[", nl=False)
             for index, row in enumerate(run_iterator(rows)):
-                click.echo(("" if index == 0 else ",\n") + json.dumps(row, default=_json_default), nl=False)
+                click.echo(("" if index == 0 else ",\n") + json_text(row), nl=False)
             click.echo("]")
             return
         header = True
@@ -1011,7 +1037,7 @@ def _describe_members(info: dict[str, Any]) -> str:
 
 def _describe_op(op: dict[str, Any]) -> str:
     if op["op"] == "write":
-        return f"write {op['table']} {json.dumps(op['row'], default=_json_default)}"
+        return f"write {op['table']} {json_text(op['row'])}"
     if op["op"] == "delete":
         return f"delete {op['table']} {op['key']!r}"
     if op["op"] == "members":

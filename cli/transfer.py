@@ -16,7 +16,7 @@ outcome is unknown is reported as such (the caller exits 3): it is never re-sent
 
 sqlite-utils' readers (``rows_from_file``) skip blank lines and hide the CSV reader, so they cannot
 name the line of an error; the readers here are plain ``csv`` and ``json`` with line numbers.
-Export writes through ``csv.DictWriter`` and ``json.dumps``, one row at a time.
+Export writes through ``csv.DictWriter`` and ``json_text`` (what every ``--json`` writes), one row at a time.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import msgspec
+from mnesite.cli.main import json_text
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
 
 LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
@@ -201,12 +202,6 @@ def import_rows(
     return imported
 
 
-def _json_value(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return {"base64": base64.b64encode(value).decode()}
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
 def write_rows(output: IO[str], file_format: str, schema: dict[str, Any], rows: Iterator[dict[str, Any]]) -> int:
     """Write ``rows`` one at a time; returns how many."""
     written = 0
@@ -219,6 +214,6 @@ def write_rows(output: IO[str], file_format: str, schema: dict[str, Any], rows: 
             written += 1
         return written
     for row in rows:
-        output.write(json.dumps(row, default=_json_value) + "\n")
+        output.write(json_text(row) + "\n")
         written += 1
     return written

@@ -1,0 +1,94 @@
+"""What the CLI writes for values JSON cannot spell, what it binds for a ``--param``, and what a long
+export says while it runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from mnesite.cli.main import json_text, main
+
+from tests.conftest import ThreadNode
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def strict_json(text: str) -> Any:
+    """``text`` as JSON, refusing the words ``Infinity``, ``-Infinity`` and ``NaN`` that Python's json
+    writes and reads but no JSON parser must (RFC 8259; jq, JavaScript's JSON.parse refuse them)."""
+
+    def refuse(word: str) -> Any:
+        raise ValueError(f"{word} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture
+def mnesite(thread_node: ThreadNode):
+    runner = CliRunner()
+
+    def invoke(*args: str, input: str | None = None):
+        return runner.invoke(main, [*args, "--node", thread_node.endpoint], input=input, catch_exceptions=False)
+
+    created = invoke("table", "create", "items", "--key-column", "id", "--column", "id:INTEGER",
+                     "--column", "price:REAL")  # fmt: skip
+    assert created.exit_code == 0, created.output
+    return invoke
+
+
+def test_an_infinite_real_is_written_as_a_json_number_by_every_json_output(
+    mnesite, thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """A REAL column holds an infinity (SQLite stores 1e999 so; ``put`` takes ``1e999``), and every
+    ``--json`` output and JSON lines export wrote it as Python's ``Infinity``, which is not JSON: jq
+    and every other parser refused the whole document. It is written as SQLite's json() writes it,
+    ``9.0e+999``, a JSON number that parsers read back as infinity (import too)."""
+    assert mnesite("put", "items", '{"id": 1, "price": 1e999}').exit_code == 0
+    assert mnesite("put", "items", '{"id": 2, "price": -1e999}').exit_code == 0
+    assert mnesite("put", "items", '{"id": 3, "price": 2.5}').exit_code == 0
+    rows = [{"id": 1, "price": math.inf}, {"id": 2, "price": -math.inf}, {"id": 3, "price": 2.5}]
+
+    assert mnesite("get", "items", "1", "--json").stdout == '{"id": 1, "price": 9.0e+999}\n'
+    assert strict_json(mnesite("get", "items", "1", "--json").stdout) == rows[0]
+    assert strict_json(mnesite("get", "items", "2").stdout) == rows[1]  # the text form prints the row as JSON too
+    assert strict_json(mnesite("scan", "items", "--json").stdout) == rows
+    query = mnesite("query", "SELECT id, price, -1e999 FROM items ORDER BY id", "--json")
+    assert strict_json(query.stdout)["rows"] == [[row["id"], row["price"], -math.inf] for row in rows]
+    changes = mnesite("changes", "items", "--json").stdout.splitlines()
+    assert [strict_json(line)["row"] for line in changes[1:]] == rows  # after the create_table record
+    tail = strict_json(mnesite("rlog", "tail", "default", "-n", "3", "--json").stdout)
+    assert [entry["ops"][0]["row"] for entry in tail] == rows
+
+    exported = tmp_path / "items.jsonl"
+    assert mnesite("export", "items", "--output", str(exported)).exit_code == 0
+    assert [strict_json(line) for line in exported.read_text().splitlines()] == rows
+    created = mnesite("table", "create", "copy", "--key-column", "id", "--column", "id:INTEGER",
+                      "--column", "price:REAL")  # fmt: skip
+    assert created.exit_code == 0
+    assert mnesite("import", "copy", str(exported)).exit_code == 0
+    with thread_node.client() as client:
+        assert list(client.scan("copy")) == rows
+
+
+def test_json_text_writes_blobs_and_non_finite_floats_as_json_in_one_document() -> None:
+    value = {"raw": b"\x00", "values": [math.inf, -math.inf, math.nan, 1.5], "name": "Infinity"}
+    text = json_text(value)
+    assert text == '{"raw": {"base64": "AA=="}, "values": [9.0e+999, -9.0e+999, null, 1.5], "name": "Infinity"}'
+    assert strict_json(text)["values"][:2] == [math.inf, -math.inf]
+    assert json_text([1, "a", None]) == json.dumps([1, "a", None])  # the common case: json's own text
+
+
+def test_a_param_that_is_not_json_is_text_even_when_python_reads_it_as_a_number(mnesite) -> None:
+    """``--param`` binds "JSON if it parses, else the text": Python's json also reads ``NaN``,
+    ``Infinity`` and ``-Infinity``, which are not JSON, so ``--param NaN`` was refused ("NaN cannot be
+    stored") and ``--param Infinity`` bound a REAL where the text was meant (a name, a title)."""
+    result = mnesite(
+        "query", "SELECT ?, typeof(?), ?, ?, typeof(?)", "--json",
+        "--param", "NaN", "--param", "Infinity", "--param", "-Infinity", "--param", "1e999", "--param", "1e999",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert strict_json(result.stdout)["rows"] == [["NaN", "text", "-Infinity", math.inf, "real"]]
