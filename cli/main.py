@@ -767,8 +767,8 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
     file's size. A regular FILE is read twice: first checked against TABLE's
     columns (an error names the line and nothing is written), then imported. CSV cells are converted
     to the column's type; an empty cell is null (in a TEXT column: the empty text; an ANY column's
-    cells stay text). JSON lines keep every value as it is. Progress goes to stderr (about once a
-    second) unless --quiet.
+    cells stay text). JSON lines keep every value as it is. A byte order mark opening FILE (Excel's
+    "CSV UTF-8") is skipped. Progress goes to stderr (about once a second) unless --quiet.
     """
     from mnesite.cli import transfer
 

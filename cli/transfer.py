@@ -38,6 +38,7 @@ LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at m
 PROGRESS_INTERVAL_S = 1.0  # an import says how far it got at most this often (on stderr, unless --quiet)
 # The share of the client's frame_bytes_max a batch's ops may fill: the rest is the request's envelope.
 BATCH_FRAME_SHARE = 0.9
+BYTE_ORDER_MARK = "\ufeff"  # skipped at the start of a file (and of stdin)
 csv.field_size_limit(LINE_CHARS_MAX)
 
 
@@ -103,7 +104,8 @@ def _check_row(row: dict[str, Any], schema: dict[str, Any], line: int) -> dict[s
 
 
 def bounded_lines(file: IO[str]) -> Iterator[str]:
-    """The lines of ``file``, each read with a bound: a line longer than ``LINE_CHARS_MAX`` is refused."""
+    """The lines of ``file``, each read with a bound: a line longer than ``LINE_CHARS_MAX`` is refused.
+    A byte order mark opening the file is dropped."""
     line_number = 0
     while True:
         text = file.readline(LINE_CHARS_MAX + 1)
@@ -112,6 +114,8 @@ def bounded_lines(file: IO[str]) -> Iterator[str]:
         line_number += 1
         if len(text) > LINE_CHARS_MAX:
             raise ImportFailed(f"line {line_number}: longer than {LINE_CHARS_MAX} characters")
+        if line_number == 1 and text.startswith(BYTE_ORDER_MARK):
+            text = text[1:]  # not data: Excel's "CSV UTF-8" and Windows tools open a file with it
         yield text
 
 
@@ -121,14 +125,16 @@ def read_rows(file: IO[str], file_format: str, schema: dict[str, Any]) -> Iterat
         reader = csv.DictReader(bounded_lines(file))
         types = dict((name, kind) for name, kind in schema["columns"])
         try:
+            # The header first: a column it names wrongly is its line's error, also with no row after it.
+            for name in reader.fieldnames or ():
+                if name not in types:
+                    raise ImportFailed(f"line {reader.line_num}: {schema['table']} has no column {name[:64]!r}")
             for record in reader:
                 line = reader.line_num
                 if None in record:
                     raise ImportFailed(f"line {line}: more cells than the header has columns")
                 row = {}
                 for name, text in record.items():
-                    if name not in types:
-                        raise ImportFailed(f"line {line}: {schema['table']} has no column {name[:64]!r}")
                     row[name] = None if text is None else _from_cell(text, types[name], f"line {line}: {name}")
                 yield line, _check_row(row, schema, line)
         except csv.Error as error:

@@ -92,3 +92,35 @@ def test_a_param_that_is_not_json_is_text_even_when_python_reads_it_as_a_number(
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert strict_json(result.stdout)["rows"] == [["NaN", "text", "-Infinity", math.inf, "real"]]
+
+
+def test_an_import_reads_a_file_that_opens_with_a_byte_order_mark(
+    mnesite, thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """A CSV saved by Excel ("CSV UTF-8") or a Windows tool opens with a UTF-8 byte order mark: the
+    import read it as part of the first column's name and refused the file ("items has no column
+    '\\ufeffid'", naming line 2), and a JSON lines file so was "not valid JSON" at line 1. The mark is
+    not data: it is skipped, from a file as from stdin."""
+    bom = "\ufeff"
+    csv_file = tmp_path / "excel.csv"
+    csv_file.write_bytes((bom + "id,price\r\n1,1.5\r\n2,2.5\r\n").encode())
+    result = mnesite("import", "items", str(csv_file))
+    assert result.exit_code == 0, result.output
+    lines = tmp_path / "rows.jsonl"
+    lines.write_bytes((bom + '{"id": 3, "price": 3.5}\n').encode())
+    assert mnesite("import", "items", str(lines)).exit_code == 0
+    piped = mnesite("import", "items", "-", input=bom + '{"id": 4, "price": 4.5}\n')
+    assert piped.exit_code == 0, piped.output
+    with thread_node.client() as client:
+        assert list(client.scan("items")) == [{"id": i, "price": i + 0.5} for i in range(1, 5)]
+
+
+def test_a_csv_header_naming_an_unknown_column_is_refused_at_line_1(mnesite, tmp_path: Path) -> None:
+    """The header was checked only with each row: the error named line 2 (the first row) for a column
+    of line 1, and a header-only file with a wrong column imported nothing and exited 0."""
+    for content in ("id,hue\n1,red\n", "id,hue\n"):
+        path = tmp_path / "items.csv"
+        path.write_text(content)
+        result = mnesite("import", "items", str(path))
+        assert result.exit_code == 1, (content, result.output)
+        assert result.output == "Error: line 1: items has no column 'hue'\n", content
