@@ -800,20 +800,25 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
 @click.option("--format", "file_format", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
 @click.option("--output", "-o", type=click.File("w", encoding="utf-8"), default="-", help="Default: stdout.")
 @click.option("--page-rows", type=click.IntRange(1, SCAN_PAGE_ROWS_MAX), default=SCAN_PAGE_ROWS, show_default=True)
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @CONSISTENCY
 @AFTER
 @node_options
-def export_rows(table_name, file_format, output, page_rows, consistency, after_tx_key, endpoint, timeout_ms) -> None:
+def export_rows(
+    table_name, file_format, output, page_rows, quiet, consistency, after_tx_key, endpoint, timeout_ms
+) -> None:
     """Write TABLE's rows in key order as JSON lines or CSV (with a header), page by page.
 
     BLOB values are {"base64": ...} in JSON lines and hex in CSV (what `import` reads back).
+    Progress goes to stderr (about once a second, then the rows written) unless --quiet.
     """
     from mnesite.cli import transfer
 
     with client_for(endpoint, timeout_ms) as client:
         schema = run(lambda: client.table(table_name))
         rows = client.scan(table_name, None, page_rows, consistency, after_tx_key)
-        transfer.write_rows(output, file_format, schema, run_iterator(rows))
+        progress = None if quiet else lambda line: click.echo(line, err=True)
+        transfer.write_rows(output, file_format, schema, run_iterator(pages_of(rows, page_rows)), progress)
 
 
 @main.command()

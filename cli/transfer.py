@@ -35,7 +35,7 @@ from mnesite.cli.main import json_text
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
 
 LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
-PROGRESS_INTERVAL_S = 1.0  # an import says how far it got at most this often (on stderr, unless --quiet)
+PROGRESS_INTERVAL_S = 1.0  # an import or export says how far it got at most this often (stderr, unless --quiet)
 # The share of the client's frame_bytes_max a batch's ops may fill: the rest is the request's envelope.
 BATCH_FRAME_SHARE = 0.9
 BYTE_ORDER_MARK = "\ufeff"  # skipped at the start of a file (and of stdin)
@@ -208,18 +208,34 @@ def import_rows(
     return imported
 
 
-def write_rows(output: IO[str], file_format: str, schema: dict[str, Any], rows: Iterator[dict[str, Any]]) -> int:
-    """Write ``rows`` one at a time; returns how many."""
+def write_rows(
+    output: IO[str],
+    file_format: str,
+    schema: dict[str, Any],
+    pages: Iterator[list[dict[str, Any]]],
+    progress: Callable[[str], None] | None = None,
+) -> int:
+    """Write the rows of ``pages``, one page at a time; returns how many.
+
+    ``progress`` gets a line after a page at most every ``PROGRESS_INTERVAL_S``, and one at the end."""
     written = 0
+    shown_at = time.monotonic()
+    writer = None
     if file_format == "csv":
-        columns = [name for name, _ in schema["columns"]]
-        writer = csv.DictWriter(output, fieldnames=columns, lineterminator="\n")
+        writer = csv.DictWriter(output, fieldnames=[name for name, _ in schema["columns"]], lineterminator="\n")
         writer.writeheader()
-        for row in rows:
-            writer.writerow({name: (value.hex() if isinstance(value, bytes) else value) for name, value in row.items()})
-            written += 1
-        return written
-    for row in rows:
-        output.write(json_text(row) + "\n")
-        written += 1
+    for page in pages:
+        if writer is not None:
+            for row in page:
+                writer.writerow(
+                    {name: (value.hex() if isinstance(value, bytes) else value) for name, value in row.items()}
+                )
+        else:
+            output.write("".join(json_text(row) + "\n" for row in page))
+        written += len(page)
+        if progress is not None and page and time.monotonic() - shown_at >= PROGRESS_INTERVAL_S:
+            shown_at = time.monotonic()
+            progress(f"export: {written} rows (key {json_text(page[-1][schema['key']])})")
+    if progress is not None:
+        progress(f"export: {written} rows, done")
     return written

@@ -124,3 +124,29 @@ def test_a_csv_header_naming_an_unknown_column_is_refused_at_line_1(mnesite, tmp
         result = mnesite("import", "items", str(path))
         assert result.exit_code == 1, (content, result.output)
         assert result.output == "Error: line 1: items has no column 'hue'\n", content
+
+
+def test_an_export_shows_its_progress_on_stderr_unless_quiet(
+    mnesite, thread_node: ThreadNode, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long export printed nothing until it ended (import, backup and compare show their progress):
+    an operator could not tell a slow export of a large table from a stuck one. It says how far it
+    got on stderr, about once a second, and how many rows it wrote; the rows alone go to the output."""
+    from mnesite.cli import transfer
+
+    monkeypatch.setattr(transfer, "PROGRESS_INTERVAL_S", 0.0)  # a line per page, here
+    with thread_node.client() as client:
+        client.transact([{"op": "write", "table": "items", "row": {"id": i, "price": 0.5}} for i in range(25)])
+    result = mnesite("export", "items", "--page-rows", "10")
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["id"] for line in result.stdout.splitlines()] == list(range(25))
+    assert result.stderr.splitlines() == [
+        "export: 10 rows (key 9)",
+        "export: 20 rows (key 19)",
+        "export: 25 rows (key 24)",
+        "export: 25 rows, done",
+    ]
+    csv_file = tmp_path / "items.csv"
+    quiet = mnesite("export", "items", "--format", "csv", "--output", str(csv_file), "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
+    assert len(csv_file.read_text().splitlines()) == 26
