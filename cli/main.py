@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import gc
 import json
 import logging
@@ -53,6 +54,34 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, bytes):
         return {"base64": base64.b64encode(value).decode()}
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def base64_blob(value: Any) -> bytes | None:
+    """The bytes of a BLOB given as JSON output writes one, ``{"base64": ...}`` (JSON has no bytes);
+    None for any other value. Raises ``ValueError`` if the text is not base64."""
+    if isinstance(value, dict) and set(value) == {"base64"} and isinstance(value["base64"], str):
+        try:
+            return base64.b64decode(value["base64"], validate=True)
+        except binascii.Error:
+            raise ValueError("is not valid base64") from None
+    return None
+
+
+def with_blob(value: Any, where: str) -> Any:
+    """``value``, or its bytes if it is a BLOB as ``{"base64": ...}``; an invalid one fails, naming ``where``."""
+    try:
+        blob = base64_blob(value)
+    except ValueError as error:
+        fail(f"{where}: {error}")
+    return value if blob is None else blob
+
+
+def row_with_blobs(row: Any, where: str) -> Any:
+    """A row (a JSON object) with its ``{"base64": ...}`` values as bytes; anything else unchanged (the
+    client's schema check refuses it with its own words)."""
+    if not isinstance(row, dict):
+        return row
+    return {name: with_blob(value, f"{where}: column {name!r}") for name, value in row.items()}
 
 
 def json_text(value: Any) -> str:
@@ -557,12 +586,15 @@ def index_drop(name, endpoint, timeout_ms, as_json) -> None:
 def put(table_name, row_json, endpoint, timeout_ms, as_json) -> None:
     """Write a full row (a JSON object) into TABLE; prints the tx key (pass it to get/scan --after).
 
+    A BLOB value is {"base64": ...}, as get --json prints it.
+
     If no definite answer comes in time (after one retry with the same request id) it exits 3:
     the write may or may not have happened.
     """
     row = parse_json_argument(row_json, "ROW_JSON")
     if not isinstance(row, dict):
         fail("ROW_JSON must be a JSON object")
+    row = row_with_blobs(row, "ROW_JSON")
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.put(table_name, row))
     emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
@@ -724,12 +756,14 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
     \b
     FILE holds JSON: {"guards": [{"table", "key", "equals": row-or-null}],
                       "ops": [{"op": "write", "table", "row"} | {"op": "delete", "table", "key"}]}
+    A BLOB (in a row, a key or a guard) is {"base64": ...}, as get --json prints it.
     A failed guard exits 1 and says which guard failed. Prints the tx key (for get/scan --after);
     exits 3 if the outcome is unknown (the transaction may or may not have happened).
     """
     request = parse_json_argument(file.read(), "the transaction")
     if not isinstance(request, dict) or set(request) - {"guards", "ops"} or "ops" not in request:
         fail('the transaction must be an object {"guards": [...], "ops": [...]}')
+    request = transaction_with_blobs(request)
     with client_for(endpoint, timeout_ms) as client:
         try:
             tx_key = client.transact(request["ops"], request.get("guards") or [])
@@ -740,6 +774,23 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
         except MnesiteError as error:
             fail(str(error))
     emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
+
+
+def transaction_with_blobs(request: dict[str, Any]) -> dict[str, Any]:
+    """``tx``'s request with the BLOBs of its rows, keys and guards given as ``{"base64": ...}`` as bytes."""
+    for part, fields in (("ops", ("row", "key")), ("guards", ("equals", "key"))):
+        items = request.get(part)
+        if not isinstance(items, list):
+            continue
+        for index, item in enumerate(items):
+            if not isinstance(item, dict):
+                continue
+            for field in fields:
+                if field in item:
+                    where = f"{part}[{index}].{field}"
+                    convert = row_with_blobs if field in ("row", "equals") else with_blob
+                    item[field] = convert(item[field], where)
+    return request
 
 
 @main.command("import")

@@ -21,8 +21,6 @@ Export writes through ``csv.DictWriter`` and ``json_text`` (what every ``--json`
 
 from __future__ import annotations
 
-import base64
-import binascii
 import csv
 import json
 import time
@@ -31,7 +29,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import msgspec
-from mnesite.cli.main import json_text
+from mnesite.cli.main import base64_blob, json_text
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
 
 LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
@@ -60,11 +58,12 @@ def format_of(name: str) -> str:
 
 
 def _blob(value: Any, where: str) -> bytes:
-    if isinstance(value, dict) and set(value) == {"base64"} and isinstance(value["base64"], str):
-        try:
-            return base64.b64decode(value["base64"], validate=True)
-        except binascii.Error:
-            raise ImportFailed(f"{where}: is not valid base64") from None
+    try:
+        blob = base64_blob(value)
+    except ValueError as error:
+        raise ImportFailed(f"{where}: {error}") from None
+    if blob is not None:
+        return blob
     if isinstance(value, str):
         try:
             return bytes.fromhex(value)
