@@ -28,6 +28,7 @@ from mnesite.rlog.client import (
 )
 from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
+from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
 from mnesite.rlog.types import TxKey
 
 from mnesite import __version__
@@ -39,6 +40,9 @@ SCAN_PAGE_ROWS_MAX = 10_000  # the node's default scan_rows_max: a larger page i
 IMPORT_BATCH_ROWS = 500
 # Rows per import transaction; the node refuses more than its transaction_ops_max (1,000 by default).
 IMPORT_BATCH_ROWS_MAX = 10_000
+# The longest transaction FILE ``tx`` reads: a transaction's JSON is longer than its request's frame
+# (at most frame_bytes_max, 4 MiB by default), but not four times; a longer file is refused unsent.
+TX_CHARS_MAX = 4 * FRAME_BYTES_MAX_DEFAULT
 # Exit status of a write whose outcome is unknown (it may or may not have happened), distinct from 1.
 EXIT_OUTCOME_UNKNOWN = 3
 # Exit status of a node that stopped because its disk failed a write or an fsync (rlog.disk).
@@ -760,7 +764,10 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
     A failed guard exits 1 and says which guard failed. Prints the tx key (for get/scan --after);
     exits 3 if the outcome is unknown (the transaction may or may not have happened).
     """
-    request = parse_json_argument(file.read(), "the transaction")
+    text = file.read(TX_CHARS_MAX + 1)
+    if len(text) > TX_CHARS_MAX:
+        fail(f"the transaction is longer than {TX_CHARS_MAX} characters; nothing was sent")
+    request = parse_json_argument(text, "the transaction")
     if not isinstance(request, dict) or set(request) - {"guards", "ops"} or "ops" not in request:
         fail('the transaction must be an object {"guards": [...], "ops": [...]}')
     request = transaction_with_blobs(request)

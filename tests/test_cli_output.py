@@ -183,3 +183,18 @@ def test_put_and_tx_write_a_blob_given_as_get_prints_it(mnesite, thread_node: Th
 
     bad = mnesite("put", "files", '{"digest": {"base64": "not base64!"}, "body": null, "name": "x"}')
     assert bad.exit_code == 1 and bad.output.startswith("Error: ROW_JSON: column 'digest': "), bad.output
+
+
+def test_tx_reads_its_file_with_a_bound(mnesite, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tx`` read FILE whole before looking at it: ``mnesite tx -`` fed a large file by mistake (a dump,
+    /dev/zero) held all of it in memory. It reads at most ``TX_CHARS_MAX`` characters (far above what
+    a transaction that fits a frame spells) and refuses a longer file."""
+    import mnesite.cli.main as cli_main
+
+    monkeypatch.setattr(cli_main, "TX_CHARS_MAX", 200, raising=False)
+    small = {"ops": [{"op": "write", "table": "items", "row": {"id": 1, "price": 0.5}}]}
+    assert mnesite("tx", "-", input=json.dumps(small)).exit_code == 0
+    large = {"ops": [{"op": "write", "table": "items", "row": {"id": i, "price": 0.5}} for i in range(10)]}
+    result = mnesite("tx", "-", input=json.dumps(large))
+    assert result.exit_code == 1
+    assert result.output == "Error: the transaction is longer than 200 characters; nothing was sent\n"
