@@ -705,6 +705,8 @@ def stream_rows(
         after = key
     if limit is not None and emitted >= limit:
         return
+    if limit is not None:
+        page_rows = min(page_rows, limit - emitted)  # no row asked of the node that is not printed
     for row in client.scan(table_name, after, page_rows, consistency, after_tx_key):
         yield row
         emitted += 1

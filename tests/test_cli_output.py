@@ -198,3 +198,29 @@ def test_tx_reads_its_file_with_a_bound(mnesite, monkeypatch: pytest.MonkeyPatch
     result = mnesite("tx", "-", input=json.dumps(large))
     assert result.exit_code == 1
     assert result.output == "Error: the transaction is longer than 200 characters; nothing was sent\n"
+
+
+def test_scan_with_a_limit_asks_the_node_for_no_more_rows_than_it_prints(
+    mnesite, thread_node: ThreadNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``scan --limit 3`` asked the node for a whole page (1,000 rows by default, up to 10,000 with
+    --page-rows), read, sent and decoded them, and printed 3."""
+    from mnesite.rlog.client import Client
+
+    with thread_node.client() as client:
+        client.transact([{"op": "write", "table": "items", "row": {"id": i, "price": 0.5}} for i in range(50)])
+    asked: list[int] = []
+    scan_page = Client.scan_page
+
+    def recorded(self, table, after=None, limit=1000, *args, **kwargs):
+        asked.append(limit)
+        return scan_page(self, table, after, limit, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "scan_page", recorded)
+    result = mnesite("scan", "items", "--limit", "3", "--json")
+    assert [row["id"] for row in json.loads(result.stdout)] == [0, 1, 2]
+    assert asked == [3]
+    asked.clear()
+    from_key = mnesite("scan", "items", "--from", "10", "--limit", "3", "--page-rows", "2", "--json")
+    assert [row["id"] for row in json.loads(from_key.stdout)] == [10, 11, 12]
+    assert asked == [2]  # the first row is the get of --from; then at most the 2 rows still wanted
