@@ -634,6 +634,32 @@ def test_dbapi_connection_and_pandas_read_sql(node: ThreadNode) -> None:
         connection.cursor()
 
 
+def test_dbapi_has_the_type_constructors_and_objects_pep_249_requires(node: ThreadNode) -> None:
+    """PEP 249 requires ``Binary``, ``Date``, ``Time``, ``Timestamp``, their ``*FromTicks`` forms and the
+    type objects ``STRING``, ``BINARY``, ``NUMBER``, ``DATETIME``, ``ROWID``: the module had none, so
+    ``dbapi.Binary(data)`` (how portable code binds bytes) was an AttributeError. Dates bind as SQLite's
+    date functions read them (ISO 8601 text), as sqlite3's adapters did."""
+    import datetime
+
+    import mnesite.dbapi as dbapi
+
+    with dbapi.connect(node.endpoint) as connection:
+        cursor = connection.cursor()
+        blob, day = dbapi.Binary(b"\x00\xff"), dbapi.Date(2026, 1, 2)
+        at = (dbapi.Time(3, 4, 5), dbapi.Timestamp(2026, 1, 2, 3, 4, 5))
+        cursor.execute("SELECT ?, typeof(?), ?, date(?, '+1 day'), ?, ?", (blob, blob, day, day, *at))
+        assert cursor.fetchall() == [
+            (b"\x00\xff", "blob", "2026-01-02", "2026-01-03", "03:04:05", "2026-01-02T03:04:05")
+        ]
+    ticks = datetime.datetime(2026, 1, 2, 3, 4, 5).timestamp()
+    assert dbapi.DateFromTicks(ticks) == datetime.date(2026, 1, 2)
+    assert dbapi.TimeFromTicks(ticks) == datetime.time(3, 4, 5)
+    assert dbapi.TimestampFromTicks(ticks) == datetime.datetime(2026, 1, 2, 3, 4, 5)
+    assert dbapi.STRING == "TEXT" and dbapi.BINARY == "BLOB" and dbapi.ROWID == "INTEGER"
+    assert dbapi.NUMBER == "INTEGER" and dbapi.NUMBER == "REAL" and dbapi.NUMBER != "TEXT"
+    assert dbapi.DATETIME != "TEXT" and dbapi.STRING != None  # noqa: E711 (a type code may be None)
+
+
 def test_closing_a_dbapi_connection_frees_its_cursors_at_the_node_and_they_are_unusable(node: ThreadNode) -> None:
     """Closing the connection closed its zmq socket only: the node kept each unfinished result's
     cursor (its read snapshot, and one of query_cursors_max places) until query_idle_ms_max, and the
