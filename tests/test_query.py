@@ -634,6 +634,25 @@ def test_dbapi_connection_and_pandas_read_sql(node: ThreadNode) -> None:
         connection.cursor()
 
 
+def test_a_query_that_must_see_a_key_is_held_at_the_node_less_than_its_own_timeout(node: ThreadNode) -> None:
+    """The node was asked to hold a query for its key as long as the client's timeout allows, not the
+    query's own ``timeout_ms``: a query given less time than the client (a caller's short deadline) gave
+    up on a node that was alive and about to answer, said "did not answer" and re-sent it; one given
+    more (the 30 s default) had the node answer ``timeout`` long before the caller stopped waiting."""
+    far = TxKey(1, 10**9)  # never applied here: the node answers ``timeout`` naming it
+    with node.client(timeout_ms=3000, retries=1) as client:
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as refused:
+            client.query("SELECT count(*) FROM users", after_tx_key=far, timeout_ms=600)
+        assert refused.value.code == "timeout" and str(tuple(far)) in str(refused.value)
+        assert time.monotonic() - started < 1.0  # one attempt, answered inside it
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as refused:
+            client.query("SELECT count(*) FROM users", after_tx_key=far, timeout_ms=4000)
+        assert refused.value.code == "timeout"
+        assert time.monotonic() - started > 3.0  # held as long as this query allows, not the client's 3 s
+
+
 def test_dbapi_has_the_type_constructors_and_objects_pep_249_requires(node: ThreadNode) -> None:
     """PEP 249 requires ``Binary``, ``Date``, ``Time``, ``Timestamp``, their ``*FromTicks`` forms and the
     type objects ``STRING``, ``BINARY``, ``NUMBER``, ``DATETIME``, ``ROWID``: the module had none, so
