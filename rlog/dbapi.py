@@ -137,6 +137,7 @@ _ERRORS: dict[str, type[Error]] = {
     "query_cursor_unknown": OperationalError,
     "forbidden": OperationalError,
     "unauthenticated": OperationalError,
+    "internal": InternalError,  # serving the request failed at the node (a bug there, not the statement)
 }
 
 

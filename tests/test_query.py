@@ -653,6 +653,21 @@ def test_a_query_that_must_see_a_key_is_held_at_the_node_less_than_its_own_timeo
         assert time.monotonic() - started > 3.0  # held as long as this query allows, not the client's 3 s
 
 
+def test_a_node_internal_error_is_a_dbapi_internal_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node answers ``internal`` when serving a request failed on its side (``CoreNode``, a reply it
+    could not encode): the DB-API raised the bare ``DatabaseError`` where PEP 249 names
+    ``InternalError`` ("the database encounters an internal error")."""
+    import mnesite.dbapi as dbapi
+
+    def failed(*args, **kwargs):
+        raise RemoteError("query failed: RuntimeError: boom", "internal")
+
+    monkeypatch.setattr(Client, "query", failed)
+    with dbapi.connect("tcp://127.0.0.1:1") as connection, pytest.raises(dbapi.InternalError) as raised:
+        connection.cursor().execute("SELECT 1")
+    assert raised.value.code == "internal" and isinstance(raised.value, dbapi.DatabaseError)
+
+
 def test_dbapi_has_the_type_constructors_and_objects_pep_249_requires(node: ThreadNode) -> None:
     """PEP 249 requires ``Binary``, ``Date``, ``Time``, ``Timestamp``, their ``*FromTicks`` forms and the
     type objects ``STRING``, ``BINARY``, ``NUMBER``, ``DATETIME``, ``ROWID``: the module had none, so
