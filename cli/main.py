@@ -265,8 +265,15 @@ def parse_key(client: Client, table: str, text: str) -> Any:
     return text
 
 
+def _cell(value: Any) -> str:
+    """A value in a text table: a BLOB as hex, what get, delete and scan --from take for a BLOB key."""
+    if value is None:
+        return ""
+    return value.hex() if isinstance(value, bytes) else str(value)
+
+
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    cells = [[("" if row.get(c) is None else str(row.get(c))) for c in columns] for row in rows]
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]

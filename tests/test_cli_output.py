@@ -224,3 +224,16 @@ def test_scan_with_a_limit_asks_the_node_for_no_more_rows_than_it_prints(
     from_key = mnesite("scan", "items", "--from", "10", "--limit", "3", "--page-rows", "2", "--json")
     assert [row["id"] for row in json.loads(from_key.stdout)] == [10, 11, 12]
     assert asked == [2]  # the first row is the get of --from; then at most the 2 rows still wanted
+
+
+def test_a_table_shows_a_blob_as_the_hex_get_takes(mnesite, thread_node: ThreadNode) -> None:
+    """``scan`` and ``query`` printed a BLOB as Python's ``b'\\x00\\xff'``: not what ``get``, ``delete``
+    and ``scan --from`` take for a BLOB key (hex), nor anything a shell user can pass back."""
+    created = mnesite("table", "create", "files", "--key-column", "digest", "--column", "digest:BLOB",
+                      "--column", "name:TEXT")  # fmt: skip
+    assert created.exit_code == 0, created.output
+    with thread_node.client() as client:
+        client.put("files", {"digest": b"\x00\xff", "name": "a"})
+    assert mnesite("scan", "files").stdout.splitlines() == ["digest  name", "00ff    a"]
+    assert mnesite("query", "SELECT digest FROM files").stdout.splitlines() == ["digest", "00ff"]
+    assert json.loads(mnesite("get", "files", "00ff").stdout) == {"digest": {"base64": "AP8="}, "name": "a"}
