@@ -9,16 +9,15 @@ both output modes); one that ends with an error names it on the line before the 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 from mnesite.cli.main import (
     EXIT_OUTCOME_UNKNOWN,
-    _json_default,
     client_for,
     fail,
     json_option,
+    json_text,
     node_options,
     parse_tx_key,
     run,
@@ -50,9 +49,9 @@ def describe(record: dict[str, Any]) -> str:
     if kind == "snapshot_end":
         return f"{key_text} {record['shard']} snapshot_end"
     row = record.get("row") if record.get("row") is not None else record.get("definition")
-    row_text = json.dumps(row, default=_json_default) if row is not None else ""
+    row_text = json_text(row) if row is not None else ""
     op = record["op"] if kind == "change" else f"snapshot:{record['op']}"
-    key = json.dumps(record.get("key"), default=_json_default)
+    key = json_text(record.get("key"))
     return f"{key_text} {record['shard']} {record['table']} {op} {key} {row_text}".rstrip()
 
 
@@ -83,7 +82,7 @@ def changes(tables, from_keys, follow, endpoint, timeout_ms, as_json) -> None:
         try:
             for record in iter(feed):
                 if as_json:
-                    click.echo(json.dumps(record, default=_json_default))
+                    click.echo(json_text(record))
                 else:
                     click.echo(describe(record))
         except KeyboardInterrupt:

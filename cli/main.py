@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -26,6 +28,7 @@ from mnesite.rlog.client import (
 )
 from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
+from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
 from mnesite.rlog.types import TxKey
 
 from mnesite import __version__
@@ -37,6 +40,9 @@ SCAN_PAGE_ROWS_MAX = 10_000  # the node's default scan_rows_max: a larger page i
 IMPORT_BATCH_ROWS = 500
 # Rows per import transaction; the node refuses more than its transaction_ops_max (1,000 by default).
 IMPORT_BATCH_ROWS_MAX = 10_000
+# The longest transaction FILE ``tx`` reads: a transaction's JSON is longer than its request's frame
+# (at most frame_bytes_max, 4 MiB by default), but not four times; a longer file is refused unsent.
+TX_CHARS_MAX = 4 * FRAME_BYTES_MAX_DEFAULT
 # Exit status of a write whose outcome is unknown (it may or may not have happened), distinct from 1.
 EXIT_OUTCOME_UNKNOWN = 3
 # Exit status of a node that stopped because its disk failed a write or an fsync (rlog.disk).
@@ -54,8 +60,61 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def base64_blob(value: Any) -> bytes | None:
+    """The bytes of a BLOB given as JSON output writes one, ``{"base64": ...}`` (JSON has no bytes);
+    None for any other value. Raises ``ValueError`` if the text is not base64."""
+    if isinstance(value, dict) and set(value) == {"base64"} and isinstance(value["base64"], str):
+        try:
+            return base64.b64decode(value["base64"], validate=True)
+        except binascii.Error:
+            raise ValueError("is not valid base64") from None
+    return None
+
+
+def with_blob(value: Any, where: str) -> Any:
+    """``value``, or its bytes if it is a BLOB as ``{"base64": ...}``; an invalid one fails, naming ``where``."""
+    try:
+        blob = base64_blob(value)
+    except ValueError as error:
+        fail(f"{where}: {error}")
+    return value if blob is None else blob
+
+
+def row_with_blobs(row: Any, where: str) -> Any:
+    """A row (a JSON object) with its ``{"base64": ...}`` values as bytes; anything else unchanged (the
+    client's schema check refuses it with its own words)."""
+    if not isinstance(row, dict):
+        return row
+    return {name: with_blob(value, f"{where}: column {name!r}") for name, value in row.items()}
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text, BLOBs as ``{"base64": ...}``: what every ``--json`` output and JSON lines
+    export writes.
+
+    JSON has no infinity, and a REAL may hold one (SQLite stores ``1e999`` so): Python's json writes
+    the word ``Infinity``, which JSON parsers refuse. It is written as SQLite's own ``json()``
+    writes it, ``9.0e+999``, a JSON number that parsers (Python's json, so ``import``) read back as
+    infinity; a NaN, which SQLite never holds (it stores one as null), as ``null``."""
+    try:
+        return json.dumps(value, default=_json_default, allow_nan=False)
+    except ValueError:
+        return _json_with_non_finite(value)  # rare: only a value holding a non-finite float gets here
+
+
+def _json_with_non_finite(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "null" if math.isnan(value) else ("9.0e+999" if value > 0 else "-9.0e+999")
+    if isinstance(value, dict):
+        items = (f"{json.dumps(str(key))}: {_json_with_non_finite(item)}" for key, item in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_json_with_non_finite(item) for item in value) + "]"
+    return json.dumps(value, default=_json_default)
+
+
 def emit_json(value: Any) -> None:
-    click.echo(json.dumps(value, default=_json_default, sort_keys=False))
+    click.echo(json_text(value))
 
 
 def _remember(context: click.Context, parameter: click.Parameter, value: Any) -> Any:
@@ -206,8 +265,15 @@ def parse_key(client: Client, table: str, text: str) -> Any:
     return text
 
 
+def _cell(value: Any) -> str:
+    """A value in a text table: a BLOB as hex, what get, delete and scan --from take for a BLOB key."""
+    if value is None:
+        return ""
+    return value.hex() if isinstance(value, bytes) else str(value)
+
+
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    cells = [[("" if row.get(c) is None else str(row.get(c))) for c in columns] for row in rows]
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
@@ -531,12 +597,15 @@ def index_drop(name, endpoint, timeout_ms, as_json) -> None:
 def put(table_name, row_json, endpoint, timeout_ms, as_json) -> None:
     """Write a full row (a JSON object) into TABLE; prints the tx key (pass it to get/scan --after).
 
+    A BLOB value is {"base64": ...}, as get --json prints it.
+
     If no definite answer comes in time (after one retry with the same request id) it exits 3:
     the write may or may not have happened.
     """
     row = parse_json_argument(row_json, "ROW_JSON")
     if not isinstance(row, dict):
         fail("ROW_JSON must be a JSON object")
+    row = row_with_blobs(row, "ROW_JSON")
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.put(table_name, row))
     emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
@@ -567,7 +636,7 @@ def get(table_name, key, consistency, after_tx_key, endpoint, timeout_ms, as_jso
     elif row is None:
         fail(f"{table_name}: no row at key {key!r}")
     else:
-        click.echo(json.dumps(row, default=_json_default))
+        click.echo(json_text(row))
 
 
 @main.command()
@@ -609,7 +678,7 @@ def scan(table_name, from_key, limit, page_rows, consistency, after_tx_key, endp
         if as_json:
             click.echo("[", nl=False)
             for index, row in enumerate(run_iterator(rows)):
-                click.echo(("" if index == 0 else ",\n") + json.dumps(row, default=_json_default), nl=False)
+                click.echo(("" if index == 0 else ",\n") + json_text(row), nl=False)
             click.echo("]")
             return
         header = True
@@ -643,6 +712,8 @@ def stream_rows(
         after = key
     if limit is not None and emitted >= limit:
         return
+    if limit is not None:
+        page_rows = min(page_rows, limit - emitted)  # no row asked of the node that is not printed
     for row in client.scan(table_name, after, page_rows, consistency, after_tx_key):
         yield row
         emitted += 1
@@ -698,12 +769,17 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
     \b
     FILE holds JSON: {"guards": [{"table", "key", "equals": row-or-null}],
                       "ops": [{"op": "write", "table", "row"} | {"op": "delete", "table", "key"}]}
+    A BLOB (in a row, a key or a guard) is {"base64": ...}, as get --json prints it.
     A failed guard exits 1 and says which guard failed. Prints the tx key (for get/scan --after);
     exits 3 if the outcome is unknown (the transaction may or may not have happened).
     """
-    request = parse_json_argument(file.read(), "the transaction")
+    text = file.read(TX_CHARS_MAX + 1)
+    if len(text) > TX_CHARS_MAX:
+        fail(f"the transaction is longer than {TX_CHARS_MAX} characters; nothing was sent")
+    request = parse_json_argument(text, "the transaction")
     if not isinstance(request, dict) or set(request) - {"guards", "ops"} or "ops" not in request:
         fail('the transaction must be an object {"guards": [...], "ops": [...]}')
+    request = transaction_with_blobs(request)
     with client_for(endpoint, timeout_ms) as client:
         try:
             tx_key = client.transact(request["ops"], request.get("guards") or [])
@@ -714,6 +790,23 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
         except MnesiteError as error:
             fail(str(error))
     emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
+
+
+def transaction_with_blobs(request: dict[str, Any]) -> dict[str, Any]:
+    """``tx``'s request with the BLOBs of its rows, keys and guards given as ``{"base64": ...}`` as bytes."""
+    for part, fields in (("ops", ("row", "key")), ("guards", ("equals", "key"))):
+        items = request.get(part)
+        if not isinstance(items, list):
+            continue
+        for index, item in enumerate(items):
+            if not isinstance(item, dict):
+                continue
+            for field in fields:
+                if field in item:
+                    where = f"{part}[{index}].{field}"
+                    convert = row_with_blobs if field in ("row", "equals") else with_blob
+                    item[field] = convert(item[field], where)
+    return request
 
 
 @main.command("import")
@@ -741,8 +834,8 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
     file's size. A regular FILE is read twice: first checked against TABLE's
     columns (an error names the line and nothing is written), then imported. CSV cells are converted
     to the column's type; an empty cell is null (in a TEXT column: the empty text; an ANY column's
-    cells stay text). JSON lines keep every value as it is. Progress goes to stderr (about once a
-    second) unless --quiet.
+    cells stay text). JSON lines keep every value as it is. A byte order mark opening FILE (Excel's
+    "CSV UTF-8") is skipped. Progress goes to stderr (about once a second) unless --quiet.
     """
     from mnesite.cli import transfer
 
@@ -774,20 +867,25 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
 @click.option("--format", "file_format", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
 @click.option("--output", "-o", type=click.File("w", encoding="utf-8"), default="-", help="Default: stdout.")
 @click.option("--page-rows", type=click.IntRange(1, SCAN_PAGE_ROWS_MAX), default=SCAN_PAGE_ROWS, show_default=True)
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @CONSISTENCY
 @AFTER
 @node_options
-def export_rows(table_name, file_format, output, page_rows, consistency, after_tx_key, endpoint, timeout_ms) -> None:
+def export_rows(
+    table_name, file_format, output, page_rows, quiet, consistency, after_tx_key, endpoint, timeout_ms
+) -> None:
     """Write TABLE's rows in key order as JSON lines or CSV (with a header), page by page.
 
     BLOB values are {"base64": ...} in JSON lines and hex in CSV (what `import` reads back).
+    Progress goes to stderr (about once a second, then the rows written) unless --quiet.
     """
     from mnesite.cli import transfer
 
     with client_for(endpoint, timeout_ms) as client:
         schema = run(lambda: client.table(table_name))
         rows = client.scan(table_name, None, page_rows, consistency, after_tx_key)
-        transfer.write_rows(output, file_format, schema, run_iterator(rows))
+        progress = None if quiet else lambda line: click.echo(line, err=True)
+        transfer.write_rows(output, file_format, schema, run_iterator(pages_of(rows, page_rows)), progress)
 
 
 @main.command()
@@ -1012,7 +1110,7 @@ def _describe_members(info: dict[str, Any]) -> str:
 
 def _describe_op(op: dict[str, Any]) -> str:
     if op["op"] == "write":
-        return f"write {op['table']} {json.dumps(op['row'], default=_json_default)}"
+        return f"write {op['table']} {json_text(op['row'])}"
     if op["op"] == "delete":
         return f"delete {op['table']} {op['key']!r}"
     if op["op"] == "members":

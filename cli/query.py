@@ -8,16 +8,16 @@ written row by row (rows are arrays, in column order, since a statement may repe
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from mnesite.cli.main import (
     AFTER,
     CONSISTENCY,
-    _json_default,
     client_for,
     format_table,
     json_option,
+    json_text,
     node_options,
     run,
     run_iterator,
@@ -28,11 +28,17 @@ PAGE_ROWS_DEFAULT = 1000
 PAGE_ROWS_MAX = 1_000_000  # the node refuses more than its query_page_rows_max (1,000 by default)
 
 
+def _not_json(word: str) -> NoReturn:
+    raise ValueError(f"{word} is not JSON")
+
+
 def parse_param(text: str) -> Any:
-    """A parameter as JSON when it is JSON (``10``, ``2.5``, ``null``, ``"10"``), else the text itself."""
+    """A parameter as JSON when it is JSON (``10``, ``2.5``, ``null``, ``"10"``), else the text itself.
+
+    Python's json also reads ``NaN``, ``Infinity`` and ``-Infinity``, which are not JSON: they are text."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = json.loads(text, parse_constant=_not_json)
+    except ValueError:  # json.JSONDecodeError, or a word of Python's json that JSON lacks
         return text
     if isinstance(value, (list, dict)):
         raise click.BadParameter(f"{text!r}: a parameter is one value (number, string or null)")
@@ -88,7 +94,7 @@ def query(sql, params, page_rows, consistency, after_tx_key, endpoint, timeout_m
                 for page in pages:
                     # One write per page: a million rows cost a thousand writes, not a million.
                     if page:
-                        text = ",\n".join(json.dumps(list(row), default=_json_default) for row in page)
+                        text = ",\n".join(json_text(list(row)) for row in page)
                         click.echo(separator + text, nl=False)
                         separator = ",\n"
                 click.echo("]}")

@@ -16,13 +16,11 @@ outcome is unknown is reported as such (the caller exits 3): it is never re-sent
 
 sqlite-utils' readers (``rows_from_file``) skip blank lines and hide the CSV reader, so they cannot
 name the line of an error; the readers here are plain ``csv`` and ``json`` with line numbers.
-Export writes through ``csv.DictWriter`` and ``json.dumps``, one row at a time.
+Export writes through ``csv.DictWriter`` and ``json_text`` (what every ``--json`` writes), one row at a time.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import csv
 import json
 import time
@@ -31,12 +29,14 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import msgspec
+from mnesite.cli.main import base64_blob, json_text
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
 
 LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
-PROGRESS_INTERVAL_S = 1.0  # an import says how far it got at most this often (on stderr, unless --quiet)
+PROGRESS_INTERVAL_S = 1.0  # an import or export says how far it got at most this often (stderr, unless --quiet)
 # The share of the client's frame_bytes_max a batch's ops may fill: the rest is the request's envelope.
 BATCH_FRAME_SHARE = 0.9
+BYTE_ORDER_MARK = "\ufeff"  # skipped at the start of a file (and of stdin)
 csv.field_size_limit(LINE_CHARS_MAX)
 
 
@@ -58,11 +58,12 @@ def format_of(name: str) -> str:
 
 
 def _blob(value: Any, where: str) -> bytes:
-    if isinstance(value, dict) and set(value) == {"base64"} and isinstance(value["base64"], str):
-        try:
-            return base64.b64decode(value["base64"], validate=True)
-        except binascii.Error:
-            raise ImportFailed(f"{where}: is not valid base64") from None
+    try:
+        blob = base64_blob(value)
+    except ValueError as error:
+        raise ImportFailed(f"{where}: {error}") from None
+    if blob is not None:
+        return blob
     if isinstance(value, str):
         try:
             return bytes.fromhex(value)
@@ -102,7 +103,8 @@ def _check_row(row: dict[str, Any], schema: dict[str, Any], line: int) -> dict[s
 
 
 def bounded_lines(file: IO[str]) -> Iterator[str]:
-    """The lines of ``file``, each read with a bound: a line longer than ``LINE_CHARS_MAX`` is refused."""
+    """The lines of ``file``, each read with a bound: a line longer than ``LINE_CHARS_MAX`` is refused.
+    A byte order mark opening the file is dropped."""
     line_number = 0
     while True:
         text = file.readline(LINE_CHARS_MAX + 1)
@@ -111,6 +113,8 @@ def bounded_lines(file: IO[str]) -> Iterator[str]:
         line_number += 1
         if len(text) > LINE_CHARS_MAX:
             raise ImportFailed(f"line {line_number}: longer than {LINE_CHARS_MAX} characters")
+        if line_number == 1 and text.startswith(BYTE_ORDER_MARK):
+            text = text[1:]  # not data: Excel's "CSV UTF-8" and Windows tools open a file with it
         yield text
 
 
@@ -120,14 +124,16 @@ def read_rows(file: IO[str], file_format: str, schema: dict[str, Any]) -> Iterat
         reader = csv.DictReader(bounded_lines(file))
         types = dict((name, kind) for name, kind in schema["columns"])
         try:
+            # The header first: a column it names wrongly is its line's error, also with no row after it.
+            for name in reader.fieldnames or ():
+                if name not in types:
+                    raise ImportFailed(f"line {reader.line_num}: {schema['table']} has no column {name[:64]!r}")
             for record in reader:
                 line = reader.line_num
                 if None in record:
                     raise ImportFailed(f"line {line}: more cells than the header has columns")
                 row = {}
                 for name, text in record.items():
-                    if name not in types:
-                        raise ImportFailed(f"line {line}: {schema['table']} has no column {name[:64]!r}")
                     row[name] = None if text is None else _from_cell(text, types[name], f"line {line}: {name}")
                 yield line, _check_row(row, schema, line)
         except csv.Error as error:
@@ -201,24 +207,34 @@ def import_rows(
     return imported
 
 
-def _json_value(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return {"base64": base64.b64encode(value).decode()}
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+def write_rows(
+    output: IO[str],
+    file_format: str,
+    schema: dict[str, Any],
+    pages: Iterator[list[dict[str, Any]]],
+    progress: Callable[[str], None] | None = None,
+) -> int:
+    """Write the rows of ``pages``, one page at a time; returns how many.
 
-
-def write_rows(output: IO[str], file_format: str, schema: dict[str, Any], rows: Iterator[dict[str, Any]]) -> int:
-    """Write ``rows`` one at a time; returns how many."""
+    ``progress`` gets a line after a page at most every ``PROGRESS_INTERVAL_S``, and one at the end."""
     written = 0
+    shown_at = time.monotonic()
+    writer = None
     if file_format == "csv":
-        columns = [name for name, _ in schema["columns"]]
-        writer = csv.DictWriter(output, fieldnames=columns, lineterminator="\n")
+        writer = csv.DictWriter(output, fieldnames=[name for name, _ in schema["columns"]], lineterminator="\n")
         writer.writeheader()
-        for row in rows:
-            writer.writerow({name: (value.hex() if isinstance(value, bytes) else value) for name, value in row.items()})
-            written += 1
-        return written
-    for row in rows:
-        output.write(json.dumps(row, default=_json_value) + "\n")
-        written += 1
+    for page in pages:
+        if writer is not None:
+            for row in page:
+                writer.writerow(
+                    {name: (value.hex() if isinstance(value, bytes) else value) for name, value in row.items()}
+                )
+        else:
+            output.write("".join(json_text(row) + "\n" for row in page))
+        written += len(page)
+        if progress is not None and page and time.monotonic() - shown_at >= PROGRESS_INTERVAL_S:
+            shown_at = time.monotonic()
+            progress(f"export: {written} rows (key {json_text(page[-1][schema['key']])})")
+    if progress is not None:
+        progress(f"export: {written} rows, done")
     return written

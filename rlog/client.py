@@ -632,14 +632,18 @@ class Client:
         the node has applied that tx key (a write of another client or process; read-your-writes)."""
         return self.call("get", self._consistency({"table": table, "key": key}, consistency, after_tx_key))
 
-    def _consistency(self, body: dict[str, Any], consistency: str, after_tx_key: TxKey | None = None) -> dict[str, Any]:
+    def _consistency(
+        self, body: dict[str, Any], consistency: str, after_tx_key: TxKey | None = None, timeout_ms: int | None = None
+    ) -> dict[str, Any]:
+        """``timeout_ms``: the call's attempt timeout, when not the client's (a query's)."""
         body["consistency"] = consistency
         min_key = after_tx_key
         if consistency == "read-your-writes" and self.last_tx_key is not None:
             min_key = self.last_tx_key if min_key is None else max(min_key, self.last_tx_key)
         if min_key is not None:
             body["min_key"] = list(min_key)
-            wait_ms = self.timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, self.timeout_ms // 10)
+            timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
+            wait_ms = timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, timeout_ms // 10)
             body["wait_ms"] = max(0, min(wait_ms, WAIT_MS_MAX))  # a longer wait: refused unsent
         return body
 
@@ -696,13 +700,15 @@ class Client:
         Returns a ``QueryResult``: ``columns``, and the rows as tuples when iterated, fetched from the
         node page by page (``page_rows`` each, at most the node's ``query_page_rows_max``). All pages
         come from one snapshot of the node. ``consistency`` and ``after_tx_key`` as for ``get``: the node
-        waits until every shard the statement reads has reached the key. ``timeout_ms``: how long one
-        page may take (the node stops a query at its ``query_ms_max`` of SQLite time).
+        waits until every shard the statement reads has reached the key, for up to ``timeout_ms`` less
+        a margin (then ``timeout``). ``timeout_ms``: how long one page may take (the node stops a query
+        at its ``query_ms_max`` of SQLite time).
         """
         body: dict[str, Any] = {"sql": sql, "params": list(params)}
         if page_rows is not None:
             body["page_rows"] = page_rows
-        first = self.call("query", self._consistency(body, consistency, after_tx_key), timeout_ms=timeout_ms)
+        body = self._consistency(body, consistency, after_tx_key, timeout_ms)
+        first = self.call("query", body, timeout_ms=timeout_ms)
         return QueryResult(self, first, page_rows, timeout_ms)
 
     def changes(

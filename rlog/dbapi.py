@@ -19,6 +19,7 @@ for all of them), so ``fetchmany`` over a large result holds one page at a time.
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 import weakref
@@ -31,6 +32,47 @@ from mnesite.rlog.types import TxKey
 apilevel = "2.0"
 threadsafety = 1
 paramstyle = "qmark"
+
+# PEP 249's type constructors. A value binds as the client sends it: bytes as a BLOB, a date, time
+# or timestamp as ISO 8601 text (``2026-01-02``, ``03:04:05``, ``2026-01-02T03:04:05``), which
+# SQLite's date and time functions read, as sqlite3's adapters bound them.
+Date = datetime.date
+Time = datetime.time
+Timestamp = datetime.datetime
+Binary = bytes
+
+
+def DateFromTicks(ticks: float) -> datetime.date:  # noqa: N802 (the names PEP 249 requires)
+    return Date(*time.localtime(ticks)[:3])
+
+
+def TimeFromTicks(ticks: float) -> datetime.time:  # noqa: N802
+    return Time(*time.localtime(ticks)[3:6])
+
+
+def TimestampFromTicks(ticks: float) -> datetime.datetime:  # noqa: N802
+    return Timestamp(*time.localtime(ticks)[:6])
+
+
+class _TypeObject:
+    """A PEP 249 type object: equal to each type code it names. ``description`` holds no type code
+    (None: a column of a query has no declared type), so none of these equals one there."""
+
+    def __init__(self, *type_codes: str) -> None:
+        self.type_codes = frozenset(type_codes)
+
+    def __eq__(self, other: object) -> bool:
+        return other in self.type_codes
+
+    def __hash__(self) -> int:
+        return hash(self.type_codes)
+
+
+STRING = _TypeObject("TEXT")
+BINARY = _TypeObject("BLOB")
+NUMBER = _TypeObject("INTEGER", "REAL")
+DATETIME = _TypeObject()
+ROWID = _TypeObject("INTEGER")
 
 
 class Warning(Exception):  # noqa: A001 (the name PEP 249 requires)
@@ -95,6 +137,7 @@ _ERRORS: dict[str, type[Error]] = {
     "query_cursor_unknown": OperationalError,
     "forbidden": OperationalError,
     "unauthenticated": OperationalError,
+    "internal": InternalError,  # serving the request failed at the node (a bug there, not the statement)
 }
 
 

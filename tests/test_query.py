@@ -634,6 +634,66 @@ def test_dbapi_connection_and_pandas_read_sql(node: ThreadNode) -> None:
         connection.cursor()
 
 
+def test_a_query_that_must_see_a_key_is_held_at_the_node_less_than_its_own_timeout(node: ThreadNode) -> None:
+    """The node was asked to hold a query for its key as long as the client's timeout allows, not the
+    query's own ``timeout_ms``: a query given less time than the client (a caller's short deadline) gave
+    up on a node that was alive and about to answer, said "did not answer" and re-sent it; one given
+    more (the 30 s default) had the node answer ``timeout`` long before the caller stopped waiting."""
+    far = TxKey(1, 10**9)  # never applied here: the node answers ``timeout`` naming it
+    with node.client(timeout_ms=3000, retries=1) as client:
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as refused:
+            client.query("SELECT count(*) FROM users", after_tx_key=far, timeout_ms=600)
+        assert refused.value.code == "timeout" and str(tuple(far)) in str(refused.value)
+        assert time.monotonic() - started < 1.0  # one attempt, answered inside it
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as refused:
+            client.query("SELECT count(*) FROM users", after_tx_key=far, timeout_ms=4000)
+        assert refused.value.code == "timeout"
+        assert time.monotonic() - started > 3.0  # held as long as this query allows, not the client's 3 s
+
+
+def test_a_node_internal_error_is_a_dbapi_internal_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node answers ``internal`` when serving a request failed on its side (``CoreNode``, a reply it
+    could not encode): the DB-API raised the bare ``DatabaseError`` where PEP 249 names
+    ``InternalError`` ("the database encounters an internal error")."""
+    import mnesite.dbapi as dbapi
+
+    def failed(*args, **kwargs):
+        raise RemoteError("query failed: RuntimeError: boom", "internal")
+
+    monkeypatch.setattr(Client, "query", failed)
+    with dbapi.connect("tcp://127.0.0.1:1") as connection, pytest.raises(dbapi.InternalError) as raised:
+        connection.cursor().execute("SELECT 1")
+    assert raised.value.code == "internal" and isinstance(raised.value, dbapi.DatabaseError)
+
+
+def test_dbapi_has_the_type_constructors_and_objects_pep_249_requires(node: ThreadNode) -> None:
+    """PEP 249 requires ``Binary``, ``Date``, ``Time``, ``Timestamp``, their ``*FromTicks`` forms and the
+    type objects ``STRING``, ``BINARY``, ``NUMBER``, ``DATETIME``, ``ROWID``: the module had none, so
+    ``dbapi.Binary(data)`` (how portable code binds bytes) was an AttributeError. Dates bind as SQLite's
+    date functions read them (ISO 8601 text), as sqlite3's adapters did."""
+    import datetime
+
+    import mnesite.dbapi as dbapi
+
+    with dbapi.connect(node.endpoint) as connection:
+        cursor = connection.cursor()
+        blob, day = dbapi.Binary(b"\x00\xff"), dbapi.Date(2026, 1, 2)
+        at = (dbapi.Time(3, 4, 5), dbapi.Timestamp(2026, 1, 2, 3, 4, 5))
+        cursor.execute("SELECT ?, typeof(?), ?, date(?, '+1 day'), ?, ?", (blob, blob, day, day, *at))
+        assert cursor.fetchall() == [
+            (b"\x00\xff", "blob", "2026-01-02", "2026-01-03", "03:04:05", "2026-01-02T03:04:05")
+        ]
+    ticks = datetime.datetime(2026, 1, 2, 3, 4, 5).timestamp()
+    assert dbapi.DateFromTicks(ticks) == datetime.date(2026, 1, 2)
+    assert dbapi.TimeFromTicks(ticks) == datetime.time(3, 4, 5)
+    assert dbapi.TimestampFromTicks(ticks) == datetime.datetime(2026, 1, 2, 3, 4, 5)
+    assert dbapi.STRING == "TEXT" and dbapi.BINARY == "BLOB" and dbapi.ROWID == "INTEGER"
+    assert dbapi.NUMBER == "INTEGER" and dbapi.NUMBER == "REAL" and dbapi.NUMBER != "TEXT"
+    assert dbapi.DATETIME != "TEXT" and dbapi.STRING != None  # noqa: E711 (a type code may be None)
+
+
 def test_closing_a_dbapi_connection_frees_its_cursors_at_the_node_and_they_are_unusable(node: ThreadNode) -> None:
     """Closing the connection closed its zmq socket only: the node kept each unfinished result's
     cursor (its read snapshot, and one of query_cursors_max places) until query_idle_ms_max, and the

@@ -1,0 +1,239 @@
+"""What the CLI writes for values JSON cannot spell, what it binds for a ``--param``, and what a long
+export says while it runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from mnesite.cli.main import json_text, main
+
+from tests.conftest import ThreadNode
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def strict_json(text: str) -> Any:
+    """``text`` as JSON, refusing the words ``Infinity``, ``-Infinity`` and ``NaN`` that Python's json
+    writes and reads but no JSON parser must (RFC 8259; jq, JavaScript's JSON.parse refuse them)."""
+
+    def refuse(word: str) -> Any:
+        raise ValueError(f"{word} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture
+def mnesite(thread_node: ThreadNode):
+    runner = CliRunner()
+
+    def invoke(*args: str, input: str | None = None):
+        return runner.invoke(main, [*args, "--node", thread_node.endpoint], input=input, catch_exceptions=False)
+
+    created = invoke("table", "create", "items", "--key-column", "id", "--column", "id:INTEGER",
+                     "--column", "price:REAL")  # fmt: skip
+    assert created.exit_code == 0, created.output
+    return invoke
+
+
+def test_an_infinite_real_is_written_as_a_json_number_by_every_json_output(
+    mnesite, thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """A REAL column holds an infinity (SQLite stores 1e999 so; ``put`` takes ``1e999``), and every
+    ``--json`` output and JSON lines export wrote it as Python's ``Infinity``, which is not JSON: jq
+    and every other parser refused the whole document. It is written as SQLite's json() writes it,
+    ``9.0e+999``, a JSON number that parsers read back as infinity (import too)."""
+    assert mnesite("put", "items", '{"id": 1, "price": 1e999}').exit_code == 0
+    assert mnesite("put", "items", '{"id": 2, "price": -1e999}').exit_code == 0
+    assert mnesite("put", "items", '{"id": 3, "price": 2.5}').exit_code == 0
+    rows = [{"id": 1, "price": math.inf}, {"id": 2, "price": -math.inf}, {"id": 3, "price": 2.5}]
+
+    assert mnesite("get", "items", "1", "--json").stdout == '{"id": 1, "price": 9.0e+999}\n'
+    assert strict_json(mnesite("get", "items", "1", "--json").stdout) == rows[0]
+    assert strict_json(mnesite("get", "items", "2").stdout) == rows[1]  # the text form prints the row as JSON too
+    assert strict_json(mnesite("scan", "items", "--json").stdout) == rows
+    query = mnesite("query", "SELECT id, price, -1e999 FROM items ORDER BY id", "--json")
+    assert strict_json(query.stdout)["rows"] == [[row["id"], row["price"], -math.inf] for row in rows]
+    changes = mnesite("changes", "items", "--json").stdout.splitlines()
+    assert [strict_json(line)["row"] for line in changes[1:]] == rows  # after the create_table record
+    tail = strict_json(mnesite("rlog", "tail", "default", "-n", "3", "--json").stdout)
+    assert [entry["ops"][0]["row"] for entry in tail] == rows
+
+    exported = tmp_path / "items.jsonl"
+    assert mnesite("export", "items", "--output", str(exported)).exit_code == 0
+    assert [strict_json(line) for line in exported.read_text().splitlines()] == rows
+    created = mnesite("table", "create", "copy", "--key-column", "id", "--column", "id:INTEGER",
+                      "--column", "price:REAL")  # fmt: skip
+    assert created.exit_code == 0
+    assert mnesite("import", "copy", str(exported)).exit_code == 0
+    with thread_node.client() as client:
+        assert list(client.scan("copy")) == rows
+
+
+def test_json_text_writes_blobs_and_non_finite_floats_as_json_in_one_document() -> None:
+    value = {"raw": b"\x00", "values": [math.inf, -math.inf, math.nan, 1.5], "name": "Infinity"}
+    text = json_text(value)
+    assert text == '{"raw": {"base64": "AA=="}, "values": [9.0e+999, -9.0e+999, null, 1.5], "name": "Infinity"}'
+    assert strict_json(text)["values"][:2] == [math.inf, -math.inf]
+    assert json_text([1, "a", None]) == json.dumps([1, "a", None])  # the common case: json's own text
+
+
+def test_a_param_that_is_not_json_is_text_even_when_python_reads_it_as_a_number(mnesite) -> None:
+    """``--param`` binds "JSON if it parses, else the text": Python's json also reads ``NaN``,
+    ``Infinity`` and ``-Infinity``, which are not JSON, so ``--param NaN`` was refused ("NaN cannot be
+    stored") and ``--param Infinity`` bound a REAL where the text was meant (a name, a title)."""
+    result = mnesite(
+        "query", "SELECT ?, typeof(?), ?, ?, typeof(?)", "--json",
+        "--param", "NaN", "--param", "Infinity", "--param", "-Infinity", "--param", "1e999", "--param", "1e999",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert strict_json(result.stdout)["rows"] == [["NaN", "text", "-Infinity", math.inf, "real"]]
+
+
+def test_an_import_reads_a_file_that_opens_with_a_byte_order_mark(
+    mnesite, thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """A CSV saved by Excel ("CSV UTF-8") or a Windows tool opens with a UTF-8 byte order mark: the
+    import read it as part of the first column's name and refused the file ("items has no column
+    '\\ufeffid'", naming line 2), and a JSON lines file so was "not valid JSON" at line 1. The mark is
+    not data: it is skipped, from a file as from stdin."""
+    bom = "\ufeff"
+    csv_file = tmp_path / "excel.csv"
+    csv_file.write_bytes((bom + "id,price\r\n1,1.5\r\n2,2.5\r\n").encode())
+    result = mnesite("import", "items", str(csv_file))
+    assert result.exit_code == 0, result.output
+    lines = tmp_path / "rows.jsonl"
+    lines.write_bytes((bom + '{"id": 3, "price": 3.5}\n').encode())
+    assert mnesite("import", "items", str(lines)).exit_code == 0
+    piped = mnesite("import", "items", "-", input=bom + '{"id": 4, "price": 4.5}\n')
+    assert piped.exit_code == 0, piped.output
+    with thread_node.client() as client:
+        assert list(client.scan("items")) == [{"id": i, "price": i + 0.5} for i in range(1, 5)]
+
+
+def test_a_csv_header_naming_an_unknown_column_is_refused_at_line_1(mnesite, tmp_path: Path) -> None:
+    """The header was checked only with each row: the error named line 2 (the first row) for a column
+    of line 1, and a header-only file with a wrong column imported nothing and exited 0."""
+    for content in ("id,hue\n1,red\n", "id,hue\n"):
+        path = tmp_path / "items.csv"
+        path.write_text(content)
+        result = mnesite("import", "items", str(path))
+        assert result.exit_code == 1, (content, result.output)
+        assert result.output == "Error: line 1: items has no column 'hue'\n", content
+
+
+def test_an_export_shows_its_progress_on_stderr_unless_quiet(
+    mnesite, thread_node: ThreadNode, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long export printed nothing until it ended (import, backup and compare show their progress):
+    an operator could not tell a slow export of a large table from a stuck one. It says how far it
+    got on stderr, about once a second, and how many rows it wrote; the rows alone go to the output."""
+    from mnesite.cli import transfer
+
+    monkeypatch.setattr(transfer, "PROGRESS_INTERVAL_S", 0.0)  # a line per page, here
+    with thread_node.client() as client:
+        client.transact([{"op": "write", "table": "items", "row": {"id": i, "price": 0.5}} for i in range(25)])
+    result = mnesite("export", "items", "--page-rows", "10")
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["id"] for line in result.stdout.splitlines()] == list(range(25))
+    assert result.stderr.splitlines() == [
+        "export: 10 rows (key 9)",
+        "export: 20 rows (key 19)",
+        "export: 25 rows (key 24)",
+        "export: 25 rows, done",
+    ]
+    csv_file = tmp_path / "items.csv"
+    quiet = mnesite("export", "items", "--format", "csv", "--output", str(csv_file), "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
+    assert len(csv_file.read_text().splitlines()) == 26
+
+
+def test_put_and_tx_write_a_blob_given_as_get_prints_it(mnesite, thread_node: ThreadNode) -> None:
+    """``get``, ``scan`` and ``export`` print a BLOB as ``{"base64": ...}`` and ``import`` reads it so,
+    but ``put`` and ``tx`` refused that form ("must be null, a 64-bit integer, a float, a string or
+    bytes"), and JSON has no other: no BLOB could be written, nor a row read with ``get --json`` be
+    written back. They take it now, in rows, keys and guards."""
+    created = mnesite("table", "create", "files", "--key-column", "digest", "--column", "digest:BLOB",
+                      "--column", "body:BLOB", "--column", "name:TEXT")  # fmt: skip
+    assert created.exit_code == 0, created.output
+    row = '{"digest": {"base64": "AP8="}, "body": {"base64": "aGVsbG8="}, "name": "hello"}'
+    put = mnesite("put", "files", row)
+    assert put.exit_code == 0, put.output
+    with thread_node.client() as client:
+        assert client.get("files", b"\x00\xff") == {"digest": b"\x00\xff", "body": b"hello", "name": "hello"}
+    got = mnesite("get", "files", "00ff", "--json")
+    assert json.loads(got.stdout) == json.loads(row)
+    assert mnesite("put", "files", got.stdout).exit_code == 0  # what get printed is a row put takes
+
+    transaction = {
+        "guards": [{"table": "files", "key": {"base64": "AP8="}, "equals": json.loads(row)}],
+        "ops": [
+            {"op": "delete", "table": "files", "key": {"base64": "AP8="}},
+            {"op": "write", "table": "files", "row": {"digest": {"base64": "AQ=="}, "body": None, "name": "x"}},
+        ],
+    }
+    applied = mnesite("tx", "-", input=json.dumps(transaction))
+    assert applied.exit_code == 0, applied.output
+    with thread_node.client() as client:
+        assert list(client.scan("files")) == [{"digest": b"\x01", "body": None, "name": "x"}]
+
+    bad = mnesite("put", "files", '{"digest": {"base64": "not base64!"}, "body": null, "name": "x"}')
+    assert bad.exit_code == 1 and bad.output.startswith("Error: ROW_JSON: column 'digest': "), bad.output
+
+
+def test_tx_reads_its_file_with_a_bound(mnesite, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tx`` read FILE whole before looking at it: ``mnesite tx -`` fed a large file by mistake (a dump,
+    /dev/zero) held all of it in memory. It reads at most ``TX_CHARS_MAX`` characters (far above what
+    a transaction that fits a frame spells) and refuses a longer file."""
+    import mnesite.cli.main as cli_main
+
+    monkeypatch.setattr(cli_main, "TX_CHARS_MAX", 200, raising=False)
+    small = {"ops": [{"op": "write", "table": "items", "row": {"id": 1, "price": 0.5}}]}
+    assert mnesite("tx", "-", input=json.dumps(small)).exit_code == 0
+    large = {"ops": [{"op": "write", "table": "items", "row": {"id": i, "price": 0.5}} for i in range(10)]}
+    result = mnesite("tx", "-", input=json.dumps(large))
+    assert result.exit_code == 1
+    assert result.output == "Error: the transaction is longer than 200 characters; nothing was sent\n"
+
+
+def test_scan_with_a_limit_asks_the_node_for_no_more_rows_than_it_prints(
+    mnesite, thread_node: ThreadNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``scan --limit 3`` asked the node for a whole page (1,000 rows by default, up to 10,000 with
+    --page-rows), read, sent and decoded them, and printed 3."""
+    from mnesite.rlog.client import Client
+
+    with thread_node.client() as client:
+        client.transact([{"op": "write", "table": "items", "row": {"id": i, "price": 0.5}} for i in range(50)])
+    asked: list[int] = []
+    scan_page = Client.scan_page
+
+    def recorded(self, table, after=None, limit=1000, *args, **kwargs):
+        asked.append(limit)
+        return scan_page(self, table, after, limit, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "scan_page", recorded)
+    result = mnesite("scan", "items", "--limit", "3", "--json")
+    assert [row["id"] for row in json.loads(result.stdout)] == [0, 1, 2]
+    assert asked == [3]
+    asked.clear()
+    from_key = mnesite("scan", "items", "--from", "10", "--limit", "3", "--page-rows", "2", "--json")
+    assert [row["id"] for row in json.loads(from_key.stdout)] == [10, 11, 12]
+    assert asked == [2]  # the first row is the get of --from; then at most the 2 rows still wanted
+
+
+def test_a_table_shows_a_blob_as_the_hex_get_takes(mnesite, thread_node: ThreadNode) -> None:
+    """``scan`` and ``query`` printed a BLOB as Python's ``b'\\x00\\xff'``: not what ``get``, ``delete``
+    and ``scan --from`` take for a BLOB key (hex), nor anything a shell user can pass back."""
+    created = mnesite("table", "create", "files", "--key-column", "digest", "--column", "digest:BLOB",
+                      "--column", "name:TEXT")  # fmt: skip
+    assert created.exit_code == 0, created.output
+    with thread_node.client() as client:
+        client.put("files", {"digest": b"\x00\xff", "name": "a"})
+    assert mnesite("scan", "files").stdout.splitlines() == ["digest  name", "00ff    a"]
+    assert mnesite("query", "SELECT digest FROM files").stdout.splitlines() == ["digest", "00ff"]
+    assert json.loads(mnesite("get", "files", "00ff").stdout) == {"digest": {"base64": "AP8="}, "name": "a"}
