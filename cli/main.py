@@ -7,7 +7,6 @@ import binascii
 import gc
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ from mnesite.rlog.client import (
 )
 from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
+from mnesite.rlog.json_text import json_text as rlog_json_text
 from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
 from mnesite.rlog.types import TxKey
 
@@ -90,27 +90,8 @@ def row_with_blobs(row: Any, where: str) -> Any:
 
 def json_text(value: Any) -> str:
     """``value`` as JSON text, BLOBs as ``{"base64": ...}``: what every ``--json`` output and JSON lines
-    export writes.
-
-    JSON has no infinity, and a REAL may hold one (SQLite stores ``1e999`` so): Python's json writes
-    the word ``Infinity``, which JSON parsers refuse. It is written as SQLite's own ``json()``
-    writes it, ``9.0e+999``, a JSON number that parsers (Python's json, so ``import``) read back as
-    infinity; a NaN, which SQLite never holds (it stores one as null), as ``null``."""
-    try:
-        return json.dumps(value, default=_json_default, allow_nan=False)
-    except ValueError:
-        return _json_with_non_finite(value)  # rare: only a value holding a non-finite float gets here
-
-
-def _json_with_non_finite(value: Any) -> str:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "null" if math.isnan(value) else ("9.0e+999" if value > 0 else "-9.0e+999")
-    if isinstance(value, dict):
-        items = (f"{json.dumps(str(key))}: {_json_with_non_finite(item)}" for key, item in value.items())
-        return "{" + ", ".join(items) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_json_with_non_finite(item) for item in value) + "]"
-    return json.dumps(value, default=_json_default)
+    export writes; an infinity as ``9.0e+999``, which JSON parsers read back (``rlog.json_text``)."""
+    return rlog_json_text(value, default=_json_default)
 
 
 def emit_json(value: Any) -> None:
@@ -231,12 +212,28 @@ def parse_tx_key(text: str) -> TxKey:
     return TxKey(generation, counter)
 
 
+def read_option(context: click.Context, parameter: click.Parameter, value: Any) -> Any:
+    """``--consistency`` and ``--after``: once both are known (click processes one, then the other), a
+    read-your-writes without ``--after`` is said to read as local: a command has no earlier write of its
+    own to wait for (a ``Client`` waits for its own last write, which the command's client has none of)."""
+    if parameter.name == "after_tx_key" and value is not None:
+        value = parse_tx_key(value)
+    given = {**context.params, parameter.name: value}
+    if given.get("consistency") == "read-your-writes" and "after_tx_key" in given and given["after_tx_key"] is None:
+        click.echo(
+            "Warning: --consistency read-your-writes without --after reads as local does (this command "
+            "wrote nothing before it); give --after G,C, the tx key put or tx printed",
+            err=True,
+        )
+    return value
+
+
 AFTER = click.option(
     "--after",
     "after_tx_key",
     metavar="G,C",
     default=None,
-    callback=lambda context, parameter, value: None if value is None else parse_tx_key(value),
+    callback=read_option,
     help="Read your writes: answer only once the node has applied this tx key (as printed by put/tx).",
 )
 
@@ -616,7 +613,8 @@ CONSISTENCY = click.option(
     type=click.Choice(["local", "read-your-writes", "linearizable"]),
     default="local",
     show_default=True,
-    help="Read consistency.",
+    callback=read_option,
+    help="Read consistency (read-your-writes waits for --after: without it, it reads as local, with a warning).",
 )
 
 

@@ -33,13 +33,20 @@ apilevel = "2.0"
 threadsafety = 1
 paramstyle = "qmark"
 
-# PEP 249's type constructors. A value binds as the client sends it: bytes as a BLOB, a date, time
-# or timestamp as ISO 8601 text (``2026-01-02``, ``03:04:05``, ``2026-01-02T03:04:05``), which
-# SQLite's date and time functions read, as sqlite3's adapters bound them.
+# PEP 249's type constructors. A value binds as the client sends it: bytes as a BLOB. A date, time or
+# timestamp (these constructors' or any other) binds as the ISO 8601 text its ``isoformat()`` writes
+# (``2026-01-02``, ``03:04:05``, ``2026-01-02T03:04:05``), which SQLite's date and time functions read;
+# the client itself refuses them (``Client.query``). Any other value the client refuses (a Decimal, a
+# UUID) is a ``ProgrammingError`` naming the parameter, as sqlite3 refuses what it cannot bind.
 Date = datetime.date
 Time = datetime.time
 Timestamp = datetime.datetime
 Binary = bytes
+
+
+def _bound(value: Any) -> Any:
+    """A parameter as the client sends it: a date, time or timestamp as its ISO 8601 text."""
+    return value.isoformat() if isinstance(value, (datetime.date, datetime.time)) else value
 
 
 def DateFromTicks(ticks: float) -> datetime.date:  # noqa: N802 (the names PEP 249 requires)
@@ -119,22 +126,35 @@ class NotSupportedError(DatabaseError):
     pass
 
 
-# The node's error codes -> the PEP 249 class a caller catches.
+# The node's error codes (and the client's for them) -> the PEP 249 class a caller catches; any other
+# code is a bare DatabaseError. PEP 249: DataError for the data, ProgrammingError for the request,
+# NotSupportedError for what the node does not do, OperationalError for the node's state.
 _ERRORS: dict[str, type[Error]] = {
-    "query_refused": NotSupportedError,
+    "query_failed": DataError,  # SQLite failed the statement's run (a value Python cannot hold)
+    "too_large": DataError,  # a parameter, or one row of the result, larger than a frame
+    "frame_too_large": DataError,
     "bad_query": ProgrammingError,
-    "bad_request": ProgrammingError,
+    "bad_request": ProgrammingError,  # a parameter the wire has no type for is refused unsent
+    "bad_frame": ProgrammingError,
     "unknown_table": ProgrammingError,
-    "query_failed": DataError,
+    "unknown_shard": ProgrammingError,
+    "query_refused": NotSupportedError,
+    "unknown_kind": NotSupportedError,  # a node of an older release, or not its protocol version
+    "unsupported_version": NotSupportedError,
     "query_budget": OperationalError,
     "overloaded": OperationalError,
     "timeout": OperationalError,
     "unavailable": OperationalError,
     "outcome_unknown": OperationalError,
     "no_sequencer": OperationalError,
+    "busy": OperationalError,
+    "not_applied": OperationalError,
     "stopping": OperationalError,
     "not_ready": OperationalError,
     "query_cursor_unknown": OperationalError,
+    "query_cursor_busy": OperationalError,  # its previous page is still being read (a fetch that timed out)
+    "sent_again": OperationalError,  # a resend of the statement took its place
+    "bad_answer": OperationalError,
     "forbidden": OperationalError,
     "unauthenticated": OperationalError,
     "internal": InternalError,  # serving the request failed at the node (a bug there, not the statement)
@@ -248,7 +268,7 @@ class Cursor:
         try:
             self._result = client.query(
                 operation,
-                list(parameters or ()),
+                [_bound(value) for value in parameters or ()],
                 self.connection.consistency,
                 self.connection.after_tx_key,
                 page_rows=self.connection.page_rows,

@@ -66,9 +66,9 @@ def scalars_refusal(values: list[Any] | tuple[Any, ...], width: int = 0) -> str 
     # A few values (a one-row entry): a loop costs less than the C loops' setups below (NaN is not <=).
     if len(values) <= 8 and all(type(v) in _PLAIN or type(v) in (int, float) and v <= INTEGER_MAX for v in values):
         return None
-    kinds = set(each := list(map(type, values)))  # each value's type
-    if not kinds <= _SCALARS:
-        return "must be null, a 64-bit integer, a float, a string or bytes"
+    kinds = set(each := list(map(type, values)))  # each value's type; a client's: an enum of int or str, a bytearray
+    if not all(kind in _SCALARS or issubclass(kind, (int, str, bytearray, memoryview)) for kind in kinds):
+        return "must be null, a bool, an integer in SQLite's 64-bit range, a float, a string or bytes"
     # msgpack holds no integer below -2**63: only the top of SQLite's range can be passed (ints picked in C).
     if int in kinds and max(itertools.compress(values, map(operator.is_, each, itertools.repeat(int)))) > INTEGER_MAX:
         return "integer is outside SQLite's 64-bit range"
@@ -335,16 +335,15 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 def encode(message: Message, check: bool = False) -> bytes:
     """Encode a message; raises ``MessageError`` if it cannot be represented, or, with ``check``
-    (clients), if the receiver's schema would refuse it."""
+    (clients), if the receiver's schema would refuse it. The values given are checked, not the bytes:
+    msgspec writes a Decimal, a date or a UUID as text, which a receiver would take for a string."""
+    if check:
+        check_header(message.kind, message.request_id)
+        decode_body(message.kind, message.body)
     try:
         body = _ENCODER.encode(message.body)
     except (TypeError, ValueError, OverflowError) as error:
-        if check and message.kind in SCHEMAS:  # an integer beyond 64 bits: the schema's checks name the field
-            decode_body(message.kind, message.body)
         raise MessageError(f"cannot encode {message.kind}: {error}") from None
-    if check:
-        check_header(message.kind, message.request_id)
-        decode_body(message.kind, body)
     return _ENCODER.encode((PROTOCOL_VERSION, message.kind, message.request_id, msgspec.Raw(body)))
 
 

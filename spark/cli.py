@@ -13,11 +13,11 @@ The main CLI registers it with ``main.add_command(compare)``.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from typing import Any
 
 import click
+from mnesite.rlog.json_text import json_text
 from mnesite.spark.compare import (
     CATEGORIES,
     EXIT_ERROR,
@@ -39,7 +39,7 @@ VALUE_WIDTH_MAX = 60  # characters of a row shown per cell in the readable outpu
 
 
 def _render_value(value: Any) -> str:
-    text = json.dumps(value, default=json_default, ensure_ascii=False)
+    text = json_text(value, default=json_default, ensure_ascii=False)
     return text if len(text) <= VALUE_WIDTH_MAX else text[: VALUE_WIDTH_MAX - 3] + "..."
 
 

@@ -46,13 +46,13 @@ Exit status: 0 equal (in-flight differences allowed), 1 diverged, 2 could not co
 from __future__ import annotations
 
 import heapq
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mnesite.rlog.json_text import json_text
 from mnesite.rlog.range_digest import key_bytes, key_from_bytes
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
@@ -240,7 +240,8 @@ def json_default(value: Any) -> Any:
 
 
 def report_json(report: CompareReport, indent: int | None = 2) -> str:
-    return json.dumps(report.to_json(), default=json_default, indent=indent, sort_keys=False)
+    """The report as JSON (``compare --json``): a sampled infinite REAL as ``9.0e+999``, as every ``--json``."""
+    return json_text(report.to_json(), default=json_default, indent=indent)
 
 
 # -- executor side --------------------------------------------------------------------------------

@@ -40,6 +40,51 @@ def mnesite(thread_node: ThreadNode):
     return invoke
 
 
+def test_compare_writes_an_infinity_in_its_samples_as_json_parsers_read_it() -> None:
+    """``compare --json`` (and the readable report, whose cells are JSON) wrote a sampled infinite REAL
+    with ``json.dumps``, as ``Infinity``, which is not JSON: jq refused the whole report. It writes
+    ``9.0e+999``, as ``mnesite get --json`` does (``rlog.json_text``, which both import)."""
+    from mnesite.spark.cli import render_report
+    from mnesite.spark.compare import CompareReport, PairTableResult, report_json
+
+    pair = PairTableResult("items", "a", "b")
+    pair.counts["different"] = 1
+    left, right = {"id": 1, "price": math.inf, "blob": b"\x01"}, {"id": 1, "price": -math.inf, "blob": b"\x01"}
+    pair.samples["different"].append({"key": 1, "left": left, "right": right})
+    report = CompareReport([], {}, tables=["items"], rows={"items": {"a": 1, "b": 1}}, pairs=[pair])
+    sample = strict_json(report_json(report))["pairs"][0]["samples"]["different"][0]
+    assert sample["left"] == {"id": 1, "price": math.inf, "blob": {"hex": "01"}}
+    assert sample["right"]["price"] == -math.inf and '\n  "status": "diverged",' in report_json(report)
+    assert 'left {"id": 1, "price": 9.0e+999, "blob": {"hex": "01"}}' in render_report(report)
+
+
+def test_json_text_writes_valid_json_for_non_finite_floats_whatever_the_options() -> None:
+    from mnesite.rlog.json_text import json_text as rlog_json_text
+
+    value = {"a": [math.inf, -math.inf, math.nan, 1.5, "Infinity", "9.0e+999"], math.inf: (1, None)}
+    text = rlog_json_text(value, indent=2)
+    assert strict_json(text) == {"a": [math.inf, -math.inf, None, 1.5, "Infinity", "9.0e+999"], "9.0e+999": [1, None]}
+    assert text.startswith('{\n  "a": [\n    9.0e+999,\n    -9.0e+999,\n    null,')
+    assert rlog_json_text({"b": b"x", "é": 1e999}, default=lambda v: [math.inf], ensure_ascii=False) == (
+        '{"b": [9.0e+999], "é": 9.0e+999}'
+    )
+    assert json_text(math.inf) == "9.0e+999" and json_text([b"\x00"]) == '[{"base64": "AA=="}]'
+
+
+@pytest.mark.parametrize("command", [("get", "items", "1"), ("scan", "items"), ("count", "items"),
+                                     ("query", "SELECT 1"), ("export", "items")])  # fmt: skip
+def test_read_your_writes_without_after_says_it_reads_as_local(mnesite, command: tuple[str, ...]) -> None:
+    """A command has no earlier write of its own, so ``--consistency read-your-writes`` without
+    ``--after`` waited for nothing: it read exactly as ``local``, silently. It says so on stderr (the
+    command still runs); with ``--after``, or another level, nothing is said."""
+    warning = "Warning: --consistency read-your-writes without --after reads as local does"
+    alone = mnesite(*command, "--consistency", "read-your-writes")
+    assert alone.exit_code in (0, 1) and alone.stderr.startswith(warning), alone.output
+    assert "give --after G,C" in alone.stderr
+    assert "Warning" not in mnesite(*command, "--after", "0,0", "--consistency", "read-your-writes").stderr
+    assert "Warning" not in mnesite(*command, "--consistency", "local").stderr
+
+
 def test_an_infinite_real_is_written_as_a_json_number_by_every_json_output(
     mnesite, thread_node: ThreadNode, tmp_path: Path
 ) -> None:

@@ -668,12 +668,60 @@ def test_a_node_internal_error_is_a_dbapi_internal_error(monkeypatch: pytest.Mon
     assert raised.value.code == "internal" and isinstance(raised.value, dbapi.DatabaseError)
 
 
+# Every code a read-only statement may be answered with (by the node, or by the client for it), and
+# the PEP 249 class it is.
+DBAPI_ERRORS = {
+    "too_large": "DataError",  # a parameter or a row larger than a frame
+    "frame_too_large": "DataError",
+    "query_failed": "DataError",
+    "bad_query": "ProgrammingError",
+    "bad_request": "ProgrammingError",
+    "bad_frame": "ProgrammingError",
+    "unknown_table": "ProgrammingError",
+    "unknown_shard": "ProgrammingError",
+    "query_refused": "NotSupportedError",
+    "unknown_kind": "NotSupportedError",  # a node of a release that does not speak the request
+    "unsupported_version": "NotSupportedError",
+    "query_budget": "OperationalError",
+    "unavailable": "OperationalError",
+    "outcome_unknown": "OperationalError",
+    "no_sequencer": "OperationalError",
+    "stopping": "OperationalError",
+    "not_ready": "OperationalError",
+    "forbidden": "OperationalError",
+    "unauthenticated": "OperationalError",
+    "query_cursor_busy": "OperationalError",
+    "query_cursor_unknown": "OperationalError",
+    "sent_again": "OperationalError",
+    "overloaded": "OperationalError",
+    "timeout": "OperationalError",
+    "busy": "OperationalError",
+    "not_applied": "OperationalError",
+    "bad_answer": "OperationalError",
+    "internal": "InternalError",
+}
+
+
+@pytest.mark.parametrize(("code", "expected"), DBAPI_ERRORS.items())
+def test_every_code_a_query_may_get_is_the_pep_249_class_it_belongs_in(code: str, expected: str) -> None:
+    """``too_large``, ``query_cursor_busy``, ``sent_again``, ``bad_frame``, ``unknown_kind`` ... were a bare
+    ``DatabaseError``, which says nothing a caller can act on (PEP 249: ``DataError`` for the data,
+    ``ProgrammingError`` for the request, ``OperationalError`` for the node's state)."""
+    from mnesite.rlog import dbapi
+
+    error = dbapi._translated(RemoteError("refused", code))
+    assert type(error).__name__ == expected and error.code == code and isinstance(error, dbapi.DatabaseError)
+    documented = (Path(__file__).resolve().parent.parent / "docs" / "concepts" / "queries.md").read_text()
+    assert f"`{code}`" in documented and set(dbapi._ERRORS) == set(DBAPI_ERRORS)  # the DB-API section's table
+
+
 def test_dbapi_has_the_type_constructors_and_objects_pep_249_requires(node: ThreadNode) -> None:
     """PEP 249 requires ``Binary``, ``Date``, ``Time``, ``Timestamp``, their ``*FromTicks`` forms and the
     type objects ``STRING``, ``BINARY``, ``NUMBER``, ``DATETIME``, ``ROWID``: the module had none, so
     ``dbapi.Binary(data)`` (how portable code binds bytes) was an AttributeError. Dates bind as SQLite's
     date functions read them (ISO 8601 text), as sqlite3's adapters did."""
     import datetime
+    import decimal
 
     import mnesite.dbapi as dbapi
 
@@ -685,6 +733,12 @@ def test_dbapi_has_the_type_constructors_and_objects_pep_249_requires(node: Thre
         assert cursor.fetchall() == [
             (b"\x00\xff", "blob", "2026-01-02", "2026-01-03", "03:04:05", "2026-01-02T03:04:05")
         ]
+        # A value the wire has no type for is refused before it is sent, naming the parameter (it went as
+        # text: Decimal("1.10") compared as the string "1.10"); any date or datetime binds as above.
+        with pytest.raises(dbapi.ProgrammingError, match=r"query.params\[1\]: must be null, a bool"):
+            cursor.execute("SELECT ?, ?", (1, decimal.Decimal("1.10")))
+        cursor.execute("SELECT ?", (datetime.datetime(2026, 1, 2, 3, 4, 5, 6),))
+        assert cursor.fetchall() == [("2026-01-02T03:04:05.000006",)]
     ticks = datetime.datetime(2026, 1, 2, 3, 4, 5).timestamp()
     assert dbapi.DateFromTicks(ticks) == datetime.date(2026, 1, 2)
     assert dbapi.TimeFromTicks(ticks) == datetime.time(3, 4, 5)

@@ -4,6 +4,11 @@ node keeps serving. Unit level against a thread node (``tests/conftest.py``) and
 from __future__ import annotations
 
 import contextlib
+import datetime
+import decimal
+import enum
+import fractions
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,6 +194,54 @@ def test_the_client_refuses_the_same_before_sending(kind, body, path) -> None:
     with Client("tcp://127.0.0.1:9", timeout_ms=100, retries=0) as client, pytest.raises(InvalidRequest) as info:
         client.call(kind, body)
     assert path in str(info.value)
+
+
+NOT_WIRE_VALUES = [
+    decimal.Decimal("1.10"),
+    datetime.date(2026, 1, 2),
+    datetime.datetime(2026, 1, 2, 3, 4, 5),
+    datetime.time(3, 4, 5),
+    uuid.UUID(int=1),
+    fractions.Fraction(1, 3),
+    {1, 2},
+]
+NOT_WIRE = [
+    ("transact", lambda v: {"ops": [{"op": "write", "table": "t", "row": {"id": 1, "price": v}}]}, "ops[0].row.price"),
+    ("transact", lambda v: {"ops": [{"op": "delete", "table": "t", "key": v}]}, "transact.ops[0].key"),
+    ("transact", lambda v: {"ops": [], "guards": [{"table": "t", "key": v}]}, "transact.guards[0].key"),
+    ("transact", lambda v: {"ops": [], "guards": [{"table": "t", "key": 1, "equals": {"a": v}}]}, "equals.a"),
+    ("query", lambda v: {"sql": "SELECT ?", "params": [1, v]}, "query.params[1]"),
+    ("get", lambda v: {"table": "t", "key": v}, "get.key"),
+    ("scan", lambda v: {"table": "t", "after": v}, "scan.after"),
+]
+
+
+@pytest.mark.parametrize("value", NOT_WIRE_VALUES, ids=lambda v: type(v).__name__)
+@pytest.mark.parametrize(("kind", "body", "path"), NOT_WIRE, ids=[p for _, _, p in NOT_WIRE])
+def test_a_value_sqlite_cannot_store_is_refused_by_the_client_naming_the_field(kind, body, path, value) -> None:
+    """msgspec writes a Decimal, a date, a time, a UUID as text: the client's check read that text back
+    and sent it, so ``Decimal("1.10")`` was stored as the string "1.10" (sqlite3 refuses a Decimal). The
+    client now checks the values it was given, before anything is sent (nothing listens there)."""
+    with Client("tcp://127.0.0.1:9", timeout_ms=100, retries=0) as client, pytest.raises(InvalidRequest) as info:
+        client.call(kind, body(value))
+    assert path in str(info.value) and info.value.code == "bad_request"
+    assert "must be null, a bool, an integer in SQLite's 64-bit range, a float, a string or bytes" in str(info.value)
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+class Word(enum.StrEnum):
+    HELLO = "hello"
+
+
+def test_what_the_client_sends_as_the_value_it_is_passes_its_check() -> None:
+    """Enum members of int or str (msgspec sends their values), and a bytearray or memoryview (bytes)."""
+    row = {"a": Colour.RED, "b": Word.HELLO, "c": bytearray(b"\x00"), "d": memoryview(b"\xff"), "e": True}
+    message = Message("transact", "r1", {"ops": [{"op": "write", "table": "t", "row": row}]})
+    sent = messages.decode(messages.encode(message, check=True)).body.ops[0].row
+    assert sent == {"a": 1, "b": "hello", "c": b"\x00", "d": b"\xff", "e": True}
 
 
 def test_poison_entry_a_table_differing_only_in_case_is_refused_before_it_is_logged(node) -> None:
