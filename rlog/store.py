@@ -264,9 +264,13 @@ class Store:
         create: bool = True,
         readonly: bool = False,
         formats_read: tuple[int, ...] = STORAGE_FORMATS_READ,
+        file_mode: int | None = None,
     ) -> None:
         """``formats_read``: the storage formats this release opens (a test passes fewer to play an
-        older release); anything else is refused with one clear error (``rlog.versions``)."""
+        older release); anything else is refused with one clear error (``rlog.versions``).
+        ``file_mode``: the mode the database file and its -wal and -shm files are given once the file
+        is known to be a store (or empty), before the WAL is switched on; a file refused as another
+        application's keeps its own (``rlog.data_dir``)."""
         if synchronous.upper() not in SYNCHRONOUS_LEVELS:
             raise StoreError(f"synchronous must be one of {', '.join(SYNCHRONOUS_LEVELS)}")
         if not create and not os.path.exists(path):
@@ -293,6 +297,12 @@ class Store:
                         f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); it was left as it is. "
                         "Give the node a data directory of its own"
                     )
+                if file_mode is not None:
+                    # A -wal or -shm the read above created has the file's old mode for this moment,
+                    # and so did the file's contents: nothing is written before they are narrowed.
+                    for suffix in ("", "-wal", "-shm"):
+                        if os.path.exists(path + suffix):
+                            os.chmod(path + suffix, file_mode)
             if not readonly:
                 self.connection.execute("PRAGMA journal_mode=WAL")
                 self.connection.execute(f"PRAGMA synchronous={synchronous.upper()}")
