@@ -195,6 +195,9 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+_FAILED_SQLITE_ERRORS = (apsw.CorruptError, apsw.NotADBError, apsw.ReadOnlyError)
+
+
 def storage_fault(error: BaseException) -> StorageFault | None:
     """What a write's exception says about the disk (``rlog.disk``): FULL, FAILED or None (not the disk)."""
     if isinstance(error, StorageFailedError):
@@ -207,6 +210,12 @@ def storage_fault(error: BaseException) -> StorageFault | None:
         # leaves the disk's contents unknown.
         if getattr(error, "extendedresult", None) == apsw.SQLITE_IOERR_SHMSIZE:
             return StorageFault.FULL
+        return StorageFault.FAILED
+    if isinstance(error, _FAILED_SQLITE_ERRORS):
+        # The database is not what this node wrote (a malformed image; a header that no longer says
+        # SQLite), or the file system went read-only under it: no write can be made durable, and
+        # the node's statements are its own, not an entry's. (At the open, ``Store`` says "not a
+        # mnesite database" for NotADBError first: a file at the wrong path is no failed disk.)
         return StorageFault.FAILED
     if isinstance(error, OSError) and error.errno is not None:
         if error.errno in _FULL_ERRNOS:
@@ -222,6 +231,27 @@ def _apply_failure(entry: Entry, error: BaseException) -> BaseException:
     if storage_fault(error) is not None:
         return error
     return EntryApplyError(entry, error)
+
+
+def _open_refusal(path: str, error: apsw.Error) -> str:
+    """Why the database at ``path`` did not open: what the disk did (``storage_fault``, so that nobody
+    "repairs" a database for a full disk), or, for a file that is no SQLite database or a database
+    that is not a store, "not a mnesite database" (a data directory's path or contents to check)."""
+    if isinstance(error, apsw.NotADBError):
+        return f"{path}: not a mnesite database ({error})"
+    fault = storage_fault(error)
+    if fault is StorageFault.FULL:
+        return f"{path}: cannot open: the disk is full ({error}); free space"
+    if isinstance(error, apsw.CorruptError):
+        return f"{path}: cannot open: the database is damaged ({error}); check the disk, then restore it from a backup"
+    if isinstance(error, apsw.ReadOnlyError):
+        return (
+            f"{path}: cannot open: the database cannot be written ({error}); check the file's permissions "
+            "and that its file system is mounted read-write"
+        )
+    if fault is StorageFault.FAILED:
+        return f"{path}: cannot open: the disk failed ({error}); check the disk"
+    return f"{path}: not a mnesite database ({error})"
 
 
 class StoreError(RuntimeError):
@@ -315,14 +345,8 @@ class Store:
                     )
             version = self._format_version()
         except apsw.Error as error:
-            fault = storage_fault(error)
-            if fault is not None:
-                # Not the file's fault: say what the disk did (rlog.disk), so nobody "repairs" the database.
-                what = "is full" if fault is StorageFault.FULL else "failed"
-                raise StoreError(
-                    f"{path}: cannot open: the disk {what} ({error}); free space or check the disk"
-                ) from None
-            raise StoreError(f"{path}: not a mnesite database ({error})") from None
+            refusal = _open_refusal(path, error)
+            raise StoreError(refusal) from None
         refusal = storage_refusal(version, path, formats_read)
         if refusal is not None:
             raise StoreError(refusal)
