@@ -9,8 +9,9 @@ the effects to execute, ``FetchBatch`` (ask the core for the next batch: ``boots
 other side) and ``ApplyBatch`` (write the rows), the request before the write of the batch that
 answered the previous one, so that reading and writing overlap. A batch is accepted only if it answers the request
 outstanding (same core, table and ``after``), holds at most ``batch_rows_max`` rows, every row has
-the table's key column, and its last key comes after ``after`` in SQLite's key order
-(``sqlite_key_order``: a core cannot send the copy back and forth for ever); anything else raises
+the table's key column, holds a row unless it is ``done`` (the table's end), and its last key comes
+after ``after`` in SQLite's key order (``sqlite_key_order``: a core cannot send the copy back and
+forth for ever); anything else raises
 ``CopyFailed`` (the owner gives up on that core) or is ignored as a stale answer. One batch is outstanding at a time, so
 memory and the core's work are bounded by one batch. ``done`` is true once every table is copied.
 
@@ -132,6 +133,10 @@ class TableCopy:
         for row in event.rows:
             if not isinstance(row, dict) or key_column not in row:
                 raise CopyFailed(f"{event.core} sent a row of {event.table} without its key column {key_column!r}")
+        if not event.rows and not event.done:
+            # A table's end is said by ``done`` (``bootstrap.serve``): an empty batch that is not done
+            # would move the copy on to the next table and leave the rest of this one uncopied.
+            raise CopyFailed(f"{event.core} sent an empty batch of {event.table} that is not done")
         effects: list[CopyEffect] = []
         if event.rows:
             last = sqlite_key_order(event.rows[-1][key_column])
@@ -151,7 +156,7 @@ class TableCopy:
         if event.after is None and event.rows_total is not None and event.rows_total >= 0:
             self.rows_expected += event.rows_total
             self.tables_counted += 1
-        if event.done or not event.rows:
+        if event.done:
             self.table_index += 1
             self.after = None
         else:

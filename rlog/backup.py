@@ -44,6 +44,7 @@ from typing import Any
 
 import apsw
 from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
+from mnesite.rlog.store import fsync_directory
 from mnesite.rlog.versions import SOFTWARE_VERSION
 
 DATABASE_FILE_NAME = "mnesite.db"
@@ -164,7 +165,7 @@ class BackupJob:
             finally:
                 target.close()
             _publish(partial, self.path)
-            _fsync_directory(os.path.dirname(self.path))
+            fsync_directory(os.path.dirname(self.path))
             self.state = "done"
         except Exception as error:  # reported to the client that polls; the node goes on serving
             self.error = f"{type(error).__name__}: {str(error)[:300]}"
@@ -239,14 +240,6 @@ def _publish(partial: str, path: str) -> None:
         os.rename(partial, path)
         return
     os.unlink(partial)
-
-
-def _fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_record(path: str) -> dict[str, Any]:

@@ -19,7 +19,13 @@ each commit with the WAL's size in pages):
   forgets it, and the next crossing wakes the thread again;
 * at ``pages_inline`` pages or more (the thread fell behind: a slow disk, a long reader) the
   committing connection checkpoints whatever is left itself, so the WAL stays bounded whatever the
-  thread does.
+  thread does;
+* but while a reader holds a snapshot (a backup's read transaction, a long query), no checkpoint can
+  copy what came after it, and the WAL cannot start over: each commit past a threshold would run a
+  checkpoint that copies nothing new. So an inline checkpoint that could not copy the whole WAL is
+  counted ``pinned`` (not ``forced``: the thread is not behind), and no commit checkpoints, nor wakes
+  the thread, until the WAL has moved on: grown ``pages_background`` more pages (then one checkpoint
+  tries again: the reader may be gone) or started over.
 
 The thread starts at the first wake-up (a store that never writes much has none) and stops at
 ``close``; if no thread (or no connection for it) can be had, commits checkpoint at
@@ -81,6 +87,10 @@ class WalCheckpointer:
         self.background = 0  # checkpoints the thread ran
         self.inline = 0  # checkpoints the committing connection ran (finishing or forced)
         self.forced = 0  # of which forced: the WAL reached pages_inline (the thread fell behind)
+        self.pinned = 0  # inline checkpoints a reader's snapshot kept from copying the whole WAL
+        # The WAL's pages when an inline checkpoint could not copy it all (a reader holds it): no
+        # commit checkpoints until it has grown pages_background more (or started over).
+        self._pinned_pages: int | None = None
         self.failures = 0
         self.inline_due = False
         self._forced_due = False
@@ -98,8 +108,12 @@ class WalCheckpointer:
     def on_wal(self, pages: int) -> None:
         """The committing connection's WAL hook: the WAL holds ``pages`` pages after a commit."""
         if pages >= self.pages_inline:
+            if self._pinned_pages is not None and self._still_pinned(self._pinned_pages, pages):
+                return
             self.inline_due = self._forced_due = True
         elif pages >= self.pages_background:
+            if self._pinned_pages is not None and self._still_pinned(self._pinned_pages, pages):
+                return
             if self._backfilled or self._no_thread:
                 self._backfilled = False
                 self.inline_due = True
@@ -118,6 +132,14 @@ class WalCheckpointer:
             # the threshold checkpoint the whole WAL inline instead of waking the thread.
             self._backfilled = False
 
+    def _still_pinned(self, pinned_pages: int, pages: int) -> bool:
+        """Whether the WAL of ``pages`` is still where an inline checkpoint found it held by a reader
+        at ``pinned_pages`` (see the module's docstring); forgets that once it moved on."""
+        if pinned_pages <= pages < pinned_pages + self.pages_background:
+            return True
+        self._pinned_pages = None
+        return False
+
     def checkpoint_inline(self, connection: apsw.Connection) -> None:
         """Run by the committing connection after its commit when ``inline_due``. Never once a
         background checkpoint failed with an I/O error (``fatal``): a second sync of the database file
@@ -125,7 +147,7 @@ class WalCheckpointer:
         if self.fatal is not None:
             raise StorageFailedError(f"{self.fatal} (no checkpoint runs after it)")
         try:
-            connection.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
+            wal_pages, copied_pages = connection.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
         except apsw.BusyError:
             return  # the thread is checkpointing right now: try again after the next commit
         except apsw.Error as error:
@@ -142,8 +164,13 @@ class WalCheckpointer:
             return
         self.inline_due = False
         self.inline += 1
-        if self._forced_due:
-            self._forced_due = False
+        forced, self._forced_due = self._forced_due, False
+        if copied_pages < wal_pages:
+            # Only a reader's snapshot stops the writer's own PASSIVE checkpoint short: what it did not
+            # copy, no checkpoint can until the reader ends.
+            self._pinned_pages = wal_pages
+            self.pinned += 1
+        elif forced:
             self.forced += 1
 
     def stop(self) -> None:
@@ -162,6 +189,7 @@ class WalCheckpointer:
             "background": self.background,
             "inline": self.inline,
             "forced": self.forced,
+            "pinned": self.pinned,
             "failures": self.failures,
             "thread": self.running,
         }

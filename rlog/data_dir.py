@@ -8,8 +8,11 @@ the database and keeps it until it stops; the kernel releases it when the proces
 never leaves a stale lock. The lock file records the node's name and process id, and a second
 process refuses to start with an error that names them.
 
-The data is the database's: the directory is made 0700 and the database file 0600 before SQLite
-opens it (SQLite gives its -wal and -shm files the database file's mode), whatever the umask.
+The data is the database's: the directory is made 0700 and a new database file 0600 before SQLite
+opens it (SQLite gives its -wal and -shm files the database file's mode), whatever the umask. An
+existing database file is narrowed to 0600 (with its -wal and -shm) by the store once it has read it
+as a store and before it opens the WAL for writing: a file it refuses, another application's, is
+left exactly as it was, mode included.
 
 A directory made here is made durable at once: its parent is fsynced (each new one's, when several
 levels are made), so that a power loss cannot take the directory's entry, and every commit under it,
@@ -79,11 +82,10 @@ class DataDirectoryLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"node {node_name} (pid {os.getpid()})\n".encode(), 0)
             if database_path is not None:
-                # Created 0600 before SQLite opens it; an existing one is narrowed to 0600.
+                # Created 0600 before SQLite opens it. An existing one is left as it is: the store
+                # narrows it once it is known to be a store (``Store(file_mode=...)``), since a file
+                # it refuses (another application's) must keep its mode.
                 os.close(os.open(database_path, os.O_RDWR | os.O_CREAT, FILE_MODE))
-                for suffix in ("", "-wal", "-shm"):
-                    if os.path.exists(database_path + suffix):
-                        os.chmod(database_path + suffix, FILE_MODE)
         except BaseException:
             # A process that goes on after this failure must not keep the directory locked by itself.
             os.close(fd)
@@ -98,7 +100,7 @@ class DataDirectoryLock:
         not open gives the lock back before the error leaves (a process may go on after it)."""
         lock = cls.acquire(data_dir, node_name, database_path)
         try:
-            return Store(database_path, synchronous=synchronous), lock
+            return Store(database_path, synchronous=synchronous, file_mode=FILE_MODE), lock
         except BaseException:
             lock.release()
             raise

@@ -619,11 +619,14 @@ class NodeServer:
             self._storage_failed(checkpointer.fatal)
 
     def _storage_failed(self, error: BaseException) -> NoReturn:
-        self.stop_reason = f"the disk failed: {error}"
+        failed = error
+        if not isinstance(error, StorageFailedError):
+            # SQLite's messages name neither the file nor the error ("database disk image is malformed").
+            failed = StorageFailedError(f"{self.store.path}: {type(error).__name__}: {error}")
+            failed.__cause__ = error
+        self.stop_reason = f"the disk failed: {failed}"
         self.store.disk_failed()
-        if isinstance(error, StorageFailedError):
-            raise error
-        raise StorageFailedError(str(error)) from error
+        raise failed
 
     def abandon_turn(self, reason: str = "the disk failed") -> None:
         """The disk failed this turn: roll back its transaction and send none of its frames as they

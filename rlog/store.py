@@ -195,6 +195,9 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+_FAILED_SQLITE_ERRORS = (apsw.CorruptError, apsw.NotADBError, apsw.ReadOnlyError)
+
+
 def storage_fault(error: BaseException) -> StorageFault | None:
     """What a write's exception says about the disk (``rlog.disk``): FULL, FAILED or None (not the disk)."""
     if isinstance(error, StorageFailedError):
@@ -207,6 +210,12 @@ def storage_fault(error: BaseException) -> StorageFault | None:
         # leaves the disk's contents unknown.
         if getattr(error, "extendedresult", None) == apsw.SQLITE_IOERR_SHMSIZE:
             return StorageFault.FULL
+        return StorageFault.FAILED
+    if isinstance(error, _FAILED_SQLITE_ERRORS):
+        # The database is not what this node wrote (a malformed image; a header that no longer says
+        # SQLite), or the file system went read-only under it: no write can be made durable, and
+        # the node's statements are its own, not an entry's. (At the open, ``Store`` says "not a
+        # mnesite database" for NotADBError first: a file at the wrong path is no failed disk.)
         return StorageFault.FAILED
     if isinstance(error, OSError) and error.errno is not None:
         if error.errno in _FULL_ERRNOS:
@@ -222,6 +231,27 @@ def _apply_failure(entry: Entry, error: BaseException) -> BaseException:
     if storage_fault(error) is not None:
         return error
     return EntryApplyError(entry, error)
+
+
+def _open_refusal(path: str, error: apsw.Error) -> str:
+    """Why the database at ``path`` did not open: what the disk did (``storage_fault``, so that nobody
+    "repairs" a database for a full disk), or, for a file that is no SQLite database or a database
+    that is not a store, "not a mnesite database" (a data directory's path or contents to check)."""
+    if isinstance(error, apsw.NotADBError):
+        return f"{path}: not a mnesite database ({error})"
+    fault = storage_fault(error)
+    if fault is StorageFault.FULL:
+        return f"{path}: cannot open: the disk is full ({error}); free space"
+    if isinstance(error, apsw.CorruptError):
+        return f"{path}: cannot open: the database is damaged ({error}); check the disk, then restore it from a backup"
+    if isinstance(error, apsw.ReadOnlyError):
+        return (
+            f"{path}: cannot open: the database cannot be written ({error}); check the file's permissions "
+            "and that its file system is mounted read-write"
+        )
+    if fault is StorageFault.FAILED:
+        return f"{path}: cannot open: the disk failed ({error}); check the disk"
+    return f"{path}: not a mnesite database ({error})"
 
 
 class StoreError(RuntimeError):
@@ -264,9 +294,13 @@ class Store:
         create: bool = True,
         readonly: bool = False,
         formats_read: tuple[int, ...] = STORAGE_FORMATS_READ,
+        file_mode: int | None = None,
     ) -> None:
         """``formats_read``: the storage formats this release opens (a test passes fewer to play an
-        older release); anything else is refused with one clear error (``rlog.versions``)."""
+        older release); anything else is refused with one clear error (``rlog.versions``).
+        ``file_mode``: the mode the database file and its -wal and -shm files are given once the file
+        is known to be a store (or empty), before the WAL is switched on; a file refused as another
+        application's keeps its own (``rlog.data_dir``)."""
         if synchronous.upper() not in SYNCHRONOUS_LEVELS:
             raise StoreError(f"synchronous must be one of {', '.join(SYNCHRONOUS_LEVELS)}")
         if not create and not os.path.exists(path):
@@ -293,6 +327,12 @@ class Store:
                         f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); it was left as it is. "
                         "Give the node a data directory of its own"
                     )
+                if file_mode is not None:
+                    # A -wal or -shm the read above created has the file's old mode for this moment,
+                    # and so did the file's contents: nothing is written before they are narrowed.
+                    for suffix in ("", "-wal", "-shm"):
+                        if os.path.exists(path + suffix):
+                            os.chmod(path + suffix, file_mode)
             if not readonly:
                 self.connection.execute("PRAGMA journal_mode=WAL")
                 self.connection.execute(f"PRAGMA synchronous={synchronous.upper()}")
@@ -305,14 +345,8 @@ class Store:
                     )
             version = self._format_version()
         except apsw.Error as error:
-            fault = storage_fault(error)
-            if fault is not None:
-                # Not the file's fault: say what the disk did (rlog.disk), so nobody "repairs" the database.
-                what = "is full" if fault is StorageFault.FULL else "failed"
-                raise StoreError(
-                    f"{path}: cannot open: the disk {what} ({error}); free space or check the disk"
-                ) from None
-            raise StoreError(f"{path}: not a mnesite database ({error})") from None
+            refusal = _open_refusal(path, error)
+            raise StoreError(refusal) from None
         refusal = storage_refusal(version, path, formats_read)
         if refusal is not None:
             raise StoreError(refusal)

@@ -521,3 +521,32 @@ def test_a_restore_whose_target_does_not_open_closes_its_source(tmp_path: Path, 
         with pytest.raises(apsw.ConnectionClosedError):
             opened_connection.execute("SELECT 1")
     assert not (tmp_path / "new" / "mnesite.db").exists()
+
+
+def test_a_published_backup_syncs_its_directory_as_the_store_does(tmp_path: Path, monkeypatch) -> None:
+    """Regression: the backup synced the directory holding the new file through its own near copy of
+    ``rlog.store.fsync_directory`` that opened it without ``O_DIRECTORY`` (a path that was no
+    directory would have been synced as a file). It uses the store's, which opens it as a directory."""
+    import os
+
+    from mnesite.rlog.backup import BackupJob
+
+    from tests.spark_fixtures import create_store
+
+    store = create_store(tmp_path / "node")
+    target = tmp_path / "node.backup"
+    real_open = os.open
+    directory_opens: list[int] = []
+
+    def recording_open(path, flags, *args, **kwargs):
+        if os.fspath(path) == str(tmp_path):
+            directory_opens.append(flags)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    job = BackupJob(str(tmp_path / "node" / "mnesite.db"), str(target), "core1", "core")
+    assert job.wait(60) and job.state == "done", job.error
+    monkeypatch.undo()
+    store.close()
+    assert directory_opens, "the backup's directory was synced"
+    assert all(flags & os.O_DIRECTORY for flags in directory_opens), directory_opens

@@ -236,3 +236,36 @@ def test_after_a_background_checkpoint_emptied_the_wal_the_next_one_is_the_threa
     finally:
         thread_connection.close()
         store.close()
+
+
+def test_a_reader_holding_the_wal_does_not_make_every_commit_checkpoint(tmp_path, monkeypatch) -> None:
+    """Regression: while a reader holds a snapshot (a backup's read transaction, a long query), the WAL
+    cannot start over; past ``pages_inline`` every commit then ran a forced inline checkpoint that
+    copied nothing new, a cost on each commit, each one counted ``forced`` ("the thread cannot keep
+    up"). An inline checkpoint that cannot copy the whole WAL is counted ``pinned``, and no commit
+    checkpoints again until the WAL grew ``pages_background`` more pages (or started over); once the
+    reader is gone, the next such checkpoint copies it all and the WAL starts over."""
+    import apsw
+
+    monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)  # the thread never runs
+    store, seen = open_store(tmp_path / "db", background=30, inline=40)
+    checkpointer = store.checkpointer
+    reader = apsw.Connection(str(tmp_path / "db"))
+    try:
+        fill(store, 0, 5)  # below both thresholds
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT count(*) FROM rows").fetchone() == (5,)  # its snapshot, held
+        fill(store, 5, 315)
+        assert max(seen) >= 40 + 300, "the WAL could not start over under the reader"
+        rounds_max = (max(seen) - 40) // 30 + 2  # one checkpoint per pages_background pages grown
+        assert 1 <= checkpointer.inline <= rounds_max, (checkpointer.inline, rounds_max)
+        assert checkpointer.status()["pinned"] == checkpointer.inline and checkpointer.forced == 0
+        reader.execute("COMMIT")  # the reader is gone
+        pinned = checkpointer.pinned
+        fill(store, 320, 30)
+        assert checkpointer.pinned == pinned and checkpointer.forced >= 1, checkpointer.status()
+        assert min(seen[-30:]) < 40 and max(seen[-10:]) <= 40 + 4, "the WAL started over, bounded again"
+        assert store.connection.execute("SELECT count(*) FROM rows").fetchone() == (350,)
+    finally:
+        reader.close()
+        store.close()

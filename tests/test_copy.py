@@ -75,3 +75,23 @@ def test_no_eta_before_every_table_s_row_count_is_known() -> None:
     uncounted.on_batch(BatchReceived("core1", "a", None, ({"k": 1},), True, rows_total=None))
     uncounted.on_batch(BatchReceived("core1", "b", None, ({"k": 1},), False, rows_total=2))
     assert uncounted.progress(1_000) == (2.0, None)
+
+
+def test_an_empty_batch_that_is_not_done_fails_the_copy() -> None:
+    """Regression: an empty batch with ``done`` false moved the copy on to the next table, so a faulty
+    core could make a copy skip the rest of a table (its rows never copied, the replica serving without
+    them). A correct core answers an exhausted table with ``done`` (``bootstrap.serve.read_batch``);
+    anything else is that core's protocol error: the copy fails and the owner starts again."""
+    for first in ([], [1, 2]):
+        copy = TableCopy("core1", batch_rows_max=10, now_ms=0)
+        copy.on_tables(TablesReceived("core1", ("t", "u"), ("k", "k")))
+        if first:
+            copy.on_batch(BatchReceived("core1", "t", None, tuple({"k": k} for k in first), False))
+        after = first[-1] if first else None
+        with pytest.raises(CopyFailed, match="empty batch of t"):
+            copy.on_batch(BatchReceived("core1", "t", after, (), False))
+        assert copy.tables[copy.table_index] == "t", "the copy did not move on to the next table"
+    done = TableCopy("core1", batch_rows_max=10, now_ms=0)
+    done.on_tables(TablesReceived("core1", ("t", "u"), ("k", "k")))
+    assert done.on_batch(BatchReceived("core1", "t", None, (), True)) == [done._next()[0]]
+    assert done.tables[done.table_index] == "u", "an empty table's batch is done and moves on"

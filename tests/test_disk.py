@@ -60,6 +60,10 @@ from tests.test_replica import HISTORY, ages, at, bootstrap, bootstrapped, conne
         (apsw.IOError("disk I/O error"), StorageFault.FAILED),
         (OSError(errno.EIO, "Input/output error"), StorageFault.FAILED),
         (StorageFailedError("fdatasync failed"), StorageFault.FAILED),
+        # What the disk handed back is not what was written, or the file system went read-only.
+        (apsw.CorruptError("database disk image is malformed"), StorageFault.FAILED),
+        (apsw.NotADBError("file is not a database"), StorageFault.FAILED),
+        (apsw.ReadOnlyError("attempt to write a readonly database"), StorageFault.FAILED),
         (apsw.ConstraintError("UNIQUE"), None),
         (ValueError("not the disk's"), None),
     ],
@@ -155,6 +159,101 @@ def test_a_database_that_cannot_be_opened_for_want_of_space_is_not_called_foreig
     with pytest.raises(StoreError, match="the disk is full") as raised:
         Store(str(tmp_path / "db"))
     assert "not a mnesite database" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (apsw.CorruptError("database disk image is malformed"), "the database is damaged"),
+        (apsw.ReadOnlyError("attempt to write a readonly database"), "cannot be written"),
+        (apsw.IOError("disk I/O error"), "the disk failed"),
+    ],
+    ids=["corrupt", "readonly", "io"],
+)
+def test_a_database_that_cannot_be_opened_for_its_disk_says_so_and_not_foreign(
+    tmp_path: Path, monkeypatch, error: BaseException, said: str
+) -> None:
+    """A malformed image, or a file system mounted read-only, at the open is not "not a mnesite
+    database" (which sends an operator to check the data directory's path): the error says what the
+    disk did and names the file. A file that is no database at all still is "not a mnesite database"."""
+    from mnesite.rlog.store import StoreError
+
+    (tmp_path / "junk.db").write_bytes(b"this is not sqlite at all" * 100)
+    with pytest.raises(StoreError, match="not a mnesite database"):
+        Store(str(tmp_path / "junk.db"))
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(apsw, "Connection", failing)
+    with pytest.raises(StoreError, match=said) as raised:
+        Store(str(tmp_path / "db"))
+    message = str(raised.value)
+    assert "not a mnesite database" not in message and str(tmp_path / "db") in message and str(error) in message
+
+
+def test_a_malformed_database_while_applying_is_the_disks_error_not_the_entrys(tmp_path: Path) -> None:
+    """A real malformed image (a table's pages overwritten behind SQLite's back): applying an entry to
+    it fails with SQLite's ``CorruptError``, which is the disk's (the node stops for a failed disk,
+    exit status 4), not ``EntryApplyError`` (the entry's fault: "cannot be applied on this node")."""
+    from mnesite.rlog.store import EntryApplyError
+    from mnesite.rlog.types import CreateTableOp, WriteOp, make_entry
+
+    path = str(tmp_path / "db")
+    store = Store(path, synchronous="NORMAL")
+    with store.write_transaction():
+        store.ensure_shard("default", 0)
+        store.apply_ops((CreateTableOp("big", "default", "id", (("id", "INTEGER"), ("v", "BLOB"))),))
+        store.apply_ops(tuple(WriteOp("big", {"id": i, "v": b"x" * 512}) for i in range(400)))
+    root = store.connection.execute("SELECT rootpage FROM sqlite_schema WHERE name = 'big'").fetchone()[0]
+    page_bytes = store.connection.execute("PRAGMA page_size").fetchone()[0]
+    store.close()  # checkpoints the WAL into the file
+    with open(path, "r+b") as file:
+        file.seek((root - 1) * page_bytes)
+        file.write(b"\xff" * page_bytes)  # the table's root page: not a B-tree page any more
+    store = Store(path, synchronous="NORMAL")
+    try:
+        position = store.shard("default")
+        entry = make_entry("default", TxKey(1, 1), position.applied, position.digest, (WriteOp("big", {"id": 1}),), "w")
+        store.connection.execute("BEGIN IMMEDIATE")
+        with pytest.raises(apsw.Error) as raised:
+            store.append_entries((entry,), 0, chain_verified=True)
+            store.apply_committed("default", TxKey(1, 1))
+        assert not isinstance(raised.value, EntryApplyError), raised.value
+        assert storage_fault(raised.value) is StorageFault.FAILED
+        store.rollback()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        apsw.CorruptError("database disk image is malformed"),
+        apsw.NotADBError("file is not a database"),
+        apsw.ReadOnlyError("attempt to write a readonly database"),
+    ],
+    ids=["corrupt", "notadb", "readonly"],
+)
+def test_a_turn_the_database_fails_as_malformed_or_read_only_stops_the_node_for_the_disk(
+    tmp_path: Path, monkeypatch, error: BaseException
+) -> None:
+    """Regression: SQLite's ``CorruptError``, ``NotADBError`` (the file's header no longer says SQLite)
+    and ``ReadOnlyError`` (the file system went read-only) were not the disk's (``storage_fault``), so a
+    turn that met them ended the node as a generic crash: a traceback and exit status 1. The node stops
+    as for a failed disk now (``StorageFailedError``: one log line, exit status 4), naming the file and
+    the error, the turn rolled back."""
+    with core_with_table(tmp_path / "data") as node:
+
+        def run_turn() -> None:
+            raise error
+
+        monkeypatch.setattr(node, "run_turn", run_turn)
+        with pytest.raises(StorageFailedError) as raised:
+            node.turn()
+        said = f"{node.store.path}: {type(error).__name__}: {error}"
+        assert str(raised.value) == said
+        assert node.stop_reason == f"the disk failed: {said}"
 
 
 def test_a_new_data_directory_is_made_durable_in_its_parent(tmp_path: Path, monkeypatch) -> None:

@@ -369,6 +369,56 @@ def test_a_second_node_on_a_data_directory_refuses_to_start_and_files_are_privat
     ThreadNode(tmp_path / "data").stop()  # the lock goes with its node
 
 
+def test_a_database_file_the_node_refuses_keeps_its_mode(tmp_path: Path) -> None:
+    """Regression: the data directory's lock (``DataDirectoryLock.acquire``) narrowed an existing
+    database file (and its -wal and -shm) to 0600 before ``Store`` opened it, so another application's
+    SQLite file, or a file that is no database, at the node's path had its mode changed and was then
+    refused ("not a mnesite database"). A refused file is left as it was, mode included; a mnesite
+    database is narrowed to 0600 once it is known to be one, before its WAL is opened."""
+    import stat
+
+    import apsw
+    from mnesite.rlog.data_dir import DataDirectoryLock
+    from mnesite.rlog.store import StoreError
+
+    data = tmp_path / "data"
+    data.mkdir()
+    database = data / "mnesite.db"
+
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    def write_foreign() -> None:
+        connection = apsw.Connection(str(database))
+        connection.execute("CREATE TABLE invoices(id INTEGER PRIMARY KEY)")
+        connection.close()
+
+    for make in (write_foreign, lambda: database.write_bytes(b"not a database, " * 64)):
+        make()
+        database.chmod(0o644)
+        before = database.read_bytes()
+        with pytest.raises(StoreError, match="not a mnesite database"):
+            DataDirectoryLock.acquire_and_open(str(data), "core1", str(database), "FULL")
+        assert mode(database) == 0o644, "a refused file keeps its mode"
+        assert database.read_bytes() == before
+        database.unlink()
+    store, lock = DataDirectoryLock.acquire_and_open(str(data), "core1", str(database), "FULL")
+    store.close()
+    lock.release()
+    for path in (database, data / "mnesite.db-wal", data / "mnesite.db-shm"):
+        if path.exists():
+            path.chmod(0o644)
+    store, lock = DataDirectoryLock.acquire_and_open(str(data), "core1", str(database), "FULL")
+    try:
+        with store.write_transaction():
+            store.ensure_shard("default", 0)
+        for path in (database, data / "mnesite.db-wal", data / "mnesite.db-shm"):
+            assert mode(path) == 0o600, path
+    finally:
+        store.close()
+        lock.release()
+
+
 def test_a_node_that_fails_to_open_its_data_directory_leaves_it_unlocked(tmp_path: Path) -> None:
     # A start that fails after the lock was taken (the database is not mnesite's, or cannot even be
     # opened) must give the lock back: a process that goes on (a test, an embedding program, a
