@@ -339,6 +339,22 @@ def test_seeds_check_reads_and_failed_guards():
     results = [run_seed(seed) for seed in range(6)]
     assert all(result.reads_checked > 0 for result in results)
     assert sum(result.guard_failures_checked for result in results) > 0
+    # Clients re-send guarded writes while their failure is held (guard_tail rule 3), and the held
+    # failures answer those re-sends, each request id once (the simulator checks every answer).
+    assert all(result.guard_resends > 0 for result in results)
+    assert sum(result.guard_resends_answered for result in results) > 0
+
+
+@pytest.mark.timeout(30)
+def test_the_simulator_catches_a_resent_guard_evaluated_again_while_its_failure_is_held(monkeypatch):
+    """core.guard_tail rule 3 (``GuardTail.resent``): a guarded write sent again while its failure is
+    held is answered by that held failure, once. Mutation: a tail that never finds the held failure,
+    so that the driver evaluates the re-send afresh; the simulator's clients re-send while a failure
+    is held, and it catches the request id answered twice."""
+    monkeypatch.setattr(GuardTail, "resent", lambda self, same, renewed: None)
+    for seed in (0, 1):
+        with pytest.raises(SimulationFailure, match=r"request c\d+ answered twice"):
+            run_seed(seed)
 
 
 # ---------------------------------------------------------------- pre-vote and stickiness
