@@ -43,7 +43,10 @@ and executes the effects it returns.
   it leaves the follower unable to go on past them (``stuck_reason``: the driver serves no read of
   the shard) until its log passes that key. A follower that refuses a mismatch
   says where it stands (last and committed keys); the sequencer resumes there, and ignores an
-  answer whose committed key its own log does not hold.
+  answer whose committed key its own log does not hold. An answer to the sequencer's probe that
+  acknowledges less than the probe carried is such a refusal (``_refused_probe``): until the next
+  heartbeat, which probes again (the follower may have been upgraded since), that follower is sent
+  no entries, so that a stuck follower costs one resend a heartbeat interval, not one a round trip.
 * Batches. The proposals of one driver turn are appended one entry each, but sent only at
   ``BatchEnded``: every caught-up follower then gets them in one append (cut by
   ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
@@ -610,6 +613,12 @@ Effect = (
 )
 
 
+# How many probes a sequencer remembers per follower (``_Progress.probes``). A heartbeat resends an
+# unanswered probe, so when a round trip takes longer than a heartbeat interval the answer to a probe
+# comes after later ones were sent: a few cover a round trip of a few heartbeat intervals.
+PROBES_REMEMBERED = 4
+
+
 @dataclass
 class _Progress:
     """The sequencer's view of one follower."""
@@ -634,6 +643,15 @@ class _Progress:
     waiting_since_ms: int = 0
     # When an append with entries was last sent to this follower (see _fed_by_appends).
     appended_ms: int | None = None
+    # The last probes with entries sent to this follower (at most PROBES_REMEMBERED), each as its
+    # ``sent_ms`` and its last key: an answer to one of them can show a refusal (see _refused_probe).
+    probes: tuple[tuple[int, TxKey], ...] = ()
+    # When an empty append (a heartbeat, a commit notice) was last sent to this follower: an answer
+    # to one sent in the ms of a probe could pass for the probe's (see _refused_probe).
+    empty_sent_ms: int | None = None
+    # Whether the follower's answer to such a probe refused an entry of it, and no answer since
+    # acknowledged more: it is probed again only at each heartbeat.
+    refused: bool = False
 
 
 @dataclass
@@ -1521,6 +1539,19 @@ class ShardConsensus:
         self._answered = (self._generation, self._now_ms)
         self._reply_append(sender, message, True, message_last_key)
 
+    @staticmethod
+    def _refused_probe(progress: _Progress, message: AppendReply) -> bool:
+        """Whether a successful answer to the probe in flight acknowledges less than the probe
+        carried. A follower that took the probe's previous key takes all of its entries, except when
+        it refuses one (a cluster version it does not speak: ``first_unspoken``); then it takes those
+        before it, answers up to there, and its log ends there. Only an answer to a probe (its
+        ``sent_ms``, which no other append to it shares) tells: one to another append, reordered,
+        acknowledges less for no such reason."""
+        sent_ms = message.request_sent_ms
+        if message.match_key != message.last_key or sent_ms == progress.empty_sent_ms:
+            return False
+        return any(sent_ms == probe_ms and message.match_key < last_key for probe_ms, last_key in progress.probes)
+
     def _notice_quiet_ms(self) -> int:
         """How soon after answering its sequencer a follower leaves a commit notice unanswered.
 
@@ -1553,12 +1584,24 @@ class ShardConsensus:
                 progress.in_flight = 0  # the one probe in flight was answered
             elif advanced:
                 progress.in_flight = max(0, progress.in_flight - 1)
+            if advanced:
+                progress.refused = False
+            elif self._refused_probe(progress, message):
+                progress.refused = True
             progress.probing = False
             progress.sent_key = max(progress.sent_key, progress.match_key)
             self._advance_commit()
             if self._role is not Role.SEQUENCER:
                 return  # it committed its own removal and stepped down
             self._check_learner()
+            if progress.refused:
+                # It refused the entry after its match key and refuses it until it is upgraded
+                # (which an answer acknowledging it shows): hold it as a probe in flight at its match
+                # key, which the next heartbeat resends (``_on_tick``); other answers send nothing.
+                progress.probing = True
+                progress.sent_key = progress.match_key
+                progress.in_flight = 1
+                return
         else:
             # Resume at the follower's last key if our log has it (same key means same entry),
             # otherwise at its commit key, which every sequencer's log contains.
@@ -1585,9 +1628,23 @@ class ShardConsensus:
                 # (the follower's last key may be in a divergent tail we do not have), and accept
                 # that a reordered old reply lowers it too: the next success raises it again.
                 progress.match_key = resume_key
-            progress.sent_key = max(resume_key, progress.match_key)
+            sent_key = max(resume_key, progress.match_key)
+            if (
+                progress.probing
+                and progress.in_flight > 0
+                and sent_key == progress.sent_key
+                and progress.probes
+                and message.request_sent_ms < progress.probes[-1][0]
+            ):
+                # An append sent before the probe in flight failed (appends pipelined ahead of a
+                # refusal or a loss fail one by one): that probe asks for the same, and is answered
+                # or resent at the next heartbeat.
+                return
+            progress.sent_key = sent_key
             progress.probing = True
-            progress.in_flight = 0
+            # A follower that refused the last probe (an append sent before that answer fails now)
+            # is probed again at the next heartbeat, not at once.
+            progress.in_flight = 1 if progress.refused else 0
         in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
         if progress.in_flight < in_flight_max and progress.sent_key < self._last_key:
             self._send_append(sender, heartbeat=False)
@@ -1692,6 +1749,8 @@ class ShardConsensus:
             progress.told_commit_key, min(self._commit_key, entries[-1].tx_key if entries else prev_key)
         )
         if entries:
+            if progress.probing:
+                self._note_probe(progress, entries[-1].tx_key)
             progress.appended_ms = self._now_ms
             if progress.in_flight == 0:
                 progress.waiting_since_ms = self._now_ms
@@ -1699,6 +1758,18 @@ class ShardConsensus:
             if not progress.probing:
                 # While probing, sent_key stays at the probe point so that a lost probe is retried there.
                 progress.sent_key = entries[-1].tx_key
+        else:
+            progress.empty_sent_ms = self._now_ms
+
+    def _note_probe(self, progress: _Progress, last_key: TxKey) -> None:
+        """Remember a probe with entries ending at ``last_key`` (``_refused_probe``), unless another
+        append with entries went to the follower in the same ms: an answer, which names the append
+        only by its ``sent_ms``, could then be to either."""
+        now_ms = self._now_ms
+        if progress.appended_ms == now_ms:
+            progress.probes = tuple(probe for probe in progress.probes if probe[0] != now_ms)
+        else:
+            progress.probes = (*progress.probes[1 - PROBES_REMEMBERED :], (now_ms, last_key))
 
     def _needs_notice(self, progress: _Progress) -> bool:
         """A follower that was sent every committed entry but not told the commit key."""

@@ -241,3 +241,7 @@ class GuardTail(Generic[Token]):
 
     def held_count(self) -> int:
         return len(self._held)
+
+    def held_tokens(self) -> list[Token]:
+        """The held failures' tokens, oldest first (read only: the simulator's clients re-send them)."""
+        return [held.token for held in self._held]

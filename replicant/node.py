@@ -286,11 +286,24 @@ class ReplicantNode(NodeServer):
         if not at_once:
             self.queue(self.core_sockets[core], message)
             return
-        try:
-            self.core_sockets[core].send(messages.encode(message), zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError, MessageError) as error:
+        unsent = self._send_at_once(core, message)
+        if unsent is not None:
             # Like a lost request: its pending entry expires and the copy is retried.
-            log.debug("%s to %s not sent: %s", kind, core, error)
+            log.debug("%s to %s not sent: %s", kind, core, unsent)
+
+    def _send_at_once(self, core: str, message: Message) -> str | None:
+        """Send ``message`` to ``core`` now, not after the turn's commit; None once sent, else why
+        nothing was sent (no socket for it, its queue is full, the socket failed)."""
+        socket = self.core_sockets.get(core)
+        if socket is None:
+            return "this replicant has no connection to it"
+        try:
+            socket.send(messages.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            return "its queue is full (the core is away or does not read)"
+        except (zmq.ZMQError, MessageError) as error:
+            return str(error)
+        return None
 
     # -- full disk (rlog.disk) ----------------------------------------------------------------
 
@@ -735,10 +748,22 @@ class ReplicantNode(NodeServer):
         raise RequestError("not_ready", f"replicant {self.config.name} cannot serve shard {shard} yet ({detail})")
 
     def _forward(self, envelope: list[bytes], message: Message) -> None:
-        """Writes never originate here: send them to a core, which orders them through the sequencer."""
+        """Writes never originate here: send them to a core, which orders them through the sequencer.
+
+        Sent at once (it reveals nothing this node must persist first), so that one that could not
+        be sent is answered now, ``no_sequencer`` with nothing sent, as a core answers a write it
+        cannot send to its sequencer (``CoreNode._unsent``), not as outcome unknown at its timeout."""
         core = write_target([r.upstream for r in self.replicas.values()], self.cores, self.rng)
         now = self.clock_ms()
         check_client_requests_room(len(self.pending), 1, PENDING_REQUESTS_MAX)
+        self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
+        unsent = self._send_at_once(core, message)
+        if unsent is not None:
+            # Answered now, which gives the hold back; an earlier send of this request id, still
+            # pending, keeps waiting for its own answer.
+            why = f"core {core} cannot be reached from {self.config.name}: {unsent}; nothing was sent"
+            self.refuse(envelope, message.request_id, RequestError("no_sequencer", why))
+            return
         earlier = self.pending.get(message.request_id)  # the words of core.outcome's rule 4 (a layer above)
         if earlier is not None and earlier.purpose == "forward":
             # core.outcome rule 4: a client that heard nothing resends the same request id, often on a
@@ -751,11 +776,10 @@ class ReplicantNode(NodeServer):
                     message.request_id, "outcome_unknown", "the request was sent again; the answer goes to the newest"
                 ),
             )
-        self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
+            self.hold(envelope, message.request_id)  # still held if that was this same connection
         self.pending[message.request_id] = Pending(
             "forward", core, now + FORWARD_TIMEOUT_MS, detail={"envelope": envelope}
         )
-        self.queue(self.core_sockets[core], message)
 
     def _table(self, name: Any) -> TableSchema:
         table = self.store.catalog().get(name) if isinstance(name, str) else None

@@ -32,7 +32,7 @@ def test_the_seeds_lose_disks() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("seed", [146, 150])  # of the first 200 seeds, the ones the mutation fails
+@pytest.mark.parametrize("seed", [8, 18, 146, 170])  # of the first 200 seeds, the ones the mutation fails
 def test_the_simulator_catches_a_recovery_without_the_vote_floor(monkeypatch, seed: int) -> None:
     """Mutation: recovery names no floor (the rule before it): a core without the writes the rebuilt
     core helped commit is elected and would replace them."""
@@ -52,7 +52,7 @@ class _Undeclared(LostDiskSimulation):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("seed", [100, 176, 240, 310])  # of the first 400 seeds, the ones the mutation fails
+@pytest.mark.parametrize("seed", [46, 176, 240, 310])  # of the first 400 seeds, the ones the mutation fails
 def test_the_simulator_catches_rebuilt_cores_not_declared_existing(monkeypatch, seed: int) -> None:
     """Mutation: a rebuilt core that reaches only cores that never saw an election takes itself for a
     core of a new cluster, forgets its votes and its floor: two sequencers of a generation, or

@@ -23,7 +23,7 @@ from mnesite.rlog.messages import Message, MessageError, typed_body
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import offline_replicant
+from tests.conftest import free_port, offline_replicant
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -353,6 +353,17 @@ def _unconnected_dealer():
     return socket
 
 
+def _queueing_dealer():
+    """A real DEALER connected to a free port where nobody listens: it queues what is sent to it (no
+    ``IMMEDIATE``), as the replicant's core sockets do while their core is away."""
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://127.0.0.1:{free_port()}")
+    return socket
+
+
 def _close_offline(node) -> None:
     """Close an offline replicant whose core sockets are ``_unconnected_dealer``s."""
     for socket in node.core_sockets.values():
@@ -656,7 +667,7 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
     among requests_outstanding_max stayed held for good (the forward's timeout, 10 s, outlasts the
     client's). It is told outcome_unknown now (core.outcome rule 4); the core's answer goes to the resend."""
     node = offline_replicant(tmp_path / "r")
-    node.core_sockets = {"core1": _unconnected_dealer()}
+    node.core_sockets = {"core1": _queueing_dealer()}
     try:
         body = typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
         node._forward([b"first"], Message("transact", "w-1", body))
@@ -665,6 +676,30 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
         answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox if to in ([b"first"], [b"second"])]
         assert answers == [([b"first"], "error", "outcome_unknown")]
         assert [pending.detail["envelope"] for pending in node.pending.values()] == [[b"second"]]
+    finally:
+        _close_offline(node)
+
+
+def test_a_write_that_could_not_be_sent_to_a_core_is_answered_at_once(tmp_path) -> None:
+    """Regression: a replicant queued a write for its core without checking that it could be sent;
+    one dropped at the send (its queue to the core full, or a failed socket) was answered only when
+    its forward timed out, 10 s later, as outcome_unknown. It is sent at once now, and one that could
+    not be sent is answered no_sequencer, nothing was sent, as a core answers a write it cannot send
+    to its sequencer; nothing stays pending or held. One that went out waits for the core's answer."""
+    node = offline_replicant(tmp_path / "r")
+    node.core_sockets = {"core1": _unconnected_dealer()}  # every send to it is dropped (zmq.Again)
+    try:
+        body = typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
+        node._dispatch([b"client"], Message("transact", "w-1", body))
+        answers = [(m.kind, m.body.code, m.body.message) for _s, to, m in node._outbox if to == [b"client"]]
+        assert len(answers) == 1 and answers[0][:2] == ("error", "no_sequencer"), answers
+        assert "core core1 cannot be reached" in answers[0][2] and "nothing was sent" in answers[0][2]
+        assert node.pending == {} and b"client" not in node.outstanding
+        node.core_sockets["core1"].close(0)
+        node.core_sockets["core1"] = _queueing_dealer()  # no peer yet: zmq queues what is sent
+        node._dispatch([b"client"], Message("transact", "w-2", body))
+        assert [pending.purpose for pending in node.pending.values()] == ["forward"]
+        assert set(node.outstanding[b"client"]) == {"w-2"}
     finally:
         _close_offline(node)
 

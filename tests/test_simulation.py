@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 
 import pytest
 from mnesite.core import rules, snapshot
@@ -29,7 +30,12 @@ from mnesite.rlog.versions import THIS_RELEASE
 from tests.conftest import seed_ranges, simulation_seeds
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim.cluster import READ_KEYS, replay_command
-from tests.sim.versions import stuck_member_behind_one_append, stuck_member_reading_locally
+from tests.sim.versions import (
+    STUCK_RUN_MS,
+    stuck_member_behind_one_append,
+    stuck_member_reading_locally,
+    stuck_member_under_writes,
+)
 
 CI_SEEDS = 240
 FAST_SEEDS = 60  # the developers' fast lane runs these; the others are marked deep
@@ -333,6 +339,22 @@ def test_seeds_check_reads_and_failed_guards():
     results = [run_seed(seed) for seed in range(6)]
     assert all(result.reads_checked > 0 for result in results)
     assert sum(result.guard_failures_checked for result in results) > 0
+    # Clients re-send guarded writes while their failure is held (guard_tail rule 3), and the held
+    # failures answer those re-sends, each request id once (the simulator checks every answer).
+    assert all(result.guard_resends > 0 for result in results)
+    assert sum(result.guard_resends_answered for result in results) > 0
+
+
+@pytest.mark.timeout(30)
+def test_the_simulator_catches_a_resent_guard_evaluated_again_while_its_failure_is_held(monkeypatch):
+    """core.guard_tail rule 3 (``GuardTail.resent``): a guarded write sent again while its failure is
+    held is answered by that held failure, once. Mutation: a tail that never finds the held failure,
+    so that the driver evaluates the re-send afresh; the simulator's clients re-send while a failure
+    is held, and it catches the request id answered twice."""
+    monkeypatch.setattr(GuardTail, "resent", lambda self, same, renewed: None)
+    for seed in (0, 1):
+        with pytest.raises(SimulationFailure, match=r"request c\d+ answered twice"):
+            run_seed(seed)
 
 
 # ---------------------------------------------------------------- pre-vote and stickiness
@@ -520,7 +542,7 @@ def test_the_ci_seeds_trim_with_the_production_retention_rule_and_send_snapshots
 
 # Seeds at which a sequencer that proposes a resent request id again is caught (found with the
 # mutation below; each fails with "request wN committed at ... and again at ...").
-RESEND_SEEDS = (1, 8, 9, 14)
+RESEND_SEEDS = (1, 3, 14, 15)
 
 
 @pytest.mark.timeout(60)
@@ -749,6 +771,39 @@ def test_a_stuck_member_takes_the_entries_of_an_append_before_the_cluster_versio
         assert "was refused" in node.machine.stuck_reason
         assert (node.log.last_key(), node.applied_key) == (written, written), seed
         assert sim.committed_last_key > written and node.cluster_version == 1
+
+
+# How soon after its first send the sequencer has heard a stuck member refuse the entry (a few of
+# the simulator's round trips, at most 2 * 60 ms each).
+REFUSAL_HEARD_MS = 300
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_member_is_resent_the_entry_it_refused_at_most_once_a_heartbeat_interval():
+    """Regression: a member stuck at a cluster version entry it refused answered each batch that
+    reached it as missing its previous entry; the sequencer retreated and resent it the refused entry
+    at once, so that under writes it got the entry again about every round trip until an upgrade.
+    The sequencer now takes an answer to its probe that stops before the probe's end as a refusal and
+    sends that member nothing more until its next heartbeat, which resends from its match key (the
+    member may have been upgraded since): at most one resend a heartbeat interval. Once upgraded, the
+    member takes the entry and catches up."""
+    for seed in range(8):
+        sim, stuck = stuck_member_under_writes(seed)
+        node = sim.nodes[stuck]
+        assert node.machine is not None and node.machine.stuck_reason is not None, seed
+        sent, interval_ms = sim.refused_sent_ms, sim.config.heartbeat_interval_ms
+        # Until the sequencer hears the refusal, the appends pipelined behind the entry fail one by
+        # one (each retreat probes once): a few round trips. From then on, a heartbeat probes.
+        settled = [sent_ms for sent_ms in sent if sent_ms >= sent[0] + REFUSAL_HEARD_MS]
+        assert len(settled) >= STUCK_RUN_MS // interval_ms // 2, (seed, sent)
+        gaps = [later - earlier for earlier, later in itertools.pairwise(settled)]
+        assert min(gaps) >= interval_ms, (seed, interval_ms, sent)
+        # Upgraded (restarted on this release), it takes the entry at the next probe and catches up.
+        sim.rolled_back = None
+        sim._crash(node)
+        sequencer = sim.run_until_quiet()
+        assert node.machine is not None and node.machine.stuck_reason is None, seed
+        assert node.applied_key == sequencer.applied_key and node.cluster_version == sequencer.cluster_version, seed
 
 
 def _serving_a_stuck_consensus(install_reason, rows_lost, stuck_reason, applied):

@@ -30,7 +30,11 @@ and the random source of every state machine. Time is a fake clock advanced in `
   reached it first): ``local`` reads, ``linearizable`` reads (served as production serves them: at
   the sequencer, only when ``ShardConsensus.read_index`` allows) and compare-and-set transactions
   whose guard is evaluated against the applied state plus ``core.guard_tail.GuardTail``, the
-  production rule for when a failed guard may be told.
+  production rule for when a failed guard may be told. A client that hears nothing re-sends its
+  guarded write, with the same request id, while its failure is held at the sequencer (now and then,
+  once per request): production's ``CoreNode._resent_held_failure`` (``GuardTail.resent``, the
+  tail's rule 3) lets the held failure answer it. No request id of a guarded write is answered twice
+  (a failed guard told, or its write acknowledged: ``_guard_answered``).
 * History check (``_record_read``). The simulator knows the committed log (entries in the order
   they were first committed anywhere, as each Commit effect is executed). Every answered read and
   failed guard must return the row after some committed prefix that includes every write
@@ -136,6 +140,8 @@ FORWARDED_MAX = 64
 # A client that hears nothing about its write for this long, or hears "outcome unknown", resends it
 # with the same request id (production's Client does, up to its retries), at most this many times.
 CLIENT_RETRY_MS = 1500
+# Each tick, the chance that the client of a failed guard held at the sequencer re-sends it (once).
+GUARD_RESEND_PROBABILITY = 0.3
 CLIENT_RETRIES_MAX = 3
 # A core on an empty database that heard too few peers asks again after this long (production: a
 # probe of up to recovery_timeout_ms, RECOVERY_ROUNDS_MAX times, then it does not start).
@@ -340,6 +346,9 @@ class SimulationResult:
     reads_checked: int = 0
     guard_failures_checked: int = 0
     entries_trimmed: int = 0
+    # Guarded writes re-sent while their failure was held, and how many of those were answered.
+    guard_resends: int = 0
+    guard_resends_answered: int = 0
 
 
 @dataclass
@@ -452,6 +461,13 @@ class Simulation:
         self.reads_checked = 0
         self.local_reads_answered: dict[str, int] = defaultdict(int)  # per node
         self.guard_failures_checked = 0
+        # The clients' re-sends of held failed guards draw from a source of their own, so that the
+        # runs of every seed are otherwise the ones they were without them.
+        self.guard_resend_rng = random.Random(seed + 1_000_003)
+        self.guards_resent: set[int] = set()
+        self.guard_resends_answered = 0
+        # The answers each guarded write's request id got (failed guard told, write acknowledged).
+        self.guard_answers: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------ failures
 
@@ -612,6 +628,8 @@ class Simulation:
 
     def _client_told(self, node: SimNode, outcome: Outcome | None) -> None:
         if isinstance(outcome, Acknowledged):
+            if outcome.request_id.startswith("c"):
+                self._guard_answered(outcome.request_id, f"written at {outcome.tx_key}")
             earlier = self.acknowledged.get(outcome.request_id)
             if earlier not in (None, outcome.tx_key) and outcome.request_id not in self.reproposed_after_trim:
                 raise self.fail(f"{outcome.request_id} acknowledged at {earlier} and again at {outcome.tx_key}")
@@ -624,6 +642,30 @@ class Simulation:
             waiting = self.unanswered.get(outcome.request_id)
             if waiting is not None:  # the client resends soon, with the same request id
                 self.unanswered[outcome.request_id] = (waiting[0], self.now_ms + 50, waiting[2])
+
+    def _guard_answered(self, request_id: str, answer: str) -> None:
+        """A guarded write's request id is answered (its guard failed, or its write committed): once."""
+        answers = self.guard_answers.setdefault(request_id, [])
+        answers.append(answer)
+        if len(answers) > 1:
+            raise self.fail(f"request {request_id} answered twice: {'; '.join(answers)}")
+        self.guard_resends_answered += int(request_id[1:]) in self.guards_resent
+
+    def _resend_held_guards(self) -> None:
+        """The client of a failed guard held at the sequencer heard nothing and re-sends it, with the
+        same request id, straight to that sequencer (production's client re-sends after silence): at
+        most once per request, here while the failure is still held there. Between turns, when the
+        sequencer holds no write of its own turn (so that the re-send proposes none early)."""
+        for node in self.nodes.values():
+            machine = node.machine
+            if not self._is_up(node) or machine is None or machine.role is not Role.SEQUENCER or node.held:
+                continue
+            for request, _ in node.tail.held_tokens():
+                if request.number in self.guards_resent or self.guard_resend_rng.random() >= GUARD_RESEND_PROBABILITY:
+                    continue
+                self.guards_resent.add(request.number)
+                self.trace.append((self.now_ms, node.name, "client resends guard", request.number))
+                self._serve_client(node, dataclasses.replace(request, forwarded=False))
 
     # ------------------------------------------------------------ effects (the driver)
 
@@ -959,6 +1001,10 @@ class Simulation:
             },
         )
         transaction = parse_transaction(request_body, CATALOG, TRANSACTION_OPS_MAX)
+        if node.tail.held_count() and node.tail.resent(
+            lambda held: held[0].number == request.number, lambda held: held
+        ):
+            return  # production's _resent_held_failure: its held failure answers it (guard_tail rule 3)
 
         def read_row(table: TableSchema, key: Any) -> Row:
             row = node.tail.read(table.name, key, lambda: applied_row)
@@ -1027,6 +1073,8 @@ class Simulation:
                 f"to {self.commit_count} (committed when it answered) holds"
             )
         self.local_reads_answered[where] += request.kind == "local"
+        if request.kind == "guard":
+            self._guard_answered(f"c{request.number}", f"guard failed at {where} (row {row})")
         if request.kind != "local":
             self.answered_prefixes[key].append((self.now_ms, position))
             self.reads_checked += request.kind in ("linearizable", "read_index")
@@ -1295,6 +1343,7 @@ class Simulation:
         self._resend_due()
         self._deliver_due()
         self._end_batches()
+        self._resend_held_guards()
         self._tick_all()
         self._expire_forwarded()
         self._retain_due()
@@ -1458,6 +1507,8 @@ class Simulation:
             reads_checked=self.reads_checked,
             guard_failures_checked=self.guard_failures_checked,
             entries_trimmed=self.entries_trimmed,
+            guard_resends=len(self.guards_resent),
+            guard_resends_answered=self.guard_resends_answered,
         )
 
     def _heal(self) -> None:

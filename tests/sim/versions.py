@@ -23,12 +23,15 @@ catches a stuck core that answers them. The sequencer trims past it and offers i
 cluster version it applied (production's offer): the stuck member refuses them too, and a member that
 took one (a copy at a cluster version its release cannot read) fails the run. When a write and the
 entry travel in one append (``stuck_member_behind_one_append``), the member takes the write and its
-commit, and stops at it.
+commit, and stops at it. While it is stuck, the sequencer resends it the refused entry at most once a
+heartbeat interval, however fast writes come (``stuck_member_under_writes``, ``refused_sent_ms``).
 """
 
 from __future__ import annotations
 
-from mnesite.core.consensus import Effect, PersistEntries, ProtocolViolation, Role
+import dataclasses
+
+from mnesite.core.consensus import AppendRequest, Effect, PeerMessage, PersistEntries, ProtocolViolation, Role
 from mnesite.core.versions import (
     ANNOUNCEMENT_FRESH_MS,
     UNSPOKEN_CLUSTER_VERSION,
@@ -214,6 +217,8 @@ class StuckMemberSimulation(Simulation):
     def __init__(self, seed: int, core_count: int) -> None:
         self.rolled_back: str | None = None
         self.offers_refused = 0
+        # When an append carrying a cluster version entry was sent to the rolled-back member.
+        self.refused_sent_ms: list[int] = []
         super().__init__(seed, core_count)
         self._heal()
 
@@ -253,6 +258,15 @@ class StuckMemberSimulation(Simulation):
             return
         super()._execute(node, effect)
 
+    def _send(self, sender: str, to: str, message: PeerMessage | str) -> None:
+        if (
+            to == self.rolled_back
+            and isinstance(message, AppendRequest)
+            and any(cluster_version_of(entry) is not None for entry in message.entries)
+        ):
+            self.refused_sent_ms.append(self.now_ms)
+        super()._send(sender, to, message)
+
     def _offer_unspoken(self, follower: SimNode, sequencer: SimNode, refused: str) -> None:
         # So are the snapshot offers at that version: the stuck member refuses them (core.snapshot),
         # as production does (a protocol violation counted), and stays where it is.
@@ -262,13 +276,9 @@ class StuckMemberSimulation(Simulation):
         self.trace.append((self.now_ms, follower.name, "refused an offer", refused))
 
 
-def stuck_member_reading_locally(seed: int) -> tuple[StuckMemberSimulation, str, int]:
-    """3 cores (even seeds) or 5: once quiet, a follower is rolled back to release 0.1.0 and the
-    sequencer appends the next cluster version, which that follower refuses: it is stuck while the
-    others commit a write every ``STUCK_WRITE_GAP_MS``, and clients read every key locally, in turn
-    at every core, for ``STUCK_RUN_MS``. Returns the simulation, the stuck core, and how many local
-    reads it had answered when it got stuck."""
-    sim = StuckMemberSimulation(seed, 3 if seed % 2 == 0 else 5)
+def _propose_unspoken_version(sim: StuckMemberSimulation) -> tuple[SimNode, str, int]:
+    """Once quiet, roll a follower back to release 0.1.0 and have the sequencer propose the next
+    cluster version; returns the sequencer, that follower and the version."""
     sequencer = sim.run_until_quiet()
     stuck = next(name for name in sorted(sim.nodes) if name != sequencer.name)
     sim.roll_back(stuck)
@@ -277,6 +287,17 @@ def stuck_member_reading_locally(seed: int) -> tuple[StuckMemberSimulation, str,
     if sequencer.name == stuck or RELEASE_0_1_0.speaks(version):
         raise sim.fail(f"the scenario needs a follower {stuck} that does not speak cluster version {version}")
     sim._propose(sequencer, (ClusterVersionOp(SHARD, version),), f"v{version}")
+    return sequencer, stuck, version
+
+
+def stuck_member_reading_locally(seed: int) -> tuple[StuckMemberSimulation, str, int]:
+    """3 cores (even seeds) or 5: once quiet, a follower is rolled back to release 0.1.0 and the
+    sequencer appends the next cluster version, which that follower refuses: it is stuck while the
+    others commit a write every ``STUCK_WRITE_GAP_MS``, and clients read every key locally, in turn
+    at every core, for ``STUCK_RUN_MS``. Returns the simulation, the stuck core, and how many local
+    reads it had answered when it got stuck."""
+    sim = StuckMemberSimulation(seed, 3 if seed % 2 == 0 else 5)
+    sequencer, stuck, version = _propose_unspoken_version(sim)
     node = sim.nodes[stuck]
     for _ in range(100):
         if node.machine is not None and node.machine.stuck_reason is not None:
@@ -319,3 +340,18 @@ def stuck_member_behind_one_append(seed: int) -> tuple[StuckMemberSimulation, st
     for _ in range(STUCK_RUN_MS // sim.tick_ms):
         sim.advance()
     return sim, stuck, written
+
+
+def stuck_member_under_writes(seed: int) -> tuple[StuckMemberSimulation, str]:
+    """As ``stuck_member_reading_locally``, but once the member is stuck a client writes at the
+    sequencer every tick for ``STUCK_RUN_MS``: each batch goes to every follower that was sent the
+    log's end, the stuck one too. Returns the simulation (``refused_sent_ms``) and the stuck core."""
+    sim = StuckMemberSimulation(seed, 3 if seed % 2 == 0 else 5)
+    # Retention keeps the log: the sequencer goes on replicating to the stuck member, not offering
+    # it snapshots.
+    sim.faults = dataclasses.replace(sim.faults, retention_entries_max=10**9, retention_age_ms_max=0)
+    sequencer, stuck, _ = _propose_unspoken_version(sim)
+    for _ in range(STUCK_RUN_MS // sim.tick_ms):
+        sim.write(sequencer.name)
+        sim.advance()
+    return sim, stuck
