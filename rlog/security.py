@@ -25,15 +25,16 @@ the node at the reload (``NodeSecurity.allows``, ``Server.security_reloaded``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
-import zmq.auth
 import zmq.utils.z85
 from mnesite.rlog.roles import ROLES, RoleTable
 from zmq.auth.thread import ThreadAuthenticator
@@ -45,6 +46,9 @@ PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 AUTHORIZED_KEYS_MAX = 10_000  # public key files read from authorized_keys
 MONITOR_POLL_MS = 200
+KEY_FILE_BYTES_MAX = 65_536  # a certificate is some 200 bytes; a larger file is not one
+Z85_KEY_LENGTH = 40  # a 32-byte CurveZMQ key in z85
+Z85_CHARACTERS = frozenset(zmq.utils.z85.Z85CHARS)
 ZAP_DOMAIN = "mnesite"
 # What a frame whose key a reload took out of authorized_keys is refused with (its connection was
 # authenticated before the reload).
@@ -88,7 +92,8 @@ def generate_keys(name: str, directory: str) -> tuple[str, str]:
     through a symbolic link, even one to a file that does not exist yet (in a directory others can
     write, a link placed there would have received the secret key wherever it pointed).
     """
-    os.makedirs(directory, exist_ok=True)
+    # 0o755 whatever the umask: the directory may serve as authorized_keys, which others must not write.
+    os.makedirs(directory, mode=0o755, exist_ok=True)
     public_path = os.path.join(directory, name + PUBLIC_SUFFIX)
     secret_path = os.path.join(directory, name + SECRET_SUFFIX)
     for path in (public_path, secret_path):
@@ -130,22 +135,78 @@ def _write_exclusive(path: str, mode: int, text: str) -> None:
 
 
 def load_key(path: str, what: str, secret: bool) -> KeyPair:
-    """Load a zmq certificate file; ``secret`` requires the secret half (a ``.key_secret`` file)."""
-    try:
-        public, secret_key = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as error:
-        raise SecurityError(f"{what}: cannot read a zmq certificate from {path}: {error}") from None
+    """Load a zmq certificate file; ``secret`` requires the secret half (a ``.key_secret`` file) in a
+    file that is this user's alone (``_check_secret_file``).
+
+    The file is opened once (a secret key without following a symbolic link), and the checks
+    (``fstat``) and the parse are of that one descriptor: the file checked is the file whose key is
+    used, whatever is renamed over the path meanwhile.
+    """
+    text, status = _read_key_file(path, what, follow_link=not secret)
+    public, secret_key = _parse_certificate(text, path, what)
     if secret and not secret_key:
         raise SecurityError(f"{what}: {path} has no secret key (give the {SECRET_SUFFIX} file)")
     if secret:
-        _check_secret_file(path, what)
+        _check_secret_file(status, path, what)
     return KeyPair(public, secret_key)
 
 
-def _check_secret_file(path: str, what: str) -> None:
+def _read_key_file(
+    path: str, what: str, directory: int | None = None, follow_link: bool = False
+) -> tuple[bytes, os.stat_result]:
+    """The bytes of the key file ``path`` (a name in the open ``directory`` if given) and the status of
+    the file they were read from. ``O_NONBLOCK``: a FIFO placed there must not hang the node."""
+    name = path if directory is None else os.path.basename(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_link else os.O_NOFOLLOW)
+    try:
+        descriptor = os.open(name, flags, dir_fd=directory)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW answers for a link
+            raise SecurityError(
+                f"{what}: {path} is a symbolic link; give the key file itself (a link can be repointed)"
+            ) from None
+        raise SecurityError(f"{what}: cannot read {path}: {error.strerror}") from None
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise SecurityError(f"{what}: {path} is not a regular file")
+        text = b""
+        while len(text) <= KEY_FILE_BYTES_MAX:
+            chunk = os.read(descriptor, KEY_FILE_BYTES_MAX + 1 - len(text))
+            if not chunk:
+                break
+            text += chunk
+    except OSError as error:
+        raise SecurityError(f"{what}: cannot read {path}: {error.strerror}") from None
+    finally:
+        os.close(descriptor)
+    if len(text) > KEY_FILE_BYTES_MAX:
+        raise SecurityError(f"{what}: {path} is larger than {KEY_FILE_BYTES_MAX} bytes: not a zmq certificate")
+    return text, status
+
+
+def _parse_certificate(text: bytes, path: str, what: str) -> tuple[bytes, bytes | None]:
+    """(public key, secret key or None) from a certificate in zmq's format, read line by line as
+    ``zmq.auth.load_certificate`` does; each key must be 40 z85 characters."""
+    keys: dict[bytes, bytes] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        for name in (b"public-key", b"secret-key"):
+            if line.startswith(name) and name not in keys:
+                keys[name] = line.partition(b"=")[2].strip(b" \t'\"")
+    if b"public-key" not in keys:
+        raise SecurityError(f"{what}: {path} is not a zmq certificate: it has no public-key line")
+    for name, key in keys.items():
+        if len(key) != Z85_KEY_LENGTH or not set(key) <= Z85_CHARACTERS:
+            raise SecurityError(
+                f"{what}: {path}: its {name.decode()} is not a CurveZMQ key ({Z85_KEY_LENGTH} z85 characters)"
+            )
+    return keys[b"public-key"], keys.get(b"secret-key")
+
+
+def _check_secret_file(status: os.stat_result, path: str, what: str) -> None:
     """Like ssh: a secret others can read, or that another user owns (and so may rewrite or chmod),
     is not this user's secret; say how to fix it rather than use it."""
-    status = os.stat(path)
     if status.st_uid != os.geteuid():
         raise SecurityError(
             f"{what}: {path} is owned by uid {status.st_uid}, not by this user (uid {os.geteuid()}); "
@@ -155,26 +216,55 @@ def _check_secret_file(path: str, what: str) -> None:
         raise SecurityError(f"{what}: {path} is readable by other users; chmod 600 {path}")
 
 
+def _check_others_cannot_write(status: os.stat_result, path: str) -> None:
+    """ssh's StrictModes for ``authorized_keys``: whoever can write the directory or a key file in it
+    can add a principal, so it must be this user's (or root's) and writable by no one else."""
+    if status.st_uid not in (os.geteuid(), 0):
+        raise SecurityError(
+            f"authorized_keys: {path} is owned by uid {status.st_uid}, not by this user (uid {os.geteuid()}) "
+            f"or root: its owner could add a principal; chown it to the user that runs mnesite"
+        )
+    if status.st_mode & 0o022:
+        raise SecurityError(
+            f"authorized_keys: {path} is writable by other users, who could add a principal; chmod go-w {path}"
+        )
+
+
 def load_authorized_keys(directory: str) -> dict[bytes, str]:
-    """z85 public key -> principal name, from every ``NAME.key`` file in ``directory``."""
+    """z85 public key -> principal name, from every ``NAME.key`` file in ``directory``.
+
+    The directory is opened once and every check and read goes through it (``dir_fd``): the
+    directory listed is the one checked, and each key file is checked on the descriptor it is read
+    from (``_check_others_cannot_write``).
+    """
     try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(PUBLIC_SUFFIX))
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as error:
         raise SecurityError(f"authorized_keys: cannot list {directory}: {error.strerror}") from None
-    if len(names) > AUTHORIZED_KEYS_MAX:
-        raise SecurityError(f"authorized_keys: {directory} holds more than {AUTHORIZED_KEYS_MAX} keys")
-    keys: dict[bytes, str] = {}
-    for file_name in names:
-        principal = file_name[: -len(PUBLIC_SUFFIX)]
-        if not principal:
-            # "" is what ``principal_of`` answers for a frame with no known key: never a real principal.
+    try:
+        _check_others_cannot_write(os.fstat(descriptor), directory)
+        try:
+            names = sorted(n for n in os.listdir(descriptor) if n.endswith(PUBLIC_SUFFIX))
+        except OSError as error:
+            raise SecurityError(f"authorized_keys: cannot list {directory}: {error.strerror}") from None
+        if len(names) > AUTHORIZED_KEYS_MAX:
+            raise SecurityError(f"authorized_keys: {directory} holds more than {AUTHORIZED_KEYS_MAX} keys")
+        keys: dict[bytes, str] = {}
+        for file_name in names:
             path = os.path.join(directory, file_name)
-            raise SecurityError(f"authorized_keys: {path} names no principal; rename it NAME{PUBLIC_SUFFIX}")
-        pair = load_key(os.path.join(directory, file_name), "authorized_keys", secret=False)
-        if pair.public in keys:
-            raise SecurityError(f"authorized_keys: {file_name} repeats the key of {keys[pair.public]}")
-        keys[pair.public] = principal
-    return keys
+            principal = file_name[: -len(PUBLIC_SUFFIX)]
+            if not principal:
+                # "" is what ``principal_of`` answers for a frame with no known key: never a real principal.
+                raise SecurityError(f"authorized_keys: {path} names no principal; rename it NAME{PUBLIC_SUFFIX}")
+            text, status = _read_key_file(path, "authorized_keys", descriptor)
+            _check_others_cannot_write(status, path)
+            public, _secret = _parse_certificate(text, path, "authorized_keys")
+            if public in keys:
+                raise SecurityError(f"authorized_keys: {file_name} repeats the key of {keys[public]}")
+            keys[public] = principal
+        return keys
+    finally:
+        os.close(descriptor)
 
 
 def check_roles(roles: object) -> dict[str, tuple[str, ...]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import stat
@@ -184,6 +185,148 @@ def test_an_authorized_key_file_named_only_dot_key_is_refused(keys: Path) -> Non
         load_authorized_keys(str(authorized))
     (authorized / ".key").unlink()
     assert "" not in load_authorized_keys(str(authorized)).values()
+
+
+# An authorized_keys directory or key file another user can write lets that user add a principal:
+# refused like ssh's StrictModes, at start and at a reload.
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777], ids=oct)
+def test_an_authorized_keys_directory_other_users_can_write_is_refused(keys: Path, mode: int) -> None:
+    authorized = keys.parent / "authorized"
+    authorized.chmod(mode)
+    with pytest.raises(SecurityError, match=rf"authorized_keys: {authorized} is writable by other users.*chmod go-w"):
+        load_authorized_keys(str(authorized))
+    authorized.chmod(0o755)
+    assert "app" in load_authorized_keys(str(authorized)).values()
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o646], ids=oct)
+def test_an_authorized_key_file_other_users_can_write_is_refused(keys: Path, mode: int) -> None:
+    key_file = keys.parent / "authorized" / "app.key"
+    key_file.chmod(mode)
+    with pytest.raises(SecurityError, match=rf"authorized_keys: {key_file} is writable by other users.*chmod go-w"):
+        load_authorized_keys(str(key_file.parent))
+
+
+@pytest.mark.parametrize("owned", ["directory", "key file"])
+def test_an_authorized_keys_directory_or_key_file_another_user_owns_is_refused(
+    keys: Path, owned: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    authorized = keys.parent / "authorized"
+    path = authorized if owned == "directory" else authorized / "app.key"
+    other_uid = os.stat(path).st_uid + 12345
+    if os.geteuid() == 0:
+        os.chown(path, other_uid, -1)  # really another user's
+    else:
+        monkeypatch.setattr(os, "geteuid", lambda: other_uid)  # this process is now another user
+    with pytest.raises(SecurityError, match=rf"authorized_keys: {path} is owned by uid \d+, not by this user.*chown"):
+        load_authorized_keys(str(authorized))
+
+
+def test_an_authorized_keys_directory_root_owns_is_accepted_like_ssh(
+    keys: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs files owned by root: run as root")
+    monkeypatch.setattr(os, "geteuid", lambda: 12345)  # a node run by another user, keys installed by root
+    assert "app" in load_authorized_keys(str(keys.parent / "authorized")).values()
+
+
+def test_what_keys_generate_writes_passes_as_authorized_keys_whatever_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o002)  # a user-private-group umask: mkdir would make the directory group-writable
+    try:
+        generate_keys("app", str(tmp_path / "fresh"))
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(tmp_path / "fresh").st_mode) & 0o022 == 0
+    assert load_authorized_keys(str(tmp_path / "fresh")) == {
+        load_key(str(tmp_path / "fresh" / "app.key"), "key", secret=False).public: "app"
+    }
+
+
+def test_a_node_refuses_to_start_with_an_authorized_keys_directory_others_can_write(keys: Path, tmp_path: Path) -> None:
+    (keys.parent / "authorized").chmod(0o777)
+    path = tmp_path / "node.toml"
+    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + security_toml(keys, ROLES))
+    with pytest.raises((ConfigError, SecurityError), match=r"is writable by other users.*chmod go-w"):
+        CoreNode(load_config(str(path)))
+
+
+def test_an_authorized_key_file_that_is_not_a_regular_file_is_refused_without_waiting(keys: Path) -> None:
+    # Opening a FIFO for reading waits for a writer: the node would hang at start or at a reload.
+    fifo = keys.parent / "authorized" / "evil.key"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_authorized_keys(str(fifo.parent))
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    if thread.is_alive():
+        with open(fifo, "wb"):  # let the stuck reader go
+            pass
+        thread.join(timeout=5)
+        raise AssertionError("reading a FIFO in authorized_keys blocked")
+    assert isinstance(outcome[0], SecurityError) and "is not a regular file" in str(outcome[0])
+
+
+# The secret key's checks are of the file that was read: one descriptor, no symbolic link.
+
+
+def test_a_secret_key_behind_a_symbolic_link_is_refused(keys: Path) -> None:
+    link = keys / "link.key_secret"
+    link.symlink_to(keys / "app.key_secret")
+    with pytest.raises(SecurityError, match=rf"key: {link} is a symbolic link"):
+        load_key(str(link), "key", secret=True)
+
+
+def test_a_symbolic_link_in_authorized_keys_is_refused(keys: Path) -> None:
+    # The link's target is outside the checked directory: whoever can repoint or rewrite it there
+    # would add a principal. A public server key may still be a link (it grants nobody anything).
+    link = keys.parent / "authorized" / "stranger.key"
+    link.symlink_to(keys / "stranger.key")
+    with pytest.raises(SecurityError, match=rf"authorized_keys: {link} is a symbolic link"):
+        load_authorized_keys(str(link.parent))
+    assert load_key(str(link), "server_key", secret=False).public
+
+
+def test_the_secret_key_checked_is_the_file_that_was_read(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path was looked up again after zmq had read it: a file swapped in between (a good one after
+    the readable one was read) passed the checks for the key of the file that did not."""
+    secret = keys / "app.key_secret"
+    secret.chmod(0o644)  # the file that is read: other users can read it
+    good = keys / "good.key_secret"
+    shutil.copy(keys / "ops.key_secret", good)
+    good.chmod(0o600)
+    real_stat = os.stat
+
+    def swap_then_stat(path, *args, **kwargs):
+        if os.fspath(path) == str(secret) and good.exists():
+            os.replace(good, secret)  # another process swaps the file at the path
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", swap_then_stat)
+    with pytest.raises(SecurityError, match="readable by other users; chmod 600"):
+        load_key(str(secret), "key", secret=True)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"", b"curve\n    public-key\n", b'curve\n    public-key = "short"\n', b"\xff\xfe" * 40_000],
+)
+def test_a_key_file_that_is_not_a_certificate_is_refused_with_its_path(keys: Path, text: bytes) -> None:
+    path = keys.parent / "authorized" / "broken.key"
+    path.write_bytes(text)
+    path.chmod(0o644)
+    with pytest.raises(SecurityError, match=rf"authorized_keys: .*{path}"):
+        load_authorized_keys(str(path.parent))
 
 
 # ---------------------------------------------------------------- roles
@@ -380,6 +523,28 @@ def test_sighup_reloads_authorized_keys_and_roles(secure_node, keys: Path) -> No
     with secure_node.client("newapp") as client:
         client.put("kv", {"id": 2})
     assert secure_node.security()["reloads"] == 1
+
+
+def test_a_sighup_reload_refuses_an_authorized_keys_directory_others_can_write_and_keeps_the_old_keys(
+    secure_node, keys: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    generate_keys("newapp", str(keys))
+    authorized = keys.parent / "authorized"
+    shutil.copy(keys / "newapp.key", authorized)
+    authorized.chmod(0o777)  # anyone could have put newapp.key there
+    secure_node.write_config({**ROLES_WITH_READER, "writer": ["app", "newapp"]})
+    with caplog.at_level(logging.ERROR, logger="mnesite.server"):
+        secure_node.node.reload_requested.set()  # what the SIGHUP handler does
+        wait_until(lambda: "keeping the current keys" in caplog.text, 10, "the refused reload")
+    assert f"{authorized} is writable by other users" in caplog.text and "chmod go-w" in caplog.text
+    assert secure_node.security()["reloads"] == 0
+    with secure_node.client("newapp", retries=0) as client, pytest.raises(Unauthenticated):
+        client.status()
+    authorized.chmod(0o755)
+    secure_node.node.reload_requested.set()
+    wait_until(lambda: secure_node.security()["reloads"] == 1, 10, "the reload")
+    with secure_node.client("newapp") as client:
+        client.status()
 
 
 def test_a_frame_from_an_authenticated_key_still_goes_through_the_decoder(secure_node) -> None:
