@@ -1740,6 +1740,27 @@ class CoreNode(NodeServer):
             why = f"this core has no connection left to open to it ({DEALERS_MAX} peers connected)"
         return f"its sequencer {peer} cannot be reached from {self.config.name}: {why}; nothing was sent"
 
+    def frame_unsent(self, message: Message, why: str) -> None:
+        """A forward's frame was dropped at send (``why``: the sequencer's send queue is full): nothing
+        reached the sequencer, so its client is answered now, as when it could not be sent at all
+        (``_unsent``: ``no_sequencer``), not ``outcome_unknown`` at the forward's timeout
+        (``core.outcome`` forwarding rule 5)."""
+        if not getattr(message.body, "forwarded", False):
+            return
+        unsent = self.forwarded.unsent(message.request_id)
+        if unsent is None:
+            return
+        sent = "an earlier forward of it may have reached it" if unsent.may_have_reached else "nothing was sent"
+        reason = (
+            f"shard {unsent.shard}: its sequencer {unsent.sequencer} cannot be reached from {self.config.name}: "
+            f"{why}; {sent}"
+        )
+        if unsent.may_have_reached or isinstance(unsent.payload, (QueryIndexAsk, ForwardedRead)):
+            # A read's is no_sequencer there too; a write's earlier forward may have reached it.
+            self._tell_outcomes([(unsent.payload, OutcomeUnknown(message.request_id, reason))])
+        else:
+            self.reply(unsent.payload, messages.error(message.request_id, "no_sequencer", reason))
+
     def _relay_forwarded(self, socket: zmq.Socket) -> None:
         for _ in range(self.config.limits.group_commit_max):
             try:

@@ -34,6 +34,10 @@ idempotent (an id found in the rlog is answered with its tx key once committed).
    driver forwards a write under its client's request id (the sequencer applies an id once) and a
    read under a fresh one of its own, so that a read's answer goes to the connection that asked it
    and to no other client that chose the same id.
+5. A forward whose frame never left this core (``unsent``: dropped at send, the sequencer's send
+   queue full) is answered at once, not at ``timeout_ms``: nothing reached the sequencer, so the
+   client is told ``no_sequencer`` as under rule 1 (and retries). Only a request that replaced an
+   earlier forward of its id (rule 4), which may have reached it, is told ``outcome_unknown``.
 
 Both hold the client's reply address as an opaque ``payload``; the driver turns each
 ``Acknowledged`` / ``OutcomeUnknown`` into a frame. The simulator (``tests/sim/cluster.py``) runs
@@ -153,12 +157,25 @@ def forward_target(sequencer: str | None, core_name: str, already_forwarded: boo
     return sequencer
 
 
+@dataclass(frozen=True)
+class Unsent(Generic[Payload]):
+    """Rule 5: a forward dropped at send. ``may_have_reached``: it replaced an earlier forward of its
+    request id (rule 4), which may have reached the sequencer (``outcome_unknown``); otherwise nothing
+    of the request did (``no_sequencer``)."""
+
+    payload: Payload
+    shard: str
+    sequencer: str
+    may_have_reached: bool
+
+
 @dataclass
 class _Forwarded(Generic[Payload]):
     payload: Payload
     deadline_ms: int
     shard: str
     sequencer: str
+    replaced: bool = False  # it replaced an earlier forward of its request id (rule 4)
 
 
 class ForwardedRequests(Generic[Payload]):
@@ -181,7 +198,9 @@ class ForwardedRequests(Generic[Payload]):
     ) -> list[tuple[Payload, Outcome]]:
         """Wait for the answer to ``request_id``; rule 4: what to tell the request it replaces, if any."""
         replaced = self._pending.pop(request_id, None)
-        self._pending[request_id] = _Forwarded(payload, now_ms + self.timeout_ms, shard, sequencer)
+        self._pending[request_id] = _Forwarded(
+            payload, now_ms + self.timeout_ms, shard, sequencer, replaced=replaced is not None
+        )
         if replaced is None:
             return []
         return [(replaced.payload, OutcomeUnknown(request_id, REASON_SENT_AGAIN))]
@@ -190,6 +209,14 @@ class ForwardedRequests(Generic[Payload]):
         """The payload to relay the sequencer's answer to; None for an answer nobody waits for."""
         pending = self._pending.pop(request_id, None)
         return pending.payload if pending is not None else None
+
+    def unsent(self, request_id: str) -> Unsent[Payload] | None:
+        """Rule 5: the forward of ``request_id`` was dropped at send; who to answer now. None: nobody
+        waits for it."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return None
+        return Unsent(pending.payload, pending.shard, pending.sequencer, may_have_reached=pending.replaced)
 
     def sequencer_changed(self, shard: str, sequencer: str | None) -> list[tuple[Payload, Outcome]]:
         """Rule 2: this core now follows ``sequencer`` (None: none) in ``shard``."""

@@ -68,6 +68,7 @@ import apsw
 from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
 from mnesite.rlog.messages import QUERY_PARAMS_MAX as PARAMS_MAX
 from mnesite.rlog.messages import QUERY_SQL_CHARS_MAX as SQL_CHARS_MAX
+from mnesite.rlog.store import read_fault
 from mnesite.rlog.types import ZERO_KEY, TxKey, tx_key_from_wire
 
 CONSISTENCY_LEVELS = ("local", "read-your-writes", "linearizable")
@@ -243,7 +244,8 @@ def row_value_bytes_max(page_bytes_max: int, columns: int) -> int:
 def check_query(
     connection: apsw.Connection, user_tables: Iterable[str], sql: str, params: tuple[Any, ...]
 ) -> CheckedQuery:
-    """Prepare ``sql`` (nothing runs) and return it checked; raise ``QueryRefused`` or ``BadQuery``."""
+    """Prepare ``sql`` (nothing runs) and return it checked; raise ``QueryRefused`` or ``BadQuery``, or
+    SQLite's own error for a damaged database or an I/O error (``rlog.store.read_fault``: the disk's)."""
     if len(sql) > SQL_CHARS_MAX:
         raise BadQuery(f"the query is {len(sql)} characters; at most {SQL_CHARS_MAX}")
     if len(params) > PARAMS_MAX:
@@ -294,6 +296,8 @@ def _prepared_statements(
         except apsw.ExecTraceAbort:
             pass
         except apsw.Error as error:
+            if read_fault(error) is not None:
+                raise  # the database is damaged, not the query: the driver stops for a failed disk
             if guard.denied is not None:
                 raise QueryRefused(guard.denied) from None
             if found:
@@ -425,6 +429,9 @@ class Finished:
     error: QueryError | None = None
     behind: WaitingQuery | None = None
     first: WaitingQuery | None = None
+    # The disk's error a read of the query met (``rlog.store.read_fault``: a malformed database, an
+    # I/O error): not the query's, and not answered; the driver stops the node as for a failed disk.
+    failed: BaseException | None = None
 
 
 @dataclass
@@ -695,6 +702,8 @@ class QueryRunner:
             return Finished(cursor.payload, error=error)
         except Exception as error:  # anything else apsw raises: answered, and the worker thread lives on
             cursor.cursor = None
+            if read_fault(error) is not None:
+                return Finished(cursor.payload, failed=error)
             return Finished(cursor.payload, error=QueryError(f"the query failed: {type(error).__name__}: {error}"))
         finally:
             cursor.spent_ms += (time.monotonic() - started_s) * 1000
@@ -715,6 +724,8 @@ class QueryRunner:
         try:
             connection = open_connection(self.path, self.limits.page_bytes_max)
         except apsw.Error as error:
+            if read_fault(error) is not None:
+                raise
             raise QueryError(f"cannot open the database for a query: {error}") from None
         cursor.connection = connection
         # The snapshot: it starts at the first read below and lasts until the cursor closes.
@@ -754,6 +765,8 @@ class QueryRunner:
         except apsw.ExecTraceAbort:
             raise QueryRefused("the statement changed between its check and its run; send it again") from None
         except apsw.Error as error:
+            if read_fault(error) is not None:
+                raise
             if guard.denied is not None:
                 raise QueryRefused(guard.denied) from None
             raise self._run_error(error, cursor) from None
@@ -789,6 +802,8 @@ class QueryRunner:
             cursor.cursor = None
         except (apsw.Error, UnicodeDecodeError) as error:  # apsw converts a row's TEXT from UTF-8
             cursor.cursor = None
+            if read_fault(error) is not None:
+                raise
             raise self._run_error(error, cursor) from None
         return rows
 

@@ -1003,6 +1003,10 @@ class NodeServer:
             else:
                 self._queries_starting[id(waiting)] = waiting
         for finished in self.queries.finished(drain=self._queries_woken):
+            if finished.failed is not None:
+                # A query's read met a damaged database or an I/O error (``rlog.store.read_fault``):
+                # raised here, on the loop, the node stops as for any failed disk (``turn``).
+                raise finished.failed
             envelope, request_id = finished.payload
             again = finished.behind
             if finished.first is not None:
@@ -1181,8 +1185,10 @@ class NodeServer:
             send_frames(socket, [frame])
         except zmq.Again:
             self._dropped(message.kind, "the receiver's queue is full")
+            self.frame_unsent(message, "the receiver's queue is full")
         except zmq.ZMQError as error:
             self._dropped(message.kind, str(error))
+            self.frame_unsent(message, str(error))
 
     def _send_queued(self, socket: zmq.Socket | None, envelope: list[bytes], message: Message) -> None:
         """Send one frame of the outbox (``socket`` None: an answer through the ROUTER socket)."""
@@ -1214,9 +1220,18 @@ class NodeServer:
             send_frames(target, [*envelope, frame])
         except zmq.Again:
             self._dropped(message.kind, "the receiver's queue is full")
+            if socket is not None:
+                self.frame_unsent(message, "the receiver's queue is full")
         except zmq.ZMQError as error:
             # A socket closed meanwhile (its endpoint no longer used): every protocol here re-sends.
             self._dropped(message.kind, str(error))
+            if socket is not None:
+                self.frame_unsent(message, str(error))
+
+    def frame_unsent(self, message: Message, why: str) -> None:
+        """Hook: a frame to another node (a DEALER's) was dropped at send, ``why``; nothing of it left
+        this node. A driver answers at once whoever waits for that frame's answer (a forwarded
+        request: ``CoreNode``); an answer it queues (``reply``) leaves in the same ``flush``."""
 
     def _dropped(self, kind: str, why: str) -> None:
         """Count a dropped outgoing frame; a warning at most every SENDS_DROPPED_LOG_MS with the count."""
@@ -1264,6 +1279,12 @@ class NodeServer:
         outbox, self._outbox = self._outbox, []
         for socket, envelope, message in outbox:
             self._send_queued(socket, envelope, message)
+        if self._outbox:
+            # Answers ``frame_unsent`` queued for frames just dropped: now, not a turn later. They go
+            # to clients (the ROUTER), whose drops call no hook, so one more round empties the outbox.
+            outbox, self._outbox = self._outbox, []
+            for socket, envelope, message in outbox:
+                self._send_queued(socket, envelope, message)
         if self.metrics is not None:
             self.refresh_metrics()
 

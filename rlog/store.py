@@ -225,6 +225,18 @@ def storage_fault(error: BaseException) -> StorageFault | None:
     return None
 
 
+def read_fault(error: BaseException) -> StorageFault | None:
+    """What a query's read (on its own read-only connection, ``rlog.query``) says about the disk:
+    FAILED as for a write (``storage_fault``: a malformed image, a file that is no longer SQLite's, an
+    I/O error), so that the node stops instead of serving from a damaged database; None otherwise. A
+    full disk is no read's fault (a query's sort spilling to a temporary file failed for want of space:
+    the query's error), nor is a read-only error (the query's connection is read-only by design)."""
+    if isinstance(error, apsw.ReadOnlyError):
+        return None
+    fault = storage_fault(error)
+    return fault if fault is StorageFault.FAILED else None
+
+
 def _apply_failure(entry: Entry, error: BaseException) -> BaseException:
     """What to raise when applying ``entry`` failed: the disk's own error as it is (a full disk is
     not the entry's fault, ``rlog.disk``), anything else as the entry's ``EntryApplyError``."""
@@ -332,7 +344,7 @@ class Store:
                     # and so did the file's contents: nothing is written before they are narrowed.
                     for suffix in ("", "-wal", "-shm"):
                         if os.path.exists(path + suffix):
-                            os.chmod(path + suffix, file_mode)
+                            self._narrow(path + suffix, file_mode)
             if not readonly:
                 self.connection.execute("PRAGMA journal_mode=WAL")
                 self.connection.execute(f"PRAGMA synchronous={synchronous.upper()}")
@@ -385,6 +397,18 @@ class Store:
         # Rows an index build copies per step, and the tables being built (table -> shadow).
         self.index_build_step_rows_max = INDEX_BUILD_STEP_ROWS_MAX
         self._builds: dict[str, str] | None = None
+
+    def _narrow(self, path: str, file_mode: int) -> None:
+        """Give ``path`` (the database, its -wal or -shm) ``file_mode``; a file that refuses it (``EPERM``:
+        another user owns it) closes the connection and says which file, and what to do."""
+        try:
+            os.chmod(path, file_mode)
+        except OSError as error:
+            self.connection.close()
+            raise StoreError(
+                f"{path}: cannot narrow its mode to {oct(file_mode)}: {error.strerror or error}; "
+                "give it to the user that runs the node (chown), or run the node as its owner"
+            ) from None
 
     def _foreign_tables(self) -> list[str]:
         """The tables of a database that is not empty and not a mnesite store (its ``_mnesite_meta``

@@ -41,7 +41,7 @@ from mnesite.rlog.replication import (
     Ticked,
     WatchAccepted,
 )
-from mnesite.rlog.store import Store, storage_fault
+from mnesite.rlog.store import Store, read_fault, storage_fault
 from mnesite.rlog.types import TxKey, WriteOp
 
 from tests.conftest import ThreadNode, core_with_table, create_table_t, free_port, node_config, wait_until
@@ -70,6 +70,26 @@ from tests.test_replica import HISTORY, ages, at, bootstrap, bootstrapped, conne
 )
 def test_a_write_error_is_full_failed_or_not_the_disks(error: BaseException, fault: StorageFault | None) -> None:
     assert storage_fault(error) is fault
+
+
+@pytest.mark.parametrize(
+    ("error", "fault"),
+    [
+        (apsw.CorruptError("database disk image is malformed"), StorageFault.FAILED),
+        (apsw.NotADBError("file is not a database"), StorageFault.FAILED),
+        (apsw.IOError("disk I/O error"), StorageFault.FAILED),
+        # A query's sort that spilled to a full disk fails the query, not the node.
+        (apsw.FullError("database or disk is full"), None),
+        # A query's connection is read-only by design: its refusal to write is not the disk's.
+        (apsw.ReadOnlyError("attempt to write a readonly database"), None),
+        (apsw.SQLError("near 'SELEC': syntax error"), None),
+        (apsw.InterruptError("interrupted"), None),
+    ],
+)
+def test_a_query_read_error_is_the_disks_only_when_the_database_or_disk_failed(
+    error: BaseException, fault: StorageFault | None
+) -> None:
+    assert read_fault(error) is fault
 
 
 def test_sqlite_full_from_a_real_database_is_a_full_disk_and_rolls_back(tmp_path: Path) -> None:
@@ -254,6 +274,34 @@ def test_a_turn_the_database_fails_as_malformed_or_read_only_stops_the_node_for_
         said = f"{node.store.path}: {type(error).__name__}: {error}"
         assert str(raised.value) == said
         assert node.stop_reason == f"the disk failed: {said}"
+
+
+def test_a_query_that_meets_a_malformed_database_stops_the_node_for_the_disk(tmp_path: Path) -> None:
+    """Regression: a query whose own read met a malformed database (``CorruptError``) was answered
+    ``query_failed`` and the core went on serving from the damaged file. The query's worker hands the
+    error to the loop now (``rlog.query.Finished.failed``), which stops the node as for any failed
+    disk: ``StorageFailedError`` naming the file and SQLite's error (exit status 4), no answer sent."""
+    import time
+
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
+
+    from tests.test_query import _damage_table
+
+    with core_with_table(tmp_path / "data") as node:
+        with node.store.write_transaction():
+            node.store.apply_ops(tuple(WriteOp("t", {"id": i, "v": "x" * 200}) for i in range(200)))
+        _damage_table(Path(node.store.path), "t")
+        query = Message("query", "q-1", messages.typed_body("query", {"sql": "SELECT * FROM t"}))
+        node._dispatch_read([b"client"], query)
+        deadline_s = time.monotonic() + 10
+        with pytest.raises(StorageFailedError) as raised:
+            while time.monotonic() < deadline_s:
+                node.turn()
+        assert str(raised.value).startswith(f"{node.store.path}: CorruptError: "), raised.value
+        assert node.stop_reason == f"the disk failed: {raised.value}"
+        assert not [m for _s, to, m in node._outbox if to == [b"client"]], "not answered query_failed"
+        assert node.answer_at_stop() == 1  # held: ``stopping`` as the node stops, its client asks another
 
 
 def test_a_new_data_directory_is_made_durable_in_its_parent(tmp_path: Path, monkeypatch) -> None:

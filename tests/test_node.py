@@ -603,6 +603,54 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
         assert node.outstanding == {}
 
 
+def test_a_forward_dropped_at_send_is_answered_in_the_same_flush_not_at_its_timeout(tmp_path, monkeypatch) -> None:
+    """Regression: a forward whose frame was dropped at send (the sequencer's send queue full) was only
+    counted (``sends_dropped``): its client waited the forward's timeout (5 s) to hear
+    ``outcome_unknown`` for a write that never left this core, ``no_sequencer`` for a read. Nothing
+    reached the sequencer, so both are answered ``no_sequencer`` in the flush that dropped the frame,
+    as when the forward cannot be sent at all (``CoreNode._unsent``); a write whose earlier forward of
+    the same id was sent (rule 4) hears ``outcome_unknown``, since that one may have reached it."""
+    from mnesite.rlog import server
+
+    router_frames: list[list[bytes]] = []
+    real_send_frames = server.send_frames
+
+    def send_frames(socket, frames):
+        if socket.type == zmq.DEALER:
+            raise zmq.Again()  # the peer's queue is full
+        router_frames.append(frames)
+        real_send_frames(socket, frames)
+
+    write = messages.typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
+    read = messages.typed_body("get", {"table": "t", "key": 1, "consistency": "linearizable"})
+    with forwarding_core(tmp_path / "data") as node:  # its driver called directly; core2 is known
+        node._outbox.clear()
+        node._forward([b"writer"], Message("transact", "w-1", write), "default", "core2")
+        node._forward([b"reader"], Message("get", "r-1", read), "default", "core2")
+        monkeypatch.setattr(server, "send_frames", send_frames)
+        node.flush()
+        answers = {bytes(frames[0]): messages.decode(frames[-1]) for frames in router_frames}
+        assert {to: (m.request_id, m.kind, m.body.code) for to, m in answers.items()} == {
+            b"writer": ("w-1", "error", "no_sequencer"),
+            b"reader": ("r-1", "error", "no_sequencer"),
+        }
+        assert "core2" in answers[b"writer"].body.message and "nothing was sent" in answers[b"writer"].body.message
+        assert len(node.forwarded) == 0 and node.outstanding == {} and node._outbox == []
+        # A resend of a write whose first forward was sent: that one may have reached the sequencer.
+        monkeypatch.setattr(server, "send_frames", real_send_frames)
+        node._forward([b"writer"], Message("transact", "w-2", write), "default", "core2")
+        node.flush()
+        monkeypatch.setattr(server, "send_frames", send_frames)
+        router_frames.clear()
+        node._forward([b"again"], Message("transact", "w-2", write), "default", "core2")
+        node.flush()
+        answers = {bytes(frames[0]): messages.decode(frames[-1]) for frames in router_frames}
+        assert {to: (m.request_id, m.body.code) for to, m in answers.items()} == {
+            b"writer": ("w-2", "outcome_unknown"),  # replaced by the resend (rule 4)
+            b"again": ("w-2", "outcome_unknown"),
+        }
+
+
 def test_the_loop_does_not_wait_on_a_machine_it_does_not_tick(tmp_path) -> None:
     """A shard whose rows a snapshot is replacing is not ticked (it does not campaign meanwhile). Its
     machine's deadline counted for the poll all the same: once passed, the loop polled without waiting

@@ -11,6 +11,7 @@ from mnesite.core.outcome import (
     CommitWaiters,
     ForwardedRequests,
     OutcomeUnknown,
+    Unsent,
     forward_target,
 )
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey
@@ -102,6 +103,19 @@ def test_a_request_forwarded_again_while_pending_tells_the_earlier_one():
     assert len(forwarded) == 1
     assert forwarded.expired(100) == []  # the resend's own deadline counts
     assert forwarded.answered("a") == "second"
+
+
+def test_a_forward_dropped_at_send_is_answered_at_once_as_nothing_reached_unless_it_replaced_one():
+    """Rule 5: a forward whose frame never left the core is taken out now (not at its timeout); nothing
+    reached the sequencer unless it replaced an earlier forward of its id (rule 4), which may have."""
+    forwarded: ForwardedRequests[str] = ForwardedRequests(forwarded_max=4, timeout_ms=100)
+    forwarded.forwarded("a", "first", "s", "core2", now_ms=0)
+    assert forwarded.unsent("a") == Unsent("first", "s", "core2", may_have_reached=False)
+    assert forwarded.unsent("a") is None and len(forwarded) == 0  # answered once
+    forwarded.forwarded("b", "first", "s", "core2", now_ms=0)
+    forwarded.forwarded("b", "second", "s", "core2", now_ms=10)
+    assert forwarded.unsent("b") == Unsent("second", "s", "core2", may_have_reached=True)
+    assert forwarded.expired(10**6) == []
 
 
 def test_held_writes_are_proposed_as_one_batch_in_arrival_order_and_each_finds_its_outcome():

@@ -453,6 +453,46 @@ def test_a_value_python_cannot_hold_fails_its_query_and_the_workers_keep_serving
     assert rows == [[100]]
 
 
+def _damage_table(path: Path, table: str) -> None:
+    """Overwrite ``table``'s root page in the file, behind SQLite's back (its WAL checkpointed first):
+    no longer a B-tree page, so reading the table fails with SQLite's ``CorruptError``."""
+    connection = apsw.Connection(str(path))
+    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    root = connection.execute("SELECT rootpage FROM sqlite_schema WHERE name = ?", (table,)).fetchone()[0]
+    page_bytes = connection.execute("PRAGMA page_size").fetchone()[0]
+    connection.close()
+    with open(path, "r+b") as file:
+        file.seek((root - 1) * page_bytes)
+        file.write(b"\xff" * page_bytes)
+
+
+def test_a_query_that_reads_a_damaged_database_hands_the_disk_error_to_the_driver(tmp_path: Path) -> None:
+    """Regression: a query's read that met a malformed database (SQLite's ``CorruptError``; so too
+    ``NotADBError`` and I/O errors) was answered to its client as a query error (``query_failed``),
+    and the node went on serving from the damaged file, where a write meeting the same error stops it
+    as a failed disk (``rlog.store.storage_fault``). The page is no answer now: ``Finished.failed``
+    holds SQLite's error, which the driver raises on its loop (the node stops, exit status 4). The
+    query's own errors stay its answers."""
+    store = _database(tmp_path / "node.db", rows=2000)
+    try:
+        _damage_table(tmp_path / "node.db", "users")
+        runner = q.QueryRunner(store.path, q.QueryLimits(ms_max=500), lambda: int(time.monotonic() * 1000))
+        try:
+            finished = _start(runner, "SELECT * FROM users")
+            assert finished.error is None and finished.result is None, finished
+            assert isinstance(finished.failed, apsw.CorruptError), finished
+            assert runner.open_cursors() == 0
+            with pytest.raises(q.BadQuery):
+                runner.check("SELEC 1", (), ["users"])  # the query's own: answered as before
+            finished = _start(runner, "SELECT abs(-9223372036854775808)")  # integer overflow: a run-time error
+            assert finished.failed is None and finished.error is not None, finished
+            assert finished.error.code == "query_failed", finished
+        finally:
+            runner.stop()
+    finally:
+        store.close()
+
+
 def test_a_cursor_is_idle_from_when_its_page_was_done_not_from_when_it_was_asked(store: Store) -> None:
     """The idle time was counted from the page's request: a page whose run (or wait for a worker)
     took longer than query_idle_ms_max left a cursor expired the moment it was answered, and the

@@ -419,6 +419,40 @@ def test_a_database_file_the_node_refuses_keeps_its_mode(tmp_path: Path) -> None
         lock.release()
 
 
+def test_a_database_file_whose_mode_cannot_be_narrowed_is_named_and_its_connection_closed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Regression: a ``chmod`` of the database (or its -wal, -shm) that failed (``EPERM``: a file
+    another user owns) left ``Store`` with its ``OSError`` as it was ("Operation not permitted", no
+    word of narrowing) and its SQLite connection open until garbage collection. It is a
+    ``StoreError`` now that names the file and the mode it could not be given, and the connection is
+    closed before it leaves."""
+    import errno
+    import os
+
+    import apsw
+    from mnesite.rlog.store import Store, StoreError
+
+    database = tmp_path / "mnesite.db"
+    Store(str(database)).close()
+    real_chmod = os.chmod
+
+    def chmod(path, mode, *args, **kwargs):
+        if str(path) == f"{database}-wal":
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real_chmod(path, mode, *args, **kwargs)
+
+    (tmp_path / "mnesite.db-wal").write_bytes(b"")  # as another process's open left it
+    monkeypatch.setattr(os, "chmod", chmod)
+    before = {id(connection) for connection in apsw.connections()}
+    with pytest.raises(StoreError) as raised:
+        Store(str(database), file_mode=0o600)
+    said = str(raised.value)
+    assert f"{database}-wal" in said and "0o600" in said and "Operation not permitted" in said, said
+    left = [c for c in apsw.connections() if id(c) not in before and c.filename == str(database)]
+    assert left == [], "the store's connection is closed before its error leaves"
+
+
 def test_a_node_that_fails_to_open_its_data_directory_leaves_it_unlocked(tmp_path: Path) -> None:
     # A start that fails after the lock was taken (the database is not mnesite's, or cannot even be
     # opened) must give the lock back: a process that goes on (a test, an embedding program, a
