@@ -82,6 +82,21 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   and does not have it, so it was lost, not still queued. Every push with entries is remembered
   (sequence number, last key) until proven, at most ``2 * window_entries_max`` of them (the
   oldest forgotten first: the later ones prove higher keys anyway).
+* Read lag. An acknowledgement shows the replicant is alive, not that it keeps up: one that reads
+  its queue slowly acknowledges every push it reads, each proving a push sent long ago, while the
+  pushes behind it wait in zmq's send queue on this core and the agent holds its window (and the
+  retention floor its acknowledged key). So an agent with tokens also measures how long the oldest
+  push not proven read (heartbeats too) has waited since it was sent, and stops when that reaches
+  the acknowledgement timeout (below): the replicant read no push within ``ack_timeout_ms`` of its
+  sending. A catch-up on a slow link keeps going: its replica reads every push within the link's
+  delay and so proves recent pushes. (A push waits behind what the agents pushing to the same
+  endpoint hold unacknowledged, a window each, so a link must carry ``window_bytes_max`` per shard
+  it catches up within ``ack_timeout_ms``: about 0.8 MiB/s by default; a slower one needs a
+  smaller window.) The agent remembers the send time of the pushes not proven
+  read, one record per send time (``2 * window_entries_max`` at most; past that a push counts as
+  sent with the last one recorded, which judges no more leniently). Pushes the driver dropped
+  (``PushesDropped``) can never be read and are not waited for. A replicant of protocol 1 proves
+  nothing it read: only the time of its last acknowledgement counts for it.
 * Heartbeats. A push without entries, carrying the committed key and whether the core hears the
   sequencer, goes out whenever nothing was pushed for ``heartbeat_interval_ms``, and at once when
   ``hears_sequencer`` changes; the replica's failure detector lives on them.
@@ -90,7 +105,8 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   ("position trimmed: bootstrap needed"; the replica will re-bootstrap), when the log does not
   continue where it should, or when the replicant acknowledged nothing for ``ack_timeout_ms``
   (``probation_timeout_ms`` before its first acknowledgement: a live replica acknowledges within a
-  round trip, and watches again when it hears nothing for its own failure timeout anyway).
+  round trip, and watches again when it hears nothing for its own failure timeout anyway), or read
+  no push within that acknowledgement timeout of its sending (see "Read lag").
 
 Driver contract
 ---------------
@@ -180,7 +196,7 @@ class AgentConfig:
     heartbeat_interval_ms: int = 500
     # Committed entries ahead below which the mode is SWITCHOVER.
     switchover_entries: int = 1000
-    # No acknowledgement for this long stops the agent.
+    # No acknowledgement for this long, or a push not read this long after it was sent, stops the agent.
     ack_timeout_ms: int = 10_000
     # No first acknowledgement for this long stops the agent (at most ack_timeout_ms).
     probation_timeout_ms: int = 10_000
@@ -241,6 +257,11 @@ class Agent:
         self._proven_key = start_key
         self._proofs: deque[tuple[int, TxKey]] = deque()
         self._proofs_max = 2 * config.window_entries_max
+        # The last push the replicant proved it read (in an acknowledgement the agent took), and the
+        # send time of the pushes after it: (sequence number, send time) of the first push sent at
+        # each time, in order, at most _proofs_max of them (see "Read lag").
+        self._read_sequence = 0
+        self._send_times: deque[tuple[int, int]] = deque()
         self.acks_refused = 0
         self.agent_id = agent_id
         self.shard = shard
@@ -337,6 +358,9 @@ class Agent:
         deadline = min(
             self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self._ack_timeout_ms()
         )
+        unread_since_ms = self._oldest_unread_push_ms()
+        if unread_since_ms is not None:
+            deadline = min(deadline, unread_since_ms + self._ack_timeout_ms())
         delayed_until = self._partial_push_delayed_until()
         if push_room and delayed_until is not None and self._can_push(ignore_delay=True):
             deadline = min(deadline, delayed_until)
@@ -366,6 +390,8 @@ class Agent:
             self._stop(f"rejected by the replicant: {event.reason}")
         elif isinstance(event, PushesDropped):
             self._resend_from_acknowledged()
+            # What was pushed so far can no longer be read: the read lag is measured from the next push.
+            self._read(self._push_sequence)
             self._pump()
         else:
             raise TypeError(f"not an agent event: {event!r}")
@@ -379,6 +405,14 @@ class Agent:
             self._stop(
                 f"replicant acknowledged nothing for {self._ack_timeout_ms()} ms "
                 f"({len(self._unacknowledged)} entries unacknowledged)"
+            )
+            return
+        unread_since_ms = self._oldest_unread_push_ms()
+        if unread_since_ms is not None and self._now_ms - unread_since_ms >= self._ack_timeout_ms():
+            self._stop(
+                f"replicant read no push for {self._ack_timeout_ms()} ms after it was sent "
+                f"({self._push_sequence - self._read_sequence} pushes unread, "
+                f"{len(self._unacknowledged)} entries unacknowledged)"
             )
             return
         self._pump()
@@ -407,6 +441,8 @@ class Agent:
                 return
         self._last_ack_ms = self._now_ms
         self._acknowledged = True
+        if proven_sequence is not None and proven_sequence > self._read_sequence:
+            self._read(proven_sequence)
         if key > self._acked_key:
             if key > self._pushed_max_key:
                 # Acknowledging what was never pushed: a confused or foreign replica.
@@ -462,6 +498,11 @@ class Agent:
                 if len(self._proofs) >= self._proofs_max:
                     self._proofs.popleft()
                 self._proofs.append((self._push_sequence, entries[-1].tx_key))
+            # One record per send time; past the bound a push counts as sent when the last one
+            # recorded was (earlier, so the read lag is judged no more leniently).
+            times = self._send_times
+            if (not times or times[-1][1] != self._now_ms) and len(times) < self._proofs_max:
+                times.append((self._push_sequence, self._now_ms))
         self._out.append(Push(entries, self._committed_key, self._hears_sequencer, size_bytes, token))
         self._last_push_ms = self._now_ms
         if entries:
@@ -482,6 +523,22 @@ class Agent:
         if not hmac.compare_digest(token[TOKEN_SEQUENCE_BYTES:], self._token_hash(sequence)):
             return None
         return sequence
+
+    def _read(self, sequence: int) -> None:
+        """The pushes up to ``sequence`` were read (or can never be): forget their send times."""
+        self._read_sequence = sequence
+        if sequence >= self._push_sequence:
+            self._send_times.clear()
+            return
+        # The first record left is the one of the push after ``sequence``: its send time is its own.
+        while len(self._send_times) > 1 and self._send_times[1][0] <= sequence + 1:
+            self._send_times.popleft()
+
+    def _oldest_unread_push_ms(self) -> int | None:
+        """When the oldest push not proven read was sent; None if every push was, or without tokens."""
+        if not self._send_times:
+            return None
+        return self._send_times[0][1]
 
     def _prove(self, sequence: int) -> TxKey:
         """The replica read every push up to ``sequence``: the highest key it may hold now."""

@@ -19,7 +19,8 @@ the socket closes, so ``watches_max`` agents of ``window_bytes_max`` each could 
   acknowledges every push and every heartbeat, and heartbeats go out every ``heartbeat_interval_ms``);
   otherwise it is *silent*: it never acknowledged (a dead or fake endpoint, or a replicant still
   connecting), or it stopped acknowledging. Its silence began at its last acknowledgement, or at its
-  creation if there was none.
+  creation if there was none. The same rule decides whether an agent that ends leaves its endpoint's
+  socket open (``core.agent_server``, "Memory"): only for a live agent, whose queue is being delivered.
 * Eviction (``agents_to_evict``). When an agent wants to push and the budget is spent, silent agents
   that hold bytes are evicted, the longest silent first, until the use is under ``bytes_max``. Live
   agents are never evicted: a live replicant is unharmed by any number of silent ones. A silent

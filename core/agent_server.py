@@ -37,7 +37,10 @@ Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in on
 bytes are recorded, and an agent that ends is released. An agent is stepped with no push budget
 while the memory budget is spent; if it then wants to push, the budget's rule names the silent
 agents to evict, which this adapter stops (their frames not yet drained are dropped; the node closes
-their endpoints' sockets), and the agent is ticked again to push in the room made. A socket closed so
+their endpoints' sockets), and the agent is ticked again to push in the room made. An agent that ends
+for any reason has its endpoint's socket closed unless an agent live by the budget's rule
+(``core.agent_budget``, "Silence") still uses it: zmq's queue there is then being delivered, while
+the frames of a silent endpoint would stay queued with nothing counting them. A socket closed so
 takes the pushes queued in it of every agent that uses its endpoint: each such agent is stepped
 ``PushesDropped`` and resends from its acknowledged key (``_reset_endpoint``).
 """
@@ -52,7 +55,7 @@ from typing import Any
 
 import msgspec
 from mnesite.core.agent import TOKEN_KEY_BYTES, Agent, AgentConfig
-from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse
+from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse, silence_began_ms
 from mnesite.core.versions import watch_protocol_refusal, watch_proves_acknowledgements
 from mnesite.core.watch import (
     WatchRefusedError,
@@ -91,7 +94,7 @@ class Watch:
     shard: str
     # The answer to the watch, repeated in every push (see the theory of operation).
     answer: dict[str, Any]
-    acknowledged: bool = False  # the replicant has acknowledged a push: its endpoint is alive
+    acknowledged: bool = False  # the replicant has acknowledged a push (the watches_max eviction spares it)
     protocol: int = 1  # the replication protocol its watch named (rlog.versions)
 
 
@@ -269,6 +272,10 @@ class AgentServer:
     def _use(self, agent_id: str, watch: Watch) -> AgentUse:
         return AgentUse(agent_id, self.budget.held_bytes(agent_id), watch.agent.last_ack_ms, watch.acknowledged)
 
+    def _live(self, agent_id: str, watch: Watch) -> bool:
+        """The agent's replicant acknowledged lately (``core.agent_budget``, "Silence")."""
+        return silence_began_ms(self._use(agent_id, watch), self._now_ms, self.budget.silent_ms) is None
+
     def _uses(self) -> list[AgentUse]:
         return [self._use(agent_id, watch) for agent_id, watch in self.watches.items()]
 
@@ -280,12 +287,13 @@ class AgentServer:
             return
         self.budget.release(agent_id)
         self._waiting.discard(agent_id)
-        # Its bytes left the budget, but zmq may still hold its frames for the endpoint: unless an
-        # agent whose replicant acknowledges (a live endpoint, where they will be delivered) still
-        # uses that endpoint, the node closes its socket now (linger 0), and the frames go with it.
-        # Without this, a replicant name watched again and again naming a dead endpoint would pile
-        # up pushes in one socket that stays open for the newest watch.
-        if not any(w.endpoint == watch.endpoint and w.acknowledged for w in self.watches.values()):
+        # Its bytes left the budget, but zmq may still hold its frames for the endpoint: unless a
+        # live agent (by the budget's rule: its replicant acknowledged within two heartbeats, so the
+        # endpoint's queue is being delivered) still uses that endpoint, the node closes its socket
+        # now (linger 0), and the frames go with it. Without this, a replicant name watched again and
+        # again naming a dead endpoint, or a replicant that acknowledged once and then stopped
+        # reading, would pile up pushes the budget no longer counts in one socket kept open.
+        if not any(w.endpoint == watch.endpoint and self._live(a, w) for a, w in self.watches.items()):
             self._reset_endpoint(watch.endpoint)
         if drop_frames:
             self.outbox = [
@@ -294,7 +302,7 @@ class AgentServer:
 
     def _reset_endpoint(self, endpoint: str) -> None:
         """The node closes ``endpoint``'s socket, and what zmq queues there goes with it: the pushes
-        the other agents that use it (none acknowledged) handed over in earlier turns too. Their frames
+        the other agents that use it (none live) handed over in earlier turns too. Their frames
         not yet drained are dropped with them, and they resend from their acknowledged key (``core.agent``,
         "Retransmission"), at their next step: otherwise their replicant's next push would follow a gap."""
         self._reset.add(endpoint)

@@ -1099,7 +1099,7 @@ class CoreNode(NodeServer):
         limits = self.config.limits
         peers = set(self.endpoints.values())
         for endpoint in self.agent_server.endpoints_to_reset():
-            # An agent ended and no acknowledging one uses its endpoint: what zmq still queues there
+            # An agent ended and no live one uses its endpoint: what zmq still queues there
             # is dropped with the socket (core.agent_server's _forget); a new agent's pushes below
             # open a new one.
             if endpoint not in peers:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import msgpack
 import pytest
 from mnesite.core.agent import STOPPED_TRIMMED, Agent, AgentConfig, AgentConfigError
@@ -612,3 +614,84 @@ def test_a_resend_waits_for_proof_that_the_push_was_lost_not_still_queued():
     later = [push for push in pushes(machine.step(Ticked(), 400)) if not push.entries]
     assert later, "a heartbeat is due a heartbeat interval after the push"
     assert pushed_keys(machine.step(AckReceived(ZERO_KEY, later[0].token), 401)) == [TxKey(1, 1), TxKey(1, 2)]
+
+
+def read_over_a_link(machine: Agent, log: MemoryLog, read_ms, until_ms: int) -> tuple[TxKey, int | None, str]:
+    """Drive ``machine`` (ticked when due) with a replica that reads each push, in order, at
+    ``read_ms(send_ms, previous_read_ms)`` and acknowledges it at once with its applied key and the
+    push's token. Returns the replica's applied key, when the agent stopped (None: it did not) and why."""
+    queue: deque[tuple[int, Push]] = deque()
+    applied, previous_read_ms = ZERO_KEY, 0
+
+    def run(effects, now_ms):
+        for effect in effects:
+            if isinstance(effect, AgentStopped):
+                return effect.reason
+            queue.append((now_ms, effect))
+        return None
+
+    stopped = run(machine.step(CommittedAdvanced(log.last_key(), True), 0), 0)
+    for now in range(0, until_ms, 10):
+        while stopped is None and queue and read_ms(queue[0][0], previous_read_ms) <= now:
+            send_ms, push = queue.popleft()
+            previous_read_ms = read_ms(send_ms, previous_read_ms)
+            for entry in push.entries:
+                if entry.prev == applied:
+                    applied = entry.tx_key
+            stopped = run(machine.step(AckReceived(applied, push.token), now), now)
+        if stopped is None and now >= machine.next_deadline_ms():
+            stopped = run(machine.step(Ticked(), now), now)
+        if stopped is not None:
+            return applied, now, stopped
+    return applied, None, ""
+
+
+@pytest.mark.timeout(10)
+def test_a_replicant_that_reads_no_push_for_ack_timeout_ms_after_it_was_sent_stops_its_agent():
+    """A replicant reading its queue slowly acknowledges every push it reads, each proving a push sent
+    long ago, while the pushes behind it wait in zmq on the core and the agent holds its window: its
+    acknowledgements must not keep it live. The oldest push not proven read times out."""
+    log = build_log(200)
+    machine = proving_agent(
+        log, window_entries_max=10, push_entries_max=5, heartbeat_interval_ms=100, ack_timeout_ms=1000
+    )
+    # One push read every 300 ms, while a heartbeat is queued every 100 ms: the queue only grows.
+    applied, stopped_ms, reason = read_over_a_link(machine, log, lambda sent, last: max(sent, last + 300), 10_000)
+    assert stopped_ms is not None, "acknowledging every 300 ms kept a replicant that falls ever further behind live"
+    assert "read no push for 1000 ms after it was sent" in reason
+    assert stopped_ms <= 3_000 and applied < TxKey(1, 200)
+
+
+@pytest.mark.timeout(10)
+def test_a_catch_up_over_a_slow_link_proves_recent_pushes_and_keeps_going():
+    """A replica behind a slow link reads every push some time after it was sent, but that time stays
+    under ack_timeout_ms: it proves recent pushes, and its catch-up goes on for many timeouts."""
+    log = build_log(300)
+    machine = proving_agent(
+        log, window_entries_max=10, push_entries_max=5, heartbeat_interval_ms=100, ack_timeout_ms=1000
+    )
+    applied, stopped_ms, reason = read_over_a_link(machine, log, lambda sent, last: max(sent + 900, last), 60_000)
+    assert stopped_ms is None, reason
+    assert applied == TxKey(1, 300)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("dropped", [False, True])
+def test_pushes_the_driver_dropped_can_never_be_read_and_are_not_waited_for(dropped):
+    machine = proving_agent(build_log(3), heartbeat_interval_ms=100, ack_timeout_ms=1000)
+    first = pushes(machine.step(CommittedAdvanced(TxKey(1, 3), True), 0))
+    machine.step(AckReceived(TxKey(1, 3), first[-1].token), 0)
+    heartbeats = [push for now in range(100, 900, 100) for push in pushes(machine.step(Ticked(), now))]
+    machine.step(AckReceived(TxKey(1, 3), heartbeats[0].token), 800)  # read the heartbeat of 100 ms only
+    if dropped:
+        machine.step(PushesDropped(), 850)  # the driver closed the socket: the heartbeats queued there are gone
+    machine.step(Ticked(), 900)
+    effects = machine.step(Ticked(), 1200)
+    if not dropped:
+        # The heartbeat of 200 ms waits unread for 1000 ms, though the replicant acknowledged at 800 ms.
+        assert len(effects) == 1 and "read no push for 1000 ms after it was sent" in effects[0].reason
+        return
+    assert not any(isinstance(effect, AgentStopped) for effect in effects)
+    # The acknowledgement timeout still holds: nothing acknowledged since 800 ms.
+    effects = machine.step(Ticked(), 1800)
+    assert len(effects) == 1 and "acknowledged nothing for 1000 ms" in effects[0].reason

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import random
 
+import msgpack
 import pytest
 from mnesite.core.agent import TOKEN_HASH_BYTES, TOKEN_KEY_BYTES, TOKEN_SEQUENCE_BYTES, Agent, AgentConfig
 from mnesite.core.agent_budget import AgentBudgetError, AgentMemoryBudget, AgentUse, agents_to_evict
@@ -573,3 +574,37 @@ def test_a_replicant_that_learns_the_agent_ids_random_source_cannot_forge_a_toke
     server.acknowledged(typed_body("push_ack", body), 1)
     assert server.acks_refused == 1
     assert not server.watches[agent_id].acknowledged and held(server) > 0
+
+
+def test_a_replicant_that_acknowledged_once_then_went_silent_cannot_pile_uncounted_frames_in_its_socket():
+    """The socket of an endpoint is kept, when an agent using it ends, only for an agent that is live
+    by the budget's rule (acknowledged within two heartbeats): its queue is being delivered. A
+    replicant that acknowledged once and then stopped reading is silent; were its socket kept, its
+    watches again of another shard would leave each superseded agent's frames in zmq (up to
+    push_queue_max of them), which the budget no longer counts."""
+    log = build_large_log(400, 1000)
+    sizes = {entry.tx_key: entry.size_bytes for entry in log.entries}
+    server = server_of(10_000_000)
+    endpoint = "tcp://rep0.test:1"
+    queued: list[Message] = []  # what zmq holds for the endpoint: its replicant reads nothing more
+
+    def hand_to_zmq() -> None:  # the node's before_send: close the sockets to reset, then queue the turn's frames
+        if endpoint in server.endpoints_to_reset():
+            queued.clear()
+        queued.extend(message for to, message in server.drain() if to == endpoint)
+
+    def queued_bytes() -> int:
+        entries = [entry for m in queued if m.body["entries"] != [] for entry in msgpack.unpackb(m.body["entries"])]
+        return sum(sizes[TxKey(*entry[1])] for entry in entries)
+
+    first = watch(server, log, "rep0", 0, shard="other")
+    ack_all(server, first, 1)  # acknowledged once: its window opens; then the replicant reads nothing
+    hand_to_zmq()
+    for now in range(1_000, 4_000, 30):  # silent for longer than two heartbeats, within its ack timeout
+        watch(server, log, "rep0", now)  # each watch of the shard supersedes the one before
+        server.begin_turn()
+        server.tick(now)
+        hand_to_zmq()
+        assert first in server.watches
+        counted = sum(server.budget.held_bytes(a) for a, w in server.watches.items() if w.endpoint == endpoint)
+        assert queued_bytes() <= counted, f"at {now} ms zmq holds frames the budget does not count"
