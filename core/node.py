@@ -172,7 +172,7 @@ from mnesite.rlog.server import (
     relayed,
     request_id_of,
 )
-from mnesite.rlog.store import ShardPosition, Store, StoreError, storage_fault
+from mnesite.rlog.store import ShardPosition, Store, StoreError, read_fault, storage_fault
 from mnesite.rlog.types import (
     ROW_OPS,
     ZERO_KEY,
@@ -883,6 +883,10 @@ class CoreNode(NodeServer):
             except (RequestError, SchemaError, OverloadedError):
                 raise
             except Exception as error:  # a read must never take the node down; say what failed
+                if read_fault(error) is not None:
+                    # A malformed image or an I/O error is the disk's, not the read's: the turn stops
+                    # the node as for any failed disk (``NodeServer.turn``), as a query's read does.
+                    raise
                 log.exception("read %s failed", message.kind)
                 raise RequestError("internal", f"{message.kind} failed: {type(error).__name__}: {error}") from None
             if result is not HELD:

@@ -304,6 +304,32 @@ def test_a_query_that_meets_a_malformed_database_stops_the_node_for_the_disk(tmp
         assert node.answer_at_stop() == 1  # held: ``stopping`` as the node stops, its client asks another
 
 
+def test_a_read_that_meets_a_malformed_database_stops_the_node_for_the_disk(tmp_path: Path) -> None:
+    """Regression: a ``get`` or ``scan`` on the core's own store that met a malformed database
+    (``CorruptError``) was answered ``internal`` and the core went on serving from the damaged file,
+    while a query that met it stopped the node. A read's disk fault (``rlog.store.read_fault``) now
+    leaves the turn, which stops the node as for any failed disk: ``StorageFailedError`` naming the
+    file (exit status 4), the read not answered ``internal``."""
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
+
+    from tests.test_query import _damage_table
+
+    for kind, body in (("scan", {"table": "t"}), ("get", {"table": "t", "key": 150})):
+        with core_with_table(tmp_path / kind) as node:
+            with node.store.write_transaction():
+                node.store.apply_ops(tuple(WriteOp("t", {"id": i, "v": "x" * 200}) for i in range(200)))
+            _damage_table(Path(node.store.path), "t")
+            read = Message(kind, f"{kind}-1", messages.typed_body(kind, body))
+            node._backlog.append(([b"client"], messages.encode(read), ""))
+            with pytest.raises(StorageFailedError) as raised:
+                node.turn()
+            assert str(raised.value).startswith(f"{node.store.path}: CorruptError: "), raised.value
+            assert node.stop_reason == f"the disk failed: {raised.value}"
+            answers = [m for _s, to, m in node._outbox if to == [b"client"]]
+            assert all(m.kind != "error" or m.body.get("code") != "internal" for m in answers), answers
+
+
 def test_a_new_data_directory_is_made_durable_in_its_parent(tmp_path: Path, monkeypatch) -> None:
     """Regression: the data directory was made (``os.makedirs``) and never its parent synced, so a power
     loss could lose the directory's entry, and with it every commit synced under it. The parent of
