@@ -1742,7 +1742,11 @@ class CoreNode(NodeServer):
             why = "this core knows no endpoint of it"
         else:
             why = f"this core has no connection left to open to it ({DEALERS_MAX} peers connected)"
-        return f"its sequencer {peer} cannot be reached from {self.config.name}: {why}; nothing was sent"
+        return self._unreachable(peer, why)
+
+    def _unreachable(self, peer: str, why: str, sent: str = "nothing was sent") -> str:
+        """The answer's text for a request that could not reach ``peer``, its shard's sequencer."""
+        return f"its sequencer {peer} cannot be reached from {self.config.name}: {why}; {sent}"
 
     def frame_unsent(self, message: Message, why: str) -> None:
         """A forward's frame was dropped at send (``why``: the sequencer's send queue is full): nothing
@@ -1755,10 +1759,7 @@ class CoreNode(NodeServer):
         if unsent is None:
             return
         sent = "an earlier forward of it may have reached it" if unsent.may_have_reached else "nothing was sent"
-        reason = (
-            f"shard {unsent.shard}: its sequencer {unsent.sequencer} cannot be reached from {self.config.name}: "
-            f"{why}; {sent}"
-        )
+        reason = f"shard {unsent.shard}: {self._unreachable(unsent.sequencer, why, sent)}"
         if unsent.may_have_reached or isinstance(unsent.payload, (QueryIndexAsk, ForwardedRead)):
             # A read's is no_sequencer there too; a write's earlier forward may have reached it.
             self._tell_outcomes([(unsent.payload, OutcomeUnknown(message.request_id, reason))])
