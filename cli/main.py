@@ -875,7 +875,9 @@ def export_rows(
     """Write TABLE's rows in key order as JSON lines or CSV (with a header), page by page.
 
     BLOB values are {"base64": ...} in JSON lines and hex in CSV (what `import` reads back).
-    Progress goes to stderr (about once a second, then the rows written) unless --quiet.
+    Progress goes to stderr (about once a second, then the rows written) unless --quiet. A column
+    added to TABLE during a CSV export is left out (the header is written first): a line on stderr
+    names it, even with --quiet.
     """
     from mnesite.cli import transfer
 
@@ -883,7 +885,10 @@ def export_rows(
         schema = run(lambda: client.table(table_name))
         rows = client.scan(table_name, None, page_rows, consistency, after_tx_key)
         progress = None if quiet else lambda line: click.echo(line, err=True)
-        transfer.write_rows(output, file_format, schema, run_iterator(pages_of(rows, page_rows)), progress)
+        pages = run_iterator(pages_of(rows, page_rows))
+        left_out = transfer.write_rows(output, file_format, schema, pages, progress).columns_left_out
+        if left_out:
+            click.echo(transfer.left_out_notice(table_name, schema, left_out), err=True)
 
 
 @main.command()
@@ -1110,7 +1115,7 @@ def _describe_op(op: dict[str, Any]) -> str:
     if op["op"] == "write":
         return f"write {op['table']} {json_text(op['row'])}"
     if op["op"] == "delete":
-        return f"delete {op['table']} {op['key']!r}"
+        return f"delete {op['table']} {_cell(op['key'])}"
     if op["op"] == "members":
         added = f" (adds {op['added']} at {op['endpoint']})" if op["added"] else ""
         return f"members {', '.join(op['members'])}{added}"

@@ -25,7 +25,7 @@ import csv
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import msgspec
@@ -207,34 +207,61 @@ def import_rows(
     return imported
 
 
+@dataclass
+class Exported:
+    rows: int = 0
+    # Columns some row held that the CSV header, written from the schema at the start, does not name:
+    # added to the table during the export (``table add-column``).
+    columns_left_out: list[str] = field(default_factory=list)
+
+
+def left_out_notice(table: str, schema: dict[str, Any], left_out: list[str]) -> str:
+    """What an export says when a column added to ``table`` during it is not in its CSV."""
+    many = len(left_out) > 1
+    header = ", ".join(name for name, _ in schema["columns"])
+    return (
+        f"export: {table} gained the column{'s' if many else ''} {', '.join(left_out)} during the export; "
+        f"this CSV has the columns of its header ({header}): export again to include {'them' if many else 'it'}"
+    )
+
+
 def write_rows(
     output: IO[str],
     file_format: str,
     schema: dict[str, Any],
     pages: Iterator[list[dict[str, Any]]],
     progress: Callable[[str], None] | None = None,
-) -> int:
-    """Write the rows of ``pages``, one page at a time; returns how many.
+) -> Exported:
+    """Write the rows of ``pages``, one page at a time.
 
+    A CSV has the columns of ``schema``, its header: a column added to the table meanwhile is left out
+    of every row (a row cannot add a cell the header lacks) and named in ``columns_left_out``, so the
+    file stays a CSV that ``import`` reads. JSON lines write each row whole.
     ``progress`` gets a line after a page at most every ``PROGRESS_INTERVAL_S``, and one at the end."""
-    written = 0
+    exported = Exported()
     shown_at = time.monotonic()
     writer = None
     if file_format == "csv":
-        writer = csv.DictWriter(output, fieldnames=[name for name, _ in schema["columns"]], lineterminator="\n")
+        header = [name for name, _ in schema["columns"]]
+        known = set(header)  # the header's columns, then those already named as left out
+        writer = csv.DictWriter(output, fieldnames=header, extrasaction="ignore", lineterminator="\n")
         writer.writeheader()
     for page in pages:
         if writer is not None:
             for row in page:
+                new = row.keys() - known
+                if new:
+                    exported.columns_left_out += sorted(new)
+                    known |= new
                 writer.writerow(
                     {name: (value.hex() if isinstance(value, bytes) else value) for name, value in row.items()}
                 )
         else:
             output.write("".join(json_text(row) + "\n" for row in page))
-        written += len(page)
+        exported.rows += len(page)
         if progress is not None and page and time.monotonic() - shown_at >= PROGRESS_INTERVAL_S:
             shown_at = time.monotonic()
-            progress(f"export: {written} rows (key {json_text(page[-1][schema['key']])})")
+            progress(f"export: {exported.rows} rows (key {json_text(page[-1][schema['key']])})")
     if progress is not None:
-        progress(f"export: {written} rows, done")
-    return written
+        progress(f"export: {exported.rows} rows, done")
+    return exported

@@ -282,3 +282,50 @@ def test_a_table_shows_a_blob_as_the_hex_get_takes(mnesite, thread_node: ThreadN
     assert mnesite("scan", "files").stdout.splitlines() == ["digest  name", "00ff    a"]
     assert mnesite("query", "SELECT digest FROM files").stdout.splitlines() == ["digest", "00ff"]
     assert json.loads(mnesite("get", "files", "00ff").stdout) == {"digest": {"base64": "AP8="}, "name": "a"}
+
+
+def test_rlog_tail_shows_a_blob_delete_key_as_the_hex_delete_takes(mnesite, thread_node: ThreadNode) -> None:
+    """``rlog tail`` printed a delete of a BLOB key as Python's ``b'\\x00\\xff'``, while ``scan``,
+    ``query`` and ``get`` print a BLOB as the hex that ``delete`` takes (``cli.main._cell``)."""
+    created = mnesite("table", "create", "files", "--key-column", "digest", "--column", "digest:BLOB")
+    assert created.exit_code == 0, created.output
+    with thread_node.client() as client:
+        client.put("files", {"digest": b"\x00\xff"})
+        client.delete("files", b"\x00\xff")
+        client.put("items", {"id": 7})
+        client.delete("items", 7)
+    text = mnesite("rlog", "tail", "default", "-n", "3").stdout
+    assert "delete files 00ff" in text and "b'" not in text, text
+    assert "delete items 7" in text, text
+
+
+def test_a_csv_export_finishes_with_its_columns_when_the_table_gains_one_mid_export(
+    mnesite, thread_node: ThreadNode, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A column added to the table while a CSV export ran made ``csv.DictWriter`` raise on the first row
+    that held it: a traceback and a CSV cut short. The export finishes with the columns of its header
+    and says on stderr (even with --quiet) which column it left out and how to get it."""
+    from mnesite.rlog.client import Client
+
+    with thread_node.client() as client:
+        client.transact([{"op": "write", "table": "items", "row": {"id": i, "price": 0.5}} for i in range(6)])
+    scan_page = Client.scan_page
+    pages: list[int] = []
+
+    def page_then_add_a_column(self: Client, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        pages.append(len(pages))
+        if len(pages) == 2:  # between the first page and the second
+            with thread_node.client() as admin:
+                admin.add_column("items", "colour", "TEXT")
+                admin.put("items", {"id": 5, "price": 0.5, "colour": "red"})
+        return scan_page(self, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "scan_page", page_then_add_a_column)
+    exported = tmp_path / "items.csv"
+    result = mnesite("export", "items", "--format", "csv", "--output", str(exported), "--page-rows", "2", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert exported.read_text().splitlines() == ["id,price", *(f"{i},0.5" for i in range(6))]
+    assert result.stderr == (
+        "export: items gained the column colour during the export; this CSV has the columns of its "
+        "header (id, price): export again to include it\n"
+    )
