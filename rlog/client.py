@@ -225,7 +225,8 @@ class Client:
         frame_bytes_max: int = messages.FRAME_BYTES_MAX_DEFAULT,
     ) -> None:
         """``key``: the caller's secret key file (or a loaded ``KeyPair``); ``server_key``: the
-        cluster's public key file (or the raw 32-byte key). Give both, or neither (no CurveZMQ).
+        cluster's public key file (or the raw 32-byte key), which others must not be able to write
+        (it says which server to trust). Give both, or neither (no CurveZMQ).
         ``frame_bytes_max``: requests above it are refused before sending; an answer above it raises
         ``RemoteError`` ``too_large`` (``scan`` then asks for smaller pages).
 

@@ -47,6 +47,9 @@ SECRET_SUFFIX = ".key_secret"
 AUTHORIZED_KEYS_MAX = 10_000  # public key files read from authorized_keys
 MONITOR_POLL_MS = 200
 KEY_FILE_BYTES_MAX = 65_536  # a certificate is some 200 bytes; a larger file is not one
+DIRECTORIES_ABOVE_MAX = 4096  # directories checked above authorized_keys: PATH_MAX allows some 2048
+# What whoever can write the authorized_keys directory or a key file in it could do.
+ADD_A_PRINCIPAL = "add a principal"
 Z85_KEY_LENGTH = 40  # a 32-byte CurveZMQ key in z85
 Z85_CHARACTERS = frozenset(zmq.utils.z85.Z85CHARS)
 ZAP_DOMAIN = "mnesite"
@@ -136,7 +139,9 @@ def _write_exclusive(path: str, mode: int, text: str) -> None:
 
 def load_key(path: str, what: str, secret: bool) -> KeyPair:
     """Load a zmq certificate file; ``secret`` requires the secret half (a ``.key_secret`` file) in a
-    file that is this user's alone (``_check_secret_file``).
+    file that is this user's alone (``_check_secret_file``). A public key loaded here is one a client
+    pins (the cluster's ``server_key``): whoever can write it could make the client trust their own
+    server, so it is checked as an authorized key file is (``_check_others_cannot_write``).
 
     The file is opened once (a secret key without following a symbolic link), and the checks
     (``fstat``) and the parse are of that one descriptor: the file checked is the file whose key is
@@ -148,6 +153,8 @@ def load_key(path: str, what: str, secret: bool) -> KeyPair:
         raise SecurityError(f"{what}: {path} has no secret key (give the {SECRET_SUFFIX} file)")
     if secret:
         _check_secret_file(status, path, what)
+    else:
+        _check_others_cannot_write(status, path, what, "make clients trust their own server as the cluster")
     return KeyPair(public, secret_key)
 
 
@@ -216,18 +223,53 @@ def _check_secret_file(status: os.stat_result, path: str, what: str) -> None:
         raise SecurityError(f"{what}: {path} is readable by other users; chmod 600 {path}")
 
 
-def _check_others_cannot_write(status: os.stat_result, path: str) -> None:
-    """ssh's StrictModes for ``authorized_keys``: whoever can write the directory or a key file in it
-    can add a principal, so it must be this user's (or root's) and writable by no one else."""
+def _check_others_cannot_write(
+    status: os.stat_result, path: str, what: str, power: str, sticky_allowed: bool = False
+) -> None:
+    """ssh's StrictModes: a file (or directory) whose owner or writers could ``power`` must be this
+    user's (or root's) and writable by no one else. ``sticky_allowed``: a directory above the one that
+    matters may be writable by others if it is sticky (/tmp): there only an entry's owner, the
+    directory's owner or root can rename or remove an entry, and the entry below is checked in turn."""
     if status.st_uid not in (os.geteuid(), 0):
         raise SecurityError(
-            f"authorized_keys: {path} is owned by uid {status.st_uid}, not by this user (uid {os.geteuid()}) "
-            f"or root: its owner could add a principal; chown it to the user that runs mnesite"
+            f"{what}: {path} is owned by uid {status.st_uid}, not by this user (uid {os.geteuid()}) "
+            f"or root: its owner could {power}; chown it to the user that runs mnesite"
         )
-    if status.st_mode & 0o022:
+    if status.st_mode & 0o022 and not (sticky_allowed and status.st_mode & stat.S_ISVTX):
+        raise SecurityError(f"{what}: {path} is writable by other users, who could {power}; chmod go-w {path}")
+
+
+def _check_directories_above(descriptor: int, directory: str) -> None:
+    """Every directory above the open ``directory`` up to /, found by ``..`` from its descriptor (the
+    directory checked is the one opened, a symbolic link on the way resolved, as ssh's realpath does):
+    whoever can write one could put another directory in place of authorized_keys."""
+    path = os.path.realpath(directory)  # for the messages: the names of the directories walked
+    status = os.fstat(descriptor)
+    current = descriptor
+    # O_PATH: a directory this user may search but not list (/home at 0711) is still checked.
+    flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        for _ in range(DIRECTORIES_ABOVE_MAX):
+            parent = os.open("..", flags, dir_fd=current)
+            if current != descriptor:
+                os.close(current)
+            current = parent
+            parent_status = os.fstat(parent)
+            if (parent_status.st_dev, parent_status.st_ino) == (status.st_dev, status.st_ino):
+                return  # / is its own parent
+            path = os.path.dirname(path)
+            _check_others_cannot_write(
+                parent_status, path, "authorized_keys", f"put another directory in place of {directory}", True
+            )
+            status = parent_status
+        raise SecurityError(f"authorized_keys: {directory} is more than {DIRECTORIES_ABOVE_MAX} directories deep")
+    except OSError as error:
         raise SecurityError(
-            f"authorized_keys: {path} is writable by other users, who could add a principal; chmod go-w {path}"
-        )
+            f"authorized_keys: cannot check the directories above {directory}: {error.strerror}"
+        ) from None
+    finally:
+        if current != descriptor:
+            os.close(current)
 
 
 def load_authorized_keys(directory: str) -> dict[bytes, str]:
@@ -235,14 +277,14 @@ def load_authorized_keys(directory: str) -> dict[bytes, str]:
 
     The directory is opened once and every check and read goes through it (``dir_fd``): the
     directory listed is the one checked, and each key file is checked on the descriptor it is read
-    from (``_check_others_cannot_write``).
+    from (``_check_others_cannot_write``); so is every directory above it (``_check_directories_above``).
     """
     try:
         descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as error:
         raise SecurityError(f"authorized_keys: cannot list {directory}: {error.strerror}") from None
     try:
-        _check_others_cannot_write(os.fstat(descriptor), directory)
+        _check_others_cannot_write(os.fstat(descriptor), directory, "authorized_keys", ADD_A_PRINCIPAL)
         try:
             names = sorted(n for n in os.listdir(descriptor) if n.endswith(PUBLIC_SUFFIX))
         except OSError as error:
@@ -257,11 +299,13 @@ def load_authorized_keys(directory: str) -> dict[bytes, str]:
                 # "" is what ``principal_of`` answers for a frame with no known key: never a real principal.
                 raise SecurityError(f"authorized_keys: {path} names no principal; rename it NAME{PUBLIC_SUFFIX}")
             text, status = _read_key_file(path, "authorized_keys", descriptor)
-            _check_others_cannot_write(status, path)
+            _check_others_cannot_write(status, path, "authorized_keys", ADD_A_PRINCIPAL)
             public, _secret = _parse_certificate(text, path, "authorized_keys")
             if public in keys:
                 raise SecurityError(f"authorized_keys: {file_name} repeats the key of {keys[public]}")
             keys[public] = principal
+        # After the files: the result is all or nothing, and a file's own error is the more useful one.
+        _check_directories_above(descriptor, directory)
         return keys
     finally:
         os.close(descriptor)

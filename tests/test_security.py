@@ -174,7 +174,37 @@ def test_a_secret_key_owned_by_another_user_is_refused(keys: Path, monkeypatch: 
     monkeypatch.setattr(os, "geteuid", lambda: os.stat(secret).st_uid + 1)
     with pytest.raises(SecurityError, match=r"is owned by uid \d+, not by this user .*chown"):
         load_key(str(secret), "key", secret=True)
-    assert load_key(str(keys / "app.key"), "key", secret=False).public  # a public key may be anyone's
+
+
+# The cluster's public key is what a client pins (``Client(server_key=)``, ``--server-key``): whoever can
+# write that file can make the client trust their own server. Refused like an authorized key file.
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o646], ids=oct)
+def test_a_server_key_file_other_users_can_write_is_refused(keys: Path, mode: int) -> None:
+    server_key = keys / "cluster.key"
+    assert load_key(str(server_key), "server_key", secret=False).public  # 0644, as keys generate writes it
+    server_key.chmod(mode)
+    with pytest.raises(SecurityError, match=rf"server_key: {server_key} is writable by other users.*chmod go-w"):
+        load_key(str(server_key), "server_key", secret=False)
+    with pytest.raises(MnesiteError, match=rf"{server_key} is writable by other users.*chmod go-w {server_key}"):
+        Client("tcp://127.0.0.1:1", key=keys / "app.key_secret", server_key=server_key)
+
+
+def test_a_server_key_file_another_user_owns_is_refused_and_root_may_own_it(
+    keys: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server_key = keys / "cluster.key"
+    other_uid = os.stat(server_key).st_uid + 12345
+    if os.geteuid() == 0:
+        monkeypatch.setattr(os, "geteuid", lambda: other_uid)  # a client run by another user, key installed by root
+        assert load_key(str(server_key), "server_key", secret=False).public
+        monkeypatch.undo()
+        os.chown(server_key, other_uid, -1)  # really another user's
+    else:
+        monkeypatch.setattr(os, "geteuid", lambda: other_uid)  # this process is now another user
+    with pytest.raises(SecurityError, match=rf"server_key: {server_key} is owned by uid \d+, not by this user.*chown"):
+        load_key(str(server_key), "server_key", secret=False)
 
 
 def test_an_authorized_key_file_named_only_dot_key_is_refused(keys: Path) -> None:
@@ -231,6 +261,56 @@ def test_an_authorized_keys_directory_root_owns_is_accepted_like_ssh(
         pytest.skip("needs files owned by root: run as root")
     monkeypatch.setattr(os, "geteuid", lambda: 12345)  # a node run by another user, keys installed by root
     assert "app" in load_authorized_keys(str(keys.parent / "authorized")).values()
+
+
+# Whoever can write a directory above authorized_keys can rename authorized_keys away and put their
+# own in its place: every directory up to / is checked too (ssh's StrictModes), except that a sticky
+# one (/tmp) may be writable by all: there only an entry's owner, the directory's owner or root can
+# rename or remove an entry, and the entry below it must itself be this user's or root's.
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777], ids=oct)
+def test_a_directory_above_authorized_keys_that_other_users_can_write_is_refused_unless_sticky(
+    keys: Path, mode: int
+) -> None:
+    authorized, above = keys.parent / "authorized", keys.parent  # above: the test's private tmp_path
+    above.chmod(mode)
+    with pytest.raises(
+        SecurityError,
+        match=rf"authorized_keys: {above} is writable by other users, who could put another directory in place "
+        rf"of {authorized}; chmod go-w {above}",
+    ):
+        load_authorized_keys(str(authorized))
+    above.chmod(mode | stat.S_ISVTX)  # sticky, as /tmp is
+    assert "app" in load_authorized_keys(str(authorized)).values()
+    above.chmod(0o700)
+
+
+@pytest.mark.parametrize("sticky", [False, True], ids=["plain", "sticky"])
+def test_a_directory_above_authorized_keys_that_another_user_owns_is_refused(keys: Path, sticky: bool) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs a directory another user owns: run as root")
+    authorized, above = keys.parent / "authorized", keys.parent
+    above.chmod(0o1777 if sticky else 0o755)
+    os.chown(above, os.stat(above).st_uid + 12345, -1)
+    with pytest.raises(SecurityError, match=rf"authorized_keys: {above} is owned by uid \d+, not by this user.*chown"):
+        load_authorized_keys(str(authorized))
+
+
+def test_the_directories_above_authorized_keys_checked_are_those_of_the_directory_opened(
+    keys: Path, tmp_path: Path
+) -> None:
+    """A symbolic link on the way is followed: the directories checked are the real ones above it."""
+    authorized = keys.parent / "authorized"
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o777)
+    outside.chmod(0o777)
+    (outside / "link").symlink_to(authorized)
+    assert "app" in load_authorized_keys(str(outside / "link")).values()  # outside/ holds only the link
+    keys.parent.chmod(0o777)
+    with pytest.raises(SecurityError, match=rf"authorized_keys: {keys.parent} is writable by other users"):
+        load_authorized_keys(str(outside / "link"))
+    keys.parent.chmod(0o700)
 
 
 def test_what_keys_generate_writes_passes_as_authorized_keys_whatever_the_umask(tmp_path: Path) -> None:
