@@ -92,11 +92,12 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   delay and so proves recent pushes. (A push waits behind what the agents pushing to the same
   endpoint hold unacknowledged, a window each, so a link must carry ``window_bytes_max`` per shard
   it catches up within ``ack_timeout_ms``: about 0.8 MiB/s by default; a slower one needs a
-  smaller window.) The agent remembers the send time of the pushes not proven
-  read, one record per send time (``2 * window_entries_max`` at most; past that a push counts as
-  sent with the last one recorded, which judges no more leniently). Pushes the driver dropped
-  (``PushesDropped``) can never be read and are not waited for. A replicant of protocol 1 proves
-  nothing it read: only the time of its last acknowledgement counts for it.
+  longer timeout, ``[limits] ack_timeout_ms``, or a smaller window.) The agent remembers the send
+  time of the pushes not proven read, one record per send time (``2 * window_entries_max`` at
+  most; past that a push counts as sent with the last one recorded, which judges no more
+  leniently). Pushes the driver dropped (``PushesDropped``) can never be read and are not waited
+  for. A replicant of protocol 1 proves nothing it read: only the time of its last
+  acknowledgement counts for it.
 * Heartbeats. A push without entries, carrying the committed key and whether the core hears the
   sequencer, goes out whenever nothing was pushed for ``heartbeat_interval_ms``, and at once when
   ``hears_sequencer`` changes; the replica's failure detector lives on them.

@@ -419,6 +419,7 @@ class CoreNode(NodeServer):
             probation_timeout_ms=PROBATION_TIMEOUT_MS,
             step_bytes_max=push_bytes_max,
             push_delay_ms_max=limits.push_delay_ms_max,
+            ack_timeout_ms=limits.ack_timeout_ms,
         )
         self.agent_server = AgentServer(
             config.name,
