@@ -292,6 +292,8 @@ class Agent:
         self._last_push_ms: int | None = None
         self._last_entries_push_ms: int | None = None  # the previous push with entries (see "Push delay")
         self._last_ack_ms = now_ms
+        # The last acknowledgement that showed progress: it advanced, or found nothing unacknowledged.
+        self._last_progress_ms = now_ms
         self._acknowledged = False  # the replicant acknowledged at least once: the whole window opens
         self._mode_counted_at = start_key  # sent_key when entries ahead were last counted
         self._last_rewind_ms: int | None = None
@@ -342,6 +344,14 @@ class Agent:
     def last_ack_ms(self) -> int:
         """When the replicant last acknowledged (the agent's creation until it does)."""
         return self._last_ack_ms
+
+    @property
+    def last_progress_ms(self) -> int:
+        """When the replicant last showed progress (the agent's creation until it does): an acknowledgement
+        taken that advanced the acknowledged key, or that found nothing unacknowledged (a caught-up
+        replica acknowledges each heartbeat with the key it has). One that re-acknowledges an old key
+        while pushes wait is no progress: the memory budget's liveness (``core.agent_budget``)."""
+        return self._last_progress_ms
 
     @property
     def wants_to_push(self) -> bool:
@@ -442,6 +452,8 @@ class Agent:
                 return
         self._last_ack_ms = self._now_ms
         self._acknowledged = True
+        if key > self._acked_key or not self._unacknowledged:
+            self._last_progress_ms = self._now_ms
         if proven_sequence is not None and proven_sequence > self._read_sequence:
             self._read(proven_sequence)
         if key > self._acked_key:

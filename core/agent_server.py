@@ -94,8 +94,12 @@ class Watch:
     shard: str
     # The answer to the watch, repeated in every push (see the theory of operation).
     answer: dict[str, Any]
-    acknowledged: bool = False  # the replicant has acknowledged a push (the watches_max eviction spares it)
     protocol: int = 1  # the replication protocol its watch named (rlog.versions)
+
+    @property
+    def acknowledged(self) -> bool:
+        """The replicant acknowledged at least once (with tokens: an acknowledgement that proves a read)."""
+        return self.agent.acknowledged
 
 
 class AgentServer:
@@ -185,9 +189,7 @@ class AgentServer:
         check_replicant_watches(
             (w.replicant for w in self.watches.values()), body.replicant, self.replicant_watches_max, self.core_name
         )
-        evicted = agent_to_evict(
-            ((a, w.acknowledged) for a, w in self.watches.items()), self.watches_max, self.core_name
-        )
+        evicted = agent_to_evict(self._uses(), self.watches_max, self.core_name, now_ms, self.budget.silent_ms)
         if evicted is not None:
             self._forget(evicted, drop_frames=True)
         agent_id = f"{self.core_name}-{self.rng.getrandbits(64):016x}"
@@ -213,14 +215,13 @@ class AgentServer:
         if watch is None or watch.shard != body.shard:
             return  # a stopped or superseded agent (or a wrong shard): nothing to do
         if body.rejected:
-            watch.acknowledged = True
             self._step(agent_id, RejectReceived(body.rejected), now_ms)
             return
         refused_before = watch.agent.acks_refused
-        self._step(agent_id, AckReceived(body.applied, body.token), now_ms)
         # Only an acknowledgement the agent took (with tokens: one that proves what it read) shows
-        # that the endpoint is alive.
-        watch.acknowledged = watch.agent.acknowledged
+        # that the endpoint is alive, and only one that shows progress keeps it live (Watch.acknowledged,
+        # Agent.last_progress_ms).
+        self._step(agent_id, AckReceived(body.applied, body.token), now_ms)
         self.acks_refused += watch.agent.acks_refused - refused_before
 
     def committed(self, shard: str, committed_key: TxKey, hears_sequencer: bool, now_ms: int) -> None:
@@ -270,10 +271,10 @@ class AgentServer:
         return max(0, min(turn_bytes, self.budget.bytes_max - self.budget.used_bytes))
 
     def _use(self, agent_id: str, watch: Watch) -> AgentUse:
-        return AgentUse(agent_id, self.budget.held_bytes(agent_id), watch.agent.last_ack_ms, watch.acknowledged)
+        return AgentUse(agent_id, self.budget.held_bytes(agent_id), watch.agent.last_progress_ms, watch.acknowledged)
 
     def _live(self, agent_id: str, watch: Watch) -> bool:
-        """The agent's replicant acknowledged lately (``core.agent_budget``, "Silence")."""
+        """The agent's replicant made progress lately (``core.agent_budget``, "Silence")."""
         return silence_began_ms(self._use(agent_id, watch), self._now_ms, self.budget.silent_ms) is None
 
     def _uses(self) -> list[AgentUse]:
@@ -288,7 +289,7 @@ class AgentServer:
         self.budget.release(agent_id)
         self._waiting.discard(agent_id)
         # Its bytes left the budget, but zmq may still hold its frames for the endpoint: unless a
-        # live agent (by the budget's rule: its replicant acknowledged within two heartbeats, so the
+        # live agent (by the budget's rule: its replicant made progress within two heartbeats, so the
         # endpoint's queue is being delivered) still uses that endpoint, the node closes its socket
         # now (linger 0), and the frames go with it. Without this, a replicant name watched again and
         # again naming a dead endpoint, or a replicant that acknowledged once and then stopped

@@ -141,8 +141,8 @@ class Limits:
     # Frames zmq queues: incoming ones in all, answers per connection (a client that does not read).
     requests_queued_max: int = 10_000
     replies_queued_max: int = 1000
-    # Replicant watches (agents) one core serves; watches to endpoints that never acknowledged are
-    # evicted first when a new watch needs room.
+    # Replicant watches (agents) one core serves; the agent silent for longest (core.agent_budget's
+    # liveness: no progress within two heartbeats) is evicted when a new watch needs room.
     watches_max: int = 256
     # Watches (agents) one replicant holds on one core (with security on: one principal), at most
     # watches_max (core.watch). Not given: watches_max, no bound of its own (a replicant holds one

@@ -608,3 +608,54 @@ def test_a_replicant_that_acknowledged_once_then_went_silent_cannot_pile_uncount
         assert first in server.watches
         counted = sum(server.budget.held_bytes(a) for a, w in server.watches.items() if w.endpoint == endpoint)
         assert queued_bytes() <= counted, f"at {now} ms zmq holds frames the budget does not count"
+
+
+# -- the twenty-sixth session: liveness judged by progress, and unguessable agent ids ---------------
+
+
+def test_watches_max_evicts_an_agent_that_acknowledged_once_and_went_silent():
+    """At ``watches_max`` a new watch evicted only an agent whose replicant never acknowledged: one
+    that acknowledged once and then went silent (its replicant died) kept its slot until its ack
+    timeout, and a live replicant's watch was refused ``overloaded`` meanwhile. The slot goes by the
+    budget's liveness rule now: silent agents, the longest silent first; live ones never."""
+    from mnesite.core.watch import WatchRefusedError
+
+    log = build_log(3)
+    server = AgentServer("core1", config(), watches_max=2)
+    once, live = watch(server, log, "once", 0), watch(server, log, "live", 0, shard="s2")
+    ack_all(server, once, 1)
+    ack_all(server, live, 1)
+    for now in range(100, 1_001, 100):  # "live" acknowledges every heartbeat (caught up: the same key)
+        server.begin_turn()
+        server.tick(now)
+        ack_all(server, live, now)
+    fresh = watch(server, log, "fresh", 1_000, shard="s3")
+    assert set(server.watches) == {live, fresh}, "the agent silent since its one acknowledgement makes room"
+    ack_all(server, fresh, 1_000)
+    with pytest.raises(WatchRefusedError) as refused:
+        watch(server, log, "late", 1_000, shard="s4")
+    assert refused.value.code == "overloaded"  # both live: neither is evicted
+
+
+def test_an_agent_whose_acknowledgements_arrive_but_never_advance_is_silent_for_the_budget():
+    """A replicant stuck re-acknowledging an old key (it reads every push, echoes its token, applies
+    nothing) counted as live for ever: its acknowledgements arrive, and liveness was their arrival.
+    Its window held the node's memory budget and no other watch could evict it. Liveness is progress
+    now (``Agent.last_progress_ms``): an acknowledgement that advances, or finds nothing unacknowledged."""
+    log = build_large_log(40, 1000)
+    server = server_of(6_000)
+    stuck = watch(server, log, "stuck", 0)
+    ack_all(server, stuck, 1)  # one real acknowledgement: its whole window opens
+    start = server.watches[stuck].agent.status().acked_key
+    for now in range(100, 1_001, 100):
+        server.begin_turn()
+        server.tick(now)
+        read = [m for _, m in server.outbox if m.body["agent"] == stuck]
+        server.outbox = [(e, m) for e, m in server.outbox if m.body["agent"] != stuck]
+        body = {"shard": SHARD, "agent": stuck, "applied": list(start), "token": read[-1].body["token"]}
+        server.acknowledged(typed_body("push_ack", body), now)
+    assert stuck in server.watches and server.watches[stuck].agent.status().acked_key == start
+    assert not server.budget.has_room() and held(server) == server.budget.held_bytes(stuck)
+    fresh = watch(server, log, "fresh", 1_000)
+    assert stuck not in server.watches, "acknowledging without progress is no sign of life"
+    assert server.budget.evicted_agents == 1 and held(server) == server.budget.held_bytes(fresh) > 0
