@@ -424,7 +424,6 @@ class CoreNode(NodeServer):
         self.agent_server = AgentServer(
             config.name,
             agent_config,
-            random.Random(self.rng.random()),
             watches_max=limits.watches_max,
             agents_bytes_max=limits.agents_bytes_max,
             versions=local_announcement(),
