@@ -92,11 +92,12 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   delay and so proves recent pushes. (A push waits behind what the agents pushing to the same
   endpoint hold unacknowledged, a window each, so a link must carry ``window_bytes_max`` per shard
   it catches up within ``ack_timeout_ms``: about 0.8 MiB/s by default; a slower one needs a
-  smaller window.) The agent remembers the send time of the pushes not proven
-  read, one record per send time (``2 * window_entries_max`` at most; past that a push counts as
-  sent with the last one recorded, which judges no more leniently). Pushes the driver dropped
-  (``PushesDropped``) can never be read and are not waited for. A replicant of protocol 1 proves
-  nothing it read: only the time of its last acknowledgement counts for it.
+  longer timeout, ``[limits] ack_timeout_ms``, or a smaller window.) The agent remembers the send
+  time of the pushes not proven read, one record per send time (``2 * window_entries_max`` at
+  most; past that a push counts as sent with the last one recorded, which judges no more
+  leniently). Pushes the driver dropped (``PushesDropped``) can never be read and are not waited
+  for. A replicant of protocol 1 proves nothing it read: only the time of its last
+  acknowledgement counts for it.
 * Heartbeats. A push without entries, carrying the committed key and whether the core hears the
   sequencer, goes out whenever nothing was pushed for ``heartbeat_interval_ms``, and at once when
   ``hears_sequencer`` changes; the replica's failure detector lives on them.
@@ -291,6 +292,8 @@ class Agent:
         self._last_push_ms: int | None = None
         self._last_entries_push_ms: int | None = None  # the previous push with entries (see "Push delay")
         self._last_ack_ms = now_ms
+        # The last acknowledgement that showed progress: it advanced, or found nothing unacknowledged.
+        self._last_progress_ms = now_ms
         self._acknowledged = False  # the replicant acknowledged at least once: the whole window opens
         self._mode_counted_at = start_key  # sent_key when entries ahead were last counted
         self._last_rewind_ms: int | None = None
@@ -341,6 +344,14 @@ class Agent:
     def last_ack_ms(self) -> int:
         """When the replicant last acknowledged (the agent's creation until it does)."""
         return self._last_ack_ms
+
+    @property
+    def last_progress_ms(self) -> int:
+        """When the replicant last showed progress (the agent's creation until it does): an acknowledgement
+        taken that advanced the acknowledged key, or that found nothing unacknowledged (a caught-up
+        replica acknowledges each heartbeat with the key it has). One that re-acknowledges an old key
+        while pushes wait is no progress: the memory budget's liveness (``core.agent_budget``)."""
+        return self._last_progress_ms
 
     @property
     def wants_to_push(self) -> bool:
@@ -441,6 +452,8 @@ class Agent:
                 return
         self._last_ack_ms = self._now_ms
         self._acknowledged = True
+        if key > self._acked_key or not self._unacknowledged:
+            self._last_progress_ms = self._now_ms
         if proven_sequence is not None and proven_sequence > self._read_sequence:
             self._read(proven_sequence)
         if key > self._acked_key:

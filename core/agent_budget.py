@@ -15,12 +15,17 @@ the socket closes, so ``watches_max`` agents of ``window_bytes_max`` each could 
   (stopped, superseded, evicted, its shard's log replaced). ``used_bytes`` is their sum.
 * Admission. An agent may push while ``used_bytes < bytes_max``, like its own window: the push that
   crosses the bound goes whole, so the use exceeds ``bytes_max`` by at most one push.
-* Silence. An agent is *live* when its replicant has acknowledged within ``silent_ms`` (a live replica
-  acknowledges every push and every heartbeat, and heartbeats go out every ``heartbeat_interval_ms``);
-  otherwise it is *silent*: it never acknowledged (a dead or fake endpoint, or a replicant still
-  connecting), or it stopped acknowledging. Its silence began at its last acknowledgement, or at its
-  creation if there was none. The same rule decides whether an agent that ends leaves its endpoint's
-  socket open (``core.agent_server``, "Memory"): only for a live agent, whose queue is being delivered.
+* Silence. An agent is *live* when its replicant has shown progress within ``silent_ms``: an
+  acknowledgement that advanced its acknowledged key, or that found nothing unacknowledged
+  (``core.agent.Agent.last_progress_ms``; a live replica acknowledges every push and every heartbeat,
+  and heartbeats go out every ``heartbeat_interval_ms``). Otherwise it is *silent*: it never
+  acknowledged (a dead or fake endpoint, or a replicant still connecting), it stopped acknowledging,
+  or its acknowledgements arrive but never advance while pushes wait (a replica stuck re-acknowledging
+  an old key: were their arrival a sign of life, its window would hold the budget for good). Its
+  silence began at its last progress, or at its creation if there was none. The same rule decides
+  whether an agent that ends leaves its endpoint's socket open (``core.agent_server``, "Memory"): only
+  for a live agent, whose queue is being delivered; and which agent a new watch evicts at
+  ``watches_max`` (``core.watch`` rule 5).
 * Eviction (``agents_to_evict``). When an agent wants to push and the budget is spent, silent agents
   that hold bytes are evicted, the longest silent first, until the use is under ``bytes_max``. Live
   agents are never evicted: a live replicant is unharmed by any number of silent ones. A silent
@@ -46,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# A live replica acknowledges every heartbeat: two heartbeat intervals without one make an agent silent.
+# A live replica acknowledges every heartbeat: two heartbeat intervals without progress make an agent silent.
 SILENT_HEARTBEATS = 2
 
 
@@ -60,16 +65,16 @@ class AgentUse:
 
     agent_id: str
     held_bytes: int
-    # The replicant's last acknowledgement, or the agent's creation when it never acknowledged.
-    last_heard_ms: int
+    # The replicant's last progress (see "Silence"), or the agent's creation when it showed none.
+    last_progress_ms: int
     acknowledged: bool
 
 
 def silence_began_ms(agent: AgentUse, now_ms: int, silent_ms: int) -> int | None:
     """When ``agent``'s silence began; None while it is live."""
-    if agent.acknowledged and now_ms - agent.last_heard_ms < silent_ms:
+    if agent.acknowledged and now_ms - agent.last_progress_ms < silent_ms:
         return None
-    return agent.last_heard_ms
+    return agent.last_progress_ms
 
 
 def agents_to_evict(

@@ -10,8 +10,14 @@ this adapter applies them.
 Every push of an agent carries the answer to the watch that created it (agent id, mode, start key
 and digest, the replica's ``watch_id``): the answer goes back on the replicant's request
 connection and the pushes on another one, so the first push may arrive first, and the replica
-takes it as the answer instead of rejecting a new agent as a zombie. Agent ids come from an
-injected ``random.Random``.
+takes it as the answer instead of rejecting a new agent as a zombie.
+
+Agent ids. An agent id is the core's name (cut to leave room) and 16 hex digits drawn from
+``random_bytes``, the operating system's secure source (``secrets.token_bytes``): at most
+``NAME_CHARS_MAX`` characters, the wire's name type. Unguessable: without ``[security]`` anyone who
+knows an agent id can stop that agent (a ``push_ack`` rejecting it), and the ids are told to every
+replicant; a Mersenne Twister's ids (``random.Random``) gave its whole state after about 312 of
+them, hence every later id.
 
 The protocol decisions live in the pure ``core.agent.Agent``; this adapter creates agents, feeds
 them the shard's committed key and the replicant's acks, and turns their ``Push`` effects into
@@ -25,12 +31,11 @@ peer's) is refused, or its pushes would queue in front of that core's appends an
 Tokens. An agent of a watch naming replication protocol 2 gets a random ``token_key``
 (``core.versions.watch_proves_acknowledgements``): its pushes carry a ``token`` and its
 acknowledgements must echo one (``core.agent``, "Proven acknowledgements"). The key comes from
-``token_keys``, the operating system's secure source (``secrets.token_bytes``), never from the
-injected ``random.Random``: that one is a Mersenne Twister, whose whole state follows from about 624
-of its outputs, and the agent ids it gives are told to every replicant (one that watched some 300
-times would know every later key and could forge tokens). The simulator passes its seeded source. A
-watch's ``acknowledged`` flag, which the eviction rules read, is the agent's own: set only by an
-acknowledgement the agent took. Refused ones are counted in ``acks_refused`` (``status``).
+``random_bytes`` too: a secure source's outputs tell nothing of its others, so the agent ids a
+replicant is told give away no key (a Mersenne Twister's would: its whole state follows from about
+624 of its outputs). The simulator passes its seeded source for both. A watch's ``acknowledged``
+flag, which the eviction rules read, is the agent's own: set only by an acknowledgement the agent
+took. Refused ones are counted in ``acks_refused`` (``status``).
 
 Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in one
 ``core.agent_budget.AgentMemoryBudget`` of ``agents_bytes_max``: after every step of an agent its
@@ -47,7 +52,6 @@ takes the pushes queued in it of every agent that uses its endpoint: each such a
 
 from __future__ import annotations
 
-import random
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -77,11 +81,12 @@ from mnesite.rlog.replication import (
     RejectReceived,
     Ticked,
 )
-from mnesite.rlog.types import TxKey
+from mnesite.rlog.types import NAME_CHARS_MAX, TxKey
 from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
 _ENCODER = msgspec.msgpack.Encoder()
 AGENTS_MAX = 1000
+AGENT_ID_RANDOM_BYTES = 8  # 64 unguessable bits in every agent id (see "Agent ids")
 AGENTS_BYTES_MAX = Limits.agents_bytes_max  # the default of [limits] agents_bytes_max
 REPLICANT_WATCHES_MAX = Limits.replicant_watches_max  # the default of [limits] replicant_watches_max
 
@@ -94,8 +99,12 @@ class Watch:
     shard: str
     # The answer to the watch, repeated in every push (see the theory of operation).
     answer: dict[str, Any]
-    acknowledged: bool = False  # the replicant has acknowledged a push (the watches_max eviction spares it)
     protocol: int = 1  # the replication protocol its watch named (rlog.versions)
+
+    @property
+    def acknowledged(self) -> bool:
+        """The replicant acknowledged at least once (with tokens: an acknowledgement that proves a read)."""
+        return self.agent.acknowledged
 
 
 class AgentServer:
@@ -103,17 +112,16 @@ class AgentServer:
         self,
         core_name: str,
         config: AgentConfig | None = None,
-        rng: random.Random | None = None,
         watches_max: int = AGENTS_MAX,
         agents_bytes_max: int = AGENTS_BYTES_MAX,
         versions: Announcement = THIS_RELEASE,
         replicant_watches_max: int = REPLICANT_WATCHES_MAX,
-        token_keys: Callable[[int], bytes] = secrets.token_bytes,
+        random_bytes: Callable[[int], bytes] = secrets.token_bytes,
     ) -> None:
-        """``rng``: agent ids (seen by replicants); ``token_keys(n)``: ``n`` secret bytes for a token key
-        (see "Tokens": never a source whose outputs a replicant sees)."""
+        """``random_bytes(n)``: ``n`` unguessable bytes, for agent ids and token keys (see "Agent ids" and
+        "Tokens": a secure source, whose outputs a replicant sees tell nothing of the others)."""
         self.core_name = core_name
-        self.token_keys = token_keys
+        self.random_bytes = random_bytes
         self.versions = versions
         self.watches_max = watches_max
         self.replicant_watches_max = replicant_watches_max
@@ -125,7 +133,6 @@ class AgentServer:
         self._reset: set[str] = set()
         # The latest time any entry point was given: an agent stepped outside one (``_forget``) gets it.
         self._now_ms = 0
-        self.rng = rng or random.Random()
         self.watches: dict[str, Watch] = {}
         self.outbox: list[tuple[str, Message]] = []
         # Acknowledgements refused by agents since the start: they proved no push read, or claimed
@@ -185,14 +192,13 @@ class AgentServer:
         check_replicant_watches(
             (w.replicant for w in self.watches.values()), body.replicant, self.replicant_watches_max, self.core_name
         )
-        evicted = agent_to_evict(
-            ((a, w.acknowledged) for a, w in self.watches.items()), self.watches_max, self.core_name
-        )
+        evicted = agent_to_evict(self._uses(), self.watches_max, self.core_name, now_ms, self.budget.silent_ms)
         if evicted is not None:
             self._forget(evicted, drop_frames=True)
-        agent_id = f"{self.core_name}-{self.rng.getrandbits(64):016x}"
+        agent_id = f"{self.core_name[: NAME_CHARS_MAX - 1 - 2 * AGENT_ID_RANDOM_BYTES]}-"
+        agent_id += self.random_bytes(AGENT_ID_RANDOM_BYTES).hex()
         # A replicant that echoes tokens must prove what it read (core.agent, "Proven acknowledgements").
-        token_key = self.token_keys(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None
+        token_key = self.random_bytes(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None
         agent = Agent(agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms, token_key)
         answer = {
             "agent": agent_id,
@@ -213,14 +219,13 @@ class AgentServer:
         if watch is None or watch.shard != body.shard:
             return  # a stopped or superseded agent (or a wrong shard): nothing to do
         if body.rejected:
-            watch.acknowledged = True
             self._step(agent_id, RejectReceived(body.rejected), now_ms)
             return
         refused_before = watch.agent.acks_refused
-        self._step(agent_id, AckReceived(body.applied, body.token), now_ms)
         # Only an acknowledgement the agent took (with tokens: one that proves what it read) shows
-        # that the endpoint is alive.
-        watch.acknowledged = watch.agent.acknowledged
+        # that the endpoint is alive, and only one that shows progress keeps it live (Watch.acknowledged,
+        # Agent.last_progress_ms).
+        self._step(agent_id, AckReceived(body.applied, body.token), now_ms)
         self.acks_refused += watch.agent.acks_refused - refused_before
 
     def committed(self, shard: str, committed_key: TxKey, hears_sequencer: bool, now_ms: int) -> None:
@@ -270,10 +275,10 @@ class AgentServer:
         return max(0, min(turn_bytes, self.budget.bytes_max - self.budget.used_bytes))
 
     def _use(self, agent_id: str, watch: Watch) -> AgentUse:
-        return AgentUse(agent_id, self.budget.held_bytes(agent_id), watch.agent.last_ack_ms, watch.acknowledged)
+        return AgentUse(agent_id, self.budget.held_bytes(agent_id), watch.agent.last_progress_ms, watch.acknowledged)
 
     def _live(self, agent_id: str, watch: Watch) -> bool:
-        """The agent's replicant acknowledged lately (``core.agent_budget``, "Silence")."""
+        """The agent's replicant made progress lately (``core.agent_budget``, "Silence")."""
         return silence_began_ms(self._use(agent_id, watch), self._now_ms, self.budget.silent_ms) is None
 
     def _uses(self) -> list[AgentUse]:
@@ -288,7 +293,7 @@ class AgentServer:
         self.budget.release(agent_id)
         self._waiting.discard(agent_id)
         # Its bytes left the budget, but zmq may still hold its frames for the endpoint: unless a
-        # live agent (by the budget's rule: its replicant acknowledged within two heartbeats, so the
+        # live agent (by the budget's rule: its replicant made progress within two heartbeats, so the
         # endpoint's queue is being delivered) still uses that endpoint, the node closes its socket
         # now (linger 0), and the frames go with it. Without this, a replicant name watched again and
         # again naming a dead endpoint, or a replicant that acknowledged once and then stopped

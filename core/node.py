@@ -419,11 +419,11 @@ class CoreNode(NodeServer):
             probation_timeout_ms=PROBATION_TIMEOUT_MS,
             step_bytes_max=push_bytes_max,
             push_delay_ms_max=limits.push_delay_ms_max,
+            ack_timeout_ms=limits.ack_timeout_ms,
         )
         self.agent_server = AgentServer(
             config.name,
             agent_config,
-            random.Random(self.rng.random()),
             watches_max=limits.watches_max,
             agents_bytes_max=limits.agents_bytes_max,
             versions=local_announcement(),

@@ -22,9 +22,12 @@ A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, pro
    one key cannot take every agent slot of ``watches_max`` and starve the other replicants; its own
    agents are not evicted for it either (a replicant follows one agent per shard, so the bound must be
    at least the number of shards a replicant follows).
-5. ``agent_to_evict``: at ``watches_max`` agents, the oldest one whose replicant never
-   acknowledged a push (a dead or fake endpoint) makes room; with none, the watch is refused
-   (``overloaded``), so silent watches can never keep a real replicant out.
+5. ``agent_to_evict``: at ``watches_max`` agents, the agent silent for longest makes room, by the
+   memory budget's liveness rule (``core.agent_budget``, "Silence": no progress within two heartbeat
+   intervals; a replicant that never acknowledged is silent since its watch, one that acknowledged
+   and then went silent since its last progress); with none silent, the watch is refused
+   (``overloaded``), so silent watches can never keep a real replicant out, and a live one is never
+   evicted for a new watch.
 
 The simulator (``tests/sim/replicants.py``) runs every rule through production's ``AgentServer``
 for every watch; the pushes of superseded agents still in flight are the zombies its replicas fence.
@@ -35,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from mnesite.core.agent_budget import AgentUse, silence_began_ms
 from mnesite.core.versions import watch_protocol_refusal
 from mnesite.rlog.replication import UNKNOWN_DIGEST
 from mnesite.rlog.types import TxKey
@@ -82,16 +86,25 @@ def check_replicant_watches(owners: Iterable[str], replicant: str, replicant_wat
         )
 
 
-def agent_to_evict(watches: Iterable[tuple[str, bool]], watches_max: int, core_name: str) -> str | None:
-    """Rule 5: over ``(agent id, acknowledged)`` in age order, the agent to evict for a new watch (None:
-    there is room); raises ``WatchRefusedError`` when every agent's replicant has acknowledged."""
+def agent_to_evict(
+    watches: Iterable[AgentUse], watches_max: int, core_name: str, now_ms: int, silent_ms: int
+) -> str | None:
+    """Rule 5: over the agents in age order, the one to evict for a new watch (None: there is room),
+    the longest silent (the oldest of those silent as long); raises ``WatchRefusedError`` when
+    every agent is live."""
     watches = list(watches)
     if len(watches) < watches_max:
         return None
-    silent = next((agent_id for agent_id, acknowledged in watches if not acknowledged), None)
-    if silent is None:
-        raise WatchRefusedError("overloaded", f"core {core_name} serves {watches_max} agents already")
-    return silent
+    silent = [
+        (began, age, agent.agent_id)
+        for age, agent in enumerate(watches)
+        if (began := silence_began_ms(agent, now_ms, silent_ms)) is not None
+    ]
+    if not silent:
+        raise WatchRefusedError(
+            "overloaded", f"core {core_name} serves {watches_max} agents already, every one of them live"
+        )
+    return min(silent)[2]
 
 
 def decide_watch(

@@ -273,23 +273,29 @@ class ReplicantNode(NodeServer):
         for shard in self.replicas:
             self.store.trim(shard, retention.retention_entries_max, before_ms)
 
-    def _request(self, core: str, kind: str, body: dict[str, Any], pending: Pending, at_once: bool = False) -> None:
+    def _request(
+        self, core: str, kind: str, body: dict[str, Any], pending: Pending, at_once: bool = False
+    ) -> str | None:
         """Ask ``core``; ``at_once``: send now, not after the turn's commit (for a request that
         reveals nothing this node must persist first: the next bootstrap batch, which the core then
-        reads while this node writes the previous one)."""
+        reads while this node writes the previous one; a read index). Returns why nothing was sent
+        at once, else None."""
         if len(self.pending) >= PENDING_REQUESTS_MAX:
             log.warning("too many pending requests; %s to %s not sent", kind, core)
-            return
+            return None
         request_id = new_request_id()
         self.pending[request_id] = pending
         message = Message(kind, request_id, body)
         if not at_once:
             self.queue(self.core_sockets[core], message)
-            return
+            return None
         unsent = self._send_at_once(core, message)
         if unsent is not None:
-            # Like a lost request: its pending entry expires and the copy is retried.
             log.debug("%s to %s not sent: %s", kind, core, unsent)
+            if pending.purpose == "read_index":
+                del self.pending[request_id]  # its caller answers the read now
+            # Otherwise like a lost request: its pending entry expires and the copy is retried.
+        return unsent
 
     def _send_at_once(self, core: str, message: Message) -> str | None:
         """Send ``message`` to ``core`` now, not after the turn's commit; None once sent, else why
@@ -833,7 +839,15 @@ class ReplicantNode(NodeServer):
             core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
             detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
             pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
-            self._request(core, "read_index", {"shard": shard}, pending)
+            # Sent at once (a read persists nothing first), so that one that could not be sent fails
+            # the read now, no_sequencer with nothing sent, as a forward does (``_forward``), not at
+            # its timeout.
+            unsent = self._request(core, "read_index", {"shard": shard}, pending, at_once=True)
+            if unsent is not None:
+                gather.arrived(shard, None)  # the read is refused once; no other shard is asked
+                why = f"core {core} cannot be reached from {self.config.name}: {unsent}; nothing was sent"
+                self.reply(envelope, messages.error(message.request_id, "no_sequencer", why))
+                return
 
     def _query(self, envelope: list[bytes], message: Message, index_keys: dict[str, TxKey] | None = None) -> None:
         """A query (rlog.query): checked, then held until each shard it reads reached its target.

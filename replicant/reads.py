@@ -9,7 +9,9 @@ instead of answering stale data:
 * ``linearizable``: the key of each shard is that shard's *read index*, the committed key its
   sequencer confirms with a quorum (``read_index`` request, ``core.rules.fence_read``). The read
   indexes of one read are gathered by ``ReadIndexGather``: the read waits once every shard answered,
-  and is refused (at most once) as soon as one shard could not answer. ``check_client_requests_room``
+  and is refused (at most once) as soon as one shard could not answer, or its request could not be
+  sent at all (``no_sequencer``, nothing was sent: answered at once, as a forwarded write is, not at
+  the request's timeout). ``check_client_requests_room``
   admits what this replicant asks the cores on its clients' behalf (a read's read indexes, a
   forwarded write) only while that keeps the replicant under half of its pending requests (the rest
   stay for its replicas' own: probes, watches, bootstrap batches, read fences); past it the request is

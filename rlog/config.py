@@ -28,6 +28,7 @@ Example::
     turn_ms_max = 50                    # time spent draining frames per loop turn
     push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max / 2)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
+    ack_timeout_ms = 10000              # an agent whose replicant acknowledges (or reads) nothing this long stops
     push_delay_ms_max = 50              # a partial push waits this long after the previous one (0: never)
     follower_apply_delay_ms_max = 100   # a following core applies commits together, within this (0: each at once)
     agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)
@@ -118,6 +119,10 @@ class Limits:
     # An agent's pushes to one replicant: bytes in one push, and pushed but unacknowledged (core.agent).
     push_bytes_max: int = 256 * 1024
     window_bytes_max: int = 8 * 1024 * 1024
+    # An agent stops when its replicant acknowledges nothing, or reads no push it was sent, for this
+    # long (core.agent's "Read lag"): a replicant's link must carry window_bytes_max per shard it
+    # catches up within it, so a slower link needs a longer timeout (or a smaller window).
+    ack_timeout_ms: int = 10_000
     # How long a partial push waits after an agent's previous push, so that the commits meanwhile ride
     # in it (core.agent's "Push delay"): a replicant costs a wake-up, a transaction and an
     # acknowledgement per push, not per commit; its lag grows by this much at most. 0: no wait.
@@ -136,8 +141,8 @@ class Limits:
     # Frames zmq queues: incoming ones in all, answers per connection (a client that does not read).
     requests_queued_max: int = 10_000
     replies_queued_max: int = 1000
-    # Replicant watches (agents) one core serves; watches to endpoints that never acknowledged are
-    # evicted first when a new watch needs room.
+    # Replicant watches (agents) one core serves; the agent silent for longest (core.agent_budget's
+    # liveness: no progress within two heartbeats) is evicted when a new watch needs room.
     watches_max: int = 256
     # Watches (agents) one replicant holds on one core (with security on: one principal), at most
     # watches_max (core.watch). Not given: watches_max, no bound of its own (a replicant holds one
@@ -228,6 +233,7 @@ _LIMIT_BOUNDS = {
     "turn_ms_max": (1, 60_000),
     "push_bytes_max": (1024, 256 * 1024 * 1024),
     "window_bytes_max": (1024, 1024 * 1024 * 1024),
+    "ack_timeout_ms": (1000, 600_000),  # above the agents' heartbeat interval (500 ms); ten minutes at most
     "push_delay_ms_max": (0, 250),  # below the agents' heartbeat interval (500 ms)
     "follower_apply_delay_ms_max": (0, 10_000),
     "agents_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),

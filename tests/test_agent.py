@@ -695,3 +695,20 @@ def test_pushes_the_driver_dropped_can_never_be_read_and_are_not_waited_for(drop
     # The acknowledgement timeout still holds: nothing acknowledged since 800 ms.
     effects = machine.step(Ticked(), 1800)
     assert len(effects) == 1 and "acknowledged nothing for 1000 ms" in effects[0].reason
+
+
+def test_progress_is_an_acknowledgement_that_advances_or_finds_nothing_unacknowledged():
+    """``last_progress_ms`` (the memory budget's and ``watches_max``'s liveness): an acknowledgement
+    that re-acknowledges an old key while pushes wait is no progress, though it arrives."""
+    machine = agent(build_log(10), push_entries_max=3, window_entries_max=3, now_ms=5)
+    machine.step(CommittedAdvanced(TxKey(1, 10), True), 10)
+    assert machine.last_progress_ms == 5  # its creation: no acknowledgement yet
+    machine.step(AckReceived(TxKey(1, 3)), 20)
+    assert machine.last_progress_ms == 20 and machine.status().unacknowledged_entries == 3
+    for now_ms in (30, 40, 50):
+        machine.step(AckReceived(TxKey(1, 3)), now_ms)  # stuck: the same key while three entries wait
+    assert machine.last_progress_ms == 20 and machine.last_ack_ms == 50
+    while machine.status().acked_key < TxKey(1, 10):
+        machine.step(AckReceived(machine.status().sent_key), 60)
+    machine.step(AckReceived(TxKey(1, 10)), 70)  # caught up: the same key, nothing unacknowledged
+    assert machine.last_progress_ms == 70

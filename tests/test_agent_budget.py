@@ -127,9 +127,7 @@ def config(**overrides) -> AgentConfig:
 
 
 def server_of(agents_bytes_max: int, **overrides) -> AgentServer:
-    return AgentServer(
-        "core1", config(**overrides), random.Random(7), watches_max=100, agents_bytes_max=agents_bytes_max
-    )
+    return AgentServer("core1", config(**overrides), watches_max=100, agents_bytes_max=agents_bytes_max)
 
 
 def watch(
@@ -470,7 +468,7 @@ def test_one_replicant_cannot_take_every_agent_slot():
     from mnesite.core.watch import WatchRefusedError
 
     log = build_log(5)
-    server = AgentServer("core1", config(), random.Random(7), watches_max=10, replicant_watches_max=2)
+    server = AgentServer("core1", config(), watches_max=10, replicant_watches_max=2)
 
     def watch_shard(replicant: str, shard: str) -> str:
         return watch(server, log, replicant, 0, shard)
@@ -493,7 +491,7 @@ def test_a_watch_refused_as_behind_evicts_no_silent_agent():
     from mnesite.core.watch import WatchRefusedError
 
     log = build_log(5)
-    server = AgentServer("core1", config(), random.Random(7), watches_max=2)
+    server = AgentServer("core1", config(), watches_max=2)
     connecting, other = watch(server, log, "connecting", 0), watch(server, log, "other", 0, "s2")
     with pytest.raises(WatchRefusedError, match="has committed only up to") as refused:
         watch(server, log, "ahead", 1, from_key=(1, 9))
@@ -556,16 +554,17 @@ def test_the_agent_server_counts_each_refused_acknowledgement_once():
     assert not server.watches and server.acks_refused == 5
 
 
-def test_a_replicant_that_learns_the_agent_ids_random_source_cannot_forge_a_token():
-    """The agent ids a replicant is told come from the server's injected ``random.Random``, a Mersenne
-    Twister: about 624 of its outputs (some 300 agent ids, collected by watching again and again) give
-    its whole state. A token key drawn from the same source would then be known too, and a lying
-    replicant could forge the tokens that prove what it read ("Proven acknowledgements")."""
+def test_a_replicant_that_learns_a_random_source_s_state_cannot_forge_a_token():
+    """Had agent ids and token keys come from a ``random.Random`` (a Mersenne Twister), about 624 of its
+    outputs (some 300 agent ids, collected by watching again and again) would give its whole state and
+    every later key, and a lying replicant could forge the tokens that prove what it read ("Proven
+    acknowledgements"). Both come from the operating system's secure source: a key guessed from a
+    seeded Mersenne Twister (the one agent ids came from before) proves nothing."""
     log = build_log(3)
     server = server_of(1_000_000)
     agent_id = watch(server, log, "liar", 0)
-    clone = random.Random(7)  # the state the replicant recovered from the agent ids it was told
-    assert agent_id == f"core1-{clone.getrandbits(64):016x}"
+    clone = random.Random(7)  # the state a replicant recovered from a Mersenne Twister's outputs
+    clone.getrandbits(64)  # the agent id it would have given
     guessed_key = clone.randbytes(TOKEN_KEY_BYTES)
     server.drain()  # pushed, never read
     forged = (1).to_bytes(TOKEN_SEQUENCE_BYTES, "big")
@@ -608,3 +607,98 @@ def test_a_replicant_that_acknowledged_once_then_went_silent_cannot_pile_uncount
         assert first in server.watches
         counted = sum(server.budget.held_bytes(a) for a, w in server.watches.items() if w.endpoint == endpoint)
         assert queued_bytes() <= counted, f"at {now} ms zmq holds frames the budget does not count"
+
+
+# -- the twenty-sixth session: liveness judged by progress, and unguessable agent ids ---------------
+
+
+def test_watches_max_evicts_an_agent_that_acknowledged_once_and_went_silent():
+    """At ``watches_max`` a new watch evicted only an agent whose replicant never acknowledged: one
+    that acknowledged once and then went silent (its replicant died) kept its slot until its ack
+    timeout, and a live replicant's watch was refused ``overloaded`` meanwhile. The slot goes by the
+    budget's liveness rule now: silent agents, the longest silent first; live ones never."""
+    from mnesite.core.watch import WatchRefusedError
+
+    log = build_log(3)
+    server = AgentServer("core1", config(), watches_max=2)
+    once, live = watch(server, log, "once", 0), watch(server, log, "live", 0, shard="s2")
+    ack_all(server, once, 1)
+    ack_all(server, live, 1)
+    for now in range(100, 1_001, 100):  # "live" acknowledges every heartbeat (caught up: the same key)
+        server.begin_turn()
+        server.tick(now)
+        ack_all(server, live, now)
+    fresh = watch(server, log, "fresh", 1_000, shard="s3")
+    assert set(server.watches) == {live, fresh}, "the agent silent since its one acknowledgement makes room"
+    ack_all(server, fresh, 1_000)
+    with pytest.raises(WatchRefusedError) as refused:
+        watch(server, log, "late", 1_000, shard="s4")
+    assert refused.value.code == "overloaded"  # both live: neither is evicted
+
+
+def test_an_agent_whose_acknowledgements_arrive_but_never_advance_is_silent_for_the_budget():
+    """A replicant stuck re-acknowledging an old key (it reads every push, echoes its token, applies
+    nothing) counted as live for ever: its acknowledgements arrive, and liveness was their arrival.
+    Its window held the node's memory budget and no other watch could evict it. Liveness is progress
+    now (``Agent.last_progress_ms``): an acknowledgement that advances, or finds nothing unacknowledged."""
+    log = build_large_log(40, 1000)
+    server = server_of(6_000)
+    stuck = watch(server, log, "stuck", 0)
+    ack_all(server, stuck, 1)  # one real acknowledgement: its whole window opens
+    start = server.watches[stuck].agent.status().acked_key
+    for now in range(100, 1_001, 100):
+        server.begin_turn()
+        server.tick(now)
+        read = [m for _, m in server.outbox if m.body["agent"] == stuck]
+        server.outbox = [(e, m) for e, m in server.outbox if m.body["agent"] != stuck]
+        body = {"shard": SHARD, "agent": stuck, "applied": list(start), "token": read[-1].body["token"]}
+        server.acknowledged(typed_body("push_ack", body), now)
+    assert stuck in server.watches and server.watches[stuck].agent.status().acked_key == start
+    assert not server.budget.has_room() and held(server) == server.budget.held_bytes(stuck)
+    fresh = watch(server, log, "fresh", 1_000)
+    assert stuck not in server.watches, "acknowledging without progress is no sign of life"
+    assert server.budget.evicted_agents == 1 and held(server) == server.budget.held_bytes(fresh) > 0
+
+
+def _untemper(value: int) -> int:
+    """The Mersenne Twister state word behind one of its 32-bit outputs."""
+    value ^= value >> 18
+    value ^= (value << 15) & 0xEFC60000
+    result = value
+    for _ in range(5):
+        result = value ^ ((result << 7) & 0x9D2C5680 & 0xFFFFFFFF)
+    value = result
+    result = value
+    for _ in range(3):
+        result = value ^ (result >> 11)
+    return result & 0xFFFFFFFF
+
+
+def test_agent_ids_cannot_be_predicted_from_the_ones_a_replicant_was_told():
+    """Agent ids came from a ``random.Random`` (a Mersenne Twister): the 312 ids told to one replicant
+    that watched again and again gave its state, hence every later agent id, and without
+    ``[security]`` anyone who knows an agent id can stop that agent (a push_ack naming it, rejected).
+    They come from the operating system's secure source now (``secrets``)."""
+    log = build_log(3)
+    server = AgentServer("core1", config(), watches_max=10)
+    outputs = []
+    for _ in range(312):
+        value = int(watch(server, log, "spy", 0).rsplit("-", 1)[1], 16)
+        outputs += [value & 0xFFFFFFFF, value >> 32]  # getrandbits(64) fills its low word first
+    clone = random.Random()
+    clone.setstate((3, (*(_untemper(word) for word in outputs), 624), None))
+    predicted = f"core1-{clone.getrandbits(64):016x}"
+    assert watch(server, log, "victim", 0, shard="s2") != predicted
+
+
+def test_an_agent_id_is_a_wire_name_whatever_the_core_s_name():
+    """A core named with 64 characters (``[node] name`` allows it) gave agent ids of 81: every push and
+    acknowledgement naming one is refused by the wire's name type (at most 64 characters)."""
+    log = build_log(3)
+    name = "c" * 64
+    server = AgentServer(name, config(), watches_max=10)
+    agent_id = watch(server, log, "rep0", 0)
+    assert len(agent_id) <= 64 and agent_id.startswith("c" * 40)
+    ack = typed_body("push_ack", {"shard": SHARD, "agent": agent_id, "applied": [0, 0]})
+    assert ack.agent == agent_id
+    assert len({watch(server, log, "rep0", 0) for _ in range(50)}) == 50  # still unique

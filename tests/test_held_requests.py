@@ -12,6 +12,7 @@ from mnesite.rlog.errors import RequestError
 from mnesite.rlog.messages import Message
 
 from tests.conftest import ThreadNode, core_with_table, forwarding_core, offline_replicant
+from tests.test_replicant_node import _close_offline, _queueing_dealer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -162,7 +163,7 @@ def test_a_replicant_s_read_held_under_an_id_is_not_held_again_by_a_resend_on_it
     node = offline_replicant(tmp_path / "r")
     try:
         node._open_replica("default")
-        node.core_sockets = {"core1": object()}  # only queued to, never sent on here
+        node.core_sockets = {"core1": _queueing_dealer()}  # no peer: zmq queues what is sent
         body = messages.typed_body("get", {"table": "later", "key": 1, "consistency": "linearizable"})
         node._dispatch([b"a"], Message("get", "g-1", body))
         asked = [r for r, pending in node.pending.items() if pending.purpose == "read_index"]
@@ -173,10 +174,8 @@ def test_a_replicant_s_read_held_under_an_id_is_not_held_again_by_a_resend_on_it
         node._dispatch([b"b"], Message("get", "g-1", body))  # another connection: its own request
         assert len([r for r, pending in node.pending.items() if pending.purpose == "read_index"]) == 2
     finally:
-        node.core_sockets = {}
         node._outbox.clear()
-        node.store.close()
-        node.data_dir_lock.release()
+        _close_offline(node)
 
 
 def test_a_linearizable_query_whose_read_index_could_not_be_sent_is_answered_at_once(tmp_path) -> None:

@@ -353,13 +353,15 @@ def _unconnected_dealer():
     return socket
 
 
-def _queueing_dealer():
+def _queueing_dealer(sndhwm: int = 1000):
     """A real DEALER connected to a free port where nobody listens: it queues what is sent to it (no
-    ``IMMEDIATE``), as the replicant's core sockets do while their core is away."""
+    ``IMMEDIATE``), as the replicant's core sockets do while their core is away, up to ``sndhwm``
+    frames (0: no bound)."""
     import zmq
 
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, sndhwm)
     socket.connect(f"tcp://127.0.0.1:{free_port()}")
     return socket
 
@@ -481,7 +483,7 @@ def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_nev
 
     node = offline_replicant(tmp_path / "r")
     try:
-        node.core_sockets = {"core1": _unconnected_dealer()}
+        node.core_sockets = {"core1": _queueing_dealer(sndhwm=0)}  # queues every read index sent
         replica = node._open_replica("default")
 
         def read(envelope: bytes, request_id: str) -> None:
@@ -543,7 +545,7 @@ def test_a_linearizable_read_past_requests_outstanding_max_is_refused_and_never_
     node = offline_replicant(tmp_path / "r")
     try:
         node._open_replica("default")
-        node.core_sockets = {"core1": object()}  # only queued to, never sent on here
+        node.core_sockets = {"core1": _queueing_dealer(sndhwm=0)}  # queues every read index sent
         envelope = [b"client"]
         for i in range(node.config.limits.requests_outstanding_max):
             node.hold(envelope, f"held-{i}")  # this connection's other requests awaiting answers
@@ -554,9 +556,7 @@ def test_a_linearizable_read_past_requests_outstanding_max_is_refused_and_never_
         assert [(a.request_id, a.kind, a.body.code) for a in answers] == [("client-9", "error", "overloaded")]
         assert "client-9" not in node.outstanding.get(b"client", set())
     finally:
-        node.core_sockets = {}
-        node.store.close()
-        node.data_dir_lock.release()
+        _close_offline(node)
 
 
 def test_a_linearizable_read_whose_read_index_cannot_be_asked_is_answered_overloaded(tmp_path) -> None:
@@ -568,7 +568,7 @@ def test_a_linearizable_read_whose_read_index_cannot_be_asked_is_answered_overlo
     node = offline_replicant(tmp_path / "r")
     try:
         node._open_replica("default")
-        node.core_sockets = {"core1": object()}
+        node.core_sockets = {"core1": _queueing_dealer(sndhwm=0)}  # queues every read index sent
         envelope = [b"client"]
         body = {"table": "later", "key": 1, "consistency": "linearizable"}
         asked = 0
@@ -589,9 +589,7 @@ def test_a_linearizable_read_whose_read_index_cannot_be_asked_is_answered_overlo
         (answer,) = _answers_to_the_client(node)
         assert (answer.request_id, answer.body.code) == ("client-x", "overloaded")
     finally:
-        node.core_sockets = {}
-        node.store.close()
-        node.data_dir_lock.release()
+        _close_offline(node)
 
 
 def _answers_to_the_client_of(node, identity: bytes) -> list[Message]:
@@ -680,26 +678,37 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
         _close_offline(node)
 
 
-def test_a_write_that_could_not_be_sent_to_a_core_is_answered_at_once(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "body", "purpose"),
+    [
+        ("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}, "forward"),
+        ("get", {"table": "later", "key": 1, "consistency": "linearizable"}, "read_index"),
+    ],
+)
+def test_a_request_that_could_not_be_sent_to_a_core_is_answered_at_once(tmp_path, kind, body, purpose) -> None:
     """Regression: a replicant queued a write for its core without checking that it could be sent;
     one dropped at the send (its queue to the core full, or a failed socket) was answered only when
     its forward timed out, 10 s later, as outcome_unknown. It is sent at once now, and one that could
     not be sent is answered no_sequencer, nothing was sent, as a core answers a write it cannot send
-    to its sequencer; nothing stays pending or held. One that went out waits for the core's answer."""
+    to its sequencer; nothing stays pending or held. One that went out waits for the core's answer.
+    A linearizable read's read index went the same way (queued unchecked, answered at its timeout)
+    until the twenty-sixth session."""
     node = offline_replicant(tmp_path / "r")
     node.core_sockets = {"core1": _unconnected_dealer()}  # every send to it is dropped (zmq.Again)
     try:
-        body = typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
-        node._dispatch([b"client"], Message("transact", "w-1", body))
-        answers = [(m.kind, m.body.code, m.body.message) for _s, to, m in node._outbox if to == [b"client"]]
-        assert len(answers) == 1 and answers[0][:2] == ("error", "no_sequencer"), answers
-        assert "core core1 cannot be reached" in answers[0][2] and "nothing was sent" in answers[0][2]
+        node._open_replica("default")
+        node._dispatch([b"client"], Message(kind, "r-1", typed_body(kind, body)))
+        answers = [
+            (m.request_id, m.kind, m.body.code, m.body.message) for _s, to, m in node._outbox if to == [b"client"]
+        ]
+        assert len(answers) == 1 and answers[0][:3] == ("r-1", "error", "no_sequencer"), answers
+        assert "core core1 cannot be reached" in answers[0][3] and "nothing was sent" in answers[0][3]
         assert node.pending == {} and b"client" not in node.outstanding
         node.core_sockets["core1"].close(0)
         node.core_sockets["core1"] = _queueing_dealer()  # no peer yet: zmq queues what is sent
-        node._dispatch([b"client"], Message("transact", "w-2", body))
-        assert [pending.purpose for pending in node.pending.values()] == ["forward"]
-        assert set(node.outstanding[b"client"]) == {"w-2"}
+        node._dispatch([b"client"], Message(kind, "r-2", typed_body(kind, body)))
+        assert [pending.purpose for pending in node.pending.values()] == [purpose]
+        assert set(node.outstanding[b"client"]) == {"r-2"}
     finally:
         _close_offline(node)
 

@@ -209,6 +209,24 @@ def test_a_cores_agents_take_push_delay_ms_max_from_the_config_and_0_turns_it_of
             node.close()
 
 
+def test_a_cores_agents_take_ack_timeout_ms_from_the_config(tmp_path) -> None:
+    """An agent stops when its replicant acknowledges nothing, or reads no push, for ``ack_timeout_ms``
+    (core.agent): a link that carries less than ``window_bytes_max`` in that time could never catch
+    up, and the timeout could not be raised (it was AgentConfig's 10 s, no config key)."""
+    from mnesite.core.node import CoreNode
+
+    assert parse_config({}).limits.ack_timeout_ms == 10_000
+    for bad in (999, 600_001, True, "10s"):
+        with pytest.raises(ConfigError, match=r"\[limits\]\.ack_timeout_ms must be an integer in 1000\.\.600000"):
+            parse_config({"limits": {"ack_timeout_ms": bad}})
+    config = parse_config({"node": {"data_dir": str(tmp_path)}, "limits": {"ack_timeout_ms": 60_000}})
+    node = CoreNode(config)
+    try:
+        assert node.agent_server.config.ack_timeout_ms == 60_000
+    finally:
+        node.close()
+
+
 @pytest.mark.parametrize("trailing", ["\n", "\r\n"])
 def test_a_name_endpoint_or_path_with_a_trailing_newline_is_refused_everywhere(trailing, tmp_path) -> None:
     """Every name rule ends its pattern at the end of the string: ``$`` also matches before a final

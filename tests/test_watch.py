@@ -52,11 +52,21 @@ def test_a_new_watch_supersedes_the_same_replicants_agents_of_that_shard_only():
     assert superseded_agents(watches, "rep1", "s") == ["a1", "a4"]
 
 
-def test_at_the_bound_the_oldest_silent_watch_makes_room_and_otherwise_the_watch_is_refused():
-    assert agent_to_evict([("a1", True)], 2, "core1") is None
-    assert agent_to_evict([("a1", True), ("a2", False), ("a3", False)], 3, "core1") == "a2"
+def test_at_the_bound_the_longest_silent_watch_makes_room_and_otherwise_the_watch_is_refused():
+    """Silent by the memory budget's rule (no progress within ``silent_ms``): never acknowledged (silent
+    since its watch) or acknowledged once and then no more (silent since then); live ones stay."""
+    from mnesite.core.agent_budget import AgentUse
+
+    def evict(*agents: tuple[str, int, bool], now_ms: int = 10_000) -> str | None:
+        uses = [AgentUse(agent_id, 0, progress_ms, acknowledged) for agent_id, progress_ms, acknowledged in agents]
+        return agent_to_evict(uses, 3, "core1", now_ms, silent_ms=1_000)
+
+    assert evict(("a1", 9_500, True)) is None
+    assert evict(("a1", 9_500, True), ("a2", 5_000, False), ("a3", 5_000, False)) == "a2"  # the oldest of two
+    # Acknowledged once at 2 s and silent since: silent longer than a watch never acknowledged since 5 s.
+    assert evict(("a1", 9_500, True), ("a2", 5_000, False), ("a3", 2_000, True)) == "a3"
     with pytest.raises(WatchRefusedError) as refused:
-        agent_to_evict([("a1", True), ("a2", True)], 2, "core1")
+        evict(("a1", 9_500, True), ("a2", 9_001, True), ("a3", 9_999, True))
     assert refused.value.code == "overloaded"
 
 

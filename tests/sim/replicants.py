@@ -323,9 +323,9 @@ class ReplicantSimulation(Simulation):
         server = self.agent_servers.get(node.name)
         if server is None:
             # Agent ids and token keys come from the server's injected random source, drawn from the
-            # seed's (production draws token keys from the operating system's secure source).
+            # seed's (production draws them from the operating system's secure source).
             rng = random.Random(self.rng.getrandbits(64))
-            server = AgentServer(node.name, self.agent_config, rng, watches_max=WATCHES_MAX, token_keys=rng.randbytes)
+            server = AgentServer(node.name, self.agent_config, watches_max=WATCHES_MAX, random_bytes=rng.randbytes)
             self.agent_servers[node.name] = server
         return server
 
