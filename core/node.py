@@ -2312,6 +2312,7 @@ class CoreNode(NodeServer):
             "sends_dropped": self.sends_dropped,
             "collector": self.collector_status(),
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
+            "wal_reserve": self.store.wal_reserve.status() if self.store.wal_reserve else None,
             "disk": {**self.disk.status(self.clock_ms()), "frames_dropped": self.frames_dropped_disk},
             # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired
             "queries": self.queries.statistics(),

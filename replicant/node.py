@@ -958,6 +958,7 @@ class ReplicantNode(NodeServer):
             # a replicant is per turn; writes applied per commit is how well pushes are batched)
             "commits": self.commits,
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
+            "wal_reserve": self.store.wal_reserve.status() if self.store.wal_reserve else None,
             "disk": {**self.disk.status(self.clock_ms()), "frames_dropped": self.frames_dropped_disk},
             # read-only SQL queries (rlog.query): cursors open, queries, pages, refused, budget stops, expired
             "queries": self.queries.statistics(),

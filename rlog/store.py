@@ -95,6 +95,7 @@ from mnesite.rlog.types import (
     unpack_ops,
 )
 from mnesite.rlog.versions import STORAGE_FORMATS_READ, storage_format_of, storage_refusal
+from mnesite.rlog.wal_reserve import WalReserve, frames_end
 
 # The format a new database starts with: release 0.1.0's, so that a node of this release can be
 # rolled back until its cluster version moves (which moves the format: ``_record_cluster_version``).
@@ -318,6 +319,7 @@ class Store:
         if not create and not os.path.exists(path):
             raise StoreError(f"{path}: no such database")
         self._wal_synced_here = False  # until the connection is set up (``commit``)
+        self.wal_reserve: WalReserve | None = None  # at synchronous=FULL, once set up
         self._wal_fd: int | None = None
         self._wal_directory_synced = False  # the directory, once the WAL is synced here (``commit``)
         self.checkpointer: WalCheckpointer | None = None
@@ -388,6 +390,12 @@ class Store:
             # 0.78 pages per write back from the OS, 0.23 with this bound (benchmarks/PROFILE.md).
             self.connection.execute(f"PRAGMA cache_size=-{PAGE_CACHE_BYTES_MAX // 1024}")
             self.connection.set_wal_hook(self._on_wal)
+        # The WAL's space reserved ahead of its frames, so that a durable commit's fsync need not grow
+        # the file (rlog.wal_reserve): up to about where the background checkpoint starts it over.
+        if self._wal_synced_here:
+            page_size = self.connection.execute("PRAGMA page_size").fetchone()[0]
+            pages = self.checkpointer.pages_background + self.checkpointer.pages_background // 4
+            self.wal_reserve = WalReserve(path + "-wal", page_size, frames_end(pages, page_size))
         self._catalog: dict[str, TableSchema] | None = None
         # The newest log entry's (key, digest) per shard, as this connection last wrote or read it: a
         # sequencer appends every proposal on its own, and the SELECT that found the log's end cost
@@ -428,6 +436,8 @@ class Store:
     def _on_wal(self, _connection: apsw.Connection, _name: str, pages: int) -> int:
         if self.checkpointer is not None:
             self.checkpointer.on_wal(pages)
+        if self.wal_reserve is not None:
+            self.wal_reserve.on_wal(pages)
         return apsw.SQLITE_OK
 
     def disk_failed(self) -> None:
@@ -436,8 +446,12 @@ class Store:
         self.connection.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
         if self.checkpointer is not None:
             self.checkpointer.stop()
+        if self.wal_reserve is not None:
+            self.wal_reserve.stop()
 
     def close(self) -> None:
+        if self.wal_reserve is not None:
+            self.wal_reserve.stop()  # before SQLite may delete the file, at the connection's close
         if self.checkpointer is not None:
             self.checkpointer.stop()
             if self.checkpointer.fatal is not None:
