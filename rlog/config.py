@@ -34,6 +34,7 @@ Example::
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
     requests_queued_max = 10000         # incoming frames zmq queues
     replies_queued_max = 1000           # answers zmq queues per connection
+    replies_queued_bytes_max = 16777216 # bytes of large answers zmq holds per connection (the next is overloaded)
     watches_max = 256                   # replicant watches (agents) per core
     replicant_watches_max = 256         # agents one replicant (principal) holds on a core (default: watches_max)
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
@@ -136,6 +137,9 @@ class Limits:
     # Frames zmq queues: incoming ones in all, answers per connection (a client that does not read).
     requests_queued_max: int = 10_000
     replies_queued_max: int = 1000
+    # Bytes of large answers (from 64 KiB, sent without a copy) zmq still holds for one connection: past
+    # it, the next large answer is refused ``overloaded`` until the client reads (one is always sent).
+    replies_queued_bytes_max: int = 16 * 1024 * 1024
     # Replicant watches (agents) one core serves; watches to endpoints that never acknowledged are
     # evicted first when a new watch needs room.
     watches_max: int = 256
@@ -234,6 +238,7 @@ _LIMIT_BOUNDS = {
     "requests_outstanding_max": (1, 1_000_000),
     "requests_queued_max": (1, 1_000_000),
     "replies_queued_max": (1, 1_000_000),
+    "replies_queued_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),
     "watches_max": (1, 100_000),
     "replicant_watches_max": (1, 100_000),
     "push_queue_max": (1, 100_000),

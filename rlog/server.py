@@ -122,6 +122,73 @@ def send_frames(socket: zmq.Socket, frames: list[bytes]) -> None:
         _SEND(socket, frame, _NOBLOCK_MORE if index < last else _NOBLOCK, len(frame) < COPY_BYTES_MIN)
 
 
+def send_tracked(socket: zmq.Socket, frames: list[bytes]) -> zmq.MessageTracker:
+    """``send_frames`` for a message whose last frame is large: sent without a copy, and tracked: the
+    tracker is done once zmq let go of the frame (handed it to the kernel, or dropped its connection)."""
+    if not isinstance(socket, _SOCKET):
+        raise TypeError(f"send_tracked needs a zmq socket, not {type(socket).__name__}")
+    for frame in frames[:-1]:
+        _SEND(socket, frame, _NOBLOCK_MORE, True)
+    return _SEND(socket, frames[-1], _NOBLOCK, False, True)
+
+
+# Connections with unread large answers at which ``UnreadAnswers`` first looks at them all (then at twice
+# as many as it kept): the bookkeeping of the connections that read is given back without a look per send.
+UNREAD_SWEEP_CONNECTIONS_MIN = 64
+
+
+class UnreadAnswers:
+    """The large answers (from ``COPY_BYTES_MIN``, sent without a copy) that zmq still holds for each
+    connection, in bytes: zmq's own bound (``replies_queued_max``, its send high-water mark) counts
+    frames, so a client that asks for large answers and reads none made the node hold up to that many
+    frames of ``frame_bytes_max``. Past ``bytes_max`` for a connection, its next large answer is
+    refused (``refusal``) until zmq let go of some (the client read them, or left). A connection
+    holding nothing is always sent one, whatever its size. Small answers are not tracked (the copy
+    zmq makes of them is bounded by the count): nothing is added to a write's answer."""
+
+    def __init__(self, bytes_max: int) -> None:
+        self.bytes_max = bytes_max
+        self.refused = 0  # answers refused for the bytes their connection did not read
+        self._held: dict[bytes, list[tuple[zmq.MessageTracker, int]]] = {}
+        self._sweep_at = UNREAD_SWEEP_CONNECTIONS_MIN
+
+    def held_bytes(self, connection: bytes) -> int:
+        """The bytes zmq still holds of the large answers to ``connection`` (forgetting those it let go)."""
+        held = self._held.get(connection)
+        if held is None:
+            return 0
+        held[:] = [(tracker, size) for tracker, size in held if not tracker.done]
+        if not held:
+            del self._held[connection]
+            return 0
+        return sum(size for _, size in held)
+
+    def refusal(self, connection: bytes, size: int) -> str | None:
+        """Why a large answer of ``size`` bytes to ``connection`` is refused now (counted); None: send it."""
+        held = self.held_bytes(connection)
+        if held == 0 or held + size <= self.bytes_max:
+            return None
+        self.refused += 1
+        return (
+            f"{held} bytes of earlier answers to this connection are not read yet, and this one has {size} "
+            f"(replies_queued_bytes_max {self.bytes_max}); read the answers, then ask again"
+        )
+
+    def sent(self, connection: bytes, tracker: zmq.MessageTracker, size: int) -> None:
+        """Track a large answer just sent to ``connection``."""
+        held = self._held.get(connection)
+        if held is None:
+            if len(self._held) >= self._sweep_at:
+                for other in list(self._held):
+                    self.held_bytes(other)
+                self._sweep_at = max(UNREAD_SWEEP_CONNECTIONS_MIN, 2 * len(self._held))
+            held = self._held[connection] = []
+        held.append((tracker, size))
+
+    def connections(self) -> int:
+        return len(self._held)
+
+
 # A changefeed page's bytes, at most this share of frame_bytes_max (records are estimated, the frame is not).
 CHANGES_FRAME_SHARE = 4
 # How long a caught-up changefeed request is held at most when it does not say (``changes`` wait_ms).
@@ -252,6 +319,7 @@ class NodeServer:
         # Frames dropped because the receiver's zmq queue was full (or its socket gone): every protocol
         # here re-sends, but a dropped push costs a replicant a resync, so they are counted and logged.
         self.sends_dropped = 0
+        self.unread_answers = UnreadAnswers(config.limits.replies_queued_bytes_max)
         self._sends_dropped_logged = 0
         self._sends_dropped_log_ms = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
@@ -1317,10 +1385,20 @@ class NodeServer:
                     f"{self.config.limits.frame_bytes_max}; ask for fewer rows",
                 )
             )
+        tracked = socket is None and len(frame) >= COPY_BYTES_MIN
+        if tracked:
+            # Bounded in bytes per connection (UnreadAnswers), beside zmq's bound in frames.
+            refusal = self.unread_answers.refusal(envelope[0], len(frame))
+            if refusal is not None:
+                frame = messages.encode(messages.error(message.request_id, "overloaded", refusal))
+                tracked = False
         try:
             # A large frame goes without a copy (send_frames): copying a 256 KiB push cost about a
             # millisecond of the loop (fresh pages), and held each frame twice until zmq had sent it.
-            send_frames(target, [*envelope, frame])
+            if tracked:
+                self.unread_answers.sent(envelope[0], send_tracked(target, [*envelope, frame]), len(frame))
+            else:
+                send_frames(target, [*envelope, frame])
         except zmq.Again:
             self._dropped(message.kind, "the receiver's queue is full")
             if socket is not None:
