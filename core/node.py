@@ -2288,6 +2288,7 @@ class CoreNode(NodeServer):
             "commits": self.commits,
             "durable_commits": self.durable_commits,
             "sends_dropped": self.sends_dropped,
+            "connections": self.connections_status(),
             "collector": self.collector_status(),
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
             "disk": {**self.disk.status(self.clock_ms()), "frames_dropped": self.frames_dropped_disk},

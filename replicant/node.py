@@ -921,6 +921,7 @@ class ReplicantNode(NodeServer):
             "security": self.security_status(),
             "no_core_reached": self.no_core_reached(),
             "sends_dropped": self.sends_dropped,
+            "connections": self.connections_status(),
             "collector": self.collector_status(),
             # SQLite transactions committed: about one per loop turn that applied pushes (the cost of
             # a replicant is per turn; writes applied per commit is how well pushes are batched)

@@ -32,6 +32,7 @@ Example::
     follower_apply_delay_ms_max = 100   # a following core applies commits together, within this (0: each at once)
     agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
+    connections_waiting_max = 10000     # client connections with requests awaiting a later answer, per node
     requests_queued_max = 10000         # incoming frames zmq queues
     replies_queued_max = 1000           # answers zmq queues per connection
     replies_queued_bytes_max = 16777216 # bytes of large answers zmq holds per connection (the next is overloaded)
@@ -134,6 +135,9 @@ class Limits:
     agents_bytes_max: int = 16 * 1024 * 1024
     # Requests waiting for a later answer (a commit, the sequencer, a read fence) per client connection.
     requests_outstanding_max: int = 1000
+    # Connections with such requests, per node: past it a new connection's request that would wait is
+    # refused ``overloaded`` (NodeServer.hold). A connection's entry goes once nothing of it waits.
+    connections_waiting_max: int = 10_000
     # Frames zmq queues: incoming ones in all, answers per connection (a client that does not read).
     requests_queued_max: int = 10_000
     replies_queued_max: int = 1000
@@ -236,6 +240,7 @@ _LIMIT_BOUNDS = {
     "follower_apply_delay_ms_max": (0, 10_000),
     "agents_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),
     "requests_outstanding_max": (1, 1_000_000),
+    "connections_waiting_max": (1, 1_000_000),
     "requests_queued_max": (1, 1_000_000),
     "replies_queued_max": (1, 1_000_000),
     "replies_queued_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),

@@ -185,9 +185,6 @@ class UnreadAnswers:
             held = self._held[connection] = []
         held.append((tracker, size))
 
-    def connections(self) -> int:
-        return len(self._held)
-
 
 # A changefeed page's bytes, at most this share of frame_bytes_max (records are estimated, the frame is not).
 CHANGES_FRAME_SHARE = 4
@@ -362,6 +359,7 @@ class NodeServer:
         # commit, reads waiting for a key, queries, ...): bounded per connection, answered at a stop.
         self.outstanding: dict[bytes, dict[str, HeldRequest]] = {}
         self.stop_answers = 0  # held or queued requests answered because the node stopped
+        self.connections_refused = 0  # requests refused: connections_waiting_max connections wait already
         self.protocol_violations = 0
         self._violation_logged_ms: dict[str, int] = {}
         # Whether the disk takes writes (rlog.disk); frames dropped with turns the disk failed.
@@ -680,6 +678,16 @@ class NodeServer:
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def connections_status(self) -> dict[str, int]:
+        """The client connections with requests waiting here, their bound, and the requests refused
+        ``overloaded`` for the bound (``hold``) or for answers their connection did not read (``UnreadAnswers``)."""
+        return {
+            "waiting": len(self.outstanding),
+            "waiting_max": self.config.limits.connections_waiting_max,
+            "refused": self.connections_refused,
+            "refused_unread": self.unread_answers.refused,
+        }
+
     @staticmethod
     def collector_status() -> dict[str, Any]:
         """Python's cyclic collector in this process: the objects frozen out of it at start (``mnesite
@@ -875,7 +883,8 @@ class NodeServer:
     # -- requests held for a later answer ----------------------------------------------------
 
     def hold(self, envelope: list[bytes] | None, request_id: str, changes: bool = True) -> None:
-        """Count a request that will be answered later; refuse past ``requests_outstanding_max`` per connection.
+        """Count a request that will be answered later; refuse past ``requests_outstanding_max`` per
+        connection, and a connection with nothing waiting yet past ``connections_waiting_max`` per node.
 
         ``changes``: what a stop answers it (``answer_at_stop``). True (a write, or anything that may
         change the database once it was looked at): ``outcome_unknown``, never an answer that says it
@@ -884,7 +893,16 @@ class NodeServer:
         """
         if envelope is None:
             return
-        held = self.outstanding.setdefault(envelope[0], {})
+        held = self.outstanding.get(envelope[0])
+        if held is None:
+            connections_max = self.config.limits.connections_waiting_max
+            if len(self.outstanding) >= connections_max:
+                self.connections_refused += 1
+                raise OverloadedError(
+                    f"{len(self.outstanding)} connections have requests waiting for an answer here "
+                    f"(connections_waiting_max {connections_max}); retry later"
+                )
+            held = self.outstanding[envelope[0]] = {}
         if request_id not in held and len(held) >= self.config.limits.requests_outstanding_max:
             raise OverloadedError(
                 f"{len(held)} requests of this connection are outstanding "

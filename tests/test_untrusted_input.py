@@ -693,6 +693,30 @@ def test_requests_outstanding_per_connection_are_bounded_and_released_by_the_ans
     assert set(node.outstanding[b"client-a"]) == {"r2", "r3"}
 
 
+def test_connections_with_requests_waiting_are_bounded_node_wide_and_given_back(tmp_path: Path) -> None:
+    """Regression: ``requests_outstanding_max`` bounded the requests of one connection, and the node kept
+    a table of waiting requests for every connection that had one, however many connected. Past
+    ``connections_waiting_max`` connections with requests waiting, a request of another connection that
+    would wait is refused ``overloaded`` (counted in ``status``); a connection's entry goes once
+    nothing of it waits, which gives its place back."""
+    from mnesite.rlog.server import OverloadedError
+
+    from tests.conftest import core_with_table
+
+    with core_with_table(tmp_path / "data", {"limits": {"connections_waiting_max": 2}}) as node:
+        node.hold([b"a"], "r1")
+        node.hold([b"b"], "r1")
+        with pytest.raises(OverloadedError, match="connections_waiting_max 2"):
+            node.hold([b"c"], "r1")
+        assert b"c" not in node.outstanding
+        node.hold([b"a"], "r2")  # a connection with requests waiting already is not refused
+        node.reply([b"a"], messages.reply("r1", None))
+        node.reply([b"a"], messages.reply("r2", None))
+        assert b"a" not in node.outstanding  # nothing of it waits: its place is given back
+        node.hold([b"c"], "r1")
+        assert node.status()["connections"] == {"waiting": 2, "waiting_max": 2, "refused": 1, "refused_unread": 0}
+
+
 def test_a_proposed_write_past_requests_outstanding_max_is_never_answered_overloaded(tmp_path: Path) -> None:
     # "overloaded" means "refused, nothing changed" (rlog.errors). A connection past its bound whose
     # write was admitted and proposed in the same turn (it commits) was nevertheless answered
