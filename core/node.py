@@ -165,12 +165,12 @@ from mnesite.rlog.schema import (
 from mnesite.rlog.security import NodeSecurity
 from mnesite.rlog.server import (
     STOPPING,
+    Deferred,
     NodeServer,
     OverloadedError,
     RequestError,
     monotonic_ms,
     relayed,
-    request_id_of,
 )
 from mnesite.rlog.store import ShardPosition, Store, StoreError, read_fault, storage_fault
 from mnesite.rlog.types import (
@@ -234,10 +234,6 @@ VERSIONS_PROBE_PREFIX = "versions-"  # request ids of the journal probes of core
 
 # What ``_read`` returns for a read it will answer later (a ``count``: ``NodeServer.count_later``).
 HELD = object()
-
-
-class Deferred(Exception):
-    """The request will be answered later (when its entry commits, or by the sequencer)."""
 
 
 class StoreLogView:
@@ -811,25 +807,7 @@ class CoreNode(NodeServer):
                 self._step(driver, BatchEnded())
 
     def _serve_waiting(self) -> None:
-        if self.socket is None:
-            return
-        for envelope, frame, principal in self.receive_frames(self.clock_ms):
-            try:
-                message = messages.decode(frame, self.config.limits.frame_bytes_max)
-            except MessageError as error:
-                self.malformed_frame()
-                self.refuse(envelope, request_id_of(frame), error)
-                continue
-            refused = self.refusal(principal, message)
-            if refused is not None:
-                self.reply(envelope, refused)
-                continue
-            try:
-                self._dispatch(envelope, message, principal)
-            except Deferred:
-                pass
-            except (RequestError, SchemaError, OverloadedError) as error:
-                self.refuse(envelope, message.request_id, error)
+        self.serve_frames()
         self._propose_all()
 
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
@@ -2310,6 +2288,7 @@ class CoreNode(NodeServer):
             "commits": self.commits,
             "durable_commits": self.durable_commits,
             "sends_dropped": self.sends_dropped,
+            "connections": self.connections_status(),
             "collector": self.collector_status(),
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,
             "wal_reserve": self.store.wal_reserve.status() if self.store.wal_reserve else None,

@@ -67,7 +67,6 @@ from mnesite.rlog.server import (
     collector_paused,
     monotonic_ms,
     relayed,
-    request_id_of,
 )
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
@@ -643,24 +642,7 @@ class ReplicantNode(NodeServer):
     # -- requests from clients and agents ----------------------------------------------------
 
     def _serve_waiting(self) -> None:
-        if self.socket is None:
-            return
-        for envelope, frame, principal in self.receive_frames(self.clock_ms):
-            try:
-                message = messages.decode(frame, self.config.limits.frame_bytes_max)
-            except MessageError as error:
-                self.malformed_frame()
-                self.refuse(envelope, request_id_of(frame), error)
-                continue
-            refused = self.refusal(principal, message)
-            if refused is not None:
-                if message.kind != "push":  # pushes are never answered
-                    self.reply(envelope, refused)
-                continue
-            try:
-                self._dispatch(envelope, message, principal)
-            except (RequestError, SchemaError, OverloadedError) as error:
-                self.refuse(envelope, message.request_id, error)
+        self.serve_frames()
 
     def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
         body = message.body
@@ -953,6 +935,7 @@ class ReplicantNode(NodeServer):
             "security": self.security_status(),
             "no_core_reached": self.no_core_reached(),
             "sends_dropped": self.sends_dropped,
+            "connections": self.connections_status(),
             "collector": self.collector_status(),
             # SQLite transactions committed: about one per loop turn that applied pushes (the cost of
             # a replicant is per turn; writes applied per commit is how well pushes are batched)

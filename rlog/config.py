@@ -33,8 +33,10 @@ Example::
     follower_apply_delay_ms_max = 100   # a following core applies commits together, within this (0: each at once)
     agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
+    connections_waiting_max = 10000     # client connections with requests awaiting a later answer, per node
     requests_queued_max = 10000         # incoming frames zmq queues
     replies_queued_max = 1000           # answers zmq queues per connection
+    replies_queued_bytes_max = 16777216 # bytes of large answers zmq holds per connection (the next is overloaded)
     watches_max = 256                   # replicant watches (agents) per core
     replicant_watches_max = 256         # agents one replicant (principal) holds on a core (default: watches_max)
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
@@ -138,9 +140,15 @@ class Limits:
     agents_bytes_max: int = 16 * 1024 * 1024
     # Requests waiting for a later answer (a commit, the sequencer, a read fence) per client connection.
     requests_outstanding_max: int = 1000
+    # Connections with such requests, per node: past it a new connection's request that would wait is
+    # refused ``overloaded`` (NodeServer.hold). A connection's entry goes once nothing of it waits.
+    connections_waiting_max: int = 10_000
     # Frames zmq queues: incoming ones in all, answers per connection (a client that does not read).
     requests_queued_max: int = 10_000
     replies_queued_max: int = 1000
+    # Bytes of large answers (from 64 KiB, sent without a copy) zmq still holds for one connection: past
+    # it, the next large answer is refused ``overloaded`` until the client reads (one is always sent).
+    replies_queued_bytes_max: int = 16 * 1024 * 1024
     # Replicant watches (agents) one core serves; the agent silent for longest (core.agent_budget's
     # liveness: no progress within two heartbeats) is evicted when a new watch needs room.
     watches_max: int = 256
@@ -238,8 +246,10 @@ _LIMIT_BOUNDS = {
     "follower_apply_delay_ms_max": (0, 10_000),
     "agents_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),
     "requests_outstanding_max": (1, 1_000_000),
+    "connections_waiting_max": (1, 1_000_000),
     "requests_queued_max": (1, 1_000_000),
     "replies_queued_max": (1, 1_000_000),
+    "replies_queued_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),
     "watches_max": (1, 100_000),
     "replicant_watches_max": (1, 100_000),
     "push_queue_max": (1, 100_000),

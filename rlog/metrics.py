@@ -292,6 +292,19 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
         refused.add_metric(["unknown_key"], security.get("refused_unknown_key", 0))
         refused.add_metric(["handshake"], sum((security.get("handshakes_failed") or {}).values()))
     yield refused
+    connections = status.get("connections")
+    if connections is not None:
+        # rlog.server: requests refused ``overloaded`` for a node-wide or a per-connection bound.
+        overloaded = CounterMetricFamily(
+            "mnesite_overloaded",
+            "Requests refused overloaded: connections waiting, or answers not read",
+            labels=["reason"],
+        )
+        overloaded.add_metric(["connections_waiting_max"], connections["refused"])
+        overloaded.add_metric(["replies_queued_bytes_max"], connections["refused_unread"])
+        waiting = _gauge("mnesite_connections_waiting", "Client connections with requests waiting for an answer", [])
+        waiting.add_metric([], connections["waiting"])
+        yield from (overloaded, waiting)
     yield from _disk_families(status.get("disk"))
     yield from _reader_families(status.get("queries"), status.get("changes"))
 

@@ -14,9 +14,12 @@ sends what a state machine marked as allowed before persistence (a sequencer's a
 A turn whose writes a restart redoes anyway (``begin(durable=False)``) commits without an fsync.
 
 A turn that the disk fails (``turn``, ``rlog.disk``) is rolled back and none of its queued frames is
-sent. A full disk then puts the node in the disk-full state (the subclass rebuilds its state
-machines from disk in ``disk_filled`` and refuses writes) until a probe every
-``disk_probe_interval_ms`` writes durably again (``disk_freed``); an I/O error stops the node.
+sent. Every client frame it read is answered all the same: a request whose handling it cut short is
+told ``cut_answer``'s error, and the frames it had not reached go back to the backlog (``frames_cut``),
+handled by the next turn or answered ``stopping`` at a stop. A full disk then puts the node in the
+disk-full state (the subclass rebuilds its state machines from disk in ``disk_filled`` and refuses
+writes) until a probe every ``disk_probe_interval_ms`` writes durably again (``disk_freed``); an I/O
+error stops the node.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ from mnesite.rlog.query import (
     query_request,
     shards_of,
 )
-from mnesite.rlog.roles import sender_mismatch
-from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.roles import WRITE_KINDS, sender_mismatch
+from mnesite.rlog.schema import SchemaError, TableSchema
 from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
 from mnesite.rlog.store import Store, quote, storage_fault
 from mnesite.rlog.types import Entry, TxKey
@@ -119,6 +122,70 @@ def send_frames(socket: zmq.Socket, frames: list[bytes]) -> None:
         _SEND(socket, frame, _NOBLOCK_MORE if index < last else _NOBLOCK, len(frame) < COPY_BYTES_MIN)
 
 
+def send_tracked(socket: zmq.Socket, frames: list[bytes]) -> zmq.MessageTracker:
+    """``send_frames`` for a message whose last frame is large: sent without a copy, and tracked: the
+    tracker is done once zmq let go of the frame (handed it to the kernel, or dropped its connection)."""
+    if not isinstance(socket, _SOCKET):
+        raise TypeError(f"send_tracked needs a zmq socket, not {type(socket).__name__}")
+    for frame in frames[:-1]:
+        _SEND(socket, frame, _NOBLOCK_MORE, True)
+    return _SEND(socket, frames[-1], _NOBLOCK, False, True)
+
+
+# Connections with unread large answers at which ``UnreadAnswers`` first looks at them all (then at twice
+# as many as it kept): the bookkeeping of the connections that read is given back without a look per send.
+UNREAD_SWEEP_CONNECTIONS_MIN = 64
+
+
+class UnreadAnswers:
+    """The large answers (from ``COPY_BYTES_MIN``, sent without a copy) that zmq still holds for each
+    connection, in bytes: zmq's own bound (``replies_queued_max``, its send high-water mark) counts
+    frames, so a client that asks for large answers and reads none made the node hold up to that many
+    frames of ``frame_bytes_max``. Past ``bytes_max`` for a connection, its next large answer is
+    refused (``refusal``) until zmq let go of some (the client read them, or left). A connection
+    holding nothing is always sent one, whatever its size. Small answers are not tracked (the copy
+    zmq makes of them is bounded by the count): nothing is added to a write's answer."""
+
+    def __init__(self, bytes_max: int) -> None:
+        self.bytes_max = bytes_max
+        self.refused = 0  # answers refused for the bytes their connection did not read
+        self._held: dict[bytes, list[tuple[zmq.MessageTracker, int]]] = {}
+        self._sweep_at = UNREAD_SWEEP_CONNECTIONS_MIN
+
+    def held_bytes(self, connection: bytes) -> int:
+        """The bytes zmq still holds of the large answers to ``connection`` (forgetting those it let go)."""
+        held = self._held.get(connection)
+        if held is None:
+            return 0
+        held[:] = [(tracker, size) for tracker, size in held if not tracker.done]
+        if not held:
+            del self._held[connection]
+            return 0
+        return sum(size for _, size in held)
+
+    def refusal(self, connection: bytes, size: int) -> str | None:
+        """Why a large answer of ``size`` bytes to ``connection`` is refused now (counted); None: send it."""
+        held = self.held_bytes(connection)
+        if held == 0 or held + size <= self.bytes_max:
+            return None
+        self.refused += 1
+        return (
+            f"{held} bytes of earlier answers to this connection are not read yet, and this one has {size} "
+            f"(replies_queued_bytes_max {self.bytes_max}); read the answers, then ask again"
+        )
+
+    def sent(self, connection: bytes, tracker: zmq.MessageTracker, size: int) -> None:
+        """Track a large answer just sent to ``connection``."""
+        held = self._held.get(connection)
+        if held is None:
+            if len(self._held) >= self._sweep_at:
+                for other in list(self._held):
+                    self.held_bytes(other)
+                self._sweep_at = max(UNREAD_SWEEP_CONNECTIONS_MIN, 2 * len(self._held))
+            held = self._held[connection] = []
+        held.append((tracker, size))
+
+
 # A changefeed page's bytes, at most this share of frame_bytes_max (records are estimated, the frame is not).
 CHANGES_FRAME_SHARE = 4
 # How long a caught-up changefeed request is held at most when it does not say (``changes`` wait_ms).
@@ -126,6 +193,10 @@ CHANGES_WAIT_MS_DEFAULT = 0
 
 # What a driver passes to read one key-ordered batch of a table (``bootstrap.serve.read_batch``).
 TableBatch = Callable[[Store, TableSchema, Any, int, int], dict[str, Any]]
+
+
+class Deferred(Exception):
+    """The request will be answered later (when its entry commits, or by the sequencer)."""
 
 
 class HeldRequest(NamedTuple):
@@ -189,6 +260,28 @@ def request_id_of(frame: bytes) -> str:
     return "?"
 
 
+# Kinds no node answers (a peer's consensus message, a snapshot's offer or request, an agent's push and its
+# acknowledgement): a frame of them cut short by a failed turn is re-sent by its protocol, never told.
+UNANSWERED_KINDS = frozenset({"peer", "snapshot_offer", "snapshot_request", "push", "push_ack"})
+
+
+def cut_answer(frame: bytes, reason: str, stopping: bool) -> Message | None:
+    """The answer to a request whose handling a failed turn cut short, before it was answered or held
+    (``NodeServer.frames_cut``): nothing it did was committed (the turn was rolled back) and nothing
+    was forwarded. A stopping node says ``stopping`` (the client asks another node at once), or
+    ``outcome_unknown`` for a write (never wrong, and what a stop tells a write it cut); a node that
+    serves on (the disk filled) says ``outcome_unknown`` (asked again, here or elsewhere), as
+    ``abandon_turn`` tells the answers of that turn. None for a kind nobody answers."""
+    try:
+        kind = _FRAME_HEADER.decode(frame)[1]
+    except Exception:  # garbage is refused before its handling: not cut short
+        return None
+    if kind in UNANSWERED_KINDS:
+        return None
+    code = STOPPING if stopping and kind not in WRITE_KINDS else "outcome_unknown"
+    return messages.error(request_id_of(frame), code, f"the turn that handled it failed: {reason}")
+
+
 def relayed(answer: Message) -> Message:
     """The answer of the node a request was forwarded to (a core's sequencer, a replicant's core), as
     this node's own answer to its client. ``stopping`` there says that *upstream* node is going away
@@ -205,6 +298,7 @@ class NodeServer:
     """Sockets, the per-turn transaction and the outbox; subclasses implement ``run_turn``."""
 
     role = "node"
+    clock_ms: Callable[[], int]  # the driver's clock (a subclass sets it)
 
     def __init__(self, config: Config, store: Store, data_dir_lock: DataDirectoryLock | None = None) -> None:
         self.config = config
@@ -222,6 +316,7 @@ class NodeServer:
         # Frames dropped because the receiver's zmq queue was full (or its socket gone): every protocol
         # here re-sends, but a dropped push costs a replicant a resync, so they are counted and logged.
         self.sends_dropped = 0
+        self.unread_answers = UnreadAnswers(config.limits.replies_queued_bytes_max)
         self._sends_dropped_logged = 0
         self._sends_dropped_log_ms = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
@@ -230,6 +325,10 @@ class NodeServer:
         self._durable = False
         # Frames received but left for a later turn (see receive_frames).
         self._backlog: deque[tuple[list[bytes], bytes, str]] = deque()
+        # The frames this turn read that its handling has not reached yet, and the frame whose handling
+        # a failed turn cut short (``frames_cut``): answered, never dropped with the turn.
+        self._turn_unreached: Iterator[tuple[list[bytes], bytes, str]] | None = None
+        self._cut: tuple[list[bytes], bytes] | None = None
         self._discarding = False  # the socket's next parts are the rest of a refused message (see receive)
         self._poller: tuple[tuple[zmq.Socket | None, ...], zmq.Poller] | None = None  # rebuilt when the sockets change
         self._queries_woken = True  # the query runner's wakeup pipe was readable at the last poll
@@ -260,6 +359,7 @@ class NodeServer:
         # commit, reads waiting for a key, queries, ...): bounded per connection, answered at a stop.
         self.outstanding: dict[bytes, dict[str, HeldRequest]] = {}
         self.stop_answers = 0  # held or queued requests answered because the node stopped
+        self.connections_refused = 0  # requests refused: connections_waiting_max connections wait already
         self.protocol_violations = 0
         self._violation_logged_ms: dict[str, int] = {}
         # Whether the disk takes writes (rlog.disk); frames dropped with turns the disk failed.
@@ -516,6 +616,9 @@ class NodeServer:
         about the database), and ``close`` lingers a bounded time so that zmq sends them."""
         reason = f"{self.role} {self.config.name} is shutting down ({self.stop_reason})"
         answers: list[tuple[list[bytes], Message]] = []
+        cut = self._cut_answer(reason, stopping=True)
+        if cut is not None:
+            answers.append(cut)
         left, self._outbox = self._outbox, []
         for socket, envelope, message in left:
             if socket is not None or not envelope:
@@ -575,6 +678,16 @@ class NodeServer:
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def connections_status(self) -> dict[str, int]:
+        """The client connections with requests waiting here, their bound, and the requests refused
+        ``overloaded`` for the bound (``hold``) or for answers their connection did not read (``UnreadAnswers``)."""
+        return {
+            "waiting": len(self.outstanding),
+            "waiting_max": self.config.limits.connections_waiting_max,
+            "refused": self.connections_refused,
+            "refused_unread": self.unread_answers.refused,
+        }
+
     @staticmethod
     def collector_status() -> dict[str, Any]:
         """Python's cyclic collector in this process: the objects frozen out of it at start (``mnesite
@@ -599,7 +712,10 @@ class NodeServer:
                 raise
             self.abandon_turn(str(error))
             if fault is StorageFault.FAILED:
-                self._storage_failed(error)
+                self._storage_failed(error)  # the frame cut short is answered at the stop (``answer_at_stop``)
+            cut = self._cut_answer(str(error), stopping=False)
+            if cut is not None:
+                self.reply(*cut)
             if self.disk.filled(str(error), monotonic_ms()):
                 log.warning(
                     "%s %s: the disk is full (%s): refusing writes with %s, serving reads; "
@@ -767,7 +883,8 @@ class NodeServer:
     # -- requests held for a later answer ----------------------------------------------------
 
     def hold(self, envelope: list[bytes] | None, request_id: str, changes: bool = True) -> None:
-        """Count a request that will be answered later; refuse past ``requests_outstanding_max`` per connection.
+        """Count a request that will be answered later; refuse past ``requests_outstanding_max`` per
+        connection, and a connection with nothing waiting yet past ``connections_waiting_max`` per node.
 
         ``changes``: what a stop answers it (``answer_at_stop``). True (a write, or anything that may
         change the database once it was looked at): ``outcome_unknown``, never an answer that says it
@@ -776,7 +893,16 @@ class NodeServer:
         """
         if envelope is None:
             return
-        held = self.outstanding.setdefault(envelope[0], {})
+        held = self.outstanding.get(envelope[0])
+        if held is None:
+            connections_max = self.config.limits.connections_waiting_max
+            if len(self.outstanding) >= connections_max:
+                self.connections_refused += 1
+                raise OverloadedError(
+                    f"{len(self.outstanding)} connections have requests waiting for an answer here "
+                    f"(connections_waiting_max {connections_max}); retry later"
+                )
+            held = self.outstanding[envelope[0]] = {}
         if request_id not in held and len(held) >= self.config.limits.requests_outstanding_max:
             raise OverloadedError(
                 f"{len(held)} requests of this connection are outstanding "
@@ -863,7 +989,9 @@ class NodeServer:
         started_ms = clock_ms()
         handled_bytes = 0
         backlog_bytes = 0
-        for triple in frames:
+        # What a failed turn has not reached (``frames_cut``): the iterator's rest, no work per frame.
+        unreached = self._turn_unreached = iter(frames)
+        for triple in unreached:
             frame = triple[1]
             is_urgent = self.urgent(frame, triple[2])
             over_budget = handled_bytes >= limits.turn_bytes_max or clock_ms() - started_ms >= limits.turn_ms_max
@@ -881,6 +1009,67 @@ class NodeServer:
 
     def has_backlog(self) -> bool:
         return bool(self._backlog)
+
+    def serve_frames(self) -> None:
+        """Handle this turn's frames (``receive_frames``): decode each, refuse it if its principal may
+        not send it (``refusal``; a push is never answered), else ``_dispatch`` it; a refused request
+        (``RequestError``, ``SchemaError``, ``OverloadedError``) is answered with its error."""
+        if self.socket is None:
+            return
+        for envelope, frame, principal in self.receive_frames(self.clock_ms):
+            try:  # no cost per frame unless it raises (Python 3.11's exception tables)
+                try:
+                    message = messages.decode(frame, self.config.limits.frame_bytes_max)
+                except MessageError as error:
+                    self.malformed_frame()
+                    self.refuse(envelope, request_id_of(frame), error)
+                    continue
+                refused = self.refusal(principal, message)
+                if refused is not None:
+                    if message.kind != "push":  # pushes are never answered
+                        self.reply(envelope, refused)
+                    continue
+                try:
+                    self._dispatch(envelope, message, principal)
+                except Deferred:
+                    pass
+                except (RequestError, SchemaError, OverloadedError) as error:
+                    self.refuse(envelope, message.request_id, error)
+            except BaseException:
+                self.frames_cut(envelope, frame)  # the turn fails: this frame and the unreached ones are answered
+                raise
+
+    def _dispatch(self, envelope: list[bytes], message: Message, principal: str = "") -> None:
+        raise NotImplementedError
+
+    def frames_cut(self, envelope: list[bytes] | None, frame: bytes) -> None:
+        """The handling of ``frame`` (from ``receive_frames``) raised: a disk fault, or a bug. Without
+        this, that frame and those the turn had read but not reached yet were dropped with the turn,
+        and each client waited out its timeout. The unreached frames go back to the backlog (at most
+        one turn's frames beyond its bound, once): a turn the disk filled handles them next, a stop
+        answers them ``stopping``. ``frame`` is answered by ``turn`` or ``answer_at_stop``
+        (``cut_answer``) unless its handling answered or held it already. Called by a driver's loop
+        only on the way out of a failed turn: nothing per frame."""
+        if envelope is not None:
+            self._cut = (envelope, frame)
+        if self._turn_unreached is not None:
+            self._backlog.extend(self._turn_unreached)
+            self._turn_unreached = None
+
+    def _cut_answer(self, reason: str, stopping: bool) -> tuple[list[bytes], Message] | None:
+        """The answer owed to the frame a failed turn cut short (``frames_cut``), once; None if it is
+        owed none: nobody answers its kind, it is held (its holder answers), or it is answered already."""
+        cut, self._cut = self._cut, None
+        if cut is None:
+            return None
+        envelope, frame = cut
+        answer = cut_answer(frame, reason, stopping)
+        if answer is None or answer.request_id in self.outstanding.get(envelope[0], ()):
+            return None
+        for socket, to, message in self._outbox:
+            if socket is None and to == envelope and message.request_id == answer.request_id:
+                return None
+        return envelope, answer
 
     # -- the turn's transaction and outbox ---------------------------------------------------
 
@@ -1214,10 +1403,20 @@ class NodeServer:
                     f"{self.config.limits.frame_bytes_max}; ask for fewer rows",
                 )
             )
+        tracked = socket is None and len(frame) >= COPY_BYTES_MIN
+        if tracked:
+            # Bounded in bytes per connection (UnreadAnswers), beside zmq's bound in frames.
+            refusal = self.unread_answers.refusal(envelope[0], len(frame))
+            if refusal is not None:
+                frame = messages.encode(messages.error(message.request_id, "overloaded", refusal))
+                tracked = False
         try:
             # A large frame goes without a copy (send_frames): copying a 256 KiB push cost about a
             # millisecond of the loop (fresh pages), and held each frame twice until zmq had sent it.
-            send_frames(target, [*envelope, frame])
+            if tracked:
+                self.unread_answers.sent(envelope[0], send_tracked(target, [*envelope, frame]), len(frame))
+            else:
+                send_frames(target, [*envelope, frame])
         except zmq.Again:
             self._dropped(message.kind, "the receiver's queue is full")
             if socket is not None:

@@ -188,10 +188,11 @@ def create_table_t(node: CoreNode, request_id: str = "t0") -> None:
 
 
 @contextlib.contextmanager
-def core_with_table(data_dir: Path) -> Iterator[CoreNode]:
+def core_with_table(data_dir: Path, extra: dict | None = None) -> Iterator[CoreNode]:
     """A bound single core, not served (the test steps its driver), whose table ``t`` (id, v) is
-    committed (it elected itself) and whose outbox is empty; closed after the block."""
-    node = CoreNode(node_config(data_dir, free_port()))
+    committed (it elected itself) and whose outbox is empty; closed after the block. ``extra``: config
+    sections to add, as ``node_config`` takes them."""
+    node = CoreNode(node_config(data_dir, free_port(), extra=extra))
     node.bind()
     try:
         create_table_t(node)

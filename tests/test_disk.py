@@ -881,3 +881,64 @@ def test_writes_whose_batch_found_the_disk_full_while_appending_are_answered(tmp
         assert answers == {"w1": ([b"c1"], "outcome_unknown"), "w2": ([b"c2"], "outcome_unknown")}
         assert node.outstanding == {}, "every connection's place is given back"
         assert node.store.find_request("w1") is None and node.store.find_request("w2") is None
+
+
+def _get(request_id: str, key: int) -> bytes:
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message
+
+    return messages.encode(Message("get", request_id, messages.typed_body("get", {"table": "t", "key": key})))
+
+
+def _failing_on(node, method: str, request_id: str, error: BaseException, monkeypatch) -> None:
+    """``node.<method>(envelope, message)`` raises ``error`` for ``request_id`` (the disk fails it)."""
+    original = getattr(node, method)
+
+    def failing(envelope, message, *args):
+        if message.request_id == request_id:
+            raise error
+        return original(envelope, message, *args)
+
+    monkeypatch.setattr(node, method, failing)
+
+
+def test_frames_read_in_a_turn_the_disk_failed_are_answered_at_the_stop(tmp_path: Path, monkeypatch) -> None:
+    """Regression: a turn takes its frames off the socket first and handles them one by one. When the
+    disk failed the handling of one (a read meeting an I/O error), the node stopped, and that frame and
+    the frames read after it were neither handled nor in the backlog a stop answers: each client waited
+    out its whole timeout. Each is answered ``stopping`` now (nothing was done with it)."""
+    sent: list = []
+    with core_with_table(tmp_path / "data") as node:
+        _failing_on(node, "_read", "g1", apsw.IOError("disk I/O error"), monkeypatch)
+        for request_id in ("g1", "g2", "g3"):
+            node._backlog.append(([request_id.encode()], _get(request_id, 1), ""))
+        with pytest.raises(StorageFailedError):
+            node.turn()
+        monkeypatch.setattr(node, "_send_queued", lambda socket, to, message: sent.append((to, message)))
+        node.answer_at_stop()
+    answers = {to[0]: (m.request_id, m.kind, m.body.code) for to, m in sent}
+    assert answers == {
+        b"g1": ("g1", "error", "stopping"),
+        b"g2": ("g2", "error", "stopping"),
+        b"g3": ("g3", "error", "stopping"),
+    }
+
+
+def test_frames_read_in_a_turn_the_disk_filled_are_answered_not_dropped(tmp_path: Path, monkeypatch) -> None:
+    """Regression: a turn the disk filled while handling one of its frames (a peer's append, a push, a
+    write) is rolled back and the node serves on; that frame and the frames read after it were dropped
+    unanswered. The frame whose handling failed is answered ``outcome_unknown`` (the client asks again),
+    and the frames after it are handled in the next turn (a read is served on a full disk)."""
+    with core_with_table(tmp_path / "data") as node:
+        _failing_on(node, "_dispatch", "g1", apsw.FullError("database or disk is full"), monkeypatch)
+        for request_id in ("g1", "g2", "g3"):
+            node._backlog.append(([request_id.encode()], _get(request_id, 1), ""))
+        node.turn()
+        assert node.disk.full
+        answers = {to[0]: (m.kind, getattr(m.body, "code", None)) for _s, to, m in node._outbox}
+        assert answers == {b"g1": ("error", "outcome_unknown")}, answers
+        sent: list = []
+        monkeypatch.setattr(node, "_send_queued", lambda socket, to, message: sent.append((to, message)))
+        node.turn()  # the next turn handles the frames the failed one did not reach
+        answers = {to[0]: m.kind for to, m in sent}
+        assert answers == {b"g1": "error", b"g2": "reply", b"g3": "reply"}, answers

@@ -26,7 +26,7 @@ from mnesite.core.consensus import (
 from mnesite.rlog import messages, server
 from mnesite.rlog.client import Client, InvalidRequest, RemoteError
 from mnesite.rlog.messages import Message, MessageError
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, TxKey, WriteOp
 
 from tests.conftest import ThreadNode, free_port, node_config, wait_until
 from tests.test_consensus import Harness, append, chain, of_type
@@ -693,6 +693,30 @@ def test_requests_outstanding_per_connection_are_bounded_and_released_by_the_ans
     assert set(node.outstanding[b"client-a"]) == {"r2", "r3"}
 
 
+def test_connections_with_requests_waiting_are_bounded_node_wide_and_given_back(tmp_path: Path) -> None:
+    """Regression: ``requests_outstanding_max`` bounded the requests of one connection, and the node kept
+    a table of waiting requests for every connection that had one, however many connected. Past
+    ``connections_waiting_max`` connections with requests waiting, a request of another connection that
+    would wait is refused ``overloaded`` (counted in ``status``); a connection's entry goes once
+    nothing of it waits, which gives its place back."""
+    from mnesite.rlog.server import OverloadedError
+
+    from tests.conftest import core_with_table
+
+    with core_with_table(tmp_path / "data", {"limits": {"connections_waiting_max": 2}}) as node:
+        node.hold([b"a"], "r1")
+        node.hold([b"b"], "r1")
+        with pytest.raises(OverloadedError, match="connections_waiting_max 2"):
+            node.hold([b"c"], "r1")
+        assert b"c" not in node.outstanding
+        node.hold([b"a"], "r2")  # a connection with requests waiting already is not refused
+        node.reply([b"a"], messages.reply("r1", None))
+        node.reply([b"a"], messages.reply("r2", None))
+        assert b"a" not in node.outstanding  # nothing of it waits: its place is given back
+        node.hold([b"c"], "r1")
+        assert node.status()["connections"] == {"waiting": 2, "waiting_max": 2, "refused": 1, "refused_unread": 0}
+
+
 def test_a_proposed_write_past_requests_outstanding_max_is_never_answered_overloaded(tmp_path: Path) -> None:
     # "overloaded" means "refused, nothing changed" (rlog.errors). A connection past its bound whose
     # write was admitted and proposed in the same turn (it commits) was nevertheless answered
@@ -1164,3 +1188,65 @@ def test_a_core_whose_start_fails_gives_its_data_directory_back(tmp_path: Path, 
     monkeypatch.setattr(CoreNode, "recover_generations", lambda self, timeout_ms=None: {})
     node = CoreNode(config)  # raised DataDirectoryInUse naming this very process
     node.close()
+
+
+def _unread_answers(node, requests: list[bytes]) -> list[Message]:
+    """Send ``requests`` to ``node`` (a core driven by hand) from a DEALER that reads nothing until the
+    node has answered them all, then read every answer."""
+    import time
+
+    sent: list[Message] = []
+    send_queued = node._send_queued
+
+    def counted(socket, envelope, message) -> None:
+        sent.append(message)
+        send_queued(socket, envelope, message)
+
+    node._send_queued = counted
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    try:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.connect(node.config.listen)
+        for frame in requests:
+            dealer.send(frame)
+        deadline_s = time.monotonic() + 20
+        while len(sent) < len(requests):
+            assert time.monotonic() < deadline_s, f"{len(sent)} of {len(requests)} answered"
+            node.turn()
+        answers = []
+        for _ in requests:
+            assert dealer.poll(10_000), f"{len(answers)} of {len(requests)} answers arrived"
+            answers.append(messages.decode(dealer.recv(), 64 * 1024 * 1024))
+        return answers
+    finally:
+        dealer.close(0)
+        context.term()
+
+
+def test_answers_a_connection_does_not_read_are_bounded_in_bytes_not_only_in_count(tmp_path: Path) -> None:
+    """Regression: the answers zmq holds for a connection were bounded in count only
+    (``replies_queued_max``, zmq's send high-water mark): a client that asked for large answers and
+    never read them made the node hold up to ``replies_queued_max`` x ``frame_bytes_max`` (4 GiB at the
+    defaults). Past ``replies_queued_bytes_max`` of large answers that zmq still holds for a connection,
+    the next one is refused ``overloaded`` (a small answer) until the client reads."""
+    from tests.conftest import core_with_table
+
+    value_bytes, bytes_max = 1024 * 1024, 2 * 1024 * 1024
+    with core_with_table(tmp_path / "data", {"limits": {"replies_queued_bytes_max": bytes_max}}) as node:
+        with node.store.write_transaction():
+            node.store.apply_ops((WriteOp("t", {"id": 1, "v": "x" * value_bytes}),))
+        body = messages.typed_body("get", {"table": "t", "key": 1})
+        requests = [messages.encode(Message("get", f"g{i}", body)) for i in range(30)]
+        answers = _unread_answers(node, requests)
+        # What zmq held for the connection while it read nothing: the bound, and never one answer more.
+        assert node.unread_answers.refused > 0
+    rows = [answer for answer in answers if answer.kind == "reply"]
+    refused = [answer for answer in answers if answer.kind == "error"]
+    assert all(answer.body.code == "overloaded" for answer in refused), refused[:1]
+    assert "replies_queued_bytes_max" in refused[0].body.message
+    # 2 MiB held by zmq is 2 answers; a few more went to the kernel's buffers (some MiB on loopback)
+    # and the DEALER's queue, which zmq no longer holds: without the bound, all 30 were rows.
+    assert 1 <= len(rows) <= 15, len(rows)
+    assert len(refused) == 30 - len(rows)
