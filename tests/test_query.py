@@ -500,7 +500,9 @@ def test_a_cursor_is_idle_from_when_its_page_was_done_not_from_when_it_was_asked
     idle_ms = 100
     runner = q.QueryRunner(store.path, q.QueryLimits(ms_max=10_000, idle_ms_max=idle_ms), q_clock)
     try:
-        slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n % 1000000 = 0"
+        # Its first row is 5,000,000 rows in: about 0.5 s here, and far above idle_ms on any machine
+        # (1,000,000 took 98 ms on a quiet one, below the 100 ms the test needs).
+        slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n % 5000000 = 0"
         asked = q_clock()
         finished = _start(runner, slow, page_rows=1)
         assert finished.error is None and finished.result["cursor"], finished
@@ -508,7 +510,7 @@ def test_a_cursor_is_idle_from_when_its_page_was_done_not_from_when_it_was_asked
         runner.expire(q_clock())  # the driver's next turn, as the page is answered
         runner.next_page("client", finished.result["cursor"], 1)  # raised CursorUnknown
         finished = _finished(runner)
-        assert finished.error is None and finished.result["rows"] == [[2_000_000]]
+        assert finished.error is None and finished.result["rows"] == [[10_000_000]]
     finally:
         runner.stop()
 
