@@ -1326,6 +1326,7 @@ class ShardConsensus:
         if (
             self.name in self._members
             and notice.key < self._members_key()
+            and notice.digest is not None
             and self._log.digest_at(notice.key) == notice.digest
         ):
             # Our logs agree up to the notice's key (the sender's last or committed key: its log is
