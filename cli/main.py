@@ -1102,6 +1102,13 @@ def print_entry(entry: dict[str, Any], as_json: bool) -> None:
     click.echo(f"{tuple(entry['tx_key'])} <- {tuple(entry['prev'])} {entry['digest'][:16]} {ops}")
 
 
+def _journal_members(age: dict[str, Any]) -> str:
+    """A journal's committed membership of a shard; ``*`` adds a change only in the log (not committed)."""
+    members = ",".join(age.get("members", []))
+    pending = age.get("pending_members")
+    return f"{members} (*{','.join(pending)})" if pending else members
+
+
 def _describe_members(info: dict[str, Any]) -> str:
     """A shard's latest membership in the log; ``*`` marks a change not committed yet."""
     members = ", ".join(info["members"]) or "-"
@@ -1296,7 +1303,7 @@ def journal_show(endpoint, timeout_ms, as_json) -> None:
                     "generation": age["generation"],
                     "committed": tuple(age["committed"]),
                     "last": tuple(age["last"]),
-                    "members": ",".join(age.get("members", [])),
+                    "members": _journal_members(age),
                     "forced": "FORCED" if age["forced"] else "",
                     "release": info["versions"].get("software"),
                     "cluster_version": age.get("cluster_version", 1),

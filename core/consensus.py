@@ -100,10 +100,14 @@ and executes the effects it returns.
   leave out cores that are alive, and while a reached member's log is ahead of this core's (its
   last key is later: forcing it instead loses nothing that forcing this core would keep). The forced
   generation is above every generation a reached member has seen, so every reached member follows
-  the forced sequencer. A core that hears from a core
-  outside its (reduced) membership answers with an ``ExclusionNotice`` (at most once per
-  ``EXCLUSION_NOTICE_INTERVAL_MS`` per core); a core told that a forced membership left it out steps
-  down, fails its pending writes, and stops taking part.
+  the forced sequencer. The forced generation's first entry records the reduced membership
+  (``membership.forced_start_entry``): every member holding it committed is *forced* (persisted), as
+  the forced core is from the start, so the cores left out are still told once the forced core is
+  gone. A forced core that hears from a core outside its (reduced) membership answers with an
+  ``ExclusionNotice`` (at most once per ``EXCLUSION_NOTICE_INTERVAL_MS`` per core); a core told that
+  a forced membership left it out steps down, fails its pending writes, and stops taking part,
+  unless the notice shows its sender behind it (a core added back ignores a member that has not
+  persisted the entry adding it: ``_on_exclusion``).
   Safety holds as long as fewer than a majority of the old members that were left out ever come
   back (they must be rebuilt first): left-out cores alone cannot form a quorum of the old membership,
   and reached cores ignore them. A left-out core rejoins through an ordinary membership change
@@ -699,6 +703,9 @@ class ShardConsensus:
         # The persisted membership is the one as of the committed key; membership entries after it
         # (``_changes``, read from the log below) override it: the latest one in the log counts.
         self._committed_members = members
+        # The key of the membership entry ``_committed_members`` comes from (ZERO_KEY: not known here,
+        # as after a restart, a snapshot or a forced start's first append).
+        self._committed_members_key = ZERO_KEY
         self._changes: list[tuple[TxKey, tuple[str, ...]]] = []
         self._members = members
         self._learner: _Learner | None = None
@@ -1316,6 +1323,16 @@ class ShardConsensus:
         if sender not in self._members or self.name in notice.members:
             self._out.append(ProtocolViolation(sender, f"exclusion notice with members {notice.members}"))
             return
+        if (
+            self.name in self._members
+            and notice.key < self._members_key()
+            and notice.digest is not None
+            and self._log.digest_at(notice.key) == notice.digest
+        ):
+            # Our logs agree up to the notice's key (the sender's last or committed key: its log is
+            # behind ours) and the entry naming us comes after it: we were added back after a forced
+            # start and the sender has not persisted that entry yet. It is behind, not we out.
+            return
         if notice.generation > self._generation:
             self._adopt_generation(notice.generation)
         elif self._role is not Role.FOLLOWER or self._sequencer is not None:
@@ -1909,13 +1926,21 @@ class ShardConsensus:
         if not settled:
             return
         self._changes = self._changes[len(settled) :]
-        if settled[-1][1] != self._committed_members:
-            self._committed_members = settled[-1][1]
-            # A membership change after a forced start ends what "forced" guards: outsiders are no
-            # longer only the cores it left out (a core being added may ask a member that has not
-            # seen its entry yet), so nobody is told "excluded" any more.
-            self._forced = False
+        key, members = settled[-1]
+        self._committed_members_key = key
+        # A forced start's entry makes every member that holds it committed tell the cores it left
+        # out (the forced core may be gone when they come back). A membership change after it ends
+        # what "forced" guards: outsiders are no longer only the cores it left out (a core being
+        # added may ask a member that has not seen its entry yet), so nobody is told "excluded" any more.
+        forced = membership.forced_start_entry(key)
+        if members != self._committed_members or forced != self._forced:
+            self._committed_members = members
+            self._forced = forced
             self._persist_state()
+
+    def _members_key(self) -> TxKey:
+        """The key of the membership entry ``members`` comes from (ZERO_KEY: not known)."""
+        return self._changes[-1][0] if self._changes else self._committed_members_key
 
     def _adopt_committed_members(self, message: AppendRequest) -> None:
         """With the sequencer's committed key, its committed membership is ours too (same committed
@@ -1929,6 +1954,7 @@ class ShardConsensus:
         ):
             return
         self._committed_members = members
+        self._committed_members_key = ZERO_KEY  # its entry is at or before the committed key: not known
         self._persist_state()
         if not self._changes:
             self._set_members(members)

@@ -109,6 +109,16 @@ def membership_changes(entries: Iterable[Entry]) -> list[tuple[TxKey, tuple[str,
     return changes
 
 
+def forced_start_entry(key: TxKey) -> bool:
+    """Whether the membership entry at ``key`` is a forced start's (``ShardConsensus._force_start``):
+    the first entry of its generation. An elected sequencer's first entry is its no-op (no ops), and it
+    changes the membership only once that entry committed (``change_refusal``), so only a forced start
+    puts a membership there. Every member of the forced generation learns from it, once it is
+    committed, that the generation is forced, and tells the cores it left out (not only the forced
+    core, which may die before a left-out core comes back)."""
+    return key.counter == 1
+
+
 def valid_members(members: tuple[str, ...]) -> bool:
     """A membership a log may carry: 1..MEMBERS_MAX distinct names."""
     return 1 <= len(members) <= MEMBERS_MAX and len(set(members)) == len(members)

@@ -2212,7 +2212,11 @@ class CoreNode(NodeServer):
                 if self.store.digest_at(shard, age.committed_key)
                 else None,
                 "forced": status.forced,
-                "members": list(status.members),
+                # The committed membership: a change only in the log may still be truncated away, and
+                # what a rebuilt core recovers (core.recovery.recovered_members) and operators read
+                # must not. The change in the log, if any, is reported apart.
+                "members": list(status.committed_members),
+                "pending_members": list(status.members) if status.members != status.committed_members else None,
                 "hears_sequencer": self._hears_sequencer(driver),
                 "agents": self.agent_server.agents_of(shard),
                 "cluster_version": self.store.cluster_version(shard),

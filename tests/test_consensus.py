@@ -48,7 +48,7 @@ from mnesite.core.consensus import (
     VoteReply,
     VoteRequest,
 )
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, MembersOp, TxKey, WriteOp, make_entry
 
 from tests.sim import MemoryLog
 
@@ -980,6 +980,54 @@ def test_a_forced_sequencer_tells_a_left_out_core_at_most_once_per_interval():
         harness.receive("c", AppendReply(8, False, ZERO_KEY, TxKey(9, 9), ZERO_KEY), now_ms=later), ExclusionNotice
     )
     assert sends(harness.receive("b", VoteRequest(7, TxKey(1, 1)), now_ms=later), ExclusionNotice)
+
+
+def _forced_pair() -> tuple[Harness, Harness, list[Entry]]:
+    """Five cores; ``a`` force-started with ``b`` (c, d and e not reached), and b holds the forced
+    generation's entry committed: (a, b, the entries both held before)."""
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    a, b = (
+        Harness(name, members=FIVE, entries=entries, state=PersistedState(1, None, FIVE), committed_key=TxKey(1, 2))
+        for name in ("a", "b")
+    )
+    requests = sends(a.step(ForceStartRequested((("b", 1),), last_keys=(("b", TxKey(1, 2)),))), AppendRequest)
+    for _ in range(3):  # the forced entry, b's answer, and the commit notice a heartbeat carries
+        replies = [reply for _, request in requests for reply in sends(b.receive("a", request), AppendReply)]
+        requests = [sent for _, reply in replies for sent in sends(a.receive("b", reply), AppendRequest)]
+        requests += sends(a.step(Ticked(), a.now_ms + CONFIG.heartbeat_interval_ms), AppendRequest)
+    assert b.machine.committed_key == TxKey(2, 1) and b.machine.committed_members == ("a", "b")
+    return a, b, entries
+
+
+def test_every_member_of_a_forced_generation_tells_a_left_out_core_also_after_a_restart():
+    """Only the forced core told a left-out core that it was left out: once it died, a left-out core
+    that came back kept campaigning, unanswered, and kept serving its stale log, though the other
+    member of the forced generation heard it. The forced generation's first entry records the forced
+    membership: each member, once it is committed, tells a left-out core, and persists it."""
+    _, b, entries = _forced_pair()
+    assert b.machine.status().forced and b.state.forced
+    effects = b.receive("c", PreVoteRequest(2, TxKey(1, 2)), now_ms=b.now_ms + 10)
+    [(to, told)] = sends(effects, ExclusionNotice)
+    assert to == "c" and told == ExclusionNotice(2, ("a", "b"), TxKey(1, 2), entries[1].digest)
+    restarted = Harness("b", entries=b.log.entries, state=b.state, committed_key=b.machine.committed_key)
+    assert sends(restarted.receive("c", VoteRequest(3, TxKey(1, 2)), now_ms=10), ExclusionNotice)
+
+
+def test_a_core_added_back_ignores_a_notice_from_a_member_that_has_not_heard_of_its_add_yet():
+    """A member of the forced generation that has not persisted the entry adding a left-out core back
+    still sees it outside its membership: its notice (at its own last key, a key of our log with the
+    same digest, before the entry that names us) says it is behind, not that we are out."""
+    a, b, _ = _forced_pair()
+    c = Harness("c", members=FIVE, entries=list(a.log.entries), state=PersistedState(2, None, FIVE))
+    forced_digest = a.log.digest_at(TxKey(2, 1))
+    add = make_entry("s", TxKey(2, 2), TxKey(2, 1), forced_digest, (MembersOp(("a", "b", "c"), "c"),), "m")
+    c.receive("a", AppendRequest(2, TxKey(2, 1), forced_digest, TxKey(2, 1), ("a", "b"), (add,)))
+    assert c.machine.members == ("a", "b", "c")
+    behind = ExclusionNotice(2, ("a", "b"), TxKey(2, 1), b.log.digest_at(TxKey(2, 1)))
+    assert not of_type(c.receive("b", behind), Excluded) and not c.machine.excluded
+    # A notice at a key where our logs differ (or at our last key) is believed.
+    diverged = ExclusionNotice(2, ("a", "b"), TxKey(2, 1), b"x" * 32)
+    assert of_type(c.receive("b", diverged), Excluded) and c.machine.excluded
 
 
 def test_a_follower_waiting_for_a_snapshot_still_gets_heartbeats_and_is_found_again_after_it():

@@ -494,3 +494,33 @@ def test_the_typed_layer_refuses_malformed_membership_requests():
     for members in (["a"] * 16, ["bad name!"], "a"):
         with pytest.raises(messages.MessageError):
             messages.decode(messages.encode(messages.Message("snapshot_offer", "r1", {**offer, "members": members})))
+
+
+def test_a_journal_reports_the_committed_membership_and_a_change_in_the_log_apart(tmp_path) -> None:
+    """The ``journal`` answer (``cluster journal``; what a rebuilt core learns its membership from,
+    ``core.recovery.recovered_members``) gave a shard's latest membership in the log, a change not
+    committed yet included: a removal that a truncation may still take away was reported, and taken
+    by a rebuilt core, as the membership. It gives the committed membership now, and a change in the
+    log apart (``pending_members``)."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+    from mnesite.core.recovery import recovered_members
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, MembersOp, make_entry
+
+    from tests.conftest import follower_by_hand
+
+    members = ("core1", "core2", "core3")
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        first = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (), "a")
+        removal = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (MembersOp(("core1", "core2")),), "b")
+        append = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, first.tx_key, members, (first, removal))
+        node._step(driver, MessageReceived("core2", append))
+        assert driver.consensus.committed_key == first.tx_key and driver.consensus.members == ("core1", "core2")
+        age = node.journal()["shards"]["default"]
+        assert age["members"] == list(members), "the removal is not committed"
+        assert age["pending_members"] == ["core1", "core2"]
+        assert recovered_members({"core1": node.journal()})[0] == {"default": members}
+        # Once it commits, it is the membership, and nothing is pending.
+        notice = AppendRequest(1, removal.tx_key, removal.digest, removal.tx_key, ("core1", "core2"))
+        node._step(driver, MessageReceived("core2", notice))
+        age = node.journal()["shards"]["default"]
+        assert (age["members"], age["pending_members"]) == (["core1", "core2"], None)

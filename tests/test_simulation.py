@@ -13,7 +13,7 @@ import heapq
 import itertools
 
 import pytest
-from mnesite.core import rules, snapshot
+from mnesite.core import membership, rules, snapshot
 from mnesite.core.consensus import (
     EXCLUSION_NOTICE_INTERVAL_MS,
     AppendRequest,
@@ -24,7 +24,7 @@ from mnesite.core.consensus import (
 )
 from mnesite.core.guard_tail import GuardTail
 from mnesite.rlog import retention
-from mnesite.rlog.types import ZERO_KEY
+from mnesite.rlog.types import ZERO_KEY, TxKey
 from mnesite.rlog.versions import THIS_RELEASE
 
 from tests.conftest import seed_ranges, simulation_seeds
@@ -509,6 +509,49 @@ def _forced_start_scenario(simulation: Simulation, left_out_majority_returns: bo
         while returned is not None and not returned.excluded and simulation.now_ms < deadline_ms:
             simulation.advance()
         assert returned is not None and returned.excluded and returned.role is not Role.SEQUENCER
+
+
+def _forced_core_dies_before_a_left_out_core_comes_back(seed: int) -> None:
+    """Five cores, no random faults. One core (L) is cut off; two are lost for good; the operator
+    force-starts F, which reaches R; once R holds the forced generation's entry committed, F is lost
+    for good too, and L's link heals. R, the forced generation's other member, must tell L that it
+    was left out (F, who used to be the only one to, is gone): L then stops taking part."""
+    simulation = Simulation(seed, 5)
+    simulation._heal()
+    sequencer = simulation.run_until_quiet()
+    for _ in range(3):
+        simulation.write(sequencer.name)
+    simulation.run_until_quiet()
+    forcer, kept, left_out, *lost = sorted(simulation.nodes)
+    simulation.cut = {link for other in simulation.nodes for link in ((left_out, other), (other, left_out))}
+    simulation.lose_for_good(lost)
+    [forced] = [effect for effect in simulation.force_start(forcer) if isinstance(effect, ForceStarted)]
+    assert forced.members == (forcer, kept)
+    machine = simulation.nodes[kept].machine
+    while machine is not None and machine.committed_key < TxKey(forced.generation, 1):
+        simulation.advance()
+    simulation.lose_for_good([forcer])
+    simulation.cut = set()
+    returned = simulation.nodes[left_out].machine
+    deadline_ms = simulation.now_ms + 5 * simulation.config.election_timeout_ms_max + 5 * EXCLUSION_NOTICE_INTERVAL_MS
+    while returned is not None and not returned.excluded and simulation.now_ms < deadline_ms:
+        simulation.advance()
+    if returned is None or not returned.excluded or returned.role is Role.SEQUENCER:
+        raise simulation.fail(f"{left_out}, left out by the forced start, was never told so by {kept}")
+
+
+@pytest.mark.timeout(60)
+def test_a_left_out_core_is_told_by_the_forced_generation_after_the_forced_core_died():
+    for seed in range(6):
+        _forced_core_dies_before_a_left_out_core_comes_back(seed)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_forced_generation_whose_members_do_not_know_it_is_forced(monkeypatch):
+    """Mutation: only the forced core knows (and tells) that the generation is forced, as before."""
+    monkeypatch.setattr(membership, "forced_start_entry", lambda key: False)
+    with pytest.raises(SimulationFailure, match="seed 0 .*was never told so"):
+        _forced_core_dies_before_a_left_out_core_comes_back(0)
 
 
 def _floor_ignoring_the_applied_key(view, entries_max, before_ms, applied_key, keep_from=None):
