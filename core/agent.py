@@ -107,7 +107,12 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   continue where it should, or when the replicant acknowledged nothing for ``ack_timeout_ms``
   (``probation_timeout_ms`` before its first acknowledgement: a live replica acknowledges within a
   round trip, and watches again when it hears nothing for its own failure timeout anyway), or read
-  no push within that acknowledgement timeout of its sending (see "Read lag").
+  no push within that acknowledgement timeout of its sending (see "Read lag"), or made no progress
+  for that long: no acknowledgement advanced the acknowledged key or found nothing unacknowledged
+  (``last_progress_ms``). A replica that reads every push but acknowledges the same old key would
+  otherwise have the window resent at each heartbeat's acknowledgement, for ever (see
+  "Retransmission"); a caught-up one acknowledges each heartbeat with nothing unacknowledged, and a
+  slow catch-up advances its key within the timeout.
 
 Driver contract
 ---------------
@@ -197,7 +202,7 @@ class AgentConfig:
     heartbeat_interval_ms: int = 500
     # Committed entries ahead below which the mode is SWITCHOVER.
     switchover_entries: int = 1000
-    # No acknowledgement for this long, or a push not read this long after it was sent, stops the agent.
+    # No acknowledgement or no progress for this long, or a push unread this long after its sending, stops it.
     ack_timeout_ms: int = 10_000
     # No first acknowledgement for this long stops the agent (at most ack_timeout_ms).
     probation_timeout_ms: int = 10_000
@@ -350,7 +355,8 @@ class Agent:
         """When the replicant last showed progress (the agent's creation until it does): an acknowledgement
         taken that advanced the acknowledged key, or that found nothing unacknowledged (a caught-up
         replica acknowledges each heartbeat with the key it has). One that re-acknowledges an old key
-        while pushes wait is no progress: the memory budget's liveness (``core.agent_budget``)."""
+        while pushes wait is no progress: the memory budget's liveness (``core.agent_budget``), and
+        none for ``ack_timeout_ms`` stops the agent (see "Stopping")."""
         return self._last_progress_ms
 
     @property
@@ -366,8 +372,9 @@ class Agent:
             return self._now_ms + self._ack_timeout_ms()
         if self._last_push_ms is None or (push_room and self._can_push()):
             return self._now_ms
+        # Progress is an acknowledgement: it is never later than the last one, so it is due first.
         deadline = min(
-            self._last_push_ms + self.config.heartbeat_interval_ms, self._last_ack_ms + self._ack_timeout_ms()
+            self._last_push_ms + self.config.heartbeat_interval_ms, self._last_progress_ms + self._ack_timeout_ms()
         )
         unread_since_ms = self._oldest_unread_push_ms()
         if unread_since_ms is not None:
@@ -424,6 +431,14 @@ class Agent:
                 f"replicant read no push for {self._ack_timeout_ms()} ms after it was sent "
                 f"({self._push_sequence - self._read_sequence} pushes unread, "
                 f"{len(self._unacknowledged)} entries unacknowledged)"
+            )
+            return
+        if self._now_ms - self._last_progress_ms >= self._ack_timeout_ms():
+            # It acknowledges, but an old key while entries wait: each heartbeat's acknowledgement
+            # would resend the window, for ever (see "Stopping").
+            self._stop(
+                f"replicant made no progress for {self._ack_timeout_ms()} ms (it acknowledges "
+                f"{self._acked_key} again while {len(self._unacknowledged)} entries are unacknowledged)"
             )
             return
         self._pump()

@@ -9,8 +9,11 @@ other entry (invariant 7). One thread owns the sockets, the database and the sta
 The protocol decisions are the pure ``replicant.replica.ShardReplica``'s; this driver executes its
 effects. Requests to cores (journal probes, watch, list_tables, scan batches, forwarded writes) are
 asynchronous: a DEALER per core, a table of pending requests with deadlines, answers delivered to
-the machine as events. Pushes arrive on the node's ROUTER from the agent's DEALER and are answered
-with one-way ``push_ack`` frames.
+the machine as events. The table is bounded (``PENDING_REQUESTS_MAX``, clients' requests half of it
+at most): a request of the replicas' own that finds it full is not sent, and the replica is told in
+the same turn that it failed, and why (``_not_sent``), instead of waiting for its failure timeout.
+Pushes arrive on the node's ROUTER from the agent's DEALER and are answered with one-way
+``push_ack`` frames.
 
 Effects that change the database run inside one open SQLite transaction per loop turn; frames are
 sent only after it commits, so an acknowledged applied key is always durable (invariant 4). A turn
@@ -154,6 +157,9 @@ class ReplicantNode(NodeServer):
         self.pending: dict[str, Pending] = {}
         self.probes: dict[str, Probe] = {}
         self.probes_sent = 0  # numbers each probe (``Probe.probe_id``)
+        # Failures of the replicas' own requests that were not sent (``_not_sent``), for this turn's
+        # ``_expire``: as many as the requests dropped in one turn, emptied every turn.
+        self._requests_failed: list[tuple[str, p.RequestFailed]] = []
         self.waiting_reads: WaitingReads[tuple[list[bytes], Message]] = WaitingReads(WAITING_READS_MAX)
         self.pushes_rejected: dict[str, int] = {}
         # Acknowledgements of this turn, one per (core, shard, agent): the last says all the earlier
@@ -233,7 +239,7 @@ class ReplicantNode(NodeServer):
         deadlines = [r.next_deadline_ms() for r in self.replicas.values()]
         deadlines += [pr.deadline_ms for pr in self.probes.values()]
         timeout = POLL_INTERVAL_MS_MAX
-        if self.has_backlog():
+        if self.has_backlog() or self._requests_failed:
             timeout = 0
         elif deadlines:
             timeout = max(0, min(timeout, min(deadlines) - self.clock_ms()))
@@ -274,14 +280,21 @@ class ReplicantNode(NodeServer):
 
     def _request(
         self, core: str, kind: str, body: dict[str, Any], pending: Pending, at_once: bool = False
-    ) -> str | None:
+    ) -> RequestError | OverloadedError | None:
         """Ask ``core``; ``at_once``: send now, not after the turn's commit (for a request that
         reveals nothing this node must persist first: the next bootstrap batch, which the core then
-        reads while this node writes the previous one; a read index). Returns why nothing was sent
-        at once, else None."""
+        reads while this node writes the previous one; a read index). Returns why nothing was sent,
+        as the error a client's request is refused with, else None: ``overloaded`` when
+        ``PENDING_REQUESTS_MAX`` requests are pending (whoever waits on it is told, ``_not_sent``),
+        ``no_sequencer`` when an ``at_once`` send failed."""
         if len(self.pending) >= PENDING_REQUESTS_MAX:
-            log.warning("too many pending requests; %s to %s not sent", kind, core)
-            return None
+            full = OverloadedError(
+                f"{len(self.pending)} requests to the cores are pending at {self.config.name} "
+                f"(PENDING_REQUESTS_MAX {PENDING_REQUESTS_MAX}); {kind} to {core} not sent"
+            )
+            self._log_refusal("%s", str(full))
+            self._not_sent(pending, str(full))
+            return full
         request_id = new_request_id()
         self.pending[request_id] = pending
         message = Message(kind, request_id, body)
@@ -289,12 +302,35 @@ class ReplicantNode(NodeServer):
             self.queue(self.core_sockets[core], message)
             return None
         unsent = self._send_at_once(core, message)
-        if unsent is not None:
-            log.debug("%s to %s not sent: %s", kind, core, unsent)
-            if pending.purpose == "read_index":
-                del self.pending[request_id]  # its caller answers the read now
-            # Otherwise like a lost request: its pending entry expires and the copy is retried.
-        return unsent
+        if unsent is None:
+            return None
+        log.debug("%s to %s not sent: %s", kind, core, unsent)
+        if pending.purpose == "read_index":
+            del self.pending[request_id]  # its caller answers the read now
+        # Otherwise like a lost request: its pending entry expires and the copy is retried.
+        return self._unreachable(core, unsent)
+
+    def _unreachable(self, core: str, unsent: str) -> RequestError:
+        """A client's request that could not be sent to ``core`` (``unsent`` says why): refused
+        ``no_sequencer``, nothing was sent, as a core answers a write it cannot send to its sequencer."""
+        why = f"core {core} cannot be reached from {self.config.name}: {unsent}; nothing was sent"
+        return RequestError("no_sequencer", why)
+
+    def _not_sent(self, pending: Pending, why: str) -> None:
+        """Tell whoever waits on ``pending``, which the full table kept from being sent: a replica's
+        watch, table list or bootstrap batch fails in this turn's ``_expire`` (``RequestFailed``, with
+        ``why`` for its status; it fails over or retries as after a failed request); a probe takes
+        the core for silent and ends there once no other core is left to answer. A client's read
+        index is refused by its caller. A fence question and a discovery are asked again at their
+        own interval (a fence answered None would be asked again at once, every turn it stays full)."""
+        if pending.purpose in ("watch", "tables", "batch") and pending.shard is not None:
+            self._requests_failed.append((pending.shard, p.RequestFailed(pending.core, why, pending.watch_id)))
+        elif pending.purpose == "probe":
+            probe = self.probes.get(pending.shard or "")
+            if probe is not None and probe.probe_id == pending.probe_id:
+                probe.answers[pending.core] = None
+                if set(probe.answers) >= set(probe.cores):
+                    probe.deadline_ms = self.clock_ms()  # nothing to wait for: ends in this turn's _expire
 
     def _send_at_once(self, core: str, message: Message) -> str | None:
         """Send ``message`` to ``core`` now, not after the turn's commit; None once sent, else why
@@ -578,6 +614,10 @@ class ReplicantNode(NodeServer):
         self._step(replica, p.JournalsReceived(ages, tuple(sorted(probe.unreadable.items()))))
 
     def _expire(self, now: int) -> None:
+        failed, self._requests_failed = self._requests_failed, []
+        for shard, event in failed:  # requests not sent (``_not_sent``): failed at once
+            if shard in self.replicas:
+                self._step(self.replicas[shard], event)
         for request_id in [r for r, pending in self.pending.items() if pending.deadline_ms <= now]:
             pending = self.pending.pop(request_id)
             if pending.purpose == "read_index" and pending.detail["gather"].answered:
@@ -749,8 +789,7 @@ class ReplicantNode(NodeServer):
         if unsent is not None:
             # Answered now, which gives the hold back; an earlier send of this request id, still
             # pending, keeps waiting for its own answer.
-            why = f"core {core} cannot be reached from {self.config.name}: {unsent}; nothing was sent"
-            self.refuse(envelope, message.request_id, RequestError("no_sequencer", why))
+            self.refuse(envelope, message.request_id, self._unreachable(core, unsent))
             return
         earlier = self.pending.get(message.request_id)  # the words of core.outcome's rule 4 (a layer above)
         if earlier is not None and earlier.purpose == "forward":
@@ -823,12 +862,11 @@ class ReplicantNode(NodeServer):
             pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
             # Sent at once (a read persists nothing first), so that one that could not be sent fails
             # the read now, no_sequencer with nothing sent, as a forward does (``_forward``), not at
-            # its timeout.
-            unsent = self._request(core, "read_index", {"shard": shard}, pending, at_once=True)
-            if unsent is not None:
+            # its timeout (overloaded if the pending table was full).
+            refused = self._request(core, "read_index", {"shard": shard}, pending, at_once=True)
+            if refused is not None:
                 gather.arrived(shard, None)  # the read is refused once; no other shard is asked
-                why = f"core {core} cannot be reached from {self.config.name}: {unsent}; nothing was sent"
-                self.reply(envelope, messages.error(message.request_id, "no_sequencer", why))
+                self.refuse(envelope, message.request_id, refused)
                 return
 
     def _query(self, envelope: list[bytes], message: Message, index_keys: dict[str, TxKey] | None = None) -> None:

@@ -28,7 +28,7 @@ Example::
     turn_ms_max = 50                    # time spent draining frames per loop turn
     push_bytes_max = 262144             # bytes in one agent push, and pushed per loop turn (<= frame_bytes_max / 2)
     window_bytes_max = 8388608          # bytes an agent pushed that its replicant has not acknowledged
-    ack_timeout_ms = 10000              # an agent whose replicant acknowledges (or reads) nothing this long stops
+    ack_timeout_ms = 10000              # an agent whose replicant acks, reads or applies nothing this long stops
     push_delay_ms_max = 50              # a partial push waits this long after the previous one (0: never)
     follower_apply_delay_ms_max = 100   # a following core applies commits together, within this (0: each at once)
     agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)

@@ -616,12 +616,22 @@ def test_a_resend_waits_for_proof_that_the_push_was_lost_not_still_queued():
     assert pushed_keys(machine.step(AckReceived(ZERO_KEY, later[0].token), 401)) == [TxKey(1, 1), TxKey(1, 2)]
 
 
-def read_over_a_link(machine: Agent, log: MemoryLog, read_ms, until_ms: int) -> tuple[TxKey, int | None, str]:
+def read_over_a_link(
+    machine: Agent, log: MemoryLog, read_ms, until_ms: int, apply_every_ms: int | None = 0
+) -> tuple[TxKey, int | None, str]:
     """Drive ``machine`` (ticked when due) with a replica that reads each push, in order, at
     ``read_ms(send_ms, previous_read_ms)`` and acknowledges it at once with its applied key and the
-    push's token. Returns the replica's applied key, when the agent stopped (None: it did not) and why."""
+    push's token. It applies what it read at once (``apply_every_ms`` 0), one entry every
+    ``apply_every_ms``, or nothing (None: stuck at its first key), skipping duplicates. Returns the
+    replica's applied key, when the agent stopped (None: it did not) and why."""
     queue: deque[tuple[int, Push]] = deque()
-    applied, previous_read_ms = ZERO_KEY, 0
+    received: dict[TxKey, TxKey] = {}  # prev -> key of each entry read
+    applied, previous_read_ms, next_apply_ms = ZERO_KEY, 0, 0
+
+    def apply(now_ms: int) -> None:
+        nonlocal applied, next_apply_ms
+        while apply_every_ms is not None and now_ms >= next_apply_ms and applied in received:
+            applied, next_apply_ms = received[applied], now_ms + apply_every_ms
 
     def run(effects, now_ms):
         for effect in effects:
@@ -636,9 +646,10 @@ def read_over_a_link(machine: Agent, log: MemoryLog, read_ms, until_ms: int) -> 
             send_ms, push = queue.popleft()
             previous_read_ms = read_ms(send_ms, previous_read_ms)
             for entry in push.entries:
-                if entry.prev == applied:
-                    applied = entry.tx_key
+                received.setdefault(entry.prev, entry.tx_key)
+            apply(now)
             stopped = run(machine.step(AckReceived(applied, push.token), now), now)
+        apply(now)
         if stopped is None and now >= machine.next_deadline_ms():
             stopped = run(machine.step(Ticked(), now), now)
         if stopped is not None:
@@ -712,3 +723,44 @@ def test_progress_is_an_acknowledgement_that_advances_or_finds_nothing_unacknowl
         machine.step(AckReceived(machine.status().sent_key), 60)
     machine.step(AckReceived(TxKey(1, 10)), 70)  # caught up: the same key, nothing unacknowledged
     assert machine.last_progress_ms == 70
+
+
+def at_once(send_ms: int, previous_read_ms: int) -> int:
+    """A replica that reads each push as soon as it is sent (``read_over_a_link``'s ``read_ms``)."""
+    return max(send_ms, previous_read_ms)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("tokens", [True, False])
+def test_a_replicant_that_keeps_acknowledging_an_old_key_stops_its_agent_after_ack_timeout_ms(tokens):
+    """Regression: a replicant that reads every push (its tokens valid) but acknowledges the same old
+    key made its agent resend its whole window every heartbeat, for ever: its acknowledgements kept the
+    acknowledgement timeout from firing and it read every push in time, so only the node's memory
+    budget could evict it. No progress (``last_progress_ms``) for ack_timeout_ms stops it now."""
+    log = build_log(50)
+    config = {"window_entries_max": 10, "push_entries_max": 5, "heartbeat_interval_ms": 100, "ack_timeout_ms": 1000}
+    machine = proving_agent(log, **config) if tokens else agent(log, **config)
+    applied, stopped_ms, reason = read_over_a_link(machine, log, at_once, 10_000, apply_every_ms=None)
+    assert stopped_ms is not None, "an agent resent its window every heartbeat for 10 s to a stuck replicant"
+    assert 1000 <= stopped_ms <= 1100 and applied == ZERO_KEY
+    assert "made no progress for 1000 ms" in reason and f"acknowledges {ZERO_KEY} again" in reason
+    assert machine.status().acks_refused == 0, "the acknowledgements were valid ones"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("tokens", [True, False])
+def test_a_caught_up_replicant_and_a_slow_catch_up_are_never_stopped_for_want_of_progress(tokens):
+    """A caught-up replica acknowledges each heartbeat with the key it has (nothing unacknowledged:
+    progress), and one that applies an entry every 900 ms advances its key within every ack timeout,
+    though most of its acknowledgements (of heartbeats, of resends) repeat the key."""
+    config = {"window_entries_max": 10, "push_entries_max": 5, "heartbeat_interval_ms": 100, "ack_timeout_ms": 1000}
+    log = build_log(3)
+    machine = proving_agent(log, **config) if tokens else agent(log, **config)
+    applied, stopped_ms, reason = read_over_a_link(machine, log, at_once, 20_000)
+    assert stopped_ms is None, reason
+    assert applied == TxKey(1, 3) and machine.mode is AgentMode.NORMAL
+    log = build_log(20)
+    machine = proving_agent(log, **config) if tokens else agent(log, **config)
+    applied, stopped_ms, reason = read_over_a_link(machine, log, at_once, 20_000, apply_every_ms=900)
+    assert stopped_ms is None, reason
+    assert applied == TxKey(1, 20)

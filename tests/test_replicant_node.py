@@ -959,3 +959,49 @@ def test_a_bootstrap_takes_the_shard_s_tables_as_listed_even_after_a_drop_or_a_r
         assert node.store.read_row(node.store.catalog()["t"], "a") == {"id": "a", "w": b"\x00"}
     finally:
         _close_offline(node)
+
+
+@pytest.mark.parametrize("request_kind", ["journal", "watch", "list_tables", "bootstrap_batch"])
+def test_a_replica_s_request_the_full_pending_table_drops_fails_at_once_saying_why(tmp_path, request_kind) -> None:
+    """Regression: with PENDING_REQUESTS_MAX requests pending, ``_request`` dropped a request with a log
+    line and said it was sent: the replica waited for an answer that could not come (a watch, a table
+    list, a bootstrap batch: its failure timeout; a probe: the probe's) and its status told nothing.
+    The replica is told now, this turn: the request failed, and why."""
+    from mnesite.replicant.node import PENDING_REQUESTS_MAX, Pending
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _queueing_dealer()}  # no peer yet: zmq queues what is sent
+        replica = node._open_replica("default")
+        steps = [
+            ("journal", p.Ticked()),
+            ("watch", p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),))),
+            ("list_tables", None),  # the watch's answer, made once its watch_id is known
+            ("bootstrap_batch", p.TablesReceived("core1", ("t",), ("k",))),
+        ]
+        for kind, event in steps:
+            if kind == request_kind:
+                far = node.clock_ms() + 60_000
+                for index in range(PENDING_REQUESTS_MAX - len(node.pending)):
+                    node.pending[f"other-{index}"] = Pending("discover", "core1", far)
+            if event is None:
+                event = p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id)
+            node._step(replica, event)
+            if kind == request_kind:
+                break
+        assert len(node.pending) == PENDING_REQUESTS_MAX, "the request was not dropped: the test is stale"
+        # It no longer says "sent" (None) for what it dropped: a client's read index is refused overloaded.
+        dropped = node._request("core1", "journal", {}, Pending("discover", "core1", 0))
+        assert isinstance(dropped, OverloadedError)
+        node._expire(node.clock_ms())  # this turn's timers: nothing of the node's own has expired
+        if request_kind == "journal":
+            assert "default" not in node.probes, "the probe waited for answers to requests never sent"
+            assert replica.status().last_error.startswith("no core qualifies")
+            return
+        assert replica.mode is p.Mode.DISCONNECTED and not replica.waits_for_watch_answer
+        error = replica.status().last_error or ""
+        assert f"requests to the cores are pending at replicant1 (PENDING_REQUESTS_MAX {PENDING_REQUESTS_MAX})" in error
+        assert f"{request_kind} to core1 not sent" in error
+    finally:
+        _close_offline(node)
