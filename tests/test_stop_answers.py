@@ -129,9 +129,15 @@ def test_requests_queued_in_the_socket_are_answered_stopping(tmp_path: Path) -> 
     ]
 
 
+# The first election waits the election timeout, and the sequencer keeps its role that long after it
+# last heard the followers: from the followers' stop to its own, a test has its minimum (the stops, a
+# request and the wait for it to be held take about 0.35 s on a loaded two-CPU machine).
+ELECTION_TIMEOUT_MS = (1500, 2000)
+
+
 class SequencerAlone:
     """Three cores in threads, then the followers stopped: the sequencer's writes cannot commit, and
-    it keeps its role until its election timeout (4-5 s). ``stop(name)`` stops one core."""
+    it keeps its role until its election timeout (``ELECTION_TIMEOUT_MS``). ``stop(name)`` stops one core."""
 
     names = ("core1", "core2", "core3")
 
@@ -141,8 +147,8 @@ class SequencerAlone:
         timing = {
             "core_nodes": self.cores,
             "recovery_timeout_ms": 50,
-            "election_timeout_ms_min": 4000,
-            "election_timeout_ms_max": 5000,
+            "election_timeout_ms_min": ELECTION_TIMEOUT_MS[0],
+            "election_timeout_ms_max": ELECTION_TIMEOUT_MS[1],
             "heartbeat_interval_ms": 100,
         }
         self.nodes: dict[str, CoreNode] = {}
