@@ -175,7 +175,7 @@ class SequencerAlone:
         return self
 
     def stop(self, name: str) -> None:
-        self.nodes[name].stopping.set()
+        self.nodes[name].request_stop("stopped by its owner")
         self.threads[name].join(timeout=10)
         assert not self.threads[name].is_alive()
 
@@ -363,3 +363,21 @@ def test_a_write_told_outcome_unknown_then_stopping_names_both_answers_in_order(
     text = str(error)
     assert node.requests == [error.request_id, error.request_id]
     assert f"node {node.endpoint}: {SHUTDOWN_ANSWER}; then node {node.endpoint}: {stopping}" in text, text
+
+
+def test_a_stop_requested_from_another_thread_wakes_the_loop_at_once(tmp_path: Path) -> None:
+    """``request_stop`` only set the stop flag: a loop waiting in its poll saw it at the poll's timeout
+    (up to ``POLL_INTERVAL_MS_MAX``, 50 ms), and each node a test served from a thread took that long
+    to stop. The request now also makes a file the poll waits on readable."""
+    import select
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        woken = lambda: select.select([node.queries.wakeup_fd], [], [], 0)[0] != []  # noqa: E731
+        assert not woken()
+        node.request_stop("the test ended")
+        assert woken()
+    finally:
+        node.queries.stop()
+        node.store.close()
+        node.data_dir_lock.release()
