@@ -44,6 +44,9 @@ log = logging.getLogger("mnesite.metrics")
 REFRESH_INTERVAL_MS = 1000
 CONNECTION_TIMEOUT_S = 2.0
 LISTEN_BACKLOG_MAX = 16
+# How often the endpoint's thread looks for a stop between connections (http.server's default, 0.5 s,
+# made every node's stop wait up to that long for it).
+STOP_POLL_S = 0.05
 # Transactions per SQLite commit: 1 .. group_commit_max (256 by default, up to 100,000).
 GROUP_COMMIT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 100_000)
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -387,7 +390,9 @@ class MetricsServer(http.server.HTTPServer):
         if ":" in host:
             self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
-        self._thread = threading.Thread(target=self.serve_forever, name="mnesite-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self.serve_forever, args=(STOP_POLL_S,), name="mnesite-metrics", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()

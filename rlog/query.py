@@ -499,6 +499,15 @@ class QueryRunner:
     def wakeup_fd(self) -> int:
         return self._wake_read
 
+    def wake(self) -> None:
+        """Make ``wakeup_fd`` readable: the node's loop leaves its poll at once (a page is done, or a
+        stop was requested from another thread)."""
+        # A full pipe means the loop has a wake-up pending already. A closed one (a worker that
+        # outlived ``stop``) is not written: its number may be another file's by now.
+        with self._lock, contextlib.suppress(BlockingIOError, OSError):
+            if not self._pipe_closed:
+                os.write(self._wake_write, b"x")
+
     def check(self, sql: str, params: tuple[Any, ...], user_tables: Iterable[str]) -> CheckedQuery:
         """Check on the caller's thread (a prepare; nothing runs)."""
         if self._checker is None:
@@ -673,11 +682,7 @@ class QueryRunner:
                 self._done.append(finished)
             if not keep:
                 _close_sqlite(cursor)
-            # A full pipe means the loop has a wake-up pending already. A closed one (a worker that
-            # outlived ``stop``) is not written: its number may be another file's by now.
-            with self._lock, contextlib.suppress(BlockingIOError, OSError):
-                if not self._pipe_closed:
-                    os.write(self._wake_write, b"x")
+            self.wake()
 
     def _page(self, cursor: _Cursor) -> Finished:
         finished = self._page_of(cursor)

@@ -569,10 +569,12 @@ class NodeServer:
         return {"node": self.config.name, "stopping": True}
 
     def request_stop(self, reason: str) -> None:
-        """Leave ``serve_forever`` after the current loop turn (answers queued in it are still sent)."""
+        """Leave ``serve_forever`` after the current loop turn (answers queued in it are still sent).
+        From another thread too: a loop waiting in its poll is woken."""
         if not self.stopping.is_set():
             self.stop_reason = reason
         self.stopping.set()
+        self.queries.wake()
 
     def serve_forever(self) -> None:
         if self.socket is None:

@@ -21,6 +21,7 @@ from types import ModuleType
 import msgpack
 import pytest
 import zmq
+from hypothesis import given, settings
 from mnesite.core.node import CoreNode
 from mnesite.rlog.client import Client, MnesiteError
 from mnesite.rlog.config import parse_config
@@ -65,6 +66,32 @@ def seed_ranges(seed_count: int, fast_seeds: int) -> list:
         pytest.param(range(fast_seeds), id=f"seeds_0-{fast_seeds - 1}"),
         pytest.param(range(fast_seeds, seed_count), id=f"seeds_{fast_seeds}-{seed_count - 1}", marks=pytest.mark.deep),
     ]
+
+
+# The share of a property test's examples that the fast lane runs (``examples_by_lane``).
+FAST_EXAMPLES_SHARE = 4
+
+
+def examples_by_lane(max_examples: int, *strategies, **named_strategies) -> Callable:
+    """``@given(*strategies, **named_strategies)`` with ``max_examples`` examples in CI's deep run, and a
+    ``FAST_EXAMPLES_SHARE``-th of them in the fast lane (like ``simulation_seeds``, a sample): the test
+    runs as ``[fast]`` and ``[deep]`` (marked deep). Its ``@example`` decorators go below this one."""
+
+    def decorate(test: Callable) -> Callable:
+        counts = {"fast": max(1, max_examples // FAST_EXAMPLES_SHARE), "deep": max_examples}
+        lanes = {
+            lane: settings(max_examples=n, deadline=None)(given(*strategies, **named_strategies)(test))
+            for lane, n in counts.items()
+        }
+
+        @pytest.mark.parametrize("lane", ["fast", pytest.param("deep", marks=pytest.mark.deep)])
+        def run(lane: str) -> None:
+            lanes[lane]()
+
+        run.__name__, run.__qualname__, run.__doc__ = test.__name__, test.__qualname__, test.__doc__
+        return run
+
+    return decorate
 
 
 def _listen_ports() -> range:
@@ -235,7 +262,7 @@ class ThreadNode:
         return Client(self.endpoint, **kwargs)
 
     def stop(self) -> None:
-        self.node.stopping.set()
+        self.node.request_stop("stopped by its owner")  # wakes its loop at once
         self.thread.join(timeout=10)
         if self.thread.is_alive():
             raise AssertionError("node thread did not stop within 10 s")

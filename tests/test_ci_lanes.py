@@ -126,3 +126,20 @@ def test_no_mutation_test_is_deep() -> None:
     ]
     assert deep_tests, "no test is marked deep"
     assert not [name for name in deep_tests if "catches" in name], deep_tests
+
+
+@pytest.mark.parametrize(
+    ("family", "property_test"),
+    [
+        ("test_codec", "test_arbitrary_bytes_only_raise_codec_error"),
+        ("test_consensus_wire", "test_mutated_valid_messages_decode_or_raise_codec_error"),
+    ],
+)
+def test_the_fast_lane_runs_a_share_of_a_property_tests_examples_and_ci_all_of_them(
+    family: str, property_test: str
+) -> None:
+    """``examples_by_lane``: the test's ``[fast]`` run is unmarked and its ``[deep]`` run marked deep."""
+    module = importlib.import_module(f"tests.{family}")
+    (parametrize,) = [mark for mark in getattr(module, property_test).pytestmark if mark.name == "parametrize"]
+    fast, deep = parametrize.args[1]
+    assert fast == "fast" and deep.values == ("deep",) and [mark.name for mark in deep.marks] == ["deep"]

@@ -27,6 +27,8 @@ from mnesite.rlog.types import (
     unpack_ops,
 )
 
+from tests.conftest import examples_by_lane
+
 # Every property here is about what the codec accepts and means, none about its speed: no test has
 # hypothesis's 200 ms deadline per example, which a loaded machine (a suite beside others on two CPUs)
 # overran by descheduling the test, and failed the suite. pytest-timeout still bounds each test.
@@ -85,8 +87,7 @@ def test_empty_body_kinds_round_trip(kind: str, request_id: str) -> None:
     assert messages.decode(messages.encode(message)) == Message(kind, request_id, messages.Empty())
 
 
-@given(st.binary(max_size=512))
-@settings(max_examples=2000, deadline=None)
+@examples_by_lane(2000, st.binary(max_size=512))
 @example(b"\x94\xa2\x00\x80")  # a header string of invalid UTF-8 (msgspec raises UnicodeDecodeError)
 @example(b"\x94\x01\xa3get\xa1r\x81\xa5table\xa2\x00\x80")  # the same in a body's field
 def test_arbitrary_bytes_only_raise_codec_error(frame: bytes) -> None:
@@ -104,15 +105,13 @@ values = st.recursive(
 )
 
 
-@given(values)
-@settings(max_examples=1000, deadline=None)
+@examples_by_lane(1000, values)
 def test_arbitrary_msgpack_values_only_raise_codec_error(value) -> None:
     with contextlib.suppress(MessageError):
         messages.decode(msgpack.packb(value, use_bin_type=True))
 
 
-@given(st.sampled_from(sorted(messages.SCHEMAS)), values)
-@settings(max_examples=1000, deadline=None)
+@examples_by_lane(1000, st.sampled_from(sorted(messages.SCHEMAS)), values)
 def test_well_framed_bodies_of_wrong_shape_raise_codec_error(kind: str, body) -> None:
     frame = msgpack.packb([messages.PROTOCOL_VERSION, kind, "r1", body], use_bin_type=True)
     try:
@@ -267,8 +266,7 @@ def _reference_accepts(ops) -> bool:
     return True
 
 
-@settings(max_examples=400, deadline=None)
-@given(wire_ops())
+@examples_by_lane(400, wire_ops())
 def test_decode_ops_accepts_exactly_what_the_plain_rules_accept(ops) -> None:
     try:
         packed = msgpack.packb(ops, use_bin_type=True)
@@ -368,8 +366,7 @@ free_values = st.recursive(
 )
 
 
-@settings(max_examples=500, deadline=None)
-@given(free_values, st.integers(1, 6), st.integers(1, 40))
+@examples_by_lane(500, free_values, st.integers(1, 6), st.integers(1, 40))
 def test_free_value_accepts_exactly_what_the_plain_walk_accepts(value, depth_max, items_max) -> None:
     accepted = messages.free_value_refusal(value, depth_max, items_max) is None
     assert accepted == _free_value_reference(value, depth_max, items_max)
@@ -408,9 +405,13 @@ _column_values = st.one_of(
 )
 
 
+_column_cases = st.integers(1, 4).flatmap(
+    lambda width: st.tuples(st.just(width), st.lists(_column_values, max_size=24))
+)
+
+
 @pytest.mark.timeout(60)
-@settings(max_examples=500, deadline=None)
-@given(st.integers(1, 4).flatmap(lambda width: st.tuples(st.just(width), st.lists(_column_values, max_size=24))))
+@examples_by_lane(500, _column_cases)
 @example((1, [2**63]))
 @example((2, [1, "a", 2**63, "b", 3, "c"]))
 @example((2, [1, 1.5, 2, float("nan")]))
@@ -510,8 +511,7 @@ def one_run_entries(draw):
     return ops
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.one_of(one_table_entries(), one_run_entries(), wire_ops()))
+@examples_by_lane(400, st.one_of(one_table_entries(), one_run_entries(), wire_ops()))
 def test_decoding_runs_accepts_and_means_exactly_what_decoding_ops_does(ops) -> None:
     # A replicant decodes with ``runs``: a bulk write's one WriteRows stays one. The same checks must
     # refuse the same entries with the same reason, and what it keeps must be the same writes.

@@ -21,6 +21,8 @@ from mnesite.core.consensus_wire import CONSENSUS_WIRE_VERSION, message_from_wir
 from mnesite.rlog.messages import MessageError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, DeleteOp, TxKey, WriteOp, make_entry
 
+from tests.conftest import examples_by_lane
+
 FIRST = make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (WriteOp("t", {"k": 1, "v": b"x"}),), "w1")
 SECOND = make_entry(
     "s", TxKey(1, 2), FIRST.tx_key, FIRST.digest, (DeleteOp("t", 1), CreateTableOp("u", "s", "k", (("k", "int"),)))
@@ -91,16 +93,14 @@ _values = st.recursive(
 
 
 @pytest.mark.timeout(60)
-@settings(max_examples=400, deadline=None)
-@given(_values)
+@examples_by_lane(400, _values)
 def test_arbitrary_values_only_raise_codec_error(value):
     with contextlib.suppress(MessageError):
         message_from_wire(value)
 
 
 @pytest.mark.timeout(60)
-@settings(max_examples=400, deadline=None)
-@given(st.sampled_from(MESSAGES), st.data())
+@examples_by_lane(400, st.sampled_from(MESSAGES), st.data())
 def test_mutated_valid_messages_decode_or_raise_codec_error(message, data):
     wire = message_to_wire(message)
     position = data.draw(st.integers(0, len(wire) - 1))

@@ -738,12 +738,12 @@ def test_an_index_build_waits_while_the_disk_is_full_and_the_node_keeps_answerin
     committed (a write's and reads' clients timed out unanswered), and each failure put the probe
     off again (``DiskHealth.filled``): no probe ever ran. The build waits while full, like retention,
     and goes on once a probe frees the disk."""
-    limits = {"index_build_step_rows_max": 1}  # 200 steps of 10 ms: the build is under way when the disk fills
+    limits = {"index_build_step_rows_max": 1}  # 100 steps of 10 ms: the build is under way when the disk fills
     node = ThreadNode(tmp_path / "data", extra={"storage": {"disk_probe_interval_ms": 100}, "limits": limits})
     try:
         with node.client(timeout_ms=3000, retries=0) as client:
             client.create_table("t", "id", [("id", "INTEGER"), ("v", "TEXT")])
-            client.transact([{"op": "write", "table": "t", "row": {"id": i, "v": f"v{i}"}} for i in range(200)])
+            client.transact([{"op": "write", "table": "t", "row": {"id": i, "v": f"v{i}"}} for i in range(100)])
             client.create_index("t", ["v"])
             wait_until(lambda: "building" in client.list_tables()[0], 10, "the index entry to be applied")
             store = node.node.store
@@ -773,7 +773,7 @@ def test_an_index_build_waits_while_the_disk_is_full_and_the_node_keeps_answerin
             full["on"] = False  # space freed: a probe writes, the node resumes by itself
             wait_until(lambda: client.status()["disk"]["state"] == "ok", 10, "the probe to find space")
             wait_until(lambda: "building" not in client.list_tables()[0], 20, "the build to go on and finish")
-            assert client.get("t", 199) == {"id": 199, "v": "v199"} and client.get("t", 1000) is None
+            assert client.get("t", 99) == {"id": 99, "v": "v99"} and client.get("t", 1000) is None
     finally:
         node.stop()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from mnesite.rlog import metrics as metrics_module
 from mnesite.rlog.config import ConfigError, parse_config
 from mnesite.rlog.metrics import CONNECTION_TIMEOUT_S, NodeMetrics
 from prometheus_client.parser import text_string_to_metric_families
@@ -123,7 +124,10 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
 
 
 @pytest.fixture
-def metrics_node(tmp_path: Path):
+def metrics_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # The node hands its endpoint a fresh status once a second; ten times a second here, so that a
+    # test awaiting a refresh waits a tenth of the time.
+    monkeypatch.setattr(metrics_module, "REFRESH_INTERVAL_MS", 100)
     port = free_port()
     node = ThreadNode(tmp_path / "data", extra={"metrics": {"listen": f"127.0.0.1:{port}"}})
     try:
@@ -320,3 +324,18 @@ def test_the_metrics_endpoint_warns_only_off_loopback(host: str, warned: bool, c
         _, server = start_metrics(f"{host}:{free_port()}", "core1", "core", is_loopback)
         server.stop()
     assert any("readable by anyone" in record.getMessage() for record in caplog.records) is warned
+
+
+def test_the_metrics_endpoint_stops_at_once() -> None:
+    """Its thread looked for a stop only between half-second waits for a connection: every node's
+    stop (and every test's) waited up to 0.5 s for it."""
+    from mnesite.rlog.config import is_loopback
+    from mnesite.rlog.metrics import start_metrics
+
+    _, server = start_metrics(f"127.0.0.1:{free_port()}", "core1", "core", is_loopback)
+    # Nothing to await: the thread is in its wait for a connection within a few milliseconds of its
+    # start (a scrape's answer is read before the thread is done with it, and a stop then is prompt).
+    time.sleep(0.05)
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 0.25

@@ -409,8 +409,9 @@ def test_the_budget_counts_sqlite_time_over_all_pages(tmp_path: Path) -> None:
     limits = q.QueryLimits(ms_max=300, page_rows_max=1000)
     runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
     try:
-        # Each row costs SQLite work; the client takes its time between pages, which is not counted.
-        slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n % 20000 = 0"
+        # Each row costs SQLite work (200,000 rows: about 20 ms on a quiet machine, so about 15 pages);
+        # the client takes its time between pages, which is not counted.
+        slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n % 200000 = 0"
         started = time.monotonic()
         finished = _start(runner, slow, page_rows=1)
         pages = 1
@@ -501,8 +502,8 @@ def test_a_cursor_is_idle_from_when_its_page_was_done_not_from_when_it_was_asked
     runner = q.QueryRunner(store.path, q.QueryLimits(ms_max=10_000, idle_ms_max=idle_ms), q_clock)
     try:
         # Its first row is 5,000,000 rows in: about 0.5 s here, and far above idle_ms on any machine
-        # (1,000,000 took 98 ms on a quiet one, below the 100 ms the test needs).
-        slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n % 5000000 = 0"
+        # (1,000,000 took 98 ms on a quiet one, below the 100 ms the test needs); its second is the next.
+        slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n >= 5e6 LIMIT 2"
         asked = q_clock()
         finished = _start(runner, slow, page_rows=1)
         assert finished.error is None and finished.result["cursor"], finished
@@ -510,7 +511,7 @@ def test_a_cursor_is_idle_from_when_its_page_was_done_not_from_when_it_was_asked
         runner.expire(q_clock())  # the driver's next turn, as the page is answered
         runner.next_page("client", finished.result["cursor"], 1)  # raised CursorUnknown
         finished = _finished(runner)
-        assert finished.error is None and finished.result["rows"] == [[10_000_000]]
+        assert finished.error is None and finished.result["rows"] == [[5_000_001]]
     finally:
         runner.stop()
 
@@ -682,7 +683,7 @@ def test_a_query_that_must_see_a_key_is_held_at_the_node_less_than_its_own_timeo
     up on a node that was alive and about to answer, said "did not answer" and re-sent it; one given
     more (the 30 s default) had the node answer ``timeout`` long before the caller stopped waiting."""
     far = TxKey(1, 10**9)  # never applied here: the node answers ``timeout`` naming it
-    with node.client(timeout_ms=3000, retries=1) as client:
+    with node.client(timeout_ms=1500, retries=1) as client:
         started = time.monotonic()
         with pytest.raises(RemoteError) as refused:
             client.query("SELECT count(*) FROM users", after_tx_key=far, timeout_ms=600)
@@ -690,9 +691,10 @@ def test_a_query_that_must_see_a_key_is_held_at_the_node_less_than_its_own_timeo
         assert time.monotonic() - started < 1.0  # one attempt, answered inside it
         started = time.monotonic()
         with pytest.raises(RemoteError) as refused:
-            client.query("SELECT count(*) FROM users", after_tx_key=far, timeout_ms=4000)
+            client.query("SELECT count(*) FROM users", after_tx_key=far, timeout_ms=2200)
         assert refused.value.code == "timeout"
-        assert time.monotonic() - started > 3.0  # held as long as this query allows, not the client's 3 s
+        # Held about 1.98 s, as long as this query allows; for the client's 1.5 s it would be held 1.35 s.
+        assert time.monotonic() - started > 1.5
 
 
 def test_a_node_internal_error_is_a_dbapi_internal_error(monkeypatch: pytest.MonkeyPatch) -> None:

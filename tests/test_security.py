@@ -481,7 +481,7 @@ class SecureNode:
             return client.status()["security"]
 
     def stop(self) -> None:
-        self.node.stopping.set()
+        self.node.request_stop("stopped by its owner")  # wakes its loop at once
         self.thread.join(timeout=10)
         if self.thread.is_alive():
             raise AssertionError("node thread did not stop within 10 s")

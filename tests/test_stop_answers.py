@@ -129,9 +129,15 @@ def test_requests_queued_in_the_socket_are_answered_stopping(tmp_path: Path) -> 
     ]
 
 
+# The first election waits the election timeout, and the sequencer keeps its role that long after it
+# last heard the followers: from the followers' stop to its own, a test has its minimum (the stops, a
+# request and the wait for it to be held take about 0.35 s on a loaded two-CPU machine).
+ELECTION_TIMEOUT_MS = (1500, 2000)
+
+
 class SequencerAlone:
     """Three cores in threads, then the followers stopped: the sequencer's writes cannot commit, and
-    it keeps its role until its election timeout (4-5 s). ``stop(name)`` stops one core."""
+    it keeps its role until its election timeout (``ELECTION_TIMEOUT_MS``). ``stop(name)`` stops one core."""
 
     names = ("core1", "core2", "core3")
 
@@ -141,8 +147,8 @@ class SequencerAlone:
         timing = {
             "core_nodes": self.cores,
             "recovery_timeout_ms": 50,
-            "election_timeout_ms_min": 4000,
-            "election_timeout_ms_max": 5000,
+            "election_timeout_ms_min": ELECTION_TIMEOUT_MS[0],
+            "election_timeout_ms_max": ELECTION_TIMEOUT_MS[1],
             "heartbeat_interval_ms": 100,
         }
         self.nodes: dict[str, CoreNode] = {}
@@ -169,7 +175,7 @@ class SequencerAlone:
         return self
 
     def stop(self, name: str) -> None:
-        self.nodes[name].stopping.set()
+        self.nodes[name].request_stop("stopped by its owner")
         self.threads[name].join(timeout=10)
         assert not self.threads[name].is_alive()
 
@@ -357,3 +363,21 @@ def test_a_write_told_outcome_unknown_then_stopping_names_both_answers_in_order(
     text = str(error)
     assert node.requests == [error.request_id, error.request_id]
     assert f"node {node.endpoint}: {SHUTDOWN_ANSWER}; then node {node.endpoint}: {stopping}" in text, text
+
+
+def test_a_stop_requested_from_another_thread_wakes_the_loop_at_once(tmp_path: Path) -> None:
+    """``request_stop`` only set the stop flag: a loop waiting in its poll saw it at the poll's timeout
+    (up to ``POLL_INTERVAL_MS_MAX``, 50 ms), and each node a test served from a thread took that long
+    to stop. The request now also makes a file the poll waits on readable."""
+    import select
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        woken = lambda: select.select([node.queries.wakeup_fd], [], [], 0)[0] != []  # noqa: E731
+        assert not woken()
+        node.request_stop("the test ended")
+        assert woken()
+    finally:
+        node.queries.stop()
+        node.store.close()
+        node.data_dir_lock.release()

@@ -342,13 +342,29 @@ def test_a_release_0_1_0_core_is_not_added_to_a_shard_at_cluster_version_2(threa
         assert client.members()["shards"]["default"]["members"] == ["core1"]
 
 
-def test_a_learner_the_probes_find_on_release_0_1_0_ends_its_change_at_once(thread_node) -> None:
+@pytest.fixture
+def probing_often(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A node whose versions turn comes every 100 ms, not every 2 s (it checks its learner then)."""
+    from mnesite.core import node as node_module
+
+    from tests.conftest import ThreadNode
+
+    monkeypatch.setattr(node_module, "VERSIONS_PROBE_INTERVAL_MS", 100)
+    node = ThreadNode(tmp_path / "data")
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def test_a_learner_the_probes_find_on_release_0_1_0_ends_its_change_at_once(probing_often) -> None:
     import concurrent.futures
 
     from mnesite.rlog.client import MnesiteError
 
     from tests.conftest import wait_until
 
+    thread_node = probing_often
     with thread_node.client() as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
         client.create_table("t", "id", [("id", "INTEGER")])
         wait_until(lambda: client.status()["cluster_version"] == 2, 10, "the shard to move to cluster version 2")
