@@ -1418,11 +1418,15 @@ class ShardConsensus:
     def _heeds_outsider(self, sender: str, message: PeerMessage) -> bool:
         """Replication needs no membership: a learner (or a core whose membership entry has not
         reached us yet) follows a sequencer outside the set it knows, and the sequencer hears its
-        learner. Votes come from members only. After a forced start, outsiders are the cores it
-        left out and are told so instead."""
+        learner. Nor do vote requests (thesis 4.2.3): a core whose log holds the entry that added it
+        may need the vote of a member that has not stored that entry yet, and the log check keeps
+        the answer safe; a removed core cannot disrupt, as a core hearing a sequencer refuses it (the
+        pre-vote and stickiness guards). Replies count only from members. After a forced start,
+        outsiders are the cores it left out (their logs may hold entries the forced log lost, so the
+        log check would not stop them) and are told so instead."""
         if isinstance(message, AppendReply):
             return sender in self._progress
-        return isinstance(message, AppendRequest) and not self._forced
+        return isinstance(message, (AppendRequest, VoteRequest, PreVoteRequest)) and not self._forced
 
     def _reply_append(self, sender: str, message: AppendRequest, success: bool, match_key: TxKey) -> None:
         reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key, message.sent_ms)
