@@ -45,8 +45,9 @@ and executes the effects it returns.
   says where it stands (last and committed keys); the sequencer resumes there, and ignores an
   answer whose committed key its own log does not hold. An answer to the sequencer's probe that
   acknowledges less than the probe carried is such a refusal (``_refused_probe``): until the next
-  heartbeat, which probes again (the follower may have been upgraded since), that follower is sent
-  no entries, so that a stuck follower costs one resend a heartbeat interval, not one a round trip.
+  heartbeat, which probes again (the follower may have been upgraded since) with the refused entry
+  alone, that follower is sent no entries, so that a stuck follower costs one entry resent a
+  heartbeat interval, not an append a round trip.
 * Batches. The proposals of one driver turn are appended one entry each, but sent only at
   ``BatchEnded``: every caught-up follower then gets them in one append (cut by
   ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
@@ -1851,9 +1852,10 @@ class ShardConsensus:
             raise ConsensusInvariantError(f"sequencer has no entry at {prev_key} to send to {peer}")
         entries: list[Entry] = []
         if prev_key < self._last_key:
-            entries = _bounded_in_bytes(
-                self._log.entries_after(prev_key, self.config.entries_per_append_max), self.config.append_bytes_max
-            )
+            # A follower that refused the entry after its match key is probed with that entry alone:
+            # it would decode and drop the rest of a full append at every heartbeat while it is stuck.
+            limit = 1 if progress.refused else self.config.entries_per_append_max
+            entries = _bounded_in_bytes(self._log.entries_after(prev_key, limit), self.config.append_bytes_max)
         if entries or heartbeat:
             self._send(peer, progress, prev_key, prev_digest, entries)
 
