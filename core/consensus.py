@@ -45,8 +45,9 @@ and executes the effects it returns.
   says where it stands (last and committed keys); the sequencer resumes there, and ignores an
   answer whose committed key its own log does not hold. An answer to the sequencer's probe that
   acknowledges less than the probe carried is such a refusal (``_refused_probe``): until the next
-  heartbeat, which probes again (the follower may have been upgraded since), that follower is sent
-  no entries, so that a stuck follower costs one resend a heartbeat interval, not one a round trip.
+  heartbeat, which probes again (the follower may have been upgraded since) with the refused entry
+  alone, that follower is sent no entries, so that a stuck follower costs one entry resent a
+  heartbeat interval, not an append a round trip.
 * Batches. The proposals of one driver turn are appended one entry each, but sent only at
   ``BatchEnded``: every caught-up follower then gets them in one append (cut by
   ``entries_per_append_max`` and ``append_bytes_max``), with up to ``appends_in_flight_max`` appends
@@ -1418,11 +1419,15 @@ class ShardConsensus:
     def _heeds_outsider(self, sender: str, message: PeerMessage) -> bool:
         """Replication needs no membership: a learner (or a core whose membership entry has not
         reached us yet) follows a sequencer outside the set it knows, and the sequencer hears its
-        learner. Votes come from members only. After a forced start, outsiders are the cores it
-        left out and are told so instead."""
+        learner. Nor do vote requests (thesis 4.2.3): a core whose log holds the entry that added it
+        may need the vote of a member that has not stored that entry yet, and the log check keeps
+        the answer safe; a removed core cannot disrupt, as a core hearing a sequencer refuses it (the
+        pre-vote and stickiness guards). Replies count only from members. After a forced start,
+        outsiders are the cores it left out (their logs may hold entries the forced log lost, so the
+        log check would not stop them) and are told so instead."""
         if isinstance(message, AppendReply):
             return sender in self._progress
-        return isinstance(message, AppendRequest) and not self._forced
+        return isinstance(message, (AppendRequest, VoteRequest, PreVoteRequest)) and not self._forced
 
     def _reply_append(self, sender: str, message: AppendRequest, success: bool, match_key: TxKey) -> None:
         reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key, message.sent_ms)
@@ -1847,9 +1852,10 @@ class ShardConsensus:
             raise ConsensusInvariantError(f"sequencer has no entry at {prev_key} to send to {peer}")
         entries: list[Entry] = []
         if prev_key < self._last_key:
-            entries = _bounded_in_bytes(
-                self._log.entries_after(prev_key, self.config.entries_per_append_max), self.config.append_bytes_max
-            )
+            # A follower that refused the entry after its match key is probed with that entry alone:
+            # it would decode and drop the rest of a full append at every heartbeat while it is stuck.
+            limit = 1 if progress.refused else self.config.entries_per_append_max
+            entries = _bounded_in_bytes(self._log.entries_after(prev_key, limit), self.config.append_bytes_max)
         if entries or heartbeat:
             self._send(peer, progress, prev_key, prev_digest, entries)
 

@@ -27,7 +27,10 @@ snapshot path if its log is behind the retained entries) without counting it in 
 when it holds the sequencer's committed key is the add entry appended. So a slow new core never
 stalls commits. A core outside the membership that hears no sequencer for an election timeout
 follows none (``ShardConsensus.follows_sequencer``), as a voter does from its pre-vote on: its
-replicants move away from its stale log. A core removed stops voting when it persists the entry;
+replicants move away from its stale log. A core answers the (pre-)vote requests of cores outside its
+membership by the same rules as its members' (thesis 4.2.3): a core just added may need the vote of
+a member that has not stored the entry adding it, the log check keeps that safe, and a core that
+hears the sequencer refuses, so a removed core cannot disrupt. A core removed stops voting when it persists the entry;
 a sequencer that removed itself keeps serving without counting itself until the entry commits,
 then steps down.
 

@@ -334,10 +334,31 @@ def test_a_sequencer_that_sees_a_higher_generation_steps_down_and_fails_its_pend
     assert failed.request_id == "w1" and "generation 7" in failed.reason
 
 
-def test_messages_from_non_members_are_ignored():
+def test_replies_from_non_members_are_ignored():
     harness = Harness()
-    effects = harness.receive("zombie", VoteRequest(9, TxKey(9, 9)))
-    assert of_type(effects, ProtocolViolation) and harness.machine.generation == 0
+    harness.campaign()
+    for reply in (VoteReply(9, True), PreVoteReply(9, False)):
+        effects = harness.receive("zombie", reply)
+        assert of_type(effects, ProtocolViolation) and harness.machine.generation == 1
+    assert harness.machine.role is Role.CANDIDATE
+
+
+def test_vote_requests_from_non_members_are_answered_by_the_log_and_stickiness_rules():
+    """Thesis 4.2.3: a core added by an entry this core has not stored yet may need its vote. The
+    log check keeps it safe, the stickiness and pre-vote guards keep a removed core from disrupting."""
+    entries = chain([TxKey(1, 1), TxKey(1, 2)])
+    harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS))
+    harness.receive("b", append(1, entries[-1], []), now_ms=10)
+    refused = harness.receive("d", PreVoteRequest(2, TxKey(1, 3)))
+    assert sends(refused, PreVoteReply) == [("d", PreVoteReply(1, False))]  # b is heard
+    refused = harness.receive("d", VoteRequest(2, TxKey(1, 3)))
+    assert sends(refused, VoteReply) == [("d", VoteReply(1, False))] and harness.machine.sequencer == "b"
+    harness.step(Ticked(), 10 + CONFIG.election_timeout_ms_min)
+    behind = harness.receive("d", PreVoteRequest(2, TxKey(1, 1)))
+    assert sends(behind, PreVoteReply) == [("d", PreVoteReply(1, False))]
+    assert sends(harness.receive("d", PreVoteRequest(2, TxKey(1, 3))), PreVoteReply) == [("d", PreVoteReply(2, True))]
+    granted = harness.receive("d", VoteRequest(2, TxKey(1, 3)))
+    assert sends(granted, VoteReply) == [("d", VoteReply(2, True))] and harness.state.voted_for == "d"
 
 
 # ---------------------------------------------------------------- replication at the sequencer

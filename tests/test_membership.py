@@ -424,6 +424,69 @@ def test_the_simulator_catches_counting_the_old_membership_quorum(monkeypatch):
         _add_cut_off_from_the_old_majority(seed=5)
 
 
+def _add_committed_without_the_old_member(seed: int) -> tuple[MembershipSimulation, str, str, str]:
+    """2 cores and a spare, no faults: the sequencer S is asked to add the spare D; once S appended
+    the entry it is cut off from the other member C, commits the add with D (2 of {S, C, D}), and
+    is lost for good. C never stored the entry: its membership is still {S, C}. Then D must be
+    elected within 10 election timeouts. Returns the simulation, S, C and D."""
+    simulation = MembershipSimulation(seed, 2, faulty_ms=0, change_probability=0.0)
+    simulation._heal()
+    sequencer = simulation.run_until_quiet()
+    s, d = sequencer.name, "spare0"
+    (c,) = [name for name in simulation.nodes if name.startswith("core") and name != s]
+    for _ in range(3):
+        simulation.write(s)
+    simulation.run_until_quiet()
+    simulation.change(s, d, add=True)
+    while d not in sequencer.machine.members:
+        simulation.advance()
+    # Its appends of the entry to C are in flight: the cut drops them when they arrive.
+    simulation.cut = {(s, c), (c, s)}
+    entry_key = sequencer.machine.last_key
+    while sequencer.machine.committed_key < entry_key:
+        simulation.advance()
+    assert d in simulation.nodes[d].machine.members and d not in simulation.nodes[c].machine.members
+    simulation.lose_for_good([s])
+    deadline_ms = simulation.now_ms + 10 * simulation.config.election_timeout_ms_max
+    while simulation.nodes[d].machine.role is not Role.SEQUENCER:
+        if simulation.now_ms >= deadline_ms:
+            raise simulation.fail(f"no sequencer elected among {c} and {d} by t={deadline_ms}")
+        simulation.advance()
+    return simulation, s, c, d
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", simulation_seeds(CI_SEEDS, "MNESITE_SIM_SEEDS", FAST_SEEDS))
+def test_a_member_votes_for_a_core_added_by_an_entry_it_has_not_stored(seed):
+    """C does not know D is a member, but D's log holds the committed entry that made it one: C must
+    answer D's pre-vote and vote (thesis 4.2.3), or neither is ever elected (D needs C's vote, and
+    C's own campaign asks only S). Then the operator removes S and nothing acknowledged is lost."""
+    simulation, s, c, d = _add_committed_without_the_old_member(seed)
+    new = simulation.nodes[d].machine
+    while new.committed_key.generation < new.generation:  # its no-op first (``REJECT_NOT_SETTLED``)
+        simulation.advance()
+    simulation.change(d, s, add=False)
+    sequencer = simulation.run_until_quiet()
+    assert sequencer.machine.members == (c, d) == simulation.nodes[c].machine.members
+    assert simulation.changes_committed == 2 and len(simulation.acknowledged) == 3
+    simulation.final_check(sequencer)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_member_that_drops_vote_requests_from_cores_it_does_not_know(monkeypatch):
+    """Mutation: the old rule (only appends heeded from outside the membership) leaves C and D
+    unable to elect anyone after the sequencer that added D died."""
+
+    def old_rule(self, sender, message):
+        if isinstance(message, AppendReply):
+            return sender in self._progress
+        return isinstance(message, AppendRequest) and not self._forced
+
+    monkeypatch.setattr(ShardConsensus, "_heeds_outsider", old_rule)
+    with pytest.raises(SimulationFailure, match="seed 1 .*no sequencer elected among core0 and spare0"):
+        _add_committed_without_the_old_member(seed=1)
+
+
 def test_a_committed_membership_change_after_a_forced_start_ends_exclusion_notices():
     harness = TurnHarness()
     effects = harness.step(ForceStartRequested(()), 10)

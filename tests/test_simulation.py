@@ -848,6 +848,30 @@ def test_a_stuck_member_is_resent_the_entry_it_refused_at_most_once_a_heartbeat_
         assert node.applied_key == sequencer.applied_key and node.cluster_version == sequencer.cluster_version, seed
 
 
+@pytest.mark.timeout(60)
+def test_a_stuck_member_is_probed_with_the_one_entry_it_refused():
+    """Regression: each heartbeat's probe of a member stuck at a cluster version entry it refused
+    carried a whole append from its match key (up to ``entries_per_append_max`` entries and
+    ``append_bytes_max`` bytes: 64 entries, 512 KiB every 100 ms by default), all decoded and dropped
+    there, for as long as it stayed stuck. A refused member is now probed with the one entry after its
+    match key, which is all it can tell about: it takes it once upgraded, and catches up from there."""
+    for seed in (0, 5, 6, 7):  # seeds whose appends carry more than one entry
+        sim, stuck = stuck_member_under_writes(seed)
+        assert sim.config.entries_per_append_max > 1
+        sent = sim.refused_sent_ms
+        settled = [
+            count
+            for sent_ms, count in zip(sent, sim.refused_sent_entries, strict=True)
+            if sent_ms >= sent[0] + REFUSAL_HEARD_MS
+        ]
+        assert len(settled) >= STUCK_RUN_MS // sim.config.heartbeat_interval_ms // 2, (seed, sent)
+        assert set(settled) == {1}, (seed, settled)
+        sim.rolled_back = None
+        sim._crash(sim.nodes[stuck])
+        sequencer = sim.run_until_quiet()
+        assert sim.nodes[stuck].applied_key == sequencer.applied_key, seed
+
+
 def _serving_a_stuck_consensus(install_reason, rows_lost, stuck_reason, applied):
     """Mutation of the serving rule: a core whose consensus cannot follow the log serves anyway."""
     return _NOT_SERVING_REASON(install_reason, rows_lost, None, applied)

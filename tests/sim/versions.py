@@ -217,8 +217,10 @@ class StuckMemberSimulation(Simulation):
     def __init__(self, seed: int, core_count: int) -> None:
         self.rolled_back: str | None = None
         self.offers_refused = 0
-        # When an append carrying a cluster version entry was sent to the rolled-back member.
+        # When an append carrying a cluster version entry was sent to the rolled-back member, and
+        # how many entries it carried.
         self.refused_sent_ms: list[int] = []
+        self.refused_sent_entries: list[int] = []
         super().__init__(seed, core_count)
         self._heal()
 
@@ -265,6 +267,7 @@ class StuckMemberSimulation(Simulation):
             and any(cluster_version_of(entry) is not None for entry in message.entries)
         ):
             self.refused_sent_ms.append(self.now_ms)
+            self.refused_sent_entries.append(len(message.entries))
         super()._send(sender, to, message)
 
     def _offer_unspoken(self, follower: SimNode, sequencer: SimNode, refused: str) -> None:
