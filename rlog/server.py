@@ -31,7 +31,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
@@ -979,15 +979,19 @@ class NodeServer:
         limits = self.config.limits
         frames = list(self._backlog)
         self._backlog.clear()
-        for _ in range(limits.group_commit_max):
-            try:
-                received = self.receive()
-            except zmq.Again:
-                break
-            if received is not None:
-                frames.append(received)
-        # Stable: urgent frames first, each group in arrival order.
-        frames.sort(key=lambda triple: not self.urgent(triple[1], triple[2]))
+        try:  # no cost unless it raises (Python 3.11's exception tables)
+            for _ in range(limits.group_commit_max):
+                try:
+                    received = self.receive()
+                except zmq.Again:
+                    break
+                if received is not None:
+                    frames.append(received)
+            # Stable: urgent frames first, each group in arrival order.
+            frames.sort(key=lambda triple: not self.urgent(triple[1], triple[2]))
+        except BaseException:  # a zmq error while the socket closes: what was read is not dropped
+            self._return_to_backlog(frames)
+            raise
         started_ms = clock_ms()
         handled_bytes = 0
         backlog_bytes = 0
@@ -995,7 +999,12 @@ class NodeServer:
         unreached = self._turn_unreached = iter(frames)
         for triple in unreached:
             frame = triple[1]
-            is_urgent = self.urgent(frame, triple[2])
+            try:
+                is_urgent = self.urgent(frame, triple[2])
+            except BaseException:
+                self._turn_unreached = None
+                self._return_to_backlog([triple, *unreached])
+                raise
             over_budget = handled_bytes >= limits.turn_bytes_max or clock_ms() - started_ms >= limits.turn_ms_max
             if is_urgent or not over_budget:
                 handled_bytes += len(frame)
@@ -1007,7 +1016,26 @@ class NodeServer:
                 self._backlog.append(triple)
                 backlog_bytes += len(frame)
             else:
-                self.reply(triple[0], messages.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
+                self._refuse_busy(triple[0], frame)
+
+    def _refuse_busy(self, envelope: list[bytes], frame: bytes) -> None:
+        """Answer ``overloaded`` a frame the backlog has no room for (``receive_frames``)."""
+        self.reply(envelope, messages.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
+
+    def _return_to_backlog(self, triples: Iterable[tuple[list[bytes], bytes, str]]) -> None:
+        """Frames read but not handled, put back in the backlog within its bound (``receive_frames``);
+        one beyond it is answered ``overloaded``. Only on the way out of a failed turn: nothing per frame."""
+        limits = self.config.limits
+        count_max = BACKLOG_FACTOR * limits.group_commit_max
+        bytes_max = BACKLOG_FACTOR * limits.turn_bytes_max
+        backlog_bytes = sum(len(frame) for _envelope, frame, _principal in self._backlog)
+        for triple in triples:
+            frame = triple[1]
+            if len(self._backlog) < count_max and backlog_bytes + len(frame) <= bytes_max:
+                self._backlog.append(triple)
+                backlog_bytes += len(frame)
+            else:
+                self._refuse_busy(triple[0], frame)
 
     def has_backlog(self) -> bool:
         return bool(self._backlog)
@@ -1047,16 +1075,16 @@ class NodeServer:
     def frames_cut(self, envelope: list[bytes] | None, frame: bytes) -> None:
         """The handling of ``frame`` (from ``receive_frames``) raised: a disk fault, or a bug. Without
         this, that frame and those the turn had read but not reached yet were dropped with the turn,
-        and each client waited out its timeout. The unreached frames go back to the backlog (at most
-        one turn's frames beyond its bound, once): a turn the disk filled handles them next, a stop
-        answers them ``stopping``. ``frame`` is answered by ``turn`` or ``answer_at_stop``
-        (``cut_answer``) unless its handling answered or held it already. Called by a driver's loop
-        only on the way out of a failed turn: nothing per frame."""
+        and each client waited out its timeout. The unreached frames go back to the backlog, within its
+        bound (``_return_to_backlog``: one beyond it is answered ``overloaded``): a turn the disk
+        filled handles them next, a stop answers them ``stopping``. ``frame`` is answered by ``turn``
+        or ``answer_at_stop`` (``cut_answer``) unless its handling answered or held it already.
+        Called by a driver's loop only on the way out of a failed turn: nothing per frame."""
         if envelope is not None:
             self._cut = (envelope, frame)
         if self._turn_unreached is not None:
-            self._backlog.extend(self._turn_unreached)
-            self._turn_unreached = None
+            unreached, self._turn_unreached = self._turn_unreached, None
+            self._return_to_backlog(unreached)
 
     def _cut_answer(self, reason: str, stopping: bool) -> tuple[list[bytes], Message] | None:
         """The answer owed to the frame a failed turn cut short (``frames_cut``), once; None if it is
