@@ -25,6 +25,7 @@ from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
 from mnesite.rlog.security import (
     SecurityError,
+    client_keys,
     configure_client,
     configure_server,
     generate_keys,
@@ -369,12 +370,24 @@ def test_a_secret_key_behind_a_symbolic_link_is_refused(keys: Path) -> None:
 
 def test_a_symbolic_link_in_authorized_keys_is_refused(keys: Path) -> None:
     # The link's target is outside the checked directory: whoever can repoint or rewrite it there
-    # would add a principal. A public server key may still be a link (it grants nobody anything).
+    # would add a principal.
     link = keys.parent / "authorized" / "stranger.key"
     link.symlink_to(keys / "stranger.key")
     with pytest.raises(SecurityError, match=rf"authorized_keys: {link} is a symbolic link"):
         load_authorized_keys(str(link.parent))
-    assert load_key(str(link), "server_key", secret=False).public
+
+
+def test_a_public_key_behind_a_symbolic_link_is_refused(keys: Path) -> None:
+    """Regression: a public key file (the cluster's key a client pins, ``--server-key``) was read through
+    a symbolic link; the file it pointed to was checked, but not the link, so whoever could write the
+    link's directory could repoint it at another file that passes (any key file this user owns, such
+    as another cluster's). It is refused as a secret key and an ``authorized_keys`` file are."""
+    link = keys / "link.key"
+    link.symlink_to(keys / "app.key")
+    with pytest.raises(SecurityError, match=rf"server_key: {link} is a symbolic link; give the key file itself"):
+        load_key(str(link), "server_key", secret=False)
+    with pytest.raises(SecurityError, match="is a symbolic link"):
+        client_keys(keys / "app.key_secret", link)
 
 
 def test_the_secret_key_checked_is_the_file_that_was_read(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
