@@ -509,6 +509,42 @@ def secure_node(tmp_path: Path, keys: Path):
         node.stop()
 
 
+def test_a_flood_of_client_connections_leaves_room_for_a_replicants_and_a_cores_requests(
+    tmp_path: Path, keys: Path
+) -> None:
+    """Regression: a core counted its peers' connections (a core forwarding its clients' writes, a
+    replicant forwarding its own) against ``connections_waiting_max`` as client connections, so a
+    flood of clients with requests waiting had the peers' requests refused ``overloaded``. With
+    [security], a principal with the ``core`` or ``replicant`` role has ``PEER_CONNECTIONS_RESERVED``
+    more places; a writer is refused at the bound as before, forwarded mark or not."""
+    from tests.conftest import create_table_t
+    from tests.test_untrusted_input import _write_frame, answers_of_turns
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config_path = tmp_path / "core1.toml"
+    config_path.write_text(
+        f'[node]\nname = "core1"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
+        f'[cluster]\ncore_nodes = {{ core1 = "{endpoint}" }}\n[limits]\nconnections_waiting_max = 2\n'
+        '[storage]\nsynchronous = "NORMAL"\n' + security_toml(keys, ROLES)
+    )
+    node = CoreNode(load_config(str(config_path)))
+    node.bind()
+    try:
+        create_table_t(node)
+        while node.store.catalog().get("t") is None:
+            node.run_turn()
+        node.hold([b"a"], "r1")
+        node.hold([b"b"], "r1")
+        node._backlog.append(([b"replicant1"], _write_frame("replicant-1", 1), "replicant1"))
+        node._backlog.append(([b"core2"], _write_frame("core-1", 2, forwarded=True), "core2"))
+        node._backlog.append(([b"app"], _write_frame("app-1", 3, forwarded=True), "app"))
+        answers = answers_of_turns(node, {b"replicant1", b"core2", b"app"})
+    finally:
+        node.close()
+    assert answers[b"app"].kind == "error" and answers[b"app"].body.code == "overloaded", answers
+    assert answers[b"replicant1"].kind == "reply" and answers[b"core2"].kind == "reply", answers
+
+
 def raw_request(node: SecureNode, principal: str, frame: Message | bytes) -> Message:
     """Send one hand-made frame with ``principal``'s key; return the node's answer."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
