@@ -141,7 +141,8 @@ class Limits:
     # Requests waiting for a later answer (a commit, the sequencer, a read fence) per client connection.
     requests_outstanding_max: int = 1000
     # Connections with such requests, per node: past it a new connection's request that would wait is
-    # refused ``overloaded`` (NodeServer.hold). A connection's entry goes once nothing of it waits.
+    # refused ``overloaded`` (NodeServer.hold); a peer's (a core or replicant forwarding for its clients)
+    # has PEER_CONNECTIONS_RESERVED more places. A connection's entry goes once nothing of it waits.
     connections_waiting_max: int = 10_000
     # Frames zmq queues: incoming ones in all, answers per connection (a client that does not read).
     requests_queued_max: int = 10_000

@@ -137,6 +137,22 @@ class RoleTable:
         return f"{principal} ({held}) may not send {kind}; it needs one of: {needed}"
 
 
+# The roles of the nodes that forward their clients' requests: their connections are not clients'.
+PEER_ROLES = frozenset({"core", "replicant"})
+
+
+def peer_connection(secured: bool, roles: frozenset[str], forwarded: bool) -> bool:
+    """Whether a request comes over a peer's connection (a core or replicant forwarding for its
+    clients), which ``connections_waiting_max`` does not stop (``NodeServer.hold``): with [security],
+    its principal has the ``core`` or ``replicant`` role; without, another core marked it forwarded.
+    A replicant forwards its client's request unmarked (a core forwards it on), so without [security]
+    it cannot be told from a client's; nor can a client that marks its own, which only gets it into
+    the bounded room kept for peers."""
+    if secured:
+        return not PEER_ROLES.isdisjoint(roles)
+    return forwarded
+
+
 def sender_mismatch(principal: str, kind: str, body: object) -> str | None:
     """None if the body's sender field (if the kind has one) names ``principal``; else the reason."""
     field_name = SENDER_FIELDS.get(kind)

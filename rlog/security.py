@@ -143,11 +143,13 @@ def load_key(path: str, what: str, secret: bool) -> KeyPair:
     pins (the cluster's ``server_key``): whoever can write it could make the client trust their own
     server, so it is checked as an authorized key file is (``_check_others_cannot_write``).
 
-    The file is opened once (a secret key without following a symbolic link), and the checks
-    (``fstat``) and the parse are of that one descriptor: the file checked is the file whose key is
-    used, whatever is renamed over the path meanwhile.
+    The file is opened once, never through a symbolic link (``O_NOFOLLOW``, as an ``authorized_keys``
+    file: the file a link points to was checked, but not the link, which whoever can write its
+    directory could repoint at another file that passes), and the checks (``fstat``) and the parse
+    are of that one descriptor: the file checked is the file whose key is used, whatever is renamed
+    over the path meanwhile.
     """
-    text, status = _read_key_file(path, what, follow_link=not secret)
+    text, status = _read_key_file(path, what)
     public, secret_key = _parse_certificate(text, path, what)
     if secret and not secret_key:
         raise SecurityError(f"{what}: {path} has no secret key (give the {SECRET_SUFFIX} file)")
@@ -158,13 +160,11 @@ def load_key(path: str, what: str, secret: bool) -> KeyPair:
     return KeyPair(public, secret_key)
 
 
-def _read_key_file(
-    path: str, what: str, directory: int | None = None, follow_link: bool = False
-) -> tuple[bytes, os.stat_result]:
+def _read_key_file(path: str, what: str, directory: int | None = None) -> tuple[bytes, os.stat_result]:
     """The bytes of the key file ``path`` (a name in the open ``directory`` if given) and the status of
     the file they were read from. ``O_NONBLOCK``: a FIFO placed there must not hang the node."""
     name = path if directory is None else os.path.basename(path)
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_link else os.O_NOFOLLOW)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
         descriptor = os.open(name, flags, dir_fd=directory)
     except OSError as error:

@@ -27,11 +27,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import operator
 import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
@@ -61,7 +62,7 @@ from mnesite.rlog.query import (
     query_request,
     shards_of,
 )
-from mnesite.rlog.roles import WRITE_KINDS, sender_mismatch
+from mnesite.rlog.roles import WRITE_KINDS, peer_connection, sender_mismatch
 from mnesite.rlog.schema import SchemaError, TableSchema
 from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
 from mnesite.rlog.store import Store, quote, storage_fault
@@ -95,6 +96,10 @@ DISCARD_PARTS_PER_TURN = 10_000
 ROUTER_QUEUE_MAX = 10_000
 # Frames (and bytes, times turn_bytes_max) kept for later turns, as a multiple of group_commit_max.
 BACKLOG_FACTOR = 4
+# Connections of peers (``roles.peer_connection``: cores and replicants forwarding their clients'
+# requests) with requests waiting, past ``connections_waiting_max``: a flood of client connections must
+# not get a sequencer to refuse every forwarded write. Far above any cluster's cores and replicants.
+PEER_CONNECTIONS_RESERVED = 1024
 VIOLATION_LOG_INTERVAL_MS = 1000
 VIOLATION_SENDERS_MAX = 1000
 REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
@@ -328,6 +333,7 @@ class NodeServer:
         # The frames this turn read that its handling has not reached yet, and the frame whose handling
         # a failed turn cut short (``frames_cut``): answered, never dropped with the turn.
         self._turn_unreached: Iterator[tuple[list[bytes], bytes, str]] | None = None
+        self._turn_frames: list[tuple[list[bytes], bytes, str]] = []  # what it iterates (``_from_peer``)
         self._cut: tuple[list[bytes], bytes] | None = None
         self._discarding = False  # the socket's next parts are the rest of a refused message (see receive)
         self._poller: tuple[tuple[zmq.Socket | None, ...], zmq.Poller] | None = None  # rebuilt when the sockets change
@@ -886,7 +892,9 @@ class NodeServer:
 
     def hold(self, envelope: list[bytes] | None, request_id: str, changes: bool = True) -> None:
         """Count a request that will be answered later; refuse past ``requests_outstanding_max`` per
-        connection, and a connection with nothing waiting yet past ``connections_waiting_max`` per node.
+        connection, and a connection with nothing waiting yet past ``connections_waiting_max`` per node,
+        or a peer's (a core or replicant forwarding for its clients: ``_from_peer``) only past
+        ``PEER_CONNECTIONS_RESERVED`` more, so that a flood of clients does not refuse what peers forward.
 
         ``changes``: what a stop answers it (``answer_at_stop``). True (a write, or anything that may
         change the database once it was looked at): ``outcome_unknown``, never an answer that says it
@@ -898,7 +906,10 @@ class NodeServer:
         held = self.outstanding.get(envelope[0])
         if held is None:
             connections_max = self.config.limits.connections_waiting_max
-            if len(self.outstanding) >= connections_max:
+            waiting = len(self.outstanding)
+            if waiting >= connections_max and (
+                waiting >= connections_max + PEER_CONNECTIONS_RESERVED or not self._from_peer(envelope)
+            ):
                 self.connections_refused += 1
                 raise OverloadedError(
                     f"{len(self.outstanding)} connections have requests waiting for an answer here "
@@ -913,6 +924,26 @@ class NodeServer:
         held[request_id] = HeldRequest(envelope, changes)
         if self.metrics is not None and len(self._held_since_s) < HELD_TIMES_MAX:
             self._held_since_s[(envelope[0], request_id)] = time.monotonic()
+
+    def _from_peer(self, envelope: list[bytes]) -> bool:
+        """Whether the frame being handled (the one ``receive_frames`` yielded last) came over
+        ``envelope``'s connection from a peer (``roles.peer_connection``). Asked by ``hold`` only
+        at ``connections_waiting_max``: the frame is found by the turn's iterator's position, and
+        nothing is kept per frame."""
+        unreached, frames = self._turn_unreached, self._turn_frames
+        if unreached is None:
+            return False  # not within a turn's frames: a request held later is not a frame's
+        index = len(frames) - operator.length_hint(unreached) - 1
+        if not 0 <= index < len(frames) or frames[index][0] != envelope:
+            return False
+        _envelope, frame, principal = frames[index]
+        if self.security is not None:
+            return peer_connection(True, self.security.roles.roles_of(principal), False)
+        try:
+            message = messages.decode(frame, self.config.limits.frame_bytes_max)
+        except MessageError:
+            return False
+        return peer_connection(False, frozenset(), getattr(message.body, "forwarded", False) is True)
 
     def refuse_held_again(self, envelope: list[bytes], message: Message) -> None:
         """Refuse a read (a changefeed page, a query or its page, a read that waits for a key) whose
@@ -979,23 +1010,33 @@ class NodeServer:
         limits = self.config.limits
         frames = list(self._backlog)
         self._backlog.clear()
-        for _ in range(limits.group_commit_max):
-            try:
-                received = self.receive()
-            except zmq.Again:
-                break
-            if received is not None:
-                frames.append(received)
-        # Stable: urgent frames first, each group in arrival order.
-        frames.sort(key=lambda triple: not self.urgent(triple[1], triple[2]))
+        try:  # no cost unless it raises (Python 3.11's exception tables)
+            for _ in range(limits.group_commit_max):
+                try:
+                    received = self.receive()
+                except zmq.Again:
+                    break
+                if received is not None:
+                    frames.append(received)
+            # Stable: urgent frames first, each group in arrival order.
+            frames.sort(key=lambda triple: not self.urgent(triple[1], triple[2]))
+        except BaseException:  # a zmq error while the socket closes: what was read is not dropped
+            self._return_to_backlog(frames)
+            raise
         started_ms = clock_ms()
         handled_bytes = 0
         backlog_bytes = 0
         # What a failed turn has not reached (``frames_cut``): the iterator's rest, no work per frame.
+        self._turn_frames = frames
         unreached = self._turn_unreached = iter(frames)
         for triple in unreached:
             frame = triple[1]
-            is_urgent = self.urgent(frame, triple[2])
+            try:
+                is_urgent = self.urgent(frame, triple[2])
+            except BaseException:
+                self._turn_unreached = None
+                self._return_to_backlog([triple, *unreached])
+                raise
             over_budget = handled_bytes >= limits.turn_bytes_max or clock_ms() - started_ms >= limits.turn_ms_max
             if is_urgent or not over_budget:
                 handled_bytes += len(frame)
@@ -1007,7 +1048,28 @@ class NodeServer:
                 self._backlog.append(triple)
                 backlog_bytes += len(frame)
             else:
-                self.reply(triple[0], messages.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
+                self._refuse_busy(triple[0], frame)
+        self._turn_unreached = None  # the turn's frames are done with (``_from_peer``)
+        self._turn_frames = []
+
+    def _refuse_busy(self, envelope: list[bytes], frame: bytes) -> None:
+        """Answer ``overloaded`` a frame the backlog has no room for (``receive_frames``)."""
+        self.reply(envelope, messages.error(request_id_of(frame), "overloaded", f"{self.config.name} is busy"))
+
+    def _return_to_backlog(self, triples: Iterable[tuple[list[bytes], bytes, str]]) -> None:
+        """Frames read but not handled, put back in the backlog within its bound (``receive_frames``);
+        one beyond it is answered ``overloaded``. Only on the way out of a failed turn: nothing per frame."""
+        limits = self.config.limits
+        count_max = BACKLOG_FACTOR * limits.group_commit_max
+        bytes_max = BACKLOG_FACTOR * limits.turn_bytes_max
+        backlog_bytes = sum(len(frame) for _envelope, frame, _principal in self._backlog)
+        for triple in triples:
+            frame = triple[1]
+            if len(self._backlog) < count_max and backlog_bytes + len(frame) <= bytes_max:
+                self._backlog.append(triple)
+                backlog_bytes += len(frame)
+            else:
+                self._refuse_busy(triple[0], frame)
 
     def has_backlog(self) -> bool:
         return bool(self._backlog)
@@ -1047,16 +1109,17 @@ class NodeServer:
     def frames_cut(self, envelope: list[bytes] | None, frame: bytes) -> None:
         """The handling of ``frame`` (from ``receive_frames``) raised: a disk fault, or a bug. Without
         this, that frame and those the turn had read but not reached yet were dropped with the turn,
-        and each client waited out its timeout. The unreached frames go back to the backlog (at most
-        one turn's frames beyond its bound, once): a turn the disk filled handles them next, a stop
-        answers them ``stopping``. ``frame`` is answered by ``turn`` or ``answer_at_stop``
-        (``cut_answer``) unless its handling answered or held it already. Called by a driver's loop
-        only on the way out of a failed turn: nothing per frame."""
+        and each client waited out its timeout. The unreached frames go back to the backlog, within its
+        bound (``_return_to_backlog``: one beyond it is answered ``overloaded``): a turn the disk
+        filled handles them next, a stop answers them ``stopping``. ``frame`` is answered by ``turn``
+        or ``answer_at_stop`` (``cut_answer``) unless its handling answered or held it already.
+        Called by a driver's loop only on the way out of a failed turn: nothing per frame."""
         if envelope is not None:
             self._cut = (envelope, frame)
         if self._turn_unreached is not None:
-            self._backlog.extend(self._turn_unreached)
-            self._turn_unreached = None
+            unreached, self._turn_unreached = self._turn_unreached, None
+            self._turn_frames = []
+            self._return_to_backlog(unreached)
 
     def _cut_answer(self, reason: str, stopping: bool) -> tuple[list[bytes], Message] | None:
         """The answer owed to the frame a failed turn cut short (``frames_cut``), once; None if it is

@@ -942,3 +942,73 @@ def test_frames_read_in_a_turn_the_disk_filled_are_answered_not_dropped(tmp_path
         node.turn()  # the next turn handles the frames the failed one did not reach
         answers = {to[0]: m.kind for to, m in sent}
         assert answers == {b"g1": "error", b"g2": "reply", b"g3": "reply"}, answers
+
+
+def _receiving(node, frames: list, error: BaseException, monkeypatch) -> None:
+    """``node.receive()`` gives ``frames`` (request ids of ``get`` frames), then raises ``error``."""
+    waiting = [([request_id.encode()], _get(request_id, 1), "") for request_id in frames]
+
+    def receive():
+        if waiting:
+            return waiting.pop(0)
+        raise error
+
+    monkeypatch.setattr(node, "receive", receive)
+
+
+@pytest.mark.parametrize("failing", ["receive", "urgent_sorting", "urgent_handling"])
+def test_frames_read_by_a_turn_whose_reading_raised_are_answered_at_the_stop(
+    tmp_path: Path, monkeypatch, failing: str
+) -> None:
+    """Regression: a turn first takes its frames (the backlog's, then the socket's) and sorts them
+    urgent first. When ``receive`` or ``urgent`` raised there (a zmq error while the socket closes),
+    outside any frame's handling, the frames already taken were in neither the backlog nor a handling
+    that ``frames_cut`` answers: each client waited out its timeout. They go back to the backlog now,
+    and the stop answers each ``stopping``."""
+    import zmq
+
+    sent: list = []
+    with core_with_table(tmp_path / "data") as node:
+        node._backlog.append(([b"g1"], _get("g1", 1), ""))
+        error = zmq.ZMQError(errno.ENOTSOCK)
+        if failing == "receive":
+            _receiving(node, ["g2"], error, monkeypatch)
+        else:
+            _receiving(node, ["g2"], zmq.Again(), monkeypatch)
+
+            calls = []
+
+            def urgent(frame, principal):
+                calls.append(frame)
+                # The sort asks of both frames (calls 1 and 2); the handling asks again (call 3).
+                if len(calls) == (1 if failing == "urgent_sorting" else 3):
+                    raise error
+                return False
+
+            monkeypatch.setattr(node, "urgent", urgent)
+        with pytest.raises(zmq.ZMQError):
+            node.turn()
+        monkeypatch.setattr(node, "_send_queued", lambda socket, to, message: sent.append((to, message)))
+        node.answer_at_stop()
+    answers = {to[0]: (m.request_id, m.body.code) for to, m in sent}
+    assert answers == {b"g1": ("g1", "stopping"), b"g2": ("g2", "stopping")}, answers
+
+
+def test_frames_a_turn_the_disk_filled_gives_back_keep_the_backlogs_bound(tmp_path: Path, monkeypatch) -> None:
+    """Regression: the frames a turn the disk filled had not reached all went back to the backlog
+    (``frames_cut``), past its bound (``4 * group_commit_max`` frames) by up to one turn's frames.
+    The backlog keeps its bound now: a frame beyond it is answered ``overloaded``, as when a turn
+    leaves frames over."""
+    import zmq
+
+    with core_with_table(tmp_path / "data", {"limits": {"group_commit_max": 2}}) as node:
+        bound = 4 * node.config.limits.group_commit_max
+        _failing_on(node, "_dispatch", "g0", apsw.FullError("database or disk is full"), monkeypatch)
+        for index in range(bound):
+            node._backlog.append(([f"g{index}".encode()], _get(f"g{index}", 1), ""))
+        _receiving(node, [f"g{bound}", f"g{bound + 1}"], zmq.Again(), monkeypatch)
+        node.turn()
+        assert node.disk.full
+        assert [to[0] for to, _frame, _principal in node._backlog] == [f"g{i}".encode() for i in range(1, bound + 1)]
+        answers = {to[0]: m.body.code for _s, to, m in node._outbox}
+        assert answers == {b"g0": "outcome_unknown", f"g{bound + 1}".encode(): "overloaded"}, answers

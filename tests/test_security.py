@@ -25,6 +25,7 @@ from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
 from mnesite.rlog.security import (
     SecurityError,
+    client_keys,
     configure_client,
     configure_server,
     generate_keys,
@@ -369,12 +370,24 @@ def test_a_secret_key_behind_a_symbolic_link_is_refused(keys: Path) -> None:
 
 def test_a_symbolic_link_in_authorized_keys_is_refused(keys: Path) -> None:
     # The link's target is outside the checked directory: whoever can repoint or rewrite it there
-    # would add a principal. A public server key may still be a link (it grants nobody anything).
+    # would add a principal.
     link = keys.parent / "authorized" / "stranger.key"
     link.symlink_to(keys / "stranger.key")
     with pytest.raises(SecurityError, match=rf"authorized_keys: {link} is a symbolic link"):
         load_authorized_keys(str(link.parent))
-    assert load_key(str(link), "server_key", secret=False).public
+
+
+def test_a_public_key_behind_a_symbolic_link_is_refused(keys: Path) -> None:
+    """Regression: a public key file (the cluster's key a client pins, ``--server-key``) was read through
+    a symbolic link; the file it pointed to was checked, but not the link, so whoever could write the
+    link's directory could repoint it at another file that passes (any key file this user owns, such
+    as another cluster's). It is refused as a secret key and an ``authorized_keys`` file are."""
+    link = keys / "link.key"
+    link.symlink_to(keys / "app.key")
+    with pytest.raises(SecurityError, match=rf"server_key: {link} is a symbolic link; give the key file itself"):
+        load_key(str(link), "server_key", secret=False)
+    with pytest.raises(SecurityError, match="is a symbolic link"):
+        client_keys(keys / "app.key_secret", link)
 
 
 def test_the_secret_key_checked_is_the_file_that_was_read(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -494,6 +507,42 @@ def secure_node(tmp_path: Path, keys: Path):
         yield node
     finally:
         node.stop()
+
+
+def test_a_flood_of_client_connections_leaves_room_for_a_replicants_and_a_cores_requests(
+    tmp_path: Path, keys: Path
+) -> None:
+    """Regression: a core counted its peers' connections (a core forwarding its clients' writes, a
+    replicant forwarding its own) against ``connections_waiting_max`` as client connections, so a
+    flood of clients with requests waiting had the peers' requests refused ``overloaded``. With
+    [security], a principal with the ``core`` or ``replicant`` role has ``PEER_CONNECTIONS_RESERVED``
+    more places; a writer is refused at the bound as before, forwarded mark or not."""
+    from tests.conftest import create_table_t
+    from tests.test_untrusted_input import _write_frame, answers_of_turns
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config_path = tmp_path / "core1.toml"
+    config_path.write_text(
+        f'[node]\nname = "core1"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
+        f'[cluster]\ncore_nodes = {{ core1 = "{endpoint}" }}\n[limits]\nconnections_waiting_max = 2\n'
+        '[storage]\nsynchronous = "NORMAL"\n' + security_toml(keys, ROLES)
+    )
+    node = CoreNode(load_config(str(config_path)))
+    node.bind()
+    try:
+        create_table_t(node)
+        while node.store.catalog().get("t") is None:
+            node.run_turn()
+        node.hold([b"a"], "r1")
+        node.hold([b"b"], "r1")
+        node._backlog.append(([b"replicant1"], _write_frame("replicant-1", 1), "replicant1"))
+        node._backlog.append(([b"core2"], _write_frame("core-1", 2, forwarded=True), "core2"))
+        node._backlog.append(([b"app"], _write_frame("app-1", 3, forwarded=True), "app"))
+        answers = answers_of_turns(node, {b"replicant1", b"core2", b"app"})
+    finally:
+        node.close()
+    assert answers[b"app"].kind == "error" and answers[b"app"].body.code == "overloaded", answers
+    assert answers[b"replicant1"].kind == "reply" and answers[b"core2"].kind == "reply", answers
 
 
 def raw_request(node: SecureNode, principal: str, frame: Message | bytes) -> Message:

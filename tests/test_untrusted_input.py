@@ -717,6 +717,40 @@ def test_connections_with_requests_waiting_are_bounded_node_wide_and_given_back(
         assert node.status()["connections"] == {"waiting": 2, "waiting_max": 2, "refused": 1, "refused_unread": 0}
 
 
+def _write_frame(request_id: str, row_id: int, forwarded: bool = False) -> bytes:
+    body = {"ops": [{"op": "write", "table": "t", "row": {"id": row_id}}], "forwarded": forwarded}
+    return messages.encode(Message("transact", request_id, messages.typed_body("transact", body)))
+
+
+def answers_of_turns(node, envelopes: set[bytes], turns_max: int = 20) -> dict[bytes, Message]:
+    """The first answer each connection of ``envelopes`` gets, turning the node (not served) by hand."""
+    answers: dict[bytes, Message] = {}
+    node._send_queued = lambda socket, to, message: answers.setdefault(to[0], message)
+    for _ in range(turns_max):
+        node.turn()
+        if envelopes <= set(answers):
+            break
+    return answers
+
+
+def test_a_flood_of_client_connections_leaves_room_for_a_peer_cores_forwarded_write(tmp_path: Path) -> None:
+    """Regression: a sequencer counted the connections of the cores that forward their clients' writes
+    to it against ``connections_waiting_max``, as client connections: a flood of clients with requests
+    waiting there had every forwarded write refused ``overloaded``. A peer's connection (without
+    [security], a request another core marked forwarded) has ``PEER_CONNECTIONS_RESERVED`` more places;
+    a client's is refused at the bound as before."""
+    from tests.conftest import core_with_table
+
+    with core_with_table(tmp_path / "data", {"limits": {"connections_waiting_max": 2}}) as node:
+        node.hold([b"a"], "r1")
+        node.hold([b"b"], "r1")
+        node._backlog.append(([b"core2"], _write_frame("forwarded-1", 1, forwarded=True), ""))
+        node._backlog.append(([b"client"], _write_frame("client-1", 2), ""))
+        answers = answers_of_turns(node, {b"core2", b"client"})
+    assert answers[b"client"].kind == "error" and answers[b"client"].body.code == "overloaded", answers
+    assert answers[b"core2"].kind == "reply", answers
+
+
 def test_a_proposed_write_past_requests_outstanding_max_is_never_answered_overloaded(tmp_path: Path) -> None:
     # "overloaded" means "refused, nothing changed" (rlog.errors). A connection past its bound whose
     # write was admitted and proposed in the same turn (it commits) was nevertheless answered
