@@ -286,7 +286,7 @@ class ReplicantNode(NodeServer):
         reads while this node writes the previous one; a read index). Returns why nothing was sent,
         as the error a client's request is refused with, else None: ``overloaded`` when
         ``PENDING_REQUESTS_MAX`` requests are pending (whoever waits on it is told, ``_not_sent``),
-        ``no_sequencer`` when an ``at_once`` send failed."""
+        ``no_sequencer`` when an ``at_once`` send failed (whoever waits on it is told as well)."""
         if len(self.pending) >= PENDING_REQUESTS_MAX:
             full = OverloadedError(
                 f"{len(self.pending)} requests to the cores are pending at {self.config.name} "
@@ -305,9 +305,11 @@ class ReplicantNode(NodeServer):
         if unsent is None:
             return None
         log.debug("%s to %s not sent: %s", kind, core, unsent)
-        if pending.purpose == "read_index":
-            del self.pending[request_id]  # its caller answers the read now
-        # Otherwise like a lost request: its pending entry expires and the copy is retried.
+        del self.pending[request_id]  # nothing was sent: no answer can come
+        if pending.purpose != "read_index":  # a read index's caller answers the read now
+            # A bootstrap batch fails in this turn, as when the full table kept it (``_not_sent``):
+            # the copy asks another core (or again), not after REQUEST_TIMEOUT_MS for a lost request.
+            self._not_sent(pending, f"{kind} to {core} not sent: {unsent}")
         return self._unreachable(core, unsent)
 
     def _unreachable(self, core: str, unsent: str) -> RequestError:
@@ -317,8 +319,8 @@ class ReplicantNode(NodeServer):
         return RequestError("no_sequencer", why)
 
     def _not_sent(self, pending: Pending, why: str) -> None:
-        """Tell whoever waits on ``pending``, which the full table kept from being sent: a replica's
-        watch, table list or bootstrap batch fails in this turn's ``_expire`` (``RequestFailed``, with
+        """Tell whoever waits on ``pending``, which the full table or a failed send kept from being
+        sent: a replica's watch, table list or bootstrap batch fails in this turn's ``_expire`` (``RequestFailed``, with
         ``why`` for its status; it fails over or retries as after a failed request); a probe takes
         the core for silent and ends there once no other core is left to answer. A client's read
         index is refused by its caller. A fence question and a discovery are asked again at their

@@ -932,7 +932,7 @@ def test_a_bootstrap_takes_the_shard_s_tables_as_listed_even_after_a_drop_or_a_r
     node = offline_replicant(tmp_path / "r")
     try:
         node.clock_ms = lambda: 1_000
-        node.core_sockets = {"core1": _unconnected_dealer()}
+        node.core_sockets = {"core1": _queueing_dealer()}  # no peer yet: zmq queues what is sent
         old = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
         gone = define_table("gone", "k", [["k", "INTEGER"]])
         with node.store.write_transaction():
@@ -1003,5 +1003,32 @@ def test_a_replica_s_request_the_full_pending_table_drops_fails_at_once_saying_w
         error = replica.status().last_error or ""
         assert f"requests to the cores are pending at replicant1 (PENDING_REQUESTS_MAX {PENDING_REQUESTS_MAX})" in error
         assert f"{request_kind} to core1 not sent" in error
+    finally:
+        _close_offline(node)
+
+
+def test_a_bootstrap_batch_whose_send_fails_fails_at_once_saying_why(tmp_path) -> None:
+    """Regression: a bootstrap batch is sent at once (``_request(..., at_once=True)``); when that send
+    failed (the core's queue full, no connection), its pending entry stayed and the copy waited out
+    REQUEST_TIMEOUT_MS (3 s) for an answer that could not come, while the full-pending-table case
+    already failed at once. The replica is now told in this turn, with the reason, and fails over."""
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _queueing_dealer()}  # no peer yet: zmq queues what is sent
+        replica = node._open_replica("default")
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+        accepted = p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id)
+        node._step(replica, accepted)
+        node.core_sockets["core1"].close(0)
+        node.core_sockets["core1"] = _unconnected_dealer()  # a send raises zmq.Again, as a full queue's does
+        node._step(replica, p.TablesReceived("core1", ("t",), ("k",)))  # asks the first batch: not sent
+        assert not any(pending.purpose == "batch" for pending in node.pending.values()), "waits for no answer"
+        node._expire(node.clock_ms())  # this turn's timers, not REQUEST_TIMEOUT_MS later
+        assert replica.mode is p.Mode.DISCONNECTED
+        error = replica.status().last_error or ""
+        assert "request to core1 failed" in error and "its queue is full" in error, error
     finally:
         _close_offline(node)
