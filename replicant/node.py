@@ -126,6 +126,8 @@ class Probe:
     probe_id: int = 0
     # Cores that answered with a log this replicant cannot read, and why (``rlog.replication.unreadable_log``).
     unreadable: dict[str, str] = field(default_factory=dict)
+    # Cores never asked: the request could not be sent (``ReplicantNode._not_sent``), and why.
+    unsent: dict[str, str] = field(default_factory=dict)
 
 
 class ReplicantNode(NodeServer):
@@ -331,8 +333,19 @@ class ReplicantNode(NodeServer):
             probe = self.probes.get(pending.shard or "")
             if probe is not None and probe.probe_id == pending.probe_id:
                 probe.answers[pending.core] = None
+                probe.unsent[pending.core] = why  # for the status: not "did not answer"
                 if set(probe.answers) >= set(probe.cores):
                     probe.deadline_ms = self.clock_ms()  # nothing to wait for: ends in this turn's _expire
+
+    def frame_unsent(self, message: Message, why: str) -> None:
+        """A request to a core was dropped at the turn's send (``why``: its queue is full): nothing of
+        it left, so whoever waits on it is told now (``_not_sent``), not at its timeout; a probe's
+        status then says the core was not asked, and why, not that it did not answer."""
+        pending = self.pending.get(message.request_id)
+        if pending is None or pending.purpose in ("forward", "read_index"):
+            return  # not a request of ours (an acknowledgement); a client's is sent at once, never queued
+        del self.pending[message.request_id]
+        self._not_sent(pending, f"{message.kind} to {pending.core} not sent: {why}")
 
     def _send_at_once(self, core: str, message: Message) -> str | None:
         """Send ``message`` to ``core`` now, not after the turn's commit; None once sent, else why
@@ -613,7 +626,8 @@ class ReplicantNode(NodeServer):
         if probe is None:
             return
         ages = tuple((core, probe.answers.get(core)) for core in probe.cores)
-        self._step(replica, p.JournalsReceived(ages, tuple(sorted(probe.unreadable.items()))))
+        unreadable, unsent = tuple(sorted(probe.unreadable.items())), tuple(sorted(probe.unsent.items()))
+        self._step(replica, p.JournalsReceived(ages, unreadable, unsent))
 
     def _expire(self, now: int) -> None:
         failed, self._requests_failed = self._requests_failed, []

@@ -997,7 +997,10 @@ def test_a_replica_s_request_the_full_pending_table_drops_fails_at_once_saying_w
         node._expire(node.clock_ms())  # this turn's timers: nothing of the node's own has expired
         if request_kind == "journal":
             assert "default" not in node.probes, "the probe waited for answers to requests never sent"
-            assert replica.status().last_error.startswith("no core qualifies")
+            error = replica.status().last_error or ""
+            assert error.startswith("no core qualifies")
+            # What happened, not "core1 did not answer": it was never asked.
+            assert "core1 was not asked (" in error and "journal to core1 not sent" in error, error
             return
         assert replica.mode is p.Mode.DISCONNECTED and not replica.waits_for_watch_answer
         error = replica.status().last_error or ""
@@ -1030,5 +1033,29 @@ def test_a_bootstrap_batch_whose_send_fails_fails_at_once_saying_why(tmp_path) -
         assert replica.mode is p.Mode.DISCONNECTED
         error = replica.status().last_error or ""
         assert "request to core1 failed" in error and "its queue is full" in error, error
+    finally:
+        _close_offline(node)
+
+
+def test_a_probe_dropped_at_send_ends_at_once_and_says_it_was_not_sent(tmp_path) -> None:
+    """Regression: a probe's journal request dropped at the turn's send (the core's queue full) waited
+    out the probe's timeout, and ``last_error`` then said "core1 did not answer" although nothing was
+    asked; the reason was only in the rate-limited "dropped N outgoing frame(s)" log line. The probe
+    now ends in the next turn's timers and ``last_error`` says the request was not sent, and why."""
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _unconnected_dealer()}  # a send raises zmq.Again, as a full queue's does
+        replica = node._open_replica("default")
+        node._step(replica, p.Ticked())  # ProbeJournals: one journal request, queued for the turn's send
+        assert "default" in node.probes
+        node.flush()  # dropped at send
+        assert not any(pending.purpose == "probe" for pending in node.pending.values()), "waits for no answer"
+        node._expire(node.clock_ms())  # the next turn's timers, not probe_timeout_ms later
+        assert "default" not in node.probes, "the probe waited for an answer to a request never sent"
+        error = replica.status().last_error or ""
+        assert "core1 was not asked (journal to core1 not sent: the receiver's queue is full)" in error, error
+        assert "did not answer" not in error
     finally:
         _close_offline(node)
