@@ -226,6 +226,7 @@ class ReplicantNode(NodeServer):
             self.clock_ms(),
             bootstraps=int(self.store.meta(f"bootstraps:{shard}", 0)),
             resumes=int(self.store.meta(f"resumes:{shard}", 0)),
+            bootstraps_outrun=int(self.store.meta(f"bootstraps_outrun:{shard}", 0)),
             read_fenced=bool(int(self.store.meta(f"read_fenced:{shard}", 0))),
             spill_budget=self.spill_budget,
             speaks=self.versions,
@@ -469,13 +470,16 @@ class ReplicantNode(NodeServer):
                 "fenced until the replay reaches the committed key" if effect.fenced else "served again",
             )
         elif isinstance(effect, p.ModeChanged):
-            log.info("shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
+            # A warning (a bootstrap begun again for want of retention) is said once, at the mode change.
+            level = logging.WARNING if effect.warning else logging.INFO
+            log.log(level, "shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
             if self.disk.full:
                 return  # only counters for the status: persisted at the next change
             status = replica.status()
             self.begin()
             self.store.set_meta(f"bootstraps:{shard}", status.bootstraps)
             self.store.set_meta(f"resumes:{shard}", status.resumes)
+            self.store.set_meta(f"bootstraps_outrun:{shard}", status.bootstraps_outrun)
         else:
             raise TypeError(f"unknown effect {effect!r}")
 
@@ -963,6 +967,8 @@ class ReplicantNode(NodeServer):
                 "committed": list(status.committed_key) if status.committed_key else None,
                 "lag_entries": status.lag_entries,
                 "bootstraps": status.bootstraps,
+                # of them, begun again because the last copy outlasted the cores' retention
+                "bootstraps_outrun": status.bootstraps_outrun,
                 "resumes": status.resumes,
                 "rows_copied": status.rows_copied,
                 "copy": {

@@ -315,6 +315,9 @@ class ModeChanged:
     mode: Mode
     upstream: str | None
     reason: str
+    # The reason calls for an operator (a driver logs it as a warning): a bootstrap restarted
+    # because its copy outlasted the cores' retention (``ShardReplica``'s "Sizing trap").
+    warning: bool = False
 
 
 @dataclass(frozen=True)

@@ -1010,6 +1010,18 @@ def test_a_replica_s_request_the_full_pending_table_drops_fails_at_once_saying_w
         _close_offline(node)
 
 
+def _watching(node, committed: TxKey):
+    """The replica of shard default on an offline ``node``, its watch sent to core1 (committed at
+    ``committed``), over a socket that queues what is sent (no peer yet)."""
+    from mnesite.rlog import replication as p
+
+    node.core_sockets = {"core1": _queueing_dealer()}
+    replica = node._open_replica("default")
+    node._step(replica, p.Ticked())
+    node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(committed, True, 0)),)))
+    return replica
+
+
 def test_a_bootstrap_batch_whose_send_fails_fails_at_once_saying_why(tmp_path) -> None:
     """Regression: a bootstrap batch is sent at once (``_request(..., at_once=True)``); when that send
     failed (the core's queue full, no connection), its pending entry stayed and the copy waited out
@@ -1019,10 +1031,7 @@ def test_a_bootstrap_batch_whose_send_fails_fails_at_once_saying_why(tmp_path) -
 
     node = offline_replicant(tmp_path / "r")
     try:
-        node.core_sockets = {"core1": _queueing_dealer()}  # no peer yet: zmq queues what is sent
-        replica = node._open_replica("default")
-        node._step(replica, p.Ticked())
-        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+        replica = _watching(node, TxKey(1, 6))
         accepted = p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id)
         node._step(replica, accepted)
         node.core_sockets["core1"].close(0)
@@ -1057,5 +1066,35 @@ def test_a_probe_dropped_at_send_ends_at_once_and_says_it_was_not_sent(tmp_path)
         error = replica.status().last_error or ""
         assert "core1 was not asked (journal to core1 not sent: the receiver's queue is full)" in error, error
         assert "did not answer" not in error
+    finally:
+        _close_offline(node)
+
+
+def test_a_bootstrap_restarted_because_the_copy_outlasted_retention_is_logged_once_counted_and_kept(
+    tmp_path, caplog
+) -> None:
+    """The sizing trap (``replicant.replica``): a copy whose full spill's last key the cores trimmed
+    before it finished starts again, for ever under sustained writes, and looked like any bootstrap in
+    the log and in ``status``. The driver now logs the restart once as a warning naming what to raise,
+    shows ``bootstraps_outrun`` in ``status`` and persists it like ``bootstraps``."""
+    import logging
+
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        replica = _watching(node, TxKey(1, 30))
+        replica._resuming_after_full_spill = TxKey(1, 3)  # the last copy's spill filled there (test_replica)
+        with caplog.at_level(logging.INFO, logger="mnesite.replicant"):
+            node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 30), b"d" * 32, replica.watch_id))
+            node._step(replica, p.Ticked())
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert "no longer holds (1, 3)" in warnings[0] and "retention_entries_max" in warnings[0]
+        shard = node.status()["shards"]["default"]
+        assert shard["bootstraps_outrun"] == 1 and "retention_entries_max" in shard["last_error"]
+        node.flush()
+        del node.replicas["default"]
+        assert node._open_replica("default").status().bootstraps_outrun == 1, "not kept across a restart"
     finally:
         _close_offline(node)
