@@ -48,7 +48,8 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   the watch is answered bootstrap and the copy starts again, for ever under sustained writes. Each
   such restart is counted (``bootstraps_outrun``, persisted like ``bootstraps``) and said once, in
   ``last_error`` and in a ``ModeChanged`` with ``warning``: the copy is slower than the cores'
-  retention; raise their ``retention_entries_max`` (or the spill budget). The protocol is unchanged.
+  retention; raise their ``retention_entries_max`` (the spill budget is not configurable). The
+  protocol is unchanged.
 * Read fence. The copied rows were read dirty: they may hold writes of entries after the applied
   key. After a bootstrap the replica therefore asks its upstream for the shard's committed key as
   the sequencer confirms it with a quorum (``FetchCommitted``, asked after the last batch was
@@ -714,8 +715,8 @@ class ShardReplica:
             "took longer than the cores' retention of the writes made meanwhile (restart "
             f"{self._bootstraps_outrun} for this reason, bootstraps_outrun; under sustained writes it "
             "repeats). Raise the cores' [rlog] retention_entries_max above the writes the shard takes "
-            f"during one copy, or the spill budget (spill_entries_max {self.config.spill_entries_max}, "
-            f"spill_bytes_max {self.config.spill_bytes_max})"
+            f"during one copy (the spill holds {self.config.spill_entries_max} entries of a shard and "
+            f"{self.config.spill_bytes_max} bytes for the node, not configurable in this release)"
         )
 
     def _connect(self, event: WatchAccepted) -> None:
