@@ -968,6 +968,12 @@ def status(endpoint, timeout_ms, as_json) -> None:
         for shard, info in result["shards"].items():
             if info["mode"] == "bootstrap" and info.get("copy"):
                 click.echo(f"bootstrap of {shard}: {describe_copy(info['copy'])}")
+            if info["mode"] == "bootstrap" and info.get("bootstraps_outrun"):
+                # The sizing trap (replicant.replica): last_error says what to raise.
+                click.echo(
+                    f"WARNING: shard {shard}: {info['bootstraps_outrun']} bootstrap(s) so far began again because "
+                    f"a copy outlasted retention; last_error: {info.get('last_error')}"
+                )
         return
     rows = [
         {

@@ -126,6 +126,8 @@ class Probe:
     probe_id: int = 0
     # Cores that answered with a log this replicant cannot read, and why (``rlog.replication.unreadable_log``).
     unreadable: dict[str, str] = field(default_factory=dict)
+    # Cores never asked: the request could not be sent (``ReplicantNode._not_sent``), and why.
+    unsent: dict[str, str] = field(default_factory=dict)
 
 
 class ReplicantNode(NodeServer):
@@ -224,6 +226,7 @@ class ReplicantNode(NodeServer):
             self.clock_ms(),
             bootstraps=int(self.store.meta(f"bootstraps:{shard}", 0)),
             resumes=int(self.store.meta(f"resumes:{shard}", 0)),
+            bootstraps_outrun=int(self.store.meta(f"bootstraps_outrun:{shard}", 0)),
             read_fenced=bool(int(self.store.meta(f"read_fenced:{shard}", 0))),
             spill_budget=self.spill_budget,
             speaks=self.versions,
@@ -286,7 +289,7 @@ class ReplicantNode(NodeServer):
         reads while this node writes the previous one; a read index). Returns why nothing was sent,
         as the error a client's request is refused with, else None: ``overloaded`` when
         ``PENDING_REQUESTS_MAX`` requests are pending (whoever waits on it is told, ``_not_sent``),
-        ``no_sequencer`` when an ``at_once`` send failed."""
+        ``no_sequencer`` when an ``at_once`` send failed (whoever waits on it is told as well)."""
         if len(self.pending) >= PENDING_REQUESTS_MAX:
             full = OverloadedError(
                 f"{len(self.pending)} requests to the cores are pending at {self.config.name} "
@@ -305,9 +308,11 @@ class ReplicantNode(NodeServer):
         if unsent is None:
             return None
         log.debug("%s to %s not sent: %s", kind, core, unsent)
-        if pending.purpose == "read_index":
-            del self.pending[request_id]  # its caller answers the read now
-        # Otherwise like a lost request: its pending entry expires and the copy is retried.
+        del self.pending[request_id]  # nothing was sent: no answer can come
+        if pending.purpose != "read_index":  # a read index's caller answers the read now
+            # A bootstrap batch fails in this turn, as when the full table kept it (``_not_sent``):
+            # the copy asks another core (or again), not after REQUEST_TIMEOUT_MS for a lost request.
+            self._not_sent(pending, f"{kind} to {core} not sent: {unsent}")
         return self._unreachable(core, unsent)
 
     def _unreachable(self, core: str, unsent: str) -> RequestError:
@@ -317,8 +322,8 @@ class ReplicantNode(NodeServer):
         return RequestError("no_sequencer", why)
 
     def _not_sent(self, pending: Pending, why: str) -> None:
-        """Tell whoever waits on ``pending``, which the full table kept from being sent: a replica's
-        watch, table list or bootstrap batch fails in this turn's ``_expire`` (``RequestFailed``, with
+        """Tell whoever waits on ``pending``, which the full table or a failed send kept from being
+        sent: a replica's watch, table list or bootstrap batch fails in this turn's ``_expire`` (``RequestFailed``, with
         ``why`` for its status; it fails over or retries as after a failed request); a probe takes
         the core for silent and ends there once no other core is left to answer. A client's read
         index is refused by its caller. A fence question and a discovery are asked again at their
@@ -329,8 +334,19 @@ class ReplicantNode(NodeServer):
             probe = self.probes.get(pending.shard or "")
             if probe is not None and probe.probe_id == pending.probe_id:
                 probe.answers[pending.core] = None
+                probe.unsent[pending.core] = why  # for the status: not "did not answer"
                 if set(probe.answers) >= set(probe.cores):
                     probe.deadline_ms = self.clock_ms()  # nothing to wait for: ends in this turn's _expire
+
+    def frame_unsent(self, message: Message, why: str) -> None:
+        """A request to a core was dropped at the turn's send (``why``: its queue is full): nothing of
+        it left, so whoever waits on it is told now (``_not_sent``), not at its timeout; a probe's
+        status then says the core was not asked, and why, not that it did not answer."""
+        pending = self.pending.get(message.request_id)
+        if pending is None or pending.purpose in ("forward", "read_index"):
+            return  # not a request of ours (an acknowledgement); a client's is sent at once, never queued
+        del self.pending[message.request_id]
+        self._not_sent(pending, f"{message.kind} to {pending.core} not sent: {why}")
 
     def _send_at_once(self, core: str, message: Message) -> str | None:
         """Send ``message`` to ``core`` now, not after the turn's commit; None once sent, else why
@@ -454,13 +470,16 @@ class ReplicantNode(NodeServer):
                 "fenced until the replay reaches the committed key" if effect.fenced else "served again",
             )
         elif isinstance(effect, p.ModeChanged):
-            log.info("shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
+            # A warning (a bootstrap begun again for want of retention) is said once, at the mode change.
+            level = logging.WARNING if effect.warning else logging.INFO
+            log.log(level, "shard %s: %s (upstream %s): %s", shard, effect.mode.value, effect.upstream, effect.reason)
             if self.disk.full:
                 return  # only counters for the status: persisted at the next change
             status = replica.status()
             self.begin()
             self.store.set_meta(f"bootstraps:{shard}", status.bootstraps)
             self.store.set_meta(f"resumes:{shard}", status.resumes)
+            self.store.set_meta(f"bootstraps_outrun:{shard}", status.bootstraps_outrun)
         else:
             raise TypeError(f"unknown effect {effect!r}")
 
@@ -611,7 +630,8 @@ class ReplicantNode(NodeServer):
         if probe is None:
             return
         ages = tuple((core, probe.answers.get(core)) for core in probe.cores)
-        self._step(replica, p.JournalsReceived(ages, tuple(sorted(probe.unreadable.items()))))
+        unreadable, unsent = tuple(sorted(probe.unreadable.items())), tuple(sorted(probe.unsent.items()))
+        self._step(replica, p.JournalsReceived(ages, unreadable, unsent))
 
     def _expire(self, now: int) -> None:
         failed, self._requests_failed = self._requests_failed, []
@@ -947,6 +967,8 @@ class ReplicantNode(NodeServer):
                 "committed": list(status.committed_key) if status.committed_key else None,
                 "lag_entries": status.lag_entries,
                 "bootstraps": status.bootstraps,
+                # of them, begun again because the last copy outlasted the cores' retention
+                "bootstraps_outrun": status.bootstraps_outrun,
                 "resumes": status.resumes,
                 "rows_copied": status.rows_copied,
                 "copy": {

@@ -43,6 +43,13 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   dirty reads saw. The applied key becomes the last spilled key, then the replica is NORMAL. If
   the spill was full (the agent was released), it resynchronises at once (DISCONNECTED, then a
   watch that resumes from the applied key).
+* Sizing trap. That resume needs a core that still holds the spill's last key. A copy that outlasts
+  another ``retention_entries_max`` writes on the cores after the spill filled finds it trimmed:
+  the watch is answered bootstrap and the copy starts again, for ever under sustained writes. Each
+  such restart is counted (``bootstraps_outrun``, persisted like ``bootstraps``) and said once, in
+  ``last_error`` and in a ``ModeChanged`` with ``warning``: the copy is slower than the cores'
+  retention; raise their ``retention_entries_max`` (the spill budget is not configurable). The
+  protocol is unchanged.
 * Read fence. The copied rows were read dirty: they may hold writes of entries after the applied
   key. After a bootstrap the replica therefore asks its upstream for the shard's committed key as
   the sequencer confirms it with a quorum (``FetchCommitted``, asked after the last batch was
@@ -79,9 +86,9 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
 Driver contract
 ---------------
 1. Build the replica from what is persisted: the applied key and digest (``UNKNOWN_DIGEST`` after a
-   ``ResetShard``), the ``bootstraps``/``resumes`` counters and the read fence flag. Deliver ``Ticked`` at least every
-   ``retry_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters); ``now_ms``
-   never decreases.
+   ``ResetShard``), the ``bootstraps``/``resumes``/``bootstraps_outrun`` counters and the read fence
+   flag. Deliver ``Ticked`` at least every ``retry_interval_ms / 2`` (``next_deadline_ms()`` says
+   when the next one matters); ``now_ms`` never decreases.
 2. Execute the effects in list order. ``ApplyEntries`` applies the entries and records the new
    applied key and digest in one SQLite transaction (invariant 4). ``ResetShard`` deletes the
    shard's rows and spill and persists ``UNKNOWN_DIGEST`` (keeping the applied key). ``ApplyBatch``
@@ -245,6 +252,8 @@ class ReplicaStatus:
     read_fenced: bool = False
     # DiskFull until DiskFreed: nothing is applied (see "Full disk").
     disk_full: bool = False
+    # Bootstraps begun again because the last copy outlasted the cores' retention ("Sizing trap").
+    bootstraps_outrun: int = 0
 
 
 class _Waiting(enum.Enum):
@@ -307,6 +316,7 @@ class ShardReplica:
         read_fenced: bool = False,
         spill_budget: SpillBudget | None = None,
         speaks: Announcement = THIS_RELEASE,
+        bootstraps_outrun: int = 0,
     ) -> None:
         if not shard or not name:
             raise ReplicaConfigError("shard and name must not be empty")
@@ -315,7 +325,7 @@ class ShardReplica:
             raise ReplicaConfigError(f"cores must be 1 to {CORES_MAX} distinct names, got {cores!r}")
         if not isinstance(applied_digest, bytes):
             raise ReplicaConfigError("applied_digest must be bytes")
-        if bootstraps < 0 or resumes < 0:
+        if bootstraps < 0 or resumes < 0 or bootstraps_outrun < 0:
             raise ReplicaConfigError("counters must not be negative")
         self.shard = shard
         self.name = name
@@ -341,6 +351,11 @@ class ShardReplica:
         self._failed_core: str | None = None
         self._bootstraps = bootstraps
         self._resumes = resumes
+        self._bootstraps_outrun = bootstraps_outrun
+        # The key a bootstrap whose spill filled resumes from, until a watch is answered ("Sizing trap").
+        self._resuming_after_full_spill: TxKey | None = None
+        # Set while a bootstrap that the trap restarted runs: said again when its spill fills.
+        self._outrun: str | None = None
         self._rows_copied = 0
         self._entries_spilled = 0
         self._bootstrap_failures = 0
@@ -445,6 +460,7 @@ class ShardReplica:
             read_fence=self._fence.fence_key,
             read_fenced=self._fence.fenced,
             disk_full=self._disk_full,
+            bootstraps_outrun=self._bootstraps_outrun,
         )
 
     def next_deadline_ms(self) -> int:
@@ -510,10 +526,10 @@ class ShardReplica:
 
     # ------------------------------------------------------------ modes and failures
 
-    def _set_mode(self, mode: Mode, reason: str) -> None:
+    def _set_mode(self, mode: Mode, reason: str, warning: bool = False) -> None:
         if mode is not self._mode:
             self._mode = mode
-            self._out.append(ModeChanged(mode, self._upstream, reason))
+            self._out.append(ModeChanged(mode, self._upstream, reason, warning))
 
     def _request(self, waiting: _Waiting, core: str | None) -> None:
         self._waiting = waiting
@@ -622,9 +638,9 @@ class ShardReplica:
             core = choose_upstream(ages, self._applied_key, self._rng)
         if core is None:
             self._waiting = _Waiting.NOTHING
-            unreadable = dict(event.unreadable)
+            unreadable, unsent = dict(event.unreadable), dict(event.unsent)
             self._last_error = f"no core qualifies as upstream at applied key {self._applied_key}: " + ", ".join(
-                self._describe(name, age, unreadable.get(name)) for name, age in sorted(ages.items())
+                self._describe(name, age, unreadable.get(name), unsent.get(name)) for name, age in sorted(ages.items())
             )
             self._next_probe_ms = self._now_ms + self._retry_delay_ms()
             return
@@ -632,7 +648,11 @@ class ShardReplica:
         self._out.append(SendWatch(core, self._applied_key, self._applied_digest, self._watch_id))
         self._request(_Waiting.WATCH, core)
 
-    def _describe(self, core: str, age: JournalAnswer | None, unreadable: str | None = None) -> str:
+    def _describe(
+        self, core: str, age: JournalAnswer | None, unreadable: str | None = None, unsent: str | None = None
+    ) -> str:
+        if age is None and unsent is not None:
+            return f"{core} was not asked ({unsent})"
         if age is None:
             return f"{core} did not answer" if unreadable is None else f"{core} answered, but {unreadable}"
         if age.committed_key < self._applied_key:
@@ -657,6 +677,7 @@ class ShardReplica:
                 return
             self._connect(event)
             self._resumes += 1
+            self._resuming_after_full_spill, self._outrun = None, None
             self._last_error = None
             self._set_mode(Mode.NORMAL, f"resumed from {self._applied_key} on {event.core}")
         elif event.mode == "bootstrap":
@@ -665,7 +686,13 @@ class ShardReplica:
                 return
             self._connect(event)
             self._bootstraps += 1
-            self._set_mode(Mode.BOOTSTRAP, f"bootstrapping from {event.core} at {event.start_key}")
+            reason, self._outrun = f"bootstrapping from {event.core} at {event.start_key}", None
+            if self._resuming_after_full_spill is not None:
+                self._bootstraps_outrun += 1
+                self._outrun = self._outrun_reason(event.core, self._resuming_after_full_spill)
+                reason = self._last_error = f"{reason} again: {self._outrun}"
+            self._resuming_after_full_spill = None
+            self._set_mode(Mode.BOOTSTRAP, reason, warning=self._outrun is not None)
             # Fenced before the reset: a crash between the two must not leave dirty rows readable.
             self._out.append(ReadFenceChanged(True))
             self._out.append(ResetShard())
@@ -680,6 +707,17 @@ class ShardReplica:
             self._request(_Waiting.TABLES, event.core)
         else:
             self._fail(f"{event.core} answered the watch with the unknown mode {event.mode!r}")
+
+    def _outrun_reason(self, core: str, resume_key: TxKey) -> str:
+        """Why a bootstrap begins again ("Sizing trap"), and what to raise."""
+        return (
+            f"{core} no longer holds {resume_key}, where the last copy's full spill ended: the copy "
+            "took longer than the cores' retention of the writes made meanwhile (restart "
+            f"{self._bootstraps_outrun} for this reason, bootstraps_outrun; under sustained writes it "
+            "repeats). Raise the cores' [rlog] retention_entries_max above the writes the shard takes "
+            f"during one copy (the spill holds {self.config.spill_entries_max} entries of a shard and "
+            f"{self.config.spill_bytes_max} bytes for the node, not configurable in this release)"
+        )
 
     def _connect(self, event: WatchAccepted) -> None:
         self._upstream = event.core
@@ -755,6 +793,7 @@ class ShardReplica:
         self._set_mode(Mode.NORMAL, f"bootstrap done at {self._applied_key}")
         if self._spill_full:
             # The agent was released when the spill filled; a new watch resumes exactly at the applied key.
+            self._resuming_after_full_spill = self._applied_key
             self._fail(f"the spill was full; resuming from {self._applied_key}", delay_ms=0)
             return
         if self._upstream is not None and self._agent_id is not None:
@@ -897,6 +936,8 @@ class ShardReplica:
                     f"{self._spill_budget.used} bytes; spill_entries_max, spill_bytes_max): agent released "
                     f"until the copy is done, then resuming from {self._spill_key}"
                 )
+                if self._outrun is not None:
+                    self._last_error += f"; this bootstrap began again because {self._outrun}"
                 self._out.append(SendReject(event.core, event.agent_id, REJECT_RESYNCHRONISE))
                 return
         self._out.append(SendAck(event.core, event.agent_id, self._spill_key, self._push_token))

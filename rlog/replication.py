@@ -126,10 +126,12 @@ class Ticked:
 class JournalsReceived:
     """Answers to ``ProbeJournals``; ``None`` for a core that did not answer in time, or whose answer
     cannot be followed: ``unreadable`` names those that answered with a log this replicant cannot
-    read, and why (``unreadable_log``), for the status."""
+    read, and why (``unreadable_log``), ``unsent`` those never asked because the request could not be
+    sent, and why; both for the status."""
 
     ages: tuple[tuple[str, JournalAnswer | None], ...]
     unreadable: tuple[tuple[str, str], ...] = ()
+    unsent: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,9 @@ class ModeChanged:
     mode: Mode
     upstream: str | None
     reason: str
+    # The reason calls for an operator (a driver logs it as a warning): a bootstrap restarted
+    # because its copy outlasted the cores' retention (``ShardReplica``'s "Sizing trap").
+    warning: bool = False
 
 
 @dataclass(frozen=True)

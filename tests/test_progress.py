@@ -38,3 +38,33 @@ def test_text_status_of_a_bootstrapping_replicant_shows_its_progress(monkeypatch
     shard["mode"] = "normal"
     result = CliRunner().invoke(main, ["status", "--node", "tcp://127.0.0.1:9"])
     assert "bootstrap of" not in result.stdout
+
+
+def test_text_status_warns_of_a_bootstrap_begun_again_because_the_copy_outlasted_retention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sizing trap (``replicant.replica``) was visible only in ``--json``'s ``last_error``: the text
+    status showed one more bootstrap, like any other. It now says so, with what to raise."""
+    why = "bootstrapping from core1 at (1, 90) again: ... Raise the cores' [rlog] retention_entries_max ..."
+    shard = {
+        "mode": "bootstrap",
+        "upstream": "core1",
+        "applied": [0, 0],
+        "digest": None,
+        "lag_entries": None,
+        "bootstraps": 3,
+        "bootstraps_outrun": 2,
+        "resumes": 0,
+        "rows_copied": 250,
+        "entries_buffered": 3,
+        "last_error": why,
+    }
+    answer = {"node": "replicant1", "role": "replicant", "security": {"curve": False}, "shards": {"default": shard}}
+    monkeypatch.setattr(Client, "status", lambda self: answer)
+    result = CliRunner().invoke(main, ["status", "--node", "tcp://127.0.0.1:9"])
+    assert result.exit_code == 0, result.output
+    warning = "WARNING: shard default: 2 bootstrap(s) so far began again because a copy outlasted retention"
+    assert f"{warning}; last_error: {why}" in result.stdout
+    shard["mode"] = "normal"  # the trap is behind it: the count stays in --json, the warning goes
+    result = CliRunner().invoke(main, ["status", "--node", "tcp://127.0.0.1:9"])
+    assert "WARNING" not in result.stdout

@@ -995,3 +995,37 @@ def test_every_acknowledgement_echoes_the_token_of_the_last_push_read_and_only_t
     assert of(machine.step(heartbeat, 2), SendAck) == [SendAck("core0", "a1", at(7)[0], b"t2")]
     assert ack_body(SHARD, SendAck("core0", "a1", at(7)[0], b"t2"))["token"] == b"t2"
     assert "token" not in ack_body(SHARD, of(machine.step(push(HISTORY[7:8]), 3), SendAck)[0])
+
+
+@pytest.mark.timeout(10)
+def test_a_bootstrap_restarted_because_the_copy_outlasted_retention_is_counted_and_says_what_to_raise():
+    """Sizing trap: a copy whose spill filled resumes from the spill's last key once done; if the cores
+    trimmed that key meanwhile (the copy outlasted another retention_entries_max writes) the watch is
+    answered bootstrap, and under sustained writes that repeats for ever, each attempt looking like a
+    fresh bootstrap. Each such restart is now counted (``bootstraps_outrun``), and ``last_error`` and
+    one warning-level ModeChanged per restart say why and which settings to raise."""
+    machine = replica(applied=0, spill_entries_max=3)
+    bootstrap(machine, k0=10)
+    now, core, agent = 0, "core0", "a1"
+    for restart, (k0, next_k0) in enumerate(((10, 20), (20, 26)), start=1):
+        machine.step(TablesReceived(core, ("t",), ("k",)), now + 1)
+        machine.step(push(HISTORY[k0 : k0 + 3], agent, core), now + 2)  # the spill is full: agent released
+        machine.step(BatchReceived(core, "t", None, (), True), now + 3)
+        assert machine.mode is Mode.DISCONNECTED and machine.applied_key == at(k0 + 3)[0]
+        now += 10_000
+        assert machine.step(Ticked(), now) == [ProbeJournals(CORES)]
+        (watch,) = of(machine.step(ages(), now), SendWatch)
+        core, agent = watch.core, f"a{restart + 1}"
+        # The cores trimmed the spill's last key meanwhile: the resume is answered bootstrap.
+        effects = machine.step(WatchAccepted(core, agent, "bootstrap", *at(next_k0), machine.watch_id), now)
+        (changed,) = of(effects, ModeChanged)
+        assert machine.mode is Mode.BOOTSTRAP and changed.warning
+        status = machine.status()
+        assert status.bootstraps == restart + 1 and status.bootstraps_outrun == restart
+        for text in (f"no longer holds {at(k0 + 3)[0]}", "retention_entries_max", "the spill holds 3 entries"):
+            assert text in status.last_error and text in changed.reason, (text, status.last_error)
+        assert not of(machine.step(Ticked(), now + 1), ModeChanged)  # said once per restart, not per turn
+    # A copy whose spill did not fill ends the trap: done, NORMAL, the count kept.
+    machine.step(TablesReceived(core, ("t",), ("k",)), now + 1)
+    machine.step(BatchReceived(core, "t", None, (), True), now + 3)
+    assert machine.mode is Mode.NORMAL and machine.status().bootstraps_outrun == 2

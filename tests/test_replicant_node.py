@@ -932,7 +932,7 @@ def test_a_bootstrap_takes_the_shard_s_tables_as_listed_even_after_a_drop_or_a_r
     node = offline_replicant(tmp_path / "r")
     try:
         node.clock_ms = lambda: 1_000
-        node.core_sockets = {"core1": _unconnected_dealer()}
+        node.core_sockets = {"core1": _queueing_dealer()}  # no peer yet: zmq queues what is sent
         old = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
         gone = define_table("gone", "k", [["k", "INTEGER"]])
         with node.store.write_transaction():
@@ -997,11 +997,104 @@ def test_a_replica_s_request_the_full_pending_table_drops_fails_at_once_saying_w
         node._expire(node.clock_ms())  # this turn's timers: nothing of the node's own has expired
         if request_kind == "journal":
             assert "default" not in node.probes, "the probe waited for answers to requests never sent"
-            assert replica.status().last_error.startswith("no core qualifies")
+            error = replica.status().last_error or ""
+            assert error.startswith("no core qualifies")
+            # What happened, not "core1 did not answer": it was never asked.
+            assert "core1 was not asked (" in error and "journal to core1 not sent" in error, error
             return
         assert replica.mode is p.Mode.DISCONNECTED and not replica.waits_for_watch_answer
         error = replica.status().last_error or ""
         assert f"requests to the cores are pending at replicant1 (PENDING_REQUESTS_MAX {PENDING_REQUESTS_MAX})" in error
         assert f"{request_kind} to core1 not sent" in error
+    finally:
+        _close_offline(node)
+
+
+def _watching(node, committed: TxKey):
+    """The replica of shard default on an offline ``node``, its watch sent to core1 (committed at
+    ``committed``), over a socket that queues what is sent (no peer yet)."""
+    from mnesite.rlog import replication as p
+
+    node.core_sockets = {"core1": _queueing_dealer()}
+    replica = node._open_replica("default")
+    node._step(replica, p.Ticked())
+    node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(committed, True, 0)),)))
+    return replica
+
+
+def test_a_bootstrap_batch_whose_send_fails_fails_at_once_saying_why(tmp_path) -> None:
+    """Regression: a bootstrap batch is sent at once (``_request(..., at_once=True)``); when that send
+    failed (the core's queue full, no connection), its pending entry stayed and the copy waited out
+    REQUEST_TIMEOUT_MS (3 s) for an answer that could not come, while the full-pending-table case
+    already failed at once. The replica is now told in this turn, with the reason, and fails over."""
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        replica = _watching(node, TxKey(1, 6))
+        accepted = p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id)
+        node._step(replica, accepted)
+        node.core_sockets["core1"].close(0)
+        node.core_sockets["core1"] = _unconnected_dealer()  # a send raises zmq.Again, as a full queue's does
+        node._step(replica, p.TablesReceived("core1", ("t",), ("k",)))  # asks the first batch: not sent
+        assert not any(pending.purpose == "batch" for pending in node.pending.values()), "waits for no answer"
+        node._expire(node.clock_ms())  # this turn's timers, not REQUEST_TIMEOUT_MS later
+        assert replica.mode is p.Mode.DISCONNECTED
+        error = replica.status().last_error or ""
+        assert "request to core1 failed" in error and "its queue is full" in error, error
+    finally:
+        _close_offline(node)
+
+
+def test_a_probe_dropped_at_send_ends_at_once_and_says_it_was_not_sent(tmp_path) -> None:
+    """Regression: a probe's journal request dropped at the turn's send (the core's queue full) waited
+    out the probe's timeout, and ``last_error`` then said "core1 did not answer" although nothing was
+    asked; the reason was only in the rate-limited "dropped N outgoing frame(s)" log line. The probe
+    now ends in the next turn's timers and ``last_error`` says the request was not sent, and why."""
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node.core_sockets = {"core1": _unconnected_dealer()}  # a send raises zmq.Again, as a full queue's does
+        replica = node._open_replica("default")
+        node._step(replica, p.Ticked())  # ProbeJournals: one journal request, queued for the turn's send
+        assert "default" in node.probes
+        node.flush()  # dropped at send
+        assert not any(pending.purpose == "probe" for pending in node.pending.values()), "waits for no answer"
+        node._expire(node.clock_ms())  # the next turn's timers, not probe_timeout_ms later
+        assert "default" not in node.probes, "the probe waited for an answer to a request never sent"
+        error = replica.status().last_error or ""
+        assert "core1 was not asked (journal to core1 not sent: the receiver's queue is full)" in error, error
+        assert "did not answer" not in error
+    finally:
+        _close_offline(node)
+
+
+def test_a_bootstrap_restarted_because_the_copy_outlasted_retention_is_logged_once_counted_and_kept(
+    tmp_path, caplog
+) -> None:
+    """The sizing trap (``replicant.replica``): a copy whose full spill's last key the cores trimmed
+    before it finished starts again, for ever under sustained writes, and looked like any bootstrap in
+    the log and in ``status``. The driver now logs the restart once as a warning naming what to raise,
+    shows ``bootstraps_outrun`` in ``status`` and persists it like ``bootstraps``."""
+    import logging
+
+    from mnesite.rlog import replication as p
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        replica = _watching(node, TxKey(1, 30))
+        replica._resuming_after_full_spill = TxKey(1, 3)  # the last copy's spill filled there (test_replica)
+        with caplog.at_level(logging.INFO, logger="mnesite.replicant"):
+            node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 30), b"d" * 32, replica.watch_id))
+            node._step(replica, p.Ticked())
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert "no longer holds (1, 3)" in warnings[0] and "retention_entries_max" in warnings[0]
+        shard = node.status()["shards"]["default"]
+        assert shard["bootstraps_outrun"] == 1 and "retention_entries_max" in shard["last_error"]
+        node.flush()
+        del node.replicas["default"]
+        assert node._open_replica("default").status().bootstraps_outrun == 1, "not kept across a restart"
     finally:
         _close_offline(node)
