@@ -974,6 +974,8 @@ def status(endpoint, timeout_ms, as_json) -> None:
                     f"WARNING: shard {shard}: {info['bootstraps_outrun']} bootstrap(s) so far began again because "
                     f"a copy outlasted retention; last_error: {info.get('last_error')}"
                 )
+            elif info.get("last_error"):  # a full disk, no core to follow, a full spill (replicant.replica)
+                click.echo(f"WARNING: shard {shard}: last_error: {info['last_error']}")
         return
     rows = [
         {

@@ -156,7 +156,7 @@ from mnesite.rlog.limits import SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.query import CheckedQuery, QueryRequest
 from mnesite.rlog.retention import keep_from_match_keys
-from mnesite.rlog.roles import WRITE_KINDS
+from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS
 from mnesite.rlog.schema import (
     SchemaError,
     TableSchema,
@@ -204,7 +204,8 @@ READ_KINDS = frozenset(
 QUERY_KINDS = frozenset({"query", "query_page", "query_close"})
 POLL_INTERVAL_MS_MAX = 50
 FORWARD_TIMEOUT_MS = 5000
-FORWARDED_MAX = 10_000
+# Requests forwarded and not answered yet; the sequencer holds as many of a peer's connection.
+FORWARDED_MAX = PEER_REQUESTS_OUTSTANDING_MIN
 WAITERS_MAX = 100_000
 # Meta key prefix (+ shard) of a rebuilt core's vote floor, "generation,counter" (``recover_generations``).
 VOTE_FLOOR_META = "vote_floor:"

@@ -146,7 +146,9 @@ class ReplicantNode(NodeServer):
             raise ConfigError("[node].listen of a replicant must name its host: cores push to that address")
         self.clock_ms = clock_ms
         self.rng = rng or random.Random()
-        self.replica_config = replica_config or ReplicaConfig()
+        self.replica_config = replica_config or ReplicaConfig(
+            spill_entries_max=config.limits.spill_entries_max, spill_bytes_max=config.limits.spill_bytes_max
+        )
         # One budget for the spills of all this node's shards (a first start bootstraps them all at once).
         self.spill_budget = SpillBudget(self.replica_config.spill_bytes_max)
         self.cores = tuple(sorted(config.core_nodes))

@@ -48,7 +48,8 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   the watch is answered bootstrap and the copy starts again, for ever under sustained writes. Each
   such restart is counted (``bootstraps_outrun``, persisted like ``bootstraps``) and said once, in
   ``last_error`` and in a ``ModeChanged`` with ``warning``: the copy is slower than the cores'
-  retention; raise their ``retention_entries_max`` (the spill budget is not configurable). The
+  retention; raise their ``retention_entries_max``, or the replicant's spill budget (its ``[limits]``
+  ``spill_entries_max`` and ``spill_bytes_max``) so that a spill holds a whole copy's writes. The
   protocol is unchanged.
 * Read fence. The copied rows were read dirty: they may hold writes of entries after the applied
   key. After a bootstrap the replica therefore asks its upstream for the shard's committed key as
@@ -715,8 +716,9 @@ class ShardReplica:
             "took longer than the cores' retention of the writes made meanwhile (restart "
             f"{self._bootstraps_outrun} for this reason, bootstraps_outrun; under sustained writes it "
             "repeats). Raise the cores' [rlog] retention_entries_max above the writes the shard takes "
-            f"during one copy (the spill holds {self.config.spill_entries_max} entries of a shard and "
-            f"{self.config.spill_bytes_max} bytes for the node, not configurable in this release)"
+            f"during one copy, or this replicant's spill above them (the spill holds {self.config.spill_entries_max} "
+            f"entries of a shard and {self.config.spill_bytes_max} bytes for the node: [limits] "
+            "spill_entries_max, spill_bytes_max)"
         )
 
     def _connect(self, event: WatchAccepted) -> None:
@@ -933,7 +935,7 @@ class ShardReplica:
                 self._spill_full = True
                 self._last_error = (
                     f"spill full ({self._spilled} entries, {self._spilled_bytes} bytes; the node's spills "
-                    f"{self._spill_budget.used} bytes; spill_entries_max, spill_bytes_max): agent released "
+                    f"{self._spill_budget.used} bytes; [limits] spill_entries_max, spill_bytes_max): agent released "
                     f"until the copy is done, then resuming from {self._spill_key}"
                 )
                 if self._outrun is not None:

@@ -50,6 +50,8 @@ Example::
     changes_page_records_max = 1000     # records in one changefeed page (mnesite changes)
     changes_page_bytes_max = 1048576    # bytes of records in one changefeed page (at most frame_bytes_max / 4)
     changes_waiting_max = 1000          # changefeed requests held until their tables change, per node
+    spill_entries_max = 100000          # a replicant's spill of one bootstrapping shard, in entries
+    spill_bytes_max = 1073741824        # bytes all of a replicant's spills hold together (docs: Sizing)
 
     [rlog]
     retention_entries_max = 100000      # newest entries kept per shard
@@ -181,6 +183,11 @@ class Limits:
     changes_page_records_max: int = 1000
     changes_page_bytes_max: int = 1024 * 1024
     changes_waiting_max: int = 1000
+    # A replicant's spill while it bootstraps a shard (replicant.replica): the entries one shard
+    # spills, and the bytes all its shards spill together; past either its agent is released until the
+    # copy is done, then it resumes from the spill's last key (docs: Sizing).
+    spill_entries_max: int = 100_000
+    spill_bytes_max: int = 1024 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -264,6 +271,8 @@ _LIMIT_BOUNDS = {
     "changes_page_records_max": (1, 1_000_000),
     "changes_page_bytes_max": (1024, 128 * 1024 * 1024),
     "changes_waiting_max": (1, 1_000_000),
+    "spill_entries_max": (1, 10**9),
+    "spill_bytes_max": (1024 * 1024, 1024**4),  # on disk; at least a few entries of a usual size
     "retention_entries_max": (1, 10**12),
     "retention_age_ms_max": (0, 10**15),
     "retention_interval_ms": (10, 3_600_000),

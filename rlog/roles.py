@@ -141,9 +141,16 @@ class RoleTable:
 PEER_ROLES = frozenset({"core", "replicant"})
 
 
+# The requests a peer's connection may have waiting, at least: a core forwards all its clients'
+# requests to a sequencer over one connection, up to this many at once (``core.node.FORWARDED_MAX``
+# is this), and ``requests_outstanding_max`` is a client connection's bound (``NodeServer.hold``).
+PEER_REQUESTS_OUTSTANDING_MIN = 10_000
+
+
 def peer_connection(secured: bool, roles: frozenset[str], forwarded: bool) -> bool:
     """Whether a request comes over a peer's connection (a core or replicant forwarding for its
-    clients), which ``connections_waiting_max`` does not stop (``NodeServer.hold``): with [security],
+    clients), which ``connections_waiting_max`` does not stop and ``requests_outstanding_max`` bounds
+    at no less than ``PEER_REQUESTS_OUTSTANDING_MIN`` (``NodeServer.hold``): with [security],
     its principal has the ``core`` or ``replicant`` role; without, another core marked it forwarded.
     A replicant forwards its client's request unmarked (a core forwards it on), so without [security]
     it cannot be told from a client's; nor can a client that marks its own, which only gets it into

@@ -62,7 +62,7 @@ from mnesite.rlog.query import (
     query_request,
     shards_of,
 )
-from mnesite.rlog.roles import WRITE_KINDS, peer_connection, sender_mismatch
+from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS, peer_connection, sender_mismatch
 from mnesite.rlog.schema import SchemaError, TableSchema
 from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
 from mnesite.rlog.store import Store, quote, storage_fault
@@ -895,6 +895,8 @@ class NodeServer:
         connection, and a connection with nothing waiting yet past ``connections_waiting_max`` per node,
         or a peer's (a core or replicant forwarding for its clients: ``_from_peer``) only past
         ``PEER_CONNECTIONS_RESERVED`` more, so that a flood of clients does not refuse what peers forward.
+        A peer's connection holds at least ``PEER_REQUESTS_OUTSTANDING_MIN`` requests, what a core
+        forwards at once; whether it is a peer's is looked at only once the bound is reached.
 
         ``changes``: what a stop answers it (``answer_at_stop``). True (a write, or anything that may
         change the database once it was looked at): ``outcome_unknown``, never an answer that says it
@@ -916,10 +918,15 @@ class NodeServer:
                     f"(connections_waiting_max {connections_max}); retry later"
                 )
             held = self.outstanding[envelope[0]] = {}
-        if request_id not in held and len(held) >= self.config.limits.requests_outstanding_max:
+        requests_max = self.config.limits.requests_outstanding_max
+        if (
+            request_id not in held
+            and len(held) >= requests_max
+            and (len(held) >= PEER_REQUESTS_OUTSTANDING_MIN or not self._from_peer(envelope))
+        ):
             raise OverloadedError(
-                f"{len(held)} requests of this connection are outstanding "
-                f"(requests_outstanding_max {self.config.limits.requests_outstanding_max}); read the answers first"
+                f"{len(held)} requests of this connection are outstanding (requests_outstanding_max "
+                f"{requests_max}, a peer's at least {PEER_REQUESTS_OUTSTANDING_MIN}); read the answers first"
             )
         held[request_id] = HeldRequest(envelope, changes)
         if self.metrics is not None and len(self._held_since_s) < HELD_TIMES_MAX:
@@ -928,8 +935,8 @@ class NodeServer:
     def _from_peer(self, envelope: list[bytes]) -> bool:
         """Whether the frame being handled (the one ``receive_frames`` yielded last) came over
         ``envelope``'s connection from a peer (``roles.peer_connection``). Asked by ``hold`` only
-        at ``connections_waiting_max``: the frame is found by the turn's iterator's position, and
-        nothing is kept per frame."""
+        at ``connections_waiting_max`` or ``requests_outstanding_max``: the frame is found by the
+        turn's iterator's position, and nothing is kept per frame."""
         unreached, frames = self._turn_unreached, self._turn_frames
         if unreached is None:
             return False  # not within a turn's frames: a request held later is not a frame's

@@ -1471,7 +1471,7 @@ class Store:
             (*start_key, start_digest, *start_key, start_digest, start_key.generation, shard),
         )
         # Read and applied SPILL_REPLAY_ENTRIES_MAX at a time: the spill may hold spill_bytes_max
-        # (1 GiB) of entries, many times that once decoded. One transaction all the same (the caller's).
+        # (1 GiB by default) of entries, many times that once decoded. One transaction all the same (the caller's).
         last_key = start_key
         while True:
             rows = self.connection.execute(

@@ -162,9 +162,9 @@ def logged_op_tags(data_dir: Path, shard: str, key: tuple[int, int]) -> list[str
     return None if row is None else [op[0] for op in msgpack.unpackb(row[0])]
 
 
-def offline_replicant(data_dir: Path):
+def offline_replicant(data_dir: Path, limits: dict | None = None):
     """A ReplicantNode that is never bound nor served (its rules called directly); the caller closes
-    its store and releases its data directory lock."""
+    its store and releases its data directory lock. ``limits``: its [limits] section."""
     from mnesite.replicant.node import ReplicantNode
 
     return ReplicantNode(
@@ -173,6 +173,7 @@ def offline_replicant(data_dir: Path):
                 "node": {"name": "replicant1", "role": "replicant", "data_dir": str(data_dir),
                          "listen": "tcp://127.0.0.1:1"},
                 "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:2"}},
+                "limits": limits or {},
             }
         )
     )  # fmt: skip

@@ -41,9 +41,11 @@ def test_the_sizing_page_states_the_bounds_the_code_sets() -> None:
     assert checkpoint.WAL_PAGES_BACKGROUND * 4096 // MIB in (31, 32)  # 4 KiB pages
     retention = config.Retention().retention_entries_max
     assert f"({retention:,} by default" in text
-    spill = ReplicaConfig()  # a replicant's spill budget (not a config key)
-    assert spill.spill_bytes_max == 1024 * MIB
+    spill = limits  # a replicant's spill budget: the defaults of [limits] and of ReplicaConfig
+    assert (spill.spill_entries_max, spill.spill_bytes_max) == (ReplicaConfig().spill_entries_max, 1024 * MIB)
+    assert ReplicaConfig().spill_bytes_max == 1024 * MIB
     assert f"at most {spill.spill_entries_max:,} entries of a shard and 1 GiB for all the shards of a node" in text
+    assert "`spill_entries_max` and `spill_bytes_max`" in text
 
 
 def test_the_sizing_page_names_only_config_keys_that_exist() -> None:

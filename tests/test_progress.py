@@ -65,6 +65,35 @@ def test_text_status_warns_of_a_bootstrap_begun_again_because_the_copy_outlasted
     assert result.exit_code == 0, result.output
     warning = "WARNING: shard default: 2 bootstrap(s) so far began again because a copy outlasted retention"
     assert f"{warning}; last_error: {why}" in result.stdout
-    shard["mode"] = "normal"  # the trap is behind it: the count stays in --json, the warning goes
+    assert result.stdout.count(why) == 1  # not again as the shard's last_error line
+    # The trap is behind it (a finished copy clears last_error): the count stays in --json, the warning goes.
+    shard["mode"], shard["last_error"] = "normal", None
     result = CliRunner().invoke(main, ["status", "--node", "tcp://127.0.0.1:9"])
     assert "WARNING" not in result.stdout
+
+
+def test_text_status_of_a_replicant_shows_each_shards_last_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a replicant shard's ``last_error`` (a full disk, no core to follow, a full spill) was
+    shown only by ``--json``; the text status showed the shard's row as if all were well. It is now one
+    warning line per shard that has one."""
+    shards = {
+        name: {
+            "mode": "normal",
+            "upstream": "core1",
+            "applied": [1, 5],
+            "digest": "00" * 32,
+            "lag_entries": 0,
+            "bootstraps": 1,
+            "resumes": 0,
+            "rows_copied": 0,
+            "entries_buffered": 0,
+            "last_error": error,
+        }
+        for name, error in [("default", None), ("orders", "the disk is full (disk I/O error): applying nothing")]
+    }
+    answer = {"node": "replicant1", "role": "replicant", "security": {"curve": False}, "shards": shards}
+    monkeypatch.setattr(Client, "status", lambda self: answer)
+    result = CliRunner().invoke(main, ["status", "--node", "tcp://127.0.0.1:9"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("WARNING")]
+    assert warnings == ["WARNING: shard orders: last_error: the disk is full (disk I/O error): applying nothing"]

@@ -1022,7 +1022,12 @@ def test_a_bootstrap_restarted_because_the_copy_outlasted_retention_is_counted_a
         assert machine.mode is Mode.BOOTSTRAP and changed.warning
         status = machine.status()
         assert status.bootstraps == restart + 1 and status.bootstraps_outrun == restart
-        for text in (f"no longer holds {at(k0 + 3)[0]}", "retention_entries_max", "the spill holds 3 entries"):
+        for text in (
+            f"no longer holds {at(k0 + 3)[0]}",
+            "retention_entries_max",
+            "the spill holds 3 entries",
+            "[limits] spill_entries_max",
+        ):
             assert text in status.last_error and text in changed.reason, (text, status.last_error)
         assert not of(machine.step(Ticked(), now + 1), ModeChanged)  # said once per restart, not per turn
     # A copy whose spill did not fill ends the trap: done, NORMAL, the count kept.

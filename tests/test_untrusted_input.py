@@ -751,6 +751,34 @@ def test_a_flood_of_client_connections_leaves_room_for_a_peer_cores_forwarded_wr
     assert answers[b"core2"].kind == "reply", answers
 
 
+def test_a_peers_forwarding_connection_holds_as_many_writes_as_a_follower_forwards(tmp_path: Path) -> None:
+    """Regression: ``requests_outstanding_max`` (1000 by default) bounded a peer's connection as a
+    client's, while a follower core forwards up to ``FORWARDED_MAX`` (10,000) of its clients' writes
+    over its one connection to the sequencer: past the bound the sequencer refused them ``overloaded``.
+    A peer's connection (without [security], a request another core marked forwarded) holds at least
+    ``PEER_REQUESTS_OUTSTANDING_MIN``; a client's is refused at the configured bound as before."""
+    from mnesite.core.node import FORWARDED_MAX
+    from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN
+
+    from tests.conftest import core_with_table
+
+    assert FORWARDED_MAX <= PEER_REQUESTS_OUTSTANDING_MIN
+    writes = 5
+    with core_with_table(tmp_path / "data", {"limits": {"requests_outstanding_max": 2}}) as node:
+        for number in range(writes):  # in one turn: each waits for the turn's commit
+            node._backlog.append(([b"core2"], _write_frame(f"f{number}", number, forwarded=True), ""))
+            node._backlog.append(([b"client"], _write_frame(f"c{number}", 100 + number), ""))
+        answers: dict[str, Message] = {}
+        node._send_queued = lambda socket, to, message: answers.setdefault(message.request_id, message)
+        for _ in range(20):
+            node.turn()
+            if len(answers) == 2 * writes:
+                break
+    codes = {request_id: answer.body.code if answer.kind == "error" else "ok" for request_id, answer in answers.items()}
+    assert [codes.get(f"f{number}") for number in range(writes)] == ["ok"] * writes, codes
+    assert [codes.get(f"c{number}") for number in range(writes)] == ["ok", "ok"] + ["overloaded"] * 3, codes
+
+
 def test_a_proposed_write_past_requests_outstanding_max_is_never_answered_overloaded(tmp_path: Path) -> None:
     # "overloaded" means "refused, nothing changed" (rlog.errors). A connection past its bound whose
     # write was admitted and proposed in the same turn (it commits) was nevertheless answered

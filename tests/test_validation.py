@@ -227,6 +227,35 @@ def test_a_cores_agents_take_ack_timeout_ms_from_the_config(tmp_path) -> None:
         node.close()
 
 
+def test_a_replicants_spill_budget_is_configured_by_limits_spill_entries_max_and_spill_bytes_max(tmp_path) -> None:
+    """Regression: a replicant's spill budget (the entries one bootstrapping shard spills, the bytes all
+    its shards spill together) was fixed in ``ReplicaConfig``, while the sizing page's trap (a copy
+    that outlasts retention after its spill filled begins again for ever) is sized by it. It is now
+    ``[limits] spill_entries_max`` and ``spill_bytes_max``, bounded, and reaches the replicant's replicas."""
+    from mnesite.replicant.replica import ReplicaConfig
+
+    from tests.conftest import offline_replicant
+
+    default = parse_config({}).limits
+    assert (default.spill_entries_max, default.spill_bytes_max) == (100_000, 1024**3)
+    assert (ReplicaConfig().spill_entries_max, ReplicaConfig().spill_bytes_max) == (100_000, 1024**3)
+    for key, bad, bounds in [
+        ("spill_entries_max", 0, r"1\.\.1000000000"),
+        ("spill_entries_max", 10**9 + 1, r"1\.\.1000000000"),
+        ("spill_bytes_max", 1024**2 - 1, r"1048576\.\.1099511627776"),
+        ("spill_bytes_max", "1GiB", r"1048576\.\.1099511627776"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"\[limits\]\.{key} must be an integer in {bounds}"):
+            parse_config({"limits": {key: bad}})
+    node = offline_replicant(tmp_path / "data", {"spill_entries_max": 500, "spill_bytes_max": 8 * 1024**2})
+    try:
+        assert (node.replica_config.spill_entries_max, node.replica_config.spill_bytes_max) == (500, 8 * 1024**2)
+        assert node.spill_budget.bytes_max == 8 * 1024**2
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
 @pytest.mark.parametrize("trailing", ["\n", "\r\n"])
 def test_a_name_endpoint_or_path_with_a_trailing_newline_is_refused_everywhere(trailing, tmp_path) -> None:
     """Every name rule ends its pattern at the end of the string: ``$`` also matches before a final
