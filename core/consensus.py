@@ -173,6 +173,7 @@ from mnesite.rlog.limits import require_positive_ints
 from mnesite.rlog.replication import Ticked
 from mnesite.rlog.types import ZERO_KEY, Entry, MembersOp, Op, TxKey, chain_break, make_entry
 from mnesite.rlog.versions import THIS_RELEASE, Announcement
+from msgspec import Struct
 
 # Generations are persisted as SQLite integers and a campaign adds one: stay below 2**63 - 1.
 GENERATION_MAX = 2**63 - 2
@@ -386,8 +387,7 @@ class MessageReceived:
     message: PeerMessage
 
 
-@dataclass(frozen=True)
-class Proposed:
+class Proposed(Struct, frozen=True):
     """A client write, already turned into result ops, reached this core."""
 
     ops: tuple[Op, ...]
@@ -523,8 +523,7 @@ class Commit:
     up_to: TxKey
 
 
-@dataclass(frozen=True)
-class ProposalCommitted:
+class ProposalCommitted(Struct, frozen=True):
     request_id: str | None
     tx_key: TxKey
 

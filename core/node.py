@@ -1769,7 +1769,7 @@ class CoreNode(NodeServer):
         if isinstance(waiting, QueryIndexAsk):
             self._query_index_answered(waiting, answer)
         elif isinstance(waiting, ForwardedRead):
-            self.reply(waiting.envelope, replace(answer, request_id=waiting.request_id))
+            self.reply(waiting.envelope, msgspec.structs.replace(answer, request_id=waiting.request_id))
         else:
             self.reply(waiting, answer)
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from mnesite.rlog.types import Entry, TxKey
+from msgspec import Struct
 
 Payload = TypeVar("Payload")
 
@@ -60,8 +61,7 @@ REASON_FORWARD_TIMEOUT = "the sequencer did not answer in time"
 REASON_SENT_AGAIN = "the request was sent again; the answer goes to the newest"
 
 
-@dataclass(frozen=True)
-class Acknowledged:
+class Acknowledged(Struct, frozen=True):
     """The write committed at ``tx_key`` (``duplicate``: a retry of a request id already in the rlog)."""
 
     request_id: str

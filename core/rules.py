@@ -89,6 +89,7 @@ from mnesite.rlog.schema import (
 )
 from mnesite.rlog.types import ROW_OPS, AddColumnOp, CreateIndexOp, DropIndexOp, DropTableOp, Entry, Op, TxKey
 from mnesite.rlog.versions import packs_runs
+from msgspec import Struct
 
 SCHEMA_CHANGE_KINDS = WRITE_KINDS - {"transact"}
 
@@ -96,8 +97,7 @@ SCHEMA_CHANGE_KINDS = WRITE_KINDS - {"transact"}
 # -- writes ----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Admitted:
+class Admitted(Struct, frozen=True):
     """A write that passed admission: its shard, and either the ops it logs or the transaction to evaluate."""
 
     shard: str
@@ -153,8 +153,7 @@ def schema_change_op(kind: str, body: Any, catalog: dict[str, TableSchema]) -> A
     return op
 
 
-@dataclass(frozen=True)
-class ShardView:
+class ShardView(Struct, frozen=True):
     """What a core knows of one shard when a request for it arrives."""
 
     shard: str
@@ -178,8 +177,7 @@ class Forward:
     target: str
 
 
-@dataclass(frozen=True)
-class Propose:
+class Propose(Struct, frozen=True):
     """This core is the sequencer and the request is new: evaluate its guards and propose it."""
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from mnesite.rlog.messages import Transact, WriteRequest
 from mnesite.rlog.schema import SchemaError, TableSchema, check_key, check_row
 from mnesite.rlog.types import DeleteOp, Op, WriteOp
+from msgspec import Struct
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,7 @@ class Guard:
     equals: dict[str, Any] | None
 
 
-@dataclass(frozen=True)
-class Transaction:
+class Transaction(Struct, frozen=True):
     shard: str
     guards: tuple[Guard, ...]
     ops: tuple[Op, ...]
