@@ -65,6 +65,7 @@ Example::
     server_key = "keys/cluster.key_secret"   # the cluster's server key pair: same file on every node
     client_key = "keys/core1.key_secret"     # this node's identity when it talks to other nodes
     authorized_keys = "keys"                 # directory of public keys NAME.key, one per principal
+    follow_key_links = false                 # true: follow key files that are symbolic links (Kubernetes secrets)
     # insecure = true                        # no CurveZMQ even off loopback (warned at every start)
     [security.roles]
     core = ["core1", "core2", "core3"]
@@ -96,6 +97,7 @@ ENDPOINT_PATTERN = re.compile(r"^tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+|\*):(\
 NODE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}\Z")
 LOOPBACK_HOSTS = ("localhost", "[::1]")
 SECURITY_PATHS = ("server_key", "client_key", "authorized_keys")
+SECURITY_KEYS = (*SECURITY_PATHS, "insecure", "follow_key_links", "roles")  # what [security] may hold
 
 
 class ConfigError(ValueError):
@@ -463,13 +465,15 @@ def parse_security(raw: Any, base_dir: str) -> SecurityConfig | None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError("[security] must be a table")
-    known = {*SECURITY_PATHS, "insecure", "roles"}
     for key in raw:
-        if key not in known:
-            raise ConfigError(f"unknown key [security].{key} (known: {', '.join(sorted(known))})")
+        if key not in SECURITY_KEYS:
+            raise ConfigError(f"unknown key [security].{key} (known: {', '.join(sorted(SECURITY_KEYS))})")
     insecure = raw.get("insecure", False)
     if not isinstance(insecure, bool):
         raise ConfigError(f"[security].insecure must be true or false, got {insecure!r}")
+    follow_key_links = raw.get("follow_key_links", False)
+    if not isinstance(follow_key_links, bool):
+        raise ConfigError(f"[security].follow_key_links must be true or false, got {follow_key_links!r}")
     paths: dict[str, str] = {}
     for key in SECURITY_PATHS:
         value = raw.get(key)
@@ -481,8 +485,8 @@ def parse_security(raw: Any, base_dir: str) -> SecurityConfig | None:
         if not os.path.exists(paths[key]):
             raise ConfigError(f"[security].{key}: {paths[key]} does not exist")
     if insecure:
-        if paths or raw.get("roles"):
-            raise ConfigError("[security].insecure = true cannot be combined with keys or roles")
+        if paths or raw.get("roles") or follow_key_links:
+            raise ConfigError("[security].insecure = true cannot be combined with keys, roles or follow_key_links")
         return SecurityConfig(insecure=True)
     for key in SECURITY_PATHS:
         if key not in paths:
@@ -491,7 +495,9 @@ def parse_security(raw: Any, base_dir: str) -> SecurityConfig | None:
         roles = check_roles(raw.get("roles", {}))
     except SecurityError as error:
         raise ConfigError(str(error)) from None
-    return SecurityConfig(False, paths["server_key"], paths["client_key"], paths["authorized_keys"], roles)
+    return SecurityConfig(
+        False, paths["server_key"], paths["client_key"], paths["authorized_keys"], roles, follow_key_links
+    )
 
 
 def load_config(path: str | None) -> Config:

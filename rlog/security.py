@@ -47,7 +47,12 @@ SECRET_SUFFIX = ".key_secret"
 AUTHORIZED_KEYS_MAX = 10_000  # public key files read from authorized_keys
 MONITOR_POLL_MS = 200
 KEY_FILE_BYTES_MAX = 65_536  # a certificate is some 200 bytes; a larger file is not one
-DIRECTORIES_ABOVE_MAX = 4096  # directories checked above authorized_keys: PATH_MAX allows some 2048
+DIRECTORIES_ABOVE_MAX = 4096  # directories checked above a key directory: PATH_MAX allows some 2048
+# Symbolic links followed for one key path with follow_key_links (a Kubernetes secret volume needs two:
+# NAME -> ..data/NAME and ..data -> ..TIMESTAMP); more is a loop or a maze, not a deployment.
+KEY_LINK_HOPS_MAX = 8
+# O_PATH: a directory this user may search but not list (/home at 0711) is still opened and checked.
+DIRECTORY_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
 # What whoever can write the authorized_keys directory or a key file in it could do.
 ADD_A_PRINCIPAL = "add a principal"
 Z85_KEY_LENGTH = 40  # a 32-byte CurveZMQ key in z85
@@ -76,6 +81,9 @@ class SecurityConfig:
     client_key: str | None = None
     authorized_keys: str | None = None
     roles: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Follow a key path that is a symbolic link (a Kubernetes secret volume), checking every link and
+    # directory on the way (``_open_key_directory``); off: such a key file is refused.
+    follow_key_links: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -137,33 +145,103 @@ def _write_exclusive(path: str, mode: int, text: str) -> None:
         file.write(text)
 
 
-def load_key(path: str, what: str, secret: bool) -> KeyPair:
+def load_key(path: str, what: str, secret: bool, follow_links: bool = False) -> KeyPair:
     """Load a zmq certificate file; ``secret`` requires the secret half (a ``.key_secret`` file) in a
     file that is this user's alone (``_check_secret_file``). A public key loaded here is one a client
     pins (the cluster's ``server_key``): whoever can write it could make the client trust their own
     server, so it is checked as an authorized key file is (``_check_others_cannot_write``).
 
-    The file is opened once, never through a symbolic link (``O_NOFOLLOW``, as an ``authorized_keys``
-    file: the file a link points to was checked, but not the link, which whoever can write its
-    directory could repoint at another file that passes), and the checks (``fstat``) and the parse
-    are of that one descriptor: the file checked is the file whose key is used, whatever is renamed
-    over the path meanwhile.
+    The directory holding the file is opened once and the file is opened in it, never through a
+    symbolic link (``O_NOFOLLOW``) unless ``follow_links`` (``_open_key_directory``: then every link on
+    the way is checked). The checks (``fstat``) and the parse are of that one descriptor: the file
+    checked is the file whose key is used, whatever is renamed over the path meanwhile. Whoever can
+    write that directory, or one above it, could rename another file over the key between two runs:
+    they are checked as ``authorized_keys`` is (the directory holding the file is not sticky-allowed).
     """
-    text, status = _read_key_file(path, what)
-    public, secret_key = _parse_certificate(text, path, what)
-    if secret and not secret_key:
-        raise SecurityError(f"{what}: {path} has no secret key (give the {SECRET_SUFFIX} file)")
-    if secret:
-        _check_secret_file(status, path, what)
-    else:
-        _check_others_cannot_write(status, path, what, "make clients trust their own server as the cluster")
+    directory, directory_path, file_path = _open_key_directory(path, what, follow_links)
+    try:
+        text, status = _read_key_file(file_path, what, directory)
+        public, secret_key = _parse_certificate(text, file_path, what)
+        if secret and not secret_key:
+            raise SecurityError(f"{what}: {file_path} has no secret key (give the {SECRET_SUFFIX} file)")
+        if secret:
+            _check_secret_file(status, file_path, what)
+        else:
+            _check_others_cannot_write(status, file_path, what, "make clients trust their own server as the cluster")
+        _check_directory(directory, directory_path, what, f"put another file in place of {file_path}")
+    finally:
+        os.close(directory)
     return KeyPair(public, secret_key)
 
 
-def _read_key_file(path: str, what: str, directory: int | None = None) -> tuple[bytes, os.stat_result]:
-    """The bytes of the key file ``path`` (a name in the open ``directory`` if given) and the status of
-    the file they were read from. ``O_NONBLOCK``: a FIFO placed there must not hang the node."""
-    name = path if directory is None else os.path.basename(path)
+def _open_key_directory(path: str, what: str, follow_links: bool) -> tuple[int, str, str]:
+    """The open directory (``O_PATH``) that holds the key file ``path``, its real path and the file's path.
+
+    The directories of ``path`` are followed as ssh's realpath does (the real directories are the
+    ones checked, by the caller). A key file that is a symbolic link is refused, unless
+    ``follow_links``: then it is resolved one name at a time, relative to open directories, at most
+    ``KEY_LINK_HOPS_MAX`` links, and each link met (in its target's directories too: ``..data``) must be
+    this user's or root's (its owner could repoint it) in a directory others cannot write, or sticky
+    (there no one else can rename it), with every directory above. The path returned names the real
+    file when a link was followed, so that the messages name what to fix."""
+    absolute = os.path.abspath(path)
+    directory_path = os.path.realpath(os.path.dirname(absolute))  # for the messages
+    try:
+        directory = os.open(os.path.dirname(absolute), DIRECTORY_FLAGS)
+    except OSError as error:
+        raise SecurityError(f"{what}: cannot open the directory of {path}: {error.strerror}") from None
+    pending = [os.path.basename(absolute)]  # names still to resolve, in order
+    hops = 0
+    entry = path
+    try:
+        while pending:
+            name = pending.pop(0)
+            if name == "..":
+                parent = os.open("..", DIRECTORY_FLAGS, dir_fd=directory)
+                os.close(directory)
+                directory, directory_path = parent, os.path.dirname(directory_path)
+                continue
+            entry = os.path.join(directory_path, name)
+            status = os.stat(name, dir_fd=directory, follow_symlinks=False)
+            if stat.S_ISLNK(status.st_mode):
+                if not follow_links:
+                    raise SecurityError(
+                        f"{what}: {path} is a symbolic link; give the key file itself (a link can be repointed), "
+                        "or set [security] follow_key_links = true to check and follow it"
+                    )
+                hops += 1
+                if hops > KEY_LINK_HOPS_MAX:
+                    raise SecurityError(
+                        f"{what}: {path} leads through more than {KEY_LINK_HOPS_MAX} symbolic links; "
+                        "point the config at the key file"
+                    )
+                _check_owner(status, entry, what, "point it at another file", link=True)
+                _check_directory(directory, directory_path, what, f"put another file in place of {entry}", True)
+                target = os.readlink(name, dir_fd=directory)
+                if target.startswith("/"):
+                    root = os.open("/", DIRECTORY_FLAGS)
+                    os.close(directory)
+                    directory, directory_path = root, "/"
+                pending[:0] = [part for part in target.split("/") if part not in ("", ".")]
+            elif pending:  # a directory on the way of a link's target
+                below = os.open(name, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=directory)
+                os.close(directory)
+                directory, directory_path = below, entry
+            else:
+                return directory, directory_path, entry if hops else path
+        raise SecurityError(f"{what}: {path} leads to a directory ({directory_path}), not to a key file")
+    except OSError as error:
+        os.close(directory)
+        raise SecurityError(f"{what}: cannot read {entry}: {error.strerror}") from None
+    except BaseException:
+        os.close(directory)
+        raise
+
+
+def _read_key_file(path: str, what: str, directory: int) -> tuple[bytes, os.stat_result]:
+    """The bytes of the key file ``path`` (its name in the open ``directory``) and the status of the
+    file they were read from. ``O_NONBLOCK``: a FIFO placed there must not hang the node."""
+    name = os.path.basename(path)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
         descriptor = os.open(name, flags, dir_fd=directory)
@@ -230,27 +308,41 @@ def _check_others_cannot_write(
     user's (or root's) and writable by no one else. ``sticky_allowed``: a directory above the one that
     matters may be writable by others if it is sticky (/tmp): there only an entry's owner, the
     directory's owner or root can rename or remove an entry, and the entry below is checked in turn."""
-    if status.st_uid not in (os.geteuid(), 0):
-        raise SecurityError(
-            f"{what}: {path} is owned by uid {status.st_uid}, not by this user (uid {os.geteuid()}) "
-            f"or root: its owner could {power}; chown it to the user that runs mnesite"
-        )
+    _check_owner(status, path, what, power)
     if status.st_mode & 0o022 and not (sticky_allowed and status.st_mode & stat.S_ISVTX):
         raise SecurityError(f"{what}: {path} is writable by other users, who could {power}; chmod go-w {path}")
 
 
-def _check_directories_above(descriptor: int, directory: str) -> None:
+def _check_owner(status: os.stat_result, path: str, what: str, power: str, link: bool = False) -> None:
+    """The file, directory or symbolic ``link`` at ``path`` is this user's or root's: its owner could ``power``."""
+    if status.st_uid not in (os.geteuid(), 0):
+        kind, chown = (" a symbolic link", "chown -h") if link else ("", "chown")
+        raise SecurityError(
+            f"{what}: {path} is{kind} owned by uid {status.st_uid}, not by this user (uid {os.geteuid()}) "
+            f"or root: its owner could {power}; {chown} it to the user that runs mnesite"
+        )
+
+
+def _check_directory(descriptor: int, directory: str, what: str, power: str, sticky_allowed: bool = False) -> None:
+    """The open ``directory`` (whose writers could ``power``) and every directory above it."""
+    try:
+        status = os.fstat(descriptor)
+    except OSError as error:
+        raise SecurityError(f"{what}: cannot check {directory}: {error.strerror}") from None
+    _check_others_cannot_write(status, directory, what, power, sticky_allowed)
+    _check_directories_above(descriptor, directory, what)
+
+
+def _check_directories_above(descriptor: int, directory: str, what: str) -> None:
     """Every directory above the open ``directory`` up to /, found by ``..`` from its descriptor (the
     directory checked is the one opened, a symbolic link on the way resolved, as ssh's realpath does):
-    whoever can write one could put another directory in place of authorized_keys."""
+    whoever can write one could put another directory in place of ``directory``."""
     path = os.path.realpath(directory)  # for the messages: the names of the directories walked
-    status = os.fstat(descriptor)
     current = descriptor
-    # O_PATH: a directory this user may search but not list (/home at 0711) is still checked.
-    flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
     try:
+        status = os.fstat(descriptor)
         for _ in range(DIRECTORIES_ABOVE_MAX):
-            parent = os.open("..", flags, dir_fd=current)
+            parent = os.open("..", DIRECTORY_FLAGS, dir_fd=current)
             if current != descriptor:
                 os.close(current)
             current = parent
@@ -259,14 +351,12 @@ def _check_directories_above(descriptor: int, directory: str) -> None:
                 return  # / is its own parent
             path = os.path.dirname(path)
             _check_others_cannot_write(
-                parent_status, path, "authorized_keys", f"put another directory in place of {directory}", True
+                parent_status, path, what, f"put another directory in place of {directory}", True
             )
             status = parent_status
-        raise SecurityError(f"authorized_keys: {directory} is more than {DIRECTORIES_ABOVE_MAX} directories deep")
+        raise SecurityError(f"{what}: {directory} is more than {DIRECTORIES_ABOVE_MAX} directories deep")
     except OSError as error:
-        raise SecurityError(
-            f"authorized_keys: cannot check the directories above {directory}: {error.strerror}"
-        ) from None
+        raise SecurityError(f"{what}: cannot check the directories above {directory}: {error.strerror}") from None
     finally:
         if current != descriptor:
             os.close(current)
@@ -305,7 +395,7 @@ def load_authorized_keys(directory: str) -> dict[bytes, str]:
                 raise SecurityError(f"authorized_keys: {file_name} repeats the key of {keys[public]}")
             keys[public] = principal
         # After the files: the result is all or nothing, and a file's own error is the more useful one.
-        _check_directories_above(descriptor, directory)
+        _check_directories_above(descriptor, directory, "authorized_keys")
         return keys
     finally:
         os.close(descriptor)
@@ -368,8 +458,9 @@ class NodeSecurity:
     def __init__(self, config: SecurityConfig) -> None:
         if config.server_key is None or config.client_key is None or config.authorized_keys is None:
             raise SecurityError("[security] needs server_key, client_key and authorized_keys (or insecure = true)")
-        self.server = load_key(config.server_key, "[security].server_key", secret=True)
-        self.client = load_key(config.client_key, "[security].client_key", secret=True)
+        follow = config.follow_key_links
+        self.server = load_key(config.server_key, "[security].server_key", secret=True, follow_links=follow)
+        self.client = load_key(config.client_key, "[security].client_key", secret=True, follow_links=follow)
         self.authorized_keys_dir = config.authorized_keys
         self.authorized = load_authorized_keys(config.authorized_keys)
         self.roles = RoleTable(config.roles)

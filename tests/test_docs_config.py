@@ -56,3 +56,21 @@ def test_the_configuration_page_lists_every_key_with_the_codes_default() -> None
         default.disk_probe_interval_ms,
         default.initial_cluster_state,
     )
+
+
+SECURITY = REPO / "docs" / "operations" / "security.md"
+
+
+def security_keys_in(text: str) -> set[str]:
+    """The keys a ``[security]`` example names, a commented-out one included, up to ``[security.roles]``."""
+    section = re.split(r"^\s*\[security\].*$", text, maxsplit=1, flags=re.MULTILINE)[1].split("[security.roles]")[0]
+    return {*re.findall(r"^\s*(?:# )?([a-z_]+) = ", section, re.MULTILINE), "roles"}
+
+
+def test_the_security_page_and_the_config_docstring_name_every_security_key() -> None:
+    """A ``[security]`` key the code reads and the pages do not name is one nobody finds (follow_key_links)."""
+    block = re.search(r"```toml\n(\[security\]\n.*?)```", SECURITY.read_text(), re.DOTALL)
+    assert block is not None
+    assert security_keys_in(block.group(1)) == set(config.SECURITY_KEYS)
+    assert security_keys_in(config.__doc__ or "") == set(config.SECURITY_KEYS)
+    assert config.parse_security({"insecure": True}, "/").follow_key_links is False  # the default both state

@@ -410,6 +410,197 @@ def test_the_secret_key_checked_is_the_file_that_was_read(keys: Path, monkeypatc
         load_key(str(secret), "key", secret=True)
 
 
+# The directory that holds a key file, and every directory above it, is checked as authorized_keys is:
+# whoever can write it can rename another file over the key path between two runs (a pinned server
+# key swapped for their own, a secret replaced). Like ssh, the directory that holds the key itself must
+# not be writable by others even if it is sticky; a sticky directory is accepted only above it (/tmp,
+# which holds every test's tmp_path).
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777, 0o1777], ids=oct)
+@pytest.mark.parametrize(
+    ("file_name", "what", "secret"), [("app.key_secret", "key", True), ("cluster.key", "server_key", False)]
+)
+def test_a_key_file_in_a_directory_other_users_can_write_is_refused(
+    keys: Path, mode: int, file_name: str, what: str, secret: bool
+) -> None:
+    key_file = keys / file_name
+    assert load_key(str(key_file), what, secret=secret).public  # keys generate makes its directory 0755
+    keys.chmod(mode)
+    with pytest.raises(
+        SecurityError,
+        match=rf"{what}: {keys} is writable by other users, who could put another file in place of {key_file}; "
+        rf"chmod go-w {keys}$",
+    ):
+        load_key(str(key_file), what, secret=secret)
+    with pytest.raises(MnesiteError, match=rf"{keys} is writable by other users.*chmod go-w {keys}"):
+        Client("tcp://127.0.0.1:1", key=keys / "app.key_secret", server_key=keys / "cluster.key")
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o777], ids=oct)
+def test_a_directory_above_a_key_file_that_other_users_can_write_is_refused_unless_sticky(
+    keys: Path, mode: int
+) -> None:
+    above = keys.parent  # the test's private tmp_path
+    above.chmod(mode)
+    with pytest.raises(
+        SecurityError,
+        match=rf"server_key: {above} is writable by other users, who could put another directory in place of "
+        rf"{keys}; chmod go-w {above}$",
+    ):
+        load_key(str(keys / "cluster.key"), "server_key", secret=False)
+    above.chmod(mode | stat.S_ISVTX)  # sticky, as /tmp is
+    assert load_key(str(keys / "cluster.key"), "server_key", secret=False).public
+    above.chmod(0o700)
+
+
+def test_a_node_refuses_to_start_with_a_key_in_a_directory_others_can_write(keys: Path, tmp_path: Path) -> None:
+    keys.chmod(0o777)
+    path = tmp_path / "node.toml"
+    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + security_toml(keys, ROLES))
+    with pytest.raises(
+        (ConfigError, SecurityError), match=rf"\[security\].server_key: {keys} is writable by other users.*chmod go-w"
+    ):
+        CoreNode(load_config(str(path)))
+
+
+def test_the_directories_checked_above_a_key_file_are_those_of_the_directory_opened(keys: Path, tmp_path: Path) -> None:
+    """A symbolic link among the key path's directories is followed, as ssh's realpath does: the
+    directories checked are the real ones that hold the file read, not the ones the path names."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "link").symlink_to(keys)
+    server_key = outside / "link" / "cluster.key"
+    assert load_key(str(server_key), "server_key", secret=False).public
+    keys.chmod(0o777)  # the real directory of the file, not named by the path given
+    with pytest.raises(SecurityError, match=rf"server_key: {keys} is writable by other users.*chmod go-w {keys}$"):
+        load_key(str(server_key), "server_key", secret=False)
+    keys.chmod(0o755)
+
+
+# [security] follow_key_links = true: a key path that is a symbolic link (a Kubernetes secret volume:
+# NAME -> ..data/NAME, ..data -> ..TIMESTAMP/, all root's, in a sticky mount point) is followed, and
+# every link, every directory holding one (sticky allowed: the link's owner is checked) and the
+# directory holding the key file itself (not sticky) and those above are held to the usual rules.
+
+
+def secret_volume(tmp_path: Path, keys: Path) -> Path:
+    """A Kubernetes secret volume's layout: volume/NAME -> ..data/NAME, ..data -> ..TIMESTAMP."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    volume.chmod(0o1777)  # what the kubelet's tmpfs mount point is: drwxrwxrwt root root
+    timestamped = volume / "..2026_12_02_10_00_00.123456789"
+    timestamped.mkdir(mode=0o755)
+    for name, mode in (("core1.key_secret", 0o400), ("cluster.key_secret", 0o400), ("cluster.key", 0o444)):
+        shutil.copy(keys / name, timestamped / name)
+        (timestamped / name).chmod(mode)
+        (volume / name).symlink_to(Path("..data") / name)
+    (volume / "..data").symlink_to(timestamped.name)
+    return volume
+
+
+def test_a_key_file_link_is_followed_only_when_the_config_says_so(keys: Path, tmp_path: Path) -> None:
+    volume = secret_volume(tmp_path, keys)
+    expected = load_key(str(keys / "core1.key_secret"), "key", secret=True)
+    with pytest.raises(
+        SecurityError, match=rf"key: {volume / 'core1.key_secret'} is a symbolic link.*follow_key_links"
+    ):
+        load_key(str(volume / "core1.key_secret"), "key", secret=True)
+    assert load_key(str(volume / "core1.key_secret"), "key", secret=True, follow_links=True) == expected
+    server = load_key(str(volume / "cluster.key"), "server_key", secret=False, follow_links=True)
+    assert server.public == load_key(str(keys / "cluster.key"), "server_key", secret=False).public
+    elsewhere = tmp_path / "elsewhere"  # a relative target through "..", and an absolute one
+    elsewhere.mkdir(mode=0o755)
+    (elsewhere / "relative.key_secret").symlink_to(Path("..") / "volume" / "core1.key_secret")
+    (elsewhere / "absolute.key_secret").symlink_to(volume / "core1.key_secret")
+    for name in ("relative.key_secret", "absolute.key_secret"):
+        assert load_key(str(elsewhere / name), "key", secret=True, follow_links=True) == expected
+    (volume / "..2026_12_02_10_00_00.123456789" / "core1.key_secret").chmod(0o440)  # the file itself: as strict
+    with pytest.raises(
+        SecurityError, match=r"key: .*/\.\.2026_12_02_10_00_00\.123456789/core1\.key_secret is readable"
+    ):
+        load_key(str(volume / "core1.key_secret"), "key", secret=True, follow_links=True)
+
+
+def test_a_node_follows_key_file_links_with_follow_key_links(keys: Path, tmp_path: Path) -> None:
+    from mnesite.rlog.security import NodeSecurity
+
+    volume = secret_volume(tmp_path, keys)
+    toml = security_toml(keys, ROLES).replace(str(keys / "core1.key_secret"), str(volume / "core1.key_secret"))
+    toml = toml.replace(str(keys / "cluster.key_secret"), str(volume / "cluster.key_secret"))
+    path = tmp_path / "node.toml"
+    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + toml)
+    assert load_config(str(path)).security.follow_key_links is False  # the default
+    with pytest.raises(SecurityError, match=r"\[security\].server_key: .* is a symbolic link"):
+        NodeSecurity(load_config(str(path)).security)
+    path.write_text(path.read_text().replace("[security]\n", "[security]\nfollow_key_links = true\n"))
+    security = NodeSecurity(load_config(str(path)).security)
+    assert security.client == load_key(str(keys / "core1.key_secret"), "key", secret=True)
+    with pytest.raises(ConfigError, match=r"\[security\].follow_key_links must be true or false"):
+        parse_config({"security": {"follow_key_links": "yes"}})
+
+
+@pytest.mark.parametrize(
+    ("writable", "mode"),
+    [("volume", 0o777), ("timestamped", 0o777), ("timestamped", 0o1777), ("above", 0o777)],
+    ids=["volume-777", "timestamped-777", "timestamped-sticky", "above-777"],
+)
+def test_a_followed_key_link_with_a_directory_on_the_way_others_can_write_is_refused(
+    keys: Path, tmp_path: Path, writable: str, mode: int
+) -> None:
+    """The directory holding a link may be sticky (the link's owner is checked; in a sticky directory
+    no one else can rename it), the one holding the key file may not; any that others can write and
+    that is not sticky is refused by name."""
+    volume = secret_volume(tmp_path, keys)
+    timestamped = volume / "..2026_12_02_10_00_00.123456789"
+    directory = {"volume": volume, "timestamped": timestamped, "above": tmp_path}[writable]
+    directory.chmod(mode)
+    link = volume / "core1.key_secret"
+    entry = link if writable == "volume" else timestamped / "core1.key_secret"
+    power = f"another directory in place of {volume}" if writable == "above" else f"another file in place of {entry}"
+    with pytest.raises(
+        SecurityError,
+        match=rf"key: {directory} is writable by other users, who could put {power}; chmod go-w {directory}$",
+    ):
+        load_key(str(link), "key", secret=True, follow_links=True)
+    directory.chmod(0o700)
+
+
+@pytest.mark.parametrize("owned", ["core1.key_secret", "..data"])
+def test_a_followed_key_link_another_user_owns_is_refused(
+    keys: Path, tmp_path: Path, owned: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every link on the way is checked, the ``..data`` link among the directories of the first one's
+    target too: its owner could point it elsewhere."""
+    if os.geteuid() != 0:
+        pytest.skip("needs a symbolic link another user owns: run as root")
+    volume = secret_volume(tmp_path, keys)
+    os.lchown(volume / owned, 12345, -1)
+    with pytest.raises(
+        SecurityError,
+        match=rf"key: {volume / owned} is a symbolic link owned by uid 12345, not by this user .* or root: "
+        rf"its owner could point it at another file; chown -h",
+    ):
+        load_key(str(volume / "core1.key_secret"), "key", secret=True, follow_links=True)
+
+
+def test_a_chain_or_loop_of_key_file_links_is_refused_after_a_bounded_number(keys: Path) -> None:
+    from mnesite.rlog.security import KEY_LINK_HOPS_MAX
+
+    previous = keys / "app.key_secret"
+    for hop in range(KEY_LINK_HOPS_MAX):
+        link = keys / f"hop{hop}.key_secret"
+        link.symlink_to(previous.name)
+        previous = link
+    assert load_key(str(previous), "key", secret=True, follow_links=True).secret
+    (keys / "one-more.key_secret").symlink_to(previous.name)
+    for path in (keys / "one-more.key_secret", keys / "loop.key_secret"):
+        if not path.is_symlink():
+            path.symlink_to(path.name)  # a link to itself
+        with pytest.raises(SecurityError, match=rf"key: {path} leads through more than {KEY_LINK_HOPS_MAX} symbolic"):
+            load_key(str(path), "key", secret=True, follow_links=True)
+
+
 @pytest.mark.parametrize(
     "text",
     [b"", b"curve\n    public-key\n", b'curve\n    public-key = "short"\n', b"\xff\xfe" * 40_000],
