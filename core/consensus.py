@@ -1424,10 +1424,20 @@ class ShardConsensus:
         the answer safe; a removed core cannot disrupt, as a core hearing a sequencer refuses it (the
         pre-vote and stickiness guards). Replies count only from members. After a forced start,
         outsiders are the cores it left out (their logs may hold entries the forced log lost, so the
-        log check would not stop them) and are told so instead."""
+        log check would not stop them) and are told so instead, except a candidate whose log goes
+        past our committed key, a core added after the forced start (``heard_after_forced_start``),
+        and its appends once it is elected."""
         if isinstance(message, AppendReply):
             return sender in self._progress
-        return isinstance(message, (AppendRequest, VoteRequest, PreVoteRequest)) and not self._forced
+        if not isinstance(message, (AppendRequest, VoteRequest, PreVoteRequest)):
+            return False
+        if not self._forced:
+            return True
+        if isinstance(message, AppendRequest):
+            # The sequencer we voted for (heard by the rule below), or one whose committed key is past ours.
+            voted = sender == self._voted_for and message.generation == self._generation
+            return voted or membership.heard_after_forced_start(message.commit_key, self._commit_key)
+        return membership.heard_after_forced_start(message.last_key, self._commit_key)
 
     def _reply_append(self, sender: str, message: AppendRequest, success: bool, match_key: TxKey) -> None:
         reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key, message.sent_ms)
