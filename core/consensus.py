@@ -103,8 +103,9 @@ and executes the effects it returns.
   generation is above every generation a reached member has seen, so every reached member follows
   the forced sequencer. The forced generation's first entry records the reduced membership
   (``membership.forced_start_entry``): every member holding it committed is *forced* (persisted), as
-  the forced core is from the start, so the cores left out are still told once the forced core is
-  gone. A forced core that hears from a core outside its (reduced) membership answers with an
+  the forced core is from the start, and so is a member that installs a snapshot past it (the offer
+  says so: ``core.snapshot.state_after_install``), so the cores left out are still told once the
+  forced core is gone. A forced core that hears from a core outside its (reduced) membership answers with an
   ``ExclusionNotice`` (at most once per ``EXCLUSION_NOTICE_INTERVAL_MS`` per core); a core told that
   a forced membership left it out steps down, fails its pending writes, and stops taking part,
   unless the notice shows its sender behind it (a core added back ignores a member that has not

@@ -35,7 +35,7 @@ from mnesite.core.consensus import (
     TruncateLog,
     VoteRequest,
 )
-from mnesite.core.snapshot import SnapshotOffer, members_after_install
+from mnesite.core.snapshot import SnapshotOffer, members_after_install, reads_forced_offer, state_after_install
 from mnesite.rlog.messages import MessageError, decode_ops, typed_body
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -318,6 +318,25 @@ def test_a_snapshot_carries_the_committed_membership():
     # An offer naming none (or a malformed set) keeps the follower's own.
     assert members_after_install(SnapshotOffer("a", 3, TxKey(3, 9), bytes(32)), ("a", "b")) == ("a", "b")
     assert members_after_install(SnapshotOffer("a", 3, TxKey(3, 9), bytes(32), ("a", "a")), ("a", "b")) == ("a", "b")
+
+
+def test_a_snapshot_carries_whether_its_membership_is_a_forced_starts():
+    forced = SnapshotOffer("a", 3, TxKey(3, 9), bytes(32), ("a", "b"), forced=True)
+    assert state_after_install(forced, ("a", "b", "c"), False) == (("a", "b"), True)
+    # A later membership change settled it: the installing core is forced no more.
+    assert state_after_install(SnapshotOffer("a", 3, TxKey(3, 9), bytes(32), ("a", "b")), ("a", "b"), True) == (
+        ("a", "b"),
+        False,
+    )
+    # An offer naming no membership (release 0.1.0) keeps both of the follower's own.
+    assert state_after_install(SnapshotOffer("a", 3, TxKey(3, 9), bytes(32)), ("a", "b"), True) == (("a", "b"), True)
+    # On the wire: the field is optional (0.1.0 never sends it) and typed.
+    body = {"shard": "s", "sender": "a", "generation": 3, "key": [3, 9], "digest": bytes(32), "members": ["a"]}
+    assert typed_body("snapshot_offer", body).forced is False
+    assert typed_body("snapshot_offer", {**body, "forced": True}).forced is True
+    with pytest.raises(MessageError):
+        typed_body("snapshot_offer", {**body, "forced": "yes"})
+    assert not reads_forced_offer(None)
 
 
 # ---------------------------------------------------------------- the simulator
