@@ -106,7 +106,9 @@ and executes the effects it returns.
   the forced core is from the start, and so is a member that installs a snapshot past it (the offer
   says so: ``core.snapshot.state_after_install``), so the cores left out are still told once the
   forced core is gone. A forced core that hears from a core outside its (reduced) membership answers with an
-  ``ExclusionNotice`` (at most once per ``EXCLUSION_NOTICE_INTERVAL_MS`` per core); a core told that
+  ``ExclusionNotice`` (at most once per ``EXCLUSION_NOTICE_INTERVAL_MS`` per core), unless its log goes
+  past this core's committed key: a core added since, whose add entry has not reached this core
+  (``membership.heard_after_forced_start``, ``_heeds_outsider``); a core told that
   a forced membership left it out steps down, fails its pending writes, and stops taking part,
   unless the notice shows its sender behind it (a core added back ignores a member that has not
   persisted the entry adding it: ``_on_exclusion``).
