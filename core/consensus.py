@@ -103,9 +103,12 @@ and executes the effects it returns.
   generation is above every generation a reached member has seen, so every reached member follows
   the forced sequencer. The forced generation's first entry records the reduced membership
   (``membership.forced_start_entry``): every member holding it committed is *forced* (persisted), as
-  the forced core is from the start, so the cores left out are still told once the forced core is
-  gone. A forced core that hears from a core outside its (reduced) membership answers with an
-  ``ExclusionNotice`` (at most once per ``EXCLUSION_NOTICE_INTERVAL_MS`` per core); a core told that
+  the forced core is from the start, and so is a member that installs a snapshot past it (the offer
+  says so: ``core.snapshot.state_after_install``), so the cores left out are still told once the
+  forced core is gone. A forced core that hears from a core outside its (reduced) membership answers with an
+  ``ExclusionNotice`` (at most once per ``EXCLUSION_NOTICE_INTERVAL_MS`` per core), unless its log goes
+  past this core's committed key: a core added since, whose add entry has not reached this core
+  (``membership.heard_after_forced_start``, ``_heeds_outsider``); a core told that
   a forced membership left it out steps down, fails its pending writes, and stops taking part,
   unless the notice shows its sender behind it (a core added back ignores a member that has not
   persisted the entry adding it: ``_on_exclusion``).
@@ -1423,10 +1426,20 @@ class ShardConsensus:
         the answer safe; a removed core cannot disrupt, as a core hearing a sequencer refuses it (the
         pre-vote and stickiness guards). Replies count only from members. After a forced start,
         outsiders are the cores it left out (their logs may hold entries the forced log lost, so the
-        log check would not stop them) and are told so instead."""
+        log check would not stop them) and are told so instead, except a candidate whose log goes
+        past our committed key, a core added after the forced start (``heard_after_forced_start``),
+        and its appends once it is elected."""
         if isinstance(message, AppendReply):
             return sender in self._progress
-        return isinstance(message, (AppendRequest, VoteRequest, PreVoteRequest)) and not self._forced
+        if not isinstance(message, (AppendRequest, VoteRequest, PreVoteRequest)):
+            return False
+        if not self._forced:
+            return True
+        if isinstance(message, AppendRequest):
+            # The sequencer we voted for (heard by the rule below), or one whose committed key is past ours.
+            voted = sender == self._voted_for and message.generation == self._generation
+            return voted or membership.heard_after_forced_start(message.commit_key, self._commit_key)
+        return membership.heard_after_forced_start(message.last_key, self._commit_key)
 
     def _reply_append(self, sender: str, message: AppendRequest, success: bool, match_key: TxKey) -> None:
         reply = AppendReply(self._generation, success, match_key, self._last_key, self._commit_key, message.sent_ms)

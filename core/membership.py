@@ -122,6 +122,22 @@ def forced_start_entry(key: TxKey) -> bool:
     return key.counter == 1
 
 
+def heard_after_forced_start(last_key: TxKey, committed_key: TxKey) -> bool:
+    """Whether a member of a forced generation answers the (pre-)vote request of a core outside its
+    membership whose log ends at ``last_key`` (it tells the others they were left out instead).
+
+    ``committed_key`` is this member's: at or after the forced start entry, which it holds committed
+    (the forced core: once that entry commits; until then, stickiness refuses everyone anyway). A
+    log that goes past it holds entries of the forced generation or later: a core added after the
+    forced start whose add entry has not reached this member (it may need this member's vote, as any
+    added core: thesis 4.2.3), and the log check keeps the answer safe. A core the forced start left
+    out stopped at a generation the forced one is above (the forced core reached no majority of the
+    old membership, so no later sequencer of it was elected without it), so it is still told: only
+    a left-out majority that was alive and elected a sequencer in a generation as high (the split
+    brain a forced start assumes away: such cores must be rebuilt first) would be heard."""
+    return last_key > committed_key
+
+
 def valid_members(members: tuple[str, ...]) -> bool:
     """A membership a log may carry: 1..MEMBERS_MAX distinct names."""
     return 1 <= len(members) <= MEMBERS_MAX and len(set(members)) == len(members)

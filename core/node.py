@@ -130,10 +130,11 @@ from mnesite.core.snapshot import (
     SnapshotInstall,
     SnapshotOffer,
     accept_offer,
-    members_after_install,
     offer_due,
+    reads_forced_offer,
     reads_snapshot_request,
     snapshot_request_due,
+    state_after_install,
 )
 from mnesite.core.transaction import GuardFailed, evaluate
 from mnesite.core.versions import (
@@ -1067,6 +1068,10 @@ class CoreNode(NodeServer):
                 # Only above 1: a field a follower of release 0.1.0 would refuse is never sent to one.
                 if self.store.cluster_version(shard) > 1:
                     body["cluster_version"] = self.store.cluster_version(shard)
+                # Only when forced, and only to a follower that reads the field (never to 0.1.0).
+                follower_versions = self.peer_versions.announcement(effect.follower)
+                if driver.consensus.status().forced and reads_forced_offer(follower_versions):
+                    body["forced"] = True
                 self._send_peer(effect.follower, Message("snapshot_offer", "snapshot", body))
         elif isinstance(effect, ForceStartRefused):
             log.warning("shard %s: force start refused: %s", shard, effect.reason)
@@ -1222,7 +1227,7 @@ class CoreNode(NodeServer):
             self._apply_gathered(driver)
             position = self.store.shard(shard) or position
         offer = SnapshotOffer(
-            body.sender, body.generation, body.key, body.digest, tuple(body.members), body.cluster_version
+            body.sender, body.generation, body.key, body.digest, tuple(body.members), body.cluster_version, body.forced
         )
         install = self.installs.get(shard)
         installing = install is not None and install.mode in (InstallMode.LISTING, InstallMode.COPYING)
@@ -1348,7 +1353,7 @@ class CoreNode(NodeServer):
                 self.begin()
                 self.store.restart_log_at(shard, effect.key, effect.digest)
                 generation, voted_for, members, forced = self.store.consensus_state(shard)
-                members = members_after_install(self.installs[shard].offer, members or self.members)
+                members, forced = state_after_install(self.installs[shard].offer, members or self.members, forced)
                 self.store.persist_consensus_state(shard, generation, voted_for, members, forced)
                 self.store.set_meta(f"installing:{shard}", 0)
                 self.rows_lost.discard(shard)

@@ -15,9 +15,10 @@ and only one install per shard at a time (``accept_offer``). The install is the 
 2. ``FetchTables``, then ``bootstrap.copy.TableCopy``: key-ordered dirty-read batches of every table
    of the shard from the sequencer (``bootstrap.serve`` on its side).
 3. ``FinishInstall``: in one transaction, the shard's log restarts at K0 (empty, trimmed at K0 with
-   digest D0) and its applied key and digest become K0 and D0; the driver then rebuilds the shard's
-   consensus from what is persisted. The sequencer's appends continue from K0; entries are results,
-   so applying them heals whatever the dirty reads saw.
+   digest D0), its applied key and digest become K0 and D0, and the committed membership and forced
+   flag become the offer's (``state_after_install``: the membership entries up to K0 are not copied);
+   the driver then rebuilds the shard's consensus from what is persisted. The sequencer's appends
+   continue from K0; entries are results, so applying them heals whatever the dirty reads saw.
 4. The read fence (the rule the replicant follows): ``FetchCommitted`` asks the sequencer's
    quorum-confirmed committed key after the copy; no read is served until the applied key reaches it.
 
@@ -78,6 +79,9 @@ class SnapshotOffer:
     members: tuple[str, ...] = ()
     # The cluster version the sequencer's copied state is at (``rlog.store``; 1 before any entry).
     cluster_version: int = 1
+    # Whether ``members`` comes from a forced start's entry (``ShardConsensus`` "Force start"): the
+    # entry is not copied either, and a member that installs past it is forced as one that appended it.
+    forced: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,10 +128,25 @@ class InstallMode(enum.Enum):
 
 
 def members_after_install(offer: SnapshotOffer, members: tuple[str, ...]) -> tuple[str, ...]:
-    """The committed membership a follower persists with an installed snapshot: the offer's, when
-    it names one (an offer from before membership changes names none: keep ours)."""
+    """The committed membership a follower persists with an installed snapshot (``state_after_install``)."""
+    return state_after_install(offer, members, False)[0]
+
+
+def state_after_install(offer: SnapshotOffer, members: tuple[str, ...], forced: bool) -> tuple[tuple[str, ...], bool]:
+    """The committed membership and forced flag (``PersistedState``) a follower persists with an
+    installed snapshot: the offer's, when it names a membership (an offer from before membership
+    changes names none: keep ours). So a member is forced alike whether the forced start's entry
+    reached it by append (``ShardConsensus._settle_members``) or inside a snapshot."""
     offered = tuple(sorted(set(offer.members)))
-    return offered if len(offered) == len(offer.members) and valid_members(offered) else members
+    if len(offered) != len(offer.members) or not valid_members(offered):
+        return members, forced
+    return offered, offer.forced
+
+
+def reads_forced_offer(follower: Announcement | None) -> bool:
+    """Whether a follower that announced ``follower`` reads an offer's ``forced`` field: every release
+    that announces its versions does; 0.1.0 announces none and refuses the field (it keeps its flag)."""
+    return follower is not None and follower.announced
 
 
 def accept_offer(

@@ -257,8 +257,8 @@ BytesMax = Annotated[int, Meta(ge=1, le=2**31)] | None  # a bootstrap's batch of
 _kind("bootstrap_batch", TABLE, ("limit", Integer), ("after", Scalar, None), ("bytes_max", BytesMax, None))
 # sequencer -> a follower behind its trimmed log (core.snapshot), the membership at key; version 1 left out (0.1.0)
 Members = Annotated[list[Name], Meta(max_length=types.MEMBERS_OP_MAX)]
-ClusterVersion = Annotated[int, Meta(ge=1, le=1000)]
-SnapshotOffer = _kind("snapshot_offer", SHARD, SENDER, ("generation", NonNegative), ("key", TxKey),
+ClusterVersion, FORCED = Annotated[int, Meta(ge=1, le=1000)], ("forced", bool, False)  # sent only true, never to 0.1.0
+SnapshotOffer = _kind("snapshot_offer", SHARD, SENDER, ("generation", NonNegative), ("key", TxKey), FORCED,
                       ("digest", DigestOrEmpty), ("members", Members, []), ("cluster_version", ClusterVersion, 1))
 SnapshotRequest = _kind("snapshot_request", SHARD, SENDER)  # rows lost: offer me one (core.snapshot, "Re-offer")
 # between cores: one consensus message, decoded once by its kind's type (core.consensus_wire)

@@ -16,6 +16,7 @@ from mnesite.core.consensus import (
     BatchEnded,
     Commit,
     ExclusionNotice,
+    ForceStarted,
     ForceStartRequested,
     LearnerRefused,
     MembershipChangeRequested,
@@ -32,8 +33,9 @@ from mnesite.core.consensus import (
     ShardConsensus,
     Ticked,
     TruncateLog,
+    VoteRequest,
 )
-from mnesite.core.snapshot import SnapshotOffer, members_after_install
+from mnesite.core.snapshot import SnapshotOffer, members_after_install, reads_forced_offer, state_after_install
 from mnesite.rlog.messages import MessageError, decode_ops, typed_body
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -318,6 +320,25 @@ def test_a_snapshot_carries_the_committed_membership():
     assert members_after_install(SnapshotOffer("a", 3, TxKey(3, 9), bytes(32), ("a", "a")), ("a", "b")) == ("a", "b")
 
 
+def test_a_snapshot_carries_whether_its_membership_is_a_forced_starts():
+    forced = SnapshotOffer("a", 3, TxKey(3, 9), bytes(32), ("a", "b"), forced=True)
+    assert state_after_install(forced, ("a", "b", "c"), False) == (("a", "b"), True)
+    # A later membership change settled it: the installing core is forced no more.
+    assert state_after_install(SnapshotOffer("a", 3, TxKey(3, 9), bytes(32), ("a", "b")), ("a", "b"), True) == (
+        ("a", "b"),
+        False,
+    )
+    # An offer naming no membership (release 0.1.0) keeps both of the follower's own.
+    assert state_after_install(SnapshotOffer("a", 3, TxKey(3, 9), bytes(32)), ("a", "b"), True) == (("a", "b"), True)
+    # On the wire: the field is optional (0.1.0 never sends it) and typed.
+    body = {"shard": "s", "sender": "a", "generation": 3, "key": [3, 9], "digest": bytes(32), "members": ["a"]}
+    assert typed_body("snapshot_offer", body).forced is False
+    assert typed_body("snapshot_offer", {**body, "forced": True}).forced is True
+    with pytest.raises(MessageError):
+        typed_body("snapshot_offer", {**body, "forced": "yes"})
+    assert not reads_forced_offer(None)
+
+
 # ---------------------------------------------------------------- the simulator
 
 
@@ -447,12 +468,20 @@ def _add_committed_without_the_old_member(seed: int) -> tuple[MembershipSimulati
         simulation.advance()
     assert d in simulation.nodes[d].machine.members and d not in simulation.nodes[c].machine.members
     simulation.lose_for_good([s])
-    deadline_ms = simulation.now_ms + 10 * simulation.config.election_timeout_ms_max
-    while simulation.nodes[d].machine.role is not Role.SEQUENCER:
-        if simulation.now_ms >= deadline_ms:
-            raise simulation.fail(f"no sequencer elected among {c} and {d} by t={deadline_ms}")
-        simulation.advance()
+    _elect_one_of(simulation, c, d)
     return simulation, s, c, d
+
+
+def _elect_one_of(simulation: MembershipSimulation, first: str, second: str) -> str:
+    """Advance until ``first`` or ``second`` is sequencer (its name), failing after 10 election timeouts."""
+    deadline_ms = simulation.now_ms + 10 * simulation.config.election_timeout_ms_max
+    while True:
+        for name in (first, second):
+            if simulation.nodes[name].machine.role is Role.SEQUENCER:
+                return name
+        if simulation.now_ms >= deadline_ms:
+            raise simulation.fail(f"no sequencer elected among {first} and {second} by t={deadline_ms}")
+        simulation.advance()
 
 
 @pytest.mark.timeout(60)
@@ -485,6 +514,71 @@ def test_the_simulator_catches_a_member_that_drops_vote_requests_from_cores_it_d
     monkeypatch.setattr(ShardConsensus, "_heeds_outsider", old_rule)
     with pytest.raises(SimulationFailure, match="seed 1 .*no sequencer elected among core0 and spare0"):
         _add_committed_without_the_old_member(seed=1)
+
+
+def _add_after_a_forced_start_without_the_kept_member(seed: int) -> tuple[MembershipSimulation, str, str, str]:
+    """Five cores and a spare, no faults: three cores are lost for good and the operator force-starts
+    F, which reaches R (forced set {F, R}). Once F's forced entry committed, F adds the spare D; once
+    F appended the entry it is cut off from R, commits the add with D (2 of {D, F, R}) and is lost
+    for good. R never stored the entry: D is outside its (forced) membership. A sequencer must be
+    elected among R and D within 10 election timeouts. Returns the simulation, F, R and the elected core."""
+    simulation = MembershipSimulation(seed, 5, faulty_ms=0, change_probability=0.0)
+    simulation._heal()
+    sequencer = simulation.run_until_quiet()
+    for _ in range(3):
+        simulation.write(sequencer.name)
+    simulation.run_until_quiet()
+    f, r, *lost = sorted(name for name in simulation.nodes if name.startswith("core"))
+    d = "spare0"
+    simulation.lose_for_good(lost)
+    [forced] = [effect for effect in simulation.force_start(f) if isinstance(effect, ForceStarted)]
+    assert forced.members == (f, r)
+    forcer = simulation.nodes[f].machine
+    while forcer.committed_key < TxKey(forced.generation, 1):
+        simulation.advance()
+    simulation.change(f, d, add=True)
+    while d not in forcer.members:
+        simulation.advance()
+    simulation.cut = {(f, r), (r, f)}
+    entry_key = forcer.last_key
+    while forcer.committed_key < entry_key:
+        simulation.advance()
+    kept = simulation.nodes[r].machine
+    assert d in simulation.nodes[d].machine.members and d not in kept.members and kept.status().forced
+    simulation.lose_for_good([f])
+    return simulation, f, r, _elect_one_of(simulation, r, d)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", simulation_seeds(CI_SEEDS, "MNESITE_SIM_SEEDS", FAST_SEEDS))
+def test_a_forced_member_votes_for_a_core_added_by_an_entry_it_has_not_stored(seed):
+    """As above, after a forced start: R (forced) must hear the vote requests of D, added after the
+    forced start, or neither is ever elected. Then the operator removes F and nothing acknowledged
+    is lost."""
+    simulation, f, r, elected = _add_after_a_forced_start_without_the_kept_member(seed)
+    new = simulation.nodes[elected]
+    while new.machine.committed_key.generation < new.machine.generation:  # its no-op first
+        simulation.advance()
+    simulation.change(new.name, f, add=False)
+    sequencer = simulation.run_until_quiet()
+    assert sequencer.machine.members == (r, "spare0") == simulation.nodes[r].machine.members
+    assert not sequencer.machine.status().forced
+    simulation.final_check(sequencer)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_forced_member_that_drops_vote_requests_from_cores_added_after_it(monkeypatch):
+    """Mutation: the old rule (a forced member heeds no core outside its membership) leaves R and D
+    unable to elect anyone after the forced core that added D died."""
+
+    def old_rule(self, sender, message):
+        if isinstance(message, AppendReply):
+            return sender in self._progress
+        return isinstance(message, (AppendRequest, VoteRequest, PreVoteRequest)) and not self._forced
+
+    monkeypatch.setattr(ShardConsensus, "_heeds_outsider", old_rule)
+    with pytest.raises(SimulationFailure, match="seed 0 .*no sequencer elected among core1 and spare0"):
+        _add_after_a_forced_start_without_the_kept_member(seed=0)
 
 
 def test_a_committed_membership_change_after_a_forced_start_ends_exclusion_notices():

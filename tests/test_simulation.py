@@ -29,6 +29,7 @@ from mnesite.rlog.versions import THIS_RELEASE
 
 from tests.conftest import seed_ranges, simulation_seeds
 from tests.sim import Simulation, SimulationFailure, run_seed
+from tests.sim import cluster as sim_cluster
 from tests.sim.cluster import READ_KEYS, replay_command
 from tests.sim.versions import (
     STUCK_RUN_MS,
@@ -516,21 +517,36 @@ def _forced_core_dies_before_a_left_out_core_comes_back(seed: int) -> None:
     force-starts F, which reaches R; once R holds the forced generation's entry committed, F is lost
     for good too, and L's link heals. R, the forced generation's other member, must tell L that it
     was left out (F, who used to be the only one to, is gone): L then stops taking part."""
-    simulation = Simulation(seed, 5)
+    simulation, forced, left_out = _force_start_with_a_core_cut_off(seed, 5, 2)
+    forcer, kept = forced.members
+    machine = simulation.nodes[kept].machine
+    while machine is not None and machine.committed_key < TxKey(forced.generation, 1):
+        simulation.advance()
+    simulation.lose_for_good([forcer])
+    _left_out_core_is_told(simulation, left_out, kept)
+
+
+def _force_start_with_a_core_cut_off(seed: int, core_count: int, kept: int) -> tuple[Simulation, ForceStarted, str]:
+    """No random faults, three writes; then the core after the first ``kept`` in name order is cut off,
+    the ones after it are lost for good and the operator force-starts the first, which reaches the
+    first ``kept`` (the forced set). Returns the simulation, the force start and the core cut off."""
+    simulation = Simulation(seed, core_count)
     simulation._heal()
     sequencer = simulation.run_until_quiet()
     for _ in range(3):
         simulation.write(sequencer.name)
     simulation.run_until_quiet()
-    forcer, kept, left_out, *lost = sorted(simulation.nodes)
+    names = sorted(simulation.nodes)
+    left_out = names[kept]
     simulation.cut = {link for other in simulation.nodes for link in ((left_out, other), (other, left_out))}
-    simulation.lose_for_good(lost)
-    [forced] = [effect for effect in simulation.force_start(forcer) if isinstance(effect, ForceStarted)]
-    assert forced.members == (forcer, kept)
-    machine = simulation.nodes[kept].machine
-    while machine is not None and machine.committed_key < TxKey(forced.generation, 1):
-        simulation.advance()
-    simulation.lose_for_good([forcer])
+    simulation.lose_for_good(names[kept + 1 :])
+    [forced] = [effect for effect in simulation.force_start(names[0]) if isinstance(effect, ForceStarted)]
+    assert forced.members == tuple(names[:kept])
+    return simulation, forced, left_out
+
+
+def _left_out_core_is_told(simulation: Simulation, left_out: str, kept: str) -> None:
+    """Heal every link: ``left_out`` must be told by ``kept`` (the last forced member) that it is out."""
     simulation.cut = set()
     returned = simulation.nodes[left_out].machine
     deadline_ms = simulation.now_ms + 5 * simulation.config.election_timeout_ms_max + 5 * EXCLUSION_NOTICE_INTERVAL_MS
@@ -552,6 +568,50 @@ def test_the_simulator_catches_a_forced_generation_whose_members_do_not_know_it_
     monkeypatch.setattr(membership, "forced_start_entry", lambda key: False)
     with pytest.raises(SimulationFailure, match="seed 0 .*was never told so"):
         _forced_core_dies_before_a_left_out_core_comes_back(0)
+
+
+def _kept_core_installs_the_forced_entry_then_is_the_last_forced_member(seed: int) -> None:
+    """Seven cores, no random faults. L is cut off; three are lost for good; the operator force-starts
+    F, which reaches R and S (forced set {F, R, S}). R is cut off before the forced entry reaches it;
+    F and S commit it and go on, F trims past R's log, so R gets the forced entry only through a
+    snapshot install once its links heal. Then F and S are lost for good and L's link heals: R, the
+    last forced member, must tell L that it was left out, as a member that got the entry by append."""
+    simulation, forced, left_out = _force_start_with_a_core_cut_off(seed, 7, 3)
+    forcer, kept, other = forced.members
+    simulation.cut |= {link for peer in simulation.nodes for link in ((kept, peer), (peer, kept))}
+    forced_machine, machine = simulation.nodes[forcer].machine, simulation.nodes[kept].machine
+    assert forced_machine is not None and machine is not None
+    while forced_machine.committed_key <= TxKey(forced.generation, 1) or (
+        simulation.nodes[forcer].log.trimmed_key() <= TxKey(forced.generation, 1)
+    ):
+        simulation.write(forcer)
+        simulation.advance()
+    simulation.cut = {link for peer in simulation.nodes for link in ((left_out, peer), (peer, left_out))}
+    while simulation.nodes[kept].applied_key < TxKey(forced.generation, 1):
+        simulation.advance()
+    machine = simulation.nodes[kept].machine
+    if machine is not None and machine.members == forced.members and not machine.status().forced:
+        raise simulation.fail(f"{kept} holds the forced generation's entry (by snapshot) but is not forced")
+    simulation.lose_for_good([forcer, other])
+    _left_out_core_is_told(simulation, left_out, kept)
+
+
+@pytest.mark.timeout(60)
+def test_a_core_that_installed_the_forced_entry_by_snapshot_tells_a_left_out_core():
+    for seed in range(6):
+        _kept_core_installs_the_forced_entry_then_is_the_last_forced_member(seed)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_an_install_that_keeps_the_followers_forced_flag(monkeypatch):
+    """Mutation: an install takes the offer's membership but keeps the follower's forced flag, as before."""
+    monkeypatch.setattr(
+        sim_cluster,
+        "state_after_install",
+        lambda offer, members, forced: (snapshot.members_after_install(offer, members), forced),
+    )
+    with pytest.raises(SimulationFailure, match="seed 1 .*by snapshot. but is not forced"):
+        _kept_core_installs_the_forced_entry_then_is_the_last_forced_member(1)
 
 
 def _floor_ignoring_the_applied_key(view, entries_max, before_ms, applied_key, keep_from=None):

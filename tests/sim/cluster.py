@@ -111,7 +111,13 @@ from mnesite.core.recovery import (
     recovered_vote_floors,
     recovery_shortfall,
 )
-from mnesite.core.snapshot import SnapshotOffer, accept_offer, members_after_install, snapshot_request_due
+from mnesite.core.snapshot import (
+    SnapshotOffer,
+    accept_offer,
+    reads_forced_offer,
+    snapshot_request_due,
+    state_after_install,
+)
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
 from mnesite.core.versions import UNSPOKEN_CLUSTER_VERSION, cluster_version_of
 from mnesite.rlog import retention
@@ -832,6 +838,8 @@ class Simulation:
             sequencer.applied_digest,
             sequencer.machine.committed_members,
             sequencer.cluster_version,  # production's: what the sequencer's store recorded as applied
+            # Production's: sent only to a follower that reads the field.
+            sequencer.machine.status().forced and reads_forced_offer(self._speaks(follower)),
         )
         machine = follower.machine
         refused = accept_offer(
@@ -865,8 +873,8 @@ class Simulation:
         # The copied tables are at the offer's cluster version: the driver records it (forward only).
         follower.cluster_version = max(follower.cluster_version, offer.cluster_version)
         # The driver persists the offer's membership with the copied tables (core.snapshot).
-        members = members_after_install(offer, follower.state.members)
-        follower.state = dataclasses.replace(follower.state, members=members)
+        members, forced = state_after_install(offer, follower.state.members, follower.state.forced)
+        follower.state = dataclasses.replace(follower.state, members=members, forced=forced)
         self.snapshots += 1
         self.trace.append((self.now_ms, follower.name, "installed snapshot at", follower.applied_key))
         self._start(follower)
