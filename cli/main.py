@@ -99,12 +99,24 @@ def emit_json(value: Any) -> None:
 
 
 def _remember(context: click.Context, parameter: click.Parameter, value: Any) -> Any:
-    # --key and --server-key are read by client_for, so that every command takes them unchanged.
+    # --key, --server-key and --follow-key-links are read by client_for, so that every command takes them unchanged.
     context.meta[f"mnesite.{parameter.name}"] = value
     return value
 
 
 def node_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    function = click.option(
+        "--follow-key-links",
+        "follow_key_links",
+        envvar="MNESITE_FOLLOW_KEY_LINKS",
+        is_flag=True,
+        default=False,
+        expose_value=False,
+        callback=_remember,
+        help="Follow --key and --server-key through symbolic links (a Kubernetes secret volume), checking "
+        "that each link is yours or root's and that no directory on the way lets others repoint it or "
+        "replace the file ($MNESITE_FOLLOW_KEY_LINKS).",
+    )(function)
     function = click.option(
         "--server-key",
         "server_key_file",
@@ -148,7 +160,8 @@ def json_option(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def client_for(endpoint: str | tuple[str, ...] | None, timeout_ms: int, retries: int = 1) -> Client:
-    """A client for this command's --node (one or several endpoints), with its --key and --server-key."""
+    """A client for this command's --node (one or several endpoints), with its --key, --server-key and
+    --follow-key-links."""
     meta = click.get_current_context().meta
     try:
         return Client(
@@ -157,6 +170,7 @@ def client_for(endpoint: str | tuple[str, ...] | None, timeout_ms: int, retries:
             retries=retries,
             key=meta.get("mnesite.key_file"),
             server_key=meta.get("mnesite.server_key_file"),
+            follow_key_links=bool(meta.get("mnesite.follow_key_links")),
         )
     except MnesiteError as error:
         fail(str(error))

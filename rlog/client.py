@@ -49,7 +49,14 @@ from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.messages import Message, MessageError, typed_body
 from mnesite.rlog.roles import WRITE_KINDS
-from mnesite.rlog.security import HANDSHAKE_FAILURES, KeyPair, SecurityError, configure_client, load_key
+from mnesite.rlog.security import (
+    FOLLOW_LINKS_CLIENT,
+    HANDSHAKE_FAILURES,
+    KeyPair,
+    SecurityError,
+    configure_client,
+    load_key,
+)
 from mnesite.rlog.types import WAIT_MS_MAX, TxKey, new_request_id
 from zmq.utils.monitor import recv_monitor_message
 
@@ -223,10 +230,13 @@ class Client:
         key: str | os.PathLike[str] | KeyPair | None = None,
         server_key: str | os.PathLike[str] | bytes | None = None,
         frame_bytes_max: int = messages.FRAME_BYTES_MAX_DEFAULT,
+        follow_key_links: bool = False,
     ) -> None:
         """``key``: the caller's secret key file (or a loaded ``KeyPair``); ``server_key``: the
         cluster's public key file (or the raw 32-byte key), which others must not be able to write
-        (it says which server to trust). Give both, or neither (no CurveZMQ).
+        (it says which server to trust). Give both, or neither (no CurveZMQ). ``follow_key_links``:
+        key files that are symbolic links (a Kubernetes secret volume) are followed, every link and
+        directory on the way checked; off, they are refused.
         ``frame_bytes_max``: requests above it are refused before sending; an answer above it raises
         ``RemoteError`` ``too_large`` (``scan`` then asks for smaller pages).
 
@@ -249,11 +259,12 @@ class Client:
             raise MnesiteError("give both key= and server_key=, or neither", "bad_request")
         if key is not None and server_key is not None:
             try:
-                own = key if isinstance(key, KeyPair) else load_key(os.fspath(key), "key", secret=True)
+                follow = (follow_key_links, FOLLOW_LINKS_CLIENT)
+                own = key if isinstance(key, KeyPair) else load_key(os.fspath(key), "key", True, *follow)
                 server = (
                     server_key
                     if isinstance(server_key, bytes)
-                    else load_key(os.fspath(server_key), "server_key", secret=False).public
+                    else load_key(os.fspath(server_key), "server_key", False, *follow).public
                 )
             except SecurityError as error:
                 raise MnesiteError(str(error), "bad_request") from None

@@ -174,12 +174,16 @@ def connect(
     page_rows: int | None = None,
     key: str | os.PathLike[str] | KeyPair | None = None,
     server_key: str | os.PathLike[str] | bytes | None = None,
+    follow_key_links: bool = False,
 ) -> Connection:
     """A read-only connection. ``consistency`` (``local``, ``read-your-writes``, ``linearizable``) and
     ``after_tx_key`` apply to every statement (change them on the connection); ``page_rows``: rows
-    per page fetched (default: the node's ``query_page_rows_max``)."""
+    per page fetched (default: the node's ``query_page_rows_max``). ``key``, ``server_key`` and
+    ``follow_key_links``: as ``Client`` takes them."""
     try:
-        client = Client(endpoint, timeout_ms=timeout_ms, key=key, server_key=server_key)
+        client = Client(
+            endpoint, timeout_ms=timeout_ms, key=key, server_key=server_key, follow_key_links=follow_key_links
+        )
     except MnesiteError as error:
         raise InterfaceError(str(error), error.code) from None
     return Connection(client, consistency, TxKey(*after_tx_key) if after_tx_key is not None else None, page_rows)

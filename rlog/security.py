@@ -51,6 +51,10 @@ DIRECTORIES_ABOVE_MAX = 4096  # directories checked above a key directory: PATH_
 # Symbolic links followed for one key path with follow_key_links (a Kubernetes secret volume needs two:
 # NAME -> ..data/NAME and ..data -> ..TIMESTAMP); more is a loop or a maze, not a deployment.
 KEY_LINK_HOPS_MAX = 8
+# How a key file that is a symbolic link is followed, named in the error that refuses it: a node's
+# setting, or a client's (``Client(follow_key_links=True)``, ``client_keys``, the CLI).
+FOLLOW_LINKS_NODE = "set [security] follow_key_links = true"
+FOLLOW_LINKS_CLIENT = "give --follow-key-links (follow_key_links=True)"
 # O_PATH: a directory this user may search but not list (/home at 0711) is still opened and checked.
 DIRECTORY_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
 # What whoever can write the authorized_keys directory or a key file in it could do.
@@ -145,7 +149,9 @@ def _write_exclusive(path: str, mode: int, text: str) -> None:
         file.write(text)
 
 
-def load_key(path: str, what: str, secret: bool, follow_links: bool = False) -> KeyPair:
+def load_key(
+    path: str, what: str, secret: bool, follow_links: bool = False, how_to_follow: str = FOLLOW_LINKS_NODE
+) -> KeyPair:
     """Load a zmq certificate file; ``secret`` requires the secret half (a ``.key_secret`` file) in a
     file that is this user's alone (``_check_secret_file``). A public key loaded here is one a client
     pins (the cluster's ``server_key``): whoever can write it could make the client trust their own
@@ -157,8 +163,9 @@ def load_key(path: str, what: str, secret: bool, follow_links: bool = False) -> 
     checked is the file whose key is used, whatever is renamed over the path meanwhile. Whoever can
     write that directory, or one above it, could rename another file over the key between two runs:
     they are checked as ``authorized_keys`` is (the directory holding the file is not sticky-allowed).
+    ``how_to_follow``: what the refusal of a link says to do to follow it (``FOLLOW_LINKS_CLIENT``).
     """
-    directory, directory_path, file_path = _open_key_directory(path, what, follow_links)
+    directory, directory_path, file_path = _open_key_directory(path, what, follow_links, how_to_follow)
     try:
         text, status = _read_key_file(file_path, what, directory)
         public, secret_key = _parse_certificate(text, file_path, what)
@@ -174,7 +181,7 @@ def load_key(path: str, what: str, secret: bool, follow_links: bool = False) -> 
     return KeyPair(public, secret_key)
 
 
-def _open_key_directory(path: str, what: str, follow_links: bool) -> tuple[int, str, str]:
+def _open_key_directory(path: str, what: str, follow_links: bool, how_to_follow: str) -> tuple[int, str, str]:
     """The open directory (``O_PATH``) that holds the key file ``path``, its real path and the file's path.
 
     The directories of ``path`` are followed as ssh's realpath does (the real directories are the
@@ -207,13 +214,13 @@ def _open_key_directory(path: str, what: str, follow_links: bool) -> tuple[int, 
                 if not follow_links:
                     raise SecurityError(
                         f"{what}: {path} is a symbolic link; give the key file itself (a link can be repointed), "
-                        "or set [security] follow_key_links = true to check and follow it"
+                        f"or {how_to_follow} to check and follow it"
                     )
                 hops += 1
                 if hops > KEY_LINK_HOPS_MAX:
                     raise SecurityError(
                         f"{what}: {path} leads through more than {KEY_LINK_HOPS_MAX} symbolic links; "
-                        "point the config at the key file"
+                        "give the key file itself"
                     )
                 _check_owner(status, entry, what, "point it at another file", link=True)
                 _check_directory(directory, directory_path, what, f"put another file in place of {entry}", True)
@@ -562,12 +569,15 @@ def _warn_roles_without_keys(roles: RoleTable, authorized: Mapping[bytes, str]) 
         )
 
 
-def client_keys(key_path: str | Path | None, server_key_path: str | Path | None) -> tuple[KeyPair, bytes] | None:
-    """The caller's key pair and the cluster's public key for a ``Client``; None without keys."""
+def client_keys(
+    key_path: str | Path | None, server_key_path: str | Path | None, follow_links: bool = False
+) -> tuple[KeyPair, bytes] | None:
+    """The caller's key pair and the cluster's public key for a ``Client``; None without keys.
+    ``follow_links``: key files that are symbolic links are followed, checked (``load_key``)."""
     if key_path is None and server_key_path is None:
         return None
     if key_path is None or server_key_path is None:
         raise SecurityError("give both key (the caller's .key_secret file) and server_key (the cluster's .key file)")
-    own = load_key(str(key_path), "key", secret=True)
-    server = load_key(str(server_key_path), "server_key", secret=False)
+    own = load_key(str(key_path), "key", True, follow_links, FOLLOW_LINKS_CLIENT)
+    server = load_key(str(server_key_path), "server_key", False, follow_links, FOLLOW_LINKS_CLIENT)
     return own, server.public

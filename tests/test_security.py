@@ -491,7 +491,8 @@ def secret_volume(tmp_path: Path, keys: Path) -> Path:
     volume.chmod(0o1777)  # what the kubelet's tmpfs mount point is: drwxrwxrwt root root
     timestamped = volume / "..2026_12_02_10_00_00.123456789"
     timestamped.mkdir(mode=0o755)
-    for name, mode in (("core1.key_secret", 0o400), ("cluster.key_secret", 0o400), ("cluster.key", 0o444)):
+    secrets = ("core1.key_secret", "cluster.key_secret", "ops.key_secret")  # a node's and a client's
+    for name, mode in (*((secret, 0o400) for secret in secrets), ("cluster.key", 0o444)):
         shutil.copy(keys / name, timestamped / name)
         (timestamped / name).chmod(mode)
         (volume / name).symlink_to(Path("..data") / name)
@@ -1035,3 +1036,70 @@ def test_only_a_core_key_puts_its_peer_frames_ahead_of_the_turn_budget(tmp_path:
         assert [principal for _, _, principal in node._backlog] == ["app", "replicant1"]
     finally:
         node.close()
+
+
+# The client side of follow_key_links: an application or the CLI in a pod with mounted secrets.
+
+
+def test_a_client_follows_key_file_links_only_with_follow_key_links(secure_node, tmp_path: Path, keys: Path) -> None:
+    """Regression: ``Client``, ``client_keys``, ``dbapi.connect`` and the CLI refused key files that are
+    symbolic links, whatever the caller wanted, and said to set ``[security] follow_key_links`` (a node's
+    setting), so an application in a pod with a Kubernetes secret volume could not connect. They take
+    ``follow_key_links`` (``--follow-key-links``), off by default."""
+    from mnesite.dbapi import InterfaceError, connect
+
+    volume = secret_volume(tmp_path, keys)
+    key, server_key = volume / "ops.key_secret", volume / "cluster.key"
+    opt_in = rf"key: {key} is a symbolic link; .*--follow-key-links \(follow_key_links=True\)"
+    with pytest.raises(MnesiteError, match=opt_in):
+        Client(secure_node.endpoint, key=key, server_key=server_key)
+    with pytest.raises(SecurityError, match=opt_in):
+        client_keys(key, server_key)
+    with pytest.raises(InterfaceError, match=opt_in):
+        connect(secure_node.endpoint, key=key, server_key=server_key)
+    expected = load_key(str(keys / "ops.key_secret"), "key", secret=True)
+    assert client_keys(key, server_key, follow_links=True) == (
+        expected,
+        load_key(str(keys / "cluster.key"), "server_key", secret=False).public,
+    )
+    with Client(secure_node.endpoint, timeout_ms=3000, key=key, server_key=server_key, follow_key_links=True) as ops:
+        assert ops.status()["security"]["authorized_keys"] == 6
+        with ops.pinned() as pinned:  # the keys loaded, not the paths again
+            assert pinned.status()["security"]["authorized_keys"] == 6
+    with connect(secure_node.endpoint, key=key, server_key=server_key, follow_key_links=True) as connection:
+        assert connection.client is not None and connection.client.status()["security"]["authorized_keys"] == 6
+
+
+def test_a_client_refuses_a_followed_key_link_in_a_directory_others_can_write(
+    secure_node, tmp_path: Path, keys: Path
+) -> None:
+    """The opt-in follows links, it does not lift the checks: a volume others can write (not sticky)
+    could have its link repointed."""
+    volume = secret_volume(tmp_path, keys)
+    volume.chmod(0o777)
+    try:
+        with pytest.raises(MnesiteError, match=rf"key: {volume} is writable by other users.*chmod go-w {volume}$"):
+            Client(
+                secure_node.endpoint,
+                key=volume / "ops.key_secret",
+                server_key=keys / "cluster.key",
+                follow_key_links=True,
+            )
+        with pytest.raises(SecurityError, match=rf"server_key: {volume} is writable by other users"):
+            client_keys(keys / "ops.key_secret", volume / "cluster.key", follow_links=True)
+    finally:
+        volume.chmod(0o700)
+
+
+def test_the_cli_follows_key_file_links_with_follow_key_links(secure_node, tmp_path: Path, keys: Path) -> None:
+    volume = secret_volume(tmp_path, keys)
+    status = ["status", "--node", secure_node.endpoint, "--timeout-ms", "3000"]
+    status += ["--key", str(volume / "ops.key_secret"), "--server-key", str(volume / "cluster.key")]
+    refused = CliRunner().invoke(main, status)
+    assert refused.exit_code == 1 and "is a symbolic link" in refused.output, refused.output
+    assert "--follow-key-links" in refused.output
+    followed = CliRunner().invoke(main, [*status, "--follow-key-links"])
+    assert followed.exit_code == 0 and "security: CurveZMQ, 6 authorized keys" in followed.output, followed.output
+    from_env = CliRunner().invoke(main, status, env={"MNESITE_FOLLOW_KEY_LINKS": "1"})
+    assert from_env.exit_code == 0 and "security: CurveZMQ" in from_env.output, from_env.output
+    assert "--follow-key-links" in CliRunner().invoke(main, ["get", "--help"]).output
