@@ -105,7 +105,10 @@ and executes the effects it returns.
   (``membership.forced_start_entry``): every member holding it committed is *forced* (persisted), as
   the forced core is from the start, and so is a member that installs a snapshot past it (the offer
   says so: ``core.snapshot.state_after_install``), so the cores left out are still told once the
-  forced core is gone. A forced core that hears from a core outside its (reduced) membership answers with an
+  forced core is gone. A forced member elected later records the forced membership again in its first
+  entry (``membership.elected_first_ops``): a member that learned it only from appends (the forced
+  start's entry was lost with the forced core's undurable tail) is forced once that entry commits.
+  A forced core that hears from a core outside its (reduced) membership answers with an
   ``ExclusionNotice`` (at most once per ``EXCLUSION_NOTICE_INTERVAL_MS`` per core), unless its log goes
   past this core's committed key: a core added since, whose add entry has not reached this core
   (``membership.heard_after_forced_start``, ``_heeds_outsider``); a core told that
@@ -1217,6 +1220,8 @@ class ShardConsensus:
             peer: _Progress(sent_key=self._last_key, last_heard_ms=self._now_ms) for peer in self._peers()
         }
         self._heartbeat_due_ms = self._now_ms + self.config.heartbeat_interval_ms
+        if not first_ops:
+            first_ops = membership.elected_first_ops(self._forced, bool(self._changes), self._committed_members)
         # The no-op of this generation: committing it settles every earlier entry.
         self._append_own(first_ops, None, proposal=False)
 

@@ -116,10 +116,28 @@ def forced_start_entry(key: TxKey) -> bool:
     """Whether the membership entry at ``key`` is a forced start's (``ShardConsensus._force_start``):
     the first entry of its generation. An elected sequencer's first entry is its no-op (no ops), and it
     changes the membership only once that entry committed (``change_refusal``), so only a forced start
-    puts a membership there. Every member of the forced generation learns from it, once it is
+    puts a membership there, or an elected sequencer whose committed membership is a forced start's
+    (recorded again, unchanged: ``elected_first_ops``). Every member of the forced generation learns from it, once it is
     committed, that the generation is forced, and tells the cores it left out (not only the forced
     core, which may die before a left-out core comes back)."""
     return key.counter == 1
+
+
+def elected_first_ops(
+    forced: bool, change_in_flight: bool, committed_members: tuple[str, ...]
+) -> tuple[MembersOp, ...]:
+    """The ops of an elected sequencer's first entry: none (its no-op), or, when its committed
+    membership is a forced start's and no change is in flight, that membership again, unchanged.
+
+    Committed, it is a forced start's entry (``forced_start_entry``): every member holding it is
+    forced. A member may hold the forced membership committed without the forced start's entry: the
+    forced core crashed before that entry was durable (its forced state was), no member got it, and
+    the forced core, elected again, told its members the committed membership in its appends only
+    (``ShardConsensus._adopt_committed_members``, which cannot say it is forced). Without this entry
+    such a member, once the forced core is gone, never tells the cores left out."""
+    if not forced or change_in_flight:
+        return ()
+    return (MembersOp(committed_members),)
 
 
 def heard_after_forced_start(last_key: TxKey, committed_key: TxKey) -> bool:

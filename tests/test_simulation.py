@@ -614,6 +614,47 @@ def test_the_simulator_catches_an_install_that_keeps_the_followers_forced_flag(m
         _kept_core_installs_the_forced_entry_then_is_the_last_forced_member(1)
 
 
+def _forced_core_loses_its_forced_entry_then_dies(seed: int) -> None:
+    """Five cores, no random faults. L is cut off, two are lost for good, the operator force-starts F,
+    which reaches R (forced set {F, R}). F crashes before its forced entry is durable, and the entry
+    never reaches R: F restarts with the forced membership in its state only, and R elects it in a
+    later generation, learning the committed membership from F's appends (not from an entry). Once R
+    holds F's committed entries, F is lost for good and L's link heals: R, the last forced member, must
+    tell L that it was left out."""
+    simulation, forced, left_out = _force_start_with_a_core_cut_off(seed, 5, 2)
+    forcer, kept = forced.members
+    simulation.cut |= {(forcer, kept), (kept, forcer)}  # the forced entry's appends are lost
+    simulation._crash(simulation.nodes[forcer])
+    assert simulation.nodes[forcer].log.last_key() < TxKey(forced.generation, 1)
+    while any(sender == forcer for _, _, sender, _, _ in simulation.network):
+        simulation.advance()
+    simulation.cut -= {(forcer, kept), (kept, forcer)}
+    machine = simulation.nodes[kept].machine
+    while machine is None or machine.committed_key <= TxKey(forced.generation, 1):
+        simulation._restart_due()
+        simulation.advance()
+        machine = simulation.nodes[kept].machine
+    if machine.members == forced.members and not machine.status().forced:
+        raise simulation.fail(f"{kept} holds the forced membership committed (from appends) but is not forced")
+    simulation.lose_for_good([forcer])
+    _left_out_core_is_told(simulation, left_out, kept)
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_learns_the_forced_membership_from_appends_tells_a_left_out_core():
+    for seed in range(6):
+        _forced_core_loses_its_forced_entry_then_dies(seed)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_forced_sequencer_that_does_not_record_its_membership_again(monkeypatch):
+    """Mutation: an elected forced sequencer's first entry is a plain no-op, as before: its members
+    learn the forced membership from its appends only, without the forced flag."""
+    monkeypatch.setattr(membership, "elected_first_ops", lambda forced, change_in_flight, members: ())
+    with pytest.raises(SimulationFailure, match="seed 0 .*from appends. but is not forced"):
+        _forced_core_loses_its_forced_entry_then_dies(0)
+
+
 def _floor_ignoring_the_applied_key(view, entries_max, before_ms, applied_key, keep_from=None):
     """Mutation of the retention floor: entries not applied yet may go (as if all were applied)."""
     return _RETENTION_FLOOR(view, entries_max, before_ms, view.last_key(), keep_from)
