@@ -29,6 +29,7 @@ from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
 from mnesite.rlog.json_text import json_text as rlog_json_text
 from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
+from mnesite.rlog.security import FOLLOW_KEY_LINKS_HELP
 from mnesite.rlog.types import TxKey
 
 from mnesite import __version__
@@ -113,9 +114,7 @@ def node_options(function: Callable[..., Any]) -> Callable[..., Any]:
         default=False,
         expose_value=False,
         callback=_remember,
-        help="Follow --key and --server-key through symbolic links (a Kubernetes secret volume), checking "
-        "that each link is yours or root's and that no directory on the way lets others repoint it or "
-        "replace the file ($MNESITE_FOLLOW_KEY_LINKS).",
+        help=FOLLOW_KEY_LINKS_HELP,
     )(function)
     function = click.option(
         "--server-key",

@@ -55,6 +55,12 @@ KEY_LINK_HOPS_MAX = 8
 # setting, or a client's (``Client(follow_key_links=True)``, ``client_keys``, the CLI).
 FOLLOW_LINKS_NODE = "set [security] follow_key_links = true"
 FOLLOW_LINKS_CLIENT = "give --follow-key-links (follow_key_links=True)"
+# The help of --follow-key-links: every command that talks to a node, and ``mnesite compare`` (spark.cli).
+FOLLOW_KEY_LINKS_HELP = (
+    "Follow --key and --server-key through symbolic links (a Kubernetes secret volume), checking that each "
+    "link is yours or root's and that no directory on the way lets others repoint it or replace the file "
+    "($MNESITE_FOLLOW_KEY_LINKS)."
+)
 # O_PATH: a directory this user may search but not list (/home at 0711) is still opened and checked.
 DIRECTORY_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
 # What whoever can write the authorized_keys directory or a key file in it could do.

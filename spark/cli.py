@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 from mnesite.rlog.json_text import json_text
+from mnesite.rlog.security import FOLLOW_KEY_LINKS_HELP
 from mnesite.spark.compare import (
     CATEGORIES,
     EXIT_ERROR,
@@ -95,7 +96,8 @@ def render_report(report: CompareReport) -> str:
 
 
 def _file_option(flag: str, envvar: str, text: str) -> Any:
-    """``--key`` / ``--server-key`` (the same flags and variables as every ``mnesite`` node command)."""
+    """``--key`` / ``--server-key`` (the same flags and variables as every ``mnesite`` node command, as is
+    ``--follow-key-links``)."""
     dest = flag.removeprefix("--").replace("-", "_") + "_file"
     return click.option(flag, dest, envvar=envvar, type=click.Path(dir_okay=False), help=f"{text} (${envvar}).")
 
@@ -121,6 +123,9 @@ def _file_option(flag: str, envvar: str, text: str) -> Any:
 )
 @_file_option("--key", "MNESITE_KEY", "Your secret key file for tcp:// nodes of a cluster with [security]")
 @_file_option("--server-key", "MNESITE_SERVER_KEY", "The cluster's public key file for tcp:// nodes")
+@click.option(
+    "--follow-key-links", envvar="MNESITE_FOLLOW_KEY_LINKS", is_flag=True, default=False, help=FOLLOW_KEY_LINKS_HELP
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress lines and no JVM start-up lines on stderr.")
 def compare(
@@ -131,6 +136,7 @@ def compare(
     timeout_ms: int,
     key_file: str | None,
     server_key_file: str | None,
+    follow_key_links: bool,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -154,6 +160,7 @@ def compare(
             timeout_ms=timeout_ms,
             key=key_file,
             server_key=server_key_file,
+            follow_key_links=follow_key_links,
         )
         with quiet_stderr() if quiet else contextlib.nullcontext():
             report = run_compare(list(replicas), options, progress=progress)

@@ -101,6 +101,7 @@ class CompareOptions:
     timeout_ms: int = NODE_TIMEOUT_MS
     key: str | None = None  # for tcp:// replicas of a cluster with [security]: the caller's secret key file
     server_key: str | None = None  # ... and the cluster's public key file
+    follow_key_links: bool = False  # ... which may be symbolic links (a Kubernetes secret volume), checked
 
     def check(self) -> None:
         if not 0 <= self.sample_max <= SAMPLE_MAX_LIMIT:
@@ -312,7 +313,9 @@ def compare(
     replicas: list[Replica] = []
     try:
         try:
-            specs = [parse_replica(text, options.key, options.server_key) for text in replica_texts]
+            specs = [
+                parse_replica(text, options.key, options.server_key, options.follow_key_links) for text in replica_texts
+            ]
             for spec in specs:
                 replicas.append(open_replica(spec, options.timeout_ms))
             labels = _unique_labels(specs)

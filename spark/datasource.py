@@ -5,7 +5,9 @@ Theory of operation
 ``spark.read.format("mnesite").option("table", T)`` with either ``option("path", DIR_OR_DB)``
 (a node's data directory or its ``mnesite.db``, opened read-only) or ``option("node",
 "tcp://host:port")`` (a live node, read with the batched dirty-read protocol; for a cluster with
-``[security]`` add ``option("key", SECRET_KEY_FILE)`` and ``option("server_key", CLUSTER_KEY_FILE)``).
+``[security]`` add ``option("key", SECRET_KEY_FILE)`` and ``option("server_key", CLUSTER_KEY_FILE)``, and
+``option("follow_key_links", "true")`` when they are symbolic links, a Kubernetes secret volume: each
+link and directory on the way is checked, as ``Client(follow_key_links=True)`` does).
 
 The driver reads the catalog once to build the schema from the table's declared columns
 and chooses ``partitions`` key ranges ``(low, high]`` from evenly spaced keys (``key_boundaries``:
@@ -22,7 +24,9 @@ hashes the stored values, not this rendering.
 
 Options: ``table`` (required), ``path`` or ``node`` (exactly one), ``partitions`` (default 4,
 at most ``PARTITIONS_MAX``), ``batch_rows`` (rows per node request, at most
-``BATCH_ROWS_MAX``), ``timeout_ms`` (node requests, default 5000).
+``BATCH_ROWS_MAX``), ``timeout_ms`` (node requests, default 5000), ``key`` and ``server_key`` (key
+files for a node of a cluster with ``[security]``), ``follow_key_links`` (``true`` or ``false``, the
+default: follow those key files through symbolic links).
 """
 
 from __future__ import annotations
@@ -96,13 +100,28 @@ def _int_option(options: dict[str, str], name: str, default: int, maximum: int) 
     return value
 
 
+def _bool_option(options: dict[str, str], name: str) -> bool:
+    """``true`` or ``false`` (any case: ``.option(name, True)`` sends ``"true"``); absent: false."""
+    text = options.get(name)
+    if text is None:
+        return False
+    if text.lower() not in ("true", "false"):
+        raise ReplicaError(f"option {name} must be true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def _replica_spec(options: dict[str, str]) -> ReplicaSpec:
     path, node = options.get("path"), options.get("node")
     if (path is None) == (node is None):
         raise ReplicaError("the mnesite data source needs exactly one of the options path and node")
     if node is not None and not node.startswith("tcp://"):
         raise ReplicaError(f"option node must be an endpoint like tcp://127.0.0.1:7400, got {node!r}")
-    return parse_replica(node if node is not None else path, options.get("key"), options.get("server_key"))
+    return parse_replica(
+        node if node is not None else path,
+        options.get("key"),
+        options.get("server_key"),
+        _bool_option(options, "follow_key_links"),
+    )
 
 
 class KeyRangePartition(InputPartition):

@@ -66,9 +66,11 @@ class ReplicaSpec:
     kind: str
     location: str
     label: str
-    # For a node of a cluster with [security]: the caller's secret key file and the cluster's public key file.
+    # For a node of a cluster with [security]: the caller's secret key file and the cluster's public key file,
+    # and whether they may be symbolic links (followed and checked: ``Client(follow_key_links=True)``).
     key: str | None = None
     server_key: str | None = None
+    follow_key_links: bool = False
 
     def to_json(self) -> dict[str, str]:
         return {"kind": self.kind, "location": self.location, "label": self.label}
@@ -92,13 +94,15 @@ class RlogEntry:
     tables_changed: tuple[tuple[str, str], ...] = ()  # (table, "created" or "dropped"), in op order
 
 
-def parse_replica(text: str, key: str | None = None, server_key: str | None = None) -> ReplicaSpec:
-    """``tcp://host:port`` is a live node (read with ``key`` and ``server_key`` if given); anything
-    else is a data directory or a ``mnesite.db`` file."""
+def parse_replica(
+    text: str, key: str | None = None, server_key: str | None = None, follow_key_links: bool = False
+) -> ReplicaSpec:
+    """``tcp://host:port`` is a live node (read with ``key`` and ``server_key`` if given, followed through
+    symbolic links with ``follow_key_links``); anything else is a data directory or a ``mnesite.db`` file."""
     if text.startswith(NODE_SCHEME):
         if len(text) == len(NODE_SCHEME):
             raise ReplicaError(f"{text}: a node endpoint needs a host and a port, e.g. tcp://127.0.0.1:7400")
-        return ReplicaSpec("node", text, text, key, server_key)
+        return ReplicaSpec("node", text, text, key, server_key, follow_key_links)
     path = os.path.abspath(text)
     if os.path.isdir(path):
         path = os.path.join(path, DATABASE_FILE_NAME)
@@ -346,7 +350,13 @@ class NodeReplica(Replica):
             raise ReplicaError(f"{spec.label}: the node client is not available ({error})") from None
         self._error_type = MnesiteError
         try:
-            self.client = Client(spec.location, timeout_ms=timeout_ms, key=spec.key, server_key=spec.server_key)
+            self.client = Client(
+                spec.location,
+                timeout_ms=timeout_ms,
+                key=spec.key,
+                server_key=spec.server_key,
+                follow_key_links=spec.follow_key_links,
+            )
         except MnesiteError as error:
             raise ReplicaError(f"{spec.label}: {_first_line(error)}") from None
         self._catalog: dict[str, TableSchema] | None = None

@@ -1103,3 +1103,51 @@ def test_the_cli_follows_key_file_links_with_follow_key_links(secure_node, tmp_p
     from_env = CliRunner().invoke(main, status, env={"MNESITE_FOLLOW_KEY_LINKS": "1"})
     assert from_env.exit_code == 0 and "security: CurveZMQ" in from_env.output, from_env.output
     assert "--follow-key-links" in CliRunner().invoke(main, ["get", "--help"]).output
+
+
+def test_compare_follows_key_file_links_with_follow_key_links(secure_node, tmp_path: Path, keys: Path) -> None:
+    """Regression: ``mnesite compare`` (Spark's command, with its own --key and --server-key) had no
+    --follow-key-links and built its ``Client`` without it, so a compare of ``tcp://`` replicas in a pod
+    with a Kubernetes secret volume was refused. It takes the flag (and $MNESITE_FOLLOW_KEY_LINKS)."""
+    volume = secret_volume(tmp_path, keys)
+    with secure_node.client("ops") as client:
+        client.create_table("kv", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
+    compare = ["compare", secure_node.endpoint, secure_node.endpoint, "--table", "missing", "--quiet"]
+    compare += ["--timeout-ms", "3000", "--key", str(volume / "ops.key_secret")]
+    compare += ["--server-key", str(volume / "cluster.key")]
+    refused = CliRunner().invoke(main, compare)
+    assert refused.exit_code == 2 and "is a symbolic link" in refused.output, refused.output
+    assert "--follow-key-links" in refused.output
+    # Followed, both replicas are opened and their catalogs read: the compare stops at the table no
+    # replica has, before Spark starts.
+    unknown = "unknown table 'missing': no replica has it (tables: kv)"
+    followed = CliRunner().invoke(main, [*compare, "--follow-key-links"])
+    assert followed.exit_code == 2 and unknown in followed.output, followed.output
+    from_env = CliRunner().invoke(main, compare, env={"MNESITE_FOLLOW_KEY_LINKS": "1"})
+    assert from_env.exit_code == 2 and unknown in from_env.output, from_env.output
+    assert "--follow-key-links" in CliRunner().invoke(main, ["compare", "--help"]).output
+
+
+def test_the_spark_data_source_follows_key_file_links_with_its_option(secure_node, tmp_path: Path, keys: Path) -> None:
+    """Regression: the Spark data source's ``key`` and ``server_key`` options had no ``follow_key_links``
+    beside them, so reading a ``tcp://`` node in a pod with a Kubernetes secret volume was refused. The
+    option reaches the driver's ``Client`` and, in the spec sent to them, every executor's."""
+    from mnesite.spark.datasource import MnesiteDataSource
+    from mnesite.spark.replica import ReplicaError
+
+    volume = secret_volume(tmp_path, keys)
+    with secure_node.client("ops") as client:
+        client.create_table("kv", key="k", columns=[("k", "INTEGER"), ("v", "TEXT")])
+        for key in range(10):
+            client.put("kv", {"k": key, "v": f"value {key}"})
+    options = {"node": secure_node.endpoint, "table": "kv", "timeout_ms": "3000", "partitions": "3"}
+    options |= {"key": str(volume / "ops.key_secret"), "server_key": str(volume / "cluster.key")}
+    with pytest.raises(ReplicaError, match=r"is a symbolic link.*--follow-key-links"):
+        MnesiteDataSource(options)
+    with pytest.raises(ReplicaError, match=r"option follow_key_links must be true or false, got 'yes'"):
+        MnesiteDataSource({**options, "follow_key_links": "yes"})
+    source = MnesiteDataSource({**options, "follow_key_links": "True"})  # what .option(name, True) sends
+    reader = source.reader(source.schema())
+    # What the executors do, each with the reader's spec: open the node again and read a partition.
+    rows = [row for partition in reader.partitions() for row in reader.read(partition)]
+    assert rows == [(key, f"value {key}") for key in range(10)]
