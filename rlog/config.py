@@ -14,6 +14,7 @@ Example::
     election_timeout_ms_max = 1600
     heartbeat_interval_ms = 100         # at most half of election_timeout_ms_min
     initial_cluster_state = "new"       # "existing": this core was rebuilt in a running cluster (core.recovery)
+    recovery_timeout_ms = 1000          # a core on an empty database waits this long for its peers' journals
 
     [storage]
     synchronous = "FULL"                # OFF | NORMAL | FULL | EXTRA
@@ -21,7 +22,7 @@ Example::
 
     [limits]
     frame_bytes_max = 4194304           # larger frames get a frame_too_large error
-    group_commit_max = 256              # transactions per SQLite commit (one fsync)
+    group_commit_max = 256              # requests drained per loop turn; writes among them share one commit
     transaction_ops_max = 1000          # ops plus guards in one transaction
     scan_rows_max = 10000               # rows per scan page
     turn_bytes_max = 8388608            # frames drained per loop turn, in bytes
@@ -40,6 +41,8 @@ Example::
     watches_max = 256                   # replicant watches (agents) per core
     replicant_watches_max = 256         # agents one replicant (principal) holds on a core (default: watches_max)
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
+    guard_failures_held_max = 10000     # failed guards the sequencer holds until what they observed commits
+    guard_hold_ms_max = 5000            # how long one is held at most (then: no_sequencer, retry)
     backup_step_pages_max = 256         # pages an online backup copies per step (mnesite backup)
     query_ms_max = 10000                # SQLite time one query may spend, all its pages together (mnesite query)
     query_page_rows_max = 1000          # rows in one page of a query's answer
