@@ -410,4 +410,4 @@ def _sql_errors() -> Iterator[None]:
     try:
         yield
     except (apsw.Error, SqlFeaturesError) as error:
-        raise SchemaError("internal_error", f"range request failed in SQLite: {error}") from None
+        raise SchemaError("internal", f"range request failed in SQLite: {error}") from None

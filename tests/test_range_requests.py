@@ -361,3 +361,20 @@ def test_a_scan_page_above_the_nodes_scan_rows_max_is_asked_again_smaller(tmp_pa
             assert [key for key, _ in replica.iter_rows(table, None, None, 1000)] == list(range(10))
     finally:
         node.stop()
+
+
+def test_a_range_request_that_fails_in_sqlite_is_answered_internal(tmp_path: Path, monkeypatch) -> None:
+    """A range request that SQLite failed was answered ``internal_error``, a code of its own, where
+    every other failure at a node is ``internal`` (the one code clients and the DB-API map to an
+    internal error). It is ``internal`` now, with what SQLite said."""
+    store = Store(str(tmp_path / "mnesite.db"), synchronous="OFF")
+    create_table(store, "items", "k", [("k", "INTEGER"), ("v", "TEXT")])
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise apsw.IOError("disk I/O error")
+
+    monkeypatch.setattr(range_requests, "row_digests", broken)
+    with pytest.raises(SchemaError) as refused:
+        range_requests.answer(store, "row_digests", typed_body("row_digests", {"table": "items"}), 100, 1 << 20)
+    assert refused.value.code == "internal"
+    assert "range request failed in SQLite" in str(refused.value) and "disk I/O error" in str(refused.value)
