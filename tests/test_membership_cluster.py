@@ -6,6 +6,7 @@ a core removed and re-added converges (equal digest at equal tx key)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,62 @@ def test_a_replicant_applies_membership_entries_and_keeps_serving(tmp_path: Path
     cluster.wait_replicants_converged(remaining, ["replicant1"], timeout_s=30)
     assert replicant_shard()["mode"] == "normal"
     check_agreement(cluster, remaining, acknowledged)
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_core_that_gets_the_forced_start_by_snapshot_is_forced_and_tells_a_core_left_out(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    """A forced start keeps three of six cores; one of them (``rebuilt``) loses its disk and gets the
+    forced start's entry only inside a snapshot (the forced core trimmed its log past it). The offer's
+    ``forced`` field makes it forced (``core.snapshot.state_after_install``): with the two others gone,
+    it alone tells a core the forced start left out that it was excluded. Without the field it stayed
+    unforced and answered nobody."""
+    cluster = Cluster(tmp_path, node_processes, size=6, secure=False)
+    cluster.extend_core_configs("[rlog]\nretention_entries_max = 10\nretention_interval_ms = 100\n")
+    cluster.start_all()
+    create_table(cluster)
+    # Quiet first: the cluster version entry of the start is in, so no core is ahead of another.
+    wait_until(lambda: {(cluster.status(n) or {}).get("cluster_version") for n in cluster.names} == {2}, 30, "v2")
+    cluster.wait_converged(cluster.names)
+    wait_until(lambda: cluster.sequencer() is not None, 20, "a sequencer")
+    forced_core, _ = cluster.sequencer()
+    kept, rebuilt, left_out, *gone = [name for name in cluster.names if name != forced_core]
+    for name in (left_out, *gone):
+        cluster.nodes[name].kill()
+    cluster.wait_converged([forced_core, kept, rebuilt])
+    forced = cluster_cli(cluster, forced_core, "journal", "force-start", "--yes")
+    assert forced["members"] == sorted([forced_core, kept, rebuilt])
+    generation = forced["shards"]["default"]["generation"]
+
+    # The rebuilt core's disk is lost; the forced core and the kept one commit past the forced start's
+    # entry (the first of its generation) and trim it away.
+    cluster.nodes[rebuilt].kill()
+    shutil.rmtree(cluster.data_dir(rebuilt))
+    with cluster.client(forced_core, timeout_ms=5000, retries=3) as client:
+        for i in range(30):
+            client.put("kv", {"id": i, "value": "after force"})
+
+    def trimmed_past_the_forced_entry() -> bool:
+        first = cluster.status(forced_core)["shards"]["default"]["rlog"]["first"]
+        return first is not None and tuple(first) > (generation, 1)
+
+    wait_until(trimmed_past_the_forced_entry, 20, "the forced core to trim its forced start's entry")
+    cluster.start(rebuilt)
+    cluster.wait_converged([forced_core, kept, rebuilt])
+    assert "snapshot installed" in (cluster.root / f"{rebuilt}.log").read_text()
+    status = cluster.status(rebuilt)["shards"]["default"]
+    assert status["members"] == sorted([forced_core, kept, rebuilt])
+    assert status["forced"] is True, status
+
+    # The forced core and the kept one go at once (no election among the members records the forced
+    # membership again): only the rebuilt core is left to tell a core the forced start left out.
+    cluster.nodes[forced_core].kill()
+    cluster.nodes[kept].kill()
+    cluster.start(left_out)
+    wait_until(
+        lambda: ((cluster.status(left_out) or {}).get("shards", {}).get("default") or {}).get("excluded") is not None,
+        20,
+        f"{left_out} to learn that it was left out",
+    )
+    assert cluster.status(left_out)["shards"]["default"]["excluded"]["by"] == rebuilt
