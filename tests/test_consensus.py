@@ -890,6 +890,21 @@ def test_force_start_opens_a_generation_above_every_reached_one_with_the_reached
     assert harness.ack("b", TxKey(8, 1))[0] == Commit(TxKey(8, 1))
 
 
+@pytest.mark.parametrize("forced", [False, True])
+def test_an_elected_sequencer_of_a_forced_membership_records_it_again_in_its_first_entry(forced):
+    """``membership.elected_first_ops`` through the machine: elected in a cluster whose committed
+    membership is a forced start's, the sequencer's first entry is that membership again (a forced
+    start's entry once committed: every member holding it is forced); otherwise its no-op."""
+    members = ("a", "b")
+    entries = chain([TxKey(3, 1), TxKey(3, 2)])
+    state = PersistedState(3, None, members, forced=forced)
+    harness = Harness(members=members, entries=entries, state=state, committed_key=TxKey(3, 2))
+    effects = harness.elect()
+    first = [entry for effect in of_type(effects, PersistEntries) for entry in effect.entries][0]
+    assert first.tx_key == TxKey(harness.machine.generation, 1)
+    assert first.ops == ((MembersOp(members),) if forced else ())
+
+
 @pytest.mark.parametrize("reached", [(("b", 1),), (("b", 1), ("c", 1)), (("b", 0), ("b", 0))])
 def test_force_start_is_refused_while_a_majority_of_members_is_reached(reached):
     harness = Harness()
