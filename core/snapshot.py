@@ -127,11 +127,6 @@ class InstallMode(enum.Enum):
     ABANDONED = "abandoned"
 
 
-def members_after_install(offer: SnapshotOffer, members: tuple[str, ...]) -> tuple[str, ...]:
-    """The committed membership a follower persists with an installed snapshot (``state_after_install``)."""
-    return state_after_install(offer, members, False)[0]
-
-
 def state_after_install(offer: SnapshotOffer, members: tuple[str, ...], forced: bool) -> tuple[tuple[str, ...], bool]:
     """The committed membership and forced flag (``PersistedState``) a follower persists with an
     installed snapshot: the offer's, when it names a membership (an offer from before membership

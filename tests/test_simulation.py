@@ -608,7 +608,7 @@ def test_the_simulator_catches_an_install_that_keeps_the_followers_forced_flag(m
     monkeypatch.setattr(
         sim_cluster,
         "state_after_install",
-        lambda offer, members, forced: (snapshot.members_after_install(offer, members), forced),
+        lambda offer, members, forced: (snapshot.state_after_install(offer, members, False)[0], forced),
     )
     with pytest.raises(SimulationFailure, match="seed 1 .*by snapshot. but is not forced"):
         _kept_core_installs_the_forced_entry_then_is_the_last_forced_member(1)
