@@ -376,6 +376,7 @@ class CoreNode(NodeServer):
             election_timeout_ms_min=config.timing.election_timeout_ms_min,
             election_timeout_ms_max=config.timing.election_timeout_ms_max,
             heartbeat_interval_ms=config.timing.heartbeat_interval_ms,
+            lazy_feed_interval_ms=config.timing.lazy_feed_interval_ms,
         )
         store, data_dir_lock = DataDirectoryLock.acquire_and_open(
             config.data_dir, config.name, config.database_path, config.synchronous

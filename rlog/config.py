@@ -13,6 +13,7 @@ Example::
     election_timeout_ms_min = 800       # randomised election timeout, per shard
     election_timeout_ms_max = 1600
     heartbeat_interval_ms = 100         # at most half of election_timeout_ms_min
+    lazy_feed_interval_ms = 20          # followers a commit needs not are fed this often (<= heartbeat; 0: every batch)
     initial_cluster_state = "new"       # "existing": this core was rebuilt in a running cluster (core.recovery)
     recovery_timeout_ms = 1000          # a core on an empty database waits this long for its peers' journals
 
@@ -208,6 +209,9 @@ class Timing:
     election_timeout_ms_min: int = 800
     election_timeout_ms_max: int = 1600
     heartbeat_interval_ms: int = 100
+    # How often the sequencer feeds the followers a commit does not wait for (core.consensus, "Lazy
+    # followers"; capped at heartbeat_interval_ms); 0: every follower is sent every batch at once.
+    lazy_feed_interval_ms: int = 20
     # How long a core that starts on an empty database waits for its peers' journals (core.recovery).
     recovery_timeout_ms: int = 1000
 
@@ -287,6 +291,7 @@ _LIMIT_BOUNDS = {
     "election_timeout_ms_min": (10, 600_000),
     "election_timeout_ms_max": (10, 600_000),
     "heartbeat_interval_ms": (1, 300_000),
+    "lazy_feed_interval_ms": (0, 300_000),
 }
 
 
@@ -354,6 +359,9 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         raise ConfigError("[cluster].election_timeout_ms_max must be at least election_timeout_ms_min")
     if timing.heartbeat_interval_ms * 2 > timing.election_timeout_ms_min:
         raise ConfigError("[cluster].heartbeat_interval_ms must be at most half of election_timeout_ms_min")
+    if "lazy_feed_interval_ms" in cluster and timing.lazy_feed_interval_ms > timing.heartbeat_interval_ms:
+        # Left at its default it is capped instead (core.consensus): a short heartbeat alone is no error.
+        raise ConfigError("[cluster].lazy_feed_interval_ms must be at most heartbeat_interval_ms")
     core_nodes = cluster.get("core_nodes", {name: listen} if role == "core" else {})
     if not isinstance(core_nodes, dict):
         raise ConfigError('[cluster].core_nodes must be a table of name = "tcp://host:port"')

@@ -48,7 +48,7 @@ from mnesite.core.consensus import (
     VoteReply,
     VoteRequest,
 )
-from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, Entry, MembersOp, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, CreateTableOp, Entry, MembersOp, TxKey, WriteOp, make_entry
 
 from tests.sim import MemoryLog
 
@@ -61,6 +61,8 @@ CONFIG = ConsensusConfig(
     entries_per_append_max=3,
     appends_in_flight_max=2,
     pending_proposals_max=4,
+    # Every follower is sent every batch at once here; the lazy followers have tests of their own.
+    lazy_feed_interval_ms=0,
 )
 MEMBERS = ("a", "b", "c")
 # A core refuses (pre-)votes during the first election timeout after it starts.
@@ -1296,3 +1298,128 @@ def test_a_core_below_its_vote_floor_never_campaigns():
     )
     effects = caught_up.step(Ticked(), caught_up.machine.next_deadline_ms())
     assert {to for to, _ in sends(effects, PreVoteRequest)} == {"b", "c"}
+
+
+# ---------------------------------------------------------------- lazy followers (thrifty replication)
+
+LAZY = dataclasses.replace(CONFIG, lazy_feed_interval_ms=10)
+
+
+class LazyHarness(Harness):
+    """Sequencer ``a`` whose no-op every follower acknowledged at ``base`` (its election's time, when
+    every follower was last sent entries); times below are ms after ``base``."""
+
+    def __init__(self, members: tuple[str, ...] = MEMBERS, config: ConsensusConfig = LAZY) -> None:
+        super().__init__(members=members, config=config)
+        self.elect()
+        for peer in members[1:]:
+            self.ack(peer, TxKey(1, 1))
+        self.base = self.now_ms
+
+    def propose(self, k: int, at_ms: int, ops: tuple | None = None) -> list:
+        """One proposal in a turn of its own: the effects of its BatchEnded."""
+        self.step(Proposed(ops or (WriteOp("t", {"k": k}),), f"w{k}"), self.base + at_ms)
+        return self.step(BatchEnded())
+
+    def tick(self, at_ms: int) -> list:
+        return self.step(Ticked(), self.base + at_ms)
+
+    def answer(self, peer: str, key: TxKey, at_ms: int) -> list:
+        self.now_ms = self.base + at_ms
+        return self.ack(peer, key)
+
+
+def appended(effects: list) -> list[tuple[str, list[TxKey]]]:
+    """The appends with entries among ``effects`` (heartbeats and commit notices left out)."""
+    return sorted(
+        (to, [entry.tx_key for entry in message.entries])
+        for to, message in sends(effects, AppendRequest)
+        if message.entries
+    )
+
+
+def test_a_batch_goes_at_once_only_to_the_follower_the_commit_needs():
+    """Of two followers, one is eager (a commit needs the sequencer and one follower) and gets each
+    batch at once; the lazy one gets what accumulated once its interval is over, in one append, and
+    the tick at ``next_deadline_ms`` is what sends it. Equals rank by name: ``b`` is eager."""
+    harness = LazyHarness()
+    assert appended(harness.propose(2, 1)) == [("b", [TxKey(1, 2)])]
+    harness.answer("b", TxKey(1, 2), 2)
+    assert harness.machine.committed_key == TxKey(1, 2)  # the eager follower's answer commits
+    assert appended(harness.propose(3, 3)) == [("b", [TxKey(1, 3)])]
+    assert harness.machine.next_deadline_ms() == harness.base + 10
+    assert appended(harness.tick(9)) == []
+    assert appended(harness.tick(10)) == [("c", [TxKey(1, 2), TxKey(1, 3)])]
+    # Fed: the next batch goes to b alone again.
+    assert appended(harness.propose(4, 11)) == [("b", [TxKey(1, 4)])]
+
+
+def test_with_the_interval_at_zero_every_follower_gets_every_batch():
+    harness = LazyHarness(config=dataclasses.replace(LAZY, lazy_feed_interval_ms=0))
+    assert appended(harness.propose(2, 1)) == [("b", [TxKey(1, 2)]), ("c", [TxKey(1, 2)])]
+
+
+def test_an_eager_follower_that_goes_silent_is_replaced_by_the_lazy_one():
+    """The lazy follower's next feed commits what the silent eager one never answered; its answer puts
+    its match key past the silent one's, and from the next batch on it is the eager one."""
+    harness = LazyHarness()
+    harness.propose(2, 1)  # to b, which never answers again
+    harness.propose(3, 2)
+    assert harness.machine.committed_key == TxKey(1, 1)
+    assert appended(harness.tick(10)) == [("c", [TxKey(1, 2), TxKey(1, 3)])]
+    harness.answer("c", TxKey(1, 3), 11)
+    assert harness.machine.committed_key == TxKey(1, 3)  # no write waited on b past the interval
+    assert appended(harness.propose(4, 12)) == [("c", [TxKey(1, 4)])]  # c eager; b lazy, not due
+
+
+def test_a_follower_that_turns_eager_is_fed_at_once():
+    """c passes b (whose answers stop) and turns eager at the next batch, which sends it everything
+    since its last feed, not only the batch: it may be an interval behind."""
+    harness = LazyHarness()
+    harness.propose(2, 1)
+    assert appended(harness.tick(10)) == [("c", [TxKey(1, 2)])]
+    assert appended(harness.propose(3, 11)) == [("b", [TxKey(1, 3)])]
+    harness.answer("c", TxKey(1, 2), 12)
+    assert appended(harness.propose(4, 13)) == [("c", [TxKey(1, 3), TxKey(1, 4)])]
+
+
+def test_a_lazy_follower_far_behind_is_sent_more_with_each_answer():
+    """Catching up (a full append or more behind), a lazy follower's answers are sent more at once,
+    as any follower's; once within an append of the end it waits for its interval again."""
+    harness = LazyHarness()
+    for k in range(2, 10):  # 8 entries, sent to b alone, which answers each
+        harness.propose(k, 1)
+        harness.answer("b", TxKey(1, k), 1)
+    fed = appended(harness.tick(10))  # as many appends as may be in flight (2), 3 entries each
+    assert fed == [("c", [TxKey(1, 2), TxKey(1, 3), TxKey(1, 4)]), ("c", [TxKey(1, 5), TxKey(1, 6), TxKey(1, 7)])]
+    # 2 entries left, within an append of the end: the answer sends nothing more.
+    assert appended(harness.answer("c", TxKey(1, 4), 11)) == []
+    harness.propose(10, 12)
+    harness.propose(11, 12)
+    # 4 left now, a full append (3) or more: the next answer is sent more at once.
+    assert appended(harness.answer("c", TxKey(1, 7), 13)) == [("c", [TxKey(1, 8), TxKey(1, 9), TxKey(1, 10)])]
+
+
+def test_a_batch_with_a_table_goes_to_every_follower_at_once():
+    """A client told that its table exists may next write to it through any core."""
+    harness = LazyHarness()
+    harness.propose(2, 1)
+    create = CreateTableOp("t2", "s", "id", (("id", "INTEGER"),))
+    assert appended(harness.propose(3, 2, (create,))) == [("b", [TxKey(1, 3)]), ("c", [TxKey(1, 2), TxKey(1, 3)])]
+
+
+def test_five_voters_have_two_eager_and_two_lazy_followers():
+    harness = LazyHarness(("a", "b", "c", "d", "e"))
+    harness.propose(2, 1)  # to b and c (equals: by name)
+    for peer in ("d", "e"):
+        harness.answer(peer, TxKey(1, 1), 2)
+    harness.answer("b", TxKey(1, 2), 2)
+    harness.answer("c", TxKey(1, 2), 2)
+    assert appended(harness.propose(3, 3)) == [("b", [TxKey(1, 3)]), ("c", [TxKey(1, 3)])]
+    assert appended(harness.tick(10)) == [("d", [TxKey(1, 2), TxKey(1, 3)]), ("e", [TxKey(1, 2), TxKey(1, 3)])]
+
+
+def test_the_lazy_feed_interval_may_be_zero_but_not_negative():
+    assert ConsensusConfig(lazy_feed_interval_ms=0).lazy_feed_interval_ms == 0
+    with pytest.raises(ConsensusConfigError, match="lazy_feed_interval_ms"):
+        ConsensusConfig(lazy_feed_interval_ms=-1)

@@ -32,7 +32,7 @@ def test_the_seeds_lose_disks() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("seed", [8, 18, 146, 170])  # of the first 200 seeds, the ones the mutation fails
+@pytest.mark.parametrize("seed", [8, 18, 146])  # of the first 200 seeds, the ones the mutation fails
 def test_the_simulator_catches_a_recovery_without_the_vote_floor(monkeypatch, seed: int) -> None:
     """Mutation: recovery names no floor (the rule before it): a core without the writes the rebuilt
     core helped commit is elected and would replace them."""

@@ -136,7 +136,7 @@ def test_the_simulator_catches_a_resume_rule_without_the_digest_check(monkeypatc
         run_replicant_seed(RESUME_SEED)
 
 
-HELD_READ_SEEDS = (0, 1, 4)  # seeds whose draws give the mutation a linearizable read to spoil
+HELD_READ_SEEDS = (1, 4, 6)  # seeds whose draws give the mutation a linearizable read to spoil
 
 
 @pytest.mark.timeout(120)

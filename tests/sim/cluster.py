@@ -385,6 +385,9 @@ class Simulation:
     # deleted, the copy cut by a timeout or a restart); 0: every install completes.
     installs_abandoned_max = 0
 
+    # The sequencer's lazy feed interval (core.consensus, "Lazy followers"); None: drawn by the seed.
+    lazy_feed_interval_ms: int | None = None
+
     def __init__(self, seed: int, core_count: int, faulty_ms: int = 3000, tick_ms: int = 10) -> None:
         self.seed = seed
         self.applies_gathered = 0  # applies of gathered commits whose time came (FollowerApply.due)
@@ -400,6 +403,12 @@ class Simulation:
             entries_per_append_max=self.rng.choice([1, 4, 16]),
             appends_in_flight_max=self.rng.choice([1, 3]),
             pending_proposals_max=32,
+            # 0: every follower fed every batch; else lazy followers, fed every 5 ms or every
+            # heartbeat interval (30 ms, the cap) while the eager ones carry the commits. Drawn from
+            # a generator of its own, so that every other draw of a seed stays what it was.
+            lazy_feed_interval_ms=random.Random(f"lazy-{seed}").choice([0, 5, 30])
+            if self.lazy_feed_interval_ms is None
+            else self.lazy_feed_interval_ms,
         )
         rng = self.rng
         self.faults = _Faults(
