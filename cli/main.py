@@ -1011,7 +1011,7 @@ def status(endpoint, timeout_ms, as_json) -> None:
         if info.get("learner"):
             click.echo(f"{shard}: learner {info['learner']} (catching up before the entry that adds it)")
         for peer, follower in sorted((info.get("followers") or {}).items()):
-            click.echo(f"{shard}: follower {peer} matched {tuple(follower['match'])}, lag {follower['lag_entries']}")
+            click.echo(describe_follower(shard, peer, follower))
         if info.get("excluded"):
             click.echo(f"{shard}: EXCLUDED {info['excluded']}")
         if not info.get("serving", True):
@@ -1024,6 +1024,13 @@ def status(endpoint, timeout_ms, as_json) -> None:
             click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
     for line in describe_agents(result):
         click.echo(line)
+
+
+def describe_follower(shard: str, peer: str, follower: dict) -> str:
+    """A sequencer's line for one follower; a lazy one (core.consensus, "Lazy followers") is fed every
+    lazy_feed_interval_ms, not with every batch: a lag of up to that long is by design, not a fault."""
+    lazy = " (lazy: fed every lazy_feed_interval_ms)" if follower.get("lazy") else ""
+    return f"{shard}: follower {peer} matched {tuple(follower['match'])}, lag {follower['lag_entries']}{lazy}"
 
 
 def describe_vote_floor(shard: str, info: dict[str, Any]) -> str | None:

@@ -58,7 +58,7 @@ and executes the effects it returns.
 * Lazy followers (thrifty replication). A commit waits for a majority only, so with more voting
   followers than that needs, the sequencer sends each batch at once only to the *eager* ones, as
   many as the commit counts (a majority, less the sequencer itself when it votes): the non-probing
-  voters with the highest match keys, the eager ones first among equals (``_choose_lazy``). The
+  voters that answer, the eager ones before the lazy ones, then by match key (``_choose_lazy``). The
   others are *lazy*: they are fed what accumulated (``_feed``) at most every ``lazy_feed_interval_ms``
   (capped at the heartbeat interval; 0 turns this off), and an answer sends them more at once only
   while they are a full append or more behind (catching up). A batch with an entry that is more
@@ -66,8 +66,8 @@ and executes the effects it returns.
   append, one fsync and one loop turn for many of the sequencer's turns: at one client its CPU a
   write falls to a sixth, and the machine the other two share is quieter. If an eager follower
   stops answering, the lazy one's next feed still commits everything up to it (the commit is
-  delayed by at most the interval), its match key passes the silent one's and it becomes eager at
-  the next choice. Laziness changes when entries are sent, never which: the commit rule, the
+  delayed by at most the interval), and once its appends went unanswered for an interval a lazy
+  one that answers takes its place. Laziness changes when entries are sent, never which: the commit rule, the
   lease and elections are untouched. A lazy follower applies, answers reads waiting for a key and
   pushes to its replicants up to an interval later than an eager one.
 * Commit. An entry is committed when a majority of the voters of the latest membership in the log
@@ -330,6 +330,8 @@ class ConsensusStatus:
     # Rebuilt on an empty disk (``PersistedState.vote_floor``): until ``last_key`` reaches it, this core
     # votes only for logs at or past it and does not campaign (ZERO_KEY: no floor).
     vote_floor: TxKey = ZERO_KEY
+    # The followers the sequencer feeds lazily ("Lazy followers"; sequencer only).
+    lazy_followers: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- peer messages
@@ -901,6 +903,7 @@ class ShardConsensus:
             learner=self._learner.name if self._learner is not None else None,
             disk_full=self._disk_full,
             vote_floor=self._vote_floor,
+            lazy_followers=tuple(sorted(self._lazy)),
         )
 
     def read_index(self, now_ms: int) -> TxKey | None:
@@ -1823,7 +1826,10 @@ class ShardConsensus:
 
     def _choose_lazy(self) -> None:
         """Which followers are fed lazily ("Lazy followers"): the non-probing voters beyond the ones a
-        commit counts, ranked by match key (the eager ones first among equals, then by name). A
+        commit counts. Ranked: the ones not stalled (``_stalled``) first, among them the eager ones,
+        then by match key and name. So an eager follower that answers keeps its place even when a
+        lazy one's answer to a feed puts it ahead for a moment (the roles would swap back and forth,
+        and each swap costs a feed), and one that stops answering loses it an interval later. A
         follower that turns eager is fed at once: it may be an interval behind."""
         if not self._lazy_interval_ms or self._role is not Role.SEQUENCER:
             self._lazy = frozenset()
@@ -1834,13 +1840,25 @@ class ShardConsensus:
             lazy: frozenset[str] = frozenset()
         else:
             ready.sort()  # equals by name (a stable sort keeps this order among them below)
-            ready.sort(key=lambda peer: (self._progress[peer].match_key, peer not in self._lazy), reverse=True)
+            ready.sort(key=self._eager_rank, reverse=True)
             lazy = frozenset(ready[eager_count:])
         for peer in self._lazy - lazy:
             progress = self._progress.get(peer)
             if progress is not None and not progress.probing:
                 self._feed(peer, progress)
         self._lazy = lazy
+
+    def _eager_rank(self, peer: str) -> tuple[bool, bool, TxKey]:
+        progress = self._progress[peer]
+        return not self._stalled(progress), peer not in self._lazy, progress.match_key
+
+    def _stalled(self, progress: _Progress) -> bool:
+        """Appends in flight and none acknowledged for a lazy feed interval or more."""
+        return (
+            progress.in_flight > 0
+            and progress.sent_key > progress.match_key
+            and self._now_ms - progress.waiting_since_ms >= self._lazy_interval_ms
+        )
 
     def _feedable(self, progress: _Progress) -> bool:
         """A lazy follower that has entries to be sent and room for an append in flight."""

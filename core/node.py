@@ -2285,7 +2285,11 @@ class CoreNode(NodeServer):
                 }
             if status.role is Role.SEQUENCER:
                 entry["followers"] = {
-                    peer: {"match": list(key), "lag_entries": self._lag(shard, key, status.last_key)}
+                    peer: {
+                        "match": list(key),
+                        "lag_entries": self._lag(shard, key, status.last_key),
+                        "lazy": peer in status.lazy_followers,
+                    }
                     for peer, key in status.follower_match_keys
                 }
             shards[shard] = entry

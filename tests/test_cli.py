@@ -143,6 +143,21 @@ def test_status_text_shows_the_acknowledgements_the_agents_refused() -> None:
     ]
 
 
+def test_status_text_marks_a_lazy_follower() -> None:
+    """Its lag is by design (core.consensus, "Lazy followers"): the operator must not take it for a fault."""
+    from mnesite.cli.main import describe_follower
+
+    assert describe_follower("s", "core2", {"match": [1, 9], "lag_entries": 0, "lazy": False}) == (
+        "s: follower core2 matched (1, 9), lag 0"
+    )
+    assert describe_follower("s", "core3", {"match": [1, 5], "lag_entries": 4, "lazy": True}) == (
+        "s: follower core3 matched (1, 5), lag 4 (lazy: fed every lazy_feed_interval_ms)"
+    )
+    assert describe_follower("s", "core3", {"match": [1, 5], "lag_entries": 4}) == (
+        "s: follower core3 matched (1, 5), lag 4"
+    ), "a release without the field"
+
+
 def test_status_text_shows_a_rebuilt_core_below_its_vote_floor() -> None:
     """An operator replacing disks one at a time must know when the rebuilt core holds again what it held."""
     from mnesite.cli.main import describe_vote_floor

@@ -320,3 +320,30 @@ def test_a_wiped_core_starts_only_once_enough_of_its_peers_answer(cluster: Clust
     with cluster.client(wiped) as client:
         assert client.get("kv", 19) == {"id": 19, "value": "before"}
     assert converged
+
+
+def test_the_sequencer_feeds_one_follower_lazily_and_it_keeps_up(cluster: Cluster) -> None:
+    """Lazy followers (core.consensus) in real processes with the default interval: the sequencer's
+    status marks one of its two followers lazy; over writes one at a time that follower makes far
+    fewer durable commits (about one a feed) than the eager one (one a write), and it still holds
+    every write once the writes stop."""
+    cluster.start_all()
+    create_table(cluster)
+    sequencer, _ = cluster.sequencer()
+    followers = [name for name in cluster.names if name != sequencer]
+    writes = 200
+    with cluster.client(sequencer, retries=5) as client:
+        client.put("kv", {"id": 0, "value": "warm"})
+        before = {name: cluster.status(name)["durable_commits"] for name in followers}
+        for i in range(1, writes + 1):
+            client.put("kv", {"id": i, "value": "x" * 100})
+        status = client.status()
+    after = {name: cluster.status(name)["durable_commits"] for name in followers}
+    lazy = [peer for peer, info in status["shards"]["default"]["followers"].items() if info["lazy"]]
+    assert len(lazy) == 1, status["shards"]["default"]["followers"]
+    (eager,) = set(followers) - set(lazy)
+    made = {name: after[name] - before[name] for name in followers}
+    assert made[eager] >= writes * 0.9, made
+    assert made[lazy[0]] <= made[eager] / 3, made
+    cluster.wait_converged(cluster.names)
+    assert len(rows(cluster, lazy[0])) == writes + 1

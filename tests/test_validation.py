@@ -133,6 +133,8 @@ def test_default_config_is_a_single_core() -> None:
         ({"rlog": {"retention_entries": 5}}, r"unknown key \[rlog\].retention_entries"),
         ({"cluster": {"election_timeout_ms": 5}}, r"unknown key \[cluster\].election_timeout_ms "),
         ({"cluster": {"heartbeat_interval_ms": 900}}, r"heartbeat_interval_ms must be at most half"),
+        ({"cluster": {"lazy_feed_interval_ms": 150}}, r"lazy_feed_interval_ms must be at most heartbeat_interval_ms"),
+        ({"cluster": {"lazy_feed_interval_ms": -1}}, r"\[cluster\].lazy_feed_interval_ms must be an integer in 0\.\."),
         ({"cluster": {"election_timeout_ms_min": 500, "election_timeout_ms_max": 100}}, r"at least election_"),
         ({"cluster": {"initial_cluster_state": "rebuilt"}}, r"initial_cluster_state must be one of new, existing"),
         ({"cluster": {"initial_cluster_state": 1}}, r"initial_cluster_state must be one of new, existing"),
@@ -156,6 +158,26 @@ def test_config_file_errors(tmp_path) -> None:
     assert config.data_dir == str(tmp_path / "d") and config.core_nodes == {"n1": "tcp://127.0.0.1:7500"}
     assert config.initial_cluster_state == "new"
     assert parse_config({"cluster": {"initial_cluster_state": "existing"}}).initial_cluster_state == "existing"
+
+
+def test_the_lazy_feed_interval_reaches_the_consensus_machine_and_its_default_follows_a_short_heartbeat(
+    tmp_path,
+) -> None:
+    """0 turns lazy followers off; the default (20 ms) is capped by the machine at a shorter heartbeat
+    interval rather than refused (a config that only shortens the heartbeat stays valid)."""
+    from mnesite.core.node import CoreNode
+
+    from tests.conftest import free_port, node_config
+
+    assert parse_config({"cluster": {"lazy_feed_interval_ms": 0}}).timing.lazy_feed_interval_ms == 0
+    short = parse_config({"cluster": {"election_timeout_ms_min": 20, "heartbeat_interval_ms": 10}})
+    assert short.timing.lazy_feed_interval_ms == 20
+    config = node_config(tmp_path / "core", free_port(), extra={"cluster": {"lazy_feed_interval_ms": 7}})
+    node = CoreNode(config)
+    try:
+        assert node.consensus_config.lazy_feed_interval_ms == 7
+    finally:
+        node.close()
 
 
 def test_driver_limits_a_user_may_tune_are_config_keys_with_bounds() -> None:
