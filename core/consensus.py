@@ -62,14 +62,16 @@ and executes the effects it returns.
   others are *lazy*: they are fed what accumulated (``_feed``) at most every ``lazy_feed_interval_ms``
   (capped at the heartbeat interval; 0 turns this off), and an answer sends them more at once only
   while they are a full append or more behind (catching up). A batch with an entry that is more
-  than rows (a table, an index, a membership) goes to every follower at once. A lazy follower therefore takes one
-  append, one fsync and one loop turn for many of the sequencer's turns: at one client its CPU a
-  write falls to a sixth, and the machine the other two share is quieter. If an eager follower
-  stops answering, the lazy one's next feed still commits everything up to it (the commit is
-  delayed by at most the interval), and once its appends went unanswered for an interval a lazy
-  one that answers takes its place. Laziness changes when entries are sent, never which: the commit rule, the
-  lease and elections are untouched. A lazy follower applies, answers reads waiting for a key and
-  pushes to its replicants up to an interval later than an eager one.
+  than rows (a table, an index, a membership) goes to every follower at once. A lazy follower
+  therefore takes one append, one fsync and one loop turn for many of the sequencer's turns: at one
+  client its CPU a write falls to a sixth, and the machine the other two share is quieter. If an
+  eager follower stops answering, the lazy one's next feed still commits everything up to it (the
+  commit is delayed by at most the interval), and once its appends went unanswered for an interval
+  a lazy one that answers takes its place. Laziness changes when entries are sent, never which: the
+  commit rule, the lease and elections are untouched. A lazy follower applies, answers reads waiting
+  for a key and pushes to its replicants up to an interval later than an eager one; but a core that
+  asks for a read index (a linearizable query or a replicant's read, which then waits to apply that
+  key) makes the driver step ``FeedRequested``, and the lazy followers are fed at once.
 * Commit. An entry is committed when a majority of the voters of the latest membership in the log
   (the sequencer counts when it is one of them) have persisted it and it belongs to the current
   generation; earlier entries commit with it (Raft, section 5.4.2).
@@ -452,6 +454,13 @@ class SnapshotRequested:
 
 
 @dataclass(frozen=True)
+class FeedRequested:
+    """A core asked this sequencer for a read index (a linearizable query at a follower, or a replicant's
+    linearizable read), and will wait to apply that key: the lazy followers are fed now, not at their
+    interval (one of them may be the asker; which one is not said)."""
+
+
+@dataclass(frozen=True)
 class ForceStartRequested:
     """Operator: make this core sequencer of a new generation with the members it reached.
 
@@ -502,6 +511,7 @@ Event = (
     | BatchEnded
     | Persisted
     | SnapshotRequested
+    | FeedRequested
     | ForceStartRequested
     | MembershipChangeRequested
     | LearnerRefused
@@ -990,6 +1000,8 @@ class ShardConsensus:
             self._on_persisted()
         elif isinstance(event, SnapshotRequested):
             self._on_snapshot_requested(event.follower)
+        elif isinstance(event, FeedRequested):
+            self._on_feed_requested()
         elif isinstance(event, ForceStartRequested):
             self._force_start(event.reached, event.last_keys, event.rows_lost)
         elif isinstance(event, MembershipChangeRequested):
@@ -1037,7 +1049,7 @@ class ShardConsensus:
             self._out.append(ForceStartRefused(f"the disk of {self.name} is full", reached, self._members))
         elif isinstance(event, LearnerRefused):
             self._on_learner_refused(event.name)  # nothing to persist: the change ends all the same
-        elif not isinstance(event, (Ticked, MessageReceived, BatchEnded, Persisted, SnapshotRequested)):
+        elif not isinstance(event, (Ticked, MessageReceived, BatchEnded, Persisted, SnapshotRequested, FeedRequested)):
             raise TypeError(f"not a consensus event: {event!r}")
 
     # ------------------------------------------------------------ time
@@ -1847,6 +1859,15 @@ class ShardConsensus:
             if progress is not None and not progress.probing:
                 self._feed(peer, progress)
         self._lazy = lazy
+
+    def _on_feed_requested(self) -> None:
+        """``FeedRequested``: every lazy follower that has entries to be sent gets them now."""
+        if self._role is not Role.SEQUENCER:
+            return
+        for peer in self._lazy:
+            progress = self._progress[peer]
+            if self._feedable(progress):
+                self._feed(peer, progress)
 
     def _eager_rank(self, peer: str) -> tuple[bool, bool, TxKey]:
         progress = self._progress[peer]

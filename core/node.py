@@ -76,6 +76,7 @@ from mnesite.core.consensus import (
     ConsensusConfigError,
     ConsensusInvariantError,
     Excluded,
+    FeedRequested,
     ForceStarted,
     ForceStartRefused,
     ForceStartRequested,
@@ -1122,6 +1123,9 @@ class CoreNode(NodeServer):
         if isinstance(fence, rules.Forward):
             self._forward(envelope, message, shard, fence.target)
             return
+        if message.kind == "read_index" and message.body.forwarded:
+            # The asking core waits to apply this key: a lazy follower would wait for its next feed.
+            self._step(driver, FeedRequested())
         result: Any = {"committed": list(fence)} if message.kind == "read_index" else self._read(envelope, message)
         if result is not HELD:
             self.reply(envelope, messages.reply(message.request_id, result))

@@ -21,6 +21,7 @@ from mnesite.core.consensus import (
     ConsensusInvariantError,
     Excluded,
     ExclusionNotice,
+    FeedRequested,
     ForceStarted,
     ForceStartRefused,
     ForceStartRequested,
@@ -1427,6 +1428,18 @@ def test_five_voters_have_two_eager_and_two_lazy_followers():
     harness.answer("c", TxKey(1, 2), 2)
     assert appended(harness.propose(3, 3)) == [("b", [TxKey(1, 3)]), ("c", [TxKey(1, 3)])]
     assert appended(harness.tick(10)) == [("d", [TxKey(1, 2), TxKey(1, 3)]), ("e", [TxKey(1, 2), TxKey(1, 3)])]
+
+
+def test_a_read_index_asked_feeds_the_lazy_followers_at_once():
+    """A core that asked for a read index waits to apply that key: a lazy follower must not make it
+    wait for the rest of its interval (the driver steps ``FeedRequested`` as it answers)."""
+    harness = LazyHarness()
+    harness.propose(2, 1)
+    harness.propose(3, 2)
+    assert appended(harness.step(FeedRequested(), harness.base + 3)) == [("c", [TxKey(1, 2), TxKey(1, 3)])]
+    assert appended(harness.step(FeedRequested(), harness.base + 4)) == []  # nothing more to send
+    follower = Harness(name="b", config=LAZY)
+    assert follower.step(FeedRequested()) == []  # only a sequencer feeds
 
 
 def test_the_lazy_feed_interval_may_be_zero_but_not_negative():

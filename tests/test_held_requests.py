@@ -264,3 +264,20 @@ def test_a_forwarded_read_s_answer_goes_to_the_connection_that_sent_it(tmp_path,
         assert [(to, m.request_id, m.body.code) for _s, to, m in node._outbox if to == [b"c"]] == [
             ([b"c"], "r-1", "no_sequencer")
         ]
+
+
+def test_a_sequencer_answering_a_forwarded_read_index_feeds_its_lazy_followers(tmp_path, monkeypatch) -> None:
+    """The asking core waits to apply the key it is told (a linearizable query, a replicant's read): the
+    driver steps ``FeedRequested`` as it answers, so a lazy follower is fed at once (core.consensus)."""
+    from mnesite.core.consensus import ShardConsensus
+
+    steps: list[str] = []
+    monkeypatch.setattr(ShardConsensus, "_on_feed_requested", lambda self: steps.append(self.shard))
+    with core_with_table(tmp_path / "data") as node:
+        node._dispatch([b"a"], Message("read_index", "r-1", messages.typed_body("read_index", {"shard": "default"})))
+        assert steps == [], "asked by a client of this core: nobody waits to apply"
+        forwarded = {"shard": "default", "forwarded": True}
+        node._dispatch([b"b"], Message("read_index", "r-2", messages.typed_body("read_index", forwarded)))
+        assert steps == ["default"]
+        answers = [(to, m.request_id) for _s, to, m in node._outbox if m.kind == "reply"]
+        assert answers == [([b"a"], "r-1"), ([b"b"], "r-2")]

@@ -74,6 +74,7 @@ from mnesite.core.consensus import (
     ConsensusConfig,
     ConsensusInvariantError,
     Effect,
+    FeedRequested,
     ForceStartRequested,
     MessageReceived,
     PeerMessage,
@@ -1006,6 +1007,7 @@ class Simulation:
             return
         if request.kind == "read_index":
             if fence is not None:
+                self._step(node, FeedRequested())  # as the driver does (core/node.py ``_linearizable``)
                 self._read_index_answered(request, fence)
             return
         # Production's transaction rules (core.transaction), the guard read through the unapplied tail
