@@ -13,7 +13,7 @@ Example::
     election_timeout_ms_min = 800       # randomised election timeout, per shard
     election_timeout_ms_max = 1600
     heartbeat_interval_ms = 100         # at most half of election_timeout_ms_min
-    lazy_feed_interval_ms = 20          # followers a commit needs not are fed this often (<= heartbeat; 0: every batch)
+    lazy_feed_interval_ms = 20          # followers no commit waits for are fed this often (<= heartbeat; 0: off)
     initial_cluster_state = "new"       # "existing": this core was rebuilt in a running cluster (core.recovery)
     recovery_timeout_ms = 1000          # a core on an empty database waits this long for its peers' journals
 
