@@ -1101,10 +1101,7 @@ class ShardConsensus:
                     progress.in_flight = 0
                     self._send_append(peer, heartbeat=True)
             self._choose_lazy()
-            for peer in self._lazy:
-                progress = self._progress[peer]
-                if self._feedable(progress) and self._now_ms >= self._feed_due_ms(progress):
-                    self._feed(peer, progress)
+            self._feed_lazy(at_once=False)
             if self._notice_due_ms is not None and self._now_ms >= self._notice_due_ms:
                 self._notice_due_ms = None
                 self._tell_commit()
@@ -1818,13 +1815,12 @@ class ShardConsensus:
         # An entry that is more than rows (a table, an index, a membership, a cluster version) goes to
         # every follower at once: a client told it committed may next ask any core to use it.
         at_once = bool(self._lazy) and any(type(op) not in ROW_OPS for entry in batch for op in entry.ops)
+        self._feed_lazy(at_once)
         follows = {entry.prev: index for index, entry in enumerate(batch)}
         sizes: list[int] | None = None  # each entry's size, measured once for every follower
         for peer, progress in self._progress.items():
             if peer in self._lazy:
-                if self._feedable(progress) and (at_once or self._now_ms >= self._feed_due_ms(progress)):
-                    self._feed(peer, progress)
-                continue
+                continue  # fed above, from the log
             start = follows.get(progress.sent_key)
             in_flight_max = 1 if progress.probing else self.config.appends_in_flight_max
             while start is not None and start < len(batch) and progress.in_flight < in_flight_max:
@@ -1862,11 +1858,14 @@ class ShardConsensus:
 
     def _on_feed_requested(self) -> None:
         """``FeedRequested``: every lazy follower that has entries to be sent gets them now."""
-        if self._role is not Role.SEQUENCER:
-            return
+        if self._role is Role.SEQUENCER:
+            self._feed_lazy(at_once=True)
+
+    def _feed_lazy(self, at_once: bool) -> None:
+        """Feed each lazy follower that has entries to be sent: now (``at_once``) or once its interval is over."""
         for peer in self._lazy:
             progress = self._progress[peer]
-            if self._feedable(progress):
+            if self._feedable(progress) and (at_once or self._now_ms >= self._feed_due_ms(progress)):
                 self._feed(peer, progress)
 
     def _eager_rank(self, peer: str) -> tuple[bool, bool, TxKey]:

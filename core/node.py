@@ -1123,8 +1123,7 @@ class CoreNode(NodeServer):
         if isinstance(fence, rules.Forward):
             self._forward(envelope, message, shard, fence.target)
             return
-        if message.kind == "read_index" and message.body.forwarded:
-            # The asking core waits to apply this key: a lazy follower would wait for its next feed.
+        if rules.read_index_feeds_lazy_followers(message.kind, message.body.forwarded):
             self._step(driver, FeedRequested())
         result: Any = {"committed": list(fence)} if message.kind == "read_index" else self._read(envelope, message)
         if result is not HELD:

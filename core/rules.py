@@ -284,6 +284,13 @@ def fence_read(view: ShardView, me: str, forwarded: bool, read_index: TxKey | No
     return read_index
 
 
+def read_index_feeds_lazy_followers(kind: str, forwarded: bool) -> bool:
+    """Whether a sequencer answering this read steps ``FeedRequested`` (core.consensus, "Lazy followers"):
+    a ``read_index`` another core forwarded, which that core (a follower's linearizable query, a
+    replicant's read) then waits to apply; a lazy follower would make it wait for its next feed."""
+    return kind == "read_index" and forwarded
+
+
 def check_applied(me: str, min_key: TxKey | None, applied: TxKey | None) -> None:
     """Read-your-writes: a read that must see ``min_key`` waits (the client retries) until it is applied."""
     if min_key is not None and (applied is None or applied < min_key):

@@ -1007,7 +1007,8 @@ class Simulation:
             return
         if request.kind == "read_index":
             if fence is not None:
-                self._step(node, FeedRequested())  # as the driver does (core/node.py ``_linearizable``)
+                if rules.read_index_feeds_lazy_followers(request.kind, request.forwarded):
+                    self._step(node, FeedRequested())
                 self._read_index_answered(request, fence)
             return
         # Production's transaction rules (core.transaction), the guard read through the unapplied tail
