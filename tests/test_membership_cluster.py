@@ -119,11 +119,16 @@ def test_a_new_core_behind_the_trimmed_log_catches_up_by_snapshot_before_it_is_a
     create_table(cluster)
     load = Load(cluster, ["core1", "core2", "core3"]).start()
     load.wait_for(300)
-    wait_until(
-        lambda: ((cluster.status("core1") or {})["shards"]["default"]["rlog"].get("first") or [0, 0]) > [1, 1],
-        30,
-        "the cores to trim their rlog",
-    )
+
+    # Every core runs retention on its own timer, so each must have trimmed: had only core1 (a
+    # follower) trimmed, a sequencer still holding its first entries would feed core4 from the log
+    # and no snapshot would be needed (a CI run on 2026-12-02 saw exactly that).
+    def trimmed(name: str) -> bool:
+        status = cluster.status(name) or {}
+        first = status.get("shards", {}).get("default", {}).get("rlog", {}).get("first")
+        return (first or [0, 0]) > [1, 1]
+
+    wait_until(lambda: all(trimmed(name) for name in ("core1", "core2", "core3")), 30, "the cores to trim their rlog")
     cluster.names.append("core4")
     cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
     cluster._write_config("core4", "core")
