@@ -8,6 +8,7 @@ import datetime
 import decimal
 import enum
 import fractions
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -784,36 +785,62 @@ def test_a_proposed_write_past_requests_outstanding_max_is_never_answered_overlo
     # write was admitted and proposed in the same turn (it commits) was nevertheless answered
     # "overloaded" when the node went to hold it for its commit: its client took it for not written.
     thread_node = ThreadNode(tmp_path / "data", extra={"limits": {"requests_outstanding_max": 1}})
+    node = thread_node.node
+    # The node's loop is parked between turns while a burst is sent, so that the burst is read in one
+    # turn: sent to a running loop (it shares this process's GIL), each write could be read, committed
+    # and answered before the next arrived, and the bound never met (a CI run of 2026-12-02).
+    parked, release = threading.Event(), threading.Event()
+    release.set()
+    turn = node.turn
+
+    def gated_turn() -> None:
+        if not release.is_set():
+            parked.set()
+            if not release.wait(10):
+                raise AssertionError("the test never released the node's loop")
+        turn()
+
+    node.turn = gated_turn
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     try:
         with thread_node.client() as client:
             client.create_table("known", "id", [("id", "INTEGER"), ("name", "TEXT")])
         socket.connect(thread_node.endpoint)
-        writes = 20
-        # One connection, many writes sent at once: they arrive in one turn and are proposed as a batch.
-        for number in range(writes):
-            body = {"ops": [{"op": "write", "table": "known", "row": {"id": number, "name": "w"}}]}
-            socket.send(messages.encode(Message("transact", f"w{number}", body)))
-        answers: dict[str, Message] = {}
-        while len(answers) < writes:
-            assert socket.poll(10_000), f"only {len(answers)} of {writes} writes were answered"
-            answer = messages.decode(socket.recv())
-            answers[answer.request_id] = answer
-        refused = 0
-        with thread_node.client() as client:
-            for number in range(writes):
-                answer = answers[f"w{number}"]
-                written = client.get("known", number) is not None
-                if answer.kind == "error" and answer.body.code == "overloaded":
-                    assert not written, f"write {number} was answered overloaded but applied"
-                    refused += 1
-                elif answer.kind == "reply":
-                    assert written
-                else:  # the bound may also be met after proposing (a re-send of a logged write)
-                    assert answer.body.code == "outcome_unknown", answer
+        writes, refused = 20, 0
+        # A burst is read in one turn unless the loop is released before its second write has reached
+        # the node's socket; a few bursts make that certain.
+        for burst in range(5):
+            release.clear()
+            parked.clear()
+            node.queries.wake()  # ends the turn waiting in its poll
+            assert parked.wait(10), "the node's loop did not reach the end of its turn"
+            numbers = range(burst * writes, (burst + 1) * writes)
+            for number in numbers:
+                body = {"ops": [{"op": "write", "table": "known", "row": {"id": number, "name": "w"}}]}
+                socket.send(messages.encode(Message("transact", f"w{number}", body)))
+            release.set()
+            answers: dict[str, Message] = {}
+            while len(answers) < writes:
+                assert socket.poll(10_000), f"only {len(answers)} of {writes} writes were answered"
+                answer = messages.decode(socket.recv())
+                answers[answer.request_id] = answer
+            with thread_node.client() as client:
+                for number in numbers:
+                    answer = answers[f"w{number}"]
+                    written = client.get("known", number) is not None
+                    if answer.kind == "error" and answer.body.code == "overloaded":
+                        assert not written, f"write {number} was answered overloaded but applied"
+                        refused += 1
+                    elif answer.kind == "reply":
+                        assert written
+                    else:  # the bound may also be met after proposing (a re-send of a logged write)
+                        assert answer.body.code == "outcome_unknown", answer
+            if refused:
+                break
         assert refused, "the bound was never reached: the test did not test it"
     finally:
+        release.set()
         socket.close(0)
         thread_node.stop()
 
