@@ -112,6 +112,7 @@ from mnesite.core.outcome import (
     Outcome,
     OutcomeUnknown,
 )
+from mnesite.core.recent import RecentBudget, RecentEntries
 from mnesite.core.recovery import (
     reached_generations,
     reached_last_keys,
@@ -244,12 +245,17 @@ class StoreLogView:
 
     Entries of the unapplied tail are served from memory: the sequencer sends them to followers
     right after appending them, and reading them back from SQLite would cost more than the append.
+    So are the entries persisted last (``core.recent``), which a lazy follower is fed after they
+    were applied and left the tail.
     """
 
-    def __init__(self, store: Store, shard: str, tail: GuardTail[HeldFailure]) -> None:
+    def __init__(
+        self, store: Store, shard: str, tail: GuardTail[HeldFailure], recent: RecentEntries | None = None
+    ) -> None:
         self.store = store
         self.shard = shard
         self.tail = tail
+        self.recent = recent if recent is not None else RecentEntries()
 
     def last_key(self) -> TxKey:
         return self.store.last_entry(self.shard)[0]
@@ -262,6 +268,9 @@ class StoreLogView:
         if cached and cached[0].prev <= key <= cached[-1].tx_key:
             start = bisect.bisect_right(self.tail.keys, key)
             return cached[start : start + limit]
+        recent = self.recent.after(key, limit)
+        if recent is not None:
+            return recent
         return self.store.entries_after(self.shard, key, limit)
 
     def trimmed_key(self) -> TxKey:
@@ -408,6 +417,8 @@ class CoreNode(NodeServer):
         # shard -> the ConsensusInvariantError that stopped it here (``_stop_shard``): until a restart its
         # machine is stepped no more, and the shard serves nothing (the node serves its other shards).
         self.stopped: dict[str, str] = {}
+        # What the shards' windows of entries persisted last hold together (core.recent).
+        self.recent_budget = RecentBudget()
         limits = config.limits
         # A push is one frame: never more than half of frame_bytes_max, whatever push_bytes_max says.
         push_bytes_max = max(1, min(limits.push_bytes_max, limits.frame_bytes_max // 2))
@@ -626,7 +637,10 @@ class CoreNode(NodeServer):
             self.store.catalog(), limits.guard_failures_held_max, limits.guard_hold_ms_max
         )
         tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
-        log_view = StoreLogView(self.store, shard, tail)
+        previous = self.shards.get(shard)
+        if previous is not None:  # rebuilt from disk: its window's share goes back to the node
+            previous.log_view.recent.clear()
+        log_view = StoreLogView(self.store, shard, tail, RecentEntries(self.recent_budget))
         try:
             consensus = ShardConsensus(
                 shard,
@@ -767,6 +781,7 @@ class CoreNode(NodeServer):
             self._abandon_held_guard_failures(driver, f"disk_full: {error}")
             self.agent_server.stop_shard(shard)
             if shard not in on_disk:
+                driver.log_view.recent.clear()
                 del self.shards[shard]
                 continue
             self._step(self._open_shard(shard), DiskFull(error))
@@ -969,10 +984,13 @@ class CoreNode(NodeServer):
             self.begin()
             self.store.append_entries(effect.entries, int(time.time() * 1000), chain_verified=True)
             driver.tail.add(effect.entries)
+            if driver.consensus.role is Role.SEQUENCER:  # only a sequencer sends entries
+                driver.log_view.recent.add(effect.entries)
             self._note_membership_entries(driver, effect.entries)
         elif isinstance(effect, TruncateLog):
             self.begin()
             removed = self.store.truncate_after(shard, effect.after_key)
+            driver.log_view.recent.truncated(effect.after_key)
             log.warning("shard %s: truncated %d uncommitted entries after %s", shard, removed, effect.after_key)
             for held in driver.tail.truncated(effect.after_key, self.store.catalog()):
                 self._answer_guard_failure(held, answer=False, reason="the entries it observed were replaced")
