@@ -1533,7 +1533,14 @@ class CoreNode(NodeServer):
         if earlier is None:
             # Every shard's unapplied tail over the committed catalog: built once, for admission and guards.
             catalog = self._catalog_with_tails()
-            admitted = rules.admit_write(message.kind, message.body, catalog, self.config.limits.transaction_ops_max)
+            try:
+                admitted = rules.admit_write(
+                    message.kind, message.body, catalog, self.config.limits.transaction_ops_max
+                )
+            except (RequestError, SchemaError) as error:
+                if getattr(error, "code", None) == "unknown_table":
+                    raise self._unknown_table(str(error)) from None
+                raise
         shard = earlier[0] if earlier is not None else admitted.shard
         driver = self._shard_for(shard, create=message.kind == "create_table")
         if driver is None:
@@ -2184,8 +2191,24 @@ class CoreNode(NodeServer):
     def _table(self, name: str) -> TableSchema:
         table = self.store.catalog().get(name)
         if table is None:
-            raise RequestError("unknown_table", f"unknown table {name!r}")
+            raise self._unknown_table(f"unknown table {name!r}")
         return table
+
+    def _unknown_table(self, message: str) -> RequestError:
+        """The answer to a request naming a table this core's catalog lacks: ``unknown_table``, unless
+        the catalog may lack it only because this core is behind (``rules.catalog_incomplete``): a core
+        rebuilt from an empty disk said "unknown table" of the cluster's tables until it caught up."""
+        reason = rules.catalog_incomplete(
+            (shard, self._not_serving_reason(shard), self._applied_or_none(shard), self._vote_floor(shard))
+            for shard in sorted(self.shards)
+        )
+        if reason is not None:
+            return RequestError("not_ready", f"{message} at {self.config.name}, which is catching up: {reason}")
+        return RequestError("unknown_table", message)
+
+    def _applied_or_none(self, shard: str) -> TxKey | None:
+        position = self.store.shard(shard)
+        return position.applied if position is not None else None
 
     def _check_consistency(self, message: Message, table: TableSchema) -> None:
         # The client retries (bounded by its timeout) until this core has applied it.

@@ -32,6 +32,10 @@ request lives here, as functions of what it knows, so that the deterministic sim
   while an install that deleted the shard's rows has not copied them again (``rows_lost``: the rows
   are half copied), and not while its consensus cannot follow the log (``stuck_reason``: its applied
   state stops while the others go on, so its reads would be ever staler).
+* ``catalog_incomplete``: whether a table this core does not know may exist all the same: while one
+  of its shards is not serving, or is below the vote floor that its recovery from an empty disk set
+  (it holds less of the log than its peers did), a request naming an unknown table is answered
+  ``not_ready`` (ask again or another core), never ``unknown_table`` (no such table).
 * ``admit_membership_change``: an operator's add or remove at the sequencer: a retry while its
   change is pending or once it is in the log changes nothing; an add names an endpoint, and a core
   this one cannot speak with (``core.versions``) is not added.
@@ -321,6 +325,20 @@ def not_serving_reason(
         at = f" at {applied}" if applied is not None else ""
         # Its applied state stops there while the others go on: a local read would be ever staler.
         return f"stopped{at}: {stuck_reason}"
+    return None
+
+
+def catalog_incomplete(shards: Iterable[tuple[str, str | None, TxKey | None, TxKey]]) -> str | None:
+    """Why a table unknown at this core may exist all the same (None: its catalog holds what its
+    shards' logs hold). ``shards``: per shard, its name, ``not_serving_reason``, this core's applied
+    key (None: no position) and the vote floor of its recovery from an empty disk (``ZERO_KEY``: none).
+    A shard not serving may have lost its tables with its rows (an install); one below its vote floor
+    has not applied what its peers held when it was rebuilt, its tables' creation perhaps among it."""
+    for shard, not_serving, applied, floor in shards:
+        if not_serving is not None:
+            return f"shard {shard}: {not_serving}"
+        if applied is not None and applied < floor:
+            return f"shard {shard} is recovering from an empty disk: applied {applied} of at least {floor}"
     return None
 
 

@@ -458,10 +458,12 @@ class Client:
                     self._give_up(kind, message.request_id, unknown, reason, STOPPING_CODE, unknown_answer)
                 self._next_endpoint()
                 continue
-            if answer.kind == "error" and answer.body.code == NOT_READY_CODE and not is_write:
+            if answer.kind == "error" and answer.body.code == NOT_READY_CODE and not maybe_applied:
+                # A read, or a write refused before anything was logged (a core catching up that does
+                # not know its table yet): another node may serve it now.
                 not_ready.add(self.endpoint)
                 if len(not_ready | set(unreachable)) < len(self.endpoints) and time.monotonic() < deadline:
-                    self._next_endpoint()  # a read: another node may serve its shard now
+                    self._next_endpoint()
                     continue
             if answer.kind == "error" and answer.body.code in RETRIABLE_CODES:
                 last_reason = answer.body.message

@@ -451,6 +451,23 @@ def test_a_read_refused_not_ready_moves_to_the_next_endpoint(thread_node: Thread
             node.close()
 
 
+def test_a_write_refused_not_ready_moves_to_the_next_endpoint(thread_node: ThreadNode) -> None:
+    # A core catching up (rebuilt from an empty disk) refuses a write naming a table it does not know
+    # yet with not_ready, before anything is logged: the next endpoint may take it.
+    with thread_node.client(timeout_ms=2000) as writer:
+        writer.create_table("t", "id", [("id", "INTEGER")])
+    catching_up = ScriptedNode([("not_ready", "unknown table 't' at core2, which is catching up")])
+    try:
+        with Client([catching_up.endpoint, thread_node.endpoint], timeout_ms=2000, retries=1) as client:
+            client.put("t", {"id": 7})
+            assert client.endpoint == thread_node.endpoint
+        assert len(catching_up.requests) == 1
+        with thread_node.client() as reader:
+            assert reader.get("t", 7) == {"id": 7}
+    finally:
+        catching_up.close()
+
+
 def test_a_write_refused_at_its_first_attempt_reports_the_refusal() -> None:
     # Nothing was sent before: "overloaded" at once means surely not applied (no outcome to learn).
     node = ScriptedNode([("overloaded", "busy node")])
