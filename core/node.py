@@ -1538,7 +1538,7 @@ class CoreNode(NodeServer):
                     message.kind, message.body, catalog, self.config.limits.transaction_ops_max
                 )
             except (RequestError, SchemaError) as error:
-                if getattr(error, "code", None) == "unknown_table":
+                if error.code == "unknown_table":
                     raise self._unknown_table(str(error)) from None
                 raise
         shard = earlier[0] if earlier is not None else admitted.shard

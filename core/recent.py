@@ -45,7 +45,9 @@ RECENT_NODE_BYTES_MAX = 16 * 1024 * 1024
 
 
 def entry_bytes(entry: Entry) -> int:
-    """What an entry counts against the bounds: its packed ops and an entry's overhead."""
+    """What an entry counts against the bounds: its packed ops and an entry's overhead. Not
+    ``Entry.size_bytes``, which encodes the shard and request id again: this runs for every write a
+    sequencer persists, and the bound needs the ops' size, not the last few bytes."""
     return ENTRY_OVERHEAD_BYTES + len(entry.packed)
 
 
