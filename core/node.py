@@ -1539,7 +1539,7 @@ class CoreNode(NodeServer):
                 )
             except (RequestError, SchemaError) as error:
                 if error.code == "unknown_table":
-                    raise self._unknown_table(str(error)) from None
+                    raise self.unknown_table(str(error)) from None
                 raise
         shard = earlier[0] if earlier is not None else admitted.shard
         driver = self._shard_for(shard, create=message.kind == "create_table")
@@ -2191,13 +2191,14 @@ class CoreNode(NodeServer):
     def _table(self, name: str) -> TableSchema:
         table = self.store.catalog().get(name)
         if table is None:
-            raise self._unknown_table(f"unknown table {name!r}")
+            raise self.unknown_table(f"unknown table {name!r}")
         return table
 
-    def _unknown_table(self, message: str) -> RequestError:
+    def unknown_table(self, message: str) -> RequestError:
         """The answer to a request naming a table this core's catalog lacks: ``unknown_table``, unless
         the catalog may lack it only because this core is behind (``rules.catalog_incomplete``): a core
-        rebuilt from an empty disk said "unknown table" of the cluster's tables until it caught up."""
+        rebuilt from an empty disk said "unknown table" of the cluster's tables until it caught up. The
+        gets, scans, writes, SQL queries and changefeeds of an unknown table all come here."""
         reason = rules.catalog_incomplete(
             (shard, self._not_serving_reason(shard), self._applied_or_none(shard), self._vote_floor(shard))
             for shard in sorted(self.shards)

@@ -833,11 +833,15 @@ class ReplicantNode(NodeServer):
     def _table(self, name: Any) -> TableSchema:
         table = self.store.catalog().get(name) if isinstance(name, str) else None
         if table is None:
-            lonely = self.no_core_reached()
-            # A replicant cut off from every core knows no table: say why, not only "unknown".
-            hint = f" (replicant {self.config.name}: {lonely})" if lonely else ""
-            raise RequestError("unknown_table", f"unknown table {name!r}{hint}")
+            raise self.unknown_table(f"unknown table {name!r}")
         return table
+
+    def unknown_table(self, message: str) -> RequestError:
+        # A replicant cut off from every core knows no table: say why, not only "unknown" (reads,
+        # queries and changefeeds alike).
+        lonely = self.no_core_reached()
+        hint = f" (replicant {self.config.name}: {lonely})" if lonely else ""
+        return RequestError("unknown_table", f"{message}{hint}")
 
     def _read(self, envelope: list[bytes], message: Message) -> None:
         body = message.body

@@ -1166,8 +1166,16 @@ class NodeServer:
             catalog = self.store.catalog()
             checked = self.queries.check(request.sql, request.params, catalog)
         except QueryError as error:
+            if error.code == "unknown_table":
+                raise self.unknown_table(str(error)) from None
             raise RequestError(error.code, str(error)) from None
         return request, checked, shards_of(checked.tables, catalog)
+
+    def unknown_table(self, message: str) -> RequestError:
+        """The answer to a request (a read, a query, a changefeed) naming a table this node's catalog
+        lacks. A core overrides it: while it is catching up, its catalog may lack a table the cluster
+        has, and it says ``not_ready`` (ask again, or another node) instead."""
+        return RequestError("unknown_table", message)
 
     def query_wait(
         self,
@@ -1335,6 +1343,8 @@ class NodeServer:
         try:
             page = build_page(reader, body.tables, positions, PageLimits(records_max, bytes_max))
         except ChangesError as error:
+            if error.code == "unknown_table":
+                raise self.unknown_table(str(error)) from None
             raise RequestError(error.code, str(error)) from None
         for shard in page.applied:
             serving(shard)

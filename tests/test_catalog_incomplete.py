@@ -35,6 +35,7 @@ def answer_code(call) -> str:
 
 
 def test_a_core_below_its_recovery_floor_answers_not_ready_for_a_table_it_does_not_know(tmp_path: Path):
+    """Gets, writes, SQL queries and changefeeds alike: each path that names a table asks the same rule."""
     data = tmp_path / "data"
     node = ThreadNode(data)
     with node.client(timeout_ms=2000, retries=0) as client:
@@ -42,6 +43,8 @@ def test_a_core_below_its_recovery_floor_answers_not_ready_for_a_table_it_does_n
         # A complete catalog: an unknown table is unknown.
         assert answer_code(lambda: client.get("missing", 1)) == "unknown_table"
         assert answer_code(lambda: client.put("missing", {"id": 1})) == "unknown_table"
+        assert answer_code(lambda: list(client.query("SELECT * FROM missing"))) == "unknown_table"
+        assert answer_code(lambda: list(client.changes(["missing"]))) == "unknown_table"
         applied = node.node.store.shard("default").applied
     node.stop()
     # As a core rebuilt from an empty disk finds it: its peers held the log up to a later key.
@@ -55,7 +58,14 @@ def test_a_core_below_its_recovery_floor_answers_not_ready_for_a_table_it_does_n
     try:
         with node.client(timeout_ms=2000, retries=0) as client:
             assert list(client.scan("known")) == []  # what it knows, it serves
-            for call in (lambda: client.get("missing", 1), lambda: client.put("missing", {"id": 1})):
+            assert list(client.query("SELECT count(*) FROM known")) == [(0,)]
+            calls = (
+                lambda: client.get("missing", 1),
+                lambda: client.put("missing", {"id": 1}),
+                lambda: list(client.query("SELECT * FROM missing")),
+                lambda: list(client.changes(["missing"])),
+            )
+            for call in calls:
                 with pytest.raises(MnesiteError) as raised:
                     call()
                 assert raised.value.code == "not_ready", raised.value
