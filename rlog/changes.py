@@ -25,8 +25,10 @@ Records (plain dicts, so they go on the wire as they are):
   A write is the whole row after the transaction (entries carry results), so a consumer that
   applies changes in order holds exactly the table.
 * ``snapshot_begin`` (``shard``, ``tables``, ``tx_key`` K0, ``reason``): the shard's position is
-  no longer in this node's log (trimmed), so the consumer was **behind**; it receives a copy of the
-  shard's requested tables instead. It must drop what it holds of them.
+  no longer in this node's log (trimmed), so the consumer was **behind**, or it is not in this node's
+  history at all (the log does not chain from it: a force-start discarded the entries the consumer
+  read, or they came from another history); it receives a copy of the shard's requested tables
+  instead. It must drop what it holds of them.
 * ``snapshot`` (``shard``, ``table``, ``op``, ``key``, ``row``, ``tx_key``): one row of the copy,
   then the entries after K0 that heal it (``op`` write or delete, ``tx_key`` set).
 * ``snapshot_end`` (``shard``, ``tx_key`` K1): the consumer now holds the tables exactly as they
@@ -38,6 +40,12 @@ of each table, table by table (by name), then the entries from K0 to the applied
 the copy ended. Entries are results, so replaying them over the dirty reads leaves exactly the
 state at K1, as for a replicant's bootstrap. If K0 itself is trimmed before the replay reaches it,
 the copy cannot be healed: the snapshot starts again (a new ``snapshot_begin`` saying so).
+
+The position is checked against the log, not trusted: every entry names the key before it
+(``prev``), so the first entry read after a position must name that position. A key is made once,
+by its generation's one sequencer, and generations only grow, so a key the log does not chain from
+is not in this history; serving the entries after it would leave the consumer holding changes that
+no longer happened. That costs no read of its own.
 
 A node serves entries up to its **applied** key only: every applied entry is committed, on a
 replicant as on a core, so no consumer ever sees a change that a failover could undo. A position
@@ -302,11 +310,13 @@ class _ShardFeed:
         self.key_columns: dict[str, str] = {}
         self.snapshots = 0
         self.scanned = 0  # entries read for this page (ENTRIES_SCANNED_MAX)
+        # Why the position is not in this node's history (``_entries`` found the log not chaining from it).
+        self.not_in_history: str | None = None
 
     def run(self, position: ChangesPosition) -> ChangesPosition:
         """Move ``position`` as far as the budget allows; each turn moves it or ends the shard's part."""
         while not self.budget.spent:
-            if position.after < self.trimmed:
+            if position.after < self.trimmed or self.not_in_history is not None:
                 # A snapshot restarts at most twice per page (a log trimmed faster than a page is read).
                 if self.snapshots >= 2:
                     return position
@@ -320,10 +330,10 @@ class _ShardFeed:
             else:
                 replay_to = position.replay_to or position.after
                 moved = self._entries(position, min(replay_to, self.applied), "snapshot")
-                if moved.after >= replay_to:
+                if self.not_in_history is None and moved.after >= replay_to:
                     self._emit({"kind": "snapshot_end", "shard": self.shard, "tx_key": list(replay_to)}, 0)
                     moved = live(self.shard, replay_to)
-            if moved == position:
+            if moved == position and self.not_in_history is None:
                 return position
             position = moved
         return position
@@ -339,7 +349,9 @@ class _ShardFeed:
     def _begin_snapshot(self, position: ChangesPosition) -> ChangesPosition:
         self.snapshots += 1
         tables = self._tables()
-        if position.phase == "live":
+        if self.not_in_history is not None:
+            reason, self.not_in_history = self.not_in_history, None
+        elif position.phase == "live":
             reason = (
                 f"position {TxKey(*position.after)} of shard {self.shard} is no longer in this node's log "
                 f"(trimmed through {self.trimmed}): the consumer fell behind"
@@ -409,6 +421,16 @@ class _ShardFeed:
             entries = self.reader.entries_after(self.shard, after, step, up_to)
             if not entries:
                 break
+            if entries[0].prev != after:
+                # The log does not chain from the position: the consumer's key is not in this node's
+                # history (a force-start discarded it, or it came from another history), and the
+                # entries after it here would skip or contradict what the consumer holds.
+                self.not_in_history = (
+                    f"position {after} of shard {self.shard} is not in this node's history (its log goes from "
+                    f"{entries[0].prev} to {entries[0].tx_key}): the entries the consumer read up to it were "
+                    "discarded (a force-start) or came from another history"
+                )
+                return position
             self.scanned += len(entries)
             for entry in entries:
                 records, sizes = self._records_of(entry, kind)

@@ -25,9 +25,11 @@ class MemoryLog:
         self.trimmed_key = TxKey(0, 0)
         self.tables = {"users": USERS}
         self.applied_key = TxKey(0, 0)
+        self.generation = 1
 
     def _append(self, op: Any) -> TxKey:
-        key = TxKey(1, self.applied_key.counter + 1)
+        counter = self.applied_key.counter + 1 if self.applied_key.generation == self.generation else 1
+        key = TxKey(self.generation, counter)
         self.entries.append(Entry("default", key, self.applied_key, GENESIS_DIGEST, (op,)))
         self.applied_key = key
         return key
@@ -309,3 +311,44 @@ def test_a_page_reads_at_most_entries_scanned_max_entries_of_a_shard_when_none_i
     assert log.read == ENTRIES_SCANNED_MAX
     assert page.positions == [live("default", TxKey(1, ENTRIES_SCANNED_MAX))]
     assert not page.caught_up  # answered at once: the consumer asks again from there
+
+
+def test_a_position_the_log_does_not_chain_from_gets_a_copy_not_the_entries_after_it() -> None:
+    """A force-start discarded the entries a consumer had read: the surviving history went on in a new
+    generation from an earlier key. Served the entries after its position, the consumer would keep
+    the discarded writes for good; it is sent a copy instead, saying why, and ends equal."""
+    first = MemoryLog()
+    for i in range(20):
+        first.write(i, f"n{i}")
+    state: dict = {}
+    run_to_end(first, [live("default", TxKey(0, 0))], state, PageLimits(8, 1 << 20))
+    assert state == first.rows
+
+    survivor = MemoryLog()  # held the history up to (1, 12) only, then was force-started
+    for i in range(12):
+        survivor.write(i, f"n{i}")
+    survivor.generation = 2
+    for i in range(100, 105):
+        survivor.write(i, f"after the force-start {i}")
+    survivor.delete(3)
+
+    records = run_to_end(survivor, [live("default", first.applied_key)], state, PageLimits(8, 1 << 20))
+    begins = [record for record in records if record["kind"] == "snapshot_begin"]
+    assert len(begins) == 1 and "not in this node's history" in begins[0]["reason"]
+    assert "(1, 12) to (2, 1)" in begins[0]["reason"]
+    assert state == survivor.rows  # the discarded writes of keys 12-19 are gone, the new ones are there
+
+
+def test_a_position_in_the_history_is_served_the_entries_after_it_with_no_copy() -> None:
+    log = MemoryLog()
+    for i in range(10):
+        log.write(i, f"n{i}")
+    log.generation = 2
+    for i in range(10, 15):
+        log.write(i, f"n{i}")
+    log.trim_through(TxKey(1, 4))
+    for position in (TxKey(1, 4), TxKey(1, 7), TxKey(1, 10), TxKey(2, 3)):
+        page = build_page(log, ["users"], [live("default", position)], PageLimits(100, 1 << 20))
+        kinds = {record["kind"] for record in page.records}
+        assert kinds == {"change"}, (position, kinds)
+        assert page.records[0]["tx_key"] == list(log.entries_after("default", position, 1, log.applied_key)[0].tx_key)
