@@ -65,6 +65,11 @@ def render_report(report: CompareReport) -> str:
         lines.append(f"table {table}: missing on {', '.join(lacking)}")
     for table, lacking in report.tables_in_flight.items():
         lines.append(f"table {table}: missing on {', '.join(lacking)}, created or dropped in flight (not compared)")
+    for table, lacking_columns in report.columns_in_flight.items():
+        for label, columns in lacking_columns.items():
+            lines.append(
+                f"table {table}: column(s) {', '.join(columns)} missing on {label}, added in flight (not compared)"
+            )
     for table in report.tables_mismatched:
         lines.append(f"table {table}: declared differently on the replicas")
     header = f"{'table':<20} {'left':<20} {'right':<20} {'rows':>21} {'miss.left':>9} {'miss.right':>10} "

@@ -15,7 +15,9 @@ Theory of operation
    (bounded by ``in_flight_entries_max``). The keys its entries wrote or deleted are *in flight*:
    a difference there is the lag of one replica, not divergence; so is a table lacking on one
    replica of a pair that those entries created (on the replica ahead) or dropped last
-   (``tables_in_flight``, not compared). If the rlog no longer holds
+   (``tables_in_flight``, not compared), and a table declared differently only by columns at the
+   end of the ahead replica's declaration that those entries added (``columns_in_flight``, not
+   compared). If the rlog no longer holds
    the whole span (trimmed, or the histories do not connect), the shard is marked incomplete
    and its differences count as divergence. If the more advanced replica's entry at the other's
    applied key has another digest, the histories diverged: reported as such, and no key is in flight.
@@ -194,6 +196,9 @@ class CompareReport:
     # Tables lacking only where an entry in flight (step 2) created or dropped them: lag, not divergence.
     tables_in_flight: dict[str, list[str]] = field(default_factory=dict)  # table -> labels lacking it
     tables_mismatched: dict[str, dict[str, Any]] = field(default_factory=dict)  # table -> label -> definition
+    # Tables declared differently only by columns an entry in flight added on the replica ahead: lag, not
+    # divergence (not compared). table -> label -> the columns it lacks.
+    columns_in_flight: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     histories_diverged: list[dict[str, Any]] = field(default_factory=list)
     in_flight_spans: list[InFlightSpan] = field(default_factory=list)
     pairs: list[PairTableResult] = field(default_factory=list)
@@ -226,6 +231,7 @@ class CompareReport:
             "tables_missing": self.tables_missing,
             "tables_in_flight": self.tables_in_flight,
             "tables_mismatched": self.tables_mismatched,
+            "columns_in_flight": self.columns_in_flight,
             "histories_diverged": self.histories_diverged,
             "in_flight_spans": [s.to_json() for s in self.in_flight_spans],
             "pairs": [p.to_json() for p in self.pairs],
@@ -419,6 +425,7 @@ def _plan(
         wanted = known
     comparable: dict[str, TableSchema] = {}
     lacking_by_table: dict[str, list[str]] = {}
+    mismatched: dict[str, list[TableSchema]] = {}
     for name in wanted:
         lacking = [label for label, catalog in zip(labels, catalogs, strict=True) if name not in catalog]
         if lacking:
@@ -427,17 +434,24 @@ def _plan(
         definitions = {label: catalog[name] for label, catalog in zip(labels, catalogs, strict=True)}
         # The shard is part of a table's declaration: the same rows in another shard follow another log.
         if len({(d.shard, d.key_column, d.columns) for d in definitions.values()}) > 1:
-            report.tables_mismatched[name] = {
-                label: {"shard": d.shard, "key": d.key_column, "columns": [list(c) for c in d.columns]}
-                for label, d in definitions.items()
-            }
+            mismatched[name] = list(definitions.values())
             continue
         comparable[name] = definitions[labels[0]]
     report.tables = sorted(comparable)
     say(f"comparing {len(comparable)} table(s) across {len(replicas)} replicas")
     shards = {table.shard for table in comparable.values()}
     shards.update(catalog[name].shard for name in lacking_by_table for catalog in catalogs if name in catalog)
+    shards.update(d.shard for definitions in mismatched.values() for d in definitions)
     in_flight, changes = _find_in_flight(replicas, labels, comparable, sorted(shards), report, options, say)
+    for name, definitions in mismatched.items():
+        lacking_columns = _columns_added_in_flight(name, definitions, changes)
+        if lacking_columns is not None:
+            report.columns_in_flight[name] = {labels[i]: columns for i, columns in lacking_columns.items()}
+        else:
+            report.tables_mismatched[name] = {
+                label: {"shard": d.shard, "key": d.key_column, "columns": [list(c) for c in d.columns]}
+                for label, d in zip(labels, definitions, strict=True)
+            }
     for name, lacking in lacking_by_table.items():
         if _created_or_dropped_in_flight(name, catalogs, changes):
             report.tables_in_flight[name] = lacking
@@ -447,8 +461,9 @@ def _plan(
     return report, in_flight
 
 
-# (right replica index, shard) -> (index of the replica ahead, table -> its last change in the span)
-TableChanges = dict[tuple[int, str], tuple[int, dict[str, str]]]
+# (right replica index, shard) -> (index of the replica ahead, table -> its last change in the span,
+# table -> the columns added in the span)
+TableChanges = dict[tuple[int, str], tuple[int, dict[str, str], dict[str, set[str]]]]
 
 
 def _created_or_dropped_in_flight(name: str, catalogs: list[dict[str, TableSchema]], changes: TableChanges) -> bool:
@@ -458,10 +473,41 @@ def _created_or_dropped_in_flight(name: str, catalogs: list[dict[str, TableSchem
         holders = [index for index in (0, right) if name in catalogs[index]]
         if len(holders) != 1:
             continue  # both have it or both lack it: no difference in this pair
-        ahead, last = changes.get((right, catalogs[holders[0]][name].shard), (-1, {}))
+        ahead, last, _ = changes.get((right, catalogs[holders[0]][name].shard), (-1, {}, {}))
         if last.get(name) != ("created" if holders[0] == ahead else "dropped"):
             return False
     return True
+
+
+def _columns_added_in_flight(
+    name: str, definitions: list[TableSchema], changes: TableChanges
+) -> dict[int, list[str]] | None:
+    """For table ``name``, declared differently on some replicas: the columns each replica lacks
+    (by replica index), when every difference from the first replica is explained by the span between
+    the two applied keys: same shard and key column, and the replica behind lacks only columns at the
+    end of the other's that the span's entries added (add_column); None otherwise."""
+    lacking: dict[int, list[str]] = {}
+    first = definitions[0]
+    for right in range(1, len(definitions)):
+        other = definitions[right]
+        if other.columns == first.columns and other.shard == first.shard and other.key_column == first.key_column:
+            continue
+        if other.shard != first.shard or other.key_column != first.key_column:
+            return None
+        ahead, _, added = changes.get((right, first.shard), (-1, {}, {}))
+        if ahead not in (0, right):
+            return None
+        behind = right if ahead == 0 else 0
+        longer, shorter = definitions[ahead].columns, definitions[behind].columns
+        extra = longer[len(shorter) :]
+        if longer[: len(shorter)] != shorter or not extra:
+            return None
+        columns = [column for column, _ in extra]
+        if not set(columns) <= added.get(name, set()):
+            return None
+        lacking.setdefault(behind, [])
+        lacking[behind].extend(column for column in columns if column not in lacking[behind])
+    return lacking
 
 
 def _find_in_flight(
@@ -504,7 +550,7 @@ def _find_in_flight(
                 ahead, behind_key, ahead_key = right, left_key, right_key
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], behind_key, ahead_key, True, 0)
             behind_applied = right_applied if ahead == 0 else left_applied
-            touched, span.complete, span.reason, span.entries, changed = _touched_between(
+            touched, span.complete, span.reason, span.entries, changed, added = _touched_between(
                 replicas[ahead],
                 shard,
                 behind_key,
@@ -512,7 +558,7 @@ def _find_in_flight(
                 options.in_flight_entries_max,
                 behind_applied.digest if behind_applied else "",
             )
-            changes[(right, shard)] = (ahead, changed)
+            changes[(right, shard)] = (ahead, changed, added)
             if span.reason.startswith(HISTORY_DIVERGED) and behind_applied is not None:
                 # Reported like two replicas at one key with different digests: the digests at the behind key.
                 ahead_digest = _digest_at(replicas[ahead], shard, behind_key) or ""
@@ -575,7 +621,7 @@ def _widen_in_flight(
             low_digest = next(position.digest for position in positions if position.applied == low)
             ahead = max((0, right), key=lambda index: after[index][shard].applied if shard in after[index] else low)
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], low, high, True, 0)
-            touched, span.complete, span.reason, span.entries, _ = _touched_between(
+            touched, span.complete, span.reason, span.entries, _, _ = _touched_between(
                 replicas[ahead], shard, low, high, options.in_flight_entries_max, low_digest
             )
             span.reason = span.reason or "the replicas moved on while they were read"
@@ -600,9 +646,9 @@ def _digest_at(replica: Replica, shard: str, key: TxKey) -> str | None:
 
 def _touched_between(
     replica: Replica, shard: str, behind: TxKey, ahead: TxKey, entries_max: int, behind_digest: str = ""
-) -> tuple[list[tuple[str, Any]], bool, str, int, dict[str, str]]:
-    """(touched keys, complete, reason, entries read, table -> last "created" or "dropped") for the
-    entries in ``(behind, ahead]`` (as far as they were read, when incomplete).
+) -> tuple[list[tuple[str, Any]], bool, str, int, dict[str, str], dict[str, set[str]]]:
+    """(touched keys, complete, reason, entries read, table -> last "created" or "dropped", table -> the
+    columns added) for the entries in ``(behind, ahead]`` (as far as they were read, when incomplete).
 
     The span is lag only if ``replica``'s history goes through the behind replica's position: the
     entry after ``behind`` must name it as previous, and the entry at ``behind``, when the log still
@@ -611,6 +657,7 @@ def _touched_between(
     its keys show is divergence, not lag."""
     touched: list[tuple[str, Any]] = []
     changed: dict[str, str] = {}
+    added: dict[str, set[str]] = defaultdict(set)
     after = behind
     count = 0
     if behind_digest:
@@ -620,11 +667,11 @@ def _touched_between(
                 f"{HISTORY_DIVERGED}: the rlog of {replica.spec.label} has a different digest at {behind} "
                 f"({digest[:16]}, the other replica applied {behind_digest[:16]})"
             )
-            return touched, False, reason, count, changed
+            return touched, False, reason, count, changed, added
     while after < ahead:
         batch = replica.entries_after(shard, after, min(1000, entries_max - count) or 1)
         if not batch:
-            return touched, False, f"the rlog of {replica.spec.label} ends before {ahead}", count, changed
+            return touched, False, f"the rlog of {replica.spec.label} ends before {ahead}", count, changed, added
         if count == 0 and batch[0].prev != behind:
             return (
                 touched,
@@ -632,17 +679,20 @@ def _touched_between(
                 f"the rlog of {replica.spec.label} no longer holds the entry after {behind}",
                 count,
                 changed,
+                added,
             )
         for entry in batch:
             if entry.tx_key > ahead:
-                return touched, True, "", count, changed
+                return touched, True, "", count, changed, added
             if count >= entries_max:
-                return touched, False, f"more than in_flight_entries_max={entries_max} entries", count, changed
+                return touched, False, f"more than in_flight_entries_max={entries_max} entries", count, changed, added
             touched.extend(entry.touched)
             changed.update(entry.tables_changed)
+            for table_name, column in entry.columns_added:
+                added[table_name].add(column)
             count += 1
             after = entry.tx_key
-    return touched, True, "", count, changed
+    return touched, True, "", count, changed, added
 
 
 def _run(

@@ -31,6 +31,7 @@ from mnesite.rlog.range_requests import RangeAnswer
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.store import quote
 from mnesite.rlog.types import (
+    AddColumnOp,
     CreateTableOp,
     DeleteOp,
     DropTableOp,
@@ -92,6 +93,7 @@ class RlogEntry:
     digest: str
     touched: tuple[tuple[str, Any], ...]  # (table, key) pairs written or deleted
     tables_changed: tuple[tuple[str, str], ...] = ()  # (table, "created" or "dropped"), in op order
+    columns_added: tuple[tuple[str, str], ...] = ()  # (table, column) of each add_column, in op order
 
 
 def parse_replica(
@@ -203,6 +205,11 @@ class Replica(ABC):
             elif isinstance(op, DeleteOp):
                 touched.append((op.table, op.key))
         return tuple(touched)
+
+
+def columns_added(ops: tuple[Op, ...]) -> tuple[tuple[str, str], ...]:
+    """``(table, column)`` for the ops that add a column, in order."""
+    return tuple((op.table, op.column) for op in ops if isinstance(op, AddColumnOp))
 
 
 def tables_changed(ops: tuple[Op, ...]) -> tuple[tuple[str, str], ...]:
@@ -331,6 +338,7 @@ class FileReplica(Replica):
                     digest.hex(),
                     self._resolve_touched(decoded),
                     tables_changed(decoded),
+                    columns_added(decoded),
                 )
             )
         return entries
@@ -489,6 +497,7 @@ class NodeReplica(Replica):
                         str(item["digest"]),
                         self._resolve_touched(ops),
                         tables_changed(ops),
+                        columns_added(ops),
                     )
                 )
             except (OpDecodeError, KeyError, TypeError) as error:
@@ -500,10 +509,10 @@ class NodeReplica(Replica):
 
 
 # Ops that touch no row key a compare can name: a membership entry, the cores' cluster version entry, an
-# index's creation or removal, a column added (as a file replica's entries read them: only writes and
-# deletes touch keys). A column added in flight shows as a table declared differently, which the compare
-# reports itself; a table created or dropped in flight is reported as such (``tables_changed``).
-NO_ROW_OPS = frozenset({"members", "cluster_version", "create_index", "drop_index", "add_column"})
+# index's creation or removal (as a file replica's entries read them: only writes and deletes touch keys).
+# A table created or dropped in flight, or a column added, is reported as such (``tables_changed``,
+# ``columns_added``).
+NO_ROW_OPS = frozenset({"members", "cluster_version", "create_index", "drop_index"})
 
 
 def _op_from_client(value: Any) -> Op | None:
@@ -519,6 +528,8 @@ def _op_from_client(value: Any) -> Op | None:
             return DeleteOp(str(value["table"]), value.get("key"))
         if kind == "drop_table":
             return DropTableOp(str(value["table"]), str(value["shard"]))
+        if kind == "add_column":
+            return AddColumnOp(str(value["table"]), str(value["shard"]), str(value["column"]), str(value["type"]))
         if kind == "create_table":
             return CreateTableOp(
                 str(value["table"]), str(value["shard"]), str(value["key"]), tuple(tuple(c) for c in value["columns"])

@@ -12,7 +12,7 @@ import apsw
 import pytest
 from click.testing import CliRunner
 from mnesite.rlog.store import Store
-from mnesite.rlog.types import DropTableOp, WriteOp
+from mnesite.rlog.types import AddColumnOp, DropTableOp, WriteOp
 from mnesite.spark.cli import compare as compare_command
 from mnesite.spark.cli import render_report
 from mnesite.spark.compare import EXIT_DIVERGED, EXIT_EQUAL, EXIT_ERROR, CompareError, CompareOptions, compare
@@ -581,6 +581,37 @@ def test_more_first_level_ranges_than_a_node_cuts_per_answer_is_not_a_compare_er
     assert report.statistics["range_digests"] == 2 * 50  # one range per row
 
 
+def compare_after_trimming(primary: Path, copy: Path, spark_session: Any) -> Any:
+    """Compare after the primary's log is trimmed to its last entry: the span is no longer held."""
+    trimmed = Store(str(primary / "mnesite.db"), synchronous="OFF")
+    with trimmed.write_transaction():
+        trimmed.trim("default", entries_max=1, before_ms=None)
+    trimmed.close()
+    return compare([str(primary), str(copy)], DRILL, session=spark_session)
+
+
+@pytest.mark.timeout(120)
+def test_a_column_added_between_the_applied_keys_is_in_flight(spark_session: Any, equal_replicas: tuple) -> None:
+    """A column the more advanced replica's rlog adds between the two applied keys is the other
+    replica's lag: the table was reported declared differently, and the replicas diverged (exit 1),
+    for a replicant one add_column behind its core."""
+    primary, copy = equal_replicas
+    store = Store(str(primary / "mnesite.db"), synchronous="OFF")
+    commit(store, [AddColumnOp("tags", "default", "colour", "TEXT")])
+    commit(store, [WriteOp("tags", {"tag": "tag-0001", "weight": 1, "colour": "red"})])
+    store.close()
+    for replicas in ([primary, copy], [copy, primary]):
+        report = compare([str(replica) for replica in replicas], DRILL, session=spark_session)
+        assert report.columns_in_flight == {"tags": {str(copy): ["colour"]}}, report.to_json()
+        assert report.tables_mismatched == {} and "tags" not in report.tables
+        assert report.exit_status == EXIT_EQUAL and report.tables == ["users"]
+        assert f"table tags: column(s) colour missing on {copy}, added in flight" in render_report(report)
+    # The same difference with no entry that explains it (the log trimmed past the add) still diverges.
+    report = compare_after_trimming(primary, copy, spark_session)
+    assert list(report.tables_mismatched) == ["tags"] and report.columns_in_flight == {}
+    assert report.exit_status == EXIT_DIVERGED
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("change", ["created", "dropped"])
 def test_a_table_created_or_dropped_between_the_applied_keys_is_in_flight(
@@ -605,9 +636,5 @@ def test_a_table_created_or_dropped_between_the_applied_keys_is_in_flight(
         assert table not in report.tables and report.exit_status == EXIT_EQUAL
         assert f"table {table}: missing on {lacking}, created or dropped in flight" in render_report(report)
     # The same table missing with no entry that explains it still diverges.
-    trimmed = Store(str(primary / "mnesite.db"), synchronous="OFF")
-    with trimmed.write_transaction():
-        trimmed.trim("default", entries_max=1, before_ms=None)
-    trimmed.close()
-    report = compare([str(primary), str(copy)], DRILL, session=spark_session)
+    report = compare_after_trimming(primary, copy, spark_session)
     assert report.tables_missing == {table: [str(lacking)]} and report.exit_status == EXIT_DIVERGED
