@@ -185,6 +185,7 @@ from mnesite.rlog.types import (
     PackedEntry,
     TxKey,
     new_request_id,
+    read_targets,
 )
 from mnesite.rlog.versions import local_announcement
 
@@ -1009,7 +1010,7 @@ class CoreNode(NodeServer):
                 lambda: self._applied_waited_on(driver),
                 self.clock_ms(),
             )
-            self._tell_outcomes(told)
+            self._tell_outcomes(told, driver.shard)
             if up_to is not None:
                 self._apply_up_to(driver, up_to)
             self.agent_server.committed(shard, effect.up_to, self._hears_sequencer(driver), self.clock_ms())
@@ -1195,7 +1196,7 @@ class CoreNode(NodeServer):
                 self._set_cluster_members(applied_members)
             if cluster_version_of(entry) is not None:
                 self._cluster_version_applied(shard)
-        self._tell_outcomes(driver.waiters.committed(applied))
+        self._tell_outcomes(driver.waiters.committed(applied), driver.shard)
 
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
         """What this core's journal and agents tell replicants: the consensus's rule
@@ -1676,7 +1677,7 @@ class CoreNode(NodeServer):
             applied_key = position.applied if position is not None else ZERO_KEY
         answer = driver.waiters.answer_now(tx_key, request_id, applied_key, duplicate)
         if answer is not None:
-            self._tell_outcomes([(envelope, answer)])
+            self._tell_outcomes([(envelope, answer)], driver.shard)
             return
         if duplicate and len(driver.waiters) + len(driver.held) >= WAITERS_MAX:
             # Its entry is in the log and may commit: "overloaded" would say it changed nothing.
@@ -1690,7 +1691,9 @@ class CoreNode(NodeServer):
             return
         driver.waiters.wait(tx_key, request_id, envelope, duplicate)  # False: its resends are answered already
 
-    def _tell_outcomes(self, outcomes: list[tuple[Any, Outcome]]) -> None:
+    def _tell_outcomes(self, outcomes: list[tuple[Any, Outcome]], shard: str | None = None) -> None:
+        """``shard``: the shard whose writes these are; an acknowledged write's answer names it, so that
+        a client's read-your-writes waits for its last key in the shard it reads (``read_targets``)."""
         for envelope, outcome in outcomes:
             if isinstance(envelope, QueryIndexAsk):
                 # A query's read index: a read changes nothing, so its outcome is never unknown (and a
@@ -1702,6 +1705,8 @@ class CoreNode(NodeServer):
                 self.reply(envelope.envelope, messages.error(envelope.request_id, "no_sequencer", reason))
             elif isinstance(outcome, Acknowledged):
                 result: dict[str, Any] = {"tx_key": list(outcome.tx_key)}
+                if shard is not None:
+                    result["shard"] = shard
                 if outcome.duplicate:
                     result["duplicate"] = True
                 # At once, not behind the turn's commit: the entry is committed, durable on a majority
@@ -2122,7 +2127,7 @@ class CoreNode(NodeServer):
         request, checked, shards = self.query_received(message)
         for shard in shards:
             self._check_serving(shard)
-        targets = dict.fromkeys(shards, request.min_key) if request.min_key is not None else {}
+        targets = read_targets(shards, request.min_key, request.min_keys)
         if request.consistency != "linearizable" or not shards:
             self.query_wait(envelope, message, request, checked, shards, targets)
             return
@@ -2215,12 +2220,12 @@ class CoreNode(NodeServer):
         # The client retries (bounded by its timeout) until this core has applied it.
         position = self.store.shard(table.shard)
         driver = self.shards.get(table.shard)
-        min_key = message.body.min_key
+        min_key = read_targets((table.shard,), message.body.min_key, message.body.min_keys).get(table.shard)
         behind = min_key is not None and (position is None or position.applied < min_key)
         if behind and driver is not None and driver.apply.up_to is not None:
             self._apply_gathered(driver)  # the key may be among the commits this follower gathered
             position = self.store.shard(table.shard)
-        rules.check_applied(self.config.name, message.body.min_key, position.applied if position else None)
+        rules.check_applied(self.config.name, min_key, position.applied if position else None)
 
     def _read(self, envelope: list[bytes], message: Message) -> Any:
         """A read at this core: its table's shard must be serving, and a read that must see a key

@@ -75,6 +75,7 @@ from mnesite.rlog.store import Store
 from mnesite.rlog.types import (
     TxKey,
     new_request_id,
+    read_targets,
 )
 from mnesite.rlog.versions import (
     Announcement,
@@ -845,7 +846,7 @@ class ReplicantNode(NodeServer):
 
     def _read(self, envelope: list[bytes], message: Message) -> None:
         body = message.body
-        fresh = body.consistency == "linearizable" or body.min_key is not None
+        fresh = body.consistency == "linearizable" or body.min_key is not None or bool(body.min_keys)
         table = self.store.catalog().get(body.table)
         if table is not None:
             self._serving(table.shard)
@@ -857,10 +858,12 @@ class ReplicantNode(NodeServer):
         if body.consistency == "linearizable":
             self._ask_read_indexes(envelope, message, shards)
             return
-        min_key = body.min_key
-        if min_key is not None:
-            self._wait_for(envelope, message, dict.fromkeys(shards, min_key))
+        targets = read_targets(shards or (), body.min_key, body.min_keys)
+        if targets:
+            self._wait_for(envelope, message, targets)
             return
+        if table is None:  # none of the keys it must see is of a shard it could be in: it does not exist
+            table = self._table(body.table)
         self._answer_read(envelope, message, table)
 
     def _answer_read(self, envelope: list[bytes], message: Message, table: TableSchema | None) -> None:
@@ -904,7 +907,7 @@ class ReplicantNode(NodeServer):
         request, checked, shards = self.query_received(message)
         for shard in shards:
             self._serving(shard)
-        targets = dict.fromkeys(shards, request.min_key) if request.min_key is not None else {}
+        targets = read_targets(shards, request.min_key, request.min_keys)
         if request.consistency == "linearizable" and shards and index_keys is None:
             self._ask_read_indexes(envelope, message, shards)
             return

@@ -5,7 +5,9 @@ Theory of operation
 A replicant answers ``local`` reads from whatever it applied. A read that must reflect a key waits
 instead of answering stale data:
 
-* ``read-your-writes`` (the request names ``min_key``): every shard it waits on must reach that key;
+* ``read-your-writes`` (the request names ``min_key``, a key for every shard it reads, or
+  ``min_keys``, the client's last write per shard: ``rlog.types.read_targets``): every shard it waits
+  on must reach its key;
 * ``linearizable``: the key of each shard is that shard's *read index*, the committed key its
   sequencer confirms with a quorum (``read_index`` request, ``core.rules.fence_read``). The read
   indexes of one read are gathered by ``ReadIndexGather``: the read waits once every shard answered,
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from mnesite.rlog.errors import OverloadedError
-from mnesite.rlog.types import TxKey
+from mnesite.rlog.types import ZERO_KEY, TxKey
 
 Payload = TypeVar("Payload")
 Readable = Callable[[str, TxKey], bool]  # (shard, key) -> is the replica of shard readable at key
@@ -60,8 +62,11 @@ class WaitingRead(Generic[Payload]):
     deadline_ms: int
 
     def is_ready(self, table_shard: str | None, readable: Readable) -> bool:
-        if table_shard is not None and table_shard in self.targets:
-            return readable(table_shard, self.targets[table_shard])
+        if table_shard is not None:
+            if table_shard in self.targets:
+                return readable(table_shard, self.targets[table_shard])
+            if readable(table_shard, ZERO_KEY):
+                return True  # its shard has no key to reach: the keys waited for were other shards' writes
         return all(readable(shard, key) for shard, key in self.targets.items())
 
     def describe(self) -> str:

@@ -24,7 +24,8 @@ answer is ``OutcomeUnknown`` again: the earlier attempt may have happened). A re
 was surely not applied raises ``Unavailable``.
 
 Read-your-writes across clients: pass the tx key a write returned as ``after_tx_key=`` to ``get``
-or ``scan``; the node answers once it has applied that key. A client object is not thread-safe;
+or ``scan`` (or the writer's ``last_tx_keys``, its last key per shard); the node answers once it has
+applied that key (each key in its own shard). A client object is not thread-safe;
 use one per thread.
 
 A cluster with ``[security]`` needs ``key=`` (the caller's ``NAME.key_secret`` file, made by
@@ -40,7 +41,7 @@ from __future__ import annotations
 import os
 import socket as socket_module
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import zmq
@@ -75,6 +76,8 @@ STOPPING_CODE = "stopping"
 # a snapshot), maybe for minutes: asked again at once at the next endpoint, which may serve it; the call
 # ends with this code once every endpoint said so (or could not be reached).
 NOT_READY_CODE = "not_ready"
+# A key a read must see: one tx key for every shard the read reads, or one per shard ({shard: key}).
+AfterKey = TxKey | tuple[int, int] | Mapping[str, TxKey | tuple[int, int]] | None
 # Answers a node gives before it looks at the request (its backlog or outstanding requests are full,
 # its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
 # of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
@@ -251,6 +254,12 @@ class Client:
         self.retries = retries
         self.frame_bytes_max = frame_bytes_max
         self.last_tx_key: TxKey | None = None
+        # Per shard, this client's last write there: what its read-your-writes reads wait for (a tx key
+        # orders one shard's log only). Pass it as another client's ``after_tx_key`` to read these writes.
+        self.last_tx_keys: dict[str, TxKey] = {}
+        # The last write a node of an earlier release acknowledged (its answer names no shard): waited
+        # for in every shard a read reads, as before.
+        self._unsharded_key: TxKey | None = None
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
@@ -586,8 +595,7 @@ class Client:
         if guards:
             body["guards"] = guards
         result = self.call("transact", body, request_id)
-        self.last_tx_key = TxKey(*result["tx_key"])
-        return self.last_tx_key
+        return self._wrote(result)
 
     def put(self, table: str, row: dict[str, Any]) -> TxKey:
         """Write a full row (insert or replace by its key); returns the write's tx key."""
@@ -610,8 +618,7 @@ class Client:
         if shard is not None:
             body["shard"] = shard
         result = self.call("create_table", body)
-        self.last_tx_key = TxKey(*result["tx_key"])
-        return self.last_tx_key
+        return self._wrote(result)
 
     def drop_table(self, table: str) -> TxKey:
         """Drop ``table`` and its rows on every node (a replicated schema change; admin role)."""
@@ -633,29 +640,58 @@ class Client:
 
     def _schema_change(self, kind: str, body: dict[str, Any]) -> TxKey:
         result = self.call(kind, body)
-        self.last_tx_key = TxKey(*result["tx_key"])
-        return self.last_tx_key
+        return self._wrote(result)
+
+    def _wrote(self, result: dict[str, Any]) -> TxKey:
+        """Note an acknowledged write's tx key, in its shard when the answer names it."""
+        key = TxKey(*result["tx_key"])
+        self.last_tx_key = key
+        shard = result.get("shard")
+        if isinstance(shard, str):
+            earlier = self.last_tx_keys.get(shard)
+            self.last_tx_keys[shard] = key if earlier is None else max(earlier, key)
+        else:
+            self._unsharded_key = key if self._unsharded_key is None else max(self._unsharded_key, key)
+        return key
 
     # -- reads -------------------------------------------------------------------------------
 
     def get(
-        self, table: str, key: Any, consistency: str = "local", after_tx_key: TxKey | None = None
+        self, table: str, key: Any, consistency: str = "local", after_tx_key: AfterKey = None
     ) -> dict[str, Any] | None:
-        """``consistency``: ``local`` (what this node has applied), ``read-your-writes`` (at least this
-        client's last write is applied first), or ``linearizable``. ``after_tx_key``: answer only once
-        the node has applied that tx key (a write of another client or process; read-your-writes)."""
+        """``consistency``: ``local`` (what this node has applied), ``read-your-writes`` (this client's
+        last write in the table's shard is applied first: ``last_tx_keys``), or ``linearizable``.
+        ``after_tx_key``: answer only once the node has applied that tx key (a write of another client
+        or process): a ``TxKey`` waited for in the shard read, or a dict ``{shard: key}`` (such as
+        another client's ``last_tx_keys``), each key waited for in its own shard."""
         return self.call("get", self._consistency({"table": table, "key": key}, consistency, after_tx_key))
 
     def _consistency(
-        self, body: dict[str, Any], consistency: str, after_tx_key: TxKey | None = None, timeout_ms: int | None = None
+        self, body: dict[str, Any], consistency: str, after_tx_key: AfterKey = None, timeout_ms: int | None = None
     ) -> dict[str, Any]:
-        """``timeout_ms``: the call's attempt timeout, when not the client's (a query's)."""
+        """``timeout_ms``: the call's attempt timeout, when not the client's (a query's).
+
+        The keys a read must see go as ``min_keys`` (per shard: the node waits in each shard it reads
+        for that shard's key only, ``rlog.types.read_targets``) and ``min_key`` (a key given for every
+        shard read: ``after_tx_key`` as one key, or a write a node of an earlier release acknowledged
+        without naming its shard)."""
         body["consistency"] = consistency
-        min_key = after_tx_key
-        if consistency == "read-your-writes" and self.last_tx_key is not None:
-            min_key = self.last_tx_key if min_key is None else max(min_key, self.last_tx_key)
+        min_key: TxKey | None = None
+        min_keys: dict[str, TxKey] = {}
+        if isinstance(after_tx_key, Mapping):
+            min_keys = {str(shard): TxKey(*key) for shard, key in after_tx_key.items()}
+        elif after_tx_key is not None:
+            min_key = TxKey(*after_tx_key)
+        if consistency == "read-your-writes":
+            for shard, key in self.last_tx_keys.items():
+                min_keys[shard] = max(key, min_keys.get(shard, key))
+            if self._unsharded_key is not None:
+                min_key = self._unsharded_key if min_key is None else max(min_key, self._unsharded_key)
+        if min_keys:
+            body["min_keys"] = {shard: list(key) for shard, key in min_keys.items()}
         if min_key is not None:
             body["min_key"] = list(min_key)
+        if min_key is not None or min_keys:
             timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
             wait_ms = timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, timeout_ms // 10)
             body["wait_ms"] = max(0, min(wait_ms, WAIT_MS_MAX))  # a longer wait: refused unsent
@@ -667,7 +703,7 @@ class Client:
         after: Any = None,
         limit: int = SCAN_PAGE_ROWS,
         consistency: str = "local",
-        after_tx_key: TxKey | None = None,
+        after_tx_key: AfterKey = None,
     ) -> list[dict[str, Any]]:
         """Rows strictly after key ``after`` (None: from the start), in key order, at most ``limit``."""
         body: dict[str, Any] = {"table": table, "limit": limit}
@@ -681,7 +717,7 @@ class Client:
         after: Any = None,
         page_rows: int = SCAN_PAGE_ROWS,
         consistency: str = "local",
-        after_tx_key: TxKey | None = None,
+        after_tx_key: AfterKey = None,
     ) -> Iterator[dict[str, Any]]:
         """Every row after ``after`` in key order, fetched in pages of ``page_rows``."""
         key_column = None
@@ -705,7 +741,7 @@ class Client:
         sql: str,
         params: Sequence[Any] = (),
         consistency: str = "local",
-        after_tx_key: TxKey | None = None,
+        after_tx_key: AfterKey = None,
         page_rows: int | None = None,
         timeout_ms: int = QUERY_TIMEOUT_MS,
     ) -> QueryResult:
@@ -762,7 +798,7 @@ class Client:
         shards = {known[name] for name in tables if name in known} if tables else set(known.values())
         return [{"shard": shard, "after": list(key)} for shard in sorted(shards)]
 
-    def count(self, table: str, consistency: str = "local", after_tx_key: TxKey | None = None) -> int:
+    def count(self, table: str, consistency: str = "local", after_tx_key: AfterKey = None) -> int:
         """The number of rows of ``table``, counted by the node (no row is shipped)."""
         return self.call("count", self._consistency({"table": table}, consistency, after_tx_key))["rows"]
 

@@ -163,8 +163,9 @@ TABLE, SHARD, SENDER, LIMIT = ("table", Name), ("shard", Name), ("sender", Name)
 FORWARDED = ("forwarded", bool, False)  # sent on by the node that received it, not by a client
 RANGE = (("low", Scalar, None), ("high", Scalar, None))
 Empty = _body("Empty")
+MinKeys = Annotated[dict[Name, TxKey], Meta(max_length=1000)]  # per shard, the client's last write there
 ReadOptions = _body("ReadOptions", ("consistency", Consistency, "local"), ("min_key", TxKey | None, None),
-                    ("wait_ms", WaitMs | None, None), FORWARDED)  # every read's (README, consistency levels)
+                    ("min_keys", MinKeys | None, None), ("wait_ms", WaitMs | None, None), FORWARDED)  # every read's
 WriteRequest = _body("WriteRequest", TABLE, ("row", Row), tag_field="op", tag="write")
 DeleteRequest = _body("DeleteRequest", TABLE, ("key", Any), tag_field="op", tag="delete")
 # etcd-style compare: the row at key equals ``equals``, or is absent when it is null

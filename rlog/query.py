@@ -862,6 +862,7 @@ class QueryRequest:
     consistency: str
     min_key: TxKey | None
     wait_ms: int
+    min_keys: dict[str, TxKey] | None = None  # per shard (read-your-writes: ``rlog.types.read_targets``)
 
 
 def query_request(fields: Any, page_rows_max: int) -> QueryRequest:
@@ -873,8 +874,9 @@ def query_request(fields: Any, page_rows_max: int) -> QueryRequest:
     if consistency not in CONSISTENCY_LEVELS:
         raise QueryError(f"consistency must be one of {', '.join(CONSISTENCY_LEVELS)}", "bad_request")
     min_key = tx_key_from_wire(fields.min_key) if fields.min_key is not None else None
+    min_keys = {shard: tx_key_from_wire(key) for shard, key in fields.min_keys.items()} if fields.min_keys else None
     wait_ms = QUERY_WAIT_MS_DEFAULT if fields.wait_ms is None else min(fields.wait_ms, QUERY_WAIT_MS_DEFAULT)
-    return QueryRequest(fields.sql, tuple(fields.params or ()), page_rows, consistency, min_key, wait_ms)
+    return QueryRequest(fields.sql, tuple(fields.params or ()), page_rows, consistency, min_key, wait_ms, min_keys)
 
 
 def page_request(fields: Any, page_rows_max: int) -> tuple[str, int]:

@@ -162,6 +162,36 @@ def logged_op_tags(data_dir: Path, shard: str, key: tuple[int, int]) -> list[str
     return None if row is None else [op[0] for op in msgpack.unpackb(row[0])]
 
 
+@contextlib.contextmanager
+def thread_replicant(data_dir: Path, core_endpoint: str) -> Iterator[str]:
+    """A replicant of the core at ``core_endpoint``, served by a thread of this process; yields its
+    endpoint and stops it after the block, also when the block fails."""
+    import threading
+
+    from mnesite.replicant.node import ReplicantNode
+    from mnesite.rlog.config import parse_config
+
+    port = free_port()
+    replicant = ReplicantNode(
+        parse_config(
+            {
+                "node": {"name": "replicant1", "role": "replicant", "data_dir": str(data_dir),
+                         "listen": f"tcp://127.0.0.1:{port}"},
+                "cluster": {"core_nodes": {"core1": core_endpoint}},
+                "storage": {"synchronous": "NORMAL"},
+            }
+        )
+    )  # fmt: skip
+    replicant.bind()
+    thread = threading.Thread(target=replicant.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        replicant.request_stop("the test ended")
+        thread.join(timeout=10)
+
+
 def offline_replicant(data_dir: Path, limits: dict | None = None):
     """A ReplicantNode that is never bound nor served (its rules called directly); the caller closes
     its store and releases its data directory lock. ``limits``: its [limits] section."""

@@ -79,6 +79,17 @@ def test_a_table_that_appears_is_answered_when_its_own_shard_reached_the_key() -
     assert not read.ready({"late": LATE}, replicas)
 
 
+def test_a_table_that_appears_in_a_shard_with_no_key_to_reach_is_answered_at_once() -> None:
+    """Read-your-writes names a key per shard (``min_keys``): a read of a table not known yet waits on
+    the shards the client wrote to; if the table turns out to be in another one, nothing holds it."""
+    read = held("late", {"other": TxKey(3, 7)})
+    replicas = {"default": FakeReplica(TxKey(1, 1)), "other": FakeReplica(TxKey(1, 1))}
+    assert not read.ready({}, replicas)  # unknown: the client's write in "other" may have created it
+    assert read.ready({"late": LATE}, replicas)  # it is in "default", where the client wrote nothing
+    replicas["default"].serving = False
+    assert not read.ready({"late": LATE}, replicas)  # still only once its shard serves reads
+
+
 def test_a_known_table_waits_for_its_shard_only() -> None:
     read = held("late", {"default": TxKey(2, 1)})
     replicas = {"default": FakeReplica(TxKey(1, 99))}
@@ -803,36 +814,19 @@ def test_a_read_waiting_for_a_key_the_replicant_never_reaches_gets_its_timeout_a
     as its own attempt's timeout: that answer always came after the client had given the attempt up as
     silent; it re-sent the read and, after every retry, said the node "did not answer" (3x the timeout
     by default). It now asks for a shorter wait and hears the replicant's answer."""
-    import threading
-
-    from mnesite.replicant.node import ReplicantNode
     from mnesite.rlog.client import Client, MnesiteError, RemoteError, Unavailable
-    from mnesite.rlog.config import parse_config
 
-    from tests.conftest import ThreadNode, free_port, wait_until
+    from tests.conftest import ThreadNode, thread_replicant, wait_until
 
     core = ThreadNode(tmp_path / "core")
-    replicant = None
-    thread = None
     try:
         with core.client(timeout_ms=3000) as writer:
             writer.create_table("t", "id", [("id", "INTEGER")])
             writer.put("t", {"id": 1})
-        port = free_port()
-        replicant = ReplicantNode(
-            parse_config(
-                {
-                    "node": {"name": "replicant1", "role": "replicant", "data_dir": str(tmp_path / "r"),
-                             "listen": f"tcp://127.0.0.1:{port}"},
-                    "cluster": {"core_nodes": {"core1": core.endpoint}},
-                    "storage": {"synchronous": "NORMAL"},
-                }
-            )
-        )  # fmt: skip
-        replicant.bind()
-        thread = threading.Thread(target=replicant.serve_forever, daemon=True)
-        thread.start()
-        with Client(f"tcp://127.0.0.1:{port}", timeout_ms=1000, retries=1) as client:
+        with (
+            thread_replicant(tmp_path / "r", core.endpoint) as endpoint,
+            Client(endpoint, timeout_ms=1000, retries=1) as client,
+        ):
 
             def serves() -> bool:
                 try:
@@ -846,9 +840,6 @@ def test_a_read_waiting_for_a_key_the_replicant_never_reaches_gets_its_timeout_a
             assert not isinstance(info.value, Unavailable), info.value
             assert info.value.code == "timeout" and "(99, 1)" in str(info.value).replace("[99, 1]", "(99, 1)")
     finally:
-        if thread is not None and replicant is not None:
-            replicant.request_stop("the test ended")
-            thread.join(timeout=10)
         core.stop()
 
 
