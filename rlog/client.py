@@ -76,6 +76,8 @@ STOPPING_CODE = "stopping"
 # a snapshot), maybe for minutes: asked again at once at the next endpoint, which may serve it; the call
 # ends with this code once every endpoint said so (or could not be reached).
 NOT_READY_CODE = "not_ready"
+# The shards whose last write a client keeps for read-your-writes (the wire's bound on ``min_keys``).
+MIN_KEYS_MAX = 1000
 # A key a read must see: one tx key for every shard the read reads, or one per shard ({shard: key}).
 AfterKey = TxKey | tuple[int, int] | Mapping[str, TxKey | tuple[int, int]] | None
 # Answers a node gives before it looks at the request (its backlog or outstanding requests are full,
@@ -648,8 +650,10 @@ class Client:
         self.last_tx_key = key
         shard = result.get("shard")
         if isinstance(shard, str):
-            earlier = self.last_tx_keys.get(shard)
+            earlier = self.last_tx_keys.pop(shard, None)
             self.last_tx_keys[shard] = key if earlier is None else max(earlier, key)
+            if len(self.last_tx_keys) > MIN_KEYS_MAX:  # the shard written longest ago goes (the wire's bound)
+                del self.last_tx_keys[next(iter(self.last_tx_keys))]
         else:
             self._unsharded_key = key if self._unsharded_key is None else max(self._unsharded_key, key)
         return key

@@ -92,3 +92,29 @@ def test_a_replicant_holds_a_read_for_its_own_shards_key_only(tmp_path: Path) ->
             assert info.value.code == "timeout", info.value
     finally:
         core.stop()
+
+
+def test_a_client_keeps_the_last_key_of_at_most_as_many_shards_as_a_read_may_name() -> None:
+    from mnesite.rlog import messages
+    from mnesite.rlog.client import MIN_KEYS_MAX, Client
+
+    client = Client("tcp://127.0.0.1:9", timeout_ms=100)
+    try:
+        for index in range(MIN_KEYS_MAX + 1):
+            client._wrote({"tx_key": [1, index + 1], "shard": f"s{index}"})
+        client._wrote({"tx_key": [1, 1], "shard": "s1"})  # an older answer keeps the later key, and the place
+        assert len(client.last_tx_keys) == MIN_KEYS_MAX and "s0" not in client.last_tx_keys
+        assert client.last_tx_keys["s1"] == TxKey(1, 2) and list(client.last_tx_keys)[-1] == "s1"
+        body = client._consistency({"table": "t", "key": 1}, "read-your-writes")
+        assert len(body["min_keys"]) == MIN_KEYS_MAX and "min_key" not in body and body["wait_ms"] > 0
+        decoded = messages.SCHEMAS["get"].decoder.decode(messages.msgspec.msgpack.encode(body))
+        assert len(decoded.min_keys) == MIN_KEYS_MAX
+        body["min_keys"]["one too many"] = [1, 1]
+        with pytest.raises(messages.msgspec.ValidationError):
+            messages.SCHEMAS["get"].decoder.decode(messages.msgspec.msgpack.encode(body))
+        # A node of an earlier release names no shard: its write is waited for in every shard read.
+        client._wrote({"tx_key": [7, 3]})
+        body = client._consistency({"table": "t", "key": 1}, "read-your-writes")
+        assert body["min_key"] == [7, 3] and len(body["min_keys"]) == MIN_KEYS_MAX
+    finally:
+        client.close()
