@@ -691,6 +691,8 @@ class Client:
                 min_keys[shard] = max(key, min_keys.get(shard, key))
             if self._unsharded_key is not None:
                 min_key = self._unsharded_key if min_key is None else max(min_key, self._unsharded_key)
+        if len(min_keys) > MIN_KEYS_MAX:  # a node would refuse the frame: say why, unsent
+            raise MnesiteError(f"a read may name the keys of at most {MIN_KEYS_MAX} shards", "bad_request")
         if min_keys:
             body["min_keys"] = {shard: list(key) for shard, key in min_keys.items()}
         if min_key is not None:

@@ -96,7 +96,7 @@ def test_a_replicant_holds_a_read_for_its_own_shards_key_only(tmp_path: Path) ->
 
 def test_a_client_keeps_the_last_key_of_at_most_as_many_shards_as_a_read_may_name() -> None:
     from mnesite.rlog import messages
-    from mnesite.rlog.client import MIN_KEYS_MAX, Client
+    from mnesite.rlog.client import MIN_KEYS_MAX, Client, MnesiteError
 
     client = Client("tcp://127.0.0.1:9", timeout_ms=100)
     try:
@@ -112,6 +112,9 @@ def test_a_client_keeps_the_last_key_of_at_most_as_many_shards_as_a_read_may_nam
         body["min_keys"]["one too many"] = [1, 1]
         with pytest.raises(messages.msgspec.ValidationError):
             messages.SCHEMAS["get"].decoder.decode(messages.msgspec.msgpack.encode(body))
+        too_many = {f"other{index}": TxKey(1, 1) for index in range(2)}  # beside the client's own 1,000
+        with pytest.raises(MnesiteError, match="at most 1000 shards"):
+            client._consistency({"table": "t", "key": 1}, "read-your-writes", too_many)
         # A node of an earlier release names no shard: its write is waited for in every shard read.
         client._wrote({"tx_key": [7, 3]})
         body = client._consistency({"table": "t", "key": 1}, "read-your-writes")
