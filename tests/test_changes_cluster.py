@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 from pathlib import Path
 
@@ -34,21 +35,34 @@ class Writer:
         )
         self.stop = threading.Event()
         self.written = 0
+        self.refused: collections.Counter[str] = collections.Counter()  # error codes, for a failure's message
+        self.error: BaseException | None = None  # what ended the thread, if not the test
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
         i = 0
-        while not self.stop.is_set():
-            i += 1
-            try:
-                if i % 7 == 0:
-                    self.client.delete("users", i - 3)
-                else:
-                    self.client.put("users", {"id": i, "name": f"u{i}"})
-                self.client.put("posts", {"id": i, "title": "t" * (i % 50)})
-                self.written += 1
-            except MnesiteError:
-                pass  # an election: the next write goes to whoever leads
+        try:
+            while not self.stop.is_set():
+                i += 1
+                try:
+                    if i % 7 == 0:
+                        self.client.delete("users", i - 3)
+                    else:
+                        self.client.put("users", {"id": i, "name": f"u{i}"})
+                    self.client.put("posts", {"id": i, "title": "t" * (i % 50)})
+                    self.written += 1
+                except MnesiteError as error:
+                    self.refused[error.code] += 1  # an election: the next write goes to whoever leads
+        except BaseException as error:  # reported by the test instead of its wait timing out
+            self.error = error
+
+    def wrote_more_than(self, count: int) -> bool:
+        if self.error is not None:
+            raise AssertionError(f"the writer stopped: {self.error!r}") from self.error
+        return self.written > count
+
+    def describe(self) -> str:
+        return f"{self.written} writes, refused {dict(self.refused)}, endpoint {self.client.endpoint}"
 
     def __enter__(self) -> Writer:
         self.thread.start()
@@ -153,7 +167,10 @@ def test_the_upstream_core_killed_mid_stream_the_consumer_resumes_on_a_replicant
             cursor = feed.cursor
         killed_at, written_at_kill = len(records), writer.written
         assert killed_at >= 400
-        wait_until(lambda: writer.written > written_at_kill + 100, 90, "writes after the kill")
+        try:
+            wait_until(lambda: writer.wrote_more_than(written_at_kill + 100), 90, "writes after the kill")
+        except AssertionError as error:
+            raise AssertionError(f"{error}; the writer: {writer.describe()}") from error
     # Writes stopped: the consumer resumes from its last position on the replicant, until caught up
     # with what the surviving cores committed.
     survivors = ["core2", "core3"]
