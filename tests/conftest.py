@@ -681,9 +681,31 @@ class Cluster:
         return result
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:
+    """Keep each phase's report on the test item, so that a fixture's teardown knows the test failed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+NODE_LOG_TAIL_BYTES = 4000
+
+
 @pytest.fixture
-def cluster(tmp_path: Path, node_processes: list[NodeProcess]) -> Cluster:
-    return Cluster(tmp_path, node_processes)
+def cluster(request: pytest.FixtureRequest, tmp_path: Path, node_processes: list[NodeProcess]) -> Iterator[Cluster]:
+    """A ``Cluster``; when the test fails, the end of each node's log is printed (a CI failure of a
+    real-process test said only what the test waited for, and CI keeps no temporary directory)."""
+    cluster = Cluster(tmp_path, node_processes)
+    yield cluster
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for name, node in sorted(cluster.nodes.items()):
+            if node.log_path.exists():
+                with open(node.log_path, "rb") as log:
+                    log.seek(max(0, node.log_path.stat().st_size - NODE_LOG_TAIL_BYTES))
+                    tail = log.read().decode(errors="replace")
+                print(f"--- the end of {name}'s log ({node.log_path}) ---\n{tail}")
 
 
 @pytest.fixture(scope="module")
