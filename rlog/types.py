@@ -109,27 +109,6 @@ class WriteRow(_Op, frozen=True, tag="w", gc=False):
 
 
 # --- end op codec ---
-
-
-def read_targets(
-    shards: Iterable[str], min_key: TxKey | None, min_keys: Mapping[str, TxKey] | None
-) -> dict[str, TxKey]:
-    """Read-your-writes: the key each of ``shards`` must have applied before a read of it is answered.
-
-    A tx key orders one shard's log only, so a client names its last write's key per shard
-    (``min_keys``): a read of another shard must not wait for it (that shard's log may never reach
-    it, and the read would time out). ``min_key`` is a key the client gave for every shard the read
-    reads (``after_tx_key`` / ``--after``). A shard gets the later of the two; a shard with neither is
-    absent (nothing to wait for). The rule of cores and replicants alike."""
-    targets: dict[str, TxKey] = {}
-    for shard in shards:
-        own = min_keys.get(shard) if min_keys else None
-        key = own if min_key is None else (min_key if own is None else max(min_key, own))
-        if key is not None:
-            targets[shard] = key
-    return targets
-
-
 # -- the other ops ---------------------------------------------------------------------------------
 
 
@@ -379,6 +358,25 @@ def next_key(prev_key: TxKey, generation: int) -> TxKey | None:
     if generation == prev_key.generation:
         return TxKey(generation, prev_key.counter + 1)
     return TxKey(generation, 1) if generation > prev_key.generation else None
+
+
+def read_targets(
+    shards: Iterable[str], min_key: TxKey | None, min_keys: Mapping[str, TxKey] | None
+) -> dict[str, TxKey]:
+    """Read-your-writes: the key each of ``shards`` must have applied before a read of it is answered.
+
+    A tx key orders one shard's log only, so a client names its last write's key per shard
+    (``min_keys``): a read of another shard must not wait for it (that shard's log may never reach
+    it, and the read would time out). ``min_key`` is a key the client gave for every shard the read
+    reads (``after_tx_key`` / ``--after``). A shard gets the later of the two; a shard with neither is
+    absent (nothing to wait for). The rule of cores and replicants alike."""
+    targets: dict[str, TxKey] = {}
+    for shard in shards:
+        own = min_keys.get(shard) if min_keys else None
+        key = own if min_key is None else (min_key if own is None else max(min_key, own))
+        if key is not None:
+            targets[shard] = key
+    return targets
 
 
 def chain_break(prev_key: TxKey, prev_digest: bytes, entry: Entry) -> str | None:

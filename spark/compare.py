@@ -490,10 +490,10 @@ def _columns_added_in_flight(
     first = definitions[0]
     for right in range(1, len(definitions)):
         other = definitions[right]
-        if other.columns == first.columns and other.shard == first.shard and other.key_column == first.key_column:
-            continue
-        if other.shard != first.shard or other.key_column != first.key_column:
+        if (other.shard, other.key_column) != (first.shard, first.key_column):
             return None
+        if other.columns == first.columns:
+            continue
         ahead, _, added = changes.get((right, first.shard), (-1, {}, {}))
         if ahead not in (0, right):
             return None
