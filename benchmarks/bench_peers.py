@@ -35,8 +35,10 @@ What an acknowledgement means (durability), per system:
   primary fsynced its AOF and the replica *received* the write (not fsynced on the replica).
 * ``floor-1``, ``floor-3``: ``floor_node.py``'s bare processes,
   the least a durable (floor-1) or majority-replicated (floor-3) write costs with mnesite's own stack
-  (CPython, pyzmq, apsw, one process per node): no checks, no log, no apply. mnesite's figures over
-  the floor's are what its cores add; the floor's 3-over-1 ratios say what the stack allows.
+  (CPython, pyzmq, apsw, one process per node): no checks, no log, no apply; floor-3's leader feeds
+  its second follower lazily, as mnesite's sequencer does (since 2026-12-03; both eagerly before).
+  mnesite's figures over the floor's are what its cores add; the floor's 3-over-1 ratios say what
+  the stack allows, and ``single_core_line_needs`` / ``one_client_line_needs`` set them beside each line.
 * ``rqlite``, ``dqlite``: not packaged in Debian 12 and not servers on PyPI (the PyPI packages are
   clients); skipped with a message when no ``rqlited`` / dqlite server binary is found.
 
@@ -86,7 +88,8 @@ DURABILITY = {
     "rqlite": "raft log on a majority",
     "dqlite": "raft log on a majority",
     "floor-1": "fsync on its one disk (benchmarks/floor_node.py: no checks, no log, no apply)",
-    "floor-3": "fsync on a majority (2 of 3) (benchmarks/floor_node.py: no checks, no log, no apply)",
+    "floor-3": "fsync on a majority (2 of 3), the second follower fed lazily (benchmarks/floor_node.py: no "
+    "checks, no log, no apply)",
 }
 SYSTEMS = ("mnesite-3", "mnesite-1", "etcd", "redis", "rqlite", "dqlite", "floor-3", "floor-1")
 
@@ -746,6 +749,7 @@ def summarise(
         "skipped": skipped,
         "lines": acceptance_lines(runs),
         "single_core_line_needs": single_core_line_needs(runs),
+        "one_client_line_needs": one_client_line_needs(runs),
     }
 
 
@@ -803,9 +807,14 @@ def single_core_line_needs(
     A model, not a measurement: the machine stays as busy as mnesite-3 kept it in that round (``cpus_busy``)
     and the rest of its CPU a write (load generator, kernel) stays what it was, so that writes/s is the busy
     CPUs over the machine's CPU a write. Where the CPUs are the bound, this is what the line asks of the cores.
+
+    With floor-3 and floor-1 in the same rounds, also ``floor_3_plus_single_work_us``: floor-3's summed CPU a
+    write plus what the single core spends over floor-1 (its own checks, log and apply, which a sequencer
+    does too). A sum of measured parts, not a bound: what three cores of this stack spend before a
+    follower logs, checks or applies anything, and before the sequencer keeps any consensus state.
     """
     tops, singles = runs.get(("mnesite-3", clients), []), runs.get(("mnesite-1", clients), [])
-    floors = runs.get(("floor-3", clients), [])
+    floors, floor_ones = runs.get(("floor-3", clients), []), runs.get(("floor-1", clients), [])
     if not tops or len(tops) != len(singles):
         return []
     needs = []
@@ -824,8 +833,32 @@ def single_core_line_needs(
         }
         if len(floors) == len(tops):
             row["floor_3_cpu_us_per_write"] = floors[number]["cpu_us_per_write"]
+            floor_one = floor_ones[number]["cpu_us_per_write_sum"] if len(floor_ones) == len(tops) else None
+            if floors[number]["cpu_us_per_write_sum"] is not None and floor_one is not None:
+                single_work = single["cpu_us_per_write_sum"] - floor_one
+                row["floor_3_plus_single_work_us"] = round(floors[number]["cpu_us_per_write_sum"] + single_work, 1)
         needs.append(row)
     return needs
+
+
+def one_client_line_needs(runs: dict[tuple[str, int], list[dict]], ratio: float = 2.0) -> list[dict]:
+    """Per round at one client: the p50 the 2x line allows (``ratio`` times the single core's), mnesite-3's,
+    and floor-3's plus what the single core's own work adds to floor-1's p50 (a sum of measured parts,
+    not a bound: the least a write's path on this stack takes before a follower's or the sequencer's
+    replication work)."""
+    systems = ("mnesite-3", "mnesite-1", "floor-3", "floor-1")
+    rounds = [runs.get((name, 1), []) for name in systems]
+    if not rounds[0] or any(len(r) != len(rounds[0]) for r in rounds):
+        return []
+    return [
+        {
+            "round": number,
+            "allowed_p50_ms": round(ratio * single["p50_ms"], 3),
+            "mnesite_3_p50_ms": top["p50_ms"],
+            "floor_3_plus_single_work_ms": round(floor["p50_ms"] + single["p50_ms"] - floor_one["p50_ms"], 3),
+        }
+        for number, (top, single, floor, floor_one) in enumerate(zip(*rounds, strict=True))
+    ]
 
 
 def _median_of(values: Any) -> float | None:
@@ -874,10 +907,21 @@ def print_table(report: dict) -> None:
         for need in report["single_core_line_needs"]:
             floor = need.get("floor_3_cpu_us_per_write")
             floor_text = "" if floor is None else f"; floor-3 spent {', '.join(f'{x:.0f}' for x in floor)}"
+            if "floor_3_plus_single_work_us" in need:
+                floor_text += f", and with the single core's own work {need['floor_3_plus_single_work_us']:.0f}"
             print(
                 f"- round {need['round'] + 1}: at most {need['needed_cpu_us_per_write_sum']:.0f} us, "
                 f"mnesite-3 spent {need['mnesite_3_cpu_us_per_write_sum']:.0f} (the rest of the machine "
                 f"{need['rest_cpu_us_per_write']:.0f} us a write, {need['cpus_busy']:.2f} CPUs busy){floor_text}"
+            )
+    if report.get("one_client_line_needs"):
+        print("\nwhat the 2x line at 1 client allows, per round, beside floor-3's p50 plus what the single core's")
+        print("own work adds to floor-1's (a sum of measured parts):")
+        for need in report["one_client_line_needs"]:
+            print(
+                f"- round {need['round'] + 1}: at most {need['allowed_p50_ms']:.3f} ms, mnesite-3 "
+                f"{need['mnesite_3_p50_ms']:.3f}, floor-3 with the single core's work "
+                f"{need['floor_3_plus_single_work_ms']:.3f}"
             )
     print("\ndurability of an acknowledgement:")
     for name, what in DURABILITY.items():

@@ -10,10 +10,14 @@ apsw with a WAL and an fsync per commit, one process per node, 127.0.0.1):
 * ``single`` (floor-1): a loop turn reads every request waiting on its ROUTER socket, inserts them
   into one table in one transaction, commits it (``synchronous=FULL``: the WAL is fsynced), and
   answers each.
-* ``leader`` (floor-3, with two followers): the same turn, but it sends the turn's requests to both
-  followers *before* its own commit (so the followers' fsyncs overlap its own, as mnesite's
-  sequencer does) and answers a request once its own commit is done and one follower has
-  acknowledged it: two of three nodes have it on disk.
+* ``leader`` (floor-3, with two followers): the same turn, but it sends the turn's requests to its
+  first follower *before* its own commit (so that follower's fsync overlaps its own, as mnesite's
+  sequencer does) and answers a request once its own commit is done and a follower has
+  acknowledged it: two of three nodes have it on disk. The second follower is fed lazily, as
+  mnesite's sequencer feeds the follower no commit waits for (``[cluster] lazy_feed_interval_ms``,
+  ``core.consensus``): what accumulated since its last append, every ``--lazy-feed-ms`` (20, the
+  product's default; sooner once a feed would pass ``FRAME_BYTES_MAX``); ``--lazy-feed-ms 0`` sends
+  every turn to both followers, as the floor did until 2026-12-03.
 * ``follower``: a turn inserts every append waiting on its socket in one transaction, commits it
   (fsync) and acknowledges the last one to the leader.
 
@@ -24,8 +28,9 @@ machine. Its WAL is checkpointed by a thread with its own connection, off the lo
 is (``rlog.checkpoint``), so that the WAL is overwritten rather than grown.
 
 Frames (all from 127.0.0.1 peers of one benchmark run; the sizes are bounded all the same):
-a client sends ``[key, value]``; a leader sends a follower ``[b"append", seq, key, value, ...]``;
-a follower answers ``[b"ack", seq]``; every answer to a client is ``[b"ok"]``.
+a client sends ``[key, value]``; a leader sends a follower ``[b"append", seq, key, value, ...]`` (a
+lazy feed: every pair since the last one, ``seq`` the last turn's); a follower answers
+``[b"ack", seq]``; every answer to a client is ``[b"ok"]``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import apsw
 import zmq
@@ -79,7 +85,7 @@ def well_formed(role: str, frames: list[bytes]) -> bool:
     return len(frames) == 3
 
 
-def serve(role: str, port: int, db: str, peers: list[int], leader: int | None) -> None:
+def serve(role: str, port: int, db: str, peers: list[int], leader: int | None, lazy_feed_ms: int) -> None:
     connection = open_table(db)
     stop = threading.Event()
     threading.Thread(target=checkpoint_forever, args=(db, stop), daemon=True).start()
@@ -100,9 +106,16 @@ def serve(role: str, port: int, db: str, peers: list[int], leader: int | None) -
     # leader: (seq, client identity) committed here, answered once a follower acknowledged seq
     waiting: collections.deque[tuple[int, bytes]] = collections.deque()
     seq = acked = 0
+    # leader with a lazy second follower: the pairs it has not been sent, their bytes, the next feed's time
+    lazy: list[bytes] = []
+    lazy_bytes = 0
+    feed_at = time.monotonic() + lazy_feed_ms / 1000
     try:
         while True:
-            poller.poll(1000)
+            timeout_ms = 1000
+            if lazy:
+                timeout_ms = max(0, min(timeout_ms, round((feed_at - time.monotonic()) * 1000)))
+            poller.poll(timeout_ms)
             clients: list[bytes] = []
             pairs: list[tuple[bytes, bytes]] = []
             appended = 0
@@ -123,9 +136,17 @@ def serve(role: str, port: int, db: str, peers: list[int], leader: int | None) -
                     pairs.append((frames[1], frames[2]))
             if role == "leader" and pairs:
                 seq += 1
-                body = [b"append", b"%d" % seq, *(item for pair in pairs for item in pair)]
-                for dealer in dealers:
-                    dealer.send_multipart(body)  # before our own fsync: the followers' overlap it
+                items = [item for pair in pairs for item in pair]
+                eager = dealers if not lazy_feed_ms else dealers[:1]
+                for dealer in eager:
+                    dealer.send_multipart([b"append", b"%d" % seq, *items])  # before our own fsync: overlapped
+                if lazy_feed_ms:
+                    lazy.extend(items)
+                    lazy_bytes += sum(len(item) for item in items)
+            if lazy and (time.monotonic() >= feed_at or lazy_bytes >= FRAME_BYTES_MAX // 2):
+                dealers[1].send_multipart([b"append", b"%d" % seq, *lazy])
+                lazy, lazy_bytes = [], 0
+                feed_at = time.monotonic() + lazy_feed_ms / 1000
             if pairs:
                 insert(connection, pairs)
             if role == "follower" and appended:
@@ -151,14 +172,22 @@ def main() -> None:
     parser.add_argument("--db", required=True)
     parser.add_argument("--peers", default="", help="leader: the followers' ports, comma-separated")
     parser.add_argument("--leader", type=int, help="follower: the leader's port")
+    parser.add_argument(
+        "--lazy-feed-ms",
+        type=int,
+        default=20,
+        help="leader: feed the second follower what accumulated this often (0: every turn, as the first)",
+    )
     args = parser.parse_args()
+    if args.lazy_feed_ms < 0:
+        parser.error("--lazy-feed-ms must be at least 0")
     peers = [int(p) for p in args.peers.split(",") if p]
     if args.role == "leader" and len(peers) != 2:
         parser.error("a leader has two followers (--peers PORT,PORT)")
     if args.role == "follower" and args.leader is None:
         parser.error("a follower needs --leader PORT")
     os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
-    serve(args.role, args.port, args.db, peers, args.leader)
+    serve(args.role, args.port, args.db, peers, args.leader, args.lazy_feed_ms)
 
 
 if __name__ == "__main__":

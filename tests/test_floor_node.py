@@ -80,6 +80,36 @@ def test_the_leader_answers_only_once_a_follower_has_the_write_on_disk(tmp_path:
             process.wait(10)
 
 
+def test_the_second_follower_is_fed_lazily_and_its_acknowledgement_counts(tmp_path: Path) -> None:
+    """floor-3 mirrors mnesite's thrifty replication: the leader sends each turn to its first follower
+    and feeds the second what accumulated every ``--lazy-feed-ms``. With the first follower absent, a
+    write is answered only once the lazy feed reached the second one and it acknowledged: the feed
+    happens, and it carries every write since the last."""
+    leader_port, absent_port, lazy_port = free_port(), free_port(), free_port()
+    processes = []
+    context = zmq.Context()
+    try:
+        processes.append(start(["--role", "follower", "--leader", str(leader_port)], lazy_port, tmp_path / "f.db"))
+        leader = ["--role", "leader", "--peers", f"{absent_port},{lazy_port}", "--lazy-feed-ms", "50"]
+        processes.append(start(leader, leader_port, tmp_path / "l.db"))
+        client = context.socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(f"tcp://127.0.0.1:{leader_port}")
+        for number in range(5):
+            client.send_multipart([b"k%d" % number, b"v"])
+        answers = 0
+        while answers < 5:
+            assert client.poll(30_000) == zmq.POLLIN, f"{answers} of 5 writes answered"
+            assert client.recv_multipart() == [b"ok"]
+            answers += 1
+        assert rows(tmp_path / "f.db") == {b"k%d" % n for n in range(5)}
+    finally:
+        context.destroy(linger=0)
+        for process in processes:
+            process.kill()
+            process.wait(10)
+
+
 @pytest.fixture
 def single(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, zmq.Socket]]:
     """A floor-1 node and a client's DEALER connected to it; both stopped after the test."""
@@ -175,7 +205,30 @@ def test_bench_peers_models_what_the_single_core_line_asks_of_the_cores_cpu() ->
     assert needs[0]["needed_cpu_us_per_write_sum"] == 126.7
     assert needs[0]["rest_cpu_us_per_write"] == 140 and needs[0]["mnesite_3_cpu_us_per_write_sum"] == 220
     assert needs[0]["floor_3_cpu_us_per_write"] == [60, 25, 25]
+    assert "floor_3_plus_single_work_us" not in needs[0]  # floor-1 did not run: no sum of parts
     assert bench_peers.single_core_line_needs({("mnesite-3", 64): runs[("mnesite-3", 64)]}) == []
+    # With floor-1 in the same rounds: floor-3's 110 plus the single core's 90 over floor-1's 35.
+    runs[("floor-1", 64)] = [point(15000, 35, 90, 1.7), point(15000, 35, 90, 1.7)]
+    [need] = bench_peers.single_core_line_needs(runs)
+    assert need["floor_3_plus_single_work_us"] == 165
+
+
+def test_bench_peers_sets_the_one_client_line_beside_the_floor_plus_the_single_cores_work() -> None:
+    """``bench_peers.one_client_line_needs``: per round, 2x the single core's p50, mnesite-3's, and floor-3's
+    plus what the single core's own work adds to floor-1's; nothing unless all four ran in every round."""
+    bench_peers = load_benchmark("bench_peers")
+    runs = {
+        ("mnesite-3", 1): [{"p50_ms": 1.3}, {"p50_ms": 1.2}],
+        ("mnesite-1", 1): [{"p50_ms": 0.55}, {"p50_ms": 0.5}],
+        ("floor-3", 1): [{"p50_ms": 0.6}, {"p50_ms": 0.65}],
+        ("floor-1", 1): [{"p50_ms": 0.3}, {"p50_ms": 0.25}],
+    }
+    needs = bench_peers.one_client_line_needs(runs)
+    assert [n["allowed_p50_ms"] for n in needs] == [1.1, 1.0]
+    assert [n["mnesite_3_p50_ms"] for n in needs] == [1.3, 1.2]
+    assert [n["floor_3_plus_single_work_ms"] for n in needs] == [0.85, 0.9]
+    runs[("floor-1", 1)] = runs[("floor-1", 1)][:1]
+    assert bench_peers.one_client_line_needs(runs) == []
 
 
 def test_the_floor_drops_frames_that_are_not_its_own_and_keeps_answering(tmp_path: Path, single) -> None:
