@@ -1,7 +1,8 @@
 """mnesite beside peer systems: one Python load generator, the same writes, ratios from the same round.
 
     .venv/bin/python benchmarks/bench_peers.py [--seconds 5] [--slices 5] [--warm-up 2] [--clients 1,16,64]
-        [--rounds 3] [--systems mnesite-3,mnesite-1,etcd,redis,rqlite,dqlite,floor-1,floor-3] [--baseline TREE] [--json]
+        [--rounds 3] [--systems mnesite-3,mnesite-1,etcd,redis,rqlite,dqlite,floor-3,floor-1,floor-3-log,floor-1-log]
+        [--baseline TREE] [--json]
         [--output FILE.json]   (the report as JSON, and its chart beside it as FILE.png)
 
 Every system gets the same load: N concurrent clients (threads spread over up to four client
@@ -39,6 +40,8 @@ What an acknowledgement means (durability), per system:
   its second follower lazily, as mnesite's sequencer does (since 2026-12-03; both eagerly before).
   mnesite's figures over the floor's are what its cores add; the floor's 3-over-1 ratios say what
   the stack allows, and ``single_core_line_needs`` / ``one_client_line_needs`` set them beside each line.
+* ``floor-1-log``, ``floor-3-log``: the same processes with ``--log``: each node also keeps a log row
+  per write (under a request-id index) and a digest chain, as a replica of mnesite's design must.
 * ``rqlite``, ``dqlite``: not packaged in Debian 12 and not servers on PyPI (the PyPI packages are
   clients); skipped with a message when no ``rqlited`` / dqlite server binary is found.
 
@@ -90,8 +93,21 @@ DURABILITY = {
     "floor-1": "fsync on its one disk (benchmarks/floor_node.py: no checks, no log, no apply)",
     "floor-3": "fsync on a majority (2 of 3), the second follower fed lazily (benchmarks/floor_node.py: no "
     "checks, no log, no apply)",
+    "floor-1-log": "as floor-1, with a log row (request-id index) and a digest chain per write (--log)",
+    "floor-3-log": "as floor-3, with a log row (request-id index) and a digest chain per write on each node (--log)",
 }
-SYSTEMS = ("mnesite-3", "mnesite-1", "etcd", "redis", "rqlite", "dqlite", "floor-3", "floor-1")
+SYSTEMS = (
+    "mnesite-3",
+    "mnesite-1",
+    "etcd",
+    "redis",
+    "rqlite",
+    "dqlite",
+    "floor-3",
+    "floor-1",
+    "floor-3-log",
+    "floor-1-log",
+)
 
 
 class Skipped(Exception):
@@ -468,15 +484,19 @@ class Redis(System):
 
 
 class Floor(System):
-    """``floor_node.py``'s processes: the least a write costs with mnesite's stack (its docstring)."""
+    """``floor_node.py``'s processes: the least a write costs with mnesite's stack (its docstring); with
+    ``logged``, also a log row and a digest chain per write on every node (``--log``)."""
 
-    def __init__(self, directory: Path, nodes: int) -> None:
+    def __init__(self, directory: Path, nodes: int, logged: bool = False) -> None:
         super().__init__(directory)
         self.nodes = nodes
-        self.name = f"floor-{nodes}"
+        self.logged = logged
+        self.name = f"floor-{nodes}" + ("-log" if logged else "")
 
     def start(self) -> None:
         script = [sys.executable, str(Path(__file__).resolve().parent / "floor_node.py")]
+        if self.logged:
+            script.append("--log")
         ports = [free_port() for _ in range(self.nodes)]
         if self.nodes == 1:
             roles = [["--role", "single"]]
@@ -520,8 +540,8 @@ def make_system(name: str, directory: Path, baseline: Path | None) -> System:
         return Mnesite(directory, int(name.split("-")[1]), baseline)
     if name.startswith("mnesite-"):
         return Mnesite(directory, int(name.split("-")[1]))
-    if name in ("floor-1", "floor-3"):
-        return Floor(directory, int(name.split("-")[1]))
+    if name in ("floor-1", "floor-3", "floor-1-log", "floor-3-log"):
+        return Floor(directory, int(name.split("-")[1]), name.endswith("-log"))
     if name == "etcd":
         return Etcd(directory)
     if name == "redis":
@@ -811,10 +831,13 @@ def single_core_line_needs(
     With floor-3 and floor-1 in the same rounds, also ``floor_3_plus_single_work_us``: floor-3's summed CPU a
     write plus what the single core spends over floor-1 (its own checks, log and apply, which a sequencer
     does too). A sum of measured parts, not a bound: what three cores of this stack spend before a
-    follower logs, checks or applies anything, and before the sequencer keeps any consensus state.
+    follower logs, checks or applies anything, and before the sequencer keeps any consensus state. With
+    floor-3-log and floor-1-log, ``floor_3_log_plus_single_work_us``: the same with the floors that keep a
+    log row and a digest chain per write on every node, so that only checks, decoding, applying and
+    consensus state are left out.
     """
     tops, singles = runs.get(("mnesite-3", clients), []), runs.get(("mnesite-1", clients), [])
-    floors, floor_ones = runs.get(("floor-3", clients), []), runs.get(("floor-1", clients), [])
+    floors = runs.get(("floor-3", clients), [])
     if not tops or len(tops) != len(singles):
         return []
     needs = []
@@ -833,10 +856,14 @@ def single_core_line_needs(
         }
         if len(floors) == len(tops):
             row["floor_3_cpu_us_per_write"] = floors[number]["cpu_us_per_write"]
-            floor_one = floor_ones[number]["cpu_us_per_write_sum"] if len(floor_ones) == len(tops) else None
-            if floors[number]["cpu_us_per_write_sum"] is not None and floor_one is not None:
-                single_work = single["cpu_us_per_write_sum"] - floor_one
-                row["floor_3_plus_single_work_us"] = round(floors[number]["cpu_us_per_write_sum"] + single_work, 1)
+        for suffix in ("", "-log"):  # the bare floor, and the floor that keeps a log (floor_node --log)
+            three, one = runs.get((f"floor-3{suffix}", clients), []), runs.get((f"floor-1{suffix}", clients), [])
+            if len(three) != len(tops) or len(one) != len(tops):
+                continue
+            three_us, one_us = three[number]["cpu_us_per_write_sum"], one[number]["cpu_us_per_write_sum"]
+            if three_us is not None and one_us is not None:
+                key = f"floor_3{suffix.replace('-', '_')}_plus_single_work_us"
+                row[key] = round(three_us + single["cpu_us_per_write_sum"] - one_us, 1)
         needs.append(row)
     return needs
 
@@ -909,6 +936,8 @@ def print_table(report: dict) -> None:
             floor_text = "" if floor is None else f"; floor-3 spent {', '.join(f'{x:.0f}' for x in floor)}"
             if "floor_3_plus_single_work_us" in need:
                 floor_text += f", and with the single core's own work {need['floor_3_plus_single_work_us']:.0f}"
+            if "floor_3_log_plus_single_work_us" in need:
+                floor_text += f"; floor-3-log with it {need['floor_3_log_plus_single_work_us']:.0f}"
             print(
                 f"- round {need['round'] + 1}: at most {need['needed_cpu_us_per_write_sum']:.0f} us, "
                 f"mnesite-3 spent {need['mnesite_3_cpu_us_per_write_sum']:.0f} (the rest of the machine "

@@ -21,6 +21,12 @@ apsw with a WAL and an fsync per commit, one process per node, 127.0.0.1):
 * ``follower``: a turn inserts every append waiting on its socket in one transaction, commits it
   (fsync) and acknowledges the last one to the leader.
 
+With ``--log`` (``floor-1-log``, ``floor-3-log`` in ``bench_peers``) every node also keeps what a
+replica of mnesite's design keeps beside the table, in the same transaction: a log row per write
+(its position, its request id, under an index on the request id as ``_mnesite_rlog``'s, and the
+write) and a BLAKE2b digest chain over the writes (each digest over the previous one and the
+write: the hashing a follower's chain check costs). Still no checks, no decoding, no consensus state.
+
 No checks, no consensus state, no log beside the table, no apply, no metrics: whatever mnesite's
 cores spend above these processes is theirs; what these processes spend is the floor that a
 mnesite of this design (Python processes talking zmq, SQLite's commit) cannot go below on this
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import hashlib
 import os
 import signal
 import sys
@@ -59,7 +66,28 @@ def open_table(path: str) -> apsw.Connection:
     connection.execute("PRAGMA synchronous=FULL")
     connection.execute("PRAGMA wal_autocheckpoint=0")
     connection.execute("CREATE TABLE IF NOT EXISTS kv(key BLOB PRIMARY KEY, value BLOB NOT NULL)")
+    connection.execute(
+        "CREATE TABLE IF NOT EXISTS log(position INTEGER PRIMARY KEY, request_id BLOB, digest BLOB NOT NULL, "
+        "value BLOB NOT NULL)"
+    )
+    connection.execute("CREATE INDEX IF NOT EXISTS log_request ON log(request_id)")
     return connection
+
+
+class Log:
+    """``--log``: a node's log rows and digest chain (the module's docstring), continued from its disk."""
+
+    def __init__(self, connection: apsw.Connection) -> None:
+        last = connection.execute("SELECT position, digest FROM log ORDER BY position DESC LIMIT 1").fetchone()
+        self.position, self.digest = last if last is not None else (0, bytes(32))
+
+    def rows(self, pairs: list[tuple[bytes, bytes]]) -> list[tuple[int, bytes, bytes, bytes]]:
+        rows = []
+        for key, value in pairs:
+            self.position += 1
+            self.digest = hashlib.blake2b(self.digest + key + value, digest_size=32).digest()
+            rows.append((self.position, key, self.digest, value))
+        return rows
 
 
 def checkpoint_forever(path: str, stop: threading.Event) -> None:
@@ -70,8 +98,12 @@ def checkpoint_forever(path: str, stop: threading.Event) -> None:
             connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
 
-def insert(connection: apsw.Connection, pairs: list[tuple[bytes, bytes]]) -> None:
+def insert(connection: apsw.Connection, pairs: list[tuple[bytes, bytes]], log: Log | None = None) -> None:
     connection.execute("BEGIN")
+    if log is not None:
+        connection.executemany(
+            "INSERT INTO log(position, request_id, digest, value) VALUES (?, ?, ?, ?)", log.rows(pairs)
+        )
     connection.executemany("INSERT OR REPLACE INTO kv(key, value) VALUES (?, ?)", pairs)
     connection.execute("COMMIT")  # synchronous=FULL in WAL mode: the WAL is fsynced here
 
@@ -85,8 +117,9 @@ def well_formed(role: str, frames: list[bytes]) -> bool:
     return len(frames) == 3
 
 
-def serve(role: str, port: int, db: str, peers: list[int], leader: int | None, lazy_feed_ms: int) -> None:
+def serve(role: str, port: int, db: str, peers: list[int], leader: int | None, lazy_feed_ms: int, logged: bool) -> None:
     connection = open_table(db)
+    log = Log(connection) if logged else None
     stop = threading.Event()
     threading.Thread(target=checkpoint_forever, args=(db, stop), daemon=True).start()
     context = zmq.Context()
@@ -148,7 +181,7 @@ def serve(role: str, port: int, db: str, peers: list[int], leader: int | None, l
                 lazy, lazy_bytes = [], 0
                 feed_at = time.monotonic() + lazy_feed_ms / 1000
             if pairs:
-                insert(connection, pairs)
+                insert(connection, pairs, log)
             if role == "follower" and appended:
                 dealers[0].send_multipart([b"ack", b"%d" % appended])
             elif role == "single":
@@ -178,6 +211,7 @@ def main() -> None:
         default=20,
         help="leader: feed the second follower what accumulated this often (0: every turn, as the first)",
     )
+    parser.add_argument("--log", action="store_true", help="also keep a log row and a digest chain per write")
     args = parser.parse_args()
     if args.lazy_feed_ms < 0:
         parser.error("--lazy-feed-ms must be at least 0")
@@ -187,7 +221,7 @@ def main() -> None:
     if args.role == "follower" and args.leader is None:
         parser.error("a follower needs --leader PORT")
     os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
-    serve(args.role, args.port, args.db, peers, args.leader, args.lazy_feed_ms)
+    serve(args.role, args.port, args.db, peers, args.leader, args.lazy_feed_ms, args.log)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,44 @@ def test_the_second_follower_is_fed_lazily_and_its_acknowledgement_counts(tmp_pa
             process.wait(10)
 
 
+def test_a_logged_floor_keeps_a_log_row_and_a_digest_chain_per_write(tmp_path: Path) -> None:
+    """``--log``: each write is also a log row (its position, its key as the request id, the chained
+    digest), continued across a restart from the last row on disk."""
+    import hashlib
+
+    port = free_port()
+    database = tmp_path / "s.db"
+    context = zmq.Context()
+    try:
+        for run in range(2):
+            process = start(["--role", "single", "--log"], port, database)
+            try:
+                client = context.socket(zmq.DEALER)
+                client.setsockopt(zmq.LINGER, 0)
+                client.connect(f"tcp://127.0.0.1:{port}")
+                for number in range(3):
+                    client.send_multipart([b"r%d-%d" % (run, number), b"v%d" % number])
+                    assert client.poll(30_000) == zmq.POLLIN
+                    assert client.recv_multipart() == [b"ok"]
+                client.close()
+            finally:
+                process.kill()
+                process.wait(10)
+    finally:
+        context.destroy(linger=0)
+    connection = apsw.Connection(str(database), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        logged = list(connection.execute("SELECT position, request_id, digest, value FROM log ORDER BY position"))
+    finally:
+        connection.close()
+    assert [row[0] for row in logged] == [1, 2, 3, 4, 5, 6]
+    digest = bytes(32)
+    for _, key, stored_digest, value in logged:
+        digest = hashlib.blake2b(digest + key + value, digest_size=32).digest()
+        assert stored_digest == digest
+    assert [row[1] for row in logged] == [b"r0-0", b"r0-1", b"r0-2", b"r1-0", b"r1-1", b"r1-2"]
+
+
 @pytest.fixture
 def single(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, zmq.Socket]]:
     """A floor-1 node and a client's DEALER connected to it; both stopped after the test."""
@@ -211,6 +249,12 @@ def test_bench_peers_models_what_the_single_core_line_asks_of_the_cores_cpu() ->
     runs[("floor-1", 64)] = [point(15000, 35, 90, 1.7), point(15000, 35, 90, 1.7)]
     [need] = bench_peers.single_core_line_needs(runs)
     assert need["floor_3_plus_single_work_us"] == 165
+    assert "floor_3_log_plus_single_work_us" not in need
+    # The floors that keep a log: floor-3-log's 130 plus the single core's 90 over floor-1-log's 45.
+    runs[("floor-3-log", 64)] = [point(7000, 130, 240, 1.7), point(7000, 130, 240, 1.7)]
+    runs[("floor-1-log", 64)] = [point(13000, 45, 100, 1.7), point(13000, 45, 100, 1.7)]
+    [need] = bench_peers.single_core_line_needs(runs)
+    assert need["floor_3_plus_single_work_us"] == 165 and need["floor_3_log_plus_single_work_us"] == 175
 
 
 def test_bench_peers_sets_the_one_client_line_beside_the_floor_plus_the_single_cores_work() -> None:
