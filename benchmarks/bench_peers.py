@@ -854,6 +854,11 @@ def single_core_line_needs(
             "rest_cpu_us_per_write": round(rest_us, 1),
             "cpus_busy": busy,
         }
+        loads = (top.get("load_cpu_us_per_write"), single.get("load_cpu_us_per_write"))
+        if None not in loads and loads[0] > loads[1]:
+            # The generous case: the load generator as cheap a write beside the three cores as beside the
+            # single core (it runs the same client code; beside the three cores it runs colder).
+            row["needed_with_single_load_us"] = round(row["needed_cpu_us_per_write_sum"] + loads[0] - loads[1], 1)
         if len(floors) == len(tops):
             row["floor_3_cpu_us_per_write"] = floors[number]["cpu_us_per_write"]
         for suffix in ("", "-log"):  # the bare floor, and the floor that keeps a log (floor_node --log)
@@ -938,6 +943,11 @@ def print_table(report: dict) -> None:
                 floor_text += f", and with the single core's own work {need['floor_3_plus_single_work_us']:.0f}"
             if "floor_3_log_plus_single_work_us" in need:
                 floor_text += f"; floor-3-log with it {need['floor_3_log_plus_single_work_us']:.0f}"
+            if "needed_with_single_load_us" in need:
+                floor_text += (
+                    f"; at most {need['needed_with_single_load_us']:.0f} if the load generator cost a write "
+                    "what it costs beside the single core"
+                )
             print(
                 f"- round {need['round'] + 1}: at most {need['needed_cpu_us_per_write_sum']:.0f} us, "
                 f"mnesite-3 spent {need['mnesite_3_cpu_us_per_write_sum']:.0f} (the rest of the machine "

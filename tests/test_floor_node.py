@@ -244,6 +244,11 @@ def test_bench_peers_models_what_the_single_core_line_asks_of_the_cores_cpu() ->
     assert needs[0]["rest_cpu_us_per_write"] == 140 and needs[0]["mnesite_3_cpu_us_per_write_sum"] == 220
     assert needs[0]["floor_3_cpu_us_per_write"] == [60, 25, 25]
     assert "floor_3_plus_single_work_us" not in needs[0]  # floor-1 did not run: no sum of parts
+    assert "needed_with_single_load_us" not in needs[0]  # no load generator figures: nothing guessed
+    runs[("mnesite-3", 64)][0]["load_cpu_us_per_write"] = 90
+    runs[("mnesite-1", 64)][0]["load_cpu_us_per_write"] = 70
+    # The load generator 20 us a write cheaper beside the three cores: 20 us more for the cores.
+    assert bench_peers.single_core_line_needs(runs)[0]["needed_with_single_load_us"] == 146.7
     assert bench_peers.single_core_line_needs({("mnesite-3", 64): runs[("mnesite-3", 64)]}) == []
     # With floor-1 in the same rounds: floor-3's 110 plus the single core's 90 over floor-1's 35.
     runs[("floor-1", 64)] = [point(15000, 35, 90, 1.7), point(15000, 35, 90, 1.7)]
