@@ -15,7 +15,9 @@ from typing import Any, NoReturn
 
 import click
 from mnesite.rlog.client import (
+    MIN_KEYS_MAX,
     SCAN_PAGE_ROWS,
+    AfterKey,
     Client,
     GuardFailed,
     MnesiteError,
@@ -225,12 +227,39 @@ def parse_tx_key(text: str) -> TxKey:
     return TxKey(generation, counter)
 
 
+def parse_after(values: tuple[str, ...]) -> TxKey | dict[str, TxKey] | None:
+    """``--after`` given ``values`` times: none (None), one ``G,C`` (that key, waited for in every shard
+    read), or ``SHARD=G,C`` once per shard (each key waited for in its own shard only: a tx key orders
+    one shard's log, so a key of another shard's write is no position in the shard read)."""
+    if not values:
+        return None
+    qualified = ["=" in value for value in values]
+    if not any(qualified):
+        if len(values) > 1:
+            raise click.BadParameter("give one G,C (for every shard read), or SHARD=G,C once per shard")
+        return parse_tx_key(values[0])
+    if not all(qualified):
+        raise click.BadParameter("give either one G,C or SHARD=G,C per shard, not both")
+    keys: dict[str, TxKey] = {}
+    for value in values:
+        shard, _, key = value.partition("=")
+        shard = shard.strip()
+        if not shard:
+            raise click.BadParameter(f"{value!r}: no shard before '=' (SHARD=G,C)")
+        if shard in keys:
+            raise click.BadParameter(f"shard {shard!r} is given twice")
+        keys[shard] = parse_tx_key(key)
+    if len(keys) > MIN_KEYS_MAX:  # the wire's bound: said here, not by the node as a refused frame
+        raise click.BadParameter(f"at most {MIN_KEYS_MAX} shards")
+    return keys
+
+
 def read_option(context: click.Context, parameter: click.Parameter, value: Any) -> Any:
     """``--consistency`` and ``--after``: once both are known (click processes one, then the other), a
     read-your-writes without ``--after`` is said to read as local: a command has no earlier write of its
     own to wait for (a ``Client`` waits for its own last write, which the command's client has none of)."""
-    if parameter.name == "after_tx_key" and value is not None:
-        value = parse_tx_key(value)
+    if parameter.name == "after_tx_key":
+        value = parse_after(value or ())
     given = {**context.params, parameter.name: value}
     if given.get("consistency") == "read-your-writes" and "after_tx_key" in given and given["after_tx_key"] is None:
         click.echo(
@@ -244,11 +273,20 @@ def read_option(context: click.Context, parameter: click.Parameter, value: Any) 
 AFTER = click.option(
     "--after",
     "after_tx_key",
-    metavar="G,C",
-    default=None,
+    metavar="[SHARD=]G,C",
+    multiple=True,
     callback=read_option,
-    help="Read your writes: answer only once the node has applied this tx key (as printed by put/tx).",
+    help="Read your writes: answer only once the node has applied this tx key (as put/tx print it): "
+    "G,C in every shard read, or SHARD=G,C (repeat per shard; put/tx --json name the shard) in that shard only.",
 )
+
+
+def written(client: Any, tx_key: TxKey, **extra: Any) -> dict[str, Any]:
+    """A write's ``--json`` answer: its tx key and, when the node named it, its shard (for ``--after``)."""
+    answer: dict[str, Any] = {**extra, "tx_key": list(tx_key)}
+    if client.last_shard is not None:
+        answer["shard"] = client.last_shard
+    return answer
 
 
 def parse_json_argument(text: str, what: str) -> Any:
@@ -483,7 +521,7 @@ def table_create(table_name, key_column, columns, shard, endpoint, timeout_ms, a
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.create_table(table_name, key_column, parsed, shard))
     if as_json:
-        emit_json({"tx_key": list(tx_key)})
+        emit_json(written(client, tx_key))
     else:
         click.echo(f"created {table_name} at tx key {tuple(tx_key)}")
 
@@ -521,7 +559,7 @@ def table_drop(table_name, endpoint, timeout_ms, as_json) -> None:
     """
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.drop_table(table_name))
-    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"dropped {table_name} at tx key {tuple(tx_key)}")
+    emit_json(written(client, tx_key)) if as_json else click.echo(f"dropped {table_name} at tx key {tuple(tx_key)}")
 
 
 @table.command("describe")
@@ -558,7 +596,7 @@ def table_add_column(table_name, column, endpoint, timeout_ms, as_json) -> None:
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.add_column(table_name, name, column_type))
     if as_json:
-        emit_json({"tx_key": list(tx_key)})
+        emit_json(written(client, tx_key))
     else:
         click.echo(f"added {name} {column_type} to {table_name} at tx key {tuple(tx_key)}")
 
@@ -583,7 +621,7 @@ def index_create(table_name, columns, name, endpoint, timeout_ms, as_json) -> No
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.create_index(table_name, list(columns), index_name))
     if as_json:
-        emit_json({"index": index_name, "tx_key": list(tx_key)})
+        emit_json(written(client, tx_key, index=index_name))
     else:
         click.echo(f"created index {index_name} on {table_name} ({', '.join(columns)}) at tx key {tuple(tx_key)}")
 
@@ -596,7 +634,7 @@ def index_drop(name, endpoint, timeout_ms, as_json) -> None:
     """Drop the secondary index NAME on every core and replicant (admin role). Prints the tx key."""
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.drop_index(name))
-    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"dropped index {name} at tx key {tuple(tx_key)}")
+    emit_json(written(client, tx_key)) if as_json else click.echo(f"dropped index {name} at tx key {tuple(tx_key)}")
 
 
 @main.command()
@@ -618,7 +656,7 @@ def put(table_name, row_json, endpoint, timeout_ms, as_json) -> None:
     row = row_with_blobs(row, "ROW_JSON")
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.put(table_name, row))
-    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
+    emit_json(written(client, tx_key)) if as_json else click.echo(f"{tuple(tx_key)}")
 
 
 CONSISTENCY = click.option(
@@ -659,7 +697,7 @@ def delete(table_name, key, endpoint, timeout_ms, as_json) -> None:
     """Delete the row of TABLE at KEY; prints the tx key."""
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.delete(table_name, parse_key(client, table_name, key)))
-    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
+    emit_json(written(client, tx_key)) if as_json else click.echo(f"{tuple(tx_key)}")
 
 
 @main.command()
@@ -708,7 +746,7 @@ def stream_rows(
     from_key: str | None,
     page_rows: int,
     consistency: str,
-    after_tx_key: TxKey | None,
+    after_tx_key: AfterKey,
     limit: int | None,
 ) -> Iterator[dict[str, Any]]:
     """TABLE's rows in key order from ``from_key`` (included), fetched page by page, at most ``limit``."""
@@ -800,7 +838,7 @@ def tx(file, endpoint, timeout_ms, as_json) -> None:
             fail(str(error), EXIT_OUTCOME_UNKNOWN)
         except MnesiteError as error:
             fail(str(error))
-    emit_json({"tx_key": list(tx_key)}) if as_json else click.echo(f"{tuple(tx_key)}")
+    emit_json(written(client, tx_key)) if as_json else click.echo(f"{tuple(tx_key)}")
 
 
 def transaction_with_blobs(request: dict[str, Any]) -> dict[str, Any]:

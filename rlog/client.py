@@ -256,6 +256,8 @@ class Client:
         self.retries = retries
         self.frame_bytes_max = frame_bytes_max
         self.last_tx_key: TxKey | None = None
+        # The shard of the last acknowledged write, when its answer named one (``mnesite put --json``).
+        self.last_shard: str | None = None
         # Per shard, this client's last write there: what its read-your-writes reads wait for (a tx key
         # orders one shard's log only). Pass it as another client's ``after_tx_key`` to read these writes.
         self.last_tx_keys: dict[str, TxKey] = {}
@@ -649,6 +651,7 @@ class Client:
         key = TxKey(*result["tx_key"])
         self.last_tx_key = key
         shard = result.get("shard")
+        self.last_shard = shard if isinstance(shard, str) else None
         if isinstance(shard, str):
             earlier = self.last_tx_keys.pop(shard, None)
             self.last_tx_keys[shard] = key if earlier is None else max(earlier, key)

@@ -323,3 +323,38 @@ def test_get_and_scan_after_a_tx_key_read_your_writes(mnesite) -> None:
     assert future.exit_code == 1 and "has not applied" in future.output
     bad = mnesite("get", "users", "7", "--after", "seven")
     assert bad.exit_code == 1 and "GENERATION,COUNTER" in bad.output  # usage errors: one Error: line, exit 1
+
+
+def test_after_takes_a_key_per_shard_as_put_json_names_it(mnesite) -> None:
+    """A tx key orders one shard's log: ``--after G,C`` waits for that key in every shard the read reads,
+    so a key of a write to another shard made a read wait out its timeout for a position its own shard
+    may never reach. ``put --json`` names the write's shard; ``--after SHARD=G,C`` (once per shard) waits
+    for each key in its own shard only."""
+    created = mnesite("table", "create", "events", "--key-column", "id", "--column", "id:INTEGER", "--shard", "busy")
+    assert created.exit_code == 0, created.output
+    for number in range(5):  # the busy shard's log runs ahead of the users table's shard
+        assert mnesite("put", "events", json.dumps({"id": number})).exit_code == 0
+    wrote = json.loads(mnesite("put", "events", '{"id": 99}', "--json").output)
+    assert wrote["shard"] == "busy"
+    generation, counter = wrote["tx_key"]
+    user = json.loads(mnesite("put", "users", '{"id": 8, "name": "ann"}', "--json").output)
+    assert user["shard"] == "default" and user["tx_key"][1] < counter
+    # The events' key given for every shard: the users table's shard has no such position yet.
+    unqualified = mnesite("get", "users", "8", "--after", f"{generation},{counter}", "--timeout-ms", "300")
+    assert unqualified.exit_code == 1 and "has not applied" in unqualified.output
+    # Named with its shard, it is no wait for the users table; the users' own key is, and is applied.
+    after = ["--after", f"busy={generation},{counter}", "--after", "default={},{}".format(*user["tx_key"])]
+    read = mnesite("get", "users", "8", *after, "--json", "--timeout-ms", "2000")
+    assert read.exit_code == 0 and json.loads(read.output) == {"id": 8, "name": "ann"}
+    assert json.loads(mnesite("get", "events", "99", *after, "--json").output) == {"id": 99}
+    counted = mnesite("count", "events", "--after", f"busy={generation},{counter}", "--json")
+    assert counted.exit_code == 0 and json.loads(counted.output)["rows"] == 6
+    for wrong, said in [
+        (["--after", "1,1", "--after", "2,2"], "SHARD=G,C once per shard"),
+        (["--after", "1,1", "--after", "busy=2,2"], "not both"),
+        (["--after", "=1,1"], "no shard"),
+        (["--after", "busy=1,1", "--after", "busy=2,2"], "given twice"),
+        (["--after", "busy=one"], "GENERATION,COUNTER"),
+    ]:
+        refused = mnesite("get", "users", "8", *wrong)
+        assert refused.exit_code == 1 and said in refused.output, (wrong, refused.output)
