@@ -23,7 +23,7 @@ import datetime
 import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from mnesite.rlog.client import QUERY_TIMEOUT_MS, Client, KeyPair, MnesiteError, QueryResult
@@ -169,7 +169,7 @@ def connect(
     endpoint: str | Sequence[str] | None = None,
     *,
     consistency: str = "local",
-    after_tx_key: TxKey | Sequence[int] | None = None,
+    after_tx_key: TxKey | Sequence[int] | Mapping[str, TxKey | Sequence[int]] | None = None,
     timeout_ms: int = QUERY_TIMEOUT_MS,
     page_rows: int | None = None,
     key: str | os.PathLike[str] | KeyPair | None = None,
@@ -177,7 +177,9 @@ def connect(
     follow_key_links: bool = False,
 ) -> Connection:
     """A read-only connection. ``consistency`` (``local``, ``read-your-writes``, ``linearizable``) and
-    ``after_tx_key`` apply to every statement (change them on the connection); ``page_rows``: rows
+    ``after_tx_key`` (one key for every shard read, or ``{shard: key}`` such as a ``Client``'s
+    ``last_tx_keys``, each waited for in its shard) apply to every statement (change them on the
+    connection); ``page_rows``: rows
     per page fetched (default: the node's ``query_page_rows_max``). ``key``, ``server_key`` and
     ``follow_key_links``: as ``Client`` takes them."""
     try:
@@ -186,11 +188,18 @@ def connect(
         )
     except MnesiteError as error:
         raise InterfaceError(str(error), error.code) from None
-    return Connection(client, consistency, TxKey(*after_tx_key) if after_tx_key is not None else None, page_rows)
+    after: TxKey | dict[str, TxKey] | None = None
+    if isinstance(after_tx_key, Mapping):  # {shard: key}, such as a Client's last_tx_keys: each in its own shard
+        after = {str(shard): TxKey(*shard_key) for shard, shard_key in after_tx_key.items()}
+    elif after_tx_key is not None:
+        after = TxKey(*after_tx_key)
+    return Connection(client, consistency, after, page_rows)
 
 
 class Connection:
-    def __init__(self, client: Client, consistency: str, after_tx_key: TxKey | None, page_rows: int | None) -> None:
+    def __init__(
+        self, client: Client, consistency: str, after_tx_key: TxKey | dict[str, TxKey] | None, page_rows: int | None
+    ) -> None:
         self.client: Client | None = client
         self.consistency = consistency
         self.after_tx_key = after_tx_key

@@ -641,6 +641,28 @@ def test_a_runaway_query_is_stopped_while_the_node_serves_reads_and_writes(node:
     assert max(latencies_ms) < 250, latencies_ms
 
 
+def test_a_dbapi_connection_takes_a_key_per_shard_as_a_client_keeps_them(node: ThreadNode) -> None:
+    """``connect(after_tx_key=client.last_tx_keys)``: each key waited for in its own shard. It unpacked
+    the dict's keys as a tx key (one shard: a TypeError, not a DB-API error; two: a key of two names)."""
+    import mnesite.dbapi as dbapi
+
+    with node.client() as client:
+        client.put("users", {"id": 5000, "name": "late", "karma": 1})
+        keys = dict(client.last_tx_keys)
+    assert list(keys) == ["default"]
+    with dbapi.connect(node.endpoint, consistency="read-your-writes", after_tx_key=keys) as connection:
+        cursor = connection.cursor()
+        cursor.execute("SELECT name FROM users WHERE id = ?", (5000,))
+        assert cursor.fetchall() == [("late",)]
+    # A key the node has not applied, named with its shard: waited for, then an OperationalError.
+    far = {"default": (keys["default"].generation + 1000, 1)}
+    with (
+        dbapi.connect(node.endpoint, after_tx_key=far, timeout_ms=300) as connection,
+        pytest.raises(dbapi.OperationalError),
+    ):
+        connection.cursor().execute("SELECT count(*) FROM users")
+
+
 def test_dbapi_connection_and_pandas_read_sql(node: ThreadNode) -> None:
     import mnesite.dbapi as dbapi
 
