@@ -502,7 +502,7 @@ def test_a_restore_whose_target_does_not_open_closes_its_source(tmp_path: Path, 
     with store.write_transaction():
         store.set_meta("backup", json.dumps({"node": "core9", "role": "core", "taken_at": "t", "shards": {}}))
     store.close()
-    target = str(tmp_path / "new" / "mnesite.db")
+    target = str(tmp_path / "new" / "mnesite.db.partial")
     real_connection = apsw.Connection
     opened: list[apsw.Connection] = []
 
@@ -550,3 +550,39 @@ def test_a_published_backup_syncs_its_directory_as_the_store_does(tmp_path: Path
     store.close()
     assert directory_opens, "the backup's directory was synced"
     assert all(flags & os.O_DIRECTORY for flags in directory_opens), directory_opens
+
+
+@pytest.mark.timeout(60)
+def test_a_restore_killed_before_its_changes_commit_leaves_no_database_a_node_would_start_on(tmp_path: Path) -> None:
+    """Regression: restore copied the backup straight to DIR/mnesite.db and then dropped the uncommitted
+    tail and marked it ``restored``. A restore killed in between (SIGKILL, power loss) left a full
+    mnesite.db without the mark: a core started there skipped learning the generations in use (it
+    could vote twice in one) and kept the source's tail, and restore refused the directory (exists)."""
+    import os
+    import subprocess
+    import sys
+
+    source = tmp_path / "source.db"
+    store = Store(str(source))
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+        store.set_meta("backup", json.dumps({"node": "core9", "role": "core", "taken_at": "t", "shards": {}}))
+    store.close()
+    data_dir = tmp_path / "new"
+    killed = (
+        "import os, sys\n"
+        "from mnesite.rlog import backup, store\n"
+        "store.Store.truncate_after = lambda *args: os._exit(9)  # killed once the copy is made\n"
+        "backup.restore(sys.argv[1], sys.argv[2], 'core')\n"
+    )
+    process = subprocess.run([sys.executable, "-c", killed, str(source), str(data_dir)], timeout=30)
+    assert process.returncode == 9
+    assert not (data_dir / "mnesite.db").exists()
+    result = restore(str(source), str(data_dir), "core")  # the killed restore's leftovers are not in the way
+    assert result["restored_as"] == "core"
+    restored = Store(str(data_dir / "mnesite.db"), create=False)
+    try:
+        assert json.loads(restored.meta("restored"))["role"] == "core"
+    finally:
+        restored.close()
+    assert not [name for name in os.listdir(data_dir) if name.startswith("mnesite.db.partial")]
