@@ -85,11 +85,14 @@ class JobView:
 
     path: str
     running: bool
+    moved_away: bool = False  # done, and its file is no longer at its path
 
 
 def decide(current: JobView | None, requested_path: str) -> str:
     """``start`` a new backup, ``report`` the current one, or ``busy`` (another one runs)."""
-    if current is not None and current.path == requested_path:
+    if current is not None and current.path == requested_path and not current.moved_away:
+        # A finished backup whose file was moved away (archived) is not what a new request for
+        # its path asks about: reporting it would say "done" and write nothing.
         return "report"
     if current is not None and current.running:
         return "busy"
@@ -142,7 +145,7 @@ class BackupJob:
 
     @property
     def view(self) -> JobView:
-        return JobView(self.path, self.state == "running")
+        return JobView(self.path, self.state == "running", self.state == "done" and not os.path.lexists(self.path))
 
     def _run(self) -> None:
         partial = self.path + PARTIAL_SUFFIX

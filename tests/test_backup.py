@@ -29,6 +29,7 @@ def test_one_backup_at_a_time_and_the_same_path_reports_progress() -> None:
     assert decide(JobView("/b/x", running=False), "/b/x") == "report"  # a finished job answers its result
     assert decide(JobView("/b/x", running=True), "/b/y") == "busy"
     assert decide(JobView("/b/x", running=False), "/b/y") == "start"
+    assert decide(JobView("/b/x", running=False, moved_away=True), "/b/x") == "start"  # archived: a new one
 
 
 def test_backup_paths_are_absolute_plain_and_never_climb(tmp_path: Path) -> None:
@@ -586,3 +587,25 @@ def test_a_restore_killed_before_its_changes_commit_leaves_no_database_a_node_wo
     finally:
         restored.close()
     assert not [name for name in os.listdir(data_dir) if name.startswith("mnesite.db.partial")]
+
+
+def test_the_same_path_after_its_backup_was_moved_away_takes_a_new_backup(
+    thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """Regression: a finished backup answered every later request with its path, even once its file had
+    been moved away (a nightly job that archives FILE and asks for FILE again): the command printed
+    the old result and exited 0, and no backup was written."""
+    with thread_node.client(timeout_ms=5000) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+    _write_rows(thread_node, 5)
+    backup = tmp_path / "nightly.backup"
+    first = CliRunner().invoke(main, ["backup", str(backup), "--node", thread_node.endpoint, "--json"])
+    assert first.exit_code == 0, first.output
+    backup.rename(tmp_path / "archived.backup")
+    _write_rows(thread_node, 5, start=100)
+    second = CliRunner().invoke(main, ["backup", str(backup), "--node", thread_node.endpoint, "--json"])
+    assert second.exit_code == 0, second.output
+    assert backup.exists()
+    applied = read_record(str(backup))["shards"]["default"]["applied"]
+    assert applied == json.loads(second.stdout)["shards"]["default"]["applied"]
+    assert applied > json.loads(first.stdout)["shards"]["default"]["applied"]
