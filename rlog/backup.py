@@ -61,7 +61,7 @@ CANCEL_TIMEOUT_S = 30.0
 BACKUP_META = "backup"
 RESTORED_META = "restored"
 # Meta entries that describe the node a backup was taken on, not the data: a restored node starts afresh.
-NODE_META_PREFIXES = ("bootstraps:", "resumes:")
+NODE_META_PREFIXES = ("bootstraps:", "resumes:", "bootstraps_outrun:")
 
 
 class BackupError(RuntimeError):

@@ -609,3 +609,24 @@ def test_the_same_path_after_its_backup_was_moved_away_takes_a_new_backup(
     applied = read_record(str(backup))["shards"]["default"]["applied"]
     assert applied == json.loads(second.stdout)["shards"]["default"]["applied"]
     assert applied > json.loads(first.stdout)["shards"]["default"]["applied"]
+
+
+def test_restore_drops_every_counter_of_the_node_the_backup_came_from(tmp_path: Path) -> None:
+    """Regression: restore dropped ``bootstraps:`` and ``resumes:`` but kept ``bootstraps_outrun:`` (a
+    replicant's count of bootstraps outrun by the cores' trimming), so a replicant restored from
+    another replicant's backup showed that node's count in its own ``status`` from its first start."""
+    source = tmp_path / "replicant.backup"
+    store = Store(str(source))
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+        for name in ("bootstraps:default", "resumes:default", "bootstraps_outrun:default"):
+            store.set_meta(name, 3)
+        store.set_meta("backup", json.dumps({"node": "replicant9", "role": "replicant", "taken_at": "t", "shards": {}}))
+    store.close()
+    restore(str(source), str(tmp_path / "new"), "replicant")
+    restored = Store(str(tmp_path / "new" / "mnesite.db"), create=False)
+    try:
+        kept = [name for (name,) in restored.connection.execute("SELECT name FROM _mnesite_meta")]
+    finally:
+        restored.close()
+    assert not [name for name in kept if name.startswith(("bootstraps", "resumes"))], kept
