@@ -61,7 +61,7 @@ CANCEL_TIMEOUT_S = 30.0
 BACKUP_META = "backup"
 RESTORED_META = "restored"
 # Meta entries that describe the node a backup was taken on, not the data: a restored node starts afresh.
-NODE_META_PREFIXES = ("bootstraps:", "resumes:")
+NODE_META_PREFIXES = ("bootstraps:", "resumes:", "bootstraps_outrun:")
 
 
 class BackupError(RuntimeError):
@@ -85,11 +85,14 @@ class JobView:
 
     path: str
     running: bool
+    moved_away: bool = False  # done, and its file is no longer at its path
 
 
 def decide(current: JobView | None, requested_path: str) -> str:
     """``start`` a new backup, ``report`` the current one, or ``busy`` (another one runs)."""
-    if current is not None and current.path == requested_path:
+    if current is not None and current.path == requested_path and not current.moved_away:
+        # A finished backup whose file was moved away (archived) is not what a new request for
+        # its path asks about: reporting it would say "done" and write nothing.
         return "report"
     if current is not None and current.running:
         return "busy"
@@ -142,7 +145,7 @@ class BackupJob:
 
     @property
     def view(self) -> JobView:
-        return JobView(self.path, self.state == "running")
+        return JobView(self.path, self.state == "running", self.state == "done" and not os.path.lexists(self.path))
 
     def _run(self) -> None:
         partial = self.path + PARTIAL_SUFFIX
@@ -278,13 +281,20 @@ def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
         lock = DataDirectoryLock.acquire(data_dir, f"restore of {os.path.basename(path)}")
     except DataDirectoryInUse as error:
         raise BackupError(str(error)) from None
+    # Built as DIR/mnesite.db.partial and renamed once complete: a restore killed midway must leave no
+    # mnesite.db, since a copy whose tail is not dropped nor marked ``restored`` would start a core
+    # that skips learning the generations in use. What a killed restore left is ours (under the lock).
+    partial = database_path + PARTIAL_SUFFIX
     try:
-        fd = os.open(database_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        if os.path.lexists(database_path):
+            raise BackupError(f"{database_path} exists; restore seeds a new data directory only")
+        _remove_database_files(partial)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
         source = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY)
         try:
             # Opened inside: a target that does not open must not leave the source open.
-            target = apsw.Connection(database_path)
+            target = apsw.Connection(partial)
             try:
                 with target.backup("main", source, "main") as copy:
                     copy.step(-1)
@@ -293,9 +303,9 @@ def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
         finally:
             source.close()
         try:
-            store = Store(database_path, create=False)
+            store = Store(partial, create=False)
         except StoreError as error:
-            raise BackupError(str(error)) from None
+            raise BackupError(str(error).replace(partial, path)) from None  # the backup is what is refused
         dropped = {}
         try:
             with store.write_transaction():
@@ -312,11 +322,28 @@ def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
                 store.set_meta(RESTORED_META, json.dumps({"from": record, "role": role}))
         finally:
             store.close()
-    except BaseException:
-        for suffix in ("", "-wal", "-shm"):
-            if os.path.exists(database_path + suffix):
+        # One self-contained file to rename: no -wal of the partial name left beside it.
+        connection = apsw.Connection(partial)
+        try:
+            connection.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            connection.close()
+        # A -wal or -journal left by a mnesite.db deleted before would be replayed into the new one.
+        for suffix in ("-journal", "-wal", "-shm"):
+            if os.path.lexists(database_path + suffix):
                 os.unlink(database_path + suffix)
+        os.rename(partial, database_path)
+        fsync_directory(data_dir)
+    except BaseException:
+        _remove_database_files(partial)
         raise
     finally:
         lock.release()
     return {**record, "restored_as": role, "entries_dropped": dropped}
+
+
+def _remove_database_files(database_path: str) -> None:
+    """Remove a database and SQLite's files beside it (one no connection has open)."""
+    for suffix in ("", "-journal", "-wal", "-shm"):
+        if os.path.lexists(database_path + suffix):
+            os.unlink(database_path + suffix)

@@ -29,6 +29,7 @@ def test_one_backup_at_a_time_and_the_same_path_reports_progress() -> None:
     assert decide(JobView("/b/x", running=False), "/b/x") == "report"  # a finished job answers its result
     assert decide(JobView("/b/x", running=True), "/b/y") == "busy"
     assert decide(JobView("/b/x", running=False), "/b/y") == "start"
+    assert decide(JobView("/b/x", running=False, moved_away=True), "/b/x") == "start"  # archived: a new one
 
 
 def test_backup_paths_are_absolute_plain_and_never_climb(tmp_path: Path) -> None:
@@ -502,7 +503,7 @@ def test_a_restore_whose_target_does_not_open_closes_its_source(tmp_path: Path, 
     with store.write_transaction():
         store.set_meta("backup", json.dumps({"node": "core9", "role": "core", "taken_at": "t", "shards": {}}))
     store.close()
-    target = str(tmp_path / "new" / "mnesite.db")
+    target = str(tmp_path / "new" / "mnesite.db.partial")
     real_connection = apsw.Connection
     opened: list[apsw.Connection] = []
 
@@ -550,3 +551,82 @@ def test_a_published_backup_syncs_its_directory_as_the_store_does(tmp_path: Path
     store.close()
     assert directory_opens, "the backup's directory was synced"
     assert all(flags & os.O_DIRECTORY for flags in directory_opens), directory_opens
+
+
+@pytest.mark.timeout(60)
+def test_a_restore_killed_before_its_changes_commit_leaves_no_database_a_node_would_start_on(tmp_path: Path) -> None:
+    """Regression: restore copied the backup straight to DIR/mnesite.db and then dropped the uncommitted
+    tail and marked it ``restored``. A restore killed in between (SIGKILL, power loss) left a full
+    mnesite.db without the mark: a core started there skipped learning the generations in use (it
+    could vote twice in one) and kept the source's tail, and restore refused the directory (exists)."""
+    import os
+    import subprocess
+    import sys
+
+    source = tmp_path / "source.db"
+    store = Store(str(source))
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+        store.set_meta("backup", json.dumps({"node": "core9", "role": "core", "taken_at": "t", "shards": {}}))
+    store.close()
+    data_dir = tmp_path / "new"
+    killed = (
+        "import os, sys\n"
+        "from mnesite.rlog import backup, store\n"
+        "store.Store.truncate_after = lambda *args: os._exit(9)  # killed once the copy is made\n"
+        "backup.restore(sys.argv[1], sys.argv[2], 'core')\n"
+    )
+    process = subprocess.run([sys.executable, "-c", killed, str(source), str(data_dir)], timeout=30)
+    assert process.returncode == 9
+    assert not (data_dir / "mnesite.db").exists()
+    result = restore(str(source), str(data_dir), "core")  # the killed restore's leftovers are not in the way
+    assert result["restored_as"] == "core"
+    restored = Store(str(data_dir / "mnesite.db"), create=False)
+    try:
+        assert json.loads(restored.meta("restored"))["role"] == "core"
+    finally:
+        restored.close()
+    assert not [name for name in os.listdir(data_dir) if name.startswith("mnesite.db.partial")]
+
+
+def test_the_same_path_after_its_backup_was_moved_away_takes_a_new_backup(
+    thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """Regression: a finished backup answered every later request with its path, even once its file had
+    been moved away (a nightly job that archives FILE and asks for FILE again): the command printed
+    the old result and exited 0, and no backup was written."""
+    with thread_node.client(timeout_ms=5000) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+    _write_rows(thread_node, 5)
+    backup = tmp_path / "nightly.backup"
+    first = CliRunner().invoke(main, ["backup", str(backup), "--node", thread_node.endpoint, "--json"])
+    assert first.exit_code == 0, first.output
+    backup.rename(tmp_path / "archived.backup")
+    _write_rows(thread_node, 5, start=100)
+    second = CliRunner().invoke(main, ["backup", str(backup), "--node", thread_node.endpoint, "--json"])
+    assert second.exit_code == 0, second.output
+    assert backup.exists()
+    applied = read_record(str(backup))["shards"]["default"]["applied"]
+    assert applied == json.loads(second.stdout)["shards"]["default"]["applied"]
+    assert applied > json.loads(first.stdout)["shards"]["default"]["applied"]
+
+
+def test_restore_drops_every_counter_of_the_node_the_backup_came_from(tmp_path: Path) -> None:
+    """Regression: restore dropped ``bootstraps:`` and ``resumes:`` but kept ``bootstraps_outrun:`` (a
+    replicant's count of bootstraps outrun by the cores' trimming), so a replicant restored from
+    another replicant's backup showed that node's count in its own ``status`` from its first start."""
+    source = tmp_path / "replicant.backup"
+    store = Store(str(source))
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+        for name in ("bootstraps:default", "resumes:default", "bootstraps_outrun:default"):
+            store.set_meta(name, 3)
+        store.set_meta("backup", json.dumps({"node": "replicant9", "role": "replicant", "taken_at": "t", "shards": {}}))
+    store.close()
+    restore(str(source), str(tmp_path / "new"), "replicant")
+    restored = Store(str(tmp_path / "new" / "mnesite.db"), create=False)
+    try:
+        kept = [name for (name,) in restored.connection.execute("SELECT name FROM _mnesite_meta")]
+    finally:
+        restored.close()
+    assert not [name for name in kept if name.startswith(("bootstraps", "resumes"))], kept
