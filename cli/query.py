@@ -102,6 +102,10 @@ def query(sql, params, page_rows, consistency, after_tx_key, endpoint, timeout_m
             names = display_names(result.columns)
             header = True
             for page in pages:
+                if not page:
+                    # A result of whole pages ends with an empty one (the node finds no next row only
+                    # when asked): nothing to print, and its text has no line under its header.
+                    continue
                 # Widths per page, like scan: a streamed table cannot know the widest cell of later pages.
                 text = format_table([dict(zip(names, row, strict=True)) for row in page], names)
                 click.echo(text if header else text.split("\n", 1)[1])

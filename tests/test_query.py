@@ -844,6 +844,17 @@ def test_cli_query(node: ThreadNode) -> None:
     assert mnesite("query", "SELECT count(*) FROM users", "--after", "1,1").output.splitlines() == ["count(*)", "200"]
 
 
+def test_cli_query_table_whose_rows_fill_their_last_page(node: ThreadNode) -> None:
+    """A result of a whole number of pages ends with an empty page (the node learns there is no next
+    row only when asked for it): the table output took its header off that empty page's text, which
+    has no row, and failed with an IndexError after printing every row."""
+    runner = CliRunner()
+    result = runner.invoke(main, ["query", "SELECT id FROM users WHERE id < 4 ORDER BY id", "--page-rows", "2",
+                                  "--node", node.endpoint])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == ["id", "0", "1", "2", "3"]
+
+
 @pytest.mark.timeout(30)
 def test_closing_a_dbapi_connection_to_a_hung_node_takes_one_timeout_not_one_per_cursor(silent_endpoint: str) -> None:
     """Each cursor's query_close waited the client's whole timeout: a connection with N unfinished
