@@ -884,6 +884,25 @@ def test_cli_query_table_whose_rows_fill_their_last_page(node: ThreadNode) -> No
     assert result.output.splitlines() == ["id", "0", "1", "2", "3"]
 
 
+def test_cli_query_without_page_rows_at_a_node_of_a_lower_query_page_rows_max(tmp_path: Path) -> None:
+    """``mnesite query`` asked for 1,000 rows a page unless told otherwise: at a node whose operator set
+    ``query_page_rows_max`` below that, every query without ``--page-rows`` was refused (``page_rows must
+    be 1..10``). Without the option it asks for the node's own page size, as ``Client.query`` does."""
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"query_page_rows_max": 10}})
+    try:
+        with node.client() as client:
+            client.create_table("users", key="id", columns=[("id", "INTEGER")])
+            with client.transaction() as tx:
+                for i in range(25):
+                    tx.put("users", {"id": i})
+        result = CliRunner().invoke(main, ["query", "SELECT id FROM users ORDER BY id", "--json", "--node",
+                                           node.endpoint])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["rows"] == [[i] for i in range(25)]
+    finally:
+        node.stop()
+
+
 @pytest.mark.timeout(30)
 def test_closing_a_dbapi_connection_to_a_hung_node_takes_one_timeout_not_one_per_cursor(silent_endpoint: str) -> None:
     """Each cursor's query_close waited the client's whole timeout: a connection with N unfinished
