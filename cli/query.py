@@ -24,7 +24,6 @@ from mnesite.cli.main import (
 )
 from mnesite.rlog.client import QUERY_TIMEOUT_MS
 
-PAGE_ROWS_DEFAULT = 1000
 PAGE_ROWS_MAX = 1_000_000  # the node refuses more than its query_page_rows_max (1,000 by default)
 
 
@@ -57,9 +56,9 @@ def parse_param(text: str) -> Any:
 @click.option(
     "--page-rows",
     type=click.IntRange(1, PAGE_ROWS_MAX),
-    default=PAGE_ROWS_DEFAULT,
-    show_default=True,
-    help="Rows per page fetched from the node (at most its query_page_rows_max).",
+    default=None,
+    # Not a fixed number: a node refuses more than its query_page_rows_max, which its operator may lower.
+    help="Rows per page fetched from the node (at most, and by default, its query_page_rows_max: 1000 unless set).",
 )
 @CONSISTENCY
 @AFTER
@@ -102,6 +101,10 @@ def query(sql, params, page_rows, consistency, after_tx_key, endpoint, timeout_m
             names = display_names(result.columns)
             header = True
             for page in pages:
+                if not page:
+                    # A result of whole pages ends with an empty one (the node finds no next row only
+                    # when asked): nothing to print, and its text has no line under its header.
+                    continue
                 # Widths per page, like scan: a streamed table cannot know the widest cell of later pages.
                 text = format_table([dict(zip(names, row, strict=True)) for row in page], names)
                 click.echo(text if header else text.split("\n", 1)[1])

@@ -910,6 +910,9 @@ class QueryResult:
         self._node_client: Client | None = None
         if self._cursor is not None and len(client.endpoints) > 1:
             self._node_client = client.pinned()
+        # A page request that failed: the node's cursor is gone (or out of reach) and the rows after it
+        # lost; every later fetch raises it again instead of answering None, the end of a whole result.
+        self._lost: MnesiteError | None = None
         self.pages = 1
 
     def __enter__(self) -> QueryResult:
@@ -950,6 +953,8 @@ class QueryResult:
         if self._page is not None:
             page, self._page = self._page, None
             return [tuple(row) for row in page]
+        if self._lost is not None:
+            raise self._lost
         if self._cursor is None:
             return None
         body: dict[str, Any] = {"cursor": self._cursor}
@@ -957,8 +962,9 @@ class QueryResult:
             body["page_rows"] = self._page_rows
         try:
             answer = self._call("query_page", body, self._timeout_ms)
-        except MnesiteError:
+        except MnesiteError as error:
             self._forget()
+            self._lost = error
             raise
         self._cursor = answer.get("cursor")
         if self._cursor is None:

@@ -814,6 +814,35 @@ def test_dbapi_has_the_type_constructors_and_objects_pep_249_requires(node: Thre
     assert dbapi.DATETIME != "TEXT" and dbapi.STRING != None  # noqa: E711 (a type code may be None)
 
 
+def test_a_result_whose_page_failed_does_not_end_as_if_every_row_was_read(node: ThreadNode) -> None:
+    """A page request that fails frees the node's cursor (a page is never re-sent), so the rest of the
+    result is lost. The next fetch answered None, as at the end of a complete result: a caller that
+    caught the error (a timeout, an OperationalError) and fetched again got a short result and no sign
+    of it. Every later fetch raises the error again."""
+    import mnesite.dbapi as dbapi
+
+    # Ids 0..19 read as text, then a TEXT value that is not UTF-8: the second page of 16 fails.
+    sql = "SELECT CASE WHEN id < 20 THEN CAST(id AS TEXT) ELSE CAST(x'ff' AS TEXT) END FROM users ORDER BY id"
+    with node.client() as client:
+        result = client.query(sql, page_rows=16)
+        assert len(result.fetch_page()) == 16
+        for _ in range(2):
+            with pytest.raises(RemoteError, match="not UTF-8") as failed:
+                result.fetch_page()
+            assert failed.value.code == "query_failed"
+    with dbapi.connect(node.endpoint, page_rows=16) as connection:
+        cursor = connection.cursor()
+        cursor.execute(sql)
+        assert cursor.fetchmany(16) == [(str(i),) for i in range(16)]
+        with pytest.raises(dbapi.DataError):
+            cursor.fetchall()
+        with pytest.raises(dbapi.DataError):
+            cursor.fetchone()
+        cursor.execute("SELECT 1")  # a new statement starts afresh
+        assert cursor.fetchall() == [(1,)]
+    assert node.node.queries.open_cursors() == 0
+
+
 def test_closing_a_dbapi_connection_frees_its_cursors_at_the_node_and_they_are_unusable(node: ThreadNode) -> None:
     """Closing the connection closed its zmq socket only: the node kept each unfinished result's
     cursor (its read snapshot, and one of query_cursors_max places) until query_idle_ms_max, and the
@@ -864,6 +893,36 @@ def test_cli_query(node: ThreadNode) -> None:
     bad = mnesite("query", "SELECT 1", "--after", "nonsense")
     assert bad.exit_code == 1 and "tx key" in bad.output
     assert mnesite("query", "SELECT count(*) FROM users", "--after", "1,1").output.splitlines() == ["count(*)", "200"]
+
+
+def test_cli_query_table_whose_rows_fill_their_last_page(node: ThreadNode) -> None:
+    """A result of a whole number of pages ends with an empty page (the node learns there is no next
+    row only when asked for it): the table output took its header off that empty page's text, which
+    has no row, and failed with an IndexError after printing every row."""
+    runner = CliRunner()
+    result = runner.invoke(main, ["query", "SELECT id FROM users WHERE id < 4 ORDER BY id", "--page-rows", "2",
+                                  "--node", node.endpoint])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == ["id", "0", "1", "2", "3"]
+
+
+def test_cli_query_without_page_rows_at_a_node_of_a_lower_query_page_rows_max(tmp_path: Path) -> None:
+    """``mnesite query`` asked for 1,000 rows a page unless told otherwise: at a node whose operator set
+    ``query_page_rows_max`` below that, every query without ``--page-rows`` was refused (``page_rows must
+    be 1..10``). Without the option it asks for the node's own page size, as ``Client.query`` does."""
+    node = ThreadNode(tmp_path / "data", extra={"limits": {"query_page_rows_max": 10}})
+    try:
+        with node.client() as client:
+            client.create_table("users", key="id", columns=[("id", "INTEGER")])
+            with client.transaction() as tx:
+                for i in range(25):
+                    tx.put("users", {"id": i})
+        result = CliRunner().invoke(main, ["query", "SELECT id FROM users ORDER BY id", "--json", "--node",
+                                           node.endpoint])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["rows"] == [[i] for i in range(25)]
+    finally:
+        node.stop()
 
 
 @pytest.mark.timeout(30)
