@@ -477,3 +477,25 @@ def test_a_held_request_is_paged_again_from_where_its_last_page_ended_not_from_i
     assert not thread.is_alive()
     assert [r["tx_key"] for r in got] == [written]
     assert entries_read[0] <= 3 * (writes + 1), f"{entries_read[0]} entries read for {writes + 1} written"
+
+
+def test_a_copy_page_costs_its_rows_not_a_count_of_the_table(node, monkeypatch) -> None:
+    """A copy's first page of each table went through the bootstrap's first batch, which counts the
+    table's rows (up to 500,001, for a bootstrap's progress) in the node's loop: a page of one record
+    cost a count of the whole table, and the feed threw the count away. A page costs its rows only."""
+    counted: list[str] = []
+    count_rows = Store.count_rows
+
+    def recorded(self, table, limit=None):
+        counted.append(table.name)
+        return count_rows(self, table, limit)
+
+    with node.client() as client:
+        for i in range(20):
+            client.put("users", {"id": i, "name": f"n{i}"})
+        applied = client.status()["shards"]["default"]["applied"]
+        monkeypatch.setattr(Store, "count_rows", recorded)
+        position = {"shard": "default", "after": applied, "phase": "copy", "table": "users", "replay_to": applied}
+        page = client.call("changes", {"tables": ["users"], "positions": [position], "page_records": 1})
+    assert [record["kind"] for record in page["records"]] == ["snapshot"]
+    assert counted == []
