@@ -259,7 +259,37 @@ def read_record(path: str) -> dict[str, Any]:
         raise BackupError(f"{path}: not a mnesite backup ({error})") from None
     if row is None:
         raise BackupError(f"{path}: a mnesite database but not a backup (no backup record)")
+    why = record_damage(row[0])
+    if why is not None:  # a damaged or crafted file: one clear error, not a traceback where it is shown
+        raise BackupError(f"{path}: its backup record is damaged ({why})")
     return json.loads(row[0])
+
+
+def record_damage(text: Any) -> str | None:
+    """What is wrong with a backup record's stored text (``_finish`` writes it), or None: the fields that
+    ``restore``, ``rlog verify`` and the CLI's lines read, each of its type."""
+    try:
+        record = json.loads(text)
+    except (TypeError, ValueError) as error:
+        return f"not JSON: {error}"
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    for field in ("node", "taken_at"):
+        if not isinstance(record.get(field), str):
+            return f"{field!r} is not a string"
+    shards = record.get("shards")
+    if not isinstance(shards, dict):
+        return "'shards' is not an object"
+    for shard, position in shards.items():
+        applied = position.get("applied") if isinstance(position, dict) else None
+        if (
+            not isinstance(applied, list)
+            or len(applied) != 2
+            or not all(type(part) is int for part in applied)
+            or not isinstance(position.get("digest"), str)
+        ):
+            return f"shard {shard!r} has no applied key [generation, counter] and digest"
+    return None
 
 
 def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ into a replicant that resumes from the rlog with 0 rows re-copied and ends equal
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -149,6 +150,19 @@ def test_restore_keeps_the_committed_state_and_drops_the_uncommitted_tail(tmp_pa
     Store(str(tmp_path / "plain.db")).close()
     with pytest.raises(BackupError, match="not a backup"):
         restore(str(tmp_path / "plain.db"), str(tmp_path / "x"), "replicant")
+    # A damaged (or crafted) record is one clear error, before anything is written; it was a
+    # JSONDecodeError or, at the CLI's line, a KeyError with a traceback.
+    for damaged in ("{not json", "[]", '{"node": "core9", "shards": {}}', '{"node": "n", "taken_at": "t"}',
+                    '{"node": "n", "taken_at": "t", "shards": {"default": {"applied": [1]}}}'):  # fmt: skip
+        crafted = Store(str(tmp_path / "crafted.db"))
+        crafted.set_meta("backup", damaged)
+        crafted.close()
+        with pytest.raises(BackupError, match="backup record is damaged"):
+            restore(str(tmp_path / "crafted.db"), str(tmp_path / "y"), "replicant")
+        assert not (tmp_path / "y" / "mnesite.db").exists()
+        cli = CliRunner().invoke(main, ["restore", str(tmp_path / "crafted.db"), "--data-dir", str(tmp_path / "y")])
+        assert cli.exit_code == 1 and "backup record is damaged" in cli.output, cli.output
+        os.unlink(tmp_path / "crafted.db")
     result = restore(str(source), str(tmp_path / "new"), "replicant")
     assert result["entries_dropped"] == {"default": 1}
     restored = Store(str(tmp_path / "new" / "mnesite.db"), create=False)
