@@ -1409,8 +1409,22 @@ def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
         for line in force_start_losses(first["node"], journals):
             click.echo(line, err=True)
         fail(f"not forced: rerun with --yes to force-start {first['node']} and accept these losses")
-    with client_for(endpoint, timeout_ms) as client:
-        result = run(client.force_start)
+    # Sent once: the core answers only after its probe of the members (up to about 2 s), and a
+    # re-send on silence is a second force start, refused by the reduced membership the first one
+    # set, which hid that the first happened.
+    with client_for(endpoint, timeout_ms, retries=0) as client:
+        try:
+            result = client.force_start()
+        except Unavailable as error:
+            if "did not answer" not in str(error):
+                fail(str(error))  # never sent: nothing was forced
+            fail(
+                f"{error}; the force start may have happened: run `mnesite journal show` (its FORCED column) "
+                "before running it again, with a --timeout-ms of at least 5000",
+                EXIT_OUTCOME_UNKNOWN,
+            )
+        except MnesiteError as error:
+            fail(str(error))
     if as_json:
         emit_json(result)
         return

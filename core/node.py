@@ -1940,8 +1940,12 @@ class CoreNode(NodeServer):
             self.reply(replaced[1], _outcome_unknown(message.request_id, reason))
         self.pending_changes[message.request_id] = (driver.shard, envelope)
         if isinstance(route, rules.RequestChange):
-            if route.endpoint:
-                # The sequencer replicates to the learner before any entry names its endpoint.
+            consensus = driver.consensus
+            if route.endpoint and body.name not in consensus.members and body.name != consensus.status().learner:
+                # The sequencer replicates to the learner before any entry names its endpoint. Not for
+                # a member or the learner already being caught up: the machine refuses that add
+                # (``already_member``, ``membership_change_in_flight``), and the endpoint given would
+                # have replaced (and persisted over) the one this core sends its appends to.
                 self._learn_endpoint(body.name, route.endpoint)
             add = body.action == "add"
             self._step(driver, MembershipChangeRequested(body.name, add, route.endpoint, message.request_id))

@@ -281,10 +281,10 @@ def forwarding_core(data_dir: Path) -> Iterator[CoreNode]:
 class ThreadNode:
     """A core node served from a thread of the test process (fast; for protocol and CLI tests)."""
 
-    def __init__(self, data_dir: Path, extra: dict | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, data_dir: Path, extra: dict | None = None, port: int | None = None, name: str = "core1") -> None:
+        self.port = port or free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        self.node = CoreNode(node_config(data_dir, self.port, extra=extra))
+        self.node = CoreNode(node_config(data_dir, self.port, name, extra=extra))
         self.node.bind()
         self.thread = threading.Thread(target=self.node.serve_forever, daemon=True)
         self.thread.start()

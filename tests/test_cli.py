@@ -358,3 +358,41 @@ def test_after_takes_a_key_per_shard_as_put_json_names_it(mnesite) -> None:
     ]:
         refused = mnesite("get", "users", "8", *wrong)
         assert refused.exit_code == 1 and said in refused.output, (wrong, refused.output)
+
+
+def test_a_force_start_the_node_answers_too_late_is_sent_once_and_said_to_be_unknown(tmp_path: Path) -> None:
+    """A force start waits up to 2 s for the members' journals before the core answers. The CLI's
+    client, hearing nothing within --timeout-ms, sent force_start again: a second force start, which
+    the first one's reduced membership refuses. The operator read `did not answer force_start` (exit
+    1) while the core had been forced."""
+    import zmq
+    from mnesite.rlog.store import Store
+
+    silent = [zmq.Context.instance().socket(zmq.ROUTER) for _ in range(2)]
+    port = free_port()
+    cores = {"core1": f"tcp://127.0.0.1:{port}"}
+    for name, socket in zip(("core2", "core3"), silent, strict=True):
+        socket.setsockopt(zmq.LINGER, 0)
+        cores[name] = f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
+    (tmp_path / "data").mkdir()
+    store = Store(str(tmp_path / "data" / "mnesite.db"))
+    with store.write_transaction():
+        store.ensure_shard("default", 0)  # a shard, so that there is something to force
+    store.close()
+    node = ThreadNode(tmp_path / "data", {"cluster": {"core_nodes": cores}}, port=port)
+    calls = []
+    force_start = node.node.force_start
+    node.node.force_start = lambda: calls.append(1) or force_start()
+    try:
+        argv = ["journal", "force-start", "--yes", "--node", node.endpoint, "--timeout-ms", "300"]
+        result = CliRunner().invoke(main, argv)
+        with node.client(timeout_ms=10_000) as client:
+            journal = client.journal()  # answered after every force_start the node was sent
+        assert journal["shards"]["default"]["forced"]
+        assert len(calls) == 1
+        assert result.exit_code == 3, result.output
+        assert "may have happened" in result.output and "journal show" in result.output
+    finally:
+        node.stop()
+        for socket in silent:
+            socket.close(0)

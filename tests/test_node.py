@@ -1056,3 +1056,29 @@ def test_an_append_that_would_replace_a_committed_entry_stops_the_shard_not_the_
         with pytest.raises(RequestError) as forced:
             node.force_start()  # its machine would not step: it must not be reported forced
         assert "stopped on this core" in forced.value.detail["refused"]["default"]
+
+
+def test_an_add_of_a_member_at_another_endpoint_changes_nothing(tmp_path) -> None:
+    """``cluster add-core`` of a core that is already a member is answered ``already_member`` (a
+    retry finishing a half-done change): it must leave the member's endpoint alone. The sequencer
+    learned (and persisted) the endpoint given before the machine refused the change, so a mistyped
+    one cut the member off: its appends went to the new endpoint, and with two cores no write committed."""
+    ports = {name: free_port() for name in ("core1", "core2")}
+    cores = {name: f"tcp://127.0.0.1:{port}" for name, port in ports.items()}
+    nodes = [
+        ThreadNode(tmp_path / name, {"cluster": {"core_nodes": cores}}, port=ports[name], name=name) for name in cores
+    ]
+    try:
+        with Client(list(cores.values()), timeout_ms=5000, retries=5) as client:
+            client.create_table("t", "id", [("id", "INTEGER"), ("v", "TEXT")])
+            sequencer = client.members()["shards"]["default"]["sequencer"]
+        member = next(name for name in cores if name != sequencer)
+        with Client(cores[sequencer], timeout_ms=5000) as client:
+            answer = client.change_membership("default", "add", member, f"tcp://127.0.0.1:{free_port()}")
+            assert answer["unchanged"] == "already_member"
+            assert client.members()["endpoints"][member] == cores[member]
+        with Client(cores[sequencer], timeout_ms=3000, retries=0) as client:
+            client.put("t", {"id": 1, "v": "both cores still commit"})
+    finally:
+        for node in nodes:
+            node.stop()
