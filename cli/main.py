@@ -1416,7 +1416,7 @@ def journal_force_start(yes, endpoint, timeout_ms, as_json) -> None:
         try:
             result = client.force_start()
         except Unavailable as error:
-            if "did not answer" not in str(error):
+            if not error.sent:
                 fail(str(error))  # never sent: nothing was forced
             fail(
                 f"{error}; the force start may have happened: run `mnesite journal show` (its FORCED column) "

@@ -133,6 +133,9 @@ class MnesiteError(Exception):
 
 class Unavailable(MnesiteError):
     code = "unavailable"
+    # True when the call ended in silence after its request left: a request that is not applied at most
+    # once per id (``force_start``) may then have happened, and must not be sent again blindly.
+    sent = False
 
 
 class OutcomeUnknown(Unavailable):
@@ -455,7 +458,7 @@ class Client:
                         f"node {self.endpoint} did not answer {kind} within {timeout_ms} ms "
                         f"({silent_attempts} attempts{_why_silent(self.endpoint, kind)})"
                     )
-                    self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable", unknown_answer)
+                    self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable", unknown_answer, True)
                 if not maybe_applied:
                     self._next_endpoint()  # a read: any other node may answer it
                 continue
@@ -519,10 +522,18 @@ class Client:
         return f"none of {', '.join(self.endpoints)} accepts connections; are the nodes running? check --node"
 
     def _give_up(
-        self, kind: str, request_id: str, maybe_applied: bool, reason: str, code: str, unknown_answer: str | None = None
+        self,
+        kind: str,
+        request_id: str,
+        maybe_applied: bool,
+        reason: str,
+        code: str,
+        unknown_answer: str | None = None,
+        sent: bool = False,
     ) -> NoReturn:
         """End the call. ``unknown_answer``: a node's earlier ``outcome_unknown`` answer, named before
-        ``reason`` (what ended the call): why the write may have happened is what the caller needs."""
+        ``reason`` (what ended the call): why the write may have happened is what the caller needs.
+        ``sent``: the last attempt left and was not answered (``Unavailable.sent``)."""
         if kind in CHANGING_KINDS and maybe_applied:
             if unknown_answer is not None and unknown_answer != reason:
                 reason = f"{unknown_answer}; then {reason}"
@@ -531,7 +542,9 @@ class Client:
                 f"send it again with request id {request_id} to learn its outcome",
                 request_id,
             )
-        raise Unavailable(reason, code)
+        error = Unavailable(reason, code)
+        error.sent = sent
+        raise error
 
     def _await(self, socket: zmq.Socket, request_id: str, overall_deadline: float, timeout_ms: int) -> Message | None:
         deadline = min(time.monotonic() + timeout_ms / 1000, overall_deadline)

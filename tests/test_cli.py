@@ -304,6 +304,20 @@ def test_a_write_without_a_definite_answer_says_its_outcome_is_unknown(silent_en
     assert read.exit_code == 1 and "outcome unknown" not in read.output
 
 
+def test_an_unanswered_request_is_told_from_one_never_sent(silent_endpoint: str) -> None:
+    """``Unavailable.sent``: what ``journal force-start`` tells exit 3 (it may have happened) from exit 1
+    (nothing was sent) by; it read the error's wording before."""
+    from mnesite.rlog.client import Client, Unavailable
+
+    with Client(silent_endpoint, timeout_ms=100, retries=0) as client, pytest.raises(Unavailable) as silent:
+        client.force_start()
+    assert silent.value.sent
+    nothing = f"tcp://127.0.0.1:{free_port()}"
+    with Client(nothing, timeout_ms=100, retries=0) as client, pytest.raises(Unavailable) as unsent:
+        client.force_start()
+    assert not unsent.value.sent
+
+
 def test_a_write_to_a_stopped_node_is_known_not_to_have_happened() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing accepts the connection: nothing was sent
     result = CliRunner().invoke(main, ["put", "users", '{"id": 1}', "--node", endpoint, "--timeout-ms", "100"])
