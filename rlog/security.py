@@ -114,7 +114,16 @@ def generate_keys(name: str, directory: str) -> tuple[str, str]:
     write, a link placed there would have received the secret key wherever it pointed).
     """
     # 0o755 whatever the umask: the directory may serve as authorized_keys, which others must not write.
+    # So must every directory made above it (makedirs gives those 0o777 less the umask: 0o775 under umask
+    # 002), or the node refuses the keys below it (_check_directories_above).
+    made = []
+    path = os.path.abspath(directory)
+    while not os.path.lexists(path):
+        made.append(path)
+        path = os.path.dirname(path)
     os.makedirs(directory, mode=0o755, exist_ok=True)
+    for path in made:
+        os.chmod(path, 0o755)
     public_path = os.path.join(directory, name + PUBLIC_SUFFIX)
     secret_path = os.path.join(directory, name + SECRET_SUFFIX)
     for path in (public_path, secret_path):

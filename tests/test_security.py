@@ -326,6 +326,21 @@ def test_what_keys_generate_writes_passes_as_authorized_keys_whatever_the_umask(
     }
 
 
+def test_the_directories_keys_generate_makes_above_its_own_pass_whatever_the_umask(tmp_path: Path) -> None:
+    # --dir ~/mnesite/keys with ~/mnesite missing: makedirs made mnesite 0775 under umask 002, and the
+    # node then refused both the secret key and authorized_keys below it (a directory above is checked).
+    tmp_path.chmod(0o755)
+    previous = os.umask(0o002)
+    try:
+        generate_keys("app", str(tmp_path / "made" / "above" / "keys"))
+    finally:
+        os.umask(previous)
+    for made in ("made", "made/above", "made/above/keys"):
+        assert stat.S_IMODE(os.stat(tmp_path / made).st_mode) == 0o755, made
+    assert "app" in load_authorized_keys(str(tmp_path / "made" / "above" / "keys")).values()
+    load_key(str(tmp_path / "made" / "above" / "keys" / "app.key_secret"), "key", secret=True)
+
+
 def test_a_node_refuses_to_start_with_an_authorized_keys_directory_others_can_write(keys: Path, tmp_path: Path) -> None:
     (keys.parent / "authorized").chmod(0o777)
     path = tmp_path / "node.toml"
