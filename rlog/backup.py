@@ -45,7 +45,7 @@ from typing import Any
 import apsw
 from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
 from mnesite.rlog.store import fsync_directory
-from mnesite.rlog.versions import SOFTWARE_VERSION
+from mnesite.rlog.versions import SOFTWARE_VERSION, STORAGE_FORMATS_READ
 
 DATABASE_FILE_NAME = "mnesite.db"
 PARTIAL_SUFFIX = ".partial"
@@ -274,6 +274,8 @@ def record_damage(text: Any) -> str | None:
         return f"not JSON: {error}"
     if not isinstance(record, dict):
         return "not a JSON object"
+    if record.get("storage_format") not in (None, *STORAGE_FORMATS_READ):
+        return None  # a format this release does not read: ``restore`` refuses it as such, a clearer error
     for field in ("node", "taken_at"):
         if not isinstance(record.get(field), str):
             return f"{field!r} is not a string"
