@@ -1089,3 +1089,40 @@ def test_a_bootstrap_restarted_because_the_copy_outlasted_retention_is_logged_on
         assert node._open_replica("default").status().bootstraps_outrun == 1, "not kept across a restart"
     finally:
         _close_offline(node)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "text",  # the table was dropped and created again with v TEXT after it was listed
+        [1, 2],
+        {"a": 1},
+        2**63,  # msgpack carries it; a 64-bit INTEGER does not
+    ],
+)
+def test_a_bootstrap_batch_row_the_listed_table_cannot_hold_fails_the_copy_not_the_node(tmp_path, value) -> None:
+    """A batch's rows are untrusted, and an honest core sends rows of the table as it is at the batch:
+    one dropped and created again with other column types after ``list_tables`` sends values the
+    listed (STRICT) table refuses. ``ApplyBatch`` raised out of the loop turn (ConstraintError,
+    TypeError, OverflowError) and the replicant process died; the copy now fails, saying why, and
+    begins again (its next table list is the new one)."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.schema import define_table
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        replica = _watching(node, TxKey(1, 6))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+
+        def answer(purpose: str, result: Any) -> None:
+            (request_id,) = [rid for rid, pending in node.pending.items() if pending.purpose == purpose]
+            node._on_answer(node.pending.pop(request_id), messages.reply(request_id, result))
+
+        answer("tables", [define_table("t", "k", [["k", "INTEGER"], ["v", "INTEGER"]]).to_json()])
+        answer("batch", {"rows": [{"k": 1, "v": 2}, {"k": 2, "v": value}], "done": True, "rows_total": 2})
+        assert replica.mode is p.Mode.DISCONNECTED
+        error = replica.status().last_error or ""
+        assert "t.v" in error, error
+        assert replica.status().read_fenced, "nothing of the failed copy is served"
+    finally:
+        _close_offline(node)
