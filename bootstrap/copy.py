@@ -22,9 +22,11 @@ its applied key reaches the committed key known after the copy (the read fence).
 
 from __future__ import annotations
 
+import operator
+
 from mnesite.rlog.messages import BatchAnswer, answer_as
 from mnesite.rlog.replication import ApplyBatch, BatchReceived, FetchBatch, TablesReceived
-from mnesite.rlog.schema import SchemaError, TableSchema, table_from_json
+from mnesite.rlog.schema import INTEGER_MAX, INTEGER_MIN, SchemaError, TableSchema, table_from_json
 from mnesite.rlog.types import row_size_bytes
 
 CopyEffect = FetchBatch | ApplyBatch
@@ -55,6 +57,39 @@ def batch_from_answer(
     if batch is None:
         return None
     return BatchReceived(core, table, after, tuple(batch.rows), batch.done, batch.rows_total, size_bytes, watch_id)
+
+
+# The Python types a STRICT column of each type is given by SQLite (what a core's batch holds): a value of
+# another type (or no SQLite value at all: a list, a map) is refused by ``rows_refusal``.
+_STORED_TYPES = {
+    "INTEGER": frozenset((int, type(None))),
+    "REAL": frozenset((float, int, type(None))),
+    "TEXT": frozenset((str, type(None))),
+    "BLOB": frozenset((bytes, type(None))),
+    "ANY": frozenset((int, float, str, bytes, type(None))),
+}
+
+
+def rows_refusal(table: TableSchema, rows: tuple[dict, ...] | list[dict]) -> str | None:
+    """Why the copy's ``table`` (as listed) cannot hold a batch's ``rows``, or None. The rows are
+    untrusted, and an honest core sends the table as it is at the batch: one dropped and created
+    again with other column types after it was listed sends values SQLite would refuse in the
+    middle of the write, out of the owner's loop turn. Checked a column at a time, before the owner
+    takes the batch (``BatchAnswer`` made every row a map)."""
+    for name, column_type in table.columns:
+        values = list(map(operator.methodcaller("get", name), rows))
+        kinds = set(map(type, values))
+        stored = _STORED_TYPES.get(column_type, frozenset())
+        if not kinds <= stored:
+            wrong = ", ".join(sorted(kind.__name__ for kind in kinds - stored))
+            return f"{table.name}.{name} is {column_type}, the batch holds {wrong}"
+        if int in kinds:
+            ints = [value for value in values if type(value) is int]
+            if min(ints) < INTEGER_MIN or max(ints) > INTEGER_MAX:
+                return f"{table.name}.{name} holds an integer out of 64-bit range"
+        if name == table.key_column and type(None) in kinds:
+            return f"{table.name}.{name} is the key and cannot be null"
+    return None
 
 
 _KEY_RANKS = {type(None): 0, bool: 1, int: 1, float: 1, str: 2, bytes: 3}

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 from mnesite.bootstrap import read_service
-from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
+from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, rows_refusal, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
 from mnesite.replicant.reads import (
     GATHER_FAILED,
@@ -606,6 +606,15 @@ class ReplicantNode(NodeServer):
             batch = batch_from_answer(pending.core, detail["table"], after, result, frame_bytes, pending.watch_id)
             if error is not None or batch is None:
                 self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}", pending.watch_id))
+                return
+            # Checked before the replica takes it: a row SQLite refuses raised out of the turn (the
+            # process died), and a failed write is too late for the batch that ends the copy (the
+            # replica replays its spill in the same step).
+            table = self.store.catalog().get(detail["table"])
+            refused = rows_refusal(table, batch.rows) if table is not None else None
+            if refused is not None:
+                why = f"bootstrap batch refused: {refused}"
+                self._step(replica, p.RequestFailed(pending.core, why, pending.watch_id))
                 return
             self._step(replica, batch)
             self._log_progress(replica)

@@ -90,9 +90,14 @@ class WaitingReads(Generic[Payload]):
 
     def ready(self, shard_of: Callable[[str], str | None], readable: Readable) -> list[WaitingRead[Payload]]:
         """Remove and return the reads that may be answered now (``shard_of``: a table's shard, if known)."""
-        ready = [read for read in self.reads if read.is_ready(shard_of(read.table), readable)]
+        # One pass: ``read not in ready`` compared every held read with every ready one (quadratic,
+        # about 30 s of the loop turn for WAITING_READS_MAX reads released by one push).
+        ready: list[WaitingRead[Payload]] = []
+        waiting: list[WaitingRead[Payload]] = []
+        for read in self.reads:
+            (ready if read.is_ready(shard_of(read.table), readable) else waiting).append(read)
         if ready:
-            self.reads = [read for read in self.reads if read not in ready]
+            self.reads = waiting
         return ready
 
     def expired(self, now_ms: int) -> list[WaitingRead[Payload]]:
