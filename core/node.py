@@ -63,7 +63,7 @@ import apsw
 import msgspec
 import zmq
 from mnesite.bootstrap import read_service
-from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, tables_from_answer
+from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, rows_refusal, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
 from mnesite.core import rules
 from mnesite.core.agent import AgentConfig
@@ -1443,6 +1443,13 @@ class CoreNode(NodeServer):
             batch = batch_from_answer(core, detail["table"], detail["after"], result)
             if error is not None or batch is None:
                 self._step_install(shard, replication.RequestFailed(core, f"bootstrap batch failed: {error}"))
+                return
+            # Checked before the install writes them, as a replicant's copy does: a row the listed
+            # (STRICT) table refuses raised out of the turn, and the turn's failure stopped this core.
+            table = self.store.catalog().get(detail["table"])
+            refused = rows_refusal(table, batch.rows) if table is not None else None
+            if refused is not None:
+                self._step_install(shard, replication.RequestFailed(core, f"bootstrap batch refused: {refused}"))
                 return
             self._step_install(shard, batch)
 

@@ -181,3 +181,27 @@ def test_an_install_takes_the_shard_s_tables_as_listed_even_after_a_drop_or_a_re
         answer = messages.reply("r1", [created_again.to_json()])
         node._on_install_answer(("default", "tables", {}, 0, install), answer)
         assert node.store.catalog() == {"t": created_again}
+
+
+@pytest.mark.parametrize("value", ["text", [1], {"a": 1}, 2**63])
+def test_a_snapshot_batch_row_the_listed_table_cannot_hold_abandons_the_install_not_the_core(tmp_path, value) -> None:
+    """A batch's rows come from a peer, and a table dropped and created again with other column types
+    after ``list_tables`` sends values the listed (STRICT) table refuses: ``store.write_rows`` raised
+    out of the turn and stopped the core. The batch is checked first (``bootstrap.copy.rows_refusal``,
+    as a replicant's copy does) and the install is abandoned, saying why; nothing is written."""
+    from mnesite.rlog import messages
+    from mnesite.rlog.schema import define_table
+
+    from tests.conftest import follower_by_hand
+
+    with follower_by_hand(tmp_path / "data") as (node, _driver):
+        install = SnapshotInstall(SnapshotOffer("core2", 1, TxKey(1, 9), b"d" * 32), 100, 60_000, node.clock_ms())
+        node.installs["default"] = install
+        listed = define_table("t", "k", [["k", "INTEGER"], ["v", "INTEGER"]])
+        node._on_install_answer(("default", "tables", {}, 0, install), messages.reply("r1", [listed.to_json()]))
+        rows = [{"k": 1, "v": 2}, {"k": 2, "v": value}]
+        answer = messages.reply("r2", {"rows": rows, "done": True, "rows_total": 2})
+        node._on_install_answer(("default", "batch", {"table": "t", "after": None}, 0, install), answer)
+        assert install.mode is InstallMode.ABANDONED
+        assert "default" not in node.installs
+        assert node.store.count_rows(node.store.catalog()["t"]) == 0
