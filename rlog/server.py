@@ -191,6 +191,13 @@ class UnreadAnswers:
         held.append((tracker, size))
 
 
+# ``NodeServer._handling`` outside a frame's dispatch: a request held then has no principal to check.
+NOT_HANDLING = ("", "")
+# A held read's answer after a reload removed its sender's key or role (``NodeServer._revoked_since``).
+REVOKED_HELD = (
+    "the key or role that sent this request was removed by a reload while it waited; ask again with an authorized key"
+)
+
 # A changefeed page's bytes, at most this share of frame_bytes_max (records are estimated, the frame is not).
 CHANGES_FRAME_SHARE = 4
 # How long a caught-up changefeed request is held at most when it does not say (``changes`` wait_ms).
@@ -207,10 +214,14 @@ class Deferred(Exception):
 
 class HeldRequest(NamedTuple):
     """A request held for a later answer (``NodeServer.hold``): where its answer goes, and whether a
-    stop answers it ``outcome_unknown`` (it may change the database) or ``stopping``."""
+    stop answers it ``outcome_unknown`` (it may change the database) or ``stopping``. ``principal``
+    and ``kind``: who sent it, and what (with [security]): a read answered after a reload that removed
+    that key or role is answered ``forbidden`` instead (``reply``)."""
 
     envelope: list[bytes]
     changes: bool
+    principal: str = ""
+    kind: str = ""
 
 
 class CountRead(NamedTuple):
@@ -336,6 +347,8 @@ class NodeServer:
         self._turn_unreached: Iterator[tuple[list[bytes], bytes, str]] | None = None
         self._turn_frames: list[tuple[list[bytes], bytes, str]] = []  # what it iterates (``_from_peer``)
         self._cut: tuple[list[bytes], bytes] | None = None
+        # The principal and kind of the frame being dispatched (``serve_frames``), for ``hold``.
+        self._handling: tuple[str, str] = NOT_HANDLING
         self._discarding = False  # the socket's next parts are the rest of a refused message (see receive)
         self._poller: tuple[tuple[zmq.Socket | None, ...], zmq.Poller] | None = None  # rebuilt when the sockets change
         self._queries_woken = True  # the query runner's wakeup pipe was readable at the last poll
@@ -929,7 +942,7 @@ class NodeServer:
                 f"{len(held)} requests of this connection are outstanding (requests_outstanding_max "
                 f"{requests_max}, a peer's at least {PEER_REQUESTS_OUTSTANDING_MIN}); read the answers first"
             )
-        held[request_id] = HeldRequest(envelope, changes)
+        held[request_id] = HeldRequest(envelope, changes, *self._handling)
         if self.metrics is not None and len(self._held_since_s) < HELD_TIMES_MAX:
             self._held_since_s[(envelope[0], request_id)] = time.monotonic()
 
@@ -1101,12 +1114,14 @@ class NodeServer:
                     if message.kind != "push":  # pushes are never answered
                         self.reply(envelope, refused)
                     continue
+                self._handling = (principal, message.kind)  # what ``hold`` records of a held request
                 try:
                     self._dispatch(envelope, message, principal)
                 except Deferred:
                     pass
                 except (RequestError, SchemaError, OverloadedError) as error:
                     self.refuse(envelope, message.request_id, error)
+                self._handling = NOT_HANDLING
             except BaseException:
                 self.frames_cut(envelope, frame)  # the turn fails: this frame and the unreached ones are answered
                 raise
@@ -1419,13 +1434,25 @@ class NodeServer:
                     self.metrics.acknowledged(time.monotonic() - since)
             held = self.outstanding.get(envelope[0])
             if held is not None:
-                held.pop(message.request_id, None)
+                request = held.pop(message.request_id, None)
                 if not held:
                     del self.outstanding[envelope[0]]
+                if request is not None and request.principal and not request.changes and message.kind != "error":
+                    message = self._revoked_since(request, message)
             if now:
                 self._send_queued(None, envelope, message)
             else:
                 self._outbox.append((None, envelope, message))
+
+    def _revoked_since(self, request: HeldRequest, message: Message) -> Message:
+        """``message``, or ``forbidden`` if a reload since ``request`` was held removed its sender's key
+        or the role that allowed it: a read waiting for a key, a changefeed or a query waiting for
+        its shards would otherwise carry data to a key that "stops working at the reload"
+        (docs/operations/security.md). A write's outcome is told as it is: it was allowed when sent."""
+        if self.security is None or self.security.allows(request.principal, request.kind):
+            return message
+        self.security.refused_unknown_key += 1
+        return messages.error(message.request_id, "forbidden", REVOKED_HELD)
 
     def refuse(self, envelope: list[bytes] | None, request_id: str, error: Exception) -> None:
         """Answer a refused request: an error with a ``code`` (``RequestError`` with its detail,

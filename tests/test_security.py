@@ -861,6 +861,44 @@ def test_sighup_reloads_authorized_keys_and_roles(secure_node, keys: Path) -> No
     assert secure_node.security()["reloads"] == 1
 
 
+def test_a_read_held_across_a_reload_that_removed_its_key_is_answered_forbidden(secure_node, keys: Path) -> None:
+    """A key removed by a reload "stops working at the reload, on connections it already holds too": new
+    frames were refused, but a read held before the reload (here a query waiting for a key; a
+    changefeed page and a replicant's read wait the same way) was answered with the data once its key
+    was applied. Its answer is now ``forbidden``; a write's outcome is still told (it was allowed when
+    sent)."""
+    with secure_node.client("ops") as admin:
+        admin.create_table("kv", "id", [("id", "INTEGER"), ("v", "TEXT")])
+        written = admin.put("kv", {"id": 1, "v": "secret"})
+    answers: list[object] = []
+
+    def held_read() -> None:
+        ahead = TxKey(written.generation, written.counter + 2)  # applied only after two more writes
+        key, server_key = keys / "app.key_secret", keys / "cluster.key"
+        with Client(secure_node.endpoint, timeout_ms=8000, retries=0, key=key, server_key=server_key) as app:
+            try:
+                answers.append(list(app.query("SELECT v FROM kv WHERE id = 1", after_tx_key=ahead)))
+            except MnesiteError as error:
+                answers.append(error)
+
+    reader = threading.Thread(target=held_read)
+    reader.start()
+    try:
+        wait_until(lambda: secure_node.node.outstanding, 10, "the read to be held")
+        (keys.parent / "authorized" / "app.key").unlink()
+        secure_node.write_config(ROLES_WITH_READER)
+        secure_node.node.reload_requested.set()
+        wait_until(lambda: secure_node.security()["reloads"] == 1, 10, "the reload")
+        with secure_node.client("ops") as admin:
+            admin.put("kv", {"id": 2, "v": "b"})
+            admin.put("kv", {"id": 3, "v": "c"})
+    finally:
+        reader.join(timeout=15)
+    [answer] = answers
+    assert isinstance(answer, MnesiteError) and answer.code == "forbidden", answer
+    assert "removed by a reload" in str(answer)
+
+
 def test_a_sighup_reload_refuses_an_authorized_keys_directory_others_can_write_and_keeps_the_old_keys(
     secure_node, keys: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
