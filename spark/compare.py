@@ -295,6 +295,17 @@ def run_task(task: _Task) -> tuple[Any, ...]:
     )
 
 
+def row_digest_records(task: _Task) -> Iterator[tuple[str, bytes, int, bytes]]:
+    """Executor entry point of the row level joined by Spark: ``(table, key bytes, replica, row digest)``
+    per row of a row-level task's ranges, yielded as the replica's pages of row digests come (a file's
+    ``ROW_DIGESTS_PAGE_MAX`` rows, a node's answer). Spark joins when the differing rows are too many
+    for the driver, so a task's share of them must not sit in one list on the executor."""
+    with open_replica(task.spec, task.timeout_ms) as replica:
+        for low, high in task.ranges:
+            for key, digest in replica.row_digests(task.table, low, high):
+                yield (task.table.name, key_bytes(key), task.replica_index, digest)
+
+
 # -- driver side ----------------------------------------------------------------------------------
 
 
@@ -897,11 +908,6 @@ def _spark_row_level(
     from pyspark.sql import functions as F
     from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType
 
-    def flatten(task: _Task) -> Iterator[tuple[Any, ...]]:
-        name, replica_index, _, pairs = run_task(task)
-        for key, digest in pairs:
-            yield (name, key_bytes(key), replica_index, digest)
-
     schema = StructType(
         [
             StructField("table", StringType(), False),
@@ -911,7 +917,7 @@ def _spark_row_level(
         ]
     )
     context = session.sparkContext
-    rows = session.createDataFrame(context.parallelize(tasks, len(tasks)).flatMap(flatten), schema).cache()
+    rows = session.createDataFrame(context.parallelize(tasks, len(tasks)).flatMap(row_digest_records), schema).cache()
     report.statistics["rows_shipped"] = rows.count()
     widen()
     say(

@@ -80,6 +80,18 @@ def quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
+def start_failure(master: str, error: Exception) -> str:
+    """One line for a session that did not start: the master, and the Java exception's own line (a
+    Py4J error's first line only names the constructor that failed). A cluster master that does not
+    answer makes Spark give up after about a minute and stop the context it was starting."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
+    java = next((line.removeprefix(": ") for line in lines if line.startswith(": ")), "")
+    text = f"Spark could not start with master {master}: {java or lines[0]}"
+    if not master.startswith("local") and "stopped SparkContext" in java:
+        text += " (does a Spark master answer at that URL?)"
+    return text
+
+
 def build_session(
     master: str = "local[*]",
     app_name: str = "mnesite-compare",
@@ -109,7 +121,7 @@ def build_session(
     try:
         session = builder.getOrCreate()
     except Exception as error:  # the gateway raises plain exceptions; turn them into one line
-        raise SparkUnavailableError(f"Spark could not start: {str(error).strip().splitlines()[0]}") from None
+        raise SparkUnavailableError(start_failure(master, error)) from None
     session.sparkContext.setLogLevel(log_level)
     from mnesite.spark.datasource import register
 

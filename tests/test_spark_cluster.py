@@ -165,3 +165,30 @@ def test_compare_on_a_standalone_cluster_equals_the_local_run(spark_session: Any
     assert executor_logs, f"no executor ran in the worker's work directory {cluster.work_dir}"
     finished = sum(log.read_text().count("Finished task") for log in executor_logs)
     assert finished >= 2, f"the worker's executor finished {finished} tasks"
+
+
+@pytest.mark.timeout(240)
+def test_a_master_url_nobody_answers_is_one_error_line_naming_it(tmp_path: Path) -> None:
+    """A ``spark://`` master that does not answer: Spark gives up after about a minute and stops its
+    context, and compare said only "Spark could not start: An error occurred while calling
+    None.org.apache.spark.sql.classic.SparkSession." (neither the URL nor the cause). Now the line
+    names the master and asks whether one answers there. A child process: the test session's own
+    SparkSession would be reused whatever the master."""
+    store = create_store(tmp_path / "a")
+    create_table(store, "t", "id", [("id", "INTEGER")])
+    write_rows(store, "t", [{"id": key} for key in range(10)])
+    store.close()
+    copy_replica(tmp_path / "a", tmp_path / "b")
+    master = f"spark://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [sys.executable, "-m", "mnesite.cli", "compare", "--quiet", "--master", master, "a", "b"],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(REPO), SPARK_LOCAL_IP="127.0.0.1"),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), lines
+    assert master in lines[0] and "does a Spark master answer" in lines[0], lines

@@ -123,3 +123,59 @@ def test_a_digest_a_replicant_does_not_know_yet_is_unknown_not_a_diverged_histor
     report = CompareReport([], {"core": {"default": known}, "replicant": {"default": unknown}})
     _find_in_flight([replica, replica], ["core", "replicant"], {}, ["default"], report, CompareOptions(), print)
     assert report.histories_diverged == []
+
+
+def test_spark_row_level_streams_a_tasks_row_digests_instead_of_holding_them(monkeypatch) -> None:
+    """The Spark row level (used when the differing rows are too many for the driver) ran each task
+    through ``run_task``, which lists every row digest of the task's leaf ranges before the first one
+    reaches Spark: an executor held a task's share of all the differing rows, unbounded. The records
+    are now read page by page: the first comes before the next page is read."""
+    pytest.importorskip("pyspark")
+    from types import SimpleNamespace
+
+    from mnesite.rlog.range_digest import key_bytes
+    from mnesite.rlog.schema import TableSchema
+    from mnesite.spark import compare as compare_module
+    from mnesite.spark.compare import CompareOptions, CompareReport, _Task
+    from mnesite.spark.replica import ReplicaSpec
+
+    class ReadPastFirstPage(Exception):
+        pass
+
+    class OnePageReplica:
+        def __enter__(self) -> OnePageReplica:
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            pass
+
+        def row_digests(self, table, low, high):
+            yield from [(1, b"d" * 16), (2, b"e" * 16)]
+            raise ReadPastFirstPage
+
+    monkeypatch.setattr(compare_module, "open_replica", lambda spec, timeout_ms: OnePageReplica())
+    captured = {}
+
+    class Captured(Exception):
+        pass
+
+    def flat_map(function):
+        captured["records"] = function
+        raise Captured  # only the function Spark would run on the executors matters here
+
+    session = SimpleNamespace(
+        sparkContext=SimpleNamespace(parallelize=lambda tasks, count: SimpleNamespace(flatMap=flat_map)),
+        createDataFrame=None,
+    )
+    table = TableSchema("t", "default", "id", (("id", "INTEGER"),))
+    task = _Task(0, ReplicaSpec("file", "/nowhere", "a"), table, 0, ((None, None),), 0, 0, True, 1000)
+    report = CompareReport([], {})
+    with pytest.raises(Captured):
+        compare_module._spark_row_level(
+            session, None, [task], {"t": table}, ["a", "b"], {}, {}, CompareOptions(), report, print, print
+        )
+    records = iter(captured["records"](task))
+    assert next(records) == ("t", key_bytes(1), 0, b"d" * 16)
+    assert next(records) == ("t", key_bytes(2), 0, b"e" * 16)
+    with pytest.raises(ReadPastFirstPage):
+        next(records)
