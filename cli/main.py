@@ -889,6 +889,8 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
     from mnesite.cli import transfer
 
     file_format = file_format or transfer.format_of(file.name)
+    # Lines untranslated (what csv needs): "\r\n" or "\r" inside a quoted CSV cell is the cell's text.
+    file.reconfigure(newline="")
     with client_for(endpoint, timeout_ms) as client:
         schema = run(lambda: client.table(table_name))
         try:

@@ -245,6 +245,11 @@ def write_rows(
         header = [name for name, _ in schema["columns"]]
         known = set(header)  # the header's columns, then those already named as left out
         writer = csv.DictWriter(output, fieldnames=header, extrasaction="ignore", lineterminator="\n")
+        # csv quotes a field holding a character of its line terminator, "\n": a text with a lone "\r"
+        # would go unquoted and end its row when read back. A row holding one has every field quoted.
+        quoted = csv.DictWriter(
+            output, fieldnames=header, extrasaction="ignore", lineterminator="\n", quoting=csv.QUOTE_ALL
+        )
         writer.writeheader()
     for page in pages:
         if writer is not None:
@@ -253,9 +258,9 @@ def write_rows(
                 if new:
                     exported.columns_left_out += sorted(new)
                     known |= new
-                writer.writerow(
-                    {name: (value.hex() if isinstance(value, bytes) else value) for name, value in row.items()}
-                )
+                cells = {name: (value.hex() if isinstance(value, bytes) else value) for name, value in row.items()}
+                carriage_return = any(isinstance(value, str) and "\r" in value for value in cells.values())
+                (quoted if carriage_return else writer).writerow(cells)
         else:
             output.write("".join(json_text(row) + "\n" for row in page))
         exported.rows += len(page)

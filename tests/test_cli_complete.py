@@ -134,6 +134,27 @@ def test_export_then_import_round_trips(mnesite, thread_node: ThreadNode, tmp_pa
         assert list(client.scan("copy")) == list(client.scan("items"))
 
 
+def test_a_csv_round_trip_keeps_carriage_returns_in_text(mnesite, thread_node: ThreadNode, tmp_path: Path) -> None:
+    """csv quotes a field holding its line terminator's characters: with "\\n" a lone "\\r" went unquoted,
+    and import (reading with newline translation) ended the row there and turned "\\r\\n" into "\\n"."""
+    texts = {1: "crlf\r\ninside", 2: "lone\rcr", 3: "trailing\r", 4: "\rleading,comma"}
+    with thread_node.client() as client:
+        for key, text in texts.items():
+            client.put("items", {"id": key, "name": text, "price": 1.0})
+    exported = tmp_path / "items.csv"
+    assert mnesite("export", "items", "--format", "csv", "--output", str(exported)).exit_code == 0
+    created = mnesite("table", "create", "copy", "--key-column", "id", "--column", "id:INTEGER",
+                      "--column", "name:TEXT", "--column", "price:REAL", "--column", "raw:BLOB")  # fmt: skip
+    assert created.exit_code == 0
+    imported = mnesite("import", "copy", str(exported), "--json")
+    assert imported.exit_code == 0, imported.output
+    assert json.loads(imported.stdout)["rows"] == len(texts)
+    piped = mnesite("import", "copy", "-", "--format", "csv", input=exported.read_bytes().decode())
+    assert piped.exit_code == 0, piped.output
+    with thread_node.client() as client:
+        assert list(client.scan("copy")) == list(client.scan("items"))
+
+
 def test_csv_keeps_no_storage_class_as_the_docs_say(mnesite, thread_node: ThreadNode, tmp_path: Path) -> None:
     """The docs said an empty CSV cell is null and that import reads an export back: in a TEXT column an
     empty cell is the empty text (CSV cannot tell them apart), so a TEXT null comes back as ''."""
