@@ -31,6 +31,7 @@ from typing import IO, Any
 import msgspec
 from mnesite.cli.main import base64_blob, json_text
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
+from mnesite.rlog.messages import NOT_UTF8, scalars_refusal
 
 LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
 PROGRESS_INTERVAL_S = 1.0  # an import or export says how far it got at most this often (stderr, unless --quiet)
@@ -99,7 +100,27 @@ def _check_row(row: dict[str, Any], schema: dict[str, Any], line: int) -> dict[s
     for name, value in row.items():
         if types[name] == "BLOB" and value is not None and not isinstance(value, bytes):
             row[name] = _blob(value, f"line {line}: column {name!r}")
+    # A value the client would refuse unsent, or that msgpack cannot hold at all (an integer past 2**64,
+    # a lone surrogate from a JSON "\ud800"): found here, so by the check pass before anything is written.
+    if scalars_refusal(values := list(row.values())) is not None or not _encodable(values):
+        for name, value in row.items():
+            if (refusal := _value_refusal(value)) is not None:
+                raise ImportFailed(f"line {line}: column {name!r}: {refusal}")
     return row
+
+
+def _encodable(values: list[Any]) -> bool:
+    try:
+        msgspec.msgpack.encode(values)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _value_refusal(value: Any) -> str | None:
+    if isinstance(value, str) and not _encodable([value]):
+        return NOT_UTF8
+    return scalars_refusal((value,))
 
 
 def bounded_lines(file: IO[str]) -> Iterator[str]:

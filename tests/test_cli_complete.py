@@ -195,6 +195,28 @@ def test_import_shows_its_progress_on_stderr_unless_quiet(
     assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
 
 
+def test_an_import_value_the_client_cannot_send_is_found_by_the_check(
+    mnesite, thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """A JSON value msgpack cannot hold (an integer past 2**64, a lone surrogate from "\\ud800") failed
+    the import pass as an "unexpected" error naming no line, after earlier batches were written; one the
+    client refuses unsent was found there too. The check pass names the line and nothing is written."""
+    good = "".join(json.dumps({"id": i}) + "\n" for i in range(3))
+    cases = {
+        '{"id": 3, "price": 36893488147419103232}': "line 4: column 'price': integer is outside",
+        '{"id": 3, "name": "\\ud800"}': "line 4: column 'name': holds a string that is not UTF-8",
+        '{"id": 3, "name": {"a": 1}}': "line 4: column 'name': must be null, a bool",
+        '{"id": 3, "price": NaN}': "line 4: column 'price': NaN cannot be stored",
+    }
+    for index, (line, expected) in enumerate(cases.items()):
+        path = tmp_path / f"rows{index}.jsonl"
+        path.write_text(good + line + "\n")
+        result = mnesite("import", "items", str(path), "--batch-rows", "1")
+        assert result.exit_code == 1 and result.output.startswith(f"Error: {expected}"), (line, result.output)
+        with thread_node.client() as client:
+            assert client.count("items") == 0, line
+
+
 def test_import_names_the_bad_line_and_writes_nothing(mnesite, thread_node: ThreadNode, tmp_path: Path) -> None:
     good = "".join(json.dumps({"id": i, "name": f"n{i}"}) + "\n" for i in range(5))
     cases = {
