@@ -99,8 +99,10 @@ def changes(tables, from_keys, follow, endpoint, timeout_ms, as_json) -> None:
 
 
 def _resume_line(ended: str, position: dict[str, Any]) -> str:
-    positions = " ".join(f"{shard}:{key[0]},{key[1]}" for shard, key in sorted(position.items()))
-    return f"{ended}; resume with --from {positions}" if positions else ended
+    # One --from per shard: the line is given back as printed, and a second SHARD:G,C after one --from
+    # would be taken for a TABLE.
+    positions = " ".join(f"--from {shard}:{key[0]},{key[1]}" for shard, key in sorted(position.items()))
+    return f"{ended}; resume with {positions}" if positions else ended
 
 
 def register(main: click.Group) -> None:

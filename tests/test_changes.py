@@ -338,6 +338,26 @@ def test_cli_changes(node) -> None:
     assert unknown.exit_code == 1 and "unknown table 'nope'" in unknown.output
 
 
+def test_cli_changes_resume_line_of_several_shards_can_be_given_back(node) -> None:
+    """With tables of several shards the resume line said "--from a:G,C b:G,C": given back as printed,
+    the second position was taken for a TABLE. Each position has its own --from."""
+    import shlex
+
+    runner = CliRunner()
+    with node.client() as client:
+        client.create_table("far", "id", [("id", "INTEGER")], shard="far")
+        client.put("users", {"id": 1, "name": "ada"})
+        client.put("far", {"id": 1})
+    first = runner.invoke(main, ["changes", "users", "far", "--node", node.endpoint])
+    assert first.exit_code == 0, first.output
+    resume = first.stderr.splitlines()[-1].split("resume with ", 1)[1]
+    with node.client() as client:
+        last = client.put("far", {"id": 2})
+    again = runner.invoke(main, ["changes", "users", "far", *shlex.split(resume), "--node", node.endpoint])
+    assert again.exit_code == 0, again.output
+    assert again.stdout.splitlines() == [f"{last} far far write 2 " + '{"id": 2}']
+
+
 def _feed_raising_once_caught_up(node, monkeypatch, error: BaseException) -> TxKey:
     """Two writes; every ``ChangeFeed`` page fetch after the one that delivered the second raises ``error``."""
     from mnesite.rlog.client import ChangeFeed
