@@ -30,7 +30,8 @@ not in a commit.
 * It never fails a commit: it is a speed-up. A write or a sync that fails (a full disk, a file gone)
   ends the reservations of this store with one warning (``failures``). A real disk fault still
   surfaces where it did: SQLite's writes and the loop's own fdatasync report it (Linux reports a
-  writeback error to every descriptor open on the file, so this thread's sync does not consume it).
+  writeback error to every descriptor open on the file, so this thread's sync does not consume it;
+  the store opens its descriptor when it opens, before any commit can start this thread).
 """
 
 from __future__ import annotations
