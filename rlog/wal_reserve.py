@@ -97,8 +97,17 @@ class WalReserve:
             return
         self.target = target
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mnesite-wal-reserve", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name="mnesite-wal-reserve", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as error:
+                # No thread to be had (a pids limit): raised here, in SQLite's WAL hook, it made the
+                # COMMIT that had just succeeded look failed. Never fail a commit for a speed-up.
+                self.failures += 1
+                self._failed = True
+                log.warning("%s: no WAL space reserved ahead (%s); commits sync a growing WAL", self.wal_path, error)
+                return
+            self._thread = thread
         self._wake.set()
 
     def stop(self) -> None:

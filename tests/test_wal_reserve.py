@@ -223,3 +223,31 @@ def test_a_failed_reservation_sync_cannot_hide_the_error_from_the_next_durable_c
     finally:
         store.disk_failed()
         store.close()
+
+
+def test_a_reservation_thread_that_cannot_start_never_fails_a_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: the thread is started from SQLite's WAL hook, inside the COMMIT. Where no thread
+    could be had (a pids limit: "can't start new thread") the error left the hook, and a COMMIT that
+    had succeeded raised it: the node stopped with a traceback, its commit not synced."""
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "mnesite-wal-reserve":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    store = _store(tmp_path / "t.db")
+    try:
+        reserve = store.wal_reserve
+        assert reserve is not None
+        _write(store, 0, 400)  # past START_BYTES: the thread is asked for
+        assert reserve.failures == 1 and reserve.extensions == 0
+        assert "no WAL space reserved ahead (can't start new thread)" in caplog.text
+        _write(store, 400, 100)  # and not asked for again
+        assert reserve.failures == 1
+        assert store.connection.execute("SELECT count(*) FROM t").fetchone()[0] == 500
+    finally:
+        store.close()
