@@ -77,6 +77,11 @@ class DataDirectoryLock:
                 f"data directory {data_dir} is in use by {holder}; stop that node first "
                 f"(two processes on one data directory would corrupt its rlog)"
             ) from None
+        except OSError:
+            # Not held but not lockable either (ENOLCK: NFS without its lock daemon): a process that
+            # goes on after this failure must not keep the lock file open.
+            os.close(fd)
+            raise
         try:
             os.fchmod(fd, FILE_MODE)
             os.ftruncate(fd, 0)

@@ -370,6 +370,16 @@ class Store:
         self._wal_synced_here = self.synchronous == "FULL" and not readonly
         if self._wal_synced_here:
             self.connection.execute("PRAGMA synchronous=NORMAL")
+            # The descriptor ``commit`` syncs the WAL on, open before any commit: Linux reports a
+            # writeback error once to each descriptor open on the file, never to one opened after
+            # another's fsync saw it (the reservation thread's, a first commit's own durable=False
+            # frames among the pages it dropped); opened later, a durable commit's sync could succeed
+            # over a hole in the WAL.
+            try:
+                self._wal_fd = os.open(path + "-wal", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as error:
+                self.connection.close()
+                raise StoreError(f"{path}-wal: cannot open: {error.strerror or error}") from None
         if not readonly:
             # WAL checkpoints run in a background thread, not inside a commit (rlog.checkpoint).
             self.checkpointer = WalCheckpointer(

@@ -30,7 +30,8 @@ not in a commit.
 * It never fails a commit: it is a speed-up. A write or a sync that fails (a full disk, a file gone)
   ends the reservations of this store with one warning (``failures``). A real disk fault still
   surfaces where it did: SQLite's writes and the loop's own fdatasync report it (Linux reports a
-  writeback error to every descriptor open on the file, so this thread's sync does not consume it).
+  writeback error to every descriptor open on the file, so this thread's sync does not consume it;
+  the store opens its descriptor when it opens, before any commit can start this thread).
 """
 
 from __future__ import annotations
@@ -96,8 +97,17 @@ class WalReserve:
             return
         self.target = target
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mnesite-wal-reserve", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name="mnesite-wal-reserve", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as error:
+                # No thread to be had (a pids limit): raised here, in SQLite's WAL hook, it made the
+                # COMMIT that had just succeeded look failed. Never fail a commit for a speed-up.
+                self.failures += 1
+                self._failed = True
+                log.warning("%s: no WAL space reserved ahead (%s); commits sync a growing WAL", self.wal_path, error)
+                return
+            self._thread = thread
         self._wake.set()
 
     def stop(self) -> None:

@@ -360,6 +360,30 @@ def test_a_new_data_directory_is_made_durable_in_its_parent(tmp_path: Path, monk
     assert synced == [], "an existing data directory is not synced again"
 
 
+def test_a_data_directory_lock_that_fails_for_another_reason_leaks_no_descriptor(tmp_path: Path, monkeypatch) -> None:
+    """Regression: only "held by another process" (``BlockingIOError``) closed the lock file on the way
+    out; any other failure of ``flock`` (``ENOLCK``: a data directory on NFS without its lock daemon)
+    left the descriptor open, in a process that goes on (a node served from a thread, a test)."""
+    import contextlib
+    import os
+
+    from mnesite.rlog import data_dir as data_dir_module
+
+    def flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.setattr(data_dir_module.fcntl, "flock", flock)
+    with pytest.raises(OSError, match="No locks available"):
+        data_dir_module.DataDirectoryLock.acquire(str(data), "core1", str(data / "mnesite.db"))
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    assert str(data / "LOCK") not in held, "the lock file's descriptor was left open"
+
+
 # ---------------------------------------------------------------- DiskHealth
 
 

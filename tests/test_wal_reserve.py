@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from mnesite.rlog import wal_reserve
+from mnesite.rlog.disk import StorageFailedError
 from mnesite.rlog.store import Store
 from mnesite.rlog.wal_reserve import AHEAD_BYTES, LOW_WATER_BYTES, START_BYTES, extension_target, frames_end
 
@@ -92,6 +94,7 @@ def test_a_durable_commit_syncs_a_wal_that_space_was_reserved_for_ahead(tmp_path
 
 CRASHER = """
 import os, sys, time
+from mnesite.rlog.disk import StorageFailedError
 from mnesite.rlog.store import Store
 store = Store(sys.argv[1])
 store.connection.execute("CREATE TABLE IF NOT EXISTS t(k INTEGER PRIMARY KEY, v BLOB)")
@@ -165,3 +168,86 @@ def test_a_store_below_full_synchronous_or_read_only_reserves_nothing(tmp_path: 
         assert normal.wal_reserve is None  # its WAL is not synced at each commit: nothing to gain
     finally:
         normal.close()
+
+
+def test_a_failed_reservation_sync_cannot_hide_the_error_from_the_next_durable_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux reports a writeback error once to each descriptor open on the file (errseq): one opened
+    after another descriptor's fsync saw it is never told. The thread's fdatasync also writes back the
+    frames of commits that did not sync (``durable=False``): if it fails, those pages may be dropped,
+    and the store's own descriptor must still hear of it at its next durable commit, or that commit
+    is acknowledged over a hole in the WAL. Emulated here as the kernel does it (``errseq_sample``
+    at open, ``errseq_check_and_advance`` at sync)."""
+    path = str(tmp_path / "x.db")
+    wal = path + "-wal"
+    real_open, real_fdatasync = os.open, os.fdatasync
+    state = {"error": 0, "seen": False}
+    samples: dict[int, int] = {}
+
+    def errseq_open(name, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fd = real_open(name, flags, *args, **kwargs)
+        if os.fspath(name) == wal:
+            samples[fd] = state["error"] if state["seen"] else 0  # an unseen error is reported to it
+        return fd
+
+    def errseq_fdatasync(fd: int) -> None:
+        real_fdatasync(fd)
+        if fd not in samples:
+            return
+        if threading.current_thread().name == "mnesite-wal-reserve" and state["error"] == 0:
+            state["error"], state["seen"] = 1, False  # the writeback failed: its pages dropped, marked clean
+        if samples[fd] != state["error"]:
+            samples[fd], state["seen"] = state["error"], True
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "open", errseq_open)
+    monkeypatch.setattr(os, "fdatasync", errseq_fdatasync)
+    store = _store(Path(path))
+    try:
+        reserve = store.wal_reserve
+        assert reserve is not None
+        reserve.free_bytes_min = 0  # whatever the test's file system has free
+        key = 0
+        while reserve.target <= reserve.reserved:  # commits that do not sync, until an extension is due
+            assert key < 2000, "no reservation asked for"
+            store.connection.execute("BEGIN IMMEDIATE")
+            store.connection.execute("INSERT INTO t VALUES (?, ?)", (key, os.urandom(ROW_BYTES)))
+            store.commit(durable=False)
+            key += 1
+        _await(lambda: reserve.failures == 1, "the reservation's sync to fail")
+        store.connection.execute("BEGIN IMMEDIATE")
+        store.connection.execute("INSERT INTO t VALUES (?, ?)", (key, b"acknowledged"))
+        with pytest.raises(StorageFailedError, match="fdatasync"):
+            store.commit(durable=True)
+    finally:
+        store.disk_failed()
+        store.close()
+
+
+def test_a_reservation_thread_that_cannot_start_never_fails_a_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: the thread is started from SQLite's WAL hook, inside the COMMIT. Where no thread
+    could be had (a pids limit: "can't start new thread") the error left the hook, and a COMMIT that
+    had succeeded raised it: the node stopped with a traceback, its commit not synced."""
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "mnesite-wal-reserve":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    store = _store(tmp_path / "t.db")
+    try:
+        reserve = store.wal_reserve
+        assert reserve is not None
+        _write(store, 0, 400)  # past START_BYTES: the thread is asked for
+        assert reserve.failures == 1 and reserve.extensions == 0
+        assert "no WAL space reserved ahead (can't start new thread)" in caplog.text
+        _write(store, 400, 100)  # and not asked for again
+        assert reserve.failures == 1
+        assert store.connection.execute("SELECT count(*) FROM t").fetchone()[0] == 500
+    finally:
+        store.close()
