@@ -1121,7 +1121,8 @@ class NodeServer:
                     pass
                 except (RequestError, SchemaError, OverloadedError) as error:
                     self.refuse(envelope, message.request_id, error)
-                self._handling = NOT_HANDLING
+                finally:
+                    self._handling = NOT_HANDLING
             except BaseException:
                 self.frames_cut(envelope, frame)  # the turn fails: this frame and the unreached ones are answered
                 raise
@@ -1449,9 +1450,13 @@ class NodeServer:
         or the role that allowed it: a read waiting for a key, a changefeed or a query waiting for
         its shards would otherwise carry data to a key that "stops working at the reload"
         (docs/operations/security.md). A write's outcome is told as it is: it was allowed when sent."""
-        if self.security is None or self.security.allows(request.principal, request.kind):
+        security = self.security
+        if security is None or security.allows(request.principal, request.kind):
             return message
-        self.security.refused_unknown_key += 1
+        if request.principal in security.authorized.values():
+            security.refused_role += 1  # its key stays, its role no longer allows the kind
+        else:
+            security.refused_unknown_key += 1
         return messages.error(message.request_id, "forbidden", REVOKED_HELD)
 
     def refuse(self, envelope: list[bytes] | None, request_id: str, error: Exception) -> None:

@@ -897,6 +897,7 @@ def test_a_read_held_across_a_reload_that_removed_its_key_is_answered_forbidden(
     [answer] = answers
     assert isinstance(answer, MnesiteError) and answer.code == "forbidden", answer
     assert "removed by a reload" in str(answer)
+    assert secure_node.security()["refused_unknown_key"] == 1  # counted as its key's refusal
 
 
 def test_a_sighup_reload_refuses_an_authorized_keys_directory_others_can_write_and_keeps_the_old_keys(
