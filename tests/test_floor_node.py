@@ -7,10 +7,11 @@ and every ratio against it would flatter the floor.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import apsw
@@ -45,17 +46,35 @@ def rows(database: Path) -> set[bytes]:
         connection.close()
 
 
+@contextlib.contextmanager
+def floor_run() -> Iterator[tuple[list[subprocess.Popen], Callable[[int], zmq.Socket]]]:
+    """A list to put the floor processes a test starts in, and a DEALER connected to a port; at exit every
+    process is killed and zmq closed, also when the test fails."""
+    processes: list[subprocess.Popen] = []
+    context = zmq.Context()
+
+    def dealer(port: int) -> zmq.Socket:
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(f"tcp://127.0.0.1:{port}")
+        return socket
+
+    try:
+        yield processes, dealer
+    finally:
+        context.destroy(linger=0)
+        for process in processes:
+            process.kill()
+            process.wait(10)
+
+
 def test_the_leader_answers_only_once_a_follower_has_the_write_on_disk(tmp_path: Path) -> None:
     leader_port, follower_port, absent_port = free_port(), free_port(), free_port()
-    processes = []
-    context = zmq.Context()
-    try:
+    with floor_run() as (processes, dealer):
         processes.append(
             start(["--role", "leader", "--peers", f"{follower_port},{absent_port}"], leader_port, tmp_path / "l.db")
         )
-        client = context.socket(zmq.DEALER)
-        client.setsockopt(zmq.LINGER, 0)
-        client.connect(f"tcp://127.0.0.1:{leader_port}")
+        client = dealer(leader_port)
         client.send_multipart([b"k1", b"v" * 100])
         # No follower runs: the leader has the write on its own disk only, and must not answer (an
         # answer that did not wait for a follower would come within a few milliseconds of that write).
@@ -73,11 +92,6 @@ def test_the_leader_answers_only_once_a_follower_has_the_write_on_disk(tmp_path:
         expected = {b"k%d" % n for n in range(1, 22)}
         assert rows(tmp_path / "l.db") == expected
         assert rows(tmp_path / "f.db") == expected
-    finally:
-        context.destroy(linger=0)
-        for process in processes:
-            process.kill()
-            process.wait(10)
 
 
 def test_the_second_follower_is_fed_lazily_and_its_acknowledgement_counts(tmp_path: Path) -> None:
@@ -86,15 +100,11 @@ def test_the_second_follower_is_fed_lazily_and_its_acknowledgement_counts(tmp_pa
     write is answered only once the lazy feed reached the second one and it acknowledged: the feed
     happens, and it carries every write since the last."""
     leader_port, absent_port, lazy_port = free_port(), free_port(), free_port()
-    processes = []
-    context = zmq.Context()
-    try:
+    with floor_run() as (processes, dealer):
         processes.append(start(["--role", "follower", "--leader", str(leader_port)], lazy_port, tmp_path / "f.db"))
         leader = ["--role", "leader", "--peers", f"{absent_port},{lazy_port}", "--lazy-feed-ms", "50"]
         processes.append(start(leader, leader_port, tmp_path / "l.db"))
-        client = context.socket(zmq.DEALER)
-        client.setsockopt(zmq.LINGER, 0)
-        client.connect(f"tcp://127.0.0.1:{leader_port}")
+        client = dealer(leader_port)
         for number in range(5):
             client.send_multipart([b"k%d" % number, b"v"])
         answers = 0
@@ -103,11 +113,6 @@ def test_the_second_follower_is_fed_lazily_and_its_acknowledgement_counts(tmp_pa
             assert client.recv_multipart() == [b"ok"]
             answers += 1
         assert rows(tmp_path / "f.db") == {b"k%d" % n for n in range(5)}
-    finally:
-        context.destroy(linger=0)
-        for process in processes:
-            process.kill()
-            process.wait(10)
 
 
 def test_a_logged_floor_keeps_a_log_row_and_a_digest_chain_per_write(tmp_path: Path) -> None:
