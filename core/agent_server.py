@@ -62,8 +62,8 @@ from mnesite.core.agent import TOKEN_KEY_BYTES, Agent, AgentConfig
 from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse, silence_began_ms
 from mnesite.core.versions import watch_protocol_refusal, watch_proves_acknowledgements
 from mnesite.core.watch import (
-    WatchRefusedError,
     agent_to_evict,
+    check_not_a_core_endpoint,
     check_replicant_watches,
     check_watch_request,
     decide_watch,
@@ -171,11 +171,7 @@ class AgentServer:
         self._now_ms = max(self._now_ms, now_ms)
         watch_id = body.watch_id
         check_watch_request(body.protocol, watch_id, self.core_name, cluster_version, self.versions)
-        core = next((name for name, endpoint in (core_endpoints or {}).items() if endpoint == body.endpoint), None)
-        if core is not None:
-            raise WatchRefusedError(
-                "bad_request", f"the watch names the endpoint of core {core} ({body.endpoint}), not a replicant's"
-            )
+        check_not_a_core_endpoint(body.endpoint, core_endpoints or {})
         # Before any agent ends for this watch: one refused as behind evicts nobody (core.watch, rule 2).
         mode, start_key, start_digest = decide_watch(
             body.from_,

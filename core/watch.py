@@ -7,7 +7,10 @@ A replicant sends ``watch(shard, replicant, endpoint, from_key, from_digest, pro
 
 1. ``check_watch_request``: a watch naming a replication protocol that cannot read the shard's log at
    its cluster version is refused (``incompatible_protocol``, ``core.versions``), and so is a
-   ``watch_id`` that is not a short string.
+   ``watch_id`` that is not a short string. ``check_not_a_core_endpoint``: a watch naming a core's
+   endpoint (``core.agent_server``, "Endpoints") is refused, compared by ``rlog.types.endpoint_identity``
+   so that the same endpoint spelt another way (``localhost`` for ``127.0.0.1``, a port with a
+   leading zero, an upper-case host) is refused too.
 2. ``decide_watch``, the resume-or-bootstrap rule: a core whose committed key is behind
    ``from_key`` refuses (the replica must never move backwards); if this core's rlog still holds
    ``from_key`` (not trimmed) with that digest, the new agent resumes from it (no copy); otherwise
@@ -35,13 +38,13 @@ for every watch; the pushes of superseded agents still in flight are the zombies
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from mnesite.core.agent_budget import AgentUse, silence_began_ms
 from mnesite.core.versions import watch_protocol_refusal
 from mnesite.rlog.replication import UNKNOWN_DIGEST
-from mnesite.rlog.types import TxKey
+from mnesite.rlog.types import TxKey, endpoint_identity
 from mnesite.rlog.versions import THIS_RELEASE, Announcement
 
 WATCH_ID_CHARACTERS_MAX = 64
@@ -66,6 +69,18 @@ def check_watch_request(
     if not isinstance(watch_id, str) or len(watch_id) > WATCH_ID_CHARACTERS_MAX:
         raise WatchRefusedError(
             "bad_request", f"watch_id must be a string of at most {WATCH_ID_CHARACTERS_MAX} characters"
+        )
+
+
+def check_not_a_core_endpoint(endpoint: str, core_endpoints: Mapping[str, str]) -> None:
+    """Rule 1 (raises ``WatchRefusedError``): ``endpoint`` is none of ``core_endpoints`` (by name), by
+    identity and not by spelling: a string comparison let ``tcp://localhost:P`` through for a core at
+    ``tcp://127.0.0.1:P``, and that core got the pushes after all."""
+    identity = endpoint_identity(endpoint)
+    core = next((name for name, known in core_endpoints.items() if endpoint_identity(known) == identity), None)
+    if core is not None:
+        raise WatchRefusedError(
+            "bad_request", f"the watch names the endpoint of core {core} ({endpoint}), not a replicant's"
         )
 
 

@@ -91,6 +91,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mnesite.rlog.security import SecurityConfig, SecurityError, check_roles
+from mnesite.rlog.types import endpoint_identity
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7400"
 DEFAULT_DATA_DIR = "./mnesite-data"
@@ -379,12 +380,13 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
             )
         # Two names at one endpoint (a copied line): what is sent to one core reaches the other, and
         # the cluster runs a core short of what its size says, with nothing in the log until a failure.
-        if endpoint in named_at:
+        identity = endpoint_identity(endpoint)  # tcp://localhost:P is tcp://127.0.0.1:P
+        if identity in named_at:
             raise ConfigError(
-                f"[cluster].core_nodes.{core_name} has the endpoint of {named_at[endpoint]} ({endpoint}); "
+                f"[cluster].core_nodes.{core_name} has the endpoint of {named_at[identity]} ({endpoint}); "
                 "every core needs its own"
             )
-        named_at[endpoint] = core_name
+        named_at[identity] = core_name
     if role == "core" and name not in core_nodes:
         raise ConfigError(f"[cluster].core_nodes must list this core node {name!r}")
     if role == "replicant" and not core_nodes:

@@ -23,7 +23,9 @@ bytes do not depend on dict ordering or on the Python process.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import itertools
+import posixpath
 import secrets
 import time
 from collections.abc import Iterable, Mapping
@@ -87,6 +89,10 @@ NAME_PATTERN = r"^[A-Za-z0-9_.\-]+\Z"  # the one name rule of the wire (rlog.sch
 ENDPOINT_CHARS_MAX = 255
 # tcp://host:port (a host name, IPv4 or bracketed IPv6 address); ipc:// for tests.
 ENDPOINT_PATTERN = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://[A-Za-z0-9_./\-]+)\Z"
+# The hosts a node reaches on its own machine whatever it binds: the loopback names and addresses
+# (127.0.0.1, localhost, ::1) and the unspecified ones, which a connect on Linux takes as the local
+# host and a bind (``*``) takes as every interface, loopback included.
+_LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::", "*"})
 OPS_MAX = 100_000  # ops in one entry or transaction on the wire
 COLUMNS_MAX, INDEX_COLUMNS_MAX, ROW_COLUMNS_MAX = 200, 16, 1000
 MEMBERS_OP_MAX = 15  # core.membership.MEMBERS_MAX (rlog imports nothing of core; a test keeps them equal)
@@ -493,3 +499,29 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
         "request_id": entry.request_id,
         "ops": [op_to_json(op) for op in entry.ops],
     }
+
+
+def endpoint_identity(endpoint: str) -> str:
+    """The one spelling of ``endpoint`` that equal endpoints share: compare endpoints by it, never
+    as strings. A pure function of the text (no name resolution): scheme and host in lower case,
+    a trailing dot or slash dropped, the port as a number, IPv6 and IPv4-mapped addresses in one
+    form, ``ipc://`` paths normalised, and every host of ``_LOCAL_HOSTS`` as ``local``. Two
+    endpoints with different identities may still reach one process (a host name and its address,
+    another of the machine's addresses): what a string cannot tell, this cannot either."""
+    scheme, separator, rest = endpoint.strip().partition("://")
+    scheme, rest = scheme.lower(), rest.rstrip("/")
+    if not separator or scheme != "tcp":
+        return f"{scheme}{separator}{posixpath.normpath(rest) if scheme == 'ipc' and rest else rest}"
+    host, colon, port = rest.rpartition(":")
+    if not colon or not port.isdigit():
+        return f"tcp://{rest.lower()}"  # no port: nothing to normalise it by
+    host = host.lower().rstrip(".")
+    try:
+        address = ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+    except ValueError:
+        pass  # a host name
+    else:
+        mapped = getattr(address, "ipv4_mapped", None)
+        host = str(mapped or address)
+    host = "local" if host in _LOCAL_HOSTS else f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{int(port)}"

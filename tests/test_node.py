@@ -855,6 +855,24 @@ def test_a_watch_naming_the_endpoint_of_a_core_is_refused(thread_node: ThreadNod
     assert watch(f"tcp://127.0.0.1:{thread_node.port + 1}")["mode"] == "resume"
 
 
+def test_a_watch_naming_a_cores_endpoint_spelt_another_way_is_refused(thread_node: ThreadNode, client: Client):
+    """Regression: the check above compared endpoints as strings, so ``tcp://localhost:PORT`` (or
+    ``tcp://LocalHost.:PORT``, ``tcp://[::1]:PORT``) passed for a core at ``tcp://127.0.0.1:PORT`` and
+    its pushes went to that core after all (``rlog.types.endpoint_identity``)."""
+    port = thread_node.port
+    for alias in (
+        f"tcp://localhost:{port}",
+        f"tcp://LocalHost.:{port}",
+        f"tcp://[::1]:{port}",
+        f"tcp://0.0.0.0:{port}",
+    ):
+        with pytest.raises(MnesiteError) as refused:
+            client.call("watch", watch_body("rep1", alias))
+        assert refused.value.code == "bad_request" and "endpoint of core core1" in str(refused.value), alias
+    assert thread_node.node.agent_server.agents_of() == 0
+    assert client.call("watch", watch_body("rep1", f"tcp://localhost:{port + 1}"))["mode"] == "resume"
+
+
 def test_a_count_runs_on_a_query_worker_or_on_the_loop_for_a_table_not_committed_yet(tmp_path) -> None:
     """A ``count`` reads the whole table, so it runs on a query worker (``NodeServer.count_later``)
     and is answered from there. A table this turn created is not in the workers' snapshots yet: its

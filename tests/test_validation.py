@@ -117,6 +117,10 @@ def test_default_config_is_a_single_core() -> None:
             {"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://127.0.0.1:7400"}}},
             r"\[cluster\].core_nodes.core2 has the endpoint of core1",
         ),
+        (  # the same endpoint spelt another way (rlog.types.endpoint_identity)
+            {"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://localhost:07400"}}},
+            r"\[cluster\].core_nodes.core2 has the endpoint of core1",
+        ),
         # A wildcard is for listen only: a peer cannot connect to it (zmq: Invalid argument at start).
         (
             {"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://*:7401"}}},

@@ -6,12 +6,13 @@ import pytest
 from mnesite.core.watch import (
     WatchRefusedError,
     agent_to_evict,
+    check_not_a_core_endpoint,
     check_watch_request,
     decide_watch,
     superseded_agents,
 )
 from mnesite.rlog.replication import REPLICATION_PROTOCOL_VERSION, UNKNOWN_DIGEST
-from mnesite.rlog.types import TxKey
+from mnesite.rlog.types import TxKey, endpoint_identity
 
 DIGESTS = {TxKey(1, 5): b"d5", TxKey(1, 9): b"d9"}
 TRIMMED = TxKey(1, 2)
@@ -82,3 +83,36 @@ def test_one_replicant_holds_at_most_replicant_watches_max_agents_and_is_told_wh
         check_replicant_watches(owners, "rep1", 2, "core1")
     assert refused.value.code == "overloaded"
     assert "replicant rep1 holds 2 watches" in str(refused.value) and "replicant_watches_max" in str(refused.value)
+
+
+def test_endpoints_spelt_another_way_have_one_identity_and_different_endpoints_keep_theirs():
+    same = [
+        ("tcp://127.0.0.1:7400", "tcp://localhost:7400"),
+        ("tcp://127.0.0.1:7400", "tcp://LOCALHOST.:07400"),
+        ("tcp://127.0.0.1:7400", "tcp://[::1]:7400"),
+        ("tcp://127.0.0.1:7400", "tcp://[::ffff:127.0.0.1]:7400"),
+        ("tcp://127.0.0.1:7400", "tcp://0.0.0.0:7400"),
+        ("tcp://*:7400", "tcp://127.0.0.1:7400"),  # a core's own entry may be its wildcard listen
+        ("tcp://db1.example:7400", "TCP://DB1.Example:7400/"),
+        ("tcp://[2001:db8::1]:7400", "tcp://[2001:DB8:0:0:0:0:0:1]:7400"),
+        ("ipc://run/core1", "ipc://./run//core1"),
+    ]
+    for a, b in same:
+        assert endpoint_identity(a) == endpoint_identity(b), (a, b)
+    different = [
+        ("tcp://127.0.0.1:7400", "tcp://127.0.0.1:7401"),
+        ("tcp://127.0.0.1:7400", "tcp://127.0.0.2:7400"),
+        ("tcp://db1.example:7400", "tcp://db2.example:7400"),
+        ("ipc://run/core1", "ipc://run/core2"),
+    ]
+    for a, b in different:
+        assert endpoint_identity(a) != endpoint_identity(b), (a, b)
+
+
+def test_a_watch_naming_a_cores_endpoint_in_any_spelling_is_refused():
+    cores = {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://db2.example:7400"}
+    for endpoint, core in [("tcp://localhost:7400", "core1"), ("tcp://DB2.example.:7400", "core2")]:
+        with pytest.raises(WatchRefusedError) as refused:
+            check_not_a_core_endpoint(endpoint, cores)
+        assert refused.value.code == "bad_request" and f"endpoint of core {core}" in str(refused.value)
+    check_not_a_core_endpoint("tcp://localhost:7401", cores)
