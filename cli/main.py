@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import click
+from mnesite.core.membership import CHANGE_STALL_MS, change_wait
 from mnesite.rlog.client import (
     MIN_KEYS_MAX,
     SCAN_PAGE_ROWS,
@@ -32,7 +33,7 @@ from mnesite.rlog.config import ConfigError, load_config
 from mnesite.rlog.json_text import json_text as rlog_json_text
 from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
 from mnesite.rlog.security import FOLLOW_KEY_LINKS_HELP
-from mnesite.rlog.types import TxKey
+from mnesite.rlog.types import TxKey, new_request_id
 
 from mnesite import __version__
 
@@ -1441,27 +1442,94 @@ def cluster() -> None:
     """Change the set of cores, one core at a time (the membership lives in each shard's rlog)."""
 
 
+class ChangeUnderWay(MnesiteError):
+    """A membership change the sequencer is still making (its learner catching up) that has not
+    moved for ``CHANGE_STALL_MS``: not refused, not done, and not silence."""
+
+    code = "change_under_way"
+
+
+def _change_shard(
+    client: Client,
+    shard: str,
+    action: str,
+    name: str,
+    core_endpoint: str | None,
+    clock_ms: Callable[[], int] = lambda: int(time.monotonic() * 1000),
+) -> dict[str, Any]:
+    """Change one shard at its sequencer (``client``) and wait for the answer as long as the change
+    moves (``core.membership.change_wait``): a learner's catch-up outlasts any one answer. Each
+    request left unanswered within --timeout-ms is followed by a ``members`` request: no answer to
+    that either is ``OutcomeUnknown`` (the node is silent); a change that stopped moving is
+    ``ChangeUnderWay``; otherwise the same request id is sent again, which the sequencer answers
+    when the change is (or was) done."""
+    request_id = new_request_id()
+    seen, since_ms = None, clock_ms()
+    while True:
+        try:
+            return client.change_membership(shard, action, name, core_endpoint, request_id)
+        except OutcomeUnknown as silence:
+            unanswered = silence
+        try:
+            view = client.members()
+        except MnesiteError as error:
+            raise OutcomeUnknown(f"{unanswered}; and no answer to `members` either ({error})", request_id) from None
+        info = view.get("shards", {}).get(shard, {})
+        wait = change_wait(info, name, action == "add", seen, since_ms, clock_ms())
+        if wait.state == "stalled":
+            raise ChangeUnderWay(
+                f"the change of shard {shard} is still under way, with no progress for {CHANGE_STALL_MS // 1000} s "
+                f"({_change_progress(info, name)}); it goes on without this command: watch it with "
+                f"`mnesite cluster members --node {client.endpoint}`, and run this command again to wait for it"
+            )
+        if wait.seen != seen and wait.state == "waiting":
+            click.echo(f"{shard}: {_change_progress(info, name)}", err=True)
+        seen, since_ms = wait.seen, wait.since_ms
+
+
+def _change_progress(info: dict[str, Any], name: str) -> str:
+    if info.get("learner") == name:
+        match = tuple(info["learner_match"]) if info.get("learner_match") else "nothing yet"
+        committed = tuple(info["committed"]) if info.get("committed") else "?"
+        return f"{name} catching up as a learner: at {match} of {committed}"
+    return f"waiting for the entry that changes the members ({', '.join(info.get('members') or ())})"
+
+
 def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name: str, core_endpoint: str | None):
-    """Propose the change to every shard in turn; each is answered once its entry committed."""
+    """Propose the change to every shard in turn; each is answered once its entry committed. The
+    first shard that fails ends the run: the result says which shards changed (``shards``), which
+    failed and why (``failed``) and which were not tried (``not_tried``)."""
     with client_for(endpoint, timeout_ms) as client:
         view = run(client.members)
         if not view["shards"]:
             fail("the cluster has no shard yet: create a table first, then change its cores")
-        results = {}
-        for shard, info in sorted(view["shards"].items()):
+        results: dict[str, Any] = {}
+        failed: dict[str, dict[str, str]] = {}
+        shards = sorted(view["shards"].items())
+        for shard, info in shards:
             # Straight to the shard's sequencer when known: catching up a new core may take longer
             # than a forwarded request may wait.
             sequencer_endpoint = view["endpoints"].get(info["sequencer"]) if info["sequencer"] else None
-            if sequencer_endpoint is None or info["sequencer"] == view["node"]:
-                results[shard] = run(lambda shard=shard: client.change_membership(shard, action, name, core_endpoint))
-                continue
-            with client_for(sequencer_endpoint, timeout_ms) as sequencer:
-                results[shard] = run(
-                    lambda shard=shard, sequencer=sequencer: sequencer.change_membership(
-                        shard, action, name, core_endpoint
-                    )
-                )
-        return {"action": action, "core": name, "shards": results, "members": run(client.members)}
+            try:
+                if sequencer_endpoint is None or info["sequencer"] == view["node"]:
+                    results[shard] = _change_shard(client, shard, action, name, core_endpoint)
+                else:
+                    with client_for(sequencer_endpoint, timeout_ms) as sequencer:
+                        results[shard] = _change_shard(sequencer, shard, action, name, core_endpoint)
+            except MnesiteError as error:
+                failed[shard] = {"code": error.code, "message": str(error)}
+                break
+        result = {"action": action, "core": name, "shards": results}
+        if failed:
+            result["failed"] = failed
+            result["not_tried"] = [shard for shard, _ in shards if shard not in results and shard not in failed]
+        try:
+            result["members"] = client.members()
+        except MnesiteError:
+            if not failed:
+                raise
+            result["members"] = None  # the failure's report matters more than the view after it
+        return result
 
 
 @cluster.command("add-core")
@@ -1479,8 +1547,14 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     learner (by snapshot if the cores trimmed their rlog); only then is the entry that adds it
     appended, and it votes once that entry is in its log. Run again to finish a change that stopped
     half-way: shards where NAME is already a member answer "already_member".
+
+    \b
+    The command waits as long as the catch-up makes progress (shown on stderr), whatever
+    --timeout-ms (each answer's). A catch-up with no progress for 60 s exits 3 saying the change is
+    still under way; a node that does not answer exits 3 too. When a shard fails, the shards changed
+    before it and those not tried are named, and the command exits 1 (3 if the outcome is unknown).
     """
-    result = _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint)
+    result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))
     _print_change(result, as_json)
 
 
@@ -1490,21 +1564,40 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
 @json_option
 def cluster_remove_core(name, endpoint, timeout_ms, as_json) -> None:
     """Remove core NAME from every shard (to replace a dead core: remove it, then add-core the new
-    one). Needs the admin role. A sequencer that removes itself steps down once the entry commits."""
-    result = _change_every_shard(endpoint, timeout_ms, "remove", name, None)
+    one). Needs the admin role. A sequencer that removes itself steps down once the entry commits.
+    When a shard fails, the shards changed before it and those not tried are named, and the command
+    exits 1 (3 if the outcome is unknown)."""
+    result = run(lambda: _change_every_shard(endpoint, timeout_ms, "remove", name, None))
     _print_change(result, as_json)
 
 
 def _print_change(result: dict[str, Any], as_json: bool) -> None:
+    failed = result.get("failed", {})
     if as_json:
         emit_json(result)
-        return
-    for shard, answer in sorted(result["shards"].items()):
-        if "unchanged" in answer:
-            click.echo(f"{shard}: unchanged ({answer['unchanged']})")
-        else:
-            click.echo(f"{shard}: {result['action']} {result['core']} committed at {tuple(answer['tx_key'])}")
-    click.echo(f"members: {', '.join(result['members']['members'])}")
+    else:
+        for shard, answer in sorted(result["shards"].items()):
+            if "unchanged" in answer:
+                click.echo(f"{shard}: unchanged ({answer['unchanged']})")
+            else:
+                click.echo(f"{shard}: {result['action']} {result['core']} committed at {tuple(answer['tx_key'])}")
+        for shard, error in failed.items():
+            click.echo(f"{shard}: NOT CHANGED ({error['code']}: the error below)")
+        for shard in result.get("not_tried", []):
+            click.echo(f"{shard}: NOT CHANGED: not tried")
+        if result["members"] is not None:
+            click.echo(f"members: {', '.join(result['members']['members'])}")
+    if failed:
+        # A half-done change is no success, whatever the output format: name what is left to do.
+        shard, error = next(iter(failed.items()))
+        changed = ", ".join(sorted(result["shards"])) or "none"
+        left = ", ".join([shard, *result.get("not_tried", [])])
+        unknown = error["code"] in (OutcomeUnknown.code, ChangeUnderWay.code)
+        fail(
+            f"{result['action']} {result['core']} stopped at shard {shard}: {error['message']}; changed: {changed}; "
+            f"not changed: {left}; run the command again to finish",
+            EXIT_OUTCOME_UNKNOWN if unknown else 1,
+        )
 
 
 @cluster.command("members")

@@ -39,15 +39,28 @@ own log, which is what keeps them consistent. The cluster-wide change (``cluster
 same change proposed to every shard in turn; a half-done change is visible in ``cluster members``
 and is finished by running the command again (an add of a member or a remove of a non-member is
 answered as done).
+
+Waiting for a change (``cluster add-core``): a learner's catch-up of a large log (or a snapshot)
+takes longer than any one answer may, so the command's wait is not one request's timeout.
+``change_wait`` decides, from what the sequencer's ``members`` shows each time the change request
+went unanswered, whether to go on waiting: while the change moves (the learner's matched key, the
+members) the operator waits; a change that has not moved for ``CHANGE_STALL_MS`` ends the wait
+as "still under way" (the change itself goes on, and ends at ``learner_catch_up_ms_max`` at the
+latest), which is not "no answer".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from mnesite.rlog.types import ROW_OPS, Entry, MembersOp, TxKey
 
 MEMBERS_MAX = 15
+# How long ``cluster add-core`` / ``remove-core`` waits for a change that stopped moving before it
+# says the change is still under way (a snapshot install moves the learner's key only at its end).
+CHANGE_STALL_MS = 60_000
 
 REJECT_CHANGE_IN_FLIGHT = "membership_change_in_flight"
 REJECT_NOT_SETTLED = "sequencer_not_settled"
@@ -159,3 +172,44 @@ def heard_after_forced_start(last_key: TxKey, committed_key: TxKey) -> bool:
 def valid_members(members: tuple[str, ...]) -> bool:
     """A membership a log may carry: 1..MEMBERS_MAX distinct names."""
     return 1 <= len(members) <= MEMBERS_MAX and len(set(members)) == len(members)
+
+
+@dataclass(frozen=True)
+class ChangeWait:
+    """``change_wait``'s answer: ``state`` is ``done`` (the shard's committed membership is the one
+    asked for: send the request again to get its answer), ``waiting`` (under way and moving, or
+    moved within ``stall_ms``) or ``stalled`` (nothing moved for ``stall_ms``); ``seen`` and
+    ``since_ms`` are what to pass back next time."""
+
+    state: str
+    seen: tuple[Any, ...]
+    since_ms: int
+
+
+def change_wait(
+    info: Mapping[str, Any],
+    name: str,
+    add: bool,
+    seen: tuple[Any, ...] | None,
+    since_ms: int,
+    now_ms: int,
+    stall_ms: int = CHANGE_STALL_MS,
+) -> ChangeWait:
+    """Whether an operator's change of one shard, whose request went unanswered, is worth waiting for.
+
+    ``info``: the shard's entry of the sequencer's ``members`` answer (``members``,
+    ``committed_members``, ``learner``, ``learner_match``); ``seen``/``since_ms``: the previous
+    answer's (None at first). Any difference in the membership, the learner or its matched key
+    is progress."""
+    committed = set(info.get("committed_members") or ())
+    if (name in committed) == add:
+        return ChangeWait("done", (), now_ms)
+    now_seen = (
+        tuple(info.get("members") or ()),
+        tuple(sorted(committed)),
+        info.get("learner"),
+        tuple(info.get("learner_match") or ()),
+    )
+    if seen is None or now_seen != seen:
+        return ChangeWait("waiting", now_seen, now_ms)
+    return ChangeWait("stalled" if now_ms - since_ms >= stall_ms else "waiting", now_seen, since_ms)

@@ -1995,6 +1995,12 @@ class CoreNode(NodeServer):
                 "members": list(status.members),
                 "committed_members": list(status.committed_members),
                 "learner": status.learner,
+                # How far the learner has caught up (known at the sequencer only), against the
+                # committed key it must reach: what `cluster add-core` shows while it waits.
+                "learner_match": next(
+                    (list(key) for peer, key in status.follower_match_keys if peer == status.learner), None
+                ),
+                "committed": list(status.committed_key),
                 "sequencer": status.sequencer,
                 "generation": status.generation,
                 "voter": driver.consensus.voter,

@@ -851,12 +851,16 @@ class Client:
         """The cluster's and each shard's core membership, as the node sees it."""
         return self.call("members")
 
-    def change_membership(self, shard: str, action: str, name: str, endpoint: str | None = None) -> dict[str, Any]:
-        """Operator: add (``action="add"``, with its endpoint) or remove one core in one shard."""
+    def change_membership(
+        self, shard: str, action: str, name: str, endpoint: str | None = None, request_id: str | None = None
+    ) -> dict[str, Any]:
+        """Operator: add (``action="add"``, with its endpoint) or remove one core in one shard.
+        ``request_id``: an earlier attempt's, to go on waiting for it (the sequencer answers the
+        retry of a change still catching up, or the change it committed)."""
         body: dict[str, Any] = {"shard": shard, "action": action, "name": name}
         if endpoint is not None:
             body["endpoint"] = endpoint
-        return self.call("membership_change", body)
+        return self.call("membership_change", body, request_id)
 
     def stop(self) -> dict[str, Any]:
         """Operator (admin role): the node answers, logs a shutdown line and exits."""

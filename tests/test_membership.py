@@ -618,6 +618,9 @@ def test_cluster_commands_on_a_single_core(thread_node):
     shown = runner.invoke(main, ["cluster", "members", "--json", *node])
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.output)["shards"]["default"]["members"] == ["core1"]
+    # What add-core shows while it waits: the learner's matched key (none here) against the committed key.
+    assert json.loads(shown.output)["shards"]["default"]["learner_match"] is None
+    assert len(json.loads(shown.output)["shards"]["default"]["committed"]) == 2
     # Removing a core that is no member is answered as done; removing the last member is refused.
     gone = runner.invoke(main, ["cluster", "remove-core", "core9", "--json", *node])
     assert gone.exit_code == 0 and json.loads(gone.output)["shards"]["default"]["unchanged"] == "not_member"
@@ -684,3 +687,159 @@ def test_a_journal_reports_the_committed_membership_and_a_change_in_the_log_apar
         node._step(driver, MessageReceived("core2", notice))
         age = node.journal()["shards"]["default"]
         assert (age["members"], age["pending_members"]) == (["core1", "core2"], None)
+
+
+# ---------------------------------------------------------------- waiting for a change (cluster add-core)
+
+
+def test_a_change_is_waited_for_while_it_moves_and_called_stalled_only_when_it_stops():
+    learner = {"members": ["a"], "committed_members": ["a"], "learner": "d", "learner_match": [1, 5]}
+    first = membership.change_wait(learner, "d", True, None, 0, 0, stall_ms=1000)
+    assert first.state == "waiting"
+    # Still at (1, 5) after 999 ms: waiting; after 1000 ms with nothing moved: stalled.
+    assert membership.change_wait(learner, "d", True, first.seen, first.since_ms, 999, 1000).state == "waiting"
+    assert membership.change_wait(learner, "d", True, first.seen, first.since_ms, 1000, 1000).state == "stalled"
+    # The learner's key moved: waiting again, the stall counted from now.
+    moved = membership.change_wait({**learner, "learner_match": [1, 9]}, "d", True, first.seen, 0, 5000, 1000)
+    assert (moved.state, moved.since_ms) == ("waiting", 5000)
+    # Committed: done (and a removal is done once the name left the committed members).
+    added = {"members": ["a", "d"], "committed_members": ["a", "d"], "learner": None}
+    assert membership.change_wait(added, "d", True, moved.seen, 0, 9000, 1000).state == "done"
+    assert membership.change_wait(learner, "x", False, None, 0, 0, 1000).state == "done"
+
+
+class _FakeCore:
+    """A sequencer as ``cluster add-core`` / ``remove-core`` sees it: ``outcomes`` per shard is what
+    each ``membership_change`` does in turn (an exception raised, or a result returned); ``views``
+    the shard info its ``members`` shows after each unanswered one; every call advances ``clock``."""
+
+    endpoint = "tcp://127.0.0.1:7400"
+
+    def __init__(self, shards, outcomes, views=(), clock=None):
+        self.shards, self.outcomes, self.views, self.clock = shards, outcomes, list(views), clock
+        self.asked: list[tuple[str, str | None]] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def members(self):
+        info = self.views.pop(0) if self.views else {"members": ["core1"], "committed_members": ["core1"]}
+        shard_info = {shard: {"sequencer": "core1", "learner": None, **info} for shard in self.shards}
+        return {"node": "core1", "members": ["core1"], "endpoints": {"core1": self.endpoint}, "shards": shard_info}
+
+    def change_membership(self, shard, action, name, endpoint=None, request_id=None):
+        self.asked.append((shard, request_id))
+        if self.clock is not None:
+            self.clock.now += 10.0  # a --timeout-ms of 5000, sent twice
+        outcome = self.outcomes[shard].pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+class _Clock:
+    now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _cli_with(monkeypatch, core):
+    from mnesite.cli import main as cli
+
+    monkeypatch.setattr(cli, "client_for", lambda *args, **kwargs: core)
+    return cli
+
+
+@pytest.mark.timeout(30)
+def test_add_core_waits_through_a_catch_up_that_outlasts_its_timeout_and_shows_progress(monkeypatch):
+    """Regression: each membership_change waits --timeout-ms (5 s by default, sent twice), and a
+    learner catching up a large log takes minutes: the command exited 3 (outcome unknown) as if the
+    cluster were down. It now goes on waiting (the same request id again) while the learner moves."""
+    from click.testing import CliRunner
+    from mnesite.rlog.client import OutcomeUnknown
+
+    clock = _Clock()
+    silence = OutcomeUnknown("outcome unknown: node tcp://127.0.0.1:7400 did not answer", "r")
+    catching_up = [
+        {
+            "members": ["core1"],
+            "committed_members": ["core1"],
+            "learner": "core2",
+            "learner_match": [1, n],
+            "committed": [1, 900],
+        }
+        for n in (100, 400, 800)
+    ]
+    answer = {"shard": "default", "members": ["core1", "core2"], "tx_key": [1, 901]}
+    core = _FakeCore(["default"], {"default": [silence, silence, silence, answer]}, catching_up, clock)
+    cli = _cli_with(monkeypatch, core)
+    monkeypatch.setattr(cli, "time", clock)
+    done = CliRunner().invoke(cli.main, ["cluster", "add-core", "core2", "tcp://127.0.0.1:7401"])
+    assert done.exit_code == 0, done.output
+    assert "default: add core2 committed at (1, 901)" in done.stdout
+    assert "core2 catching up as a learner: at (1, 400) of (1, 900)" in done.stderr
+    assert len({request_id for _, request_id in core.asked}) == 1  # one change, asked again
+
+
+@pytest.mark.timeout(30)
+def test_add_core_tells_a_stalled_catch_up_from_silence(monkeypatch):
+    from click.testing import CliRunner
+    from mnesite.rlog.client import OutcomeUnknown
+
+    clock = _Clock()
+    silence = OutcomeUnknown("outcome unknown: node tcp://127.0.0.1:7400 did not answer", "r")
+    stuck = {"members": ["core1"], "committed_members": ["core1"], "learner": "core2", "learner_match": [1, 5]}
+    core = _FakeCore(["default"], {"default": [silence] * 20}, [stuck] * 20, clock)
+    cli = _cli_with(monkeypatch, core)
+    monkeypatch.setattr(cli, "time", clock)
+    stalled = CliRunner().invoke(cli.main, ["cluster", "add-core", "core2", "tcp://127.0.0.1:7401"])
+    assert stalled.exit_code == 3, stalled.output
+    assert "still under way, with no progress for 60 s" in stalled.stderr
+    assert "mnesite cluster members --node tcp://127.0.0.1:7400" in stalled.stderr
+
+    # The sequencer silent to `members` too: no answer, said so.
+    class Silent(_FakeCore):
+        def members(self):
+            if self.asked:
+                raise OutcomeUnknown("node tcp://127.0.0.1:7400 did not answer", "m")
+            return super().members()
+
+    cli = _cli_with(monkeypatch, Silent(["default"], {"default": [silence]}, clock=clock))
+    gone = CliRunner().invoke(cli.main, ["cluster", "add-core", "core2", "tcp://127.0.0.1:7401"])
+    assert gone.exit_code == 3 and "no answer to `members` either" in gone.stderr
+    assert "still under way" not in gone.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_change_that_fails_part_way_names_the_shards_changed_and_not(monkeypatch):
+    """Regression: the first shard that failed ended the command with its error alone (exit 1): the
+    shards already changed, and those not tried, were not said, nor in --json."""
+    from click.testing import CliRunner
+    from mnesite.rlog.client import RemoteError
+
+    def core():
+        refused = RemoteError(
+            "membership change refused in shard b: membership_change_in_flight", "membership_change_in_flight"
+        )
+        return _FakeCore(
+            ["a", "b", "c"],
+            {"a": [{"shard": "a", "members": ["core1", "core2"], "tx_key": [1, 7]}], "b": [refused], "c": []},
+        )
+
+    cli = _cli_with(monkeypatch, core())
+    text = CliRunner().invoke(cli.main, ["cluster", "add-core", "core2", "tcp://127.0.0.1:7401"])
+    assert text.exit_code == 1, text.output
+    assert "a: add core2 committed at (1, 7)" in text.stdout
+    assert "b: NOT CHANGED (membership_change_in_flight" in text.stdout and "c: NOT CHANGED: not tried" in text.stdout
+    assert "stopped at shard b: membership change refused" in text.stderr
+    assert "changed: a; not changed: b, c" in text.stderr
+    cli = _cli_with(monkeypatch, core())
+    shown = CliRunner().invoke(cli.main, ["cluster", "add-core", "core2", "tcp://127.0.0.1:7401", "--json"])
+    assert shown.exit_code == 1, shown.output
+    result = json.loads(shown.stdout)
+    assert list(result["shards"]) == ["a"] and result["not_tried"] == ["c"]
+    assert result["failed"]["b"]["code"] == "membership_change_in_flight"
