@@ -758,10 +758,26 @@ class ReplicantNode(NodeServer):
             except BackupError as error:
                 raise RequestError("backup_refused", str(error)) from None
             self.reply(envelope, messages.reply(message.request_id, result))
+        elif message.kind == "members":
+            raise RequestError("not_a_core", self._no_membership())
         elif message.kind in ("journal", "watch", "force_start", "peer", "read_index"):
             raise RequestError("not_a_core", f"{self.config.name} is a replicant; send {message.kind} to a core")
         else:
             raise RequestError("bad_request", f"{message.kind} is not a request")
+
+    def _no_membership(self) -> str:
+        """The answer to ``members`` (``cluster members`` at a replicant's endpoint): a replicant is in no
+        membership, so say so and name the core to ask, the one it watches (what an operator who
+        asked the wrong node needs next), or, watching none now, the cores its config names."""
+        watched = sorted({replica.upstream for replica in self.replicas.values() if replica.upstream is not None})
+        if watched:
+            core = watched[0]
+            where = f"it watches core {core} ({self.config.core_nodes[core]})"
+            ask = f"mnesite cluster members --node {self.config.core_nodes[core]}"
+        else:
+            cores = ", ".join(f"{name} ({self.config.core_nodes[name]})" for name in self.cores)
+            where, ask = f"it watches no core now; its cores: {cores}", "mnesite cluster members --node CORE"
+        return f"{self.config.name} is a replicant: it has no membership, only cores do; {where}; ask a core: {ask}"
 
     def _backup_not_ready(self) -> str | None:
         """Why a backup taken now would not hold a committed state of every shard (None: it would)."""

@@ -1147,3 +1147,43 @@ def test_a_bootstrap_batch_row_the_listed_table_cannot_hold_fails_the_copy_not_t
         assert replica.status().read_fenced, "nothing of the failed copy is served"
     finally:
         _close_offline(node)
+
+
+@pytest.mark.timeout(60)
+def test_cluster_members_at_a_replicant_says_it_has_none_and_names_the_core_it_watches(tmp_path) -> None:
+    """Regression: ``cluster members`` at a replicant's endpoint answered ``bad_request: members is
+    not a request``, which says neither that the node is a replicant nor which core to ask. It is
+    now the wrong-role answer (``not_a_core``, exit 1) naming the core the replicant watches."""
+    from click.testing import CliRunner
+    from mnesite.cli.main import main
+    from mnesite.rlog.client import Client, MnesiteError
+
+    from tests.conftest import ThreadNode, thread_replicant, wait_until
+
+    core = ThreadNode(tmp_path / "core")
+    try:
+        with core.client(timeout_ms=3000) as writer:
+            writer.create_table("t", "id", [("id", "INTEGER")])
+            writer.put("t", {"id": 1})
+        with (
+            thread_replicant(tmp_path / "r", core.endpoint) as endpoint,
+            Client(endpoint, timeout_ms=1000, retries=1) as client,
+        ):
+
+            def serves() -> bool:
+                try:
+                    return client.get("t", 1) == {"id": 1}
+                except MnesiteError:  # unknown_table, not_ready: not copied yet
+                    return False
+
+            wait_until(serves, 15, "the replicant to serve table t")
+            with pytest.raises(MnesiteError) as refused:
+                client.members()
+            assert refused.value.code == "not_a_core"
+            shown = CliRunner().invoke(main, ["cluster", "members", "--node", endpoint])
+            assert shown.exit_code == 1, shown.output
+            assert "replicant1 is a replicant: it has no membership" in shown.stderr
+            assert f"it watches core core1 ({core.endpoint})" in shown.stderr
+            assert f"mnesite cluster members --node {core.endpoint}" in shown.stderr
+    finally:
+        core.stop()
