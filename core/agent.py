@@ -62,7 +62,10 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   ``heartbeat_interval_ms``, and with tokens only once the acknowledgement proves a push sent after
   the oldest one in flight (see "Proven acknowledgements"). The replica skips the duplicates. A loss
   the driver knows of needs no such proof: ``PushesDropped`` (it closed the socket to the replicant's
-  endpoint, with what was queued there) makes the agent resend from the acknowledged key at once.
+  endpoint, with what was queued there) makes the agent resend from the acknowledged key at once,
+  and, with tokens, up to the highest key it pushed before without the waits of "Pushes in flight"
+  and "Push delay": the replica may hold keys of pushes it read before the drop whose acknowledgement has not
+  come, and only pushes sent after the drop can prove them now (see "Proven acknowledgements").
 * Proven acknowledgements. The window and the node's memory budget (``core.agent_budget``) free
   a push's bytes when it is acknowledged; so does the retransmission rule resend. But a push the
   replicant has not read still sits in zmq's send queue on this core, so an acknowledgement of keys
@@ -81,7 +84,13 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   acknowledgement proves a push sent after the oldest push in flight: the replica read past it
   and does not have it, so it was lost, not still queued. Every push with entries is remembered
   (sequence number, last key) until proven, at most ``2 * window_entries_max`` of them (the
-  oldest forgotten first: the later ones prove higher keys anyway).
+  oldest forgotten first: the later ones prove higher keys anyway). ``PushesDropped`` forgets
+  them all: the pushes before it went out on a connection that is gone, so a push sent after it
+  does not follow them in one stream, and its token must not prove their keys (a replicant would
+  acknowledge keys it never received, and the agent never send them again). After a drop a token
+  proves what the pushes since the drop carried, and what was proven before it (at least the
+  acknowledged key); an acknowledgement echoing the token of a push sent before the drop proves
+  only the latter.
 * Read lag. An acknowledgement shows the replicant is alive, not that it keeps up: one that reads
   its queue slowly acknowledges every push it reads, each proving a push sent long ago, while the
   pushes behind it wait in zmq's send queue on this core and the agent holds its window (and the
@@ -263,6 +272,9 @@ class Agent:
         self._proven_key = start_key
         self._proofs: deque[tuple[int, TxKey]] = deque()
         self._proofs_max = 2 * config.window_entries_max
+        # After PushesDropped: the highest key pushed before it, which the agent pushes again without
+        # the partial-push waits (see "Retransmission"); None when no such resend is under way.
+        self._resend_until: TxKey | None = None
         # The last push the replicant proved it read (in an acknowledgement the agent took), and the
         # send time of the pushes after it: (sequence number, send time) of the first push sent at
         # each time, in order, at most _proofs_max of them (see "Read lag").
@@ -410,6 +422,15 @@ class Agent:
             self._resend_from_acknowledged()
             # What was pushed so far can no longer be read: the read lag is measured from the next push.
             self._read(self._push_sequence)
+            # Nor proven by a later push's token: the pushes after the drop do not follow them on one
+            # connection (see "Proven acknowledgements"). What was proven already stays proven.
+            self._proofs.clear()
+            # The replica may hold keys up to the highest pushed (read before the drop, acknowledgement
+            # not come yet): pushed again at once, or a partial push waiting for the acknowledgement of
+            # a full one would wait until the ack timeout stops the agent, each acknowledgement naming
+            # a key no push since proves (refused). Without tokens its acknowledgements are taken.
+            if self._token_key is not None and self._pushed_max_key > self._sent_key:
+                self._resend_until = self._pushed_max_key
             self._pump()
         else:
             raise TypeError(f"not an agent event: {event!r}")
@@ -598,8 +619,13 @@ class Agent:
                     and (ignore_delay or self._partial_push_delayed_until() is None)
                 )
                 or self._full_push_waits()
+                or self._resending_dropped()
             )
         )
+
+    def _resending_dropped(self) -> bool:
+        """Keys pushed before a ``PushesDropped`` are not pushed again yet (see "Retransmission")."""
+        return self._resend_until is not None and self._sent_key < self._resend_until
 
     def _partial_push_delayed_until(self) -> int | None:
         """When the push delay lets a partial push go, if that is later than now (see "Push delay")."""
@@ -634,6 +660,8 @@ class Agent:
             if size is None:
                 break
             pushed_bytes += size
+        if self._resend_until is not None and self._sent_key >= self._resend_until:
+            self._resend_until = None  # the resend after a drop is done (or acknowledged): the usual waits
         self._update_mode()
         return pushed_bytes > 0
 

@@ -67,6 +67,7 @@ from mnesite.rlog.server import (
     NodeServer,
     OverloadedError,
     RequestError,
+    ThrottledLog,
     collector_paused,
     monotonic_ms,
     relayed,
@@ -167,6 +168,9 @@ class ReplicantNode(NodeServer):
         self._requests_failed: list[tuple[str, p.RequestFailed]] = []
         self.waiting_reads: WaitingReads[tuple[list[bytes], Message]] = WaitingReads(WAITING_READS_MAX)
         self.pushes_rejected: dict[str, int] = {}
+        # What pushes make it say (a push ignored, malformed or rejected): at most a line a second per
+        # reason. Without [security] anyone who reaches the endpoint can send pushes, one line each.
+        self.push_log = ThrottledLog(log)
         # Acknowledgements of this turn, one per (core, shard, agent): the last says all the earlier
         # ones said (an applied key only grows under one agent), so only it is sent (before_send).
         self._acks: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -454,8 +458,14 @@ class ReplicantNode(NodeServer):
             self._acks[(effect.core, shard, effect.agent_id)] = ack_body(shard, effect)
         elif isinstance(effect, p.SendReject):
             self.pushes_rejected[shard] = self.pushes_rejected.get(shard, 0) + 1
-            log.info(
-                "shard %s: rejected a push of agent %s from %s: %s", shard, effect.agent_id, effect.core, effect.reason
+            self.push_log.log(
+                f"rejected: {effect.reason}",  # one of the replica's few REJECT_ reasons
+                logging.INFO,
+                "shard %s: rejected a push of agent %s from %s: %s",
+                shard,
+                effect.agent_id,
+                effect.core,
+                effect.reason,
             )
             body = {"shard": shard, "agent": effect.agent_id, "applied": list(replica.applied_key)}
             body["rejected"] = effect.reason
@@ -793,12 +803,12 @@ class ReplicantNode(NodeServer):
         if replica is None:
             return
         if body.core not in self.core_sockets:
-            log.warning("push from unknown core %r ignored", body.core)
+            self.push_log.log("unknown core", logging.WARNING, "push from unknown core %.64r ignored", body.core)
             return
         try:
             push = push_received(replica, body)
         except messages.MessageError as error:
-            log.warning("malformed push from %s: %s", body.core, error)
+            self.push_log.log("malformed", logging.WARNING, "malformed push from %.64s: %.300s", body.core, error)
             return
         self._core_heard_ms = self.clock_ms()
         self._step(replica, push)

@@ -240,6 +240,34 @@ def monotonic_ms() -> int:
     return int(time.monotonic() * 1000)
 
 
+class ThrottledLog:
+    """At most one line per ``interval_ms`` per reason, saying how many lines of that reason it left
+    out since the last one: what a sender controls (a frame per message, without ``[security]`` from
+    anyone who reaches the endpoint) must not become a line per message. ``reason`` is a fixed name
+    from the code, never the sender's: the reasons, and so this, stay bounded whatever arrives."""
+
+    def __init__(
+        self, logger: logging.Logger, interval_ms: int = 1000, clock: Callable[[], int] = monotonic_ms
+    ) -> None:
+        self.logger = logger
+        self.interval_ms = interval_ms
+        self.clock = clock
+        # reason -> (when its last line was logged, lines left out since)
+        self._reasons: dict[str, tuple[int, int]] = {}
+
+    def log(self, reason: str, level: int, text: str, *args: Any) -> None:
+        now_ms = self.clock()
+        logged_ms, suppressed = self._reasons.get(reason, (None, 0))
+        if logged_ms is not None and now_ms - logged_ms < self.interval_ms:
+            self._reasons[reason] = (logged_ms, suppressed + 1)
+            return
+        self._reasons[reason] = (now_ms, 0)
+        if suppressed:
+            text += " (and %d more like it in the last %d ms)"
+            args = (*args, suppressed, now_ms - logged_ms)
+        self.logger.log(level, text, *args)
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cyclic collector off while a bounded piece of work runs that makes, and frees itself,

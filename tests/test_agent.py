@@ -708,6 +708,62 @@ def test_pushes_the_driver_dropped_can_never_be_read_and_are_not_waited_for(drop
     assert len(effects) == 1 and "acknowledged nothing for 1000 ms" in effects[0].reason
 
 
+@pytest.mark.timeout(10)
+def test_after_pushes_dropped_a_token_proves_only_what_the_pushes_since_carried():
+    """Regression: the proofs of the pushes the driver dropped stayed, so the token of a push sent after
+    the drop (carrying fewer keys) proved the higher last key of a dropped push that never arrived: a
+    replicant acknowledged keys it never received, and the agent never pushed them again."""
+    machine = proving_agent(build_log(20), push_entries_max=10, pushes_in_flight_max=10)
+    dropped = pushes(machine.step(CommittedAdvanced(TxKey(1, 20), True), 0))
+    assert [push.entries[-1].tx_key for push in dropped] == [TxKey(1, 10), TxKey(1, 20)]
+    machine.step(PushesDropped(), 1, push_bytes_max=0)  # neither push arrived
+    resent = pushes(machine.step(Ticked(), 2, push_bytes_max=1))  # one push in this step
+    assert [push.entries[-1].tx_key for push in resent] == [TxKey(1, 10)]
+    assert machine.step(AckReceived(TxKey(1, 20), resent[0].token), 3) == []
+    status = machine.status()
+    assert status.acks_refused == 1 and status.acked_key == ZERO_KEY and not machine.acknowledged
+    # A dropped push's own token proves no more: it can never be read.
+    machine.step(AckReceived(TxKey(1, 20), dropped[-1].token), 3)
+    assert machine.status().acks_refused == 2 and machine.status().acked_key == ZERO_KEY
+    machine.step(AckReceived(TxKey(1, 10), resent[0].token), 4)
+    assert machine.status().acked_key == TxKey(1, 10) and machine.status().acks_refused == 2
+    # Proven before the drop stays proven.
+    machine = proving_agent(build_log(20), push_entries_max=10, pushes_in_flight_max=10)
+    first = pushes(machine.step(CommittedAdvanced(TxKey(1, 20), True), 0))
+    machine.step(AckReceived(TxKey(1, 5), first[-1].token), 1)  # read both, applied five entries
+    machine.step(PushesDropped(), 2, push_bytes_max=0)
+    heartbeat = pushes(machine.step(Ticked(), 600, push_bytes_max=0))
+    assert heartbeat and heartbeat[0].entries == ()
+    machine.step(AckReceived(TxKey(1, 20), heartbeat[0].token), 601)
+    assert machine.status().acked_key == TxKey(1, 20) and machine.status().acks_refused == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_replica_that_read_pushes_before_a_drop_proves_their_keys_with_the_resend():
+    """A replica that read pushes just before the driver dropped the rest, its acknowledgement not come
+    yet, holds keys only pushes sent after the drop can prove now: the agent pushes again up to its
+    highest key at once, or the partial push would wait for an acknowledgement it must refuse."""
+    machine = proving_agent(build_log(7), push_entries_max=4, heartbeat_interval_ms=100, ack_timeout_ms=1000)
+    sent = pushes(machine.step(CommittedAdvanced(TxKey(1, 2), True), 0))
+    sent += pushes(machine.step(CommittedAdvanced(TxKey(1, 6), True), 1))  # a full push goes at once
+    sent += pushes(machine.step(CommittedAdvanced(TxKey(1, 7), True), 2))  # a partial one waits
+    assert [push.entries[-1].tx_key for push in sent] == [TxKey(1, 2), TxKey(1, 6)]
+    holds = TxKey(1, 6)  # the replica read both; its acknowledgement is not here when the socket closes
+    machine.step(PushesDropped(), 3, push_bytes_max=0)
+    resent = pushes(machine.step(Ticked(), 3))
+    assert [push.entries[-1].tx_key for push in resent] == [TxKey(1, 4), TxKey(1, 7)]
+    machine.step(AckReceived(holds, resent[-1].token), 4)  # one acknowledgement for the turn's reads
+    assert machine.status().acked_key == holds and machine.status().acks_refused == 0
+    machine.step(AckReceived(TxKey(1, 7), resent[-1].token), 5)
+    assert machine.status().acked_key == TxKey(1, 7) and machine.status().unacknowledged_entries == 0
+    # The resend done, a partial push waits for the pushes in flight again.
+    machine = proving_agent(build_log(9), push_entries_max=4)
+    machine.step(CommittedAdvanced(TxKey(1, 2), True), 0)
+    machine.step(PushesDropped(), 1, push_bytes_max=0)
+    assert pushed_keys(machine.step(Ticked(), 1)) == [TxKey(1, 1), TxKey(1, 2)]
+    assert pushed_keys(machine.step(CommittedAdvanced(TxKey(1, 3), True), 2)) == []
+
+
 def test_progress_is_an_acknowledgement_that_advances_or_finds_nothing_unacknowledged():
     """``last_progress_ms`` (the memory budget's and ``watches_max``'s liveness): an acknowledgement
     that re-acknowledges an old key while pushes wait is no progress, though it arrives."""

@@ -1187,3 +1187,36 @@ def test_cluster_members_at_a_replicant_says_it_has_none_and_names_the_core_it_w
             assert f"mnesite cluster members --node {core.endpoint}" in shown.stderr
     finally:
         core.stop()
+
+
+@pytest.mark.timeout(10)
+def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp_path, caplog) -> None:
+    """Regression: without [security] anyone who reaches a replicant's endpoint can send it pushes, and
+    each one from an unknown core, or malformed, or rejected, logged a line of its own: a log flood."""
+    import logging
+
+    node = offline_replicant(tmp_path / "r")
+    try:
+        node._open_replica("default")
+        node.core_sockets = {"core1": object()}  # stands for core1's socket: only queued to here
+        now = [0]
+        node.push_log.clock = lambda: now[0]
+        push = {"shard": "default", "agent": "x", "entries": [], "committed": [0, 0], "hears_sequencer": True}
+        caplog.set_level(logging.INFO, logger="mnesite.replicant")
+        for sent in range(1000):
+            node._on_push(typed_body("push", {**push, "core": f"intruder{sent}"}))
+            node._on_push(typed_body("push", {**push, "core": "core1", "agent": f"core1-{sent}"}))  # no such watch
+        lines = [record.getMessage() for record in caplog.records]
+        assert len(lines) == 2, lines
+        assert lines[0] == "push from unknown core 'intruder0' ignored"
+        assert lines[1].startswith("shard default: rejected a push of agent core1-0 from core1: not the watched")
+        assert node.pushes_rejected == {"default": 1000}, "every rejection is still counted"
+        caplog.clear()
+        now[0] = 1000  # a second later: one line again per reason, with the count of those left out
+        node._on_push(typed_body("push", {**push, "core": "intruder"}))
+        (line,) = [record.getMessage() for record in caplog.records]
+        assert line == "push from unknown core 'intruder' ignored (and 999 more like it in the last 1000 ms)"
+    finally:
+        node.core_sockets = {}
+        node.store.close()
+        node.data_dir_lock.release()
