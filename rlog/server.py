@@ -1277,9 +1277,10 @@ class NodeServer:
         # Before the pages are collected: a shard that stopped serving before a worker took a first
         # page's snapshot is noted in this turn or an earlier one (it serves again turns later).
         note_unserved(self._queries_starting.values(), reached)
-        for waiting in self.waiting_queries.expired(now):
-            envelope, request_id = waiting.payload
-            self.reply(envelope, messages.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
+        # The ready ones first: a wait ends when its shards reach their keys or its deadline passes,
+        # whichever comes first, and a query whose shards are there is answered even if its deadline is
+        # now too. Expired first, a query of wait_ms 0 ("do not wait", docs/concepts/queries.md) timed
+        # out on its first turn, also one with nothing to wait for.
         for waiting in self.waiting_queries.ready(reached):
             try:
                 self.queries.start(waiting)
@@ -1288,6 +1289,9 @@ class NodeServer:
                 self.refuse(envelope, request_id, error)
             else:
                 self._queries_starting[id(waiting)] = waiting
+        for waiting in self.waiting_queries.expired(now):
+            envelope, request_id = waiting.payload
+            self.reply(envelope, messages.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
         for finished in self.queries.finished(drain=self._queries_woken):
             if finished.failed is not None:
                 # A query's read met a damaged database or an I/O error (``rlog.store.read_fault``):
