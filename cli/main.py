@@ -996,6 +996,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo(
             f"backup to {backup['path']}: {backup['state']}, {backup['pages_copied']} of {backup['pages_total']} pages"
         )
+    failed = result.get("backup_failed")
+    if failed is not None:
+        click.echo(f"last backup FAILED: {failed['path']} at {failed['failed_at']}: {failed['error']}")
     if result.get("no_core_reached"):
         click.echo(f"WARNING: {result['no_core_reached']}")
     if not result["shards"]:

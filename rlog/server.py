@@ -386,6 +386,10 @@ class NodeServer:
         self.disk = DiskHealth(config.disk_probe_interval_ms)
         self.frames_dropped_disk = 0
         self.backup_job: BackupJob | None = None
+        # The last backup that failed (``BackupJob.failure``) until one succeeds: a failed job is
+        # reported once to the command polling it and then dropped (asking again starts anew), and
+        # the failure must stay visible to whatever watches ``status`` and the metrics.
+        self.backup_failed: dict[str, Any] | None = None
         # Metrics ([metrics] listen): None when off. ``transactions`` is counted by the core's apply.
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -550,6 +554,7 @@ class NodeServer:
         ``not_ready`` is the node's reason not to start one now (a shard whose rows are incomplete).
         Raises ``BackupError`` with the reason a backup cannot start.
         """
+        self._note_backup()  # before the job can be replaced or dropped
         current = self.backup_job.view if self.backup_job is not None else None
         action = decide(current, body.path)
         if action == "busy" and self.backup_job is not None:
@@ -564,9 +569,30 @@ class NodeServer:
         if self.backup_job is None:
             raise BackupError("no backup job")
         status = self.backup_job.status()
+        self._note_backup()
         if status["state"] == "failed":
             self.backup_job = None  # reported once: asking again with the same path tries again
         return status
+
+    def _note_backup(self) -> None:
+        """Keep the current job's failure, or forget the last one once a backup succeeded."""
+        job = self.backup_job
+        if job is None:
+            return
+        failure = job.failure()
+        if failure is not None:
+            self.backup_failed = failure
+        elif job.state == "done":
+            self.backup_failed = None
+
+    def backup_status(self) -> dict[str, Any]:
+        """``status``'s ``backup`` (the current or last job) and ``backup_failed`` (the last failure,
+        until a backup succeeds)."""
+        self._note_backup()
+        return {
+            "backup": self.backup_job.status() if self.backup_job is not None else None,
+            "backup_failed": self.backup_failed,
+        }
 
     def security_status(self) -> dict[str, Any]:
         if self.security is None:
