@@ -1672,6 +1672,9 @@ class StoreFeedReader:
     def entries_after(self, shard: str, after: TxKey, limit: int, up_to: TxKey) -> list[Entry]:
         return self.store.entries_after(shard, after, limit, up_to)
 
+    def key_column_at(self, shard: str, table: str, tx_key: TxKey) -> str | None:
+        return self.store.key_column_at(shard, table, tx_key)
+
     def table_batch(self, table: TableSchema, after: Any, rows_max: int, bytes_max: int) -> dict[str, Any]:
         # Not ``rows_total``: a bootstrap's first batch counts the table (up to 500,001 rows, tens of
         # ms in the loop) for its progress; a page must cost its rows only, and the feed has no use for it.
