@@ -861,7 +861,8 @@ def transaction_with_blobs(request: dict[str, Any]) -> dict[str, Any]:
 
 @main.command("import")
 @click.argument("table_name", metavar="TABLE")
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+# Not strict: a byte that is not UTF-8 is refused by ``transfer.bounded_lines``, naming its line and offset.
+@click.argument("file", type=click.File("r", encoding="utf-8", errors="surrogateescape"))
 @click.option(
     "--format", "file_format", type=click.Choice(["jsonl", "csv"]), default=None, help="Default: from FILE's suffix."
 )
@@ -884,12 +885,13 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
     file's size. A regular FILE is read twice: first checked against TABLE's
     columns (an error names the line and nothing is written), then imported. CSV cells are converted
     to the column's type; an empty cell is null (in a TEXT column: the empty text; an ANY column's
-    cells stay text). JSON lines keep every value as it is. A byte order mark opening FILE (Excel's
-    "CSV UTF-8") is skipped. Progress goes to stderr (about once a second) unless --quiet.
+    cells stay text). JSON lines keep every value as it is. FILE is UTF-8: a byte order mark opening it
+    (Excel's "CSV UTF-8") is skipped, and a byte that is not UTF-8 is an error naming its line and byte
+    offset. Progress goes to stderr (about once a second) unless --quiet.
     """
     from mnesite.cli import transfer
 
-    file_format = file_format or transfer.format_of(file.name)
+    file_format = file_format or transfer.format_of(transfer.file_name(file))
     # Lines untranslated (what csv needs): "\r\n" or "\r" inside a quoted CSV cell is the cell's text.
     file.reconfigure(newline="")
     with client_for(endpoint, timeout_ms) as client:
@@ -995,6 +997,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo(
             f"backup to {backup['path']}: {backup['state']}, {backup['pages_copied']} of {backup['pages_total']} pages"
         )
+    failed = result.get("backup_failed")
+    if failed is not None:
+        click.echo(f"last backup FAILED: {failed['path']} at {failed['failed_at']}: {failed['error']}")
     if result.get("no_core_reached"):
         click.echo(f"WARNING: {result['no_core_reached']}")
     if not result["shards"]:

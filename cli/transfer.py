@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ PROGRESS_INTERVAL_S = 1.0  # an import or export says how far it got at most thi
 # The share of the client's frame_bytes_max a batch's ops may fill: the rest is the request's envelope.
 BATCH_FRAME_SHARE = 0.9
 BYTE_ORDER_MARK = "\ufeff"  # skipped at the start of a file (and of stdin)
+# How ``import`` decodes FILE (``bounded_lines``): bytes that are not UTF-8 become U+DC80..U+DCFF.
+FILE_ERRORS = "surrogateescape"
+NOT_UTF8_BYTE = re.compile("[\udc80-\udcff]")
 csv.field_size_limit(LINE_CHARS_MAX)
 
 
@@ -51,6 +55,12 @@ class ImportFailed(Exception):
 class Imported:
     rows: int = 0
     transactions: int = 0
+
+
+def file_name(file: IO[str]) -> str:
+    """What a message calls ``file``: its path, or ``<stdin>`` (a stream click re-wrapped to decode it
+    as ``FILE_ERRORS`` says may have no name)."""
+    return str(getattr(file, "name", "<stdin>"))
 
 
 def format_of(name: str) -> str:
@@ -125,8 +135,15 @@ def _value_refusal(value: Any) -> str | None:
 
 def bounded_lines(file: IO[str]) -> Iterator[str]:
     """The lines of ``file``, each read with a bound: a line longer than ``LINE_CHARS_MAX`` is refused.
-    A byte order mark opening the file is dropped."""
+    A byte order mark opening the file is dropped.
+
+    ``file`` is decoded with ``errors="surrogateescape"`` (``FILE_ERRORS``): a byte that is not UTF-8
+    arrives as a lone surrogate of U+DC80..U+DCFF, which no UTF-8 text can hold, and is refused here
+    naming the file, its line and its byte offset. Decoded strictly, the decoder raised in the middle
+    of a read, with an offset into its own buffer, and the import ended in ``unexpected
+    UnicodeDecodeError``. The offset counts the bytes of the lines before (their UTF-8 length)."""
     line_number = 0
+    offset = 0  # bytes of the file before this line
     while True:
         text = file.readline(LINE_CHARS_MAX + 1)
         if not text:
@@ -134,6 +151,19 @@ def bounded_lines(file: IO[str]) -> Iterator[str]:
         line_number += 1
         if len(text) > LINE_CHARS_MAX:
             raise ImportFailed(f"line {line_number}: longer than {LINE_CHARS_MAX} characters")
+        if text.isascii():
+            size = len(text)
+        else:
+            undecoded = NOT_UTF8_BYTE.search(text)
+            if undecoded is not None:
+                at = offset + len(text[: undecoded.start()].encode("utf-8", FILE_ERRORS))
+                byte = ord(undecoded.group()) - 0xDC00  # surrogateescape's mapping back to the byte
+                raise ImportFailed(
+                    f"{file_name(file)}: line {line_number}, byte {at}: not UTF-8 text "
+                    f"(byte 0x{byte:02x}); save the file as UTF-8"
+                )
+            size = len(text.encode("utf-8"))
+        offset += size
         if line_number == 1 and text.startswith(BYTE_ORDER_MARK):
             text = text[1:]  # not data: Excel's "CSV UTF-8" and Windows tools open a file with it
         yield text

@@ -2385,7 +2385,7 @@ class CoreNode(NodeServer):
             "agents": self.agent_server.status(),
             "agent_budget": {**self.agent_server.budget.status(), "acks_refused": self.agent_server.acks_refused},
             "security": self.security_status(),
-            "backup": self.backup_job.status() if self.backup_job is not None else None,
+            **self.backup_status(),
             **self._versions_status(),
             "peer_frames_refused": self.peer_frames_refused,
             "shards": shards,

@@ -1052,7 +1052,7 @@ class ReplicantNode(NodeServer):
             "changes": self.changes_statistics(),
             # online index builds (rlog.store): per table, rows copied so far and the indexes being built
             "index_builds": self.store.index_build_status(),
-            "backup": self.backup_job.status() if self.backup_job is not None else None,
+            **self.backup_status(),
             "versions": self.versions.to_wire(),
             "core_versions": {
                 core: {**a.to_wire(), "announced": a.announced, "refused": incompatibility(self.versions, a)}

@@ -201,6 +201,18 @@ class BackupJob:
             )
         self.record = record
 
+    def failure(self) -> dict[str, Any] | None:
+        """What ``status`` keeps of this job once it failed (``backup_failed``), None unless it failed."""
+        if self.state != "failed":
+            return None
+        failed_s = self.finished_s or time.time()  # the thread sets ``state`` just before ``finished_s``
+        return {
+            "path": self.path,
+            "error": self.error,
+            "failed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(failed_s)),
+            "failed_at_s": round(failed_s, 3),
+        }
+
     def status(self) -> dict[str, Any]:
         copied = self.pages_total - self.pages_remaining
         return {

@@ -112,6 +112,8 @@ class FeedReader(Protocol):
 
     def trimmed(self, shard: str) -> TxKey: ...
 
+    def key_column_at(self, shard: str, table: str, tx_key: TxKey) -> str | None: ...
+
     def entries_after(self, shard: str, after: TxKey, limit: int, up_to: TxKey) -> list[Entry]: ...
 
     def table_batch(self, table: TableSchema, after: Any, rows_max: int, bytes_max: int) -> dict[str, Any]: ...
@@ -306,8 +308,9 @@ class _ShardFeed:
         self.budget = budget
         self.trimmed = reader.trimmed(shard)
         self.records: list[dict[str, Any]] = []
-        # Key columns of tables created in entries of this page (a table may be gone from the catalog).
-        self.key_columns: dict[str, str] = {}
+        # Key columns of the tables this page's entries write: from a ``CreateTableOp`` read in the page,
+        # else asked of the reader at the first write of the table in the page (``_key_column``).
+        self.key_columns: dict[str, str | None] = {}
         self.snapshots = 0
         self.scanned = 0  # entries read for this page (ENTRIES_SCANNED_MAX)
         # Why the position is not in this node's history (``_entries`` found the log not chaining from it).
@@ -454,11 +457,15 @@ class _ShardFeed:
                     break
         return _moved(position, after, skip)
 
-    def _key_column(self, table: str) -> str | None:
-        if table in self.key_columns:
-            return self.key_columns[table]
-        schema = self.catalog.get(table)
-        return schema.key_column if schema is not None else None
+    def _key_column(self, table: str, tx_key: TxKey) -> str | None:
+        """The key column of the table the entry at ``tx_key`` writes. Not the catalog's: that is the
+        table of this name made last, and a table dropped after this entry and made again keyed on
+        another column gave the old table's writes the new column's value as their key. The reader
+        knows each drop's key column (``Store.key_column_at``); asked once per table and page, since
+        the table of a name can change within the page only by a ``CreateTableOp`` read in it."""
+        if table not in self.key_columns:
+            self.key_columns[table] = self.reader.key_column_at(self.shard, table, tx_key)
+        return self.key_columns[table]
 
     def _records_of(self, entry: Entry, kind: str) -> tuple[list[dict[str, Any]], list[int]]:
         """The entry's records for this feed and each one's size (its row's bytes and the overhead)."""
@@ -474,7 +481,7 @@ class _ShardFeed:
             record: dict[str, Any] = {"kind": kind, "shard": self.shard, "tx_key": tx_key, "table": table}
             size = RECORD_OVERHEAD_BYTES
             if isinstance(op, WriteOp):
-                column = self._key_column(table)
+                column = self._key_column(table, entry.tx_key)
                 record.update(op="write", key=op.row.get(column) if column else None, row=op.row)
                 size += row_size_bytes(op.row)
             elif isinstance(op, DeleteOp):

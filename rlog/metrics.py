@@ -309,6 +309,7 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
         waiting.add_metric([], connections["waiting"])
         yield from (overloaded, waiting)
     yield from _disk_families(status.get("disk"))
+    yield from _backup_families(status)
     yield from _reader_families(status.get("queries"), status.get("changes"))
 
 
@@ -358,6 +359,18 @@ def _disk_families(disk: dict[str, Any] | None) -> Iterator[Any]:
     refused = CounterMetricFamily("mnesite_disk_full_writes_refused", "Writes refused with disk_full")
     refused.add_metric([], disk.get("writes_refused", 0))
     yield from (full, full_for, fills, refused)
+
+
+def _backup_families(status: dict[str, Any]) -> Iterator[Any]:
+    """The last backup's failure (``backup_failed``, kept until a backup succeeds): alert on it."""
+    if "backup" not in status:
+        return
+    failed = status.get("backup_failed")
+    gauge = _gauge("mnesite_backup_failed", "1 while the last backup failed and none has succeeded since", [])
+    gauge.add_metric([], 1 if failed is not None else 0)
+    when = _gauge("mnesite_backup_failed_timestamp_seconds", "Unix time of that failure (0 when none)", [])
+    when.add_metric([], failed["failed_at_s"] if failed is not None else 0)
+    yield from (gauge, when)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

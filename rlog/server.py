@@ -414,6 +414,10 @@ class NodeServer:
         self.disk = DiskHealth(config.disk_probe_interval_ms)
         self.frames_dropped_disk = 0
         self.backup_job: BackupJob | None = None
+        # The last backup that failed (``BackupJob.failure``) until one succeeds: a failed job is
+        # reported once to the command polling it and then dropped (asking again starts anew), and
+        # the failure must stay visible to whatever watches ``status`` and the metrics.
+        self.backup_failed: dict[str, Any] | None = None
         # Metrics ([metrics] listen): None when off. ``transactions`` is counted by the core's apply.
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -578,6 +582,7 @@ class NodeServer:
         ``not_ready`` is the node's reason not to start one now (a shard whose rows are incomplete).
         Raises ``BackupError`` with the reason a backup cannot start.
         """
+        self._note_backup()  # before the job can be replaced or dropped
         current = self.backup_job.view if self.backup_job is not None else None
         action = decide(current, body.path)
         if action == "busy" and self.backup_job is not None:
@@ -592,9 +597,30 @@ class NodeServer:
         if self.backup_job is None:
             raise BackupError("no backup job")
         status = self.backup_job.status()
+        self._note_backup()
         if status["state"] == "failed":
             self.backup_job = None  # reported once: asking again with the same path tries again
         return status
+
+    def _note_backup(self) -> None:
+        """Keep the current job's failure, or forget the last one once a backup succeeded."""
+        job = self.backup_job
+        if job is None:
+            return
+        failure = job.failure()
+        if failure is not None:
+            self.backup_failed = failure
+        elif job.state == "done":
+            self.backup_failed = None
+
+    def backup_status(self) -> dict[str, Any]:
+        """``status``'s ``backup`` (the current or last job) and ``backup_failed`` (the last failure,
+        until a backup succeeds)."""
+        self._note_backup()
+        return {
+            "backup": self.backup_job.status() if self.backup_job is not None else None,
+            "backup_failed": self.backup_failed,
+        }
 
     def security_status(self) -> dict[str, Any]:
         if self.security is None:
@@ -1305,9 +1331,10 @@ class NodeServer:
         # Before the pages are collected: a shard that stopped serving before a worker took a first
         # page's snapshot is noted in this turn or an earlier one (it serves again turns later).
         note_unserved(self._queries_starting.values(), reached)
-        for waiting in self.waiting_queries.expired(now):
-            envelope, request_id = waiting.payload
-            self.reply(envelope, messages.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
+        # The ready ones first: a wait ends when its shards reach their keys or its deadline passes,
+        # whichever comes first, and a query whose shards are there is answered even if its deadline is
+        # now too. Expired first, a query of wait_ms 0 ("do not wait", docs/concepts/queries.md) timed
+        # out on its first turn, also one with nothing to wait for.
         for waiting in self.waiting_queries.ready(reached):
             try:
                 self.queries.start(waiting)
@@ -1316,6 +1343,9 @@ class NodeServer:
                 self.refuse(envelope, request_id, error)
             else:
                 self._queries_starting[id(waiting)] = waiting
+        for waiting in self.waiting_queries.expired(now):
+            envelope, request_id = waiting.payload
+            self.reply(envelope, messages.error(request_id, "timeout", f"query not started: {waiting.describe()}"))
         for finished in self.queries.finished(drain=self._queries_woken):
             if finished.failed is not None:
                 # A query's read met a damaged database or an I/O error (``rlog.store.read_fault``):
@@ -1669,6 +1699,9 @@ class StoreFeedReader:
 
     def entries_after(self, shard: str, after: TxKey, limit: int, up_to: TxKey) -> list[Entry]:
         return self.store.entries_after(shard, after, limit, up_to)
+
+    def key_column_at(self, shard: str, table: str, tx_key: TxKey) -> str | None:
+        return self.store.key_column_at(shard, table, tx_key)
 
     def table_batch(self, table: TableSchema, after: Any, rows_max: int, bytes_max: int) -> dict[str, Any]:
         # Not ``rows_total``: a bootstrap's first batch counts the table (up to 500,001 rows, tens of

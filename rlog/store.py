@@ -17,6 +17,11 @@ Internal tables all start with ``_mnesite``:
   index that holds it now, NULL while it is being built (see "Online index builds").
 * ``_mnesite_index_builds(table_name, after, copied, physical)``: a table being copied into
   ``_mnesite_build_TABLE`` to build indexes online.
+* ``_mnesite_dropped_tables(shard, name, key_column, generation, counter)``: each table a log entry
+  dropped, its key column and the drop's tx key, kept while the log holds entries before the drop.
+  The changefeed's key of a write in an older entry is its own table's key column, and the catalog
+  holds only the table of that name made last (``key_column_at``). Written where applied entries
+  are (``_record_drops``), trimmed with the log; a drop applied by a release before 0.2.0 has none.
 
 Online index builds
 -------------------
@@ -156,6 +161,11 @@ CREATE TABLE IF NOT EXISTS _mnesite_indexes(
 CREATE TABLE IF NOT EXISTS _mnesite_index_builds(
     table_name TEXT PRIMARY KEY, after ANY, copied INTEGER NOT NULL, physical TEXT NOT NULL
 ) STRICT;
+CREATE TABLE IF NOT EXISTS _mnesite_dropped_tables(
+    shard TEXT NOT NULL, name TEXT NOT NULL, key_column TEXT NOT NULL,
+    generation INTEGER NOT NULL, counter INTEGER NOT NULL,
+    PRIMARY KEY (shard, name, generation, counter)
+) STRICT, WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS _mnesite_rlog_request ON _mnesite_rlog(request_id) WHERE request_id IS NOT NULL;
 """
 
@@ -407,6 +417,9 @@ class Store:
             pages = self.checkpointer.pages_background + self.checkpointer.pages_background // 4
             self.wal_reserve = WalReserve(path + "-wal", page_size, frames_end(pages, page_size))
         self._catalog: dict[str, TableSchema] | None = None
+        # Tables dropped by the ops being applied, (id of the op, table, its key column), until
+        # ``_record_drops`` finds each one's entry (batched applies flatten the ops of many entries).
+        self._drops_pending: list[tuple[int, str, str]] = []
         # The newest log entry's (key, digest) per shard, as this connection last wrote or read it: a
         # sequencer appends every proposal on its own, and the SELECT that found the log's end cost
         # more than the INSERT. Kept by ``append_entries``/``log_and_apply_verified``; forgotten by
@@ -534,6 +547,7 @@ class Store:
     def rollback(self) -> None:
         """Roll back the open transaction, if SQLite has not already (it may after SQLITE_FULL)."""
         self._catalog = None  # a rolled-back CREATE TABLE must not linger in the cache
+        self._drops_pending = []  # nor a rolled-back drop
         self._builds = None  # nor a rolled-back index build (rlog.store's online builds)
         self._forget_log_ends()  # nor rolled-back appends
         if self.connection.in_transaction:
@@ -603,6 +617,39 @@ class Store:
                 catalog[name] = TableSchema(name, shard, key_column, definition, tuple(indexes.get(name, ())))
             self._catalog = catalog
         return self._catalog
+
+    def key_column_at(self, shard: str, table: str, tx_key: TxKey) -> str | None:
+        """The key column of ``table`` as the entry at ``tx_key`` wrote it: that of the first drop of
+        the table at or after the entry (the table it wrote was that one), else the catalog's (it is
+        the table there now); None if neither knows it. At, not only after: an entry may write a table
+        and then drop it; one that drops a table and makes it again names the new key in its own
+        ``CreateTableOp``, which a reader of the entry meets before the writes after it."""
+        row = self.connection.execute(
+            "SELECT key_column FROM _mnesite_dropped_tables WHERE shard = ? AND name = ? "
+            "AND (generation, counter) >= (?, ?) ORDER BY generation, counter LIMIT 1",
+            (shard, table, tx_key[0], tx_key[1]),
+        ).fetchone()
+        if row is not None:
+            return row[0]
+        schema = self.catalog().get(table)
+        return schema.key_column if schema is not None else None
+
+    def _record_drops(self, entries: Sequence[Entry]) -> None:
+        """Record the tables the ops of ``entries`` dropped (``_drops_pending``) under their entry's key,
+        in the apply's transaction. Costs nothing unless a table was dropped; a drop no entry holds
+        (schema ops a copy brought, not from the log) is no position of the log and is not recorded."""
+        pending, self._drops_pending = self._drops_pending, []
+        if not pending:
+            return
+        entry_of = {id(op): entry for entry in entries for op in entry.ops if type(op) is DropTableOp}
+        rows = [
+            (entry.shard, table, key_column, entry.tx_key.generation, entry.tx_key.counter)
+            for op_id, table, key_column in pending
+            if (entry := entry_of.get(op_id)) is not None
+        ]
+        # OR IGNORE: an entry that drops a table twice (made again between) keeps its first drop's key,
+        # the table its earlier writes wrote.
+        self.connection.executemany("INSERT OR IGNORE INTO _mnesite_dropped_tables VALUES (?, ?, ?, ?, ?)", rows)
 
     # -- shards -------------------------------------------------------------------------------
 
@@ -800,6 +847,7 @@ class Store:
                 raise  # not an entry's fault (rlog.disk); SQLite may have rolled back already
             self.rollback()
             raise self._entry_at_fault(chain, error, healing) from None
+        self._record_drops(chain)
         last = chain[-1]
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
@@ -850,6 +898,7 @@ class Store:
         if chain_break(position.applied, position.digest, entry) is not None:
             raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
         self.apply_ops(entry.ops, healing)
+        self._record_drops((entry,))
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
             "generation = max(generation, ?) WHERE shard = ?",
@@ -897,6 +946,7 @@ class Store:
             # As ``_apply_chain``: the turn is rolled back and the node stops, naming the entry.
             self.rollback()
             raise self._entry_at_fault(list(entries), error, healing) from None
+        self._record_drops(entries)
         last = entries[-1]
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
@@ -1046,6 +1096,7 @@ class Store:
         try:
             if isinstance(op, DropTableOp):
                 if check_droppable(catalog, op):
+                    self._drops_pending.append((id(op), op.table, catalog[op.table].key_column))
                     self._end_build(op.table)
                     self.connection.execute(f"DROP TABLE {quote(op.table)}")  # its indexes go with it
                     self.connection.execute("DELETE FROM _mnesite_tables WHERE name = ?", (op.table,))
@@ -1295,6 +1346,11 @@ class Store:
                 (shard, newest_removed.generation, newest_removed.counter),
             )
             deleted = self.connection.changes()
+            # The entries left all come after these drops: none is keyed by them (``key_column_at``).
+            self.connection.execute(
+                "DELETE FROM _mnesite_dropped_tables WHERE shard = ? AND (generation, counter) <= (?, ?)",
+                (shard, newest_removed.generation, newest_removed.counter),
+            )
             self.connection.execute(
                 "UPDATE _mnesite_shards SET trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ? "
                 "WHERE shard = ?",

@@ -293,6 +293,44 @@ def test_a_failed_backup_is_reported_leaves_no_file_and_can_be_retried(
     )
 
 
+def test_a_failed_backup_stays_in_the_status_until_a_backup_succeeds(
+    thread_node: ThreadNode, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed backup is reported once to the command that polls it, and then the node forgot it:
+    ``status`` (and so the metrics) said nothing had failed, so a nightly backup failing for want of
+    space went unseen by whatever watches the node. The last failure stays (``backup_failed``: path,
+    error, when) until a later backup succeeds; a retry of the same path still starts anew."""
+    from mnesite.rlog.backup import BackupJob
+
+    with thread_node.client(timeout_ms=5000) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        assert client.status()["backup_failed"] is None
+    _write_rows(thread_node, 5)
+
+    def disk_full(self: BackupJob, connection: object) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(BackupJob, "_finish", disk_full)
+    for name in ("first.backup", "second.backup"):  # the latest failure is the one shown
+        failed = CliRunner().invoke(main, ["backup", str(tmp_path / name), "--node", thread_node.endpoint])
+        assert failed.exit_code == 1, failed.output
+    with thread_node.client(timeout_ms=5000) as client:
+        status = client.status()
+    assert status["backup"] is None  # reported once: the job itself is gone
+    failure = status["backup_failed"]
+    assert failure["path"] == str(tmp_path / "second.backup") and "No space left" in failure["error"]
+    assert failure["failed_at"].endswith("Z") and failure["failed_at_s"] > 0
+    shown = CliRunner().invoke(main, ["status", "--node", thread_node.endpoint])
+    assert f"last backup FAILED: {tmp_path / 'second.backup'} at {failure['failed_at']}: " in shown.output
+    monkeypatch.undo()
+    done = CliRunner().invoke(main, ["backup", str(tmp_path / "second.backup"), "--node", thread_node.endpoint])
+    assert done.exit_code == 0, done.output
+    with thread_node.client(timeout_ms=5000) as client:
+        status = client.status()
+    assert status["backup"]["state"] == "done" and status["backup_failed"] is None
+    assert "FAILED" not in CliRunner().invoke(main, ["status", "--node", thread_node.endpoint]).output
+
+
 def test_no_backup_while_a_shard_holds_no_committed_state(tmp_path: Path) -> None:
     from types import SimpleNamespace
 

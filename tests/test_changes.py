@@ -519,3 +519,29 @@ def test_a_copy_page_costs_its_rows_not_a_count_of_the_table(node, monkeypatch) 
         page = client.call("changes", {"tables": ["users"], "positions": [position], "page_records": 1})
     assert [record["kind"] for record in page["records"]] == ["snapshot"]
     assert counted == []
+
+
+def test_writes_before_a_table_is_dropped_and_made_again_keep_the_key_of_their_own_definition(node) -> None:
+    """A feed read from a position after a table's creation met its writes with the key column of the
+    catalog, the table as it is now: once the table had been dropped and made again keyed on another
+    column, the old table's writes carried the new key column's value as their key. A change's key is
+    that of the table its entry wrote, whichever definitions came after it."""
+    columns = [("id", "INTEGER"), ("name", "TEXT"), ("email", "TEXT")]
+    with node.client() as client:
+        created = [client.create_table("people", "id", columns)]
+        client.put("people", {"id": 1, "name": "a", "email": "a@x"})
+        client.put("people", {"id": 2, "name": "b", "email": "b@x"})
+        client.delete("people", 2)
+        client.drop_table("people")
+        created.append(client.create_table("people", "name", columns))
+        client.put("people", {"id": 3, "name": "c", "email": "c@x"})
+        client.drop_table("people")
+        created.append(client.create_table("people", "email", columns))
+        client.put("people", {"id": 4, "name": "d", "email": "d@x"})
+        expected = [("write", 1), ("write", 2), ("delete", 2), ("write", "c"), ("write", "d@x")]
+        # From the log's start (each creation read before its writes), and from past each creation.
+        for start, after in enumerate([None, *created]):
+            records = list(client.changes(["people"], after_tx_key=after))
+            keyed = [(r["op"], r["key"]) for r in records if r["op"] in ("write", "delete")]
+            assert keyed == expected[[0, 0, 3, 4][start] :], after
+        assert apply_feed(client.changes(["people"]))["people"] == table_rows(client, "people")

@@ -9,7 +9,7 @@ import pytest
 from mnesite.rlog.changes import ChangesError, PageLimits, build_page, keep_holding, live, worth_a_page
 from mnesite.rlog.messages import ChangesPosition
 from mnesite.rlog.schema import TableSchema
-from mnesite.rlog.types import GENESIS_DIGEST, DeleteOp, DropTableOp, Entry, TxKey, WriteOp
+from mnesite.rlog.types import GENESIS_DIGEST, CreateTableOp, DeleteOp, DropTableOp, Entry, TxKey, WriteOp
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -26,6 +26,8 @@ class MemoryLog:
         self.tables = {"users": USERS}
         self.applied_key = TxKey(0, 0)
         self.generation = 1
+        self.dropped: dict[tuple[TxKey, str], str] = {}  # (drop's key, table): its key column
+        self.key_columns_asked = 0
 
     def _append(self, op: Any) -> TxKey:
         counter = self.applied_key.counter + 1 if self.applied_key.generation == self.generation else 1
@@ -58,6 +60,15 @@ class MemoryLog:
 
     def trimmed(self, shard: str) -> TxKey:
         return self.trimmed_key
+
+    def key_column_at(self, shard: str, table: str, tx_key: TxKey) -> str | None:
+        """As ``Store.key_column_at``: the first drop of ``table`` at or after ``tx_key``, else the catalog."""
+        self.key_columns_asked += 1
+        for entry in self.entries:
+            for op in entry.ops:
+                if entry.tx_key >= tx_key and isinstance(op, DropTableOp) and op.table == table:
+                    return self.dropped[(entry.tx_key, table)]
+        return self.tables[table].key_column if table in self.tables else None
 
     def entries_after(self, shard: str, after: TxKey, limit: int, up_to: TxKey) -> list[Entry]:
         return [entry for entry in self.entries if after < entry.tx_key <= up_to][:limit]
@@ -352,3 +363,23 @@ def test_a_position_in_the_history_is_served_the_entries_after_it_with_no_copy()
         kinds = {record["kind"] for record in page.records}
         assert kinds == {"change"}, (position, kinds)
         assert page.records[0]["tx_key"] == list(log.entries_after("default", position, 1, log.applied_key)[0].tx_key)
+
+
+def test_a_write_before_its_table_was_dropped_and_made_again_is_keyed_by_its_own_table_once_per_page() -> None:
+    """The page keyed a write it met before any creation of its table by the catalog's key column, the
+    table made last: the old table's writes carried the new key column's value. The reader says which
+    table an entry wrote (``key_column_at``), asked once per table and page, not once per write."""
+    log = MemoryLog()
+    columns = (("id", "INTEGER"), ("name", "TEXT"))
+    for i in range(3):
+        log.write(i, f"n{i}")
+    drop = log._append(DropTableOp("users", "default"))
+    log.dropped[(drop, "users")] = "id"
+    log.tables["users"] = TableSchema("users", "default", "name", columns)
+    log._append(CreateTableOp("users", "default", "name", columns))
+    log._append(WriteOp("users", {"id": 7, "name": "seven"}))
+    for after, expected in ((TxKey(0, 0), [0, 1, 2, "seven"]), (TxKey(1, 2), [2, "seven"]), (drop, ["seven"])):
+        log.key_columns_asked = 0
+        page = build_page(log, ["users"], [live("default", after)], PageLimits(100, 1 << 20))
+        assert [r["key"] for r in page.records if r.get("op") == "write"] == expected, after
+        assert log.key_columns_asked == (1 if after < drop else 0)  # after the drop: the page's own create

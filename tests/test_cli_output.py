@@ -160,6 +160,37 @@ def test_an_import_reads_a_file_that_opens_with_a_byte_order_mark(
         assert list(client.scan("items")) == [{"id": i, "price": i + 0.5} for i in range(1, 5)]
 
 
+def test_an_import_of_a_file_that_is_not_utf8_names_the_file_line_and_byte_and_writes_nothing(
+    mnesite, thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """A file in another encoding (Latin-1 from an old export, a binary file given by mistake) failed in
+    the middle of reading with ``unexpected UnicodeDecodeError`` naming neither the file nor the line.
+    It is bad input like a malformed line: one ``Error:`` line naming the file, the line and the byte
+    offset of the first byte that is not UTF-8, exit 1, and nothing written."""
+    good = b'{"id": 1, "price": 1.5}\n{"id": 2, "price": 2.5}\n'
+    bad = b'{"id": 3, "note": "caf' + b"\xe9" + b'"}\n'
+    cases = {
+        "rows.jsonl": (good + bad, 3, len(good) + len('{"id": 3, "note": "caf')),
+        "rows.csv": (b"id,price\n1,1.5\n2,2.\xff5\n", 3, len(b"id,price\n1,1.5\n2,2.")),
+        # A byte order mark counts in the offset (it is bytes of the file), then a truncated sequence.
+        "bom.csv": (b"\xef\xbb\xbfid,price\n\xe2\x82\n", 2, 3 + len(b"id,price\n")),
+    }
+    for name, (content, line, offset) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        result = mnesite("import", "items", str(path))
+        expected = f"Error: {path}: line {line}, byte {offset}: not UTF-8 text"
+        assert result.exit_code == 1 and result.output.startswith(expected), (name, result.output)
+        assert len(result.output.splitlines()) == 1 and "unexpected" not in result.output, result.output
+    piped = CliRunner().invoke(
+        main, ["import", "items", "-", "--node", thread_node.endpoint], input=good + bad, catch_exceptions=False
+    )
+    expected = f"Error: <stdin>: line 3, byte {len(good) + 22}: not UTF-8 text (byte 0xe9)"
+    assert piped.exit_code == 1 and piped.output.startswith(expected), piped.output
+    with thread_node.client() as client:  # refused by the check pass (CliRunner's stdin is seekable)
+        assert client.count("items") == 0
+
+
 def test_a_csv_header_naming_an_unknown_column_is_refused_at_line_1(mnesite, tmp_path: Path) -> None:
     """The header was checked only with each row: the error named line 2 (the first row) for a column
     of line 1, and a header-only file with a wrong column imported nothing and exited 0."""

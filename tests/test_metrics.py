@@ -339,3 +339,18 @@ def test_the_metrics_endpoint_stops_at_once() -> None:
     started = time.monotonic()
     server.stop()
     assert time.monotonic() - started < 0.25
+
+
+def test_a_failed_backup_is_a_metric_until_a_backup_succeeds() -> None:
+    metrics = NodeMetrics("core1", "core")
+    failure = {"path": "/b/x", "error": "OSError: No space left on device", "failed_at": "", "failed_at_s": 1700.5}
+    for failed, expected in ((failure, (1, 1700.5)), (None, (0, 0))):
+        metrics.refresh(0, {"shards": {}, "backup": None, "backup_failed": failed})
+        samples = {}
+        for family in text_string_to_metric_families(metrics.text().decode()):
+            for sample in family.samples:
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        assert (
+            value(samples, "mnesite_backup_failed"),
+            value(samples, "mnesite_backup_failed_timestamp_seconds"),
+        ) == expected

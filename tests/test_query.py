@@ -1138,3 +1138,23 @@ def test_a_query_starts_only_while_its_shards_serve_and_a_start_is_noted_unserve
     serving["other"] = False
     q.note_unserved([local, pinned], reached)
     assert local.unserved and not pinned.unserved
+
+
+def test_a_query_of_wait_ms_0_is_answered_with_what_the_node_has_now_not_timed_out(node: ThreadNode) -> None:
+    """``wait_ms`` bounds how long a query waits for its shards to reach their keys: 0 is "do not
+    wait". A query held for a turn was timed out before it was looked at (the deadline, now, was
+    checked before the shards), so every wait_ms 0 query was ``timeout``, also one with nothing to
+    wait for; a client with a short timeout sends 0 too (``Client._consistency``)."""
+    with node.client(timeout_ms=5000) as client:
+        tx_key = client.put("users", {"id": 5000, "name": "new", "karma": 1})
+        sql = "SELECT count(*) FROM users"
+        for body in ({}, {"min_key": list(tx_key)}, {"consistency": "read-your-writes", "min_key": list(tx_key)}):
+            answer = client.call("query", {"sql": sql, "wait_ms": 0, **body})
+            assert answer["rows"] == [[201]], body
+        # A key not reached: no wait, the timeout at once, naming it.
+        far = [1, 10**9]
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as refused:
+            client.call("query", {"sql": sql, "wait_ms": 0, "min_key": far}, retries=0)
+        assert refused.value.code == "timeout" and str(tuple(far)) in str(refused.value)
+        assert time.monotonic() - started < 2.0

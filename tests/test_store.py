@@ -757,3 +757,51 @@ def test_a_snapshot_install_keeps_the_log_after_its_key_when_the_log_holds_that_
     with store.write_transaction():  # another history at that key: nothing of this log is kept
         store.restart_log_at("default", TxKey(1, 4), b"x" * 32)
     assert store.tail("default", 100) == [] and store.last_entry("default") == (TxKey(1, 4), b"x" * 32)
+
+
+@pytest.mark.parametrize("path", ["apply_entry", "apply_committed", "log_and_apply_verified"])
+def test_each_drop_is_recorded_with_its_key_column_and_trimmed_with_the_log(tmp_path, path: str) -> None:
+    """The changefeed keys a write of an older entry by its own table's key column (``key_column_at``):
+    the catalog holds only the table of that name made last. Every apply path records a drop (batched
+    ones flatten many entries' ops), a rolled-back one leaves nothing, and retention trims them."""
+    store = Store(str(tmp_path / "mnesite.db"), synchronous="NORMAL")
+    columns = (("k", "INTEGER"), ("v", "TEXT"))
+    batches = [
+        [CreateTableOp("t", "default", "k", columns)],
+        [WriteOp("t", {"k": 1, "v": "a"})],
+        [WriteOp("t", {"k": 2, "v": "b"}), DropTableOp("t", "default")],  # (1, 3): writes, then drops
+        [CreateTableOp("t", "default", "v", columns), WriteOp("t", {"k": 3, "v": "c"})],
+        [DropTableOp("t", "default"), CreateTableOp("t", "default", "k", columns)],  # (1, 5)
+        [WriteOp("t", {"k": 4, "v": "d"})],
+    ]
+    try:
+        with store.write_transaction():
+            store.ensure_shard("default", 1)
+        entries, prev, digest = [], ZERO_KEY, GENESIS_DIGEST
+        for counter, ops in enumerate(batches, start=1):
+            entries.append(make_entry("default", TxKey(1, counter), prev, digest, ops))
+            prev, digest = entries[-1].tx_key, entries[-1].digest
+        store.connection.execute("BEGIN")  # a drop rolled back is not recorded
+        for entry in entries[:3]:
+            store.apply_entry(entry)
+        store.rollback()
+        assert store.connection.execute("SELECT count(*) FROM _mnesite_dropped_tables").fetchone() == (0,)
+        with store.write_transaction():
+            if path == "log_and_apply_verified":
+                store.log_and_apply_verified(entries, 0)
+            else:
+                store.append_entries(entries, 0)
+                if path == "apply_entry":
+                    for entry in entries:
+                        store.apply_entry(entry)
+                else:
+                    store.apply_committed("default", entries[-1].tx_key, held=entries)
+        drops = store.connection.execute("SELECT * FROM _mnesite_dropped_tables").fetchall()
+        assert drops == [("default", "t", "k", 1, 3), ("default", "t", "v", 1, 5)]
+        assert [store.key_column_at("default", "t", TxKey(1, c)) for c in range(2, 7)] == ["k", "k", "v", "v", "k"]
+        assert store.key_column_at("default", "gone", TxKey(1, 2)) is None
+        with store.write_transaction():
+            store.trim("default", 2, None)  # keeps (1, 5) and (1, 6): the drop at (1, 3) has no entry before it
+        assert store.connection.execute("SELECT counter FROM _mnesite_dropped_tables").fetchall() == [(5,)]
+    finally:
+        store.close()
