@@ -72,7 +72,7 @@ class WalCheckpointer:
         synchronous: str,
         pages_background: int = WAL_PAGES_BACKGROUND,
         pages_inline: int = WAL_PAGES_INLINE,
-        fault_of: Callable[[BaseException], StorageFault | None] = lambda error: None,
+        fault_of: Callable[[BaseException, int], StorageFault | None] = lambda error, system_errno: None,
     ) -> None:
         if not 0 < pages_background <= pages_inline:
             raise ValueError("need 0 < pages_background <= pages_inline")
@@ -80,7 +80,8 @@ class WalCheckpointer:
         self.synchronous = synchronous
         self.pages_background = pages_background
         self.pages_inline = pages_inline
-        # What a checkpoint's error says about the disk (``rlog.store.storage_fault``).
+        # What a checkpoint's error says about the disk, given the OS error its connection kept
+        # (``rlog.store.storage_fault``: a write refused for a quota is a full disk, retried).
         self.fault_of = fault_of
         # A background checkpoint's I/O error: the node must stop (read by the node's loop).
         self.fatal: StorageFailedError | None = None
@@ -151,7 +152,7 @@ class WalCheckpointer:
         except apsw.BusyError:
             return  # the thread is checkpointing right now: try again after the next commit
         except apsw.Error as error:
-            if self.fault_of(error) is StorageFault.FAILED:
+            if self.fault_of(error, connection.system_errno) is StorageFault.FAILED:
                 raise StorageFailedError(f"{self.path}: WAL checkpoint failed: {error}") from error
             # The commit itself succeeded: never report it failed for its checkpoint. The next
             # commit at or above a threshold tries again; the log says so at most every RETRY_S.
@@ -234,7 +235,7 @@ class WalCheckpointer:
             pass  # a commit is finishing a checkpoint right now: not a failure
         except apsw.Error as error:
             self.failures += 1
-            if self.fault_of(error) is StorageFault.FAILED:
+            if self.fault_of(error, connection.system_errno) is StorageFault.FAILED:
                 # Never retried: a second sync may succeed over pages the kernel dropped.
                 self.fatal = StorageFailedError(f"{self.path}: background WAL checkpoint failed: {error}")
                 log.error("%s (not retried: the node stops)", self.fatal)

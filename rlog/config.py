@@ -36,7 +36,7 @@ Example::
     agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
     connections_waiting_max = 10000     # client connections with requests awaiting a later answer, per node
-    requests_queued_max = 10000         # incoming frames zmq queues
+    requests_queued_max = 10000         # incoming frames zmq queues per connection (see Sizing)
     replies_queued_max = 1000           # answers zmq queues per connection
     replies_queued_bytes_max = 16777216 # bytes of large answers zmq holds per connection (the next is overloaded)
     watches_max = 256                   # replicant watches (agents) per core

@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 A node's writes can fail in two ways that call for opposite answers:
 
-* **Full** (SQLite's ``SQLITE_FULL``, ``ENOSPC``/``EDQUOT``): nothing was written and nothing was
-  lost; the write can succeed later, once space is freed. The node keeps running: it rolls back the
+* **Full** (SQLite's ``SQLITE_FULL``, ``ENOSPC``/``EDQUOT``, also from a write SQLite reports as
+  ``SQLITE_IOERR_WRITE``, as it does a quota's: ``rlog.store.storage_fault``): nothing was written and
+  nothing was lost; the write can succeed later, once space is freed. The node keeps running: it rolls back the
   turn, sends none of the turn's frames (so nothing that was not made durable is acknowledged),
   rebuilds its state machines from what is on disk, and then refuses writes with the error code
   ``disk_full`` while it keeps serving reads of what it holds. A core tells its shards

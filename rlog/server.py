@@ -65,7 +65,7 @@ from mnesite.rlog.query import (
 from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS, peer_connection, sender_mismatch
 from mnesite.rlog.schema import SchemaError, TableSchema
 from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
-from mnesite.rlog.store import Store, quote, storage_fault
+from mnesite.rlog.store import Store, quote
 from mnesite.rlog.types import Entry, TxKey
 
 log = logging.getLogger("mnesite.server")
@@ -783,7 +783,7 @@ class NodeServer:
                 self._probe_disk()
             self.run_turn()
         except Exception as error:
-            fault = storage_fault(error)
+            fault = self.store.fault(error)  # before the rollback: SQLite keeps the write's errno till then
             if fault is None:
                 raise
             self.abandon_turn(str(error))
@@ -847,7 +847,7 @@ class NodeServer:
         try:
             self.store.probe_space()
         except Exception as error:
-            fault = storage_fault(error)
+            fault = self.store.fault(error)
             if fault is StorageFault.FULL:
                 self.disk.probe_failed(str(error), monotonic_ms())
                 return

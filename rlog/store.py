@@ -108,6 +108,9 @@ FORMAT_VERSION = 1
 CLUSTER_VERSION_META = "cluster_version:"
 # Errors of the file system that mean "no space" (a quota counts as no space): nothing was written.
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# Errors of the file system that leave what is on disk unknown (EROFS: as SQLite's SQLITE_READONLY,
+# the file system was remounted read-only under the node, typically after an I/O error of its own).
+_FAILED_ERRNOS = frozenset({errno.EIO, errno.EROFS})
 BUILD_PREFIX = "_mnesite_build_"
 PHYSICAL_PREFIX = "_mnesite_b_"
 INDEX_BUILD_STEP_ROWS_MAX = 1000
@@ -209,18 +212,30 @@ def fsync_directory(path: str) -> None:
 _FAILED_SQLITE_ERRORS = (apsw.CorruptError, apsw.NotADBError, apsw.ReadOnlyError)
 
 
-def storage_fault(error: BaseException) -> StorageFault | None:
-    """What a write's exception says about the disk (``rlog.disk``): FULL, FAILED or None (not the disk)."""
+def storage_fault(error: BaseException, system_errno: int = 0) -> StorageFault | None:
+    """What a write's exception says about the disk (``rlog.disk``): FULL, FAILED or None (not the disk).
+
+    ``system_errno``: the OS error of the connection that raised ``error`` (``Store.fault`` passes
+    ``sqlite3_system_errno``), which an ``apsw.IOError`` does not carry itself. SQLite reports only
+    ``ENOSPC`` from a write as ``SQLITE_FULL``: a write refused for a quota (``EDQUOT``) is
+    ``SQLITE_IOERR_WRITE``, and without its errno a node on a file system with quotas stopped as
+    for a failed disk (exit status 4) where the documented answer is the full-disk state."""
     if isinstance(error, StorageFailedError):
         return StorageFault.FAILED
     if isinstance(error, apsw.FullError):
         return StorageFault.FULL
     if isinstance(error, apsw.IOError):
+        extended = getattr(error, "extendedresult", None)
         # SQLite cannot grow the -shm file when the disk is full (a 32 KiB region per 4,096 WAL
-        # frames): that is a full disk too. Every other I/O error (a failed fsync, write or read)
-        # leaves the disk's contents unknown.
-        if getattr(error, "extendedresult", None) == apsw.SQLITE_IOERR_SHMSIZE:
+        # frames): that is a full disk too.
+        if extended == apsw.SQLITE_IOERR_SHMSIZE:
             return StorageFault.FULL
+        # A write (or SQLite's preallocation, also SQLITE_IOERR_WRITE) refused for want of space or
+        # quota wrote nothing durable. Only a write's: a sync that fails, whatever its errno, may
+        # have lost pages the kernel dropped (``rlog.disk``).
+        if extended == apsw.SQLITE_IOERR_WRITE and system_errno in _FULL_ERRNOS:
+            return StorageFault.FULL
+        # Every other I/O error (a failed fsync, write or read) leaves the disk's contents unknown.
         return StorageFault.FAILED
     if isinstance(error, _FAILED_SQLITE_ERRORS):
         # The database is not what this node wrote (a malformed image; a header that no longer says
@@ -231,7 +246,7 @@ def storage_fault(error: BaseException) -> StorageFault | None:
     if isinstance(error, OSError) and error.errno is not None:
         if error.errno in _FULL_ERRNOS:
             return StorageFault.FULL
-        if error.errno == errno.EIO:
+        if error.errno in _FAILED_ERRNOS:
             return StorageFault.FAILED
     return None
 
@@ -463,6 +478,11 @@ class Store:
             self.wal_reserve.on_wal(pages)
         return apsw.SQLITE_OK
 
+    def fault(self, error: BaseException) -> StorageFault | None:
+        """``storage_fault`` of an error this store's connection raised, with the OS error SQLite kept
+        for it (an ``apsw.IOError`` does not say whether its write failed for a quota or the disk)."""
+        return storage_fault(error, self.connection.system_errno)
+
     def disk_failed(self) -> None:
         """The disk failed a write or a sync (``rlog.disk``): write nothing more, not even the
         checkpoint SQLite runs when the last connection closes; a restart recovers from the WAL."""
@@ -518,31 +538,43 @@ class Store:
         """
         try:
             self.connection.execute("COMMIT")
-        except BaseException:
+        except BaseException as error:
             self._forget_log_ends()  # SQLite may have rolled the transaction back
+            if self.fault(error) is StorageFault.FAILED:
+                self.disk_failed()  # a sync of SQLite's own (synchronous=EXTRA) failed: see below
             raise
-        if durable and self._wal_synced_here:
-            if self._wal_fd is None:
-                self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY)
+        try:
+            if durable and self._wal_synced_here:
+                self._sync_wal()
+            if self.checkpointer is not None and self.checkpointer.inline_due:
+                self.checkpointer.checkpoint_inline(self.connection)
+        except StorageFailedError:
+            # The store marks its own disk failed, not only the node's loop (``NodeServer.turn``): a
+            # caller that closes it after this error (a core whose start failed, a restore) would
+            # otherwise have SQLite checkpoint at the close, copying pages whose sync failed into
+            # the database file and starting the WAL over (``rlog.disk``: never a second sync).
+            self.disk_failed()
+            raise
+
+    def _sync_wal(self) -> None:
+        """The durable commit's sync of the WAL (and, the first time, of its directory)."""
+        if self._wal_fd is None:
+            self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY)
+        try:
+            os.fdatasync(self._wal_fd)
+        except OSError as error:
+            # Whatever errno (EIO, or ENOSPC on file systems that allocate at writeback): the
+            # kernel may have dropped the pages it could not write, so a retry proves nothing.
+            raise StorageFailedError(f"fdatasync of {self.path}-wal failed: {error}") from error
+        if not self._wal_directory_synced:
+            # SQLite at FULL syncs the directory once after it creates the -wal file (so the file
+            # itself survives a power failure, not only its contents); so does this.
+            directory = os.path.dirname(os.path.abspath(self.path))
             try:
-                os.fdatasync(self._wal_fd)
+                fsync_directory(directory)
             except OSError as error:
-                # Whatever errno (EIO, or ENOSPC on file systems that allocate at writeback): the
-                # kernel may have dropped the pages it could not write, so a retry proves nothing.
-                raise StorageFailedError(f"fdatasync of {self.path}-wal failed: {error}") from error
-            if not self._wal_directory_synced:
-                # SQLite at FULL syncs the directory once after it creates the -wal file (so the file
-                # itself survives a power failure, not only its contents); so does this.
-                directory = os.path.dirname(os.path.abspath(self.path))
-                try:
-                    fsync_directory(directory)
-                except OSError as error:
-                    raise StorageFailedError(
-                        f"fsync of {directory} (holding {self.path}-wal) failed: {error}"
-                    ) from error
-                self._wal_directory_synced = True
-        if self.checkpointer is not None and self.checkpointer.inline_due:
-            self.checkpointer.checkpoint_inline(self.connection)
+                raise StorageFailedError(f"fsync of {directory} (holding {self.path}-wal) failed: {error}") from error
+            self._wal_directory_synced = True
 
     def rollback(self) -> None:
         """Roll back the open transaction, if SQLite has not already (it may after SQLITE_FULL)."""

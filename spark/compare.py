@@ -384,16 +384,88 @@ def _is_spark_error(error: Exception) -> bool:
     return isinstance(error, (PySparkException, Py4JError))
 
 
+SPARK_FAILURE_CHARS_MAX = 300  # of the root cause's line in a failed job's one-line error
+JAVA_CAUSES_MAX = 64  # the causes walked to a Java exception's root (a cycle must not hang the error path)
+PYTHON_TRACEBACK = "Traceback (most recent call last):"
+
+
 def _spark_failure(error: Exception) -> str:
     """One line for a failed Spark job: the ``ReplicaError`` a task raised if there is one (its message
-    names the replica), else the first line of Spark's message."""
-    text = str(error)
+    names the replica), else the root cause.
+
+    A job that fails on an executor reaches the driver as a ``Py4JJavaError`` whose first line is
+    Py4J's own ("An error occurred while calling o123.collectToPython."), which says nothing; the
+    cause is at the bottom of the chain Spark wraps it in. So the line is the innermost Java
+    exception's class and message (``java.io.FileNotFoundException: ...``) or, when a Python worker
+    raised it, the Python exception's own line (``ValueError: ...``: the first of its traceback, the
+    root of a chained one). The full error stays the ``CompareError``'s ``__cause__``."""
+    text = _error_text(error)
     marker = f"{ReplicaError.__name__}: "
     for line in text.splitlines():
         if marker in line:
             return line.split(marker, 1)[1].strip()
-    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
-    return f"the Spark job failed: {first[:300]}"
+    cause = _java_root_cause(error) or _root_cause_of_text(text)
+    cause = cause or next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    return f"the Spark job failed: {cause[:SPARK_FAILURE_CHARS_MAX]}"
+
+
+def _error_text(error: Exception) -> str:
+    """``str(error)``: a ``Py4JJavaError`` asks the JVM for its stack trace, which fails once the
+    gateway is gone; then Py4J's own message is all there is."""
+    try:
+        return str(error)
+    except Exception:
+        return str(getattr(error, "errmsg", "") or type(error).__name__)
+
+
+def _java_root_cause(error: Exception) -> str | None:
+    """``Class: message`` of the innermost cause of a ``Py4JJavaError``'s Java exception (its Python
+    exception's line when that cause is a Python worker's), or None (no Java exception, or the JVM
+    did not answer: the text is read instead)."""
+    java = getattr(error, "java_exception", None)
+    if java is None:
+        return None
+    try:
+        for _ in range(JAVA_CAUSES_MAX):
+            cause = java.getCause()
+            if cause is None:
+                break
+            java = cause
+        name = str(java.getClass().getName())
+        message = java.getMessage()
+    except Exception:
+        return None
+    message = str(message) if message is not None else ""
+    python = _python_exception_line(message)
+    if python is not None:
+        return python
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+    return f"{name}: {first}" if first else name
+
+
+def _root_cause_of_text(text: str) -> str | None:
+    """The root cause in a failed job's text: a Python traceback's exception line, else the last
+    ``Caused by:`` of a Java stack trace, else the Java exception Py4J's ``: `` line names."""
+    python = _python_exception_line(text)
+    if python is not None:
+        return python
+    lines = text.splitlines()
+    caused = [line.removeprefix("Caused by: ").strip() for line in lines if line.startswith("Caused by: ")]
+    if caused:
+        return caused[-1]
+    return next((line.removeprefix(": ").strip() for line in lines if line.startswith(": ")), None)
+
+
+def _python_exception_line(text: str) -> str | None:
+    """The exception line (``ValueError: ...``) of the first Python traceback in ``text``: the line after
+    the header that is not a frame (frames and their source lines are indented); None without one."""
+    start = text.find(PYTHON_TRACEBACK)
+    if start < 0:
+        return None
+    for line in text[start + len(PYTHON_TRACEBACK) :].splitlines():
+        if line.strip() and not line[0].isspace():
+            return line.strip()
+    return None
 
 
 def _active_session() -> Any:

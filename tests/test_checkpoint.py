@@ -102,6 +102,8 @@ def test_an_inline_checkpoint_without_space_never_fails_the_commit(tmp_path, mon
     store, seen = open_store(tmp_path / "db", background=10, inline=20)
 
     class Broken:
+        system_errno = 0  # what SQLite kept of the OS error (none for SQLITE_FULL)
+
         def wal_checkpoint(self, mode):
             raise apsw.FullError("database or disk is full")
 
@@ -125,6 +127,8 @@ def test_an_inline_checkpoint_with_an_io_error_is_never_retried(tmp_path, monkey
     store, seen = open_store(tmp_path / "db", background=10, inline=20)
 
     class Broken:
+        system_errno = 0
+
         def wal_checkpoint(self, mode):
             raise apsw.IOError("disk I/O error")
 
@@ -132,6 +136,33 @@ def test_an_inline_checkpoint_with_an_io_error_is_never_retried(tmp_path, monkey
         store.checkpointer.inline_due = True
         with pytest.raises(StorageFailedError, match="disk I/O error"):
             store.checkpointer.checkpoint_inline(Broken())
+    finally:
+        store.close()
+
+
+def test_an_inline_checkpoint_whose_write_a_quota_refused_is_retried_not_fatal(tmp_path, monkeypatch) -> None:
+    """Regression: SQLite reports a write refused for a quota (``EDQUOT``) as ``SQLITE_IOERR_WRITE``, not
+    ``SQLITE_FULL``; the checkpointer took it for a failed disk and the node stopped (exit status 4).
+    With the errno SQLite kept for it (``system_errno``), it is a full disk: counted, retried later."""
+    import errno
+
+    import apsw
+
+    monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)
+    store, seen = open_store(tmp_path / "db", background=10, inline=20)
+
+    class OverQuota:
+        system_errno = errno.EDQUOT
+
+        def wal_checkpoint(self, mode):
+            error = apsw.IOError("disk I/O error")
+            error.extendedresult = apsw.SQLITE_IOERR_WRITE
+            raise error
+
+    try:
+        store.checkpointer.inline_due = True
+        store.checkpointer.checkpoint_inline(OverQuota())  # raised StorageFailedError before
+        assert store.checkpointer.failures == 1 and store.checkpointer.fatal is None
     finally:
         store.close()
 
@@ -148,6 +179,8 @@ def fail_background_checkpoints(monkeypatch) -> None:
     from mnesite.rlog import checkpoint
 
     class FailingConnection:
+        system_errno = 0
+
         def __init__(self, *args, **kwargs) -> None:
             pass
 
@@ -269,3 +302,46 @@ def test_a_reader_holding_the_wal_does_not_make_every_commit_checkpoint(tmp_path
     finally:
         reader.close()
         store.close()
+
+
+@pytest.mark.parametrize("failing", ["wal", "inline"])
+def test_a_store_whose_sync_failed_closes_without_a_checkpoint(tmp_path, monkeypatch, failing) -> None:
+    """Regression: only the node's loop marked the disk failed (``NodeServer.turn`` -> ``Store.disk_failed``).
+    A caller that closed the store after its commit raised ``StorageFailedError`` (a core whose start
+    failed, ``_start_core`` -> ``close``; a restore) had SQLite checkpoint at the close: the pages whose
+    sync failed copied into the database file and the WAL started over. The store marks itself failed
+    now, for the commit's own sync of the WAL and for an inline checkpoint's failure alike."""
+    import errno
+    import os
+
+    import apsw
+    from mnesite.rlog import store as store_module
+    from mnesite.rlog.disk import StorageFailedError
+
+    monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)
+    store, seen = open_store(tmp_path / "db", background=10, inline=20)
+    try:
+        fill(store, 0, 3)
+        if failing == "wal":
+
+            def fdatasync(fd: int) -> None:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+            monkeypatch.setattr(store_module.os, "fdatasync", fdatasync)
+        else:
+
+            def wal_checkpoint(self, connection) -> None:
+                raise StorageFailedError(f"{self.path}: WAL checkpoint failed: disk I/O error")
+
+            # What ``checkpoint_inline`` raises for a checkpoint's I/O error (its own test: above).
+            monkeypatch.setattr(WalCheckpointer, "checkpoint_inline", wal_checkpoint)
+            store.checkpointer.inline_due = True
+        with pytest.raises(StorageFailedError):
+            fill(store, 3, 1)
+    finally:
+        monkeypatch.undo()  # the close's own calls are the real ones
+        store.close()
+    wal = tmp_path / "db-wal"
+    assert wal.exists() and wal.stat().st_size > 0, "SQLite checkpointed at the close (and removed the WAL)"
+    with apsw.Connection(str(tmp_path / "db")) as reopened:  # the WAL is recovered at the next open
+        assert reopened.execute("SELECT count(*) FROM rows").fetchone()[0] >= 3

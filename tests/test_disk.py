@@ -31,6 +31,7 @@ from mnesite.rlog.disk import (
     StorageFailedError,
     StorageFault,
 )
+from mnesite.rlog.errors import RequestError
 from mnesite.rlog.replication import (
     ApplyEntries,
     CommittedReceived,
@@ -70,6 +71,129 @@ from tests.test_replica import HISTORY, ages, at, bootstrap, bootstrapped, conne
 )
 def test_a_write_error_is_full_failed_or_not_the_disks(error: BaseException, fault: StorageFault | None) -> None:
     assert storage_fault(error) is fault
+
+
+def _io_error(extended: int) -> apsw.IOError:
+    """An ``apsw.IOError`` as SQLite raises it: its extended result code set, no errno of its own."""
+    error = apsw.IOError("disk I/O error")
+    error.extendedresult = extended
+    return error
+
+
+@pytest.mark.parametrize(
+    ("error", "system_errno", "fault"),
+    [
+        # SQLite turns only ENOSPC from a write into SQLITE_FULL; a quota's EDQUOT is SQLITE_IOERR_WRITE.
+        (_io_error(apsw.SQLITE_IOERR_WRITE), errno.EDQUOT, StorageFault.FULL),
+        (_io_error(apsw.SQLITE_IOERR_WRITE), errno.ENOSPC, StorageFault.FULL),  # SQLite's preallocation
+        (_io_error(apsw.SQLITE_IOERR_WRITE), errno.EIO, StorageFault.FAILED),
+        (_io_error(apsw.SQLITE_IOERR_WRITE), errno.EROFS, StorageFault.FAILED),
+        (_io_error(apsw.SQLITE_IOERR_WRITE), 0, StorageFault.FAILED),  # no errno: what was written is unknown
+        # A sync is never a full disk, whatever its errno: the kernel may have dropped the pages.
+        (_io_error(apsw.SQLITE_IOERR_FSYNC), errno.ENOSPC, StorageFault.FAILED),
+        (_io_error(apsw.SQLITE_IOERR_FSYNC), errno.EDQUOT, StorageFault.FAILED),
+        # Not I/O errors: the errno SQLite kept from an earlier one says nothing about them.
+        (apsw.FullError("database or disk is full"), errno.EIO, StorageFault.FULL),
+        (apsw.ConstraintError("UNIQUE"), errno.EDQUOT, None),
+        # The file system's own errors: read-only (as SQLITE_READONLY) is a failed disk; a permission
+        # or anything else is no disk fault, so the node stops on it as an unexpected error.
+        (OSError(errno.EROFS, "Read-only file system"), 0, StorageFault.FAILED),
+        (OSError(errno.EACCES, "Permission denied"), 0, None),
+        (OSError(errno.EPERM, "Operation not permitted"), 0, None),
+        (apsw.CantOpenError("unable to open database file"), errno.EACCES, None),
+    ],
+    ids=[
+        "write-edquot",
+        "write-enospc",
+        "write-eio",
+        "write-erofs",
+        "write-no-errno",
+        "fsync-enospc",
+        "fsync-edquot",
+        "full",
+        "constraint",
+        "os-erofs",
+        "os-eacces",
+        "os-eperm",
+        "cantopen",
+    ],
+)
+def test_an_io_error_is_full_only_for_a_write_refused_for_space_or_quota(
+    error: BaseException, system_errno: int, fault: StorageFault | None
+) -> None:
+    """Regression: ``storage_fault`` could not see the errno behind SQLite's ``SQLITE_IOERR_WRITE`` (SQLite
+    keeps it on the connection, ``sqlite3_system_errno``), so a quota-refused write stopped the node as a
+    failed disk (exit status 4) where docs/operations/faults.md promises the full-disk state."""
+    assert storage_fault(error, system_errno) is fault
+
+
+class _QuotaVFS(apsw.VFS):
+    """SQLite's own unix VFS, whose writes fail while ``over_quota`` as a file system's quota refuses
+    them: ``write`` answers ``EDQUOT``, which SQLite reports as ``SQLITE_IOERR_WRITE`` (only ENOSPC
+    becomes SQLITE_FULL) and keeps as the connection's ``system_errno``."""
+
+    def __init__(self) -> None:
+        self.over_quota = False
+        super().__init__("mnesite-test-quota", "unix", makedefault=True)
+
+    def xOpen(self, name, flags):  # noqa: N802 (apsw's name)
+        return _QuotaFile(self, name, flags)
+
+    def xGetLastError(self):  # noqa: N802
+        return (errno.EDQUOT, "Disk quota exceeded") if self.over_quota else (0, "")
+
+
+class _QuotaFile(apsw.VFSFile):
+    def __init__(self, vfs: _QuotaVFS, name, flags) -> None:
+        self.quota_vfs = vfs
+        super().__init__("unix", name, flags)
+
+    def xWrite(self, data, offset) -> None:  # noqa: N802
+        if self.quota_vfs.over_quota:
+            raise _io_error(apsw.SQLITE_IOERR_WRITE)
+        super().xWrite(data, offset)
+
+
+@pytest.fixture
+def quota_vfs():
+    """Every database opened meanwhile (the node's store, its checkpointer's) goes through ``_QuotaVFS``."""
+    vfs = _QuotaVFS()
+    try:
+        yield vfs
+    finally:
+        vfs.unregister()
+
+
+@pytest.mark.timeout(60)
+def test_a_turn_whose_write_a_quota_refused_fills_the_disk_and_does_not_stop_the_node(
+    tmp_path: Path, monkeypatch, quota_vfs: _QuotaVFS
+) -> None:
+    """Regression: a real SQLite commit refused by a quota (``SQLITE_IOERR_WRITE``, errno ``EDQUOT``) stopped
+    the node for a failed disk (``StorageFailedError``). It is a full disk (``Store.fault`` reads the errno
+    SQLite kept): the turn is rolled back, writes are refused ``disk_full``, and a probe resumes the node
+    once the quota allows writes again."""
+    with core_with_table(tmp_path / "data") as node:
+        store = node.store
+
+        def run_turn() -> None:
+            store.connection.execute("BEGIN IMMEDIATE")
+            store.connection.execute("INSERT INTO _mnesite_meta(name, value) VALUES ('big', zeroblob(65536))")
+            store.commit()
+
+        monkeypatch.setattr(node, "run_turn", run_turn)
+        quota_vfs.over_quota = True
+        node.turn()  # raised StorageFailedError before
+        assert node.disk.full and "disk I/O error" in node.disk.error
+        assert not node.stop_reason.startswith("the disk failed")
+        assert store.meta("big", None) is None, "the refused turn was rolled back"
+        with pytest.raises(RequestError) as refused:
+            node.refuse_if_disk_full()
+        assert refused.value.code == ERROR_DISK_FULL
+        quota_vfs.over_quota = False
+        node.disk.next_probe_ms = 0  # the probe is due now, not a probe interval later
+        monkeypatch.setattr(node, "run_turn", lambda: None)
+        node.turn()
+        assert not node.disk.full
 
 
 @pytest.mark.parametrize(

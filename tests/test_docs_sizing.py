@@ -13,7 +13,7 @@ from mnesite.core import rules
 from mnesite.replicant.replica import ReplicaConfig
 from mnesite.rlog import checkpoint, config, server, store
 
-from tests.conftest import REPO
+from tests.conftest import REPO, core_with_table
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -52,3 +52,30 @@ def test_the_sizing_page_names_only_config_keys_that_exist() -> None:
     keys = set(config.Limits.__dataclass_fields__) | set(config.Retention.__dataclass_fields__)
     named = set(re.findall(r"`([a-z_]+_(?:max|ms_max|delay_ms_max))`", page()))
     assert named and named <= keys, named - keys
+
+
+def test_the_sizing_page_states_the_inbound_queues_bound_in_bytes_per_connection(tmp_path) -> None:
+    """zmq's receive high-water mark counts messages per connection, and zmq bounds each part's size, not a
+    message's parts: the page said "`requests_queued_max` incoming frames" as if that were a node's bound,
+    and no bytes. It states the per-connection byte bound of the socket's options as the node sets them
+    (read back from a bound core's ROUTER) and that a message of many parts has none."""
+    import zmq
+
+    text = page()
+    limits = config.Limits()
+    factor = server.SOCKET_MESSAGE_FACTOR
+    with core_with_table(tmp_path / "data") as node:
+        assert node.socket.getsockopt(zmq.RCVHWM) == limits.requests_queued_max
+        assert node.socket.getsockopt(zmq.MAXMSGSIZE) == factor * limits.frame_bytes_max
+    assert "`requests_queued_max` incoming requests per connection" in text
+    per_connection_gib = limits.requests_queued_max * factor * limits.frame_bytes_max / (1024 * MIB)
+    assert f"`requests_queued_max` x {factor} x `frame_bytes_max`" in text
+    assert f"part of more than {factor} x `frame_bytes_max`" in text
+    assert f"about {per_connection_gib:.0f} GiB at the defaults, per connection" in text
+    assert f"more than {server.MESSAGE_PARTS_MAX} parts" in text and f"past the {server.MESSAGE_PARTS_MAX}th" in text
+    assert f"backlog above ({server.BACKLOG_FACTOR} x `turn_bytes_max`" in text
+    from mnesite.core import node as core_node
+    from mnesite.replicant import node as replicant_node
+
+    assert core_node.PEER_SEND_QUEUE_MAX == replicant_node.CORE_QUEUE_MAX == 1000
+    assert "its peers queue at most 1,000 incoming messages each" in text

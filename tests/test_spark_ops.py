@@ -179,3 +179,153 @@ def test_spark_row_level_streams_a_tasks_row_digests_instead_of_holding_them(mon
     assert next(records) == ("t", key_bytes(2), 0, b"e" * 16)
     with pytest.raises(ReadPastFirstPage):
         next(records)
+
+
+class _JavaClass:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def getName(self) -> str:  # noqa: N802 (Java's name)
+        return self.name
+
+
+class _JavaThrowable:
+    """What Py4J hands back for a Java exception: ``getCause``, ``getClass().getName()``, ``getMessage``
+    (``alive=False``: the JVM is gone, every call raises as Py4J's do)."""
+
+    _target_id = "o42"
+
+    def __init__(self, name: str, message: str | None, cause: _JavaThrowable | None = None, trace: str = "") -> None:
+        self.name, self.message, self.cause, self.alive = name, message, cause, True
+        self._gateway_client = self  # py4j asks its gateway client for the stack trace's text
+        self.trace = trace
+
+    def _check(self) -> None:
+        if not self.alive:
+            raise ConnectionError("Answer from Java side is empty")
+
+    def getCause(self) -> _JavaThrowable | None:  # noqa: N802
+        self._check()
+        return self.cause
+
+    def getClass(self) -> _JavaClass:  # noqa: N802
+        self._check()
+        return _JavaClass(self.name)
+
+    def getMessage(self) -> str | None:  # noqa: N802
+        self._check()
+        return self.message
+
+    def send_command(self, command: str) -> str:
+        from py4j.protocol import escape_new_line
+
+        self._check()
+        return "ys" + escape_new_line(self.trace)
+
+
+PY4J_FIRST_LINE = "An error occurred while calling o123.collectToPython.\n"
+PYTHON_TRACE = (
+    "Traceback (most recent call last):\n"
+    '  File "/opt/mnesite/spark/datasource.py", line 120, in read\n'
+    "    row[column]\n"
+    "    ~~~^^^^^^^^\n"
+    "KeyError: 'email'\n"
+    "\n"
+    "The above exception was the direct cause of the following exception:\n"
+    "\n"
+    "Traceback (most recent call last):\n"
+    '  File "/opt/pyspark/worker.py", line 9, in main\n'
+    "pyspark.errors.exceptions.base.PySparkRuntimeError: [PYTHON_DATA_SOURCE_READ] failed\n"
+)
+
+
+def _py4j_error(java: _JavaThrowable) -> Exception:
+    from py4j.protocol import Py4JJavaError
+
+    return Py4JJavaError(PY4J_FIRST_LINE, java)
+
+
+def test_a_failed_spark_job_is_told_by_its_root_cause_not_py4j_s_first_line() -> None:
+    """Regression: a job that failed on an executor was reported as the first line of the Py4JJavaError,
+    "the Spark job failed: An error occurred while calling o123.collectToPython.", which says nothing.
+    The line is now the innermost Java exception's class and message, or the Python exception's line
+    when a Python worker raised it (the root of a chained traceback). No Spark is started: the Java
+    side is a stand-in with Py4J's interface."""
+    pytest.importorskip("py4j")
+    from mnesite.spark.compare import _spark_failure
+
+    unreadable = _JavaThrowable("java.io.FileNotFoundException", "/data/core2/mnesite.db (Permission denied)")
+    job = _JavaThrowable("org.apache.spark.SparkException", "Job aborted due to stage failure: ...", unreadable)
+    assert _spark_failure(_py4j_error(job)) == (
+        "the Spark job failed: java.io.FileNotFoundException: /data/core2/mnesite.db (Permission denied)"
+    )
+
+    worker = _JavaThrowable("org.apache.spark.api.python.PythonException", PYTHON_TRACE)
+    job = _JavaThrowable("org.apache.spark.SparkException", "Job aborted due to stage failure: ...", worker)
+    assert _spark_failure(_py4j_error(job)) == "the Spark job failed: KeyError: 'email'"
+
+    # A cause without a message is named by its class alone.
+    job = _JavaThrowable(
+        "org.apache.spark.SparkException", "Job aborted", _JavaThrowable("java.lang.OutOfMemoryError", None)
+    )
+    assert _spark_failure(_py4j_error(job)) == "the Spark job failed: java.lang.OutOfMemoryError"
+
+
+def test_a_failed_spark_job_s_root_cause_is_read_from_its_text_when_the_jvm_does_not_answer() -> None:
+    """The stack trace's text (what ``str`` of a Py4JJavaError gives) is read when the Java objects cannot
+    be asked (a call failed); and when even the text cannot be had (the gateway is gone), Py4J's own
+    line is all there is. A Python exception's own text (a captured ``PythonException``, an
+    ``AnalysisException``) gives its traceback's exception line, else its first line."""
+    pytest.importorskip("py4j")
+    from mnesite.spark.compare import _spark_failure
+
+    trace = (
+        "org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 failed\n"
+        "\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndependentStages(DAGScheduler.scala:2898)\n"
+        "Caused by: org.apache.spark.SparkException: Task failed while writing rows\n"
+        "\tat org.apache.spark.sql.errors.QueryExecutionErrors$.taskFailedWhileWritingRowsError\n"
+        "Caused by: java.lang.IllegalStateException: column v is not in the replica's schema\n"
+        "\t... 12 more\n"
+    )
+    error = _py4j_error(_JavaThrowable("org.apache.spark.SparkException", "Job aborted", trace=trace))
+
+    def fails() -> None:
+        raise ConnectionError("Answer from Java side is empty")
+
+    error.java_exception.getCause = fails
+    assert _spark_failure(error) == (
+        "the Spark job failed: java.lang.IllegalStateException: column v is not in the replica's schema"
+    )
+
+    error.java_exception.alive = False  # the gateway is gone: str(error) itself fails
+    assert _spark_failure(error) == "the Spark job failed: An error occurred while calling o123.collectToPython."
+
+    python = RuntimeError(
+        "\n  An exception was thrown from the Python worker. Please see the stack trace below.\n" + PYTHON_TRACE
+    )
+    assert _spark_failure(python) == "the Spark job failed: KeyError: 'email'"
+    analysis = RuntimeError(
+        "[UNRESOLVED_COLUMN.WITH_SUGGESTION] A column `v2` cannot be resolved. SQLSTATE: 42703;\n'Project"
+    )
+    assert _spark_failure(analysis).startswith(
+        "the Spark job failed: [UNRESOLVED_COLUMN.WITH_SUGGESTION] A column `v2`"
+    )
+    long = RuntimeError("x" * 1000)
+    assert len(_spark_failure(long)) == len("the Spark job failed: ") + 300
+
+
+def test_a_failed_spark_job_a_replica_error_caused_is_told_by_the_replica_error() -> None:
+    """The line a task's ``ReplicaError`` gives (it names the replica) still wins over the root cause."""
+    pytest.importorskip("py4j")
+    from mnesite.spark.compare import _spark_failure
+
+    trace = (
+        "Traceback (most recent call last):\n"
+        '  File "x", line 1\n'
+        "mnesite.spark.replica.ReplicaError: /d/mnesite.db: not a mnesite database\n"
+    )
+    worker = _JavaThrowable("org.apache.spark.api.python.PythonException", trace)
+    job = _JavaThrowable(
+        "org.apache.spark.SparkException", "Job aborted", worker, trace="SparkException\nCaused by: " + trace
+    )
+    assert _spark_failure(_py4j_error(job)) == "/d/mnesite.db: not a mnesite database"
