@@ -12,7 +12,11 @@ installs a snapshot (``core.snapshot``):
    persisted, so a restart stays fenced) and asks the sequencer's quorum-confirmed committed key
    (``FetchCommitted`` whenever ``should_ask`` says so: at once, then once per ``ask_interval_ms``
    while no answer came; a lost answer or a "no quorum" answer is asked again).
-2. The first committed key answered becomes the fence key (later answers do not move it).
+2. The first committed key answered becomes the fence key (later answers do not move it). Each
+   question has a number (``question``, never reused); only an answer to the question asked last
+   counts. An answer to an earlier one, late, may carry a committed key from before the current
+   copy ended (a copy began again meanwhile): taken as the fence key, it would serve reads while
+   that copy's dirty rows are not healed yet.
 3. Reads are served again once the applied key reaches the fence key (``reached``): checked at the
    answer and after every apply.
 
@@ -34,6 +38,9 @@ class ReadFence:
         self.ask_interval_ms = ask_interval_ms
         self.fence_key: TxKey | None = None
         self.asked_ms: int | None = None
+        # The number of the question asked last (0: none yet); grows by one at every question, across
+        # copies, so that no answer of an earlier copy's question is taken for this copy's.
+        self.question = 0
 
     def fence(self) -> None:
         """Rule 1: a new copy begins; no read until its fence is reached."""
@@ -53,17 +60,20 @@ class ReadFence:
         return now_ms if self.asked_ms is None else self.asked_ms + self.ask_interval_ms
 
     def should_ask(self, now_ms: int) -> bool:
-        """Rule 1: ask for the committed key now (and remember that it was asked)."""
+        """Rule 1: ask for the committed key now (and remember that it was asked, as ``question``, the
+        number the owner sends with the question and hands back with its answer)."""
         due = self.next_ask_ms(now_ms)
         if due is None or now_ms < due:
             return False
         self.asked_ms = now_ms
+        self.question += 1
         return True
 
-    def committed_received(self, committed_key: TxKey | None, applied_key: TxKey) -> bool:
-        """Rule 2: the answer (None: the core could not tell). True if the fence was just reached."""
-        if not self.fenced or self.asked_ms is None:
-            return False  # not asked (or no longer asked): a stale answer
+    def committed_received(self, committed_key: TxKey | None, applied_key: TxKey, question: int) -> bool:
+        """Rule 2: the answer to ``question`` (None: the core could not tell). True if the fence was just
+        reached."""
+        if not self.fenced or self.asked_ms is None or question != self.question:
+            return False  # not asked, no longer asked, or the answer to an earlier question: stale
         self.asked_ms = None
         if committed_key is None:
             return False  # asked again when ``should_ask`` says so

@@ -1394,9 +1394,11 @@ class CoreNode(NodeServer):
                 driver = self.shards[shard]
                 core = driver.consensus.sequencer or effect.core
                 if core == self.config.name:
-                    self._step_install(shard, replication.CommittedReceived(core, driver.consensus.committed_key))
+                    committed = driver.consensus.committed_key
+                    self._step_install(shard, replication.CommittedReceived(core, committed, effect.question))
                 else:
-                    self._install_request(shard, core, "read_index", {"shard": shard}, {})
+                    detail = {"question": effect.question}
+                    self._install_request(shard, core, "read_index", {"shard": shard}, detail)
             elif isinstance(effect, FenceReached):
                 self.begin()
                 self.store.set_meta(f"read_fenced:{shard}", 0)
@@ -1425,7 +1427,7 @@ class CoreNode(NodeServer):
         if purpose == "fence":
             answered = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
             committed = answered.committed if answered is not None else None
-            self._step_install(shard, replication.CommittedReceived(core, committed))
+            self._step_install(shard, replication.CommittedReceived(core, committed, detail["question"]))
         elif purpose == "tables":
             try:
                 if error is not None:
@@ -1822,13 +1824,13 @@ class CoreNode(NodeServer):
     def _expire_forwarded(self) -> None:
         now = self.clock_ms()
         for request_id in [r for r, pending in self.install_requests.items() if pending[3] <= now]:
-            shard, purpose, _, _, asking = self.install_requests.pop(request_id)
+            shard, purpose, detail, _, asking = self.install_requests.pop(request_id)
             install = self.installs.get(shard)
             if install is None or install is not asking:
                 continue  # a request of an install abandoned since: it must not fail a later one
             core = install.offer.sequencer
             if purpose == "fence":
-                self._step_install(shard, replication.CommittedReceived(core, None))
+                self._step_install(shard, replication.CommittedReceived(core, None, detail["question"]))
             else:
                 self._step_install(shard, replication.RequestFailed(core, f"{purpose} timed out"))
         self._tell_outcomes(self.forwarded.expired(now))

@@ -248,7 +248,7 @@ class SnapshotInstall:
             if self.mode is InstallMode.FENCED:
                 # Asked again when the answer is lost (read_index also fails without a quorum).
                 if self._fence.should_ask(now_ms):
-                    return [FetchCommitted(core)]
+                    return [FetchCommitted(core, self._fence.question)]
                 return self._check_fence(applied_key)
             if now_ms >= self._deadline_ms:
                 return self._abandon(f"no answer from {core} for {self.request_timeout_ms} ms")
@@ -261,11 +261,11 @@ class SnapshotInstall:
             # Any core may answer: read_index is confirmed by the sequencer with a quorum.
             if self.mode is not InstallMode.FENCED:
                 return []
-            if self._fence.committed_received(event.committed_key, applied_key):
+            if self._fence.committed_received(event.committed_key, applied_key, event.question):
                 self.mode = InstallMode.DONE
                 return [FenceReached()]
             if event.committed_key is None and self._fence.should_ask(now_ms):
-                return [FetchCommitted(core)]  # at once: the install waits for nothing else
+                return [FetchCommitted(core, self._fence.question)]  # at once: the install waits for nothing else
             return []
         try:
             if isinstance(event, TablesReceived):
@@ -287,7 +287,7 @@ class SnapshotInstall:
             self._fence.fence()
             effects.append(FinishInstall(self.offer.key, self.offer.digest))
             if self._fence.should_ask(now_ms):
-                effects.append(FetchCommitted(core))
+                effects.append(FetchCommitted(core, self._fence.question))
 
         return effects
 

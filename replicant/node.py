@@ -114,6 +114,7 @@ class Pending:
     detail: dict[str, Any] = field(default_factory=dict)
     watch_id: str | None = None  # watch, tables, batch: the replica's attempt (RequestFailed.watch_id)
     probe_id: int = 0  # probe: the probe that asked (``Probe.probe_id``)
+    question: int = 0  # fence: the read fence's question it asks (``FetchCommitted.question``)
 
 
 @dataclass
@@ -472,7 +473,7 @@ class ReplicantNode(NodeServer):
             self.queue(self.core_sockets[effect.core], Message("push_ack", "ack", body))
         elif isinstance(effect, p.FetchCommitted):
             # read_index: the sequencer's quorum-confirmed committed key, at least any key a batch saw.
-            pending = Pending("fence", effect.core, now + REQUEST_TIMEOUT_MS, shard)
+            pending = Pending("fence", effect.core, now + REQUEST_TIMEOUT_MS, shard, question=effect.question)
             self._request(effect.core, "read_index", {"shard": shard}, pending)
         elif isinstance(effect, p.ReadFenceChanged):
             self.begin()
@@ -554,7 +555,7 @@ class ReplicantNode(NodeServer):
             answered = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
             committed = answered.committed if answered is not None else None
             if replica is not None:
-                self._step(replica, p.CommittedReceived(pending.core, committed))
+                self._step(replica, p.CommittedReceived(pending.core, committed, pending.question))
             return
         if pending.purpose == "discover":
             # A core's answer is untrusted input: only well-named shards it states an answer for.
@@ -682,7 +683,7 @@ class ReplicantNode(NodeServer):
                     messages.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
                 )
             elif pending.purpose == "fence" and pending.shard in self.replicas:
-                self._step(self.replicas[pending.shard], p.CommittedReceived(pending.core, None))
+                self._step(self.replicas[pending.shard], p.CommittedReceived(pending.core, None, pending.question))
             elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
                 failed = p.RequestFailed(pending.core, f"{pending.purpose} timed out", pending.watch_id)
                 self._step(self.replicas[pending.shard], failed)

@@ -957,12 +957,12 @@ class ShardReplica:
         if self._upstream is None or self._mode is not Mode.NORMAL:
             return
         if self._fence.should_ask(self._now_ms):
-            self._out.append(FetchCommitted(self._upstream))
+            self._out.append(FetchCommitted(self._upstream, self._fence.question))
 
     def _on_committed_received(self, event: CommittedReceived) -> None:
         if event.core != self._upstream:
             return  # an answer from an upstream this replica left
-        if self._fence.committed_received(event.committed_key, self._applied_key):
+        if self._fence.committed_received(event.committed_key, self._applied_key, event.question):
             self._out.append(ReadFenceChanged(False))
 
     def _check_fence(self) -> None:

@@ -200,10 +200,12 @@ class TablesReceived:
 
 @dataclass(frozen=True)
 class CommittedReceived:
-    """Answer to ``FetchCommitted``: the core's committed key, or None if it did not answer."""
+    """Answer to ``FetchCommitted``: the core's committed key, or None if it did not answer.
+    ``question``: the ``FetchCommitted.question`` it answers (``bootstrap.fence``, rule 2)."""
 
     core: str
     committed_key: TxKey | None
+    question: int
 
 
 @dataclass(frozen=True)
@@ -227,9 +229,12 @@ class ProbeJournals:
 
 @dataclass(frozen=True)
 class FetchCommitted:
-    """Ask ``core`` for its committed key (the read fence after a bootstrap); step ``CommittedReceived``."""
+    """Ask ``core`` for its committed key (the read fence after a bootstrap); step ``CommittedReceived``
+    with the same ``question`` (the driver keeps it with the request: an answer of an earlier question
+    must not be taken for this one's)."""
 
     core: str
+    question: int
 
 
 @dataclass(frozen=True)

@@ -89,10 +89,6 @@ NAME_PATTERN = r"^[A-Za-z0-9_.\-]+\Z"  # the one name rule of the wire (rlog.sch
 ENDPOINT_CHARS_MAX = 255
 # tcp://host:port (a host name, IPv4 or bracketed IPv6 address); ipc:// for tests.
 ENDPOINT_PATTERN = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://[A-Za-z0-9_./\-]+)\Z"
-# The hosts a node reaches on its own machine whatever it binds: the loopback names and addresses
-# (127.0.0.1, localhost, ::1) and the unspecified ones, which a connect on Linux takes as the local
-# host and a bind (``*``) takes as every interface, loopback included.
-_LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::", "*"})
 OPS_MAX = 100_000  # ops in one entry or transaction on the wire
 COLUMNS_MAX, INDEX_COLUMNS_MAX, ROW_COLUMNS_MAX = 200, 16, 1000
 MEMBERS_OP_MAX = 15  # core.membership.MEMBERS_MAX (rlog imports nothing of core; a test keeps them equal)
@@ -499,6 +495,12 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
         "request_id": entry.request_id,
         "ops": [op_to_json(op) for op in entry.ops],
     }
+
+
+# The hosts a node reaches on its own machine whatever it binds: the loopback names and addresses
+# (127.0.0.1, localhost, ::1) and the unspecified ones, which a connect on Linux takes as the local
+# host and a bind (``*``) takes as every interface, loopback included.
+_LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::", "*"})
 
 
 def endpoint_identity(endpoint: str) -> str:

@@ -652,7 +652,7 @@ def test_a_full_disk_that_rolled_back_reaching_the_read_fence_fences_reads_again
     """The failed turn may be the one whose applies reached the read fence of a bootstrap: the disk
     then holds an earlier position over rows not healed yet, and says the reads are fenced."""
     machine = bootstrapped(k0=10, spilled=12)
-    machine.step(CommittedReceived("core0", at(14)[0]), 4)
+    machine.step(CommittedReceived("core0", at(14)[0], 1), 4)
     machine.step(push(HISTORY[12:14]), 5)
     assert machine.readable()
     machine.step(DiskFull("full", *at(12), read_fenced=True), 6)
@@ -665,7 +665,7 @@ def test_a_full_disk_that_rolled_back_reaching_the_read_fence_fences_reads_again
     assert not machine.readable()
     # A turn rolled back that did not touch the fence changes nothing of it.
     other = bootstrapped(k0=10, spilled=12)
-    other.step(CommittedReceived("core0", at(12)[0]), 4)
+    other.step(CommittedReceived("core0", at(12)[0], 1), 4)
     assert other.readable()
     other.step(DiskFull("full", *at(12), read_fenced=False), 5)
     assert other.readable()

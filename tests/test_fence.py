@@ -11,7 +11,8 @@ def test_reads_wait_for_the_committed_key_known_after_the_copy():
     assert not fence.should_ask(0)  # no fence, nothing to ask
     fence.fence()
     assert fence.should_ask(0) and not fence.should_ask(50)  # asked once per interval
-    assert not fence.committed_received(TxKey(1, 9), applied_key=TxKey(1, 5))
+    assert fence.question == 1
+    assert not fence.committed_received(TxKey(1, 9), applied_key=TxKey(1, 5), question=1)
     assert fence.fenced and fence.fence_key == TxKey(1, 9)
     assert not fence.reached(TxKey(1, 8))
     assert fence.reached(TxKey(1, 9)) and not fence.fenced
@@ -22,11 +23,11 @@ def test_a_lost_or_empty_answer_is_asked_again_and_the_first_key_answered_stays_
     fence = ReadFence(fenced=True, ask_interval_ms=100)  # a restart while fenced
     assert fence.next_ask_ms(7) == 7 and fence.should_ask(7)
     assert not fence.should_ask(106) and fence.should_ask(107)  # the answer was lost
-    assert not fence.committed_received(None, TxKey(1, 1))  # no quorum: ask again at once
+    assert not fence.committed_received(None, TxKey(1, 1), 2)  # no quorum: ask again at once
     assert fence.should_ask(108)
-    fence.committed_received(TxKey(1, 5), TxKey(1, 1))
+    fence.committed_received(TxKey(1, 5), TxKey(1, 1), 3)
     assert fence.next_ask_ms(200) is None  # known: nothing more to ask
-    assert not fence.committed_received(TxKey(1, 50), TxKey(1, 1))  # not asked: ignored
+    assert not fence.committed_received(TxKey(1, 50), TxKey(1, 1), 3)  # not asked: ignored
     assert fence.fence_key == TxKey(1, 5)
 
 
@@ -34,8 +35,23 @@ def test_an_answer_to_a_forgotten_question_is_ignored():
     fence = ReadFence(fenced=True, ask_interval_ms=100)
     fence.should_ask(0)
     fence.forget_question()  # the replica changed upstream
-    assert not fence.committed_received(TxKey(1, 1), TxKey(1, 1))
+    assert not fence.committed_received(TxKey(1, 1), TxKey(1, 1), 1)
     assert fence.fenced and fence.fence_key is None
     # A fence already reached when the answer arrives clears at the answer.
     fence.should_ask(1)
-    assert fence.committed_received(TxKey(1, 1), TxKey(1, 3)) and not fence.fenced
+    assert fence.committed_received(TxKey(1, 1), TxKey(1, 3), 2) and not fence.fenced
+
+
+def test_only_the_answer_to_the_question_asked_last_counts_across_copies():
+    """Regression: a late answer to a question of an earlier copy was taken for the current copy's
+    (its committed key may be from before this copy ended: reads of its dirty rows served)."""
+    fence = ReadFence(fenced=False, ask_interval_ms=100)
+    fence.fence()  # copy 1 done
+    assert fence.should_ask(0) and fence.question == 1
+    fence.fence()  # copy 1 abandoned, copy 2 done: asked anew
+    assert fence.should_ask(10) and fence.question == 2
+    assert not fence.committed_received(TxKey(1, 3), TxKey(1, 9), 1), "question 1's answer opened copy 2's fence"
+    assert not fence.committed_received(None, TxKey(1, 9), 1)  # nor does its timeout end question 2
+    assert fence.fenced and fence.fence_key is None and fence.asked_ms == 10
+    assert not fence.committed_received(TxKey(1, 12), TxKey(1, 9), 2)
+    assert fence.fence_key == TxKey(1, 12) and fence.reached(TxKey(1, 12))

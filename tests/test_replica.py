@@ -483,7 +483,7 @@ def test_bootstrap_stages_run_in_order_reset_tables_batches_replay_then_normal()
         ReplaySpill(*at(10)),
         ModeChanged(Mode.NORMAL, "core0", "bootstrap done at (1, 12)"),
         SendAck("core0", "a1", at(12)[0]),
-        FetchCommitted("core0"),
+        FetchCommitted("core0", 1),
     ]
     assert (machine.applied_key, machine.applied_digest) == at(12)
     status = machine.status()
@@ -765,7 +765,7 @@ def bootstrapped(k0: int = 10, spilled: int = 12) -> ShardReplica:
     if spilled > k0:
         machine.step(push(HISTORY[k0:spilled]), 2)
     effects = machine.step(BatchReceived("core0", "t", None, ({"k": 1, "v": "dirty"},), True), 3)
-    assert FetchCommitted("core0") in effects and machine.mode is Mode.NORMAL
+    assert FetchCommitted("core0", 1) in effects and machine.mode is Mode.NORMAL
     return machine
 
 
@@ -773,7 +773,7 @@ def bootstrapped(k0: int = 10, spilled: int = 12) -> ShardReplica:
 def test_no_read_is_served_after_a_bootstrap_until_the_applied_key_reaches_the_committed_key():
     machine = bootstrapped()
     assert not machine.readable() and machine.status().read_fenced
-    machine.step(CommittedReceived("core0", at(14)[0]), 4)
+    machine.step(CommittedReceived("core0", at(14)[0], 1), 4)
     assert not machine.readable() and machine.status().read_fence == at(14)[0]
     machine.step(push(HISTORY[12:13]), 5)
     assert not machine.readable()  # (1, 13): not there yet
@@ -785,21 +785,51 @@ def test_no_read_is_served_after_a_bootstrap_until_the_applied_key_reaches_the_c
 @pytest.mark.timeout(10)
 def test_a_fence_already_reached_clears_at_the_answer():
     machine = bootstrapped()
-    machine.step(CommittedReceived("core0", at(12)[0]), 4)
+    machine.step(CommittedReceived("core0", at(12)[0], 1), 4)
     assert machine.readable()
 
 
 @pytest.mark.timeout(10)
 def test_an_unanswered_fence_request_is_asked_again_and_answers_of_another_core_are_ignored():
     machine = bootstrapped()
-    machine.step(CommittedReceived("core1", at(12)[0]), 4)  # not the upstream
+    machine.step(CommittedReceived("core1", at(12)[0], 1), 4)  # not the upstream
     assert not machine.readable()
     assert machine.step(Ticked(), 5) == []  # still waiting for core0's answer
-    machine.step(CommittedReceived("core0", None), 6)  # failed
-    assert FetchCommitted("core0") in machine.step(Ticked(), 7)
+    machine.step(CommittedReceived("core0", None, 1), 6)  # failed
+    assert FetchCommitted("core0", 2) in machine.step(Ticked(), 7)
     machine.step(push([], committed=12), 2000)
-    assert FetchCommitted("core0") in machine.step(Ticked(), 3007), "a lost answer is asked for again"
-    machine.step(CommittedReceived("core0", at(12)[0]), 3008)
+    assert FetchCommitted("core0", 3) in machine.step(Ticked(), 3007), "a lost answer is asked for again"
+    machine.step(CommittedReceived("core0", at(12)[0], 2), 3008)  # the lost answer, late: stale
+    assert not machine.readable()
+    machine.step(CommittedReceived("core0", at(12)[0], 3), 3009)
+    assert machine.readable()
+
+
+@pytest.mark.timeout(10)
+def test_a_late_answer_to_an_earlier_copys_fence_question_does_not_open_the_next_copys_fence():
+    """Regression: an answer was taken for whatever question was outstanding. Copy 1 ends and asks
+    (question 1); the replica loses its upstream before the answer comes, bootstraps again from the
+    same core and asks again (question 2); question 1's answer, late, carries a committed key from
+    before copy 2 ended, which copy 2's applied key already passes: taken as copy 2's fence key, it
+    served copy 2's dirty rows at once."""
+    machine = bootstrapped()  # question 1 asked; applied (1, 12)
+    machine.step(push(HISTORY[20:22]), 4)  # a gap: the replica leaves core0's agent
+    assert machine.mode is Mode.DISCONNECTED
+    assert of(machine.step(Ticked(), 2000), ProbeJournals)
+    journals = JournalsReceived(tuple((c, JournalAnswer(at(30)[0], True, 0) if c == "core0" else None) for c in CORES))
+    machine.step(journals, 2000)
+    key, digest = at(20)
+    machine.step(WatchAccepted("core0", "a2", "bootstrap", key, digest, machine.watch_id), 2000)
+    machine.step(TablesReceived("core0", ("t",), ("k",), machine.watch_id), 2001)
+    effects = machine.step(
+        BatchReceived("core0", "t", None, ({"k": 1, "v": "dirty"},), True, watch_id=machine.watch_id), 2002
+    )
+    assert FetchCommitted("core0", 2) in effects and machine.applied_key == at(20)[0]
+    machine.step(CommittedReceived("core0", at(12)[0], 1), 2003)  # question 1's answer, late
+    assert not machine.readable() and machine.status().read_fence is None, "a stale answer opened the fence"
+    assert ReadFenceChanged(False) not in machine.step(CommittedReceived("core0", at(22)[0], 2), 2004)
+    assert machine.status().read_fence == at(22)[0] and not machine.readable()
+    assert ReadFenceChanged(False) in machine.step(push(HISTORY[20:22], agent="a2"), 2005)
     assert machine.readable()
 
 
@@ -816,8 +846,8 @@ def test_a_replica_restarted_while_fenced_stays_fenced_and_asks_again():
     machine = ShardReplica(SHARD, "rep0", CORES, key, digest, ReplicaConfig(), random.Random(0), 0, read_fenced=True)
     connect(machine)
     assert machine.mode is Mode.NORMAL and not machine.readable()
-    assert FetchCommitted("core0") in machine.step(Ticked(), 1)
-    assert ReadFenceChanged(False) in machine.step(CommittedReceived("core0", at(12)[0]), 2)
+    assert FetchCommitted("core0", 1) in machine.step(Ticked(), 1)
+    assert ReadFenceChanged(False) in machine.step(CommittedReceived("core0", at(12)[0], 1), 2)
     assert machine.readable()
 
 
@@ -875,7 +905,7 @@ def test_a_waiting_read_is_answered_only_when_readable_and_its_key_is_applied():
     machine = bootstrapped()
     # Applied (1, 12) but fenced: a read at an applied key still waits for the fence.
     assert not machine.readable_at(at(5)[0])
-    machine.step(CommittedReceived("core0", at(12)[0]), 4)
+    machine.step(CommittedReceived("core0", at(12)[0], 1), 4)
     assert machine.readable_at(at(12)[0]) and not machine.readable_at(at(13)[0])
 
 

@@ -189,6 +189,11 @@ def test_a_dropped_outgoing_frame_is_counted_shown_in_status_and_logged_at_most_
 # -- issue 20's three bugs found by reading: each test fails on the code before the fix ----------
 
 
+def fence_question(replica) -> int:
+    """The number of the read-fence question ``replica`` asked last (``FetchCommitted.question``)."""
+    return replica._fence.question
+
+
 def _linearizable_read_pending(node, request_id: str):
     from mnesite.replicant.node import Pending
 
@@ -437,7 +442,7 @@ def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_
         node._step(replica, p.BatchReceived("core1", "t", None, ({"k": 6, "v": "at 6"},), True))
         assert replica.mode is p.Mode.NORMAL and replica.read_fenced
         node.flush()
-        node._step(replica, p.CommittedReceived("core1", TxKey(1, 6)))  # the read fence: (1, 6)
+        node._step(replica, p.CommittedReceived("core1", TxKey(1, 6), fence_question(replica)))  # the read fence: (1, 6)
         node.flush()
         assert not replica.readable()
         # One turn applies up to the fence (reads would open), then its commit fails: disk full.
@@ -485,7 +490,7 @@ def test_a_turn_rolled_back_for_want_of_space_acknowledges_none_of_its_applies(t
         node._step(replica, p.TablesReceived("core1", ("t",), ("k",)))
         node._step(replica, p.BatchReceived("core1", "t", None, (), True))
         node.flush()
-        node._step(replica, p.CommittedReceived("core1", TxKey(1, 4)))
+        node._step(replica, p.CommittedReceived("core1", TxKey(1, 4), fence_question(replica)))
         node.flush()
         node._step(replica, p.PushReceived("core1", "a1", tuple(history[1:4]), TxKey(1, 4), True))
         assert replica.applied_key == TxKey(1, 4) and node._acks  # an acknowledgement of (1, 4) waits

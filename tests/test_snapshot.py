@@ -52,10 +52,10 @@ def test_an_install_begins_copies_finishes_then_waits_for_the_fence():
     assert effects == [
         ApplyBatch("t", ({"k": 3},)),
         FinishInstall(OFFER.key, OFFER.digest),
-        FetchCommitted("core1"),
+        FetchCommitted("core1", 1),
     ]
     assert install.mode is InstallMode.FENCED and not install.serving
-    assert install.step(CommittedReceived("core1", TxKey(3, 60)), OFFER.key, 4) == []
+    assert install.step(CommittedReceived("core1", TxKey(3, 60), 1), OFFER.key, 4) == []
     assert install.step(Ticked(), TxKey(3, 59), 5) == []
     assert install.step(Ticked(), TxKey(3, 60), 6) == [FenceReached()]
     assert install.mode is InstallMode.DONE and install.serving
@@ -83,10 +83,11 @@ def test_a_malformed_batch_abandons_and_a_stale_one_is_ignored():
 
 def test_a_fence_whose_answer_was_lost_is_asked_again_and_a_restart_fences_again():
     install = SnapshotInstall.fenced("core2", 1000, 0)
-    assert install.step(Ticked(), TxKey(3, 1), 0) == [FetchCommitted("core2")]
+    assert install.step(Ticked(), TxKey(3, 1), 0) == [FetchCommitted("core2", 1)]
     assert install.step(Ticked(), TxKey(3, 1), 500) == []
-    assert install.step(CommittedReceived("core2", None), TxKey(3, 1), 600) == [FetchCommitted("core2")]
-    assert install.step(CommittedReceived("core3", TxKey(3, 1)), TxKey(3, 1), 700) == [FenceReached()]
+    assert install.step(CommittedReceived("core2", None, 1), TxKey(3, 1), 600) == [FetchCommitted("core2", 2)]
+    assert install.step(CommittedReceived("core3", TxKey(3, 1), 1), TxKey(3, 1), 700) == [], "question 1's: stale"
+    assert install.step(CommittedReceived("core3", TxKey(3, 1), 2), TxKey(3, 1), 700) == [FenceReached()]
 
 
 def test_a_snapshot_is_offered_only_to_a_follower_heard_within_the_window():

@@ -551,7 +551,7 @@ class ReplicantSimulation(Simulation):
                 raise self.fail(f"{core} served a malformed bootstrap batch: {result!r}")
         else:
             fence = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
-            event = p.CommittedReceived(core, fence.committed if fence is not None else None)
+            event = p.CommittedReceived(core, fence.committed if fence is not None else None, detail)
         self._step_replicant(replicant, event)
 
     def _check_readable(self, replicant: SimReplicant) -> None:
@@ -614,7 +614,8 @@ class ReplicantSimulation(Simulation):
             )
             self._send_request(name, effect.core, ("frame", frame))
         elif isinstance(effect, p.FetchCommitted):
-            frame = self._request_frame(replicant, "read_index", {"shard": SHARD})
+            # The question travels with the request, as production's driver keeps it (``Pending``).
+            frame = self._request_frame(replicant, "read_index", {"shard": SHARD}, effect.question)
             self._send_request(name, effect.core, ("frame", frame))
         elif isinstance(effect, p.ApplyEntries):
             for entry in effect.entries:
