@@ -442,7 +442,8 @@ def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_
         node._step(replica, p.BatchReceived("core1", "t", None, ({"k": 6, "v": "at 6"},), True))
         assert replica.mode is p.Mode.NORMAL and replica.read_fenced
         node.flush()
-        node._step(replica, p.CommittedReceived("core1", TxKey(1, 6), fence_question(replica)))  # the read fence: (1, 6)
+        # The read fence: (1, 6).
+        node._step(replica, p.CommittedReceived("core1", TxKey(1, 6), fence_question(replica)))
         node.flush()
         assert not replica.readable()
         # One turn applies up to the fence (reads would open), then its commit fails: disk full.
