@@ -33,7 +33,7 @@ from mnesite.rlog.config import ConfigError, load_config
 from mnesite.rlog.json_text import json_text as rlog_json_text
 from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
 from mnesite.rlog.security import FOLLOW_KEY_LINKS_HELP
-from mnesite.rlog.types import TxKey, new_request_id
+from mnesite.rlog.types import TxKey
 
 from mnesite import __version__
 
@@ -1467,14 +1467,20 @@ def _change_shard(
     request left unanswered within --timeout-ms is followed by a ``members`` request: no answer to
     that either is ``OutcomeUnknown`` (the node is silent); a change that stopped moving is
     ``ChangeUnderWay``; otherwise the same request id is sent again, which the sequencer answers
-    when the change is (or was) done."""
-    request_id = new_request_id()
+    when the change is (or was) done.
+
+    The first attempt is a new request (no id given): ``Client.call`` takes a given id for an
+    earlier attempt's, and would turn a first request refused unread (``forbidden``, ``overloaded``,
+    ``disk_full``) or never sent (no node listening) into ``OutcomeUnknown``. Only the id of an
+    attempt that went unanswered (``OutcomeUnknown.request_id``) is sent again."""
+    request_id: str | None = None
     seen, since_ms = None, clock_ms()
     while True:
         try:
             return client.change_membership(shard, action, name, core_endpoint, request_id)
         except OutcomeUnknown as silence:
             unanswered = silence
+            request_id = silence.request_id
         try:
             view = client.members()
         except MnesiteError as error:
