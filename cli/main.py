@@ -1449,7 +1449,8 @@ def cluster() -> None:
 
 class ChangeUnderWay(MnesiteError):
     """A membership change the sequencer is still making (its learner catching up) that has not
-    moved for ``CHANGE_STALL_MS``: not refused, not done, and not silence."""
+    moved for ``CHANGE_STALL_MS``: not refused, not done, and not silence. Also a change the
+    sequencer's ``members`` shows done whose request it has not answered for as long."""
 
     code = "change_under_way"
 
@@ -1466,8 +1467,9 @@ def _change_shard(
     moves (``core.membership.change_wait``): a learner's catch-up outlasts any one answer. Each
     request left unanswered within --timeout-ms is followed by a ``members`` request: no answer to
     that either is ``OutcomeUnknown`` (the node is silent); a change that stopped moving is
-    ``ChangeUnderWay``; otherwise the same request id is sent again, which the sequencer answers
-    when the change is (or was) done.
+    ``ChangeUnderWay``, and so is a change done whose resends the sequencer has not answered for as
+    long; otherwise the same request id is sent again, which the sequencer answers when the change
+    is (or was) done.
 
     The first attempt is a new request (no id given): ``Client.call`` takes a given id for an
     earlier attempt's, and would turn a first request refused unread (``forbidden``, ``overloaded``,
@@ -1487,6 +1489,13 @@ def _change_shard(
             raise OutcomeUnknown(f"{unanswered}; and no answer to `members` either ({error})", request_id) from None
         info = view.get("shards", {}).get(shard, {})
         wait = change_wait(info, name, action == "add", seen, since_ms, clock_ms())
+        if wait.state == "unanswered":
+            members = ", ".join(info.get("committed_members") or ())
+            raise ChangeUnderWay(
+                f"shard {shard}'s committed members are what was asked ({members}), but {client.endpoint} has not "
+                f"answered the change for {CHANGE_STALL_MS // 1000} s; check with "
+                f"`mnesite cluster members --node {client.endpoint}`, and run this command again to finish"
+            )
         if wait.state == "stalled":
             raise ChangeUnderWay(
                 f"the change of shard {shard} is still under way, with no progress for {CHANGE_STALL_MS // 1000} s "

@@ -882,3 +882,29 @@ def test_a_change_whose_first_attempt_reaches_no_node_is_unavailable_not_an_outc
         with Client(endpoint, timeout_ms=2000, retries=1) as client, pytest.raises(Unavailable) as info:
             _change_shard(client, "default", "add", "core2", "tcp://127.0.0.1:7401")
     assert not isinstance(info.value, OutcomeUnknown), info.value
+
+
+@pytest.mark.timeout(30)
+def test_add_core_stops_waiting_for_an_answer_the_sequencer_never_gives_once_the_change_is_done(monkeypatch):
+    """Regression: once ``members`` showed the change committed (``done``), every unanswered resend
+    restarted the stall clock (``change_wait`` answered ``done`` with ``since_ms`` now): a sequencer
+    that answers ``members`` but never the change request (it forwards it to a core it cannot reach,
+    say) kept the command resending for ever. A done change left unanswered for ``CHANGE_STALL_MS``
+    ends the wait too (exit 3), saying the members are what was asked."""
+    from click.testing import CliRunner
+    from mnesite.rlog.client import OutcomeUnknown
+
+    assert membership.change_wait({"committed_members": ["a", "d"]}, "d", True, (), 0, 999, 1000).state == "done"
+    assert membership.change_wait({"committed_members": ["a", "d"]}, "d", True, (), 0, 1000, 1000).state == (
+        "unanswered"
+    )
+    clock = _Clock()
+    silence = OutcomeUnknown("outcome unknown: node tcp://127.0.0.1:7400 did not answer", "r")
+    done = {"members": ["core1", "core2"], "committed_members": ["core1", "core2"], "learner": None}
+    core = _FakeCore(["default"], {"default": [silence] * 20}, [done] * 20, clock)
+    cli = _cli_with(monkeypatch, core)
+    monkeypatch.setattr(cli, "time", clock)
+    result = CliRunner().invoke(cli.main, ["cluster", "add-core", "core2", "tcp://127.0.0.1:7401"])
+    assert result.exit_code == 3, result.output
+    assert "members are what was asked (core1, core2)" in result.stderr, result.stderr
+    assert len(core.asked) < 20
