@@ -33,7 +33,7 @@ from mnesite.rlog.config import ConfigError, load_config
 from mnesite.rlog.json_text import json_text as rlog_json_text
 from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
 from mnesite.rlog.security import FOLLOW_KEY_LINKS_HELP
-from mnesite.rlog.types import TxKey, new_request_id
+from mnesite.rlog.types import TxKey
 
 from mnesite import __version__
 
@@ -1449,7 +1449,8 @@ def cluster() -> None:
 
 class ChangeUnderWay(MnesiteError):
     """A membership change the sequencer is still making (its learner catching up) that has not
-    moved for ``CHANGE_STALL_MS``: not refused, not done, and not silence."""
+    moved for ``CHANGE_STALL_MS``: not refused, not done, and not silence. Also a change the
+    sequencer's ``members`` shows done whose request it has not answered for as long."""
 
     code = "change_under_way"
 
@@ -1466,21 +1467,35 @@ def _change_shard(
     moves (``core.membership.change_wait``): a learner's catch-up outlasts any one answer. Each
     request left unanswered within --timeout-ms is followed by a ``members`` request: no answer to
     that either is ``OutcomeUnknown`` (the node is silent); a change that stopped moving is
-    ``ChangeUnderWay``; otherwise the same request id is sent again, which the sequencer answers
-    when the change is (or was) done."""
-    request_id = new_request_id()
+    ``ChangeUnderWay``, and so is a change done whose resends the sequencer has not answered for as
+    long; otherwise the same request id is sent again, which the sequencer answers when the change
+    is (or was) done.
+
+    The first attempt is a new request (no id given): ``Client.call`` takes a given id for an
+    earlier attempt's, and would turn a first request refused unread (``forbidden``, ``overloaded``,
+    ``disk_full``) or never sent (no node listening) into ``OutcomeUnknown``. Only the id of an
+    attempt that went unanswered (``OutcomeUnknown.request_id``) is sent again."""
+    request_id: str | None = None
     seen, since_ms = None, clock_ms()
     while True:
         try:
             return client.change_membership(shard, action, name, core_endpoint, request_id)
         except OutcomeUnknown as silence:
             unanswered = silence
+            request_id = silence.request_id
         try:
             view = client.members()
         except MnesiteError as error:
             raise OutcomeUnknown(f"{unanswered}; and no answer to `members` either ({error})", request_id) from None
         info = view.get("shards", {}).get(shard, {})
         wait = change_wait(info, name, action == "add", seen, since_ms, clock_ms())
+        if wait.state == "unanswered":
+            members = ", ".join(info.get("committed_members") or ())
+            raise ChangeUnderWay(
+                f"shard {shard}'s committed members are what was asked ({members}), but {client.endpoint} has not "
+                f"answered the change for {CHANGE_STALL_MS // 1000} s; check with "
+                f"`mnesite cluster members --node {client.endpoint}`, and run this command again to finish"
+            )
         if wait.state == "stalled":
             raise ChangeUnderWay(
                 f"the change of shard {shard} is still under way, with no progress for {CHANGE_STALL_MS // 1000} s "

@@ -177,9 +177,10 @@ def valid_members(members: tuple[str, ...]) -> bool:
 @dataclass(frozen=True)
 class ChangeWait:
     """``change_wait``'s answer: ``state`` is ``done`` (the shard's committed membership is the one
-    asked for: send the request again to get its answer), ``waiting`` (under way and moving, or
+    asked for: send the request again to get its answer), ``unanswered`` (done, and the request
+    sent again since went unanswered for ``stall_ms``), ``waiting`` (under way and moving, or
     moved within ``stall_ms``) or ``stalled`` (nothing moved for ``stall_ms``); ``seen`` and
-    ``since_ms`` are what to pass back next time."""
+    ``since_ms`` are what to pass back next time (``seen`` is ``()`` once done)."""
 
     state: str
     seen: tuple[Any, ...]
@@ -200,10 +201,13 @@ def change_wait(
     ``info``: the shard's entry of the sequencer's ``members`` answer (``members``,
     ``committed_members``, ``learner``, ``learner_match``); ``seen``/``since_ms``: the previous
     answer's (None at first). Any difference in the membership, the learner or its matched key
-    is progress."""
+    is progress; becoming done is too, but staying done is not: the answer a resend gets then is
+    immediate, and a sequencer that never gives it must not be waited for without end."""
     committed = set(info.get("committed_members") or ())
     if (name in committed) == add:
-        return ChangeWait("done", (), now_ms)
+        if seen != ():
+            return ChangeWait("done", (), now_ms)
+        return ChangeWait("unanswered" if now_ms - since_ms >= stall_ms else "done", (), since_ms)
     now_seen = (
         tuple(info.get("members") or ()),
         tuple(sorted(committed)),

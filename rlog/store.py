@@ -432,9 +432,12 @@ class Store:
             pages = self.checkpointer.pages_background + self.checkpointer.pages_background // 4
             self.wal_reserve = WalReserve(path + "-wal", page_size, frames_end(pages, page_size))
         self._catalog: dict[str, TableSchema] | None = None
-        # Tables dropped by the ops being applied, (id of the op, table, its key column), until
+        # Tables dropped by the ops of the entries being applied, (the op, table, its key column), until
         # ``_record_drops`` finds each one's entry (batched applies flatten the ops of many entries).
-        self._drops_pending: list[tuple[int, str, str]] = []
+        # The op itself, not its id: a freed op's id is the next one's made at its address. Emptied
+        # when an apply of entries begins: drops applied outside any entry (a copy's schema ops) are
+        # no position of the log and must not be taken for the next entry's.
+        self._drops_pending: list[tuple[DropTableOp, str, str]] = []
         # The newest log entry's (key, digest) per shard, as this connection last wrote or read it: a
         # sequencer appends every proposal on its own, and the SELECT that found the log's end cost
         # more than the INSERT. Kept by ``append_entries``/``log_and_apply_verified``; forgotten by
@@ -673,11 +676,12 @@ class Store:
         pending, self._drops_pending = self._drops_pending, []
         if not pending:
             return
+        # By id, the pending ops alive (held in ``pending``): no other op can have one of their ids.
         entry_of = {id(op): entry for entry in entries for op in entry.ops if type(op) is DropTableOp}
         rows = [
             (entry.shard, table, key_column, entry.tx_key.generation, entry.tx_key.counter)
-            for op_id, table, key_column in pending
-            if (entry := entry_of.get(op_id)) is not None
+            for op, table, key_column in pending
+            if (entry := entry_of.get(id(op))) is not None
         ]
         # OR IGNORE: an entry that drops a table twice (made again between) keeps its first drop's key,
         # the table its earlier writes wrote.
@@ -872,6 +876,7 @@ class Store:
         reason than the disk, the whole open transaction is rolled back (none of the turn's work is
         committed or acknowledged; the node stops) and ``_entry_at_fault`` names the entry.
         """
+        self._drops_pending = []  # none of a copy's (``_record_drops``)
         try:
             self.apply_ops_batched([op for entry in chain for op in entry.ops], healing)
         except (apsw.Error, StoreError) as error:
@@ -929,6 +934,7 @@ class Store:
             )
         if chain_break(position.applied, position.digest, entry) is not None:
             raise StoreError(f"shard {entry.shard}: digest mismatch at {entry.tx_key}")
+        self._drops_pending = []  # none of a copy's (``_record_drops``)
         self.apply_ops(entry.ops, healing)
         self._record_drops((entry,))
         self.connection.execute(
@@ -970,6 +976,7 @@ class Store:
         self._forget_log_ends(shard)
         self.connection.executemany(RLOG_INSERT, [rlog_row(entry, appended_ms) for entry in entries])
         self._log_ends[shard] = (entries[-1].tx_key, entries[-1].digest)
+        self._drops_pending = []  # none of a copy's (``_record_drops``)
         try:
             self.apply_ops_batched([op for entry in entries for op in entry.ops], healing)
         except (apsw.Error, StoreError) as error:
@@ -1128,7 +1135,7 @@ class Store:
         try:
             if isinstance(op, DropTableOp):
                 if check_droppable(catalog, op):
-                    self._drops_pending.append((id(op), op.table, catalog[op.table].key_column))
+                    self._drops_pending.append((op, op.table, catalog[op.table].key_column))
                     self._end_build(op.table)
                     self.connection.execute(f"DROP TABLE {quote(op.table)}")  # its indexes go with it
                     self.connection.execute("DELETE FROM _mnesite_tables WHERE name = ?", (op.table,))

@@ -48,7 +48,7 @@ from mnesite.rlog.types import (
     make_entry,
 )
 
-from tests.conftest import simulation_seeds
+from tests.conftest import ScriptedNode, simulation_seeds
 from tests.sim import SimulationFailure
 from tests.sim.membership import MembershipSimulation, run_membership_seed
 from tests.test_consensus import CONFIG, Harness, chain, of_type, sends
@@ -782,7 +782,8 @@ def test_add_core_waits_through_a_catch_up_that_outlasts_its_timeout_and_shows_p
     assert done.exit_code == 0, done.output
     assert "default: add core2 committed at (1, 901)" in done.stdout
     assert "core2 catching up as a learner: at (1, 400) of (1, 900)" in done.stderr
-    assert len({request_id for _, request_id in core.asked}) == 1  # one change, asked again
+    # One change: a new request, then the id its silence named (OutcomeUnknown.request_id) again.
+    assert [request_id for _, request_id in core.asked] == [None, "r", "r", "r"]
 
 
 @pytest.mark.timeout(30)
@@ -843,3 +844,67 @@ def test_a_change_that_fails_part_way_names_the_shards_changed_and_not(monkeypat
     result = json.loads(shown.stdout)
     assert list(result["shards"]) == ["a"] and result["not_tried"] == ["c"]
     assert result["failed"]["b"]["code"] == "membership_change_in_flight"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("code", ["forbidden", "overloaded", "disk_full"])
+def test_a_change_refused_at_its_first_attempt_is_that_refusal_not_an_outcome_unknown(code):
+    """Regression: ``_change_shard`` sent its very first attempt with a request id of its own, which
+    ``Client.call`` takes for a resend of an earlier attempt (``sent_before``): a first request
+    refused unread (an operator without the admin role, a full backlog or disk) came back as
+    ``OutcomeUnknown``, and the command asked ``members`` and sent it again and again until it said
+    the change was "still under way" (exit 3) when nothing had been asked of the cluster at all. The
+    first attempt is a new request: its refusal is the answer; only a silent one is sent again."""
+    from mnesite.cli.main import _change_shard
+    from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
+
+    node = ScriptedNode([(code, f"refused: {code}")] * 5)
+    try:
+        with Client(node.endpoint, timeout_ms=300, retries=1) as client, pytest.raises(MnesiteError) as info:
+            _change_shard(client, "default", "add", "core2", "tcp://127.0.0.1:7401")
+        assert info.value.code == code and not isinstance(info.value, OutcomeUnknown), info.value
+        assert len(node.requests) == 1, node.requests  # asked once: no members, no resend
+    finally:
+        node.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_change_whose_first_attempt_reaches_no_node_is_unavailable_not_an_outcome_unknown():
+    """The same: nothing was sent, so nothing may have happened (exit 1, not 3)."""
+    import socket as socket_module
+
+    from mnesite.cli.main import _change_shard
+    from mnesite.rlog.client import Client, OutcomeUnknown, Unavailable
+
+    with socket_module.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"  # bound, never listening: refused
+        with Client(endpoint, timeout_ms=2000, retries=1) as client, pytest.raises(Unavailable) as info:
+            _change_shard(client, "default", "add", "core2", "tcp://127.0.0.1:7401")
+    assert not isinstance(info.value, OutcomeUnknown), info.value
+
+
+@pytest.mark.timeout(30)
+def test_add_core_stops_waiting_for_an_answer_the_sequencer_never_gives_once_the_change_is_done(monkeypatch):
+    """Regression: once ``members`` showed the change committed (``done``), every unanswered resend
+    restarted the stall clock (``change_wait`` answered ``done`` with ``since_ms`` now): a sequencer
+    that answers ``members`` but never the change request (it forwards it to a core it cannot reach,
+    say) kept the command resending for ever. A done change left unanswered for ``CHANGE_STALL_MS``
+    ends the wait too (exit 3), saying the members are what was asked."""
+    from click.testing import CliRunner
+    from mnesite.rlog.client import OutcomeUnknown
+
+    assert membership.change_wait({"committed_members": ["a", "d"]}, "d", True, (), 0, 999, 1000).state == "done"
+    assert membership.change_wait({"committed_members": ["a", "d"]}, "d", True, (), 0, 1000, 1000).state == (
+        "unanswered"
+    )
+    clock = _Clock()
+    silence = OutcomeUnknown("outcome unknown: node tcp://127.0.0.1:7400 did not answer", "r")
+    done = {"members": ["core1", "core2"], "committed_members": ["core1", "core2"], "learner": None}
+    core = _FakeCore(["default"], {"default": [silence] * 20}, [done] * 20, clock)
+    cli = _cli_with(monkeypatch, core)
+    monkeypatch.setattr(cli, "time", clock)
+    result = CliRunner().invoke(cli.main, ["cluster", "add-core", "core2", "tcp://127.0.0.1:7401"])
+    assert result.exit_code == 3, result.output
+    assert "members are what was asked (core1, core2)" in result.stderr, result.stderr
+    assert len(core.asked) < 20

@@ -805,3 +805,36 @@ def test_each_drop_is_recorded_with_its_key_column_and_trimmed_with_the_log(tmp_
         assert store.connection.execute("SELECT counter FROM _mnesite_dropped_tables").fetchall() == [(5,)]
     finally:
         store.close()
+
+
+def test_a_drop_a_copy_applied_outside_any_entry_is_never_recorded_under_a_later_entry(tmp_path) -> None:
+    """Regression: a snapshot install's or bootstrap's schema ops (``shard_schema_ops_toward``, applied
+    with ``apply_ops``, outside any entry) left their drops pending, as the id of an op freed since; the
+    next apply matched pending drops to its entries' ops by ``id()``, so a drop op of that entry that
+    took the freed op's id (CPython reuses addresses) recorded the copy's table and key column under
+    the entry, and the changefeed keyed writes before it by a column of a table long gone. Played here
+    by the same op object (the id a reused address gives): the entry's drop must record only the key
+    column of the table it dropped."""
+    store = Store(str(tmp_path / "mnesite.db"), synchronous="NORMAL")
+    columns = (("k", "INTEGER"), ("v", "TEXT"))
+    drop = DropTableOp("t", "default")
+    try:
+        with store.write_transaction():
+            store.ensure_shard("default", 1)
+        for same_transaction in (False, True):
+            with store.write_transaction():
+                store.apply_ops((CreateTableOp("t", "default", "k", columns),))  # what the copy held
+            store.connection.execute("BEGIN")
+            store.apply_ops((drop,))  # the copy's: the core lists no table t (dropped meanwhile)
+            if not same_transaction:
+                store.commit()
+                store.connection.execute("BEGIN")
+            ops = [CreateTableOp("t", "default", "v", columns), WriteOp("t", {"k": 1, "v": "a"}), drop]
+            entry = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, ops)
+            store.append_entries([entry], 0)
+            store.apply_entry(entry)
+            drops = store.connection.execute("SELECT name, key_column, counter FROM _mnesite_dropped_tables").fetchall()
+            assert drops == [("t", "v", 1)], (same_transaction, drops)
+            store.rollback()
+    finally:
+        store.close()
