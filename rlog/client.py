@@ -301,6 +301,15 @@ class Client:
         a request that never left (no connection completed), any read, or a write the node answered
         with "not now" before the client lost track of it. A write sent and not answered stays with
         its node and ends in ``OutcomeUnknown``: it is never sent silently to another node."""
+        for name, value, low in (
+            ("timeout_ms", timeout_ms, 1),
+            ("retries", retries, 0),
+            ("frame_bytes_max", frame_bytes_max, 1),
+        ):
+            # Refused here: a timeout of 0 said "no connection completed in time; is the node running?"
+            # of a node that was up, and a text one raised TypeError from inside the call.
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise MnesiteError(f"{name} must be an integer of at least {low}, got {value!r}", "bad_request")
         self.endpoints = parse_endpoints(endpoint)
         self.endpoint = self.endpoints[0]
         self.timeout_ms = timeout_ms

@@ -126,3 +126,24 @@ def test_well_formed_answers_still_read(node: ReplyingNode) -> None:
         assert list(client.scan("t", page_rows=5)) == [{"k": 1}]
         node.result = None
         assert client.get("t", 1) is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "text"),
+    [
+        ({"timeout_ms": 0}, "timeout_ms must be an integer of at least 1, got 0"),
+        ({"timeout_ms": -5}, "timeout_ms must be an integer of at least 1"),
+        ({"timeout_ms": "100"}, "timeout_ms must be an integer of at least 1, got '100'"),
+        ({"retries": -1}, "retries must be an integer of at least 0"),
+        ({"frame_bytes_max": 0}, "frame_bytes_max must be an integer of at least 1"),
+    ],
+)
+def test_a_client_refuses_a_timeout_or_retries_it_cannot_use(node: ReplyingNode, arguments: dict, text: str) -> None:
+    """A timeout of 0 (or retries of -1) ended every call at once in "no connection to ... completed in
+    time; is the node running?" of a node that was up; a text timeout raised TypeError inside a call."""
+    with pytest.raises(MnesiteError, match=text) as raised:
+        Client(node.endpoint, **arguments)
+    assert raised.value.code == "bad_request"
+    if "timeout_ms" in arguments:  # the DB-API's connect takes it too: its InterfaceError
+        with pytest.raises(dbapi.InterfaceError, match=text):
+            dbapi.connect(node.endpoint, timeout_ms=arguments["timeout_ms"])
