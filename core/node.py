@@ -510,7 +510,13 @@ class CoreNode(NodeServer):
         if timeout_ms is None:
             timeout_ms = self.config.timing.recovery_timeout_ms
         existing = self.config.initial_cluster_state == "existing"
+        round_ends_s = time.monotonic()
         for attempt in range(1, RECOVERY_ROUNDS_MAX + 1):
+            # A round lasts timeout_ms even when it ended at once (every silent peer refused the
+            # connection: still starting, as in a whole cluster's restart): ten rounds in a few
+            # milliseconds gave up before a peer's listen could come up.
+            time.sleep(max(0.0, round_ends_s - time.monotonic()))
+            round_ends_s = time.monotonic() + timeout_ms / 1000
             answers = self.probe_peers(timeout_ms)
             # ``core_nodes`` only seeds a cluster: a member added since is known by the endpoint its add
             # entry carried. Learned from this round's answers, it is asked in the next round.

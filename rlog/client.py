@@ -48,7 +48,7 @@ import zmq
 from mnesite.rlog import messages
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
-from mnesite.rlog.messages import Message, MessageError, typed_body
+from mnesite.rlog.messages import Answer, Message, MessageError, NonNegative, answer_as, typed_body
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import (
     FOLLOW_LINKS_CLIENT,
@@ -192,6 +192,54 @@ UNREACHABLE_HINT = "is the node running? check --node"
 ENDPOINTS_MAX = 64  # endpoints one client fails over between
 
 
+# The answers the client reads fields of, as it reads them (``messages.Answer``: unknown fields allowed).
+# An answer that does not fit is ``bad_answer`` (a node of another protocol, a bug, not a mnesite node),
+# never a KeyError or TypeError out of the client; the rows themselves are checked by ``_rows``.
+class _WrittenAnswer(Answer, frozen=True, kw_only=True):
+    tx_key: TxKey
+    shard: str | None = None
+
+
+class _CountAnswer(Answer, frozen=True, kw_only=True):
+    rows: NonNegative
+
+
+class _TableAnswer(Answer, frozen=True, kw_only=True):
+    table: str
+    shard: str
+    key: str
+    columns: list[tuple[str, str]]
+
+
+class _QueryPageAnswer(Answer, frozen=True, kw_only=True):
+    rows: list[Any]
+    cursor: str | None = None
+
+
+class _QueryAnswer(_QueryPageAnswer, frozen=True, kw_only=True):
+    columns: list[str]
+    positions: dict[str, TxKey] = {}
+
+
+def bad_answer(kind: str, what: str) -> MnesiteError:
+    return MnesiteError(f"malformed {kind} answer: {what}", "bad_answer")
+
+
+def checked(kind: str, result: Any, answer_type: Any) -> Any:
+    """``result`` as ``answer_type``; ``bad_answer`` if it does not fit."""
+    answer = answer_as(result, answer_type)
+    if answer is None:
+        raise bad_answer(kind, f"not a {getattr(answer_type, '__name__', answer_type)!s}")
+    return answer
+
+
+def _rows(kind: str, rows: list[Any], row_type: type) -> None:
+    """Every row of an answer is a ``row_type`` (a dict for get and scan, a list for a query's page)."""
+    for row in rows:
+        if not isinstance(row, row_type):
+            raise bad_answer(kind, f"a row is a {type(row).__name__}, not a {row_type.__name__}")
+
+
 class _NotSent(Exception):
     """The request never left this client: no connection to the node completed (``IMMEDIATE``
     sockets queue nothing before that), so it is known not to have happened anywhere."""
@@ -253,6 +301,15 @@ class Client:
         a request that never left (no connection completed), any read, or a write the node answered
         with "not now" before the client lost track of it. A write sent and not answered stays with
         its node and ends in ``OutcomeUnknown``: it is never sent silently to another node."""
+        for name, value, low in (
+            ("timeout_ms", timeout_ms, 1),
+            ("retries", retries, 0),
+            ("frame_bytes_max", frame_bytes_max, 1),
+        ):
+            # Refused here: a timeout of 0 said "no connection completed in time; is the node running?"
+            # of a node that was up, and a text one raised TypeError from inside the call.
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise MnesiteError(f"{name} must be an integer of at least {low}, got {value!r}", "bad_request")
         self.endpoints = parse_endpoints(endpoint)
         self.endpoint = self.endpoints[0]
         self.timeout_ms = timeout_ms
@@ -661,9 +718,10 @@ class Client:
 
     def _wrote(self, result: dict[str, Any]) -> TxKey:
         """Note an acknowledged write's tx key, in its shard when the answer names it."""
-        key = TxKey(*result["tx_key"])
+        answer = checked("write", result, _WrittenAnswer)
+        key = TxKey(*answer.tx_key)
         self.last_tx_key = key
-        shard = result.get("shard")
+        shard = answer.shard
         self.last_shard = shard if isinstance(shard, str) else None
         if isinstance(shard, str):
             earlier = self.last_tx_keys.pop(shard, None)
@@ -684,7 +742,10 @@ class Client:
         ``after_tx_key``: answer only once the node has applied that tx key (a write of another client
         or process): a ``TxKey`` waited for in the shard read, or a dict ``{shard: key}`` (such as
         another client's ``last_tx_keys``), each key waited for in its own shard."""
-        return self.call("get", self._consistency({"table": table, "key": key}, consistency, after_tx_key))
+        row = self.call("get", self._consistency({"table": table, "key": key}, consistency, after_tx_key))
+        if row is not None:
+            _rows("get", [row], dict)
+        return row
 
     def _consistency(
         self, body: dict[str, Any], consistency: str, after_tx_key: AfterKey = None, timeout_ms: int | None = None
@@ -731,7 +792,11 @@ class Client:
         body: dict[str, Any] = {"table": table, "limit": limit}
         if after is not None:
             body["after"] = after
-        return self.call("scan", self._consistency(body, consistency, after_tx_key))
+        page = self.call("scan", self._consistency(body, consistency, after_tx_key))
+        if not isinstance(page, list):
+            raise bad_answer("scan", f"a {type(page).__name__}, not a list of rows")
+        _rows("scan", page, dict)
+        return page
 
     def scan(
         self,
@@ -756,6 +821,8 @@ class Client:
                 return
             if key_column is None:
                 key_column = self.table(table)["key"]
+            if key_column not in page[-1]:
+                raise bad_answer("scan", f"a row without its key column {key_column!r}")
             after = page[-1][key_column]
 
     def query(
@@ -781,6 +848,8 @@ class Client:
             body["page_rows"] = page_rows
         body = self._consistency(body, consistency, after_tx_key, timeout_ms)
         first = self.call("query", body, timeout_ms=timeout_ms)
+        checked("query", first, _QueryAnswer)
+        _rows("query", first["rows"], list)
         return QueryResult(self, first, page_rows, timeout_ms)
 
     def changes(
@@ -822,7 +891,8 @@ class Client:
 
     def count(self, table: str, consistency: str = "local", after_tx_key: AfterKey = None) -> int:
         """The number of rows of ``table``, counted by the node (no row is shipped)."""
-        return self.call("count", self._consistency({"table": table}, consistency, after_tx_key))["rows"]
+        answer = self.call("count", self._consistency({"table": table}, consistency, after_tx_key))
+        return checked("count", answer, _CountAnswer).rows
 
     def table(self, name: str) -> dict[str, Any]:
         """One table's description (shard, key column, columns) as ``list_tables`` gives it."""
@@ -833,7 +903,9 @@ class Client:
 
     def list_tables(self) -> list[dict[str, Any]]:
         """Every table with its shard, key column and columns."""
-        return self.call("list_tables")
+        tables = self.call("list_tables")
+        checked("list_tables", tables, list[_TableAnswer])
+        return tables
 
     def status(self) -> dict[str, Any]:
         """The node's status: what ``mnesite status --json`` prints."""
@@ -979,6 +1051,8 @@ class QueryResult:
             body["page_rows"] = self._page_rows
         try:
             answer = self._call("query_page", body, self._timeout_ms)
+            checked("query_page", answer, _QueryPageAnswer)
+            _rows("query_page", answer["rows"], list)
         except MnesiteError as error:
             self._forget()
             self._lost = error

@@ -335,7 +335,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     if role not in ROLES:
         raise ConfigError(f'[node].role must be "core" or "replicant", got {role!r}')
     data_dir = node.get("data_dir", DEFAULT_DATA_DIR)
-    if not isinstance(data_dir, str) or not data_dir:
+    if not isinstance(data_dir, str) or not data_dir or "\0" in data_dir:
         raise ConfigError(f"[node].data_dir must be a non-empty path, got {data_dir!r}")
     data_dir = os.path.abspath(os.path.join(base_dir, os.path.expanduser(data_dir)))
     listen = check_endpoint("[node].listen", node.get("listen", DEFAULT_LISTEN))
@@ -391,6 +391,17 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         raise ConfigError(f"[cluster].core_nodes must list this core node {name!r}")
     if role == "replicant" and not core_nodes:
         raise ConfigError("[cluster].core_nodes must list at least one core for a replicant")
+    if role == "replicant" and name in core_nodes:
+        # Its requests to the cores would carry a core's name (watches, forwarded writes, the core role's key).
+        raise ConfigError(f"[node].name {name!r} is a core's name in [cluster].core_nodes; a replicant needs its own")
+    # Listening at another core's endpoint (a copied config whose listen was not changed): what is sent
+    # to that core reaches this node, and a replicant watches itself.
+    other = named_at.get(endpoint_identity(listen))
+    if other is not None and not (role == "core" and other == name):
+        raise ConfigError(
+            f"[node].listen {listen} is the endpoint of core {other} in [cluster].core_nodes; "
+            "give this node its own listen address"
+        )
 
     storage = data.get("storage", {})
     if not isinstance(storage, dict):
@@ -492,7 +503,7 @@ def parse_security(raw: Any, base_dir: str) -> SecurityConfig | None:
         value = raw.get(key)
         if value is None:
             continue
-        if not isinstance(value, str) or not value:
+        if not isinstance(value, str) or not value or "\0" in value:
             raise ConfigError(f"[security].{key} must be a path, got {value!r}")
         paths[key] = os.path.abspath(os.path.join(base_dir, os.path.expanduser(value)))
         if not os.path.exists(paths[key]):
@@ -524,6 +535,8 @@ def load_config(path: str | None) -> Config:
         raise ConfigError(f"{path}: no such config file") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: invalid TOML: {error}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: invalid TOML: not UTF-8 text (byte {error.start}); save it as UTF-8") from None
     except OSError as error:
         raise ConfigError(f"{path}: {error.strerror}") from None
     try:

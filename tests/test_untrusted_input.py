@@ -4,11 +4,13 @@ node keeps serving. Unit level against a thread node (``tests/conftest.py``) and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import decimal
 import enum
 import fractions
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -1181,11 +1183,11 @@ def test_a_rebuilt_core_waits_for_enough_peers_and_gives_up_with_a_clear_error(t
     node = CoreNode(config)
     try:
         monkeypatch.setattr(node, "probe_peers", probe)
-        assert node.recover_generations() == {"default": 4} and len(rounds) == 3
+        assert node.recover_generations(timeout_ms=10) == {"default": 4} and len(rounds) == 3
         assert node._vote_floor("default") == TxKey(4, 12)
         monkeypatch.setattr(node, "probe_peers", lambda timeout_ms: {"core2": {"shards": {"default": history}}})
         with pytest.raises(StoreError, match=r"1 did not: \['core3'\]"):
-            node.recover_generations()
+            node.recover_generations(timeout_ms=10)
     finally:
         node.close()
     assert node_module.RECOVERY_ROUNDS_MAX >= 2
@@ -1339,3 +1341,28 @@ def test_answers_a_connection_does_not_read_are_bounded_in_bytes_not_only_in_cou
     # and the DEALER's queue, which zmq no longer holds: without the bound, all 30 were rows.
     assert 1 <= len(rows) <= 15, len(rows)
     assert len(refused) == 30 - len(rows)
+
+
+def test_a_rebuilt_core_asks_its_refusing_peers_for_as_long_as_its_rounds_last(tmp_path: Path, monkeypatch):
+    """A peer whose port refuses connections (it is starting too: a whole cluster restarted at once)
+    ends a probe round at once: the ten rounds took a few milliseconds, and a rebuilt core declared
+    ``existing`` gave up before its peers listened. Each round now lasts ``recovery_timeout_ms``."""
+    from mnesite.core import node as node_module
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog.store import StoreError
+
+    port = free_port()
+    cores = {"core1": f"tcp://127.0.0.1:{port}", "core2": f"tcp://127.0.0.1:{free_port()}"}  # core2: refused
+    config = node_config(tmp_path / "data", port, extra={"cluster": {"core_nodes": cores}})
+    config = dataclasses.replace(config, initial_cluster_state="existing")
+    monkeypatch.setattr(CoreNode, "recover_generations", lambda self, timeout_ms=None: {})  # at construction
+    node = CoreNode(config)
+    monkeypatch.undo()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreError, match=r"1 did not: \['core2'\]"):
+            node.recover_generations(timeout_ms=60)
+        elapsed_s = time.monotonic() - started
+        assert elapsed_s >= (node_module.RECOVERY_ROUNDS_MAX - 1) * 0.06, elapsed_s
+    finally:
+        node.close()

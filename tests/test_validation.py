@@ -305,3 +305,55 @@ def test_a_name_endpoint_or_path_with_a_trailing_newline_is_refused_everywhere(t
     define_table("kv", "k", [])
     typed_body("get", {"table": "kv", "key": 1})
     decode_ops(pack_ops((WriteOp("kv", {"id": 1}),)))
+
+
+@pytest.mark.parametrize(
+    ("data", "text"),
+    [
+        (  # a core's config copied for another core, listen left as it was
+            {
+                "node": {"name": "core2", "listen": "tcp://127.0.0.1:7400"},
+                "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://127.0.0.1:7401"}},
+            },
+            r"\[node\].listen tcp://127.0.0.1:7400 is the endpoint of core core1",
+        ),
+        (  # the same endpoint spelt another way
+            {
+                "node": {"name": "r1", "role": "replicant", "listen": "tcp://localhost:7400"},
+                "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400"}},
+            },
+            r"\[node\].listen tcp://localhost:7400 is the endpoint of core core1",
+        ),
+        (
+            {
+                "node": {"name": "core1", "role": "replicant", "listen": "tcp://127.0.0.1:7402"},
+                "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400"}},
+            },
+            r"\[node\].name 'core1' is a core's name",
+        ),
+        ({"node": {"data_dir": "data\0dir"}}, r"\[node\].data_dir must be a non-empty path"),
+        ({"security": {"server_key": "k\0", "insecure": False}}, r"\[security\].server_key must be a path"),
+    ],
+)
+def test_config_mistakes_that_started_a_broken_node_name_the_key(data, text) -> None:
+    """Each of these started a node (a replicant watching itself, a core answering for another) or
+    failed at start with "cannot start: ValueError: embedded null byte", naming no key."""
+    with pytest.raises(ConfigError, match=text):
+        parse_config(data)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
+    """tomllib raised UnicodeDecodeError, which ``mnesite start`` printed as "cannot start: ..." without the file."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('[node]\nname = "café"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.toml: invalid TOML: not UTF-8 text \(byte 18\)"):
+        load_config(str(bad))
+
+
+def test_a_core_may_listen_on_its_own_endpoint_or_a_wildcard_and_a_replicant_beside_the_cores() -> None:
+    cores = {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://127.0.0.1:7401"}
+    parse_config({"node": {"name": "core2", "listen": "tcp://127.0.0.1:7401"}, "cluster": {"core_nodes": cores}})
+    wildcard = {"name": "core2", "listen": "tcp://*:7401"}
+    parse_config({"node": wildcard, "cluster": {"core_nodes": cores}, "security": {"insecure": True}})
+    replicant = {"name": "r1", "role": "replicant", "listen": "tcp://127.0.0.1:7402"}
+    parse_config({"node": replicant, "cluster": {"core_nodes": cores}})

@@ -1,0 +1,149 @@
+"""The client reads a node's answers as untrusted: one that does not fit is ``bad_answer``.
+
+A reply whose result lacks a field, or has one of the wrong type (a node of another protocol, a bug,
+something else listening on the port), raised a bare KeyError or TypeError out of ``put``, ``count``,
+``query``, ``scan`` and ``table`` (and past the DB-API's exception hierarchy), or was taken as it was:
+``put`` returned ``TxKey('a', 'b')``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+from mnesite.rlog import messages
+from mnesite.rlog.client import Client, MnesiteError
+
+from mnesite import dbapi
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ReplyingNode:
+    """A ROUTER that answers every request with a reply whose result is ``result`` (set by the test)."""
+
+    def __init__(self) -> None:
+        self.result: Any = None
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            if not self.socket.poll(20):
+                continue
+            *envelope, frame = self.socket.recv_multipart()
+            request_id = messages.decode(frame).request_id
+            self.socket.send_multipart([*envelope, messages.encode(messages.reply(request_id, self.result))])
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.socket.close(0)
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[ReplyingNode]:
+    node = ReplyingNode()
+    try:
+        yield node
+    finally:
+        node.close()
+
+
+def _dbapi_rows(client: Client) -> Any:
+    return dbapi.Connection(client, "local", None, None).cursor().execute("SELECT 1").fetchall()
+
+
+CALLS: dict[str, Callable[[Client], Any]] = {
+    "put": lambda client: client.put("t", {"k": 1}),
+    "create_table": lambda client: client.create_table("t", key="k"),
+    "count": lambda client: client.count("t"),
+    "query": lambda client: list(client.query("SELECT 1")),
+    "table": lambda client: client.table("t"),
+    "list_tables": lambda client: client.list_tables(),
+    "scan": lambda client: list(client.scan("t")),
+}
+GARBAGE = [
+    42,
+    None,
+    "text",
+    [1, 2],
+    {},
+    {"tx_key": "ab", "rows": -1, "columns": 5},
+    {"tx_key": [1], "rows": "x", "columns": ["a"], "rows_": 1},
+    {"columns": ["a"], "rows": [1, 2], "tx_key": [1, -2]},
+    [{"table": "t", "shard": "default", "key": "k", "columns": 7}],
+]
+
+
+@pytest.mark.parametrize("garbage", GARBAGE, ids=repr)
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_malformed_answer_is_a_mnesite_error(node: ReplyingNode, call: str, garbage: Any) -> None:
+    if call == "scan" and isinstance(garbage, list) and all(isinstance(row, dict) for row in garbage):
+        pytest.skip("a list of rows is a scan page")
+    node.result = garbage
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client, pytest.raises(MnesiteError) as raised:
+        CALLS[call](client)
+    assert raised.value.code in ("bad_answer", "unknown_table"), raised.value
+
+
+@pytest.mark.parametrize("garbage", [42, {}, {"columns": 5, "rows": 3}, {"columns": ["a"], "rows": [7]}], ids=repr)
+def test_the_dbapi_says_a_malformed_answer_with_its_own_errors(node: ReplyingNode, garbage: Any) -> None:
+    node.result = garbage
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client, pytest.raises(dbapi.OperationalError) as raised:
+        _dbapi_rows(client)
+    assert raised.value.code == "bad_answer"
+
+
+def test_a_scan_page_whose_rows_lack_the_key_column_is_a_bad_answer(node: ReplyingNode) -> None:
+    tables = [{"table": "t", "shard": "default", "key": "k", "columns": [["k", "INTEGER"]]}]
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client:
+        node.result = [{"v": 1}]
+        client.list_tables = lambda: tables  # type: ignore[method-assign]
+        with pytest.raises(MnesiteError) as raised:
+            list(client.scan("t", page_rows=1))
+    assert raised.value.code == "bad_answer"
+
+
+def test_well_formed_answers_still_read(node: ReplyingNode) -> None:
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client:
+        node.result = {"tx_key": [3, 4], "shard": "default"}
+        assert client.put("t", {"k": 1}) == (3, 4) and client.last_tx_keys == {"default": (3, 4)}
+        node.result = {"tx_key": [3, 5], "future_field": 1}  # a newer release may add fields
+        assert client.put("t", {"k": 1}) == (3, 5)
+        node.result = {"rows": 7}
+        assert client.count("t") == 7
+        node.result = {"columns": ["a"], "rows": [[1], [b"x"]], "cursor": None, "positions": {"default": [1, 2]}}
+        result = client.query("SELECT a FROM t")
+        assert list(result) == [(1,), (b"x",)] and result.positions == {"default": (1, 2)}
+        node.result = [{"k": 1}]
+        assert list(client.scan("t", page_rows=5)) == [{"k": 1}]
+        node.result = None
+        assert client.get("t", 1) is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "text"),
+    [
+        ({"timeout_ms": 0}, "timeout_ms must be an integer of at least 1, got 0"),
+        ({"timeout_ms": -5}, "timeout_ms must be an integer of at least 1"),
+        ({"timeout_ms": "100"}, "timeout_ms must be an integer of at least 1, got '100'"),
+        ({"retries": -1}, "retries must be an integer of at least 0"),
+        ({"frame_bytes_max": 0}, "frame_bytes_max must be an integer of at least 1"),
+    ],
+)
+def test_a_client_refuses_a_timeout_or_retries_it_cannot_use(node: ReplyingNode, arguments: dict, text: str) -> None:
+    """A timeout of 0 (or retries of -1) ended every call at once in "no connection to ... completed in
+    time; is the node running?" of a node that was up; a text timeout raised TypeError inside a call."""
+    with pytest.raises(MnesiteError, match=text) as raised:
+        Client(node.endpoint, **arguments)
+    assert raised.value.code == "bad_request"
+    if "timeout_ms" in arguments:  # the DB-API's connect takes it too: its InterfaceError
+        with pytest.raises(dbapi.InterfaceError, match=text):
+            dbapi.connect(node.endpoint, timeout_ms=arguments["timeout_ms"])
