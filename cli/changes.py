@@ -15,6 +15,7 @@ import click
 from mnesite.cli.main import (
     EXIT_OUTCOME_UNKNOWN,
     client_for,
+    display_text,
     fail,
     json_option,
     json_text,
@@ -41,18 +42,22 @@ def parse_from(values: tuple[str, ...]) -> Any:
 
 
 def describe(record: dict[str, Any]) -> str:
+    """One record as one line: its key and row as JSON (which escapes every control character), its
+    names through ``display_text``, as a text table shows them."""
     kind = record["kind"]
     tx_key = record.get("tx_key")
     key_text = f"({tx_key[0]}, {tx_key[1]})" if tx_key is not None else "-"
+    shard = display_text(str(record["shard"]))
     if kind == "snapshot_begin":
-        return f"{key_text} {record['shard']} snapshot_begin {' '.join(record['tables'])}: {record['reason']}"
+        tables = display_text(" ".join(record["tables"]))
+        return f"{key_text} {shard} snapshot_begin {tables}: {display_text(str(record['reason']))}"
     if kind == "snapshot_end":
-        return f"{key_text} {record['shard']} snapshot_end"
+        return f"{key_text} {shard} snapshot_end"
     row = record.get("row") if record.get("row") is not None else record.get("definition")
     row_text = json_text(row) if row is not None else ""
-    op = record["op"] if kind == "change" else f"snapshot:{record['op']}"
+    op = display_text(record["op"] if kind == "change" else f"snapshot:{record['op']}")
     key = json_text(record.get("key"))
-    return f"{key_text} {record['shard']} {record['table']} {op} {key} {row_text}".rstrip()
+    return f"{key_text} {shard} {display_text(str(record['table']))} {op} {key} {row_text}".rstrip()
 
 
 @click.command("changes")

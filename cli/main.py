@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -297,15 +298,28 @@ def parse_json_argument(text: str, what: str) -> Any:
         fail(f"{what} is not valid JSON: {error}")
 
 
+# An INTEGER key as typed: ASCII digits, a leading minus for a negative one; nothing else. Python's
+# int() also reads "1_000", " 12 ", "+5" and other scripts' digits ("٣"): a key typed wrong read or
+# wrote another row. ``[0-9]``, not ``\d``, which matches every script's digits.
+INTEGER_KEY = re.compile(r"-?[0-9]+")
+
+
 def parse_key(client: Client, table: str, text: str) -> Any:
-    """Turn a KEY argument into the table's key type (INTEGER keys are given as digits)."""
+    """Turn a KEY argument into the table's key type: an INTEGER key is ASCII digits with an optional
+    leading ``-`` (nothing else: no ``+``, ``_``, spaces or other scripts' digits), a BLOB key is hex,
+    a TEXT key is the argument as given."""
     schema = run(lambda: client.table(table))
     key_type = dict((name, kind) for name, kind in schema["columns"])[schema["key"]]
     if key_type == "INTEGER":
+        if INTEGER_KEY.fullmatch(text) is None:
+            fail(
+                f"{table}.{schema['key']} is INTEGER; {text!r} is not an integer "
+                "(give ASCII digits, with a leading - for a negative key)"
+            )
         try:
             return int(text)
-        except ValueError:
-            fail(f"{table}.{schema['key']} is INTEGER; {text!r} is not an integer")
+        except ValueError:  # more digits than Python converts (4,300): far outside SQLite's 64 bits anyway
+            fail(f"{table}.{schema['key']} is INTEGER; a key of {len(text)} digits is outside SQLite's 64-bit range")
     if key_type == "BLOB":
         try:
             return bytes.fromhex(text)
@@ -314,19 +328,72 @@ def parse_key(client: Client, table: str, text: str) -> Any:
     return text
 
 
+# Characters a text table shows escaped: control characters (C0, DEL, C1: newlines, tabs, carriage
+# returns, NUL, ESC and the 8-bit CSI that start terminal sequences), the line and paragraph
+# separators, the bidirectional controls that reorder what a terminal shows, lone surrogates, and the
+# backslash itself (doubled), so that an escape reads back unambiguously.
+_UNSAFE = re.compile(r"[\\\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+_SHORT_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _SHORT_ESCAPES.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def display_text(text: str) -> str:
+    """``text`` as a text table shows it: one line, nothing a terminal acts on. A control character is
+    escaped as Python writes it (``\\n``, ``\\t``, ``\\r``, ``\\x1b``, ``\\x00``, ``\\u2028``) and a
+    backslash is doubled; ``--json`` output is exact."""
+    return _UNSAFE.sub(_escape, text)
+
+
 def _cell(value: Any) -> str:
-    """A value in a text table: a BLOB as hex, what get, delete and scan --from take for a BLOB key."""
+    """A value in a text table: a BLOB as hex, what get, delete and scan --from take for a BLOB key;
+    text with its control characters escaped (``display_text``)."""
     if value is None:
         return ""
-    return value.hex() if isinstance(value, bytes) else str(value)
+    return value.hex() if isinstance(value, bytes) else display_text(str(value))
 
 
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """Rows as a text table, one line per row (cells and column names through ``display_text``)."""
     cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    columns = [display_text(c) for c in columns]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
+
+
+# A negative integer as a word of the command line: an argument, though it starts like an option.
+NEGATIVE_INTEGER = re.compile(r"-[0-9]+")
+NEGATIVE_ARGUMENT_HINT = "a negative number meant as an argument goes after --, as in: mnesite COMMAND ... -- -5"
+
+
+class KeyCommand(click.Command):
+    """A command with a KEY argument that takes a negative integer key as typed, ``mnesite get t -5``.
+
+    Click reads every word starting with ``-`` where an option may stand as an option, and refused
+    ``-5`` (``No such option``) unless it followed ``--``. Here such a word that is a minus and ASCII
+    digits is an argument: no option is spelled so, every other word is parsed as before, and a word
+    an option takes as its value stays that value (``--timeout-ms -5`` is refused by its range).
+    """
+
+    def make_parser(self, ctx: click.Context) -> Any:
+        parser = super().make_parser(ctx)
+        process_opts = getattr(parser, "_process_opts", None)  # click's parser (8.5 here; tests pin it)
+        if process_opts is not None:  # otherwise -5 needs --, and the refusal says so (MnesiteGroup)
+
+            def process(arg: str, state: Any) -> None:
+                if NEGATIVE_INTEGER.fullmatch(arg):
+                    state.largs.append(arg)
+                else:
+                    process_opts(arg, state)
+
+            parser._process_opts = process
+        return parser
 
 
 class MnesiteGroup(click.Group):
@@ -356,7 +423,10 @@ class MnesiteGroup(click.Group):
             sys.exit(0)
         except click.UsageError as error:
             command = error.ctx.command_path if error.ctx is not None else "mnesite"
-            fail(f"{error.format_message()} (see '{command} --help')", self._failure_exit_code)
+            hint = ""
+            if isinstance(error, click.NoSuchOption) and NEGATIVE_INTEGER.fullmatch(error.option_name):
+                hint = f"; {NEGATIVE_ARGUMENT_HINT}"
+            fail(f"{error.format_message()} (see '{command} --help'{hint})", self._failure_exit_code)
         except click.ClickException as error:
             fail(error.format_message(), self._failure_exit_code)
         except click.Abort:
@@ -670,7 +740,7 @@ CONSISTENCY = click.option(
 )
 
 
-@main.command()
+@main.command(cls=KeyCommand)
 @click.argument("table_name", metavar="TABLE")
 @click.argument("key")
 @CONSISTENCY
@@ -678,7 +748,10 @@ CONSISTENCY = click.option(
 @node_options
 @json_option
 def get(table_name, key, consistency, after_tx_key, endpoint, timeout_ms, as_json) -> None:
-    """Print the row of TABLE at KEY (exit 1 if there is none; --json prints null)."""
+    """Print the row of TABLE at KEY as JSON; if there is none: exit 1, or with --json print null and exit 0.
+
+    KEY: an INTEGER key is ASCII digits with an optional leading - (-5 needs no --), a BLOB key hex.
+    """
     with client_for(endpoint, timeout_ms) as client:
         row = run(lambda: client.get(table_name, parse_key(client, table_name, key), consistency, after_tx_key))
     if as_json:
@@ -689,13 +762,16 @@ def get(table_name, key, consistency, after_tx_key, endpoint, timeout_ms, as_jso
         click.echo(json_text(row))
 
 
-@main.command()
+@main.command(cls=KeyCommand)
 @click.argument("table_name", metavar="TABLE")
 @click.argument("key")
 @node_options
 @json_option
 def delete(table_name, key, endpoint, timeout_ms, as_json) -> None:
-    """Delete the row of TABLE at KEY; prints the tx key."""
+    """Delete the row of TABLE at KEY; prints the tx key.
+
+    KEY: an INTEGER key is ASCII digits with an optional leading - (-5 needs no --), a BLOB key hex.
+    """
     with client_for(endpoint, timeout_ms) as client:
         tx_key = run(lambda: client.delete(table_name, parse_key(client, table_name, key)))
     emit_json(written(client, tx_key)) if as_json else click.echo(f"{tuple(tx_key)}")

@@ -22,8 +22,9 @@ Three kinds of figures, kept apart so that a scrape never touches the node's loo
 The HTTP endpoint is an untrusted socket like any other: one thread serves one connection at a
 time (a slow or hostile client delays only other scrapes, never the node), each connection has a
 ``CONNECTION_TIMEOUT_S`` socket timeout, request lines and headers are bounded by ``http.server``,
-and only ``GET /metrics`` (and ``/``) is answered. It is unauthenticated: the default, and the
-advice, is a loopback address; a node listening elsewhere logs a warning at start.
+and only ``GET /metrics`` (and ``/``) is answered, and ``HEAD`` of them (GET's headers, no body). It
+is unauthenticated: the default, and the advice, is a loopback address; a node listening elsewhere
+logs a warning at start.
 """
 
 from __future__ import annotations
@@ -378,15 +379,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server: MetricsServer
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._answer(with_body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        """HEAD, as monitoring probes send it: GET's status and headers, no body (RFC 9110 9.3.2);
+        it was 501 (http.server answers a method without a ``do_`` method so)."""
+        self._answer(with_body=False)
+
+    def _answer(self, with_body: bool) -> None:
         if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-            self.send_error(404, "only /metrics is served here")
+            self.send_error(404, "only /metrics is served here")  # sends no body to a HEAD itself
             return
         body = self.server.metrics.text()
         self.send_response(200)
         self.send_header("Content-Type", CONTENT_TYPE_LATEST)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if with_body:
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         pass  # a scrape every few seconds must not fill the node's log

@@ -410,3 +410,55 @@ def test_a_force_start_the_node_answers_too_late_is_sent_once_and_said_to_be_unk
         node.stop()
         for socket in silent:
             socket.close(0)
+
+
+def test_get_of_a_missing_key_exits_1_and_with_json_prints_null_and_exits_0(mnesite) -> None:
+    """What docs/reference/cli.md says of ``get``: a missing row is an ``Error:`` line and exit 1; with
+    ``--json`` it is ``null`` and exit 0 (a script reads the answer, and a failure still exits 1)."""
+    missing = mnesite("get", "users", "404")
+    assert (missing.exit_code, missing.stdout, missing.stderr) == (1, "", "Error: users: no row at key '404'\n")
+    as_json = mnesite("get", "users", "404", "--json")
+    assert (as_json.exit_code, as_json.stdout, as_json.stderr) == (0, "null\n", "")
+    failed = mnesite("get", "nope", "404", "--json")
+    assert failed.exit_code == 1 and failed.stdout == "" and "unknown table 'nope'" in failed.stderr
+
+
+@pytest.mark.parametrize("typed", ["1_000", "+5", " 12 ", "12 ", "\u0663", "\uff15", "1 000", "0x10", "5\n", "", "-"])
+def test_an_integer_key_is_ascii_digits_and_nothing_else(mnesite, typed: str) -> None:
+    """Python's int() read ``1_000`` as 1000, ``+5`` as 5, `` 12 `` as 12 and ``٣`` (Arabic-Indic
+    three) as 3: a key typed wrong read or deleted another row. A key is ASCII digits, with a leading
+    minus for a negative one; anything else is refused, saying so, and nothing is read or written."""
+    for key in (1000, 5, 12, 3, 10):
+        assert mnesite("put", "users", json.dumps({"id": key, "name": str(key)})).exit_code == 0
+    for command in ("get", "delete"):
+        refused = mnesite(command, "users", typed)
+        assert refused.exit_code == 1 and refused.stdout == "", refused.output
+        assert refused.stderr == (
+            f"Error: users.id is INTEGER; {typed!r} is not an integer (give ASCII digits, with a leading - for "
+            "a negative key)\n"
+        )
+    refused = mnesite("scan", "users", "--from", typed)
+    assert refused.exit_code == 1 and "is not an integer" in refused.stderr
+    assert len(json.loads(mnesite("scan", "users", "--json").stdout)) == 5  # nothing deleted
+
+
+def test_a_negative_key_needs_no_double_dash(mnesite, thread_node: ThreadNode) -> None:
+    """``mnesite get users -5`` was ``No such option '-5'``: a negative key had to follow ``--``. A word
+    of a minus and digits is KEY for ``get`` and ``delete``; options around it are parsed as before."""
+    assert mnesite("put", "users", '{"id": -5, "name": "neg"}').exit_code == 0
+    assert json.loads(mnesite("get", "users", "-5").stdout) == {"id": -5, "name": "neg"}
+    assert json.loads(mnesite("get", "users", "-5", "--json").stdout) == {"id": -5, "name": "neg"}
+    assert json.loads(mnesite("get", "users", "--json", "-5").stdout) == {"id": -5, "name": "neg"}
+    after_dashes = mnesite("get", "users", "--node", thread_node.endpoint, "--", "-5", node=False)
+    assert json.loads(after_dashes.stdout) == {"id": -5, "name": "neg"}  # as before
+    assert json.loads(mnesite("scan", "users", "--from", "-5", "--json").stdout) == [{"id": -5, "name": "neg"}]
+    assert mnesite("get", "users", "-0", "--json").stdout == "null\n"
+    timeout = mnesite("get", "users", "-5", "--timeout-ms", "-5")  # an option's value stays its value
+    assert timeout.exit_code == 1 and "Invalid value for '--timeout-ms'" in timeout.stderr
+    typo = mnesite("get", "users", "--jsn", "-5")  # other words that look like options still are
+    assert typo.exit_code == 1 and "No such option '--jsn'" in typo.stderr
+    assert json.loads(mnesite("delete", "users", "-5", "--json").stdout)["tx_key"]
+    assert mnesite("get", "users", "-5", "--json").stdout == "null\n"
+    # Where no argument takes it, -5 is still refused, and the refusal says how to pass one.
+    refused = mnesite("scan", "users", "-5")
+    assert refused.exit_code == 1 and "No such option '-5'" in refused.stderr and "goes after --" in refused.stderr

@@ -360,3 +360,62 @@ def test_a_csv_export_finishes_with_its_columns_when_the_table_gains_one_mid_exp
         "export: items gained the column colour during the export; this CSV has the columns of its "
         "header (id, price): export again to include it\n"
     )
+
+
+# A value written to forge a second row and to reach the terminal: a newline with a fake row after it,
+# a tab, a carriage return, ESC's colour sequence, NUL, the 8-bit CSI, DEL, a line separator and a
+# right-to-left override.
+HOSTILE = "ok\n2   forged\tcell\r\x1b[31mred\x1b[0m\x00\x9b\x7f\u2028\u202eevil"
+HOSTILE_SHOWN = r"ok\n2   forged\tcell\r\x1b[31mred\x1b[0m\x00\x9b\x7f\u2028\u202eevil"
+
+
+def _terminal_safe(text: str) -> bool:
+    """No character a terminal acts on but the line ends (C0, DEL, C1, U+2028/9, bidi overrides)."""
+    return not any(
+        (ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029\u202a\u202b\u202c\u202d\u202e"
+        for c in text
+    )
+
+
+def test_a_text_table_shows_control_characters_escaped_one_row_a_line(mnesite, thread_node: ThreadNode) -> None:
+    """``scan`` and ``query`` printed a TEXT value as it is: a newline forged a row of its own, and ESC,
+    NUL, the 8-bit CSI reached the operator's terminal (click strips ANSI only when not on a terminal:
+    ``color=True`` here is a terminal). The text form escapes them as Python writes them, a backslash
+    doubled (as a BLOB is shown as hex); ``--json`` stays exact."""
+    created = mnesite("table", "create", "notes", "--key-column", "id", "--column", "id:INTEGER",
+                      "--column", "body:TEXT")  # fmt: skip
+    assert created.exit_code == 0, created.output
+    with thread_node.client() as client:
+        client.put("notes", {"id": 1, "body": HOSTILE})
+        client.put("notes", {"id": 3, "body": "C:\\temp\\n"})  # a backslash and an n: not a newline
+        client.put("items", {"id": 4})
+        client.delete("items", 4)
+    runner = CliRunner()
+
+    def terminal(*args: str) -> str:
+        result = runner.invoke(main, [*args, "--node", thread_node.endpoint], color=True, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    scanned = terminal("scan", "notes")
+    assert scanned.splitlines() == ["id  body", f"1   {HOSTILE_SHOWN}", "3   C:\\\\temp\\\\n"], scanned
+    queried = terminal("query", 'SELECT body AS "b\nx", id FROM notes WHERE id = ?', "--param", "1")
+    assert queried.splitlines() == [f"b\\nx{' ' * (len(HOSTILE_SHOWN) - 4)}  id", f"{HOSTILE_SHOWN}  1"], queried
+    changes = terminal("changes", "notes")
+    tail = terminal("rlog", "tail", "default", "-n", "4")
+    for text in (scanned, queried, changes, tail, terminal("get", "notes", "1"), terminal("table", "list")):
+        assert _terminal_safe(text), repr(text)
+    assert len(changes.splitlines()) == 3  # the table's creation and two writes, one line each
+    # --json: the exact values.
+    assert json.loads(terminal("scan", "notes", "--json"))[0]["body"] == HOSTILE
+    assert json.loads(terminal("query", "SELECT body FROM notes", "--json"))["rows"][0] == [HOSTILE]
+    assert json.loads(terminal("get", "notes", "1", "--json"))["body"] == HOSTILE
+
+
+def test_display_text_escapes_what_a_terminal_acts_on_and_nothing_else() -> None:
+    from mnesite.cli.main import display_text
+
+    assert display_text("plain é 中 ✓ \u200d") == "plain é 中 ✓ \u200d"  # printable text, a ZWJ kept
+    assert display_text(HOSTILE) == HOSTILE_SHOWN
+    assert display_text("\\") == "\\\\" and display_text("\x85\u2029\ud800\u2066") == r"\x85\u2029\ud800\u2066"
+    assert all(_terminal_safe(display_text(chr(code))) for code in range(0x3000))

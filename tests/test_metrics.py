@@ -354,3 +354,37 @@ def test_a_failed_backup_is_a_metric_until_a_backup_succeeds() -> None:
             value(samples, "mnesite_backup_failed"),
             value(samples, "mnesite_backup_failed_timestamp_seconds"),
         ) == expected
+
+
+def _raw_request(port: int, request: bytes) -> bytes:
+    """Send ``request`` and read the whole answer (the endpoint closes each connection: HTTP/1.0)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        connection.sendall(request)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_head_is_answered_as_get_without_a_body() -> None:
+    """Monitoring probes send ``HEAD /metrics``: it was ``501 Unsupported method``, and a probe took the
+    node for down. HEAD gets GET's status and headers, and not one byte of body."""
+    from mnesite.rlog.config import is_loopback
+    from mnesite.rlog.metrics import start_metrics
+
+    _, server = start_metrics(f"127.0.0.1:{free_port()}", "core1", "core", is_loopback)
+    port = server.server_address[1]
+    try:
+        for path in ("/metrics", "/", "/metrics?probe=1"):
+            head, _, body = _raw_request(port, f"HEAD {path} HTTP/1.0\r\n\r\n".encode()).partition(b"\r\n\r\n")
+            status, *fields = head.decode().split("\r\n")
+            headers = dict(field.split(": ", 1) for field in fields)
+            assert status.split(" ", 2)[1] == "200", head
+            assert headers["Content-Type"].startswith("text/plain") and int(headers["Content-Length"]) > 100
+            assert body == b""
+        missing, _, body = _raw_request(port, b"HEAD /admin HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")
+        assert missing.split(b" ", 2)[1] == b"404" and body == b""
+        get, _, body = _raw_request(port, b"GET /metrics HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")
+        assert get.split(b" ", 2)[1] == b"200" and b"mnesite_node_info" in body
+    finally:
+        server.stop()
