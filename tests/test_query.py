@@ -326,6 +326,67 @@ def test_a_runaway_recursive_cte_is_stopped_by_its_budget(runner: q.QueryRunner)
     assert runner.open_cursors() == 0 and runner.statistics()["budget_stops"] == 1
 
 
+# A function call runs in C to its end, with no progress check inside: these cost the product of their
+# arguments' lengths in SQLite's own code (a trim of 200,000 characters by a set of 20,000 took about 5 s,
+# of 1 MiB by 80,000 about two minutes; a LIKE of a 50,000-byte pattern over 1 MiB about 40 s).
+QUADRATIC_TRIM = (
+    "SELECT length({}(replace(hex(zeroblob(100000)), '0', 'a'), replace(hex(zeroblob(10000)), '0', 'b') || 'a'))"
+)
+
+
+@pytest.mark.parametrize("function", ["trim", "ltrim", "rtrim"])
+def test_a_trim_by_a_long_set_of_characters_ends_within_the_budget(runner: q.QueryRunner, function: str) -> None:
+    started = time.monotonic()
+    finished = _start(runner, QUADRATIC_TRIM.format(function))
+    assert finished.error is None, finished.error
+    assert finished.result["rows"] == [[0]]
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_like_or_glob_pattern_longer_than_its_bound_fails_its_query(runner: q.QueryRunner) -> None:
+    bound = q.LIKE_PATTERN_BYTES_MAX
+    for operator, anything in (("LIKE", "%"), ("GLOB", "*")):
+        sql = f"SELECT count(*) FROM users WHERE name {operator} ?"
+        assert _start(runner, sql, [anything * bound]).result["rows"] == [[100]]
+        finished = _start(runner, sql, [anything * (bound + 1)])
+        assert finished.error is not None and finished.error.code == "query_failed"
+        assert "pattern too complex" in str(finished.error)
+    assert runner.open_cursors() == 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "trim('  xxhixx  ', ' x')",
+        "ltrim('xxhi', 'x')",
+        "rtrim('hixx', 'x')",
+        "trim(NULL, 'x')",
+        "trim('a', NULL)",
+        "trim(12300, '0')",
+        "ltrim(1.5, '1')",
+        "trim(1e20, '1')",
+        "rtrim(1.0, '0')",
+        "ltrim(-0.0, '-')",
+        "trim(x'616263', 'a')",
+        "trim('abc', '')",
+        "trim('', 'x')",
+        "trim('ééaé', 'é')",
+        "trim('€x€', '€')",
+        "trim('aXbXa', 'ab')",
+        "typeof(trim(5, '5'))",
+        "trim('  a  ')",
+        "ltrim('  a  ')",
+    ],
+)
+def test_the_query_connections_trim_returns_what_sqlite_returns(store: Store, call: str) -> None:
+    connection = q.open_connection(store.path, 1 << 20)
+    plain = apsw.Connection(":memory:")
+    ours, sqlite = (c.execute(f"SELECT {call}").fetchone()[0] for c in (connection, plain))
+    connection.close()
+    plain.close()
+    assert (type(ours), ours) == (type(sqlite), sqlite)
+
+
 # -- the stop flag (QueryRunner.stop): the node is shutting down ------------------------------------
 
 # Far above what a stop may take: a statement that runs until this budget was not stopped.
