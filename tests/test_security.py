@@ -929,6 +929,34 @@ def test_a_sighup_reload_refuses_an_authorized_keys_directory_others_can_write_a
         client.status()
 
 
+def test_a_backup_cannot_be_written_as_a_key_file_in_authorized_keys(secure_node, keys: Path) -> None:
+    """Regression: a backup could be named ``NAME.key`` in the authorized_keys directory. The file is the
+    node's own (mode 0600), and a backup of a small database is 64 KiB, the most a key file may be: a
+    row holding a ``public-key = "..."`` line (any writer's) made it a certificate, so at the next
+    reload that key became the principal NAME with NAME's roles (here a revoked writer's name, still
+    in [security.roles]); a larger backup stopped every later reload instead. Key files' names are
+    refused as backup paths."""
+    stranger = load_key(str(keys / "stranger.key_secret"), "key", secret=True).public.decode()
+    authorized = keys.parent / "authorized"
+    with secure_node.client("ops") as admin:
+        admin.create_table("notes", "id", [("id", "INTEGER"), ("v", "TEXT")])
+    with secure_node.client("app") as app:
+        app.put("notes", {"id": 1, "v": f'\npublic-key = "{stranger}"\n'})
+    (authorized / "app.key").unlink()  # app revoked; its name stays in the roles
+    secure_node.node.reload_requested.set()  # what the SIGHUP handler does
+    wait_until(lambda: secure_node.security()["reloads"] == 1, 10, "the reload")
+    with secure_node.client("ops") as admin:
+        for name in ("app.key", "app.key_secret"):
+            with pytest.raises(MnesiteError, match="must not end in .key") as refused:
+                admin.backup(str(authorized / name))
+            assert refused.value.code == "backup_refused"
+    assert sorted(os.listdir(authorized)) == sorted(f"{name}.key" for name in PRINCIPALS[1:] if name != "app")
+    secure_node.node.reload_requested.set()
+    wait_until(lambda: secure_node.security()["reloads"] == 2, 10, "the second reload")
+    with secure_node.client("stranger", retries=0) as client, pytest.raises(Unauthenticated):
+        client.put("notes", {"id": 2})
+
+
 def test_a_frame_from_an_authenticated_key_still_goes_through_the_decoder(secure_node) -> None:
     answer = raw_request(secure_node, "app", msgpack.packb([1, "get"]))
     assert answer.kind == "error" and answer.body.code == "bad_frame"
