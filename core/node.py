@@ -818,7 +818,10 @@ class CoreNode(NodeServer):
         """A watch is checked once, when it arrives, and its agent pushes on this core's own connection:
         without this, a replicant whose key or role the reload revoked kept receiving every commit until
         its agent's window filled or its acknowledgements timed out."""
-        stopped = self.agent_server.stop_replicants(lambda replicant: security.allows(replicant, "watch"))
+        # Every agent was set up before this reload: a replicant whose key it replaced stops too (its
+        # watch came from the old key; the new one watches again).
+        before = security.reloads - 1
+        stopped = self.agent_server.stop_replicants(lambda replicant: security.allows(replicant, "watch", before))
         if stopped:
             log.warning("SIGHUP: stopped the agents of %s: no longer allowed to watch", ", ".join(stopped))
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import apsw
 from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
+from mnesite.rlog.security import PUBLIC_SUFFIX, SECRET_SUFFIX
 from mnesite.rlog.store import fsync_directory
 from mnesite.rlog.versions import SOFTWARE_VERSION, STORAGE_FORMATS_READ
 
@@ -69,11 +70,20 @@ class BackupError(RuntimeError):
 
 
 def check_path(path: str) -> str:
-    """The backup path a request may name: absolute, plain characters, no ``..``, not existing yet."""
+    """The backup path a request may name: absolute, plain characters, no ``..``, not a key file's
+    name (``NAME.key``, ``NAME.key_secret``), not existing yet."""
     if not isinstance(path, str) or not 1 < len(path) <= PATH_CHARS_MAX or not PATH_PATTERN.match(path):
         raise BackupError("the backup path must be absolute and made of letters, digits, '_', '.', '-' and '/'")
     if ".." in path.split("/"):
         raise BackupError("the backup path must not contain '..'")
+    if path.lower().endswith((PUBLIC_SUFFIX, SECRET_SUFFIX)):
+        # A backup is the node's own file, holding rows any writer chose: named NAME.key in an
+        # authorized_keys directory, a row's "public-key = ..." line made it a principal's key (or a
+        # file too large for one stopped every reload, keeping the keys an operator meant to revoke).
+        raise BackupError(
+            f"the backup path must not end in {PUBLIC_SUFFIX} or {SECRET_SUFFIX}: those are key files' names "
+            "(a backup in an authorized_keys directory would be read as a key); name it FILE.db"
+        )
     if not os.path.isdir(os.path.dirname(path)):
         raise BackupError(f"{os.path.dirname(path)}: no such directory on the node's host")
     return path

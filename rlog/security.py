@@ -18,9 +18,13 @@ those handshake failures from a socket monitor.
 in one assignment each, so the ZAP thread and the node thread never see half a table. Because the
 principal is looked up per frame, not fixed at the handshake, a key removed (or replaced) by a
 reload stops working on the connections it already holds too: their frames have no principal and
-are refused (``REVOKED``). State a revoked principal set up before the reload and that needs no
+are refused (``REVOKED``), and so are the frames read before the reload and left for a later turn
+(the node re-maps its backlog). State a revoked principal set up before the reload and that needs no
 frame of its own to go on (a replicant's watch: its core pushes on its own connection) is ended by
-the node at the reload (``NodeSecurity.allows``, ``Server.security_reloaded``).
+the node at the reload, and a held read is refused when answered (``NodeSecurity.allows``,
+``Server.security_reloaded``). A key *replaced* by a new key of the same principal revokes the same
+way: ``revoked_at`` keeps the reload that did it, which a check by the principal's name alone, now
+the new key's, would miss.
 """
 
 from __future__ import annotations
@@ -492,6 +496,8 @@ class NodeSecurity:
         self.refused_role = 0
         self.refused_sender = 0
         self.reloads = 0
+        # Principal -> the reload that last removed or replaced its key (``reload``, ``allows``).
+        self.revoked_at: dict[str, int] = {}
         self._authenticator: _Authenticator | None = None
         self._monitor_thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -543,14 +549,29 @@ class NodeSecurity:
             raise SecurityError("[security].authorized_keys is missing")
         authorized = load_authorized_keys(config.authorized_keys)
         roles = RoleTable(config.roles)
+        previous = self.authorized
         self.authorized, self.roles = authorized, roles
         self.reloads += 1
+        # A principal whose key this reload removed, replaced (a rotated key of the same name) or gave
+        # another name: what its old key sent or set up before is no longer allowed by the name alone,
+        # which a new key of that principal may hold now (``allows``' ``since``).
+        for key, name in previous.items():
+            if authorized.get(key) != name:
+                self.revoked_at[name] = self.reloads
         _warn_roles_without_keys(roles, authorized)
 
-    def allows(self, principal: str, kind: str) -> bool:
+    def revoked_by_last_reload(self) -> frozenset[str]:
+        """The principals whose key the last reload removed or replaced (none before a reload)."""
+        return frozenset(name for name, at in self.revoked_at.items() if at == self.reloads and at > 0)
+
+    def allows(self, principal: str, kind: str, since: int | None = None) -> bool:
         """Whether ``principal`` may send ``kind`` now: it has a key in the current authorized_keys and
         a role that allows the kind. What a reload asks of the senders of standing state (a watch's
-        agents), which no new frame of theirs re-checks."""
+        agents) and of held requests, which no new frame of theirs re-checks. ``since``: the reload
+        count when the request was received or the state set up; a reload after it that removed or
+        replaced the principal's key refuses it, even though a new key may hold the name now."""
+        if since is not None and self.revoked_at.get(principal, 0) > since:
+            return False
         return principal in self.authorized.values() and self.roles.refusal(principal, kind) is None
 
     def principal_of(self, frame: zmq.Frame) -> str:

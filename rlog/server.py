@@ -222,6 +222,7 @@ class HeldRequest(NamedTuple):
     changes: bool
     principal: str = ""
     kind: str = ""
+    reloads: int = 0  # ``NodeSecurity.reloads`` when it was held: a later reload's revocations refuse it
 
 
 class CountRead(NamedTuple):
@@ -505,6 +506,14 @@ class NodeServer:
             log.error("SIGHUP: keeping the current keys and roles: %s", error)
             return
         log.info("SIGHUP: reloaded %d authorized keys and the roles", len(self.security.authorized))
+        revoked = self.security.revoked_by_last_reload()
+        if revoked and self._backlog:
+            # A frame read off the socket before the reload and left for a later turn was mapped to
+            # its principal then: one of a key the reload removed or replaced is refused as a new
+            # frame of that key would be (``refusal``: no principal), not served under the name.
+            waiting = [(envelope, frame, "" if who in revoked else who) for envelope, frame, who in self._backlog]
+            self._backlog.clear()
+            self._backlog.extend(waiting)
         self.security_reloaded(self.security)
 
     def security_reloaded(self, security: NodeSecurity) -> None:
@@ -996,7 +1005,8 @@ class NodeServer:
                 f"{len(held)} requests of this connection are outstanding (requests_outstanding_max "
                 f"{requests_max}, a peer's at least {PEER_REQUESTS_OUTSTANDING_MIN}); read the answers first"
             )
-        held[request_id] = HeldRequest(envelope, changes, *self._handling)
+        reloads = self.security.reloads if self.security is not None else 0
+        held[request_id] = HeldRequest(envelope, changes, *self._handling, reloads)
         if self.metrics is not None and len(self._held_since_s) < HELD_TIMES_MAX:
             self._held_since_s[(envelope[0], request_id)] = time.monotonic()
 
@@ -1504,17 +1514,18 @@ class NodeServer:
                 self._outbox.append((None, envelope, message))
 
     def _revoked_since(self, request: HeldRequest, message: Message) -> Message:
-        """``message``, or ``forbidden`` if a reload since ``request`` was held removed its sender's key
-        or the role that allowed it: a read waiting for a key, a changefeed or a query waiting for
+        """``message``, or ``forbidden`` if a reload since ``request`` was held removed (or replaced) its
+        sender's key or the role that allowed it: a read waiting for a key, a changefeed or a query waiting for
         its shards would otherwise carry data to a key that "stops working at the reload"
         (docs/operations/security.md). A write's outcome is told as it is: it was allowed when sent."""
         security = self.security
-        if security is None or security.allows(request.principal, request.kind):
+        if security is None or security.allows(request.principal, request.kind, request.reloads):
             return message
-        if request.principal in security.authorized.values():
-            security.refused_role += 1  # its key stays, its role no longer allows the kind
+        principal = request.principal
+        if security.revoked_at.get(principal, 0) > request.reloads or principal not in security.authorized.values():
+            security.refused_unknown_key += 1  # its key was removed, or replaced by a new key of the principal
         else:
-            security.refused_unknown_key += 1
+            security.refused_role += 1  # its key stays, its role no longer allows the kind
         return messages.error(message.request_id, "forbidden", REVOKED_HELD)
 
     def refuse(self, envelope: list[bytes] | None, request_id: str, error: Exception) -> None:

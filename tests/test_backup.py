@@ -38,6 +38,10 @@ def test_backup_paths_are_absolute_plain_and_never_climb(tmp_path: Path) -> None
         with pytest.raises(BackupError):
             check_path(path)
     assert check_path(f"{tmp_path}/backup.db") == f"{tmp_path}/backup.db"
+    for name in ("app.key", "app.key_secret", "APP.KEY"):  # a key file's name (test_security has why)
+        with pytest.raises(BackupError, match="must not end in .key or .key_secret"):
+            check_path(f"{tmp_path}/{name}")
+    assert check_path(f"{tmp_path}/app.key.db") == f"{tmp_path}/app.key.db"
     # The wire schema refuses what is not an absolute plain path before the node looks at it.
     for path in ("x", "../../etc/passwd", "/a;b"):
         with pytest.raises(messages.MessageError):

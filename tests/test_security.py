@@ -861,12 +861,16 @@ def test_sighup_reloads_authorized_keys_and_roles(secure_node, keys: Path) -> No
     assert secure_node.security()["reloads"] == 1
 
 
-def test_a_read_held_across_a_reload_that_removed_its_key_is_answered_forbidden(secure_node, keys: Path) -> None:
+@pytest.mark.parametrize("revoked", ["removed", "replaced"])
+def test_a_read_held_across_a_reload_that_removed_its_key_is_answered_forbidden(
+    secure_node, keys: Path, revoked: str
+) -> None:
     """A key removed by a reload "stops working at the reload, on connections it already holds too": new
     frames were refused, but a read held before the reload (here a query waiting for a key; a
     changefeed page and a replicant's read wait the same way) was answered with the data once its key
     was applied. Its answer is now ``forbidden``; a write's outcome is still told (it was allowed when
-    sent)."""
+    sent). Regression: a key *replaced* by a new key of the same principal (a rotation after a leak) was
+    still answered, the check being by the principal's name, which the new key holds."""
     with secure_node.client("ops") as admin:
         admin.create_table("kv", "id", [("id", "INTEGER"), ("v", "TEXT")])
         written = admin.put("kv", {"id": 1, "v": "secret"})
@@ -886,6 +890,9 @@ def test_a_read_held_across_a_reload_that_removed_its_key_is_answered_forbidden(
     try:
         wait_until(lambda: secure_node.node.outstanding, 10, "the read to be held")
         (keys.parent / "authorized" / "app.key").unlink()
+        if revoked == "replaced":
+            generate_keys("app2", str(keys))
+            shutil.copy(keys / "app2.key", keys.parent / "authorized" / "app.key")
         secure_node.write_config(ROLES_WITH_READER)
         secure_node.node.reload_requested.set()
         wait_until(lambda: secure_node.security()["reloads"] == 1, 10, "the reload")
@@ -920,6 +927,34 @@ def test_a_sighup_reload_refuses_an_authorized_keys_directory_others_can_write_a
     wait_until(lambda: secure_node.security()["reloads"] == 1, 10, "the reload")
     with secure_node.client("newapp") as client:
         client.status()
+
+
+def test_a_backup_cannot_be_written_as_a_key_file_in_authorized_keys(secure_node, keys: Path) -> None:
+    """Regression: a backup could be named ``NAME.key`` in the authorized_keys directory. The file is the
+    node's own (mode 0600), and a backup of a small database is 64 KiB, the most a key file may be: a
+    row holding a ``public-key = "..."`` line (any writer's) made it a certificate, so at the next
+    reload that key became the principal NAME with NAME's roles (here a revoked writer's name, still
+    in [security.roles]); a larger backup stopped every later reload instead. Key files' names are
+    refused as backup paths."""
+    stranger = load_key(str(keys / "stranger.key_secret"), "key", secret=True).public.decode()
+    authorized = keys.parent / "authorized"
+    with secure_node.client("ops") as admin:
+        admin.create_table("notes", "id", [("id", "INTEGER"), ("v", "TEXT")])
+    with secure_node.client("app") as app:
+        app.put("notes", {"id": 1, "v": f'\npublic-key = "{stranger}"\n'})
+    (authorized / "app.key").unlink()  # app revoked; its name stays in the roles
+    secure_node.node.reload_requested.set()  # what the SIGHUP handler does
+    wait_until(lambda: secure_node.security()["reloads"] == 1, 10, "the reload")
+    with secure_node.client("ops") as admin:
+        for name in ("app.key", "app.key_secret"):
+            with pytest.raises(MnesiteError, match="must not end in .key") as refused:
+                admin.backup(str(authorized / name))
+            assert refused.value.code == "backup_refused"
+    assert sorted(os.listdir(authorized)) == sorted(f"{name}.key" for name in PRINCIPALS[1:] if name != "app")
+    secure_node.node.reload_requested.set()
+    wait_until(lambda: secure_node.security()["reloads"] == 2, 10, "the second reload")
+    with secure_node.client("stranger", retries=0) as client, pytest.raises(Unauthenticated):
+        client.put("notes", {"id": 2})
 
 
 def test_a_frame_from_an_authenticated_key_still_goes_through_the_decoder(secure_node) -> None:
@@ -1013,12 +1048,14 @@ def test_a_role_given_to_a_principal_without_a_key_is_logged_at_start_and_reload
     assert caplog.records == []
 
 
-@pytest.mark.parametrize("revoked", ["key", "role"])
+@pytest.mark.parametrize("revoked", ["key", "role", "replaced key"])
 def test_sighup_stops_the_agents_of_a_replicant_whose_key_or_role_it_revoked(secure_node, keys: Path, revoked) -> None:
     """A revoked replicant's frames are refused after the reload, but the agent its watch created kept
     pushing it every new commit (the core is the CurveZMQ client of those pushes, so no frame of the
     replicant's is needed for them) until its window filled or its acknowledgement timeout ran out.
-    The reload must stop the agents of a replicant that may no longer watch."""
+    The reload must stop the agents of a replicant that may no longer watch. Regression: a key replaced
+    by a new key of the same principal (rotated after a leak) left the old key's agent pushing to the
+    endpoint the old key named; the new key watches again."""
     with secure_node.client("ops") as admin:
         admin.create_table("kv", "id", [("id", "INTEGER")])
     context = zmq.Context.instance()
@@ -1050,6 +1087,10 @@ def test_sighup_stops_the_agents_of_a_replicant_whose_key_or_role_it_revoked(sec
         wait_until(acknowledged, 5, "the agent to take the acknowledgement")
         if revoked == "key":
             (keys.parent / "authorized" / "replicant1.key").unlink()
+        elif revoked == "replaced key":
+            generate_keys("replicant1-rotated", str(keys))
+            (keys.parent / "authorized" / "replicant1.key").unlink()
+            shutil.copy(keys / "replicant1-rotated.key", keys.parent / "authorized" / "replicant1.key")
         else:
             secure_node.write_config({**ROLES_WITH_READER, "replicant": []})
         secure_node.node.reload_requested.set()  # what the SIGHUP handler does
@@ -1059,6 +1100,49 @@ def test_sighup_stops_the_agents_of_a_replicant_whose_key_or_role_it_revoked(sec
     finally:
         receiver.close(0)
         requests.close(0)
+
+
+@pytest.mark.parametrize("revoked", ["removed", "replaced"])
+def test_a_frame_left_in_the_backlog_across_a_reload_that_revoked_its_key_is_refused(
+    tmp_path: Path, keys: Path, revoked: str
+) -> None:
+    """Regression: a frame read off the socket but left for a later turn (``receive_frames``' backlog,
+    a busy turn) kept the principal its key mapped to when it was read. A reload in between that
+    removed the key, or replaced it with a new key of the same principal, did not reach it: a write of
+    the revoked key was committed after the reload. It is refused as its key's next frame is."""
+    from tests.conftest import create_table_t
+    from tests.test_untrusted_input import _write_frame, answers_of_turns
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config_path = tmp_path / "core1.toml"
+    config_path.write_text(
+        f'[node]\nname = "core1"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
+        f'[cluster]\ncore_nodes = {{ core1 = "{endpoint}" }}\n[storage]\nsynchronous = "NORMAL"\n'
+        + security_toml(keys, ROLES_WITH_READER)
+    )
+    node = CoreNode(load_config(str(config_path)))
+    node.bind()
+    try:
+        create_table_t(node)
+        while node.store.catalog().get("t") is None:
+            node.run_turn()
+        node._backlog.append(([b"app"], _write_frame("app-1", 1), "app"))  # read before the reload
+        node._backlog.append(([b"ops"], _write_frame("ops-1", 2), "ops"))
+        authorized = keys.parent / "authorized"
+        (authorized / "app.key").unlink()
+        if revoked == "replaced":
+            generate_keys("app2", str(keys))
+            shutil.copy(keys / "app2.key", authorized / "app.key")
+        node.reload_security()  # what the loop does at a SIGHUP, between two turns
+        assert node.security is not None and node.security.reloads == 1
+        answers = answers_of_turns(node, {b"app", b"ops"})
+        rows = [row["id"] for row in node.store.scan(node.store.catalog()["t"], None, 10)]
+    finally:
+        node.close()
+    assert answers[b"app"].kind == "error" and answers[b"app"].body.code == "forbidden", answers
+    assert "no longer in authorized_keys" in answers[b"app"].body.message
+    assert answers[b"ops"].kind == "reply", answers  # the others' frames are served
+    assert rows == [2]
 
 
 def test_only_a_core_key_puts_its_peer_frames_ahead_of_the_turn_budget(tmp_path: Path, keys: Path) -> None:
