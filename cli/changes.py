@@ -4,7 +4,8 @@ One line per record as it arrives: ``--json`` prints JSON lines (one record each
 ``{"base64": ...}``); otherwise ``TX_KEY SHARD TABLE OP KEY ROW``. The command ends once it has every
 change the node applied, or with ``--follow`` keeps waiting for more (Ctrl-C ends it, exit 0); the last
 line of a run that ends, also by Ctrl-C, names the position to resume from with ``--from`` (on stderr, in
-both output modes); one that ends with an error names it on the line before the error.
+both output modes); one that ends with an error names it on the line before the error. A shard the
+run stopped inside a copy of has no such position: the line says so (drop its tables, start it again).
 """
 
 from __future__ import annotations
@@ -97,17 +98,32 @@ def changes(tables, from_keys, follow, endpoint, timeout_ms, as_json) -> None:
         except MnesiteError as error:
             # The node stopped answering (or refused): where to resume is what the caller needs next,
             # and a feed of some tables cannot rebuild it from the records it printed.
-            if feed.position:
-                click.echo(_resume_line("stopped", feed.position), err=True)
+            if feed.position or _copying(feed):
+                click.echo(_resume_line("stopped", feed), err=True)
             fail(str(error), EXIT_OUTCOME_UNKNOWN if isinstance(error, OutcomeUnknown) else 1)
-        click.echo(_resume_line(ended, feed.position), err=True)
+        click.echo(_resume_line(ended, feed), err=True)
 
 
-def _resume_line(ended: str, position: dict[str, Any]) -> str:
+def _copying(feed: Any) -> list[str]:
+    """The shards the feed stopped inside a copy of (after a snapshot_begin, before its snapshot_end)."""
+    return [position["shard"] for position in feed.cursor if position.get("phase", "live") != "live"]
+
+
+def _resume_line(ended: str, feed: Any) -> str:
     # One --from per shard: the line is given back as printed, and a second SHARD:G,C after one --from
     # would be taken for a TABLE.
-    positions = " ".join(f"--from {shard}:{key[0]},{key[1]}" for shard, key in sorted(position.items()))
-    return f"{ended}; resume with {positions}" if positions else ended
+    positions = " ".join(f"--from {shard}:{key[0]},{key[1]}" for shard, key in sorted(feed.position.items()))
+    line = f"{ended}; resume with {positions}" if positions else ended
+    copying = _copying(feed)
+    if copying:
+        # A copy's progress is no tx key (--from cannot give it back), and the key before the copy is
+        # no place to resume: the snapshot_begin printed said to drop the tables, and a node that
+        # still holds that key would answer it with changes on top of them. Said, not left out silently.
+        line += (
+            f"; shard {', '.join(copying)} stopped inside a copy (a snapshot_begin without its snapshot_end): "
+            "drop what you hold of its tables; given no --from, it starts again from the log's start"
+        )
+    return line
 
 
 def register(main: click.Group) -> None:

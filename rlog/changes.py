@@ -171,6 +171,18 @@ def live(shard: str, after: TxKey) -> ChangesPosition:
     return ChangesPosition(shard=shard, after=TxKey(*after))
 
 
+def copy_start(snapshot_begin: Mapping[str, Any]) -> ChangesPosition:
+    """The position a ``snapshot_begin`` record starts: its first table from the start (none: the
+    replay), K0 its key. The node moves a page's position there, and a consumer's cursor moves there
+    as the record is handed over (``rlog.client.ChangeFeed``): once a consumer has dropped what it held
+    of the tables, no resume may go back to the position before the copy, which another node may
+    still hold (cores trim each by itself) and would answer with changes on top of emptied tables."""
+    shard, tables, k0 = snapshot_begin["shard"], snapshot_begin["tables"], TxKey(*snapshot_begin["tx_key"])
+    if not tables:
+        return ChangesPosition(shard=shard, after=k0, phase="replay", replay_to=k0)
+    return ChangesPosition(shard=shard, after=k0, phase="copy", table=tables[0], replay_to=k0)
+
+
 def feed_shards(
     tables: Iterable[str],
     positions: Iterable[ChangesPosition],
@@ -370,11 +382,7 @@ class _ShardFeed:
             "reason": reason,
         }
         self._emit(record, 0)
-        if not tables:
-            return ChangesPosition(shard=self.shard, after=self.applied, phase="replay", replay_to=self.applied)
-        return ChangesPosition(
-            shard=self.shard, after=self.applied, phase="copy", table=tables[0].name, replay_to=self.applied
-        )
+        return copy_start(record)
 
     def _copy(self, position: ChangesPosition) -> ChangesPosition:
         table = self.catalog.get(position.table or "")

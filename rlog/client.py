@@ -46,6 +46,7 @@ from typing import Any, NoReturn
 
 import zmq
 from mnesite.rlog import messages
+from mnesite.rlog.changes import copy_start, position_to_wire
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.messages import Answer, Message, MessageError, NonNegative, answer_as, typed_body
@@ -1090,8 +1091,10 @@ class ChangeFeed:
     records of one entry share a ``tx_key``) or a copy (``snapshot_end``): a consumer that saves it once
     it applied a record resumes with the next one, and one that stops inside an entry resumes at that
     entry's start. Through an entry whose records are more bytes than a page holds it moves page by
-    page (``records_after``). ``position`` is the last tx key delivered per
-    shard outside a snapshot. ``applied`` is the answering node's applied key per shard (how far
+    page (``records_after``). At a ``snapshot_begin`` it moves to the copy's start, and inside the copy
+    page by page: a resume from it goes on with the copy, never back before it. ``position`` is the last
+    tx key delivered per shard outside a copy (a shard inside one has none). A feed that is not following
+    ends only outside a copy. ``applied`` is the answering node's applied key per shard (how far
     behind the feed is). The answers are checked: a malformed page raises ``MnesiteError``.
     """
 
@@ -1140,6 +1143,12 @@ class ChangeFeed:
                     record["kind"] == "change" and following["tx_key"] != record["tx_key"]
                 ):
                     self._positions[shard] = {"shard": shard, "after": list(record["tx_key"])}
+                elif record["kind"] == "snapshot_begin":
+                    # The consumer drops what it holds of the tables: from now on a resume goes on with
+                    # the copy (its rows again, full rows: harmless), never back to the position before
+                    # it, which a node that has not trimmed it would answer with changes on top of
+                    # the emptied tables.
+                    self._positions[shard] = position_to_wire(copy_start(record))
                 yield record
             self._positions = positions
             if self._caught_up(records) and not self.follow:
@@ -1156,11 +1165,20 @@ class ChangeFeed:
                 return
 
     def _caught_up(self, records: list[dict[str, Any]]) -> bool:
-        """No record in the last page, and every shard at the answering node's applied key."""
-        return not records and all(
-            TxKey(*position["after"]) >= self.applied.get(shard, TxKey(0, 0))
-            for shard, position in self._positions.items()
+        """No record in the last page, and every shard at the answering node's applied key, outside a
+        copy: an empty page inside one (a node behind the copy's start or end, after a failover) is
+        no end, or the feed would end holding part of the tables, with no ``snapshot_end``."""
+        return (
+            not records
+            and not self._inside_copy()
+            and all(
+                TxKey(*position["after"]) >= self.applied.get(shard, TxKey(0, 0))
+                for shard, position in self._positions.items()
+            )
         )
+
+    def _inside_copy(self) -> bool:
+        return any(position.get("phase", "live") != "live" for position in self._positions.values())
 
     def fetch_page(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
         """One page: its records and the positions after it (the feed's cursor moves on iteration)."""
@@ -1169,7 +1187,9 @@ class ChangeFeed:
             body["tables"] = self.tables
         if self.page_records is not None:
             body["page_records"] = self.page_records
-        wait_ms = self.wait_ms if self.follow else 0
+        # Inside a copy the feed is not done even when it is not following (``_caught_up``): a page held
+        # until the node moves, rather than asked again at once of a node behind the copy.
+        wait_ms = self.wait_ms if self.follow or self._inside_copy() else 0
         if wait_ms:
             body["wait_ms"] = wait_ms
         answer = self.client.call("changes", body, timeout_ms=self.client.timeout_ms + wait_ms)

@@ -545,3 +545,99 @@ def test_writes_before_a_table_is_dropped_and_made_again_keep_the_key_of_their_o
             keyed = [(r["op"], r["key"]) for r in records if r["op"] in ("write", "delete")]
             assert keyed == expected[[0, 0, 3, 4][start] :], after
         assert apply_feed(client.changes(["people"]))["people"] == table_rows(client, "people")
+
+
+def _trimmed_here_only(monkeypatch, through: list) -> None:
+    """This node answers as one whose log was trimmed through ``through[0]`` (None: its own log):
+    another node of the cluster may still hold what this one trimmed (each core trims by itself)."""
+    trimmed = StoreFeedReader.trimmed
+    monkeypatch.setattr(
+        StoreFeedReader, "trimmed", lambda self, shard: through[0] if through[0] is not None else trimmed(self, shard)
+    )
+
+
+def test_a_cursor_saved_inside_a_copy_never_resumes_from_the_position_before_it(node, monkeypatch) -> None:
+    """After ``snapshot_begin`` (drop what you hold) the cursor still named the position from before
+    the copy until the page's last record: a consumer that saved it there and resumed at a node that
+    still holds that position (cores trim each by itself) got the changes after it on top of tables
+    it had emptied, and lost every row written before it. The cursor moves to the copy's start."""
+    with node.client() as client:
+        for i in range(5):
+            start = client.put("users", {"id": i, "name": f"n{i}"})
+        for i in range(5, 20):
+            last = client.put("users", {"id": i, "name": f"n{i}"})
+        through: list = [last]
+        _trimmed_here_only(monkeypatch, through)
+        feed = client.changes(["users"], after_tx_key=start)
+        applied, records = [], iter(feed)
+        for record in records:
+            applied.append(record)
+            if record["kind"] == "snapshot":
+                break
+        assert [r["kind"] for r in applied] == ["snapshot_begin", "snapshot"]
+        cursor = feed.cursor
+        through[0] = None  # the consumer restarts at a node whose log still holds ``start``
+        rest = list(client.changes(["users"], after_tx_key=cursor))
+        assert rest[0]["kind"] == "snapshot", rest[0]  # the copy goes on (its rows again: full rows)
+        assert apply_feed(applied + rest)["users"] == table_rows(client, "users")
+        assert "default" not in feed.position  # inside a copy: no tx key to resume the shard from
+
+
+def test_a_feed_that_moves_to_a_node_behind_its_copy_does_not_end_inside_it(node, monkeypatch) -> None:
+    """A feed that is not following ended as "caught up" on an empty page: after moving to a node
+    whose applied key is behind the copy's start (a lagging replicant), inside the copy, without its
+    ``snapshot_end``, holding part of the tables. It waits for that node instead (held pages)."""
+    with node.client() as client:
+        start = client.put("users", {"id": 0, "name": "n0"})
+        for i in range(1, 20):
+            last = client.put("users", {"id": i, "name": f"n{i}"})
+        _trimmed_here_only(monkeypatch, [last])
+        real_applied = StoreFeedReader.applied
+        pages = [0]
+
+        def lagging_after_the_first_page(self, shard):
+            pages[0] += 1
+            if 2 <= pages[0] <= 4:  # the next pages come from a node behind the copy's start
+                return TxKey(last.generation, last.counter - 5)
+            return real_applied(self, shard)
+
+        monkeypatch.setattr(StoreFeedReader, "applied", lagging_after_the_first_page)
+        feed = client.changes(["users"], after_tx_key=start, wait_ms=50)
+        records = list(feed)
+        kinds = [r["kind"] for r in records]
+        assert kinds[0] == "snapshot_begin" and kinds[-1] == "snapshot_end", kinds
+        assert pages[0] > 4
+        assert apply_feed(records)["users"] == table_rows(client, "users")
+        assert feed.position == {"default": last}
+
+
+def test_cli_changes_stopped_inside_a_copy_says_so_instead_of_leaving_the_shard_out(node, monkeypatch) -> None:
+    """Stopped inside a copy, the resume line left the shard out without a word (or, before the copy's
+    first page ended, named the key before the copy, which a node that still holds it answers with
+    changes on top of the tables the printed snapshot_begin said to drop)."""
+    with node.client() as client:
+        client.create_table("far", "id", [("id", "INTEGER")], shard="far")
+        far = client.put("far", {"id": 1})
+        start = client.put("users", {"id": 0, "name": "n0"})
+        for i in range(1, 20):
+            last = client.put("users", {"id": i, "name": f"n{i}"})
+    through: list = [last]
+    _trimmed_here_only(monkeypatch, through)
+    from mnesite.rlog.client import ChangeFeed
+
+    real_iter = ChangeFeed.__iter__
+
+    def interrupted_in_the_copy(feed):
+        for record in real_iter(feed):
+            yield record
+            if record["kind"] == "snapshot":
+                raise KeyboardInterrupt  # the operator's Ctrl-C inside the copy
+
+    monkeypatch.setattr(ChangeFeed, "__iter__", interrupted_in_the_copy)
+    after = ["--from", f"far:{far.generation},{far.counter}", "--from", f"default:{start.generation},{start.counter}"]
+    result = CliRunner().invoke(main, ["changes", "users", "far", *after, "--node", node.endpoint])
+    assert result.exit_code == 0, result.output
+    line = result.stderr.splitlines()[-1]
+    assert line.startswith(f"stopped; resume with --from far:{far.generation},{far.counter}; "), line
+    assert "--from default:" not in line
+    assert "shard default stopped inside a copy" in line and "drop what you hold of its tables" in line
