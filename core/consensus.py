@@ -1067,15 +1067,19 @@ class ShardConsensus:
             timeout_ms = 0
         self._election_deadline_ms = self._now_ms + timeout_ms
 
+    def _heard_voters(self) -> set[str]:
+        """This sequencer (while a voter) and the members it heard within ``election_timeout_ms_min``."""
+        heard = {self.name} if self.voter else set()
+        for peer, progress in self._progress.items():
+            if peer in self._members and self._now_ms - progress.last_heard_ms < self.config.election_timeout_ms_min:
+                heard.add(peer)
+        return heard
+
     def _on_tick(self) -> None:
         if self._excluded:
             return
         if self._role is Role.SEQUENCER:
-            heard = int(self.voter) + sum(
-                1
-                for peer, progress in self._progress.items()
-                if peer in self._members and self._now_ms - progress.last_heard_ms < self.config.election_timeout_ms_min
-            )
+            heard = len(self._heard_voters())
             if heard < self._majority():
                 self._step_down(
                     f"sequencer fenced itself: heard from {heard} of {len(self._members)} members "
@@ -2145,6 +2149,14 @@ class ShardConsensus:
             change_in_flight=bool(self._changes) or self._learner is not None,
             own_generation_committed=self._own_generation_committed(),
         )
+        if refusal is None:
+            # Only a change the sequencer can commit: a set whose majority it hears (a removal while
+            # another core is down would otherwise leave a set that can neither commit nor elect).
+            refusal = membership.quorum_refusal(
+                membership.changed_members(self._members, event.name, event.add),
+                self._heard_voters(),
+                event.name if event.add else None,
+            )
         if refusal is None and len(self._pending) >= self.config.pending_proposals_max:
             refusal = REJECT_BUSY
         if refusal is not None:

@@ -20,7 +20,11 @@ election must hear. That argument holds only between two ADJACENT sets, hence th
 * a new sequencer first commits an entry of its own generation (its no-op) before it changes the
   membership (the thesis' fix: an uncommitted change of a deposed sequencer may otherwise be
   overwritten after a conflicting change committed);
-* the set stays within 1..``MEMBERS_MAX`` cores.
+* the set stays within 1..``MEMBERS_MAX`` cores;
+* a removal only while the sequencer hears a majority of the set it leaves (``quorum_refusal``): the
+  new set is in force from its entry on, so removing a live core (or the sequencer itself) while
+  another is down left a set whose majority is down, and the change never committed, nobody could be
+  elected, and no change could undo it (two of three cores up, and no sequencer until a force start).
 
 A core to be added first catches up as a *learner*: the sequencer replicates to it (through the
 snapshot path if its log is behind the retained entries) without counting it in any quorum; only
@@ -69,6 +73,8 @@ REJECT_NOT_MEMBER = "not_member"
 REJECT_TOO_MANY_MEMBERS = "too_many_members"
 REJECT_LAST_MEMBER = "last_member"
 REJECT_CATCH_UP_TIMEOUT = "catch_up_timeout"
+# The sequencer does not hear a majority of the membership the change would leave (``quorum_refusal``).
+REJECT_NO_QUORUM_AFTER = "no_quorum_after_change"
 # The core being added cannot read the shard's log (core.versions.member_refusal): the operator's
 # `cluster add-core` is refused with the same code before it starts, when the probes heard the core.
 REJECT_INCOMPATIBLE_VERSION = "incompatible_version"
@@ -96,6 +102,20 @@ def change_refusal(
         return REJECT_TOO_MANY_MEMBERS
     if not add and len(members) == 1:
         return REJECT_LAST_MEMBER
+    return None
+
+
+def quorum_refusal(new_members: tuple[str, ...], heard: Iterable[str], added: str | None = None) -> str | None:
+    """Why the sequencer may not append a change to ``new_members`` now (None: it may): it hears
+    (``heard``: itself when it is a voter, and the followers heard within an election timeout, as
+    its self-fencing counts them) fewer than a majority of the new set. The entry is in force from
+    when it is appended, so it would never commit, the sequencer would fence itself, and no core
+    could be elected under the new set until the cores it needs came back: a removal asked while
+    another core is down (etcd's strict reconfiguration check). ``added``, a core being added, is
+    counted as heard: its entry is appended only once it answered (caught up as a learner)."""
+    reachable = set(heard) | ({added} if added else set())
+    if len(reachable & set(new_members)) < len(new_members) // 2 + 1:
+        return REJECT_NO_QUORUM_AFTER
     return None
 
 

@@ -123,6 +123,32 @@ def test_a_removal_is_in_force_as_soon_as_the_sequencer_persists_it():
     assert harness.state.members == ("a", "b") and harness.machine.committed_members == ("a", "b")
 
 
+def test_a_removal_is_refused_while_the_sequencer_hears_no_majority_of_the_set_it_leaves():
+    """{a, b, c} with c silent for an election timeout: removing b (or a itself) leaves a set whose
+    majority needs c; appended, it was in force at once, never committed, and nobody could be elected."""
+    assert membership.quorum_refusal(("a", "c"), {"a", "b"}) == membership.REJECT_NO_QUORUM_AFTER
+    assert membership.quorum_refusal(("b", "c"), {"b"}) == membership.REJECT_NO_QUORUM_AFTER
+    assert membership.quorum_refusal(("a", "b"), {"a", "b"}) is None  # removing the silent core itself
+    assert membership.quorum_refusal(("a", "b", "c", "d"), {"a", "b"}, added="d") is None  # the learner counts
+    harness = _elected()
+    now = harness.now_ms
+    silent_until = now + CONFIG.election_timeout_ms_min + CONFIG.heartbeat_interval_ms
+    while now < silent_until:
+        now += CONFIG.heartbeat_interval_ms
+        harness.ack("b", TxKey(1, 1))
+        harness.step(Ticked(), now)  # c says nothing
+    assert harness.machine.role is Role.SEQUENCER
+    for request_id, name in (("m1", "b"), ("m2", "a")):
+        effects = harness.step(MembershipChangeRequested(name, add=False, request_id=request_id))
+        assert of_type(effects, ProposalRejected) == [
+            ProposalRejected(request_id, membership.REJECT_NO_QUORUM_AFTER, "a")
+        ]
+        assert not _membership_entries(effects) and harness.machine.members == ("a", "b", "c")
+    # Removing the silent core is how it is replaced: {a, b} is heard whole.
+    effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m3"))
+    assert harness.machine.members == ("a", "b") and _membership_entries(effects)
+
+
 def test_a_membership_entry_is_batched_and_the_sequencer_counts_itself_only_once_durable():
     """Batched commit path (thesis 10.2.1): the removal goes out at BatchEnded, before the
     sequencer's own fsync; b's acknowledgement alone is no majority of {a, b} until Persisted."""
@@ -412,6 +438,50 @@ def test_the_simulator_catches_two_changes_in_flight(monkeypatch):
         SimulationFailure, match="(?s)seed 3 .*(commits|two sequencers|acknowledged).*test_membership.py"
     ):
         _two_removals_in_flight(seed=3)
+
+
+def _remove_while_another_is_down(seed: int, remove_self: bool) -> tuple[MembershipSimulation, str, str]:
+    """3 cores, no faults: B is lost (down for two election timeouts), then the operator asks the
+    sequencer S to remove A, or itself. Returns the simulation, S and B."""
+    simulation = MembershipSimulation(seed, 3, faulty_ms=0, change_probability=0.0)
+    simulation._heal()
+    s = simulation.run_until_quiet().name
+    a, b = sorted(n for n in simulation.nodes if n.startswith("core") and n != s)
+    for _ in range(3):
+        simulation.write(s)
+    simulation.run_until_quiet()
+    simulation.lose_for_good([b])
+    down_until_ms = simulation.now_ms + 2 * simulation.config.election_timeout_ms_max
+    while simulation.now_ms < down_until_ms:
+        simulation.advance()
+    simulation.change(s, s if remove_self else a, add=False)
+    return simulation, s, b
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("remove_self", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_removal_while_another_core_is_down_is_refused_and_the_cluster_keeps_its_sequencer(seed, remove_self):
+    """Two of three cores up, a majority: removing one of them (or the sequencer itself) left a set
+    that needs the lost core (the entry is in force at once): it never committed, the sequencer fenced
+    itself, nobody was ever elected again, and no change could undo it (a force start only). Refused,
+    the sequencer keeps serving; removing the lost core instead commits (the replace path)."""
+    simulation, s, b = _remove_while_another_is_down(seed, remove_self)
+    later_ms = simulation.now_ms + 3 * simulation.config.election_timeout_ms_max
+    while simulation.now_ms < later_ms:  # past the self-fencing of a sequencer stuck on the change
+        simulation.advance()
+    _elect_one_of(simulation, *sorted(n for n in simulation.nodes if n.startswith("core") and n != b))
+    assert simulation.changes_refused == {"no_quorum_after_change": 1}
+    sequencer = simulation.nodes[s]
+    while sequencer.machine.role is not Role.SEQUENCER:
+        simulation.advance()
+    simulation.change(s, b, add=False)
+    deadline_ms = simulation.now_ms + 10 * simulation.config.election_timeout_ms_max
+    while simulation.changes_committed < 1 and simulation.now_ms < deadline_ms:
+        simulation.advance()
+    assert simulation.changes_committed == 1 and b not in sequencer.machine.committed_members
+    simulation.write(s)
+    simulation.final_check(simulation.run_until_quiet())
 
 
 def _add_cut_off_from_the_old_majority(seed: int) -> MembershipSimulation:
