@@ -50,6 +50,8 @@ Example::
     query_page_bytes_max = 1048576      # bytes of values in one page (at most frame_bytes_max / 4)
     query_cursors_max = 16              # queries with more pages to fetch, held open per node
     query_idle_ms_max = 30000           # a held query whose next page is not asked for in this time is closed
+    query_temp_bytes_max = 268435456    # bytes of temporary files one query may hold (its sorts spilled to disk)
+    query_temp_bytes_total_max = 1073741824  # bytes of temporary files all of a node's queries hold together
     index_build_step_rows_max = 1000    # rows an online index build copies per step, a step at most every 10 ms
     changes_page_records_max = 1000     # records in one changefeed page (mnesite changes)
     changes_page_bytes_max = 1048576    # bytes of records in one changefeed page (at most frame_bytes_max / 4)
@@ -182,6 +184,11 @@ class Limits:
     query_page_bytes_max: int = 1024 * 1024
     query_cursors_max: int = 16
     query_idle_ms_max: int = 30_000
+    # Bytes of SQLite's temporary files (a sort or grouping larger than its cache, spilled to disk) one
+    # query may hold, and all of a node's queries together (rlog.query.TempBudget); past either the
+    # query fails. They are kept while the query's cursor is open.
+    query_temp_bytes_max: int = 256 * 1024 * 1024
+    query_temp_bytes_total_max: int = 1024 * 1024 * 1024
     # Rows an online index build (rlog.store) copies per step (one step at most every 10 ms); a table with
     # fewer rows is indexed at once.
     index_build_step_rows_max: int = 1000
@@ -277,6 +284,8 @@ _LIMIT_BOUNDS = {
     "query_page_bytes_max": (1024, 128 * 1024 * 1024),
     "query_cursors_max": (1, 10_000),
     "query_idle_ms_max": (100, 3_600_000),
+    "query_temp_bytes_max": (0, 1024**4),  # 0: no query may spill to disk
+    "query_temp_bytes_total_max": (0, 1024**4),
     "index_build_step_rows_max": (1, 1_000_000),
     "changes_page_records_max": (1, 1_000_000),
     "changes_page_bytes_max": (1024, 128 * 1024 * 1024),

@@ -46,6 +46,14 @@ parser of ours:
    call is not interrupted, so the functions SQLite runs in time quadratic in their arguments are
    bounded: ``LIKE_PATTERN_BYTES_MAX`` for LIKE/GLOB, and linear replacements of two-argument
    ``trim``/``ltrim``/``rtrim``.
+6. **Temporary storage.** A statement that sorts or groups more than SQLite's cache holds writes
+   SQLite's temporary files (the sorter's runs, ephemeral tables). The query connections open their
+   files through ``QUERY_VFS``, which hands the database's own files to the default VFS as they are
+   and counts the bytes of every temporary file (its size: the end of its furthest write, less a
+   truncation) against the query's ``TempBudget`` (``temp_bytes_max``) and the node's ``TempSpace``
+   (``temp_bytes_total_max``, every query's together): a write past either fails with SQLITE_FULL and
+   the query with ``query_failed`` naming the bound. The bytes are given back when the file closes
+   (the query's cursor closes, or expires).
 
 Errors carry a code for the wire: ``query_refused`` (not read-only, or not allowed), ``bad_query``
 (SQLite cannot prepare it: syntax, unknown column, wrong number of parameters), ``query_budget``,
@@ -104,6 +112,18 @@ DENIED_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer", "sqlite_offset
 # 1,000 bytes keeps one match under a second.
 LIKE_PATTERN_BYTES_MAX = 1000
 
+# SQLite's temporary files, by the flags its xOpen is given: the sorter's runs (TEMP_JOURNAL), the
+# ephemeral tables of DISTINCT, GROUP BY, IN and materialized subqueries (TRANSIENT_DB), the temp schema
+# (TEMP_DB) and statement journals (SUBJOURNAL). Every other file (the database, its WAL) is the node's.
+TEMP_OPEN_FLAGS = (
+    apsw.SQLITE_OPEN_TEMP_JOURNAL
+    | apsw.SQLITE_OPEN_TRANSIENT_DB
+    | apsw.SQLITE_OPEN_TEMP_DB
+    | apsw.SQLITE_OPEN_SUBJOURNAL
+)
+# The VFS of the query connections (``QueryVFS``), registered once per process.
+QUERY_VFS = "mnesite-query"
+
 _ALLOWED_ACTIONS = frozenset({apsw.SQLITE_SELECT, apsw.SQLITE_RECURSIVE})
 
 
@@ -155,6 +175,10 @@ class QueryLimits:
     # The bytes one page's answer may hold (its rows, columns and positions): a frame less its
     # envelope. A page ends before a row that would pass it, whatever ``page_bytes_max`` allows.
     answer_bytes_max: int = FRAME_BYTES_MAX_DEFAULT - ANSWER_ENVELOPE_BYTES
+    # The bytes of temporary files one query may hold (its sorts and groupings spilled to disk), and
+    # all the node's queries together.
+    temp_bytes_max: int = 256 * 1024 * 1024
+    temp_bytes_total_max: int = 1024 * 1024 * 1024
 
     @classmethod
     def from_config(cls, limits: Any) -> QueryLimits:
@@ -167,6 +191,8 @@ class QueryLimits:
             cursors_max=limits.query_cursors_max,
             idle_ms_max=limits.query_idle_ms_max,
             answer_bytes_max=max(1, limits.frame_bytes_max - ANSWER_ENVELOPE_BYTES),
+            temp_bytes_max=limits.query_temp_bytes_max,
+            temp_bytes_total_max=limits.query_temp_bytes_total_max,
         )
 
 
@@ -228,10 +254,11 @@ def stored_names(connection: apsw.Connection) -> frozenset[str]:
     return frozenset(names)
 
 
-def open_connection(path: str, value_bytes_max: int) -> apsw.Connection:
+def open_connection(path: str, value_bytes_max: int, vfs: str | None = None) -> apsw.Connection:
     """A read-only connection to the node's database for queries: no extension loading, no
-    statement cache (every prepare meets the authorizer), bounded values, no attached databases."""
-    connection = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY, statementcachesize=0)
+    statement cache (every prepare meets the authorizer), bounded values, no attached databases.
+    ``vfs``: ``QUERY_VFS`` for a connection that runs statements (its temporary files are counted)."""
+    connection = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY, statementcachesize=0, vfs=vfs)
     connection.set_busy_timeout(1000)
     connection.limit(apsw.SQLITE_LIMIT_LENGTH, value_bytes_max)
     connection.limit(apsw.SQLITE_LIMIT_SQL_LENGTH, SQL_CHARS_MAX * 4)
@@ -243,6 +270,134 @@ def open_connection(path: str, value_bytes_max: int) -> apsw.Connection:
     for name, left, right in (("trim", True, True), ("ltrim", True, False), ("rtrim", False, True)):
         connection.create_scalar_function(name, _trim_function(left, right), 2, deterministic=True)
     return connection
+
+
+# -- temporary storage: the bytes of SQLite's temporary files, per query and per node -------------
+
+
+class TempSpace:
+    """The bytes of temporary files all the queries of one node hold (one per ``QueryRunner``).
+
+    Shared by the query threads and the loop (a cursor closed there closes its files): ``lock``
+    guards it and every ``TempBudget`` of it."""
+
+    def __init__(self, total_max: int) -> None:
+        self.total_max = total_max
+        self.used = 0
+        self.high_water = 0  # the most ``used`` has been
+        self.lock = threading.Lock()
+
+
+class TempBudget:
+    """One query's temporary files: at most ``bytes_max`` bytes, and the node's ``space`` to share.
+    ``exceeded``: the bound a write would have passed (the query's error names it)."""
+
+    def __init__(self, space: TempSpace, bytes_max: int) -> None:
+        self.space = space
+        self.bytes_max = bytes_max
+        self.used = 0
+        self.exceeded: str | None = None
+
+    def take(self, count: int) -> None:
+        """Count ``count`` more bytes, or raise ``apsw.FullError`` (SQLITE_FULL) past a bound."""
+        space = self.space
+        with space.lock:
+            if self.used + count > self.bytes_max:
+                self.exceeded = "query_temp_bytes_max"
+            elif space.used + count > space.total_max:
+                self.exceeded = "query_temp_bytes_total_max"
+            else:
+                self.used += count
+                space.used += count
+                space.high_water = max(space.high_water, space.used)
+                return
+        raise apsw.FullError(f"temporary storage past {self.exceeded}")
+
+    def give(self, count: int) -> None:
+        with self.space.lock:
+            self.used -= count
+            self.space.used -= count
+
+
+# The budget of the query a thread is running (``QueryRunner._page_of`` sets it around SQLite's calls):
+# a temporary file is counted against the budget of the query that opened it, for as long as it is open.
+_running = threading.local()
+# A temporary file opened on a thread that runs no query (none should be) may hold nothing.
+_NO_TEMP = TempBudget(TempSpace(0), 0)
+
+
+class _TempFile(apsw.VFSFile):
+    """A temporary file of the default VFS whose size (the end of its furthest write, less a
+    truncation) is counted against ``budget`` before each write that grows it."""
+
+    def __init__(self, name: Any, flags: list[int], budget: TempBudget) -> None:
+        super().__init__("", name, flags)
+        self._budget = budget
+        self._size = 0
+
+    def xWrite(self, data: Any, offset: int) -> None:  # noqa: N802 (apsw's method names)
+        end = offset + len(data)
+        if end > self._size:
+            self._budget.take(end - self._size)
+            self._size = end
+        super().xWrite(data, offset)
+
+    def xTruncate(self, newsize: int) -> None:  # noqa: N802
+        super().xTruncate(newsize)
+        if newsize < self._size:
+            self._budget.give(self._size - newsize)
+            self._size = newsize
+
+    def xClose(self) -> None:  # noqa: N802
+        try:
+            super().xClose()
+        finally:
+            size, self._size = self._size, 0
+            self._budget.give(size)
+
+
+class _DatabaseFile(apsw.VFSFile):
+    """The database's file as the default VFS opens it. One difference: apsw raises the error of a
+    lock SQLite tries and does without (a read-only connection's EXCLUSIVE lock as it closes, to
+    checkpoint the WAL: the read-only descriptor cannot take it) from the next call, where SQLite
+    itself ignores it; it is answered busy, which is what SQLite makes of it."""
+
+    def xLock(self, level: int) -> None:  # noqa: N802
+        try:
+            super().xLock(level)
+        except apsw.IOError:
+            if level != apsw.SQLITE_LOCK_EXCLUSIVE:
+                raise
+            raise apsw.BusyError("the query connection is read-only") from None
+
+
+class QueryVFS(apsw.VFS):
+    """The default VFS with SQLite's temporary files counted (``TEMP_OPEN_FLAGS``: ``_TempFile``).
+    The database's files are the default VFS's, but each of their calls (about one per page read)
+    is a Python call under the GIL: apsw has no way to hand a file over untouched."""
+
+    def __init__(self) -> None:
+        super().__init__(QUERY_VFS, base="")
+
+    def xOpen(self, name: Any, flags: list[int]) -> apsw.VFSFile:  # noqa: N802
+        if flags[0] & TEMP_OPEN_FLAGS:
+            return _TempFile(name, flags, getattr(_running, "budget", None) or _NO_TEMP)
+        if flags[0] & apsw.SQLITE_OPEN_MAIN_DB:
+            return _DatabaseFile("", name, flags)
+        return apsw.VFSFile("", name, flags)
+
+
+_query_vfs: QueryVFS | None = None
+_query_vfs_lock = threading.Lock()
+
+
+def query_vfs() -> str:
+    """The name of the query connections' VFS, registered on first use (kept for the process)."""
+    global _query_vfs
+    with _query_vfs_lock:
+        if _query_vfs is None:
+            _query_vfs = QueryVFS()
+    return QUERY_VFS
 
 
 # SQLite's trim(X, Y) compares every character of X it strips with every character of Y, in C and
@@ -502,6 +657,7 @@ class _Cursor:
     # A row read for a page its answer could not hold (answer_bytes_max): the next page's first row.
     carried: list[Any] | None = None
     first: bool = True  # its first page is not done yet
+    temp: TempBudget | None = None  # its temporary files' bytes (set by ``QueryRunner.start``)
 
 
 class QueryRunner:
@@ -529,6 +685,8 @@ class QueryRunner:
         self._cursor_of: dict[str, str] = {}
         self._done: collections.deque[Finished] = collections.deque()
         self._checker: apsw.Connection | None = None
+        self.temp_space = TempSpace(limits.temp_bytes_total_max)
+        self._vfs = query_vfs()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -587,6 +745,7 @@ class QueryRunner:
                 payload=waiting.payload,
                 page_rows=waiting.page_rows,
                 busy=True,
+                temp=TempBudget(self.temp_space, self.limits.temp_bytes_max),
             )
             self._cursors[token] = cursor
             if waiting.request_id is not None:
@@ -744,6 +903,7 @@ class QueryRunner:
             return Finished(cursor.payload, error=QueryError("the node is shutting down", "stopping"))
         started_s = time.monotonic()
         cursor.deadline_s = started_s + max(0.0, self.limits.ms_max - cursor.spent_ms) / 1000
+        _running.budget = cursor.temp
         try:
             if cursor.connection is None:
                 self._open(cursor)
@@ -760,6 +920,7 @@ class QueryRunner:
                 return Finished(cursor.payload, failed=error)
             return Finished(cursor.payload, error=QueryError(f"the query failed: {type(error).__name__}: {error}"))
         finally:
+            _running.budget = None
             cursor.spent_ms += (time.monotonic() - started_s) * 1000
         self.pages += 1
         more = cursor.cursor is not None
@@ -776,7 +937,7 @@ class QueryRunner:
     def _open(self, cursor: _Cursor) -> None:
         query = cursor.waiting.query
         try:
-            connection = open_connection(self.path, self.limits.page_bytes_max)
+            connection = open_connection(self.path, self.limits.page_bytes_max, self._vfs)
         except apsw.Error as error:
             if read_fault(error) is not None:
                 raise
@@ -873,6 +1034,19 @@ class QueryRunner:
             self.budget_stops += 1
             return QueryBudgetExceeded(
                 f"the query was stopped after {self.limits.ms_max} ms of SQLite time (query_ms_max)"
+            )
+        temp = cursor.temp
+        if isinstance(error, apsw.FullError) and temp is not None and temp.exceeded is not None:
+            if temp.exceeded == "query_temp_bytes_max":
+                return QueryError(
+                    "the query failed: its temporary storage (a sort or grouping larger than memory, spilled to "
+                    f"disk) would pass {temp.bytes_max} bytes (query_temp_bytes_max); sort or group fewer or "
+                    "smaller values"
+                )
+            return QueryError(
+                f"the query failed: the node's queries together would hold more than {temp.space.total_max} bytes "
+                "of temporary storage (query_temp_bytes_total_max); retry later, or sort or group fewer or smaller "
+                "values"
             )
         if isinstance(error, apsw.TooBigError):
             bound = cursor.value_bytes_max or self.limits.page_bytes_max

@@ -3,6 +3,7 @@ node (Client.query, the DB-API connection, pandas.read_sql, ``mnesite query``)."
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -484,6 +485,95 @@ def test_the_budget_counts_sqlite_time_over_all_pages(tmp_path: Path) -> None:
         # Stopped only once SQLite itself spent 300 ms, though the client's pauses took longer than that.
         assert finished.error.code == "query_budget" and pages > 1
         assert time.monotonic() - started > 0.3 + pages * 0.05 - 0.05
+    finally:
+        runner.stop()
+        store.close()
+
+
+# 100 rows of 200,000 bytes each: about 20 MB to sort, ten times SQLite's cache (2 MB), so it spills.
+LARGE_ROWS = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < ?) "
+LARGE_SORT = LARGE_ROWS + "SELECT i, length(zeroblob(200000)) FROM r ORDER BY i DESC, zeroblob(200000)"
+
+
+def _temp_bytes_on_disk() -> int:
+    """The bytes of SQLite's temporary files this process holds open: deleted from their directory
+    at once, they are found by their descriptors (``etilqs_*``, or ``#INODE`` once deleted)."""
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own descriptor among them)
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.endswith(" (deleted)") and os.path.basename(link).startswith(("etilqs_", "#")):
+                total += os.stat(f"/proc/self/fd/{fd}").st_size
+    return total
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the process's descriptors (Linux)")
+@pytest.mark.parametrize(
+    "sql",
+    [
+        LARGE_SORT,
+        LARGE_ROWS + "SELECT count(*) FROM (SELECT i, zeroblob(200000) AS b FROM r GROUP BY i, b)",
+    ],
+)
+def test_a_query_whose_sort_would_pass_query_temp_bytes_max_fails_and_never_holds_more(tmp_path: Path, sql: str):
+    """Regression: SQLite's temporary files (a sort or grouping larger than its cache) were bounded by
+    nothing but the query's time budget: about 1.5-3 GB per query, kept while its cursor stayed open,
+    16 cursors filling the disk. The query connections' VFS counts their bytes: a query whose files
+    would pass query_temp_bytes_max fails with the bound's name, and never held more than it."""
+    store = _database(tmp_path / "node.db", rows=0)
+    bound = 4 * 1024 * 1024
+    limits = q.QueryLimits(ms_max=10_000, temp_bytes_max=bound, temp_bytes_total_max=64 * 1024 * 1024)
+    runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
+    try:
+        checked = runner.check(sql, (100,), ["users"])
+        runner.start(q.WaitingQuery("client", checked, ("default",), {}, 1, 0))
+        finished = _finished(runner)
+        assert finished.error is not None and finished.error.code == "query_failed", finished
+        assert "temporary storage" in str(finished.error) and "query_temp_bytes_max" in str(finished.error)
+        assert 0 < runner.temp_space.high_water <= bound
+        assert runner.temp_space.used == 0 and runner.open_cursors() == 0 and _temp_bytes_on_disk() == 0
+        # A sort within the bound still spills and answers, in order.
+        first = _start(runner, LARGE_SORT, (15,), page_rows=5)
+        assert first.error is None and 0 < runner.temp_space.used <= bound, first  # it spilled
+        rows, token = first.result["rows"], first.result["cursor"]
+        while token is not None:
+            runner.next_page("client", token, 5)
+            page = _finished(runner)
+            assert page.error is None, page.error
+            rows, token = rows + page.result["rows"], page.result["cursor"]
+        assert rows == [[i, 200_000] for i in range(15, 0, -1)]
+        assert runner.temp_space.high_water <= bound and runner.temp_space.used == 0
+    finally:
+        runner.stop()
+        store.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the process's descriptors (Linux)")
+def test_the_temporary_files_held_by_open_cursors_are_bounded_per_node(tmp_path: Path) -> None:
+    """An open cursor keeps its sort's files (until it is read to the end, closed or expired): the
+    node's queries together hold at most query_temp_bytes_total_max on disk; the query that would
+    pass it fails, the one holding its files reads on."""
+    store = _database(tmp_path / "node.db", rows=0)
+    total = 20 * 1024 * 1024
+    limits = q.QueryLimits(ms_max=10_000, temp_bytes_max=16 * 1024 * 1024, temp_bytes_total_max=total)
+    runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
+    try:
+        held = _start(runner, LARGE_SORT, (60,), page_rows=1)  # about 12 MB spilled, kept by its cursor
+        assert held.error is None and held.result["rows"] == [[60, 200_000]], held
+        on_disk = _temp_bytes_on_disk()
+        assert 8 * 1024 * 1024 < on_disk <= runner.temp_space.used <= total
+        refused = _start(runner, LARGE_SORT, (60,), page_rows=1)
+        assert refused.error is not None and refused.error.code == "query_failed", refused
+        assert "query_temp_bytes_total_max" in str(refused.error)
+        assert runner.temp_space.high_water <= total and _temp_bytes_on_disk() == on_disk
+        rows, token = [], held.result["cursor"]
+        while token is not None:
+            runner.next_page("client", token, 20)
+            page = _finished(runner)
+            assert page.error is None, page.error
+            rows, token = rows + page.result["rows"], page.result["cursor"]
+        assert rows == [[i, 200_000] for i in range(59, 0, -1)]
+        assert runner.temp_space.used == 0 and _temp_bytes_on_disk() == 0
     finally:
         runner.stop()
         store.close()
