@@ -1326,13 +1326,16 @@ class NodeServer:
             request.page_rows,
             monotonic_ms() + request.wait_ms,
             request_id=request_id,
+            client=envelope[0],
         )
         try:
             self.waiting_queries.add(waiting)
         except QueryError as error:
             raise RequestError(error.code, str(error)) from None
 
-    def count_later(self, envelope: list[bytes], request_id: str, table: TableSchema, target: TxKey) -> bool:
+    def count_later(
+        self, envelope: list[bytes], request_id: str, table: TableSchema, target: TxKey, forwarded: bool = False
+    ) -> bool:
         """Run a ``count`` of ``table`` on a query worker once its shard reached ``target`` (the key this
         node had applied when the read was checked), and answer it from there (``serve_queries``).
 
@@ -1341,14 +1344,23 @@ class NodeServer:
         append for as long (DESIGN invariant 11); a query worker has its own snapshot, the query
         budget (``query_ms_max``) and the cursor bound. False: the statement cannot be checked now (the
         table was created in this turn, which is not committed): the caller counts on the loop, a table
-        that new holding at most a turn's rows."""
+        that new holding at most a turn's rows. ``forwarded``: a peer's (a core forwarding its clients'
+        linearizable counts), whose connection's cursors count toward the node's bound only."""
         try:
             checked = self.queries.check(f"SELECT count(*) FROM {quote(table.name)}", (), self.store.catalog())
         except QueryError:
             return False
         self.hold(envelope, request_id, changes=False)
         payload, deadline_ms = CountRead(envelope, request_id), monotonic_ms() + QUERY_WAIT_MS_DEFAULT
-        waiting = WaitingQuery(payload, checked, (table.shard,), {table.shard: target}, COUNT_PAGE_ROWS, deadline_ms)
+        waiting = WaitingQuery(
+            payload,
+            checked,
+            (table.shard,),
+            {table.shard: target},
+            COUNT_PAGE_ROWS,
+            deadline_ms,
+            client=None if forwarded else envelope[0],
+        )
         try:
             self.waiting_queries.add(waiting)
         except QueryError as error:
