@@ -217,16 +217,27 @@ def run(call: Callable[[], Any]) -> Any:
         fail(str(error))
 
 
+# A tx key as typed: two runs of ASCII digits and a comma, spaces around it (``(G, C)`` as ``put`` and
+# ``tx`` print it, ``[G, C]`` as ``--json`` does). Python's int() also read "1_000", "+5", other
+# scripts' digits and spaces inside a part: a mistyped key waited for another position.
+TX_KEY = re.compile(r"([0-9]+) *, *([0-9]+)")
+TX_KEY_PART_MAX = 2**63 - 1  # SQLite's (and the wire's) 64-bit signed integer
+
+
 def parse_tx_key(text: str) -> TxKey:
-    """``G,C`` (or ``(G, C)`` as ``put`` and ``tx`` print it) as a tx key."""
-    parts = text.strip().strip("()[]").split(",")
-    try:
-        generation, counter = (int(part) for part in parts)
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a tx key GENERATION,COUNTER (for example 3,17)") from None
-    if generation < 0 or counter < 0:
-        raise click.BadParameter(f"{text!r}: tx key parts must not be negative")
-    return TxKey(generation, counter)
+    """``G,C`` (or ``(G, C)`` as ``put`` and ``tx`` print it, ``[G, C]`` as ``--json`` does) as a tx key:
+    each part ASCII digits (no sign, ``_``, ``+`` or other scripts' digits)."""
+    inner = text.strip(" ")
+    if inner[:1] + inner[-1:] in ("()", "[]"):
+        inner = inner[1:-1].strip(" ")
+    match = TX_KEY.fullmatch(inner)
+    if match is None:
+        raise click.BadParameter(
+            f"{text[:40]!r} is not a tx key GENERATION,COUNTER: two ASCII digit runs (for example 3,17)"
+        )
+    if any(len(part) > 19 or int(part) > TX_KEY_PART_MAX for part in match.groups()):
+        raise click.BadParameter(f"{text[:40]!r}: a tx key part is at most {TX_KEY_PART_MAX}")
+    return TxKey(int(match.group(1)), int(match.group(2)))
 
 
 def parse_after(values: tuple[str, ...]) -> TxKey | dict[str, TxKey] | None:

@@ -4,9 +4,9 @@ Theory of operation
 -------------------
 Neither direction holds more than one batch (import) or one page (export) in memory, whatever the
 file's or the table's size. Import reads the file line by line, turns each line into a full row of
-the table (CSV cells converted to the declared column type, an empty cell null but in a TEXT
+the table (CSV cells converted to the declared column type, strictly, an empty cell null but in a TEXT
 column, where it is the empty text, and an ANY column's cells text; JSON values as
-they are, a BLOB as ``{"base64": ...}`` or hex) and refuses a line that does not fit, naming it:
+they are, of their column's type, a BLOB as ``{"base64": ...}`` or hex) and refuses a line that does not fit, naming it:
 ``line 7: ...``. Rows go to the node in transactions of ``batch_rows`` rows through the normal
 write path (each all or nothing, replicated like any write); an error the node answers names the
 lines of the batch it refused and says how many rows were imported before it. A batch also ends
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 import msgspec
-from mnesite.cli.main import base64_blob, json_text
+from mnesite.cli.main import INTEGER_KEY, base64_blob, json_text
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
 from mnesite.rlog.messages import NOT_UTF8, scalars_refusal
 
@@ -43,6 +43,14 @@ BYTE_ORDER_MARK = "\ufeff"  # skipped at the start of a file (and of stdin)
 FILE_ERRORS = "surrogateescape"
 NOT_UTF8_BYTE = re.compile("[\udc80-\udcff]")
 csv.field_size_limit(LINE_CHARS_MAX)
+# A CSV cell of an INTEGER column is read as a KEY argument is (``INTEGER_KEY``: ASCII digits, a
+# leading minus); one of a REAL column is a decimal number as export writes it (an optional minus,
+# digits with an optional fraction, an optional exponent) or ``inf``/``-inf`` (export's infinity).
+# Python's int() and float() also read "1_000", " 12 ", "+5", other scripts' digits ("٣"), "nan" and
+# "infinity": a mistyped cell, even a key's, was written as another number (another row).
+REAL_CELL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|-?inf")
+# What a JSON value of a column of each type may be (bool is not a number here, as the node says).
+_JSON_KINDS: dict[str, tuple[type, ...]] = {"INTEGER": (int,), "REAL": (int, float), "TEXT": (str,)}
 
 
 class ImportFailed(Exception):
@@ -88,13 +96,17 @@ def _from_cell(text: str, column_type: str, where: str) -> Any:
     in a TEXT column it is the empty text (CSV cannot tell them apart) and an ANY column's cells stay text."""
     if text == "" and column_type != "TEXT":
         return None
-    try:
-        if column_type == "INTEGER":
+    if column_type == "INTEGER":
+        if INTEGER_KEY.fullmatch(text) is None:
+            raise ImportFailed(f"{where}: {text[:40]!r} is not INTEGER (ASCII digits, a leading - if negative)")
+        try:
             return int(text)
-        if column_type == "REAL":
-            return float(text)
-    except ValueError:
-        raise ImportFailed(f"{where}: {text[:40]!r} is not {column_type}") from None
+        except ValueError:  # more digits than Python converts (4,300): far outside SQLite's 64 bits anyway
+            raise ImportFailed(f"{where}: an integer of {len(text)} digits is outside SQLite's 64-bit range") from None
+    if column_type == "REAL":
+        if REAL_CELL.fullmatch(text) is None:
+            raise ImportFailed(f"{where}: {text[:40]!r} is not REAL (a decimal number such as -1.5 or 2e-3, or inf)")
+        return float(text)
     if column_type == "BLOB":
         return _blob(text, where)
     return text
@@ -110,6 +122,14 @@ def _check_row(row: dict[str, Any], schema: dict[str, Any], line: int) -> dict[s
     for name, value in row.items():
         if types[name] == "BLOB" and value is not None and not isinstance(value, bytes):
             row[name] = _blob(value, f"line {line}: column {name!r}")
+        elif (
+            (kinds := _JSON_KINDS.get(types[name]))
+            and isinstance(value, (int, float, str))  # a scalar: any other value is refused below
+            and (type(value) is bool or not isinstance(value, kinds))
+        ):
+            # The node refuses it too (no conversion: "12" is no INTEGER), but a file's check pass
+            # finds it before any batch is written.
+            raise ImportFailed(f"line {line}: column {name!r}: {types[name]} column, got {json_text(value)[:40]}")
         elif isinstance(value, dict):
             # A BLOB in a column of another type (ANY: any storage class) is {"base64": ...} too, as
             # export writes it and as put and tx take it; any other object is refused below.
@@ -252,7 +272,17 @@ def import_rows(
         return line
 
     line = 0
-    for line, row in rows:
+    rows = iter(rows)
+    while True:
+        try:
+            line, row = next(rows)
+        except StopIteration:
+            break
+        except ImportFailed as error:  # a line refused while reading (stdin has no check pass)
+            if not imported.transactions:
+                raise
+            before = f"{imported.rows} rows in {imported.transactions} transactions were imported before"
+            raise ImportFailed(f"{error}; {before}") from None
         write = {"op": "write", "table": table, "row": row}
         size = len(msgspec.msgpack.encode(write))
         if batch and batch_bytes[0] + size > bytes_max:

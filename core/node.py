@@ -2272,7 +2272,7 @@ class CoreNode(NodeServer):
                 self._check_consistency(message, table)
             if kind == "count":
                 applied = self._shard(table.shard).applied
-                if self.count_later(envelope, message.request_id, table, applied):
+                if self.count_later(envelope, message.request_id, table, applied, body.forwarded):
                     return HELD
         limits = self.config.limits
         return read_service.answer_read(self.store, kind, body, table, limits.scan_rows_max, limits.frame_bytes_max)

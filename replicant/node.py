@@ -270,6 +270,7 @@ class ReplicantNode(NodeServer):
         self._discover(now)
         self._expire(now)
         self._warn_if_no_core(now)
+        self.push_log.flush()  # a burst's lines left out, said once their second is over
         self._answer_waiting_reads()
         self.serve_queries(self._query_shard_reached)
         self.serve_changes()

@@ -49,6 +49,7 @@ Example::
     query_page_rows_max = 1000          # rows in one page of a query's answer
     query_page_bytes_max = 1048576      # bytes of values in one page (at most frame_bytes_max / 4)
     query_cursors_max = 16              # queries with more pages to fetch, held open per node
+    query_cursors_per_connection_max = 8 # of them, held for one client connection (default: half of query_cursors_max)
     query_idle_ms_max = 30000           # a held query whose next page is not asked for in this time is closed
     query_temp_bytes_max = 268435456    # bytes of temporary files one query may hold (its sorts spilled to disk)
     query_temp_bytes_total_max = 1073741824  # bytes of temporary files all of a node's queries hold together
@@ -183,6 +184,9 @@ class Limits:
     query_page_rows_max: int = 1000
     query_page_bytes_max: int = 1024 * 1024
     query_cursors_max: int = 16
+    # Of those, the most one client connection holds: one cannot take them all. Not given: half of
+    # query_cursors_max (at least 1); given: at most query_cursors_max.
+    query_cursors_per_connection_max: int = 8
     query_idle_ms_max: int = 30_000
     # Bytes of SQLite's temporary files (a sort or grouping larger than its cache, spilled to disk) one
     # query may hold, and all of a node's queries together (rlog.query.TempBudget); past either the
@@ -283,6 +287,7 @@ _LIMIT_BOUNDS = {
     "query_page_rows_max": (1, 1_000_000),
     "query_page_bytes_max": (1024, 128 * 1024 * 1024),
     "query_cursors_max": (1, 10_000),
+    "query_cursors_per_connection_max": (1, 10_000),
     "query_idle_ms_max": (100, 3_600_000),
     "query_temp_bytes_max": (0, 1024**4),  # 0: no query may spill to disk
     "query_temp_bytes_total_max": (0, 1024**4),
@@ -435,6 +440,11 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         limits = dataclasses.replace(limits, replicant_watches_max=limits.watches_max)
     elif limits.replicant_watches_max > limits.watches_max:
         raise ConfigError("[limits].replicant_watches_max must be at most [limits].watches_max")
+    if "query_cursors_per_connection_max" not in data.get("limits", {}):
+        # Not given: half of query_cursors_max (a config that changed query_cursors_max alone keeps a share).
+        limits = dataclasses.replace(limits, query_cursors_per_connection_max=max(1, limits.query_cursors_max // 2))
+    elif limits.query_cursors_per_connection_max > limits.query_cursors_max:
+        raise ConfigError("[limits].query_cursors_per_connection_max must be at most [limits].query_cursors_max")
     metrics_listen = parse_metrics(data.get("metrics"))
     security = parse_security(data.get("security"), base_dir)
     if security is not None and security.enabled:

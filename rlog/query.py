@@ -35,8 +35,10 @@ parser of ours:
    A row too large for an answer on its own fails the query, which frees its cursor. A query with
    more rows keeps its connection and statement (a *cursor*, named by an unguessable token) for the
    next page: the node's memory holds one page per cursor, whatever the result's size, and all pages
-   come from one snapshot. At most ``cursors_max`` cursors exist per node; one not asked for its next
-   page within ``idle_ms_max`` of its last page being done is closed.
+   come from one snapshot. At most ``cursors_max`` cursors exist per node, at most
+   ``cursors_per_connection_max`` of them for one client connection (``WaitingQuery.client``), so that
+   one connection cannot take them all; one not asked for its next page within ``idle_ms_max`` of its
+   last page being done is closed.
 5. **Budget.** A progress handler stops a statement once its SQLite time, summed over its pages,
    reaches ``ms_max`` (``query_budget``). ``SQLITE_LIMIT_LENGTH`` bounds any one value (and any
    intermediate string such as a ``group_concat``) to ``page_bytes_max``; and, because apsw builds
@@ -59,7 +61,7 @@ Errors carry a code for the wire: ``query_refused`` (not read-only, or not allow
 (SQLite cannot prepare it: syntax, unknown column, wrong number of parameters), ``query_budget``,
 ``unknown_table`` (it names a table the node's catalog does not hold), ``query_failed`` (a run-time
 SQLite error), ``query_cursor_unknown`` (expired, closed or never existed),
-``overloaded`` (``cursors_max`` reached).
+``overloaded`` (``cursors_max`` or ``cursors_per_connection_max`` reached, said which).
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ class QueryLimits:
     page_rows_max: int = 1000
     page_bytes_max: int = 1024 * 1024
     cursors_max: int = 16
+    cursors_per_connection_max: int = 8
     idle_ms_max: int = 30_000
     # The bytes one page's answer may hold (its rows, columns and positions): a frame less its
     # envelope. A page ends before a row that would pass it, whatever ``page_bytes_max`` allows.
@@ -189,6 +192,7 @@ class QueryLimits:
             page_rows_max=limits.query_page_rows_max,
             page_bytes_max=max(1, min(limits.query_page_bytes_max, limits.frame_bytes_max // 4)),
             cursors_max=limits.query_cursors_max,
+            cursors_per_connection_max=limits.query_cursors_per_connection_max,
             idle_ms_max=limits.query_idle_ms_max,
             answer_bytes_max=max(1, limits.frame_bytes_max - ANSWER_ENVELOPE_BYTES),
             temp_bytes_max=limits.query_temp_bytes_max,
@@ -561,6 +565,9 @@ class WaitingQuery:
     unserved: bool = False
     # The client's request id: a query sent again with it replaces this one (``withdraw``); None: never.
     request_id: str | None = None
+    # The client connection it came over (its routing id): its cursors count toward that connection's
+    # share, ``cursors_per_connection_max``. None: toward the node's bound only.
+    client: bytes | None = None
 
     def describe(self) -> str:
         reasons = [f"shard {shard} did not reach {key}" for shard, key in sorted(self.targets.items())]
@@ -681,6 +688,8 @@ class QueryRunner:
         self._jobs: queue.Queue[_Cursor | None] = queue.Queue()
         self._lock = threading.Lock()
         self._cursors: dict[str, _Cursor] = {}
+        # client connection -> its open cursors (``WaitingQuery.client``); only connections with one.
+        self._client_cursors: dict[bytes, int] = {}
         # request id -> the token of the cursor its query opened (a query sent again closes it: ``withdraw``)
         self._cursor_of: dict[str, str] = {}
         self._done: collections.deque[Finished] = collections.deque()
@@ -731,7 +740,14 @@ class QueryRunner:
 
     def start(self, waiting: WaitingQuery) -> None:
         """Run a query whose shards reached their targets; its first page arrives through ``finished``."""
+        client = waiting.client
         with self._lock:
+            held = self._client_cursors.get(client, 0) if client is not None else 0
+            if held >= self.limits.cursors_per_connection_max:
+                raise QueryOverloaded(
+                    f"{held} queries of this connection are open on this node (query_cursors_per_connection_max "
+                    f"{self.limits.cursors_per_connection_max}); read them to the end or retry later"
+                )
             if len(self._cursors) >= self.limits.cursors_max:
                 raise QueryOverloaded(
                     f"{len(self._cursors)} queries are open on this node (query_cursors_max "
@@ -748,6 +764,8 @@ class QueryRunner:
                 temp=TempBudget(self.temp_space, self.limits.temp_bytes_max),
             )
             self._cursors[token] = cursor
+            if client is not None:
+                self._client_cursors[client] = held + 1
             if waiting.request_id is not None:
                 self._cursor_of[waiting.request_id] = token
         self.queries += 1
@@ -791,7 +809,10 @@ class QueryRunner:
 
     def _forget(self, cursor: _Cursor) -> None:
         """Take ``cursor`` out of the runner (under ``_lock``); the caller closes its SQLite objects."""
-        self._cursors.pop(cursor.token, None)
+        if self._cursors.pop(cursor.token, None) is not None and (client := cursor.waiting.client) is not None:
+            held = self._client_cursors.pop(client, 0) - 1
+            if held > 0:
+                self._client_cursors[client] = held
         request_id = cursor.waiting.request_id
         if request_id is not None and self._cursor_of.get(request_id) == cursor.token:
             del self._cursor_of[request_id]
@@ -853,6 +874,7 @@ class QueryRunner:
         with self._lock:
             cursors = list(self._cursors.values())
             self._cursors.clear()
+            self._client_cursors.clear()
             self._cursor_of.clear()
         for cursor in cursors:
             if not cursor.busy:

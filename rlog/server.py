@@ -245,7 +245,12 @@ class ThrottledLog:
     """At most one line per ``interval_ms`` per reason, saying how many lines of that reason it left
     out since the last one: what a sender controls (a frame per message, without ``[security]`` from
     anyone who reaches the endpoint) must not become a line per message. ``reason`` is a fixed name
-    from the code, never the sender's: the reasons, and so this, stay bounded whatever arrives."""
+    from the code, never the sender's: the reasons, and so this, stay bounded whatever arrives.
+
+    Lines left out are reported with the next line of their reason, or by ``flush`` (the node's loop
+    calls it every turn) once ``interval_ms`` has passed without one: a burst's last lines are said
+    even if no line of that reason ever comes again. ``flush`` logs the last line left out, with the
+    count of the others, and forgets a reason that has nothing left to say."""
 
     def __init__(
         self, logger: logging.Logger, interval_ms: int = 1000, clock: Callable[[], int] = monotonic_ms
@@ -253,20 +258,54 @@ class ThrottledLog:
         self.logger = logger
         self.interval_ms = interval_ms
         self.clock = clock
-        # reason -> (when its last line was logged, lines left out since)
-        self._reasons: dict[str, tuple[int, int]] = {}
+        # reason -> (when its last line was logged, lines left out since, the last of them as
+        # (level, text, args) or None): one entry per reason, whatever arrives.
+        self._reasons: dict[str, tuple[int, int, tuple[int, str, tuple[Any, ...]] | None]] = {}
+        # When ``flush`` has something to do, at the earliest (None: nothing left out, no reason kept).
+        self._flush_at_ms: int | None = None
 
     def log(self, reason: str, level: int, text: str, *args: Any) -> None:
         now_ms = self.clock()
-        logged_ms, suppressed = self._reasons.get(reason, (None, 0))
+        logged_ms, suppressed, _ = self._reasons.get(reason, (None, 0, None))
         if logged_ms is not None and now_ms - logged_ms < self.interval_ms:
-            self._reasons[reason] = (logged_ms, suppressed + 1)
+            self._reasons[reason] = (logged_ms, suppressed + 1, (level, text, args))
+            self._flush_by(logged_ms + self.interval_ms)
             return
-        self._reasons[reason] = (now_ms, 0)
+        self._reasons[reason] = (now_ms, 0, None)
+        self._flush_by(now_ms + self.interval_ms)  # then forgotten by flush
         if suppressed:
             text += " (and %d more like it in the last %d ms)"
             args = (*args, suppressed, now_ms - logged_ms)
         self.logger.log(level, text, *args)
+
+    def flush(self) -> None:
+        """Log, per reason whose ``interval_ms`` has passed, the last line left out (with the count of
+        the others left out since its last line), and forget the reasons with nothing left out. Cheap
+        when there is nothing to do: a clock read and a comparison."""
+        if self._flush_at_ms is None:
+            return
+        now_ms = self.clock()
+        if now_ms < self._flush_at_ms:
+            return
+        self._flush_at_ms = None
+        for reason, (logged_ms, suppressed, last) in list(self._reasons.items()):
+            due_ms = logged_ms + self.interval_ms
+            if now_ms < due_ms:
+                self._flush_by(due_ms)
+                continue
+            if last is None:
+                del self._reasons[reason]  # quiet for an interval: its next line is logged anyway
+                continue
+            level, text, args = last
+            if suppressed > 1:
+                text += " (and %d more like it in the last %d ms)"
+                args = (*args, suppressed - 1, now_ms - logged_ms)
+            self.logger.log(level, text, *args)
+            self._reasons[reason] = (now_ms, 0, None)  # a line logged now: the next within the interval waits
+            self._flush_by(now_ms + self.interval_ms)
+
+    def _flush_by(self, due_ms: int) -> None:
+        self._flush_at_ms = due_ms if self._flush_at_ms is None else min(self._flush_at_ms, due_ms)
 
 
 @contextlib.contextmanager
@@ -1287,13 +1326,16 @@ class NodeServer:
             request.page_rows,
             monotonic_ms() + request.wait_ms,
             request_id=request_id,
+            client=envelope[0],
         )
         try:
             self.waiting_queries.add(waiting)
         except QueryError as error:
             raise RequestError(error.code, str(error)) from None
 
-    def count_later(self, envelope: list[bytes], request_id: str, table: TableSchema, target: TxKey) -> bool:
+    def count_later(
+        self, envelope: list[bytes], request_id: str, table: TableSchema, target: TxKey, forwarded: bool = False
+    ) -> bool:
         """Run a ``count`` of ``table`` on a query worker once its shard reached ``target`` (the key this
         node had applied when the read was checked), and answer it from there (``serve_queries``).
 
@@ -1302,14 +1344,23 @@ class NodeServer:
         append for as long (DESIGN invariant 11); a query worker has its own snapshot, the query
         budget (``query_ms_max``) and the cursor bound. False: the statement cannot be checked now (the
         table was created in this turn, which is not committed): the caller counts on the loop, a table
-        that new holding at most a turn's rows."""
+        that new holding at most a turn's rows. ``forwarded``: a peer's (a core forwarding its clients'
+        linearizable counts), whose connection's cursors count toward the node's bound only."""
         try:
             checked = self.queries.check(f"SELECT count(*) FROM {quote(table.name)}", (), self.store.catalog())
         except QueryError:
             return False
         self.hold(envelope, request_id, changes=False)
         payload, deadline_ms = CountRead(envelope, request_id), monotonic_ms() + QUERY_WAIT_MS_DEFAULT
-        waiting = WaitingQuery(payload, checked, (table.shard,), {table.shard: target}, COUNT_PAGE_ROWS, deadline_ms)
+        waiting = WaitingQuery(
+            payload,
+            checked,
+            (table.shard,),
+            {table.shard: target},
+            COUNT_PAGE_ROWS,
+            deadline_ms,
+            client=None if forwarded else envelope[0],
+        )
         try:
             self.waiting_queries.add(waiting)
         except QueryError as error:

@@ -21,7 +21,8 @@ Internal tables all start with ``_mnesite``:
   dropped, its key column and the drop's tx key, kept while the log holds entries before the drop.
   The changefeed's key of a write in an older entry is its own table's key column, and the catalog
   holds only the table of that name made last (``key_column_at``). Written where applied entries
-  are (``_record_drops``), trimmed with the log; a drop applied by a release before 0.2.0 has none.
+  are (``_record_drops``), trimmed with the log and deleted with it by a snapshot install
+  (``restart_log_at``) or a bootstrap (``reset_shard``); a drop applied by a release before 0.2.0 has none.
 
 Online index builds
 -------------------
@@ -1503,6 +1504,8 @@ class Store:
         self.clear_rows(shard)
         self._forget_log_ends(shard)
         self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
+        # No entry is left before any drop: none is keyed by them (``key_column_at``), as ``trim`` says.
+        self.connection.execute("DELETE FROM _mnesite_dropped_tables WHERE shard = ?", (shard,))
         self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
         self.ensure_shard(shard, 0)
         self.connection.execute(
@@ -1537,13 +1540,15 @@ class Store:
         snapshots: an entry this core acknowledged is never dropped); otherwise it is emptied."""
         same_history = self.digest_at(shard, key) == digest
         self._forget_log_ends(shard)
-        if same_history:
-            self.connection.execute(
-                "DELETE FROM _mnesite_rlog WHERE shard = ? AND (generation, counter) <= (?, ?)",
-                (shard, key.generation, key.counter),
-            )
-        else:
-            self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
+        # The drops recorded go with the entries (``trim``'s rule): those of the entries kept stay.
+        for table in ("_mnesite_rlog", "_mnesite_dropped_tables"):
+            if same_history:
+                self.connection.execute(
+                    f"DELETE FROM {table} WHERE shard = ? AND (generation, counter) <= (?, ?)",
+                    (shard, key.generation, key.counter),
+                )
+            else:
+                self.connection.execute(f"DELETE FROM {table} WHERE shard = ?", (shard,))
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
             "trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ?, generation = max(generation, ?) "

@@ -374,6 +374,31 @@ def test_after_takes_a_key_per_shard_as_put_json_names_it(mnesite) -> None:
         assert refused.exit_code == 1 and said in refused.output, (wrong, refused.output)
 
 
+def test_after_reads_a_tx_key_of_ascii_digits_only() -> None:
+    """``--after G,C`` read G and C with int(), which also takes "1_000", "+5", " 7" inside a part and
+    other scripts' digits: a mistyped key waited for another position. Each part is ASCII digits; the
+    forms put, tx and --json print still read."""
+    import click
+    from mnesite.cli.main import parse_after
+    from mnesite.rlog.types import TxKey
+
+    for text in ("3,17", "3, 17", "(3, 17)", "[3, 17]", " (3,17) ", "0,0", f"{2**63 - 1},1"):
+        assert parse_after((text,)) in (TxKey(3, 17), TxKey(0, 0), TxKey(2**63 - 1, 1)), text
+    assert parse_after(("busy=(3, 17)", "default=4,5")) == {"busy": TxKey(3, 17), "default": TxKey(4, 5)}
+    for text in ("1_000,1", "+3,17", "3,+17", "-3,17", "\u0663,17", "3,\uff11", "3,1 7", "3.0,17", "3,17,1",
+                 "3", "(3,17", "3,17]", "3;17", "", "0x3,17", "3,\t17"):  # fmt: skip
+        with pytest.raises(click.BadParameter, match="is not a tx key GENERATION,COUNTER: two ASCII digit runs"):
+            parse_after((text,))
+        with pytest.raises(click.BadParameter, match="is not a tx key"):
+            parse_after((f"busy={text}",))
+    for text in (f"{2**63},1", "1," + "9" * 5000):
+        with pytest.raises(click.BadParameter, match="a tx key part is at most 9223372036854775807"):
+            parse_after((text,))
+    # On the command line: a usage error, one Error: line and exit 1, before any connection.
+    refused = CliRunner().invoke(main, ["get", "users", "7", "--after", "3,1_7", "--node", "tcp://127.0.0.1:1"])
+    assert refused.exit_code == 1 and "'3,1_7' is not a tx key GENERATION,COUNTER" in refused.output, refused.output
+
+
 def test_a_force_start_the_node_answers_too_late_is_sent_once_and_said_to_be_unknown(tmp_path: Path) -> None:
     """A force start waits up to 2 s for the members' journals before the core answers. The CLI's
     client, hearing nothing within --timeout-ms, sent force_start again: a second force start, which

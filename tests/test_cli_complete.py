@@ -3,6 +3,7 @@ several endpoints with failover, and the operator hints (fresh cluster, unreacha
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -232,8 +233,9 @@ def test_import_names_the_bad_line_and_writes_nothing(mnesite, thread_node: Thre
         assert result.exit_code == 1 and result.output.startswith(f"Error: {expected}"), (name, result.output)
     with thread_node.client() as client:
         assert client.count("items") == 0
-    # From stdin (read once): a refusal by the node names the lines of its batch.
-    rows = "".join(json.dumps({"id": i, "name": f"n{i}"}) + "\n" for i in range(4)) + '{"id": 4, "name": 7}\n'
+    # A refusal by the node names the lines of its batch (a BLOB in a TEXT column: the node's to refuse).
+    rows = "".join(json.dumps({"id": i, "name": f"n{i}"}) + "\n" for i in range(4))
+    rows += '{"id": 4, "name": {"base64": "AA=="}}\n'
     refused = mnesite("import", "items", "-", "--batch-rows", "2", input=rows)
     assert refused.exit_code == 1
     assert (
@@ -650,3 +652,77 @@ def test_the_empty_blob_key_round_trips(mnesite, thread_node: ThreadNode, tmp_pa
     assert imported.exit_code == 0, imported.output
     with thread_node.client() as client:
         assert list(client.scan("copy")) == [{"k": b"", "v": 1}, {"k": b"\x00", "v": 2}]
+
+
+def test_csv_import_reads_numbers_as_strictly_as_a_key_argument(tmp_path: Path) -> None:
+    """CSV cells of INTEGER and REAL columns went through int() and float(), which read "1_000", " 12 ",
+    "+5", other scripts' digits, "nan" and "infinity": a mistyped key wrote another row. A cell is read
+    as a KEY argument is (ASCII digits, a leading minus), a REAL as export writes one, else refused."""
+    from mnesite.cli import transfer
+
+    schema = {"table": "items", "key": "id", "columns": [["id", "INTEGER"], ["price", "REAL"], ["name", "TEXT"]]}
+
+    def read(cells: str) -> list[dict]:
+        path = tmp_path / "rows.csv"
+        path.write_text("id,price,name\n" + cells + "\n", encoding="utf-8")
+        with open(path, encoding="utf-8") as file:
+            return [row for _, row in transfer.read_rows(file, "csv", schema)]
+
+    assert read("-12,-1.5,a") == [{"id": -12, "price": -1.5, "name": "a"}]
+    assert read("007,2e-3,a\n8,.5,b\n9,3.,c\n10,7,d") == [
+        {"id": 7, "price": 0.002, "name": "a"},
+        {"id": 8, "price": 0.5, "name": "b"},
+        {"id": 9, "price": 3.0, "name": "c"},
+        {"id": 10, "price": 7.0, "name": "d"},
+    ]
+    infinite = read("1,inf,a\n2,-inf,b\n3,9.0e+999,c")  # export's infinity, and JSON's
+    assert [row["price"] for row in infinite] == [float("inf"), float("-inf"), float("inf")]
+    for cell in ("1_000", " 12", "12 ", "+5", "\u0663", "\uff11", "1.0", "0x10", "-", "1e3"):
+        with pytest.raises(transfer.ImportFailed, match=r"^line 2: id: .* is not INTEGER \(ASCII digits"):
+            read(f'"{cell}",1.0,a')
+    for cell in ("1_0.5", " 1.5", "1.5 ", "+1.5", "nan", "NaN", "infinity", "Infinity", "INF", "\u0663.5", "1e", "."):
+        with pytest.raises(transfer.ImportFailed, match=r"^line 2: price: .* is not REAL \(a decimal number"):
+            read(f'1,"{cell}",a')
+    with pytest.raises(transfer.ImportFailed, match="line 2: id: an integer of 5000 digits is outside SQLite's"):
+        read("9" * 5000 + ",1.0,a")
+
+
+def test_jsonl_import_refuses_a_value_of_another_type_in_the_check_pass(
+    mnesite, thread_node: ThreadNode, tmp_path: Path
+) -> None:
+    """A JSON string in an INTEGER column ("12") is not converted: the node refuses it. The check pass
+    did not look at types, so a file's earlier batches were written before that refusal; now it names
+    the line and column and nothing is written."""
+    good = "".join(json.dumps({"id": i, "price": 1.5, "name": "n"}) + "\n" for i in range(3))
+    cases = {
+        '{"id": "12"}': "line 4: column 'id': INTEGER column, got \"12\"",
+        '{"id": 3, "price": "1.5"}': "line 4: column 'price': REAL column, got \"1.5\"",
+        '{"id": 3, "price": true}': "line 4: column 'price': REAL column, got true",
+        '{"id": 3.0}': "line 4: column 'id': INTEGER column, got 3.0",
+        '{"id": 3, "name": 7}': "line 4: column 'name': TEXT column, got 7",
+    }
+    for index, (line, expected) in enumerate(cases.items()):
+        path = tmp_path / f"rows{index}.jsonl"
+        path.write_text(good + line + "\n")
+        result = mnesite("import", "items", str(path), "--batch-rows", "1")
+        assert result.exit_code == 1 and result.output.startswith(f"Error: {expected}"), (line, result.output)
+        with thread_node.client() as client:
+            assert client.count("items") == 0, line
+    # A CSV file's bad cell: the same, nothing written.
+    path = tmp_path / "rows.csv"
+    path.write_text("id,name\n1,a\n2,b\n1_000,c\n")
+    result = mnesite("import", "items", str(path), "--batch-rows", "1")
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: line 4: id: '1_000' is not INTEGER"), result.output
+    with thread_node.client() as client:
+        assert client.count("items") == 0
+    # Read once (a pipe: no check pass), a line refused while reading says what was imported before it.
+    from mnesite.cli import transfer
+
+    rows = "".join(json.dumps({"id": i}) + "\n" for i in range(4)) + '{"id": "4"}\n'
+    schema = {"table": "items", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"]]}
+    with thread_node.client() as client, pytest.raises(transfer.ImportFailed) as refused:
+        transfer.import_rows(client, "items", transfer.read_rows(io.StringIO(rows), "jsonl", schema), 2)
+    assert str(refused.value) == (
+        "line 5: column 'id': INTEGER column, got \"4\"; 4 rows in 2 transactions were imported before"
+    )

@@ -695,6 +695,60 @@ def test_cursors_are_bounded_in_count_expire_when_idle_and_close(store: Store) -
         runner.stop()
 
 
+def test_one_connection_holds_at_most_its_share_of_the_cursors_and_is_told_which_bound(store: Store) -> None:
+    """``query_cursors_max`` bounded the cursors of a node, not of a connection: one client connection
+    could hold all 16 and every other client got ``overloaded``. A connection holds at most
+    ``cursors_per_connection_max``; its refusal names that bound, the node's names the node's."""
+    now = [0]
+    limits = q.QueryLimits(cursors_max=4, cursors_per_connection_max=2, idle_ms_max=1000)
+    runner = q.QueryRunner(store.path, limits, lambda: now[0])
+
+    def start(client: bytes | None) -> q.Finished:
+        checked = runner.check("SELECT id FROM users", (), ["users"])
+        runner.start(q.WaitingQuery("payload", checked, ("default",), {}, 1, 0, client=client))
+        finished = _finished(runner)
+        assert finished.result["cursor"] is not None
+        return finished
+
+    try:
+        a = [start(b"a"), start(b"a")]
+        with pytest.raises(q.QueryOverloaded, match=r"^2 queries of this connection are open on this node "
+                           r"\(query_cursors_per_connection_max 2\)"):  # fmt: skip
+            start(b"a")
+        b = start(b"b")  # another connection is served
+        start(None)  # one of no connection counts toward the node's bound only
+        with pytest.raises(q.QueryOverloaded, match=r"^4 queries are open on this node \(query_cursors_max 4\)"):
+            start(b"c")
+        with pytest.raises(q.QueryOverloaded, match="query_cursors_per_connection_max 2"):
+            start(b"a")  # its own share first
+        assert runner.close(a[0].result["cursor"])  # a closed cursor frees its connection's share
+        a.append(start(b"a"))
+        assert runner._client_cursors == {b"a": 2, b"b": 1}
+        now[0] = 1000
+        runner.expire(now[0])  # expired: their shares go, nothing is kept for a connection without one
+        assert runner.open_cursors() == 0 and runner._client_cursors == {}
+        assert b.result["cursor"] and start(b"c") and start(b"c")
+    finally:
+        runner.stop()
+    assert runner._client_cursors == {}
+
+
+def test_query_cursors_per_connection_max_is_half_of_query_cursors_max_unless_given_and_at_most_it() -> None:
+    from mnesite.rlog.config import ConfigError, parse_config
+
+    base = {"node": {"name": "core1", "data_dir": "/tmp/x"}}
+    assert parse_config(base).limits.query_cursors_per_connection_max == 8
+    assert q.QueryLimits.from_config(parse_config(base).limits).cursors_per_connection_max == 8
+    assert parse_config({**base, "limits": {"query_cursors_max": 100}}).limits.query_cursors_per_connection_max == 50
+    assert parse_config({**base, "limits": {"query_cursors_max": 1}}).limits.query_cursors_per_connection_max == 1
+    given = {"query_cursors_max": 16, "query_cursors_per_connection_max": 16}
+    assert parse_config({**base, "limits": given}).limits.query_cursors_per_connection_max == 16
+    with pytest.raises(ConfigError, match="query_cursors_per_connection_max"):
+        parse_config({**base, "limits": {"query_cursors_per_connection_max": 0}})
+    with pytest.raises(ConfigError, match=r"query_cursors_per_connection_max must be at most \[limits\].query_c"):
+        parse_config({**base, "limits": {"query_cursors_per_connection_max": 17}})
+
+
 # -- through a node -----------------------------------------------------------------------------
 
 
@@ -1309,3 +1363,29 @@ def test_a_query_of_wait_ms_0_is_answered_with_what_the_node_has_now_not_timed_o
             client.call("query", {"sql": sql, "wait_ms": 0, "min_key": far}, retries=0)
         assert refused.value.code == "timeout" and str(tuple(far)) in str(refused.value)
         assert time.monotonic() - started < 2.0
+
+
+def test_a_node_keeps_cursors_for_other_connections_when_one_holds_its_share(tmp_path: Path) -> None:
+    """Through a node: a client connection holding ``query_cursors_per_connection_max`` open queries is
+    refused its next (``overloaded``, naming that bound); another client's query is still answered."""
+    limits = {"query_cursors_max": 4, "query_cursors_per_connection_max": 2}
+    node = ThreadNode(tmp_path / "data", extra={"limits": limits})
+    try:
+        with node.client() as greedy, node.client() as other:
+            greedy.create_table("users", key="id", columns=[("id", "INTEGER")])
+            with greedy.transaction() as tx:
+                for i in range(5):
+                    tx.put("users", {"id": i})
+            held = [greedy.query("SELECT id FROM users", page_rows=1) for _ in range(2)]
+            with pytest.raises(RemoteError) as refused:
+                greedy.query("SELECT id FROM users", page_rows=1)
+            assert refused.value.code == "overloaded"
+            assert "queries of this connection are open on this node (query_cursors_per_connection_max 2)" in str(
+                refused.value
+            )
+            assert [row[0] for row in other.query("SELECT id FROM users", page_rows=1)] == [0, 1, 2, 3, 4]
+            assert other.count("users") == 5
+            assert [list(result) for result in held] == [[(i,) for i in range(5)]] * 2  # read to the end: freed
+            assert len(list(greedy.query("SELECT id FROM users", page_rows=1))) == 5
+    finally:
+        node.stop()

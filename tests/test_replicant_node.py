@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import zmq
 from mnesite.replicant.reads import (
     GATHER_DONE,
     GATHER_FAILED,
@@ -1204,7 +1205,10 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
     node = offline_replicant(tmp_path / "r")
     try:
         node._open_replica("default")
-        node.core_sockets = {"core1": object()}  # stands for core1's socket: only queued to here
+        # core1's socket, never connected: what a turn sends to it waits in its queue.
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        node.core_sockets = {"core1": dealer}
         now = [0]
         node.push_log.clock = lambda: now[0]
         push = {"shard": "default", "agent": "x", "entries": [], "committed": [0, 0], "hears_sequencer": True}
@@ -1222,7 +1226,92 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
         node._on_push(typed_body("push", {**push, "core": "intruder"}))
         (line,) = [record.getMessage() for record in caplog.records]
         assert line == "push from unknown core 'intruder' ignored (and 999 more like it in the last 1000 ms)"
+        # A final burst, and no line of its reason after it: the node's loop says it once its second is over.
+        caplog.clear()
+        for sent in range(5):
+            node._on_push(typed_body("push", {**push, "core": f"late{sent}"}))
+        assert caplog.records == []
+        # Turns of the node's loop, nothing else arriving.
+        node.socket = zmq.Context.instance().socket(zmq.ROUTER)  # never bound: nothing arrives (poll below)
+        node.socket.setsockopt(zmq.LINGER, 0)
+        node.poll = lambda timeout: {}
+
+        def pushes() -> list[str]:
+            said = [record.getMessage() for record in caplog.records]
+            return [line for line in said if "push from" in line or "a push of" in line]
+
+        now[0] = 1999
+        node.run_turn()  # the rejections' second (from 0) is over, not the unknown cores' (from 1000)
+        assert pushes() == [
+            "shard default: rejected a push of agent core1-999 from core1: not the watched agent "
+            "(and 998 more like it in the last 1999 ms)",
+        ]
+        now[0] = 2000
+        node.run_turn()
+        assert pushes()[1:] == ["push from unknown core 'late4' ignored (and 4 more like it in the last 1000 ms)"]
     finally:
+        for socket in [node.socket, *node.core_sockets.values()]:
+            if isinstance(socket, zmq.Socket):
+                socket.close()
+        node.socket = None
         node.core_sockets = {}
         node.store.close()
         node.data_dir_lock.release()
+
+
+def test_a_throttled_log_says_a_final_bursts_count_at_the_next_flush_and_keeps_no_quiet_reason() -> None:
+    """``ThrottledLog`` told the lines it left out only with the next line of their reason: a burst's
+    last second was never said if none came. ``flush`` (each turn of the node's loop) logs the last
+    line left out with the count of the others once the interval is over, and forgets quiet reasons."""
+    import logging
+
+    from mnesite.rlog.server import ThrottledLog
+
+    logged: list[str] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logger = logging.getLogger("tests.throttled")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = Recorder()
+    logger.addHandler(handler)
+    try:
+        now = [0]
+        throttled = ThrottledLog(logger, interval_ms=1000, clock=lambda: now[0])
+        throttled.flush()  # nothing to say
+        throttled.log("a", logging.INFO, "a %d", 0)
+        throttled.log("b", logging.INFO, "b %d", 0)
+        for number in range(1, 4):
+            now[0] = number * 100
+            throttled.log("a", logging.INFO, "a %d", number)
+        assert logged == ["a 0", "b 0"]
+        now[0] = 999
+        throttled.flush()  # the interval is not over
+        assert logged == ["a 0", "b 0"]
+        now[0] = 1000
+        throttled.flush()
+        assert logged == ["a 0", "b 0", "a 3 (and 2 more like it in the last 1000 ms)"]
+        assert set(throttled._reasons) == {"a"}, "b had nothing left out: forgotten"
+        # The line flush logged counts as that reason's line: the next within the interval waits.
+        now[0] = 1500
+        throttled.log("a", logging.INFO, "a %d", 4)
+        now[0] = 2000
+        throttled.flush()
+        assert logged[3:] == ["a 4"]  # one left out: said alone
+        now[0] = 3000
+        throttled.flush()
+        assert throttled._reasons == {} and throttled._flush_at_ms is None, "quiet: nothing kept"
+        throttled.flush()
+        assert len(logged) == 4
+        # Without flush, the next line still says the count, as before.
+        throttled.log("a", logging.INFO, "a %d", 5)
+        now[0] = 3100
+        throttled.log("a", logging.INFO, "a %d", 6)
+        now[0] = 4100
+        throttled.log("a", logging.INFO, "a %d", 7)
+        assert logged[4:] == ["a 5", "a 7 (and 1 more like it in the last 1100 ms)"]
+    finally:
+        logger.removeHandler(handler)

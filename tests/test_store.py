@@ -838,3 +838,58 @@ def test_a_drop_a_copy_applied_outside_any_entry_is_never_recorded_under_a_later
             store.rollback()
     finally:
         store.close()
+
+
+def test_the_drops_recorded_go_with_the_log_a_snapshot_install_or_a_bootstrap_restarts(tmp_path) -> None:
+    """``_mnesite_dropped_tables`` is kept while the log holds entries before the drop (``trim`` deletes
+    them with the entries): ``restart_log_at`` and ``reset_shard`` emptied or cut the shard's log but
+    left its drops, kept for no entry. They go with the entries, in the same transaction."""
+    store = Store(str(tmp_path / "mnesite.db"), synchronous="NORMAL")
+    columns = (("k", "INTEGER"), ("v", "TEXT"))
+    batches = [
+        [CreateTableOp("t", "default", "k", columns)],
+        [DropTableOp("t", "default")],  # (1, 2)
+        [CreateTableOp("t", "default", "v", columns)],
+        [DropTableOp("t", "default")],  # (1, 4)
+        [CreateTableOp("t", "default", "k", columns)],
+        [CreateTableOp("u", "other", "k", columns)],  # another shard's drop stays throughout
+        [DropTableOp("u", "other")],
+    ]
+    drops = "SELECT shard, counter FROM _mnesite_dropped_tables ORDER BY shard, counter"
+    try:
+        with store.write_transaction():
+            store.ensure_shard("default", 1)
+            store.ensure_shard("other", 1)
+        entries, prev, digest = [], ZERO_KEY, GENESIS_DIGEST
+        for counter, ops in enumerate(batches[:5], start=1):
+            entries.append(make_entry("default", TxKey(1, counter), prev, digest, ops))
+            prev, digest = entries[-1].tx_key, entries[-1].digest
+        other = [make_entry("other", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, batches[5])]
+        other.append(make_entry("other", TxKey(1, 2), other[0].tx_key, other[0].digest, batches[6]))
+        with store.write_transaction():
+            store.log_and_apply_verified(entries, 0)
+            store.log_and_apply_verified(other, 0)
+        assert store.connection.execute(drops).fetchall() == [("default", 2), ("default", 4), ("other", 2)]
+        # A snapshot install at (1, 3), the same history: the entries after it, and their drop, stay.
+        with store.write_transaction():
+            store.restart_log_at("default", TxKey(1, 3), entries[2].digest)
+        assert [e.tx_key.counter for e in store.tail("default", 100)] == [4, 5]
+        assert store.connection.execute(drops).fetchall() == [("default", 4), ("other", 2)]
+        assert store.key_column_at("default", "t", TxKey(1, 4)) == "v"
+        # Another history: the log is emptied, and its drops with it.
+        with store.write_transaction():
+            store.restart_log_at("default", TxKey(1, 4), b"x" * 32)
+        assert store.tail("default", 100) == []
+        assert store.connection.execute(drops).fetchall() == [("other", 2)]
+        assert store.key_column_at("default", "t", TxKey(1, 4)) == "k"  # the catalog's: the table there now
+        # A bootstrap starts (a replicant's ResetShard): the same; a rollback keeps them all.
+        store.connection.execute("BEGIN")
+        store.reset_shard("other")
+        assert store.connection.execute(drops).fetchall() == []
+        store.rollback()
+        assert store.connection.execute(drops).fetchall() == [("other", 2)]
+        with store.write_transaction():
+            store.reset_shard("other")
+        assert store.connection.execute(drops).fetchall() == []
+    finally:
+        store.close()
