@@ -5,13 +5,15 @@ page holds), and the click tree of ``mnesite.cli.main:main`` is walked: each com
 own section, and each of its options and arguments must appear in that section. A page that lists
 commands by hand (or a directive restricted to some commands) fails as soon as a command is added
 without being documented. The hand-kept table of commands at the top of the page must name only
-commands that exist.
+commands that exist. And every ``mnesite ...`` line of README and the pages (code blocks and inline
+code) names commands and options that exist.
 """
 
 from __future__ import annotations
 
 import html
 import re
+import shlex
 from collections.abc import Iterator
 
 import click
@@ -105,3 +107,67 @@ def test_the_command_table_names_only_commands_that_exist() -> None:
     assert len(table_rows) >= 20
     named = {" ".join(row.split()) for row in table_rows}
     assert named - paths == set()
+
+
+# A shell word that ends the command (a pipe, a redirection, a background or a comment).
+SHELL_END = re.compile(r"^(?:\||&|&&|\|\||;|[0-9]?>.*|<.*|\$\(.*)$")
+NEGATIVE = re.compile(r"-\d+")  # a negative key (``mnesite get items -5``), not an option
+
+
+def command_lines(text: str) -> Iterator[tuple[int, str]]:
+    """``(line, command)`` of every ``mnesite ...`` in a page: lines of its code blocks and inline code
+    spans (a usage line's ``[--x]``, ``A|B`` and ``...`` reduced to the words they hold)."""
+    for block in re.finditer(r"```(?:sh|bash|console|shell)?\n(.*?)```", text, re.DOTALL):
+        first = text.count("\n", 0, block.start()) + 2
+        for offset, line in enumerate(block.group(1).splitlines()):
+            line = line.strip().removeprefix("$ ")
+            if line.startswith("mnesite "):
+                yield first + offset, line.replace("\\", "")
+    for span in re.finditer(r"`(mnesite [^`]+)`", text):
+        usage = re.sub(r"\[([^\]]*)\]", r"\1", span.group(1)).replace("\\|", " ").replace("|", " ").replace("...", " ")
+        yield text.count("\n", 0, span.start()) + 1, usage
+
+
+def misnamed(line: str) -> str | None:
+    """What ``line`` names that the click tree lacks: a command, or an option of its command."""
+    try:
+        words = shlex.split(line, comments=True)[1:]
+    except ValueError:  # an unbalanced quote in prose: not a command line
+        return None
+    words = words[: next((i for i, word in enumerate(words) if SHELL_END.match(word)), len(words))]
+    command: click.Command = main
+    path = ["mnesite"]
+    while isinstance(command, click.Group) and words and words[0] in command.commands:
+        command = command.commands[words[0]]
+        path.append(words.pop(0))
+    if isinstance(command, click.Group) and words and not words[0].startswith("-") and words[0] != "COMMAND":
+        return f"{' '.join(path)} has no command {words[0]!r}"
+    options = {name for p in command.params if isinstance(p, click.Option) for name in (*p.opts, *p.secondary_opts)}
+    for word in words:
+        if word == "--":
+            break
+        name = word.split("=", 1)[0]
+        if name.startswith("-") and name != "-" and not NEGATIVE.fullmatch(name) and name not in options | {"--help"}:
+            return f"{' '.join(path)} has no option {name}"
+    return None
+
+
+def test_every_command_line_of_the_docs_names_commands_and_options_that_exist() -> None:
+    """A command the pages show (``mnesite force-start`` for ``mnesite journal force-start``, an option
+    renamed) fails when a reader runs it; the slow tests run README's and the tutorial's blocks only."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    found = [(page, number, line) for page in pages for number, line in command_lines(page.read_text())]
+    assert len(found) >= 150, len(found)  # the pages are read, not skipped
+    wrong = [
+        f"{page.relative_to(REPO)}:{number}: {why}: {line}"
+        for page, number, line in found
+        if (why := misnamed(line)) is not None
+    ]
+    assert wrong == []
+
+
+def test_a_command_or_option_that_does_not_exist_is_caught() -> None:
+    assert misnamed("mnesite journal force-start --yes --node tcp://10.0.0.1:7400") is None
+    assert misnamed("mnesite get items -5 --json | jq .") is None
+    assert misnamed("mnesite force-start --yes") == "mnesite has no command 'force-start'"
+    assert misnamed("mnesite scan users --page-size 10") == "mnesite scan has no option --page-size"

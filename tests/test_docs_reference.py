@@ -181,6 +181,66 @@ def test_the_metrics_page_names_only_metrics_the_code_declares() -> None:
     assert unknown == set(), sorted(unknown)
 
 
+METRIC_TYPES = {"Counter": "counter", "CounterMetricFamily": "counter", "Histogram": "histogram"}
+METRIC_TYPES |= {"GaugeMetricFamily": "gauge", "_gauge": "gauge"}
+
+
+def declared_metric_shapes() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Metric name as a scrape shows it -> (type, labels), from the calls of ``rlog/metrics.py``."""
+    module = tree("rlog/metrics.py")
+    shapes: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for node in ast.walk(module):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        kind = METRIC_TYPES.get(
+            node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        )
+        if kind is None:
+            continue
+        first = node.args[0]
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            names = [first.value]
+        elif isinstance(first, ast.JoinedStr):
+            pattern = "".join(part.value if isinstance(part, ast.Constant) else "{}" for part in first.values)
+            names = [pattern.format(kind_) for kind_ in ("applied", "committed", "last")]
+        else:
+            continue  # _gauge's own body: GaugeMetricFamily(name, ...)
+        labels_node = next((k.value for k in node.keywords if k.arg == "labels"), None)
+        if labels_node is None and kind == "gauge" and len(node.args) == 3:  # _gauge(name, text, labels)
+            labels_node = node.args[2]
+        labels = tuple(ast.literal_eval(labels_node)) if labels_node is not None else ()
+        for name in names:
+            shapes[name + ("_total" if kind == "counter" else "")] = (kind, labels)
+    for _, metric, _ in (*_tuple_constant(module, "QUERY_COUNTERS"), *_tuple_constant(module, "CHANGES_COUNTERS")):
+        shapes[metric + "_total"] = ("counter", ())
+    return shapes
+
+
+def metrics_table_shapes() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Each ``mnesite_`` metric of the metrics page's table -> (type, labels) as the page states them: a
+    row's types pair with its names (one type: every name has it)."""
+    shapes: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for row in re.findall(r"^\| (`mnesite_.*)$", METRICS_PAGE.read_text(), re.MULTILINE):
+        cells = [cell.strip() for cell in row.strip().strip("|").split(" | ")]
+        named = re.findall(r"`(mnesite_[a-z_]+)(?:\{([a-z_,]+)\})?`", cells[0])
+        types = [kind.strip() for kind in cells[1].split(",")]
+        assert len(types) in (1, len(named)), row
+        for index, (name, labels) in enumerate(named):
+            shapes[name] = (types[index if len(types) > 1 else 0], tuple(labels.split(",")) if labels else ())
+    return shapes
+
+
+def test_the_metrics_page_states_each_metrics_type_and_labels() -> None:
+    """A type or a label the page states otherwise than the code breaks a query written from the page
+    (``rate()`` over a gauge, ``by (shard)`` over a metric without it)."""
+    declared, stated = declared_metric_shapes(), metrics_table_shapes()
+    assert declared["mnesite_elections_total"] == ("counter", ("shard",))  # read, with labels
+    assert declared["mnesite_fsync_seconds"] == ("histogram", ())
+    assert set(stated) == set(declared), sorted(set(stated) ^ set(declared))
+    wrong = {name: (stated[name], shape) for name, shape in declared.items() if stated[name] != shape}
+    assert wrong == {}, f"metric: (the page's type and labels, the code's): {wrong}"
+
+
 def status_fields(relative: str) -> set[str]:
     """The string keys of the dicts a node's ``status()`` builds (its own fields, not its parts')."""
     keys: set[str] = set()
