@@ -19,7 +19,9 @@ written to ``FILE.partial``, switched to a rollback journal (one self-contained 
 and generation) and linked to ``FILE`` (never replacing a file made there meanwhile), then ``FILE.partial``
 is removed: a file named ``FILE`` is always a complete backup.
 
-``restore`` seeds a new data directory from a backup: the copy drops what is not part of the
+``restore`` seeds a new data directory from a backup: the copy is checked first (SQLite's integrity
+check and each shard's digest chain: a bit flipped on a disk or in a copy is refused, not started
+on), then drops what is not part of the
 committed state (entries after the applied key, which a core may not have seen committed; a
 replicant's spill) and the counters of the node it came from. A replicant started there sends
 ``watch(shard, applied key, digest)`` like after a restart and resumes from the rlog without a
@@ -59,6 +61,8 @@ STEP_PAGES_DEFAULT = 256
 STEP_PAGES_MAX = 1_000_000
 # How long a shutdown waits for a cancelled copy to stop (it stops between two steps).
 CANCEL_TIMEOUT_S = 30.0
+# Problems of a damaged backup's integrity check named in restore's error (SQLite stops there).
+INTEGRITY_PROBLEMS_MAX = 3
 BACKUP_META = "backup"
 RESTORED_META = "restored"
 # Meta entries that describe the node a backup was taken on, not the data: a restored node starts afresh.
@@ -362,6 +366,12 @@ def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
             raise BackupError(str(error).replace(partial, path)) from None  # the backup is what is refused
         dropped = {}
         try:
+            why = _damage(store)
+            if why is not None:
+                # A bit flipped by a disk or a copy leaves the record readable and the file open: a node
+                # started on it would fail its first read of the rows, or resume from a log that no
+                # longer chains to its applied digest.
+                raise BackupError(f"{path}: the backup is damaged ({why}); nothing was restored: use another backup")
             with store.write_transaction():
                 for name in [row[0] for row in store.connection.execute("SELECT name FROM _mnesite_meta")]:
                     if name.startswith("installing:") and int(store.meta(name, 0)):
@@ -394,6 +404,23 @@ def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
     finally:
         lock.release()
     return {**record, "restored_as": role, "entries_dropped": dropped}
+
+
+def _damage(store: Any) -> str | None:
+    """What is wrong with the copy of a backup, or None: SQLite's ``integrity_check`` (pages, b-trees,
+    indexes against their tables) and, per shard, the digest chain of its rlog up to the applied key
+    (``Store.verify_chain``, what ``mnesite rlog verify`` checks)."""
+    from mnesite.rlog.store import StoreError
+
+    try:
+        problems = [row[0] for row in store.connection.execute(f"PRAGMA integrity_check({INTEGRITY_PROBLEMS_MAX})")]
+        if problems != ["ok"]:
+            return "; ".join(problems)[:300]
+        for shard in store.shards():
+            store.verify_chain(shard)
+    except (apsw.Error, StoreError) as error:
+        return str(error)[:300]
+    return None
 
 
 def _remove_database_files(database_path: str) -> None:

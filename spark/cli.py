@@ -70,6 +70,11 @@ def render_report(report: CompareReport) -> str:
             lines.append(
                 f"table {table}: column(s) {', '.join(columns)} missing on {label}, added in flight (not compared)"
             )
+    for table, behind in report.tables_recreated_in_flight.items():
+        lines.append(
+            f"table {table}: dropped and created again in flight with another declaration, the old one still "
+            f"on {', '.join(behind)} (not compared)"
+        )
     for table in report.tables_mismatched:
         lines.append(f"table {table}: declared differently on the replicas")
     header = f"{'table':<20} {'left':<20} {'right':<20} {'rows':>21} {'miss.left':>9} {'miss.right':>10} "

@@ -17,7 +17,10 @@ Theory of operation
    replica of a pair that those entries created (on the replica ahead) or dropped last
    (``tables_in_flight``, not compared), and a table declared differently only by columns at the
    end of the ahead replica's declaration that those entries added (``columns_in_flight``, not
-   compared). If the rlog no longer holds
+   compared). A table those entries dropped and created again holds none of the behind replica's
+   rows any more: every key of it is in flight for that pair (``EveryKey``), and if it was created
+   again with another declaration it is reported in ``tables_recreated_in_flight``, not compared.
+   If the rlog no longer holds
    the whole span (trimmed, or the histories do not connect), the shard is marked incomplete
    and its differences count as divergence. If the more advanced replica's entry at the other's
    applied key has another digest, the histories diverged: reported as such, and no key is in flight.
@@ -199,6 +202,9 @@ class CompareReport:
     # Tables declared differently only by columns an entry in flight added on the replica ahead: lag, not
     # divergence (not compared). table -> label -> the columns it lacks.
     columns_in_flight: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # Tables declared differently only because an entry in flight dropped and created them again on the
+    # replica ahead: lag, not divergence (not compared). table -> labels of the replicas behind.
+    tables_recreated_in_flight: dict[str, list[str]] = field(default_factory=dict)
     histories_diverged: list[dict[str, Any]] = field(default_factory=list)
     in_flight_spans: list[InFlightSpan] = field(default_factory=list)
     pairs: list[PairTableResult] = field(default_factory=list)
@@ -232,6 +238,7 @@ class CompareReport:
             "tables_in_flight": self.tables_in_flight,
             "tables_mismatched": self.tables_mismatched,
             "columns_in_flight": self.columns_in_flight,
+            "tables_recreated_in_flight": self.tables_recreated_in_flight,
             "histories_diverged": self.histories_diverged,
             "in_flight_spans": [s.to_json() for s in self.in_flight_spans],
             "pairs": [p.to_json() for p in self.pairs],
@@ -487,7 +494,32 @@ def _unique_labels(specs: Sequence[ReplicaSpec]) -> list[str]:
     return labels
 
 
+class EveryKey(set):
+    """The in-flight keys of a table that the entries between a pair's applied keys dropped or created:
+    all of them (the replica ahead holds a new table, none of the behind replica's rows). Adding to it
+    changes nothing; it is empty to iterate (the Spark join tests ``every_key_tables`` instead)."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def add(self, key: Any) -> None:
+        pass
+
+
 InFlightKeys = dict[tuple[int, str], set[bytes]]  # (right replica index, table) -> key_bytes of keys
+
+
+def every_key_in_flight(in_flight: InFlightKeys, right: int, changed: dict[str, str], tables: Any) -> None:
+    """Mark every key of the compared ``tables`` that the span's entries created or dropped (``changed``)
+    in flight for the pair of the first replica and replica ``right``."""
+    for name in changed:
+        if name in tables:
+            in_flight[(right, name)] = EveryKey()
+
+
+def every_key_tables(in_flight: InFlightKeys, right: int) -> list[str]:
+    """The tables whose every key is in flight for the pair of the first replica and replica ``right``."""
+    return sorted(name for (index, name), keys in in_flight.items() if index == right and isinstance(keys, EveryKey))
 
 
 def _plan(
@@ -528,8 +560,11 @@ def _plan(
     in_flight, changes = _find_in_flight(replicas, labels, comparable, sorted(shards), report, options, say)
     for name, definitions in mismatched.items():
         lacking_columns = _columns_added_in_flight(name, definitions, changes)
+        recreated = _recreated_in_flight(name, definitions, changes)
         if lacking_columns is not None:
             report.columns_in_flight[name] = {labels[i]: columns for i, columns in lacking_columns.items()}
+        elif recreated is not None:
+            report.tables_recreated_in_flight[name] = [labels[i] for i in recreated]
         else:
             report.tables_mismatched[name] = {
                 label: {"shard": d.shard, "key": d.key_column, "columns": [list(c) for c in d.columns]}
@@ -560,6 +595,25 @@ def _created_or_dropped_in_flight(name: str, catalogs: list[dict[str, TableSchem
         if last.get(name) != ("created" if holders[0] == ahead else "dropped"):
             return False
     return True
+
+
+def _recreated_in_flight(name: str, definitions: list[TableSchema], changes: TableChanges) -> list[int] | None:
+    """For table ``name``, declared differently on some replicas: the indexes of the replicas behind (in
+    order) when every difference from the first replica is explained by the span between the two applied
+    keys having dropped the table and created it again last (the replica ahead holds the new one); None
+    otherwise."""
+    behind: list[int] = []
+    for right in range(1, len(definitions)):
+        other, first = definitions[right], definitions[0]
+        if (other.shard, other.key_column, other.columns) == (first.shard, first.key_column, first.columns):
+            continue
+        ahead, last, _ = changes.get((right, definitions[0].shard), (-1, {}, {}))
+        if ahead not in (0, right) or last.get(name) != "created":
+            return None
+        index = right if ahead == 0 else 0
+        if index not in behind:
+            behind.append(index)
+    return sorted(behind) or None
 
 
 def _columns_added_in_flight(
@@ -642,6 +696,7 @@ def _find_in_flight(
                 behind_applied.digest if behind_applied else "",
             )
             changes[(right, shard)] = (ahead, changed, added)
+            every_key_in_flight(in_flight, right, changed, tables)
             if span.reason.startswith(HISTORY_DIVERGED) and behind_applied is not None:
                 # Reported like two replicas at one key with different digests: the digests at the behind key.
                 ahead_digest = _digest_at(replicas[ahead], shard, behind_key) or ""
@@ -704,10 +759,11 @@ def _widen_in_flight(
             low_digest = next(position.digest for position in positions if position.applied == low)
             ahead = max((0, right), key=lambda index: after[index][shard].applied if shard in after[index] else low)
             span = InFlightSpan(shard, labels[0], labels[right], labels[ahead], low, high, True, 0)
-            touched, span.complete, span.reason, span.entries, _, _ = _touched_between(
+            touched, span.complete, span.reason, span.entries, changed, _ = _touched_between(
                 replicas[ahead], shard, low, high, options.in_flight_entries_max, low_digest
             )
             span.reason = span.reason or "the replicas moved on while they were read"
+            every_key_in_flight(in_flight, right, changed, tables)
             for table_name, key in touched:
                 if table_name in tables:
                     in_flight[(right, table_name)].add(key_bytes(key))
@@ -1008,6 +1064,10 @@ def _spark_row_level(
         ),
     ).withColumn("in_flight", F.lit(True))
     for right in range(1, len(labels)):
+        every = every_key_tables(in_flight, right)
+        in_flight_here = F.col("in_flight").isNotNull()
+        if every:
+            in_flight_here = in_flight_here | F.col("table").isin(every)
         left_rows = rows.filter(F.col("replica") == 0).select("table", "key", F.col("digest").alias("left_digest"))
         right_rows = rows.filter(F.col("replica") == right).select(
             "table", "key", F.col("digest").alias("right_digest")
@@ -1022,9 +1082,7 @@ def _spark_row_level(
             )
             .filter(F.col("category").isNotNull())
             .join(F.broadcast(in_flight_frame.filter(F.col("right") == right).drop("right")), ["table", "key"], "left")
-            .withColumn(
-                "category", F.when(F.col("in_flight").isNotNull(), F.lit("in_flight")).otherwise(F.col("category"))
-            )
+            .withColumn("category", F.when(in_flight_here, F.lit("in_flight")).otherwise(F.col("category")))
             .cache()
         )
         for row in joined.groupBy("table", "category").count().collect():
@@ -1118,6 +1176,7 @@ __all__ = [
     "CompareError",
     "CompareOptions",
     "CompareReport",
+    "EveryKey",
     "InFlightSpan",
     "PairTableResult",
     "compare",

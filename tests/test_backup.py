@@ -10,6 +10,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import apsw
 import pytest
 from click.testing import CliRunner
 from mnesite.cli.main import main
@@ -686,3 +687,72 @@ def test_restore_drops_every_counter_of_the_node_the_backup_came_from(tmp_path: 
     finally:
         restored.close()
     assert not [name for name in kept if name.startswith(("bootstraps", "resumes"))], kept
+
+
+def _backup_file_with_rows(path: Path, rows_count: int) -> None:
+    """A backup file (rollback journal, a ``backup`` record) of one shard with a table of ``rows_count`` rows."""
+    store = Store(str(path))
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+        entry = make_entry(
+            "default",
+            TxKey(1, 1),
+            TxKey(0, 0),
+            GENESIS_DIGEST,
+            (CreateTableOp("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT"))),),
+            None,
+        )
+        store.append_entry(entry, 0)
+        store.apply_entry(entry)
+        for row_id in range(rows_count):
+            ops = (WriteOp("kv", {"id": row_id, "value": f"needle-{row_id:04d}-" + "x" * 300}),)
+            entry = make_entry("default", TxKey(1, entry.tx_key.counter + 1), entry.tx_key, entry.digest, ops, None)
+            store.append_entry(entry, 0)
+            store.apply_entry(entry)
+        position = store.shard("default")
+        record = {
+            "node": "core9",
+            "role": "core",
+            "taken_at": "t",
+            "shards": {
+                "default": {"applied": list(position.applied), "digest": position.digest.hex(), "generation": 1}
+            },
+        }
+        store.set_meta("backup", json.dumps(record))
+    store.close()
+    connection = apsw.Connection(str(path))
+    connection.execute("PRAGMA journal_mode=DELETE")
+    connection.close()
+
+
+def test_a_damaged_backup_is_refused_and_restores_nothing(tmp_path: Path) -> None:
+    """Regression: restore checked only the backup record, so a backup with a flipped bit (a bad disk, a
+    copy gone wrong) seeded a data directory whose table SQLite called malformed on the node's first
+    read, or whose rlog no longer chained to its applied digest; a replicant started there resumed from
+    it and served those rows. Restore now checks the copy (SQLite's integrity check, each shard's digest
+    chain) before it names it mnesite.db."""
+    good = tmp_path / "good.backup"
+    _backup_file_with_rows(good, 200)
+    assert restore(str(good), str(tmp_path / "fine"), "replicant")["entries_dropped"] == {"default": 0}
+    data = good.read_bytes()
+    # A bit flipped in one value (its row and its logged op): every page still parses.
+    assert data.count(b"needle-0100-") == 2
+    flipped = tmp_path / "flipped.backup"
+    flipped.write_bytes(data.replace(b"needle-0100-", b"Needle-0100-"))
+    # A page of the table zeroed: SQLite's structure is broken where nothing of the restore reads.
+    connection = apsw.Connection(str(good), flags=apsw.SQLITE_OPEN_READONLY)
+    page_size = connection.execute("PRAGMA page_size").fetchone()[0]
+    root = connection.execute("SELECT rootpage FROM sqlite_schema WHERE name = 'kv'").fetchone()[0]
+    connection.close()
+    zeroed = tmp_path / "zeroed.backup"
+    start = (root - 1) * page_size
+    zeroed.write_bytes(data[:start] + bytes(page_size) + data[start + page_size :])
+    for damaged in (flipped, zeroed):
+        assert read_record(str(damaged))["node"] == "core9"  # the record alone looks fine
+        target = tmp_path / f"from-{damaged.stem}"
+        with pytest.raises(BackupError, match="is damaged"):
+            restore(str(damaged), str(target), "replicant")
+        assert not (target / "mnesite.db").exists() and not (target / "mnesite.db.partial").exists()
+        cli = CliRunner().invoke(main, ["restore", str(damaged), "--data-dir", str(target)])
+        assert cli.exit_code == 1 and cli.stderr.startswith("Error:") and "is damaged" in cli.stderr, cli.output
+        assert "Traceback" not in cli.output

@@ -638,3 +638,35 @@ def test_a_table_created_or_dropped_between_the_applied_keys_is_in_flight(
     # The same table missing with no entry that explains it still diverges.
     report = compare_after_trimming(primary, copy, spark_session)
     assert report.tables_missing == {table: [str(lacking)]} and report.exit_status == EXIT_DIVERGED
+
+
+@pytest.mark.timeout(180)
+def test_a_table_dropped_and_created_again_between_the_applied_keys_is_in_flight(
+    spark_session: Any, equal_replicas: tuple
+) -> None:
+    """A table the more advanced replica's rlog drops and creates again between the two applied keys
+    holds none of the behind replica's rows: they were reported missing on the replica ahead (exit 1).
+    Every key of it is in flight, whichever joins the row digests; a table created again with another
+    declaration is reported as such, not as declared differently."""
+    primary, copy = equal_replicas
+    store = Store(str(primary / "mnesite.db"), synchronous="OFF")
+    commit(store, [DropTableOp("tags", "default")])
+    create_table(store, "tags", "tag", [("tag", "TEXT"), ("weight", "INTEGER")])
+    write_rows(store, "tags", [{"tag": f"tag-{key:04d}", "weight": 1000 + key} for key in range(5)])
+    commit(store, [WriteOp("users", {**user(7), "name": "renamed"})])
+    store.close()
+    for options in (DRILL, replace(DRILL, driver_row_digests_max=0)):
+        report = compare([str(primary), str(copy)], options, session=spark_session)
+        assert report.statistics["row_level"] == ("driver" if options is DRILL else "spark")
+        tags = next(p for p in report.pairs if p.table == "tags")
+        assert tags.counts == {"missing_on_left": 0, "missing_on_right": 0, "different": 0, "in_flight": 300}
+        assert report.exit_status == EXIT_EQUAL, report.to_json()
+    # Created again with another declaration: not compared, and said so.
+    store = Store(str(primary / "mnesite.db"), synchronous="OFF")
+    commit(store, [DropTableOp("tags", "default")])
+    create_table(store, "tags", "tag", [("tag", "TEXT"), ("colour", "TEXT")])
+    store.close()
+    report = compare([str(copy), str(primary)], DRILL, session=spark_session)
+    assert report.tables_recreated_in_flight == {"tags": [str(copy)]} and report.tables_mismatched == {}
+    assert report.tables == ["users"] and report.exit_status == EXIT_EQUAL
+    assert "table tags: dropped and created again in flight" in render_report(report)
