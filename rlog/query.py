@@ -429,6 +429,9 @@ def _trim_function(left: bool, right: bool) -> Callable[[Any, Any], str | None]:
     def trim(value: Any, characters: Any) -> str | None:
         if value is None or characters is None:
             return None
+        # SQLite reads the set as a C string: up to its first NUL (the text ``value`` whole).
+        if isinstance(characters, (str, bytes)):
+            characters = characters.split("\x00" if isinstance(characters, str) else b"\x00", 1)[0]
         text, strip = _as_text(value), frozenset(_as_text(characters))
         start, end = 0, len(text)
         if left:
