@@ -669,6 +669,9 @@ class _Progress:
     probing: bool = True
     in_flight: int = 0
     last_heard_ms: int = 0
+    # Whether this follower answered since this progress was made: last_heard_ms starts at the
+    # election (self-fencing gives every peer a timeout to answer), which is no proof it is up.
+    answered: bool = False
     # When this follower last answered an append of this generation: what the read lease counts.
     lease_heard_ms: int | None = None
     snapshot_requested_ms: int | None = None
@@ -1067,10 +1070,13 @@ class ShardConsensus:
             timeout_ms = 0
         self._election_deadline_ms = self._now_ms + timeout_ms
 
-    def _heard_voters(self) -> set[str]:
-        """This sequencer (while a voter) and the members it heard within ``election_timeout_ms_min``."""
+    def _heard_voters(self, answered_only: bool = False) -> set[str]:
+        """This sequencer (while a voter) and the members it heard within ``election_timeout_ms_min``
+        (``answered_only``: only those that answered it, not a peer merely given time since the election)."""
         heard = {self.name} if self.voter else set()
         for peer, progress in self._progress.items():
+            if answered_only and not progress.answered:
+                continue
             if peer in self._members and self._now_ms - progress.last_heard_ms < self.config.election_timeout_ms_min:
                 heard.add(peer)
         return heard
@@ -1662,6 +1668,7 @@ class ShardConsensus:
         if progress is None:
             return
         progress.last_heard_ms = self._now_ms
+        progress.answered = True
         if message.success:
             if message.match_key > progress.sent_key_max:
                 # Only a hostile or broken peer acknowledges what we never sent: ignore the reply.
@@ -2154,7 +2161,7 @@ class ShardConsensus:
             # another core is down would otherwise leave a set that can neither commit nor elect).
             refusal = membership.quorum_refusal(
                 membership.changed_members(self._members, event.name, event.add),
-                self._heard_voters(),
+                self._heard_voters(answered_only=True),
                 event.name if event.add else None,
             )
         if refusal is None and len(self._pending) >= self.config.pending_proposals_max:

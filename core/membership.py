@@ -107,8 +107,9 @@ def change_refusal(
 
 def quorum_refusal(new_members: tuple[str, ...], heard: Iterable[str], added: str | None = None) -> str | None:
     """Why the sequencer may not append a change to ``new_members`` now (None: it may): it hears
-    (``heard``: itself when it is a voter, and the followers heard within an election timeout, as
-    its self-fencing counts them) fewer than a majority of the new set. The entry is in force from
+    (``heard``: itself when it is a voter, and the followers that answered it within an election
+    timeout; not, as its self-fencing does, a peer given a timeout since the election to answer)
+    fewer than a majority of the new set. The entry is in force from
     when it is appended, so it would never commit, the sequencer would fence itself, and no core
     could be elected under the new set until the cores it needs came back: a removal asked while
     another core is down (etcd's strict reconfiguration check). ``added``, a core being added, is

@@ -183,6 +183,30 @@ def copy_start(snapshot_begin: Mapping[str, Any]) -> ChangesPosition:
     return ChangesPosition(shard=shard, after=k0, phase="copy", table=tables[0], replay_to=k0)
 
 
+# Empty pages in a row that a feed not following takes, inside a copy, from a node that does not
+# move toward it (``copy_stalled``), before it gives up: it waits for a node that moves, never forever.
+COPY_STALL_PAGES_MAX = 10
+
+
+def copy_stalled(
+    positions: Iterable[Mapping[str, Any]], applied_then: Mapping[str, TxKey], applied_now: Mapping[str, TxKey]
+) -> str | None:
+    """Why the node that answered an empty page cannot move a copy (wire ``positions``), or None: it
+    has no such shard, or its applied key is behind where the copy goes on and did not move since
+    the page before (``applied_then``)."""
+    for position in positions:
+        phase, shard = position.get("phase", "live"), position["shard"]
+        if phase == "live":
+            continue
+        now = applied_now.get(shard)
+        if now is None:
+            return f"shard {shard}: the node has no such shard, inside a copy"
+        target = TxKey(*(position["after"] if phase == "copy" else position["replay_to"]))
+        if now < target and now == applied_then.get(shard):
+            return f"shard {shard}: the node's applied key {now} is behind the copy's {target} and does not move"
+    return None
+
+
 def feed_shards(
     tables: Iterable[str],
     positions: Iterable[ChangesPosition],

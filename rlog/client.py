@@ -46,7 +46,7 @@ from typing import Any, NoReturn
 
 import zmq
 from mnesite.rlog import messages
-from mnesite.rlog.changes import copy_start, position_to_wire
+from mnesite.rlog.changes import COPY_STALL_PAGES_MAX, copy_stalled, copy_start, position_to_wire
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
 from mnesite.rlog.messages import Answer, Message, MessageError, NonNegative, answer_as, typed_body
@@ -1094,7 +1094,9 @@ class ChangeFeed:
     page (``records_after``). At a ``snapshot_begin`` it moves to the copy's start, and inside the copy
     page by page: a resume from it goes on with the copy, never back before it. ``position`` is the last
     tx key delivered per shard outside a copy (a shard inside one has none). A feed that is not following
-    ends only outside a copy. ``applied`` is the answering node's applied key per shard (how far
+    ends only outside a copy, or with ``MnesiteError`` (``changes_stalled``) inside one at a node that
+    has no such shard or does not move toward the copy for ``COPY_STALL_PAGES_MAX`` pages in a row.
+    ``applied`` is the answering node's applied key per shard (how far
     behind the feed is). The answers are checked: a malformed page raises ``MnesiteError``.
     """
 
@@ -1115,6 +1117,7 @@ class ChangeFeed:
         self._positions: dict[str, dict[str, Any]] = {position["shard"]: position for position in positions}
         self.applied: dict[str, TxKey] = {}
         self.pages_fetched = 0
+        self._stalled_pages = 0  # empty pages in a row inside a copy from a node that does not move to it
 
     @property
     def cursor(self) -> list[dict[str, Any]]:
@@ -1194,7 +1197,12 @@ class ChangeFeed:
             body["wait_ms"] = wait_ms
         answer = self.client.call("changes", body, timeout_ms=self.client.timeout_ms + wait_ms)
         records, positions, applied = _changes_page(answer)
+        stalled = None if records or self.follow else copy_stalled(positions.values(), self.applied, applied)
+        self._stalled_pages = self._stalled_pages + 1 if stalled else 0
         self.applied = applied
+        if stalled and self._stalled_pages >= COPY_STALL_PAGES_MAX:
+            # Waiting longer for a node that does not move is a feed that never ends (not following).
+            raise MnesiteError(f"{stalled} ({self._stalled_pages} pages): stopped inside a copy", "changes_stalled")
         self.pages_fetched += 1
         return records, positions
 

@@ -611,6 +611,45 @@ def test_a_feed_that_moves_to_a_node_behind_its_copy_does_not_end_inside_it(node
         assert feed.position == {"default": last}
 
 
+@pytest.mark.parametrize("stuck", ["behind", "no_shard"])
+def test_a_feed_not_following_gives_up_on_a_node_that_never_reaches_its_copy(node, monkeypatch, stuck) -> None:
+    """Inside a copy a feed that is not following waits for a node behind it (held pages): at a node
+    that never gets there (cut off from its cores, or without the shard at all) ``mnesite changes``
+    without --follow never ended. It waits while the node moves, and otherwise ends with an error
+    naming the shard (the CLI prints its resume line, which says the shard stopped inside a copy)."""
+    from mnesite.rlog.client import ChangeFeed
+
+    with node.client() as client:
+        start = client.put("users", {"id": 0, "name": "n0"})
+        for i in range(1, 20):
+            last = client.put("users", {"id": i, "name": f"n{i}"})
+        _trimmed_here_only(monkeypatch, [last])
+        real_applied = StoreFeedReader.applied
+        pages = [0]
+
+        def stuck_after_the_first_page(self, shard):
+            pages[0] += 1
+            if pages[0] >= 2:
+                return TxKey(last.generation, last.counter - 5) if stuck == "behind" else None
+            return real_applied(self, shard)
+
+        monkeypatch.setattr(StoreFeedReader, "applied", stuck_after_the_first_page)
+        real_fetch = ChangeFeed.fetch_page
+
+        def bounded(feed):
+            assert feed.pages_fetched < 100, "the feed never ends"
+            return real_fetch(feed)
+
+        monkeypatch.setattr(ChangeFeed, "fetch_page", bounded)
+        feed = client.changes(["users"], after_tx_key=start, wait_ms=10)
+        records = []
+        with pytest.raises(MnesiteError, match="shard default.*copy"):
+            for record in feed:
+                records.append(record)
+        assert records[0]["kind"] == "snapshot_begin"
+        assert feed.position == {} and feed.cursor[0]["phase"] != "live"
+
+
 def test_cli_changes_stopped_inside_a_copy_says_so_instead_of_leaving_the_shard_out(node, monkeypatch) -> None:
     """Stopped inside a copy, the resume line left the shard out without a word (or, before the copy's
     first page ended, named the key before the copy, which a node that still holds it answers with

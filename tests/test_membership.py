@@ -149,6 +149,23 @@ def test_a_removal_is_refused_while_the_sequencer_hears_no_majority_of_the_set_i
     assert harness.machine.members == ("a", "b") and _membership_entries(effects)
 
 
+def test_a_removal_right_after_an_election_counts_only_the_cores_that_answered():
+    """{a, b, c} with c down: a, just elected with b's vote, commits its no-op with b and is asked,
+    within an election timeout of its election, to remove b (or itself). Every peer's progress starts
+    as heard at the election (so self-fencing gives them a timeout to answer): c, which never
+    answered, was counted, the removal was appended, and {a, c} could neither commit nor elect."""
+    harness = _elected()  # c never answers
+    assert harness.machine.role is Role.SEQUENCER
+    for request_id, name in (("m1", "b"), ("m2", "a")):
+        effects = harness.step(MembershipChangeRequested(name, add=False, request_id=request_id))
+        assert of_type(effects, ProposalRejected) == [
+            ProposalRejected(request_id, membership.REJECT_NO_QUORUM_AFTER, "a")
+        ]
+        assert not _membership_entries(effects) and harness.machine.members == ("a", "b", "c")
+    effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m3"))
+    assert harness.machine.members == ("a", "b") and _membership_entries(effects)
+
+
 def test_a_membership_entry_is_batched_and_the_sequencer_counts_itself_only_once_durable():
     """Batched commit path (thesis 10.2.1): the removal goes out at BatchEnded, before the
     sequencer's own fsync; b's acknowledgement alone is no majority of {a, b} until Persisted."""
