@@ -607,6 +607,10 @@ def _recreated_in_flight(name: str, definitions: list[TableSchema], changes: Tab
         other, first = definitions[right], definitions[0]
         if (other.shard, other.key_column, other.columns) == (first.shard, first.key_column, first.columns):
             continue
+        if other.shard != first.shard:
+            # One shard's span cannot explain a table of another shard (whose rows follow another log):
+            # declared differently, as before the span was looked at.
+            return None
         ahead, last, _ = changes.get((right, definitions[0].shard), (-1, {}, {}))
         if ahead not in (0, right) or last.get(name) != "created":
             return None

@@ -74,3 +74,19 @@ def test_a_table_dropped_and_created_again_between_the_applied_keys_is_in_flight
     assert list(report.tables_mismatched) == ["notes"] and report.tables_recreated_in_flight == {}
     keys = _classify(rows["tags"][0], rows["tags"][1], in_flight.get((1, "tags"), set()))
     assert len(keys["missing_on_left"]) == 35 and len(keys["different"]) == 5 and report.diverged
+
+
+def test_a_table_of_another_shard_is_never_taken_for_one_made_again_in_flight() -> None:
+    """Regression (the session's own change, caught by the Spark test of tables in another shard): a
+    table declared in shard ``other`` on one replica and created in ``default``'s span on the other was
+    reported as made again in flight; one shard's span cannot explain a table of another shard."""
+    from mnesite.rlog.schema import define_table
+    from mnesite.spark.compare import _recreated_in_flight
+
+    columns = [["k", "INTEGER"], ["v", "TEXT"]]
+    ahead = define_table("kv", "k", columns, shard="default")
+    behind_same_shard = define_table("kv", "v", columns, shard="default")
+    behind_other_shard = define_table("kv", "k", columns, shard="other")
+    created_in_span = {(1, "default"): (0, {"kv": "created"}, {})}
+    assert _recreated_in_flight("kv", [ahead, behind_same_shard], created_in_span) == [1]
+    assert _recreated_in_flight("kv", [ahead, behind_other_shard], created_in_span) is None
