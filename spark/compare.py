@@ -575,7 +575,10 @@ def _plan(
             report.tables_in_flight[name] = lacking
         else:
             report.tables_missing[name] = lacking
+    # Keys the span's entries named one by one, and tables whose every key is in flight for a pair
+    # (``EveryKey``: dropped or created in the span, so no key count says how much they excused).
     report.statistics["in_flight_keys"] = sum(len(keys) for keys in in_flight.values())
+    report.statistics["in_flight_tables"] = sum(isinstance(keys, EveryKey) for keys in in_flight.values())
     return report, in_flight
 
 

@@ -57,6 +57,8 @@ def test_a_table_dropped_and_created_again_between_the_applied_keys_is_in_flight
         report, in_flight, rows = _planned(order)
         assert report.tables == ["tags"] and report.tables_mismatched == {}, report.to_json()
         assert report.tables_recreated_in_flight == {"notes": [str(behind)]}, report.to_json()
+        # Every key of tags is in flight: counted as a table, since no key count can say so.
+        assert report.statistics["in_flight_tables"] == 1 and report.statistics["in_flight_keys"] == 0
         keys = _classify(rows["tags"][0], rows["tags"][1], in_flight[(1, "tags")])
         assert {category: len(found) for category, found in keys.items()} == {
             "missing_on_left": 0,
