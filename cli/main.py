@@ -985,12 +985,12 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
     \b
     Rows are written in transactions of --batch-rows rows (each all or nothing; fewer when the rows
     are wide, so that a transaction stays under the frame size), so memory stays bounded whatever the
-    file's size. A regular FILE is read twice: first checked against TABLE's
-    columns (an error names the line and nothing is written), then imported. CSV cells are converted
-    to the column's type; an empty cell is null (in a TEXT column: the empty text; an ANY column's
-    cells stay text). JSON lines keep every value as it is. FILE is UTF-8: a byte order mark opening it
-    (Excel's "CSV UTF-8") is skipped, and a byte that is not UTF-8 is an error naming its line and byte
-    offset. Progress goes to stderr (about once a second) unless --quiet.
+    file's size. A regular FILE is read twice: first checked against TABLE's columns (an error
+    names the line and nothing is written), then imported. CSV cells are converted to the column's
+    type; an empty cell is null (in a TEXT column: the empty text; an ANY column's cells stay text);
+    a BLOB cell is hex, X'' the empty BLOB. JSON lines keep every value as it is. FILE is UTF-8: a
+    byte order mark opening it (Excel's "CSV UTF-8") is skipped, and a byte that is not UTF-8 is an
+    error naming its line and byte offset. Progress goes to stderr (about once a second) unless --quiet.
     """
     from mnesite.cli import transfer
 
@@ -1033,7 +1033,10 @@ def export_rows(
 ) -> None:
     """Write TABLE's rows in key order as JSON lines or CSV (with a header), page by page.
 
-    BLOB values are {"base64": ...} in JSON lines and hex in CSV (what `import` reads back).
+    BLOB values are {"base64": ...} in JSON lines and hex in CSV, X'' for the empty BLOB (what
+    `import` reads back). JSON lines give every value back; CSV does not keep two: a null in a TEXT
+    column comes back as the empty text (an empty cell is both), and an ANY column's values as text
+    (an empty one as null).
     Progress goes to stderr (about once a second, then the rows written) unless --quiet. A column
     added to TABLE during a CSV export is left out (the header is written first): a line on stderr
     names it, even with --quiet.
