@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import gc
+import itertools
 import json
 import logging
 import os
@@ -806,20 +807,24 @@ def delete(table_name, key, endpoint, timeout_ms, as_json) -> None:
 def scan(table_name, from_key, limit, page_rows, consistency, after_tx_key, endpoint, timeout_ms, as_json) -> None:
     """Print the rows of TABLE in key order, page by page as they arrive (memory: one page).
 
-    --json prints one JSON array, written row by row.
+    --json prints one JSON array, written row by row. Nothing is printed before the first row is read:
+    a scan refused at once leaves stdout empty; one cut short later exits 1 after the rows printed.
     """
     with client_for(endpoint, timeout_ms) as client:
         schema = run(lambda: client.table(table_name))
         columns = [name for name, _ in schema["columns"]]
-        rows = stream_rows(client, table_name, from_key, page_rows, consistency, after_tx_key, limit)
+        start = None if from_key is None else parse_key(client, table_name, from_key)
+        # The first row before the first byte: a read refused at once leaves nothing on stdout (with
+        # --json it had left "[", which no JSON parser reads).
+        rows = started(stream_rows(client, table_name, start, page_rows, consistency, after_tx_key, limit))
         if as_json:
             click.echo("[", nl=False)
-            for index, row in enumerate(run_iterator(rows)):
+            for index, row in enumerate(rows):
                 click.echo(("" if index == 0 else ",\n") + json_text(row), nl=False)
             click.echo("]")
             return
         header = True
-        for page in run_iterator(pages_of(rows, page_rows)):
+        for page in pages_of(rows, page_rows):
             # Widths per page: a streamed table cannot know the widest cell of pages not read yet.
             text = format_table(page, columns)
             click.echo(text if header else text.split("\n", 1)[1])
@@ -831,22 +836,22 @@ def scan(table_name, from_key, limit, page_rows, consistency, after_tx_key, endp
 def stream_rows(
     client: Client,
     table_name: str,
-    from_key: str | None,
+    from_key: Any,
     page_rows: int,
     consistency: str,
     after_tx_key: AfterKey,
     limit: int | None,
 ) -> Iterator[dict[str, Any]]:
-    """TABLE's rows in key order from ``from_key`` (included), fetched page by page, at most ``limit``."""
+    """TABLE's rows in key order from ``from_key`` (included; a key of the table's key type, as
+    ``parse_key`` gives it), fetched page by page, at most ``limit``."""
     after = None
     emitted = 0
     if from_key is not None:
-        key = parse_key(client, table_name, from_key)
-        first = client.get(table_name, key, consistency, after_tx_key)
+        first = client.get(table_name, from_key, consistency, after_tx_key)
         if first is not None:
             yield first
             emitted += 1
-        after = key
+        after = from_key
     if limit is not None and emitted >= limit:
         return
     if limit is not None:
@@ -881,6 +886,17 @@ def run_iterator(items: Iterator[Any]) -> Iterator[Any]:
         except MnesiteError as error:
             fail(str(error))
         yield item
+
+
+def started(items: Iterator[Any]) -> Iterator[Any]:
+    """``items`` through ``run_iterator``, its first item already fetched: a command calls it before it
+    writes anything, so that a stream refused before its first item (an unknown table, a read refused
+    or timed out) fails with stdout empty. A failure after that is one ``Error:`` line and exit 1 (3
+    if an outcome is unknown), the items printed before it staying on stdout."""
+    items = run_iterator(items)
+    for first in items:
+        return itertools.chain((first,), items)
+    return iter(())
 
 
 @main.command()
@@ -969,12 +985,12 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
     \b
     Rows are written in transactions of --batch-rows rows (each all or nothing; fewer when the rows
     are wide, so that a transaction stays under the frame size), so memory stays bounded whatever the
-    file's size. A regular FILE is read twice: first checked against TABLE's
-    columns (an error names the line and nothing is written), then imported. CSV cells are converted
-    to the column's type; an empty cell is null (in a TEXT column: the empty text; an ANY column's
-    cells stay text). JSON lines keep every value as it is. FILE is UTF-8: a byte order mark opening it
-    (Excel's "CSV UTF-8") is skipped, and a byte that is not UTF-8 is an error naming its line and byte
-    offset. Progress goes to stderr (about once a second) unless --quiet.
+    file's size. A regular FILE is read twice: first checked against TABLE's columns (an error
+    names the line and nothing is written), then imported. CSV cells are converted to the column's
+    type; an empty cell is null (in a TEXT column: the empty text; an ANY column's cells stay text);
+    a BLOB cell is hex, X'' the empty BLOB. JSON lines keep every value as it is. FILE is UTF-8: a
+    byte order mark opening it (Excel's "CSV UTF-8") is skipped, and a byte that is not UTF-8 is an
+    error naming its line and byte offset. Progress goes to stderr (about once a second) unless --quiet.
     """
     from mnesite.cli import transfer
 
@@ -1017,7 +1033,10 @@ def export_rows(
 ) -> None:
     """Write TABLE's rows in key order as JSON lines or CSV (with a header), page by page.
 
-    BLOB values are {"base64": ...} in JSON lines and hex in CSV (what `import` reads back).
+    BLOB values are {"base64": ...} in JSON lines and hex in CSV, X'' for the empty BLOB (what
+    `import` reads back). JSON lines give every value back; CSV does not keep two: a null in a TEXT
+    column comes back as the empty text (an empty cell is both), and an ANY column's values as text
+    (an empty one as null).
     Progress goes to stderr (about once a second, then the rows written) unless --quiet. A column
     added to TABLE during a CSV export is left out (the header is written first): a line on stderr
     names it, even with --quiet.
@@ -1028,7 +1047,9 @@ def export_rows(
         schema = run(lambda: client.table(table_name))
         rows = client.scan(table_name, None, page_rows, consistency, after_tx_key)
         progress = None if quiet else lambda line: click.echo(line, err=True)
-        pages = run_iterator(pages_of(rows, page_rows))
+        # The first page before the CSV header (and before --output is created): a read refused at once
+        # leaves no output behind.
+        pages = started(pages_of(rows, page_rows))
         left_out = transfer.write_rows(output, file_format, schema, pages, progress).columns_left_out
         if left_out:
             click.echo(transfer.left_out_notice(table_name, schema, left_out), err=True)

@@ -5,8 +5,9 @@ Theory of operation
 Neither direction holds more than one batch (import) or one page (export) in memory, whatever the
 file's or the table's size. Import reads the file line by line, turns each line into a full row of
 the table (CSV cells converted to the declared column type, strictly, an empty cell null but in a TEXT
-column, where it is the empty text, and an ANY column's cells text; JSON values as
-they are, of their column's type, a BLOB as ``{"base64": ...}`` or hex) and refuses a line that does not fit, naming it:
+column, where it is the empty text, a BLOB cell hex or ``X''`` for the empty BLOB, and an ANY
+column's cells text; JSON values as they are, of their column's type, a BLOB as ``{"base64": ...}``
+or hex) and refuses a line that does not fit, naming it:
 ``line 7: ...``. Rows go to the node in transactions of ``batch_rows`` rows through the normal
 write path (each all or nothing, replicated like any write); an error the node answers names the
 lines of the batch it refused and says how many rows were imported before it. A batch also ends
@@ -17,6 +18,14 @@ outcome is unknown is reported as such (the caller exits 3): it is never re-sent
 sqlite-utils' readers (``rows_from_file``) skip blank lines and hide the CSV reader, so they cannot
 name the line of an error; the readers here are plain ``csv`` and ``json`` with line numbers.
 Export writes through ``csv.DictWriter`` and ``json_text`` (what every ``--json`` writes), one row at a time.
+
+What CSV carries back: JSON lines give every value back exactly; CSV every value but two kinds. A
+BLOB is hex, the empty BLOB ``X''`` (its hex, nothing, is the empty cell of a null). In a TEXT column
+a null comes back as the empty text: Python 3.11's csv reader reads an empty cell and a quoted ``""``
+alike, and any other word for null (``\\N``, ``NULL``) is a text that a CSV of an earlier release
+may hold, which would import as null from then on. An ANY column keeps no storage class: its cells
+come back as TEXT as the CSV writes them (an integer's digits, a REAL as Python's ``str``, a BLOB's
+hex), an empty one as null.
 """
 
 from __future__ import annotations
@@ -51,6 +60,10 @@ csv.field_size_limit(LINE_CHARS_MAX)
 REAL_CELL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|-?inf")
 # What a JSON value of a column of each type may be (bool is not a number here, as the node says).
 _JSON_KINDS: dict[str, tuple[type, ...]] = {"INTEGER": (int,), "REAL": (int, float), "TEXT": (str,)}
+# An empty BLOB in a CSV cell of a BLOB column: its hex is nothing, the empty cell of a null, and an
+# empty BLOB came back as null. SQLite's literal of the empty BLOB; import reads it in either case
+# (``x''`` too). No file of an earlier release holds it: their import refused it (not hex).
+EMPTY_BLOB_CELL = "X''"
 
 
 class ImportFailed(Exception):
@@ -91,9 +104,20 @@ def _blob(value: Any, where: str) -> bytes:
     raise ImportFailed(f'{where}: a BLOB is given as hex or {{"base64": ...}}')
 
 
+def _to_cell(value: Any, column_type: str) -> Any:
+    """A value as ``write_rows`` puts it in a CSV cell of a ``column_type`` column: a BLOB as hex, an
+    empty BLOB of a BLOB column as ``EMPTY_BLOB_CELL`` (its hex, nothing, is the empty cell of a null)."""
+    if not isinstance(value, bytes):
+        return value
+    return EMPTY_BLOB_CELL if value == b"" and column_type == "BLOB" else value.hex()
+
+
 def _from_cell(text: str, column_type: str, where: str) -> Any:
     """A CSV cell as a value of ``column_type`` (the table's declared type); an empty cell is null, but
-    in a TEXT column it is the empty text (CSV cannot tell them apart) and an ANY column's cells stay text."""
+    in a TEXT column it is the empty text (CSV cannot tell them apart) and an ANY column's cells stay text.
+    A BLOB cell is hex, or ``X''`` (``x''``) for the empty BLOB."""
+    if column_type == "BLOB" and text in (EMPTY_BLOB_CELL, EMPTY_BLOB_CELL.lower()):
+        return b""
     if text == "" and column_type != "TEXT":
         return None
     if column_type == "INTEGER":
@@ -334,6 +358,7 @@ def write_rows(
     writer = None
     if file_format == "csv":
         header = [name for name, _ in schema["columns"]]
+        types = dict(schema["columns"])
         known = set(header)  # the header's columns, then those already named as left out
         writer = csv.DictWriter(output, fieldnames=header, extrasaction="ignore", lineterminator="\n")
         # csv quotes a field holding a character of its line terminator, "\n": a text with a lone "\r"
@@ -349,7 +374,7 @@ def write_rows(
                 if new:
                     exported.columns_left_out += sorted(new)
                     known |= new
-                cells = {name: (value.hex() if isinstance(value, bytes) else value) for name, value in row.items()}
+                cells = {name: _to_cell(value, types.get(name, "ANY")) for name, value in row.items()}
                 carriage_return = any(isinstance(value, str) and "\r" in value for value in cells.values())
                 (quoted if carriage_return else writer).writerow(cells)
         else:
