@@ -1315,3 +1315,55 @@ def test_a_throttled_log_says_a_final_bursts_count_at_the_next_flush_and_keeps_n
         assert logged[4:] == ["a 5", "a 7 (and 1 more like it in the last 1100 ms)"]
     finally:
         logger.removeHandler(handler)
+
+
+def _changes_request(request_id: str, wait_ms: int) -> Message:
+    body = {"positions": [{"shard": "default", "after": [0, 0]}], "wait_ms": wait_ms}
+    return Message("changes", request_id, typed_body("changes", body))
+
+
+def test_a_changefeed_request_held_at_a_replicant_is_answered_as_soon_as_a_bootstrap_of_its_shard_begins(
+    tmp_path,
+) -> None:
+    """A ``changes`` request held at a replicant (caught up, waiting for its shard to move) waited out
+    its whole ``wait_ms`` when the replicant began a new bootstrap of the shard: the bootstrap keeps
+    the applied key (a floor), so nothing woke it, although nothing could come of the shard until the
+    copy was done (and then from a new log start). It is now answered in the turn the bootstrap
+    begins, with what a request asked at that moment gets (``not_ready``), so its consumer can go on
+    at another node. A failover that only disconnects the shard (it resumes, most often) keeps it held."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.types import GENESIS_DIGEST
+
+    node = offline_replicant(tmp_path / "r")
+    clock = [node.clock_ms()]
+    node.clock_ms = lambda: clock[0]
+    try:
+        replica = _watching(node, TxKey(0, 0))
+        node._step(replica, p.WatchAccepted("core1", "a1", "resume", TxKey(0, 0), GENESIS_DIGEST, replica.watch_id))
+        assert replica.readable()
+        _serve(node, [b"client"], _changes_request("held-1", wait_ms=60_000))
+        node.serve_changes()
+        assert node.changes_statistics()["held"] == 1 and not _answers_to_the_client(node)
+        # Its upstream fails: disconnected, the shard is not served, but a resume is likely: still held.
+        node._step(replica, p.RequestFailed("core1", "gone", replica.watch_id))
+        assert replica.mode is p.Mode.DISCONNECTED
+        node.serve_changes()
+        assert node.changes_statistics()["held"] == 1 and not _answers_to_the_client(node)
+        # The next watch is answered with a bootstrap: answered in this turn, not 60 s later.
+        clock[0] = replica.next_deadline_ms()
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a2", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+        assert replica.mode is p.Mode.BOOTSTRAP
+        node.serve_changes()
+        (answer,) = _answers_to_the_client(node)
+        assert node.changes_statistics()["held"] == 0
+        # The same answer as a request asked now.
+        _serve(node, [b"other"], _changes_request("asked-now", wait_ms=60_000))
+        (now,) = _answers_to_the_client_of(node, b"other")
+        assert (answer.request_id, answer.kind) == ("held-1", "error")
+        assert now.body.code == "not_ready"
+        assert (answer.body.code, answer.body.message) == (now.body.code, now.body.message)
+        assert "mode bootstrap" in answer.body.message
+    finally:
+        _close_offline(node)
