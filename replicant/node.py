@@ -238,6 +238,7 @@ class ReplicantNode(NodeServer):
             read_fenced=bool(int(self.store.meta(f"read_fenced:{shard}", 0))),
             spill_budget=self.spill_budget,
             speaks=self.versions,
+            spilled=self.store.spilled(shard),
         )
         self.replicas[shard] = replica
         return replica
@@ -836,7 +837,7 @@ class ReplicantNode(NodeServer):
         else:
             status = replica.status()
             detail = f"mode {status.mode.value}, rows copied {status.rows_copied}"
-            detail += f", entries buffered {status.entries_spilled}, applied {status.applied_key}"
+            detail += f", entries buffered {status.entries_buffered}, applied {status.applied_key}"
             if status.read_fenced:
                 fence = status.read_fence or "the committed key being asked for"
                 detail += f", replaying after its bootstrap up to {fence}"
@@ -1031,7 +1032,7 @@ class ReplicantNode(NodeServer):
                     "rows_per_s": status.copy_rows_per_s,
                     "eta_ms": status.copy_eta_ms,
                 },
-                "entries_buffered": status.entries_spilled,
+                "entries_buffered": status.entries_buffered,
                 "last_error": status.last_error,
                 "pushes_rejected": self.pushes_rejected.get(shard, 0),
                 "serving": status.readable,

@@ -1367,3 +1367,84 @@ def test_a_changefeed_request_held_at_a_replicant_is_answered_as_soon_as_a_boots
         assert "mode bootstrap" in answer.body.message
     finally:
         _close_offline(node)
+
+
+def test_entries_buffered_is_what_the_shard_s_spill_holds_across_bootstraps_a_replay_and_a_restart(tmp_path) -> None:
+    """``status``'s ``entries_buffered`` was the entries spilled since the process started: 0 after a
+    restart in the middle of a bootstrap while the spill on disk held its entries, still the replayed
+    entries once the copy was done, and a second bootstrap's count added to the first's. It is now
+    what the shard's spill holds. A bootstrap interrupted by a restart is not resumed (the digest is
+    unknown: the core's rule answers bootstrap): the next bootstrap starts over, and its reset deletes
+    the spill the interrupted one left, which is counted until then."""
+    from mnesite.core.watch import decide_watch
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, make_entry
+
+    history = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [])]
+    for counter in range(2, 6):
+        history.append(make_entry("default", TxKey(1, counter), history[-1].tx_key, history[-1].digest, []))
+    k0, committed = history[0], history[-1].tx_key
+    clock = [0]
+
+    def bootstrap(node, agent: str):
+        replica = node.replicas["default"]
+        if replica.mode is not p.Mode.DISCONNECTED:
+            replica = _watching(node, committed)
+        else:  # disconnected: its next probe and watch
+            clock[0] = replica.next_deadline_ms()
+            node._step(replica, p.Ticked())
+            node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(committed, True, 0)),)))
+        accepted = p.WatchAccepted("core1", agent, "bootstrap", k0.tx_key, k0.digest, replica.watch_id)
+        node._step(replica, accepted)
+        assert replica.mode is p.Mode.BOOTSTRAP
+        return replica
+
+    def push(node, agent: str, entries) -> None:
+        node._step(node.replicas["default"], p.PushReceived("core1", agent, tuple(entries), committed, True))
+
+    def buffered(node) -> tuple[int, int]:
+        """``status``'s figure, and the entries the shard's spill holds on disk."""
+        return node.status()["shards"]["default"]["entries_buffered"], node.store.spilled("default")
+
+    data_dir = tmp_path / "r"
+    node = offline_replicant(data_dir)
+    clock[0] = node.clock_ms()
+    node.clock_ms = lambda: clock[0]
+    try:
+        node.core_sockets = {"core1": _queueing_dealer()}
+        node._open_replica("default")
+        replica = bootstrap(node, "a1")
+        push(node, "a1", history[1:3])
+        assert buffered(node) == (2, 2)
+        node._step(replica, p.RequestFailed("core1", "gone", replica.watch_id))
+        assert buffered(node) == (2, 2)  # the failed bootstrap's spill stays until the next one's reset
+        bootstrap(node, "a2")
+        assert buffered(node) == (0, 0)
+        push(node, "a2", history[1:2])
+        assert buffered(node) == (1, 1)
+        node.flush()
+    finally:
+        _close_offline(node)
+    node = offline_replicant(data_dir)  # restarted in the middle of the bootstrap
+    clock[0] = node.clock_ms()
+    node.clock_ms = lambda: clock[0]
+    try:
+        assert buffered(node) == (1, 1)
+        replica = node.replicas["default"]
+        # Not resumed: a watch from the unknown digest is answered bootstrap, even by a core holding the key.
+        assert replica.applied_digest == p.UNKNOWN_DIGEST
+        digests = {ZERO_KEY: GENESIS_DIGEST, **{entry.tx_key: entry.digest for entry in history}}
+        mode, _, _ = decide_watch(
+            replica.applied_key, replica.applied_digest, ZERO_KEY, committed, history[-1].digest, digests.get, "c"
+        )
+        assert mode == "bootstrap"
+        node.core_sockets = {"core1": _queueing_dealer()}
+        replica = bootstrap(node, "a3")
+        assert buffered(node) == (0, 0)  # starts over: the reset deleted the interrupted bootstrap's spill
+        push(node, "a3", history[1:4])
+        assert buffered(node) == (3, 3)
+        node._step(replica, p.TablesReceived("core1", (), (), replica.watch_id))  # the copy is done: replayed
+        assert replica.mode is p.Mode.NORMAL and replica.applied_key == TxKey(1, 4)
+        assert buffered(node) == (0, 0)
+    finally:
+        _close_offline(node)
