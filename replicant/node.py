@@ -238,6 +238,7 @@ class ReplicantNode(NodeServer):
             read_fenced=bool(int(self.store.meta(f"read_fenced:{shard}", 0))),
             spill_budget=self.spill_budget,
             speaks=self.versions,
+            spilled=self.store.spilled(shard),
         )
         self.replicas[shard] = replica
         return replica
@@ -277,6 +278,13 @@ class ReplicantNode(NodeServer):
         self.build_indexes()
         self._maybe_trim()
         self.flush()
+
+    def shards_reset_for_copy(self) -> list[str]:
+        """The shards a bootstrap reset (``ResetShard``) and whose copy is not done and healed yet: read
+        fenced (``ShardReplica.read_fenced``), from the bootstrap's start, across a restart, until the
+        replay reaches the fence. A shard only disconnected (failing over, most often to resume) is not
+        among them: a changefeed request held on it gets its page once pushes come again."""
+        return [shard for shard, replica in self.replicas.items() if replica.read_fenced]
 
     def _maybe_trim(self) -> None:
         """Retention of the replicant's own rlog, by count and age like on a core."""
@@ -829,7 +837,7 @@ class ReplicantNode(NodeServer):
         else:
             status = replica.status()
             detail = f"mode {status.mode.value}, rows copied {status.rows_copied}"
-            detail += f", entries buffered {status.entries_spilled}, applied {status.applied_key}"
+            detail += f", entries buffered {status.entries_buffered}, applied {status.applied_key}"
             if status.read_fenced:
                 fence = status.read_fence or "the committed key being asked for"
                 detail += f", replaying after its bootstrap up to {fence}"
@@ -1024,7 +1032,7 @@ class ReplicantNode(NodeServer):
                     "rows_per_s": status.copy_rows_per_s,
                     "eta_ms": status.copy_eta_ms,
                 },
-                "entries_buffered": status.entries_spilled,
+                "entries_buffered": status.entries_buffered,
                 "last_error": status.last_error,
                 "pushes_rejected": self.pushes_rejected.get(shard, 0),
                 "serving": status.readable,

@@ -87,9 +87,10 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
 Driver contract
 ---------------
 1. Build the replica from what is persisted: the applied key and digest (``UNKNOWN_DIGEST`` after a
-   ``ResetShard``), the ``bootstraps``/``resumes``/``bootstraps_outrun`` counters and the read fence
-   flag. Deliver ``Ticked`` at least every ``retry_interval_ms / 2`` (``next_deadline_ms()`` says
-   when the next one matters); ``now_ms`` never decreases.
+   ``ResetShard``), the ``bootstraps``/``resumes``/``bootstraps_outrun`` counters, the read fence
+   flag and the entries in the shard's spill (``status().entries_buffered``). Deliver ``Ticked`` at
+   least every ``retry_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters);
+   ``now_ms`` never decreases.
 2. Execute the effects in list order. ``ApplyEntries`` applies the entries and records the new
    applied key and digest in one SQLite transaction (invariant 4). ``ResetShard`` deletes the
    shard's rows and spill and persists ``UNKNOWN_DIGEST`` (keeping the applied key). ``ApplyBatch``
@@ -236,7 +237,7 @@ class ReplicaStatus:
     bootstraps: int
     resumes: int
     rows_copied: int
-    entries_spilled: int
+    entries_spilled: int  # since the replica was built, over all its bootstraps
     last_error: str | None
     hears_sequencer: bool = False
     bootstrap_failures_in_a_row: int = 0
@@ -255,6 +256,9 @@ class ReplicaStatus:
     disk_full: bool = False
     # Bootstraps begun again because the last copy outlasted the cores' retention ("Sizing trap").
     bootstraps_outrun: int = 0
+    # Entries in the shard's spill now (``spilled``): those of the bootstrap in progress, or of one
+    # that did not finish (failed, or the replicant restarted) until the next bootstrap's reset.
+    entries_buffered: int = 0
 
 
 class _Waiting(enum.Enum):
@@ -318,6 +322,7 @@ class ShardReplica:
         spill_budget: SpillBudget | None = None,
         speaks: Announcement = THIS_RELEASE,
         bootstraps_outrun: int = 0,
+        spilled: int = 0,
     ) -> None:
         if not shard or not name:
             raise ReplicaConfigError("shard and name must not be empty")
@@ -326,7 +331,7 @@ class ShardReplica:
             raise ReplicaConfigError(f"cores must be 1 to {CORES_MAX} distinct names, got {cores!r}")
         if not isinstance(applied_digest, bytes):
             raise ReplicaConfigError("applied_digest must be bytes")
-        if bootstraps < 0 or resumes < 0 or bootstraps_outrun < 0:
+        if bootstraps < 0 or resumes < 0 or bootstraps_outrun < 0 or spilled < 0:
             raise ReplicaConfigError("counters must not be negative")
         self.shard = shard
         self.name = name
@@ -368,7 +373,10 @@ class ShardReplica:
         self._copy: TableCopy | None = None
         self._spill_key = applied_key
         self._spill_digest = applied_digest
-        self._spilled = 0
+        # Entries in the shard's spill: on disk at the start, those of a bootstrap that did not finish
+        # (never replayed: a restarted replica's digest is unknown, so its next watch bootstraps, and
+        # that reset deletes them); none of its bytes are charged to the node's budget.
+        self._spilled = spilled
         # The token of the last push of the watched agent read: every acknowledgement echoes it, which
         # proves to the agent that this replica read its pushes up to that one (core.agent).
         self._push_token: bytes | None = None
@@ -454,6 +462,7 @@ class ShardReplica:
             copy_rows_per_s=rate,
             copy_eta_ms=eta,
             entries_spilled=self._entries_spilled,
+            entries_buffered=self._spilled,
             last_error=self._last_error,
             hears_sequencer=self._hears_sequencer,
             bootstrap_failures_in_a_row=self._bootstrap_failures,

@@ -32,7 +32,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
@@ -1492,9 +1492,10 @@ class NodeServer:
             return
         now = monotonic_ms()
         positions = self.store.shards()
+        reset = self.shards_reset_for_copy()
         for waiting in list(self.waiting_changes):
             applied = {shard: position.applied for shard, position in positions.items()}
-            if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms, waiting.shards):
+            if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms, waiting.shards, reset):
                 continue
             request_id = waiting.message.request_id
             try:
@@ -1510,6 +1511,12 @@ class NodeServer:
                 continue
             self.waiting_changes.remove(waiting)
             self._answer_changes(waiting.envelope, request_id, page)
+
+    def shards_reset_for_copy(self) -> Collection[str]:
+        """Hook: the shards whose rows and log this node reset to copy them again and does not serve
+        until that copy is done (a replicant's bootstrap); a held changefeed request following one is
+        answered at once (``rlog.changes.worth_a_page``), not at the end of its wait."""
+        return ()
 
     def _answer_changes(self, envelope: list[bytes], request_id: str, page: Page) -> None:
         served = self.changes_served

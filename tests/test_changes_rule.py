@@ -383,3 +383,11 @@ def test_a_write_before_its_table_was_dropped_and_made_again_is_keyed_by_its_own
         page = build_page(log, ["users"], [live("default", after)], PageLimits(100, 1 << 20))
         assert [r["key"] for r in page.records if r.get("op") == "write"] == expected, after
         assert log.key_columns_asked == (1 if after < drop else 0)  # after the drop: the page's own create
+
+
+def test_a_held_request_is_paged_again_at_once_when_a_shard_it_follows_is_being_copied_again() -> None:
+    # A replicant's bootstrap keeps the applied key: nothing moves, yet nothing comes of the shard
+    # until the copy is done, so the request is answered now (``not_ready``), not at its deadline.
+    then = {"default": TxKey(1, 5)}
+    assert worth_a_page(then, then, now_ms=10, deadline_ms=20, shards_reset=["default"])
+    assert not worth_a_page(then, then, now_ms=10, deadline_ms=20, shards_reset=["content"])  # not followed

@@ -1315,3 +1315,136 @@ def test_a_throttled_log_says_a_final_bursts_count_at_the_next_flush_and_keeps_n
         assert logged[4:] == ["a 5", "a 7 (and 1 more like it in the last 1100 ms)"]
     finally:
         logger.removeHandler(handler)
+
+
+def _changes_request(request_id: str, wait_ms: int) -> Message:
+    body = {"positions": [{"shard": "default", "after": [0, 0]}], "wait_ms": wait_ms}
+    return Message("changes", request_id, typed_body("changes", body))
+
+
+def test_a_changefeed_request_held_at_a_replicant_is_answered_as_soon_as_a_bootstrap_of_its_shard_begins(
+    tmp_path,
+) -> None:
+    """A ``changes`` request held at a replicant (caught up, waiting for its shard to move) waited out
+    its whole ``wait_ms`` when the replicant began a new bootstrap of the shard: the bootstrap keeps
+    the applied key (a floor), so nothing woke it, although nothing could come of the shard until the
+    copy was done (and then from a new log start). It is now answered in the turn the bootstrap
+    begins, with what a request asked at that moment gets (``not_ready``), so its consumer can go on
+    at another node. A failover that only disconnects the shard (it resumes, most often) keeps it held."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.types import GENESIS_DIGEST
+
+    node = offline_replicant(tmp_path / "r")
+    clock = [node.clock_ms()]
+    node.clock_ms = lambda: clock[0]
+    try:
+        replica = _watching(node, TxKey(0, 0))
+        node._step(replica, p.WatchAccepted("core1", "a1", "resume", TxKey(0, 0), GENESIS_DIGEST, replica.watch_id))
+        assert replica.readable()
+        _serve(node, [b"client"], _changes_request("held-1", wait_ms=60_000))
+        node.serve_changes()
+        assert node.changes_statistics()["held"] == 1 and not _answers_to_the_client(node)
+        # Its upstream fails: disconnected, the shard is not served, but a resume is likely: still held.
+        node._step(replica, p.RequestFailed("core1", "gone", replica.watch_id))
+        assert replica.mode is p.Mode.DISCONNECTED
+        node.serve_changes()
+        assert node.changes_statistics()["held"] == 1 and not _answers_to_the_client(node)
+        # The next watch is answered with a bootstrap: answered in this turn, not 60 s later.
+        clock[0] = replica.next_deadline_ms()
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a2", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+        assert replica.mode is p.Mode.BOOTSTRAP
+        node.serve_changes()
+        (answer,) = _answers_to_the_client(node)
+        assert node.changes_statistics()["held"] == 0
+        # The same answer as a request asked now.
+        _serve(node, [b"other"], _changes_request("asked-now", wait_ms=60_000))
+        (now,) = _answers_to_the_client_of(node, b"other")
+        assert (answer.request_id, answer.kind) == ("held-1", "error")
+        assert now.body.code == "not_ready"
+        assert (answer.body.code, answer.body.message) == (now.body.code, now.body.message)
+        assert "mode bootstrap" in answer.body.message
+    finally:
+        _close_offline(node)
+
+
+def test_entries_buffered_is_what_the_shard_s_spill_holds_across_bootstraps_a_replay_and_a_restart(tmp_path) -> None:
+    """``status``'s ``entries_buffered`` was the entries spilled since the process started: 0 after a
+    restart in the middle of a bootstrap while the spill on disk held its entries, still the replayed
+    entries once the copy was done, and a second bootstrap's count added to the first's. It is now
+    what the shard's spill holds. A bootstrap interrupted by a restart is not resumed (the digest is
+    unknown: the core's rule answers bootstrap): the next bootstrap starts over, and its reset deletes
+    the spill the interrupted one left, which is counted until then."""
+    from mnesite.core.watch import decide_watch
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, make_entry
+
+    history = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [])]
+    for counter in range(2, 6):
+        history.append(make_entry("default", TxKey(1, counter), history[-1].tx_key, history[-1].digest, []))
+    k0, committed = history[0], history[-1].tx_key
+    clock = [0]
+
+    def bootstrap(node, agent: str):
+        replica = node.replicas["default"]
+        if replica.mode is not p.Mode.DISCONNECTED:
+            replica = _watching(node, committed)
+        else:  # disconnected: its next probe and watch
+            clock[0] = replica.next_deadline_ms()
+            node._step(replica, p.Ticked())
+            node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(committed, True, 0)),)))
+        accepted = p.WatchAccepted("core1", agent, "bootstrap", k0.tx_key, k0.digest, replica.watch_id)
+        node._step(replica, accepted)
+        assert replica.mode is p.Mode.BOOTSTRAP
+        return replica
+
+    def push(node, agent: str, entries) -> None:
+        node._step(node.replicas["default"], p.PushReceived("core1", agent, tuple(entries), committed, True))
+
+    def buffered(node) -> tuple[int, int]:
+        """``status``'s figure, and the entries the shard's spill holds on disk."""
+        return node.status()["shards"]["default"]["entries_buffered"], node.store.spilled("default")
+
+    data_dir = tmp_path / "r"
+    node = offline_replicant(data_dir)
+    clock[0] = node.clock_ms()
+    node.clock_ms = lambda: clock[0]
+    try:
+        node.core_sockets = {"core1": _queueing_dealer()}
+        node._open_replica("default")
+        replica = bootstrap(node, "a1")
+        push(node, "a1", history[1:3])
+        assert buffered(node) == (2, 2)
+        node._step(replica, p.RequestFailed("core1", "gone", replica.watch_id))
+        assert buffered(node) == (2, 2)  # the failed bootstrap's spill stays until the next one's reset
+        bootstrap(node, "a2")
+        assert buffered(node) == (0, 0)
+        push(node, "a2", history[1:2])
+        assert buffered(node) == (1, 1)
+        node.flush()
+    finally:
+        _close_offline(node)
+    node = offline_replicant(data_dir)  # restarted in the middle of the bootstrap
+    clock[0] = node.clock_ms()
+    node.clock_ms = lambda: clock[0]
+    try:
+        assert buffered(node) == (1, 1)
+        replica = node.replicas["default"]
+        # Not resumed: a watch from the unknown digest is answered bootstrap, even by a core holding the key.
+        assert replica.applied_digest == p.UNKNOWN_DIGEST
+        digests = {ZERO_KEY: GENESIS_DIGEST, **{entry.tx_key: entry.digest for entry in history}}
+        mode, _, _ = decide_watch(
+            replica.applied_key, replica.applied_digest, ZERO_KEY, committed, history[-1].digest, digests.get, "c"
+        )
+        assert mode == "bootstrap"
+        node.core_sockets = {"core1": _queueing_dealer()}
+        replica = bootstrap(node, "a3")
+        assert buffered(node) == (0, 0)  # starts over: the reset deleted the interrupted bootstrap's spill
+        push(node, "a3", history[1:4])
+        assert buffered(node) == (3, 3)
+        node._step(replica, p.TablesReceived("core1", (), (), replica.watch_id))  # the copy is done: replayed
+        assert replica.mode is p.Mode.NORMAL and replica.applied_key == TxKey(1, 4)
+        assert buffered(node) == (0, 0)
+    finally:
+        _close_offline(node)
