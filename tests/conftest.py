@@ -279,25 +279,32 @@ def forwarding_core(data_dir: Path) -> Iterator[CoreNode]:
         node.close()
 
 
-class ThreadNode:
-    """A core node served from a thread of the test process (fast; for protocol and CLI tests)."""
+class ServedCore:
+    """A core node bound and served from a daemon thread of the test process until ``stop``."""
 
-    def __init__(self, data_dir: Path, extra: dict | None = None, port: int | None = None, name: str = "core1") -> None:
-        self.port = port or free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        self.node = CoreNode(node_config(data_dir, self.port, name, extra=extra))
+    def __init__(self, node: CoreNode) -> None:
+        self.node = node
         self.node.bind()
         self.thread = threading.Thread(target=self.node.serve_forever, daemon=True)
         self.thread.start()
-
-    def client(self, **kwargs) -> Client:
-        return Client(self.endpoint, **kwargs)
 
     def stop(self) -> None:
         self.node.request_stop("stopped by its owner")  # wakes its loop at once
         self.thread.join(timeout=10)
         if self.thread.is_alive():
             raise AssertionError("node thread did not stop within 10 s")
+
+
+class ThreadNode(ServedCore):
+    """A core node served from a thread of the test process (fast; for protocol and CLI tests)."""
+
+    def __init__(self, data_dir: Path, extra: dict | None = None, port: int | None = None, name: str = "core1") -> None:
+        self.port = port or free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        super().__init__(CoreNode(node_config(data_dir, self.port, name, extra=extra)))
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.endpoint, **kwargs)
 
 
 @pytest.fixture
