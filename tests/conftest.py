@@ -23,6 +23,7 @@ import pytest
 import zmq
 from hypothesis import given, settings
 from mnesite.core.node import CoreNode
+from mnesite.rlog import messages
 from mnesite.rlog.client import Client, MnesiteError
 from mnesite.rlog.config import parse_config
 
@@ -278,25 +279,32 @@ def forwarding_core(data_dir: Path) -> Iterator[CoreNode]:
         node.close()
 
 
-class ThreadNode:
-    """A core node served from a thread of the test process (fast; for protocol and CLI tests)."""
+class ServedCore:
+    """A core node bound and served from a daemon thread of the test process until ``stop``."""
 
-    def __init__(self, data_dir: Path, extra: dict | None = None, port: int | None = None, name: str = "core1") -> None:
-        self.port = port or free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        self.node = CoreNode(node_config(data_dir, self.port, name, extra=extra))
+    def __init__(self, node: CoreNode) -> None:
+        self.node = node
         self.node.bind()
         self.thread = threading.Thread(target=self.node.serve_forever, daemon=True)
         self.thread.start()
-
-    def client(self, **kwargs) -> Client:
-        return Client(self.endpoint, **kwargs)
 
     def stop(self) -> None:
         self.node.request_stop("stopped by its owner")  # wakes its loop at once
         self.thread.join(timeout=10)
         if self.thread.is_alive():
             raise AssertionError("node thread did not stop within 10 s")
+
+
+class ThreadNode(ServedCore):
+    """A core node served from a thread of the test process (fast; for protocol and CLI tests)."""
+
+    def __init__(self, data_dir: Path, extra: dict | None = None, port: int | None = None, name: str = "core1") -> None:
+        self.port = port or free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        super().__init__(CoreNode(node_config(data_dir, self.port, name, extra=extra)))
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.endpoint, **kwargs)
 
 
 @pytest.fixture
@@ -405,7 +413,40 @@ def start_core_process(
     return node, endpoint, config
 
 
-class ScriptedNode:
+class RouterNode:
+    """A ROUTER on 127.0.0.1 that a daemon thread serves with ``_serve`` (a subclass's) until ``close``.
+
+    A subclass sets what ``_serve`` reads before calling ``__init__``: the thread starts in it."""
+
+    def __init__(self) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+    def receive(self) -> tuple[list[bytes], str] | None:
+        """The next request's envelope and request id, or None when none arrived within 20 ms."""
+        if not self.socket.poll(20):
+            return None
+        *envelope, frame = self.socket.recv_multipart()
+        return envelope, messages.decode(frame).request_id
+
+    def send(self, envelope: list[bytes], message: messages.Message) -> None:
+        """Send ``message`` back along ``envelope``."""
+        self.socket.send_multipart([*envelope, messages.encode(message)])
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.socket.close(0)  # a second close does nothing
+
+
+class ScriptedNode(RouterNode):
     """A ROUTER on 127.0.0.1 that answers the n-th request it receives with ``answers[n]`` (code,
     message; None: no answer, a node that took the request and went silent), from a thread;
     ``requests`` holds the ids of every request it read.
@@ -421,39 +462,27 @@ class ScriptedNode:
         self.answers = answers
         self.then_gone = then_gone
         self.requests: list[str] = []
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__()
 
     def _serve(self) -> None:
-        from mnesite.rlog import messages
-
         grace_ends_s: float | None = None
         while not self.stopping.is_set() and (grace_ends_s is None or time.monotonic() < grace_ends_s):
-            if not self.socket.poll(20):
+            received = self.receive()
+            if received is None:
                 continue
-            *envelope, frame = self.socket.recv_multipart()
-            request_id = messages.decode(frame).request_id
+            envelope, request_id = received
             self.requests.append(request_id)
             if len(self.requests) > len(self.answers):
                 break  # gone: this one is never answered
             answer = self.answers[len(self.requests) - 1]
             if answer is not None:
                 code, text = answer
-                self.socket.send_multipart([*envelope, messages.encode(messages.error(request_id, code, text))])
+                self.send(envelope, messages.error(request_id, code, text))
             if len(self.requests) == len(self.answers):
                 if not self.then_gone:
                     return  # the socket stays open, unread, until close()
                 grace_ends_s = time.monotonic() + self.STOP_GRACE_S
         self.socket.close(0)
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=5)
-        self.socket.close(0)  # a second close does nothing
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from mnesite.rlog.backup import BackupError, JobView, check_path, decide, read_r
 from mnesite.rlog.client import MnesiteError
 from mnesite.rlog.roles import RoleTable
 from mnesite.rlog.store import Store
-from mnesite.rlog.types import GENESIS_DIGEST, CreateTableOp, TxKey, WriteOp, make_entry
+from mnesite.rlog.types import GENESIS_DIGEST, CreateTableOp, Entry, TxKey, WriteOp, make_entry
 
 from tests.conftest import Cluster, ThreadNode, free_port, offline_replicant, wait_until
 from tests.test_cluster import Load, create_table, rows
@@ -123,21 +123,28 @@ def test_a_backup_under_writes_is_a_consistent_verified_file(thread_node: Thread
     assert f"backup to {tmp_path / 'other'}: done" in text.stdout
 
 
+def _create_table_kv(store: Store) -> Entry:
+    """In ``store``'s write transaction: shard default (generation 1) and its first entry, appended and
+    applied, which creates table kv (id INTEGER key, value TEXT); returns that entry."""
+    store.ensure_shard("default", 1)
+    create = make_entry(
+        "default",
+        TxKey(1, 1),
+        TxKey(0, 0),
+        GENESIS_DIGEST,
+        (CreateTableOp("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT"))),),
+        None,
+    )
+    store.append_entry(create, 0)
+    store.apply_entry(create)
+    return create
+
+
 def test_restore_keeps_the_committed_state_and_drops_the_uncommitted_tail(tmp_path: Path) -> None:
     source = tmp_path / "source.db"
     store = Store(str(source))
     with store.write_transaction():
-        store.ensure_shard("default", 1)
-        create = make_entry(
-            "default",
-            TxKey(1, 1),
-            TxKey(0, 0),
-            GENESIS_DIGEST,
-            (CreateTableOp("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT"))),),
-            None,
-        )
-        store.append_entry(create, 0)
-        store.apply_entry(create)
+        create = _create_table_kv(store)
         committed = make_entry(
             "default", TxKey(1, 2), create.tx_key, create.digest, (WriteOp("kv", {"id": 1, "value": "a"}),), None
         )
@@ -693,17 +700,7 @@ def _backup_file_with_rows(path: Path, rows_count: int) -> None:
     """A backup file (rollback journal, a ``backup`` record) of one shard with a table of ``rows_count`` rows."""
     store = Store(str(path))
     with store.write_transaction():
-        store.ensure_shard("default", 1)
-        entry = make_entry(
-            "default",
-            TxKey(1, 1),
-            TxKey(0, 0),
-            GENESIS_DIGEST,
-            (CreateTableOp("kv", "default", "id", (("id", "INTEGER"), ("value", "TEXT"))),),
-            None,
-        )
-        store.append_entry(entry, 0)
-        store.apply_entry(entry)
+        entry = _create_table_kv(store)
         for row_id in range(rows_count):
             ops = (WriteOp("kv", {"id": row_id, "value": f"needle-{row_id:04d}-" + "x" * 300}),)
             entry = make_entry("default", TxKey(1, entry.tx_key.counter + 1), entry.tx_key, entry.digest, ops, None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -46,6 +46,11 @@ def apply_feed(records, state: dict | None = None) -> dict:
     return state
 
 
+def _put_users(client: Client, ids: range) -> list[TxKey]:
+    """Writes users ``{"id": i, "name": f"n{i}"}`` for each ``i`` of ``ids``, an entry each: their keys."""
+    return [client.put("users", {"id": i, "name": f"n{i}"}) for i in ids]
+
+
 def table_rows(client: Client, table: str) -> dict:
     key = client.table(table)["key"]
     return {row[key]: row for row in client.scan(table)}
@@ -65,7 +70,7 @@ def node(tmp_path: Path):
 
 def test_every_change_in_log_order_with_its_key_and_row_and_resume_is_strictly_after(node) -> None:
     with node.client() as client:
-        keys = [client.put("users", {"id": i, "name": f"n{i}"}) for i in range(20)]
+        keys = _put_users(client, range(20))
         client.put("other", {"id": 1, "v": 1})
         with client.transaction() as tx:  # one entry, two ops: they travel together
             tx.put("users", {"id": 100, "name": "x"})
@@ -556,16 +561,28 @@ def _trimmed_here_only(monkeypatch, through: list) -> None:
     )
 
 
+def _applied_on_pages(monkeypatch, on_page: Callable[[int], bool], applied: TxKey | None) -> list[int]:
+    """This node answers ``applied`` as its applied key at the calls (one a page; counted from 1) that
+    ``on_page`` picks, and its own at the others. Returns the count of calls so far, in a list."""
+    real_applied = StoreFeedReader.applied
+    pages = [0]
+
+    def applied_on_some_pages(self, shard):
+        pages[0] += 1
+        return applied if on_page(pages[0]) else real_applied(self, shard)
+
+    monkeypatch.setattr(StoreFeedReader, "applied", applied_on_some_pages)
+    return pages
+
+
 def test_a_cursor_saved_inside_a_copy_never_resumes_from_the_position_before_it(node, monkeypatch) -> None:
     """After ``snapshot_begin`` (drop what you hold) the cursor still named the position from before
     the copy until the page's last record: a consumer that saved it there and resumed at a node that
     still holds that position (cores trim each by itself) got the changes after it on top of tables
     it had emptied, and lost every row written before it. The cursor moves to the copy's start."""
     with node.client() as client:
-        for i in range(5):
-            start = client.put("users", {"id": i, "name": f"n{i}"})
-        for i in range(5, 20):
-            last = client.put("users", {"id": i, "name": f"n{i}"})
+        start = _put_users(client, range(5))[-1]
+        last = _put_users(client, range(5, 20))[-1]
         through: list = [last]
         _trimmed_here_only(monkeypatch, through)
         feed = client.changes(["users"], after_tx_key=start)
@@ -588,20 +605,10 @@ def test_a_feed_that_moves_to_a_node_behind_its_copy_does_not_end_inside_it(node
     whose applied key is behind the copy's start (a lagging replicant), inside the copy, without its
     ``snapshot_end``, holding part of the tables. It waits for that node instead (held pages)."""
     with node.client() as client:
-        start = client.put("users", {"id": 0, "name": "n0"})
-        for i in range(1, 20):
-            last = client.put("users", {"id": i, "name": f"n{i}"})
+        start, *_, last = _put_users(client, range(20))
         _trimmed_here_only(monkeypatch, [last])
-        real_applied = StoreFeedReader.applied
-        pages = [0]
-
-        def lagging_after_the_first_page(self, shard):
-            pages[0] += 1
-            if 2 <= pages[0] <= 4:  # the next pages come from a node behind the copy's start
-                return TxKey(last.generation, last.counter - 5)
-            return real_applied(self, shard)
-
-        monkeypatch.setattr(StoreFeedReader, "applied", lagging_after_the_first_page)
+        # Pages 2 to 4 come from a node behind the copy's start (a lagging replicant).
+        pages = _applied_on_pages(monkeypatch, lambda page: 2 <= page <= 4, TxKey(last.generation, last.counter - 5))
         feed = client.changes(["users"], after_tx_key=start, wait_ms=50)
         records = list(feed)
         kinds = [r["kind"] for r in records]
@@ -620,20 +627,10 @@ def test_a_feed_not_following_gives_up_on_a_node_that_never_reaches_its_copy(nod
     from mnesite.rlog.client import ChangeFeed
 
     with node.client() as client:
-        start = client.put("users", {"id": 0, "name": "n0"})
-        for i in range(1, 20):
-            last = client.put("users", {"id": i, "name": f"n{i}"})
+        start, *_, last = _put_users(client, range(20))
         _trimmed_here_only(monkeypatch, [last])
-        real_applied = StoreFeedReader.applied
-        pages = [0]
-
-        def stuck_after_the_first_page(self, shard):
-            pages[0] += 1
-            if pages[0] >= 2:
-                return TxKey(last.generation, last.counter - 5) if stuck == "behind" else None
-            return real_applied(self, shard)
-
-        monkeypatch.setattr(StoreFeedReader, "applied", stuck_after_the_first_page)
+        stuck_at = TxKey(last.generation, last.counter - 5) if stuck == "behind" else None
+        _applied_on_pages(monkeypatch, lambda page: page >= 2, stuck_at)
         real_fetch = ChangeFeed.fetch_page
 
         def bounded(feed):
@@ -657,9 +654,7 @@ def test_cli_changes_stopped_inside_a_copy_says_so_instead_of_leaving_the_shard_
     with node.client() as client:
         client.create_table("far", "id", [("id", "INTEGER")], shard="far")
         far = client.put("far", {"id": 1})
-        start = client.put("users", {"id": 0, "name": "n0"})
-        for i in range(1, 20):
-            last = client.put("users", {"id": i, "name": f"n{i}"})
+        start, *_, last = _put_users(client, range(20))
     through: list = [last]
     _trimmed_here_only(monkeypatch, through)
     from mnesite.rlog.client import ChangeFeed

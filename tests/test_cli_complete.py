@@ -196,6 +196,20 @@ def test_import_shows_its_progress_on_stderr_unless_quiet(
     assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
 
 
+def _check_pass_refuses_each(
+    mnesite, thread_node: ThreadNode, tmp_path: Path, good: str, cases: dict[str, str]
+) -> None:
+    """For each line of ``cases``: a JSONL file of ``good`` then that line, imported in batches of 1 row,
+    fails with "Error: " and the line's text, and nothing is written to items."""
+    for index, (line, expected) in enumerate(cases.items()):
+        path = tmp_path / f"rows{index}.jsonl"
+        path.write_text(good + line + "\n")
+        result = mnesite("import", "items", str(path), "--batch-rows", "1")
+        assert result.exit_code == 1 and result.output.startswith(f"Error: {expected}"), (line, result.output)
+        with thread_node.client() as client:
+            assert client.count("items") == 0, line
+
+
 def test_an_import_value_the_client_cannot_send_is_found_by_the_check(
     mnesite, thread_node: ThreadNode, tmp_path: Path
 ) -> None:
@@ -209,13 +223,7 @@ def test_an_import_value_the_client_cannot_send_is_found_by_the_check(
         '{"id": 3, "name": {"a": 1}}': "line 4: column 'name': must be null, a bool",
         '{"id": 3, "price": NaN}': "line 4: column 'price': NaN cannot be stored",
     }
-    for index, (line, expected) in enumerate(cases.items()):
-        path = tmp_path / f"rows{index}.jsonl"
-        path.write_text(good + line + "\n")
-        result = mnesite("import", "items", str(path), "--batch-rows", "1")
-        assert result.exit_code == 1 and result.output.startswith(f"Error: {expected}"), (line, result.output)
-        with thread_node.client() as client:
-            assert client.count("items") == 0, line
+    _check_pass_refuses_each(mnesite, thread_node, tmp_path, good, cases)
 
 
 def test_import_names_the_bad_line_and_writes_nothing(mnesite, thread_node: ThreadNode, tmp_path: Path) -> None:
@@ -701,13 +709,7 @@ def test_jsonl_import_refuses_a_value_of_another_type_in_the_check_pass(
         '{"id": 3.0}': "line 4: column 'id': INTEGER column, got 3.0",
         '{"id": 3, "name": 7}': "line 4: column 'name': TEXT column, got 7",
     }
-    for index, (line, expected) in enumerate(cases.items()):
-        path = tmp_path / f"rows{index}.jsonl"
-        path.write_text(good + line + "\n")
-        result = mnesite("import", "items", str(path), "--batch-rows", "1")
-        assert result.exit_code == 1 and result.output.startswith(f"Error: {expected}"), (line, result.output)
-        with thread_node.client() as client:
-            assert client.count("items") == 0, line
+    _check_pass_refuses_each(mnesite, thread_node, tmp_path, good, cases)
     # A CSV file's bad cell: the same, nothing written.
     path = tmp_path / "rows.csv"
     path.write_text("id,name\n1,a\n2,b\n1_000,c\n")

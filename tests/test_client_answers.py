@@ -7,44 +7,32 @@ something else listening on the port), raised a bare KeyError or TypeError out o
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import zmq
 from mnesite.rlog import messages
 from mnesite.rlog.client import Client, MnesiteError
 
 from mnesite import dbapi
+from tests.conftest import RouterNode
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class ReplyingNode:
+class ReplyingNode(RouterNode):
     """A ROUTER that answers every request with a reply whose result is ``result`` (set by the test)."""
 
     def __init__(self) -> None:
         self.result: Any = None
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__()
 
     def _serve(self) -> None:
         while not self.stopping.is_set():
-            if not self.socket.poll(20):
-                continue
-            *envelope, frame = self.socket.recv_multipart()
-            request_id = messages.decode(frame).request_id
-            self.socket.send_multipart([*envelope, messages.encode(messages.reply(request_id, self.result))])
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=5)
-        self.socket.close(0)
+            received = self.receive()
+            if received is not None:
+                envelope, request_id = received
+                self.send(envelope, messages.reply(request_id, self.result))
 
 
 @pytest.fixture(scope="module")

@@ -123,6 +123,21 @@ def test_a_removal_is_in_force_as_soon_as_the_sequencer_persists_it():
     assert harness.state.members == ("a", "b") and harness.machine.committed_members == ("a", "b")
 
 
+def _only_the_silent_core_can_be_removed(harness: Harness) -> None:
+    """Sequencer a of {a, b, c}, with c silent: a removal of b, or of a itself, is refused (no quorum
+    after it) and appends nothing; a removal of c is appended and {a, b} is in force."""
+    assert harness.machine.role is Role.SEQUENCER
+    for request_id, name in (("m1", "b"), ("m2", "a")):
+        effects = harness.step(MembershipChangeRequested(name, add=False, request_id=request_id))
+        assert of_type(effects, ProposalRejected) == [
+            ProposalRejected(request_id, membership.REJECT_NO_QUORUM_AFTER, "a")
+        ]
+        assert not _membership_entries(effects) and harness.machine.members == ("a", "b", "c")
+    # Removing the silent core is how it is replaced: {a, b} is heard whole.
+    effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m3"))
+    assert harness.machine.members == ("a", "b") and _membership_entries(effects)
+
+
 def test_a_removal_is_refused_while_the_sequencer_hears_no_majority_of_the_set_it_leaves():
     """{a, b, c} with c silent for an election timeout: removing b (or a itself) leaves a set whose
     majority needs c; appended, it was in force at once, never committed, and nobody could be elected."""
@@ -137,16 +152,7 @@ def test_a_removal_is_refused_while_the_sequencer_hears_no_majority_of_the_set_i
         now += CONFIG.heartbeat_interval_ms
         harness.ack("b", TxKey(1, 1))
         harness.step(Ticked(), now)  # c says nothing
-    assert harness.machine.role is Role.SEQUENCER
-    for request_id, name in (("m1", "b"), ("m2", "a")):
-        effects = harness.step(MembershipChangeRequested(name, add=False, request_id=request_id))
-        assert of_type(effects, ProposalRejected) == [
-            ProposalRejected(request_id, membership.REJECT_NO_QUORUM_AFTER, "a")
-        ]
-        assert not _membership_entries(effects) and harness.machine.members == ("a", "b", "c")
-    # Removing the silent core is how it is replaced: {a, b} is heard whole.
-    effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m3"))
-    assert harness.machine.members == ("a", "b") and _membership_entries(effects)
+    _only_the_silent_core_can_be_removed(harness)
 
 
 def test_a_removal_right_after_an_election_counts_only_the_cores_that_answered():
@@ -155,15 +161,7 @@ def test_a_removal_right_after_an_election_counts_only_the_cores_that_answered()
     as heard at the election (so self-fencing gives them a timeout to answer): c, which never
     answered, was counted, the removal was appended, and {a, c} could neither commit nor elect."""
     harness = _elected()  # c never answers
-    assert harness.machine.role is Role.SEQUENCER
-    for request_id, name in (("m1", "b"), ("m2", "a")):
-        effects = harness.step(MembershipChangeRequested(name, add=False, request_id=request_id))
-        assert of_type(effects, ProposalRejected) == [
-            ProposalRejected(request_id, membership.REJECT_NO_QUORUM_AFTER, "a")
-        ]
-        assert not _membership_entries(effects) and harness.machine.members == ("a", "b", "c")
-    effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m3"))
-    assert harness.machine.members == ("a", "b") and _membership_entries(effects)
+    _only_the_silent_core_can_be_removed(harness)
 
 
 def test_a_membership_entry_is_batched_and_the_sequencer_counts_itself_only_once_durable():
@@ -415,15 +413,25 @@ def test_the_seeds_change_the_membership_for_real():
     assert committed >= 5
 
 
+def _settled(seed: int, cores: int) -> tuple[MembershipSimulation, str, list[str]]:
+    """``cores`` cores (and the spares), no faults and no changes of the simulation's own, run until
+    quiet: the simulation, its sequencer and the other cores, sorted."""
+    simulation = MembershipSimulation(seed, cores, faulty_ms=0, change_probability=0.0)
+    simulation._heal()
+    sequencer = simulation.run_until_quiet().name
+    return simulation, sequencer, sorted(n for n in simulation.nodes if n.startswith("core") and n != sequencer)
+
+
+def _cut_between(left: set[str], right: set[str]) -> set[tuple[str, str]]:
+    """What ``simulation.cut`` holds to drop every message between a node of ``left`` and one of ``right``."""
+    return {(p, q) for p in left for q in right} | {(q, p) for p in left for q in right}
+
+
 def _two_removals_in_flight(seed: int) -> MembershipSimulation:
     """5 cores, no faults: the sequencer S and A are cut off from X, Y and Z; S is asked to remove
     Y and then Z at once, and takes writes; then time passes."""
-    simulation = MembershipSimulation(seed, 5, faulty_ms=0, change_probability=0.0)
-    simulation._heal()
-    sequencer = simulation.run_until_quiet().name
-    a, x, y, z = sorted(n for n in simulation.nodes if n.startswith("core") and n != sequencer)
-    left, right = {sequencer, a}, {x, y, z}
-    simulation.cut = {(p, q) for p in left for q in right} | {(q, p) for p in left for q in right}
+    simulation, sequencer, (a, x, y, z) = _settled(seed, 5)
+    simulation.cut = _cut_between({sequencer, a}, {x, y, z})
     simulation.change(sequencer, y, add=False)
     simulation.change(sequencer, z, add=False)
     for _ in range(5):
@@ -460,10 +468,7 @@ def test_the_simulator_catches_two_changes_in_flight(monkeypatch):
 def _remove_while_another_is_down(seed: int, remove_self: bool) -> tuple[MembershipSimulation, str, str]:
     """3 cores, no faults: B is lost (down for two election timeouts), then the operator asks the
     sequencer S to remove A, or itself. Returns the simulation, S and B."""
-    simulation = MembershipSimulation(seed, 3, faulty_ms=0, change_probability=0.0)
-    simulation._heal()
-    s = simulation.run_until_quiet().name
-    a, b = sorted(n for n in simulation.nodes if n.startswith("core") and n != s)
+    simulation, s, (a, b) = _settled(seed, 3)
     for _ in range(3):
         simulation.write(s)
     simulation.run_until_quiet()
@@ -504,12 +509,8 @@ def test_a_removal_while_another_core_is_down_is_refused_and_the_cluster_keeps_i
 def _add_cut_off_from_the_old_majority(seed: int) -> MembershipSimulation:
     """3 cores and a spare, no faults: the sequencer S and the spare are cut off from A and B, then S
     is asked to add the spare (it catches up within S's last election timeout), and takes writes."""
-    simulation = MembershipSimulation(seed, 3, faulty_ms=0, change_probability=0.0)
-    simulation._heal()
-    sequencer = simulation.run_until_quiet().name
-    a, b = sorted(n for n in simulation.nodes if n.startswith("core") and n != sequencer)
-    left, right = {sequencer, "spare0"}, {a, b}
-    simulation.cut = {(p, q) for p in left for q in right} | {(q, p) for p in left for q in right}
+    simulation, sequencer, (a, b) = _settled(seed, 3)
+    simulation.cut = _cut_between({sequencer, "spare0"}, {a, b})
     simulation.change(sequencer, "spare0", add=True)
     for _ in range(3):
         simulation.write(sequencer)
@@ -540,11 +541,8 @@ def _add_committed_without_the_old_member(seed: int) -> tuple[MembershipSimulati
     the entry it is cut off from the other member C, commits the add with D (2 of {S, C, D}), and
     is lost for good. C never stored the entry: its membership is still {S, C}. Then D must be
     elected within 10 election timeouts. Returns the simulation, S, C and D."""
-    simulation = MembershipSimulation(seed, 2, faulty_ms=0, change_probability=0.0)
-    simulation._heal()
-    sequencer = simulation.run_until_quiet()
-    s, d = sequencer.name, "spare0"
-    (c,) = [name for name in simulation.nodes if name.startswith("core") and name != s]
+    simulation, s, (c,) = _settled(seed, 2)
+    sequencer, d = simulation.nodes[s], "spare0"
     for _ in range(3):
         simulation.write(s)
     simulation.run_until_quiet()

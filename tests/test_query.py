@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import apsw
@@ -125,6 +126,34 @@ def _all_rows(runner: q.QueryRunner, sql: str, params=(), page_rows: int = 1000)
     return rows, pages
 
 
+def _read_on(runner: q.QueryRunner, cursor: str | None, page_rows: int) -> list:
+    """The rows of the pages after the one that answered ``cursor`` (None: there are none), ``page_rows``
+    a page; every page must succeed."""
+    rows: list = []
+    while cursor is not None:
+        runner.next_page("client", cursor, page_rows)
+        page = _finished(runner)
+        assert page.error is None, page.error
+        rows, cursor = rows + page.result["rows"], page.result["cursor"]
+    return rows
+
+
+@contextlib.contextmanager
+def _runner_over(path: Path, limits: q.QueryLimits, names: list[str] | None = None) -> Iterator[q.QueryRunner]:
+    """A runner with ``limits`` (on the monotonic clock) over a new database at ``path`` whose users
+    hold a row ``(i, names[i], 0)`` for each name (none: no rows); runner and store closed after."""
+    store = _database(path, rows=0)
+    if names:
+        with store.write_transaction():
+            store.connection.executemany("INSERT INTO users VALUES (?, ?, 0)", list(enumerate(names)))
+    runner = q.QueryRunner(store.path, limits, q_clock)
+    try:
+        yield runner
+    finally:
+        runner.stop()
+        store.close()
+
+
 # -- what SQLite refuses ------------------------------------------------------------------------
 
 
@@ -215,12 +244,8 @@ def test_the_tables_a_query_reads_are_known_for_consistency(store: Store) -> Non
 
 
 def test_pages_are_bounded_by_rows_and_by_bytes(tmp_path: Path) -> None:
-    store = _database(tmp_path / "big.db", rows=0)
-    with store.write_transaction():
-        store.connection.executemany("INSERT INTO users VALUES (?, ?, 0)", [(i, "x" * 10_000) for i in range(100)])
     limits = q.QueryLimits(ms_max=5000, page_rows_max=1000, page_bytes_max=50_000)
-    runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
-    try:
+    with _runner_over(tmp_path / "big.db", limits, ["x" * 10_000] * 100) as runner:
         rows, pages = _all_rows(runner, "SELECT * FROM users ORDER BY id", page_rows=1000)
         assert [row[0] for row in rows] == list(range(100))
         assert pages >= 100 * 10_000 // 60_000  # about 5 rows per page, not one page of 100
@@ -229,19 +254,14 @@ def test_pages_are_bounded_by_rows_and_by_bytes(tmp_path: Path) -> None:
         # No single value may exceed page_bytes_max (SQLITE_LIMIT_LENGTH): bounded memory per value.
         finished = _start(runner, "SELECT zeroblob(1000000)")
         assert finished.error is not None and "too big" in str(finished.error)
-    finally:
-        runner.stop()
-        store.close()
 
 
 def test_one_row_of_many_columns_holds_at_most_row_pages_pages_of_values(tmp_path: Path) -> None:
     """apsw builds a whole row before it can be measured: SELECT zeroblob(N), ... over hundreds of
     columns held hundreds of values of page_bytes_max each in a worker (200 x 1 MB raised its peak by
     383 MB). Past ROW_PAGES columns the bound per value is page_bytes_max shared among the columns."""
-    store = _database(tmp_path / "wide.db", rows=0)
     page = 20_000
-    runner = q.QueryRunner(store.path, q.QueryLimits(ms_max=5000, page_bytes_max=page), q_clock)
-    try:
+    with _runner_over(tmp_path / "wide.db", q.QueryLimits(ms_max=5000, page_bytes_max=page)) as runner:
         assert q.row_value_bytes_max(page, 1) == q.row_value_bytes_max(page, q.ROW_PAGES) == page
         assert q.row_value_bytes_max(page, 200) == q.ROW_PAGES * page // 200
         wide = q.row_value_bytes_max(page, 200)
@@ -263,9 +283,6 @@ def test_one_row_of_many_columns_holds_at_most_row_pages_pages_of_values(tmp_pat
         rows, _pages = _all_rows(runner, blobs(1, page))
         assert len(rows[0][0]) == page
         assert runner.open_cursors() == 0
-    finally:
-        runner.stop()
-        store.close()
 
 
 def test_all_pages_come_from_one_snapshot(store: Store, runner: q.QueryRunner) -> None:
@@ -473,10 +490,7 @@ def test_a_second_stop_closes_no_file_the_process_opened_since(store: Store) -> 
 
 
 def test_the_budget_counts_sqlite_time_over_all_pages(tmp_path: Path) -> None:
-    store = _database(tmp_path / "node.db", rows=0)
-    limits = q.QueryLimits(ms_max=300, page_rows_max=1000)
-    runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
-    try:
+    with _runner_over(tmp_path / "node.db", q.QueryLimits(ms_max=300, page_rows_max=1000)) as runner:
         # Each row costs SQLite work (200,000 rows: about 20 ms on a quiet machine, so about 15 pages);
         # the client takes its time between pages, which is not counted.
         slow = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r WHERE n % 200000 = 0"
@@ -491,9 +505,6 @@ def test_the_budget_counts_sqlite_time_over_all_pages(tmp_path: Path) -> None:
         # Stopped only once SQLite itself spent 300 ms, though the client's pauses took longer than that.
         assert finished.error.code == "query_budget" and pages > 1
         assert time.monotonic() - started > 0.3 + pages * 0.05 - 0.05
-    finally:
-        runner.stop()
-        store.close()
 
 
 # 100 rows of 200,000 bytes each: about 20 MB to sort, ten times SQLite's cache (2 MB), so it spills.
@@ -526,11 +537,9 @@ def test_a_query_whose_sort_would_pass_query_temp_bytes_max_fails_and_never_hold
     nothing but the query's time budget: about 1.5-3 GB per query, kept while its cursor stayed open,
     16 cursors filling the disk. The query connections' VFS counts their bytes: a query whose files
     would pass query_temp_bytes_max fails with the bound's name, and never held more than it."""
-    store = _database(tmp_path / "node.db", rows=0)
     bound = 4 * 1024 * 1024
     limits = q.QueryLimits(ms_max=10_000, temp_bytes_max=bound, temp_bytes_total_max=64 * 1024 * 1024)
-    runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
-    try:
+    with _runner_over(tmp_path / "node.db", limits) as runner:
         checked = runner.check(sql, (100,), ["users"])
         runner.start(q.WaitingQuery("client", checked, ("default",), {}, 1, 0))
         finished = _finished(runner)
@@ -541,17 +550,9 @@ def test_a_query_whose_sort_would_pass_query_temp_bytes_max_fails_and_never_hold
         # A sort within the bound still spills and answers, in order.
         first = _start(runner, LARGE_SORT, (15,), page_rows=5)
         assert first.error is None and 0 < runner.temp_space.used <= bound, first  # it spilled
-        rows, token = first.result["rows"], first.result["cursor"]
-        while token is not None:
-            runner.next_page("client", token, 5)
-            page = _finished(runner)
-            assert page.error is None, page.error
-            rows, token = rows + page.result["rows"], page.result["cursor"]
+        rows = first.result["rows"] + _read_on(runner, first.result["cursor"], 5)
         assert rows == [[i, 200_000] for i in range(15, 0, -1)]
         assert runner.temp_space.high_water <= bound and runner.temp_space.used == 0
-    finally:
-        runner.stop()
-        store.close()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the process's descriptors (Linux)")
@@ -559,11 +560,9 @@ def test_the_temporary_files_held_by_open_cursors_are_bounded_per_node(tmp_path:
     """An open cursor keeps its sort's files (until it is read to the end, closed or expired): the
     node's queries together hold at most query_temp_bytes_total_max on disk; the query that would
     pass it fails, the one holding its files reads on."""
-    store = _database(tmp_path / "node.db", rows=0)
     total = 20 * 1024 * 1024
     limits = q.QueryLimits(ms_max=10_000, temp_bytes_max=16 * 1024 * 1024, temp_bytes_total_max=total)
-    runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
-    try:
+    with _runner_over(tmp_path / "node.db", limits) as runner:
         held = _start(runner, LARGE_SORT, (60,), page_rows=1)  # about 12 MB spilled, kept by its cursor
         assert held.error is None and held.result["rows"] == [[60, 200_000]], held
         on_disk = _temp_bytes_on_disk()
@@ -572,17 +571,9 @@ def test_the_temporary_files_held_by_open_cursors_are_bounded_per_node(tmp_path:
         assert refused.error is not None and refused.error.code == "query_failed", refused
         assert "query_temp_bytes_total_max" in str(refused.error)
         assert runner.temp_space.high_water <= total and _temp_bytes_on_disk() == on_disk
-        rows, token = [], held.result["cursor"]
-        while token is not None:
-            runner.next_page("client", token, 20)
-            page = _finished(runner)
-            assert page.error is None, page.error
-            rows, token = rows + page.result["rows"], page.result["cursor"]
+        rows = _read_on(runner, held.result["cursor"], 20)
         assert rows == [[i, 200_000] for i in range(59, 0, -1)]
         assert runner.temp_space.used == 0 and _temp_bytes_on_disk() == 0
-    finally:
-        runner.stop()
-        store.close()
 
 
 @pytest.mark.parametrize(
@@ -1245,13 +1236,9 @@ def test_a_page_never_outgrows_a_frame_and_a_row_too_big_for_one_frees_its_curso
 
 
 def test_a_row_its_page_cannot_hold_opens_the_next_page_none_lost_none_repeated(tmp_path: Path) -> None:
-    store = _database(tmp_path / "sizes.db", rows=0)
     sizes = [(i * 7919) % 19_000 + 100 for i in range(60)]
-    with store.write_transaction():
-        store.connection.executemany("INSERT INTO users VALUES (?, ?, 0)", [(i, "x" * n) for i, n in enumerate(sizes)])
     limits = q.QueryLimits(ms_max=5000, page_bytes_max=20_000, answer_bytes_max=30_000)
-    runner = q.QueryRunner(store.path, limits, q_clock)
-    try:
+    with _runner_over(tmp_path / "sizes.db", limits, ["x" * n for n in sizes]) as runner:
         for page_rows in (1, 3, 1000):
             finished = _start(runner, "SELECT id, name FROM users ORDER BY id", page_rows=page_rows)
             rows, pages = [], []
@@ -1270,9 +1257,6 @@ def test_a_row_its_page_cannot_hold_opens_the_next_page_none_lost_none_repeated(
             assert [len(row[1]) for row in rows] == sizes
             assert page_rows == 1 or any(len(page) > 1 for page in pages)
         assert runner.open_cursors() == 0
-    finally:
-        runner.stop()
-        store.close()
 
 
 def test_a_query_whose_shard_stopped_serving_before_its_snapshot_runs_again_once_it_serves(node: ThreadNode) -> None:

@@ -4,7 +4,10 @@ before the create is applied) and dropped outgoing frames (counted, shown, logge
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,12 +22,13 @@ from mnesite.replicant.reads import (
     shards_to_wait_on,
 )
 from mnesite.rlog import messages
+from mnesite.rlog.client import Client, MnesiteError
 from mnesite.rlog.errors import OverloadedError
 from mnesite.rlog.messages import Message, MessageError, typed_body
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import free_port, offline_replicant
+from tests.conftest import ThreadNode, free_port, offline_replicant, thread_replicant, wait_until
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -835,17 +839,10 @@ def test_a_core_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path) -> None:
         node.data_dir_lock.release()
 
 
-@pytest.mark.timeout(30)
-def test_a_read_waiting_for_a_key_the_replicant_never_reaches_gets_its_timeout_answer(tmp_path) -> None:
-    """A replicant holds a read that must see a key (``after_tx_key``, read-your-writes) for the
-    ``wait_ms`` it carries, then answers ``timeout`` naming the key. The client asked for a wait as long
-    as its own attempt's timeout: that answer always came after the client had given the attempt up as
-    silent; it re-sent the read and, after every retry, said the node "did not answer" (3x the timeout
-    by default). It now asks for a shorter wait and hears the replicant's answer."""
-    from mnesite.rlog.client import Client, MnesiteError, RemoteError, Unavailable
-
-    from tests.conftest import ThreadNode, thread_replicant, wait_until
-
+@contextlib.contextmanager
+def replicant_serving_t(tmp_path: Path) -> Iterator[tuple[str, str, Client]]:
+    """A core (a thread) with table t holding row 1 and a replicant of it (a thread) once it serves t:
+    yields the core's endpoint, the replicant's and a client of it (1 s timeout, 1 retry); stops both after."""
     core = ThreadNode(tmp_path / "core")
     try:
         with core.client(timeout_ms=3000) as writer:
@@ -863,12 +860,25 @@ def test_a_read_waiting_for_a_key_the_replicant_never_reaches_gets_its_timeout_a
                     return False
 
             wait_until(serves, 15, "the replicant to serve table t")
-            with pytest.raises(RemoteError) as info:
-                client.get("t", 1, after_tx_key=TxKey(99, 1))
-            assert not isinstance(info.value, Unavailable), info.value
-            assert info.value.code == "timeout" and "(99, 1)" in str(info.value).replace("[99, 1]", "(99, 1)")
+            yield core.endpoint, endpoint, client
     finally:
         core.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_read_waiting_for_a_key_the_replicant_never_reaches_gets_its_timeout_answer(tmp_path) -> None:
+    """A replicant holds a read that must see a key (``after_tx_key``, read-your-writes) for the
+    ``wait_ms`` it carries, then answers ``timeout`` naming the key. The client asked for a wait as long
+    as its own attempt's timeout: that answer always came after the client had given the attempt up as
+    silent; it re-sent the read and, after every retry, said the node "did not answer" (3x the timeout
+    by default). It now asks for a shorter wait and hears the replicant's answer."""
+    from mnesite.rlog.client import RemoteError, Unavailable
+
+    with replicant_serving_t(tmp_path) as (_, _, client):
+        with pytest.raises(RemoteError) as info:
+            client.get("t", 1, after_tx_key=TxKey(99, 1))
+        assert not isinstance(info.value, Unavailable), info.value
+        assert info.value.code == "timeout" and "(99, 1)" in str(info.value).replace("[99, 1]", "(99, 1)")
 
 
 def test_a_replicant_whose_cores_answer_with_logs_it_cannot_read_says_so_not_that_they_are_silent(tmp_path) -> None:
@@ -1163,37 +1173,16 @@ def test_cluster_members_at_a_replicant_says_it_has_none_and_names_the_core_it_w
     now the wrong-role answer (``not_a_core``, exit 1) naming the core the replicant watches."""
     from click.testing import CliRunner
     from mnesite.cli.main import main
-    from mnesite.rlog.client import Client, MnesiteError
 
-    from tests.conftest import ThreadNode, thread_replicant, wait_until
-
-    core = ThreadNode(tmp_path / "core")
-    try:
-        with core.client(timeout_ms=3000) as writer:
-            writer.create_table("t", "id", [("id", "INTEGER")])
-            writer.put("t", {"id": 1})
-        with (
-            thread_replicant(tmp_path / "r", core.endpoint) as endpoint,
-            Client(endpoint, timeout_ms=1000, retries=1) as client,
-        ):
-
-            def serves() -> bool:
-                try:
-                    return client.get("t", 1) == {"id": 1}
-                except MnesiteError:  # unknown_table, not_ready: not copied yet
-                    return False
-
-            wait_until(serves, 15, "the replicant to serve table t")
-            with pytest.raises(MnesiteError) as refused:
-                client.members()
-            assert refused.value.code == "not_a_core"
-            shown = CliRunner().invoke(main, ["cluster", "members", "--node", endpoint])
-            assert shown.exit_code == 1, shown.output
-            assert "replicant1 is a replicant: it has no membership" in shown.stderr
-            assert f"it watches core core1 ({core.endpoint})" in shown.stderr
-            assert f"mnesite cluster members --node {core.endpoint}" in shown.stderr
-    finally:
-        core.stop()
+    with replicant_serving_t(tmp_path) as (core_endpoint, endpoint, client):
+        with pytest.raises(MnesiteError) as refused:
+            client.members()
+        assert refused.value.code == "not_a_core"
+        shown = CliRunner().invoke(main, ["cluster", "members", "--node", endpoint])
+        assert shown.exit_code == 1, shown.output
+        assert "replicant1 is a replicant: it has no membership" in shown.stderr
+        assert f"it watches core core1 ({core_endpoint})" in shown.stderr
+        assert f"mnesite cluster members --node {core_endpoint}" in shown.stderr
 
 
 @pytest.mark.timeout(10)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import stat
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -34,7 +36,7 @@ from mnesite.rlog.security import (
 )
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import free_port, wait_until, watch_body
+from tests.conftest import ServedCore, create_table_t, free_port, wait_until, watch_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,18 +144,23 @@ def test_roles_config_errors_name_the_role(keys: Path, tmp_path: Path) -> None:
     assert config.secure and config.security is not None and config.security.roles["writer"] == ("app",)
 
 
-def test_a_node_refuses_to_start_with_another_principals_client_key(keys: Path, tmp_path: Path) -> None:
+def _node_toml(tmp_path: Path, toml: str) -> Path:
+    """``tmp_path/node.toml``, written: a [node] with its data_dir in ``tmp_path``, then ``toml``."""
     path = tmp_path / "node.toml"
-    toml = security_toml(keys, ROLES).replace("core1.key_secret", "core2.key_secret")
     path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + toml)
+    return path
+
+
+def test_a_node_refuses_to_start_with_another_principals_client_key(keys: Path, tmp_path: Path) -> None:
+    toml = security_toml(keys, ROLES).replace("core1.key_secret", "core2.key_secret")
+    path = _node_toml(tmp_path, toml)
     with pytest.raises(ConfigError, match=r"client_key is the key of 'core2' in authorized_keys, not of this node"):
         CoreNode(load_config(str(path)))
 
 
 def test_a_secret_key_that_is_only_public_is_refused_when_the_node_starts(keys: Path, tmp_path: Path) -> None:
-    path = tmp_path / "node.toml"
     toml = security_toml(keys, ROLES).replace("core1.key_secret", "core1.key")
-    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + toml)
+    path = _node_toml(tmp_path, toml)
     with pytest.raises(ConfigError, match=r"\[security\].client_key: .* has no secret key"):
         CoreNode(load_config(str(path)))
 
@@ -343,8 +350,7 @@ def test_the_directories_keys_generate_makes_above_its_own_pass_whatever_the_uma
 
 def test_a_node_refuses_to_start_with_an_authorized_keys_directory_others_can_write(keys: Path, tmp_path: Path) -> None:
     (keys.parent / "authorized").chmod(0o777)
-    path = tmp_path / "node.toml"
-    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + security_toml(keys, ROLES))
+    path = _node_toml(tmp_path, security_toml(keys, ROLES))
     with pytest.raises((ConfigError, SecurityError), match=r"is writable by other users.*chmod go-w"):
         CoreNode(load_config(str(path)))
 
@@ -471,8 +477,7 @@ def test_a_directory_above_a_key_file_that_other_users_can_write_is_refused_unle
 
 def test_a_node_refuses_to_start_with_a_key_in_a_directory_others_can_write(keys: Path, tmp_path: Path) -> None:
     keys.chmod(0o777)
-    path = tmp_path / "node.toml"
-    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + security_toml(keys, ROLES))
+    path = _node_toml(tmp_path, security_toml(keys, ROLES))
     with pytest.raises(
         (ConfigError, SecurityError), match=rf"\[security\].server_key: {keys} is writable by other users.*chmod go-w"
     ):
@@ -544,8 +549,7 @@ def test_a_node_follows_key_file_links_with_follow_key_links(keys: Path, tmp_pat
     volume = secret_volume(tmp_path, keys)
     toml = security_toml(keys, ROLES).replace(str(keys / "core1.key_secret"), str(volume / "core1.key_secret"))
     toml = toml.replace(str(keys / "cluster.key_secret"), str(volume / "cluster.key_secret"))
-    path = tmp_path / "node.toml"
-    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + toml)
+    path = _node_toml(tmp_path, toml)
     assert load_config(str(path)).security.follow_key_links is False  # the default
     with pytest.raises(SecurityError, match=r"\[security\].server_key: .* is a symbolic link"):
         NodeSecurity(load_config(str(path)).security)
@@ -671,17 +675,14 @@ def test_a_body_sender_must_be_the_authenticated_principal() -> None:
 # ---------------------------------------------------------------- a secured core in a thread
 
 
-class SecureNode:
+class SecureNode(ServedCore):
     def __init__(self, tmp_path: Path, keys: Path) -> None:
         self.keys = keys
         self.port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.config_path = tmp_path / "core1.toml"
         self.write_config(ROLES_WITH_READER)
-        self.node = CoreNode(load_config(str(self.config_path)))
-        self.node.bind()
-        self.thread = threading.Thread(target=self.node.serve_forever, daemon=True)
-        self.thread.start()
+        super().__init__(CoreNode(load_config(str(self.config_path))))
 
     def write_config(self, roles: dict[str, list[str]]) -> None:
         self.config_path.write_text(
@@ -700,12 +701,6 @@ class SecureNode:
         with self.client("ops") as client:
             return client.status()["security"]
 
-    def stop(self) -> None:
-        self.node.request_stop("stopped by its owner")  # wakes its loop at once
-        self.thread.join(timeout=10)
-        if self.thread.is_alive():
-            raise AssertionError("node thread did not stop within 10 s")
-
 
 @pytest.fixture
 def secure_node(tmp_path: Path, keys: Path):
@@ -716,6 +711,35 @@ def secure_node(tmp_path: Path, keys: Path):
         node.stop()
 
 
+def _secure_core(tmp_path: Path, keys: Path, roles: dict[str, list[str]], sections: str) -> CoreNode:
+    """A single core (not bound) with [security] and ``roles``, from ``tmp_path/core1.toml``; ``sections``:
+    the TOML between its [cluster] and its [security]."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config_path = tmp_path / "core1.toml"
+    config_path.write_text(
+        f'[node]\nname = "core1"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
+        f'[cluster]\ncore_nodes = {{ core1 = "{endpoint}" }}\n' + sections + security_toml(keys, roles)
+    )
+    return CoreNode(load_config(str(config_path)))
+
+
+@contextlib.contextmanager
+def _secure_core_with_table_t(
+    tmp_path: Path, keys: Path, roles: dict[str, list[str]], sections: str
+) -> Iterator[CoreNode]:
+    """``_secure_core`` bound, not served (the test steps its driver), with its table t committed;
+    closed after the block."""
+    node = _secure_core(tmp_path, keys, roles, sections)
+    node.bind()
+    try:
+        create_table_t(node)
+        while node.store.catalog().get("t") is None:
+            node.run_turn()
+        yield node
+    finally:
+        node.close()
+
+
 def test_a_flood_of_client_connections_leaves_room_for_a_replicants_and_a_cores_requests(
     tmp_path: Path, keys: Path
 ) -> None:
@@ -724,30 +748,16 @@ def test_a_flood_of_client_connections_leaves_room_for_a_replicants_and_a_cores_
     flood of clients with requests waiting had the peers' requests refused ``overloaded``. With
     [security], a principal with the ``core`` or ``replicant`` role has ``PEER_CONNECTIONS_RESERVED``
     more places; a writer is refused at the bound as before, forwarded mark or not."""
-    from tests.conftest import create_table_t
     from tests.test_untrusted_input import _write_frame, answers_of_turns
 
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    config_path = tmp_path / "core1.toml"
-    config_path.write_text(
-        f'[node]\nname = "core1"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
-        f'[cluster]\ncore_nodes = {{ core1 = "{endpoint}" }}\n[limits]\nconnections_waiting_max = 2\n'
-        '[storage]\nsynchronous = "NORMAL"\n' + security_toml(keys, ROLES)
-    )
-    node = CoreNode(load_config(str(config_path)))
-    node.bind()
-    try:
-        create_table_t(node)
-        while node.store.catalog().get("t") is None:
-            node.run_turn()
+    sections = '[limits]\nconnections_waiting_max = 2\n[storage]\nsynchronous = "NORMAL"\n'
+    with _secure_core_with_table_t(tmp_path, keys, ROLES, sections) as node:
         node.hold([b"a"], "r1")
         node.hold([b"b"], "r1")
         node._backlog.append(([b"replicant1"], _write_frame("replicant-1", 1), "replicant1"))
         node._backlog.append(([b"core2"], _write_frame("core-1", 2, forwarded=True), "core2"))
         node._backlog.append(([b"app"], _write_frame("app-1", 3, forwarded=True), "app"))
         answers = answers_of_turns(node, {b"replicant1", b"core2", b"app"})
-    finally:
-        node.close()
     assert answers[b"app"].kind == "error" and answers[b"app"].body.code == "overloaded", answers
     assert answers[b"replicant1"].kind == "reply" and answers[b"core2"].kind == "reply", answers
 
@@ -1110,22 +1120,9 @@ def test_a_frame_left_in_the_backlog_across_a_reload_that_revoked_its_key_is_ref
     a busy turn) kept the principal its key mapped to when it was read. A reload in between that
     removed the key, or replaced it with a new key of the same principal, did not reach it: a write of
     the revoked key was committed after the reload. It is refused as its key's next frame is."""
-    from tests.conftest import create_table_t
     from tests.test_untrusted_input import _write_frame, answers_of_turns
 
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    config_path = tmp_path / "core1.toml"
-    config_path.write_text(
-        f'[node]\nname = "core1"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
-        f'[cluster]\ncore_nodes = {{ core1 = "{endpoint}" }}\n[storage]\nsynchronous = "NORMAL"\n'
-        + security_toml(keys, ROLES_WITH_READER)
-    )
-    node = CoreNode(load_config(str(config_path)))
-    node.bind()
-    try:
-        create_table_t(node)
-        while node.store.catalog().get("t") is None:
-            node.run_turn()
+    with _secure_core_with_table_t(tmp_path, keys, ROLES_WITH_READER, '[storage]\nsynchronous = "NORMAL"\n') as node:
         node._backlog.append(([b"app"], _write_frame("app-1", 1), "app"))  # read before the reload
         node._backlog.append(([b"ops"], _write_frame("ops-1", 2), "ops"))
         authorized = keys.parent / "authorized"
@@ -1137,8 +1134,6 @@ def test_a_frame_left_in_the_backlog_across_a_reload_that_revoked_its_key_is_ref
         assert node.security is not None and node.security.reloads == 1
         answers = answers_of_turns(node, {b"app", b"ops"})
         rows = [row["id"] for row in node.store.scan(node.store.catalog()["t"], None, 10)]
-    finally:
-        node.close()
     assert answers[b"app"].kind == "error" and answers[b"app"].body.code == "forbidden", answers
     assert "no longer in authorized_keys" in answers[b"app"].body.message
     assert answers[b"ops"].kind == "reply", answers  # the others' frames are served
@@ -1151,14 +1146,7 @@ def test_only_a_core_key_puts_its_peer_frames_ahead_of_the_turn_budget(tmp_path:
     a writer (or a replicant) could make every frame of its own a forged peer frame of up to
     frame_bytes_max and have all of them decoded in one turn, holding back the cores' heartbeats.
     With [security] only a core's key buys that place; the others' frames wait in the budget."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    config_path = tmp_path / "core1.toml"
-    config_path.write_text(
-        f'[node]\nname = "core1"\ndata_dir = "{tmp_path / "data"}"\nlisten = "{endpoint}"\n'
-        f'[cluster]\ncore_nodes = {{ core1 = "{endpoint}" }}\n[limits]\nturn_bytes_max = 1024\n'
-        + security_toml(keys, ROLES_WITH_READER)
-    )
-    node = CoreNode(load_config(str(config_path)))
+    node = _secure_core(tmp_path, keys, ROLES_WITH_READER, "[limits]\nturn_bytes_max = 1024\n")
     try:
         forged = b"\x94\x01\xa4peer" + b"x" * 1500  # over the turn's budget on its own (turn_bytes_max 1024)
         waiting = [([b"app"], forged, "app"), ([b"replicant1"], forged, "replicant1"), ([b"core1"], forged, "core1")]
