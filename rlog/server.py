@@ -81,7 +81,6 @@ STOP_GRACE_MS = 200  # how long a node keeps serving after it answered a stop re
 # zmq disconnects peers whose message exceeds this many times frame_bytes_max; frames between
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
-SENDS_DROPPED_LOG_MS = 10_000
 # A request is a few parts (the ROUTER's identity, a REQ client's empty delimiter, a proxy's hops, the
 # frame). zmq bounds each part's size, not their number, and queues a whole message before its first part
 # can be read: a message of more parts is refused, its parts beyond these never held, and the rest of it
@@ -100,9 +99,6 @@ BACKLOG_FACTOR = 4
 # requests) with requests waiting, past ``connections_waiting_max``: a flood of client connections must
 # not get a sequencer to refuse every forwarded write. Far above any cluster's cores and replicants.
 PEER_CONNECTIONS_RESERVED = 1024
-VIOLATION_LOG_INTERVAL_MS = 1000
-VIOLATION_SENDERS_MAX = 1000
-REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
 # At most one step of online index builds per this interval: a step costs about 5 ms per 1,000 rows
 # here, so the builds take at most a third of a loop's time and writes keep most of it.
 INDEX_BUILD_INTERVAL_MS = 10
@@ -401,9 +397,12 @@ class NodeServer:
         # Frames dropped because the receiver's zmq queue was full (or its socket gone): every protocol
         # here re-sends, but a dropped push costs a replicant a resync, so they are counted and logged.
         self.sends_dropped = 0
+        # What peers, clients and overload can make a node say again and again (protocol violations,
+        # refused requests, dropped frames): at most a line a second per reason, with the count of the
+        # lines left out; ``turn`` flushes it, so a burst's last lines are said too. Status and the
+        # metrics count every one.
+        self.warnings = ThrottledLog(log)
         self.unread_answers = UnreadAnswers(config.limits.replies_queued_bytes_max)
-        self._sends_dropped_logged = 0
-        self._sends_dropped_log_ms = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
         # Whether the turn's transaction holds something that must be durable before a frame is sent.
@@ -422,7 +421,6 @@ class NodeServer:
         self._queries_woken = True  # the query runner's wakeup pipe was readable at the last poll
         self.security: NodeSecurity | None = None
         self.reload_requested = threading.Event()
-        self._refusal_logged_ms = -REFUSAL_LOG_INTERVAL_MS
         if config.secure and config.security is not None:
             try:
                 self.security = NodeSecurity(config.security)
@@ -449,7 +447,6 @@ class NodeServer:
         self.stop_answers = 0  # held or queued requests answered because the node stopped
         self.connections_refused = 0  # requests refused: connections_waiting_max connections wait already
         self.protocol_violations = 0
-        self._violation_logged_ms: dict[str, int] = {}
         # Whether the disk takes writes (rlog.disk); frames dropped with turns the disk failed.
         self.disk = DiskHealth(config.disk_probe_interval_ms)
         self.frames_dropped_disk = 0
@@ -480,15 +477,21 @@ class NodeServer:
         self._next_build_ms = 0
 
     def protocol_violation(self, sender: str, reason: str) -> None:
-        """Count a peer's message that breaks the protocol against our state; log at most once a second per sender."""
+        """Count a peer's message that breaks the protocol against our state; log at most a line a second."""
         self.protocol_violations += 1
-        now = monotonic_ms()
-        key = sender[:64]
-        if now - self._violation_logged_ms.get(key, -(10**12)) >= VIOLATION_LOG_INTERVAL_MS:
-            if len(self._violation_logged_ms) >= VIOLATION_SENDERS_MAX:
-                self._violation_logged_ms.clear()
-            self._violation_logged_ms[key] = now
-            log.warning("protocol violation by %.64s: %.300s (%d so far)", sender, reason, self.protocol_violations)
+        # One reason for all senders, the sender named in the line. A reason per sender would be made of
+        # a name the message carries: without [security] any peer can send any core's name, so lines per
+        # sender would single out nobody, only let a peer multiply the reasons. A violation comes from a
+        # stale or broken core (``CoreNode`` takes peer messages only from names it knows), rarely two at
+        # once; every one is counted, and each line says the count so far and those left out since.
+        self.warnings.log(
+            "protocol violation",
+            logging.WARNING,
+            "protocol violation by %.64s: %.300s (%d so far)",
+            sender,
+            reason,
+            self.protocol_violations,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -603,26 +606,19 @@ class NodeServer:
             return None
         if not principal:  # authenticated at its handshake, but a reload removed its key since
             self.security.refused_unknown_key += 1
-            self._log_refusal("refused: %s", REVOKED)
+            self.warnings.log("refused: unknown key", logging.WARNING, "refused: %s", REVOKED)
             return messages.error(message.request_id, "forbidden", REVOKED)
         reason = self.security.roles.refusal(principal, message.kind)
         if reason is not None:
             self.security.refused_role += 1
-            self._log_refusal("refused: %s", reason)
+            self.warnings.log("refused: role", logging.WARNING, "refused: %s", reason)
             return messages.error(message.request_id, "forbidden", reason)
         reason = sender_mismatch(principal, message.kind, message.body)
         if reason is not None:
             self.security.refused_sender += 1
-            self._log_refusal("refused a forged sender: %s", reason)
+            self.warnings.log("refused: sender", logging.WARNING, "refused a forged sender: %s", reason)
             return messages.error(message.request_id, "forbidden", reason)
         return None
-
-    def _log_refusal(self, text: str, reason: str) -> None:
-        # A flood of refused requests must not become a flood of log lines: status counts them all.
-        now_ms = monotonic_ms()
-        if now_ms - self._refusal_logged_ms >= REFUSAL_LOG_INTERVAL_MS:
-            self._refusal_logged_ms = now_ms
-            log.warning(text, reason)
 
     def answer_backup(self, body: messages.Backup, not_ready: str | None) -> dict[str, Any]:
         """The ``backup`` request: start one (admin only, see rlog.roles) or report the current one.
@@ -826,6 +822,7 @@ class NodeServer:
     def turn(self) -> None:
         """One ``run_turn``, with the disk's faults handled: full -> the disk-full state, failed -> stop."""
         self._raise_if_checkpoint_failed()
+        self.warnings.flush()  # a burst's lines left out, said once their second is over
         try:
             if self.disk.probe_due(monotonic_ms()):
                 self._probe_disk()
@@ -1668,19 +1665,17 @@ class NodeServer:
         request: ``CoreNode``); an answer it queues (``reply``) leaves in the same ``flush``."""
 
     def _dropped(self, kind: str, why: str) -> None:
-        """Count a dropped outgoing frame; a warning at most every SENDS_DROPPED_LOG_MS with the count."""
+        """Count a dropped outgoing frame; a warning at most a line a second (``warnings``)."""
         self.sends_dropped += 1
-        now = monotonic_ms()
-        if now - self._sends_dropped_log_ms >= SENDS_DROPPED_LOG_MS:
-            log.warning(
-                "dropped %d outgoing frame(s) since the last report (last: %s, %s); "
-                "peers re-send, a replicant resynchronises after a dropped push",
-                self.sends_dropped - self._sends_dropped_logged,
-                kind,
-                why,
-            )
-            self._sends_dropped_logged = self.sends_dropped
-            self._sends_dropped_log_ms = now
+        self.warnings.log(
+            "outgoing frame dropped",
+            logging.WARNING,
+            "dropped an outgoing frame (%s: %s; %d so far): peers re-send, a replicant resynchronises after a "
+            "dropped push",
+            kind,
+            why,
+            self.sends_dropped,
+        )
 
     def flush_durable(self) -> None:
         """``flush`` now if the turn wrote something that must be durable (appended entries, a vote):
