@@ -67,12 +67,11 @@ from mnesite.rlog.server import (
     NodeServer,
     OverloadedError,
     RequestError,
-    ThrottledLog,
     collector_paused,
-    monotonic_ms,
     relayed,
 )
 from mnesite.rlog.store import Store
+from mnesite.rlog.throttle import ThrottledLog, monotonic_ms
 from mnesite.rlog.types import (
     TxKey,
     new_request_id,

@@ -1314,7 +1314,7 @@ def test_a_throttled_log_says_a_final_bursts_count_at_the_next_flush_and_keeps_n
     line left out with the count of the others once the interval is over, and forgets quiet reasons."""
     import logging
 
-    from mnesite.rlog.server import ThrottledLog
+    from mnesite.rlog.throttle import ThrottledLog
 
     logged: list[str] = []
 
