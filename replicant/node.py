@@ -67,12 +67,11 @@ from mnesite.rlog.server import (
     NodeServer,
     OverloadedError,
     RequestError,
-    ThrottledLog,
     collector_paused,
-    monotonic_ms,
     relayed,
 )
 from mnesite.rlog.store import Store
+from mnesite.rlog.throttle import ThrottledLog, monotonic_ms
 from mnesite.rlog.types import (
     TxKey,
     new_request_id,
@@ -312,7 +311,7 @@ class ReplicantNode(NodeServer):
                 f"{len(self.pending)} requests to the cores are pending at {self.config.name} "
                 f"(PENDING_REQUESTS_MAX {PENDING_REQUESTS_MAX}); {kind} to {core} not sent"
             )
-            self._log_refusal("%s", str(full))
+            self.warnings.log("requests pending full", logging.WARNING, "%s", str(full))
             self._not_sent(pending, str(full))
             return full
         request_id = new_request_id()
@@ -577,7 +576,7 @@ class ReplicantNode(NodeServer):
                 ):
                     if len(self.replicas) >= SHARDS_MAX:  # no core holds more: a core's answer is untrusted
                         too_many = f"{pending.core} reports over {SHARDS_MAX} shards"
-                        self._log_refusal("%s; following the first ones", too_many)
+                        self.warnings.log("too many shards", logging.WARNING, "%s; following the first ones", too_many)
                         break
                     self._open_replica(shard)
             return

@@ -31,7 +31,9 @@ The thread starts at the first wake-up (a store that never writes much has none)
 ``close``; if no thread (or no connection for it) can be had, commits checkpoint at
 ``pages_background`` as SQLite's default does, and a commit never fails for its checkpoint. A
 checkpoint that fails for want of space is logged and retried at the next wake-up, at most once per
-``RETRY_S``; the inline bound still holds meanwhile. A checkpoint that fails with an I/O error (a
+``RETRY_S`` (an inline one at the next commit at a threshold, logged at most a line per ``RETRY_S``
+with the count of those left out: ``warnings``, which the node's loop flushes); the inline bound
+still holds meanwhile. A checkpoint that fails with an I/O error (a
 failed fsync of the database file) is never retried (``rlog.disk``): the thread stops and records
 it in ``fatal``, which the node's loop turns into a stop; an inline one raises
 ``StorageFailedError`` from the commit. After either, no checkpoint runs again: a commit that
@@ -43,11 +45,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import apsw
 from mnesite.rlog.disk import StorageFailedError, StorageFault
+from mnesite.rlog.throttle import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,9 @@ class WalCheckpointer:
         # No thread could be had (or open its connection): commits checkpoint at pages_background,
         # as SQLite's own autocheckpoint does.
         self._no_thread = False
-        self._failure_logged_s = 0.0
+        # The inline checkpoint's failures (one can come with every commit while the disk is full): at
+        # most a line a second, with the count left out; the node's loop flushes it every turn.
+        self.warnings = ThrottledLog(log, interval_ms=int(RETRY_S * 1000))
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -158,10 +162,14 @@ class WalCheckpointer:
             # commit at or above a threshold tries again; the log says so at most every RETRY_S.
             self.failures += 1
             self.inline_due = False
-            now_s = time.monotonic()
-            if now_s - self._failure_logged_s >= RETRY_S:
-                self._failure_logged_s = now_s
-                log.warning("%s: WAL checkpoint failed: %s (%d failures so far)", self.path, error, self.failures)
+            self.warnings.log(
+                "inline checkpoint failed",
+                logging.WARNING,
+                "%s: WAL checkpoint failed: %s (%d failures so far)",
+                self.path,
+                error,
+                self.failures,
+            )
             return
         self.inline_due = False
         self.inline += 1

@@ -66,6 +66,7 @@ from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS, peer_
 from mnesite.rlog.schema import SchemaError, TableSchema
 from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
 from mnesite.rlog.store import Store, quote
+from mnesite.rlog.throttle import ThrottledLog, monotonic_ms
 from mnesite.rlog.types import Entry, TxKey
 
 log = logging.getLogger("mnesite.server")
@@ -81,7 +82,6 @@ STOP_GRACE_MS = 200  # how long a node keeps serving after it answered a stop re
 # zmq disconnects peers whose message exceeds this many times frame_bytes_max; frames between
 # frame_bytes_max and this bound still get a clear frame_too_large reply.
 SOCKET_MESSAGE_FACTOR = 4
-SENDS_DROPPED_LOG_MS = 10_000
 # A request is a few parts (the ROUTER's identity, a REQ client's empty delimiter, a proxy's hops, the
 # frame). zmq bounds each part's size, not their number, and queues a whole message before its first part
 # can be read: a message of more parts is refused, its parts beyond these never held, and the rest of it
@@ -100,9 +100,6 @@ BACKLOG_FACTOR = 4
 # requests) with requests waiting, past ``connections_waiting_max``: a flood of client connections must
 # not get a sequencer to refuse every forwarded write. Far above any cluster's cores and replicants.
 PEER_CONNECTIONS_RESERVED = 1024
-VIOLATION_LOG_INTERVAL_MS = 1000
-VIOLATION_SENDERS_MAX = 1000
-REFUSAL_LOG_INTERVAL_MS = 1000  # at most one log line per second about refused requests
 # At most one step of online index builds per this interval: a step costs about 5 ms per 1,000 rows
 # here, so the builds take at most a third of a loop's time and writes keep most of it.
 INDEX_BUILD_INTERVAL_MS = 10
@@ -237,77 +234,6 @@ class CountRead(NamedTuple):
 COUNT_PAGE_ROWS = 2
 
 
-def monotonic_ms() -> int:
-    return int(time.monotonic() * 1000)
-
-
-class ThrottledLog:
-    """At most one line per ``interval_ms`` per reason, saying how many lines of that reason it left
-    out since the last one: what a sender controls (a frame per message, without ``[security]`` from
-    anyone who reaches the endpoint) must not become a line per message. ``reason`` is a fixed name
-    from the code, never the sender's: the reasons, and so this, stay bounded whatever arrives.
-
-    Lines left out are reported with the next line of their reason, or by ``flush`` (the node's loop
-    calls it every turn) once ``interval_ms`` has passed without one: a burst's last lines are said
-    even if no line of that reason ever comes again. ``flush`` logs the last line left out, with the
-    count of the others, and forgets a reason that has nothing left to say."""
-
-    def __init__(
-        self, logger: logging.Logger, interval_ms: int = 1000, clock: Callable[[], int] = monotonic_ms
-    ) -> None:
-        self.logger = logger
-        self.interval_ms = interval_ms
-        self.clock = clock
-        # reason -> (when its last line was logged, lines left out since, the last of them as
-        # (level, text, args) or None): one entry per reason, whatever arrives.
-        self._reasons: dict[str, tuple[int, int, tuple[int, str, tuple[Any, ...]] | None]] = {}
-        # When ``flush`` has something to do, at the earliest (None: nothing left out, no reason kept).
-        self._flush_at_ms: int | None = None
-
-    def log(self, reason: str, level: int, text: str, *args: Any) -> None:
-        now_ms = self.clock()
-        logged_ms, suppressed, _ = self._reasons.get(reason, (None, 0, None))
-        if logged_ms is not None and now_ms - logged_ms < self.interval_ms:
-            self._reasons[reason] = (logged_ms, suppressed + 1, (level, text, args))
-            self._flush_by(logged_ms + self.interval_ms)
-            return
-        self._reasons[reason] = (now_ms, 0, None)
-        self._flush_by(now_ms + self.interval_ms)  # then forgotten by flush
-        if suppressed:
-            text += " (and %d more like it in the last %d ms)"
-            args = (*args, suppressed, now_ms - logged_ms)
-        self.logger.log(level, text, *args)
-
-    def flush(self) -> None:
-        """Log, per reason whose ``interval_ms`` has passed, the last line left out (with the count of
-        the others left out since its last line), and forget the reasons with nothing left out. Cheap
-        when there is nothing to do: a clock read and a comparison."""
-        if self._flush_at_ms is None:
-            return
-        now_ms = self.clock()
-        if now_ms < self._flush_at_ms:
-            return
-        self._flush_at_ms = None
-        for reason, (logged_ms, suppressed, last) in list(self._reasons.items()):
-            due_ms = logged_ms + self.interval_ms
-            if now_ms < due_ms:
-                self._flush_by(due_ms)
-                continue
-            if last is None:
-                del self._reasons[reason]  # quiet for an interval: its next line is logged anyway
-                continue
-            level, text, args = last
-            if suppressed > 1:
-                text += " (and %d more like it in the last %d ms)"
-                args = (*args, suppressed - 1, now_ms - logged_ms)
-            self.logger.log(level, text, *args)
-            self._reasons[reason] = (now_ms, 0, None)  # a line logged now: the next within the interval waits
-            self._flush_by(now_ms + self.interval_ms)
-
-    def _flush_by(self, due_ms: int) -> None:
-        self._flush_at_ms = due_ms if self._flush_at_ms is None else min(self._flush_at_ms, due_ms)
-
-
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cyclic collector off while a bounded piece of work runs that makes, and frees itself,
@@ -401,9 +327,12 @@ class NodeServer:
         # Frames dropped because the receiver's zmq queue was full (or its socket gone): every protocol
         # here re-sends, but a dropped push costs a replicant a resync, so they are counted and logged.
         self.sends_dropped = 0
+        # What peers, clients and overload can make a node say again and again (protocol violations,
+        # refused requests, dropped frames): at most a line a second per reason, with the count of the
+        # lines left out; ``turn`` flushes it, so a burst's last lines are said too. Status and the
+        # metrics count every one.
+        self.warnings = ThrottledLog(log)
         self.unread_answers = UnreadAnswers(config.limits.replies_queued_bytes_max)
-        self._sends_dropped_logged = 0
-        self._sends_dropped_log_ms = 0
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
         # Whether the turn's transaction holds something that must be durable before a frame is sent.
@@ -422,7 +351,6 @@ class NodeServer:
         self._queries_woken = True  # the query runner's wakeup pipe was readable at the last poll
         self.security: NodeSecurity | None = None
         self.reload_requested = threading.Event()
-        self._refusal_logged_ms = -REFUSAL_LOG_INTERVAL_MS
         if config.secure and config.security is not None:
             try:
                 self.security = NodeSecurity(config.security)
@@ -449,7 +377,6 @@ class NodeServer:
         self.stop_answers = 0  # held or queued requests answered because the node stopped
         self.connections_refused = 0  # requests refused: connections_waiting_max connections wait already
         self.protocol_violations = 0
-        self._violation_logged_ms: dict[str, int] = {}
         # Whether the disk takes writes (rlog.disk); frames dropped with turns the disk failed.
         self.disk = DiskHealth(config.disk_probe_interval_ms)
         self.frames_dropped_disk = 0
@@ -480,15 +407,21 @@ class NodeServer:
         self._next_build_ms = 0
 
     def protocol_violation(self, sender: str, reason: str) -> None:
-        """Count a peer's message that breaks the protocol against our state; log at most once a second per sender."""
+        """Count a peer's message that breaks the protocol against our state; log at most a line a second."""
         self.protocol_violations += 1
-        now = monotonic_ms()
-        key = sender[:64]
-        if now - self._violation_logged_ms.get(key, -(10**12)) >= VIOLATION_LOG_INTERVAL_MS:
-            if len(self._violation_logged_ms) >= VIOLATION_SENDERS_MAX:
-                self._violation_logged_ms.clear()
-            self._violation_logged_ms[key] = now
-            log.warning("protocol violation by %.64s: %.300s (%d so far)", sender, reason, self.protocol_violations)
+        # One reason for all senders, the sender named in the line. A reason per sender would be made of
+        # a name the message carries: without [security] any peer can send any core's name, so lines per
+        # sender would single out nobody, only let a peer multiply the reasons. A violation comes from a
+        # stale or broken core (``CoreNode`` takes peer messages only from names it knows), rarely two at
+        # once; every one is counted, and each line says the count so far and those left out since.
+        self.warnings.log(
+            "protocol violation",
+            logging.WARNING,
+            "protocol violation by %.64s: %.300s (%d so far)",
+            sender,
+            reason,
+            self.protocol_violations,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -603,26 +536,19 @@ class NodeServer:
             return None
         if not principal:  # authenticated at its handshake, but a reload removed its key since
             self.security.refused_unknown_key += 1
-            self._log_refusal("refused: %s", REVOKED)
+            self.warnings.log("refused: unknown key", logging.WARNING, "refused: %s", REVOKED)
             return messages.error(message.request_id, "forbidden", REVOKED)
         reason = self.security.roles.refusal(principal, message.kind)
         if reason is not None:
             self.security.refused_role += 1
-            self._log_refusal("refused: %s", reason)
+            self.warnings.log("refused: role", logging.WARNING, "refused: %s", reason)
             return messages.error(message.request_id, "forbidden", reason)
         reason = sender_mismatch(principal, message.kind, message.body)
         if reason is not None:
             self.security.refused_sender += 1
-            self._log_refusal("refused a forged sender: %s", reason)
+            self.warnings.log("refused: sender", logging.WARNING, "refused a forged sender: %s", reason)
             return messages.error(message.request_id, "forbidden", reason)
         return None
-
-    def _log_refusal(self, text: str, reason: str) -> None:
-        # A flood of refused requests must not become a flood of log lines: status counts them all.
-        now_ms = monotonic_ms()
-        if now_ms - self._refusal_logged_ms >= REFUSAL_LOG_INTERVAL_MS:
-            self._refusal_logged_ms = now_ms
-            log.warning(text, reason)
 
     def answer_backup(self, body: messages.Backup, not_ready: str | None) -> dict[str, Any]:
         """The ``backup`` request: start one (admin only, see rlog.roles) or report the current one.
@@ -826,6 +752,10 @@ class NodeServer:
     def turn(self) -> None:
         """One ``run_turn``, with the disk's faults handled: full -> the disk-full state, failed -> stop."""
         self._raise_if_checkpoint_failed()
+        # A burst's lines left out, said once their second is over: the node's and its store's.
+        self.warnings.flush()
+        if self.store.checkpointer is not None:
+            self.store.checkpointer.warnings.flush()
         try:
             if self.disk.probe_due(monotonic_ms()):
                 self._probe_disk()
@@ -1675,19 +1605,17 @@ class NodeServer:
         request: ``CoreNode``); an answer it queues (``reply``) leaves in the same ``flush``."""
 
     def _dropped(self, kind: str, why: str) -> None:
-        """Count a dropped outgoing frame; a warning at most every SENDS_DROPPED_LOG_MS with the count."""
+        """Count a dropped outgoing frame; a warning at most a line a second (``warnings``)."""
         self.sends_dropped += 1
-        now = monotonic_ms()
-        if now - self._sends_dropped_log_ms >= SENDS_DROPPED_LOG_MS:
-            log.warning(
-                "dropped %d outgoing frame(s) since the last report (last: %s, %s); "
-                "peers re-send, a replicant resynchronises after a dropped push",
-                self.sends_dropped - self._sends_dropped_logged,
-                kind,
-                why,
-            )
-            self._sends_dropped_logged = self.sends_dropped
-            self._sends_dropped_log_ms = now
+        self.warnings.log(
+            "outgoing frame dropped",
+            logging.WARNING,
+            "dropped an outgoing frame (%s: %s; %d so far): peers re-send, a replicant resynchronises after a "
+            "dropped push",
+            kind,
+            why,
+            self.sends_dropped,
+        )
 
     def flush_durable(self) -> None:
         """``flush`` now if the turn wrote something that must be durable (appended entries, a vote):

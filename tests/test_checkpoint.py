@@ -118,6 +118,56 @@ def test_an_inline_checkpoint_without_space_never_fails_the_commit(tmp_path, mon
         store.close()
 
 
+def test_inline_checkpoint_failures_log_a_line_a_second_and_the_nodes_turn_says_the_last_burst(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """A full disk fails the inline checkpoint of every commit at a threshold: every one counted, a line
+    a second in the log. Regression: the failures after the last line were never logged if no other
+    came (space freed meanwhile); the node's next turn once that second is over says them."""
+    import logging
+
+    import apsw
+
+    from tests.conftest import offline_replicant
+
+    monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)
+    node = offline_replicant(tmp_path / "r")
+    checkpointer = node.store.checkpointer
+    now = [0]
+    checkpointer.warnings.clock = lambda: now[0]
+    node.run_turn = lambda: None  # the loop's turns (``turn``), nothing arriving
+
+    class Broken:
+        system_errno = 0
+
+        def wal_checkpoint(self, mode):
+            raise apsw.FullError("database or disk is full")
+
+    def failed() -> list[str]:
+        return [record.getMessage() for record in caplog.records if "WAL checkpoint failed" in record.getMessage()]
+
+    line = f"{checkpointer.path}: WAL checkpoint failed: database or disk is full (%d failures so far)"
+    try:
+        caplog.set_level(logging.WARNING, logger="mnesite.rlog.checkpoint")
+        for now[0] in range(0, 3000, 10):  # three seconds of commits at a threshold
+            checkpointer.checkpoint_inline(Broken())
+        assert checkpointer.failures == 300
+        assert failed() == [
+            line % 1,
+            line % 101 + " (and 99 more like it in the last 1000 ms)",
+            line % 201 + " (and 99 more like it in the last 1000 ms)",
+        ]
+        now[0] = 2999  # the last line's second (from 2000) is not over
+        node.turn()
+        assert len(failed()) == 3
+        now[0] = 3000
+        node.turn()
+        assert failed()[3:] == [line % 300 + " (and 98 more like it in the last 1000 ms)"]
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
 def test_an_inline_checkpoint_with_an_io_error_is_never_retried(tmp_path, monkeypatch) -> None:
     """rlog.disk: a failed sync of the database file may have lost pages; the commit raises, the node stops."""
     import apsw

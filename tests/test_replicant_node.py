@@ -155,38 +155,87 @@ def test_a_read_index_gather_waits_for_every_shard_and_decides_once() -> None:
     assert failed.arrived("b", TxKey(1, 1)) == GATHER_DONE  # refused once, never answered later
 
 
-def test_a_dropped_outgoing_frame_is_counted_shown_in_status_and_logged_at_most_every_interval(
-    tmp_path, caplog
-) -> None:
+def test_dropped_outgoing_frames_are_counted_and_logged_a_line_a_second_the_last_burst_too(tmp_path, caplog) -> None:
     """zmq drops a frame when the receiver's queue is full; a dropped push costs a replicant a resync,
-    so an operator must see it: counted in ``status`` (``sends_dropped``), one warning per interval."""
+    so an operator must see it: counted in ``status`` (``sends_dropped``), at most a line a second.
+    Regression: the frames dropped after the last line were never logged if no other frame was
+    dropped after them; the node's next turn once that second is over says them (``warnings``)."""
     import logging
-
-    from mnesite.rlog import server
 
     full = _unconnected_dealer()  # a send raises zmq.Again, as a full queue's does
     node = offline_replicant(tmp_path / "r")
+    now = [0]
+    node.warnings.clock = lambda: now[0]
+    ack = Message("push_ack", "a1", {"shard": "default", "agent": "a1", "applied": [1, 1]})
+    line = (
+        "dropped an outgoing frame (push_ack: the receiver's queue is full; %d so far): peers re-send, a "
+        "replicant resynchronises after a dropped push"
+    )
+
+    def dropped() -> list[str]:
+        return [record.getMessage() for record in caplog.records if record.getMessage().startswith("dropped")]
+
     try:
-        with caplog.at_level(logging.WARNING, logger="mnesite.server"):
-            for _ in range(3):
-                node.queue(full, Message("push_ack", "a1", {"shard": "default", "agent": "a1", "applied": [1, 1]}))
+        caplog.set_level(logging.WARNING, logger="mnesite.server")
+        for _ in range(1000):
+            node.queue(full, ack)
+        node.flush()
+        assert node.sends_dropped == 1000 and node.status()["sends_dropped"] == 1000
+        assert dropped() == [line % 1]
+        node.send_now(full, ack)  # a frame sent at once (a sequencer's append before its fsync): the same
+        assert node.sends_dropped == 1001 and dropped() == [line % 1]
+        # Turns of the node's loop (``turn``), nothing else arriving nor dropped: the burst is said once
+        # its second is over.
+        node.run_turn = lambda: None
+        now[0] = 999
+        node.turn()
+        assert dropped() == [line % 1]
+        now[0] = 1000
+        node.turn()
+        assert dropped()[1:] == [line % 1001 + " (and 999 more like it in the last 1000 ms)"]
+        now[0] = 5000
+        node.turn()
+        assert len(dropped()) == 2, "nothing left to say"
+        # A flood of three seconds, a frame every 10 ms: a line a second, each counting the rest.
+        for now[0] in range(5000, 8000, 10):
+            node.queue(full, ack)
             node.flush()
-            assert node.sends_dropped == 3 and node.status()["sends_dropped"] == 3
-            warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-            assert len(warnings) == 1 and warnings[0].startswith("dropped 1 outgoing frame(s)")
-            assert "last: push_ack" in warnings[0]
-            node._sends_dropped_log_ms -= server.SENDS_DROPPED_LOG_MS  # the interval has passed
-            node.queue(full, Message("push_ack", "a2", {"shard": "default", "agent": "a1", "applied": [1, 1]}))
-            node.flush()
-            warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-            # The next report counts what was dropped since the last one: the two held back and this one.
-            assert len(warnings) == 2 and warnings[1].startswith("dropped 3 outgoing frame(s)")
-            # A frame sent at once (a sequencer's append before its fsync) is counted the same way.
-            ack = Message("push_ack", "a3", {"shard": "default", "agent": "a1", "applied": [1, 1]})
-            node.send_now(full, ack)
-            assert node.sends_dropped == 5
+        assert dropped()[2:] == [
+            line % 1002,
+            line % 1102 + " (and 99 more like it in the last 1000 ms)",
+            line % 1202 + " (and 99 more like it in the last 1000 ms)",
+        ]
     finally:
         full.close(0)
+        node.store.close()
+        node.data_dir_lock.release()
+
+
+def test_protocol_violations_of_any_senders_log_a_line_a_second(tmp_path, caplog) -> None:
+    """Every violation is counted; the log says at most a line a second of them whatever the sender
+    (one reason, the sender named in the line: ``NodeServer.protocol_violation``), then the last one
+    left out, with the count of the others, once the second is over."""
+    import logging
+
+    node = offline_replicant(tmp_path / "r")
+    now = [0]
+    node.warnings.clock = lambda: now[0]
+    try:
+        caplog.set_level(logging.WARNING, logger="mnesite.server")
+        for sent in range(1000):
+            node.protocol_violation(f"core{sent}", "shard default: a second sequencer in generation 3")
+        assert node.protocol_violations == 1000
+        assert [record.getMessage() for record in caplog.records] == [
+            "protocol violation by core0: shard default: a second sequencer in generation 3 (1 so far)"
+        ]
+        assert len(node.warnings._reasons) == 1, "one reason, however many senders"
+        now[0] = 1000
+        node.warnings.flush()
+        assert [record.getMessage() for record in caplog.records][1:] == [
+            "protocol violation by core999: shard default: a second sequencer in generation 3 (1000 so far) "
+            "(and 998 more like it in the last 1000 ms)"
+        ]
+    finally:
         node.store.close()
         node.data_dir_lock.release()
 
@@ -1254,7 +1303,7 @@ def test_a_throttled_log_says_a_final_bursts_count_at_the_next_flush_and_keeps_n
     line left out with the count of the others once the interval is over, and forgets quiet reasons."""
     import logging
 
-    from mnesite.rlog.server import ThrottledLog
+    from mnesite.rlog.throttle import ThrottledLog
 
     logged: list[str] = []
 

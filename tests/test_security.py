@@ -1058,6 +1058,53 @@ def test_a_role_given_to_a_principal_without_a_key_is_logged_at_start_and_reload
     assert caplog.records == []
 
 
+def test_refused_requests_log_a_line_a_second_of_each_kind_of_refusal(keys: Path, tmp_path: Path, caplog) -> None:
+    """Every refusal is counted (``status`` ``security``); the log says at most a line a second of
+    each kind (a role's refusal, a forged sender, a key a reload removed), so that a flood of one kind
+    hides no other, and the last one left out, with the count of the others, once the second is over."""
+    from types import SimpleNamespace
+
+    from mnesite.rlog.security import NodeSecurity, SecurityConfig
+
+    from tests.conftest import offline_replicant
+
+    node = offline_replicant(tmp_path / "r")
+    now = [0]
+    node.warnings.clock = lambda: now[0]
+    node.security = NodeSecurity(
+        SecurityConfig(
+            False,
+            str(keys / "cluster.key_secret"),
+            str(keys / "replicant1.key_secret"),
+            str(keys.parent / "authorized"),
+            {role: tuple(names) for role, names in ROLES.items()},
+        )
+    )
+    stop = Message("stop", "s", {})
+    forged = Message("peer", "p", SimpleNamespace(sender="core2"))
+    try:
+        caplog.set_level(logging.WARNING, logger="mnesite.server")
+        for _ in range(1000):
+            for principal, message in (("app", stop), ("core1", forged), ("", stop)):
+                assert node.refusal(principal, message) is not None
+        security = node.security
+        assert (security.refused_role, security.refused_sender, security.refused_unknown_key) == (1000, 1000, 1000)
+        lines = [record.getMessage() for record in caplog.records]
+        assert [line.split(":")[0] for line in lines] == ["refused", "refused a forged sender", "refused"], lines
+        assert "app (writer) may not send stop" in lines[0] and "peer claims sender 'core2'" in lines[1]
+        now[0] = 999
+        node.warnings.flush()
+        assert len(caplog.records) == 3
+        now[0] = 1000
+        node.warnings.flush()
+        assert [record.getMessage() for record in caplog.records][3:] == [
+            line + " (and 998 more like it in the last 1000 ms)" for line in lines
+        ]
+    finally:
+        node.store.close()
+        node.data_dir_lock.release()
+
+
 @pytest.mark.parametrize("revoked", ["key", "role", "replaced key"])
 def test_sighup_stops_the_agents_of_a_replicant_whose_key_or_role_it_revoked(secure_node, keys: Path, revoked) -> None:
     """A revoked replicant's frames are refused after the reload, but the agent its watch created kept
