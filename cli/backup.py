@@ -5,7 +5,9 @@ Theory of operation
 ``backup FILE --node ENDPOINT`` asks the node to copy its database to FILE *on the node's host*
 (the node writes it; FILE is made absolute here) and then polls the node with the same request
 until the copy is done, failed, or ``--wait-ms`` has passed. ``restore FILE --data-dir DIR`` runs
-offline, on the machine of the new node: it seeds DIR from the backup (see ``rlog.backup``).
+offline, on the machine of the new node: it seeds DIR from the backup (see ``rlog.backup``). Both
+show their progress on stderr at most every ``PROGRESS_INTERVAL_S`` (as ``import`` does), restore
+also a final line; stdout is only the result, which scripts read.
 """
 
 from __future__ import annotations
@@ -15,9 +17,21 @@ import time
 
 import click
 from mnesite.cli.main import client_for, emit_json, fail, json_option, node_options, run, single_endpoint
-from mnesite.rlog.backup import BackupError, read_record, restore
+from mnesite.rlog.backup import (
+    DATABASE_FILE_NAME,
+    BackupError,
+    RestoreChainVerified,
+    RestoreFinished,
+    RestoreIntegrityChecking,
+    RestorePagesCopied,
+    RestoreProgress,
+    read_record,
+    restore,
+)
+from mnesite.rlog.types import TxKey
 
 POLL_INTERVAL_S = 0.2
+PROGRESS_INTERVAL_S = 1.0  # a progress line at most this often (stderr, unless --quiet), as import's
 WAIT_MS_DEFAULT = 3_600_000
 
 
@@ -60,7 +74,7 @@ def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
                 break
             if time.monotonic() >= deadline:
                 fail(f"the backup to {path} is still running after {wait_ms} ms (it goes on; poll with the same FILE)")
-            if not quiet and result["pages_total"] and time.monotonic() - last_shown >= 1:
+            if not quiet and result["pages_total"] and time.monotonic() - last_shown >= PROGRESS_INTERVAL_S:
                 last_shown = time.monotonic()
                 click.echo(f"backup: {result['pages_copied']} of {result['pages_total']} pages copied", err=True)
             time.sleep(POLL_INTERVAL_S)
@@ -83,24 +97,66 @@ def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
     show_default=True,
     help="The role of the node that will start on DIR.",
 )
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @json_option
-def restore_command(file, data_dir, role, as_json) -> None:
+def restore_command(file, data_dir, role, quiet, as_json) -> None:
     """Seed DATA_DIR for a new node from the backup FILE; the node then resumes from the rlog.
 
     \b
     Run it on the new node's machine, before its first start. A replicant started on DATA_DIR
     resumes from the backup's tx keys without a bootstrap while the cores still retain them (else
     it bootstraps). A core first learns the generations in use from its peers.
+    The copy, its integrity check and its digest chains' check show their progress on stderr
+    (about once a second, then a line when done) unless --quiet. Ctrl-C stops it in any phase
+    and leaves no database in DATA_DIR.
     """
     try:
-        result = restore(os.path.abspath(file), data_dir, role)
+        result = restore(os.path.abspath(file), data_dir, role, None if quiet else _RestoreProgressLines().show)
     except BackupError as error:
         fail(str(error))
+    except KeyboardInterrupt:
+        if os.path.lexists(os.path.join(data_dir, DATABASE_FILE_NAME)):
+            raise  # interrupted once the database was in place (or before it was refused): say no more
+        fail(f"restore interrupted: nothing was restored into {data_dir}")
     if as_json:
         emit_json(result)
     else:
         click.echo(f"restored {file} (taken on {result['node']} at {result['taken_at']}) into {data_dir} as a {role}")
         click.echo(f"shards: {_describe_shards(result['shards']) or 'none'}")
+
+
+class _RestoreProgressLines:
+    """Restore's progress on stderr: a line at most every ``PROGRESS_INTERVAL_S``, and the final one."""
+
+    def __init__(self) -> None:
+        self._shown_s = time.monotonic()
+
+    def show(self, event: RestoreProgress) -> None:
+        final = isinstance(event, RestoreFinished)
+        if final or time.monotonic() - self._shown_s >= PROGRESS_INTERVAL_S:
+            self._shown_s = time.monotonic()
+            click.echo(describe_restore_progress(event), err=True)
+
+
+def _key_text(key: TxKey) -> str:
+    return f"({key.generation}, {key.counter})"
+
+
+def describe_restore_progress(event: RestoreProgress) -> str:
+    """One stderr line for an event of ``rlog.backup.restore``."""
+    if isinstance(event, RestorePagesCopied):
+        return f"restore: {event.pages_copied} of {event.pages_total} pages copied"
+    if isinstance(event, RestoreIntegrityChecking):
+        return f"restore: integrity check of {event.pages_total} pages, {event.sqlite_steps} SQLite steps in"
+    if isinstance(event, RestoreChainVerified):
+        return (
+            f"restore: digest chains: {event.entries_verified} entries verified "
+            f"(shard {event.shard} at {_key_text(event.tx_key)}, applied {_key_text(event.applied)})"
+        )
+    return (
+        f"restore: done in {event.seconds} s: {event.pages_total} pages copied and checked, "
+        f"{event.entries_verified} entries of the digest chains verified"
+    )
 
 
 def backup_info(path: str) -> dict:

@@ -29,6 +29,14 @@ bootstrap while the cores still retain that key. A core started there first asks
 the generations in use (as a core with an empty database does), so that it never votes twice in a
 generation it may have voted in with the state the backup lost.
 
+A restore of a large backup reads it twice (the copy, then the checks), which takes minutes: it works
+in steps (``RestoreSteps``: pages per copy step, SQLite steps between two calls of the integrity check's
+progress handler, entries per batch of the chain check) and passes an event to ``progress`` after
+each, the caller paces what it shows. Those steps are also where Ctrl-C stops it: SQLite's integrity
+check runs in C, so without a progress handler a KeyboardInterrupt would wait for its end; the handler
+is a Python call, where the interrupt is raised, and it aborts the check. Whatever the phase, the
+restore then removes ``mnesite.db.partial``: a restore that did not end leaves no ``mnesite.db``.
+
 The request is answered by ``decide`` (pure): one backup at a time per node; asking again with the
 same path reports its progress, so the client polls with the same request until it is done.
 """
@@ -41,6 +49,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +57,7 @@ import apsw
 from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
 from mnesite.rlog.security import PUBLIC_SUFFIX, SECRET_SUFFIX
 from mnesite.rlog.store import fsync_directory
+from mnesite.rlog.types import TxKey
 from mnesite.rlog.versions import SOFTWARE_VERSION, STORAGE_FORMATS_READ
 
 DATABASE_FILE_NAME = "mnesite.db"
@@ -63,6 +73,67 @@ STEP_PAGES_MAX = 1_000_000
 CANCEL_TIMEOUT_S = 30.0
 # Problems of a damaged backup's integrity check named in restore's error (SQLite stops there).
 INTEGRITY_PROBLEMS_MAX = 3
+
+
+@dataclass(frozen=True)
+class RestoreSteps:
+    """How much ``restore`` does between two progress events (and two chances for Ctrl-C to stop it)."""
+
+    # Pages of the backup copied per step: 256 pages of 4 KiB are 1 MiB, milliseconds of work.
+    copy_pages: int = STEP_PAGES_DEFAULT
+    # SQLite steps (virtual machine instructions, b-tree cells checked) between two calls of the
+    # integrity check's progress handler: about a millisecond of work, so Ctrl-C stops it at once.
+    check_sqlite_steps: int = 100_000
+    # rlog entries read and chained per batch of the digest chain's check.
+    chain_entries: int = 1000
+
+    def __post_init__(self) -> None:
+        # A step of 0 would copy nothing (a loop without end), switch the progress handler off (no
+        # Ctrl-C inside the check) or read no entries; -1 would copy the whole file in one step.
+        if not 1 <= self.copy_pages <= STEP_PAGES_MAX or self.check_sqlite_steps < 1 or self.chain_entries < 1:
+            raise ValueError(f"restore steps must be positive (copy_pages at most {STEP_PAGES_MAX}): {self}")
+
+
+RESTORE_STEPS = RestoreSteps()
+
+
+@dataclass(frozen=True)
+class RestorePagesCopied:
+    """A step of the copy of the backup into ``mnesite.db.partial`` ended."""
+
+    pages_copied: int
+    pages_total: int
+
+
+@dataclass(frozen=True)
+class RestoreIntegrityChecking:
+    """SQLite's integrity check of the copy (``pages_total`` pages) is under way, ``sqlite_steps`` steps in."""
+
+    sqlite_steps: int
+    pages_total: int
+
+
+@dataclass(frozen=True)
+class RestoreChainVerified:
+    """A batch of ``shard``'s rlog was found on the digest chain, up to ``tx_key`` (the check ends at ``applied``);
+    ``entries_verified`` counts the entries of every shard checked so far."""
+
+    shard: str
+    entries_verified: int
+    tx_key: TxKey
+    applied: TxKey
+
+
+@dataclass(frozen=True)
+class RestoreFinished:
+    """``mnesite.db`` is in place: the restore is done."""
+
+    pages_total: int
+    entries_verified: int
+    seconds: float
+
+
+RestoreProgress = RestorePagesCopied | RestoreIntegrityChecking | RestoreChainVerified | RestoreFinished
 BACKUP_META = "backup"
 RESTORED_META = "restored"
 # Meta entries that describe the node a backup was taken on, not the data: a restored node starts afresh.
@@ -320,17 +391,28 @@ def record_damage(text: Any) -> str | None:
     return None
 
 
-def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
+def restore(
+    path: str,
+    data_dir: str,
+    role: str,
+    progress: Callable[[RestoreProgress], None] | None = None,
+    steps: RestoreSteps | None = None,
+) -> dict[str, Any]:
     """Seed ``data_dir`` (new or empty of a database) for a ``role`` node from the backup at ``path``.
 
     Returns the backup record with what was dropped. The caller holds no lock; this takes the data
-    directory's lock so that a node cannot be running there meanwhile.
+    directory's lock so that a node cannot be running there meanwhile. ``progress`` gets an event
+    after each step of ``steps`` (``RESTORE_STEPS`` by default) and a ``RestoreFinished`` at the end.
     """
     from mnesite.rlog.data_dir import DataDirectoryInUse, DataDirectoryLock
     from mnesite.rlog.store import Store, StoreError
 
     if role not in ("core", "replicant"):
         raise BackupError("role must be core or replicant")
+    steps = steps or RESTORE_STEPS
+    # Called even when nobody listens: the integrity check's progress handler is where Ctrl-C reaches it.
+    report = progress or (lambda event: None)
+    started_s = time.monotonic()
     record = read_record(path)
     database_path = os.path.join(data_dir, DATABASE_FILE_NAME)
     if os.path.lexists(database_path):
@@ -354,8 +436,7 @@ def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
             # Opened inside: a target that does not open must not leave the source open.
             target = apsw.Connection(partial)
             try:
-                with target.backup("main", source, "main") as copy:
-                    copy.step(-1)
+                pages_total = _copy(source, target, steps.copy_pages, report)
             finally:
                 target.close()
         finally:
@@ -366,7 +447,7 @@ def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
             raise BackupError(str(error).replace(partial, path)) from None  # the backup is what is refused
         dropped = {}
         try:
-            why = _damage(store)
+            why, entries_verified = _damage(store, pages_total, steps, report)
             if why is not None:
                 # A bit flipped by a disk or a copy leaves the record readable and the file open: a node
                 # started on it would fail its first read of the rows, or resume from a log that no
@@ -398,29 +479,60 @@ def restore(path: str, data_dir: str, role: str) -> dict[str, Any]:
                 os.unlink(database_path + suffix)
         os.rename(partial, database_path)
         fsync_directory(data_dir)
-    except BaseException:
+    except BaseException:  # KeyboardInterrupt too: Ctrl-C in any phase leaves no partial copy behind
         _remove_database_files(partial)
         raise
     finally:
         lock.release()
+    report(RestoreFinished(pages_total, entries_verified, round(time.monotonic() - started_s, 3)))
     return {**record, "restored_as": role, "entries_dropped": dropped}
 
 
-def _damage(store: Any) -> str | None:
-    """What is wrong with the copy of a backup, or None: SQLite's ``integrity_check`` (pages, b-trees,
-    indexes against their tables) and, per shard, the digest chain of its rlog up to the applied key
-    (``Store.verify_chain``, what ``mnesite rlog verify`` checks)."""
+def _copy(
+    source: apsw.Connection, target: apsw.Connection, step_pages: int, report: Callable[[RestoreProgress], None]
+) -> int:
+    """Copy the database of ``source`` into ``target`` in steps of ``step_pages`` pages; returns its pages."""
+    with target.backup("main", source, "main") as copy:
+        while not copy.done:
+            copy.step(step_pages)
+            report(RestorePagesCopied(copy.page_count - copy.remaining, copy.page_count))
+        return copy.page_count
+
+
+def _damage(
+    store: Any, pages_total: int, steps: RestoreSteps, report: Callable[[RestoreProgress], None]
+) -> tuple[str | None, int]:
+    """What is wrong with the copy of a backup, or None, and the rlog entries verified: SQLite's
+    ``integrity_check`` (pages, b-trees, indexes against their tables) and, per shard, the digest chain
+    of its rlog up to the applied key (``Store.verify_chain``, what ``mnesite rlog verify`` checks)."""
     from mnesite.rlog.store import StoreError
 
+    calls = [0]
+    entries_verified = [0]
+
+    def checking() -> bool:
+        calls[0] += 1
+        report(RestoreIntegrityChecking(calls[0] * steps.check_sqlite_steps, pages_total))
+        return False  # go on; Ctrl-C raises KeyboardInterrupt here, which aborts the check
+
     try:
-        problems = [row[0] for row in store.connection.execute(f"PRAGMA integrity_check({INTEGRITY_PROBLEMS_MAX})")]
+        store.connection.set_progress_handler(checking, steps.check_sqlite_steps)
+        try:
+            problems = [row[0] for row in store.connection.execute(f"PRAGMA integrity_check({INTEGRITY_PROBLEMS_MAX})")]
+        finally:
+            store.connection.set_progress_handler(None)
         if problems != ["ok"]:
-            return "; ".join(problems)[:300]
-        for shard in store.shards():
-            store.verify_chain(shard)
+            return "; ".join(problems)[:300], entries_verified[0]
+        for shard, position in store.shards().items():
+
+            def chained(entries: int, tx_key: TxKey, shard: str = shard, applied: TxKey = position.applied) -> None:
+                entries_verified[0] += entries
+                report(RestoreChainVerified(shard, entries_verified[0], tx_key, applied))
+
+            store.verify_chain(shard, on_batch=chained, batch_entries=steps.chain_entries)
     except (apsw.Error, StoreError) as error:
-        return str(error)[:300]
-    return None
+        return str(error)[:300], entries_verified[0]
+    return None, entries_verified[0]
 
 
 def _remove_database_files(database_path: str) -> None:

@@ -59,7 +59,7 @@ import itertools
 import json
 import operator
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +119,7 @@ INDEX_BUILD_STEP_ROWS_MAX = 1000
 # entries of older ones (a log of that many generations has had that many elections in its window).
 RETENTION_GENERATIONS_COUNTED = 64
 SPILL_REPLAY_ENTRIES_MAX = 1000  # spilled entries a bootstrap's replay decodes at a time (``replay_spill``)
+VERIFY_BATCH_ENTRIES = 1000  # rlog entries ``verify_chain`` reads and chains at a time
 PAGE_CACHE_BYTES_MAX = 16 * 1024 * 1024  # the writing connection's SQLite page cache
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
@@ -1470,16 +1471,22 @@ class Store:
             low, high = (middle + 1, high) if appended_before(middle) else (low, middle)
         return key_at(low - 1) if low else None
 
-    def verify_chain(self, shard: str) -> TxKey:
+    def verify_chain(
+        self,
+        shard: str,
+        on_batch: Callable[[int, TxKey], None] | None = None,
+        batch_entries: int = VERIFY_BATCH_ENTRIES,
+    ) -> TxKey:
         """Check that the retained rlog is one digest chain from the last trimmed entry (or genesis),
         and that the applied position is on it. Returns the applied key; raises ``StoreError``
-        naming the first break."""
+        naming the first break. ``on_batch(entries, last tx key)`` is called after each batch found on
+        the chain (a restore shows it as progress)."""
         position = self.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
         previous_key, previous_digest = self.trimmed(shard)
         applied_seen = position.applied == previous_key and position.digest == previous_digest
-        while batch := self.entries_after(shard, previous_key, 1000):
+        while batch := self.entries_after(shard, previous_key, batch_entries):
             for entry in batch:
                 if entry.prev != previous_key:
                     raise StoreError(f"shard {shard}: entry {entry.tx_key} follows {entry.prev}, not {previous_key}")
@@ -1490,6 +1497,8 @@ class Store:
                         raise StoreError(f"shard {shard}: applied digest differs from the rlog at {entry.tx_key}")
                     applied_seen = True
                 previous_key, previous_digest = entry.tx_key, entry.digest
+            if on_batch is not None:
+                on_batch(len(batch), previous_key)
         if not applied_seen:
             raise StoreError(f"shard {shard}: the applied position {position.applied} is not on the rlog")
         return position.applied

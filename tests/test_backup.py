@@ -753,3 +753,137 @@ def test_a_damaged_backup_is_refused_and_restores_nothing(tmp_path: Path) -> Non
         cli = CliRunner().invoke(main, ["restore", str(damaged), "--data-dir", str(target)])
         assert cli.exit_code == 1 and cli.stderr.startswith("Error:") and "is damaged" in cli.stderr, cli.output
         assert "Traceback" not in cli.output
+
+
+# Steps small enough that a backup of 300 rows (about 75 pages) takes several of each phase.
+_SMALL_RESTORE_STEPS = {"copy_pages": 8, "check_sqlite_steps": 500, "chain_entries": 50}
+
+
+# Restore's progress lines on stderr, by phase, each with the figure that grows (one regex group).
+_RESTORE_LINES = {
+    "copy": r"^restore: (\d+) of \d+ pages copied$",
+    "integrity": r"^restore: integrity check of \d+ pages, (\d+) SQLite steps in$",
+    "chains": r"^restore: digest chains: (\d+) entries verified \(shard default at \(1, \d+\), applied \(1, 301\)\)$",
+    "done": r"^restore: done in [0-9.]+ s: (\d+) pages copied and checked, 301 entries of the digest chains verified$",
+}
+
+
+def _restore_progress(lines: list[str]) -> list[tuple[str, int]]:
+    """(phase, figure) of each of restore's progress lines; fails on a line of no known form."""
+    import re
+
+    shown = []
+    for line in lines:
+        matches = [(phase, re.match(pattern, line)) for phase, pattern in _RESTORE_LINES.items()]
+        found = [(phase, int(match.group(1))) for phase, match in matches if match]
+        assert len(found) == 1, line
+        shown += found
+    return shown
+
+
+def test_restore_shows_the_progress_of_each_phase_on_stderr_and_keeps_stdout(tmp_path: Path, monkeypatch) -> None:
+    """Regression: a restore (a copy, SQLite's integrity check, the digest chains' check: each reads the
+    whole backup, minutes for gigabytes) printed nothing until it ended, so a working restore looked
+    like a hung one. It now says how far each phase got on stderr, paced, and ends with a line."""
+    from mnesite.cli import backup as cli_backup
+    from mnesite.rlog import backup as rlog_backup
+
+    source = tmp_path / "rows.backup"
+    _backup_file_with_rows(source, 300)
+    monkeypatch.setattr(rlog_backup, "RESTORE_STEPS", rlog_backup.RestoreSteps(**_SMALL_RESTORE_STEPS))
+    monkeypatch.setattr(cli_backup, "PROGRESS_INTERVAL_S", 0)  # every step's line
+    result = CliRunner().invoke(main, ["restore", str(source), "--data-dir", str(tmp_path / "new")])
+    assert result.exit_code == 0, result.output
+    # stdout is the result only, as before: scripts read it.
+    digest = read_record(str(source))["shards"]["default"]["digest"][:16]
+    assert result.stdout.splitlines() == [
+        f"restored {source} (taken on core9 at t) into {tmp_path / 'new'} as a replicant",
+        f"shards: default at (1, 301) digest {digest}",
+    ]
+    shown = _restore_progress(result.stderr.splitlines())
+    phases = [phase for phase, _ in shown]
+    assert [phase for index, phase in enumerate(phases) if phases.index(phase) == index] == list(_RESTORE_LINES)
+    assert phases == sorted(phases, key=list(_RESTORE_LINES).index), phases  # each phase once, in order
+    for phase in ("copy", "integrity", "chains"):
+        figures = [figure for shown_phase, figure in shown if shown_phase == phase]
+        assert len(figures) >= 3 and figures == sorted(set(figures)), (phase, figures)
+    pages_total = shown[-1][1]
+    assert phases[-1] == "done" and phases.count("done") == 1
+    assert [figure for phase, figure in shown if phase == "copy"][-1] == pages_total
+    assert [figure for phase, figure in shown if phase == "chains"][-1] == 301  # the table's creation, 300 writes
+    quiet = CliRunner().invoke(main, ["restore", str(source), "--data-dir", str(tmp_path / "other"), "--quiet"])
+    assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout == result.stdout.replace("new", "other")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("phase", "quiet"),
+    [
+        ("RestorePagesCopied", False),
+        ("RestoreIntegrityChecking", False),
+        ("RestoreChainVerified", False),
+        ("RestoreIntegrityChecking", True),  # no progress shown: the check's progress handler runs all the same
+    ],
+)
+def test_ctrl_c_in_any_phase_of_a_restore_stops_it_and_leaves_nothing_a_node_would_start_on(
+    tmp_path: Path, phase: str, quiet: bool
+) -> None:
+    """Ctrl-C (a real SIGINT) during the copy, SQLite's integrity check (it runs in C: only its progress
+    handler lets the interrupt in before it ends) or the digest chains' check stops the restore there,
+    says so, and leaves no mnesite.db nor partial copy; a restore into the same directory then works."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "rows.backup"
+    _backup_file_with_rows(source, 300)
+    data_dir = tmp_path / "new"
+    # The operator's Ctrl-C comes once the phase's second step ended (its first step's line was shown).
+    interrupted = (
+        "import os, signal, sys\n"
+        "from mnesite.cli.main import main\n"
+        "from mnesite.rlog import backup as rlog_backup\n"
+        f"rlog_backup.RESTORE_STEPS = rlog_backup.RestoreSteps(**{_SMALL_RESTORE_STEPS!r})\n"
+        "import mnesite.cli.backup\n"
+        "mnesite.cli.backup.PROGRESS_INTERVAL_S = 0\n"
+        "Step = getattr(rlog_backup, sys.argv[3])\n"
+        "class Interrupting(Step):\n"
+        "    made = 0\n"
+        "    def __init__(self, *args):\n"
+        "        super().__init__(*args)\n"
+        "        Interrupting.made += 1\n"
+        "        if Interrupting.made == 2:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "setattr(rlog_backup, sys.argv[3], Interrupting)\n"
+        "main(['restore', sys.argv[1], '--data-dir', sys.argv[2], *sys.argv[4:]])\n"
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", interrupted, str(source), str(data_dir), phase, *(["--quiet"] if quiet else [])],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,  # not the checkout's folder: its mnesite/ would be imported instead of the installed package
+    )
+    assert process.returncode == 1, process.stderr
+    lines = process.stderr.splitlines()
+    assert lines[-1] == f"Error: restore interrupted: nothing was restored into {data_dir}", lines
+    if quiet:
+        assert lines == lines[-1:]
+    else:  # stopped in that phase: its first step was the last line shown
+        first_line = {
+            "RestorePagesCopied": "restore: 8 of ",
+            "RestoreIntegrityChecking": "restore: integrity check of ",
+            "RestoreChainVerified": "restore: digest chains: 50 entries verified",
+        }[phase]
+        assert lines[-2].startswith(first_line) and len(_restore_progress(lines[:-1])) == len(lines) - 1, lines
+        assert not [line for line in lines if line.startswith(first_line)][1:], lines
+    assert not [name for name in os.listdir(data_dir) if name.startswith("mnesite.db")], os.listdir(data_dir)
+    assert restore(str(source), str(data_dir), "replicant")["restored_as"] == "replicant"  # the lock was released
+
+
+def test_restore_steps_are_positive() -> None:
+    from mnesite.rlog.backup import RestoreSteps
+
+    for steps in ({"copy_pages": 0}, {"copy_pages": -1}, {"check_sqlite_steps": 0}, {"chain_entries": 0}):
+        with pytest.raises(ValueError, match="must be positive"):
+            RestoreSteps(**steps)
+    assert RestoreSteps(copy_pages=1, check_sqlite_steps=1, chain_entries=1).copy_pages == 1
