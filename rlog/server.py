@@ -1443,9 +1443,9 @@ class NodeServer:
             self._answer_changes(waiting.envelope, request_id, page)
 
     def shards_reset_for_copy(self) -> Collection[str]:
-        """Hook: the shards whose rows and log this node reset to copy them again and does not serve
-        until that copy is done (a replicant's bootstrap); a held changefeed request following one is
-        answered at once (``rlog.changes.worth_a_page``), not at the end of its wait."""
+        """Hook: the shards whose rows this node reset to copy them again and does not serve until that
+        copy is done (a replicant's bootstrap, a core's snapshot install); a held changefeed request
+        following one is answered at once (``rlog.changes.worth_a_page``), not at the end of its wait."""
         return ()
 
     def _answer_changes(self, envelope: list[bytes], request_id: str, page: Page) -> None:
