@@ -238,6 +238,7 @@ class ReplicantNode(NodeServer):
             spill_budget=self.spill_budget,
             speaks=self.versions,
             spilled=self.store.spilled(shard),
+            spilled_bytes=self.store.spilled_bytes(shard),
         )
         self.replicas[shard] = replica
         return replica
