@@ -328,9 +328,9 @@ class NodeServer:
         # here re-sends, but a dropped push costs a replicant a resync, so they are counted and logged.
         self.sends_dropped = 0
         # What peers, clients and overload can make a node say again and again (protocol violations,
-        # refused requests, dropped frames): at most a line a second per reason, with the count of the
-        # lines left out; ``turn`` flushes it, so a burst's last lines are said too. Status and the
-        # metrics count every one.
+        # refused requests, dropped frames, a replicant's pushes ignored or rejected): at most a line a
+        # second per reason, with the count of the lines left out; ``turn`` flushes it, so a burst's
+        # last lines are said too. Status and the metrics count every one.
         self.warnings = ThrottledLog(log)
         self.unread_answers = UnreadAnswers(config.limits.replies_queued_bytes_max)
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []

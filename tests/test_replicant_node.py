@@ -1248,7 +1248,7 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
         dealer.setsockopt(zmq.LINGER, 0)
         node.core_sockets = {"core1": dealer}
         now = [0]
-        node.push_log.clock = lambda: now[0]
+        node.warnings.clock = lambda: now[0]  # the node's one ThrottledLog, which its turn flushes
         push = {"shard": "default", "agent": "x", "entries": [], "committed": [0, 0], "hears_sequencer": True}
         caplog.set_level(logging.INFO, logger="mnesite.replicant")
         for sent in range(1000):
@@ -1256,6 +1256,7 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
             node._on_push(typed_body("push", {**push, "core": "core1", "agent": f"core1-{sent}"}))  # no such watch
         lines = [record.getMessage() for record in caplog.records]
         assert len(lines) == 2, lines
+        assert {record.name for record in caplog.records} == {"mnesite.replicant"}  # said as a replicant's
         assert lines[0] == "push from unknown core 'intruder0' ignored"
         assert lines[1].startswith("shard default: rejected a push of agent core1-0 from core1: not the watched")
         assert node.pushes_rejected == {"default": 1000}, "every rejection is still counted"
@@ -1279,13 +1280,13 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
             return [line for line in said if "push from" in line or "a push of" in line]
 
         now[0] = 1999
-        node.run_turn()  # the rejections' second (from 0) is over, not the unknown cores' (from 1000)
+        node.turn()  # the rejections' second (from 0) is over, not the unknown cores' (from 1000)
         assert pushes() == [
             "shard default: rejected a push of agent core1-999 from core1: not the watched agent "
             "(and 998 more like it in the last 1999 ms)",
         ]
         now[0] = 2000
-        node.run_turn()
+        node.turn()
         assert pushes()[1:] == ["push from unknown core 'late4' ignored (and 4 more like it in the last 1000 ms)"]
     finally:
         for socket in [node.socket, *node.core_sockets.values()]:
