@@ -55,7 +55,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -1241,6 +1241,13 @@ class CoreNode(NodeServer):
     def _installed_shards(self) -> set[str]:
         """Shards whose install copied everything (their consensus runs again; reads wait for the fence)."""
         return {shard for shard, install in self.installs.items() if install.mode is InstallMode.FENCED}
+
+    def shards_reset_for_copy(self) -> Collection[str]:
+        """The shards a snapshot install keeps from serving (``not_serving``): from ``BeginInstall``
+        (their rows deleted), while abandoned with the rows half copied (``rows_lost``), and after the
+        copy until the read fence, across a restart; none once the fence is reached. A changefeed
+        request held on one is answered at once with what a request asked then gets (``not_ready``)."""
+        return self.not_serving.keys() | self.rows_lost
 
     def _check_serving(self, shard: str) -> None:
         reason = self._not_serving_reason(shard)

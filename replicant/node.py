@@ -71,7 +71,7 @@ from mnesite.rlog.server import (
     relayed,
 )
 from mnesite.rlog.store import Store
-from mnesite.rlog.throttle import ThrottledLog, monotonic_ms
+from mnesite.rlog.throttle import monotonic_ms
 from mnesite.rlog.types import (
     TxKey,
     new_request_id,
@@ -168,9 +168,6 @@ class ReplicantNode(NodeServer):
         self._requests_failed: list[tuple[str, p.RequestFailed]] = []
         self.waiting_reads: WaitingReads[tuple[list[bytes], Message]] = WaitingReads(WAITING_READS_MAX)
         self.pushes_rejected: dict[str, int] = {}
-        # What pushes make it say (a push ignored, malformed or rejected): at most a line a second per
-        # reason. Without [security] anyone who reaches the endpoint can send pushes, one line each.
-        self.push_log = ThrottledLog(log)
         # Acknowledgements of this turn, one per (core, shard, agent): the last says all the earlier
         # ones said (an applied key only grows under one agent), so only it is sent (before_send).
         self._acks: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -238,6 +235,7 @@ class ReplicantNode(NodeServer):
             spill_budget=self.spill_budget,
             speaks=self.versions,
             spilled=self.store.spilled(shard),
+            spilled_bytes=self.store.spilled_bytes(shard),
         )
         self.replicas[shard] = replica
         return replica
@@ -270,7 +268,6 @@ class ReplicantNode(NodeServer):
         self._discover(now)
         self._expire(now)
         self._warn_if_no_core(now)
-        self.push_log.flush()  # a burst's lines left out, said once their second is over
         self._answer_waiting_reads()
         self.serve_queries(self._query_shard_reached)
         self.serve_changes()
@@ -467,14 +464,15 @@ class ReplicantNode(NodeServer):
             self._acks[(effect.core, shard, effect.agent_id)] = ack_body(shard, effect)
         elif isinstance(effect, p.SendReject):
             self.pushes_rejected[shard] = self.pushes_rejected.get(shard, 0) + 1
-            self.push_log.log(
-                f"rejected: {effect.reason}",  # one of the replica's few REJECT_ reasons
+            self.warnings.log(
+                f"push rejected: {effect.reason}",  # one of the replica's few REJECT_ reasons
                 logging.INFO,
                 "shard %s: rejected a push of agent %s from %s: %s",
                 shard,
                 effect.agent_id,
                 effect.core,
                 effect.reason,
+                logger=log,
             )
             body = {"shard": shard, "agent": effect.agent_id, "applied": list(replica.applied_key)}
             body["rejected"] = effect.reason
@@ -812,12 +810,16 @@ class ReplicantNode(NodeServer):
         if replica is None:
             return
         if body.core not in self.core_sockets:
-            self.push_log.log("unknown core", logging.WARNING, "push from unknown core %.64r ignored", body.core)
+            self.warnings.log(
+                "push: unknown core", logging.WARNING, "push from unknown core %.64r ignored", body.core, logger=log
+            )
             return
         try:
             push = push_received(replica, body)
         except messages.MessageError as error:
-            self.push_log.log("malformed", logging.WARNING, "malformed push from %.64s: %.300s", body.core, error)
+            self.warnings.log(
+                "push: malformed", logging.WARNING, "malformed push from %.64s: %.300s", body.core, error, logger=log
+            )
             return
         self._core_heard_ms = self.clock_ms()
         self._step(replica, push)

@@ -88,7 +88,8 @@ Driver contract
 ---------------
 1. Build the replica from what is persisted: the applied key and digest (``UNKNOWN_DIGEST`` after a
    ``ResetShard``), the ``bootstraps``/``resumes``/``bootstraps_outrun`` counters, the read fence
-   flag and the entries in the shard's spill (``status().entries_buffered``). Deliver ``Ticked`` at
+   flag and the entries in the shard's spill (``status().entries_buffered``) and their bytes as
+   stored (charged to the node's ``SpillBudget`` until a reset deletes them). Deliver ``Ticked`` at
    least every ``retry_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters);
    ``now_ms`` never decreases.
 2. Execute the effects in list order. ``ApplyEntries`` applies the entries and records the new
@@ -281,7 +282,8 @@ class _Invalid(Exception):
 class SpillBudget:
     """The bytes of spilled entries a node holds, over all its bootstrapping shards (each spill is on
     disk until its replay). One object is shared by a node's replicas; a replica charges what it
-    spills and gives it back when its spill is replayed or discarded by a new bootstrap."""
+    spills, and the spill it finds on disk at the start, and gives it back when its spill is replayed
+    or discarded by a new bootstrap."""
 
     def __init__(self, bytes_max: int) -> None:
         if bytes_max < 1:
@@ -301,6 +303,13 @@ class SpillBudget:
         if size < 0 or size > self.used:
             raise ValueError(f"a spill gave back {size} bytes of {self.used} taken (spill accounting is wrong)")
         self.used -= size
+
+    def charge(self, size: int) -> None:
+        """Charge a spill already on disk (one left by a bootstrap a restart interrupted), even past
+        ``bytes_max``: it is there whatever the budget says, and the spills after it get that much less."""
+        if size < 0:
+            raise ValueError(f"a spill on disk cannot hold {size} bytes")
+        self.used += size
 
 
 class ShardReplica:
@@ -323,6 +332,7 @@ class ShardReplica:
         speaks: Announcement = THIS_RELEASE,
         bootstraps_outrun: int = 0,
         spilled: int = 0,
+        spilled_bytes: int = 0,
     ) -> None:
         if not shard or not name:
             raise ReplicaConfigError("shard and name must not be empty")
@@ -331,7 +341,7 @@ class ShardReplica:
             raise ReplicaConfigError(f"cores must be 1 to {CORES_MAX} distinct names, got {cores!r}")
         if not isinstance(applied_digest, bytes):
             raise ReplicaConfigError("applied_digest must be bytes")
-        if bootstraps < 0 or resumes < 0 or bootstraps_outrun < 0 or spilled < 0:
+        if min(bootstraps, resumes, bootstraps_outrun, spilled, spilled_bytes) < 0:
             raise ReplicaConfigError("counters must not be negative")
         self.shard = shard
         self.name = name
@@ -375,13 +385,15 @@ class ShardReplica:
         self._spill_digest = applied_digest
         # Entries in the shard's spill: on disk at the start, those of a bootstrap that did not finish
         # (never replayed: a restarted replica's digest is unknown, so its next watch bootstraps, and
-        # that reset deletes them); none of its bytes are charged to the node's budget.
+        # that reset deletes them). Their bytes are charged to the node's budget until then, as a
+        # failed bootstrap's are in the process that spilled them.
         self._spilled = spilled
         # The token of the last push of the watched agent read: every acknowledgement echoes it, which
         # proves to the agent that this replica read its pushes up to that one (core.agent).
         self._push_token: bytes | None = None
-        self._spilled_bytes = 0
         self._spill_budget = spill_budget if spill_budget is not None else SpillBudget(config.spill_bytes_max)
+        self._spill_budget.charge(spilled_bytes)
+        self._spilled_bytes = spilled_bytes
         self._spill_full = False
         # Read fence after a bootstrap (see the theory of operation).
         self._fence = ReadFence(read_fenced, config.failure_timeout_ms)

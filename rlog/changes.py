@@ -283,9 +283,10 @@ def worth_a_page(
     """Whether a held request's page is built again: a shard it follows moved, a shard the node did
     not have when the page was built (``shards_then``) appeared (a feed of every table follows it,
     and a position can name a shard the node had not opened yet), a shard it follows is being copied
-    again here (``shards_reset``: a replicant's bootstrap reset its rows and log; nothing comes of it
-    until the copy is done, and then from a new log start, so the request gets at once what one asked
-    now gets, ``not_ready``, and its consumer may go on at another node), or its wait ended."""
+    again here (``shards_reset``: a replicant's bootstrap reset its rows and log, a core's snapshot
+    install deleted its rows; nothing comes of it until the copy is done and healed, and then from a
+    new log start, so the request gets at once what one asked now gets, ``not_ready``, and its
+    consumer may go on at another node), or its wait ended."""
     if now_ms >= deadline_ms:
         return True
     if any(shard in applied_then for shard in shards_reset):

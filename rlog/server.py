@@ -328,9 +328,9 @@ class NodeServer:
         # here re-sends, but a dropped push costs a replicant a resync, so they are counted and logged.
         self.sends_dropped = 0
         # What peers, clients and overload can make a node say again and again (protocol violations,
-        # refused requests, dropped frames): at most a line a second per reason, with the count of the
-        # lines left out; ``turn`` flushes it, so a burst's last lines are said too. Status and the
-        # metrics count every one.
+        # refused requests, dropped frames, a replicant's pushes ignored or rejected): at most a line a
+        # second per reason, with the count of the lines left out; ``turn`` flushes it, so a burst's
+        # last lines are said too. Status and the metrics count every one.
         self.warnings = ThrottledLog(log)
         self.unread_answers = UnreadAnswers(config.limits.replies_queued_bytes_max)
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
@@ -1443,9 +1443,9 @@ class NodeServer:
             self._answer_changes(waiting.envelope, request_id, page)
 
     def shards_reset_for_copy(self) -> Collection[str]:
-        """Hook: the shards whose rows and log this node reset to copy them again and does not serve
-        until that copy is done (a replicant's bootstrap); a held changefeed request following one is
-        answered at once (``rlog.changes.worth_a_page``), not at the end of its wait."""
+        """Hook: the shards whose rows this node reset to copy them again and does not serve until that
+        copy is done (a replicant's bootstrap, a core's snapshot install); a held changefeed request
+        following one is answered at once (``rlog.changes.worth_a_page``), not at the end of its wait."""
         return ()
 
     def _answer_changes(self, envelope: list[bytes], request_id: str, page: Page) -> None:

@@ -1580,6 +1580,11 @@ class Store:
     def spilled(self, shard: str) -> int:
         return self.connection.execute("SELECT count(*) FROM _mnesite_spill WHERE shard = ?", (shard,)).fetchone()[0]
 
+    def spilled_bytes(self, shard: str) -> int:
+        """The bytes of the entries in ``shard``'s spill, as stored."""
+        sql = "SELECT coalesce(sum(length(entry)), 0) FROM _mnesite_spill WHERE shard = ?"
+        return self.connection.execute(sql, (shard,)).fetchone()[0]
+
     def replay_spill(self, shard: str, start_key: TxKey, start_digest: bytes, appended_ms: int) -> TxKey:
         """End of a bootstrap: the position becomes K0, then every spilled entry is logged and applied
         in order (the ops are results, so the replay heals what the dirty reads saw)."""

@@ -28,7 +28,10 @@ class ThrottledLog:
     Lines left out are reported with the next line of their reason, or by ``flush`` (the node's loop
     calls it every turn) once ``interval_ms`` has passed without one: a burst's last lines are said
     even if no line of that reason ever comes again. ``flush`` logs the last line left out, with the
-    count of the others, and forgets a reason that has nothing left to say."""
+    count of the others, and forgets a reason that has nothing left to say.
+
+    A line goes to ``logger``, or to the one ``log`` names (a node's one log says the lines of its
+    parts, each under its own module's logger: ``mnesite.replicant`` for a replicant's pushes)."""
 
     def __init__(
         self, logger: logging.Logger, interval_ms: int = 1000, clock: Callable[[], int] = monotonic_ms
@@ -37,16 +40,17 @@ class ThrottledLog:
         self.interval_ms = interval_ms
         self.clock = clock
         # reason -> (when its last line was logged, lines left out since, the last of them as
-        # (level, text, args) or None): one entry per reason, whatever arrives.
-        self._reasons: dict[str, tuple[int, int, tuple[int, str, tuple[Any, ...]] | None]] = {}
+        # (logger, level, text, args) or None): one entry per reason, whatever arrives.
+        self._reasons: dict[str, tuple[int, int, tuple[logging.Logger, int, str, tuple[Any, ...]] | None]] = {}
         # When ``flush`` has something to do, at the earliest (None: nothing left out, no reason kept).
         self._flush_at_ms: int | None = None
 
-    def log(self, reason: str, level: int, text: str, *args: Any) -> None:
+    def log(self, reason: str, level: int, text: str, *args: Any, logger: logging.Logger | None = None) -> None:
+        logger = logger or self.logger
         now_ms = self.clock()
         logged_ms, suppressed, _ = self._reasons.get(reason, (None, 0, None))
         if logged_ms is not None and now_ms - logged_ms < self.interval_ms:
-            self._reasons[reason] = (logged_ms, suppressed + 1, (level, text, args))
+            self._reasons[reason] = (logged_ms, suppressed + 1, (logger, level, text, args))
             self._flush_by(logged_ms + self.interval_ms)
             return
         self._reasons[reason] = (now_ms, 0, None)
@@ -54,7 +58,7 @@ class ThrottledLog:
         if suppressed:
             text += " (and %d more like it in the last %d ms)"
             args = (*args, suppressed, now_ms - logged_ms)
-        self.logger.log(level, text, *args)
+        logger.log(level, text, *args)
 
     def flush(self) -> None:
         """Log, per reason whose ``interval_ms`` has passed, the last line left out (with the count of
@@ -74,11 +78,11 @@ class ThrottledLog:
             if last is None:
                 del self._reasons[reason]  # quiet for an interval: its next line is logged anyway
                 continue
-            level, text, args = last
+            logger, level, text, args = last
             if suppressed > 1:
                 text += " (and %d more like it in the last %d ms)"
                 args = (*args, suppressed - 1, now_ms - logged_ms)
-            self.logger.log(level, text, *args)
+            logger.log(level, text, *args)
             self._reasons[reason] = (now_ms, 0, None)  # a line logged now: the next within the interval waits
             self._flush_by(now_ms + self.interval_ms)
 

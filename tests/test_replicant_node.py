@@ -1248,7 +1248,7 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
         dealer.setsockopt(zmq.LINGER, 0)
         node.core_sockets = {"core1": dealer}
         now = [0]
-        node.push_log.clock = lambda: now[0]
+        node.warnings.clock = lambda: now[0]  # the node's one ThrottledLog, which its turn flushes
         push = {"shard": "default", "agent": "x", "entries": [], "committed": [0, 0], "hears_sequencer": True}
         caplog.set_level(logging.INFO, logger="mnesite.replicant")
         for sent in range(1000):
@@ -1256,6 +1256,7 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
             node._on_push(typed_body("push", {**push, "core": "core1", "agent": f"core1-{sent}"}))  # no such watch
         lines = [record.getMessage() for record in caplog.records]
         assert len(lines) == 2, lines
+        assert {record.name for record in caplog.records} == {"mnesite.replicant"}  # said as a replicant's
         assert lines[0] == "push from unknown core 'intruder0' ignored"
         assert lines[1].startswith("shard default: rejected a push of agent core1-0 from core1: not the watched")
         assert node.pushes_rejected == {"default": 1000}, "every rejection is still counted"
@@ -1279,13 +1280,13 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
             return [line for line in said if "push from" in line or "a push of" in line]
 
         now[0] = 1999
-        node.run_turn()  # the rejections' second (from 0) is over, not the unknown cores' (from 1000)
+        node.turn()  # the rejections' second (from 0) is over, not the unknown cores' (from 1000)
         assert pushes() == [
             "shard default: rejected a push of agent core1-999 from core1: not the watched agent "
             "(and 998 more like it in the last 1999 ms)",
         ]
         now[0] = 2000
-        node.run_turn()
+        node.turn()
         assert pushes()[1:] == ["push from unknown core 'late4' ignored (and 4 more like it in the last 1000 ms)"]
     finally:
         for socket in [node.socket, *node.core_sockets.values()]:
@@ -1407,6 +1408,49 @@ def test_a_changefeed_request_held_at_a_replicant_is_answered_as_soon_as_a_boots
         _close_offline(node)
 
 
+class _Spilling:
+    """A replicant's shard ``default`` driven through bootstraps that spill ``history`` (``K0`` its first
+    entry, committed its last), with a clock the test sets, across restarts of one data directory."""
+
+    def __init__(self, data_dir: Path, entries: int = 6) -> None:
+        from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, make_entry
+
+        self.data_dir = data_dir
+        self.history = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [])]
+        for counter in range(2, entries + 1):
+            last = self.history[-1]
+            self.history.append(make_entry("default", TxKey(1, counter), last.tx_key, last.digest, []))
+        self.committed = self.history[-1].tx_key
+        self.clock = [0]
+
+    def start(self, limits: dict | None = None):
+        """The replicant (re)started on the data directory, its clock the test's."""
+        node = offline_replicant(self.data_dir, limits)
+        self.clock[0] = node.clock_ms()
+        node.clock_ms = lambda: self.clock[0]
+        return node
+
+    def bootstrap(self, node, agent: str):
+        from mnesite.rlog import replication as p
+
+        replica = node.replicas["default"]
+        if replica.mode is not p.Mode.DISCONNECTED:
+            replica = _watching(node, self.committed)
+        else:  # disconnected: its next probe and watch
+            self.clock[0] = replica.next_deadline_ms()
+            node._step(replica, p.Ticked())
+            node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(self.committed, True, 0)),)))
+        k0 = self.history[0]
+        node._step(replica, p.WatchAccepted("core1", agent, "bootstrap", k0.tx_key, k0.digest, replica.watch_id))
+        assert replica.mode is p.Mode.BOOTSTRAP
+        return replica
+
+    def push(self, node, agent: str, entries) -> None:
+        from mnesite.rlog import replication as p
+
+        node._step(node.replicas["default"], p.PushReceived("core1", agent, tuple(entries), self.committed, True))
+
+
 def test_entries_buffered_is_what_the_shard_s_spill_holds_across_bootstraps_a_replay_and_a_restart(tmp_path) -> None:
     """``status``'s ``entries_buffered`` was the entries spilled since the process started: 0 after a
     restart in the middle of a bootstrap while the spill on disk held its entries, still the replayed
@@ -1416,56 +1460,32 @@ def test_entries_buffered_is_what_the_shard_s_spill_holds_across_bootstraps_a_re
     the spill the interrupted one left, which is counted until then."""
     from mnesite.core.watch import decide_watch
     from mnesite.rlog import replication as p
-    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, make_entry
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
 
-    history = [make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, [])]
-    for counter in range(2, 6):
-        history.append(make_entry("default", TxKey(1, counter), history[-1].tx_key, history[-1].digest, []))
-    k0, committed = history[0], history[-1].tx_key
-    clock = [0]
-
-    def bootstrap(node, agent: str):
-        replica = node.replicas["default"]
-        if replica.mode is not p.Mode.DISCONNECTED:
-            replica = _watching(node, committed)
-        else:  # disconnected: its next probe and watch
-            clock[0] = replica.next_deadline_ms()
-            node._step(replica, p.Ticked())
-            node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(committed, True, 0)),)))
-        accepted = p.WatchAccepted("core1", agent, "bootstrap", k0.tx_key, k0.digest, replica.watch_id)
-        node._step(replica, accepted)
-        assert replica.mode is p.Mode.BOOTSTRAP
-        return replica
-
-    def push(node, agent: str, entries) -> None:
-        node._step(node.replicas["default"], p.PushReceived("core1", agent, tuple(entries), committed, True))
+    spilling = _Spilling(tmp_path / "r")
+    history, committed = spilling.history, spilling.committed
 
     def buffered(node) -> tuple[int, int]:
         """``status``'s figure, and the entries the shard's spill holds on disk."""
         return node.status()["shards"]["default"]["entries_buffered"], node.store.spilled("default")
 
-    data_dir = tmp_path / "r"
-    node = offline_replicant(data_dir)
-    clock[0] = node.clock_ms()
-    node.clock_ms = lambda: clock[0]
+    node = spilling.start()
     try:
         node.core_sockets = {"core1": _queueing_dealer()}
         node._open_replica("default")
-        replica = bootstrap(node, "a1")
-        push(node, "a1", history[1:3])
+        replica = spilling.bootstrap(node, "a1")
+        spilling.push(node, "a1", history[1:3])
         assert buffered(node) == (2, 2)
         node._step(replica, p.RequestFailed("core1", "gone", replica.watch_id))
         assert buffered(node) == (2, 2)  # the failed bootstrap's spill stays until the next one's reset
-        bootstrap(node, "a2")
+        spilling.bootstrap(node, "a2")
         assert buffered(node) == (0, 0)
-        push(node, "a2", history[1:2])
+        spilling.push(node, "a2", history[1:2])
         assert buffered(node) == (1, 1)
         node.flush()
     finally:
         _close_offline(node)
-    node = offline_replicant(data_dir)  # restarted in the middle of the bootstrap
-    clock[0] = node.clock_ms()
-    node.clock_ms = lambda: clock[0]
+    node = spilling.start()  # restarted in the middle of the bootstrap
     try:
         assert buffered(node) == (1, 1)
         replica = node.replicas["default"]
@@ -1477,12 +1497,43 @@ def test_entries_buffered_is_what_the_shard_s_spill_holds_across_bootstraps_a_re
         )
         assert mode == "bootstrap"
         node.core_sockets = {"core1": _queueing_dealer()}
-        replica = bootstrap(node, "a3")
+        replica = spilling.bootstrap(node, "a3")
         assert buffered(node) == (0, 0)  # starts over: the reset deleted the interrupted bootstrap's spill
-        push(node, "a3", history[1:4])
+        spilling.push(node, "a3", history[1:4])
         assert buffered(node) == (3, 3)
         node._step(replica, p.TablesReceived("core1", (), (), replica.watch_id))  # the copy is done: replayed
         assert replica.mode is p.Mode.NORMAL and replica.applied_key == TxKey(1, 4)
         assert buffered(node) == (0, 0)
+    finally:
+        _close_offline(node)
+
+
+def test_a_spill_left_by_a_bootstrap_a_restart_interrupted_is_charged_to_the_node_s_spill_budget(tmp_path) -> None:
+    """The spill an unfinished bootstrap leaves on disk stays there until the next bootstrap's reset
+    deletes it. In the process that spilled it, its bytes stay charged to the node's ``SpillBudget``
+    until then; after a restart they were not charged at all, so the node's other shards could spill
+    a whole ``spill_bytes_max`` on top of it: more disk than configured. They are charged at the start
+    now (their bytes as stored), and given back by the reset that deletes them."""
+    spilling = _Spilling(tmp_path / "r")
+    node = spilling.start()
+    try:
+        node.core_sockets = {"core1": _queueing_dealer()}
+        node._open_replica("default")
+        spilling.bootstrap(node, "a1")
+        spilling.push(node, "a1", spilling.history[1:5])
+        assert node.spill_budget.used > 0
+        node.flush()
+    finally:
+        _close_offline(node)
+    node = spilling.start()  # restarted in the middle of the bootstrap
+    try:
+        on_disk = node.store.spilled_bytes("default")
+        assert node.store.spilled("default") == 4 and on_disk > 0
+        assert node.spill_budget.used == on_disk
+        node.core_sockets = {"core1": _queueing_dealer()}
+        spilling.bootstrap(node, "a2")  # its reset deletes the old spill: its bytes go back
+        assert node.store.spilled_bytes("default") == 0 and node.spill_budget.used == 0
+        spilling.push(node, "a2", spilling.history[1:2])
+        assert node.spill_budget.used == spilling.history[1].size_bytes
     finally:
         _close_offline(node)

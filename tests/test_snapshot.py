@@ -206,3 +206,49 @@ def test_a_snapshot_batch_row_the_listed_table_cannot_hold_abandons_the_install_
         assert install.mode is InstallMode.ABANDONED
         assert "default" not in node.installs
         assert node.store.count_rows(node.store.catalog()["t"]) == 0
+
+
+def test_a_changefeed_request_held_at_a_core_is_answered_as_soon_as_a_snapshot_install_of_its_shard_begins(
+    tmp_path,
+) -> None:
+    """A ``changes`` request held at a core (caught up, waiting for its shard to move) waited out its
+    whole ``wait_ms`` when the core began installing a snapshot of the shard: ``BeginInstall`` deletes
+    the rows and keeps the applied key, so nothing woke it until the copy was done, although a request
+    asked meanwhile is refused at once (``not_ready``). It is now answered in the turn the install
+    begins, with that same answer. Once the read fence is reached the shard serves again, and a request
+    held then waits for the shard to move, as before."""
+    from mnesite.rlog import messages
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.messages import Message
+
+    from tests.conftest import follower_by_hand
+
+    def changes(request_id: str, after: TxKey) -> Message:
+        body = {"positions": [{"shard": "default", "after": list(after)}], "wait_ms": 60_000}
+        return Message("changes", request_id, messages.typed_body("changes", body))
+
+    def answers(node, envelope: list[bytes]) -> list[Message]:
+        return [message for _socket, to, message in node._outbox if to == envelope]
+
+    with follower_by_hand(tmp_path / "data") as (node, _driver):
+        node._dispatch([b"held"], changes("held-1", node.store.shard("default").applied))
+        node.serve_changes()
+        assert node.changes_statistics()["held"] == 1 and not answers(node, [b"held"])
+        install = SnapshotInstall(SnapshotOffer("core2", 1, TxKey(1, 9), b"d" * 32), 100, 60_000, node.clock_ms())
+        node.installs["default"] = install
+        node._execute_install("default", install.start())
+        node.serve_changes()
+        (answer,) = answers(node, [b"held"])
+        assert node.changes_statistics()["held"] == 0
+        with pytest.raises(RequestError) as now:  # what a request asked now gets
+            node._dispatch([b"now"], changes("asked-now", node.store.shard("default").applied))
+        assert (answer.request_id, answer.kind, answer.body.code) == ("held-1", "error", "not_ready")
+        assert answer.body.message == str(now.value) and "installing a snapshot" in answer.body.message
+        # The copy (no table) is done, then the read fence is reached: the shard serves again.
+        node._step_install("default", TablesReceived("core2", (), ()))
+        assert install.mode is InstallMode.FENCED
+        node._step_install("default", CommittedReceived("core2", TxKey(1, 9), install._fence.question))
+        assert install.mode is InstallMode.DONE and node._not_serving_reason("default") is None
+        node._dispatch([b"after"], changes("after-1", node.store.shard("default").applied))
+        node.serve_changes()
+        assert node.changes_statistics()["held"] == 1 and not answers(node, [b"after"])
