@@ -79,7 +79,9 @@ def changes(tables, from_keys, follow, endpoint, timeout_ms, as_json) -> None:
     Each record has its tx key, shard, table, op (write, delete, create_table, drop_table, add_column),
     key and the full row written. A position the node's log no longer holds (trimmed) first gets a copy
     of the tables at one tx key: snapshot_begin, snapshot rows, snapshot_end, then the changes after it.
-    Give several --node to move to the next node from the last position if one stops answering.
+    Give several --node to move to the next node from the last position if one stops answering, or,
+    without --follow, cannot move a copy for 10 pages (no such shard, or behind it and not moving); once
+    every node could not, the run ends with changes_stalled.
     """
     after = parse_from(from_keys)
     with client_for(endpoint, timeout_ms, retries=1) as client:

@@ -871,7 +871,8 @@ class Client:
         of the tables first (``snapshot_begin``, ``snapshot`` rows, ``snapshot_end``). Without
         ``follow`` the iterator ends once it has every change the node has applied; with it, it waits
         for more (each page held up to ``wait_ms`` at the node). Pages move to the client's next
-        endpoint when a node stops answering, from the last position received: no gap, no repeat.
+        endpoint when a node stops answering, from the last position received: no gap, no repeat; so
+        does a feed not following that stalls inside a copy (``ChangeFeed``), until every endpoint did.
         """
         names = list(tables or ())
         return ChangeFeed(self, names, self._changes_positions(names, after_tx_key), follow, wait_ms, page_records)
@@ -1094,8 +1095,10 @@ class ChangeFeed:
     page (``records_after``). At a ``snapshot_begin`` it moves to the copy's start, and inside the copy
     page by page: a resume from it goes on with the copy, never back before it. ``position`` is the last
     tx key delivered per shard outside a copy (a shard inside one has none). A feed that is not following
-    ends only outside a copy, or with ``MnesiteError`` (``changes_stalled``) inside one at a node that
-    has no such shard or does not move toward the copy for ``COPY_STALL_PAGES_MAX`` pages in a row.
+    ends only outside a copy. Inside one, a node that has no such shard or does not move toward the copy
+    for ``COPY_STALL_PAGES_MAX`` pages in a row is left for the client's next endpoint, from the same
+    positions; once every endpoint was left so with no progress in between (each tried once), the feed
+    ends with ``MnesiteError`` (``changes_stalled``) naming them.
     ``applied`` is the answering node's applied key per shard (how far
     behind the feed is). The answers are checked: a malformed page raises ``MnesiteError``.
     """
@@ -1118,6 +1121,10 @@ class ChangeFeed:
         self.applied: dict[str, TxKey] = {}
         self.pages_fetched = 0
         self._stalled_pages = 0  # empty pages in a row inside a copy from a node that does not move to it
+        # The endpoints this stall moved the feed to or off, each with why it could not move the copy:
+        # each is tried at most once until the feed moves again, so stalled nodes are not asked in turn
+        # forever (the client's own failover may carry a page back to one already tried).
+        self._stall_tried: dict[str, str] = {}
 
     @property
     def cursor(self) -> list[dict[str, Any]]:
@@ -1197,14 +1204,34 @@ class ChangeFeed:
             body["wait_ms"] = wait_ms
         answer = self.client.call("changes", body, timeout_ms=self.client.timeout_ms + wait_ms)
         records, positions, applied = _changes_page(answer)
+        if records or _places(positions) != _places(self._positions):
+            self._stall_tried.clear()  # the feed moved: a later stall may try every endpoint again
         stalled = None if records or self.follow else copy_stalled(positions.values(), self.applied, applied)
         self._stalled_pages = self._stalled_pages + 1 if stalled else 0
         self.applied = applied
         if stalled and self._stalled_pages >= COPY_STALL_PAGES_MAX:
             # Waiting longer for a node that does not move is a feed that never ends (not following).
-            raise MnesiteError(f"{stalled} ({self._stalled_pages} pages): stopped inside a copy", "changes_stalled")
+            self._leave_stalled_node(f"{stalled} ({self._stalled_pages} pages)")
         self.pages_fetched += 1
         return records, positions
+
+    def _leave_stalled_node(self, why: str) -> None:
+        """Go on at the client's next endpoint not tried in this stall, as a ``not_ready`` answer moves
+        a call (``Client._next_endpoint``), from the same positions: another node (a core, a replicant
+        that has the shard or is not cut off) may move the copy. Every endpoint tried: ``changes_stalled``."""
+        client = self.client
+        self._stall_tried[client.endpoint] = why
+        self._stalled_pages = 0
+        for _ in client.endpoints:
+            if client.endpoint not in self._stall_tried:
+                # Marked now: should the client's failover carry the feed off it, it is not tried again.
+                self._stall_tried[client.endpoint] = "left before it served a page (silent, stopping or not ready)"
+                return
+            client._next_endpoint()
+        if len(client.endpoints) == 1:
+            raise MnesiteError(f"{why}: stopped inside a copy", "changes_stalled")
+        tried = "; ".join(f"{endpoint}: {reason}" for endpoint, reason in self._stall_tried.items())
+        raise MnesiteError(f"stopped inside a copy that no endpoint moves ({tried})", "changes_stalled")
 
 
 _RECORD_KINDS = frozenset({"change", "snapshot_begin", "snapshot", "snapshot_end"})
@@ -1218,6 +1245,22 @@ def _next_of_shard(records: list[dict[str, Any]]) -> list[dict[str, Any] | None]
         following[index] = later.get(records[index]["shard"])
         later[records[index]["shard"]] = records[index]
     return following
+
+
+def _places(positions: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, ...]]:
+    """Where each shard's wire position stands, whatever its form (a field left out or given as its
+    default, a key as a list or a ``TxKey``): two that compare equal are the same place in the feed."""
+    return {
+        shard: (
+            position.get("phase", "live"),
+            tuple(position["after"]),
+            position.get("table"),
+            position.get("table_after"),
+            position.get("records_after"),
+            tuple(position.get("replay_to") or ()),
+        )
+        for shard, position in positions.items()
+    }
 
 
 def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, TxKey]]:

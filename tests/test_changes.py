@@ -15,14 +15,15 @@ import pytest
 from click.testing import CliRunner
 from mnesite.bootstrap.serve import read_batch
 from mnesite.cli.main import main
-from mnesite.rlog.changes import PageLimits, build_page, live
+from mnesite.rlog import messages
+from mnesite.rlog.changes import COPY_STALL_PAGES_MAX, PageLimits, build_page, live, position_to_wire
 from mnesite.rlog.client import Client, InvalidRequest, MnesiteError, RemoteError
 from mnesite.rlog.messages import ChangesPosition
 from mnesite.rlog.server import StoreFeedReader
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import ZERO_KEY, TxKey
 
-from tests.conftest import ThreadNode, wait_until
+from tests.conftest import RouterNode, ScriptedNode, ThreadNode, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -645,6 +646,105 @@ def test_a_feed_not_following_gives_up_on_a_node_that_never_reaches_its_copy(nod
                 records.append(record)
         assert records[0]["kind"] == "snapshot_begin"
         assert feed.position == {} and feed.cursor[0]["phase"] != "live"
+
+
+class StalledFeedNode(RouterNode):
+    """A node that cannot move a copy: every ``changes`` request gets an empty page at the positions it
+    asked, with ``applied`` as the node's applied keys (empty: it has no such shard, as a replicant cut
+    off from its cores might not). ``pages``: how many it answered."""
+
+    def __init__(self, applied: dict[str, TxKey]) -> None:
+        self.applied = {shard: list(key) for shard, key in applied.items()}
+        self.pages = 0
+        super().__init__()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            if not self.socket.poll(20):
+                continue
+            *envelope, frame = self.socket.recv_multipart()
+            request = messages.decode(frame)
+            page = {
+                "records": [],
+                "positions": [position_to_wire(position) for position in request.body.positions],
+                "applied": self.applied,
+            }
+            self.pages += 1
+            self.send(envelope, messages.reply(request.request_id, page))
+
+
+def _cursor_inside_a_copy(client: Client, monkeypatch) -> tuple[list[dict], list[dict], TxKey]:
+    """A feed of users stopped inside a copy (this node trimmed through its last write): the records
+    it applied (``snapshot_begin`` and one ``snapshot``), its cursor, and the copy's start K0."""
+    start, *_, last = _put_users(client, range(20))
+    _trimmed_here_only(monkeypatch, [last])
+    feed = client.changes(["users"], after_tx_key=start)
+    applied = []
+    for record in feed:
+        applied.append(record)
+        if record["kind"] == "snapshot":
+            return applied, feed.cursor, last
+    raise AssertionError(f"no copy: {applied}")
+
+
+@pytest.mark.parametrize("stuck", ["behind", "no_shard"])
+def test_a_feed_stalled_inside_a_copy_goes_on_at_its_next_endpoint(node, monkeypatch, stuck) -> None:
+    """A feed not following, inside a copy at a node that cannot move it, ended with ``changes_stalled``
+    although the client had another endpoint that could: it goes on there from the same positions,
+    and gets every record the copy and the changes after it hold, exactly once."""
+    with node.client() as client:
+        applied, cursor, k0 = _cursor_inside_a_copy(client, monkeypatch)
+        later = _put_users(client, range(20, 25))  # written during the copy: its replay heals them in
+        expected = list(client.changes(["users"], after_tx_key=cursor))  # the rest, from the node that moves it
+    assert expected[-1] == {"kind": "snapshot_end", "shard": "default", "tx_key": later[-1]}, expected
+    stalled = StalledFeedNode({"default": TxKey(k0.generation, k0.counter - 5)} if stuck == "behind" else {})
+    try:
+        with Client([stalled.endpoint, node.endpoint], timeout_ms=2000, retries=1) as both:
+            feed = both.changes(["users"], after_tx_key=cursor, wait_ms=10)
+            rest = list(feed)
+        # A node behind: its first page cannot tell whether it moves (nothing to compare it with).
+        assert stalled.pages == COPY_STALL_PAGES_MAX + (stuck == "behind")
+        assert rest == expected
+        replayed = [r["tx_key"] for r in rest if r["kind"] == "snapshot" and r["tx_key"] is not None]
+        assert replayed == sorted(set(replayed)) and set(later) <= set(replayed)  # each entry once, in order
+        with node.client() as client:
+            assert apply_feed(applied + rest)["users"] == table_rows(client, "users")
+        assert feed.position == {"default": later[-1]}
+    finally:
+        stalled.close()
+
+
+def test_a_feed_stalled_inside_a_copy_at_every_endpoint_ends_naming_them(node, monkeypatch) -> None:
+    """Every endpoint stalled: the feed ends with ``changes_stalled`` naming each and why, having asked
+    each for one stall's pages, never back and forth between them. One that the client's failover left
+    (``not_ready``) back to a stalled node is not tried again either: the feed still ends."""
+    with node.client() as client:
+        _, cursor, k0 = _cursor_inside_a_copy(client, monkeypatch)
+    nodes = [StalledFeedNode({}), StalledFeedNode({"default": TxKey(k0.generation, k0.counter - 5)})]
+    not_ready = ScriptedNode([("not_ready", "replicant r3 cannot serve shard default yet")] * 5)
+    try:
+        endpoints = [stalled.endpoint for stalled in nodes]
+        with Client(endpoints, timeout_ms=2000, retries=1) as client, pytest.raises(MnesiteError) as info:
+            list(client.changes(["users"], after_tx_key=cursor, wait_ms=10))
+        assert info.value.code == "changes_stalled"
+        message = str(info.value)
+        assert f"{endpoints[0]}: shard default: the node has no such shard" in message, message
+        assert f"{endpoints[1]}: shard default: the node's applied key" in message, message
+        assert [stalled.pages for stalled in nodes] == [COPY_STALL_PAGES_MAX, COPY_STALL_PAGES_MAX + 1]  # (behind)
+        # A stalled node, then one that answers not_ready: the client's own failover carries the page
+        # back to the stalled node, which stalls again; the not-ready one had its turn, so the feed ends.
+        nodes[0].pages = 0
+        with (
+            Client([nodes[0].endpoint, not_ready.endpoint], timeout_ms=2000, retries=1) as client,
+            pytest.raises(MnesiteError) as info,
+        ):
+            list(client.changes(["users"], after_tx_key=cursor, wait_ms=10))
+        assert info.value.code == "changes_stalled" and not_ready.endpoint in str(info.value)
+        assert nodes[0].pages == 2 * COPY_STALL_PAGES_MAX and len(not_ready.requests) == 1
+    finally:
+        for stalled in nodes:
+            stalled.close()
+        not_ready.close()
 
 
 def test_cli_changes_stopped_inside_a_copy_says_so_instead_of_leaving_the_shard_out(node, monkeypatch) -> None:
