@@ -585,6 +585,127 @@ def test_the_temporary_files_held_by_open_cursors_are_bounded_per_node(tmp_path:
         store.close()
 
 
+# Statements over a stored table of 60 rows of 200,000 bytes (about 12 MB, six times SQLite's cache),
+# each spilling a different kind of temporary file: the sorter's runs, and ephemeral tables.
+STORED_SPILLS = [
+    "SELECT id, length(b) FROM big ORDER BY b, id",  # a sort
+    "SELECT count(*) FROM (SELECT b FROM big GROUP BY b)",  # a grouping
+    "SELECT count(*) FROM (SELECT DISTINCT b FROM big)",  # DISTINCT
+    "WITH m AS MATERIALIZED (SELECT id, b FROM big) SELECT count(*) FROM m x JOIN m y ON x.id = y.id",
+    "SELECT count(*) FROM big x JOIN big y ON x.b = y.b",  # an automatic (temporary) index on y.b
+]
+
+
+def _big_database(path: Path) -> Store:
+    store = _database(path, rows=0)
+    with store.write_transaction():
+        store.connection.execute("CREATE TABLE big(id INTEGER PRIMARY KEY, b BLOB)")
+        store.connection.executemany("INSERT INTO big VALUES (?, ?)", [(i, bytes([i]) * 200_000) for i in range(60)])
+    return store
+
+
+@pytest.mark.parametrize("sql", STORED_SPILLS)
+def test_the_temporary_files_of_a_query_over_the_stored_tables_are_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sql: str
+) -> None:
+    """The store is attached to the query connection's empty main database: SQLite opens the temporary
+    files of the statement (sort, grouping, DISTINCT, materialized subquery, automatic index) through
+    the main database's VFS, the query VFS, which counts them; the store's own files never go through
+    it (each of their page reads was a Python call under the GIL)."""
+    store = _big_database(tmp_path / "node.db")
+    expected = [list(row) for row in store.connection.execute(sql)]
+    opened: list[int] = []
+    vfs_open = q.QueryVFS.xOpen
+
+    def recording_open(vfs: q.QueryVFS, name, flags: list[int]):
+        opened.append(flags[0])
+        return vfs_open(vfs, name, flags)
+
+    monkeypatch.setattr(q.QueryVFS, "xOpen", recording_open)
+    bound = 1024 * 1024
+    limits = q.QueryLimits(ms_max=10_000, temp_bytes_max=bound, temp_bytes_total_max=64 * 1024 * 1024)
+    runner = q.QueryRunner(store.path, limits, lambda: int(time.monotonic() * 1000))
+    try:
+        checked = runner.check(sql, (), ["big"])
+        runner.start(q.WaitingQuery("client", checked, ("default",), {}, 100, 0))
+        finished = _finished(runner)
+        assert finished.error is not None and "query_temp_bytes_max" in str(finished.error), finished
+        assert 0 < runner.temp_space.high_water <= bound and runner.temp_space.used == 0
+        assert opened and all(flags & q.TEMP_OPEN_FLAGS for flags in opened), [hex(flags) for flags in opened]
+    finally:
+        runner.stop()
+    roomy = q.QueryLimits(ms_max=10_000, temp_bytes_max=64 * 1024 * 1024, temp_bytes_total_max=64 * 1024 * 1024)
+    runner = q.QueryRunner(store.path, roomy, lambda: int(time.monotonic() * 1000))
+    try:
+        checked = runner.check(sql, (), ["big"])
+        runner.start(q.WaitingQuery("client", checked, ("default",), {}, 100, 0))
+        finished = _finished(runner)
+        assert finished.error is None and finished.result["rows"] == expected, finished.error
+        assert runner.temp_space.high_water > bound and runner.temp_space.used == 0
+    finally:
+        runner.stop()
+        store.close()
+
+
+def test_a_database_whose_path_holds_uri_characters_is_queried(tmp_path: Path) -> None:
+    """The store is attached by a URI (``file:PATH?mode=ro&vfs=...``): a path holding ``?``, ``#``,
+    ``%`` or a space names the same file."""
+    directory = tmp_path / "a b?c#d%41"
+    directory.mkdir()
+    store = _database(directory / "node.db", rows=3)
+    runner = q.QueryRunner(store.path, q.QueryLimits(), lambda: int(time.monotonic() * 1000))
+    try:
+        rows, _ = _all_rows(runner, "SELECT name FROM users ORDER BY id")
+        assert rows == [["user0"], ["user1"], ["user2"]]
+    finally:
+        runner.stop()
+        store.close()
+
+
+def test_main_qualified_names_are_a_bad_query_saying_to_name_tables_alone(store: Store) -> None:
+    """On a query connection the node's database is attached to an empty main database: a table or
+    column qualified by ``main.`` is found nowhere, and the answer says to drop the qualifier (the
+    names alone resolve); a statement SQLite stops at the same point before authorizing anything
+    (CREATE INDEX or TRIGGER on a table) is refused, as before."""
+    connection = q.open_connection(store.path, 1 << 20)
+    try:
+        for sql, named in (
+            ("SELECT * FROM main.users", "main.users"),
+            ("SELECT main.users.name FROM users", "main.users.name"),
+            ('SELECT * FROM "main".users WHERE karma > 1', "main.users"),
+        ):
+            with pytest.raises(q.BadQuery) as bad:
+                q.check_query(connection, ["users"], sql, ())
+            assert bad.value.code == "bad_query", sql
+            assert f"without a schema ({named.removeprefix('main.')}, not {named})" in str(bad.value), sql
+        for sql in ("CREATE TRIGGER evil AFTER INSERT ON users BEGIN SELECT 1; END", "CREATE INDEX evil ON users(id)"):
+            with pytest.raises(q.QueryRefused, match="not allowed in a query"):
+                q.check_query(connection, ["users"], sql, ())
+        with pytest.raises(q.UnknownQueryTable, match="unknown table 'temp.users'"):
+            q.check_query(connection, ["users"], "SELECT * FROM temp.users", ())
+    finally:
+        connection.close()
+
+
+def test_a_stored_table_outside_the_catalog_is_refused_on_the_attached_store(store: Store, runner: q.QueryRunner):
+    """The authorizer knows the store's tables (read from the attached schema, not main's): a stored
+    table the catalog does not list is no CTE name to let through; the catalog's, plain or qualified by
+    the store's schema, and EXPLAIN QUERY PLAN read as SQLite reads them."""
+    with store.write_transaction():
+        store.connection.execute("CREATE TABLE hidden(a)")
+    connection = q.open_connection(store.path, 1 << 20)
+    try:
+        for sql in ("SELECT * FROM hidden", f"SELECT * FROM {q.STORE_SCHEMA}.hidden"):
+            with pytest.raises(q.QueryRefused, match="'hidden' is not a user table"):
+                q.check_query(connection, ["users"], sql, ())
+    finally:
+        connection.close()
+    rows, _ = _all_rows(runner, f"SELECT count(*) FROM {q.STORE_SCHEMA}.users u JOIN users v USING (id)")
+    assert rows == [[100]]
+    plan, _ = _all_rows(runner, "EXPLAIN QUERY PLAN SELECT name FROM users WHERE id = ?", (3,))
+    assert [row[-1] for row in plan] == ["SEARCH users USING INTEGER PRIMARY KEY (rowid=?)"]
+
+
 @pytest.mark.parametrize(
     "sql",
     [
