@@ -1,6 +1,8 @@
-"""Queries through the query path (``rlog.query.QueryRunner``), the store attached to an empty main
-database as the query connections open it, against the store opened as the main database through
-``QueryVFS`` (the layout it replaced, where every page read was a Python call), in one run.
+"""Queries through the query path (``rlog.query.QueryRunner``) as the product opens its connections
+(the node's database as the main database, through ``QueryVFS``: every page read a Python call)
+against the node's database attached read-only, through the default VFS, to an empty main database
+opened through ``QueryVFS`` (its temporary files still counted, its page reads without Python), in one
+run. The attached layout is built here: it was measured, and not adopted (docs/benchmarks).
 
     .venv/bin/python benchmarks/bench_query.py [--rows 100000] [--value-bytes 90] [--lookups 2000] [--rounds 5] [--json]
 
@@ -30,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,58 +68,51 @@ def make_database(path: Path, rows: int, value_bytes: int) -> None:
         store.close()
 
 
-class _DatabaseFile(apsw.VFSFile):
-    """The store's file as the replaced layout opened it: apsw raises the error of the EXCLUSIVE lock a
-    read-only connection tries as it closes (SQLite ignores it); it is answered busy, as SQLite would."""
-
-    def xLock(self, level: int) -> None:  # noqa: N802 (apsw's method names)
-        try:
-            super().xLock(level)
-        except apsw.IOError:
-            if level != apsw.SQLITE_LOCK_EXCLUSIVE:
-                raise
-            raise apsw.BusyError("read-only") from None
+# The attached layout's name for the node's database on a query connection.
+STORE_SCHEMA = "store"
 
 
-class _StoreAsMainVFS(q.QueryVFS):
-    """The query VFS as it was when the store was the main database: its files went through it too."""
-
-    name = "bench-query-store-as-main"
-
-    def __init__(self) -> None:
-        apsw.VFS.__init__(self, self.name, base="")
-
-    def xOpen(self, name: object, flags: list[int]) -> apsw.VFSFile:  # noqa: N802
-        if flags[0] & apsw.SQLITE_OPEN_MAIN_DB:
-            return _DatabaseFile("", name, flags)
-        return super().xOpen(name, flags)
-
-
-def _store_as_main(path: str, value_bytes_max: int, vfs: str | None = None) -> apsw.Connection:
-    """The layout replaced: the store is the main database, opened through the query VFS of then (a
-    checking connection, ``vfs`` None, through the default VFS, as then)."""
-    vfs = _StoreAsMainVFS.name if vfs is not None else None
-    connection = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY, statementcachesize=0, vfs=vfs)
-    connection.set_busy_timeout(1000)
-    connection.limit(apsw.SQLITE_LIMIT_LENGTH, value_bytes_max)
+def _attached_connection(path: str, value_bytes_max: int, vfs: str | None = None) -> apsw.Connection:
+    """The product's query connection opened on an empty in-memory database (through ``vfs``, as the
+    product opens the node's), the node's database attached to it read-only through the default VFS:
+    every setting is the product's, SQLite opens the temporary files through the main database's VFS,
+    and reads the attached database's pages without Python."""
+    connection = _product_opener(":memory:", value_bytes_max, vfs)
+    uri = f"file:{urllib.parse.quote(path)}?mode=ro&vfs={apsw.vfs_names()[0]}"
+    connection.limit(apsw.SQLITE_LIMIT_ATTACHED, 1)
+    connection.execute(f"ATTACH ? AS {STORE_SCHEMA}", (uri,))
     connection.limit(apsw.SQLITE_LIMIT_ATTACHED, 0)
     return connection
 
 
+def _attached_stored_names(connection: apsw.Connection) -> frozenset[str]:
+    """The product's names (main's schema, empty here; modules), and the attached database's tables."""
+    names = {row[0].lower() for row in connection.execute(f"SELECT name FROM {STORE_SCHEMA}.sqlite_schema")}
+    return _product_stored_names(connection) | names
+
+
+class _AttachedGuard(q.ReadOnlyGuard):
+    """The product's authorizer, a read of the attached database taken as one of main."""
+
+    def _reason(self, action: int, third: str | None, fourth: str | None, database: str | None) -> str | None:
+        return super()._reason(action, third, fourth, "main" if database == STORE_SCHEMA else database)
+
+
+_product_opener, _product_stored_names, _product_guard = q.open_connection, q.stored_names, q.ReadOnlyGuard
+
+
 @contextmanager
 def layout(name: str) -> Iterator[None]:
-    """``attached``: the product as it is; ``main``: the store opened as main through the query VFS."""
-    if name == "attached":
+    """``main``: the product as it is (the node's database opened as main through the query VFS);
+    ``attached``: the same query path with the connections, names and authorizer above."""
+    if name == "main":
         yield
         return
-    vfs = _StoreAsMainVFS()  # registered while it lives
-    opener, schema = q.open_connection, q.STORE_SCHEMA
-    q.open_connection, q.STORE_SCHEMA = _store_as_main, "main"
+    q.open_connection, q.stored_names, q.ReadOnlyGuard = _attached_connection, _attached_stored_names, _AttachedGuard
     try:
         yield
     finally:
-        q.open_connection, q.STORE_SCHEMA = opener, schema
-        vfs.unregister()
+        q.open_connection, q.stored_names, q.ReadOnlyGuard = _product_opener, _product_stored_names, _product_guard
 
 
 def run_query(runner: q.QueryRunner, sql: str, params: tuple = ()) -> int:
@@ -180,6 +176,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     arguments = parser.parse_args()
     rng = random.Random(1)
+    # URI file names (the attached layout's ATTACH names its VFS in one), before any connection opens.
+    apsw.shutdown()
+    apsw.config(apsw.SQLITE_CONFIG_URI, 1)
+    apsw.initialize()
     # (layout, what) -> per round (wall, CPU) seconds
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-query-") as directory:

@@ -6,10 +6,9 @@ A query is one SQL statement and its bound parameters. SQLite decides what it ma
 parser of ours:
 
 1. **Check** (``check_query``, on the node's loop thread, a prepare only). The statement is
-   prepared on a read-only connection (the node's database attached to an empty one: 6. below) whose
-   authorizer (``ReadOnlyGuard``) allows exactly: SELECT, recursive CTEs, functions other than
-   ``DENIED_FUNCTIONS``, and reading columns of the user's tables (the catalog) and of the
-   ``json_each``/``json_tree`` table functions. Everything else is
+   prepared on a read-only connection whose authorizer (``ReadOnlyGuard``) allows exactly: SELECT,
+   recursive CTEs, functions other than ``DENIED_FUNCTIONS``, and reading columns of the user's
+   tables (the catalog) and of the ``json_each``/``json_tree`` table functions. Everything else is
    denied at prepare time: writes, DDL, ATTACH/DETACH, every PRAGMA, transactions, savepoints,
    ``load_extension``, and reading any other table (mnesite's ``_mnesite_*`` tables, ``sqlite_schema``,
    ``dbstat``). An exec tracer aborts before the first step and records SQLite's own verdicts:
@@ -50,17 +49,13 @@ parser of ours:
    bounded: ``LIKE_PATTERN_BYTES_MAX`` for LIKE/GLOB, and linear replacements of two-argument
    ``trim``/``ltrim``/``rtrim``.
 6. **Temporary storage.** A statement that sorts or groups more than SQLite's cache holds writes
-   SQLite's temporary files (the sorter's runs, ephemeral tables). A query connection
-   (``open_connection``) is an empty in-memory main database opened through ``QUERY_VFS``, with the
-   node's database attached read-only as ``STORE_SCHEMA`` through the default VFS: SQLite opens the
-   temporary files of every statement through the main database's VFS, which counts the bytes of
-   each (its size: the end of its furthest write, less a truncation) against the query's
-   ``TempBudget`` (``temp_bytes_max``) and the node's ``TempSpace`` (``temp_bytes_total_max``, every
-   query's together), while the store's pages are read without entering Python. A write past either
-   bound fails with SQLITE_FULL and the query with ``query_failed`` naming the bound. The bytes are
-   given back when the file closes (the query's cursor closes, or expires). Tables are named alone:
-   SQLite finds them in the attached store (main and temp hold none); ``main.t`` is a ``bad_query``
-   saying so.
+   SQLite's temporary files (the sorter's runs, ephemeral tables). The query connections open their
+   files through ``QUERY_VFS``, which hands the database's own files to the default VFS as they are
+   and counts the bytes of every temporary file (its size: the end of its furthest write, less a
+   truncation) against the query's ``TempBudget`` (``temp_bytes_max``) and the node's ``TempSpace``
+   (``temp_bytes_total_max``, every query's together): a write past either fails with SQLITE_FULL and
+   the query with ``query_failed`` naming the bound. The bytes are given back when the file closes
+   (the query's cursor closes, or expires).
 
 Errors carry a code for the wire: ``query_refused`` (not read-only, or not allowed), ``bad_query``
 (SQLite cannot prepare it: syntax, unknown column, wrong number of parameters), ``query_budget``,
@@ -78,7 +73,6 @@ import queue
 import secrets
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,12 +125,6 @@ TEMP_OPEN_FLAGS = (
 )
 # The VFS of the query connections (``QueryVFS``), registered once per process.
 QUERY_VFS = "mnesite-query"
-# The schema name of the node's database on a query connection: it is attached (``open_connection``)
-# to an empty in-memory main database, and SQLite finds a table named without a schema there.
-STORE_SCHEMA = "store"
-# The schemas whose reads the authorizer looks at: the store's, and main's, where SQLite keeps the
-# eponymous virtual tables (json_each, dbstat, pragma_*). Main holds no table, and temp none either.
-_READ_SCHEMAS = frozenset({None, "main", STORE_SCHEMA})
 
 _ALLOWED_ACTIONS = frozenset({apsw.SQLITE_SELECT, apsw.SQLITE_RECURSIVE})
 
@@ -229,9 +217,6 @@ class ReadOnlyGuard:
         self.stored = stored
         self.tables_read: set[str] = set()
         self.denied: str | None = None
-        # SQLite asked about a SELECT: it parsed one (a CREATE INDEX or TRIGGER fails to find its table
-        # in main, on a query connection an empty database, before it asks anything).
-        self.selected = False
 
     def __call__(self, action: int, third: str | None, fourth: str | None, database: str | None, _via: Any) -> int:
         reason = self._reason(action, third, fourth, database)
@@ -243,14 +228,13 @@ class ReadOnlyGuard:
 
     def _reason(self, action: int, third: str | None, fourth: str | None, database: str | None) -> str | None:
         if action in _ALLOWED_ACTIONS:
-            self.selected = self.selected or action == apsw.SQLITE_SELECT
             return None
         if action == apsw.SQLITE_FUNCTION:
             name = (fourth or "").lower()
             return f"the function {name} is not allowed in a query" if name in DENIED_FUNCTIONS else None
         if action == apsw.SQLITE_READ:
             table = third or ""
-            if database not in _READ_SCHEMAS:
+            if database not in (None, "main"):
                 return f"reading database {database!r} is not allowed in a query"
             if table in self.user_tables:
                 self.tables_read.add(table)
@@ -268,7 +252,7 @@ class ReadOnlyGuard:
 def stored_names(connection: apsw.Connection) -> frozenset[str]:
     """Lower-cased names SQLite could resolve to stored data: every table, view and index of the
     schema, and every virtual table module (eponymous ones such as ``dbstat`` are read by name)."""
-    names = {row[0].lower() for row in connection.execute(f"SELECT name FROM {STORE_SCHEMA}.sqlite_schema")}
+    names = {row[0].lower() for row in connection.execute("SELECT name FROM sqlite_schema")}
     names.update(row[0].lower() for row in connection.execute("PRAGMA module_list"))
     names.update(("sqlite_schema", "sqlite_master", "sqlite_temp_schema", "sqlite_temp_master"))
     return frozenset(names)
@@ -276,27 +260,13 @@ def stored_names(connection: apsw.Connection) -> frozenset[str]:
 
 def open_connection(path: str, value_bytes_max: int, vfs: str | None = None) -> apsw.Connection:
     """A read-only connection to the node's database for queries: no extension loading, no
-    statement cache (every prepare meets the authorizer), bounded values, no further attached databases.
-
-    The node's database is attached read-only as ``STORE_SCHEMA`` through the default VFS, to an empty
-    in-memory main database opened through ``vfs``: SQLite opens its temporary files (sorts, ephemeral
-    tables, the temp schema) through the main database's VFS, the attached one's pages through its own.
-    ``vfs``: ``QUERY_VFS`` for a connection that runs statements (its temporary files are counted,
-    while its page reads of the store never enter Python)."""
-    connection = apsw.Connection(
-        ":memory:", flags=apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI, statementcachesize=0, vfs=vfs
-    )
+    statement cache (every prepare meets the authorizer), bounded values, no attached databases.
+    ``vfs``: ``QUERY_VFS`` for a connection that runs statements (its temporary files are counted)."""
+    connection = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY, statementcachesize=0, vfs=vfs)
     connection.set_busy_timeout(1000)
-    # The default VFS is the first registered (QUERY_VFS is not made the default).
-    uri = f"file:{urllib.parse.quote(path)}?mode=ro&vfs={urllib.parse.quote(apsw.vfs_names()[0])}"
-    try:
-        connection.execute(f"ATTACH ? AS {STORE_SCHEMA}", (uri,))
-    except BaseException:
-        connection.close()
-        raise
     connection.limit(apsw.SQLITE_LIMIT_LENGTH, value_bytes_max)
     connection.limit(apsw.SQLITE_LIMIT_SQL_LENGTH, SQL_CHARS_MAX * 4)
-    connection.limit(apsw.SQLITE_LIMIT_ATTACHED, 0)  # checked at ATTACH: the store stays, no other comes
+    connection.limit(apsw.SQLITE_LIMIT_ATTACHED, 0)
     connection.limit(apsw.SQLITE_LIMIT_VARIABLE_NUMBER, PARAMS_MAX)
     connection.limit(apsw.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, LIKE_PATTERN_BYTES_MAX)
     connection.config(apsw.SQLITE_DBCONFIG_DEFENSIVE, 1)
@@ -390,19 +360,34 @@ class _TempFile(apsw.VFSFile):
             self._budget.give(size)
 
 
+class _DatabaseFile(apsw.VFSFile):
+    """The database's file as the default VFS opens it. One difference: apsw raises the error of a
+    lock SQLite tries and does without (a read-only connection's EXCLUSIVE lock as it closes, to
+    checkpoint the WAL: the read-only descriptor cannot take it) from the next call, where SQLite
+    itself ignores it; it is answered busy, which is what SQLite makes of it."""
+
+    def xLock(self, level: int) -> None:  # noqa: N802
+        try:
+            super().xLock(level)
+        except apsw.IOError:
+            if level != apsw.SQLITE_LOCK_EXCLUSIVE:
+                raise
+            raise apsw.BusyError("the query connection is read-only") from None
+
+
 class QueryVFS(apsw.VFS):
     """The default VFS with SQLite's temporary files counted (``TEMP_OPEN_FLAGS``: ``_TempFile``).
+    The database's files are the default VFS's, but each of their calls (about one per page read)
+    is a Python call under the GIL: apsw has no way to hand a file over untouched.
 
-    Only the query connection's empty main database is opened through it (``open_connection``), which
-    is enough: SQLite opens a statement's temporary files through the main database's VFS, whichever
-    database the statement reads. The node's database, attached, is read by the default VFS: each
-    call to a file of this one (about one per page read) would be a Python call under the GIL (apsw
-    has no way to hand a file over untouched). Measured (``benchmarks/bench_query.py``, 100,000 rows of
-    about 100 bytes, both layouts in the same run, 11 rounds, 2026-12-03 on a shared 2-CPU machine
-    under a load of 12-14): against the store opened as main through this VFS, a full scan took 0.94x
-    the CPU, a GROUP BY 0.97x, and 2,000 primary-key lookups, each a query on its own connection, 1.03x
-    (the ATTACH costs about what the few page reads saved); the wall-clock ratios were lost in the load
-    (0.82-0.89x for the scan on a quieter minute)."""
+    Measured and not adopted (``benchmarks/bench_query.py``, 2026-12-03): opening only an empty main
+    database through this VFS and attaching the node's read-only through the default VFS keeps the
+    counting (SQLite opens a statement's temporary files through the main database's VFS, whichever
+    database it reads) and the page reads out of Python, but over 100,000 rows of about 100 bytes it
+    took 0.975-0.978x this layout's CPU for a full scan read page by page, 0.95x for a GROUP BY, and
+    1.03-1.07x for a one-row lookup (each query opens a connection, and the ATTACH costs more than its
+    few page reads): under the 5% on the scan that would pay for a second schema name (``main.t`` no
+    longer the node's table)."""
 
     def __init__(self) -> None:
         super().__init__(QUERY_VFS, base="")
@@ -410,6 +395,8 @@ class QueryVFS(apsw.VFS):
     def xOpen(self, name: Any, flags: list[int]) -> apsw.VFSFile:  # noqa: N802
         if flags[0] & TEMP_OPEN_FLAGS:
             return _TempFile(name, flags, getattr(_running, "budget", None) or _NO_TEMP)
+        if flags[0] & apsw.SQLITE_OPEN_MAIN_DB:
+            return _DatabaseFile("", name, flags)
         return apsw.VFSFile("", name, flags)
 
 
@@ -538,14 +525,6 @@ def _prepared_statements(
             if isinstance(error, apsw.BindingsError):
                 raise BadQuery(f"parameters: {error}") from None
             message = _sqlite_message(error)
-            if message.lower().startswith(_IN_MAIN):
-                if not guard.selected:
-                    raise QueryRefused("the statement is not allowed in a query (queries are read-only)") from None
-                named = message.split(": ", 1)[1]
-                raise BadQuery(
-                    f"{message}: a query names the node's tables without a schema ({named[len('main.') :]}, "
-                    f"not {named})"
-                ) from None
             if message.startswith(NO_SUCH_TABLE):
                 name = message[len(NO_SUCH_TABLE) :]
                 raise UnknownQueryTable(f"unknown table {name!r} (no such table in this node's catalog)") from None
@@ -559,9 +538,6 @@ def _prepared_statements(
 
 
 NO_SUCH_TABLE = "no such table: "  # SQLite's words when a statement names a table that does not exist
-# SQLite's words for a table or column qualified by ``main.``, on a query connection an empty database
-# (``open_connection``): the node's tables are found by their names alone.
-_IN_MAIN = (NO_SUCH_TABLE + "main.", "no such column: main.")
 
 
 def _sqlite_message(error: BaseException) -> str:
@@ -1006,8 +982,7 @@ class QueryRunner:
         positions = {}
         for shard in cursor.waiting.shards:
             row = connection.execute(
-                f"SELECT applied_generation, applied_counter FROM {STORE_SCHEMA}._mnesite_shards WHERE shard = ?",
-                (shard,),
+                "SELECT applied_generation, applied_counter FROM _mnesite_shards WHERE shard = ?", (shard,)
             ).fetchone()
             positions[shard] = TxKey(row[0], row[1]) if row else TxKey(0, 0)
         for shard, target in cursor.waiting.targets.items():
