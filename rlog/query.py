@@ -378,7 +378,16 @@ class _DatabaseFile(apsw.VFSFile):
 class QueryVFS(apsw.VFS):
     """The default VFS with SQLite's temporary files counted (``TEMP_OPEN_FLAGS``: ``_TempFile``).
     The database's files are the default VFS's, but each of their calls (about one per page read)
-    is a Python call under the GIL: apsw has no way to hand a file over untouched."""
+    is a Python call under the GIL: apsw has no way to hand a file over untouched.
+
+    Measured and not adopted (``benchmarks/bench_query.py``, 2026-12-03): opening only an empty main
+    database through this VFS and attaching the node's read-only through the default VFS keeps the
+    counting (SQLite opens a statement's temporary files through the main database's VFS, whichever
+    database it reads) and the page reads out of Python, but over 100,000 rows of about 100 bytes it
+    took 0.975-0.978x this layout's CPU for a full scan read page by page, 0.95x for a GROUP BY, and
+    1.03-1.07x for a one-row lookup (each query opens a connection, and the ATTACH costs more than its
+    few page reads): under the 5% on the scan that would pay for a second schema name (``main.t`` no
+    longer the node's table)."""
 
     def __init__(self) -> None:
         super().__init__(QUERY_VFS, base="")
