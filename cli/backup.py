@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import click
 from mnesite.cli.main import client_for, emit_json, fail, json_option, node_options, run, single_endpoint
+from mnesite.cli.progress import PROGRESS_INTERVAL_S, ProgressLines, describe_chain_batch
 from mnesite.rlog.backup import (
     DATABASE_FILE_NAME,
     BackupError,
@@ -28,10 +30,8 @@ from mnesite.rlog.backup import (
     read_record,
     restore,
 )
-from mnesite.rlog.types import TxKey
 
 POLL_INTERVAL_S = 0.2
-PROGRESS_INTERVAL_S = 1.0  # a progress line at most this often (stderr, unless --quiet), as import's
 WAIT_MS_DEFAULT = 3_600_000
 
 
@@ -111,7 +111,7 @@ def restore_command(file, data_dir, role, quiet, as_json) -> None:
     and leaves no database in DATA_DIR.
     """
     try:
-        result = restore(os.path.abspath(file), data_dir, role, None if quiet else _RestoreProgressLines().show)
+        result = restore(os.path.abspath(file), data_dir, role, None if quiet else _restore_progress_lines())
     except BackupError as error:
         fail(str(error))
     except KeyboardInterrupt:
@@ -125,21 +125,10 @@ def restore_command(file, data_dir, role, quiet, as_json) -> None:
         click.echo(f"shards: {_describe_shards(result['shards']) or 'none'}")
 
 
-class _RestoreProgressLines:
+def _restore_progress_lines() -> Callable[[RestoreProgress], None]:
     """Restore's progress on stderr: a line at most every ``PROGRESS_INTERVAL_S``, and the final one."""
-
-    def __init__(self) -> None:
-        self._shown_s = time.monotonic()
-
-    def show(self, event: RestoreProgress) -> None:
-        final = isinstance(event, RestoreFinished)
-        if final or time.monotonic() - self._shown_s >= PROGRESS_INTERVAL_S:
-            self._shown_s = time.monotonic()
-            click.echo(describe_restore_progress(event), err=True)
-
-
-def _key_text(key: TxKey) -> str:
-    return f"({key.generation}, {key.counter})"
+    lines = ProgressLines(PROGRESS_INTERVAL_S)
+    return lambda event: lines.show(lambda: describe_restore_progress(event), isinstance(event, RestoreFinished))
 
 
 def describe_restore_progress(event: RestoreProgress) -> str:
@@ -149,10 +138,8 @@ def describe_restore_progress(event: RestoreProgress) -> str:
     if isinstance(event, RestoreIntegrityChecking):
         return f"restore: integrity check of {event.pages_total} pages, {event.sqlite_steps} SQLite steps in"
     if isinstance(event, RestoreChainVerified):
-        return (
-            f"restore: digest chains: {event.entries_verified} entries verified "
-            f"(shard {event.shard} at {_key_text(event.tx_key)}, applied {_key_text(event.applied)})"
-        )
+        figures = describe_chain_batch(event.shard, event.entries_verified, event.tx_key, event.applied)
+        return f"restore: digest chains: {figures}"
     return (
         f"restore: done in {event.seconds} s: {event.pages_total} pages copied and checked, "
         f"{event.entries_verified} entries of the digest chains verified"

@@ -417,15 +417,18 @@ def restore(
     database_path = os.path.join(data_dir, DATABASE_FILE_NAME)
     if os.path.lexists(database_path):
         raise BackupError(f"{database_path} exists; restore seeds a new data directory only")
-    try:
-        lock = DataDirectoryLock.acquire(data_dir, f"restore of {os.path.basename(path)}")
-    except DataDirectoryInUse as error:
-        raise BackupError(str(error)) from None
     # Built as DIR/mnesite.db.partial and renamed once complete: a restore killed midway must leave no
     # mnesite.db, since a copy whose tail is not dropped nor marked ``restored`` would start a core
     # that skips learning the generations in use. What a killed restore left is ours (under the lock).
     partial = database_path + PARTIAL_SUFFIX
+    lock = None
+    # The lock is taken inside the block that releases it: a Ctrl-C right after ``acquire`` returned
+    # (before a block begun after it) would leave a process that goes on holding the directory.
     try:
+        try:
+            lock = DataDirectoryLock.acquire(data_dir, f"restore of {os.path.basename(path)}")
+        except DataDirectoryInUse as error:
+            raise BackupError(str(error)) from None
         if os.path.lexists(database_path):
             raise BackupError(f"{database_path} exists; restore seeds a new data directory only")
         _remove_database_files(partial)
@@ -480,10 +483,12 @@ def restore(
         os.rename(partial, database_path)
         fsync_directory(data_dir)
     except BaseException:  # KeyboardInterrupt too: Ctrl-C in any phase leaves no partial copy behind
-        _remove_database_files(partial)
+        if lock is not None:  # else the partial copy is another restore's, which holds the lock
+            _remove_database_files(partial)
         raise
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
     report(RestoreFinished(pages_total, entries_verified, round(time.monotonic() - started_s, 3)))
     return {**record, "restored_as": role, "entries_dropped": dropped}
 
@@ -504,7 +509,7 @@ def _damage(
 ) -> tuple[str | None, int]:
     """What is wrong with the copy of a backup, or None, and the rlog entries verified: SQLite's
     ``integrity_check`` (pages, b-trees, indexes against their tables) and, per shard, the digest chain
-    of its rlog up to the applied key (``Store.verify_chain``, what ``mnesite rlog verify`` checks)."""
+    of its rlog up to the applied key (``Store.verify_chains``, what ``mnesite rlog verify`` checks)."""
     from mnesite.rlog.store import StoreError
 
     calls = [0]
@@ -523,13 +528,12 @@ def _damage(
             store.connection.set_progress_handler(None)
         if problems != ["ok"]:
             return "; ".join(problems)[:300], entries_verified[0]
-        for shard, position in store.shards().items():
 
-            def chained(entries: int, tx_key: TxKey, shard: str = shard, applied: TxKey = position.applied) -> None:
-                entries_verified[0] += entries
-                report(RestoreChainVerified(shard, entries_verified[0], tx_key, applied))
+        def chained(shard: str, entries: int, tx_key: TxKey, applied: TxKey) -> None:
+            entries_verified[0] = entries
+            report(RestoreChainVerified(shard, entries, tx_key, applied))
 
-            store.verify_chain(shard, on_batch=chained, batch_entries=steps.chain_entries)
+        store.verify_chains(chained, steps.chain_entries)
     except (apsw.Error, StoreError) as error:
         return str(error)[:300], entries_verified[0]
     return None, entries_verified[0]

@@ -91,11 +91,12 @@ class DataDirectoryLock:
                 # narrows it once it is known to be a store (``Store(file_mode=...)``), since a file
                 # it refuses (another application's) must keep its mode.
                 os.close(os.open(database_path, os.O_RDWR | os.O_CREAT, FILE_MODE))
+            # Made inside: a Ctrl-C as the object is made (a Python call) would leave the descriptor open.
+            return cls(data_dir, fd)
         except BaseException:
             # A process that goes on after this failure must not keep the directory locked by itself.
             os.close(fd)
             raise
-        return cls(data_dir, fd)
 
     @classmethod
     def acquire_and_open(

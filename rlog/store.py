@@ -1503,6 +1503,28 @@ class Store:
             raise StoreError(f"shard {shard}: the applied position {position.applied} is not on the rlog")
         return position.applied
 
+    def verify_chains(
+        self,
+        on_batch: Callable[[str, int, TxKey, TxKey], None] | None = None,
+        batch_entries: int | None = None,
+    ) -> dict[str, TxKey]:
+        """``verify_chain`` of every shard, in name order; returns each one's applied key. ``on_batch(shard,
+        entries verified in every shard so far, last tx key, the shard's applied key)`` is called after
+        each batch of ``batch_entries`` (``VERIFY_BATCH_ENTRIES`` by default) found on its chain: what
+        ``mnesite rlog verify`` and a restore show as progress."""
+        entries_verified = 0
+        applied = {}
+        for shard, position in self.shards().items():
+
+            def chained(entries: int, tx_key: TxKey, shard: str = shard, applied: TxKey = position.applied) -> None:
+                nonlocal entries_verified
+                entries_verified += entries
+                if on_batch is not None:
+                    on_batch(shard, entries_verified, tx_key, applied)
+
+            applied[shard] = self.verify_chain(shard, chained, batch_entries or VERIFY_BATCH_ENTRIES)
+        return applied
+
     # -- replicant: bootstrap ------------------------------------------------------------------
 
     def reset_shard(self, shard: str) -> None:

@@ -8,7 +8,9 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import apsw
 import pytest
@@ -887,3 +889,173 @@ def test_restore_steps_are_positive() -> None:
         with pytest.raises(ValueError, match="must be positive"):
             RestoreSteps(**steps)
     assert RestoreSteps(copy_pages=1, check_sqlite_steps=1, chain_entries=1).copy_pages == 1
+
+
+def _interrupt_at(code: Any, line_events: int, armed: Callable[[Any], bool]) -> Callable[..., Any]:
+    """A ``sys.settrace`` function that raises KeyboardInterrupt (as a Ctrl-C does) in a frame of ``code``
+    at its ``line_events``-th line once ``armed(frame)``; a ``line_events`` of 0 raises at the call itself.
+
+    A ``try:`` line is never counted: an exception a trace function raises there skips the handlers of
+    the block it opens and of those around it (CPython 3.11), where a signal is never raised (it is, at
+    a call or a loop's jump back, each inside the handlers' span)."""
+    import linecache
+
+    seen = [0]
+
+    def local(frame: Any, event: str, argument: Any) -> Any:
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        if event == "line" and line != "try:" and armed(frame):
+            seen[0] += 1
+            if seen[0] == line_events:
+                raise KeyboardInterrupt
+        return local
+
+    def tracer(frame: Any, event: str, argument: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+        if line_events == 0:
+            raise KeyboardInterrupt
+        return local(frame, event, argument)
+
+    return tracer
+
+
+def _directory_lock_is_free(data_dir: Path) -> bool:
+    from mnesite.rlog.data_dir import DataDirectoryInUse, DataDirectoryLock
+
+    try:
+        DataDirectoryLock.acquire(str(data_dir), "test").release()
+    except DataDirectoryInUse:
+        return False
+    return True
+
+
+def test_ctrl_c_at_any_line_of_a_restore_once_it_holds_the_lock_releases_it(tmp_path: Path) -> None:
+    """Regression: restore took the data directory's lock before the block whose ``finally`` releases it,
+    so a Ctrl-C landing in between (a line later) left a process that went on (a test, a library caller)
+    holding the directory: a node could not start there until it exited. The interrupt is injected at
+    each line of restore in turn, from the first one after the lock was taken, until restore ends
+    (except in the cleanup itself, which a second Ctrl-C may cut short like any)."""
+    import inspect
+    import sys
+
+    from mnesite.rlog import backup as rlog_backup
+
+    source_lines, first = inspect.getsourcelines(rlog_backup.restore)
+    # Its cleanup: from its handler of any exception to the lock's release.
+    cleanup = [
+        first + index
+        for index, text in enumerate(source_lines)
+        if text.strip().startswith("except BaseException:") or text.strip() == "lock.release()"
+    ]
+    assert len(cleanup) == 2, cleanup
+
+    def armed(frame: Any) -> bool:
+        return frame.f_locals.get("lock") is not None and not cleanup[0] <= frame.f_lineno <= cleanup[-1]
+
+    source = tmp_path / "rows.backup"
+    _backup_file_with_rows(source, 3)
+    for line_events in range(1, 1000):
+        data_dir = tmp_path / f"new{line_events}"
+        sys.settrace(_interrupt_at(rlog_backup.restore.__code__, line_events, armed))
+        try:
+            restore(str(source), str(data_dir), "replicant")
+        except KeyboardInterrupt:
+            pass
+        else:
+            break  # it ended before that line
+        finally:
+            sys.settrace(None)
+        assert _directory_lock_is_free(data_dir), line_events
+        # Interrupted before the rename: nothing; after it (a done restore): the database alone.
+        assert sorted(name for name in os.listdir(data_dir) if name.startswith("mnesite.db")) in ([], ["mnesite.db"])
+    assert line_events > 20, line_events  # several phases were interrupted, not only the first line
+
+
+def test_ctrl_c_as_the_data_directory_lock_is_made_leaves_it_free(tmp_path: Path) -> None:
+    """Regression: ``DataDirectoryLock.acquire`` made its object after the block that closes the locked
+    descriptor on an error: a Ctrl-C as the object was made left the directory locked by the process."""
+    import sys
+
+    from mnesite.rlog.data_dir import DataDirectoryLock
+
+    sys.settrace(_interrupt_at(DataDirectoryLock.__init__.__code__, 0, lambda frame: True))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            DataDirectoryLock.acquire(str(tmp_path / "data"), "test")
+    finally:
+        sys.settrace(None)
+    assert _directory_lock_is_free(tmp_path / "data")
+
+
+_VERIFY_LINE = r"^rlog verify: (\d+) entries verified \(shard default at \(1, (\d+)\), applied \(1, 301\)\)$"
+
+
+def test_rlog_verify_shows_the_entries_verified_on_stderr_and_keeps_stdout(tmp_path: Path, monkeypatch) -> None:
+    """Regression: ``rlog verify`` read a whole log (minutes for a large store) and said nothing until it
+    ended. It now shows the entries verified on stderr, paced as restore's, then a final line; stdout
+    (which scripts read) is as before, and --quiet shows nothing."""
+    import re
+
+    from mnesite.cli import progress
+    from mnesite.rlog import store as rlog_store
+
+    backup = tmp_path / "rows.backup"
+    _backup_file_with_rows(backup, 300)
+    monkeypatch.setattr(rlog_store, "VERIFY_BATCH_ENTRIES", 50)  # 301 entries: 7 batches
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0)  # every batch's line
+    result = CliRunner().invoke(main, ["rlog", "verify", str(backup)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "default: ok, applied (1, 301)\n"
+    *batches, done = result.stderr.splitlines()
+    figures = [[int(figure) for figure in re.match(_VERIFY_LINE, line).groups()] for line in batches]
+    assert figures == [[50, 50], [100, 100], [150, 150], [200, 200], [250, 250], [300, 300], [301, 301]], batches
+    assert re.fullmatch(r"rlog verify: done in [0-9.]+ s: 301 entries verified", done), done
+    quiet = CliRunner().invoke(main, ["rlog", "verify", str(backup), "--quiet", "--json"])
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
+    assert json.loads(quiet.stdout) == {"shards": {"default": {"applied": [1, 301], "ok": True}}}
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 3600)  # paced: only the final line
+    paced = CliRunner().invoke(main, ["rlog", "verify", str(backup)])
+    assert paced.exit_code == 0, paced.output
+    assert re.fullmatch(r"rlog verify: done in [0-9.]+ s: 301 entries verified\n", paced.stderr), paced.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_rlog_verify_at_once_with_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (a real SIGINT, here as the third batch of entries is read) stops ``rlog verify`` there: no
+    further batch is checked, one ``Error:`` line says how far it got, no traceback, exit 1."""
+    import subprocess
+    import sys
+
+    backup = tmp_path / "rows.backup"
+    _backup_file_with_rows(backup, 300)
+    interrupted = (
+        "import os, signal, sys\n"
+        "from mnesite.cli.main import main\n"
+        "from mnesite.cli import progress\n"
+        "from mnesite.rlog import store\n"
+        "store.VERIFY_BATCH_ENTRIES = 50\n"
+        "progress.PROGRESS_INTERVAL_S = 0\n"
+        "entries_after = store.Store.entries_after\n"
+        "calls = []\n"
+        "def interrupting(self, *args):\n"
+        "    calls.append(args)\n"
+        "    if len(calls) == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return entries_after(self, *args)\n"
+        "store.Store.entries_after = interrupting\n"
+        "main(['rlog', 'verify', sys.argv[1]])\n"
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", interrupted, str(backup)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,  # not the checkout's folder: its mnesite/ would be imported instead of the installed package
+    )
+    assert process.returncode == 1 and process.stdout == "", process.stderr
+    assert process.stderr.splitlines() == [
+        "rlog verify: 50 entries verified (shard default at (1, 50), applied (1, 301))",
+        "rlog verify: 100 entries verified (shard default at (1, 100), applied (1, 301))",
+        "Error: rlog verify interrupted after 100 entries verified: the rest was not checked",
+    ], process.stderr

@@ -231,7 +231,7 @@ def test_rlog_verify(tmp_path, thread_node: ThreadNode, mnesite) -> None:
     mnesite("put", "users", '{"id": 1, "name": "ada"}')
     data_dir = thread_node.node.config.data_dir
     result = CliRunner().invoke(main, ["rlog", "verify", data_dir, "--json"])
-    assert result.exit_code == 0 and json.loads(result.output)["shards"]["default"]["ok"] is True
+    assert result.exit_code == 0 and json.loads(result.stdout)["shards"]["default"]["ok"] is True
     not_mnesite = tmp_path / "empty"
     not_mnesite.mkdir()
     bad = CliRunner().invoke(main, ["rlog", "verify", str(not_mnesite)])
@@ -264,7 +264,7 @@ def test_rlog_verify_of_a_data_directory_changes_no_byte_of_it(tmp_path) -> None
     before = files()
     assert "mnesite.db-wal" in before and before["mnesite.db-wal"]
     result = CliRunner().invoke(main, ["rlog", "verify", str(data_dir), "--json"])
-    assert result.exit_code == 0 and json.loads(result.output)["shards"]["default"]["ok"] is True, result.output
+    assert result.exit_code == 0 and json.loads(result.stdout)["shards"]["default"]["ok"] is True, result.output
     after = files()
     assert after.keys() == before.keys() and all(
         after[name] == before[name] for name in before if name != "mnesite.db-shm"
