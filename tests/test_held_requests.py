@@ -11,8 +11,8 @@ from mnesite.rlog import messages
 from mnesite.rlog.errors import RequestError
 from mnesite.rlog.messages import Message
 
-from tests.conftest import ThreadNode, core_with_table, forwarding_core, offline_replicant
-from tests.test_replicant_node import _close_offline, _queueing_dealer
+from tests.conftest import ThreadNode, close_offline, core_with_table, forwarding_core, offline_replicant
+from tests.test_replicant_node import _queueing_dealer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -175,7 +175,7 @@ def test_a_replicant_s_read_held_under_an_id_is_not_held_again_by_a_resend_on_it
         assert len([r for r, pending in node.pending.items() if pending.purpose == "read_index"]) == 2
     finally:
         node._outbox.clear()
-        _close_offline(node)
+        close_offline(node)
 
 
 def test_a_linearizable_query_whose_read_index_could_not_be_sent_is_answered_at_once(tmp_path) -> None:
