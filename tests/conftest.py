@@ -274,7 +274,7 @@ def run_turns_until(node, condition: Callable[[], bool], what: str, timeout_s: f
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} after {timeout_s}s of turns")
+            raise AssertionError(f"timed out after {timeout_s}s of turns waiting for {what}")
         node.run_turn()
 
 
@@ -282,7 +282,7 @@ def commit_table_t(node: CoreNode, request_id: str = "t0") -> None:
     """``create_table_t`` at a bound core of one driven by hand, then its turns until ``t`` is
     committed (it elects itself first)."""
     create_table_t(node, request_id)
-    run_turns_until(node, lambda: node.store.catalog().get("t") is not None, "table t committed")
+    run_turns_until(node, lambda: node.store.catalog().get("t") is not None, "table t's commit")
 
 
 @contextlib.contextmanager
