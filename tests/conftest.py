@@ -195,7 +195,7 @@ def thread_replicant(data_dir: Path, core_endpoint: str) -> Iterator[str]:
 
 def offline_replicant(data_dir: Path, limits: dict | None = None):
     """A ReplicantNode that is never bound nor served (its rules called directly); the caller closes
-    its store and releases its data directory lock. ``limits``: its [limits] section."""
+    it (``close_offline``). ``limits``: its [limits] section. ``replicant_by_hand`` closes it for you."""
     from mnesite.replicant.node import ReplicantNode
 
     return ReplicantNode(
@@ -208,6 +208,28 @@ def offline_replicant(data_dir: Path, limits: dict | None = None):
             }
         )
     )  # fmt: skip
+
+
+def close_offline(node) -> None:
+    """Close an ``offline_replicant``: the zmq sockets the test gave it (``socket``, ``core_sockets``;
+    a stand-in object is only dropped), its store and its data directory's lock."""
+    for opened in [node.socket, *node.core_sockets.values()]:
+        if isinstance(opened, zmq.Socket):
+            opened.close(0)
+    node.socket = None
+    node.core_sockets = {}
+    node.store.close()
+    node.data_dir_lock.release()
+
+
+@contextlib.contextmanager
+def replicant_by_hand(data_dir: Path, limits: dict | None = None) -> Iterator:
+    """An ``offline_replicant`` (the test calls its rules), closed after the block, also when it fails."""
+    node = offline_replicant(data_dir, limits)
+    try:
+        yield node
+    finally:
+        close_offline(node)
 
 
 def node_config(data_dir: Path, port: int, name: str = "core1", extra: dict | None = None):
@@ -246,6 +268,23 @@ def create_table_t(node: CoreNode, request_id: str = "t0") -> None:
     node._dispatch([b"c0"], Message("create_table", request_id, messages.typed_body("create_table", TABLE_T)))
 
 
+def run_turns_until(node, condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    """Run turns of a node driven by hand (bound, not served) until ``condition`` holds; fail the test
+    with ``what`` when ``timeout_s`` runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s of turns waiting for {what}")
+        node.run_turn()
+
+
+def commit_table_t(node: CoreNode, request_id: str = "t0") -> None:
+    """``create_table_t`` at a bound core of one driven by hand, then its turns until ``t`` is
+    committed (it elects itself first)."""
+    create_table_t(node, request_id)
+    run_turns_until(node, lambda: node.store.catalog().get("t") is not None, "table t's commit")
+
+
 @contextlib.contextmanager
 def core_with_table(data_dir: Path, extra: dict | None = None) -> Iterator[CoreNode]:
     """A bound single core, not served (the test steps its driver), whose table ``t`` (id, v) is
@@ -254,9 +293,7 @@ def core_with_table(data_dir: Path, extra: dict | None = None) -> Iterator[CoreN
     node = CoreNode(node_config(data_dir, free_port(), extra=extra))
     node.bind()
     try:
-        create_table_t(node)
-        while node.store.catalog().get("t") is None:
-            node.run_turn()  # one core: it elects itself and commits
+        commit_table_t(node)
         node._outbox.clear()
         yield node
     finally:

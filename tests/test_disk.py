@@ -45,7 +45,15 @@ from mnesite.rlog.replication import (
 from mnesite.rlog.store import Store, read_fault, storage_fault
 from mnesite.rlog.types import TxKey, WriteOp
 
-from tests.conftest import ThreadNode, core_with_table, create_table_t, free_port, node_config, wait_until
+from tests.conftest import (
+    ThreadNode,
+    commit_table_t,
+    core_with_table,
+    create_table_t,
+    free_port,
+    node_config,
+    wait_until,
+)
 from tests.test_consensus import Harness, append, chain, of_type, sends
 from tests.test_replica import HISTORY, ages, at, bootstrap, bootstrapped, connect, of, push, replica
 
@@ -769,22 +777,15 @@ def test_a_failed_guard_held_when_the_disk_fills_is_told_to_retry(tmp_path: Path
     disk filling rebuilds the shard from disk with a new tail, and that wait was dropped unanswered:
     its client heard nothing until its own timeout. It is told to retry now, as the writes waiting for
     their commit are told their outcome."""
-    from mnesite.core.node import CoreNode, Deferred
+    from mnesite.core.node import Deferred
     from mnesite.rlog import messages
     from mnesite.rlog.messages import Message
 
     def request(kind: str, request_id: str, body: dict) -> Message:
         return Message(kind, request_id, messages.typed_body(kind, body))
 
-    node = CoreNode(node_config(tmp_path / "data", free_port()))
-    node.bind()
-    try:
-        columns = [["id", "INTEGER"], ["v", "TEXT"]]
-        node._dispatch([b"c0"], request("create_table", "t0", {"table": "t", "key": "id", "columns": columns}))
+    with core_with_table(tmp_path / "data") as node:
         driver = node.shards["default"]
-        while node.store.catalog().get("t") is None:
-            node.run_turn()  # one core: it elects itself and commits
-        node._outbox.clear()
         write = {"ops": [{"op": "write", "table": "t", "row": {"id": 1, "v": "a"}}]}
         node._dispatch([b"c1"], request("transact", "w1", write))
         node._propose_all()  # w1's entry is in the tail, not committed (that needs the turn's commit)
@@ -797,8 +798,6 @@ def test_a_failed_guard_held_when_the_disk_fills_is_told_to_retry(tmp_path: Path
         node.disk_filled()
         answers = {m.request_id: m.body.code for _s, _to, m in node._outbox}
         assert answers == {"w1": "outcome_unknown", "w2": "no_sequencer"}
-    finally:
-        node.close()
 
 
 def test_answers_of_a_turn_the_disk_failed_become_outcome_unknown_not_silence(tmp_path: Path) -> None:
@@ -843,9 +842,7 @@ def test_a_shard_created_by_the_turn_the_disk_filled_is_forgotten_not_fatal(tmp_
         assert answers == {"t0": "outcome_unknown"}
         node.disk.freed(0)
         node.disk_freed()
-        create_table_t(node, "t1")
-        while node.store.catalog().get("t") is None:
-            node.run_turn()  # the write is taken again once space is freed: the shard is created anew
+        commit_table_t(node, "t1")  # the write is taken again once space is freed: the shard is created anew
     finally:
         node.close()
 

@@ -3,16 +3,21 @@ that could not be sent (a core driven by hand: the test steps its driver)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from mnesite.core.versions import PeerRecord
 from mnesite.rlog import messages
 from mnesite.rlog.errors import RequestError
 from mnesite.rlog.messages import Message
 
-from tests.conftest import ThreadNode, core_with_table, forwarding_core, offline_replicant
-from tests.test_replicant_node import _close_offline, _queueing_dealer
+from tests.conftest import (
+    ThreadNode,
+    close_offline,
+    core_with_table,
+    forwarding_core,
+    offline_replicant,
+    run_turns_until,
+)
+from tests.test_replicant_node import _queueing_dealer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,14 +46,6 @@ def _recorded(node) -> list[tuple[list[bytes], Message]]:
 
     node.reply = recording
     return seen
-
-
-def _turns_until(node, condition, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        node.run_turn()
 
 
 def test_a_read_held_under_an_id_is_not_held_again_by_a_resend_on_its_connection(tmp_path) -> None:
@@ -89,7 +86,7 @@ def test_a_query_sent_again_on_another_connection_closes_the_earlier_cursor(tmp_
         for i in range(3):
             row = {"ops": [{"op": "write", "table": "t", "row": {"id": i}}]}
             node._dispatch([b"w"], Message("transact", f"w-{i}", messages.typed_body("transact", row)))
-        _turns_until(node, lambda: b"w" not in node.outstanding, "the writes' commit")  # answered at once
+        run_turns_until(node, lambda: b"w" not in node.outstanding, "the writes' commit")  # answered at once
         seen = _recorded(node)
         pages = {}
 
@@ -98,11 +95,11 @@ def test_a_query_sent_again_on_another_connection_closes_the_earlier_cursor(tmp_
             return envelope in pages
 
         node._dispatch([b"a"], _query("q-1", "SELECT id FROM t ORDER BY id", page_rows=1))
-        _turns_until(node, lambda: page_of(b"a"), "the first page")
+        run_turns_until(node, lambda: page_of(b"a"), "the first page")
         assert pages[b"a"].body.result["cursor"] is not None
         assert node.queries.open_cursors() == 1
         node._dispatch([b"b"], _query("q-1", "SELECT id FROM t ORDER BY id", page_rows=1))
-        _turns_until(node, lambda: page_of(b"b"), "the resend's first page")
+        run_turns_until(node, lambda: page_of(b"b"), "the resend's first page")
         assert pages[b"b"].body.result["rows"] == [[0]]
         assert node.queries.open_cursors() == 1
 
@@ -175,7 +172,7 @@ def test_a_replicant_s_read_held_under_an_id_is_not_held_again_by_a_resend_on_it
         assert len([r for r, pending in node.pending.items() if pending.purpose == "read_index"]) == 2
     finally:
         node._outbox.clear()
-        _close_offline(node)
+        close_offline(node)
 
 
 def test_a_linearizable_query_whose_read_index_could_not_be_sent_is_answered_at_once(tmp_path) -> None:
@@ -222,7 +219,7 @@ def test_a_write_whose_failed_guard_is_held_is_not_evaluated_again_when_sent_aga
             node._dispatch([resent_on], guarded)
         driver = node.shards["default"]
         assert driver.tail.held_count() == 1
-        _turns_until(node, lambda: driver.tail.held_count() == 0, "the held failure's answer")
+        run_turns_until(node, lambda: driver.tail.held_count() == 0, "the held failure's answer")
         told = [(to, m.body.code) for to, m in seen if m.request_id == "g-1"]
         if resent_on == b"a":
             assert told == [([b"a"], "guard_failed")]

@@ -427,6 +427,16 @@ def _cut_between(left: set[str], right: set[str]) -> set[tuple[str, str]]:
     return {(p, q) for p in left for q in right} | {(q, p) for p in left for q in right}
 
 
+def _writes_then_time(simulation: MembershipSimulation, sequencer: str, writes: int) -> MembershipSimulation:
+    """``writes`` writes at ``sequencer``, then 200 steps of the simulation: the tail of the
+    changes-in-flight scenarios below."""
+    for _ in range(writes):
+        simulation.write(sequencer)
+    for _ in range(200):
+        simulation.advance()
+    return simulation
+
+
 def _two_removals_in_flight(seed: int) -> MembershipSimulation:
     """5 cores, no faults: the sequencer S and A are cut off from X, Y and Z; S is asked to remove
     Y and then Z at once, and takes writes; then time passes."""
@@ -434,11 +444,7 @@ def _two_removals_in_flight(seed: int) -> MembershipSimulation:
     simulation.cut = _cut_between({sequencer, a}, {x, y, z})
     simulation.change(sequencer, y, add=False)
     simulation.change(sequencer, z, add=False)
-    for _ in range(5):
-        simulation.write(sequencer)
-    for _ in range(200):
-        simulation.advance()
-    return simulation
+    return _writes_then_time(simulation, sequencer, 5)
 
 
 @pytest.mark.timeout(60)
@@ -512,11 +518,7 @@ def _add_cut_off_from_the_old_majority(seed: int) -> MembershipSimulation:
     simulation, sequencer, (a, b) = _settled(seed, 3)
     simulation.cut = _cut_between({sequencer, "spare0"}, {a, b})
     simulation.change(sequencer, "spare0", add=True)
-    for _ in range(3):
-        simulation.write(sequencer)
-    for _ in range(200):
-        simulation.advance()
-    return simulation
+    return _writes_then_time(simulation, sequencer, 3)
 
 
 @pytest.mark.timeout(60)

@@ -25,7 +25,16 @@ from mnesite.rlog.client import (
 from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ScriptedNode, ThreadNode, forwarding_core, free_port, node_config, watch_body
+from tests.conftest import (
+    ScriptedNode,
+    ThreadNode,
+    core_with_table,
+    forwarding_core,
+    free_port,
+    node_config,
+    run_turns_until,
+    watch_body,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -694,8 +703,11 @@ def _sequencer_of_one(tmp_path):
     node = CoreNode(node_config(tmp_path / "data", free_port()))
     node.bind()
     driver = node._shard_for("default", create=True)
-    while driver.consensus.committed_key.generation != driver.consensus.generation:
-        node.run_turn()  # one core: it elects itself and commits its no-op
+
+    def no_op_committed() -> bool:  # one core: it elects itself and commits its no-op
+        return driver.consensus.committed_key.generation == driver.consensus.generation
+
+    run_turns_until(node, no_op_committed, "its no-op's commit")
     return node, driver
 
 
@@ -761,13 +773,12 @@ def test_a_membership_change_whose_append_found_the_disk_full_is_answered_and_fo
         node.disk.freed(0)
         node.disk_freed()
         driver = node.shards["default"]
-        deadline = time.monotonic() + 10
-        while (
-            driver.consensus.role is not Role.SEQUENCER
-            or driver.consensus.committed_key.generation != driver.consensus.generation
-        ):
-            assert time.monotonic() < deadline, "the core of one elected itself again"
-            node.run_turn()  # one core: it elects itself again and commits its no-op
+
+        def sequencer_again() -> bool:  # one core: it elects itself again and commits its no-op
+            consensus = driver.consensus
+            return consensus.role is Role.SEQUENCER and consensus.committed_key.generation == consensus.generation
+
+        run_turns_until(node, sequencer_again, "the core of one's re-election")
         node._membership_change([b"c2"], request)  # the client asks again: a change, not one pending
         assert driver.consensus.status().learner == "core9"
     finally:
@@ -780,15 +791,7 @@ def test_a_write_over_its_connections_bound_is_refused_before_it_is_proposed(tmp
     nothing changed) and committed all the same. It is checked first now; nothing is written."""
     from mnesite.rlog.errors import OverloadedError
 
-    node = CoreNode(node_config(tmp_path / "data", free_port(), extra={"limits": {"requests_outstanding_max": 1}}))
-    node.bind()
-    try:
-        columns = [["id", "INTEGER"], ["v", "TEXT"]]
-        create = {"table": "t", "key": "id", "columns": columns}
-        node._dispatch([b"c0"], Message("create_table", "t0", messages.typed_body("create_table", create)))
-        while node.store.catalog().get("t") is None:
-            node.run_turn()  # one core: it elects itself and commits
-        node._outbox.clear()
+    with core_with_table(tmp_path / "data", extra={"limits": {"requests_outstanding_max": 1}}) as node:
         for number in (1, 2):  # one connection, two writes in one turn (as _serve_waiting takes them)
             body = {"ops": [{"op": "write", "table": "t", "row": {"id": number, "v": "x"}}]}
             try:
@@ -800,8 +803,6 @@ def test_a_write_over_its_connections_bound_is_refused_before_it_is_proposed(tmp
         assert answers == [("w2", "error", "overloaded")]
         assert node.store.find_request("w1") is not None
         assert node.store.find_request("w2") is None, "refused as overloaded, yet logged"
-    finally:
-        node.close()
 
 
 def test_an_install_request_of_an_abandoned_install_neither_feeds_nor_fails_a_later_one(tmp_path) -> None:
@@ -991,14 +992,14 @@ def test_a_guard_on_an_applied_row_while_an_added_column_is_uncommitted_reads_it
     wrote), one naming the row as it will be (``w`` null) failed. A row the tail wrote before the
     column was added lacked it, and failed the same guard. Both now read the row as the apply will
     leave it: the added column null."""
-    from tests.conftest import core_with_table
-
     with core_with_table(tmp_path / "data") as node:
         write_1 = {"ops": [{"op": "write", "table": "t", "row": {"id": 1, "v": "a"}}]}
         _dispatch_and_answer(node, b"c1", "transact", "w1", write_1)
         node._propose_all()  # a write without guards is held for the turn's batch
-        while node.store.shard("default").applied < node.store.find_request("w1")[1]:
-            node.run_turn()  # one core: it commits and applies w1
+        # One core: it commits and applies w1.
+        run_turns_until(
+            node, lambda: node.store.shard("default").applied >= node.store.find_request("w1")[1], "w1's apply"
+        )
         node._outbox.clear()
         told: dict[str, tuple[str, object]] = {}
         reply = node.reply
@@ -1024,8 +1025,9 @@ def test_a_guard_on_an_applied_row_while_an_added_column_is_uncommitted_reads_it
         node._propose_all()
         assert [request_id for request_id, (kind, _) in told.items() if kind == "error"] == []
         assert node.store.find_request("g1") is not None and node.store.find_request("g2") is not None
-        while node.store.shard("default").applied < node.store.find_request("g2")[1]:
-            node.run_turn()
+        run_turns_until(
+            node, lambda: node.store.shard("default").applied >= node.store.find_request("g2")[1], "g2's apply"
+        )
         assert told.get("g0") == ("error", "guard_failed"), told
         table = node.store.catalog()["t"]
         assert node.store.read_row(table, 1) == {"id": 1, "v": "a", "w": "x"}

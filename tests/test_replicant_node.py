@@ -28,7 +28,7 @@ from mnesite.rlog.messages import Message, MessageError, typed_body
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ThreadNode, free_port, offline_replicant, thread_replicant, wait_until
+from tests.conftest import ThreadNode, free_port, replicant_by_hand, thread_replicant, wait_until
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -162,10 +162,6 @@ def test_dropped_outgoing_frames_are_counted_and_logged_a_line_a_second_the_last
     dropped after them; the node's next turn once that second is over says them (``warnings``)."""
     import logging
 
-    full = _unconnected_dealer()  # a send raises zmq.Again, as a full queue's does
-    node = offline_replicant(tmp_path / "r")
-    now = [0]
-    node.warnings.clock = lambda: now[0]
     ack = Message("push_ack", "a1", {"shard": "default", "agent": "a1", "applied": [1, 1]})
     line = (
         "dropped an outgoing frame (push_ack: the receiver's queue is full; %d so far): peers re-send, a "
@@ -175,7 +171,10 @@ def test_dropped_outgoing_frames_are_counted_and_logged_a_line_a_second_the_last
     def dropped() -> list[str]:
         return [record.getMessage() for record in caplog.records if record.getMessage().startswith("dropped")]
 
-    try:
+    # ``full``: a send raises zmq.Again, as a full queue's does.
+    with replicant_by_hand(tmp_path / "r") as node, _unconnected_dealer() as full:
+        now = [0]
+        node.warnings.clock = lambda: now[0]
         caplog.set_level(logging.WARNING, logger="mnesite.server")
         for _ in range(1000):
             node.queue(full, ack)
@@ -205,10 +204,6 @@ def test_dropped_outgoing_frames_are_counted_and_logged_a_line_a_second_the_last
             line % 1102 + " (and 99 more like it in the last 1000 ms)",
             line % 1202 + " (and 99 more like it in the last 1000 ms)",
         ]
-    finally:
-        full.close(0)
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_protocol_violations_of_any_senders_log_a_line_a_second(tmp_path, caplog) -> None:
@@ -217,10 +212,9 @@ def test_protocol_violations_of_any_senders_log_a_line_a_second(tmp_path, caplog
     left out, with the count of the others, once the second is over."""
     import logging
 
-    node = offline_replicant(tmp_path / "r")
-    now = [0]
-    node.warnings.clock = lambda: now[0]
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
+        now = [0]
+        node.warnings.clock = lambda: now[0]
         caplog.set_level(logging.WARNING, logger="mnesite.server")
         for sent in range(1000):
             node.protocol_violation(f"core{sent}", "shard default: a second sequencer in generation 3")
@@ -235,9 +229,6 @@ def test_protocol_violations_of_any_senders_log_a_line_a_second(tmp_path, caplog
             "protocol violation by core999: shard default: a second sequencer in generation 3 (1000 so far) "
             "(and 998 more like it in the last 1000 ms)"
         ]
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 # -- issue 20's three bugs found by reading: each test fails on the code before the fix ----------
@@ -263,21 +254,16 @@ def _answers_to_the_client(node) -> list[Message]:
 def test_a_linearizable_read_whose_read_index_times_out_is_answered_with_the_clients_request_id(tmp_path) -> None:
     """It was answered with the replicant's own read_index request id (which the client does not
     accept, so it waited out its whole timeout) and with outcome_unknown, which a read never is."""
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node.pending["replicant-internal-1"] = _linearizable_read_pending(node, "client-7")
         node._expire(1)
         (answer,) = _answers_to_the_client(node)
         assert answer.request_id == "client-7"
         assert answer.kind == "error" and answer.body.code == "no_sequencer", answer
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_a_core_refusing_a_read_index_is_passed_on_with_its_detail(tmp_path) -> None:
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         pending = _linearizable_read_pending(node, "client-8")
         refusal = messages.error("replicant-internal-2", "no_sequencer", "election", {"sequencer": "core2"})
         node._on_answer(pending, refusal)
@@ -287,16 +273,12 @@ def test_a_core_refusing_a_read_index_is_passed_on_with_its_detail(tmp_path) -> 
             "no_sequencer",
             refusal.body.detail,
         )
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_a_malformed_list_tables_answer_fails_the_copy_and_not_the_loop_turn(tmp_path) -> None:
     from mnesite.replicant.node import Pending
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node._open_replica("default")
         for result in (
             ["not a table"],
@@ -307,9 +289,6 @@ def test_a_malformed_list_tables_answer_fails_the_copy_and_not_the_loop_turn(tmp
             # Each used to raise out of the turn (AttributeError, KeyError, SchemaError) for a list.
             node._on_answer(Pending("tables", "core1", 0, "default"), messages.reply("q", result))
         assert node.store.catalog() == {}, "nothing of a malformed answer was applied"
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_the_acknowledgements_of_one_turn_go_out_once_per_agent_with_the_newest_applied_key(tmp_path) -> None:
@@ -317,8 +296,7 @@ def test_the_acknowledgements_of_one_turn_go_out_once_per_agent_with_the_newest_
     turn, after the turn's commit, carrying the last applied key (it says all the earlier ones said)."""
     from mnesite.rlog import replication as p
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         replica = node._open_replica("default")
         upstream = object()  # stands for core1's socket: only queued to, never sent on here
         node.core_sockets = {"core1": upstream}
@@ -334,10 +312,6 @@ def test_the_acknowledgements_of_one_turn_go_out_once_per_agent_with_the_newest_
         node._outbox.clear()
         node.before_send()
         assert node._outbox == []  # sent once
-    finally:
-        node.core_sockets = {}
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_the_collector_is_paused_while_a_push_is_handled_and_restored_after(tmp_path, monkeypatch) -> None:
@@ -357,9 +331,8 @@ def test_the_collector_is_paused_while_a_push_is_handled_and_restored_after(tmp_
             raise MessageError("a push that fails")
 
     monkeypatch.setattr(ReplicantNode, "_on_push", on_push)
-    node = offline_replicant(tmp_path / "r")
-    assert gc.isenabled()
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
+        assert gc.isenabled()
         node._dispatch([], Message("push", "p", "ok"))
         assert seen == [False] and gc.isenabled()
         with pytest.raises(MessageError):
@@ -372,9 +345,6 @@ def test_the_collector_is_paused_while_a_push_is_handled_and_restored_after(tmp_
             assert not gc.isenabled()  # paused by the caller: left paused
         finally:
             gc.enable()
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_a_bootstrap_keeps_the_applied_key_on_disk_as_a_floor_across_a_restart_and_a_full_disk(tmp_path) -> None:
@@ -396,8 +366,7 @@ def test_a_bootstrap_keeps_the_applied_key_on_disk_as_a_floor_across_a_restart_a
             make_entry("default", TxKey(1, counter), last.tx_key, last.digest, [WriteOp("t", {"k": counter})])
         )
     data_dir = tmp_path / "r"
-    node = offline_replicant(data_dir)
-    try:
+    with replicant_by_hand(data_dir) as node:
         replica = node._open_replica("default")
         node._execute(replica, p.ApplyEntries(tuple(entries)))
         node.flush()
@@ -414,11 +383,7 @@ def test_a_bootstrap_keeps_the_applied_key_on_disk_as_a_floor_across_a_restart_a
         fresh = node._open_replica("default")
         fresh.step(DiskFull("disk full", position.applied, position.digest), node.clock_ms())
         assert (fresh.applied_key, fresh.applied_digest) == (floor, p.UNKNOWN_DIGEST)
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
-    node = offline_replicant(data_dir)  # restarted in the middle of the bootstrap
-    try:
+    with replicant_by_hand(data_dir) as node:  # restarted in the middle of the bootstrap
         replica = node.replicas["default"]
         assert (replica.applied_key, replica.applied_digest) == (floor, p.UNKNOWN_DIGEST)
         assert replica.read_fenced
@@ -426,9 +391,6 @@ def test_a_bootstrap_keeps_the_applied_key_on_disk_as_a_floor_across_a_restart_a
         replica.step(p.Ticked(), replica.next_deadline_ms())
         behind = p.JournalAnswer(TxKey(1, 2), True, 0)
         assert replica.step(p.JournalsReceived((("core1", behind),)), node.clock_ms()) == []
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def _unconnected_dealer():
@@ -457,15 +419,6 @@ def _queueing_dealer(sndhwm: int = 1000):
     return socket
 
 
-def _close_offline(node) -> None:
-    """Close an offline replicant whose core sockets are ``_unconnected_dealer``s."""
-    for socket in node.core_sockets.values():
-        socket.close(0)
-    node.core_sockets = {}
-    node.store.close()
-    node.data_dir_lock.release()
-
-
 def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_reads_again(tmp_path) -> None:
     """After a bootstrap the replica serves nothing until its applied key reaches the read fence. If
     the turn that reached it is rolled back for want of space, the disk holds an earlier position,
@@ -481,8 +434,7 @@ def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_
         last = history[-1]
         op = WriteOp("t", {"k": counter, "v": f"at {counter}"})
         history.append(make_entry("default", TxKey(1, counter), last.tx_key, last.digest, [op]))
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node.core_sockets = {"core1": _unconnected_dealer()}
         replica = node._open_replica("default")
         node._execute(replica, p.ApplyEntries((history[0],)))  # the table, and the position K0
@@ -512,8 +464,6 @@ def test_a_full_disk_that_rolls_back_the_turn_that_opened_the_read_fence_fences_
         assert not replica.readable(), "a dirty copy at (1, 1) is served as if it were the committed state there"
         with pytest.raises(Exception, match="not_ready|cannot serve"):
             node._serving("default")
-    finally:
-        _close_offline(node)
 
 
 def test_a_turn_rolled_back_for_want_of_space_acknowledges_none_of_its_applies(tmp_path) -> None:
@@ -532,8 +482,7 @@ def test_a_turn_rolled_back_for_want_of_space_acknowledges_none_of_its_applies(t
         history.append(
             make_entry("default", TxKey(1, counter), last.tx_key, last.digest, [WriteOp("t", {"k": counter})])
         )
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node.core_sockets = {"core1": _unconnected_dealer()}
         replica = node._open_replica("default")
         k0, d0 = history[0].tx_key, history[0].digest
@@ -558,8 +507,6 @@ def test_a_turn_rolled_back_for_want_of_space_acknowledges_none_of_its_applies(t
         node.flush()  # the next turn
         acknowledged = [message.body["applied"] for message in queued if message.kind == "push_ack"]
         assert [1, 4] not in acknowledged, "an apply the rollback undid was acknowledged"
-    finally:
-        _close_offline(node)
 
 
 def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_never_starve_the_replicas(
@@ -573,8 +520,7 @@ def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_nev
     from mnesite.replicant.node import PENDING_REQUESTS_MAX, Pending
     from mnesite.rlog import replication as p
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node.core_sockets = {"core1": _queueing_dealer(sndhwm=0)}  # queues every read index sent
         replica = node._open_replica("default")
 
@@ -605,8 +551,6 @@ def test_linearizable_reads_are_refused_overloaded_when_requests_pile_up_and_nev
         node._execute(replica, p.ProbeJournals(("core1",)))
         assert len(node.pending) == before + 1, "the replica's own request is still sent"
         assert all(isinstance(pending, Pending) for pending in node.pending.values())
-    finally:
-        _close_offline(node)
 
 
 # -- linearizable reads and queries: their read indexes are bounded and always answered once -------
@@ -634,8 +578,7 @@ def test_a_linearizable_read_past_requests_outstanding_max_is_refused_and_never_
 ) -> None:
     """Its read index was asked without holding the request; the hold came when the answer arrived,
     in ``_on_answer``, where its OverloadedError escaped the loop turn and stopped the replicant."""
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node._open_replica("default")
         node.core_sockets = {"core1": _queueing_dealer(sndhwm=0)}  # queues every read index sent
         envelope = [b"client"]
@@ -647,8 +590,6 @@ def test_a_linearizable_read_past_requests_outstanding_max_is_refused_and_never_
         answers = _answers_to_the_client(node)
         assert [(a.request_id, a.kind, a.body.code) for a in answers] == [("client-9", "error", "overloaded")]
         assert "client-9" not in node.outstanding.get(b"client", set())
-    finally:
-        _close_offline(node)
 
 
 def test_a_linearizable_read_whose_read_index_cannot_be_asked_is_answered_overloaded(tmp_path) -> None:
@@ -657,8 +598,7 @@ def test_a_linearizable_read_whose_read_index_cannot_be_asked_is_answered_overlo
     take every pending place the replicas' own requests (watch, fence, batches) need."""
     from mnesite.replicant.node import PENDING_REQUESTS_MAX, Pending
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node._open_replica("default")
         node.core_sockets = {"core1": _queueing_dealer(sndhwm=0)}  # queues every read index sent
         envelope = [b"client"]
@@ -680,8 +620,6 @@ def test_a_linearizable_read_whose_read_index_cannot_be_asked_is_answered_overlo
         _serve(node, envelope, Message("get", "client-x", typed_body("get", body)))
         (answer,) = _answers_to_the_client(node)
         assert (answer.request_id, answer.body.code) == ("client-x", "overloaded")
-    finally:
-        _close_offline(node)
 
 
 def _answers_to_the_client_of(node, identity: bytes) -> list[Message]:
@@ -695,8 +633,7 @@ def test_a_core_that_reports_more_shards_than_a_node_may_hold_opens_no_more_than
     from mnesite.replicant.node import Pending
     from mnesite.rlog.limits import SHARDS_MAX
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         shard = {"committed": [1, 1], "hears_sequencer": True, "agents": 0}
         result = {"shards": {f"s{index}": shard for index in range(SHARDS_MAX + 50)}}
         node._on_answer(Pending("discover", "core1", node.clock_ms() + 1000), messages.reply("d-1", result))
@@ -705,9 +642,6 @@ def test_a_core_that_reports_more_shards_than_a_node_may_hold_opens_no_more_than
         more = {"shards": {f"t{index}": shard for index in range(10)}}
         node._on_answer(Pending("discover", "core1", node.clock_ms() + 1000), messages.reply("d-2", more))
         assert len(node.replicas) == SHARDS_MAX
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_a_request_of_an_earlier_bootstrap_attempt_expiring_does_not_fail_the_next_attempt(tmp_path) -> None:
@@ -717,9 +651,8 @@ def test_a_request_of_an_earlier_bootstrap_attempt_expiring_does_not_fail_the_ne
     from mnesite.rlog import replication as p
     from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
 
-    node = offline_replicant(tmp_path / "r")
-    node.core_sockets = {"core1": _unconnected_dealer()}
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}
         replica = node._open_replica("default")
         committed = p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 5), True, 0)),))
 
@@ -747,8 +680,6 @@ def test_a_request_of_an_earlier_bootstrap_attempt_expiring_does_not_fail_the_ne
         now[0] = base + 60_001
         node._expire(now[0])
         assert replica.mode is p.Mode.BOOTSTRAP, replica.status().last_error
-    finally:
-        _close_offline(node)
 
 
 def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connections_place(tmp_path) -> None:
@@ -756,9 +687,8 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
     pending forward was replaced silently: the earlier connection was never answered and its place
     among requests_outstanding_max stayed held for good (the forward's timeout, 10 s, outlasts the
     client's). It is told outcome_unknown now (core.outcome rule 4); the core's answer goes to the resend."""
-    node = offline_replicant(tmp_path / "r")
-    node.core_sockets = {"core1": _queueing_dealer()}
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _queueing_dealer()}
         body = typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]})
         node._forward([b"first"], Message("transact", "w-1", body))
         node._forward([b"second"], Message("transact", "w-1", body))
@@ -766,8 +696,6 @@ def test_a_write_forwarded_again_on_a_new_connection_frees_the_earlier_connectio
         answers = [(to, m.kind, m.body.code) for _s, to, m in node._outbox if to in ([b"first"], [b"second"])]
         assert answers == [([b"first"], "error", "outcome_unknown")]
         assert [pending.detail["envelope"] for pending in node.pending.values()] == [[b"second"]]
-    finally:
-        _close_offline(node)
 
 
 @pytest.mark.parametrize(
@@ -785,9 +713,8 @@ def test_a_request_that_could_not_be_sent_to_a_core_is_answered_at_once(tmp_path
     to its sequencer; nothing stays pending or held. One that went out waits for the core's answer.
     A linearizable read's read index went the same way (queued unchecked, answered at its timeout)
     until the twenty-sixth session."""
-    node = offline_replicant(tmp_path / "r")
-    node.core_sockets = {"core1": _unconnected_dealer()}  # every send to it is dropped (zmq.Again)
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}  # every send to it is dropped (zmq.Again)
         node._open_replica("default")
         node._dispatch([b"client"], Message(kind, "r-1", typed_body(kind, body)))
         answers = [
@@ -801,8 +728,6 @@ def test_a_request_that_could_not_be_sent_to_a_core_is_answered_at_once(tmp_path
         node._dispatch([b"client"], Message(kind, "r-2", typed_body(kind, body)))
         assert [pending.purpose for pending in node.pending.values()] == [purpose]
         assert set(node.outstanding[b"client"]) == {"r-2"}
-    finally:
-        _close_offline(node)
 
 
 def test_a_table_list_of_an_earlier_bootstrap_changes_no_table_definition(tmp_path) -> None:
@@ -814,8 +739,7 @@ def test_a_table_list_of_an_earlier_bootstrap_changes_no_table_definition(tmp_pa
     from mnesite.rlog.schema import IndexSchema, define_table
 
     now = [1_000]
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node.clock_ms = lambda: now[0]
         node.core_sockets = {"core1": _unconnected_dealer()}
         replica = node._open_replica("default")
@@ -845,8 +769,6 @@ def test_a_table_list_of_an_earlier_bootstrap_changes_no_table_definition(tmp_pa
         assert node.store.catalog()["t"].indexes == indexed.indexes
         answer(earlier, [plain])  # read before this bootstrap's K0, when by_v did not exist yet
         assert node.store.catalog()["t"].indexes == indexed.indexes, "a stale table list dropped an index"
-    finally:
-        _close_offline(node)
 
 
 def test_status_says_the_digest_is_unknown_while_a_bootstrap_has_reset_the_shard(tmp_path) -> None:
@@ -856,8 +778,7 @@ def test_status_says_the_digest_is_unknown_while_a_bootstrap_has_reset_the_shard
     from mnesite.rlog import replication as p
     from mnesite.rlog.types import GENESIS_DIGEST
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node.core_sockets = {"core1": _unconnected_dealer()}
         replica = node._open_replica("default")
         assert node.status()["shards"]["default"]["digest"] == GENESIS_DIGEST.hex()  # a fresh shard: genesis
@@ -866,8 +787,6 @@ def test_status_says_the_digest_is_unknown_while_a_bootstrap_has_reset_the_shard
         node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
         assert replica.applied_digest == p.UNKNOWN_DIGEST
         assert node.status()["shards"]["default"]["digest"] is None
-    finally:
-        _close_offline(node)
 
 
 def test_a_core_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path) -> None:
@@ -876,16 +795,12 @@ def test_a_core_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path) -> None:
     of that one endpoint gave up at once instead of retrying (the replicant asks another core next)."""
     from mnesite.replicant.node import Pending
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         stopping = messages.error("w-1", "stopping", "core core1 is shutting down")
         node._on_answer(Pending("forward", "core1", 0, detail={"envelope": [b"client"]}), stopping)
         node._on_answer(_linearizable_read_pending(node, "client-9"), messages.error("ri-1", "stopping", "gone"))
         answers = _answers_to_the_client(node)
         assert [(m.request_id, m.body.code) for m in answers] == [("w-1", "no_sequencer"), ("client-9", "no_sequencer")]
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 @contextlib.contextmanager
@@ -937,8 +852,7 @@ def test_a_replicant_whose_cores_answer_with_logs_it_cannot_read_says_so_not_tha
     from mnesite.replicant.node import Pending, Probe
     from mnesite.rlog import replication as p
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         shard = {"committed": [1, 1], "hears_sequencer": True, "agents": 0}
         node._on_answer(
             Pending("discover", "core1", node.clock_ms() + 1000), messages.reply("d", {"shards": {"s": shard}})
@@ -952,9 +866,6 @@ def test_a_replicant_whose_cores_answer_with_logs_it_cannot_read_says_so_not_tha
         error = replica.status().last_error
         assert "core1 did not answer" not in error
         assert "core1 answered, but its log of shard s is at cluster version 3" in error
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_a_journal_answer_to_an_earlier_probe_is_not_counted_in_a_later_one(tmp_path) -> None:
@@ -965,9 +876,8 @@ def test_a_journal_answer_to_an_earlier_probe_is_not_counted_in_a_later_one(tmp_
     probe that asked (``Pending.probe_id``)."""
     from mnesite.rlog import replication as p
 
-    node = offline_replicant(tmp_path / "r")
-    node.core_sockets = {"core1": _unconnected_dealer()}
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}
         base = node.clock_ms()
         now = [base]
         node.clock_ms = lambda: now[0]
@@ -993,8 +903,6 @@ def test_a_journal_answer_to_an_earlier_probe_is_not_counted_in_a_later_one(tmp_
         later = {"shards": {"default": {"committed": [1, 9], "hears_sequencer": True, "agents": 0, "generation": 1}}}
         node._on_answer(fresh, messages.reply("fresh", later))
         assert "default" not in node.probes and replica.watch_id is not None  # this probe's answer: a watch
-    finally:
-        _close_offline(node)
 
 
 def test_a_bootstrap_takes_the_shard_s_tables_as_listed_even_after_a_drop_or_a_re_creation(tmp_path) -> None:
@@ -1007,8 +915,7 @@ def test_a_bootstrap_takes_the_shard_s_tables_as_listed_even_after_a_drop_or_a_r
     from mnesite.rlog import replication as p
     from mnesite.rlog.schema import define_table
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node.clock_ms = lambda: 1_000
         node.core_sockets = {"core1": _queueing_dealer()}  # no peer yet: zmq queues what is sent
         old = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
@@ -1035,8 +942,6 @@ def test_a_bootstrap_takes_the_shard_s_tables_as_listed_even_after_a_drop_or_a_r
         node.flush()
         assert replica.mode is p.Mode.NORMAL, replica.status().last_error
         assert node.store.read_row(node.store.catalog()["t"], "a") == {"id": "a", "w": b"\x00"}
-    finally:
-        _close_offline(node)
 
 
 @pytest.mark.parametrize("request_kind", ["journal", "watch", "list_tables", "bootstrap_batch"])
@@ -1048,8 +953,7 @@ def test_a_replica_s_request_the_full_pending_table_drops_fails_at_once_saying_w
     from mnesite.replicant.node import PENDING_REQUESTS_MAX, Pending
     from mnesite.rlog import replication as p
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node.core_sockets = {"core1": _queueing_dealer()}  # no peer yet: zmq queues what is sent
         replica = node._open_replica("default")
         steps = [
@@ -1084,8 +988,6 @@ def test_a_replica_s_request_the_full_pending_table_drops_fails_at_once_saying_w
         error = replica.status().last_error or ""
         assert f"requests to the cores are pending at replicant1 (PENDING_REQUESTS_MAX {PENDING_REQUESTS_MAX})" in error
         assert f"{request_kind} to core1 not sent" in error
-    finally:
-        _close_offline(node)
 
 
 def _watching(node, committed: TxKey):
@@ -1107,8 +1009,7 @@ def test_a_bootstrap_batch_whose_send_fails_fails_at_once_saying_why(tmp_path) -
     already failed at once. The replica is now told in this turn, with the reason, and fails over."""
     from mnesite.rlog import replication as p
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         replica = _watching(node, TxKey(1, 6))
         accepted = p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id)
         node._step(replica, accepted)
@@ -1120,8 +1021,6 @@ def test_a_bootstrap_batch_whose_send_fails_fails_at_once_saying_why(tmp_path) -
         assert replica.mode is p.Mode.DISCONNECTED
         error = replica.status().last_error or ""
         assert "request to core1 failed" in error and "its queue is full" in error, error
-    finally:
-        _close_offline(node)
 
 
 def test_a_probe_dropped_at_send_ends_at_once_and_says_it_was_not_sent(tmp_path) -> None:
@@ -1131,8 +1030,7 @@ def test_a_probe_dropped_at_send_ends_at_once_and_says_it_was_not_sent(tmp_path)
     now ends in the next turn's timers and ``last_error`` says the request was not sent, and why."""
     from mnesite.rlog import replication as p
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node.core_sockets = {"core1": _unconnected_dealer()}  # a send raises zmq.Again, as a full queue's does
         replica = node._open_replica("default")
         node._step(replica, p.Ticked())  # ProbeJournals: one journal request, queued for the turn's send
@@ -1144,8 +1042,6 @@ def test_a_probe_dropped_at_send_ends_at_once_and_says_it_was_not_sent(tmp_path)
         error = replica.status().last_error or ""
         assert "core1 was not asked (journal to core1 not sent: the receiver's queue is full)" in error, error
         assert "did not answer" not in error
-    finally:
-        _close_offline(node)
 
 
 def test_a_bootstrap_restarted_because_the_copy_outlasted_retention_is_logged_once_counted_and_kept(
@@ -1159,8 +1055,7 @@ def test_a_bootstrap_restarted_because_the_copy_outlasted_retention_is_logged_on
 
     from mnesite.rlog import replication as p
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         replica = _watching(node, TxKey(1, 30))
         replica._resuming_after_full_spill = TxKey(1, 3)  # the last copy's spill filled there (test_replica)
         with caplog.at_level(logging.INFO, logger="mnesite.replicant"):
@@ -1174,8 +1069,6 @@ def test_a_bootstrap_restarted_because_the_copy_outlasted_retention_is_logged_on
         node.flush()
         del node.replicas["default"]
         assert node._open_replica("default").status().bootstraps_outrun == 1, "not kept across a restart"
-    finally:
-        _close_offline(node)
 
 
 @pytest.mark.parametrize(
@@ -1196,8 +1089,7 @@ def test_a_bootstrap_batch_row_the_listed_table_cannot_hold_fails_the_copy_not_t
     from mnesite.rlog import replication as p
     from mnesite.rlog.schema import define_table
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         replica = _watching(node, TxKey(1, 6))
         node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
 
@@ -1211,8 +1103,6 @@ def test_a_bootstrap_batch_row_the_listed_table_cannot_hold_fails_the_copy_not_t
         error = replica.status().last_error or ""
         assert "t.v" in error, error
         assert replica.status().read_fenced, "nothing of the failed copy is served"
-    finally:
-        _close_offline(node)
 
 
 @pytest.mark.timeout(60)
@@ -1240,8 +1130,7 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
     each one from an unknown core, or malformed, or rejected, logged a line of its own: a log flood."""
     import logging
 
-    node = offline_replicant(tmp_path / "r")
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
         node._open_replica("default")
         # core1's socket, never connected: what a turn sends to it waits in its queue.
         dealer = zmq.Context.instance().socket(zmq.DEALER)
@@ -1288,14 +1177,6 @@ def test_pushes_from_anyone_log_a_line_per_second_per_reason_not_a_line_each(tmp
         now[0] = 2000
         node.turn()
         assert pushes()[1:] == ["push from unknown core 'late4' ignored (and 4 more like it in the last 1000 ms)"]
-    finally:
-        for socket in [node.socket, *node.core_sockets.values()]:
-            if isinstance(socket, zmq.Socket):
-                socket.close()
-        node.socket = None
-        node.core_sockets = {}
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_a_throttled_log_says_a_final_bursts_count_at_the_next_flush_and_keeps_no_quiet_reason() -> None:
@@ -1373,10 +1254,9 @@ def test_a_changefeed_request_held_at_a_replicant_is_answered_as_soon_as_a_boots
     from mnesite.rlog import replication as p
     from mnesite.rlog.types import GENESIS_DIGEST
 
-    node = offline_replicant(tmp_path / "r")
-    clock = [node.clock_ms()]
-    node.clock_ms = lambda: clock[0]
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
+        clock = [node.clock_ms()]
+        node.clock_ms = lambda: clock[0]
         replica = _watching(node, TxKey(0, 0))
         node._step(replica, p.WatchAccepted("core1", "a1", "resume", TxKey(0, 0), GENESIS_DIGEST, replica.watch_id))
         assert replica.readable()
@@ -1404,8 +1284,6 @@ def test_a_changefeed_request_held_at_a_replicant_is_answered_as_soon_as_a_boots
         assert now.body.code == "not_ready"
         assert (answer.body.code, answer.body.message) == (now.body.code, now.body.message)
         assert "mode bootstrap" in answer.body.message
-    finally:
-        _close_offline(node)
 
 
 class _Spilling:
@@ -1423,12 +1301,13 @@ class _Spilling:
         self.committed = self.history[-1].tx_key
         self.clock = [0]
 
-    def start(self, limits: dict | None = None):
-        """The replicant (re)started on the data directory, its clock the test's."""
-        node = offline_replicant(self.data_dir, limits)
-        self.clock[0] = node.clock_ms()
-        node.clock_ms = lambda: self.clock[0]
-        return node
+    @contextlib.contextmanager
+    def start(self, limits: dict | None = None) -> Iterator[Any]:
+        """The replicant (re)started on the data directory, its clock the test's; closed after the block."""
+        with replicant_by_hand(self.data_dir, limits) as node:
+            self.clock[0] = node.clock_ms()
+            node.clock_ms = lambda: self.clock[0]
+            yield node
 
     def bootstrap(self, node, agent: str):
         from mnesite.rlog import replication as p
@@ -1469,8 +1348,7 @@ def test_entries_buffered_is_what_the_shard_s_spill_holds_across_bootstraps_a_re
         """``status``'s figure, and the entries the shard's spill holds on disk."""
         return node.status()["shards"]["default"]["entries_buffered"], node.store.spilled("default")
 
-    node = spilling.start()
-    try:
+    with spilling.start() as node:
         node.core_sockets = {"core1": _queueing_dealer()}
         node._open_replica("default")
         replica = spilling.bootstrap(node, "a1")
@@ -1483,10 +1361,7 @@ def test_entries_buffered_is_what_the_shard_s_spill_holds_across_bootstraps_a_re
         spilling.push(node, "a2", history[1:2])
         assert buffered(node) == (1, 1)
         node.flush()
-    finally:
-        _close_offline(node)
-    node = spilling.start()  # restarted in the middle of the bootstrap
-    try:
+    with spilling.start() as node:  # restarted in the middle of the bootstrap
         assert buffered(node) == (1, 1)
         replica = node.replicas["default"]
         # Not resumed: a watch from the unknown digest is answered bootstrap, even by a core holding the key.
@@ -1504,8 +1379,6 @@ def test_entries_buffered_is_what_the_shard_s_spill_holds_across_bootstraps_a_re
         node._step(replica, p.TablesReceived("core1", (), (), replica.watch_id))  # the copy is done: replayed
         assert replica.mode is p.Mode.NORMAL and replica.applied_key == TxKey(1, 4)
         assert buffered(node) == (0, 0)
-    finally:
-        _close_offline(node)
 
 
 def test_a_spill_left_by_a_bootstrap_a_restart_interrupted_is_charged_to_the_node_s_spill_budget(tmp_path) -> None:
@@ -1515,18 +1388,14 @@ def test_a_spill_left_by_a_bootstrap_a_restart_interrupted_is_charged_to_the_nod
     a whole ``spill_bytes_max`` on top of it: more disk than configured. They are charged at the start
     now (their bytes as stored), and given back by the reset that deletes them."""
     spilling = _Spilling(tmp_path / "r")
-    node = spilling.start()
-    try:
+    with spilling.start() as node:
         node.core_sockets = {"core1": _queueing_dealer()}
         node._open_replica("default")
         spilling.bootstrap(node, "a1")
         spilling.push(node, "a1", spilling.history[1:5])
         assert node.spill_budget.used > 0
         node.flush()
-    finally:
-        _close_offline(node)
-    node = spilling.start()  # restarted in the middle of the bootstrap
-    try:
+    with spilling.start() as node:  # restarted in the middle of the bootstrap
         on_disk = node.store.spilled_bytes("default")
         assert node.store.spilled("default") == 4 and on_disk > 0
         assert node.spill_budget.used == on_disk
@@ -1535,5 +1404,3 @@ def test_a_spill_left_by_a_bootstrap_a_restart_interrupted_is_charged_to_the_nod
         assert node.store.spilled_bytes("default") == 0 and node.spill_budget.used == 0
         spilling.push(node, "a2", spilling.history[1:2])
         assert node.spill_budget.used == spilling.history[1].size_bytes
-    finally:
-        _close_offline(node)

@@ -36,7 +36,7 @@ from mnesite.rlog.security import (
 )
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ServedCore, create_table_t, free_port, wait_until, watch_body
+from tests.conftest import ServedCore, commit_table_t, free_port, wait_until, watch_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -732,9 +732,7 @@ def _secure_core_with_table_t(
     node = _secure_core(tmp_path, keys, roles, sections)
     node.bind()
     try:
-        create_table_t(node)
-        while node.store.catalog().get("t") is None:
-            node.run_turn()
+        commit_table_t(node)
         yield node
     finally:
         node.close()
