@@ -275,11 +275,12 @@ class ReplicantNode(NodeServer):
         self._maybe_trim()
         self.flush()
 
-    def shards_reset_for_copy(self) -> list[str]:
+    def shards_not_serving_changes(self) -> list[str]:
         """The shards a bootstrap reset (``ResetShard``) and whose copy is not done and healed yet: read
         fenced (``ShardReplica.read_fenced``), from the bootstrap's start, across a restart, until the
         replay reaches the fence. A shard only disconnected (failing over, most often to resume) is not
-        among them: a changefeed request held on it gets its page once pushes come again."""
+        among them, although a request asked meanwhile is refused: a changefeed request held on it gets
+        its page once pushes come again."""
         return [shard for shard, replica in self.replicas.items() if replica.read_fenced]
 
     def _maybe_trim(self) -> None:
