@@ -385,14 +385,17 @@ class ReplicantNode(NodeServer):
         self._acks = {}
 
     def disk_filled(self) -> None:
-        """The turn was rolled back: each replica takes back the position on disk and applies nothing."""
+        """The turn was rolled back: each replica takes back the position and the spill on disk and
+        applies nothing."""
         for shard, replica in list(self.replicas.items()):
             position = self.store.shard(shard)
             if position is None:
                 del self.replicas[shard]  # created in the rolled-back turn: discovered again later
                 continue
             fenced = bool(int(self.store.meta(f"read_fenced:{shard}", 0)))
-            self._step(replica, DiskFull(self.disk.error, position.applied, position.digest, fenced))
+            spilled, spilled_bytes = self.store.spilled(shard), self.store.spilled_bytes(shard)
+            full = DiskFull(self.disk.error, position.applied, position.digest, fenced, spilled, spilled_bytes)
+            self._step(replica, full)
 
     def disk_freed(self) -> None:
         for replica in list(self.replicas.values()):
