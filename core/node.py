@@ -1242,12 +1242,17 @@ class CoreNode(NodeServer):
         """Shards whose install copied everything (their consensus runs again; reads wait for the fence)."""
         return {shard for shard, install in self.installs.items() if install.mode is InstallMode.FENCED}
 
-    def shards_reset_for_copy(self) -> Collection[str]:
-        """The shards a snapshot install keeps from serving (``not_serving``): from ``BeginInstall``
-        (their rows deleted), while abandoned with the rows half copied (``rows_lost``), and after the
-        copy until the read fence, across a restart; none once the fence is reached. A changefeed
-        request held on one is answered at once with what a request asked then gets (``not_ready``)."""
-        return self.not_serving.keys() | self.rows_lost
+    def shards_not_serving_changes(self) -> Collection[str]:
+        """The shards this core serves no read of now (``_not_serving_reason``; a ``changes`` request
+        on one is refused ``not_ready``): a snapshot install's, from ``BeginInstall`` (their rows
+        deleted) until the read fence, across a restart; rows an abandoned install left half copied
+        (``rows_lost``); a log stuck at an entry it refused (``stuck_reason``); a shard stopped here
+        until a restart (``stopped``). A changefeed request held on one is answered at once with what
+        a request asked then gets. A shard a forced start left this core out of (``excluded``) still
+        serves its reads, so its held requests wait as before."""
+        # The one rule that refuses new requests, so that a held one is never told otherwise.
+        shards = self.shards.keys() | self.not_serving.keys() | self.rows_lost | self.stopped.keys()
+        return {shard for shard in shards if self._not_serving_reason(shard) is not None}
 
     def _check_serving(self, shard: str) -> None:
         reason = self._not_serving_reason(shard)

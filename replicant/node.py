@@ -275,11 +275,12 @@ class ReplicantNode(NodeServer):
         self._maybe_trim()
         self.flush()
 
-    def shards_reset_for_copy(self) -> list[str]:
+    def shards_not_serving_changes(self) -> list[str]:
         """The shards a bootstrap reset (``ResetShard``) and whose copy is not done and healed yet: read
         fenced (``ShardReplica.read_fenced``), from the bootstrap's start, across a restart, until the
         replay reaches the fence. A shard only disconnected (failing over, most often to resume) is not
-        among them: a changefeed request held on it gets its page once pushes come again."""
+        among them, although a request asked meanwhile is refused: a changefeed request held on it gets
+        its page once pushes come again."""
         return [shard for shard, replica in self.replicas.items() if replica.read_fenced]
 
     def _maybe_trim(self) -> None:
@@ -384,14 +385,17 @@ class ReplicantNode(NodeServer):
         self._acks = {}
 
     def disk_filled(self) -> None:
-        """The turn was rolled back: each replica takes back the position on disk and applies nothing."""
+        """The turn was rolled back: each replica takes back the position and the spill on disk and
+        applies nothing."""
         for shard, replica in list(self.replicas.items()):
             position = self.store.shard(shard)
             if position is None:
                 del self.replicas[shard]  # created in the rolled-back turn: discovered again later
                 continue
             fenced = bool(int(self.store.meta(f"read_fenced:{shard}", 0)))
-            self._step(replica, DiskFull(self.disk.error, position.applied, position.digest, fenced))
+            spilled, spilled_bytes = self.store.spilled(shard), self.store.spilled_bytes(shard)
+            full = DiskFull(self.disk.error, position.applied, position.digest, fenced, spilled, spilled_bytes)
+            self._step(replica, full)
 
     def disk_freed(self) -> None:
         for replica in list(self.replicas.values()):

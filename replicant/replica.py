@@ -65,16 +65,16 @@ it events through ``step(event, now_ms)`` and executes the effects it returns, i
   never taken for a zombie. (While a watch is outstanding, other pushes from the core it went to
   are dropped without an answer.)
 * Full disk (``rlog.disk``). The driver steps ``DiskFull`` with the position its disk still holds
-  (the failed turn's applies were rolled back) and whether its reads are fenced there, and
-  ``DiskFreed`` once a probe wrote again. The replica adopts that position, and the fence if the
-  failed turn had reached it (it asks for a fence key again once resynchronised), and takes
-  nothing from anyone while full: pushes are dropped
-  unacknowledged (the agent's window fills and it stops: backpressure, no gap), answers and timers
-  are ignored. A NORMAL replica stays NORMAL, so it keeps serving reads of what it holds; a read
-  that needs a newer key waits and times out as usual. Any other mode goes DISCONNECTED. A known
-  digest on disk means the disk holds no spill of the shard (the failed turn was the one that reset
-  it), so the spill's bytes go back to the node's budget. Once freed it resynchronises at once:
-  DISCONNECTED, then a watch from its applied key (a resume).
+  (the failed turn's applies were rolled back), whether its reads are fenced there and the shard's
+  spill there (entries, bytes as stored), and ``DiskFreed`` once a probe wrote again. The replica
+  adopts that position, that spill (counted and charged to the node's budget as the disk holds it:
+  a rolled-back bootstrap reset leaves the earlier spill there), and the fence if the failed turn
+  had reached it (it asks for a fence key again once resynchronised), and takes nothing from anyone
+  while full: pushes are dropped unacknowledged (the agent's window fills and it stops:
+  backpressure, no gap), answers and timers are ignored. A NORMAL replica stays NORMAL, so it keeps
+  serving reads of what it holds; a read that needs a newer key waits and times out as usual. Any
+  other mode goes DISCONNECTED. Once freed it resynchronises at once: DISCONNECTED, then a watch
+  from its applied key (a resume).
 * Failure detector. No push or heartbeat from the watched agent for ``failure_timeout_ms`` (unless
   the full spill released it), or an
   upstream that has not heard the sequencer for ``failure_timeout_ms``, or a request (watch, tables,
@@ -614,14 +614,19 @@ class ShardReplica:
     def _on_disk_full(self, event: DiskFull) -> None:
         if event.applied_key is None or event.applied_digest is None:
             raise ValueError("DiskFull for a replica needs the position the disk holds")
+        if event.spilled is None or event.spilled_bytes is None:
+            raise ValueError("DiskFull for a replica needs the spill the disk holds")
         self._disk_full = True
         self._applied_key, self._applied_digest = event.applied_key, event.applied_digest
-        if event.applied_digest != UNKNOWN_DIGEST:
-            # The disk holds no spill of this shard (a bootstrap's reset and its replay each change
-            # the spill and the digest in one transaction): the rolled-back turn was the reset's, and
-            # took its spill off the disk. Charged still, it would stay so for good, since the
-            # replica resumes from that digest and no reset discards it.
-            self._discard_spill()
+        # The spill on disk, which the replica counts and charges from now on, in place of its own
+        # count: a rolled-back bootstrap reset left the earlier spill there (counted as discarded, it
+        # would be charged nowhere until the next reset), a rolled-back SpillEntries took its
+        # entries off, and a rolled-back replay left the spill whole. A known digest comes with no
+        # spill (the reset and the replay change both in one transaction): kept charged, its bytes
+        # would stay so for good, since the replica resumes from that digest and no reset discards them.
+        self._spill_budget.give_back(self._spilled_bytes)
+        self._spill_budget.charge(event.spilled_bytes)
+        self._spilled, self._spilled_bytes = event.spilled, event.spilled_bytes
         if event.read_fenced and not self._fence.fenced:
             # The rolled-back turn reached the read fence: the rows on disk are not healed yet.
             self._fence.fence()

@@ -56,10 +56,10 @@ Driver contract (``rlog.server.NodeServer.changes_request`` and ``serve_changes`
 request, call ``build_page`` inside the turn (the reads see the applied state), answer the page
 unless ``keep_holding`` says to hold it (nothing for this feed yet and ``wait_ms`` not over); page a
 held request again when ``worth_a_page`` says so (a shard it follows moved, a new shard appeared, a
-shard it follows is being copied again here (``NodeServer.shards_reset_for_copy``), or its wait
-ended), from the positions its last page reached (a held page holds no record, so nothing is
-skipped; paged from the request's own positions, every turn re-read all the entries since, up to
-2,000 per shard).
+shard it follows stopped being served here for a while (``NodeServer.shards_not_serving_changes``),
+or its wait ended), from the positions its last page reached (a held page holds no record, so
+nothing is skipped; paged from the request's own positions, every turn re-read all the entries
+since, up to 2,000 per shard).
 Held requests are bounded by ``changes_waiting_max``.
 """
 
@@ -278,18 +278,19 @@ def worth_a_page(
     now_ms: int,
     deadline_ms: int,
     shards_then: Collection[str] | None = None,
-    shards_reset: Collection[str] = (),
+    shards_not_serving: Collection[str] = (),
 ) -> bool:
     """Whether a held request's page is built again: a shard it follows moved, a shard the node did
     not have when the page was built (``shards_then``) appeared (a feed of every table follows it,
-    and a position can name a shard the node had not opened yet), a shard it follows is being copied
-    again here (``shards_reset``: a replicant's bootstrap reset its rows and log, a core's snapshot
-    install deleted its rows; nothing comes of it until the copy is done and healed, and then from a
-    new log start, so the request gets at once what one asked now gets, ``not_ready``, and its
-    consumer may go on at another node), or its wait ended."""
+    and a position can name a shard the node had not opened yet), a shard it follows is one the
+    node refuses changes of now and will not serve soon (``shards_not_serving``: a replicant's
+    bootstrap reset its rows and log, a core's snapshot install deleted its rows, a core's log of
+    the shard is stuck or stopped; nothing comes of it until that is over, so the request gets at
+    once what one asked now gets, ``not_ready``, and its consumer may go on at another node), or its
+    wait ended."""
     if now_ms >= deadline_ms:
         return True
-    if any(shard in applied_then for shard in shards_reset):
+    if any(shard in applied_then for shard in shards_not_serving):
         return True
     if shards_then is not None and any(shard not in shards_then for shard in applied_now):
         return True

@@ -56,14 +56,17 @@ class DiskFull:
     """Event for a node's pure machines: a write failed for want of space; nothing can be persisted
     until ``DiskFreed``. A core's ``ShardConsensus`` is rebuilt from disk by its driver; a replicant's
     ``ShardReplica`` keeps serving, so it is told the position the disk still holds instead
-    (``applied_key``, ``applied_digest``: the failed turn's applies were rolled back) and whether
+    (``applied_key``, ``applied_digest``: the failed turn's applies were rolled back), whether
     its reads are fenced there (``read_fenced``: the turn that reached the read fence may be one of
-    them)."""
+    them) and the shard's spill there (``spilled`` entries of ``spilled_bytes`` bytes as stored: the
+    turn's spilled entries, a bootstrap reset's delete or a replay were rolled back with it)."""
 
     error: str = ""
     applied_key: TxKey | None = None
     applied_digest: bytes | None = None
     read_fenced: bool = False
+    spilled: int | None = None
+    spilled_bytes: int | None = None
 
 
 @dataclass(frozen=True)

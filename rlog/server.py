@@ -1422,10 +1422,10 @@ class NodeServer:
             return
         now = monotonic_ms()
         positions = self.store.shards()
-        reset = self.shards_reset_for_copy()
+        not_serving = self.shards_not_serving_changes()
         for waiting in list(self.waiting_changes):
             applied = {shard: position.applied for shard, position in positions.items()}
-            if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms, waiting.shards, reset):
+            if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms, waiting.shards, not_serving):
                 continue
             request_id = waiting.message.request_id
             try:
@@ -1442,10 +1442,13 @@ class NodeServer:
             self.waiting_changes.remove(waiting)
             self._answer_changes(waiting.envelope, request_id, page)
 
-    def shards_reset_for_copy(self) -> Collection[str]:
-        """Hook: the shards whose rows this node reset to copy them again and does not serve until that
-        copy is done (a replicant's bootstrap, a core's snapshot install); a held changefeed request
-        following one is answered at once (``rlog.changes.worth_a_page``), not at the end of its wait."""
+    def shards_not_serving_changes(self) -> Collection[str]:
+        """Hook: the shards whose ``changes`` this node refuses now (``not_ready``) and will not serve
+        soon: a core's snapshot install, its rows lost, its log stuck or stopped; a replicant's
+        bootstrap until its copy is healed. A held changefeed request following one is answered at once
+        (``rlog.changes.worth_a_page``) with what a request asked then gets, not at the end of its
+        wait. A shard refused only briefly may be left out (a replicant failing over, most often to
+        resume): a request held on it waits for its next page."""
         return ()
 
     def _answer_changes(self, envelope: list[bytes], request_id: str, page: Page) -> None:

@@ -257,6 +257,17 @@ def follower_by_hand(data_dir: Path) -> Iterator[tuple[CoreNode, object]]:
         node.data_dir_lock.release()
 
 
+def changes_of_default(request_id: str, after) -> messages.Message:
+    """A ``changes`` request of every table of shard ``default`` after ``after`` that waits a minute."""
+    body = {"positions": [{"shard": "default", "after": list(after)}], "wait_ms": 60_000}
+    return messages.Message("changes", request_id, messages.typed_body("changes", body))
+
+
+def queued_to(node, envelope: list[bytes]) -> list[messages.Message]:
+    """The messages a node driven by hand queued for ``envelope`` and has not sent (its outbox)."""
+    return [message for _socket, to, message in node._outbox if to == envelope]
+
+
 TABLE_T = {"table": "t", "key": "id", "columns": [["id", "INTEGER"], ["v", "TEXT"]]}
 
 

@@ -389,5 +389,5 @@ def test_a_held_request_is_paged_again_at_once_when_a_shard_it_follows_is_being_
     # A replicant's bootstrap keeps the applied key: nothing moves, yet nothing comes of the shard
     # until the copy is done, so the request is answered now (``not_ready``), not at its deadline.
     then = {"default": TxKey(1, 5)}
-    assert worth_a_page(then, then, now_ms=10, deadline_ms=20, shards_reset=["default"])
-    assert not worth_a_page(then, then, now_ms=10, deadline_ms=20, shards_reset=["content"])  # not followed
+    assert worth_a_page(then, then, now_ms=10, deadline_ms=20, shards_not_serving=["default"])
+    assert not worth_a_page(then, then, now_ms=10, deadline_ms=20, shards_not_serving=["content"])  # not followed

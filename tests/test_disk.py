@@ -624,7 +624,7 @@ def test_a_full_replica_keeps_its_position_serves_reads_applies_nothing_and_resu
     effects = machine.step(push(HISTORY[5:8]), 10)
     assert of(effects, ApplyEntries) and machine.applied_key == at(8)[0]
     # The turn that applied them failed for want of space: the disk still holds (1, 5).
-    machine.step(DiskFull("full", *at(5)), 11)
+    machine.step(DiskFull("full", *at(5), spilled=0, spilled_bytes=0), 11)
     assert machine.applied_key == at(5)[0] and machine.applied_digest == at(5)[1]
     assert machine.readable() and machine.mode is Mode.NORMAL and machine.status().disk_full
     # Later pushes (past a gap now) are neither applied, acknowledged nor rejected.
@@ -651,7 +651,7 @@ def test_without_the_full_disk_rule_the_next_push_follows_a_key_the_disk_does_no
 def test_a_bootstrapping_replica_whose_disk_fills_disconnects_and_waits() -> None:
     machine = replica(applied=0)
     bootstrap(machine, k0=10)
-    machine.step(DiskFull("full", *at(0)), 5)
+    machine.step(DiskFull("full", *at(0), spilled=0, spilled_bytes=0), 5)
     assert machine.mode is Mode.DISCONNECTED and not machine.readable()
     assert machine.step(Ticked(), 100_000) == [], "no probe, no watch while full"
 
@@ -663,7 +663,7 @@ def test_a_full_disk_that_rolled_back_reaching_the_read_fence_fences_reads_again
     machine.step(CommittedReceived("core0", at(14)[0], 1), 4)
     machine.step(push(HISTORY[12:14]), 5)
     assert machine.readable()
-    machine.step(DiskFull("full", *at(12), read_fenced=True), 6)
+    machine.step(DiskFull("full", *at(12), read_fenced=True, spilled=0, spilled_bytes=0), 6)
     assert not machine.readable() and machine.status().read_fenced and machine.mode is Mode.NORMAL
     machine.step(DiskFreed(), 7)
     machine.step(Ticked(), 7)
@@ -675,7 +675,7 @@ def test_a_full_disk_that_rolled_back_reaching_the_read_fence_fences_reads_again
     other = bootstrapped(k0=10, spilled=12)
     other.step(CommittedReceived("core0", at(12)[0], 1), 4)
     assert other.readable()
-    other.step(DiskFull("full", *at(12), read_fenced=False), 5)
+    other.step(DiskFull("full", *at(12), read_fenced=False, spilled=0, spilled_bytes=0), 5)
     assert other.readable()
 
 
@@ -702,7 +702,7 @@ def test_a_spill_that_a_full_disk_rolled_back_with_its_reset_gives_its_bytes_bac
     machine.step(push(HISTORY[10:12]), 1)
     assert budget.used == 2 * size
     # That turn's commit found the disk full: it still holds (1, 5) with its digest, and no spill.
-    machine.step(DiskFull("full", *at(5)), 2)
+    machine.step(DiskFull("full", *at(5), spilled=0, spilled_bytes=0), 2)
     assert machine.mode is Mode.DISCONNECTED and budget.used == 0
     machine.step(DiskFreed(), 3)
     machine.step(Ticked(), 3)
@@ -715,7 +715,7 @@ def test_a_spill_that_a_full_disk_rolled_back_with_its_reset_gives_its_bytes_bac
     other = ShardReplica(SHARD, "rep0", CORES, *at(5), ReplicaConfig(), random.Random(0), 0, spill_budget=budget)
     assert of(bootstrap(other, k0=12, now_ms=5), ResetShard)
     other.step(push(HISTORY[12:14]), 6)
-    other.step(DiskFull("full", at(5)[0], UNKNOWN_DIGEST), 7)
+    other.step(DiskFull("full", at(5)[0], UNKNOWN_DIGEST, spilled=2, spilled_bytes=2 * size), 7)
     assert other.mode is Mode.DISCONNECTED and budget.used == 2 * size
     other.step(DiskFreed(), 8)
     assert of(bootstrap(other, k0=14, now_ms=8), ResetShard) and budget.used == 0

@@ -1078,6 +1078,63 @@ def test_an_append_that_would_replace_a_committed_entry_stops_the_shard_not_the_
         assert "stopped on this core" in forced.value.detail["refused"]["default"]
 
 
+@pytest.mark.parametrize("state", ["stuck", "stopped"])
+def test_a_changefeed_request_held_at_a_core_is_answered_as_soon_as_its_shard_s_log_is_stuck_or_stopped(
+    tmp_path, monkeypatch, state
+) -> None:
+    """A ``changes`` request held at a core (caught up, waiting for its shard to move) waited out its
+    whole ``wait_ms`` when the core's log of that shard got stuck (it refused an entry of a cluster
+    version it does not speak) or the shard stopped on it (a peer's append would replace a committed
+    entry): the applied key no longer moves, so nothing woke it, although a request asked meanwhile
+    is refused at once (``not_ready``). It is now answered in that turn, with that same answer."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, ClusterVersionOp, make_entry
+    from mnesite.rlog.versions import SPEAK_ONLY_ENV
+
+    from tests.conftest import changes_of_default, follower_by_hand, queued_to
+
+    monkeypatch.setenv(SPEAK_ONLY_ENV, "1")  # this core speaks cluster version 1 only
+    members = ("core1", "core2", "core3")
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        table = define_table("t", "id", [["id", "INTEGER"]], "default")
+        first = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (table.to_op(),), "a")
+        second = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (), "b")
+        node._step(
+            driver,
+            MessageReceived(
+                "core2", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, second.tx_key, members, (first, second))
+            ),
+        )
+        node._apply_gathered(driver)
+        applied = node.store.shard("default").applied
+        assert applied == second.tx_key
+        node._dispatch([b"held"], changes_of_default("held-1", applied))
+        node.serve_changes()
+        assert node.changes_statistics()["held"] == 1 and not queued_to(node, [b"held"])
+        if state == "stuck":
+            moved = make_entry("default", TxKey(1, 3), second.tx_key, second.digest, (ClusterVersionOp("default", 2),))
+            append = AppendRequest(1, second.tx_key, second.digest, second.tx_key, members, (moved,))
+            node._step(driver, MessageReceived("core2", append))
+            assert driver.consensus.stuck_reason is not None and "default" not in node.stopped
+        else:
+            other = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (), "other")
+            node._step(
+                driver,
+                MessageReceived("core3", AppendRequest(2, first.tx_key, first.digest, other.tx_key, members, (other,))),
+            )
+            assert "default" in node.stopped
+        assert node.store.shard("default").applied == applied  # nothing moved
+        node.serve_changes()
+        (answer,) = queued_to(node, [b"held"])
+        assert node.changes_statistics()["held"] == 0
+        with pytest.raises(RequestError) as now:  # what a request asked now gets
+            node._dispatch([b"now"], changes_of_default("asked-now", applied))
+        assert (answer.request_id, answer.kind, answer.body.code) == ("held-1", "error", "not_ready")
+        assert answer.body.message == str(now.value)
+
+
 def test_an_add_of_a_member_at_another_endpoint_changes_nothing(tmp_path) -> None:
     """``cluster add-core`` of a core that is already a member is answered ``already_member`` (a
     retry finishing a half-done change): it must leave the member's endpoint alone. The sequencer

@@ -381,7 +381,8 @@ def test_a_bootstrap_keeps_the_applied_key_on_disk_as_a_floor_across_a_restart_a
         assert (position.applied, position.digest) == (floor, p.UNKNOWN_DIGEST)
         assert node.store.verify_chain("default") == floor  # `mnesite check` still reads the position
         fresh = node._open_replica("default")
-        fresh.step(DiskFull("disk full", position.applied, position.digest), node.clock_ms())
+        full = DiskFull("disk full", position.applied, position.digest, True, 1, node.store.spilled_bytes("default"))
+        fresh.step(full, node.clock_ms())
         assert (fresh.applied_key, fresh.applied_digest) == (floor, p.UNKNOWN_DIGEST)
     with replicant_by_hand(data_dir) as node:  # restarted in the middle of the bootstrap
         replica = node.replicas["default"]
@@ -1404,3 +1405,46 @@ def test_a_spill_left_by_a_bootstrap_a_restart_interrupted_is_charged_to_the_nod
         assert node.store.spilled_bytes("default") == 0 and node.spill_budget.used == 0
         spilling.push(node, "a2", spilling.history[1:2])
         assert node.spill_budget.used == spilling.history[1].size_bytes
+
+
+def test_a_full_disk_that_rolls_back_a_bootstrap_s_reset_leaves_the_old_spill_counted_and_charged(
+    tmp_path, monkeypatch
+) -> None:
+    """A bootstrap's reset (``ResetShard``) deletes the spill an unfinished bootstrap left, and the
+    replica stops counting it and gives its bytes back to the node's ``SpillBudget`` in the same step.
+    When that turn's commit found the disk full, the rollback put the old spill back on disk, but the
+    replica still counted 0 entries (``entries_buffered``) and charged none of its bytes, until the
+    next bootstrap's reset: the node's other shards could spill that much more than
+    ``spill_bytes_max``. The replica now takes the spill on disk as it takes the position there."""
+    import apsw
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.store import Store
+
+    spilling = _Spilling(tmp_path / "r")
+    with spilling.start() as node:
+        node.core_sockets = {"core1": _queueing_dealer()}
+        node._open_replica("default")
+        replica = spilling.bootstrap(node, "a1")
+        spilling.push(node, "a1", spilling.history[1:4])
+        node._step(replica, p.RequestFailed("core1", "gone", replica.watch_id))  # its spill stays
+        node.flush()
+        assert node.store.spilled("default") == 3
+
+        def full(store: Store, durable: bool = True) -> None:
+            raise apsw.FullError("database or disk is full")
+
+        with monkeypatch.context() as patched:
+            # One turn: the next bootstrap begins (its reset deletes the spill), and its commit fails.
+            patched.setattr(node, "run_turn", lambda: (spilling.bootstrap(node, "a2"), node.flush()))
+            patched.setattr(Store, "commit", full)
+            node.turn()
+        assert node.disk.full and replica.mode is p.Mode.DISCONNECTED
+        assert node.store.spilled("default") == 3, "the rollback left the old spill on disk"
+        assert node.status()["shards"]["default"]["entries_buffered"] == 3
+        assert node.spill_budget.used == node.store.spilled_bytes("default") > 0
+        # Space is back: the next bootstrap's reset deletes that spill and gives its bytes back.
+        node.disk.freed(node.clock_ms())
+        node.disk_freed()
+        spilling.bootstrap(node, "a3")
+        assert node.store.spilled("default") == 0 and node.spill_budget.used == 0
+        assert node.status()["shards"]["default"]["entries_buffered"] == 0

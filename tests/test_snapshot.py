@@ -217,18 +217,11 @@ def test_a_changefeed_request_held_at_a_core_is_answered_as_soon_as_a_snapshot_i
     asked meanwhile is refused at once (``not_ready``). It is now answered in the turn the install
     begins, with that same answer. Once the read fence is reached the shard serves again, and a request
     held then waits for the shard to move, as before."""
-    from mnesite.rlog import messages
     from mnesite.rlog.errors import RequestError
-    from mnesite.rlog.messages import Message
 
+    from tests.conftest import changes_of_default as changes
     from tests.conftest import follower_by_hand
-
-    def changes(request_id: str, after: TxKey) -> Message:
-        body = {"positions": [{"shard": "default", "after": list(after)}], "wait_ms": 60_000}
-        return Message("changes", request_id, messages.typed_body("changes", body))
-
-    def answers(node, envelope: list[bytes]) -> list[Message]:
-        return [message for _socket, to, message in node._outbox if to == envelope]
+    from tests.conftest import queued_to as answers
 
     with follower_by_hand(tmp_path / "data") as (node, _driver):
         node._dispatch([b"held"], changes("held-1", node.store.shard("default").applied))
