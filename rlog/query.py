@@ -50,7 +50,7 @@ parser of ours:
    ``trim``/``ltrim``/``rtrim``.
 6. **Temporary storage.** A statement that sorts or groups more than SQLite's cache holds writes
    SQLite's temporary files (the sorter's runs, ephemeral tables). The query connections open their
-   files through ``QUERY_VFS``, which hands the database's own files to the default VFS as they are
+   files through ``QUERY_VFS``, which hands the database's own files to the operating system's VFS as they are
    and counts the bytes of every temporary file (its size: the end of its furthest write, less a
    truncation) against the query's ``TempBudget`` (``temp_bytes_max``) and the node's ``TempSpace``
    (``temp_bytes_total_max``, every query's together): a write past either fails with SQLITE_FULL and
@@ -328,14 +328,18 @@ class TempBudget:
 _running = threading.local()
 # A temporary file opened on a thread that runs no query (none should be) may hold nothing.
 _NO_TEMP = TempBudget(TempSpace(0), 0)
+# The operating system's VFS, named: "" (the default VFS) would follow whatever VFS is the default when a
+# file opens. A VFS registered as the default and unregistered later (tests do, to fail writes) can
+# leave this one the default, whose files would then open through itself without end (RecursionError).
+OS_VFS = "win32" if os.name == "nt" else "unix"
 
 
 class _TempFile(apsw.VFSFile):
-    """A temporary file of the default VFS whose size (the end of its furthest write, less a
+    """A temporary file of ``OS_VFS`` whose size (the end of its furthest write, less a
     truncation) is counted against ``budget`` before each write that grows it."""
 
     def __init__(self, name: Any, flags: list[int], budget: TempBudget) -> None:
-        super().__init__("", name, flags)
+        super().__init__(OS_VFS, name, flags)
         self._budget = budget
         self._size = 0
 
@@ -361,7 +365,7 @@ class _TempFile(apsw.VFSFile):
 
 
 class _DatabaseFile(apsw.VFSFile):
-    """The database's file as the default VFS opens it. One difference: apsw raises the error of a
+    """The database's file as ``OS_VFS`` opens it. One difference: apsw raises the error of a
     lock SQLite tries and does without (a read-only connection's EXCLUSIVE lock as it closes, to
     checkpoint the WAL: the read-only descriptor cannot take it) from the next call, where SQLite
     itself ignores it; it is answered busy, which is what SQLite makes of it."""
@@ -376,9 +380,10 @@ class _DatabaseFile(apsw.VFSFile):
 
 
 class QueryVFS(apsw.VFS):
-    """The default VFS with SQLite's temporary files counted (``TEMP_OPEN_FLAGS``: ``_TempFile``).
-    The database's files are the default VFS's, but each of their calls (about one per page read)
-    is a Python call under the GIL: apsw has no way to hand a file over untouched.
+    """The operating system's VFS (``OS_VFS``) with SQLite's temporary files counted
+    (``TEMP_OPEN_FLAGS``: ``_TempFile``). The database's files are ``OS_VFS``'s, but each of their
+    calls (about one per page read) is a Python call under the GIL: apsw has no way to hand a file
+    over untouched.
 
     Measured and not adopted (``benchmarks/bench_query.py``, 2026-12-03): opening only an empty main
     database through this VFS and attaching the node's read-only through the default VFS keeps the
@@ -390,14 +395,14 @@ class QueryVFS(apsw.VFS):
     longer the node's table)."""
 
     def __init__(self) -> None:
-        super().__init__(QUERY_VFS, base="")
+        super().__init__(QUERY_VFS, base=OS_VFS)
 
     def xOpen(self, name: Any, flags: list[int]) -> apsw.VFSFile:  # noqa: N802
         if flags[0] & TEMP_OPEN_FLAGS:
             return _TempFile(name, flags, getattr(_running, "budget", None) or _NO_TEMP)
         if flags[0] & apsw.SQLITE_OPEN_MAIN_DB:
-            return _DatabaseFile("", name, flags)
-        return apsw.VFSFile("", name, flags)
+            return _DatabaseFile(OS_VFS, name, flags)
+        return apsw.VFSFile(OS_VFS, name, flags)
 
 
 _query_vfs: QueryVFS | None = None

@@ -1379,3 +1379,32 @@ def test_a_node_keeps_cursors_for_other_connections_when_one_holds_its_share(tmp
             assert len(list(greedy.query("SELECT id FROM users", page_rows=1))) == 5
     finally:
         node.stop()
+
+
+def test_query_files_open_through_the_os_vfs_whatever_vfs_is_the_default(tmp_path: Path) -> None:
+    """Regression: the query VFS opened its files through "" (the default VFS, whichever it is then).
+    A VFS made the default and unregistered later (test_disk's quota VFS) left the query VFS the
+    default: its files then opened through itself without end, a RecursionError in every later query
+    of the process (test_disk.py failed 29 tests when run alone). They open through ``OS_VFS`` now."""
+    store = _database(tmp_path / "db", rows=3)
+    store.close()
+    opened: list[str] = []
+
+    class Spy(apsw.VFS):
+        def __init__(self) -> None:
+            super().__init__("mnesite-test-spy", q.OS_VFS, makedefault=True)
+
+        def xOpen(self, name, flags):  # noqa: N802 (apsw's name)
+            opened.append(str(name))
+            return apsw.VFSFile(q.OS_VFS, name, flags)
+
+    spy = Spy()
+    try:
+        connection = q.open_connection(str(tmp_path / "db"), 1 << 20, q.query_vfs())  # a runner's connection
+        try:
+            assert connection.execute("SELECT count(*) FROM users ORDER BY name").fetchall() == [(3,)]
+        finally:
+            connection.close()
+    finally:
+        spy.unregister()
+    assert opened == [], "a query connection's file went through the default VFS"
