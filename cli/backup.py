@@ -40,6 +40,14 @@ def _describe_shards(shards: dict) -> str:
     return ", ".join(parts)
 
 
+def _still_running(path: str, endpoint: str, waited: str = "") -> str:
+    """What ``backup`` says when it stops waiting for a copy that the node goes on with."""
+    return (
+        f"the backup to {path} is still running{waited} (it goes on; poll with the same FILE, "
+        f"or watch it with `mnesite status --node {endpoint}`)"
+    )
+
+
 @click.command("backup")
 @click.argument("file", metavar="FILE")
 @click.option(
@@ -59,7 +67,9 @@ def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
     \b
     The node keeps serving: it copies the state of the moment it accepted the request, page by
     page, in a background thread. FILE records each shard's applied tx key and digest; it must not
-    exist. Restore it with `mnesite restore FILE --data-dir DIR`.
+    exist. Restore it with `mnesite restore FILE --data-dir DIR`. When --wait-ms passes, or on Ctrl-C,
+    the command stops waiting (exit 1) and the node goes on copying: poll with the same FILE, or watch
+    it in `mnesite status`; only stopping the node cancels it.
     """
     # The node writes FILE on its own host: never fail over to another node (and another host) when
     # the one named does not answer, as a read would.
@@ -67,17 +77,30 @@ def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
     path = os.path.abspath(file)
     deadline = time.monotonic() + wait_ms / 1000
     last_shown = -1.0
+    answered = False  # the node took the request: a copy is (or was) under way at it
     with client_for(endpoint, timeout_ms) as client:
-        while True:
-            result = run(lambda: client.backup(path))
-            if result["state"] != "running":
-                break
-            if time.monotonic() >= deadline:
-                fail(f"the backup to {path} is still running after {wait_ms} ms (it goes on; poll with the same FILE)")
-            if not quiet and result["pages_total"] and time.monotonic() - last_shown >= PROGRESS_INTERVAL_S:
-                last_shown = time.monotonic()
-                click.echo(f"backup: {result['pages_copied']} of {result['pages_total']} pages copied", err=True)
-            time.sleep(POLL_INTERVAL_S)
+        try:
+            while True:
+                result = run(lambda: client.backup(path))
+                answered = True
+                if result["state"] != "running":
+                    break
+                if time.monotonic() >= deadline:
+                    fail(_still_running(path, endpoint, f" after {wait_ms} ms"))
+                if not quiet and result["pages_total"] and time.monotonic() - last_shown >= PROGRESS_INTERVAL_S:
+                    last_shown = time.monotonic()
+                    click.echo(f"backup: {result['pages_copied']} of {result['pages_total']} pages copied", err=True)
+                time.sleep(POLL_INTERVAL_S)
+        except KeyboardInterrupt:
+            if not answered:
+                fail(
+                    f"backup interrupted before the node answered: it may be copying to {path}; "
+                    f"check with `mnesite status --node {endpoint}`"
+                )
+            fail(
+                f"backup interrupted: {_still_running(path, endpoint)}; only stopping the node cancels it "
+                f"(`mnesite stop --node {endpoint}`: it removes {path}.partial)"
+            )
     if result["state"] == "failed":
         fail(f"backup to {path} failed: {result['error']}")
     if as_json:

@@ -991,15 +991,17 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
     a BLOB cell is hex, X'' the empty BLOB. JSON lines keep every value as it is. FILE is UTF-8: a
     byte order mark opening it (Excel's "CSV UTF-8") is skipped, and a byte that is not UTF-8 is an
     error naming its line and byte offset. Progress goes to stderr (about once a second) unless --quiet.
+    Ctrl-C says the rows imported; a transaction sent and not answered is named, never sent again, and
+    exits 3 (outcome unknown), otherwise 1.
     """
-    from mnesite.cli import transfer
+    from mnesite.cli import progress, transfer
 
     file_format = file_format or transfer.format_of(transfer.file_name(file))
     # Lines untranslated (what csv needs): "\r\n" or "\r" inside a quoted CSV cell is the cell's text.
     file.reconfigure(newline="")
     with client_for(endpoint, timeout_ms) as client:
-        schema = run(lambda: client.table(table_name))
         try:
+            schema = run(lambda: client.table(table_name))
             if file.seekable():
                 for _ in transfer.read_rows(file, file_format, schema):
                     pass  # the check pass: a malformed line stops the import before anything is written
@@ -1009,10 +1011,12 @@ def import_rows(table_name, file, file_format, batch_rows, quiet, endpoint, time
                 table_name,
                 transfer.read_rows(file, file_format, schema),
                 batch_rows,
-                None if quiet else lambda line: click.echo(line, err=True),
+                None if quiet else progress.ProgressLines(progress.PROGRESS_INTERVAL_S),
             )
         except transfer.ImportFailed as error:
             fail(str(error), EXIT_OUTCOME_UNKNOWN if error.outcome_unknown else 1)
+        except KeyboardInterrupt:  # before the first transaction (import_rows says how far it got)
+            fail(str(transfer.interrupted_import(transfer.Imported(), table_name)))
     if as_json:
         emit_json({"table": table_name, "rows": imported.rows, "transactions": imported.transactions})
     else:
@@ -1039,18 +1043,23 @@ def export_rows(
     (an empty one as null).
     Progress goes to stderr (about once a second, then the rows written) unless --quiet. A column
     added to TABLE during a CSV export is left out (the header is written first): a line on stderr
-    names it, even with --quiet.
+    names it, even with --quiet. Ctrl-C says how many rows the (incomplete) output holds, exit 1.
     """
-    from mnesite.cli import transfer
+    from mnesite.cli import progress, transfer
 
     with client_for(endpoint, timeout_ms) as client:
-        schema = run(lambda: client.table(table_name))
-        rows = client.scan(table_name, None, page_rows, consistency, after_tx_key)
-        progress = None if quiet else lambda line: click.echo(line, err=True)
-        # The first page before the CSV header (and before --output is created): a read refused at once
-        # leaves no output behind.
-        pages = started(pages_of(rows, page_rows))
-        left_out = transfer.write_rows(output, file_format, schema, pages, progress).columns_left_out
+        try:
+            schema = run(lambda: client.table(table_name))
+            rows = client.scan(table_name, None, page_rows, consistency, after_tx_key)
+            lines = None if quiet else progress.ProgressLines(progress.PROGRESS_INTERVAL_S)
+            # The first page before the CSV header (and before --output is created): a read refused at
+            # once leaves no output behind.
+            pages = started(pages_of(rows, page_rows))
+            left_out = transfer.write_rows(output, file_format, schema, pages, lines).columns_left_out
+        except (transfer.ExportInterrupted, KeyboardInterrupt) as interrupted:
+            rows_written = getattr(interrupted, "rows", 0)
+            name = "stdout" if output.name == "<stdout>" else output.name
+            fail(f"export interrupted: {rows_written} rows were written to {name}, which is incomplete: export again")
         if left_out:
             click.echo(transfer.left_out_notice(table_name, schema, left_out), err=True)
 
@@ -1629,12 +1638,19 @@ def _change_shard(
         if wait.state == "stalled":
             raise ChangeUnderWay(
                 f"the change of shard {shard} is still under way, with no progress for {CHANGE_STALL_MS // 1000} s "
-                f"({_change_progress(info, name)}); it goes on without this command: watch it with "
-                f"`mnesite cluster members --node {client.endpoint}`, and run this command again to wait for it"
+                f"({_change_progress(info, name)}); {_change_goes_on(client.endpoint)}"
             )
         if wait.seen != seen and wait.state == "waiting":
             click.echo(f"{shard}: {_change_progress(info, name)}", err=True)
         seen, since_ms = wait.seen, wait.since_ms
+
+
+def _change_goes_on(endpoint: str) -> str:
+    """What to do about a change this command stopped waiting for (stalled, or a Ctrl-C)."""
+    return (
+        f"it goes on without this command: watch it with `mnesite cluster members --node {endpoint}`, "
+        "and run this command again to wait for it"
+    )
 
 
 def _change_progress(info: dict[str, Any], name: str) -> str:
@@ -1660,8 +1676,9 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
             # Straight to the shard's sequencer when known: catching up a new core may take longer
             # than a forwarded request may wait.
             sequencer_endpoint = view["endpoints"].get(info["sequencer"]) if info["sequencer"] else None
+            local = sequencer_endpoint is None or info["sequencer"] == view["node"]
             try:
-                if sequencer_endpoint is None or info["sequencer"] == view["node"]:
+                if local:
                     results[shard] = _change_shard(client, shard, action, name, core_endpoint)
                 else:
                     with client_for(sequencer_endpoint, timeout_ms) as sequencer:
@@ -1669,6 +1686,14 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
             except MnesiteError as error:
                 failed[shard] = {"code": error.code, "message": str(error)}
                 break
+            except KeyboardInterrupt:
+                changed = ", ".join(sorted(results)) or "none"
+                left = ", ".join(other for other, _ in shards if other not in results and other != shard) or "none"
+                fail(
+                    f"{action} {name} interrupted while waiting for shard {shard}: its change is under way at the "
+                    f"cluster; {_change_goes_on(client.endpoint if local else sequencer_endpoint)}; "
+                    f"changed: {changed}; not tried: {left}"
+                )
         result = {"action": action, "core": name, "shards": results}
         if failed:
             result["failed"] = failed
@@ -1701,7 +1726,8 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     \b
     The command waits as long as the catch-up makes progress (shown on stderr), whatever
     --timeout-ms (each answer's). A catch-up with no progress for 60 s exits 3 saying the change is
-    still under way; a node that does not answer exits 3 too. When a shard fails, the shards changed
+    still under way; a node that does not answer exits 3 too. Ctrl-C while it waits leaves the change
+    going on at the cluster and says so, exit 1. When a shard fails, the shards changed
     before it and those not tried are named, and the command exits 1 (3 if the outcome is unknown).
     """
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))

@@ -13,7 +13,9 @@ write path (each all or nothing, replicated like any write); an error the node a
 lines of the batch it refused and says how many rows were imported before it. A batch also ends
 before its request would outgrow the client's ``frame_bytes_max`` (with room for the envelope): wide
 rows go in smaller transactions rather than in one the client must refuse to send. A batch whose
-outcome is unknown is reported as such (the caller exits 3): it is never re-sent silently.
+outcome is unknown is reported as such (the caller exits 3): it is never re-sent silently. A Ctrl-C
+says the rows committed and the lines of a batch sent and not answered (outcome unknown, exit 3), and
+an export's the rows written; both show their progress through ``cli.progress.ProgressLines``.
 
 sqlite-utils' readers (``rows_from_file``) skip blank lines and hide the CSV reader, so they cannot
 name the line of an error; the readers here are plain ``csv`` and ``json`` with line numbers.
@@ -33,18 +35,17 @@ from __future__ import annotations
 import csv
 import json
 import re
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 import msgspec
 from mnesite.cli.main import INTEGER_KEY, base64_blob, json_text
+from mnesite.cli.progress import ProgressLines
 from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown
 from mnesite.rlog.messages import NOT_UTF8, scalars_refusal
 
 LINE_CHARS_MAX = 16 * 1024 * 1024  # a longer line is refused after reading at most this much of it
-PROGRESS_INTERVAL_S = 1.0  # an import or export says how far it got at most this often (stderr, unless --quiet)
 # The share of the client's frame_bytes_max a batch's ops may fill: the rest is the request's envelope.
 BATCH_FRAME_SHARE = 0.9
 BYTE_ORDER_MARK = "\ufeff"  # skipped at the start of a file (and of stdin)
@@ -72,10 +73,34 @@ class ImportFailed(Exception):
         self.outcome_unknown = outcome_unknown
 
 
-@dataclass
+@dataclass(frozen=True)
 class Imported:
+    """How far an import got: replaced whole, in one assignment, so that a Ctrl-C sees either the
+    state before a step or the state after it, never half of it."""
+
     rows: int = 0
     transactions: int = 0
+    last_line: int = 0  # the line of the last row imported (committed)
+    # The lines of the batch sent and not answered yet ("lines 7-9"), None between transactions.
+    in_flight: str | None = None
+
+
+def interrupted_import(imported: Imported, table: str) -> ImportFailed:
+    """What a Ctrl-C during an import says: the rows committed and, if a batch was sent and not
+    answered, that its outcome is unknown (``outcome_unknown``: exit 3). It is never re-sent here."""
+    done = "no row was imported"
+    if imported.transactions:
+        figures = f"{imported.rows} rows in {imported.transactions} transactions"
+        done = f"{figures} were imported (through line {imported.last_line})"
+    rest = f"the rows after line {imported.last_line}" if imported.transactions else "the file"
+    if imported.in_flight is None:
+        return ImportFailed(f"import interrupted: {done}, none was in flight; import {rest} to finish")
+    return ImportFailed(
+        f"import interrupted: {done}; the transaction of {imported.in_flight} was sent and not answered: "
+        f"outcome unknown, it may or may not have been imported (it was not sent again); check its rows "
+        f"with `mnesite get {table} KEY`, then import {rest} (a row imported twice keeps the file's values)",
+        outcome_unknown=True,
+    )
 
 
 def file_name(file: IO[str]) -> str:
@@ -261,64 +286,70 @@ def import_rows(
     table: str,
     rows: Iterator[tuple[int, dict[str, Any]]],
     batch_rows: int,
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressLines | None = None,
 ) -> Imported:
     """Write ``rows`` in transactions of at most ``batch_rows`` rows, each small enough to send; raise
     ``ImportFailed`` on the first refusal. A row too large to send even alone is refused naming its line.
+    A Ctrl-C (KeyboardInterrupt) is an ``ImportFailed`` saying how far it got (``interrupted_import``).
 
-    ``progress`` gets a line after a transaction at most every ``PROGRESS_INTERVAL_S``, and after the last."""
+    ``progress`` shows a line after a transaction (paced), and after the last."""
     imported = Imported()
     batch: list[tuple[int, dict[str, Any]]] = []
     batch_bytes = [0]
     bytes_max = int(client.frame_bytes_max * BATCH_FRAME_SHARE)
-    shown_at = [time.monotonic()]
 
-    def show(line: int, last: bool) -> None:
-        if progress is not None and (last or time.monotonic() - shown_at[0] >= PROGRESS_INTERVAL_S):
-            shown_at[0] = time.monotonic()
-            progress(f"import: {imported.rows} rows in {imported.transactions} transactions (line {line})")
+    def show(last: bool) -> None:
+        if progress is not None:
+            figures = f"{imported.rows} rows in {imported.transactions} transactions (line {imported.last_line})"
+            progress.show(lambda: f"import: {figures}", final=last)
 
-    def send() -> int:
-        """The batch as one transaction; returns the line of its last row."""
+    def send() -> None:
+        """The batch as one transaction."""
+        nonlocal imported
         lines = f"lines {batch[0][0]}-{batch[-1][0]}" if len(batch) > 1 else f"line {batch[0][0]}"
         before = f"{imported.rows} rows in {imported.transactions} transactions were imported before"
+        done = Imported(imported.rows + len(batch), imported.transactions + 1, batch[-1][0])
+        imported = replace(imported, in_flight=lines)
         try:
             client.transact([write for _, write in batch])
         except OutcomeUnknown as error:
             raise ImportFailed(f"{lines}: {error}; {before}", outcome_unknown=True) from None
         except MnesiteError as error:
             raise ImportFailed(f"{lines}: {error}; {before}") from None
-        imported.rows += len(batch)
-        imported.transactions += 1
-        line = batch[-1][0]
+        # A Ctrl-C before this assignment reports the batch as in flight although it committed: the
+        # safe side (checked, never taken for lost).
+        imported = done
         batch.clear()
         batch_bytes[0] = 0
-        return line
 
-    line = 0
     rows = iter(rows)
-    while True:
-        try:
-            line, row = next(rows)
-        except StopIteration:
-            break
-        except ImportFailed as error:  # a line refused while reading (stdin has no check pass)
-            if not imported.transactions:
-                raise
-            before = f"{imported.rows} rows in {imported.transactions} transactions were imported before"
-            raise ImportFailed(f"{error}; {before}") from None
-        write = {"op": "write", "table": table, "row": row}
-        size = len(msgspec.msgpack.encode(write))
-        if batch and batch_bytes[0] + size > bytes_max:
-            show(send(), last=False)
-        batch.append((line, write))
-        batch_bytes[0] += size
-        if len(batch) >= batch_rows:
-            show(send(), last=False)
-    if batch:
-        send()
+    try:
+        while True:
+            try:
+                line, row = next(rows)
+            except StopIteration:
+                break
+            except ImportFailed as error:  # a line refused while reading (stdin has no check pass)
+                if not imported.transactions:
+                    raise
+                before = f"{imported.rows} rows in {imported.transactions} transactions were imported before"
+                raise ImportFailed(f"{error}; {before}") from None
+            write = {"op": "write", "table": table, "row": row}
+            size = len(msgspec.msgpack.encode(write))
+            if batch and batch_bytes[0] + size > bytes_max:
+                send()
+                show(last=False)
+            batch.append((line, write))
+            batch_bytes[0] += size
+            if len(batch) >= batch_rows:
+                send()
+                show(last=False)
+        if batch:
+            send()
+    except KeyboardInterrupt:
+        raise interrupted_import(imported, table) from None
     if imported.transactions:
-        show(line, last=True)
+        show(last=True)
     return imported
 
 
@@ -340,21 +371,47 @@ def left_out_notice(table: str, schema: dict[str, Any], left_out: list[str]) -> 
     )
 
 
+class ExportInterrupted(Exception):
+    """A Ctrl-C during ``write_rows``: ``rows`` were written before it."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(f"export interrupted after {rows} rows")
+        self.rows = rows
+
+
 def write_rows(
     output: IO[str],
     file_format: str,
     schema: dict[str, Any],
     pages: Iterator[list[dict[str, Any]]],
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressLines | None = None,
 ) -> Exported:
     """Write the rows of ``pages``, one page at a time.
 
     A CSV has the columns of ``schema``, its header: a column added to the table meanwhile is left out
     of every row (a row cannot add a cell the header lacks) and named in ``columns_left_out``, so the
     file stays a CSV that ``import`` reads. JSON lines write each row whole.
-    ``progress`` gets a line after a page at most every ``PROGRESS_INTERVAL_S``, and one at the end."""
+    ``progress`` shows a line after a page (paced), and one at the end. A Ctrl-C (KeyboardInterrupt)
+    is an ``ExportInterrupted`` with the rows written."""
     exported = Exported()
-    shown_at = time.monotonic()
+    try:
+        _write_pages(output, file_format, schema, pages, progress, exported)
+    except KeyboardInterrupt:
+        raise ExportInterrupted(exported.rows) from None
+    if progress is not None:
+        progress.show(lambda: f"export: {exported.rows} rows, done", final=True)
+    return exported
+
+
+def _write_pages(
+    output: IO[str],
+    file_format: str,
+    schema: dict[str, Any],
+    pages: Iterator[list[dict[str, Any]]],
+    progress: ProgressLines | None,
+    exported: Exported,
+) -> None:
+    """``write_rows``' loop; ``exported.rows`` counts each row once written (a CSV's one by one)."""
     writer = None
     if file_format == "csv":
         header = [name for name, _ in schema["columns"]]
@@ -377,12 +434,9 @@ def write_rows(
                 cells = {name: _to_cell(value, types.get(name, "ANY")) for name, value in row.items()}
                 carriage_return = any(isinstance(value, str) and "\r" in value for value in cells.values())
                 (quoted if carriage_return else writer).writerow(cells)
+                exported.rows += 1
         else:
             output.write("".join(json_text(row) + "\n" for row in page))
-        exported.rows += len(page)
-        if progress is not None and page and time.monotonic() - shown_at >= PROGRESS_INTERVAL_S:
-            shown_at = time.monotonic()
-            progress(f"export: {exported.rows} rows (key {json_text(page[-1][schema['key']])})")
-    if progress is not None:
-        progress(f"export: {exported.rows} rows, done")
-    return exported
+            exported.rows += len(page)
+        if progress is not None and page:
+            progress.show(lambda page=page: f"export: {exported.rows} rows (key {json_text(page[-1][schema['key']])})")

@@ -479,10 +479,15 @@ class RouterNode:
 
     def receive(self) -> tuple[list[bytes], str] | None:
         """The next request's envelope and request id, or None when none arrived within 20 ms."""
+        received = self.receive_message()
+        return None if received is None else (received[0], received[1].request_id)
+
+    def receive_message(self) -> tuple[list[bytes], messages.Message] | None:
+        """The next request's envelope and message, or None when none arrived within 20 ms."""
         if not self.socket.poll(20):
             return None
         *envelope, frame = self.socket.recv_multipart()
-        return envelope, messages.decode(frame).request_id
+        return envelope, messages.decode(frame)
 
     def send(self, envelope: list[bytes], message: messages.Message) -> None:
         """Send ``message`` back along ``envelope``."""

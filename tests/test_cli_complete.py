@@ -179,9 +179,9 @@ def test_import_shows_its_progress_on_stderr_unless_quiet(
 ) -> None:
     """A long import printed nothing until its end (backup and compare show their progress): an
     operator could not tell a slow import from a stuck one. It says how far it got on stderr."""
-    from mnesite.cli import transfer
+    from mnesite.cli import progress
 
-    monkeypatch.setattr(transfer, "PROGRESS_INTERVAL_S", 0.0)  # a line per transaction, here
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)  # a line per transaction, here
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"id": i, "name": f"n{i}"}) + "\n" for i in range(25)))
     result = mnesite("import", "items", str(rows), "--batch-rows", "10")

@@ -208,9 +208,9 @@ def test_an_export_shows_its_progress_on_stderr_unless_quiet(
     """A long export printed nothing until it ended (import, backup and compare show their progress):
     an operator could not tell a slow export of a large table from a stuck one. It says how far it
     got on stderr, about once a second, and how many rows it wrote; the rows alone go to the output."""
-    from mnesite.cli import transfer
+    from mnesite.cli import progress
 
-    monkeypatch.setattr(transfer, "PROGRESS_INTERVAL_S", 0.0)  # a line per page, here
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)  # a line per page, here
     with thread_node.client() as client:
         client.transact([{"op": "write", "table": "items", "row": {"id": i, "price": 0.5}} for i in range(25)])
     result = mnesite("export", "items", "--page-rows", "10")

@@ -1,0 +1,243 @@
+"""Ctrl-C in the long commands (import, export, backup, cluster add-core / remove-core) says what happened.
+
+Each command runs as a real process against a node of this test that holds one answer; once the
+node has read that request the test sends the process a real SIGINT, then checks the one ``Error:``
+line, the exit status and the requests the node read (nothing sent again). Before, every one of them
+ended in click's ``Error: aborted``, exit 1, whatever was under way or committed."""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mnesite.rlog import messages
+
+from tests.conftest import RouterNode, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+HELD = object()  # an answer never sent: the node took the request and has not answered it yet
+# The command in a process where Ctrl-C raises KeyboardInterrupt even if the test runner ignores
+# SIGINT (a child inherits an ignored signal), with a progress line per step.
+COMMAND = (
+    "import signal, sys\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "from mnesite.cli import progress\n"
+    "progress.PROGRESS_INTERVAL_S = 0\n"
+    "from mnesite.cli.main import main\n"
+    "main(sys.argv[1:], prog_name='mnesite')\n"
+)
+ITEMS = {"table": "items", "shard": "default", "key": "id", "columns": [["id", "INTEGER"], ["name", "TEXT"]]}
+
+
+class AnsweringNode(RouterNode):
+    """A ROUTER that answers each request with ``answer(request, n)`` (n: its rank among the requests
+    of its kind, from 1), or never if that is ``HELD``; ``requests`` holds every request it read."""
+
+    def __init__(self, answer: Callable[[messages.Message, int], Any]) -> None:
+        self.answer = answer
+        self.requests: list[messages.Message] = []
+        super().__init__()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            received = self.receive_message()
+            if received is None:
+                continue
+            envelope, request = received
+            self.requests.append(request)
+            result = self.answer(request, len(self.of_kind(request.kind)))
+            if result is not HELD:
+                self.send(envelope, messages.reply(request.request_id, result))
+
+    def of_kind(self, kind: str) -> list[messages.Message]:
+        return [request for request in list(self.requests) if request.kind == kind]
+
+
+def _interrupted(
+    node: AnsweringNode,
+    arguments: list[str],
+    held: Callable[[subprocess.Popen], bool],
+    cwd: Path,
+    stdin: str | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``mnesite ARGUMENTS --node NODE``, send it SIGINT once ``held(process)``, and return how it
+    ended. ``stdin``: written to its standard input, which stays open (a pipe still being written)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", COMMAND, *arguments, "--node", node.endpoint, "--timeout-ms", "60000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,  # not the checkout's folder: its mnesite/ would be imported instead of the installed package
+    )
+    try:
+        if stdin is not None:
+            process.stdin.write(stdin)
+            process.stdin.flush()
+        wait_until(lambda: held(process), 30, f"the held request of {arguments}")
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        node.close()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _last_error(stderr: str) -> str:
+    lines = stderr.splitlines()
+    assert lines and lines[-1].startswith("Error: ") and "Traceback" not in stderr, stderr
+    return lines[-1]
+
+
+def _import_answers(held_transaction: int) -> Callable[[messages.Message, int], Any]:
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "list_tables":
+            return [ITEMS]
+        if request.kind == "transact":
+            return HELD if n == held_transaction else {"tx_key": [1, n], "shard": "default"}
+        raise AssertionError(f"unexpected {request.kind}")
+
+    return answer
+
+
+def _rows(count: int) -> str:
+    return "".join(json.dumps({"id": i, "name": f"n{i}"}) + "\n" for i in range(1, count + 1))
+
+
+def test_ctrl_c_with_a_transaction_in_flight_says_its_outcome_is_unknown_and_exits_3(tmp_path: Path) -> None:
+    """Ctrl-C while the second batch was sent and not answered: the import says the rows committed,
+    that batch's lines with "outcome unknown" and how to check and go on, exits 3, and never sends it again."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(_rows(30))
+    node = AnsweringNode(_import_answers(held_transaction=2))
+    ended = _interrupted(
+        node,
+        ["import", "items", str(rows), "--batch-rows", "10"],
+        lambda process: len(node.of_kind("transact")) == 2,
+        tmp_path,
+    )
+    assert ended.returncode == 3 and ended.stdout == "", ended.stderr
+    assert _last_error(ended.stderr) == (
+        "Error: import interrupted: 10 rows in 1 transactions were imported (through line 10); the transaction "
+        "of lines 11-20 was sent and not answered: outcome unknown, it may or may not have been imported (it was "
+        "not sent again); check its rows with `mnesite get items KEY`, then import the rows after line 10 (a row "
+        "imported twice keeps the file's values)"
+    )
+    transactions = node.of_kind("transact")
+    assert len(transactions) == 2 and transactions[0].request_id != transactions[1].request_id, transactions
+
+
+def test_ctrl_c_between_transactions_says_the_rows_imported_and_exits_1(tmp_path: Path) -> None:
+    """Ctrl-C while the import waits for more lines from a pipe, its first batch committed: nothing is
+    in flight, so it says the rows imported and where to go on from, and exits 1."""
+    node = AnsweringNode(_import_answers(held_transaction=0))
+    progress_line = "import: 10 rows in 1 transactions (line 10)"
+    stderr_seen: list[str] = []
+
+    def waiting_for_lines(process: subprocess.Popen) -> bool:
+        # Its progress line is written once the batch's answer was taken: the import then reads stdin.
+        if select.select([process.stderr], [], [], 0)[0]:
+            stderr_seen.append(process.stderr.readline().rstrip("\n"))
+        return progress_line in stderr_seen
+
+    ended = _interrupted(node, ["import", "items", "-", "--batch-rows", "10"], waiting_for_lines, tmp_path, _rows(10))
+    stderr = "\n".join(stderr_seen) + "\n" + ended.stderr
+    assert ended.returncode == 1 and ended.stdout == "", stderr
+    assert _last_error(stderr) == (
+        "Error: import interrupted: 10 rows in 1 transactions were imported (through line 10), none was in "
+        "flight; import the rows after line 10 to finish"
+    )
+    assert len(node.of_kind("transact")) == 1
+
+
+def test_ctrl_c_during_an_export_says_the_rows_written_to_the_incomplete_file(tmp_path: Path) -> None:
+    """Ctrl-C while the third page is asked for: two pages (20 rows) are in --output, and it says so."""
+
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "list_tables":
+            return [ITEMS]
+        if request.kind == "scan":
+            after = request.body.after or 0
+            return HELD if n == 3 else [{"id": i, "name": f"n{i}"} for i in range(after + 1, after + 11)]
+        raise AssertionError(f"unexpected {request.kind}")
+
+    output = tmp_path / "items.jsonl"
+    node = AnsweringNode(answer)
+    ended = _interrupted(
+        node,
+        ["export", "items", "--page-rows", "10", "--output", str(output)],
+        lambda process: len(node.of_kind("scan")) == 3,
+        tmp_path,
+    )
+    assert ended.returncode == 1, ended.stderr
+    assert _last_error(ended.stderr) == (
+        f"Error: export interrupted: 20 rows were written to {output}, which is incomplete: export again"
+    )
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == list(range(1, 21))
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_ctrl_c_during_a_backup_says_the_node_goes_on_copying(tmp_path: Path, answered: bool) -> None:
+    """Ctrl-C while the command polls a copy the node is making: the copy goes on at the node, and the
+    line says how to watch it and what cancels it; before the node's first answer, that it may be copying."""
+    running = {"state": "running", "pages_copied": 1, "pages_total": 10}
+    node = AnsweringNode(lambda request, n: running if answered else HELD)
+    path = "/backups/core1.db"
+    polls = 2 if answered else 1
+    ended = _interrupted(node, ["backup", path], lambda process: len(node.of_kind("backup")) >= polls, tmp_path)
+    assert ended.returncode == 1, ended.stderr
+    endpoint = node.endpoint
+    if answered:
+        expected = (
+            f"Error: backup interrupted: the backup to {path} is still running (it goes on; poll with the same "
+            f"FILE, or watch it with `mnesite status --node {endpoint}`); only stopping the node cancels it "
+            f"(`mnesite stop --node {endpoint}`: it removes {path}.partial)"
+        )
+    else:
+        expected = (
+            f"Error: backup interrupted before the node answered: it may be copying to {path}; "
+            f"check with `mnesite status --node {endpoint}`"
+        )
+    assert _last_error(ended.stderr) == expected
+    assert {request.kind for request in node.requests} == {"backup"}
+
+
+@pytest.mark.parametrize("command", [["add-core", "core4", "tcp://127.0.0.1:7499"], ["remove-core", "core4"]])
+def test_ctrl_c_while_a_core_change_waits_says_it_goes_on_at_the_cluster(tmp_path: Path, command: list[str]) -> None:
+    """Ctrl-C while shard b's change is unanswered (a changed, c not tried): the change goes on at the
+    cluster, the line says how to watch it and what was changed, and no other change is sent."""
+    view = {
+        "node": "core1",
+        "endpoints": {},
+        "members": ["core1"],
+        "shards": {shard: {"sequencer": "core1", "members": ["core1"]} for shard in ("a", "b", "c")},
+    }
+
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "members":
+            return view
+        if request.kind == "membership_change":
+            return HELD if request.body.shard == "b" else {"tx_key": [1, 5], "shard": request.body.shard}
+        raise AssertionError(f"unexpected {request.kind}")
+
+    node = AnsweringNode(answer)
+    ended = _interrupted(
+        node, ["cluster", *command], lambda process: len(node.of_kind("membership_change")) == 2, tmp_path
+    )
+    assert ended.returncode == 1, ended.stderr
+    action = command[0].split("-")[0]
+    assert _last_error(ended.stderr) == (
+        f"Error: {action} core4 interrupted while waiting for shard b: its change is under way at the cluster; "
+        f"it goes on without this command: watch it with `mnesite cluster members --node {node.endpoint}`, and "
+        "run this command again to wait for it; changed: a; not tried: c"
+    )
+    assert [request.body.shard for request in node.of_kind("membership_change")] == ["a", "b"]
