@@ -1175,8 +1175,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
             click.echo(f"{shard}: learner {info['learner']} (catching up before the entry that adds it)")
         for peer, follower in sorted((info.get("followers") or {}).items()):
             click.echo(describe_follower(shard, peer, follower))
-        if info.get("excluded"):
-            click.echo(f"{shard}: EXCLUDED {info['excluded']}")
+        exclusion = describe_exclusion(shard, info)
+        if exclusion:
+            click.echo(exclusion)
         if not info.get("serving", True):
             click.echo(f"{shard}: not serving: {info.get('not_serving_reason')}")
         floor_line = describe_vote_floor(shard, info)
@@ -1194,6 +1195,19 @@ def describe_follower(shard: str, peer: str, follower: dict) -> str:
     lazy_feed_interval_ms, not with every batch: a lag of up to that long is by design, not a fault."""
     lazy = " (lazy: fed every lazy_feed_interval_ms)" if follower.get("lazy") else ""
     return f"{shard}: follower {peer} matched {tuple(follower['match'])}, lag {follower['lag_entries']}{lazy}"
+
+
+def describe_exclusion(shard: str, info: dict[str, Any]) -> str | None:
+    """A core a forced start left out of the shard (docs: Force start): who forced it, in which
+    generation and with which members, how its journal compares with the forced core's, and what to do."""
+    excluded = info.get("excluded")
+    if not excluded:
+        return None
+    return (
+        f"{shard}: EXCLUDED by a forced start of {excluded['by']} (generation {excluded['generation']}, "
+        f"members {', '.join(excluded['members'])}): {excluded['verdict']}; it serves no write nor read of the "
+        "shard: rebuild it (empty data directory), then cluster add-core"
+    )
 
 
 def describe_vote_floor(shard: str, info: dict[str, Any]) -> str | None:

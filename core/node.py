@@ -967,15 +967,21 @@ class CoreNode(NodeServer):
 
     def _not_serving_reason(self, shard: str) -> str | None:
         """Why this core serves no read of ``shard`` now (None: it serves): ``core.rules.not_serving_reason``
-        over its install's words (``not_serving``), ``rows_lost``, its consensus's ``stuck_reason`` and its
-        applied key."""
+        over its install's words (``not_serving``), ``rows_lost``, its consensus's ``stuck_reason``, the
+        forced start that left it out (``excluded``) and its applied key."""
         driver = self.shards.get(shard)
         stuck_reason = driver.consensus.stuck_reason if driver is not None else None
         stuck_reason = self.stopped.get(shard, stuck_reason)
-        # The applied key is said only with a stuck log: no store read on the common path (every read asks).
-        position = self.store.shard(shard) if stuck_reason is not None else None
+        excluded = self.excluded.get(shard)
+        excluded_generation = excluded["generation"] if excluded is not None else None
+        # The applied key is said only with a stuck log or an exclusion: no store read on the common path
+        # (every read asks).
+        said_at = stuck_reason is not None or excluded is not None
+        position = self.store.shard(shard) if said_at else None
         applied = position.applied if position is not None else None
-        return rules.not_serving_reason(self.not_serving.get(shard), shard in self.rows_lost, stuck_reason, applied)
+        return rules.not_serving_reason(
+            self.not_serving.get(shard), shard in self.rows_lost, stuck_reason, applied, excluded_generation
+        )
 
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
         shard = driver.shard
@@ -1247,9 +1253,8 @@ class CoreNode(NodeServer):
         on one is refused ``not_ready``): a snapshot install's, from ``BeginInstall`` (their rows
         deleted) until the read fence, across a restart; rows an abandoned install left half copied
         (``rows_lost``); a log stuck at an entry it refused (``stuck_reason``); a shard stopped here
-        until a restart (``stopped``). A changefeed request held on one is answered at once with what
-        a request asked then gets. A shard a forced start left this core out of (``excluded``) still
-        serves its reads, so its held requests wait as before."""
+        until a restart (``stopped``); a forced start left this core out of it (``excluded``). A
+        changefeed request held on one is answered at once with what a request asked then gets."""
         # The one rule that refuses new requests, so that a held one is never told otherwise.
         shards = self.shards.keys() | self.not_serving.keys() | self.rows_lost | self.stopped.keys()
         return {shard for shard in shards if self._not_serving_reason(shard) is not None}
@@ -1536,7 +1541,8 @@ class CoreNode(NodeServer):
         }
         log.error(
             "shard %s: this core was left out of the cluster by a forced start (generation %d, members %s, told by "
-            "%s); %s. It no longer takes part in the shard: rebuild it from a member's data directory.",
+            "%s); %s. It no longer takes part in the shard nor serves its reads: rebuild it from a member's data "
+            "directory.",
             shard,
             effect.generation,
             ", ".join(effect.members),

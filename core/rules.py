@@ -30,8 +30,9 @@ request lives here, as functions of what it knows, so that the deterministic sim
 * ``not_serving_reason``: whether a core serves local reads of a shard, and why not: not while a
   snapshot install is under way or its read fence is not reached (the install's own words), not
   while an install that deleted the shard's rows has not copied them again (``rows_lost``: the rows
-  are half copied), and not while its consensus cannot follow the log (``stuck_reason``: its applied
-  state stops while the others go on, so its reads would be ever staler).
+  are half copied), not while a forced start left it out of the shard (``excluded``), and not while
+  its consensus cannot follow the log (``stuck_reason``): in both its applied state stops while the
+  others go on, so its reads would be ever staler.
 * ``catalog_incomplete``: whether a table this core does not know may exist all the same: while one
   of its shards is not serving, or is below the vote floor that its recovery from an empty disk set
   (it holds less of the log than its peers did), a request naming an unknown table is answered
@@ -309,16 +310,30 @@ ROWS_LOST_REASON = (
 
 
 def not_serving_reason(
-    install_reason: str | None, rows_lost: bool, stuck_reason: str | None, applied: TxKey | None
+    install_reason: str | None,
+    rows_lost: bool,
+    stuck_reason: str | None,
+    applied: TxKey | None,
+    excluded_generation: int | None = None,
 ) -> str | None:
     """Why a core serves no local read of a shard now (None: it serves); reads hear it as ``not_ready``
     and ``status`` shows it (``not_serving_reason``). ``install_reason``: what the shard's snapshot
     install says while it keeps the shard from serving (``core.snapshot``: copying, its read fence not
     reached, interrupted or abandoned); ``rows_lost``: an install deleted the shard's rows and none has
     copied them since; ``stuck_reason``: ``ShardConsensus.stuck_reason``; ``applied``: this core's
-    applied key of the shard, where its state stopped."""
+    applied key of the shard, where its state stopped; ``excluded_generation``: the forced generation
+    that left this core out of the shard (``ShardConsensus.excluded``), if one did."""
     if install_reason is not None:
         return install_reason
+    if excluded_generation is not None:
+        at = f" at {applied}" if applied is not None else ""
+        # No sequencer feeds it any more while the forced generation goes on (its journal may even
+        # diverge from it), and none counts it as a follower, so no lag says how stale it is: a local
+        # read would be ever staler, silently. Before the exclusion was known, it was a follower.
+        return (
+            f"left out of the shard by a forced start (generation {excluded_generation}); its applied state "
+            f"stopped{at}: rebuild it and add it again (cluster add-core)"
+        )
     if rows_lost:
         return ROWS_LOST_REASON
     if stuck_reason is not None:

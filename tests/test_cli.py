@@ -173,6 +173,20 @@ def test_status_text_shows_a_rebuilt_core_below_its_vote_floor() -> None:
     assert describe_vote_floor("default", {"last": [3, 1]}) is None, "a release without the field"
 
 
+def test_status_text_says_who_left_a_core_out_and_what_it_no_longer_serves() -> None:
+    """``status`` printed the exclusion as a Python dict (``EXCLUDED {'by': 'core1', ...}``); it says
+    in words who forced it, which generation and members, how the journals compare and what to do."""
+    from mnesite.cli.main import describe_exclusion
+
+    excluded = {"by": "core1", "generation": 4, "members": ["core1"], "verdict": "journals DIVERGE at (3, 9)"}
+    assert describe_exclusion("default", {"excluded": excluded}) == (
+        "default: EXCLUDED by a forced start of core1 (generation 4, members core1): journals DIVERGE at (3, 9); "
+        "it serves no write nor read of the shard: rebuild it (empty data directory), then cluster add-core"
+    )
+    assert describe_exclusion("default", {"excluded": None}) is None
+    assert describe_exclusion("default", {}) is None, "a release without the field"
+
+
 def test_tx_from_file(mnesite, tmp_path) -> None:
     path = tmp_path / "tx.json"
     path.write_text(json.dumps({"ops": [{"op": "write", "table": "users", "row": {"id": 5}}]}))

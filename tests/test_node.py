@@ -1078,6 +1078,30 @@ def test_an_append_that_would_replace_a_committed_entry_stops_the_shard_not_the_
         assert "stopped on this core" in forced.value.detail["refused"]["default"]
 
 
+def _applied_two_entries_and_holds_a_changefeed(node, driver, second_ops=()) -> tuple:
+    """``core1`` of ``follower_by_hand`` applies two committed entries from ``core2`` (table ``t``'s
+    creation, then ``second_ops``) and holds a ``changes`` request of shard ``default`` caught up at
+    the second (envelope ``held``, id ``held-1``): ``(first, second)``."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+    from mnesite.rlog.schema import define_table
+    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, make_entry
+
+    from tests.conftest import changes_of_default, queued_to
+
+    members = ("core1", "core2", "core3")
+    table = define_table("t", "id", [["id", "INTEGER"]], "default")
+    first = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (table.to_op(),), "a")
+    second = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, tuple(second_ops), "b")
+    append = AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, second.tx_key, members, (first, second))
+    node._step(driver, MessageReceived("core2", append))
+    node._apply_gathered(driver)
+    assert node.store.shard("default").applied == second.tx_key
+    node._dispatch([b"held"], changes_of_default("held-1", second.tx_key))
+    node.serve_changes()
+    assert node.changes_statistics()["held"] == 1 and not queued_to(node, [b"held"])
+    return first, second
+
+
 @pytest.mark.parametrize("state", ["stuck", "stopped"])
 def test_a_changefeed_request_held_at_a_core_is_answered_as_soon_as_its_shard_s_log_is_stuck_or_stopped(
     tmp_path, monkeypatch, state
@@ -1089,8 +1113,7 @@ def test_a_changefeed_request_held_at_a_core_is_answered_as_soon_as_its_shard_s_
     is refused at once (``not_ready``). It is now answered in that turn, with that same answer."""
     from mnesite.core.consensus import AppendRequest, MessageReceived
     from mnesite.rlog.errors import RequestError
-    from mnesite.rlog.schema import define_table
-    from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, ClusterVersionOp, make_entry
+    from mnesite.rlog.types import ClusterVersionOp, make_entry
     from mnesite.rlog.versions import SPEAK_ONLY_ENV
 
     from tests.conftest import changes_of_default, follower_by_hand, queued_to
@@ -1098,21 +1121,8 @@ def test_a_changefeed_request_held_at_a_core_is_answered_as_soon_as_its_shard_s_
     monkeypatch.setenv(SPEAK_ONLY_ENV, "1")  # this core speaks cluster version 1 only
     members = ("core1", "core2", "core3")
     with follower_by_hand(tmp_path / "data") as (node, driver):
-        table = define_table("t", "id", [["id", "INTEGER"]], "default")
-        first = make_entry("default", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (table.to_op(),), "a")
-        second = make_entry("default", TxKey(1, 2), first.tx_key, first.digest, (), "b")
-        node._step(
-            driver,
-            MessageReceived(
-                "core2", AppendRequest(1, ZERO_KEY, GENESIS_DIGEST, second.tx_key, members, (first, second))
-            ),
-        )
-        node._apply_gathered(driver)
-        applied = node.store.shard("default").applied
-        assert applied == second.tx_key
-        node._dispatch([b"held"], changes_of_default("held-1", applied))
-        node.serve_changes()
-        assert node.changes_statistics()["held"] == 1 and not queued_to(node, [b"held"])
+        first, second = _applied_two_entries_and_holds_a_changefeed(node, driver)
+        applied = second.tx_key
         if state == "stuck":
             moved = make_entry("default", TxKey(1, 3), second.tx_key, second.digest, (ClusterVersionOp("default", 2),))
             append = AppendRequest(1, second.tx_key, second.digest, second.tx_key, members, (moved,))
@@ -1159,3 +1169,52 @@ def test_an_add_of_a_member_at_another_endpoint_changes_nothing(tmp_path) -> Non
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_a_core_a_forced_start_left_out_serves_no_read_of_the_shard(tmp_path) -> None:
+    """A core told that a forced start left it out of a shard refused writes for it, but still served
+    its gets, scans, SQL queries and changefeed pages (a held one waited on) from an applied state
+    that no longer moves, with no lag anywhere to say so: a client reading ``local`` there read frozen,
+    possibly diverged, rows for as long as the core ran. Every read of the shard is ``not_ready`` now
+    (the client asks another node), a held changefeed request is answered so at once, and ``status``
+    says why."""
+    from mnesite.core.consensus import ExclusionNotice, MessageReceived
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.types import WriteOp
+
+    from tests.conftest import changes_of_default, follower_by_hand, queued_to
+
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        _, second = _applied_two_entries_and_holds_a_changefeed(node, driver, (WriteOp("t", {"id": 1}),))
+        applied = second.tx_key
+        assert node._not_serving_reason("default") is None
+
+        notice = ExclusionNotice(3, ("core2",), second.tx_key, second.digest)
+        node._step(driver, MessageReceived("core2", notice))
+        assert driver.consensus.excluded and node.excluded["default"]["generation"] == 3
+        node.serve_changes()
+        (answer,) = queued_to(node, [b"held"])
+        assert (answer.kind, answer.body.code) == ("error", "not_ready")
+        assert "forced start (generation 3)" in answer.body.message
+
+        reads = {
+            "get": {"table": "t", "key": 1},
+            "scan": {"table": "t"},
+            "query": {"sql": "SELECT id FROM t"},
+        }
+        for kind, body in reads.items():
+            with pytest.raises(RequestError) as refused:
+                node._dispatch([b"c1"], Message(kind, f"r-{kind}", messages.typed_body(kind, body)))
+            assert refused.value.code == "not_ready", kind
+            assert "left out of the shard by a forced start" in str(refused.value), kind
+        with pytest.raises(RequestError) as refused:
+            node._dispatch([b"c1"], changes_of_default("asked-now", applied))
+        assert refused.value.code == "not_ready"
+        with pytest.raises(RequestError) as unknown:  # it cannot know the forced generation's tables
+            node._dispatch([b"c1"], Message("get", "r-u", messages.typed_body("get", {"table": "u", "key": 1})))
+        assert unknown.value.code == "not_ready"
+
+        shard_status = node.status()["shards"]["default"]
+        assert shard_status["excluded"]["generation"] == 3 and shard_status["serving"] is False
+        assert "forced start (generation 3)" in shard_status["not_serving_reason"]
+        assert node.journal()["shards"]["default"]["hears_sequencer"] is False

@@ -38,3 +38,20 @@ def test_rows_an_install_deleted_are_not_served_even_when_the_install_said_nothi
 def test_a_core_stuck_at_a_refused_entry_says_where_its_applied_state_stopped():
     assert rules.not_serving_reason(None, False, STUCK, TxKey(2, 6)) == f"stopped at (2, 6): {STUCK}"
     assert rules.not_serving_reason(None, False, STUCK, None) == f"stopped: {STUCK}"
+
+
+def test_a_core_a_forced_start_left_out_serves_no_read_and_says_what_to_do():
+    """Left out, its applied state no longer moves while the forced generation's goes on (and its
+    journal may diverge from it): its local reads, queries and changefeed pages would be ever staler,
+    with no lag to show it (no sequencer counts it as a follower). ``not_ready`` sends the client on."""
+    reason = rules.not_serving_reason(None, False, None, TxKey(2, 6), excluded_generation=4)
+    assert reason is not None
+    assert "left out of the shard by a forced start (generation 4)" in reason
+    assert "applied state stopped at (2, 6)" in reason and "cluster add-core" in reason
+    assert rules.not_serving_reason(None, False, None, None, excluded_generation=4) is not None
+    # Being left out is the thing to mend (a rebuild mends the rows and the log too); an install's
+    # own words (a core added back catching up by snapshot) stay the more precise ones.
+    assert rules.not_serving_reason(None, True, STUCK, TxKey(2, 6), excluded_generation=4) == reason
+    assert rules.not_serving_reason("installing a snapshot", True, None, None, excluded_generation=4) == (
+        "installing a snapshot"
+    )

@@ -806,9 +806,9 @@ def _abandoned_install_cut_off(seed: int) -> tuple[Simulation, str]:
     return sim, follower
 
 
-def _serving_half_copied_rows(install_reason, rows_lost, stuck_reason, applied):
+def _serving_half_copied_rows(install_reason, rows_lost, stuck_reason, applied, excluded_generation=None):
     """Mutation of the serving rule: the rows an abandoned install deleted are served as if whole."""
-    return _NOT_SERVING_REASON(install_reason, False, stuck_reason, applied)
+    return _NOT_SERVING_REASON(install_reason, False, stuck_reason, applied, excluded_generation)
 
 
 _NOT_SERVING_REASON = rules.not_serving_reason
@@ -973,9 +973,9 @@ def test_a_stuck_member_is_probed_with_the_one_entry_it_refused():
         assert sim.nodes[stuck].applied_key == sequencer.applied_key, seed
 
 
-def _serving_a_stuck_consensus(install_reason, rows_lost, stuck_reason, applied):
+def _serving_a_stuck_consensus(install_reason, rows_lost, stuck_reason, applied, excluded_generation=None):
     """Mutation of the serving rule: a core whose consensus cannot follow the log serves anyway."""
-    return _NOT_SERVING_REASON(install_reason, rows_lost, None, applied)
+    return _NOT_SERVING_REASON(install_reason, rows_lost, None, applied, excluded_generation)
 
 
 def test_a_failure_names_the_test_that_replays_it(monkeypatch):

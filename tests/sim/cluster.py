@@ -982,9 +982,11 @@ class Simulation:
         applied_row = self._row_at(request.key, self.commit_position[node.applied_key])
         if request.kind == "local":
             # Production's gate (CoreNode._not_serving_reason): its installs are one step here, so
-            # they say nothing; half-copied rows or a log it cannot follow answer not_ready (the
-            # client retries).
-            if rules.not_serving_reason(None, node.rows_lost, machine.stuck_reason, node.applied_key) is None:
+            # they say nothing; half-copied rows, a forced start that left it out or a log it cannot
+            # follow answer not_ready (the client retries).
+            excluded = machine.generation if machine.excluded else None
+            served = rules.not_serving_reason(None, node.rows_lost, machine.stuck_reason, node.applied_key, excluded)
+            if served is None:
                 self._record_local_read(node, request, applied_row)
             return
         # Production's read fence (core.rules.fence_read): forwarded once to the sequencer this node
