@@ -346,10 +346,10 @@ def import_rows(
                 show(last=False)
         if batch:
             send()
+        if imported.transactions:
+            show(last=True)  # inside: a Ctrl-C as it is written (a blocked stderr) says the rows imported
     except KeyboardInterrupt:
         raise interrupted_import(imported, table) from None
-    if imported.transactions:
-        show(last=True)
     return imported
 
 
