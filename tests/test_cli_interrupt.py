@@ -276,3 +276,29 @@ def test_ctrl_c_at_an_import_s_last_progress_line_says_every_row_was_imported(tm
     )
     assert len(node.of_kind("transact")) == 3
 
+
+def test_ctrl_c_at_an_export_s_last_progress_line_says_every_row_was_written(tmp_path: Path, monkeypatch) -> None:
+    """As for import: the final line was outside ``write_rows``' block, so the command said that 0
+    rows were written of the 20 in the file."""
+    _ctrl_c_at_the_final_progress_line(monkeypatch)
+
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "list_tables":
+            return [ITEMS]
+        if request.kind == "scan":
+            after = request.body.after or 0
+            return [{"id": i, "name": f"n{i}"} for i in range(after + 1, min(after + 10, 20) + 1)]
+        raise AssertionError(f"unexpected {request.kind}")
+
+    output = tmp_path / "items.jsonl"
+    node = AnsweringNode(answer)
+    try:
+        arguments = ["export", "items", "--page-rows", "10", "--output", str(output), "--node", node.endpoint]
+        result = CliRunner().invoke(main, arguments)
+    finally:
+        node.close()
+    assert result.exit_code == 1, result.output
+    assert _last_error(result.stderr) == (
+        f"Error: export interrupted: 20 rows were written to {output}, which is incomplete: export again"
+    )
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == list(range(1, 21))
