@@ -346,10 +346,10 @@ def import_rows(
                 show(last=False)
         if batch:
             send()
+        if imported.transactions:
+            show(last=True)  # inside: a Ctrl-C as it is written (a blocked stderr) says the rows imported
     except KeyboardInterrupt:
         raise interrupted_import(imported, table) from None
-    if imported.transactions:
-        show(last=True)
     return imported
 
 
@@ -396,10 +396,10 @@ def write_rows(
     exported = Exported()
     try:
         _write_pages(output, file_format, schema, pages, progress, exported)
+        if progress is not None:  # inside: a Ctrl-C as it is written (a blocked stderr) says the rows written
+            progress.show(lambda: f"export: {exported.rows} rows, done", final=True)
     except KeyboardInterrupt:
         raise ExportInterrupted(exported.rows) from None
-    if progress is not None:
-        progress.show(lambda: f"export: {exported.rows} rows, done", final=True)
     return exported
 
 

@@ -68,21 +68,17 @@ class DataDirectoryLock:
         os.chmod(data_dir, DIRECTORY_MODE)
         path = os.path.join(data_dir, LOCK_FILE)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        # One block from the lock on: a Ctrl-C raised as ``flock`` returns (a signal's handler runs as a
+        # call ends) must not leave the directory locked by a descriptor nothing closes.
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, LOCK_RECORD_BYTES_MAX, 0).decode("utf-8", "replace").strip() or "another process"
-            os.close(fd)
-            raise DataDirectoryInUse(
-                f"data directory {data_dir} is in use by {holder}; stop that node first "
-                f"(two processes on one data directory would corrupt its rlog)"
-            ) from None
-        except OSError:
-            # Not held but not lockable either (ENOLCK: NFS without its lock daemon): a process that
-            # goes on after this failure must not keep the lock file open.
-            os.close(fd)
-            raise
-        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, LOCK_RECORD_BYTES_MAX, 0).decode("utf-8", "replace").strip()
+                raise DataDirectoryInUse(
+                    f"data directory {data_dir} is in use by {holder or 'another process'}; stop that node first "
+                    f"(two processes on one data directory would corrupt its rlog)"
+                ) from None
             os.fchmod(fd, FILE_MODE)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"node {node_name} (pid {os.getpid()})\n".encode(), 0)
@@ -94,7 +90,8 @@ class DataDirectoryLock:
             # Made inside: a Ctrl-C as the object is made (a Python call) would leave the descriptor open.
             return cls(data_dir, fd)
         except BaseException:
-            # A process that goes on after this failure must not keep the directory locked by itself.
+            # A process that goes on after this failure (in use, not lockable: ENOLCK on NFS without its
+            # lock daemon, a Ctrl-C) must not keep the lock file open, nor the directory locked by itself.
             os.close(fd)
             raise
 

@@ -988,6 +988,28 @@ def test_ctrl_c_as_the_data_directory_lock_is_made_leaves_it_free(tmp_path: Path
     assert _directory_lock_is_free(tmp_path / "data")
 
 
+def test_ctrl_c_as_the_data_directory_lock_is_taken_leaves_it_free(tmp_path: Path, monkeypatch) -> None:
+    """Regression: the block around ``flock`` closed the descriptor on ``BlockingIOError`` and ``OSError``
+    only: a Ctrl-C raised as ``flock`` returned (a signal's handler runs as a call ends) left the
+    directory locked by a descriptor nothing would close, in a process that goes on (a test, a library
+    caller of ``restore``): no node could start there until it exited."""
+    import fcntl
+
+    from mnesite.rlog import data_dir as data_dir_module
+
+    flock = fcntl.flock
+
+    def flock_then_ctrl_c(fd: int, operation: int) -> None:
+        flock(fd, operation)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data_dir_module.fcntl, "flock", flock_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        data_dir_module.DataDirectoryLock.acquire(str(tmp_path / "data"), "test")
+    monkeypatch.undo()
+    assert _directory_lock_is_free(tmp_path / "data")
+
+
 _VERIFY_LINE = r"^rlog verify: (\d+) entries verified \(shard default at \(1, (\d+)\), applied \(1, 301\)\)$"
 
 

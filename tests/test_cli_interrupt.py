@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
+from mnesite.cli.main import main
 from mnesite.rlog import messages
 
 from tests.conftest import RouterNode, wait_until
@@ -241,3 +243,62 @@ def test_ctrl_c_while_a_core_change_waits_says_it_goes_on_at_the_cluster(tmp_pat
         "run this command again to wait for it; changed: a; not tried: c"
     )
     assert [request.body.shard for request in node.of_kind("membership_change")] == ["a", "b"]
+
+
+def _ctrl_c_at_the_final_progress_line(monkeypatch) -> None:
+    """Ctrl-C as the command writes its last progress line (a stderr that blocks: a paused terminal,
+    a full pipe), every row already done."""
+    from mnesite.cli import progress
+
+    def show(self, describe: Callable[[], str], final: bool = False) -> None:
+        if final:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(progress.ProgressLines, "show", show)
+
+
+def test_ctrl_c_at_an_import_s_last_progress_line_says_every_row_was_imported(tmp_path: Path, monkeypatch) -> None:
+    """The final line was written outside the block that turns a Ctrl-C into how far the import got:
+    the interrupt reached the command's own handler, for a Ctrl-C before the first transaction, which
+    said "no row was imported ... import the file to finish" of 30 rows committed."""
+    _ctrl_c_at_the_final_progress_line(monkeypatch)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(_rows(30))
+    node = AnsweringNode(_import_answers(held_transaction=0))
+    try:
+        result = CliRunner().invoke(main, ["import", "items", str(rows), "--batch-rows", "10", "--node", node.endpoint])
+    finally:
+        node.close()
+    assert result.exit_code == 1, result.output
+    assert _last_error(result.stderr) == (
+        "Error: import interrupted: 30 rows in 3 transactions were imported (through line 30), none was in "
+        "flight; import the rows after line 30 to finish"
+    )
+    assert len(node.of_kind("transact")) == 3
+
+
+def test_ctrl_c_at_an_export_s_last_progress_line_says_every_row_was_written(tmp_path: Path, monkeypatch) -> None:
+    """As for import: the final line was outside ``write_rows``' block, so the command said that 0
+    rows were written of the 20 in the file."""
+    _ctrl_c_at_the_final_progress_line(monkeypatch)
+
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "list_tables":
+            return [ITEMS]
+        if request.kind == "scan":
+            after = request.body.after or 0
+            return [{"id": i, "name": f"n{i}"} for i in range(after + 1, min(after + 10, 20) + 1)]
+        raise AssertionError(f"unexpected {request.kind}")
+
+    output = tmp_path / "items.jsonl"
+    node = AnsweringNode(answer)
+    try:
+        arguments = ["export", "items", "--page-rows", "10", "--output", str(output), "--node", node.endpoint]
+        result = CliRunner().invoke(main, arguments)
+    finally:
+        node.close()
+    assert result.exit_code == 1, result.output
+    assert _last_error(result.stderr) == (
+        f"Error: export interrupted: 20 rows were written to {output}, which is incomplete: export again"
+    )
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == list(range(1, 21))
