@@ -31,6 +31,7 @@ from tests.conftest import seed_ranges, simulation_seeds
 from tests.sim import Simulation, SimulationFailure, run_seed
 from tests.sim import cluster as sim_cluster
 from tests.sim.cluster import READ_KEYS, replay_command
+from tests.sim.exclusion import excluded_member_reading_locally
 from tests.sim.versions import (
     STUCK_RUN_MS,
     stuck_member_behind_one_append,
@@ -878,6 +879,32 @@ def test_the_simulator_catches_a_serving_rule_that_ignores_a_stuck_consensus(mon
     for seed in seeds:
         with pytest.raises(SimulationFailure, match=f"seed {seed} .*local read of key \\d at core\\d"):
             stuck_member_reading_locally(seed)
+
+
+def _serving_a_left_out_core(install_reason, rows_lost, stuck_reason, applied, excluded_generation=None):
+    """Mutation of the serving rule: a core a forced start left out serves its local reads as before."""
+    return _NOT_SERVING_REASON(install_reason, rows_lost, stuck_reason, applied, None)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_serving_rule_that_serves_a_core_left_out_by_a_forced_start(monkeypatch):
+    """``core.rules.not_serving_reason`` serves no local read at a core a forced start left out of the
+    shard (``ShardConsensus.excluded``): no sequencer feeds it any more and none counts its lag, so its
+    reads would be ever staler, silently. In ``tests.sim.exclusion`` the forced core commits a write
+    every 300 ms while clients read locally there and at the left-out core, held to the lag bound of a
+    run without faults: the forced core answers under it, the left-out one answers nothing; with the
+    rule mutated to ignore the exclusion, it answers from its frozen state and the check of the
+    history catches it once a write commits after the exclusion."""
+    seeds = (1, 2, 3, 4)
+    for seed in seeds:
+        sim, forced, left_out, answered = excluded_member_reading_locally(seed)
+        assert sim.nodes[left_out].machine.excluded
+        assert sim.local_reads_answered[left_out] == answered, "the left-out core answers no local read"
+        assert sim.local_reads_answered[forced] >= 30, sim.local_reads_answered
+    monkeypatch.setattr(rules, "not_serving_reason", _serving_a_left_out_core)
+    for seed in seeds:
+        with pytest.raises(SimulationFailure, match=f"seed {seed} .*local read of key \\d at core\\d"):
+            excluded_member_reading_locally(seed)
 
 
 @pytest.mark.timeout(60)

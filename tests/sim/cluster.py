@@ -1069,6 +1069,20 @@ class Simulation:
         it lasts, and a local read promises only some committed prefix)."""
         return None
 
+    def _lag_ms_without_faults(self) -> int:
+        """The bound of ``_local_read_lag_ms_max`` for a scenario with no fault and writes far enough
+        apart that none waits behind another: an entry committed at t reaches a follower that can
+        follow by t + 3 delays (its append may wait for one in flight, answered within a round trip,
+        then travels), and so does the commit key (in that append, or in a commit notice sent within
+        a heartbeat interval); it applies within its gathering delay, and each step of the driver
+        takes up to a tick."""
+        return (
+            self.config.heartbeat_interval_ms
+            + 3 * self.faults.delay_ms_max
+            + self.follower_apply_delay_ms
+            + 3 * self.tick_ms
+        )
+
     def _record_read(self, where: str, request: ClientRequest, row: Row) -> None:
         """Check an answer against the committed history (see the theory of operation)."""
         key = request.key

@@ -228,17 +228,8 @@ class StuckMemberSimulation(Simulation):
         return f".venv/bin/pytest tests/test_simulation.py -k stuck_consensus (seed {self.seed})"
 
     def _local_read_lag_ms_max(self) -> int | None:
-        """No faults, and writes ``STUCK_WRITE_GAP_MS`` apart (none waits behind another): an entry
-        committed at t reaches a follower that can follow by t + 3 delays (its append may wait for
-        one in flight, answered within a round trip, then travels), and so does the commit key (in
-        that append, or in a commit notice sent within a heartbeat interval); it applies within its
-        gathering delay, and each step of the driver takes up to a tick."""
-        return (
-            self.config.heartbeat_interval_ms
-            + 3 * self.faults.delay_ms_max
-            + self.follower_apply_delay_ms
-            + 3 * self.tick_ms
-        )
+        """No faults, and writes ``STUCK_WRITE_GAP_MS`` apart (none waits behind another)."""
+        return self._lag_ms_without_faults()
 
     def _speaks(self, node: SimNode) -> Announcement:
         return RELEASE_0_1_0 if node.name == self.rolled_back else THIS_RELEASE
