@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from mnesite.cli.main import main
 from mnesite.rlog import messages
 
-from tests.conftest import RouterNode, wait_until
+from tests.conftest import RouterNode, ctrl_c_at_the_final_progress_line, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -245,23 +245,11 @@ def test_ctrl_c_while_a_core_change_waits_says_it_goes_on_at_the_cluster(tmp_pat
     assert [request.body.shard for request in node.of_kind("membership_change")] == ["a", "b"]
 
 
-def _ctrl_c_at_the_final_progress_line(monkeypatch) -> None:
-    """Ctrl-C as the command writes its last progress line (a stderr that blocks: a paused terminal,
-    a full pipe), every row already done."""
-    from mnesite.cli import progress
-
-    def show(self, describe: Callable[[], str], final: bool = False) -> None:
-        if final:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(progress.ProgressLines, "show", show)
-
-
 def test_ctrl_c_at_an_import_s_last_progress_line_says_every_row_was_imported(tmp_path: Path, monkeypatch) -> None:
     """The final line was written outside the block that turns a Ctrl-C into how far the import got:
     the interrupt reached the command's own handler, for a Ctrl-C before the first transaction, which
     said "no row was imported ... import the file to finish" of 30 rows committed."""
-    _ctrl_c_at_the_final_progress_line(monkeypatch)
+    ctrl_c_at_the_final_progress_line(monkeypatch)
     rows = tmp_path / "rows.jsonl"
     rows.write_text(_rows(30))
     node = AnsweringNode(_import_answers(held_transaction=0))
@@ -280,7 +268,7 @@ def test_ctrl_c_at_an_import_s_last_progress_line_says_every_row_was_imported(tm
 def test_ctrl_c_at_an_export_s_last_progress_line_says_every_row_was_written(tmp_path: Path, monkeypatch) -> None:
     """As for import: the final line was outside ``write_rows``' block, so the command said that 0
     rows were written of the 20 in the file."""
-    _ctrl_c_at_the_final_progress_line(monkeypatch)
+    ctrl_c_at_the_final_progress_line(monkeypatch)
 
     def answer(request: messages.Message, n: int) -> Any:
         if request.kind == "list_tables":
