@@ -7,6 +7,7 @@ ended in click's ``Error: aborted``, exit 1, whatever was under way or committed
 
 from __future__ import annotations
 
+import io
 import json
 import select
 import signal
@@ -290,3 +291,40 @@ def test_ctrl_c_at_an_export_s_last_progress_line_says_every_row_was_written(tmp
         f"Error: export interrupted: 20 rows were written to {output}, which is incomplete: export again"
     )
     assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == list(range(1, 21))
+
+
+class _BlockedOutput(io.StringIO):
+    """An output that takes ``capacity`` characters, then blocks: a write that reaches it keeps what
+    fits, and the Ctrl-C that comes while it blocks is raised from it (as from a full pipe's EINTR)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def write(self, text: str) -> int:
+        room = self.capacity - self.tell()
+        super().write(text[:room])
+        if len(text) > room:
+            raise KeyboardInterrupt
+        return len(text)
+
+
+@pytest.mark.parametrize("file_format", ["jsonl", "csv"])
+def test_ctrl_c_in_an_export_s_write_counts_the_rows_the_output_holds(file_format: str) -> None:
+    """JSON lines wrote a page at a time and counted it once written: a Ctrl-C as a page's write
+    blocked (a full pipe that took part of it) said "10 rows" of an output holding 14 whole rows.
+    Rows are now written and counted one by one, as for CSV."""
+    from mnesite.cli import transfer
+
+    rows = [{"id": i, "name": f"n{i}"} for i in range(1, 31)]
+    header = "id,name\n" if file_format == "csv" else ""
+    lines = [header] + [
+        (f"{row['id']},{row['name']}\n" if file_format == "csv" else json.dumps(row) + "\n") for row in rows
+    ]
+    capacity = len("".join(lines[:15])) + 3  # the header, rows 1 to 14 and part of row 15
+    output = _BlockedOutput(capacity)
+    pages = iter([rows[:10], rows[10:20], rows[20:]])
+    with pytest.raises(transfer.ExportInterrupted) as interrupted:
+        transfer.write_rows(output, file_format, {"key": "id", "columns": ITEMS["columns"]}, pages)
+    assert output.getvalue() == "".join(lines)[:capacity]
+    assert interrupted.value.rows == 14
