@@ -1043,7 +1043,8 @@ def export_rows(
     (an empty one as null).
     Progress goes to stderr (about once a second, then the rows written) unless --quiet. A column
     added to TABLE during a CSV export is left out (the header is written first): a line on stderr
-    names it, even with --quiet. Ctrl-C says how many rows the (incomplete) output holds, exit 1.
+    names it, even with --quiet. Ctrl-C says how many rows the (incomplete) output holds, exit 1;
+    before the first row, that the output was not created (a FILE that existed keeps what it held).
     """
     from mnesite.cli import progress, transfer
 
@@ -1056,10 +1057,16 @@ def export_rows(
             # once leaves no output behind.
             pages = started(pages_of(rows, page_rows))
             left_out = transfer.write_rows(output, file_format, schema, pages, lines).columns_left_out
-        except (transfer.ExportInterrupted, KeyboardInterrupt) as interrupted:
-            rows_written = getattr(interrupted, "rows", 0)
+        except transfer.ExportInterrupted as interrupted:
             name = "stdout" if output.name == "<stdout>" else output.name
+            rows_written = interrupted.rows
             fail(f"export interrupted: {rows_written} rows were written to {name}, which is incomplete: export again")
+        except KeyboardInterrupt:  # before write_rows: --output, opened at its first write, was not
+            if output.name == "<stdout>":
+                fail("export interrupted before the first row: nothing was written to stdout")
+            if os.path.lexists(output.name):
+                fail(f"export interrupted before the first row: {output.name} was not opened (it holds what it held)")
+            fail(f"export interrupted before the first row: {output.name} was not created")
         if left_out:
             click.echo(transfer.left_out_notice(table_name, schema, left_out), err=True)
 

@@ -328,3 +328,36 @@ def test_ctrl_c_in_an_export_s_write_counts_the_rows_the_output_holds(file_forma
         transfer.write_rows(output, file_format, {"key": "id", "columns": ITEMS["columns"]}, pages)
     assert output.getvalue() == "".join(lines)[:capacity]
     assert interrupted.value.rows == 14
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_ctrl_c_before_an_export_s_first_page_says_the_output_file_was_not_written(
+    tmp_path: Path, existed: bool
+) -> None:
+    """Ctrl-C while the first page is asked for: --output (opened at its first write) was never
+    created, or an existing file never opened, yet it said "0 rows were written to FILE, which is
+    incomplete". It now says which; a file that was there keeps what it held."""
+
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "list_tables":
+            return [ITEMS]
+        if request.kind == "scan":
+            return HELD
+        raise AssertionError(f"unexpected {request.kind}")
+
+    output = tmp_path / "items.jsonl"
+    if existed:
+        output.write_text("an earlier export\n")
+    node = AnsweringNode(answer)
+    ended = _interrupted(
+        node, ["export", "items", "--output", str(output)], lambda process: len(node.of_kind("scan")) == 1, tmp_path
+    )
+    assert ended.returncode == 1 and ended.stdout == "", ended.stderr
+    if existed:
+        assert _last_error(ended.stderr) == (
+            f"Error: export interrupted before the first row: {output} was not opened (it holds what it held)"
+        )
+        assert output.read_text() == "an earlier export\n"
+    else:
+        assert _last_error(ended.stderr) == f"Error: export interrupted before the first row: {output} was not created"
+        assert not output.exists()
