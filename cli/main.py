@@ -1628,6 +1628,7 @@ def _change_shard(
     name: str,
     core_endpoint: str | None,
     clock_ms: Callable[[], int] = lambda: int(time.monotonic() * 1000),
+    asking: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Change one shard at its sequencer (``client``) and wait for the answer as long as the change
     moves (``core.membership.change_wait``): a learner's catch-up outlasts any one answer. Each
@@ -1640,9 +1641,11 @@ def _change_shard(
     The first attempt is a new request (no id given): ``Client.call`` takes a given id for an
     earlier attempt's, and would turn a first request refused unread (``forbidden``, ``overloaded``,
     ``disk_full``) or never sent (no node listening) into ``OutcomeUnknown``. Only the id of an
-    attempt that went unanswered (``OutcomeUnknown.request_id``) is sent again."""
+    attempt that went unanswered (``OutcomeUnknown.request_id``) is sent again. ``asking`` is called
+    as the change is first asked (from then on a Ctrl-C leaves a change that may be under way)."""
     request_id: str | None = None
     seen, since_ms = None, clock_ms()
+    asking()
     while True:
         try:
             return client.change_membership(shard, action, name, core_endpoint, request_id)
@@ -1700,26 +1703,38 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
         failed: dict[str, dict[str, str]] = {}
         shards = sorted(view["shards"].items())
         for shard, info in shards:
+            asked = False
+
+            def asking() -> None:
+                nonlocal asked
+                asked = True
+
             # Straight to the shard's sequencer when known: catching up a new core may take longer
             # than a forwarded request may wait.
             sequencer_endpoint = view["endpoints"].get(info["sequencer"]) if info["sequencer"] else None
             local = sequencer_endpoint is None or info["sequencer"] == view["node"]
             try:
                 if local:
-                    results[shard] = _change_shard(client, shard, action, name, core_endpoint)
+                    results[shard] = _change_shard(client, shard, action, name, core_endpoint, asking=asking)
                 else:
                     with client_for(sequencer_endpoint, timeout_ms) as sequencer:
-                        results[shard] = _change_shard(sequencer, shard, action, name, core_endpoint)
+                        results[shard] = _change_shard(sequencer, shard, action, name, core_endpoint, asking=asking)
             except MnesiteError as error:
                 failed[shard] = {"code": error.code, "message": str(error)}
                 break
             except KeyboardInterrupt:
                 changed = ", ".join(sorted(results)) or "none"
-                left = ", ".join(other for other, _ in shards if other not in results and other != shard) or "none"
+                # Before its change was asked (while connecting to its sequencer, say) the shard is not tried.
+                left = ", ".join(other for other, _ in shards if other not in results and (other != shard or not asked))
+                if not asked:
+                    fail(
+                        f"{action} {name} interrupted before shard {shard}'s change was asked; run this command "
+                        f"again to finish; changed: {changed}; not tried: {left}"
+                    )
                 fail(
-                    f"{action} {name} interrupted while waiting for shard {shard}: its change is under way at the "
-                    f"cluster; {_change_goes_on(client.endpoint if local else sequencer_endpoint)}; "
-                    f"changed: {changed}; not tried: {left}"
+                    f"{action} {name} interrupted while waiting for shard {shard}: its change was asked and may be "
+                    f"under way at the cluster; {_change_goes_on(client.endpoint if local else sequencer_endpoint)}; "
+                    f"changed: {changed}; not tried: {left or 'none'}"
                 )
         result = {"action": action, "core": name, "shards": results}
         if failed:
@@ -1754,7 +1769,8 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     The command waits as long as the catch-up makes progress (shown on stderr), whatever
     --timeout-ms (each answer's). A catch-up with no progress for 60 s exits 3 saying the change is
     still under way; a node that does not answer exits 3 too. Ctrl-C while it waits leaves the change
-    going on at the cluster and says so, exit 1. When a shard fails, the shards changed
+    asked, which may be under way at the cluster, and says so (before it is asked, that it was not),
+    exit 1. When a shard fails, the shards changed
     before it and those not tried are named, and the command exits 1 (3 if the outcome is unknown).
     """
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))

@@ -215,9 +215,10 @@ def test_ctrl_c_during_a_backup_says_the_node_goes_on_copying(tmp_path: Path, an
 
 
 @pytest.mark.parametrize("command", [["add-core", "core4", "tcp://127.0.0.1:7499"], ["remove-core", "core4"]])
-def test_ctrl_c_while_a_core_change_waits_says_it_goes_on_at_the_cluster(tmp_path: Path, command: list[str]) -> None:
-    """Ctrl-C while shard b's change is unanswered (a changed, c not tried): the change goes on at the
-    cluster, the line says how to watch it and what was changed, and no other change is sent."""
+def test_ctrl_c_while_a_core_change_waits_says_it_may_go_on_at_the_cluster(tmp_path: Path, command: list[str]) -> None:
+    """Ctrl-C while shard b's change is unanswered (a changed, c not tried): the change may go on at the
+    cluster (the request left; whether the node took it is unknown), the line says how to watch it and
+    what was changed, and no other change is sent."""
     view = {
         "node": "core1",
         "endpoints": {},
@@ -239,9 +240,10 @@ def test_ctrl_c_while_a_core_change_waits_says_it_goes_on_at_the_cluster(tmp_pat
     assert ended.returncode == 1, ended.stderr
     action = command[0].split("-")[0]
     assert _last_error(ended.stderr) == (
-        f"Error: {action} core4 interrupted while waiting for shard b: its change is under way at the cluster; "
-        f"it goes on without this command: watch it with `mnesite cluster members --node {node.endpoint}`, and "
-        "run this command again to wait for it; changed: a; not tried: c"
+        f"Error: {action} core4 interrupted while waiting for shard b: its change was asked and may be under way "
+        "at the cluster; it goes on without this command: watch it with "
+        f"`mnesite cluster members --node {node.endpoint}`, and run this command again to wait for it; "
+        "changed: a; not tried: c"
     )
     assert [request.body.shard for request in node.of_kind("membership_change")] == ["a", "b"]
 
@@ -361,3 +363,47 @@ def test_ctrl_c_before_an_export_s_first_page_says_the_output_file_was_not_writt
     else:
         assert _last_error(ended.stderr) == f"Error: export interrupted before the first row: {output} was not created"
         assert not output.exists()
+
+
+@pytest.mark.parametrize("command", [["add-core", "core4", "tcp://127.0.0.1:7499"], ["remove-core", "core4"]])
+def test_ctrl_c_before_a_core_change_is_asked_says_nothing_is_under_way(
+    tmp_path: Path, monkeypatch, command: list[str]
+) -> None:
+    """Ctrl-C while connecting to shard b's sequencer (a changed): b's change was never asked, yet
+    the line said "its change is under way at the cluster". It now says b was not asked."""
+    from mnesite.cli import main as cli_main
+
+    sequencer_endpoint = "tcp://127.0.0.1:1"
+    view = {
+        "node": "core1",
+        "endpoints": {"core2": sequencer_endpoint},
+        "members": ["core1", "core2"],
+        "shards": {shard: {"sequencer": "core1" if shard == "a" else "core2", "members": ["core1"]} for shard in "abc"},
+    }
+
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "members":
+            return view
+        if request.kind == "membership_change":
+            return {"tx_key": [1, 5], "shard": request.body.shard}
+        raise AssertionError(f"unexpected {request.kind}")
+
+    def client_for(endpoint: Any, *args: Any, **kwargs: Any) -> Any:
+        if endpoint == sequencer_endpoint:
+            raise KeyboardInterrupt  # as it connects
+        return client_for_node(endpoint, *args, **kwargs)
+
+    client_for_node = cli_main.client_for
+    monkeypatch.setattr(cli_main, "client_for", client_for)
+    node = AnsweringNode(answer)
+    try:
+        result = CliRunner().invoke(main, ["cluster", *command, "--node", node.endpoint])
+    finally:
+        node.close()
+    assert result.exit_code == 1, result.output
+    action = command[0].split("-")[0]
+    assert _last_error(result.stderr) == (
+        f"Error: {action} core4 interrupted before shard b's change was asked; run this command again to finish; "
+        "changed: a; not tried: b, c"
+    )
+    assert [request.body.shard for request in node.of_kind("membership_change")] == ["a"]
