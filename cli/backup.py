@@ -131,15 +131,25 @@ def restore_command(file, data_dir, role, quiet, as_json) -> None:
     it bootstraps). A core first learns the generations in use from its peers.
     The copy, its integrity check and its digest chains' check show their progress on stderr
     (about once a second, then a line when done) unless --quiet. Ctrl-C stops it in any phase
-    and leaves no database in DATA_DIR.
+    and leaves no database in DATA_DIR; once the database is in place (at the last line), it says
+    the restore completed.
     """
+    database_path = os.path.join(data_dir, DATABASE_FILE_NAME)
+    refused = os.path.lexists(database_path)  # restore refuses a directory that has a database
     try:
         result = restore(os.path.abspath(file), data_dir, role, None if quiet else _restore_progress_lines())
     except BackupError as error:
         fail(str(error))
     except KeyboardInterrupt:
-        if os.path.lexists(os.path.join(data_dir, DATABASE_FILE_NAME)):
-            raise  # interrupted once the database was in place (or before it was refused): say no more
+        if refused:
+            raise  # interrupted before it was refused: say no more
+        if os.path.lexists(database_path):
+            # Interrupted once the complete copy was renamed into place (the last progress line, a
+            # blocked stderr, is written after): the restore completed.
+            fail(
+                f"restore interrupted once it completed: {data_dir} holds the restored database, "
+                f"ready for a {role} to start on it"
+            )
         fail(f"restore interrupted: nothing was restored into {data_dir}")
     if as_json:
         emit_json(result)

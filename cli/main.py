@@ -1043,7 +1043,8 @@ def export_rows(
     (an empty one as null).
     Progress goes to stderr (about once a second, then the rows written) unless --quiet. A column
     added to TABLE during a CSV export is left out (the header is written first): a line on stderr
-    names it, even with --quiet. Ctrl-C says how many rows the (incomplete) output holds, exit 1.
+    names it, even with --quiet. Ctrl-C says how many rows the (incomplete) output holds, exit 1;
+    before the first row, that the output was not created (a FILE that existed keeps what it held).
     """
     from mnesite.cli import progress, transfer
 
@@ -1056,10 +1057,16 @@ def export_rows(
             # once leaves no output behind.
             pages = started(pages_of(rows, page_rows))
             left_out = transfer.write_rows(output, file_format, schema, pages, lines).columns_left_out
-        except (transfer.ExportInterrupted, KeyboardInterrupt) as interrupted:
-            rows_written = getattr(interrupted, "rows", 0)
+        except transfer.ExportInterrupted as interrupted:
             name = "stdout" if output.name == "<stdout>" else output.name
+            rows_written = interrupted.rows
             fail(f"export interrupted: {rows_written} rows were written to {name}, which is incomplete: export again")
+        except KeyboardInterrupt:  # before write_rows: --output, opened at its first write, was not
+            if output.name == "<stdout>":
+                fail("export interrupted before the first row: nothing was written to stdout")
+            if os.path.lexists(output.name):
+                fail(f"export interrupted before the first row: {output.name} was not opened (it holds what it held)")
+            fail(f"export interrupted before the first row: {output.name} was not created")
         if left_out:
             click.echo(transfer.left_out_notice(table_name, schema, left_out), err=True)
 
@@ -1387,7 +1394,13 @@ def rlog_verify(data_dir, quiet, as_json) -> None:
         fail(f"rlog verify interrupted after {entries_verified} entries verified: the rest was not checked")
     if lines is not None:
         seconds = round(time.monotonic() - started_s, 3)
-        lines.show(lambda: f"rlog verify: done in {seconds} s: {entries_verified} entries verified", final=True)
+        try:  # a Ctrl-C as it is written (a blocked stderr) comes once every chain was checked
+            lines.show(lambda: f"rlog verify: done in {seconds} s: {entries_verified} entries verified", final=True)
+        except KeyboardInterrupt:
+            fail(
+                f"rlog verify interrupted once done: {entries_verified} entries verified, every digest chain "
+                "unbroken (the result was not printed)"
+            )
     if as_json:
         emit_json({"shards": {s: {"applied": k, "ok": True} for s, k in result.items()}})
     else:
@@ -1615,6 +1628,7 @@ def _change_shard(
     name: str,
     core_endpoint: str | None,
     clock_ms: Callable[[], int] = lambda: int(time.monotonic() * 1000),
+    asking: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Change one shard at its sequencer (``client``) and wait for the answer as long as the change
     moves (``core.membership.change_wait``): a learner's catch-up outlasts any one answer. Each
@@ -1627,9 +1641,11 @@ def _change_shard(
     The first attempt is a new request (no id given): ``Client.call`` takes a given id for an
     earlier attempt's, and would turn a first request refused unread (``forbidden``, ``overloaded``,
     ``disk_full``) or never sent (no node listening) into ``OutcomeUnknown``. Only the id of an
-    attempt that went unanswered (``OutcomeUnknown.request_id``) is sent again."""
+    attempt that went unanswered (``OutcomeUnknown.request_id``) is sent again. ``asking`` is called
+    as the change is first asked (from then on a Ctrl-C leaves a change that may be under way)."""
     request_id: str | None = None
     seen, since_ms = None, clock_ms()
+    asking()
     while True:
         try:
             return client.change_membership(shard, action, name, core_endpoint, request_id)
@@ -1687,26 +1703,38 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
         failed: dict[str, dict[str, str]] = {}
         shards = sorted(view["shards"].items())
         for shard, info in shards:
+            asked = False
+
+            def asking() -> None:
+                nonlocal asked
+                asked = True
+
             # Straight to the shard's sequencer when known: catching up a new core may take longer
             # than a forwarded request may wait.
             sequencer_endpoint = view["endpoints"].get(info["sequencer"]) if info["sequencer"] else None
             local = sequencer_endpoint is None or info["sequencer"] == view["node"]
             try:
                 if local:
-                    results[shard] = _change_shard(client, shard, action, name, core_endpoint)
+                    results[shard] = _change_shard(client, shard, action, name, core_endpoint, asking=asking)
                 else:
                     with client_for(sequencer_endpoint, timeout_ms) as sequencer:
-                        results[shard] = _change_shard(sequencer, shard, action, name, core_endpoint)
+                        results[shard] = _change_shard(sequencer, shard, action, name, core_endpoint, asking=asking)
             except MnesiteError as error:
                 failed[shard] = {"code": error.code, "message": str(error)}
                 break
             except KeyboardInterrupt:
                 changed = ", ".join(sorted(results)) or "none"
-                left = ", ".join(other for other, _ in shards if other not in results and other != shard) or "none"
+                # Before its change was asked (while connecting to its sequencer, say) the shard is not tried.
+                left = ", ".join(other for other, _ in shards if other not in results and (other != shard or not asked))
+                if not asked:
+                    fail(
+                        f"{action} {name} interrupted before shard {shard}'s change was asked; run this command "
+                        f"again to finish; changed: {changed}; not tried: {left}"
+                    )
                 fail(
-                    f"{action} {name} interrupted while waiting for shard {shard}: its change is under way at the "
-                    f"cluster; {_change_goes_on(client.endpoint if local else sequencer_endpoint)}; "
-                    f"changed: {changed}; not tried: {left}"
+                    f"{action} {name} interrupted while waiting for shard {shard}: its change was asked and may be "
+                    f"under way at the cluster; {_change_goes_on(client.endpoint if local else sequencer_endpoint)}; "
+                    f"changed: {changed}; not tried: {left or 'none'}"
                 )
         result = {"action": action, "core": name, "shards": results}
         if failed:
@@ -1741,7 +1769,8 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     The command waits as long as the catch-up makes progress (shown on stderr), whatever
     --timeout-ms (each answer's). A catch-up with no progress for 60 s exits 3 saying the change is
     still under way; a node that does not answer exits 3 too. Ctrl-C while it waits leaves the change
-    going on at the cluster and says so, exit 1. When a shard fails, the shards changed
+    asked, which may be under way at the cluster, and says so (before it is asked, that it was not),
+    exit 1. When a shard fails, the shards changed
     before it and those not tried are named, and the command exits 1 (3 if the outcome is unknown).
     """
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))

@@ -436,7 +436,10 @@ def _write_pages(
                 (quoted if carriage_return else writer).writerow(cells)
                 exported.rows += 1
         else:
-            output.write("".join(json_text(row) + "\n" for row in page))
-            exported.rows += len(page)
+            # Row by row, as for CSV: a Ctrl-C in a write that blocks (a full pipe took part of a page)
+            # finds every row before it counted, not the page's first rows uncounted.
+            for row in page:
+                output.write(json_text(row) + "\n")
+                exported.rows += 1
         if progress is not None and page:
             progress.show(lambda page=page: f"export: {exported.rows} rows (key {json_text(page[-1][schema['key']])})")

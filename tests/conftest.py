@@ -797,3 +797,15 @@ def module_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster
     no other test of the module counts."""
     with _killed_at_exit() as processes:
         yield Cluster(tmp_path_factory.mktemp("cluster"), processes)
+
+
+def ctrl_c_at_the_final_progress_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C as a command writes its last progress line (a stderr that blocks: a paused terminal,
+    a full pipe), its work all done."""
+    from mnesite.cli import progress
+
+    def show(self: progress.ProgressLines, describe: Callable[[], str], final: bool = False) -> None:
+        if final:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(progress.ProgressLines, "show", show)

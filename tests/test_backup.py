@@ -23,7 +23,14 @@ from mnesite.rlog.roles import RoleTable
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import GENESIS_DIGEST, CreateTableOp, Entry, TxKey, WriteOp, make_entry
 
-from tests.conftest import Cluster, ThreadNode, free_port, offline_replicant, wait_until
+from tests.conftest import (
+    Cluster,
+    ThreadNode,
+    ctrl_c_at_the_final_progress_line,
+    free_port,
+    offline_replicant,
+    wait_until,
+)
 from tests.test_cluster import Load, create_table, rows
 
 
@@ -1081,3 +1088,38 @@ def test_ctrl_c_stops_rlog_verify_at_once_with_one_line(tmp_path: Path) -> None:
         "rlog verify: 100 entries verified (shard default at (1, 100), applied (1, 301))",
         "Error: rlog verify interrupted after 100 entries verified: the rest was not checked",
     ], process.stderr
+
+
+def test_ctrl_c_at_rlog_verify_s_last_progress_line_says_every_entry_was_verified(tmp_path: Path, monkeypatch) -> None:
+    """The final line was written outside the block that turns a Ctrl-C into one ``Error:`` line: the
+    interrupt ended in click's ``Error: aborted``, which told nothing of the 301 entries verified."""
+    ctrl_c_at_the_final_progress_line(monkeypatch)
+    backup = tmp_path / "rows.backup"
+    _backup_file_with_rows(backup, 300)
+    result = CliRunner().invoke(main, ["rlog", "verify", str(backup)])
+    assert result.exit_code == 1 and result.stdout == "", result.output
+    assert result.stderr.splitlines() == [
+        "Error: rlog verify interrupted once done: 301 entries verified, every digest chain unbroken "
+        "(the result was not printed)"
+    ]
+
+
+def test_ctrl_c_at_restore_s_last_progress_line_says_the_restore_completed(tmp_path: Path, monkeypatch) -> None:
+    """The ``RestoreFinished`` line is reported after the database is in place, outside the block that
+    turns a Ctrl-C into how far the restore got: the command ended in click's ``Error: aborted``. It
+    now says that the restore completed (a node can start on the directory)."""
+    ctrl_c_at_the_final_progress_line(monkeypatch)
+    source = tmp_path / "rows.backup"
+    _backup_file_with_rows(source, 30)
+    data_dir = tmp_path / "new"
+    result = CliRunner().invoke(main, ["restore", str(source), "--data-dir", str(data_dir)])
+    assert result.exit_code == 1 and result.stdout == "", result.output
+    assert result.stderr.splitlines() == [
+        f"Error: restore interrupted once it completed: {data_dir} holds the restored database, "
+        "ready for a replicant to start on it"
+    ]
+    store = Store(str(data_dir / "mnesite.db"), create=False)
+    try:
+        assert store.connection.execute("SELECT count(*) FROM kv").fetchone()[0] == 30
+    finally:
+        store.close()

@@ -7,6 +7,7 @@ ended in click's ``Error: aborted``, exit 1, whatever was under way or committed
 
 from __future__ import annotations
 
+import io
 import json
 import select
 import signal
@@ -21,7 +22,7 @@ from click.testing import CliRunner
 from mnesite.cli.main import main
 from mnesite.rlog import messages
 
-from tests.conftest import RouterNode, wait_until
+from tests.conftest import RouterNode, ctrl_c_at_the_final_progress_line, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -214,9 +215,10 @@ def test_ctrl_c_during_a_backup_says_the_node_goes_on_copying(tmp_path: Path, an
 
 
 @pytest.mark.parametrize("command", [["add-core", "core4", "tcp://127.0.0.1:7499"], ["remove-core", "core4"]])
-def test_ctrl_c_while_a_core_change_waits_says_it_goes_on_at_the_cluster(tmp_path: Path, command: list[str]) -> None:
-    """Ctrl-C while shard b's change is unanswered (a changed, c not tried): the change goes on at the
-    cluster, the line says how to watch it and what was changed, and no other change is sent."""
+def test_ctrl_c_while_a_core_change_waits_says_it_may_go_on_at_the_cluster(tmp_path: Path, command: list[str]) -> None:
+    """Ctrl-C while shard b's change is unanswered (a changed, c not tried): the change may go on at the
+    cluster (the request left; whether the node took it is unknown), the line says how to watch it and
+    what was changed, and no other change is sent."""
     view = {
         "node": "core1",
         "endpoints": {},
@@ -238,30 +240,19 @@ def test_ctrl_c_while_a_core_change_waits_says_it_goes_on_at_the_cluster(tmp_pat
     assert ended.returncode == 1, ended.stderr
     action = command[0].split("-")[0]
     assert _last_error(ended.stderr) == (
-        f"Error: {action} core4 interrupted while waiting for shard b: its change is under way at the cluster; "
-        f"it goes on without this command: watch it with `mnesite cluster members --node {node.endpoint}`, and "
-        "run this command again to wait for it; changed: a; not tried: c"
+        f"Error: {action} core4 interrupted while waiting for shard b: its change was asked and may be under way "
+        "at the cluster; it goes on without this command: watch it with "
+        f"`mnesite cluster members --node {node.endpoint}`, and run this command again to wait for it; "
+        "changed: a; not tried: c"
     )
     assert [request.body.shard for request in node.of_kind("membership_change")] == ["a", "b"]
-
-
-def _ctrl_c_at_the_final_progress_line(monkeypatch) -> None:
-    """Ctrl-C as the command writes its last progress line (a stderr that blocks: a paused terminal,
-    a full pipe), every row already done."""
-    from mnesite.cli import progress
-
-    def show(self, describe: Callable[[], str], final: bool = False) -> None:
-        if final:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(progress.ProgressLines, "show", show)
 
 
 def test_ctrl_c_at_an_import_s_last_progress_line_says_every_row_was_imported(tmp_path: Path, monkeypatch) -> None:
     """The final line was written outside the block that turns a Ctrl-C into how far the import got:
     the interrupt reached the command's own handler, for a Ctrl-C before the first transaction, which
     said "no row was imported ... import the file to finish" of 30 rows committed."""
-    _ctrl_c_at_the_final_progress_line(monkeypatch)
+    ctrl_c_at_the_final_progress_line(monkeypatch)
     rows = tmp_path / "rows.jsonl"
     rows.write_text(_rows(30))
     node = AnsweringNode(_import_answers(held_transaction=0))
@@ -280,7 +271,7 @@ def test_ctrl_c_at_an_import_s_last_progress_line_says_every_row_was_imported(tm
 def test_ctrl_c_at_an_export_s_last_progress_line_says_every_row_was_written(tmp_path: Path, monkeypatch) -> None:
     """As for import: the final line was outside ``write_rows``' block, so the command said that 0
     rows were written of the 20 in the file."""
-    _ctrl_c_at_the_final_progress_line(monkeypatch)
+    ctrl_c_at_the_final_progress_line(monkeypatch)
 
     def answer(request: messages.Message, n: int) -> Any:
         if request.kind == "list_tables":
@@ -302,3 +293,117 @@ def test_ctrl_c_at_an_export_s_last_progress_line_says_every_row_was_written(tmp
         f"Error: export interrupted: 20 rows were written to {output}, which is incomplete: export again"
     )
     assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == list(range(1, 21))
+
+
+class _BlockedOutput(io.StringIO):
+    """An output that takes ``capacity`` characters, then blocks: a write that reaches it keeps what
+    fits, and the Ctrl-C that comes while it blocks is raised from it (as from a full pipe's EINTR)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def write(self, text: str) -> int:
+        room = self.capacity - self.tell()
+        super().write(text[:room])
+        if len(text) > room:
+            raise KeyboardInterrupt
+        return len(text)
+
+
+@pytest.mark.parametrize("file_format", ["jsonl", "csv"])
+def test_ctrl_c_in_an_export_s_write_counts_the_rows_the_output_holds(file_format: str) -> None:
+    """JSON lines wrote a page at a time and counted it once written: a Ctrl-C as a page's write
+    blocked (a full pipe that took part of it) said "10 rows" of an output holding 14 whole rows.
+    Rows are now written and counted one by one, as for CSV."""
+    from mnesite.cli import transfer
+
+    rows = [{"id": i, "name": f"n{i}"} for i in range(1, 31)]
+    header = "id,name\n" if file_format == "csv" else ""
+    lines = [header] + [
+        (f"{row['id']},{row['name']}\n" if file_format == "csv" else json.dumps(row) + "\n") for row in rows
+    ]
+    capacity = len("".join(lines[:15])) + 3  # the header, rows 1 to 14 and part of row 15
+    output = _BlockedOutput(capacity)
+    pages = iter([rows[:10], rows[10:20], rows[20:]])
+    with pytest.raises(transfer.ExportInterrupted) as interrupted:
+        transfer.write_rows(output, file_format, {"key": "id", "columns": ITEMS["columns"]}, pages)
+    assert output.getvalue() == "".join(lines)[:capacity]
+    assert interrupted.value.rows == 14
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_ctrl_c_before_an_export_s_first_page_says_the_output_file_was_not_written(
+    tmp_path: Path, existed: bool
+) -> None:
+    """Ctrl-C while the first page is asked for: --output (opened at its first write) was never
+    created, or an existing file never opened, yet it said "0 rows were written to FILE, which is
+    incomplete". It now says which; a file that was there keeps what it held."""
+
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "list_tables":
+            return [ITEMS]
+        if request.kind == "scan":
+            return HELD
+        raise AssertionError(f"unexpected {request.kind}")
+
+    output = tmp_path / "items.jsonl"
+    if existed:
+        output.write_text("an earlier export\n")
+    node = AnsweringNode(answer)
+    ended = _interrupted(
+        node, ["export", "items", "--output", str(output)], lambda process: len(node.of_kind("scan")) == 1, tmp_path
+    )
+    assert ended.returncode == 1 and ended.stdout == "", ended.stderr
+    if existed:
+        assert _last_error(ended.stderr) == (
+            f"Error: export interrupted before the first row: {output} was not opened (it holds what it held)"
+        )
+        assert output.read_text() == "an earlier export\n"
+    else:
+        assert _last_error(ended.stderr) == f"Error: export interrupted before the first row: {output} was not created"
+        assert not output.exists()
+
+
+@pytest.mark.parametrize("command", [["add-core", "core4", "tcp://127.0.0.1:7499"], ["remove-core", "core4"]])
+def test_ctrl_c_before_a_core_change_is_asked_says_nothing_is_under_way(
+    tmp_path: Path, monkeypatch, command: list[str]
+) -> None:
+    """Ctrl-C while connecting to shard b's sequencer (a changed): b's change was never asked, yet
+    the line said "its change is under way at the cluster". It now says b was not asked."""
+    from mnesite.cli import main as cli_main
+
+    sequencer_endpoint = "tcp://127.0.0.1:1"
+    view = {
+        "node": "core1",
+        "endpoints": {"core2": sequencer_endpoint},
+        "members": ["core1", "core2"],
+        "shards": {shard: {"sequencer": "core1" if shard == "a" else "core2", "members": ["core1"]} for shard in "abc"},
+    }
+
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "members":
+            return view
+        if request.kind == "membership_change":
+            return {"tx_key": [1, 5], "shard": request.body.shard}
+        raise AssertionError(f"unexpected {request.kind}")
+
+    def client_for(endpoint: Any, *args: Any, **kwargs: Any) -> Any:
+        if endpoint == sequencer_endpoint:
+            raise KeyboardInterrupt  # as it connects
+        return client_for_node(endpoint, *args, **kwargs)
+
+    client_for_node = cli_main.client_for
+    monkeypatch.setattr(cli_main, "client_for", client_for)
+    node = AnsweringNode(answer)
+    try:
+        result = CliRunner().invoke(main, ["cluster", *command, "--node", node.endpoint])
+    finally:
+        node.close()
+    assert result.exit_code == 1, result.output
+    action = command[0].split("-")[0]
+    assert _last_error(result.stderr) == (
+        f"Error: {action} core4 interrupted before shard b's change was asked; run this command again to finish; "
+        "changed: a; not tried: b, c"
+    )
+    assert [request.body.shard for request in node.of_kind("membership_change")] == ["a"]
