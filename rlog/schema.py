@@ -320,8 +320,11 @@ def shard_schema_ops_toward(
     table (another key column, a column the listed one lacks or declares with another type: it was
     dropped and created again meanwhile, since columns are only ever added) is dropped and created as
     listed; its old key would otherwise stay the key of the copied rows. Every other table is brought
-    to its listed definition by ``schema_ops_toward``. Drops come first: a name may come back in
-    another letter case."""
+    to its listed definition by ``schema_ops_toward``. Every drop (of a table, then of an index) comes
+    before every creation: a name may come back in another letter case, and index names are one
+    namespace with the tables' (an index dropped from one table and made on another, or a table made
+    under the name of a dropped index, would otherwise meet its old holder when the listed order
+    reaches the new one first)."""
     wanted = {table.name: table for table in listed}
     dropped = [
         DropTableOp(name, shard)
@@ -332,7 +335,11 @@ def shard_schema_ops_toward(
     ops: list[Any] = list(dropped)
     for table in listed:
         ops += schema_ops_toward(None if table.name in gone else catalog.get(table.name), table)
-    return tuple(ops)
+    return tuple(sorted(ops, key=lambda op: _COPY_OP_PHASES[type(op)]))  # stable: each phase keeps its order
+
+
+# The order of the phases of ``shard_schema_ops_toward``'s ops: drops, then the tables, then their indexes.
+_COPY_OP_PHASES = {DropTableOp: 0, DropIndexOp: 1, CreateTableOp: 2, AddColumnOp: 2, CreateIndexOp: 3}
 
 
 def _same_table(local: TableSchema, listed: TableSchema) -> bool:
