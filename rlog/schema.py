@@ -290,6 +290,20 @@ def table_from_json(value: Any) -> TableSchema:
     return catalog[table.name]
 
 
+def check_one_catalog(tables: Sequence[TableSchema]) -> None:
+    """Raise ``SchemaError`` when ``tables``, each valid alone (``table_from_json``), cannot be one
+    catalog: a table listed twice, or a name taken by another table or index in any letter case (the
+    rules of ``check_creatable`` and ``check_index_creatable``, which applying them would meet)."""
+    catalog: dict[str, TableSchema] = {}
+    for table in tables:
+        if not check_creatable(catalog, table.to_op()):
+            raise SchemaError("table_exists", f"table {table.name!r} is listed twice")
+        catalog[table.name] = dataclasses.replace(table, indexes=())
+        for op in table.index_ops():
+            check_index_creatable(catalog, op)
+            catalog[table.name] = catalog[table.name].changed_by(op)
+
+
 def schema_ops_toward(local: TableSchema | None, listed: TableSchema) -> tuple[Any, ...]:
     """The ops that make a copy's table (``local``; None: it has none) the ``listed`` one: a bootstrap
     or snapshot install takes the tables as a core lists them, and the replay from its start key only
