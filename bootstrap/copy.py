@@ -26,7 +26,14 @@ import operator
 
 from mnesite.rlog.messages import BatchAnswer, answer_as
 from mnesite.rlog.replication import ApplyBatch, BatchReceived, FetchBatch, TablesReceived
-from mnesite.rlog.schema import INTEGER_MAX, INTEGER_MIN, SchemaError, TableSchema, table_from_json
+from mnesite.rlog.schema import (
+    INTEGER_MAX,
+    INTEGER_MIN,
+    SchemaError,
+    TableSchema,
+    check_one_catalog,
+    table_from_json,
+)
 from mnesite.rlog.types import row_size_bytes
 
 CopyEffect = FetchBatch | ApplyBatch
@@ -43,6 +50,7 @@ def tables_from_answer(result: object, shard: str) -> tuple[TableSchema, ...]:
         raise CopyFailed(f"list_tables answered {type(result).__name__}, not a list")
     try:
         tables = [table_from_json(t) for t in result]
+        check_one_catalog(tables)  # each alone is not enough: applied together, their names must not meet
     except (SchemaError, KeyError, TypeError) as failure:
         raise CopyFailed(f"malformed table list: {failure}") from None
     return tuple(table for table in tables if table.shard == shard)

@@ -650,7 +650,10 @@ def table_drop(table_name, endpoint, timeout_ms, as_json) -> None:
 @node_options
 @json_option
 def table_describe(table_name, endpoint, timeout_ms, as_json) -> None:
-    """Show TABLE's shard, key column and columns with their types."""
+    """Show TABLE's shard, key column and columns with their types, then its secondary indexes.
+
+    --json: as table list gives one table, with building (an online index build's progress) while one runs.
+    """
     with client_for(endpoint, timeout_ms) as client:
         schema = run(lambda: client.table(table_name))
     if as_json:

@@ -290,6 +290,20 @@ def table_from_json(value: Any) -> TableSchema:
     return catalog[table.name]
 
 
+def check_one_catalog(tables: Sequence[TableSchema]) -> None:
+    """Raise ``SchemaError`` when ``tables``, each valid alone (``table_from_json``), cannot be one
+    catalog: a table listed twice, or a name taken by another table or index in any letter case (the
+    rules of ``check_creatable`` and ``check_index_creatable``, which applying them would meet)."""
+    catalog: dict[str, TableSchema] = {}
+    for table in tables:
+        if not check_creatable(catalog, table.to_op()):
+            raise SchemaError("table_exists", f"table {table.name!r} is listed twice")
+        catalog[table.name] = dataclasses.replace(table, indexes=())
+        for op in table.index_ops():
+            check_index_creatable(catalog, op)
+            catalog[table.name] = catalog[table.name].changed_by(op)
+
+
 def schema_ops_toward(local: TableSchema | None, listed: TableSchema) -> tuple[Any, ...]:
     """The ops that make a copy's table (``local``; None: it has none) the ``listed`` one: a bootstrap
     or snapshot install takes the tables as a core lists them, and the replay from its start key only
@@ -320,8 +334,11 @@ def shard_schema_ops_toward(
     table (another key column, a column the listed one lacks or declares with another type: it was
     dropped and created again meanwhile, since columns are only ever added) is dropped and created as
     listed; its old key would otherwise stay the key of the copied rows. Every other table is brought
-    to its listed definition by ``schema_ops_toward``. Drops come first: a name may come back in
-    another letter case."""
+    to its listed definition by ``schema_ops_toward``. Every drop (of a table, then of an index) comes
+    before every creation: a name may come back in another letter case, and index names are one
+    namespace with the tables' (an index dropped from one table and made on another, or a table made
+    under the name of a dropped index, would otherwise meet its old holder when the listed order
+    reaches the new one first)."""
     wanted = {table.name: table for table in listed}
     dropped = [
         DropTableOp(name, shard)
@@ -332,7 +349,11 @@ def shard_schema_ops_toward(
     ops: list[Any] = list(dropped)
     for table in listed:
         ops += schema_ops_toward(None if table.name in gone else catalog.get(table.name), table)
-    return tuple(ops)
+    return tuple(sorted(ops, key=lambda op: _COPY_OP_PHASES[type(op)]))  # stable: each phase keeps its order
+
+
+# The order of the phases of ``shard_schema_ops_toward``'s ops: drops, then the tables, then their indexes.
+_COPY_OP_PHASES = {DropTableOp: 0, DropIndexOp: 1, CreateTableOp: 2, AddColumnOp: 2, CreateIndexOp: 3}
 
 
 def _same_table(local: TableSchema, listed: TableSchema) -> bool:

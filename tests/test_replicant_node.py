@@ -1448,3 +1448,37 @@ def test_a_full_disk_that_rolls_back_a_bootstrap_s_reset_leaves_the_old_spill_co
         spilling.bootstrap(node, "a3")
         assert node.store.spilled("default") == 0 and node.spill_budget.used == 0
         assert node.status()["shards"]["default"]["entries_buffered"] == 0
+
+
+def test_a_table_list_whose_names_collide_fails_the_bootstrap_not_the_node(tmp_path) -> None:
+    """A core's table list is untrusted: each table was checked alone, so a list naming one index on two
+    tables, or a table like another table's index or like another table in another letter case, passed,
+    and its schema ops raised a ``StoreError`` out of the replicant's turn. It is now a malformed list:
+    the bootstrap gives up on that core, and no table changed."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.schema import IndexSchema, define_table
+
+    plain = define_table("t", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+    other = define_table("u", "k", [["k", "INTEGER"], ["v", "TEXT"]])
+    ix = (IndexSchema("ix", ("v",)),)
+    collisions = (
+        [TableSchema("t", "default", "k", plain.columns, ix), TableSchema("u", "default", "k", other.columns, ix)],
+        [TableSchema("t", "default", "k", plain.columns, ix), define_table("IX", "k", [["k", "TEXT"]])],
+        [plain, define_table("T", "k", [["k", "TEXT"]])],
+        [plain, plain],
+    )
+    for number, listed in enumerate(collisions):
+        with replicant_by_hand(tmp_path / f"r{number}") as node:
+            node.core_sockets = {"core1": _unconnected_dealer()}
+            replica = node._open_replica("default")
+            node._step(replica, p.Ticked())
+            node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 6), True, 0)),)))
+            node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+            request_id, pending = next((rid, one) for rid, one in node.pending.items() if one.purpose == "tables")
+            del node.pending[request_id]
+            node._on_answer(
+                pending, messages.decode(messages.encode(messages.reply(request_id, [t.to_json() for t in listed])))
+            )
+            assert replica.mode is p.Mode.DISCONNECTED, listed
+            assert "malformed table list" in replica.status().last_error
+            assert node.store.catalog() == {}

@@ -194,6 +194,23 @@ def test_a_copy_s_shard_is_brought_to_the_listed_tables_dropped_and_re_created_o
     assert store.catalog() == {"users": again, "elsewhere": other_shard}
 
 
+def test_a_copy_drops_what_it_must_before_a_listed_name_takes_it(store: Store) -> None:
+    """Index names are one namespace with the tables'. Regression: the ops followed the listed order, so
+    an index moved from ``zeta`` to ``alpha`` was made on ``alpha`` before ``zeta``'s was dropped, and a
+    table made under the name of one of ``zeta``'s dropped indexes before that drop: ``index_exists``
+    or ``table_exists``, a ``StoreError`` out of the bootstrap's or snapshot install's turn."""
+    alpha = define_table("alpha", "id", [["id", "INTEGER"], ["v", "TEXT"]], "s")
+    zeta = define_table("zeta", "id", [["id", "INTEGER"], ["v", "TEXT"]], "s")
+    with store.write_transaction():
+        store.apply_ops((alpha.to_op(), zeta.to_op(), CreateIndexOp("ix", "zeta", "s", ("v",))))
+    moved = [alpha.changed_by(CreateIndexOp("ix", "alpha", "s", ("v",))), zeta]
+    named_after = [define_table("IX", "k", [["k", "TEXT"]], "s"), alpha, zeta]  # alpha's ix dropped
+    for listed in (moved, named_after):
+        with store.write_transaction():
+            store.apply_ops(shard_schema_ops_toward(store.catalog(), "s", listed))
+        assert store.catalog() == {table.name: table for table in listed}
+
+
 def test_the_guard_tail_checks_later_writes_against_the_changed_table() -> None:
     tail: GuardTail[str] = GuardTail(CATALOG)
     tail.add((make_entry("s", TxKey(1, 1), ZERO_KEY, GENESIS_DIGEST, (EMAIL, BY_KARMA)),))
