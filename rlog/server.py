@@ -646,6 +646,11 @@ class NodeServer:
                 self.answer_at_stop()
             except Exception:  # the node still closes: its store and its data directory's lock
                 log.exception("answering the held requests at the stop failed")
+            # What the throttles left out of the last second, said now: no later turn will (a stop, also
+            # one a failed checkpoint raised before the turn's own flush).
+            self.warnings.flush(final=True)
+            if self.store.checkpointer is not None:
+                self.store.checkpointer.warnings.flush(final=True)
             self.close()
             # The operator's proof that the node stopped on purpose, and why (a crash logs no such line).
             log.info("%s %s shut down (%s)", self.role, self.config.name, self.stop_reason)

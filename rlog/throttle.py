@@ -60,19 +60,20 @@ class ThrottledLog:
             args = (*args, suppressed, now_ms - logged_ms)
         logger.log(level, text, *args)
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
         """Log, per reason whose ``interval_ms`` has passed, the last line left out (with the count of
         the others left out since its last line), and forget the reasons with nothing left out. Cheap
-        when there is nothing to do: a clock read and a comparison."""
+        when there is nothing to do: a clock read and a comparison. ``final``: every reason's, whether
+        its interval passed or not (the node stops: no later turn would say them)."""
         if self._flush_at_ms is None:
             return
         now_ms = self.clock()
-        if now_ms < self._flush_at_ms:
+        if now_ms < self._flush_at_ms and not final:
             return
         self._flush_at_ms = None
         for reason, (logged_ms, suppressed, last) in list(self._reasons.items()):
             due_ms = logged_ms + self.interval_ms
-            if now_ms < due_ms:
+            if now_ms < due_ms and not final:
                 self._flush_by(due_ms)
                 continue
             if last is None:

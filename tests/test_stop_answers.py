@@ -381,3 +381,21 @@ def test_a_stop_requested_from_another_thread_wakes_the_loop_at_once(tmp_path: P
         node.queries.stop()
         node.store.close()
         node.data_dir_lock.release()
+
+
+def test_a_stopping_node_says_the_warnings_its_throttle_left_out(tmp_path: Path, caplog) -> None:
+    """Regression: the lines a ``ThrottledLog`` left out (a burst's last protocol violations, dropped
+    frames, checkpoint failures) were said only by a later turn's flush, once their second was over: a
+    node that stopped within that second never said them. The stop says them."""
+    import logging
+
+    node = CoreNode(node_config(tmp_path / "data", free_port()))
+    node.bind()
+    caplog.set_level(logging.WARNING, logger="mnesite.server")
+    for _ in range(5):
+        node.protocol_violation("core9", "an append of a generation it never had")
+    node.request_stop("test")
+    node.serve_forever()  # stops at once
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("protocol violation")]
+    assert len(lines) == 2, lines
+    assert lines[1].startswith("protocol violation by core9") and "(5 so far) (and 3 more like it" in lines[1], lines
