@@ -970,6 +970,11 @@ class ShardReplica:
                 return
         self._out.append(SendAck(event.core, event.agent_id, self._spill_key, self._push_token))
 
+    def forget(self) -> None:
+        """The driver drops this replica (its shard's turn was rolled back before the shard was on disk):
+        what its spill charged goes back to the node's budget, which outlives it."""
+        self._discard_spill()
+
     def _discard_spill(self) -> None:
         self._spill_budget.give_back(self._spilled_bytes)
         self._spilled = 0

@@ -1482,3 +1482,32 @@ def test_a_table_list_whose_names_collide_fails_the_bootstrap_not_the_node(tmp_p
             assert replica.mode is p.Mode.DISCONNECTED, listed
             assert "malformed table list" in replica.status().last_error
             assert node.store.catalog() == {}
+
+
+def test_a_replica_forgotten_with_a_rolled_back_turn_gives_its_spill_bytes_back(tmp_path, monkeypatch) -> None:
+    """A full disk rolls back the turn that created a shard's replica (``disk_filled``): the replica is
+    dropped and found again later. What its spill charged went with it, and the node's ``SpillBudget``
+    (which outlives it) kept counting those bytes for good, leaving every later spill that much less.
+    A spill in the turn that opened the shard is unlikely (a bootstrap takes round trips), so the
+    charge is made here by hand; the budget must be whole again after the rollback."""
+    import apsw
+    from mnesite.rlog.store import Store
+
+    def full(store: Store, durable: bool = True) -> None:
+        raise apsw.FullError("database or disk is full")
+
+    def run_turn() -> None:  # the turn opens the shard's replica, which spills 512 bytes
+        node.begin()
+        replica = node._open_replica("fresh")
+        assert node.spill_budget.take(512)
+        replica._spilled_bytes = 512
+        node.flush()
+
+    with replicant_by_hand(tmp_path / "r") as node:
+        with monkeypatch.context() as patched:
+            patched.setattr(node, "run_turn", run_turn)
+            patched.setattr(Store, "commit", full)
+            node.turn()
+        assert node.disk.full and node.store.shard("fresh") is None, "the turn was rolled back"
+        assert "fresh" not in node.replicas
+        assert node.spill_budget.used == 0
