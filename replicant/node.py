@@ -390,6 +390,7 @@ class ReplicantNode(NodeServer):
         for shard, replica in list(self.replicas.items()):
             position = self.store.shard(shard)
             if position is None:
+                replica.forget()  # its spill's bytes go back to the node's budget
                 del self.replicas[shard]  # created in the rolled-back turn: discovered again later
                 continue
             fenced = bool(int(self.store.meta(f"read_fenced:{shard}", 0)))
