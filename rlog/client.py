@@ -222,6 +222,35 @@ class _QueryAnswer(_QueryPageAnswer, frozen=True, kw_only=True):
     positions: dict[str, TxKey] = {}
 
 
+# A changefeed page's records as the feed reads them (``ChangeFeed.__iter__``, ``copy_start``); the caller
+# gets each record as it came, every other field unchecked (rows are the caller's to read).
+class _ChangeRecord(Answer, frozen=True, kw_only=True, tag_field="kind", tag="change"):
+    shard: str
+    tx_key: TxKey
+
+
+class _SnapshotBeginRecord(Answer, frozen=True, kw_only=True, tag_field="kind", tag="snapshot_begin"):
+    shard: str
+    tx_key: TxKey
+    tables: list[str]
+
+
+class _SnapshotRecord(Answer, frozen=True, kw_only=True, tag_field="kind", tag="snapshot"):
+    shard: str
+    tx_key: TxKey | None = None  # a copied row has none; an entry healing the copy has its own
+
+
+class _SnapshotEndRecord(Answer, frozen=True, kw_only=True, tag_field="kind", tag="snapshot_end"):
+    shard: str
+    tx_key: TxKey
+
+
+class _ChangesAnswer(Answer, frozen=True, kw_only=True):
+    records: list[_ChangeRecord | _SnapshotBeginRecord | _SnapshotRecord | _SnapshotEndRecord]
+    positions: list[Any]  # checked by the very schema the node checks them with when they come back
+    applied: dict[str, TxKey]
+
+
 def bad_answer(kind: str, what: str) -> MnesiteError:
     return MnesiteError(f"malformed {kind} answer: {what}", "bad_answer")
 
@@ -1234,9 +1263,6 @@ class ChangeFeed:
         raise MnesiteError(f"stopped inside a copy that no endpoint moves ({tried})", "changes_stalled")
 
 
-_RECORD_KINDS = frozenset({"change", "snapshot_begin", "snapshot", "snapshot_end"})
-
-
 def _next_of_shard(records: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     """For each record, the next record of its shard in ``records`` (None for its shard's last)."""
     following: list[dict[str, Any] | None] = [None] * len(records)
@@ -1265,23 +1291,18 @@ def _places(positions: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, ...]]:
 
 def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, TxKey]]:
     """A ``changes`` answer checked: records, positions by shard (as sent back), applied keys."""
+    page = answer_as(answer, _ChangesAnswer)
+    if page is None:
+        raise bad_answer("changes", "not a page of change records, positions and applied keys")
     try:
-        records, wire_positions, applied = answer["records"], answer["positions"], answer["applied"]
-        # The node's positions are checked by the very schema it checks them with when they come back.
-        typed_body("changes", {"positions": wire_positions})
-        positions = {position["shard"]: position for position in wire_positions}
-        applied_keys = {shard: TxKey(*key) for shard, key in applied.items()}
-        if not isinstance(records, list) or not all(
-            isinstance(record, dict) and record.get("kind") in _RECORD_KINDS and isinstance(record.get("shard"), str)
-            for record in records
-        ):
-            raise TypeError("a record is not a change record")
-        for record in records:
-            if record.get("tx_key") is not None:
-                record["tx_key"] = TxKey(*record["tx_key"])
-    except (KeyError, TypeError, ValueError, MessageError, AttributeError) as error:
-        raise MnesiteError(f"malformed changes page: {error}", "bad_answer") from None
-    return records, positions, applied_keys
+        typed_body("changes", {"positions": page.positions})
+    except MessageError as error:
+        raise bad_answer("changes", str(error)) from None
+    records: list[dict[str, Any]] = answer["records"]
+    for record, checked_record in zip(records, page.records, strict=True):
+        record["tx_key"] = checked_record.tx_key
+    positions = {position["shard"]: position for position in page.positions}
+    return records, positions, dict(page.applied)
 
 
 def _why_silent(endpoint: str, kind: str) -> str:
