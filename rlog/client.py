@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import socket as socket_module
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Set
 from typing import Any, NoReturn
 
 import zmq
@@ -864,7 +864,8 @@ class Client:
         page_rows: int | None = None,
         timeout_ms: int = QUERY_TIMEOUT_MS,
     ) -> QueryResult:
-        """Run one read-only SQL statement (``?`` parameters bound from ``params``) at the node.
+        """Run one read-only SQL statement (``?`` parameters bound from ``params``, in order: a mapping or
+        a set is refused unsent, ``InvalidRequest``) at the node.
 
         Returns a ``QueryResult``: ``columns``, and the rows as tuples when iterated, fetched from the
         node page by page (``page_rows`` each, at most the node's ``query_page_rows_max``). All pages
@@ -873,7 +874,7 @@ class Client:
         a margin (then ``timeout``). ``timeout_ms``: how long one page may take (the node stops a query
         at its ``query_ms_max`` of SQLite time).
         """
-        body: dict[str, Any] = {"sql": sql, "params": list(params)}
+        body: dict[str, Any] = {"sql": sql, "params": query_params(params)}
         if page_rows is not None:
             body["page_rows"] = page_rows
         body = self._consistency(body, consistency, after_tx_key, timeout_ms)
@@ -1002,6 +1003,18 @@ class Client:
         if limit is not None:
             body["limit"] = limit
         return self.call("row_digests", body)
+
+
+def query_params(params: Any) -> list[Any]:
+    """A query's parameters as they go, in order; a mapping or a set is refused unsent (``InvalidRequest``):
+    each ``?`` takes the next value, and a mapping's own order is its keys', a set has none."""
+    if isinstance(params, (Mapping, Set)):
+        raise InvalidRequest(
+            f"not sent: query.params: a {type(params).__name__} has no order of values for the ? "
+            "placeholders: give a sequence (a list or a tuple)",
+            "bad_request",
+        )
+    return list(params)
 
 
 class QueryResult:

@@ -3,21 +3,24 @@ node (Client.query, the DB-API connection, pandas.read_sql, ``mnesite query``)."
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
 import os
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import apsw
 import pytest
 from click.testing import CliRunner
 from mnesite.cli.main import main
 from mnesite.rlog import query as q
-from mnesite.rlog.client import Client, RemoteError, Unavailable
+from mnesite.rlog.client import Client, InvalidRequest, RemoteError, Unavailable
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import TxKey
 
@@ -1014,6 +1017,28 @@ def test_dbapi_has_the_type_constructors_and_objects_pep_249_requires(node: Thre
     assert dbapi.STRING == "TEXT" and dbapi.BINARY == "BLOB" and dbapi.ROWID == "INTEGER"
     assert dbapi.NUMBER == "INTEGER" and dbapi.NUMBER == "REAL" and dbapi.NUMBER != "TEXT"
     assert dbapi.DATETIME != "TEXT" and dbapi.STRING != None  # noqa: E711 (a type code may be None)
+
+
+@pytest.mark.parametrize(
+    "params", [types.MappingProxyType({"name": "user7"}), collections.ChainMap({"name": "user7"}), {"user7", "user8"}]
+)
+def test_parameters_in_no_order_of_their_own_are_refused_not_bound_as_keys(node: ThreadNode, params: Any) -> None:
+    """Parameters were bound from ``list(params)``: a mapping other than a dict bound its keys (the
+    statement ran with ``'name'`` for its ``?`` and answered no row, as if none matched), a set its
+    members in whatever order the set iterates. A ``?`` takes the values in order: refused unsent, as
+    sqlite3 refuses them (``ProgrammingError``, or ``NotSupportedError`` for a mapping: qmark)."""
+    import mnesite.dbapi as dbapi
+
+    sql = "SELECT id FROM users WHERE name = ?" + (" OR name = ?" if isinstance(params, set) else "")
+    with node.client() as client, pytest.raises(InvalidRequest, match="not sent: query.params: ") as refused:
+        client.query(sql, params)
+    assert refused.value.code == "bad_request"
+    expected = dbapi.ProgrammingError if isinstance(params, set) else dbapi.NotSupportedError
+    with dbapi.connect(node.endpoint) as connection, pytest.raises(expected):
+        connection.cursor().execute(sql, params)
+    with node.client() as client:  # a sequence still binds in order
+        sql = "SELECT id, ? FROM users WHERE name = ?"
+        assert list(client.query(sql, ("first", "user7"))) == [(7, "first")]
 
 
 def test_a_result_whose_page_failed_does_not_end_as_if_every_row_was_read(node: ThreadNode) -> None:
