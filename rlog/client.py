@@ -275,6 +275,14 @@ class _NotSent(Exception):
     sockets queue nothing before that), so it is known not to have happened anywhere."""
 
 
+def _check_setting(name: str, value: Any, low: int) -> None:
+    """Refuse a timeout or a count a call cannot use, before anything is sent: a timeout of 0 said "no
+    connection completed in time; is the node running?" of a node that was up, and a text one raised
+    TypeError from inside the call."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise MnesiteError(f"{name} must be an integer of at least {low}, got {value!r}", "bad_request")
+
+
 def default_endpoint() -> str:
     return os.environ.get("MNESITE_NODE") or DEFAULT_LISTEN
 
@@ -331,15 +339,9 @@ class Client:
         a request that never left (no connection completed), any read, or a write the node answered
         with "not now" before the client lost track of it. A write sent and not answered stays with
         its node and ends in ``OutcomeUnknown``: it is never sent silently to another node."""
-        for name, value, low in (
-            ("timeout_ms", timeout_ms, 1),
-            ("retries", retries, 0),
-            ("frame_bytes_max", frame_bytes_max, 1),
-        ):
-            # Refused here: a timeout of 0 said "no connection completed in time; is the node running?"
-            # of a node that was up, and a text one raised TypeError from inside the call.
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise MnesiteError(f"{name} must be an integer of at least {low}, got {value!r}", "bad_request")
+        _check_setting("timeout_ms", timeout_ms, 1)
+        _check_setting("retries", retries, 0)
+        _check_setting("frame_bytes_max", frame_bytes_max, 1)
         self.endpoints = parse_endpoints(endpoint)
         self.endpoint = self.endpoints[0]
         self.timeout_ms = timeout_ms
@@ -472,6 +474,8 @@ class Client:
         """
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         retries = self.retries if retries is None else retries
+        _check_setting("timeout_ms", timeout_ms, 1)
+        _check_setting("retries", retries, 0)
         if kind in NODE_KINDS and len(self.endpoints) > 1:
             # Failover would carry it to another node than the one meant (as the CLI's one --node).
             raise InvalidRequest(
@@ -874,6 +878,7 @@ class Client:
         a margin (then ``timeout``). ``timeout_ms``: how long one page may take (the node stops a query
         at its ``query_ms_max`` of SQLite time).
         """
+        _check_setting("timeout_ms", timeout_ms, 1)  # before the wait for a key is cut from it
         body: dict[str, Any] = {"sql": sql, "params": query_params(params)}
         if page_rows is not None:
             body["page_rows"] = page_rows

@@ -179,3 +179,25 @@ def test_well_formed_changes_pages_still_read(node: ReplyingNode) -> None:
         assert next(feed) == {**change, "tx_key": (1, 2)} and next(feed)["tx_key"] is None
         node.result = {"records": [], "positions": _POSITIONS, "applied": {"s": [1, 1]}}
         assert list(client.changes(["t"], after_tx_key={"s": (1, 1)})) == []
+
+
+@pytest.mark.parametrize(
+    ("call", "text"),
+    [
+        (lambda client: client.query("SELECT 1", timeout_ms=0), "timeout_ms must be an integer of at least 1, got 0"),
+        (lambda client: client.query("SELECT 1", timeout_ms="100"), "timeout_ms must be an integer of at least 1"),
+        (lambda client: client.query("SELECT 1", after_tx_key=(1, 1), timeout_ms="9"), "at least 1, got '9'"),
+        (lambda client: client.call("status", timeout_ms=-5), "timeout_ms must be an integer of at least 1, got -5"),
+        (lambda client: client.call("status", retries=-1), "retries must be an integer of at least 0, got -1"),
+    ],
+)
+def test_a_call_refuses_a_timeout_or_retries_it_cannot_use(node: ReplyingNode, call: Callable, text: str) -> None:
+    """The constructor refuses them, but a call's own ``timeout_ms`` (``query``'s) or ``retries`` did not:
+    0 ended the call at once in "no connection to ... completed in time; is the node running?" of a
+    node that was up, and a text one raised TypeError from inside it."""
+    node.result = {"columns": ["a"], "rows": [[1]]}
+    with Client(node.endpoint, timeout_ms=2000) as client:
+        with pytest.raises(MnesiteError, match=text) as raised:
+            call(client)
+        assert raised.value.code == "bad_request"
+        assert list(client.query("SELECT 1", timeout_ms=1000)) == [(1,)]  # a timeout it can use still works
