@@ -151,6 +151,11 @@ class OutcomeUnknown(Unavailable):
         super().__init__(message, "outcome_unknown")
         self.request_id = request_id
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (an error a worker process raises reaches its parent so) with the arguments this
+        # ``__init__`` takes: the exception's args hold the message alone.
+        return (type(self), (str(self), self.request_id), self.__dict__)
+
 
 class GuardFailed(MnesiteError):
     code = "guard_failed"

@@ -201,3 +201,23 @@ def test_a_call_refuses_a_timeout_or_retries_it_cannot_use(node: ReplyingNode, c
             call(client)
         assert raised.value.code == "bad_request"
         assert list(client.query("SELECT 1", timeout_ms=1000)) == [(1,)]  # a timeout it can use still works
+
+
+def test_the_client_errors_cross_a_process_boundary_whole() -> None:
+    """An exception a worker process raises reaches its parent pickled (multiprocessing, a process
+    pool). ``OutcomeUnknown`` did not unpickle (its ``__init__`` takes the request id, which its args
+    lacked): the parent got a TypeError in place of the error and lost the id that alone tells the
+    write's outcome. Every error keeps its class, message, code and what it carries."""
+    import pickle
+
+    from mnesite.rlog.client import GuardFailed, OutcomeUnknown, Unavailable
+
+    unknown = pickle.loads(pickle.dumps(OutcomeUnknown("outcome unknown: the transact may or may not", "r1")))
+    assert type(unknown) is OutcomeUnknown and unknown.request_id == "r1" and unknown.code == "outcome_unknown"
+    assert str(unknown) == "outcome unknown: the transact may or may not"
+    stopped = Unavailable("node a: stopping", "stopping")
+    stopped.sent = True
+    guard = GuardFailed("guard 0 failed", "guard_failed", {"index": 0})
+    for error in (stopped, guard, dbapi.OperationalError("refused", "overloaded")):
+        copy = pickle.loads(pickle.dumps(error))
+        assert (type(copy), str(copy), copy.code, vars(copy)) == (type(error), str(error), error.code, vars(error))
