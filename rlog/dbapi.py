@@ -300,7 +300,9 @@ class Cursor:
         return rows[0] if rows else None
 
     def fetchmany(self, size: int | None = None) -> list[tuple[Any, ...]]:
-        return self._take(self.arraysize if size is None else size)
+        """``size`` rows (default ``arraysize``); below 0: every row left, as sqlite3 answers."""
+        count = self.arraysize if size is None else size
+        return self._take(None if count < 0 else count)
 
     def fetchall(self) -> list[tuple[Any, ...]]:
         return self._take(None)

@@ -1041,6 +1041,23 @@ def test_parameters_in_no_order_of_their_own_are_refused_not_bound_as_keys(node:
         assert list(client.query(sql, ("first", "user7"))) == [(7, "first")]
 
 
+def test_dbapi_fetchmany_of_a_negative_size_fetches_every_row_left_as_sqlite3_does(node: ThreadNode) -> None:
+    """``fetchmany(-1)`` (or an ``arraysize`` below 0) answered ``[]``, which reads as the end of the
+    result: a loop ``while rows := cursor.fetchmany(size)`` stopped with every row unread. sqlite3
+    answers every row left."""
+    import mnesite.dbapi as dbapi
+
+    with dbapi.connect(node.endpoint, page_rows=16) as connection:
+        cursor = connection.cursor()
+        cursor.execute("SELECT id FROM users ORDER BY id")
+        assert cursor.fetchone() == (0,)
+        assert cursor.fetchmany(-1) == [(i,) for i in range(1, 200)]
+        assert cursor.fetchmany(-1) == [] and cursor.fetchmany(0) == []
+        cursor.execute("SELECT id FROM users WHERE id < 40 ORDER BY id")
+        cursor.arraysize = -1
+        assert cursor.fetchmany() == [(i,) for i in range(40)]
+
+
 def test_a_result_whose_page_failed_does_not_end_as_if_every_row_was_read(node: ThreadNode) -> None:
     """A page request that fails frees the node's cursor (a page is never re-sent), so the rest of the
     result is lost. The next fetch answered None, as at the end of a complete result: a caller that
