@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import socket as socket_module
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Set
 from typing import Any, NoReturn
 
 import zmq
@@ -82,9 +82,10 @@ MIN_KEYS_MAX = 1000
 # A key a read must see: one tx key for every shard the read reads, or one per shard ({shard: key}).
 AfterKey = TxKey | tuple[int, int] | Mapping[str, TxKey | tuple[int, int]] | None
 # Answers a node gives before it looks at the request (its backlog or outstanding requests are full,
-# its disk is full, a reload revoked the caller's key or role): they say nothing of an earlier attempt
-# of the same write, so after one that may have been applied they end in ``OutcomeUnknown``.
-REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden"})
+# its disk is full, a reload revoked the caller's key or role, it is catching up and does not know the
+# table or cannot serve the shard yet): they say nothing of an earlier attempt of the same write, which
+# the sequencer may have committed, so after one that may have been applied they end in ``OutcomeUnknown``.
+REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden", NOT_READY_CODE})
 # Requests about the node they reach, not the cluster: never moved to another endpoint, whose answer
 # would be taken for this node's. They act on it (stop, force_start, backup); they ask for its own
 # state (its journal age, read to decide a force start; its status); they hash its own data (range
@@ -150,6 +151,11 @@ class OutcomeUnknown(Unavailable):
     def __init__(self, message: str, request_id: str) -> None:
         super().__init__(message, "outcome_unknown")
         self.request_id = request_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (an error a worker process raises reaches its parent so) with the arguments this
+        # ``__init__`` takes: the exception's args hold the message alone.
+        return (type(self), (str(self), self.request_id), self.__dict__)
 
 
 class GuardFailed(MnesiteError):
@@ -222,6 +228,35 @@ class _QueryAnswer(_QueryPageAnswer, frozen=True, kw_only=True):
     positions: dict[str, TxKey] = {}
 
 
+# A changefeed page's records as the feed reads them (``ChangeFeed.__iter__``, ``copy_start``); the caller
+# gets each record as it came, every other field unchecked (rows are the caller's to read).
+class _ChangeRecord(Answer, frozen=True, kw_only=True, tag_field="kind", tag="change"):
+    shard: str
+    tx_key: TxKey
+
+
+class _SnapshotBeginRecord(Answer, frozen=True, kw_only=True, tag_field="kind", tag="snapshot_begin"):
+    shard: str
+    tx_key: TxKey
+    tables: list[str]
+
+
+class _SnapshotRecord(Answer, frozen=True, kw_only=True, tag_field="kind", tag="snapshot"):
+    shard: str
+    tx_key: TxKey | None = None  # a copied row has none; an entry healing the copy has its own
+
+
+class _SnapshotEndRecord(Answer, frozen=True, kw_only=True, tag_field="kind", tag="snapshot_end"):
+    shard: str
+    tx_key: TxKey
+
+
+class _ChangesAnswer(Answer, frozen=True, kw_only=True):
+    records: list[_ChangeRecord | _SnapshotBeginRecord | _SnapshotRecord | _SnapshotEndRecord]
+    positions: list[Any]  # checked by the very schema the node checks them with when they come back
+    applied: dict[str, TxKey]
+
+
 def bad_answer(kind: str, what: str) -> MnesiteError:
     return MnesiteError(f"malformed {kind} answer: {what}", "bad_answer")
 
@@ -244,6 +279,14 @@ def _rows(kind: str, rows: list[Any], row_type: type) -> None:
 class _NotSent(Exception):
     """The request never left this client: no connection to the node completed (``IMMEDIATE``
     sockets queue nothing before that), so it is known not to have happened anywhere."""
+
+
+def _check_setting(name: str, value: Any, low: int) -> None:
+    """Refuse a timeout or a count a call cannot use, before anything is sent: a timeout of 0 said "no
+    connection completed in time; is the node running?" of a node that was up, and a text one raised
+    TypeError from inside the call."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise MnesiteError(f"{name} must be an integer of at least {low}, got {value!r}", "bad_request")
 
 
 def default_endpoint() -> str:
@@ -302,15 +345,9 @@ class Client:
         a request that never left (no connection completed), any read, or a write the node answered
         with "not now" before the client lost track of it. A write sent and not answered stays with
         its node and ends in ``OutcomeUnknown``: it is never sent silently to another node."""
-        for name, value, low in (
-            ("timeout_ms", timeout_ms, 1),
-            ("retries", retries, 0),
-            ("frame_bytes_max", frame_bytes_max, 1),
-        ):
-            # Refused here: a timeout of 0 said "no connection completed in time; is the node running?"
-            # of a node that was up, and a text one raised TypeError from inside the call.
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise MnesiteError(f"{name} must be an integer of at least {low}, got {value!r}", "bad_request")
+        _check_setting("timeout_ms", timeout_ms, 1)
+        _check_setting("retries", retries, 0)
+        _check_setting("frame_bytes_max", frame_bytes_max, 1)
         self.endpoints = parse_endpoints(endpoint)
         self.endpoint = self.endpoints[0]
         self.timeout_ms = timeout_ms
@@ -443,6 +480,8 @@ class Client:
         """
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         retries = self.retries if retries is None else retries
+        _check_setting("timeout_ms", timeout_ms, 1)
+        _check_setting("retries", retries, 0)
         if kind in NODE_KINDS and len(self.endpoints) > 1:
             # Failover would carry it to another node than the one meant (as the CLI's one --node).
             raise InvalidRequest(
@@ -835,7 +874,8 @@ class Client:
         page_rows: int | None = None,
         timeout_ms: int = QUERY_TIMEOUT_MS,
     ) -> QueryResult:
-        """Run one read-only SQL statement (``?`` parameters bound from ``params``) at the node.
+        """Run one read-only SQL statement (``?`` parameters bound from ``params``, in order: a mapping or
+        a set is refused unsent, ``InvalidRequest``) at the node.
 
         Returns a ``QueryResult``: ``columns``, and the rows as tuples when iterated, fetched from the
         node page by page (``page_rows`` each, at most the node's ``query_page_rows_max``). All pages
@@ -844,7 +884,8 @@ class Client:
         a margin (then ``timeout``). ``timeout_ms``: how long one page may take (the node stops a query
         at its ``query_ms_max`` of SQLite time).
         """
-        body: dict[str, Any] = {"sql": sql, "params": list(params)}
+        _check_setting("timeout_ms", timeout_ms, 1)  # before the wait for a key is cut from it
+        body: dict[str, Any] = {"sql": sql, "params": query_params(params)}
         if page_rows is not None:
             body["page_rows"] = page_rows
         body = self._consistency(body, consistency, after_tx_key, timeout_ms)
@@ -973,6 +1014,18 @@ class Client:
         if limit is not None:
             body["limit"] = limit
         return self.call("row_digests", body)
+
+
+def query_params(params: Any) -> list[Any]:
+    """A query's parameters as they go, in order; a mapping or a set is refused unsent (``InvalidRequest``):
+    each ``?`` takes the next value, and a mapping's own order is its keys', a set has none."""
+    if isinstance(params, (Mapping, Set)):
+        raise InvalidRequest(
+            f"not sent: query.params: a {type(params).__name__} has no order of values for the ? "
+            "placeholders: give a sequence (a list or a tuple)",
+            "bad_request",
+        )
+    return list(params)
 
 
 class QueryResult:
@@ -1234,9 +1287,6 @@ class ChangeFeed:
         raise MnesiteError(f"stopped inside a copy that no endpoint moves ({tried})", "changes_stalled")
 
 
-_RECORD_KINDS = frozenset({"change", "snapshot_begin", "snapshot", "snapshot_end"})
-
-
 def _next_of_shard(records: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     """For each record, the next record of its shard in ``records`` (None for its shard's last)."""
     following: list[dict[str, Any] | None] = [None] * len(records)
@@ -1265,23 +1315,18 @@ def _places(positions: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, ...]]:
 
 def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, TxKey]]:
     """A ``changes`` answer checked: records, positions by shard (as sent back), applied keys."""
+    page = answer_as(answer, _ChangesAnswer)
+    if page is None:
+        raise bad_answer("changes", "not a page of change records, positions and applied keys")
     try:
-        records, wire_positions, applied = answer["records"], answer["positions"], answer["applied"]
-        # The node's positions are checked by the very schema it checks them with when they come back.
-        typed_body("changes", {"positions": wire_positions})
-        positions = {position["shard"]: position for position in wire_positions}
-        applied_keys = {shard: TxKey(*key) for shard, key in applied.items()}
-        if not isinstance(records, list) or not all(
-            isinstance(record, dict) and record.get("kind") in _RECORD_KINDS and isinstance(record.get("shard"), str)
-            for record in records
-        ):
-            raise TypeError("a record is not a change record")
-        for record in records:
-            if record.get("tx_key") is not None:
-                record["tx_key"] = TxKey(*record["tx_key"])
-    except (KeyError, TypeError, ValueError, MessageError, AttributeError) as error:
-        raise MnesiteError(f"malformed changes page: {error}", "bad_answer") from None
-    return records, positions, applied_keys
+        typed_body("changes", {"positions": page.positions})
+    except MessageError as error:
+        raise bad_answer("changes", str(error)) from None
+    records: list[dict[str, Any]] = answer["records"]
+    for record, checked_record in zip(records, page.records, strict=True):
+        record["tx_key"] = checked_record.tx_key
+    positions = {position["shard"]: position for position in page.positions}
+    return records, positions, dict(page.applied)
 
 
 def _why_silent(endpoint: str, kind: str) -> str:

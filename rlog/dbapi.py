@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from mnesite.rlog.client import QUERY_TIMEOUT_MS, Client, KeyPair, MnesiteError, QueryResult
+from mnesite.rlog.client import QUERY_TIMEOUT_MS, Client, KeyPair, MnesiteError, QueryResult, query_params
 from mnesite.rlog.types import TxKey
 
 apilevel = "2.0"
@@ -274,14 +274,14 @@ class Cursor:
     def execute(self, operation: str, parameters: Sequence[Any] | None = None) -> Cursor:
         if self._closed:
             raise InterfaceError("the cursor is closed")
-        if isinstance(parameters, dict):
+        if isinstance(parameters, Mapping):
             raise NotSupportedError("paramstyle is qmark: give the parameters as a sequence")
         client = self.connection._open_client()
         self._finish()
         try:
             self._result = client.query(
                 operation,
-                [_bound(value) for value in parameters or ()],
+                [_bound(value) for value in query_params(parameters or ())],
                 self.connection.consistency,
                 self.connection.after_tx_key,
                 page_rows=self.connection.page_rows,
@@ -300,7 +300,9 @@ class Cursor:
         return rows[0] if rows else None
 
     def fetchmany(self, size: int | None = None) -> list[tuple[Any, ...]]:
-        return self._take(self.arraysize if size is None else size)
+        """``size`` rows (default ``arraysize``); below 0: every row left, as sqlite3 answers."""
+        count = self.arraysize if size is None else size
+        return self._take(None if count < 0 else count)
 
     def fetchall(self) -> list[tuple[Any, ...]]:
         return self._take(None)

@@ -141,3 +141,83 @@ def test_a_client_refuses_a_timeout_or_retries_it_cannot_use(node: ReplyingNode,
     if "timeout_ms" in arguments:  # the DB-API's connect takes it too: its InterfaceError
         with pytest.raises(dbapi.InterfaceError, match=text):
             dbapi.connect(node.endpoint, timeout_ms=arguments["timeout_ms"])
+
+
+_POSITIONS = [{"shard": "s", "after": [1, 1]}]
+CHANGES_GARBAGE = [
+    # Two records of one shard, the first without its tx key: KeyError out of the feed's iterator.
+    {"records": [{"kind": "change", "shard": "s"}, {"kind": "change", "shard": "s"}], "applied": {"s": [1, 1]}},
+    # A copy's start without its tables: KeyError out of the iterator.
+    {"records": [{"kind": "snapshot_begin", "shard": "s", "tx_key": [2, 1]}, {"kind": "snapshot", "shard": "s"}]},
+    # Applied keys that are not pairs of integers: TypeError comparing them with the feed's positions.
+    {"records": [], "applied": {"s": "ab"}},
+    {"records": [], "applied": {"s": [1, "x"]}},
+    # A tx key of text was handed to the caller as TxKey('a', 'b').
+    {"records": [{"kind": "change", "shard": "s", "tx_key": "ab"}]},
+    {"records": [{"kind": "snapshot_end", "shard": "s", "tx_key": [1, -2]}]},
+]
+
+
+@pytest.mark.parametrize("garbage", CHANGES_GARBAGE, ids=repr)
+def test_a_malformed_changes_page_is_a_bad_answer(node: ReplyingNode, garbage: dict[str, Any]) -> None:
+    """The changefeed checked that each record had a known kind and a shard, nothing more: a record
+    without the tx key or tables the feed reads, or an applied key that is no pair of integers, raised
+    KeyError or TypeError out of the iterator (``ChangeFeed`` promises ``MnesiteError``), or reached the
+    caller as it was."""
+    node.result = {"positions": _POSITIONS, "applied": {"s": [1, 1]}, **garbage}
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client, pytest.raises(MnesiteError) as raised:
+        next(iter(client.changes(["t"], after_tx_key={"s": (1, 1)})))
+    assert raised.value.code == "bad_answer", raised.value
+
+
+def test_well_formed_changes_pages_still_read(node: ReplyingNode) -> None:
+    change = {"kind": "change", "shard": "s", "tx_key": [1, 2], "table": "t", "op": "write", "key": 1, "row": {}}
+    copied = {"kind": "snapshot", "shard": "s", "tx_key": None, "table": "t", "op": "write", "key": 1, "row": {}}
+    node.result = {"records": [change, copied], "positions": _POSITIONS, "applied": {"s": [1, 2]}, "new": 1}
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client:
+        feed = iter(client.changes(["t"], after_tx_key={"s": (1, 1)}))
+        assert next(feed) == {**change, "tx_key": (1, 2)} and next(feed)["tx_key"] is None
+        node.result = {"records": [], "positions": _POSITIONS, "applied": {"s": [1, 1]}}
+        assert list(client.changes(["t"], after_tx_key={"s": (1, 1)})) == []
+
+
+@pytest.mark.parametrize(
+    ("call", "text"),
+    [
+        (lambda client: client.query("SELECT 1", timeout_ms=0), "timeout_ms must be an integer of at least 1, got 0"),
+        (lambda client: client.query("SELECT 1", timeout_ms="100"), "timeout_ms must be an integer of at least 1"),
+        (lambda client: client.query("SELECT 1", after_tx_key=(1, 1), timeout_ms="9"), "at least 1, got '9'"),
+        (lambda client: client.call("status", timeout_ms=-5), "timeout_ms must be an integer of at least 1, got -5"),
+        (lambda client: client.call("status", retries=-1), "retries must be an integer of at least 0, got -1"),
+    ],
+)
+def test_a_call_refuses_a_timeout_or_retries_it_cannot_use(node: ReplyingNode, call: Callable, text: str) -> None:
+    """The constructor refuses them, but a call's own ``timeout_ms`` (``query``'s) or ``retries`` did not:
+    0 ended the call at once in "no connection to ... completed in time; is the node running?" of a
+    node that was up, and a text one raised TypeError from inside it."""
+    node.result = {"columns": ["a"], "rows": [[1]]}
+    with Client(node.endpoint, timeout_ms=2000) as client:
+        with pytest.raises(MnesiteError, match=text) as raised:
+            call(client)
+        assert raised.value.code == "bad_request"
+        assert list(client.query("SELECT 1", timeout_ms=1000)) == [(1,)]  # a timeout it can use still works
+
+
+def test_the_client_errors_cross_a_process_boundary_whole() -> None:
+    """An exception a worker process raises reaches its parent pickled (multiprocessing, a process
+    pool). ``OutcomeUnknown`` did not unpickle (its ``__init__`` takes the request id, which its args
+    lacked): the parent got a TypeError in place of the error and lost the id that alone tells the
+    write's outcome. Every error keeps its class, message, code and what it carries."""
+    import pickle
+
+    from mnesite.rlog.client import GuardFailed, OutcomeUnknown, Unavailable
+
+    unknown = pickle.loads(pickle.dumps(OutcomeUnknown("outcome unknown: the transact may or may not", "r1")))
+    assert type(unknown) is OutcomeUnknown and unknown.request_id == "r1" and unknown.code == "outcome_unknown"
+    assert str(unknown) == "outcome unknown: the transact may or may not"
+    stopped = Unavailable("node a: stopping", "stopping")
+    stopped.sent = True
+    guard = GuardFailed("guard 0 failed", "guard_failed", {"index": 0})
+    for error in (stopped, guard, dbapi.OperationalError("refused", "overloaded")):
+        copy = pickle.loads(pickle.dumps(error))
+        assert (type(copy), str(copy), copy.code, vars(copy)) == (type(error), str(error), error.code, vars(error))

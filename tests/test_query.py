@@ -3,21 +3,24 @@ node (Client.query, the DB-API connection, pandas.read_sql, ``mnesite query``)."
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
 import os
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import apsw
 import pytest
 from click.testing import CliRunner
 from mnesite.cli.main import main
 from mnesite.rlog import query as q
-from mnesite.rlog.client import Client, RemoteError, Unavailable
+from mnesite.rlog.client import Client, InvalidRequest, RemoteError, Unavailable
 from mnesite.rlog.store import Store
 from mnesite.rlog.types import TxKey
 
@@ -1014,6 +1017,45 @@ def test_dbapi_has_the_type_constructors_and_objects_pep_249_requires(node: Thre
     assert dbapi.STRING == "TEXT" and dbapi.BINARY == "BLOB" and dbapi.ROWID == "INTEGER"
     assert dbapi.NUMBER == "INTEGER" and dbapi.NUMBER == "REAL" and dbapi.NUMBER != "TEXT"
     assert dbapi.DATETIME != "TEXT" and dbapi.STRING != None  # noqa: E711 (a type code may be None)
+
+
+@pytest.mark.parametrize(
+    "params", [types.MappingProxyType({"name": "user7"}), collections.ChainMap({"name": "user7"}), {"user7", "user8"}]
+)
+def test_parameters_in_no_order_of_their_own_are_refused_not_bound_as_keys(node: ThreadNode, params: Any) -> None:
+    """Parameters were bound from ``list(params)``: a mapping other than a dict bound its keys (the
+    statement ran with ``'name'`` for its ``?`` and answered no row, as if none matched), a set its
+    members in whatever order the set iterates. A ``?`` takes the values in order: refused unsent, as
+    sqlite3 refuses them (``ProgrammingError``, or ``NotSupportedError`` for a mapping: qmark)."""
+    import mnesite.dbapi as dbapi
+
+    sql = "SELECT id FROM users WHERE name = ?" + (" OR name = ?" if isinstance(params, set) else "")
+    with node.client() as client, pytest.raises(InvalidRequest, match="not sent: query.params: ") as refused:
+        client.query(sql, params)
+    assert refused.value.code == "bad_request"
+    expected = dbapi.ProgrammingError if isinstance(params, set) else dbapi.NotSupportedError
+    with dbapi.connect(node.endpoint) as connection, pytest.raises(expected):
+        connection.cursor().execute(sql, params)
+    with node.client() as client:  # a sequence still binds in order
+        sql = "SELECT id, ? FROM users WHERE name = ?"
+        assert list(client.query(sql, ("first", "user7"))) == [(7, "first")]
+
+
+def test_dbapi_fetchmany_of_a_negative_size_fetches_every_row_left_as_sqlite3_does(node: ThreadNode) -> None:
+    """``fetchmany(-1)`` (or an ``arraysize`` below 0) answered ``[]``, which reads as the end of the
+    result: a loop ``while rows := cursor.fetchmany(size)`` stopped with every row unread. sqlite3
+    answers every row left."""
+    import mnesite.dbapi as dbapi
+
+    with dbapi.connect(node.endpoint, page_rows=16) as connection:
+        cursor = connection.cursor()
+        cursor.execute("SELECT id FROM users ORDER BY id")
+        assert cursor.fetchone() == (0,)
+        assert cursor.fetchmany(-1) == [(i,) for i in range(1, 200)]
+        assert cursor.fetchmany(-1) == [] and cursor.fetchmany(0) == []
+        cursor.execute("SELECT id FROM users WHERE id < 40 ORDER BY id")
+        cursor.arraysize = -1
+        assert cursor.fetchmany() == [(i,) for i in range(40)]
 
 
 def test_a_result_whose_page_failed_does_not_end_as_if_every_row_was_read(node: ThreadNode) -> None:
