@@ -133,6 +133,8 @@ def test_default_config_is_a_single_core() -> None:
         ({"node": {"role": "replicant"}}, "at least one core"),
         ({"storage": {"synchronous": "SOMETIMES"}}, r"\[storage\].synchronous"),
         ({"limits": {"group_commit_max": 0}}, r"\[limits\].group_commit_max"),
+        # Below it an entry and the append around it do not fit (core.node.consensus_config_of).
+        ({"limits": {"frame_bytes_max": 1024}}, r"\[limits\].frame_bytes_max must be an integer in 65536\.\."),
         ({"limits": {"group_commit_max": "9"}}, r"\[limits\].group_commit_max"),
         ({"rlog": {"retention_entries": 5}}, r"unknown key \[rlog\].retention_entries"),
         ({"cluster": {"election_timeout_ms": 5}}, r"unknown key \[cluster\].election_timeout_ms "),
