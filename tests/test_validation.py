@@ -130,6 +130,27 @@ def test_default_config_is_a_single_core() -> None:
             {"node": {"role": "replicant"}, "cluster": {"core_nodes": {"core1": "tcp://*:7400"}}},
             r"\[cluster\].core_nodes.core1 must be an address to connect to",
         ),
+        # zmq connects to 0.0.0.0 and [::], to this machine: another host's core is never reached.
+        (
+            {"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://0.0.0.0:7401"}}},
+            r"\[cluster\].core_nodes.core2 must be an address to connect to",
+        ),
+        (
+            {"node": {"role": "replicant"}, "cluster": {"core_nodes": {"core1": "tcp://[::]:7400"}}},
+            r"\[cluster\].core_nodes.core1 must be an address to connect to",
+        ),
+        # A replicant gives its listen address to the cores: pushes to 0.0.0.0 went to the core's machine.
+        *(
+            (
+                {
+                    "node": {"role": "replicant", "name": "r1", "listen": listen},
+                    "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400"}},
+                    "security": {"insecure": True},
+                },
+                r"\[node\].listen of a replicant must name its host, not 'tcp://",
+            )
+            for listen in ("tcp://0.0.0.0:7500", "tcp://[::]:7500", "tcp://*:7500")
+        ),
         ({"node": {"role": "replicant"}}, "at least one core"),
         ({"storage": {"synchronous": "SOMETIMES"}}, r"\[storage\].synchronous"),
         ({"limits": {"group_commit_max": 0}}, r"\[limits\].group_commit_max"),
