@@ -208,6 +208,7 @@ NOT_A_MEMBER = "not a member of"
 REJECT_NOT_SEQUENCER = "not_sequencer"
 REJECT_BUSY = "busy"
 REJECT_TOO_MANY_OPS = "too_many_ops"
+REJECT_TOO_LARGE = "too_large"
 REJECT_DISK_FULL = ERROR_DISK_FULL
 
 
@@ -235,6 +236,11 @@ class ConsensusConfig:
     # Bytes of entries in one append (``Entry.size_bytes``; an entry larger than this goes
     # alone): 64 entries of 1,000 rows would otherwise exceed a follower's frame_bytes_max.
     append_bytes_max: int = 512 * 1024
+    # Bytes of one proposed entry (``Entry.size_bytes``), at most: an entry goes to the followers in an
+    # append (and to replicants in a push), one frame that must stay within their frame_bytes_max with
+    # the message around it. A larger one would be refused by every follower, at every resend: the
+    # shard could commit nothing after it. The node derives it from frame_bytes_max (core.node).
+    entry_bytes_max: int = 4 * 1024 * 1024 - 4096
     # Appends carrying entries sent to one follower and not yet answered (pipelining depth).
     appends_in_flight_max: int = 4
     # Proposals accepted by the sequencer and not yet committed; bounds the uncommitted tail.
@@ -1781,17 +1787,22 @@ class ShardConsensus:
         entries: list[Entry] = []
         for proposal in event.proposals:
             if not self._proposal_refused(proposal):
-                entries.append(self._append_own(tuple(proposal.ops), proposal.request_id, True, True, event.runs))
+                entry = self._append_own(tuple(proposal.ops), proposal.request_id, True, True, event.runs)
+                if entry is not None:  # None: refused, too large
+                    entries.append(entry)
         if entries:
             self._out.insert(position, PersistEntries(tuple(entries)))
             self._advance_commit()
 
     def _append_own(
         self, ops: tuple[Op, ...], request_id: str | None, proposal: bool, batched: bool = False, runs: bool = False
-    ) -> Entry:
+    ) -> Entry | None:
         counter = self._last_key.counter + 1 if self._last_key.generation == self._generation else 1
         prev_key, prev_digest = self._last_key, self._last_digest
         entry = make_entry(self.shard, TxKey(self._generation, counter), prev_key, prev_digest, ops, request_id, runs)
+        if proposal and entry.size_bytes > self.config.entry_bytes_max:
+            self._out.append(ProposalRejected(request_id, REJECT_TOO_LARGE, self.name))
+            return None
         if not batched:
             self._out.append(PersistEntries((entry,)))
         self._last_key, self._last_digest = entry.tx_key, entry.digest

@@ -70,6 +70,7 @@ from mnesite.core.agent import AgentConfig
 from mnesite.core.agent_server import AgentServer
 from mnesite.core.consensus import (
     REJECT_NOT_SEQUENCER,
+    REJECT_TOO_LARGE,
     BatchEnded,
     Commit,
     ConsensusConfig,
@@ -224,6 +225,9 @@ PROBATION_BYTES_MAX = 64 * 1024
 # ack timeout): a live replica acknowledges within a round trip, and one that hears nothing for its
 # failure_timeout_ms (3 s by default) watches again anyway. Dead watches then cost 3 s each.
 PROBATION_TIMEOUT_MS = 3000
+# Bytes of a frame besides the entries it carries: an append's or a push's envelope (keys, digest,
+# sender, shard, counters), well above what msgpack makes of them.
+FRAME_ENVELOPE_BYTES = 4096
 DEALERS_MAX = 1000  # sockets to peers (replicant endpoints are bounded by [limits] watches_max)
 STATUS_COUNT_INTERVAL_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)
@@ -369,6 +373,23 @@ class HeldFailure:
     failure: GuardFailed
 
 
+def consensus_config_of(config: Config) -> ConsensusConfig:
+    """The consensus machine's settings from the node's ``[cluster]`` timing and ``[limits]``. An
+    append (and a push) is one frame the receiving core (or replicant) decodes within its own
+    ``frame_bytes_max``: its entries' bytes are bounded below that, room left for the message around
+    them, and so is one entry's (a larger write is refused ``too_large`` instead of never reaching a
+    follower)."""
+    room = config.limits.frame_bytes_max - FRAME_ENVELOPE_BYTES
+    return ConsensusConfig(
+        election_timeout_ms_min=config.timing.election_timeout_ms_min,
+        election_timeout_ms_max=config.timing.election_timeout_ms_max,
+        heartbeat_interval_ms=config.timing.heartbeat_interval_ms,
+        lazy_feed_interval_ms=config.timing.lazy_feed_interval_ms,
+        append_bytes_max=min(ConsensusConfig.append_bytes_max, room),
+        entry_bytes_max=room,
+    )
+
+
 class CoreNode(NodeServer):
     role = "core"
 
@@ -383,12 +404,7 @@ class CoreNode(NodeServer):
             raise ConfigError(f"[node].role is {config.role!r}, not core")
         self.clock_ms = clock_ms
         self.rng = rng or random.Random()
-        self.consensus_config = consensus_config or ConsensusConfig(
-            election_timeout_ms_min=config.timing.election_timeout_ms_min,
-            election_timeout_ms_max=config.timing.election_timeout_ms_max,
-            heartbeat_interval_ms=config.timing.heartbeat_interval_ms,
-            lazy_feed_interval_ms=config.timing.lazy_feed_interval_ms,
-        )
+        self.consensus_config = consensus_config or consensus_config_of(config)
         store, data_dir_lock = DataDirectoryLock.acquire_and_open(
             config.data_dir, config.name, config.database_path, config.synchronous
         )
@@ -1671,9 +1687,18 @@ class CoreNode(NodeServer):
                     if isinstance(route, rules.Forward):
                         self._forward(envelope, message, driver.shard, route.target)
                         continue
+                if rejected.reason == REJECT_TOO_LARGE:
+                    raise RequestError(REJECT_TOO_LARGE, self._too_large_entry())
                 raise RequestError(rejected.reason, f"the sequencer refused the transaction: {rejected.reason}")
             except (RequestError, OverloadedError) as error:  # answered here: outside _serve_waiting's dispatch
                 self.refuse(envelope, request_id, error)
+
+    def _too_large_entry(self) -> str:
+        return (
+            f"the transaction's log entry would be over {self.consensus_config.entry_bytes_max} bytes, more than "
+            f"an append to the other cores carries within frame_bytes_max {self.config.limits.frame_bytes_max}; "
+            "write it in smaller transactions"
+        )
 
     def _answer_guard_failure(self, held: HeldFailure, answer: bool, reason: str) -> None:
         code, text, detail = rules.guard_failure_answer(held.failure, answer, reason)

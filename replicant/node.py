@@ -56,7 +56,7 @@ from mnesite.replicant.upstream import write_target
 from mnesite.rlog import messages
 from mnesite.rlog import replication as p
 from mnesite.rlog.backup import BackupError
-from mnesite.rlog.config import Config, ConfigError
+from mnesite.rlog.config import Config, ConfigError, is_wildcard
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.limits import SHARDS_MAX
@@ -144,7 +144,7 @@ class ReplicantNode(NodeServer):
     ) -> None:
         if config.role != "replicant":
             raise ConfigError(f"[node].role is {config.role!r}, not replicant")
-        if "*" in config.listen:
+        if is_wildcard(config.listen):  # parse_config refuses it; a Config built in code as well
             raise ConfigError("[node].listen of a replicant must name its host: cores push to that address")
         self.clock_ms = clock_ms
         self.rng = rng or random.Random()

@@ -22,7 +22,7 @@ Example::
     disk_probe_interval_ms = 1000       # while the disk is full: how often a write probe checks for space (rlog.disk)
 
     [limits]
-    frame_bytes_max = 4194304           # larger frames get a frame_too_large error
+    frame_bytes_max = 4194304           # larger frames get a frame_too_large error (64 KiB..256 MiB)
     group_commit_max = 256              # requests drained per loop turn; writes among them share one commit
     transaction_ops_max = 1000          # ops plus guards in one transaction
     scan_rows_max = 10000               # rows per scan page
@@ -87,6 +87,7 @@ A node whose ``listen`` is not a loopback address refuses to start without ``[se
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -110,6 +111,18 @@ SECURITY_KEYS = (*SECURITY_PATHS, "insecure", "follow_key_links", "roles")  # wh
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the offending key."""
+
+
+def is_wildcard(endpoint: str) -> bool:
+    """Whether ``endpoint`` binds every interface (``*``, ``0.0.0.0``, ``[::]``): an address to listen
+    on, not one to give another node, which connecting there reaches its own machine."""
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    if host == "*":
+        return True
+    try:
+        return ipaddress.ip_address(host[1:-1] if host.startswith("[") else host).is_unspecified
+    except ValueError:
+        return False  # a host name
 
 
 def check_endpoint(where: str, value: Any) -> str:
@@ -262,7 +275,8 @@ class Config:
 
 
 _LIMIT_BOUNDS = {
-    "frame_bytes_max": (1024, 256 * 1024 * 1024),
+    # At least 64 KiB: a status answer, a few rows, and an entry with an append's envelope around it (core.node).
+    "frame_bytes_max": (64 * 1024, 256 * 1024 * 1024),
     "group_commit_max": (1, 100_000),
     "transaction_ops_max": (1, 1_000_000),
     "scan_rows_max": (1, 1_000_000),
@@ -385,9 +399,11 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         if not NODE_NAME_PATTERN.match(core_name):
             raise ConfigError(f"[cluster].core_nodes: invalid node name {core_name!r}")
         check_endpoint(f"[cluster].core_nodes.{core_name}", endpoint)
-        if endpoint.startswith("tcp://*:") and not (role == "core" and core_name == name):
+        if is_wildcard(endpoint) and not (role == "core" and core_name == name):
             # A wildcard is an address to bind (listen), not one this node can connect to (its own
-            # entry may be its listen address: a single core listening on every interface).
+            # entry may be its listen address: a single core listening on every interface). zmq refuses
+            # to connect to *; to 0.0.0.0 or [::] it connects, to this machine: another host's core
+            # is never reached.
             raise ConfigError(
                 f"[cluster].core_nodes.{core_name} must be an address to connect to, not {endpoint!r} "
                 "(a wildcard is for [node].listen)"
@@ -403,6 +419,12 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         named_at[identity] = core_name
     if role == "core" and name not in core_nodes:
         raise ConfigError(f"[cluster].core_nodes must list this core node {name!r}")
+    if role == "replicant" and is_wildcard(listen):
+        # The replicant gives its listen address to the cores it watches: they push to it. Pushes to
+        # 0.0.0.0 went to the core's own machine, and the replicant, elsewhere, never caught up.
+        raise ConfigError(
+            f"[node].listen of a replicant must name its host, not {listen!r}: cores push to that address"
+        )
     if role == "replicant" and not core_nodes:
         raise ConfigError("[cluster].core_nodes must list at least one core for a replicant")
     if role == "replicant" and name in core_nodes:

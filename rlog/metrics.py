@@ -431,7 +431,11 @@ def start_metrics(
     """Bind ``listen`` and serve ``/metrics`` from a thread; raises OSError if the address is taken."""
     host, port = parse_listen("[metrics].listen", listen)
     metrics = NodeMetrics(node, role)
-    server = MetricsServer(host, port, metrics)
+    try:
+        server = MetricsServer(host, port, metrics)
+    except OSError as error:
+        # Said as it was ("Address already in use"), the node's own listen address seemed to be taken.
+        raise OSError(error.errno, f"[metrics].listen {listen}: {error.strerror}") from None
     server.start()
     if not is_loopback(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"):  # IPv6: bracketed
         log.warning("metrics on %s:%d are readable by anyone who can reach it (no authentication)", host, port)

@@ -11,6 +11,7 @@ from mnesite.core.consensus import (
     GENERATION_MAX,
     REJECT_BUSY,
     REJECT_NOT_SEQUENCER,
+    REJECT_TOO_LARGE,
     REJECT_TOO_MANY_OPS,
     AppendReply,
     AppendRequest,
@@ -567,6 +568,32 @@ def test_a_batch_of_proposals_is_logged_in_one_persist_and_equals_proposing_them
         ProposalRejected("w0", REJECT_NOT_SEQUENCER, None),
         ProposalRejected("w1", REJECT_NOT_SEQUENCER, None),
     ]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_entry_over_entry_bytes_max_is_refused_and_the_log_goes_on_without_it(batched: bool):
+    """An append carrying an entry larger than a follower's frame_bytes_max was refused by every
+    follower at every resend (frame_too_large): the sequencer fenced itself and the shard committed
+    nothing more. Such a proposal is refused instead, before it takes a key."""
+    config = dataclasses.replace(CONFIG, entries_per_append_max=64, entry_bytes_max=2000)
+    harness = Harness(config=config)
+    harness.elect()
+    harness.ack("b", TxKey(1, 1))
+    proposals = [Proposed((WriteOp("t", {"k": n, "v": "x" * (3000 if n == 1 else 10)}),), f"w{n}") for n in range(3)]
+    effects = (
+        harness.step(ProposedBatch(tuple(proposals)))
+        if batched
+        else [effect for proposal in proposals for effect in harness.step(proposal)]
+    )
+    assert of_type(effects, ProposalRejected) == [ProposalRejected("w1", REJECT_TOO_LARGE, "a")]
+    logged = [entry for persist in of_type(effects, PersistEntries) for entry in persist.entries]
+    assert [(entry.request_id, entry.tx_key) for entry in logged] == [("w0", TxKey(1, 2)), ("w2", TxKey(1, 3))]
+    assert all(entry.size_bytes <= config.entry_bytes_max for entry in logged)
+    appends = sends(harness.step(BatchEnded()), AppendRequest)
+    appended = [entry.request_id for _, message in appends for entry in message.entries]
+    assert appended == ["w0", "w2"]
+    committed = harness.ack("b", TxKey(1, 3))
+    assert [effect.request_id for effect in of_type(committed, ProposalCommitted)] == ["w0", "w2"]
 
 
 def test_a_batch_is_cut_by_entries_per_append_max_and_appends_in_flight_max():

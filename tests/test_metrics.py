@@ -3,6 +3,7 @@ of a node in this process, the endpoint's bounds, and real processes scraped und
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import time
@@ -339,6 +340,22 @@ def test_the_metrics_endpoint_stops_at_once() -> None:
     started = time.monotonic()
     server.stop()
     assert time.monotonic() - started < 0.25
+
+
+def test_a_metrics_address_in_use_is_named_as_the_metrics_listen_key() -> None:
+    """``mnesite start`` said only "cannot start: OSError: [Errno 98] Address already in use" (zmq's
+    own bind error names its address): the node's listen port seemed to be the one taken."""
+    from mnesite.rlog.config import is_loopback
+    from mnesite.rlog.metrics import start_metrics
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(OSError) as refused:
+            start_metrics(listen, "core1", "core", is_loopback)
+    assert refused.value.errno == errno.EADDRINUSE
+    assert f"[metrics].listen {listen}: " in str(refused.value)
 
 
 def test_a_failed_backup_is_a_metric_until_a_backup_succeeds() -> None:

@@ -130,9 +130,32 @@ def test_default_config_is_a_single_core() -> None:
             {"node": {"role": "replicant"}, "cluster": {"core_nodes": {"core1": "tcp://*:7400"}}},
             r"\[cluster\].core_nodes.core1 must be an address to connect to",
         ),
+        # zmq connects to 0.0.0.0 and [::], to this machine: another host's core is never reached.
+        (
+            {"cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400", "core2": "tcp://0.0.0.0:7401"}}},
+            r"\[cluster\].core_nodes.core2 must be an address to connect to",
+        ),
+        (
+            {"node": {"role": "replicant"}, "cluster": {"core_nodes": {"core1": "tcp://[::]:7400"}}},
+            r"\[cluster\].core_nodes.core1 must be an address to connect to",
+        ),
+        # A replicant gives its listen address to the cores: pushes to 0.0.0.0 went to the core's machine.
+        *(
+            (
+                {
+                    "node": {"role": "replicant", "name": "r1", "listen": listen},
+                    "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7400"}},
+                    "security": {"insecure": True},
+                },
+                r"\[node\].listen of a replicant must name its host, not 'tcp://",
+            )
+            for listen in ("tcp://0.0.0.0:7500", "tcp://[::]:7500", "tcp://*:7500")
+        ),
         ({"node": {"role": "replicant"}}, "at least one core"),
         ({"storage": {"synchronous": "SOMETIMES"}}, r"\[storage\].synchronous"),
         ({"limits": {"group_commit_max": 0}}, r"\[limits\].group_commit_max"),
+        # Below it an entry and the append around it do not fit (core.node.consensus_config_of).
+        ({"limits": {"frame_bytes_max": 1024}}, r"\[limits\].frame_bytes_max must be an integer in 65536\.\."),
         ({"limits": {"group_commit_max": "9"}}, r"\[limits\].group_commit_max"),
         ({"rlog": {"retention_entries": 5}}, r"unknown key \[rlog\].retention_entries"),
         ({"cluster": {"election_timeout_ms": 5}}, r"unknown key \[cluster\].election_timeout_ms "),
