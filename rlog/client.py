@@ -83,9 +83,10 @@ MIN_KEYS_MAX = 1000
 AfterKey = TxKey | tuple[int, int] | Mapping[str, TxKey | tuple[int, int]] | None
 # Answers a node gives before it looks at the request (its backlog or outstanding requests are full,
 # its disk is full, a reload revoked the caller's key or role, it is catching up and does not know the
-# table or cannot serve the shard yet): they say nothing of an earlier attempt of the same write, which
-# the sequencer may have committed, so after one that may have been applied they end in ``OutcomeUnknown``.
-REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden", NOT_READY_CODE})
+# table or cannot serve the shard yet, a forced start left it out of the shard): they say nothing of an
+# earlier attempt of the same write, which the sequencer (of the forced generation too) may have
+# committed, so after one that may have been applied they end in ``OutcomeUnknown``.
+REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden", NOT_READY_CODE, "excluded"})
 # Requests about the node they reach, not the cluster: never moved to another endpoint, whose answer
 # would be taken for this node's. They act on it (stop, force_start, backup); they ask for its own
 # state (its journal age, read to decide a force start; its status); they hash its own data (range

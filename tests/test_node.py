@@ -278,7 +278,7 @@ def test_a_write_without_a_definite_answer_raises_outcome_unknown_with_the_id_to
     assert client.get("users", 40, after_tx_key=first) == {"id": 40, "name": "lost?", "score": 1.0}
 
 
-@pytest.mark.parametrize("code", ["overloaded", "disk_full", "forbidden", "not_ready"])
+@pytest.mark.parametrize("code", ["overloaded", "disk_full", "forbidden", "not_ready", "excluded"])
 def test_a_write_whose_resend_is_refused_unread_after_a_silent_attempt_is_outcome_unknown(code: str) -> None:
     # The first attempt reached the node and got no answer: it may have been applied. The re-send
     # (same request id) is refused before the node looked at it (a full backlog, a full disk, a key
@@ -295,7 +295,9 @@ def test_a_write_whose_resend_is_refused_unread_after_a_silent_attempt_is_outcom
         node.close()
 
 
-@pytest.mark.parametrize("code", ["overloaded", "disk_full", "forbidden", "stopping", "no_sequencer", "not_ready"])
+@pytest.mark.parametrize(
+    "code", ["overloaded", "disk_full", "forbidden", "stopping", "no_sequencer", "not_ready", "excluded"]
+)
 def test_a_resend_with_an_earlier_attempt_s_id_that_gets_no_definite_answer_is_outcome_unknown(code: str) -> None:
     # transact(request_id=error.request_id) re-sends a write whose outcome was unknown: it may have been
     # applied already. A re-send refused unread (a full backlog or disk, a revoked key), answered
