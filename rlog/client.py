@@ -45,7 +45,7 @@ from collections.abc import Iterator, Mapping, Sequence, Set
 from typing import Any, NoReturn
 
 import zmq
-from mnesite.rlog import messages
+from mnesite.rlog import admin_answers, messages
 from mnesite.rlog.changes import COPY_STALL_PAGES_MAX, copy_stalled, copy_start, position_to_wire
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
@@ -952,8 +952,12 @@ class Client:
         return tables
 
     def status(self) -> dict[str, Any]:
-        """The node's status: what ``mnesite status --json`` prints."""
-        return self.call("status")
+        """The node's status: what ``mnesite status --json`` prints. Checked (``rlog.admin_answers``):
+        a malformed answer raises ``MnesiteError`` ``bad_answer``."""
+        result = self.call("status")
+        head = checked("status", result, admin_answers.NodeStatus)
+        checked("status", result, admin_answers.status_type(head.role))
+        return result
 
     def journal(self) -> dict[str, Any]:
         """This core's journal age per shard: generation, committed and last tx keys, members, forced."""
@@ -964,8 +968,10 @@ class Client:
         return self.call("force_start")
 
     def members(self) -> dict[str, Any]:
-        """The cluster's and each shard's core membership, as the node sees it."""
-        return self.call("members")
+        """The cluster's and each shard's core membership, as the node sees it (checked as ``status``)."""
+        result = self.call("members")
+        checked("members", result, admin_answers.Membership)
+        return result
 
     def change_membership(
         self, shard: str, action: str, name: str, endpoint: str | None = None, request_id: str | None = None
@@ -989,12 +995,17 @@ class Client:
 
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
         """The last ``count`` committed entries of the shard's rlog (tx key, previous key, digest, ops,
-        request id): those the node has applied."""
-        return self.call("rlog_tail", {"shard": shard, "count": count})
+        request id): those the node has applied (checked as ``status``)."""
+        entries = self.call("rlog_tail", {"shard": shard, "count": count})
+        checked("rlog_tail", entries, admin_answers.RlogEntries)
+        return entries
 
     def rlog_entries(self, shard: str, after: list[int] | TxKey = (0, 0), limit: int = 1000) -> list[dict[str, Any]]:
-        """Up to ``limit`` committed entries of the shard's rlog after tx key ``after``, in order."""
-        return self.call("rlog_entries", {"shard": shard, "after": list(after), "limit": limit})
+        """Up to ``limit`` committed entries of the shard's rlog after tx key ``after``, in order (checked
+        as ``status``)."""
+        entries = self.call("rlog_entries", {"shard": shard, "after": list(after), "limit": limit})
+        checked("rlog_entries", entries, admin_answers.RlogEntries)
+        return entries
 
     # -- range requests (rlog.range_requests): the node hashes key ranges itself -------------
 
@@ -1050,7 +1061,8 @@ class QueryResult:
         self._page: list[list[Any]] | None = first["rows"]
         self._cursor: str | None = first.get("cursor")
         self._page_rows = page_rows
-        self._timeout_ms = timeout_ms
+        # How long each later page may take (the query's ``timeout_ms``; the DB-API sets its connection's).
+        self.page_timeout_ms = timeout_ms
         # A client of ``endpoint`` alone, made when the client has several (it fails over between them).
         self._node_client: Client | None = None
         if self._cursor is not None and len(client.endpoints) > 1:
@@ -1106,7 +1118,7 @@ class QueryResult:
         if self._page_rows is not None:
             body["page_rows"] = self._page_rows
         try:
-            answer = self._call("query_page", body, self._timeout_ms)
+            answer = self._call("query_page", body, self.page_timeout_ms)
             checked("query_page", answer, _QueryPageAnswer)
             _rows("query_page", answer["rows"], list)
         except MnesiteError as error:

@@ -15,6 +15,14 @@ and ``rollback`` have nothing to do. ``paramstyle`` is ``qmark``. Each ``execute
 statement at the node; its rows arrive page by page as they are fetched (one snapshot of the node
 for all of them), so ``fetchmany`` over a large result holds one page at a time. A connection is one
 ``Client``: do not share it between threads (``threadsafety`` 1).
+
+Time: a call that talks to the node ends within its deadline, ``timeout_ms × (retries + 1)`` of
+``connect`` (``timeout_ms`` with the default ``retries`` 0), whatever the node does (a hung node
+included: then ``OperationalError``). ``execute`` spends it on freeing the cursor's unfinished
+result at the node, then on the statement (each of its ``retries + 1`` attempts gets an equal part
+of what is left, at most ``timeout_ms``); a fetch that needs a page and a cursor's ``close`` get
+``timeout_ms`` (a page request is never re-sent); a connection's ``close``, ``timeout_ms`` for all
+its cursors.
 """
 
 from __future__ import annotations
@@ -171,6 +179,7 @@ def connect(
     consistency: str = "local",
     after_tx_key: TxKey | Sequence[int] | Mapping[str, TxKey | Sequence[int]] | None = None,
     timeout_ms: int = QUERY_TIMEOUT_MS,
+    retries: int = 0,
     page_rows: int | None = None,
     key: str | os.PathLike[str] | KeyPair | None = None,
     server_key: str | os.PathLike[str] | bytes | None = None,
@@ -181,10 +190,20 @@ def connect(
     ``last_tx_keys``, each waited for in its shard) apply to every statement (change them on the
     connection); ``page_rows``: rows
     per page fetched (default: the node's ``query_page_rows_max``). ``key``, ``server_key`` and
-    ``follow_key_links``: as ``Client`` takes them."""
+    ``follow_key_links``: as ``Client`` takes them.
+
+    ``timeout_ms`` and ``retries``: as ``Client`` takes them (an attempt with no answer within
+    ``timeout_ms`` is sent again, with the same request id, up to ``retries`` times, at the next
+    endpoint if there are several); a call's deadline is ``timeout_ms × (retries + 1)`` (the module's
+    docstring says how a call spends it). A value the client refuses is an ``InterfaceError``."""
     try:
         client = Client(
-            endpoint, timeout_ms=timeout_ms, key=key, server_key=server_key, follow_key_links=follow_key_links
+            endpoint,
+            timeout_ms=timeout_ms,
+            retries=retries,
+            key=key,
+            server_key=server_key,
+            follow_key_links=follow_key_links,
         )
     except MnesiteError as error:
         raise InterfaceError(str(error), error.code) from None
@@ -277,7 +296,19 @@ class Cursor:
         if isinstance(parameters, Mapping):
             raise NotSupportedError("paramstyle is qmark: give the parameters as a sequence")
         client = self.connection._open_client()
-        self._finish()
+        # One deadline for the whole call (the module's docstring): freeing the unfinished result of the
+        # previous statement and every attempt of this one each had the full timeout of their own.
+        deadline = time.monotonic() + client.timeout_ms * (client.retries + 1) / 1000
+        previous = self._result.endpoint if self._result is not None else None
+        self._finish(client.timeout_ms)
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        attempt_ms = min(client.timeout_ms, left_ms // (client.retries + 1))
+        if attempt_ms < 1:
+            raise OperationalError(
+                f"not sent: freeing the previous result at node {previous} took this call's whole deadline "
+                f"({client.timeout_ms * (client.retries + 1)} ms)",
+                "unavailable",
+            )
         try:
             self._result = client.query(
                 operation,
@@ -285,10 +316,11 @@ class Cursor:
                 self.connection.consistency,
                 self.connection.after_tx_key,
                 page_rows=self.connection.page_rows,
-                timeout_ms=client.timeout_ms,
+                timeout_ms=attempt_ms,
             )
         except MnesiteError as error:
             raise _translated(error) from None
+        self._result.page_timeout_ms = client.timeout_ms  # each page its own call (``_take``)
         self.description = tuple((name, None, None, None, None, None, None) for name in self._result.columns)
         return self
 

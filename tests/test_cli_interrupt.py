@@ -214,6 +214,10 @@ def test_ctrl_c_during_a_backup_says_the_node_goes_on_copying(tmp_path: Path, an
     assert {request.kind for request in node.requests} == {"backup"}
 
 
+# A shard's membership as a core answers ``members`` (the client checks the answer: ``rlog.admin_answers``).
+_MEMBERSHIP = {"members": ["core1"], "committed_members": ["core1"], "learner": None, "generation": 1}
+
+
 @pytest.mark.parametrize("command", [["add-core", "core4", "tcp://127.0.0.1:7499"], ["remove-core", "core4"]])
 def test_ctrl_c_while_a_core_change_waits_says_it_may_go_on_at_the_cluster(tmp_path: Path, command: list[str]) -> None:
     """Ctrl-C while shard b's change is unanswered (a changed, c not tried): the change may go on at the
@@ -223,7 +227,7 @@ def test_ctrl_c_while_a_core_change_waits_says_it_may_go_on_at_the_cluster(tmp_p
         "node": "core1",
         "endpoints": {},
         "members": ["core1"],
-        "shards": {shard: {"sequencer": "core1", "members": ["core1"]} for shard in ("a", "b", "c")},
+        "shards": {shard: {"sequencer": "core1", **_MEMBERSHIP} for shard in ("a", "b", "c")},
     }
 
     def answer(request: messages.Message, n: int) -> Any:
@@ -378,7 +382,7 @@ def test_ctrl_c_before_a_core_change_is_asked_says_nothing_is_under_way(
         "node": "core1",
         "endpoints": {"core2": sequencer_endpoint},
         "members": ["core1", "core2"],
-        "shards": {shard: {"sequencer": "core1" if shard == "a" else "core2", "members": ["core1"]} for shard in "abc"},
+        "shards": {shard: {"sequencer": "core1" if shard == "a" else "core2", **_MEMBERSHIP} for shard in "abc"},
     }
 
     def answer(request: messages.Message, n: int) -> Any:

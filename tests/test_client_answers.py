@@ -87,6 +87,16 @@ def test_a_malformed_answer_is_a_mnesite_error(node: ReplyingNode, call: str, ga
     assert raised.value.code in ("bad_answer", "unknown_table"), raised.value
 
 
+def test_a_dbapi_result_fetches_its_pages_with_the_connections_timeout(node: ReplyingNode) -> None:
+    """Its statement's attempts share the call's deadline (``timeout_ms`` cut in ``retries + 1``
+    parts, less what freeing the previous result took); each later page is a call of its own."""
+    node.result = {"columns": ["a"], "rows": [[1]], "cursor": "token"}
+    with dbapi.connect(node.endpoint, timeout_ms=3000, retries=2) as connection:
+        cursor = connection.cursor().execute("SELECT a FROM t")
+        assert cursor._result is not None and cursor._result.page_timeout_ms == 3000
+        assert cursor.fetchone() == (1,)
+
+
 @pytest.mark.parametrize("garbage", [42, {}, {"columns": 5, "rows": 3}, {"columns": ["a"], "rows": [7]}], ids=repr)
 def test_the_dbapi_says_a_malformed_answer_with_its_own_errors(node: ReplyingNode, garbage: Any) -> None:
     node.result = garbage
@@ -129,6 +139,8 @@ def test_well_formed_answers_still_read(node: ReplyingNode) -> None:
         ({"timeout_ms": -5}, "timeout_ms must be an integer of at least 1"),
         ({"timeout_ms": "100"}, "timeout_ms must be an integer of at least 1, got '100'"),
         ({"retries": -1}, "retries must be an integer of at least 0"),
+        ({"retries": "1"}, "retries must be an integer of at least 0, got '1'"),
+        ({"retries": True}, "retries must be an integer of at least 0, got True"),
         ({"frame_bytes_max": 0}, "frame_bytes_max must be an integer of at least 1"),
     ],
 )
@@ -138,9 +150,122 @@ def test_a_client_refuses_a_timeout_or_retries_it_cannot_use(node: ReplyingNode,
     with pytest.raises(MnesiteError, match=text) as raised:
         Client(node.endpoint, **arguments)
     assert raised.value.code == "bad_request"
-    if "timeout_ms" in arguments:  # the DB-API's connect takes it too: its InterfaceError
-        with pytest.raises(dbapi.InterfaceError, match=text):
-            dbapi.connect(node.endpoint, timeout_ms=arguments["timeout_ms"])
+    if "frame_bytes_max" not in arguments:  # the DB-API's connect takes the others too: its InterfaceError
+        with pytest.raises(dbapi.InterfaceError, match=text) as refused:
+            dbapi.connect(node.endpoint, **arguments)
+        assert refused.value.code == "bad_request"
+
+
+_CORE_SHARD = {
+    "role": "sequencer",
+    "generation": 2,
+    "sequencer": "core1",
+    "applied": [2, 5],
+    "committed": [2, 5],
+    "last": [2, 5],
+    "digest": "ab" * 32,
+    "members": ["core1"],
+}
+_REPLICANT_SHARD = {
+    "mode": "normal",
+    "upstream": "core1",
+    "applied": [2, 5],
+    "digest": None,
+    "lag_entries": None,
+    "bootstraps": 1,
+    "resumes": 0,
+    "rows_copied": 3,
+    "entries_buffered": 0,
+}
+_STATUS = {"node": "core1", "role": "core", "shards": {"default": _CORE_SHARD}}
+_MEMBERS = {
+    "node": "core1",
+    "members": ["core1"],
+    "endpoints": {"core1": "tcp://127.0.0.1:1"},
+    "shards": {
+        "default": {
+            "members": ["core1"],
+            "committed_members": ["core1"],
+            "learner": None,
+            "sequencer": "core1",
+            "generation": 2,
+        }
+    },
+}
+_ENTRY = {"shard": "default", "tx_key": [2, 5], "prev": [2, 4], "digest": "cd" * 32, "request_id": "r", "ops": []}
+ADMIN_CALLS: dict[str, Callable[[Client], Any]] = {
+    "status": lambda client: client.status(),
+    "members": lambda client: client.members(),
+    "rlog_tail": lambda client: client.rlog_tail("default", 5),
+    "rlog_entries": lambda client: client.rlog_entries("default"),
+}
+ADMIN_GARBAGE = {
+    "status": [
+        42,
+        [],
+        {},
+        {**_STATUS, "shards": 7},
+        {**_STATUS, "node": None},
+        # A core's shard without what ``mnesite status`` prints of it: KeyError out of the command.
+        {**_STATUS, "shards": {"default": {"role": "sequencer"}}},
+        {**_STATUS, "shards": {"default": {**_CORE_SHARD, "applied": "ab"}}},
+        {**_STATUS, "shards": {"default": {**_CORE_SHARD, "digest": 5}}},
+        {**_STATUS, "shards": {"default": {**_CORE_SHARD, "followers": {"core2": {"match": [1]}}}}},
+        {**_STATUS, "shards": {"default": {**_CORE_SHARD, "install": {"rows": -1, "from": "core2"}}}},
+        # A core's shard is not a replicant's: the role says which the node must answer.
+        {**_STATUS, "role": "replicant"},
+        {**_STATUS, "role": "replicant", "shards": {"default": {**_REPLICANT_SHARD, "copy": {"rows": "x"}}}},
+        {**_STATUS, "security": {"curve": True}},
+        {**_STATUS, "backup": {"path": "/b", "state": "running"}},
+        {**_STATUS, "agents": [{"agent": "a"}]},
+        {**_STATUS, "versions": {"cluster_versions": [1, 2, 3]}},
+    ],
+    "members": [
+        42,
+        {},
+        {**_MEMBERS, "members": "core1"},
+        {**_MEMBERS, "endpoints": ["tcp://127.0.0.1:1"]},
+        {**_MEMBERS, "shards": {"default": {"members": ["core1"]}}},
+    ],
+    "rlog_tail": [42, {}, [1], [{**_ENTRY, "tx_key": "ab"}], [{**_ENTRY, "ops": [5]}], [{"tx_key": [2, 5]}]],
+}
+ADMIN_GARBAGE["rlog_entries"] = ADMIN_GARBAGE["rlog_tail"]
+
+
+@pytest.mark.parametrize(
+    ("call", "garbage"), [(call, garbage) for call, answers in ADMIN_GARBAGE.items() for garbage in answers], ids=repr
+)
+def test_a_malformed_admin_answer_is_a_bad_answer(node: ReplyingNode, call: str, garbage: Any) -> None:
+    """``status``, ``members``, ``rlog_tail`` and ``rlog_entries`` returned the node's answer as it was:
+    a number, a list for a dict, a shard without its applied key reached the caller (and ``mnesite
+    status`` or ``rlog tail`` died on a KeyError or TypeError). They are checked as every data answer."""
+    node.result = garbage
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client, pytest.raises(MnesiteError) as raised:
+        ADMIN_CALLS[call](client)
+    assert raised.value.code == "bad_answer", raised.value
+    assert f"malformed {call} answer" in str(raised.value)
+
+
+def test_well_formed_admin_answers_still_read_as_they_came(node: ReplyingNode) -> None:
+    """The caller still gets the answer whole (the fields no check reads, and those a newer release adds)."""
+    secure = {"curve": True, "authorized_keys": 2, "refused_role": 0, "refused_sender": 0, "reloads": 1}
+    secure["handshakes_failed"] = {"auth": 0, "protocol": 0, "no_detail": 0}
+    replicant = {**_STATUS, "role": "replicant", "shards": {"default": _REPLICANT_SHARD}, "no_core_reached": None}
+    answers = {
+        "status": [
+            {**_STATUS, "commits": 9, "security": secure, "future_field": [1]},
+            {**_STATUS, "shards": {}, "security": {"curve": False, "insecure": True}, "backup": None},
+            replicant,
+        ],
+        "members": [{**_MEMBERS, "future_field": 1}],
+        "rlog_tail": [[], [_ENTRY, {**_ENTRY, "ops": [{"op": "write", "table": "t", "row": {"k": 1}}]}]],
+    }
+    answers["rlog_entries"] = answers["rlog_tail"]
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client:
+        for call, results in answers.items():
+            for result in results:
+                node.result = result
+                assert ADMIN_CALLS[call](client) == result
 
 
 _POSITIONS = [{"shard": "s", "after": [1, 1]}]

@@ -1196,6 +1196,50 @@ def test_closing_a_dbapi_connection_to_a_hung_node_takes_one_timeout_not_one_per
             cursor.fetchone()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_dbapi_execute_at_a_hung_node_ends_at_its_deadline(silent_endpoint: str, retries: int) -> None:
+    """``execute`` used the client's default of 2 re-sends, each with the whole timeout: a hung node
+    cost 3 x ``timeout_ms`` per call, and ``connect`` took no ``retries`` to say otherwise. The
+    deadline is ``timeout_ms x (retries + 1)``: ``timeout_ms`` by default."""
+    import mnesite.dbapi as dbapi
+
+    timeout_ms = 500
+    arguments = {} if retries == 0 else {"retries": retries}
+    with dbapi.connect(silent_endpoint, timeout_ms=timeout_ms, **arguments) as connection:
+        assert connection.client.retries == retries
+        started = time.monotonic()
+        with pytest.raises(dbapi.OperationalError) as raised:
+            connection.cursor().execute("SELECT 1")
+        elapsed_s = time.monotonic() - started
+        connection.close()  # nothing left to free: no wait
+    deadline_s = timeout_ms * (retries + 1) / 1000
+    assert raised.value.code == "unavailable" and f"({retries + 1} attempts" in str(raised.value)
+    assert deadline_s * 0.9 <= elapsed_s < deadline_s + timeout_ms / 1000 * 0.8, elapsed_s  # was 1.5 s at 0
+
+
+@pytest.mark.timeout(30)
+def test_a_dbapi_execute_frees_the_previous_result_within_the_same_deadline(silent_endpoint: str) -> None:
+    """``execute`` first frees the cursor's unfinished result at the node (query_close), which had a
+    timeout of its own before the statement's attempts: a hung node cost one more ``timeout_ms``."""
+    from mnesite.rlog.client import QueryResult
+
+    import mnesite.dbapi as dbapi
+
+    timeout_ms = 500
+    connection = dbapi.connect(silent_endpoint, timeout_ms=timeout_ms)
+    cursor = connection.cursor()
+    cursor._result = QueryResult(connection.client, {"columns": ["id"], "rows": [[1]], "cursor": "token"}, None, 500)
+    assert cursor.fetchone() == (1,)
+    started = time.monotonic()
+    with pytest.raises(dbapi.OperationalError, match="took this call's whole deadline") as raised:
+        cursor.execute("SELECT 1")
+    elapsed_s = time.monotonic() - started
+    connection.close()
+    assert raised.value.code == "unavailable"
+    assert timeout_ms / 1000 * 0.9 <= elapsed_s < timeout_ms / 1000 * 1.8, elapsed_s  # was 2 s
+
+
 def test_a_linearizable_query_whose_sequencer_does_not_answer_is_a_read_refused_not_an_unknown_outcome(
     tmp_path: Path,
 ) -> None:

@@ -1,0 +1,218 @@
+"""The answers of the admin reads (``status``, ``members``, ``rlog_tail``, ``rlog_entries``) as the client
+checks them (``Client.status`` and the others): untrusted input, like every answer (``messages.Answer``:
+unknown fields allowed, a newer release may add some).
+
+Each type holds the fields the client's callers read, with the types they read them as: what
+``mnesite status``, ``cluster members`` and ``rlog tail`` index must be there, what they look up
+with a default may be absent. An answer that does not fit is ``bad_answer`` (``client.checked``),
+never a KeyError or TypeError out of a caller, nor a value of another type handed on as the
+node's. The caller still gets the answer as it came (a dict, every field of it): what the commands
+print, ``--json`` included, does not depend on these types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from mnesite.rlog.messages import Answer, NonNegative
+from mnesite.rlog.types import TxKey
+
+Count = NonNegative
+# A number a command prints as one (a rate, an ETA): an integer or a float.
+Number = int | float
+
+
+# -- status (``NodeServer.status`` of a core or a replicant) ----------------------------------------
+
+
+class CopyProgress(Answer, frozen=True, kw_only=True):
+    """A replicant's bootstrap copy, or the rows part of a core's snapshot install."""
+
+    rows: Count
+    rows_expected: Count | None = None
+    rows_per_s: Number | None = None
+    eta_ms: Number | None = None
+
+
+class InstallProgress(CopyProgress, frozen=True, kw_only=True):
+    source: str = msgspec.field(name="from")
+
+
+class FollowerStatus(Answer, frozen=True, kw_only=True):
+    match: TxKey
+    lag_entries: int | None = None
+    lazy: bool = False
+
+
+class Exclusion(Answer, frozen=True, kw_only=True):
+    by: str
+    generation: int
+    members: list[str]
+    verdict: str
+
+
+class CoreShardStatus(Answer, frozen=True, kw_only=True):
+    role: str
+    generation: int
+    sequencer: str | None
+    applied: TxKey
+    committed: TxKey
+    last: TxKey
+    digest: str
+    members: list[str]
+    committed_members: list[str] | None = None
+    learner: str | None = None
+    followers: dict[str, FollowerStatus] | None = None
+    excluded: Exclusion | None = None
+    serving: bool = True
+    not_serving_reason: str | None = None
+    vote_floor: TxKey | None = None
+    install: InstallProgress | None = None
+    rlog: dict[str, Any] = {}
+
+
+class ReplicantShardStatus(Answer, frozen=True, kw_only=True):
+    mode: str
+    upstream: str | None
+    applied: TxKey
+    digest: str | None
+    lag_entries: int | None
+    bootstraps: Count
+    resumes: Count
+    rows_copied: Count
+    entries_buffered: Count
+    copy: CopyProgress | None = None
+    bootstraps_outrun: Count | None = None
+    last_error: str | None = None
+
+
+class HandshakesFailed(Answer, frozen=True, kw_only=True):
+    auth: Count
+    protocol: Count
+    no_detail: Count
+
+
+class SecurityStatus(Answer, frozen=True, kw_only=True):
+    """``curve`` off: nothing else is read; on: the counts ``mnesite status`` prints."""
+
+    curve: bool = False
+    insecure: bool = False
+    authorized_keys: Count | None = None
+    handshakes_failed: HandshakesFailed | None = None
+    refused_role: Count | None = None
+    refused_sender: Count | None = None
+
+    def __post_init__(self) -> None:
+        counts = (self.authorized_keys, self.handshakes_failed, self.refused_role, self.refused_sender)
+        if self.curve and None in counts:
+            raise ValueError("security with curve lacks its counts")
+
+
+class Versions(Answer, frozen=True, kw_only=True):
+    """A node's announcement (``rlog.versions``), or a peer's as the node saw it."""
+
+    software: str | None = None
+    cluster_versions: tuple[int, int] | None = None
+    announced: bool = True
+    refused: str | None = None
+
+
+class BackupStatus(Answer, frozen=True, kw_only=True):
+    path: str
+    state: str
+    pages_copied: Count
+    pages_total: Count
+
+
+class BackupFailure(Answer, frozen=True, kw_only=True):
+    path: str
+    failed_at: str
+    error: str | None
+
+
+class AgentStatus(Answer, frozen=True, kw_only=True):
+    agent: str
+    replicant: str
+    shard: str
+    mode: str
+    acked: TxKey
+    lag_entries: int | None
+    acks_refused: Count = 0
+
+
+class AgentBudget(Answer, frozen=True, kw_only=True):
+    used_bytes: Count
+    bytes_max: Count
+    evicted_agents: Count
+    acks_refused: Count = 0
+
+
+class NodeStatus(Answer, frozen=True, kw_only=True):
+    """What both roles answer; ``shards`` is checked by the role's own type (``status_type``)."""
+
+    node: str
+    role: str
+    shards: dict[str, Any]
+    security: SecurityStatus | None = None
+    backup: BackupStatus | None = None
+    backup_failed: BackupFailure | None = None
+    versions: Versions | None = None
+    peer_versions: dict[str, Versions] | None = None
+    core_versions: dict[str, Versions] | None = None
+    no_core_reached: str | None = None
+
+
+class CoreStatus(NodeStatus, frozen=True, kw_only=True):
+    shards: dict[str, CoreShardStatus]
+    agents: list[AgentStatus] = []
+    agent_budget: AgentBudget | None = None
+
+
+class ReplicantStatus(NodeStatus, frozen=True, kw_only=True):
+    shards: dict[str, ReplicantShardStatus]
+
+
+def status_type(role: str) -> type[NodeStatus]:
+    """The type a status answer of ``role`` is checked as: a replicant's, or else a core's (as ``mnesite
+    status`` reads every other role)."""
+    return ReplicantStatus if role == "replicant" else CoreStatus
+
+
+# -- members (``CoreNode.membership``) --------------------------------------------------------------
+
+
+class ShardMembership(Answer, frozen=True, kw_only=True):
+    members: list[str]
+    committed_members: list[str]
+    learner: str | None
+    sequencer: str | None
+    generation: int
+    learner_match: TxKey | None = None
+    committed: TxKey | None = None
+
+
+class Membership(Answer, frozen=True, kw_only=True):
+    node: str
+    members: list[str]
+    endpoints: dict[str, str]
+    shards: dict[str, ShardMembership]
+
+
+# -- rlog entries (``rlog.types.entry_to_json``) ----------------------------------------------------
+
+
+class EntryOp(Answer, frozen=True, kw_only=True):
+    op: str
+
+
+class RlogEntry(Answer, frozen=True, kw_only=True):
+    tx_key: TxKey
+    prev: TxKey
+    digest: str
+    ops: list[EntryOp]
+    shard: str | None = None
+    request_id: str | None = None
+
+
+RlogEntries = list[RlogEntry]
