@@ -130,6 +130,8 @@ class Probe:
     unreadable: dict[str, str] = field(default_factory=dict)
     # Cores never asked: the request could not be sent (``ReplicantNode._not_sent``), and why.
     unsent: dict[str, str] = field(default_factory=dict)
+    # Cores that answered with an error (``forbidden``, ``stopping``): its code and message.
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class ReplicantNode(NodeServer):
@@ -568,6 +570,18 @@ class ReplicantNode(NodeServer):
             if replica is not None:
                 self._step(replica, p.CommittedReceived(pending.core, committed, pending.question))
             return
+        if pending.purpose in ("discover", "probe") and error is not None:
+            # Not silence: the core answered, and why it refused is what the operator needs (a key
+            # without the replicant role is refused every probe and discovery, and follows nothing).
+            self.warnings.log(
+                f"journal refused by {pending.core}",  # one line a second per core, whatever the words
+                logging.WARNING,
+                "core %s refused this replicant's journal request: %s: %.300s",
+                pending.core,
+                error.code,
+                error.message,
+                logger=log,
+            )
         if pending.purpose == "discover":
             # A core's answer is untrusted input: only well-named shards it states an answer for.
             shards = result.get("shards") if isinstance(result, dict) else None
@@ -595,6 +609,8 @@ class ReplicantNode(NodeServer):
             unreadable = p.unreadable_log(result, replica.shard, self.versions)
             if unreadable is not None:
                 probe.unreadable[pending.core] = unreadable
+            if error is not None:
+                probe.refused[pending.core] = f"{error.code}: {error.message}"
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
@@ -665,7 +681,7 @@ class ReplicantNode(NodeServer):
             return
         ages = tuple((core, probe.answers.get(core)) for core in probe.cores)
         unreadable, unsent = tuple(sorted(probe.unreadable.items())), tuple(sorted(probe.unsent.items()))
-        self._step(replica, p.JournalsReceived(ages, unreadable, unsent))
+        self._step(replica, p.JournalsReceived(ages, unreadable, unsent, tuple(sorted(probe.refused.items()))))
 
     def _expire(self, now: int) -> None:
         failed, self._requests_failed = self._requests_failed, []

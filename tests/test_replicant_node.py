@@ -1511,3 +1511,30 @@ def test_a_replica_forgotten_with_a_rolled_back_turn_gives_its_spill_bytes_back(
         assert node.disk.full and node.store.shard("fresh") is None, "the turn was rolled back"
         assert "fresh" not in node.replicas
         assert node.spill_budget.used == 0
+
+
+def test_a_core_refusing_the_journal_request_is_said_in_status_and_the_log_not_taken_for_silence(
+    tmp_path, caplog
+) -> None:
+    """A core that answers ``journal`` with an error (``forbidden``: the replicant's key lacks the
+    replicant role; ``stopping``) was taken for one that did not answer: the status said "core1 did
+    not answer", and a fresh replicant whose discovery every core refused logged nothing and showed no
+    shard, while ``no_core_reached`` stayed null (the cores did answer). The refusal is now said in
+    the probe's status and in a (throttled) warning line, for discovery too."""
+    from mnesite.replicant.node import Pending, Probe
+    from mnesite.rlog import replication as p
+
+    refused = "replicant1 (no role) may not send journal; it needs one of: admin, core, replicant"
+    with replicant_by_hand(tmp_path / "r") as node, caplog.at_level("WARNING", logger="mnesite.replicant"):
+        node._on_answer(Pending("discover", "core1", node.clock_ms() + 1000), messages.error("d", "forbidden", refused))
+        assert node.replicas == {} and node.no_core_reached() is None
+        assert any("core1 refused this replicant's journal request" in r.getMessage() for r in caplog.records)
+        assert any(refused in r.getMessage() for r in caplog.records)
+        replica = node._open_replica("s")
+        (probe,) = [e for e in replica.step(p.Ticked(), node.clock_ms()) if isinstance(e, p.ProbeJournals)]
+        node.probes["s"] = Probe(probe.cores, {}, node.clock_ms() + 1000)
+        asked = Pending("probe", "core1", node.clock_ms() + 1000, "s")
+        node._on_answer(asked, messages.error("j", "forbidden", refused))
+        error = replica.status().last_error
+        assert "core1 did not answer" not in error
+        assert f"core1 refused the journal request: forbidden: {refused}" in error
