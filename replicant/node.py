@@ -394,6 +394,9 @@ class ReplicantNode(NodeServer):
             if position is None:
                 replica.forget()  # its spill's bytes go back to the node's budget
                 del self.replicas[shard]  # created in the rolled-back turn: discovered again later
+                # Its probe too: ``_expire`` ends only the probes of known replicas, and this one's
+                # deadline, once past, would make every turn poll without waiting (a busy loop).
+                self.probes.pop(shard, None)
                 continue
             fenced = bool(int(self.store.meta(f"read_fenced:{shard}", 0)))
             spilled, spilled_bytes = self.store.spilled(shard), self.store.spilled_bytes(shard)

@@ -1538,3 +1538,38 @@ def test_a_core_refusing_the_journal_request_is_said_in_status_and_the_log_not_t
         error = replica.status().last_error
         assert "core1 did not answer" not in error
         assert f"core1 refused the journal request: forbidden: {refused}" in error
+
+
+def test_the_probe_of_a_replica_dropped_with_a_rolled_back_turn_does_not_keep_the_loop_spinning(
+    tmp_path, monkeypatch
+) -> None:
+    """The turn that discovers a shard also has its new replica probe the cores' journals. A full disk
+    rolls that turn back (``disk_filled``) and drops the replica, but its ``Probe`` stayed: ``_expire``
+    ends only the probes of replicas it knows, so that one was never ended, and its deadline, past,
+    made every later loop turn poll with no timeout (a busy loop, for as long as the disk stayed full
+    and the shard was not discovered again). The probe goes with its replica."""
+    import apsw
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.store import Store
+
+    def full(store: Store, durable: bool = True) -> None:
+        raise apsw.FullError("database or disk is full")
+
+    def run_turn() -> None:  # the turn opens the shard's replica, which probes at once
+        node.begin()
+        replica = node._open_replica("fresh")
+        node._step(replica, p.Ticked())
+        assert "fresh" in node.probes
+        node.flush()
+
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        with monkeypatch.context() as patched:
+            patched.setattr(node, "run_turn", run_turn)
+            patched.setattr(Store, "commit", full)
+            node.turn()
+        assert node.disk.full and "fresh" not in node.replicas, "the turn was rolled back"
+        later = node.clock_ms() + 60_000
+        node._expire(later)
+        # What run_turn waits for: a deadline in the past would make it poll with timeout 0, every turn.
+        assert [probe.deadline_ms for probe in node.probes.values() if probe.deadline_ms <= later] == []
