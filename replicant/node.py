@@ -646,7 +646,9 @@ class ReplicantNode(NodeServer):
             after = detail["after"]
             batch = batch_from_answer(pending.core, detail["table"], after, result, frame_bytes, pending.watch_id)
             if error is not None or batch is None:
-                self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}", pending.watch_id))
+                # The core's words (as for a table list), not the typed body's repr, nor "None".
+                why = f"{error.code}: {error.message}" if error is not None else "malformed bootstrap_batch answer"
+                self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {why}", pending.watch_id))
                 return
             # Checked before the replica takes it: a row SQLite refuses raised out of the turn (the
             # process died), and a failed write is too late for the batch that ends the copy (the

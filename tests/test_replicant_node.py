@@ -1573,3 +1573,35 @@ def test_the_probe_of_a_replica_dropped_with_a_rolled_back_turn_does_not_keep_th
         node._expire(later)
         # What run_turn waits for: a deadline in the past would make it poll with timeout 0, every turn.
         assert [probe.deadline_ms for probe in node.probes.values() if probe.deadline_ms <= later] == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "result", "said"),
+    [
+        ("error", ("not_ready", "core1 cannot serve shard default yet: installing"), "not_ready: core1 cannot serve"),
+        ("reply", {"rows": "not a list", "done": True}, "malformed bootstrap_batch answer"),
+    ],
+)
+def test_a_failed_bootstrap_batch_says_the_core_s_error_or_that_its_answer_was_malformed(
+    tmp_path, kind, result, said
+) -> None:
+    """The status of a copy whose batch a core refused said ``bootstrap batch failed: Error(code=...,
+    message=..., detail=None)`` (the typed body's repr), and of one whose answer did not decode
+    ``bootstrap batch failed: None``: nothing said that the core's answer was malformed. It now says
+    ``CODE: message`` as for a refused table list, or that the answer was malformed."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.schema import define_table
+
+    with replicant_by_hand(tmp_path / "r") as node:
+        replica = _watching(node, TxKey(1, 6))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+
+        def answer(purpose: str, message: Message) -> None:
+            (request_id,) = [rid for rid, pending in node.pending.items() if pending.purpose == purpose]
+            node._on_answer(node.pending.pop(request_id), message)
+
+        answer("tables", messages.reply("t", [define_table("t", "k", [["k", "INTEGER"]]).to_json()]))
+        answer("batch", messages.error("b", *result) if kind == "error" else messages.reply("b", result))
+        assert replica.mode is p.Mode.DISCONNECTED
+        error = replica.status().last_error or ""
+        assert said in error and "None" not in error and "Error(" not in error, error
