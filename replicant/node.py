@@ -130,6 +130,8 @@ class Probe:
     unreadable: dict[str, str] = field(default_factory=dict)
     # Cores never asked: the request could not be sent (``ReplicantNode._not_sent``), and why.
     unsent: dict[str, str] = field(default_factory=dict)
+    # Cores that answered with an error (``forbidden``, ``stopping``): its code and message.
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class ReplicantNode(NodeServer):
@@ -392,6 +394,9 @@ class ReplicantNode(NodeServer):
             if position is None:
                 replica.forget()  # its spill's bytes go back to the node's budget
                 del self.replicas[shard]  # created in the rolled-back turn: discovered again later
+                # Its probe too: ``_expire`` ends only the probes of known replicas, and this one's
+                # deadline, once past, would make every turn poll without waiting (a busy loop).
+                self.probes.pop(shard, None)
                 continue
             fenced = bool(int(self.store.meta(f"read_fenced:{shard}", 0)))
             spilled, spilled_bytes = self.store.spilled(shard), self.store.spilled_bytes(shard)
@@ -568,6 +573,18 @@ class ReplicantNode(NodeServer):
             if replica is not None:
                 self._step(replica, p.CommittedReceived(pending.core, committed, pending.question))
             return
+        if pending.purpose in ("discover", "probe") and error is not None:
+            # Not silence: the core answered, and why it refused is what the operator needs (a key
+            # without the replicant role is refused every probe and discovery, and follows nothing).
+            self.warnings.log(
+                f"journal refused by {pending.core}",  # one line a second per core, whatever the words
+                logging.WARNING,
+                "core %s refused this replicant's journal request: %s: %.300s",
+                pending.core,
+                error.code,
+                error.message,
+                logger=log,
+            )
         if pending.purpose == "discover":
             # A core's answer is untrusted input: only well-named shards it states an answer for.
             shards = result.get("shards") if isinstance(result, dict) else None
@@ -595,6 +612,8 @@ class ReplicantNode(NodeServer):
             unreadable = p.unreadable_log(result, replica.shard, self.versions)
             if unreadable is not None:
                 probe.unreadable[pending.core] = unreadable
+            if error is not None:
+                probe.refused[pending.core] = f"{error.code}: {error.message}"
             if set(probe.answers) >= set(probe.cores):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
@@ -627,7 +646,9 @@ class ReplicantNode(NodeServer):
             after = detail["after"]
             batch = batch_from_answer(pending.core, detail["table"], after, result, frame_bytes, pending.watch_id)
             if error is not None or batch is None:
-                self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {error}", pending.watch_id))
+                # The core's words (as for a table list), not the typed body's repr, nor "None".
+                why = f"{error.code}: {error.message}" if error is not None else "malformed bootstrap_batch answer"
+                self._step(replica, p.RequestFailed(pending.core, f"bootstrap batch failed: {why}", pending.watch_id))
                 return
             # Checked before the replica takes it: a row SQLite refuses raised out of the turn (the
             # process died), and a failed write is too late for the batch that ends the copy (the
@@ -665,7 +686,7 @@ class ReplicantNode(NodeServer):
             return
         ages = tuple((core, probe.answers.get(core)) for core in probe.cores)
         unreadable, unsent = tuple(sorted(probe.unreadable.items())), tuple(sorted(probe.unsent.items()))
-        self._step(replica, p.JournalsReceived(ages, unreadable, unsent))
+        self._step(replica, p.JournalsReceived(ages, unreadable, unsent, tuple(sorted(probe.refused.items()))))
 
     def _expire(self, now: int) -> None:
         failed, self._requests_failed = self._requests_failed, []

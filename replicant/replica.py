@@ -665,9 +665,10 @@ class ShardReplica:
             core = choose_upstream(ages, self._applied_key, self._rng)
         if core is None:
             self._waiting = _Waiting.NOTHING
-            unreadable, unsent = dict(event.unreadable), dict(event.unsent)
+            unreadable, unsent, refused = dict(event.unreadable), dict(event.unsent), dict(event.refused)
             self._last_error = f"no core qualifies as upstream at applied key {self._applied_key}: " + ", ".join(
-                self._describe(name, age, unreadable.get(name), unsent.get(name)) for name, age in sorted(ages.items())
+                self._describe(name, age, unreadable.get(name), unsent.get(name), refused.get(name))
+                for name, age in sorted(ages.items())
             )
             self._next_probe_ms = self._now_ms + self._retry_delay_ms()
             return
@@ -676,10 +677,17 @@ class ShardReplica:
         self._request(_Waiting.WATCH, core)
 
     def _describe(
-        self, core: str, age: JournalAnswer | None, unreadable: str | None = None, unsent: str | None = None
+        self,
+        core: str,
+        age: JournalAnswer | None,
+        unreadable: str | None = None,
+        unsent: str | None = None,
+        refused: str | None = None,
     ) -> str:
         if age is None and unsent is not None:
             return f"{core} was not asked ({unsent})"
+        if age is None and refused is not None:
+            return f"{core} refused the journal request: {refused}"
         if age is None:
             return f"{core} did not answer" if unreadable is None else f"{core} answered, but {unreadable}"
         if age.committed_key < self._applied_key:

@@ -127,11 +127,13 @@ class JournalsReceived:
     """Answers to ``ProbeJournals``; ``None`` for a core that did not answer in time, or whose answer
     cannot be followed: ``unreadable`` names those that answered with a log this replicant cannot
     read, and why (``unreadable_log``), ``unsent`` those never asked because the request could not be
-    sent, and why; both for the status."""
+    sent, and why, ``refused`` those that answered the request with an error (its code and message:
+    ``forbidden`` for a key without the replicant role, ``stopping``); all for the status."""
 
     ages: tuple[tuple[str, JournalAnswer | None], ...]
     unreadable: tuple[tuple[str, str], ...] = ()
     unsent: tuple[tuple[str, str], ...] = ()
+    refused: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

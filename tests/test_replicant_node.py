@@ -1511,3 +1511,97 @@ def test_a_replica_forgotten_with_a_rolled_back_turn_gives_its_spill_bytes_back(
         assert node.disk.full and node.store.shard("fresh") is None, "the turn was rolled back"
         assert "fresh" not in node.replicas
         assert node.spill_budget.used == 0
+
+
+def test_a_core_refusing_the_journal_request_is_said_in_status_and_the_log_not_taken_for_silence(
+    tmp_path, caplog
+) -> None:
+    """A core that answers ``journal`` with an error (``forbidden``: the replicant's key lacks the
+    replicant role; ``stopping``) was taken for one that did not answer: the status said "core1 did
+    not answer", and a fresh replicant whose discovery every core refused logged nothing and showed no
+    shard, while ``no_core_reached`` stayed null (the cores did answer). The refusal is now said in
+    the probe's status and in a (throttled) warning line, for discovery too."""
+    from mnesite.replicant.node import Pending, Probe
+    from mnesite.rlog import replication as p
+
+    refused = "replicant1 (no role) may not send journal; it needs one of: admin, core, replicant"
+    with replicant_by_hand(tmp_path / "r") as node, caplog.at_level("WARNING", logger="mnesite.replicant"):
+        node._on_answer(Pending("discover", "core1", node.clock_ms() + 1000), messages.error("d", "forbidden", refused))
+        assert node.replicas == {} and node.no_core_reached() is None
+        assert any("core1 refused this replicant's journal request" in r.getMessage() for r in caplog.records)
+        assert any(refused in r.getMessage() for r in caplog.records)
+        replica = node._open_replica("s")
+        (probe,) = [e for e in replica.step(p.Ticked(), node.clock_ms()) if isinstance(e, p.ProbeJournals)]
+        node.probes["s"] = Probe(probe.cores, {}, node.clock_ms() + 1000)
+        asked = Pending("probe", "core1", node.clock_ms() + 1000, "s")
+        node._on_answer(asked, messages.error("j", "forbidden", refused))
+        error = replica.status().last_error
+        assert "core1 did not answer" not in error
+        assert f"core1 refused the journal request: forbidden: {refused}" in error
+
+
+def test_the_probe_of_a_replica_dropped_with_a_rolled_back_turn_does_not_keep_the_loop_spinning(
+    tmp_path, monkeypatch
+) -> None:
+    """The turn that discovers a shard also has its new replica probe the cores' journals. A full disk
+    rolls that turn back (``disk_filled``) and drops the replica, but its ``Probe`` stayed: ``_expire``
+    ends only the probes of replicas it knows, so that one was never ended, and its deadline, past,
+    made every later loop turn poll with no timeout (a busy loop, for as long as the disk stayed full
+    and the shard was not discovered again). The probe goes with its replica."""
+    import apsw
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.store import Store
+
+    def full(store: Store, durable: bool = True) -> None:
+        raise apsw.FullError("database or disk is full")
+
+    def run_turn() -> None:  # the turn opens the shard's replica, which probes at once
+        node.begin()
+        replica = node._open_replica("fresh")
+        node._step(replica, p.Ticked())
+        assert "fresh" in node.probes
+        node.flush()
+
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        with monkeypatch.context() as patched:
+            patched.setattr(node, "run_turn", run_turn)
+            patched.setattr(Store, "commit", full)
+            node.turn()
+        assert node.disk.full and "fresh" not in node.replicas, "the turn was rolled back"
+        later = node.clock_ms() + 60_000
+        node._expire(later)
+        # What run_turn waits for: a deadline in the past would make it poll with timeout 0, every turn.
+        assert [probe.deadline_ms for probe in node.probes.values() if probe.deadline_ms <= later] == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "result", "said"),
+    [
+        ("error", ("not_ready", "core1 cannot serve shard default yet: installing"), "not_ready: core1 cannot serve"),
+        ("reply", {"rows": "not a list", "done": True}, "malformed bootstrap_batch answer"),
+    ],
+)
+def test_a_failed_bootstrap_batch_says_the_core_s_error_or_that_its_answer_was_malformed(
+    tmp_path, kind, result, said
+) -> None:
+    """The status of a copy whose batch a core refused said ``bootstrap batch failed: Error(code=...,
+    message=..., detail=None)`` (the typed body's repr), and of one whose answer did not decode
+    ``bootstrap batch failed: None``: nothing said that the core's answer was malformed. It now says
+    ``CODE: message`` as for a refused table list, or that the answer was malformed."""
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.schema import define_table
+
+    with replicant_by_hand(tmp_path / "r") as node:
+        replica = _watching(node, TxKey(1, 6))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
+
+        def answer(purpose: str, message: Message) -> None:
+            (request_id,) = [rid for rid, pending in node.pending.items() if pending.purpose == purpose]
+            node._on_answer(node.pending.pop(request_id), message)
+
+        answer("tables", messages.reply("t", [define_table("t", "k", [["k", "INTEGER"]]).to_json()]))
+        answer("batch", messages.error("b", *result) if kind == "error" else messages.reply("b", result))
+        assert replica.mode is p.Mode.DISCONNECTED
+        error = replica.status().last_error or ""
+        assert said in error and "None" not in error and "Error(" not in error, error
