@@ -59,6 +59,7 @@ from mnesite.rlog.security import (
     configure_client,
     load_key,
 )
+from mnesite.rlog.status import RecoveryAnswer
 from mnesite.rlog.types import WAIT_MS_MAX, TxKey, new_request_id
 from zmq.utils.monitor import recv_monitor_message
 
@@ -952,8 +953,12 @@ class Client:
         return tables
 
     def status(self) -> dict[str, Any]:
-        """The node's status: what ``mnesite status --json`` prints."""
-        return self.call("status")
+        """The node's status: what ``mnesite status --json`` prints. A core recovering at start-up adds
+        its ``recovery`` section (``messages.RecoveryAnswer``; its shards are not open yet)."""
+        status = self.call("status")
+        if isinstance(status, dict) and status.get("recovery") is not None:
+            checked("status", status["recovery"], RecoveryAnswer)
+        return status
 
     def journal(self) -> dict[str, Any]:
         """This core's journal age per shard: generation, committed and last tx keys, members, forced."""
