@@ -1109,7 +1109,10 @@ def describe_copy(copy: dict[str, Any]) -> str:
 @node_options
 @json_option
 def status(endpoint, timeout_ms, as_json) -> None:
-    """Show the node's role and, per shard, its generation, applied tx key and digest."""
+    """Show the node's role and, per shard, its generation, applied tx key and digest.
+
+    A core recovering at start-up from its peers shows that instead: the round, the peers asked,
+    those that answered and those it waits for."""
     with client_for(one_node(endpoint, "status"), timeout_ms) as client:
         result = run(client.status)
     if as_json:
@@ -1129,6 +1132,10 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo(f"last backup FAILED: {failed['path']} at {failed['failed_at']}: {failed['error']}")
     if result.get("no_core_reached"):
         click.echo(f"WARNING: {result['no_core_reached']}")
+    if result.get("recovery") is not None:
+        for line in describe_recovery(result["recovery"]):
+            click.echo(line)
+        return
     if not result["shards"]:
         # A fresh cluster elects no sequencer until a shard exists: shards appear with their first table.
         click.echo("no shard yet: a shard (and its sequencer) appears with its first table (mnesite table create)")
@@ -1198,6 +1205,22 @@ def status(endpoint, timeout_ms, as_json) -> None:
             click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
     for line in describe_agents(result):
         click.echo(line)
+
+
+def describe_recovery(recovery: dict[str, Any]) -> list[str]:
+    """A core recovering at start-up (``core.recovery``; checked by ``Client.status``): how long, which
+    round, the peers asked, those that answered, those it waits for and why."""
+    asking = "asking its peers for their journals" if recovery["phase"] == "asking" else "waiting to ask again"
+    lines = [
+        f"RECOVERING at start-up for {recovery['elapsed_ms'] / 1000:.1f} s (an empty or restored database): "
+        f"round {recovery['round']} of {recovery['rounds_max']}, {asking} "
+        f"(recovery_timeout_ms {recovery['round_timeout_ms']} a round)",
+        f"  asked: {', '.join(recovery['asked']) or '-'}; answered: {', '.join(recovery['answered']) or '-'}; "
+        f"waiting for: {', '.join(recovery['waiting_for']) or '-'}",
+        f"  {recovery['reason']}",
+        "  it answers only status until it is done (every other request: not_ready); its shards open then",
+    ]
+    return lines
 
 
 def describe_follower(shard: str, peer: str, follower: dict) -> str:

@@ -115,11 +115,15 @@ from mnesite.core.outcome import (
 )
 from mnesite.core.recent import RecentBudget, RecentEntries
 from mnesite.core.recovery import (
+    ANSWERED_WHILE_RECOVERING,
+    RecoveryProgress,
     reached_generations,
     reached_last_keys,
     recovered_generations,
     recovered_members,
     recovered_vote_floors,
+    recovering_refusal,
+    recovery_answer,
     recovery_shortfall,
     vote_recovered,
     well_formed_answers,
@@ -169,12 +173,14 @@ from mnesite.rlog.schema import (
 from mnesite.rlog.security import NodeSecurity
 from mnesite.rlog.server import (
     STOPPING,
+    UNANSWERED_KINDS,
     Deferred,
     NodeServer,
     OverloadedError,
     RequestError,
     monotonic_ms,
     relayed,
+    request_id_of,
 )
 from mnesite.rlog.store import ShardPosition, Store, StoreError, read_fault, storage_fault
 from mnesite.rlog.types import (
@@ -216,6 +222,8 @@ WAITERS_MAX = 100_000
 VOTE_FLOOR_META = "vote_floor:"
 # Journal probes a core on an empty database makes (each up to recovery_timeout_ms) before it gives up.
 RECOVERY_ROUNDS_MAX = 10
+# How often a recovering core, answering status (``_recovery_wait``), looks whether its probe's answers are in.
+RECOVERY_POLL_INTERVAL_MS = 20
 PEER_SEND_QUEUE_MAX = 1000
 # Bytes an agent pushes before its replicant's first acknowledgement (a larger entry goes alone): a
 # live replicant acknowledges within a round trip and gets its whole window then, while a flood of
@@ -484,7 +492,16 @@ class CoreNode(NodeServer):
         # A database restored from a backup (rlog.backup) may be older than votes this core cast:
         # it learns the generations in use like a core whose database was lost.
         restored = bool(self.store.meta(RESTORED_META))
+        # The progress of the start-up recovery while it lasts (``status`` answers it).
+        self.recovery: RecoveryProgress | None = None
         if (restored or not self.store.shards()) and len(self.members) > 1:
+            # Bound first: status is answered while the peers are asked, maybe for minutes (core.recovery).
+            self._bind_socket()
+            log.info(
+                "core %s answers status on %s while it recovers from its peers (every other request: not_ready)",
+                self.config.name,
+                self.config.listen,
+            )
             self.recover_generations()
         if restored:
             with self.store.write_transaction():
@@ -526,14 +543,27 @@ class CoreNode(NodeServer):
         if timeout_ms is None:
             timeout_ms = self.config.timing.recovery_timeout_ms
         existing = self.config.initial_cluster_state == "existing"
+        progress = RecoveryProgress(
+            self.config.name, self.members, existing, self.clock_ms(), RECOVERY_ROUNDS_MAX, timeout_ms
+        )
+        self.recovery = progress
+        try:
+            return self._recover_generations(progress, timeout_ms, existing)
+        finally:
+            self.recovery = None
+
+    def _recover_generations(self, progress: RecoveryProgress, timeout_ms: int, existing: bool) -> dict[str, int]:
+        """``recover_generations``' work; ``progress`` says where it stands (``status`` answers it)."""
         round_ends_s = time.monotonic()
         for attempt in range(1, RECOVERY_ROUNDS_MAX + 1):
             # A round lasts timeout_ms even when it ended at once (every silent peer refused the
             # connection: still starting, as in a whole cluster's restart): ten rounds in a few
             # milliseconds gave up before a peer's listen could come up.
-            time.sleep(max(0.0, round_ends_s - time.monotonic()))
+            self._recovery_wait(round_ends_s)
             round_ends_s = time.monotonic() + timeout_ms / 1000
+            progress.round, progress.phase, progress.answers = attempt, "asking", {}
             answers = self.probe_peers(timeout_ms)
+            progress.phase, progress.answers = "waiting", answers
             # ``core_nodes`` only seeds a cluster: a member added since is known by the endpoint its add
             # entry carried. Learned from this round's answers, it is asked in the next round.
             for journal in answers.values():
@@ -600,6 +630,55 @@ class CoreNode(NodeServer):
                 {shard: tuple(floor) for shard, floor in floors.items()},
             )
         return generations
+
+    def _recovery_wait(self, deadline_s: float, done: Callable[[], bool] = lambda: False) -> None:
+        """Until ``time.monotonic()`` reaches ``deadline_s`` or ``done()``: answer the requests that
+        arrive while the core recovers (``_answer_while_recovering``), looking at ``done`` at least every
+        ``RECOVERY_POLL_INTERVAL_MS``. Unbound (a test calls ``recover_generations``), it only waits."""
+        while not done():
+            remaining_ms = int((deadline_s - time.monotonic()) * 1000) + 1
+            if remaining_ms <= 0:
+                return
+            step_ms = min(remaining_ms, RECOVERY_POLL_INTERVAL_MS)
+            if self.socket is None:
+                time.sleep(step_ms / 1000)
+            elif self.socket.poll(step_ms):
+                self._answer_while_recovering()
+
+    def _answer_while_recovering(self) -> None:
+        """Answer what waits on the socket (at most ``group_commit_max`` frames) while the core recovers
+        (``core.recovery``): ``status`` with its ``recovery`` section, a kind nobody answers (a peer's
+        consensus message, a push, ...) dropped as by a core that is down (its protocol re-sends it),
+        anything else refused ``not_ready``. Nothing is held, forwarded or acted on: the answers go out at
+        once (no turn, no transaction)."""
+        if self.recovery is None:
+            raise RuntimeError("_answer_while_recovering outside a start-up recovery")
+        for _ in range(self.config.limits.group_commit_max):
+            try:
+                received = self.receive()
+            except zmq.Again:
+                return
+            if received is None:
+                continue
+            envelope, frame, principal = received
+            try:
+                message = messages.decode(frame, self.config.limits.frame_bytes_max)
+            except MessageError as error:
+                self.malformed_frame()
+                self._send_queued(None, envelope, messages.error(request_id_of(frame), error.code, str(error)))
+                continue
+            answer = self.refusal(principal, message)
+            if message.kind in UNANSWERED_KINDS:
+                continue
+            if answer is None:
+                recovery = recovery_answer(self.recovery, self.clock_ms())
+                section = msgspec.to_builtins(recovery)
+                if message.kind in ANSWERED_WHILE_RECOVERING:
+                    answer = messages.reply(message.request_id, {**self.status(), "recovery": section})
+                else:
+                    refusal = recovering_refusal(self.config.name, recovery)
+                    answer = messages.error(message.request_id, "not_ready", refusal, {"recovery": section})
+            self._send_queued(None, envelope, answer)
 
     def _vote_floor(self, shard: str) -> TxKey:
         """The shard's vote floor persisted by ``recover_generations`` (ZERO_KEY: none)."""
@@ -2138,6 +2217,9 @@ class CoreNode(NodeServer):
         from mnesite.rlog.client import MnesiteError
 
         answers: dict[str, dict[str, Any]] = {}
+        peers = [peer for peer in self.endpoints if peer != self.config.name]
+        if self.recovery is not None:  # what status says while the answers come in
+            self.recovery.asked, self.recovery.answers = tuple(peers), answers
 
         def ask(peer: str) -> None:
             try:
@@ -2146,14 +2228,12 @@ class CoreNode(NodeServer):
             except MnesiteError:
                 pass  # not reached
 
-        threads = [
-            threading.Thread(target=ask, args=(peer,), daemon=True)
-            for peer in self.endpoints
-            if peer != self.config.name
-        ]
+        threads = [threading.Thread(target=ask, args=(peer,), daemon=True) for peer in peers]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + timeout_ms / 1000 + 1
+        if self.recovery is not None:  # a start-up recovery answers status meanwhile
+            self._recovery_wait(deadline, lambda: not any(thread.is_alive() for thread in threads))
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         # A peer's answer is untrusted too: one that does not say its generations counts as not reached.

@@ -38,6 +38,13 @@ committed and last keys) in two situations, and only asks: the decisions are her
   turn the answers into the ``(peer, generation)`` and ``(peer, last key)`` pairs of its
   ``ForceStartRequested`` event.
 
+While it recovers, the core answers ``status`` and nothing else (``ANSWERED_WHILE_RECOVERING``): the driver
+keeps a ``RecoveryProgress`` (the round, the members asked, the answers so far) and ``recovery_answer``
+turns it into ``status``'s ``recovery`` section (``rlog.messages.RecoveryAnswer``): what the core waits
+for, and why. Every other request is refused ``not_ready`` (``recovering_refusal``): its state is not
+decided yet (a ``journal`` answer in particular would count for another rebuilt core as a member's,
+which it cannot vouch for), and a client asks another core.
+
 A peer's answer is untrusted input like any other frame. ``well_formed_answers`` keeps only the
 answers that state every generation as an integer in [0, ``GENERATION_MAX``], the bound a consensus
 message's generation is held to too (one malformed generation drops the whole answer: that peer
@@ -48,11 +55,13 @@ ignored (it never becomes a row of this core's database).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from mnesite.core.consensus import GENERATION_MAX
 from mnesite.core.membership import valid_members
 from mnesite.rlog.schema import SchemaError, check_name
+from mnesite.rlog.status import RecoveryAnswer
 from mnesite.rlog.types import ZERO_KEY, TxKey
 
 
@@ -214,3 +223,76 @@ def recovered_members(
             if cluster is None or generation > cluster[0]:
                 cluster = (generation, members)
     return {shard: members for shard, (_, members) in best.items()}, cluster[1] if cluster else None
+
+
+# The requests a core answers while it recovers: read-only and about this core alone. ``members``,
+# ``journal``, ``list_tables`` and the rlog reads would answer from a state recovery is about to decide.
+ANSWERED_WHILE_RECOVERING = frozenset({"status"})
+
+
+@dataclass
+class RecoveryProgress:
+    """Where a core's start-up recovery stands (the driver's, updated as it goes; ``recovery_answer``)."""
+
+    name: str
+    members: tuple[str, ...]  # the membership the core starts with (its peers' answers may replace it)
+    existing: bool  # ``[cluster] initial_cluster_state = "existing"``
+    started_ms: int
+    rounds_max: int
+    round_timeout_ms: int
+    round: int = 0
+    # "asking": a round's journal requests are out; "waiting": the round is answered (or timed out) short
+    # of what is needed, and the next one starts once the round's time is up.
+    phase: Literal["asking", "waiting"] = "asking"
+    asked: tuple[str, ...] = ()
+    # The round's answers so far (a probe's threads add to it: read it through a copy).
+    answers: Mapping[str, Any] = field(default_factory=dict)
+
+
+def recovery_answer(progress: RecoveryProgress, now_ms: int) -> RecoveryAnswer:
+    """``status``'s ``recovery`` section: the members whose answers the core still needs and why, as
+    ``recovery_shortfall`` decides from the answers so far. Until an answer shows a generation in use
+    (or the cluster is declared existing) the need is not known (``needed`` None): the core waits for
+    the members it asked, whose answers say whether the cluster has history."""
+    usable = well_formed_answers(dict(progress.answers))
+    members = recovered_members(usable)[1] or progress.members
+    history = any(journal_generation(journal, shard) > 0 for journal in usable.values() for shard in journal["shards"])
+    answered = sorted(usable)
+    if progress.existing or history:
+        needed: int | None = recovery_shortfall(usable, members, progress.name, progress.existing)
+        waiting_for = sorted(set(members) - set(usable) - {progress.name})
+        why = (
+            "every other member must answer before this core may vote (it may have voted, and held entries, "
+            f"before its database was lost or restored): {needed} not yet"
+        )
+    else:
+        needed = None
+        waiting_for = sorted(set(progress.asked) - set(usable))
+        why = "asking its peers whether the cluster has history (a generation in use)"
+    when = (
+        f"round {progress.round} of {progress.rounds_max}"
+        if progress.phase == "asking"
+        else f"asking again in round {progress.round + 1} of {progress.rounds_max}"
+    )
+    return RecoveryAnswer(
+        phase=progress.phase,
+        round=progress.round,
+        rounds_max=progress.rounds_max,
+        elapsed_ms=max(0, now_ms - progress.started_ms),
+        round_timeout_ms=progress.round_timeout_ms,
+        asked=sorted(progress.asked),
+        answered=answered,
+        waiting_for=waiting_for,
+        needed=needed,
+        existing=progress.existing,
+        reason=f"{why}; {when}",
+    )
+
+
+def recovering_refusal(name: str, answer: RecoveryAnswer) -> str:
+    """The ``not_ready`` message of a request a recovering core does not answer."""
+    waiting = f", waiting for {', '.join(answer.waiting_for)}" if answer.waiting_for else ""
+    return (
+        f"core {name} is recovering at start-up (an empty or restored database) and answers only status until "
+        f"it is done{waiting}: {answer.reason}; ask another core"
+    )

@@ -59,6 +59,7 @@ from mnesite.rlog.security import (
     configure_client,
     load_key,
 )
+from mnesite.rlog.status import RecoveryAnswer
 from mnesite.rlog.types import WAIT_MS_MAX, TxKey, new_request_id
 from zmq.utils.monitor import recv_monitor_message
 
@@ -953,10 +954,13 @@ class Client:
 
     def status(self) -> dict[str, Any]:
         """The node's status: what ``mnesite status --json`` prints. Checked (``rlog.admin_answers``):
-        a malformed answer raises ``MnesiteError`` ``bad_answer``."""
+        a malformed answer raises ``MnesiteError`` ``bad_answer``. A core recovering at start-up adds
+        its ``recovery`` section (``RecoveryAnswer``; its shards are not open yet)."""
         result = self.call("status")
         head = checked("status", result, admin_answers.NodeStatus)
         checked("status", result, admin_answers.status_type(head.role))
+        if result.get("recovery") is not None:
+            checked("status", result["recovery"], RecoveryAnswer)
         return result
 
     def journal(self) -> dict[str, Any]:

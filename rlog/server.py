@@ -426,27 +426,11 @@ class NodeServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def bind(self) -> None:
-        self.context = zmq.Context()
+        """Bind the node's socket, unless bound already (a core answers ``status`` while it recovers at
+        start-up: ``CoreNode``), and start the ``[metrics] listen`` endpoint."""
         try:
-            if self.security is not None:
-                self.security.start(self.context)  # the ZAP handler must be up before the server socket binds
-            elif self.config.security is not None and self.config.security.insecure:
-                log.warning(
-                    "%s %s runs WITHOUT authentication or encryption ([security] insecure = true): anyone who can "
-                    "reach %s can read and write everything",
-                    self.role,
-                    self.config.name,
-                    self.config.listen,
-                )
-            self.socket = self.context.socket(zmq.ROUTER)
-            if self.security is not None:
-                self.security.secure_server(self.socket)
-            self.socket.setsockopt(zmq.LINGER, 0)
-            self.socket.setsockopt(zmq.RCVHWM, self.config.limits.requests_queued_max)
-            # Answers queued per connection: a client that never reads costs at most this many frames.
-            self.socket.setsockopt(zmq.SNDHWM, self.config.limits.replies_queued_max)
-            self.socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.frame_bytes_max * SOCKET_MESSAGE_FACTOR)
-            self.socket.bind(self.config.listen)
+            if self.socket is None:
+                self._bind_socket()
             if self.config.metrics_listen is not None and self.metrics_server is None:
                 self.metrics, self.metrics_server = start_metrics(
                     self.config.metrics_listen, self.config.name, self.role, is_loopback
@@ -456,6 +440,28 @@ class NodeServer:
             # stay open in a process that goes on (it could not start a node on that directory again).
             self.close()
             raise
+
+    def _bind_socket(self) -> None:
+        self.context = zmq.Context()
+        if self.security is not None:
+            self.security.start(self.context)  # the ZAP handler must be up before the server socket binds
+        elif self.config.security is not None and self.config.security.insecure:
+            log.warning(
+                "%s %s runs WITHOUT authentication or encryption ([security] insecure = true): anyone who can "
+                "reach %s can read and write everything",
+                self.role,
+                self.config.name,
+                self.config.listen,
+            )
+        self.socket = self.context.socket(zmq.ROUTER)
+        if self.security is not None:
+            self.security.secure_server(self.socket)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, self.config.limits.requests_queued_max)
+        # Answers queued per connection: a client that never reads costs at most this many frames.
+        self.socket.setsockopt(zmq.SNDHWM, self.config.limits.replies_queued_max)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, self.config.limits.frame_bytes_max * SOCKET_MESSAGE_FACTOR)
+        self.socket.bind(self.config.listen)
 
     def install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -244,8 +244,9 @@ def node_config(data_dir: Path, port: int, name: str = "core1", extra: dict | No
 
 @contextlib.contextmanager
 def follower_by_hand(data_dir: Path) -> Iterator[tuple[CoreNode, object]]:
-    """``core1`` of three cores, not bound nor served (the test steps its rules), with the ``default``
-    shard open and its turn's transaction begun: ``(node, driver)``; closed after the block."""
+    """``core1`` of three cores, not served (the test steps its rules; its socket is bound, as by the
+    start-up recovery of an empty database), with the ``default`` shard open and its turn's transaction
+    begun: ``(node, driver)``; closed after the block."""
     cores = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("core1", "core2", "core3")}
     node = CoreNode(node_config(data_dir, free_port(), extra={"cluster": {"core_nodes": cores}}))
     try:
@@ -253,8 +254,7 @@ def follower_by_hand(data_dir: Path) -> Iterator[tuple[CoreNode, object]]:
         node.store.ensure_shard("default", 0)
         yield node, node._open_shard("default")
     finally:
-        node.store.close()
-        node.data_dir_lock.release()
+        node.close()
 
 
 def changes_of_default(request_id: str, after) -> messages.Message:
@@ -409,15 +409,16 @@ class NodeProcess:
             )
 
     def wait_ready(self, endpoint: str, timeout_s: float = 20) -> None:
-        """Wait until the launched node answers a status request at ``endpoint``; fail if it exits."""
+        """Wait until the launched node answers a status request at ``endpoint`` and is not recovering
+        (a core answers status while its start-up recovery asks its peers, ``core.recovery``); fail if
+        it exits."""
 
         def ready() -> bool:
             if self.process is not None and self.process.poll() is not None:
                 raise AssertionError(f"node exited with {self.process.returncode}: {self.log_path.read_text()[-2000:]}")
             try:
                 with Client(endpoint, timeout_ms=200, retries=0, **self.client_keys) as client:
-                    client.status()
-                return True
+                    return client.status().get("recovery") is None
             except MnesiteError:
                 return False
 

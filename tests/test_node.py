@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import select
 import socket as socket_module
 import threading
@@ -33,6 +35,7 @@ from tests.conftest import (
     free_port,
     node_config,
     run_turns_until,
+    wait_until,
     watch_body,
 )
 
@@ -1221,3 +1224,96 @@ def test_a_core_a_forced_start_left_out_serves_no_read_of_the_shard(tmp_path) ->
         assert shard_status["excluded"]["generation"] == 3 and shard_status["serving"] is False
         assert "forced start (generation 3)" in shard_status["not_serving_reason"]
         assert node.journal()["shards"]["default"]["hears_sequencer"] is False
+
+
+class _PeerJournal:
+    """A core's stand-in on a ROUTER: silent until ``answering`` is set, then it answers every request
+    with an empty journal (a member of a cluster that never elected anyone)."""
+
+    def __init__(self) -> None:
+        from tests.conftest import RouterNode
+
+        self.answering = threading.Event()
+        peer = self
+
+        class Router(RouterNode):
+            def _serve(self) -> None:
+                while not self.stopping.is_set():
+                    received = self.receive_message()
+                    if received is not None and peer.answering.is_set():
+                        self.send(received[0], messages.reply(received[1].request_id, {"shards": {}}))
+
+        self.router = Router()
+        self.endpoint = self.router.endpoint
+
+
+def test_a_recovering_core_answers_status_and_refuses_the_rest_until_its_peers_answer(tmp_path):
+    """A core on an empty database, declared ``existing``, waits at start-up until every other member
+    answered its journal probe. Its socket is bound meanwhile: ``status`` answers the node's identity
+    and a ``recovery`` section (round, peers asked and answered, whom it waits for), ``mnesite status``
+    prints it, and a write is refused ``not_ready`` naming the recovery (before: nothing listened, every
+    request went unanswered until the recovery ended or gave up). Once the peer answers, the start ends
+    and status is the normal answer."""
+    from click.testing import CliRunner
+    from mnesite.cli.main import main
+
+    peer = _PeerJournal()
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    cluster = {"core_nodes": {"core1": endpoint, "core2": peer.endpoint}, "initial_cluster_state": "existing"}
+    config = node_config(tmp_path / "data", port, extra={"cluster": {**cluster, "recovery_timeout_ms": 1000}})
+    started: list[CoreNode | BaseException] = []
+
+    def construct() -> None:
+        try:
+            started.append(CoreNode(config))
+        except BaseException as error:
+            started.append(error)
+
+    constructing = threading.Thread(target=construct, daemon=True)
+    constructing.start()
+    node = None
+    try:
+        with Client(endpoint, timeout_ms=300, retries=0) as client:
+            answers: list[dict] = []
+
+            def answered() -> bool:
+                assert not started, f"the start ended before status was answered: {started}"
+                with contextlib.suppress(Unavailable):
+                    answers.append(client.status())
+                return bool(answers)
+
+            wait_until(answered, 10, "status answered while the core recovers")
+            status = answers[0]
+            recovering_status, recovery = status, status["recovery"]
+            assert status["node"] == "core1" and status["role"] == "core" and status["shards"] == {}
+            assert recovery["waiting_for"] == ["core2"] and recovery["needed"] == 1 and recovery["existing"]
+            assert recovery["asked"] == ["core2"] and recovery["answered"] == [] and recovery["round"] >= 1
+            with pytest.raises(RemoteError) as refused:
+                client.create_table("t", "id", [("id", "INTEGER")])
+            assert refused.value.code == "not_ready", refused.value
+            assert "recovering at start-up" in str(refused.value) and "core2" in str(refused.value)
+        printed = CliRunner().invoke(main, ["status", "--node", endpoint])
+        assert printed.exit_code == 0, printed.output
+        assert "RECOVERING at start-up" in printed.output and "waiting for: core2" in printed.output
+        assert "no shard yet" not in printed.output
+        printed = CliRunner().invoke(main, ["status", "--json", "--node", endpoint])
+        assert printed.exit_code == 0 and json.loads(printed.output)["recovery"]["waiting_for"] == ["core2"]
+        peer.answering.set()
+        constructing.join(timeout=15)
+        assert started and isinstance(started[0], CoreNode), started
+        node = started[0]
+        serving = threading.Thread(target=node.serve_forever, daemon=True)
+        serving.start()
+        with Client(endpoint, timeout_ms=3000, retries=2) as client:
+            status = client.status()
+        assert "recovery" not in status and status["node"] == "core1"
+        # Every field of the normal answer is in the recovering one: a client that reads them (an older
+        # one too, which knows no recovery section) reads a recovering core's answer as well.
+        assert set(status) <= set(recovering_status) - {"recovery"}
+    finally:
+        if node is not None:
+            node.request_stop("test over")
+            serving.join(timeout=10)
+        peer.router.close()
+        constructing.join(timeout=15)

@@ -161,3 +161,27 @@ def test_a_recovered_generation_counts_the_vote_in_it_as_cast_unless_one_is_on_r
     own_generation, own_voted_for, recovered, persisted
 ):
     assert vote_recovered(own_generation, own_voted_for, recovered) is persisted
+
+
+def test_a_recovering_core_says_whom_it_waits_for_and_why():
+    """``status``'s ``recovery`` section (``recovery_answer``): until an answer shows history (or the
+    cluster is declared existing) the core waits for the members it asked, not knowing how many it
+    needs; once one does, for every other member; the ``not_ready`` refusal names them."""
+    from mnesite.core.recovery import RecoveryProgress, recovering_refusal, recovery_answer
+
+    three = ("core1", "core2", "core3")
+    progress = RecoveryProgress("core1", three, False, started_ms=1000, rounds_max=10, round_timeout_ms=500)
+    progress.round, progress.asked = 1, ("core2", "core3")
+    fresh = recovery_answer(progress, 1250)
+    assert (fresh.phase, fresh.round, fresh.elapsed_ms, fresh.needed) == ("asking", 1, 250, None)
+    assert fresh.waiting_for == ["core2", "core3"] and fresh.answered == []
+    assert "whether the cluster has history" in fresh.reason and "round 1 of 10" in fresh.reason
+    progress.answers = {"core2": {"shards": {"default": {"generation": 4}}}, "core3": "garbage"}
+    progress.phase = "waiting"
+    history = recovery_answer(progress, 1600)
+    assert (history.needed, history.answered, history.waiting_for) == (1, ["core2"], ["core3"])
+    assert "every other member must answer" in history.reason and "round 2 of 10" in history.reason
+    refusal = recovering_refusal("core1", history)
+    assert "recovering at start-up" in refusal and "waiting for core3" in refusal and "status" in refusal
+    declared = RecoveryProgress("core1", three, True, started_ms=0, rounds_max=10, round_timeout_ms=500)
+    assert recovery_answer(declared, 0).waiting_for == ["core2", "core3"] and recovery_answer(declared, 0).needed == 2
