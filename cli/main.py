@@ -1232,14 +1232,17 @@ def describe_follower(shard: str, peer: str, follower: dict) -> str:
 
 def describe_exclusion(shard: str, info: dict[str, Any]) -> str | None:
     """A core a forced start left out of the shard (docs: Force start): who forced it, in which
-    generation and with which members, how its journal compares with the forced core's, and what to do."""
+    generation and with which members, how its journal compares with the forced core's, and what to do.
+    A core restarted since it was told knows only the generation (``by`` and ``members`` are null)."""
     excluded = info.get("excluded")
     if not excluded:
         return None
+    by = f" of {excluded['by']}" if excluded.get("by") else ""
+    members = f", members {', '.join(excluded['members'])}" if excluded.get("members") else ""
     return (
-        f"{shard}: EXCLUDED by a forced start of {excluded['by']} (generation {excluded['generation']}, "
-        f"members {', '.join(excluded['members'])}): {excluded['verdict']}; it serves no write nor read of the "
-        "shard: rebuild it (empty data directory), then cluster add-core"
+        f"{shard}: EXCLUDED by a forced start{by} (generation {excluded['generation']}{members}): "
+        f"{excluded['verdict']}; it serves no write nor read of the shard: rebuild it (empty data directory), "
+        "then cluster add-core"
     )
 
 

@@ -131,7 +131,9 @@ and executes the effects it returns.
   (``membership.heard_after_forced_start``, ``_heeds_outsider``); a core told that
   a forced membership left it out steps down, fails its pending writes, and stops taking part,
   unless the notice shows its sender behind it (a core added back ignores a member that has not
-  persisted the entry adding it: ``_on_exclusion``).
+  persisted the entry adding it: ``_on_exclusion``). The exclusion is persisted
+  (``PersistedState.excluded_generation``): restarted, the core would otherwise follow again, serving
+  local reads of a state that no longer moves until a member of the forced generation told it again.
   Safety holds as long as fewer than a majority of the old members that were left out ever come
   back (they must be rebuilt first): left-out cores alone cannot form a quorum of the old membership,
   and reached cores ignore them. A left-out core rejoins through an ordinary membership change
@@ -154,7 +156,8 @@ and executes the effects it returns.
 
 Driver contract
 ---------------
-1. Build the machine from what is persisted: ``PersistedState`` (generation, vote, members, forced),
+1. Build the machine from what is persisted: ``PersistedState`` (generation, vote, members, forced,
+   vote floor, exclusion),
    the log (through a ``LogView``) and the committed (= applied) key. Anything not persisted is lost.
 2. Call ``step`` with a non-decreasing ``now_ms`` from a monotonic clock. Deliver ``Ticked`` at least
    every ``heartbeat_interval_ms / 2`` (``next_deadline_ms()`` says when the next one matters).
@@ -303,6 +306,10 @@ class PersistedState:
     # A core rebuilt on an empty database (``core.recovery``): the highest log key its peers reported
     # when it recovered. It stands in for the log the core lost when it judges a candidate's log.
     vote_floor: TxKey = ZERO_KEY
+    # The forced generation that left this core out of the shard (``ExclusionNotice``; None: not left
+    # out). Persisted, so that a restart does not make it a follower again that serves local reads of a
+    # state that no longer moves; cleared only by the entry that adds it back (``_note_changes``).
+    excluded_generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -759,8 +766,9 @@ class ShardConsensus:
         self._learner: _Learner | None = None
         self._forced = state.forced
         self._vote_floor = state.vote_floor
-        # Left out by a forced start (ExclusionNotice): never campaign again until rebuilt.
-        self._excluded = False
+        # The forced generation that left this core out (ExclusionNotice; persisted, so a restart keeps
+        # it): never campaign again until added back. None: not left out.
+        self._excluded_generation = state.excluded_generation
         # Non-member -> when it was last told it is left out (bounded by MEMBERS_MAX entries).
         self._exclusion_told_ms: dict[str, int] = {}
         self._last_key = log.last_key()
@@ -872,8 +880,15 @@ class ShardConsensus:
 
     @property
     def excluded(self) -> bool:
-        """A forced start left this core out (it was told); it takes no part until rebuilt."""
-        return self._excluded
+        """A forced start left this core out (it was told, before or since its start: persisted); it
+        takes no part until added back."""
+        return self._excluded_generation is not None
+
+    @property
+    def excluded_generation(self) -> int | None:
+        """The forced generation that left this core out (``core.rules.not_serving_reason`` names it);
+        None: not left out."""
+        return self._excluded_generation
 
     @property
     def lazy_followers(self) -> frozenset[str]:
@@ -898,7 +913,12 @@ class ShardConsensus:
 
     def persisted_state(self) -> PersistedState:
         return PersistedState(
-            self._generation, self._voted_for, self._committed_members, self._forced, self._vote_floor
+            self._generation,
+            self._voted_for,
+            self._committed_members,
+            self._forced,
+            self._vote_floor,
+            self._excluded_generation,
         )
 
     def status(self) -> ConsensusStatus:
@@ -975,7 +995,7 @@ class ShardConsensus:
                 if progress is not None and self._feedable(progress):
                     due_ms = min(due_ms, self._feed_due_ms(progress))
             return due_ms
-        if self._excluded or not self.voter:
+        if self.excluded or not self.voter:
             # It never campaigns (a removed core, a learner, a core a forced start left out): its
             # election deadline passes and stays passed, and the driver would poll without waiting.
             return self._now_ms + self.config.election_timeout_ms_min
@@ -1088,7 +1108,7 @@ class ShardConsensus:
         return heard
 
     def _on_tick(self) -> None:
-        if self._excluded:
+        if self.excluded:
             return
         if self._role is Role.SEQUENCER:
             heard = len(self._heard_voters())
@@ -1413,7 +1433,11 @@ class ShardConsensus:
             self._adopt_generation(notice.generation)
         elif self._role is not Role.FOLLOWER or self._sequencer is not None:
             self._step_down(f"left out by a forced start of {sender} (generation {notice.generation})")
-        self._excluded = True
+        if self._excluded_generation != notice.generation:
+            # Persisted (the driver's store, the simulator's node): a restart stays out, and serves no
+            # local read of the shard from its first turn (``core.rules.not_serving_reason``).
+            self._excluded_generation = notice.generation
+            self._persist_state()
         self._out.append(Excluded(sender, notice.generation, notice.members, notice.key, notice.digest))
 
     def _tell_excluded(self, sender: str, message: PeerMessage) -> None:
@@ -1452,7 +1476,7 @@ class ShardConsensus:
             return
         if sender == self.name or (sender not in self._members and not self._heeds_outsider(sender, message)):
             self._out.append(ProtocolViolation(sender, f"{NOT_A_MEMBER} {self._members}"))
-            if sender != self.name and not self._excluded and self._forced:
+            if sender != self.name and not self.excluded and self._forced:
                 # Only a forced start leaves cores out behind their back; a core outside an
                 # ordinary membership (a learner, a removed core) is simply not answered.
                 self._tell_excluded(sender, message)
@@ -2091,10 +2115,12 @@ class ShardConsensus:
         if changes:
             self._changes.extend(changes)
             self._set_members(changes[-1][1])
-            if self._excluded and self.name in changes[-1][1]:
+            if self.excluded and self.name in changes[-1][1]:
                 # Left out by a forced start, then added back (``cluster add-core``): the forced
                 # sequencer replicated its log to us as a learner, and its add entry names us.
-                self._excluded = False
+                # Persisted with the entry (the same turn's transaction): a restart serves again.
+                self._excluded_generation = None
+                self._persist_state()
 
     def _forget_changes_after(self, key: TxKey) -> None:
         """The log is truncated after ``key``: its membership entries there no longer count."""

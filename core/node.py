@@ -137,6 +137,7 @@ from mnesite.core.snapshot import (
     SnapshotInstall,
     SnapshotOffer,
     accept_offer,
+    exclusion_after_install,
     offer_due,
     reads_forced_offer,
     reads_snapshot_request,
@@ -220,6 +221,8 @@ FORWARDED_MAX = PEER_REQUESTS_OUTSTANDING_MIN
 WAITERS_MAX = 100_000
 # Meta key prefix (+ shard) of a rebuilt core's vote floor, "generation,counter" (``recover_generations``).
 VOTE_FLOOR_META = "vote_floor:"
+# ``status``'s verdict of an exclusion persisted before a restart (the journals were compared when told).
+RESTARTED_VERDICT = "told before this core restarted (its log then said how the journals compare)"
 # Journal probes a core on an empty database makes (each up to recovery_timeout_ms) before it gives up.
 RECOVERY_ROUNDS_MAX = 10
 # How often a recovering core, answering status (``_recovery_wait``), looks whether its probe's answers are in.
@@ -730,7 +733,14 @@ class CoreNode(NodeServer):
 
     def _open_shard(self, shard: str) -> ShardDriver:
         generation, voted_for, members, forced = self.store.consensus_state(shard)
-        state = PersistedState(generation, voted_for, members or self.members, forced, self._vote_floor(shard))
+        state = PersistedState(
+            generation,
+            voted_for,
+            members or self.members,
+            forced,
+            self._vote_floor(shard),
+            self.store.excluded_generation(shard),
+        )
         position = self.store.shard(shard)
         if position is None:
             raise StoreError(f"unknown shard {shard}")
@@ -763,7 +773,32 @@ class CoreNode(NodeServer):
             apply=rules.FollowerApply(self.config.limits.follower_apply_delay_ms_max),
         )  # fmt: skip
         self.shards[shard] = driver
+        self._exclusion_from_disk(shard, consensus.excluded_generation)
         return driver
+
+    def _exclusion_from_disk(self, shard: str, generation: int | None) -> None:
+        """The exclusion the shard's machine was built with (persisted: ``PersistedState.excluded_generation``),
+        at a start or a rebuild from disk: ``excluded`` says it. Who told, with which members and how the
+        journals compared was logged when it was told; a restart keeps only the generation."""
+        if generation is None:
+            if self.excluded.pop(shard, None) is not None:
+                log.warning(
+                    "shard %s: its data directory records no exclusion by a forced start any more (an installed "
+                    "snapshot added it back, or the turn that recorded it was rolled back): it takes part again",
+                    shard,
+                )
+            return
+        known = self.excluded.get(shard)
+        if known is not None and known["generation"] == generation:
+            return
+        self.excluded[shard] = {"by": None, "generation": generation, "members": None, "verdict": RESTARTED_VERDICT}
+        log.error(
+            "shard %s: this core was left out of the cluster by a forced start (generation %d), told before it "
+            "restarted. It takes no part in the shard nor serves its reads: rebuild it from a member's data "
+            "directory, then cluster add-core.",
+            shard,
+            generation,
+        )
 
     def _shard_for(self, shard: str, create: bool) -> ShardDriver | None:
         """The shard's driver; ``create``: made (persisted) if the node has none, except on a full disk
@@ -851,7 +886,7 @@ class CoreNode(NodeServer):
         snapshot (it does not campaign meanwhile), nor once a forced start left this core out."""
         shard = driver.shard
         installing = shard in self.not_serving and shard not in self._installed_shards()
-        return not installing and shard not in self.excluded and shard not in self.stopped
+        return not installing and not driver.consensus.excluded and shard not in self.stopped
 
     def disk_filled(self) -> None:
         """A turn failed for want of space and was rolled back (``NodeServer.turn``, ``rlog.disk``).
@@ -1067,11 +1102,10 @@ class CoreNode(NodeServer):
         driver = self.shards.get(shard)
         stuck_reason = driver.consensus.stuck_reason if driver is not None else None
         stuck_reason = self.stopped.get(shard, stuck_reason)
-        excluded = self.excluded.get(shard)
-        excluded_generation = excluded["generation"] if excluded is not None else None
+        excluded_generation = driver.consensus.excluded_generation if driver is not None else None
         # The applied key is said only with a stuck log or an exclusion: no store read on the common path
         # (every read asks).
-        said_at = stuck_reason is not None or excluded is not None
+        said_at = stuck_reason is not None or excluded_generation is not None
         position = self.store.shard(shard) if said_at else None
         applied = position.applied if position is not None else None
         return rules.not_serving_reason(
@@ -1088,6 +1122,7 @@ class CoreNode(NodeServer):
             self.begin()
             state = effect.state
             self.store.persist_consensus_state(shard, state.generation, state.voted_for, state.members, state.forced)
+            self.store.persist_excluded_generation(shard, state.excluded_generation)
             if state.generation > driver.generation:
                 driver.generation = state.generation
                 driver.elections += 1
@@ -1497,8 +1532,13 @@ class CoreNode(NodeServer):
                 self.begin()
                 self.store.restart_log_at(shard, effect.key, effect.digest)
                 generation, voted_for, members, forced = self.store.consensus_state(shard)
-                members, forced = state_after_install(self.installs[shard].offer, members or self.members, forced)
+                offer = self.installs[shard].offer
+                members, forced = state_after_install(offer, members or self.members, forced)
                 self.store.persist_consensus_state(shard, generation, voted_for, members, forced)
+                excluded = self.store.excluded_generation(shard)
+                self.store.persist_excluded_generation(
+                    shard, exclusion_after_install(offer, self.config.name, excluded)
+                )
                 self.store.set_meta(f"installing:{shard}", 0)
                 self.rows_lost.discard(shard)
                 self.store.set_meta(f"read_fenced:{shard}", 1)
@@ -1651,9 +1691,7 @@ class CoreNode(NodeServer):
         if driver.shard in self.stopped:
             return rules.ShardView(driver.shard, False, None)  # writes and fenced reads: ``no_sequencer``
         consensus = driver.consensus
-        return rules.ShardView(
-            driver.shard, consensus.role is Role.SEQUENCER, consensus.sequencer, driver.shard in self.excluded
-        )
+        return rules.ShardView(driver.shard, consensus.role is Role.SEQUENCER, consensus.sequencer, consensus.excluded)
 
     def _write(self, envelope: list[bytes], message: Message) -> None:
         """A client's write, as the rule-book (``core.rules``) routes it: a retry answered from the log,

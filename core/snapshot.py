@@ -138,6 +138,17 @@ def state_after_install(offer: SnapshotOffer, members: tuple[str, ...], forced: 
     return offered, offer.forced
 
 
+def exclusion_after_install(offer: SnapshotOffer, name: str, excluded_generation: int | None) -> int | None:
+    """The exclusion (``PersistedState.excluded_generation``) a follower ``name`` persists with an installed
+    snapshot. A membership committed at a key of the forced generation or later descends from the forced
+    start's, which left ``name`` out: when it names ``name``, the entry that added it back is among those
+    the snapshot stands for, and the exclusion ends as it ends when that entry is appended
+    (``ShardConsensus._note_changes``). Otherwise it stays (an offer naming no membership says nothing)."""
+    if excluded_generation is None or offer.key.generation < excluded_generation:
+        return excluded_generation
+    return None if name in offer.members else excluded_generation
+
+
 def reads_forced_offer(follower: Announcement | None) -> bool:
     """Whether a follower that announced ``follower`` reads an offer's ``forced`` field: every release
     that announces its versions does; 0.1.0 announces none and refuses the field (it keeps its flag)."""

@@ -41,9 +41,11 @@ step, so a restart resumes; a drop of the table ends the build; another index ch
 The build is a node's own affair: the log holds the op, and each node builds at its own pace, with the
 same rows and the same schema in the end.
 * ``_mnesite_shards(shard, generation, applied_*, applied_digest, voted_for, members, forced,
-  trimmed_*)``: per-shard position, the consensus state that must survive a crash (generation and
-  vote, persisted before they are used) and the last entry retention removed (its digest is what
-  an append that follows it is checked against).
+  trimmed_*, excluded_generation)``: per-shard position, the consensus state that must survive a crash
+  (generation and vote, persisted before they are used; the forced generation that left this core out
+  of the shard, NULL if none did) and the last entry retention removed (its digest is what an append
+  that follows it is checked against). ``excluded_generation`` came after release 0.1.0: opening an
+  older store adds it (``_ADDED_COLUMNS``).
 * ``_mnesite_rlog(shard, generation, counter, prev_*, digest, request_id, ops, appended_ms)``.
 * ``_mnesite_spill(shard, generation, counter, entry)``: on a bootstrapping replicant, the entries
   pushed while the tables are copied, replayed once the copy is done.
@@ -139,7 +141,8 @@ CREATE TABLE IF NOT EXISTS _mnesite_shards(
     forced INTEGER NOT NULL DEFAULT 0,
     trimmed_generation INTEGER NOT NULL DEFAULT 0,
     trimmed_counter INTEGER NOT NULL DEFAULT 0,
-    trimmed_digest BLOB NOT NULL DEFAULT x'0000000000000000000000000000000000000000000000000000000000000000'
+    trimmed_digest BLOB NOT NULL DEFAULT x'0000000000000000000000000000000000000000000000000000000000000000',
+    excluded_generation INTEGER
 ) STRICT;
 CREATE TABLE IF NOT EXISTS _mnesite_rlog(
     shard TEXT NOT NULL,
@@ -173,6 +176,12 @@ CREATE TABLE IF NOT EXISTS _mnesite_dropped_tables(
 ) STRICT, WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS _mnesite_rlog_request ON _mnesite_rlog(request_id) WHERE request_id IS NOT NULL;
 """
+
+# Columns added to an internal table since release 0.1.0, (table, column, definition): ``CREATE TABLE IF
+# NOT EXISTS`` leaves an older store's table as it was, so opening it adds them. Each is NULL or has a
+# default in an older row, and release 0.1.0 names every column it reads and writes, so it still opens
+# the store after a roll back (it ignores them): the storage format does not move for them.
+_ADDED_COLUMNS = (("_mnesite_shards", "excluded_generation", "INTEGER"),)
 
 
 RLOG_INSERT = "INSERT INTO _mnesite_rlog VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -380,6 +389,7 @@ class Store:
             if create:
                 with self.write_transaction():
                     self.connection.execute(_SCHEMA)
+                    self._add_columns()
                     self.connection.execute(
                         "INSERT OR IGNORE INTO _mnesite_meta(name, value) VALUES ('format_version', ?)",
                         (FORMAT_VERSION,),
@@ -448,6 +458,14 @@ class Store:
         # Rows an index build copies per step, and the tables being built (table -> shadow).
         self.index_build_step_rows_max = INDEX_BUILD_STEP_ROWS_MAX
         self._builds: dict[str, str] | None = None
+
+    def _add_columns(self) -> None:
+        """Add the columns of ``_ADDED_COLUMNS`` that an older store's tables lack (inside the opening
+        transaction: a crash leaves the store as it was, opened again the same way)."""
+        for table, column, definition in _ADDED_COLUMNS:
+            present = {row[1] for row in self.connection.execute(f"PRAGMA table_info({quote(table)})")}
+            if column not in present:
+                self.connection.execute(f"ALTER TABLE {quote(table)} ADD COLUMN {quote(column)} {definition}")
 
     def _narrow(self, path: str, file_mode: int) -> None:
         """Give ``path`` (the database, its -wal or -shm) ``file_mode``; a file that refuses it (``EPERM``:
@@ -746,6 +764,21 @@ class Store:
         self.connection.execute(
             "UPDATE _mnesite_shards SET generation = ?, voted_for = ?, members = ?, forced = ? WHERE shard = ?",
             (generation, voted_for, json.dumps(sorted(members)), int(forced), shard),
+        )
+
+    def excluded_generation(self, shard: str) -> int | None:
+        """The forced generation that left this core out of ``shard`` as last persisted (None: none did)."""
+        row = self.connection.execute(
+            "SELECT excluded_generation FROM _mnesite_shards WHERE shard = ?", (shard,)
+        ).fetchone()
+        if row is None:
+            raise StoreError(f"unknown shard {shard}")
+        return row[0]
+
+    def persist_excluded_generation(self, shard: str, generation: int | None) -> None:
+        """Persist (None: clear) the forced generation that left this core out of ``shard``."""
+        self.connection.execute(
+            "UPDATE _mnesite_shards SET excluded_generation = ? WHERE shard = ?", (generation, shard)
         )
 
     # -- rlog ---------------------------------------------------------------------------------

@@ -177,11 +177,18 @@ def test_status_text_says_who_left_a_core_out_and_what_it_no_longer_serves() -> 
     """``status`` printed the exclusion as a Python dict (``EXCLUDED {'by': 'core1', ...}``); it says
     in words who forced it, which generation and members, how the journals compare and what to do."""
     from mnesite.cli.main import describe_exclusion
+    from mnesite.core.node import RESTARTED_VERDICT
 
     excluded = {"by": "core1", "generation": 4, "members": ["core1"], "verdict": "journals DIVERGE at (3, 9)"}
     assert describe_exclusion("default", {"excluded": excluded}) == (
         "default: EXCLUDED by a forced start of core1 (generation 4, members core1): journals DIVERGE at (3, 9); "
         "it serves no write nor read of the shard: rebuild it (empty data directory), then cluster add-core"
+    )
+    # A core restarted since it was told knows the generation only (the rest was logged when told).
+    restarted = {"by": None, "generation": 4, "members": None, "verdict": RESTARTED_VERDICT}
+    assert describe_exclusion("default", {"excluded": restarted}) == (
+        f"default: EXCLUDED by a forced start (generation 4): {RESTARTED_VERDICT}; it serves no write nor read of "
+        "the shard: rebuild it (empty data directory), then cluster add-core"
     )
     assert describe_exclusion("default", {"excluded": None}) is None
     assert describe_exclusion("default", {}) is None, "a release without the field"

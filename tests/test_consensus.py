@@ -1096,6 +1096,36 @@ def test_a_core_added_back_ignores_a_notice_from_a_member_that_has_not_heard_of_
     assert of_type(c.receive("b", diverged), Excluded) and c.machine.excluded
 
 
+def test_a_left_out_core_stays_out_across_a_restart_until_the_entry_that_adds_it_back():
+    """The exclusion lived only in the machine: restarted, a left-out core was a follower again (its
+    driver served local reads of a state that no longer moves) until a member of the forced generation
+    told it again. It is persisted with the consensus state, so a machine built from that state is out
+    from its first turn; the entry that adds it back ends it, and that is persisted too."""
+    a, _, entries = _forced_pair()
+    c = Harness(
+        "c", members=FIVE, entries=list(entries), state=PersistedState(1, None, FIVE), committed_key=TxKey(1, 2)
+    )
+    effects = c.receive("a", ExclusionNotice(2, ("a", "b"), TxKey(1, 2), entries[1].digest))
+    assert of_type(effects, Excluded) and c.state.excluded_generation == 2
+    assert index_of(effects, PersistState) < index_of(effects, Excluded)
+
+    restarted = Harness("c", members=FIVE, entries=list(c.log.entries), state=c.state, committed_key=TxKey(1, 2))
+    assert restarted.machine.excluded and restarted.machine.excluded_generation == 2
+    assert restarted.step(Ticked(), 10 * CONFIG.election_timeout_ms_max) == [], "it never campaigns"
+
+    # cluster add-core: a replicates its log to c as a learner (c stays out), then the entry adding c.
+    forced = next(entry for entry in a.log.entries if entry.tx_key == TxKey(2, 1))
+    restarted.receive("a", AppendRequest(2, TxKey(1, 2), entries[1].digest, forced.tx_key, ("a", "b"), (forced,)))
+    assert restarted.machine.excluded and restarted.state.excluded_generation == 2
+    add = make_entry("s", TxKey(2, 2), forced.tx_key, forced.digest, (MembersOp(("a", "b", "c"), "c"),), "m")
+    effects = restarted.receive("a", AppendRequest(2, forced.tx_key, forced.digest, forced.tx_key, ("a", "b"), (add,)))
+    assert not restarted.machine.excluded and restarted.machine.excluded_generation is None
+    assert index_of(effects, PersistEntries) < index_of(effects, PersistState)
+    assert restarted.state.excluded_generation is None
+    again = Harness("c", entries=list(restarted.log.entries), state=restarted.state, committed_key=forced.tx_key)
+    assert not again.machine.excluded
+
+
 def test_a_follower_waiting_for_a_snapshot_still_gets_heartbeats_and_is_found_again_after_it():
     entries = chain([TxKey(1, n) for n in range(1, 6)])
     harness = Harness(entries=entries, state=PersistedState(1, None, MEMBERS), committed_key=TxKey(1, 5))

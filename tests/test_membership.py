@@ -35,7 +35,7 @@ from mnesite.core.consensus import (
     TruncateLog,
     VoteRequest,
 )
-from mnesite.core.snapshot import SnapshotOffer, reads_forced_offer, state_after_install
+from mnesite.core.snapshot import SnapshotOffer, exclusion_after_install, reads_forced_offer, state_after_install
 from mnesite.rlog.messages import MessageError, decode_ops, typed_body
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
@@ -362,6 +362,19 @@ def test_a_snapshot_carries_the_committed_membership():
         "a",
         "b",
     )
+
+
+def test_a_snapshot_whose_membership_adds_a_left_out_core_back_ends_its_exclusion():
+    """The exclusion is persisted (``PersistedState.excluded_generation``): a left-out core that gets
+    the entry adding it back inside a snapshot (trimmed at its sequencer) must end it there, as an
+    append of that entry ends it, or it would stay out, added back, until rebuilt. A membership of the
+    forced generation or later that names it says so; one that does not, or an older one, does not."""
+    added = SnapshotOffer("a", 5, TxKey(5, 9), bytes(32), ("a", "b", "c"))
+    assert exclusion_after_install(added, "c", 5) is None
+    assert exclusion_after_install(SnapshotOffer("a", 5, TxKey(5, 9), bytes(32), ("a", "b")), "c", 5) == 5
+    assert exclusion_after_install(SnapshotOffer("a", 5, TxKey(4, 9), bytes(32), ("a", "b", "c")), "c", 5) == 5
+    assert exclusion_after_install(SnapshotOffer("a", 5, TxKey(5, 9), bytes(32)), "c", 5) == 5, "no membership named"
+    assert exclusion_after_install(added, "c", None) is None
 
 
 def test_a_snapshot_carries_whether_its_membership_is_a_forced_starts():

@@ -1185,10 +1185,9 @@ def test_a_core_a_forced_start_left_out_serves_no_read_of_the_shard(tmp_path) ->
     (the client asks another node), a held changefeed request is answered so at once, and ``status``
     says why."""
     from mnesite.core.consensus import ExclusionNotice, MessageReceived
-    from mnesite.rlog.errors import RequestError
     from mnesite.rlog.types import WriteOp
 
-    from tests.conftest import changes_of_default, follower_by_hand, queued_to
+    from tests.conftest import follower_by_hand, queued_to
 
     with follower_by_hand(tmp_path / "data") as (node, driver):
         _, second = _applied_two_entries_and_holds_a_changefeed(node, driver, (WriteOp("t", {"id": 1}),))
@@ -1203,27 +1202,86 @@ def test_a_core_a_forced_start_left_out_serves_no_read_of_the_shard(tmp_path) ->
         assert (answer.kind, answer.body.code) == ("error", "not_ready")
         assert "forced start (generation 3)" in answer.body.message
 
-        reads = {
-            "get": {"table": "t", "key": 1},
-            "scan": {"table": "t"},
-            "query": {"sql": "SELECT id FROM t"},
-        }
-        for kind, body in reads.items():
-            with pytest.raises(RequestError) as refused:
-                node._dispatch([b"c1"], Message(kind, f"r-{kind}", messages.typed_body(kind, body)))
-            assert refused.value.code == "not_ready", kind
-            assert "left out of the shard by a forced start" in str(refused.value), kind
-        with pytest.raises(RequestError) as refused:
-            node._dispatch([b"c1"], changes_of_default("asked-now", applied))
-        assert refused.value.code == "not_ready"
-        with pytest.raises(RequestError) as unknown:  # it cannot know the forced generation's tables
-            node._dispatch([b"c1"], Message("get", "r-u", messages.typed_body("get", {"table": "u", "key": 1})))
-        assert unknown.value.code == "not_ready"
+        _refuses_every_read_of_default_as_left_out(node, applied, 3)
+        assert node.status()["shards"]["default"]["excluded"]["by"] == "core2"
 
-        shard_status = node.status()["shards"]["default"]
-        assert shard_status["excluded"]["generation"] == 3 and shard_status["serving"] is False
-        assert "forced start (generation 3)" in shard_status["not_serving_reason"]
-        assert node.journal()["shards"]["default"]["hears_sequencer"] is False
+
+LOCAL_READS_OF_T = {"get": {"table": "t", "key": 1}, "scan": {"table": "t"}, "query": {"sql": "SELECT id FROM t"}}
+
+
+def _refuses_every_read_of_default_as_left_out(node, applied, generation: int) -> None:
+    """``node`` answers every read of shard ``default`` (get, scan, query, a changefeed page, a table it
+    does not know) ``not_ready``, naming the forced start; its ``status`` and ``journal`` say it is out."""
+    from mnesite.rlog.errors import RequestError
+
+    from tests.conftest import changes_of_default
+
+    for kind, body in LOCAL_READS_OF_T.items():
+        with pytest.raises(RequestError) as refused:
+            node._dispatch([b"c1"], Message(kind, f"r-{kind}", messages.typed_body(kind, body)))
+        assert refused.value.code == "not_ready", kind
+        assert f"left out of the shard by a forced start (generation {generation})" in str(refused.value), kind
+    with pytest.raises(RequestError) as refused:
+        node._dispatch([b"c1"], changes_of_default("asked-now", applied))
+    assert refused.value.code == "not_ready"
+    with pytest.raises(RequestError) as unknown:  # it cannot know the forced generation's tables
+        node._dispatch([b"c1"], Message("get", "r-u", messages.typed_body("get", {"table": "u", "key": 1})))
+    assert unknown.value.code == "not_ready"
+
+    shard_status = node.status()["shards"]["default"]
+    assert shard_status["excluded"]["generation"] == generation and shard_status["serving"] is False
+    assert f"forced start (generation {generation})" in shard_status["not_serving_reason"]
+    assert node.journal()["shards"]["default"]["hears_sequencer"] is False
+
+
+def test_a_core_a_forced_start_left_out_stays_out_after_a_restart_until_it_is_added_back(tmp_path) -> None:
+    """The exclusion lived only in memory: restarted, the left-out core was a follower again that hears
+    no sequencer, and served gets, scans, queries and changefeed pages of a state that no longer moves
+    (its journal may even diverge from the forced history) until a member of the forced generation told
+    it again. It is persisted: from its first turn after the restart it refuses them as before, and
+    does not campaign; the entry that adds it back ends it, durably too."""
+    from mnesite.core.consensus import AppendRequest, ExclusionNotice, MessageReceived
+    from mnesite.core.consensus_wire import message_to_wire
+    from mnesite.rlog.types import MembersOp, WriteOp, make_entry
+
+    from tests.conftest import follower_by_hand, queued_to
+
+    data_dir = tmp_path / "data"
+    with follower_by_hand(data_dir) as (node, driver):
+        _, second = _applied_two_entries_and_holds_a_changefeed(node, driver, (WriteOp("t", {"id": 1}),))
+        node._step(driver, MessageReceived("core2", ExclusionNotice(3, ("core2",), second.tx_key, second.digest)))
+        assert driver.consensus.excluded
+        node._commit()  # the turn's commit: what a node that stops after it keeps
+
+    with follower_by_hand(data_dir) as (node, driver):
+        assert driver.consensus.excluded_generation == 3 and not node._ticked(driver), "out from the first turn"
+        _refuses_every_read_of_default_as_left_out(node, second.tx_key, 3)
+        assert node.status()["shards"]["default"]["excluded"]["by"] is None, "who told it is not persisted"
+        # cluster add-core at the forced sequencer: its forced entry, then the one that adds this core.
+        forced = make_entry("default", TxKey(3, 1), second.tx_key, second.digest, (MembersOp(("core2",)),), "f")
+        add = make_entry(
+            "default",
+            TxKey(3, 2),
+            forced.tx_key,
+            forced.digest,
+            (MembersOp(("core1", "core2"), "core1", node.endpoints["core1"]),),
+        )
+        append = AppendRequest(3, second.tx_key, second.digest, add.tx_key, ("core2",), (forced, add))
+        body = {"shard": "default", "sender": "core2", "message": message_to_wire(append)}
+        node._on_peer(Message("peer", "peer", messages.typed_body("peer", body)))
+        node._apply_gathered(driver)
+        assert not driver.consensus.excluded and node.status()["shards"]["default"]["excluded"] is None
+        node._commit()
+
+    with follower_by_hand(data_dir) as (node, driver):
+        assert not driver.consensus.excluded and node._ticked(driver)
+        assert node.store.shard("default").applied == TxKey(3, 2)
+        assert node._not_serving_reason("default") is None
+        get = Message("get", "r-get", messages.typed_body("get", LOCAL_READS_OF_T["get"]))
+        node._dispatch([b"c1"], get)
+        (answer,) = queued_to(node, [b"c1"])
+        assert (answer.kind, answer.body.result) == ("reply", {"id": 1}), answer
+        assert not node.status()["shards"]["default"]["excluded"]
 
 
 class _PeerJournal:

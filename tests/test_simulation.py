@@ -907,6 +907,35 @@ def test_the_simulator_catches_a_serving_rule_that_serves_a_core_left_out_by_a_f
             excluded_member_reading_locally(seed)
 
 
+_SHARD_CONSENSUS_INIT = ShardConsensus.__init__
+
+
+def _ignoring_the_persisted_exclusion(self, shard, name, log, state, *args, **kwargs):
+    """Mutation of the machine's start: the exclusion it was built with (persisted) is ignored, as when
+    it lived only in memory."""
+    _SHARD_CONSENSUS_INIT(self, shard, name, log, dataclasses.replace(state, excluded_generation=None), *args, **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_left_out_core_that_forgets_its_exclusion_when_it_restarts(monkeypatch):
+    """A core a forced start left out kept that only in memory: restarted, it served local reads of its
+    frozen state again, as a follower hearing no sequencer, until a member of the forced generation told
+    it again. In ``tests.sim.exclusion`` it crashes and restarts while the forced core writes and clients
+    read at both: rebuilt from what it persisted (``PersistedState.excluded_generation``), it answers no
+    local read; with the persisted exclusion ignored at the machine's start, the check of the history
+    catches its stale reads."""
+    seeds = (1, 2, 3, 4)
+    for seed in seeds:
+        sim, _, left_out, answered = excluded_member_reading_locally(seed)
+        node = sim.nodes[left_out]
+        assert node.machine.excluded and node.state.excluded_generation == node.machine.excluded_generation
+        assert sim.crashes == 1 and sim.local_reads_answered[left_out] == answered
+    monkeypatch.setattr(ShardConsensus, "__init__", _ignoring_the_persisted_exclusion)
+    for seed in seeds:
+        with pytest.raises(SimulationFailure, match=f"seed {seed} .*local read of key \\d at core\\d"):
+            excluded_member_reading_locally(seed)
+
+
 @pytest.mark.timeout(60)
 def test_a_stuck_member_refuses_snapshot_offers_at_the_cluster_version_it_does_not_speak(monkeypatch):
     """The sequencer's snapshot offers carry the cluster version its applied state records, as

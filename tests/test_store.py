@@ -893,3 +893,54 @@ def test_the_drops_recorded_go_with_the_log_a_snapshot_install_or_a_bootstrap_re
         assert store.connection.execute(drops).fetchall() == []
     finally:
         store.close()
+
+
+def test_the_exclusion_by_a_forced_start_is_persisted_per_shard_and_cleared(tmp_path) -> None:
+    """A core a forced start left out kept that only in memory: restarted, it served local reads of a
+    state that no longer moves. The forced generation is persisted in the shard's row (NULL: not left
+    out), beside the generation and vote, and survives a reopen; clearing it is persisted too."""
+    path = str(tmp_path / "mnesite.db")
+    store = Store(path, synchronous="NORMAL")
+    with store.write_transaction():
+        store.ensure_shard("default", 1)
+        store.ensure_shard("other", 1)
+        assert store.excluded_generation("default") is None
+        store.persist_excluded_generation("default", 4)
+    store.close()
+    store = Store(path, synchronous="NORMAL")
+    assert (store.excluded_generation("default"), store.excluded_generation("other")) == (4, None)
+    with store.write_transaction():
+        store.persist_excluded_generation("default", None)
+    store.close()
+    store = Store(path, synchronous="NORMAL")
+    assert store.excluded_generation("default") is None
+    with pytest.raises(StoreError, match="unknown shard"):
+        store.excluded_generation("nope")
+    store.close()
+
+
+def test_a_store_from_before_the_exclusion_column_opens_and_gets_it(tmp_path) -> None:
+    """A data directory written before ``excluded_generation`` existed (release 0.1.0's shard rows have
+    no such column; ``CREATE TABLE IF NOT EXISTS`` leaves them as they are) opens: the column is added,
+    NULL for every shard (not left out), the rows and the storage format are unchanged."""
+    path = str(tmp_path / "mnesite.db")
+    store = Store(path, synchronous="NORMAL")
+    with store.write_transaction():
+        store.ensure_shard("default", 3)
+        store.persist_consensus_state("default", 3, "core2", ("core1", "core2"), True)
+    store.close()
+    older = apsw.Connection(path)
+    older.execute("ALTER TABLE _mnesite_shards DROP COLUMN excluded_generation")
+    columns = [row[1] for row in older.execute("PRAGMA table_info(_mnesite_shards)")]
+    assert "excluded_generation" not in columns and "trimmed_digest" in columns
+    older.close()
+    store = Store(path, synchronous="NORMAL")
+    assert store.excluded_generation("default") is None
+    assert store.consensus_state("default") == (3, "core2", ("core1", "core2"), True)
+    assert store.storage_format() == 1
+    with store.write_transaction():
+        store.persist_excluded_generation("default", 5)
+    store.close()
+    store = Store(path, synchronous="NORMAL")
+    assert store.excluded_generation("default") == 5
+    store.close()

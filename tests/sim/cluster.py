@@ -115,6 +115,7 @@ from mnesite.core.recovery import (
 from mnesite.core.snapshot import (
     SnapshotOffer,
     accept_offer,
+    exclusion_after_install,
     reads_forced_offer,
     snapshot_request_due,
     state_after_install,
@@ -884,7 +885,10 @@ class Simulation:
         follower.cluster_version = max(follower.cluster_version, offer.cluster_version)
         # The driver persists the offer's membership with the copied tables (core.snapshot).
         members, forced = state_after_install(offer, follower.state.members, follower.state.forced)
-        follower.state = dataclasses.replace(follower.state, members=members, forced=forced)
+        excluded = exclusion_after_install(offer, follower.name, follower.state.excluded_generation)
+        follower.state = dataclasses.replace(
+            follower.state, members=members, forced=forced, excluded_generation=excluded
+        )
         self.snapshots += 1
         self.trace.append((self.now_ms, follower.name, "installed snapshot at", follower.applied_key))
         self._start(follower)
@@ -984,7 +988,7 @@ class Simulation:
             # Production's gate (CoreNode._not_serving_reason): its installs are one step here, so
             # they say nothing; half-copied rows, a forced start that left it out or a log it cannot
             # follow answer not_ready (the client retries).
-            excluded = machine.generation if machine.excluded else None
+            excluded = machine.excluded_generation
             served = rules.not_serving_reason(None, node.rows_lost, machine.stuck_reason, node.applied_key, excluded)
             if served is None:
                 self._record_local_read(node, request, applied_row)
