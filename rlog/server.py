@@ -42,7 +42,7 @@ import zmq.backend
 from mnesite.rlog import messages
 from mnesite.rlog.backup import BackupError, BackupJob, decide
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
-from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
+from mnesite.rlog.config import Config, ConfigError, is_loopback, keys_needing_restart, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
 from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (RequestError re-exported)
@@ -464,13 +464,27 @@ class NodeServer:
 
     def reload_security(self) -> None:
         """SIGHUP: re-read ``authorized_keys`` and ``[security.roles]`` from the config file; keep the
-        old ones (and say why) if the new ones are unusable."""
+        old ones (and say why) if the new ones are unusable. Any other key edited since the start is
+        named in one line: it takes effect only at a restart (``keys_needing_restart``)."""
         self.reload_requested.clear()
-        if self.security is None or self.config.source_path is None:
+        reloaded = None
+        if self.config.source_path is not None:
+            try:
+                reloaded = load_config(self.config.source_path)
+            except ConfigError as error:
+                if self.security is None:
+                    log.error("SIGHUP: the config file is unusable: %s", error)
+                else:
+                    log.error("SIGHUP: keeping the current keys and roles: %s", error)
+                return
+            restart = keys_needing_restart(self.config, reloaded)
+            if restart:
+                log.warning("SIGHUP: changed keys that take effect only at a restart: %s", ", ".join(restart))
+        if self.security is None or reloaded is None:
             log.warning("SIGHUP: nothing to reload (no [security] keys or no config file)")
             return
         try:
-            security = load_config(self.config.source_path).security
+            security = reloaded.security
             if security is None or not security.enabled:
                 raise SecurityError("the reloaded config has no [security] keys; restart to turn security off")
             self.security.reload(security)

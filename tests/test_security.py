@@ -1157,6 +1157,34 @@ def test_sighup_stops_the_agents_of_a_replicant_whose_key_or_role_it_revoked(sec
         requests.close(0)
 
 
+@pytest.mark.parametrize("secure", [True, False])
+def test_a_sighup_names_the_edited_keys_it_does_not_apply(
+    tmp_path: Path, keys: Path, caplog: pytest.LogCaptureFixture, secure: bool
+) -> None:
+    """Regression: a reload applied [security] authorized_keys and roles and ignored every other key
+    edited in the file without a word (an operator who lowered a limit and sent SIGHUP saw nothing
+    change). One line names each such key: it takes effect only at a restart; the roles are applied."""
+    node = _secure_core(tmp_path, keys, ROLES_WITH_READER, "[limits]\nscan_rows_max = 100\n")
+    config_path = tmp_path / "core1.toml"
+    if not secure:
+        config_path.write_text(config_path.read_text().split("[security]")[0])
+        node.close()
+        node = CoreNode(load_config(str(config_path)))
+    try:
+        text = config_path.read_text().replace("scan_rows_max = 100", "scan_rows_max = 200")
+        config_path.write_text(text.replace('reader = ["dashboard"]', 'reader = ["dashboard", "app"]'))
+        with caplog.at_level(logging.INFO, logger="mnesite.server"):
+            node.reload_security()  # what the loop does at a SIGHUP, between two turns
+        restart = [r.getMessage() for r in caplog.records if "only at a restart" in r.getMessage()]
+        assert restart == ["SIGHUP: changed keys that take effect only at a restart: [limits].scan_rows_max"]
+        assert node.config.limits.scan_rows_max == 100
+        if secure:
+            assert node.security is not None and node.security.roles.roles_of("app") == {"writer", "reader"}
+            assert "SIGHUP: reloaded" in caplog.text
+    finally:
+        node.close()
+
+
 @pytest.mark.parametrize("revoked", ["removed", "replaced"])
 def test_a_frame_left_in_the_backlog_across_a_reload_that_revoked_its_key_is_refused(
     tmp_path: Path, keys: Path, revoked: str
