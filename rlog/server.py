@@ -1441,7 +1441,9 @@ class NodeServer:
             return
         now = monotonic_ms()
         positions = self.store.shards()
-        not_serving = self.shards_not_serving_changes()
+        # Asked of the shards the held requests follow only: a turn costs what is held, not the node's shards.
+        followed = {shard for held in self.waiting_changes for shard in held.applied}
+        not_serving = self.shards_not_serving_changes(followed)
         for waiting in list(self.waiting_changes):
             applied = {shard: position.applied for shard, position in positions.items()}
             if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms, waiting.shards, not_serving):
@@ -1461,13 +1463,14 @@ class NodeServer:
             self.waiting_changes.remove(waiting)
             self._answer_changes(waiting.envelope, request_id, page)
 
-    def shards_not_serving_changes(self) -> Collection[str]:
-        """Hook: the shards whose ``changes`` this node refuses now (``not_ready``) and will not serve
-        soon: a core's snapshot install, its rows lost, its log stuck or stopped; a replicant's
-        bootstrap until its copy is healed. A held changefeed request following one is answered at once
-        (``rlog.changes.worth_a_page``) with what a request asked then gets, not at the end of its
-        wait. A shard refused only briefly may be left out (a replicant failing over, most often to
-        resume): a request held on it waits for its next page."""
+    def shards_not_serving_changes(self, followed: Collection[str]) -> Collection[str]:
+        """Hook: of ``followed`` (the shards held changefeed requests follow: a turn asks about no other,
+        so its cost does not grow with the node's shards), those whose ``changes`` this node refuses now
+        (``not_ready``) and will not serve soon: a core's snapshot install, its rows lost, its log stuck
+        or stopped; a replicant's bootstrap until its copy is healed. A held changefeed request following
+        one is answered at once (``rlog.changes.worth_a_page``) with what a request asked then gets, not
+        at the end of its wait. A shard refused only briefly may be left out (a replicant failing over,
+        most often to resume): a request held on it waits for its next page."""
         return ()
 
     def _answer_changes(self, envelope: list[bytes], request_id: str, page: Page) -> None:
