@@ -26,6 +26,7 @@ from mnesite.rlog.types import GENESIS_DIGEST, CreateTableOp, Entry, TxKey, Writ
 from tests.conftest import (
     Cluster,
     ThreadNode,
+    close_offline,
     ctrl_c_at_the_final_progress_line,
     free_port,
     offline_replicant,
@@ -381,8 +382,7 @@ def test_no_backup_while_a_shard_holds_no_committed_state(tmp_path: Path) -> Non
         assert not (tmp_path / "c.backup").exists() and not (tmp_path / "r.backup").exists()
     finally:
         core.stop()
-        replicant.store.close()
-        replicant.data_dir_lock.release()
+        close_offline(replicant)
 
 
 def test_backup_step_pages_max_is_a_bounded_limit_and_one_page_steps_still_finish(tmp_path: Path) -> None:

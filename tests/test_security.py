@@ -1064,23 +1064,22 @@ def test_refused_requests_log_a_line_a_second_of_each_kind_of_refusal(keys: Path
 
     from mnesite.rlog.security import NodeSecurity, SecurityConfig
 
-    from tests.conftest import offline_replicant
+    from tests.conftest import replicant_by_hand
 
-    node = offline_replicant(tmp_path / "r")
-    now = [0]
-    node.warnings.clock = lambda: now[0]
-    node.security = NodeSecurity(
-        SecurityConfig(
-            False,
-            str(keys / "cluster.key_secret"),
-            str(keys / "replicant1.key_secret"),
-            str(keys.parent / "authorized"),
-            {role: tuple(names) for role, names in ROLES.items()},
+    with replicant_by_hand(tmp_path / "r") as node:
+        now = [0]
+        node.warnings.clock = lambda: now[0]
+        node.security = NodeSecurity(
+            SecurityConfig(
+                False,
+                str(keys / "cluster.key_secret"),
+                str(keys / "replicant1.key_secret"),
+                str(keys.parent / "authorized"),
+                {role: tuple(names) for role, names in ROLES.items()},
+            )
         )
-    )
-    stop = Message("stop", "s", {})
-    forged = Message("peer", "p", SimpleNamespace(sender="core2"))
-    try:
+        stop = Message("stop", "s", {})
+        forged = Message("peer", "p", SimpleNamespace(sender="core2"))
         caplog.set_level(logging.WARNING, logger="mnesite.server")
         for _ in range(1000):
             for principal, message in (("app", stop), ("core1", forged), ("", stop)):
@@ -1098,9 +1097,6 @@ def test_refused_requests_log_a_line_a_second_of_each_kind_of_refusal(keys: Path
         assert [record.getMessage() for record in caplog.records][3:] == [
             line + " (and 998 more like it in the last 1000 ms)" for line in lines
         ]
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 @pytest.mark.parametrize("revoked", ["key", "role", "replaced key"])

@@ -286,7 +286,7 @@ def test_a_replicants_spill_budget_is_configured_by_limits_spill_entries_max_and
     ``[limits] spill_entries_max`` and ``spill_bytes_max``, bounded, and reaches the replicant's replicas."""
     from mnesite.replicant.replica import ReplicaConfig
 
-    from tests.conftest import offline_replicant
+    from tests.conftest import replicant_by_hand
 
     default = parse_config({}).limits
     assert (default.spill_entries_max, default.spill_bytes_max) == (100_000, 1024**3)
@@ -299,13 +299,9 @@ def test_a_replicants_spill_budget_is_configured_by_limits_spill_entries_max_and
     ]:
         with pytest.raises(ConfigError, match=rf"\[limits\]\.{key} must be an integer in {bounds}"):
             parse_config({"limits": {key: bad}})
-    node = offline_replicant(tmp_path / "data", {"spill_entries_max": 500, "spill_bytes_max": 8 * 1024**2})
-    try:
+    with replicant_by_hand(tmp_path / "data", {"spill_entries_max": 500, "spill_bytes_max": 8 * 1024**2}) as node:
         assert (node.replica_config.spill_entries_max, node.replica_config.spill_bytes_max) == (500, 8 * 1024**2)
         assert node.spill_budget.bytes_max == 8 * 1024**2
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 @pytest.mark.parametrize("trailing", ["\n", "\r\n"])
