@@ -6,12 +6,13 @@ Theory of operation
 (the node writes it; FILE is made absolute here) and then polls the node with the same request
 until the copy is done, failed, or ``--wait-ms`` has passed. ``restore FILE --data-dir DIR`` runs
 offline, on the machine of the new node: it seeds DIR from the backup (see ``rlog.backup``). Both
-show their progress on stderr at most every ``PROGRESS_INTERVAL_S`` (as ``import`` does), restore
-also a final line; stdout is only the result, which scripts read.
+show their progress on stderr through ``cli.progress.ProgressLines`` (as ``import`` does): a line at
+most every ``PROGRESS_INTERVAL_S``, and a final one; stdout is only the result, which scripts read.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -76,7 +77,7 @@ def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
     endpoint = single_endpoint(endpoint, "backup")
     path = os.path.abspath(file)
     deadline = time.monotonic() + wait_ms / 1000
-    last_shown = -1.0
+    lines = None if quiet else ProgressLines(PROGRESS_INTERVAL_S)
     answered = False  # the node took the request: a copy is (or was) under way at it
     with client_for(endpoint, timeout_ms) as client:
         try:
@@ -87,11 +88,14 @@ def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
                     break
                 if time.monotonic() >= deadline:
                     fail(_still_running(path, endpoint, f" after {wait_ms} ms"))
-                if not quiet and result["pages_total"] and time.monotonic() - last_shown >= PROGRESS_INTERVAL_S:
-                    last_shown = time.monotonic()
-                    click.echo(f"backup: {result['pages_copied']} of {result['pages_total']} pages copied", err=True)
+                if lines is not None and result["pages_total"]:
+                    lines.show(functools.partial(describe_backup_progress, result))
                 time.sleep(POLL_INTERVAL_S)
+            if lines is not None and result["state"] == "done":
+                lines.show(functools.partial(describe_backup_progress, result), final=True)
         except KeyboardInterrupt:
+            if answered and result["state"] == "done":  # at the final progress line (a blocked stderr)
+                fail(f"backup interrupted once done: {path} holds the backup (the result was not printed)")
             if not answered:
                 fail(
                     f"backup interrupted before the node answered: it may be copying to {path}; "
@@ -108,6 +112,13 @@ def backup(file, wait_ms, quiet, endpoint, timeout_ms, as_json) -> None:
     else:
         click.echo(f"backup {path}: {result['pages_total']} pages in {result['seconds']} s")
         click.echo(f"shards: {_describe_shards(result['shards']) or 'none'}")
+
+
+def describe_backup_progress(answer: dict) -> str:
+    """One stderr line for a ``backup`` answer: the pages copied so far, or the final line once done."""
+    if answer["state"] == "done":
+        return f"backup: done in {answer['seconds']} s: {answer['pages_total']} pages copied"
+    return f"backup: {answer['pages_copied']} of {answer['pages_total']} pages copied"
 
 
 @click.command("restore")

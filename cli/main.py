@@ -1725,7 +1725,10 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
     first shard that fails ends the run: the result says which shards changed (``shards``), which
     failed and why (``failed``) and which were not tried (``not_tried``)."""
     with client_for(endpoint, timeout_ms) as client:
-        view = run(client.members)
+        try:
+            view = run(client.members)
+        except KeyboardInterrupt:  # nothing is asked before this view: exit 1, as before a shard's change
+            fail(f"{action} {name} interrupted before any change was asked: nothing was changed")
         if not view["shards"]:
             fail("the cluster has no shard yet: create a table first, then change its cores")
         results: dict[str, Any] = {}

@@ -1378,16 +1378,15 @@ class CoreNode(NodeServer):
         """Shards whose install copied everything (their consensus runs again; reads wait for the fence)."""
         return {shard for shard, install in self.installs.items() if install.mode is InstallMode.FENCED}
 
-    def shards_not_serving_changes(self) -> Collection[str]:
-        """The shards this core serves no read of now (``_not_serving_reason``; a ``changes`` request
+    def shards_not_serving_changes(self, followed: Collection[str]) -> Collection[str]:
+        """Of ``followed``, the shards this core serves no read of now (``_not_serving_reason``; a ``changes`` request
         on one is refused ``not_ready``): a snapshot install's, from ``BeginInstall`` (their rows
         deleted) until the read fence, across a restart; rows an abandoned install left half copied
         (``rows_lost``); a log stuck at an entry it refused (``stuck_reason``); a shard stopped here
         until a restart (``stopped``); a forced start left this core out of it (``excluded``). A
         changefeed request held on one is answered at once with what a request asked then gets."""
         # The one rule that refuses new requests, so that a held one is never told otherwise.
-        shards = self.shards.keys() | self.not_serving.keys() | self.rows_lost | self.stopped.keys()
-        return {shard for shard in shards if self._not_serving_reason(shard) is not None}
+        return {shard for shard in followed if self._not_serving_reason(shard) is not None}
 
     def _check_serving(self, shard: str) -> None:
         reason = self._not_serving_reason(shard)

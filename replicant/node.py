@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,13 +277,13 @@ class ReplicantNode(NodeServer):
         self._maybe_trim()
         self.flush()
 
-    def shards_not_serving_changes(self) -> list[str]:
-        """The shards a bootstrap reset (``ResetShard``) and whose copy is not done and healed yet: read
-        fenced (``ShardReplica.read_fenced``), from the bootstrap's start, across a restart, until the
-        replay reaches the fence. A shard only disconnected (failing over, most often to resume) is not
-        among them, although a request asked meanwhile is refused: a changefeed request held on it gets
-        its page once pushes come again."""
-        return [shard for shard, replica in self.replicas.items() if replica.read_fenced]
+    def shards_not_serving_changes(self, followed: Collection[str]) -> list[str]:
+        """Of ``followed``, the shards a bootstrap reset (``ResetShard``) and whose copy is not done and
+        healed yet: read fenced (``ShardReplica.read_fenced``), from the bootstrap's start, across a
+        restart, until the replay reaches the fence. A shard only disconnected (failing over, most often
+        to resume) is not among them, although a request asked meanwhile is refused: a changefeed
+        request held on it gets its page once pushes come again."""
+        return [shard for shard in followed if shard in self.replicas and self.replicas[shard].read_fenced]
 
     def _maybe_trim(self) -> None:
         """Retention of the replicant's own rlog, by count and age like on a core."""

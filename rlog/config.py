@@ -565,6 +565,43 @@ def parse_security(raw: Any, base_dir: str) -> SecurityConfig | None:
     )
 
 
+# What a SIGHUP applies to a running node (``NodeServer.reload_security``); every other key is read at start.
+RELOADED_KEYS = ("[security].authorized_keys", "[security].roles")
+
+
+def config_keys(config: Config) -> dict[str, Any]:
+    """``config``'s values by the name its TOML file gives them (``[limits].scan_rows_max``).
+    ``[security]`` stands for the section's mode (absent, insecure, keys): turning it on or off is one change."""
+
+    def section(name: str, values: Any) -> dict[str, Any]:
+        return {f"[{name}].{f.name}": getattr(values, f.name) for f in fields(values) if f.name != "insecure"}
+
+    keys: dict[str, Any] = {f"[node].{key}": getattr(config, key) for key in ("name", "role", "data_dir", "listen")}
+    keys["[cluster].core_nodes"] = config.core_nodes
+    keys["[cluster].initial_cluster_state"] = config.initial_cluster_state
+    keys.update(section("cluster", config.timing))
+    keys["[storage].synchronous"] = config.synchronous
+    keys["[storage].disk_probe_interval_ms"] = config.disk_probe_interval_ms
+    keys.update(section("limits", config.limits))
+    keys.update(section("rlog", config.retention))
+    keys["[metrics].listen"] = config.metrics_listen
+    security = config.security
+    keys["[security]"] = "absent" if security is None else "insecure" if security.insecure else "keys"
+    if security is not None and security.enabled:
+        keys.update(section("security", security))
+    return keys
+
+
+def keys_needing_restart(running: Config, reloaded: Config) -> list[str]:
+    """The keys a reload found changed that it does not apply (all but ``RELOADED_KEYS``), in
+    ``config_keys``' order: a SIGHUP names them, or an edit would look applied and be silently ignored."""
+    before, after = config_keys(running), config_keys(reloaded)
+    changed = [key for key in {**before, **after} if before.get(key) != after.get(key)]
+    if "[security]" in changed:  # turned on or off: its keys' changes are that one change
+        return [key for key in changed if not key.startswith("[security].")]
+    return [key for key in changed if key not in RELOADED_KEYS]
+
+
 def load_config(path: str | None) -> Config:
     """Load and validate ``path``; ``None`` gives the single-core default (data in ./mnesite-data)."""
     if path is None:

@@ -42,7 +42,7 @@ import zmq.backend
 from mnesite.rlog import messages
 from mnesite.rlog.backup import BackupError, BackupJob, decide
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
-from mnesite.rlog.config import Config, ConfigError, is_loopback, load_config
+from mnesite.rlog.config import Config, ConfigError, is_loopback, keys_needing_restart, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
 from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (RequestError re-exported)
@@ -470,13 +470,27 @@ class NodeServer:
 
     def reload_security(self) -> None:
         """SIGHUP: re-read ``authorized_keys`` and ``[security.roles]`` from the config file; keep the
-        old ones (and say why) if the new ones are unusable."""
+        old ones (and say why) if the new ones are unusable. Any other key edited since the start is
+        named in one line: it takes effect only at a restart (``keys_needing_restart``)."""
         self.reload_requested.clear()
-        if self.security is None or self.config.source_path is None:
+        reloaded = None
+        if self.config.source_path is not None:
+            try:
+                reloaded = load_config(self.config.source_path)
+            except ConfigError as error:
+                if self.security is None:
+                    log.error("SIGHUP: the config file is unusable: %s", error)
+                else:
+                    log.error("SIGHUP: keeping the current keys and roles: %s", error)
+                return
+            restart = keys_needing_restart(self.config, reloaded)
+            if restart:
+                log.warning("SIGHUP: changed keys that take effect only at a restart: %s", ", ".join(restart))
+        if self.security is None or reloaded is None:
             log.warning("SIGHUP: nothing to reload (no [security] keys or no config file)")
             return
         try:
-            security = load_config(self.config.source_path).security
+            security = reloaded.security
             if security is None or not security.enabled:
                 raise SecurityError("the reloaded config has no [security] keys; restart to turn security off")
             self.security.reload(security)
@@ -1433,7 +1447,9 @@ class NodeServer:
             return
         now = monotonic_ms()
         positions = self.store.shards()
-        not_serving = self.shards_not_serving_changes()
+        # Asked of the shards the held requests follow only: a turn costs what is held, not the node's shards.
+        followed = {shard for held in self.waiting_changes for shard in held.applied}
+        not_serving = self.shards_not_serving_changes(followed)
         for waiting in list(self.waiting_changes):
             applied = {shard: position.applied for shard, position in positions.items()}
             if not worth_a_page(waiting.applied, applied, now, waiting.deadline_ms, waiting.shards, not_serving):
@@ -1453,13 +1469,14 @@ class NodeServer:
             self.waiting_changes.remove(waiting)
             self._answer_changes(waiting.envelope, request_id, page)
 
-    def shards_not_serving_changes(self) -> Collection[str]:
-        """Hook: the shards whose ``changes`` this node refuses now (``not_ready``) and will not serve
-        soon: a core's snapshot install, its rows lost, its log stuck or stopped; a replicant's
-        bootstrap until its copy is healed. A held changefeed request following one is answered at once
-        (``rlog.changes.worth_a_page``) with what a request asked then gets, not at the end of its
-        wait. A shard refused only briefly may be left out (a replicant failing over, most often to
-        resume): a request held on it waits for its next page."""
+    def shards_not_serving_changes(self, followed: Collection[str]) -> Collection[str]:
+        """Hook: of ``followed`` (the shards held changefeed requests follow: a turn asks about no other,
+        so its cost does not grow with the node's shards), those whose ``changes`` this node refuses now
+        (``not_ready``) and will not serve soon: a core's snapshot install, its rows lost, its log stuck
+        or stopped; a replicant's bootstrap until its copy is healed. A held changefeed request following
+        one is answered at once (``rlog.changes.worth_a_page``) with what a request asked then gets, not
+        at the end of its wait. A shard refused only briefly may be left out (a replicant failing over,
+        most often to resume): a request held on it waits for its next page."""
         return ()
 
     def _answer_changes(self, envelope: list[bytes], request_id: str, page: Page) -> None:

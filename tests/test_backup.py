@@ -26,6 +26,7 @@ from mnesite.rlog.types import GENESIS_DIGEST, CreateTableOp, Entry, TxKey, Writ
 from tests.conftest import (
     Cluster,
     ThreadNode,
+    close_offline,
     ctrl_c_at_the_final_progress_line,
     free_port,
     offline_replicant,
@@ -381,8 +382,7 @@ def test_no_backup_while_a_shard_holds_no_committed_state(tmp_path: Path) -> Non
         assert not (tmp_path / "c.backup").exists() and not (tmp_path / "r.backup").exists()
     finally:
         core.stop()
-        replicant.store.close()
-        replicant.data_dir_lock.release()
+        close_offline(replicant)
 
 
 def test_backup_step_pages_max_is_a_bounded_limit_and_one_page_steps_still_finish(tmp_path: Path) -> None:
@@ -1123,3 +1123,56 @@ def test_ctrl_c_at_restore_s_last_progress_line_says_the_restore_completed(tmp_p
         assert store.connection.execute("SELECT count(*) FROM kv").fetchone()[0] == 30
     finally:
         store.close()
+
+
+def _answered_backup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interval_s: float, *options: str) -> Any:
+    """``mnesite backup`` against a node whose copy runs for three polls (pages not counted yet, 5 and 10 of 10
+    copied), then is done."""
+    from mnesite.cli import backup as cli_backup
+
+    from tests.test_cli_interrupt import AnsweringNode
+
+    figures = ((0, 0), (5, 10), (10, 10))
+    running = [{"state": "running", "pages_copied": copied, "pages_total": total} for copied, total in figures]
+    done = {"state": "done", "pages_copied": 10, "pages_total": 10, "seconds": 1.5, "shards": {}}
+    node = AnsweringNode(lambda request, n: running[n - 1] if n <= len(running) else done)
+    monkeypatch.setattr(cli_backup, "PROGRESS_INTERVAL_S", interval_s)
+    monkeypatch.setattr(cli_backup, "POLL_INTERVAL_S", 0)
+    try:
+        return CliRunner().invoke(main, ["backup", str(tmp_path / "b.db"), "--node", node.endpoint, *options])
+    finally:
+        node.close()
+
+
+def test_backup_progress_lines_are_paced_like_the_other_commands_and_end_with_a_final_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: backup paced its progress lines itself (a line at the first poll, none at the end),
+    unlike restore, rlog verify, import and export (``cli.progress.ProgressLines``: a line at most every
+    interval, then a final ``done`` line). It shows them as they do; stdout is the result only."""
+    every = _answered_backup(tmp_path, monkeypatch, 0)
+    assert every.exit_code == 0, every.output
+    assert every.stderr.splitlines() == [
+        "backup: 5 of 10 pages copied",  # nothing to say before the node counted the pages
+        "backup: 10 of 10 pages copied",
+        "backup: done in 1.5 s: 10 pages copied",
+    ]
+    assert every.stdout.splitlines() == [f"backup {tmp_path / 'b.db'}: 10 pages in 1.5 s", "shards: none"]
+    paced = _answered_backup(tmp_path, monkeypatch, 3600)
+    assert paced.exit_code == 0 and paced.stderr == "backup: done in 1.5 s: 10 pages copied\n", paced.stderr
+    quiet = _answered_backup(tmp_path, monkeypatch, 0, "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout == every.stdout
+
+
+def test_ctrl_c_at_a_backup_s_final_progress_line_says_the_backup_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C as backup writes its final line (a blocked stderr): the copy is complete; the line must
+    not say it is still running, nor that only stopping the node cancels it."""
+    ctrl_c_at_the_final_progress_line(monkeypatch)
+    result = _answered_backup(tmp_path, monkeypatch, 0)
+    assert result.exit_code == 1, result.output
+    path = tmp_path / "b.db"
+    assert result.stderr.splitlines()[-1] == (
+        f"Error: backup interrupted once done: {path} holds the backup (the result was not printed)"
+    )

@@ -128,26 +128,25 @@ def test_inline_checkpoint_failures_log_a_line_a_second_and_the_nodes_turn_says_
 
     import apsw
 
-    from tests.conftest import offline_replicant
+    from tests.conftest import replicant_by_hand
 
     monkeypatch.setattr(WalCheckpointer, "_start", lambda self: None)
-    node = offline_replicant(tmp_path / "r")
-    checkpointer = node.store.checkpointer
-    now = [0]
-    checkpointer.warnings.clock = lambda: now[0]
-    node.run_turn = lambda: None  # the loop's turns (``turn``), nothing arriving
+    with replicant_by_hand(tmp_path / "r") as node:
+        checkpointer = node.store.checkpointer
+        now = [0]
+        checkpointer.warnings.clock = lambda: now[0]
+        node.run_turn = lambda: None  # the loop's turns (``turn``), nothing arriving
 
-    class Broken:
-        system_errno = 0
+        class Broken:
+            system_errno = 0
 
-        def wal_checkpoint(self, mode):
-            raise apsw.FullError("database or disk is full")
+            def wal_checkpoint(self, mode):
+                raise apsw.FullError("database or disk is full")
 
-    def failed() -> list[str]:
-        return [record.getMessage() for record in caplog.records if "WAL checkpoint failed" in record.getMessage()]
+        def failed() -> list[str]:
+            return [record.getMessage() for record in caplog.records if "WAL checkpoint failed" in record.getMessage()]
 
-    line = f"{checkpointer.path}: WAL checkpoint failed: database or disk is full (%d failures so far)"
-    try:
+        line = f"{checkpointer.path}: WAL checkpoint failed: database or disk is full (%d failures so far)"
         caplog.set_level(logging.WARNING, logger="mnesite.rlog.checkpoint")
         for now[0] in range(0, 3000, 10):  # three seconds of commits at a threshold
             checkpointer.checkpoint_inline(Broken())
@@ -163,9 +162,6 @@ def test_inline_checkpoint_failures_log_a_line_a_second_and_the_nodes_turn_says_
         now[0] = 3000
         node.turn()
         assert failed()[3:] == [line % 300 + " (and 98 more like it in the last 1000 ms)"]
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 def test_an_inline_checkpoint_with_an_io_error_is_never_retried(tmp_path, monkeypatch) -> None:

@@ -369,6 +369,41 @@ def test_ctrl_c_before_an_export_s_first_page_says_the_output_file_was_not_writt
         assert not output.exists()
 
 
+@pytest.mark.parametrize(
+    ("command", "first", "expected"),
+    [
+        (
+            ["import", "items", "rows.jsonl"],
+            "list_tables",
+            "import interrupted: no row was imported, none was in flight; import the file to finish",
+        ),
+        (
+            ["cluster", "add-core", "core4", "tcp://127.0.0.1:7499"],
+            "members",
+            "add core4 interrupted before any change was asked: nothing was changed",
+        ),
+        (
+            ["cluster", "remove-core", "core4"],
+            "members",
+            "remove core4 interrupted before any change was asked: nothing was changed",
+        ),
+    ],
+)
+def test_ctrl_c_at_a_command_s_first_request_says_nothing_was_written_or_changed(
+    tmp_path: Path, command: list[str], first: str, expected: str
+) -> None:
+    """Regression: Ctrl-C while the first request (import's table lookup, cluster's ``members``) was
+    unanswered ended a core change in click's generic ``Error: aborted``, where a later Ctrl-C says
+    what happened. It says that nothing was written or changed, exit 1 as the later cases with
+    nothing in flight, and no other request is sent."""
+    (tmp_path / "rows.jsonl").write_text(_rows(3))
+    node = AnsweringNode(lambda request, n: HELD)
+    ended = _interrupted(node, command, lambda process: len(node.requests) == 1, tmp_path)
+    assert ended.returncode == 1, ended.stderr
+    assert _last_error(ended.stderr) == f"Error: {expected}"
+    assert [request.kind for request in node.requests] == [first]
+
+
 @pytest.mark.parametrize("command", [["add-core", "core4", "tcp://127.0.0.1:7499"], ["remove-core", "core4"]])
 def test_ctrl_c_before_a_core_change_is_asked_says_nothing_is_under_way(
     tmp_path: Path, monkeypatch, command: list[str]

@@ -1084,10 +1084,11 @@ def test_an_append_that_would_replace_a_committed_entry_stops_the_shard_not_the_
         assert "stopped on this core" in forced.value.detail["refused"]["default"]
 
 
-def _applied_two_entries_and_holds_a_changefeed(node, driver, second_ops=()) -> tuple:
+def _applied_two_entries_and_holds_a_changefeed(node, driver, second_ops=(), tables=()) -> tuple:
     """``core1`` of ``follower_by_hand`` applies two committed entries from ``core2`` (table ``t``'s
-    creation, then ``second_ops``) and holds a ``changes`` request of shard ``default`` caught up at
-    the second (envelope ``held``, id ``held-1``): ``(first, second)``."""
+    creation, then ``second_ops``) and holds a ``changes`` request of shard ``default`` (of ``tables``;
+    none: of every table, so of every shard) caught up at the second (envelope ``held``, id
+    ``held-1``): ``(first, second)``."""
     from mnesite.core.consensus import AppendRequest, MessageReceived
     from mnesite.rlog.schema import define_table
     from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY, make_entry
@@ -1102,7 +1103,11 @@ def _applied_two_entries_and_holds_a_changefeed(node, driver, second_ops=()) -> 
     node._step(driver, MessageReceived("core2", append))
     node._apply_gathered(driver)
     assert node.store.shard("default").applied == second.tx_key
-    node._dispatch([b"held"], changes_of_default("held-1", second.tx_key))
+    request = changes_of_default("held-1", second.tx_key)
+    if tables:
+        body = {"tables": list(tables), "positions": [{"shard": "default", "after": list(second.tx_key)}]}
+        request = Message("changes", "held-1", messages.typed_body("changes", {**body, "wait_ms": 60_000}))
+    node._dispatch([b"held"], request)
     node.serve_changes()
     assert node.changes_statistics()["held"] == 1 and not queued_to(node, [b"held"])
     return first, second
@@ -1149,6 +1154,30 @@ def test_a_changefeed_request_held_at_a_core_is_answered_as_soon_as_its_shard_s_
             node._dispatch([b"now"], changes_of_default("asked-now", applied))
         assert (answer.request_id, answer.kind, answer.body.code) == ("held-1", "error", "not_ready")
         assert answer.body.message == str(now.value)
+
+
+def test_a_turn_asks_whether_shards_serve_changes_only_of_the_shards_held_requests_follow(
+    tmp_path, monkeypatch
+) -> None:
+    """``CoreNode.shards_not_serving_changes`` judged every shard the core knows, each turn a changefeed
+    request was held: a turn's cost grew with the node's shards, not with what was held. It is asked
+    about the held requests' shards only, and still answers one whose shard stopped serving at once."""
+    from tests.conftest import follower_by_hand, queued_to
+
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        for index in range(20):  # shards no held request follows
+            node.store.ensure_shard(f"other{index}", 0)
+            node._open_shard(f"other{index}")
+        _applied_two_entries_and_holds_a_changefeed(node, driver, tables=["t"])  # follows shard default only
+        asked: list[str] = []
+        judge = node._not_serving_reason
+        monkeypatch.setattr(node, "_not_serving_reason", lambda shard: asked.append(shard) or judge(shard))
+        node.serve_changes()
+        assert asked == ["default"] and node.changes_statistics()["held"] == 1
+        node.rows_lost.add("default")
+        node.serve_changes()
+        (answer,) = queued_to(node, [b"held"])
+        assert (answer.kind, answer.body.code) == ("error", "not_ready")
 
 
 def test_an_add_of_a_member_at_another_endpoint_changes_nothing(tmp_path) -> None:

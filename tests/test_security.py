@@ -1064,23 +1064,22 @@ def test_refused_requests_log_a_line_a_second_of_each_kind_of_refusal(keys: Path
 
     from mnesite.rlog.security import NodeSecurity, SecurityConfig
 
-    from tests.conftest import offline_replicant
+    from tests.conftest import replicant_by_hand
 
-    node = offline_replicant(tmp_path / "r")
-    now = [0]
-    node.warnings.clock = lambda: now[0]
-    node.security = NodeSecurity(
-        SecurityConfig(
-            False,
-            str(keys / "cluster.key_secret"),
-            str(keys / "replicant1.key_secret"),
-            str(keys.parent / "authorized"),
-            {role: tuple(names) for role, names in ROLES.items()},
+    with replicant_by_hand(tmp_path / "r") as node:
+        now = [0]
+        node.warnings.clock = lambda: now[0]
+        node.security = NodeSecurity(
+            SecurityConfig(
+                False,
+                str(keys / "cluster.key_secret"),
+                str(keys / "replicant1.key_secret"),
+                str(keys.parent / "authorized"),
+                {role: tuple(names) for role, names in ROLES.items()},
+            )
         )
-    )
-    stop = Message("stop", "s", {})
-    forged = Message("peer", "p", SimpleNamespace(sender="core2"))
-    try:
+        stop = Message("stop", "s", {})
+        forged = Message("peer", "p", SimpleNamespace(sender="core2"))
         caplog.set_level(logging.WARNING, logger="mnesite.server")
         for _ in range(1000):
             for principal, message in (("app", stop), ("core1", forged), ("", stop)):
@@ -1098,9 +1097,6 @@ def test_refused_requests_log_a_line_a_second_of_each_kind_of_refusal(keys: Path
         assert [record.getMessage() for record in caplog.records][3:] == [
             line + " (and 998 more like it in the last 1000 ms)" for line in lines
         ]
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 @pytest.mark.parametrize("revoked", ["key", "role", "replaced key"])
@@ -1155,6 +1151,34 @@ def test_sighup_stops_the_agents_of_a_replicant_whose_key_or_role_it_revoked(sec
     finally:
         receiver.close(0)
         requests.close(0)
+
+
+@pytest.mark.parametrize("secure", [True, False])
+def test_a_sighup_names_the_edited_keys_it_does_not_apply(
+    tmp_path: Path, keys: Path, caplog: pytest.LogCaptureFixture, secure: bool
+) -> None:
+    """Regression: a reload applied [security] authorized_keys and roles and ignored every other key
+    edited in the file without a word (an operator who lowered a limit and sent SIGHUP saw nothing
+    change). One line names each such key: it takes effect only at a restart; the roles are applied."""
+    node = _secure_core(tmp_path, keys, ROLES_WITH_READER, "[limits]\nscan_rows_max = 100\n")
+    config_path = tmp_path / "core1.toml"
+    if not secure:
+        config_path.write_text(config_path.read_text().split("[security]")[0])
+        node.close()
+        node = CoreNode(load_config(str(config_path)))
+    try:
+        text = config_path.read_text().replace("scan_rows_max = 100", "scan_rows_max = 200")
+        config_path.write_text(text.replace('reader = ["dashboard"]', 'reader = ["dashboard", "app"]'))
+        with caplog.at_level(logging.INFO, logger="mnesite.server"):
+            node.reload_security()  # what the loop does at a SIGHUP, between two turns
+        restart = [r.getMessage() for r in caplog.records if "only at a restart" in r.getMessage()]
+        assert restart == ["SIGHUP: changed keys that take effect only at a restart: [limits].scan_rows_max"]
+        assert node.config.limits.scan_rows_max == 100
+        if secure:
+            assert node.security is not None and node.security.roles.roles_of("app") == {"writer", "reader"}
+            assert "SIGHUP: reloaded" in caplog.text
+    finally:
+        node.close()
 
 
 @pytest.mark.parametrize("revoked", ["removed", "replaced"])

@@ -18,7 +18,16 @@ from mnesite.rlog.client import Client, MnesiteError, OutcomeUnknown, Unavailabl
 from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
-from tests.conftest import ScriptedNode, ThreadNode, free_port, node_config, offline_replicant, wait_until
+from tests.conftest import (
+    ScriptedNode,
+    ThreadNode,
+    close_offline,
+    free_port,
+    node_config,
+    offline_replicant,
+    replicant_by_hand,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -288,18 +297,14 @@ def test_a_stopping_replicant_answers_its_waiting_read_stopping_and_its_forwarde
 ) -> None:
     """A replicant holds reads waiting until it applied a key, and writes it forwarded to a core (which
     may commit them): at its stop the read is ``stopping``, the write ``outcome_unknown``."""
-    node = offline_replicant(tmp_path / "r")
-    sent: list[tuple[list[bytes], Message]] = []
-    node._send_queued = lambda _socket, envelope, message: sent.append((envelope, message))
-    try:
+    with replicant_by_hand(tmp_path / "r") as node:
+        sent: list[tuple[list[bytes], Message]] = []
+        node._send_queued = lambda _socket, envelope, message: sent.append((envelope, message))
         body = messages.typed_body("get", {"table": "t", "key": 1, "min_key": [5, 1]})
         node._wait_for([b"reader"], Message("get", "r-1", body), {"default": TxKey(5, 1)})
         node.hold([b"writer"], "w-1")  # as ``_forward`` holds a write it sent to a core
         assert node.answer_at_stop() == 2
         assert node.answer_at_stop() == 0  # once
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
     assert sorted((envelope, m.request_id, m.kind, m.body.code) for envelope, m in sent) == [
         ([b"reader"], "r-1", "error", "stopping"),
         ([b"writer"], "w-1", "error", "outcome_unknown"),
@@ -379,8 +384,7 @@ def test_a_stop_requested_from_another_thread_wakes_the_loop_at_once(tmp_path: P
         assert woken()
     finally:
         node.queries.stop()
-        node.store.close()
-        node.data_dir_lock.release()
+        close_offline(node)
 
 
 def test_a_stopping_node_says_the_warnings_its_throttle_left_out(tmp_path: Path, caplog) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from mnesite.core.transaction import GuardFailed, evaluate, parse_transaction
-from mnesite.rlog.config import ConfigError, load_config, parse_config
+from mnesite.rlog.config import ConfigError, keys_needing_restart, load_config, parse_config
 from mnesite.rlog.messages import MessageError, typed_body
 from mnesite.rlog.schema import SchemaError, define_table
+from mnesite.rlog.security import SecurityConfig
 from mnesite.rlog.types import DeleteOp, WriteOp
 
 pytestmark = pytest.mark.timeout(30)
@@ -283,7 +286,7 @@ def test_a_replicants_spill_budget_is_configured_by_limits_spill_entries_max_and
     ``[limits] spill_entries_max`` and ``spill_bytes_max``, bounded, and reaches the replicant's replicas."""
     from mnesite.replicant.replica import ReplicaConfig
 
-    from tests.conftest import offline_replicant
+    from tests.conftest import replicant_by_hand
 
     default = parse_config({}).limits
     assert (default.spill_entries_max, default.spill_bytes_max) == (100_000, 1024**3)
@@ -296,13 +299,9 @@ def test_a_replicants_spill_budget_is_configured_by_limits_spill_entries_max_and
     ]:
         with pytest.raises(ConfigError, match=rf"\[limits\]\.{key} must be an integer in {bounds}"):
             parse_config({"limits": {key: bad}})
-    node = offline_replicant(tmp_path / "data", {"spill_entries_max": 500, "spill_bytes_max": 8 * 1024**2})
-    try:
+    with replicant_by_hand(tmp_path / "data", {"spill_entries_max": 500, "spill_bytes_max": 8 * 1024**2}) as node:
         assert (node.replica_config.spill_entries_max, node.replica_config.spill_bytes_max) == (500, 8 * 1024**2)
         assert node.spill_budget.bytes_max == 8 * 1024**2
-    finally:
-        node.store.close()
-        node.data_dir_lock.release()
 
 
 @pytest.mark.parametrize("trailing", ["\n", "\r\n"])
@@ -380,3 +379,41 @@ def test_a_core_may_listen_on_its_own_endpoint_or_a_wildcard_and_a_replicant_bes
     parse_config({"node": wildcard, "cluster": {"core_nodes": cores}, "security": {"insecure": True}})
     replicant = {"name": "r1", "role": "replicant", "listen": "tcp://127.0.0.1:7402"}
     parse_config({"node": replicant, "cluster": {"core_nodes": cores}})
+
+
+def test_keys_needing_restart_names_every_edited_key_a_sighup_does_not_apply() -> None:
+    """A SIGHUP applies [security] authorized_keys and roles only; any other key edited in the file is
+    named (as the file names it), so that an edit is never silently ignored until a restart."""
+    running = parse_config({"limits": {"scan_rows_max": 100}, "metrics": {"listen": "127.0.0.1:9400"}})
+    assert keys_needing_restart(running, running) == []
+    edited = parse_config(
+        {
+            "node": {"listen": "tcp://127.0.0.1:7401"},
+            "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:7401"}, "heartbeat_interval_ms": 50},
+            "storage": {"synchronous": "normal"},
+            "limits": {"scan_rows_max": 200},
+            "rlog": {"retention_entries_max": 10},
+        }
+    )
+    assert keys_needing_restart(running, edited) == [
+        "[node].listen",
+        "[cluster].core_nodes",
+        "[cluster].heartbeat_interval_ms",
+        "[storage].synchronous",
+        "[limits].scan_rows_max",
+        "[rlog].retention_entries_max",
+        "[metrics].listen",
+    ]
+    # [security]: the keys a reload applies are not named; the others are; turning it on or off is one key.
+    keys = SecurityConfig(False, "/k/cluster.key_secret", "/k/core1.key_secret", "/k/authorized", {"core": ("core1",)})
+    secure = dataclasses.replace(running, security=keys)
+    reloadable = dataclasses.replace(keys, authorized_keys="/k/other", roles={"core": ("core1",), "admin": ("ops",)})
+    assert keys_needing_restart(secure, dataclasses.replace(secure, security=reloadable)) == []
+    rotated = dataclasses.replace(keys, server_key="/k/new.key_secret", follow_key_links=True)
+    assert keys_needing_restart(secure, dataclasses.replace(secure, security=rotated)) == [
+        "[security].server_key",
+        "[security].follow_key_links",
+    ]
+    assert keys_needing_restart(running, secure) == ["[security]"]
+    insecure = dataclasses.replace(running, security=SecurityConfig(insecure=True))
+    assert keys_needing_restart(secure, insecure) == ["[security]"]
