@@ -32,6 +32,8 @@ from mnesite.rlog.schema import (
     SchemaError,
     TableSchema,
     check_one_catalog,
+    name_held_elsewhere,
+    shard_schema_ops_toward,
     table_from_json,
 )
 from mnesite.rlog.types import row_size_bytes
@@ -54,6 +56,23 @@ def tables_from_answer(result: object, shard: str) -> tuple[TableSchema, ...]:
     except (SchemaError, KeyError, TypeError) as failure:
         raise CopyFailed(f"malformed table list: {failure}") from None
     return tuple(table for table in tables if table.shard == shard)
+
+
+def copy_schema_ops(catalog: dict[str, TableSchema], shard: str, listed: tuple[TableSchema, ...]) -> tuple:
+    """The ops that make the copy's tables of ``shard`` the ``listed`` ones (``shard_schema_ops_toward``);
+    ``CopyFailed`` when one creates a name another shard's table or index holds here (the rule of every
+    apply, ``name_held_elsewhere``): that shard's drop of it has not been applied here yet. The copy is
+    refused, nothing changed, and asked again (an install's next offer, a bootstrap's next attempt),
+    by when the drop has been applied; a name both shards created waits as their entries do."""
+    ops = shard_schema_ops_toward(catalog, shard, listed)
+    held = name_held_elsewhere(catalog, shard, ops)
+    if held is not None:
+        holder = f"table {held.holder!r}" if held.index is None else f"index {held.index!r} of {held.holder!r}"
+        raise CopyFailed(
+            f"the copy creates {held.name!r}, held here by {holder} of shard {held.holder_shard}: "
+            f"copying again once shard {held.holder_shard} drops it"
+        )
+    return ops
 
 
 def batch_from_answer(

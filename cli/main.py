@@ -1169,6 +1169,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
                 )
             elif info.get("last_error"):  # a full disk, no core to follow, a full spill (replicant.replica)
                 click.echo(f"WARNING: shard {shard}: last_error: {info['last_error']}")
+            name_wait_line = describe_name_wait(shard, info)
+            if name_wait_line:
+                click.echo(name_wait_line)
         return
     rows = [
         {
@@ -1200,6 +1203,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
         floor_line = describe_vote_floor(shard, info)
         if floor_line:
             click.echo(floor_line)
+        name_wait_line = describe_name_wait(shard, info)
+        if name_wait_line:
+            click.echo(name_wait_line)
     for shard, info in result["shards"].items():
         if info.get("install"):
             click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
@@ -1228,6 +1234,18 @@ def describe_follower(shard: str, peer: str, follower: dict) -> str:
     lazy_feed_interval_ms, not with every batch: a lag of up to that long is by design, not a fault."""
     lazy = " (lazy: fed every lazy_feed_interval_ms)" if follower.get("lazy") else ""
     return f"{shard}: follower {peer} matched {tuple(follower['match'])}, lag {follower['lag_entries']}{lazy}"
+
+
+def describe_name_wait(shard: str, info: dict[str, Any]) -> str | None:
+    """A shard whose apply waits at an entry creating a name another shard holds on the node
+    (docs: A name across shards): which entry, the name, its holder, and what to do."""
+    wait = info.get("name_wait")
+    if not wait:
+        return None
+    return (
+        f"WARNING: shard {shard}: applying waits at entry {tuple(wait['tx_key'])}: it creates {wait['name']!r}, "
+        f"held here by {wait['held_by']!r} of shard {wait['held_by_shard']}; {wait['remedy']}"
+    )
 
 
 def describe_exclusion(shard: str, info: dict[str, Any]) -> str | None:

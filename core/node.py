@@ -63,7 +63,7 @@ import apsw
 import msgspec
 import zmq
 from mnesite.bootstrap import read_service
-from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, rows_refusal, tables_from_answer
+from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, copy_schema_ops, rows_refusal, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
 from mnesite.core import rules
 from mnesite.core.agent import AgentConfig
@@ -169,7 +169,6 @@ from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS
 from mnesite.rlog.schema import (
     SchemaError,
     TableSchema,
-    shard_schema_ops_toward,
 )
 from mnesite.rlog.security import NodeSecurity
 from mnesite.rlog.server import (
@@ -445,6 +444,7 @@ class CoreNode(NodeServer):
         # shard -> the ConsensusInvariantError that stopped it here (``_stop_shard``): until a restart its
         # machine is stepped no more, and the shard serves nothing (the node serves its other shards).
         self.stopped: dict[str, str] = {}
+        self._retrying_name_waits = False  # inside _apply_name_waits: an apply does not start another loop
         # What the shards' windows of entries persisted last hold together (core.recent).
         self.recent_budget = RecentBudget()
         limits = config.limits
@@ -1289,6 +1289,10 @@ class CoreNode(NodeServer):
             return
         if rules.read_index_feeds_lazy_followers(message.kind, message.body.forwarded):
             self._step(driver, FeedRequested())
+        if message.kind != "read_index" and shard in self.store.name_waits:
+            # The applied state stops before a waiting entry (Store.name_waits): the read must reflect
+            # the read index; the client retries (bounded by its timeout) until the wait ends.
+            rules.check_applied(self.config.name, fence, self._shard(shard).applied)
         result: Any = {"committed": list(fence)} if message.kind == "read_index" else self._read(envelope, message)
         if result is not HELD:
             self.reply(envelope, messages.reply(message.request_id, result))
@@ -1320,17 +1324,28 @@ class CoreNode(NodeServer):
                 up_to = driver.apply.due(self.clock_ms(), self._applied_waited_on(driver))
                 if up_to is not None:
                     self._apply_up_to(driver, up_to)
+        if self.store.name_waits:
+            self._apply_name_waits()  # a catalog changed otherwise than by an apply (a snapshot's copy)
 
     def _apply_up_to(self, driver: ShardDriver, up_to: TxKey) -> None:
         shard = driver.shard
+        if shard in self.store.name_waits and not self.store.name_wait_due(shard):
+            return  # it waits at a name another shard holds, and no other shard changed the catalog since
         # Applying needs no fsync of its own: the entries are durable in the log already, and a
         # restart applies again whatever a power failure took (the applied key moves with the rows).
         self.begin(durable=False)
         # A shard not serving yet is catching up over a snapshot's dirty copy: healing (Store.apply_ops).
         healing = shard in self.not_serving
         applied = self.store.apply_committed(shard, up_to, driver.tail.entries, healing=healing)
+        if shard in self.store.name_waits:
+            # Applied only up to the entry before the one that waits: the tail keeps it and what follows.
+            self._warn_name_wait(shard)
+            reached = applied[-1].tx_key if applied else None
+        else:
+            reached = up_to
         read_index = driver.consensus.read_index(self.clock_ms())
-        for held, verdict in driver.tail.committed(up_to, self.store.catalog(), read_index):
+        released = driver.tail.committed(reached, self.store.catalog(), read_index) if reached is not None else []
+        for held, verdict in released:
             self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
         self.transactions += len(applied)
         for entry in applied:
@@ -1342,6 +1357,28 @@ class CoreNode(NodeServer):
             if cluster_version_of(entry) is not None:
                 self._cluster_version_applied(shard)
         self._tell_outcomes(driver.waiters.committed(applied), driver.shard)
+        if self.store.name_waits and not self._retrying_name_waits:
+            self._apply_name_waits()
+
+    def _apply_name_waits(self) -> None:
+        """Apply again, up to their committed key, the shards whose apply waited at a name another shard
+        held, once an apply changed the catalog (``Store.name_waits_due``): a drop of shard A applied
+        lets shard B's create of the name follow in the same turn. Each try applies or records its wait
+        at the current catalog, so the loop ends; waits follow commit order (``name_held_elsewhere``)."""
+        self._retrying_name_waits = True
+        try:
+            while due := [shard for shard in self.store.name_waits_due() if shard in self.shards]:
+                for shard in due:
+                    driver = self.shards[shard]
+                    driver.apply.take()  # what it gathered is applied too: up to the committed key
+                    self._apply_up_to(driver, driver.consensus.committed_key)
+        finally:
+            self._retrying_name_waits = False
+
+    def _warn_name_wait(self, shard: str) -> None:
+        wait = self.store.name_waits.get(shard)
+        if wait is not None:
+            self.warnings.log(f"name wait {shard}", logging.WARNING, "%s", wait.describe(), logger=log)
 
     def _hears_sequencer(self, driver: ShardDriver) -> bool:
         """What this core's journal and agents tell replicants: the consensus's rule
@@ -1593,11 +1630,12 @@ class CoreNode(NodeServer):
                 if error is not None:
                     raise CopyFailed(f"list_tables failed: {error.code}: {error.message}")
                 mine = tables_from_answer(result, shard)
+                ops = copy_schema_ops(self.store.catalog(), shard, mine)
             except CopyFailed as failure:
                 self._step_install(shard, replication.RequestFailed(core, str(failure)))
                 return
             self.begin()
-            self.store.apply_ops(shard_schema_ops_toward(self.store.catalog(), shard, mine))
+            self.store.apply_ops(ops)
             names = tuple(table.name for table in mine)
             keys = tuple(table.key_column for table in mine)
             self._step_install(shard, replication.TablesReceived(core, names, keys))
@@ -2506,6 +2544,8 @@ class CoreNode(NodeServer):
                 "disk_full": status.disk_full,
                 "not_serving_reason": self._not_serving_reason(shard),
                 "cluster_version": self.store.cluster_version(shard),
+                # Applying waits at an entry creating a name another shard holds here (Store.name_waits).
+                "name_wait": wait.to_json() if (wait := self.store.name_waits.get(shard)) is not None else None,
             }
             install = self.installs.get(shard)
             if install is not None:

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 from mnesite.bootstrap import read_service
-from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, rows_refusal, tables_from_answer
+from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, copy_schema_ops, rows_refusal, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
 from mnesite.replicant.reads import (
     GATHER_FAILED,
@@ -62,7 +62,7 @@ from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.limits import SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.roles import WRITE_KINDS
-from mnesite.rlog.schema import SchemaError, TableSchema, check_name, shard_schema_ops_toward
+from mnesite.rlog.schema import SchemaError, TableSchema, check_name
 from mnesite.rlog.server import (
     NodeServer,
     OverloadedError,
@@ -221,12 +221,13 @@ class ReplicantNode(NodeServer):
         if position is None:
             self.begin()
             position = self.store.ensure_shard(shard, 0)
+        logged_key, logged_digest = self._logged_end(shard, position.applied, position.digest)
         replica = ShardReplica(
             shard,
             self.config.name,
             self.cores,
-            position.applied,
-            position.digest,
+            logged_key,
+            logged_digest,
             self.replica_config,
             random.Random(self.rng.random()),
             self.clock_ms(),
@@ -386,6 +387,53 @@ class ReplicantNode(NodeServer):
         super().abandon_turn(reason)
         self._acks = {}
 
+    def _logged_end(self, shard: str, applied: TxKey, digest: bytes) -> tuple[TxKey, bytes]:
+        """Where the replica of ``shard`` goes on from: the applied key, or, when the store logged
+        committed entries past it (its apply waited at a name another shard held: ``Store.name_waits``,
+        lost at a restart), the log's end, once those entries are applied as far as they go now."""
+        logged_key, logged_digest = self.store.last_entry(shard)
+        if logged_key <= applied:
+            return applied, digest
+        if not self.disk.full:
+            self.begin()
+            self.store.apply_committed(shard, logged_key, healing=bool(int(self.store.meta(f"read_fenced:{shard}", 0))))
+            self._warn_name_wait(shard)
+        return logged_key, logged_digest
+
+    def _apply_name_waits(self) -> None:
+        """Apply again, up to their log's end (all committed here), the shards whose apply waited at a
+        name another shard held, once the catalog moved (``Store.name_waits_due``). Each try either
+        applies or records the wait again at the current catalog: the loop ends."""
+        while due := self.store.name_waits_due():
+            for shard in due:
+                replica = self.replicas.get(shard)
+                self.begin()
+                self.store.apply_committed(
+                    shard, self.store.last_entry(shard)[0], healing=replica is not None and replica.read_fenced
+                )
+                self._warn_name_wait(shard)
+
+    def _warn_name_wait(self, shard: str) -> None:
+        wait = self.store.name_waits.get(shard)
+        if wait is not None:
+            self.warnings.log(f"name wait {shard}", logging.WARNING, "%s", wait.describe(), logger=log)
+
+    def _name_wait_status(self, shard: str) -> dict[str, Any] | None:
+        wait = self.store.name_waits.get(shard)
+        if wait is None:
+            return None
+        position = self.store.shard(shard)
+        return {**wait.to_json(), "store_applied": list(position.applied) if position is not None else None}
+
+    def _readable_at(self, shard: str, key: TxKey) -> bool:
+        """Whether the replica of ``shard`` serves a read that must see ``key``: readable there, and the
+        store applied it (a waiting apply, ``Store.name_waits``, stays behind what the replica logged)."""
+        replica = self.replicas.get(shard)
+        if replica is None or not replica.readable_at(key):
+            return False
+        wait = self.store.name_waits.get(shard)
+        return wait is None or key < wait.tx_key
+
     def disk_filled(self) -> None:
         """The turn was rolled back: each replica takes back the position and the spill on disk and
         applies nothing."""
@@ -400,7 +448,8 @@ class ReplicantNode(NodeServer):
                 continue
             fenced = bool(int(self.store.meta(f"read_fenced:{shard}", 0)))
             spilled, spilled_bytes = self.store.spilled(shard), self.store.spilled_bytes(shard)
-            full = DiskFull(self.disk.error, position.applied, position.digest, fenced, spilled, spilled_bytes)
+            logged_key, logged_digest = self._logged_end(shard, position.applied, position.digest)
+            full = DiskFull(self.disk.error, logged_key, logged_digest, fenced, spilled, spilled_bytes)
             self._step(replica, full)
 
     def disk_freed(self) -> None:
@@ -418,6 +467,9 @@ class ReplicantNode(NodeServer):
     def _step(self, replica: ShardReplica, event: Any) -> None:
         for effect in replica.step(event, self.clock_ms()):
             self._execute(replica, effect)
+        if self.store.name_waits:
+            self._warn_name_wait(replica.shard)
+            self._apply_name_waits()
 
     def _execute(self, replica: ShardReplica, effect: Any) -> None:
         shard = replica.shard
@@ -634,11 +686,12 @@ class ReplicantNode(NodeServer):
                 if error is not None:
                     raise CopyFailed(f"list_tables failed: {error.code}: {error.message}")
                 mine = tables_from_answer(result, replica.shard)
+                ops = copy_schema_ops(self.store.catalog(), replica.shard, mine)
             except CopyFailed as failure:
                 self._step(replica, p.RequestFailed(pending.core, str(failure), pending.watch_id))
                 return
             self.begin()
-            self.store.apply_ops(shard_schema_ops_toward(self.store.catalog(), replica.shard, mine))
+            self.store.apply_ops(ops)
             names, keys = tuple(t.name for t in mine), tuple(t.key_column for t in mine)
             self._step(replica, p.TablesReceived(pending.core, names, keys, pending.watch_id))
         elif pending.purpose == "batch":
@@ -988,8 +1041,7 @@ class ReplicantNode(NodeServer):
         self.query_wait(envelope, message, request, checked, shards, targets)
 
     def _query_shard_reached(self, shard: str, key: TxKey) -> bool:
-        replica = self.replicas.get(shard)
-        return replica is not None and replica.readable_at(key)
+        return self._readable_at(shard, key)
 
     def _wait_for(self, envelope: list[bytes], message: Message, targets: dict[str, TxKey]) -> None:
         """Answer the read once every target shard has applied its key (bounded wait and count).
@@ -1023,11 +1075,7 @@ class ReplicantNode(NodeServer):
             table = catalog.get(name)
             return table.shard if table is not None else None
 
-        def readable(shard: str, key: TxKey) -> bool:
-            replica = self.replicas.get(shard)
-            return replica is not None and replica.readable_at(key)
-
-        for read in self.waiting_reads.ready(shard_of, readable):
+        for read in self.waiting_reads.ready(shard_of, self._readable_at):
             envelope, message = read.payload
             try:
                 self._answer_read(envelope, message, self._table(message.body.table))
@@ -1066,6 +1114,9 @@ class ReplicantNode(NodeServer):
                 "read_fenced": status.read_fenced,
                 "read_fence": list(status.read_fence) if status.read_fence else None,
                 "disk_full": status.disk_full,
+                # Applying waits at an entry creating a name another shard holds here (Store.name_waits):
+                # ``applied`` is what the replica logged; the store applied up to the entry before it.
+                "name_wait": self._name_wait_status(shard),
             }
         return {
             "node": self.config.name,

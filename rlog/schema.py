@@ -87,6 +87,57 @@ def check_creatable(catalog: dict[str, TableSchema], op: CreateTableOp) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class NameHeld:
+    """A committed entry's new name held, in this node's catalog, by another shard's table or index."""
+
+    name: str  # as the entry's op spells it
+    holder: str  # the table that holds it, or whose index it is
+    holder_shard: str
+    index: str | None = None  # the holding index's name when an index holds it
+
+
+def _holder_of(catalog: dict[str, TableSchema], name: str) -> NameHeld | None:
+    """What holds ``name`` in any letter case: a table, or an index (one namespace with the tables)."""
+    table = find_table(catalog, name)
+    if table is not None:
+        return NameHeld(name, table.name, table.shard)
+    found = find_index(catalog, name)
+    if found is not None:
+        return NameHeld(name, found[0].name, found[0].shard, found[1].name)
+    return None
+
+
+def name_held_elsewhere(catalog: dict[str, TableSchema], shard: str, ops: Sequence[Any]) -> NameHeld | None:
+    """The one rule for a committed entry of ``shard`` that creates a name another shard holds here,
+    run by every apply path before the entry (``Store``): not None means the shard's apply waits at the
+    entry (it and the shard's later entries stay committed but unapplied) instead of failing.
+
+    Names are one SQLite namespace per node, but each shard has its own log, applied independently: a
+    table (or index) dropped in shard A and then created in shard B may reach a node in the other
+    order. B's sequencer checked the name against its own applied catalog (``check_creatable``), so a
+    create waits only for a drop that committed before it was proposed: the waits follow commit order
+    and cannot form a cycle, and once A's drop applies the create applies too (the driver retries a
+    waiting shard after any apply that changes the catalog). Two shards creating one name at about
+    the same time (each sequencer's check passed) leave a wait that only a drop of one of them ends.
+
+    A name that the same shard holds is no wait: the shard's sequencer checked it, so the ``check_``
+    rules decide (a replay changes nothing, anything else is a broken log). Other shards' names do not
+    change while one shard's entries apply, so the catalog before a run of entries decides for all.
+    """
+    for op in ops:
+        if isinstance(op, CreateTableOp):
+            name = op.table
+        elif isinstance(op, CreateIndexOp):
+            name = op.index
+        else:
+            continue
+        held = _holder_of(catalog, name)
+        if held is not None and held.holder_shard != shard:
+            return held
+    return None
+
+
 def check_droppable(catalog: dict[str, TableSchema], op: DropTableOp) -> bool:
     """The one rule for dropping a table, used before proposing and when applying a committed entry.
 

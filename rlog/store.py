@@ -73,6 +73,7 @@ from mnesite.rlog.replication import UNKNOWN_DIGEST
 from mnesite.rlog.retention import retention_floor
 from mnesite.rlog.schema import (
     IndexSchema,
+    NameHeld,
     SchemaError,
     TableSchema,
     check_column_addable,
@@ -80,9 +81,11 @@ from mnesite.rlog.schema import (
     check_droppable,
     check_index_creatable,
     check_index_droppable,
+    name_held_elsewhere,
 )
 from mnesite.rlog.types import (
     GENESIS_DIGEST,
+    ROW_OPS,
     ZERO_KEY,
     AddColumnOp,
     ClusterVersionOp,
@@ -323,6 +326,40 @@ class EntryApplyError(StoreError):
 
 
 @dataclass(frozen=True)
+class NameWait:
+    """A shard's apply waits at a committed entry whose new name another shard holds here
+    (``rlog.schema.name_held_elsewhere``): the entries before it are applied, it and the later ones
+    stay committed but unapplied until an apply of another shard changes the catalog."""
+
+    shard: str
+    tx_key: TxKey  # the waiting entry's
+    request_id: str | None
+    held: NameHeld
+    changes_elsewhere: int  # the other shards' schema changes applied when it was found: retried once they move
+
+    def describe(self) -> str:
+        held = self.held
+        holder = f"table {held.holder!r}" if held.index is None else f"index {held.index!r} of {held.holder!r}"
+        return (
+            f"shard {self.shard}: committed entry {self.tx_key} (request {self.request_id!r}) creates "
+            f"{held.name!r}, held here by {holder} of shard {held.holder_shard}: applying waits until "
+            f"shard {held.holder_shard} drops it (a drop applied later, or a create of the same name "
+            f"in both shards at about the same time: drop it in shard {held.holder_shard})"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tx_key": list(self.tx_key),
+            "request_id": self.request_id,
+            "name": self.held.name,
+            "held_by": self.held.holder if self.held.index is None else self.held.index,
+            "held_by_shard": self.held.holder_shard,
+            "remedy": f"none if shard {self.held.holder_shard} dropped {self.held.name!r} (its drop applies, then "
+            f"this entry); if both shards created it, drop it in shard {self.held.holder_shard}",
+        }
+
+
+@dataclass(frozen=True)
 class ShardPosition:
     shard: str
     generation: int
@@ -450,6 +487,13 @@ class Store:
         # when an apply of entries begins: drops applied outside any entry (a copy's schema ops) are
         # no position of the log and must not be taken for the next entry's.
         self._drops_pending: list[tuple[DropTableOp, str, str]] = []
+        # Shards whose apply waits at an entry creating a name another shard holds (``NameWait``):
+        # in memory only, since a restart meets the same entry again. ``catalog_changes`` counts the
+        # schema changes applied, in all and per shard, so that a waiting shard is retried only once
+        # another shard's changed the catalog (its own change no other shard's name).
+        self.name_waits: dict[str, NameWait] = {}
+        self.catalog_changes = 0
+        self._catalog_changes_of: dict[str, int] = {}
         # The newest log entry's (key, digest) per shard, as this connection last wrote or read it: a
         # sequencer appends every proposal on its own, and the SELECT that found the log's end cost
         # more than the INSERT. Kept by ``append_entries``/``log_and_apply_verified``; forgotten by
@@ -884,7 +928,9 @@ class Store:
             raise StoreError(f"unknown shard {shard}")
         chain = _chain_within(held, position.applied, up_to)
         if chain is not None:
-            self._apply_chain(shard, chain, healing)
+            chain = self._before_name_wait(shard, chain)
+            if chain:
+                self._apply_chain(shard, chain, healing)
             return chain
         applied: list[Entry] = []
         after = position.applied
@@ -892,14 +938,53 @@ class Store:
             batch = self.entries_after(shard, after, 1000, up_to=up_to)
             if not batch:
                 raise StoreError(f"shard {shard}: cannot apply up to {up_to}, the log ends at {after}")
-            for entry in batch:
+            ready = self._before_name_wait(shard, batch)
+            for entry in ready:
                 try:
                     self.apply_entry(entry, healing)
                 except (apsw.Error, StoreError) as error:
                     raise _apply_failure(entry, error) from None
                 applied.append(entry)
+            if len(ready) < len(batch):
+                break
             after = batch[-1].tx_key
         return applied
+
+    def _before_name_wait(self, shard: str, entries: list[Entry]) -> list[Entry]:
+        """Of ``entries`` (the next ones of ``shard`` to apply, in order), those before the first that
+        must wait (``rlog.schema.name_held_elsewhere``), recording its wait in ``name_waits``; all of
+        them when none waits. Another shard's names do not change while this shard's entries apply,
+        so the catalog before them decides for all; entries of rows only are not looked at."""
+        catalog = None
+        for index, entry in enumerate(entries):
+            if ROW_OPS.issuperset(map(type, entry.ops)):
+                continue
+            catalog = self.catalog() if catalog is None else catalog
+            held = name_held_elsewhere(catalog, shard, entry.ops)
+            if held is not None:
+                wait = NameWait(shard, entry.tx_key, entry.request_id, held, self._changes_elsewhere(shard))
+                self.name_waits[shard] = wait
+                return entries[:index]
+        if entries:
+            self.name_waits.pop(shard, None)
+        return entries
+
+    def _changes_elsewhere(self, shard: str) -> int:
+        return self.catalog_changes - self._catalog_changes_of.get(shard, 0)
+
+    def _catalog_changed(self, shard: str) -> None:
+        """A schema change of ``shard`` was applied: a name another shard's apply waits for may be free."""
+        self.catalog_changes += 1
+        self._catalog_changes_of[shard] = self._catalog_changes_of.get(shard, 0) + 1
+
+    def name_wait_due(self, shard: str) -> bool:
+        """Whether ``shard`` waits and another shard changed the catalog since: it is tried again."""
+        wait = self.name_waits.get(shard)
+        return wait is not None and wait.changes_elsewhere != self._changes_elsewhere(shard)
+
+    def name_waits_due(self) -> list[str]:
+        """The waiting shards to try again (``name_wait_due``)."""
+        return [shard for shard in self.name_waits if self.name_wait_due(shard)]
 
     def _apply_chain(self, shard: str, chain: list[Entry], healing: bool) -> None:
         """Apply linked, verified entries and move the applied key once (one UPDATE for the batch).
@@ -998,7 +1083,8 @@ class Store:
         if position is None:
             raise StoreError(f"unknown shard {shard}")
         last_key, _ = self.last_entry(shard)
-        if entries[0].prev != position.applied or last_key != position.applied:
+        waiting = shard in self.name_waits  # its log goes on past the applied key (``_before_name_wait``)
+        if entries[0].prev != last_key or (last_key != position.applied and not waiting):
             raise StoreError(
                 f"shard {shard}: entry {entries[0].tx_key} follows {entries[0].prev}, "
                 f"applied is {position.applied}, the log ends at {last_key}"
@@ -1011,6 +1097,11 @@ class Store:
         self._forget_log_ends(shard)
         self.connection.executemany(RLOG_INSERT, [rlog_row(entry, appended_ms) for entry in entries])
         self._log_ends[shard] = (entries[-1].tx_key, entries[-1].digest)
+        if waiting:
+            return  # logged; applied when the wait ends (``name_waits_due``), read back from the log
+        entries = self._before_name_wait(shard, list(entries))
+        if not entries:
+            return
         self._drops_pending = []  # none of a copy's (``_record_drops``)
         try:
             self.apply_ops_batched([op for entry in entries for op in entry.ops], healing)
@@ -1149,6 +1240,7 @@ class Store:
             (op.table, op.shard, op.key_column, json.dumps([list(c) for c in op.columns])),
         )
         self._catalog = None
+        self._catalog_changed(op.shard)
 
     def _create_sqlite_table(self, name: str, key_column: str, columns: Sequence[tuple[str, str]]) -> None:
         definitions = []
@@ -1210,6 +1302,7 @@ class Store:
             what = {DropTableOp: "drop table", CreateIndexOp: "create index", DropIndexOp: "drop index"}
             raise StoreError(f"cannot {what.get(type(op), 'add a column to')} {op.table!r}: {error}") from None
         self._catalog = None
+        self._catalog_changed(op.shard)
 
     # -- online index builds (see the module's opening) ----------------------------------------
 
@@ -1565,6 +1658,7 @@ class Store:
         definitions and its applied key, a floor the replica must never watch a core behind, even
         after a restart. The position's digest becomes ``UNKNOWN_DIGEST`` (no watch resumes from it;
         the log restarts there, so ``verify_chain`` still finds the position)."""
+        self.name_waits.pop(shard, None)  # the position moves: its next apply looks again
         self.clear_rows(shard)
         self._forget_log_ends(shard)
         self.connection.execute("DELETE FROM _mnesite_rlog WHERE shard = ?", (shard,))
@@ -1602,6 +1696,7 @@ class Store:
         """A snapshot install ends: the shard's log is trimmed at ``key`` and applied there. It keeps its
         entries after ``key`` when it holds ``key`` with ``digest`` (the same history, Raft's rule for
         snapshots: an entry this core acknowledged is never dropped); otherwise it is emptied."""
+        self.name_waits.pop(shard, None)  # the position moves: its next apply looks again
         same_history = self.digest_at(shard, key) == digest
         self._forget_log_ends(shard)
         # The drops recorded go with the entries (``trim``'s rule): those of the entries kept stay.
@@ -1643,6 +1738,7 @@ class Store:
     def replay_spill(self, shard: str, start_key: TxKey, start_digest: bytes, appended_ms: int) -> TxKey:
         """End of a bootstrap: the position becomes K0, then every spilled entry is logged and applied
         in order (the ops are results, so the replay heals what the dirty reads saw)."""
+        self.name_waits.pop(shard, None)  # the position moves: its next apply looks again
         self.connection.execute(
             "UPDATE _mnesite_shards SET applied_generation = ?, applied_counter = ?, applied_digest = ?, "
             "trimmed_generation = ?, trimmed_counter = ?, trimmed_digest = ?, generation = max(generation, ?) "
@@ -1662,7 +1758,8 @@ class Store:
                 break
             entries = [entry_from_wire(msgpack.unpackb(row[2], raw=False)) for row in rows]
             self.append_entries(entries, appended_ms)
-            for entry in entries:
+            # A wait logs the rest: applied when it ends (``name_waits_due``), read back from the log.
+            for entry in [] if shard in self.name_waits else self._before_name_wait(shard, entries):
                 self.apply_entry(entry, healing=True)
             last_key = TxKey(rows[-1][0], rows[-1][1])
         self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))

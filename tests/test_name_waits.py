@@ -1,0 +1,305 @@
+"""A name dropped in one shard and created in another: the shard whose create arrives first waits.
+
+Names are one SQLite namespace per node, each shard's log is applied on its own (``rlog.schema``,
+``name_held_elsewhere``; ``rlog.store``, ``Store.name_waits``)."""
+
+from __future__ import annotations
+
+import pytest
+from mnesite.rlog.messages import Message, typed_body
+from mnesite.rlog.schema import NameHeld, define_table, name_held_elsewhere
+from mnesite.rlog.store import EntryApplyError, Store, StoreError
+from mnesite.rlog.types import (
+    GENESIS_DIGEST,
+    ZERO_KEY,
+    CreateIndexOp,
+    DropIndexOp,
+    DropTableOp,
+    TxKey,
+    WriteOp,
+    make_entry,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+X_OF_A = define_table("x", "k", [["k", "INTEGER"], ["v", "TEXT"]], "a")
+X_OF_B = define_table("X", "id", [["id", "TEXT"], ["n", "INTEGER"]], "b")  # another letter case, other columns
+T_OF_A = define_table("ta", "k", [["k", "INTEGER"], ["v", "TEXT"]], "a")
+T_OF_B = define_table("tb", "k", [["k", "INTEGER"], ["w", "TEXT"]], "b")
+
+
+def chain(shard: str, ops_list: list[list]) -> list:
+    key, digest, entries = ZERO_KEY, GENESIS_DIGEST, []
+    for counter, ops in enumerate(ops_list, 1):
+        entry = make_entry(shard, TxKey(1, counter), key, digest, ops, request_id=f"{shard}{counter}")
+        entries.append(entry)
+        key, digest = entry.tx_key, entry.digest
+    return entries
+
+
+# (shard a's entries: the last one drops the name; shard b's: they create it and use it)
+TABLE_NAME = (
+    [[X_OF_A.to_op()], [WriteOp("x", {"k": 1, "v": "a"})], [DropTableOp("x", "a")]],
+    [[X_OF_B.to_op()], [WriteOp("X", {"id": "one", "n": 1})]],
+)
+INDEX_NAME = (
+    [[T_OF_A.to_op(), CreateIndexOp("ix", "ta", "a", ("v",))], [DropIndexOp("ix", "ta", "a")]],
+    [[T_OF_B.to_op()], [CreateIndexOp("IX", "tb", "b", ("w",))], [WriteOp("tb", {"k": 1, "w": "b"})]],
+)
+
+
+def test_the_rule_names_a_holder_of_another_shard_only() -> None:
+    catalog = {"x": X_OF_A, "ta": T_OF_A.changed_by(CreateIndexOp("ix", "ta", "a", ("v",)))}
+    assert name_held_elsewhere(catalog, "b", [X_OF_B.to_op()]) == NameHeld("X", "x", "a")
+    index = CreateIndexOp("Ix", "tb", "b", ("w",))
+    assert name_held_elsewhere(catalog, "b", [T_OF_B.to_op(), index]) == NameHeld("Ix", "ta", "a", "ix")
+    # A table named as another shard's index, an index named as another shard's table.
+    assert name_held_elsewhere(catalog, "b", [define_table("IX", "k", [], "b").to_op()]) == NameHeld(
+        "IX", "ta", "a", "ix"
+    )
+    assert name_held_elsewhere(catalog, "b", [CreateIndexOp("x", "tb", "b", ("w",))]) == NameHeld("x", "x", "a")
+    # The same shard's names are its sequencer's to check (the check_ rules): no wait.
+    assert name_held_elsewhere(catalog, "a", [X_OF_A.to_op(), CreateIndexOp("ix", "ta", "a", ("v",))]) is None
+    assert name_held_elsewhere(catalog, "b", [T_OF_B.to_op(), WriteOp("tb", {"k": 1}), DropTableOp("x", "b")]) is None
+
+
+def open_store(tmp_path, name: str) -> Store:
+    store = Store(str(tmp_path / f"{name}.db"), synchronous="NORMAL")
+    with store.write_transaction():
+        store.ensure_shard("a", 1)
+        store.ensure_shard("b", 1)
+    return store
+
+
+def apply_b(store: Store, entries: list, path: str) -> None:
+    """Shard b's entries arrive: as a core applies them (from its tail or read back) or a replicant."""
+    with store.write_transaction():
+        if path == "replicant":
+            store.log_and_apply_verified(entries, 0)
+        else:
+            store.append_entries(entries, 0)
+            store.apply_committed("b", entries[-1].tx_key, entries if path == "held" else ())
+
+
+@pytest.mark.parametrize("path", ["held", "read back", "replicant"])
+@pytest.mark.parametrize("ops_of", [TABLE_NAME, INDEX_NAME], ids=["table", "index"])
+def test_a_create_applied_before_the_other_shard_s_drop_waits_then_follows_it(tmp_path, path, ops_of) -> None:
+    a_entries, b_entries = chain("a", ops_of[0]), chain("b", ops_of[1])
+    # A node that applies the shards in commit order: the reference.
+    expected = open_store(tmp_path, "expected")
+    with expected.write_transaction():
+        expected.log_and_apply_verified(a_entries, 0)
+        expected.log_and_apply_verified(b_entries, 0)
+    store = open_store(tmp_path, "store")
+    with store.write_transaction():
+        store.log_and_apply_verified(a_entries[:-1], 0)  # shard a holds the name
+    apply_b(store, b_entries, path)
+    waiting_at = 1 if ops_of is INDEX_NAME else 0  # the index's entry follows its table's
+    wait = store.name_waits["b"]
+    assert (wait.tx_key, wait.request_id, wait.held.holder_shard) == (
+        b_entries[waiting_at].tx_key,
+        f"b{waiting_at + 1}",
+        "a",
+    )
+    assert store.shard("b").applied == (b_entries[waiting_at - 1].tx_key if waiting_at else ZERO_KEY)
+    assert store.last_entry("b")[0] == b_entries[-1].tx_key, "the waiting entries stay in the log"
+    assert store.name_waits_due() == []
+    with store.write_transaction():
+        store.log_and_apply_verified(a_entries[-1:], 0)  # shard a's drop: the name is free
+        assert store.name_waits_due() == ["b"]
+        store.apply_committed("b", b_entries[-1].tx_key)
+    assert store.name_waits == {}
+    assert store.catalog() == expected.catalog()
+    assert store.shards() == expected.shards()
+    for table in expected.catalog().values():
+        assert store.scan(table, None, 10) == expected.scan(table, None, 10)
+    store.close()
+    expected.close()
+
+
+def test_a_name_held_by_the_same_shard_stays_an_error(tmp_path) -> None:
+    store = open_store(tmp_path, "store")
+    entries = chain("b", [[T_OF_B.to_op()], [define_table("TB", "k", [], "b").to_op()]])
+    with pytest.raises(EntryApplyError, match="already exists"), store.write_transaction():
+        store.append_entries(entries, 0)
+        store.apply_committed("b", entries[-1].tx_key, entries)
+    with pytest.raises(StoreError, match="already exists"), store.write_transaction():
+        store.log_and_apply_verified(entries, 0)
+    assert store.name_waits == {}
+    store.close()
+
+
+def follow(node, shard: str):
+    """A replica of ``shard`` at a replicant driven by hand, resumed from the start on ``core1``."""
+    from mnesite.rlog import replication as p
+
+    replica = node._open_replica(shard)
+    start = replica.status()
+    node._step(replica, p.Ticked())
+    node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 9), True, 1)),)))
+    accepted = p.WatchAccepted(
+        "core1", f"agent-{shard}", "resume", start.applied_key, start.applied_digest, replica.watch_id
+    )
+    node._step(replica, accepted)
+    assert replica.mode is p.Mode.NORMAL
+    return replica
+
+
+def push(node, replica, entries: list) -> None:
+    from mnesite.rlog import replication as p
+
+    node.begin()
+    node._step(replica, p.PushReceived("core1", f"agent-{replica.shard}", tuple(entries), entries[-1].tx_key, True))
+    node.flush()
+
+
+def test_a_replicant_that_hears_the_create_before_the_drop_keeps_running_and_converges(tmp_path, caplog) -> None:
+    """Shard b's create of ``X`` reaches the replicant before shard a's drop of ``x`` (the agents of two
+    shards push independently): it used to stop with ``EntryApplyError``. Shard b waits, visibly (its
+    status, a warning, read-your-writes of b's entries not served), shard a goes on, and a's drop
+    lets b's entries follow in the same turn; across a restart too."""
+    from tests.conftest import replicant_by_hand
+    from tests.test_replicant_node import _unconnected_dealer
+
+    a_entries, b_entries = chain("a", TABLE_NAME[0]), chain("b", TABLE_NAME[1])
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        replica_a, replica_b = follow(node, "a"), follow(node, "b")
+        push(node, replica_a, a_entries[:2])
+        push(node, replica_b, b_entries[:1])
+        wait = node.status()["shards"]["b"]["name_wait"]
+        assert wait is not None and (wait["tx_key"], wait["name"], wait["held_by"], wait["held_by_shard"]) == (
+            [1, 1],
+            "X",
+            "x",
+            "a",
+        )
+        assert "drop it in shard a" in wait["remedy"]
+        assert any("creates 'X', held here by table 'x' of shard a" in r.getMessage() for r in caplog.records)
+        push(node, replica_b, b_entries[1:])  # logged behind the waiting entry
+        assert node.store.shard("b").applied == ZERO_KEY and replica_b.applied_key == b_entries[-1].tx_key
+        assert not node._readable_at("b", b_entries[-1].tx_key), "read-your-writes past the wait is not served"
+        assert node._readable_at("a", a_entries[1].tx_key)
+    # A restart while b waits: the replica goes on from what its log holds.
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        replica_b = node.replicas["b"]
+        assert replica_b.applied_key == b_entries[-1].tx_key and "b" in node.store.name_waits
+        replica_a = follow(node, "a")
+        push(node, replica_a, a_entries[2:])  # a's drop: b's entries follow at once
+        assert node.status()["shards"]["b"]["name_wait"] is None
+        assert node.store.shard("b").applied == b_entries[-1].tx_key
+        table = node.store.catalog()["X"]
+        assert table.shard == "b" and node.store.scan(table, None, 10) == [{"id": "one", "n": 1}]
+        assert "x" not in node.store.catalog() and node.store.name_waits == {}
+
+
+def test_a_follower_core_that_hears_the_create_before_the_drop_keeps_running_and_converges(tmp_path, caplog) -> None:
+    """A follower core hears shard b's create of ``X`` (and b's next writes) before shard a's drop of
+    ``x``: the shards' sequencers append independently. It used to stop with ``EntryApplyError``; shard
+    b waits (status, reads that must see b's entries refused ``not_applied``), shard a goes on, and a's
+    drop lets b's entries follow in the same step: the node ends in the state the sequencers have."""
+    from mnesite.cli.main import describe_name_wait
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+
+    from tests.conftest import follower_by_hand
+
+    members = ("core1", "core2", "core3")
+    a_entries, b_entries = chain("a", TABLE_NAME[0]), chain("b", TABLE_NAME[1])
+    b_entries += chain("b", [*TABLE_NAME[1], [WriteOp("X", {"id": "two", "n": 2})]])[2:]
+
+    def append(driver, entries: list, after) -> None:
+        previous = (ZERO_KEY, GENESIS_DIGEST) if after is None else (after.tx_key, after.digest)
+        request = AppendRequest(1, *previous, entries[-1].tx_key, members, tuple(entries))
+        node._step(driver, MessageReceived("core2", request))
+        node._apply_gathered(driver)
+
+    with follower_by_hand(tmp_path / "data") as (node, _):
+        drivers = {}
+        for shard in ("a", "b"):
+            node.store.ensure_shard(shard, 0)
+            drivers[shard] = node._open_shard(shard)
+        append(drivers["a"], a_entries[:2], None)
+        append(drivers["b"], b_entries[:2], None)
+        append(drivers["b"], b_entries[2:], b_entries[1])  # a later commit while it waits
+        assert (
+            node.store.shard("b").applied == ZERO_KEY and drivers["b"].consensus.committed_key == b_entries[-1].tx_key
+        )
+        wait = node.status()["shards"]["b"]["name_wait"]
+        assert wait is not None and (wait["tx_key"], wait["held_by"], wait["held_by_shard"]) == ([1, 1], "x", "a")
+        assert node.status()["shards"]["a"]["name_wait"] is None
+        assert describe_name_wait("b", node.status()["shards"]["b"]).startswith("WARNING: shard b: applying waits")
+        warned = [r for r in caplog.records if "held here by table 'x' of shard a" in r.getMessage()]
+        assert len(warned) == 1, "one line while it waits (throttled), not one per commit"
+        get = {"table": "x", "key": 1, "min_key": list(a_entries[1].tx_key)}
+        assert node._read([b"c1"], Message("get", "r1", typed_body("get", get))) == {"k": 1, "v": "a"}
+        append(drivers["a"], a_entries[2:], a_entries[1])  # a's drop: b's entries follow at once
+        assert node.status()["shards"]["b"]["name_wait"] is None
+        assert node.store.shard("b").applied == b_entries[-1].tx_key
+        table = node.store.catalog()["X"]
+        assert "x" not in node.store.catalog() and table == X_OF_B
+        assert node.store.scan(table, None, 10) == [{"id": "one", "n": 1}, {"id": "two", "n": 2}]
+        get = {"table": "X", "key": "two", "min_key": list(b_entries[-1].tx_key)}
+        assert node._read([b"c1"], Message("get", "r2", typed_body("get", get))) == {"id": "two", "n": 2}
+        assert not node.stopped
+
+
+def test_the_status_text_names_a_waiting_shard_and_what_to_do() -> None:
+    from mnesite.cli.main import describe_name_wait
+
+    held = {"tx_key": [1, 4], "name": "X", "held_by": "x", "held_by_shard": "a", "remedy": "drop it in shard a"}
+    assert describe_name_wait("b", {"name_wait": held}) == (
+        "WARNING: shard b: applying waits at entry (1, 4): it creates 'X', held here by 'x' of shard a; "
+        "drop it in shard a"
+    )
+    assert describe_name_wait("b", {"name_wait": None}) is None
+
+
+def test_a_copy_that_creates_a_name_another_shard_holds_is_refused_and_asked_again() -> None:
+    """A snapshot install's or a bootstrap's table list (shard b's ``X``, ``tb`` with index ``IX``)
+    meets a name shard a still holds here: it is refused (``CopyFailed``: the install or bootstrap is
+    asked again) instead of raising out of the node's turn; with the names free it is the ops it was."""
+    from mnesite.bootstrap.copy import CopyFailed, copy_schema_ops
+    from mnesite.rlog.schema import shard_schema_ops_toward
+
+    with_index = T_OF_B.changed_by(CreateIndexOp("IX", "tb", "b", ("w",)))
+    held = {"x": X_OF_A, "ta": T_OF_A.changed_by(CreateIndexOp("ix", "ta", "a", ("v",)))}
+    with pytest.raises(CopyFailed, match="creates 'X', held here by table 'x' of shard a"):
+        copy_schema_ops(held, "b", (X_OF_B,))
+    with pytest.raises(CopyFailed, match="creates 'IX', held here by index 'ix' of 'ta' of shard a"):
+        copy_schema_ops(held, "b", (with_index,))
+    free = {"ta": T_OF_A}
+    ops = copy_schema_ops(free, "b", (X_OF_B, with_index))
+    assert ops == shard_schema_ops_toward(free, "b", (X_OF_B, with_index))
+
+
+def test_a_sequencer_whose_apply_waits_refuses_a_linearizable_read_it_has_not_applied(tmp_path) -> None:
+    """A sequencer answers a linearizable read from its applied state, which is its committed state
+    unless its apply waits at a name (a follower that waited and was then elected; two creates of one
+    name): then the read is refused ``not_applied`` (the client retries) rather than answered stale."""
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.store import NameWait
+
+    from tests.conftest import core_with_table, queued_to, run_turns_until
+
+    with core_with_table(tmp_path / "data") as node:
+        driver = node.shards["default"]
+        applied = node.store.shard("default").applied
+        # As if the next entry created a name another shard holds here (no sequencer proposes that).
+        held = NameHeld("u", "u", "other")
+        node.store.name_waits["default"] = NameWait(
+            "default", TxKey(applied.generation, applied.counter + 1), "w1", held, 0
+        )
+        write = {"ops": [{"op": "write", "table": "t", "row": {"id": 1, "v": "a"}}]}
+        node._write([b"c1"], Message("transact", "w1", typed_body("transact", write)))
+        run_turns_until(node, lambda: driver.consensus.committed_key > applied, "the write's commit")
+        assert node.store.shard("default").applied == applied
+        get = {"table": "t", "key": 1, "consistency": "linearizable"}
+        with pytest.raises(RequestError) as refused:
+            node._linearizable([b"c2"], Message("get", "r1", typed_body("get", get)))
+        assert refused.value.code == "not_applied"
+        del node.store.name_waits["default"]
+        node._apply_up_to(driver, driver.consensus.committed_key)
+        node._linearizable([b"c2"], Message("get", "r2", typed_body("get", get)))
+        (answer,) = [m for m in queued_to(node, [b"c2"]) if m.request_id == "r2"]
+        assert answer.body.result == {"id": 1, "v": "a"}, "answered once applied"
