@@ -25,7 +25,19 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   listens then costs about one push, not a window (zmq keeps what it was handed for a dead
   endpoint until the socket closes). One push holds at most ``push_entries_max`` entries and
   ``push_bytes_max`` bytes (an entry larger than that goes alone), so a push never exceeds the
-  replicant's frame limit with large transactions.
+  replicant's frame limit with large transactions (see "Frame limit").
+* Frame limit. A replicant reads no frame above its own ``frame_bytes_max``, which may be smaller
+  than the core's. A replicant of protocol 2 tells it in its watch (``rlog.messages.Watch``); the
+  agent then pushes at most ``push_bytes_bound`` bytes of entries a push (half the replicant's limit,
+  if that is below ``push_bytes_max``), and never pushes an entry that does not fit the replicant's
+  frame even alone (``unpushable_entry``: its size and the push's envelope above the limit): a push
+  the replicant refuses unread would be resent for ever, and the replicant would never learn why.
+  It stops instead, with that refusal as its reason (``entry_refusal``), before the entry: the
+  entries before it are pushed first. The agent server refuses a watch whose agent stops so at once
+  (``too_large``, naming the entry's key and size, the replicant's limit and the limit that would
+  do); a replicant whose agent stopped later notices the silence, watches again from its applied
+  key, and is refused so. A replicant that told nothing (protocol 1, release 0.1.0) is pushed as
+  before: by the core's own bounds.
 * Pushes in flight. A push with entries is in flight until an acknowledgement covers its last key.
   A partial push (fewer than ``push_entries_max`` entries and ``push_bytes_max`` bytes, judged by
   the entry sizes seen so far) goes only while fewer than ``pushes_in_flight_max`` pushes are in
@@ -148,7 +160,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from mnesite.rlog.limits import require_positive_ints
+from mnesite.rlog.limits import FRAME_ENVELOPE_BYTES, require_positive_ints
 from mnesite.rlog.replication import (
     AckReceived,
     AgentMode,
@@ -169,6 +181,30 @@ TOKEN_KEY_BYTES = 16
 
 AgentEvent = Ticked | CommittedAdvanced | AckReceived | RejectReceived | PushesDropped
 AgentEffect = Push | AgentStopped
+
+
+def push_bytes_bound(push_bytes_max: int, frame_bytes_max: int | None) -> int:
+    """The bytes of entries one push to a replicant holds at most (see "Frame limit"): the core's
+    ``push_bytes_max``, and half the replicant's ``frame_bytes_max`` if it told it (None: it did not)."""
+    if frame_bytes_max is None:
+        return push_bytes_max
+    return max(1, min(push_bytes_max, frame_bytes_max // 2))
+
+
+def unpushable_entry(
+    shard: str, tx_key: TxKey, size_bytes: int, replicant: str, frame_bytes_max: int | None
+) -> str | None:
+    """Why the entry at ``tx_key`` of ``size_bytes`` (``Entry.size_bytes``) can never be pushed to a
+    replicant whose frames are at most ``frame_bytes_max`` (None: it did not tell; nothing is refused),
+    even alone: the push's envelope around it would take it past that. None if it fits."""
+    if frame_bytes_max is None or size_bytes <= frame_bytes_max - FRAME_ENVELOPE_BYTES:
+        return None
+    return (
+        f"entry {tuple(tx_key)} of shard {shard} is {size_bytes} bytes: a push of it would not fit in a frame "
+        f"of replicant {replicant}, whose [limits] frame_bytes_max is {frame_bytes_max} (entries of up to "
+        f"{frame_bytes_max - FRAME_ENVELOPE_BYTES} bytes fit); raise frame_bytes_max on the replicant to at "
+        f"least {size_bytes + FRAME_ENVELOPE_BYTES} (the cores' own, or more) and restart it"
+    )
 
 
 class AgentConfigError(ValueError):
@@ -257,9 +293,11 @@ class Agent:
         config: AgentConfig,
         now_ms: int,
         token_key: bytes | None = None,
+        frame_bytes_max: int | None = None,
     ) -> None:
         """``token_key``: the secret of this agent's push tokens (see "Proven acknowledgements"); None:
-        its pushes carry none and acknowledgements are trusted (a replicant of protocol 1)."""
+        its pushes carry none and acknowledgements are trusted (a replicant of protocol 1).
+        ``frame_bytes_max``: the replicant's, told in its watch (see "Frame limit"); None: not told."""
         if not agent_id:
             raise AgentConfigError("agent_id must not be empty")
         if token_key is not None and len(token_key) != TOKEN_KEY_BYTES:
@@ -285,6 +323,11 @@ class Agent:
         self.shard = shard
         self.replicant = replicant
         self.config = config
+        self.frame_bytes_max = frame_bytes_max
+        # Bytes of entries in one push (see "Frame limit"), and why the agent stopped before an entry
+        # that does not fit the replicant's frame (None: it did not).
+        self._push_bytes_max = push_bytes_bound(config.push_bytes_max, frame_bytes_max)
+        self.entry_refusal: str | None = None
         self._log = log
         self._now_ms = now_ms
         self._mode = AgentMode.CATCHUP
@@ -299,7 +342,7 @@ class Agent:
         # (a push holds at least one entry of the window).
         self._pushes_in_flight: deque[tuple[TxKey, int, int]] = deque()
         # Entries read per log read: sized from the entries seen so far (the first read takes five).
-        self._entry_bytes_estimate = max(1, config.push_bytes_max // 4)
+        self._entry_bytes_estimate = max(1, self._push_bytes_max // 4)
         # Entries in the last push: a read takes at most twice as many, so that a log whose first
         # entries are tiny (a no-op, a table creation) and the next ones large is not read far
         # beyond one push on the strength of the tiny ones.
@@ -641,10 +684,7 @@ class Agent:
         if self._sent_key.generation != self._committed_key.generation:
             return True
         waiting = self._committed_key.counter - self._sent_key.counter
-        return (
-            waiting >= self.config.push_entries_max
-            or waiting * self._entry_bytes_estimate >= self.config.push_bytes_max
-        )
+        return waiting >= self.config.push_entries_max or waiting * self._entry_bytes_estimate >= self._push_bytes_max
 
     def _pump(self) -> bool:
         """Push committed entries after ``sent_key`` while the window has room, up to ``step_bytes_max``
@@ -671,7 +711,7 @@ class Agent:
             self._stop(STOPPED_TRIMMED)
             return None
         room_entries = min(self.config.push_entries_max, self.config.window_entries_max - len(self._unacknowledged))
-        room_bytes = min(self.config.push_bytes_max, self._window_bytes_max() - self._unacknowledged_bytes)
+        room_bytes = min(self._push_bytes_max, self._window_bytes_max() - self._unacknowledged_bytes)
         batch: list[tuple[Entry | PackedEntry, int]] = []
         batch_bytes = 0
         # Read in chunks until the push is full or every committed entry is in: each chunk about as
@@ -705,6 +745,14 @@ class Agent:
                 if batch and batch_bytes + size > room_bytes:
                     full = True  # the first entry always goes, alone if it is larger than a push
                     break
+                refusal = unpushable_entry(self.shard, entry.tx_key, size, self.replicant, self.frame_bytes_max)
+                if refusal is not None:
+                    if batch:
+                        full = True  # the entries before it go; the next push stops here
+                        break
+                    self.entry_refusal = refusal
+                    self._stop(refusal)
+                    return None
                 batch.append((entry, size))
                 batch_bytes += size
             self._entry_bytes_estimate = max(1, max(size for _, size in batch))

@@ -37,6 +37,12 @@ replicant is told give away no key (a Mersenne Twister's would: its whole state 
 flag, which the eviction rules read, is the agent's own: set only by an acknowledgement the agent
 took. Refused ones are counted in ``acks_refused`` (``status``).
 
+Frame limit. A watch that tells the replicant's ``frame_bytes_max`` (protocol 2) gets an agent that
+pushes within it (``core.agent``, "Frame limit"). If the first entry that agent must push cannot fit
+a push to that replicant at all, the watch is refused ``too_large`` with the agent's reason (the
+entry's key and size, the replicant's limit, what to raise it to): the replicant shows it and
+retries by its failover rule, and a push it could never read is never sent.
+
 Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in one
 ``core.agent_budget.AgentMemoryBudget`` of ``agents_bytes_max``: after every step of an agent its
 bytes are recorded, and an agent that ends is released. An agent is stepped with no push budget
@@ -62,6 +68,7 @@ from mnesite.core.agent import TOKEN_KEY_BYTES, Agent, AgentConfig
 from mnesite.core.agent_budget import SILENT_HEARTBEATS, AgentMemoryBudget, AgentUse, silence_began_ms
 from mnesite.core.versions import watch_protocol_refusal, watch_proves_acknowledgements
 from mnesite.core.watch import (
+    WatchRefusedError,
     agent_to_evict,
     check_not_a_core_endpoint,
     check_replicant_watches,
@@ -195,7 +202,11 @@ class AgentServer:
         agent_id += self.random_bytes(AGENT_ID_RANDOM_BYTES).hex()
         # A replicant that echoes tokens must prove what it read (core.agent, "Proven acknowledgements").
         token_key = self.random_bytes(TOKEN_KEY_BYTES) if watch_proves_acknowledgements(body.protocol) else None
-        agent = Agent(agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms, token_key)
+        # Told by a replicant of protocol 2: its pushes fit its frames (core.agent, "Frame limit").
+        frame_bytes_max = body.frame_bytes_max
+        agent = Agent(
+            agent_id, body.shard, body.replicant, start_key, log_view, self.config, now_ms, token_key, frame_bytes_max
+        )
         answer = {
             "agent": agent_id,
             "mode": mode,
@@ -206,6 +217,12 @@ class AgentServer:
         }
         self.watches[agent_id] = Watch(agent, body.endpoint, body.replicant, body.shard, answer, protocol=body.protocol)
         self._step(agent_id, CommittedAdvanced(committed_key, hears_sequencer), now_ms)
+        if agent.entry_refusal is not None and agent.status().sent_key == start_key:
+            # The first entry it must push does not fit the replicant's frame (core.agent, "Frame
+            # limit"): refused, so that the replicant says why instead of waiting for pushes. The agent
+            # stopped, and is forgotten already; a heartbeat it queued must not answer the watch.
+            self.outbox = [(to, message) for to, message in self.outbox if message.body["agent"] != agent_id]
+            raise WatchRefusedError("too_large", agent.entry_refusal)
         return answer
 
     def acknowledged(self, body: messages.PushAck, now_ms: int) -> None:

@@ -161,7 +161,7 @@ from mnesite.rlog.backup import RESTORED_META, BackupError
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull, StorageFailedError
-from mnesite.rlog.limits import SHARDS_MAX
+from mnesite.rlog.limits import FRAME_ENVELOPE_BYTES, SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.query import CheckedQuery, QueryRequest
 from mnesite.rlog.retention import keep_from_match_keys
@@ -235,9 +235,6 @@ PROBATION_BYTES_MAX = 64 * 1024
 # ack timeout): a live replica acknowledges within a round trip, and one that hears nothing for its
 # failure_timeout_ms (3 s by default) watches again anyway. Dead watches then cost 3 s each.
 PROBATION_TIMEOUT_MS = 3000
-# Bytes of a frame besides the entries it carries: an append's or a push's envelope (keys, digest,
-# sender, shard, counters), well above what msgpack makes of them.
-FRAME_ENVELOPE_BYTES = 4096
 DEALERS_MAX = 1000  # sockets to peers (replicant endpoints are bounded by [limits] watches_max)
 STATUS_COUNT_INTERVAL_MS = 1000
 # Snapshot install (core.snapshot): rows asked per batch (the serving core also bounds it in bytes)

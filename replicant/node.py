@@ -69,6 +69,7 @@ from mnesite.rlog.server import (
     RequestError,
     collector_paused,
     relayed,
+    request_id_of,
 )
 from mnesite.rlog.store import Store
 from mnesite.rlog.throttle import monotonic_ms
@@ -83,6 +84,7 @@ from mnesite.rlog.versions import (
     incompatibility,
     local_announcement,
     replication_protocol_for,
+    watch_tells_frame_bytes_max,
 )
 
 log = logging.getLogger("mnesite.replicant")
@@ -340,11 +342,12 @@ class ReplicantNode(NodeServer):
 
     def _not_sent(self, pending: Pending, why: str) -> None:
         """Tell whoever waits on ``pending``, which the full table or a failed send kept from being
-        sent: a replica's watch, table list or bootstrap batch fails in this turn's ``_expire`` (``RequestFailed``, with
-        ``why`` for its status; it fails over or retries as after a failed request); a probe takes
-        the core for silent and ends there once no other core is left to answer. A client's read
-        index is refused by its caller. A fence question and a discovery are asked again at their
-        own interval (a fence answered None would be asked again at once, every turn it stays full)."""
+        sent (or whose answer was too large to read, ``_answer_too_large``): a replica's watch, table
+        list or bootstrap batch fails in this turn's ``_expire`` (``RequestFailed``, with ``why`` for
+        its status; it fails over or retries as after a failed request); a probe takes the core for
+        silent and ends there once no other core is left to answer. A client's read index is refused
+        by its caller. A fence question and a discovery are asked again at their own interval (a
+        fence answered None would be asked again at once, every turn it stays full)."""
         if pending.purpose in ("watch", "tables", "batch") and pending.shard is not None:
             self._requests_failed.append((pending.shard, p.RequestFailed(pending.core, why, pending.watch_id)))
         elif pending.purpose == "probe":
@@ -482,16 +485,19 @@ class ReplicantNode(NodeServer):
                 pending = Pending("probe", core, now + REQUEST_TIMEOUT_MS, shard, probe_id=probe.probe_id)
                 self._request(core, "journal", {}, pending)
         elif isinstance(effect, p.SendWatch):
+            # the protocol both speak (rlog.versions): a core of release 0.1.0 reads only 1
+            protocol = replication_protocol_for(self.core_versions.get(effect.core), self.versions)
             body = {
                 "shard": shard,
                 "replicant": self.config.name,
                 "endpoint": self.config.listen,
                 "from": list(effect.from_key),
                 "from_digest": effect.from_digest,
-                # the protocol both speak (rlog.versions): a core of release 0.1.0 reads only 1
-                "protocol": replication_protocol_for(self.core_versions.get(effect.core), self.versions),
+                "protocol": protocol,
                 "watch_id": effect.watch_id,
             }
+            if watch_tells_frame_bytes_max(protocol):  # the agent pushes within it (core.agent, "Frame limit")
+                body["frame_bytes_max"] = self.config.limits.frame_bytes_max
             pending = Pending("watch", effect.core, now + REQUEST_TIMEOUT_MS, shard, watch_id=effect.watch_id)
             self._request(effect.core, "watch", body, pending)
         elif isinstance(effect, p.ApplyEntries):
@@ -506,7 +512,9 @@ class ReplicantNode(NodeServer):
             pending = Pending("tables", effect.core, now + REQUEST_TIMEOUT_MS, shard, watch_id=replica.watch_id)
             self._request(effect.core, "list_tables", {}, pending)
         elif isinstance(effect, p.FetchBatch):
-            body: dict[str, Any] = {"table": effect.table, "limit": effect.limit}
+            # A batch within this replicant's frames, as the core bounds it within its own (release
+            # 0.1.0 reads the field too): an answer above frame_bytes_max would be dropped unread.
+            body: dict[str, Any] = {"table": effect.table, "limit": effect.limit, "bytes_max": self._batch_bytes_max()}
             if effect.after is not None:
                 body["after"] = effect.after
             detail = {"table": effect.table, "after": effect.after, "limit": effect.limit}
@@ -584,13 +592,39 @@ class ReplicantNode(NodeServer):
                 return
             try:
                 answer = messages.decode(frame, self.config.limits.frame_bytes_max)
-            except MessageError:
+            except MessageError as error:
+                if error.code == "frame_too_large":
+                    self._answer_too_large(core, frame, str(error))
                 continue
             self._core_heard_ms = self.clock_ms()
             pending = self.pending.pop(answer.request_id, None)
             if pending is None:
                 continue  # late answer to a request we gave up on
             self._on_answer(pending, answer, len(frame))
+
+    def _answer_too_large(self, core: str, frame: bytes, error: str) -> None:
+        """An answer above this replicant's ``frame_bytes_max`` (a core with a larger one, or of a
+        release that does not bound its answers by it): dropped unread, said (throttled), and the
+        request it answers fails now with why (``_not_sent``), not silently at its timeout."""
+        self.warnings.log(
+            "answer too large",
+            logging.WARNING,
+            "an answer from core %s was dropped: %s; raise [limits] frame_bytes_max on this replicant",
+            core,
+            error,
+            logger=log,
+        )
+        request_id = request_id_of(frame)
+        pending = self.pending.get(request_id)
+        if pending is None or pending.core != core or pending.purpose in ("forward", "read_index"):
+            return  # none, or a client's request: its timeout answers it
+        del self.pending[request_id]
+        self._not_sent(pending, f"the answer of {core} was dropped: {error}")
+
+    def _batch_bytes_max(self) -> int:
+        """The bytes of rows a bootstrap batch may hold: half of this replicant's frame, as a core bounds
+        its own batches (``bootstrap.read_service``), so that the answer fits whichever limit is lower."""
+        return max(1, self.config.limits.frame_bytes_max // 2)
 
     def _on_answer(self, pending: Pending, answer: Message, frame_bytes: int | None = None) -> None:
         if pending.purpose in ("forward", "read_index"):
@@ -670,6 +704,17 @@ class ReplicantNode(NodeServer):
                 self._finish_probe(replica)
         elif pending.purpose == "watch":
             if error is not None:
+                # Said (throttled: the replica retries at its pace) as well as shown in its last_error.
+                self.warnings.log(
+                    "watch refused",
+                    logging.WARNING,
+                    "shard %s: watch refused by %s: %s: %.1000s",
+                    replica.shard,
+                    pending.core,
+                    error.code,
+                    error.message,
+                    logger=log,
+                )
                 self._step(replica, p.WatchRefused(pending.core, f"{error.code}: {error.message}"))
                 return
             accepted = watch_accepted(pending.core, result)

@@ -22,7 +22,7 @@ Example::
     disk_probe_interval_ms = 1000       # while the disk is full: how often a write probe checks for space (rlog.disk)
 
     [limits]
-    frame_bytes_max = 4194304           # larger frames get a frame_too_large error (64 KiB..256 MiB)
+    frame_bytes_max = 4194304           # larger frames get a frame_too_large error (64 KiB..256 MiB; core.agent)
     group_commit_max = 256              # requests drained per loop turn; writes among them share one commit
     transaction_ops_max = 1000          # ops plus guards in one transaction
     scan_rows_max = 10000               # rows per scan page
@@ -94,6 +94,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from mnesite.rlog.limits import FRAME_BYTES_MAX_BOUNDS
 from mnesite.rlog.security import SecurityConfig, SecurityError, check_roles
 from mnesite.rlog.types import endpoint_identity
 
@@ -275,8 +276,7 @@ class Config:
 
 
 _LIMIT_BOUNDS = {
-    # At least 64 KiB: a status answer, a few rows, and an entry with an append's envelope around it (core.node).
-    "frame_bytes_max": (64 * 1024, 256 * 1024 * 1024),
+    "frame_bytes_max": FRAME_BYTES_MAX_BOUNDS,  # rlog.limits says why
     "group_commit_max": (1, 100_000),
     "transaction_ops_max": (1, 1_000_000),
     "scan_rows_max": (1, 1_000_000),

@@ -9,6 +9,12 @@ from typing import Any
 # Shards one node holds at most: a core refuses to create more, a replicant opens no more of those
 # its cores report (their answers are untrusted input).
 SHARDS_MAX = 1000
+# [limits] frame_bytes_max, at least and at most: a status answer, a few rows, and an entry with an
+# append's envelope around it (core.node) need the low bound.
+FRAME_BYTES_MAX_BOUNDS = (64 * 1024, 256 * 1024 * 1024)
+# Bytes of a frame besides the entries it carries: an append's or a push's envelope (keys, digest,
+# sender, shard, counters, a push's watch answer and token), well above what msgpack makes of them.
+FRAME_ENVELOPE_BYTES = 4096
 
 
 def require_positive_ints(config: Any, error: type[Exception], zero_allowed: tuple[str, ...] = ()) -> None:

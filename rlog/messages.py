@@ -245,9 +245,9 @@ for _empty in ("list_tables", "status", "stop", "journal", "force_start", "membe
     _kind(_empty, body=Empty)
 # replication: a replicant's watch (watch_id: the replica's, repeated by the answer and pushes), an agent's push (no
 # entries: a heartbeat; watch: the answer, which it may overtake; token: core.agent's), the push_ack (echoing a token)
-WATCH_ID = ("watch_id", Annotated[str, Meta(max_length=64)], "")
+WATCH_ID, FRAME_MAX = ("watch_id", Annotated[str, Meta(max_length=64)], ""), ("frame_bytes_max", types.FrameBytes, None)
 Watch = _kind("watch", SHARD, ("replicant", Name), ("endpoint", Endpoint), ("from_", TxKey, msgspec.field(name="from")),
-              ("from_digest", DigestOrEmpty), ("protocol", Annotated[int, Meta(ge=0, le=2**31)]), WATCH_ID)
+              ("from_digest", DigestOrEmpty), ("protocol", Annotated[int, Meta(ge=0, le=2**31)]), WATCH_ID, FRAME_MAX)
 Entries = Annotated[list[WireEntry], Meta(max_length=4096)]
 TOKEN = ("token", Annotated[bytes, Meta(max_length=32)] | None, None)  # protocol 2 only (never to release 0.1.0)
 Push = _kind("push", SHARD, ("agent", Name), ("core", Name), ("entries", Entries), ("committed", TxKey),

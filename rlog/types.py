@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, NamedTuple, Union
 
 import msgspec
+from mnesite.rlog.limits import FRAME_BYTES_MAX_BOUNDS
 from msgspec import Meta, Struct
 
 DIGEST_BYTES = 32
@@ -80,6 +81,10 @@ class WriteOp(Struct, frozen=True, gc=False):
 
 
 WAIT_MS_MAX = 600_000  # the longest a node holds a read for its key (a client asks at most this)
+# A replicant's [limits] frame_bytes_max, told in its watch (rlog.messages) so that its core's agent pushes
+# within it (core.agent, "Frame limit"); sent with replication protocol 2 only, since release 0.1.0 refuses
+# a field it does not know (rlog.versions.watch_tells_frame_bytes_max). None: not told.
+FrameBytes = Annotated[int, Meta(ge=FRAME_BYTES_MAX_BOUNDS[0], le=FRAME_BYTES_MAX_BOUNDS[1])] | None
 
 # --- op codec ---
 # An op is packed as the msgpack array [tag, field...] (on the wire, in the log, in digests): the op types

@@ -174,6 +174,14 @@ def replication_protocol_for(core: Announcement | None, own: Announcement) -> in
     return protocols_at(max(common, own.cluster_versions[0])).replication
 
 
+def watch_tells_frame_bytes_max(protocol: int) -> bool:
+    """Whether a replicant's watch naming replication ``protocol`` tells the core its ``frame_bytes_max``
+    (``rlog.messages.Watch``), so that the core's agent bounds its pushes by it (``core.agent``, "Frame
+    limit"): from protocol 2 on, which only a core of release 0.2.0 or later is sent. Release 0.1.0 refuses
+    a watch with a field it does not know (``bad_frame``), so it is not told, and serves as before."""
+    return protocol >= 2
+
+
 def log_readable(cluster_version: Any, own: Announcement) -> bool:
     """Whether a replicant speaking ``own`` can read a shard's log at ``cluster_version`` (an answer
     without one is release 0.1.0's log: version 1). A replicant follows only a core whose log it reads."""

@@ -164,9 +164,9 @@ def logged_op_tags(data_dir: Path, shard: str, key: tuple[int, int]) -> list[str
 
 
 @contextlib.contextmanager
-def thread_replicant(data_dir: Path, core_endpoint: str) -> Iterator[str]:
+def thread_replicant(data_dir: Path, core_endpoint: str, limits: dict | None = None) -> Iterator[str]:
     """A replicant of the core at ``core_endpoint``, served by a thread of this process; yields its
-    endpoint and stops it after the block, also when the block fails."""
+    endpoint and stops it after the block, also when the block fails. ``limits``: its [limits] section."""
     import threading
 
     from mnesite.replicant.node import ReplicantNode
@@ -180,6 +180,7 @@ def thread_replicant(data_dir: Path, core_endpoint: str) -> Iterator[str]:
                          "listen": f"tcp://127.0.0.1:{port}"},
                 "cluster": {"core_nodes": {"core1": core_endpoint}},
                 "storage": {"synchronous": "NORMAL"},
+                "limits": limits or {},
             }
         )
     )  # fmt: skip
