@@ -12,9 +12,10 @@ A frame is known to have left once zmq lets go of it: a frame sent without a cop
 (``zmq.MessageTracker``, anything with ``done``) that is done once zmq handed it to the kernel (the core
 reads again) or dropped it (its socket closed). That proof needs no answer from the core: a frame the
 core never answers (a one-way acknowledgement, a request it dropped, one sent before it restarted)
-does not pin the ledger, and a closed socket's frames are given back by zmq itself (``reset`` forgets
-them at once). zmq sends a connection's frames in order, so they leave the ledger in order: once the
-oldest is not done, nothing is looked at behind it (what it keeps for a moment is on the safe side).
+does not pin the ledger, and a closed socket's frames are given back by zmq itself (their trackers
+are done: no reset is needed when a connection is closed and opened again). zmq sends a connection's
+frames in order, so they leave the ledger in order: once the oldest is not done, nothing is looked at
+behind it (what it keeps for a moment is on the safe side).
 
 Frames below the driver's tracking threshold are not recorded (tracking costs on the write path): they
 are bounded by zmq's count, that many times the threshold. A core holding nothing is always sent one
@@ -70,11 +71,6 @@ class CoreQueues:
             f"{held} bytes sent toward it are still queued here, not taken by the core, and this frame has "
             f"{size} (core_queue_bytes_max {self.bytes_max}): the core is away or does not read"
         )
-
-    def reset(self, core: str) -> None:
-        """Forget what was sent toward ``core``: its socket was closed, and its queue with it."""
-        self._held.pop(core, None)
-        self._bytes.pop(core, None)
 
     def status(self, cores: tuple[str, ...]) -> dict[str, dict[str, Any]]:
         """Per core: ``bytes`` and ``frames`` zmq may still hold toward it, frames ``refused`` for the bound."""

@@ -213,6 +213,9 @@ class ReplicantNode(NodeServer):
                 socket = self.dealer(self.config.core_nodes[core], CORE_QUEUE_MAX, len(self.cores))
                 if socket is None:
                     raise RuntimeError(f"no socket for core {core}")
+                # pyzmq copies a frame sent without a copy below this, and its tracker is done at once:
+                # the frames CoreQueues counts would leave its ledger unsent.
+                socket.copy_threshold = 0
                 self.core_sockets[core] = socket
         except BaseException:
             # As a failed base bind does: nothing this process opened stays open (the store, the
