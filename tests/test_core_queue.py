@@ -3,6 +3,8 @@ real replicant whose core does not read: its forwarded writes are refused once t
 
 from __future__ import annotations
 
+import logging
+
 import zmq
 from mnesite.replicant.core_queue import CoreQueues
 from mnesite.replicant.node import CORE_QUEUE_MAX
@@ -80,7 +82,7 @@ def _rss_bytes() -> int:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
-def test_writes_forwarded_to_a_core_that_does_not_read_are_refused_past_core_queue_bytes_max(tmp_path) -> None:
+def test_writes_forwarded_to_a_core_that_does_not_read_are_refused_past_core_queue_bytes_max(tmp_path, caplog) -> None:
     """Regression: zmq bounds a replicant's queue toward a core in frames only (CORE_QUEUE_MAX, 1000):
     writes forwarded to a core that accepted the connection and read nothing piled up in the replicant,
     about 1 GiB for 1000 writes of 1 MiB (4 GiB at frame_bytes_max). Past core_queue_bytes_max of frames
@@ -99,6 +101,8 @@ def test_writes_forwarded_to_a_core_that_does_not_read_are_refused_past_core_que
     try:
         with replicant_by_hand(tmp_path / "r", {"core_queue_bytes_max": 8 * mib}) as node:
             node.core_sockets = {"core1": dealer}
+            node.warnings.clock = lambda: 0  # one second that never ends: one warning line, the rest counted
+            caplog.set_level(logging.WARNING, logger="mnesite.replicant")
             row = {"id": 1, "v": "x" * mib}
             body = typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": row}]})
             rss_before = _rss_bytes()
@@ -112,6 +116,8 @@ def test_writes_forwarded_to_a_core_that_does_not_read_are_refused_past_core_que
             assert {m.body.code for m in refused} == {"no_sequencer"}
             assert "core_queue_bytes_max" in refused[0].body.message
             assert "nothing was sent" in refused[0].body.message
+            warned = [r.getMessage() for r in caplog.records if "core_queue_bytes_max" in r.getMessage()]
+            assert len(warned) == 1 and warned[0].startswith("core core1: "), warned
             forwarded = len(node.pending)
             assert forwarded + len(refused) == 100 and forwarded < 40, forwarded  # 8 MiB, and the kernel's buffers
             assert grown < 48 * mib, f"the replicant grew by {grown // mib} MiB"  # 100 MiB before
