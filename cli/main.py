@@ -1132,6 +1132,8 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo(f"last backup FAILED: {failed['path']} at {failed['failed_at']}: {failed['error']}")
     if result.get("no_core_reached"):
         click.echo(f"WARNING: {result['no_core_reached']}")
+    for line in describe_core_queues(result):
+        click.echo(line)
     if result.get("recovery") is not None:
         for line in describe_recovery(result["recovery"]):
             click.echo(line)
@@ -1525,6 +1527,19 @@ def force_start_losses(node: str, journals: dict[str, dict | None]) -> list[str]
         lines.append(line)
     if not shards:
         lines.append(f"{node} holds no shard yet: nothing to lose")
+    return lines
+
+
+def describe_core_queues(status: dict[str, Any]) -> list[str]:
+    """A replicant's cores toward which zmq holds bytes, or that had writes refused for
+    ``core_queue_bytes_max`` (``core_queues``); nothing for a core that holds and refused nothing."""
+    lines = []
+    for core, queue in sorted((status.get("core_queues") or {}).items()):
+        if queue.get("bytes") or queue.get("refused"):
+            lines.append(
+                f"core {core}: {queue.get('bytes', 0)} bytes queued toward it, not taken yet "
+                f"({queue.get('frames', 0)} frames); {queue.get('refused', 0)} sends refused for core_queue_bytes_max"
+            )
     return lines
 
 
