@@ -32,16 +32,34 @@ that waits longer than ``guard_hold_ms_max`` gets the same answer, and at most
    request, once; the driver tells an earlier one on another connection at once that the answer
    goes to the newest (``core.outcome``'s rule 4 of forwarding, for the same reason).
 
+Bounded in memory
+-----------------
+The tail keeps at most ``entries_max`` entries and ``bytes_max`` bytes (``Entry.size_bytes``). It is
+a prefix of the log's unapplied entries; past the bound (a shard whose apply waits at a name another
+shard holds, ``Store.name_waits``, while its sequencer commits on) it is *incomplete*: the entries
+after ``spilled_after`` are in the log only, read back from it to serve and apply them, and the tail
+is filled again from the log as its entries are applied (``refill_after``, ``refilled``). Entries
+past the bound that change a schema are kept aside (``catalog_over`` needs them for every shard's
+admission; a wait is about schema changes, which are few): only rows-only entries leave memory.
+
+An incomplete tail cannot answer a guard (its rows past the bound are unknown) and the sequencer
+cannot keep adding to it: ``refuses_writes`` tells the driver to refuse new writes to the shard
+(``overloaded``, retryable, nothing written) while the tail is full or incomplete. A write admitted
+in the same turn before the tail filled may still go past the bound: its entry is read back like
+the others, and its writer is told when it applies (``core.rules.commit_heard``).
+
 Driver contract
 ---------------
 Call ``add`` for every ``PersistEntries``, ``committed`` for every ``Commit`` (after applying it),
-``truncated`` for every ``TruncateLog``, ``expired`` on every turn, ``abandoned`` before the shard's
+``truncated`` for every ``TruncateLog``, ``refilled`` with the log's entries after ``refill_after``
+(when not None) after ``committed``, ``expired`` on every turn, ``abandoned`` before the shard's
 tail is rebuilt from disk or replaced by a snapshot; answer the tokens returned as
 ``GUARD_ANSWER`` with the guard failure and as ``GUARD_RETRY`` with a retryable error.
 """
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +67,7 @@ from typing import Any, Generic, TypeVar
 
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import (
+    ROW_OPS,
     AddColumnOp,
     CreateIndexOp,
     CreateTableOp,
@@ -67,6 +86,8 @@ GUARD_HELD = "held"
 GUARD_RETRY = "retry"
 GUARD_FAILURES_HELD_MAX = 10_000
 GUARD_HOLD_MS_MAX = 5_000
+TAIL_ENTRIES_MAX = 10_000  # entries of the unapplied tail kept in memory (the rest read from the log)
+TAIL_BYTES_MAX = 64 * 1024 * 1024  # and their bytes (``Entry.size_bytes``)
 
 Token = TypeVar("Token")
 
@@ -86,12 +107,22 @@ class GuardTail(Generic[Token]):
         catalog: dict[str, TableSchema] | None = None,
         failures_held_max: int = GUARD_FAILURES_HELD_MAX,
         hold_ms_max: int = GUARD_HOLD_MS_MAX,
+        entries_max: int = TAIL_ENTRIES_MAX,
+        bytes_max: int = TAIL_BYTES_MAX,
     ) -> None:
         self.catalog: dict[str, TableSchema] = dict(catalog or {})
         self.failures_held_max = failures_held_max
         self.hold_ms_max = hold_ms_max
+        self.entries_max = entries_max
+        self.bytes_max = bytes_max
         self.entries: list[Entry] = []
         self.keys: list[TxKey] = []
+        self.bytes = 0  # of ``entries``
+        # None while ``entries`` are all the unapplied entries; else the key after which the log's
+        # entries are not kept (the last kept one's, or the key before the first one not kept).
+        self.spilled_after: TxKey | None = None
+        # The entries after ``spilled_after`` that change a schema (``catalog_over``): kept anyway.
+        self.spilled_schema: list[Entry] = []
         self.rows: dict[tuple[str, Any], dict[str, Any] | None] = {}
         self.tables: dict[str, TableSchema] = {}
         # Tables the tail drops (a later create in the tail may bring the name back, empty).
@@ -99,20 +130,92 @@ class GuardTail(Generic[Token]):
         # How many of ``entries`` are in rows, tables and dropped: they are indexed when a guard (or
         # a write's admission) first looks, so a follower, which never evaluates guards, never does.
         self._indexed = 0
+        self._indexed_spilled = 0  # of ``spilled_schema``, indexed after ``entries``
         self._held: list[_Held[Token]] = []
 
     # ------------------------------------------------------------ the tail
 
-    def add(self, entries: tuple[Entry, ...]) -> None:
-        self.entries.extend(entries)
-        self.keys.extend(map(_TX_KEY_OF, entries))
+    def add(self, entries: tuple[Entry, ...] | list[Entry]) -> None:
+        """Entries appended to the log after the last one added: kept while within the bound."""
+        if self.spilled_after is None and self._fits(entries):
+            self.entries.extend(entries)
+            self.keys.extend(map(_TX_KEY_OF, entries))
+            self.bytes += sum(entry.size_bytes for entry in entries)
+            return
+        for entry in entries:
+            if self.spilled_after is None and self._fits((entry,)):
+                self._keep(entry)
+                continue
+            if self.spilled_after is None:
+                self.spilled_after = entry.prev
+            if not ROW_OPS.issuperset(map(type, entry.ops)):
+                self.spilled_schema.append(entry)
+
+    def _fits(self, entries: tuple[Entry, ...] | list[Entry]) -> bool:
+        if len(self.entries) + len(entries) > self.entries_max:
+            return False
+        return self.bytes + sum(entry.size_bytes for entry in entries) <= self.bytes_max
+
+    def _keep(self, entry: Entry) -> None:
+        self.entries.append(entry)
+        self.keys.append(entry.tx_key)
+        self.bytes += entry.size_bytes
+
+    @property
+    def complete(self) -> bool:
+        """Whether the tail holds every unapplied entry the log has (none past the bound)."""
+        return self.spilled_after is None
+
+    def refuses_writes(self) -> bool:
+        """Whether the sequencer refuses new writes to the shard: its tail is full, or lost entries past
+        its bound, so a guard could not be evaluated against all of it (module docstring)."""
+        return not self.complete or len(self.entries) >= self.entries_max or self.bytes >= self.bytes_max
+
+    def refill_after(self) -> TxKey | None:
+        """The key after which the driver reads the log's entries back for ``refilled`` (None: it need not)."""
+        if self.spilled_after is None or len(self.entries) >= self.entries_max or self.bytes >= self.bytes_max:
+            return None
+        return self.spilled_after
+
+    def refilled(self, entries: list[Entry], log_end: TxKey) -> None:
+        """The log's entries after ``refill_after()`` (some; ``log_end``: its last key): kept while they
+        fit; the tail is complete again once it reaches the log's end."""
+        for entry in entries:
+            if self.spilled_after is None or entry.prev != self.spilled_after or not self._fits((entry,)):
+                break
+            self._keep(entry)
+            self.spilled_after = entry.tx_key
+        if self.spilled_after is not None and self.spilled_after >= log_end:
+            self.spilled_after = None
+        after = self.spilled_after
+        self.spilled_schema = [e for e in self.spilled_schema if after is not None and e.tx_key > after]
+        self._reindex()
+
+    def covering(self, key: TxKey, limit: int) -> list[Entry] | None:
+        """Up to ``limit`` entries after ``key`` if the tail can tell them (the log's next ones), else None."""
+        cached = self.entries
+        if not cached or not cached[0].prev <= key <= cached[-1].tx_key:
+            return None
+        start = bisect.bisect_right(self.keys, key)
+        if self.spilled_after is not None and start + limit > len(cached):
+            return None  # the log has more after the kept ones: read it there
+        return cached[start : start + limit]
 
     def _indexed_tail(self) -> None:
-        """Index the entries added since the last look (rows, tables, dropped)."""
+        """Index the entries added since the last look (rows, tables, dropped), then the schema
+        changes past the bound (added only while incomplete: after every kept entry)."""
         if self._indexed < len(self.entries):
             for entry in self.entries[self._indexed :]:
                 self._index(entry)
             self._indexed = len(self.entries)
+        if self._indexed_spilled < len(self.spilled_schema):
+            for entry in self.spilled_schema[self._indexed_spilled :]:
+                self._index(entry)
+            self._indexed_spilled = len(self.spilled_schema)
+
+    def _reindex(self) -> None:
+        self.rows, self.tables, self._dropped = {}, {}, set()
+        self._indexed = self._indexed_spilled = 0
 
     @property
     def dropped(self) -> set[str]:
@@ -177,11 +280,11 @@ class GuardTail(Generic[Token]):
         return {**{n: t for n, t in applied.items() if n not in self._dropped}, **self.tables}
 
     def _rebuild(self, entries: list[Entry], catalog: dict[str, TableSchema]) -> None:
+        """Keep ``entries`` (a prefix of what was kept: within the bound) over ``catalog``."""
         self.catalog = dict(catalog)
-        self.entries, self.keys, self.rows, self.tables = [], [], {}, {}
-        self._dropped = set()
-        self._indexed = 0
-        self.add(tuple(entries))
+        self.entries, self.keys = entries, [entry.tx_key for entry in entries]
+        self.bytes = sum(entry.size_bytes for entry in entries)
+        self._reindex()
 
     # ------------------------------------------------------------ failed guards
 
@@ -213,6 +316,9 @@ class GuardTail(Generic[Token]):
         self, up_to: TxKey, catalog: dict[str, TableSchema], read_index: TxKey | None
     ) -> list[tuple[Token, str]]:
         """Entries up to ``up_to`` are applied now: forget them and release the failures they settle."""
+        if self.spilled_after is not None:
+            self.spilled_after = max(self.spilled_after, up_to)  # applied from the log past the kept ones
+            self.spilled_schema = [entry for entry in self.spilled_schema if entry.tx_key > up_to]
         self._rebuild([entry for entry in self.entries if entry.tx_key > up_to], catalog)
         released = [held for held in self._held if not self.must_hold(held.observed_key, up_to)]
         self._held = [held for held in self._held if self.must_hold(held.observed_key, up_to)]
@@ -221,6 +327,10 @@ class GuardTail(Generic[Token]):
 
     def truncated(self, after_key: TxKey, catalog: dict[str, TableSchema]) -> list[Token]:
         """Entries after ``after_key`` are gone: failures that observed them must be evaluated again."""
+        if self.spilled_after is not None:
+            self.spilled_schema = [entry for entry in self.spilled_schema if entry.tx_key <= after_key]
+            if self.spilled_after >= after_key:
+                self.spilled_after = None  # what was not kept is gone: the log ends within the kept ones
         self._rebuild([entry for entry in self.entries if entry.tx_key <= after_key], catalog)
         dropped = [held.token for held in self._held if held.observed_key > after_key]
         self._held = [held for held in self._held if held.observed_key <= after_key]

@@ -48,7 +48,6 @@ A core whose database is new asks its peers for their generations before it take
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import logging
@@ -276,10 +275,9 @@ class StoreLogView:
         return self.store.digest_at(self.shard, key)
 
     def entries_after(self, key: TxKey, limit: int) -> list[Entry]:
-        cached = self.tail.entries
-        if cached and cached[0].prev <= key <= cached[-1].tx_key:
-            start = bisect.bisect_right(self.tail.keys, key)
-            return cached[start : start + limit]
+        cached = self.tail.covering(key, limit)
+        if cached is not None:
+            return cached
         recent = self.recent.after(key, limit)
         if recent is not None:
             return recent
@@ -301,9 +299,9 @@ class AgentStoreLogView:
         self.view = view
 
     def entries_after(self, key: TxKey, limit: int) -> list[Entry] | list[PackedEntry]:
-        cached = self.view.tail.entries
-        if cached and cached[0].prev <= key <= cached[-1].tx_key:
-            return self.view.entries_after(key, limit)
+        cached = self.view.tail.covering(key, limit)
+        if cached is not None:
+            return cached
         return self.view.store.packed_entries_after(self.view.shard, key, limit)
 
     def trimmed_key(self) -> TxKey:
@@ -745,7 +743,11 @@ class CoreNode(NodeServer):
         tail: GuardTail[HeldFailure] = GuardTail(
             self.store.catalog(), limits.guard_failures_held_max, limits.guard_hold_ms_max
         )
-        tail.add(tuple(self.store.entries_after(shard, position.applied, 10**9)))
+        # Read in batches: the tail keeps what its bound allows (and the schema changes past it).
+        after = position.applied
+        while batch := self.store.entries_after(shard, after, 1000):
+            tail.add(batch)
+            after = batch[-1].tx_key
         previous = self.shards.get(shard)
         if previous is not None:  # rebuilt from disk: its window's share goes back to the node
             previous.log_view.recent.clear()
@@ -1344,6 +1346,10 @@ class CoreNode(NodeServer):
         released = driver.tail.committed(reached, self.store.catalog(), read_index) if reached is not None else []
         for held, verdict in released:
             self._answer_guard_failure(held, verdict == GUARD_ANSWER, "no majority lease when it could be told")
+        if (refill_after := driver.tail.refill_after()) is not None:
+            # Entries past the tail's bound (core.guard_tail): read back from the log as room is made.
+            room = driver.tail.entries_max - len(driver.tail.entries)
+            driver.tail.refilled(self.store.entries_after(shard, refill_after, room), self.store.last_entry(shard)[0])
         self.transactions += len(applied)
         for entry in applied:
             if ROW_OPS.issuperset(map(type, entry.ops)):
@@ -1761,6 +1767,8 @@ class CoreNode(NodeServer):
             return
         if len(driver.waiters) + len(driver.held) >= WAITERS_MAX:
             raise RequestError("overloaded", f"{WAITERS_MAX} requests are waiting for commits; retry later")
+        if driver.tail.refuses_writes():
+            raise RequestError("overloaded", self._tail_full_text(driver))
         # The connection's bound (requests_outstanding_max) is checked now, while nothing is written:
         # checked once the entry is proposed (``_await_commit``), its "overloaded" (which says nothing
         # changed) went to a write that then committed. Every answer below gives the place back.
@@ -1804,6 +1812,17 @@ class CoreNode(NodeServer):
         # guard, an admission) sees it in the tail.
         driver.held.hold(Proposed(ops, message.request_id), (envelope, message))
         self._propose_batch(driver)
+
+    def _tail_full_text(self, driver: ShardDriver) -> str:
+        """Why a write to a shard whose unapplied tail is at its bound is refused (core.guard_tail)."""
+        tail = driver.tail
+        wait = self.store.name_waits.get(driver.shard)
+        why = f"its apply waits: {wait.describe()}" if wait is not None else "its committed entries are not applied yet"
+        return (
+            f"shard {driver.shard} has {len(tail.entries)} entries ({tail.bytes} bytes) or more unapplied here, "
+            f"at the bound of {tail.entries_max} entries and {tail.bytes_max} bytes ({why}); "
+            "nothing was written, retry later"
+        )
 
     def _propose_all(self) -> None:
         for driver in list(self.shards.values()):

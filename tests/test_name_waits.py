@@ -303,3 +303,118 @@ def test_a_sequencer_whose_apply_waits_refuses_a_linearizable_read_it_has_not_ap
         node._linearizable([b"c2"], Message("get", "r2", typed_body("get", get)))
         (answer,) = [m for m in queued_to(node, [b"c2"]) if m.request_id == "r2"]
         assert answer.body.result == {"id": 1, "v": "a"}, "answered once applied"
+
+
+def test_a_tail_past_its_bound_keeps_a_prefix_reads_the_rest_back_and_refuses_writes() -> None:
+    """``GuardTail``'s bound (entries and bytes): past it only rows-only entries leave memory, the
+    driver reads them back from the log (``refill_after``), and the sequencer refuses writes."""
+    from mnesite.core.guard_tail import GuardTail
+
+    rows = [[WriteOp("X", {"id": str(i), "n": i})] for i in range(40)]
+    log = chain("b", [[X_OF_B.to_op()], *rows[:19], [T_OF_B.to_op()], *rows[19:]])  # a schema change at 20
+    tail: GuardTail[str] = GuardTail({}, entries_max=5, bytes_max=10**6)
+    for entry in log:
+        tail.add((entry,))
+    assert len(tail.entries) == 5 and tail.keys == [e.tx_key for e in log[:5]]
+    assert tail.spilled_after == log[4].tx_key and [e.tx_key for e in tail.spilled_schema] == [log[20].tx_key]
+    assert tail.refuses_writes() and set(tail.catalog_over({})) == {"X", "tb"}, "schema past the bound seen"
+    assert tail.covering(log[1].tx_key, 2) == log[2:4] and tail.covering(log[3].tx_key, 5) is None
+    small = GuardTail[str]({}, entries_max=100, bytes_max=3 * log[1].size_bytes)
+    small.add(tuple(log[1:10]))
+    assert len(small.entries) == 3 and small.bytes <= small.bytes_max
+    # Applied as far as the log goes in steps: refilled from the log until it is complete again.
+    while tail.entries or not tail.complete:
+        reached = tail.keys[-1] if tail.entries else log[-1].tx_key
+        tail.committed(reached, {}, None)
+        if (after := tail.refill_after()) is not None:
+            tail.refilled([e for e in log if e.tx_key > after][:5], log[-1].tx_key)
+        assert len(tail.entries) <= 5
+    assert tail.complete and not tail.refuses_writes() and tail.spilled_schema == []
+    # A truncation within what was not kept leaves it incomplete; before the kept end, complete.
+    for entry in log[:8]:
+        tail.add((entry,))
+    tail.truncated(log[6].tx_key, {})
+    assert not tail.complete and tail.spilled_after == log[4].tx_key
+    tail.truncated(log[3].tx_key, {})
+    assert tail.complete and tail.keys == [e.tx_key for e in log[:4]]
+
+
+def test_a_follower_whose_shard_waits_keeps_its_tail_within_the_bound_and_converges(tmp_path) -> None:
+    """A follower core whose shard b waits at a name while b's sequencer commits many more entries than
+    the tail's bound: the tail keeps a prefix (entries and bytes within the bound), the others are
+    read back from the log to serve them, and once a's drop applies b applies everything."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+    from mnesite.core.node import AgentStoreLogView
+
+    from tests.conftest import follower_by_hand
+
+    members = ("core1", "core2", "core3")
+    writes = [[WriteOp("X", {"id": str(i), "n": i})] for i in range(60)]
+    a_entries, b_entries = chain("a", TABLE_NAME[0]), chain("b", [TABLE_NAME[1][0], *writes])
+
+    with follower_by_hand(tmp_path / "data") as (node, _):
+
+        def append(driver, entries: list, after) -> None:
+            previous = (ZERO_KEY, GENESIS_DIGEST) if after is None else (after.tx_key, after.digest)
+            request = AppendRequest(1, *previous, entries[-1].tx_key, members, tuple(entries))
+            node._step(driver, MessageReceived("core2", request))
+            node._apply_gathered(driver)
+
+        drivers = {}
+        for shard in ("a", "b"):
+            node.store.ensure_shard(shard, 0)
+            drivers[shard] = node._open_shard(shard)
+        tail = drivers["b"].tail
+        tail.entries_max, tail.bytes_max = 8, 8 * b_entries[-1].size_bytes
+        append(drivers["a"], a_entries[:2], None)
+        for index in range(0, len(b_entries), 4):  # one commit after another while b waits
+            append(drivers["b"], b_entries[index : index + 4], b_entries[index - 1] if index else None)
+            assert len(tail.entries) <= 8 and tail.bytes <= tail.bytes_max
+        assert "b" in node.store.name_waits and drivers["b"].consensus.committed_key == b_entries[-1].tx_key
+        assert not tail.complete
+        # Served to a follower or an agent all the same: from the log past the tail.
+        view = drivers["b"].log_view
+        assert [e.tx_key for e in view.entries_after(b_entries[2].tx_key, 100)] == [e.tx_key for e in b_entries[3:]]
+        served = AgentStoreLogView(view).entries_after(b_entries[5].tx_key, 100)
+        assert [e.tx_key for e in served] == [e.tx_key for e in b_entries[6:]]
+        append(drivers["a"], a_entries[2:], a_entries[1])  # a's drop: b's entries follow
+        assert node.store.name_waits == {} and node.store.shard("b").applied == b_entries[-1].tx_key
+        assert tail.complete and tail.entries == []
+        assert len(node.store.scan(node.store.catalog()["X"], None, 100)) == 60
+        assert not node.stopped
+
+
+def test_a_sequencer_whose_shard_waits_refuses_writes_past_the_tail_s_bound_then_converges(tmp_path) -> None:
+    """A sequencer whose apply waits (as with two creates of one name) while clients write on: its
+    tail stops at the bound, the writes past it are refused ``overloaded`` (nothing written: a guard
+    could not see the entries past it), and once the wait ends everything applies."""
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.store import NameWait
+
+    from tests.conftest import core_with_table, run_turns_until
+
+    with core_with_table(tmp_path / "data") as node:
+        driver = node.shards["default"]
+        driver.tail.entries_max = 5
+        applied = node.store.shard("default").applied
+        held = NameHeld("u", "u", "other")
+        node.store.name_waits["default"] = NameWait(
+            "default", TxKey(applied.generation, applied.counter + 1), "w0", held, 0
+        )
+        refused = []
+        for i in range(20):
+            write = {"ops": [{"op": "write", "table": "t", "row": {"id": i, "v": "a"}}]}
+            try:
+                node._write([b"c1"], Message("transact", f"w{i}", typed_body("transact", write)))
+            except RequestError as error:
+                refused.append(error)
+            run_turns_until(node, lambda: not driver.held and driver.consensus.committed_key.counter > 0, "commit")
+            assert len(driver.tail.entries) <= 5
+        assert len(refused) == 15 and {error.code for error in refused} == {"overloaded"}
+        assert "its apply waits" in str(refused[0]) and "nothing was written" in str(refused[0])
+        run_turns_until(node, lambda: driver.consensus.committed_key == driver.tail.keys[-1], "the commits")
+        assert node.store.shard("default").applied == applied
+        del node.store.name_waits["default"]
+        node._apply_up_to(driver, driver.consensus.committed_key)
+        assert node.store.shard("default").applied == driver.consensus.committed_key and driver.tail.entries == []
+        assert len(node.store.scan(node.store.catalog()["t"], None, 100)) == 5
