@@ -1531,8 +1531,8 @@ def force_start_losses(node: str, journals: dict[str, dict | None]) -> list[str]
 
 
 def describe_core_queues(status: dict[str, Any]) -> list[str]:
-    """A replicant's cores toward which zmq holds bytes, or that had writes refused for
-    ``core_queue_bytes_max`` (``core_queues``); nothing for a core that holds and refused nothing."""
+    """The cores (a replicant's, or a core's peers) toward which zmq holds bytes, or that had sends
+    refused for ``core_queue_bytes_max`` (``core_queues``); nothing for a core that holds and refused nothing."""
     lines = []
     for core, queue in sorted((status.get("core_queues") or {}).items()):
         if queue.get("bytes") or queue.get("refused"):

@@ -1662,7 +1662,12 @@ class CoreNode(NodeServer):
         if self.peer_versions.refuses(peer) and not probe:
             return None
         endpoint = self.endpoints.get(peer)
-        return self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
+        socket = self.dealer(endpoint, PEER_SEND_QUEUE_MAX, DEALERS_MAX) if endpoint else None
+        if socket is not None and self.peer_sockets.get(id(socket)) != peer:
+            # What zmq holds toward a peer is bounded in bytes too (core_queue_bytes_max): past it, a
+            # forwarded write is answered no_sequencer (``frame_unsent``), a consensus message dropped.
+            self.bound_sends(socket, peer)
+        return socket
 
     def _send_peer(self, peer: str, message: Message, now: bool = False, probe: bool = False) -> None:
         socket = self._peer_socket(peer, probe)
@@ -2615,6 +2620,8 @@ class CoreNode(NodeServer):
             **self.backup_status(),
             **self._versions_status(),
             "peer_frames_refused": self.peer_frames_refused,
+            # per peer core: bytes and frames zmq holds toward it, sends refused for core_queue_bytes_max
+            "core_queues": self.peer_queues.status(tuple(peer for peer in self.endpoints if peer != self.config.name)),
             "shards": shards,
         }
 

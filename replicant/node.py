@@ -37,7 +37,6 @@ import zmq
 from mnesite.bootstrap import read_service
 from mnesite.bootstrap.copy import CopyFailed, batch_from_answer, copy_schema_ops, rows_refusal, tables_from_answer
 from mnesite.bootstrap.serve import read_batch
-from mnesite.replicant.core_queue import CoreQueues
 from mnesite.replicant.reads import (
     GATHER_FAILED,
     ReadIndexGather,
@@ -71,7 +70,6 @@ from mnesite.rlog.server import (
     collector_paused,
     relayed,
     request_id_of,
-    send_tracked,
 )
 from mnesite.rlog.store import Store
 from mnesite.rlog.throttle import monotonic_ms
@@ -100,10 +98,9 @@ PENDING_REQUESTS_MAX = 10_000
 WAITING_READS_MAX = 10_000
 READ_WAIT_MS_MAX = 10_000
 CORE_QUEUE_MAX = 1000
-# Frames sent at once toward a core (forwarded writes, bootstrap batch requests, read indexes) from this
-# size are sent without a copy and tracked (``CoreQueues``), bounded in bytes by core_queue_bytes_max;
-# smaller ones only by zmq's count, CORE_QUEUE_MAX of them: 4 MiB per core at most.
-CORE_TRACKED_BYTES_MIN = 4096
+# Frames sent at once toward a core (forwarded writes, bootstrap batch requests, read indexes) from
+# rlog.send_queue's TRACKED_BYTES_MIN are tracked, bounded in bytes by core_queue_bytes_max
+# (``NodeServer.send_bounded``); smaller ones only by zmq's count, CORE_QUEUE_MAX of them: 4 MiB per core.
 PROGRESS_LOG_INTERVAL_MS = 5000
 # No answer from any core for this long: the replicant says so in its log (at most once per this
 # interval) and in status, instead of answering "unknown table" without a word.
@@ -171,7 +168,6 @@ class ReplicantNode(NodeServer):
         self.replicas: dict[str, ShardReplica] = {}
         self.core_sockets: dict[str, zmq.Socket] = {}
         # Bytes sent toward each core that zmq may still hold (a core away or not reading), bounded.
-        self.core_queues = CoreQueues(config.limits.core_queue_bytes_max)
         self.pending: dict[str, Pending] = {}
         self.probes: dict[str, Probe] = {}
         self.probes_sent = 0  # numbers each probe (``Probe.probe_id``)
@@ -215,8 +211,7 @@ class ReplicantNode(NodeServer):
                 socket = self.dealer(self.config.core_nodes[core], CORE_QUEUE_MAX, len(self.cores))
                 if socket is None:
                     raise RuntimeError(f"no socket for core {core}")
-                # pyzmq copies a frame sent without a copy below this, and its tracker is done at once:
-                # the frames CoreQueues counts would leave its ledger unsent.
+                # Only what is sent at once (``_send_at_once``) is bounded: copy_threshold 0 for its trackers.
                 socket.copy_threshold = 0
                 self.core_sockets[core] = socket
         except BaseException:
@@ -390,27 +385,12 @@ class ReplicantNode(NodeServer):
             frame = messages.encode(message)
         except MessageError as error:
             return str(error)
-        refusal = self.core_queues.refusal(core, len(frame))
-        if refusal is not None:
-            self.warnings.log(
-                "core queue full",
-                logging.WARNING,
-                "core %s: %s; what is sent to it at once (forwarded writes) is refused until it reads",
-                core,
-                refusal,
-                logger=log,
-            )
-            return refusal
         try:
-            if len(frame) < CORE_TRACKED_BYTES_MIN:
-                socket.send(frame, zmq.NOBLOCK)
-            else:
-                self.core_queues.sent(core, send_tracked(socket, [frame]), len(frame))
+            return self.send_bounded(core, socket, frame)
         except zmq.Again:
             return "its queue is full (the core is away or does not read)"
         except zmq.ZMQError as error:
             return str(error)
-        return None
 
     # -- full disk (rlog.disk) ----------------------------------------------------------------
 
@@ -1203,8 +1183,8 @@ class ReplicantNode(NodeServer):
             "no_core_reached": self.no_core_reached(),
             "sends_dropped": self.sends_dropped,
             # per core: bytes and frames sent toward it that zmq may still hold, frames refused for
-            # core_queue_bytes_max (replicant.core_queue)
-            "core_queues": self.core_queues.status(self.cores),
+            # core_queue_bytes_max (rlog.send_queue)
+            "core_queues": self.peer_queues.status(self.cores),
             "connections": self.connections_status(),
             "collector": self.collector_status(),
             # SQLite transactions committed: about one per loop turn that applied pushes (the cost of

@@ -39,7 +39,7 @@ Example::
     requests_queued_max = 10000         # incoming frames zmq queues per connection (see Sizing)
     replies_queued_max = 1000           # answers zmq queues per connection
     replies_queued_bytes_max = 16777216 # bytes of large answers zmq holds per connection (the next is overloaded)
-    core_queue_bytes_max = 16777216     # bytes a replicant's zmq holds toward one core (then: no_sequencer)
+    core_queue_bytes_max = 16777216     # bytes zmq holds toward one core, a replicant's or a peer (then: no_sequencer)
     watches_max = 256                   # replicant watches (agents) per core
     replicant_watches_max = 256         # agents one replicant (principal) holds on a core (default: watches_max)
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
@@ -177,9 +177,10 @@ class Limits:
     # Bytes of large answers (from 64 KiB, sent without a copy) zmq still holds for one connection: past
     # it, the next large answer is refused ``overloaded`` until the client reads (one is always sent).
     replies_queued_bytes_max: int = 16 * 1024 * 1024
-    # Bytes of the frames a replicant sent toward one core that zmq still holds (from 4 KiB, tracked:
-    # replicant.core_queue): past it, a write to forward there is refused ``no_sequencer``, nothing
-    # sent, until the core reads again (one is always sent). A replicant setting; a core ignores it.
+    # Bytes of the frames a node sent toward one core (a replicant's core, a core's peer) that zmq still
+    # holds (from 4 KiB, tracked: rlog.send_queue): past it, a write to forward there is refused
+    # ``no_sequencer``, nothing sent, and a consensus message is dropped (the protocol re-sends it),
+    # until the core reads again (one is always sent).
     core_queue_bytes_max: int = 16 * 1024 * 1024
     # Replicant watches (agents) one core serves; the agent silent for longest (core.agent_budget's
     # liveness: no progress within two heartbeats) is evicted when a new watch needs room.

@@ -65,6 +65,7 @@ from mnesite.rlog.query import (
 from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS, peer_connection, sender_mismatch
 from mnesite.rlog.schema import SchemaError, TableSchema
 from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
+from mnesite.rlog.send_queue import TRACKED_BYTES_MIN, PeerQueues
 from mnesite.rlog.store import Store, quote
 from mnesite.rlog.throttle import ThrottledLog, monotonic_ms
 from mnesite.rlog.types import Entry, TxKey
@@ -333,6 +334,10 @@ class NodeServer:
         # last lines are said too. Status and the metrics count every one.
         self.warnings = ThrottledLog(log)
         self.unread_answers = UnreadAnswers(config.limits.replies_queued_bytes_max)
+        # What zmq may still hold toward each peer core, bounded in bytes per peer (rlog.send_queue);
+        # ``peer_sockets``: the DEALERs whose sends it bounds (``bound_sends``), by id, and their peer.
+        self.peer_queues = PeerQueues(config.limits.core_queue_bytes_max)
+        self.peer_sockets: dict[int, str] = {}
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
         # Whether the turn's transaction holds something that must be durable before a frame is sent.
@@ -957,7 +962,39 @@ class NodeServer:
     def close_dealer(self, endpoint: str) -> None:
         socket = self.dealers.pop(endpoint, None)
         if socket is not None:
+            # zmq lets go of its frames: their trackers are done, the peer's ledger needs no reset.
+            self.peer_sockets.pop(id(socket), None)
             socket.close(0)
+
+    def bound_sends(self, socket: zmq.Socket, peer: str) -> None:
+        """Bound in bytes what ``socket`` (a DEALER toward the peer core ``peer``) holds: every frame
+        queued for it (``queue``, ``send_now``) is sent by ``send_bounded``."""
+        # pyzmq copies a frame sent without a copy below this, and its tracker is done at once: the
+        # frames PeerQueues counts would leave its ledger unsent.
+        socket.copy_threshold = 0
+        self.peer_sockets[id(socket)] = peer
+
+    def send_bounded(self, peer: str, socket: zmq.Socket, frame: bytes) -> str | None:
+        """Send ``frame`` toward the peer core ``peer`` unless ``core_queue_bytes_max`` of earlier frames
+        are still queued toward it (``peer_queues``): None once sent, else why not (counted, and said in
+        a warning at most once a second per peer). Raises what zmq raises (``zmq.Again``: its queue is full)."""
+        refusal = self.peer_queues.refusal(peer, len(frame))
+        if refusal is not None:
+            self.warnings.log(
+                f"peer queue full {peer}",
+                logging.WARNING,
+                "core %s: %s; what is sent to it is refused until it reads (a forwarded write: no_sequencer, "
+                "nothing sent; consensus messages are sent again later)",
+                peer,
+                refusal,
+                logger=log,
+            )
+            return refusal
+        if len(frame) < TRACKED_BYTES_MIN:
+            send_frames(socket, [frame])
+        else:
+            self.peer_queues.sent(peer, send_tracked(socket, [frame]), len(frame))
+        return None
 
     # -- requests held for a later answer ----------------------------------------------------
 
@@ -1573,12 +1610,24 @@ class NodeServer:
             # As in flush: a message of ours that our own typed layer refuses is a bug here.
             log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
             return
+        self._send_dealer(socket, message, frame)
+
+    def _send_dealer(self, socket: zmq.Socket, message: Message, frame: bytes) -> None:
+        """Send ``message``'s ``frame`` on a DEALER: within its peer's bound if it has one (``bound_sends``);
+        a frame not sent is counted and ``frame_unsent`` told."""
         try:
-            send_frames(socket, [frame])
+            peer = self.peer_sockets.get(id(socket))
+            if peer is None:
+                send_frames(socket, [frame])
+                return
+            refusal = self.send_bounded(peer, socket, frame)
+            if refusal is not None:
+                self.frame_unsent(message, refusal)
         except zmq.Again:
             self._dropped(message.kind, "the receiver's queue is full")
             self.frame_unsent(message, "the receiver's queue is full")
         except zmq.ZMQError as error:
+            # A socket closed meanwhile (its endpoint no longer used): every protocol here re-sends.
             self._dropped(message.kind, str(error))
             self.frame_unsent(message, str(error))
 
@@ -1596,7 +1645,10 @@ class NodeServer:
                 log.error("dropped an outgoing %s that does not encode: %s", message.kind, error)
                 return
             frame = messages.encode(messages.error(message.request_id, "internal", f"reply not encodable: {error}"))
-        if socket is None and len(frame) > self.config.limits.frame_bytes_max:
+        if socket is not None:
+            self._send_dealer(socket, message, frame)
+            return
+        if len(frame) > self.config.limits.frame_bytes_max:
             # The client would drop a frame above its limit and report silence: say why instead.
             frame = messages.encode(
                 messages.error(
@@ -1606,7 +1658,7 @@ class NodeServer:
                     f"{self.config.limits.frame_bytes_max}; ask for fewer rows",
                 )
             )
-        tracked = socket is None and len(frame) >= COPY_BYTES_MIN
+        tracked = len(frame) >= COPY_BYTES_MIN
         if tracked:
             # Bounded in bytes per connection (UnreadAnswers), beside zmq's bound in frames.
             refusal = self.unread_answers.refusal(envelope[0], len(frame))
@@ -1620,15 +1672,9 @@ class NodeServer:
                 self.unread_answers.sent(envelope[0], send_tracked(target, [*envelope, frame]), len(frame))
             else:
                 send_frames(target, [*envelope, frame])
-        except zmq.Again:
-            self._dropped(message.kind, "the receiver's queue is full")
-            if socket is not None:
-                self.frame_unsent(message, "the receiver's queue is full")
         except zmq.ZMQError as error:
-            # A socket closed meanwhile (its endpoint no longer used): every protocol here re-sends.
-            self._dropped(message.kind, str(error))
-            if socket is not None:
-                self.frame_unsent(message, str(error))
+            # zmq.Again too: an answer to a client whose queue is full is dropped (the client retries).
+            self._dropped(message.kind, "the receiver's queue is full" if isinstance(error, zmq.Again) else str(error))
 
     def frame_unsent(self, message: Message, why: str) -> None:
         """Hook: a frame to another node (a DEALER's) was dropped at send, ``why``; nothing of it left

@@ -1,14 +1,15 @@
-"""The replicant's ledger of what zmq may still hold toward each core (``replicant.core_queue``), and a
-real replicant whose core does not read: its forwarded writes are refused once that is bounded."""
+"""The ledger of what zmq may still hold toward each peer core (``rlog.send_queue``); a real replicant
+whose core does not read (its forwarded writes are refused once that is bounded), and a real sequencer
+whose follower does not read (what it sends there is bounded, the cluster commits with the others)."""
 
 from __future__ import annotations
 
 import logging
 
 import zmq
-from mnesite.replicant.core_queue import CoreQueues
 from mnesite.replicant.node import CORE_QUEUE_MAX
 from mnesite.rlog.messages import Message, typed_body
+from mnesite.rlog.send_queue import PeerQueues
 from mnesite.rlog.server import send_tracked
 
 from tests.conftest import free_port, replicant_by_hand, wait_until
@@ -22,7 +23,7 @@ class Sent:
 
 
 def test_a_frame_leaves_the_ledger_once_zmq_let_go_of_it_and_those_before_it() -> None:
-    queues = CoreQueues(bytes_max=1000)
+    queues = PeerQueues(bytes_max=1000)
     first, second, third = Sent(), Sent(), Sent()
     queues.sent("core1", first, 100)
     queues.sent("core1", second, 200)
@@ -44,7 +45,7 @@ def test_a_frame_leaves_the_ledger_once_zmq_let_go_of_it_and_those_before_it() -
 
 
 def test_past_its_bound_a_core_is_sent_nothing_more_and_one_is_always_sent_to_an_empty_queue() -> None:
-    queues = CoreQueues(bytes_max=1000)
+    queues = PeerQueues(bytes_max=1000)
     assert queues.refusal("core1", 5000) is None, "a core holding nothing is always sent one frame"
     held = Sent()
     queues.sent("core1", held, 5000)
@@ -61,7 +62,7 @@ def test_past_its_bound_a_core_is_sent_nothing_more_and_one_is_always_sent_to_an
 def test_a_closed_connection_s_frames_leave_the_ledger_by_themselves() -> None:
     """A socket closed (``close_dealer``) drops its queue, and zmq lets go of its frames: their
     trackers are done, so the ledger needs no reset of its own (the replicant never closes one anyway)."""
-    queues = CoreQueues(bytes_max=1000)
+    queues = PeerQueues(bytes_max=1000)
     dealer = zmq.Context.instance().socket(zmq.DEALER)  # connected where nobody listens: zmq queues
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.copy_threshold = 0  # as the replicant's own (ReplicantNode.bind)
@@ -130,7 +131,7 @@ def test_writes_forwarded_to_a_core_that_does_not_read_are_refused_past_core_que
             def drained() -> bool:
                 while core.poll(0):
                     read.append(core.recv_multipart())
-                return node.core_queues.held_bytes("core1") == 0
+                return node.peer_queues.held_bytes("core1") == 0
 
             wait_until(drained, 10, "the core to read what was queued toward it")
             node._dispatch([b"client"], Message("transact", "after", body))
@@ -173,3 +174,92 @@ def test_a_write_of_a_few_kib_queued_toward_a_core_is_counted(tmp_path) -> None:
         assert queued["frames"] == 1 and 10_000 < queued["bytes"] < 11_000, queued
     finally:
         node.close()
+
+
+def test_a_sequencer_bounds_what_it_queues_toward_a_follower_that_does_not_read(tmp_path) -> None:
+    """Regression: zmq bounds a core's DEALER toward a peer in frames only (PEER_SEND_QUEUE_MAX, 1000): a
+    sequencer whose follower accepts and never reads (hung, stopped) held every append sent to it, and
+    the ones each heartbeat re-sends (up to append_bytes_max each), without bound in bytes. Past
+    core_queue_bytes_max of frames zmq still holds toward that follower, what is sent there is refused
+    (counted per peer in status), and the shard keeps committing with the other follower."""
+    from mnesite.rlog.client import Client
+
+    from tests.conftest import ThreadNode
+
+    mib = 1024 * 1024
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # core3: accepts, reads nothing
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.setsockopt(zmq.RCVHWM, 1)  # this process's zmq takes at most a frame off the connection for it
+    ports = {"core1": free_port(), "core2": free_port()}
+    cores = {name: f"tcp://127.0.0.1:{port}" for name, port in ports.items()}
+    cores["core3"] = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
+    extra = {"cluster": {"core_nodes": cores}, "limits": {"core_queue_bytes_max": 2 * mib}}
+    nodes = {}
+    try:
+        for name in ("core1", "core2"):
+            nodes[name] = ThreadNode(tmp_path / name, extra, port=ports[name], name=name)
+        with Client([cores["core1"], cores["core2"]], timeout_ms=5000, retries=5) as client:
+            client.create_table("t", "id", [("id", "INTEGER"), ("v", "TEXT")])
+            sequencer = client.members()["shards"]["default"]["sequencer"]
+        rss_before = _rss_bytes()
+        with Client(cores[sequencer], timeout_ms=5000, retries=0) as client:
+            queue: dict = {}
+            for written in range(400):  # 100 MiB toward core3 at most: the kernel's buffers take a few MiB
+                client.put("t", {"id": written, "v": "x" * (256 * 1024)})
+                queue = client.status()["core_queues"]["core3"]
+                if queue["refused"]:
+                    break
+            assert queue["refused"], f"{written + 1} writes of 256 KiB and nothing refused toward core3: {queue}"
+            # An append holds at most append_bytes_max (512 KiB): the bound, plus one frame.
+            assert queue["bytes"] <= 2 * mib + 600 * 1024, queue
+            for more in range(written + 1, written + 21):  # the shard commits with core1 and core2
+                client.put("t", {"id": more, "v": "x" * (256 * 1024)})
+            status = client.status()
+        assert status["core_queues"]["core3"]["bytes"] <= 2 * mib + 600 * 1024, status["core_queues"]
+        assert status["core_queues"]["core3"]["refused"] >= queue["refused"]
+        assert set(status["core_queues"]) == {"core1", "core2", "core3"} - {sequencer}
+        assert status["shards"]["default"]["committed"] >= [1, written + 21], status["shards"]["default"]
+        grown = _rss_bytes() - rss_before
+        assert grown < 160 * mib, f"the test process (both cores) grew by {grown // mib} MiB"
+    finally:
+        for node in nodes.values():
+            node.stop()
+        silent.close(0)
+
+
+def test_a_write_forwarded_to_a_sequencer_that_does_not_read_is_refused_past_the_bound(tmp_path) -> None:
+    """A follower core forwarding client writes to a sequencer that accepts and never reads held up to
+    PEER_SEND_QUEUE_MAX of them (4 GiB at frame_bytes_max). Past core_queue_bytes_max, a write is
+    answered no_sequencer at once, nothing sent."""
+    from mnesite.core.node import CoreNode
+
+    from tests.conftest import node_config
+
+    mib = 1024 * 1024
+    sequencer = zmq.Context.instance().socket(zmq.ROUTER)
+    sequencer.setsockopt(zmq.LINGER, 0)
+    sequencer.setsockopt(zmq.RCVHWM, 1)
+    cores = {
+        "core1": f"tcp://127.0.0.1:{free_port()}",
+        "core2": f"tcp://127.0.0.1:{sequencer.bind_to_random_port('tcp://127.0.0.1')}",
+    }
+    extra = {"cluster": {"core_nodes": cores}, "limits": {"core_queue_bytes_max": 4 * mib}}
+    node = CoreNode(node_config(tmp_path / "data", free_port(), extra=extra))
+    try:
+        node.bind()
+        node.begin()
+        node.store.ensure_shard("default", 0)
+        node._open_shard("default")
+        answers = []
+        node.reply = lambda envelope, message: answers.append(message)  # what the clients are told
+        body = typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1, "v": "x" * mib}}]})
+        for sent in range(100):
+            node._forward([b"client"], Message("transact", f"w{sent}", body), "default", "core2")
+            node.flush()
+        assert answers and {m.body.code for m in answers} == {"no_sequencer"}, answers[:1]
+        assert "core_queue_bytes_max" in answers[0].body.message and "nothing was sent" in answers[0].body.message
+        queue = node.status()["core_queues"]["core2"]
+        assert queue["bytes"] <= 5 * mib and queue["refused"] == len(answers) < 100, queue
+    finally:
+        node.close()
+        sequencer.close(0)
