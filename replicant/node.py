@@ -1169,6 +1169,8 @@ class ReplicantNode(NodeServer):
                 # None while unknown: from a bootstrap's reset until its replay (p.UNKNOWN_DIGEST).
                 "digest": status.applied_digest.hex() if status.applied_digest != p.UNKNOWN_DIGEST else None,
                 "committed": list(status.committed_key) if status.committed_key else None,
+                # whether the upstream hears the sequencer: its journal answer, then its pushes
+                "hears_sequencer": status.hears_sequencer,
                 "lag_entries": status.lag_entries,
                 "bootstraps": status.bootstraps,
                 # of them, begun again because the last copy outlasted the cores' retention

@@ -362,6 +362,9 @@ class ShardReplica:
         self._waiting = _Waiting.NOTHING
         self._watch_id: str | None = None
         self._request_core: str | None = None
+        # Whether the core the outstanding watch went to said, in its journal answer, that it hears
+        # the sequencer: what ``hears_sequencer`` is from the watch's answer until its first push.
+        self._request_core_hears_sequencer = False
         self._request_deadline_ms = now_ms
         self._next_probe_ms = now_ms
         self._failed_core: str | None = None
@@ -673,6 +676,8 @@ class ShardReplica:
             self._next_probe_ms = self._now_ms + self._retry_delay_ms()
             return
         self._watch_id = f"{self._rng.getrandbits(64):016x}"
+        chosen = ages[core]
+        self._request_core_hears_sequencer = chosen is not None and chosen.hears_sequencer
         self._out.append(SendWatch(core, self._applied_key, self._applied_digest, self._watch_id))
         self._request(_Waiting.WATCH, core)
 
@@ -763,8 +768,10 @@ class ShardReplica:
         self._request_core = None
         self._failed_core = None
         self._last_heard_ms = self._now_ms
-        self._hears_sequencer = True
-        self._not_hearing_since_ms = None
+        # As its journal answer said (a core that hears none is chosen when no core hears one), not
+        # taken for granted: the first push says it again.
+        self._hears_sequencer = self._request_core_hears_sequencer
+        self._not_hearing_since_ms = None if self._hears_sequencer else self._now_ms
         self._committed_key = max(event.start_key, self._applied_key)
 
     # ------------------------------------------------------------ bootstrap

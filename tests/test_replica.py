@@ -452,6 +452,30 @@ def test_hearing_the_sequencer_again_resets_the_detector():
     assert machine.mode is Mode.NORMAL
 
 
+@pytest.mark.timeout(10)
+def test_after_a_watch_hears_sequencer_is_what_the_chosen_core_reported_until_its_first_push():
+    """Regression: a watch's answer set ``hears_sequencer`` true even when the chosen core had said in
+    its journal answer that it hears no sequencer (it is chosen when no core hears one): status was
+    wrong until the first heartbeat, and the detector started only then."""
+
+    def connected_to_a_deaf_core() -> tuple[ShardReplica, str]:
+        machine = replica(applied=5, failure_timeout_ms=1000)
+        machine.step(Ticked(), 0)
+        deaf = JournalAnswer(at(30)[0], False, 0)
+        (watch,) = of(machine.step(JournalsReceived(tuple((core, deaf) for core in CORES)), 0), SendWatch)
+        machine.step(WatchAccepted(watch.core, "a1", "resume", *at(5), machine.watch_id), 10)
+        assert machine.mode is Mode.NORMAL and not machine.status().hears_sequencer
+        return machine, watch.core
+
+    machine, core = connected_to_a_deaf_core()
+    machine.step(push([], core=core, hears=True), 20)
+    assert machine.status().hears_sequencer
+    machine, core = connected_to_a_deaf_core()
+    machine.step(push([], core=core, hears=False), 500)
+    machine.step(Ticked(), 1010)  # not hearing since the watch's answer, at 10
+    assert machine.status().last_error == f"{core} has not heard the sequencer for 1000 ms"
+
+
 # ---------------------------------------------------------------- bootstrap
 
 

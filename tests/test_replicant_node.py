@@ -788,6 +788,7 @@ def test_status_says_the_digest_is_unknown_while_a_bootstrap_has_reset_the_shard
         node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
         assert replica.applied_digest == p.UNKNOWN_DIGEST
         assert node.status()["shards"]["default"]["digest"] is None
+        assert node.status()["shards"]["default"]["hears_sequencer"] is True  # as core1's journal answer said
 
 
 def test_a_core_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path) -> None:
