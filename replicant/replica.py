@@ -231,7 +231,7 @@ class ReplicaStatus:
     agent_id: str | None
     applied_key: TxKey
     applied_digest: bytes
-    # The upstream's committed key, as last heard from it (None before any).
+    # The upstream's committed key, as last heard from it (None without an upstream: unknown).
     committed_key: TxKey | None
     # committed_key.counter - applied_key.counter when both are of one generation, else None.
     lag_entries: int | None
@@ -587,6 +587,7 @@ class ShardReplica:
         self._upstream = None
         self._agent_id = None
         self._push_token = None
+        self._committed_key = None  # the old upstream's: unknown until the next one says it
         self._hears_sequencer = False
         self._not_hearing_since_ms = None
         self._waiting = _Waiting.NOTHING

@@ -397,6 +397,18 @@ def test_a_heartbeat_updates_the_committed_key_and_is_acknowledged():
     assert status.committed_key == at(12)[0] and status.lag_entries == 7 and status.hears_sequencer
 
 
+@pytest.mark.timeout(10)
+def test_without_an_upstream_the_committed_key_and_the_lag_are_unknown():
+    """Regression: a disconnected replica's status kept its old upstream's committed key and lag."""
+    machine = replica(applied=5, failure_timeout_ms=1000)
+    connect(machine)
+    machine.step(push([], committed=12), 100)
+    machine.step(Ticked(), 1100)
+    status = machine.status()
+    assert status.mode is Mode.DISCONNECTED and status.upstream is None
+    assert (status.committed_key, status.lag_entries) == (None, None)
+
+
 # ---------------------------------------------------------------- failure detector and failover
 
 
