@@ -683,11 +683,14 @@ class ReplicantNode(NodeServer):
                 self._wait_for(envelope, message, step)
             return
         if pending.purpose == "fence":
-            replica = self.replicas.get(pending.shard or "")
             answered = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
             committed = answered.committed if answered is not None else None
-            if replica is not None:
-                self._step(replica, p.CommittedReceived(pending.core, committed, pending.question))
+            why = None
+            if error is not None:
+                why = f"{pending.core} refused read_index: {error.code}: {error.message}"
+            elif committed is None:
+                why = f"{pending.core} answered read_index with a malformed answer"
+            self._fence_answered(pending, committed, why)
             return
         if pending.purpose in ("discover", "probe") and error is not None:
             # Not silence: the core answered, and why it refused is what the operator needs (a key
@@ -790,6 +793,24 @@ class ReplicantNode(NodeServer):
             self._step(replica, batch)
             self._log_progress(replica)
 
+    def _fence_answered(self, pending: Pending, committed: TxKey | None, why: str | None) -> None:
+        """The answer to a read fence's question (``FetchCommitted``): the committed key, or None and why,
+        which the replica's status shows (``read_fence_error``) and the log says (throttled: it is asked
+        again every failure_timeout_ms for as long as its upstream refuses)."""
+        replica = self.replicas.get(pending.shard or "")
+        if replica is None:
+            return
+        self._step(replica, p.CommittedReceived(pending.core, committed, pending.question, why))
+        if why is not None and replica.read_fenced:
+            self.warnings.log(
+                f"read fence unconfirmed {replica.shard}",  # bounded: one per shard
+                logging.WARNING,
+                "shard %s: reads stay fenced after its bootstrap, the committed key not told: %.300s",
+                replica.shard,
+                why,
+                logger=log,
+            )
+
     def _log_progress(self, replica: ShardReplica) -> None:
         """At most every PROGRESS_LOG_INTERVAL_MS while copying: rows, bytes, rate and ETA."""
         now = self.clock_ms()
@@ -842,8 +863,8 @@ class ReplicantNode(NodeServer):
                     pending.detail["envelope"],
                     messages.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
                 )
-            elif pending.purpose == "fence" and pending.shard in self.replicas:
-                self._step(self.replicas[pending.shard], p.CommittedReceived(pending.core, None, pending.question))
+            elif pending.purpose == "fence":
+                self._fence_answered(pending, None, f"{pending.core} did not answer read_index in time")
             elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
                 failed = p.RequestFailed(pending.core, f"{pending.purpose} timed out", pending.watch_id)
                 self._step(self.replicas[pending.shard], failed)
@@ -1190,6 +1211,8 @@ class ReplicantNode(NodeServer):
                 "serving": status.readable,
                 "read_fenced": status.read_fenced,
                 "read_fence": list(status.read_fence) if status.read_fence else None,
+                # why the fence key was not told at the last ask (the upstream's refusal), while fenced
+                "read_fence_error": status.read_fence_error,
                 "disk_full": status.disk_full,
                 # Applying waits at an entry creating a name another shard holds here (Store.name_waits):
                 # ``applied`` is what the replica logged; the store applied up to the entry before it.

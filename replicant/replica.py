@@ -108,7 +108,7 @@ Driver contract
 4. ``ModeChanged`` is for logs and metrics. The read path asks ``readable()``: NORMAL and past the
    read fence of the last bootstrap; never in BOOTSTRAP or LOCAL_REPLAY.
 5. ``FetchCommitted``: step ``CommittedReceived`` with the core's committed key, or with None when
-   the request failed or timed out.
+   the request failed or timed out, and why (``status().read_fence_error``).
 """
 
 from __future__ import annotations
@@ -252,6 +252,8 @@ class ReplicaStatus:
     copy_eta_ms: int | None = None
     # After a bootstrap: the key the applied key must reach before reads (None: being asked).
     read_fence: TxKey | None = None
+    # While fenced: why the last ask for the fence key got none (the upstream's refusal, or no answer).
+    read_fence_error: str | None = None
     read_fenced: bool = False
     # DiskFull until DiskFreed: nothing is applied (see "Full disk").
     disk_full: bool = False
@@ -483,6 +485,7 @@ class ShardReplica:
             bootstrap_failures_in_a_row=self._bootstrap_failures,
             readable=self.readable(),
             read_fence=self._fence.fence_key,
+            read_fence_error=self._fence.error if self._fence.fenced else None,
             read_fenced=self._fence.fenced,
             disk_full=self._disk_full,
             bootstraps_outrun=self._bootstraps_outrun,
@@ -1009,7 +1012,7 @@ class ShardReplica:
     def _on_committed_received(self, event: CommittedReceived) -> None:
         if event.core != self._upstream:
             return  # an answer from an upstream this replica left
-        if self._fence.committed_received(event.committed_key, self._applied_key, event.question):
+        if self._fence.committed_received(event.committed_key, self._applied_key, event.question, event.error):
             self._out.append(ReadFenceChanged(False))
 
     def _check_fence(self) -> None:

@@ -1606,3 +1606,45 @@ def test_a_failed_bootstrap_batch_says_the_core_s_error_or_that_its_answer_was_m
         assert replica.mode is p.Mode.DISCONNECTED
         error = replica.status().last_error or ""
         assert said in error and "None" not in error and "Error(" not in error, error
+
+
+def test_a_read_fence_whose_key_the_upstream_keeps_refusing_says_why_in_status_and_the_log(tmp_path, caplog) -> None:
+    """Regression: an upstream that kept refusing the fence's read_index (no_sequencer, not_ready) left
+    the replica read-fenced with read_fence null, no last_error and no log line: CommittedReceived
+    carried no reason. Status says why now (read_fence_error) and a throttled warning says it too."""
+    import logging
+
+    from mnesite.rlog import replication as p
+
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        node.warnings.clock = lambda: 0  # one second that never ends: one line, the rest counted
+        caplog.set_level(logging.WARNING, logger="mnesite.replicant")
+        replica = node._open_replica("default")
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 4), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 1), b"d" * 32, replica.watch_id))
+        node._step(replica, p.TablesReceived("core1", (), ()))
+        assert replica.mode is p.Mode.NORMAL and replica.read_fenced
+
+        def refuse_the_fence(code: str) -> None:
+            [(request_id, pending)] = [(r, one) for r, one in node.pending.items() if one.purpose == "fence"]
+            del node.pending[request_id]
+            node._on_answer(pending, messages.error(request_id, code, "the sequencer is being elected"))
+
+        refuse_the_fence("no_sequencer")
+        shard = node.status()["shards"]["default"]
+        assert shard["read_fence"] is None and shard["read_fenced"]
+        assert shard["read_fence_error"] == "core1 refused read_index: no_sequencer: the sequencer is being elected"
+        node._step(replica, p.Ticked())  # a refused question is asked again at once
+        refuse_the_fence("not_ready")
+        assert node.status()["shards"]["default"]["read_fence_error"].startswith("core1 refused read_index: not_ready")
+        said = [r.getMessage() for r in caplog.records if "reads stay fenced" in r.getMessage()]
+        assert said == [
+            "shard default: reads stay fenced after its bootstrap, the committed key not told: "
+            "core1 refused read_index: no_sequencer: the sequencer is being elected"
+        ]
+        node._step(replica, p.Ticked())
+        [pending] = [one for one in node.pending.values() if one.purpose == "fence"]
+        node._fence_answered(pending, TxKey(1, 1), None)
+        assert replica.readable() and node.status()["shards"]["default"]["read_fence_error"] is None
