@@ -635,7 +635,9 @@ class ReplicantNode(NodeServer):
     def _answer_too_large(self, core: str, frame: bytes, error: str) -> None:
         """An answer above this replicant's ``frame_bytes_max`` (a core with a larger one, or of a
         release that does not bound its answers by it): dropped unread, said (throttled), and the
-        request it answers fails now with why (``_not_sent``), not silently at its timeout."""
+        request it answers fails now with why (``_not_sent``), not silently at its timeout; a client's
+        forwarded write is answered ``outcome_unknown`` at once (the core may have committed it), a
+        read whose read index it answers is refused at once."""
         self.warnings.log(
             "answer too large",
             logging.WARNING,
@@ -646,10 +648,27 @@ class ReplicantNode(NodeServer):
         )
         request_id = request_id_of(frame)
         pending = self.pending.get(request_id)
-        if pending is None or pending.core != core or pending.purpose in ("forward", "read_index"):
-            return  # none, or a client's request: its timeout answers it
+        if pending is None or pending.core != core:
+            return  # a late answer to a request given up on, or not this core's
         del self.pending[request_id]
-        self._not_sent(pending, f"the answer of {core} was dropped: {error}")
+        why = f"the answer of core {core} was too large for replicant {self.config.name} and dropped: {error}"
+        if pending.purpose == "forward":
+            # The core may have committed the write (its answer says so, unread): the client asks
+            # again with the same request id (core.outcome), which is idempotent.
+            self.reply(pending.detail["envelope"], messages.error(request_id, "outcome_unknown", why))
+        elif pending.purpose == "read_index":
+            self._refuse_read(pending, why)  # a read changes nothing: its outcome is never unknown
+        else:
+            self._not_sent(pending, why)
+
+    def _refuse_read(self, pending: Pending, why: str) -> None:
+        """Refuse the linearizable read whose read index ``pending`` asked (``no_sequencer``, with the
+        client's request id: not the one this replicant gave its read_index request), unless answered
+        already: its gather decides once."""
+        if pending.detail["gather"].arrived(pending.detail["shard"], None) != GATHER_FAILED:
+            return
+        client_request_id = pending.detail["message"].request_id
+        self.reply(pending.detail["envelope"], messages.error(client_request_id, "no_sequencer", why))
 
     def _batch_bytes_max(self) -> int:
         """The bytes of rows a bootstrap batch may hold: half of this replicant's frame, as a core bounds
@@ -844,19 +863,9 @@ class ReplicantNode(NodeServer):
                 self._step(self.replicas[shard], event)
         for request_id in [r for r, pending in self.pending.items() if pending.deadline_ms <= now]:
             pending = self.pending.pop(request_id)
-            if pending.purpose == "read_index" and pending.detail["gather"].answered:
-                continue
             if pending.purpose == "read_index":
-                # A read changes nothing, so its outcome is never unknown; and the client knows its
-                # own request id, not the one this replicant gave its read_index request.
-                pending.detail["gather"].answered = True
-                self.reply(
-                    pending.detail["envelope"],
-                    messages.error(
-                        pending.detail["message"].request_id,
-                        "no_sequencer",
-                        f"core {pending.core} did not confirm the committed key of shard {pending.shard} in time",
-                    ),
+                self._refuse_read(
+                    pending, f"core {pending.core} did not confirm the committed key of shard {pending.shard} in time"
                 )
             elif pending.purpose == "forward":
                 self.reply(
