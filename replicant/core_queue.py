@@ -60,6 +60,10 @@ class CoreQueues:
             self._bytes[core] -= size
         return self._bytes[core]
 
+    def full(self, core: str) -> bool:
+        """Whether ``core`` would be sent nothing more now, whatever the frame: ``bytes_max`` held."""
+        return self.held_bytes(core) >= self.bytes_max
+
     def refusal(self, core: str, size: int) -> str | None:
         """Why a frame of ``size`` bytes toward ``core`` is not sent now (counted), else None: past
         ``bytes_max`` of frames zmq still holds toward it. A core holding nothing is always sent one."""

@@ -105,6 +105,9 @@ CORE_QUEUE_MAX = 1000
 # smaller ones only by zmq's count, CORE_QUEUE_MAX of them: 4 MiB per core at most.
 CORE_TRACKED_BYTES_MIN = 4096
 PROGRESS_LOG_INTERVAL_MS = 5000
+# A core a send failed to (no connection, its queue full) is skipped for a client's request (a forwarded
+# write, a read index) this long when another core can take it (``upstream.write_target``).
+SEND_FAILED_AVOID_MS = 1000
 # No answer from any core for this long: the replicant says so in its log (at most once per this
 # interval) and in status, instead of answering "unknown table" without a word.
 NO_CORE_WARNING_MS = 5000
@@ -172,6 +175,7 @@ class ReplicantNode(NodeServer):
         self.core_sockets: dict[str, zmq.Socket] = {}
         # Bytes sent toward each core that zmq may still hold (a core away or not reading), bounded.
         self.core_queues = CoreQueues(config.limits.core_queue_bytes_max)
+        self._send_failed_ms: dict[str, int] = {}  # per core, when a send at once to it last failed
         self.pending: dict[str, Pending] = {}
         self.probes: dict[str, Probe] = {}
         self.probes_sent = 0  # numbers each probe (``Probe.probe_id``)
@@ -316,7 +320,7 @@ class ReplicantNode(NodeServer):
     ) -> RequestError | OverloadedError | None:
         """Ask ``core``; ``at_once``: send now, not after the turn's commit (for a request that
         reveals nothing this node must persist first: the next bootstrap batch, which the core then
-        reads while this node writes the previous one; a read index). Returns why nothing was sent,
+        reads while this node writes the previous one). Returns why nothing was sent,
         as the error a client's request is refused with, else None: ``overloaded`` when
         ``PENDING_REQUESTS_MAX`` requests are pending (whoever waits on it is told, ``_not_sent``),
         ``no_sequencer`` when an ``at_once`` send failed (whoever waits on it is told as well)."""
@@ -339,11 +343,38 @@ class ReplicantNode(NodeServer):
             return None
         log.debug("%s to %s not sent: %s", kind, core, unsent)
         del self.pending[request_id]  # nothing was sent: no answer can come
-        if pending.purpose != "read_index":  # a read index's caller answers the read now
-            # A bootstrap batch fails in this turn, as when the full table kept it (``_not_sent``):
-            # the copy asks another core (or again), not after REQUEST_TIMEOUT_MS for a lost request.
-            self._not_sent(pending, f"{kind} to {core} not sent: {unsent}")
+        # A bootstrap batch fails in this turn, as when the full table kept it (``_not_sent``): the
+        # copy asks another core (or again), not after REQUEST_TIMEOUT_MS for a lost request.
+        self._not_sent(pending, f"{kind} to {core} not sent: {unsent}")
         return self._unreachable(core, unsent)
+
+    def _send_to_a_core(self, upstreams: list[str | None], message: Message) -> str | RequestError:
+        """Send a client's request (a forwarded write, a read index) at once to the core ``write_target``
+        chooses, skipping the cores that cannot take it now (``core_queue_bytes_max`` held toward it, a
+        send to it failed in the last SEND_FAILED_AVOID_MS) and, when a send fails, choosing again
+        without that core. The core it went to, else (no core took it) the refusal: ``no_sequencer``,
+        nothing was sent. At most one try per core."""
+        now = self.clock_ms()
+        failed_since_ms = now - SEND_FAILED_AVOID_MS
+        unavailable = {
+            core
+            for core in self.cores
+            if self.core_queues.full(core) or self._send_failed_ms.get(core, failed_since_ms) > failed_since_ms
+        }
+        tried: dict[str, str] = {}
+        while True:
+            core = write_target(upstreams, self.cores, self.rng, frozenset(unavailable | tried.keys()))
+            if core in tried:
+                break
+            unsent = self._send_at_once(core, message)
+            if unsent is None:
+                return core
+            tried[core] = unsent
+        if len(tried) == 1:
+            return self._unreachable(*next(iter(tried.items())))
+        each = "; ".join(f"core {core}: {why}" for core, why in tried.items())
+        why = f"no core can be reached from {self.config.name} ({each}); nothing was sent"
+        return RequestError("no_sequencer", why)
 
     def _unreachable(self, core: str, unsent: str) -> RequestError:
         """A client's request that could not be sent to ``core`` (``unsent`` says why): refused
@@ -383,13 +414,20 @@ class ReplicantNode(NodeServer):
         """Send ``message`` to ``core`` now, not after the turn's commit; None once sent, else why
         nothing was sent (no socket for it, core_queue_bytes_max of earlier frames still queued toward
         it, its queue is full, the socket failed)."""
-        socket = self.core_sockets.get(core)
-        if socket is None:
-            return "this replicant has no connection to it"
         try:
             frame = messages.encode(message)
         except MessageError as error:
-            return str(error)
+            return str(error)  # the message's fault, not the core's
+        unsent = self._send_frame_at_once(core, frame)
+        if unsent is not None:
+            self._send_failed_ms[core] = self.clock_ms()  # skipped for clients' requests a moment
+        return unsent
+
+    def _send_frame_at_once(self, core: str, frame: bytes) -> str | None:
+        """``_send_at_once`` of an encoded frame."""
+        socket = self.core_sockets.get(core)
+        if socket is None:
+            return "this replicant has no connection to it"
         refusal = self.core_queues.refusal(core, len(frame))
         if refusal is not None:
             self.warnings.log(
@@ -1034,15 +1072,14 @@ class ReplicantNode(NodeServer):
         Sent at once (it reveals nothing this node must persist first), so that one that could not
         be sent is answered now, ``no_sequencer`` with nothing sent, as a core answers a write it
         cannot send to its sequencer (``CoreNode._unsent``), not as outcome unknown at its timeout."""
-        core = write_target([r.upstream for r in self.replicas.values()], self.cores, self.rng)
         now = self.clock_ms()
         check_client_requests_room(len(self.pending), 1, PENDING_REQUESTS_MAX)
         self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
-        unsent = self._send_at_once(core, message)
-        if unsent is not None:
+        core = self._send_to_a_core([r.upstream for r in self.replicas.values()], message)
+        if isinstance(core, RequestError):
             # Answered now, which gives the hold back; an earlier send of this request id, still
             # pending, keeps waiting for its own answer.
-            self.refuse(envelope, message.request_id, self._unreachable(core, unsent))
+            self.refuse(envelope, message.request_id, core)
             return
         earlier = self.pending.get(message.request_id)  # the words of core.outcome's rule 4 (a layer above)
         if earlier is not None and earlier.purpose == "forward":
@@ -1116,17 +1153,19 @@ class ReplicantNode(NodeServer):
         self.hold(envelope, message.request_id, changes=False)  # may refuse (overloaded): then nothing is asked
         gather = ReadIndexGather(tuple(shards))
         for shard in shards:
-            core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
-            detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
-            pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
             # Sent at once (a read persists nothing first), so that one that could not be sent fails
             # the read now, no_sequencer with nothing sent, as a forward does (``_forward``), not at
-            # its timeout (overloaded if the pending table was full).
-            refused = self._request(core, "read_index", {"shard": shard}, pending, at_once=True)
-            if refused is not None:
+            # its timeout; the room for its pending entry was checked above.
+            request = Message("read_index", new_request_id(), {"shard": shard})
+            core = self._send_to_a_core([self.replicas[shard].upstream], request)
+            if isinstance(core, RequestError):
                 gather.arrived(shard, None)  # the read is refused once; no other shard is asked
-                self.refuse(envelope, message.request_id, refused)
+                self.refuse(envelope, message.request_id, core)
                 return
+            detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
+            self.pending[request.request_id] = Pending(
+                "read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail
+            )
 
     def _query(self, envelope: list[bytes], message: Message, index_keys: dict[str, TxKey] | None = None) -> None:
         """A query (rlog.query): checked, then held until each shard it reads reached its target.

@@ -178,8 +178,9 @@ class Limits:
     # it, the next large answer is refused ``overloaded`` until the client reads (one is always sent).
     replies_queued_bytes_max: int = 16 * 1024 * 1024
     # Bytes of the frames a replicant sent toward one core that zmq still holds (from 4 KiB, tracked:
-    # replicant.core_queue): past it, a write to forward there is refused ``no_sequencer``, nothing
-    # sent, until the core reads again (one is always sent). A replicant setting; a core ignores it.
+    # replicant.core_queue): past it, a write to forward goes to another core, or is refused
+    # ``no_sequencer``, nothing sent, when none can take it (one is always sent to a core holding
+    # nothing). A replicant setting; a core ignores it.
     core_queue_bytes_max: int = 16 * 1024 * 1024
     # Replicant watches (agents) one core serves; the agent silent for longest (core.agent_budget's
     # liveness: no progress within two heartbeats) is evicted when a new watch needs room.

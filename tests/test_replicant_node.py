@@ -1648,3 +1648,54 @@ def test_a_read_fence_whose_key_the_upstream_keeps_refusing_says_why_in_status_a
         [pending] = [one for one in node.pending.values() if one.purpose == "fence"]
         node._fence_answered(pending, TxKey(1, 1), None)
         assert replica.readable() and node.status()["shards"]["default"]["read_fence_error"] is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}),
+        ("get", {"table": "later", "key": 1, "consistency": "linearizable"}),
+    ],
+)
+def test_a_clients_request_goes_to_another_core_when_the_watched_one_cannot_take_it(tmp_path, kind, body) -> None:
+    """Regression: a forwarded write (or a read index) went to the watched core whatever its state, and
+    was refused no_sequencer, nothing sent, for every request while that core's queue held
+    core_queue_bytes_max or its sends failed, although another core could take it. It goes to another
+    core now; it is refused only when no core takes it, naming each."""
+    from mnesite.rlog import replication as p
+
+    @dataclass
+    class Held:
+        done: bool = False
+
+    with replicant_by_hand(tmp_path / "r", {"core_queue_bytes_max": 65536}) as node:
+        node.cores = ("core1", "core2")
+        node.core_sockets = {"core1": _queueing_dealer(), "core2": _queueing_dealer()}
+        replica = node._open_replica("default")
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 1), True, 0)),)))
+        at = (replica.applied_key, replica.applied_digest)
+        node._step(replica, p.WatchAccepted("core1", "a1", "resume", *at, replica.watch_id))
+        assert replica.upstream == "core1"
+
+        def ask(request_id: str) -> list[tuple[str, str]]:
+            node._dispatch([b"client"], Message(kind, request_id, typed_body(kind, body)))
+            return [(m.body.code, m.body.message) for _s, to, m in node._outbox if to == [b"client"]]
+
+        def asked_of() -> list[str]:
+            return [pending.core for pending in node.pending.values() if pending.purpose in ("forward", "read_index")]
+
+        held = Held()
+        node.core_queues.sent("core1", held, 65536)  # core1 holds core_queue_bytes_max: it does not read
+        assert ask("r-1") == [] and asked_of() == ["core2"]
+        assert node.core_queues.refused == {}, "core1 was not even tried"
+        held.done = True  # core1 read it; then its sends fail (its connection is gone)
+        node.core_sockets["core1"].close(0)
+        node.core_sockets["core1"] = _unconnected_dealer()
+        assert ask("r-2") == [] and asked_of() == ["core2", "core2"]
+        node.core_sockets["core2"].close(0)
+        node.core_sockets["core2"] = _unconnected_dealer()  # no core takes it now
+        [(code, message)] = ask("r-3")
+        assert code == "no_sequencer" and "nothing was sent" in message, message
+        assert "core core1: " in message and "core core2: " in message, message
+        assert asked_of() == ["core2", "core2"]
