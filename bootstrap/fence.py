@@ -12,7 +12,8 @@ installs a snapshot (``core.snapshot``):
    persisted, so a restart stays fenced) and asks the sequencer's quorum-confirmed committed key
    (``FetchCommitted`` whenever ``should_ask`` says so: at once, then once per ``ask_interval_ms``
    while no answer came; a lost answer or a "no quorum" answer is asked again).
-2. The first committed key answered becomes the fence key (later answers do not move it). Each
+2. The first committed key answered becomes the fence key (later answers do not move it); an answer
+   without one keeps why (``error``, for the owner's status) until a key comes or a copy begins. Each
    question has a number (``question``, never reused); only an answer to the question asked last
    counts. An answer to an earlier one, late, may carry a committed key from before the current
    copy ended (a copy began again meanwhile): taken as the fence key, it would serve reads while
@@ -41,10 +42,12 @@ class ReadFence:
         # The number of the question asked last (0: none yet); grows by one at every question, across
         # copies, so that no answer of an earlier copy's question is taken for this copy's.
         self.question = 0
+        # Why the last question counted was answered without a committed key (None: not so, or not known).
+        self.error: str | None = None
 
     def fence(self) -> None:
         """Rule 1: a new copy begins; no read until its fence is reached."""
-        self.fenced, self.fence_key, self.asked_ms = True, None, None
+        self.fenced, self.fence_key, self.asked_ms, self.error = True, None, None, None
 
     def forget_question(self) -> None:
         """An answer to the question asked so far will be ignored (the owner changed upstream)."""
@@ -69,14 +72,18 @@ class ReadFence:
         self.question += 1
         return True
 
-    def committed_received(self, committed_key: TxKey | None, applied_key: TxKey, question: int) -> bool:
-        """Rule 2: the answer to ``question`` (None: the core could not tell). True if the fence was just
-        reached."""
+    def committed_received(
+        self, committed_key: TxKey | None, applied_key: TxKey, question: int, error: str | None = None
+    ) -> bool:
+        """Rule 2: the answer to ``question`` (None: the core could not tell, ``error`` says why). True if
+        the fence was just reached."""
         if not self.fenced or self.asked_ms is None or question != self.question:
             return False  # not asked, no longer asked, or the answer to an earlier question: stale
         self.asked_ms = None
         if committed_key is None:
+            self.error = error
             return False  # asked again when ``should_ask`` says so
+        self.error = None
         if self.fence_key is None:
             self.fence_key = committed_key
         return self.reached(applied_key)

@@ -102,6 +102,9 @@ CORE_QUEUE_MAX = 1000
 # rlog.send_queue's TRACKED_BYTES_MIN are tracked, bounded in bytes by core_queue_bytes_max
 # (``NodeServer.send_bounded``); smaller ones only by zmq's count, CORE_QUEUE_MAX of them: 4 MiB per core.
 PROGRESS_LOG_INTERVAL_MS = 5000
+# A core a send failed to (no connection, its queue full) is skipped for a client's request (a forwarded
+# write, a read index) this long when another core can take it (``upstream.write_target``).
+SEND_FAILED_AVOID_MS = 1000
 # No answer from any core for this long: the replicant says so in its log (at most once per this
 # interval) and in status, instead of answering "unknown table" without a word.
 NO_CORE_WARNING_MS = 5000
@@ -168,6 +171,7 @@ class ReplicantNode(NodeServer):
         self.replicas: dict[str, ShardReplica] = {}
         self.core_sockets: dict[str, zmq.Socket] = {}
         # Bytes sent toward each core that zmq may still hold (a core away or not reading), bounded.
+        self._send_failed_ms: dict[str, int] = {}  # per core, when a send at once to it last failed
         self.pending: dict[str, Pending] = {}
         self.probes: dict[str, Probe] = {}
         self.probes_sent = 0  # numbers each probe (``Probe.probe_id``)
@@ -311,7 +315,7 @@ class ReplicantNode(NodeServer):
     ) -> RequestError | OverloadedError | None:
         """Ask ``core``; ``at_once``: send now, not after the turn's commit (for a request that
         reveals nothing this node must persist first: the next bootstrap batch, which the core then
-        reads while this node writes the previous one; a read index). Returns why nothing was sent,
+        reads while this node writes the previous one). Returns why nothing was sent,
         as the error a client's request is refused with, else None: ``overloaded`` when
         ``PENDING_REQUESTS_MAX`` requests are pending (whoever waits on it is told, ``_not_sent``),
         ``no_sequencer`` when an ``at_once`` send failed (whoever waits on it is told as well)."""
@@ -334,11 +338,38 @@ class ReplicantNode(NodeServer):
             return None
         log.debug("%s to %s not sent: %s", kind, core, unsent)
         del self.pending[request_id]  # nothing was sent: no answer can come
-        if pending.purpose != "read_index":  # a read index's caller answers the read now
-            # A bootstrap batch fails in this turn, as when the full table kept it (``_not_sent``):
-            # the copy asks another core (or again), not after REQUEST_TIMEOUT_MS for a lost request.
-            self._not_sent(pending, f"{kind} to {core} not sent: {unsent}")
+        # A bootstrap batch fails in this turn, as when the full table kept it (``_not_sent``): the
+        # copy asks another core (or again), not after REQUEST_TIMEOUT_MS for a lost request.
+        self._not_sent(pending, f"{kind} to {core} not sent: {unsent}")
         return self._unreachable(core, unsent)
+
+    def _send_to_a_core(self, upstreams: list[str | None], message: Message) -> str | RequestError:
+        """Send a client's request (a forwarded write, a read index) at once to the core ``write_target``
+        chooses, skipping the cores that cannot take it now (``core_queue_bytes_max`` held toward it, a
+        send to it failed in the last SEND_FAILED_AVOID_MS) and, when a send fails, choosing again
+        without that core. The core it went to, else (no core took it) the refusal: ``no_sequencer``,
+        nothing was sent. At most one try per core."""
+        now = self.clock_ms()
+        failed_since_ms = now - SEND_FAILED_AVOID_MS
+        unavailable = {
+            core
+            for core in self.cores
+            if self.peer_queues.full(core) or self._send_failed_ms.get(core, failed_since_ms) > failed_since_ms
+        }
+        tried: dict[str, str] = {}
+        while True:
+            core = write_target(upstreams, self.cores, self.rng, frozenset(unavailable | tried.keys()))
+            if core in tried:
+                break
+            unsent = self._send_at_once(core, message)
+            if unsent is None:
+                return core
+            tried[core] = unsent
+        if len(tried) == 1:
+            return self._unreachable(*next(iter(tried.items())))
+        each = "; ".join(f"core {core}: {why}" for core, why in tried.items())
+        why = f"no core can be reached from {self.config.name} ({each}); nothing was sent"
+        return RequestError("no_sequencer", why)
 
     def _unreachable(self, core: str, unsent: str) -> RequestError:
         """A client's request that could not be sent to ``core`` (``unsent`` says why): refused
@@ -378,13 +409,20 @@ class ReplicantNode(NodeServer):
         """Send ``message`` to ``core`` now, not after the turn's commit; None once sent, else why
         nothing was sent (no socket for it, core_queue_bytes_max of earlier frames still queued toward
         it, its queue is full, the socket failed)."""
-        socket = self.core_sockets.get(core)
-        if socket is None:
-            return "this replicant has no connection to it"
         try:
             frame = messages.encode(message)
         except MessageError as error:
-            return str(error)
+            return str(error)  # the message's fault, not the core's
+        unsent = self._send_frame_at_once(core, frame)
+        if unsent is not None:
+            self._send_failed_ms[core] = self.clock_ms()  # skipped for clients' requests a moment
+        return unsent
+
+    def _send_frame_at_once(self, core: str, frame: bytes) -> str | None:
+        """``_send_at_once`` of an encoded frame."""
+        socket = self.core_sockets.get(core)
+        if socket is None:
+            return "this replicant has no connection to it"
         try:
             return self.send_bounded(core, socket, frame)
         except zmq.Again:
@@ -615,7 +653,9 @@ class ReplicantNode(NodeServer):
     def _answer_too_large(self, core: str, frame: bytes, error: str) -> None:
         """An answer above this replicant's ``frame_bytes_max`` (a core with a larger one, or of a
         release that does not bound its answers by it): dropped unread, said (throttled), and the
-        request it answers fails now with why (``_not_sent``), not silently at its timeout."""
+        request it answers fails now with why (``_not_sent``), not silently at its timeout; a client's
+        forwarded write is answered ``outcome_unknown`` at once (the core may have committed it), a
+        read whose read index it answers is refused at once."""
         self.warnings.log(
             "answer too large",
             logging.WARNING,
@@ -626,10 +666,27 @@ class ReplicantNode(NodeServer):
         )
         request_id = request_id_of(frame)
         pending = self.pending.get(request_id)
-        if pending is None or pending.core != core or pending.purpose in ("forward", "read_index"):
-            return  # none, or a client's request: its timeout answers it
+        if pending is None or pending.core != core:
+            return  # a late answer to a request given up on, or not this core's
         del self.pending[request_id]
-        self._not_sent(pending, f"the answer of {core} was dropped: {error}")
+        why = f"the answer of core {core} was too large for replicant {self.config.name} and dropped: {error}"
+        if pending.purpose == "forward":
+            # The core may have committed the write (its answer says so, unread): the client asks
+            # again with the same request id (core.outcome), which is idempotent.
+            self.reply(pending.detail["envelope"], messages.error(request_id, "outcome_unknown", why))
+        elif pending.purpose == "read_index":
+            self._refuse_read(pending, why)  # a read changes nothing: its outcome is never unknown
+        else:
+            self._not_sent(pending, why)
+
+    def _refuse_read(self, pending: Pending, why: str) -> None:
+        """Refuse the linearizable read whose read index ``pending`` asked (``no_sequencer``, with the
+        client's request id: not the one this replicant gave its read_index request), unless answered
+        already: its gather decides once."""
+        if pending.detail["gather"].arrived(pending.detail["shard"], None) != GATHER_FAILED:
+            return
+        client_request_id = pending.detail["message"].request_id
+        self.reply(pending.detail["envelope"], messages.error(client_request_id, "no_sequencer", why))
 
     def _batch_bytes_max(self) -> int:
         """The bytes of rows a bootstrap batch may hold: half of this replicant's frame, as a core bounds
@@ -663,11 +720,14 @@ class ReplicantNode(NodeServer):
                 self._wait_for(envelope, message, step)
             return
         if pending.purpose == "fence":
-            replica = self.replicas.get(pending.shard or "")
             answered = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
             committed = answered.committed if answered is not None else None
-            if replica is not None:
-                self._step(replica, p.CommittedReceived(pending.core, committed, pending.question))
+            why = None
+            if error is not None:
+                why = f"{pending.core} refused read_index: {error.code}: {error.message}"
+            elif committed is None:
+                why = f"{pending.core} answered read_index with a malformed answer"
+            self._fence_answered(pending, committed, why)
             return
         if pending.purpose in ("discover", "probe") and error is not None:
             # Not silence: the core answered, and why it refused is what the operator needs (a key
@@ -770,6 +830,24 @@ class ReplicantNode(NodeServer):
             self._step(replica, batch)
             self._log_progress(replica)
 
+    def _fence_answered(self, pending: Pending, committed: TxKey | None, why: str | None) -> None:
+        """The answer to a read fence's question (``FetchCommitted``): the committed key, or None and why,
+        which the replica's status shows (``read_fence_error``) and the log says (throttled: it is asked
+        again every failure_timeout_ms for as long as its upstream refuses)."""
+        replica = self.replicas.get(pending.shard or "")
+        if replica is None:
+            return
+        self._step(replica, p.CommittedReceived(pending.core, committed, pending.question, why))
+        if why is not None and replica.read_fenced:
+            self.warnings.log(
+                f"read fence unconfirmed {replica.shard}",  # bounded: one per shard
+                logging.WARNING,
+                "shard %s: reads stay fenced after its bootstrap, the committed key not told: %.300s",
+                replica.shard,
+                why,
+                logger=log,
+            )
+
     def _log_progress(self, replica: ShardReplica) -> None:
         """At most every PROGRESS_LOG_INTERVAL_MS while copying: rows, bytes, rate and ETA."""
         now = self.clock_ms()
@@ -803,27 +881,17 @@ class ReplicantNode(NodeServer):
                 self._step(self.replicas[shard], event)
         for request_id in [r for r, pending in self.pending.items() if pending.deadline_ms <= now]:
             pending = self.pending.pop(request_id)
-            if pending.purpose == "read_index" and pending.detail["gather"].answered:
-                continue
             if pending.purpose == "read_index":
-                # A read changes nothing, so its outcome is never unknown; and the client knows its
-                # own request id, not the one this replicant gave its read_index request.
-                pending.detail["gather"].answered = True
-                self.reply(
-                    pending.detail["envelope"],
-                    messages.error(
-                        pending.detail["message"].request_id,
-                        "no_sequencer",
-                        f"core {pending.core} did not confirm the committed key of shard {pending.shard} in time",
-                    ),
+                self._refuse_read(
+                    pending, f"core {pending.core} did not confirm the committed key of shard {pending.shard} in time"
                 )
             elif pending.purpose == "forward":
                 self.reply(
                     pending.detail["envelope"],
                     messages.error(request_id, "outcome_unknown", f"core {pending.core} did not answer in time"),
                 )
-            elif pending.purpose == "fence" and pending.shard in self.replicas:
-                self._step(self.replicas[pending.shard], p.CommittedReceived(pending.core, None, pending.question))
+            elif pending.purpose == "fence":
+                self._fence_answered(pending, None, f"{pending.core} did not answer read_index in time")
             elif pending.purpose in ("watch", "tables", "batch") and pending.shard in self.replicas:
                 failed = p.RequestFailed(pending.core, f"{pending.purpose} timed out", pending.watch_id)
                 self._step(self.replicas[pending.shard], failed)
@@ -984,15 +1052,14 @@ class ReplicantNode(NodeServer):
         Sent at once (it reveals nothing this node must persist first), so that one that could not
         be sent is answered now, ``no_sequencer`` with nothing sent, as a core answers a write it
         cannot send to its sequencer (``CoreNode._unsent``), not as outcome unknown at its timeout."""
-        core = write_target([r.upstream for r in self.replicas.values()], self.cores, self.rng)
         now = self.clock_ms()
         check_client_requests_room(len(self.pending), 1, PENDING_REQUESTS_MAX)
         self.hold(envelope, message.request_id)  # bounded per client connection (requests_outstanding_max)
-        unsent = self._send_at_once(core, message)
-        if unsent is not None:
+        core = self._send_to_a_core([r.upstream for r in self.replicas.values()], message)
+        if isinstance(core, RequestError):
             # Answered now, which gives the hold back; an earlier send of this request id, still
             # pending, keeps waiting for its own answer.
-            self.refuse(envelope, message.request_id, self._unreachable(core, unsent))
+            self.refuse(envelope, message.request_id, core)
             return
         earlier = self.pending.get(message.request_id)  # the words of core.outcome's rule 4 (a layer above)
         if earlier is not None and earlier.purpose == "forward":
@@ -1066,17 +1133,19 @@ class ReplicantNode(NodeServer):
         self.hold(envelope, message.request_id, changes=False)  # may refuse (overloaded): then nothing is asked
         gather = ReadIndexGather(tuple(shards))
         for shard in shards:
-            core = write_target([self.replicas[shard].upstream], self.cores, self.rng)
-            detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
-            pending = Pending("read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail)
             # Sent at once (a read persists nothing first), so that one that could not be sent fails
             # the read now, no_sequencer with nothing sent, as a forward does (``_forward``), not at
-            # its timeout (overloaded if the pending table was full).
-            refused = self._request(core, "read_index", {"shard": shard}, pending, at_once=True)
-            if refused is not None:
+            # its timeout; the room for its pending entry was checked above.
+            request = Message("read_index", new_request_id(), {"shard": shard})
+            core = self._send_to_a_core([self.replicas[shard].upstream], request)
+            if isinstance(core, RequestError):
                 gather.arrived(shard, None)  # the read is refused once; no other shard is asked
-                self.refuse(envelope, message.request_id, refused)
+                self.refuse(envelope, message.request_id, core)
                 return
+            detail = {"envelope": envelope, "message": message, "shard": shard, "gather": gather}
+            self.pending[request.request_id] = Pending(
+                "read_index", core, self.clock_ms() + REQUEST_TIMEOUT_MS, shard, detail
+            )
 
     def _query(self, envelope: list[bytes], message: Message, index_keys: dict[str, TxKey] | None = None) -> None:
         """A query (rlog.query): checked, then held until each shard it reads reached its target.
@@ -1149,6 +1218,8 @@ class ReplicantNode(NodeServer):
                 # None while unknown: from a bootstrap's reset until its replay (p.UNKNOWN_DIGEST).
                 "digest": status.applied_digest.hex() if status.applied_digest != p.UNKNOWN_DIGEST else None,
                 "committed": list(status.committed_key) if status.committed_key else None,
+                # whether the upstream hears the sequencer: its journal answer, then its pushes
+                "hears_sequencer": status.hears_sequencer,
                 "lag_entries": status.lag_entries,
                 "bootstraps": status.bootstraps,
                 # of them, begun again because the last copy outlasted the cores' retention
@@ -1168,6 +1239,8 @@ class ReplicantNode(NodeServer):
                 "serving": status.readable,
                 "read_fenced": status.read_fenced,
                 "read_fence": list(status.read_fence) if status.read_fence else None,
+                # why the fence key was not told at the last ask (the upstream's refusal), while fenced
+                "read_fence_error": status.read_fence_error,
                 "disk_full": status.disk_full,
                 # Applying waits at an entry creating a name another shard holds here (Store.name_waits):
                 # ``applied`` is what the replica logged; the store applied up to the entry before it.

@@ -108,7 +108,7 @@ Driver contract
 4. ``ModeChanged`` is for logs and metrics. The read path asks ``readable()``: NORMAL and past the
    read fence of the last bootstrap; never in BOOTSTRAP or LOCAL_REPLAY.
 5. ``FetchCommitted``: step ``CommittedReceived`` with the core's committed key, or with None when
-   the request failed or timed out.
+   the request failed or timed out, and why (``status().read_fence_error``).
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class ReplicaStatus:
     agent_id: str | None
     applied_key: TxKey
     applied_digest: bytes
-    # The upstream's committed key, as last heard from it (None before any).
+    # The upstream's committed key, as last heard from it (None without an upstream: unknown).
     committed_key: TxKey | None
     # committed_key.counter - applied_key.counter when both are of one generation, else None.
     lag_entries: int | None
@@ -252,6 +252,8 @@ class ReplicaStatus:
     copy_eta_ms: int | None = None
     # After a bootstrap: the key the applied key must reach before reads (None: being asked).
     read_fence: TxKey | None = None
+    # While fenced: why the last ask for the fence key got none (the upstream's refusal, or no answer).
+    read_fence_error: str | None = None
     read_fenced: bool = False
     # DiskFull until DiskFreed: nothing is applied (see "Full disk").
     disk_full: bool = False
@@ -362,6 +364,9 @@ class ShardReplica:
         self._waiting = _Waiting.NOTHING
         self._watch_id: str | None = None
         self._request_core: str | None = None
+        # Whether the core the outstanding watch went to said, in its journal answer, that it hears
+        # the sequencer: what ``hears_sequencer`` is from the watch's answer until its first push.
+        self._request_core_hears_sequencer = False
         self._request_deadline_ms = now_ms
         self._next_probe_ms = now_ms
         self._failed_core: str | None = None
@@ -480,6 +485,7 @@ class ShardReplica:
             bootstrap_failures_in_a_row=self._bootstrap_failures,
             readable=self.readable(),
             read_fence=self._fence.fence_key,
+            read_fence_error=self._fence.error if self._fence.fenced else None,
             read_fenced=self._fence.fenced,
             disk_full=self._disk_full,
             bootstraps_outrun=self._bootstraps_outrun,
@@ -584,6 +590,7 @@ class ShardReplica:
         self._upstream = None
         self._agent_id = None
         self._push_token = None
+        self._committed_key = None  # the old upstream's: unknown until the next one says it
         self._hears_sequencer = False
         self._not_hearing_since_ms = None
         self._waiting = _Waiting.NOTHING
@@ -673,6 +680,8 @@ class ShardReplica:
             self._next_probe_ms = self._now_ms + self._retry_delay_ms()
             return
         self._watch_id = f"{self._rng.getrandbits(64):016x}"
+        chosen = ages[core]
+        self._request_core_hears_sequencer = chosen is not None and chosen.hears_sequencer
         self._out.append(SendWatch(core, self._applied_key, self._applied_digest, self._watch_id))
         self._request(_Waiting.WATCH, core)
 
@@ -763,8 +772,10 @@ class ShardReplica:
         self._request_core = None
         self._failed_core = None
         self._last_heard_ms = self._now_ms
-        self._hears_sequencer = True
-        self._not_hearing_since_ms = None
+        # As its journal answer said (a core that hears none is chosen when no core hears one), not
+        # taken for granted: the first push says it again.
+        self._hears_sequencer = self._request_core_hears_sequencer
+        self._not_hearing_since_ms = None if self._hears_sequencer else self._now_ms
         self._committed_key = max(event.start_key, self._applied_key)
 
     # ------------------------------------------------------------ bootstrap
@@ -1001,7 +1012,7 @@ class ShardReplica:
     def _on_committed_received(self, event: CommittedReceived) -> None:
         if event.core != self._upstream:
             return  # an answer from an upstream this replica left
-        if self._fence.committed_received(event.committed_key, self._applied_key, event.question):
+        if self._fence.committed_received(event.committed_key, self._applied_key, event.question, event.error):
             self._out.append(ReadFenceChanged(False))
 
     def _check_fence(self) -> None:

@@ -71,16 +71,27 @@ def choose_upstream(
     return near[rng.randrange(len(near))]
 
 
-def write_target(upstreams: list[str | None], cores: tuple[str, ...], rng: random.Random) -> str:
+def write_target(
+    upstreams: list[str | None], cores: tuple[str, ...], rng: random.Random, unavailable: frozenset[str] = frozenset()
+) -> str:
     """The core a replicant forwards a write (or a linearizable read's ``read_index``) to.
 
     A core this replicant watches (the first replica's upstream): it answered recently and hears
     the sequencer, or it would not have been chosen; with none, any core (it forwards once to the
-    sequencer, or answers ``no_sequencer`` and the client retries).
+    sequencer, or answers ``no_sequencer`` and the client retries). A core in ``unavailable`` (the
+    driver cannot send to it now: its queue holds ``core_queue_bytes_max``, or a send to it failed
+    just now) is skipped for another, watched first, else any; only when every core is unavailable
+    is the choice made as if none were (the driver's send then refuses the request with why).
     """
-    watched = [core for core in upstreams if core is not None]
-    if watched:
-        return watched[0]
     if not cores:
         raise ValueError("a replicant needs at least one core")
+    watched = [core for core in upstreams if core is not None]
+    watched_available = [core for core in watched if core not in unavailable]
+    if watched_available:
+        return watched_available[0]
+    available = [core for core in cores if core not in unavailable]
+    if available:
+        return available[rng.randrange(len(available))]
+    if watched:  # every core is unavailable: chosen as if none were
+        return watched[0]
     return cores[rng.randrange(len(cores))]

@@ -203,11 +203,13 @@ class TablesReceived:
 @dataclass(frozen=True)
 class CommittedReceived:
     """Answer to ``FetchCommitted``: the core's committed key, or None if it did not answer.
-    ``question``: the ``FetchCommitted.question`` it answers (``bootstrap.fence``, rule 2)."""
+    ``question``: the ``FetchCommitted.question`` it answers (``bootstrap.fence``, rule 2);
+    ``error``: with None, why (the core's refusal, code and message, or that it did not answer)."""
 
     core: str
     committed_key: TxKey | None
     question: int
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,10 @@ class PeerQueues:
             self._bytes[peer] -= size
         return self._bytes[peer]
 
+    def full(self, peer: str) -> bool:
+        """Whether ``peer`` would be sent nothing more now, whatever the frame: ``bytes_max`` held."""
+        return self.held_bytes(peer) >= self.bytes_max
+
     def refusal(self, peer: str, size: int) -> str | None:
         """Why a frame of ``size`` bytes toward ``peer`` is not sent now (counted), else None: past
         ``bytes_max`` of frames zmq still holds toward it. A peer holding nothing is always sent one."""

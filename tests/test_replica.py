@@ -397,6 +397,18 @@ def test_a_heartbeat_updates_the_committed_key_and_is_acknowledged():
     assert status.committed_key == at(12)[0] and status.lag_entries == 7 and status.hears_sequencer
 
 
+@pytest.mark.timeout(10)
+def test_without_an_upstream_the_committed_key_and_the_lag_are_unknown():
+    """Regression: a disconnected replica's status kept its old upstream's committed key and lag."""
+    machine = replica(applied=5, failure_timeout_ms=1000)
+    connect(machine)
+    machine.step(push([], committed=12), 100)
+    machine.step(Ticked(), 1100)
+    status = machine.status()
+    assert status.mode is Mode.DISCONNECTED and status.upstream is None
+    assert (status.committed_key, status.lag_entries) == (None, None)
+
+
 # ---------------------------------------------------------------- failure detector and failover
 
 
@@ -450,6 +462,30 @@ def test_hearing_the_sequencer_again_resets_the_detector():
     machine.step(push([], hears=False), 1000)
     machine.step(Ticked(), 1500)
     assert machine.mode is Mode.NORMAL
+
+
+@pytest.mark.timeout(10)
+def test_after_a_watch_hears_sequencer_is_what_the_chosen_core_reported_until_its_first_push():
+    """Regression: a watch's answer set ``hears_sequencer`` true even when the chosen core had said in
+    its journal answer that it hears no sequencer (it is chosen when no core hears one): status was
+    wrong until the first heartbeat, and the detector started only then."""
+
+    def connected_to_a_deaf_core() -> tuple[ShardReplica, str]:
+        machine = replica(applied=5, failure_timeout_ms=1000)
+        machine.step(Ticked(), 0)
+        deaf = JournalAnswer(at(30)[0], False, 0)
+        (watch,) = of(machine.step(JournalsReceived(tuple((core, deaf) for core in CORES)), 0), SendWatch)
+        machine.step(WatchAccepted(watch.core, "a1", "resume", *at(5), machine.watch_id), 10)
+        assert machine.mode is Mode.NORMAL and not machine.status().hears_sequencer
+        return machine, watch.core
+
+    machine, core = connected_to_a_deaf_core()
+    machine.step(push([], core=core, hears=True), 20)
+    assert machine.status().hears_sequencer
+    machine, core = connected_to_a_deaf_core()
+    machine.step(push([], core=core, hears=False), 500)
+    machine.step(Ticked(), 1010)  # not hearing since the watch's answer, at 10
+    assert machine.status().last_error == f"{core} has not heard the sequencer for 1000 ms"
 
 
 # ---------------------------------------------------------------- bootstrap

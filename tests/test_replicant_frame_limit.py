@@ -9,7 +9,10 @@ reason the replicant shows, instead of being pushed in a loop.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mnesite.core.agent import Agent, AgentConfig, push_bytes_bound, unpushable_entry
@@ -22,6 +25,29 @@ from tests.conftest import ThreadNode, thread_replicant, wait_until
 
 REPLICANT_FRAME_BYTES_MAX = 64 * 1024
 ROW_TEXT_CHARS = 40_000  # entries of about 40 KB: six of them are one push of a core's default bound
+
+
+@contextlib.contextmanager
+def _replicant_and_its_core(tmp_path: Path) -> Iterator[tuple[Any, Any, Any]]:
+    """A replicant by hand whose frame_bytes_max is REPLICANT_FRAME_BYTES_MAX, its core1 a ROUTER the
+    test answers from by hand, reached through ``upstream``: ``(node, core, upstream)``."""
+    import zmq
+
+    from tests.conftest import replicant_by_hand
+
+    context = zmq.Context.instance()
+    core = context.socket(zmq.ROUTER)
+    core.setsockopt(zmq.LINGER, 0)
+    upstream = context.socket(zmq.DEALER)
+    upstream.setsockopt(zmq.LINGER, 0)
+    try:
+        upstream.connect(f"tcp://127.0.0.1:{core.bind_to_random_port('tcp://127.0.0.1')}")
+        with replicant_by_hand(tmp_path / "r", {"frame_bytes_max": REPLICANT_FRAME_BYTES_MAX}) as node:
+            node.core_sockets = {"core1": upstream}
+            yield node, core, upstream
+    finally:
+        upstream.close(0)
+        core.close(0)
 
 
 def test_the_push_bound_is_the_cores_and_half_the_replicants_frame() -> None:
@@ -122,40 +148,26 @@ def test_a_bootstrap_batch_is_asked_within_the_replicants_frame_and_an_answer_ab
     replicant dropped the answer unread (``frame_too_large``) and waited its timeout, again and again.
     It asks for half its own frame now, and an answer above its frame (a core's row larger than that)
     fails the batch at once, naming the limit, instead of silently at its timeout."""
-    import zmq
     from mnesite.rlog import messages
     from mnesite.rlog import replication as p
 
-    from tests.conftest import replicant_by_hand
-
-    context = zmq.Context.instance()
-    core = context.socket(zmq.ROUTER)
-    core.setsockopt(zmq.LINGER, 0)
-    upstream = context.socket(zmq.DEALER)
-    upstream.setsockopt(zmq.LINGER, 0)
-    try:
-        upstream.connect(f"tcp://127.0.0.1:{core.bind_to_random_port('tcp://127.0.0.1')}")
-        with replicant_by_hand(tmp_path / "r", {"frame_bytes_max": REPLICANT_FRAME_BYTES_MAX}) as node:
-            node.core_sockets = {"core1": upstream}
-            replica = node._open_replica("default")
-            node._execute(replica, p.FetchBatch("core1", "t", None, 10_000))
-            assert core.poll(5000), "the batch request was not sent"
-            *envelope, frame = core.recv_multipart()
-            request = messages.decode(frame)
-            assert request.body.bytes_max == REPLICANT_FRAME_BYTES_MAX // 2
-            [(request_id, pending)] = node.pending.items()
-            rows = [{"id": 1, "v": "z" * REPLICANT_FRAME_BYTES_MAX}]  # one row: a core sends it whatever the bound
-            answer = messages.reply(request.request_id, {"rows": rows, "done": True})
-            core.send_multipart([*envelope, messages.encode(answer)])
-            assert upstream.poll(5000), "the answer did not come"
-            node._receive_answers("core1", upstream)
-            assert request_id not in node.pending
-            [(shard, failed)] = node._requests_failed
-            assert shard == "default" and failed.core == "core1" and failed.watch_id == pending.watch_id
-            assert "exceeds frame_bytes_max 65536" in failed.reason, failed.reason
-    finally:
-        upstream.close(0)
-        core.close(0)
+    with _replicant_and_its_core(tmp_path) as (node, core, upstream):
+        replica = node._open_replica("default")
+        node._execute(replica, p.FetchBatch("core1", "t", None, 10_000))
+        assert core.poll(5000), "the batch request was not sent"
+        *envelope, frame = core.recv_multipart()
+        request = messages.decode(frame)
+        assert request.body.bytes_max == REPLICANT_FRAME_BYTES_MAX // 2
+        [(request_id, pending)] = node.pending.items()
+        rows = [{"id": 1, "v": "z" * REPLICANT_FRAME_BYTES_MAX}]  # one row: a core sends it whatever the bound
+        answer = messages.reply(request.request_id, {"rows": rows, "done": True})
+        core.send_multipart([*envelope, messages.encode(answer)])
+        assert upstream.poll(5000), "the answer did not come"
+        node._receive_answers("core1", upstream)
+        assert request_id not in node.pending
+        [(shard, failed)] = node._requests_failed
+        assert shard == "default" and failed.core == "core1" and failed.watch_id == pending.watch_id
+        assert "exceeds frame_bytes_max 65536" in failed.reason, failed.reason
 
 
 def test_a_watch_tells_the_frame_limit_only_to_a_core_that_reads_the_field(tmp_path: Path) -> None:
@@ -180,3 +192,38 @@ def test_a_watch_tells_the_frame_limit_only_to_a_core_that_reads_the_field(tmp_p
     assert to_new["protocol"] == 2 and to_new["frame_bytes_max"] == REPLICANT_FRAME_BYTES_MAX
     assert messages.typed_body("watch", to_new).frame_bytes_max == REPLICANT_FRAME_BYTES_MAX
     assert messages.typed_body("watch", to_old).frame_bytes_max is None  # an older replicant's: not told
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "code"),
+    [
+        ("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}, "outcome_unknown"),
+        ("get", {"table": "later", "key": 1, "consistency": "linearizable"}, "no_sequencer"),
+    ],
+)
+def test_a_clients_request_whose_core_answer_is_above_the_replicants_frame_is_answered_at_once(
+    tmp_path: Path, kind: str, body: dict, code: str
+) -> None:
+    """A forwarded write's or a read index's answer above the replicant's frame_bytes_max was dropped
+    unread and the client answered only at the request's timeout (10 s for a write), while the
+    replicant's own requests failed at once. It is answered at once now, naming the limit: a write
+    outcome_unknown (the core may have committed it; the client asks again with the same id), a read
+    no_sequencer (a read changes nothing)."""
+    from mnesite.rlog import messages
+    from mnesite.rlog.messages import Message, typed_body
+
+    with _replicant_and_its_core(tmp_path) as (node, core, upstream):
+        node._open_replica("default")
+        node._dispatch([b"client"], Message(kind, "c-1", typed_body(kind, body)))
+        assert core.poll(5000), "the request was not sent"
+        *envelope, frame = core.recv_multipart()
+        request = messages.decode(frame)
+        answer = messages.reply(request.request_id, {"padding": "z" * REPLICANT_FRAME_BYTES_MAX})
+        core.send_multipart([*envelope, messages.encode(answer)])
+        assert upstream.poll(5000), "the answer did not come"
+        node._receive_answers("core1", upstream)
+        answers = [m for _s, to, m in node._outbox if to == [b"client"]]
+        assert [(m.request_id, m.kind, m.body.code) for m in answers] == [("c-1", "error", code)]
+        said = answers[0].body.message
+        assert "answer of core core1 was too large" in said and "exceeds frame_bytes_max 65536" in said, said
+        assert node.pending == {} and b"client" not in node.outstanding

@@ -788,6 +788,7 @@ def test_status_says_the_digest_is_unknown_while_a_bootstrap_has_reset_the_shard
         node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 6), b"d" * 32, replica.watch_id))
         assert replica.applied_digest == p.UNKNOWN_DIGEST
         assert node.status()["shards"]["default"]["digest"] is None
+        assert node.status()["shards"]["default"]["hears_sequencer"] is True  # as core1's journal answer said
 
 
 def test_a_core_s_stopping_answer_is_relayed_as_no_sequencer(tmp_path) -> None:
@@ -1605,3 +1606,96 @@ def test_a_failed_bootstrap_batch_says_the_core_s_error_or_that_its_answer_was_m
         assert replica.mode is p.Mode.DISCONNECTED
         error = replica.status().last_error or ""
         assert said in error and "None" not in error and "Error(" not in error, error
+
+
+def test_a_read_fence_whose_key_the_upstream_keeps_refusing_says_why_in_status_and_the_log(tmp_path, caplog) -> None:
+    """Regression: an upstream that kept refusing the fence's read_index (no_sequencer, not_ready) left
+    the replica read-fenced with read_fence null, no last_error and no log line: CommittedReceived
+    carried no reason. Status says why now (read_fence_error) and a throttled warning says it too."""
+    import logging
+
+    from mnesite.rlog import replication as p
+
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        node.warnings.clock = lambda: 0  # one second that never ends: one line, the rest counted
+        caplog.set_level(logging.WARNING, logger="mnesite.replicant")
+        replica = node._open_replica("default")
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 4), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 1), b"d" * 32, replica.watch_id))
+        node._step(replica, p.TablesReceived("core1", (), ()))
+        assert replica.mode is p.Mode.NORMAL and replica.read_fenced
+
+        def refuse_the_fence(code: str) -> None:
+            [(request_id, pending)] = [(r, one) for r, one in node.pending.items() if one.purpose == "fence"]
+            del node.pending[request_id]
+            node._on_answer(pending, messages.error(request_id, code, "the sequencer is being elected"))
+
+        refuse_the_fence("no_sequencer")
+        shard = node.status()["shards"]["default"]
+        assert shard["read_fence"] is None and shard["read_fenced"]
+        assert shard["read_fence_error"] == "core1 refused read_index: no_sequencer: the sequencer is being elected"
+        node._step(replica, p.Ticked())  # a refused question is asked again at once
+        refuse_the_fence("not_ready")
+        assert node.status()["shards"]["default"]["read_fence_error"].startswith("core1 refused read_index: not_ready")
+        said = [r.getMessage() for r in caplog.records if "reads stay fenced" in r.getMessage()]
+        assert said == [
+            "shard default: reads stay fenced after its bootstrap, the committed key not told: "
+            "core1 refused read_index: no_sequencer: the sequencer is being elected"
+        ]
+        node._step(replica, p.Ticked())
+        [pending] = [one for one in node.pending.values() if one.purpose == "fence"]
+        node._fence_answered(pending, TxKey(1, 1), None)
+        assert replica.readable() and node.status()["shards"]["default"]["read_fence_error"] is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1}}]}),
+        ("get", {"table": "later", "key": 1, "consistency": "linearizable"}),
+    ],
+)
+def test_a_clients_request_goes_to_another_core_when_the_watched_one_cannot_take_it(tmp_path, kind, body) -> None:
+    """Regression: a forwarded write (or a read index) went to the watched core whatever its state, and
+    was refused no_sequencer, nothing sent, for every request while that core's queue held
+    core_queue_bytes_max or its sends failed, although another core could take it. It goes to another
+    core now; it is refused only when no core takes it, naming each."""
+    from mnesite.rlog import replication as p
+
+    @dataclass
+    class Held:
+        done: bool = False
+
+    with replicant_by_hand(tmp_path / "r", {"core_queue_bytes_max": 65536}) as node:
+        node.cores = ("core1", "core2")
+        node.core_sockets = {"core1": _queueing_dealer(), "core2": _queueing_dealer()}
+        replica = node._open_replica("default")
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 1), True, 0)),)))
+        at = (replica.applied_key, replica.applied_digest)
+        node._step(replica, p.WatchAccepted("core1", "a1", "resume", *at, replica.watch_id))
+        assert replica.upstream == "core1"
+
+        def ask(request_id: str) -> list[tuple[str, str]]:
+            node._dispatch([b"client"], Message(kind, request_id, typed_body(kind, body)))
+            return [(m.body.code, m.body.message) for _s, to, m in node._outbox if to == [b"client"]]
+
+        def asked_of() -> list[str]:
+            return [pending.core for pending in node.pending.values() if pending.purpose in ("forward", "read_index")]
+
+        held = Held()
+        node.peer_queues.sent("core1", held, 65536)  # core1 holds core_queue_bytes_max: it does not read
+        assert ask("r-1") == [] and asked_of() == ["core2"]
+        assert node.peer_queues.refused == {}, "core1 was not even tried"
+        held.done = True  # core1 read it; then its sends fail (its connection is gone)
+        node.core_sockets["core1"].close(0)
+        node.core_sockets["core1"] = _unconnected_dealer()
+        assert ask("r-2") == [] and asked_of() == ["core2", "core2"]
+        node.core_sockets["core2"].close(0)
+        node.core_sockets["core2"] = _unconnected_dealer()  # no core takes it now
+        [(code, message)] = ask("r-3")
+        assert code == "no_sequencer" and "nothing was sent" in message, message
+        assert "core core1: " in message and "core core2: " in message, message
+        assert asked_of() == ["core2", "core2"]

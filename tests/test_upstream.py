@@ -93,6 +93,23 @@ def test_a_replicant_forwards_writes_to_a_core_it_watches_else_to_any_core():
     assert drawn == {"core0", "core1", "core2"}
 
 
+@pytest.mark.timeout(10)
+def test_a_write_goes_to_a_core_that_can_take_it_and_is_refused_only_when_none_can():
+    """Regression: the watched core was chosen for every write although its queue was full or its
+    send had just failed, and each write was refused while other cores were fine."""
+    from mnesite.replicant.upstream import write_target
+
+    rng = random.Random(1)
+    cores = ("core0", "core1", "core2")
+    assert write_target(["core2", "core1"], cores, rng, frozenset({"core2"})) == "core1"  # watched first
+    drawn = {write_target(["core2"], cores, rng, frozenset({"core2"})) for _ in range(50)}
+    assert drawn == {"core0", "core1"}
+    assert write_target([None], cores, rng, frozenset({"core0", "core1"})) == "core2"
+    # None can take it: chosen as if all could (the driver's send refuses it, saying why).
+    assert write_target(["core2"], cores, rng, frozenset(cores)) == "core2"
+    assert write_target([None], cores, rng, frozenset(cores)) in cores
+
+
 @pytest.mark.parametrize(
     "result",
     [
