@@ -1,13 +1,16 @@
-"""The answers of the admin reads (``status``, ``members``, ``rlog_tail``, ``rlog_entries``) as the client
-checks them (``Client.status`` and the others): untrusted input, like every answer (``messages.Answer``:
-unknown fields allowed, a newer release may add some).
+"""The answers of the admin calls (``status``, ``members``, ``rlog_tail``, ``rlog_entries``, ``journal``,
+``force_start``, ``membership_change``, ``stop``, ``backup``) and of the range requests (``range_digest``,
+``key_boundaries``, ``row_digests``) as the client checks them (``Client.status`` and the others):
+untrusted input, like every answer (``messages.Answer``: unknown fields allowed, a newer release may
+add some).
 
 Each type holds the fields the client's callers read, with the types they read them as: what
-``mnesite status``, ``cluster members`` and ``rlog tail`` index must be there, what they look up
-with a default may be absent. An answer that does not fit is ``bad_answer`` (``client.checked``),
-never a KeyError or TypeError out of a caller, nor a value of another type handed on as the
-node's. The caller still gets the answer as it came (a dict, every field of it): what the commands
-print, ``--json`` included, does not depend on these types.
+``mnesite status``, ``cluster members``, ``rlog tail``, ``journal show``, ``cluster add-core``,
+``backup``, the compare job (``spark.replica``) and a core probing its peers (``CoreNode.probe_peers``)
+index must be there, what they look up with a default may be absent. An answer that does not fit
+is ``bad_answer`` (``client.checked``), never a KeyError or TypeError out of a caller, nor a value of
+another type handed on as the node's. The caller still gets the answer as it came (a dict, every
+field of it): what the commands print, ``--json`` included, does not depend on these types.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from mnesite.rlog.messages import Answer, NonNegative
+from mnesite.rlog.messages import Answer, JournalShardAnswer, NonNegative
 from mnesite.rlog.types import TxKey
 
 Count = NonNegative
@@ -216,3 +219,138 @@ class RlogEntry(Answer, frozen=True, kw_only=True):
 
 
 RlogEntries = list[RlogEntry]
+
+
+# -- journal (``CoreNode.journal``): ``journal show``, ``journal force-start``, ``probe_peers`` ----------
+
+
+class JournalShardAge(JournalShardAnswer, frozen=True, kw_only=True):
+    """One shard's journal age: what a replicant reads of it (``JournalShardAnswer``, the same type)
+    and what ``journal show`` prints (``members`` and ``pending_members`` read with a default)."""
+
+    generation: Count
+    last: TxKey
+    forced: bool
+    members: list[str] = []
+    pending_members: list[str] | None = None
+
+
+class Journal(Answer, frozen=True, kw_only=True):
+    node: str
+    core_nodes: dict[str, str]
+    reachable_peers: list[str]
+    shards: dict[str, JournalShardAge]
+    versions: Versions | None = None
+    peer_versions: dict[str, Versions] | None = None
+    cluster_version: int = 1
+
+
+# -- force_start (``CoreNode.force_start``) -------------------------------------------------------
+
+
+class ForcedShard(Answer, frozen=True, kw_only=True):
+    generation: Count
+    last: TxKey
+
+
+class ForceStart(Answer, frozen=True, kw_only=True):
+    node: str
+    members: list[str]
+    left_out: list[str]
+    may_lose: str
+    shards: dict[str, ForcedShard]
+
+
+# -- membership_change (``CoreNode._membership_change``): ``cluster add-core`` / ``remove-core`` ------
+
+
+class MembershipChange(Answer, frozen=True, kw_only=True):
+    """The change's committed entry (``tx_key``), or ``unchanged`` with the reason (already done)."""
+
+    tx_key: TxKey | msgspec.UnsetType = msgspec.UNSET
+    unchanged: str | msgspec.UnsetType = msgspec.UNSET
+    shard: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tx_key is msgspec.UNSET and self.unchanged is msgspec.UNSET:
+            raise ValueError("a membership change answer names neither its tx key nor why it is unchanged")
+
+
+# -- stop (``NodeServer.stop_request``) -------------------------------------------------------------
+
+
+class Stopping(Answer, frozen=True, kw_only=True):
+    node: str
+
+
+# -- backup (``NodeServer.answer_backup``: ``BackupJob.status``, as ``status`` shows it too) --------
+
+
+class BackupShard(Answer, frozen=True, kw_only=True):
+    applied: TxKey
+    digest: str
+
+
+class BackupAnswer(Answer, frozen=True, kw_only=True):
+    """What ``mnesite backup`` reads as the copy goes: the pages while it runs, the error once it
+    failed, the time taken and each shard's position once it is done."""
+
+    state: str
+    pages_copied: Count
+    pages_total: Count
+    error: str | None = None
+    seconds: Number | None = None
+    shards: dict[str, BackupShard] | None = None
+
+    def __post_init__(self) -> None:
+        if self.state == "failed" and self.error is None:
+            raise ValueError("a failed backup without its error")
+        if self.state not in ("running", "failed") and (self.seconds is None or self.shards is None):
+            raise ValueError(f"a backup {self.state} without its time or its shards")
+
+
+# -- range requests (``rlog.range_requests.answer``): what ``spark.replica.NodeReplica`` reads -------
+
+
+class RangePosition(Answer, frozen=True, kw_only=True):
+    """Where the shard stood when the node answered (every range answer says it)."""
+
+    shard: str
+    applied: TxKey
+    applied_digest: str
+
+
+def _digest_bytes(digest: Any) -> None:
+    """A digest comes as bytes (msgpack's bin): the caller reads it as it came, and ``msgspec.convert``
+    would take a base64 text for bytes too."""
+    if not isinstance(digest, bytes):
+        raise ValueError(f"a digest is a {type(digest).__name__}, not bytes")
+
+
+class RangeDigest(Answer, frozen=True, kw_only=True):
+    rows: Count
+    digest: Any  # bytes; None: over the node's budget (``rows`` a lower bound)
+    split_keys: list[Any]
+
+    def __post_init__(self) -> None:
+        if self.digest is not None:
+            _digest_bytes(self.digest)
+
+
+class RangeDigests(RangePosition, frozen=True, kw_only=True):
+    ranges: list[RangeDigest]
+    more: bool
+
+
+class KeyBoundaries(RangePosition, frozen=True, kw_only=True):
+    rows: Count
+    keys: list[Any]
+
+
+class RowDigests(RangePosition, frozen=True, kw_only=True):
+    rows: list[tuple[Any, Any]]  # [key, row digest (bytes)]
+    more: bool
+
+    def __post_init__(self) -> None:
+        for _, digest in self.rows:
+            _digest_bytes(digest)

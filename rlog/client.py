@@ -964,72 +964,82 @@ class Client:
         return result
 
     def journal(self) -> dict[str, Any]:
-        """This core's journal age per shard: generation, committed and last tx keys, members, forced."""
-        return self.call("journal")
+        """This core's journal age per shard: generation, committed and last tx keys, members, forced
+        (checked as ``status``)."""
+        return self._checked("journal", self.call("journal"), admin_answers.Journal)
 
     def force_start(self) -> dict[str, Any]:
-        """Operator: make this core sequencer of every shard with the cores it can reach. May lose data."""
-        return self.call("force_start")
+        """Operator: make this core sequencer of every shard with the cores it can reach. May lose data.
+        The answer is checked as ``status``'s."""
+        return self._checked("force_start", self.call("force_start"), admin_answers.ForceStart)
 
     def members(self) -> dict[str, Any]:
         """The cluster's and each shard's core membership, as the node sees it (checked as ``status``)."""
-        result = self.call("members")
-        checked("members", result, admin_answers.Membership)
-        return result
+        return self._checked("members", self.call("members"), admin_answers.Membership)
 
     def change_membership(
         self, shard: str, action: str, name: str, endpoint: str | None = None, request_id: str | None = None
     ) -> dict[str, Any]:
         """Operator: add (``action="add"``, with its endpoint) or remove one core in one shard.
         ``request_id``: an earlier attempt's, to go on waiting for it (the sequencer answers the
-        retry of a change still catching up, or the change it committed)."""
+        retry of a change still catching up, or the change it committed). The answer (its committed
+        ``tx_key``, or ``unchanged`` and why) is checked as ``status``'s."""
         body: dict[str, Any] = {"shard": shard, "action": action, "name": name}
         if endpoint is not None:
             body["endpoint"] = endpoint
-        return self.call("membership_change", body, request_id)
+        result = self.call("membership_change", body, request_id)
+        return self._checked("membership_change", result, admin_answers.MembershipChange)
 
     def stop(self) -> dict[str, Any]:
-        """Operator (admin role): the node answers, logs a shutdown line and exits."""
-        return self.call("stop")
+        """Operator (admin role): the node answers (its name; checked as ``status``), logs a shutdown
+        line and exits."""
+        return self._checked("stop", self.call("stop"), admin_answers.Stopping)
 
     def backup(self, path: str) -> dict[str, Any]:
         """Operator: start a backup of the node's database to ``path`` on the node's host, or report
-        the one under way to that path (``state`` running, done or failed; rlog.backup)."""
-        return self.call("backup", {"path": path})
+        the one under way to that path (``state`` running, done or failed; rlog.backup). Checked as
+        ``status``."""
+        return self._checked("backup", self.call("backup", {"path": path}), admin_answers.BackupAnswer)
 
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
         """The last ``count`` committed entries of the shard's rlog (tx key, previous key, digest, ops,
         request id): those the node has applied (checked as ``status``)."""
         entries = self.call("rlog_tail", {"shard": shard, "count": count})
-        checked("rlog_tail", entries, admin_answers.RlogEntries)
-        return entries
+        return self._checked("rlog_tail", entries, admin_answers.RlogEntries)
 
     def rlog_entries(self, shard: str, after: list[int] | TxKey = (0, 0), limit: int = 1000) -> list[dict[str, Any]]:
         """Up to ``limit`` committed entries of the shard's rlog after tx key ``after``, in order (checked
         as ``status``)."""
         entries = self.call("rlog_entries", {"shard": shard, "after": list(after), "limit": limit})
-        checked("rlog_entries", entries, admin_answers.RlogEntries)
-        return entries
+        return self._checked("rlog_entries", entries, admin_answers.RlogEntries)
 
     # -- range requests (rlog.range_requests): the node hashes key ranges itself -------------
 
     def range_digest(
         self, table: str, ranges: list[list[Any]], split_parts: int = 0, split_rows_min: int = 0
     ) -> dict[str, Any]:
-        """Row count and digest of each ``[low, high]`` range (``(low, high]``, None: unbounded)."""
+        """Row count and digest of each ``[low, high]`` range (``(low, high]``, None: unbounded). Every
+        range answer is checked as ``status``'s (``admin_answers.RangePosition`` and its kinds)."""
         body = {"table": table, "ranges": ranges, "split_parts": split_parts, "split_rows_min": split_rows_min}
-        return self.call("range_digest", body)
+        return self._checked("range_digest", self.call("range_digest", body), admin_answers.RangeDigests)
 
     def key_boundaries(self, table: str, parts: int, low: Any = None, high: Any = None) -> dict[str, Any]:
         """Rows of ``(low, high]`` and up to ``parts - 1`` keys cutting it into near-equal ranges."""
-        return self.call("key_boundaries", {"table": table, "parts": parts, "low": low, "high": high})
+        result = self.call("key_boundaries", {"table": table, "parts": parts, "low": low, "high": high})
+        return self._checked("key_boundaries", result, admin_answers.KeyBoundaries)
 
     def row_digests(self, table: str, low: Any = None, high: Any = None, limit: int | None = None) -> dict[str, Any]:
         """``[key, row digest]`` of the first ``limit`` rows of ``(low, high]`` in key order."""
         body: dict[str, Any] = {"table": table, "low": low, "high": high}
         if limit is not None:
             body["limit"] = limit
-        return self.call("row_digests", body)
+        return self._checked("row_digests", self.call("row_digests", body), admin_answers.RowDigests)
+
+    @staticmethod
+    def _checked(kind: str, result: Any, answer_type: Any) -> Any:
+        """``result`` as it came, once it fits ``answer_type`` (``bad_answer`` if not)."""
+        checked(kind, result, answer_type)
+        return result
 
 
 def query_params(params: Any) -> list[Any]:

@@ -193,11 +193,60 @@ _MEMBERS = {
     },
 }
 _ENTRY = {"shard": "default", "tx_key": [2, 5], "prev": [2, 4], "digest": "cd" * 32, "request_id": "r", "ops": []}
+_JOURNAL_SHARD = {
+    "generation": 2,
+    "committed": [2, 5],
+    "last": [2, 6],
+    "digest": "ab" * 32,
+    "forced": False,
+    "members": ["core1"],
+    "pending_members": None,
+    "hears_sequencer": True,
+    "agents": 0,
+    "cluster_version": 2,
+}
+_JOURNAL = {
+    "node": "core1",
+    "core_nodes": {"core1": "tcp://127.0.0.1:1"},
+    "members": ["core1"],
+    "reachable_peers": [],
+    "shards": {"default": _JOURNAL_SHARD},
+}
+_FORCED = {
+    "node": "core1",
+    "members": ["core1"],
+    "reached": [],
+    "left_out": ["core2"],
+    "may_lose": "writes that core2 committed but core1 never received are lost",
+    "shards": {"default": {"generation": 3, "members": ["core1"], "left_out": ["core2"], "last": [2, 6]}},
+}
+_BACKUP = {
+    "path": "/b",
+    "state": "done",
+    "error": None,
+    "pages_copied": 4,
+    "pages_total": 4,
+    "seconds": 0.25,
+    "shards": {"default": {"applied": [2, 5], "digest": "ab" * 32, "generation": 2}},
+}
+_POSITION = {"shard": "default", "applied": [2, 5], "applied_digest": "ab" * 32}
+_RANGE = {"rows": 3, "digest": b"d" * 32, "split_keys": [1, "b"]}
+_RANGE_DIGESTS = {**_POSITION, "ranges": [_RANGE, {"rows": 9, "digest": None, "split_keys": []}], "more": False}
+_KEY_BOUNDARIES = {**_POSITION, "rows": 3, "keys": [1, "b"]}
+_ROW_DIGESTS = {**_POSITION, "rows": [[1, b"d" * 32], ["b", b"e" * 32]], "more": True}
 ADMIN_CALLS: dict[str, Callable[[Client], Any]] = {
     "status": lambda client: client.status(),
     "members": lambda client: client.members(),
     "rlog_tail": lambda client: client.rlog_tail("default", 5),
     "rlog_entries": lambda client: client.rlog_entries("default"),
+    "journal": lambda client: client.journal(),
+    "force_start": lambda client: client.force_start(),
+    "membership_change": lambda client: client.change_membership("default", "add", "core2", "tcp://127.0.0.1:2"),
+    "stop": lambda client: client.stop(),
+    "backup": lambda client: client.backup("/b"),
+    "range_digest": lambda client: client.range_digest("t", [[None, None]]),
+    "key_boundaries": lambda client: client.key_boundaries("t", 2),
+    "row_digests": lambda client: client.row_digests("t"),
 }
 ADMIN_GARBAGE = {
     "status": [
@@ -232,13 +281,76 @@ ADMIN_GARBAGE = {
 ADMIN_GARBAGE["rlog_entries"] = ADMIN_GARBAGE["rlog_tail"]
 
 
+def _without(answer: dict[str, Any], field: str) -> dict[str, Any]:
+    return {name: value for name, value in answer.items() if name != field}
+
+
+ADMIN_GARBAGE |= {
+    "journal": [
+        42,
+        {},
+        # ``journal show`` iterates the core names and endpoints: AttributeError out of the command.
+        {**_JOURNAL, "core_nodes": ["core1"]},
+        _without(_JOURNAL, "reachable_peers"),
+        # A shard without what ``journal show`` prints of it, or what a replicant reads: KeyError.
+        {**_JOURNAL, "shards": {"default": _without(_JOURNAL_SHARD, "forced")}},
+        {**_JOURNAL, "shards": {"default": _without(_JOURNAL_SHARD, "hears_sequencer")}},
+        {**_JOURNAL, "shards": {"default": {**_JOURNAL_SHARD, "last": "ab"}}},
+        {**_JOURNAL, "shards": {"default": {**_JOURNAL_SHARD, "generation": -1}}},
+        # Joined into the members column as they came: "c,o,r,e,1".
+        {**_JOURNAL, "shards": {"default": {**_JOURNAL_SHARD, "members": "core1"}}},
+        {**_JOURNAL, "peer_versions": {"core2": {"cluster_versions": "12"}}},
+    ],
+    "force_start": [
+        42,
+        {},
+        {**_FORCED, "members": "core1"},
+        _without(_FORCED, "may_lose"),
+        {**_FORCED, "shards": {"default": {"generation": 3}}},
+        {**_FORCED, "shards": {"default": {"generation": 3, "last": [2]}}},
+    ],
+    # ``cluster add-core`` prints the committed tx key, or why nothing changed.
+    "membership_change": [42, {}, {"shard": "default"}, {"tx_key": "ab"}, {"tx_key": [1, -1]}, {"unchanged": None}],
+    "stop": [42, {}, {"stopping": True}, {"node": 5}],
+    "backup": [
+        42,
+        {},
+        {**_BACKUP, "state": None},
+        {**_BACKUP, "pages_total": "4"},
+        _without(_BACKUP, "seconds"),
+        {**_BACKUP, "state": "failed"},
+        {**_BACKUP, "shards": {"default": {"applied": "ab", "digest": "ab"}}},
+    ],
+    "range_digest": [
+        42,
+        {},
+        _without(_RANGE_DIGESTS, "applied"),
+        {**_RANGE_DIGESTS, "ranges": 5},
+        {**_RANGE_DIGESTS, "ranges": [_without(_RANGE, "split_keys")]},
+        {**_RANGE_DIGESTS, "ranges": [{**_RANGE, "rows": -1}]},
+        # A digest as text (base64 would convert to bytes): the compare job reads it as bytes.
+        {**_RANGE_DIGESTS, "ranges": [{**_RANGE, "digest": "ZGQ="}]},
+    ],
+    "key_boundaries": [42, {}, {**_KEY_BOUNDARIES, "keys": 5}, {**_KEY_BOUNDARIES, "rows": "3"}],
+    "row_digests": [
+        42,
+        _without(_ROW_DIGESTS, "more"),
+        {**_ROW_DIGESTS, "rows": 5},
+        {**_ROW_DIGESTS, "rows": [[1]]},
+        {**_ROW_DIGESTS, "rows": [[1, "ZGQ="]]},
+    ],
+}
+
+
 @pytest.mark.parametrize(
     ("call", "garbage"), [(call, garbage) for call, answers in ADMIN_GARBAGE.items() for garbage in answers], ids=repr
 )
 def test_a_malformed_admin_answer_is_a_bad_answer(node: ReplyingNode, call: str, garbage: Any) -> None:
-    """``status``, ``members``, ``rlog_tail`` and ``rlog_entries`` returned the node's answer as it was:
-    a number, a list for a dict, a shard without its applied key reached the caller (and ``mnesite
-    status`` or ``rlog tail`` died on a KeyError or TypeError). They are checked as every data answer."""
+    """The admin calls (``status``, ``members``, the rlog reads, ``journal``, ``force_start``,
+    ``change_membership``, ``stop``, ``backup``) and the range requests returned the node's answer as
+    it was: a number, a list for a dict, a shard without its applied key reached the caller (and
+    ``mnesite status``, ``journal show`` or the compare job died on a KeyError or TypeError). They are
+    checked as every data answer."""
     node.result = garbage
     with Client(node.endpoint, timeout_ms=2000, retries=0) as client, pytest.raises(MnesiteError) as raised:
         ADMIN_CALLS[call](client)
@@ -261,6 +373,28 @@ def test_well_formed_admin_answers_still_read_as_they_came(node: ReplyingNode) -
         "rlog_tail": [[], [_ENTRY, {**_ENTRY, "ops": [{"op": "write", "table": "t", "row": {"k": 1}}]}]],
     }
     answers["rlog_entries"] = answers["rlog_tail"]
+    answers |= {
+        "journal": [
+            {**_JOURNAL, "future_field": 1},
+            {**_JOURNAL, "shards": {}, "versions": {"software": "0.2.0", "cluster_versions": [1, 2]}},
+            # Release 0.1.0's: no versions, no cluster version, no shard members (read with a default).
+            {**_JOURNAL, "shards": {"default": _without(_without(_JOURNAL_SHARD, "cluster_version"), "members")}},
+        ],
+        "force_start": [_FORCED, {**_FORCED, "shards": {}, "left_out": []}],
+        "membership_change": [
+            {"tx_key": [2, 7], "shard": "default", "duplicate": True},
+            {"shard": "default", "members": ["core1", "core2"], "unchanged": "already_member"},
+        ],
+        "stop": [{"node": "core1", "stopping": True}],
+        "backup": [
+            _BACKUP,
+            {**_BACKUP, "state": "failed", "error": "disk full"},
+            {"state": "running", "pages_copied": 0, "pages_total": 0},
+        ],
+        "range_digest": [_RANGE_DIGESTS, {**_RANGE_DIGESTS, "ranges": [], "more": True}],
+        "key_boundaries": [_KEY_BOUNDARIES, {**_KEY_BOUNDARIES, "rows": 0, "keys": []}],
+        "row_digests": [_ROW_DIGESTS, {**_ROW_DIGESTS, "rows": [], "more": False}],
+    }
     with Client(node.endpoint, timeout_ms=2000, retries=0) as client:
         for call, results in answers.items():
             for result in results:

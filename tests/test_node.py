@@ -1328,10 +1328,12 @@ class _PeerJournal:
                 while not self.stopping.is_set():
                     received = self.receive_message()
                     if received is not None and peer.answering.is_set():
-                        self.send(received[0], messages.reply(received[1].request_id, {"shards": {}}))
+                        self.send(received[0], messages.reply(received[1].request_id, peer.journal))
 
         self.router = Router()
         self.endpoint = self.router.endpoint
+        # What a core answers (the client checks it: ``Client.journal``), with no shard.
+        self.journal = {"node": "core2", "core_nodes": {"core2": self.endpoint}, "reachable_peers": [], "shards": {}}
 
 
 def test_a_recovering_core_answers_status_and_refuses_the_rest_until_its_peers_answer(tmp_path):
