@@ -117,6 +117,7 @@ class GuardTail(Generic[Token]):
         self.bytes_max = bytes_max
         self.entries: list[Entry] = []
         self.keys: list[TxKey] = []
+        self.sizes: list[int] = []  # ``Entry.size_bytes`` of each of ``entries``, computed once
         self.bytes = 0  # of ``entries``
         # None while ``entries`` are all the unapplied entries; else the key after which the log's
         # entries are not kept (the last kept one's, or the key before the first one not kept).
@@ -137,29 +138,31 @@ class GuardTail(Generic[Token]):
 
     def add(self, entries: tuple[Entry, ...] | list[Entry]) -> None:
         """Entries appended to the log after the last one added: kept while within the bound."""
-        if self.spilled_after is None and self._fits(entries):
+        sizes = [entry.size_bytes for entry in entries]
+        if self.spilled_after is None and self._fits(len(sizes), sum(sizes)):
             self.entries.extend(entries)
             self.keys.extend(map(_TX_KEY_OF, entries))
-            self.bytes += sum(entry.size_bytes for entry in entries)
+            self.sizes.extend(sizes)
+            self.bytes += sum(sizes)
             return
-        for entry in entries:
-            if self.spilled_after is None and self._fits((entry,)):
-                self._keep(entry)
+        for entry, size in zip(entries, sizes, strict=True):
+            if self.spilled_after is None and self._fits(1, size):
+                self._keep(entry, size)
                 continue
             if self.spilled_after is None:
                 self.spilled_after = entry.prev
             if not ROW_OPS.issuperset(map(type, entry.ops)):
                 self.spilled_schema.append(entry)
 
-    def _fits(self, entries: tuple[Entry, ...] | list[Entry]) -> bool:
-        if len(self.entries) + len(entries) > self.entries_max:
-            return False
-        return self.bytes + sum(entry.size_bytes for entry in entries) <= self.bytes_max
+    def _fits(self, count: int, size: int) -> bool:
+        """Whether ``count`` more entries of ``size`` bytes together stay within the bound."""
+        return len(self.entries) + count <= self.entries_max and self.bytes + size <= self.bytes_max
 
-    def _keep(self, entry: Entry) -> None:
+    def _keep(self, entry: Entry, size: int) -> None:
         self.entries.append(entry)
         self.keys.append(entry.tx_key)
-        self.bytes += entry.size_bytes
+        self.sizes.append(size)
+        self.bytes += size
 
     @property
     def complete(self) -> bool:
@@ -181,9 +184,10 @@ class GuardTail(Generic[Token]):
         """The log's entries after ``refill_after()`` (some; ``log_end``: its last key): kept while they
         fit; the tail is complete again once it reaches the log's end."""
         for entry in entries:
-            if self.spilled_after is None or entry.prev != self.spilled_after or not self._fits((entry,)):
+            size = entry.size_bytes
+            if self.spilled_after is None or entry.prev != self.spilled_after or not self._fits(1, size):
                 break
-            self._keep(entry)
+            self._keep(entry, size)
             self.spilled_after = entry.tx_key
         if self.spilled_after is not None and self.spilled_after >= log_end:
             self.spilled_after = None
@@ -279,11 +283,12 @@ class GuardTail(Generic[Token]):
             return applied
         return {**{n: t for n, t in applied.items() if n not in self._dropped}, **self.tables}
 
-    def _rebuild(self, entries: list[Entry], catalog: dict[str, TableSchema]) -> None:
-        """Keep ``entries`` (a prefix of what was kept: within the bound) over ``catalog``."""
+    def _rebuild(self, kept: slice, catalog: dict[str, TableSchema]) -> None:
+        """Keep the ``kept`` run of the entries (the ones after a commit, or before a truncation: within
+        the bound, the keys in order) over ``catalog``."""
         self.catalog = dict(catalog)
-        self.entries, self.keys = entries, [entry.tx_key for entry in entries]
-        self.bytes = sum(entry.size_bytes for entry in entries)
+        self.entries, self.keys, self.sizes = self.entries[kept], self.keys[kept], self.sizes[kept]
+        self.bytes = sum(self.sizes)
         self._reindex()
 
     # ------------------------------------------------------------ failed guards
@@ -319,7 +324,7 @@ class GuardTail(Generic[Token]):
         if self.spilled_after is not None:
             self.spilled_after = max(self.spilled_after, up_to)  # applied from the log past the kept ones
             self.spilled_schema = [entry for entry in self.spilled_schema if entry.tx_key > up_to]
-        self._rebuild([entry for entry in self.entries if entry.tx_key > up_to], catalog)
+        self._rebuild(slice(bisect.bisect_right(self.keys, up_to), None), catalog)
         released = [held for held in self._held if not self.must_hold(held.observed_key, up_to)]
         self._held = [held for held in self._held if self.must_hold(held.observed_key, up_to)]
         verdict = GUARD_ANSWER if read_index is not None else GUARD_RETRY
@@ -331,7 +336,7 @@ class GuardTail(Generic[Token]):
             self.spilled_schema = [entry for entry in self.spilled_schema if entry.tx_key <= after_key]
             if self.spilled_after >= after_key:
                 self.spilled_after = None  # what was not kept is gone: the log ends within the kept ones
-        self._rebuild([entry for entry in self.entries if entry.tx_key <= after_key], catalog)
+        self._rebuild(slice(bisect.bisect_right(self.keys, after_key)), catalog)
         dropped = [held.token for held in self._held if held.observed_key > after_key]
         self._held = [held for held in self._held if held.observed_key <= after_key]
         return dropped
