@@ -170,6 +170,7 @@ from mnesite.rlog.schema import (
     TableSchema,
 )
 from mnesite.rlog.security import NodeSecurity
+from mnesite.rlog.send_queue import CORE_TRACKED_BYTES_MIN
 from mnesite.rlog.server import (
     STOPPING,
     UNANSWERED_KINDS,
@@ -414,6 +415,8 @@ class CoreNode(NodeServer):
             config.data_dir, config.name, config.database_path, config.synchronous
         )
         super().__init__(config, store, data_dir_lock)
+        # Toward its peers only frames sent without a copy anyway are tracked: appends are on the write path.
+        self.tracked_bytes_min = CORE_TRACKED_BYTES_MIN
         try:
             self._start_core(config)
         except BaseException:

@@ -178,10 +178,10 @@ class Limits:
     # it, the next large answer is refused ``overloaded`` until the client reads (one is always sent).
     replies_queued_bytes_max: int = 16 * 1024 * 1024
     # Bytes of the frames a node sent toward one core (a replicant's core, a core's peer) that zmq still
-    # holds (from 4 KiB, tracked: rlog.send_queue): past it, a consensus message is dropped (the protocol
-    # re-sends it), and a write to forward goes to another core (a replicant) or is refused
-    # ``no_sequencer``, nothing sent, when none can take it, until the core reads again (one frame is
-    # always sent to a core holding nothing).
+    # holds (from 4 KiB at a replicant, 64 KiB at a core, tracked: rlog.send_queue): past it, a
+    # consensus message is dropped (the protocol re-sends it), and a write to forward goes to another
+    # core (a replicant) or is refused ``no_sequencer``, nothing sent, when none can take it, until the
+    # core reads again (one frame is always sent to a core holding nothing).
     core_queue_bytes_max: int = 16 * 1024 * 1024
     # Replicant watches (agents) one core serves; the agent silent for longest (core.agent_budget's
     # liveness: no progress within two heartbeats) is evicted when a new watch needs room.

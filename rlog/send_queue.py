@@ -20,8 +20,9 @@ are done: no reset is needed when a connection is closed and opened again). zmq 
 frames in order, so they leave the ledger in order: once the oldest is not done, nothing is looked at
 behind it (what it keeps for a moment is on the safe side).
 
-Frames below ``TRACKED_BYTES_MIN`` are not recorded (tracking costs on the write path): they
-are bounded by zmq's count, that many times the threshold. A peer holding nothing is always sent one
+Frames below the sender's threshold (``TRACKED_BYTES_MIN`` at a replicant, ``CORE_TRACKED_BYTES_MIN``
+at a core) are not recorded (tracking costs on the write path): they are bounded by zmq's count, that
+many times the threshold. A peer holding nothing is always sent one
 frame, whatever its size (``frame_bytes_max`` bounds it): a bound below a frame refuses nothing alone.
 """
 
@@ -38,10 +39,16 @@ class Tracker(Protocol):
     def done(self) -> bool: ...
 
 
-# Frames sent toward a peer core from this size are sent without a copy and tracked (the socket's
-# copy_threshold must be 0: pyzmq copies a smaller frame sent without a copy, and its tracker is done
-# at once); smaller ones are bounded by zmq's count only (1,000 x 4 KiB = 4 MiB per peer at most).
+# Frames a replicant sends toward a core from this size are sent without a copy and tracked (the
+# socket's copy_threshold must be 0: pyzmq copies a smaller frame sent without a copy, and its tracker
+# is done at once); smaller ones are bounded by zmq's count only (1,000 x 4 KiB = 4 MiB per core).
 TRACKED_BYTES_MIN = 4096
+# A core toward its peer cores tracks only the frames it sends without a copy anyway (from 64 KiB,
+# ``rlog.server.COPY_BYTES_MIN``): a frame sent without a copy costs pyzmq a Frame, a tracker and a
+# wake-up of its garbage thread, and a sequencer's appends of a turn's writes are 4-64 KiB at 64
+# clients (tracking them from 4 KiB cost the three cores 1-3% more CPU a write: benchmarks/PROFILE.md,
+# thirty-fourth session). Smaller ones: 1,000 x 64 KiB = 64 MiB per peer at most.
+CORE_TRACKED_BYTES_MIN = 64 * 1024
 
 
 class PeerQueues:

@@ -338,6 +338,7 @@ class NodeServer:
         # ``peer_sockets``: the DEALERs whose sends it bounds (``bound_sends``), by id, and their peer.
         self.peer_queues = PeerQueues(config.limits.core_queue_bytes_max)
         self.peer_sockets: dict[int, str] = {}
+        self.tracked_bytes_min = TRACKED_BYTES_MIN  # a core's is CORE_TRACKED_BYTES_MIN (rlog.send_queue)
         self._outbox: list[tuple[zmq.Socket | None, list[bytes], Message]] = []
         self._in_transaction = False
         # Whether the turn's transaction holds something that must be durable before a frame is sent.
@@ -990,7 +991,7 @@ class NodeServer:
                 logger=log,
             )
             return refusal
-        if len(frame) < TRACKED_BYTES_MIN:
+        if len(frame) < self.tracked_bytes_min:
             send_frames(socket, [frame])
         else:
             self.peer_queues.sent(peer, send_tracked(socket, [frame]), len(frame))
