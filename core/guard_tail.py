@@ -34,7 +34,8 @@ that waits longer than ``guard_hold_ms_max`` gets the same answer, and at most
 
 Bounded in memory
 -----------------
-The tail keeps at most ``entries_max`` entries and ``bytes_max`` bytes (``Entry.size_bytes``). It is
+The tail keeps at most ``entries_max`` entries and ``bytes_max`` bytes (``Entry.size_bytes``; ``[limits]``
+``unapplied_tail_entries_max`` and ``unapplied_tail_bytes_max``). It is
 a prefix of the log's unapplied entries; past the bound (a shard whose apply waits at a name another
 shard holds, ``Store.name_waits``, while its sequencer commits on) it is *incomplete*: the entries
 after ``spilled_after`` are in the log only, read back from it to serve and apply them, and the tail
@@ -86,8 +87,10 @@ GUARD_HELD = "held"
 GUARD_RETRY = "retry"
 GUARD_FAILURES_HELD_MAX = 10_000
 GUARD_HOLD_MS_MAX = 5_000
-TAIL_ENTRIES_MAX = 10_000  # entries of the unapplied tail kept in memory (the rest read from the log)
-TAIL_BYTES_MAX = 64 * 1024 * 1024  # and their bytes (``Entry.size_bytes``)
+# Entries of the unapplied tail kept in memory (the rest read from the log), and their bytes
+# (``Entry.size_bytes``): the defaults of ``[limits]`` unapplied_tail_entries_max and _bytes_max.
+TAIL_ENTRIES_MAX = 10_000
+TAIL_BYTES_MAX = 64 * 1024 * 1024
 
 Token = TypeVar("Token")
 

@@ -744,7 +744,11 @@ class CoreNode(NodeServer):
             raise StoreError(f"unknown shard {shard}")
         limits = self.config.limits
         tail: GuardTail[HeldFailure] = GuardTail(
-            self.store.catalog(), limits.guard_failures_held_max, limits.guard_hold_ms_max
+            self.store.catalog(),
+            limits.guard_failures_held_max,
+            limits.guard_hold_ms_max,
+            limits.unapplied_tail_entries_max,
+            limits.unapplied_tail_bytes_max,
         )
         # Read in batches: the tail keeps what its bound allows (and the schema changes past it).
         after = position.applied

@@ -45,6 +45,8 @@ Example::
     push_queue_max = 1024               # frames queued to one replicant endpoint (a frame dropped here costs a resync)
     guard_failures_held_max = 10000     # failed guards the sequencer holds until what they observed commits
     guard_hold_ms_max = 5000            # how long one is held at most (then: no_sequencer, retry)
+    unapplied_tail_entries_max = 10000  # unapplied entries of a shard a core keeps in memory (then: overloaded)
+    unapplied_tail_bytes_max = 67108864 # and their bytes (the rest is read back from the log)
     backup_step_pages_max = 256         # pages an online backup copies per step (mnesite backup)
     query_ms_max = 10000                # SQLite time one query may spend, all its pages together (mnesite query)
     query_page_rows_max = 1000          # rows in one page of a query's answer
@@ -197,6 +199,11 @@ class Limits:
     # for how long at most: past either bound the client is told to retry.
     guard_failures_held_max: int = 10_000
     guard_hold_ms_max: int = 5_000
+    # A shard's unapplied tail a core keeps in memory (core.guard_tail), in entries and bytes: past
+    # either (a shard whose apply waits at a name another shard holds, Store.name_waits) the rest is
+    # read back from the log, and its sequencer refuses writes ``overloaded`` until the tail drains.
+    unapplied_tail_entries_max: int = 10_000
+    unapplied_tail_bytes_max: int = 64 * 1024 * 1024
     # Pages an online backup copies per step (rlog.backup); smaller steps share the machine more evenly.
     backup_step_pages_max: int = 256
     # Read-only SQL queries (rlog.query): the SQLite time one query may spend (its pages together),
@@ -324,6 +331,10 @@ _LIMIT_BOUNDS = {
     "retention_interval_ms": (10, 3_600_000),
     "guard_failures_held_max": (1, 1_000_000),
     "guard_hold_ms_max": (1, 600_000),
+    # Far above what a sequencer has in flight (a turn proposes up to group_commit_max writes): a lower
+    # bound would refuse writes of a shard whose apply merely lags; at most what memory could hold.
+    "unapplied_tail_entries_max": (100, 10_000_000),
+    "unapplied_tail_bytes_max": (1024 * 1024, 64 * 1024 * 1024 * 1024),
     "recovery_timeout_ms": (10, 600_000),
     "election_timeout_ms_min": (10, 600_000),
     "election_timeout_ms_max": (10, 600_000),

@@ -418,3 +418,52 @@ def test_a_sequencer_whose_shard_waits_refuses_writes_past_the_tail_s_bound_then
         node._apply_up_to(driver, driver.consensus.committed_key)
         assert node.store.shard("default").applied == driver.consensus.committed_key and driver.tail.entries == []
         assert len(node.store.scan(node.store.catalog()["t"], None, 100)) == 5
+
+
+def test_the_unapplied_tail_s_bounds_are_limits_keys_that_refuse_writes_once_the_tail_is_full(tmp_path) -> None:
+    """The tail's bounds were constants (10,000 entries, 64 MiB): they are ``[limits]``
+    ``unapplied_tail_entries_max`` and ``unapplied_tail_bytes_max``, bounded, read at a restart only, and
+    reach every shard's tail. A sequencer whose apply waits refuses writes ``overloaded`` once its tail
+    holds ``unapplied_tail_bytes_max`` (here 1 MiB: four writes of 300 KiB), then applies what it took."""
+    from mnesite.rlog.config import ConfigError, keys_needing_restart, parse_config
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.store import NameWait
+
+    from tests.conftest import core_with_table, run_turns_until
+
+    default = parse_config({}).limits
+    assert (default.unapplied_tail_entries_max, default.unapplied_tail_bytes_max) == (10_000, 64 * 1024**2)
+    for key, bad, bounds in [
+        ("unapplied_tail_entries_max", 99, r"100\.\.10000000"),
+        ("unapplied_tail_entries_max", 10**7 + 1, r"100\.\.10000000"),
+        ("unapplied_tail_bytes_max", 1024**2 - 1, r"1048576\.\.68719476736"),
+        ("unapplied_tail_bytes_max", "64MiB", r"1048576\.\.68719476736"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"\[limits\]\.{key} must be an integer in {bounds}"):
+            parse_config({"limits": {key: bad}})
+    smaller = parse_config({"limits": {"unapplied_tail_entries_max": 100}})
+    assert keys_needing_restart(parse_config({}), smaller) == ["[limits].unapplied_tail_entries_max"]
+
+    limits = {"unapplied_tail_entries_max": 500, "unapplied_tail_bytes_max": 1024**2}
+    with core_with_table(tmp_path / "data", extra={"limits": limits}) as node:
+        driver = node.shards["default"]
+        assert (driver.tail.entries_max, driver.tail.bytes_max) == (500, 1024**2)
+        applied = node.store.shard("default").applied
+        held = NameHeld("u", "u", "other")  # as if the next entry created a name another shard holds here
+        node.store.name_waits["default"] = NameWait(
+            "default", TxKey(applied.generation, applied.counter + 1), "w0", held, 0
+        )
+        refused = []
+        for i in range(8):
+            write = {"ops": [{"op": "write", "table": "t", "row": {"id": i, "v": "v" * 300_000}}]}
+            try:
+                node._write([b"c1"], Message("transact", f"w{i}", typed_body("transact", write)))
+            except RequestError as error:
+                refused.append(error)
+            run_turns_until(node, lambda: not driver.held and driver.consensus.committed_key > applied, "commit")
+        assert [error.code for error in refused] == ["overloaded"] * 4, "the fifth write on found the tail full"
+        assert "at the bound of 500 entries and 1048576 bytes" in str(refused[0])
+        assert node.store.shard("default").applied == applied
+        del node.store.name_waits["default"]
+        node._apply_up_to(driver, driver.consensus.committed_key)
+        assert len(node.store.scan(node.store.catalog()["t"], None, 100)) == 4
