@@ -48,7 +48,10 @@ is not in this history; serving the entries after it would leave the consumer ho
 no longer happened. That costs no read of its own.
 
 A node serves entries up to its **applied** key only: every applied entry is committed, on a
-replicant as on a core, so no consumer ever sees a change that a failover could undo. A position
+replicant as on a core, so no consumer ever sees a change that a failover could undo, and a consumer
+that reads a table after a change finds it there. The applied key is the store's, not how far the
+log goes: a shard whose apply waits at a name another shard holds (``Store.name_waits``) logs
+committed entries it does not apply, and they are served once the wait ends. A position
 beyond the node's applied key (a consumer moving to a node that is behind) gets empty pages until
 the node catches up.
 

@@ -467,3 +467,91 @@ def test_the_unapplied_tail_s_bounds_are_limits_keys_that_refuse_writes_once_the
         del node.store.name_waits["default"]
         node._apply_up_to(driver, driver.consensus.committed_key)
         assert len(node.store.scan(node.store.catalog()["t"], None, 100)) == 4
+
+
+def changes_page(node, request_id: str, after: dict, wait_ms: int = 0, tables: tuple = ()) -> dict:
+    """A changefeed page of ``tables`` (none: every table) from ``after`` (shard: key) at a node driven
+    by hand, or {} while the request is held."""
+    from tests.conftest import queued_to
+
+    positions = [{"shard": shard, "after": list(key)} for shard, key in after.items()]
+    body = {"positions": positions, "wait_ms": wait_ms, "tables": list(tables)}
+    node._dispatch_read([request_id.encode()], Message("changes", request_id, typed_body("changes", body)))
+    answers = [m for m in queued_to(node, [request_id.encode()]) if m.request_id == request_id]
+    assert len(answers) <= 1 and all(m.kind == "reply" for m in answers), answers
+    return answers[0].body.result if answers else {}
+
+
+def changes_of(page: dict, shard: str) -> list[tuple]:
+    return [(r["tx_key"], r["op"], r["table"]) for r in page["records"] if r["shard"] == shard]
+
+
+def test_a_replicant_s_changefeed_serves_a_waiting_shard_only_up_to_what_it_applied(tmp_path) -> None:
+    """A replicant logs the entries of a shard whose apply waits at a name (its replica's key moves on)
+    but applies none: its changefeed serves a shard up to the store's applied key (``StoreFeedReader``),
+    so a consumer never sees a change it cannot then read. A request held on the shard is not woken by
+    entries logged behind the wait; once the wait ends, it gets them and the table holds them."""
+    from tests.conftest import queued_to, replicant_by_hand
+    from tests.test_replicant_node import _unconnected_dealer
+
+    a_entries, b_entries = chain("a", TABLE_NAME[0]), chain("b", TABLE_NAME[1])
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _unconnected_dealer()}
+        replica_a, replica_b = follow(node, "a"), follow(node, "b")
+        push(node, replica_a, a_entries[:2])
+        push(node, replica_b, b_entries[:1])  # waits at its create of X
+        held = changes_page(node, "held", {"b": ZERO_KEY}, wait_ms=60_000, tables=("X",))
+        assert held == {} and node.changes_statistics()["held"] == 1
+        push(node, replica_b, b_entries[1:])  # logged behind the waiting entry
+        assert replica_b.applied_key == b_entries[-1].tx_key and node.store.shard("b").applied == ZERO_KEY
+        node.serve_changes()
+        assert not queued_to(node, [b"held"]), "entries logged behind a wait wake no held request"
+        page = changes_page(node, "now", {"a": ZERO_KEY, "b": ZERO_KEY})
+        assert changes_of(page, "b") == [] and page["applied"]["b"] == [0, 0]
+        assert changes_of(page, "a") == [([1, 1], "create_table", "x"), ([1, 2], "write", "x")]
+        push(node, replica_a, a_entries[2:])  # a's drop: b's entries apply
+        node.serve_changes()
+        (answer,) = [m for m in queued_to(node, [b"held"]) if m.request_id == "held"]
+        assert changes_of(answer.body.result, "b") == [([1, 1], "create_table", "X"), ([1, 2], "write", "X")]
+        assert node.store.scan(node.store.catalog()["X"], None, 10) == [{"id": "one", "n": 1}]
+
+
+def test_a_core_s_changefeed_serves_a_waiting_shard_only_up_to_what_it_applied(tmp_path) -> None:
+    """As at a replicant: a follower core whose shard b waits at a name holds b's commits after the
+    wait (committed key past the applied one, in its log) but serves b's changes up to its applied key
+    only, and a request held on b gets them once a's drop lets them apply."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+
+    from tests.conftest import follower_by_hand, queued_to
+
+    members = ("core1", "core2", "core3")
+    a_entries, b_entries = chain("a", TABLE_NAME[0]), chain("b", TABLE_NAME[1])
+
+    with follower_by_hand(tmp_path / "data") as (node, _):
+
+        def append(driver, entries: list, after) -> None:
+            previous = (ZERO_KEY, GENESIS_DIGEST) if after is None else (after.tx_key, after.digest)
+            request = AppendRequest(1, *previous, entries[-1].tx_key, members, tuple(entries))
+            node._step(driver, MessageReceived("core2", request))
+            node._apply_gathered(driver)
+
+        drivers = {}
+        for shard in ("a", "b"):
+            node.store.ensure_shard(shard, 0)
+            drivers[shard] = node._open_shard(shard)
+        append(drivers["a"], a_entries[:2], None)
+        append(drivers["b"], b_entries[:1], None)  # waits at its create of X
+        held = changes_page(node, "held", {"b": ZERO_KEY}, wait_ms=60_000, tables=("X",))
+        assert held == {} and node.changes_statistics()["held"] == 1
+        append(drivers["b"], b_entries[1:], b_entries[0])  # committed and logged behind the wait
+        assert drivers["b"].consensus.committed_key == b_entries[-1].tx_key
+        assert node.store.shard("b").applied == ZERO_KEY
+        node.serve_changes()
+        assert not queued_to(node, [b"held"]), "entries committed behind a wait wake no held request"
+        page = changes_page(node, "now", {"b": ZERO_KEY}, tables=("X",))
+        assert changes_of(page, "b") == [] and page["applied"]["b"] == [0, 0]
+        append(drivers["a"], a_entries[2:], a_entries[1])  # a's drop: b's entries apply
+        node.serve_changes()
+        (answer,) = [m for m in queued_to(node, [b"held"]) if m.request_id == "held"]
+        assert changes_of(answer.body.result, "b") == [([1, 1], "create_table", "X"), ([1, 2], "write", "X")]
+        assert node.store.scan(node.store.catalog()["X"], None, 10) == [{"id": "one", "n": 1}]
