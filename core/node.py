@@ -1336,7 +1336,7 @@ class CoreNode(NodeServer):
     def _apply_up_to(self, driver: ShardDriver, up_to: TxKey) -> None:
         shard = driver.shard
         if shard in self.store.name_waits and not self.store.name_wait_due(shard):
-            return  # it waits at a name another shard holds, and no other shard changed the catalog since
+            return  # it waits at a name another shard holds still (Store.name_wait_due)
         # Applying needs no fsync of its own: the entries are durable in the log already, and a
         # restart applies again whatever a power failure took (the applied key moves with the rows).
         self.begin(durable=False)
@@ -1372,7 +1372,7 @@ class CoreNode(NodeServer):
 
     def _apply_name_waits(self) -> None:
         """Apply again, up to their committed key, the shards whose apply waited at a name another shard
-        held, once an apply changed the catalog (``Store.name_waits_due``): a drop of shard A applied
+        held, once an apply let the name go (``Store.name_waits_due``): a drop of shard A applied
         lets shard B's create of the name follow in the same turn. Each try applies or records its wait
         at the current catalog, so the loop ends; waits follow commit order (``name_held_elsewhere``)."""
         self._retrying_name_waits = True

@@ -453,7 +453,7 @@ class ReplicantNode(NodeServer):
 
     def _apply_name_waits(self) -> None:
         """Apply again, up to their log's end (all committed here), the shards whose apply waited at a
-        name another shard held, once the catalog moved (``Store.name_waits_due``). Each try either
+        name another shard held, once an apply let the name go (``Store.name_waits_due``). Each try either
         applies or records the wait again at the current catalog: the loop ends."""
         while due := self.store.name_waits_due():
             for shard in due:

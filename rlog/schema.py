@@ -118,7 +118,7 @@ def name_held_elsewhere(catalog: dict[str, TableSchema], shard: str, ops: Sequen
     order. B's sequencer checked the name against its own applied catalog (``check_creatable``), so a
     create waits only for a drop that committed before it was proposed: the waits follow commit order
     and cannot form a cycle, and once A's drop applies the create applies too (the driver retries a
-    waiting shard after any apply that changes the catalog). Two shards creating one name at about
+    waiting shard once an apply lets its name go). Two shards creating one name at about
     the same time (each sequencer's check passed) leave a wait that only a drop of one of them ends.
 
     A name that the same shard holds is no wait: the shard's sequencer checked it, so the ``check_``
@@ -132,10 +132,16 @@ def name_held_elsewhere(catalog: dict[str, TableSchema], shard: str, ops: Sequen
             name = op.index
         else:
             continue
-        held = _holder_of(catalog, name)
-        if held is not None and held.holder_shard != shard:
+        held = holder_elsewhere(catalog, shard, name)
+        if held is not None:
             return held
     return None
+
+
+def holder_elsewhere(catalog: dict[str, TableSchema], shard: str, name: str) -> NameHeld | None:
+    """What of another shard than ``shard`` holds ``name`` here (``name_held_elsewhere``'s test of one name)."""
+    held = _holder_of(catalog, name)
+    return held if held is not None and held.holder_shard != shard else None
 
 
 def check_droppable(catalog: dict[str, TableSchema], op: DropTableOp) -> bool:

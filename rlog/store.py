@@ -62,7 +62,7 @@ import json
 import operator
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import apsw
@@ -81,6 +81,7 @@ from mnesite.rlog.schema import (
     check_droppable,
     check_index_creatable,
     check_index_droppable,
+    holder_elsewhere,
     name_held_elsewhere,
 )
 from mnesite.rlog.types import (
@@ -329,7 +330,7 @@ class EntryApplyError(StoreError):
 class NameWait:
     """A shard's apply waits at a committed entry whose new name another shard holds here
     (``rlog.schema.name_held_elsewhere``): the entries before it are applied, it and the later ones
-    stay committed but unapplied until an apply of another shard changes the catalog."""
+    stay committed but unapplied until an apply of another shard lets the name go."""
 
     shard: str
     tx_key: TxKey  # the waiting entry's
@@ -489,8 +490,9 @@ class Store:
         self._drops_pending: list[tuple[DropTableOp, str, str]] = []
         # Shards whose apply waits at an entry creating a name another shard holds (``NameWait``):
         # in memory only, since a restart meets the same entry again. ``catalog_changes`` counts the
-        # schema changes applied, in all and per shard, so that a waiting shard is retried only once
-        # another shard's changed the catalog (its own change no other shard's name).
+        # schema changes applied, in all and per shard, so that a waiting shard's name is looked up
+        # again only once another shard's changed the catalog (its own change no other shard's name),
+        # and the shard retried only once that name is let go (``name_wait_due``).
         self.name_waits: dict[str, NameWait] = {}
         self.catalog_changes = 0
         self._catalog_changes_of: dict[str, int] = {}
@@ -978,9 +980,23 @@ class Store:
         self._catalog_changes_of[shard] = self._catalog_changes_of.get(shard, 0) + 1
 
     def name_wait_due(self, shard: str) -> bool:
-        """Whether ``shard`` waits and another shard changed the catalog since: it is tried again."""
+        """Whether ``shard`` waits and another shard changed the catalog since so that the name its
+        entry waits for is no longer held by what held it: it is tried again. A change that leaves the
+        name held (another shard's writes of schema, or the name taken over by a third shard's table)
+        costs no try, whose read of the shard's entries would only find the same wait: the wait is
+        brought up to date here instead (what holds the name now, the changes it has seen)."""
         wait = self.name_waits.get(shard)
-        return wait is not None and wait.changes_elsewhere != self._changes_elsewhere(shard)
+        if wait is None:
+            return False
+        changes = self._changes_elsewhere(shard)
+        if wait.changes_elsewhere == changes:
+            return False
+        held = holder_elsewhere(self.catalog(), shard, wait.held.name)
+        if held is None:
+            return True
+        # The entry still waits at this name: a try would only record a wait again.
+        self.name_waits[shard] = replace(wait, held=held, changes_elsewhere=changes)
+        return False
 
     def name_waits_due(self) -> list[str]:
         """The waiting shards to try again (``name_wait_due``)."""

@@ -555,3 +555,36 @@ def test_a_core_s_changefeed_serves_a_waiting_shard_only_up_to_what_it_applied(t
         (answer,) = [m for m in queued_to(node, [b"held"]) if m.request_id == "held"]
         assert changes_of(answer.body.result, "b") == [([1, 1], "create_table", "X"), ([1, 2], "write", "X")]
         assert node.store.scan(node.store.catalog()["X"], None, 10) == [{"id": "one", "n": 1}]
+
+
+def test_a_waiting_shard_is_tried_again_only_once_what_held_its_name_no_longer_does(tmp_path) -> None:
+    """A waiting shard was tried again (its entries read from the log, or from the tail) after every
+    schema change of another shard, to find the same wait again while its name stayed held. It is due
+    only once what held the name lets it go; a change that leaves it held brings the wait up to date
+    instead (a third shard that took the name over is the holder shown)."""
+    x_of_c = define_table("x", "k", [["k", "INTEGER"]], "c")
+    a_entries, b_entries = chain("a", TABLE_NAME[0]), chain("b", TABLE_NAME[1])
+    c_entries = chain("c", [[define_table("other", "k", [["k", "INTEGER"]], "c").to_op()], [x_of_c.to_op()]])
+    store = open_store(tmp_path, "store")
+    with store.write_transaction():
+        store.ensure_shard("c", 1)
+        store.log_and_apply_verified(a_entries[:-1], 0)  # shard a holds x
+        store.log_and_apply_verified(b_entries, 0)  # b's create of X waits
+        store.log_and_apply_verified(c_entries[:1], 0)  # another shard's schema change, x still held
+        assert store.name_waits_due() == [], "x is still held by a's table: no try"
+        assert store.name_wait_due("b") is False
+        store.log_and_apply_verified(c_entries[1:], 0)  # c's create of x waits too
+        assert set(store.name_waits) == {"b", "c"} and store.name_waits_due() == []
+        store.log_and_apply_verified(a_entries[-1:], 0)  # a's drop: the name is free
+        assert store.name_waits_due() == ["b", "c"]
+        store.apply_committed("c", c_entries[-1].tx_key)  # c applies its x first
+        assert store.name_waits_due() == [], "x is held again, by c's table now"
+        wait = store.name_waits["b"]
+        assert (wait.tx_key, wait.held) == (b_entries[0].tx_key, NameHeld("X", "x", "c"))
+        c_drop = chain("c", [*(list(entry.ops) for entry in c_entries), [DropTableOp("x", "c")]])[2:]
+        store.log_and_apply_verified(c_drop, 0)
+        assert store.name_waits_due() == ["b"]  # the remedy: drop the one of the shard not kept
+        store.apply_committed("b", b_entries[-1].tx_key)
+    assert store.name_waits == {} and store.shard("b").applied == b_entries[-1].tx_key
+    assert store.scan(store.catalog()["X"], None, 10) == [{"id": "one", "n": 1}]
+    store.close()
