@@ -723,6 +723,16 @@ class _Learner:
     started_ms: int
 
 
+@dataclass(slots=True)
+class _Removal:
+    """A removal the sequencer appends once a majority of the set it leaves answered an append sent
+    since ``asked_ms`` (``core.membership.removal_heard``), or refuses after an election timeout."""
+
+    name: str
+    request_id: str | None
+    asked_ms: int
+
+
 class ShardConsensus:
     """Election and replication state of one shard on one core node."""
 
@@ -764,6 +774,7 @@ class ShardConsensus:
         self._changes: list[tuple[TxKey, tuple[str, ...]]] = []
         self._members = members
         self._learner: _Learner | None = None
+        self._removal: _Removal | None = None
         self._forced = state.forced
         self._vote_floor = state.vote_floor
         # The forced generation that left this core out (ExclusionNotice; persisted, so a restart keeps
@@ -994,6 +1005,8 @@ class ShardConsensus:
                 progress = self._progress.get(peer)  # None: a member removed since the last choice
                 if progress is not None and self._feedable(progress):
                     due_ms = min(due_ms, self._feed_due_ms(progress))
+            if self._removal is not None:
+                due_ms = min(due_ms, self._removal.asked_ms + self.config.election_timeout_ms_min)
             return due_ms
         if self.excluded or not self.voter:
             # It never campaigns (a removed core, a learner, a core a forced start left out): its
@@ -1142,6 +1155,7 @@ class ShardConsensus:
                 self._notice_due_ms = None
                 self._tell_commit()
             self._check_learner()
+            self._check_removal()
             return
         if self._now_ms < self._election_deadline_ms:
             return
@@ -1327,6 +1341,10 @@ class ShardConsensus:
             # Nothing was written for a learner: the operator retries at the next sequencer.
             self._out.append(ProposalRejected(self._learner.request_id, REJECT_NOT_SEQUENCER, None))
             self._learner = None
+        if self._removal is not None:
+            # Nothing was written for it either.
+            self._out.append(ProposalRejected(self._removal.request_id, REJECT_NOT_SEQUENCER, None))
+            self._removal = None
 
     def _force_start(
         self,
@@ -1726,6 +1744,7 @@ class ShardConsensus:
             if self._role is not Role.SEQUENCER:
                 return  # it committed its own removal and stepped down
             self._check_learner()
+            self._check_removal()
             if progress.refused:
                 # It refused the entry after its match key and refuses it until it is upgraded
                 # (which an answer acknowledging it shows): hold it as a probe in flight at its match
@@ -2190,7 +2209,7 @@ class ShardConsensus:
             self._members,
             event.name,
             event.add,
-            change_in_flight=bool(self._changes) or self._learner is not None,
+            change_in_flight=bool(self._changes) or self._learner is not None or self._removal is not None,
             own_generation_committed=self._own_generation_committed(),
         )
         if refusal is None:
@@ -2207,13 +2226,30 @@ class ShardConsensus:
             self._out.append(ProposalRejected(event.request_id, refusal, self.name))
             return
         if not event.add:
-            new_members = membership.changed_members(self._members, event.name, add=False)
-            self._append_own((MembersOp(new_members),), event.request_id, proposal=True)
+            # Heard within an election timeout is not heard now: a core that died a moment ago still
+            # counts above. Appended only once a majority of the set it leaves answered an append
+            # sent from now on (the next heartbeat, at once); refused after an election timeout.
+            self._removal = _Removal(event.name, event.request_id, self._now_ms)
+            self._heartbeat_due_ms = self._now_ms
+            self._check_removal()
             return
         # Catch up first, counted in no quorum; the add entry follows once it holds our commit key.
         self._learner = _Learner(event.name, event.endpoint, event.request_id, self._now_ms)
         self._progress[event.name] = _Progress(sent_key=self._last_key, last_heard_ms=self._now_ms)
         self._send_append(event.name, heartbeat=True)
+
+    def _check_removal(self) -> None:
+        removal = self._removal
+        if removal is None or self._role is not Role.SEQUENCER:
+            return
+        new_members = membership.changed_members(self._members, removal.name, add=False)
+        answered = {peer: progress.lease_heard_ms for peer, progress in self._progress.items()}
+        if membership.removal_heard(new_members, self.name if self.voter else None, answered, removal.asked_ms):
+            self._removal = None
+            self._append_own((MembersOp(new_members),), removal.request_id, proposal=True)
+        elif self._now_ms - removal.asked_ms >= self.config.election_timeout_ms_min:
+            self._removal = None
+            self._out.append(ProposalRejected(removal.request_id, membership.REJECT_NO_QUORUM_AFTER, self.name))
 
     def _on_learner_refused(self, name: str) -> None:
         learner = self._learner

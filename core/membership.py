@@ -25,6 +25,11 @@ election must hear. That argument holds only between two ADJACENT sets, hence th
   new set is in force from its entry on, so removing a live core (or the sequencer itself) while
   another is down left a set whose majority is down, and the change never committed, nobody could be
   elected, and no change could undo it (two of three cores up, and no sequencer until a force start).
+  "Hears" is checked twice: at the request, the cores heard within an election timeout (a quick
+  refusal); then the removal waits until a majority of the set it leaves answered an append sent
+  since the request (``removal_heard``; a heartbeat goes out at once) and is refused if that takes an
+  election timeout. Without the second check a core that died less than an election timeout before
+  the request still counted as up.
 
 A core to be added first catches up as a *learner*: the sequencer replicates to it (through the
 snapshot path if its log is behind the retained entries) without counting it in any quorum; only
@@ -118,6 +123,20 @@ def quorum_refusal(new_members: tuple[str, ...], heard: Iterable[str], added: st
     if len(reachable & set(new_members)) < len(new_members) // 2 + 1:
         return REJECT_NO_QUORUM_AFTER
     return None
+
+
+def removal_heard(
+    new_members: tuple[str, ...], sequencer: str | None, answered_ms: Mapping[str, int | None], asked_ms: int
+) -> bool:
+    """Whether a removal asked at ``asked_ms`` may be appended: the sequencer (``sequencer``, its name
+    while it is a voter, else None) and the peers that answered an append it sent at or after
+    ``asked_ms`` (``answered_ms``: per peer, when it sent the latest append the peer answered) are a
+    majority of ``new_members``. ``quorum_refusal`` at the request counts a core heard within an
+    election timeout, so also one that died just before it; this counts only cores up since."""
+    heard = {peer for peer, sent_ms in answered_ms.items() if sent_ms is not None and sent_ms >= asked_ms}
+    if sequencer is not None:
+        heard.add(sequencer)
+    return quorum_refusal(new_members, heard) is None
 
 
 def changed_members(members: tuple[str, ...], name: str, add: bool) -> tuple[str, ...]:

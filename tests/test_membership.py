@@ -89,6 +89,20 @@ def _membership_entries(effects: list) -> list:
     return [e for p in of_type(effects, PersistEntries) for e in p.entries if membership.membership_of(e)]
 
 
+def _remove(harness: Harness, name: str, request_id: str, answering: tuple[str, ...] = ("b",), key=None) -> list:
+    """Ask ``harness``'s sequencer to remove ``name``: nothing is appended until a majority of the set it
+    leaves answered an append sent since (``membership.removal_heard``); here ``answering`` acknowledge
+    ``key`` (the no-op by default) after the heartbeat the request brought forward. All the effects."""
+    # A millisecond after the no-op's acknowledgement: what answered before does not count.
+    effects = harness.step(MembershipChangeRequested(name, add=False, request_id=request_id), harness.now_ms + 1)
+    assert not _membership_entries(effects)
+    harness.step(Ticked())
+    effects = []
+    for peer in answering:
+        effects += harness.ack(peer, key or TxKey(1, 1))
+    return effects
+
+
 # ---------------------------------------------------------------- the pure rule
 
 
@@ -108,7 +122,7 @@ def test_one_change_at_a_time_and_only_adjacent_sets():
 
 def test_a_removal_is_in_force_as_soon_as_the_sequencer_persists_it():
     harness = _elected()
-    effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m1"))
+    effects = _remove(harness, "c", "m1")
     (entry,) = _membership_entries(effects)
     assert membership.membership_of(entry) == ("a", "b")
     assert harness.machine.members == ("a", "b") and harness.machine.committed_members == ("a", "b", "c")
@@ -134,7 +148,7 @@ def _only_the_silent_core_can_be_removed(harness: Harness) -> None:
         ]
         assert not _membership_entries(effects) and harness.machine.members == ("a", "b", "c")
     # Removing the silent core is how it is replaced: {a, b} is heard whole.
-    effects = harness.step(MembershipChangeRequested("c", add=False, request_id="m3"))
+    effects = _remove(harness, "c", "m3")
     assert harness.machine.members == ("a", "b") and _membership_entries(effects)
 
 
@@ -155,6 +169,35 @@ def test_a_removal_is_refused_while_the_sequencer_hears_no_majority_of_the_set_i
     _only_the_silent_core_can_be_removed(harness)
 
 
+def test_a_removal_waits_for_answers_since_the_request_and_is_refused_if_the_set_it_leaves_is_not_heard():
+    """{a, b, c}, c answered a moment ago and then died: heard within an election timeout, it passed
+    the request's check, and removing b (or a) was appended: {a, c} (or {b, c}) in force, never
+    committed, nobody could be elected. Now the removal waits for answers to appends sent since the
+    request, and is refused an election timeout later; the cluster keeps its sequencer."""
+    harness = _elected()
+    for request_id, name in (("m1", "b"), ("m2", "a")):
+        harness.ack("c", TxKey(1, 1))  # c is up...
+        harness.step(Ticked(), harness.now_ms + 1)  # ...and dies here, a moment before the request
+        effects = harness.step(MembershipChangeRequested(name, add=False, request_id=request_id))
+        assert not of_type(effects, ProposalRejected)  # c was heard within an election timeout
+        assert not _membership_entries(effects)
+        asked_ms, effects = harness.now_ms, []
+        while harness.now_ms < asked_ms + CONFIG.election_timeout_ms_min:
+            effects += harness.step(
+                Ticked(), min(harness.now_ms + CONFIG.heartbeat_interval_ms, asked_ms + CONFIG.election_timeout_ms_min)
+            )
+            effects += harness.ack("b", TxKey(1, 1))  # b keeps answering, c never does
+            if name == "b":
+                assert not _membership_entries(effects)
+        assert of_type(effects, ProposalRejected) == [
+            ProposalRejected(request_id, membership.REJECT_NO_QUORUM_AFTER, "a")
+        ]
+        assert not _membership_entries(effects) and harness.machine.members == ("a", "b", "c")
+        assert harness.machine.role is Role.SEQUENCER
+    effects = _remove(harness, "c", "m3")  # the dead core itself: {a, b} answers
+    assert harness.machine.members == ("a", "b") and _membership_entries(effects)
+
+
 def test_a_removal_right_after_an_election_counts_only_the_cores_that_answered():
     """{a, b, c} with c down: a, just elected with b's vote, commits its no-op with b and is asked,
     within an election timeout of its election, to remove b (or itself). Every peer's progress starts
@@ -169,12 +212,14 @@ def test_a_membership_entry_is_batched_and_the_sequencer_counts_itself_only_once
     sequencer's own fsync; b's acknowledgement alone is no majority of {a, b} until Persisted."""
     harness = _elected()
     harness.auto_persist = False
-    effects = Harness.step(harness, MembershipChangeRequested("c", add=False, request_id="m1"))
+    request = MembershipChangeRequested("c", add=False, request_id="m1")
+    assert not _membership_entries(Harness.step(harness, request, harness.now_ms + 1))
+    effects = harness.ack("b", TxKey(1, 1))  # b answered an append sent since: {a, b} is heard
     (entry,) = _membership_entries(effects)
-    assert not sends(effects, AppendRequest)  # noted at once (in force), sent with the turn's batch
-    assert harness.machine.members == ("a", "b")
-    batch = sends(Harness.step(harness, BatchEnded()), AppendRequest)
-    assert [(to, message.entries) for to, message in batch] == [("b", (entry,))]
+    assert harness.machine.members == ("a", "b")  # in force at once
+    # Appended as b's acknowledgement is handled, it goes to b at once or with the turn's batch.
+    batch = sends(effects + Harness.step(harness, BatchEnded()), AppendRequest)
+    assert [(to, message.entries) for to, message in batch if message.entries] == [("b", (entry,))]
     assert not of_type(harness.ack("b", entry.tx_key), Commit)
     effects = Harness.step(harness, Persisted())
     assert of_type(effects, ProposalCommitted) == [ProposalCommitted("m1", entry.tx_key)]
@@ -307,13 +352,12 @@ def test_a_sequencer_that_removes_itself_steps_down_once_the_removal_commits():
     harness = _elected()
     harness.ack("c", TxKey(1, 1))
     harness.step(Proposed((WriteOp("t", {"k": 1}),), "w1"))
-    effects = harness.step(MembershipChangeRequested("a", add=False, request_id="m1"))
+    # The write before the removal commits with b and c, whose answers (to an append sent since the
+    # request) let the removal be appended: the sequencer keeps serving (its removal is not committed
+    # yet), and does not fail the removal.
+    effects = _remove(harness, "a", "m1", ("b", "c"), TxKey(1, 2))
     (entry,) = _membership_entries(effects)
     assert harness.machine.role is Role.SEQUENCER and not harness.machine.voter
-    # The write before the removal commits with b and c: the sequencer keeps serving (its removal
-    # is not committed yet), and does not fail the removal.
-    harness.ack("b", TxKey(1, 2))
-    effects = harness.ack("c", TxKey(1, 2))
     assert of_type(effects, ProposalCommitted) == [ProposalCommitted("w1", TxKey(1, 2))]
     assert harness.machine.role is Role.SEQUENCER and not of_type(effects, ProposalFailed)
     # It does not count itself: b alone is not a majority of {b, c}.
@@ -451,11 +495,19 @@ def _writes_then_time(simulation: MembershipSimulation, sequencer: str, writes: 
 
 
 def _two_removals_in_flight(seed: int) -> MembershipSimulation:
-    """5 cores, no faults: the sequencer S and A are cut off from X, Y and Z; S is asked to remove
-    Y and then Z at once, and takes writes; then time passes."""
+    """5 cores, no faults: the sequencer S is asked to remove Y; once it appended that removal, S and A
+    are cut off from X, Y and Z (the entry reaches none of them) and S is asked to remove Z, and takes
+    writes; then time passes. (Cut off before the first removal, S would refuse both: a removal waits
+    for a majority of the set it leaves to answer, ``membership.removal_heard``.)"""
     simulation, sequencer, (a, x, y, z) = _settled(seed, 5)
-    simulation.cut = _cut_between({sequencer, a}, {x, y, z})
     simulation.change(sequencer, y, add=False)
+    machine = simulation.nodes[sequencer].machine
+    deadline_ms = simulation.now_ms + 10 * simulation.config.election_timeout_ms_max
+    while y in machine.members:
+        if simulation.now_ms >= deadline_ms:
+            raise simulation.fail(f"{sequencer} did not append the removal of {y} by t={deadline_ms}")
+        simulation.advance()
+    simulation.cut = _cut_between({sequencer, a}, {x, y, z})
     simulation.change(sequencer, z, add=False)
     return _writes_then_time(simulation, sequencer, 5)
 
@@ -484,15 +536,21 @@ def test_the_simulator_catches_two_changes_in_flight(monkeypatch):
         _two_removals_in_flight(seed=3)
 
 
-def _remove_while_another_is_down(seed: int, remove_self: bool) -> tuple[MembershipSimulation, str, str]:
-    """3 cores, no faults: B is lost (down for two election timeouts), then the operator asks the
-    sequencer S to remove A, or itself. Returns the simulation, S and B."""
+def _remove_while_another_is_down(
+    seed: int, remove_self: bool, just_died: bool = False
+) -> tuple[MembershipSimulation, str, str]:
+    """3 cores, no faults: B is lost (down for two election timeouts, or ``just_died``: for two
+    heartbeat intervals, so that S still heard it within an election timeout), then the operator asks
+    the sequencer S to remove A, or itself. Returns the simulation, S and B."""
     simulation, s, (a, b) = _settled(seed, 3)
     for _ in range(3):
         simulation.write(s)
     simulation.run_until_quiet()
     simulation.lose_for_good([b])
-    down_until_ms = simulation.now_ms + 2 * simulation.config.election_timeout_ms_max
+    config = simulation.config
+    down_ms = 2 * config.heartbeat_interval_ms if just_died else 2 * config.election_timeout_ms_max
+    assert not just_died or down_ms < config.election_timeout_ms_min
+    down_until_ms = simulation.now_ms + down_ms
     while simulation.now_ms < down_until_ms:
         simulation.advance()
     simulation.change(s, s if remove_self else a, add=False)
@@ -500,14 +558,19 @@ def _remove_while_another_is_down(seed: int, remove_self: bool) -> tuple[Members
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("just_died", [False, True])
 @pytest.mark.parametrize("remove_self", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_removal_while_another_core_is_down_is_refused_and_the_cluster_keeps_its_sequencer(seed, remove_self):
+def test_a_removal_while_another_core_is_down_is_refused_and_the_cluster_keeps_its_sequencer(
+    seed, remove_self, just_died
+):
     """Two of three cores up, a majority: removing one of them (or the sequencer itself) left a set
     that needs the lost core (the entry is in force at once): it never committed, the sequencer fenced
     itself, nobody was ever elected again, and no change could undo it (a force start only). Refused,
-    the sequencer keeps serving; removing the lost core instead commits (the replace path)."""
-    simulation, s, b = _remove_while_another_is_down(seed, remove_self)
+    the sequencer keeps serving; removing the lost core instead commits (the replace path).
+    ``just_died``: the lost core died less than an election timeout before the request, so the
+    sequencer still counted it as heard; only the wait for answers since the request refuses it."""
+    simulation, s, b = _remove_while_another_is_down(seed, remove_self, just_died)
     later_ms = simulation.now_ms + 3 * simulation.config.election_timeout_ms_max
     while simulation.now_ms < later_ms:  # past the self-fencing of a sequencer stuck on the change
         simulation.advance()
@@ -523,6 +586,15 @@ def test_a_removal_while_another_core_is_down_is_refused_and_the_cluster_keeps_i
     assert simulation.changes_committed == 1 and b not in sequencer.machine.committed_members
     simulation.write(s)
     simulation.final_check(simulation.run_until_quiet())
+
+
+@pytest.mark.timeout(60)
+def test_the_simulator_catches_a_removal_appended_without_answers_since_the_request(monkeypatch):
+    """Mutation: a removal appended as soon as it passes the request's check (a core heard within an
+    election timeout counts, so one that died a moment ago does): nobody is elected again."""
+    monkeypatch.setattr(membership, "removal_heard", lambda *_: True)
+    with pytest.raises(SimulationFailure, match="(?s)seed 0 .*no sequencer elected.*test_membership.py"):
+        test_a_removal_while_another_core_is_down_is_refused_and_the_cluster_keeps_its_sequencer(0, False, True)
 
 
 def _add_cut_off_from_the_old_majority(seed: int) -> MembershipSimulation:
