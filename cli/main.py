@@ -1292,10 +1292,13 @@ def describe_agents(status: dict[str, Any]) -> list[str]:
             f"{budget.get('acks_refused', 0)} acknowledgements refused"
         )
     for agent in status.get("agents", []):
+        # The replicant's frame limit, told in its watch (protocol 2): pushes to it fit half of it.
+        frame = agent.get("frame_bytes_max")
+        limit = f"frame_bytes_max {frame}" if frame is not None else "frame_bytes_max not told"
         lines.append(
             f"agent {agent['agent']} -> {agent['replicant']} ({agent['shard']}, {agent['mode']}): "
             f"acked {tuple(agent['acked'])}, lag {agent['lag_entries']}, "
-            f"{agent.get('acks_refused', 0)} acknowledgements refused"
+            f"{agent.get('acks_refused', 0)} acknowledgements refused, {limit}"
         )
     return lines
 

@@ -1413,6 +1413,19 @@ class CoreNode(NodeServer):
                 self.endpoints,
             )
         except WatchRefusedError as error:
+            if error.code == "too_large":
+                # The replicant logs it too, but the core's operator must see which replicant cannot
+                # read which entry (a replicant watches again by its failover rule: throttled).
+                self.warnings.log(
+                    "watch refused: too_large",
+                    logging.WARNING,
+                    "shard %s: refused replicant %s's watch (agent %s stopped before its first push): %s",
+                    body.shard,
+                    body.replicant,
+                    error.agent,
+                    error,
+                    logger=log,
+                )
             raise RequestError(error.code, str(error)) from None
 
     # -- snapshot install (core.snapshot) -------------------------------------------------------

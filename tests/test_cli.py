@@ -123,6 +123,7 @@ def test_status_text_shows_the_acknowledgements_the_agents_refused() -> None:
                 "acked": [1, 3],
                 "lag_entries": 0,
                 "acks_refused": 2,
+                "frame_bytes_max": 65536,
             },
             {
                 "agent": "a2",
@@ -138,8 +139,8 @@ def test_status_text_shows_the_acknowledgements_the_agents_refused() -> None:
     assert describe_agents(status) == [
         "agents: 2, holding 1234 of 16777216 bytes (agents_bytes_max), 1 evicted for that budget, "
         "9 acknowledgements refused",
-        "agent a1 -> r1 (s, normal): acked (1, 3), lag 0, 2 acknowledgements refused",
-        "agent a2 -> r2 (s, normal): acked (1, 2), lag 1, 0 acknowledgements refused",
+        "agent a1 -> r1 (s, normal): acked (1, 3), lag 0, 2 acknowledgements refused, frame_bytes_max 65536",
+        "agent a2 -> r2 (s, normal): acked (1, 2), lag 1, 0 acknowledgements refused, frame_bytes_max not told",
     ]
 
 
