@@ -1143,24 +1143,13 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo("no shard yet: a shard (and its sequencer) appears with its first table (mnesite table create)")
         return
     if result["role"] == "replicant":
-        rows = [
-            {
-                "shard": shard,
-                "mode": info["mode"],
-                "upstream": info["upstream"] or "-",
-                "applied": tuple(info["applied"]),
-                "digest": (info["digest"] or "unknown")[:16],
-                "lag": "" if info["lag_entries"] is None else info["lag_entries"],
-                "bootstraps": info["bootstraps"],
-                "resumes": info["resumes"],
-                "rows copied": info["rows_copied"],
-                "buffered": info["entries_buffered"],
-            }
-            for shard, info in result["shards"].items()
-        ]
-        columns = ["shard", "mode", "upstream", "applied", "digest", "lag", "bootstraps", "resumes"]
-        click.echo(format_table(rows, [*columns, "rows copied", "buffered"]))
+        rows = [replica_row(shard, info) for shard, info in result["shards"].items()]
+        columns = ["shard", "mode", "upstream", "hears sequencer", "applied", "digest", "lag", "bootstraps"]
+        click.echo(format_table(rows, [*columns, "resumes", "rows copied", "buffered"]))
         for shard, info in result["shards"].items():
+            fence_line = describe_read_fence_error(shard, info)
+            if fence_line:
+                click.echo(fence_line)
             if info["mode"] == "bootstrap" and info.get("copy"):
                 click.echo(f"bootstrap of {shard}: {describe_copy(info['copy'])}")
             if info["mode"] == "bootstrap" and info.get("bootstraps_outrun"):
@@ -1213,6 +1202,36 @@ def status(endpoint, timeout_ms, as_json) -> None:
             click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
     for line in describe_agents(result):
         click.echo(line)
+
+
+def replica_row(shard: str, info: dict[str, Any]) -> dict[str, Any]:
+    """A replicant's shard in ``mnesite status``'s table. ``hears sequencer``: whether its upstream
+    hears the shard's sequencer (its journal answer, then its pushes), yes or no; ``-`` without an
+    upstream (nothing is known then)."""
+    hears = "-" if not info["upstream"] else "yes" if info.get("hears_sequencer") else "no"
+    return {
+        "shard": shard,
+        "mode": info["mode"],
+        "upstream": info["upstream"] or "-",
+        "hears sequencer": hears,
+        "applied": tuple(info["applied"]),
+        "digest": (info["digest"] or "unknown")[:16],
+        "lag": "" if info["lag_entries"] is None else info["lag_entries"],
+        "bootstraps": info["bootstraps"],
+        "resumes": info["resumes"],
+        "rows copied": info["rows_copied"],
+        "buffered": info["entries_buffered"],
+    }
+
+
+def describe_read_fence_error(shard: str, info: dict[str, Any]) -> str | None:
+    """A replicant's shard whose reads stay fenced after its bootstrap because the committed key it
+    needs was not told at its last ask (``read_fence_error``: the upstream's refusal, no answer, or
+    the question not sent); None when there is no such error."""
+    error = info.get("read_fence_error")
+    if not error:
+        return None
+    return f"WARNING: shard {shard}: reads stay fenced after its bootstrap, the committed key not told: {error}"
 
 
 def describe_recovery(recovery: dict[str, Any]) -> list[str]:

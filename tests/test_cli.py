@@ -144,6 +144,34 @@ def test_status_text_shows_the_acknowledgements_the_agents_refused() -> None:
     ]
 
 
+def test_status_text_of_a_replicant_says_whether_its_upstream_hears_the_sequencer_and_why_reads_stay_fenced() -> None:
+    """``--json`` showed ``hears_sequencer`` and ``read_fence_error``; the text form showed neither."""
+    from mnesite.cli.main import describe_read_fence_error, replica_row
+
+    info = {
+        "mode": "normal",
+        "upstream": "core1",
+        "hears_sequencer": True,
+        "applied": [1, 5],
+        "digest": "ab" * 32,
+        "lag_entries": 0,
+        "bootstraps": 1,
+        "resumes": 0,
+        "rows_copied": 10,
+        "entries_buffered": 0,
+        "read_fence_error": None,
+    }
+    assert replica_row("s", info)["hears sequencer"] == "yes"
+    assert replica_row("s", {**info, "hears_sequencer": False})["hears sequencer"] == "no"
+    assert replica_row("s", {**info, "upstream": None})["hears sequencer"] == "-", "no upstream: unknown"
+    assert describe_read_fence_error("s", info) is None
+    refused = {**info, "read_fence_error": "core1 refused read_index: no_sequencer: no quorum"}
+    assert describe_read_fence_error("s", refused) == (
+        "WARNING: shard s: reads stay fenced after its bootstrap, the committed key not told: "
+        "core1 refused read_index: no_sequencer: no quorum"
+    )
+
+
 def test_status_text_marks_a_lazy_follower() -> None:
     """Its lag is by design (core.consensus, "Lazy followers"): the operator must not take it for a fault."""
     from mnesite.cli.main import describe_follower
