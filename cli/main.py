@@ -1132,6 +1132,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo(f"last backup FAILED: {failed['path']} at {failed['failed_at']}: {failed['error']}")
     if result.get("no_core_reached"):
         click.echo(f"WARNING: {result['no_core_reached']}")
+    dropped_line = describe_sends_dropped(result)
+    if dropped_line:
+        click.echo(dropped_line)
     for line in describe_core_queues(result):
         click.echo(line)
     if result.get("recovery") is not None:
@@ -1550,6 +1553,16 @@ def force_start_losses(node: str, journals: dict[str, dict | None]) -> list[str]
     if not shards:
         lines.append(f"{node} holds no shard yet: nothing to lose")
     return lines
+
+
+def describe_sends_dropped(status: dict[str, Any]) -> str | None:
+    """The node's outgoing frames not sent since it started (``sends_dropped``), by reason; None if none."""
+    total = status.get("sends_dropped") or 0
+    if not total:
+        return None
+    by = status.get("sends_dropped_by") or {}
+    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(by.items()) if count)
+    return f"sends dropped: {total}" + (f" ({reasons})" if reasons else "")
 
 
 def describe_core_queues(status: dict[str, Any]) -> list[str]:

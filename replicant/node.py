@@ -1267,7 +1267,8 @@ class ReplicantNode(NodeServer):
             "core_nodes": self.config.core_nodes,
             "security": self.security_status(),
             "no_core_reached": self.no_core_reached(),
-            "sends_dropped": self.sends_dropped,
+            "sends_dropped": sum(self.sends_dropped_by().values()),
+            "sends_dropped_by": self.sends_dropped_by(),
             # per core: bytes and frames sent toward it that zmq may still hold, frames refused for
             # core_queue_bytes_max (rlog.send_queue)
             "core_queues": self.peer_queues.status(self.cores),
