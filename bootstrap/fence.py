@@ -88,6 +88,13 @@ class ReadFence:
             self.fence_key = committed_key
         return self.reached(applied_key)
 
+    def unsent(self, question: int, error: str) -> None:
+        """Rule 2, for a question the owner could not send: no answer will come, and ``error`` says why
+        (for the owner's status). It is asked again when ``should_ask`` says so: after
+        ``ask_interval_ms``, as a lost answer, not at once (what kept it may keep the next one)."""
+        if self.fenced and self.asked_ms is not None and question == self.question:
+            self.error = error
+
     def reached(self, applied_key: TxKey) -> bool:
         """Rule 3: True if the applied key just reached the fence (reads are served again)."""
         if self.fenced and self.fence_key is not None and applied_key >= self.fence_key:

@@ -1132,6 +1132,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo(f"last backup FAILED: {failed['path']} at {failed['failed_at']}: {failed['error']}")
     if result.get("no_core_reached"):
         click.echo(f"WARNING: {result['no_core_reached']}")
+    dropped_line = describe_sends_dropped(result)
+    if dropped_line:
+        click.echo(dropped_line)
     for line in describe_core_queues(result):
         click.echo(line)
     if result.get("recovery") is not None:
@@ -1143,24 +1146,13 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo("no shard yet: a shard (and its sequencer) appears with its first table (mnesite table create)")
         return
     if result["role"] == "replicant":
-        rows = [
-            {
-                "shard": shard,
-                "mode": info["mode"],
-                "upstream": info["upstream"] or "-",
-                "applied": tuple(info["applied"]),
-                "digest": (info["digest"] or "unknown")[:16],
-                "lag": "" if info["lag_entries"] is None else info["lag_entries"],
-                "bootstraps": info["bootstraps"],
-                "resumes": info["resumes"],
-                "rows copied": info["rows_copied"],
-                "buffered": info["entries_buffered"],
-            }
-            for shard, info in result["shards"].items()
-        ]
-        columns = ["shard", "mode", "upstream", "applied", "digest", "lag", "bootstraps", "resumes"]
-        click.echo(format_table(rows, [*columns, "rows copied", "buffered"]))
+        rows = [replica_row(shard, info) for shard, info in result["shards"].items()]
+        columns = ["shard", "mode", "upstream", "hears sequencer", "applied", "digest", "lag", "bootstraps"]
+        click.echo(format_table(rows, [*columns, "resumes", "rows copied", "buffered"]))
         for shard, info in result["shards"].items():
+            fence_line = describe_read_fence_error(shard, info)
+            if fence_line:
+                click.echo(fence_line)
             if info["mode"] == "bootstrap" and info.get("copy"):
                 click.echo(f"bootstrap of {shard}: {describe_copy(info['copy'])}")
             if info["mode"] == "bootstrap" and info.get("bootstraps_outrun"):
@@ -1213,6 +1205,36 @@ def status(endpoint, timeout_ms, as_json) -> None:
             click.echo(f"snapshot install of {shard} from {info['install']['from']}: {describe_copy(info['install'])}")
     for line in describe_agents(result):
         click.echo(line)
+
+
+def replica_row(shard: str, info: dict[str, Any]) -> dict[str, Any]:
+    """A replicant's shard in ``mnesite status``'s table. ``hears sequencer``: whether its upstream
+    hears the shard's sequencer (its journal answer, then its pushes), yes or no; ``-`` without an
+    upstream (nothing is known then)."""
+    hears = "-" if not info["upstream"] else "yes" if info.get("hears_sequencer") else "no"
+    return {
+        "shard": shard,
+        "mode": info["mode"],
+        "upstream": info["upstream"] or "-",
+        "hears sequencer": hears,
+        "applied": tuple(info["applied"]),
+        "digest": (info["digest"] or "unknown")[:16],
+        "lag": "" if info["lag_entries"] is None else info["lag_entries"],
+        "bootstraps": info["bootstraps"],
+        "resumes": info["resumes"],
+        "rows copied": info["rows_copied"],
+        "buffered": info["entries_buffered"],
+    }
+
+
+def describe_read_fence_error(shard: str, info: dict[str, Any]) -> str | None:
+    """A replicant's shard whose reads stay fenced after its bootstrap because the committed key it
+    needs was not told at its last ask (``read_fence_error``: the upstream's refusal, no answer, or
+    the question not sent); None when there is no such error."""
+    error = info.get("read_fence_error")
+    if not error:
+        return None
+    return f"WARNING: shard {shard}: reads stay fenced after its bootstrap, the committed key not told: {error}"
 
 
 def describe_recovery(recovery: dict[str, Any]) -> list[str]:
@@ -1292,10 +1314,13 @@ def describe_agents(status: dict[str, Any]) -> list[str]:
             f"{budget.get('acks_refused', 0)} acknowledgements refused"
         )
     for agent in status.get("agents", []):
+        # The replicant's frame limit, told in its watch (protocol 2): pushes to it fit half of it.
+        frame = agent.get("frame_bytes_max")
+        limit = f"frame_bytes_max {frame}" if frame is not None else "frame_bytes_max not told"
         lines.append(
             f"agent {agent['agent']} -> {agent['replicant']} ({agent['shard']}, {agent['mode']}): "
             f"acked {tuple(agent['acked'])}, lag {agent['lag_entries']}, "
-            f"{agent.get('acks_refused', 0)} acknowledgements refused"
+            f"{agent.get('acks_refused', 0)} acknowledgements refused, {limit}"
         )
     return lines
 
@@ -1528,6 +1553,16 @@ def force_start_losses(node: str, journals: dict[str, dict | None]) -> list[str]
     if not shards:
         lines.append(f"{node} holds no shard yet: nothing to lose")
     return lines
+
+
+def describe_sends_dropped(status: dict[str, Any]) -> str | None:
+    """The node's outgoing frames not sent since it started (``sends_dropped``), by reason; None if none."""
+    total = status.get("sends_dropped") or 0
+    if not total:
+        return None
+    by = status.get("sends_dropped_by") or {}
+    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(by.items()) if count)
+    return f"sends dropped: {total}" + (f" ({reasons})" if reasons else "")
 
 
 def describe_core_queues(status: dict[str, Any]) -> list[str]:

@@ -222,7 +222,7 @@ class AgentServer:
             # limit"): refused, so that the replicant says why instead of waiting for pushes. The agent
             # stopped, and is forgotten already; a heartbeat it queued must not answer the watch.
             self.outbox = [(to, message) for to, message in self.outbox if message.body["agent"] != agent_id]
-            raise WatchRefusedError("too_large", agent.entry_refusal)
+            raise WatchRefusedError("too_large", agent.entry_refusal, agent=agent_id)
         return answer
 
     def acknowledged(self, body: messages.PushAck, now_ms: int) -> None:
@@ -422,6 +422,8 @@ class AgentServer:
                     "unacknowledged_entries": status.unacknowledged_entries,
                     "unacknowledged_bytes": status.unacknowledged_bytes,
                     "acks_refused": status.acks_refused,
+                    # The replicant's, told in its watch (protocol 2): its pushes fit half of it (None: not told).
+                    "frame_bytes_max": watch.agent.frame_bytes_max,
                 }
             )
         return result

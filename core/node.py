@@ -1114,8 +1114,13 @@ class CoreNode(NodeServer):
         said_at = stuck_reason is not None or excluded_generation is not None
         position = self.store.shard(shard) if said_at else None
         applied = position.applied if position is not None else None
+        install_reason = self.not_serving.get(shard)
+        install = self.installs.get(shard)
+        if install_reason is not None and install is not None:
+            # Under way or fenced: which snapshot, how far, and why its fence key is not known yet.
+            install_reason = install.not_serving_reason() or install_reason
         return rules.not_serving_reason(
-            self.not_serving.get(shard), shard in self.rows_lost, stuck_reason, applied, excluded_generation
+            install_reason, shard in self.rows_lost, stuck_reason, applied, excluded_generation
         )
 
     def _execute(self, driver: ShardDriver, effect: Any) -> None:
@@ -1417,6 +1422,19 @@ class CoreNode(NodeServer):
                 self.endpoints,
             )
         except WatchRefusedError as error:
+            if error.code == "too_large":
+                # The replicant logs it too, but the core's operator must see which replicant cannot
+                # read which entry (a replicant watches again by its failover rule: throttled).
+                self.warnings.log(
+                    "watch refused: too_large",
+                    logging.WARNING,
+                    "shard %s: refused replicant %s's watch (agent %s stopped before its first push): %s",
+                    body.shard,
+                    body.replicant,
+                    error.agent,
+                    error,
+                    logger=log,
+                )
             raise RequestError(error.code, str(error)) from None
 
     # -- snapshot install (core.snapshot) -------------------------------------------------------
@@ -1604,7 +1622,7 @@ class CoreNode(NodeServer):
                     committed = driver.consensus.committed_key
                     self._step_install(shard, replication.CommittedReceived(core, committed, effect.question))
                 else:
-                    detail = {"question": effect.question}
+                    detail = {"question": effect.question, "core": core}
                     self._install_request(shard, core, "read_index", {"shard": shard}, detail)
             elif isinstance(effect, FenceReached):
                 self.begin()
@@ -1634,7 +1652,13 @@ class CoreNode(NodeServer):
         if purpose == "fence":
             answered = messages.answer_as(result, messages.ReadIndexAnswer) if error is None else None
             committed = answered.committed if answered is not None else None
-            self._step_install(shard, replication.CommittedReceived(core, committed, detail["question"]))
+            asked = detail.get("core", core)
+            why = None
+            if error is not None:
+                why = f"{asked} refused read_index: {error.code}: {error.message}"
+            elif committed is None:
+                why = f"{asked} answered read_index with a malformed answer"
+            self._step_install(shard, replication.CommittedReceived(core, committed, detail["question"], why))
         elif purpose == "tables":
             try:
                 if error is not None:
@@ -2064,7 +2088,8 @@ class CoreNode(NodeServer):
                 continue  # a request of an install abandoned since: it must not fail a later one
             core = install.offer.sequencer
             if purpose == "fence":
-                self._step_install(shard, replication.CommittedReceived(core, None, detail["question"]))
+                why = f"{detail.get('core', core)} did not answer read_index in time"
+                self._step_install(shard, replication.CommittedReceived(core, None, detail["question"], why))
             else:
                 self._step_install(shard, replication.RequestFailed(core, f"{purpose} timed out"))
         self._tell_outcomes(self.forwarded.expired(now))
@@ -2588,6 +2613,8 @@ class CoreNode(NodeServer):
                     "rows_per_s": rate,
                     "eta_ms": eta,
                     "read_fence": list(install.fence_key) if install.fence_key else None,
+                    # why the fence key was not told at the last ask (a refusal, no answer), while fenced
+                    "read_fence_error": install.read_fence_error,
                 }
             if status.role is Role.SEQUENCER:
                 entry["followers"] = {
@@ -2608,7 +2635,8 @@ class CoreNode(NodeServer):
             "members": list(self.members),
             "commits": self.commits,
             "durable_commits": self.durable_commits,
-            "sends_dropped": self.sends_dropped,
+            "sends_dropped": sum(self.sends_dropped_by().values()),
+            "sends_dropped_by": self.sends_dropped_by(),
             "connections": self.connections_status(),
             "collector": self.collector_status(),
             "wal_checkpoints": self.store.checkpointer.status() if self.store.checkpointer else None,

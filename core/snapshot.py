@@ -244,6 +244,26 @@ class SnapshotInstall:
         return [BeginInstall(self.offer.key, self.offer.digest), FetchTables(self.offer.sequencer)]
 
     @property
+    def read_fence_error(self) -> str | None:
+        """While fenced: why the committed key was not told at the last ask (the core's refusal, no
+        answer in time), else None."""
+        return self._fence.error if self.mode is InstallMode.FENCED else None
+
+    def not_serving_reason(self) -> str | None:
+        """Why a read of the shard is refused while this install is under way or fenced (None: neither):
+        which snapshot, from which sequencer, how far, and why the fence key is not known yet, if an
+        ask failed. A restart while fenced knows neither the offer's key nor its sequencer."""
+        offer = self.offer
+        snapshot = f"a snapshot at {offer.key} from {offer.sequencer}" if offer.generation else "a snapshot"
+        if self.mode in (InstallMode.LISTING, InstallMode.COPYING):
+            return f"installing {snapshot} ({self.copy.rows} rows copied so far); retry later"
+        if self.mode is not InstallMode.FENCED:
+            return None
+        fence = self.fence_key or "the committed key being asked for"
+        why = f"; that key was not told at the last ask: {self._fence.error}" if self._fence.error else ""
+        return f"replaying after installing {snapshot}, up to {fence}{why}; retry later"
+
+    @property
     def serving(self) -> bool:
         """Reads of the shard may be served."""
         return self.mode in (InstallMode.DONE, InstallMode.ABANDONED) and self.reason is None
@@ -272,7 +292,7 @@ class SnapshotInstall:
             # Any core may answer: read_index is confirmed by the sequencer with a quorum.
             if self.mode is not InstallMode.FENCED:
                 return []
-            if self._fence.committed_received(event.committed_key, applied_key, event.question):
+            if self._fence.committed_received(event.committed_key, applied_key, event.question, event.error):
                 self.mode = InstallMode.DONE
                 return [FenceReached()]
             if event.committed_key is None and self._fence.should_ask(now_ms):

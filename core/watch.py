@@ -51,11 +51,13 @@ WATCH_ID_CHARACTERS_MAX = 64
 
 
 class WatchRefusedError(Exception):
-    """A watch the core will not serve; ``code`` is the error code the replicant is told."""
+    """A watch the core will not serve; ``code`` is the error code the replicant is told; ``agent``: the
+    agent created for it and stopped before its first push (``too_large``), else None."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, agent: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.agent = agent
 
 
 def check_watch_request(

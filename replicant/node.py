@@ -177,7 +177,7 @@ class ReplicantNode(NodeServer):
         self.probes_sent = 0  # numbers each probe (``Probe.probe_id``)
         # Failures of the replicas' own requests that were not sent (``_not_sent``), for this turn's
         # ``_expire``: as many as the requests dropped in one turn, emptied every turn.
-        self._requests_failed: list[tuple[str, p.RequestFailed]] = []
+        self._requests_failed: list[tuple[str, p.RequestFailed | p.FenceQuestionUnsent]] = []
         self.waiting_reads: WaitingReads[tuple[list[bytes], Message]] = WaitingReads(WAITING_READS_MAX)
         self.pushes_rejected: dict[str, int] = {}
         # Acknowledgements of this turn, one per (core, shard, agent): the last says all the earlier
@@ -325,7 +325,7 @@ class ReplicantNode(NodeServer):
                 f"(PENDING_REQUESTS_MAX {PENDING_REQUESTS_MAX}); {kind} to {core} not sent"
             )
             self.warnings.log("requests pending full", logging.WARNING, "%s", str(full))
-            self._not_sent(pending, str(full))
+            self._not_sent(pending, f"overloaded: {full}")
             return full
         request_id = new_request_id()
         self.pending[request_id] = pending
@@ -384,9 +384,14 @@ class ReplicantNode(NodeServer):
         its status; it fails over or retries as after a failed request); a probe takes the core for
         silent and ends there once no other core is left to answer. A client's read index is refused
         by its caller. A fence question and a discovery are asked again at their own interval (a
-        fence answered None would be asked again at once, every turn it stays full)."""
+        fence answered None would be asked again at once, every turn it stays full); the fence's replica
+        keeps why (``FenceQuestionUnsent``: its status and the reads it refuses say it)."""
         if pending.purpose in ("watch", "tables", "batch") and pending.shard is not None:
             self._requests_failed.append((pending.shard, p.RequestFailed(pending.core, why, pending.watch_id)))
+        elif pending.purpose == "fence" and pending.shard in self.replicas:
+            # Stepped in this turn's ``_expire`` (not inside the step whose effect asked it).
+            self._requests_failed.append((pending.shard, p.FenceQuestionUnsent(pending.core, pending.question, why)))
+            self._warn_fence_unconfirmed(self.replicas[pending.shard], why)
         elif pending.purpose == "probe":
             probe = self.probes.get(pending.shard or "")
             if probe is not None and probe.probe_id == pending.probe_id:
@@ -838,7 +843,12 @@ class ReplicantNode(NodeServer):
         if replica is None:
             return
         self._step(replica, p.CommittedReceived(pending.core, committed, pending.question, why))
-        if why is not None and replica.read_fenced:
+        if why is not None:
+            self._warn_fence_unconfirmed(replica, why)
+
+    def _warn_fence_unconfirmed(self, replica: ShardReplica, why: str) -> None:
+        """A throttled warning: the replica's reads stay fenced, its fence key not told, and ``why``."""
+        if replica.read_fenced:
             self.warnings.log(
                 f"read fence unconfirmed {replica.shard}",  # bounded: one per shard
                 logging.WARNING,
@@ -876,7 +886,7 @@ class ReplicantNode(NodeServer):
 
     def _expire(self, now: int) -> None:
         failed, self._requests_failed = self._requests_failed, []
-        for shard, event in failed:  # requests not sent (``_not_sent``): failed at once
+        for shard, event in failed:  # requests not sent (``_not_sent``): failed (a fence: told) at once
             if shard in self.replicas:
                 self._step(self.replicas[shard], event)
         for request_id in [r for r, pending in self.pending.items() if pending.deadline_ms <= now]:
@@ -1044,6 +1054,9 @@ class ReplicantNode(NodeServer):
             if status.read_fenced:
                 fence = status.read_fence or "the committed key being asked for"
                 detail += f", replaying after its bootstrap up to {fence}"
+                if status.read_fence_error:  # why that key is not known yet (read_fence_error)
+                    detail += f"; that key was not told at the last ask: {status.read_fence_error}"
+            detail += "; retry later"
         raise RequestError("not_ready", f"replicant {self.config.name} cannot serve shard {shard} yet ({detail})")
 
     def _forward(self, envelope: list[bytes], message: Message) -> None:
@@ -1254,7 +1267,8 @@ class ReplicantNode(NodeServer):
             "core_nodes": self.config.core_nodes,
             "security": self.security_status(),
             "no_core_reached": self.no_core_reached(),
-            "sends_dropped": self.sends_dropped,
+            "sends_dropped": sum(self.sends_dropped_by().values()),
+            "sends_dropped_by": self.sends_dropped_by(),
             # per core: bytes and frames sent toward it that zmq may still hold, frames refused for
             # core_queue_bytes_max (rlog.send_queue)
             "core_queues": self.peer_queues.status(self.cores),

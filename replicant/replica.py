@@ -108,7 +108,8 @@ Driver contract
 4. ``ModeChanged`` is for logs and metrics. The read path asks ``readable()``: NORMAL and past the
    read fence of the last bootstrap; never in BOOTSTRAP or LOCAL_REPLAY.
 5. ``FetchCommitted``: step ``CommittedReceived`` with the core's committed key, or with None when
-   the request failed or timed out, and why (``status().read_fence_error``).
+   the request failed or timed out, and why (``status().read_fence_error``); ``FenceQuestionUnsent``
+   when it could not be sent (the driver's pending requests full), and why.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ from mnesite.rlog.replication import (
     ApplyEntries,
     BatchReceived,
     CommittedReceived,
+    FenceQuestionUnsent,
     FetchBatch,
     FetchCommitted,
     FetchTables,
@@ -172,6 +174,7 @@ ReplicaEvent = (
     | TablesReceived
     | BatchReceived
     | CommittedReceived
+    | FenceQuestionUnsent
     | RequestFailed
     | DiskFull
     | DiskFreed
@@ -547,6 +550,9 @@ class ShardReplica:
             self._on_request_failed(event)
         elif isinstance(event, CommittedReceived):
             self._on_committed_received(event)
+        elif isinstance(event, FenceQuestionUnsent):
+            if event.core == self._upstream:
+                self._fence.unsent(event.question, event.reason)
         else:
             raise TypeError(f"not a replica event: {event!r}")
         out, self._out = self._out, []

@@ -281,6 +281,17 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
         cluster_version = _gauge("mnesite_cluster_version", "The cluster version this core's shards agreed on", [])
         cluster_version.add_metric([], status.get("cluster_version", 1))
         yield from (incompatible, cluster_version)
+    dropped_by = status.get("sends_dropped_by")
+    if dropped_by is not None:
+        # rlog.server: outgoing frames not sent, each counted once, by reason (sends_dropped in status).
+        dropped = CounterMetricFamily(
+            "mnesite_sends_dropped",
+            "Outgoing frames not sent: dropped by zmq, or refused for core_queue_bytes_max",
+            labels=["reason"],
+        )
+        for reason, count in sorted(dropped_by.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
     violations = CounterMetricFamily(
         "mnesite_protocol_violations", "Well-formed messages that break the protocol against this node's state"
     )

@@ -213,6 +213,17 @@ class CommittedReceived:
 
 
 @dataclass(frozen=True)
+class FenceQuestionUnsent:
+    """``FetchCommitted`` was not sent (``reason``: the driver's table of pending requests was full, or
+    the send failed): nothing will answer ``question``. It is asked again at its interval, not at once
+    (a driver still full would refuse it again in every turn)."""
+
+    core: str
+    question: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class RequestFailed:
     """A request to ``core`` (watch, fetch) got no answer or an error. ``watch_id``: the replica's
     attempt the request was sent in (``ShardReplica.watch_id``); a failure of an earlier attempt's

@@ -1682,6 +1682,13 @@ class NodeServer:
         this node. A driver answers at once whoever waits for that frame's answer (a forwarded
         request: ``CoreNode``); an answer it queues (``reply``) leaves in the same ``flush``."""
 
+    def sends_dropped_by(self) -> dict[str, int]:
+        """``status``'s outgoing frames not sent, by reason (their sum is its ``sends_dropped``): those zmq
+        dropped (``zmq``: the receiver's queue full, a socket error) and those refused for
+        ``core_queue_bytes_max`` (``core_queues``' ``refused`` per core, summed). A frame is counted
+        once: a refused one never reaches zmq."""
+        return {"zmq": self.sends_dropped, "core_queue_bytes_max": sum(self.peer_queues.refused.values())}
+
     def _dropped(self, kind: str, why: str) -> None:
         """Count a dropped outgoing frame; a warning at most a line a second (``warnings``)."""
         self.sends_dropped += 1

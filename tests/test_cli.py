@@ -123,6 +123,7 @@ def test_status_text_shows_the_acknowledgements_the_agents_refused() -> None:
                 "acked": [1, 3],
                 "lag_entries": 0,
                 "acks_refused": 2,
+                "frame_bytes_max": 65536,
             },
             {
                 "agent": "a2",
@@ -138,9 +139,37 @@ def test_status_text_shows_the_acknowledgements_the_agents_refused() -> None:
     assert describe_agents(status) == [
         "agents: 2, holding 1234 of 16777216 bytes (agents_bytes_max), 1 evicted for that budget, "
         "9 acknowledgements refused",
-        "agent a1 -> r1 (s, normal): acked (1, 3), lag 0, 2 acknowledgements refused",
-        "agent a2 -> r2 (s, normal): acked (1, 2), lag 1, 0 acknowledgements refused",
+        "agent a1 -> r1 (s, normal): acked (1, 3), lag 0, 2 acknowledgements refused, frame_bytes_max 65536",
+        "agent a2 -> r2 (s, normal): acked (1, 2), lag 1, 0 acknowledgements refused, frame_bytes_max not told",
     ]
+
+
+def test_status_text_of_a_replicant_says_whether_its_upstream_hears_the_sequencer_and_why_reads_stay_fenced() -> None:
+    """``--json`` showed ``hears_sequencer`` and ``read_fence_error``; the text form showed neither."""
+    from mnesite.cli.main import describe_read_fence_error, replica_row
+
+    info = {
+        "mode": "normal",
+        "upstream": "core1",
+        "hears_sequencer": True,
+        "applied": [1, 5],
+        "digest": "ab" * 32,
+        "lag_entries": 0,
+        "bootstraps": 1,
+        "resumes": 0,
+        "rows_copied": 10,
+        "entries_buffered": 0,
+        "read_fence_error": None,
+    }
+    assert replica_row("s", info)["hears sequencer"] == "yes"
+    assert replica_row("s", {**info, "hears_sequencer": False})["hears sequencer"] == "no"
+    assert replica_row("s", {**info, "upstream": None})["hears sequencer"] == "-", "no upstream: unknown"
+    assert describe_read_fence_error("s", info) is None
+    refused = {**info, "read_fence_error": "core1 refused read_index: no_sequencer: no quorum"}
+    assert describe_read_fence_error("s", refused) == (
+        "WARNING: shard s: reads stay fenced after its bootstrap, the committed key not told: "
+        "core1 refused read_index: no_sequencer: no quorum"
+    )
 
 
 def test_status_text_marks_a_lazy_follower() -> None:

@@ -55,3 +55,16 @@ def test_only_the_answer_to_the_question_asked_last_counts_across_copies():
     assert fence.fenced and fence.fence_key is None and fence.asked_ms == 10
     assert not fence.committed_received(TxKey(1, 12), TxKey(1, 9), 2)
     assert fence.fence_key == TxKey(1, 12) and fence.reached(TxKey(1, 12))
+
+
+def test_a_question_not_sent_keeps_why_and_is_asked_again_at_its_interval_not_at_once():
+    """The owner could not send it (its table of pending requests full): nothing will answer it."""
+    fence = ReadFence(fenced=True, ask_interval_ms=100)
+    assert fence.should_ask(10) and fence.question == 1
+    fence.unsent(1, "overloaded: the pending requests are full")
+    assert fence.error == "overloaded: the pending requests are full"
+    assert fence.next_ask_ms(20) == 110 and not fence.should_ask(20)  # what kept it may keep the next
+    fence.unsent(0, "an earlier question's")  # not the question asked last: ignored
+    assert fence.error == "overloaded: the pending requests are full"
+    assert fence.should_ask(110)
+    assert fence.committed_received(TxKey(1, 3), TxKey(1, 3), 2) and fence.error is None

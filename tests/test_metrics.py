@@ -72,6 +72,8 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
             "handshakes_failed": {"auth": 3},
         },
         "protocol_violations": 7,
+        "sends_dropped": 7,
+        "sends_dropped_by": {"zmq": 3, "core_queue_bytes_max": 4},
         "disk": {"state": "full", "full_for_ms": 2500, "fills": 2, "writes_refused": 9},
         "agents": [],
         "agent_budget": {"used_bytes": 1234, "bytes_max": 16777216, "evicted_agents": 5, "acks_refused": 9},
@@ -99,6 +101,8 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_refused_total", reason="role") == 2
     assert value(samples, "mnesite_refused_total", reason="handshake") == 3
     assert value(samples, "mnesite_protocol_violations_total") == 7
+    assert value(samples, "mnesite_sends_dropped_total", reason="zmq") == 3
+    assert value(samples, "mnesite_sends_dropped_total", reason="core_queue_bytes_max") == 4
     assert value(samples, "mnesite_agent_budget_used_bytes") == 1234
     assert value(samples, "mnesite_agent_budget_max_bytes") == 16777216
     assert value(samples, "mnesite_agent_budget_evictions_total") == 5

@@ -10,6 +10,7 @@ reason the replicant shows, instead of being pushed in a loop.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -227,3 +228,46 @@ def test_a_clients_request_whose_core_answer_is_above_the_replicants_frame_is_an
         said = answers[0].body.message
         assert "answer of core core1 was too large" in said and "exceeds frame_bytes_max 65536" in said, said
         assert node.pending == {} and b"client" not in node.outstanding
+
+
+def test_a_core_logs_its_too_large_refusal_of_a_watch_and_its_status_shows_each_agents_frame_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the replicant said why its watch was refused ``too_large``: the core's log was silent, and
+    the core's status did not show the frame limit each replicant told it. The core logs the refusal
+    (throttled: the replicant watches again by its failover rule), naming the agent, the entry's key,
+    its size and the replicant's frame_bytes_max; each agent's status shows its replicant's limit."""
+    import logging
+
+    from mnesite.cli.main import describe_agents
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.messages import Message, typed_body
+
+    from tests.conftest import core_with_table, run_turns_until, watch_body
+
+    with core_with_table(tmp_path / "data") as node:
+        before = node.store.shard("default")
+        row = {"id": 1, "v": "y" * REPLICANT_FRAME_BYTES_MAX}
+        write = typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": row}]})
+        node._dispatch([b"writer"], Message("transact", "w-1", write))
+        run_turns_until(node, lambda: node.store.shard("default").applied > before.applied, "the write's apply")
+        large = node.store.shard("default").applied
+        start = {"from": list(before.applied), "from_digest": before.digest}
+        small = watch_body("replicant1", "tcp://127.0.0.1:1", frame_bytes_max=REPLICANT_FRAME_BYTES_MAX, **start)
+        with caplog.at_level(logging.WARNING, logger="mnesite.core"), pytest.raises(RequestError) as refused:
+            node._watch(typed_body("watch", small))
+        assert refused.value.code == "too_large"
+        [said] = [r.getMessage() for r in caplog.records if r.name == "mnesite.core" and "replicant1" in r.getMessage()]
+        assert "refused replicant replicant1's watch (agent core1-" in said, said
+        assert f"entry {tuple(large)}" in said and "frame_bytes_max is 65536" in said, said
+        size = re.search(r"is (\d+) bytes: a push of it would not fit", said)
+        assert size is not None and int(size.group(1)) > REPLICANT_FRAME_BYTES_MAX, said
+        told = 8 * 1024 * 1024
+        node._watch(typed_body("watch", watch_body("replicant2", "tcp://127.0.0.1:2", frame_bytes_max=told)))
+        node._watch(typed_body("watch", watch_body("replicant3", "tcp://127.0.0.1:3")))
+        agents = {agent["replicant"]: agent for agent in node.status()["agents"]}
+        assert agents["replicant2"]["frame_bytes_max"] == told
+        assert agents["replicant3"]["frame_bytes_max"] is None  # not told (as by a replicant of protocol 1)
+        lines = describe_agents({"agents": [agents["replicant2"], agents["replicant3"]]})
+        assert lines[0].endswith(f"acknowledgements refused, frame_bytes_max {told}"), lines
+        assert lines[1].endswith("acknowledgements refused, frame_bytes_max not told"), lines

@@ -1650,6 +1650,46 @@ def test_a_read_fence_whose_key_the_upstream_keeps_refusing_says_why_in_status_a
         assert replica.readable() and node.status()["shards"]["default"]["read_fence_error"] is None
 
 
+def test_a_read_fence_question_the_full_pending_table_kept_back_says_why_and_reads_are_refused_saying_it(
+    tmp_path, caplog
+) -> None:
+    """Regression: a fence question that the full table of pending requests kept back was dropped with
+    no reason: the replica's status had no read_fence_error, and a read was refused not_ready with
+    nothing on why the fence key was not known. The replica keeps why now (overloaded, what is full),
+    the log says it, a read's refusal ends with it and ``retry later``, and the question is asked again
+    at its interval, not in every turn the table stays full."""
+    import logging
+
+    from mnesite.replicant.node import PENDING_REQUESTS_MAX, Pending
+    from mnesite.rlog import replication as p
+    from mnesite.rlog.errors import RequestError
+
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.core_sockets = {"core1": _queueing_dealer()}
+        caplog.set_level(logging.WARNING, logger="mnesite.replicant")
+        replica = node._open_replica("default")
+        node._step(replica, p.Ticked())
+        node._step(replica, p.JournalsReceived((("core1", p.JournalAnswer(TxKey(1, 4), True, 0)),)))
+        node._step(replica, p.WatchAccepted("core1", "a1", "bootstrap", TxKey(1, 1), b"d" * 32, replica.watch_id))
+        far = node.clock_ms() + 60_000
+        for index in range(PENDING_REQUESTS_MAX - len(node.pending)):
+            node.pending[f"other-{index}"] = Pending("discover", "core1", far)
+        node._step(replica, p.TablesReceived("core1", (), ()))  # the copy is done: the fence question
+        assert replica.mode is p.Mode.NORMAL and replica.read_fenced
+        assert not [one for one in node.pending.values() if one.purpose == "fence"], "the test is stale"
+        node._expire(node.clock_ms())
+        error = node.status()["shards"]["default"]["read_fence_error"] or ""
+        assert error.startswith("overloaded: ") and f"(PENDING_REQUESTS_MAX {PENDING_REQUESTS_MAX})" in error, error
+        assert "read_index to core1 not sent" in error, error
+        said = [r.getMessage() for r in caplog.records if "reads stay fenced" in r.getMessage()]
+        assert said and said[0].endswith(error), said
+        with pytest.raises(RequestError) as refused:
+            node._serving("default")
+        assert refused.value.code == "not_ready"
+        assert f"not told at the last ask: {error}; retry later" in str(refused.value), refused.value
+        assert replica.next_deadline_ms() > node.clock_ms(), "asked again at once, in every turn while full"
+
+
 @pytest.mark.parametrize(
     ("kind", "body"),
     [

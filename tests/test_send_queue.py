@@ -124,6 +124,10 @@ def test_writes_forwarded_to_a_core_that_does_not_read_are_refused_past_core_que
             assert grown < 48 * mib, f"the replicant grew by {grown // mib} MiB"  # 100 MiB before
             status = node.status()["core_queues"]["core1"]
             assert 7 * mib < status["bytes"] <= 9 * mib and status["refused"] == len(refused), status
+            # Where an operator looks for sends not made: counted once each, with their reason.
+            dropped = {key: node.status()[key] for key in ("sends_dropped", "sends_dropped_by")}
+            by = {"zmq": 0, "core_queue_bytes_max": len(refused)}
+            assert dropped == {"sends_dropped": len(refused), "sends_dropped_by": by}, dropped
             # The core reads again: zmq lets go of the frames, and the next write is sent.
             core.setsockopt(zmq.RCVHWM, 0)
             read = []
@@ -150,6 +154,17 @@ def test_status_names_the_cores_a_replicant_holds_bytes_toward() -> None:
         "core core2: 9000 bytes queued toward it, not taken yet (2 frames); 3 sends refused for core_queue_bytes_max"
     ]
     assert describe_core_queues({"node": "core1"}) == []  # a core's status: no such field
+
+
+def test_status_text_counts_the_sends_dropped_with_those_refused_for_the_byte_bound() -> None:
+    from mnesite.cli.main import describe_sends_dropped
+
+    by = {"zmq": 2, "core_queue_bytes_max": 5}
+    assert describe_sends_dropped({"sends_dropped": 7, "sends_dropped_by": by}) == (
+        "sends dropped: 7 (5 core_queue_bytes_max, 2 zmq)"
+    )
+    assert describe_sends_dropped({"sends_dropped": 0, "sends_dropped_by": {"zmq": 0}}) is None
+    assert describe_sends_dropped({"sends_dropped": 3}) == "sends dropped: 3", "a release without the reasons"
 
 
 def test_a_write_of_a_few_kib_queued_toward_a_core_is_counted(tmp_path) -> None:
@@ -258,8 +273,11 @@ def test_a_write_forwarded_to_a_sequencer_that_does_not_read_is_refused_past_the
             node.flush()
         assert answers and {m.body.code for m in answers} == {"no_sequencer"}, answers[:1]
         assert "core_queue_bytes_max" in answers[0].body.message and "nothing was sent" in answers[0].body.message
-        queue = node.status()["core_queues"]["core2"]
+        status = node.status()
+        queue = status["core_queues"]["core2"]
         assert queue["bytes"] <= 5 * mib and queue["refused"] == len(answers) < 100, queue
+        assert status["sends_dropped_by"]["core_queue_bytes_max"] == len(answers), status["sends_dropped_by"]
+        assert status["sends_dropped"] == len(answers) + status["sends_dropped_by"]["zmq"]
     finally:
         node.close()
         sequencer.close(0)

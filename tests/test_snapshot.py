@@ -245,3 +245,59 @@ def test_a_changefeed_request_held_at_a_core_is_answered_as_soon_as_a_snapshot_i
         node._dispatch([b"after"], changes("after-1", node.store.shard("default").applied))
         node.serve_changes()
         assert node.changes_statistics()["held"] == 1 and not answers(node, [b"after"])
+
+
+def test_an_install_says_which_snapshot_from_whom_and_why_its_fence_is_not_known_yet():
+    """The install's words for a refused read named no sequencer, said no 'retry later', and an ask of
+    its fence key that was refused left no reason, where a replicant's read fence keeps one."""
+    install = SnapshotInstall(OFFER, 2, 1000, 0)
+    install.start()
+    under_way = install.not_serving_reason()
+    assert under_way == "installing a snapshot at (3, 50) from core1 (0 rows copied so far); retry later"
+    install.step(TablesReceived("core1", (), ()), TxKey(2, 9), 1)  # nothing to copy: fenced, asked
+    assert install.mode is InstallMode.FENCED and install.read_fence_error is None
+    refused = "core1 refused read_index: no_sequencer: no quorum"
+    install.step(CommittedReceived("core1", None, 1, refused), OFFER.key, 2)
+    assert install.read_fence_error == refused
+    assert install.not_serving_reason() == (
+        "replaying after installing a snapshot at (3, 50) from core1, up to the committed key being asked for; "
+        f"that key was not told at the last ask: {refused}; retry later"
+    )
+    install.step(CommittedReceived("core1", TxKey(3, 60), 2), OFFER.key, 3)
+    assert install.read_fence_error is None
+    assert install.not_serving_reason() == (
+        "replaying after installing a snapshot at (3, 50) from core1, up to (3, 60); retry later"
+    )
+    restarted = SnapshotInstall.fenced("core2", 1000, 0)  # neither the offer's key nor its sequencer known
+    assert restarted.not_serving_reason() == (
+        "replaying after installing a snapshot, up to the committed key being asked for; retry later"
+    )
+
+
+def test_a_read_refused_during_a_snapshot_install_says_so_and_why_the_fence_key_is_not_known(tmp_path) -> None:
+    """A core's read of a shard it installs a snapshot of was refused ``not_ready`` with the install's
+    bare words; while its read fence's key was refused by the core asked, nothing said why."""
+    from mnesite.rlog import messages
+    from mnesite.rlog.errors import RequestError
+
+    from tests.conftest import follower_by_hand
+
+    def refusal() -> str:
+        with pytest.raises(RequestError) as refused:
+            node._check_serving("default")
+        assert refused.value.code == "not_ready"
+        return str(refused.value)
+
+    with follower_by_hand(tmp_path / "data") as (node, _driver):
+        install = SnapshotInstall(SnapshotOffer("core2", 1, TxKey(1, 9), b"d" * 32), 100, 60_000, node.clock_ms())
+        node.installs["default"] = install
+        node._execute_install("default", install.start())
+        assert "installing a snapshot at (1, 9) from core2 (0 rows copied so far); retry later" in refusal()
+        node._step_install("default", TablesReceived("core2", (), ()))
+        [(request_id, pending)] = [(r, one) for r, one in node.install_requests.items() if one[1] == "fence"]
+        del node.install_requests[request_id]
+        node._on_install_answer(pending, messages.error(request_id, "no_sequencer", "the sequencer is being elected"))
+        said = "core2 refused read_index: no_sequencer: the sequencer is being elected"
+        fenced = "replaying after installing a snapshot at (1, 9) from core2, up to the committed key being asked for"
+        assert f"{fenced}; that key was not told at the last ask: {said}; retry later" in refusal()
+        assert node.status()["shards"]["default"]["install"]["read_fence_error"] == said
