@@ -16,7 +16,7 @@ Example::
     lazy_feed_interval_ms = 20          # followers no commit waits for are fed this often (<= heartbeat; 0: off)
     initial_cluster_state = "new"       # "existing": this core was rebuilt in a running cluster (core.recovery)
     recovery_timeout_ms = 1000          # a core on an empty database waits this long for its peers' journals
-    cluster_id = "..."                  # optional, 32 hex digits: the same on every node (others are refused)
+    # cluster_id = "<32 hex digits>"    # optional: the same on every node; a node of another is refused
 
     [storage]
     synchronous = "FULL"                # OFF | NORMAL | FULL | EXTRA
