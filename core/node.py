@@ -463,7 +463,7 @@ class CoreNode(NodeServer):
             agent_config,
             watches_max=limits.watches_max,
             agents_bytes_max=limits.agents_bytes_max,
-            versions=local_announcement(),
+            versions=local_announcement(cluster_id=self.store.claim_cluster_id(config.cluster_id)),
             replicant_watches_max=limits.replicant_watches_max,
         )
         # Snapshot installs per shard (core.snapshot), their requests to the sequencer, and the
@@ -1464,6 +1464,8 @@ class CoreNode(NodeServer):
         position = self.store.shard(shard)
         if driver is None or position is None or body.sender not in self.endpoints or shard in self.stopped:
             return
+        if self._shut_out(body.sender):
+            return
         if driver.apply.up_to is not None:
             # The offer is judged against (and an install replaces) the applied state: what this core
             # gathered first, so that nothing gathered is left to apply over the copied tables.
@@ -1514,7 +1516,18 @@ class CoreNode(NodeServer):
         driver = self.shards.get(body.shard)
         if driver is None or body.sender not in self.endpoints or body.sender == self.config.name:
             return
+        if self._shut_out(body.sender):
+            return
         self._step(driver, SnapshotRequested(body.sender))
+
+    def _shut_out(self, sender: str) -> bool:
+        """Whether a peer's consensus message or snapshot offer or request is dropped unread (counted): the
+        peer is refused (core.versions: a cluster version it does not share, or another cluster's id), or
+        this core names a cluster id and has not heard the peer's yet (it may be another cluster's)."""
+        if not self.peer_versions.refuses(sender) and not self.peer_versions.holds(sender):
+            return False
+        self.peer_frames_refused += 1  # refused with one log line when its versions were heard
+        return True
 
     def _ask_for_snapshots(self) -> None:
         """Each shard whose rows an abandoned install deleted asks its sequencer for an offer, now and
@@ -1722,8 +1735,7 @@ class CoreNode(NodeServer):
         sender, shard = body.sender, body.shard
         if sender not in self.endpoints or sender == self.config.name:
             raise RequestError("bad_request", f"peer {sender!r} is not a core of this cluster")
-        if self.peer_versions.refuses(sender):
-            self.peer_frames_refused += 1  # refused with one log line when its versions were heard
+        if self._shut_out(sender):
             return
         try:
             peer_message = message_from_wire(body.message)

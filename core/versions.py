@@ -8,10 +8,14 @@ the peer's announcement (``rlog.versions``; none at all means release 0.1.0). A 
 answered yet is *unknown*: it is spoken to in cluster version 1, release 0.1.0's wire, which every
 release of this project reads, so a core never waits for a probe before taking part in elections.
 
-* **Refusal.** A peer whose cluster versions do not overlap this core's is *incompatible*: its peer
-  messages are dropped and nothing is sent to it. The first time, ``heard`` returns the one log line
-  to write (``PeerRefused``); it is not repeated while the peer stays incompatible, and a peer that
-  comes back compatible (restarted on a release that overlaps) is accepted again with a line saying so.
+* **Refusal.** A peer whose cluster versions do not overlap this core's, or that announces another
+  cluster id than this core's (``rlog.versions``), is *incompatible*: its peer messages (consensus
+  messages, snapshot offers and requests) are dropped and nothing is sent to it. While this core names a
+  cluster id, the messages of a peer not heard yet are dropped too (``holds``): it may be another
+  cluster's, and its first answer (a probe goes out at the start) settles it. The first time,
+  ``heard`` returns the one log line to write (``PeerRefused``); it is not repeated while the peer
+  stays incompatible, and a peer that comes back compatible (restarted on a release that overlaps) is
+  accepted again with a line saying so.
   ``status`` and ``journal`` list every peer's announcement and whether it is refused.
 
 * **Cluster version.** Each shard records its cluster version in its log (``ClusterVersionOp``),
@@ -128,6 +132,12 @@ class PeerVersions:
     def refuses(self, peer: str) -> bool:
         record = self.peers.get(peer)
         return record is not None and record.refused_reason is not None
+
+    def holds(self, peer: str) -> bool:
+        """Whether ``peer``'s messages wait for its first announcement: this core names a cluster id
+        (``rlog.versions``) and has not heard whether the peer belongs to another cluster. Not once no
+        peer more can be recorded (``PEERS_MAX``): it would never be heard."""
+        return self.own.cluster_id is not None and peer not in self.peers and len(self.peers) < PEERS_MAX
 
     def announcement(self, peer: str) -> Announcement | None:
         record = self.peers.get(peer)

@@ -71,7 +71,7 @@ from mnesite.rlog.server import (
     relayed,
     request_id_of,
 )
-from mnesite.rlog.store import Store
+from mnesite.rlog.store import Store, StoreError
 from mnesite.rlog.throttle import monotonic_ms
 from mnesite.rlog.types import (
     TxKey,
@@ -168,6 +168,11 @@ class ReplicantNode(NodeServer):
             config.data_dir, config.name, config.database_path, config.synchronous
         )
         super().__init__(config, store, data_dir_lock)
+        try:
+            cluster_id = store.claim_cluster_id(config.cluster_id)
+        except StoreError:
+            self.close()  # the lock and the store given back, as a core's failed start does
+            raise
         self.replicas: dict[str, ShardReplica] = {}
         self.core_sockets: dict[str, zmq.Socket] = {}
         # Bytes sent toward each core that zmq may still hold (a core away or not reading), bounded.
@@ -190,7 +195,7 @@ class ReplicantNode(NodeServer):
         self._core_heard_ms = self.clock_ms()  # last answer or push from any core (start-up counts)
         self._no_core_logged_ms: int | None = None
         # What this node and each core speak (rlog.versions), from the cores' journal answers.
-        self.versions = local_announcement()
+        self.versions = local_announcement(cluster_id=cluster_id)
         self.core_versions: dict[str, Announcement] = {}
         for shard in self.store.shards():
             self._open_replica(shard)

@@ -16,6 +16,7 @@ Example::
     lazy_feed_interval_ms = 20          # followers no commit waits for are fed this often (<= heartbeat; 0: off)
     initial_cluster_state = "new"       # "existing": this core was rebuilt in a running cluster (core.recovery)
     recovery_timeout_ms = 1000          # a core on an empty database waits this long for its peers' journals
+    # cluster_id = "<32 hex digits>"    # optional: the same on every node; a node of another is refused
 
     [storage]
     synchronous = "FULL"                # OFF | NORMAL | FULL | EXTRA
@@ -100,6 +101,7 @@ from typing import Any
 from mnesite.rlog.limits import FRAME_BYTES_MAX_BOUNDS
 from mnesite.rlog.security import SecurityConfig, SecurityError, check_roles
 from mnesite.rlog.types import endpoint_identity
+from mnesite.rlog.versions import CLUSTER_ID_PATTERN
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7400"
 DEFAULT_DATA_DIR = "./mnesite-data"
@@ -267,6 +269,9 @@ class Config:
     # new cluster; "existing", a core rebuilt (lost disk, wiped, restored) in a cluster with history,
     # which then waits for every other member before it takes part (core.recovery.recovery_shortfall).
     initial_cluster_state: str = "new"
+    # The cluster's id (32 lowercase hex digits), the same in every node's config; None: the data
+    # directory's, if it records one. A node refuses peers and cores that announce another (rlog.versions).
+    cluster_id: str | None = None
     synchronous: str = "FULL"
     # While the disk is full (rlog.disk): how often the node tries a small durable write to see
     # whether space was freed, and resumes writing if it succeeds.
@@ -391,7 +396,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     if not isinstance(cluster, dict):
         raise ConfigError("[cluster] must be a table")
     timing_keys = {f.name for f in fields(Timing)}
-    cluster_keys = ("core_nodes", "initial_cluster_state")
+    cluster_keys = ("core_nodes", "initial_cluster_state", "cluster_id")
     for key in cluster:
         if key not in cluster_keys and key not in timing_keys:
             known = ", ".join(sorted((*cluster_keys, *timing_keys)))
@@ -402,6 +407,9 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
             f"[cluster].initial_cluster_state must be one of {', '.join(INITIAL_CLUSTER_STATES)}, "
             f"got {initial_cluster_state!r}"
         )
+    cluster_id = cluster.get("cluster_id")
+    if cluster_id is not None and (type(cluster_id) is not str or not CLUSTER_ID_PATTERN.match(cluster_id)):
+        raise ConfigError(f"[cluster].cluster_id must be 32 lowercase hex digits (128 bits), got {cluster_id!r:.60}")
     timing = _int_section("cluster", {k: v for k, v in cluster.items() if k in timing_keys}, Timing)
     if timing.election_timeout_ms_max < timing.election_timeout_ms_min:
         raise ConfigError("[cluster].election_timeout_ms_max must be at least election_timeout_ms_min")
@@ -508,6 +516,7 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         listen=listen,
         core_nodes=dict(core_nodes),
         initial_cluster_state=initial_cluster_state,
+        cluster_id=cluster_id,
         synchronous=synchronous.upper(),
         disk_probe_interval_ms=disk_probe_interval_ms,
         limits=limits,
@@ -598,6 +607,7 @@ def config_keys(config: Config) -> dict[str, Any]:
     keys: dict[str, Any] = {f"[node].{key}": getattr(config, key) for key in ("name", "role", "data_dir", "listen")}
     keys["[cluster].core_nodes"] = config.core_nodes
     keys["[cluster].initial_cluster_state"] = config.initial_cluster_state
+    keys["[cluster].cluster_id"] = config.cluster_id
     keys.update(section("cluster", config.timing))
     keys["[storage].synchronous"] = config.synchronous
     keys["[storage].disk_probe_interval_ms"] = config.disk_probe_interval_ms

@@ -9,7 +9,8 @@ checks its own preconditions (an entry must follow the applied key) with excepti
 Internal tables all start with ``_mnesite``:
 
 * ``_mnesite_meta(name, value)``: database format version (``rlog.versions``: 1 is release 0.1.0's;
-  a cluster version entry moves it), each shard's cluster version and node facts.
+  a cluster version entry moves it), each shard's cluster version, the cluster id (``claim_cluster_id``)
+  and node facts.
 * ``_mnesite_tables(name, shard, key_column, columns)``: the catalog, written only by
   applying ``CreateTableOp`` (and ``AddColumnOp``) so that it replicates like data.
 * ``_mnesite_indexes(name, table_name, columns, physical)``: the secondary indexes of the catalog's
@@ -113,6 +114,7 @@ from mnesite.rlog.wal_reserve import WalReserve, frames_end
 # rolled back until its cluster version moves (which moves the format: ``_record_cluster_version``).
 FORMAT_VERSION = 1
 CLUSTER_VERSION_META = "cluster_version:"
+CLUSTER_ID_META = "cluster_id"  # the cluster the directory belongs to (claim_cluster_id)
 # Errors of the file system that mean "no space" (a quota counts as no space): nothing was written.
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # Errors of the file system that leave what is on disk unknown (EROFS: as SQLite's SQLITE_READONLY,
@@ -1787,6 +1789,24 @@ class Store:
 
     def set_meta(self, name: str, value: Any) -> None:
         self.connection.execute("INSERT OR REPLACE INTO _mnesite_meta VALUES (?, ?)", (name, value))
+
+    def claim_cluster_id(self, configured: str | None) -> str | None:
+        """The cluster this data directory belongs to (``rlog.versions``), checked against the node's
+        ``[cluster] cluster_id`` at its start: recorded (durably) if the directory names none yet (a new
+        one, or one of a release before it), kept if the config names none; a directory of another cluster
+        (a restored backup of it, a copy) raises ``StoreError`` naming both."""
+        recorded = self.meta(CLUSTER_ID_META)
+        if recorded is not None and configured is not None and recorded != configured:
+            raise StoreError(
+                f"{self.path}: this data directory belongs to cluster {recorded}, but [cluster] cluster_id is "
+                f"{configured}: a node of one cluster is never started on another's data (a restored backup, "
+                "a copied directory); start it with that cluster's config, or on an empty data directory"
+            )
+        if recorded is None and configured is not None:
+            with self.write_transaction():
+                self.set_meta(CLUSTER_ID_META, configured)
+            return configured
+        return recorded
 
     # -- reads --------------------------------------------------------------------------------
 

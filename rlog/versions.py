@@ -20,8 +20,12 @@ Release 0.1.0 announces nothing: a peer whose answer has no ``versions`` is take
 version its cores agreed on through their log (``core.versions``), which is at most what every member
 speaks; until it moves, a node of this release speaks 0.1.0's wire to everyone.
 
-Two nodes can speak with each other when their ranges overlap (``can_speak``). A node that cannot
-speak with a peer refuses it (one log line, shown in ``status`` and ``journal``).
+Two nodes can speak with each other when their ranges overlap (``can_speak``) and they do not belong to
+two clusters: a node whose configuration or data directory names a **cluster id** (``[cluster]
+cluster_id``, kept in the store, ``rlog.store.Store.claim_cluster_id``) announces it, and two nodes that
+both announce one must announce the same. A node that announces none (release 0.1.0 and 0.2.0, or a
+cluster that sets none) is not checked. A node that cannot speak with a peer refuses it (one log line,
+shown in ``status`` and ``journal``).
 
 Everything here is pure; ``local_announcement`` reads one environment variable, the test-only
 ``MNESITE_TEST_CLUSTER_VERSION_ONLY``, which builds a node that speaks only the given (newer) cluster
@@ -33,7 +37,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mnesite.rlog.types import ROW_OPS, ClusterVersionOp, Entry
@@ -48,6 +52,7 @@ SOFTWARE_CHARS_MAX = 64
 SOFTWARE_PATTERN = re.compile(rf"[0-9A-Za-z.+_\-]{{1,{SOFTWARE_CHARS_MAX}}}\Z")
 CLUSTER_VERSION_MAX = 1000  # far above any release; bounds what a peer's answer may claim
 PROTOCOL_NAMES = ("client", "consensus", "replication", "storage")
+CLUSTER_ID_PATTERN = re.compile(r"[0-9a-f]{32}\Z")  # 128 bits in lowercase hex ([cluster] cluster_id)
 
 
 @dataclass(frozen=True)
@@ -86,11 +91,13 @@ def protocols_at(cluster_version: int) -> Protocols:
 class Announcement:
     """What one node speaks: its release and the cluster versions it reads and writes (lowest, highest).
 
-    ``announced`` is False for a peer that said nothing (release 0.1.0, taken from its silence)."""
+    ``announced`` is False for a peer that said nothing (release 0.1.0, taken from its silence);
+    ``cluster_id``: the cluster the node belongs to, None if it names none (not checked)."""
 
     software: str
     cluster_versions: tuple[int, int]
     announced: bool = True
+    cluster_id: str | None = None
 
     def protocols(self) -> dict[str, list[int]]:
         """Each protocol's [lowest, highest] version this node reads and writes."""
@@ -101,11 +108,8 @@ class Announcement:
         return self.cluster_versions[0] <= cluster_version <= self.cluster_versions[1]
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "software": self.software,
-            "cluster_versions": list(self.cluster_versions),
-            "protocols": self.protocols(),
-        }
+        wire = {"software": self.software, "cluster_versions": [*self.cluster_versions], "protocols": self.protocols()}
+        return wire if self.cluster_id is None else {**wire, "cluster_id": self.cluster_id}
 
     def describe(self) -> str:
         low, high = self.cluster_versions
@@ -118,15 +122,16 @@ RELEASE_0_1_0 = Announcement("0.1.0", (1, 1), announced=False)
 THIS_RELEASE = Announcement(SOFTWARE_VERSION, (min(CLUSTER_VERSIONS), CLUSTER_VERSION_HIGHEST))
 
 
-def local_announcement(environ: Mapping[str, str] | None = None) -> Announcement:
-    """This node's announcement (the one place ``MNESITE_TEST_CLUSTER_VERSION_ONLY`` is read)."""
+def local_announcement(environ: Mapping[str, str] | None = None, cluster_id: str | None = None) -> Announcement:
+    """This node's announcement (the one place ``MNESITE_TEST_CLUSTER_VERSION_ONLY`` is read), naming
+    ``cluster_id`` (``rlog.store.Store.claim_cluster_id``) if given."""
     environ = os.environ if environ is None else environ
     only = environ.get(SPEAK_ONLY_ENV, "").strip()
     if only:
         if not only.isdigit() or not 1 <= int(only) <= CLUSTER_VERSION_MAX:
             raise ValueError(f"{SPEAK_ONLY_ENV} must be a cluster version 1..{CLUSTER_VERSION_MAX}, not {only!r:.20}")
-        return Announcement(SOFTWARE_VERSION, (int(only), int(only)))
-    return THIS_RELEASE
+        return Announcement(SOFTWARE_VERSION, (int(only), int(only)), cluster_id=cluster_id)
+    return THIS_RELEASE if cluster_id is None else replace(THIS_RELEASE, cluster_id=cluster_id)
 
 
 def announcement_of(answer: Any) -> Announcement | None:
@@ -148,19 +153,30 @@ def announcement_of(answer: Any) -> Announcement | None:
         return None
     if not all(type(v) is int and 1 <= v <= CLUSTER_VERSION_MAX for v in span) or span[0] > span[1]:
         return None
-    return Announcement(software, (span[0], span[1]))
+    cluster_id = versions.get("cluster_id")  # absent: a release before it, or a cluster that names none
+    if cluster_id is not None and (type(cluster_id) is not str or not CLUSTER_ID_PATTERN.match(cluster_id)):
+        return None
+    return Announcement(software, (span[0], span[1]), cluster_id=cluster_id)
+
+
+def other_cluster(own: Announcement, peer: Announcement) -> str | None:
+    """Why ``peer`` belongs to another cluster than this node (None: it does not, or one of them names none)."""
+    if own.cluster_id is None or peer.cluster_id is None or own.cluster_id == peer.cluster_id:
+        return None
+    return f"it belongs to cluster {peer.cluster_id}, this node to cluster {own.cluster_id}"
 
 
 def can_speak(own: Announcement, peer: Announcement) -> bool:
-    """Whether two nodes share a cluster version (their ranges overlap)."""
-    return own.cluster_versions[0] <= peer.cluster_versions[1] and peer.cluster_versions[0] <= own.cluster_versions[1]
+    """Whether two nodes share a cluster version (their ranges overlap) and are not of two clusters."""
+    (low, high), (peer_low, peer_high) = own.cluster_versions, peer.cluster_versions
+    return low <= peer_high and peer_low <= high and other_cluster(own, peer) is None
 
 
 def incompatibility(own: Announcement, peer: Announcement) -> str | None:
     """Why this node cannot speak with ``peer`` (None: it can), in words for the one log line."""
     if can_speak(own, peer):
         return None
-    return f"it speaks {peer.describe()}; this node speaks {own.describe()}"
+    return other_cluster(own, peer) or f"it speaks {peer.describe()}; this node speaks {own.describe()}"
 
 
 # -- replication: what a replicant's watch names, and which logs it can follow ------------------------
