@@ -34,6 +34,8 @@ from bench_commit import bench_node, machine, start_nodes, stop_nodes  # noqa: E
 
 HOOK = Path(__file__).resolve().parent / "cpu_hook.py"
 WARM_UP_S = 3.0
+# How long the cores may take to write the warm-up's counts after SIGUSR1 (a loop turn each).
+RESTART_WAIT_S_MAX = 10.0
 TURN = "CoreNode.run_turn"
 
 
@@ -58,6 +60,12 @@ def core_report(counts: dict[str, dict[str, int]], writes: float, top: int) -> d
     }
 
 
+def core_names(processes: list[Any]) -> list[str]:
+    """The core each of ``start_nodes``' processes runs, from its config's name ("3-core1.toml": core1)."""
+    configs = [Path(process.args[process.args.index("--config") + 1]) for process in processes]
+    return [config.stem.rsplit("-", 1)[-1] for config in configs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cores", type=int, default=3)
@@ -80,14 +88,20 @@ def main() -> None:
             bench_node(endpoint, args.clients, WARM_UP_S, "warm-up", keys)
             for process in processes:
                 os.kill(process.pid, signal.SIGUSR1)
-            time.sleep(0.2)  # the counts start again before the measured load
+            # The counts start again before the measured load: each core's next turn writes the
+            # warm-up's (cpu_hook.Dumps), the first file its counts make.
+            written = [directory / f"{name}.cpu.json" for name in core_names(processes)]
+            deadline_s = time.monotonic() + RESTART_WAIT_S_MAX
+            while not all(path.exists() for path in written):
+                if time.monotonic() > deadline_s:
+                    raise SystemExit(f"the cores did not start their counts again within {RESTART_WAIT_S_MAX} s")
+                time.sleep(0.01)
             result = bench_node(endpoint, args.clients, args.seconds, f"{args.cores} cores", keys)
         finally:
             stop_nodes(processes)  # each core writes its counts at exit
         writes = result["commits_per_s"] * args.seconds
         # start_nodes puts the sequencer first: report the cores in that order.
-        configs = [Path(process.args[process.args.index("--config") + 1]) for process in processes]
-        names = [config.stem.rsplit("-", 1)[-1] for config in configs]  # "3-core1.toml": core1
+        names = core_names(processes)
         cores = {
             name: core_report(json.loads((directory / f"{name}.cpu.json").read_text()), writes, args.top)
             for name in names

@@ -4,10 +4,10 @@
 
 Each wrapped call's thread CPU time (``time.thread_time_ns``) is added to its method's *inclusive*
 time and, less the time of the wrapped calls made inside it, to its *exclusive* time; calls are
-counted. SIGUSR1 writes the counts to ``MNESITE_CPU_OUT`` as JSON and starts them again (a warm-up
-left out); so does the node's exit. A benchmark aid for ``cpu_by_function.py``, never imported by
-the product: a wrapper costs about a microsecond of CPU per call (two clock reads), which the
-figures of methods called many times a write include.
+counted. SIGUSR1 has the loop's next turn write the counts to ``MNESITE_CPU_OUT`` as JSON and start
+them again (a warm-up left out; ``Dumps``); the node's exit writes them too. A benchmark aid for
+``cpu_by_function.py``, never imported by the product: a wrapper costs about a microsecond of CPU
+per call (two clock reads), which the figures of methods called many times a write include.
 """
 
 from __future__ import annotations
@@ -109,21 +109,50 @@ def install(accounting: Accounting) -> None:
             setattr(owner, name, accounting.wrap(getattr(owner, name), label))
 
 
+class Dumps:
+    """The counts written to ``path``: at the exit, and on SIGUSR1 at the start of the loop's next turn,
+    which then starts them again.
+
+    The handler only records the request (``request``). It used to write the file and clear the
+    counts itself, on the main thread between two bytecodes of whatever the loop was doing: in the
+    middle of a wrapped call (whose CPU then took in the handler's file I/O, counted after the
+    clear) or holding a lock the I/O could need. At a turn's start no wrapped call is open. The
+    node's loop wakes on any signal (``rlog.process_signals``' wakeup pipe): an idle core writes
+    within a poll."""
+
+    def __init__(self, accounting: Accounting, path: str) -> None:
+        self.accounting = accounting
+        self.path = path
+        self.requested = False
+
+    def request(self, _number: int, _frame: Any) -> None:
+        self.requested = True  # a record, nothing else: the loop's turn writes (``before_turn``)
+
+    def write(self) -> None:
+        with open(self.path, "w") as out:
+            json.dump(self.accounting.snapshot(), out)
+
+    def before_turn(self, turn: Callable[..., Any]) -> Callable[..., Any]:
+        """``turn`` that first writes the counts and starts them again if SIGUSR1 asked since."""
+
+        def turn_after_dump(*args: Any, **kwargs: Any) -> Any:
+            if self.requested:
+                self.requested = False
+                self.write()
+                self.accounting.clear()
+            return turn(*args, **kwargs)
+
+        return turn_after_dump
+
+
 def main() -> None:
     accounting = Accounting()
     install(accounting)
-    path = os.environ["MNESITE_CPU_OUT"]
-
-    def dump() -> None:
-        with open(path, "w") as out:
-            json.dump(accounting.snapshot(), out)
-
-    def dump_and_clear(*_: Any) -> None:
-        dump()
-        accounting.clear()
-
-    atexit.register(dump)
-    signal.signal(signal.SIGUSR1, dump_and_clear)
+    dumps = Dumps(accounting, os.environ["MNESITE_CPU_OUT"])
+    server = importlib.import_module("mnesite.rlog.server")
+    server.NodeServer.turn = dumps.before_turn(server.NodeServer.turn)
+    atexit.register(dumps.write)
+    signal.signal(signal.SIGUSR1, dumps.request)
     sys.argv = ["mnesite", *sys.argv[1:]]
     runpy.run_module("mnesite.cli", run_name="__main__")
 

@@ -34,6 +34,7 @@ from mnesite.rlog.config import NODE_NAME_PATTERN as NAME_PATTERN
 from mnesite.rlog.config import ConfigError, load_config
 from mnesite.rlog.json_text import json_text as rlog_json_text
 from mnesite.rlog.messages import FRAME_BYTES_MAX_DEFAULT
+from mnesite.rlog.process_signals import ProcessSignals
 from mnesite.rlog.security import FOLLOW_KEY_LINKS_HELP
 from mnesite.rlog.types import TxKey
 
@@ -485,10 +486,6 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
     A full disk does not stop it (writes are refused with disk_full until space is freed); a disk
     that fails a write or an fsync does: exit status 4, and a restart recovers from the log.
     """
-    from mnesite.rlog.data_dir import DataDirectoryInUse
-    from mnesite.rlog.disk import StorageFailedError
-    from mnesite.rlog.store import EntryApplyError, StoreError
-
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     handler: logging.Handler = logging.StreamHandler(sys.stderr)
     if log_file is not None:
@@ -497,22 +494,41 @@ def start(config_path: str | None, sample_data: bool, log_level: str, log_file: 
         except OSError as error:
             fail(f"cannot open --log-file {log_file}: {error.strerror}")
     logging.basicConfig(level=log_level, format=log_format, handlers=[handler])
+    # Before the node exists: a core's start-up recovery runs in its constructor, for minutes if its
+    # peers are away, and a SIGTERM or Ctrl-C then ends it as a stop (rlog.process_signals).
+    signals = ProcessSignals()
+    signals.install()
+    try:
+        serve_node(config_path, sample_data, signals)
+    finally:
+        # As they were: a process that goes on (a test's CliRunner) keeps its own handlers.
+        signals.uninstall()
+
+
+def serve_node(config_path: str | None, sample_data: bool, signals: ProcessSignals) -> None:
+    """``start``'s node: constructed, bound and served until it stops; ``signals`` are installed already."""
+    from mnesite.rlog.data_dir import DataDirectoryInUse
+    from mnesite.rlog.disk import StorageFailedError
+    from mnesite.rlog.server import StoppedWhileStarting
+    from mnesite.rlog.store import EntryApplyError, StoreError
+
     try:
         config = load_config(config_path)
         if config.role == "replicant":
             from mnesite.replicant.node import ReplicantNode
 
-            node = ReplicantNode(config)
+            node = ReplicantNode(config, signals=signals)
         else:
             from mnesite.core.node import CoreNode
 
-            node = CoreNode(config)
+            node = CoreNode(config, signals=signals)
         node.bind()
+    except StoppedWhileStarting:
+        return  # stopped as asked, closed, its "shut down" line logged: a normal stop's exit status
     except (ConfigError, StoreError, DataDirectoryInUse) as error:
         fail(str(error))
     except Exception as error:  # zmq bind errors and the like: one line, not a traceback
         fail(f"cannot start: {type(error).__name__}: {error}")
-    node.install_signal_handlers()
     if sample_data and config.role == "core":
         load_sample_data(node)
     # What starting made (modules, types, the node's state) lives as long as the process: frozen out

@@ -162,6 +162,7 @@ from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull, StorageFailedError
 from mnesite.rlog.limits import FRAME_ENVELOPE_BYTES, SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
+from mnesite.rlog.process_signals import ProcessSignals
 from mnesite.rlog.query import CheckedQuery, QueryRequest
 from mnesite.rlog.retention import keep_from_match_keys
 from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS
@@ -178,6 +179,7 @@ from mnesite.rlog.server import (
     NodeServer,
     OverloadedError,
     RequestError,
+    StoppedWhileStarting,
     monotonic_ms,
     relayed,
     request_id_of,
@@ -405,7 +407,10 @@ class CoreNode(NodeServer):
         clock_ms: Callable[[], int] = monotonic_ms,
         rng: random.Random | None = None,
         consensus_config: ConsensusConfig | None = None,
+        signals: ProcessSignals | None = None,
     ) -> None:
+        """``signals``: the process's stop and reload signals (``mnesite start``), looked at during the
+        start-up recovery too: a stop ends it (``StoppedWhileStarting``)."""
         if config.role != "core":
             raise ConfigError(f"[node].role is {config.role!r}, not core")
         self.clock_ms = clock_ms
@@ -414,11 +419,16 @@ class CoreNode(NodeServer):
         store, data_dir_lock = DataDirectoryLock.acquire_and_open(
             config.data_dir, config.name, config.database_path, config.synchronous
         )
-        super().__init__(config, store, data_dir_lock)
+        super().__init__(config, store, data_dir_lock, signals)
         # Toward its peers only frames sent without a copy anyway are tracked: appends are on the write path.
         self.tracked_bytes_min = CORE_TRACKED_BYTES_MIN
         try:
             self._start_core(config)
+        except StoppedWhileStarting as stopped:
+            self.close()
+            # As ``serve_forever``'s last line: the operator's proof that the core stopped on purpose, and when.
+            log.info("%s %s shut down (%s)", self.role, config.name, stopped)
+            raise
         except BaseException:
             # A start that fails once the data directory is locked (a rebuilt core whose peers did not all
             # answer) gives the lock, the store and the query threads back: the process may go on.
@@ -637,6 +647,7 @@ class CoreNode(NodeServer):
         arrive while the core recovers (``_answer_while_recovering``), looking at ``done`` at least every
         ``RECOVERY_POLL_INTERVAL_MS``. Unbound (a test calls ``recover_generations``), it only waits."""
         while not done():
+            self._stop_if_requested_while_recovering()
             remaining_ms = int((deadline_s - time.monotonic()) * 1000) + 1
             if remaining_ms <= 0:
                 return
@@ -645,6 +656,16 @@ class CoreNode(NodeServer):
                 time.sleep(step_ms / 1000)
             elif self.socket.poll(step_ms):
                 self._answer_while_recovering()
+
+    def _stop_if_requested_while_recovering(self) -> None:
+        """Raise ``StoppedWhileStarting`` if a stop was asked (a signal, ``request_stop``): the recovery
+        ends within a ``RECOVERY_POLL_INTERVAL_MS``, and the start with it (``__init__`` closes)."""
+        self.take_signals()
+        if self.stopping.is_set() and self.recovery is not None:
+            raise StoppedWhileStarting(
+                f"{self.stop_reason}, during its start-up recovery, round {self.recovery.round} of "
+                f"{self.recovery.rounds_max}"
+            )
 
     def _answer_while_recovering(self) -> None:
         """Answer what waits on the socket (at most ``group_commit_max`` frames) while the core recovers

@@ -61,6 +61,7 @@ from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
 from mnesite.rlog.limits import SHARDS_MAX
 from mnesite.rlog.messages import Message, MessageError
+from mnesite.rlog.process_signals import ProcessSignals
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.schema import SchemaError, TableSchema, check_name
 from mnesite.rlog.server import (
@@ -151,7 +152,10 @@ class ReplicantNode(NodeServer):
         clock_ms: Callable[[], int] = monotonic_ms,
         rng: random.Random | None = None,
         replica_config: ReplicaConfig | None = None,
+        signals: ProcessSignals | None = None,
     ) -> None:
+        """``signals``: the process's stop and reload signals (``mnesite start``); a stop before the loop
+        runs is taken at its first iteration (a replicant's bootstrap runs in the loop)."""
         if config.role != "replicant":
             raise ConfigError(f"[node].role is {config.role!r}, not replicant")
         if is_wildcard(config.listen):  # parse_config refuses it; a Config built in code as well
@@ -167,7 +171,7 @@ class ReplicantNode(NodeServer):
         store, data_dir_lock = DataDirectoryLock.acquire_and_open(
             config.data_dir, config.name, config.database_path, config.synchronous
         )
-        super().__init__(config, store, data_dir_lock)
+        super().__init__(config, store, data_dir_lock, signals)
         try:
             cluster_id = store.claim_cluster_id(config.cluster_id)
         except StoreError:

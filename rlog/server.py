@@ -28,7 +28,6 @@ import contextlib
 import gc
 import logging
 import operator
-import signal
 import threading
 import time
 from collections import deque
@@ -48,6 +47,7 @@ from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, S
 from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (RequestError re-exported)
 from mnesite.rlog.messages import Message, MessageError
 from mnesite.rlog.metrics import MetricsServer, NodeMetrics, start_metrics
+from mnesite.rlog.process_signals import ProcessSignals
 from mnesite.rlog.query import (
     QUERY_WAIT_MS_DEFAULT,
     CheckedQuery,
@@ -306,14 +306,29 @@ def relayed(answer: Message) -> Message:
     return answer
 
 
+class StoppedWhileStarting(Exception):
+    """A stop (a signal, ``request_stop``) came while the node was starting (a core's start-up recovery):
+    the node closed what it had opened and logged its ``shut down`` line; the message is that reason."""
+
+
 class NodeServer:
     """Sockets, the per-turn transaction and the outbox; subclasses implement ``run_turn``."""
 
     role = "node"
     clock_ms: Callable[[], int]  # the driver's clock (a subclass sets it)
 
-    def __init__(self, config: Config, store: Store, data_dir_lock: DataDirectoryLock | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        data_dir_lock: DataDirectoryLock | None = None,
+        signals: ProcessSignals | None = None,
+    ) -> None:
         self.config = config
+        # The process's stop and reload signals (``mnesite start`` installs them before it constructs the
+        # node); None: the node stops only when asked (``request_stop``, a stop request).
+        self.signals = signals
+        self._reloads_taken = signals.reloads if signals is not None else 0
         self.store = store
         self.data_dir_lock = data_dir_lock
         self.context: zmq.Context | None = None
@@ -470,9 +485,23 @@ class NodeServer:
         self.socket.bind(self.config.listen)
 
     def install_signal_handlers(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda number, _frame: self.request_stop(signal.Signals(number).name))
-        signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
+        """Stop on SIGTERM and SIGINT, reload the keys on SIGHUP (``rlog.process_signals``), unless the
+        node was constructed with its process's signals already (``mnesite start`` does so)."""
+        if self.signals is None:
+            self.signals = ProcessSignals()
+            self.signals.install()
+            self._poller = None  # rebuilt with the signals' wakeup pipe
+
+    def take_signals(self) -> None:
+        """Act on what a signal asked (its handler only recorded it: ``rlog.process_signals``), on the
+        loop's thread: a stop, a reload of the keys."""
+        if self.signals is None:
+            return
+        if self.signals.stop_signal is not None and not self.stopping.is_set():
+            self.request_stop(self.signals.stop_signal)
+        if self.signals.reloads != self._reloads_taken:
+            self._reloads_taken = self.signals.reloads
+            self.reload_requested.set()
 
     def reload_security(self) -> None:
         """SIGHUP: re-read ``authorized_keys`` and ``[security.roles]`` from the config file; keep the
@@ -644,7 +673,8 @@ class NodeServer:
 
     def request_stop(self, reason: str) -> None:
         """Leave ``serve_forever`` after the current loop turn (answers queued in it are still sent).
-        From another thread too: a loop waiting in its poll is woken."""
+        From another thread too: a loop waiting in its poll is woken. Never from a signal handler: it
+        takes locks the interrupted thread may hold (``take_signals`` calls it for a signal)."""
         if not self.stopping.is_set():
             self.stop_reason = reason
         self.stopping.set()
@@ -657,7 +687,10 @@ class NodeServer:
             "%s %s serving on %s, data in %s", self.role, self.config.name, self.config.listen, self.config.data_dir
         )
         try:
-            while not self.stopping.is_set():
+            while True:
+                self.take_signals()
+                if self.stopping.is_set():
+                    break
                 if self.stop_at_ms is not None and monotonic_ms() >= self.stop_at_ms:
                     self.request_stop(self.stop_reason)
                     break
@@ -1094,8 +1127,10 @@ class NodeServer:
             for socket in sockets:
                 if socket is not None:
                     poller.register(socket, zmq.POLLIN)
-            # A query page finished on a runner thread wakes the loop at once.
+            # A query page finished on a runner thread wakes the loop at once; so does a signal.
             poller.register(self.queries.wakeup_fd, zmq.POLLIN)
+            if self.signals is not None:
+                poller.register(self.signals.wakeup_fd, zmq.POLLIN)
             self._poller = (sockets, poller)
         poller = self._poller[1]
         if self.store.index_builds():
@@ -1103,6 +1138,8 @@ class NodeServer:
             timeout_ms = max(0, min(timeout_ms, self._next_build_ms - monotonic_ms()))
         ready = dict(poller.poll(timeout_ms))
         self._queries_woken = self.queries.wakeup_fd in ready
+        if self.signals is not None and self.signals.wakeup_fd in ready:
+            self.signals.drain()  # what the signal asked is taken at the loop's next iteration
         return ready
 
     def urgent(self, frame: bytes, principal: str) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import signal
 
 import pytest
 
@@ -91,3 +93,29 @@ def test_the_report_gives_each_function_per_write_and_per_turn() -> None:
         {"function": "Store.commit", "us_per_write": 10.0, "us_per_turn": 100.0, "calls_per_turn": 1.0},
         {"function": "CoreNode.run_turn", "us_per_write": 5.0, "us_per_turn": 50.0, "calls_per_turn": 1.0},
     ]
+
+
+def test_sigusr1_only_records_the_request_and_the_next_turn_writes_the_counts_and_starts_them_again(tmp_path) -> None:
+    """The handler (``Dumps.request``) runs wherever the loop's thread is: it writes nothing and
+    clears nothing, which the loop's next turn does before any wrapped call opens."""
+    clock = StepClock()
+    accounting = cpu_hook.Accounting(clock)
+    path = tmp_path / "core1.cpu.json"
+    dumps = cpu_hook.Dumps(accounting, str(path))
+    turns: list[str] = []
+
+    def run_turn() -> None:
+        clock.spend(3)
+        turns.append("turned")
+
+    turn = dumps.before_turn(accounting.wrap(run_turn, "run_turn"))
+    turn()
+    dumps.request(signal.SIGUSR1, None)
+    assert not path.exists() and accounting.snapshot()["calls"] == {"run_turn": 1}
+    turn()
+    assert json.loads(path.read_text())["calls"] == {"run_turn": 1}  # the counts before the request
+    assert accounting.snapshot()["calls"] == {"run_turn": 1} and turns == ["turned", "turned"]
+    turn()  # no request since: nothing written
+    assert json.loads(path.read_text())["calls"] == {"run_turn": 1}
+    dumps.write()  # the exit's
+    assert json.loads(path.read_text())["calls"] == {"run_turn": 2}
