@@ -53,6 +53,9 @@ TX_CHARS_MAX = 4 * FRAME_BYTES_MAX_DEFAULT
 EXIT_OUTCOME_UNKNOWN = 3
 # Exit status of a node that stopped because its disk failed a write or an fsync (rlog.disk).
 EXIT_STORAGE_FAILED = 4
+# Exit status of `cluster add-core`/`remove-core` interrupted (Ctrl-C) at its final `members` read,
+# every shard changed: distinct from 1 (nothing or part changed) and 3 (a change's outcome unknown).
+EXIT_CHANGED_MEMBERS_UNREAD = 5
 
 
 def fail(message: str, exit_code: int = 1) -> NoReturn:
@@ -1811,6 +1814,15 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
             if not failed:
                 raise
             result["members"] = None  # the failure's report matters more than the view after it
+        except KeyboardInterrupt:
+            if not failed:
+                fail(
+                    f"{action} {name} interrupted at the final read of the membership, after every shard changed "
+                    f"({', '.join(sorted(results))}): the change is done, only that read was interrupted; check "
+                    f"with `mnesite cluster members --node {client.endpoint}`",
+                    EXIT_CHANGED_MEMBERS_UNREAD,
+                )
+            result["members"] = None  # as above: the failure's report matters more than the view after it
         return result
 
 
@@ -1835,7 +1847,8 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     --timeout-ms (each answer's). A catch-up with no progress for 60 s exits 3 saying the change is
     still under way; a node that does not answer exits 3 too. Ctrl-C while it waits leaves the change
     asked, which may be under way at the cluster, and says so (before it is asked, that it was not),
-    exit 1. When a shard fails, the shards changed
+    exit 1; Ctrl-C at the final read of the membership, every shard changed, says the change is done
+    (check with `mnesite cluster members`), exit 5. When a shard fails, the shards changed
     before it and those not tried are named, and the command exits 1 (3 if the outcome is unknown).
     """
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))
@@ -1850,7 +1863,9 @@ def cluster_remove_core(name, endpoint, timeout_ms, as_json) -> None:
     """Remove core NAME from every shard (to replace a dead core: remove it, then add-core the new
     one). Needs the admin role. A sequencer that removes itself steps down once the entry commits.
     When a shard fails, the shards changed before it and those not tried are named, and the command
-    exits 1 (3 if the outcome is unknown)."""
+    exits 1 (3 if the outcome is unknown). Ctrl-C behaves as for add-core: at the final read of the
+    membership, every shard changed, it says the change is done (check with `mnesite cluster
+    members`), exit 5."""
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "remove", name, None))
     _print_change(result, as_json)
 
