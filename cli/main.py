@@ -54,6 +54,9 @@ TX_CHARS_MAX = 4 * FRAME_BYTES_MAX_DEFAULT
 EXIT_OUTCOME_UNKNOWN = 3
 # Exit status of a node that stopped because its disk failed a write or an fsync (rlog.disk).
 EXIT_STORAGE_FAILED = 4
+# Exit status of `cluster add-core`/`remove-core` interrupted (Ctrl-C) at its final `members` read,
+# every shard changed: distinct from 1 (nothing or part changed) and 3 (a change's outcome unknown).
+EXIT_CHANGED_MEMBERS_UNREAD = 5
 
 
 def fail(message: str, exit_code: int = 1) -> NoReturn:
@@ -392,21 +395,68 @@ class KeyCommand(click.Command):
     ``-5`` (``No such option``) unless it followed ``--``. Here such a word that is a minus and ASCII
     digits is an argument: no option is spelled so, every other word is parsed as before, and a word
     an option takes as its value stays that value (``--timeout-ms -5`` is refused by its range).
+    Click's public API only: the words are reordered before click parses them (``parse_args``).
     """
 
-    def make_parser(self, ctx: click.Context) -> Any:
-        parser = super().make_parser(ctx)
-        process_opts = getattr(parser, "_process_opts", None)  # click's parser (8.5 here; tests pin it)
-        if process_opts is not None:  # otherwise -5 needs --, and the refusal says so (MnesiteGroup)
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, negative_integers_as_arguments(self.get_params(ctx), args))
 
-            def process(arg: str, state: Any) -> None:
-                if NEGATIVE_INTEGER.fullmatch(arg):
-                    state.largs.append(arg)
-                else:
-                    process_opts(arg, state)
 
-            parser._process_opts = process
-        return parser
+def negative_integers_as_arguments(params: list[click.Parameter], args: list[str]) -> list[str]:
+    """``args`` with the options (each with the words it takes as values) first, in their order, then
+    ``--`` and the arguments in theirs, if a word that is a minus and ASCII digits stands where click
+    would read an option; otherwise ``args`` unchanged. The options of ``params`` are flags, counts or
+    take a fixed number of values (``nargs``), as in click: a value may be joined to its option
+    (``--timeout-ms=5``, ``-t5``, a short option last in a group ``-vt5``), or be the next words
+    whatever they look like. An unknown option takes no value here, and click refuses it as before."""
+    long_values: dict[str, int] = {}  # an option's spelling -> the words it takes as values
+    short_values: dict[str, int] = {}
+    for param in params:
+        if isinstance(param, click.Option):
+            taken = 0 if param.is_flag or param.count else param.nargs
+            for spelling in (*param.opts, *param.secondary_opts):
+                is_short = len(spelling) == 2 and spelling[0] != spelling[1]
+                (short_values if is_short else long_values)[spelling] = taken
+    options: list[str] = []
+    arguments: list[str] = []
+    moved = False  # a negative integer stood where click would read an option
+    index = 0
+    while index < len(args):
+        word = args[index]
+        index += 1
+        if word == "--":
+            arguments += args[index:]
+            break
+        if NEGATIVE_INTEGER.fullmatch(word):
+            arguments.append(word)
+            moved = True
+            continue
+        if not word.startswith("-") or word == "-":
+            arguments.append(word)
+            continue
+        taken = _values_taken(word, long_values, short_values)
+        options += args[index - 1 : index + taken]
+        index += taken
+        if index > len(args):
+            # The last option lacks a value: click refuses it first, whatever the arguments are.
+            return options if moved else args
+    return [*options, "--", *arguments] if moved else args
+
+
+def _values_taken(word: str, long_values: dict[str, int], short_values: dict[str, int]) -> int:
+    """How many of the words after option ``word`` click takes as its values (see above)."""
+    spelling, joined, _ = word.partition("=")
+    if spelling in long_values:
+        return max(long_values[spelling] - bool(joined), 0)
+    if word.startswith("--"):
+        return 0  # unknown: refused
+    for position, letter in enumerate(word[1:], start=2):
+        taken = short_values.get(f"-{letter}")
+        if taken is None:
+            return 0  # unknown: refused
+        if taken:
+            return max(taken - bool(word[position:]), 0)
+    return 0
 
 
 class MnesiteGroup(click.Group):
@@ -1862,6 +1912,15 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
             if not failed:
                 raise
             result["members"] = None  # the failure's report matters more than the view after it
+        except KeyboardInterrupt:
+            if not failed:
+                fail(
+                    f"{action} {name} interrupted at the final read of the membership, after every shard changed "
+                    f"({', '.join(sorted(results))}): the change is done, only that read was interrupted; check "
+                    f"with `mnesite cluster members --node {client.endpoint}`",
+                    EXIT_CHANGED_MEMBERS_UNREAD,
+                )
+            result["members"] = None  # as above: the failure's report matters more than the view after it
         return result
 
 
@@ -1886,7 +1945,8 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     --timeout-ms (each answer's). A catch-up with no progress for 60 s exits 3 saying the change is
     still under way; a node that does not answer exits 3 too. Ctrl-C while it waits leaves the change
     asked, which may be under way at the cluster, and says so (before it is asked, that it was not),
-    exit 1. When a shard fails, the shards changed
+    exit 1; Ctrl-C at the final read of the membership, every shard changed, says the change is done
+    (check with `mnesite cluster members`), exit 5. When a shard fails, the shards changed
     before it and those not tried are named, and the command exits 1 (3 if the outcome is unknown).
     """
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))
@@ -1901,7 +1961,9 @@ def cluster_remove_core(name, endpoint, timeout_ms, as_json) -> None:
     """Remove core NAME from every shard (to replace a dead core: remove it, then add-core the new
     one). Needs the admin role. A sequencer that removes itself steps down once the entry commits.
     When a shard fails, the shards changed before it and those not tried are named, and the command
-    exits 1 (3 if the outcome is unknown)."""
+    exits 1 (3 if the outcome is unknown). Ctrl-C behaves as for add-core: at the final read of the
+    membership, every shard changed, it says the change is done (check with `mnesite cluster
+    members`), exit 5."""
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "remove", name, None))
     _print_change(result, as_json)
 

@@ -555,7 +555,7 @@ class Client:
                 if silent_attempts > retries or time.monotonic() >= deadline:
                     reason = (
                         f"node {self.endpoint} did not answer {kind} within {timeout_ms} ms "
-                        f"({silent_attempts} attempts{_why_silent(self.endpoint, kind)})"
+                        f"({silent_attempts} attempts{_why_silent(self.endpoint, deadline)})"
                     )
                     self._give_up(kind, message.request_id, maybe_applied, reason, "unavailable", unknown_answer, True)
                 if not maybe_applied:
@@ -1356,15 +1356,29 @@ def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str
     return records, positions, dict(page.applied)
 
 
-def _why_silent(endpoint: str, kind: str) -> str:
-    """Tell an unreachable node from one that is up but silent (a write's outcome: ``OutcomeUnknown``)."""
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint[len("tcp://") :].rpartition(":")
-        try:
-            with socket_module.create_connection((host.strip("[]"), int(port)), timeout=1):
-                pass
-        except (OSError, ValueError):
-            return "; nothing accepts connections there: unreachable"
+def _why_silent(endpoint: str, deadline: float) -> str:
+    """Tell an unreachable node from one that is up but silent (a write's outcome: ``OutcomeUnknown``)
+    with a TCP connection, within what is left of the call's ``deadline`` (``time.monotonic()``): one
+    that neither completes nor is refused by then (a hung node's full accept queue, dropped packets)
+    says nothing, and so does a call with no time left (a silent call's last attempt waits to within
+    a millisecond of it: enough for a local node's refusal)."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    try:
+        family, kind, protocol, _, address = socket_module.getaddrinfo(
+            host.strip("[]"), int(port), type=socket_module.SOCK_STREAM
+        )[0]
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            return ""
+        with socket_module.socket(family, kind, protocol) as probe:
+            probe.settimeout(left_s)
+            probe.connect(address)
+    except TimeoutError:
+        return ""
+    except (OSError, ValueError):
+        return "; nothing accepts connections there: unreachable"
     return ""
 
 

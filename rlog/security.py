@@ -487,7 +487,6 @@ class NodeSecurity:
         follow = config.follow_key_links
         self.server = load_key(config.server_key, "[security].server_key", secret=True, follow_links=follow)
         self.client = load_key(config.client_key, "[security].client_key", secret=True, follow_links=follow)
-        self.authorized_keys_dir = config.authorized_keys
         self.authorized = load_authorized_keys(config.authorized_keys)
         self.roles = RoleTable(config.roles)
         _warn_roles_without_keys(self.roles, self.authorized)

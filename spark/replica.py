@@ -386,15 +386,12 @@ class NodeReplica(Replica):
         return self._catalog
 
     def applied(self) -> dict[str, ShardApplied]:
-        status = self._call("status")
+        # Client.status checked the answer (``rlog.admin_answers``): every shard has its applied tx
+        # key and its digest, a text (or, a replicant's, null from a bootstrap's reset until its
+        # replay: unknown, "").
         result = {}
-        for shard, facts in sorted(status.get("shards", {}).items()):
-            try:
-                applied = tx_key_from_wire(facts["applied"])
-            except (OpDecodeError, KeyError) as error:
-                raise ReplicaError(f"{self.spec.label}: malformed status for shard {shard} ({error})") from None
-            # A replicant's digest is null from a bootstrap's reset until its replay: unknown, "".
-            result[shard] = ShardApplied(shard, applied, str(facts.get("digest") or ""))
+        for shard, facts in sorted(self._call("status")["shards"].items()):
+            result[shard] = ShardApplied(shard, tx_key_from_wire(facts["applied"]), facts.get("digest") or "")
         return result
 
     def iter_rows(
@@ -415,21 +412,13 @@ class NodeReplica(Replica):
         finally:
             rows.close()
 
-    def _answer(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        answer = self._call(method, *args, **kwargs)
-        if not isinstance(answer, dict):
-            raise ReplicaError(f"{self.spec.label}: malformed {method} answer")
-        return answer
-
     def key_boundaries(
         self, table: TableSchema, parts: int, low: Any = None, high: Any = None
     ) -> tuple[int, list[Any]]:
-        # A node cuts a range into at most PARTS_MAX parts per answer (more is a bad request).
-        answer = self._answer("key_boundaries", table.name, min(parts, range_requests.PARTS_MAX), low=low, high=high)
-        try:
-            return int(answer["rows"]), list(answer["keys"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ReplicaError(f"{self.spec.label}: malformed key_boundaries answer ({error})") from None
+        # A node cuts a range into at most PARTS_MAX parts per answer (more is a bad request). The
+        # client checked the answer's shape (``admin_answers.KeyBoundaries``: a malformed one fails _call).
+        answer = self._call("key_boundaries", table.name, min(parts, range_requests.PARTS_MAX), low=low, high=high)
+        return answer["rows"], answer["keys"]
 
     def range_digests(
         self, table: TableSchema, ranges: list[tuple[Any, Any]], split_parts: int = 0, split_rows_min: int = 0
@@ -440,20 +429,12 @@ class NodeReplica(Replica):
         answers: list[RangeAnswer] = []
         while len(answers) < len(ranges):
             batch = [[low, high] for low, high in ranges[len(answers) : len(answers) + per_request]]
-            answer = self._answer(
+            # The client checked each range's shape (``admin_answers.RangeDigest``: a count, a digest
+            # in bytes or null, a list of split keys), not how many ranges came: that is checked here.
+            answer = self._call(
                 "range_digest", table.name, batch, split_parts=split_parts, split_rows_min=split_rows_min
             )
-            try:
-                items = [
-                    RangeAnswer(
-                        int(item["rows"]),
-                        None if item["digest"] is None else bytes(item["digest"]),
-                        tuple(item["split_keys"]),
-                    )
-                    for item in answer["ranges"]
-                ]
-            except (KeyError, TypeError, ValueError) as error:
-                raise ReplicaError(f"{self.spec.label}: malformed range_digest answer ({error})") from None
+            items = [RangeAnswer(item["rows"], item["digest"], tuple(item["split_keys"])) for item in answer["ranges"]]
             if not items or len(items) > len(batch):
                 raise ReplicaError(f"{self.spec.label}: range_digest answered {len(items)} of {len(batch)} ranges")
             answers.extend(items)
@@ -463,14 +444,11 @@ class NodeReplica(Replica):
         after = low
         while True:
             # No limit: the node answers as many rows as its budget allows and says whether there are more.
-            answer = self._answer("row_digests", table.name, low=after, high=high)
-            try:
-                page = [(item[0], bytes(item[1])) for item in answer["rows"]]
-                more = bool(answer["more"])
-            except (KeyError, TypeError, IndexError) as error:
-                raise ReplicaError(f"{self.spec.label}: malformed row_digests answer ({error})") from None
+            # The client checked the shape (``admin_answers.RowDigests``: [key, digest in bytes] pairs).
+            answer = self._call("row_digests", table.name, low=after, high=high)
+            page = [(key, digest) for key, digest in answer["rows"]]
             yield from page
-            if not more or not page:
+            if not answer["more"] or not page:
                 return
             after = page[-1][0]
 
@@ -488,20 +466,22 @@ class NodeReplica(Replica):
     def entries_after(self, shard: str, after: TxKey, limit: int) -> list[RlogEntry]:
         entries = []
         for item in self._call("rlog_entries", shard, after=list(after), limit=limit):
+            # The client checked each entry's shape (``admin_answers.RlogEntry``: tx keys, a digest text,
+            # ops) but of an op only its kind: the rest of each op is read, and refused, here.
             try:
-                ops = tuple(op for op in map(_op_from_client, item.get("ops", [])) if op is not None)
-                entries.append(
-                    RlogEntry(
-                        tx_key_from_wire(item["tx_key"]),
-                        tx_key_from_wire(item["prev"]),
-                        str(item["digest"]),
-                        self._resolve_touched(ops),
-                        tables_changed(ops),
-                        columns_added(ops),
-                    )
-                )
+                ops = tuple(op for op in map(_op_from_client, item["ops"]) if op is not None)
             except (OpDecodeError, KeyError, TypeError) as error:
                 raise ReplicaError(f"{self.spec.label}: malformed rlog entry ({error})") from None
+            entries.append(
+                RlogEntry(
+                    tx_key_from_wire(item["tx_key"]),
+                    tx_key_from_wire(item["prev"]),
+                    item["digest"],
+                    self._resolve_touched(ops),
+                    tables_changed(ops),
+                    columns_added(ops),
+                )
+            )
         return entries
 
     def close(self) -> None:

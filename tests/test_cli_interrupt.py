@@ -252,6 +252,39 @@ def test_ctrl_c_while_a_core_change_waits_says_it_may_go_on_at_the_cluster(tmp_p
     assert [request.body.shard for request in node.of_kind("membership_change")] == ["a", "b"]
 
 
+@pytest.mark.parametrize("command", [["add-core", "core4", "tcp://127.0.0.1:7499"], ["remove-core", "core4"]])
+def test_ctrl_c_at_a_core_change_s_final_members_read_says_every_shard_changed(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Regression: Ctrl-C at the final ``members`` read, every shard changed, ended in click's
+    ``Error: aborted`` (exit 1), which read as if nothing had happened. It says the change is done and
+    only that read was interrupted, with the command to check, exit 5; no change is sent again."""
+    view = {
+        "node": "core1",
+        "endpoints": {},
+        "members": ["core1"],
+        "shards": {shard: {"sequencer": "core1", **_MEMBERSHIP} for shard in ("a", "b")},
+    }
+
+    def answer(request: messages.Message, n: int) -> Any:
+        if request.kind == "members":
+            return view if n == 1 else HELD
+        if request.kind == "membership_change":
+            return {"tx_key": [1, 5], "shard": request.body.shard}
+        raise AssertionError(f"unexpected {request.kind}")
+
+    node = AnsweringNode(answer)
+    ended = _interrupted(node, ["cluster", *command], lambda process: len(node.of_kind("members")) == 2, tmp_path)
+    assert ended.returncode == 5, ended.stderr
+    action = command[0].split("-")[0]
+    assert _last_error(ended.stderr) == (
+        f"Error: {action} core4 interrupted at the final read of the membership, after every shard changed (a, b): "
+        f"the change is done, only that read was interrupted; check with `mnesite cluster members --node "
+        f"{node.endpoint}`"
+    )
+    assert [request.body.shard for request in node.of_kind("membership_change")] == ["a", "b"]
+
+
 def test_ctrl_c_at_an_import_s_last_progress_line_says_every_row_was_imported(tmp_path: Path, monkeypatch) -> None:
     """The final line was written outside the block that turns a Ctrl-C into how far the import got:
     the interrupt reached the command's own handler, for a Ctrl-C before the first transaction, which

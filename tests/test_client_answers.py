@@ -13,6 +13,10 @@ from typing import Any
 import pytest
 from mnesite.rlog import messages
 from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.range_requests import RangeAnswer
+from mnesite.rlog.schema import TableSchema
+from mnesite.rlog.types import TxKey
+from mnesite.spark.replica import NodeReplica, ReplicaError, ShardApplied, parse_replica
 
 from mnesite import dbapi
 from tests.conftest import RouterNode
@@ -400,6 +404,60 @@ def test_well_formed_admin_answers_still_read_as_they_came(node: ReplyingNode) -
             for result in results:
                 node.result = result
                 assert ADMIN_CALLS[call](client) == result
+
+
+_TABLE = TableSchema("t", "default", "k", (("k", "INTEGER"),))
+REPLICA_CALLS: dict[str, Callable[[NodeReplica], Any]] = {
+    "range_digest": lambda replica: replica.range_digests(_TABLE, [(None, None)]),
+    "key_boundaries": lambda replica: replica.key_boundaries(_TABLE, 2),
+    "row_digests": lambda replica: list(replica.row_digests(_TABLE, None, None)),
+    "rlog_entries": lambda replica: replica.entries_after("default", TxKey(0, 0), 10),
+    "status": lambda replica: replica.applied(),
+}
+REPLICA_GARBAGE = [(call, garbage) for call in REPLICA_CALLS for garbage in ADMIN_GARBAGE[call]] + [
+    # What the typed answers do not say, which the compare job checks itself: how many ranges came
+    # back (at least one, at most those asked), and the fields of an op beyond its kind.
+    ("range_digest", {**_RANGE_DIGESTS, "ranges": []}, "range_digest answered 0 of 1 ranges"),
+    ("range_digest", _RANGE_DIGESTS, "range_digest answered 2 of 1 ranges"),
+    ("rlog_entries", [{**_ENTRY, "ops": [{"op": "delete", "key": 1}]}], "malformed rlog entry ('table')"),
+    ("rlog_entries", [{**_ENTRY, "ops": [{"op": "rename_table"}]}], "malformed rlog entry (unknown op"),
+]
+
+
+@pytest.fixture
+def replica(node: ReplyingNode) -> Iterator[NodeReplica]:
+    with NodeReplica(parse_replica(node.endpoint), timeout_ms=2000) as replica:
+        yield replica
+
+
+@pytest.mark.parametrize("case", REPLICA_GARBAGE, ids=repr)
+def test_the_compare_job_refuses_a_malformed_answer_saying_so(node: ReplyingNode, replica: NodeReplica, case) -> None:
+    """The compare job's node replica (``spark.replica.NodeReplica``) checked each range answer's shape
+    again after the client's typed check (``admin_answers``); it now relies on that check and keeps
+    only what the types do not say. Either way a malformed answer is one clear ``ReplicaError``."""
+    call, garbage, *expected = case
+    node.result = garbage
+    with pytest.raises(ReplicaError) as refused:
+        REPLICA_CALLS[call](replica)
+    message = expected[0] if expected else f"{call} failed: malformed {call} answer"
+    assert message in str(refused.value)
+
+
+def test_the_compare_job_reads_well_formed_answers_as_before(node: ReplyingNode, replica: NodeReplica) -> None:
+    node.result = _RANGE_DIGESTS
+    assert replica.range_digests(_TABLE, [(None, 5), (5, None)]) == [
+        RangeAnswer(3, b"d" * 32, (1, "b")),
+        RangeAnswer(9, None, ()),
+    ]
+    node.result = _KEY_BOUNDARIES
+    assert replica.key_boundaries(_TABLE, 2) == (3, [1, "b"])
+    node.result = {**_ROW_DIGESTS, "more": False}
+    assert list(replica.row_digests(_TABLE, None, None)) == [(1, b"d" * 32), ("b", b"e" * 32)]
+    node.result = _STATUS
+    assert replica.applied() == {"default": ShardApplied("default", TxKey(2, 5), "ab" * 32)}
+    # A replicant's digest is null from a bootstrap's reset until its replay: unknown, "".
+    node.result = {**_STATUS, "role": "replicant", "shards": {"default": {**_REPLICANT_SHARD, "digest": None}}}
+    assert replica.applied() == {"default": ShardApplied("default", TxKey(2, 5), "")}
 
 
 _POSITIONS = [{"shard": "s", "after": [1, 1]}]

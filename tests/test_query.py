@@ -8,6 +8,8 @@ import contextlib
 import hashlib
 import json
 import os
+import select
+import socket
 import threading
 import time
 import types
@@ -1216,6 +1218,75 @@ def test_a_dbapi_execute_at_a_hung_node_ends_at_its_deadline(silent_endpoint: st
     deadline_s = timeout_ms * (retries + 1) / 1000
     assert raised.value.code == "unavailable" and f"({retries + 1} attempts" in str(raised.value)
     assert deadline_s * 0.9 <= elapsed_s < deadline_s + timeout_ms / 1000 * 0.8, elapsed_s  # was 1.5 s at 0
+
+
+@pytest.fixture
+def full_backlog_endpoint(silent_endpoint: str) -> Iterator[str]:
+    """A hung node whose listening socket accepts nothing more: it accepted one connection (relayed
+    to ``silent_endpoint``, which takes requests and never answers), and its accept queue is full,
+    so a new connection neither completes nor is refused (the kernel drops its SYN)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    listener.settimeout(0.05)
+    host, port = listener.getsockname()
+    upstream_port = int(silent_endpoint.rpartition(":")[2])
+    stopping = threading.Event()
+    opened: list[socket.socket] = [listener]
+
+    def relay() -> None:
+        while not stopping.is_set():
+            try:
+                accepted, _ = listener.accept()
+                break
+            except TimeoutError:
+                continue
+        else:
+            return
+        # The accept queue's one place (a backlog of 0): from now on a connection attempt hangs.
+        opened.append(socket.create_connection((host, port), timeout=5))
+        upstream = socket.create_connection(("127.0.0.1", upstream_port), timeout=5)
+        opened.extend([accepted, upstream])
+        ends = {accepted: upstream, upstream: accepted}
+        while not stopping.is_set():
+            readable, _, _ = select.select(list(ends), [], [], 0.05)
+            for end in readable:
+                data = end.recv(1 << 16)
+                if not data:
+                    return
+                ends[end].sendall(data)
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://{host}:{port}"
+    finally:
+        stopping.set()
+        thread.join(timeout=5)
+        for opened_socket in opened:
+            opened_socket.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_dbapi_execute_at_a_hung_node_that_accepts_no_connection_ends_at_its_deadline(
+    full_backlog_endpoint: str,
+) -> None:
+    """Once a node left the call unanswered, the client checked whether anything accepts connections
+    there (to say "unreachable") with a TCP connection of its own, waiting up to 1 s: at a hung node
+    whose accept queue is full that wait came on top of the call's deadline (1.3 s for 0.3 s), and
+    ended in "unreachable" of a node that had taken the request. The check now gets what is left of
+    the deadline, and a check that cannot tell by then says nothing."""
+    import mnesite.dbapi as dbapi
+
+    timeout_ms = 300
+    with dbapi.connect(full_backlog_endpoint, timeout_ms=timeout_ms) as connection:
+        started = time.monotonic()
+        with pytest.raises(dbapi.OperationalError) as raised:
+            connection.cursor().execute("SELECT 1")
+        elapsed_s = time.monotonic() - started
+    assert raised.value.code == "unavailable" and "did not answer query within" in str(raised.value)
+    assert "unreachable" not in str(raised.value)
+    assert timeout_ms / 1000 * 0.9 <= elapsed_s < timeout_ms / 1000 + 0.25, elapsed_s
 
 
 @pytest.mark.timeout(30)
