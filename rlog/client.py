@@ -1356,12 +1356,16 @@ def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str
     return records, positions, dict(page.applied)
 
 
+# The least time the "did not answer" check has (``_why_silent``): a call may end this much after its deadline.
+WHY_SILENT_S_MIN = 0.05
+
+
 def _why_silent(endpoint: str, deadline: float) -> str:
     """Tell an unreachable node from one that is up but silent (a write's outcome: ``OutcomeUnknown``)
-    with a TCP connection, within what is left of the call's ``deadline`` (``time.monotonic()``): one
-    that neither completes nor is refused by then (a hung node's full accept queue, dropped packets)
-    says nothing, and so does a call with no time left (a silent call's last attempt waits to within
-    a millisecond of it: enough for a local node's refusal)."""
+    with a TCP connection, within what is left of the call's ``deadline`` (``time.monotonic()``) and at
+    least ``WHY_SILENT_S_MIN``: a silent call's last attempt waits until the deadline, and a dead node's
+    refusal (well under a millisecond on a LAN) must still be told. One that neither completes nor is
+    refused by then (a hung node's full accept queue, dropped packets) says nothing."""
     if not endpoint.startswith("tcp://"):
         return ""
     host, _, port = endpoint[len("tcp://") :].rpartition(":")
@@ -1369,11 +1373,8 @@ def _why_silent(endpoint: str, deadline: float) -> str:
         family, kind, protocol, _, address = socket_module.getaddrinfo(
             host.strip("[]"), int(port), type=socket_module.SOCK_STREAM
         )[0]
-        left_s = deadline - time.monotonic()
-        if left_s <= 0:
-            return ""
         with socket_module.socket(family, kind, protocol) as probe:
-            probe.settimeout(left_s)
+            probe.settimeout(max(deadline - time.monotonic(), WHY_SILENT_S_MIN))
             probe.connect(address)
     except TimeoutError:
         return ""
