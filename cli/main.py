@@ -1850,7 +1850,15 @@ def _change_progress(info: dict[str, Any], name: str) -> str:
     if info.get("learner") == name:
         match = tuple(info["learner_match"]) if info.get("learner_match") else "nothing yet"
         committed = tuple(info["committed"]) if info.get("committed") else "?"
-        return f"{name} catching up as a learner: at {match} of {committed}"
+        copy = info.get("learner_copy")
+        # A snapshot install moves the matched key only at its end: its copy is the progress meanwhile.
+        copying = (
+            f"; snapshot install: {copy['rows']:,} rows copied in {copy['batches']:,} batches, "
+            f"the last {copy['last_batch_age_ms'] / 1000:.0f} s ago"
+            if copy
+            else ""
+        )
+        return f"{name} catching up as a learner: at {match} of {committed}{copying}"
     return f"waiting for the entry that changes the members ({', '.join(info.get('members') or ())})"
 
 
@@ -1941,13 +1949,14 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     half-way: shards where NAME is already a member answer "already_member".
 
     \b
-    The command waits as long as the catch-up makes progress (shown on stderr), whatever
-    --timeout-ms (each answer's). A catch-up with no progress for 60 s exits 3 saying the change is
-    still under way; a node that does not answer exits 3 too. Ctrl-C while it waits leaves the change
-    asked, which may be under way at the cluster, and says so (before it is asked, that it was not),
-    exit 1; Ctrl-C at the final read of the membership, every shard changed, says the change is done
-    (check with `mnesite cluster members`), exit 5. When a shard fails, the shards changed
-    before it and those not tried are named, and the command exits 1 (3 if the outcome is unknown).
+    The command waits as long as the catch-up makes progress (shown on stderr: the learner's key,
+    and the rows of a snapshot install copied so far), whatever --timeout-ms (each answer's). A
+    catch-up with no progress for 60 s exits 3 saying the change is still under way; a node that
+    does not answer exits 3 too. Ctrl-C while it waits leaves the change asked, which may be under
+    way at the cluster, and says so (before it is asked, that it was not), exit 1; Ctrl-C at the
+    final read of the membership, every shard changed, says the change is done (check with
+    `mnesite cluster members`), exit 5. When a shard fails, the shards changed before it and those
+    not tried are named, and the command exits 1 (3 if the outcome is unknown).
     """
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))
     _print_change(result, as_json)

@@ -53,7 +53,9 @@ Waiting for a change (``cluster add-core``): a learner's catch-up of a large log
 takes longer than any one answer may, so the command's wait is not one request's timeout.
 ``change_wait`` decides, from what the sequencer's ``members`` shows each time the change request
 went unanswered, whether to go on waiting: while the change moves (the learner's matched key, the
-members) the operator waits; a change that has not moved for ``CHANGE_STALL_MS`` ends the wait
+members, and the rows the sequencer served of the learner's snapshot install: its matched key
+moves only at the install's end, ``core.snapshot`` "Progress at the sequencer") the operator waits; a
+change that has not moved for ``CHANGE_STALL_MS`` ends the wait
 as "still under way" (the change itself goes on, and ends at ``learner_catch_up_ms_max`` at the
 latest), which is not "no answer".
 """
@@ -68,7 +70,8 @@ from mnesite.rlog.types import ROW_OPS, Entry, MembersOp, TxKey
 
 MEMBERS_MAX = 15
 # How long ``cluster add-core`` / ``remove-core`` waits for a change that stopped moving before it
-# says the change is still under way (a snapshot install moves the learner's key only at its end).
+# says the change is still under way (a snapshot install moves the learner's key only at its end,
+# its copy moves ``learner_copy``).
 CHANGE_STALL_MS = 60_000
 
 REJECT_CHANGE_IN_FLIGHT = "membership_change_in_flight"
@@ -227,6 +230,13 @@ class ChangeWait:
     since_ms: int
 
 
+def _copy_served(copy: Any) -> tuple[Any, Any]:
+    """The rows and batches of a ``learner_copy`` (a sequencer of an earlier release shows none)."""
+    if not isinstance(copy, Mapping):
+        return (None, None)
+    return (copy.get("rows"), copy.get("batches"))
+
+
 def change_wait(
     info: Mapping[str, Any],
     name: str,
@@ -239,10 +249,12 @@ def change_wait(
     """Whether an operator's change of one shard, whose request went unanswered, is worth waiting for.
 
     ``info``: the shard's entry of the sequencer's ``members`` answer (``members``,
-    ``committed_members``, ``learner``, ``learner_match``); ``seen``/``since_ms``: the previous
-    answer's (None at first). Any difference in the membership, the learner or its matched key
-    is progress; becoming done is too, but staying done is not: the answer a resend gets then is
-    immediate, and a sequencer that never gives it must not be waited for without end."""
+    ``committed_members``, ``learner``, ``learner_match``, ``learner_copy``); ``seen``/``since_ms``:
+    the previous answer's (None at first). Any difference in the membership, the learner, its
+    matched key or the rows and batches of its snapshot copy (not the age of its last batch, which
+    changes at every answer) is progress; becoming done is too, but staying done is not: the answer
+    a resend gets then is immediate, and a sequencer that never gives it must not be waited for
+    without end."""
     committed = set(info.get("committed_members") or ())
     if (name in committed) == add:
         if seen != ():
@@ -253,6 +265,7 @@ def change_wait(
         tuple(sorted(committed)),
         info.get("learner"),
         tuple(info.get("learner_match") or ()),
+        _copy_served(info.get("learner_copy")),
     )
     if seen is None or now_seen != seen:
         return ChangeWait("waiting", now_seen, now_ms)

@@ -129,6 +129,7 @@ from mnesite.core.recovery import (
 )
 from mnesite.core.snapshot import (
     BeginInstall,
+    CopiesServed,
     FenceReached,
     FinishInstall,
     InstallAbandoned,
@@ -138,6 +139,7 @@ from mnesite.core.snapshot import (
     accept_offer,
     exclusion_after_install,
     offer_due,
+    reads_copy_sender,
     reads_forced_offer,
     reads_snapshot_request,
     snapshot_request_due,
@@ -482,6 +484,8 @@ class CoreNode(NodeServer):
         # request id -> (shard, purpose, detail, deadline, the install that asked): an answer or an
         # expiry concerns only that install, not a later one of the same shard.
         self.install_requests: dict[str, tuple[str, str, dict[str, Any], int, SnapshotInstall | None]] = {}
+        # What this core, as sequencer, served of each core's install (what `cluster add-core` sees move).
+        self.copies_served = CopiesServed(INSTALL_REQUEST_TIMEOUT_MS)
         self.not_serving: dict[str, str] = {}
         # Shards whose rows an install deleted and no install has copied since (the ``installing:``
         # meta), and when this core last asked its sequencer for an offer (core.snapshot, "Re-offer").
@@ -1621,6 +1625,8 @@ class CoreNode(NodeServer):
                 body: dict[str, Any] = {"table": effect.table, "limit": effect.limit}
                 if effect.after is not None:
                     body["after"] = effect.after
+                if reads_copy_sender(self.peer_versions.announcement(effect.core)):
+                    body["sender"] = self.config.name  # counted by the sequencer (core.snapshot.CopiesServed)
                 detail = {"table": effect.table, "after": effect.after}
                 self._install_request(shard, effect.core, "bootstrap_batch", body, detail)
             elif isinstance(effect, replication.ApplyBatch):
@@ -2294,6 +2300,9 @@ class CoreNode(NodeServer):
                 "learner_match": next(
                     (list(key) for peer, key in status.follower_match_keys if peer == status.learner), None
                 ),
+                # What the sequencer served of the learner's snapshot install: it moves while the
+                # copy does, when the matched key moves only at the install's end.
+                "learner_copy": self.copies_served.shown(shard, *self._installing_cores(shard), self.clock_ms()),
                 "committed": list(status.committed_key),
                 "sequencer": status.sequencer,
                 "generation": status.generation,
@@ -2559,7 +2568,24 @@ class CoreNode(NodeServer):
                 if self.count_later(envelope, message.request_id, table, applied, body.forwarded):
                     return HELD
         limits = self.config.limits
-        return read_service.answer_read(self.store, kind, body, table, limits.scan_rows_max, limits.frame_bytes_max)
+        answer = read_service.answer_read(self.store, kind, body, table, limits.scan_rows_max, limits.frame_bytes_max)
+        if kind == "bootstrap_batch" and body.sender is not None and table is not None:
+            first_batch = body.after is None
+            self._count_copy_served(table.shard, body.sender, table.name, first_batch, len(answer["rows"]))
+        return answer
+
+    def _installing_cores(self, shard: str) -> tuple[str | None, tuple[str, ...]]:
+        """The learner and members of ``shard`` whose installs this core counts: none unless it is the
+        shard's sequencer (``core.snapshot.CopiesServed``)."""
+        driver = self.shards.get(shard)
+        if driver is None or driver.consensus.role is not Role.SEQUENCER:
+            return None, ()
+        status = driver.consensus.status()
+        return status.learner, tuple(status.members)
+
+    def _count_copy_served(self, shard: str, core: str, table: str, first_batch: bool, rows: int) -> None:
+        learner, members = self._installing_cores(shard)
+        self.copies_served.served(shard, core, table, first_batch, rows, self.clock_ms(), learner, members)
 
     def _shard(self, shard: str) -> ShardPosition:
         position = self.store.shard(shard)

@@ -41,6 +41,14 @@ rule for snapshots): entries this core acknowledged are never dropped. A release
 ``snapshot_request`` (0.1.0, which announces no versions) is never sent one: such a sequencer offers
 only while it has trimmed, as before.
 
+Progress at the sequencer. A learner's matched key moves only when its install ends, and a large
+shard's copy takes minutes: ``cluster add-core`` would see no progress for all that time. So the
+installing core names itself in each ``bootstrap_batch`` it asks (``sender``; only of a sequencer
+that announces its versions: 0.1.0 refuses the field, ``reads_copy_sender``), and the sequencer
+counts what it served it (``CopiesServed``): rows, batches and when the last was served. The
+``members`` answer shows the learner's count (``learner_copy``), and ``core.membership.change_wait``
+takes a change in it for progress.
+
 The state machine is pure: the driver executes the effects in order and feeds the answers back.
 """
 
@@ -205,6 +213,88 @@ def reads_snapshot_request(sequencer: Announcement | None) -> bool:
     """Whether a sequencer that announced ``sequencer`` knows ``snapshot_request``: every release that
     announces its versions does; 0.1.0 announces none (and one not heard yet is not asked)."""
     return sequencer is not None and sequencer.announced
+
+
+def reads_copy_sender(sequencer: Announcement | None) -> bool:
+    """Whether a sequencer that announced ``sequencer`` reads a ``bootstrap_batch``'s ``sender``: every
+    release that announces its versions does; 0.1.0 announces none and refuses the field (one not heard
+    yet is not sent it either: its batches are then not counted, as before)."""
+    return sequencer is not None and sequencer.announced
+
+
+@dataclass
+class CopyServed:
+    """What the sequencer served of one core's snapshot install of one shard."""
+
+    rows: int = 0
+    batches: int = 0
+    last_batch_ms: int = 0
+    # The table whose first batch began the count: its first batch asked again begins a new install.
+    first_table: str | None = None
+
+
+class CopiesServed:
+    """The sequencer's count of what it served of each core's snapshot install, per shard (see
+    "Progress at the sequencer"). Pure: the driver passes the time and the shard's membership.
+
+    Bounded: a count exists only for a core that was the shard's learner or one of its members when
+    a batch was served to it, and ``served`` and ``shown`` drop (for their shard) the count of a
+    core that is neither any more (none at all where this core is not the sequencer: the driver
+    passes no members then), and that of a member served nothing for ``idle_ms`` (its install ended
+    or was abandoned: an installing core waits no longer than that for a batch). The learner's count
+    stays while it is the learner: it is what ``cluster add-core`` shows, and a count that stops is
+    how it sees a stalled copy."""
+
+    def __init__(self, idle_ms: int) -> None:
+        if idle_ms < 1:
+            raise ValueError("idle_ms must be positive")
+        self.idle_ms = idle_ms
+        self._shards: dict[str, dict[str, CopyServed]] = {}
+
+    def served(
+        self,
+        shard: str,
+        core: str,
+        table: str,
+        first_batch: bool,
+        rows: int,
+        now_ms: int,
+        learner: str | None,
+        members: tuple[str, ...],
+    ) -> None:
+        """One batch of ``rows`` rows of ``table`` served to ``core`` (``first_batch``: the table's first,
+        asked from its start); counted only for the shard's learner or one of its ``members``."""
+        self._keep(shard, learner, members, now_ms)
+        if core != learner and core not in members:
+            return
+        copy = self._shards.setdefault(shard, {}).setdefault(core, CopyServed())
+        if first_batch and copy.first_table == table:
+            copy.rows = copy.batches = 0  # the install began again
+        if copy.first_table is None:
+            copy.first_table = table
+        copy.rows += rows
+        copy.batches += 1
+        copy.last_batch_ms = now_ms
+
+    def shown(self, shard: str, learner: str | None, members: tuple[str, ...], now_ms: int) -> dict[str, int] | None:
+        """The learner's count as ``members`` shows it (``learner_copy``; None: nothing served to it)."""
+        self._keep(shard, learner, members, now_ms)
+        copy = self._shards.get(shard, {}).get(learner) if learner is not None else None
+        if copy is None:
+            return None
+        return {"rows": copy.rows, "batches": copy.batches, "last_batch_age_ms": max(0, now_ms - copy.last_batch_ms)}
+
+    def _keep(self, shard: str, learner: str | None, members: tuple[str, ...], now_ms: int) -> None:
+        copies = self._shards.get(shard)
+        if copies is None:
+            return
+        for core, copy in list(copies.items()):
+            if core == learner:
+                continue
+            if core not in members or now_ms - copy.last_batch_ms >= self.idle_ms:
+                del copies[core]
+        if not copies:
+            del self._shards[shard]
 
 
 def offer_due(follower_heard_ms: int | None, now_ms: int, window_ms: int) -> bool:

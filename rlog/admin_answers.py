@@ -185,6 +185,14 @@ def status_type(role: str) -> type[NodeStatus]:
 # -- members (``CoreNode.membership``) --------------------------------------------------------------
 
 
+class LearnerCopy(Answer, frozen=True, kw_only=True):
+    """What the sequencer served of its learner's snapshot install (``core.snapshot.CopiesServed``)."""
+
+    rows: Count
+    batches: Count
+    last_batch_age_ms: Count
+
+
 class ShardMembership(Answer, frozen=True, kw_only=True):
     members: list[str]
     committed_members: list[str]
@@ -193,6 +201,8 @@ class ShardMembership(Answer, frozen=True, kw_only=True):
     generation: int
     learner_match: TxKey | None = None
     committed: TxKey | None = None
+    # Absent from the answers of nodes before it was added.
+    learner_copy: LearnerCopy | None = None
 
 
 class Membership(Answer, frozen=True, kw_only=True):

@@ -254,8 +254,8 @@ Push = _kind("push", SHARD, ("agent", Name), ("core", Name), ("entries", Entries
              ("hears_sequencer", bool), ("watch", _free(3), None), TOKEN)
 Rejected = Annotated[str, Meta(max_length=MESSAGE_CHARS_MAX)] | None
 PushAck = _kind("push_ack", SHARD, ("agent", Name), ("applied", TxKey), ("rejected", Rejected, None), TOKEN)
-BytesMax = Annotated[int, Meta(ge=1, le=2**31)] | None  # a bootstrap's batch of one table (bootstrap.serve)
-_kind("bootstrap_batch", TABLE, ("limit", Integer), ("after", Scalar, None), ("bytes_max", BytesMax, None))
+BytesMax, INSTALLER = Annotated[int, Meta(ge=1, le=2**31)] | None, ("sender", Name | None, None)  # core.snapshot
+_kind("bootstrap_batch", TABLE, ("limit", Integer), ("after", Scalar, None), ("bytes_max", BytesMax, None), INSTALLER)
 # sequencer -> a follower behind its trimmed log (core.snapshot), the membership at key; version 1 left out (0.1.0)
 Members = Annotated[list[Name], Meta(max_length=types.MEMBERS_OP_MAX)]
 ClusterVersion, FORCED = Annotated[int, Meta(ge=1, le=1000)], ("forced", bool, False)  # sent only true, never to 0.1.0

@@ -880,6 +880,35 @@ def test_a_change_is_waited_for_while_it_moves_and_called_stalled_only_when_it_s
     assert membership.change_wait(learner, "x", False, None, 0, 0, 1000).state == "done"
 
 
+def test_a_learner_s_snapshot_copy_that_moves_is_waited_for_and_one_that_stops_is_stalled():
+    """Regression: a learner installing a snapshot has the same matched key until the install ends,
+    and ``change_wait`` took only that key (and the members) for progress: an install of over
+    ``CHANGE_STALL_MS`` was called stalled while its copy moved all along. The rows and batches the
+    sequencer served it (``learner_copy``) are progress too; the age of its last batch is not."""
+    stall_ms = membership.CHANGE_STALL_MS
+    learner = {"members": ["a"], "committed_members": ["a"], "learner": "d", "learner_match": [1, 5]}
+
+    def copying(rows: int, batches: int, age_ms: int = 0) -> dict:
+        return {**learner, "learner_copy": {"rows": rows, "batches": batches, "last_batch_age_ms": age_ms}}
+
+    wait = membership.change_wait(copying(10_000, 1), "d", True, None, 0, 0)
+    # Five minutes of copying, a batch every 50 s: waited for all along, the stall counted from each batch.
+    for minute in range(1, 6):
+        now_ms = minute * 50_000
+        moved = copying(10_000 * (minute + 1), minute + 1)
+        wait = membership.change_wait(moved, "d", True, wait.seen, wait.since_ms, now_ms)
+        assert (wait.state, wait.since_ms) == ("waiting", now_ms)
+    assert wait.since_ms > stall_ms
+    # The copy stopped: only its last batch's age grows. Stalled once nothing moved for CHANGE_STALL_MS.
+    last_ms = 250_000
+    for age_ms, state in ((stall_ms - 1, "waiting"), (stall_ms, "stalled")):
+        stopped = copying(60_000, 6, age_ms=age_ms)
+        assert membership.change_wait(stopped, "d", True, wait.seen, wait.since_ms, last_ms + age_ms).state == state
+    # The count appearing (a sequencer that served the learner's first batch) is progress too.
+    first = membership.change_wait(learner, "d", True, None, 0, 0)
+    assert membership.change_wait(copying(0, 1), "d", True, first.seen, 0, stall_ms).state == "waiting"
+
+
 class _FakeCore:
     """A sequencer as ``cluster add-core`` / ``remove-core`` sees it: ``outcomes`` per shard is what
     each ``membership_change`` does in turn (an exception raised, or a result returned); ``views``
@@ -926,6 +955,12 @@ def _cli_with(monkeypatch, core):
     return cli
 
 
+def _learner_at(match: list[int], **more) -> dict:
+    """A shard's ``members`` entry while learner core2 catches up, at ``match`` of (1, 900)."""
+    learning = {"members": ["core1"], "committed_members": ["core1"], "learner": "core2"}
+    return {**learning, "learner_match": match, "committed": [1, 900], **more}
+
+
 @pytest.mark.timeout(30)
 def test_add_core_waits_through_a_catch_up_that_outlasts_its_timeout_and_shows_progress(monkeypatch):
     """Regression: each membership_change waits --timeout-ms (5 s by default, sent twice), and a
@@ -936,16 +971,7 @@ def test_add_core_waits_through_a_catch_up_that_outlasts_its_timeout_and_shows_p
 
     clock = _Clock()
     silence = OutcomeUnknown("outcome unknown: node tcp://127.0.0.1:7400 did not answer", "r")
-    catching_up = [
-        {
-            "members": ["core1"],
-            "committed_members": ["core1"],
-            "learner": "core2",
-            "learner_match": [1, n],
-            "committed": [1, 900],
-        }
-        for n in (100, 400, 800)
-    ]
+    catching_up = [_learner_at([1, n]) for n in (100, 400, 800)]
     answer = {"shard": "default", "members": ["core1", "core2"], "tx_key": [1, 901]}
     core = _FakeCore(["default"], {"default": [silence, silence, silence, answer]}, catching_up, clock)
     cli = _cli_with(monkeypatch, core)
@@ -956,6 +982,36 @@ def test_add_core_waits_through_a_catch_up_that_outlasts_its_timeout_and_shows_p
     assert "core2 catching up as a learner: at (1, 400) of (1, 900)" in done.stderr
     # One change: a new request, then the id its silence named (OutcomeUnknown.request_id) again.
     assert [request_id for _, request_id in core.asked] == [None, "r", "r", "r"]
+
+
+@pytest.mark.timeout(30)
+def test_add_core_waits_through_a_snapshot_install_that_outlasts_the_stall_time_and_shows_its_rows(monkeypatch):
+    """Regression: a learner's matched key moves only at the end of its snapshot install, so an install
+    of over 60 s ended `cluster add-core` with exit 3 "still under way" while its copy moved. The copy
+    the sequencer serves (``learner_copy``) is progress, and the progress line shows its rows."""
+    from click.testing import CliRunner
+    from mnesite.rlog.client import OutcomeUnknown
+
+    clock = _Clock()
+    silence = OutcomeUnknown("outcome unknown: node tcp://127.0.0.1:7400 did not answer", "r")
+    copies = ({"rows": 10_000 * n, "batches": n, "last_batch_age_ms": 200} for n in range(1, 10))
+    installing = [_learner_at([1, 5], learner_copy=copy) for copy in copies]
+    answer = {"shard": "default", "members": ["core1", "core2"], "tx_key": [1, 901]}
+
+    class Slow(_FakeCore):
+        def members(self):
+            self.clock.now += 20.0  # each view 30 s after the one before: 270 s of copying in all
+            return super().members()
+
+    core = Slow(["default"], {"default": [silence] * 9 + [answer]}, installing, clock)
+    cli = _cli_with(monkeypatch, core)
+    monkeypatch.setattr(cli, "time", clock)
+    done = CliRunner().invoke(cli.main, ["cluster", "add-core", "core2", "tcp://127.0.0.1:7401"])
+    assert done.exit_code == 0, done.output
+    assert clock.now >= 270
+    assert "default: add core2 committed at (1, 901)" in done.stdout
+    shown = "core2 catching up as a learner: at (1, 5) of (1, 900); snapshot install: 90,000 rows copied"
+    assert f"{shown} in 9 batches, the last 0 s ago" in done.stderr
 
 
 @pytest.mark.timeout(30)

@@ -301,3 +301,100 @@ def test_a_read_refused_during_a_snapshot_install_says_so_and_why_the_fence_key_
         fenced = "replaying after installing a snapshot at (1, 9) from core2, up to the committed key being asked for"
         assert f"{fenced}; that key was not told at the last ask: {said}; retry later" in refusal()
         assert node.status()["shards"]["default"]["install"]["read_fence_error"] == said
+
+
+def test_the_sequencer_counts_what_it_serves_of_each_learner_or_member_install_and_forgets_the_rest():
+    """``CopiesServed``: what ``cluster add-core`` sees move while a learner's install copies (its
+    matched key moves only at the end), bounded to the learner and the members being installed."""
+    from mnesite.core.snapshot import CopiesServed
+
+    copies = CopiesServed(idle_ms=10_000)
+    members = ("core1", "core2")
+    assert copies.shown("s", "core3", members, 0) is None
+    copies.served("s", "core3", "a", True, 100, 1000, "core3", members)
+    copies.served("s", "core3", "a", False, 50, 1500, "core3", members)
+    copies.served("s", "core3", "b", True, 7, 2000, "core3", members)
+    assert copies.shown("s", "core3", members, 2500) == {"rows": 157, "batches": 3, "last_batch_age_ms": 500}
+    # The first table's first batch asked again: the install began again, and so does its count.
+    copies.served("s", "core3", "a", True, 20, 3000, "core3", members)
+    assert copies.shown("s", "core3", members, 3000) == {"rows": 20, "batches": 1, "last_batch_age_ms": 0}
+    # Another shard's count is its own; a core neither learner nor member (a replicant naming one, a
+    # core removed) is not counted.
+    copies.served("other", "core3", "x", True, 5, 3000, "core3", members)
+    copies.served("s", "core9", "a", True, 5, 3000, "core3", members)
+    assert copies.shown("other", "core3", members, 3000)["rows"] == 5
+    assert set(copies._shards["s"]) == {"core3"}
+    # The learner's count stays however long its copy stands still (a stalled copy is seen as such).
+    assert copies.shown("s", "core3", members, 999_000)["last_batch_age_ms"] == 996_000
+    # A member's install is counted too, and forgotten once it was served nothing for idle_ms.
+    copies.served("s", "core2", "a", True, 9, 4000, "core3", members)
+    assert copies.shown("s", "core2", members, 13_999) == {"rows": 9, "batches": 1, "last_batch_age_ms": 9999}
+    assert copies.shown("s", None, members, 14_000) is None
+    assert copies.shown("s", "core2", members, 14_000) is None
+    # Once the learner is neither learner nor member (its add refused), or this core is no longer the
+    # sequencer (no learner, no members), the counts go.
+    assert copies.shown("s", None, members, 15_000) is None and copies.shown("s", "core3", members, 15_000) is None
+    assert copies.shown("other", "core3", members, 15_000) is not None
+    assert copies.shown("other", None, (), 15_000) is None
+    assert copies.shown("other", "core3", ("core3",), 15_000) is None
+    assert not copies._shards
+
+
+def test_a_learner_names_itself_in_its_batches_only_to_a_sequencer_that_announces_its_versions():
+    from mnesite.core.snapshot import reads_copy_sender
+    from mnesite.rlog.versions import RELEASE_0_1_0, THIS_RELEASE
+
+    assert reads_copy_sender(THIS_RELEASE)
+    assert not reads_copy_sender(RELEASE_0_1_0) and not reads_copy_sender(None)
+
+
+@pytest.mark.timeout(60)
+def test_the_sequencer_s_members_answer_shows_a_learner_s_snapshot_copy_moving(tmp_path) -> None:
+    """Regression: ``members`` showed of a learner only its matched key, which a snapshot install
+    moves only at its end; `cluster add-core` saw a long install as stalled. A learner installing
+    from this sequencer names itself in its batches, and ``learner_copy`` counts what it was served."""
+    from mnesite.core.node import CoreNode
+    from mnesite.rlog import admin_answers, messages
+    from mnesite.rlog.messages import Message
+
+    from tests.conftest import core_with_table, free_port, node_config, queued_to
+
+    with core_with_table(tmp_path / "core1") as sequencer:
+        sequencer.begin()
+        sequencer.store.write_rows("t", [{"id": i, "v": f"row {i}"} for i in range(5)])
+        learner_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        change = {"shard": "default", "action": "add", "name": "core2", "endpoint": learner_endpoint}
+        asked = Message("membership_change", "m1", messages.typed_body("membership_change", change))
+        sequencer._dispatch([b"op"], asked)
+        assert sequencer.membership()["shards"]["default"]["learner"] == "core2"
+        assert sequencer.membership()["shards"]["default"]["learner_copy"] is None
+
+        cores = {"core1": sequencer.config.listen, "core2": learner_endpoint}
+        config = node_config(tmp_path / "core2", free_port(), "core2", extra={"cluster": {"core_nodes": cores}})
+        learner = CoreNode(config)
+        try:
+            learner.begin()
+            learner.store.ensure_shard("default", 0)
+            learner._open_shard("default")
+            learner.peer_versions.heard("core1", sequencer.journal(), 0)
+            position = sequencer.store.shard("default")
+            offer = SnapshotOffer("core1", 1, position.applied, position.digest, ("core1",))
+            install = SnapshotInstall(offer, 2, 60_000, learner.clock_ms())
+            learner.installs["default"] = install
+            learner._execute_install("default", install.start())
+            shown = []
+            while install.mode is not InstallMode.FENCED:
+                (request,) = [m for _, _, m in learner._outbox if m.request_id in learner.install_requests]
+                learner._outbox.clear()
+                sequencer._dispatch([b"learner"], messages.decode(messages.encode(request)))
+                (answer,) = queued_to(sequencer, [b"learner"])
+                sequencer._outbox.clear()
+                learner._on_install_answer(learner.install_requests.pop(request.request_id), answer)
+                if request.kind == "bootstrap_batch":
+                    members = sequencer.membership()
+                    assert messages.answer_as(members, admin_answers.Membership) is not None
+                    copy = members["shards"]["default"]["learner_copy"]
+                    shown.append((copy["rows"], copy["batches"]))
+        finally:
+            learner.close()
+        assert shown == [(2, 1), (4, 2), (5, 3)]
