@@ -82,6 +82,7 @@ def test_the_fast_lane_is_the_first_ci_run_without_the_deep_tests() -> None:
         ("test_replicant_simulation", "test_seed"),
         ("test_disk_simulation", "test_seed"),
         ("test_lost_disk_simulation", "test_seed"),
+        ("test_names_simulation", "test_seed"),
         ("test_membership", "test_membership_changes_under_faults"),
     ],
 )

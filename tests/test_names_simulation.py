@@ -1,0 +1,108 @@
+"""Table and index names across shards, at simulated nodes over the real store (see tests/sim/names.py).
+
+CI runs ``CI_SEEDS`` seeds, ``make test-fast`` the first ``FAST_SEEDS`` (the others are marked deep).
+Replay one seed with ``MNESITE_SIM_SEED=12 .venv/bin/pytest tests/test_names_simulation.py -k seed_12``;
+run more locally with ``MNESITE_NAMES_SIM_SEEDS=2000``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mnesite.rlog import store as store_module
+from mnesite.rlog.store import Store
+
+from tests.conftest import simulation_seeds
+from tests.sim import SimulationFailure
+from tests.sim.names import run_names_seed
+
+CI_SEEDS = 40
+FAST_SEEDS = 10  # the developers' fast lane runs these; the others are marked deep
+
+# A name created by a shard after another shard dropped it, at a node that applies the later create
+# before the earlier one: the earlier shard waits at its create for good (nothing of the later
+# holder drops it). ``name_held_elsewhere`` waits only for a holder already applied here, so a create
+# applied ahead of an older one of another shard takes the name first. Seen at most seeds of the
+# ``free`` mode; the ``exclusive`` mode (the seeds above) keeps to histories where it cannot happen.
+KNOWN_GAP = (
+    "known gap: a later create of a name, applied at a node before another shard's earlier create and "
+    "drop of it, leaves that shard waiting for good (rlog.schema.name_held_elsewhere)"
+)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("seed", simulation_seeds(CI_SEEDS, "MNESITE_NAMES_SIM_SEEDS", FAST_SEEDS))
+def test_seed(seed: int) -> None:
+    simulation = run_names_seed(seed)
+    assert len(simulation.history.entries) >= 20 and simulation.turns >= 3 * 20
+
+
+@pytest.mark.timeout(30)
+def test_the_seeds_make_shards_wait_restart_nodes_and_take_both_paths() -> None:
+    """Or the seeds above checked nothing of the rule."""
+    simulations = [run_names_seed(seed) for seed in range(FAST_SEEDS)]
+    assert sum(len(s.waits_met) for s in simulations) >= 15
+    assert sum(bool(s.waits_met) for s in simulations) >= FAST_SEEDS // 2
+    assert sum(s.restarts for s in simulations) >= 20
+    met_at = {node.rstrip("0123456789") for s in simulations for node, _, _ in s.waits_met}
+    assert met_at == {"core", "replicant"}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("seed", range(5))
+def test_creates_of_one_name_in_two_shards_wait_and_never_stop_a_node(seed: int) -> None:
+    """Shards a and b each create one name without seeing the other's create: every node applies one
+    of them and waits, visibly, at the other (never ``EntryApplyError``); the rest goes on."""
+    simulation = run_names_seed(seed, "concurrent", remedy=False)
+    assert simulation.waits_met, "both creates reached every node: one of them waits"
+    assert all("drop it in shard" in text for text in simulation.waits_seen)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("seed", range(5))
+def test_creates_of_one_name_in_two_shards_converge_once_an_operator_drops_one(seed: int) -> None:
+    """The documented remedy: the name dropped in one of the two shards. Nodes where the kept shard
+    waited apply its create once the drop applies; seeds 0 to 4 happen to meet no node where the
+    dropped shard waited (``test_the_known_gap_...``)."""
+    run_names_seed(seed, "concurrent", remedy=True)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.xfail(raises=SimulationFailure, strict=True, reason=KNOWN_GAP)
+@pytest.mark.parametrize(("mode", "seed"), [("free", 0), ("concurrent", 8)])
+def test_the_known_gap_a_name_taken_ahead_of_an_older_create_waits_for_good(mode: str, seed: int) -> None:
+    """``free``: any sequencer-correct history. ``concurrent``: the remedy at a node where the shard
+    whose name was dropped waits at its create (the kept shard holds the name and never drops it)."""
+    run_names_seed(seed, mode, remedy=True)
+
+
+@pytest.mark.timeout(30)
+def test_the_simulation_catches_a_name_held_elsewhere_taken_as_free(monkeypatch) -> None:
+    """Mutation: the apply's rule finds no name held by another shard: the create meets SQLite's
+    table of that name and the node stops."""
+    monkeypatch.setattr(store_module, "name_held_elsewhere", lambda catalog, shard, ops: None)
+    with pytest.raises(SimulationFailure, match=r"seed 0 .*the store stopped the node: .*cannot be applied"):
+        run_names_seed(0)
+
+
+@pytest.mark.timeout(30)
+def test_the_simulation_catches_a_waiting_shard_never_tried_again(monkeypatch) -> None:
+    """Mutation: ``name_wait_due`` is never true: a shard waits on once its name was let go."""
+    monkeypatch.setattr(Store, "name_wait_due", lambda self, shard: False)
+    with pytest.raises(SimulationFailure, match=r"seed 0 .*waits at .* which no other shard holds here"):
+        run_names_seed(0)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.xfail(strict=True, reason=KNOWN_GAP)
+def test_the_known_gap_at_its_smallest(tmp_path) -> None:
+    """Shard a creates, writes and drops ``x``; then shard b creates ``X``. A node that applies b's
+    log before a's takes the name for b, and a's create waits for a drop of b's that never comes."""
+    from tests.test_name_waits import TABLE_NAME, chain, open_store
+
+    store = open_store(tmp_path, "store")
+    with store.write_transaction():
+        store.log_and_apply_verified(chain("b", TABLE_NAME[1]), 0)
+        store.log_and_apply_verified(chain("a", TABLE_NAME[0]), 0)
+    waits = dict(store.name_waits)
+    store.close()
+    assert waits == {}
