@@ -483,17 +483,6 @@ BatchAnswer = _answer("BatchAnswer", ("rows", BatchRows), ("done", bool), ("rows
 def answer_as(result: Any, answer_type: type[Any]) -> Any:
     """``result`` as ``answer_type``, or None if it does not fit (never raises on untrusted input)."""
     try:
-        return answer_checked(result, answer_type, "answer")
-    except MessageError:
-        return None
-
-
-def answer_checked(result: Any, answer_type: type[Any], kind: str) -> Any:
-    """``result`` as ``answer_type``, or ``MessageError`` naming where it does not fit, as ``body_error``
-    does (the field path under ``kind``, never the value)."""
-    try:
         return msgspec.convert(result, answer_type)
-    except msgspec.ValidationError as error:
-        raise body_error(kind, error) from None
-    except RecursionError:
-        raise MessageError(f"{kind}: is nested deeper than the decoder allows") from None
+    except (msgspec.ValidationError, RecursionError):
+        return None
