@@ -1645,7 +1645,8 @@ def describe_core_queues(status: dict[str, Any]) -> list[str]:
 
 
 def describe_versions(status: dict[str, Any]) -> list[str]:
-    """What a node's status says of versions (rlog.versions), one line for it and one per peer."""
+    """What a node's status says of versions (rlog.versions) and of the cluster id it names, one line
+    for it and one per peer."""
     versions = status.get("versions")
     if versions is None:
         return ["release 0.1.0 (it announces no versions; cluster version 1)"]
@@ -1657,6 +1658,8 @@ def describe_versions(status: dict[str, Any]) -> list[str]:
     lines = [f"{spoken(versions)}"]
     if "cluster_version" in status:
         lines[0] += f"; cluster version {status['cluster_version']}, storage format {status.get('storage_format')}"
+    if versions.get("cluster_id"):  # [cluster] cluster_id: absent when the node names none
+        lines[0] += f"; cluster id {versions['cluster_id']}"
     peers = status.get("peer_versions") or status.get("core_versions") or {}
     for peer, info in sorted(peers.items()):
         said = "" if info.get("announced", True) else " (inferred: it announces no versions)"

@@ -35,9 +35,9 @@ the persisted log through an ``AgentLogView`` and never touches a socket, a file
   It stops instead, with that refusal as its reason (``entry_refusal``), before the entry: the
   entries before it are pushed first. The agent server refuses a watch whose agent stops so at once
   (``too_large``, naming the entry's key and size, the replicant's limit and the limit that would
-  do); a replicant whose agent stopped later notices the silence, watches again from its applied
-  key, and is refused so. A replicant that told nothing (protocol 1, release 0.1.0) is pushed as
-  before: by the core's own bounds.
+  do); a replicant whose agent stopped later (which the core logs: ``AgentServer.entry_refusals``)
+  notices the silence, watches again from its applied key, and is refused so. A replicant that told
+  nothing (protocol 1, release 0.1.0) is pushed as before: by the core's own bounds.
 * Pushes in flight. A push with entries is in flight until an acknowledgement covers its last key.
   A partial push (fewer than ``push_entries_max`` entries and ``push_bytes_max`` bytes, judged by
   the entry sizes seen so far) goes only while fewer than ``pushes_in_flight_max`` pushes are in

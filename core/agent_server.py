@@ -41,7 +41,10 @@ Frame limit. A watch that tells the replicant's ``frame_bytes_max`` (protocol 2)
 pushes within it (``core.agent``, "Frame limit"). If the first entry that agent must push cannot fit
 a push to that replicant at all, the watch is refused ``too_large`` with the agent's reason (the
 entry's key and size, the replicant's limit, what to raise it to): the replicant shows it and
-retries by its failover rule, and a push it could never read is never sent.
+retries by its failover rule, and a push it could never read is never sent. An agent that stops so
+later, part-way through its stream (the entries before that one pushed), ends like any stopped agent;
+its reason is kept in ``entry_refusals`` for the node to log (``take_entry_refusals``): that replicant's
+next watch is refused, but the stop itself would otherwise be said nowhere on the core.
 
 Memory. The bytes all agents hold (pushed, not acknowledged) are accounted in one
 ``core.agent_budget.AgentMemoryBudget`` of ``agents_bytes_max``: after every step of an agent its
@@ -114,6 +117,18 @@ class Watch:
         return self.agent.acknowledged
 
 
+@dataclass(frozen=True)
+class EntryRefused:
+    """An agent stopped before an entry its replicant's frame cannot hold (``core.agent``, "Frame
+    limit"), after pushing up to ``sent``; ``refusal`` names the entry's key and size and the limit."""
+
+    agent: str
+    replicant: str
+    shard: str
+    sent: TxKey
+    refusal: str
+
+
 class AgentServer:
     def __init__(
         self,
@@ -145,6 +160,9 @@ class AgentServer:
         # Acknowledgements refused by agents since the start: they proved no push read, or claimed
         # keys beyond those they proved (core.agent, "Proven acknowledgements").
         self.acks_refused = 0
+        # Agents stopped part-way through their stream at an entry too large for their replicant, since
+        # the node last took them: one each (an agent stops once), at most an agent per watch served.
+        self.entry_refusals: list[EntryRefused] = []
         # Bytes all agents may push in one loop turn (the driver calls ``begin_turn``): serving
         # replicants costs the core's loop a bounded time per turn, whatever the acknowledgements.
         self.turn_push_bytes_max = self.config.step_bytes_max
@@ -222,6 +240,8 @@ class AgentServer:
             # limit"): refused, so that the replicant says why instead of waiting for pushes. The agent
             # stopped, and is forgotten already; a heartbeat it queued must not answer the watch.
             self.outbox = [(to, message) for to, message in self.outbox if message.body["agent"] != agent_id]
+            # The node says this one as the watch's refusal, not as an agent that stopped.
+            self.entry_refusals = [refused for refused in self.entry_refusals if refused.agent != agent_id]
             raise WatchRefusedError("too_large", agent.entry_refusal, agent=agent_id)
         return answer
 
@@ -350,6 +370,11 @@ class AgentServer:
                     body["token"] = effect.token
                 self.outbox.append((watch.endpoint, Message("push", agent_id[:64], body)))
             elif isinstance(effect, AgentStopped):
+                if watch.agent.entry_refusal is not None:
+                    sent = watch.agent.status().sent_key
+                    self.entry_refusals.append(
+                        EntryRefused(agent_id, watch.replicant, watch.shard, sent, watch.agent.entry_refusal)
+                    )
                 self._forget(agent_id)
                 return
         self.budget.held(agent_id, watch.agent.unacknowledged_bytes)
@@ -376,6 +401,11 @@ class AgentServer:
     def drain(self) -> list[tuple[str, Message]]:
         outbox, self.outbox = self.outbox, []
         return outbox
+
+    def take_entry_refusals(self) -> list[EntryRefused]:
+        """The agents stopped at an entry too large for their replicant since the last call (see "Frame limit")."""
+        refusals, self.entry_refusals = self.entry_refusals, []
+        return refusals
 
     def stop_unreadable(self, shard: str, cluster_version: int, own: Announcement) -> None:
         """The shard's log moved to ``cluster_version``: stop the agents whose replicant cannot read it

@@ -1294,6 +1294,20 @@ class CoreNode(NodeServer):
             # open a new one.
             if endpoint not in peers:
                 self.close_dealer(endpoint)
+        for refused in self.agent_server.take_entry_refusals():
+            # Its replicant's next watch is refused too_large and that is logged; the stop is said here,
+            # once per agent (throttled: a replicant watches again by its failover rule).
+            self.warnings.log(
+                "agent stopped: too_large",
+                logging.WARNING,
+                "shard %s: agent %s stopped pushing to replicant %s after %s: %s",
+                refused.shard,
+                refused.agent,
+                refused.replicant,
+                tuple(refused.sent),
+                refused.refusal,
+                logger=log,
+            )
         for endpoint, message in self.agent_server.drain():
             # Not IMMEDIATE: the first pushes of a new agent go out while the connection (and its
             # CurveZMQ handshake) is still being made; dropping them made every new agent's stream

@@ -15,15 +15,19 @@ field of it): what the commands print, ``--json`` included, does not depend on t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from mnesite.rlog.messages import Answer, JournalShardAnswer, NonNegative
 from mnesite.rlog.types import TxKey
+from mnesite.rlog.versions import CLUSTER_ID_PATTERN
+from msgspec import Meta
 
 Count = NonNegative
 # A number a command prints as one (a rate, an ETA): an integer or a float.
 Number = int | float
+# msgspec searches a pattern: anchored at the start here, as ``re.match`` is where the node checks it.
+ClusterId = Annotated[str, Meta(pattern="^" + CLUSTER_ID_PATTERN.pattern)]
 
 
 # -- status (``NodeServer.status`` of a core or a replicant) ----------------------------------------
@@ -40,6 +44,8 @@ class CopyProgress(Answer, frozen=True, kw_only=True):
 
 class InstallProgress(CopyProgress, frozen=True, kw_only=True):
     source: str = msgspec.field(name="from")
+    # Absent from the answers of nodes before it was added.
+    read_fence_error: str | None = None
 
 
 class FollowerStatus(Answer, frozen=True, kw_only=True):
@@ -88,6 +94,7 @@ class ReplicantShardStatus(Answer, frozen=True, kw_only=True):
     copy: CopyProgress | None = None
     bootstraps_outrun: Count | None = None
     last_error: str | None = None
+    read_fence_error: str | None = None
 
 
 class HandshakesFailed(Answer, frozen=True, kw_only=True):
@@ -119,6 +126,8 @@ class Versions(Answer, frozen=True, kw_only=True):
     cluster_versions: tuple[int, int] | None = None
     announced: bool = True
     refused: str | None = None
+    # Absent when the node names no cluster (``[cluster] cluster_id``), or is of a release before it.
+    cluster_id: ClusterId | None = None
 
 
 class BackupStatus(Answer, frozen=True, kw_only=True):
@@ -142,6 +151,8 @@ class AgentStatus(Answer, frozen=True, kw_only=True):
     acked: TxKey
     lag_entries: int | None
     acks_refused: Count = 0
+    # The replicant's, told in its watch: None when it told none (or the core is of a release before it).
+    frame_bytes_max: Count | None = None
 
 
 class AgentBudget(Answer, frozen=True, kw_only=True):
@@ -164,6 +175,9 @@ class NodeStatus(Answer, frozen=True, kw_only=True):
     peer_versions: dict[str, Versions] | None = None
     core_versions: dict[str, Versions] | None = None
     no_core_reached: str | None = None
+    # Outgoing frames not sent, by reason (zmq, core_queue_bytes_max); absent from older nodes' answers.
+    sends_dropped: Count | None = None
+    sends_dropped_by: dict[str, Count] | None = None
 
 
 class CoreStatus(NodeStatus, frozen=True, kw_only=True):

@@ -44,12 +44,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence, Set
 from typing import Any, NoReturn
 
+import msgspec
 import zmq
 from mnesite.rlog import admin_answers, messages
 from mnesite.rlog.changes import COPY_STALL_PAGES_MAX, copy_stalled, copy_start, position_to_wire
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
-from mnesite.rlog.messages import Answer, Message, MessageError, NonNegative, answer_as, typed_body
+from mnesite.rlog.messages import Answer, Message, MessageError, NonNegative, answer_as, body_error, typed_body
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import (
     FOLLOW_LINKS_CLIENT,
@@ -265,10 +266,12 @@ def bad_answer(kind: str, what: str) -> MnesiteError:
 
 def checked(kind: str, result: Any, answer_type: Any) -> Any:
     """``result`` as ``answer_type``; ``bad_answer`` if it does not fit."""
-    answer = answer_as(result, answer_type)
-    if answer is None:
-        raise bad_answer(kind, f"not a {getattr(answer_type, '__name__', answer_type)!s}")
-    return answer
+    try:
+        return msgspec.convert(result, answer_type)
+    except (msgspec.ValidationError, RecursionError) as error:
+        # where it does not fit, as a refused request is told (the field path, never the value)
+        where = body_error(kind, error) if isinstance(error, msgspec.ValidationError) else f"{kind}: nested too deep"
+        raise bad_answer(kind, f"not a {getattr(answer_type, '__name__', answer_type)!s} ({where})") from None
 
 
 def _rows(kind: str, rows: list[Any], row_type: type) -> None:

@@ -95,7 +95,12 @@ SENDER_FIELDS: dict[str, str] = {
     "watch": "replicant",
     "snapshot_offer": "sender",
     "snapshot_request": "sender",
+    # a learner core names itself so that the sequencer counts its snapshot copy (core.snapshot.CopiesServed)
+    "bootstrap_batch": "sender",
 }
+# Of those, the kinds whose sender field is optional: absent, it claims nobody (a replicant's bootstrap
+# batch, or a learner's of a release before the field), and nothing is checked.
+OPTIONAL_SENDER_KINDS = frozenset({"bootstrap_batch"})
 
 
 class RoleTable:
@@ -164,6 +169,6 @@ def sender_mismatch(principal: str, kind: str, body: object) -> str | None:
     """None if the body's sender field (if the kind has one) names ``principal``; else the reason."""
     field_name = SENDER_FIELDS.get(kind)
     claimed = getattr(body, field_name, None) if field_name is not None else None
-    if field_name is None or claimed == principal:
+    if field_name is None or claimed == principal or (claimed is None and kind in OPTIONAL_SENDER_KINDS):
         return None
     return f"{kind} claims {field_name} {claimed!r} but comes from {principal}"

@@ -406,6 +406,85 @@ def test_well_formed_admin_answers_still_read_as_they_came(node: ReplyingNode) -
                 assert ADMIN_CALLS[call](client) == result
 
 
+_AGENT = {
+    "agent": "a1",
+    "replicant": "replicant1",
+    "shard": "default",
+    "mode": "normal",
+    "acked": [2, 5],
+    "lag_entries": 0,
+}
+_VERSIONS = {"software": "0.2.0", "cluster_versions": [1, 2]}
+_INSTALL = {"rows": 1, "from": "core2"}
+_REPLICANT = {**_STATUS, "role": "replicant", "shards": {"default": _REPLICANT_SHARD}}
+# The status fields added after the typed answers, each malformed, and where the refusal says it is.
+NEWER_STATUS_GARBAGE = [
+    ({**_STATUS, "agents": [{**_AGENT, "frame_bytes_max": "4 MiB"}]}, "agents[0].frame_bytes_max"),
+    ({**_STATUS, "agents": [{**_AGENT, "frame_bytes_max": -1}]}, "agents[0].frame_bytes_max"),
+    ({**_STATUS, "sends_dropped_by": {"zmq": "3", "core_queue_bytes_max": 0}}, "sends_dropped_by[...]"),
+    ({**_STATUS, "sends_dropped_by": [3, 0]}, "sends_dropped_by"),
+    ({**_STATUS, "sends_dropped": -2}, "sends_dropped"),
+    ({**_STATUS, "versions": {**_VERSIONS, "cluster_id": "AB" * 16}}, "versions.cluster_id"),
+    ({**_STATUS, "versions": {**_VERSIONS, "cluster_id": "0" + "ab" * 16}}, "versions.cluster_id"),
+    ({**_STATUS, "versions": {**_VERSIONS, "cluster_id": 7}}, "versions.cluster_id"),
+    ({**_STATUS, "peer_versions": {"core2": {**_VERSIONS, "cluster_id": "ab"}}}, "peer_versions[...].cluster_id"),
+    (
+        {**_STATUS, "shards": {"default": {**_CORE_SHARD, "install": {**_INSTALL, "read_fence_error": 5}}}},
+        "shards[...].install.read_fence_error",
+    ),
+    (
+        {**_REPLICANT, "shards": {"default": {**_REPLICANT_SHARD, "read_fence_error": ["no"]}}},
+        "shards[...].read_fence_error",
+    ),
+]
+
+
+@pytest.mark.parametrize(("garbage", "where"), NEWER_STATUS_GARBAGE, ids=repr)
+def test_a_malformed_newer_status_field_is_a_bad_answer_naming_it(node: ReplyingNode, garbage: Any, where: str) -> None:
+    """A core's per-agent ``frame_bytes_max``, ``sends_dropped_by``, ``versions.cluster_id`` and a read
+    fence's ``read_fence_error`` reached ``mnesite status`` as they came (a text size, a negative count,
+    an upper-case cluster id); the refusal says where in the answer, not only which type it is not."""
+    node.result = garbage
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client, pytest.raises(MnesiteError) as raised:
+        client.status()
+    assert raised.value.code == "bad_answer", raised.value
+    assert "malformed status answer: not a " in str(raised.value)
+    assert f"status.{where}: " in str(raised.value)
+
+
+def test_the_newer_status_fields_read_present_null_or_absent(node: ReplyingNode) -> None:
+    """A node of a release before them answers without them; a core names no cluster id, an agent
+    whose replicant told no frame limit has a null one, a fence with no error a null one."""
+    versions = {**_VERSIONS, "cluster_id": "0123456789abcdef" * 2}
+    answers = [
+        {
+            **_STATUS,
+            "agents": [{**_AGENT, "frame_bytes_max": 4 * 1024 * 1024}, {**_AGENT, "frame_bytes_max": None}],
+            "sends_dropped": 3,
+            "sends_dropped_by": {"zmq": 1, "core_queue_bytes_max": 2, "a_newer_reason": 0},
+            "versions": versions,
+            "peer_versions": {"core2": versions, "core3": _VERSIONS},
+            "shards": {"default": {**_CORE_SHARD, "install": {**_INSTALL, "read_fence_error": "no answer"}}},
+        },
+        {
+            **_STATUS,
+            "agents": [_AGENT],
+            "versions": _VERSIONS,
+            "shards": {"default": {**_CORE_SHARD, "install": _INSTALL}},
+        },
+        {**_STATUS, "versions": {**_VERSIONS, "cluster_id": None}},
+        {
+            **_REPLICANT,
+            "shards": {"default": {**_REPLICANT_SHARD, "read_fence_error": None}},
+            "core_versions": {"core1": versions},
+        },
+    ]
+    with Client(node.endpoint, timeout_ms=2000, retries=0) as client:
+        for answer in answers:
+            node.result = answer
+            assert client.status() == answer
+
+
 _TABLE = TableSchema("t", "default", "k", (("k", "INTEGER"),))
 REPLICA_CALLS: dict[str, Callable[[NodeReplica], Any]] = {
     "range_digest": lambda replica: replica.range_digests(_TABLE, [(None, None)]),

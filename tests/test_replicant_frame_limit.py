@@ -271,3 +271,68 @@ def test_a_core_logs_its_too_large_refusal_of_a_watch_and_its_status_shows_each_
         lines = describe_agents({"agents": [agents["replicant2"], agents["replicant3"]]})
         assert lines[0].endswith(f"acknowledgements refused, frame_bytes_max {told}"), lines
         assert lines[1].endswith("acknowledgements refused, frame_bytes_max not told"), lines
+
+
+def test_a_core_logs_an_agent_that_stops_part_way_at_an_entry_too_large_for_its_replicant(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent that pushed some entries and then stopped before one its replicant's frame cannot hold
+    was silent at the core: only the replicant's next watch, refused ``too_large``, was logged. The
+    core logs the stop once (throttled), naming the shard, the agent, the replicant, the key pushed up
+    to and the refusal (the entry's key, its size, the replicant's frame_bytes_max); a watch refused at
+    once for such an entry is said as the watch's refusal only, not as an agent that stopped."""
+    import logging
+
+    from mnesite.rlog.errors import RequestError
+    from mnesite.rlog.messages import Message, typed_body
+
+    from tests.conftest import core_with_table, run_turns_until, watch_body
+
+    def write(node: Any, request_id: str, text: str) -> Any:
+        before = node.store.shard("default").applied
+        body = typed_body("transact", {"ops": [{"op": "write", "table": "t", "row": {"id": 1, "v": text}}]})
+        node._dispatch([b"writer"], Message("transact", request_id, body))
+        run_turns_until(node, lambda: node.store.shard("default").applied > before, f"the apply of {request_id}")
+        return node.store.shard("default")  # its position: applied key and digest
+
+    def stops_said() -> list[str]:
+        return [
+            r.getMessage() for r in caplog.records if r.name == "mnesite.core" and "stopped pushing" in r.getMessage()
+        ]
+
+    with core_with_table(tmp_path / "data") as node, caplog.at_level(logging.WARNING, logger="mnesite.core"):
+        start = node.store.shard("default")
+        small = write(node, "w-1", "x")
+        large = write(node, "w-2", "y" * REPLICANT_FRAME_BYTES_MAX)
+        told = {"from": list(start.applied), "from_digest": start.digest, "frame_bytes_max": REPLICANT_FRAME_BYTES_MAX}
+        answer = node._watch(typed_body("watch", watch_body("replicant1", "tcp://127.0.0.1:1", **told)))
+        # One push in flight at a time: the replicant reads the first (the small entry) and acknowledges
+        # it, echoing its token; the agent's next push would be the large entry.
+        [push] = [message for _, message in node.agent_server.drain() if message.kind == "push"]
+        assert node.agent_server.watches[answer["agent"]].agent.status().sent_key == small.applied
+        ack = {
+            "shard": "default",
+            "agent": answer["agent"],
+            "applied": list(small.applied),
+            "token": push.body["token"],
+        }
+        node.agent_server.acknowledged(typed_body("push_ack", ack), node.clock_ms())
+        # Its next push is due once push_delay_ms_max has passed since the first: it stops then, forgotten.
+        run_turns_until(node, lambda: answer["agent"] not in node.agent_server.watches, "the agent's stop")
+        node.run_turn()
+        [said] = stops_said()
+        assert f"agent {answer['agent']} stopped pushing to replicant replicant1 after {tuple(small.applied)}" in said
+        assert (
+            said.startswith("shard default: ")
+            and f"entry {tuple(large.applied)} of shard default is " in said
+            and "frame_bytes_max is 65536" in said
+        ), said
+        # The replicant watches again from what it applied: refused at once, said as that refusal.
+        caplog.clear()
+        after = {**told, "from": list(small.applied), "from_digest": small.digest}
+        with pytest.raises(RequestError) as refused:
+            node._watch(typed_body("watch", watch_body("replicant1", "tcp://127.0.0.1:1", **after)))
+        node.run_turn()
+        node.warnings.flush(final=True)  # what the throttle held back, said now
+        assert refused.value.code == "too_large" and stops_said() == []
+        assert any("refused replicant replicant1's watch" in r.getMessage() for r in caplog.records)

@@ -849,6 +849,30 @@ def test_consensus_messages_need_a_core_key_that_matches_the_sender(secure_node)
     assert after == before
 
 
+def test_a_bootstrap_batch_names_only_its_own_core_as_the_copys_sender(secure_node) -> None:
+    """A learner core names itself in its bootstrap batches (``sender``) so that the sequencer counts
+    its snapshot copy (``core.snapshot.CopiesServed``): any key allowed to read batches could name
+    another core and have the sequencer count a copy for it. A named sender must be the principal,
+    as every sender field (refused ``forbidden``, counted in ``refused_sender``); a batch that names
+    none (a replicant's, or a learner's of a release before the field) is served as before."""
+    with secure_node.client("ops") as admin:
+        admin.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        admin.put("kv", {"id": 1, "value": "a"})
+    forged = {"table": "kv", "limit": 10, "sender": "core2"}
+    for principal in ("replicant1", "core1", "ops"):
+        answer = raw_request(secure_node, principal, Message("bootstrap_batch", f"forged-{principal}", forged))
+        assert answer.kind == "error" and answer.body.code == "forbidden", answer
+        assert f"bootstrap_batch claims sender 'core2' but comes from {principal}" in answer.body.message
+    assert secure_node.security()["refused_sender"] == 3
+    own = raw_request(secure_node, "core2", Message("bootstrap_batch", "own", forged))
+    unnamed = raw_request(
+        secure_node, "replicant1", Message("bootstrap_batch", "unnamed", {"table": "kv", "limit": 10})
+    )
+    for answer in (own, unnamed):
+        assert answer.kind == "reply" and answer.body.result["rows"] == [{"id": 1, "value": "a"}], answer
+    assert secure_node.security()["refused_sender"] == 3
+
+
 def test_sighup_reloads_authorized_keys_and_roles(secure_node, keys: Path) -> None:
     generate_keys("newapp", str(keys))
     with secure_node.client("newapp", retries=0) as client, pytest.raises(Unauthenticated):

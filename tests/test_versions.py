@@ -294,6 +294,10 @@ def test_status_text_names_each_peer_release_and_the_incompatible_ones() -> None
     assert core2 == "  core2: release 0.1.0, cluster versions 1 (inferred: it announces no versions)"
     assert core4.startswith("  core4: release 9.0.0, cluster versions 3: INCOMPATIBLE, refused: it speaks")
     assert describe_versions({"node": "core1"}) == ["release 0.1.0 (it announces no versions; cluster version 1)"]
+    # The cluster id the node names ([cluster] cluster_id), on its own line's end; none named: nothing said.
+    named = {**status, "versions": {**THIS_RELEASE.to_wire(), "cluster_id": "0123456789abcdef" * 2}}
+    assert describe_versions(named)[0] == f"{first}; cluster id {'0123456789abcdef' * 2}"
+    assert "cluster id" not in "".join(describe_versions(status))
 
 
 def test_a_core_that_cannot_be_spoken_with_is_not_added_to_the_membership(thread_node) -> None:
