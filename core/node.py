@@ -1379,8 +1379,10 @@ class CoreNode(NodeServer):
 
     def _apply_up_to(self, driver: ShardDriver, up_to: TxKey) -> None:
         shard = driver.shard
-        if shard in self.store.name_waits and not self.store.name_wait_due(shard):
-            return  # it waits at a name another shard holds still (Store.name_wait_due)
+        if not self.store.name_wait_may_end(shard, up_to, driver.tail.entries):
+            # It waits at a name another shard holds still, and no new commit may end the name's
+            # lifetime in this shard (Store.name_wait_may_end).
+            return
         # Applying needs no fsync of its own: the entries are durable in the log already, and a
         # restart applies again whatever a power failure took (the applied key moves with the rows).
         self.begin(durable=False)

@@ -144,6 +144,110 @@ def holder_elsewhere(catalog: dict[str, TableSchema], shard: str, name: str) -> 
     return held if held is not None and held.holder_shard != shard else None
 
 
+@dataclass(frozen=True)
+class Lifetime:
+    """A name a shard's op creates while another shard holds it at this node, from that create to the
+    op that ends it in the same shard: for a table, its drop; for an index, its drop or its table's."""
+
+    name: str  # folded (SQLite's names are case-insensitive)
+    table: str  # folded: the table itself, or the index's table
+    index: bool
+    key_column: str | None  # a table's: the changefeed keys its writes with it (``Store.key_column_at``)
+
+    @staticmethod
+    def of(op: CreateTableOp | CreateIndexOp) -> Lifetime:
+        if isinstance(op, CreateTableOp):
+            return Lifetime(op.table.lower(), op.table.lower(), False, op.key_column)
+        return Lifetime(op.index.lower(), op.table.lower(), True, None)
+
+    def covers(self, op: Any) -> bool:
+        """Whether ``op`` is one of this lifetime's: every op on the table, or the index's create and drop."""
+        if self.index:
+            return type(op) in (CreateIndexOp, DropIndexOp) and op.index.lower() == self.name
+        table = getattr(op, "table", None)  # every op on a table names it; membership and version ops none
+        return table is not None and table.lower() == self.name
+
+    def ended_by(self, op: Any) -> bool:
+        if type(op) is DropTableOp:
+            return op.table.lower() == self.table
+        return self.index and type(op) is DropIndexOp and op.index.lower() == self.name
+
+
+@dataclass(frozen=True)
+class LifetimeSkip:
+    """What ``lifetime_end`` found: apply the entries from the waiting one through ``end`` with ``ops``
+    (one tuple per entry, the lifetimes' ops left out); ``dropped`` are the tables whose skipped drop
+    the store records as it records an applied one: (index of the entry, table as dropped, key column)."""
+
+    end: int
+    ops: tuple[tuple[Any, ...], ...]
+    dropped: tuple[tuple[int, str, str], ...]
+
+
+def _created_name(op: Any) -> str | None:
+    if isinstance(op, CreateTableOp):
+        return op.table
+    if isinstance(op, CreateIndexOp):
+        return op.index
+    return None
+
+
+def lifetime_end(
+    catalog: dict[str, TableSchema], shard: str, entries: Sequence[Any], start: int
+) -> LifetimeSkip | NameHeld:
+    """``entries[start]``, a committed entry of ``shard``, creates a name another shard holds here
+    (``name_held_elsewhere``): the span to apply instead of waiting, or the name whose lifetime is
+    not closed yet (the shard waits, until another shard lets that name go or a drop commits).
+
+    ``entries`` must be committed entries only, in order: an uncommitted drop may be truncated, and
+    the name would then be the shard's for good. Among them, the first op of ``shard`` that ends the
+    name it creates (``Lifetime``) closes its lifetime: the span runs from ``entries[start]`` through
+    the entry of that op, with every op of the lifetime left out (``Lifetime.covers``) and the others
+    applied as usual. A name created again inside the span while another shard holds it opens a
+    lifetime of its own, which the span must close too (or the shard waits for that name).
+
+    Why it is safe: the other shard holds the name here only because this node applied its create
+    first, and its sequencer checked the name against its own catalog, where this shard's drop had
+    applied (so the drop came first in causal order), or both shards created it at about the same
+    time and an operator dropped it in this one (the documented remedy). Either way the lifetime left
+    out ends within the span: applying the span leaves the state commit order leaves (this shard's
+    table or index is gone after its drop, the other shard keeps the name), and the span is applied
+    whole, so the applied key never stops inside a lifetime (a restart meets its create again).
+    Meanwhile a node shows the lifetime's writes only as their entries in the log (and changefeed):
+    reads of the name see the other shard's table, as they would once the drop applied.
+    """
+    active: list[Lifetime] = []
+    held: dict[Lifetime, NameHeld] = {}
+    kept_ops: list[tuple[Any, ...]] = []
+    dropped: list[tuple[int, str, str]] = []
+    for index in range(start, len(entries)):
+        kept = []
+        for op in entries[index].ops:
+            ended = [lifetime for lifetime in active if lifetime.ended_by(op)]
+            covering = next((lifetime for lifetime in active if lifetime.covers(op)), None)
+            name = _created_name(op) if covering is None else None
+            if covering is not None:
+                if type(op) is DropTableOp and covering.key_column is not None:
+                    dropped.append((index, op.table, covering.key_column))
+            elif name is not None and (holder := holder_elsewhere(catalog, shard, name)) is not None:
+                active.append(Lifetime.of(op))
+                held[active[-1]] = holder
+            else:
+                kept.append(op)
+            for lifetime in ended:
+                active.remove(lifetime)
+        kept_ops.append(tuple(kept))
+        if not active:
+            return LifetimeSkip(index, tuple(kept_ops), tuple(dropped))
+    return held[active[0]]
+
+
+def may_end_lifetime(ops: Sequence[Any]) -> bool:
+    """Whether ``ops`` can end a lifetime (``Lifetime.ended_by``): a waiting shard's new committed
+    entries are worth a look ahead again only then (``Store.name_wait_may_end``)."""
+    return any(type(op) in (DropTableOp, DropIndexOp) for op in ops)
+
+
 def check_droppable(catalog: dict[str, TableSchema], op: DropTableOp) -> bool:
     """The one rule for dropping a table, used before proposing and when applying a committed entry.
 

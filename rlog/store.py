@@ -68,6 +68,7 @@ from typing import Any
 
 import apsw
 import msgpack
+import msgspec
 from mnesite.rlog.checkpoint import WalCheckpointer
 from mnesite.rlog.disk import PROBE_BYTES, StorageFailedError, StorageFault
 from mnesite.rlog.replication import UNKNOWN_DIGEST
@@ -83,6 +84,8 @@ from mnesite.rlog.schema import (
     check_index_creatable,
     check_index_droppable,
     holder_elsewhere,
+    lifetime_end,
+    may_end_lifetime,
     name_held_elsewhere,
 )
 from mnesite.rlog.types import (
@@ -339,6 +342,10 @@ class NameWait:
     request_id: str | None
     held: NameHeld
     changes_elsewhere: int  # the other shards' schema changes applied when it was found: retried once they move
+    looked_to: TxKey  # the last committed entry looked at for the end of the name's lifetime (``name_wait_may_end``)
+    # A name created later inside the lifetime of ``held``'s while another shard holds it, whose own
+    # lifetime is not closed yet (``rlog.schema.lifetime_end``): tried again once either is let go.
+    unclosed: NameHeld | None = None
 
     def describe(self) -> str:
         held = self.held
@@ -938,40 +945,69 @@ class Store:
             return chain
         applied: list[Entry] = []
         after = position.applied
+        unapplied: list[Entry] = []  # from a waiting entry on: read on, the end of its name's lifetime may follow
         while after < up_to:
             batch = self.entries_after(shard, after, 1000, up_to=up_to)
             if not batch:
                 raise StoreError(f"shard {shard}: cannot apply up to {up_to}, the log ends at {after}")
-            ready = self._before_name_wait(shard, batch)
+            unapplied.extend(batch)
+            ready = self._before_name_wait(shard, unapplied)
             for entry in ready:
                 try:
                     self.apply_entry(entry, healing)
                 except (apsw.Error, StoreError) as error:
                     raise _apply_failure(entry, error) from None
                 applied.append(entry)
-            if len(ready) < len(batch):
-                break
+            del unapplied[: len(ready)]
             after = batch[-1].tx_key
         return applied
 
     def _before_name_wait(self, shard: str, entries: list[Entry]) -> list[Entry]:
-        """Of ``entries`` (the next ones of ``shard`` to apply, in order), those before the first that
-        must wait (``rlog.schema.name_held_elsewhere``), recording its wait in ``name_waits``; all of
-        them when none waits. Another shard's names do not change while this shard's entries apply,
-        so the catalog before them decides for all; entries of rows only are not looked at."""
+        """Of ``entries`` (the next committed ones of ``shard`` to apply, in order), those to apply now:
+        all of them but from the first that must wait (``rlog.schema.name_held_elsewhere``), whose wait
+        is recorded in ``name_waits``. An entry whose name's lifetime in the shard ends within
+        ``entries`` (``rlog.schema.lifetime_end``) waits not: it and the entries through that end are
+        given as copies without the lifetime's ops (the log keeps them whole; ``packed``, which the
+        digest covers, is the original's), and the skipped drops recorded as applied ones are
+        (``_record_drops``), in the caller's transaction, which applies them next. Another shard's names
+        do not change while this shard's entries apply, so the catalog before them decides for all;
+        entries of rows only are not looked at, and the list is given as it is when none waits."""
         catalog = None
-        for index, entry in enumerate(entries):
+        ready: list[Entry] | None = None  # made once an entry is skipped or waits
+        index = 0
+        while index < len(entries):
+            entry = entries[index]
             if ROW_OPS.issuperset(map(type, entry.ops)):
+                if ready is not None:
+                    ready.append(entry)
+                index += 1
                 continue
             catalog = self.catalog() if catalog is None else catalog
             held = name_held_elsewhere(catalog, shard, entry.ops)
-            if held is not None:
-                wait = NameWait(shard, entry.tx_key, entry.request_id, held, self._changes_elsewhere(shard))
-                self.name_waits[shard] = wait
-                return entries[:index]
+            if held is None:
+                if ready is not None:
+                    ready.append(entry)
+                index += 1
+                continue
+            ready = entries[:index] if ready is None else ready
+            skip = lifetime_end(catalog, shard, entries, index)
+            if isinstance(skip, NameHeld):  # a lifetime not closed yet: ``held``'s, or one opened after it
+                changes = self._changes_elsewhere(shard)
+                unclosed = None if skip.name.lower() == held.name.lower() else skip
+                self.name_waits[shard] = NameWait(
+                    shard, entry.tx_key, entry.request_id, held, changes, entries[-1].tx_key, unclosed
+                )
+                return ready
+            span = entries[index : skip.end + 1]
+            ready.extend(msgspec.structs.replace(e, ops=ops) for e, ops in zip(span, skip.ops, strict=True))
+            self.connection.executemany(
+                "INSERT OR IGNORE INTO _mnesite_dropped_tables VALUES (?, ?, ?, ?, ?)",
+                [(shard, table, key_column, *entries[at].tx_key) for at, table, key_column in skip.dropped],
+            )
+            index = skip.end + 1
         if entries:
             self.name_waits.pop(shard, None)
-        return entries
+        return entries if ready is None else ready
 
     def _changes_elsewhere(self, shard: str) -> int:
         return self.catalog_changes - self._catalog_changes_of.get(shard, 0)
@@ -994,15 +1030,37 @@ class Store:
         if wait.changes_elsewhere == changes:
             return False
         held = holder_elsewhere(self.catalog(), shard, wait.held.name)
-        if held is None:
+        unclosed = None if wait.unclosed is None else holder_elsewhere(self.catalog(), shard, wait.unclosed.name)
+        if held is None or (wait.unclosed is not None and unclosed is None):
             return True
         # The entry still waits at this name: a try would only record a wait again.
-        self.name_waits[shard] = replace(wait, held=held, changes_elsewhere=changes)
+        self.name_waits[shard] = replace(wait, held=held, unclosed=unclosed, changes_elsewhere=changes)
         return False
 
     def name_waits_due(self) -> list[str]:
         """The waiting shards to try again (``name_wait_due``)."""
         return [shard for shard in self.name_waits if self.name_wait_due(shard)]
+
+    def name_wait_may_end(self, shard: str, committed: TxKey, held: Sequence[Entry] = ()) -> bool:
+        """Whether ``shard``'s apply is worth trying up to ``committed``: it does not wait, or its wait
+        is due (``name_wait_due``), or entries committed since the wait looked ahead (``NameWait.looked_to``)
+        may end the lifetime of its name (``rlog.schema.may_end_lifetime``: a drop). ``held``: the
+        caller's copy of the unapplied tail, to look at the new entries in; else they are read from
+        the log (only those: a long wait costs no read of all it waits with)."""
+        wait = self.name_waits.get(shard)
+        if wait is None or self.name_wait_due(shard):
+            return True
+        after = wait.looked_to
+        new = _chain_within(held, after, committed)
+        while after < committed:
+            batch = self.entries_after(shard, after, 1000, up_to=committed) if new is None else new
+            if not batch:
+                return True  # the log does not hold them: the apply says why
+            if any(may_end_lifetime(entry.ops) for entry in batch):
+                return True
+            after, new = batch[-1].tx_key, None
+        self.name_waits[shard] = replace(wait, looked_to=max(after, wait.looked_to))
+        return False
 
     def _apply_chain(self, shard: str, chain: list[Entry], healing: bool) -> None:
         """Apply linked, verified entries and move the applied key once (one UPDATE for the batch).
@@ -1116,7 +1174,10 @@ class Store:
         self.connection.executemany(RLOG_INSERT, [rlog_row(entry, appended_ms) for entry in entries])
         self._log_ends[shard] = (entries[-1].tx_key, entries[-1].digest)
         if waiting:
-            return  # logged; applied when the wait ends (``name_waits_due``), read back from the log
+            # Logged; applied when the wait ends (``name_waits_due``) or these entries may end the
+            # lifetime of its name (``name_wait_may_end``), read back from the log.
+            self._retry_wait(shard, entries, healing)
+            return
         entries = self._before_name_wait(shard, list(entries))
         if not entries:
             return
@@ -1136,6 +1197,12 @@ class Store:
             "generation = max(generation, ?) WHERE shard = ?",
             (last.tx_key.generation, last.tx_key.counter, last.digest, last.tx_key.generation, shard),
         )
+
+    def _retry_wait(self, shard: str, logged: Sequence[Entry], healing: bool) -> None:
+        """``logged``, committed entries of a waiting ``shard`` just logged after its committed end:
+        applied with what waits before them if they may end its name's lifetime (``name_wait_may_end``)."""
+        if self.name_wait_may_end(shard, logged[-1].tx_key, logged):
+            self.apply_committed(shard, logged[-1].tx_key, healing=healing)
 
     def apply_ops_batched(self, ops: list[Op], healing: bool = False) -> None:
         """``apply_ops`` with one prepared ``executemany`` per run of consecutive writes (or deletes)
@@ -1776,9 +1843,12 @@ class Store:
                 break
             entries = [entry_from_wire(msgpack.unpackb(row[2], raw=False)) for row in rows]
             self.append_entries(entries, appended_ms)
-            # A wait logs the rest: applied when it ends (``name_waits_due``), read back from the log.
-            for entry in [] if shard in self.name_waits else self._before_name_wait(shard, entries):
-                self.apply_entry(entry, healing=True)
+            # A wait logs the rest: applied as ``log_and_apply_verified`` says, read back from the log.
+            if shard in self.name_waits:
+                self._retry_wait(shard, entries, True)
+            else:
+                for entry in self._before_name_wait(shard, entries):
+                    self.apply_entry(entry, healing=True)
             last_key = TxKey(rows[-1][0], rows[-1][1])
         self.connection.execute("DELETE FROM _mnesite_spill WHERE shard = ?", (shard,))
         return last_key

@@ -288,7 +288,7 @@ def test_a_sequencer_whose_apply_waits_refuses_a_linearizable_read_it_has_not_ap
         # As if the next entry created a name another shard holds here (no sequencer proposes that).
         held = NameHeld("u", "u", "other")
         node.store.name_waits["default"] = NameWait(
-            "default", TxKey(applied.generation, applied.counter + 1), "w1", held, 0
+            "default", TxKey(applied.generation, applied.counter + 1), "w1", held, 0, applied
         )
         write = {"ops": [{"op": "write", "table": "t", "row": {"id": 1, "v": "a"}}]}
         node._write([b"c1"], Message("transact", "w1", typed_body("transact", write)))
@@ -399,7 +399,7 @@ def test_a_sequencer_whose_shard_waits_refuses_writes_past_the_tail_s_bound_then
         applied = node.store.shard("default").applied
         held = NameHeld("u", "u", "other")
         node.store.name_waits["default"] = NameWait(
-            "default", TxKey(applied.generation, applied.counter + 1), "w0", held, 0
+            "default", TxKey(applied.generation, applied.counter + 1), "w0", held, 0, applied
         )
         refused = []
         for i in range(20):
@@ -451,7 +451,7 @@ def test_the_unapplied_tail_s_bounds_are_limits_keys_that_refuse_writes_once_the
         applied = node.store.shard("default").applied
         held = NameHeld("u", "u", "other")  # as if the next entry created a name another shard holds here
         node.store.name_waits["default"] = NameWait(
-            "default", TxKey(applied.generation, applied.counter + 1), "w0", held, 0
+            "default", TxKey(applied.generation, applied.counter + 1), "w0", held, 0, applied
         )
         refused = []
         for i in range(8):
@@ -587,4 +587,96 @@ def test_a_waiting_shard_is_tried_again_only_once_what_held_its_name_no_longer_d
         store.apply_committed("b", b_entries[-1].tx_key)
     assert store.name_waits == {} and store.shard("b").applied == b_entries[-1].tx_key
     assert store.scan(store.catalog()["X"], None, 10) == [{"id": "one", "n": 1}]
+    store.close()
+
+
+# -- a lifetime skipped: shard a's name taken by b's later create, applied here first ----------------
+
+
+def apply_a(store: Store, entries: list, path: str, committed=None) -> None:
+    """Shard a's entries arrive (as ``apply_b``); a core applies up to ``committed`` (all by default)."""
+    with store.write_transaction():
+        if path == "replicant":
+            store.log_and_apply_verified(entries, 0)
+            return
+        store.append_entries(entries, 0)
+        up_to = committed if committed is not None else entries[-1].tx_key
+        if store.name_wait_may_end("a", up_to, entries if path == "held" else ()):
+            held = store.entries_after("a", store.shard("a").applied, 100) if path == "held" else ()
+            store.apply_committed("a", up_to, held)
+
+
+def same_as_commit_order(store: Store, a_entries: list, b_entries: list, tmp_path) -> None:
+    expected = open_store(tmp_path, "expected")
+    with expected.write_transaction():
+        expected.log_and_apply_verified(a_entries, 0)
+        expected.log_and_apply_verified(b_entries, 0)
+    assert store.name_waits == {}
+    assert store.catalog() == expected.catalog()
+    assert store.shards() == expected.shards()
+    for table in expected.catalog().values():
+        assert store.scan(table, None, 10) == expected.scan(table, None, 10)
+    expected.close()
+
+
+@pytest.mark.parametrize("path", ["held", "read back", "replicant"])
+@pytest.mark.parametrize("ops_of", [TABLE_NAME, INDEX_NAME], ids=["table", "index"])
+def test_a_create_whose_name_a_later_create_took_here_skips_its_lifetime(tmp_path, path, ops_of) -> None:
+    """The known gap at its smallest (and for an index name): b's later create applied first keeps
+    the name; a's create, use and drop of it are skipped, its other ops applied; the log stays whole."""
+    b_entries, a_entries = chain("b", ops_of[1]), chain("a", ops_of[0])
+    store = open_store(tmp_path, "store")
+    apply_b(store, b_entries, path)
+    apply_a(store, a_entries, path)
+    same_as_commit_order(store, a_entries, b_entries, tmp_path)
+    assert store.entries_after("a", ZERO_KEY, 10) == a_entries, "the log keeps the skipped ops"
+    if ops_of is TABLE_NAME:
+        assert store.key_column_at("a", "x", a_entries[1].tx_key) == "k", "the changefeed's key of a's writes"
+    store.close()
+
+
+# Shard a: a lifetime of x that also writes its own table ta, in the entries that create and drop x.
+WITH_ANOTHER_TABLE = [
+    [T_OF_A.to_op(), X_OF_A.to_op(), WriteOp("ta", {"k": 1, "v": "one"})],
+    [WriteOp("x", {"k": 1, "v": "a"}), WriteOp("ta", {"k": 2, "v": "two"})],
+    [DropTableOp("x", "a"), WriteOp("ta", {"k": 3, "v": "three"})],
+]
+
+
+@pytest.mark.parametrize("path", ["held", "read back", "replicant"])
+def test_a_skipped_lifetime_applies_the_ops_on_other_tables_of_its_entries(tmp_path, path) -> None:
+    b_entries, a_entries = chain("b", TABLE_NAME[1]), chain("a", WITH_ANOTHER_TABLE)
+    store = open_store(tmp_path, "store")
+    apply_b(store, b_entries, path)
+    apply_a(store, a_entries, path)
+    same_as_commit_order(store, a_entries, b_entries, tmp_path)
+    assert [row["k"] for row in store.scan(store.catalog()["ta"], None, 10)] == [1, 2, 3]
+    store.close()
+
+
+@pytest.mark.parametrize("path", ["held", "read back", "replicant"])
+def test_a_lifetime_waits_until_its_drop_commits_and_across_a_restart(tmp_path, path) -> None:
+    """Until the drop is committed the create waits (an uncommitted drop may be truncated); a restart
+    meanwhile loses the wait and finds it again; the drop's commit ends it."""
+    b_entries, a_entries = chain("b", TABLE_NAME[1]), chain("a", TABLE_NAME[0])
+    store = open_store(tmp_path, "store")
+    apply_b(store, b_entries, path)
+    if path == "replicant":  # a replicant is given committed entries only: the drop comes later
+        apply_a(store, a_entries[:2], path)
+    else:  # a core logs the drop, committed only up to the write
+        apply_a(store, a_entries, path, committed=a_entries[1].tx_key)
+    assert store.name_waits["a"].tx_key == a_entries[0].tx_key
+    assert store.shard("a").applied == ZERO_KEY
+    store.close()
+    store = Store(str(tmp_path / "store.db"), synchronous="NORMAL")
+    with store.write_transaction():
+        store.apply_committed("a", a_entries[1].tx_key)  # a restart applies what it knows committed
+    assert store.name_waits["a"].tx_key == a_entries[0].tx_key
+    if path == "replicant":
+        apply_a(store, a_entries[2:], path)
+    else:
+        with store.write_transaction():
+            assert store.name_wait_may_end("a", a_entries[2].tx_key)
+            store.apply_committed("a", a_entries[2].tx_key)
+    same_as_commit_order(store, a_entries, b_entries, tmp_path)
     store.close()

@@ -403,7 +403,7 @@ class SimNode:
     def _apply_up_to(self, shard: str, up_to: TxKey, retrying: bool = False) -> None:
         """``CoreNode._apply_up_to`` and its retry of the due waiting shards (``_apply_name_waits``)."""
         store = self.store
-        if shard in store.name_waits and not store.name_wait_due(shard):
+        if not store.name_wait_may_end(shard, up_to, self.tail[shard]):
             return
         held = self.tail[shard] if self.rng.random() >= READ_BACK_PROBABILITY else ()
         store.apply_committed(shard, up_to, held)
