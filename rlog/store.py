@@ -331,6 +331,15 @@ class EntryApplyError(StoreError):
         self.entry = entry
 
 
+# How far a shard whose apply waits at a name (``_before_name_wait``) reads on from the waiting entry in
+# its log, looking for the end of that name's lifetime in the shard (``rlog.schema.lifetime_end``): as many
+# entries as the core keeps of an unapplied tail by default (``core.guard_tail``). A lifetime longer than
+# that is not skipped: the shard waits (``status`` shows ``name_wait``), however long the log grows.
+LOOK_AHEAD_ENTRIES_MAX = 10_000
+READ_BATCH_ENTRIES = 1000  # entries ``apply_committed`` reads back from the log at a time
+LOOK_AHEAD_BYTES_MAX = 64 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class NameWait:
     """A shard's apply waits at a committed entry whose new name another shard holds here
@@ -346,15 +355,25 @@ class NameWait:
     # A name created later inside the lifetime of ``held``'s while another shard holds it, whose own
     # lifetime is not closed yet (``rlog.schema.lifetime_end``): tried again once either is let go.
     unclosed: NameHeld | None = None
+    # The look-ahead stopped at its bound (``LOOK_AHEAD_ENTRIES_MAX``) before the lifetime's end: later
+    # commits cannot end this wait (``name_wait_may_end``), only another shard letting the name go.
+    look_ahead_cut: bool = False
 
     def describe(self) -> str:
         held = self.held
         holder = f"table {held.holder!r}" if held.index is None else f"index {held.index!r} of {held.holder!r}"
+        why = (
+            f"its drop in shard {self.shard} lies more than {LOOK_AHEAD_ENTRIES_MAX} entries on, beyond what "
+            "a node reads ahead: drop the name in the other shard, or rebuild this node from a backup"
+            if self.look_ahead_cut
+            else f"a create of the same name in both shards at about the same time: drop it in shard "
+            f"{held.holder_shard}, or in shard {self.shard}"
+        )
         return (
             f"shard {self.shard}: committed entry {self.tx_key} (request {self.request_id!r}) creates "
             f"{held.name!r}, held here by {holder} of shard {held.holder_shard}: applying waits until "
-            f"shard {held.holder_shard} drops it (a drop applied later, or a create of the same name "
-            f"in both shards at about the same time: drop it in shard {held.holder_shard})"
+            f"shard {held.holder_shard} drops it, or shard {self.shard}'s own drop of it commits (the "
+            f"entries between are then applied without it) ({why})"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -365,7 +384,10 @@ class NameWait:
             "held_by": self.held.holder if self.held.index is None else self.held.index,
             "held_by_shard": self.held.holder_shard,
             "remedy": f"none if shard {self.held.holder_shard} dropped {self.held.name!r} (its drop applies, then "
-            f"this entry); if both shards created it, drop it in shard {self.held.holder_shard}",
+            f"this entry) or shard {self.shard} drops it (once that drop commits, within "
+            f"{LOOK_AHEAD_ENTRIES_MAX} entries of this one); if both shards created it, drop it in shard "
+            f"{self.held.holder_shard} or in shard {self.shard}",
+            "look_ahead_cut": self.look_ahead_cut,
         }
 
 
@@ -947,7 +969,7 @@ class Store:
         after = position.applied
         unapplied: list[Entry] = []  # from a waiting entry on: read on, the end of its name's lifetime may follow
         while after < up_to:
-            batch = self.entries_after(shard, after, 1000, up_to=up_to)
+            batch = self.entries_after(shard, after, READ_BATCH_ENTRIES, up_to=up_to)
             if not batch:
                 raise StoreError(f"shard {shard}: cannot apply up to {up_to}, the log ends at {after}")
             unapplied.extend(batch)
@@ -959,6 +981,13 @@ class Store:
                     raise _apply_failure(entry, error) from None
                 applied.append(entry)
             del unapplied[: len(ready)]
+            if unapplied and (
+                len(unapplied) >= LOOK_AHEAD_ENTRIES_MAX
+                or sum(entry.size_bytes for entry in unapplied) >= LOOK_AHEAD_BYTES_MAX
+            ):
+                # Memory stays bounded: a lifetime that ends further on is not skipped, the shard waits.
+                self.name_waits[shard] = replace(self.name_waits[shard], look_ahead_cut=True)
+                break
             after = batch[-1].tx_key
         return applied
 
@@ -1050,6 +1079,8 @@ class Store:
         wait = self.name_waits.get(shard)
         if wait is None or self.name_wait_due(shard):
             return True
+        if wait.look_ahead_cut:
+            return False  # its lifetime's end lies beyond what a look-ahead reads (``apply_committed``)
         after = wait.looked_to
         new = _chain_within(held, after, committed)
         while after < committed:

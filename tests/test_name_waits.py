@@ -680,3 +680,42 @@ def test_a_lifetime_waits_until_its_drop_commits_and_across_a_restart(tmp_path, 
             store.apply_committed("a", a_entries[2].tx_key)
     same_as_commit_order(store, a_entries, b_entries, tmp_path)
     store.close()
+
+
+@pytest.mark.parametrize("path", ["read back", "replicant"])
+def test_a_lifetime_longer_than_the_look_ahead_waits_and_reads_no_more_of_the_log(tmp_path, path, monkeypatch) -> None:
+    """Looking for the end of a name's lifetime read the shard's log from the waiting entry up to the
+    committed key into memory, however long: it reads at most ``LOOK_AHEAD_ENTRIES_MAX`` entries (and
+    bytes) past a batch, and a lifetime that ends further on is not skipped, the shard waits."""
+    import mnesite.rlog.store as store_module
+
+    monkeypatch.setattr(store_module, "LOOK_AHEAD_ENTRIES_MAX", 3)
+    monkeypatch.setattr(store_module, "READ_BATCH_ENTRIES", 2)
+    writes = [[WriteOp("x", {"k": k, "v": "a"})] for k in range(1, 5)]
+    a_entries = chain("a", [TABLE_NAME[0][0], *writes, TABLE_NAME[0][-1]])  # create, 4 writes, drop
+    b_entries = chain("b", TABLE_NAME[1])
+    store = open_store(tmp_path, "store")
+    apply_b(store, b_entries, path)
+    apply_a(store, a_entries[:2], path)  # the create and a write: it waits, its end not committed yet
+    assert store.name_waits["a"].tx_key == a_entries[0].tx_key
+    read: list[int] = []
+    entries_after = store.entries_after
+
+    def counted(*args, **kwargs):
+        batch = entries_after(*args, **kwargs)
+        read.append(len(batch))
+        return batch
+
+    monkeypatch.setattr(store, "entries_after", counted)
+    apply_a(store, a_entries[2:], path)  # the drop commits, 6 entries after the create: out of reach
+    assert store.name_waits["a"].tx_key == a_entries[0].tx_key and store.shard("a").applied == ZERO_KEY
+    assert sum(read[-2:]) <= 4, read  # the retry read two batches of two, and no more
+    monkeypatch.setattr(store_module, "LOOK_AHEAD_ENTRIES_MAX", 10)  # within reach: skipped
+    with store.write_transaction():
+        # Cut at its bound: later commits do not try it again (each try would read the bound again).
+        assert store.name_wait_may_end("a", a_entries[-1].tx_key) is False
+        assert "beyond what a node reads ahead" in store.name_waits["a"].describe()
+        store.name_waits.pop("a")  # as after a restart: the wait is in memory only
+        store.apply_committed("a", a_entries[-1].tx_key)
+    same_as_commit_order(store, a_entries, b_entries, tmp_path)
+    store.close()
