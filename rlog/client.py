@@ -583,7 +583,7 @@ class Client:
                 if len(not_ready | set(unreachable)) < len(self.endpoints) and time.monotonic() < deadline:
                     self._next_endpoint()
                     continue
-            if answer.kind == "error" and answer.body.code in RETRIABLE_CODES:
+            if answer.kind == "error" and (answer.body.code in RETRIABLE_CODES or _recovering(answer)):
                 last_reason = answer.body.message
                 if answer.body.code == "outcome_unknown" and is_write:
                     # A read told so (its node's turn failed, or a stop cut it short) changed nothing:
@@ -1361,6 +1361,16 @@ def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str
 
 # The least time the "did not answer" check has (``_why_silent``): a call may end this much after its deadline.
 WHY_SILENT_S_MIN = 0.05
+
+
+def _recovering(answer: Message) -> bool:
+    """Whether ``answer`` is a core's ``not_ready`` while it recovers at start-up (its ``detail`` holds
+    the ``recovery`` section): nothing was done, and the core serves once its peers answered, so the call
+    asks again within its deadline, as during an election. A script that starts a cluster and at once
+    creates a table was refused at the first core to answer (before the core answered ``status`` during
+    its recovery, nothing listened there, and the call waited for the connection)."""
+    detail = answer.body.detail
+    return answer.body.code == NOT_READY_CODE and isinstance(detail, dict) and "recovery" in detail
 
 
 def _why_silent(endpoint: str, deadline: float) -> str:

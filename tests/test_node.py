@@ -28,6 +28,7 @@ from mnesite.rlog.messages import Message
 from mnesite.rlog.types import TxKey
 
 from tests.conftest import (
+    RouterNode,
     ScriptedNode,
     ThreadNode,
     core_with_table,
@@ -1336,6 +1337,52 @@ class _PeerJournal:
         self.journal = {"node": "core2", "core_nodes": {"core2": self.endpoint}, "reachable_peers": [], "shards": {}}
 
 
+class _RecoveringThenServing(RouterNode):
+    """A core that answers the first ``refusals`` requests as a core recovering at start-up does
+    (``not_ready`` with its ``recovery`` section), then a put's answer."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.requests: list[str] = []
+        super().__init__()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            received = self.receive()
+            if received is None:
+                continue
+            envelope, request_id = received
+            self.requests.append(request_id)
+            if len(self.requests) <= self.refusals:
+                section = {"phase": "asking", "round": 1, "waiting_for": ["core2"]}
+                refusal = "core core1 is recovering at start-up ...; ask another core"
+                self.send(envelope, messages.error(request_id, "not_ready", refusal, {"recovery": section}))
+            else:
+                self.send(envelope, messages.reply(request_id, {"tx_key": [1, 1]}))
+
+
+@pytest.mark.timeout(30)
+def test_a_call_to_a_core_recovering_at_start_up_asks_again_until_it_serves() -> None:
+    """A script that starts a cluster and at once creates a table was refused ``not_ready`` by the first
+    core to answer while it recovered (since it answers ``status`` then; before, nothing listened and
+    the call waited for its connection): the call now asks again with its backoff, within its deadline,
+    with the same request id (nothing was done). A ``not_ready`` of anything else ends the call as before."""
+    node = _RecoveringThenServing(refusals=3)
+    try:
+        with Client(node.endpoint, timeout_ms=2000, retries=0) as client:
+            assert client.put("t", {"id": 1}) == TxKey(1, 1)
+        assert len(node.requests) == 4 and len(set(node.requests)) == 1
+    finally:
+        node.close()
+    plain = ScriptedNode([("not_ready", "replicant r3 cannot serve shard default yet")] * 5)
+    try:
+        with Client(plain.endpoint, timeout_ms=2000, retries=0) as client, pytest.raises(RemoteError) as refused:
+            client.get("t", 1)
+        assert refused.value.code == "not_ready" and len(plain.requests) == 1
+    finally:
+        plain.close()
+
+
 def test_a_recovering_core_answers_status_and_refuses_the_rest_until_its_peers_answer(tmp_path):
     """A core on an empty database, declared ``existing``, waits at start-up until every other member
     answered its journal probe. Its socket is bound meanwhile: ``status`` answers the node's identity
@@ -1378,7 +1425,8 @@ def test_a_recovering_core_answers_status_and_refuses_the_rest_until_its_peers_a
             assert status["node"] == "core1" and status["role"] == "core" and status["shards"] == {}
             assert recovery["waiting_for"] == ["core2"] and recovery["needed"] == 1 and recovery["existing"]
             assert recovery["asked"] == ["core2"] and recovery["answered"] == [] and recovery["round"] >= 1
-            with pytest.raises(RemoteError) as refused:
+            # Asked again within the call's deadline (``rlog.client._recovering``), then refused saying why.
+            with pytest.raises(Unavailable) as refused:
                 client.create_table("t", "id", [("id", "INTEGER")])
             assert refused.value.code == "not_ready", refused.value
             assert "recovering at start-up" in str(refused.value) and "core2" in str(refused.value)
