@@ -71,6 +71,29 @@ def open_store(tmp_path, name: str) -> Store:
     return store
 
 
+FOLLOWER_MEMBERS = ("core1", "core2", "core3")
+
+
+def two_shard_follower(node) -> dict:
+    """Shards ``a`` and ``b`` opened on a follower core driven by hand (``follower_by_hand``): their drivers."""
+    drivers = {}
+    for shard in ("a", "b"):
+        node.store.ensure_shard(shard, 0)
+        drivers[shard] = node._open_shard(shard)
+    return drivers
+
+
+def append_by_hand(node, driver, entries: list, after) -> None:
+    """The sequencer core2's append of ``entries`` after entry ``after`` (None: the first), applied
+    as the follower gathers its commits (``entries`` end at the commit key)."""
+    from mnesite.core.consensus import AppendRequest, MessageReceived
+
+    previous = (ZERO_KEY, GENESIS_DIGEST) if after is None else (after.tx_key, after.digest)
+    request = AppendRequest(1, *previous, entries[-1].tx_key, FOLLOWER_MEMBERS, tuple(entries))
+    node._step(driver, MessageReceived("core2", request))
+    node._apply_gathered(driver)
+
+
 def apply_b(store: Store, entries: list, path: str) -> None:
     """Shard b's entries arrive: as a core applies them (from its tail or read back) or a replicant."""
     with store.write_transaction():
@@ -200,25 +223,18 @@ def test_a_follower_core_that_hears_the_create_before_the_drop_keeps_running_and
     b waits (status, reads that must see b's entries refused ``not_applied``), shard a goes on, and a's
     drop lets b's entries follow in the same step: the node ends in the state the sequencers have."""
     from mnesite.cli.main import describe_name_wait
-    from mnesite.core.consensus import AppendRequest, MessageReceived
 
     from tests.conftest import follower_by_hand
 
-    members = ("core1", "core2", "core3")
     a_entries, b_entries = chain("a", TABLE_NAME[0]), chain("b", TABLE_NAME[1])
     b_entries += chain("b", [*TABLE_NAME[1], [WriteOp("X", {"id": "two", "n": 2})]])[2:]
 
-    def append(driver, entries: list, after) -> None:
-        previous = (ZERO_KEY, GENESIS_DIGEST) if after is None else (after.tx_key, after.digest)
-        request = AppendRequest(1, *previous, entries[-1].tx_key, members, tuple(entries))
-        node._step(driver, MessageReceived("core2", request))
-        node._apply_gathered(driver)
-
     with follower_by_hand(tmp_path / "data") as (node, _):
-        drivers = {}
-        for shard in ("a", "b"):
-            node.store.ensure_shard(shard, 0)
-            drivers[shard] = node._open_shard(shard)
+
+        def append(driver, entries: list, after) -> None:
+            append_by_hand(node, driver, entries, after)
+
+        drivers = two_shard_follower(node)
         append(drivers["a"], a_entries[:2], None)
         append(drivers["b"], b_entries[:2], None)
         append(drivers["b"], b_entries[2:], b_entries[1])  # a later commit while it waits
@@ -343,27 +359,19 @@ def test_a_follower_whose_shard_waits_keeps_its_tail_within_the_bound_and_conver
     """A follower core whose shard b waits at a name while b's sequencer commits many more entries than
     the tail's bound: the tail keeps a prefix (entries and bytes within the bound), the others are
     read back from the log to serve them, and once a's drop applies b applies everything."""
-    from mnesite.core.consensus import AppendRequest, MessageReceived
     from mnesite.core.node import AgentStoreLogView
 
     from tests.conftest import follower_by_hand
 
-    members = ("core1", "core2", "core3")
     writes = [[WriteOp("X", {"id": str(i), "n": i})] for i in range(60)]
     a_entries, b_entries = chain("a", TABLE_NAME[0]), chain("b", [TABLE_NAME[1][0], *writes])
 
     with follower_by_hand(tmp_path / "data") as (node, _):
 
         def append(driver, entries: list, after) -> None:
-            previous = (ZERO_KEY, GENESIS_DIGEST) if after is None else (after.tx_key, after.digest)
-            request = AppendRequest(1, *previous, entries[-1].tx_key, members, tuple(entries))
-            node._step(driver, MessageReceived("core2", request))
-            node._apply_gathered(driver)
+            append_by_hand(node, driver, entries, after)
 
-        drivers = {}
-        for shard in ("a", "b"):
-            node.store.ensure_shard(shard, 0)
-            drivers[shard] = node._open_shard(shard)
+        drivers = two_shard_follower(node)
         tail = drivers["b"].tail
         tail.entries_max, tail.bytes_max = 8, 8 * b_entries[-1].size_bytes
         append(drivers["a"], a_entries[:2], None)
@@ -520,25 +528,17 @@ def test_a_core_s_changefeed_serves_a_waiting_shard_only_up_to_what_it_applied(t
     """As at a replicant: a follower core whose shard b waits at a name holds b's commits after the
     wait (committed key past the applied one, in its log) but serves b's changes up to its applied key
     only, and a request held on b gets them once a's drop lets them apply."""
-    from mnesite.core.consensus import AppendRequest, MessageReceived
 
     from tests.conftest import follower_by_hand, queued_to
 
-    members = ("core1", "core2", "core3")
     a_entries, b_entries = chain("a", TABLE_NAME[0]), chain("b", TABLE_NAME[1])
 
     with follower_by_hand(tmp_path / "data") as (node, _):
 
         def append(driver, entries: list, after) -> None:
-            previous = (ZERO_KEY, GENESIS_DIGEST) if after is None else (after.tx_key, after.digest)
-            request = AppendRequest(1, *previous, entries[-1].tx_key, members, tuple(entries))
-            node._step(driver, MessageReceived("core2", request))
-            node._apply_gathered(driver)
+            append_by_hand(node, driver, entries, after)
 
-        drivers = {}
-        for shard in ("a", "b"):
-            node.store.ensure_shard(shard, 0)
-            drivers[shard] = node._open_shard(shard)
+        drivers = two_shard_follower(node)
         append(drivers["a"], a_entries[:2], None)
         append(drivers["b"], b_entries[:1], None)  # waits at its create of X
         held = changes_page(node, "held", {"b": ZERO_KEY}, wait_ms=60_000, tables=("X",))
