@@ -38,8 +38,10 @@ instead of waiting for an answer that cannot come. A role that may not send a re
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket as socket_module
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence, Set
 from typing import Any, NoReturn
@@ -1361,6 +1363,10 @@ def _changes_page(answer: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str
 
 # The least time the "did not answer" check has (``_why_silent``): a call may end this much after its deadline.
 WHY_SILENT_S_MIN = 0.05
+# Host name lookups of the "did not answer" check still running in their threads (a resolver that hangs
+# keeps its thread until the resolver gives up): past this many, the check gives up at once with no hint.
+WHY_SILENT_LOOKUPS_MAX = 4
+_why_silent_lookups = threading.BoundedSemaphore(WHY_SILENT_LOOKUPS_MAX)
 
 
 def _recovering(answer: Message) -> bool:
@@ -1378,14 +1384,16 @@ def _why_silent(endpoint: str, deadline: float) -> str:
     with a TCP connection, within what is left of the call's ``deadline`` (``time.monotonic()``) and at
     least ``WHY_SILENT_S_MIN``: a silent call's last attempt waits until the deadline, and a dead node's
     refusal (well under a millisecond on a LAN) must still be told. One that neither completes nor is
-    refused by then (a hung node's full accept queue, dropped packets) says nothing."""
+    refused by then (a hung node's full accept queue, dropped packets), or whose host name is not looked
+    up by then (a resolver that hangs), says nothing."""
     if not endpoint.startswith("tcp://"):
         return ""
     host, _, port = endpoint[len("tcp://") :].rpartition(":")
     try:
-        family, kind, protocol, _, address = socket_module.getaddrinfo(
-            host.strip("[]"), int(port), type=socket_module.SOCK_STREAM
-        )[0]
+        found = _address_of(host.strip("[]"), int(port), deadline)
+        if found is None:
+            return ""
+        family, kind, protocol, _, address = found
         with socket_module.socket(family, kind, protocol) as probe:
             probe.settimeout(max(deadline - time.monotonic(), WHY_SILENT_S_MIN))
             probe.connect(address)
@@ -1394,6 +1402,43 @@ def _why_silent(endpoint: str, deadline: float) -> str:
     except (OSError, ValueError):
         return "; nothing accepts connections there: unreachable"
     return ""
+
+
+def _address_of(host: str, port: int, deadline: float) -> tuple[Any, ...] | None:
+    """The first TCP address of ``host`` (``socket.getaddrinfo``'s row), or None when its lookup did not
+    finish within what is left of ``deadline`` (at least ``WHY_SILENT_S_MIN``). An IP literal and
+    ``localhost`` (the IPv4 loopback, as zmq connects without IPv6) need no lookup; any other name is
+    looked up in a daemon thread, since a resolver that hangs blocked the call many seconds past its
+    deadline. A lookup error raises ``socket.gaierror`` (an ``OSError``)."""
+    if host.lower() == "localhost":
+        host = "127.0.0.1"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        flags = socket_module.AI_NUMERICHOST
+        return socket_module.getaddrinfo(host, port, type=socket_module.SOCK_STREAM, flags=flags)[0]
+    if not _why_silent_lookups.acquire(blocking=False):
+        return None
+    found: list[Any] = []
+
+    def look_up() -> None:
+        try:
+            found.append(socket_module.getaddrinfo(host, port, type=socket_module.SOCK_STREAM)[0])
+        except OSError as error:
+            found.append(error)
+        finally:
+            _why_silent_lookups.release()
+
+    lookup = threading.Thread(target=look_up, name="mnesite-why-silent-lookup", daemon=True)
+    lookup.start()
+    lookup.join(max(deadline - time.monotonic(), WHY_SILENT_S_MIN))
+    if not found:
+        return None
+    if isinstance(found[0], OSError):
+        raise found[0]
+    return found[0]
 
 
 class Transaction:

@@ -1302,6 +1302,59 @@ def test_the_did_not_answer_check_tells_a_dead_local_node_even_at_the_deadline()
     assert time.monotonic() - started < WHY_SILENT_S_MIN + 0.5
 
 
+@pytest.fixture
+def hanging_resolver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """``socket.getaddrinfo`` hangs on ``hangs.test`` (until the test ends) and says ``dead.test`` is
+    127.0.0.1 at a port nothing listens on; every other name it looks up as usual."""
+    real = socket.getaddrinfo
+    released = threading.Event()
+    dead_port = free_port()
+    asked: list[str] = []
+
+    def getaddrinfo(host: str, port: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(host)
+        if host == "hangs.test":
+            released.wait(10)
+        if host in ("hangs.test", "dead.test"):
+            return real("127.0.0.1", dead_port, *args, **kwargs)
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield {"asked": asked, "dead_port": dead_port}
+    released.set()
+
+
+@pytest.mark.timeout(20)
+def test_the_did_not_answer_check_ends_within_the_deadline_when_the_resolver_hangs(
+    hanging_resolver: dict[str, Any],
+) -> None:
+    """The check looked the node's host name up with ``socket.getaddrinfo`` before its own timeout
+    began: a resolver that hangs held the call that long past its deadline. A name is now looked up in
+    a thread joined with what is left of the deadline, and the check says nothing if it did not finish;
+    a name looked up in time, an IP literal and ``localhost`` are still told unreachable."""
+    from mnesite.rlog.client import WHY_SILENT_LOOKUPS_MAX, WHY_SILENT_S_MIN, _why_silent
+
+    started = time.monotonic()
+    assert _why_silent("tcp://hangs.test:7400", started + 0.2) == ""
+    assert time.monotonic() - started < 0.2 + 0.3
+    unreachable = "; nothing accepts connections there: unreachable"
+    assert _why_silent("tcp://dead.test:7400", time.monotonic() + 2.0) == unreachable
+    dead_port = hanging_resolver["dead_port"]
+    asked_before = len(hanging_resolver["asked"])
+    for host in ("127.0.0.1", "localhost", "[::1]"):
+        assert _why_silent(f"tcp://{host}:{dead_port}", time.monotonic() + 2.0) == unreachable, host
+    # The literals and localhost were not looked up by name (getaddrinfo of a literal only parses it).
+    assert hanging_resolver["asked"][asked_before:] == ["127.0.0.1", "127.0.0.1", "::1"]
+    # Lookups that hang keep their threads: past WHY_SILENT_LOOKUPS_MAX of them the check starts none.
+    for _ in range(WHY_SILENT_LOOKUPS_MAX):
+        _why_silent("tcp://hangs.test:7400", time.monotonic())
+    asked_before = len(hanging_resolver["asked"])
+    started = time.monotonic()
+    assert _why_silent("tcp://dead.test:7400", started + 2.0) == ""
+    assert time.monotonic() - started < WHY_SILENT_S_MIN
+    assert "dead.test" not in hanging_resolver["asked"][asked_before:]
+
+
 @pytest.mark.timeout(30)
 def test_a_dbapi_execute_frees_the_previous_result_within_the_same_deadline(silent_endpoint: str) -> None:
     """``execute`` first frees the cursor's unfinished result at the node (query_close), which had a
