@@ -1253,6 +1253,8 @@ def status(endpoint, timeout_ms, as_json) -> None:
         click.echo(f"{shard}: members {_describe_members(info)}")
         if info.get("learner"):
             click.echo(f"{shard}: learner {info['learner']} (catching up before the entry that adds it)")
+        if info.get("removal"):
+            click.echo(f"{shard}: {describe_removal(info['removal'])}")
         for peer, follower in sorted((info.get("followers") or {}).items()):
             click.echo(describe_follower(shard, peer, follower))
         exclusion = describe_exclusion(shard, info)
@@ -1335,6 +1337,17 @@ def describe_name_wait(shard: str, info: dict[str, Any]) -> str | None:
     return (
         f"WARNING: shard {shard}: applying waits at entry {tuple(wait['tx_key'])}: it creates {wait['name']!r}, "
         f"held here by {wait['held_by']!r} of shard {wait['held_by_shard']}; {wait['remedy']}"
+    )
+
+
+def describe_removal(removal: dict[str, Any]) -> str:
+    """A removal the sequencer appends once a majority of the set it leaves answered an append sent
+    since the request (``core.membership.removal_heard``), or refuses after ``timeout_ms``."""
+    answered = ", ".join(removal["answered"]) or "none"
+    return (
+        f"removing {removal['name']}: waiting {removal['waiting_ms']} ms for the cores it leaves to answer "
+        f"({len(removal['answered'])} of {removal['needed']} needed: {answered}); "
+        f"refused no_quorum_after_change after {removal['timeout_ms']} ms"
     )
 
 
@@ -2014,7 +2027,8 @@ def _print_change(result: dict[str, Any], as_json: bool) -> None:
 @json_option
 def cluster_members(endpoint, timeout_ms, as_json) -> None:
     """Show the cores of the cluster and of each shard (latest membership in the log, committed
-    or not; a learner is a core being added that is still catching up)."""
+    or not; a learner is a core being added that is still catching up; a removal waits for the
+    cores it leaves to answer before it is appended)."""
     with client_for(endpoint, timeout_ms) as client:
         result = run(client.members)
     if as_json:
@@ -2030,6 +2044,8 @@ def cluster_members(endpoint, timeout_ms, as_json) -> None:
         pending = "" if info["members"] == info["committed_members"] else " (change not committed yet)"
         learner = f", learner {info['learner']}" if info["learner"] else ""
         click.echo(f"{shard}: {', '.join(info['members'])}{pending}{learner}; sequencer {info['sequencer']}")
+        if info.get("removal"):
+            click.echo(f"{shard}: {describe_removal(info['removal'])}")
 
 
 @main.group()

@@ -189,7 +189,7 @@ import enum
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from mnesite.core import membership
 from mnesite.core.membership import MEMBERS_MAX, membership_changes
@@ -347,6 +347,31 @@ class ConsensusStatus:
     vote_floor: TxKey = ZERO_KEY
     # The followers the sequencer feeds lazily ("Lazy followers"; sequencer only).
     lazy_followers: tuple[str, ...] = ()
+    # A removal waiting for the set it leaves to answer before it is appended (sequencer only).
+    removal: PendingRemoval | None = None
+
+
+@dataclass(frozen=True)
+class PendingRemoval:
+    """A removal of ``name`` asked at ``asked_ms`` and not appended yet: it is once ``answered`` (the
+    cores of the set it leaves that count, ``core.membership.removal_answers``) reach ``needed``, and
+    refused ``no_quorum_after_change`` if that has not happened by ``asked_ms + timeout_ms``."""
+
+    name: str
+    asked_ms: int
+    answered: tuple[str, ...]
+    needed: int
+    timeout_ms: int
+
+    def to_json(self, now_ms: int) -> dict[str, Any]:
+        """What ``status`` and ``cluster members`` show of it at ``now_ms``."""
+        return {
+            "name": self.name,
+            "waiting_ms": max(0, now_ms - self.asked_ms),
+            "answered": list(self.answered),
+            "needed": self.needed,
+            "timeout_ms": self.timeout_ms,
+        }
 
 
 # ---------------------------------------------------------------- peer messages
@@ -954,6 +979,23 @@ class ShardConsensus:
             disk_full=self._disk_full,
             vote_floor=self._vote_floor,
             lazy_followers=tuple(sorted(self._lazy)),
+            removal=self._pending_removal(),
+        )
+
+    def _pending_removal(self) -> PendingRemoval | None:
+        removal = self._removal
+        if removal is None or self._role is not Role.SEQUENCER:
+            return None
+        new_members = membership.changed_members(self._members, removal.name, add=False)
+        answered = membership.removal_answers(
+            new_members, self.name if self.voter else None, self._answered_ms(), removal.asked_ms
+        )
+        return PendingRemoval(
+            removal.name,
+            removal.asked_ms,
+            answered,
+            membership.majority(new_members),
+            self.config.election_timeout_ms_min,
         )
 
     def read_index(self, now_ms: int) -> TxKey | None:
@@ -2243,13 +2285,17 @@ class ShardConsensus:
         if removal is None or self._role is not Role.SEQUENCER:
             return
         new_members = membership.changed_members(self._members, removal.name, add=False)
-        answered = {peer: progress.lease_heard_ms for peer, progress in self._progress.items()}
+        answered = self._answered_ms()
         if membership.removal_heard(new_members, self.name if self.voter else None, answered, removal.asked_ms):
             self._removal = None
             self._append_own((MembersOp(new_members),), removal.request_id, proposal=True)
         elif self._now_ms - removal.asked_ms >= self.config.election_timeout_ms_min:
             self._removal = None
             self._out.append(ProposalRejected(removal.request_id, membership.REJECT_NO_QUORUM_AFTER, self.name))
+
+    def _answered_ms(self) -> dict[str, int | None]:
+        """Per peer, when the sequencer sent the latest append the peer answered."""
+        return {peer: progress.lease_heard_ms for peer, progress in self._progress.items()}
 
     def _on_learner_refused(self, name: str) -> None:
         learner = self._learner

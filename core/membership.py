@@ -123,23 +123,36 @@ def quorum_refusal(new_members: tuple[str, ...], heard: Iterable[str], added: st
     another core is down (etcd's strict reconfiguration check). ``added``, a core being added, is
     counted as heard: its entry is appended only once it answered (caught up as a learner)."""
     reachable = set(heard) | ({added} if added else set())
-    if len(reachable & set(new_members)) < len(new_members) // 2 + 1:
+    if len(reachable & set(new_members)) < majority(new_members):
         return REJECT_NO_QUORUM_AFTER
     return None
+
+
+def majority(members: tuple[str, ...]) -> int:
+    """How many of ``members`` are a majority of them."""
+    return len(members) // 2 + 1
+
+
+def removal_answers(
+    new_members: tuple[str, ...], sequencer: str | None, answered_ms: Mapping[str, int | None], asked_ms: int
+) -> tuple[str, ...]:
+    """The cores of ``new_members`` that count for a removal asked at ``asked_ms``, sorted: the
+    sequencer (``sequencer``, its name while it is a voter, else None) and the peers that answered an
+    append it sent at or after ``asked_ms`` (``answered_ms``: per peer, when it sent the latest append
+    the peer answered)."""
+    heard = {peer for peer, sent_ms in answered_ms.items() if sent_ms is not None and sent_ms >= asked_ms}
+    if sequencer is not None:
+        heard.add(sequencer)
+    return tuple(sorted(heard & set(new_members)))
 
 
 def removal_heard(
     new_members: tuple[str, ...], sequencer: str | None, answered_ms: Mapping[str, int | None], asked_ms: int
 ) -> bool:
-    """Whether a removal asked at ``asked_ms`` may be appended: the sequencer (``sequencer``, its name
-    while it is a voter, else None) and the peers that answered an append it sent at or after
-    ``asked_ms`` (``answered_ms``: per peer, when it sent the latest append the peer answered) are a
-    majority of ``new_members``. ``quorum_refusal`` at the request counts a core heard within an
-    election timeout, so also one that died just before it; this counts only cores up since."""
-    heard = {peer for peer, sent_ms in answered_ms.items() if sent_ms is not None and sent_ms >= asked_ms}
-    if sequencer is not None:
-        heard.add(sequencer)
-    return quorum_refusal(new_members, heard) is None
+    """Whether a removal asked at ``asked_ms`` may be appended: its ``removal_answers`` are a majority
+    of ``new_members``. ``quorum_refusal`` at the request counts a core heard within an election
+    timeout, so also one that died just before it; this counts only cores up since."""
+    return len(removal_answers(new_members, sequencer, answered_ms, asked_ms)) >= majority(new_members)
 
 
 def changed_members(members: tuple[str, ...], name: str, add: bool) -> tuple[str, ...]:

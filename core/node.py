@@ -2319,6 +2319,7 @@ class CoreNode(NodeServer):
                 # What the sequencer served of the learner's snapshot install: it moves while the
                 # copy does, when the matched key moves only at the install's end.
                 "learner_copy": self.copies_served.shown(shard, *self._installing_cores(shard), self.clock_ms()),
+                "removal": status.removal.to_json(self.clock_ms()) if status.removal is not None else None,
                 "committed": list(status.committed_key),
                 "sequencer": status.sequencer,
                 "generation": status.generation,
@@ -2665,6 +2666,8 @@ class CoreNode(NodeServer):
                 "members": list(status.members),
                 "committed_members": list(status.committed_members),
                 "learner": status.learner,
+                # A removal waiting for the set it leaves to answer (sequencer only; core.membership).
+                "removal": status.removal.to_json(self.clock_ms()) if status.removal is not None else None,
                 "forced": status.forced,
                 "excluded": self.excluded.get(shard),
                 "rlog": self._rlog_statistics(shard),

@@ -61,6 +61,16 @@ class Exclusion(Answer, frozen=True, kw_only=True):
     verdict: str
 
 
+class PendingRemoval(Answer, frozen=True, kw_only=True):
+    """A removal waiting for the set it leaves to answer (``core.consensus.PendingRemoval``)."""
+
+    name: str
+    waiting_ms: Count
+    answered: list[str]
+    needed: Count
+    timeout_ms: Count
+
+
 class CoreShardStatus(Answer, frozen=True, kw_only=True):
     role: str
     generation: int
@@ -72,6 +82,8 @@ class CoreShardStatus(Answer, frozen=True, kw_only=True):
     members: list[str]
     committed_members: list[str] | None = None
     learner: str | None = None
+    # Absent from the answers of nodes before it was added.
+    removal: PendingRemoval | None = None
     followers: dict[str, FollowerStatus] | None = None
     excluded: Exclusion | None = None
     serving: bool = True
@@ -215,8 +227,9 @@ class ShardMembership(Answer, frozen=True, kw_only=True):
     generation: int
     learner_match: TxKey | None = None
     committed: TxKey | None = None
-    # Absent from the answers of nodes before it was added.
+    # Absent from the answers of nodes before they were added.
     learner_copy: LearnerCopy | None = None
+    removal: PendingRemoval | None = None
 
 
 class Membership(Answer, frozen=True, kw_only=True):

@@ -20,6 +20,7 @@ from mnesite.core.consensus import (
     ForceStartRequested,
     LearnerRefused,
     MembershipChangeRequested,
+    PendingRemoval,
     Persisted,
     PersistEntries,
     PersistState,
@@ -196,6 +197,38 @@ def test_a_removal_waits_for_answers_since_the_request_and_is_refused_if_the_set
         assert harness.machine.role is Role.SEQUENCER
     effects = _remove(harness, "c", "m3")  # the dead core itself: {a, b} answers
     assert harness.machine.members == ("a", "b") and _membership_entries(effects)
+
+
+def test_status_shows_a_removal_waiting_for_answers_until_it_is_appended_or_refused():
+    """A removal waits, before it is appended, for a majority of the set it leaves to answer, or an
+    election timeout and is refused: ``status`` showed nothing of it meanwhile. It shows the name,
+    when it was asked, the cores that count so far, how many are needed and the timeout."""
+    harness = _elected()
+    assert harness.machine.status().removal is None
+    harness.ack("c", TxKey(1, 1))  # c passes the request's check, then never answers again
+    asked_ms = harness.now_ms + 1
+    harness.step(MembershipChangeRequested("b", add=False, request_id="m1"), asked_ms)
+    waiting = PendingRemoval("b", asked_ms, ("a",), 2, CONFIG.election_timeout_ms_min)
+    assert harness.machine.status().removal == waiting
+    harness.step(Ticked(), asked_ms + CONFIG.heartbeat_interval_ms)
+    harness.ack("b", TxKey(1, 1))  # the core removed answers: it is not in the set it leaves
+    assert harness.machine.status().removal == waiting
+    assert waiting.to_json(asked_ms + 30) == {
+        "name": "b",
+        "waiting_ms": 30,
+        "answered": ["a"],
+        "needed": 2,
+        "timeout_ms": CONFIG.election_timeout_ms_min,
+    }
+    effects = harness.step(Ticked(), asked_ms + CONFIG.election_timeout_ms_min)
+    assert of_type(effects, ProposalRejected) == [ProposalRejected("m1", membership.REJECT_NO_QUORUM_AFTER, "a")]
+    assert harness.machine.status().removal is None
+    asked_ms = harness.now_ms + 1
+    harness.step(MembershipChangeRequested("c", add=False, request_id="m2"), asked_ms)
+    assert harness.machine.status().removal == PendingRemoval("c", asked_ms, ("a",), 2, CONFIG.election_timeout_ms_min)
+    harness.step(Ticked())
+    assert _membership_entries(harness.ack("b", TxKey(1, 1)))  # b answered an append sent since
+    assert harness.machine.status().removal is None and harness.machine.members == ("a", "b")
 
 
 def test_a_removal_right_after_an_election_counts_only_the_cores_that_answered():
@@ -859,6 +892,58 @@ def test_a_journal_reports_the_committed_membership_and_a_change_in_the_log_apar
         node._step(driver, MessageReceived("core2", notice))
         age = node.journal()["shards"]["default"]
         assert (age["members"], age["pending_members"]) == (["core1", "core2"], None)
+
+
+def test_a_core_s_status_and_members_show_a_removal_waiting_for_answers(tmp_path) -> None:
+    """A sequencer waiting for the set a removal leaves to answer before it appends it said nothing of
+    it in ``status`` or ``cluster members``: an operator saw no change under way. Both show it now
+    (``removal``, typed in ``CoreShardStatus`` and ``ShardMembership``; a line in the text forms),
+    until it is appended."""
+    from mnesite.cli.main import describe_removal
+    from mnesite.core.consensus import MessageReceived, PreVoteReply, VoteReply
+    from mnesite.rlog.admin_answers import CoreStatus, Membership
+    from mnesite.rlog.client import checked
+
+    from tests.conftest import follower_by_hand
+
+    with follower_by_hand(tmp_path / "data") as (node, driver):
+        now_ms = [node.clock_ms()]
+        node.clock_ms = lambda: now_ms[0]
+
+        def at(step_ms: int, event) -> None:
+            now_ms[0] += step_ms
+            node._step(driver, event)
+
+        # core1 is elected with core2's votes, and core2 acknowledges its no-op.
+        at(10 * driver.consensus.config.election_timeout_ms_max, Ticked())
+        at(1, MessageReceived("core2", PreVoteReply(1, True)))
+        at(1, MessageReceived("core2", VoteReply(1, True)))
+        assert driver.consensus.role is Role.SEQUENCER
+        at(0, Persisted())  # the turn's commit made its no-op durable here
+        no_op = driver.consensus.last_key
+        at(1, MessageReceived("core2", AppendReply(1, True, no_op, no_op, ZERO_KEY, now_ms[0])))
+        assert driver.consensus.committed_key == no_op
+        assert node.status()["shards"]["default"]["removal"] is None
+        at(1, MembershipChangeRequested("core3", add=False, request_id="m1"))
+        asked_ms = now_ms[0]
+        now_ms[0] += 40
+        timeout_ms = driver.consensus.config.election_timeout_ms_min
+        waiting = {"name": "core3", "waiting_ms": 40, "answered": ["core1"], "needed": 2, "timeout_ms": timeout_ms}
+        status = node.status()
+        assert status["shards"]["default"]["removal"] == waiting
+        assert checked("status", status, CoreStatus).shards["default"].removal.needed == 2
+        members = node.membership()
+        assert members["shards"]["default"]["removal"] == waiting
+        assert checked("members", members, Membership).shards["default"].removal.name == "core3"
+        assert describe_removal(waiting) == (
+            "removing core3: waiting 40 ms for the cores it leaves to answer (1 of 2 needed: core1); "
+            f"refused no_quorum_after_change after {timeout_ms} ms"
+        )
+        # core2 answers an append sent since the request: the removal is appended, and shown no more.
+        at(0, MessageReceived("core2", AppendReply(1, True, no_op, no_op, ZERO_KEY, asked_ms)))
+        assert driver.consensus.members == ("core1", "core2")
+        assert node.status()["shards"]["default"]["removal"] is None
+        assert node.membership()["shards"]["default"]["removal"] is None
 
 
 # ---------------------------------------------------------------- waiting for a change (cluster add-core)
