@@ -12,6 +12,7 @@ from mnesite.core.node import CoreNode
 from mnesite.core.versions import PeerRefused, PeerVersions
 from mnesite.rlog import messages
 from mnesite.rlog.backup import restore
+from mnesite.rlog.client import MnesiteError
 from mnesite.rlog.config import ConfigError
 from mnesite.rlog.messages import Message
 from mnesite.rlog.replication import journal_answer, unreadable_log
@@ -19,7 +20,7 @@ from mnesite.rlog.store import Store, StoreError
 from mnesite.rlog.types import GENESIS_DIGEST, ZERO_KEY
 from mnesite.rlog.versions import THIS_RELEASE, announcement_of, incompatibility, local_announcement
 
-from tests.conftest import free_port, node_config
+from tests.conftest import Cluster, free_port, node_config, wait_until
 
 X, Y = "0123456789abcdef" * 2, "fedcba9876543210" * 2
 
@@ -150,3 +151,44 @@ def test_a_replicant_follows_no_core_of_another_cluster() -> None:
 def test_the_config_refuses_a_malformed_cluster_id(tmp_path: Path, cluster_id) -> None:
     with pytest.raises(ConfigError, match="cluster_id must be 32 lowercase hex digits"):
         node_config(tmp_path, free_port(), extra={"cluster": {"cluster_id": cluster_id}})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_core_process_configured_with_another_cluster_id_is_refused_and_counts_in_no_quorum(
+    cluster: Cluster,
+) -> None:
+    """Real processes: core1 and core2 name cluster X, core3 (in the same ``core_nodes``) names Y.
+    Each side refuses the other's frames and says why in ``status`` and its log; core3 holds none of
+    the shard, and once core2 is killed, core1 cannot commit: core3 was never part of the quorum."""
+    own = {"core1": X, "core2": X, "core3": Y}
+    for name, cluster_id in own.items():
+        config = cluster.root / f"{name}.toml"
+        config.write_text(config.read_text().replace("[cluster]\n", f'[cluster]\ncluster_id = "{cluster_id}"\n', 1))
+    cluster.start_all()
+    with cluster.client("core1", timeout_ms=20_000) as client:
+        client.create_table("t", "id", [("id", "INTEGER")])
+        client.put("t", {"id": 1})
+    for name, peer in (("core1", "core3"), ("core2", "core3"), ("core3", "core1"), ("core3", "core2")):
+        why = f"it belongs to cluster {own[peer]}, this node to cluster {own[name]}"
+
+        def refused(name: str = name, peer: str = peer, why: str = why) -> bool:
+            status = cluster.status(name)
+            return status is not None and (status["peer_versions"].get(peer) or {}).get("refused") == why
+
+        wait_until(refused, 20, f"{name} to refuse {peer}")
+        assert f"core {peer} refused: this core cannot speak with it: {why}" in cluster.nodes[name].log_path.read_text()
+    assert "default" not in cluster.status("core3")["shards"], "core3 acted on no frame of the others"
+    sequencer, _ = cluster.sequencer(among=["core1", "core2"])
+    assert cluster.status(sequencer)["shards"]["default"]["followers"]["core3"]["match"] == [0, 0]
+    cluster.nodes["core2"].kill()
+
+    def no_sequencer() -> bool:
+        status = cluster.status("core1")
+        return status is not None and status["shards"]["default"]["sequencer"] is None
+
+    wait_until(no_sequencer, 20, "core1 to have no sequencer once core2 is gone")
+    committed = cluster.status("core1")["shards"]["default"]["committed"]
+    with cluster.client("core1", timeout_ms=2000, retries=0) as client, pytest.raises(MnesiteError):
+        client.put("t", {"id": 2})
+    assert cluster.status("core1")["shards"]["default"]["committed"] == committed
