@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
-from mnesite.rlog.messages import BACKUP_CHUNK_BYTES_MAX, Answer, JournalShardAnswer, NonNegative
+from mnesite.rlog.limits import BACKUP_CHUNK_BYTES_MAX
+from mnesite.rlog.messages import Answer, JournalShardAnswer, NonNegative
 from mnesite.rlog.types import TxKey
 from mnesite.rlog.versions import CLUSTER_ID_PATTERN
 from msgspec import Meta

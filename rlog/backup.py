@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import apsw
-from mnesite.rlog.messages import BACKUP_CHUNK_BYTES_MAX, BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
+from mnesite.rlog.limits import BACKUP_CHUNK_BYTES_MAX
+from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
 from mnesite.rlog.security import PUBLIC_SUFFIX, SECRET_SUFFIX
 from mnesite.rlog.store import fsync_directory
 from mnesite.rlog.types import TxKey

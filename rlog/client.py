@@ -1008,7 +1008,7 @@ class Client:
 
     def backup_read(self, path: str, offset: int) -> dict[str, Any]:
         """Operator: bytes of the node's own finished backup at ``path`` from ``offset`` (``data``, at most
-        ``messages.BACKUP_CHUNK_BYTES_MAX``), the file's ``size`` and whether they reach its ``end``. Checked
+        ``limits.BACKUP_CHUNK_BYTES_MAX``), the file's ``size`` and whether they reach its ``end``. Checked
         as ``status``."""
         chunk = checked(
             "backup_read", self.call("backup_read", {"path": path, "offset": offset}), admin_answers.BackupChunk

@@ -17,6 +17,7 @@ from mnesite.rlog import backup, messages
 from mnesite.rlog.backup import BackupJob, chunk_bytes_max
 from mnesite.rlog.client import Client
 from mnesite.rlog.errors import RequestError
+from mnesite.rlog.limits import BACKUP_CHUNK_BYTES_MAX
 from mnesite.rlog.roles import RoleTable
 
 from tests.conftest import ThreadNode, close_offline, offline_replicant
@@ -42,7 +43,7 @@ def test_backup_read_is_an_admin_request_of_a_bounded_shape() -> None:
         with pytest.raises(messages.MessageError):
             messages.typed_body("backup_read", body)
     assert chunk_bytes_max(64 * 1024) == 16 * 1024  # a quarter of the smallest frame_bytes_max
-    assert chunk_bytes_max(256 * 1024 * 1024) == messages.BACKUP_CHUNK_BYTES_MAX
+    assert chunk_bytes_max(256 * 1024 * 1024) == BACKUP_CHUNK_BYTES_MAX
 
 
 @pytest.mark.timeout(60)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from mnesite.rlog import messages
 from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.limits import BACKUP_CHUNK_BYTES_MAX
 from mnesite.rlog.range_requests import RangeAnswer
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
@@ -332,7 +333,7 @@ ADMIN_GARBAGE |= {
         42,
         {},
         {**_CHUNK, "data": [1, 2]},
-        {**_CHUNK, "data": bytes(messages.BACKUP_CHUNK_BYTES_MAX + 1)},
+        {**_CHUNK, "data": bytes(BACKUP_CHUNK_BYTES_MAX + 1)},
         {**_CHUNK, "size": -1},
         _without(_CHUNK, "end"),
     ],
