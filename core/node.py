@@ -158,7 +158,7 @@ from mnesite.core.versions import (
 )
 from mnesite.core.watch import WatchRefusedError
 from mnesite.rlog import messages, range_requests, replication
-from mnesite.rlog.backup import RESTORED_META, BackupError
+from mnesite.rlog.backup import BACKUP_KINDS, RESTORED_META
 from mnesite.rlog.config import Config, ConfigError
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull, StorageFailedError
@@ -1024,12 +1024,8 @@ class CoreNode(NodeServer):
             self.reply(envelope, messages.reply(message.request_id, self.membership()))
         elif message.kind == "stop":
             self.reply(envelope, messages.reply(message.request_id, self.stop_request(principal)))
-        elif message.kind == "backup":
-            try:
-                result = self.answer_backup(message.body, self._backup_not_ready())
-            except BackupError as error:
-                raise RequestError("backup_refused", str(error)) from None
-            self.reply(envelope, messages.reply(message.request_id, result))
+        elif message.kind in BACKUP_KINDS:
+            self.reply(envelope, self.backup_request(message, self._backup_not_ready))
         elif message.kind in WRITE_KINDS:
             self.refuse_if_disk_full()
             self._write(envelope, message)

@@ -55,7 +55,7 @@ from mnesite.replicant.replica import (
 from mnesite.replicant.upstream import write_target
 from mnesite.rlog import messages
 from mnesite.rlog import replication as p
-from mnesite.rlog.backup import BackupError
+from mnesite.rlog.backup import BACKUP_KINDS
 from mnesite.rlog.config import Config, ConfigError, is_wildcard
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import DiskFreed, DiskFull
@@ -990,12 +990,8 @@ class ReplicantNode(NodeServer):
                 table = self._table(body.table)
                 self._serving(table.shard)
             self.reply(envelope, messages.reply(message.request_id, self._read_now(table, message)))
-        elif message.kind == "backup":
-            try:
-                result = self.answer_backup(body, self._backup_not_ready())
-            except BackupError as error:
-                raise RequestError("backup_refused", str(error)) from None
-            self.reply(envelope, messages.reply(message.request_id, result))
+        elif message.kind in BACKUP_KINDS:
+            self.reply(envelope, self.backup_request(message, self._backup_not_ready))
         elif message.kind == "members":
             raise RequestError("not_a_core", self._no_membership())
         elif message.kind in ("journal", "watch", "force_start", "peer", "read_index"):

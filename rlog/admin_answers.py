@@ -1,6 +1,6 @@
 """The answers of the admin calls (``status``, ``members``, ``rlog_tail``, ``rlog_entries``, ``journal``,
-``force_start``, ``membership_change``, ``stop``, ``backup``) and of the range requests (``range_digest``,
-``key_boundaries``, ``row_digests``) as the client checks them (``Client.status`` and the others):
+``force_start``, ``membership_change``, ``stop``, ``backup``, ``backup_read``) and of the range requests
+(``range_digest``, ``key_boundaries``, ``row_digests``) as the client checks them (``Client.status`` and the others):
 untrusted input, like every answer (``messages.Answer``: unknown fields allowed, a newer release may
 add some).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
+from mnesite.rlog.limits import BACKUP_CHUNK_BYTES_MAX
 from mnesite.rlog.messages import Answer, JournalShardAnswer, NonNegative
 from mnesite.rlog.types import TxKey
 from mnesite.rlog.versions import CLUSTER_ID_PATTERN
@@ -344,6 +345,15 @@ class BackupAnswer(Answer, frozen=True, kw_only=True):
             raise ValueError("a failed backup without its error")
         if self.state not in ("running", "failed") and (self.seconds is None or self.shards is None):
             raise ValueError(f"a backup {self.state} without its time or its shards")
+
+
+class BackupChunk(Answer, frozen=True, kw_only=True):
+    """A ``backup_read`` answer (``rlog.backup.read_chunk``): bytes of the backup from the offset asked,
+    the file's size and whether they reach its end."""
+
+    data: Annotated[bytes, Meta(max_length=BACKUP_CHUNK_BYTES_MAX)]
+    size: Count
+    end: bool
 
 
 # -- range requests (``rlog.range_requests.answer``): what ``spark.replica.NodeReplica`` reads -------

@@ -54,12 +54,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import apsw
+from mnesite.rlog.limits import BACKUP_CHUNK_BYTES_MAX
 from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
 from mnesite.rlog.security import PUBLIC_SUFFIX, SECRET_SUFFIX
 from mnesite.rlog.store import fsync_directory
 from mnesite.rlog.types import TxKey
 from mnesite.rlog.versions import SOFTWARE_VERSION, STORAGE_FORMATS_READ
 
+# The requests a node answers with ``NodeServer.backup_request``: start or poll a backup, read it.
+BACKUP_KINDS = frozenset({"backup", "backup_read"})
 DATABASE_FILE_NAME = "mnesite.db"
 PARTIAL_SUFFIX = ".partial"
 # An absolute path of plain characters: never relative to the node's working directory, no "..".
@@ -73,6 +76,11 @@ STEP_PAGES_MAX = 1_000_000
 CANCEL_TIMEOUT_S = 30.0
 # Problems of a damaged backup's integrity check named in restore's error (SQLite stops there).
 INTEGRITY_PROBLEMS_MAX = 3
+# Bytes of a backup sent in one ``backup_read`` answer, at most, and at most a quarter of the node's
+# frame_bytes_max (``chunk_bytes_max``): the read is one ``pread`` on the node's loop thread, and a
+# megabyte takes about a millisecond from the page cache.
+CHUNK_BYTES_MAX = BACKUP_CHUNK_BYTES_MAX
+CHUNK_FRAME_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,62 @@ def check_path(path: str) -> str:
 
 
 @dataclass(frozen=True)
+class FileIdentity:
+    """What tells a file apart from another one, or from itself once changed: its device and inode (a
+    file renamed or linked into its place has others), its size and its modification time."""
+
+    device: int
+    inode: int
+    size: int
+    modified_ns: int
+
+    @classmethod
+    def of(cls, stat: os.stat_result) -> FileIdentity:
+        return cls(stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def chunk_bytes_max(frame_bytes_max: int) -> int:
+    """The bytes of a ``backup_read`` answer's chunk: well within one frame of ``frame_bytes_max``."""
+    return max(1, min(CHUNK_BYTES_MAX, frame_bytes_max // CHUNK_FRAME_SHARE))
+
+
+def read_chunk(job: BackupJob | None, path: str, offset: int, bytes_max: int) -> dict[str, Any]:
+    """The ``backup_read`` request: up to ``bytes_max`` bytes of the backup file at ``path`` from ``offset``,
+    the file's size and whether they reach its end. Raises ``BackupError`` saying why it is refused.
+
+    A node sends only its own last backup (``job``, what ``status`` shows), once it is done, and only
+    while the file at its path is the one it wrote (``BackupJob.published``): any other path, or a
+    file changed, replaced or removed since, is refused, so this request never reads another file of
+    the node's host. It runs on the node's loop thread: one open that never blocks or follows a link,
+    one ``fstat`` and one bounded ``pread``."""
+    if job is None or job.path != path:
+        last = "no backup" if job is None else f"its last backup is {job.path}"
+        raise BackupError(
+            f"{path} is not this node's last backup ({last}): a node sends only the file of its own last backup"
+        )
+    if job.state != "done" or job.published is None:
+        raise BackupError(f"the backup to {path} is {job.state}: only a finished backup is sent")
+    try:
+        # O_NONBLOCK: a FIFO put at the path must not hold the loop in open(); O_NOFOLLOW: nor a link be read.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise BackupError(f"{path} is gone or unreadable since the backup finished ({error.strerror})") from None
+    try:
+        identity = FileIdentity.of(os.fstat(fd))
+        if identity != job.published:
+            raise BackupError(
+                f"{path} changed or was replaced since the backup finished (not the file this node wrote): "
+                "take a new backup"
+            )
+        if offset > identity.size:
+            raise BackupError(f"offset {offset} is past the end of {path} ({identity.size} bytes)")
+        data = os.pread(fd, min(bytes_max, identity.size - offset), offset)
+    finally:
+        os.close(fd)
+    return {"data": data, "size": identity.size, "end": offset + len(data) >= identity.size}
+
+
+@dataclass(frozen=True)
 class JobView:
     """What ``decide`` needs to know of the current backup job."""
 
@@ -214,6 +278,8 @@ class BackupJob:
         self.started_s = time.time()
         self.finished_s: float | None = None
         self.record: dict[str, Any] | None = None
+        # The published file as it was once done (``read_chunk`` sends it only while it is still that file).
+        self.published: FileIdentity | None = None
         self._cancelled: str | None = None
         # Pin the snapshot now, on the caller's (the node loop's) thread: the backup is the state
         # after the last transaction the node committed before it accepted the request.
@@ -252,8 +318,9 @@ class BackupJob:
                 self._finish(target)
             finally:
                 target.close()
-            _publish(partial, self.path)
+            publish(partial, self.path)
             fsync_directory(os.path.dirname(self.path))
+            self.published = FileIdentity.of(os.lstat(self.path))
             self.state = "done"
         except Exception as error:  # reported to the client that polls; the node goes on serving
             self.error = f"{type(error).__name__}: {str(error)[:300]}"
@@ -323,7 +390,7 @@ class BackupJob:
         return not self._thread.is_alive()
 
 
-def _publish(partial: str, path: str) -> None:
+def publish(partial: str, path: str) -> None:
     """Give the finished copy its name, never replacing a file made at ``path`` while it was copied
     (checked free at the start only): a hard link fails if the name exists, where a rename replaces it."""
     taken = BackupError(f"{path} exists (made while the backup was copied); a backup never overwrites a file")
@@ -502,6 +569,28 @@ def _copy(
             copy.step(step_pages)
             report(RestorePagesCopied(copy.page_count - copy.remaining, copy.page_count))
         return copy.page_count
+
+
+def check_backup(
+    path: str, progress: Callable[[RestoreProgress], None] | None = None, steps: RestoreSteps | None = None
+) -> int:
+    """Check the backup file at ``path`` as ``restore`` checks its copy (``_damage``), read-only; returns the
+    rlog entries verified. Raises ``BackupError`` if it is not a backup or is damaged."""
+    from mnesite.rlog.store import Store, StoreError
+
+    read_record(path)
+    try:
+        store = Store(path, create=False, readonly=True)
+    except StoreError as error:
+        raise BackupError(str(error)) from None
+    try:
+        pages_total = store.connection.execute("PRAGMA page_count").fetchone()[0]
+        why, entries_verified = _damage(store, pages_total, steps or RESTORE_STEPS, progress or (lambda event: None))
+    finally:
+        store.close()
+    if why is not None:
+        raise BackupError(f"{path}: the backup is damaged ({why})")
+    return entries_verified
 
 
 def _damage(

@@ -92,7 +92,8 @@ AfterKey = TxKey | tuple[int, int] | Mapping[str, TxKey | tuple[int, int]] | Non
 # committed, so after one that may have been applied they end in ``OutcomeUnknown``.
 REFUSED_UNREAD_CODES = frozenset({ERROR_DISK_FULL, "overloaded", "forbidden", NOT_READY_CODE, "excluded"})
 # Requests about the node they reach, not the cluster: never moved to another endpoint, whose answer
-# would be taken for this node's. They act on it (stop, force_start, backup); they ask for its own
+# would be taken for this node's. They act on it (stop, force_start, backup) or read its file
+# (backup_read); they ask for its own
 # state (its journal age, read to decide a force start; its status); they hash its own data (range
 # requests: the compare job asks each replica, and another node's answer would compare it with
 # itself); a query's pages (the cursor lives on the node that answered the first one, QueryResult).
@@ -103,6 +104,7 @@ NODE_KINDS = frozenset(
         "stop",
         "force_start",
         "backup",
+        "backup_read",
         "journal",
         "status",
         "range_digest",
@@ -1005,6 +1007,16 @@ class Client:
         the one under way to that path (``state`` running, done or failed; rlog.backup). Checked as
         ``status``."""
         return self._checked("backup", self.call("backup", {"path": path}), admin_answers.BackupAnswer)
+
+    def backup_read(self, path: str, offset: int) -> dict[str, Any]:
+        """Operator: bytes of the node's own finished backup at ``path`` from ``offset`` (``data``, at most
+        ``limits.BACKUP_CHUNK_BYTES_MAX``), the file's ``size`` and whether they reach its ``end``. Checked
+        as ``status``."""
+        chunk = checked(
+            "backup_read", self.call("backup_read", {"path": path, "offset": offset}), admin_answers.BackupChunk
+        )
+        # As checked, not as it came: msgspec takes base64 text for bytes, which a file is not written with.
+        return {"data": chunk.data, "size": chunk.size, "end": chunk.end}
 
     def rlog_tail(self, shard: str, count: int = 10) -> list[dict[str, Any]]:
         """The last ``count`` committed entries of the shard's rlog (tx key, previous key, digest, ops,

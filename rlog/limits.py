@@ -15,6 +15,8 @@ FRAME_BYTES_MAX_BOUNDS = (64 * 1024, 256 * 1024 * 1024)
 # Bytes of a frame besides the entries it carries: an append's or a push's envelope (keys, digest,
 # sender, shard, counters, a push's watch answer and token), well above what msgpack makes of them.
 FRAME_ENVELOPE_BYTES = 4096
+# Bytes of a backup file in one ``backup_read`` answer, at most (rlog.backup.chunk_bytes_max).
+BACKUP_CHUNK_BYTES_MAX = 1024 * 1024
 
 
 def require_positive_ints(config: Any, error: type[Exception], zero_allowed: tuple[str, ...] = ()) -> None:

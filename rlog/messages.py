@@ -29,7 +29,7 @@ REQUEST_ID_CHARS_MAX, MESSAGE_CHARS_MAX, RANGES_MAX, BACKUP_PATH_CHARS_MAX = 64,
 FREE_VALUE_DEPTH_MAX = 32  # a reply's result or an error's detail
 FREE_VALUE_ITEMS_MAX = 16 * 1024 * 1024  # above what a default frame_bytes_max frame can hold
 QUERY_SQL_CHARS_MAX, QUERY_PARAMS_MAX = 100_000, 999
-BACKUP_PATH_PATTERN = r"^/[A-Za-z0-9_./\-]*\Z"  # absolute, plain characters (rlog.backup checks it again)
+BACKUP_PATH_PATTERN = r"^/[A-Za-z0-9_./\-]*\Z"  # backup, backup_read (rlog.roles): absolute, plain characters
 _NAME = re.compile(NAME_PATTERN)
 
 Endpoint = Annotated[str, Meta(min_length=1, max_length=types.ENDPOINT_CHARS_MAX, pattern=ENDPOINT_PATTERN)]
@@ -237,7 +237,7 @@ _kind("read_index", SHARD, FORWARDED)  # the committed key, confirmed by the seq
 _kind("membership_change", SHARD, ("action", Literal["add", "remove"]), ("name", Name),
       ("endpoint", Endpoint | None, None), FORWARDED)
 BackupPath = Annotated[str, Meta(min_length=2, max_length=BACKUP_PATH_CHARS_MAX, pattern=BACKUP_PATH_PATTERN)]
-Backup = _kind("backup", ("path", BackupPath))  # operator: copy the database to a file on the node's host
+Backup, _ = _kind("backup", ("path", BackupPath)), _kind("backup_read", ("path", BackupPath), ("offset", NonNegative))
 _kind("rlog_tail", SHARD, ("count", Integer | None, None))
 _kind("rlog_entries", SHARD, ("after", TxKey | None, None), LIMIT)
 # stop: the node finishes its loop turn, logs a shutdown line and exits; force_start: become sequencer

@@ -19,7 +19,7 @@ The roles:
   to find an upstream, bootstrap (``bootstrap_batch``) and serve linearizable reads.
 * ``admin``: everything, including ``create_table``, ``drop_table``, ``create_index``, ``drop_index``,
   ``add_column``, ``force_start``, ``membership_change``,
-  ``stop`` and ``backup``.
+  ``stop``, ``backup`` and ``backup_read``.
 * ``writer``: reads and ``transact``.
 * ``reader``: reads.
 
@@ -86,6 +86,8 @@ KIND_ROLES: dict[str, frozenset[str]] = {
     "stop": frozenset(),
     # writes a copy of the whole database to a path on the node's host (rlog.backup)
     "backup": frozenset(),
+    # sends that copy down, a chunk at a time: the node's own finished backup only (rlog.backup.read_chunk)
+    "backup_read": frozenset(),
 }
 
 # Kinds whose body names its sender: the name must be the authenticated principal.

@@ -39,7 +39,7 @@ import msgspec
 import zmq
 import zmq.backend
 from mnesite.rlog import messages
-from mnesite.rlog.backup import BackupError, BackupJob, decide
+from mnesite.rlog.backup import BackupError, BackupJob, chunk_bytes_max, decide, read_chunk
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
 from mnesite.rlog.config import Config, ConfigError, is_loopback, keys_needing_restart, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
@@ -604,6 +604,20 @@ class NodeServer:
             self.warnings.log("refused: sender", logging.WARNING, "refused a forged sender: %s", reason)
             return messages.error(message.request_id, "forbidden", reason)
         return None
+
+    def backup_request(self, message: Message, not_ready: Callable[[], str | None]) -> Message:
+        """The reply to a ``backup`` or ``backup_read`` request (admin only, see rlog.roles); raises
+        ``RequestError`` ``backup_refused`` with the reason one is refused. ``not_ready``: the node's
+        reason not to start a backup now (``answer_backup``)."""
+        try:
+            if message.kind == "backup_read":
+                bytes_max = chunk_bytes_max(self.config.limits.frame_bytes_max)
+                result = read_chunk(self.backup_job, message.body.path, message.body.offset, bytes_max)
+            else:
+                result = self.answer_backup(message.body, not_ready())
+        except BackupError as error:
+            raise RequestError("backup_refused", str(error)) from None
+        return messages.reply(message.request_id, result)
 
     def answer_backup(self, body: messages.Backup, not_ready: str | None) -> dict[str, Any]:
         """The ``backup`` request: start one (admin only, see rlog.roles) or report the current one.

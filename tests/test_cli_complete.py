@@ -351,6 +351,7 @@ def test_new_kinds_are_typed_role_checked_and_fuzzed() -> None:
     assert "count" in SCHEMAS and "stop" in SCHEMAS
     assert KIND_ROLES["stop"] == frozenset() and "reader" in KIND_ROLES["count"]
     assert "count" in message_kinds() and "stop" not in message_kinds()
+    assert KIND_ROLES["backup_read"] == frozenset() and "backup_read" in message_kinds()  # admin only, fuzzed
 
 
 @pytest.mark.slow

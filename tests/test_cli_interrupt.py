@@ -42,7 +42,8 @@ ITEMS = {"table": "items", "shard": "default", "key": "id", "columns": [["id", "
 
 class AnsweringNode(RouterNode):
     """A ROUTER that answers each request with ``answer(request, n)`` (n: its rank among the requests
-    of its kind, from 1), or never if that is ``HELD``; ``requests`` holds every request it read."""
+    of its kind, from 1): a reply of that result, that message if it is one (an error), or never if it
+    is ``HELD``; ``requests`` holds every request it read."""
 
     def __init__(self, answer: Callable[[messages.Message, int], Any]) -> None:
         self.answer = answer
@@ -57,7 +58,9 @@ class AnsweringNode(RouterNode):
             envelope, request = received
             self.requests.append(request)
             result = self.answer(request, len(self.of_kind(request.kind)))
-            if result is not HELD:
+            if isinstance(result, messages.Message):
+                self.send(envelope, result)
+            elif result is not HELD:
                 self.send(envelope, messages.reply(request.request_id, result))
 
     def of_kind(self, kind: str) -> list[messages.Message]:
@@ -186,6 +189,25 @@ def test_ctrl_c_during_an_export_says_the_rows_written_to_the_incomplete_file(tm
         f"Error: export interrupted: 20 rows were written to {output}, which is incomplete: export again"
     )
     assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == list(range(1, 21))
+
+
+def test_ctrl_c_during_a_backup_download_removes_the_partial_file(tmp_path: Path) -> None:
+    """Ctrl-C while ``backup --download`` waits for a chunk: LOCAL.partial is removed, the line says so
+    and that the backup stays on the node's host; nothing is asked again."""
+    done = {"state": "done", "pages_copied": 10, "pages_total": 10, "seconds": 1.5, "shards": {}}
+    chunk = {"data": b"x" * 10, "size": 100, "end": False}
+    node = AnsweringNode(lambda request, n: done if request.kind == "backup" else chunk if n == 1 else HELD)
+    path, local = "/backups/core1.db", tmp_path / "local.db"
+    arguments = ["backup", path, "--download", str(local)]
+    ended = _interrupted(node, arguments, lambda process: len(node.of_kind("backup_read")) == 2, tmp_path)
+    assert ended.returncode == 1, ended.stderr
+    assert _last_error(ended.stderr) == (
+        f"Error: backup download interrupted: {local}.partial was removed; the backup stays at {path} on the "
+        "node's host (run the same command again to download it)"
+    )
+    assert "backup: downloaded 0.0 of 0.0 MiB" in ended.stderr  # the first chunk was written
+    assert not local.exists() and not Path(f"{local}.partial").exists()
+    assert [request.kind for request in node.requests] == ["backup", "backup_read", "backup_read"]
 
 
 @pytest.mark.parametrize("answered", [True, False])

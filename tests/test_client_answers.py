@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from mnesite.rlog import messages
 from mnesite.rlog.client import Client, MnesiteError
+from mnesite.rlog.limits import BACKUP_CHUNK_BYTES_MAX
 from mnesite.rlog.range_requests import RangeAnswer
 from mnesite.rlog.schema import TableSchema
 from mnesite.rlog.types import TxKey
@@ -233,6 +234,7 @@ _BACKUP = {
     "seconds": 0.25,
     "shards": {"default": {"applied": [2, 5], "digest": "ab" * 32, "generation": 2}},
 }
+_CHUNK = {"data": b"SQLite format 3\x00", "size": 4096, "end": False}
 _POSITION = {"shard": "default", "applied": [2, 5], "applied_digest": "ab" * 32}
 _RANGE = {"rows": 3, "digest": b"d" * 32, "split_keys": [1, "b"]}
 _RANGE_DIGESTS = {**_POSITION, "ranges": [_RANGE, {"rows": 9, "digest": None, "split_keys": []}], "more": False}
@@ -248,6 +250,7 @@ ADMIN_CALLS: dict[str, Callable[[Client], Any]] = {
     "membership_change": lambda client: client.change_membership("default", "add", "core2", "tcp://127.0.0.1:2"),
     "stop": lambda client: client.stop(),
     "backup": lambda client: client.backup("/b"),
+    "backup_read": lambda client: client.backup_read("/b", 0),
     "range_digest": lambda client: client.range_digest("t", [[None, None]]),
     "key_boundaries": lambda client: client.key_boundaries("t", 2),
     "row_digests": lambda client: client.row_digests("t"),
@@ -325,6 +328,15 @@ ADMIN_GARBAGE |= {
         {**_BACKUP, "state": "failed"},
         {**_BACKUP, "shards": {"default": {"applied": "ab", "digest": "ab"}}},
     ],
+    # ``backup --download`` appends the data to LOCAL and compares the offsets with the size.
+    "backup_read": [
+        42,
+        {},
+        {**_CHUNK, "data": [1, 2]},
+        {**_CHUNK, "data": bytes(BACKUP_CHUNK_BYTES_MAX + 1)},
+        {**_CHUNK, "size": -1},
+        _without(_CHUNK, "end"),
+    ],
     "range_digest": [
         42,
         {},
@@ -395,6 +407,7 @@ def test_well_formed_admin_answers_still_read_as_they_came(node: ReplyingNode) -
             {**_BACKUP, "state": "failed", "error": "disk full"},
             {"state": "running", "pages_copied": 0, "pages_total": 0},
         ],
+        "backup_read": [_CHUNK, {"data": b"", "size": 0, "end": True}],
         "range_digest": [_RANGE_DIGESTS, {**_RANGE_DIGESTS, "ranges": [], "more": True}],
         "key_boundaries": [_KEY_BOUNDARIES, {**_KEY_BOUNDARIES, "rows": 0, "keys": []}],
         "row_digests": [_ROW_DIGESTS, {**_ROW_DIGESTS, "rows": [], "more": False}],

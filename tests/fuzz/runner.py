@@ -11,6 +11,9 @@ cluster, round robin, from one DEALER per node, reading answers as they come. Af
   every node's tables are the model's (the tables before the run plus those created with success);
 * all nodes converge on one applied key and digest per shard (the replicant included);
 * each node's RSS is recorded; ``FuzzReport.rss_ratio_max`` is the largest RSS over the first one.
+
+And as answers come: a ``backup_read`` is answered with bytes only for a path a ``backup`` asked the node
+to write (never another file of the node's host).
 """
 
 from __future__ import annotations
@@ -117,6 +120,9 @@ class Fuzzer:
         self.shards_allowed: set[str] = set()
         self.create_shards: dict[str, str] = {}
         self.start_keys: dict[str, list[int]] = {}
+        # backup_read request id -> its path; the paths a backup asked for (the only ones a node may send).
+        self.backup_reads: dict[str, Any] = {}
+        self.backup_paths: set[Any] = set()
         self._next = 0
         self._started = time.monotonic()
 
@@ -145,6 +151,10 @@ class Fuzzer:
         except (OverflowError, ValueError, TypeError):
             self.report.not_packable += 1  # e.g. an integer below -2**63: msgpack has no encoding for it
             return
+        if kind == "backup":
+            self.backup_paths.add(body.get("path"))
+        elif kind == "backup_read":
+            self.backup_reads[request_id] = body.get("path")
         self._send_frame(kind, frame, request_id)
         if request_id in self.writes_pending:
             self.writes_pending[request_id] = f"{kind} to {self.sent_to[request_id]}: {str(body)[:300]}"
@@ -204,6 +214,9 @@ class Fuzzer:
             self.report.errors_by_code[code] = self.report.errors_by_code.get(code, 0) + 1
             if code == "internal" and len(self.report.internal_messages) < INTERNAL_MESSAGES_KEPT:
                 self.report.internal_messages.append(str(answer.body.message)[:300])
+        read_path = self.backup_reads.pop(answer.request_id, None)
+        if answer.kind == "reply" and read_path is not None and read_path not in self.backup_paths:
+            raise FuzzFailure(f"a node sent {read_path!r:.80} to a backup_read, a file no backup was asked to write")
         kind = self.writes_pending.pop(answer.request_id, None)
         if kind is None:
             return

@@ -141,6 +141,11 @@ def _right_type(spec: mi.Type, path: str, known: Known) -> st.SearchStrategy[Any
     if isinstance(spec, mi.LiteralType):
         choices = [str(value) for value in spec.values]
         return st.one_of(st.sampled_from(choices), st.sampled_from([c.upper() for c in choices]))
+    if isinstance(spec, mi.StrType) and path == "backup_read.path":
+        # Files of the node's host a backup_read must never send (only the node's own finished backup).
+        hostile = ["/etc/passwd", "/etc/shadow", "/proc/self/environ", "/dev/zero", "/dev/stdin", "/", "/tmp"]
+        hostile += [f"/{name}/mnesite.db" for name in known.nodes] + ["/tmp/../etc/passwd", "/etc/passwd/."]
+        return st.one_of(st.sampled_from(hostile), st.text(max_size=50).map(lambda text: "/" + text))
     if isinstance(spec, mi.StrType) and last == "sql":
         # Kept cases: a NUL in the text (apsw raises ValueError for it; it killed a replicant once), a
         # write, two statements, and plausible reads of the fuzzed tables.
