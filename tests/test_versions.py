@@ -49,7 +49,7 @@ from mnesite.rlog.versions import (
 
 from mnesite import __version__
 from tests.sim.cluster import SimulationFailure
-from tests.sim.versions import run_versions_seed
+from tests.sim.versions import rolled_back_while_down, run_versions_seed
 
 NEWER = Announcement("9.0.0", (3, 3))
 
@@ -135,6 +135,7 @@ def test_the_cluster_version_moves_only_when_every_member_speaks_it() -> None:
     assert propose(upgraded) == 2
     assert propose(upgraded, current=2) is None  # forward only, and once
     assert propose(upgraded, settled=False) is None  # not while a membership change is in flight
+    assert propose(upgraded, now_ms=ANNOUNCEMENT_FRESH_MS) == 2  # heard within the window
     assert propose(upgraded, now_ms=ANNOUNCEMENT_FRESH_MS + 1) is None  # a member not heard lately
     assert propose(_peers(core2=THIS_RELEASE, core3=NEWER)) is None  # they share no version above 1
 
@@ -277,6 +278,26 @@ def test_the_simulator_catches_a_cluster_version_moved_before_every_member_speak
         SimulationFailure, match="does not speak cluster version|cannot read|cannot speak it|before the last core"
     ):
         run_versions_seed(0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_member_rolled_back_while_down_is_not_counted_on_its_announcement_heard_before(seed: int) -> None:
+    """The scenario's checks hold the rule: no cluster version while that member's announcement is
+    stale, nor once it is heard on 0.1.0; it moves once that member is upgraded again."""
+    simulation = rolled_back_while_down(seed)
+    assert simulation.moves_committed == 1, simulation.summary()
+    assert set(simulation.cluster_versions().values()) == {THIS_RELEASE.cluster_versions[1]}
+
+
+def test_the_simulator_catches_a_stale_announcement_counted(monkeypatch) -> None:
+    """Mutation: an announcement counts however long ago it was heard (no freshness window): the
+    sequencer appends the cluster version while the rolled-back member is down, on its way back on
+    a release that cannot read it."""
+    import mnesite.core.versions as core_versions
+
+    monkeypatch.setattr(core_versions, "ANNOUNCEMENT_FRESH_MS", 10**12)
+    with pytest.raises(SimulationFailure, match=r"cluster version 2 committed at .* while \['core\d'\] cannot speak"):
+        rolled_back_while_down(0)
 
 
 def test_status_text_names_each_peer_release_and_the_incompatible_ones() -> None:

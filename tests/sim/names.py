@@ -25,7 +25,10 @@ apply waits at a committed entry creating a name another shard's table or index 
 * Nodes. Each node is a real ``Store`` in a temporary directory, a core or a replicant, fed the
   shards' logs in its own random interleaving (per-shard order kept, batches of 1 to 4 entries, each
   shard with its own speed), one write transaction per turn, driven as production drives it:
-  a core appends (``append_entries``), applies at once or gathers the commit for a later turn
+  a core appends (``append_entries``), hears the commit of all it appended or of only part of it
+  (the rest commits with a later batch of the shard, or at the end: the log holds an uncommitted
+  tail, drawn from an RNG of its own so that the schedule is the seed's as before),
+  applies at once or gathers the commit for a later turn
   (``CoreNode._apply_up_to``: a waiting shard not due is skipped; its unapplied tail passed as
   ``held``, or not, as when the tail spilled past its bound) and then retries the due waiting shards
   up to their committed key (``CoreNode._apply_name_waits``); a replicant logs and applies
@@ -33,7 +36,8 @@ apply waits at a committed entry creating a name another shard's table or index 
   (``ReplicantNode._apply_name_waits``). Now and then a node restarts: its store is closed and
   opened again, its waits are lost, and it applies what it had not (a core up to its committed key
   with its tail read back from the log, a replicant ``_logged_end``).
-* Checks after every turn: no apply fails (``EntryApplyError``, ``StoreError``); a waiting shard waits
+* Checks after every turn: no apply fails (``EntryApplyError``, ``StoreError``); no shard applied past
+  the commit the node heard (a lifetime is skipped only once its drop committed); a waiting shard waits
   at its next entry, and that entry creates a name another shard holds at the node now; a shard that
   does not wait applied everything it was given (but a core's gathered commits). At the end, once
   every entry was delivered: no wait is left, and every node's catalog (tables, columns, indexes and
@@ -81,6 +85,7 @@ NODES = 3
 BATCH_MAX = 4
 RESTART_PROBABILITY = 0.05
 GATHER_PROBABILITY = 0.3  # a core gathers a commit instead of applying it at once
+COMMIT_LAG_PROBABILITY = 0.3  # a core hears the commit of only part of what it appended (drawn apart)
 READ_BACK_PROBABILITY = 0.3  # a core applies from its log instead of its tail
 TRACE_MAX = 30
 PROPOSALS_MAX = 200
@@ -319,6 +324,9 @@ class SimNode:
         history = simulation.history
         self.logs = {shard: history.of_shard(shard) for shard in history.shards}
         self.delivered = dict.fromkeys(history.shards, 0)  # entries of each shard logged here
+        self.commits = dict.fromkeys(history.shards, 0)  # of them, those this node heard committed
+        # Its own RNG: the commit lag leaves the seed's schedule (batches, restarts, gathers) as it was.
+        self.commit_rng = random.Random(f"{simulation.seed}-{index}-commit")
         self.tail: dict[str, list[Entry]] = {shard: [] for shard in history.shards}  # a core's unapplied tail
         self.gathered: set[str] = set()  # a core's shards whose last commit is not applied yet
         self.speeds = {shard: self.rng.choice([1, 4, 16]) for shard in history.shards}
@@ -331,7 +339,7 @@ class SimNode:
         return self.simulation.fail(f"node {self.name}: {what}")
 
     def committed(self, shard: str) -> TxKey:
-        count = self.delivered[shard]
+        count = self.commits[shard]
         return self.logs[shard][count - 1].tx_key if count else ZERO_KEY
 
     # -- the schedule -----------------------------------------------------------------------
@@ -354,6 +362,9 @@ class SimNode:
             if self.rng.random() < RESTART_PROBABILITY:
                 self.restart()
             self.turn(shard, count)
+        if lagging := sorted(shard for shard in self.commits if self.commits[shard] < self.delivered[shard]):
+            self.commits.update(self.delivered)  # the commits heard last: applied with the gathered ones
+            self.gathered.update(lagging)
         if self.gathered:
             self.apply_gathered()
         if self.rng.random() < 0.3:
@@ -373,7 +384,16 @@ class SimNode:
         start = self.delivered[shard]
         batch = self.logs[shard][start : start + count]
         self.delivered[shard] += count
-        self._trace(f"shard {shard} entries {batch[0].tx_key.counter}..{batch[-1].tx_key.counter}")
+        heard = self.commits[shard]
+        self.commits[shard] = self.delivered[shard]
+        beyond_prefix = sum(self.delivered.values()) > self.simulation.history.prefix
+        if self.kind == "core" and beyond_prefix and self.commit_rng.random() < COMMIT_LAG_PROBABILITY:
+            # The commit moves, if at all, to short of what the core appended.
+            self.commits[shard] = self.commit_rng.randrange(heard, self.delivered[shard])
+        self._trace(
+            f"shard {shard} entries {batch[0].tx_key.counter}..{batch[-1].tx_key.counter}, "
+            f"committed {self.committed(shard).counter}"
+        )
         self._in_turn(self._receive_core if self.kind == "core" else self._receive_replicant, shard, batch)
         if self.gathered and self.rng.random() < 0.5:
             self.apply_gathered()
@@ -452,7 +472,7 @@ class SimNode:
             applied = store.shard(shard).applied
             committed = self.committed(shard)
             if applied > committed:
-                raise self.fail(f"shard {shard} applied {applied} past what it was given, {committed}")
+                raise self.fail(f"shard {shard} applied {applied} past the commit it heard, {committed}")
             wait = store.name_waits.get(shard)
             if wait is None:
                 if applied != committed and shard not in self.gathered:

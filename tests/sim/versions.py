@@ -15,6 +15,11 @@ The checks: no core of a release that cannot read a cluster version entry ever p
 have been sent something it cannot read), every member speaks the version when its entry commits,
 committed cluster versions never go down, and after the last upgrade the version does move.
 
+``rolled_back_while_down`` is the freshness of announcements (``ANNOUNCEMENT_FRESH_MS``): an upgraded
+member rolled back while the last core still runs 0.1.0 stays down while that core is upgraded; the
+sequencer heard it announce this release before, and must not count that answer once it is stale
+(the checks count a member that is down with the release it comes back on).
+
 ``StuckMemberSimulation`` is the other side of that rule: a member rolled back after the probes saw
 it, so that the sequencer appends a cluster version it does not speak. It refuses the entry (its own
 check) and is stuck there (``ShardConsensus.stuck_reason``) while the others go on; clients keep
@@ -165,7 +170,10 @@ class VersionsSimulation(Simulation):
             if self.committed_versions and version < self.committed_versions[-1][1]:
                 raise self.fail(f"cluster version went down to {version} at {entry.tx_key}")
             members = node.machine.members if node.machine is not None else tuple(self.nodes)
-            cannot = [member for member in members if not self.release[member].speaks(version)]
+            # A member that is down counts with the release it comes back on.
+            cannot = [
+                member for member in members if not self.restarting.get(member, self.release[member]).speaks(version)
+            ]
             if cannot:
                 raise self.fail(f"cluster version {version} committed at {entry.tx_key} while {cannot} cannot speak it")
             if self.now_ms < self.last_upgrade_ms:
@@ -199,6 +207,88 @@ def run_versions_seed(seed: int, core_count: int = 3) -> VersionsSimulation:
     simulation = VersionsSimulation(seed, core_count)
     simulation.run()
     return simulation
+
+
+# The rolled-back member of ``rolled_back_while_down`` stays down this long: the last core is upgraded
+# a step after it went down, and probe rounds follow, before it comes back.
+DOWN_MS = 3 * STEP_GAP_MS
+SEQUENCER_TRIES = 5
+
+
+def _run_for(sim: VersionsSimulation, ms: int) -> None:
+    """Time passes with the probes, the sequencer's proposals and the checks (no faults)."""
+    end = sim.now_ms + ms
+    while sim.now_ms < end:
+        sim._inject_faults()
+        sim._restart_due()
+        sim.advance()
+
+
+def _restart_on(sim: VersionsSimulation, name: str, release: Announcement, down_ms: int | None = None) -> None:
+    """``name`` restarts on ``release`` (an operator's step), after ``down_ms`` if given."""
+    node = sim.nodes[name]
+    sim._crash(node)
+    if down_ms is not None:
+        node.down_until_ms = sim.now_ms + down_ms
+        sim.trace.append((sim.now_ms, name, "down until", node.down_until_ms))
+    sim.restarting[name] = release
+    sim.trace.append((sim.now_ms, name, "restarting on", release.software))
+
+
+def _sequencer_upgraded(sim: VersionsSimulation) -> SimNode:
+    """Once quiet, the sequencer, which runs this release: one of 0.1.0 is restarted (on the same
+    release) until another is elected, at most ``SEQUENCER_TRIES`` times."""
+    for _ in range(SEQUENCER_TRIES):
+        sequencer = sim.run_until_quiet()
+        if sim.release[sequencer.name] == THIS_RELEASE:
+            return sequencer
+        sim._crash(sequencer)
+    raise sim.fail(f"no core of this release was elected in {SEQUENCER_TRIES} tries")
+
+
+def rolled_back_while_down(seed: int) -> VersionsSimulation:
+    """3 cores of release 0.1.0, no faults. Two are upgraded, a step apart, and one of them that is
+    not the sequencer is rolled back (the procedure allows it while the third still runs 0.1.0) and
+    stays down for ``DOWN_MS``: the sequencer heard it announce this release before it went down.
+    A step later the third core is upgraded: every member's last announcement speaks this release's
+    cluster version, but the rolled-back one's is stale (``ANNOUNCEMENT_FRESH_MS``), so nothing is
+    proposed; a rule that counted it would commit the version while that member comes back on a
+    release that cannot read it (the checks of ``VersionsSimulation`` fail the run). It comes back,
+    is heard on 0.1.0, then is upgraded again: the version moves (the rule did not merely block).
+    Returns the finished simulation."""
+    sim = VersionsSimulation(seed)
+    sim.plan = []
+    sim.last_upgrade_ms = 10**12  # nothing may move before the last step below
+    sim._heal()
+    names = sorted(sim.nodes)
+    for name in names[:2]:
+        _restart_on(sim, name, THIS_RELEASE)
+        _run_for(sim, STEP_GAP_MS)
+    sequencer = _sequencer_upgraded(sim)
+    _run_for(sim, VERSIONS_PROBE_INTERVAL_MS)  # a probe round: heard just before it goes down
+    rolled_back = next(name for name in names[:2] if name != sequencer.name)
+    view = sim.views[sequencer.name]
+    if view.announcement(rolled_back) != THIS_RELEASE:
+        raise sim.fail(f"{sequencer.name} did not hear {rolled_back} announce this release")
+    _restart_on(sim, rolled_back, RELEASE_0_1_0, down_ms=DOWN_MS)
+    _run_for(sim, STEP_GAP_MS)
+    # Back at once: with the rolled-back member down, a longer outage would depose the sequencer (it
+    # hears no majority), and the next one would be this core, which heard no stale announcement.
+    _restart_on(sim, names[2], THIS_RELEASE, down_ms=sim.tick_ms)
+    _run_for(sim, DOWN_MS - STEP_GAP_MS)
+    machine = sim.nodes[sequencer.name].machine
+    if sim.release[names[2]] != THIS_RELEASE or machine is None or machine.role is not Role.SEQUENCER:
+        raise sim.fail(f"{names[2]} was not upgraded under the sequencer {sequencer.name}")
+    if view.announcement(names[2]) != THIS_RELEASE or view.announcement(rolled_back) != THIS_RELEASE:
+        raise sim.fail(f"{sequencer.name} did not hold every member's announcement of this release")
+    _run_for(sim, STEP_GAP_MS)  # back on 0.1.0, and heard
+    if view.announcement(rolled_back) != RELEASE_0_1_0:
+        raise sim.fail(f"{rolled_back} was not heard on release 0.1.0")
+    sim.last_upgrade_ms = sim.now_ms
+    _restart_on(sim, rolled_back, THIS_RELEASE)
+    _run_for(sim, 2 * STEP_GAP_MS)
+    sim.run_until_quiet()
+    return sim
 
 
 # The stuck scenario: how long clients go on after the member is stuck, how often one writes at the
