@@ -122,7 +122,7 @@ class Fuzzer:
         self.start_keys: dict[str, list[int]] = {}
         # backup_read request id -> its path; the paths a backup asked for (the only ones a node may send).
         self.backup_reads: dict[str, Any] = {}
-        self.backup_paths: set[Any] = set()
+        self.backup_paths: set[str] = set()
         self._next = 0
         self._started = time.monotonic()
 
@@ -151,10 +151,11 @@ class Fuzzer:
         except (OverflowError, ValueError, TypeError):
             self.report.not_packable += 1  # e.g. an integer below -2**63: msgpack has no encoding for it
             return
-        if kind == "backup":
-            self.backup_paths.add(body.get("path"))
-        elif kind == "backup_read":
-            self.backup_reads[request_id] = body.get("path")
+        path = body.get("path") if isinstance(body, dict) else None
+        if kind == "backup" and isinstance(path, str):  # a path of another type is refused unread
+            self.backup_paths.add(path)
+        elif kind == "backup_read":  # any answer with bytes to a path of another type is a failure too
+            self.backup_reads[request_id] = path if isinstance(path, str) else repr(path)
         self._send_frame(kind, frame, request_id)
         if request_id in self.writes_pending:
             self.writes_pending[request_id] = f"{kind} to {self.sent_to[request_id]}: {str(body)[:300]}"
