@@ -13,10 +13,18 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, NoReturn
 
 import click
-from mnesite.core.membership import CHANGE_STALL_MS, change_wait
+from mnesite.core.membership import (
+    CHANGE_STALL_MS,
+    SEQUENCER_MOVED_CODES,
+    SEQUENCER_POLL_MS,
+    SEQUENCER_REASKS_MAX,
+    SEQUENCER_WAIT_MS,
+    change_wait,
+)
 from mnesite.rlog.client import (
     MIN_KEYS_MAX,
     SCAN_PAGE_ROWS,
@@ -1854,6 +1862,80 @@ def _change_shard(
         seen, since_ms = wait.seen, wait.since_ms
 
 
+def _change_at_sequencer(
+    client: Client,
+    timeout_ms: int,
+    view: dict[str, Any],
+    shard: str,
+    action: str,
+    name: str,
+    core_endpoint: str | None,
+    asking: Callable[[str], None],
+) -> dict[str, Any]:
+    """Change ``shard`` at its sequencer as ``view`` (a ``members`` answer of ``client``, the --node
+    one) names it: straight there, since catching up a new core may take longer than a forwarded
+    request may wait; through ``client`` when that is the sequencer or none is named.
+
+    An answer that says the request reached a core that is not (or no longer) the sequencer and that
+    nothing was written for it (``SEQUENCER_MOVED_CODES``: the sequencer stepped down or lost its
+    leadership while its learner caught up, an election under way) is not the shard's failure: the
+    change is asked anew (a new request) of the sequencer ``client``'s ``members`` names then
+    (``_await_sequencer``), at most ``SEQUENCER_REASKS_MAX`` times, and said on stderr. An
+    ``OutcomeUnknown`` is never asked anew: that change may be under way (``_change_shard`` sends
+    its request id again). ``asking`` is called with the endpoint each change is asked at."""
+    reasks = 0
+    while True:
+        sequencer = view["shards"][shard]["sequencer"]
+        endpoint = view["endpoints"].get(sequencer) if sequencer else None
+        try:
+            if endpoint is None or sequencer == view["node"]:
+                here = partial(asking, client.endpoint)
+                return _change_shard(client, shard, action, name, core_endpoint, asking=here)
+            with client_for(endpoint, timeout_ms) as there:
+                return _change_shard(there, shard, action, name, core_endpoint, asking=partial(asking, endpoint))
+        except MnesiteError as error:
+            if isinstance(error, OutcomeUnknown) or error.code not in SEQUENCER_MOVED_CODES:
+                raise
+            if reasks == SEQUENCER_REASKS_MAX:
+                raise MnesiteError(
+                    f"shard {shard}'s sequencer changed {reasks + 1} times while its change was asked, the last "
+                    f"answer: {error}; nothing was changed in shard {shard}: run this command again",
+                    error.code,
+                ) from None
+            reasks += 1
+            view = _await_sequencer(client, shard, str(error))
+            now = view["shards"][shard]["sequencer"]
+            click.echo(
+                f"{shard}: the sequencer changed ({error}); asking the change anew of its sequencer now, {now} "
+                f"(retry {reasks} of {SEQUENCER_REASKS_MAX})",
+                err=True,
+            )
+
+
+def _await_sequencer(client: Client, shard: str, why: str) -> dict[str, Any]:
+    """``client``'s ``members`` once it names a sequencer of ``shard`` (an election may be under
+    way), polled for at most ``SEQUENCER_WAIT_MS``; else a ``no_sequencer`` error that says nothing
+    was changed in that shard (``why``: the answer that sent the command here)."""
+    deadline = time.monotonic() + SEQUENCER_WAIT_MS / 1000
+    while True:
+        try:
+            view = client.members()
+        except MnesiteError as error:
+            last = f"`members` at {client.endpoint} failed: {error}"
+        else:
+            if view["shards"].get(shard, {}).get("sequencer"):
+                return view
+            last = f"{view['node']} knows no sequencer of shard {shard}"
+        if time.monotonic() >= deadline:
+            raise MnesiteError(
+                f"shard {shard}'s sequencer changed ({why}) and no sequencer was known within "
+                f"{SEQUENCER_WAIT_MS // 1000} s ({last}); nothing was changed in shard {shard}: run this command "
+                f"again once `mnesite cluster members --node {client.endpoint}` names one",
+                "no_sequencer",
+            )
+        time.sleep(SEQUENCER_POLL_MS / 1000)
+
+
 def _change_goes_on(endpoint: str) -> str:
     """What to do about a change this command stopped waiting for (stalled, or a Ctrl-C)."""
     return (
@@ -1892,38 +1974,34 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
         results: dict[str, Any] = {}
         failed: dict[str, dict[str, str]] = {}
         shards = sorted(view["shards"].items())
-        for shard, info in shards:
-            asked = False
+        for shard, _ in shards:
+            asked_at: str | None = None  # where the shard's change was last asked
 
-            def asking() -> None:
-                nonlocal asked
-                asked = True
+            def asking(endpoint: str) -> None:
+                nonlocal asked_at
+                asked_at = endpoint
 
-            # Straight to the shard's sequencer when known: catching up a new core may take longer
-            # than a forwarded request may wait.
-            sequencer_endpoint = view["endpoints"].get(info["sequencer"]) if info["sequencer"] else None
-            local = sequencer_endpoint is None or info["sequencer"] == view["node"]
             try:
-                if local:
-                    results[shard] = _change_shard(client, shard, action, name, core_endpoint, asking=asking)
-                else:
-                    with client_for(sequencer_endpoint, timeout_ms) as sequencer:
-                        results[shard] = _change_shard(sequencer, shard, action, name, core_endpoint, asking=asking)
+                results[shard] = _change_at_sequencer(
+                    client, timeout_ms, view, shard, action, name, core_endpoint, asking
+                )
             except MnesiteError as error:
                 failed[shard] = {"code": error.code, "message": str(error)}
                 break
             except KeyboardInterrupt:
                 changed = ", ".join(sorted(results)) or "none"
                 # Before its change was asked (while connecting to its sequencer, say) the shard is not tried.
-                left = ", ".join(other for other, _ in shards if other not in results and (other != shard or not asked))
-                if not asked:
+                left = ", ".join(
+                    other for other, _ in shards if other not in results and (other != shard or asked_at is None)
+                )
+                if asked_at is None:
                     fail(
                         f"{action} {name} interrupted before shard {shard}'s change was asked; run this command "
                         f"again to finish; changed: {changed}; not tried: {left}"
                     )
                 fail(
                     f"{action} {name} interrupted while waiting for shard {shard}: its change was asked and may be "
-                    f"under way at the cluster; {_change_goes_on(client.endpoint if local else sequencer_endpoint)}; "
+                    f"under way at the cluster; {_change_goes_on(asked_at)}; "
                     f"changed: {changed}; not tried: {left or 'none'}"
                 )
         result = {"action": action, "core": name, "shards": results}
@@ -1973,6 +2051,12 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     final read of the membership, every shard changed, says the change is done (check with
     `mnesite cluster members`), exit 5. When a shard fails, the shards changed before it and those
     not tried are named, and the command exits 1 (3 if the outcome is unknown).
+
+    \b
+    A sequencer that steps down while its learner catches up drops it (`not_sequencer`; during an
+    election a core answers `no_sequencer`): nothing was changed, and the command says so, waits up
+    to 15 s for `members` to name a sequencer and asks it anew, up to 3 times per shard. A sequencer
+    that falls silent while asked (crashed, paused) is never asked anew: the outcome is unknown, exit 3.
     """
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))
     _print_change(result, as_json)
@@ -1988,7 +2072,7 @@ def cluster_remove_core(name, endpoint, timeout_ms, as_json) -> None:
     When a shard fails, the shards changed before it and those not tried are named, and the command
     exits 1 (3 if the outcome is unknown). Ctrl-C behaves as for add-core: at the final read of the
     membership, every shard changed, it says the change is done (check with `mnesite cluster
-    members`), exit 5."""
+    members`), exit 5. A change of sequencer while it waits is handled as for add-core."""
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "remove", name, None))
     _print_change(result, as_json)
 

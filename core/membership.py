@@ -73,6 +73,19 @@ MEMBERS_MAX = 15
 # says the change is still under way (a snapshot install moves the learner's key only at its end,
 # its copy moves ``learner_copy``).
 CHANGE_STALL_MS = 60_000
+# Answers to a change request that say it reached a core that is not (or no longer) the shard's
+# sequencer and that nothing was written for it: ``core.consensus.REJECT_NOT_SEQUENCER`` (a sequencer
+# that stepped down or lost its leadership while its learner caught up or its removal waited, or a
+# machine that is not the sequencer), and ``no_sequencer`` (``core.rules.route_write``: a core that
+# knows none to forward to, an election under way). ``cluster add-core`` / ``remove-core`` ask the
+# change anew of the sequencer ``members`` names then, at most ``SEQUENCER_REASKS_MAX`` times per
+# shard, waiting up to ``SEQUENCER_WAIT_MS`` for one to be named (elections take an election timeout
+# of 0.8-1.6 s by default, a few of them after split votes). An ``outcome_unknown`` is never one of
+# them: that change may be under way, and only its request id is sent again.
+SEQUENCER_MOVED_CODES = frozenset({"not_sequencer", "no_sequencer"})
+SEQUENCER_REASKS_MAX = 3
+SEQUENCER_WAIT_MS = 15_000
+SEQUENCER_POLL_MS = 200
 
 REJECT_CHANGE_IN_FLIGHT = "membership_change_in_flight"
 REJECT_NOT_SETTLED = "sequencer_not_settled"

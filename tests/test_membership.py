@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import msgpack
 import msgspec
 import pytest
 from mnesite.core import membership
 from mnesite.core.consensus import (
+    REJECT_NOT_SEQUENCER,
     AppendReply,
     AppendRequest,
     BatchEnded,
@@ -1221,3 +1223,150 @@ def test_add_core_stops_waiting_for_an_answer_the_sequencer_never_gives_once_the
     assert result.exit_code == 3, result.output
     assert "members are what was asked (core1, core2)" in result.stderr, result.stderr
     assert len(core.asked) < 20
+
+
+class _Seat:
+    """One core ``cluster add-core`` may reach, at ``endpoint``: ``sequencers`` names in turn the
+    sequencer of shard default its ``members`` answers show (the last one repeated), ``outcomes``
+    what each ``membership_change`` asked of it does (an exception raised, or a result returned)."""
+
+    endpoints = {"core1": "tcp://127.0.0.1:7400", "core3": "tcp://127.0.0.1:7403"}
+
+    def __init__(self, name, sequencers, outcomes=()):
+        self.name, self.endpoint = name, self.endpoints[name]
+        self.sequencers, self.outcomes = list(sequencers), list(outcomes)
+        self.asked: list[str | None] = []
+        self.viewed = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def members(self):
+        self.viewed += 1
+        sequencer = self.sequencers.pop(0) if len(self.sequencers) > 1 else self.sequencers[0]
+        shard = {"sequencer": sequencer, "learner": None, "members": ["core1"], "committed_members": ["core1"]}
+        return {"node": self.name, "members": ["core1"], "endpoints": self.endpoints, "shards": {"default": shard}}
+
+    def change_membership(self, shard, action, name, endpoint=None, request_id=None):
+        self.asked.append(request_id)
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+class _SleepingClock(_Clock):
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _cli_reaching(monkeypatch, *seats):
+    """The CLI with ``client_for`` giving the seat at each endpoint (the first seat for --node) and a
+    clock that a sleep advances."""
+    from mnesite.cli import main as cli
+
+    at = {seat.endpoint: seat for seat in seats}
+    monkeypatch.setattr(cli, "client_for", lambda endpoint, *args, **kwargs: at.get(endpoint, seats[0]))
+    clock = _SleepingClock()
+    monkeypatch.setattr(cli, "time", clock)
+    return cli, clock
+
+
+def _add_core2(cli, node):
+    from click.testing import CliRunner
+
+    command = ["cluster", "add-core", "core2", "tcp://127.0.0.1:7401", "--node", node.endpoint]
+    return CliRunner().invoke(cli.main, command)
+
+
+def _not_sequencer():
+    from mnesite.rlog.client import RemoteError, Unavailable
+
+    return [
+        RemoteError(
+            f"membership change refused in shard default: {REJECT_NOT_SEQUENCER} (sequencer: core3)",
+            REJECT_NOT_SEQUENCER,
+        ),
+        # What a client is told once a core that knows no sequencer answered every retry so.
+        Unavailable("node tcp://127.0.0.1:7400: shard default has no sequencer reachable", "no_sequencer"),
+    ]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("refusal", range(2))
+def test_add_core_asks_the_new_sequencer_when_the_sequencer_changes_under_it(monkeypatch, refusal):
+    """Regression: a sequencer that stepped down (or lost its leadership) while its learner caught up
+    answers ``not_sequencer`` (nothing was written: a new sequencer drops the learner), and a core that
+    knows no sequencer ``no_sequencer``: the command failed for that shard (exit 1) and the operator
+    had to run it again. It now reads ``members`` again, waits for a sequencer to be named (an election
+    under way) and asks the change of it as a new request, saying so on stderr."""
+
+    old = _Seat("core1", ["core1", None, None, "core3"], [_not_sequencer()[refusal]])
+    answer = {"shard": "default", "members": ["core1", "core2"], "tx_key": [2, 4]}
+    new = _Seat("core3", ["core3"], [answer])
+    cli, clock = _cli_reaching(monkeypatch, old, new)
+    done = _add_core2(cli, old)
+    assert done.exit_code == 0, done.output
+    assert "default: add core2 committed at (2, 4)" in done.stdout
+    assert "default: the sequencer changed" in done.stderr and "its sequencer now, core3 (retry 1 of 3)" in done.stderr
+    assert old.asked == [None] and new.asked == [None]  # each a new request
+    assert old.viewed == 5 and 0 < clock.now < 1  # polled through the election (two views naming none)
+
+
+@pytest.mark.timeout(30)
+def test_add_core_never_asks_anew_a_change_whose_outcome_is_unknown(monkeypatch):
+    """The new sequencer's silence (``OutcomeUnknown``) may be a change under way: only its request id
+    is sent again (here its ``members`` is silent too: exit 3), never a new request, anywhere."""
+    from mnesite.rlog.client import OutcomeUnknown
+
+    class Silent(_Seat):
+        def members(self):
+            raise OutcomeUnknown("node tcp://127.0.0.1:7403 did not answer", "m")
+
+    old = _Seat("core1", ["core1", "core3"], [_not_sequencer()[0]])
+    new = Silent("core3", ["core3"], [OutcomeUnknown("outcome unknown: node tcp://127.0.0.1:7403 did not answer", "r")])
+    cli, _ = _cli_reaching(monkeypatch, old, new)
+    result = _add_core2(cli, old)
+    assert result.exit_code == 3, result.output
+    assert "no answer to `members` either" in result.stderr
+    assert old.asked == [None] and new.asked == [None]
+
+
+@pytest.mark.timeout(30)
+def test_add_core_gives_up_within_its_bound_when_no_sequencer_appears_or_each_steps_down(monkeypatch):
+    """No sequencer named for ``SEQUENCER_WAIT_MS`` (an election that does not end): exit 1, saying
+    nothing was changed and to run the command again; the same after ``SEQUENCER_REASKS_MAX``
+    sequencers that each answered ``not_sequencer``."""
+
+    old = _Seat("core1", ["core1", None], [_not_sequencer()[0]])
+    cli, clock = _cli_reaching(monkeypatch, old)
+    result = _add_core2(cli, old)
+    assert result.exit_code == 1, result.output
+    waited_s = membership.SEQUENCER_WAIT_MS / 1000
+    assert f"no sequencer was known within {waited_s:.0f} s (core1 knows no sequencer of" in result.stderr
+    assert "nothing was changed in shard default: run this command again" in result.stderr
+    assert waited_s <= clock.now <= waited_s + 1 and old.asked == [None]
+
+    refusals = [_not_sequencer()[0] for _ in range(membership.SEQUENCER_REASKS_MAX + 1)]
+    old = _Seat("core1", ["core1", "core3", "core1", "core3"], refusals[::2])
+    new = _Seat("core3", ["core3"], refusals[1::2])
+    cli, _ = _cli_reaching(monkeypatch, old, new)
+    result = _add_core2(cli, old)
+    assert result.exit_code == 1, result.output
+    assert f"sequencer changed {membership.SEQUENCER_REASKS_MAX + 1} times" in result.stderr
+    assert "run this command again" in result.stderr
+    assert old.asked == [None, None] and new.asked == [None, None]
+    # The bounds --help and docs/operations/membership.md state.
+    doc = (Path(__file__).parents[1] / "docs" / "operations" / "membership.md").read_text()
+    for text in (cli.cluster_add_core.help, doc):
+        text = " ".join(text.split())
+        assert f"up to {waited_s:.0f} s for" in text, text
+        assert f"up to {membership.SEQUENCER_REASKS_MAX} times per shard" in text, text
+
+
+def test_the_answer_of_a_sequencer_that_stepped_down_is_one_the_command_asks_anew_after():
+    assert REJECT_NOT_SEQUENCER in membership.SEQUENCER_MOVED_CODES
+    assert "outcome_unknown" not in membership.SEQUENCER_MOVED_CODES
