@@ -167,7 +167,7 @@ def download_backup(client: Client, path: str, local: str, quiet: bool) -> dict:
             out.flush()
             os.fsync(out.fileno())
         try:
-            entries_verified = check_backup(partial)
+            entries_verified = check_backup(partial, None if lines is None else _check_progress_lines(lines))
             publish(partial, local)
         except BackupError as error:
             fail(f"the download of {path} to {local} is refused: {error}; nothing was kept")
@@ -282,15 +282,21 @@ def _restore_progress_lines() -> Callable[[RestoreProgress], None]:
     return lambda event: lines.show(lambda: describe_restore_progress(event), isinstance(event, RestoreFinished))
 
 
-def describe_restore_progress(event: RestoreProgress) -> str:
-    """One stderr line for an event of ``rlog.backup.restore``."""
+def _check_progress_lines(lines: ProgressLines) -> Callable[[RestoreProgress], None]:
+    """The check of a download (``check_backup``) on stderr, paced as its download was: a large file's
+    check reads it all, which takes minutes, and must not look like a hang."""
+    return lambda event: lines.show(lambda: describe_restore_progress(event, "backup"))
+
+
+def describe_restore_progress(event: RestoreProgress, command: str = "restore") -> str:
+    """One stderr line for an event of ``rlog.backup.restore`` (or of ``check_backup``, for ``command``)."""
     if isinstance(event, RestorePagesCopied):
-        return f"restore: {event.pages_copied} of {event.pages_total} pages copied"
+        return f"{command}: {event.pages_copied} of {event.pages_total} pages copied"
     if isinstance(event, RestoreIntegrityChecking):
-        return f"restore: integrity check of {event.pages_total} pages, {event.sqlite_steps} SQLite steps in"
+        return f"{command}: integrity check of {event.pages_total} pages, {event.sqlite_steps} SQLite steps in"
     if isinstance(event, RestoreChainVerified):
         figures = describe_chain_batch(event.shard, event.entries_verified, event.tx_key, event.applied)
-        return f"restore: digest chains: {figures}"
+        return f"{command}: digest chains: {figures}"
     return (
         f"restore: done in {event.seconds} s: {event.pages_total} pages copied and checked, "
         f"{event.entries_verified} entries of the digest chains verified"

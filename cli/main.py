@@ -1179,6 +1179,21 @@ def describe_copy(copy: dict[str, Any]) -> str:
     return f"{copy['rows']} of about {total} rows{percent}, {copy.get('rows_per_s') or 0:.0f} rows/s, ETA {eta}"
 
 
+def describe_backup_schedule(schedule: dict) -> str:
+    """``status``'s line for ``[backup]``'s schedule: when the next is due and what the last one did."""
+    line = (
+        f"scheduled backups every {schedule['interval_s']} s into {schedule['directory']}, "
+        f"{len(schedule['files_kept'])} of {schedule['keep']} kept, next in {schedule['next_due_in_ms'] / 1000:.0f} s"
+    )
+    if schedule.get("waiting"):
+        line += f" (due, waiting: {schedule['waiting']})"
+    if schedule.get("last_path"):
+        line += f"; last {schedule['last_path']}: {schedule['last_state']}"
+        if schedule.get("last_error"):
+            line += f" ({schedule['last_error']})"
+    return line
+
+
 @main.command()
 @node_options
 @json_option
@@ -1204,6 +1219,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
     failed = result.get("backup_failed")
     if failed is not None:
         click.echo(f"last backup FAILED: {failed['path']} at {failed['failed_at']}: {failed['error']}")
+    schedule = result.get("backup_schedule")
+    if schedule is not None:
+        click.echo(describe_backup_schedule(schedule))
     if result.get("no_core_reached"):
         click.echo(f"WARNING: {result['no_core_reached']}")
     dropped_line = describe_sends_dropped(result)

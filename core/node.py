@@ -883,6 +883,7 @@ class CoreNode(NodeServer):
         self.serve_queries(self._query_shard_reached)
         self.serve_changes()
         self.build_indexes()
+        self.run_backup_schedule(self._backup_not_ready)
         self._versions_turn()
         self._end_batches()
         self._expire_forwarded()

@@ -296,6 +296,7 @@ class ReplicantNode(NodeServer):
         self.serve_queries(self._query_shard_reached)
         self.serve_changes()
         self.build_indexes()
+        self.run_backup_schedule(self._backup_not_ready)
         self._maybe_trim()
         self.flush()
 

@@ -156,6 +156,22 @@ class BackupFailure(Answer, frozen=True, kw_only=True):
     error: str | None
 
 
+class BackupScheduleStatus(Answer, frozen=True, kw_only=True):
+    """``[backup]``'s schedule (``rlog.backup_schedule.BackupSchedule.status``)."""
+
+    directory: str
+    interval_s: Count
+    keep: Count
+    next_due_in_ms: Count
+    waiting: str | None = None
+    last_path: str | None = None
+    last_state: str | None = None
+    last_error: str | None = None
+    last_success_at_s: Number | None = None
+    files_kept: list[str] = []
+    files_removed: Count = 0
+
+
 class AgentStatus(Answer, frozen=True, kw_only=True):
     agent: str
     replicant: str
@@ -184,6 +200,7 @@ class NodeStatus(Answer, frozen=True, kw_only=True):
     security: SecurityStatus | None = None
     backup: BackupStatus | None = None
     backup_failed: BackupFailure | None = None
+    backup_schedule: BackupScheduleStatus | None = None
     versions: Versions | None = None
     peer_versions: dict[str, Versions] | None = None
     core_versions: dict[str, Versions] | None = None

@@ -262,7 +262,18 @@ def positions(connection: apsw.Connection) -> dict[str, dict[str, Any]]:
 class BackupJob:
     """One backup of ``source_path`` into ``path``, copied by a thread from a snapshot pinned at start."""
 
-    def __init__(self, source_path: str, path: str, node: str, role: str, step_pages: int = STEP_PAGES_DEFAULT) -> None:
+    def __init__(
+        self,
+        source_path: str,
+        path: str,
+        node: str,
+        role: str,
+        step_pages: int = STEP_PAGES_DEFAULT,
+        after_publish: Callable[[], Any] | None = None,
+    ) -> None:
+        """``after_publish``: called on the copy's thread once the file is published, before the job is done
+        (a scheduled backup prunes the older ones there, off the node's loop); its result is kept in
+        ``after_publish_result``, an error it raises in ``after_publish_error`` (the backup is done anyway)."""
         self.path = check_path(path)
         if os.path.lexists(path) or os.path.lexists(path + PARTIAL_SUFFIX):
             raise BackupError(f"{path} (or {path}{PARTIAL_SUFFIX}) exists; a backup never overwrites a file")
@@ -280,6 +291,9 @@ class BackupJob:
         self.record: dict[str, Any] | None = None
         # The published file as it was once done (``read_chunk`` sends it only while it is still that file).
         self.published: FileIdentity | None = None
+        self._after_publish = after_publish
+        self.after_publish_result: Any = None
+        self.after_publish_error: str | None = None
         self._cancelled: str | None = None
         # Pin the snapshot now, on the caller's (the node loop's) thread: the backup is the state
         # after the last transaction the node committed before it accepted the request.
@@ -321,6 +335,11 @@ class BackupJob:
             publish(partial, self.path)
             fsync_directory(os.path.dirname(self.path))
             self.published = FileIdentity.of(os.lstat(self.path))
+            if self._after_publish is not None:
+                try:
+                    self.after_publish_result = self._after_publish()
+                except Exception as error:  # the backup itself is complete: it is done, and says what failed after
+                    self.after_publish_error = f"{type(error).__name__}: {str(error)[:300]}"
             self.state = "done"
         except Exception as error:  # reported to the client that polls; the node goes on serving
             self.error = f"{type(error).__name__}: {str(error)[:300]}"
@@ -358,12 +377,7 @@ class BackupJob:
         if self.state != "failed":
             return None
         failed_s = self.finished_s or time.time()  # the thread sets ``state`` just before ``finished_s``
-        return {
-            "path": self.path,
-            "error": self.error,
-            "failed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(failed_s)),
-            "failed_at_s": round(failed_s, 3),
-        }
+        return failure_record(self.path, self.error, failed_s)
 
     def status(self) -> dict[str, Any]:
         copied = self.pages_total - self.pages_remaining
@@ -388,6 +402,16 @@ class BackupJob:
         """For tests and shutdown: True once the copy thread has ended."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+
+def failure_record(path: str, error: str | None, failed_s: float) -> dict[str, Any]:
+    """``status``'s ``backup_failed``: a backup to ``path`` that failed at ``failed_s`` (Unix time) with ``error``."""
+    return {
+        "path": path,
+        "error": error,
+        "failed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(failed_s)),
+        "failed_at_s": round(failed_s, 3),
+    }
 
 
 def publish(partial: str, path: str) -> None:

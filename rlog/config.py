@@ -69,6 +69,11 @@ Example::
     retention_age_ms_max = 0            # 0: no age limit
     retention_interval_ms = 1000        # how often retention runs
 
+    [backup]                            # scheduled backups (rlog.backup_schedule); off if absent or interval_s = 0
+    directory = "/var/backups/mnesite"  # absolute, on this node's host; must exist and be writable at start
+    interval_s = 3600                   # one backup this often (at least 60; 0: off)
+    keep = 7                            # this node's newest scheduled backups kept there (1..10000)
+
     [metrics]                           # Prometheus text endpoint, GET /metrics (rlog.metrics); off if absent
     listen = "127.0.0.1:9400"           # unauthenticated: keep it on loopback or a private network
 
@@ -98,7 +103,9 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from mnesite.rlog.backup_schedule import INTERVAL_S_MAX, KEEP_DEFAULT, KEEP_MAX, interval_s_min
 from mnesite.rlog.limits import FRAME_BYTES_MAX_BOUNDS
+from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
 from mnesite.rlog.security import SecurityConfig, SecurityError, check_roles
 from mnesite.rlog.types import endpoint_identity
 from mnesite.rlog.versions import CLUSTER_ID_PATTERN
@@ -259,6 +266,16 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class Backup:
+    """``[backup]``: a backup of this node every ``interval_s`` seconds (0: none) into ``directory`` on its
+    host, its newest ``keep`` kept there (rlog.backup_schedule)."""
+
+    directory: str | None = None
+    interval_s: int = 0
+    keep: int = KEEP_DEFAULT
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = DEFAULT_NAME
     role: str = "core"
@@ -284,6 +301,7 @@ class Config:
     source_path: str | None = None  # the TOML file, re-read on SIGHUP
     # [metrics] listen: "host:port" of the Prometheus endpoint (rlog.metrics); None: no endpoint.
     metrics_listen: str | None = None
+    backup: Backup = field(default_factory=Backup)
 
     @property
     def secure(self) -> bool:
@@ -370,7 +388,7 @@ def _int_section(section: str, raw: Any, cls: type) -> Any:
 
 def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
     """Validate a parsed TOML document. Relative ``data_dir`` is resolved against ``base_dir``."""
-    sections = {"node", "cluster", "storage", "limits", "rlog", "security", "metrics"}
+    sections = {"node", "cluster", "storage", "limits", "rlog", "security", "metrics", "backup"}
     for section in data:
         if section not in sections:
             raise ConfigError(f"unknown section [{section}] (known: {', '.join(sorted(sections))})")
@@ -524,7 +542,52 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
         timing=timing,
         security=security,
         metrics_listen=metrics_listen,
+        backup=parse_backup(data.get("backup")),
     )
+
+
+# The longest name a scheduled backup gets in its directory (rlog.backup_schedule.file_name): "/", a
+# node name of up to 64 characters, "-YYYYMMDDTHHMMSSZ.db" and ".partial".
+_BACKUP_NAME_CHARS_MAX = 1 + 64 + 20 + 8
+
+
+def parse_backup(raw: Any) -> Backup:
+    """``[backup]``: ``directory`` (an absolute path a backup may be written under: ``rlog.backup.check_path``'s
+    characters), ``interval_s`` (0: off) and ``keep``. Whether the directory exists and is writable is
+    checked when the node starts (``NodeServer``), on its own host."""
+    if raw is None:
+        return Backup()
+    if not isinstance(raw, dict):
+        raise ConfigError("[backup] must be a table")
+    known = {f.name for f in fields(Backup)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"unknown key [backup].{key} (known: {', '.join(sorted(known))})")
+    low = interval_s_min()
+    interval_s = raw.get("interval_s", 0)
+    if type(interval_s) is not int or not (interval_s == 0 or low <= interval_s <= INTERVAL_S_MAX):
+        raise ConfigError(
+            f"[backup].interval_s must be 0 (off) or an integer in {low}..{INTERVAL_S_MAX}, got {interval_s!r}"
+        )
+    keep = raw.get("keep", KEEP_DEFAULT)
+    if type(keep) is not int or not 1 <= keep <= KEEP_MAX:
+        raise ConfigError(f"[backup].keep must be an integer in 1..{KEEP_MAX}, got {keep!r}")
+    directory = raw.get("directory")
+    if directory is not None:
+        if (
+            not isinstance(directory, str)
+            or not re.match(BACKUP_PATH_PATTERN, directory)
+            or ".." in directory.split("/")
+            or len(directory) + _BACKUP_NAME_CHARS_MAX > BACKUP_PATH_CHARS_MAX
+        ):
+            raise ConfigError(
+                "[backup].directory must be an absolute path of letters, digits, '_', '.', '-' and '/' without '..' "
+                f"(at most {BACKUP_PATH_CHARS_MAX - _BACKUP_NAME_CHARS_MAX} characters), got {directory!r:.100}"
+            )
+        directory = directory.rstrip("/") or "/"
+    elif interval_s:
+        raise ConfigError("[backup].directory is required when [backup].interval_s is set")
+    return Backup(directory, interval_s, keep)
 
 
 def parse_metrics(raw: Any) -> str | None:
@@ -614,6 +677,7 @@ def config_keys(config: Config) -> dict[str, Any]:
     keys.update(section("limits", config.limits))
     keys.update(section("rlog", config.retention))
     keys["[metrics].listen"] = config.metrics_listen
+    keys.update(section("backup", config.backup))
     security = config.security
     keys["[security]"] = "absent" if security is None else "insecure" if security.insecure else "keys"
     if security is not None and security.enabled:

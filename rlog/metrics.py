@@ -383,6 +383,15 @@ def _backup_families(status: dict[str, Any]) -> Iterator[Any]:
     when = _gauge("mnesite_backup_failed_timestamp_seconds", "Unix time of that failure (0 when none)", [])
     when.add_metric([], failed["failed_at_s"] if failed is not None else 0)
     yield from (gauge, when)
+    schedule = status.get("backup_schedule")
+    if schedule is not None:  # [backup] interval_s: alert when this gets older than a few intervals
+        last = _gauge(
+            "mnesite_backup_scheduled_success_timestamp_seconds",
+            "Unix time the last scheduled backup ([backup]) finished, since the node started (0: none yet)",
+            [],
+        )
+        last.add_metric([], schedule.get("last_success_at_s") or 0)
+        yield last
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

@@ -39,7 +39,8 @@ import msgspec
 import zmq
 import zmq.backend
 from mnesite.rlog import messages
-from mnesite.rlog.backup import BackupError, BackupJob, chunk_bytes_max, decide, read_chunk
+from mnesite.rlog.backup import BackupError, BackupJob, chunk_bytes_max, decide, failure_record, read_chunk
+from mnesite.rlog.backup_schedule import BackupSchedule, directory_problem, prune
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
 from mnesite.rlog.config import Config, ConfigError, is_loopback, keys_needing_restart, load_config
 from mnesite.rlog.data_dir import DataDirectoryLock
@@ -406,6 +407,23 @@ class NodeServer:
         # reported once to the command polling it and then dropped (asking again starts anew), and
         # the failure must stay visible to whatever watches ``status`` and the metrics.
         self.backup_failed: dict[str, Any] | None = None
+        # The last backup an operator asked for (``mnesite backup``), while a scheduled one may have
+        # replaced it as ``backup_job``: its command still polls it and may download it (``_backup_job_for``).
+        self.manual_backup_job: BackupJob | None = None
+        self._backup_outcome_noted: BackupJob | None = None  # the last job whose end ``_note_backup`` took
+        self.scheduled_backup_job: BackupJob | None = None  # the scheduled backup running, until its end is noted
+        # [backup] interval_s (rlog.backup_schedule): None when off. The directory is checked once, here.
+        self.backup_schedule: BackupSchedule | None = None
+        if config.backup.interval_s and config.backup.directory is not None:
+            problem = directory_problem(config.backup.directory)
+            if problem is not None:
+                store.close()
+                if data_dir_lock is not None:
+                    data_dir_lock.release()
+                raise ConfigError(problem)
+            self.backup_schedule = BackupSchedule(
+                config.backup.directory, config.backup.interval_s, config.backup.keep, config.name, monotonic_ms()
+            )
         # Metrics ([metrics] listen): None when off. ``transactions`` is counted by the core's apply.
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -612,7 +630,8 @@ class NodeServer:
         try:
             if message.kind == "backup_read":
                 bytes_max = chunk_bytes_max(self.config.limits.frame_bytes_max)
-                result = read_chunk(self.backup_job, message.body.path, message.body.offset, bytes_max)
+                path = message.body.path
+                result = read_chunk(self._backup_job_for(path), path, message.body.offset, bytes_max)
             else:
                 result = self.answer_backup(message.body, not_ready())
         except BackupError as error:
@@ -626,43 +645,105 @@ class NodeServer:
         Raises ``BackupError`` with the reason a backup cannot start.
         """
         self._note_backup()  # before the job can be replaced or dropped
-        current = self.backup_job.view if self.backup_job is not None else None
-        action = decide(current, body.path)
-        if action == "busy" and self.backup_job is not None:
-            raise BackupError(f"a backup to {self.backup_job.path} is still running; one at a time")
+        job = self._backup_job_for(body.path)
+        action = decide(job.view if job is not None else None, body.path)
+        running = self.backup_job if self.backup_job is not None and self.backup_job.state == "running" else None
+        if action != "report" and running is not None:  # a scheduled one too
+            raise BackupError(f"a backup to {running.path} is still running; one at a time")
         if action == "start":
             if not_ready is not None:
                 raise BackupError(f"not now: {not_ready}")
-            self.backup_job = BackupJob(
+            job = self.backup_job = self.manual_backup_job = BackupJob(
                 self.store.path, body.path, self.config.name, self.role, self.config.limits.backup_step_pages_max
             )
-            log.info("backup to %s started at %s", body.path, self.backup_job.positions)
-        if self.backup_job is None:
+            log.info("backup to %s started at %s", body.path, job.positions)
+        if job is None:
             raise BackupError("no backup job")
-        status = self.backup_job.status()
+        status = job.status()
         self._note_backup()
-        if status["state"] == "failed":
-            self.backup_job = None  # reported once: asking again with the same path tries again
+        if status["state"] == "failed":  # reported once: asking again with the same path tries again
+            if self.backup_job is job:
+                self.backup_job = None
+            if self.manual_backup_job is job:
+                self.manual_backup_job = None
         return status
 
-    def _note_backup(self) -> None:
-        """Keep the current job's failure, or forget the last one once a backup succeeded."""
-        job = self.backup_job
+    def _backup_job_for(self, path: str) -> BackupJob | None:
+        """The job a request naming ``path`` asks about: the operator's last backup if it is to ``path``
+        (a scheduled one started since must not make its command's poll or download fail), else the
+        node's last backup."""
+        manual = self.manual_backup_job
+        return manual if manual is not None and manual.path == path else self.backup_job
+
+    def run_backup_schedule(self, not_ready: Callable[[], str | None]) -> None:
+        """At each loop turn: note the end of the running scheduled backup, and start the next one once it is
+        due, no backup runs and ``not_ready`` (the node's reason not to take one now) says nothing. The copy
+        and the pruning of older backups run on the job's thread (``rlog.backup_schedule``)."""
+        schedule = self.backup_schedule
+        if schedule is None:
+            return
+        now_ms = monotonic_ms()
+        job = self.scheduled_backup_job
+        if job is not None:
+            if job.state == "running":
+                return
+            self.scheduled_backup_job = None
+            self._note_backup(job)
+            kept, removed = job.after_publish_result or (None, 0)
+            schedule.files_removed += removed
+            schedule.ended(job.state, job.error or job.after_publish_error, job.finished_s or time.time(), kept)
+            if job.state == "done":
+                log.info("scheduled backup to %s done; %d older one(s) removed", job.path, removed)
+            else:
+                log.warning("scheduled backup to %s failed: %s", job.path, job.error)
+            if job.after_publish_error is not None:
+                log.warning("pruning the scheduled backups after %s failed: %s", job.path, job.after_publish_error)
+        if not schedule.is_due(now_ms, self.backup_job is not None and self.backup_job.state == "running"):
+            return
+        schedule.waiting = not_ready()
+        if schedule.waiting is not None:
+            return  # asked again at the next turn: a due backup is not skipped
+        now_s = time.time()
+        path = schedule.path(now_s)
+        schedule.started(now_ms, path)
+        self._note_backup()  # before the last job is replaced
+        try:
+            self.backup_job = self.scheduled_backup_job = BackupJob(
+                self.store.path,
+                path,
+                self.config.name,
+                self.role,
+                self.config.limits.backup_step_pages_max,
+                after_publish=lambda: prune(schedule.directory, self.config.name, schedule.keep, path),
+            )
+        except BackupError as error:
+            self.backup_failed = failure_record(path, f"BackupError: {error}", now_s)
+            schedule.ended("failed", str(error), now_s, None)
+            log.warning("scheduled backup to %s failed: %s", path, error)
+            return
+        log.info("scheduled backup to %s started at %s", path, self.backup_job.positions)
+
+    def _note_backup(self, job: BackupJob | None = None) -> None:
+        """Keep the failure of ``job`` (the current job by default), or forget the last one once a backup succeeded."""
+        job = job or self.backup_job
         if job is None:
             return
-        failure = job.failure()
-        if failure is not None:
-            self.backup_failed = failure
-        elif job.state == "done":
-            self.backup_failed = None
+        if job.state == "running" or job is self._backup_outcome_noted:
+            # Noted once: a scheduled backup that failed at its start (``run_backup_schedule``) after this
+            # job was done must not be forgotten because this job is still the last one.
+            return
+        self._backup_outcome_noted = job
+        self.backup_failed = job.failure()
 
     def backup_status(self) -> dict[str, Any]:
         """``status``'s ``backup`` (the current or last job) and ``backup_failed`` (the last failure,
         until a backup succeeds)."""
         self._note_backup()
+        schedule = self.backup_schedule
         return {
             "backup": self.backup_job.status() if self.backup_job is not None else None,
             "backup_failed": self.backup_failed,
+            "backup_schedule": schedule.status(monotonic_ms()) if schedule is not None else None,
         }
 
     def security_status(self) -> dict[str, Any]:

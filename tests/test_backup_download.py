@@ -162,6 +162,8 @@ def test_backup_download_copies_the_backup_in_chunks_into_a_file_restore_accepts
         progress = [line for line in result.stderr.splitlines() if line.startswith("backup: downloaded")]
         mib = f"{size / 2**20:.1f}"
         assert len(progress) == len(reads) and progress[-1] == f"backup: downloaded {mib} of {mib} MiB"
+        # Its check, which reads the whole file again, says how far it got too (paced as the download is).
+        assert result.stderr.splitlines()[-1].startswith("backup: digest chains: "), result.stderr
         again = CliRunner().invoke(
             main, ["backup", str(remote), "--download", str(tmp_path / "json.backup"), "--node", node.endpoint,
                    "--json", "--quiet"]

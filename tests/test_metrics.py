@@ -377,6 +377,22 @@ def test_a_failed_backup_is_a_metric_until_a_backup_succeeds() -> None:
         ) == expected
 
 
+def test_the_last_scheduled_backup_s_success_is_a_metric_only_with_a_schedule() -> None:
+    metrics = NodeMetrics("core1", "core")
+    name = "mnesite_backup_scheduled_success_timestamp_seconds"
+    for schedule, expected in (
+        (None, None),
+        ({"last_success_at_s": None}, 0),
+        ({"last_success_at_s": 1800.25}, 1800.25),
+    ):
+        metrics.refresh(0, {"shards": {}, "backup": None, "backup_failed": None, "backup_schedule": schedule})
+        samples = {}
+        for family in text_string_to_metric_families(metrics.text().decode()):
+            for sample in family.samples:
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        assert value(samples, name) == expected
+
+
 def _raw_request(port: int, request: bytes) -> bytes:
     """Send ``request`` and read the whole answer (the endpoint closes each connection: HTTP/1.0)."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
