@@ -309,3 +309,56 @@ def test_a_kept_core_that_gets_the_forced_start_by_snapshot_is_forced_and_tells_
         f"{left_out} to learn that it was left out",
     )
     assert cluster.status(left_out)["shards"]["default"]["excluded"]["by"] == rebuilt
+
+
+def test_add_core_finishes_after_its_sequencer_is_killed_while_the_learner_catches_up(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    """The sequencer, catching core4 up as a learner (core4 paused: the catch-up cannot end), is
+    killed: `cluster add-core` hears neither the change nor `members` from it, asks the other cores
+    who the new sequencer is and asks it the change anew, which catches core4 up and adds it (exit 0)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
+    cluster.start_all()
+    create_table(cluster)
+    with cluster.client("core1", retries=5) as client:
+        for i in range(50):
+            client.put("kv", {"id": i, "value": "before"})
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    cluster.start("core4")
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+    sequencer, _ = cluster.sequencer(among=["core1", "core2", "core3"])
+    through = next(name for name in ("core1", "core2", "core3") if name != sequencer)
+    cluster.nodes["core4"].signal(signal.SIGSTOP)
+    command = [sys.executable, "-m", "mnesite.cli", "cluster", "add-core", "core4", cluster.endpoints["core4"]]
+    command += ["--node", cluster.endpoints[through], "--timeout-ms", "2000", *cluster.cli_keys()]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as adding:
+        try:
+
+            def learning() -> bool:
+                with cluster.client(sequencer, timeout_ms=1000) as client:
+                    return client.members()["shards"]["default"]["learner"] == "core4"
+
+            wait_until(learning, 20, f"{sequencer} to catch core4 up as a learner")
+            cluster.nodes[sequencer].kill()
+            cluster.nodes["core4"].signal(signal.SIGCONT)
+            stdout, stderr = adding.communicate(timeout=90)
+        finally:
+            cluster.nodes["core4"].signal(signal.SIGCONT)
+            if adding.poll() is None:
+                adding.kill()
+    assert adding.returncode == 0, (stdout, stderr)
+    assert f"the sequencer {sequencer} fell silent" in stderr and "asking the change anew" in stderr, stderr
+    survivors = [name for name in ("core1", "core2", "core3") if name != sequencer]
+    want = sorted(["core1", "core2", "core3", "core4"])
+    for name in [*survivors, "core4"]:
+        wait_until(lambda name=name: shard_members(cluster, name) == want, 20, f"{name} to hold core4 a member")
