@@ -19,10 +19,13 @@ from typing import Any, NoReturn
 import click
 from mnesite.core.membership import (
     CHANGE_STALL_MS,
+    REJECT_NOT_SETTLED,
     SEQUENCER_MOVED_CODES,
     SEQUENCER_POLL_MS,
     SEQUENCER_REASKS_MAX,
     SEQUENCER_WAIT_MS,
+    AfterSilence,
+    after_silence,
     change_wait,
 )
 from mnesite.rlog.client import (
@@ -1834,6 +1837,7 @@ def _change_shard(
     core_endpoint: str | None,
     clock_ms: Callable[[], int] = lambda: int(time.monotonic() * 1000),
     asking: Callable[[], None] = lambda: None,
+    request_id: str | None = None,
 ) -> dict[str, Any]:
     """Change one shard at its sequencer (``client``) and wait for the answer as long as the change
     moves (``core.membership.change_wait``): a learner's catch-up outlasts any one answer. Each
@@ -1843,26 +1847,41 @@ def _change_shard(
     long; otherwise the same request id is sent again, which the sequencer answers when the change
     is (or was) done.
 
-    The first attempt is a new request (no id given): ``Client.call`` takes a given id for an
-    earlier attempt's, and would turn a first request refused unread (``forbidden``, ``overloaded``,
-    ``disk_full``) or never sent (no node listening) into ``OutcomeUnknown``. Only the id of an
-    attempt that went unanswered (``OutcomeUnknown.request_id``) is sent again. ``asking`` is called
-    as the change is first asked (from then on a Ctrl-C leaves a change that may be under way)."""
-    request_id: str | None = None
+    An ``unchanged`` answer (``already_member`` / ``not_member``) says the latest membership entry
+    of the sequencer's log has the change, committed or not (a half-done run's, or a crashed
+    sequencer's entry a new one holds): it is the change done only once ``members`` shows the
+    shard's committed membership with it, waited for as a learner is (progress on stderr,
+    ``ChangeUnderWay`` after ``CHANGE_STALL_MS`` without any).
+
+    The first attempt is a new request (``request_id`` None): ``Client.call`` takes a given id for
+    an earlier attempt's, and would turn a first request refused unread (``forbidden``,
+    ``overloaded``, ``disk_full``) or never sent (no node listening) into ``OutcomeUnknown``. Only
+    the id of an attempt that went unanswered (``OutcomeUnknown.request_id``) is sent again, here or
+    given by the caller for a sequencer silent before. ``asking`` is called as the change is first
+    asked (from then on a Ctrl-C leaves a change that may be under way)."""
     seen, since_ms = None, clock_ms()
+    answered: dict[str, Any] | None = None  # an ``unchanged`` answer, waiting for its commit
     asking()
     while True:
-        try:
-            return client.change_membership(shard, action, name, core_endpoint, request_id)
-        except OutcomeUnknown as silence:
-            unanswered = silence
-            request_id = silence.request_id
+        if answered is None:
+            try:
+                answer = client.change_membership(shard, action, name, core_endpoint, request_id)
+            except OutcomeUnknown as silence:
+                why = str(silence)
+                request_id = silence.request_id
+            else:
+                if "unchanged" not in answer:
+                    return answer
+                answered, seen, since_ms = answer, None, clock_ms()
+                why = f"{client.endpoint} answered {answer['unchanged']} in shard {shard}"
         try:
             view = client.members()
         except MnesiteError as error:
-            raise OutcomeUnknown(f"{unanswered}; and no answer to `members` either ({error})", request_id) from None
+            raise OutcomeUnknown(f"{why}; and no answer to `members` either ({error})", request_id or "") from None
         info = view.get("shards", {}).get(shard, {})
         wait = change_wait(info, name, action == "add", seen, since_ms, clock_ms())
+        if answered is not None and wait.state == "done":
+            return answered
         if wait.state == "unanswered":
             members = ", ".join(info.get("committed_members") or ())
             raise ChangeUnderWay(
@@ -1878,56 +1897,147 @@ def _change_shard(
         if wait.seen != seen and wait.state == "waiting":
             click.echo(f"{shard}: {_change_progress(info, name)}", err=True)
         seen, since_ms = wait.seen, wait.since_ms
+        if answered is not None:
+            time.sleep(SEQUENCER_POLL_MS / 1000)
 
 
 def _change_at_sequencer(
     client: Client,
     timeout_ms: int,
+    home: str,
     view: dict[str, Any],
     shard: str,
     action: str,
     name: str,
     core_endpoint: str | None,
     asking: Callable[[str], None],
-) -> dict[str, Any]:
-    """Change ``shard`` at its sequencer as ``view`` (a ``members`` answer of ``client``, the --node
-    one) names it: straight there, since catching up a new core may take longer than a forwarded
-    request may wait; through ``client`` when that is the sequencer or none is named.
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Change ``shard`` at its sequencer as ``view`` (a ``members`` answer) names it: straight there,
+    since catching up a new core may take longer than a forwarded request may wait; through
+    ``client`` (the --node one, core ``home``) when that is the sequencer or none is named. Returns
+    the answer and the last view used (the next shard starts from it).
 
     An answer that says the request reached a core that is not (or no longer) the sequencer and that
     nothing was written for it (``SEQUENCER_MOVED_CODES``: the sequencer stepped down or lost its
     leadership while its learner caught up, an election under way) is not the shard's failure: the
     change is asked anew (a new request) of the sequencer ``client``'s ``members`` names then
-    (``_await_sequencer``), at most ``SEQUENCER_REASKS_MAX`` times, and said on stderr. An
-    ``OutcomeUnknown`` is never asked anew: that change may be under way (``_change_shard`` sends
-    its request id again). ``asking`` is called with the endpoint each change is asked at."""
-    reasks = 0
+    (``_await_sequencer``). A sequencer silent to the change and to ``members`` (``OutcomeUnknown``:
+    it crashed, or was paused) is followed by ``_await_after_silence``: the change is asked anew of
+    another sequencer the cores name, or its request id sent again to the silent one if it answers
+    again, or the outcome stays unknown. Both count toward ``SEQUENCER_REASKS_MAX`` and are said on
+    stderr. A sequencer whose generation has not committed yet (``sequencer_not_settled``) is asked
+    again every ``SEQUENCER_POLL_MS`` for up to ``SEQUENCER_WAIT_MS``. ``asking`` is called with
+    the endpoint each change is asked at."""
+    retries, request_id, settling_until = 0, None, None
     while True:
         sequencer = view["shards"][shard]["sequencer"]
         endpoint = view["endpoints"].get(sequencer) if sequencer else None
+        asked = home if endpoint is None or sequencer == home else sequencer
         try:
-            if endpoint is None or sequencer == view["node"]:
+            if asked == home:
                 here = partial(asking, client.endpoint)
-                return _change_shard(client, shard, action, name, core_endpoint, asking=here)
+                answer = _change_shard(client, shard, action, name, core_endpoint, asking=here, request_id=request_id)
+                return answer, view
             with client_for(endpoint, timeout_ms) as there:
-                return _change_shard(there, shard, action, name, core_endpoint, asking=partial(asking, endpoint))
+                there_asking = partial(asking, endpoint)
+                answer = _change_shard(
+                    there, shard, action, name, core_endpoint, asking=there_asking, request_id=request_id
+                )
+                return answer, view
+        except OutcomeUnknown as silence:
+            step, view = _await_after_silence(client, timeout_ms, home, view, shard, asked, silence, retries)
+            retries += 1
+            if step.action == "resend":
+                request_id = silence.request_id or None
+                said = f"{asked} answers again: sending it the same request again"
+            else:
+                request_id = None
+                said = (
+                    f"the sequencer {asked} fell silent ({silence}); asking the change anew of its sequencer now, "
+                    f"{step.sequencer}"
+                )
+            click.echo(f"{shard}: {said} (retry {retries} of {SEQUENCER_REASKS_MAX})", err=True)
         except MnesiteError as error:
-            if isinstance(error, OutcomeUnknown) or error.code not in SEQUENCER_MOVED_CODES:
+            request_id = None  # whatever is asked next is a new request: nothing was written for this one
+            if error.code == REJECT_NOT_SETTLED:
+                settling_until = settling_until or time.monotonic() + SEQUENCER_WAIT_MS / 1000
+                if time.monotonic() >= settling_until:
+                    raise MnesiteError(
+                        f"shard {shard}'s sequencer {asked} did not settle (commit an entry of its generation) within "
+                        f"{SEQUENCER_WAIT_MS // 1000} s ({error}); nothing was changed in shard {shard}: run this "
+                        "command again",
+                        error.code,
+                    ) from None
+                time.sleep(SEQUENCER_POLL_MS / 1000)
+                continue
+            if error.code not in SEQUENCER_MOVED_CODES:
                 raise
-            if reasks == SEQUENCER_REASKS_MAX:
+            if retries == SEQUENCER_REASKS_MAX:
                 raise MnesiteError(
-                    f"shard {shard}'s sequencer changed {reasks + 1} times while its change was asked, the last "
+                    f"shard {shard}'s sequencer changed {retries + 1} times while its change was asked, the last "
                     f"answer: {error}; nothing was changed in shard {shard}: run this command again",
                     error.code,
                 ) from None
-            reasks += 1
+            retries += 1
             view = _await_sequencer(client, shard, str(error))
             now = view["shards"][shard]["sequencer"]
             click.echo(
                 f"{shard}: the sequencer changed ({error}); asking the change anew of its sequencer now, {now} "
-                f"(retry {reasks} of {SEQUENCER_REASKS_MAX})",
+                f"(retry {retries} of {SEQUENCER_REASKS_MAX})",
                 err=True,
             )
+
+
+def _await_after_silence(
+    client: Client,
+    timeout_ms: int,
+    home: str,
+    view: dict[str, Any],
+    shard: str,
+    silent: str,
+    silence: OutcomeUnknown,
+    retries: int,
+) -> tuple[AfterSilence, dict[str, Any]]:
+    """What follows the silence of ``silent``, the core the change of ``shard`` was asked at
+    (``core.membership.after_silence``), and the ``members`` answer that decided it: the cores of
+    ``view`` (``client`` for ``home``) are asked ``members`` in turn, each within --timeout-ms and the
+    silent one last, every ``SEQUENCER_POLL_MS`` until one names another sequencer or the silent one
+    answers again, for at most ``SEQUENCER_WAIT_MS``; else ``silence`` (with what was seen) is raised."""
+    endpoints = {**view["endpoints"], home: client.endpoint}
+    order = sorted(core for core in endpoints if core != silent) + [silent]
+    views: dict[str, dict[str, Any]] = {}  # each core's latest answer
+    seen: dict[str, str] = {}  # what each core answered, for the message
+    started = time.monotonic()
+
+    def named() -> dict[str, str | None]:
+        return {core: answer["shards"].get(shard, {}).get("sequencer") for core, answer in views.items()}
+
+    step = after_silence(silent, {}, 0, retries)
+    while step.action == "wait":
+        for core in order:
+            try:
+                if core == home:
+                    views[core] = client.members()
+                else:
+                    with client_for(endpoints[core], timeout_ms, retries=0) as other:
+                        views[core] = other.members()
+                seen[core] = f"names {named()[core] or 'no sequencer'}"
+            except MnesiteError as error:
+                views.pop(core, None)
+                seen[core] = f"no answer ({error.code})"
+            step = after_silence(silent, named(), int((time.monotonic() - started) * 1000), retries)
+            if step.action != "wait":
+                break
+        else:
+            time.sleep(SEQUENCER_POLL_MS / 1000)
+    if step.action == "give_up":
+        if retries >= SEQUENCER_REASKS_MAX:
+            bound = f"the change was asked again {retries} times after a silence"
+        else:
+            bound = f"no core named another sequencer of shard {shard} within {SEQUENCER_WAIT_MS // 1000} s"
+        cores = "; ".join(f"{core} {what}" for core, what in sorted(seen.items()))
+        raise OutcomeUnknown(f"{silence}; {bound}{f' ({cores})' if cores else ''}", silence.request_id)
+    return step, next(answer for core, answer in sorted(views.items()) if named()[core] == step.sequencer)
 
 
 def _await_sequencer(client: Client, shard: str, why: str) -> dict[str, Any]:
@@ -1989,6 +2099,7 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
             fail(f"{action} {name} interrupted before any change was asked: nothing was changed")
         if not view["shards"]:
             fail("the cluster has no shard yet: create a table first, then change its cores")
+        home = view["node"]  # the --node core's name: a later view may be another core's
         results: dict[str, Any] = {}
         failed: dict[str, dict[str, str]] = {}
         shards = sorted(view["shards"].items())
@@ -2000,8 +2111,8 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
                 asked_at = endpoint
 
             try:
-                results[shard] = _change_at_sequencer(
-                    client, timeout_ms, view, shard, action, name, core_endpoint, asking
+                results[shard], view = _change_at_sequencer(
+                    client, timeout_ms, home, view, shard, action, name, core_endpoint, asking
                 )
             except MnesiteError as error:
                 failed[shard] = {"code": error.code, "message": str(error)}
@@ -2074,7 +2185,14 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     A sequencer that steps down while its learner catches up drops it (`not_sequencer`; during an
     election a core answers `no_sequencer`): nothing was changed, and the command says so, waits up
     to 15 s for `members` to name a sequencer and asks it anew, up to 3 times per shard. A sequencer
-    that falls silent while asked (crashed, paused) is never asked anew: the outcome is unknown, exit 3.
+    that falls silent while asked (crashed, paused) may have made the change: the command asks the
+    other cores' `members` for up to 15 s and asks the change anew of another sequencer they name
+    (safe: it answers already_member if the silent one's entry reached it), or sends the same
+    request again to the silent one if it answers again (counted in the same 3 per shard); if
+    neither happens the outcome is unknown, exit 3. A new sequencer not settled yet
+    (`sequencer_not_settled`) is asked again for up to 15 s. An `already_member` / `not_member`
+    answer is the shard done once `members` shows its committed membership with the change, waited
+    for (and shown) as a catch-up is.
     """
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))
     _print_change(result, as_json)

@@ -57,7 +57,12 @@ members, and the rows the sequencer served of the learner's snapshot install: it
 moves only at the install's end, ``core.snapshot`` "Progress at the sequencer") the operator waits; a
 change that has not moved for ``CHANGE_STALL_MS`` ends the wait
 as "still under way" (the change itself goes on, and ends at ``learner_catch_up_ms_max`` at the
-latest), which is not "no answer".
+latest), which is not "no answer". An ``already_member`` / ``not_member`` answer is read from the
+latest membership entry, committed or not, so the command waits the same way until the committed
+membership shows the change. A sequencer silent to both the change and ``members`` (crashed or
+paused) is not the end either: ``after_silence`` decides, from the sequencer the other cores name,
+whether to ask the change anew of another one, send the silent one the same request id again, or
+leave the outcome unknown.
 """
 
 from __future__ import annotations
@@ -80,8 +85,10 @@ CHANGE_STALL_MS = 60_000
 # knows none to forward to, an election under way). ``cluster add-core`` / ``remove-core`` ask the
 # change anew of the sequencer ``members`` names then, at most ``SEQUENCER_REASKS_MAX`` times per
 # shard, waiting up to ``SEQUENCER_WAIT_MS`` for one to be named (elections take an election timeout
-# of 0.8-1.6 s by default, a few of them after split votes). An ``outcome_unknown`` is never one of
-# them: that change may be under way, and only its request id is sent again.
+# of 0.8-1.6 s by default, a few of them after split votes). An ``outcome_unknown`` is not one of
+# them: that change may be under way, and ``after_silence`` decides what follows it. A sequencer
+# whose own generation has not committed yet (``REJECT_NOT_SETTLED``) is asked again every
+# ``SEQUENCER_POLL_MS`` for up to ``SEQUENCER_WAIT_MS``: its first entry commits within a round trip.
 SEQUENCER_MOVED_CODES = frozenset({"not_sequencer", "no_sequencer"})
 SEQUENCER_REASKS_MAX = 3
 SEQUENCER_WAIT_MS = 15_000
@@ -296,3 +303,47 @@ def change_wait(
     if seen is None or now_seen != seen:
         return ChangeWait("waiting", now_seen, now_ms)
     return ChangeWait("stalled" if now_ms - since_ms >= stall_ms else "waiting", now_seen, since_ms)
+
+
+@dataclass(frozen=True)
+class AfterSilence:
+    """``after_silence``'s answer: ``action`` is ``reask`` (ask the change of ``sequencer`` as a new
+    request), ``resend`` (send the silent sequencer the same request id again), ``wait`` (ask the
+    cores again in ``SEQUENCER_POLL_MS``) or ``give_up`` (the outcome stays unknown)."""
+
+    action: str
+    sequencer: str | None = None
+
+
+def after_silence(
+    silent: str,
+    named: Mapping[str, str | None],
+    waited_ms: int,
+    retries: int,
+    wait_ms: int = SEQUENCER_WAIT_MS,
+    retries_max: int = SEQUENCER_REASKS_MAX,
+) -> AfterSilence:
+    """What an operator's change of one shard does after the sequencer it asked (``silent``) left
+    both the change and ``members`` unanswered (it crashed, or was paused), given the sequencer of
+    the shard each core that answered ``members`` since names (``named``: core -> sequencer or None),
+    ``waited_ms`` since the silence and the ``retries`` already made in that shard.
+
+    A change is idempotent in its result, so a sequencer other than the silent one is asked it as a
+    new request: if the silent one's entry survives in its log it answers ``already_member`` /
+    ``not_member`` (every core uses the latest membership entry of its log, and a new sequencer
+    commits what it holds with its first entry); if it was lost, the change is made anew. The one
+    named by most cores is asked (a core that has not heard the election yet names the old one, or an
+    older one, whose ``not_sequencer`` sends the command on). The silent core answering again and
+    naming itself (a pause that ended) is sent the same request id. Nobody naming another sequencer
+    within ``wait_ms`` leaves the outcome unknown, and so does a ``retries_max``-th retry."""
+    if retries >= retries_max:
+        return AfterSilence("give_up")
+    counts: dict[str, int] = {}
+    for sequencer in named.values():
+        if sequencer and sequencer != silent:
+            counts[sequencer] = counts.get(sequencer, 0) + 1
+    if counts:
+        return AfterSilence("reask", min(counts, key=lambda sequencer: (-counts[sequencer], sequencer)))
+    if named.get(silent) == silent:
+        return AfterSilence("resend", silent)
+    return AfterSilence("give_up" if waited_ms >= wait_ms else "wait")

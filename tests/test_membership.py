@@ -1029,10 +1029,15 @@ class _FakeCore:
 
 
 class _Clock:
+    """The CLI's ``time``: a sleep advances it."""
+
     now = 0.0
 
     def monotonic(self) -> float:
         return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def _cli_with(monkeypatch, core):
@@ -1226,11 +1231,12 @@ def test_add_core_stops_waiting_for_an_answer_the_sequencer_never_gives_once_the
 
 
 class _Seat:
-    """One core ``cluster add-core`` may reach, at ``endpoint``: ``sequencers`` names in turn the
-    sequencer of shard default its ``members`` answers show (the last one repeated), ``outcomes``
-    what each ``membership_change`` asked of it does (an exception raised, or a result returned)."""
+    """One core ``cluster add-core`` may reach, at ``endpoint``: ``sequencers`` is in turn what its
+    ``members`` answers show of shard default (the last one repeated): the sequencer's name (or None),
+    a dict over the shard's entry, or an exception raised (a silent core); ``outcomes`` what each
+    ``membership_change`` asked of it does (an exception raised, or a result returned)."""
 
-    endpoints = {"core1": "tcp://127.0.0.1:7400", "core3": "tcp://127.0.0.1:7403"}
+    endpoints = {"core1": "tcp://127.0.0.1:7400", "core3": "tcp://127.0.0.1:7403", "core5": "tcp://127.0.0.1:7405"}
 
     def __init__(self, name, sequencers, outcomes=()):
         self.name, self.endpoint = name, self.endpoints[name]
@@ -1247,7 +1253,11 @@ class _Seat:
     def members(self):
         self.viewed += 1
         sequencer = self.sequencers.pop(0) if len(self.sequencers) > 1 else self.sequencers[0]
+        if isinstance(sequencer, Exception):
+            raise sequencer
         shard = {"sequencer": sequencer, "learner": None, "members": ["core1"], "committed_members": ["core1"]}
+        if isinstance(sequencer, dict):
+            shard.update(sequencer)
         return {"node": self.name, "members": ["core1"], "endpoints": self.endpoints, "shards": {"default": shard}}
 
     def change_membership(self, shard, action, name, endpoint=None, request_id=None):
@@ -1258,19 +1268,22 @@ class _Seat:
         return outcome
 
 
-class _SleepingClock(_Clock):
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def _cli_reaching(monkeypatch, *seats):
-    """The CLI with ``client_for`` giving the seat at each endpoint (the first seat for --node) and a
-    clock that a sleep advances."""
+    """The CLI with ``client_for`` giving the seat at each endpoint (nothing listens at the others)
+    and a clock that a sleep advances."""
     from mnesite.cli import main as cli
+    from mnesite.rlog.client import Unavailable
 
     at = {seat.endpoint: seat for seat in seats}
-    monkeypatch.setattr(cli, "client_for", lambda endpoint, *args, **kwargs: at.get(endpoint, seats[0]))
-    clock = _SleepingClock()
+
+    def client_for(endpoint, *args, **kwargs):
+        endpoint = endpoint[0] if isinstance(endpoint, tuple) else endpoint  # --node: a tuple
+        if endpoint not in at:
+            raise Unavailable(f"node {endpoint} is unreachable: nothing accepts connections there")
+        return at[endpoint]
+
+    monkeypatch.setattr(cli, "client_for", client_for)
+    clock = _Clock()
     monkeypatch.setattr(cli, "time", clock)
     return cli, clock
 
@@ -1370,3 +1383,174 @@ def test_add_core_gives_up_within_its_bound_when_no_sequencer_appears_or_each_st
 def test_the_answer_of_a_sequencer_that_stepped_down_is_one_the_command_asks_anew_after():
     assert REJECT_NOT_SEQUENCER in membership.SEQUENCER_MOVED_CODES
     assert "outcome_unknown" not in membership.SEQUENCER_MOVED_CODES
+
+
+# ---------------------------------------------------------------- a sequencer that falls silent (cluster add-core)
+
+
+def test_after_a_silent_sequencer_another_named_one_is_asked_anew_the_silent_one_answering_is_resent():
+    after = membership.after_silence
+    # Nobody names another sequencer: wait, then give up after SEQUENCER_WAIT_MS.
+    assert after("core3", {}, 0, 0).action == "wait"
+    assert after("core3", {"core1": "core3", "core2": None}, 14_999, 0).action == "wait"
+    assert after("core3", {"core1": "core3"}, membership.SEQUENCER_WAIT_MS, 0).action == "give_up"
+    # Another sequencer named (the one most cores name): asked anew, even after the wait.
+    assert after("core3", {"core1": "core5"}, 0, 0) == membership.AfterSilence("reask", "core5")
+    named = {"core1": "core5", "core2": "core4", "core4": "core4", "core3": "core3"}
+    assert after("core3", named, 20_000, 2) == membership.AfterSilence("reask", "core4")
+    # The silent core answers again and names itself (a pause that ended): the same request id again.
+    assert after("core3", {"core1": "core3", "core3": "core3"}, 0, 0) == membership.AfterSilence("resend", "core3")
+    # It answers but names none (it stepped down, an election under way): wait for the election.
+    assert after("core3", {"core3": None}, 0, 0).action == "wait"
+    # Bounded: the SEQUENCER_REASKS_MAX-th retry gives up whatever is named.
+    assert after("core3", {"core1": "core5"}, 0, membership.SEQUENCER_REASKS_MAX).action == "give_up"
+
+
+def _silent(endpoint: str):
+    from mnesite.rlog.client import OutcomeUnknown
+
+    return OutcomeUnknown(f"outcome unknown: node {endpoint} did not answer membership_change", "r")
+
+
+def _deaf(endpoint: str):
+    from mnesite.rlog.client import Unavailable
+
+    return Unavailable(f"node {endpoint} did not answer members within 5000 ms")
+
+
+@pytest.mark.timeout(30)
+def test_add_core_asks_the_change_anew_of_the_sequencer_elected_after_the_old_one_fell_silent(monkeypatch):
+    """Regression: a sequencer that crashed (or was paused) while asked left the command with
+    ``OutcomeUnknown`` (exit 3, "run it again"), though the cores elect another within seconds and
+    asking the change of it is safe (a change is idempotent in its result). The command now asks the
+    other cores' ``members`` until one names another sequencer, and asks the change of it anew."""
+    endpoints = _Seat.endpoints
+    node = _Seat("core1", ["core3", "core3", None, "core5"])  # the --node core: an election, then core5
+    old = _Seat("core3", [_deaf(endpoints["core3"])], [_silent(endpoints["core3"])])
+    answer = {"shard": "default", "members": ["core1", "core2", "core5"], "tx_key": [3, 2]}
+    new = _Seat("core5", ["core3", None, "core5"], [answer])
+    cli, clock = _cli_reaching(monkeypatch, node, old, new)
+    done = _add_core2(cli, node)
+    assert done.exit_code == 0, done.output
+    assert "default: add core2 committed at (3, 2)" in done.stdout
+    assert "default: the sequencer core3 fell silent (outcome unknown" in done.stderr
+    assert "asking the change anew of its sequencer now, core5 (retry 1 of 3)" in done.stderr
+    assert old.asked == [None] and new.asked == [None]  # a new request at the new sequencer
+    assert 0 < clock.now < 1  # polled through the election
+
+
+@pytest.mark.timeout(30)
+def test_add_core_resends_the_same_request_to_a_silent_sequencer_that_answers_again(monkeypatch):
+    """A paused sequencer that answers again, still named by the cores, is sent the same request id
+    (its change may be under way there), not a new request."""
+    endpoints = _Seat.endpoints
+    node = _Seat("core1", ["core3"])
+    answer = {"shard": "default", "members": ["core1", "core2"], "tx_key": [1, 9]}
+    old = _Seat("core3", [_deaf(endpoints["core3"]), _deaf(endpoints["core3"]), "core3"])
+    old.outcomes = [_silent(endpoints["core3"]), answer]
+    cli, _ = _cli_reaching(monkeypatch, node, old)
+    done = _add_core2(cli, node)
+    assert done.exit_code == 0, done.output
+    assert "default: core3 answers again: sending it the same request again (retry 1 of 3)" in done.stderr
+    assert old.asked == [None, "r"]
+
+
+@pytest.mark.timeout(30)
+def test_add_core_keeps_the_outcome_unknown_when_no_other_sequencer_is_named_in_time(monkeypatch):
+    """Nobody names another sequencer within ``SEQUENCER_WAIT_MS`` (the silent one still named, an
+    election that does not end): exit 3 as before, saying what the cores answered; and a sequencer
+    that falls silent again after each retry ends it after ``SEQUENCER_REASKS_MAX`` retries."""
+    endpoints = _Seat.endpoints
+    node = _Seat("core1", ["core3"])
+    old = _Seat("core3", [_deaf(endpoints["core3"])], [_silent(endpoints["core3"])])
+    cli, clock = _cli_reaching(monkeypatch, node, old)
+    result = _add_core2(cli, node)
+    assert result.exit_code == 3, result.output
+    waited_s = membership.SEQUENCER_WAIT_MS / 1000
+    assert "no answer to `members` either" in result.stderr
+    assert f"no core named another sequencer of shard default within {waited_s:.0f} s" in result.stderr
+    assert "core1 names core3; core3 no answer (unavailable); core5 no answer (unavailable)" in result.stderr
+    assert waited_s <= clock.now <= waited_s + 1 and old.asked == [None]
+
+    # Each retry's sequencer falls silent too: given up after SEQUENCER_REASKS_MAX retries.
+    node = _Seat("core1", ["core3", "core5"] * 3)  # each election elects the other one
+    old = _Seat("core3", [_deaf(endpoints["core3"])], [_silent(endpoints["core3"])] * 9)
+    new = _Seat("core5", [_deaf(endpoints["core5"])], [_silent(endpoints["core5"])] * 9)
+    cli, _ = _cli_reaching(monkeypatch, node, old, new)
+    result = _add_core2(cli, node)
+    assert result.exit_code == 3, result.output
+    assert f"asked again {membership.SEQUENCER_REASKS_MAX} times after a silence" in result.stderr
+    assert len(old.asked) + len(new.asked) == membership.SEQUENCER_REASKS_MAX + 1
+
+
+@pytest.mark.timeout(30)
+def test_add_core_takes_already_member_for_done_only_once_the_committed_membership_shows_it(monkeypatch):
+    """Regression: ``already_member`` / ``not_member`` say the LATEST membership entry of the
+    sequencer's log has the change, committed or not (after a re-ask, a crashed sequencer's entry the
+    new one holds; on a plain rerun, a half-done run's), and the command said the shard was changed
+    at once. It now waits, showing it, until ``members`` shows the committed membership with it;
+    and it is still under way (exit 3) if that does not move for ``CHANGE_STALL_MS``."""
+    endpoints = _Seat.endpoints
+    added = ["core1", "core2", "core5"]
+    uncommitted = {"sequencer": "core5", "members": added, "committed_members": ["core1", "core5"]}
+    committed = {**uncommitted, "committed_members": added}
+    unchanged = {"shard": "default", "members": ["core1", "core2", "core5"], "unchanged": "already_member"}
+    node = _Seat("core1", ["core3", "core5"])
+    old = _Seat("core3", [_deaf(endpoints["core3"])], [_silent(endpoints["core3"])])
+    new = _Seat("core5", [uncommitted, uncommitted, uncommitted, committed], [unchanged])
+    cli, clock = _cli_reaching(monkeypatch, node, old, new)
+    done = _add_core2(cli, node)
+    assert done.exit_code == 0, done.output
+    assert "default: unchanged (already_member)" in done.stdout
+    assert "default: waiting for the entry that changes the members (core1, core2, core5)" in done.stderr
+    assert new.viewed == 4 and new.asked == [None]
+
+    # The same rule without a re-ask: a plain rerun answered already_member.
+    clock = _Clock()
+    plain = {"members": ["core1", "core2"], "committed_members": ["core1"]}
+    views = [plain, plain, {**plain, "committed_members": ["core1", "core2"]}]
+    core = _FakeCore(["default"], {"default": [unchanged]}, views, clock)
+    cli = _cli_with(monkeypatch, core)
+    monkeypatch.setattr(cli, "time", clock)
+    done = _add_core2(cli, core)
+    assert done.exit_code == 0, done.output
+    assert "default: unchanged (already_member)" in done.stdout and core.views == []
+    # Never committed: still under way after CHANGE_STALL_MS, not done.
+    stall_s = membership.CHANGE_STALL_MS / 1000
+    core = _FakeCore(["default"], {"default": [unchanged]}, [plain] * int(stall_s / 0.2 + 10), clock)
+    cli = _cli_with(monkeypatch, core)
+    result = _add_core2(cli, core)
+    assert result.exit_code == 3, result.output
+    assert f"still under way, with no progress for {stall_s:.0f} s" in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_add_core_asks_again_a_sequencer_not_settled_yet(monkeypatch):
+    """Regression: a new sequencer whose generation has not committed yet refuses a change with
+    ``sequencer_not_settled``, which ended the command (exit 1) though it only means "in a moment".
+    The command asks again every ``SEQUENCER_POLL_MS`` for up to ``SEQUENCER_WAIT_MS``."""
+    from mnesite.rlog.client import RemoteError
+
+    def not_settled():
+        return RemoteError(
+            f"membership change refused in shard default: {membership.REJECT_NOT_SETTLED}",
+            membership.REJECT_NOT_SETTLED,
+        )
+
+    answer = {"shard": "default", "members": ["core1", "core2"], "tx_key": [2, 3]}
+    clock = _Clock()
+    core = _FakeCore(["default"], {"default": [not_settled(), not_settled(), answer]}, clock=clock)
+    cli = _cli_with(monkeypatch, core)
+    monkeypatch.setattr(cli, "time", clock)
+    done = _add_core2(cli, core)
+    assert done.exit_code == 0, done.output
+    assert "default: add core2 committed at (2, 3)" in done.stdout
+    assert core.asked == [("default", None)] * 3  # each a new request: nothing was written for a refusal
+    # Bounded: never settled within SEQUENCER_WAIT_MS, nothing changed (exit 1).
+    core = _FakeCore(["default"], {"default": [not_settled() for _ in range(200)]}, clock=clock)
+    cli = _cli_with(monkeypatch, core)
+    result = _add_core2(cli, core)
+    assert result.exit_code == 1, result.output
+    waited_s = membership.SEQUENCER_WAIT_MS / 1000
+    assert f"did not settle (commit an entry of its generation) within {waited_s:.0f} s" in result.stderr
+    assert "nothing was changed in shard default" in result.stderr

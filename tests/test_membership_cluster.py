@@ -36,6 +36,28 @@ def shard_members(cluster: Cluster, name: str) -> list[str] | None:
     return info["members"] if info else None
 
 
+def _three_cores_with_rows(
+    tmp_path: Path, node_processes: list[NodeProcess], rows: int = 50, secure: bool = False
+) -> Cluster:
+    """Three cores with table kv holding ``rows`` rows."""
+    cluster = Cluster(tmp_path, node_processes, size=3, secure=secure)
+    cluster.start_all()
+    create_table(cluster)
+    with cluster.client("core1", retries=5) as client:
+        for i in range(rows):
+            client.put("kv", {"id": i, "value": "before"})
+    return cluster
+
+
+def _start_core4(cluster: Cluster) -> None:
+    """Start core4 on an empty data directory and wait until it learned the members (core1-3)."""
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    cluster.start("core4")
+    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+
+
 def test_grow_to_four_shrink_to_three_and_re_add_under_writes(tmp_path: Path, node_processes: list[NodeProcess]):
     # Insecure: with [security] the new core's key must also be authorized on every core (README).
     cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
@@ -46,11 +68,7 @@ def test_grow_to_four_shrink_to_three_and_re_add_under_writes(tmp_path: Path, no
 
     # A fourth core, started with an empty data directory: it learns the membership from its peers
     # and is a learner (no vote) until the add entry reaches it.
-    cluster.names.append("core4")
-    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
-    cluster._write_config("core4", "core")
-    cluster.start("core4")
-    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+    _start_core4(cluster)
     added = cluster_cli(cluster, "core1", "cluster", "add-core", "core4", cluster.endpoints["core4"])
     assert added["members"]["shards"]["default"]["members"] == ["core1", "core2", "core3", "core4"]
     wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3", "core4"], 20, "core4 a voter")
@@ -73,12 +91,7 @@ def test_grow_to_four_shrink_to_three_and_re_add_under_writes(tmp_path: Path, no
 
 
 def test_a_core_left_out_by_a_forced_start_rejoins_through_add_core(tmp_path: Path, node_processes: list[NodeProcess]):
-    cluster = Cluster(tmp_path, node_processes, size=3, secure=False)
-    cluster.start_all()
-    create_table(cluster)
-    with cluster.client("core1", retries=5) as client:
-        for i in range(50):
-            client.put("kv", {"id": i, "value": "before"})
+    cluster = _three_cores_with_rows(tmp_path, node_processes)
     cluster.wait_converged(cluster.names)
     for name in ("core2", "core3"):
         cluster.nodes[name].kill()
@@ -155,12 +168,7 @@ def test_with_security_a_new_core_is_authorized_by_key_and_sighup_then_added(
 
     from mnesite.rlog.security import generate_keys
 
-    cluster = Cluster(tmp_path, node_processes, size=3, secure=True)
-    cluster.start_all()
-    create_table(cluster)
-    with cluster.client("core1", retries=5) as client:
-        for i in range(30):
-            client.put("kv", {"id": i, "value": "before"})
+    cluster = _three_cores_with_rows(tmp_path, node_processes, rows=30, secure=True)
     generate_keys("core4", str(cluster.keys_dir))
     shutil.copy(cluster.keys_dir / "core4.key", cluster.authorized_dir)
     old_roles = 'core = ["core1", "core2", "core3"]'
@@ -174,11 +182,7 @@ def test_with_security_a_new_core_is_authorized_by_key_and_sighup_then_added(
         wait_until(
             lambda name=name: "SIGHUP: reloaded" in (cluster.root / f"{name}.log").read_text(), 10, f"{name} reload"
         )
-    cluster.names.append("core4")
-    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
-    cluster._write_config("core4", "core")
-    cluster.start("core4")
-    wait_until(lambda: shard_members(cluster, "core4") == ["core1", "core2", "core3"], 20, "core4 to learn members")
+    _start_core4(cluster)
     added = cluster_cli(cluster, "core2", "cluster", "add-core", "core4", cluster.endpoints["core4"])
     assert added["members"]["shards"]["default"]["members"] == ["core1", "core2", "core3", "core4"]
     with cluster.client("core4", retries=3) as client:
@@ -309,3 +313,47 @@ def test_a_kept_core_that_gets_the_forced_start_by_snapshot_is_forced_and_tells_
         f"{left_out} to learn that it was left out",
     )
     assert cluster.status(left_out)["shards"]["default"]["excluded"]["by"] == rebuilt
+
+
+def test_add_core_finishes_after_its_sequencer_is_killed_while_the_learner_catches_up(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    """The sequencer, catching core4 up as a learner (core4 paused: the catch-up cannot end), is
+    killed: `cluster add-core` hears neither the change nor `members` from it, asks the other cores
+    who the new sequencer is and asks it the change anew, which catches core4 up and adds it (exit 0)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    cluster = _three_cores_with_rows(tmp_path, node_processes)
+    _start_core4(cluster)
+    sequencer, _ = cluster.sequencer(among=["core1", "core2", "core3"])
+    through = next(name for name in ("core1", "core2", "core3") if name != sequencer)
+    cluster.nodes["core4"].signal(signal.SIGSTOP)
+    command = [sys.executable, "-m", "mnesite.cli", "cluster", "add-core", "core4", cluster.endpoints["core4"]]
+    command += ["--node", cluster.endpoints[through], "--timeout-ms", "2000", *cluster.cli_keys()]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as adding:
+        try:
+
+            def learning() -> bool:
+                with cluster.client(sequencer, timeout_ms=1000) as client:
+                    return client.members()["shards"]["default"]["learner"] == "core4"
+
+            wait_until(learning, 20, f"{sequencer} to catch core4 up as a learner")
+            cluster.nodes[sequencer].kill()
+            cluster.nodes["core4"].signal(signal.SIGCONT)
+            stdout, stderr = adding.communicate(timeout=90)
+        finally:
+            cluster.nodes["core4"].signal(signal.SIGCONT)
+            if adding.poll() is None:
+                adding.kill()
+    assert adding.returncode == 0, (stdout, stderr)
+    assert f"the sequencer {sequencer} fell silent" in stderr and "asking the change anew" in stderr, stderr
+    survivors = [name for name in ("core1", "core2", "core3") if name != sequencer]
+    want = sorted(["core1", "core2", "core3", "core4"])
+    for name in [*survivors, "core4"]:
+        wait_until(lambda name=name: shard_members(cluster, name) == want, 20, f"{name} to hold core4 a member")
