@@ -57,6 +57,7 @@ from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import (
     FOLLOW_LINKS_CLIENT,
     HANDSHAKE_FAILURES,
+    REFUSED_STATUS,
     KeyPair,
     SecurityError,
     configure_client,
@@ -288,6 +289,14 @@ def _rows(kind: str, rows: list[Any], row_type: type) -> None:
 class _NotSent(Exception):
     """The request never left this client: no connection to the node completed (``IMMEDIATE``
     sockets queue nothing before that), so it is known not to have happened anywhere."""
+
+    hint = UNREACHABLE_HINT
+
+
+class _Full(_NotSent):
+    """The node refused the connection at its handshake: it holds ``[limits] connections_max``."""
+
+    hint = "retry later, close idle clients, or raise [limits] connections_max on that node"
 
 
 def _check_setting(name: str, value: Any, low: int) -> None:
@@ -624,7 +633,7 @@ class Client:
         """Why the call ends at an endpoint no connection reached: that node, or every endpoint
         when all were tried (a write that may have happened is never tried elsewhere)."""
         if len(self.endpoints) == 1 or not tried_all:
-            return f"{error}; {UNREACHABLE_HINT}"
+            return f"{error}; {error.hint}"
         return f"none of {', '.join(self.endpoints)} accepts connections; are the nodes running? check --node"
 
     def _give_up(
@@ -666,8 +675,12 @@ class Client:
             if not ready:
                 return None
             if self._monitor is not None and self._monitor in ready:
-                # A dropped connection is not an answer: zmq reconnects, and silence decides.
-                self._handshake_failed(recv_monitor_message(self._monitor))
+                # A dropped connection is not an answer: zmq reconnects, and silence decides; a
+                # reconnection refused for connections_max will bring no answer (the socket is closed).
+                try:
+                    self._handshake_failed(recv_monitor_message(self._monitor))
+                except _Full:
+                    return None
             if socket not in ready:
                 continue
             frame = socket.recv()
@@ -695,6 +708,9 @@ class Client:
         if reason is None:
             return
         self.close()
+        if reason == "auth" and event["value"] == REFUSED_STATUS:
+            # Nothing was sent over it (IMMEDIATE), and another node may take the request.
+            raise _Full(f"node {self.endpoint} refused the connection: it holds its connections_max connections")
         if reason == "auth":
             raise Unauthenticated(f"node {self.endpoint} refused this client's key (it is not in authorized_keys)")
         hint = (

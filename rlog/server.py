@@ -42,6 +42,7 @@ from mnesite.rlog import messages
 from mnesite.rlog.backup import BackupError, BackupJob, chunk_bytes_max, decide, read_chunk
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
 from mnesite.rlog.config import Config, ConfigError, is_loopback, keys_needing_restart, load_config
+from mnesite.rlog.connections import ConnectionCount, ListenGuard, ensure_files
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
 from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (RequestError re-exported)
@@ -371,6 +372,10 @@ class NodeServer:
         self._poller: tuple[tuple[zmq.Socket | None, ...], zmq.Poller] | None = None  # rebuilt when the sockets change
         self._queries_woken = True  # the query runner's wakeup pipe was readable at the last poll
         self.security: NodeSecurity | None = None
+        # [limits] connections_max: the listen socket's open connections, counted and bounded by the
+        # ZAP handler and monitor threads of ``listen_guard`` (rlog.connections).
+        self.connection_count = ConnectionCount(config.limits.connections_max)
+        self.listen_guard: ListenGuard | None = None
         self.reload_requested = threading.Event()
         if config.secure and config.security is not None:
             try:
@@ -463,10 +468,13 @@ class NodeServer:
             raise
 
     def _bind_socket(self) -> None:
+        limits = self.config.limits
+        ensure_files(limits.connections_max, len(self.config.core_nodes) + limits.watches_max)
         self.context = zmq.Context()
-        if self.security is not None:
-            self.security.start(self.context)  # the ZAP handler must be up before the server socket binds
-        elif self.config.security is not None and self.config.security.insecure:
+        # The ZAP handler must be up before the server socket binds.
+        self.listen_guard = ListenGuard(self.connection_count, self.security)
+        self.listen_guard.start(self.context)
+        if self.security is None and self.config.security is not None and self.config.security.insecure:
             log.warning(
                 "%s %s runs WITHOUT authentication or encryption ([security] insecure = true): anyone who can "
                 "reach %s can read and write everything",
@@ -477,6 +485,7 @@ class NodeServer:
         self.socket = self.context.socket(zmq.ROUTER)
         if self.security is not None:
             self.security.secure_server(self.socket)
+        self.listen_guard.watch(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, self.config.limits.requests_queued_max)
         # Answers queued per connection: a client that never reads costs at most this many frames.
@@ -814,6 +823,7 @@ class NodeServer:
             "waiting_max": self.config.limits.connections_waiting_max,
             "refused": self.connections_refused,
             "refused_unread": self.unread_answers.refused,
+            **self.connection_count.status(),
         }
 
     @staticmethod
@@ -832,6 +842,7 @@ class NodeServer:
         self._raise_if_checkpoint_failed()
         # A burst's lines left out, said once their second is over: the node's and its store's.
         self.warnings.flush()
+        self.connection_count.flush_warnings()
         if self.store.checkpointer is not None:
             self.store.checkpointer.warnings.flush()
         try:
@@ -972,8 +983,9 @@ class NodeServer:
             linger_ms = STOP_REPLY_LINGER_MS if self.stop_requested or self.stop_answers else 0
             self.socket.close(linger_ms)
             self.socket = None
-        if self.security is not None:
-            self.security.stop()
+        if self.listen_guard is not None:
+            self.listen_guard.stop()
+            self.listen_guard = None
         if self.context is not None:
             self.context.term()
             self.context = None
