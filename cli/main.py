@@ -1209,6 +1209,9 @@ def status(endpoint, timeout_ms, as_json) -> None:
     dropped_line = describe_sends_dropped(result)
     if dropped_line:
         click.echo(dropped_line)
+    refused_line = describe_connections_refused(result)
+    if refused_line:
+        click.echo(refused_line)
     for line in describe_core_queues(result):
         click.echo(line)
     if result.get("recovery") is not None:
@@ -1650,6 +1653,19 @@ def describe_sends_dropped(status: dict[str, Any]) -> str | None:
     by = status.get("sends_dropped_by") or {}
     reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(by.items()) if count)
     return f"sends dropped: {total}" + (f" ({reasons})" if reasons else "")
+
+
+def describe_connections_refused(status: dict[str, Any]) -> str | None:
+    """The connections the node refused for ``[limits] connections_max`` since it started; None if none
+    (or a release without the bound)."""
+    connections = status.get("connections") or {}
+    refused = connections.get("refused_open_max") or 0
+    if not refused:
+        return None
+    return (
+        f"connections refused: {refused} (connections_max {connections.get('open_max')} reached; "
+        f"{connections.get('open')} open now)"
+    )
 
 
 def describe_core_queues(status: dict[str, Any]) -> list[str]:

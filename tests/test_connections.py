@@ -110,3 +110,14 @@ def test_a_refused_connection_is_not_taken_for_a_refused_key(tmp_path: Path) -> 
             assert "is the node running" not in str(info.value)
     finally:
         node.stop()
+
+
+def test_status_text_names_the_connections_refused() -> None:
+    from mnesite.cli.main import describe_connections_refused
+
+    connections = {"open": 2, "open_max": 3, "refused_open_max": 5}
+    assert describe_connections_refused({"connections": connections}) == (
+        "connections refused: 5 (connections_max 3 reached; 2 open now)"
+    )
+    assert describe_connections_refused({"connections": {**connections, "refused_open_max": 0}}) is None
+    assert describe_connections_refused({"connections": {"waiting": 0}}) is None, "a release without the bound"
