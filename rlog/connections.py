@@ -30,9 +30,20 @@ one each; and for any the handler let in after ``CATCH_UP_MS`` ran out (the moni
 The count leans the other way too: connections still in their handshake (one that will be refused,
 a silent one until zmq's handshake interval closes it) take places.
 
-A refused zmq DEALER does not reconnect by itself (the refusal is a protocol error to libzmq): a
-node's own DEALERs are re-connected by ``NodeServer.reconnect_refused``; a ``Client`` closes its
-socket and tells its caller, or moves to another endpoint.
+A refused zmq DEALER does not reconnect by itself (libzmq takes the refusal for a protocol error
+and ends the connection's session for good; checked with libzmq 4.3.5): a ``Client`` closes its
+socket and tells its caller, or moves to another endpoint. A node's own DEALERs (a core's toward its
+peers and toward its replicants' endpoints, a replicant's toward the cores) each have a monitor of
+``DEALER_EVENTS``; ``NodeServer.reconnect_refused`` reads them at most every
+``MONITOR_READ_INTERVAL_MS`` (never on every turn of the write path), and ``RefusedDealers`` says when
+each DEALER refused with ``REFUSED_STATUS`` is dialled again (``redial_delay_ms``: a back-off growing
+with the refusals in a row, which a completed handshake resets). Dialling again is
+``disconnect(endpoint)`` and ``connect(endpoint)`` on the same socket: the socket, its place in the
+loop's poller and its send-queue ledger stay (``rlog.send_queue``: the frames zmq held for the ended
+session were let go of with it). A key refused (status 400, ``[security]``) is not dialled again:
+that is the operator's to fix (``[security]``'s log and status say so at the node that refused it).
+A monitor costs two zmq sockets (libzmq's end and the node's), so the node's zmq context is allowed
+``sockets_needed`` sockets rather than zmq's default of 1023.
 """
 
 from __future__ import annotations
@@ -69,8 +80,26 @@ MONITOR_EVENTS = (
 # 100 beside its connections; this leaves room.
 FILES_RESERVED = 256
 # Each DEALER a node opens (to a peer core, a core, a replicant's endpoint) costs its connection's
-# descriptor and its zmq mailbox.
-FILES_PER_DEALER = 2
+# descriptor and its zmq mailbox, and its monitor's two PAIR sockets a mailbox each.
+FILES_PER_DEALER = 4
+# zmq sockets: each DEALER with its monitor's two PAIRs; besides them the listen socket, its monitor
+# (two), the monitor's wake-up pair, the ZAP handler's (three): 64 leaves room. zmq's default, 1023,
+# is the least a node is allowed (``sockets_needed``).
+SOCKETS_PER_DEALER = 3
+SOCKETS_RESERVED = 64
+SOCKETS_DEFAULT = 1023
+# What a node's own DEALER's monitor reports: a refusal (the ZAP status is the event's value) and a
+# handshake completed (the refusals in a row start over).
+DEALER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED
+# How often the node's loop reads its DEALERs' monitors (``NodeServer.reconnect_refused``): a
+# refusal is acted on within this, plus its back-off.
+MONITOR_READ_INTERVAL_MS = 250
+# The back-off of a refused DEALER (``redial_delay_ms``): dialled again this long after its first
+# refusal, twice as long after each further refusal in a row, at most REDIAL_DELAY_MS_MAX. A full
+# node is not dialled more than about once every 4 s by each refused DEALER, and one that has a
+# place again is reached within 4 s (plus MONITOR_READ_INTERVAL_MS).
+REDIAL_DELAY_MS_MIN = 250
+REDIAL_DELAY_MS_MAX = 4000
 
 
 def admits(others_open: int, open_max: int, exempt: bool) -> bool:
@@ -95,6 +124,61 @@ def soft_limit_for(needed: int, soft: int, hard: int) -> int | None:
     if hard == resource.RLIM_INFINITY or hard >= needed:
         return needed
     return None
+
+
+def sockets_needed(dealers_max: int) -> int:
+    """The zmq sockets a node's context may hold at once (``zmq.MAX_SOCKETS``): ``dealers_max`` DEALERs
+    with their monitors, and ``SOCKETS_RESERVED``; never fewer than zmq's default."""
+    return max(SOCKETS_DEFAULT, SOCKETS_RESERVED + SOCKETS_PER_DEALER * dealers_max)
+
+
+def redial_delay_ms(refusals: int) -> int:
+    """How long after the ``refusals``-th refusal in a row (1, 2, ...) of a node's own DEALER it is
+    dialled again: ``REDIAL_DELAY_MS_MIN`` doubled at each further refusal, at most ``REDIAL_DELAY_MS_MAX``."""
+    if refusals < 1:
+        raise ValueError(f"refusals must be at least 1, got {refusals}")
+    doublings = min(refusals - 1, REDIAL_DELAY_MS_MAX.bit_length())  # no huge shift for a long refusal
+    return min(REDIAL_DELAY_MS_MIN << doublings, REDIAL_DELAY_MS_MAX)
+
+
+class RefusedDealers:
+    """A node's own DEALERs refused for the other node's ``connections_max``, by endpoint: their
+    refusals in a row and when each is dialled again (pure: the driver reads the monitors, dials and
+    counts; ``NodeServer.reconnect_refused``). One entry per endpoint the node holds a DEALER for."""
+
+    def __init__(self) -> None:
+        self._refusals: dict[str, int] = {}  # endpoint -> refusals since its last completed handshake
+        self._due_ms: dict[str, int] = {}  # endpoint -> when it is dialled again (refused, not yet dialled)
+        self.redials = 0  # DEALERs dialled again after a refusal, since the node started
+
+    def refused(self, endpoint: str, now_ms: int) -> int:
+        """The DEALER toward ``endpoint`` was refused: it is dialled again after the delay returned."""
+        refusals = self._refusals.get(endpoint, 0) + 1
+        self._refusals[endpoint] = refusals
+        delay_ms = redial_delay_ms(refusals)
+        self._due_ms[endpoint] = now_ms + delay_ms
+        return delay_ms
+
+    def connected(self, endpoint: str) -> None:
+        """Its handshake completed: a later refusal starts the back-off over."""
+        self._refusals.pop(endpoint, None)
+
+    def forget(self, endpoint: str) -> None:
+        """Its DEALER was closed: nothing is dialled again."""
+        self._refusals.pop(endpoint, None)
+        self._due_ms.pop(endpoint, None)
+
+    def take_due(self, now_ms: int) -> list[str]:
+        """The endpoints to dial again now (counted as dialled: the caller dials each)."""
+        due = [endpoint for endpoint, due_ms in self._due_ms.items() if due_ms <= now_ms]
+        for endpoint in due:
+            del self._due_ms[endpoint]
+        self.redials += len(due)
+        return due
+
+    def waiting(self) -> int:
+        """DEALERs refused and not dialled again yet."""
+        return len(self._due_ms)
 
 
 def ensure_files(connections_max: int, dealers_max: int) -> None:

@@ -330,6 +330,13 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
             )
             refused_max.add_metric([], connections["refused_open_max"])
             yield from (open_now, open_max, refused_max)
+        if "redials_refused" in connections:  # rlog.connections: this node's own connections refused
+            redials = CounterMetricFamily(
+                "mnesite_redials_refused",
+                "This node's connections to other nodes dialled again after a refusal for their connections_max",
+            )
+            redials.add_metric([], connections["redials_refused"])
+            yield redials
     yield from _disk_families(status.get("disk"))
     yield from _backup_families(status)
     yield from _reader_families(status.get("queries"), status.get("changes"))

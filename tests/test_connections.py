@@ -10,9 +10,18 @@ import pytest
 from mnesite.rlog import connections
 from mnesite.rlog.client import Client, MnesiteError, Unavailable
 from mnesite.rlog.config import ConfigError, parse_config
-from mnesite.rlog.connections import admits, ensure_files, files_needed, soft_limit_for
+from mnesite.rlog.connections import (
+    REDIAL_DELAY_MS_MAX,
+    REDIAL_DELAY_MS_MIN,
+    RefusedDealers,
+    admits,
+    ensure_files,
+    files_needed,
+    redial_delay_ms,
+    soft_limit_for,
+)
 
-from tests.conftest import ThreadNode, wait_until
+from tests.conftest import Cluster, NodeProcess, ThreadNode, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,12 +121,106 @@ def test_a_refused_connection_is_not_taken_for_a_refused_key(tmp_path: Path) -> 
         node.stop()
 
 
+def test_a_client_told_every_node_is_full_says_so(tmp_path: Path) -> None:
+    nodes = [
+        ThreadNode(tmp_path / name, extra={"limits": {"connections_max": 1}}, name=name) for name in ("core1", "core2")
+    ]
+    holders = [node.client(timeout_ms=2000, retries=0) for node in nodes]
+    endpoints = [node.endpoint for node in nodes]
+    try:
+        for holder in holders:
+            holder.status()  # each node's one place is taken
+        with Client(endpoints, timeout_ms=2000) as late, pytest.raises(Unavailable) as info:
+            late.get("kv", 1)  # refused at the connection, before any table is looked for
+        assert str(info.value) == (
+            f"every node of {', '.join(endpoints)} refused the connection: each holds its connections_max "
+            "connections; retry later, close idle clients, or raise [limits] connections_max on those nodes"
+        )
+    finally:
+        for holder in holders:
+            holder.close()
+        for node in nodes:
+            node.stop()
+
+
 def test_status_text_names_the_connections_refused() -> None:
     from mnesite.cli.main import describe_connections_refused
 
-    connections = {"open": 2, "open_max": 3, "refused_open_max": 5}
-    assert describe_connections_refused({"connections": connections}) == (
+    connections = {"open": 2, "open_max": 3, "refused_open_max": 5, "redials_refused": 0}
+    assert describe_connections_refused({"connections": connections}) == [
         "connections refused: 5 (connections_max 3 reached; 2 open now)"
-    )
-    assert describe_connections_refused({"connections": {**connections, "refused_open_max": 0}}) is None
-    assert describe_connections_refused({"connections": {"waiting": 0}}) is None, "a release without the bound"
+    ]
+    assert describe_connections_refused({"connections": {**connections, "refused_open_max": 0}}) == []
+    assert describe_connections_refused(
+        {"connections": {**connections, "refused_open_max": 0, "redials_refused": 4}}
+    ) == ["own connections refused by other nodes for their connections_max, dialled again: 4"]
+    assert describe_connections_refused({"connections": {"waiting": 0}}) == [], "a release without the bound"
+
+
+def test_the_redial_delay_grows_from_its_least_to_its_most() -> None:
+    delays = [redial_delay_ms(refusals) for refusals in range(1, 12)]
+    assert delays[0] == REDIAL_DELAY_MS_MIN
+    assert delays[1] == 2 * REDIAL_DELAY_MS_MIN
+    assert delays == sorted(delays), "it never shrinks while the refusals go on"
+    assert delays[-1] == REDIAL_DELAY_MS_MAX
+    assert redial_delay_ms(10**9) == REDIAL_DELAY_MS_MAX  # no huge shift after a long refusal
+    with pytest.raises(ValueError):
+        redial_delay_ms(0)
+
+
+def test_a_refused_dealer_is_dialled_again_once_due_and_a_handshake_resets_its_back_off() -> None:
+    refused = RefusedDealers()
+    assert refused.refused("tcp://a", now_ms=1000) == REDIAL_DELAY_MS_MIN
+    assert refused.take_due(1000 + REDIAL_DELAY_MS_MIN - 1) == []
+    assert refused.waiting() == 1
+    assert refused.take_due(1000 + REDIAL_DELAY_MS_MIN) == ["tcp://a"]
+    assert refused.take_due(10_000) == [], "dialled once per refusal"
+    assert refused.refused("tcp://a", now_ms=2000) == 2 * REDIAL_DELAY_MS_MIN, "refused again in a row"
+    refused.take_due(5000)
+    refused.connected("tcp://a")
+    assert refused.refused("tcp://a", now_ms=6000) == REDIAL_DELAY_MS_MIN, "the back-off starts over"
+    refused.forget("tcp://a")  # its DEALER closed
+    assert refused.take_due(10**6) == [] and refused.waiting() == 0
+    assert refused.redials == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_replicant_refused_for_a_cores_connections_max_connects_once_a_place_is_free(
+    tmp_path: Path, node_processes: list[NodeProcess]
+) -> None:
+    """zmq never dials a refused connection again by itself: the replicant's own DEALER toward the core
+    must be dialled again by the replicant (``NodeServer.reconnect_refused``) once the flood is over."""
+    cluster = Cluster(tmp_path, node_processes, size=1, secure=False)
+    cluster.extend_core_configs("[limits]\nconnections_max = 2\n")
+    cluster.add_replicant("replicant1")
+    cluster.start("core1")
+    flood = [cluster.client("core1", retries=0) for _ in range(2)]
+    try:
+        flood[0].create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        flood[0].put("kv", {"id": 1, "value": "one"})
+        flood[1].status()  # both places of the core are taken
+        cluster.start("replicant1")  # it answers on its own listen socket; its DEALER toward core1 is refused
+        wait_until(
+            lambda: flood[0].status()["connections"]["refused_open_max"] >= 1, 20, "core1 to refuse the replicant"
+        )
+        # Refused again at each re-dial while the flood holds. (A refusal whose connection zmq saw closed
+        # before the refusal reached it is a dropped connection, which zmq dials again by itself.)
+        wait_until(lambda: _redials_refused(cluster, "replicant1") >= 1, 20, "the replicant to dial core1 again")
+    finally:
+        for client in flood:
+            client.close()
+
+    def linearizable_read() -> dict | None:
+        try:
+            with cluster.client("replicant1", timeout_ms=1000, retries=0) as client:
+                return client.get("kv", 1, consistency="linearizable")
+        except MnesiteError:
+            return None
+
+    # Served through core1 (the replicant asks it for the read's fence): its connection is back.
+    wait_until(lambda: linearizable_read() == {"id": 1, "value": "one"}, 30, "the replicant to reach core1 again")
+
+
+def _redials_refused(cluster: Cluster, name: str) -> int:
+    status = cluster.status(name)
+    return status["connections"]["redials_refused"] if status else 0

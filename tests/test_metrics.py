@@ -87,6 +87,7 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
             "open": 3,
             "open_max": 4,
             "refused_open_max": 8,
+            "redials_refused": 6,
         },
     }
     metrics.refresh(0, status)
@@ -135,6 +136,7 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_connections_open") == 3
     assert value(samples, "mnesite_connections_open_max") == 4
     assert value(samples, "mnesite_connections_refused_total") == 8
+    assert value(samples, "mnesite_redials_refused_total") == 6
     # The process itself, for sizing (CPU per applied transaction, resident memory).
     assert value(samples, "process_cpu_seconds_total") > 0
     assert value(samples, "process_resident_memory_bytes") > 1024 * 1024
