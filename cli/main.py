@@ -1230,6 +1230,8 @@ def status(endpoint, timeout_ms, as_json) -> None:
     dropped_line = describe_sends_dropped(result)
     if dropped_line:
         click.echo(dropped_line)
+    for line in describe_connections_refused(result):
+        click.echo(line)
     for line in describe_core_queues(result):
         click.echo(line)
     if result.get("recovery") is not None:
@@ -1671,6 +1673,24 @@ def describe_sends_dropped(status: dict[str, Any]) -> str | None:
     by = status.get("sends_dropped_by") or {}
     reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(by.items()) if count)
     return f"sends dropped: {total}" + (f" ({reasons})" if reasons else "")
+
+
+def describe_connections_refused(status: dict[str, Any]) -> list[str]:
+    """The connections the node refused for ``[limits] connections_max`` since it started, and its own
+    connections that other nodes refused for theirs and it dialled again; nothing for none (or a
+    release without the bound)."""
+    connections = status.get("connections") or {}
+    lines = []
+    refused = connections.get("refused_open_max") or 0
+    if refused:
+        lines.append(
+            f"connections refused: {refused} (connections_max {connections.get('open_max')} reached; "
+            f"{connections.get('open')} open now)"
+        )
+    redials = connections.get("redials_refused") or 0
+    if redials:
+        lines.append(f"own connections refused by other nodes for their connections_max, dialled again: {redials}")
+    return lines
 
 
 def describe_core_queues(status: dict[str, Any]) -> list[str]:

@@ -57,6 +57,7 @@ from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import (
     FOLLOW_LINKS_CLIENT,
     HANDSHAKE_FAILURES,
+    REFUSED_STATUS,
     KeyPair,
     SecurityError,
     configure_client,
@@ -288,6 +289,14 @@ def _rows(kind: str, rows: list[Any], row_type: type) -> None:
 class _NotSent(Exception):
     """The request never left this client: no connection to the node completed (``IMMEDIATE``
     sockets queue nothing before that), so it is known not to have happened anywhere."""
+
+    hint = UNREACHABLE_HINT
+
+
+class _Full(_NotSent):
+    """The node refused the connection at its handshake: it holds ``[limits] connections_max``."""
+
+    hint = "retry later, close idle clients, or raise [limits] connections_max on that node"
 
 
 def _check_setting(name: str, value: Any, low: int) -> None:
@@ -526,6 +535,8 @@ class Client:
         # Endpoints that refused a connection in this call, or answered that they are stopping: once
         # all did, the caller is told at once.
         unreachable: list[str] = []
+        # Of those, the ones that refused it for their connections_max (``_Full``).
+        full: set[str] = set()
         # Endpoints that answered this read ``not_ready`` in this call.
         not_ready: set[str] = set()
         while True:
@@ -533,10 +544,12 @@ class Client:
                 socket = self._send(frame, min(deadline, time.monotonic() + timeout_ms / 1000))
             except _NotSent as error:
                 unreachable.append(self.endpoint)
+                if isinstance(error, _Full):
+                    full.add(self.endpoint)
                 # A write that may already have happened at this node is never sent to another one.
                 tried_all = len(set(unreachable)) >= len(self.endpoints)
                 if tried_all or maybe_applied or time.monotonic() >= deadline:
-                    reason = self._unreachable(error, tried_all)
+                    reason = self._unreachable(error, tried_all, full)
                     unknown = maybe_applied or sent_before
                     self._give_up(kind, message.request_id, unknown, reason, "unavailable", unknown_answer)
                 self._next_endpoint()
@@ -620,11 +633,24 @@ class Client:
             self.close()
             self.endpoint = self.endpoints[(self.endpoints.index(self.endpoint) + 1) % len(self.endpoints)]
 
-    def _unreachable(self, error: _NotSent, tried_all: bool) -> str:
+    def _unreachable(self, error: _NotSent, tried_all: bool, full: set[str]) -> str:
         """Why the call ends at an endpoint no connection reached: that node, or every endpoint
-        when all were tried (a write that may have happened is never tried elsewhere)."""
+        when all were tried (a write that may have happened is never tried elsewhere); ``full``: those
+        that refused the connection for their ``connections_max``."""
         if len(self.endpoints) == 1 or not tried_all:
-            return f"{error}; {UNREACHABLE_HINT}"
+            return f"{error}; {error.hint}"
+        if full >= set(self.endpoints):
+            return (
+                f"every node of {', '.join(self.endpoints)} refused the connection: each holds its "
+                "connections_max connections; retry later, close idle clients, or raise [limits] "
+                "connections_max on those nodes"
+            )
+        if full:
+            return (
+                f"none of {', '.join(self.endpoints)} accepts connections: "
+                f"{', '.join(e for e in self.endpoints if e in full)} refused it (it holds its connections_max "
+                "connections); are the others running? check --node"
+            )
         return f"none of {', '.join(self.endpoints)} accepts connections; are the nodes running? check --node"
 
     def _give_up(
@@ -666,8 +692,12 @@ class Client:
             if not ready:
                 return None
             if self._monitor is not None and self._monitor in ready:
-                # A dropped connection is not an answer: zmq reconnects, and silence decides.
-                self._handshake_failed(recv_monitor_message(self._monitor))
+                # A dropped connection is not an answer: zmq reconnects, and silence decides; a
+                # reconnection refused for connections_max will bring no answer (the socket is closed).
+                try:
+                    self._handshake_failed(recv_monitor_message(self._monitor))
+                except _Full:
+                    return None
             if socket not in ready:
                 continue
             frame = socket.recv()
@@ -695,6 +725,9 @@ class Client:
         if reason is None:
             return
         self.close()
+        if reason == "auth" and event["value"] == REFUSED_STATUS:
+            # Nothing was sent over it (IMMEDIATE), and another node may take the request.
+            raise _Full(f"node {self.endpoint} refused the connection: it holds its connections_max connections")
         if reason == "auth":
             raise Unauthenticated(f"node {self.endpoint} refused this client's key (it is not in authorized_keys)")
         hint = (

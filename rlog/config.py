@@ -36,6 +36,7 @@ Example::
     follower_apply_delay_ms_max = 100   # a following core applies commits together, within this (0: each at once)
     agents_bytes_max = 16777216         # bytes all agents of a node hold together (unacknowledged pushes)
     requests_outstanding_max = 1000     # requests awaiting a later answer, per client connection
+    connections_max = 1024              # connections the listen socket holds open; more are refused (docs: Sizing)
     connections_waiting_max = 10000     # client connections with requests awaiting a later answer, per node
     requests_queued_max = 10000         # incoming frames zmq queues per connection (see Sizing)
     replies_queued_max = 1000           # answers zmq queues per connection
@@ -178,6 +179,11 @@ class Limits:
     agents_bytes_max: int = 16 * 1024 * 1024
     # Requests waiting for a later answer (a commit, the sequencer, a read fence) per client connection.
     requests_outstanding_max: int = 1000
+    # Connections the listen socket holds open at once (clients, replicants, peer cores, CLI commands):
+    # past it a new one is refused at its handshake (rlog.connections); with [security] a peer core's key
+    # never is. Each costs a file descriptor and a receive queue. 1024: with the node's own files it fits
+    # a hard RLIMIT_NOFILE of 4096 (older systems, some containers), which a node checks at start.
+    connections_max: int = 1024
     # Connections with such requests, per node: past it a new connection's request that would wait is
     # refused ``overloaded`` (NodeServer.hold); a peer's (a core or replicant forwarding for its clients)
     # has PEER_CONNECTIONS_RESERVED more places. A connection's entry goes once nothing of it waits.
@@ -326,6 +332,7 @@ _LIMIT_BOUNDS = {
     "follower_apply_delay_ms_max": (0, 10_000),
     "agents_bytes_max": (64 * 1024, 64 * 1024 * 1024 * 1024),
     "requests_outstanding_max": (1, 1_000_000),
+    "connections_max": (1, 1_000_000),  # each needs a file descriptor: checked against RLIMIT_NOFILE at start
     "connections_waiting_max": (1, 1_000_000),
     "requests_queued_max": (1, 1_000_000),
     "replies_queued_max": (1, 1_000_000),

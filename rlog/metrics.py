@@ -320,6 +320,23 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
         waiting = _gauge("mnesite_connections_waiting", "Client connections with requests waiting for an answer", [])
         waiting.add_metric([], connections["waiting"])
         yield from (overloaded, waiting)
+        if "open" in connections:  # rlog.connections: [limits] connections_max
+            open_now = _gauge("mnesite_connections_open", "Connections open on the node's listen socket", [])
+            open_now.add_metric([], connections["open"])
+            open_max = _gauge("mnesite_connections_open_max", "[limits] connections_max", [])
+            open_max.add_metric([], connections["open_max"])
+            refused_max = CounterMetricFamily(
+                "mnesite_connections_refused", "Connections refused at their handshake: connections_max were open"
+            )
+            refused_max.add_metric([], connections["refused_open_max"])
+            yield from (open_now, open_max, refused_max)
+        if "redials_refused" in connections:  # rlog.connections: this node's own connections refused
+            redials = CounterMetricFamily(
+                "mnesite_redials_refused",
+                "This node's connections to other nodes dialled again after a refusal for their connections_max",
+            )
+            redials.add_metric([], connections["redials_refused"])
+            yield redials
     yield from _disk_families(status.get("disk"))
     yield from _backup_families(status)
     yield from _reader_families(status.get("queries"), status.get("changes"))

@@ -7,12 +7,13 @@ Every node binds its ROUTER as a CurveZMQ *server* with the cluster's server key
 CurveZMQ *client* with its own key pair (``client_key``), pinning the cluster's server public key.
 A client (``rlog.client.Client``, the CLI) does the same with the caller's key.
 
-The ZAP handler (pyzmq's ``ThreadAuthenticator``, one per node context) accepts a client key only
+The ZAP handler (pyzmq's ``ThreadAuthenticator``, one per node context, run by
+``rlog.connections.ListenGuard``, which also applies ``[limits] connections_max``) accepts a client key only
 if it is one of the public keys in the ``authorized_keys`` directory. The ZAP user id, a property of
 every frame, is the client's public key (z85); the node maps it to its principal, the file's name
 (``keys/app.key`` -> ``app``), at every frame with the current table. Unknown keys and clients
 without CurveZMQ fail the handshake: their bytes never reach the message decoder. The node counts
-those handshake failures from a socket monitor.
+those handshake failures from the listen socket's monitor (``ListenGuard``).
 
 ``reload`` re-reads ``authorized_keys`` and the roles (SIGHUP): the new maps replace the old ones
 in one assignment each, so the ZAP thread and the node thread never see half a table. Because the
@@ -33,7 +34,6 @@ import errno
 import logging
 import os
 import stat
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,15 +41,12 @@ from pathlib import Path
 import zmq
 import zmq.utils.z85
 from mnesite.rlog.roles import ROLES, RoleTable
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger("mnesite.security")
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 AUTHORIZED_KEYS_MAX = 10_000  # public key files read from authorized_keys
-MONITOR_POLL_MS = 200
 KEY_FILE_BYTES_MAX = 65_536  # a certificate is some 200 bytes; a larger file is not one
 DIRECTORIES_ABOVE_MAX = 4096  # directories checked above a key directory: PATH_MAX allows some 2048
 # Symbolic links followed for one key path with follow_key_links (a Kubernetes secret volume needs two:
@@ -75,6 +72,11 @@ ZAP_DOMAIN = "mnesite"
 # What a frame whose key a reload took out of authorized_keys is refused with (its connection was
 # authenticated before the reload).
 REVOKED = "this connection's key is no longer in authorized_keys (reloaded); connect with an authorized key"
+# The ZAP status of a connection refused for [limits] connections_max (rlog.connections). 500 (ZAP's
+# "internal error") because it is the one status besides 400 after which zmq closes the connection at
+# once and tells the client the code: 300 ("temporary") would leave the connection open, holding its
+# descriptor, until zmq's handshake interval ends. A key refused is 400, so a client can say which.
+REFUSED_STATUS = 500
 HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
@@ -454,19 +456,6 @@ def configure_client(socket: zmq.Socket, own: KeyPair, server_public: bytes) -> 
     socket.curve_serverkey = server_public
 
 
-class _Authenticator(ThreadAuthenticator):
-    """ZAP handler: a known key is allowed and its user id is its principal name."""
-
-    def __init__(self, context: zmq.Context, security: NodeSecurity) -> None:
-        super().__init__(context, log=logging.getLogger("mnesite.zap"))
-        self.security = security
-
-    def curve_user_id(self, client_public_key: bytes) -> str:
-        # The key itself, not its principal: the node maps it at every frame (``principal_of``), so a
-        # reload that removes or replaces the key applies to connections already open.
-        return zmq.utils.z85.encode(client_public_key).decode("ascii")
-
-
 class _KeyCheck:
     def __init__(self, security: NodeSecurity) -> None:
         self.security = security
@@ -497,50 +486,20 @@ class NodeSecurity:
         self.reloads = 0
         # Principal -> the reload that last removed or replaced its key (``reload``, ``allows``).
         self.revoked_at: dict[str, int] = {}
-        self._authenticator: _Authenticator | None = None
-        self._monitor_thread: threading.Thread | None = None
-        self._stopping = threading.Event()
 
-    def start(self, context: zmq.Context) -> None:
-        """Start the ZAP handler on ``context``; it must run before any CURVE server socket binds."""
-        authenticator = _Authenticator(context, self)
-        authenticator.start()
-        authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyCheck(self))
-        self._authenticator = authenticator
+    def key_check(self) -> _KeyCheck:
+        """The CURVE key check of the node's ZAP handler (``rlog.connections.ListenGuard``)."""
+        return _KeyCheck(self)
 
     def secure_server(self, socket: zmq.Socket) -> None:
         configure_server(socket, self.server)
-        monitor = socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        )
-        self._monitor_thread = threading.Thread(target=self._count_failures, args=(monitor,), daemon=True)
-        self._monitor_thread.start()
 
     def secure_client(self, socket: zmq.Socket) -> None:
         configure_client(socket, self.client, self.server.public)
 
-    def _count_failures(self, monitor: zmq.Socket) -> None:
-        # The monitor socket belongs to this thread alone (zmq sockets are not thread-safe).
-        try:
-            while not self._stopping.is_set():
-                if not monitor.poll(MONITOR_POLL_MS):
-                    continue
-                event = recv_monitor_message(monitor)
-                reason = HANDSHAKE_FAILURES.get(event["event"])
-                if reason is not None:
-                    self.handshakes_failed[reason] += 1
-        except zmq.ZMQError:
-            pass  # the context is terminating
-        finally:
-            monitor.close(0)
-
-    def stop(self) -> None:
-        self._stopping.set()
-        if self._monitor_thread is not None:
-            self._monitor_thread.join(timeout=2)
-        if self._authenticator is not None:
-            self._authenticator.stop()
-            self._authenticator = None
+    def handshake_failed(self, reason: str) -> None:
+        """Count a failed handshake on the listen socket (its monitor's thread: ``ListenGuard``)."""
+        self.handshakes_failed[reason] += 1
 
     def reload(self, config: SecurityConfig) -> None:
         """SIGHUP: new authorized keys and roles; a bad file keeps the old ones (and raises)."""

@@ -43,6 +43,15 @@ from mnesite.rlog.backup import BackupError, BackupJob, chunk_bytes_max, decide,
 from mnesite.rlog.backup_schedule import BackupSchedule, directory_problem, prune
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
 from mnesite.rlog.config import Config, ConfigError, is_loopback, keys_needing_restart, load_config
+from mnesite.rlog.connections import (
+    DEALER_EVENTS,
+    MONITOR_READ_INTERVAL_MS,
+    ConnectionCount,
+    ListenGuard,
+    RefusedDealers,
+    ensure_files,
+    sockets_needed,
+)
 from mnesite.rlog.data_dir import DataDirectoryLock
 from mnesite.rlog.disk import ERROR_DISK_FULL, DiskHealth, StorageFailedError, StorageFault
 from mnesite.rlog.errors import OverloadedError, RequestError  # noqa: F401 (RequestError re-exported)
@@ -65,11 +74,12 @@ from mnesite.rlog.query import (
 )
 from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS, peer_connection, sender_mismatch
 from mnesite.rlog.schema import SchemaError, TableSchema
-from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
+from mnesite.rlog.security import REFUSED_STATUS, REVOKED, NodeSecurity, SecurityError
 from mnesite.rlog.send_queue import TRACKED_BYTES_MIN, PeerQueues
 from mnesite.rlog.store import Store, quote
 from mnesite.rlog.throttle import ThrottledLog, monotonic_ms
 from mnesite.rlog.types import Entry, TxKey
+from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger("mnesite.server")
 # How long a stopping node waits for the answers of a ``stop`` request, and of the requests it held
@@ -335,6 +345,11 @@ class NodeServer:
         self.context: zmq.Context | None = None
         self.socket: zmq.Socket | None = None
         self.dealers: dict[str, zmq.Socket] = {}
+        # Each DEALER's monitor (``DEALER_EVENTS``), by endpoint, and those the other node refused for
+        # its connections_max, dialled again by ``reconnect_refused`` (rlog.connections).
+        self.dealer_monitors: dict[str, zmq.Socket] = {}
+        self.refused_dealers = RefusedDealers()
+        self._monitors_read_ms = 0  # when ``reconnect_refused`` last read them
         self.stopping = threading.Event()
         self.stop_requested = False
         self.stop_at_ms: int | None = None  # when a stop request takes effect (after its answer left)
@@ -372,6 +387,10 @@ class NodeServer:
         self._poller: tuple[tuple[zmq.Socket | None, ...], zmq.Poller] | None = None  # rebuilt when the sockets change
         self._queries_woken = True  # the query runner's wakeup pipe was readable at the last poll
         self.security: NodeSecurity | None = None
+        # [limits] connections_max: the listen socket's open connections, counted and bounded by the
+        # ZAP handler and monitor threads of ``listen_guard`` (rlog.connections).
+        self.connection_count = ConnectionCount(config.limits.connections_max)
+        self.listen_guard: ListenGuard | None = None
         self.reload_requested = threading.Event()
         if config.secure and config.security is not None:
             try:
@@ -481,10 +500,17 @@ class NodeServer:
             raise
 
     def _bind_socket(self) -> None:
+        limits = self.config.limits
+        dealers_max = len(self.config.core_nodes) + limits.watches_max
+        ensure_files(limits.connections_max, dealers_max)
         self.context = zmq.Context()
-        if self.security is not None:
-            self.security.start(self.context)  # the ZAP handler must be up before the server socket binds
-        elif self.config.security is not None and self.config.security.insecure:
+        # A DEALER and its monitor are three sockets: zmq's default of 1023 in all would refuse a new
+        # DEALER (EMFILE) once a core pushes to a few hundred replicant endpoints. Set before the first socket.
+        self.context.set(zmq.MAX_SOCKETS, sockets_needed(dealers_max))
+        # The ZAP handler must be up before the server socket binds.
+        self.listen_guard = ListenGuard(self.connection_count, self.security)
+        self.listen_guard.start(self.context)
+        if self.security is None and self.config.security is not None and self.config.security.insecure:
             log.warning(
                 "%s %s runs WITHOUT authentication or encryption ([security] insecure = true): anyone who can "
                 "reach %s can read and write everything",
@@ -495,6 +521,7 @@ class NodeServer:
         self.socket = self.context.socket(zmq.ROUTER)
         if self.security is not None:
             self.security.secure_server(self.socket)
+        self.listen_guard.watch(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, self.config.limits.requests_queued_max)
         # Answers queued per connection: a client that never reads costs at most this many frames.
@@ -895,6 +922,9 @@ class NodeServer:
             "waiting_max": self.config.limits.connections_waiting_max,
             "refused": self.connections_refused,
             "refused_unread": self.unread_answers.refused,
+            **self.connection_count.status(),
+            # This node's own connections that another node refused for its connections_max, dialled again.
+            "redials_refused": self.refused_dealers.redials,
         }
 
     @staticmethod
@@ -913,8 +943,10 @@ class NodeServer:
         self._raise_if_checkpoint_failed()
         # A burst's lines left out, said once their second is over: the node's and its store's.
         self.warnings.flush()
+        self.connection_count.flush_warnings()
         if self.store.checkpointer is not None:
             self.store.checkpointer.warnings.flush()
+        self.reconnect_refused(monotonic_ms())
         try:
             if self.disk.probe_due(monotonic_ms()):
                 self._probe_disk()
@@ -1044,17 +1076,17 @@ class NodeServer:
             self.metrics_server.stop()
             self.metrics_server = None
         self.queries.stop()
-        for socket in self.dealers.values():
-            socket.close(0)
-        self.dealers = {}
+        for endpoint in list(self.dealers):
+            self.close_dealer(endpoint)
         if self.socket is not None:
             # A stop request's answer, and those of the requests answered at the stop (``answer_at_stop``),
             # may still sit in zmq's queue: give them a bounded time to leave.
             linger_ms = STOP_REPLY_LINGER_MS if self.stop_requested or self.stop_answers else 0
             self.socket.close(linger_ms)
             self.socket = None
-        if self.security is not None:
-            self.security.stop()
+        if self.listen_guard is not None:
+            self.listen_guard.stop()
+            self.listen_guard = None
         if self.context is not None:
             self.context.term()
             self.context = None
@@ -1078,22 +1110,62 @@ class NodeServer:
                 socket.setsockopt(zmq.IMMEDIATE, 1)
             if self.security is not None:
                 self.security.secure_client(socket)
+            # Before the connection: its first handshake may be refused (rlog.connections).
+            monitor = socket.get_monitor_socket(DEALER_EVENTS)
             try:
                 socket.connect(endpoint)
             except zmq.ZMQError as error:
                 # An endpoint zmq cannot parse: a socket left open here would block context teardown.
+                monitor.close(0)
                 socket.close(0)
                 log.warning("cannot connect to %.80r: %s", endpoint, error)
                 return None
             self.dealers[endpoint] = socket
+            self.dealer_monitors[endpoint] = monitor
         return socket
 
     def close_dealer(self, endpoint: str) -> None:
         socket = self.dealers.pop(endpoint, None)
+        monitor = self.dealer_monitors.pop(endpoint, None)
+        self.refused_dealers.forget(endpoint)
+        if monitor is not None:
+            monitor.close(0)
         if socket is not None:
             # zmq lets go of its frames: their trackers are done, the peer's ledger needs no reset.
             self.peer_sockets.pop(id(socket), None)
             socket.close(0)
+
+    def reconnect_refused(self, now_ms: int) -> None:
+        """Dial again, after a back-off, each DEALER of this node that another node refused for its
+        ``connections_max`` (zmq would never dial it again: rlog.connections). The monitors are read at
+        most every ``MONITOR_READ_INTERVAL_MS``: a clock read and a comparison on other turns."""
+        if now_ms - self._monitors_read_ms < MONITOR_READ_INTERVAL_MS:
+            return
+        self._monitors_read_ms = now_ms
+        for endpoint, monitor in self.dealer_monitors.items():
+            while monitor.poll(0):
+                event = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.refused_dealers.connected(endpoint)
+                elif event["value"] == REFUSED_STATUS:
+                    # A key refused (400) is not dialled again: [security] says why at the node that refused it.
+                    delay_ms = self.refused_dealers.refused(endpoint, now_ms)
+                    self.warnings.log(
+                        "connection refused for connections_max",
+                        logging.WARNING,
+                        "%.80s refused this node's connection: it holds its [limits] connections_max "
+                        "connections; dialling it again in %d ms (%d dialled again so far)",
+                        endpoint,
+                        delay_ms,
+                        self.refused_dealers.redials,
+                    )
+        for endpoint in self.refused_dealers.take_due(now_ms):
+            socket = self.dealers[endpoint]
+            with contextlib.suppress(zmq.ZMQError):
+                # zmq keeps the endpoint of the ended session (checked with libzmq 4.3.5); were it gone
+                # already, connecting is what matters.
+                socket.disconnect(endpoint)
+            socket.connect(endpoint)
 
     def bound_sends(self, socket: zmq.Socket, peer: str) -> None:
         """Bound in bytes what ``socket`` (a DEALER toward the peer core ``peer``) holds: every frame

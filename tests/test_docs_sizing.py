@@ -79,3 +79,14 @@ def test_the_sizing_page_states_the_inbound_queues_bound_in_bytes_per_connection
 
     assert core_node.PEER_SEND_QUEUE_MAX == replicant_node.CORE_QUEUE_MAX == 1000
     assert "its peers queue at most 1,000 incoming messages each" in text
+
+
+def test_the_sizing_page_states_what_a_nodes_own_connections_cost_and_their_redial() -> None:
+    from mnesite.rlog import connections
+
+    text = page()
+    assert (connections.REDIAL_DELAY_MS_MIN, connections.REDIAL_DELAY_MS_MAX) == (250, 4000)
+    assert "dialled again by the node, after 250 ms, then up to every 4 s while it is refused" in text
+    assert f"costs {connections.FILES_PER_DEALER} descriptors" in text
+    assert f"and {connections.SOCKETS_PER_DEALER} zmq sockets" in text
+    assert f"beyond zmq's default of {connections.SOCKETS_DEFAULT} sockets" in text

@@ -79,6 +79,16 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
         "agent_budget": {"used_bytes": 1234, "bytes_max": 16777216, "evicted_agents": 5, "acks_refused": 9},
         "queries": {"open": 2, "queries": 11, "pages": 13, "refused": 3, "budget_stops": 1, "expired": 4},
         "changes": {"pages": 21, "records": 340, "snapshots": 1, "refused": 6, "held": 2},
+        "connections": {
+            "waiting": 1,
+            "waiting_max": 10000,
+            "refused": 0,
+            "refused_unread": 0,
+            "open": 3,
+            "open_max": 4,
+            "refused_open_max": 8,
+            "redials_refused": 6,
+        },
     }
     metrics.refresh(0, status)
     samples = {}
@@ -123,6 +133,10 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_changes_snapshots_total") == 1
     assert value(samples, "mnesite_changes_refused_total") == 6
     assert value(samples, "mnesite_changes_held") == 2
+    assert value(samples, "mnesite_connections_open") == 3
+    assert value(samples, "mnesite_connections_open_max") == 4
+    assert value(samples, "mnesite_connections_refused_total") == 8
+    assert value(samples, "mnesite_redials_refused_total") == 6
     # The process itself, for sizing (CPU per applied transaction, resident memory).
     assert value(samples, "process_cpu_seconds_total") > 0
     assert value(samples, "process_resident_memory_bytes") > 1024 * 1024

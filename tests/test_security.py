@@ -21,7 +21,7 @@ from mnesite.core.consensus import VoteRequest
 from mnesite.core.consensus_wire import message_to_wire
 from mnesite.core.node import CoreNode
 from mnesite.rlog import messages
-from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated
+from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated, Unavailable
 from mnesite.rlog.config import ConfigError, load_config, parse_config
 from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
@@ -1370,3 +1370,27 @@ def test_the_spark_data_source_follows_key_file_links_with_its_option(secure_nod
     # What the executors do, each with the reader's spec: open the node again and read a partition.
     rows = [row for partition in reader.partitions() for row in reader.read(partition)]
     assert rows == [(key, f"value {key}") for key in range(10)]
+
+
+def test_a_peer_core_s_key_is_never_refused_for_connections_max(tmp_path: Path, keys: Path) -> None:
+    # A flood of clients must not cut the cluster apart: a core's key passes connections_max.
+    node = ServedCore(_secure_core(tmp_path, keys, ROLES, "[limits]\nconnections_max = 1\n"))
+    endpoint = node.node.config.listen
+
+    def client(principal: str) -> Client:
+        key = keys / f"{principal}.key_secret"
+        return Client(endpoint, timeout_ms=2000, retries=0, key=key, server_key=keys / "cluster.key")
+
+    try:
+        with client("ops") as ops, client("app") as app, client("core2") as core2:
+            ops.status()
+            with pytest.raises(Unavailable, match="connections_max"):
+                app.put("t", {"id": 1})
+            with contextlib.suppress(Forbidden):
+                core2.status()  # answered, whatever its role may ask: the connection was let in
+            assert ops.status()["connections"]["refused_open_max"] == 1
+            # The refused connection is closed by zmq after its handshake: seen by the monitor a moment later.
+            wait_until(lambda: ops.status()["connections"]["open"] == 2, 10, "the refused connection's close")
+            assert ops.status()["security"]["handshakes_failed"]["auth"] == 0  # not a key's refusal
+    finally:
+        node.stop()

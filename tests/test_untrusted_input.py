@@ -717,7 +717,8 @@ def test_connections_with_requests_waiting_are_bounded_node_wide_and_given_back(
         node.reply([b"a"], messages.reply("r2", None))
         assert b"a" not in node.outstanding  # nothing of it waits: its place is given back
         node.hold([b"c"], "r1")
-        assert node.status()["connections"] == {"waiting": 2, "waiting_max": 2, "refused": 1, "refused_unread": 0}
+        waiting = {"waiting": 2, "waiting_max": 2, "refused": 1, "refused_unread": 0}
+        assert {key: node.status()["connections"][key] for key in waiting} == waiting
 
 
 def _write_frame(request_id: str, row_id: int, forwarded: bool = False) -> bytes:
