@@ -1677,8 +1677,8 @@ def describe_sends_dropped(status: dict[str, Any]) -> str | None:
 
 def describe_connections_refused(status: dict[str, Any]) -> list[str]:
     """The connections the node refused for ``[limits] connections_max`` since it started, and its own
-    connections that other nodes refused for theirs and it dialled again; nothing for none (or a
-    release without the bound)."""
+    connections that other nodes refused (for theirs, or for this node's key) and it dialled again;
+    nothing for none (or a release without the bound)."""
     connections = status.get("connections") or {}
     lines = []
     refused = connections.get("refused_open_max") or 0
@@ -1690,6 +1690,12 @@ def describe_connections_refused(status: dict[str, Any]) -> list[str]:
     redials = connections.get("redials_refused") or 0
     if redials:
         lines.append(f"own connections refused by other nodes for their connections_max, dialled again: {redials}")
+    redials_key = connections.get("redials_refused_key") or 0
+    if redials_key:
+        lines.append(
+            f"own connections refused by other nodes for this node's key, dialled again: {redials_key} (add its "
+            "public key to their authorized_keys and send them SIGHUP; the log names them)"
+        )
     return lines
 
 

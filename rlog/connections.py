@@ -36,12 +36,16 @@ socket and tells its caller, or moves to another endpoint. A node's own DEALERs 
 peers and toward its replicants' endpoints, a replicant's toward the cores) each have a monitor of
 ``DEALER_EVENTS``; ``NodeServer.reconnect_refused`` reads them at most every
 ``MONITOR_READ_INTERVAL_MS`` (never on every turn of the write path), and ``RefusedDealers`` says when
-each DEALER refused with ``REFUSED_STATUS`` is dialled again (``redial_delay_ms``: a back-off growing
-with the refusals in a row, which a completed handshake resets). Dialling again is
+each DEALER refused is dialled again: one refused with ``REFUSED_STATUS`` (the other node was full)
+after ``redial_delay_ms``, one refused for its key (``KEY_REFUSED_STATUS``, ``[security]``: the key is
+not in the other node's authorized_keys, yet or any more) after the slower ``key_redial_delay_ms``,
+so that a key authorized later (the other node's SIGHUP) is used without a restart of this node. Both
+back-offs grow with the refusals in a row, which a completed handshake resets. Dialling again is
 ``disconnect(endpoint)`` and ``connect(endpoint)`` on the same socket: the socket, its place in the
 loop's poller and its send-queue ledger stay (``rlog.send_queue``: the frames zmq held for the ended
-session were let go of with it). A key refused (status 400, ``[security]``) is not dialled again:
-that is the operator's to fix (``[security]``'s log and status say so at the node that refused it).
+session were let go of with it). The node that refuses a key only counts it (``handshakes_failed``,
+``refused_unknown_key``; pyzmq's lines are at debug level), so a key refused every
+``KEY_REDIAL_DELAY_MS_MAX`` costs its log nothing; the node refused warns, at most once a second.
 A monitor costs two zmq sockets (libzmq's end and the node's), so the node's zmq context is allowed
 ``sockets_needed`` sockets rather than zmq's default of 1023.
 """
@@ -56,7 +60,13 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 from mnesite.rlog.config import ConfigError
-from mnesite.rlog.security import HANDSHAKE_FAILURES, REFUSED_STATUS, ZAP_DOMAIN, NodeSecurity
+from mnesite.rlog.security import (
+    HANDSHAKE_FAILURES,
+    KEY_REFUSED_STATUS,
+    REFUSED_STATUS,
+    ZAP_DOMAIN,
+    NodeSecurity,
+)
 from mnesite.rlog.throttle import ThrottledLog
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
@@ -100,6 +110,15 @@ MONITOR_READ_INTERVAL_MS = 250
 # place again is reached within 4 s (plus MONITOR_READ_INTERVAL_MS).
 REDIAL_DELAY_MS_MIN = 250
 REDIAL_DELAY_MS_MAX = 4000
+# The back-off of a DEALER refused for its key (``key_redial_delay_ms``): the operator authorizes it
+# and sends the other node SIGHUP, which takes a while, so it is slower; a key authorized is used
+# within KEY_REDIAL_DELAY_MS_MAX (plus MONITOR_READ_INTERVAL_MS) of the reload.
+KEY_REDIAL_DELAY_MS_MIN = 1000
+KEY_REDIAL_DELAY_MS_MAX = 30_000
+# Why a DEALER was refused (the ZAP status its monitor reports), as ``RefusedDealers`` counts it.
+REFUSED_FULL = "connections_max"
+REFUSED_KEY = "key"
+REFUSAL_REASONS = {REFUSED_STATUS: REFUSED_FULL, KEY_REFUSED_STATUS: REFUSED_KEY}
 
 
 def admits(others_open: int, open_max: int, exempt: bool) -> bool:
@@ -132,36 +151,63 @@ def sockets_needed(dealers_max: int) -> int:
     return max(SOCKETS_DEFAULT, SOCKETS_RESERVED + SOCKETS_PER_DEALER * dealers_max)
 
 
-def redial_delay_ms(refusals: int) -> int:
-    """How long after the ``refusals``-th refusal in a row (1, 2, ...) of a node's own DEALER it is
-    dialled again: ``REDIAL_DELAY_MS_MIN`` doubled at each further refusal, at most ``REDIAL_DELAY_MS_MAX``."""
+def _doubling_delay_ms(refusals: int, least_ms: int, most_ms: int) -> int:
+    """``least_ms`` after the first refusal in a row, doubled at each further one, at most ``most_ms``."""
     if refusals < 1:
         raise ValueError(f"refusals must be at least 1, got {refusals}")
-    doublings = min(refusals - 1, REDIAL_DELAY_MS_MAX.bit_length())  # no huge shift for a long refusal
-    return min(REDIAL_DELAY_MS_MIN << doublings, REDIAL_DELAY_MS_MAX)
+    doublings = min(refusals - 1, most_ms.bit_length())  # no huge shift for a long refusal
+    return min(least_ms << doublings, most_ms)
+
+
+def redial_delay_ms(refusals: int) -> int:
+    """How long after the ``refusals``-th refusal in a row (1, 2, ...) of a node's own DEALER for the
+    other node's ``connections_max`` it is dialled again: ``REDIAL_DELAY_MS_MIN`` doubled at each
+    further refusal, at most ``REDIAL_DELAY_MS_MAX``."""
+    return _doubling_delay_ms(refusals, REDIAL_DELAY_MS_MIN, REDIAL_DELAY_MS_MAX)
+
+
+def key_redial_delay_ms(refusals: int) -> int:
+    """How long after the ``refusals``-th refusal in a row (1, 2, ...) of a node's own DEALER for its
+    key it is dialled again: ``KEY_REDIAL_DELAY_MS_MIN`` doubled at each further refusal, at most
+    ``KEY_REDIAL_DELAY_MS_MAX``."""
+    return _doubling_delay_ms(refusals, KEY_REDIAL_DELAY_MS_MIN, KEY_REDIAL_DELAY_MS_MAX)
+
+
+REDIAL_DELAYS = {REFUSED_FULL: redial_delay_ms, REFUSED_KEY: key_redial_delay_ms}
 
 
 class RefusedDealers:
-    """A node's own DEALERs refused for the other node's ``connections_max``, by endpoint: their
-    refusals in a row and when each is dialled again (pure: the driver reads the monitors, dials and
-    counts; ``NodeServer.reconnect_refused``). One entry per endpoint the node holds a DEALER for."""
+    """A node's own DEALERs refused by another node, by endpoint: for its ``connections_max``
+    (``REFUSED_FULL``) or for this node's key (``REFUSED_KEY``); their refusals in a row and when each
+    is dialled again (pure: the driver reads the monitors, dials and counts;
+    ``NodeServer.reconnect_refused``). One entry per endpoint the node holds a DEALER for."""
 
     def __init__(self) -> None:
-        self._refusals: dict[str, int] = {}  # endpoint -> refusals since its last completed handshake
-        self._due_ms: dict[str, int] = {}  # endpoint -> when it is dialled again (refused, not yet dialled)
-        self.redials = 0  # DEALERs dialled again after a refusal, since the node started
+        # endpoint -> (why, refusals for that reason since its last completed handshake): refused until then
+        self._refusals: dict[str, tuple[str, int]] = {}
+        self._due_ms: dict[str, tuple[int, str]] = {}  # endpoint -> when it is dialled again, and why
+        # DEALERs dialled again after a refusal since the node started, by why (REFUSED_FULL, REFUSED_KEY)
+        self.redials = {REFUSED_FULL: 0, REFUSED_KEY: 0}
 
-    def refused(self, endpoint: str, now_ms: int) -> int:
-        """The DEALER toward ``endpoint`` was refused: it is dialled again after the delay returned."""
-        refusals = self._refusals.get(endpoint, 0) + 1
-        self._refusals[endpoint] = refusals
-        delay_ms = redial_delay_ms(refusals)
-        self._due_ms[endpoint] = now_ms + delay_ms
+    def refused(self, endpoint: str, why: str, now_ms: int) -> int:
+        """The DEALER toward ``endpoint`` was refused, ``why``: it is dialled again after the delay
+        returned (a refusal for another reason than the last starts its back-off over)."""
+        last_why, refusals = self._refusals.get(endpoint, (why, 0))
+        refusals = refusals + 1 if last_why == why else 1
+        self._refusals[endpoint] = (why, refusals)
+        delay_ms = REDIAL_DELAYS[why](refusals)
+        self._due_ms[endpoint] = (now_ms + delay_ms, why)
         return delay_ms
 
     def connected(self, endpoint: str) -> None:
         """Its handshake completed: a later refusal starts the back-off over."""
         self._refusals.pop(endpoint, None)
+
+    def refused_for(self, endpoint: str) -> str | None:
+        """Why the DEALER toward ``endpoint`` was refused at its last handshake (dialled again or not
+        since, none completed since); None if it was not."""
+        refusal = self._refusals.get(endpoint)
+        return refusal[0] if refusal is not None else None
 
     def forget(self, endpoint: str) -> None:
         """Its DEALER was closed: nothing is dialled again."""
@@ -170,11 +216,11 @@ class RefusedDealers:
 
     def take_due(self, now_ms: int) -> list[str]:
         """The endpoints to dial again now (counted as dialled: the caller dials each)."""
-        due = [endpoint for endpoint, due_ms in self._due_ms.items() if due_ms <= now_ms]
-        for endpoint in due:
+        due = [(endpoint, why) for endpoint, (due_ms, why) in self._due_ms.items() if due_ms <= now_ms]
+        for endpoint, why in due:
             del self._due_ms[endpoint]
-        self.redials += len(due)
-        return due
+            self.redials[why] += 1
+        return [endpoint for endpoint, _ in due]
 
     def waiting(self) -> int:
         """DEALERs refused and not dialled again yet."""

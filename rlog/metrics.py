@@ -286,7 +286,8 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
         # rlog.server: outgoing frames not sent, each counted once, by reason (sends_dropped in status).
         dropped = CounterMetricFamily(
             "mnesite_sends_dropped",
-            "Outgoing frames not sent: dropped by zmq, or refused for core_queue_bytes_max",
+            "Outgoing frames not sent: dropped by zmq, toward a node that refused this one, or refused for "
+            "core_queue_bytes_max",
             labels=["reason"],
         )
         for reason, count in sorted(dropped_by.items()):
@@ -337,6 +338,13 @@ def _node_families(status: dict[str, Any]) -> Iterator[Any]:
             )
             redials.add_metric([], connections["redials_refused"])
             yield redials
+        if "redials_refused_key" in connections:
+            redials_key = CounterMetricFamily(
+                "mnesite_redials_refused_key",
+                "This node's connections to other nodes dialled again after a refusal of this node's key",
+            )
+            redials_key.add_metric([], connections["redials_refused_key"])
+            yield redials_key
     yield from _disk_families(status.get("disk"))
     yield from _backup_families(status)
     yield from _reader_families(status.get("queries"), status.get("changes"))

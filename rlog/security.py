@@ -77,6 +77,8 @@ REVOKED = "this connection's key is no longer in authorized_keys (reloaded); con
 # once and tells the client the code: 300 ("temporary") would leave the connection open, holding its
 # descriptor, until zmq's handshake interval ends. A key refused is 400, so a client can say which.
 REFUSED_STATUS = 500
+# The ZAP status of a connection whose key is not in authorized_keys (pyzmq's CURVE check).
+KEY_REFUSED_STATUS = 400
 HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",

@@ -46,6 +46,9 @@ from mnesite.rlog.config import Config, ConfigError, is_loopback, keys_needing_r
 from mnesite.rlog.connections import (
     DEALER_EVENTS,
     MONITOR_READ_INTERVAL_MS,
+    REFUSAL_REASONS,
+    REFUSED_FULL,
+    REFUSED_KEY,
     ConnectionCount,
     ListenGuard,
     RefusedDealers,
@@ -74,7 +77,7 @@ from mnesite.rlog.query import (
 )
 from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS, peer_connection, sender_mismatch
 from mnesite.rlog.schema import SchemaError, TableSchema
-from mnesite.rlog.security import REFUSED_STATUS, REVOKED, NodeSecurity, SecurityError
+from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
 from mnesite.rlog.send_queue import TRACKED_BYTES_MIN, PeerQueues
 from mnesite.rlog.store import Store, quote
 from mnesite.rlog.throttle import ThrottledLog, monotonic_ms
@@ -345,9 +348,12 @@ class NodeServer:
         self.context: zmq.Context | None = None
         self.socket: zmq.Socket | None = None
         self.dealers: dict[str, zmq.Socket] = {}
-        # Each DEALER's monitor (``DEALER_EVENTS``), by endpoint, and those the other node refused for
-        # its connections_max, dialled again by ``reconnect_refused`` (rlog.connections).
+        # Each DEALER's monitor (``DEALER_EVENTS``), by endpoint, and those the other node refused (for
+        # its connections_max or for this node's key), dialled again by ``reconnect_refused``
+        # (rlog.connections); ``dealer_endpoints``: each DEALER's endpoint, by id (a send dropped toward
+        # a node that refused this one is counted as such: ``_send_dealer``).
         self.dealer_monitors: dict[str, zmq.Socket] = {}
+        self.dealer_endpoints: dict[int, str] = {}
         self.refused_dealers = RefusedDealers()
         self._monitors_read_ms = 0  # when ``reconnect_refused`` last read them
         self.stopping = threading.Event()
@@ -358,7 +364,10 @@ class NodeServer:
         self.durable_commits = 0  # commits that waited for an fsync (see ``begin``)
         # Frames dropped because the receiver's zmq queue was full (or its socket gone): every protocol
         # here re-sends, but a dropped push costs a replicant a resync, so they are counted and logged.
+        # ``sends_dropped_refused``: those of them toward a node that refused this node's connection
+        # (its queue fills because nothing can be sent: ``sends_dropped_by``' ``refused_connection``).
         self.sends_dropped = 0
+        self.sends_dropped_refused = 0
         # What peers, clients and overload can make a node say again and again (protocol violations,
         # refused requests, dropped frames, a replicant's pushes ignored or rejected): at most a line a
         # second per reason, with the count of the lines left out; ``turn`` flushes it, so a burst's
@@ -923,8 +932,10 @@ class NodeServer:
             "refused": self.connections_refused,
             "refused_unread": self.unread_answers.refused,
             **self.connection_count.status(),
-            # This node's own connections that another node refused for its connections_max, dialled again.
-            "redials_refused": self.refused_dealers.redials,
+            # This node's own connections that another node refused, dialled again: for its
+            # connections_max, and for this node's key (not in its authorized_keys).
+            "redials_refused": self.refused_dealers.redials[REFUSED_FULL],
+            "redials_refused_key": self.refused_dealers.redials[REFUSED_KEY],
         }
 
     @staticmethod
@@ -1122,6 +1133,7 @@ class NodeServer:
                 return None
             self.dealers[endpoint] = socket
             self.dealer_monitors[endpoint] = monitor
+            self.dealer_endpoints[id(socket)] = endpoint
         return socket
 
     def close_dealer(self, endpoint: str) -> None:
@@ -1133,12 +1145,14 @@ class NodeServer:
         if socket is not None:
             # zmq lets go of its frames: their trackers are done, the peer's ledger needs no reset.
             self.peer_sockets.pop(id(socket), None)
+            self.dealer_endpoints.pop(id(socket), None)
             socket.close(0)
 
     def reconnect_refused(self, now_ms: int) -> None:
-        """Dial again, after a back-off, each DEALER of this node that another node refused for its
-        ``connections_max`` (zmq would never dial it again: rlog.connections). The monitors are read at
-        most every ``MONITOR_READ_INTERVAL_MS``: a clock read and a comparison on other turns."""
+        """Dial again, after a back-off, each DEALER of this node that another node refused, for its
+        ``connections_max`` or for this node's key (zmq would never dial it again: rlog.connections).
+        The monitors are read at most every ``MONITOR_READ_INTERVAL_MS``: a clock read and a comparison
+        on other turns."""
         if now_ms - self._monitors_read_ms < MONITOR_READ_INTERVAL_MS:
             return
         self._monitors_read_ms = now_ms
@@ -1147,18 +1161,10 @@ class NodeServer:
                 event = recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.refused_dealers.connected(endpoint)
-                elif event["value"] == REFUSED_STATUS:
-                    # A key refused (400) is not dialled again: [security] says why at the node that refused it.
-                    delay_ms = self.refused_dealers.refused(endpoint, now_ms)
-                    self.warnings.log(
-                        "connection refused for connections_max",
-                        logging.WARNING,
-                        "%.80s refused this node's connection: it holds its [limits] connections_max "
-                        "connections; dialling it again in %d ms (%d dialled again so far)",
-                        endpoint,
-                        delay_ms,
-                        self.refused_dealers.redials,
-                    )
+                    continue
+                why = REFUSAL_REASONS.get(event["value"])
+                if why is not None:
+                    self._warn_refused(endpoint, why, self.refused_dealers.refused(endpoint, why, now_ms))
         for endpoint in self.refused_dealers.take_due(now_ms):
             socket = self.dealers[endpoint]
             with contextlib.suppress(zmq.ZMQError):
@@ -1166,6 +1172,33 @@ class NodeServer:
                 # already, connecting is what matters.
                 socket.disconnect(endpoint)
             socket.connect(endpoint)
+
+    def _warn_refused(self, endpoint: str, why: str, delay_ms: int) -> None:
+        """Say (at most once a second for each ``why``) that ``endpoint`` refused this node's DEALER."""
+        redials = self.refused_dealers.redials[why]
+        if why == REFUSED_FULL:
+            self.warnings.log(
+                "connection refused for connections_max",
+                logging.WARNING,
+                "%.80s refused this node's connection: it holds its [limits] connections_max "
+                "connections; dialling it again in %d ms (%d dialled again so far)",
+                endpoint,
+                delay_ms,
+                redials,
+            )
+            return
+        public = self.security.client.public.decode("ascii") if self.security is not None else "?"
+        self.warnings.log(
+            "connection refused for its key",
+            logging.WARNING,
+            "%.80s refused this node's key %s (the public half of [security] client_key): it is not in that "
+            "node's authorized_keys; copy this node's public key file there and send that node SIGHUP "
+            "(kill -HUP), no restart of this node needed; dialling it again in %d ms (%d dialled again so far)",
+            endpoint,
+            public,
+            delay_ms,
+            redials,
+        )
 
     def bound_sends(self, socket: zmq.Socket, peer: str) -> None:
         """Bound in bytes what ``socket`` (a DEALER toward the peer core ``peer``) holds: every frame
@@ -1829,8 +1862,9 @@ class NodeServer:
             if refusal is not None:
                 self.frame_unsent(message, refusal)
         except zmq.Again:
-            self._dropped(message.kind, "the receiver's queue is full")
-            self.frame_unsent(message, "the receiver's queue is full")
+            refusal = self._refusal_toward(socket)
+            self._dropped(message.kind, refusal or "the receiver's queue is full", refused=refusal is not None)
+            self.frame_unsent(message, refusal or "the receiver's queue is full")
         except zmq.ZMQError as error:
             # A socket closed meanwhile (its endpoint no longer used): every protocol here re-sends.
             self._dropped(message.kind, str(error))
@@ -1881,6 +1915,17 @@ class NodeServer:
             # zmq.Again too: an answer to a client whose queue is full is dropped (the client retries).
             self._dropped(message.kind, "the receiver's queue is full" if isinstance(error, zmq.Again) else str(error))
 
+    def _refusal_toward(self, socket: zmq.Socket) -> str | None:
+        """Why the node at the other end of ``socket`` (a DEALER of this node's) refused its connection
+        at its last handshake (nothing can reach it: what is sent fills the queue); None if it did not."""
+        endpoint = self.dealer_endpoints.get(id(socket))
+        why = self.refused_dealers.refused_for(endpoint) if endpoint is not None else None
+        if why == REFUSED_KEY:
+            return f"{endpoint:.80} refused this node's key (not in its authorized_keys)"
+        if why == REFUSED_FULL:
+            return f"{endpoint:.80} refused this node's connection (it holds its connections_max connections)"
+        return None
+
     def frame_unsent(self, message: Message, why: str) -> None:
         """Hook: a frame to another node (a DEALER's) was dropped at send, ``why``; nothing of it left
         this node. A driver answers at once whoever waits for that frame's answer (a forwarded
@@ -1888,14 +1933,22 @@ class NodeServer:
 
     def sends_dropped_by(self) -> dict[str, int]:
         """``status``'s outgoing frames not sent, by reason (their sum is its ``sends_dropped``): those zmq
-        dropped (``zmq``: the receiver's queue full, a socket error) and those refused for
-        ``core_queue_bytes_max`` (``core_queues``' ``refused`` per core, summed). A frame is counted
-        once: a refused one never reaches zmq."""
-        return {"zmq": self.sends_dropped, "core_queue_bytes_max": sum(self.peer_queues.refused.values())}
+        dropped (``zmq``: the receiver's queue full, a socket error; ``refused_connection``: toward a node that
+        refused this node's connection, for its key or its connections_max, until it is let in) and
+        those refused for ``core_queue_bytes_max`` (``core_queues``' ``refused`` per core, summed). A
+        frame is counted once: a refused one never reaches zmq."""
+        return {
+            "zmq": self.sends_dropped - self.sends_dropped_refused,
+            "refused_connection": self.sends_dropped_refused,
+            "core_queue_bytes_max": sum(self.peer_queues.refused.values()),
+        }
 
-    def _dropped(self, kind: str, why: str) -> None:
-        """Count a dropped outgoing frame; a warning at most a line a second (``warnings``)."""
+    def _dropped(self, kind: str, why: str, refused: bool = False) -> None:
+        """Count a dropped outgoing frame (``refused``: toward a node that refused this node's
+        connection); a warning at most a line a second (``warnings``)."""
         self.sends_dropped += 1
+        if refused:
+            self.sends_dropped_refused += 1
         self.warnings.log(
             "outgoing frame dropped",
             logging.WARNING,

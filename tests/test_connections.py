@@ -4,24 +4,32 @@ from __future__ import annotations
 
 import logging
 import resource
+import signal
 from pathlib import Path
 
 import pytest
+import zmq
 from mnesite.rlog import connections
 from mnesite.rlog.client import Client, MnesiteError, Unavailable
 from mnesite.rlog.config import ConfigError, parse_config
 from mnesite.rlog.connections import (
+    KEY_REDIAL_DELAY_MS_MAX,
+    KEY_REDIAL_DELAY_MS_MIN,
     REDIAL_DELAY_MS_MAX,
     REDIAL_DELAY_MS_MIN,
+    REFUSED_FULL,
+    REFUSED_KEY,
     RefusedDealers,
     admits,
     ensure_files,
     files_needed,
+    key_redial_delay_ms,
     redial_delay_ms,
     soft_limit_for,
 )
+from mnesite.rlog.messages import Message
 
-from tests.conftest import Cluster, NodeProcess, ThreadNode, wait_until
+from tests.conftest import Cluster, NodeProcess, ThreadNode, free_port, replicant_by_hand, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -154,6 +162,12 @@ def test_status_text_names_the_connections_refused() -> None:
     assert describe_connections_refused(
         {"connections": {**connections, "refused_open_max": 0, "redials_refused": 4}}
     ) == ["own connections refused by other nodes for their connections_max, dialled again: 4"]
+    assert describe_connections_refused(
+        {"connections": {**connections, "refused_open_max": 0, "redials_refused_key": 2}}
+    ) == [
+        "own connections refused by other nodes for this node's key, dialled again: 2 (add its public key to "
+        "their authorized_keys and send them SIGHUP; the log names them)"
+    ]
     assert describe_connections_refused({"connections": {"waiting": 0}}) == [], "a release without the bound"
 
 
@@ -168,20 +182,80 @@ def test_the_redial_delay_grows_from_its_least_to_its_most() -> None:
         redial_delay_ms(0)
 
 
+def test_the_redial_delay_of_a_refused_key_is_slower_and_grows_to_thirty_seconds() -> None:
+    delays = [key_redial_delay_ms(refusals) for refusals in range(1, 12)]
+    assert delays[:6] == [1000, 2000, 4000, 8000, 16000, 30000]
+    assert (KEY_REDIAL_DELAY_MS_MIN, KEY_REDIAL_DELAY_MS_MAX) == (1000, 30_000)
+    assert set(delays[5:]) == {KEY_REDIAL_DELAY_MS_MAX}
+    assert key_redial_delay_ms(10**9) == KEY_REDIAL_DELAY_MS_MAX
+    assert all(key_redial_delay_ms(n) >= redial_delay_ms(n) for n in range(1, 12)), "never faster than for a full node"
+    with pytest.raises(ValueError):
+        key_redial_delay_ms(0)
+
+
 def test_a_refused_dealer_is_dialled_again_once_due_and_a_handshake_resets_its_back_off() -> None:
     refused = RefusedDealers()
-    assert refused.refused("tcp://a", now_ms=1000) == REDIAL_DELAY_MS_MIN
+    assert refused.refused("tcp://a", REFUSED_FULL, now_ms=1000) == REDIAL_DELAY_MS_MIN
+    assert refused.refused_for("tcp://a") == REFUSED_FULL
     assert refused.take_due(1000 + REDIAL_DELAY_MS_MIN - 1) == []
     assert refused.waiting() == 1
     assert refused.take_due(1000 + REDIAL_DELAY_MS_MIN) == ["tcp://a"]
     assert refused.take_due(10_000) == [], "dialled once per refusal"
-    assert refused.refused("tcp://a", now_ms=2000) == 2 * REDIAL_DELAY_MS_MIN, "refused again in a row"
+    assert refused.refused_for("tcp://a") == REFUSED_FULL, "refused until a handshake completes"
+    assert refused.refused("tcp://a", REFUSED_FULL, now_ms=2000) == 2 * REDIAL_DELAY_MS_MIN, "refused again in a row"
     refused.take_due(5000)
     refused.connected("tcp://a")
-    assert refused.refused("tcp://a", now_ms=6000) == REDIAL_DELAY_MS_MIN, "the back-off starts over"
+    assert refused.refused_for("tcp://a") is None
+    assert refused.refused("tcp://a", REFUSED_FULL, now_ms=6000) == REDIAL_DELAY_MS_MIN, "the back-off starts over"
     refused.forget("tcp://a")  # its DEALER closed
     assert refused.take_due(10**6) == [] and refused.waiting() == 0
-    assert refused.redials == 2
+    assert refused.refused_for("tcp://a") is None
+    assert refused.redials == {REFUSED_FULL: 2, REFUSED_KEY: 0}
+
+
+def test_a_dealer_refused_for_its_key_is_dialled_again_on_its_own_back_off_and_counted_apart() -> None:
+    refused = RefusedDealers()
+    assert refused.refused("tcp://a", REFUSED_KEY, now_ms=0) == KEY_REDIAL_DELAY_MS_MIN
+    assert refused.refused("tcp://b", REFUSED_FULL, now_ms=0) == REDIAL_DELAY_MS_MIN
+    assert refused.refused_for("tcp://a") == REFUSED_KEY
+    assert refused.take_due(KEY_REDIAL_DELAY_MS_MIN - 1) == ["tcp://b"]
+    assert refused.take_due(KEY_REDIAL_DELAY_MS_MIN) == ["tcp://a"]
+    assert refused.refused("tcp://a", REFUSED_KEY, now_ms=2000) == 2 * KEY_REDIAL_DELAY_MS_MIN
+    refused.take_due(10_000)
+    # Authorized (the other node's SIGHUP), then full: the back-off of the new reason starts at its least.
+    assert refused.refused("tcp://a", REFUSED_FULL, now_ms=20_000) == REDIAL_DELAY_MS_MIN
+    assert refused.refused_for("tcp://a") == REFUSED_FULL
+    refused.take_due(30_000)
+    assert refused.redials == {REFUSED_FULL: 2, REFUSED_KEY: 2}
+
+
+def test_frames_dropped_toward_a_node_that_refused_this_one_are_counted_as_such(tmp_path: Path) -> None:
+    """Not as ``zmq`` ("the receiver's queue is full"): nothing can reach a node that refused the
+    connection, so its queue fills whatever the receiver does."""
+    ack = Message("push_ack", "a1", {"shard": "default", "agent": "a1", "applied": [1, 1]})
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody listens: IMMEDIATE drops every frame at once
+    with replicant_by_hand(tmp_path / "r") as node:
+        node.context = zmq.Context()
+        try:
+            socket = node.dealer(endpoint, queue_max=10, dealers_max=10, immediate=True)
+            node.send_now(socket, ack)
+            node.refused_dealers.refused(endpoint, REFUSED_KEY, now_ms=0)  # as its monitor tells
+            unsent = []
+            node.frame_unsent = lambda message, why: unsent.append(why)
+            node.send_now(socket, ack)
+            node.send_now(socket, ack)
+            status = node.status()
+            assert status["sends_dropped_by"]["zmq"] == 1
+            assert status["sends_dropped_by"]["refused_connection"] == 2
+            assert status["sends_dropped"] == 3
+            assert unsent == [f"{endpoint} refused this node's key (not in its authorized_keys)"] * 2
+            node.refused_dealers.connected(endpoint)  # let in (a handshake completed), then gone again
+            node.send_now(socket, ack)
+            assert node.status()["sends_dropped_by"]["zmq"] == 2
+        finally:
+            node.close_dealer(endpoint)
+            node.context.term()
+            node.context = None
 
 
 @pytest.mark.timeout(120)
@@ -205,22 +279,68 @@ def test_a_replicant_refused_for_a_cores_connections_max_connects_once_a_place_i
         )
         # Refused again at each re-dial while the flood holds. (A refusal whose connection zmq saw closed
         # before the refusal reached it is a dropped connection, which zmq dials again by itself.)
-        wait_until(lambda: _redials_refused(cluster, "replicant1") >= 1, 20, "the replicant to dial core1 again")
+        wait_until(
+            lambda: _connections(cluster, "replicant1").get("redials_refused", 0) >= 1,
+            20,
+            "the replicant to dial core1 again",
+        )
     finally:
         for client in flood:
             client.close()
 
-    def linearizable_read() -> dict | None:
-        try:
-            with cluster.client("replicant1", timeout_ms=1000, retries=0) as client:
-                return client.get("kv", 1, consistency="linearizable")
-        except MnesiteError:
-            return None
-
     # Served through core1 (the replicant asks it for the read's fence): its connection is back.
-    wait_until(lambda: linearizable_read() == {"id": 1, "value": "one"}, 30, "the replicant to reach core1 again")
+    wait_until(
+        lambda: _linearizable_read(cluster) == {"id": 1, "value": "one"}, 30, "the replicant to reach core1 again"
+    )
 
 
-def _redials_refused(cluster: Cluster, name: str) -> int:
-    status = cluster.status(name)
-    return status["connections"]["redials_refused"] if status else 0
+def _linearizable_read(cluster: Cluster) -> dict | None:
+    """Row 1 of kv read on replicant1, linearizable: served through core1 (the replicant asks it for
+    the read's fence), so only while its connection to core1 is up; None if not served."""
+    try:
+        with cluster.client("replicant1", timeout_ms=1000, retries=0) as client:
+            return client.get("kv", 1, consistency="linearizable")
+    except MnesiteError:
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_a_replicant_started_before_its_key_is_authorized_connects_once_it_is_without_a_restart(
+    tmp_path: Path, node_processes: list[NodeProcess]
+) -> None:
+    """zmq never dials a connection refused for its key again by itself: the replicant dials its DEALER
+    toward the core again (``NodeServer.reconnect_refused``), so the core's SIGHUP that authorizes the
+    key is enough."""
+    cluster = Cluster(tmp_path, node_processes, size=1, secure=True)
+    cluster.add_replicant("replicant1")
+    authorized = cluster.authorized_dir / "replicant1.key"
+    not_yet = tmp_path / "replicant1.key"
+    authorized.rename(not_yet)  # the operator has not authorized it yet
+    cluster.start("core1")
+    with cluster.client("core1") as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        client.put("kv", {"id": 1, "value": "one"})
+    cluster.start("replicant1")  # it answers on its own listen socket; its DEALER toward core1 is refused
+
+    def core_refused_keys() -> int:
+        return ((cluster.status("core1") or {}).get("security") or {}).get("handshakes_failed", {}).get("auth", 0)
+
+    wait_until(lambda: core_refused_keys() >= 1, 20, "core1 to refuse the replicant's key")
+    wait_until(lambda: _connections(cluster, "replicant1").get("redials_refused_key", 0) >= 1, 20, "a re-dial")
+    assert core_refused_keys() >= 2, "refused again at the re-dial"
+    replicant_log = (tmp_path / "replicant1.log").read_text()
+    assert f"{cluster.endpoints['core1']} refused this node's key" in replicant_log
+    assert "send that node SIGHUP" in replicant_log
+
+    not_yet.rename(authorized)
+    cluster.nodes["core1"].signal(signal.SIGHUP)
+    wait_until(lambda: "SIGHUP: reloaded" in (tmp_path / "core1.log").read_text(), 10, "core1 to reload")
+
+    # Served through core1 (the replicant asks it for the read's fence): within the key's back-off (at
+    # most 30 s; a few seconds here, the refusals in a row being few).
+    wait_until(lambda: _linearizable_read(cluster) == {"id": 1, "value": "one"}, 40, "the replicant to reach core1")
+    assert _connections(cluster, "replicant1")["redials_refused"] == 0, "none counted for connections_max"
+
+
+def _connections(cluster: Cluster, name: str) -> dict:
+    return (cluster.status(name) or {}).get("connections") or {}

@@ -357,3 +357,47 @@ def test_add_core_finishes_after_its_sequencer_is_killed_while_the_learner_catch
     want = sorted(["core1", "core2", "core3", "core4"])
     for name in [*survivors, "core4"]:
         wait_until(lambda name=name: shard_members(cluster, name) == want, 20, f"{name} to hold core4 a member")
+
+
+def test_with_security_a_new_core_started_before_its_key_is_authorized_is_added_after_the_sighup(
+    tmp_path: Path, node_processes: list[NodeProcess]
+):
+    """The forgiving order: core4 starts first, refused by every core for its key; its key is then
+    authorized (SIGHUP) and add-core adds it, without a restart of core4 (it dials the cores again:
+    ``NodeServer.reconnect_refused``)."""
+    import signal
+
+    from mnesite.rlog.security import generate_keys
+
+    cluster = _three_cores_with_rows(tmp_path, node_processes, rows=30, secure=True)
+    generate_keys("core4", str(cluster.keys_dir))
+    cluster.names.append("core4")
+    cluster.endpoints["core4"] = f"tcp://127.0.0.1:{free_port()}"
+    cluster._write_config("core4", "core")
+    cluster.start("core4")
+
+    def refused_keys() -> int:
+        return sum(
+            ((cluster.status(name) or {}).get("security") or {}).get("handshakes_failed", {}).get("auth", 0)
+            for name in ("core1", "core2", "core3")
+        )
+
+    wait_until(lambda: refused_keys() >= 3, 30, "the cores to refuse core4's key")
+    shutil.copy(cluster.keys_dir / "core4.key", cluster.authorized_dir)
+    old_roles = 'core = ["core1", "core2", "core3"]'
+    new_roles = 'core = ["core1", "core2", "core3", "core4"]'
+    for name in ("core1", "core2", "core3"):
+        config = cluster.root / f"{name}.toml"
+        config.write_text(config.read_text().replace(old_roles, new_roles))
+        cluster.nodes[name].signal(signal.SIGHUP)
+    for name in ("core1", "core2", "core3"):
+        wait_until(
+            lambda name=name: "SIGHUP: reloaded" in (cluster.root / f"{name}.log").read_text(), 10, f"{name} reload"
+        )
+    added = cluster_cli(cluster, "core2", "cluster", "add-core", "core4", cluster.endpoints["core4"])
+    assert added["members"]["shards"]["default"]["members"] == ["core1", "core2", "core3", "core4"]
+    with cluster.client("core4", retries=3) as client:
+        client.put("kv", {"id": 100, "value": "through core4"})
+    cluster.wait_converged(cluster.names)
+    assert cluster.status("core4")["connections"]["redials_refused_key"] >= 1
+    assert "refused this node's key" in (cluster.root / "core4.log").read_text()

@@ -72,8 +72,8 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
             "handshakes_failed": {"auth": 3},
         },
         "protocol_violations": 7,
-        "sends_dropped": 7,
-        "sends_dropped_by": {"zmq": 3, "core_queue_bytes_max": 4},
+        "sends_dropped": 9,
+        "sends_dropped_by": {"zmq": 3, "refused_connection": 2, "core_queue_bytes_max": 4},
         "disk": {"state": "full", "full_for_ms": 2500, "fills": 2, "writes_refused": 9},
         "agents": [],
         "agent_budget": {"used_bytes": 1234, "bytes_max": 16777216, "evicted_agents": 5, "acks_refused": 9},
@@ -88,6 +88,7 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
             "open_max": 4,
             "refused_open_max": 8,
             "redials_refused": 6,
+            "redials_refused_key": 5,
         },
     }
     metrics.refresh(0, status)
@@ -113,6 +114,7 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_protocol_violations_total") == 7
     assert value(samples, "mnesite_sends_dropped_total", reason="zmq") == 3
     assert value(samples, "mnesite_sends_dropped_total", reason="core_queue_bytes_max") == 4
+    assert value(samples, "mnesite_sends_dropped_total", reason="refused_connection") == 2
     assert value(samples, "mnesite_agent_budget_used_bytes") == 1234
     assert value(samples, "mnesite_agent_budget_max_bytes") == 16777216
     assert value(samples, "mnesite_agent_budget_evictions_total") == 5
@@ -137,6 +139,7 @@ def test_metrics_text_from_a_status_names_every_family() -> None:
     assert value(samples, "mnesite_connections_open_max") == 4
     assert value(samples, "mnesite_connections_refused_total") == 8
     assert value(samples, "mnesite_redials_refused_total") == 6
+    assert value(samples, "mnesite_redials_refused_key_total") == 5
     # The process itself, for sizing (CPU per applied transaction, resident memory).
     assert value(samples, "process_cpu_seconds_total") > 0
     assert value(samples, "process_resident_memory_bytes") > 1024 * 1024
