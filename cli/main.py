@@ -2005,7 +2005,7 @@ def _change_at_sequencer(
                     error.code,
                 ) from None
             retries += 1
-            view = _await_sequencer(client, shard, str(error))
+            view = _await_sequencer(client, timeout_ms, home, view, shard, str(error))
             now = view["shards"][shard]["sequencer"]
             click.echo(
                 f"{shard}: the sequencer changed ({error}); asking the change anew of its sequencer now, {now} "
@@ -2029,8 +2029,7 @@ def _await_after_silence(
     ``view`` (``client`` for ``home``) are asked ``members`` in turn, each within --timeout-ms and the
     silent one last, every ``SEQUENCER_POLL_MS`` until one names another sequencer or the silent one
     answers again, for at most ``SEQUENCER_WAIT_MS``; else ``silence`` (with what was seen) is raised."""
-    endpoints = {**view["endpoints"], home: client.endpoint}
-    order = sorted(core for core in endpoints if core != silent) + [silent]
+    order = sorted(core for core in {*view["endpoints"], home} if core != silent) + [silent]
     views: dict[str, dict[str, Any]] = {}  # each core's latest answer
     seen: dict[str, str] = {}  # what each core answered, for the message
     started = time.monotonic()
@@ -2040,17 +2039,13 @@ def _await_after_silence(
 
     step = after_silence(silent, {}, 0, retries)
     while step.action == "wait":
-        for core in order:
-            try:
-                if core == home:
-                    views[core] = client.members()
-                else:
-                    with client_for(endpoints[core], timeout_ms, retries=0) as other:
-                        views[core] = other.members()
-                seen[core] = f"names {named()[core] or 'no sequencer'}"
-            except MnesiteError as error:
+        for core, answer in _members_in_turn(client, timeout_ms, home, view, order):
+            if isinstance(answer, MnesiteError):
                 views.pop(core, None)
-                seen[core] = f"no answer ({error.code})"
+                seen[core] = f"no answer ({answer.code})"
+            else:
+                views[core] = answer
+                seen[core] = f"names {named()[core] or 'no sequencer'}"
             step = after_silence(silent, named(), int((time.monotonic() - started) * 1000), retries)
             if step.action != "wait":
                 break
@@ -2066,17 +2061,57 @@ def _await_after_silence(
     return step, next(answer for core, answer in sorted(views.items()) if named()[core] == step.sequencer)
 
 
-def _await_sequencer(client: Client, shard: str, why: str) -> dict[str, Any]:
-    """``client``'s ``members`` once it names a sequencer of ``shard`` (an election may be under
-    way), polled for at most ``SEQUENCER_WAIT_MS``; else a ``no_sequencer`` error that says nothing
-    was changed in that shard (``why``: the answer that sent the command here)."""
+def _members_in_turn(
+    client: Client, timeout_ms: int, home: str, view: dict[str, Any], order: list[str]
+) -> Iterator[tuple[str, dict[str, Any] | MnesiteError]]:
+    """Each core of ``order`` with its ``members`` answer, or the error it gave, asked in that order:
+    ``home`` (the --node core) through ``client``, the others at the endpoints ``view`` names, each
+    within --timeout-ms and never retried."""
+    for core in order:
+        try:
+            if core == home:
+                answer = client.members()
+            else:
+                with client_for(view["endpoints"][core], timeout_ms, retries=0) as other:
+                    answer = other.members()
+        except MnesiteError as error:
+            yield core, error
+        else:
+            yield core, answer
+
+
+def _members_read(client: Client, timeout_ms: int, home: str, view: dict[str, Any]) -> dict[str, Any]:
+    """``members`` of the --node core (``home``, through ``client``) or, when it does not answer,
+    of the first of the other cores ``view`` names that does, said on stderr; when none answers, the
+    --node core's error is raised."""
+    others = sorted(core for core in view["endpoints"] if core != home)
+    unanswered: MnesiteError | None = None
+    for core, answer in _members_in_turn(client, timeout_ms, home, view, [home, *others]):
+        if not isinstance(answer, MnesiteError):
+            if unanswered is not None:
+                said = f"the --node core {home} did not answer ({unanswered})"
+                click.echo(f"`members` read from {core}: {said}", err=True)
+            return answer
+        unanswered = unanswered or answer
+    assert unanswered is not None
+    raise unanswered
+
+
+def _await_sequencer(
+    client: Client, timeout_ms: int, home: str, view: dict[str, Any], shard: str, why: str
+) -> dict[str, Any]:
+    """The ``members`` answer (``_members_read``: the --node core's, else another core's of those
+    ``view`` names) once it names a sequencer of ``shard`` (an election may be under way), polled for
+    at most ``SEQUENCER_WAIT_MS``; else a ``no_sequencer`` error that says nothing was changed in that
+    shard (``why``: the answer that sent the command here)."""
     deadline = time.monotonic() + SEQUENCER_WAIT_MS / 1000
     while True:
         try:
-            view = client.members()
+            answer = _members_read(client, timeout_ms, home, view)
         except MnesiteError as error:
             last = f"`members` at {client.endpoint} failed: {error}"
         else:
+            view = answer
             if view["shards"].get(shard, {}).get("sequencer"):
                 return view
             last = f"{view['node']} knows no sequencer of shard {shard}"
@@ -2164,7 +2199,7 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
             result["failed"] = failed
             result["not_tried"] = [shard for shard, _ in shards if shard not in results and shard not in failed]
         try:
-            result["members"] = client.members()
+            result["members"] = _members_read(client, timeout_ms, home, view)
         except MnesiteError:
             if not failed:
                 raise
@@ -2218,7 +2253,8 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     neither happens the outcome is unknown, exit 3. A new sequencer not settled yet
     (`sequencer_not_settled`) is asked again for up to 15 s. An `already_member` / `not_member`
     answer is the shard done once `members` shows its committed membership with the change, waited
-    for (and shown) as a catch-up is.
+    for (and shown) as a catch-up is. When the --node core does not answer `members` (the wait for
+    a sequencer, the final read), the other cores are asked, and stderr names the one that answered.
     """
     result = run(lambda: _change_every_shard(endpoint, timeout_ms, "add", name, core_endpoint))
     _print_change(result, as_json)

@@ -1484,6 +1484,74 @@ def test_add_core_keeps_the_outcome_unknown_when_no_other_sequencer_is_named_in_
 
 
 @pytest.mark.timeout(30)
+def test_add_core_reads_another_core_when_the_node_core_was_the_sequencer_and_fell_silent(monkeypatch):
+    """Regression: with the sequencer named as --node (the common case) and silent after the change
+    was asked, the command asked the change anew of the new sequencer, then read the final membership
+    of the --node core only: exit 1 (its silence) though the change went through. That read now goes
+    on to the other cores the last view named, and says which one answered."""
+    endpoints = _Seat.endpoints
+    node = _Seat("core1", ["core1", _deaf(endpoints["core1"])], [_silent(endpoints["core1"])])
+    witness = _Seat("core3", ["core5"])
+    answer = {"shard": "default", "members": ["core1", "core2", "core3", "core5"], "tx_key": [3, 2]}
+    new = _Seat("core5", ["core5"], [answer])
+    cli, _ = _cli_reaching(monkeypatch, node, witness, new)
+    done = _add_core2(cli, node)
+    assert done.exit_code == 0, done.output
+    assert "default: add core2 committed at (3, 2)" in done.stdout and "members: core1" in done.stdout
+    assert "the sequencer core1 fell silent" in done.stderr and "sequencer now, core5 (retry 1 of 3)" in done.stderr
+    assert "`members` read from core3: the --node core core1 did not answer (node tcp://127.0.0.1:7400" in done.stderr
+    assert node.asked == [None] and new.asked == [None]
+    assert witness.viewed == 2 and new.viewed == 0  # once after the silence, once for the final read
+
+
+@pytest.mark.timeout(30)
+def test_add_core_waits_for_a_sequencer_in_another_cores_view_when_the_node_core_falls_silent(monkeypatch):
+    """Regression: after a ``not_sequencer`` answer the command waited for a sequencer in the --node
+    core's ``members`` only, which failed (exit 1) when that core was the sequencer that stepped down
+    and then died. The other cores the last view named are asked when it does not answer."""
+    endpoints = _Seat.endpoints
+    node = _Seat("core1", ["core1", _deaf(endpoints["core1"])], [_not_sequencer()[0]])
+    witness = _Seat("core3", [None, "core5"])  # an election, then core5
+    answer = {"shard": "default", "members": ["core1", "core2", "core3", "core5"], "tx_key": [3, 2]}
+    new = _Seat("core5", ["core5"], [answer])
+    cli, clock = _cli_reaching(monkeypatch, node, witness, new)
+    done = _add_core2(cli, node)
+    assert done.exit_code == 0, done.output
+    assert "default: add core2 committed at (3, 2)" in done.stdout
+    assert "default: the sequencer changed" in done.stderr and "sequencer now, core5 (retry 1 of 3)" in done.stderr
+    assert "`members` read from core3: the --node core core1 did not answer" in done.stderr
+    assert node.asked == [None] and new.asked == [None] and new.viewed == 0
+    assert witness.viewed == 3 and 0 < clock.now < 1  # two polls through the election, the final read
+
+
+@pytest.mark.timeout(30)
+def test_add_core_fails_as_before_when_no_core_answers_members(monkeypatch):
+    """Every core silent: the final read after every shard changed fails with the --node core's
+    error (exit 1, as before), and so does the wait for a sequencer after ``not_sequencer`` (exit 1
+    after ``SEQUENCER_WAIT_MS``), each core asked once per round."""
+    endpoints = _Seat.endpoints
+    answer = {"shard": "default", "members": ["core1", "core2"], "tx_key": [1, 4]}
+    deaf = [_Seat(name, [_deaf(endpoints[name])]) for name in ("core3", "core5")]
+    node = _Seat("core1", ["core1", _deaf(endpoints["core1"])], [answer])
+    cli, _ = _cli_reaching(monkeypatch, node, *deaf)
+    result = _add_core2(cli, node)
+    assert result.exit_code == 1, result.output
+    assert "node tcp://127.0.0.1:7400 did not answer members within 5000 ms" in result.stderr
+    assert [seat.viewed for seat in (node, *deaf)] == [2, 1, 1]
+
+    deaf = [_Seat(name, [_deaf(endpoints[name])]) for name in ("core3", "core5")]
+    node = _Seat("core1", ["core1", _deaf(endpoints["core1"])], [_not_sequencer()[0]])
+    cli, clock = _cli_reaching(monkeypatch, node, *deaf)
+    result = _add_core2(cli, node)
+    assert result.exit_code == 1, result.output
+    waited_s = membership.SEQUENCER_WAIT_MS / 1000
+    assert f"no sequencer was known within {waited_s:.0f} s (`members` at tcp://127.0.0.1:7400 failed" in result.stderr
+    assert waited_s <= clock.now <= waited_s + 1
+    rounds = node.viewed - 1
+    assert rounds > 1 and [seat.viewed for seat in deaf] == [rounds, rounds]
+
+
+@pytest.mark.timeout(30)
 def test_add_core_takes_already_member_for_done_only_once_the_committed_membership_shows_it(monkeypatch):
     """Regression: ``already_member`` / ``not_member`` say the LATEST membership entry of the
     sequencer's log has the change, committed or not (after a re-ask, a crashed sequencer's entry the
