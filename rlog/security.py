@@ -79,6 +79,11 @@ REVOKED = "this connection's key is no longer in authorized_keys (reloaded); con
 REFUSED_STATUS = 500
 # The ZAP status of a connection whose key is not in authorized_keys (pyzmq's CURVE check).
 KEY_REFUSED_STATUS = 400
+# Why a node refused a connection at its handshake, by that status: a node's own DEALERs
+# (``rlog.connections.RefusedDealers``) and a client's call (``MnesiteError.refused``) say it so.
+REFUSED_FULL = "connections_max"
+REFUSED_KEY = "key"
+REFUSAL_REASONS = {REFUSED_STATUS: REFUSED_FULL, KEY_REFUSED_STATUS: REFUSED_KEY}
 HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
