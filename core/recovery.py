@@ -64,8 +64,8 @@ from typing import Any, Literal
 
 from mnesite.core.consensus import GENERATION_MAX
 from mnesite.core.membership import valid_members
+from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
 from mnesite.rlog.schema import SchemaError, check_name
-from mnesite.rlog.security import REFUSED_FULL, REFUSED_KEY
 from mnesite.rlog.status import RecoveryAnswer
 from mnesite.rlog.types import ZERO_KEY, TxKey
 

@@ -52,13 +52,12 @@ from mnesite.rlog import admin_answers, messages
 from mnesite.rlog.changes import COPY_STALL_PAGES_MAX, copy_stalled, copy_start, position_to_wire
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
+from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
 from mnesite.rlog.messages import Answer, Message, MessageError, NonNegative, answer_as, body_error, typed_body
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import (
     FOLLOW_LINKS_CLIENT,
     HANDSHAKE_FAILURES,
-    REFUSED_FULL,
-    REFUSED_KEY,
     REFUSED_STATUS,
     KeyPair,
     SecurityError,

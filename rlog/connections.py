@@ -60,10 +60,9 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 from mnesite.rlog.config import ConfigError
+from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
 from mnesite.rlog.security import (
     HANDSHAKE_FAILURES,
-    REFUSED_FULL,
-    REFUSED_KEY,
     REFUSED_STATUS,
     ZAP_DOMAIN,
     NodeSecurity,

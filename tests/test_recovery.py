@@ -192,7 +192,7 @@ def test_a_member_that_refused_this_cores_key_or_was_full_is_named_with_what_to_
     operator acts: ``refusal_notes`` says, for each silent member that did, which (this core's key not
     authorized there, or it held its connections_max) and what to do; ``status``'s reason says it too."""
     from mnesite.core.recovery import RecoveryProgress, recovery_answer, refusal_notes
-    from mnesite.rlog.security import REFUSED_FULL, REFUSED_KEY
+    from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
 
     refusals = {"core2": REFUSED_KEY, "core3": REFUSED_FULL, "core5": REFUSED_KEY}
     notes = refusal_notes(["core4", "core3", "core2"], refusals, "core1")  # core5 answered: not silent

@@ -23,10 +23,10 @@ from mnesite.core.node import CoreNode
 from mnesite.rlog import messages
 from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated, Unavailable
 from mnesite.rlog.config import ConfigError, load_config, parse_config
+from mnesite.rlog.errors import REFUSED_KEY
 from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
 from mnesite.rlog.security import (
-    REFUSED_KEY,
     SecurityError,
     client_keys,
     configure_client,

@@ -1205,7 +1205,7 @@ def test_a_rebuilt_core_names_the_members_that_refused_its_key_or_were_full_when
     from mnesite.core.node import CoreNode
     from mnesite.core.recovery import recovery_answer
     from mnesite.rlog.client import Unauthenticated, Unavailable
-    from mnesite.rlog.security import REFUSED_FULL, REFUSED_KEY
+    from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
     from mnesite.rlog.store import StoreError
 
     port = free_port()
