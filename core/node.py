@@ -124,6 +124,7 @@ from mnesite.core.recovery import (
     recovering_refusal,
     recovery_answer,
     recovery_shortfall,
+    refusal_notes,
     vote_recovered,
     well_formed_answers,
 )
@@ -590,20 +591,23 @@ class CoreNode(NodeServer):
             if missing == 0:
                 break
             silent = sorted(set(cluster or self.members) - set(well_formed_answers(answers)) - {self.config.name})
+            # A member that refused this core's key or was full never answers until that is fixed: say so.
+            refused = "".join(f"; {note}" for note in refusal_notes(silent, dict(progress.refusals), self.config.name))
             log.warning(
                 "empty database in a running cluster: every other member must answer before this core may vote "
-                "(it may have voted, and held entries, before its loss); %d not yet: %s (answers from %s); "
+                "(it may have voted, and held entries, before its loss); %d not yet: %s (answers from %s)%s; "
                 "asking again (%d of %d)",
                 missing,
                 silent,
                 sorted(answers),
+                refused,
                 attempt,
                 RECOVERY_ROUNDS_MAX,
             )
         else:
             raise StoreError(
                 f"empty database in a running cluster: every other member must answer before this core may take "
-                f"part; {missing} did not: {silent} (heard {sorted(answers)}); start it again once they are "
+                f"part; {missing} did not: {silent} (heard {sorted(answers)}){refused}; start it again once they are "
                 "reachable, or remove the ones gone for good (cluster remove-core), or remove this core and add it "
                 "back (docs: Membership)"
             )
@@ -2401,16 +2405,18 @@ class CoreNode(NodeServer):
         from mnesite.rlog.client import MnesiteError
 
         answers: dict[str, dict[str, Any]] = {}
+        refusals: dict[str, str] = {}  # the peers that refused this core's connection, and why
         peers = [peer for peer in self.endpoints if peer != self.config.name]
         if self.recovery is not None:  # what status says while the answers come in
-            self.recovery.asked, self.recovery.answers = tuple(peers), answers
+            self.recovery.asked, self.recovery.answers, self.recovery.refusals = tuple(peers), answers, refusals
 
         def ask(peer: str) -> None:
             try:
                 with self.peer_client(peer, timeout_ms) as client:
                     answers[peer] = client.journal()
-            except MnesiteError:
-                pass  # not reached
+            except MnesiteError as error:
+                if error.refused is not None:  # this core's key, or the peer's connections_max
+                    refusals[peer] = error.refused
 
         threads = [threading.Thread(target=ask, args=(peer,), daemon=True) for peer in peers]
         for thread in threads:

@@ -41,7 +41,11 @@ committed and last keys) in two situations, and only asks: the decisions are her
 While it recovers, the core answers ``status`` and nothing else (``ANSWERED_WHILE_RECOVERING``): the driver
 keeps a ``RecoveryProgress`` (the round, the members asked, the answers so far) and ``recovery_answer``
 turns it into ``status``'s ``recovery`` section (``rlog.messages.RecoveryAnswer``): what the core waits
-for, and why. Every other request is refused ``not_ready`` (``recovering_refusal``): its state is not
+for, and why. A member that refused this core's connection at its handshake
+(``RecoveryProgress.refusals``, from the probe's client: this core's key not in that member's
+authorized_keys, or that member at its connections_max) will not answer until that is fixed:
+``refusal_note`` says what to do, in the ``reason`` and in the error the core gives up with
+(``refusal_notes``). Every other request is refused ``not_ready`` (``recovering_refusal``): its state is not
 decided yet (a ``journal`` answer in particular would count for another rebuilt core as a member's,
 which it cannot vouch for), and a client asks another core.
 
@@ -54,12 +58,13 @@ ignored (it never becomes a row of this core's database).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mnesite.core.consensus import GENERATION_MAX
 from mnesite.core.membership import valid_members
+from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
 from mnesite.rlog.schema import SchemaError, check_name
 from mnesite.rlog.status import RecoveryAnswer
 from mnesite.rlog.types import ZERO_KEY, TxKey
@@ -225,6 +230,25 @@ def recovered_members(
     return {shard: members for shard, (_, members) in best.items()}, cluster[1] if cluster else None
 
 
+def refusal_note(peer: str, why: str | None, name: str) -> str | None:
+    """What to do about member ``peer`` that refused core ``name``'s connection, ``why`` (``REFUSED_KEY``,
+    ``REFUSED_FULL``; None: it did not refuse it), or None."""
+    if why == REFUSED_KEY:
+        return (
+            f"{peer} refused this core's key: authorize it there (copy the public key file of {name}'s [security] "
+            f"client_key into {peer}'s authorized_keys) and send {peer} SIGHUP"
+        )
+    if why == REFUSED_FULL:
+        return f"{peer} refused this core's connection: it holds its [limits] connections_max connections"
+    return None
+
+
+def refusal_notes(silent: Iterable[str], refusals: Mapping[str, str], name: str) -> list[str]:
+    """``refusal_note`` of each member of ``silent`` that refused core ``name``'s connection, in name order."""
+    notes = (refusal_note(peer, refusals.get(peer), name) for peer in sorted(silent))
+    return [note for note in notes if note is not None]
+
+
 # The requests a core answers while it recovers: read-only and about this core alone. ``members``,
 # ``journal``, ``list_tables`` and the rlog reads would answer from a state recovery is about to decide.
 ANSWERED_WHILE_RECOVERING = frozenset({"status"})
@@ -247,6 +271,8 @@ class RecoveryProgress:
     asked: tuple[str, ...] = ()
     # The round's answers so far (a probe's threads add to it: read it through a copy).
     answers: Mapping[str, Any] = field(default_factory=dict)
+    # The round's members that refused this core's connection, and why (REFUSED_KEY, REFUSED_FULL).
+    refusals: Mapping[str, str] = field(default_factory=dict)
 
 
 def recovery_answer(progress: RecoveryProgress, now_ms: int) -> RecoveryAnswer:
@@ -269,6 +295,9 @@ def recovery_answer(progress: RecoveryProgress, now_ms: int) -> RecoveryAnswer:
         needed = None
         waiting_for = sorted(set(progress.asked) - set(usable))
         why = "asking its peers whether the cluster has history (a generation in use)"
+    notes = refusal_notes(waiting_for, dict(progress.refusals), progress.name)
+    if notes:
+        why = f"{why}; {'; '.join(notes)}"
     when = (
         f"round {progress.round} of {progress.rounds_max}"
         if progress.phase == "asking"

@@ -52,6 +52,7 @@ from mnesite.rlog import admin_answers, messages
 from mnesite.rlog.changes import COPY_STALL_PAGES_MAX, copy_stalled, copy_start, position_to_wire
 from mnesite.rlog.config import DEFAULT_LISTEN
 from mnesite.rlog.disk import ERROR_DISK_FULL
+from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
 from mnesite.rlog.messages import Answer, Message, MessageError, NonNegative, answer_as, body_error, typed_body
 from mnesite.rlog.roles import WRITE_KINDS
 from mnesite.rlog.security import (
@@ -133,6 +134,9 @@ class MnesiteError(Exception):
     """Base of every error the client raises; ``code`` is the node's error code."""
 
     code = "error"
+    # Why the node refused this client's connection at its handshake, if it did: ``REFUSED_KEY`` (its
+    # key is not in the node's authorized_keys) or ``REFUSED_FULL`` (the node holds connections_max).
+    refused: str | None = None
 
     def __init__(self, message: str, code: str | None = None, detail: Any = None) -> None:
         super().__init__(message)
@@ -551,7 +555,11 @@ class Client:
                 if tried_all or maybe_applied or time.monotonic() >= deadline:
                     reason = self._unreachable(error, tried_all, full)
                     unknown = maybe_applied or sent_before
-                    self._give_up(kind, message.request_id, unknown, reason, "unavailable", unknown_answer)
+                    # Every endpoint tried refused it for its connections_max: the caller may say so.
+                    refused = REFUSED_FULL if tried_all and full >= set(self.endpoints) else None
+                    self._give_up(
+                        kind, message.request_id, unknown, reason, "unavailable", unknown_answer, refused=refused
+                    )
                 self._next_endpoint()
                 continue
             except Unauthenticated as error:
@@ -662,10 +670,12 @@ class Client:
         code: str,
         unknown_answer: str | None = None,
         sent: bool = False,
+        refused: str | None = None,
     ) -> NoReturn:
         """End the call. ``unknown_answer``: a node's earlier ``outcome_unknown`` answer, named before
         ``reason`` (what ended the call): why the write may have happened is what the caller needs.
-        ``sent``: the last attempt left and was not answered (``Unavailable.sent``)."""
+        ``sent``: the last attempt left and was not answered (``Unavailable.sent``); ``refused``: why
+        every endpoint refused the connection (``MnesiteError.refused``)."""
         if kind in CHANGING_KINDS and maybe_applied:
             if unknown_answer is not None and unknown_answer != reason:
                 reason = f"{unknown_answer}; then {reason}"
@@ -675,7 +685,7 @@ class Client:
                 request_id,
             )
         error = Unavailable(reason, code)
-        error.sent = sent
+        error.sent, error.refused = sent, refused
         raise error
 
     def _await(self, socket: zmq.Socket, request_id: str, overall_deadline: float, timeout_ms: int) -> Message | None:
@@ -729,7 +739,9 @@ class Client:
             # Nothing was sent over it (IMMEDIATE), and another node may take the request.
             raise _Full(f"node {self.endpoint} refused the connection: it holds its connections_max connections")
         if reason == "auth":
-            raise Unauthenticated(f"node {self.endpoint} refused this client's key (it is not in authorized_keys)")
+            error = Unauthenticated(f"node {self.endpoint} refused this client's key (it is not in authorized_keys)")
+            error.refused = REFUSED_KEY
+            raise error
         hint = (
             "the node may require CurveZMQ: give --key and --server-key (key= and server_key=)"
             if self._curve is None

@@ -60,9 +60,9 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 from mnesite.rlog.config import ConfigError
+from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
 from mnesite.rlog.security import (
     HANDSHAKE_FAILURES,
-    KEY_REFUSED_STATUS,
     REFUSED_STATUS,
     ZAP_DOMAIN,
     NodeSecurity,
@@ -115,10 +115,6 @@ REDIAL_DELAY_MS_MAX = 4000
 # within KEY_REDIAL_DELAY_MS_MAX (plus MONITOR_READ_INTERVAL_MS) of the reload.
 KEY_REDIAL_DELAY_MS_MIN = 1000
 KEY_REDIAL_DELAY_MS_MAX = 30_000
-# Why a DEALER was refused (the ZAP status its monitor reports), as ``RefusedDealers`` counts it.
-REFUSED_FULL = "connections_max"
-REFUSED_KEY = "key"
-REFUSAL_REASONS = {REFUSED_STATUS: REFUSED_FULL, KEY_REFUSED_STATUS: REFUSED_KEY}
 
 
 def admits(others_open: int, open_max: int, exempt: bool) -> bool:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import zmq
 import zmq.utils.z85
+from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
 from mnesite.rlog.roles import ROLES, RoleTable
 
 log = logging.getLogger("mnesite.security")
@@ -79,6 +80,8 @@ REVOKED = "this connection's key is no longer in authorized_keys (reloaded); con
 REFUSED_STATUS = 500
 # The ZAP status of a connection whose key is not in authorized_keys (pyzmq's CURVE check).
 KEY_REFUSED_STATUS = 400
+# Why a node refused a connection at its handshake (``rlog.errors``), by that status.
+REFUSAL_REASONS = {REFUSED_STATUS: REFUSED_FULL, KEY_REFUSED_STATUS: REFUSED_KEY}
 HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",

@@ -46,7 +46,6 @@ from mnesite.rlog.config import Config, ConfigError, is_loopback, keys_needing_r
 from mnesite.rlog.connections import (
     DEALER_EVENTS,
     MONITOR_READ_INTERVAL_MS,
-    REFUSAL_REASONS,
     REFUSED_FULL,
     REFUSED_KEY,
     ConnectionCount,
@@ -77,7 +76,7 @@ from mnesite.rlog.query import (
 )
 from mnesite.rlog.roles import PEER_REQUESTS_OUTSTANDING_MIN, WRITE_KINDS, peer_connection, sender_mismatch
 from mnesite.rlog.schema import SchemaError, TableSchema
-from mnesite.rlog.security import REVOKED, NodeSecurity, SecurityError
+from mnesite.rlog.security import REFUSAL_REASONS, REVOKED, NodeSecurity, SecurityError
 from mnesite.rlog.send_queue import TRACKED_BYTES_MIN, PeerQueues
 from mnesite.rlog.store import Store, quote
 from mnesite.rlog.throttle import ThrottledLog, monotonic_ms

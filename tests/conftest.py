@@ -194,9 +194,10 @@ def thread_replicant(data_dir: Path, core_endpoint: str, limits: dict | None = N
         thread.join(timeout=10)
 
 
-def offline_replicant(data_dir: Path, limits: dict | None = None):
+def offline_replicant(data_dir: Path, limits: dict | None = None, extra: dict | None = None):
     """A ReplicantNode that is never bound nor served (its rules called directly); the caller closes
-    it (``close_offline``). ``limits``: its [limits] section. ``replicant_by_hand`` closes it for you."""
+    it (``close_offline``). ``limits``: its [limits] section; ``extra``: other sections (``[backup]``).
+    ``replicant_by_hand`` closes it for you."""
     from mnesite.replicant.node import ReplicantNode
 
     return ReplicantNode(
@@ -206,6 +207,7 @@ def offline_replicant(data_dir: Path, limits: dict | None = None):
                          "listen": "tcp://127.0.0.1:1"},
                 "cluster": {"core_nodes": {"core1": "tcp://127.0.0.1:2"}},
                 "limits": limits or {},
+                **(extra or {}),
             }
         )
     )  # fmt: skip
@@ -224,9 +226,9 @@ def close_offline(node) -> None:
 
 
 @contextlib.contextmanager
-def replicant_by_hand(data_dir: Path, limits: dict | None = None) -> Iterator:
+def replicant_by_hand(data_dir: Path, limits: dict | None = None, extra: dict | None = None) -> Iterator:
     """An ``offline_replicant`` (the test calls its rules), closed after the block, also when it fails."""
-    node = offline_replicant(data_dir, limits)
+    node = offline_replicant(data_dir, limits, extra)
     try:
         yield node
     finally:

@@ -1,11 +1,14 @@
 """Scheduled backups (``[backup]``, rlog.backup_schedule): the pure rules with a fake clock and fake
-listings, the config section, the driver on a core stepped by hand, and a real node process taking
-backups every second (``MNESITE_TEST_BACKUP_INTERVAL_S_MIN``) that keeps only ``keep`` of them."""
+listings, the config section, the driver on a core and on a replicant stepped by hand, a real node
+process taking backups every second (``MNESITE_TEST_BACKUP_INTERVAL_S_MIN``) that keeps only ``keep``
+of them, and a real replicant doing so with its core's rows once it caught up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,8 +29,17 @@ from mnesite.rlog.backup_schedule import (
     to_prune,
 )
 from mnesite.rlog.config import ConfigError, config_keys, keys_needing_restart, parse_config
+from mnesite.rlog.replication import Mode
 
-from tests.conftest import NodeProcess, core_with_table, free_port, node_config, wait_until
+from tests.conftest import (
+    Cluster,
+    NodeProcess,
+    core_with_table,
+    free_port,
+    node_config,
+    replicant_by_hand,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -283,3 +295,79 @@ def test_a_node_process_takes_backups_on_schedule_keeps_only_keep_and_one_restor
     assert restored.exit_code == 0, restored.output
     text = runner.invoke(main, ["status", "--node", endpoint]).output
     assert f"scheduled backups every 1 s into {directory}, 2 of 2 kept, next in " in text
+
+
+def test_a_replicant_takes_no_scheduled_backup_while_a_shard_bootstraps_and_takes_it_once_caught_up(
+    tmp_path: Path,
+) -> None:
+    """The replicant's loop passes ``_backup_not_ready`` to the driver: a due backup waits, with the
+    reason in ``status``, while a shard bootstraps or is read fenced, and starts once it is not."""
+    directory = tmp_path / "backups"
+    directory.mkdir()
+    extra = {"backup": {"directory": str(directory), "interval_s": 60, "keep": 1}}
+    with replicant_by_hand(tmp_path / "r", extra=extra) as node:
+        schedule = node.backup_schedule
+        assert schedule is not None
+        schedule.next_due_ms = 0  # the interval passed
+        for mode, fenced in ((Mode.BOOTSTRAP, False), (Mode.LOCAL_REPLAY, False), (Mode.NORMAL, True)):
+            shard = SimpleNamespace(mode=mode, read_fenced=fenced)
+            node.replicas = {"default": SimpleNamespace(status=lambda shard=shard: shard)}
+            node.run_backup_schedule(node._backup_not_ready)
+            assert node.backup_job is None and os.listdir(directory) == []
+            waiting = node.backup_status()["backup_schedule"]["waiting"]
+            assert waiting.startswith("shard default is bootstrapping"), waiting
+        caught_up = SimpleNamespace(mode=Mode.NORMAL, read_fenced=False)
+        node.replicas = {"default": SimpleNamespace(status=lambda: caught_up)}
+        node.run_backup_schedule(node._backup_not_ready)
+        job = node.backup_job
+        assert job is not None and job.wait(30) and job.state == "done", job and job.error
+        node.run_backup_schedule(node._backup_not_ready)
+        status = node.backup_status()["backup_schedule"]
+        assert (status["last_state"], status["waiting"]) == ("done", None)
+        assert status["files_kept"] == [os.path.basename(job.path)]
+        assert read_record(job.path)["role"] == "replicant"
+
+
+def _backup_rows(path: Path) -> dict[int, str]:
+    """The rows of table kv in the backup file at ``path``, read-only."""
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as connection:
+        return dict(connection.execute("SELECT id, value FROM kv"))
+
+
+@pytest.mark.timeout(120)
+def test_a_replicant_process_takes_backups_of_its_rows_on_schedule_and_keeps_only_keep(
+    tmp_path: Path, node_processes: list[NodeProcess]
+) -> None:
+    cluster = Cluster(tmp_path, node_processes, size=1)
+    directory = tmp_path / "backups"
+    directory.mkdir()
+    cluster.add_replicant("replicant1")
+    config = tmp_path / "replicant1.toml"
+    config.write_text(config.read_text() + f'[backup]\ndirectory = "{directory}"\ninterval_s = 1\nkeep = 2\n')
+    cluster.start("core1")
+    written = {row_id: f"v{row_id}" for row_id in range(50)}
+    with cluster.client("core1", retries=5) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        for row_id, value in written.items():
+            client.put("kv", {"id": row_id, "value": value})
+    cluster.nodes["replicant1"].start(cluster.endpoints["replicant1"], env={INTERVAL_S_MIN_ENV: "1"})
+    position = cluster.wait_replicants_converged(["core1"], ["replicant1"])
+
+    def schedule() -> dict:
+        return cluster.status("replicant1")["backup_schedule"]
+
+    def pruned_after_catching_up() -> bool:
+        status = schedule()
+        if status["last_state"] != "done" or status["files_removed"] < 2:
+            return False
+        applied = read_record(status["last_path"])["shards"]["default"]["applied"]
+        return tuple(applied) >= position["applied"]
+
+    wait_until(pruned_after_catching_up, 60, "a pruned backup taken after replicant1 caught up", interval_s=0.2)
+    status = schedule()
+    ours = sorted(name for name in os.listdir(directory) if file_pattern("replicant1").match(name))
+    assert len(ours) == 2 and status["keep"] == 2 and sorted(status["files_kept"]) == ours
+    newest = status["last_path"]
+    assert os.path.basename(newest) in ours and read_record(newest)["role"] == "replicant"
+    assert check_backup(newest) >= len(written)
+    assert _backup_rows(Path(newest)) == written

@@ -100,6 +100,7 @@ def test_a_node_refuses_connections_past_connections_max(tmp_path: Path, caplog:
             fourth.status()
         assert "refused the connection: it holds its connections_max connections" in str(info.value)
         assert "raise [limits] connections_max" in str(info.value)
+        assert info.value.refused == REFUSED_FULL
         assert "refused a connection: 3 are open, [limits] connections_max is 3" in caplog.text
         connections_now = clients[0].status()["connections"]
         assert connections_now["open_max"] == 3

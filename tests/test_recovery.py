@@ -185,3 +185,33 @@ def test_a_recovering_core_says_whom_it_waits_for_and_why():
     assert "recovering at start-up" in refusal and "waiting for core3" in refusal and "status" in refusal
     declared = RecoveryProgress("core1", three, True, started_ms=0, rounds_max=10, round_timeout_ms=500)
     assert recovery_answer(declared, 0).waiting_for == ["core2", "core3"] and recovery_answer(declared, 0).needed == 2
+
+
+def test_a_member_that_refused_this_cores_key_or_was_full_is_named_with_what_to_do():
+    """A member that refused a recovering core's connection at its handshake will not answer until an
+    operator acts: ``refusal_notes`` says, for each silent member that did, which (this core's key not
+    authorized there, or it held its connections_max) and what to do; ``status``'s reason says it too."""
+    from mnesite.core.recovery import RecoveryProgress, recovery_answer, refusal_notes
+    from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
+
+    refusals = {"core2": REFUSED_KEY, "core3": REFUSED_FULL, "core5": REFUSED_KEY}
+    notes = refusal_notes(["core4", "core3", "core2"], refusals, "core1")  # core5 answered: not silent
+    assert notes == [
+        "core2 refused this core's key: authorize it there (copy the public key file of core1's [security] "
+        "client_key into core2's authorized_keys) and send core2 SIGHUP",
+        "core3 refused this core's connection: it holds its [limits] connections_max connections",
+    ]
+    assert refusal_notes(["core4"], refusals, "core1") == [] and refusal_notes([], refusals, "core1") == []
+
+    three = ("core1", "core2", "core3")
+    progress = RecoveryProgress("core1", three, True, started_ms=0, rounds_max=10, round_timeout_ms=500)
+    progress.round, progress.phase, progress.asked = 1, "waiting", ("core2", "core3")
+    progress.answers, progress.refusals = {"core3": {"shards": {}}}, {"core2": REFUSED_KEY}
+    answer = recovery_answer(progress, 0)
+    assert answer.waiting_for == ["core2"] and "core2 refused this core's key" in answer.reason
+    assert "send core2 SIGHUP" in answer.reason and answer.reason.endswith("asking again in round 2 of 10")
+    progress.refusals = {"core3": REFUSED_KEY}  # refused in an earlier attempt, answered now: not named
+    assert "refused" not in recovery_answer(progress, 0).reason
+    fresh = RecoveryProgress("core1", three, False, started_ms=0, rounds_max=10, round_timeout_ms=500)
+    fresh.asked, fresh.refusals = ("core2", "core3"), {"core3": REFUSED_FULL}
+    assert "core3 refused this core's connection" in recovery_answer(fresh, 0).reason

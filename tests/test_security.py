@@ -23,6 +23,7 @@ from mnesite.core.node import CoreNode
 from mnesite.rlog import messages
 from mnesite.rlog.client import Client, Forbidden, MnesiteError, Unauthenticated, Unavailable
 from mnesite.rlog.config import ConfigError, load_config, parse_config
+from mnesite.rlog.errors import REFUSED_KEY
 from mnesite.rlog.messages import Message, typed_body
 from mnesite.rlog.roles import KIND_ROLES, RoleTable, sender_mismatch
 from mnesite.rlog.security import (
@@ -795,10 +796,18 @@ def test_status_says_whether_security_is_on_and_what_it_refused(secure_node, thr
 
 
 def test_clients_without_a_key_or_with_an_unknown_key_are_refused_before_the_decoder(secure_node) -> None:
-    with secure_node.client(None, retries=0) as client, pytest.raises(Unauthenticated, match="--key and --server-key"):
+    with (
+        secure_node.client(None, retries=0) as client,
+        pytest.raises(Unauthenticated, match="--key and --server-key") as no_key,
+    ):
         client.status()
-    with secure_node.client("stranger", retries=0) as client, pytest.raises(Unauthenticated, match="authorized_keys"):
+    assert no_key.value.refused is None  # no key offered: nothing to authorize
+    with (
+        secure_node.client("stranger", retries=0) as client,
+        pytest.raises(Unauthenticated, match="authorized_keys") as unknown,
+    ):
         client.status()
+    assert unknown.value.refused == REFUSED_KEY  # a caller (a core's recovery) can say which key to authorize
 
     def counted() -> bool:
         security = secure_node.security()
@@ -1394,3 +1403,29 @@ def test_a_peer_core_s_key_is_never_refused_for_connections_max(tmp_path: Path, 
             assert ops.status()["security"]["handshakes_failed"]["auth"] == 0  # not a key's refusal
     finally:
         node.stop()
+
+
+def test_a_rebuilt_core_whose_key_a_member_refuses_says_so_when_it_gives_up(tmp_path: Path, keys: Path, secure_node):
+    """A core on an empty database declared ``existing`` whose key its one peer does not authorize: its
+    probe is refused at the handshake every round, and the core gives up naming that refusal and what to
+    do (authorize the key there, SIGHUP), not only that the peer did not answer."""
+    from mnesite.rlog.store import StoreError
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config_path = tmp_path / "core2.toml"
+    config_path.write_text(
+        f'[node]\nname = "core2"\ndata_dir = "{tmp_path / "core2"}"\nlisten = "{endpoint}"\n'
+        f'[cluster]\ncore_nodes = {{ core1 = "{secure_node.endpoint}", core2 = "{endpoint}" }}\n'
+        'initial_cluster_state = "existing"\nrecovery_timeout_ms = 50\n[storage]\nsynchronous = "NORMAL"\n'
+        f'[security]\nserver_key = "{keys / "cluster.key_secret"}"\nclient_key = "{keys / "stranger.key_secret"}"\n'
+        f'authorized_keys = "{keys.parent / "authorized"}"\n[security.roles]\ncore = ["core1", "core2"]\n'
+    )
+    with pytest.raises(StoreError) as gave_up:
+        CoreNode(load_config(str(config_path)))
+    message = str(gave_up.value)
+    assert (
+        "1 did not: ['core1'] (heard []); core1 refused this core's key: authorize it there (copy the public key "
+        in (message)
+    )
+    assert "into core1's authorized_keys) and send core1 SIGHUP; start it again" in message
+    assert secure_node.security()["refused_unknown_key"] >= 1

@@ -9,6 +9,7 @@ import datetime
 import decimal
 import enum
 import fractions
+import logging
 import threading
 import time
 import uuid
@@ -1192,6 +1193,71 @@ def test_a_rebuilt_core_waits_for_enough_peers_and_gives_up_with_a_clear_error(t
     finally:
         node.close()
     assert node_module.RECOVERY_ROUNDS_MAX >= 2
+
+
+def test_a_rebuilt_core_names_the_members_that_refused_its_key_or_were_full_when_it_gives_up(
+    tmp_path: Path, monkeypatch, caplog
+):
+    """A core declared ``existing`` whose key a member does not authorize yet gave up saying only that
+    the member did not answer: its probe's client knew the member refused its key (or held its
+    connections_max). The rounds' warnings, ``status``'s reason and the final error now say which
+    refused what, and what to do; a member merely silent is named as before."""
+    from mnesite.core.node import CoreNode
+    from mnesite.core.recovery import recovery_answer
+    from mnesite.rlog.client import Unauthenticated, Unavailable
+    from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
+    from mnesite.rlog.store import StoreError
+
+    port = free_port()
+    cores = {"core1": f"tcp://127.0.0.1:{port}", **{f"core{n}": f"tcp://127.0.0.1:{free_port()}" for n in (2, 3, 4)}}
+    config = node_config(tmp_path / "data", port, extra={"cluster": {"core_nodes": cores}})
+    config = dataclasses.replace(config, initial_cluster_state="existing")
+    monkeypatch.setattr(CoreNode, "recover_generations", lambda self, timeout_ms=None: {})  # at construction
+    node = CoreNode(config)
+    monkeypatch.undo()
+
+    def refusing_client(peer: str, timeout_ms: int):
+        errors = {
+            "core2": Unauthenticated("node core2 refused this client's key"),
+            "core3": Unavailable("node core3 refused the connection"),
+            "core4": Unavailable("node core4 did not answer"),
+        }
+        errors["core2"].refused, errors["core3"].refused = REFUSED_KEY, REFUSED_FULL
+
+        class Refused:
+            def __enter__(self):
+                raise errors[peer]
+
+            def __exit__(self, *exc_info) -> None:
+                return None
+
+        return Refused()
+
+    reasons = []
+    probe = node.probe_peers
+
+    def probe_and_look(timeout_ms: int) -> dict:
+        answers = probe(timeout_ms)
+        reasons.append(recovery_answer(node.recovery, 0).reason)
+        return answers
+
+    monkeypatch.setattr(node, "peer_client", refusing_client)
+    monkeypatch.setattr(node, "probe_peers", probe_and_look)
+    key_note = (
+        "core2 refused this core's key: authorize it there (copy the public key file of core1's [security] "
+        "client_key into core2's authorized_keys) and send core2 SIGHUP"
+    )
+    full_note = "core3 refused this core's connection: it holds its [limits] connections_max connections"
+    try:
+        with caplog.at_level(logging.WARNING, logger="mnesite"), pytest.raises(StoreError) as gave_up:
+            node.recover_generations(timeout_ms=10)
+    finally:
+        node.close()
+    message = str(gave_up.value)
+    assert "3 did not: ['core2', 'core3', 'core4'] (heard [])" in message
+    assert f"; {key_note}; {full_note}; start it again" in message
+    assert key_note in reasons[0] and full_note in reasons[0] and "core4 refused" not in reasons[0]
+    assert f"(answers from []); {key_note}; {full_note}; asking again (1 of" in caplog.text
 
 
 def test_a_restored_core_at_the_peers_generation_counts_its_vote_there_as_cast(tmp_path: Path, monkeypatch):
