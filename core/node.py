@@ -1315,7 +1315,9 @@ class CoreNode(NodeServer):
             # start with a gap, and the replica resynchronised forever. A dead endpoint holds at most
             # push_queue_max frames, and only until its agent stops for want of acknowledgements
             # (its socket is then closed with LINGER 0).
-            replicant_socket = self.dealer(endpoint, limits.push_queue_max, len(self.endpoints) + limits.watches_max)
+            replicant_socket = self.dealer(
+                endpoint, limits.push_queue_max, len(self.endpoints) + limits.watches_max, monitored=False
+            )
             if replicant_socket is not None:
                 self.queue(replicant_socket, message)
         # Close the sockets of endpoints no agent pushes to any more (stopped, superseded, evicted),

@@ -33,7 +33,9 @@ a silent one until zmq's handshake interval closes it) take places.
 A refused zmq DEALER does not reconnect by itself (libzmq takes the refusal for a protocol error
 and ends the connection's session for good; checked with libzmq 4.3.5): a ``Client`` closes its
 socket and tells its caller, or moves to another endpoint. A node's own DEALERs (a core's toward its
-peers and toward its replicants' endpoints, a replicant's toward the cores) each have a monitor of
+peers, a replicant's toward the cores; not a core's toward replicant endpoints, up to ``watches_max``
+of them: their socket is closed when the agent stops for want of acknowledgements, and the replicant's
+next watch dials anew) each have a monitor of
 ``DEALER_EVENTS``; ``NodeServer.reconnect_refused`` reads them at most every
 ``MONITOR_READ_INTERVAL_MS`` (never on every turn of the write path), and ``RefusedDealers`` says when
 each DEALER refused is dialled again: one refused with ``REFUSED_STATUS`` (the other node was full)

@@ -1101,11 +1101,16 @@ class NodeServer:
             self.context.term()
             self.context = None
 
-    def dealer(self, endpoint: str, queue_max: int, dealers_max: int, immediate: bool = False) -> zmq.Socket | None:
+    def dealer(
+        self, endpoint: str, queue_max: int, dealers_max: int, immediate: bool = False, monitored: bool = True
+    ) -> zmq.Socket | None:
         """The DEALER connected to ``endpoint`` (made on first use; None past ``dealers_max``).
 
         ``immediate``: queue nothing while the connection is not up (zmq's IMMEDIATE), so a dead
-        endpoint costs a socket and no memory: sends to it are dropped at once.
+        endpoint costs a socket and no memory: sends to it are dropped at once. ``monitored``: watched
+        for a refusal at its handshake and dialled again (``reconnect_refused``); a core's DEALERs
+        toward replicant endpoints are not (up to ``watches_max`` of them: a monitor is two more zmq
+        sockets each, about 6 MB at 256 dead watches, past their memory budget's test bound).
         """
         socket = self.dealers.get(endpoint)
         if socket is None:
@@ -1121,17 +1126,19 @@ class NodeServer:
             if self.security is not None:
                 self.security.secure_client(socket)
             # Before the connection: its first handshake may be refused (rlog.connections).
-            monitor = socket.get_monitor_socket(DEALER_EVENTS)
+            monitor = socket.get_monitor_socket(DEALER_EVENTS) if monitored else None
             try:
                 socket.connect(endpoint)
             except zmq.ZMQError as error:
                 # An endpoint zmq cannot parse: a socket left open here would block context teardown.
-                monitor.close(0)
+                if monitor is not None:
+                    monitor.close(0)
                 socket.close(0)
                 log.warning("cannot connect to %.80r: %s", endpoint, error)
                 return None
             self.dealers[endpoint] = socket
-            self.dealer_monitors[endpoint] = monitor
+            if monitor is not None:
+                self.dealer_monitors[endpoint] = monitor
             self.dealer_endpoints[id(socket)] = endpoint
         return socket
 
