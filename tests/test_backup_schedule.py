@@ -1,7 +1,8 @@
 """Scheduled backups (``[backup]``, rlog.backup_schedule): the pure rules with a fake clock and fake
 listings, the config section, the driver on a core and on a replicant stepped by hand, a real node
 process taking backups every second (``MNESITE_TEST_BACKUP_INTERVAL_S_MIN``) that keeps only ``keep``
-of them, and a real replicant doing so with its core's rows once it caught up."""
+of them, a real replicant doing so with its core's rows once it caught up, and one started before
+any core that takes no empty backup meanwhile. Names of a second already taken get ``-N``."""
 
 from __future__ import annotations
 
