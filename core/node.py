@@ -855,6 +855,9 @@ class CoreNode(NodeServer):
     def run_turn(self) -> None:
         if self.socket is None:
             raise RuntimeError("socket not bound")
+        # First, before the turn writes: what the schedule judges (the shards' modes, their applied keys)
+        # is then what is committed, the state a backup's snapshot holds (``NodeServer.run_backup_schedule``).
+        self.run_backup_schedule(self._backup_not_ready)
         self.agent_server.begin_turn()
         # Only the machines this loop ticks: a deadline of one it does not tick passes and stays
         # passed, and the poll below would never wait (a CPU spun for the whole snapshot install).
@@ -887,7 +890,6 @@ class CoreNode(NodeServer):
         self.serve_queries(self._query_shard_reached)
         self.serve_changes()
         self.build_indexes()
-        self.run_backup_schedule(self._backup_not_ready)
         self._versions_turn()
         self._end_batches()
         self._expire_forwarded()

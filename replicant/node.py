@@ -269,6 +269,9 @@ class ReplicantNode(NodeServer):
     def run_turn(self) -> None:
         if self.socket is None:
             raise RuntimeError("socket not bound")
+        # First, before the turn writes: what the schedule judges (the shards' modes, their applied keys)
+        # is then what is committed, the state a backup's snapshot holds (``NodeServer.run_backup_schedule``).
+        self.run_backup_schedule(self._backup_not_ready)
         deadlines = [r.next_deadline_ms() for r in self.replicas.values()]
         deadlines += [pr.deadline_ms for pr in self.probes.values()]
         timeout = POLL_INTERVAL_MS_MAX
@@ -296,7 +299,6 @@ class ReplicantNode(NodeServer):
         self.serve_queries(self._query_shard_reached)
         self.serve_changes()
         self.build_indexes()
-        self.run_backup_schedule(self._backup_not_ready)
         self._maybe_trim()
         self.flush()
 

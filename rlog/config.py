@@ -104,7 +104,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mnesite.rlog.backup_schedule import INTERVAL_S_MAX, KEEP_DEFAULT, KEEP_MAX, interval_s_min
+from mnesite.rlog.backup_schedule import INTERVAL_S_MAX, KEEP_DEFAULT, KEEP_MAX, NAME_ATTEMPTS_MAX, interval_s_min
 from mnesite.rlog.limits import FRAME_BYTES_MAX_BOUNDS
 from mnesite.rlog.messages import BACKUP_PATH_CHARS_MAX, BACKUP_PATH_PATTERN
 from mnesite.rlog.security import SecurityConfig, SecurityError, check_roles
@@ -554,8 +554,8 @@ def parse_config(data: dict[str, Any], base_dir: str = ".") -> Config:
 
 
 # The longest name a scheduled backup gets in its directory (rlog.backup_schedule.file_name): "/", a
-# node name of up to 64 characters, "-YYYYMMDDTHHMMSSZ.db" and ".partial".
-_BACKUP_NAME_CHARS_MAX = 1 + 64 + 20 + 8
+# node name of up to 64 characters, "-YYYYMMDDTHHMMSSZ.db", a taken second's "-N" at most and ".partial".
+_BACKUP_NAME_CHARS_MAX = 1 + 64 + 20 + len(f"-{NAME_ATTEMPTS_MAX}") + 8
 
 
 def parse_backup(raw: Any) -> Backup:

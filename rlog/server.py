@@ -28,6 +28,7 @@ import contextlib
 import gc
 import logging
 import operator
+import os
 import threading
 import time
 from collections import deque
@@ -39,8 +40,16 @@ import msgspec
 import zmq
 import zmq.backend
 from mnesite.rlog import messages
-from mnesite.rlog.backup import BackupError, BackupJob, chunk_bytes_max, decide, failure_record, read_chunk
-from mnesite.rlog.backup_schedule import BackupSchedule, directory_problem, prune
+from mnesite.rlog.backup import (
+    PARTIAL_SUFFIX,
+    BackupError,
+    BackupJob,
+    chunk_bytes_max,
+    decide,
+    failure_record,
+    read_chunk,
+)
+from mnesite.rlog.backup_schedule import BackupSchedule, directory_problem, no_committed_state, prune
 from mnesite.rlog.changes import ChangesError, Page, PageLimits, build_page, keep_holding, worth_a_page
 from mnesite.rlog.config import Config, ConfigError, is_loopback, keys_needing_restart, load_config
 from mnesite.rlog.connections import (
@@ -735,14 +744,23 @@ class NodeServer:
                 log.warning("pruning the scheduled backups after %s failed: %s", job.path, job.after_publish_error)
         if not schedule.is_due(now_ms, self.backup_job is not None and self.backup_job.state == "running"):
             return
-        schedule.waiting = not_ready()
+        schedule.waiting = not_ready() or no_committed_state(
+            {shard: position.applied for shard, position in self.store.shards().items()}
+        )
         if schedule.waiting is not None:
             return  # asked again at the next turn: a due backup is not skipped
         now_s = time.time()
-        path = schedule.path(now_s)
+        # The name of its second, or the next free one: never a file that is there (``BackupJob`` would
+        # refuse it, and the schedule would fail at each interval while a clock set back repeats seconds).
+        path = schedule.path(now_s, lambda path: os.path.lexists(path) or os.path.lexists(path + PARTIAL_SUFFIX))
+        taken = schedule.names_taken(now_s) if path is None else None
+        if taken is not None:
+            path = taken[0]
         schedule.started(now_ms, path)
         self._note_backup()  # before the last job is replaced
         try:
+            if taken is not None:
+                raise BackupError(taken[1])
             self.backup_job = self.scheduled_backup_job = BackupJob(
                 self.store.path,
                 path,

@@ -1,7 +1,8 @@
 """Scheduled backups (``[backup]``, rlog.backup_schedule): the pure rules with a fake clock and fake
 listings, the config section, the driver on a core and on a replicant stepped by hand, a real node
 process taking backups every second (``MNESITE_TEST_BACKUP_INTERVAL_S_MIN``) that keeps only ``keep``
-of them, and a real replicant doing so with its core's rows once it caught up."""
+of them, a real replicant doing so with its core's rows once it caught up, and one started before
+any core that takes no empty backup meanwhile. Names of a second already taken get ``-N``."""
 
 from __future__ import annotations
 
@@ -15,21 +16,25 @@ from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
-from mnesite.cli.main import main
+from mnesite.cli.main import describe_backup_schedule, main
 from mnesite.rlog import backup_schedule
 from mnesite.rlog.backup import BackupJob, check_backup, read_record
 from mnesite.rlog.backup_schedule import (
     INTERVAL_S_MIN,
     INTERVAL_S_MIN_ENV,
+    NAME_ATTEMPTS_MAX,
     BackupSchedule,
     due,
     file_name,
     file_pattern,
+    free_file_name,
     interval_s_min,
+    no_committed_state,
     to_prune,
 )
 from mnesite.rlog.config import ConfigError, config_keys, keys_needing_restart, parse_config
 from mnesite.rlog.replication import Mode
+from mnesite.rlog.types import ZERO_KEY, TxKey
 
 from tests.conftest import (
     Cluster,
@@ -79,6 +84,42 @@ def test_pruning_removes_only_this_nodes_oldest_scheduled_backups_beyond_keep() 
         to_prune(listing, "core1", 0, ours[4])
 
 
+def test_a_second_backup_named_for_a_taken_second_gets_a_numbered_name_that_sorts_after_it() -> None:
+    """A clock set back, or an operator's backup to the schedule's name: the name of that second is
+    taken, and the backup takes the first free ``-N`` name of it instead of failing, never the file."""
+    first = file_name("core1", STAMP_S)
+    assert file_name("core1", STAMP_S, 2) == "core1-20261204T031500Z-2.db"
+    pattern = file_pattern("core1")
+    for name in (first, file_name("core1", STAMP_S, 2), file_name("core1", STAMP_S, NAME_ATTEMPTS_MAX)):
+        assert pattern.match(name), name
+    for other in ("core1-20261204T031500Z-.db", "core1-20261204T031500Z-02.db", "core1-20261204T031500Z-x.db"):
+        assert not pattern.match(other), other
+    taken = {first, file_name("core1", STAMP_S, 2)}
+    assert free_file_name("core1", STAMP_S, lambda name: False) == first
+    assert free_file_name("core1", STAMP_S, taken.__contains__) == file_name("core1", STAMP_S, 3)
+    assert free_file_name("core1", STAMP_S, lambda name: True) is None  # every name taken: the caller says so
+    # Pruned by time, then by number: -10 is newer than -2 although it sorts before it as a string.
+    later = file_name("core1", STAMP_S + 1)
+    names = [file_name("core1", STAMP_S, 10), first, later, file_name("core1", STAMP_S, 2)]
+    assert to_prune(names, "core1", 2, later) == [first, file_name("core1", STAMP_S, 2)]
+    assert to_prune(names, "core1", 1, file_name("core1", STAMP_S, 10)) == [
+        first,
+        file_name("core1", STAMP_S, 2),
+        later,
+    ]
+
+
+def test_a_node_holds_a_committed_state_once_it_has_a_shard_and_each_applied_an_entry() -> None:
+    """A node without a shard (a replicant that reached no core, a core before the first table) or with a
+    shard that applied nothing yet (discovered, or recovered from the peers, and not followed) would back
+    up an empty database: its scheduled backup waits, and says why."""
+    waiting = no_committed_state({})
+    assert waiting is not None and waiting.startswith("no shard yet"), waiting
+    waiting = no_committed_state({"default": TxKey(1, 3), "s2": ZERO_KEY})
+    assert waiting is not None and waiting.startswith("shard s2 has applied no entry yet"), waiting
+    assert no_committed_state({"default": TxKey(1, 3), "s2": TxKey(2, 1)}) is None
+
+
 def test_one_is_due_an_interval_after_the_start_then_after_each_start_and_never_while_one_runs() -> None:
     assert due(1000, 1000, backup_running=False)
     assert not due(999, 1000, backup_running=False)
@@ -87,7 +128,8 @@ def test_one_is_due_an_interval_after_the_start_then_after_each_start_and_never_
     assert schedule.status(10_000)["next_due_in_ms"] == 60_000
     assert not schedule.is_due(69_999, False) and schedule.is_due(70_000, False)
     assert not schedule.is_due(75_000, True)  # another backup runs: it waits for it
-    schedule.started(90_000, schedule.path(STAMP_S))  # started late: the next is an interval after it
+    # Started late: the next is an interval after it.
+    schedule.started(90_000, schedule.path(STAMP_S, lambda path: False))
     assert schedule.status(90_000)["last_path"] == "/b/core1-20261204T031500Z.db"
     assert not schedule.is_due(149_999, False) and schedule.is_due(150_000, False)
     # Found due long after (the node was busy): one backup, not one per interval missed.
@@ -153,6 +195,34 @@ def test_a_node_refuses_to_start_on_a_backup_directory_it_cannot_use(tmp_path: P
                 CoreNode(config)
         finally:
             missing.chmod(0o700)
+
+
+def test_a_core_takes_no_scheduled_backup_before_it_holds_a_shard_past_its_start(tmp_path: Path) -> None:
+    """A core of a new cluster before its first table holds no shard; one rebuilt or added on an empty
+    disk holds the shards its peers named (``recover_generations``) at the zero key until it catches
+    up. Either would back up an empty database: its due backup waits, saying why."""
+    from mnesite.core.node import CoreNode
+
+    directory = tmp_path / "backups"
+    directory.mkdir()
+    config = node_config(tmp_path / "d", free_port(), extra={"backup": {"directory": str(directory), "interval_s": 60}})
+    node = CoreNode(config)
+    try:
+        schedule = node.backup_schedule
+        schedule.next_due_ms = 0  # the interval passed
+        node.run_backup_schedule(node._backup_not_ready)
+        assert node.backup_job is None and os.listdir(directory) == []
+        waiting = node.backup_status()["backup_schedule"]["waiting"]
+        assert waiting.startswith("no shard yet"), waiting
+        with node.store.write_transaction():  # as ``recover_generations`` does with the shards its peers name
+            node.store.ensure_shard("default", 1)
+        node._open_shard("default")
+        node.run_backup_schedule(node._backup_not_ready)
+        assert node.backup_job is None and os.listdir(directory) == []
+        waiting = node.backup_status()["backup_schedule"]["waiting"]
+        assert waiting.startswith("shard default has applied no entry yet"), waiting
+    finally:
+        node.close()
 
 
 def _hold_finish(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
@@ -241,17 +311,64 @@ def test_a_scheduled_backup_that_fails_is_recorded_as_a_manual_one_is_and_retrie
         assert os.listdir(directory) == []
         monkeypatch.undo()
         schedule.next_due_ms = 0  # the next interval: it tries again
-        monkeypatch.setattr(backup_schedule, "file_name", lambda node, now_s: file_name(node, STAMP_S))
         node.run_backup_schedule(lambda: None)
         assert node.backup_job is not job and node.backup_job.wait(30) and node.backup_job.state == "done"
         node.run_backup_schedule(lambda: None)
         assert node.backup_status()["backup_failed"] is None
-        # One whose file name is taken (a wall clock set back) fails at its start, and is recorded too.
+
+
+def _stamped_at(monkeypatch: pytest.MonkeyPatch, now_s: float) -> None:
+    """Every scheduled backup named as if taken at ``now_s`` (a clock that stands still, or set back)."""
+    name = backup_schedule.file_name
+    monkeypatch.setattr(backup_schedule, "file_name", lambda node, _now_s, attempt=1: name(node, now_s, attempt))
+
+
+def test_a_scheduled_backup_whose_name_is_taken_takes_the_next_free_one_and_never_touches_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Names have a resolution of one second: a wall clock set back, or an operator's backup to the
+    schedule's name, finds the name of that second taken. The backup is then named ``-N`` (the first
+    free one), is kept and pruned in its order, and leaves the file there (and a ``.partial`` one) as it
+    was; only when every name of that second is taken does it fail, saying so."""
+    directory = tmp_path / "backups"
+    directory.mkdir()
+    extra = {"backup": {"directory": str(directory), "interval_s": 60, "keep": 3}}
+    taken, partial = file_name("core1", STAMP_S), f"{file_name('core1', STAMP_S, 2)}.partial"
+    (directory / partial).write_text("a copy left behind by a crash")
+    with core_with_table(tmp_path / "d", extra=extra) as node:
+        schedule = node.backup_schedule
+        _stamped_at(monkeypatch, STAMP_S)
+        manual = node.answer_backup(SimpleNamespace(path=str(directory / taken)), None)  # to the schedule's name
+        assert node.backup_job is not None and node.backup_job.wait(30) and node.backup_job.state == "done", manual
+        before = (directory / taken).read_bytes()
+        written = []
+        for _ in range(3):
+            schedule.next_due_ms = 0
+            node.run_backup_schedule(lambda: None)
+            job = node.backup_job
+            assert job is not None and job.wait(30) and job.state == "done", job.error
+            written.append(os.path.basename(job.path))
+            node.run_backup_schedule(lambda: None)
+            if len(written) == 1:
+                assert (directory / taken).read_bytes() == before  # the operator's backup as it was written
+        assert written == [file_name("core1", STAMP_S, attempt) for attempt in (3, 4, 5)]
+        status = node.backup_status()
+        assert status["backup_failed"] is None and status["backup_schedule"]["last_state"] == "done"
+        # keep 3 of the four: the oldest (the operator's, first in that second) pruned, never overwritten before.
+        assert status["backup_schedule"]["files_kept"] == written and status["backup_schedule"]["files_removed"] == 1
+        assert sorted(os.listdir(directory)) == sorted([*written, partial])
+        assert read_record(str(directory / written[0]))["node"] == "core1"
+        # Every name of that second taken: the backup fails at its start, and says what to do.
+        monkeypatch.setattr(backup_schedule, "NAME_ATTEMPTS_MAX", 5)
+        (directory / taken).write_text("an operator's file")
         schedule.next_due_ms = 0
         node.run_backup_schedule(lambda: None)
         status = node.backup_status()
-        assert "exists" in status["backup_failed"]["error"] and status["backup_schedule"]["last_state"] == "failed"
-        assert os.listdir(directory) == [file_name("core1", STAMP_S)]
+        error = status["backup_failed"]["error"]
+        assert "every other name of its second" in error and "are taken: move the files" in error
+        assert status["backup_schedule"]["last_state"] == "failed"
+        assert sorted(os.listdir(directory)) == sorted([*written, partial, taken])
+        assert (directory / taken).read_text() == "an operator's file"
 
 
 @pytest.mark.timeout(120)
@@ -301,7 +418,9 @@ def test_a_replicant_takes_no_scheduled_backup_while_a_shard_bootstraps_and_take
     tmp_path: Path,
 ) -> None:
     """The replicant's loop passes ``_backup_not_ready`` to the driver: a due backup waits, with the
-    reason in ``status``, while a shard bootstraps or is read fenced, and starts once it is not."""
+    reason in ``status``, while the replicant has no shard (it reached no core yet: its database is
+    empty), while its shard applied nothing yet, while a shard bootstraps or is read fenced, and starts
+    once it is none of these."""
     directory = tmp_path / "backups"
     directory.mkdir()
     extra = {"backup": {"directory": str(directory), "interval_s": 60, "keep": 1}}
@@ -309,6 +428,21 @@ def test_a_replicant_takes_no_scheduled_backup_while_a_shard_bootstraps_and_take
         schedule = node.backup_schedule
         assert schedule is not None
         schedule.next_due_ms = 0  # the interval passed
+        assert node.replicas == {}  # a fresh replicant, no core reached
+        node.run_backup_schedule(node._backup_not_ready)
+        assert node.backup_job is None and os.listdir(directory) == []
+        waiting = node.backup_status()["backup_schedule"]["waiting"]
+        assert waiting.startswith("no shard yet"), waiting
+        node._open_replica("default")  # discovered from a core, not followed yet: applied nothing
+        node.flush()
+        node.run_backup_schedule(node._backup_not_ready)
+        assert node.backup_job is None and os.listdir(directory) == []
+        waiting = node.backup_status()["backup_schedule"]["waiting"]
+        assert waiting.startswith("shard default has applied no entry yet"), waiting
+        with node.store.write_transaction():  # as if it had followed the shard past its bootstrap
+            node.store.connection.execute(
+                "UPDATE _mnesite_shards SET applied_generation = 1, applied_counter = 5 WHERE shard = 'default'"
+            )
         for mode, fenced in ((Mode.BOOTSTRAP, False), (Mode.LOCAL_REPLAY, False), (Mode.NORMAL, True)):
             shard = SimpleNamespace(mode=mode, read_fenced=fenced)
             node.replicas = {"default": SimpleNamespace(status=lambda shard=shard: shard)}
@@ -371,3 +505,55 @@ def test_a_replicant_process_takes_backups_of_its_rows_on_schedule_and_keeps_onl
     assert os.path.basename(newest) in ours and read_record(newest)["role"] == "replicant"
     assert check_backup(newest) >= len(written)
     assert _backup_rows(Path(newest)) == written
+
+
+@pytest.mark.timeout(120)
+def test_a_replicant_process_that_reached_no_core_takes_no_empty_backup_and_says_why(
+    tmp_path: Path, node_processes: list[NodeProcess]
+) -> None:
+    """A replicant started with an empty data directory before any core: its due backups wait (an
+    empty database is no backup of the cluster, and with ``keep`` it would push real ones out), with
+    ``waiting`` saying why, until it follows its core's shard; every backup it then takes holds a shard
+    past its start, and the last one the core's rows."""
+    cluster = Cluster(tmp_path, node_processes, size=1)
+    directory = tmp_path / "backups"
+    directory.mkdir()
+    cluster.add_replicant("replicant1")
+    config = tmp_path / "replicant1.toml"
+    config.write_text(config.read_text() + f'[backup]\ndirectory = "{directory}"\ninterval_s = 1\nkeep = 2\n')
+    cluster.nodes["replicant1"].start(cluster.endpoints["replicant1"], env={INTERVAL_S_MIN_ENV: "1"})
+
+    def schedule() -> dict:
+        return cluster.status("replicant1")["backup_schedule"]
+
+    def waits_for_a_shard() -> bool:
+        status = schedule()
+        return status["next_due_in_ms"] == 0 and (status["waiting"] or "").startswith("no shard yet")
+
+    wait_until(waits_for_a_shard, 30, "replicant1's due backup to wait for a shard", interval_s=0.1)
+    status = schedule()
+    assert status["last_path"] is None and os.listdir(directory) == [], status
+    assert "(due, waiting: no shard yet: " in describe_backup_schedule(status)  # the status's text form
+
+    cluster.start("core1")
+    written = {row_id: f"v{row_id}" for row_id in range(20)}
+    with cluster.client("core1", retries=5) as client:
+        client.create_table("kv", "id", [("id", "INTEGER"), ("value", "TEXT")])
+        for row_id, value in written.items():
+            client.put("kv", {"id": row_id, "value": value})
+    position = cluster.wait_replicants_converged(["core1"], ["replicant1"])
+
+    def caught_up_backup() -> bool:
+        status = schedule()
+        if status["last_state"] != "done":
+            return False
+        return tuple(read_record(status["last_path"])["shards"]["default"]["applied"]) >= position["applied"]
+
+    wait_until(caught_up_backup, 60, "a backup taken after replicant1 caught up", interval_s=0.2)
+    last = schedule()["last_path"]
+    cluster.nodes["replicant1"].stop()  # no backup taken or pruned while its files are read
+    assert _backup_rows(Path(last)) == written
+    for name in os.listdir(directory):
+        if file_pattern("replicant1").match(name):
+            shards = read_record(str(directory / name))["shards"]
+            assert shards and all(tuple(shard["applied"]) > (0, 0) for shard in shards.values()), (name, shards)
