@@ -1565,6 +1565,51 @@ def test_add_core_waits_for_a_live_sequencer_when_the_view_names_the_dead_node_c
     assert waited_s <= clock.now <= waited_s + 1 and node.asked == [None]
 
 
+class _Interrupting(_Seat):
+    """A core whose ``members`` is interrupted (Ctrl-C) once it has answered ``answered`` times."""
+
+    def __init__(self, name, sequencers, outcomes=(), answered=0):
+        super().__init__(name, sequencers, outcomes)
+        self.answered = answered
+
+    def members(self):
+        if self.viewed >= self.answered:
+            self.viewed += 1
+            raise KeyboardInterrupt
+        return super().members()
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_names_the_core_the_command_was_asking_not_the_node_core(monkeypatch):
+    """Regression: a Ctrl-C after the --node core fell silent (the sequencer the change was asked
+    at), while the command asked another core's ``members`` which sequencer the cores name now, said
+    "watch it with `mnesite cluster members --node` <the silent --node core>"; and one at the final
+    read, answered by another core since the --node core did not, said to check with the --node
+    core. Each now names the core the command was asking and what to check there."""
+    endpoints = _Seat.endpoints
+    node = _Seat("core1", ["core1", _deaf(endpoints["core1"])], [_silent(endpoints["core1"])])
+    witness = _Interrupting("core3", ["core1"])
+    cli, _ = _cli_reaching(monkeypatch, node, witness)
+    result = _add_core2(cli, node)
+    assert result.exit_code == 1, result.output
+    error = result.stderr.splitlines()[-1]
+    assert error.startswith("Error: add core2 interrupted while waiting for shard default: its change was asked")
+    assert f"(asked at {endpoints['core1']}, which did not give the answer; the command was asking core3 at" in error
+    assert f"check with `mnesite cluster members --node {endpoints['core3']}` which sequencer shard default" in error
+    assert f"--node {endpoints['core1']}" not in error
+    assert node.asked == [None] and witness.viewed == 1
+
+    answer = {"shard": "default", "members": ["core1", "core2"], "tx_key": [1, 4]}
+    node = _Seat("core1", ["core1", _deaf(endpoints["core1"])], [answer])
+    witness = _Interrupting("core3", ["core1"])
+    cli, _ = _cli_reaching(monkeypatch, node, witness)
+    result = _add_core2(cli, node)
+    assert result.exit_code == 5, result.output
+    error = result.stderr.splitlines()[-1]
+    assert "only that read (of core3: the --node core core1 did not answer) was interrupted" in error
+    assert error.endswith(f"check with `mnesite cluster members --node {endpoints['core3']}`")
+
+
 def test_a_change_that_reached_no_core_waits_for_another_sequencer_as_after_a_silence():
     """The rule (pure): which failure of an asked change sends the command where."""
     after = membership.after_change_failure
