@@ -2319,8 +2319,10 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     other cores' `members` for up to 15 s and asks the change anew of another sequencer they name
     (safe: it answers already_member if the silent one's entry reached it), or sends the same
     request again to the silent one if it answers again (counted in the same 3 per shard); if
-    neither happens the outcome is unknown, exit 3. A new sequencer not settled yet
-    (`sequencer_not_settled`) is asked again for up to 15 s. An `already_member` / `not_member`
+    neither happens the outcome is unknown, exit 3. A sequencer no connection reaches (dead, though a
+    core that has not noticed still names it) is waited out the same way, exit 1 if none is named
+    (nothing was changed). A Ctrl-C names the core the command was asking then. A new sequencer
+    not settled yet (`sequencer_not_settled`) is asked again for up to 15 s. An `already_member` / `not_member`
     answer is the shard done once `members` shows its committed membership with the change, waited
     for (and shown) as a catch-up is. When the --node core does not answer `members` (the wait for
     a sequencer, the final read), the other cores are asked, and stderr names the one that answered.
