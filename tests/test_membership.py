@@ -1202,6 +1202,8 @@ def test_a_change_whose_first_attempt_reaches_no_node_is_unavailable_not_an_outc
         with Client(endpoint, timeout_ms=2000, retries=1) as client, pytest.raises(Unavailable) as info:
             _change_shard(client, "default", "add", "core2", "tcp://127.0.0.1:7401")
     assert not isinstance(info.value, OutcomeUnknown), info.value
+    # What `cluster add-core` then does: wait for the cores to name another sequencer (nothing was asked).
+    assert membership.after_change_failure(info.value.code, info.value.refused) == "unreachable"
 
 
 @pytest.mark.timeout(30)
