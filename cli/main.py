@@ -13,18 +13,19 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn
 
 import click
 from mnesite.core.membership import (
     CHANGE_STALL_MS,
-    REJECT_NOT_SETTLED,
-    SEQUENCER_MOVED_CODES,
     SEQUENCER_POLL_MS,
     SEQUENCER_REASKS_MAX,
     SEQUENCER_WAIT_MS,
+    UNREACHABLE_CODE,
     AfterSilence,
+    after_change_failure,
     after_silence,
     change_wait,
 )
@@ -1847,6 +1848,25 @@ def cluster() -> None:
     """Change the set of cores, one core at a time (the membership lives in each shard's rlog)."""
 
 
+@dataclass
+class _Talk:
+    """Whom a core change (``_change_every_shard``) talks to, for what a Ctrl-C says: ``asked_at``, the
+    endpoint the current shard's change was last asked at (None: not asked yet); ``core`` and
+    ``endpoint``, the core whose answer the command waits for now, or waited for last (a change, or a
+    ``members`` read: after a silence, of cores other than the --node one)."""
+
+    core: str
+    endpoint: str
+    asked_at: str | None = None
+
+    def talking(self, core: str, endpoint: str) -> None:
+        self.core, self.endpoint = core, endpoint
+
+    def asking(self, core: str, endpoint: str) -> None:
+        self.talking(core, endpoint)
+        self.asked_at = endpoint
+
+
 class ChangeUnderWay(MnesiteError):
     """A membership change the sequencer is still making (its learner catching up) that has not
     moved for ``CHANGE_STALL_MS``: not refused, not done, and not silence. Also a change the
@@ -1936,7 +1956,7 @@ def _change_at_sequencer(
     action: str,
     name: str,
     core_endpoint: str | None,
-    asking: Callable[[str], None],
+    talk: _Talk,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Change ``shard`` at its sequencer as ``view`` (a ``members`` answer) names it: straight there,
     since catching up a new core may take longer than a forwarded request may wait; through
@@ -1950,42 +1970,61 @@ def _change_at_sequencer(
     (``_await_sequencer``). A sequencer silent to the change and to ``members`` (``OutcomeUnknown``:
     it crashed, or was paused) is followed by ``_await_after_silence``: the change is asked anew of
     another sequencer the cores name, or its request id sent again to the silent one if it answers
-    again, or the outcome stays unknown. Both count toward ``SEQUENCER_REASKS_MAX`` and are said on
-    stderr. A sequencer whose generation has not committed yet (``sequencer_not_settled``) is asked
-    again every ``SEQUENCER_POLL_MS`` for up to ``SEQUENCER_WAIT_MS``. ``asking`` is called with
-    the endpoint each change is asked at."""
+    again, or the outcome stays unknown. A sequencer no connection reaches (``UNREACHABLE_CODE``: it
+    died, and the view naming it may be a core's that has not noticed yet) is waited out the same way,
+    each ask then a new request (nothing was sent to it), and is "nothing changed" if none is named in
+    time. They count toward ``SEQUENCER_REASKS_MAX`` and are said on stderr. A sequencer whose
+    generation has not committed yet (``sequencer_not_settled``) is asked again every
+    ``SEQUENCER_POLL_MS`` for up to ``SEQUENCER_WAIT_MS``. ``core.membership.after_change_failure``
+    decides which. ``talk`` follows the cores the command talks to (``_Talk``)."""
     retries, request_id, settling_until = 0, None, None
+    silence: OutcomeUnknown | None = None  # this shard's last silence: a later give-up is an outcome unknown
     while True:
         sequencer = view["shards"][shard]["sequencer"]
         endpoint = view["endpoints"].get(sequencer) if sequencer else None
         asked = home if endpoint is None or sequencer == home else sequencer
         try:
             if asked == home:
-                here = partial(asking, client.endpoint)
+                here = partial(talk.asking, home, client.endpoint)
                 answer = _change_shard(client, shard, action, name, core_endpoint, asking=here, request_id=request_id)
                 return answer, view
             with client_for(endpoint, timeout_ms) as there:
-                there_asking = partial(asking, endpoint)
+                there_asking = partial(talk.asking, asked, endpoint)
                 answer = _change_shard(
                     there, shard, action, name, core_endpoint, asking=there_asking, request_id=request_id
                 )
                 return answer, view
-        except OutcomeUnknown as silence:
-            step, view = _await_after_silence(client, timeout_ms, home, view, shard, asked, silence, retries)
-            retries += 1
-            if step.action == "resend":
-                request_id = silence.request_id or None
-                said = f"{asked} answers again: sending it the same request again"
-            else:
-                request_id = None
-                said = (
-                    f"the sequencer {asked} fell silent ({silence}); asking the change anew of its sequencer now, "
-                    f"{step.sequencer}"
-                )
-            click.echo(f"{shard}: {said} (retry {retries} of {SEQUENCER_REASKS_MAX})", err=True)
         except MnesiteError as error:
+            failure = after_change_failure(error.code, error.refused)
+            if failure in ("silent", "unreachable"):
+                if isinstance(error, OutcomeUnknown):
+                    silence = error
+                step, view = _await_after_silence(
+                    client, timeout_ms, home, view, shard, asked, error, silence, retries, talk
+                )
+                retries += 1
+                if step.action == "resend" and failure == "silent":
+                    request_id = error.request_id or None
+                    said = f"{asked} answers again: sending it the same request again"
+                elif step.action == "resend":
+                    request_id = None  # nothing reached it: a new request
+                    said = f"{asked} answers again: asking it the change"
+                elif failure == "silent":
+                    request_id = None
+                    said = (
+                        f"the sequencer {asked} fell silent ({error}); asking the change anew of its sequencer now, "
+                        f"{step.sequencer}"
+                    )
+                else:
+                    request_id = None
+                    said = (
+                        f"the sequencer {asked} is unreachable ({error}): nothing was asked there; asking the change "
+                        f"of its sequencer now, {step.sequencer}"
+                    )
+                click.echo(f"{shard}: {said} (retry {retries} of {SEQUENCER_REASKS_MAX})", err=True)
+                continue
             request_id = None  # whatever is asked next is a new request: nothing was written for this one
-            if error.code == REJECT_NOT_SETTLED:
+            if failure == "settling":
                 settling_until = settling_until or time.monotonic() + SEQUENCER_WAIT_MS / 1000
                 if time.monotonic() >= settling_until:
                     raise MnesiteError(
@@ -1996,7 +2035,7 @@ def _change_at_sequencer(
                     ) from None
                 time.sleep(SEQUENCER_POLL_MS / 1000)
                 continue
-            if error.code not in SEQUENCER_MOVED_CODES:
+            if failure != "moved":
                 raise
             if retries == SEQUENCER_REASKS_MAX:
                 raise MnesiteError(
@@ -2005,7 +2044,7 @@ def _change_at_sequencer(
                     error.code,
                 ) from None
             retries += 1
-            view = _await_sequencer(client, timeout_ms, home, view, shard, str(error))
+            view = _await_sequencer(client, timeout_ms, home, view, shard, str(error), talk)
             now = view["shards"][shard]["sequencer"]
             click.echo(
                 f"{shard}: the sequencer changed ({error}); asking the change anew of its sequencer now, {now} "
@@ -2021,14 +2060,19 @@ def _await_after_silence(
     view: dict[str, Any],
     shard: str,
     silent: str,
-    silence: OutcomeUnknown,
+    failure: MnesiteError,
+    silence: OutcomeUnknown | None,
     retries: int,
+    talk: _Talk | None = None,
 ) -> tuple[AfterSilence, dict[str, Any]]:
     """What follows the silence of ``silent``, the core the change of ``shard`` was asked at
     (``core.membership.after_silence``), and the ``members`` answer that decided it: the cores of
     ``view`` (``client`` for ``home``) are asked ``members`` in turn, each within --timeout-ms and the
     silent one last, every ``SEQUENCER_POLL_MS`` until one names another sequencer or the silent one
-    answers again, for at most ``SEQUENCER_WAIT_MS``; else ``silence`` (with what was seen) is raised."""
+    answers again, for at most ``SEQUENCER_WAIT_MS``. Else the outcome is unknown (``OutcomeUnknown``,
+    with what was seen) if a change of this shard went unanswered (``silence``, the last one: also
+    before a re-ask that reached no core); if none did (``failure``, the core unreachable: nothing was
+    sent), nothing was changed, and the error says so."""
     order = sorted(core for core in {*view["endpoints"], home} if core != silent) + [silent]
     views: dict[str, dict[str, Any]] = {}  # each core's latest answer
     seen: dict[str, str] = {}  # what each core answered, for the message
@@ -2039,7 +2083,7 @@ def _await_after_silence(
 
     step = after_silence(silent, {}, 0, retries)
     while step.action == "wait":
-        for core, answer in _members_in_turn(client, timeout_ms, home, view, order):
+        for core, answer in _members_in_turn(client, timeout_ms, home, view, order, talk):
             if isinstance(answer, MnesiteError):
                 views.pop(core, None)
                 seen[core] = f"no answer ({answer.code})"
@@ -2053,21 +2097,31 @@ def _await_after_silence(
             time.sleep(SEQUENCER_POLL_MS / 1000)
     if step.action == "give_up":
         if retries >= SEQUENCER_REASKS_MAX:
-            bound = f"the change was asked again {retries} times after a silence"
+            bound = f"the change was asked again {retries} times after a silence or an unreachable sequencer"
         else:
             bound = f"no core named another sequencer of shard {shard} within {SEQUENCER_WAIT_MS // 1000} s"
         cores = "; ".join(f"{core} {what}" for core, what in sorted(seen.items()))
-        raise OutcomeUnknown(f"{silence}; {bound}{f' ({cores})' if cores else ''}", silence.request_id)
+        said = f"{bound}{f' ({cores})' if cores else ''}"
+        if silence is not None:
+            then = "" if failure is silence else f"; then {failure}"
+            raise OutcomeUnknown(f"{silence}{then}; {said}", silence.request_id)
+        raise MnesiteError(
+            f"shard {shard}'s sequencer {silent} is unreachable ({failure}); {said}; nothing was changed in shard "
+            f"{shard}: run this command again once `mnesite cluster members` names a sequencer that is up",
+            UNREACHABLE_CODE,
+        )
     return step, next(answer for core, answer in sorted(views.items()) if named()[core] == step.sequencer)
 
 
 def _members_in_turn(
-    client: Client, timeout_ms: int, home: str, view: dict[str, Any], order: list[str]
+    client: Client, timeout_ms: int, home: str, view: dict[str, Any], order: list[str], talk: _Talk | None = None
 ) -> Iterator[tuple[str, dict[str, Any] | MnesiteError]]:
     """Each core of ``order`` with its ``members`` answer, or the error it gave, asked in that order:
     ``home`` (the --node core) through ``client``, the others at the endpoints ``view`` names, each
-    within --timeout-ms and never retried."""
+    within --timeout-ms and never retried; ``talk`` is told of each core as it is asked."""
     for core in order:
+        if talk is not None:
+            talk.talking(core, client.endpoint if core == home else view["endpoints"][core])
         try:
             if core == home:
                 answer = client.members()
@@ -2080,13 +2134,15 @@ def _members_in_turn(
             yield core, answer
 
 
-def _members_read(client: Client, timeout_ms: int, home: str, view: dict[str, Any]) -> dict[str, Any]:
+def _members_read(
+    client: Client, timeout_ms: int, home: str, view: dict[str, Any], talk: _Talk | None = None
+) -> dict[str, Any]:
     """``members`` of the --node core (``home``, through ``client``) or, when it does not answer,
     of the first of the other cores ``view`` names that does, said on stderr; when none answers, the
     --node core's error is raised."""
     others = sorted(core for core in view["endpoints"] if core != home)
     unanswered: MnesiteError | None = None
-    for core, answer in _members_in_turn(client, timeout_ms, home, view, [home, *others]):
+    for core, answer in _members_in_turn(client, timeout_ms, home, view, [home, *others], talk):
         if not isinstance(answer, MnesiteError):
             if unanswered is not None:
                 said = f"the --node core {home} did not answer ({unanswered})"
@@ -2098,7 +2154,7 @@ def _members_read(client: Client, timeout_ms: int, home: str, view: dict[str, An
 
 
 def _await_sequencer(
-    client: Client, timeout_ms: int, home: str, view: dict[str, Any], shard: str, why: str
+    client: Client, timeout_ms: int, home: str, view: dict[str, Any], shard: str, why: str, talk: _Talk | None = None
 ) -> dict[str, Any]:
     """The ``members`` answer (``_members_read``: the --node core's, else another core's of those
     ``view`` names) once it names a sequencer of ``shard`` (an election may be under way), polled for
@@ -2107,7 +2163,7 @@ def _await_sequencer(
     deadline = time.monotonic() + SEQUENCER_WAIT_MS / 1000
     while True:
         try:
-            answer = _members_read(client, timeout_ms, home, view)
+            answer = _members_read(client, timeout_ms, home, view, talk)
         except MnesiteError as error:
             last = f"`members` at {client.endpoint} failed: {error}"
         else:
@@ -2130,6 +2186,22 @@ def _change_goes_on(endpoint: str) -> str:
     return (
         f"it goes on without this command: watch it with `mnesite cluster members --node {endpoint}`, "
         "and run this command again to wait for it"
+    )
+
+
+def _interrupted_at(talk: _Talk, shard: str) -> str:
+    """What a Ctrl-C while ``shard``'s change was asked leaves, and what to check next. Waiting for
+    the core the change was asked at: that core shows it. Reading another core's ``members`` (the one
+    asked fell silent, answered that it is not the sequencer, or was unreachable): that core is the
+    one to ask which sequencer the cores name now, and whether the shard shows the change."""
+    said = "its change was asked and may be under way at the cluster"
+    if talk.endpoint == talk.asked_at:
+        return f"{said}; {_change_goes_on(talk.endpoint)}"
+    return (
+        f"{said} (asked at {talk.asked_at}, which did not give the answer; the command was asking {talk.core} at "
+        f"{talk.endpoint} for the sequencer now); it goes on without this command: check with `mnesite cluster "
+        f"members --node {talk.endpoint}` which sequencer shard {shard} has and whether its members show the "
+        "change, and run this command again to finish"
     )
 
 
@@ -2161,19 +2233,15 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
         if not view["shards"]:
             fail("the cluster has no shard yet: create a table first, then change its cores")
         home = view["node"]  # the --node core's name: a later view may be another core's
+        talk = _Talk(home, client.endpoint)
         results: dict[str, Any] = {}
         failed: dict[str, dict[str, str]] = {}
         shards = sorted(view["shards"].items())
         for shard, _ in shards:
-            asked_at: str | None = None  # where the shard's change was last asked
-
-            def asking(endpoint: str) -> None:
-                nonlocal asked_at
-                asked_at = endpoint
-
+            talk.asked_at = None
             try:
                 results[shard], view = _change_at_sequencer(
-                    client, timeout_ms, home, view, shard, action, name, core_endpoint, asking
+                    client, timeout_ms, home, view, shard, action, name, core_endpoint, talk
                 )
             except MnesiteError as error:
                 failed[shard] = {"code": error.code, "message": str(error)}
@@ -2182,16 +2250,15 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
                 changed = ", ".join(sorted(results)) or "none"
                 # Before its change was asked (while connecting to its sequencer, say) the shard is not tried.
                 left = ", ".join(
-                    other for other, _ in shards if other not in results and (other != shard or asked_at is None)
+                    other for other, _ in shards if other not in results and (other != shard or talk.asked_at is None)
                 )
-                if asked_at is None:
+                if talk.asked_at is None:
                     fail(
                         f"{action} {name} interrupted before shard {shard}'s change was asked; run this command "
                         f"again to finish; changed: {changed}; not tried: {left}"
                     )
                 fail(
-                    f"{action} {name} interrupted while waiting for shard {shard}: its change was asked and may be "
-                    f"under way at the cluster; {_change_goes_on(asked_at)}; "
+                    f"{action} {name} interrupted while waiting for shard {shard}: {_interrupted_at(talk, shard)}; "
                     f"changed: {changed}; not tried: {left or 'none'}"
                 )
         result = {"action": action, "core": name, "shards": results}
@@ -2199,17 +2266,19 @@ def _change_every_shard(endpoint: str | None, timeout_ms: int, action: str, name
             result["failed"] = failed
             result["not_tried"] = [shard for shard, _ in shards if shard not in results and shard not in failed]
         try:
-            result["members"] = _members_read(client, timeout_ms, home, view)
+            result["members"] = _members_read(client, timeout_ms, home, view, talk)
         except MnesiteError:
             if not failed:
                 raise
             result["members"] = None  # the failure's report matters more than the view after it
         except KeyboardInterrupt:
             if not failed:
+                # The read goes on to the other cores when the --node one does not answer: name the one asked.
+                read = "" if talk.core == home else f" (of {talk.core}: the --node core {home} did not answer)"
                 fail(
                     f"{action} {name} interrupted at the final read of the membership, after every shard changed "
-                    f"({', '.join(sorted(results))}): the change is done, only that read was interrupted; check "
-                    f"with `mnesite cluster members --node {client.endpoint}`",
+                    f"({', '.join(sorted(results))}): the change is done, only that read{read} was interrupted; "
+                    f"check with `mnesite cluster members --node {talk.endpoint}`",
                     EXIT_CHANGED_MEMBERS_UNREAD,
                 )
             result["members"] = None  # as above: the failure's report matters more than the view after it
@@ -2250,8 +2319,10 @@ def cluster_add_core(name, core_endpoint, endpoint, timeout_ms, as_json) -> None
     other cores' `members` for up to 15 s and asks the change anew of another sequencer they name
     (safe: it answers already_member if the silent one's entry reached it), or sends the same
     request again to the silent one if it answers again (counted in the same 3 per shard); if
-    neither happens the outcome is unknown, exit 3. A new sequencer not settled yet
-    (`sequencer_not_settled`) is asked again for up to 15 s. An `already_member` / `not_member`
+    neither happens the outcome is unknown, exit 3. A sequencer no connection reaches (dead, though a
+    core that has not noticed still names it) is waited out the same way, exit 1 if none is named
+    (nothing was changed). A Ctrl-C names the core the command was asking then. A new sequencer
+    not settled yet (`sequencer_not_settled`) is asked again for up to 15 s. An `already_member` / `not_member`
     answer is the shard done once `members` shows its committed membership with the change, waited
     for (and shown) as a catch-up is. When the --node core does not answer `members` (the wait for
     a sequencer, the final read), the other cores are asked, and stderr names the one that answered.

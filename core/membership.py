@@ -62,7 +62,9 @@ latest membership entry, committed or not, so the command waits the same way unt
 membership shows the change. A sequencer silent to both the change and ``members`` (crashed or
 paused) is not the end either: ``after_silence`` decides, from the sequencer the other cores name,
 whether to ask the change anew of another one, send the silent one the same request id again, or
-leave the outcome unknown.
+leave the outcome unknown. A sequencer no connection reaches (its process gone: nothing was asked of
+it) is waited out the same way (``after_change_failure``): the view that named it may come from a core
+that has not noticed yet.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ CHANGE_STALL_MS = 60_000
 # whose own generation has not committed yet (``REJECT_NOT_SETTLED``) is asked again every
 # ``SEQUENCER_POLL_MS`` for up to ``SEQUENCER_WAIT_MS``: its first entry commits within a round trip.
 SEQUENCER_MOVED_CODES = frozenset({"not_sequencer", "no_sequencer"})
+# What a client says of a core no connection reached (its process gone, its host down) when nothing
+# was sent (``rlog.client.Unavailable``; a request that left and went unanswered is ``outcome_unknown``).
+UNREACHABLE_CODE = "unavailable"
 SEQUENCER_REASKS_MAX = 3
 SEQUENCER_WAIT_MS = 15_000
 SEQUENCER_POLL_MS = 200
@@ -303,6 +308,32 @@ def change_wait(
     if seen is None or now_seen != seen:
         return ChangeWait("waiting", now_seen, now_ms)
     return ChangeWait("stalled" if now_ms - since_ms >= stall_ms else "waiting", now_seen, since_ms)
+
+
+def after_change_failure(code: str, refused: str | None) -> str:
+    """Where an operator's change of one shard goes after the core it was asked at failed with
+    ``code`` (``refused``: why that core refused the connection at its handshake, if it did):
+
+    * ``silent``: no answer after the request left (``outcome_unknown``): it may be under way, and
+      ``after_silence`` decides what follows;
+    * ``unreachable``: no connection reached the core (``UNREACHABLE_CODE``), so nothing was asked and
+      nothing changed: a sequencer that died, or one the view names that died since (a core that has not
+      noticed yet names it for an election timeout). ``after_silence`` decides as for a silent one,
+      except that whatever is asked next is a new request;
+    * ``moved``: nothing written, the request reached a core that is not the sequencer
+      (``SEQUENCER_MOVED_CODES``);
+    * ``settling``: a sequencer whose generation has not committed yet (``REJECT_NOT_SETTLED``);
+    * ``fail``: anything else, the shard's failure. So is a connection refused for this operator's key
+      or the core's connections_max: waiting for another sequencer would not change that."""
+    if code == "outcome_unknown":
+        return "silent"
+    if code == UNREACHABLE_CODE:
+        return "unreachable" if refused is None else "fail"
+    if code in SEQUENCER_MOVED_CODES:
+        return "moved"
+    if code == REJECT_NOT_SETTLED:
+        return "settling"
+    return "fail"
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,7 @@ from mnesite.core.recovery import (
     recovery_answer,
     recovery_shortfall,
     refusal_notes,
+    unrecovered_start,
     vote_recovered,
     well_formed_answers,
 )
@@ -618,13 +619,11 @@ class CoreNode(NodeServer):
         elif not any(generations.values()):
             # A core of a new cluster, or a rebuilt one that reached no core that saw an election: it
             # cannot tell which, and starts with nothing to recover unless the operator said which
-            # ([cluster] initial_cluster_state; docs: Troubleshooting).
-            log.info(
-                "empty database: no peer reports a generation in use (answers from %s): starting as a core of a "
-                "new cluster; if this core was rebuilt in a running cluster, stop it and start it again with "
-                '[cluster] initial_cluster_state = "existing"',
-                sorted(answers),
-            )
+            # ([cluster] initial_cluster_state; docs: Troubleshooting). A peer that refused its connection
+            # (its key, their connections_max) said nothing either way: the log names it, not a new cluster.
+            silent = set(progress.asked) - set(answers)
+            warn, said = unrecovered_start(answers, silent, dict(progress.refusals), self.config.name)
+            log.log(logging.WARNING if warn else logging.INFO, "%s", said)
         if generations:
             with self.store.write_transaction():
                 for shard, generation in generations.items():

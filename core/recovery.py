@@ -29,7 +29,10 @@ committed and last keys) in two situations, and only asks: the decisions are her
   all start empty: it recovers nothing (no answer, or none with a generation: nothing to wait
   for). The operator's word tells them apart: ``[cluster] initial_cluster_state = "existing"``
   (etcd's initial-cluster-state) makes ``recovery_shortfall`` ask for every other member even
-  then; without it the driver logs that it starts as a core of a new cluster.
+  then; without it the driver logs that it starts as a core of a new cluster, unless a peer refused
+  its connection (its key not yet in their authorized_keys, the usual slip when a core is added with
+  ``[security]``, or their connections_max): then it cannot know, and says what to fix instead
+  (``unrecovered_start``).
 * Membership (``core.membership``): a core that joins a running cluster (or is rebuilt) starts
   with the membership its peers report, not its config's ``core_nodes``. ``recovered_members``
   takes, per shard, the members the answer with the highest generation reports, and as the
@@ -247,6 +250,35 @@ def refusal_notes(silent: Iterable[str], refusals: Mapping[str, str], name: str)
     """``refusal_note`` of each member of ``silent`` that refused core ``name``'s connection, in name order."""
     notes = (refusal_note(peer, refusals.get(peer), name) for peer in sorted(silent))
     return [note for note in notes if note is not None]
+
+
+def unrecovered_start(
+    answered: Iterable[str], silent: Iterable[str], refusals: Mapping[str, str], name: str
+) -> tuple[bool, str]:
+    """What core ``name`` on an empty database logs (warn?, message) when no peer reports a generation
+    in use and the cluster is not declared existing, so that it starts with nothing recovered:
+    ``answered``, the peers whose answers it had; ``silent``, those that gave none; ``refusals``, the
+    peers that refused its connection at their handshake, and why (``REFUSED_KEY``, ``REFUSED_FULL``).
+
+    With no refusal it is a core of a new cluster, or a rebuilt one that reached no core that saw an
+    election (the operator tells which). A silent peer that refused it is neither: it never answered
+    whether the cluster has history (a core being added whose key is not authorized yet), so the
+    message names each refusal and what to do, and not "a new cluster"."""
+    heard = sorted(answered)
+    notes = refusal_notes(silent, refusals, name)
+    if not notes:
+        return False, (
+            f"empty database: no peer reports a generation in use (answers from {heard}): starting as a core of a "
+            "new cluster; if this core was rebuilt in a running cluster, stop it and start it again with "
+            '[cluster] initial_cluster_state = "existing"'
+        )
+    return True, (
+        f"empty database: peers refused this core's connection, so it cannot tell whether the cluster has "
+        f"history (answers from {heard}, none reporting a generation in use): {'; '.join(notes)}. It starts with "
+        "nothing recovered and dials them again by itself: a core being added needs no restart (`cluster add-core` "
+        "adds it once they take it); a core rebuilt in a running cluster must be stopped and started again with "
+        '[cluster] initial_cluster_state = "existing" once they do'
+    )
 
 
 # The requests a core answers while it recovers: read-only and about this core alone. ``members``,

@@ -1202,6 +1202,8 @@ def test_a_change_whose_first_attempt_reaches_no_node_is_unavailable_not_an_outc
         with Client(endpoint, timeout_ms=2000, retries=1) as client, pytest.raises(Unavailable) as info:
             _change_shard(client, "default", "add", "core2", "tcp://127.0.0.1:7401")
     assert not isinstance(info.value, OutcomeUnknown), info.value
+    # What `cluster add-core` then does: wait for the cores to name another sequencer (nothing was asked).
+    assert membership.after_change_failure(info.value.code, info.value.refused) == "unreachable"
 
 
 @pytest.mark.timeout(30)
@@ -1522,6 +1524,103 @@ def test_add_core_waits_for_a_sequencer_in_another_cores_view_when_the_node_core
     assert "`members` read from core3: the --node core core1 did not answer" in done.stderr
     assert node.asked == [None] and new.asked == [None] and new.viewed == 0
     assert witness.viewed == 3 and 0 < clock.now < 1  # two polls through the election, the final read
+
+
+def _unreachable(endpoint: str):
+    from mnesite.rlog.client import Unavailable
+
+    # What a Client says of a core whose process is gone: nothing was sent (not an outcome unknown).
+    return Unavailable(f"node {endpoint} is unreachable: nothing accepts connections there; is the node running?")
+
+
+@pytest.mark.timeout(30)
+def test_add_core_waits_for_a_live_sequencer_when_the_view_names_the_dead_node_core(monkeypatch):
+    """Regression: the --node core (core1) died; the next view came from another core (core3) that
+    had not noticed yet and still named core1 the sequencer. The change asked of core1 found nothing
+    listening (``unavailable``: nothing sent, so nothing changed), and the command failed the shard
+    (exit 1) instead of waiting, as it does for a sequencer that fell silent, for a view that names a
+    live sequencer. It now waits (bounded by ``SEQUENCER_WAIT_MS``) and asks the change of core5."""
+    endpoints = _Seat.endpoints
+    node = _Seat("core1", ["core3", _deaf(endpoints["core1"])], [_unreachable(endpoints["core1"])])
+    old = _Seat("core3", ["core1", "core1", "core5"], [_not_sequencer()[0]])  # stale, then the election's end
+    answer = {"shard": "default", "members": ["core1", "core2", "core3", "core5"], "tx_key": [3, 2]}
+    new = _Seat("core5", [_deaf(endpoints["core5"]), "core5"], [answer])  # busy electing: one poll more
+    cli, clock = _cli_reaching(monkeypatch, node, old, new)
+    done = _add_core2(cli, node)
+    assert done.exit_code == 0, done.output
+    assert "default: add core2 committed at (3, 2)" in done.stdout
+    assert "default: the sequencer core1 is unreachable (node tcp://127.0.0.1:7400 is unreachable" in done.stderr
+    assert "nothing was asked there; asking the change of its sequencer now, core5 (retry 2 of 3)" in done.stderr
+    assert node.asked == [None] and old.asked == [None] and new.asked == [None]  # each a new request
+    assert 0 < clock.now < 1
+
+    # Nobody names another sequencer in time: exit 1 (nothing was changed), not 3, and said so.
+    node = _Seat("core1", ["core1", _deaf(endpoints["core1"])], [_unreachable(endpoints["core1"])])
+    old = _Seat("core3", ["core1"])
+    cli, clock = _cli_reaching(monkeypatch, node, old)
+    result = _add_core2(cli, node)
+    assert result.exit_code == 1, result.output
+    waited_s = membership.SEQUENCER_WAIT_MS / 1000
+    assert "sequencer core1 is unreachable" in result.stderr
+    assert f"no core named another sequencer of shard default within {waited_s:.0f} s" in result.stderr
+    assert "nothing was changed in shard default" in result.stderr
+    assert waited_s <= clock.now <= waited_s + 1 and node.asked == [None]
+
+
+class _Interrupting(_Seat):
+    """A core whose ``members`` is interrupted (Ctrl-C) once it has answered ``answered`` times."""
+
+    def __init__(self, name, sequencers, outcomes=(), answered=0):
+        super().__init__(name, sequencers, outcomes)
+        self.answered = answered
+
+    def members(self):
+        if self.viewed >= self.answered:
+            self.viewed += 1
+            raise KeyboardInterrupt
+        return super().members()
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_names_the_core_the_command_was_asking_not_the_node_core(monkeypatch):
+    """Regression: a Ctrl-C after the --node core fell silent (the sequencer the change was asked
+    at), while the command asked another core's ``members`` which sequencer the cores name now, said
+    "watch it with `mnesite cluster members --node` <the silent --node core>"; and one at the final
+    read, answered by another core since the --node core did not, said to check with the --node
+    core. Each now names the core the command was asking and what to check there."""
+    endpoints = _Seat.endpoints
+    node = _Seat("core1", ["core1", _deaf(endpoints["core1"])], [_silent(endpoints["core1"])])
+    witness = _Interrupting("core3", ["core1"])
+    cli, _ = _cli_reaching(monkeypatch, node, witness)
+    result = _add_core2(cli, node)
+    assert result.exit_code == 1, result.output
+    error = result.stderr.splitlines()[-1]
+    assert error.startswith("Error: add core2 interrupted while waiting for shard default: its change was asked")
+    assert f"(asked at {endpoints['core1']}, which did not give the answer; the command was asking core3 at" in error
+    assert f"check with `mnesite cluster members --node {endpoints['core3']}` which sequencer shard default" in error
+    assert f"--node {endpoints['core1']}" not in error
+    assert node.asked == [None] and witness.viewed == 1
+
+    answer = {"shard": "default", "members": ["core1", "core2"], "tx_key": [1, 4]}
+    node = _Seat("core1", ["core1", _deaf(endpoints["core1"])], [answer])
+    witness = _Interrupting("core3", ["core1"])
+    cli, _ = _cli_reaching(monkeypatch, node, witness)
+    result = _add_core2(cli, node)
+    assert result.exit_code == 5, result.output
+    error = result.stderr.splitlines()[-1]
+    assert "only that read (of core3: the --node core core1 did not answer) was interrupted" in error
+    assert error.endswith(f"check with `mnesite cluster members --node {endpoints['core3']}`")
+
+
+def test_a_change_that_reached_no_core_waits_for_another_sequencer_as_after_a_silence():
+    """The rule (pure): which failure of an asked change sends the command where."""
+    after = membership.after_change_failure
+    assert after("outcome_unknown", None) == "silent"
+    assert after("unavailable", None) == "unreachable"  # nothing sent: nothing changed
+    assert after("unavailable", "key") == "fail" and after("unavailable", "connections_max") == "fail"
+    assert after(REJECT_NOT_SEQUENCER, None) == "moved" and after("no_sequencer", None) == "moved"
+    assert after(membership.REJECT_NOT_SETTLED, None) == "settling"
+    assert after(membership.REJECT_CHANGE_IN_FLIGHT, None) == "fail" and after("forbidden", None) == "fail"
 
 
 @pytest.mark.timeout(30)

@@ -383,6 +383,10 @@ def test_with_security_a_new_core_started_before_its_key_is_authorized_is_added_
         )
 
     wait_until(lambda: refused_keys() >= 3, 30, "the cores to refuse core4's key")
+    # Its start-up recovery heard no core: the log says they refused its key, not that it is a new cluster's.
+    log_text = (cluster.root / "core4.log").read_text()
+    assert "peers refused this core's connection, so it cannot tell whether the cluster has history" in log_text
+    assert "core1 refused this core's key" in log_text and "starting as a core of a new cluster" not in log_text
     shutil.copy(cluster.keys_dir / "core4.key", cluster.authorized_dir)
     old_roles = 'core = ["core1", "core2", "core3"]'
     new_roles = 'core = ["core1", "core2", "core3", "core4"]'

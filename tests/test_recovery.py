@@ -215,3 +215,29 @@ def test_a_member_that_refused_this_cores_key_or_was_full_is_named_with_what_to_
     fresh = RecoveryProgress("core1", three, False, started_ms=0, rounds_max=10, round_timeout_ms=500)
     fresh.asked, fresh.refusals = ("core2", "core3"), {"core3": REFUSED_FULL}
     assert "core3 refused this core's connection" in recovery_answer(fresh, 0).reason
+
+
+def test_a_core_whose_peers_refused_it_says_so_at_start_not_that_it_is_a_core_of_a_new_cluster():
+    """Regression: a core being added with ``[security]`` whose key the cores do not authorize yet
+    heard no peer, and logged that it started "as a core of a new cluster": its peers refused its
+    key and said nothing about the cluster's history. ``unrecovered_start`` names each refusal and
+    what to do (a warning); only with no refusal among the silent peers is it a new cluster's core."""
+    from mnesite.core.recovery import unrecovered_start
+    from mnesite.rlog.errors import REFUSED_FULL, REFUSED_KEY
+
+    warn, said = unrecovered_start([], ["core2", "core3"], {"core2": REFUSED_KEY, "core3": REFUSED_FULL}, "core4")
+    assert warn and "new cluster" not in said
+    assert said.startswith("empty database: peers refused this core's connection, so it cannot tell whether")
+    assert (
+        "core2 refused this core's key: authorize it there (copy the public key file of core4's [security] "
+        "client_key into core2's authorized_keys) and send core2 SIGHUP; "
+        "core3 refused this core's connection: it holds its [limits] connections_max connections" in said
+    )
+    assert "a core being added needs no restart" in said and 'initial_cluster_state = "existing"' in said
+    # One refused, one answered without history: still said (the refusing one may hold the history).
+    warn, said = unrecovered_start(["core3"], ["core2"], {"core2": REFUSED_KEY}, "core4")
+    assert warn and "answers from ['core3']" in said and "core2 refused this core's key" in said
+    # No refusal (or one from a peer that answered since): a new cluster's core, as before (info).
+    for silent, refusals in (([], {}), (["core2"], {}), (["core2"], {"core3": REFUSED_KEY})):
+        warn, said = unrecovered_start(["core3"], silent, refusals, "core4")
+        assert not warn and "starting as a core of a new cluster" in said and "refused" not in said

@@ -1429,3 +1429,31 @@ def test_a_rebuilt_core_whose_key_a_member_refuses_says_so_when_it_gives_up(tmp_
     )
     assert "into core1's authorized_keys) and send core1 SIGHUP; start it again" in message
     assert secure_node.security()["refused_unknown_key"] >= 1
+
+
+def test_a_new_core_whose_key_the_cores_refuse_says_so_at_start_not_that_it_starts_a_new_cluster(
+    tmp_path: Path, keys: Path, secure_node, caplog
+):
+    """Regression: a core being added whose key the running core does not authorize yet (not declared
+    ``existing``: the README's add) heard no peer at its start-up recovery and logged that it starts
+    "as a core of a new cluster". The peer refused its key and said nothing about history: the log
+    now says that, and what to do (authorize the key there, SIGHUP), as a warning."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config_path = tmp_path / "core2.toml"
+    config_path.write_text(
+        f'[node]\nname = "core2"\ndata_dir = "{tmp_path / "core2"}"\nlisten = "{endpoint}"\n'
+        f'[cluster]\ncore_nodes = {{ core1 = "{secure_node.endpoint}", core2 = "{endpoint}" }}\n'
+        'recovery_timeout_ms = 50\n[storage]\nsynchronous = "NORMAL"\n'
+        f'[security]\nserver_key = "{keys / "cluster.key_secret"}"\nclient_key = "{keys / "stranger.key_secret"}"\n'
+        f'authorized_keys = "{keys.parent / "authorized"}"\n[security.roles]\ncore = ["core1", "core2"]\n'
+    )
+    with caplog.at_level(logging.INFO, logger="mnesite"):
+        node = CoreNode(load_config(str(config_path)))
+    node.close()
+    said = [record for record in caplog.records if "empty database" in record.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text
+    assert "new cluster" not in said[0].getMessage()
+    assert "peers refused this core's connection, so it cannot tell whether the cluster has history" in caplog.text
+    assert "core1 refused this core's key: authorize it there (copy the public key file of core2's" in caplog.text
+    assert "and send core1 SIGHUP" in caplog.text
+    assert secure_node.security()["refused_unknown_key"] >= 1
