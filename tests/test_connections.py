@@ -259,6 +259,7 @@ def test_frames_dropped_toward_a_node_that_refused_this_one_are_counted_as_such(
             node.context = None
 
 
+@pytest.mark.slow  # it starts real node processes (seconds each): the slow lane runs it
 @pytest.mark.timeout(120)
 def test_a_replicant_refused_for_a_cores_connections_max_connects_once_a_place_is_free(
     tmp_path: Path, node_processes: list[NodeProcess]
@@ -305,6 +306,7 @@ def _linearizable_read(cluster: Cluster) -> dict | None:
         return None
 
 
+@pytest.mark.slow  # it starts real node processes (seconds each): the slow lane runs it
 @pytest.mark.timeout(120)
 def test_a_replicant_started_before_its_key_is_authorized_connects_once_it_is_without_a_restart(
     tmp_path: Path, node_processes: list[NodeProcess]
