@@ -22,7 +22,7 @@ from mnesite.cli.main import (
     run,
     run_iterator,
 )
-from mnesite.rlog.client import QUERY_TIMEOUT_MS
+from mnesite.rlog.client import QUERY_TIMEOUT_MS, read_wait_ms
 
 PAGE_ROWS_MAX = 1_000_000  # the node refuses more than its query_page_rows_max (1,000 by default)
 
@@ -69,7 +69,8 @@ def query(sql, params, page_rows, consistency, after_tx_key, endpoint, timeout_m
 
     SQLite itself refuses anything that is not read-only (writes, DDL, ATTACH, PRAGMA, load_extension)
     and any table that is not in the catalog, before anything runs. The node stops a statement that
-    spends its query_ms_max of SQLite time. Each page waits up to 30 s or --timeout-ms, the longer.
+    spends its query_ms_max of SQLite time. Each page waits up to 30 s or --timeout-ms, the longer;
+    the wait for an --after or read-your-writes key follows --timeout-ms (then: timeout).
     """
     values = [parse_param(text) for text in params]
     with client_for(endpoint, timeout_ms, retries=0) as client:
@@ -80,7 +81,11 @@ def query(sql, params, page_rows, consistency, after_tx_key, endpoint, timeout_m
                 consistency,
                 after_tx_key,
                 page_rows=page_rows,
+                # A page may run longer than --timeout-ms (a statement's own work), but the wait for
+                # an --after or read-your-writes key follows --timeout-ms, as for get and scan: a key
+                # never reached answers timeout then, not after the node's 10 s cap on the wait.
                 timeout_ms=max(timeout_ms, QUERY_TIMEOUT_MS),
+                wait_ms=read_wait_ms(timeout_ms),
             )
         )
         with result:

@@ -311,6 +311,13 @@ def _check_setting(name: str, value: Any, low: int) -> None:
         raise MnesiteError(f"{name} must be an integer of at least {low}, got {value!r}", "bad_request")
 
 
+def read_wait_ms(timeout_ms: int) -> int:
+    """How long a node may hold a read for its keys within an attempt of ``timeout_ms``: the attempt less
+    a margin, so that the node's ``timeout`` answer arrives before the client gives up on the call (a
+    wait longer than ``WAIT_MS_MAX`` would be refused by the node: it is cut to that)."""
+    return max(0, min(timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, timeout_ms // 10), WAIT_MS_MAX))
+
+
 def default_endpoint() -> str:
     return os.environ.get("MNESITE_NODE") or DEFAULT_LISTEN
 
@@ -842,9 +849,15 @@ class Client:
         return row
 
     def _consistency(
-        self, body: dict[str, Any], consistency: str, after_tx_key: AfterKey = None, timeout_ms: int | None = None
+        self,
+        body: dict[str, Any],
+        consistency: str,
+        after_tx_key: AfterKey = None,
+        timeout_ms: int | None = None,
+        wait_ms: int | None = None,
     ) -> dict[str, Any]:
-        """``timeout_ms``: the call's attempt timeout, when not the client's (a query's).
+        """``timeout_ms``: the call's attempt timeout, when not the client's (a query's). ``wait_ms``: how
+        long the node may hold the read for its keys (None: ``read_wait_ms`` of the attempt timeout).
 
         The keys a read must see go as ``min_keys`` (per shard: the node waits in each shard it reads
         for that shard's key only, ``rlog.types.read_targets``) and ``min_key`` (a key given for every
@@ -869,9 +882,9 @@ class Client:
         if min_key is not None:
             body["min_key"] = list(min_key)
         if min_key is not None or min_keys:
-            timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
-            wait_ms = timeout_ms - min(READ_WAIT_MARGIN_MS_MAX, timeout_ms // 10)
-            body["wait_ms"] = max(0, min(wait_ms, WAIT_MS_MAX))  # a longer wait: refused unsent
+            if wait_ms is None:
+                wait_ms = read_wait_ms(self.timeout_ms if timeout_ms is None else timeout_ms)
+            body["wait_ms"] = wait_ms
         return body
 
     def scan_page(
@@ -927,6 +940,7 @@ class Client:
         after_tx_key: AfterKey = None,
         page_rows: int | None = None,
         timeout_ms: int = QUERY_TIMEOUT_MS,
+        wait_ms: int | None = None,
     ) -> QueryResult:
         """Run one read-only SQL statement (``?`` parameters bound from ``params``, in order: a mapping or
         a set is refused unsent, ``InvalidRequest``) at the node.
@@ -934,15 +948,25 @@ class Client:
         Returns a ``QueryResult``: ``columns``, and the rows as tuples when iterated, fetched from the
         node page by page (``page_rows`` each, at most the node's ``query_page_rows_max``). All pages
         come from one snapshot of the node. ``consistency`` and ``after_tx_key`` as for ``get``: the node
-        waits until every shard the statement reads has reached the key, for up to ``timeout_ms`` less
-        a margin (then ``timeout``). ``timeout_ms``: how long one page may take (the node stops a query
-        at its ``query_ms_max`` of SQLite time).
+        waits until every shard the statement reads has reached the key, for up to ``wait_ms`` (None:
+        ``timeout_ms`` less a margin), then answers ``timeout``. ``timeout_ms``: how long one page may
+        take (the node stops a query at its ``query_ms_max`` of SQLite time). A ``wait_ms`` shorter than
+        ``timeout_ms`` gives up soon on a key never reached while a long statement may still run.
         """
         _check_setting("timeout_ms", timeout_ms, 1)  # before the wait for a key is cut from it
+        if wait_ms is not None:
+            _check_setting("wait_ms", wait_ms, 0)
+            if wait_ms > read_wait_ms(timeout_ms):
+                # The page's call would give up before the node's timeout answer could come back.
+                raise MnesiteError(
+                    f"wait_ms {wait_ms} leaves no time for the answer within timeout_ms {timeout_ms}: "
+                    f"give at most {read_wait_ms(timeout_ms)}, or a longer timeout_ms",
+                    "bad_request",
+                )
         body: dict[str, Any] = {"sql": sql, "params": query_params(params)}
         if page_rows is not None:
             body["page_rows"] = page_rows
-        body = self._consistency(body, consistency, after_tx_key, timeout_ms)
+        body = self._consistency(body, consistency, after_tx_key, timeout_ms, wait_ms)
         first = self.call("query", body, timeout_ms=timeout_ms)
         checked("query", first, _QueryAnswer)
         _rows("query", first["rows"], list)

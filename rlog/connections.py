@@ -54,6 +54,7 @@ A monitor costs two zmq sockets (libzmq's end and the node's), so the node's zmq
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import threading
@@ -404,11 +405,16 @@ class ListenGuard:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self._authenticator is not None:
+            self._authenticator.stop()  # its thread ends: ``_wake`` is no longer used there
+            self._authenticator = None
+        if self._wake is not None:
+            # Wake the monitor's thread, which saw the stop only at the end of its poll: each node's
+            # stop (and each test's) waited up to MONITOR_POLL_MS more when no event came meanwhile.
+            with contextlib.suppress(zmq.ZMQError):  # the thread has ended: nothing to wake
+                self._wake.send(b"", zmq.NOBLOCK)
         if self._monitor_thread is not None:
             self._monitor_thread.join(timeout=2)
-        if self._authenticator is not None:
-            self._authenticator.stop()  # its thread ends: ``_wake`` is no longer used
-            self._authenticator = None
         if self._wake is not None:
             self._wake.close(0)
             self._wake = None

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import msgpack
 import pytest
@@ -28,6 +29,9 @@ from mnesite.rlog.client import Client, MnesiteError
 from mnesite.rlog.config import parse_config
 
 from tests.spark_fixtures import spark_session  # noqa: F401  (the one SparkSession of the test run)
+
+if TYPE_CHECKING:
+    from mnesite.replicant.replica import ReplicaConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -164,9 +168,12 @@ def logged_op_tags(data_dir: Path, shard: str, key: tuple[int, int]) -> list[str
 
 
 @contextlib.contextmanager
-def thread_replicant(data_dir: Path, core_endpoint: str, limits: dict | None = None) -> Iterator[str]:
+def thread_replicant(
+    data_dir: Path, core_endpoint: str, limits: dict | None = None, replica_config: ReplicaConfig | None = None
+) -> Iterator[str]:
     """A replicant of the core at ``core_endpoint``, served by a thread of this process; yields its
-    endpoint and stops it after the block, also when the block fails. ``limits``: its [limits] section."""
+    endpoint and stops it after the block, also when the block fails. ``limits``: its [limits] section;
+    ``replica_config``: its shards' ``ReplicaConfig`` (a shorter failure timeout), else the node's own."""
     import threading
 
     from mnesite.replicant.node import ReplicantNode
@@ -182,7 +189,8 @@ def thread_replicant(data_dir: Path, core_endpoint: str, limits: dict | None = N
                 "storage": {"synchronous": "NORMAL"},
                 "limits": limits or {},
             }
-        )
+        ),
+        replica_config=replica_config,
     )  # fmt: skip
     replicant.bind()
     thread = threading.Thread(target=replicant.serve_forever, daemon=True)
@@ -235,6 +243,13 @@ def replicant_by_hand(data_dir: Path, limits: dict | None = None, extra: dict | 
         close_offline(node)
 
 
+# The election timeouts of a core of an in-process cluster (node_config) when its test sets none of
+# the consensus timings: production's 800-1600 ms made every such test wait about 1.2 s for its first
+# sequencer, and as long again after each stop of one. Three heartbeats (100 ms) still fit in the least.
+TEST_ELECTION_TIMEOUT_MS = (300, 600)
+CONSENSUS_TIMINGS = ("election_timeout_ms_min", "election_timeout_ms_max", "heartbeat_interval_ms")
+
+
 def node_config(data_dir: Path, port: int, name: str = "core1", extra: dict | None = None):
     data = {
         "node": {"name": name, "role": "core", "data_dir": str(data_dir), "listen": f"tcp://127.0.0.1:{port}"},
@@ -242,6 +257,9 @@ def node_config(data_dir: Path, port: int, name: str = "core1", extra: dict | No
     }
     for section, values in (extra or {}).items():
         data.setdefault(section, {}).update(values)
+    cluster = data.get("cluster", {})
+    if len(cluster.get("core_nodes", {})) > 1 and not any(key in cluster for key in CONSENSUS_TIMINGS):
+        cluster["election_timeout_ms_min"], cluster["election_timeout_ms_max"] = TEST_ELECTION_TIMEOUT_MS
     return parse_config(data)
 
 

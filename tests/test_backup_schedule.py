@@ -371,6 +371,7 @@ def test_a_scheduled_backup_whose_name_is_taken_takes_the_next_free_one_and_neve
         assert (directory / taken).read_text() == "an operator's file"
 
 
+@pytest.mark.slow  # it starts real node processes (seconds each): the slow lane runs it
 @pytest.mark.timeout(120)
 def test_a_node_process_takes_backups_on_schedule_keeps_only_keep_and_one_restores(
     tmp_path: Path, node_processes: list[NodeProcess]
@@ -468,6 +469,7 @@ def _backup_rows(path: Path) -> dict[int, str]:
         return dict(connection.execute("SELECT id, value FROM kv"))
 
 
+@pytest.mark.slow  # it starts real node processes (seconds each): the slow lane runs it
 @pytest.mark.timeout(120)
 def test_a_replicant_process_takes_backups_of_its_rows_on_schedule_and_keeps_only_keep(
     tmp_path: Path, node_processes: list[NodeProcess]
@@ -507,6 +509,7 @@ def test_a_replicant_process_takes_backups_of_its_rows_on_schedule_and_keeps_onl
     assert _backup_rows(Path(newest)) == written
 
 
+@pytest.mark.slow  # it starts real node processes (seconds each): the slow lane runs it
 @pytest.mark.timeout(120)
 def test_a_replicant_process_that_reached_no_core_takes_no_empty_backup_and_says_why(
     tmp_path: Path, node_processes: list[NodeProcess]

@@ -5,6 +5,7 @@ than 0 with the error on stderr when the connection is lost after rows were prin
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,17 @@ def test_a_command_refused_before_its_first_row_writes_nothing_to_stdout(mnesite
     assert result.exit_code == 1, result.output
     assert result.stdout == ""
     assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_query_after_a_key_never_reached_answers_timeout_within_its_timeout_ms(mnesite) -> None:
+    """``query`` pages with the 30 s query timeout (a statement may work that long), and the wait for
+    the ``--after`` key was cut from it: the node held the query for its 10 s cap on the wait, where
+    ``scan`` and ``export`` answered ``timeout`` after their --timeout-ms (0.3 s here)."""
+    started = time.monotonic()
+    result = mnesite("query", "SELECT * FROM items", *NEVER_REACHED)
+    elapsed = time.monotonic() - started
+    assert result.exit_code == 1 and "(999, 1)" in result.stderr, result.output
+    assert elapsed < 2.0, f"answered after {elapsed:.1f} s"
 
 
 def test_an_export_refused_at_its_first_page_creates_no_file(mnesite, tmp_path: Path) -> None:

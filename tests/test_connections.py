@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import resource
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,33 @@ from mnesite.rlog.messages import Message
 from tests.conftest import Cluster, NodeProcess, ThreadNode, free_port, replicant_by_hand, wait_until
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_listen_guard_stops_at_once_when_its_monitor_has_no_event() -> None:
+    """The monitor's thread saw the stop only at the end of its poll (MONITOR_POLL_MS, 200 ms): a node
+    whose listen socket had no event meanwhile took up to that long to stop (every test node's stop).
+    The stop now wakes it."""
+    from mnesite.rlog.connections import MONITOR_POLL_MS, ConnectionCount, ListenGuard
+
+    context = zmq.Context()
+    try:
+        for _ in range(3):
+            guard = ListenGuard(ConnectionCount(10), None)
+            guard.start(context)
+            listen = context.socket(zmq.ROUTER)
+            listen.setsockopt(zmq.LINGER, 0)
+            try:
+                guard.watch(listen)
+                listen.bind("tcp://127.0.0.1:*")
+                time.sleep(0.01)  # the monitor's thread is in its poll (the bind's events read)
+                started = time.monotonic()
+                guard.stop()
+                elapsed_ms = (time.monotonic() - started) * 1000
+            finally:
+                listen.close(0)
+            assert elapsed_ms < MONITOR_POLL_MS / 2, f"the guard stopped after {elapsed_ms:.0f} ms"
+    finally:
+        context.term()
 
 
 def test_the_decision_admits_below_the_bound_and_a_peer_core_always() -> None:
@@ -259,6 +287,7 @@ def test_frames_dropped_toward_a_node_that_refused_this_one_are_counted_as_such(
             node.context = None
 
 
+@pytest.mark.slow  # it starts real node processes (seconds each): the slow lane runs it
 @pytest.mark.timeout(120)
 def test_a_replicant_refused_for_a_cores_connections_max_connects_once_a_place_is_free(
     tmp_path: Path, node_processes: list[NodeProcess]
@@ -305,6 +334,7 @@ def _linearizable_read(cluster: Cluster) -> dict | None:
         return None
 
 
+@pytest.mark.slow  # it starts real node processes (seconds each): the slow lane runs it
 @pytest.mark.timeout(120)
 def test_a_replicant_started_before_its_key_is_authorized_connects_once_it_is_without_a_restart(
     tmp_path: Path, node_processes: list[NodeProcess]

@@ -926,6 +926,42 @@ def test_a_query_that_must_see_a_key_is_held_at_the_node_less_than_its_own_timeo
         assert time.monotonic() - started > 1.5
 
 
+def test_a_query_sends_the_wait_for_its_key_it_is_given_apart_from_its_page_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``mnesite query --after G,C --timeout-ms 300`` pages with the 30 s query timeout, and the wait
+    for the key was cut from that page timeout: the node held it for its 10 s cap (``scan`` waited
+    0.27 s). ``wait_ms`` is now the query's own, derived from ``timeout_ms`` only when not given."""
+    from mnesite.rlog.client import MnesiteError, read_wait_ms
+
+    sent: list[tuple[dict[str, Any], int | None]] = []
+
+    def recording(self: Client, kind: str, body: dict[str, Any], *args: Any, timeout_ms: int | None = None, **kw: Any):
+        sent.append((dict(body), timeout_ms))
+        raise RemoteError("timeout", "recorded, not sent")
+
+    monkeypatch.setattr(Client, "call", recording)
+    far = TxKey(1, 10**9)
+    client = Client("tcp://127.0.0.1:9", timeout_ms=300)
+    try:
+        for wait_ms in (270, 0, None):
+            with pytest.raises(RemoteError):
+                client.query("SELECT 1", after_tx_key=far, timeout_ms=30_000, wait_ms=wait_ms)
+        assert [(body["wait_ms"], timeout) for body, timeout in sent] == [
+            (270, 30_000),
+            (0, 30_000),
+            (read_wait_ms(30_000), 30_000),  # as before: the page timeout less a margin
+        ]
+        assert read_wait_ms(300) == 270 and read_wait_ms(30_000) == 29_500
+        with pytest.raises(MnesiteError, match="at most 270, or a longer timeout_ms"):
+            client.query("SELECT 1", after_tx_key=far, timeout_ms=300, wait_ms=300)
+        with pytest.raises(MnesiteError, match="wait_ms must be an integer of at least 0"):
+            client.query("SELECT 1", after_tx_key=far, wait_ms=-1)
+        assert len(sent) == 3  # refused unsent
+    finally:
+        client.close()
+
+
 def test_a_node_internal_error_is_a_dbapi_internal_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A node answers ``internal`` when serving a request failed on its side (``CoreNode``, a reply it
     could not encode): the DB-API raised the bare ``DatabaseError`` where PEP 249 names

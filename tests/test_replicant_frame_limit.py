@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from mnesite.core.agent import Agent, AgentConfig, push_bytes_bound, unpushable_entry
+from mnesite.replicant.replica import ReplicaConfig
 from mnesite.rlog.client import Client, MnesiteError
 from mnesite.rlog.limits import FRAME_ENVELOPE_BYTES
 from mnesite.rlog.replication import AgentStopped, CommittedAdvanced, Push
@@ -115,8 +116,11 @@ def test_a_replicant_with_a_smaller_frame_bytes_max_catches_up_and_shows_why_an_
             for row in range(6):  # written before the replicant starts: its catch-up batches them
                 writer.put("t", {"id": row, "v": "x" * ROW_TEXT_CHARS})
             limits = {"frame_bytes_max": REPLICANT_FRAME_BYTES_MAX}
+            # The refused entry shows once the replicant, pushed nothing more, watches again: after its
+            # failure timeout, 0.5 s here rather than 3 s.
+            quick = ReplicaConfig(failure_timeout_ms=500, probe_timeout_ms=250)
             with (
-                thread_replicant(tmp_path / "r", core.endpoint, limits) as endpoint,
+                thread_replicant(tmp_path / "r", core.endpoint, limits, quick) as endpoint,
                 Client(endpoint, timeout_ms=1000, retries=1) as reader,
             ):
 

@@ -94,10 +94,15 @@ def test_writes_forwarded_to_a_core_that_does_not_read_are_refused_past_core_que
     core = context.socket(zmq.ROUTER)  # accepts, and (at first) reads nothing
     core.setsockopt(zmq.LINGER, 0)
     core.setsockopt(zmq.RCVHWM, 1)  # this process's zmq takes at most a frame off the connection for it
+    # Kernel buffers of a fixed size at both ends: grown by the kernel's autotuning, they took frames
+    # off zmq after the bound was reached, and the bytes zmq held fell below it before the status
+    # read them (this test failed about one run in four).
+    core.setsockopt(zmq.RCVBUF, 256 * 1024)
     endpoint = f"tcp://127.0.0.1:{core.bind_to_random_port('tcp://127.0.0.1')}"
     dealer = context.socket(zmq.DEALER)  # as the replicant's node makes it (NodeServer.dealer)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.SNDHWM, CORE_QUEUE_MAX)
+    dealer.setsockopt(zmq.SNDBUF, 256 * 1024)
     dealer.connect(endpoint)
     try:
         with replicant_by_hand(tmp_path / "r", {"core_queue_bytes_max": 8 * mib}) as node:

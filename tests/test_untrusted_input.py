@@ -943,8 +943,9 @@ def test_generation_recovery_after_a_lost_disk_ignores_malformed_peer_journals(t
         monkeypatch.setattr(node, "endpoints", {name: "tcp://127.0.0.1:1" for name in node.members})
         monkeypatch.setattr(node, "peer_client", lambda peer, timeout_ms: contextlib.nullcontext(PeerJournal(peer)))
         # core3's malformed answer counts as not reached, and a rebuilt member hears every other one.
+        # Each of its ten rounds lasts the probe's timeout: 50 ms, not the 1 s recovery_timeout_ms.
         with pytest.raises(StoreError, match=r"1 did not: \['core3'\] \(heard \['core2', 'core4'\]\)"):
-            node.recover_generations()
+            node.recover_generations(timeout_ms=50)
         answers["core3"] = {"shards": {"default": {"generation": 2}}}
         assert node.recover_generations() == {"default": 7, "other": 3}
         assert node.store.consensus_state("default")[0] == 7
