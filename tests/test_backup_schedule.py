@@ -469,17 +469,24 @@ def _backup_rows(path: Path) -> dict[int, str]:
         return dict(connection.execute("SELECT id, value FROM kv"))
 
 
-@pytest.mark.slow  # it starts real node processes (seconds each): the slow lane runs it
-@pytest.mark.timeout(120)
-def test_a_replicant_process_takes_backups_of_its_rows_on_schedule_and_keeps_only_keep(
-    tmp_path: Path, node_processes: list[NodeProcess]
-) -> None:
+def _cluster_with_a_scheduled_replicant(tmp_path: Path, node_processes: list[NodeProcess]) -> tuple[Cluster, Path]:
+    """One core (not started) and replicant1, whose config backs it up every second into the returned
+    directory, keeping 2."""
     cluster = Cluster(tmp_path, node_processes, size=1)
     directory = tmp_path / "backups"
     directory.mkdir()
     cluster.add_replicant("replicant1")
     config = tmp_path / "replicant1.toml"
     config.write_text(config.read_text() + f'[backup]\ndirectory = "{directory}"\ninterval_s = 1\nkeep = 2\n')
+    return cluster, directory
+
+
+@pytest.mark.slow  # it starts real node processes (seconds each): the slow lane runs it
+@pytest.mark.timeout(120)
+def test_a_replicant_process_takes_backups_of_its_rows_on_schedule_and_keeps_only_keep(
+    tmp_path: Path, node_processes: list[NodeProcess]
+) -> None:
+    cluster, directory = _cluster_with_a_scheduled_replicant(tmp_path, node_processes)
     cluster.start("core1")
     written = {row_id: f"v{row_id}" for row_id in range(50)}
     with cluster.client("core1", retries=5) as client:
@@ -518,12 +525,7 @@ def test_a_replicant_process_that_reached_no_core_takes_no_empty_backup_and_says
     empty database is no backup of the cluster, and with ``keep`` it would push real ones out), with
     ``waiting`` saying why, until it follows its core's shard; every backup it then takes holds a shard
     past its start, and the last one the core's rows."""
-    cluster = Cluster(tmp_path, node_processes, size=1)
-    directory = tmp_path / "backups"
-    directory.mkdir()
-    cluster.add_replicant("replicant1")
-    config = tmp_path / "replicant1.toml"
-    config.write_text(config.read_text() + f'[backup]\ndirectory = "{directory}"\ninterval_s = 1\nkeep = 2\n')
+    cluster, directory = _cluster_with_a_scheduled_replicant(tmp_path, node_processes)
     cluster.nodes["replicant1"].start(cluster.endpoints["replicant1"], env={INTERVAL_S_MIN_ENV: "1"})
 
     def schedule() -> dict:
